@@ -1,0 +1,23 @@
+"""fsdp-planner: trace a model, plan its FSDP2 groups, apply them, verify them on a real run."""
+
+from fsdp_planner.apply import apply_plan
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.metrics import PlanMetrics, plan_metrics
+from fsdp_planner.plan import Group, Plan
+from fsdp_planner.policies import ExecutionOrderPolicy, ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
+from fsdp_planner.trace import Trace, trace
+
+__all__ = [
+    "ExecutionOrderPolicy",
+    "Group",
+    "ModuleWrapPolicy",
+    "Plan",
+    "PlanMetrics",
+    "PlannerError",
+    "SizeBasedPolicy",
+    "TorchtitanPolicy",
+    "Trace",
+    "apply_plan",
+    "plan_metrics",
+    "trace",
+]

@@ -1,0 +1,121 @@
+"""Hardware-free metrics of a plan, counted from its FSDP2 schedule.
+
+"Idle unsharded bytes" is the seed's waste: parameter bytes gathered because their group is in use, while
+the parameter itself is not. A param is idle at an op when its group is unsharded, the op lies inside the
+group's use window for the phase (first to last use of any of its params, forward or backward) and outside
+the param's own window. Holding a group between its forward and its backward (reshard_after_forward=False)
+or prefetching it early is a deliberate trade, not grouping waste, and is not counted. Summed over the
+step's ops it gives byte-ops; divided by the op count, the average bytes a rank holds gathered for nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+
+from fsdp_planner.plan import Plan
+from fsdp_planner.schedule import ALL_GATHER, REDUCE_SCATTER, Schedule, build_schedule, group_bytes
+from fsdp_planner.trace import OP, Trace
+
+
+@dataclass(frozen=True)
+class PlanMetrics:
+    groups: int  # groups that own params (the root counted only if it owns some)
+    root_numel: int
+    all_gathers: int
+    reduce_scatters: int
+    all_gather_bytes: int
+    reduce_scatter_bytes: int
+    peak_unsharded_bytes: int
+    idle_byte_ops: int
+    avg_idle_bytes: float
+    largest_group_bytes: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def use_windows(trace: Trace) -> list[tuple[tuple[int, int] | None, tuple[int, int] | None]]:
+    """Per param: (first, last) forward-use event index and (first, last) backward-use event index."""
+    fwd: list[tuple[int, int] | None] = [None] * len(trace.params)
+    bwd: list[tuple[int, int] | None] = [None] * len(trace.params)
+    for i, e in enumerate(trace.events):
+        if e.kind != OP:
+            continue
+        win = bwd if e.backward else fwd
+        for p in e.params:
+            w = win[p]
+            win[p] = (i, i) if w is None else (w[0], i)
+    return list(zip(fwd, bwd, strict=True))
+
+
+def idle_byte_ops(trace: Trace, plan: Plan, sched: Schedule) -> int:
+    """Sum over ops of unsharded param bytes that are idle while their group is in use (module docstring)."""
+    op_idx = [i for i, e in enumerate(trace.events) if e.kind == OP]
+
+    def ops_in(lo: int, hi: int) -> int:  # number of op events with lo <= index < hi
+        return bisect.bisect_left(op_idx, hi) - bisect.bisect_left(op_idx, lo) if hi > lo else 0
+
+    windows = use_windows(trace)
+    group_windows = []
+    for g in plan.groups:
+        per_phase = []
+        for phase in (0, 1):
+            ws = [windows[trace.param_index(p)][phase] for p in g.params]
+            ws = [w for w in ws if w is not None]
+            per_phase.append((min(w[0] for w in ws), max(w[1] for w in ws)) if ws else None)
+        group_windows.append(per_phase)
+    total = 0
+    for r in sched.residency:
+        if r.divisor != 1:
+            continue  # a post-forward shard is not an unsharded param
+        for phase in (0, 1):
+            gw = group_windows[r.group][phase]
+            if gw is None:
+                continue
+            lo, hi = max(r.start, gw[0]), min(r.end, gw[1] + 1)
+            if hi <= lo:
+                continue
+            active = ops_in(lo, hi)
+            for fqn in plan.groups[r.group].params:
+                i = trace.param_index(fqn)
+                w = windows[i][phase]
+                used = ops_in(max(lo, w[0]), min(hi, w[1] + 1)) if w is not None else 0
+                total += (active - used) * trace.params[i].nbytes
+    return total
+
+
+def peak_unsharded(plan: Plan, trace: Trace, sched: Schedule, param_itemsize: int | None = None) -> int:
+    """Max over the step of bytes held unsharded (post-forward shards count 1/k)."""
+    gbytes = group_bytes(plan, trace, param_itemsize)
+    deltas: dict[int, float] = {}
+    for r in sched.residency:
+        b = gbytes[r.group] / r.divisor
+        deltas[r.start] = deltas.get(r.start, 0.0) + b
+        deltas[r.end] = deltas.get(r.end, 0.0) - b
+    cur = peak = 0.0
+    for k in sorted(deltas):
+        cur += deltas[k]
+        peak = max(peak, cur)
+    return int(round(peak))
+
+
+def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None) -> PlanMetrics:
+    sched = build_schedule(trace, plan, world_size)
+    ag = [c for c in sched.collectives if c.kind == ALL_GATHER]
+    rs = [c for c in sched.collectives if c.kind == REDUCE_SCATTER]
+    n_ops = sum(1 for e in trace.events if e.kind == OP)
+    idle = idle_byte_ops(trace, plan, sched)
+    gbytes = group_bytes(plan, trace)
+    return PlanMetrics(
+        groups=sum(1 for g in plan.groups if g.params),
+        root_numel=sum(trace.param(p).numel for p in plan.root.params),
+        all_gathers=len(ag),
+        reduce_scatters=len(rs),
+        all_gather_bytes=sum(c.nbytes for c in ag),
+        reduce_scatter_bytes=sum(c.nbytes for c in rs),
+        peak_unsharded_bytes=peak_unsharded(plan, trace, sched),
+        idle_byte_ops=idle,
+        avg_idle_bytes=idle / max(n_ops, 1),
+        largest_group_bytes=max(gbytes, default=0),
+    )
