@@ -36,8 +36,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     if mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))

@@ -97,7 +97,7 @@ def peak_unsharded(plan: Plan, trace: Trace, sched: Schedule, param_itemsize: in
     for k in sorted(deltas):
         cur += deltas[k]
         peak = max(peak, cur)
-    return int(round(peak))
+    return round(peak)
 
 
 def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None) -> PlanMetrics:

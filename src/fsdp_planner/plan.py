@@ -283,17 +283,7 @@ def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]
         if not p.is_shared:
             continue
         group_of = {m: i for i, ms in enumerate(module_groups) for m in ms}
-
-        def nearest(fqn: str) -> int:
-            a = fqn
-            while True:
-                if a in group_of:
-                    return group_of[a]
-                if a == ROOT:
-                    return -1  # the root claims it
-                a = parent_of(a)
-
-        gids = [nearest(o) for o in p.owners]
+        gids = [_nearest_group(o, group_of) for o in p.owners]
         inner = sorted({g for g in gids if g >= 0})
         if len(set(gids)) <= 1 or not inner:
             continue
@@ -306,6 +296,17 @@ def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]
     return module_groups
 
 
+def _nearest_group(fqn: str, group_of: dict[str, int]) -> int:
+    """The group whose fully_shard call claims ``fqn``'s params: its own or its nearest listed ancestor's."""
+    a = fqn
+    while True:
+        if a in group_of:
+            return group_of[a]
+        if a == ROOT:
+            return -1  # the root claims it
+        a = parent_of(a)
+
+
 def _execution_order(plan: Plan, trace: Trace) -> list[int]:
     """Non-root groups sorted by the first forward op that uses any of their params; root last."""
     first = trace.param_first_use()
@@ -315,4 +316,4 @@ def _execution_order(plan: Plan, trace: Trace) -> list[int]:
         return min((first.get(trace.param_index(p), big) for p in plan.groups[i].params), default=big)
 
     inner = [i for i, g in enumerate(plan.groups) if not g.is_root]
-    return sorted(inner, key=key) + [len(plan.groups) - 1]
+    return [*sorted(inner, key=key), len(plan.groups) - 1]

@@ -248,9 +248,9 @@ class ExecutionOrderPolicy:
     forward (it is needed first in backward).
 
     Default target: one repeated block's bytes, blocks kept whole (the transformer-block granularity people
-    tune by hand); a model without a container of repeated blocks (e.g. a CNN) gets one group per
-    param-owning module. Groups under 1/16 of the target join their smaller neighbour, so a lone norm does
-    not cost a collective of its own."""
+    tune by hand; a smaller target splits blocks); a model without a container of repeated blocks (e.g. a CNN)
+    gets one group per param-owning module. Groups under 1/16 of the target join their smaller neighbour, so a
+    lone norm does not cost a collective of its own."""
 
     target_bytes: int | None = None
     name: str = "order"
@@ -258,10 +258,10 @@ class ExecutionOrderPolicy:
     def plan(self, trace: Trace, model: str = "") -> Plan:
         block_cls = default_block_class(trace, in_container_only=True)
         blocks = [f for f, m in trace.modules.items() if block_cls and m.cls == block_cls]
-        target = self.target_bytes
-        if target is None:
-            target = max((sum(trace.param(p).nbytes for p in subtree_params(trace, b)) for b in blocks), default=0)
-        atoms = atoms_in_execution_order(trace, whole=blocks)
+        block_bytes = max((sum(trace.param(p).nbytes for p in subtree_params(trace, b)) for b in blocks), default=0)
+        target = block_bytes if self.target_bytes is None else self.target_bytes
+        # blocks stay whole unless the target asks for groups smaller than a block
+        atoms = atoms_in_execution_order(trace, whole=blocks if target >= block_bytes else ())
         sized: list[tuple[list[str], int]] = []
         for mods, nbytes in atoms:
             if sized and sized[-1][1] + nbytes <= target:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fsdp_planner.plan import Plan
-from fsdp_planner.trace import BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, ROOT, Trace
+from fsdp_planner.trace import BWD_POST, BWD_PRE, FWD_POST, FWD_PRE, OP, ROOT, Trace
 
 ALL_GATHER, REDUCE_SCATTER = "all_gather", "reduce_scatter"
 
@@ -31,6 +31,7 @@ class Collective:
     backward: bool
     prefetch: bool = False  # issued ahead, by a prefetch, not by the group's own hook
     ranks: int = 0  # 0: the group's full shard mesh; k: the post-forward sub-group of k ranks
+    params: tuple[int, ...] = ()  # reduce-scatter: the params whose grads it carries (indices into Trace.params)
 
 
 @dataclass(frozen=True)
@@ -73,19 +74,21 @@ def group_bytes(plan: Plan, trace: Trace, param_itemsize: int | None = None) -> 
     return out
 
 
-def grad_bytes(plan: Plan, trace: Trace, reduce_itemsize: int | None = None) -> list[int]:
-    """Bytes reduce-scattered per group: params that require grad and are used by some op."""
-    used = {p for e in trace.events if e.kind == "op" for p in e.params}
-    out = []
-    for g in plan.groups:
-        total = 0
-        for p in g.params:
-            i = trace.param_index(p)
-            info = trace.params[i]
-            if info.requires_grad and i in used:
-                total += info.numel * (reduce_itemsize or info.itemsize)
-        out.append(total)
-    return out
+def forward_users(trace: Trace) -> list[set[tuple[str, int]]]:
+    """Per param, the module calls (innermost) whose forward ops read it: its grad is complete once all of
+    their backward passes are done."""
+    users: list[set[tuple[str, int]]] = [set() for _ in trace.params]
+    stack: list[tuple[str, int]] = []
+    for e in trace.events:
+        if e.kind == FWD_PRE:
+            stack.append((e.module, e.call))
+        elif e.kind == FWD_POST:
+            stack.pop()
+        elif e.kind == OP and not e.backward:
+            caller = stack[-1] if stack else (ROOT, 0)
+            for p in e.params:
+                users[p].add(caller)
+    return users
 
 
 def build_schedule(
@@ -98,7 +101,11 @@ def build_schedule(
     """Replay FSDP2 over ``trace`` with ``plan``'s groups."""
     n = len(plan.groups)
     gbytes = group_bytes(plan, trace, param_itemsize)
-    rbytes = grad_bytes(plan, trace, reduce_itemsize)
+    grad_users = forward_users(trace)
+    grad_params = [[trace.param_index(p) for p in g.params if trace.param(p).requires_grad
+                    and grad_users[trace.param_index(p)]] for g in plan.groups]
+    reduced: set[int] = set()
+    bwd_done: set[tuple[str, int]] = set()
     has_params = [bool(g.params) for g in plan.groups]
     group_of: dict[str, int] = {m: i for i, g in enumerate(plan.groups) for m in g.modules}
     root = n - 1
@@ -151,13 +158,20 @@ def build_schedule(
         s.unsharded = False
 
     def post_backward(i: int, at: int) -> None:
+        """Reshard, then reduce-scatter the grads that autograd has finished accumulating: a param read by
+        several module calls gets its grad only after the backward of the last of them."""
         s = st[i]
         s.training = "post_backward"
         if not has_params[i]:
             return
         reshard(i, at, in_forward=False)
-        if s.gathered and rbytes[i] > 0:
-            sched.collectives.append(Collective(REDUCE_SCATTER, i, rbytes[i], at, True))
+        if not s.gathered:
+            return
+        ready = [p for p in grad_params[i] if p not in reduced and grad_users[p] <= bwd_done]
+        if ready:
+            reduced.update(ready)
+            nbytes = sum(trace.params[p].numel * (reduce_itemsize or trace.params[p].itemsize) for p in ready)
+            sched.collectives.append(Collective(REDUCE_SCATTER, i, nbytes, at, True, params=tuple(ready)))
 
     def post_forward(i: int, at: int, key: tuple[str, int]) -> None:
         reshard(i, at, in_forward=True)
@@ -208,10 +222,12 @@ def build_schedule(
                     cur = s.post_forward_indices.pop()
                     if cur > 0:
                         unshard(post_forward_order[cur - 1], idx, backward=True, prefetch=True)
-        elif e.kind == BWD_POST and (e.module, e.call) in post_bw_at:
-            i = post_bw_at.pop((e.module, e.call))
-            post_backward(i, idx)
+        elif e.kind == BWD_POST:
+            bwd_done.add((e.module, e.call))
+            if (e.module, e.call) in post_bw_at:
+                post_backward(post_bw_at.pop((e.module, e.call)), idx)
     end = len(trace.events)
+    bwd_done.update(u for users in grad_users for u in users)  # the final callback runs after all of backward
     for i in range(n):
         if st[i].training != "post_backward" and has_params[i]:
             post_backward(i, end)

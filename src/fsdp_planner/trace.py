@@ -242,7 +242,7 @@ class _Tracer:
         self.param_by_id = {id(p): i for i, p in enumerate(param_objs)}
         self.param_by_storage = {StorageWeakRef(p.untyped_storage()): i for i, p in enumerate(param_objs)}
         self.param_storages = set(self.param_by_storage)
-        self.module_fqn = {m: n for n, m in model.named_modules(remove_duplicate=False)}
+        self.module_fqn = {m: n for n, m in model.named_modules()}  # a module reused under two names: first
         self.events: list[Event] = []
         self.fwd_stack: list[str] = []
         self.bwd_active: list[tuple[str, int]] = []  # (module, call) whose backward is running
@@ -443,7 +443,7 @@ def _fill_module_stats(
     for fqn, n in calls.items():
         if fqn in modules:
             modules[fqn].calls = n
-    for i, e in enumerate(events):
+    for e in events:
         if e.kind != OP:
             continue
         fqn = e.module

@@ -66,12 +66,13 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[dict
     nbytes = {ALL_GATHER: 0, REDUCE_SCATTER: 0}
     padded = [sum(trace.param(p).padded_numel(world_size) * trace.param(p).itemsize for p in g.params)
               for g in plan.groups]
-    used = {p for e in trace.events if e.kind == "op" for p in e.params}
-    padded_grad = [sum(trace.param(p).padded_numel(world_size) * trace.param(p).itemsize for p in g.params
-                       if trace.param(p).requires_grad and trace.param_index(p) in used) for g in plan.groups]
     for c in sched.collectives:
         counts[c.kind] += 1
-        nbytes[c.kind] += padded[c.group] if c.kind == ALL_GATHER else padded_grad[c.group]
+        if c.kind == ALL_GATHER:
+            nbytes[c.kind] += padded[c.group]
+        else:
+            nbytes[c.kind] += sum(trace.params[p].padded_numel(world_size) * trace.params[p].itemsize
+                                  for p in c.params)
     return counts, nbytes
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.models import gpt2, llama, seed
+from fsdp_planner.models import encdec, gpt2, llama, moe, seed, vit
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,14 @@ BUILTINS: dict[str, Builtin] = {
                           False),
     "llama3-405b": Builtin(lambda: llama.build(llama.LLAMA3_405B, 1, 8192), "Llama 3 405B, seq 8192 (planning)",
                            False),
+    "llama32-3b": Builtin(lambda: llama.build(llama.LLAMA32_3B, 1, 8192),
+                          "Llama 3.2 3B, tied embeddings, seq 8192 (planning)", False),
+    "t5-3b": Builtin(encdec.t5_3b,
+                     "T5 v1.1 XL encoder-decoder, shared embedding, enc 1024 / dec 256 (planning)", False),
+    "vit-h14": Builtin(vit.vit_h14,
+                       "ViT-H/14, batch 32 at 224px (planning)", False),
+    "mixtral-8x7b": Builtin(moe.mixtral_8x7b,
+                            "Mixtral 8x7B MoE, 8 experts top-2, seq 4096 (planning)", False),
 }
 
 

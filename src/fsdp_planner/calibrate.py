@@ -1,0 +1,405 @@
+"""Calibrate the collective model from nccl-tests logs (``all_gather_perf``, ``reduce_scatter_perf``).
+
+Users run nccl-tests on their own cluster (e.g. ``all_gather_perf -b 8 -e 8G -f 2 -g 8``) and hand the
+printed output to :func:`calibrate`. For every (collective, group size N) found we fit the ring line
+``time = alpha + (N-1)/N * size / busbw`` and store (alpha, busbw) in ``Cluster.fits``, which
+:mod:`fsdp_planner.cost` then prefers over the preset figures.
+
+Parsing is lenient about what surrounds the tables (NCCL INFO lines, ``mpirun --tag-output`` prefixes, pasted
+shell commands, several runs in one file) because real logs are collected every which way. A file is split
+into runs at each ``# nThread ...`` header. For each run:
+
+* the collective comes from the caller, else from a binary name in the text (``all_gather_perf``, as in the
+  pasted command or the ``# Collective test starting:`` line of newer nccl-tests), else from the table: the
+  all-gather prints redop ``none``, the reduce-scatter a reduction, and both print a per-rank ``count``
+  with ``size = count * N * sizeof(type)`` (all-reduce prints ``size = count * sizeof(type)``);
+* N comes from the caller, else from that size/count ratio (it is the communicator that ran, even with
+  ``NCCL_TESTS_SPLIT_MASK``), else by counting the ``#  Rank ...`` lines.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_planner.cluster import COLLECTIVES, MAX_GPUS_PER_NODE, Cluster, Fits, preset_cluster, with_fits
+from fsdp_planner.errors import PlannerError
+
+# nccl-tests type names -> bytes per element
+_WORD = {
+    "int8": 1, "uint8": 1, "char": 1, "f8e4m3": 1, "f8e5m2": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+    "half": 2, "float16": 2, "bfloat16": 2, "bf16": 2, "fp16": 2,
+    "int32": 4, "uint32": 4, "int": 4, "float": 4, "float32": 4,
+    "int64": 8, "uint64": 8, "double": 8, "float64": 8,
+}
+_BINARY = re.compile(
+    r"\b(all_gather|reduce_scatter|all_reduce|alltoall|broadcast|reduce|sendrecv|gather|scatter|hypercube)"
+    r"_perf(?:_mpi)?\b"
+)
+_NTHREAD = re.compile(r"^#\s*nThread\s+(\d+)\s+nGpus\s+(\d+)")
+_RANK = re.compile(
+    r"^#\s*Rank\s+(\d+)\s+(?:Group\s+\d+\s+)?Pid\s+\d+\s+on\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s+(.+?)\s*$"
+)
+_TAG = re.compile(r"^\s*\[[^\]]*\]<std(?:out|err)>:")  # mpirun --tag-output
+_MIN_SIZE = 1  # rows with size 0 (count rounded down to 0 per rank) carry no information
+
+
+@dataclass(frozen=True)
+class NcclRow:
+    """One data row: the out-of-place and in-place measurements of one size."""
+
+    size: int  # bytes, the full (unsharded) buffer as nccl-tests prints it
+    count: int  # elements as printed (per rank for all-gather / reduce-scatter)
+    dtype: str
+    redop: str | None  # None in the old 11-column layout
+    oop_time_us: float | None
+    oop_busbw: float | None
+    oop_wrong: str
+    ip_time_us: float | None
+    ip_busbw: float | None
+    ip_wrong: str
+
+
+@dataclass(frozen=True)
+class NcclTable:
+    """One nccl-tests run: which collective, over how many ranks, and its rows."""
+
+    kind: str  # all_gather, reduce_scatter, or the name of an unsupported collective / "unknown"
+    ranks: int
+    rows: tuple[NcclRow, ...]
+    hosts: tuple[str, ...] = ()
+    gpu_name: str | None = None
+    source: str = "<text>"
+
+    def samples(self) -> list[tuple[int, float]]:
+        """(size bytes, seconds) of every valid measurement, in- and out-of-place, data check passed."""
+        out = []
+        for r in self.rows:
+            if r.size < _MIN_SIZE:
+                continue
+            for t, wrong in ((r.oop_time_us, r.oop_wrong), (r.ip_time_us, r.ip_wrong)):
+                if t is not None and t > 0 and _wrong_ok(wrong):
+                    out.append((r.size, t * 1e-6))
+        return out
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A fitted ring line for one (collective, N)."""
+
+    kind: str
+    ranks: int
+    alpha: float  # seconds
+    bus_bandwidth: float  # bytes/s
+    rel_rms: float  # root-mean-square relative error of the kept samples
+    samples: int
+    dropped: int  # outliers left out (hiccups, warm-up spikes)
+    sources: tuple[str, ...] = field(default=())
+
+
+def _wrong_ok(tok: str) -> bool:
+    if tok.upper() == "N/A":
+        return True
+    try:
+        return float(tok) == 0
+    except ValueError:
+        return False
+
+
+def _float(tok: str) -> float | None:
+    try:
+        v = float(tok)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _parse_row(tokens: list[str]) -> NcclRow | None:
+    """A data row in the 13-column layout (size count type redop root + 2 x (time algbw busbw #wrong)) or
+    the pre-2.13 11-column one (no redop/root)."""
+    if len(tokens) not in (11, 13) or not (tokens[0].isdigit() and tokens[1].isdigit()):
+        return None
+    if len(tokens) == 13:
+        redop: str | None = tokens[3]
+        if not re.fullmatch(r"-?\d+", tokens[4]):
+            return None
+        rest = tokens[5:]
+    else:
+        redop, rest = None, tokens[3:]
+    oop_t, ip_t = _float(rest[0]), _float(rest[4])
+    if oop_t is None and ip_t is None:
+        return None
+    return NcclRow(
+        size=int(tokens[0]), count=int(tokens[1]), dtype=tokens[2], redop=redop,
+        oop_time_us=oop_t, oop_busbw=_float(rest[2]), oop_wrong=rest[3],
+        ip_time_us=ip_t, ip_busbw=_float(rest[6]), ip_wrong=rest[7],
+    )
+
+
+@dataclass
+class _Run:
+    hint: str | None = None
+    ranks: list[tuple[int, str, str]] = field(default_factory=list)  # (rank, host, gpu name)
+    rows: list[NcclRow] = field(default_factory=list)
+    closed: bool = False
+
+
+def _split_runs(text: str) -> list[_Run]:
+    runs: list[_Run] = []
+    cur: _Run | None = None
+    pending: str | None = None  # a binary name seen before the run it belongs to
+    for raw in text.splitlines():
+        line = _TAG.sub("", raw).strip()
+        if not line:
+            continue
+        if _NTHREAD.match(line):
+            cur = _Run(hint=pending)
+            runs.append(cur)
+            pending = None
+            continue
+        row = _parse_row(line.split()) if not line.startswith("#") else None
+        if row is not None:
+            if cur is None or cur.closed:
+                cur = _Run(hint=pending)
+                runs.append(cur)
+                pending = None
+            cur.rows.append(row)
+            continue
+        m = _RANK.match(line)
+        if m:
+            if cur is None or cur.closed or cur.rows:
+                cur = _Run(hint=pending)
+                runs.append(cur)
+                pending = None
+            cur.ranks.append((int(m.group(1)), m.group(2), m.group(3)))
+            continue
+        if line.startswith("# Avg bus bandwidth") and cur is not None:
+            cur.closed = True
+            continue
+        b = _BINARY.search(line)
+        if b:
+            if cur is not None and not cur.rows and not cur.closed and cur.hint is None:
+                cur.hint = b.group(1)  # e.g. "# Collective test starting: ..." right after the header
+            else:
+                pending = b.group(1)
+    return [r for r in runs if r.rows]
+
+
+def _infer(run: _Run, kind: str | None, ranks: int | None, source: str) -> NcclTable:
+    ratios = set()
+    for r in run.rows:
+        w = _WORD.get(r.dtype.lower())
+        if w and r.count > 0 and r.size > 0:
+            ratios.add(r.size / (r.count * w))
+    data_n = int(next(iter(ratios))) if len(ratios) == 1 and float(next(iter(ratios))).is_integer() else None
+    rank_ids = {rk for rk, _, _ in run.ranks}
+    hosts = tuple(dict.fromkeys(h for _, h, _ in run.ranks))
+    gpu = Counter(g for _, _, g in run.ranks).most_common(1)[0][0] if run.ranks else None
+
+    if kind is not None:
+        k = kind
+    elif run.hint is not None:
+        k = run.hint
+    elif data_n == 1:
+        k = "all_reduce"  # size == count * sizeof: all-reduce / reduce / broadcast layout
+    else:
+        redops = {r.redop for r in run.rows}
+        if redops == {None}:
+            k = "unknown"  # pre-2.13 layout without redop: cannot tell all-gather from reduce-scatter
+        elif redops <= {"none"}:
+            k = "all_gather"
+        else:
+            k = "reduce_scatter"
+
+    n = ranks or (data_n if data_n and data_n > 1 else None) or len(rank_ids) or 0
+    return NcclTable(kind=k, ranks=n, rows=tuple(run.rows), hosts=hosts, gpu_name=gpu, source=source)
+
+
+def _norm_kind(kind: str | None) -> str | None:
+    if kind is None:
+        return None
+    k = kind.strip().lower().replace("-", "_").removesuffix("_perf")
+    k = {"allgather": "all_gather", "reducescatter": "reduce_scatter"}.get(k, k)
+    if k not in COLLECTIVES:
+        raise PlannerError(f"Unknown collective '{kind}': calibration reads {', '.join(COLLECTIVES)} logs.")
+    return k
+
+
+def parse_nccl_tests(
+    text: str, *, kind: str | None = None, ranks: int | None = None, source: str = "<text>"
+) -> list[NcclTable]:
+    """Every nccl-tests run found in ``text`` (maybe none). ``kind``/``ranks`` override what is inferred."""
+    k = _norm_kind(kind)
+    return [_infer(run, k, ranks, source) for run in _split_runs(text)]
+
+
+def read_nccl_tests(
+    path: str | Path, *, kind: str | None = None, ranks: int | None = None
+) -> list[NcclTable]:
+    """The runs of one log file; PlannerError if it is missing or holds no nccl-tests table."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlannerError(f"nccl-tests log {p} does not exist.")
+    try:
+        text = p.read_text(errors="replace")
+    except OSError as e:
+        raise PlannerError(f"Cannot read nccl-tests log {p} ({e.strerror}).") from None
+    tables = parse_nccl_tests(text, kind=kind, ranks=ranks, source=str(p))
+    if not tables:
+        raise PlannerError(
+            f"No nccl-tests table found in {p}: expected the output of all_gather_perf or "
+            "reduce_scatter_perf (rows of size, count, type, redop, root, time, algbw, busbw, #wrong)."
+        )
+    return tables
+
+
+def _solve(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
+    """Least squares of t = a + b x in relative error (weights 1/t^2), so 8 B and 8 GiB rows count alike:
+    small sizes pin a, large ones b. Falls back to a = 0 if the free fit wants a negative latency."""
+    w = [1 / (t * t) for t in ts]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs, strict=True))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    st = sum(wi * t for wi, t in zip(w, ts, strict=True))
+    sxt = sum(wi * x * t for wi, x, t in zip(w, xs, ts, strict=True))
+    det = sw * sxx - sx * sx
+    if det > 0:
+        a = (sxx * st - sx * sxt) / det
+        b = (sw * sxt - sx * st) / det
+        if a >= 0:
+            return a, b
+    return 0.0, (sxt / sxx if sxx > 0 else 0.0)
+
+
+def fit_samples(
+    samples: Sequence[tuple[int, float]], ranks: int, what: str = "the log"
+) -> tuple[float, float, float, int]:
+    """(alpha s, busbw B/s, relative rms, outliers dropped) for (size, seconds) samples of an N-rank ring.
+
+    One robust pass: samples more than max(25%, 4 x median) off the first line are dropped and the line refit,
+    so a single hiccup (a 3x spike is common in real logs) does not drag the latency.
+    """
+    if ranks < 2:
+        raise PlannerError(f"Cannot fit {what}: a collective needs at least 2 ranks, found {ranks}.")
+    k = (ranks - 1) / ranks
+    pts = [(k * s, t) for s, t in samples if s > 0 and t > 0]
+    if len({x for x, _ in pts}) < 2:
+        raise PlannerError(f"Cannot fit {what}: it needs measurements at two or more sizes.")
+    xs, ts = [x for x, _ in pts], [t for _, t in pts]
+    a, b = _solve(xs, ts)
+    res = [abs(a + b * x - t) / t for x, t in pts]
+    cut = max(0.25, 4 * statistics.median(res))
+    kept = [(x, t) for (x, t), r in zip(pts, res, strict=True) if r <= cut]
+    dropped = len(pts) - len(kept)
+    if dropped and len({x for x, _ in kept}) >= 2:
+        xs, ts = [x for x, _ in kept], [t for _, t in kept]
+        a, b = _solve(xs, ts)
+    else:
+        dropped = 0
+    if not b > 0:
+        raise PlannerError(
+            f"Cannot fit {what}: time does not grow with size, so it shows no bandwidth; run nccl-tests "
+            "up to large sizes (e.g. -e 8G)."
+        )
+    rms = math.sqrt(sum(((a + b * x - t) / t) ** 2 for x, t in zip(xs, ts, strict=True)) / len(xs))
+    return a, 1 / b, rms, dropped
+
+
+def _expand(paths: str | Path | Iterable[str | Path]) -> list[Path]:
+    items = [paths] if isinstance(paths, str | Path) else list(paths)
+    out: list[Path] = []
+    for item in items:
+        p = Path(item)
+        if p.is_dir():
+            found = sorted(q for q in p.iterdir() if q.is_file() and q.suffix in (".log", ".txt", ".out"))
+            if not found:
+                raise PlannerError(f"Directory {p} holds no .log, .txt or .out nccl-tests logs.")
+            out += found
+        else:
+            out.append(p)
+    if not out:
+        raise PlannerError("Calibration needs at least one nccl-tests log.")
+    return out
+
+
+def fit_logs(
+    paths: str | Path | Iterable[str | Path], *, kind: str | None = None, ranks: int | None = None
+) -> tuple[list[NcclTable], list[Fit]]:
+    """Parse the logs and fit one line per (collective, N); runs of other collectives are skipped."""
+    tables: list[NcclTable] = []
+    for p in _expand(paths):
+        tables += read_nccl_tests(p, kind=kind, ranks=ranks)
+    usable = [t for t in tables if t.kind in COLLECTIVES and t.ranks >= 2]
+    if not usable:
+        seen = ", ".join(sorted({f"{t.kind} ({t.ranks} ranks) in {t.source}" for t in tables}))
+        raise PlannerError(
+            f"No all_gather or reduce_scatter run with 2+ ranks in the logs (found {seen}); pass the "
+            "collective and rank count explicitly if the log does not show them."
+        )
+    groups: dict[tuple[str, int], list[NcclTable]] = {}
+    for t in usable:
+        groups.setdefault((t.kind, t.ranks), []).append(t)
+    fits = []
+    for (k, n), ts in sorted(groups.items()):
+        samples = [s for t in ts for s in t.samples()]
+        srcs = tuple(dict.fromkeys(t.source for t in ts))
+        a, bw, rms, dropped = fit_samples(samples, n, what=f"{k} over {n} ranks ({', '.join(srcs)})")
+        fits.append(Fit(k, n, a, bw, rms, len(samples) - dropped, dropped, srcs))
+    return usable, fits
+
+
+def _preset_for(gpu_name: str | None) -> str | None:
+    if not gpu_name:
+        return None
+    up = gpu_name.upper()
+    for key in ("h200", "h100", "a100", "b200"):
+        if key.upper() in up:
+            return key
+    return None
+
+
+def _base_from_logs(tables: Sequence[NcclTable]) -> Cluster:
+    """A preset matching the GPUs and topology the logs ran on."""
+    names = Counter(t.gpu_name for t in tables if t.gpu_name)
+    gpu_name = names.most_common(1)[0][0] if names else None
+    key = _preset_for(gpu_name)
+    if key is None:
+        raise PlannerError(
+            f"Cannot tell which preset matches GPU '{gpu_name or 'unknown'}' in the logs; pass a base "
+            "cluster (a preset such as h100:16 or a cluster JSON)."
+        )
+    with_hosts = [t for t in tables if t.hosts]
+    if with_hosts:
+        per_node = max(-(-t.ranks // len(t.hosts)) for t in with_hosts)
+        nodes = max(max(len(t.hosts) for t in with_hosts), -(-max(t.ranks for t in tables) // per_node))
+    else:
+        biggest = max(t.ranks for t in tables)
+        per_node = min(biggest, MAX_GPUS_PER_NODE)
+        nodes = -(-biggest // per_node)
+    return preset_cluster(key, nodes=nodes, gpus_per_node=per_node)
+
+
+def calibrate(
+    paths: str | Path | Iterable[str | Path],
+    base: Cluster | None = None,
+    *,
+    kind: str | None = None,
+    ranks: int | None = None,
+) -> Cluster:
+    """``base`` (or a preset matching the logs' GPUs and hosts) plus fitted (alpha, busbw) per (kind, N).
+
+    Fits are merged over any ``base.fits``; :func:`fsdp_planner.cost.collective_time` uses them for matching
+    group sizes and scales the model by them for other sizes of the same one-node/multi-node regime.
+    """
+    tables, fits = fit_logs(paths, kind=kind, ranks=ranks)
+    cluster = base if base is not None else _base_from_logs(tables)
+    table: Fits = {}
+    for f in fits:
+        table.setdefault(f.kind, {})[f.ranks] = (f.alpha, f.bus_bandwidth)
+    name = cluster.name if cluster.name.endswith("+calibrated") else f"{cluster.name}+calibrated"
+    return with_fits(cluster, table, name=name)

@@ -1,0 +1,326 @@
+"""The hardware a plan is costed on: GPUs, the two link levels (NVLink inside a node, network across nodes).
+
+A cluster is ``nodes`` nodes of ``gpus_per_node`` GPUs. The collective model that reads these numbers lives
+in :mod:`fsdp_planner.cost`; this module only holds them, the presets (figures from
+``shared/reference/facts.md``), JSON round-trips and the ``--cluster`` spec parser. A cluster written by
+:func:`fsdp_planner.calibrate.calibrate` also carries ``fits``: measured (latency, bus bandwidth) per
+collective and group size, which the cost model prefers over the preset figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fsdp_planner.errors import PlannerError
+
+CLUSTER_VERSION = 1
+COLLECTIVES = ("all_gather", "reduce_scatter")
+
+# Per-kind fitted (latency seconds, bus bandwidth bytes/s), keyed by group size N.
+Fits = dict[str, dict[int, tuple[float, float]]]
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator's dense peaks and memory: what compute and memory estimates divide by."""
+
+    name: str
+    peak_bf16_flops: float  # dense (no sparsity) tensor-core bf16, FLOP/s
+    peak_fp32_flops: float  # dense fp32 as PyTorch runs it by default (see the presets), FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    memory_bytes: int  # spec-sheet capacity (decimal GB); the usable total is a little lower
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of the interconnect, described the way NCCL's ring model sees it.
+
+    ``bus_bandwidth`` is the asymptotic nccl-tests "busbw" of a ring over this link (large messages, large
+    groups). A k-rank ring reaches ``bus_bandwidth * (1 - ring_overhead / k)``: small rings lose a share to
+    the fixed per-step work (fitted on 8xH100, see the presets). ``base_latency`` is paid once per collective,
+    ``hop_latency`` once per ring step over this link. ``half_bw_bytes`` is the small-message efficiency:
+    a message of S bytes runs at ``S / (S + half_bw_bytes)`` of the link rate (see ``cost``).
+    """
+
+    bus_bandwidth: float  # bytes/s; math.inf allowed (an ideal link)
+    base_latency: float  # seconds
+    hop_latency: float  # seconds
+    half_bw_bytes: float = 0.0
+    ring_overhead: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``gpus_per_node`` GPUs, NVLink inside a node (``intra``), network across (``inter``).
+
+    ``inter.bus_bandwidth`` is what a full node (all ``nics_per_node`` NICs busy) reaches across nodes; a
+    group with fewer ranks per node than NICs uses a proportional share of it.
+    """
+
+    name: str
+    gpu: GPU
+    gpus_per_node: int
+    nodes: int
+    intra: Link
+    inter: Link
+    nics_per_node: int = 8
+    fits: Fits = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        for attr in ("gpus_per_node", "nodes", "nics_per_node"):
+            v = getattr(self, attr)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlannerError(f"Cluster '{self.name}' needs a positive whole {attr}, got {v!r}.")
+        for lname in ("intra", "inter"):
+            _check_link(getattr(self, lname), f"{self.name}.{lname}")
+        for kind, table in self.fits.items():
+            if kind not in COLLECTIVES:
+                raise PlannerError(f"Cluster '{self.name}' has fits for unknown collective '{kind}'.")
+            for n, (alpha, bw) in table.items():
+                if n < 2 or alpha < 0 or not bw > 0:
+                    raise PlannerError(f"Cluster '{self.name}' has a bad {kind} fit for {n} ranks.")
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def describe(self) -> str:
+        """One line for CLI output."""
+        fitted = ", calibrated" if self.fits else ""
+        return (
+            f"{self.name}: {self.nodes} x {self.gpus_per_node} {self.gpu.name} ({self.world_size} GPUs), "
+            f"NVLink {self.intra.bus_bandwidth / 1e9:.0f} GB/s, network {self.inter.bus_bandwidth / 1e9:.0f} "
+            f"GB/s per node{fitted}"
+        )
+
+    # ---- JSON ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": CLUSTER_VERSION,
+            "name": self.name,
+            "gpu": asdict(self.gpu),
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "nics_per_node": self.nics_per_node,
+            "intra": asdict(self.intra),
+            "inter": asdict(self.inter),
+            "fits": {k: {str(n): [a, b] for n, (a, b) in sorted(t.items())} for k, t in self.fits.items()},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "cluster JSON") -> Cluster:
+        if not isinstance(d, dict):
+            raise PlannerError(f"The {where} must be a JSON object, got {type(d).__name__}.")
+        gpu = GPU(
+            name=str(_get(d, "gpu.name", where)),
+            peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
+            peak_fp32_flops=_num(d, "gpu.peak_fp32_flops", where),
+            hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
+            memory_bytes=int(_num(d, "gpu.memory_bytes", where)),
+        )
+        links = {}
+        for lname in ("intra", "inter"):
+            links[lname] = Link(
+                bus_bandwidth=_num(d, f"{lname}.bus_bandwidth", where),
+                base_latency=_num(d, f"{lname}.base_latency", where),
+                hop_latency=_num(d, f"{lname}.hop_latency", where),
+                half_bw_bytes=_num(d, f"{lname}.half_bw_bytes", where, 0.0),
+                ring_overhead=_num(d, f"{lname}.ring_overhead", where, 0.0),
+            )
+        fits: Fits = {}
+        raw_fits = d.get("fits") or {}
+        if not isinstance(raw_fits, dict):
+            raise PlannerError(f"The {where} field 'fits' must map collective -> ranks -> [alpha, bw].")
+        try:
+            for kind, table in raw_fits.items():
+                fits[str(kind)] = {int(n): (float(v[0]), float(v[1])) for n, v in table.items()}
+        except (TypeError, ValueError, IndexError, AttributeError) as e:
+            raise PlannerError(f"The {where} field 'fits' is malformed ({e}).") from None
+        return cls(
+            name=str(_get(d, "name", where)),
+            gpu=gpu,
+            gpus_per_node=_int(d, "gpus_per_node", where),
+            nodes=_int(d, "nodes", where),
+            intra=links["intra"],
+            inter=links["inter"],
+            nics_per_node=_int(d, "nics_per_node", where, 8),
+            fits=fits,
+        )
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "cluster JSON") -> Cluster:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlannerError(f"The {where} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+        return cls.from_dict(d, where)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Cluster:
+        p = Path(path)
+        if not p.is_file():
+            raise PlannerError(f"Cluster file {p} does not exist.")
+        return cls.from_json(p.read_text(), where=f"cluster file {p}")
+
+
+_MISSING = object()
+
+
+def _get(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> Any:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            if default is not _MISSING:
+                return default
+            raise PlannerError(f"The {where} is missing the field '{dotted}'.")
+        cur = cur[part]
+    return cur
+
+
+def _num(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> float:
+    v = _get(d, dotted, where, default)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise PlannerError(f"The {where} field '{dotted}' must be a number, got {v!r}.")
+    return float(v)
+
+
+def _int(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> int:
+    v = _get(d, dotted, where, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PlannerError(f"The {where} field '{dotted}' must be a whole number, got {v!r}.")
+    return v
+
+
+def _check_link(link: Link, where: str) -> None:
+    if not link.bus_bandwidth > 0:
+        raise PlannerError(f"Link {where} needs a positive bus_bandwidth, got {link.bus_bandwidth!r}.")
+    for attr in ("base_latency", "hop_latency", "half_bw_bytes"):
+        v = getattr(link, attr)
+        if not (v >= 0 and math.isfinite(v)):
+            raise PlannerError(f"Link {where} needs a finite non-negative {attr}, got {v!r}.")
+    if not 0 <= link.ring_overhead < 2:
+        raise PlannerError(f"Link {where} needs ring_overhead in [0, 2), got {link.ring_overhead!r}.")
+
+
+# ---- presets ---------------------------------------------------------------------------------------------
+# fp32: PyTorch's default matmul precision is "highest" (torch.backends.cuda.matmul.allow_tf32 is False), so
+# fp32 matmuls run on the CUDA cores, not TF32 tensor cores: we use the non-tensor fp32 peak (H100 SXM 67
+# TF/s; TF32 tensor would be ~495 TF/s dense). Memory and HBM figures are spec-sheet values.
+GPUS: dict[str, GPU] = {
+    "h100": GPU("H100-SXM-80GB", 989e12, 67e12, 3.35e12, 80_000_000_000),
+    "h200": GPU("H200-SXM-141GB", 989e12, 67e12, 4.8e12, 141_000_000_000),
+    "a100": GPU("A100-SXM4-80GB", 312e12, 19.5e12, 2.0e12, 80_000_000_000),
+    "b200": GPU("B200-180GB", 2250e12, 75e12, 8.0e12, 192_000_000_000),  # fp32: HGX B200 600 TF/s / 8
+}
+
+# NCCL ring SIMPLE tuning constants (facts.md): base 8.4 us; per hop 3.4 us over NVLink, 14 us over the
+# network. With these the ring latency model gives exactly NCCL 2.27's H100 figures: 70 us (2x8), 297 us
+# (8x8), 1204 us (32x8). SIMPLE is used for every size (no LL/LL128 switch) so those anchors hold.
+_BASE_LAT = 8.4e-6
+_NVLINK_HOP = 3.4e-6
+_NET_HOP = 14e-6
+# Small-message efficiency: one SIMPLE pipeline slot (NCCL_BUFFSIZE 4 MiB / NCCL_STEPS 8 = 512 KiB). A message
+# that does not fill it leaves the link part idle; see cost.py for what this does to the time.
+_HALF_BW = 512 * 1024
+# nccl-tests alpha-beta fits on 8xH100 (facts.md): busbw 268.5 / 325.5 / 344.75 GB/s at 2 / 4 / 8 GPUs.
+# busbw(k) = B * (1 - c/k) fits them with B = 370 GB/s (the quoted H100 NVLink figure) and c = 0.55 (within
+# 2%). We assume the same shape on other NVLink generations; the network has no such data (c = 0).
+_RING_OVERHEAD = 0.55
+
+
+def _nvlink(busbw: float) -> Link:
+    return Link(busbw, _BASE_LAT, _NVLINK_HOP, _HALF_BW, _RING_OVERHEAD)
+
+
+def _infiniband(busbw_per_node: float) -> Link:
+    return Link(busbw_per_node, _BASE_LAT, _NET_HOP, _HALF_BW, 0.0)
+
+
+# Inter-node: 8 NICs per node; NDR 400 Gb/s reaches ~46-49 GB/s per NIC, a full node ~370-385 GB/s busbw
+# (facts.md) -> 380 GB/s; HDR 200 Gb/s half of that.
+LINKS: dict[str, tuple[Link, Link]] = {
+    "h100": (_nvlink(370e9), _infiniband(380e9)),
+    "h200": (_nvlink(370e9), _infiniband(380e9)),  # same NVLink 4 / NVSwitch generation as H100
+    "a100": (_nvlink(235e9), _infiniband(190e9)),
+    "b200": (_nvlink(720e9), _infiniband(380e9)),
+}
+PRESETS = tuple(GPUS)
+MAX_GPUS_PER_NODE = 8
+
+
+def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster:
+    """A preset cluster (h100, h200, a100, b200) of ``nodes`` x ``gpus_per_node`` GPUs."""
+    key = name.lower()
+    if key not in GPUS:
+        raise PlannerError(f"Unknown cluster preset '{name}': use one of {', '.join(PRESETS)}.")
+    intra, inter = LINKS[key]
+    return Cluster(
+        name=f"{key}:{nodes * gpus_per_node}" if gpus_per_node == MAX_GPUS_PER_NODE or nodes == 1
+        else f"{key}:{nodes}x{gpus_per_node}",
+        gpu=GPUS[key],
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        intra=intra,
+        inter=inter,
+        nics_per_node=8,
+    )
+
+
+_SPEC = re.compile(r"^([a-z0-9]+)(?::(\d+)(?:x(\d+))?)?$")
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """``h100:64`` (8 nodes of 8), ``h100:4`` (4 GPUs, one node), ``a100:16x8`` (16 nodes x 8), a JSON path.
+
+    A bare preset name means one full node of 8. Counts above 8 must fill whole 8-GPU nodes.
+    """
+    text = spec.strip()
+    presets = ", ".join(PRESETS)
+    m = _SPEC.match(text.lower())
+    if m is None or m.group(1) not in GPUS:
+        p = Path(text)
+        if p.suffix.lower() == ".json" or p.is_file() or "/" in text:
+            return Cluster.load(p)
+        raise PlannerError(
+            f"Unknown cluster '{spec}': give a preset NAME[:GPUS] with NAME one of {presets} "
+            "(e.g. h100:64), or the path of a cluster JSON file."
+        )
+    name, count, per_node = m.group(1), m.group(2), m.group(3)
+    if count is None:
+        return preset_cluster(name)
+    n = int(count)
+    if per_node is not None:  # NODESxGPUS_PER_NODE
+        g = int(per_node)
+        if n < 1 or not 1 <= g <= MAX_GPUS_PER_NODE:
+            raise PlannerError(
+                f"Bad cluster '{spec}': NODESxGPUS needs at least one node of 1 to {MAX_GPUS_PER_NODE} GPUs "
+                f"(presets: {presets})."
+            )
+        return preset_cluster(name, nodes=n, gpus_per_node=g)
+    if n < 1 or (n > MAX_GPUS_PER_NODE and n % MAX_GPUS_PER_NODE):
+        raise PlannerError(
+            f"Bad GPU count in cluster '{spec}': give 1 to {MAX_GPUS_PER_NODE} GPUs (one node) or a multiple "
+            f"of {MAX_GPUS_PER_NODE} (whole nodes), with a preset among {presets}."
+        )
+    if n <= MAX_GPUS_PER_NODE:
+        return preset_cluster(name, nodes=1, gpus_per_node=n)
+    return preset_cluster(name, nodes=n // MAX_GPUS_PER_NODE, gpus_per_node=MAX_GPUS_PER_NODE)
+
+
+def with_fits(cluster: Cluster, fits: Fits, name: str | None = None) -> Cluster:
+    """A copy of ``cluster`` with ``fits`` merged over its existing ones (same (kind, N) replaced)."""
+    merged: Fits = {k: dict(v) for k, v in cluster.fits.items()}
+    for kind, table in fits.items():
+        merged.setdefault(kind, {}).update(table)
+    return replace(cluster, fits=merged, name=name or cluster.name)

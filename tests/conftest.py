@@ -1,0 +1,21 @@
+"""Shared fixtures: traces of the built-in models are cached per test session (tracing is cheap but not free)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from fsdp_planner.models import load_model
+from fsdp_planner.trace import Trace, trace
+
+
+@functools.cache
+def traced(spec: str) -> Trace:
+    lm = load_model(spec, meta=True)
+    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+@pytest.fixture
+def seed_trace() -> Trace:
+    return traced("seed-net")

@@ -1,0 +1,158 @@
+"""Calibration from nccl-tests logs: parsing real-looking output, recovering the fitted line, using it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from fsdp_planner.calibrate import calibrate, fit_logs, fit_samples, parse_nccl_tests, read_nccl_tests
+from fsdp_planner.cluster import Cluster, parse_cluster
+from fsdp_planner.cost import alpha_beta, collective_time
+from fsdp_planner.errors import PlannerError
+
+NCCL = Path(__file__).parent / "fixtures" / "nccl"
+AG8 = NCCL / "all_gather_perf_8xh100.log"
+RS8 = NCCL / "reduce_scatter_perf_8xh100.log"
+AG16 = NCCL / "all_gather_perf_16xh100_2nodes.log"
+GiB = 1024**3
+
+
+def _truth() -> dict[str, tuple[float, float]]:
+    """The (alpha, busbw) the fixture generator used."""
+    spec = importlib.util.spec_from_file_location("make_fixtures", NCCL / "make_fixtures.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.TRUTH
+
+
+TRUTH = _truth()
+
+
+@pytest.mark.parametrize(
+    ("path", "kind", "ranks", "hosts"),
+    [(AG8, "all_gather", 8, 1), (RS8, "reduce_scatter", 8, 1), (AG16, "all_gather", 16, 2)],
+)
+def test_fixtures_parse(path: Path, kind: str, ranks: int, hosts: int) -> None:
+    (table,) = read_nccl_tests(path)
+    assert (table.kind, table.ranks, len(table.hosts)) == (kind, ranks, hosts)
+    assert table.gpu_name == "NVIDIA H100 80GB HBM3"
+    assert len(table.rows) == 31  # -b 8 -e 8G -f 2
+    assert table.rows[-1].size == 8 * GiB
+    samples = table.samples()
+    assert all(size > 0 for size, _ in samples)  # zero-count rows carry nothing
+    assert len(samples) == 2 * sum(1 for r in table.rows if r.size > 0)  # in- and out-of-place
+
+
+@pytest.mark.parametrize("path", [AG8, RS8, AG16])
+def test_fit_recovers_the_generating_line(path: Path) -> None:
+    _, (fit,) = fit_logs(path)
+    alpha, busbw = TRUTH[path.name]
+    assert fit.alpha == pytest.approx(alpha, rel=0.10)
+    assert fit.bus_bandwidth == pytest.approx(busbw, rel=0.10)
+    assert fit.rel_rms < 0.1
+
+
+def test_spikes_are_dropped() -> None:
+    _, (fit,) = fit_logs(RS8)  # the reduce-scatter fixture has one 3x hiccup at 128 KiB
+    assert fit.dropped >= 1
+
+
+def test_calibrate_builds_a_matching_cluster_and_cost_uses_it() -> None:
+    c = calibrate([AG8, RS8, AG16])
+    assert (c.nodes, c.gpus_per_node, c.gpu.name) == (2, 8, parse_cluster("h100:16").gpu.name)
+    assert set(c.fits) == {"all_gather", "reduce_scatter"} and set(c.fits["all_gather"]) == {8, 16}
+    a, bw = c.fits["all_gather"][8]
+    assert collective_time(c, "all_gather", GiB, 8) == pytest.approx(a + 7 / 8 * GiB / bw)
+    a16, bw16 = c.fits["all_gather"][16]
+    # no reduce-scatter run over 2 nodes: the all-gather ring stands in
+    assert collective_time(c, "reduce_scatter", GiB, 16) == pytest.approx(a16 + 15 / 16 * GiB / bw16)
+    # the 1 GiB anchor holds on the calibrated cluster too
+    assert 2.7e-3 <= collective_time(c, "all_gather", GiB, 8) <= 3.0e-3
+    # a 4-rank group has no fit: the model scaled by the 8-rank fit, on NVLink
+    a4, bw4 = alpha_beta(c, "all_gather", 4)
+    assert a4 < a and bw4 < bw
+
+
+def test_calibrate_keeps_the_base_topology_and_round_trips(tmp_path: Path) -> None:
+    base = parse_cluster("h100:64")
+    c = calibrate(NCCL, base)  # a directory: every log in it
+    assert (c.nodes, c.gpus_per_node) == (8, 8) and c.name == "h100:64+calibrated"
+    path = tmp_path / "calibrated.json"
+    c.save(path)
+    back = Cluster.load(path)
+    assert back == c
+    assert collective_time(back, "all_gather", GiB, 8) == collective_time(c, "all_gather", GiB, 8)
+
+
+def test_garbage_file_is_a_planner_error(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.log"
+    junk.write_text("hello\nthis is not nccl-tests\n# size count\n1 2 3\n")
+    with pytest.raises(PlannerError, match="No nccl-tests table"):
+        calibrate(junk)
+    with pytest.raises(PlannerError, match="does not exist"):
+        calibrate(tmp_path / "missing.log")
+
+
+def _lines(n: int, redop: str, count_of) -> str:
+    rows = []
+    for size in (1 << 20, 1 << 24, 1 << 28, 1 << 30):
+        t = 30 + (n - 1) / n * size / 300e3  # us, busbw 300 GB/s
+        alg = size / t / 1e3
+        bus = alg * (n - 1) / n
+        rows.append(
+            f"{size:12d}  {count_of(size):12d}     float  {redop:>6}      -1  {t:7.1f}  {alg:6.2f}  "
+            f"{bus:6.2f}      0  {t:7.1f}  {alg:6.2f}  {bus:6.2f}      0"
+        )
+    return "\n".join(rows)
+
+
+def test_all_reduce_log_is_refused_clearly(tmp_path: Path) -> None:
+    log = tmp_path / "ar.log"
+    log.write_text("# nThread 1 nGpus 8 minBytes 1\n" + _lines(8, "sum", lambda s: s // 4) + "\n")
+    (table,) = read_nccl_tests(log)
+    assert table.kind == "all_reduce"
+    with pytest.raises(PlannerError, match="No all_gather or reduce_scatter run"):
+        calibrate(log)
+
+
+def test_tagged_mpirun_output_and_inferred_ranks() -> None:
+    body = _lines(32, "none", lambda s: s // 4 // 32)
+    lines = ["# nThread 1 nGpus 1 minBytes 8", *body.splitlines()]
+    text = "\n".join(f"[1,0]<stdout>:{line}" for line in lines)
+    text += "\nnode7:1234:1234 [0] NCCL INFO comm 0x55 rank 0 nranks 32 - Init COMPLETE\n"
+    (table,) = parse_nccl_tests(text)
+    assert (table.kind, table.ranks) == ("all_gather", 32)  # from size = count * 32 * sizeof(float)
+    a, bw, _, _ = fit_samples(table.samples(), table.ranks)
+    assert a == pytest.approx(30e-6, rel=0.05) and bw == pytest.approx(300e9, rel=0.05)
+
+
+def test_binary_name_and_explicit_kind_win() -> None:
+    body = _lines(8, "none", lambda s: s // 4 // 8)  # the table alone would say all-gather
+    cmd = "$ ./build/reduce_scatter_perf -b 1M -e 1G -f 16 -g 8\n"
+    (t1,) = parse_nccl_tests(cmd + "# nThread 1 nGpus 8\n" + body)
+    assert t1.kind == "reduce_scatter"
+    (t2,) = parse_nccl_tests(cmd + body, kind="all_gather", ranks=16)
+    assert (t2.kind, t2.ranks) == ("all_gather", 16)
+    with pytest.raises(PlannerError, match="Unknown collective"):
+        parse_nccl_tests(body, kind="broadcast")
+
+
+def test_several_runs_in_one_file() -> None:
+    ag = _lines(8, "none", lambda s: s // 32)
+    rs = _lines(4, "sum", lambda s: s // 16)
+    text = (
+        f"# nThread 1 nGpus 8 x\n{ag}\n# Avg bus bandwidth    : 1.0\n"
+        f"# nThread 1 nGpus 4 x\n{rs}\n# Avg bus bandwidth    : 1.0\n"
+    )
+    tables = parse_nccl_tests(text)
+    assert [(t.kind, t.ranks) for t in tables] == [("all_gather", 8), ("reduce_scatter", 4)]
+
+
+def test_fit_needs_a_bandwidth_signal() -> None:
+    with pytest.raises(PlannerError, match="no bandwidth"):
+        fit_samples([(8, 30e-6), (16, 30e-6), (32, 29e-6)], 8)
+    with pytest.raises(PlannerError, match="two or more sizes"):
+        fit_samples([(1 << 20, 40e-6)], 8)

@@ -1,0 +1,82 @@
+"""The CLI as a user runs it: real subprocesses, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_demo_shows_the_seed_problem_and_the_fix():
+    r = run("demo")
+    assert r.returncode == 0, r.stderr
+    assert "size(2000)" in r.stdout and "order(per-module)" in r.stdout
+    assert "conv1, fc2" in r.stdout
+
+
+def test_plan_json_lists_every_policy():
+    r = run("plan", "seed-net", "--json", "--min-nonwrapped-numel", "2000")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    names = [p["plan"]["policy"].split("(")[0] for p in data["plans"]]
+    assert names == ["module", "size", "titan", "order"]
+    size = data["plans"][1]
+    assert [g["modules"] for g in size["plan"]["groups"]] == [["conv2"], ["fc1"], [""]]
+    assert size["metrics"]["all_gathers"] == 5
+
+
+def test_plan_out_then_verify_the_file(tmp_path):
+    out = tmp_path / "plan.json"
+    r = run("plan", "toy-llama", "--policy", "order", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["groups"][-1]["modules"] == [""]
+    v = run("verify", "toy-llama", "--plan", str(out), "--nproc", "2", "--steps", "2")
+    assert v.returncode == 0, v.stdout + v.stderr
+    assert "PASS" in v.stdout
+
+
+def test_module_classes_option():
+    r = run("plan", "seed-net", "--policy", "module", "--module-classes", "Conv2d", "--json")
+    groups = [g["modules"] for g in json.loads(r.stdout)["plans"][0]["plan"]["groups"]]
+    assert groups == [["conv1"], ["conv2"], [""]]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("plan", "no-such-model"), "unknown model 'no-such-model'"),
+        (("plan", f"{FIXTURES / 'factories.py'}:broken"), "raised RuntimeError: factory exploded"),
+        (("plan", f"{FIXTURES / 'factories.py'}:not_a_model"), "must return (model, example_inputs)"),
+        (("plan", f"{FIXTURES / 'factories.py'}:missing"), "has no callable 'missing'"),
+        (("plan", "nowhere/model.py:fn"), "does not exist"),
+        (("plan", "seed-net", "--policy", "module", "--module-classes", "Nope"), "module class Nope not found"),
+        (("verify", "seed-net", "--plan", "does-not-exist.json"), "does not exist"),
+        (("verify", "llama3-8b", "--policy", "order"), "planning only"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_plan_for_another_model_and_corrupt_json(tmp_path):
+    other = tmp_path / "other.json"
+    assert run("plan", "toy-llama", "--policy", "order", "--out", str(other)).returncode == 0
+    r = run("verify", "seed-net", "--plan", str(other))
+    assert r.returncode == 2 and "another model" in r.stderr and "missing parameters" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{ nope")
+    r = run("verify", "seed-net", "--plan", str(bad))
+    assert r.returncode == 2 and "not valid JSON" in r.stderr

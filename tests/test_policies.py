@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import traced
+
+from fsdp_planner.metrics import plan_metrics
+from fsdp_planner.models import load_model
+from fsdp_planner.policies import (
+    ExecutionOrderPolicy,
+    ModuleWrapPolicy,
+    SizeBasedPolicy,
+    TorchtitanPolicy,
+    default_block_class,
+)
+
+
+def groups_of(plan):
+    return [g.modules for g in plan.groups]
+
+
+def test_size_based_reproduces_the_seed_grouping(seed_trace):
+    plan = SizeBasedPolicy(2000).plan(seed_trace)
+    assert groups_of(plan) == [["conv2"], ["fc1"], [""]]
+    assert set(plan.root.params) == {"conv1.weight", "conv1.bias", "fc2.weight", "fc2.bias"}
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("spec", "threshold"), [("seed-net", 2000), ("toy-llama", 20_000), ("toy-llama", 5000)])
+def test_size_based_matches_real_fsdp1_wrapping(one_rank_group, spec, threshold):
+    """The replay of _recursive_wrap wraps exactly the modules real FSDP1 wraps."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    lm = load_model(spec, meta=False)
+    wrapped = FSDP(lm.model, auto_wrap_policy=functools.partial(size_based_auto_wrap_policy,
+                                                                min_num_params=threshold),
+                   device_id=torch.device("cpu"))
+    real = sorted(n.replace("_fsdp_wrapped_module.", "") for n, m in wrapped.named_modules()
+                  if isinstance(m, FSDP) and n)
+    ours = sorted(SizeBasedPolicy(threshold).wrapped_modules(traced(spec)))
+    assert ours == real
+
+
+def test_module_wrap_policy_root_takes_the_rest():
+    tr = traced("toy-llama")
+    assert default_block_class(tr) == "TransformerBlock"
+    plan = ModuleWrapPolicy().plan(tr)
+    assert groups_of(plan)[:-1] == [[f"layers.{i}"] for i in range(4)]
+    assert set(plan.root.params) == {"tok_embeddings.weight", "norm.weight", "output.weight"}
+
+
+def test_torchtitan_policy_groups_norm_and_output():
+    plan = TorchtitanPolicy().plan(traced("toy-llama"))
+    assert groups_of(plan) == [["tok_embeddings"], *[[f"layers.{i}"] for i in range(4)], ["norm", "output"], [""]]
+    assert plan.groups[-2].reshard_after_forward is False
+    assert plan.root.params == []
+
+
+def test_torchtitan_policy_groups_tied_weights_with_embedding():
+    plan = TorchtitanPolicy().plan(traced("toy-gpt2-tied"))
+    assert ["wte", "ln_f", "lm_head"] in groups_of(plan)
+
+
+def test_tied_weights_are_never_split():
+    tr = traced("toy-gpt2-tied")
+    for policy in (SizeBasedPolicy(2000), ModuleWrapPolicy(("Embedding", "Linear")), ExecutionOrderPolicy(1)):
+        plan = policy.plan(tr)
+        holders = [i for i, g in enumerate(plan.groups) if "wte.weight" in g.params]
+        assert len(holders) == 1
+        assert {"wte", "lm_head"} <= set(plan.groups[holders[0]].modules) or plan.groups[holders[0]].is_root
+
+
+def test_execution_order_plan_fixes_the_seed_waste(seed_trace):
+    size = SizeBasedPolicy(2000).plan(seed_trace)
+    order = ExecutionOrderPolicy().plan(seed_trace)
+    assert not any({"conv1", "fc2"} <= set(g.modules) for g in order.groups)
+    assert order.root.params == []
+    m_size, m_order = plan_metrics(seed_trace, size), plan_metrics(seed_trace, order)
+    assert m_size.idle_byte_ops > 0
+    assert m_order.idle_byte_ops < m_size.idle_byte_ops / 10
+
+
+def test_execution_order_groups_are_contiguous_blocks():
+    plan = ExecutionOrderPolicy().plan(traced("toy-llama"))
+    assert groups_of(plan) == [["tok_embeddings"], *[[f"layers.{i}"] for i in range(4)], ["norm", "output"], [""]]
+    assert plan.groups[-2].reshard_after_forward is False
+    small = ExecutionOrderPolicy(target_bytes=60_000).plan(traced("toy-llama"))
+    assert len(small.groups) > len(plan.groups) and small.root.params == []
