@@ -80,3 +80,38 @@ def test_plan_for_another_model_and_corrupt_json(tmp_path):
     bad.write_text("{ nope")
     r = run("verify", "seed-net", "--plan", str(bad))
     assert r.returncode == 2 and "not valid JSON" in r.stderr
+
+
+def test_cost_simulate_memory_calibrate_commands(tmp_path):
+    r = run("cost", "all-gather", "1GiB", "--cluster", "h100:8", "--json")
+    assert r.returncode == 0, r.stderr
+    assert 2.7e-3 <= json.loads(r.stdout)["seconds"] <= 3.0e-3
+    r = run("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:64", "--json")
+    report = json.loads(r.stdout)
+    assert report["all_gathers"] == 11 and report["step_time"] >= report["compute_time"]
+    r = run("plan", "seed-net", "--cluster", "a100:16", "--json")
+    assert all("simulation" in p for p in json.loads(r.stdout)["plans"])
+    r = run("memory", "seed-linear10", "--world-size", "1", "--json")
+    assert json.loads(r.stdout)["single"]["total"] == pytest.approx(12.035e9, rel=0.02)
+    out = tmp_path / "cluster.json"
+    log = FIXTURES / "nccl" / "all_gather_perf_8xh100.log"
+    r = run("calibrate", str(log), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    r = run("cost", "all-gather", "1GiB", "--cluster", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("cost", "all-gather", "lots", "--cluster", "h100:8"), "size"),
+        (("cost", "all-gather", "1GiB", "--cluster", "tpu:8"), "cluster"),
+        (("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", "--precision", "fp8"), "precision"),
+        (("calibrate", str(FIXTURES / "factories.py"), "--out", "/tmp/x.json"), ""),
+    ],
+)
+def test_cost_model_bad_input(args, message):
+    r = run(*args)
+    assert r.returncode == 2
+    assert message in r.stderr.lower() and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""Command line: ``fsdp-planner demo | plan | verify | models``.
+"""Command line: ``fsdp-planner demo | plan | simulate | verify | cost | calibrate | memory | models``.
 
 Every user error is one line on stderr and exit code 2; never a traceback (set FSDP_PLANNER_DEBUG=1 to see one).
 """
@@ -58,7 +58,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tr = _trace(args.model)
     names = [args.policy] if args.policy else list(POLICY_NAMES)
     plans = [_policy_plan(args, tr, n) for n in names]
-    rows = [(p, plan_metrics(tr, p), None) for p in plans]
+    rows = [(p, plan_metrics(tr, p), _sim_extra(args, tr, p)) for p in plans]
     if args.out:
         if len(plans) != 1:
             raise PlannerError("--out writes one plan: choose it with --policy")
@@ -66,7 +66,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         out: dict[str, Any] = {
             "model": {"name": args.model, "fingerprint": tr.fingerprint, "numel": tr.numel},
-            "plans": [{"plan": p.to_dict(), "metrics": m.to_dict()} for p, m, _ in rows],
+            "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **({"simulation": x} if x else {})}
+                      for p, m, x in rows],
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -78,6 +79,101 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(comparison_table("per training step (FSDP2 semantics)", rows))
     if args.out:
         console.print(f"plan written to {args.out}")
+    return 0
+
+
+def _sim_options(args: argparse.Namespace) -> Any:
+    from fsdp_planner.memory import optimizer_from_name, precision_from_name
+    from fsdp_planner.simulate import SimOptions
+
+    precision_from_name(args.precision)
+    optimizer_from_name(args.optimizer)
+    if not 0 < args.mfu <= 1:
+        raise PlannerError("--mfu must be in (0, 1]")
+    return SimOptions(mfu=args.mfu, precision=args.precision, optimizer=args.optimizer)
+
+
+def _sim_extra(args: argparse.Namespace, tr: Trace, plan: Plan) -> dict[str, Any] | None:
+    if not getattr(args, "cluster", None):
+        return None
+    from fsdp_planner.cluster import parse_cluster
+    from fsdp_planner.simulate import simulate
+
+    report = simulate(tr, plan, parse_cluster(args.cluster), _sim_options(args))
+    return report.summary()
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from fsdp_planner.cluster import parse_cluster
+    from fsdp_planner.report import fmt_time, memory_table
+    from fsdp_planner.simulate import simulate
+
+    if bool(args.plan) == bool(args.policy):
+        raise PlannerError("simulate needs exactly one of --plan FILE or --policy NAME")
+    cluster = parse_cluster(args.cluster)
+    tr = _trace(args.model)
+    plan = Plan.load(args.plan, tr) if args.plan else _policy_plan(args, tr, args.policy)
+    report = simulate(tr, plan, cluster, _sim_options(args))
+    if args.json:
+        print(json.dumps(report.summary(), indent=2))
+        return 0
+    console.print(f"[bold]{args.model}[/bold] with [bold]{plan.policy or args.plan}[/bold] on {cluster.describe()}")
+    console.print(f"step time {fmt_time(report.step_time)}  compute {fmt_time(report.compute_time)}  "
+                  f"exposed comm {fmt_time(report.exposed_comm)}  lower bound {fmt_time(report.lower_bound)}")
+    console.print(f"{report.all_gathers} all-gathers ({fmt_bytes(report.all_gather_bytes)}), "
+                  f"{report.reduce_scatters} reduce-scatters ({fmt_bytes(report.reduce_scatter_bytes)}) per step; "
+                  f"comm busy: all-gather {fmt_time(report.comm_time['all_gather'])}, "
+                  f"reduce-scatter {fmt_time(report.comm_time['reduce_scatter'])}")
+    console.print(memory_table(report.peak_memory, report.memory_at_peak))
+    return 0
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from fsdp_planner.cluster import parse_cluster
+    from fsdp_planner.cost import collective_time, parse_size
+    from fsdp_planner.report import fmt_time
+
+    kind = args.collective.replace("-", "_")
+    cluster = parse_cluster(args.cluster)
+    nbytes = parse_size(args.size)
+    seconds = collective_time(cluster, kind, nbytes, ranks=args.ranks)
+    if args.json:
+        print(json.dumps({"collective": kind, "bytes": nbytes, "ranks": args.ranks or cluster.world_size,
+                          "seconds": seconds}))
+    else:
+        ranks = args.ranks or cluster.world_size
+        console.print(f"{args.collective} of {fmt_bytes(nbytes)} over {ranks} ranks on {cluster.describe()}: "
+                      f"{fmt_time(seconds)} (bus bandwidth {(ranks - 1) / ranks * nbytes / seconds / 1e9:.0f} GB/s)")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from fsdp_planner.calibrate import calibrate
+    from fsdp_planner.cluster import parse_cluster
+
+    base = parse_cluster(args.base) if args.base else None
+    cluster = calibrate(args.logs, base)
+    cluster.save(args.out)
+    for kind, fits in cluster.fits.items():
+        for n, (alpha, busbw) in sorted(fits.items()):
+            console.print(f"{kind:15s} {n:5d} ranks: latency {alpha * 1e6:.1f} us, bus bandwidth {busbw / 1e9:.1f} GB/s")
+    console.print(f"cluster written to {args.out}")
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from fsdp_planner.memory import format_table, optimizer_from_name, precision_from_name, strategy_table
+
+    if args.world_size < 1:
+        raise PlannerError("--world-size must be at least 1")
+    tr = _trace(args.model)
+    rows = strategy_table(tr, args.world_size, optimizer_from_name(args.optimizer),
+                          precision_from_name(args.precision))
+    if args.json:
+        print(json.dumps({k: v.to_dict() for k, v in rows.items()}, indent=2))
+    else:
+        console.print(format_table(rows, title=f"{args.model}: per-rank memory at world size {args.world_size} "
+                                               f"({args.precision}, {args.optimizer})"))
     return 0
 
 
@@ -141,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="classic wrap policies vs the execution-order plan on the built-in models")
     d.set_defaults(fn=cmd_demo)
 
+    def sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None:
+        sp.add_argument("--cluster", required=cluster_required,
+                        help="preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file")
+        sp.add_argument("--mfu", type=float, default=0.5, help="fraction of peak FLOP/s matmuls reach (0.5)")
+        sp.add_argument("--precision", default="bf16-mixed",
+                        help="fp32, bf16-mixed (default), pure-bf16, autocast, autocast-nocache")
+        sp.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum, adam, adamw (default)")
+
     def policy_options(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--module-classes", help="comma-separated class names (default: the repeated block class)")
         sp.add_argument("--min-nonwrapped-numel", type=int, default=None,
@@ -151,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("model", help="built-in name, path/file.py:fn or package.module:fn")
     pl.add_argument("--policy", choices=POLICY_NAMES)
     policy_options(pl)
+    sim_options(pl, cluster_required=False)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--out", help="write the plan JSON here")
     pl.set_defaults(fn=cmd_plan)
@@ -164,6 +269,37 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--steps", type=int, default=3)
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_verify)
+
+    si = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
+    si.add_argument("model")
+    si.add_argument("--plan", help="plan JSON file")
+    si.add_argument("--policy", choices=POLICY_NAMES)
+    policy_options(si)
+    sim_options(si, cluster_required=True)
+    si.add_argument("--json", action="store_true")
+    si.set_defaults(fn=cmd_simulate)
+
+    co = sub.add_parser("cost", help="time of one collective on a cluster")
+    co.add_argument("collective", choices=("all-gather", "reduce-scatter"))
+    co.add_argument("size", help="full (unsharded) size, e.g. 1GiB, 512MB, 1e9")
+    co.add_argument("--cluster", required=True)
+    co.add_argument("--ranks", type=int, default=None, help="sub-group size (default: the whole cluster)")
+    co.add_argument("--json", action="store_true")
+    co.set_defaults(fn=cmd_cost)
+
+    ca = sub.add_parser("calibrate", help="fit latency and bandwidth from nccl-tests logs")
+    ca.add_argument("logs", nargs="+", help="all_gather_perf / reduce_scatter_perf output files")
+    ca.add_argument("--base", help="cluster preset to start from (e.g. h100:16); default: detected from the logs")
+    ca.add_argument("--out", required=True, help="cluster JSON to write")
+    ca.set_defaults(fn=cmd_calibrate)
+
+    me = sub.add_parser("memory", help="per-rank memory: DDP, ZeRO-1/2/3 (FSDP)")
+    me.add_argument("model")
+    me.add_argument("--world-size", type=int, required=True)
+    me.add_argument("--precision", default="fp32")
+    me.add_argument("--optimizer", default="sgd-momentum")
+    me.add_argument("--json", action="store_true")
+    me.set_defaults(fn=cmd_memory)
 
     m = sub.add_parser("models", help="list the built-in models")
     m.set_defaults(fn=cmd_models)

@@ -101,3 +101,12 @@ def verify_table(result: Any) -> Table:
     t.add_row("loss per step (FSDP / reference)", " ".join(f"{x:.5f}" for x in result.reference_losses),
               " ".join(f"{x:.5f}" for x in result.losses), "")
     return t
+
+
+def memory_table(peak: int, breakdown: dict[str, int]) -> Table:
+    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)}", title_justify="left")
+    t.add_column("part")
+    t.add_column("bytes at peak", justify="right")
+    for k, v in breakdown.items():
+        t.add_row(k.replace("_", " "), fmt_bytes(v))
+    return t
