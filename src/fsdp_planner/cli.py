@@ -54,6 +54,14 @@ def _policy_plan(args: argparse.Namespace, tr: Trace, name: str) -> Plan:
     return policy.plan(tr, args.model)
 
 
+def _plan_from_args(args: argparse.Namespace, command: str) -> tuple[Trace, Plan]:
+    """The traced model and the plan named by exactly one of --plan FILE / --policy NAME."""
+    if bool(args.plan) == bool(args.policy):
+        raise PlannerError(f"{command} needs exactly one of --plan FILE or --policy NAME")
+    tr = _trace(args.model)
+    return tr, Plan.load(args.plan, tr) if args.plan else _policy_plan(args, tr, args.policy)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     tr = _trace(args.model)
     names = [args.policy] if args.policy else list(POLICY_NAMES)
@@ -108,11 +116,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fsdp_planner.report import fmt_time, memory_table
     from fsdp_planner.simulate import simulate
 
-    if bool(args.plan) == bool(args.policy):
-        raise PlannerError("simulate needs exactly one of --plan FILE or --policy NAME")
     cluster = parse_cluster(args.cluster)
-    tr = _trace(args.model)
-    plan = Plan.load(args.plan, tr) if args.plan else _policy_plan(args, tr, args.policy)
+    tr, plan = _plan_from_args(args, "simulate")
     report = simulate(tr, plan, cluster, _sim_options(args))
     if args.json:
         print(json.dumps(report.summary(), indent=2))
@@ -156,7 +161,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     cluster.save(args.out)
     for kind, fits in cluster.fits.items():
         for n, (alpha, busbw) in sorted(fits.items()):
-            console.print(f"{kind:15s} {n:5d} ranks: latency {alpha * 1e6:.1f} us, bus bandwidth {busbw / 1e9:.1f} GB/s")
+            console.print(f"{kind:15s} {n:5d} ranks: latency {alpha * 1e6:.1f} us, "
+                          f"bus bandwidth {busbw / 1e9:.1f} GB/s")
     console.print(f"cluster written to {args.out}")
     return 0
 
@@ -180,10 +186,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from fsdp_planner.verify import result_dict, run_verify
 
-    if bool(args.plan) == bool(args.policy):
-        raise PlannerError("verify needs exactly one of --plan FILE or --policy NAME")
-    tr = _trace(args.model)
-    plan = Plan.load(args.plan, tr) if args.plan else _policy_plan(args, tr, args.policy)
+    tr, plan = _plan_from_args(args, "verify")
     if not args.json:
         console.print(f"verifying [bold]{plan.policy or args.plan}[/bold] on {args.model} with "
                       f"{args.nproc} processes, {args.steps} steps ...")
@@ -260,21 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="write the plan JSON here")
     pl.set_defaults(fn=cmd_plan)
 
+    def plan_source(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("model")
+        sp.add_argument("--plan", help="plan JSON file")
+        sp.add_argument("--policy", choices=POLICY_NAMES)
+        policy_options(sp)
+
     v = sub.add_parser("verify", help="train with the plan under torchrun and check it against the prediction")
-    v.add_argument("model")
-    v.add_argument("--plan", help="plan JSON file")
-    v.add_argument("--policy", choices=POLICY_NAMES)
-    policy_options(v)
+    plan_source(v)
     v.add_argument("--nproc", type=int, default=2)
     v.add_argument("--steps", type=int, default=3)
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_verify)
 
     si = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
-    si.add_argument("model")
-    si.add_argument("--plan", help="plan JSON file")
-    si.add_argument("--policy", choices=POLICY_NAMES)
-    policy_options(si)
+    plan_source(si)
     sim_options(si, cluster_required=True)
     si.add_argument("--json", action="store_true")
     si.set_defaults(fn=cmd_simulate)
