@@ -12,6 +12,7 @@ outside their own module.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 ROOT = ""
@@ -415,7 +416,7 @@ def trace(
         handles.append(m.register_forward_hook(tracer.post_forward, always_call=True))
     loss_fn = loss_fn or default_loss
     try:
-        with _maybe(fake_mode), _Recorder(tracer), torch.autograd.graph.saved_tensors_hooks(
+        with fake_mode or contextlib.nullcontext(), _Recorder(tracer), torch.autograd.graph.saved_tensors_hooks(
             tracer.pack_saved, lambda t: t
         ):
             output = model(*args, **kwargs)
@@ -478,34 +479,6 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
     return (example_inputs,), {}
-
-
-class _maybe:
-    """``with _maybe(ctx)``: enter ``ctx`` unless it is None."""
-
-    def __init__(self, ctx: Any) -> None:
-        self.ctx = ctx
-
-    def __enter__(self) -> Any:
-        return self.ctx.__enter__() if self.ctx is not None else None
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self.ctx.__exit__(*exc) if self.ctx is not None else None
-
-
-def to_meta_inputs(example_inputs: Any) -> Any:
-    """Meta copies of example inputs (same shapes and dtypes)."""
-    return tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device="meta"), example_inputs)
-
-
-def param_uses(trace: Trace) -> list[list[int]]:
-    """Per parameter, the event indices of the ops that read it."""
-    uses: list[list[int]] = [[] for _ in trace.params]
-    for i, e in enumerate(trace.events):
-        if e.kind == OP:
-            for p in e.params:
-                uses[p].append(i)
-    return uses
 
 
 __all__: Sequence[str] = ["Event", "ModuleInfo", "ParamInfo", "Trace", "default_loss", "trace"]
