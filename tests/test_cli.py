@@ -115,3 +115,38 @@ def test_cost_model_bad_input(args, message):
     assert r.returncode == 2
     assert message in r.stderr.lower() and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_plan_auto_with_budget_explain_and_json(tmp_path):
+    r = run("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:64", "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "faster than the best classic policy" in r.stdout and "held by" in r.stdout
+    r = run("plan", "toy-llama", "--cluster", "h100:64", "--json")
+    data = json.loads(r.stdout)
+    assert [p["plan"]["policy"].split("(")[0] for p in data["plans"]] == ["module", "size", "titan", "order", "auto"]
+    steps = [p["simulation"]["step_time"] for p in data["plans"]]
+    assert steps[-1] <= min(steps[:-1]) * (1 + 1e-9)
+    assert data["auto"]["fits"] and data["auto"]["plans_simulated"] >= 5
+    out = tmp_path / "auto.json"
+    r = run("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "3.2MiB",
+            "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    r = run("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--json")
+    assert json.loads(r.stdout)["peak_memory"] <= 3.2 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "1KiB"),
+         "no plan fits the memory budget"),
+        (("plan", "toy-llama", "--policy", "auto", "--memory-budget", "lots"), "size"),
+        (("plan", "toy-llama", "--policy", "order", "--explain"), "--explain"),
+        (("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "0"), "positive"),
+    ],
+)
+def test_auto_bad_input(args, message):
+    r = run(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -84,3 +84,42 @@ def test_llama3_70b_on_1024_gpus_plans_in_seconds():
     reports = [simulate(tr, make_policy(n).plan(tr), cluster) for n in POLICIES]
     assert time.perf_counter() - start < 60  # generous on a loaded 2-core CI machine; ~6 s measured
     assert all(r.step_time > r.compute_time for r in reports)
+
+
+@pytest.mark.parametrize("spec", ["toy-llama", "toy-gpt2-tied", "t5-3b"])
+def test_fast_path_equals_full_timeline(spec):
+    tr = traced(spec)
+    cluster = parse_cluster("h100:64")
+    for name in POLICIES:
+        plan = make_policy(name).plan(tr)
+        full = simulate(tr, plan, cluster)
+        fast = simulate(tr, plan, cluster, timeline=False)
+        assert fast.step_time == pytest.approx(full.step_time, rel=1e-12)
+        assert fast.peak_memory == full.peak_memory and not fast.timeline
+
+
+def test_communication_streams_share_the_links():
+    """All-gather and reduce-scatter bytes cross the same links. On a network-bound cluster (free compute, no
+    latency) the step is exactly every collective's data back to back; with independent streams it would be
+    shorter wherever a reduce-scatter overlaps an all-gather."""
+    from fsdp_planner.cost import alpha_beta
+
+    tr = traced("toy-llama")
+    h100 = parse_cluster("h100:8")
+    slow = Link(bus_bandwidth=1e6, base_latency=0.0, hop_latency=0.0, half_bw_bytes=0)
+    fast_gpu = dataclasses.replace(h100.gpu, hbm_bandwidth=1e30, peak_bf16_flops=1e30, peak_fp32_flops=1e30)
+    cluster = dataclasses.replace(h100, intra=slow, inter=slow, gpu=fast_gpu)
+    for name in POLICIES:
+        r = simulate(tr, make_policy(name).plan(tr), cluster)
+        data = sum(7 / 8 * b / alpha_beta(cluster, k)[1]
+                   for k, b in (("all_gather", r.all_gather_bytes), ("reduce_scatter", r.reduce_scatter_bytes)))
+        assert r.step_time == pytest.approx(data, rel=1e-9)
+        assert r.lower_bound <= data * (1 + 1e-9)
+
+
+def test_all_gather_buffer_is_counted_at_copy_out(seed_trace):
+    cluster = parse_cluster("h100:8")
+    plan = make_plan(seed_trace, [])
+    r = simulate(seed_trace, plan, cluster, SimOptions(precision="fp32"))
+    static = r.memory_at_peak["params"] + r.memory_at_peak["grads"] + r.memory_at_peak["optimizer_state"]
+    assert r.peak_memory >= static + 2 * seed_trace.nbytes  # unsharded params + the all-gather output

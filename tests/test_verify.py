@@ -56,3 +56,34 @@ def test_mismatch_is_reported_not_hidden():
     assert result.counted[0] != predicted
     result.predicted = predicted
     assert not result.counts_match and not result.ok
+
+
+@pytest.mark.parametrize("spec", ["toy-llama", "seed-net", "toy-gpt2-tied"])
+def test_auto_plans_train_on_real_runs(spec):
+    """The issue's command, as a user types it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "auto", "--nproc", "2",
+                          "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout
+
+
+def test_auto_under_a_tight_budget_with_prefetch_trains_on_a_real_run():
+    """Many list groups that cut across blocks, plus explicit prefetch lists: still exact."""
+    from fsdp_planner.auto import AutoPolicy
+    from fsdp_planner.cluster import parse_cluster
+
+    tr = traced("toy-llama")
+    cluster = parse_cluster("h100:2")
+    free = AutoPolicy(cluster).search(tr)
+    plan = AutoPolicy(cluster, int(free.min_peak * 1.02)).plan(tr, "toy-llama")
+    inner = [i for i, g in enumerate(plan.groups) if not g.is_root]
+    assert len(inner) >= 4 and any(len(g.modules) > 1 for g in plan.groups)
+    for pos, i in enumerate(inner):
+        plan.groups[i].forward_prefetch = inner[pos + 1:pos + 3]
+        plan.groups[i].backward_prefetch = inner[max(0, pos - 2):pos][::-1]
+    result = run_verify("toy-llama", tr, plan, nproc=2, steps=2)
+    assert result.max_abs_diff <= 1e-5 and result.counts_match, (result.counted, result.predicted)
+    assert result.ok

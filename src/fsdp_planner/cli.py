@@ -24,16 +24,37 @@ from fsdp_planner.trace import Trace, trace
 
 # Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
 console = Console(width=None if sys.stdout.isatty() else 150)
+notes = Console(stderr=True, width=None if sys.stderr.isatty() else 150)  # keeps --json output clean
 
 
-def _trace(spec: str) -> Trace:
+def _trace(spec: str, measure: bool = False) -> Trace:
+    """The model's trace on meta tensors; with ``measure``, then timed for real on the local device."""
     lm = load_model(spec, meta=True)
     try:
-        return trace(lm.model, lm.example_inputs, lm.loss_fn)
+        tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
     except PlannerError:
         raise
     except Exception as e:
         raise PlannerError(f"tracing '{spec}' failed: {type(e).__name__}: {e}") from e
+    if not measure:
+        return tr
+    from fsdp_planner.measure import check_fits, local_device
+    from fsdp_planner.measure import measure as measure_ops
+
+    device = local_device()
+    check_fits(tr, device, spec)
+    real = load_model(spec, meta=False)
+    try:
+        measured = measure_ops(real.model, real.example_inputs, real.loss_fn, device=device)
+    except PlannerError:
+        raise
+    except Exception as e:
+        raise PlannerError(f"measuring '{spec}' on {device.type} failed: {type(e).__name__}: {e}") from e
+    notes.print(f"[dim]compute times measured on this machine's {device.type} "
+                  f"({sum(measured.op_seconds or []) * 1e3:.1f} ms of ops per step)"
+                  f"{'; CPU times, not the cluster GPUs' if device.type == 'cpu' else ''}[/dim]",
+                  highlight=False)
+    return measured
 
 
 def _classes(arg: str | None) -> tuple[str, ...]:
@@ -49,24 +70,61 @@ def _size(arg: str | None) -> int | None:
 
 
 def _policy_plan(args: argparse.Namespace, tr: Trace, name: str) -> Plan:
+    if name == "auto":
+        return _auto_result(args, tr).plan
     policy = make_policy(name, _classes(args.module_classes), args.min_nonwrapped_numel,
                          _size(getattr(args, "target_bytes", None)))
     return policy.plan(tr, args.model)
+
+
+def _auto_cluster(args: argparse.Namespace) -> str:
+    """--cluster, or (verify) the local run's size, or h100:8."""
+    if getattr(args, "cluster", None):
+        return args.cluster
+    nproc = getattr(args, "nproc", None)
+    return f"h100:{nproc}" if nproc and nproc <= 8 else "h100:8"
+
+
+def _auto_result(args: argparse.Namespace, tr: Trace) -> Any:
+    """Run AutoPolicy as the arguments say (once per command: plan and its table share it)."""
+    cached = getattr(args, "_auto", None)
+    if cached is not None:
+        return cached
+    from fsdp_planner.auto import AutoPolicy, infeasible_message
+    from fsdp_planner.cluster import parse_cluster
+
+    cluster = parse_cluster(_auto_cluster(args))
+    budget = _size(getattr(args, "memory_budget", None))
+    options = _sim_options(args) if hasattr(args, "mfu") else None
+    policy = AutoPolicy(cluster, budget, getattr(args, "target", "fsdp2"), **({"options": options} if options
+                                                                              else {}))
+    result = policy.search(tr, args.model)
+    if not result.fits:
+        raise PlannerError(infeasible_message(result, cluster))
+    args._auto = result
+    return result
 
 
 def _plan_from_args(args: argparse.Namespace, command: str) -> tuple[Trace, Plan]:
     """The traced model and the plan named by exactly one of --plan FILE / --policy NAME."""
     if bool(args.plan) == bool(args.policy):
         raise PlannerError(f"{command} needs exactly one of --plan FILE or --policy NAME")
-    tr = _trace(args.model)
+    tr = _trace(args.model, getattr(args, "measure", False))
     return tr, Plan.load(args.plan, tr) if args.plan else _policy_plan(args, tr, args.policy)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    tr = _trace(args.model)
-    names = [args.policy] if args.policy else list(POLICY_NAMES)
+    if args.explain and args.policy != "auto":
+        raise PlannerError("--explain explains an auto plan: add --policy auto")
+    _size(args.memory_budget)  # a bad size fails before any work
+    if args.policy == "auto" and not args.cluster:
+        args.cluster = "h100:8"
+        notes.print("auto: no --cluster given, planning for h100:8", highlight=False)
+    tr = _trace(args.model, args.measure)
+    names = [args.policy] if args.policy else [*POLICY_NAMES, *(["auto"] if args.cluster else [])]
     plans = [_policy_plan(args, tr, n) for n in names]
-    rows = [(p, plan_metrics(tr, p), _sim_extra(args, tr, p)) for p in plans]
+    context = _sim_context(args, tr)
+    rows = [(p, plan_metrics(tr, p), _sim_extra(context, tr, p)) for p in plans]
     if args.out:
         if len(plans) != 1:
             raise PlannerError("--out writes one plan: choose it with --policy")
@@ -77,6 +135,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **({"simulation": x} if x else {})}
                       for p, m, x in rows],
         }
+        auto = getattr(args, "_auto", None)
+        if auto is not None:
+            out["auto"] = {"budget": auto.budget, "budget_source": auto.budget_source, "fits": auto.fits,
+                           "plans_simulated": auto.evaluated, "seconds": auto.seconds}
         print(json.dumps(out, indent=2))
         return 0
     console.print(f"[bold]{args.model}[/bold]: {tr.numel:,} params ({fmt_bytes(tr.nbytes)}), "
@@ -85,6 +147,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if len(plans) == 1:
         console.print(groups_table(plans[0], tr))
     console.print(comparison_table("per training step (FSDP2 semantics)", rows))
+    if getattr(args, "_auto", None) is not None:
+        _print_auto(args, args._auto)
     if args.out:
         console.print(f"plan written to {args.out}")
     return 0
@@ -101,14 +165,44 @@ def _sim_options(args: argparse.Namespace) -> Any:
     return SimOptions(mfu=args.mfu, precision=args.precision, optimizer=args.optimizer)
 
 
-def _sim_extra(args: argparse.Namespace, tr: Trace, plan: Plan) -> dict[str, Any] | None:
+def _sim_context(args: argparse.Namespace, tr: Trace) -> Any:
+    """One simulation context for every plan of this command (None without --cluster)."""
     if not getattr(args, "cluster", None):
         return None
     from fsdp_planner.cluster import parse_cluster
+    from fsdp_planner.simulate import SimContext
+
+    return SimContext(tr, parse_cluster(args.cluster), _sim_options(args))
+
+
+def _sim_extra(context: Any, tr: Trace, plan: Plan) -> dict[str, Any] | None:
+    if context is None:
+        return None
     from fsdp_planner.simulate import simulate
 
-    report = simulate(tr, plan, parse_cluster(args.cluster), _sim_options(args))
-    return report.summary()
+    return simulate(tr, plan, context=context, timeline=False).summary()
+
+
+def _print_auto(args: argparse.Namespace, result: Any) -> None:
+    from fsdp_planner.report import explain_table, fmt_time
+
+    best_other = min(result.baselines.values(), key=lambda c: c.report.step_time, default=None)
+    n = len(result.plan.inner_groups)
+    line = (f"auto: {n} group{'s' if n != 1 else ''}, step {fmt_time(result.report.step_time)}, peak "
+            f"{fmt_bytes(result.report.peak_memory)} within the budget {fmt_bytes(result.budget)} "
+            f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
+    if best_other is not None:
+        gain = 1 - result.report.step_time / best_other.report.step_time
+        line += f"; {gain:.1%} faster than the best classic policy, {best_other.origin}"
+    console.print(line, highlight=False)
+    if args.explain:
+        from fsdp_planner.auto import REASONS, explain
+        from fsdp_planner.report import explain_legend
+
+        rows = explain(result)
+        console.print(explain_table(rows, result.report.step_time, result.report.peak_memory))
+        console.print("held by:\n" + explain_legend({k: v for k, v in REASONS.items()
+                                                     if any(r.reason == k for r in rows)}), highlight=False)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -118,7 +212,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     cluster = parse_cluster(args.cluster)
     tr, plan = _plan_from_args(args, "simulate")
-    report = simulate(tr, plan, cluster, _sim_options(args))
+    report = simulate(tr, plan, cluster, _sim_options(args), timeline=False)
     if args.json:
         print(json.dumps(report.summary(), indent=2))
         return 0
@@ -247,26 +341,34 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--precision", default="bf16-mixed",
                         help="fp32, bf16-mixed (default), pure-bf16, autocast, autocast-nocache")
         sp.add_argument("--optimizer", default="adamw", help="sgd, sgd-momentum, adam, adamw (default)")
+        sp.add_argument("--measure", action="store_true",
+                        help="time the model's ops for real on this machine (GPU if present) instead of the "
+                             "roofline estimate; the model must fit unsharded")
 
     def policy_options(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--module-classes", help="comma-separated class names (default: the repeated block class)")
         sp.add_argument("--min-nonwrapped-numel", type=int, default=None,
                         help="size policy threshold (default 1e8, FSDP1's)")
         sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
+        sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the "
+                                                "peak of the fastest classic policy)")
+        sp.add_argument("--target", choices=("fsdp2", "fsdp1"), default="fsdp2",
+                        help="auto: plans FSDP2 can apply (default) or only what FSDP1 can express")
 
     pl = sub.add_parser("plan", help="plan FSDP groups for a model; without --policy compare all policies")
     pl.add_argument("model", help="built-in name, path/file.py:fn or package.module:fn")
-    pl.add_argument("--policy", choices=POLICY_NAMES)
+    pl.add_argument("--policy", choices=(*POLICY_NAMES, "auto"))
     policy_options(pl)
     sim_options(pl, cluster_required=False)
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--out", help="write the plan JSON here")
+    pl.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
     pl.set_defaults(fn=cmd_plan)
 
     def plan_source(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("model")
         sp.add_argument("--plan", help="plan JSON file")
-        sp.add_argument("--policy", choices=POLICY_NAMES)
+        sp.add_argument("--policy", choices=(*POLICY_NAMES, "auto"))
         policy_options(sp)
 
     v = sub.add_parser("verify", help="train with the plan under torchrun and check it against the prediction")

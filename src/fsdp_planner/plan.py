@@ -204,11 +204,16 @@ def application_order(plan: Plan) -> list[int]:
 
 
 def module_children(trace: Trace) -> dict[str, list[str]]:
-    children: dict[str, list[str]] = {fqn: [] for fqn in trace.modules}
-    for fqn in trace.modules:
-        if fqn != ROOT:
-            children[parent_of(fqn)].append(fqn)
-    return children
+    """Direct children per module (computed once per trace; do not mutate)."""
+
+    def compute() -> dict[str, list[str]]:
+        children: dict[str, list[str]] = {fqn: [] for fqn in trace.modules}
+        for fqn in trace.modules:
+            if fqn != ROOT:
+                children[parent_of(fqn)].append(fqn)
+        return children
+
+    return trace.memo("children", compute)
 
 
 def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.plan import Plan, is_descendant, make_plan, module_children, parent_of
+from fsdp_planner.plan import Plan, make_plan, module_children, parent_of
 from fsdp_planner.trace import ROOT, Trace
 
 _CONTAINERS = {"ModuleList", "Sequential", "ModuleDict"}
@@ -138,7 +138,8 @@ class TorchtitanPolicy:
         if block_cls is None:
             raise PlannerError("the model has no repeated block class for the torchtitan policy")
         blocks = find_class_instances(trace, [block_cls])
-        blocks = [b for b in blocks if not any(b != o and is_descendant(b, o) for o in blocks)]
+        block_set = set(blocks)
+        blocks = [b for b in blocks if not _has_ancestor_in(b, block_set)]
         chain: set[str] = set()  # ancestors of blocks: containers whose other children are side modules
         for b in blocks:
             a = b
@@ -151,10 +152,9 @@ class TorchtitanPolicy:
         first_block = min(trace.modules[b].first_use for b in blocks if trace.modules[b].first_use >= 0) \
             if any(trace.modules[b].first_use >= 0 for b in blocks) else 0
 
-        def first_use(fqn: str) -> int:
-            uses = [trace.modules[m].first_use for m in trace.modules if is_descendant(m, fqn)
-                    and trace.modules[m].first_use >= 0]
-            return min(uses) if uses else len(trace.events)
+        def first_use(fqn: str) -> int:  # ModuleInfo.first_use already covers the subtree
+            use = trace.modules[fqn].first_use
+            return use if use >= 0 else len(trace.events)
 
         side.sort(key=first_use)
         pre = [s for s in side if first_use(s) < first_block]
@@ -193,10 +193,22 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
     for p in trace.params:
         for o in p.owners[1:]:
             parent[find(o)] = find(p.owners[0])
-    for w in whole:
-        inside = [m for m in owners if is_descendant(m, w)]
-        for m in inside[1:]:
-            parent[find(m)] = find(inside[0])
+    whole_set = set(whole)
+    first_inside: dict[str, str] = {}  # outermost whole module -> the first owner found inside it
+    for m in owners:
+        w, a = None, m
+        while True:
+            if a in whole_set:
+                w = a
+            if a == ROOT:
+                break
+            a = parent_of(a)
+        if w is None:
+            continue
+        if w in first_inside:
+            parent[find(m)] = find(first_inside[w])
+        else:
+            first_inside[w] = m
     members: dict[str, list[str]] = {}
     for m in owners:
         members.setdefault(find(m), []).append(m)
@@ -226,7 +238,7 @@ def compress_modules(trace: Trace, modules: list[str], children: dict[str, list[
             covered[fqn] = own_ok and all(covers(c) for c in children[fqn])
         return covered[fqn]
 
-    out: list[str] = []
+    tops: dict[str, None] = {}
     for m in modules:
         top = m
         a = m
@@ -235,10 +247,18 @@ def compress_modules(trace: Trace, modules: list[str], children: dict[str, list[
             if a == ROOT or not covers(a):
                 break
             top = a
-        if top not in out and not any(is_descendant(top, o) for o in out):
-            out = [o for o in out if not is_descendant(o, top)]
-            out.append(top)
-    return out
+        tops[top] = None
+    return [t for t in tops if not _has_ancestor_in(t, tops)]
+
+
+def _has_ancestor_in(fqn: str, fqns: dict[str, None] | set[str]) -> bool:
+    """Whether a proper ancestor of ``fqn`` (other than the root) is in ``fqns``."""
+    a = fqn
+    while a:
+        a = parent_of(a)
+        if a and a in fqns:
+            return True
+    return False
 
 
 @dataclass

@@ -110,3 +110,29 @@ def memory_table(peak: int, breakdown: dict[str, int]) -> Table:
     for k, v in breakdown.items():
         t.add_row(k.replace("_", " "), fmt_bytes(v))
     return t
+
+
+def explain_legend(reasons: dict[str, str]) -> str:
+    return "\n".join(f"  {k}: {v}" for k, v in reasons.items())
+
+
+def explain_table(rows: list, step_time: float, peak: int) -> Table:
+    """``auto.explain`` as a table: per group its size, all-gather terms, boundary reason, best alternative."""
+    t = Table(title=f"why the groups are where they are (step {fmt_time(step_time)}, peak {fmt_bytes(peak)})")
+    for col in ("#", "modules", "size", "all-gather", "latency", "hidden by", "held by",
+                "best alternative", "its step", "its peak"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        mods = r.modules[0] + (f" +{len(r.modules) - 1}" if len(r.modules) > 1 else "")
+        t.add_row(str(r.group), mods, fmt_bytes(r.nbytes), fmt_time(r.all_gather), f"{r.latency_share:.0%}",
+                  fmt_time(r.hidden_by), r.reason, r.alternative,
+                  _delta_time(r.alternative_step, step_time), _delta_bytes(r.alternative_peak, peak))
+    return t
+
+
+def _delta_time(alt: float | None, base: float) -> str:
+    return "-" if alt is None else f"{fmt_time(alt)} ({(alt - base) / base:+.2%})"
+
+
+def _delta_bytes(alt: int | None, base: int) -> str:
+    return "-" if alt is None else f"{fmt_bytes(alt)} ({(alt - base) / base:+.1%})"

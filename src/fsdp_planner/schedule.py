@@ -101,7 +101,7 @@ def build_schedule(
     """Replay FSDP2 over ``trace`` with ``plan``'s groups."""
     n = len(plan.groups)
     gbytes = group_bytes(plan, trace, param_itemsize)
-    grad_users = forward_users(trace)
+    grad_users = trace.memo("forward_users", lambda: forward_users(trace))
     grad_params = [[trace.param_index(p) for p in g.params if trace.param(p).requires_grad
                     and grad_users[trace.param_index(p)]] for g in plan.groups]
     reduced: set[int] = set()
@@ -180,7 +180,8 @@ def build_schedule(
         st[i].training = "idle"
         pre_bw_at.setdefault(key, []).append(i)
 
-    for idx, e in enumerate(trace.events):
+    for idx in trace.boundary_events():
+        e = trace.events[idx]
         if e.kind == FWD_PRE and e.module in group_of:
             i = group_of[e.module]
             s = st[i]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,8 +100,10 @@ class Trace:
     events: list[Event]
     fingerprint: str
     buffers_nbytes: int = 0
+    op_seconds: list[float] | None = None  # measured seconds per event (0 for boundaries), see measure.py
     _param_index: dict[str, int] = field(default_factory=dict, repr=False)
     _subtree: dict[str, frozenset[str]] | None = field(default=None, repr=False)
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._param_index = {}
@@ -131,14 +134,28 @@ class Trace:
     def bwd_flops(self) -> int:
         return sum(e.flops for e in self.events if e.kind == OP and e.backward)
 
+    def memo(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per trace: derived views that planners ask for again and again."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
     def param_first_use(self) -> dict[int, int]:
         """Index of the first op using each parameter (forward first, then backward-only uses)."""
-        first: dict[int, int] = {}
-        for i, e in enumerate(self.events):
-            if e.kind == OP:
-                for p in e.params:
-                    first.setdefault(p, i)
-        return first
+
+        def compute() -> dict[int, int]:
+            first: dict[int, int] = {}
+            for i, e in enumerate(self.events):
+                if e.kind == OP:
+                    for p in e.params:
+                        first.setdefault(p, i)
+            return first
+
+        return dict(self.memo("param_first_use", compute))
+
+    def boundary_events(self) -> list[int]:
+        """Indices of the module-boundary events (everything but ops): where FSDP2's hooks run."""
+        return self.memo("boundaries", lambda: [i for i, e in enumerate(self.events) if e.kind != OP])
 
     def subtree_params(self, fqn: str) -> frozenset[str]:
         """Canonical FQNs of all params registered in ``fqn``'s subtree (computed once for all modules)."""
@@ -202,8 +219,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         t = self.tracer
+        if t.sync is None:
+            out = func(*args, **kwargs)
+        else:
+            t.sync()
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            t.sync()
+            t.seconds[len(t.events)] = time.perf_counter() - start
         used: set[int] = set()
         nbytes = 0
         flat_in = tree_flatten((args, kwargs))[0]
@@ -252,6 +276,8 @@ class _Tracer:
         self.backward = False
         self.saved_storages: set[StorageWeakRef] = set()
         self.last_op_saved = 0
+        self.sync: Callable[[], None] | None = None  # set when timing ops: waits for the device
+        self.seconds: dict[int, float] = {}  # event index -> measured seconds of that op
 
     # -- ops ---------------------------------------------------------------------------------------
     def current_module(self) -> str:
@@ -379,11 +405,14 @@ def trace(
     model: nn.Module,
     example_inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    measure: bool = False,
 ) -> Trace:
     """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
 
     ``example_inputs`` is a tuple of positional args (a single tensor is accepted too) or a dict of kwargs.
     A model with real (non-meta) parameters is run under FakeTensorMode, so no real memory or compute is used.
+    With ``measure=True`` the model runs for real on its device instead and every op is timed
+    (``Trace.op_seconds``); ``measure.py`` wraps this with warm-up and repeats.
     """
     params, param_objs = collect_params(model)
     index = {id(p): i for i, p in enumerate(param_objs)}
@@ -399,12 +428,16 @@ def trace(
     on_meta = all(p.is_meta for p in param_objs) and all(
         t.is_meta for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
     )
+    if measure and (on_meta or any(p.is_meta for p in param_objs)):
+        raise ValueError("measuring op times needs a model with real (non-meta) parameters and inputs")
     fake_mode = None
-    if not on_meta:
+    if not on_meta and not measure:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     tracer = _Tracer(model, params, param_objs)
+    if measure:
+        tracer.sync = _device_sync(param_objs)
     if fake_mode is not None:
         for i, p in enumerate(param_objs):
             fp = fake_mode.from_tensor(p)
@@ -434,8 +467,16 @@ def trace(
     events = tracer.events
     _fill_module_stats(modules, events, tracer.calls, params)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    seconds = [tracer.seconds.get(i, 0.0) for i in range(len(events))] if measure else None
     return Trace(params=params, modules=modules, events=events, fingerprint=model_fingerprint(model),
-                 buffers_nbytes=buffers)
+                 buffers_nbytes=buffers, op_seconds=seconds)
+
+
+def _device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:
+    """A barrier for timing: CUDA kernels run asynchronously, CPU ops do not."""
+    if any(p.is_cuda for p in param_objs):
+        return torch.cuda.synchronize
+    return lambda: None
 
 
 def _fill_module_stats(
@@ -473,6 +514,32 @@ def _fill_module_stats(
             fqn = fqn.rpartition(".")[0]
 
 
+def compact(trace: Trace, times: list[float]) -> tuple[Trace, list[float]]:
+    """The same step with each run of consecutive param-free ops of one module merged into one op (FLOPs,
+    bytes, saved bytes and ``times`` summed), for planners that simulate many plans.
+
+    Simulation results are unchanged: such ops never wait for an all-gather, FSDP2's hooks sit only at module
+    boundaries, and activations are freed only at boundaries, so sums over a run are all that matter.
+    """
+    events: list[Event] = []
+    out_times: list[float] = []
+    for e, t in zip(trace.events, times, strict=True):
+        prev = events[-1] if events else None
+        if (prev is not None and e.kind == OP and prev.kind == OP and not e.params and not prev.params
+                and e.module == prev.module and e.backward == prev.backward):
+            events[-1] = Event(OP, e.module, params=(), flops=prev.flops + e.flops, nbytes=prev.nbytes + e.nbytes,
+                               saved=prev.saved + e.saved, backward=e.backward)
+            out_times[-1] += t
+        else:
+            events.append(e)
+            out_times.append(t)
+    modules = {f: ModuleInfo(f, m.cls, m.params) for f, m in trace.modules.items()}
+    _fill_module_stats(modules, events, {f: m.calls for f, m in trace.modules.items()}, trace.params)
+    small = Trace(params=trace.params, modules=modules, events=events, fingerprint=trace.fingerprint,
+                  buffers_nbytes=trace.buffers_nbytes)
+    return small, out_times
+
+
 def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
@@ -481,4 +548,4 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     return (example_inputs,), {}
 
 
-__all__: Sequence[str] = ["Event", "ModuleInfo", "ParamInfo", "Trace", "default_loss", "trace"]
+__all__: Sequence[str] = ["Event", "ModuleInfo", "ParamInfo", "Trace", "compact", "default_loss", "trace"]
