@@ -87,3 +87,15 @@ def test_auto_under_a_tight_budget_with_prefetch_trains_on_a_real_run():
     result = run_verify("toy-llama", tr, plan, nproc=2, steps=2)
     assert result.max_abs_diff <= 1e-5 and result.counts_match, (result.counted, result.predicted)
     assert result.ok
+
+
+def test_int_reshard_after_forward_on_four_ranks():
+    """What auto chooses on multi-node clusters (reshard to a node-sized sub-group) is exact on a real run: the
+    backward all-gathers run on 2-rank sub-groups of a 4-rank world."""
+    tr = traced("toy-llama")
+    plan = make_policy("order").plan(tr, "toy-llama")
+    for g in plan.groups[1:-2]:
+        g.reshard_after_forward = 2
+    result = run_verify("toy-llama", tr, plan, nproc=4, steps=2)
+    assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
+    assert result.max_abs_diff <= 1e-5 and result.ok

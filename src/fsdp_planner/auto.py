@@ -112,8 +112,11 @@ class AutoPolicy:
         search.budget = budget
         search.consider(*baselines.values())
         search.structured()
+        search.classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
         search.refine(time.perf_counter() + self.refine_seconds)
         best = search.best()
+        if self.target == "fsdp2" and best.plan.root.params:
+            best = search.prefer_empty_root(best)
         label = f"auto({self.cluster.name}, {_fmt_bytes(budget)}{', fsdp1' if self.target == 'fsdp1' else ''})"
         plan = best.plan
         plan.policy, plan.model = label, model
@@ -126,9 +129,8 @@ class AutoPolicy:
 
 
 def infeasible_message(result: AutoResult, cluster: Cluster) -> str:
-    gib = 2**30
-    return (f"no plan fits the memory budget of {result.budget / gib:.2f} GiB per rank on {cluster.name}: the "
-            f"smallest peak any plan reaches is {result.min_peak / gib:.2f} GiB (most of it fixed: sharded "
+    return (f"no plan fits the memory budget of {_fmt_bytes(result.budget)} per rank on {cluster.name}: the "
+            f"smallest peak any plan reaches is {_fmt_bytes(result.min_peak)} (most of it fixed: sharded "
             f"state and activations); raise --memory-budget to at least that or use more GPUs")
 
 
@@ -215,10 +217,11 @@ class _Search:
         self.budget = 0
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
+        self.classic_step = float("inf")  # the fastest classic policy's step time
         self.children = module_children(trace)
         blocks = default_block_class(trace, in_container_only=True) is not None
-        self.atoms = plan_atoms(trace, whole_blocks=blocks)
-        self.fine_atoms = plan_atoms(trace, whole_blocks=False) if blocks else self.atoms
+        self.atoms = plan_atoms(self.trace, whole_blocks=blocks)  # positions index the compacted trace
+        self.fine_atoms = plan_atoms(self.trace, whole_blocks=False) if blocks else self.atoms
 
     # -- evaluation ------------------------------------------------------------------------------
     def evaluate(self, plan: Plan, origin: str) -> Candidate:
@@ -284,8 +287,10 @@ class _Search:
 
     # -- step 2: structured candidates -----------------------------------------------------------
     def structured(self) -> None:
+        # module-tree cuts (what FSDP1 can express) are FSDP2 plans too: the root then plays a
+        # never-resharded group, which pays when backward all-gathers are latency-bound
+        self._fsdp1_candidates(24 if self.target == "fsdp1" else 8)
         if self.target == "fsdp1":
-            self._fsdp1_candidates()
             return
         for atoms in ([self.atoms, self.fine_atoms] if self.fine_atoms is not self.atoms else [self.atoms]):
             frugal = self.build(_segments(atoms, [[a] for a in atoms if not a.pinned]), [True] * _count(atoms))
@@ -296,22 +301,26 @@ class _Search:
                 continue
             sizes = np.array([a.nbytes for a in free], dtype=float)
             caps = _caps(sizes)
-            seen_cuts: set[tuple[int, ...]] = set()
             surrogate = _Surrogate(self.ctx, self.trace, atoms, free)
+            found: dict[tuple[int, ...], tuple[float, float]] = {}
             for cap in caps:
-                cuts = tuple(surrogate.best_cuts(cap))
-                if cuts in seen_cuts:
-                    continue
-                seen_cuts.add(cuts)
+                cuts, cost = surrogate.best_cuts(cap)
+                found.setdefault(tuple(cuts), (cost, cap))
+            # simulate in the surrogate's order until a few plans fit the budget (larger caps, more memory)
+            fitting = 0
+            for rank, (cuts, (_, cap)) in enumerate(sorted(found.items(), key=lambda kv: kv[1])):
+                if rank >= 4 and fitting >= 3:
+                    break
                 segs = [free[i:j] for i, j in zip((0, *cuts), (*cuts, len(free)), strict=True)]
                 plan = self.build(_segments(atoms, segs))
                 if plan is not None:
-                    self.evaluate(plan, f"dp({_fmt_bytes(cap)})")
+                    fitting += self.evaluate(plan, f"dp({_fmt_bytes(cap)})").report.peak_memory <= self.budget
 
-    def _fsdp1_candidates(self) -> None:
-        """FSDP1 units are single modules: evaluate module-tree cuts from per-block to per-leaf wrapping."""
-        numels = sorted({self.trace.param(p).numel for p in (pp.fqn for pp in self.trace.params)})
-        thresholds = sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(self.trace.numel, 2), 24)})
+    def _fsdp1_candidates(self, count: int) -> None:
+        """FSDP1 units are single modules: evaluate module-tree cuts from per-leaf wrapping to none (size-based
+        wrapping at ``count`` thresholds), and every param-owning module wrapped."""
+        numels = sorted({p.numel for p in self.trace.params})
+        thresholds = sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(self.trace.numel, 2), count)})
         for t in thresholds:
             plan = SizeBasedPolicy(t).plan(self.trace, self.model)
             self.evaluate(plan, f"size({t})")
@@ -324,12 +333,39 @@ class _Search:
             pass
 
     # -- step 3: refinement ----------------------------------------------------------------------
-    def refine(self, deadline: float) -> None:
-        best = self.best()
-        best = self._reshard_prefix(best)
-        if self.target == "fsdp2":
-            best = self._prefetch(best)
-            self._move_boundaries(best, deadline)
+    def refine(self, deadline: float, starts: int = 3) -> None:
+        """Refine the ``starts`` best distinct plans so far (one local optimum is not enough: a plan that is
+        second before refinement can end first), sharing the time until ``deadline``."""
+        ranked = sorted((c for c in self.seen if self.allowed(c.plan)), key=self.key)[:starts]
+        for n, start in enumerate(ranked):
+            share = time.perf_counter() + (deadline - time.perf_counter()) / (len(ranked) - n)
+            best = self._reshard_prefix(start)
+            if self.target == "fsdp2":
+                best = self._prefetch(best)
+                self._move_boundaries(best, share)
+
+    def prefer_empty_root(self, best: Candidate, slack: float = 1e-3) -> Candidate:
+        """A plan whose root manages nothing, if one is within ``slack`` of ``best``'s step time, no slower than
+        every classic policy and uses no more memory: that is what the plan is for, and the root's head start
+        (its all-gather issued first) is worth little. Candidates: every plan seen, and ``best`` with the params
+        its root holds but need not moved into a group of their own, kept unsharded after forward."""
+        held = [a for a in self.atoms if a.pinned != "root" and any(
+            p in best.plan.root.params for m in a.modules for p in self.trace.modules[m].params)]
+        alone = [a.modules for a in held if a.pinned == "alone"]  # reused or enclosing: never in a list
+        rest = [m for a in held if a.pinned != "alone" for m in a.modules]
+        new = [*alone, *([compress_modules(self.trace, rest, self.children)] if rest else [])]
+        if new:
+            groups = [list(g.modules) for g in best.plan.inner_groups]
+            reshard = [g.reshard_after_forward for g in best.plan.inner_groups]
+            try:
+                plan = make_plan(self.trace, [*groups, *new], [*reshard, *[False] * len(new)], model=self.model)
+                self.evaluate(plan, best.origin + " + root emptied")
+            except PlannerError:
+                pass
+        ok = [c for c in self.seen if not c.plan.root.params and self.allowed(c.plan)
+              and c.report.peak_memory <= best.report.peak_memory
+              and c.report.step_time <= min(best.report.step_time * (1 + slack), self.classic_step * (1 + 1e-9))]
+        return min(ok, key=self.key, default=best)
 
     def _better(self, c: Candidate, than: Candidate) -> bool:
         return self.allowed(c.plan) and self.key(c) < self.key(than)
@@ -379,30 +415,33 @@ class _Search:
         return best
 
     def _move_boundaries(self, best: Candidate, deadline: float) -> Candidate:
-        """Move one boundary between adjacent free groups by one atom, or merge two, while it pays."""
-        improved = True
-        while improved and time.perf_counter() < deadline:
-            improved = False
-            for alt in self._neighbours(best.plan, deadline):
+        """Move one boundary between adjacent free groups by one atom, or merge two, while it pays: sweep the
+        boundaries in turn, retrying one after a move it accepted, until a full sweep changes nothing."""
+        k, unchanged = 0, 0
+        while time.perf_counter() < deadline:
+            bounds = len(best.plan.inner_groups) - 1
+            if bounds < 1 or unchanged >= bounds:
+                break
+            k %= bounds
+            for alt in self._neighbours(best.plan, deadline, only=k):
                 c = self.evaluate(alt, best.origin + " + moved")
                 if self._better(c, best):
-                    best, improved = c, True
+                    best, unchanged = c, 0
                     break
+            else:
+                k, unchanged = k + 1, unchanged + 1
         return best
 
     def _aligned(self, plan: Plan) -> tuple[list[Atom], list[list[int]]] | None:
         """The atom list (whole blocks or fine) whose atoms ``plan``'s inner groups are unions of, with each
         group's atom indices; None when the plan splits atoms (a classic policy's may)."""
         for atoms in (self.atoms, self.fine_atoms):
-            atom_of: dict[str, int] = {}
-            for ai, a in enumerate(atoms):
-                for m in a.modules:
-                    for p in self.trace.modules[m].params:
-                        atom_of[p] = ai
+            atom_params = [{p for m in a.modules for p in self.trace.modules[m].params} for a in atoms]
+            atom_of = {p: ai for ai, ps in enumerate(atom_params) for p in ps}
             seq = [sorted({atom_of[p] for p in g.params}) for g in plan.inner_groups]
             flat = [x for s in seq for x in s]
-            sizes = [sum(len(self.trace.modules[m].params) for m in atoms[x].modules) for x in flat]
-            if len(flat) == len(set(flat)) and sum(sizes) == sum(len(g.params) for g in plan.inner_groups):
+            covered = sum(len(atom_params[x]) for x in flat)
+            if len(flat) == len(set(flat)) and covered == sum(len(g.params) for g in plan.inner_groups):
                 return atoms, seq
         return None
 
@@ -491,8 +530,9 @@ class _Surrogate:
         return sum(trace.param(p).nbytes for m in atom.modules for p in trace.modules[m].params
                    if trace.param(p).requires_grad)
 
-    def best_cuts(self, cap: float) -> list[int]:
-        """Segment ends (exclusive atom indices, the last omitted) minimising the surrogate, groups <= cap."""
+    def best_cuts(self, cap: float) -> tuple[list[int], float]:
+        """Segment ends (exclusive atom indices, the last omitted) minimising the surrogate with groups <= cap,
+        and the surrogate's step time for them."""
         n = len(self.P) - 1
         best = np.full(n + 1, np.inf)
         best[0] = 0.0
@@ -517,7 +557,7 @@ class _Surrogate:
             j = back[j]
             if j > 0:
                 cuts.append(j)
-        return sorted(cuts)
+        return sorted(cuts), float(best[n])
 
 
 # -- explanation -------------------------------------------------------------------------------------
@@ -555,7 +595,8 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
         ag = alpha + nbytes * per_byte if nbytes else 0.0
         prev = ctx.cum[starts[k]] - ctx.cum[starts[k - 1]] if k > 0 else 0.0
         alts = [(what, c) for what, p in search._moves(plan, float("inf"), only=k)
-                for c in [search.evaluate(p, "explain")]] if k + 1 < len(plan.inner_groups) else []
+                if search.allowed(p) for c in [search.evaluate(p, "explain")]] \
+            if k + 1 < len(plan.inner_groups) else []
         best = min(alts, key=lambda wc: search.key(wc[1]), default=None)
         reason = _reason(ag, alpha, prev, best, report, result.budget)
         out.append(GroupExplanation(
@@ -572,6 +613,7 @@ REASONS = {
     "fixed": "last group, or pinned (tied, reused or read outside its module): no boundary to move",
     "memory": "a faster alternative exists but exceeds the memory budget",
     "tie": "alternatives simulate equally fast; this one has the smaller peak memory",
+    "unconverged": "a one-step move is faster and fits: the search's time ran out before it tried it",
     "overlap": "merging removes a latency-bound collective but exposes a larger all-gather",
     "bandwidth": "its all-gather already takes longer than the compute hiding it; larger would be slower",
     "balance": "latency vs overlap: every one-step move simulates slower",
@@ -584,8 +626,11 @@ def _reason(ag: float, alpha: float, prev: float, best: tuple[str, Candidate] | 
     if best is None:
         return "fixed"
     what, c = best
-    if c.report.peak_memory > budget and c.report.step_time < report.step_time:
+    faster = c.report.step_time < report.step_time * (1 - 1e-9)
+    if faster and c.report.peak_memory > budget:
         return "memory"
+    if faster:
+        return "unconverged"
     if c.report.step_time <= report.step_time * (1 + 1e-9):
         return "tie"
     if "merged" in what and ag > 0 and alpha / ag >= 0.5:

@@ -102,8 +102,10 @@ def build_schedule(
     n = len(plan.groups)
     gbytes = group_bytes(plan, trace, param_itemsize)
     grad_users = trace.memo("forward_users", lambda: forward_users(trace))
-    grad_params = [[trace.param_index(p) for p in g.params if trace.param(p).requires_grad
-                    and grad_users[trace.param_index(p)]] for g in plan.groups]
+    reducible = trace.memo("reducible", lambda: [p.requires_grad and bool(u) for p, u in
+                                                 zip(trace.params, grad_users, strict=True)])
+    index = trace.param_index
+    grad_params = [[i for i in map(index, g.params) if reducible[i]] for g in plan.groups]
     reduced: set[int] = set()
     bwd_done: set[tuple[str, int]] = set()
     has_params = [bool(g.params) for g in plan.groups]

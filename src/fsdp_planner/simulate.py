@@ -110,6 +110,10 @@ class SimContext:
         self.cum = np.concatenate([[0.0], np.cumsum(self.times)]).tolist()
         self.compute_total = float(sum(self.times))
         self.param_ops = [i for i, e in enumerate(trace.events) if e.kind == OP and e.params]
+        self.param_uses: list[list[int]] = [[] for _ in trace.params]  # per param: the ops reading it
+        for i in self.param_ops:
+            for p in trace.events[i].params:
+                self.param_uses[p].append(i)
         big = n + 1
         self.first_backward_use = [big] * len(trace.params)  # per param: first backward op reading it
         for i, e in enumerate(trace.events):
@@ -129,6 +133,12 @@ class SimContext:
         }
         self.padded_numel = {a: p.padded_numel(self.world) for p in trace.params for a in (p.fqn, *p.aliases)}
         self._alpha_beta: dict[tuple[str, int], tuple[float, float, str]] = {}
+
+    def next_use(self, param: int, at: int) -> int:
+        """The first op at or after event ``at`` that reads ``param`` (the final callback when none does)."""
+        uses = self.param_uses[param]
+        k = bisect.bisect_left(uses, at)
+        return uses[k] if k < len(uses) else len(self.trace.events)
 
     def link(self, kind: str, ranks: int) -> tuple[float, float, str]:
         """(alpha, seconds per byte of data, link) of a collective on ``ranks`` ranks (0: the whole world)."""
@@ -305,16 +315,11 @@ def peak_memory(ctx: SimContext, plan: Plan, sched: Schedule) -> tuple[int, dict
     for p, g in enumerate(param_group):
         group_params[g].append(p)
     first_bwd = [min((ctx.first_backward_use[p] for p in ps), default=n) for ps in group_params]
-    uses: list[list[int]] = [[] for _ in plan.groups]  # per group: the ops reading its params, in order
-    for i in ctx.param_ops:
-        for g in {param_group[p] for p in trace.events[i].params}:
-            uses[g].append(i)
     for c in sched.collectives:
         if c.kind == ALL_GATHER:
             # FSDP2 copies the all-gather output out (then frees it) just before the group's first use after
             # the all-gather was issued: both copies are alive at that moment, before the op runs
-            k = bisect.bisect_left(uses[c.group], c.event)
-            use = uses[c.group][k] if k < len(uses[c.group]) else n - 1
+            use = min((ctx.next_use(p, c.event) for p in group_params[c.group]), default=n - 1)
             add(1, max(c.event, use - 1), use, gbytes[c.group])
         else:
             nbytes = sum(trace.params[p].numel for p in c.params) * precision.compute_bytes
