@@ -123,3 +123,22 @@ def test_all_gather_buffer_is_counted_at_copy_out(seed_trace):
     r = simulate(seed_trace, plan, cluster, SimOptions(precision="fp32"))
     static = r.memory_at_peak["params"] + r.memory_at_peak["grads"] + r.memory_at_peak["optimizer_state"]
     assert r.peak_memory >= static + 2 * seed_trace.nbytes  # unsharded params + the all-gather output
+
+
+@pytest.mark.parametrize("spec", ["seed-net", "toy-gpt2-tied", "t5-3b"])
+def test_compacted_trace_simulates_identically(spec):
+    from fsdp_planner.memory import precision_from_name
+    from fsdp_planner.simulate import SimContext, op_times
+    from fsdp_planner.trace import compact
+
+    tr = traced(spec)
+    cluster = parse_cluster("h100:64")
+    small, times = compact(tr, op_times(tr, cluster, precision_from_name("bf16-mixed"), 0.5))
+    assert len(small.events) < len(tr.events)
+    ctx = SimContext(small, cluster, times=times)
+    for name in POLICIES:
+        plan = make_policy(name).plan(tr)
+        full, fast = simulate(tr, plan, cluster), simulate(small, plan, context=ctx, timeline=False)
+        assert fast.step_time == pytest.approx(full.step_time, rel=1e-9)
+        assert fast.memory_at_peak == full.memory_at_peak
+        assert (fast.all_gathers, fast.reduce_scatters) == (full.all_gathers, full.reduce_scatters)

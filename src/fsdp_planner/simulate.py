@@ -134,12 +134,6 @@ class SimContext:
         self.padded_numel = {a: p.padded_numel(self.world) for p in trace.params for a in (p.fqn, *p.aliases)}
         self._alpha_beta: dict[tuple[str, int], tuple[float, float, str]] = {}
 
-    def next_use(self, param: int, at: int) -> int:
-        """The first op at or after event ``at`` that reads ``param`` (the final callback when none does)."""
-        uses = self.param_uses[param]
-        k = bisect.bisect_left(uses, at)
-        return uses[k] if k < len(uses) else len(self.trace.events)
-
     def link(self, kind: str, ranks: int) -> tuple[float, float, str]:
         """(alpha, seconds per byte of data, link) of a collective on ``ranks`` ranks (0: the whole world)."""
         key = (kind, ranks)
@@ -315,11 +309,16 @@ def peak_memory(ctx: SimContext, plan: Plan, sched: Schedule) -> tuple[int, dict
     for p, g in enumerate(param_group):
         group_params[g].append(p)
     first_bwd = [min((ctx.first_backward_use[p] for p in ps), default=n) for ps in group_params]
+    group_uses: dict[int, list[int]] = {}
     for c in sched.collectives:
         if c.kind == ALL_GATHER:
             # FSDP2 copies the all-gather output out (then frees it) just before the group's first use after
             # the all-gather was issued: both copies are alive at that moment, before the op runs
-            use = min((ctx.next_use(p, c.event) for p in group_params[c.group]), default=n - 1)
+            if c.group not in group_uses:  # every op reading the group's params, in order
+                group_uses[c.group] = sorted({i for p in group_params[c.group] for i in ctx.param_uses[p]})
+            uses = group_uses[c.group]
+            k = bisect.bisect_left(uses, c.event)
+            use = uses[k] if k < len(uses) else n - 1
             add(1, max(c.event, use - 1), use, gbytes[c.group])
         else:
             nbytes = sum(trace.params[p].numel for p in c.params) * precision.compute_bytes

@@ -515,20 +515,25 @@ def _fill_module_stats(
 
 
 def compact(trace: Trace, times: list[float]) -> tuple[Trace, list[float]]:
-    """The same step with each run of consecutive param-free ops of one module merged into one op (FLOPs,
-    bytes, saved bytes and ``times`` summed), for planners that simulate many plans.
+    """The same step in fewer events, for planners that simulate many plans: within one module call (no
+    boundary in between), an op merges into the op before it when it reads no params, or when both read only
+    params registered directly on that module (FLOPs, bytes, saved bytes, params and ``times`` combined).
 
-    Simulation results are unchanged: such ops never wait for an all-gather, FSDP2's hooks sit only at module
-    boundaries, and activations are freed only at boundaries, so sums over a run are all that matter.
+    Simulation results are unchanged: a module's direct params always share one FSDP group, so after the first
+    op reading them no later op of the run can wait; param-free ops never wait; FSDP2's hooks, activation frees
+    and grad readiness all sit at module boundaries.
     """
+    direct = {f: {trace.param_index(p) for p in m.params} for f, m in trace.modules.items()}
     events: list[Event] = []
     out_times: list[float] = []
     for e, t in zip(trace.events, times, strict=True):
         prev = events[-1] if events else None
-        if (prev is not None and e.kind == OP and prev.kind == OP and not e.params and not prev.params
-                and e.module == prev.module and e.backward == prev.backward):
-            events[-1] = Event(OP, e.module, params=(), flops=prev.flops + e.flops, nbytes=prev.nbytes + e.nbytes,
-                               saved=prev.saved + e.saved, backward=e.backward)
+        if (prev is not None and e.kind == OP and prev.kind == OP and e.module == prev.module
+                and e.backward == prev.backward
+                and (not e.params or (prev.params and direct[e.module].issuperset(e.params + prev.params)))):
+            params = tuple(sorted(set(prev.params) | set(e.params)))
+            events[-1] = Event(OP, e.module, params=params, flops=prev.flops + e.flops,
+                               nbytes=prev.nbytes + e.nbytes, saved=prev.saved + e.saved, backward=e.backward)
             out_times[-1] += t
         else:
             events.append(e)
