@@ -186,14 +186,17 @@ def _sim_extra(context: Any, tr: Trace, plan: Plan) -> dict[str, Any] | None:
 def _print_auto(args: argparse.Namespace, result: Any) -> None:
     from fsdp_planner.report import explain_table, fmt_time
 
-    best_other = min(result.baselines.values(), key=lambda c: c.report.step_time, default=None)
+    fitting = [c for c in result.baselines.values() if c.report.peak_memory <= result.budget]
+    best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
     n = len(result.plan.inner_groups)
     line = (f"auto: {n} group{'s' if n != 1 else ''}, step {fmt_time(result.report.step_time)}, peak "
             f"{fmt_bytes(result.report.peak_memory)} within the budget {fmt_bytes(result.budget)} "
             f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
     if best_other is not None:
         gain = 1 - result.report.step_time / best_other.report.step_time
-        line += f"; {gain:.1%} faster than the best classic policy, {best_other.origin}"
+        line += f"; {gain:.1%} faster than the best classic policy that fits, {best_other.origin}"
+    else:
+        line += "; no classic policy fits this budget"
     console.print(line, highlight=False)
     if args.explain:
         from fsdp_planner.auto import REASONS, explain
