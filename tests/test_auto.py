@@ -18,6 +18,14 @@ from fsdp_planner.trace import trace
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def near_minimum(spec: str, factor: float, target: str = "fsdp2"):
+    """Auto on h100:8 under a budget ``factor`` x the smallest peak an unconstrained search reached."""
+    tr = traced(spec)
+    cluster = parse_cluster("h100:8")
+    free = AutoPolicy(cluster, target=target).search(tr)
+    return AutoPolicy(cluster, int(free.min_peak * factor), target=target).search(tr)
+
+
 @pytest.mark.parametrize("spec", ["seed-net", "toy-llama", "toy-gpt2-tied", "llama3-8b", "t5-3b"])
 @pytest.mark.parametrize("cluster", ["h100:8", "h100:512"])
 def test_never_slower_and_never_more_memory_than_the_fastest_classic_policy(spec, cluster):
@@ -90,10 +98,7 @@ def test_fsdp1_target_only_single_module_units():
 
 
 def test_explain_names_a_reason_and_an_alternative_per_group():
-    tr = traced("toy-llama")
-    cluster = parse_cluster("h100:8")
-    free = AutoPolicy(cluster).search(tr)
-    result = AutoPolicy(cluster, int(free.min_peak * 1.02)).search(tr)
+    result = near_minimum("toy-llama", 1.02)
     rows = explain(result)
     assert len(rows) == len(result.plan.inner_groups) > 1
     assert {r.reason for r in rows} <= set(REASONS)
@@ -118,20 +123,14 @@ def test_param_free_prologue_plans_and_keeps_the_last_group_unsharded():
 
 
 def test_tied_models_get_boundary_moves_and_explanations():
-    tr = traced("toy-gpt2-tied")
-    cluster = parse_cluster("h100:8")
-    free = AutoPolicy(cluster).search(tr)
-    result = AutoPolicy(cluster, int(free.min_peak * 1.05)).search(tr)
+    result = near_minimum("toy-gpt2-tied", 1.05)
     rows = explain(result)
     assert len(rows) > 2 and any(r.alternative_step is not None for r in rows)
     assert any("moved" in c.origin for c in result.search.seen)
 
 
 def test_fsdp1_explanations_only_offer_what_fsdp1_can_express():
-    tr = traced("toy-llama")
-    cluster = parse_cluster("h100:8")
-    free = AutoPolicy(cluster, target="fsdp1").search(tr)
-    result = AutoPolicy(cluster, int(free.min_peak * 1.05), target="fsdp1").search(tr)
+    result = near_minimum("toy-llama", 1.05, target="fsdp1")
     assert len(result.plan.groups) > 1
     for r in explain(result):
         assert r.alternative == "-" or "merged" not in r.alternative

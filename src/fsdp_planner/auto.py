@@ -73,7 +73,6 @@ class AutoResult:
     baselines: dict[str, Candidate]
     evaluated: int
     seconds: float
-    atoms: list[Atom] = field(default_factory=list)
     search: _Search | None = field(default=None, repr=False)
 
 
@@ -112,7 +111,6 @@ class AutoPolicy:
         search.budget = budget
         search.consider(*baselines.values())
         search.structured()
-        search.classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
         search.refine(time.perf_counter() + self.refine_seconds)
         best = search.best()
         if self.target == "fsdp2" and best.plan.root.params:
@@ -124,7 +122,7 @@ class AutoPolicy:
             plan=plan, report=best.report, budget=budget, budget_source=source,
             fits=best.report.peak_memory <= budget, min_peak=min(c.report.peak_memory for c in search.seen),
             baselines=baselines, evaluated=len(search.seen), seconds=time.perf_counter() - started,
-            atoms=search.atoms, search=search,
+            search=search,
         )
 
 
@@ -208,7 +206,6 @@ def _coarsen(free: list[Atom], limit: int) -> list[Atom]:
 class _Search:
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: str, model: str) -> None:
         self.cluster, self.target, self.model, self.options = cluster, target, model, options
-        self.full_trace = trace
         precision = precision_from_name(options.precision)
         times = trace.op_seconds or op_times(trace, cluster, precision, options.mfu)
         self.trace, times = compact(trace, times)  # same results, fewer events to replay per plan
@@ -270,6 +267,7 @@ class _Search:
             except PlannerError:
                 continue  # e.g. no repeated block class for module/titan
             out[name] = self.evaluate(plan, plan.policy)
+        self.classic_step = min((c.report.step_time for c in out.values()), default=float("inf"))
         return out
 
     def build(self, segments: list[list[Atom]], reshard: list[bool | int] | None = None) -> Plan | None:
@@ -293,7 +291,8 @@ class _Search:
         if self.target == "fsdp1":
             return
         for atoms in ([self.atoms, self.fine_atoms] if self.fine_atoms is not self.atoms else [self.atoms]):
-            frugal = self.build(_segments(atoms, [[a] for a in atoms if not a.pinned]), [True] * _count(atoms))
+            segs = _segments(atoms, [[a] for a in atoms if not a.pinned])
+            frugal = self.build(segs, [True] * len(segs))
             if frugal is not None:
                 self.evaluate(frugal, "frugal")
             free = _coarsen([a for a in atoms if not a.pinned], 512)
@@ -423,7 +422,7 @@ class _Search:
             if bounds < 1 or unchanged >= bounds:
                 break
             k %= bounds
-            for alt in self._neighbours(best.plan, deadline, only=k):
+            for _, alt in self._moves(best.plan, deadline, only=k):
                 c = self.evaluate(alt, best.origin + " + moved")
                 if self._better(c, best):
                     best, unchanged = c, 0
@@ -445,14 +444,11 @@ class _Search:
                 return atoms, seq
         return None
 
-    def _neighbours(self, plan: Plan, deadline: float, only: int | None = None) -> Iterator[Plan]:
-        """Plans one step away, made lazily until ``deadline``: a boundary between consecutive groups of
-        atoms moved by one atom either way, or the two groups merged (``only``: just the boundary after
-        inner group ``only``). Reshard settings carry over by group position; prefetch lists are dropped."""
-        for _, p in self._moves(plan, deadline, only):
-            yield p
-
     def _moves(self, plan: Plan, deadline: float, only: int | None = None) -> Iterator[tuple[str, Plan]]:
+        """Plans one step away, made lazily until ``deadline``, with what changed: a boundary between
+        consecutive groups of atoms moved by one atom either way, or the two groups merged (``only``: just the
+        boundary after inner group ``only``). Reshard settings carry over by group position; prefetch lists
+        are dropped."""
         aligned = self._aligned(plan)
         if aligned is None:
             return
@@ -477,10 +473,6 @@ class _Search:
 def _signature(plan: Plan) -> tuple:
     return tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch), tuple(g.backward_prefetch))
                  for g in plan.groups)
-
-
-def _count(atoms: list[Atom]) -> int:
-    return sum(1 for a in atoms if a.pinned != "root")
 
 
 def _segments(atoms: list[Atom], free_segments: list[list[Atom]]) -> list[list[Atom]]:

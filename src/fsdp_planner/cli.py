@@ -92,12 +92,12 @@ def _auto_result(args: argparse.Namespace, tr: Trace) -> Any:
         return cached
     from fsdp_planner.auto import AutoPolicy, infeasible_message
     from fsdp_planner.cluster import parse_cluster
+    from fsdp_planner.simulate import SimOptions
 
     cluster = parse_cluster(_auto_cluster(args))
     budget = _size(getattr(args, "memory_budget", None))
-    options = _sim_options(args) if hasattr(args, "mfu") else None
-    policy = AutoPolicy(cluster, budget, getattr(args, "target", "fsdp2"), **({"options": options} if options
-                                                                              else {}))
+    options = _sim_options(args) if hasattr(args, "mfu") else SimOptions()  # verify has no --mfu etc.
+    policy = AutoPolicy(cluster, budget, getattr(args, "target", "fsdp2"), options)
     result = policy.search(tr, args.model)
     if not result.fits:
         raise PlannerError(infeasible_message(result, cluster))

@@ -104,7 +104,6 @@ class SimContext:
         if times is None:
             times = trace.op_seconds or op_times(trace, cluster, self.precision, self.options.mfu)
         self.times = list(times)
-        self.measured = times is trace.op_seconds
         if len(self.times) != n:
             raise ValueError(f"got {len(self.times)} op times for a trace of {n} events")
         self.cum = np.concatenate([[0.0], np.cumsum(self.times)]).tolist()

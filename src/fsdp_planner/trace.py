@@ -141,7 +141,8 @@ class Trace:
         return self._memo[key]
 
     def param_first_use(self) -> dict[int, int]:
-        """Index of the first op using each parameter (forward first, then backward-only uses)."""
+        """Index of the first op using each parameter (forward first, then backward-only uses); shared, do not
+        mutate."""
 
         def compute() -> dict[int, int]:
             first: dict[int, int] = {}
@@ -151,7 +152,7 @@ class Trace:
                         first.setdefault(p, i)
             return first
 
-        return dict(self.memo("param_first_use", compute))
+        return self.memo("param_first_use", compute)
 
     def boundary_events(self) -> list[int]:
         """Indices of the module-boundary events (everything but ops): where FSDP2's hooks run."""
