@@ -18,13 +18,14 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_planner.auto import AutoPolicy, AutoResult
-from fsdp_planner.cluster import parse_cluster
+from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.policies import POLICY_NAMES
-from fsdp_planner.report import fmt_bytes, fmt_time
-from fsdp_planner.simulate import StepReport
+from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult
+from fsdp_planner.sim.timeline import StepReport
 from fsdp_planner.trace import trace
+
+POLICY_NAMES = [p.value for p in CLASSIC_POLICIES]
 
 MODELS = {
     "seed-net": "the seed's CNN",

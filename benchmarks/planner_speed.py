@@ -60,8 +60,8 @@ def build(case: str) -> tuple[nn.Module, tuple, object]:
 
 
 def child(case: str) -> None:
-    from fsdp_planner.auto import AutoPolicy
-    from fsdp_planner.cluster import parse_cluster
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners import AutoPolicy
     from fsdp_planner.trace import trace
 
     t0 = time.perf_counter()

@@ -17,9 +17,9 @@ MODELS = ["llama3-8b", "llama3-70b", "llama3-405b", "mixtral-8x7b"]
 CHILD = """
 import json, resource, sys, time
 from fsdp_planner.models import load_model
+from fsdp_planner.planners import ExecutionOrderPolicy
+from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.trace import trace
-from fsdp_planner.policies import ExecutionOrderPolicy
-from fsdp_planner.metrics import plan_metrics
 t0 = time.perf_counter()
 lm = load_model(sys.argv[1])
 t1 = time.perf_counter()

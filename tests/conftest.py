@@ -19,3 +19,10 @@ def traced(spec: str) -> Trace:
 @pytest.fixture
 def seed_trace() -> Trace:
     return traced("seed-net")
+
+
+def policy(name: str, **settings: object):
+    """A policy by name, as the CLI's --policy makes it."""
+    from fsdp_planner.planners import PolicyRequest, make_policy
+
+    return make_policy(PolicyRequest.named(name, **settings))

@@ -7,12 +7,16 @@ from pathlib import Path
 import pytest
 from conftest import traced
 
-from fsdp_planner.auto import REASONS, AutoPolicy, explain, plan_atoms
-from fsdp_planner.cluster import parse_cluster
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import validate_plan
+from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.plan import validate_plan
-from fsdp_planner.simulate import simulate
+from fsdp_planner.planners.auto import AutoPolicy, Search, Target
+from fsdp_planner.planners.auto.atoms import Pin, plan_atoms
+from fsdp_planner.planners.auto.explain import Reason, explain
+from fsdp_planner.planners.auto.refine import Move
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.timeline import simulate
 from fsdp_planner.trace import trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -37,7 +41,7 @@ def test_never_slower_and_never_more_memory_than_the_fastest_classic_policy(spec
     assert result.report.peak_memory <= fastest.report.peak_memory
     assert result.fits and result.budget == fastest.report.peak_memory
     if result.plan.root.params:  # the root manages nothing unless that costs over 0.1% (or memory)
-        empty = [c for c in result.search.seen if not c.plan.root.params]
+        empty = [c for c in result.search.ev.seen if not c.plan.root.params]
         assert empty and all(c.report.step_time > result.report.step_time * 1.001
                              or c.report.peak_memory > result.report.peak_memory for c in empty)
     again = simulate(tr, result.plan, parse_cluster(cluster))  # the reported figures are the simulator's
@@ -72,13 +76,13 @@ def test_tight_budget_is_met_and_impossible_budget_is_refused():
 
 def test_pinned_atoms_tied_reused_and_read_outside():
     tied = plan_atoms(traced("toy-gpt2-tied"), whole_blocks=True)
-    assert [a.pinned for a in tied if "lm_head" in a.modules] == ["alone"]  # its uses enclose the blocks
+    assert [a.pin for a in tied if "lm_head" in a.modules] == [Pin.ALONE]  # its uses enclose the blocks
     t5 = plan_atoms(traced("t5-3b"), whole_blocks=True)
-    assert [a.pinned for a in t5 if "shared" in a.modules] == ["alone"]  # called by encoder and decoder
+    assert [a.pin for a in t5 if "shared" in a.modules] == [Pin.ALONE]  # called by encoder and decoder
     spec = f"{FIXTURES / 'factories.py'}:reads_outside"
     lm = load_model(spec)
     tr = trace(lm.model, lm.example_inputs)
-    assert [a.pinned for a in plan_atoms(tr, whole_blocks=False) if a.modules == ["head"]] == ["root"]
+    assert [a.pin for a in plan_atoms(tr, whole_blocks=False) if a.modules == ["head"]] == [Pin.ROOT]
     plan = AutoPolicy(parse_cluster("h100:8")).plan(tr)
     assert plan.root.params == ["head.weight", "head.bias"] or "head.weight" in plan.root.params
     twice = f"{FIXTURES / 'factories.py'}:twice"
@@ -101,10 +105,10 @@ def test_explain_names_a_reason_and_an_alternative_per_group():
     result = near_minimum("toy-llama", 1.02)
     rows = explain(result)
     assert len(rows) == len(result.plan.inner_groups) > 1
-    assert {r.reason for r in rows} <= set(REASONS)
+    assert {r.reason for r in rows} <= set(Reason)
     for r in rows[:-1]:
         assert r.alternative_step is not None
-        if r.reason != "memory":  # refinement ran to convergence: no one-step move is better and fits
+        if r.reason is not Reason.MEMORY:  # refinement ran to convergence: no one-step move is better and fits
             assert r.alternative_step >= result.report.step_time * (1 - 1e-9)
 
 
@@ -113,11 +117,8 @@ def test_param_free_prologue_plans_and_keeps_the_last_group_unsharded():
     the DP index past its end)."""
     lm = load_model(f"{FIXTURES / 'factories.py'}:param_free_prologue")
     tr = trace(lm.model, lm.example_inputs)
-    from fsdp_planner.auto import _Search
-    from fsdp_planner.simulate import SimOptions
-
-    search = _Search(tr, parse_cluster("h100:8"), SimOptions(), "fsdp2", "")
-    per_atom = search.build([[a] for a in search.atoms])
+    search = Search(tr, parse_cluster("h100:8"), SimOptions(), Target.FSDP2, "")
+    per_atom = search.ev.build([[a] for a in search.atoms])
     assert [g.reshard_after_forward for g in per_atom.inner_groups] == [True, False]
     AutoPolicy(parse_cluster("h100:8")).plan(tr)
 
@@ -126,11 +127,31 @@ def test_tied_models_get_boundary_moves_and_explanations():
     result = near_minimum("toy-gpt2-tied", 1.05)
     rows = explain(result)
     assert len(rows) > 2 and any(r.alternative_step is not None for r in rows)
-    assert any("moved" in c.origin for c in result.search.seen)
+    assert any("moved" in c.origin for c in result.search.ev.seen)
 
 
 def test_fsdp1_explanations_only_offer_what_fsdp1_can_express():
     result = near_minimum("toy-llama", 1.05, target="fsdp1")
     assert len(result.plan.groups) > 1
     for r in explain(result):
-        assert r.alternative == "-" or "merged" not in r.alternative
+        assert r.alternative is not Move.MERGED
+
+
+def test_param_on_the_root_keeps_every_candidate():
+    """Auto once silently lost every DP and frugal candidate on this model (4 plans, a root-only plan)."""
+    lm = load_model(f"{FIXTURES / 'factories.py'}:root_param")
+    tr = trace(lm.model, lm.example_inputs)
+    result = AutoPolicy(parse_cluster("h100:8")).search(tr)
+    origins = [c.origin for c in result.search.ev.seen]
+    assert any(o.startswith("dp(") for o in origins) and result.evaluated > 4, origins
+    validate_plan(result.plan, tr)
+    assert "scale" in result.plan.root.params
+
+
+def test_submodule_shared_by_blocks_plans():
+    lm = load_model(f"{FIXTURES / 'factories.py'}:shared_submodule")
+    tr = trace(lm.model, lm.example_inputs)
+    for cluster in ("h100:8", "h100:4096"):
+        plan = AutoPolicy(parse_cluster(cluster)).plan(tr)
+        validate_plan(plan, tr)
+        assert all("proj" not in g.modules or g.modules == ["proj"] for g in plan.groups)

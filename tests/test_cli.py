@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"
+pytestmark = pytest.mark.integration  # every test runs the CLI in a subprocess
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -91,7 +92,8 @@ def test_cost_simulate_memory_calibrate_commands(tmp_path):
     assert report["all_gathers"] == 11 and report["step_time"] >= report["compute_time"]
     r = run("plan", "seed-net", "--cluster", "a100:16", "--json")
     assert all("simulation" in p for p in json.loads(r.stdout)["plans"])
-    r = run("memory", "seed-linear10", "--world-size", "1", "--json")
+    r = run("memory", "seed-linear10", "--world-size", "1", "--precision", "fp32", "--optimizer", "sgd-momentum",
+            "--json")
     assert json.loads(r.stdout)["single"]["total"] == pytest.approx(12.035e9, rel=0.02)
     out = tmp_path / "cluster.json"
     log = FIXTURES / "nccl" / "all_gather_perf_8xh100.log"
@@ -150,3 +152,49 @@ def test_auto_bad_input(args, message):
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("plan", f"{FIXTURES / 'factories.py'}:broken", "--policy", "order", "--out", "/nonexistent/dir/p.json"),
+         "directory '/nonexistent/dir' does not exist"),
+        (("plan", f"{FIXTURES / 'factories.py'}:broken", "--policy", "order", "--out", "/tmp"), "is a directory"),
+        (("calibrate", str(FIXTURES / "nccl" / "all_gather_perf_8xh100.log"), "--out", "/nonexistent/c.json"),
+         "does not exist"),
+        (("plan", "toy-llama", "--policy", "order", "--target-bytes", "0"), "--target-bytes must be positive"),
+        (("plan", "toy-llama", "--policy", "size", "--min-nonwrapped-numel", "-5"), "must be positive, got -5"),
+        (("plan", "toy-llama", "--policy", "module", "--module-classes", ","), "names no class"),
+        (("plan", f"{FIXTURES / 'factories.py'}:exits"), "raised SystemExit: 3"),
+        (("cost", "all-gather", "1GiB", "--cluster", "h100:8", "--ranks", "0"), "positive whole number of ranks"),
+    ],
+)
+def test_bad_options_fail_before_any_work(args, message):
+    r = run(*args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr and "internal error" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("args", "shown"), [
+    (("all-gather", "0", "--cluster", "h100:8"), "0 s (nothing to move)"),
+    (("reduce-scatter", "1GiB", "--cluster", "h100:8", "--ranks", "1"), "0 s (one rank holds everything)"),
+])
+def test_collectives_that_move_nothing_cost_nothing(args, shown):
+    r = run("cost", *args)
+    assert r.returncode == 0, r.stderr
+    assert shown in r.stdout
+
+
+def test_bad_plan_files_are_one_line_errors(tmp_path):
+    good = tmp_path / "good.json"
+    assert run("plan", "toy-llama", "--policy", "order", "--out", str(good)).returncode == 0
+    data = json.loads(good.read_text())
+    data["groups"][0]["forward_prefetch"] = [99]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(bytes(range(256)))
+    for path, message in ((bad, "forward_prefetch names 99"), (binary, "is not text")):
+        r = run("simulate", "toy-llama", "--plan", str(path), "--cluster", "h100:8")
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

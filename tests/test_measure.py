@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import traced
+from conftest import policy, traced
 
-from fsdp_planner.cluster import parse_cluster
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.measure import check_fits, local_device, measure
+from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.policies import make_policy
-from fsdp_planner.simulate import simulate
+from fsdp_planner.runtime.measure import check_fits, local_device, measure
+from fsdp_planner.sim.timeline import simulate
 
 
 def test_measured_trace_has_the_planning_trace_events_and_drives_the_simulator():
@@ -21,13 +20,13 @@ def test_measured_trace_has_the_planning_trace_events_and_drives_the_simulator()
         [(e.kind, e.module, e.backward) for e in planned.events]
     seconds = measured.op_seconds
     assert seconds is not None and len(seconds) == len(measured.events)
-    ops = [s for s, e in zip(seconds, measured.events, strict=True) if e.kind == "op"]
+    ops = [s for s, e in zip(seconds, measured.events, strict=True) if e.is_op]
     assert all(s >= 0 for s in seconds) and sum(ops) > 0
-    assert all(s == 0 for s, e in zip(seconds, measured.events, strict=True) if e.kind != "op")
-    plan = make_policy("order").plan(measured)
+    assert all(s == 0 for s, e in zip(seconds, measured.events, strict=True) if not e.is_op)
+    plan = policy("order").plan(measured)
     report = simulate(measured, plan, parse_cluster("h100:8"))
     assert report.compute_time == pytest.approx(sum(seconds))
-    estimated = simulate(planned, make_policy("order").plan(planned), parse_cluster("h100:8"))
+    estimated = simulate(planned, policy("order").plan(planned), parse_cluster("h100:8"))
     assert report.compute_time != estimated.compute_time
 
 

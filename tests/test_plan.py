@@ -6,8 +6,9 @@ import pytest
 from conftest import traced
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.plan import Group, Plan, application_order, make_plan, validate_plan
-from fsdp_planner.policies import ExecutionOrderPolicy, SizeBasedPolicy
+from fsdp_planner.fsdp2.claim import application_order, check_plan_matches, make_plan, validate_plan
+from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.planners import ExecutionOrderPolicy, SizeBasedPolicy
 
 
 def test_json_round_trip_has_the_documented_shape(seed_trace):
@@ -16,14 +17,15 @@ def test_json_round_trip_has_the_documented_shape(seed_trace):
     assert data["version"] == 1
     assert data["model"]["fingerprint"] == seed_trace.fingerprint and data["model"]["numel"] == seed_trace.numel
     assert set(data["groups"][0]) >= {"modules", "params", "reshard_after_forward"}
-    back = Plan.from_json(plan.to_json(), seed_trace)
+    back = Plan.from_json(plan.to_json())
+    check_plan_matches(back, seed_trace)
     assert [g.to_dict() for g in back.groups] == [g.to_dict() for g in plan.groups]
 
 
 def test_plan_for_another_model_names_missing_and_extra_params(seed_trace):
     other = ExecutionOrderPolicy().plan(traced("toy-llama"), "toy-llama")
     with pytest.raises(PlannerError, match=r"another model.*missing parameters: conv1\.bias.*extra parameters"):
-        Plan.from_json(other.to_json(), seed_trace)
+        check_plan_matches(Plan.from_json(other.to_json()), seed_trace)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"version": 7, "model": {}, "groups": []}',
@@ -43,7 +45,7 @@ def test_group_params_must_be_what_fully_shard_claims(seed_trace):
 def test_nested_groups_apply_children_first():
     tr = traced("toy-llama")
     plan = make_plan(tr, [["layers.0"], ["layers.0.attention"], ["layers.0.feed_forward.w1", "layers.1"]])
-    order = [plan.groups[i].modules for i in application_order(plan)]
+    order = [plan.groups[i].modules for i in application_order(plan, tr.index.parents)]
     assert order.index(["layers.0.attention"]) < order.index(["layers.0"])
     assert order[-1] == [""]
     claimed = {tuple(g.modules): set(g.params) for g in plan.groups}
@@ -57,3 +59,39 @@ def test_root_group_is_last_and_reads_root_default():
                                       "groups": [{"modules": ["a"], "params": ["a.w"]}]}))
     assert plan.root.is_root and plan.root.reshard_after_forward is False
     assert isinstance(plan.groups[0], Group)
+
+
+def _order_plan_dict() -> dict:
+    return ExecutionOrderPolicy().plan(traced("toy-llama"), "toy-llama").to_dict()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda g: g[0].__setitem__("forward_prefetch", [99]), "forward_prefetch names 99, which is not another group"),
+    (lambda g: g[0].__setitem__("forward_prefetch", ["abc"]), "forward_prefetch must be a list of group indices"),
+    (lambda g: g[1].__setitem__("backward_prefetch", [-1]), "backward_prefetch names -1"),
+    (lambda g: g[1].__setitem__("backward_prefetch", [1]), "backward_prefetch names 1, which is not another group"),
+    (lambda g: g[1].__setitem__("forward_prefetch", [True]), "must be a list of group indices"),
+    (lambda g: g[1]["modules"].append(g[1]["modules"][0]), "twice in that group"),
+    (lambda g: g[2]["modules"].append(g[1]["modules"][0]), "also in group 1"),
+    (lambda g: g[0].__setitem__("modules", []), "lists no modules"),
+    (lambda g: g[0].__setitem__("reshard_after_forward", 0), "reshard_after_forward must be"),
+])
+def test_bad_plan_fields_are_refused_with_the_reason(change, message):
+    data = _order_plan_dict()
+    change(data["groups"])
+    with pytest.raises(PlannerError, match=message):
+        Plan.from_json(json.dumps(data))
+
+
+def test_json_that_is_not_a_plan_says_so():
+    with pytest.raises(PlannerError, match="not an fsdp-planner plan"):
+        Plan.from_json('{"foo": 1}')
+    with pytest.raises(PlannerError, match="unsupported plan version 7"):
+        Plan.from_json('{"version": 7}')
+
+
+def test_binary_plan_file_is_refused(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(PlannerError, match="is not text"):
+        Plan.load(path)

@@ -1,21 +1,19 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import traced
+from conftest import policy, traced
 
-from fsdp_planner.metrics import plan_metrics
+from fsdp_planner.fsdp2.claim import validate_plan
 from fsdp_planner.models import load_model
-from fsdp_planner.policies import (
-    ExecutionOrderPolicy,
-    ModuleWrapPolicy,
-    SizeBasedPolicy,
-    TorchtitanPolicy,
-    default_block_class,
-)
+from fsdp_planner.planners import ExecutionOrderPolicy, ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
+from fsdp_planner.planners.blocks import default_block_class
+from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.trace import trace
 
 
 def groups_of(plan):
@@ -74,8 +72,8 @@ def test_torchtitan_policy_groups_tied_weights_with_embedding():
 
 def test_tied_weights_are_never_split():
     tr = traced("toy-gpt2-tied")
-    for policy in (SizeBasedPolicy(2000), ModuleWrapPolicy(("Embedding", "Linear")), ExecutionOrderPolicy(1)):
-        plan = policy.plan(tr)
+    for chosen in (SizeBasedPolicy(2000), ModuleWrapPolicy(("Embedding", "Linear")), ExecutionOrderPolicy(1)):
+        plan = chosen.plan(tr)
         holders = [i for i, g in enumerate(plan.groups) if "wte.weight" in g.params]
         assert len(holders) == 1
         assert {"wte", "lm_head"} <= set(plan.groups[holders[0]].modules) or plan.groups[holders[0]].is_root
@@ -97,3 +95,48 @@ def test_execution_order_groups_are_contiguous_blocks():
     assert plan.groups[-2].reshard_after_forward is False
     small = ExecutionOrderPolicy(target_bytes=60_000).plan(traced("toy-llama"))
     assert len(small.groups) > len(plan.groups) and small.root.params == []
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def fixture_trace(name: str):
+    lm = load_model(f"{FIXTURES / 'factories.py'}:{name}")
+    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+@pytest.mark.parametrize("name", ["module", "size", "titan", "order"])
+def test_param_on_the_root_stays_with_the_root(name):
+    """A parameter registered on the root beside children: every policy plans, only the root holds it (it once
+    raised a false tied-weights error for order)."""
+    tr = fixture_trace("root_param")
+    if name in ("module", "titan"):
+        plan = policy(name, module_classes=("Linear",)).plan(tr)
+    else:
+        plan = policy(name, min_nonwrapped_numel=100).plan(tr)
+    validate_plan(plan, tr)
+    assert "scale" in plan.root.params
+    if name == "order":
+        assert plan.root.params == ["scale"]
+
+
+@pytest.mark.parametrize("name", ["module", "size", "titan", "order"])
+def test_submodule_shared_by_blocks_is_claimed_once(name):
+    """Blocks sharing one submodule object: FSDP2 reaches it from every block, so it must be claimed by one group
+    applied first (once a KeyError / false tied-weights error)."""
+    tr = fixture_trace("shared_submodule")
+    assert tr.modules["proj"].aliases == ("blocks.0.proj", "blocks.1.proj", "blocks.2.proj")
+    assert set(tr.index.parents["proj"]) == {"", "blocks.0", "blocks.1", "blocks.2"}
+    plan = policy(name, min_nonwrapped_numel=200).plan(tr)
+    validate_plan(plan, tr)
+    holders = [g for g in plan.groups if "proj.weight" in g.params]
+    assert len(holders) == 1
+    # proj runs in every block: in a list group it would be reused after its group's forward (pytorch#183702)
+    assert holders[0].modules == ["proj"] or holders[0].is_root
+
+
+def test_module_called_twice_is_never_in_a_list_group():
+    tr = traced("t5-3b")
+    plan = ExecutionOrderPolicy().plan(tr)
+    (shared,) = [g for g in plan.groups if "shared.weight" in g.params]
+    assert shared.modules == ["shared"]

@@ -6,11 +6,14 @@ from pathlib import Path
 
 from conftest import traced
 
-from fsdp_planner.metrics import plan_metrics
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import load_model
-from fsdp_planner.plan import make_plan
-from fsdp_planner.schedule import ALL_GATHER, REDUCE_SCATTER, build_schedule
+from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.trace import trace
+
+ALL_GATHER, REDUCE_SCATTER = CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
-from conftest import traced
+from conftest import policy, traced
 
-from fsdp_planner.cluster import Link, parse_cluster
-from fsdp_planner.cost import collective_time
-from fsdp_planner.metrics import plan_metrics
-from fsdp_planner.plan import make_plan
-from fsdp_planner.policies import make_policy
-from fsdp_planner.simulate import SimOptions, simulate
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.hardware.cluster import Link, parse_cluster
+from fsdp_planner.hardware.collectives import alpha_beta, collective_time
+from fsdp_planner.sim.context import SimContext
+from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.timeline import Stream, simulate
 
 POLICIES = ["module", "size", "titan", "order"]
 
@@ -23,11 +24,11 @@ def test_counts_and_bytes_equal_trace_metrics_and_memory_is_sane(spec):
     tr = traced(spec)
     cluster = parse_cluster("h100:16")
     for name in POLICIES:
-        plan = make_policy(name, min_nonwrapped_numel=2000).plan(tr)
+        plan = policy(name, min_nonwrapped_numel=2000).plan(tr)
         m = plan_metrics(tr, plan)
-        r = simulate(tr, plan, cluster, SimOptions(precision="fp32"))
+        r = simulate(tr, plan, cluster, SimOptions.named("fp32"))
         assert (r.all_gathers, r.reduce_scatters) == (m.all_gathers, m.reduce_scatters)
-        assert r.reduce_scatter_bytes == m.reduce_scatter_bytes  # fp32: same dtype as traced
+        assert r.reduce_scatter_bytes == plan_metrics(tr, plan, 16).reduce_scatter_bytes  # fp32: the traced dtype
         assert all(v >= 0 for v in r.memory_at_peak.values())
         assert r.peak_memory >= r.memory_at_peak["params"] + r.memory_at_peak["optimizer_state"]
         assert r.lower_bound <= r.step_time + 1e-12
@@ -41,7 +42,7 @@ def test_free_network_gives_step_time_equal_to_compute():
     cluster = dataclasses.replace(h100, intra=fast, inter=fast,
                                   gpu=dataclasses.replace(h100.gpu, hbm_bandwidth=1e30))
     for name in POLICIES:
-        r = simulate(tr, make_policy(name).plan(tr), cluster)
+        r = simulate(tr, policy(name).plan(tr), cluster)
         assert r.step_time == pytest.approx(r.compute_time, rel=1e-9)
         assert r.exposed_comm == pytest.approx(0.0, abs=1e-15)
 
@@ -50,13 +51,13 @@ def test_one_group_by_hand(seed_trace):
     """Root only: gather everything before the first op, compute, reduce-scatter after the last one."""
     cluster = parse_cluster("h100:8")
     plan = make_plan(seed_trace, [])
-    r = simulate(seed_trace, plan, cluster, SimOptions(precision="fp32"))
+    r = simulate(seed_trace, plan, cluster, SimOptions.named("fp32"))
     world, hbm = 8, cluster.gpu.hbm_bandwidth
     gathered = sum(p.padded_numel(world) * 4 for p in seed_trace.params)
     ag = collective_time(cluster, "all_gather", gathered) + gathered / world / hbm + gathered / hbm
-    rs = collective_time(cluster, "reduce_scatter", seed_trace.nbytes)
+    rs = collective_time(cluster, "reduce_scatter", gathered)  # FSDP2 pads the reduce-scatter input too
     assert r.step_time == pytest.approx(ag + r.compute_time + rs, rel=1e-9)
-    assert r.memory_at_peak["unsharded_params"] == seed_trace.nbytes
+    assert r.memory_at_peak["unsharded_params"] == gathered
 
 
 def test_reshard_trades_memory_for_collectives():
@@ -71,18 +72,16 @@ def test_reshard_trades_memory_for_collectives():
 
 def test_tied_group_costs_two_forward_holds():
     tr = traced("toy-gpt2-tied")
-    plan = make_policy("titan").plan(tr)
+    plan = policy("titan").plan(tr)
     r = simulate(tr, plan, parse_cluster("h100:8"))
-    tied = [e for e in r.timeline if e.stream == "all_gather" and e.name.startswith("wte")]
+    tied = [e for e in r.timeline if e.stream is Stream.ALL_GATHER and e.name.startswith("wte")]
     assert len(tied) == 1  # kept unsharded after forward: gathered once per step
 
 
-def test_llama3_70b_on_1024_gpus_plans_in_seconds():
-    start = time.perf_counter()
+def test_llama3_70b_on_1024_gpus_is_communication_bound_for_every_classic_policy():
     tr = traced("llama3-70b")
     cluster = parse_cluster("h100:1024")
-    reports = [simulate(tr, make_policy(n).plan(tr), cluster) for n in POLICIES]
-    assert time.perf_counter() - start < 60  # generous on a loaded 2-core CI machine; ~6 s measured
+    reports = [simulate(tr, policy(n).plan(tr), cluster) for n in POLICIES]
     assert all(r.step_time > r.compute_time for r in reports)
 
 
@@ -91,7 +90,7 @@ def test_fast_path_equals_full_timeline(spec):
     tr = traced(spec)
     cluster = parse_cluster("h100:64")
     for name in POLICIES:
-        plan = make_policy(name).plan(tr)
+        plan = policy(name).plan(tr)
         full = simulate(tr, plan, cluster)
         fast = simulate(tr, plan, cluster, timeline=False)
         assert fast.step_time == pytest.approx(full.step_time, rel=1e-12)
@@ -102,15 +101,13 @@ def test_communication_streams_share_the_links():
     """All-gather and reduce-scatter bytes cross the same links. On a network-bound cluster (free compute, no
     latency) the step is exactly every collective's data back to back; with independent streams it would be
     shorter wherever a reduce-scatter overlaps an all-gather."""
-    from fsdp_planner.cost import alpha_beta
-
     tr = traced("toy-llama")
     h100 = parse_cluster("h100:8")
     slow = Link(bus_bandwidth=1e6, base_latency=0.0, hop_latency=0.0, half_bw_bytes=0)
     fast_gpu = dataclasses.replace(h100.gpu, hbm_bandwidth=1e30, peak_bf16_flops=1e30, peak_fp32_flops=1e30)
     cluster = dataclasses.replace(h100, intra=slow, inter=slow, gpu=fast_gpu)
     for name in POLICIES:
-        r = simulate(tr, make_policy(name).plan(tr), cluster)
+        r = simulate(tr, policy(name).plan(tr), cluster)
         data = sum(7 / 8 * b / alpha_beta(cluster, k)[1]
                    for k, b in (("all_gather", r.all_gather_bytes), ("reduce_scatter", r.reduce_scatter_bytes)))
         assert r.step_time == pytest.approx(data, rel=1e-9)
@@ -120,25 +117,39 @@ def test_communication_streams_share_the_links():
 def test_all_gather_buffer_is_counted_at_copy_out(seed_trace):
     cluster = parse_cluster("h100:8")
     plan = make_plan(seed_trace, [])
-    r = simulate(seed_trace, plan, cluster, SimOptions(precision="fp32"))
+    r = simulate(seed_trace, plan, cluster, SimOptions.named("fp32"))
     static = r.memory_at_peak["params"] + r.memory_at_peak["grads"] + r.memory_at_peak["optimizer_state"]
     assert r.peak_memory >= static + 2 * seed_trace.nbytes  # unsharded params + the all-gather output
 
 
-@pytest.mark.parametrize("spec", ["seed-net", "toy-gpt2-tied", "t5-3b"])
-def test_compacted_trace_simulates_identically(spec):
-    from fsdp_planner.memory import precision_from_name
-    from fsdp_planner.simulate import SimContext, op_times
-    from fsdp_planner.trace import compact
+def reference_step_time(tr, plan, ctx):
+    """The step clock advanced op by op, every op waiting for every group it reads (what the simulator's sparse
+    visit must reproduce)."""
+    from fsdp_planner.sim.timeline import Streams
 
+    sched = build_schedule(tr, plan, ctx.world)
+    group_params = ctx.sizing.group_params(plan)
+    gather = [ctx.sizing.gather_bytes(ps) for ps in group_params]
+    group_of = {p: g for g, ps in enumerate(group_params) for p in ps}
+    streams = Streams(ctx, plan, gather, timeline=False)
+    issued = {}
+    for c in sched.collectives:
+        issued.setdefault(c.event, []).append(c)
+    for idx in range(len(tr.events) + 1):
+        streams.compute_until(idx)
+        for c in issued.get(idx, ()):
+            streams.issue(c)
+        if idx < len(tr.events):
+            streams.wait_for([group_of[p] for p in tr.events[idx].params])
+    return max(streams.t, *streams.free.values())
+
+
+@pytest.mark.parametrize("spec", ["seed-net", "toy-gpt2-tied", "t5-3b"])
+def test_sparse_simulation_equals_op_by_op(spec):
     tr = traced(spec)
-    cluster = parse_cluster("h100:64")
-    small, times = compact(tr, op_times(tr, cluster, precision_from_name("bf16-mixed"), 0.5))
-    assert len(small.events) < len(tr.events)
-    ctx = SimContext(small, cluster, times=times)
-    for name in POLICIES:
-        plan = make_policy(name).plan(tr)
-        full, fast = simulate(tr, plan, cluster), simulate(small, plan, context=ctx, timeline=False)
-        assert fast.step_time == pytest.approx(full.step_time, rel=1e-9)
-        assert fast.memory_at_peak == full.memory_at_peak
-        assert (fast.all_gathers, fast.reduce_scatters) == (full.all_gathers, full.reduce_scatters)
+    for cluster in ("h100:8", "h100:512"):
+        ctx = SimContext(tr, parse_cluster(cluster))
+        for name in POLICIES:
+            plan = policy(name).plan(tr)
+            assert simulate(tr, plan, context=ctx).step_time == pytest.approx(reference_step_time(tr, plan, ctx),
+                                                                                rel=1e-12)

@@ -8,21 +8,22 @@ from conftest import traced
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_planner.models import load_model
-from fsdp_planner.trace import BWD_PRE, FWD_PRE, OP, trace
+from fsdp_planner.trace import EventKind, trace
 
 
 def test_seed_net_order_params_and_flops(seed_trace):
     tr = seed_trace
     assert [p.fqn for p in tr.params] == ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias",
                                           "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    fwd_order = [e.module for e in tr.events if e.kind == FWD_PRE]
+    fwd_order = [e.module for e in tr.events if e.kind is EventKind.FWD_PRE]
     assert fwd_order == ["", "conv1", "conv2", "dropout1", "fc1", "dropout2", "fc2"]
-    bwd_order = [e.module for e in tr.events if e.kind == BWD_PRE and e.module in ("conv1", "conv2", "fc1", "fc2")]
+    layers = ("conv1", "conv2", "fc1", "fc2")
+    bwd_order = [e.module for e in tr.events if e.kind is EventKind.BWD_PRE and e.module in layers]
     assert bwd_order == ["fc2", "fc1", "conv2", "conv1"]
-    first = {tr.params[i].fqn: idx for i, idx in tr.param_first_use().items()}
+    first = {tr.params[i].fqn: idx for i, idx in tr.index.first_use.items()}
     assert first["conv1.weight"] < first["conv2.weight"] < first["fc1.weight"] < first["fc2.weight"]
     # backward ops read the weights through saved views (found by storage, not identity)
-    bwd_users = {tr.params[p].fqn for e in tr.events if e.kind == OP and e.backward for p in e.params}
+    bwd_users = {tr.params[p].fqn for e in tr.events if e.is_op and e.backward for p in e.params}
     assert {"conv2.weight", "fc1.weight", "fc2.weight"} <= bwd_users
     assert tr.modules["fc1"].fwd_flops == 2 * 8 * 9216 * 128
     assert tr.modules["conv1"].calls == 1 and tr.modules["dropout1"].calls == 1
@@ -46,8 +47,8 @@ def test_tied_weights_detected():
     assert shared[0].fqn == "wte.weight" and shared[0].aliases == ("lm_head.weight",)
     assert set(shared[0].owners) == {"wte", "lm_head"}
     assert tr.param("lm_head.weight") is shared[0]
-    wte = tr.param_index("wte.weight")
-    users = {e.module for e in tr.events if e.kind == OP and not e.backward and wte in e.params}
+    wte = tr.index.param_index["wte.weight"]
+    users = {e.module for e in tr.events if e.is_op and not e.backward and wte in e.params}
     assert users == {"wte", "lm_head"}
 
 
@@ -70,8 +71,8 @@ def test_param_used_outside_its_module_and_module_called_twice():
         twice = nn.Sequential(shared_block, nn.ReLU(), shared_block)
         x = torch.randn(2, 4)
     tr = trace(m, (x,))
-    b = tr.param_index("0.b.weight")
-    users = {e.module for e in tr.events if e.kind == OP and not e.backward and b in e.params}
+    b = tr.index.param_index["0.b.weight"]
+    users = {e.module for e in tr.events if e.is_op and not e.backward and b in e.params}
     assert users == {"0"}
     tr2 = trace(twice, (x,))
     assert tr2.modules["0"].calls == 2

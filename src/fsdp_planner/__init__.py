@@ -1,13 +1,21 @@
-"""fsdp-planner: trace a model, plan its FSDP2 groups, apply them, verify them on a real run."""
+"""fsdp-planner: trace a model, plan its FSDP2 groups, apply them, verify them on a real run.
 
-from fsdp_planner.apply import apply_plan
-from fsdp_planner.auto import AutoPolicy
-from fsdp_planner.cluster import Cluster, parse_cluster
+The pipeline, one package per step: ``trace`` (the step on meta tensors) -> ``fsdp2`` (FSDP2's semantics for a
+plan) -> ``hardware`` (the cluster and its collectives) -> ``sim`` (time and memory of a plan) -> ``planners``
+(classic policies and auto) -> ``runtime`` (measure and verify for real) -> ``cli``.
+"""
+
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.metrics import PlanMetrics, plan_metrics
-from fsdp_planner.plan import Group, Plan
-from fsdp_planner.policies import ExecutionOrderPolicy, ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
-from fsdp_planner.simulate import SimOptions, StepReport, simulate
+from fsdp_planner.fsdp2 import Group, Plan, apply_plan
+from fsdp_planner.hardware import Cluster, parse_cluster
+from fsdp_planner.planners import (
+    AutoPolicy,
+    ExecutionOrderPolicy,
+    ModuleWrapPolicy,
+    SizeBasedPolicy,
+    TorchtitanPolicy,
+)
+from fsdp_planner.sim import PlanMetrics, SimOptions, StepReport, plan_metrics, simulate
 from fsdp_planner.trace import Trace, trace
 
 __all__ = [

@@ -79,7 +79,7 @@ def resolve_factory(spec: str) -> Callable[[], tuple]:
         sys.modules[mod_name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:  # user code: report, never a traceback
+        except (Exception, SystemExit) as e:  # user code: report, never a traceback
             raise PlannerError(f"importing '{target}' failed: {type(e).__name__}: {e}") from e
     else:
         try:
@@ -104,7 +104,7 @@ def load_model(spec: str, meta: bool = True, seed: int = 0) -> LoadedModel:
             result = factory()
     except PlannerError:
         raise
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # user code: a SystemExit (argparse in a factory) is an error too
         raise PlannerError(f"model factory '{spec}' raised {type(e).__name__}: {e}") from e
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
         raise PlannerError(

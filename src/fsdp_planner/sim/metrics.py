@@ -13,9 +13,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import asdict, dataclass
 
-from fsdp_planner.plan import Plan
-from fsdp_planner.schedule import ALL_GATHER, REDUCE_SCATTER, Schedule, build_schedule, group_bytes
-from fsdp_planner.trace import OP, Trace
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import Schedule, build_schedule
+from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.records import Trace
 
 
 @dataclass(frozen=True)
@@ -37,31 +40,28 @@ class PlanMetrics:
 
 def use_windows(trace: Trace) -> list[tuple[tuple[int, int] | None, tuple[int, int] | None]]:
     """Per param: (first, last) forward-use event index and (first, last) backward-use event index."""
-    fwd: list[tuple[int, int] | None] = [None] * len(trace.params)
-    bwd: list[tuple[int, int] | None] = [None] * len(trace.params)
-    for i, e in enumerate(trace.events):
-        if e.kind != OP:
-            continue
-        win = bwd if e.backward else fwd
-        for p in e.params:
-            w = win[p]
-            win[p] = (i, i) if w is None else (w[0], i)
-    return list(zip(fwd, bwd, strict=True))
+    out = []
+    for uses in trace.index.param_uses:
+        fwd = [i for i in uses if not trace.events[i].backward]
+        bwd = [i for i in uses if trace.events[i].backward]
+        out.append(((fwd[0], fwd[-1]) if fwd else None, (bwd[0], bwd[-1]) if bwd else None))
+    return out
 
 
 def idle_byte_ops(trace: Trace, plan: Plan, sched: Schedule) -> int:
     """Sum over ops of unsharded param bytes that are idle while their group is in use (module docstring)."""
-    op_idx = [i for i, e in enumerate(trace.events) if e.kind == OP]
+    op_idx = [i for i, e in enumerate(trace.events) if e.kind is EventKind.OP]
 
     def ops_in(lo: int, hi: int) -> int:  # number of op events with lo <= index < hi
         return bisect.bisect_left(op_idx, hi) - bisect.bisect_left(op_idx, lo) if hi > lo else 0
 
     windows = use_windows(trace)
+    index = trace.index.param_index
     group_windows = []
     for g in plan.groups:
         per_phase = []
         for phase in (0, 1):
-            ws = [windows[trace.param_index(p)][phase] for p in g.params]
+            ws = [windows[index[p]][phase] for p in g.params]
             ws = [w for w in ws if w is not None]
             per_phase.append((min(w[0] for w in ws), max(w[1] for w in ws)) if ws else None)
         group_windows.append(per_phase)
@@ -78,19 +78,19 @@ def idle_byte_ops(trace: Trace, plan: Plan, sched: Schedule) -> int:
                 continue
             active = ops_in(lo, hi)
             for fqn in plan.groups[r.group].params:
-                i = trace.param_index(fqn)
+                i = index[fqn]
                 w = windows[i][phase]
                 used = ops_in(max(lo, w[0]), min(hi, w[1] + 1)) if w is not None else 0
                 total += (active - used) * trace.params[i].nbytes
     return total
 
 
-def peak_unsharded(plan: Plan, trace: Trace, sched: Schedule, param_itemsize: int | None = None) -> int:
+def peak_unsharded(plan: Plan, sched: Schedule, sizing: Sizing) -> int:
     """Max over the step of bytes held unsharded (post-forward shards count 1/k)."""
-    gbytes = group_bytes(plan, trace, param_itemsize)
+    gathered = [sizing.gather_bytes(ps) for ps in sizing.group_params(plan)]
     deltas: dict[int, float] = {}
     for r in sched.residency:
-        b = gbytes[r.group] / r.divisor
+        b = gathered[r.group] / r.divisor
         deltas[r.start] = deltas.get(r.start, 0.0) + b
         deltas[r.end] = deltas.get(r.end, 0.0) - b
     cur = peak = 0.0
@@ -101,21 +101,24 @@ def peak_unsharded(plan: Plan, trace: Trace, sched: Schedule, param_itemsize: in
 
 
 def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None) -> PlanMetrics:
+    """Counts and bytes per step at each param's own dtype, padded for ``world_size`` ranks (None: no world
+    known, nothing padded and ``reshard_after_forward`` ints kept as given)."""
     sched = build_schedule(trace, plan, world_size)
-    ag = [c for c in sched.collectives if c.kind == ALL_GATHER]
-    rs = [c for c in sched.collectives if c.kind == REDUCE_SCATTER]
-    n_ops = sum(1 for e in trace.events if e.kind == OP)
+    sizing = Sizing(trace, world_size or 1)
+    ag = [c for c in sched.collectives if c.kind is CollectiveKind.ALL_GATHER]
+    rs = [c for c in sched.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
+    group_params = sizing.group_params(plan)
+    gathered = [sizing.gather_bytes(ps) for ps in group_params]
     idle = idle_byte_ops(trace, plan, sched)
-    gbytes = group_bytes(plan, trace)
     return PlanMetrics(
         groups=sum(1 for g in plan.groups if g.params),
         root_numel=sum(trace.param(p).numel for p in plan.root.params),
         all_gathers=len(ag),
         reduce_scatters=len(rs),
-        all_gather_bytes=sum(c.nbytes for c in ag),
-        reduce_scatter_bytes=sum(c.nbytes for c in rs),
-        peak_unsharded_bytes=peak_unsharded(plan, trace, sched),
+        all_gather_bytes=sum(gathered[c.group] for c in ag),
+        reduce_scatter_bytes=sum(sizing.reduce_bytes(c.params) for c in rs),
+        peak_unsharded_bytes=peak_unsharded(plan, sched, sizing),
         idle_byte_ops=idle,
-        avg_idle_bytes=idle / max(n_ops, 1),
-        largest_group_bytes=max(gbytes, default=0),
+        avg_idle_bytes=idle / max(trace.index.op_count, 1),
+        largest_group_bytes=max(gathered, default=0),
     )

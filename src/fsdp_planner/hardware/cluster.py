@@ -1,10 +1,10 @@
 """The hardware a plan is costed on: GPUs, the two link levels (NVLink inside a node, network across nodes).
 
 A cluster is ``nodes`` nodes of ``gpus_per_node`` GPUs. The collective model that reads these numbers lives
-in :mod:`fsdp_planner.cost`; this module only holds them, the presets (figures from
-``shared/reference/facts.md``), JSON round-trips and the ``--cluster`` spec parser. A cluster written by
-:func:`fsdp_planner.calibrate.calibrate` also carries ``fits``: measured (latency, bus bandwidth) per
-collective and group size, which the cost model prefers over the preset figures.
+in ``collectives.py``; this module holds them, the presets (each figure cites its public source), JSON
+round-trips and the ``--cluster`` spec parser. A cluster written by ``calibrate.calibrate`` also carries
+``fits``: measured (latency, bus bandwidth) per collective and group size, which the cost model prefers over
+the preset figures.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.hardware.collectives import COLLECTIVES
 
 CLUSTER_VERSION = 1
-COLLECTIVES = ("all_gather", "reduce_scatter")
 
 # Per-kind fitted (latency seconds, bus bandwidth bytes/s), keyed by group size N.
 Fits = dict[str, dict[int, tuple[float, float]]]
@@ -75,15 +75,15 @@ class Cluster:
         for attr in ("gpus_per_node", "nodes", "nics_per_node"):
             v = getattr(self, attr)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlannerError(f"Cluster '{self.name}' needs a positive whole {attr}, got {v!r}.")
+                raise PlannerError(f"cluster '{self.name}' needs a positive whole {attr}, got {v!r}")
         for lname in ("intra", "inter"):
             _check_link(getattr(self, lname), f"{self.name}.{lname}")
         for kind, table in self.fits.items():
             if kind not in COLLECTIVES:
-                raise PlannerError(f"Cluster '{self.name}' has fits for unknown collective '{kind}'.")
+                raise PlannerError(f"cluster '{self.name}' has fits for unknown collective '{kind}'")
             for n, (alpha, bw) in table.items():
                 if n < 2 or alpha < 0 or not bw > 0:
-                    raise PlannerError(f"Cluster '{self.name}' has a bad {kind} fit for {n} ranks.")
+                    raise PlannerError(f"cluster '{self.name}' has a bad {kind} fit for {n} ranks")
 
     @property
     def world_size(self) -> int:
@@ -118,7 +118,7 @@ class Cluster:
     @classmethod
     def from_dict(cls, d: Any, where: str = "cluster JSON") -> Cluster:
         if not isinstance(d, dict):
-            raise PlannerError(f"The {where} must be a JSON object, got {type(d).__name__}.")
+            raise PlannerError(f"the {where} must be a JSON object, got {type(d).__name__}")
         gpu = GPU(
             name=str(_get(d, "gpu.name", where)),
             peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
@@ -138,12 +138,12 @@ class Cluster:
         fits: Fits = {}
         raw_fits = d.get("fits") or {}
         if not isinstance(raw_fits, dict):
-            raise PlannerError(f"The {where} field 'fits' must map collective -> ranks -> [alpha, bw].")
+            raise PlannerError(f"the {where} field 'fits' must map collective -> ranks -> [alpha, bw]")
         try:
             for kind, table in raw_fits.items():
                 fits[str(kind)] = {int(n): (float(v[0]), float(v[1])) for n, v in table.items()}
         except (TypeError, ValueError, IndexError, AttributeError) as e:
-            raise PlannerError(f"The {where} field 'fits' is malformed ({e}).") from None
+            raise PlannerError(f"the {where} field 'fits' is malformed ({e})") from None
         return cls(
             name=str(_get(d, "name", where)),
             gpu=gpu,
@@ -160,7 +160,7 @@ class Cluster:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlannerError(f"The {where} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+            raise PlannerError(f"the {where} is not valid JSON ({e.msg} at line {e.lineno})") from None
         return cls.from_dict(d, where)
 
     def save(self, path: str | Path) -> None:
@@ -170,7 +170,7 @@ class Cluster:
     def load(cls, path: str | Path) -> Cluster:
         p = Path(path)
         if not p.is_file():
-            raise PlannerError(f"Cluster file {p} does not exist.")
+            raise PlannerError(f"cluster file {p} does not exist")
         return cls.from_json(p.read_text(), where=f"cluster file {p}")
 
 
@@ -183,7 +183,7 @@ def _get(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) ->
         if not isinstance(cur, dict) or part not in cur:
             if default is not _MISSING:
                 return default
-            raise PlannerError(f"The {where} is missing the field '{dotted}'.")
+            raise PlannerError(f"the {where} is missing the field '{dotted}'")
         cur = cur[part]
     return cur
 
@@ -191,51 +191,55 @@ def _get(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) ->
 def _num(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> float:
     v = _get(d, dotted, where, default)
     if isinstance(v, bool) or not isinstance(v, int | float):
-        raise PlannerError(f"The {where} field '{dotted}' must be a number, got {v!r}.")
+        raise PlannerError(f"the {where} field '{dotted}' must be a number, got {v!r}")
     return float(v)
 
 
 def _int(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> int:
     v = _get(d, dotted, where, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise PlannerError(f"The {where} field '{dotted}' must be a whole number, got {v!r}.")
+        raise PlannerError(f"the {where} field '{dotted}' must be a whole number, got {v!r}")
     return v
 
 
 def _check_link(link: Link, where: str) -> None:
     if not link.bus_bandwidth > 0:
-        raise PlannerError(f"Link {where} needs a positive bus_bandwidth, got {link.bus_bandwidth!r}.")
+        raise PlannerError(f"link {where} needs a positive bus_bandwidth, got {link.bus_bandwidth!r}")
     for attr in ("base_latency", "hop_latency", "half_bw_bytes"):
         v = getattr(link, attr)
         if not (v >= 0 and math.isfinite(v)):
-            raise PlannerError(f"Link {where} needs a finite non-negative {attr}, got {v!r}.")
+            raise PlannerError(f"link {where} needs a finite non-negative {attr}, got {v!r}")
     if not 0 <= link.ring_overhead < 2:
-        raise PlannerError(f"Link {where} needs ring_overhead in [0, 2), got {link.ring_overhead!r}.")
+        raise PlannerError(f"link {where} needs ring_overhead in [0, 2), got {link.ring_overhead!r}")
 
 
 # ---- presets ---------------------------------------------------------------------------------------------
-# fp32: PyTorch's default matmul precision is "highest" (torch.backends.cuda.matmul.allow_tf32 is False), so
-# fp32 matmuls run on the CUDA cores, not TF32 tensor cores: we use the non-tensor fp32 peak (H100 SXM 67
-# TF/s; TF32 tensor would be ~495 TF/s dense). Memory and HBM figures are spec-sheet values.
+# Dense (no sparsity) bf16 tensor-core peak, fp32 peak, HBM bandwidth and capacity, from NVIDIA's data sheets:
+# H100 SXM5 and H200 SXM (1,979 TFLOP/s bf16 with sparsity = 989 dense; 67 TFLOP/s fp32; 3.35 / 4.8 TB/s),
+# A100 SXM4 80GB (312 TFLOP/s bf16; 19.5 fp32; 2.0 TB/s), HGX B200 (36 PFLOP/s sparse bf16 and 600 TFLOP/s fp32
+# per 8 GPUs; 8 TB/s). fp32 uses the non-tensor peak: PyTorch's default matmul precision is "highest"
+# (torch.backends.cuda.matmul.allow_tf32 is False), so fp32 matmuls do not run on TF32 tensor cores.
 GPUS: dict[str, GPU] = {
     "h100": GPU("H100-SXM-80GB", 989e12, 67e12, 3.35e12, 80_000_000_000),
     "h200": GPU("H200-SXM-141GB", 989e12, 67e12, 4.8e12, 141_000_000_000),
     "a100": GPU("A100-SXM4-80GB", 312e12, 19.5e12, 2.0e12, 80_000_000_000),
-    "b200": GPU("B200-180GB", 2250e12, 75e12, 8.0e12, 192_000_000_000),  # fp32: HGX B200 600 TF/s / 8
+    "b200": GPU("B200-180GB", 2250e12, 75e12, 8.0e12, 192_000_000_000),
 }
 
-# NCCL ring SIMPLE tuning constants (facts.md): base 8.4 us; per hop 3.4 us over NVLink, 14 us over the
-# network. With these the ring latency model gives exactly NCCL 2.27's H100 figures: 70 us (2x8), 297 us
-# (8x8), 1204 us (32x8). SIMPLE is used for every size (no LL/LL128 switch) so those anchors hold.
+# Latency: NCCL's own tuning model (src/graph/tuning.cc, ncclTunerConstantsDefaults, unchanged from 2.19 to
+# 2.30), ring algorithm, SIMPLE protocol: base 8.4 us, 3.4 us per ring step over NVLink, 14.0 us per step over
+# the network. For an all-gather over 2x8 / 8x8 / 32x8 H100s this gives NCCL's 70 / 297 / 1204 us.
 _BASE_LAT = 8.4e-6
 _NVLINK_HOP = 3.4e-6
 _NET_HOP = 14e-6
-# Small-message efficiency: one SIMPLE pipeline slot (NCCL_BUFFSIZE 4 MiB / NCCL_STEPS 8 = 512 KiB). A message
-# that does not fill it leaves the link part idle; see cost.py for what this does to the time.
+# Small-message efficiency: one SIMPLE pipeline slot, NCCL's default buffer (src/init.cc DEFAULT_BUFFSIZE,
+# 4 MiB) over its NCCL_STEPS (src/include/device.h, 8) = 512 KiB. A message that does not fill it leaves the
+# link partly idle; collectives.py shows what this does to the time.
 _HALF_BW = 512 * 1024
-# nccl-tests alpha-beta fits on 8xH100 (facts.md): busbw 268.5 / 325.5 / 344.75 GB/s at 2 / 4 / 8 GPUs.
-# busbw(k) = B * (1 - c/k) fits them with B = 370 GB/s (the quoted H100 NVLink figure) and c = 0.55 (within
-# 2%). We assume the same shape on other NVLink generations; the network has no such data (c = 0).
+# Ring bus bandwidth over NVLink: nccl-tests all_gather_perf / reduce_scatter_perf busbw on one 8x H100 SXM
+# node (NVLink 4 + NVSwitch) is 268.5 / 325.5 / 344.75 GB/s at 2 / 4 / 8 GPUs. busbw(k) = B * (1 - c/k) fits
+# all three within 2% with B = 370 GB/s and c = 0.55; the same shape is assumed for other NVLink generations.
+# The network shows no such small-ring loss in nccl-tests (c = 0).
 _RING_OVERHEAD = 0.55
 
 
@@ -247,11 +251,12 @@ def _infiniband(busbw_per_node: float) -> Link:
     return Link(busbw_per_node, _BASE_LAT, _NET_HOP, _HALF_BW, 0.0)
 
 
-# Inter-node: 8 NICs per node; NDR 400 Gb/s reaches ~46-49 GB/s per NIC, a full node ~370-385 GB/s busbw
-# (facts.md) -> 380 GB/s; HDR 200 Gb/s half of that.
+# Across nodes: 8 NICs per node. InfiniBand NDR is 400 Gb/s = 50 GB/s per NIC; nccl-tests reach 46-49 GB/s
+# per NIC, 370-385 GB/s busbw for a full node's ring all-gather -> 380 GB/s. HDR (A100 systems): 200 Gb/s, half.
+# NVLink: H100/H200 370 GB/s (above); A100 NVLink 3 nccl-tests busbw 230-240 GB/s; B200 NVLink 5 ~720 GB/s.
 LINKS: dict[str, tuple[Link, Link]] = {
     "h100": (_nvlink(370e9), _infiniband(380e9)),
-    "h200": (_nvlink(370e9), _infiniband(380e9)),  # same NVLink 4 / NVSwitch generation as H100
+    "h200": (_nvlink(370e9), _infiniband(380e9)),
     "a100": (_nvlink(235e9), _infiniband(190e9)),
     "b200": (_nvlink(720e9), _infiniband(380e9)),
 }
@@ -263,7 +268,7 @@ def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster
     """A preset cluster (h100, h200, a100, b200) of ``nodes`` x ``gpus_per_node`` GPUs."""
     key = name.lower()
     if key not in GPUS:
-        raise PlannerError(f"Unknown cluster preset '{name}': use one of {', '.join(PRESETS)}.")
+        raise PlannerError(f"unknown cluster preset '{name}': use one of {', '.join(PRESETS)}")
     intra, inter = LINKS[key]
     return Cluster(
         name=f"{key}:{nodes * gpus_per_node}" if gpus_per_node == MAX_GPUS_PER_NODE or nodes == 1
@@ -293,8 +298,8 @@ def parse_cluster(spec: str) -> Cluster:
         if p.suffix.lower() == ".json" or p.is_file() or "/" in text:
             return Cluster.load(p)
         raise PlannerError(
-            f"Unknown cluster '{spec}': give a preset NAME[:GPUS] with NAME one of {presets} "
-            "(e.g. h100:64), or the path of a cluster JSON file."
+            f"unknown cluster '{spec}': give a preset NAME[:GPUS] with NAME one of {presets} "
+            "(e.g. h100:64), or the path of a cluster JSON file"
         )
     name, count, per_node = m.group(1), m.group(2), m.group(3)
     if count is None:
@@ -304,14 +309,14 @@ def parse_cluster(spec: str) -> Cluster:
         g = int(per_node)
         if n < 1 or not 1 <= g <= MAX_GPUS_PER_NODE:
             raise PlannerError(
-                f"Bad cluster '{spec}': NODESxGPUS needs at least one node of 1 to {MAX_GPUS_PER_NODE} GPUs "
-                f"(presets: {presets})."
+                f"bad cluster '{spec}': NODESxGPUS needs at least one node of 1 to {MAX_GPUS_PER_NODE} GPUs "
+                f"(presets: {presets})"
             )
         return preset_cluster(name, nodes=n, gpus_per_node=g)
     if n < 1 or (n > MAX_GPUS_PER_NODE and n % MAX_GPUS_PER_NODE):
         raise PlannerError(
-            f"Bad GPU count in cluster '{spec}': give 1 to {MAX_GPUS_PER_NODE} GPUs (one node) or a multiple "
-            f"of {MAX_GPUS_PER_NODE} (whole nodes), with a preset among {presets}."
+            f"bad GPU count in cluster '{spec}': give 1 to {MAX_GPUS_PER_NODE} GPUs (one node) or a multiple "
+            f"of {MAX_GPUS_PER_NODE} (whole nodes), with a preset among {presets}"
         )
     if n <= MAX_GPUS_PER_NODE:
         return preset_cluster(name, nodes=1, gpus_per_node=n)

@@ -1,6 +1,6 @@
 """Measured compute: run the model's forward + backward for real on the local device and time every op.
 
-The roofline estimate (``simulate.op_times``) is a guess; on the GPU type the job will run on, measured times
+The roofline estimate (``sim/compute.py``) is a guess; on the GPU type the job will run on, measured times
 are the accurate mode. The timed run is a normal ``trace(..., measure=True)``, so the measured trace has the
 same events as the planning trace and the simulator uses its ``op_seconds`` in place of the estimate.
 Measured on a CPU, the times are the CPU's, not the cluster GPUs': useful to check the machinery, not to
@@ -19,7 +19,9 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.trace import OP, Trace, trace
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.recorder import trace
+from fsdp_planner.trace.records import Trace
 
 
 def local_device() -> torch.device:
@@ -43,8 +45,9 @@ def available_memory(device: torch.device) -> int:
 def required_memory(planning_trace: Trace) -> int:
     """Bytes a real unsharded step needs, from the planning trace: params and grads, buffers, activations
     saved for backward, and the largest single op's traffic as working space."""
-    saved = sum(e.saved for e in planning_trace.events if e.kind == OP and not e.backward)
-    largest_op = max((e.nbytes for e in planning_trace.events if e.kind == OP), default=0)
+    ops = [e for e in planning_trace.events if e.kind is EventKind.OP]
+    saved = sum(e.saved for e in ops if not e.backward)
+    largest_op = max((e.nbytes for e in ops), default=0)
     return 2 * planning_trace.nbytes + planning_trace.buffers_nbytes + saved + largest_op
 
 
@@ -85,7 +88,5 @@ def measure(
     for r in timed:
         if [(e.kind, e.module, e.backward) for e in r.events] != shape:
             raise PlannerError("the model ran different ops on repeated steps; --measure needs a deterministic step")
-    seconds = [statistics.median(r.op_seconds[i] for r in timed) for i in range(len(shape))]  # type: ignore[index]
-    result = timed[-1]
-    result.op_seconds = seconds
-    return result
+    seconds = tuple(statistics.median(r.op_seconds[i] for r in timed) for i in range(len(shape)))  # type: ignore[index]
+    return timed[-1].with_op_seconds(seconds)

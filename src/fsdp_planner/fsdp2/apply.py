@@ -1,4 +1,5 @@
-"""Apply a Plan to a model with FSDP2 ``fully_shard``: one call per group (lists allowed), then the root."""
+"""Apply a Plan to a model with FSDP2 ``fully_shard``: one call per group (lists allowed), children first, the
+root last, then the plan's explicit prefetch lists."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.plan import Plan, application_order
-from fsdp_planner.trace import model_fingerprint
+from fsdp_planner.fsdp2.claim import application_order
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.trace.recorder import model_fingerprint
 
 
-def _reshard_arg(value: bool | int, world_size: int) -> bool | int:
+def reshard_arg(value: ReshardAfterForward, world_size: int) -> ReshardAfterForward:
     """FSDP2 wants an int that divides the world size; 1 means False and the world size means True."""
     if isinstance(value, bool):
         return value
@@ -22,6 +24,16 @@ def _reshard_arg(value: bool | int, world_size: int) -> bool | int:
     if world_size % value:
         raise PlannerError(f"reshard_after_forward={value} does not divide the world size {world_size}")
     return value
+
+
+def module_parents(model: nn.Module) -> dict[str, list[str]]:
+    """Module (canonical name) -> the modules holding it as a child: the graph FSDP2's claim rule walks."""
+    name = {id(m): n for n, m in model.named_modules()}
+    parents: dict[str, list[str]] = {n: [] for n in name.values()}
+    for n, m in model.named_modules():
+        for c in dict.fromkeys(m.children()):
+            parents[name[id(c)]].append(n)
+    return parents
 
 
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
@@ -44,21 +56,19 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     world = mesh.size()
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
                               "offload_policy": offload_policy or OffloadPolicy()}
-    for gi in application_order(plan):
+    for gi in application_order(plan, module_parents(model)):
         g = plan.groups[gi]
+        targets = [modules[m] for m in g.modules]
         if g.is_root:
             continue
-        targets = [modules[m] for m in g.modules]
         fully_shard(targets[0] if len(targets) == 1 else targets,
-                    reshard_after_forward=_reshard_arg(g.reshard_after_forward, world), **kwargs)
-    root = plan.root
-    root_reshard = None if root.reshard_after_forward is False else _reshard_arg(root.reshard_after_forward, world)
-    fully_shard(model, reshard_after_forward=root_reshard, **kwargs)
+                    reshard_after_forward=reshard_arg(g.reshard_after_forward, world), **kwargs)
+    # the root's reshard_after_forward is given explicitly (False by default, what FSDP2 2.8+ infers from None)
+    fully_shard(model, reshard_after_forward=reshard_arg(plan.root.reshard_after_forward, world), **kwargs)
     for g in plan.groups:
         first = modules[g.modules[0]]
         if g.forward_prefetch:
             first.set_modules_to_forward_prefetch([modules[plan.groups[j].modules[0]] for j in g.forward_prefetch])
         if g.backward_prefetch:
-            first.set_modules_to_backward_prefetch(
-                [modules[plan.groups[j].modules[0]] for j in g.backward_prefetch])
+            first.set_modules_to_backward_prefetch([modules[plan.groups[j].modules[0]] for j in g.backward_prefetch])
     return model

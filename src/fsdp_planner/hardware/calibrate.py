@@ -3,7 +3,7 @@
 Users run nccl-tests on their own cluster (e.g. ``all_gather_perf -b 8 -e 8G -f 2 -g 8``) and hand the
 printed output to :func:`calibrate`. For every (collective, group size N) found we fit the ring line
 ``time = alpha + (N-1)/N * size / busbw`` and store (alpha, busbw) in ``Cluster.fits``, which
-:mod:`fsdp_planner.cost` then prefers over the preset figures.
+``collectives.py`` then prefers over the preset figures.
 
 Parsing is lenient about what surrounds the tables (NCCL INFO lines, ``mpirun --tag-output`` prefixes, pasted
 shell commands, several runs in one file) because real logs are collected every which way. A file is split
@@ -27,8 +27,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_planner.cluster import COLLECTIVES, MAX_GPUS_PER_NODE, Cluster, Fits, preset_cluster, with_fits
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, Fits, preset_cluster, with_fits
+from fsdp_planner.hardware.collectives import COLLECTIVES, CollectiveKind
 
 # nccl-tests type names -> bytes per element
 _WORD = {
@@ -223,11 +224,11 @@ def _infer(run: _Run, kind: str | None, ranks: int | None, source: str) -> NcclT
 def _norm_kind(kind: str | None) -> str | None:
     if kind is None:
         return None
-    k = kind.strip().lower().replace("-", "_").removesuffix("_perf")
-    k = {"allgather": "all_gather", "reducescatter": "reduce_scatter"}.get(k, k)
-    if k not in COLLECTIVES:
-        raise PlannerError(f"Unknown collective '{kind}': calibration reads {', '.join(COLLECTIVES)} logs.")
-    return k
+    text = kind.strip().lower().removesuffix("_perf")
+    try:
+        return CollectiveKind.parse(text).value
+    except PlannerError:
+        raise PlannerError(f"unknown collective '{kind}': calibration reads {', '.join(COLLECTIVES)} logs") from None
 
 
 def parse_nccl_tests(
@@ -244,16 +245,16 @@ def read_nccl_tests(
     """The runs of one log file; PlannerError if it is missing or holds no nccl-tests table."""
     p = Path(path)
     if not p.is_file():
-        raise PlannerError(f"nccl-tests log {p} does not exist.")
+        raise PlannerError(f"nccl-tests log {p} does not exist")
     try:
         text = p.read_text(errors="replace")
     except OSError as e:
-        raise PlannerError(f"Cannot read nccl-tests log {p} ({e.strerror}).") from None
+        raise PlannerError(f"cannot read nccl-tests log {p} ({e.strerror})") from None
     tables = parse_nccl_tests(text, kind=kind, ranks=ranks, source=str(p))
     if not tables:
         raise PlannerError(
-            f"No nccl-tests table found in {p}: expected the output of all_gather_perf or "
-            "reduce_scatter_perf (rows of size, count, type, redop, root, time, algbw, busbw, #wrong)."
+            f"no nccl-tests table found in {p}: expected the output of all_gather_perf or "
+            "reduce_scatter_perf (rows of size, count, type, redop, root, time, algbw, busbw, #wrong)"
         )
     return tables
 
@@ -285,11 +286,11 @@ def fit_samples(
     so a single hiccup (a 3x spike is common in real logs) does not drag the latency.
     """
     if ranks < 2:
-        raise PlannerError(f"Cannot fit {what}: a collective needs at least 2 ranks, found {ranks}.")
+        raise PlannerError(f"cannot fit {what}: a collective needs at least 2 ranks, found {ranks}")
     k = (ranks - 1) / ranks
     pts = [(k * s, t) for s, t in samples if s > 0 and t > 0]
     if len({x for x, _ in pts}) < 2:
-        raise PlannerError(f"Cannot fit {what}: it needs measurements at two or more sizes.")
+        raise PlannerError(f"cannot fit {what}: it needs measurements at two or more sizes")
     xs, ts = [x for x, _ in pts], [t for _, t in pts]
     a, b = _solve(xs, ts)
     res = [abs(a + b * x - t) / t for x, t in pts]
@@ -303,8 +304,8 @@ def fit_samples(
         dropped = 0
     if not b > 0:
         raise PlannerError(
-            f"Cannot fit {what}: time does not grow with size, so it shows no bandwidth; run nccl-tests "
-            "up to large sizes (e.g. -e 8G)."
+            f"cannot fit {what}: time does not grow with size, so it shows no bandwidth; run nccl-tests "
+            "up to large sizes (e.g. -e 8G)"
         )
     rms = math.sqrt(sum(((a + b * x - t) / t) ** 2 for x, t in zip(xs, ts, strict=True)) / len(xs))
     return a, 1 / b, rms, dropped
@@ -318,12 +319,12 @@ def _expand(paths: str | Path | Iterable[str | Path]) -> list[Path]:
         if p.is_dir():
             found = sorted(q for q in p.iterdir() if q.is_file() and q.suffix in (".log", ".txt", ".out"))
             if not found:
-                raise PlannerError(f"Directory {p} holds no .log, .txt or .out nccl-tests logs.")
+                raise PlannerError(f"directory {p} holds no .log, .txt or .out nccl-tests logs")
             out += found
         else:
             out.append(p)
     if not out:
-        raise PlannerError("Calibration needs at least one nccl-tests log.")
+        raise PlannerError("calibration needs at least one nccl-tests log")
     return out
 
 
@@ -338,8 +339,8 @@ def fit_logs(
     if not usable:
         seen = ", ".join(sorted({f"{t.kind} ({t.ranks} ranks) in {t.source}" for t in tables}))
         raise PlannerError(
-            f"No all_gather or reduce_scatter run with 2+ ranks in the logs (found {seen}); pass the "
-            "collective and rank count explicitly if the log does not show them."
+            f"no all_gather or reduce_scatter run with 2+ ranks in the logs (found {seen}); pass the "
+            "collective and rank count explicitly if the log does not show them"
         )
     groups: dict[tuple[str, int], list[NcclTable]] = {}
     for t in usable:
@@ -370,8 +371,8 @@ def _base_from_logs(tables: Sequence[NcclTable]) -> Cluster:
     key = _preset_for(gpu_name)
     if key is None:
         raise PlannerError(
-            f"Cannot tell which preset matches GPU '{gpu_name or 'unknown'}' in the logs; pass a base "
-            "cluster (a preset such as h100:16 or a cluster JSON)."
+            f"cannot tell which preset matches GPU '{gpu_name or 'unknown'}' in the logs; pass a base "
+            "cluster (a preset such as h100:16 or a cluster JSON)"
         )
     with_hosts = [t for t in tables if t.hosts]
     if with_hosts:
@@ -393,7 +394,7 @@ def calibrate(
 ) -> Cluster:
     """``base`` (or a preset matching the logs' GPUs and hosts) plus fitted (alpha, busbw) per (kind, N).
 
-    Fits are merged over any ``base.fits``; :func:`fsdp_planner.cost.collective_time` uses them for matching
+    Fits are merged over any ``base.fits``; ``collectives.collective_time`` uses them for matching
     group sizes and scales the model by them for other sizes of the same one-node/multi-node regime.
     """
     tables, fits = fit_logs(paths, kind=kind, ranks=ranks)

@@ -1,0 +1,35 @@
+"""``fsdp-planner cost all-gather 1GiB --cluster h100:8``: the time of one collective."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fsdp_planner.cli import render
+from fsdp_planner.cli.requests import add_json
+from fsdp_planner.fmt import parse_size
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.hardware.collectives import CollectiveKind, collective_time
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("cost", help="time of one collective on a cluster")
+    sp.add_argument("collective", choices=("all-gather", "reduce-scatter"))
+    sp.add_argument("size", help="full (unsharded) size, e.g. 1GiB, 512MB, 1e9")
+    sp.add_argument("--cluster", required=True)
+    sp.add_argument("--ranks", type=int, default=None, help="sub-group size (default: the whole cluster)")
+    add_json(sp)
+    sp.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    kind = CollectiveKind.parse(args.collective)
+    cluster = parse_cluster(args.cluster)
+    nbytes = parse_size(args.size)
+    seconds = collective_time(cluster, kind, nbytes, ranks=args.ranks)
+    ranks = args.ranks or cluster.world_size
+    if args.json:
+        print(json.dumps({"collective": kind.value, "bytes": nbytes, "ranks": ranks, "seconds": seconds}))
+    else:
+        render.console.print(render.cost_line(args.collective, nbytes, ranks, cluster, seconds))
+    return 0

@@ -1,0 +1,178 @@
+"""Everything the commands print for people: rich tables and one-line summaries, in the units of ``fmt.py``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from fsdp_planner.fmt import fmt_bytes, fmt_modules, fmt_numel, fmt_time
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.planners.auto import AutoResult
+from fsdp_planner.planners.auto.explain import GroupExplanation, Reason
+from fsdp_planner.runtime.verify import VerifyResult
+from fsdp_planner.sim.memory import MemoryBreakdown
+from fsdp_planner.sim.metrics import PlanMetrics
+from fsdp_planner.sim.timeline import StepReport
+from fsdp_planner.trace.records import Trace
+
+# Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
+console = Console(width=None if sys.stdout.isatty() else 150, soft_wrap=True)
+notes = Console(stderr=True, width=None if sys.stderr.isatty() else 150, soft_wrap=True)  # keeps --json output clean
+
+
+def model_line(name: str, tr: Trace) -> str:
+    return (f"[bold]{name}[/bold]: {tr.numel:,} params ({fmt_bytes(tr.nbytes)}), {len(tr.modules)} modules, "
+            f"{tr.fwd_flops / 1e9:.3g} GFLOP forward, {tr.bwd_flops / 1e9:.3g} GFLOP backward")
+
+
+def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]]) -> Table:
+    """Policies side by side; step time, exposed communication and peak memory when simulated on a cluster."""
+    with_cost = any(report for _, _, report in rows)
+    t = Table(title=title, title_justify="left")
+    for col in ("policy", "groups", "root params", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    if with_cost:
+        for col in ("step time", "exposed comm", "peak memory"):
+            t.add_column(col, justify="right")
+    for plan, m, report in rows:
+        cells = [plan.policy, str(m.groups), fmt_numel(m.root_numel), str(m.all_gathers), str(m.reduce_scatters),
+                 fmt_bytes(m.all_gather_bytes), fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
+        if with_cost:
+            cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory)]
+                      if report else ["-", "-", "-"])
+        t.add_row(*cells)
+    return t
+
+
+def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
+    """One plan's groups: modules, params, bytes, reshard_after_forward (the first ``limit`` - 1 and the root)."""
+    t = Table(title=f"plan: {plan.policy}", title_justify="left")
+    for col in ("#", "modules", "params", "bytes", "reshard_after_forward"):
+        t.add_column(col, justify="left" if col == "modules" else "right")
+    shown = list(range(len(plan.groups))) if len(plan.groups) <= limit else [*range(limit - 1), len(plan.groups) - 1]
+    for i in shown:
+        g = plan.groups[i]
+        numel = sum(tr.param(p).numel for p in g.params)
+        nbytes = sum(tr.param(p).nbytes for p in g.params)
+        raf = "root default (False)" if g.is_root and g.reshard_after_forward is False else str(g.reshard_after_forward)
+        t.add_row(str(i), fmt_modules(g.modules), fmt_numel(numel) if g.params else "none", fmt_bytes(nbytes), raf)
+        if len(shown) < len(plan.groups) and i == limit - 2:
+            t.add_row("...", f"({len(plan.groups) - limit} more groups)", "", "", "")
+    return t
+
+
+def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> list[str]:
+    return [
+        f"[bold]{name}[/bold] with [bold]{plan_label}[/bold] on {cluster.describe()}",
+        f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}  exposed comm "
+        f"{fmt_time(r.exposed_comm)}  lower bound {fmt_time(r.lower_bound)}",
+        f"{r.all_gathers} all-gathers ({fmt_bytes(r.all_gather_bytes)}), {r.reduce_scatters} reduce-scatters "
+        f"({fmt_bytes(r.reduce_scatter_bytes)}) per step; comm busy: all-gather "
+        f"{fmt_time(r.comm_time['all_gather'])}, reduce-scatter {fmt_time(r.comm_time['reduce_scatter'])}",
+    ]
+
+
+def memory_table(peak: int, breakdown: Mapping[str, int]) -> Table:
+    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)}", title_justify="left")
+    t.add_column("part")
+    t.add_column("bytes at peak", justify="right")
+    for k, v in breakdown.items():
+        if v:
+            t.add_row(k.replace("_", " "), fmt_bytes(v))
+    return t
+
+
+def strategy_table(rows: Mapping[str, MemoryBreakdown], title: str) -> Table:
+    """Per-rank memory of each strategy; a category column only where some row has it."""
+    cats = [c for c in MemoryBreakdown().to_dict() if c != "total" and any(getattr(b, c) for b in rows.values())]
+    t = Table(title=title, title_justify="left")
+    t.add_column("strategy")
+    for c in [*cats, "total"]:
+        t.add_column(c.replace("_", " "), justify="right")
+    for name, b in rows.items():
+        t.add_row(name, *(fmt_bytes(getattr(b, c)) for c in cats), fmt_bytes(b.total))
+    return t
+
+
+def verify_table(result: VerifyResult) -> Table:
+    t = Table(title=f"verify: {result.world_size} ranks, {result.backend}, {result.steps} steps", title_justify="left")
+    for col in ("check", "predicted", "measured", "result"):
+        t.add_column(col)
+    ok, bad = "[green]ok[/green]", "[red]MISMATCH[/red]"
+    for kind in result.predicted:
+        counts = sorted({c[kind] for c in result.counted})
+        t.add_row(f"{kind}s per step", str(result.predicted[kind]), "/".join(map(str, counts)),
+                  ok if counts == [result.predicted[kind]] else bad)
+        nbytes = sorted({c[kind] for c in result.counted_bytes})
+        t.add_row(f"{kind} bytes per step", fmt_bytes(result.predicted_bytes[kind]), "/".join(map(fmt_bytes, nbytes)),
+                  ok if nbytes == [result.predicted_bytes[kind]] else bad)
+    t.add_row("params vs unsharded reference (max abs diff)", f"<= {result.tolerance:g}", f"{result.max_abs_diff:.3g}",
+              ok if result.params_match else bad)
+    t.add_row("loss per step (FSDP / reference)", " ".join(f"{x:.5f}" for x in result.reference_losses),
+              " ".join(f"{x:.5f}" for x in result.losses), "")
+    return t
+
+
+def auto_line(result: AutoResult) -> str:
+    fitting = [c for c in result.baselines.values() if c.report.peak_memory <= result.budget]
+    best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
+    n = len(result.plan.inner_groups)
+    line = (f"auto: {n} group{'s' if n != 1 else ''}, step {fmt_time(result.report.step_time)}, peak "
+            f"{fmt_bytes(result.report.peak_memory)} within the budget {fmt_bytes(result.budget)} "
+            f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
+    if best_other is None:
+        return line + "; no classic policy fits this budget"
+    gain = 1 - result.report.step_time / best_other.report.step_time
+    return line + f"; {gain:.1%} faster than the best classic policy that fits, {best_other.origin}"
+
+
+def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int) -> Table:
+    """Per group its size, all-gather terms, what holds its boundary and the best one-step alternative."""
+    t = Table(title=f"why the groups are where they are (step {fmt_time(step_time)}, peak {fmt_bytes(peak)})")
+    for col in ("#", "modules", "size", "all-gather", "latency", "hidden by", "held by", "best alternative",
+                "its step", "its peak"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(str(r.group), fmt_modules(r.modules, 1), fmt_bytes(r.nbytes), fmt_time(r.all_gather),
+                  f"{r.latency_share:.0%}", fmt_time(r.hidden_by), r.reason.value,
+                  r.alternative.value if r.alternative else "-", _delta_time(r.alternative_step, step_time),
+                  _delta_bytes(r.alternative_peak, peak))
+    return t
+
+
+def reasons_legend(reasons: Sequence[Reason]) -> str:
+    return "held by:\n" + "\n".join(f"  {r.value}: {r.description}" for r in dict.fromkeys(reasons))
+
+
+def _delta_time(alt: float | None, base: float) -> str:
+    return "-" if alt is None else f"{fmt_time(alt)} ({(alt - base) / base:+.2%})"
+
+
+def _delta_bytes(alt: int | None, base: int) -> str:
+    return "-" if alt is None else f"{fmt_bytes(alt)} ({(alt - base) / base:+.1%})"
+
+
+def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, seconds: float) -> str:
+    where = f"{collective} of {fmt_bytes(nbytes)} over {ranks} rank{'s' if ranks != 1 else ''} on {cluster.describe()}"
+    if seconds == 0:
+        why = "nothing to move" if nbytes == 0 else "one rank holds everything"
+        return f"{where}: 0 s ({why})"
+    return f"{where}: {fmt_time(seconds)} (bus bandwidth {(ranks - 1) / ranks * nbytes / seconds / 1e9:.0f} GB/s)"
+
+
+def json_ready(value: Any) -> Any:
+    """Enums and tuples as JSON writes them (for ``--json``)."""
+    from enum import Enum
+
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {str(json_ready(k)): json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value

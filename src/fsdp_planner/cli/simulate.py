@@ -1,0 +1,39 @@
+"""``fsdp-planner simulate MODEL --cluster SPEC``: one step of a plan in time and memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fsdp_planner.cli import render
+from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
+from fsdp_planner.cli.requests import add_json, add_plan_source, add_sim_options, plan_source, sim_options
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.sim.timeline import simulate
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
+    add_plan_source(sp)
+    add_sim_options(sp, cluster_required=True)
+    add_json(sp)
+    sp.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    source = plan_source(args)
+    cluster, options = parse_cluster(args.cluster), sim_options(args)
+    tr = load_trace(args.model, render.notes, args.measure)
+    if source.plan_file is not None:
+        plan = load_plan(str(source.plan_file), tr)
+    else:
+        assert source.policy is not None
+        plan = policy_plan(tr, source.policy, args.model, cluster, options)
+    report = simulate(tr, plan, cluster, options, timeline=False)
+    if args.json:
+        print(json.dumps(report.summary(), indent=2))
+        return 0
+    for line in render.step_lines(args.model, plan.policy or str(source.plan_file), cluster, report):
+        render.console.print(line)
+    render.console.print(render.memory_table(report.peak_memory, report.memory_at_peak))
+    return 0

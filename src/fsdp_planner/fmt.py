@@ -1,0 +1,70 @@
+"""Human-readable numbers: one formatter per unit, and the one size parser.
+
+Bytes are shown in binary units (KiB, MiB, GiB), as ``torch.cuda.memory_summary`` and FSDP's own logs do;
+times in s / ms / us; element counts with K / M / B suffixes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from fsdp_planner.errors import PlannerError
+
+
+def fmt_bytes(n: float) -> str:
+    """``1.5 MiB``: binary units, three significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_time(seconds: float) -> str:
+    """``2.76 ms``: three significant digits in s, ms or us."""
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def fmt_numel(n: float) -> str:
+    """``8.03B``: element counts with K / M / B suffixes."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
+    """A group's modules for a table cell: ``layers.0, layers.1, +6``; the root module is ``(root)``."""
+    names = ["(root)" if m == "" else m for m in modules]
+    if len(names) <= limit:
+        return ", ".join(names)
+    return ", ".join(names[:limit]) + f", +{len(names) - limit}"
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,  # bare letters are binary, as in nccl-tests -b/-e
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1GiB``, ``512MB``, ``1e9``, ``8G`` (bare K/M/G/T are binary, as in nccl-tests -e 8G)."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise PlannerError(
+            f"cannot read the size '{text}': use a number with an optional unit such as 1GiB, 512MB, 64KiB or 1e9"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value):
+        raise PlannerError(f"the size '{text}' is too large")
+    return round(value)

@@ -1,0 +1,205 @@
+"""Which params each ``fully_shard`` call manages, replaying FSDP2's claim rule (``_fsdp_init.py``).
+
+``fully_shard(modules)`` walks the module objects below each listed module (``_get_managed_modules``: a DFS over
+``module.children()``, visiting a shared submodule once, stopping at modules that already have FSDP state) and
+manages every param it finds that no earlier call manages. Groups are therefore applied children-first; a param
+reachable from two groups (a tied weight, a submodule shared by blocks) must be claimed by one of them, or
+FSDP2 2.13 raises "Parameter ... is shared with a parameter already managed by another FSDP group".
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT
+
+
+def short_list(names: Iterable[str], limit: int = 5) -> str:
+    names = sorted(names)
+    head = ", ".join(names[:limit])
+    return head + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def application_order(plan: Plan, parents: Mapping[str, Sequence[str]]) -> list[int]:
+    """Group indices in the order ``fully_shard`` must be called: a group listing a module below a module of
+    another group comes first (its DFS must stop there); the root comes last. ``parents``: module -> the modules
+    holding it as a child."""
+    n = len(plan.groups)
+    group_of = {m: i for i, g in enumerate(plan.groups) for m in g.modules}
+    deps: list[set[int]] = [set() for _ in range(n)]  # deps[i]: groups to apply before group i
+    for j, g in enumerate(plan.groups):
+        for m in g.modules:
+            for a in _dag_ancestors(m, parents):
+                i = group_of.get(a)
+                if i is not None and i != j:
+                    deps[i].add(j)
+    users: list[list[int]] = [[] for _ in range(n)]
+    for i, ds in enumerate(deps):
+        for j in ds:
+            users[j].append(i)
+    missing = [len(ds) for ds in deps]
+    ready = [i for i in range(n) if missing[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < n:
+        raise PlannerError("plan groups nest inside each other in a cycle; no fully_shard order exists")
+    return order
+
+
+def _dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
+    seen: set[str] = set()
+    stack = list(parents.get(fqn, ()))
+    while stack:
+        a = stack.pop()
+        if a not in seen:
+            seen.add(a)
+            stack.extend(parents.get(a, ()))
+    return seen
+
+
+def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
+    """Params each group's ``fully_shard`` call would manage (FSDP2's DFS, in application order)."""
+    modules = trace.modules
+    sharded: set[str] = set()
+    claimed_by: dict[str, int] = {}
+    result: list[list[str]] = [[] for _ in plan.groups]
+    for gi in application_order(plan, trace.index.parents):
+        listed = set(plan.groups[gi].modules)
+        mine: dict[str, None] = {}
+        visited: set[str] = set()
+        for m in plan.groups[gi].modules:
+            stack = [m]
+            while stack:
+                x = stack.pop()
+                if x in visited or (x in sharded and x not in listed):
+                    continue
+                visited.add(x)
+                mine.update(dict.fromkeys(modules[x].params))
+                stack.extend(modules[x].children)
+        for p in mine:
+            if p in claimed_by:
+                raise PlannerError(f"parameter '{p}' is reachable from groups {claimed_by[p]} and {gi}; FSDP2 needs "
+                                   "it in one group: list its modules together in one fully_shard([...])")
+            claimed_by[p] = gi
+        result[gi] = list(mine)
+        sharded |= listed
+    return result
+
+
+def validate_plan(plan: Plan, trace: Trace) -> None:
+    """Each group's params are exactly what its fully_shard call claims; every param is owned once."""
+    if not plan.groups or not plan.root.is_root:
+        raise PlannerError("a plan's last group must be the root (modules [''])")
+    for i, g in enumerate(plan.inner_groups):
+        if ROOT in g.modules or not g.modules:
+            raise PlannerError(f"group {i}: only the last group may be the root, and no group may be empty")
+    for i, (g, c) in enumerate(zip(plan.groups, claimed_params(plan, trace), strict=True)):
+        if set(g.params) != set(c):
+            raise PlannerError(f"group {i} ({short_list(g.modules, 3)}) lists params that differ from what "
+                               f"fully_shard would claim: {short_list(set(g.params) ^ set(c))}")
+
+
+def check_plan_matches(plan: Plan, trace: Trace) -> None:
+    """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
+    have = {p for g in plan.groups for p in g.params}
+    want = {p.fqn for p in trace.params}
+    if plan.fingerprint != trace.fingerprint or have != want:
+        missing, extra = want - have, have - want
+        parts = []
+        if missing:
+            parts.append(f"missing parameters: {short_list(missing)}")
+        if extra:
+            parts.append(f"extra parameters: {short_list(extra)}")
+        if not parts:
+            parts.append("same parameter names but different shapes or dtypes")
+        raise PlannerError(f"plan was made for another model ({'; '.join(parts)})")
+    unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
+    if unknown:
+        raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
+    validate_plan(plan, trace)
+
+
+def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
+              reshard: Sequence[ReshardAfterForward] | None = None, root_reshard: bool = False, policy: str = "",
+              model: str = "") -> Plan:
+    """A validated Plan from lists of modules (the non-root groups): params are derived, the root takes the
+    rest, groups that claim nothing are dropped, the rest sorted by first use."""
+    reshard = list(reshard) if reshard is not None else [True] * len(module_groups)
+    listed: set[str] = set()
+    groups = []
+    for ms in module_groups:  # a module listed twice stays in its first group (a policy may reach it twice)
+        groups.append([m for m in dict.fromkeys(ms) if m not in listed])
+        listed.update(ms)
+    added = resolve_shared_modules(trace, groups)
+    reshard += [True] * added
+    groups = resolve_ties(trace, groups)
+    plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],
+                trace.fingerprint, trace.numel, policy=policy, model=model)
+    for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True):
+        g.params = params
+    plan.groups = [g for g in plan.groups if g.params or g.is_root]
+    first = trace.index.first_use
+    index = trace.index.param_index
+    never = len(trace.events) + 1
+    plan.groups[:-1] = sorted(plan.groups[:-1], key=lambda g: min(first.get(index[p], never) for p in g.params))
+    return plan
+
+
+def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]]:
+    """Move every owner of a tied param into one group (the earliest listed that holds one of them), as FSDP2
+    requires; classic policies (size-based, per-class) otherwise split tied weights."""
+    for p in trace.params:
+        if not p.is_shared:
+            continue
+        group_of = {m: i for i, ms in enumerate(module_groups) for m in ms}
+        if ROOT in p.owners:  # only the root's own fully_shard can manage a param registered on the root
+            for o in p.owners:
+                if o in group_of:
+                    module_groups[group_of[o]].remove(o)
+            continue
+        gids = [_claiming_group(o, group_of, trace.index.parents) for o in p.owners]
+        inner = sorted({g for g in gids if g >= 0})
+        if len(set(gids)) <= 1 or not inner:
+            continue
+        for o, g in zip(p.owners, gids, strict=True):
+            if g != inner[0]:
+                if g >= 0 and o in module_groups[g]:
+                    module_groups[g].remove(o)
+                module_groups[inner[0]].append(o)
+    return module_groups
+
+
+def resolve_shared_modules(trace: Trace, module_groups: list[list[str]]) -> int:
+    """A submodule held by several parents (one object under several names) whose params two groups would both
+    reach gets a group of its own, applied before them, so that it is claimed once. Returns the groups added."""
+    parents = trace.index.parents
+    shared = [m for m, ps in parents.items() if len(ps) > 1 and trace.index.subtree_params[m]]
+    added = 0
+    for m in shared:
+        group_of = {x: i for i, ms in enumerate(module_groups) for x in ms}
+        if m not in group_of and len({_claiming_group(p, group_of, parents) for p in parents[m]}) > 1:
+            module_groups.append([m])
+            added += 1
+    return added
+
+
+def _claiming_group(fqn: str, group_of: Mapping[str, int], parents: Mapping[str, Sequence[str]]) -> int:
+    """The group whose fully_shard call claims ``fqn``'s own params: its own, else its nearest listed ancestor's
+    (following the first parent of a shared module); -1 for the root."""
+    while True:
+        if fqn in group_of:
+            return group_of[fqn]
+        if fqn == ROOT or not parents.get(fqn):
+            return -1
+        fqn = parents[fqn][0]

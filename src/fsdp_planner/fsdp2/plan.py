@@ -1,0 +1,178 @@
+"""Plans: which modules each FSDP group (one ``fully_shard`` call) covers, and how it behaves.
+
+A plan is an ordered list of groups in execution order with the root group (modules ``[""]``) last. Every
+group is exactly one ``fully_shard(list_of_modules)`` call; the params it owns are what that call claims when
+the groups are applied children-first (``claim.py``). This module holds the data and its JSON form; whether a
+plan fits a model is ``claim.check_plan_matches``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.trace.tree import ROOT
+
+PLAN_VERSION = 1
+
+ReshardAfterForward = bool | int  # True, False, or the size of the sub-group that keeps a shard after forward
+
+
+@dataclass
+class Group:
+    """One FSDP parameter group: ``fully_shard(modules, reshard_after_forward=...)``."""
+
+    modules: list[str]
+    params: list[str] = field(default_factory=list)
+    reshard_after_forward: ReshardAfterForward = True
+    forward_prefetch: list[int] = field(default_factory=list)  # group indices to unshard at this one's forward
+    backward_prefetch: list[int] = field(default_factory=list)  # ... at this one's pre-backward
+
+    @property
+    def is_root(self) -> bool:
+        return self.modules == [ROOT]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"modules": list(self.modules), "params": list(self.params),
+                             "reshard_after_forward": self.reshard_after_forward}
+        if self.forward_prefetch:
+            d["forward_prefetch"] = list(self.forward_prefetch)
+        if self.backward_prefetch:
+            d["backward_prefetch"] = list(self.backward_prefetch)
+        return d
+
+
+@dataclass
+class Plan:
+    groups: list[Group]  # execution order, root group last
+    fingerprint: str
+    numel: int
+    policy: str = ""
+    model: str = ""
+
+    @property
+    def root(self) -> Group:
+        return self.groups[-1]
+
+    @property
+    def inner_groups(self) -> list[Group]:
+        return self.groups[:-1]
+
+    def group_of_param(self) -> dict[str, int]:
+        return {p: i for i, g in enumerate(self.groups) for p in g.params}
+
+    def copy(self, **changes: Any) -> Plan:
+        """A copy whose groups can be changed without touching this plan's."""
+        return replace(self, groups=[replace(g, modules=list(g.modules), params=list(g.params),
+                                             forward_prefetch=list(g.forward_prefetch),
+                                             backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
+                       **changes)
+
+    def signature(self) -> tuple:
+        """What makes two plans behave the same (names and labels aside)."""
+        return tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch), tuple(g.backward_prefetch))
+                     for g in self.groups)
+
+    # -- JSON ------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PLAN_VERSION,
+            "model": {"fingerprint": self.fingerprint, "numel": self.numel, "name": self.model},
+            "policy": self.policy,
+            "groups": [g.to_dict() for g in self.groups],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | Path) -> None:
+        try:
+            Path(path).write_text(self.to_json() + "\n")
+        except OSError as e:
+            raise PlannerError(f"cannot write the plan to '{path}': {e.strerror}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlannerError(f"plan is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        return _plan_from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.is_file():
+            raise PlannerError(f"plan file '{path}' does not exist")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise PlannerError(f"plan file '{path}' is not text: expected the JSON that `plan --out` writes") from None
+        except OSError as e:
+            raise PlannerError(f"cannot read plan file '{path}': {e.strerror}") from None
+        return cls.from_json(text)
+
+
+def _plan_from_dict(data: Any) -> Plan:
+    if not isinstance(data, dict) or "version" not in data:
+        raise PlannerError("this JSON is not an fsdp-planner plan: expected an object with 'version', 'model' and "
+                           "'groups', as `plan --out` writes")
+    if data["version"] != PLAN_VERSION:
+        raise PlannerError(f"unsupported plan version {data['version']!r} (this fsdp-planner reads {PLAN_VERSION})")
+    model, groups = data.get("model"), data.get("groups")
+    if not isinstance(model, dict) or not isinstance(groups, list) or not groups:
+        raise PlannerError("plan JSON needs a 'model' object and a non-empty 'groups' list")
+    parsed = [_group_from_dict(i, g) for i, g in enumerate(groups)]
+    if not parsed[-1].is_root:
+        parsed.append(Group([ROOT], [], False))
+    _check_structure(parsed)
+    numel = model.get("numel", 0)
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise PlannerError("plan 'model.numel' must be a whole number")
+    return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
+                model=str(model.get("name", "")))
+
+
+def _group_from_dict(i: int, g: Any) -> Group:
+    if not isinstance(g, dict) or not _str_list(g.get("modules")) or not _str_list(g.get("params", [])):
+        raise PlannerError(f"plan group {i} must be an object with a 'modules' list and a 'params' list of names")
+    raf = g.get("reshard_after_forward", True)
+    if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
+        raise PlannerError(f"plan group {i}: reshard_after_forward must be true, false or a positive whole number")
+    prefetch = {}
+    for key in ("forward_prefetch", "backward_prefetch"):
+        value = g.get(key, [])
+        if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in value):
+            raise PlannerError(f"plan group {i}: {key} must be a list of group indices")
+        prefetch[key] = list(value)
+    return Group(modules=list(g["modules"]), params=list(g.get("params", [])), reshard_after_forward=raf, **prefetch)
+
+
+def _str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+def _check_structure(groups: list[Group]) -> None:
+    """What any plan must satisfy, whatever the model: one root group, last; no empty group; each module and
+    param listed once; prefetch lists naming other existing groups."""
+    seen_modules: dict[str, int] = {}
+    seen_params: dict[str, int] = {}
+    for i, g in enumerate(groups):
+        if not g.modules:
+            raise PlannerError(f"plan group {i} lists no modules")
+        if ROOT in g.modules and i != len(groups) - 1:
+            raise PlannerError(f"plan group {i}: only the last group may be the root (module '')")
+        for names, seen, what in ((g.modules, seen_modules, "module"), (g.params, seen_params, "param")):
+            for name in names:
+                if name in seen:
+                    where = "twice in that group" if seen[name] == i else f"also in group {seen[name]}"
+                    raise PlannerError(f"plan group {i} lists {what} '{name}' {where}; each may be listed once")
+                seen[name] = i
+        for key, targets in (("forward_prefetch", g.forward_prefetch), ("backward_prefetch", g.backward_prefetch)):
+            bad = [j for j in targets if not 0 <= j < len(groups) or j == i]
+            if bad:
+                raise PlannerError(f"plan group {i}: {key} names {bad[0]}, which is not another group of the plan "
+                                   f"(groups are numbered 0 to {len(groups) - 1})")

@@ -1,0 +1,268 @@
+"""Replay FSDP2's hooks over a trace: when each group all-gathers, reshards and reduce-scatters.
+
+``GroupReplay`` mirrors ``FSDPParamGroup`` (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, 2.13)
+together with the per-module part of ``FSDPState`` (_fsdp_state.py): its methods are FSDP2's lifecycle,
+``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``, ``finalize_backward``, over the same
+``TrainingState`` and ``ShardedState``. ``Replay`` plays the hooks' caller: it walks the trace's boundary events
+of the modules that have FSDP hooks and calls the group that owns them, then runs the root's final callback.
+
+The output is events, not sizes or times: ``Collective`` (which group, at which trace event, why) and
+``Residency`` (when a group is unsharded). Sizing is the cost layer's (``sim/sizing.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
+from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT
+
+Call = tuple[str, int]
+
+
+class TrainingState(Enum):
+    """FSDP2's ``TrainingState`` (_fsdp_common.py)."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
+
+
+class ShardedState(Enum):
+    """FSDP2's ``ShardedState`` (_fsdp_param.py): what each rank holds of the group's params."""
+
+    SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()  # reshard_after_forward=int: a shard over a sub-group until backward
+    UNSHARDED = auto()
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: CollectiveKind
+    group: int
+    event: int  # trace event at whose boundary it is issued (len(events): the final callback)
+    backward: bool
+    prefetch: bool = False  # issued ahead by a prefetch, not by the group's own hook
+    ranks: int = 0  # 0: the group's full shard mesh; k: the post-forward sub-group of k ranks
+    params: tuple[int, ...] = ()  # reduce-scatter: the params whose grads it carries (indices into Trace.params)
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Group ``group`` holds ``1/divisor`` of its unsharded params on each rank over events [start, end)."""
+
+    group: int
+    start: int
+    end: int
+    divisor: int = 1
+
+
+@dataclass
+class Schedule:
+    collectives: list[Collective] = field(default_factory=list)
+    residency: list[Residency] = field(default_factory=list)
+    num_events: int = 0
+
+
+@dataclass
+class _Shared:
+    """State FSDP2 keeps across groups (``FSDPCommContext`` and the root's state context)."""
+
+    schedule: Schedule
+    post_forward_order: list[GroupReplay] = field(default_factory=list)
+    reduced: set[int] = field(default_factory=set)  # params whose grads were reduce-scattered this step
+    pre_backward_at: dict[Call, list[GroupReplay]] = field(default_factory=dict)  # output grads -> pre_backward
+    post_backward_at: dict[Call, GroupReplay] = field(default_factory=dict)  # input grads -> post_backward
+
+
+class GroupReplay:
+    """One ``fully_shard`` group through one training step (FSDPParamGroup + its FSDPState's module hooks)."""
+
+    def __init__(self, index: int, group: Group, grad_params: list[int], grad_ready_at: list[int],
+                 world_size: int | None, shared: _Shared) -> None:
+        self.index, self.group, self.shared = index, group, shared
+        self.has_params = bool(group.params)
+        self.grad_params = grad_params  # params with a grad to reduce (trainable and read in forward)
+        self.grad_ready_at = grad_ready_at
+        self.reshard_after_forward = _resolve_reshard(group.reshard_after_forward, world_size)
+        self.forward_prefetch: list[GroupReplay] = []
+        self.backward_prefetch: list[GroupReplay] = []
+        self.training_state = TrainingState.IDLE
+        self.sharded_state = ShardedState.SHARDED
+        self.since = -1  # event from which the current (un)sharded-post-forward state holds
+        self.gathered = False  # all-gathered at least once this step, so its params can have grads
+        self.modules_to_run: set[str] = set()  # FSDPState._modules_to_run_forward
+        self.post_forward_indices: list[int] = []
+
+    # -- FSDPParamGroup.unshard / reshard -----------------------------------------------------------------
+    def unshard(self, at: int, backward: bool, prefetch: bool = False) -> None:
+        if self.sharded_state is ShardedState.UNSHARDED or not self.has_params:
+            return  # no-op when already unsharded (e.g. prefetched)
+        ranks = 0
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            ranks = int(self.reshard_after_forward)  # gather from the sub-group's shard
+            self._hold_until(at, divisor=ranks)
+        self.shared.schedule.collectives.append(
+            Collective(CollectiveKind.ALL_GATHER, self.index, at, backward, prefetch, ranks))
+        self.sharded_state, self.since, self.gathered = ShardedState.UNSHARDED, at, True
+
+    def reshard(self, at: int) -> None:
+        if self.sharded_state is not ShardedState.UNSHARDED:
+            return
+        if self.training_state is TrainingState.FORWARD:
+            if self.reshard_after_forward is False:
+                return  # kept unsharded until backward
+            if self.reshard_after_forward is not True:  # _to_sharded_post_forward: keep a sub-group shard
+                self._hold_until(at)
+                self.sharded_state, self.since = ShardedState.SHARDED_POST_FORWARD, at
+                return
+        self._hold_until(at)
+        self.sharded_state = ShardedState.SHARDED
+
+    def _hold_until(self, at: int, divisor: int = 1) -> None:
+        self.shared.schedule.residency.append(Residency(self.index, self.since, at, divisor))
+
+    # -- the lifecycle ------------------------------------------------------------------------------------
+    def pre_forward(self, at: int, call: Call, grad_inputs: bool) -> None:
+        """FSDPState._pre_forward + FSDPParamGroup.pre_forward: runs for every listed module; the post-backward
+        hook and forward prefetch only for the first module of the pass."""
+        if not self.modules_to_run:
+            self.modules_to_run = set(self.group.modules)
+        first_in_pass = self.training_state is not TrainingState.FORWARD
+        self.training_state = TrainingState.FORWARD
+        self.unshard(at, backward=False)
+        if first_in_pass:
+            if grad_inputs:  # RegisterPostBackwardFunction on this call's inputs
+                self.shared.post_backward_at[call] = self
+            for target in self.forward_prefetch:
+                target.unshard(at, backward=False, prefetch=True)
+
+    def post_forward(self, at: int, call: Call) -> None:
+        """FSDPParamGroup.post_forward once every listed module has run (a list group reshards after its last
+        module), then FSDPState._register_pre_backward_hook on the completing call's outputs."""
+        module = call[0]
+        if module not in self.modules_to_run:
+            return
+        self.modules_to_run.discard(module)
+        if not self.modules_to_run:
+            self.complete_forward(at, call)
+
+    def complete_forward(self, at: int, call: Call) -> None:
+        self.reshard(at)
+        self.post_forward_indices.append(len(self.shared.post_forward_order))  # _record_post_forward
+        self.shared.post_forward_order.append(self)
+        self.training_state = TrainingState.IDLE
+        self.shared.pre_backward_at.setdefault(call, []).append(self)
+
+    def pre_backward(self, at: int) -> None:
+        """FSDPState._pre_backward + FSDPParamGroup.pre_backward: once per group; prefetches the explicit list, or
+        by default the group that finished forward just before this call of it (_backward_prefetch)."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard(at, backward=True)
+        if self.backward_prefetch:
+            for target in self.backward_prefetch:
+                target.unshard(at, backward=True, prefetch=True)
+        elif self.post_forward_indices:
+            current = self.post_forward_indices.pop()
+            if current > 0:
+                self.shared.post_forward_order[current - 1].unshard(at, backward=True, prefetch=True)
+
+    def post_backward(self, at: int) -> None:
+        """FSDPParamGroup.post_backward: reshard, then reduce-scatter the grads autograd has finished (a param read
+        by several module calls has its grad only after the backward of the last of them)."""
+        self.training_state = TrainingState.POST_BACKWARD
+        if not self.has_params:
+            return
+        self.reshard(at)
+        if not self.gathered:
+            return
+        reduced = self.shared.reduced
+        ready = tuple(p for p in self.grad_params if p not in reduced and self.grad_ready_at[p] <= at)
+        if ready:
+            reduced.update(ready)
+            self.shared.schedule.collectives.append(
+                Collective(CollectiveKind.REDUCE_SCATTER, self.index, at, True, params=ready))
+
+    def finalize_backward(self, end: int) -> None:
+        """The root's final callback: post_backward for groups autograd never reached (inputs without grad),
+        then the end of the step for whatever is still held."""
+        if self.training_state is not TrainingState.POST_BACKWARD and self.has_params:
+            self.post_backward(end)
+        self.training_state = TrainingState.IDLE
+        if self.sharded_state is ShardedState.UNSHARDED:
+            self._hold_until(end)
+        elif self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            self._hold_until(end, divisor=int(self.reshard_after_forward))
+
+
+def _resolve_reshard(value: ReshardAfterForward, world_size: int | None) -> ReshardAfterForward:
+    """FSDP2's reading of an int: 1 keeps everything (False), the world size or more reshards fully (True)."""
+    if isinstance(value, bool):
+        return value
+    if world_size is not None and value >= world_size:
+        return True
+    return False if value == 1 else value
+
+
+class Replay:
+    """Drives the groups' hooks over the trace's boundary events, as autograd and ``nn.Module`` would."""
+
+    def __init__(self, trace: Trace, plan: Plan, world_size: int | None = None) -> None:
+        self.trace, self.plan = trace, plan
+        index = trace.index
+        self.shared = _Shared(Schedule(num_events=len(trace.events)))
+        reducible, pidx = index.reducible, index.param_index
+        self.groups = [
+            GroupReplay(i, g, [p for p in map(pidx.__getitem__, g.params) if reducible[p]], index.grad_ready_at,
+                        world_size, self.shared)
+            for i, g in enumerate(plan.groups)]
+        for g, replay in zip(plan.groups, self.groups, strict=True):
+            replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
+            replay.backward_prefetch = [self.groups[j] for j in g.backward_prefetch]
+        self.group_of = {m: self.groups[i] for i, g in enumerate(plan.groups) for m in g.modules}
+
+    def hooked_events(self) -> list[int]:
+        """Boundary events of the modules FSDP2 hooks (the groups' modules), in order."""
+        by_module = self.trace.index.boundaries_by_module
+        return sorted(i for m in self.group_of for i in by_module.get(m, ()))
+
+    def run(self) -> Schedule:
+        events, shared = self.trace.events, self.shared
+        for at in self.hooked_events():
+            e = events[at]
+            call = (e.module, e.call)
+            if e.kind is EventKind.FWD_PRE:
+                self.group_of[e.module].pre_forward(at, call, e.grad_inputs)
+            elif e.kind is EventKind.FWD_POST:
+                self.group_of[e.module].post_forward(at, call)
+                if e.module == ROOT:
+                    self._force_complete_forward(at, call)
+            elif e.kind is EventKind.BWD_PRE:
+                for group in shared.pre_backward_at.get(call, ()):
+                    group.pre_backward(at)
+            elif call in shared.post_backward_at:  # BWD_POST: the inputs' grads are ready
+                shared.post_backward_at.pop(call).post_backward(at)
+        end = len(events)
+        for group in self.groups:
+            group.finalize_backward(end)
+        return shared.schedule
+
+    def _force_complete_forward(self, at: int, call: Call) -> None:
+        """FSDPState._force_complete_incomplete_states: at the root's post-forward, list groups whose modules
+        did not all run complete their forward (their pre-backward hook goes on the root's output)."""
+        for group in self.groups:
+            if group.group.modules != [ROOT] and group.modules_to_run:
+                group.modules_to_run.clear()
+                group.complete_forward(at, (ROOT, call[1]))
+
+
+def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None) -> Schedule:
+    """Replay FSDP2 over ``trace`` with ``plan``'s groups."""
+    return Replay(trace, plan, world_size).run()

@@ -1,0 +1,133 @@
+"""AutoPolicy: the grouping that minimises simulated step time under a per-rank memory budget.
+
+The search, one concern per module:
+1. ``atoms.py``: the params split into indivisible units in execution order, some pinned (alone, or to the root)
+   where FSDP2 would fail or misbehave otherwise.
+2. ``candidates.py``: the classic policies' plans, module-tree cuts, the most frugal plan, and a dynamic program
+   over group boundaries for a range of caps on the group size.
+3. ``refine.py``: local moves on the best plans (reshard the last groups after forward or not, prefetch, move one
+   boundary, merge two groups), while they pay and fit.
+``evaluator.py`` simulates every candidate once and ranks them; ``explain.py`` says why each boundary sits where
+it does.
+
+Without a budget, auto keeps to the peak memory of the fastest classic policy: it is then never slower than any
+classic policy and never uses more memory than that fastest one (a slower classic policy may use less).
+``Target.FSDP1`` searches only what FSDP1 can express: one module per unit, uniform dtype and requires_grad per
+unit, bool ``reshard_after_forward``, no prefetch lists.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
+from fsdp_planner.planners.auto.candidates import classic_baselines, frugal_and_dp, module_tree_cuts
+from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
+from fsdp_planner.planners.auto.refine import Refiner
+from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.timeline import StepReport
+from fsdp_planner.trace.records import Trace
+
+
+class Search:
+    """The state of one auto search: the evaluator, the two atom granularities and the refiner."""
+
+    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str) -> None:
+        self.ev = Evaluator(trace, cluster, options, target, model)
+        whole = bool(block_instances(trace))
+        self.atoms: list[Atom] = plan_atoms(trace, whole_blocks=whole)
+        self.fine_atoms: list[Atom] = plan_atoms(trace, whole_blocks=False) if whole else self.atoms
+        self.refiner = Refiner(self.ev, self.atoms, self.fine_atoms)
+
+    def granularities(self) -> list[list[Atom]]:
+        """The atom lists to search over: whole blocks and single modules (one list when the model has no blocks)."""
+        return [self.atoms] if self.fine_atoms is self.atoms else [self.atoms, self.fine_atoms]
+
+
+@dataclass
+class AutoResult:
+    plan: Plan
+    report: StepReport
+    budget: int
+    budget_source: str  # "--memory-budget" or the classic policy whose peak it is
+    fits: bool
+    min_peak: int  # the lowest peak memory any evaluated plan reached
+    baselines: dict[str, Candidate]
+    evaluated: int
+    seconds: float
+    search: Search = field(repr=False)
+
+
+@dataclass
+class AutoPolicy:
+    """Choose groups, ``reshard_after_forward`` and prefetch for ``cluster`` under ``memory_budget`` bytes."""
+
+    cluster: Cluster
+    memory_budget: int | None = None
+    target: Target = Target.FSDP2
+    options: SimOptions = field(default_factory=SimOptions)
+    refine_seconds: float = 2.0  # time allowed for boundary moves after the structured search
+    name: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, Target):
+            try:
+                self.target = Target(self.target)
+            except ValueError:
+                raise PlannerError(f"unknown auto target '{self.target}': choose fsdp2 or fsdp1") from None
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise PlannerError("the memory budget must be positive")
+
+    def plan(self, trace: Trace, model: str = "") -> Plan:
+        result = self.search(trace, model)
+        if not result.fits:
+            raise PlannerError(infeasible_message(result))
+        return result.plan
+
+    def search(self, trace: Trace, model: str = "") -> AutoResult:
+        started = time.perf_counter()
+        search = Search(trace, self.cluster, self.options, self.target, model)
+        ev = search.ev
+        baselines = classic_baselines(ev)
+        ev.budget, source = self._budget(baselines)
+        module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
+        if self.target is Target.FSDP2:
+            for atoms in search.granularities():
+                frugal_and_dp(ev, atoms)
+        search.refiner.refine(time.perf_counter() + self.refine_seconds)
+        best = ev.best()
+        if self.target is Target.FSDP2 and best.plan.root.params:
+            classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
+            best = search.refiner.prefer_empty_root(best, classic_step)
+        plan = best.plan
+        plan.policy = (f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
+                       f"{', fsdp1' if self.target is Target.FSDP1 else ''})")
+        plan.model = model
+        return AutoResult(plan=plan, report=best.report, budget=ev.budget, budget_source=source,
+                          fits=best.report.peak_memory <= ev.budget,
+                          min_peak=min(c.report.peak_memory for c in ev.seen), baselines=baselines,
+                          evaluated=len(ev.seen), seconds=time.perf_counter() - started, search=search)
+
+    def _budget(self, baselines: dict[str, Candidate]) -> tuple[int, str]:
+        if self.memory_budget is not None:
+            return self.memory_budget, "--memory-budget"
+        if baselines:
+            fastest = min(baselines.values(), key=lambda c: (c.report.step_time, c.report.peak_memory))
+            return fastest.report.peak_memory, f"peak of the fastest classic policy, {fastest.origin}"
+        return self.cluster.gpu.memory_bytes, "GPU memory"
+
+
+def infeasible_message(result: AutoResult) -> str:
+    cluster = result.search.ev.cluster
+    return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {cluster.name}: the smallest "
+            f"peak any plan reaches is {fmt_bytes(result.min_peak)} (most of it fixed: sharded state and "
+            "activations); raise --memory-budget to at least that or use more GPUs")
+
+
+__all__ = ["AutoPolicy", "AutoResult", "Search", "Target", "infeasible_message"]

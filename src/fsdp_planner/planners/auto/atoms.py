@@ -1,0 +1,95 @@
+"""Atoms: what the auto search groups. One per module that owns params (tied owners merged), or per whole repeated
+block, in execution order, each marked with how freely FSDP2 lets it be grouped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.planners.order import atoms_in_execution_order
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within
+
+
+class Pin(Enum):
+    FREE = "free"  # may share a group with its neighbours
+    ALONE = "alone"  # a group of its own
+    ROOT = "root"  # left to the root group
+
+
+@dataclass
+class Atom:
+    modules: list[str]
+    nbytes: int  # unsharded bytes at the traced dtype
+    start: int  # first forward op reading its params (len(events) when never read in forward)
+    pin: Pin = Pin.FREE
+    params: list[int] = field(default_factory=list)  # indices into Trace.params
+
+
+def plan_atoms(trace: Trace, whole_blocks: bool) -> list[Atom]:
+    """Atoms in execution order with their pinning (see ``pin_atoms``)."""
+    never = len(trace.events)
+    first, index = trace.index.first_use, trace.index.param_index
+    atoms = []
+    for mods, nbytes in atoms_in_execution_order(trace, whole=block_instances(trace) if whole_blocks else ()):
+        params = list(dict.fromkeys(index[p] for m in mods for p in trace.modules[m].params))
+        start = min((first[p] for p in params if p in first and not trace.events[first[p]].backward), default=never)
+        atoms.append(Atom(list(mods), nbytes, start, params=params))
+    atoms.sort(key=lambda a: a.start)
+    pin_atoms(trace, atoms)
+    return atoms
+
+
+def pin_atoms(trace: Trace, atoms: list[Atom]) -> None:
+    """Mark the atoms FSDP2 cannot group freely.
+
+    - ROOT: its params are read outside the forward of the modules that own them (only the root group is
+      unsharded around such a read); or a list of modules of which one is called more than once.
+    - ALONE: a module called more than once, or an atom whose forward uses enclose other atoms' (a tied embedding
+      used again by the head): pytorch#183702, a module of a list group reused later in the step can fail in
+      backward. Also atoms never read in forward.
+    """
+    atom_of = {p: ai for ai, a in enumerate(atoms) for p in a.params}
+    first, last = [-1] * len(atoms), [-1] * len(atoms)
+    only_mine = [0] * len(atoms)  # forward param-reading ops that read this atom alone
+    outside: set[int] = set()
+    k = 0  # index among forward ops that read params
+    for e in trace.events:
+        if e.kind is not EventKind.OP or e.backward or not e.params:
+            continue
+        read = {atom_of[p] for p in e.params if p in atom_of}  # params on the root module are in no atom
+        for ai in read:
+            if first[ai] < 0:
+                first[ai] = k
+            last[ai] = k
+        if len(read) == 1:
+            only_mine[next(iter(read))] += 1
+        for p in e.params:
+            if p in atom_of and not any(is_within(e.module, o) for o in trace.params[p].owners):
+                outside.add(atom_of[p])
+        k += 1
+    for ai, a in enumerate(atoms):
+        if ai in outside:
+            a.pin = Pin.ROOT
+        elif any(trace.modules[m].calls > 1 for m in a.modules):
+            a.pin = Pin.ROOT if len(a.modules) > 1 else Pin.ALONE
+        elif first[ai] < 0 or only_mine[ai] != last[ai] - first[ai] + 1:
+            a.pin = Pin.ALONE
+
+
+def coarsen(free: list[Atom], limit: int) -> list[Atom]:
+    """Merge runs of consecutive atoms into at most about ``limit`` atoms of similar bytes, so the DP stays fast on
+    models with thousands of tiny modules (groups that small would be latency-bound anyway)."""
+    if len(free) <= limit:
+        return free
+    target = sum(a.nbytes for a in free) / limit
+    out: list[Atom] = []
+    for a in free:
+        if out and out[-1].nbytes + a.nbytes <= target:
+            last = out[-1]
+            out[-1] = Atom(last.modules + a.modules, last.nbytes + a.nbytes, last.start, params=last.params + a.params)
+        else:
+            out.append(Atom(list(a.modules), a.nbytes, a.start, params=list(a.params)))
+    return out

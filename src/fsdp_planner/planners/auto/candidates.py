@@ -1,0 +1,145 @@
+"""Where candidate plans come from: the classic policies, module-tree cuts (what FSDP1 can express), the most
+frugal plan, and a dynamic program over group boundaries driven by a per-group surrogate of the step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.planners.auto.atoms import Atom, Pin, coarsen
+from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
+from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
+from fsdp_planner.planners.order import ExecutionOrderPolicy
+from fsdp_planner.sim.compute import traced_itemsize
+from fsdp_planner.sim.context import SimContext
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT
+
+DP_ATOM_LIMIT = 512  # atoms the DP works on at most (finer models are coarsened first)
+
+
+def classic_baselines(ev: Evaluator) -> dict[str, Candidate]:
+    """The four classic policies with their defaults; a policy the model cannot use (no repeated block) is
+    left out."""
+    out = {}
+    for policy in (ModuleWrapPolicy(), SizeBasedPolicy(), TorchtitanPolicy(), ExecutionOrderPolicy()):
+        try:
+            plan = policy.plan(ev.trace, ev.model)
+        except PlannerError:
+            continue
+        out[policy.name] = ev.evaluate(plan, plan.policy)
+    return out
+
+
+def module_tree_cuts(ev: Evaluator, count: int) -> None:
+    """FSDP1 units are single modules: evaluate size-based wrapping at ``count`` thresholds from per-leaf to none,
+    and every param-owning module wrapped alone. They are FSDP2 plans too: the root then plays a never-resharded
+    group, which pays when backward all-gathers are latency-bound."""
+    trace = ev.trace
+    numels = sorted({p.numel for p in trace.params})
+    for t in sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(trace.numel, 2), count)}):
+        ev.evaluate(SizeBasedPolicy(t).plan(trace, ev.model), f"size({t})")
+    leaves = [[m] for m in trace.index.owning_modules
+              if m != ROOT and not any(trace.param(p).is_shared for p in trace.modules[m].params)]
+    ev.evaluate(make_plan(trace, leaves, model=ev.model), "per-module")
+
+
+def segments(atoms: Sequence[Atom], free_segments: Sequence[Sequence[Atom]]) -> list[list[Atom]]:
+    """Free segments plus each atom pinned ALONE as its own segment, in execution order (ROOT-pinned atoms stay
+    with the root)."""
+    segs = [list(s) for s in free_segments] + [[a] for a in atoms if a.pin is Pin.ALONE]
+    return sorted(segs, key=lambda s: s[0].start)
+
+
+def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> None:
+    """The most frugal plan (every free atom alone) and the DP's plans for group-size caps from one atom to the
+    whole model, simulated in the surrogate's order until a few of them fit the budget."""
+    free_atoms = [a for a in atoms if a.pin is Pin.FREE]
+    segs = segments(atoms, [[a] for a in free_atoms])
+    if segs:
+        ev.evaluate(ev.build(segs, [True] * len(segs)), "frugal")
+    free = coarsen(free_atoms, DP_ATOM_LIMIT)
+    if not free:
+        return
+    surrogate = Surrogate(ev.ctx, ev.trace, free)
+    found: dict[tuple[int, ...], tuple[float, float]] = {}
+    for cap in caps(np.array([a.nbytes for a in free], dtype=float)):
+        cuts, cost = surrogate.best_cuts(cap)
+        found.setdefault(tuple(cuts), (cost, cap))
+    fitting = 0
+    for rank, (cuts, (_, cap)) in enumerate(sorted(found.items(), key=lambda kv: kv[1])):
+        if rank >= 4 and fitting >= 3:
+            break
+        plan = ev.build(segments(atoms, [free[i:j] for i, j in zip((0, *cuts), (*cuts, len(free)), strict=True)]))
+        fitting += ev.evaluate(plan, f"dp({fmt_bytes(cap)})").report.peak_memory <= ev.budget
+
+
+def caps(sizes: np.ndarray) -> list[float]:
+    """Group-size caps to run the DP with: the largest atom, doubling up to everything in one group."""
+    cap, total = float(sizes.max()), float(sizes.sum())
+    out = []
+    while cap < total:
+        out.append(cap)
+        cap *= 2
+    out.append(total)
+    return out
+
+
+class Surrogate:
+    """Per-group step time for the DP, vectorised over group starts:
+    ``max(forward compute, all-gather) + max(backward compute, all-gather + reduce-scatter)`` (the two collectives
+    share the links in backward), backward compute in forward's proportions."""
+
+    def __init__(self, ctx: SimContext, trace: Trace, free: list[Atom]) -> None:
+        prec, world = ctx.precision, ctx.world
+        hbm = ctx.cluster.gpu.hbm_bandwidth
+        itemsize = traced_itemsize(trace)
+        trainable = [sum(trace.params[p].nbytes for p in a.params if trace.params[p].requires_grad) for a in free]
+        gather = np.array([a.nbytes for a in free], dtype=float) * prec.gather_bytes / itemsize
+        reduce = np.array(trainable, dtype=float) * prec.reduce_bytes / itemsize
+        fwd_end = trace.index.forward_end
+        starts = [a.start for a in free] + [fwd_end]
+        cum = ctx.cum
+        fwd = np.array([cum[starts[i + 1]] - cum[starts[i]] for i in range(len(free))])
+        bwd = fwd * (cum[-1] - cum[fwd_end]) / max(cum[fwd_end], 1e-30)
+        self.a_ag, pb_ag, _ = ctx.link(CollectiveKind.ALL_GATHER)
+        self.a_rs, self.pb_rs, _ = ctx.link(CollectiveKind.REDUCE_SCATTER)
+        self.pb_ag = pb_ag + 1 / world / hbm + 1 / hbm  # copy-in and copy-out at HBM speed
+        self.P = np.concatenate([[0.0], np.cumsum(gather)])
+        self.R = np.concatenate([[0.0], np.cumsum(reduce)])
+        self.F = np.concatenate([[0.0], np.cumsum(fwd)])
+        self.B = np.concatenate([[0.0], np.cumsum(bwd)])
+        self.raw = np.concatenate([[0.0], np.cumsum([a.nbytes for a in free])])
+
+    def best_cuts(self, cap: float) -> tuple[list[int], float]:
+        """Group ends (exclusive atom indices, the last omitted) minimising the surrogate with groups <= ``cap``
+        bytes, and the surrogate's step time for them."""
+        n = len(self.P) - 1
+        best = np.full(n + 1, np.inf)
+        best[0] = 0.0
+        back = np.zeros(n + 1, dtype=int)
+        penalty = 1e-9 / max(self.raw[-1], 1.0) ** 2  # among equal times prefer smaller groups (memory)
+        lo = 0
+        for j in range(1, n + 1):
+            while self.raw[j] - self.raw[lo] > cap and lo < j - 1:
+                lo += 1
+            i = np.arange(lo, j)
+            ag = self.a_ag + (self.P[j] - self.P[i]) * self.pb_ag
+            rs = np.where(self.R[j] > self.R[i], self.a_rs + (self.R[j] - self.R[i]) * self.pb_rs, 0.0)
+            cost = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], ag + rs)
+            cost = cost + np.where(i == 0, ag, 0.0) + penalty * (self.raw[j] - self.raw[i]) ** 2
+            total = best[lo:j] + cost
+            k = int(np.argmin(total))
+            best[j], back[j] = total[k], lo + k
+        cuts = []
+        j = n
+        while j > 0:
+            j = back[j]
+            if j > 0:
+                cuts.append(j)
+        return sorted(cuts), float(best[n])

@@ -1,0 +1,156 @@
+"""Local refinement of the best plans, judged by the simulator: keep the groups that finish forward last
+unsharded, prefetch ahead, move single boundaries by one atom or merge neighbours, while it pays and fits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from enum import Enum
+
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.planners.auto.atoms import Atom, Pin
+from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
+from fsdp_planner.planners.order import compress_modules
+
+
+class Move(Enum):
+    """A one-step change to a plan's grouping."""
+
+    EARLIER = "boundary one atom earlier"
+    LATER = "boundary one atom later"
+    MERGED = "merged with the next group"
+
+
+class Refiner:
+    def __init__(self, ev: Evaluator, atoms: list[Atom], fine_atoms: list[Atom]) -> None:
+        self.ev, self.atoms, self.fine_atoms = ev, atoms, fine_atoms
+
+    def refine(self, deadline: float, starts: int = 3) -> None:
+        """Refine the ``starts`` best distinct plans so far (a plan second before refinement can end first),
+        sharing the time until ``deadline``. Every plan tried stays in the evaluator."""
+        ranked = self.ev.ranked()[:starts]
+        for n, start in enumerate(ranked):
+            share = time.perf_counter() + (deadline - time.perf_counter()) / (len(ranked) - n)
+            best = self.reshard_prefix(start)
+            if self.ev.target is Target.FSDP2:
+                best = self.prefetch(best)
+                self.move_boundaries(best, share)
+
+    def reshard_prefix(self, best: Candidate) -> Candidate:
+        """Keep the last m groups of forward unsharded (False, or the node size when the world spans nodes): they
+        are the first needed in backward. Binary-search the largest m that pays and fits, for each value."""
+        inner = [i for i, g in enumerate(best.plan.groups) if not g.is_root and g.params]
+        values: list[ReshardAfterForward] = [False]
+        k, world = self.ev.cluster.gpus_per_node, self.ev.cluster.world_size
+        if self.ev.target is Target.FSDP2 and 1 < k < world and world % k == 0:
+            values.append(k)
+        for value in values:
+            lo, hi = 0, len(inner)
+            while lo < hi:
+                m = (lo + hi + 1) // 2
+                plan = best.plan.copy()
+                for i in inner[len(inner) - m:]:
+                    if plan.groups[i].reshard_after_forward is True:
+                        plan.groups[i].reshard_after_forward = value
+                c = self.ev.evaluate(plan, f"{best.origin} + last {m} reshard={value}")
+                if self.ev.better(c, best):
+                    best, lo = c, m
+                elif c.report.peak_memory > self.ev.budget:
+                    hi = m - 1
+                else:
+                    break  # fits but does not pay: more of the same will not either
+        return best
+
+    def prefetch(self, best: Candidate) -> Candidate:
+        """Explicit prefetch two groups ahead, forward then backward, kept when it pays."""
+        inner = [i for i, g in enumerate(best.plan.groups) if not g.is_root and g.params]
+        if len(inner) < 3:
+            return best
+        for direction in ("forward", "backward"):
+            plan = best.plan.copy()
+            for pos, i in enumerate(inner):
+                if direction == "forward":
+                    plan.groups[i].forward_prefetch = inner[pos + 1:pos + 3]
+                else:
+                    plan.groups[i].backward_prefetch = inner[max(0, pos - 2):pos][::-1]
+            c = self.ev.evaluate(plan, f"{best.origin} + {direction} prefetch 2")
+            if self.ev.better(c, best):
+                best = c
+        return best
+
+    def move_boundaries(self, best: Candidate, deadline: float) -> Candidate:
+        """Move one boundary between adjacent free groups by one atom, or merge two, while it pays: sweep the
+        boundaries in turn, retrying one after a move it accepted, until a full sweep changes nothing."""
+        k, unchanged = 0, 0
+        while time.perf_counter() < deadline:
+            bounds = len(best.plan.inner_groups) - 1
+            if bounds < 1 or unchanged >= bounds:
+                break
+            k %= bounds
+            for _, alt in self.moves(best.plan, deadline, only=k):
+                c = self.ev.evaluate(alt, best.origin + " + moved")
+                if self.ev.better(c, best):
+                    best, unchanged = c, 0
+                    break
+            else:
+                k, unchanged = k + 1, unchanged + 1
+        return best
+
+    def aligned(self, plan: Plan) -> tuple[list[Atom], list[list[int]]] | None:
+        """The atom list (whole blocks or fine) whose atoms ``plan``'s inner groups are unions of, with each group's
+        atom indices; None when the plan splits atoms (a classic policy's may)."""
+        index = self.ev.trace.index.param_index
+        for atoms in (self.atoms, self.fine_atoms):
+            atom_of = {p: ai for ai, a in enumerate(atoms) for p in a.params}
+            seq = [sorted({atom_of[index[p]] for p in g.params if index[p] in atom_of}) for g in plan.inner_groups]
+            flat = [x for s in seq for x in s]
+            covered = sum(len(atoms[x].params) for x in flat)
+            if len(flat) == len(set(flat)) and covered == sum(len(g.params) for g in plan.inner_groups):
+                return atoms, seq
+        return None
+
+    def moves(self, plan: Plan, deadline: float, only: int | None = None) -> Iterator[tuple[Move, Plan]]:
+        """Plans one step away, made lazily until ``deadline``, with what changed: a boundary between consecutive
+        groups of free atoms moved by one atom either way, or the two groups merged (``only``: just the boundary
+        after inner group ``only``). Reshard settings carry over by group position; prefetch lists are dropped."""
+        aligned = self.aligned(plan)
+        if aligned is None:
+            return
+        atoms, seq = aligned
+        reshard = [g.reshard_after_forward for g in plan.inner_groups]
+        for k in range(len(seq) - 1) if only is None else [only]:
+            a, b = seq[k], seq[k + 1]
+            if not a or not b or any(atoms[x].pin is not Pin.FREE for x in a + b) or a[-1] + 1 != b[0]:
+                continue
+            options = ((Move.EARLIER, a[:-1], [a[-1], *b]), (Move.LATER, [*a, b[0]], b[1:]), (Move.MERGED, a + b, []))
+            for what, na, nb in options:
+                if not na or time.perf_counter() >= deadline:
+                    continue
+                segs = [[atoms[x] for x in s] for s in seq]
+                segs[k], segs[k + 1] = [atoms[x] for x in na], [atoms[x] for x in nb]
+                yield what, self.ev.build([s for s in segs if s], reshard if nb else reshard[:k + 1] + reshard[k + 2:])
+
+    def prefer_empty_root(self, best: Candidate, classic_step: float, slack: float = 1e-3) -> Candidate:
+        """A plan whose root manages only what it must, if one is within ``slack`` of ``best``'s step time, no
+        slower than every classic policy and uses no more memory: that is what the plan is for, and the root's head
+        start (its all-gather issued first) is worth little. Candidates: every plan seen, and ``best`` with the
+        params its root holds but need not moved into groups of their own, kept unsharded after forward."""
+        root_params = set(best.plan.root.params)
+        index = self.ev.trace.index.param_index
+        held = [a for a in self.atoms if a.pin is not Pin.ROOT and any(p in root_params for m in a.modules
+                                                                        for p in self.ev.trace.modules[m].params)]
+        alone = [a.modules for a in held if a.pin is Pin.ALONE]  # reused or enclosing: never in a list
+        rest = [m for a in held if a.pin is not Pin.ALONE for m in a.modules]
+        new = [*alone, *([compress_modules(self.ev.trace, rest)] if rest else [])]
+        if new:
+            groups = [list(g.modules) for g in best.plan.inner_groups]
+            reshard = [g.reshard_after_forward for g in best.plan.inner_groups]
+            plan = make_plan(self.ev.trace, [*groups, *new], [*reshard, *[False] * len(new)], model=self.ev.model)
+            self.ev.evaluate(plan, best.origin + " + root emptied")
+        movable = {p for a in self.atoms if a.pin is not Pin.ROOT for p in a.params}
+        ok = [c for c in self.ev.seen
+              if not any(index[p] in movable for p in c.plan.root.params) and self.ev.allowed(c.plan)
+              and c.report.peak_memory <= best.report.peak_memory
+              and c.report.step_time <= min(best.report.step_time * (1 + slack), classic_step * (1 + 1e-9))]
+        return min(ok, key=self.ev.key, default=best)

@@ -1,0 +1,119 @@
+"""The wrap policies people use today, with their exact semantics, as baselines: ``ModuleWrapPolicy`` (FSDP's
+class-based wrapping), ``SizeBasedPolicy`` (FSDP1 ``size_based_auto_wrap_policy``) and ``TorchtitanPolicy``
+(torchtitan's ``apply_fsdp``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.planners.blocks import default_block_class, find_class_instances
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT, proper_ancestors
+
+
+@dataclass
+class ModuleWrapPolicy:
+    """Every instance of ``module_classes`` is a unit (nested instances too); the root takes the rest."""
+
+    module_classes: tuple[str, ...] = ()
+    name: str = "module"
+
+    def plan(self, trace: Trace, model: str = "") -> Plan:
+        classes = self.module_classes or tuple(filter(None, [default_block_class(trace)]))
+        if not classes:
+            raise PlannerError("the model has no repeated block class; pass --module-classes")
+        wrapped = find_class_instances(trace, classes)
+        return make_plan(trace, [[m] for m in wrapped], policy=f"{self.name}({','.join(classes)})", model=model)
+
+
+@dataclass
+class SizeBasedPolicy:
+    """FSDP1 ``size_based_auto_wrap_policy`` replayed on the module tree (``_recursive_wrap`` semantics): a module
+    is recursed into when its nonwrapped numel reaches the threshold (except MultiheadAttention) and wrapped when
+    its remaining numel after wrapping children still does (except ModuleList/ModuleDict)."""
+
+    min_nonwrapped_numel: int = int(1e8)  # FSDP1's default min_num_params
+    name: str = "size"
+    force_leaf_classes: tuple[str, ...] = ("MultiheadAttention",)
+    exclude_wrap_classes: tuple[str, ...] = ("ModuleList", "ModuleDict")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_nonwrapped_numel, bool) or self.min_nonwrapped_numel < 1:
+            raise PlannerError(f"the size policy's threshold must be a positive number of elements, got "
+                               f"{self.min_nonwrapped_numel}")
+
+    def wrapped_modules(self, trace: Trace) -> list[str]:
+        numel = trace.index.subtree_numel
+        wrapped: list[str] = []
+
+        def visit(fqn: str, only_children: bool) -> int:
+            if fqn in wrapped:  # a submodule shared by several parents is wrapped once, on its first visit
+                return numel[fqn]
+            cls = trace.modules[fqn].cls
+            if not (numel[fqn] >= self.min_nonwrapped_numel and cls not in self.force_leaf_classes):
+                return 0
+            total = sum(visit(c, False) for c in trace.modules[fqn].children)
+            if (not only_children and numel[fqn] - total >= self.min_nonwrapped_numel
+                    and cls not in self.exclude_wrap_classes):
+                wrapped.append(fqn)
+                return numel[fqn]
+            return total
+
+        visit(ROOT, True)
+        return wrapped
+
+    def plan(self, trace: Trace, model: str = "") -> Plan:
+        return make_plan(trace, [[m] for m in self.wrapped_modules(trace)],
+                         policy=f"{self.name}({self.min_nonwrapped_numel})", model=model)
+
+
+@dataclass
+class TorchtitanPolicy:
+    """torchtitan's ``apply_fsdp``: the input embedding alone, each block, [norm, output] as one list group kept
+    unsharded after forward, tied weights grouped as [embedding, norm, output], the root last.
+
+    Generalised: modules that are not blocks and own params are split into those running before the first block
+    (each alone) and after it (one list group)."""
+
+    block_class: str | None = None
+    name: str = "titan"
+
+    def plan(self, trace: Trace, model: str = "") -> Plan:
+        block_cls = self.block_class or default_block_class(trace)
+        if block_cls is None:
+            raise PlannerError("the model has no repeated block class for the torchtitan policy")
+        found = find_class_instances(trace, [block_cls])
+        blocks = [b for b in found if not any(a in found for a in proper_ancestors(b) if a != ROOT)]
+        pre, post = self._side_modules(trace, blocks)
+        subtree = trace.index.subtree_params
+        post_params = set().union(*(subtree[s] for s in post)) if post else set()
+        tied_pre = [s for s in pre if subtree[s] & post_params]
+        groups: list[list[str]] = [[s] for s in pre if s not in tied_pre] + [[b] for b in blocks]
+        reshard: list[ReshardAfterForward] = [True] * len(groups)
+        if post or tied_pre:
+            groups.append(tied_pre + post)
+            reshard.append(False)
+        return make_plan(trace, groups, reshard, policy=f"{self.name}({block_cls})", model=model)
+
+    @staticmethod
+    def _side_modules(trace: Trace, blocks: list[str]) -> tuple[list[str], list[str]]:
+        """Param-owning modules beside the blocks' chain of containers, split into those first used before the
+        first block and the rest, each list in first-use order."""
+        chain = {a for b in blocks for a in proper_ancestors(b)}  # containers whose other children are side modules
+        block_set = set(blocks)
+        subtree = trace.index.subtree_params
+        side = [c for a in sorted(chain) for c in trace.modules[a].children
+                if c not in chain and c not in block_set and subtree[c]]
+        never = len(trace.events)
+
+        def first_use(fqn: str) -> int:  # ModuleInfo.first_use already covers the subtree
+            use = trace.modules[fqn].first_use
+            return use if use >= 0 else never
+
+        side.sort(key=first_use)
+        used = [trace.modules[b].first_use for b in blocks if trace.modules[b].first_use >= 0]
+        first_block = min(used) if used else 0
+        return [s for s in side if first_use(s) < first_block], [s for s in side if first_use(s) >= first_block]

@@ -1,0 +1,155 @@
+"""fsdp-planner's execution-order baseline: contiguous groups in first-use order, the root managing nothing.
+
+Also the pieces other planners build on: atoms (the indivisible units of grouping) and naming a group by the
+fewest modules (``compress_modules``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT, proper_ancestors
+
+
+def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tuple[list[str], int]]:
+    """Indivisible units with their bytes, sorted by the first use of their params (unused ones last): modules
+    that own params, merged when they share (tied) params or lie in the same ``whole`` module. Params registered
+    on the root module (and modules sharing a param with it) are in no atom: only the root's own ``fully_shard``
+    can manage them."""
+    root_tied = {o for p in trace.params if ROOT in p.owners for o in p.owners}
+    owners = [m for m in trace.index.owning_modules if m not in root_tied and m != ROOT]
+    parent = {m: m for m in owners}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for p in trace.params:
+        tied = [o for o in p.owners if o in parent]
+        for o in tied[1:]:
+            parent[find(o)] = find(tied[0])
+    whole_set = set(whole)
+    first_inside: dict[str, str] = {}  # outermost whole module -> the first owner found inside it
+    for m in owners:
+        outermost = next((a for a in reversed([m, *proper_ancestors(m)]) if a in whole_set), None)
+        if outermost is None:
+            continue
+        if outermost in first_inside:
+            parent[find(m)] = find(first_inside[outermost])
+        else:
+            first_inside[outermost] = m
+    members: dict[str, list[str]] = {}
+    for m in owners:
+        members.setdefault(find(m), []).append(m)
+    never = len(trace.events) + 1
+    first, index = trace.index.first_use, trace.index.param_index
+    registered = {m: i for i, m in enumerate(trace.modules)}
+    atoms = []
+    for ms in members.values():
+        params = {p for m in ms for p in trace.modules[m].params}
+        nbytes = sum(trace.param(p).nbytes for p in params)
+        start = min((first.get(index[p], never) for p in params), default=never)
+        atoms.append((start, min(registered[m] for m in ms), ms, nbytes))
+    atoms.sort(key=lambda a: (a[0], a[1]))
+    return [(a[2], a[3]) for a in atoms]
+
+
+def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
+    """Replace sets of modules that cover a whole subtree's param-owning modules by the subtree's root, so a group
+    reads ``[layers.3]`` instead of its 9 leaves (same params, one hook)."""
+    mine = set(modules)
+    covered: dict[str, bool] = {}
+
+    def covers(fqn: str) -> bool:  # every param-owning module in fqn's subtree is in this group
+        if fqn not in covered:
+            info = trace.modules[fqn]
+            covered[fqn] = (not info.params or fqn in mine) and all(covers(c) for c in info.children)
+        return covered[fqn]
+
+    tops: dict[str, None] = {}
+    for m in modules:
+        top = m
+        for a in proper_ancestors(m):
+            if a == ROOT or not covers(a):
+                break
+            top = a
+        tops[top] = None
+    return [t for t in tops if not any(a in tops for a in proper_ancestors(t) if a != ROOT)]
+
+
+@dataclass
+class ExecutionOrderPolicy:
+    """Contiguous groups in first-use order, closed before they would exceed ``target_bytes``; tied params stay in
+    one group; the root manages no params (but those registered on it); the last group to run forward stays
+    unsharded after forward (it is needed first in backward).
+
+    Default target: one repeated block's bytes, blocks kept whole (the transformer-block granularity people tune
+    by hand; a smaller target splits blocks); a model without a container of repeated blocks (e.g. a CNN) gets one
+    group per param-owning module. Groups under 1/16 of the target join their smaller neighbour, so a lone norm
+    does not cost a collective of its own."""
+
+    target_bytes: int | None = None
+    name: str = "order"
+
+    def __post_init__(self) -> None:
+        if self.target_bytes is not None and (isinstance(self.target_bytes, bool) or self.target_bytes < 1):
+            raise PlannerError(f"the order policy's target group size must be at least 1 byte, got {self.target_bytes}")
+
+    def plan(self, trace: Trace, model: str = "") -> Plan:
+        blocks = block_instances(trace)
+        subtree = trace.index.subtree_params
+        block_bytes = max((sum(trace.param(p).nbytes for p in subtree[b]) for b in blocks), default=0)
+        target = block_bytes if self.target_bytes is None else self.target_bytes
+        # blocks stay whole unless the target asks for groups smaller than a block
+        atoms = atoms_in_execution_order(trace, whole=blocks if target >= block_bytes else ())
+        runs: list[Run] = []
+        for mods, nbytes in atoms:
+            # a module called more than once keeps a group of its own: FSDP2 can fail in backward when a module
+            # of a list group is reused later in the step (pytorch#183702)
+            alone = any(trace.modules[m].calls > 1 for m in mods)
+            if runs and not alone and not runs[-1].alone and runs[-1].nbytes + nbytes <= target:
+                runs[-1] = Run(runs[-1].modules + mods, runs[-1].nbytes + nbytes)
+            else:
+                runs.append(Run(list(mods), nbytes, alone))
+        groups = [compress_modules(trace, r.modules) for r in merge_small(runs, target / 16)]
+        reshard: list[ReshardAfterForward] = [True] * len(groups)
+        used = [i for i, g in enumerate(groups) if any(trace.modules[m].first_use >= 0 for m in g)]
+        if used:
+            reshard[used[-1]] = False
+        label = fmt_bytes(target) if target else "per-module"
+        return make_plan(trace, groups, reshard, policy=f"{self.name}({label})", model=model)
+
+
+@dataclass
+class Run:
+    """Consecutive atoms that form one group."""
+
+    modules: list[str]
+    nbytes: int
+    alone: bool = False  # never merged with a neighbour
+
+
+def merge_small(runs: list[Run], floor: float) -> list[Run]:
+    """Merge each run smaller than ``floor`` into its smaller neighbour (order is kept; ``alone`` runs take no part)."""
+    runs = list(runs)
+    while True:
+        small = [i for i, r in enumerate(runs) if r.nbytes < floor and not r.alone]
+        if not small:
+            return runs
+        i = min(small, key=lambda k: runs[k].nbytes)
+        sizes = {j: runs[j].nbytes for j in (i - 1, i + 1) if 0 <= j < len(runs) and not runs[j].alone}
+        if not sizes:
+            runs[i] = Run(runs[i].modules, runs[i].nbytes, alone=True)  # no neighbour can take it
+            continue
+        j = min(sizes, key=lambda k: (sizes[k], k))
+        a, b = min(i, j), max(i, j)
+        runs[a:b + 1] = [Run(runs[a].modules + runs[b].modules, runs[a].nbytes + runs[b].nbytes)]

@@ -1,0 +1,79 @@
+"""Policies by name, and the typed request that selects and configures one (validated once, where it is built)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.planners.auto import AutoPolicy, Target
+from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
+from fsdp_planner.planners.order import ExecutionOrderPolicy
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.trace.records import Trace
+
+
+class Policy(Protocol):
+    name: str
+
+    def plan(self, trace: Trace, model: str = "") -> Plan: ...
+
+
+class PolicyName(Enum):
+    MODULE = "module"
+    SIZE = "size"
+    TITAN = "titan"
+    ORDER = "order"
+    AUTO = "auto"
+
+
+CLASSIC_POLICIES = (PolicyName.MODULE, PolicyName.SIZE, PolicyName.TITAN, PolicyName.ORDER)
+POLICY_NAMES = tuple(p.value for p in PolicyName)
+
+
+@dataclass(frozen=True)
+class PolicyRequest:
+    """A policy and its settings; each setting applies to the policies its comment names."""
+
+    name: PolicyName
+    module_classes: tuple[str, ...] = ()  # module, titan (first class): default the repeated block class
+    min_nonwrapped_numel: int | None = None  # size: default FSDP1's 1e8
+    target_bytes: int | None = None  # order: default one block
+    memory_budget: int | None = None  # auto: default the fastest classic policy's peak
+    target: Target = Target.FSDP2  # auto
+
+    def __post_init__(self) -> None:
+        if any(not c for c in self.module_classes):
+            raise PlannerError("module class names must not be empty")
+        for what, value in (("the size policy's --min-nonwrapped-numel", self.min_nonwrapped_numel),
+                            ("the order policy's --target-bytes", self.target_bytes),
+                            ("auto's --memory-budget", self.memory_budget)):
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise PlannerError(f"{what} must be positive, got {value}")
+
+    @classmethod
+    def named(cls, name: str, **settings: object) -> PolicyRequest:
+        try:
+            policy = PolicyName(name)
+        except ValueError:
+            raise PlannerError(f"unknown policy '{name}': choose one of {', '.join(POLICY_NAMES)}") from None
+        return cls(policy, **settings)  # type: ignore[arg-type]
+
+
+def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None) -> Policy:
+    """The policy a request names; auto needs the cluster it plans for."""
+    name = request.name
+    if name is PolicyName.MODULE:
+        return ModuleWrapPolicy(request.module_classes)
+    if name is PolicyName.SIZE:
+        return SizeBasedPolicy(request.min_nonwrapped_numel or int(1e8))
+    if name is PolicyName.TITAN:
+        return TorchtitanPolicy(request.module_classes[0] if request.module_classes else None)
+    if name is PolicyName.ORDER:
+        return ExecutionOrderPolicy(request.target_bytes)
+    if cluster is None:
+        raise PlannerError("the auto policy plans for a cluster: give one")
+    return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions())

@@ -1,0 +1,119 @@
+"""Verify a plan on a real multi-process run: same parameters as unsharded training, predicted collectives.
+
+``run_verify`` predicts the step's collectives from the FSDP2 replay, writes a job file and launches
+``torchrun --standalone --nproc_per_node N -m fsdp_planner.runtime.worker JOB`` (gloo on CPU, NCCL on GPUs); see
+``worker.py`` for what each rank does. A plan passes when the parameters match the unsharded reference and the
+counted all-gathers and reduce-scatters, and their bytes, equal the prediction on every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.trace.records import Trace
+
+FP32_TOLERANCE = 1e-5
+Counts = dict[str, int]  # collective kind's value -> count or bytes
+
+
+@dataclass
+class VerifyResult:
+    world_size: int
+    steps: int
+    backend: str
+    predicted: Counts
+    counted: list[Counts]  # per step
+    counted_bytes: list[Counts]
+    predicted_bytes: Counts
+    losses: list[float]
+    reference_losses: list[float]
+    max_abs_diff: float
+    tolerance: float = FP32_TOLERANCE
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def params_match(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+    @property
+    def counts_match(self) -> bool:
+        return all(c == self.predicted for c in self.counted)
+
+    @property
+    def bytes_match(self) -> bool:
+        return all(b == self.predicted_bytes for b in self.counted_bytes)
+
+    @property
+    def ok(self) -> bool:
+        return self.params_match and self.counts_match and self.bytes_match
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "params_match": self.params_match, "counts_match": self.counts_match,
+                "bytes_match": self.bytes_match, "ok": self.ok}
+
+
+def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
+    """Per-step all-gather / reduce-scatter counts, and their bytes as FSDP2 sends them (padded, params' dtypes)."""
+    sizing = Sizing(trace, world_size)
+    group_params = sizing.group_params(plan)
+    counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
+    nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
+    for c in build_schedule(trace, plan, world_size).collectives:
+        counts[c.kind.value] += 1
+        if c.kind is CollectiveKind.ALL_GATHER:
+            nbytes[c.kind.value] += sizing.gather_bytes(group_params[c.group])
+        else:
+            nbytes[c.kind.value] += sizing.reduce_bytes(c.params)
+    return counts, nbytes
+
+
+def run_verify(spec: str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
+               seed: int = 0, timeout: float = 600.0) -> VerifyResult:
+    """Launch the torchrun job and compare its results with the plan's predictions."""
+    from fsdp_planner.models import BUILTINS
+
+    if nproc < 1:
+        raise PlannerError("--nproc must be at least 1")
+    if steps < 1:
+        raise PlannerError("--steps must be at least 1")
+    if spec in BUILTINS and not BUILTINS[spec].trainable:
+        raise PlannerError(f"'{spec}' is for planning only (too large to train here); verify a trainable model")
+    if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
+        path, _, fn = spec.rpartition(":")
+        spec = f"{Path(path).resolve()}:{fn}"
+    predicted, predicted_bytes = predict_collectives(trace, plan, nproc)
+    with tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-") as tmp:
+        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path.write_text(json.dumps({"model": spec, "plan": plan.to_json(), "steps": steps, "lr": lr,
+                                        "seed": seed, "result": str(result_path)}))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "fsdp_planner.runtime.worker", str(job_path)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise PlannerError(f"verify job did not finish within {timeout:.0f} s") from e
+        if not result_path.is_file():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            raise PlannerError(f"verify job failed (exit {proc.returncode}):\n{tail}")
+        data = json.loads(result_path.read_text())
+    notes = []
+    if proc.returncode != 0:
+        notes.append(f"torchrun exited {proc.returncode} after the results were written (exit noise ignored)")
+    return VerifyResult(
+        world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
+        counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
+        losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
+        notes=notes)

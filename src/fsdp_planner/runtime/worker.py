@@ -1,0 +1,173 @@
+"""One rank of a verify job, run under torchrun: ``python -m fsdp_planner.runtime.worker JOB.json``.
+
+Every rank builds the same model, keeps an unsharded reference copy, applies the plan with FSDP2 and trains K
+steps on its own micro-batch while the reference trains on all ranks' micro-batches (loss divided by the world
+size, as FSDP averages gradients). Collectives are counted by wrapping the ``torch.distributed`` functions FSDP2
+calls. Rank 0 writes the results as JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_planner.hardware.collectives import CollectiveKind
+
+_COUNTED = {
+    "all_gather_single": CollectiveKind.ALL_GATHER,
+    "all_gather_into_tensor": CollectiveKind.ALL_GATHER,
+    "reduce_scatter_single": CollectiveKind.REDUCE_SCATTER,
+    "reduce_scatter_tensor": CollectiveKind.REDUCE_SCATTER,
+}
+
+Counts = dict[str, int]  # collective kind's value -> count or bytes
+
+
+class CollectiveCounter:
+    """Counts FSDP2's collectives by wrapping the ``torch.distributed`` functions it calls (outermost only)."""
+
+    def __init__(self) -> None:
+        self.counts: Counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
+        self.nbytes: Counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
+        self._orig: dict[str, Callable[..., Any]] = {}
+        self._local = threading.local()
+
+    def _wrap(self, kind: CollectiveKind, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._local, "depth", 0)
+            if depth == 0:
+                self.counts[kind.value] += 1
+                full = output if kind is CollectiveKind.ALL_GATHER else input  # the unsharded side
+                self.nbytes[kind.value] += full.numel() * full.element_size()
+            self._local.depth = depth + 1
+            try:
+                return fn(output, input, *args, **kwargs)
+            finally:
+                self._local.depth = depth
+
+        return wrapper
+
+    def __enter__(self) -> CollectiveCounter:
+        import torch.distributed as dist
+
+        for name, kind in _COUNTED.items():
+            if hasattr(dist, name):
+                self._orig[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(kind, self._orig[name]))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._orig.items():
+            setattr(dist, name, fn)
+
+    def take(self) -> tuple[Counts, Counts]:
+        out = dict(self.counts), dict(self.nbytes)
+        self.counts = dict.fromkeys(self.counts, 0)
+        self.nbytes = dict.fromkeys(self.nbytes, 0)
+        return out
+
+
+def _batch(spec: str, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed."""
+    from fsdp_planner.models import load_model
+    from fsdp_planner.trace.recorder import default_loss
+
+    lm = load_model(spec, meta=False, seed=base_seed + 1000 * (step + 1) + rank)
+    return lm.example_inputs, lm.loss_fn or default_loss
+
+
+def _call(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
+    from torch.utils._pytree import tree_map_only
+
+    inputs = tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,
+           world: int) -> dict[str, Any]:
+    """K steps of the sharded model and the unsharded reference on the same data; what rank 0 reports."""
+    import torch.distributed as dist
+
+    opt = torch.optim.SGD(model.parameters(), lr=job["lr"])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=job["lr"])
+    counted, counted_bytes, losses, ref_losses = [], [], [], []
+    counter = CollectiveCounter()
+    for step in range(job["steps"]):
+        batches = [_batch(job["model"], step, r, job["seed"]) for r in range(world)]
+        inputs, loss_fn = batches[rank]
+        with counter:
+            torch.manual_seed(job["seed"] + 7 * step + rank)
+            loss = loss_fn(_call(model, inputs, device))
+            loss.backward()
+        c, b = counter.take()
+        counted.append(c)
+        counted_bytes.append(b)
+        opt.step()
+        opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append(mean_loss.item() / world)
+        ref_total = 0.0
+        for r, (r_inputs, r_loss_fn) in enumerate(batches):
+            torch.manual_seed(job["seed"] + 7 * step + r)
+            r_loss = r_loss_fn(_call(reference, r_inputs, device)) / world
+            r_loss.backward()
+            ref_total += r_loss.item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_total)
+    ref_params = dict(reference.named_parameters())
+    max_diff = 0.0
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        max_diff = max(max_diff, (full.detach() - ref_params[name].detach()).abs().max().item())
+    return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses,
+            "max_abs_diff": max_diff}
+
+
+def worker(job_path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_planner.fsdp2.apply import apply_plan
+    from fsdp_planner.fsdp2.plan import Plan
+    from fsdp_planner.models import load_model
+
+    job = json.loads(Path(job_path).read_text())
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        model = load_model(job["model"], meta=False, seed=job["seed"]).model.to(device)
+        reference = copy.deepcopy(model)
+        apply_plan(model, Plan.from_json(job["plan"]), mesh=init_device_mesh(device.type, (world,)))
+        result = _train(job, model, reference, device, rank, world)
+        if rank == 0:
+            Path(job["result"]).write_text(json.dumps({**result, "backend": backend, "world": world}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

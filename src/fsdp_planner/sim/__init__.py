@@ -1,0 +1,12 @@
+"""Step 3 of the pipeline: the step on a cluster, in time and memory, for any plan."""
+
+from fsdp_planner.sim.context import SimContext
+from fsdp_planner.sim.memory import MemoryBreakdown, MemoryModel, strategy_table
+from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
+from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, Optimizer, Precision, SimOptions
+from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.sim.timeline import StepReport, Stream, TimelineEvent, simulate
+
+__all__ = ["OPTIMIZERS", "PRECISIONS", "MemoryBreakdown", "MemoryModel", "Optimizer", "PlanMetrics", "Precision",
+           "SimContext", "SimOptions", "Sizing", "StepReport", "Stream", "TimelineEvent", "plan_metrics", "simulate",
+           "strategy_table"]

@@ -1,0 +1,61 @@
+"""Everything about a step that does not depend on the plan, computed once per (model, cluster, options), so a
+planner can simulate many plans cheaply."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.collectives import CollectiveKind, alpha_beta, collective_time, group_layout
+from fsdp_planner.sim.compute import step_op_times
+from fsdp_planner.sim.memory import MemoryModel
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.trace.records import Trace
+
+Link = tuple[float, float, str]  # (latency seconds, seconds per byte of data, which link: "intra" | "inter")
+
+
+class SimContext:
+    """Op times (``times`` if given, else the trace's measured ``op_seconds``, else the roofline estimate), their
+    running sum, the memory model and the lower bound of one model on one cluster."""
+
+    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions | None = None,
+                 times: list[float] | None = None) -> None:
+        self.trace, self.cluster = trace, cluster
+        self.options = options or SimOptions()
+        self.precision = self.options.precision
+        self.world = cluster.world_size
+        if times is None:
+            times = step_op_times(trace, cluster.gpu, self.precision, self.options.mfu)
+        if len(times) != len(trace.events):
+            raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
+        self.times = list(times)
+        self.cum: list[float] = np.concatenate([[0.0], np.cumsum(self.times)]).tolist()
+        self.compute_total = float(sum(self.times))
+        self.memory = MemoryModel(trace, self.world, self.precision, self.options.optimizer)
+        self.sizing = self.memory.sizing
+        self._links: dict[tuple[CollectiveKind, int], Link] = {}
+        self.lower_bound = self._lower_bound()
+
+    def link(self, kind: CollectiveKind, ranks: int = 0) -> Link:
+        """How a ``kind`` collective on ``ranks`` ranks (0: the whole world) is costed."""
+        key = (kind, ranks)
+        if key not in self._links:
+            n = ranks or self.world
+            alpha, bw = alpha_beta(self.cluster, kind, n)
+            nodes = group_layout(self.cluster, n)[2]
+            per_byte = 0.0 if n == 1 else (n - 1) / n / bw
+            self._links[key] = (0.0 if n == 1 else alpha, per_byte, "inter" if nodes > 1 else "intra")
+        return self._links[key]
+
+    def _lower_bound(self) -> float:
+        """No plan beats this: all compute; or every param gathered once and every grad reduced once, each in one
+        message, their bytes sharing the links."""
+        everything = range(len(self.trace.params))
+        ag_bytes = self.sizing.gather_bytes(everything)
+        rs_bytes = self.sizing.reduce_bytes(i for i in everything if self.trace.params[i].requires_grad)
+        ag = collective_time(self.cluster, CollectiveKind.ALL_GATHER, ag_bytes)
+        rs = collective_time(self.cluster, CollectiveKind.REDUCE_SCATTER, rs_bytes)
+        data = sum(nbytes * self.link(kind)[1] for kind, nbytes in ((CollectiveKind.ALL_GATHER, ag_bytes),
+                                                                     (CollectiveKind.REDUCE_SCATTER, rs_bytes)))
+        return max(self.compute_total, ag, rs, data)

@@ -1,0 +1,208 @@
+"""Per-rank memory: the one model behind every peak the planner prints.
+
+Static (all step): sharded params, grads and optimizer state (padded, divided by the shard world size), and
+the model's buffers (replicated). Over the step, from the FSDP2 replay: the groups' unsharded params while
+they are gathered (``Residency``), the all-gather output beside them while it is copied out (just before the
+group's first use after each all-gather), each group's unsharded grads from its first backward op until its
+reduce-scatter, and the activations saved for backward, from the op that saves them until the backward of the
+module call that saved them is done. Sizes come from ``sizing.py``.
+
+The same terms give the classic strategies' rows (``strategy_table``): one device, DDP (plus gradient buckets,
+one more copy of the grads), ZeRO-1 and ZeRO-2 (optimizer state, then grads too, divided by the world size),
+and FSDP (ZeRO-3): a plan with one group per module that owns params, through the replay above. Low-precision
+copies of the weights are a term of their own: autocast's weight cache (every trainable weight at the compute
+dtype, kept for the autocast region), without the cache the largest one, and without FSDP's all-gather cast a
+full compute-dtype copy of the model. The CUDA caching allocator's rounding and workspaces are not modelled.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import Schedule, build_schedule
+from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.sim.compute import traced_itemsize
+from fsdp_planner.sim.options import Optimizer, Precision, SimOptions
+from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per rank, by category, at one moment (the peak)."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer_state: int = 0
+    buffers: int = 0  # the model's registered buffers (not sharded)
+    compute_copies: int = 0  # low-precision weight copies made outside FSDP (autocast, plain mixed precision)
+    gradient_buckets: int = 0  # DDP
+    unsharded_params: int = 0
+    all_gather_buffers: int = 0
+    unsharded_grads: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def to_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def activation_levels(trace: Trace, precision: Precision) -> np.ndarray:
+    """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
+    dtype: saved in forward, freed when the saving module call's backward is done."""
+    n = len(trace.events)
+    deltas = np.zeros(n + 1)
+    scale = precision.compute_bytes / traced_itemsize(trace)
+    stack: list[tuple[str, int]] = []
+    saved_by: dict[tuple[str, int], float] = {}
+    for i, e in enumerate(trace.events):
+        if e.kind is EventKind.FWD_PRE:
+            stack.append((e.module, e.call))
+        elif e.kind is EventKind.FWD_POST:
+            stack.pop()
+        elif e.kind is EventKind.OP and e.saved and not e.backward:
+            key = stack[-1] if stack else (ROOT, 0)
+            deltas[i] += e.saved * scale
+            saved_by[key] = saved_by.get(key, 0.0) + e.saved * scale
+        elif e.kind is EventKind.BWD_POST and (e.module, e.call) in saved_by:
+            deltas[i] -= saved_by.pop((e.module, e.call))
+    return np.cumsum(deltas)
+
+
+def compute_copies(trace: Trace, precision: Precision, sharded: bool) -> int:
+    """Low-precision weight copies that FSDP's all-gather cast does not make (module docstring)."""
+    trainable = [p.numel for p in trace.params if p.requires_grad]
+    if precision.autocast:
+        return (sum(trainable) if precision.weight_cache else max(trainable, default=0)) * precision.compute_bytes
+    if precision.compute_bytes != precision.param_bytes and not sharded:
+        return trace.numel * precision.compute_bytes
+    return 0
+
+
+class MemoryModel:
+    """Per-rank memory of one model at one world size and precision: what does not depend on the plan is
+    computed once; ``peak`` adds a plan's replay."""
+
+    def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer) -> None:
+        self.trace, self.precision = trace, precision
+        self.sizing = Sizing(trace, world_size, precision)
+        trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
+        shard = self.sizing.shard_numel(trainable)
+        self.static = MemoryBreakdown(
+            params=self.sizing.shard_numel(range(len(trace.params))) * precision.param_bytes,
+            grads=shard * precision.grad_bytes,
+            optimizer_state=shard * optimizer.state_bytes_per_element(precision.param_bytes),
+            buffers=trace.buffers_nbytes,
+            compute_copies=compute_copies(trace, precision, sharded=True),
+        )
+        self.activations = activation_levels(trace, precision)
+
+    def peak(self, plan: Plan, schedule: Schedule) -> MemoryBreakdown:
+        """The step's peak and its breakdown at that moment."""
+        n = len(self.trace.events) + 1
+        group_params = self.sizing.group_params(plan)
+        gathered = [self.sizing.gather_bytes(ps) for ps in group_params]
+        deltas: dict[int, list[float]] = {}  # position -> change in [unsharded params, all-gather buffers, grads]
+
+        def add(cat: int, start: int, end: int, nbytes: float) -> None:
+            deltas.setdefault(start, [0.0, 0.0, 0.0])[cat] += nbytes
+            deltas.setdefault(end, [0.0, 0.0, 0.0])[cat] -= nbytes
+
+        for r in schedule.residency:
+            add(0, r.start, r.end, gathered[r.group] / r.divisor)
+        uses = GroupUses(self.trace, group_params)
+        first_bwd = self.trace.index.first_backward_use
+        for c in schedule.collectives:
+            if c.kind is CollectiveKind.ALL_GATHER:
+                # FSDP2 copies the all-gather output out (then frees it) just before the group's first use after
+                # the all-gather: both copies are alive at that moment
+                use = uses.first_at_or_after(c.group, c.event, default=n - 1)
+                add(1, max(c.event, use - 1), use, gathered[c.group])
+            else:
+                start = min((first_bwd[p] for p in group_params[c.group]), default=n)
+                add(2, min(start, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
+        return self._peak_of(deltas, n)
+
+    def _peak_of(self, deltas: dict[int, list[float]], n: int) -> MemoryBreakdown:
+        starts = sorted(p for p in deltas if p < n)
+        if not starts or starts[0] != 0:
+            starts.insert(0, 0)
+        seg_max = np.maximum.reduceat(self.activations, starts)  # activations peak within each segment
+        level = [0.0, 0.0, 0.0]
+        static_total = self.static.total
+        best, best_at = -1.0, (0.0, 0.0, 0.0, 0.0)
+        for k, s in enumerate(starts):
+            for cat, d in enumerate(deltas.get(s, (0.0, 0.0, 0.0))):
+                level[cat] += d
+            total = static_total + sum(level) + seg_max[k]
+            if total > best:
+                best, best_at = total, (*level, float(seg_max[k]))
+        u, ag, g, act = (round(x) for x in best_at)
+        s = self.static
+        return MemoryBreakdown(params=s.params, grads=s.grads, optimizer_state=s.optimizer_state, buffers=s.buffers,
+                               compute_copies=s.compute_copies, unsharded_params=u, all_gather_buffers=ag,
+                               unsharded_grads=g, activations=act)
+
+
+class GroupUses:
+    """The ops reading each group's params, for "the group's first use after event x" (computed per group on
+    demand: a plan's groups are asked about a few times each)."""
+
+    def __init__(self, trace: Trace, group_params: list[list[int]]) -> None:
+        self.param_uses = trace.index.param_uses
+        self.group_params = group_params
+        self.cache: dict[int, list[int]] = {}
+
+    def of(self, group: int) -> list[int]:
+        if group not in self.cache:
+            ps = self.group_params[group]
+            self.cache[group] = (self.param_uses[ps[0]] if len(ps) == 1
+                                 else sorted({i for p in ps for i in self.param_uses[p]}))
+        return self.cache[group]
+
+    def first_at_or_after(self, group: int, event: int, default: int) -> int:
+        uses = self.of(group)
+        k = bisect.bisect_left(uses, event)
+        return uses[k] if k < len(uses) else default
+
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
+
+
+def strategy_table(trace: Trace, world_size: int, options: SimOptions) -> dict[str, MemoryBreakdown]:
+    """Per-rank peak memory of one device, DDP, ZeRO-1, ZeRO-2 and FSDP (ZeRO-3, one group per module that owns
+    params) at ``world_size`` ranks, all from the same terms (module docstring)."""
+    prec, opt = options.precision, options.optimizer
+    trainable = sum(p.numel for p in trace.params if p.requires_grad)
+    whole = MemoryBreakdown(
+        params=trace.numel * prec.param_bytes, grads=trainable * prec.grad_bytes,
+        optimizer_state=trainable * opt.state_bytes_per_element(prec.param_bytes), buffers=trace.buffers_nbytes,
+        compute_copies=compute_copies(trace, prec, sharded=False),
+        activations=round(float(activation_levels(trace, prec).max())))
+
+    def shard(nbytes: int) -> int:
+        return -(-nbytes // world_size)
+
+    model = MemoryModel(trace, world_size, prec, opt)
+    plan = make_plan(trace, [[m] for m in trace.index.owning_modules if m != ROOT])
+    return {
+        "single": whole,
+        "ddp": _replace(whole, gradient_buckets=trainable * prec.reduce_bytes),
+        "zero1": _replace(whole, optimizer_state=shard(whole.optimizer_state)),
+        "zero2": _replace(whole, grads=shard(whole.grads), optimizer_state=shard(whole.optimizer_state)),
+        "fsdp": model.peak(plan, build_schedule(trace, plan, world_size)),
+    }
+
+
+def _replace(b: MemoryBreakdown, **changes: int) -> MemoryBreakdown:
+    return MemoryBreakdown(**{**asdict(b), **changes})

@@ -1,0 +1,123 @@
+"""How the step is run, and the one set of defaults every command uses.
+
+Defaults (``SimOptions()``): ``bf16-mixed`` precision (FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)``: fp32 sharded params and grads, bf16 all-gather and compute, fp32 reduce-scatter), the
+AdamW optimizer (two fp32 states per trainable element), and matmul-like ops at 50% of the GPU's dense peak
+(``mfu=0.5``; transformer matmuls reach 40-60% in practice). To reproduce a measurement made another way, say
+so explicitly (``--precision fp32 --optimizer sgd-momentum`` for seed 002's runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_planner.errors import PlannerError
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A mixed-precision setting; sizes are bytes per element.
+
+    ``param_bytes``: the (sharded) params the optimizer updates. ``compute_bytes``: the dtype forward and
+    backward compute in, which is also FSDP's all-gather dtype (``MixedPrecisionPolicy.param_dtype``) unless
+    ``autocast``, where the all-gather stays at ``param_bytes`` and autocast makes the low-precision copies.
+    ``grad_bytes``: the grads the optimizer reads. ``reduce_bytes``: gradient communication (DDP buckets,
+    reduce-scatter). ``weight_cache``: autocast keeps its low-precision weight copies for the whole autocast
+    region (its default ``cache_enabled=True``).
+    """
+
+    name: str
+    param_bytes: int
+    compute_bytes: int
+    grad_bytes: int
+    reduce_bytes: int
+    autocast: bool = False
+    weight_cache: bool = False
+    description: str = ""
+
+    @property
+    def gather_bytes(self) -> int:
+        """Bytes per element of an all-gathered (unsharded) param."""
+        return self.param_bytes if self.autocast else self.compute_bytes
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", 4, 4, 4, 4, description="everything fp32"),
+        Precision("bf16-mixed", 4, 2, 4, 4,
+                  description="FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 sharded params "
+                              "and grads, bf16 all-gather and compute"),
+        Precision("pure-bf16", 2, 2, 2, 2, description="params, grads and communication in bf16"),
+        Precision("autocast", 4, 2, 4, 4, autocast=True, weight_cache=True,
+                  description="torch.autocast: fp32 params and grads, fp16/bf16 compute copies, cached"),
+        Precision("autocast-nocache", 4, 2, 4, 4, autocast=True, weight_cache=False,
+                  description="torch.autocast(cache_enabled=False): compute copies made per op, not kept"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """Optimizer state per trainable param element.
+
+    ``param_dtype_states`` live in the param storage dtype (SGD's momentum buffer); ``fp32_states`` are always
+    fp32 (Adam's exp_avg and exp_avg_sq); ``master_copy`` adds an fp32 copy of the weights when the params are
+    stored in 16 bits (the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 = 16 bytes per param).
+    """
+
+    name: str
+    param_dtype_states: int = 0
+    fp32_states: int = 0
+    master_copy: bool = False
+
+    def state_bytes_per_element(self, param_bytes: int) -> int:
+        master = 4 if self.master_copy and param_bytes < 4 else 0
+        return self.param_dtype_states * param_bytes + self.fp32_states * 4 + master
+
+
+OPTIMIZERS: dict[str, Optimizer] = {
+    o.name: o
+    for o in (
+        Optimizer("sgd"),
+        Optimizer("sgd-momentum", param_dtype_states=1),
+        Optimizer("adam", fp32_states=2, master_copy=True),
+        Optimizer("adamw", fp32_states=2, master_copy=True),
+    )
+}
+
+DEFAULT_PRECISION = "bf16-mixed"
+DEFAULT_OPTIMIZER = "adamw"
+DEFAULT_MFU = 0.5
+
+
+def precision_named(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise PlannerError(f"unknown precision '{name}': use one of {', '.join(PRECISIONS)}") from None
+
+
+def optimizer_named(name: str) -> Optimizer:
+    try:
+        return OPTIMIZERS[name]
+    except KeyError:
+        raise PlannerError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}") from None
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """The training step being costed: precision, optimizer and how fast matmuls run."""
+
+    mfu: float = DEFAULT_MFU  # fraction of the GPU's dense peak FLOP/s that matmul-like ops reach
+    precision: Precision = field(default_factory=lambda: PRECISIONS[DEFAULT_PRECISION])
+    optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS[DEFAULT_OPTIMIZER])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float) or not 0 < self.mfu <= 1:
+            raise PlannerError(f"the MFU must be in (0, 1], got {self.mfu!r}")
+
+    @classmethod
+    def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER,
+              mfu: float = DEFAULT_MFU) -> SimOptions:
+        return cls(mfu=mfu, precision=precision_named(precision), optimizer=optimizer_named(optimizer))

@@ -1,0 +1,35 @@
+"""The step as a sequence of events: module boundaries (where FSDP2's hooks run) and aten ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class EventKind(Enum):
+    """What happened, in the order FSDP2 sees it (its hooks run at the four boundaries)."""
+
+    FWD_PRE = "fwd_pre"  # a module call starts its forward (FSDP2: pre_forward)
+    FWD_POST = "fwd_post"  # ... finishes it (post_forward)
+    BWD_PRE = "bwd_pre"  # the first grad of that call's outputs is ready (pre_backward)
+    BWD_POST = "bwd_post"  # the grads of its inputs are ready (post_backward)
+    OP = "op"  # one aten op
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One step of the timeline: a module boundary or an op."""
+
+    kind: EventKind
+    module: str  # boundary: the module; op: the innermost module running
+    call: int = 0  # which call of ``module`` (0-based); boundaries only
+    params: tuple[int, ...] = ()  # op: indices into Trace.params that it read
+    flops: int = 0
+    nbytes: int = 0  # op: bytes read + written (for memory-bound ops)
+    saved: int = 0  # op (forward): activation bytes it saved for backward
+    grad_inputs: bool = True  # FWD_PRE: whether any input requires grad (else post-backward runs at the end)
+    backward: bool = False
+
+    @property
+    def is_op(self) -> bool:
+        return self.kind is EventKind.OP

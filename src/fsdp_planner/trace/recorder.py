@@ -1,0 +1,373 @@
+"""Trace one training step (forward + backward) without real memory.
+
+The trace is the planner's only view of the model: which params every op reads, in what order, inside which
+module call, with FLOPs, bytes moved and activation bytes saved for backward. It also records the module
+boundaries FSDP2 hooks on (pre/post-forward, pre/post-backward), so that ``fsdp2/replay.py`` can replay FSDP2's
+unshard / reshard / reduce-scatter decisions for any plan.
+
+Param reads are caught by a dispatch mode on op inputs (by identity and by storage, so views such as
+``weight.t()`` saved for backward count too); module hooks alone would miss tied weights and params read outside
+their own module. Post-backward is found the way FSDP2 finds it: an identity autograd function on the module's
+grad-requiring inputs (FSDP2's ``RegisterPostBackwardFunction``) whose backward runs once their grads are ready.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from fsdp_planner.trace.events import Event, EventKind
+from fsdp_planner.trace.records import ModuleInfo, ParamInfo, Trace
+from fsdp_planner.trace.tree import ROOT, is_within, parent_of
+
+Call = tuple[str, int]
+
+# Ops that move no data: their inputs and outputs are not counted as traffic.
+_NO_TRAFFIC_OPS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.lift_fresh.default,
+    torch.ops.aten.empty.memory_format,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.empty_strided.default,
+}
+
+
+class StepRecorder:
+    """The trace's state machine: turns hook and dispatch callbacks into events."""
+
+    def __init__(self, param_storages: set[StorageWeakRef]) -> None:
+        self.events: list[Event] = []
+        self.param_storages = param_storages  # saved tensors on these are params, not activations
+        self.fwd_stack: list[str] = []
+        self.bwd_active: list[Call] = []  # module calls whose backward is running
+        self.bwd_pending_post: set[Call] = set()  # calls that will get a post-backward marker
+        self.calls: dict[str, int] = {}
+        self.backward = False
+        self.saved_storages: set[StorageWeakRef] = set()
+        self.last_op = -1
+
+    def current_module(self) -> str:
+        if self.backward:
+            return self.bwd_active[-1][0] if self.bwd_active else ROOT
+        return self.fwd_stack[-1] if self.fwd_stack else ROOT
+
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int) -> None:
+        self.last_op = len(self.events)
+        self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
+                                 backward=self.backward))
+
+    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        """Activation bytes saved for backward, once per storage, charged to the op that saved them."""
+        if self.backward or ref in self.param_storages or ref in self.saved_storages:
+            return
+        self.saved_storages.add(ref)
+        if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
+            return
+        e = self.events[self.last_op]
+        self.events[self.last_op] = Event(EventKind.OP, e.module, params=e.params, flops=e.flops, nbytes=e.nbytes,
+                                          saved=e.saved + nbytes, backward=e.backward)
+
+    def enter_forward(self, fqn: str, grad_inputs: bool) -> int:
+        call = self.calls.get(fqn, 0)
+        self.calls[fqn] = call + 1
+        self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs))
+        self.fwd_stack.append(fqn)
+        if grad_inputs:
+            self.bwd_pending_post.add((fqn, call))
+        return call
+
+    def exit_forward(self, fqn: str) -> int:
+        call = self.calls[fqn] - 1
+        self.fwd_stack.pop()
+        self.events.append(Event(EventKind.FWD_POST, fqn, call=call))
+        return call
+
+    def enter_backward(self, key: Call) -> None:
+        # A module whose backward started earlier and that gets no post-backward marker (no grad inputs) is
+        # finished once an unrelated module starts: close it so ops are attributed correctly.
+        for k in list(self.bwd_active):
+            if k not in self.bwd_pending_post and not is_within(key[0], k[0]):
+                self.bwd_active.remove(k)
+                self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
+        self.bwd_active.append(key)
+        self.events.append(Event(EventKind.BWD_PRE, key[0], call=key[1], backward=True))
+
+    def exit_backward(self, key: Call) -> None:
+        self.bwd_pending_post.discard(key)
+        if key in self.bwd_active:
+            self.bwd_active.remove(key)
+        self.events.append(Event(EventKind.BWD_POST, key[0], call=key[1], backward=True))
+
+    def finish_backward(self) -> None:
+        for k in reversed(self.bwd_active):
+            self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
+        self.bwd_active.clear()
+
+
+class _PostBackwardMarker(torch.autograd.Function):
+    """Identity on a module's grad-requiring inputs; its backward fires when the module's backward is done
+    (FSDP2's RegisterPostBackwardFunction)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
+class _ModuleHooks:
+    """Forward hooks on every module, feeding boundary events to a recorder."""
+
+    def __init__(self, model: nn.Module, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+        self.name = {m: n for n, m in model.named_modules()}  # a module registered twice keeps its first name
+        self.handles = []
+        for m in model.modules():
+            self.handles.append(m.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self.post_forward, always_call=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        fqn = self.name[module]
+        flat, spec = tree_flatten((args, kwargs))
+        grad_idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
+        has_grad = bool(grad_idx) and torch.is_grad_enabled()
+        call = self.recorder.enter_forward(fqn, has_grad)
+        if has_grad:
+            key = (fqn, call)
+            outs = _PostBackwardMarker.apply(lambda: self.recorder.exit_backward(key), *[flat[i] for i in grad_idx])
+            for i, o in zip(grad_idx, outs, strict=True):
+                flat[i] = o
+            args, kwargs = spec.unflatten(flat)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        fqn = self.name[module]
+        call = self.recorder.exit_forward(fqn)
+        if torch.is_grad_enabled():
+            fired = [False]
+            key = (fqn, call)
+
+            def hook(grad: torch.Tensor) -> None:  # FSDP2's pre-backward: the first output grad of this call
+                if not fired[0]:
+                    fired[0] = True
+                    self.recorder.enter_backward(key)
+
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records every aten op with the params it reads, its FLOPs and bytes (and, when measuring, its time)."""
+
+    def __init__(self, recorder: StepRecorder, param_by_id: dict[int, int],
+                 param_by_storage: dict[StorageWeakRef, int], sync: Callable[[], None] | None) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.param_by_id, self.param_by_storage = param_by_id, param_by_storage
+        self.sync = sync  # set when timing ops: waits for the device
+        self.seconds: dict[int, float] = {}  # event index -> measured seconds of that op
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if self.sync is None:
+            out = func(*args, **kwargs)
+        else:
+            self.sync()
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            self.sync()
+            self.seconds[len(self.recorder.events)] = time.perf_counter() - start
+        flat_in = tree_flatten((args, kwargs))[0]
+        used: set[int] = set()
+        for a in flat_in:
+            if isinstance(a, torch.Tensor):
+                idx = self.param_by_id.get(id(a))
+                if idx is None:
+                    idx = self.param_by_storage.get(StorageWeakRef(a.untyped_storage()))
+                if idx is not None:
+                    used.add(idx)
+        nbytes = 0
+        if not (getattr(func, "is_view", False) or func in _NO_TRAFFIC_OPS):
+            for a in flat_in + tree_flatten(out)[0]:
+                if isinstance(a, torch.Tensor):
+                    nbytes += a.numel() * a.element_size()
+        fn = flop_registry.get(func._overloadpacket)
+        flops = int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0
+        self.recorder.op(tuple(sorted(used)), flops, nbytes)
+        return out
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Stable digest of parameter names, shapes and dtypes: identifies 'the same model' across runs."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """Loss used when none is given: mean of squares of every floating output (non-trivial gradients)."""
+    if hasattr(output, "logits") and isinstance(output.logits, torch.Tensor):
+        output = output.logits
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not tensors:
+        raise ValueError("the model's output has no floating-point tensor to build a default loss from")
+    loss = tensors[0].float().pow(2).mean()
+    for t in tensors[1:]:
+        loss = loss + t.float().pow(2).mean()
+    return loss
+
+
+def collect_params(model: nn.Module) -> tuple[list[ParamInfo], list[nn.Parameter]]:
+    """Unique parameters in registration order, with their other names and owner modules (canonical names)."""
+    canonical = {id(m): n for n, m in model.named_modules()}
+    names: dict[int, list[str]] = {}
+    objs: dict[int, nn.Parameter] = {}
+    owners: dict[int, dict[str, None]] = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            names.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
+            objs[id(p)] = p
+            owners.setdefault(id(p), {})[canonical[id(mod)]] = None
+    infos = [
+        ParamInfo(fqn=ns[0], numel=objs[pid].numel(), dtype=str(objs[pid].dtype).removeprefix("torch."),
+                  itemsize=objs[pid].element_size(), requires_grad=objs[pid].requires_grad,
+                  owners=tuple(owners[pid]), aliases=tuple(dict.fromkeys(ns[1:])), shape=tuple(objs[pid].shape))
+        for pid, ns in names.items()
+    ]
+    return infos, [objs[pid] for pid in names]
+
+
+def _module_infos(model: nn.Module, params: list[ParamInfo], param_objs: list[nn.Parameter],
+                  events: list[Event], calls: dict[str, int]) -> dict[str, ModuleInfo]:
+    """One ModuleInfo per module object, with its real children and the stats of its calls."""
+    canonical = {id(m): n for n, m in model.named_modules()}
+    aliases: dict[str, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        if n != canonical[id(m)]:
+            aliases.setdefault(canonical[id(m)], []).append(n)
+    pname = {id(p): params[i].fqn for i, p in enumerate(param_objs)}
+    fwd, bwd, first = _module_stats(events)
+    return {
+        fqn: ModuleInfo(
+            fqn=fqn, cls=type(m).__name__,
+            params=tuple(dict.fromkeys(pname[id(p)] for p in m.parameters(recurse=False))),
+            children=tuple(dict.fromkeys(canonical[id(c)] for c in m.children())),
+            aliases=tuple(dict.fromkeys(aliases.get(fqn, ()))),
+            calls=calls.get(fqn, 0), fwd_flops=fwd.get(fqn, 0), bwd_flops=bwd.get(fqn, 0), first_use=first.get(fqn, -1),
+        )
+        for fqn, m in model.named_modules()
+    }
+
+
+def _module_stats(events: list[Event]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Per module name: forward and backward FLOPs of the ops run in its subtree, and the first forward op in
+    its subtree that read a param."""
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, e in enumerate(events):
+        if e.kind is not EventKind.OP:
+            continue
+        flops = bwd if e.backward else fwd
+        claim_first = bool(e.params) and not e.backward
+        fqn = e.module
+        while True:
+            flops[fqn] = flops.get(fqn, 0) + e.flops
+            if claim_first and fqn not in first:
+                first[fqn] = i
+            if fqn == ROOT:
+                break
+            fqn = parent_of(fqn)
+    return fwd, bwd, first
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    measure: bool = False,
+) -> Trace:
+    """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
+
+    ``example_inputs`` is a tuple of positional args (a single tensor is accepted too) or a dict of kwargs.
+    A model with real (non-meta) parameters is run under FakeTensorMode, so no real memory or compute is used.
+    With ``measure=True`` the model runs for real on its device instead and every op is timed
+    (``Trace.op_seconds``); ``runtime/measure.py`` wraps this with warm-up and repeats.
+    """
+    params, param_objs = collect_params(model)
+    args, kwargs = _split_inputs(example_inputs)
+    on_meta = all(p.is_meta for p in param_objs) and all(
+        t.is_meta for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
+    if measure and (on_meta or any(p.is_meta for p in param_objs)):
+        raise ValueError("measuring op times needs a model with real (non-meta) parameters and inputs")
+    fake_mode = None
+    if not on_meta and not measure:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    by_storage = {StorageWeakRef(p.untyped_storage()): i for i, p in enumerate(param_objs)}
+    if fake_mode is not None:
+        for i, p in enumerate(param_objs):
+            by_storage[StorageWeakRef(fake_mode.from_tensor(p).untyped_storage())] = i
+    recorder = StepRecorder(set(by_storage))
+    ops = _OpRecorder(recorder, {id(p): i for i, p in enumerate(param_objs)}, by_storage,
+                      _device_sync(param_objs) if measure else None)
+    hooks = _ModuleHooks(model, recorder)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, torch.Tensor):
+            recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        return t
+
+    try:
+        with fake_mode or contextlib.nullcontext(), ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = (loss_fn or default_loss)(model(*args, **kwargs))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ValueError("loss_fn must return a scalar tensor")
+            recorder.backward = True
+            loss.backward()
+            recorder.finish_backward()
+    finally:
+        hooks.remove()
+        for p in param_objs:
+            p.grad = None
+    events = recorder.events
+    seconds = tuple(ops.seconds.get(i, 0.0) for i in range(len(events))) if measure else None
+    return Trace(params=tuple(params), modules=_module_infos(model, params, param_objs, events, recorder.calls),
+                 events=tuple(events), fingerprint=model_fingerprint(model),
+                 buffers_nbytes=sum(b.numel() * b.element_size() for b in model.buffers()), op_seconds=seconds)
+
+
+def _device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:
+    """A barrier for timing: CUDA kernels run asynchronously, CPU ops do not."""
+    if any(p.is_cuda for p in param_objs):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
