@@ -1,15 +1,19 @@
-"""Planner speed: trace + auto-plan of llama3-405b, and auto-plan of synthetic 10,000-module models.
+"""Planner speed: trace + auto-plan of llama3-405b, and of synthetic 10,000-module models.
 
-Run: python benchmarks/planner_speed.py   (writes benchmarks/planner_speed.md; ~3 min on 2 cores)
-Each case runs in a fresh process. Targets (issue 4): 405B trace + auto under 10 s; auto-plan of a
-10,000-module trace under 2 s. The synthetic models are built here, on meta:
+Run: python benchmarks/planner_speed.py   (writes benchmarks/planner_speed.md; ~2 min on 2 cores)
+Each case runs in a fresh process (imports and first-use costs included, as a user's command pays them), and the
+trace is timed twice: as planning uses it (repeated modules traced once and replayed, trace/reuse.py) and with
+that reuse off. Targets (issue 8): trace + auto of the 10,000-module model (1,000 blocks of 10 modules) under 4 s
+with auto under 2 s; llama3-405b trace + auto under 10 s. The synthetic models are built here, on meta:
 - "blocks": 1,000 blocks of 9 modules (2 LayerNorms, 6 Linears, GELU) in a ModuleList: 10,002 modules;
-- "flat": 10,000 Linear(256, 256) in one Sequential: 10,001 modules, every one its own atom.
+- "flat": 10,000 Linear(256, 256) in one Sequential: 10,001 modules, every one its own atom (a harder case than
+  the issue's: each module is a call of its own, and every classic policy makes 10,000 groups).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -71,44 +75,54 @@ def child(case: str) -> None:
     t2 = time.perf_counter()
     result = AutoPolicy(parse_cluster(CLUSTER)).search(tr, case)
     t3 = time.perf_counter()
+    trace(model, inputs, loss_fn, reuse=False)
+    t4 = time.perf_counter()
     print(json.dumps({"modules": len(tr.modules), "events": len(tr.events), "build_s": t1 - t0,
-                      "trace_s": t2 - t1, "auto_s": t3 - t2, "plans": result.evaluated,
-                      "groups": len(result.plan.inner_groups)}))
+                      "trace_s": t2 - t1, "auto_s": t3 - t2, "trace_no_reuse_s": t4 - t3,
+                      "plans": result.evaluated, "groups": len(result.plan.inner_groups)}))
+
+
+TARGETS = {"llama3-405b": (10.0, None), "blocks": (4.0, 2.0), "flat": (4.0, 2.0)}
 
 
 def main() -> None:
     rows = []
-    for case in ("llama3-405b", "blocks", "flat"):
+    for case in TARGETS:
         out = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, check=True)
         rows.append((case, json.loads(out.stdout.strip().splitlines()[-1])))
         print(case, rows[-1][1], file=sys.stderr)
     lines = [
         "# Planner speed",
         "",
-        f"Measured by `python benchmarks/planner_speed.py` on {platform.machine()} ({platform.processor() or 'cpu'}), "
-        f"Python {platform.python_version()}, one fresh process per case; auto plans for {CLUSTER} with no budget "
-        "(its default search: classic policies, module-tree cuts, DP over two atom granularities, 2 s of refinement).",
+        f"Measured by `python benchmarks/planner_speed.py` on {platform.machine()} "
+        f"({os.cpu_count()} cores), Python {platform.python_version()}, torch {torch.__version__}, one fresh process "
+        f"per case; auto plans for {CLUSTER} with no budget (its default search).",
         "",
-        "| case | modules | trace events | trace (s) | auto-plan (s) | plans simulated | groups | target | met |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | modules | trace events | trace (s) | auto (s) | trace + auto (s) | target | met | "
+        "trace without reuse (s) | plans simulated | groups |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case, r in rows:
-        if case == "llama3-405b":
-            total, limit, target = r["trace_s"] + r["auto_s"], 10, "trace + auto < 10 s"
-        else:
-            total, limit, target = r["auto_s"], 2, "auto < 2 s"
-        met = "yes" if total < limit else "no"
+        total, auto_limit = TARGETS[case]
+        both = r["trace_s"] + r["auto_s"]
+        target = f"< {total:.0f} s" + (f", auto < {auto_limit:.0f} s" if auto_limit else "")
+        met = both < total and (auto_limit is None or r["auto_s"] < auto_limit)
         lines.append(f"| {case} | {r['modules']} | {r['events']} | {r['trace_s']:.2f} | {r['auto_s']:.2f} | "
-                     f"{r['plans']} | {r['groups']} | {target} | {met} ({total:.1f} s) |")
-    lines += [
-        "",
-        "Where the time goes on the 10,000-module cases: every simulated plan replays FSDP2's hooks over the whole "
-        "trace (about 83,000 events after `trace.compact`), about 0.1-0.2 s per plan in Python, "
-        "and the search simulates 20-35 plans (classic policies, module-tree cuts, DP plans, refinement). "
-        "The 2 s target would need a vectorised replay or a coarser planning trace; it is not met.",
-    ]
+                     f"{both:.2f} | {target} | {'yes' if met else 'no'} | {r['trace_no_reuse_s']:.2f} | "
+                     f"{r['plans']} | {r['groups']} |")
+    lines += ["", NOTES]
     Path(__file__).with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+NOTES = """Where the time goes. Tracing: a repeated module (a block, or each Linear of "flat") is traced once on its own
+and its events replayed for every identical call (trace/reuse.py; a test compares every built-in model's trace
+with and without reuse, event for event). Planning: FSDP2's replay visits only the boundaries of the modules a plan
+hooks, the step simulation stops only at collectives and first uses after an all-gather, per-group facts are cached
+across plans, and candidates whose all-gather latency alone (groups x alpha) exceeds three fitting plans are not
+simulated (they can neither win nor start a refinement). The "flat" case is slower: every one of its 10,000
+modules is a call of its own (hooks, autograd nodes), and the four classic baselines, which auto always simulates
+and reports, are 10,000-group plans."""
 
 
 if __name__ == "__main__":

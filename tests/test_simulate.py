@@ -129,7 +129,7 @@ def reference_step_time(tr, plan, ctx):
 
     sched = build_schedule(tr, plan, ctx.world)
     group_params = ctx.sizing.group_params(plan)
-    gather = [ctx.sizing.gather_bytes(ps) for ps in group_params]
+    gather = [g.gather_bytes for g in ctx.sizing.groups(plan)]
     group_of = {p: g for g, ps in enumerate(group_params) for p in ps}
     streams = Streams(ctx, plan, gather, timeline=False)
     issued = {}

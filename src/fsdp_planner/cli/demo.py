@@ -1,4 +1,4 @@
-"""``fsdp-planner demo``: the seed's problem on the built-in models, classic wrap policies vs the execution order."""
+"""``fsdp-planner demo``: what classic wrap policies do on the built-in models, beside the execution-order plan."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from fsdp_planner.cli.common import load_trace
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.metrics import plan_metrics
 
-# Size thresholds: the seed's 2000 for its CNN; for the toy decoder one that wraps inside blocks, as size-based
-# wrapping does on real transformers.
+# Size thresholds: 2000 for the CNN (what its forum question used); for the toy decoder one that wraps inside blocks,
+# as size-based wrapping does on real transformers.
 DEMO_MODELS = {"seed-net": 2000, "toy-llama": 20_000}
 
 

@@ -70,6 +70,8 @@ def _dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
 
 def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
     """Params each group's ``fully_shard`` call would manage (FSDP2's DFS, in application order)."""
+    if not trace.index.shared_modules and not trace.index.tied_params:
+        return _claimed_in_tree(plan, trace)
     modules = trace.modules
     sharded: set[str] = set()
     claimed_by: dict[str, int] = {}
@@ -92,9 +94,42 @@ def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
                 raise PlannerError(f"parameter '{p}' is reachable from groups {claimed_by[p]} and {gi}; FSDP2 needs "
                                    "it in one group: list its modules together in one fully_shard([...])")
             claimed_by[p] = gi
-        result[gi] = list(mine)
+        result[gi] = _registration_order(set(mine), trace)
         sharded |= listed
     return result
+
+
+def _claimed_in_tree(plan: Plan, trace: Trace) -> list[list[str]]:
+    """The DFS's result when every param is reachable by one path only (no shared module, no tied param): a group
+    claims its modules' subtrees but the subtrees of modules listed by other groups below them (those are applied
+    first). Set arithmetic instead of a walk."""
+    group_of = {m: i for i, g in enumerate(plan.groups) for m in g.modules}
+    parents, subtree = trace.index.parents, trace.index.subtree_params
+    carved: list[list[str]] = [[] for _ in plan.groups]  # per group: modules of other groups inside its subtrees
+    for m, gi in group_of.items():
+        a = m
+        while parents.get(a):
+            a = parents[a][0]
+            if a in group_of:
+                if group_of[a] != gi:
+                    carved[group_of[a]].append(m)
+                break
+    result: list[list[str]] = []
+    claimed_by: dict[str, int] = {}
+    for gi, g in enumerate(plan.groups):
+        mine = set().union(*(subtree[m] for m in g.modules)).difference(*(subtree[x] for x in carved[gi]))
+        for p in mine:
+            if p in claimed_by:  # a tied param reachable from two groups
+                raise PlannerError(f"parameter '{p}' is reachable from groups {claimed_by[p]} and {gi}; FSDP2 needs "
+                                   "it in one group: list its modules together in one fully_shard([...])")
+            claimed_by[p] = gi
+        result.append(_registration_order(mine, trace))
+    return result
+
+
+def _registration_order(params: set[str], trace: Trace) -> list[str]:
+    index = trace.index.param_index
+    return sorted(params, key=index.__getitem__)
 
 
 def validate_plan(plan: Plan, trace: Trace) -> None:
@@ -159,9 +194,7 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
 def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]]:
     """Move every owner of a tied param into one group (the earliest listed that holds one of them), as FSDP2
     requires; classic policies (size-based, per-class) otherwise split tied weights."""
-    for p in trace.params:
-        if not p.is_shared:
-            continue
+    for p in (trace.params[i] for i in trace.index.tied_params):
         group_of = {m: i for i, ms in enumerate(module_groups) for m in ms}
         if ROOT in p.owners:  # only the root's own fully_shard can manage a param registered on the root
             for o in p.owners:
@@ -184,9 +217,8 @@ def resolve_shared_modules(trace: Trace, module_groups: list[list[str]]) -> int:
     """A submodule held by several parents (one object under several names) whose params two groups would both
     reach gets a group of its own, applied before them, so that it is claimed once. Returns the groups added."""
     parents = trace.index.parents
-    shared = [m for m, ps in parents.items() if len(ps) > 1 and trace.index.subtree_params[m]]
     added = 0
-    for m in shared:
+    for m in trace.index.shared_modules:
         group_of = {x: i for i, ms in enumerate(module_groups) for x in ms}
         if m not in group_of and len({_claiming_group(p, group_of, parents) for p in parents[m]}) > 1:
             module_groups.append([m])

@@ -12,6 +12,7 @@ The output is events, not sizes or times: ``Collective`` (which group, at which 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -214,15 +215,16 @@ def _resolve_reshard(value: ReshardAfterForward, world_size: int | None) -> Resh
 class Replay:
     """Drives the groups' hooks over the trace's boundary events, as autograd and ``nn.Module`` would."""
 
-    def __init__(self, trace: Trace, plan: Plan, world_size: int | None = None) -> None:
+    def __init__(self, trace: Trace, plan: Plan, world_size: int | None = None,
+                 group_params: Sequence[Sequence[int]] | None = None) -> None:
         self.trace, self.plan = trace, plan
         index = trace.index
         self.shared = _Shared(Schedule(num_events=len(trace.events)))
-        reducible, pidx = index.reducible, index.param_index
-        self.groups = [
-            GroupReplay(i, g, [p for p in map(pidx.__getitem__, g.params) if reducible[p]], index.grad_ready_at,
-                        world_size, self.shared)
-            for i, g in enumerate(plan.groups)]
+        if group_params is None:
+            group_params = [[index.param_index[p] for p in g.params] for g in plan.groups]
+        reducible = index.reducible
+        self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, world_size, self.shared)
+                       for i, (g, ps) in enumerate(zip(plan.groups, group_params, strict=True))]
         for g, replay in zip(plan.groups, self.groups, strict=True):
             replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
             replay.backward_prefetch = [self.groups[j] for j in g.backward_prefetch]
@@ -263,6 +265,7 @@ class Replay:
                 group.complete_forward(at, (ROOT, call[1]))
 
 
-def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None) -> Schedule:
-    """Replay FSDP2 over ``trace`` with ``plan``'s groups."""
-    return Replay(trace, plan, world_size).run()
+def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None,
+                   group_params: Sequence[Sequence[int]] | None = None) -> Schedule:
+    """Replay FSDP2 over ``trace`` with ``plan``'s groups (``group_params``: their params' indices, if known)."""
+    return Replay(trace, plan, world_size, group_params).run()

@@ -2,41 +2,22 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT, parent_of
-
-CONTAINERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})
+from fsdp_planner.trace.tree import ROOT
 
 
 def default_block_class(trace: Trace, in_container_only: bool = False) -> str | None:
-    """The model's repeated block class: the class of a container's (ModuleList/Sequential) children that repeats
-    and holds the most params; else (unless ``in_container_only``) the repeated class holding the most params."""
-    numel = trace.index.subtree_numel
-
-    def best(candidates: Iterable[str]) -> str | None:
-        count: Counter[str] = Counter()
-        total: Counter[str] = Counter()
-        for fqn in candidates:
-            if numel[fqn] > 0:
-                cls = trace.modules[fqn].cls
-                count[cls] += 1
-                total[cls] += numel[fqn]
-        repeated = [c for c in count if count[c] >= 2]
-        return max(repeated, key=lambda c: total[c]) if repeated else None
-
-    modules = [f for f in trace.modules if f != ROOT]
-    in_container = [f for f in modules if parent_of(f) != ROOT and parent_of(f) in trace.modules
-                    and trace.modules[parent_of(f)].cls in CONTAINERS]
-    return best(in_container) or (None if in_container_only else best(modules))
+    """The model's repeated block class (``TraceIndex.block_class``); with ``in_container_only`` only a class
+    whose instances are children of a container (ModuleList/Sequential) counts."""
+    return trace.index.container_block_class if in_container_only else trace.index.block_class
 
 
 def block_instances(trace: Trace) -> list[str]:
     """Instances of the repeated block class that sits in a container (empty when there is none)."""
-    cls = default_block_class(trace, in_container_only=True)
+    cls = trace.index.container_block_class
     return [f for f, m in trace.modules.items() if cls and m.cls == cls]
 
 

@@ -47,7 +47,7 @@ class SizeBasedPolicy:
 
     def wrapped_modules(self, trace: Trace) -> list[str]:
         numel = trace.index.subtree_numel
-        wrapped: list[str] = []
+        wrapped: dict[str, None] = {}
 
         def visit(fqn: str, only_children: bool) -> int:
             if fqn in wrapped:  # a submodule shared by several parents is wrapped once, on its first visit
@@ -58,12 +58,12 @@ class SizeBasedPolicy:
             total = sum(visit(c, False) for c in trace.modules[fqn].children)
             if (not only_children and numel[fqn] - total >= self.min_nonwrapped_numel
                     and cls not in self.exclude_wrap_classes):
-                wrapped.append(fqn)
+                wrapped[fqn] = None
                 return numel[fqn]
             return total
 
         visit(ROOT, True)
-        return wrapped
+        return list(wrapped)
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
         return make_plan(trace, [[m] for m in self.wrapped_modules(trace)],

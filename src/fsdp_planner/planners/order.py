@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT, proper_ancestors
+from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
 
 
 def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tuple[list[str], int]]:
@@ -65,25 +65,28 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
 
 def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
     """Replace sets of modules that cover a whole subtree's param-owning modules by the subtree's root, so a group
-    reads ``[layers.3]`` instead of its 9 leaves (same params, one hook)."""
+    reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used."""
     mine = set(modules)
-    covered: dict[str, bool] = {}
-
-    def covers(fqn: str) -> bool:  # every param-owning module in fqn's subtree is in this group
-        if fqn not in covered:
-            info = trace.modules[fqn]
-            covered[fqn] = (not info.params or fqn in mine) and all(covers(c) for c in info.children)
-        return covered[fqn]
-
+    owners_below = trace.index.owners_below
+    covered: dict[str, bool] = {}  # module -> every param-owning module below it is ours
+    top_of: dict[str, str] = {}  # module -> the outermost module above it (or itself) whose subtree is all ours
     tops: dict[str, None] = {}
     for m in modules:
-        top = m
-        for a in proper_ancestors(m):
-            if a == ROOT or not covers(a):
+        path, a = [], m
+        while a not in top_of:
+            path.append(a)
+            up = parent_of(a)
+            if a != ROOT and up != ROOT and up not in covered:
+                covered[up] = owners_below[up] <= mine
+            if a == ROOT or up == ROOT or not covered[up]:
+                top_of[a] = a
                 break
-            top = a
+            a = up
+        top = top_of[a]
+        for x in path:
+            top_of[x] = top
         tops[top] = None
-    return [t for t in tops if not any(a in tops for a in proper_ancestors(t) if a != ROOT)]
+    return list(tops)
 
 
 @dataclass

@@ -67,13 +67,13 @@ class VerifyResult:
 def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
     """Per-step all-gather / reduce-scatter counts, and their bytes as FSDP2 sends them (padded, params' dtypes)."""
     sizing = Sizing(trace, world_size)
-    group_params = sizing.group_params(plan)
+    groups = sizing.groups(plan)
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
     for c in build_schedule(trace, plan, world_size).collectives:
         counts[c.kind.value] += 1
         if c.kind is CollectiveKind.ALL_GATHER:
-            nbytes[c.kind.value] += sizing.gather_bytes(group_params[c.group])
+            nbytes[c.kind.value] += groups[c.group].gather_bytes
         else:
             nbytes[c.kind.value] += sizing.reduce_bytes(c.params)
     return counts, nbytes

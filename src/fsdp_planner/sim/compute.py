@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from fsdp_planner.hardware.cluster import GPU
 from fsdp_planner.sim.options import Precision
-from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 
 
@@ -21,9 +22,8 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, mfu: float) -> list[f
     """
     peak = gpu.peak_bf16_flops if precision.compute_bytes <= 2 else gpu.peak_fp32_flops
     scale = precision.compute_bytes / traced_itemsize(trace)
-    hbm = gpu.hbm_bandwidth
-    return [max(e.flops / (peak * mfu) if e.flops else 0.0, e.nbytes * scale / hbm) if e.kind is EventKind.OP else 0.0
-            for e in trace.events]
+    index = trace.index  # boundaries have no FLOPs and no bytes: they take 0 s
+    return np.maximum(index.op_flops / (peak * mfu), index.op_nbytes * (scale / gpu.hbm_bandwidth)).tolist()
 
 
 def step_op_times(trace: Trace, gpu: GPU, precision: Precision, mfu: float) -> list[float]:

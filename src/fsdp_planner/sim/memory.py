@@ -61,20 +61,23 @@ def activation_levels(trace: Trace, precision: Precision) -> np.ndarray:
     """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
     dtype: saved in forward, freed when the saving module call's backward is done."""
     n = len(trace.events)
-    deltas = np.zeros(n + 1)
+    deltas = [0.0] * (n + 1)
     scale = precision.compute_bytes / traced_itemsize(trace)
+    fwd_pre, fwd_post, bwd_post = EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
     stack: list[tuple[str, int]] = []
     saved_by: dict[tuple[str, int], float] = {}
     for i, e in enumerate(trace.events):
-        if e.kind is EventKind.FWD_PRE:
+        kind = e.kind
+        if kind is EventKind.OP:
+            if e.saved and not e.backward:
+                key = stack[-1] if stack else (ROOT, 0)
+                deltas[i] += e.saved * scale
+                saved_by[key] = saved_by.get(key, 0.0) + e.saved * scale
+        elif kind is fwd_pre:
             stack.append((e.module, e.call))
-        elif e.kind is EventKind.FWD_POST:
+        elif kind is fwd_post:
             stack.pop()
-        elif e.kind is EventKind.OP and e.saved and not e.backward:
-            key = stack[-1] if stack else (ROOT, 0)
-            deltas[i] += e.saved * scale
-            saved_by[key] = saved_by.get(key, 0.0) + e.saved * scale
-        elif e.kind is EventKind.BWD_POST and (e.module, e.call) in saved_by:
+        elif kind is bwd_post and (e.module, e.call) in saved_by:
             deltas[i] -= saved_by.pop((e.module, e.call))
     return np.cumsum(deltas)
 
@@ -110,8 +113,7 @@ class MemoryModel:
     def peak(self, plan: Plan, schedule: Schedule) -> MemoryBreakdown:
         """The step's peak and its breakdown at that moment."""
         n = len(self.trace.events) + 1
-        group_params = self.sizing.group_params(plan)
-        gathered = [self.sizing.gather_bytes(ps) for ps in group_params]
+        groups = self.sizing.groups(plan)
         deltas: dict[int, list[float]] = {}  # position -> change in [unsharded params, all-gather buffers, grads]
 
         def add(cat: int, start: int, end: int, nbytes: float) -> None:
@@ -119,18 +121,16 @@ class MemoryModel:
             deltas.setdefault(end, [0.0, 0.0, 0.0])[cat] -= nbytes
 
         for r in schedule.residency:
-            add(0, r.start, r.end, gathered[r.group] / r.divisor)
-        uses = GroupUses(self.trace, group_params)
-        first_bwd = self.trace.index.first_backward_use
+            add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)
         for c in schedule.collectives:
+            g = groups[c.group]
             if c.kind is CollectiveKind.ALL_GATHER:
                 # FSDP2 copies the all-gather output out (then frees it) just before the group's first use after
                 # the all-gather: both copies are alive at that moment
-                use = uses.first_at_or_after(c.group, c.event, default=n - 1)
-                add(1, max(c.event, use - 1), use, gathered[c.group])
+                use = first_at_or_after(g.uses, c.event, default=n - 1)
+                add(1, max(c.event, use - 1), use, g.gather_bytes)
             else:
-                start = min((first_bwd[p] for p in group_params[c.group]), default=n)
-                add(2, min(start, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
+                add(2, min(g.first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
         return self._peak_of(deltas, n)
 
     def _peak_of(self, deltas: dict[int, list[float]], n: int) -> MemoryBreakdown:
@@ -154,26 +154,10 @@ class MemoryModel:
                                unsharded_grads=g, activations=act)
 
 
-class GroupUses:
-    """The ops reading each group's params, for "the group's first use after event x" (computed per group on
-    demand: a plan's groups are asked about a few times each)."""
-
-    def __init__(self, trace: Trace, group_params: list[list[int]]) -> None:
-        self.param_uses = trace.index.param_uses
-        self.group_params = group_params
-        self.cache: dict[int, list[int]] = {}
-
-    def of(self, group: int) -> list[int]:
-        if group not in self.cache:
-            ps = self.group_params[group]
-            self.cache[group] = (self.param_uses[ps[0]] if len(ps) == 1
-                                 else sorted({i for p in ps for i in self.param_uses[p]}))
-        return self.cache[group]
-
-    def first_at_or_after(self, group: int, event: int, default: int) -> int:
-        uses = self.of(group)
-        k = bisect.bisect_left(uses, event)
-        return uses[k] if k < len(uses) else default
+def first_at_or_after(uses: list[int], event: int, default: int) -> int:
+    """The first of ``uses`` (sorted op indices) at or after ``event``."""
+    k = bisect.bisect_left(uses, event)
+    return uses[k] if k < len(uses) else default
 
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")

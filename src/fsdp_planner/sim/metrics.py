@@ -1,6 +1,7 @@
 """Hardware-free metrics of a plan, counted from its FSDP2 schedule.
 
-"Idle unsharded bytes" is the seed's waste: parameter bytes gathered because their group is in use, while
+"Idle unsharded bytes" is the waste of grouping unrelated modules (size-based wrapping puts a CNN's first conv and
+last linear layer in one unit): parameter bytes gathered because their group is in use, while
 the parameter itself is not. A param is idle at an op when its group is unsharded, the op lies inside the
 group's use window for the phase (first to last use of any of its params, forward or backward) and outside
 the param's own window. Holding a group between its forward and its backward (reshard_after_forward=False)
@@ -87,7 +88,7 @@ def idle_byte_ops(trace: Trace, plan: Plan, sched: Schedule) -> int:
 
 def peak_unsharded(plan: Plan, sched: Schedule, sizing: Sizing) -> int:
     """Max over the step of bytes held unsharded (post-forward shards count 1/k)."""
-    gathered = [sizing.gather_bytes(ps) for ps in sizing.group_params(plan)]
+    gathered = [g.gather_bytes for g in sizing.groups(plan)]
     deltas: dict[int, float] = {}
     for r in sched.residency:
         b = gathered[r.group] / r.divisor
@@ -107,8 +108,7 @@ def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None) -> Pla
     sizing = Sizing(trace, world_size or 1)
     ag = [c for c in sched.collectives if c.kind is CollectiveKind.ALL_GATHER]
     rs = [c for c in sched.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
-    group_params = sizing.group_params(plan)
-    gathered = [sizing.gather_bytes(ps) for ps in group_params]
+    gathered = [g.gather_bytes for g in sizing.groups(plan)]
     idle = idle_byte_ops(trace, plan, sched)
     return PlanMetrics(
         groups=sum(1 for g in plan.groups if g.params),

@@ -4,7 +4,7 @@ Defaults (``SimOptions()``): ``bf16-mixed`` precision (FSDP2 ``MixedPrecisionPol
 reduce_dtype=float32)``: fp32 sharded params and grads, bf16 all-gather and compute, fp32 reduce-scatter), the
 AdamW optimizer (two fp32 states per trainable element), and matmul-like ops at 50% of the GPU's dense peak
 (``mfu=0.5``; transformer matmuls reach 40-60% in practice). To reproduce a measurement made another way, say
-so explicitly (``--precision fp32 --optimizer sgd-momentum`` for seed 002's runs).
+so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32 run with SGD and momentum).
 """
 
 from __future__ import annotations

@@ -10,14 +10,27 @@ param's own (unpadded) shape. With one rank nothing is padded.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.sim.options import Precision
 from fsdp_planner.trace.records import Trace
 
 
+@dataclass(frozen=True)
+class GroupFacts:
+    """What a group's params are, wherever the group appears: computed once per distinct set of params."""
+
+    params: tuple[int, ...]  # indices into Trace.params
+    gather_bytes: int  # its all-gather output: the bytes its params occupy unsharded
+    uses: list[int]  # the ops reading any of them, in order
+    first_backward: int  # its first backward op (len(events) + 1 when backward reads none of them)
+
+
 class Sizing:
-    """Sizes for a world of ``world_size`` ranks, at ``precision``'s dtypes (each param's own dtype without one)."""
+    """Sizes for a world of ``world_size`` ranks, at ``precision``'s dtypes (each param's own dtype without one).
+
+    Planners size thousands of plans whose groups recur; per-group facts and per-collective bytes are cached."""
 
     def __init__(self, trace: Trace, world_size: int = 1, precision: Precision | None = None) -> None:
         self.trace, self.world_size = trace, world_size
@@ -26,23 +39,42 @@ class Sizing:
         self.gather_itemsize = own if precision is None else [precision.gather_bytes] * len(own)
         self.reduce_itemsize = own if precision is None else [precision.reduce_bytes] * len(own)
         self.grad_itemsize = own if precision is None else [precision.compute_bytes] * len(own)
+        self._facts: dict[tuple[str, ...], GroupFacts] = {}
+        self._reduce: dict[tuple[int, ...], int] = {}
+        self._grads: dict[tuple[int, ...], int] = {}
 
-    def group_params(self, plan: Plan) -> list[list[int]]:
+    def groups(self, plan: Plan) -> list[GroupFacts]:
+        return [self.facts(tuple(g.params)) for g in plan.groups]
+
+    def facts(self, names: tuple[str, ...]) -> GroupFacts:
+        if names not in self._facts:
+            index = self.trace.index
+            param_index, param_uses, first_backward = index.param_index, index.param_uses, index.first_backward_use
+            params = tuple(param_index[p] for p in names)
+            uses = param_uses[params[0]] if len(params) == 1 else sorted({i for p in params for i in param_uses[p]})
+            first_bwd = min((first_backward[p] for p in params), default=len(self.trace.events) + 1)
+            self._facts[names] = GroupFacts(params, self.gather_bytes(params), uses, first_bwd)
+        return self._facts[names]
+
+    def group_params(self, plan: Plan) -> list[tuple[int, ...]]:
         """Each group's params as indices into ``Trace.params``."""
-        index = self.trace.index.param_index
-        return [[index[p] for p in g.params] for g in plan.groups]
+        return [f.params for f in self.groups(plan)]
 
     def gather_bytes(self, params: Iterable[int]) -> int:
         """All-gather output of these params: the bytes they occupy unsharded (padded)."""
         return sum(self.padded[p] * self.gather_itemsize[p] for p in params)
 
-    def reduce_bytes(self, params: Iterable[int]) -> int:
+    def reduce_bytes(self, params: tuple[int, ...]) -> int:
         """Reduce-scatter input for these params' grads (padded, reduce dtype)."""
-        return sum(self.padded[p] * self.reduce_itemsize[p] for p in params)
+        if params not in self._reduce:
+            self._reduce[params] = sum(self.padded[p] * self.reduce_itemsize[p] for p in params)
+        return self._reduce[params]
 
-    def grad_bytes(self, params: Iterable[int]) -> int:
+    def grad_bytes(self, params: tuple[int, ...]) -> int:
         """Unsharded grads of these params as autograd makes them (the params' shapes, compute dtype)."""
-        return sum(self.trace.params[p].numel * self.grad_itemsize[p] for p in params)
+        if params not in self._grads:
+            self._grads[params] = sum(self.trace.params[p].numel * self.grad_itemsize[p] for p in params)
+        return self._grads[params]
 
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""

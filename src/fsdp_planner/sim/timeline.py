@@ -27,7 +27,7 @@ from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.memory import GroupUses
+from fsdp_planner.sim.memory import first_at_or_after
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
 
@@ -135,17 +135,16 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
             raise ValueError("simulate needs a cluster or a context")
         context = SimContext(trace, cluster, options)
     ctx = context
-    sched = schedule or build_schedule(trace, plan, ctx.world)
-    group_params = ctx.sizing.group_params(plan)
-    gather = [ctx.sizing.gather_bytes(ps) for ps in group_params]
+    groups = ctx.sizing.groups(plan)
+    sched = schedule or build_schedule(trace, plan, ctx.world, [g.params for g in groups])
+    gather = [g.gather_bytes for g in groups]
     issued_at: dict[int, list[Collective]] = {}
     waits: dict[int, list[int]] = {}  # op -> groups it is the first to read after their all-gather
-    uses = GroupUses(trace, group_params)
     n = len(trace.events)
     for c in sched.collectives:
         issued_at.setdefault(c.event, []).append(c)
         if c.kind is AG:
-            use = uses.first_at_or_after(c.group, c.event, default=n)
+            use = first_at_or_after(groups[c.group].uses, c.event, default=n)
             if use < n:
                 waits.setdefault(use, []).append(c.group)
     streams = Streams(ctx, plan, gather, timeline)

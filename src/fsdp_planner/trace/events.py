@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class EventKind(Enum):
@@ -16,9 +16,8 @@ class EventKind(Enum):
     OP = "op"  # one aten op
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One step of the timeline: a module boundary or an op."""
+class Event(NamedTuple):
+    """One step of the timeline: a module boundary or an op. (A NamedTuple: a trace holds hundreds of thousands.)"""
 
     kind: EventKind
     module: str  # boundary: the module; op: the innermost module running

@@ -6,17 +6,57 @@ simulated for a model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from fsdp_planner.trace.events import Event, EventKind
-from fsdp_planner.trace.tree import ROOT
+from fsdp_planner.trace.tree import ROOT, is_within
 
 if TYPE_CHECKING:
     from fsdp_planner.trace.records import ModuleInfo, ParamInfo
 
 Call = tuple[str, int]  # (module, call number)
+CONTAINERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})
+
+
+class _Scan:
+    """One pass over the events for the views built from them (each would otherwise be its own pass)."""
+
+    def __init__(self, params: Sequence[ParamInfo], events: Sequence[Event]) -> None:
+        self.param_uses: list[list[int]] = [[] for _ in params]
+        self.forward_users: list[set[Call]] = [set() for _ in params]
+        self.forward_param_ops: list[tuple[int, str, tuple[int, ...]]] = []
+        self.boundaries: dict[str, list[int]] = {}
+        self.post_backward_at: dict[Call, int] = {}
+        self.forward_end = len(events)
+        self.op_count = 0
+        op, fwd_pre, fwd_post, bwd_post = EventKind.OP, EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
+        stack: list[Call] = []
+        for i, e in enumerate(events):
+            kind = e.kind
+            if kind is op:
+                self.op_count += 1
+                if e.params:
+                    for p in e.params:
+                        self.param_uses[p].append(i)
+                    if not e.backward:
+                        caller = stack[-1] if stack else (ROOT, 0)
+                        for p in e.params:
+                            self.forward_users[p].add(caller)
+                        self.forward_param_ops.append((i, e.module, e.params))
+            else:
+                self.boundaries.setdefault(e.module, []).append(i)
+                if kind is fwd_pre:
+                    stack.append((e.module, e.call))
+                elif kind is fwd_post:
+                    stack.pop()
+                elif kind is bwd_post:
+                    self.post_backward_at[(e.module, e.call)] = i
+            if e.backward and self.forward_end == len(events):
+                self.forward_end = i
 
 
 class TraceIndex:
@@ -36,14 +76,13 @@ class TraceIndex:
         return out
 
     @cached_property
+    def _scan(self) -> _Scan:
+        return _Scan(self._params, self._events)
+
+    @property
     def param_uses(self) -> list[list[int]]:
         """Per param: the indices of the ops reading it, in order."""
-        uses: list[list[int]] = [[] for _ in self._params]
-        for i, e in enumerate(self._events):
-            if e.kind is EventKind.OP:
-                for p in e.params:
-                    uses[p].append(i)
-        return uses
+        return self._scan.param_uses
 
     @cached_property
     def first_use(self) -> dict[int, int]:
@@ -56,22 +95,11 @@ class TraceIndex:
         never = len(self._events) + 1
         return [next((i for i in uses if self._events[i].backward), never) for uses in self.param_uses]
 
-    @cached_property
-    def forward_users(self) -> list[frozenset[Call]]:
+    @property
+    def forward_users(self) -> list[set[Call]]:
         """Per param, the module calls (innermost) whose forward ops read it: autograd completes its grad once
-        all of their backward passes are done."""
-        users: list[set[Call]] = [set() for _ in self._params]
-        stack: list[Call] = []
-        for e in self._events:
-            if e.kind is EventKind.FWD_PRE:
-                stack.append((e.module, e.call))
-            elif e.kind is EventKind.FWD_POST:
-                stack.pop()
-            elif e.kind is EventKind.OP and not e.backward:
-                caller = stack[-1] if stack else (ROOT, 0)
-                for p in e.params:
-                    users[p].add(caller)
-        return [frozenset(u) for u in users]
+        all of their backward passes are done. (Do not modify.)"""
+        return self._scan.forward_users
 
     @cached_property
     def reducible(self) -> list[bool]:
@@ -82,28 +110,48 @@ class TraceIndex:
     def grad_ready_at(self) -> list[int]:
         """Per param: the event after which autograd has finished its grad, the last ``BWD_POST`` of its
         forward users (``len(events)``, the end of backward, when one of them never gets one)."""
-        end = len(self._events)
-        post_at = {(e.module, e.call): i for i, e in enumerate(self._events) if e.kind is EventKind.BWD_POST}
+        end, post_at = len(self._events), self._scan.post_backward_at
         return [max((post_at.get(u, end) for u in users), default=end) for users in self.forward_users]
 
-    # -- events ------------------------------------------------------------------------------------------
-    @cached_property
+    @property
+    def forward_param_ops(self) -> list[tuple[int, str, tuple[int, ...]]]:
+        """(event index, module, params) of every forward op that reads params, in order."""
+        return self._scan.forward_param_ops
+
+    @property
     def boundaries_by_module(self) -> dict[str, list[int]]:
         """Module -> the indices of its boundary events (where FSDP2's hooks would run), in order."""
-        out: dict[str, list[int]] = {}
-        for i, e in enumerate(self._events):
-            if e.kind is not EventKind.OP:
-                out.setdefault(e.module, []).append(i)
-        return out
+        return self._scan.boundaries
 
-    @cached_property
+    @property
     def forward_end(self) -> int:
         """Index of the first backward event (``len(events)`` if there is none)."""
-        return next((i for i, e in enumerate(self._events) if e.backward), len(self._events))
+        return self._scan.forward_end
+
+    @property
+    def op_count(self) -> int:
+        return self._scan.op_count
 
     @cached_property
-    def op_count(self) -> int:
-        return sum(1 for e in self._events if e.kind is EventKind.OP)
+    def op_flops(self) -> np.ndarray:
+        """Per event: its FLOPs (0 for boundaries)."""
+        return np.fromiter((e.flops for e in self._events), dtype=np.float64, count=len(self._events))
+
+    @cached_property
+    def op_nbytes(self) -> np.ndarray:
+        """Per event: the bytes it reads and writes (0 for boundaries)."""
+        return np.fromiter((e.nbytes for e in self._events), dtype=np.float64, count=len(self._events))
+
+    @cached_property
+    def read_outside(self) -> frozenset[int]:
+        """Params a forward op reads outside the modules that own them (only the root is unsharded around it)."""
+        owners = [p.owners for p in self._params]
+        out: set[int] = set()
+        for _, module, params in self.forward_param_ops:
+            for p in params:
+                if p not in out and not any(is_within(module, o) for o in owners[p]):
+                    out.add(p)
+        return frozenset(out)
 
     # -- modules -----------------------------------------------------------------------------------------
     @cached_property
@@ -137,6 +185,53 @@ class TraceIndex:
     def owning_modules(self) -> list[str]:
         """Modules that directly register at least one parameter, in registration order."""
         return [m for m, info in self._modules.items() if info.params]
+
+    @cached_property
+    def block_class(self) -> str | None:
+        """The model's repeated block class: the class of a container's (ModuleList/Sequential) children that
+        repeats and holds the most params; else the repeated class holding the most params."""
+        return self.container_block_class or self._most_params(m for m in self._modules if m != ROOT)
+
+    @cached_property
+    def container_block_class(self) -> str | None:
+        """The repeated class, holding the most params, among the children of containers (ModuleList/Sequential,
+        not the root)."""
+        containers = [m for m, info in self._modules.items() if m != ROOT and info.cls in CONTAINERS]
+        return self._most_params(c for m in containers for c in self._modules[m].children)
+
+    def _most_params(self, candidates: Iterable[str]) -> str | None:
+        numel = self.subtree_numel
+        count: dict[str, int] = {}
+        total: dict[str, int] = {}
+        for fqn in dict.fromkeys(candidates):
+            if numel[fqn] > 0:
+                cls = self._modules[fqn].cls
+                count[cls] = count.get(cls, 0) + 1
+                total[cls] = total.get(cls, 0) + numel[fqn]
+        repeated = [c for c in count if count[c] >= 2]
+        return max(repeated, key=lambda c: total[c]) if repeated else None
+
+    @cached_property
+    def owners_below(self) -> dict[str, frozenset[str]]:
+        """Module -> the modules that own params in its subtree (itself included when it owns some)."""
+        out: dict[str, frozenset[str]] = {}
+        for m in self._post_order():
+            info = self._modules[m]
+            acc = {m} if info.params else set()
+            for c in info.children:
+                acc |= out[c]
+            out[m] = frozenset(acc)
+        return out
+
+    @cached_property
+    def shared_modules(self) -> list[str]:
+        """Modules held by several parents (one object under several names) with params below them."""
+        return [m for m, ps in self.parents.items() if len(ps) > 1 and self.subtree_params[m]]
+
+    @cached_property
+    def tied_params(self) -> list[int]:
+        """Params registered on more than one module (tied weights)."""
+        return [i for i, p in enumerate(self._params) if len(p.owners) > 1]
 
     def _post_order(self) -> list[str]:
         """Every module after all of its children (iterative: no recursion limit on deep models)."""

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_planner.batch import paused_gc
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.records import ModuleInfo, ParamInfo, Trace
 from fsdp_planner.trace.tree import ROOT, is_within, parent_of
@@ -40,6 +41,23 @@ _NO_TRAFFIC_OPS = {
     torch.ops.aten.empty_like.default,
     torch.ops.aten.empty_strided.default,
 }
+
+
+_ATOMS = (torch.Tensor, int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def flat_leaves(args: tuple | list, kwargs: dict | None = None) -> list:
+    """The leaves ``tree_flatten((args, kwargs))`` gives, fast for the flat argument lists of ops and most module
+    calls (order kept; anything nested deeper than one list falls back to pytree)."""
+    out: list = []
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        if isinstance(a, _ATOMS):
+            out.append(a)
+        elif type(a) in (list, tuple) and all(isinstance(b, _ATOMS) for b in a):
+            out.extend(a)
+        else:
+            return tree_flatten((args, kwargs or {}))[0]
+    return out
 
 
 class StepRecorder:
@@ -66,6 +84,13 @@ class StepRecorder:
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
                                  backward=self.backward))
 
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int]]) -> None:
+        """Several ops in a row in the same module (replayed calls): (params, flops, bytes) each."""
+        module, backward = self.current_module(), self.backward
+        self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward)
+                            for params, flops, nbytes in batch])
+        self.last_op = len(self.events) - 1
+
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them."""
         if self.backward or ref in self.param_storages or ref in self.saved_storages:
@@ -74,8 +99,7 @@ class StepRecorder:
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
             return
         e = self.events[self.last_op]
-        self.events[self.last_op] = Event(EventKind.OP, e.module, params=e.params, flops=e.flops, nbytes=e.nbytes,
-                                          saved=e.saved + nbytes, backward=e.backward)
+        self.events[self.last_op] = e._replace(saved=e.saved + nbytes)
 
     def enter_forward(self, fqn: str, grad_inputs: bool) -> int:
         call = self.calls.get(fqn, 0)
@@ -114,6 +138,28 @@ class StepRecorder:
         self.bwd_active.clear()
 
 
+class NullRecorder(StepRecorder):
+    """Records nothing: the target while the tracer makes tensors of its own (templates' inputs and grads)."""
+
+    def __init__(self) -> None:
+        super().__init__(set())
+
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int) -> None:
+        pass
+
+    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        pass
+
+
+class Slot:
+    """Where the hooks, the dispatch mode and the saved-tensor hook send what they see: the step's recorder,
+    or (while a repeated module is traced once on its own, see ``reuse.py``) something else."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+        self.produced: set[StorageWeakRef] | None = None  # when set: storages of every op's outputs are added
+
+
 class _PostBackwardMarker(torch.autograd.Function):
     """Identity on a module's grad-requiring inputs; its backward fires when the module's backward is done
     (FSDP2's RegisterPostBackwardFunction)."""
@@ -132,11 +178,11 @@ class _PostBackwardMarker(torch.autograd.Function):
 class _ModuleHooks:
     """Forward hooks on every module, feeding boundary events to a recorder."""
 
-    def __init__(self, model: nn.Module, recorder: StepRecorder) -> None:
-        self.recorder = recorder
-        self.name = {m: n for n, m in model.named_modules()}  # a module registered twice keeps its first name
+    def __init__(self, walk: ModuleWalk, slot: Slot) -> None:
+        self.slot = slot
+        self.name = {m: n for n, m in walk.modules.items()}  # a module registered twice keeps its first name
         self.handles = []
-        for m in model.modules():
+        for m in walk.modules.values():
             self.handles.append(m.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self.post_forward, always_call=True))
 
@@ -146,13 +192,15 @@ class _ModuleHooks:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         fqn = self.name[module]
-        flat, spec = tree_flatten((args, kwargs))
-        grad_idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
-        has_grad = bool(grad_idx) and torch.is_grad_enabled()
-        call = self.recorder.enter_forward(fqn, has_grad)
+        recorder = self.slot.recorder
+        has_grad = torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in flat_leaves(args, kwargs))
+        call = recorder.enter_forward(fqn, has_grad)
         if has_grad:
+            flat, spec = tree_flatten((args, kwargs))
+            grad_idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
             key = (fqn, call)
-            outs = _PostBackwardMarker.apply(lambda: self.recorder.exit_backward(key), *[flat[i] for i in grad_idx])
+            outs = _PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *[flat[i] for i in grad_idx])
             for i, o in zip(grad_idx, outs, strict=True):
                 flat[i] = o
             args, kwargs = spec.unflatten(flat)
@@ -160,7 +208,8 @@ class _ModuleHooks:
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         fqn = self.name[module]
-        call = self.recorder.exit_forward(fqn)
+        recorder = self.slot.recorder
+        call = recorder.exit_forward(fqn)
         if torch.is_grad_enabled():
             fired = [False]
             key = (fqn, call)
@@ -168,9 +217,9 @@ class _ModuleHooks:
             def hook(grad: torch.Tensor) -> None:  # FSDP2's pre-backward: the first output grad of this call
                 if not fired[0]:
                     fired[0] = True
-                    self.recorder.enter_backward(key)
+                    recorder.enter_backward(key)
 
-            for t in tree_flatten(output)[0]:
+            for t in flat_leaves((output,)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(hook)
 
@@ -178,16 +227,25 @@ class _ModuleHooks:
 class _OpRecorder(TorchDispatchMode):
     """Records every aten op with the params it reads, its FLOPs and bytes (and, when measuring, its time)."""
 
-    def __init__(self, recorder: StepRecorder, param_by_id: dict[int, int],
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless a mode opts out; the wrapper
+        # costs ~60 us an op (70 vs 9 us measured on torch 2.13), and a trace never runs under torch.compile.
+        return False
+
+    def __init__(self, slot: Slot, param_by_id: dict[int, int],
                  param_by_storage: dict[StorageWeakRef, int], sync: Callable[[], None] | None) -> None:
         super().__init__()
-        self.recorder = recorder
+        self.slot = slot
         self.param_by_id, self.param_by_storage = param_by_id, param_by_storage
         self.sync = sync  # set when timing ops: waits for the device
         self.seconds: dict[int, float] = {}  # event index -> measured seconds of that op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if type(self.slot.recorder) is NullRecorder or func.namespace == "prim":
+            # the tracer's own tensors (replayed calls), or a metadata query (prim.device on a fake tensor): no op
+            return func(*args, **kwargs)
         if self.sync is None:
             out = func(*args, **kwargs)
         else:
@@ -195,8 +253,12 @@ class _OpRecorder(TorchDispatchMode):
             start = time.perf_counter()
             out = func(*args, **kwargs)
             self.sync()
-            self.seconds[len(self.recorder.events)] = time.perf_counter() - start
-        flat_in = tree_flatten((args, kwargs))[0]
+            self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
+        flat_in = flat_leaves(args, kwargs)
+        flat_out = flat_leaves((out,))
+        if self.slot.produced is not None:
+            self.slot.produced.update(StorageWeakRef(t.untyped_storage()) for t in flat_out
+                                      if isinstance(t, torch.Tensor))
         used: set[int] = set()
         for a in flat_in:
             if isinstance(a, torch.Tensor):
@@ -207,20 +269,39 @@ class _OpRecorder(TorchDispatchMode):
                     used.add(idx)
         nbytes = 0
         if not (getattr(func, "is_view", False) or func in _NO_TRAFFIC_OPS):
-            for a in flat_in + tree_flatten(out)[0]:
+            for a in flat_in + flat_out:
                 if isinstance(a, torch.Tensor):
                     nbytes += a.numel() * a.element_size()
         fn = flop_registry.get(func._overloadpacket)
         flops = int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0
-        self.recorder.op(tuple(sorted(used)), flops, nbytes)
+        self.slot.recorder.op(tuple(sorted(used)), flops, nbytes)
         return out
 
 
-def model_fingerprint(model: nn.Module) -> str:
+class ModuleWalk:
+    """The model's module objects, walked once: every (name, module) pair, shared modules under each of their
+    names, as ``named_modules(remove_duplicate=False)`` gives them; a module's canonical name is its first."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.named = list(model.named_modules(remove_duplicate=False))
+        self.canonical: dict[int, str] = {}
+        self.modules: dict[str, nn.Module] = {}
+        for n, m in self.named:
+            if id(m) not in self.canonical:
+                self.canonical[id(m)] = n
+                self.modules[n] = m
+
+    def named_params(self) -> list[tuple[str, str, nn.Parameter]]:
+        """(module name, param name, param) for every registration, as named_parameters(remove_duplicate=False)."""
+        return [(mname, k, p) for mname, m in self.named for k, p in m._parameters.items() if p is not None]
+
+
+def model_fingerprint(model: nn.Module, walk: ModuleWalk | None = None) -> str:
     """Stable digest of parameter names, shapes and dtypes: identifies 'the same model' across runs."""
     h = hashlib.sha256()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}\n".encode())
+    for mname, pname, p in (walk or ModuleWalk(model)).named_params():
+        h.update(f"{mname}.{pname}:{tuple(p.shape)}:{p.dtype}\n".encode() if mname
+                 else f"{pname}:{tuple(p.shape)}:{p.dtype}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -237,67 +318,75 @@ def default_loss(output: Any) -> torch.Tensor:
     return loss
 
 
-def collect_params(model: nn.Module) -> tuple[list[ParamInfo], list[nn.Parameter]]:
+def collect_params(walk: ModuleWalk) -> tuple[list[ParamInfo], list[nn.Parameter]]:
     """Unique parameters in registration order, with their other names and owner modules (canonical names)."""
-    canonical = {id(m): n for n, m in model.named_modules()}
     names: dict[int, list[str]] = {}
     objs: dict[int, nn.Parameter] = {}
     owners: dict[int, dict[str, None]] = {}
-    for mname, mod in model.named_modules(remove_duplicate=False):
-        for pname, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+    for mname, mod in walk.named:
+        for pname, p in mod._parameters.items():
+            if p is None:
+                continue
             names.setdefault(id(p), []).append(f"{mname}.{pname}" if mname else pname)
             objs[id(p)] = p
-            owners.setdefault(id(p), {})[canonical[id(mod)]] = None
-    infos = [
-        ParamInfo(fqn=ns[0], numel=objs[pid].numel(), dtype=str(objs[pid].dtype).removeprefix("torch."),
-                  itemsize=objs[pid].element_size(), requires_grad=objs[pid].requires_grad,
-                  owners=tuple(owners[pid]), aliases=tuple(dict.fromkeys(ns[1:])), shape=tuple(objs[pid].shape))
-        for pid, ns in names.items()
-    ]
+            owners.setdefault(id(p), {})[walk.canonical[id(mod)]] = None
+    dtypes: dict[torch.dtype, tuple[str, int]] = {}
+    infos = []
+    for pid, ns in names.items():
+        p = objs[pid]
+        if p.dtype not in dtypes:
+            dtypes[p.dtype] = (str(p.dtype).removeprefix("torch."), p.element_size())
+        dtype, itemsize = dtypes[p.dtype]
+        infos.append(ParamInfo(fqn=ns[0], numel=p.numel(), dtype=dtype, itemsize=itemsize,
+                               requires_grad=p.requires_grad, owners=tuple(owners[pid]),
+                               aliases=tuple(dict.fromkeys(ns[1:])) if len(ns) > 1 else (), shape=tuple(p.shape)))
     return infos, [objs[pid] for pid in names]
 
 
-def _module_infos(model: nn.Module, params: list[ParamInfo], param_objs: list[nn.Parameter],
+def _module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter],
                   events: list[Event], calls: dict[str, int]) -> dict[str, ModuleInfo]:
     """One ModuleInfo per module object, with its real children and the stats of its calls."""
-    canonical = {id(m): n for n, m in model.named_modules()}
     aliases: dict[str, list[str]] = {}
-    for n, m in model.named_modules(remove_duplicate=False):
-        if n != canonical[id(m)]:
-            aliases.setdefault(canonical[id(m)], []).append(n)
+    for n, m in walk.named:
+        if n != walk.canonical[id(m)]:
+            aliases.setdefault(walk.canonical[id(m)], []).append(n)
     pname = {id(p): params[i].fqn for i, p in enumerate(param_objs)}
     fwd, bwd, first = _module_stats(events)
     return {
         fqn: ModuleInfo(
             fqn=fqn, cls=type(m).__name__,
-            params=tuple(dict.fromkeys(pname[id(p)] for p in m.parameters(recurse=False))),
-            children=tuple(dict.fromkeys(canonical[id(c)] for c in m.children())),
+            params=tuple(dict.fromkeys(pname[id(p)] for p in m._parameters.values() if p is not None)),
+            children=tuple(dict.fromkeys(walk.canonical[id(c)] for c in m._modules.values() if c is not None)),
             aliases=tuple(dict.fromkeys(aliases.get(fqn, ()))),
             calls=calls.get(fqn, 0), fwd_flops=fwd.get(fqn, 0), bwd_flops=bwd.get(fqn, 0), first_use=first.get(fqn, -1),
         )
-        for fqn, m in model.named_modules()
+        for fqn, m in walk.modules.items()
     }
 
 
 def _module_stats(events: list[Event]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """Per module name: forward and backward FLOPs of the ops run in its subtree, and the first forward op in
-    its subtree that read a param."""
+    its subtree that read a param (summed per innermost module, then up the names once)."""
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     first: dict[str, int] = {}
     for i, e in enumerate(events):
-        if e.kind is not EventKind.OP:
-            continue
-        flops = bwd if e.backward else fwd
-        claim_first = bool(e.params) and not e.backward
-        fqn = e.module
-        while True:
-            flops[fqn] = flops.get(fqn, 0) + e.flops
-            if claim_first and fqn not in first:
-                first[fqn] = i
-            if fqn == ROOT:
-                break
+        if e.kind is EventKind.OP:
+            flops = bwd if e.backward else fwd
+            flops[e.module] = flops.get(e.module, 0) + e.flops
+            if e.params and not e.backward and e.module not in first:
+                first[e.module] = i
+    for own in (fwd, bwd):
+        for fqn, n in list(own.items()):
+            while fqn != ROOT:
+                fqn = parent_of(fqn)
+                own[fqn] = own.get(fqn, 0) + n
+    for fqn, i in list(first.items()):
+        while fqn != ROOT:
             fqn = parent_of(fqn)
+            if first.get(fqn, i + 1) <= i:
+                break
+            first[fqn] = i
     return fwd, bwd, first
 
 
@@ -306,15 +395,26 @@ def trace(
     example_inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     measure: bool = False,
+    reuse: bool = True,
 ) -> Trace:
     """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
 
     ``example_inputs`` is a tuple of positional args (a single tensor is accepted too) or a dict of kwargs.
     A model with real (non-meta) parameters is run under FakeTensorMode, so no real memory or compute is used.
     With ``measure=True`` the model runs for real on its device instead and every op is timed
-    (``Trace.op_seconds``); ``runtime/measure.py`` wraps this with warm-up and repeats.
+    (``Trace.op_seconds``); ``runtime/measure.py`` wraps this with warm-up and repeats. With ``reuse`` (not when
+    measuring) a repeated module is traced once and its events replayed for identical calls (``reuse.py``).
     """
-    params, param_objs = collect_params(model)
+    with paused_gc():
+        return _trace(model, example_inputs, loss_fn, measure, reuse)
+
+
+def _trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None, measure: bool,
+           reuse: bool) -> Trace:
+    from fsdp_planner.trace.reuse import BlockReuse
+
+    walk = ModuleWalk(model)
+    params, param_objs = collect_params(walk)
     args, kwargs = _split_inputs(example_inputs)
     on_meta = all(p.is_meta for p in param_objs) and all(
         t.is_meta for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
@@ -330,15 +430,20 @@ def trace(
         for i, p in enumerate(param_objs):
             by_storage[StorageWeakRef(fake_mode.from_tensor(p).untyped_storage())] = i
     recorder = StepRecorder(set(by_storage))
-    ops = _OpRecorder(recorder, {id(p): i for i, p in enumerate(param_objs)}, by_storage,
-                      _device_sync(param_objs) if measure else None)
-    hooks = _ModuleHooks(model, recorder)
+    slot = Slot(recorder)
+    param_by_id = {id(p): i for i, p in enumerate(param_objs)}
+    ops = _OpRecorder(slot, param_by_id, by_storage, _device_sync(param_objs) if measure else None)
+    repeated = BlockReuse(model, walk, slot, param_by_id, recorder.param_storages, fake_mode) \
+        if reuse and not measure else None
+    hooks = _ModuleHooks(walk, slot)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, torch.Tensor):
-            recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+            slot.recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
         return t
 
+    leaf_inputs = [t for t in flat_leaves(args, kwargs) if isinstance(t, torch.Tensor) and t.is_leaf
+                   and t.requires_grad and t.grad is None]  # their grads are the trace's doing: undone after
     try:
         with fake_mode or contextlib.nullcontext(), ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = (loss_fn or default_loss)(model(*args, **kwargs))
@@ -349,13 +454,16 @@ def trace(
             recorder.finish_backward()
     finally:
         hooks.remove()
-        for p in param_objs:
-            p.grad = None
+        if repeated is not None:
+            repeated.remove()
+        for t in [*param_objs, *leaf_inputs]:
+            t.grad = None
     events = recorder.events
     seconds = tuple(ops.seconds.get(i, 0.0) for i in range(len(events))) if measure else None
-    return Trace(params=tuple(params), modules=_module_infos(model, params, param_objs, events, recorder.calls),
-                 events=tuple(events), fingerprint=model_fingerprint(model),
-                 buffers_nbytes=sum(b.numel() * b.element_size() for b in model.buffers()), op_seconds=seconds)
+    buffers = {id(b): b for m in walk.modules.values() for b in m._buffers.values() if b is not None}
+    return Trace(params=tuple(params), modules=_module_infos(walk, params, param_objs, events, recorder.calls),
+                 events=tuple(events), fingerprint=model_fingerprint(model, walk),
+                 buffers_nbytes=sum(b.numel() * b.element_size() for b in buffers.values()), op_seconds=seconds)
 
 
 def _device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:

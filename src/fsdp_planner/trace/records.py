@@ -75,11 +75,11 @@ class Trace:
     def index(self) -> TraceIndex:
         return TraceIndex(self.params, self.modules, self.events)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.params)
 

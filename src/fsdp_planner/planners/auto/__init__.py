@@ -19,8 +19,10 @@ unit, bool ``reshard_after_forward``, no prefetch lists.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fsdp_planner.batch import paused_gc
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Plan
@@ -44,6 +46,13 @@ class Search:
         self.atoms: list[Atom] = plan_atoms(trace, whole_blocks=whole)
         self.fine_atoms: list[Atom] = plan_atoms(trace, whole_blocks=False) if whole else self.atoms
         self.refiner = Refiner(self.ev, self.atoms, self.fine_atoms)
+        self.deferred: list[Callable[[], None]] = []  # frugal plans not simulated (they could not rank)
+
+    def min_peak(self) -> int:
+        """The lowest peak memory any candidate reaches, the frugal plans included (simulated now if skipped)."""
+        while self.deferred:
+            self.deferred.pop()()
+        return min(c.report.peak_memory for c in self.ev.seen)
 
     def granularities(self) -> list[list[Atom]]:
         """The atom lists to search over: whole blocks and single modules (one list when the model has no blocks)."""
@@ -57,11 +66,15 @@ class AutoResult:
     budget: int
     budget_source: str  # "--memory-budget" or the classic policy whose peak it is
     fits: bool
-    min_peak: int  # the lowest peak memory any evaluated plan reached
     baselines: dict[str, Candidate]
-    evaluated: int
+    evaluated: int  # plans simulated during the search
     seconds: float
     search: Search = field(repr=False)
+
+    @property
+    def min_peak(self) -> int:
+        """The lowest peak memory any candidate plan reaches (the memory floor of this search's plans)."""
+        return self.search.min_peak()
 
 
 @dataclass
@@ -91,6 +104,10 @@ class AutoPolicy:
         return result.plan
 
     def search(self, trace: Trace, model: str = "") -> AutoResult:
+        with paused_gc():
+            return self._search(trace, model)
+
+    def _search(self, trace: Trace, model: str) -> AutoResult:
         started = time.perf_counter()
         search = Search(trace, self.cluster, self.options, self.target, model)
         ev = search.ev
@@ -99,7 +116,9 @@ class AutoPolicy:
         module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
         if self.target is Target.FSDP2:
             for atoms in search.granularities():
-                frugal_and_dp(ev, atoms)
+                deferred = frugal_and_dp(ev, atoms)
+                if deferred is not None:
+                    search.deferred.append(deferred)
         search.refiner.refine(time.perf_counter() + self.refine_seconds)
         best = ev.best()
         if self.target is Target.FSDP2 and best.plan.root.params:
@@ -110,8 +129,7 @@ class AutoPolicy:
                        f"{', fsdp1' if self.target is Target.FSDP1 else ''})")
         plan.model = model
         return AutoResult(plan=plan, report=best.report, budget=ev.budget, budget_source=source,
-                          fits=best.report.peak_memory <= ev.budget,
-                          min_peak=min(c.report.peak_memory for c in ev.seen), baselines=baselines,
+                          fits=best.report.peak_memory <= ev.budget, baselines=baselines,
                           evaluated=len(ev.seen), seconds=time.perf_counter() - started, search=search)
 
     def _budget(self, baselines: dict[str, Candidate]) -> tuple[int, str]:

@@ -8,9 +8,7 @@ from enum import Enum
 
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.order import atoms_in_execution_order
-from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import is_within
 
 
 class Pin(Enum):
@@ -54,22 +52,15 @@ def pin_atoms(trace: Trace, atoms: list[Atom]) -> None:
     atom_of = {p: ai for ai, a in enumerate(atoms) for p in a.params}
     first, last = [-1] * len(atoms), [-1] * len(atoms)
     only_mine = [0] * len(atoms)  # forward param-reading ops that read this atom alone
-    outside: set[int] = set()
-    k = 0  # index among forward ops that read params
-    for e in trace.events:
-        if e.kind is not EventKind.OP or e.backward or not e.params:
-            continue
-        read = {atom_of[p] for p in e.params if p in atom_of}  # params on the root module are in no atom
+    outside = {atom_of[p] for p in trace.index.read_outside if p in atom_of}
+    for k, (_, _, params) in enumerate(trace.index.forward_param_ops):  # k: among forward ops reading params
+        read = {atom_of[p] for p in params if p in atom_of}  # params on the root module are in no atom
         for ai in read:
             if first[ai] < 0:
                 first[ai] = k
             last[ai] = k
         if len(read) == 1:
             only_mine[next(iter(read))] += 1
-        for p in e.params:
-            if p in atom_of and not any(is_within(e.module, o) for o in trace.params[p].owners):
-                outside.add(atom_of[p])
-        k += 1
     for ai, a in enumerate(atoms):
         if ai in outside:
             a.pin = Pin.ROOT

@@ -3,7 +3,8 @@ frugal plan, and a dynamic program over group boundaries driven by a per-group s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import cached_property
 
 import numpy as np
 
@@ -42,11 +43,15 @@ def module_tree_cuts(ev: Evaluator, count: int) -> None:
     group, which pays when backward all-gathers are latency-bound."""
     trace = ev.trace
     numels = sorted({p.numel for p in trace.params})
-    for t in sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(trace.numel, 2), count)}):
-        ev.evaluate(SizeBasedPolicy(t).plan(trace, ev.model), f"size({t})")
+    for t in sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(trace.numel, 2), count)}, reverse=True):
+        policy = SizeBasedPolicy(t)
+        wrapped = policy.wrapped_modules(trace)
+        if ev.could_rank(len(wrapped)):  # thresholds from large to small: the cheap plans first
+            ev.evaluate(policy.plan(trace, ev.model), f"size({t})")
     leaves = [[m] for m in trace.index.owning_modules
               if m != ROOT and not any(trace.param(p).is_shared for p in trace.modules[m].params)]
-    ev.evaluate(make_plan(trace, leaves, model=ev.model), "per-module")
+    if ev.could_rank(len(leaves)):
+        ev.evaluate(make_plan(trace, leaves, model=ev.model), "per-module")
 
 
 def segments(atoms: Sequence[Atom], free_segments: Sequence[Sequence[Atom]]) -> list[list[Atom]]:
@@ -56,16 +61,24 @@ def segments(atoms: Sequence[Atom], free_segments: Sequence[Sequence[Atom]]) -> 
     return sorted(segs, key=lambda s: s[0].start)
 
 
-def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> None:
+def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> Callable[[], None] | None:
     """The most frugal plan (every free atom alone) and the DP's plans for group-size caps from one atom to the
-    whole model, simulated in the surrogate's order until a few of them fit the budget."""
+    whole model, simulated in the surrogate's order until a few of them fit the budget. The frugal plan is the
+    memory floor; when it could not rank it is returned unsimulated, as a function that simulates it."""
     free_atoms = [a for a in atoms if a.pin is Pin.FREE]
     segs = segments(atoms, [[a] for a in free_atoms])
+    deferred = None
     if segs:
-        ev.evaluate(ev.build(segs, [True] * len(segs)), "frugal")
+        def frugal() -> None:
+            ev.evaluate(ev.build(segs, [True] * len(segs)), "frugal")
+
+        if ev.could_rank(len(segs)):
+            frugal()
+        else:
+            deferred = frugal
     free = coarsen(free_atoms, DP_ATOM_LIMIT)
     if not free:
-        return
+        return deferred
     surrogate = Surrogate(ev.ctx, ev.trace, free)
     found: dict[tuple[int, ...], tuple[float, float]] = {}
     for cap in caps(np.array([a.nbytes for a in free], dtype=float)):
@@ -77,6 +90,7 @@ def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> None:
             break
         plan = ev.build(segments(atoms, [free[i:j] for i, j in zip((0, *cuts), (*cuts, len(free)), strict=True)]))
         fitting += ev.evaluate(plan, f"dp({fmt_bytes(cap)})").report.peak_memory <= ev.budget
+    return deferred
 
 
 def caps(sizes: np.ndarray) -> list[float]:
@@ -120,20 +134,15 @@ class Surrogate:
         """Group ends (exclusive atom indices, the last omitted) minimising the surrogate with groups <= ``cap``
         bytes, and the surrogate's step time for them."""
         n = len(self.P) - 1
+        cost = self.cost
         best = np.full(n + 1, np.inf)
         best[0] = 0.0
         back = np.zeros(n + 1, dtype=int)
-        penalty = 1e-9 / max(self.raw[-1], 1.0) ** 2  # among equal times prefer smaller groups (memory)
         lo = 0
         for j in range(1, n + 1):
             while self.raw[j] - self.raw[lo] > cap and lo < j - 1:
                 lo += 1
-            i = np.arange(lo, j)
-            ag = self.a_ag + (self.P[j] - self.P[i]) * self.pb_ag
-            rs = np.where(self.R[j] > self.R[i], self.a_rs + (self.R[j] - self.R[i]) * self.pb_rs, 0.0)
-            cost = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], ag + rs)
-            cost = cost + np.where(i == 0, ag, 0.0) + penalty * (self.raw[j] - self.raw[i]) ** 2
-            total = best[lo:j] + cost
+            total = best[lo:j] + cost[lo:j, j]
             k = int(np.argmin(total))
             best[j], back[j] = total[k], lo + k
         cuts = []
@@ -143,3 +152,16 @@ class Surrogate:
             if j > 0:
                 cuts.append(j)
         return sorted(cuts), float(best[n])
+
+    @cached_property
+    def cost(self) -> np.ndarray:
+        """cost[i, j]: the surrogate for one group of atoms i..j-1 (upper triangle; the same for every cap)."""
+        i, j = np.triu_indices(len(self.P), k=1)
+        ag = self.a_ag + (self.P[j] - self.P[i]) * self.pb_ag
+        rs = np.where(self.R[j] > self.R[i], self.a_rs + (self.R[j] - self.R[i]) * self.pb_rs, 0.0)
+        c = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], ag + rs)
+        penalty = 1e-9 / max(self.raw[-1], 1.0) ** 2  # among equal times prefer smaller groups (memory)
+        c = c + np.where(i == 0, ag, 0.0) + penalty * (self.raw[j] - self.raw[i]) ** 2
+        out = np.full((len(self.P), len(self.P)), np.inf)
+        out[i, j] = c
+        return out

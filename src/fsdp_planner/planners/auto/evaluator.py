@@ -10,12 +10,16 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto.atoms import Atom
 from fsdp_planner.planners.order import compress_modules
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.timeline import StepReport, simulate
 from fsdp_planner.trace.records import Trace
+
+REFINE_STARTS = 3  # refinement starts from this many of the best plans
+ROOT_SLACK = 1e-3  # a plan whose root manages nothing is preferred within this fraction of the best step time
 
 
 class Target(Enum):
@@ -49,6 +53,16 @@ class Evaluator:
             self.seen.append(c)
             self.cache[key] = c
         return self.cache[key]
+
+    def could_rank(self, groups: int) -> bool:
+        """Whether a plan gathering ``groups`` groups could be chosen, or start a refinement. All-gathers run one
+        after another on their stream and each costs at least its latency, so its step is at least groups x alpha:
+        when ``REFINE_STARTS`` plans that fit are already faster than that (with the empty-root preference's slack),
+        simulating it changes nothing."""
+        fitting = sorted(c.report.step_time for c in self.seen if c.report.peak_memory <= self.budget)
+        if len(fitting) < REFINE_STARTS:
+            return True
+        return groups * self.ctx.link(CollectiveKind.ALL_GATHER)[0] <= fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
 
     def key(self, c: Candidate) -> tuple:
         """Ranking: over the budget last, then faster (equal up to float noise), less memory, a smaller root."""

@@ -61,10 +61,10 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
     fwd_end = trace.index.forward_end
     first, index = trace.index.first_use, trace.index.param_index
     starts = [min((first.get(index[p], fwd_end) for p in g.params), default=fwd_end) for g in plan.inner_groups]
-    group_params = ctx.sizing.group_params(plan)
+    groups = ctx.sizing.groups(plan)
     out = []
     for k, g in enumerate(plan.inner_groups):
-        nbytes = ctx.sizing.gather_bytes(group_params[k])
+        nbytes = groups[k].gather_bytes
         ag = alpha + nbytes * per_byte if nbytes else 0.0
         prev = ctx.cum[starts[k]] - ctx.cum[starts[k - 1]] if k > 0 else 0.0
         alternatives = [] if k + 1 >= len(plan.inner_groups) else [

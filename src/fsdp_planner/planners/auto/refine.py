@@ -10,7 +10,7 @@ from enum import Enum
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.planners.auto.atoms import Atom, Pin
-from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
+from fsdp_planner.planners.auto.evaluator import REFINE_STARTS, ROOT_SLACK, Candidate, Evaluator, Target
 from fsdp_planner.planners.order import compress_modules
 
 
@@ -26,7 +26,7 @@ class Refiner:
     def __init__(self, ev: Evaluator, atoms: list[Atom], fine_atoms: list[Atom]) -> None:
         self.ev, self.atoms, self.fine_atoms = ev, atoms, fine_atoms
 
-    def refine(self, deadline: float, starts: int = 3) -> None:
+    def refine(self, deadline: float, starts: int = REFINE_STARTS) -> None:
         """Refine the ``starts`` best distinct plans so far (a plan second before refinement can end first),
         sharing the time until ``deadline``. Every plan tried stays in the evaluator."""
         ranked = self.ev.ranked()[:starts]
@@ -81,20 +81,34 @@ class Refiner:
 
     def move_boundaries(self, best: Candidate, deadline: float) -> Candidate:
         """Move one boundary between adjacent free groups by one atom, or merge two, while it pays: sweep the
-        boundaries in turn, retrying one after a move it accepted, until a full sweep changes nothing."""
+        boundaries in turn, taking the best of the three moves at each and retrying a boundary after a move it
+        accepted, until a full sweep changes nothing. A boundary move that pays is tried again twice as far (then
+        four times...) while that pays too."""
         k, unchanged = 0, 0
         while time.perf_counter() < deadline:
             bounds = len(best.plan.inner_groups) - 1
             if bounds < 1 or unchanged >= bounds:
                 break
             k %= bounds
-            for _, alt in self.moves(best.plan, deadline, only=k):
-                c = self.ev.evaluate(alt, best.origin + " + moved")
-                if self.ev.better(c, best):
-                    best, unchanged = c, 0
-                    break
+            tried = [(move, self.ev.evaluate(alt, best.origin + " + moved"))
+                     for move, alt in self.moves(best.plan, deadline, only=k)]
+            move, c = min(tried, key=lambda mc: self.ev.key(mc[1]), default=(None, best))
+            if move is not None and self.ev.better(c, best):
+                best, unchanged = self._gallop(c, move, k, deadline), 0
             else:
                 k, unchanged = k + 1, unchanged + 1
+        return best
+
+    def _gallop(self, best: Candidate, move: Move, k: int, deadline: float) -> Candidate:
+        step = 2
+        while move is not Move.MERGED and time.perf_counter() < deadline:
+            alt = next((p for m, p in self.moves(best.plan, deadline, only=k, step=step) if m is move), None)
+            if alt is None:
+                break
+            c = self.ev.evaluate(alt, best.origin + " + moved")
+            if not self.ev.better(c, best):
+                break
+            best, step = c, step * 2
         return best
 
     def aligned(self, plan: Plan) -> tuple[list[Atom], list[list[int]]] | None:
@@ -110,28 +124,33 @@ class Refiner:
                 return atoms, seq
         return None
 
-    def moves(self, plan: Plan, deadline: float, only: int | None = None) -> Iterator[tuple[Move, Plan]]:
+    def moves(self, plan: Plan, deadline: float, only: int | None = None,
+              step: int = 1) -> Iterator[tuple[Move, Plan]]:
         """Plans one step away, made lazily until ``deadline``, with what changed: a boundary between consecutive
-        groups of free atoms moved by one atom either way, or the two groups merged (``only``: just the boundary
-        after inner group ``only``). Reshard settings carry over by group position; prefetch lists are dropped."""
+        groups of free atoms moved by ``step`` atoms either way, or the two groups merged (``only``: just the
+        boundary after inner group ``only``). Reshard settings carry over by group position; prefetch lists are
+        dropped."""
         aligned = self.aligned(plan)
         if aligned is None:
             return
         atoms, seq = aligned
         reshard = [g.reshard_after_forward for g in plan.inner_groups]
+        if only is not None and only >= len(seq) - 1:
+            return
         for k in range(len(seq) - 1) if only is None else [only]:
             a, b = seq[k], seq[k + 1]
             if not a or not b or any(atoms[x].pin is not Pin.FREE for x in a + b) or a[-1] + 1 != b[0]:
                 continue
-            options = ((Move.EARLIER, a[:-1], [a[-1], *b]), (Move.LATER, [*a, b[0]], b[1:]), (Move.MERGED, a + b, []))
+            options = ((Move.EARLIER, a[:-step], [*a[-step:], *b]), (Move.LATER, [*a, *b[:step]], b[step:]),
+                       (Move.MERGED, a + b, []))
             for what, na, nb in options:
-                if not na or time.perf_counter() >= deadline:
-                    continue
+                if not na or (step > 1 and not nb) or time.perf_counter() >= deadline:
+                    continue  # a longer step moves a boundary; it never empties a group
                 segs = [[atoms[x] for x in s] for s in seq]
                 segs[k], segs[k + 1] = [atoms[x] for x in na], [atoms[x] for x in nb]
                 yield what, self.ev.build([s for s in segs if s], reshard if nb else reshard[:k + 1] + reshard[k + 2:])
 
-    def prefer_empty_root(self, best: Candidate, classic_step: float, slack: float = 1e-3) -> Candidate:
+    def prefer_empty_root(self, best: Candidate, classic_step: float, slack: float = ROOT_SLACK) -> Candidate:
         """A plan whose root manages only what it must, if one is within ``slack`` of ``best``'s step time, no
         slower than every classic policy and uses no more memory: that is what the plan is for, and the root's head
         start (its all-gather issued first) is worth little. Candidates: every plan seen, and ``best`` with the

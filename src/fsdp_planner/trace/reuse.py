@@ -1,0 +1,530 @@
+"""Trace a repeated module once, then replay its events for every identical call.
+
+Most of a trace's time is running ops on meta tensors (many meta kernels are Python), and a model with 1,000
+identical blocks runs the same ops 1,000 times. Here a module call whose result is determined by things the
+tracer can compare is traced once, on its own (a *template*), and every identical call, the first included, is
+replaced by a stand-in autograd function whose forward and backward feed the template's callbacks, renamed, into
+the step's recorder. The recorder's state machine runs on them exactly as on a real call.
+
+Why the events are the same as tracing the call: a module's forward runs the same ops when its code, its state and
+its arguments are the same, so calls are grouped by
+- a static signature, computed once per module: its class and its children's, recursively; param and buffer
+  shapes, dtypes and requires_grad; every other attribute (numbers, strings, tuples of them, dtypes, enums, tensor
+  metadata; any other object by identity); and no hooks but the tracer's;
+- the call's arguments: every tensor's shape, strides, storage size and offset, dtype, device and requires_grad,
+  and every other argument's value (only numbers, strings, None and tuples of them qualify); grad mode on,
+  autocast off.
+Inside one call of such a module autograd runs its backward nodes contiguously (outside nodes created later have
+higher sequence numbers and depend on nothing inside; nodes created earlier wait for the call's input grads), so
+its backward callbacks are replayed where the stand-in's backward runs. A template is not used (the call is traced
+normally) when its module or one below it was called before, when it reads a param outside its subtree or a module
+held elsewhere, modifies an input in place, returns a view, an alias or a non-constant non-tensor, or saves for
+backward a tensor that is neither an input, a buffer, nor made by its own ops. ``trace(reuse=False)`` turns it off;
+a test traces every built-in model both ways and compares the events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from fsdp_planner.trace.recorder import ModuleWalk, NullRecorder, Slot, StepRecorder
+
+Call = tuple[str, int]
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+_STRUCTURE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_is_full_backward_hook")
+_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
+_LEAVES = (torch.Tensor, *_CONSTANTS)
+Structure = Any  # how a call's arguments nest: ("flat", n_args, kwarg names) or a pytree TreeSpec
+
+
+def flatten_call(args: tuple, kwargs: dict) -> tuple[list, Structure]:
+    """A call's arguments as leaves and the structure to rebuild them (fast for flat argument lists)."""
+    if all(isinstance(a, _LEAVES) for a in args) and all(isinstance(v, _LEAVES) for v in kwargs.values()):
+        return [*args, *kwargs.values()], ("flat", len(args), tuple(kwargs))
+    return tree_flatten((args, kwargs))
+
+
+def unflatten_call(structure: Structure, leaves: list) -> tuple[tuple, dict]:
+    if isinstance(structure, tuple):
+        _, n, names = structure
+        return tuple(leaves[:n]), dict(zip(names, leaves[n:], strict=True))
+    return structure.unflatten(leaves)
+
+
+def freeze(value: Any) -> Any:
+    """A hashable stand-in for an attribute value, equal for values that make a forward run the same ops."""
+    if isinstance(value, _CONSTANTS):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(freeze(v) for v in value))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, value.device.type,
+                value.requires_grad)
+    return ("object", id(value))  # the same object only: its behaviour cannot be compared
+
+
+_SKIP = frozenset(_HOOK_DICTS + _STRUCTURE)
+
+
+def static_signatures(model: nn.Module) -> dict[nn.Module, int]:
+    """Module -> its static signature (module docstring) as a small int: equal ints, equal signatures. Children
+    first; each module's signature holds its children's ints, so none is rehashed."""
+    ids: dict[tuple, int] = {}
+    out: dict[nn.Module, int] = {}
+    global_hooks = any(getattr(nn.modules.module, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks"))
+
+    def sig(m: nn.Module) -> int:
+        if m not in out:
+            attrs = vars(m)
+            if global_hooks or "forward" in attrs or any(attrs.get(h) for h in _HOOK_DICTS):
+                out[m] = -len(out) - 1  # unique: never a reuse candidate
+                return out[m]
+            other = tuple(sorted((k, freeze(v)) for k, v in attrs.items() if k not in _SKIP))
+            params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) if p is not None else (k, None)
+                           for k, p in m._parameters.items())
+            buffers = tuple((k, tuple(b.shape), b.dtype) if b is not None else (k, None) for k, b in m._buffers.items())
+            children = tuple((k, sig(c)) if c is not None else (k, None) for k, c in m._modules.items())
+            out[m] = ids.setdefault((type(m), other, params, buffers, children), len(ids))
+        return out[m]
+
+    for m in model.modules():
+        sig(m)
+    return out
+
+
+@dataclass
+class Template:
+    """One module call traced on its own: the callbacks it produced, relative to the module."""
+
+    forward: list[tuple] = field(default_factory=list)
+    backward: list[tuple] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)  # relative names of the params its ops read
+    out_spec: TreeSpec | None = None
+    outputs: list[Any] = field(default_factory=list)  # per output leaf: tensor metadata, or ("const", value)
+    reusable: bool = True
+
+
+class ActionLog(StepRecorder):
+    """Records the callbacks of one isolated call (the StepRecorder interface), relative to module ``prefix``."""
+
+    def __init__(self, prefix: str, param_name: dict[int, str], param_storages: set[StorageWeakRef]) -> None:
+        super().__init__(param_storages)
+        self.prefix, self.param_name = prefix + ".", param_name
+        self.template = Template()
+        self.slots: dict[int, int] = {}  # global param index -> index into template.params
+        self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
+
+    def _rel(self, fqn: str) -> str:
+        if not fqn.startswith(self.prefix):
+            self.template.reusable = False  # a module held outside the subtree
+        return fqn[len(self.prefix):]
+
+    def _log(self, action: tuple) -> None:
+        (self.template.backward if self.backward else self.template.forward).append(action)
+
+    def enter_forward(self, fqn: str, grad_inputs: bool) -> int:
+        call = self.calls.get(fqn, 0)
+        self.calls[fqn] = call + 1
+        self._log(("fwd_pre", self._rel(fqn), grad_inputs))
+        return call
+
+    def exit_forward(self, fqn: str) -> int:
+        self._log(("fwd_post", self._rel(fqn)))
+        return self.calls[fqn] - 1
+
+    def enter_backward(self, key: Call) -> None:
+        self._log(("bwd_pre", self._rel(key[0]), key[1]))
+
+    def exit_backward(self, key: Call) -> None:
+        self._log(("bwd_post", self._rel(key[0]), key[1]))
+
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int) -> None:
+        slots = []
+        for p in params:
+            if p not in self.param_name:
+                self.template.reusable = False  # reads a param outside the subtree
+                return
+            if p not in self.slots:
+                self.slots[p] = len(self.template.params)
+                self.template.params.append(self.param_name[p])
+            slots.append(self.slots[p])
+        self._log(("op", tuple(slots), flops, nbytes))
+
+    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        if self.backward or ref in self.param_storages or ref in self.saved_storages:
+            return
+        self.saved_storages.add(ref)
+        self.saved.append((len(self.template.forward), ref, nbytes))
+
+
+class _Sink(torch.autograd.Function):
+    """Identity whose backward drops the grads: a template's inputs behave like the real call's (views made by
+    the post-backward marker), and nothing accumulates into them."""
+
+    @staticmethod
+    def forward(ctx: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        return tuple(None for _ in grads)
+
+
+class _StandIn(torch.autograd.Function):
+    """Replaces one module call: forward replays the template's forward callbacks and returns fresh outputs;
+    backward replays its backward callbacks and returns fresh input grads."""
+
+    @staticmethod
+    def forward(ctx: Any, replay: Callable[[bool], Any], anchor: torch.Tensor,
+                *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.replay = replay
+        outputs, non_differentiable = replay(False)
+        ctx.mark_non_differentiable(*non_differentiable)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        return (None, None, *ctx.replay(True))
+
+
+@dataclass
+class _Input:
+    """What a call's tensor argument must match, and how to make one like it."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    storage_nbytes: int
+    dtype: torch.dtype
+    device: str
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Input:
+        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.untyped_storage().nbytes(), t.dtype,
+                   t.device.type, t.requires_grad)
+
+    def key(self) -> tuple:
+        return (self.shape, self.stride, self.offset, self.storage_nbytes, self.dtype, self.device, self.requires_grad)
+
+    def make(self, device: torch.device) -> torch.Tensor:
+        """A new tensor with this metadata and a storage of this size (no autograd history)."""
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        if self.offset == 0 and t.untyped_storage().nbytes() == self.storage_nbytes:
+            return t
+        base = torch.empty(-(-self.storage_nbytes // t.element_size()), dtype=self.dtype, device=device)
+        return base.as_strided(self.shape, self.stride, self.offset).detach()
+
+
+@dataclass
+class _Repeated:
+    """A module whose static signature repeats, with what its calls need, computed once."""
+
+    module: nn.Module
+    fqn: str
+    below: tuple[str, ...]  # names of the modules under it
+    params: dict[str, int]  # relative name -> index into the trace's params
+    buffers: dict[str, torch.Tensor]
+    signature: Any = None
+
+
+def _closed_subtrees(model: nn.Module, walk: ModuleWalk, param_index: dict[int, int]) -> dict[nn.Module, _Repeated]:
+    """Modules whose subtree's modules and params are reached by no other path (every module and param under it
+    has one name, and that name lies under the module's), with their names, params and buffers; children first."""
+    module_names: dict[int, int] = {}
+    for _, m in walk.named:
+        module_names[id(m)] = module_names.get(id(m), 0) + 1
+    param_names: dict[int, int] = {}
+    for _, _, p in walk.named_params():
+        param_names[id(p)] = param_names.get(id(p), 0) + 1
+    out: dict[nn.Module, _Repeated] = {}
+    blocked: set[nn.Module] = set()
+
+    def visit(m: nn.Module, fqn: str) -> None:
+        ok = module_names[id(m)] == 1 and all(param_names[id(p)] == 1 for p in m._parameters.values() if p is not None)
+        below: list[str] = []
+        params = {k: param_index[id(p)] for k, p in m._parameters.items() if p is not None}
+        buffers = {k: b for k, b in m._buffers.items() if b is not None}
+        for k, c in m._modules.items():
+            if c is None:
+                continue
+            name = f"{fqn}.{k}" if fqn else k
+            if c not in out and c not in blocked:
+                visit(c, name)
+            sub = out.get(c)
+            if sub is None or sub.fqn != name:
+                ok = False
+                continue
+            below += [name, *sub.below]
+            params.update({f"{k}.{n}": i for n, i in sub.params.items()})
+            buffers.update({f"{k}.{n}": b for n, b in sub.buffers.items()})
+        if ok:
+            out[m] = _Repeated(m, fqn, tuple(below), params, buffers)
+        else:
+            blocked.add(m)
+
+    visit(model, "")
+    return out
+
+
+class BlockReuse:
+    """Installs a forward wrapper on every module whose static signature repeats, and replays templates."""
+
+    def __init__(self, model: nn.Module, walk: ModuleWalk, slot: Slot, param_index: dict[int, int],
+                 param_storages: set[StorageWeakRef], fake_mode: Any = None) -> None:
+        self.slot, self.param_index, self.param_storages = slot, param_index, param_storages
+        self.fake_mode = fake_mode
+        self.templates: dict[tuple, Template] = {}
+        self.active = True  # off while a template is being recorded (no nesting)
+        self.anchor: torch.Tensor | None = None
+        signatures = static_signatures(model)
+        closed = _closed_subtrees(model, walk, param_index)
+        count: dict[Any, int] = {}
+        for m in closed:
+            count[signatures[m]] = count.get(signatures[m], 0) + 1
+        self.repeated = [r for m, r in closed.items() if count[signatures[m]] > 1 and m is not model]
+        for r in self.repeated:
+            r.signature = signatures[r.module]
+            r.module.forward = self._wrapper(r, r.module.forward)  # an instance attribute: __call__ looks it up
+
+    def remove(self) -> None:
+        for r in self.repeated:
+            del r.module.forward
+
+    @contextlib.contextmanager
+    def own_tensors(self) -> Iterator[None]:
+        """Make the tracer's own tensors (stand-in outputs, input grads) without the recording mode: a Python
+        dispatch mode costs ~65 us an op. Under a fake mode they are made by it, as the model's are."""
+        with _disable_current_modes(), self.fake_mode or contextlib.nullcontext():
+            yield
+
+    def _wrapper(self, r: _Repeated, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return forward(*args, **kwargs)
+            leaves, structure = flatten_call(args, kwargs)
+            inputs = self._inputs(leaves)
+            key = self._call_key(r, leaves, inputs, structure)
+            if key is None:
+                return forward(*args, **kwargs)
+            template = self.templates.get(key)
+            if template is None:
+                template = self.templates[key] = self._record(r, forward, leaves, inputs, structure)
+            if not template.reusable:
+                return forward(*args, **kwargs)
+            return self._replay(r, template, leaves, inputs)
+
+        return run
+
+    @staticmethod
+    def _inputs(leaves: list) -> dict[int, _Input]:
+        return {i: _Input.of(a) for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)}
+
+    def _call_key(self, r: _Repeated, leaves: list, inputs: dict[int, _Input], structure: Structure) -> tuple | None:
+        """What a call must match to reuse a template, or None when it cannot reuse one."""
+        if not torch.is_grad_enabled() or torch.is_autocast_enabled():
+            return None
+        calls = self.slot.recorder.calls
+        if calls.get(r.fqn) != 1 or any(calls.get(n) for n in r.below):
+            return None  # called before (its pre-forward hook has counted this call): its call numbers would differ
+        key, storages = [], set()
+        for i, a in enumerate(leaves):
+            if i in inputs:
+                ref = StorageWeakRef(a.untyped_storage())
+                if ref in storages or ref in self.param_storages:
+                    return None  # two arguments share memory, or an argument is a param
+                storages.add(ref)
+                key.append(inputs[i].key())
+            elif isinstance(a, _CONSTANTS):
+                key.append(freeze(a))
+            else:
+                return None
+        return (r.signature, structure, tuple(key))
+
+    # -- recording a template -------------------------------------------------------------------------------
+    def _record(self, r: _Repeated, forward: Callable[..., Any], leaves: list, inputs: dict[int, _Input],
+                structure: Structure) -> Template:
+        main = self.slot.recorder
+        log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, self.param_storages)
+        self.active, self.slot.recorder = False, NullRecorder()
+        try:
+            clones = {i: m.make(leaves[i].device).requires_grad_(m.requires_grad) for i, m in inputs.items()}
+            grad_idx = [i for i in clones if clones[i].requires_grad]
+            for i, t in zip(grad_idx, _Sink.apply(*(clones[i] for i in grad_idx)), strict=True):
+                clones[i] = t
+            versions = {i: t._version for i, t in clones.items()}
+            iso = list(leaves)
+            for i, t in clones.items():
+                iso[i] = t
+            iso_args, iso_kwargs = unflatten_call(structure, iso)
+            self.slot.recorder, self.slot.produced = log, set()
+            out = forward(*iso_args, **iso_kwargs)
+            produced, self.slot.produced = self.slot.produced, None
+            self._describe_outputs(log, out, produced)
+            self._classify_saves(log, r, clones, out, produced)
+            if any(t._version != versions[i] for i, t in clones.items()):
+                log.template.reusable = False  # modified an input in place
+            if log.template.reusable:
+                self._record_backward(log, out)
+                _compile_ops(log.template, r)
+        finally:
+            self.active, self.slot.recorder, self.slot.produced = True, main, None
+            for p in r.module.parameters():
+                p.grad = None
+        return log.template
+
+    def _describe_outputs(self, log: ActionLog, out: Any, produced: set[StorageWeakRef]) -> None:
+        flat, log.template.out_spec = tree_flatten(out)
+        seen: set[StorageWeakRef] = set()
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                fresh = ref in produced and ref not in seen and t._base is None
+                meta = _Input.of(t)
+                if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
+                    log.template.reusable = False  # a view, an alias of an input/param, or two outputs sharing
+                seen.add(ref)
+                log.template.outputs.append(meta)
+            elif isinstance(t, _CONSTANTS):
+                log.template.outputs.append(("const", t))
+            else:
+                log.template.reusable = False
+
+    def _classify_saves(self, log: ActionLog, r: _Repeated, clones: dict[int, torch.Tensor], out: Any,
+                        produced: set[StorageWeakRef]) -> None:
+        """Turn each saved storage into something a replay can find again: an input, an output, a buffer, or a
+        storage made inside the call (counted once per replay)."""
+        inputs = {StorageWeakRef(t.untyped_storage()): i for i, t in clones.items()}
+        outputs = {StorageWeakRef(t.untyped_storage()): j for j, t in enumerate(tree_flatten(out)[0])
+                   if isinstance(t, torch.Tensor)}
+        buffers = {StorageWeakRef(b.untyped_storage()): n for n, b in r.buffers.items()}
+        for n, (pos, ref, nbytes) in enumerate(log.saved):
+            if ref in inputs:
+                source: tuple = ("input", inputs[ref])
+            elif ref in outputs:
+                source = ("output", outputs[ref])
+            elif ref in buffers:
+                source = ("buffer", buffers[ref])
+            elif ref in produced:
+                source = ("internal", n)
+            else:
+                log.template.reusable = False  # saves a tensor from outside the call
+                return
+            log.template.forward.insert(pos + n, ("save", source, nbytes))
+
+    def _record_backward(self, log: ActionLog, out: Any) -> None:
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        self.slot.recorder = NullRecorder()
+        grads = [torch.empty_like(t) for t in tensors]
+        log.backward = True
+        self.slot.recorder = log
+        torch.autograd.backward(tensors, grads)
+
+    # -- replaying it ---------------------------------------------------------------------------------------
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        """A leaf that requires grad, passed to every stand-in so that its backward runs even when no input needs
+        a grad (the call's params do); it receives no grad."""
+        if self.anchor is None:
+            with self.own_tensors():
+                self.anchor = torch.empty(1, device=device).requires_grad_()
+        return self.anchor
+
+    def _replay(self, r: _Repeated, template: Template, leaves: list, inputs: dict[int, _Input]) -> Any:
+        main, prefix = self.slot.recorder, r.fqn + "."
+        tensors = [leaves[i] for i in inputs]
+        params = [r.params[n] for n in template.params]
+        device = tensors[0].device if tensors else next(r.module.parameters()).device
+
+        def replay(backward: bool) -> Any:
+            if backward:
+                _replay_actions(main, template.backward, prefix, params, {})
+                with self.own_tensors():
+                    return [m.make(device) if m.requires_grad else None for m in inputs.values()]
+            with self.own_tensors():
+                outs = [m.make(device) if isinstance(m, _Input) else m[1] for m in template.outputs]
+            sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(leaves[i].untyped_storage())
+                                                    for i in inputs}
+            sources.update({("output", j): StorageWeakRef(t.untyped_storage()) for j, t in enumerate(outs)
+                            if isinstance(t, torch.Tensor)})
+            sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
+            _replay_actions(main, template.forward, prefix, params, sources)
+            return ([t for t in outs if isinstance(t, torch.Tensor)],
+                    [t for t, m in zip(outs, template.outputs, strict=True)
+                     if isinstance(m, _Input) and not m.requires_grad])
+
+        result = iter(_StandIn.apply(replay, self._anchor(device), *tensors))
+        assert template.out_spec is not None
+        return template.out_spec.unflatten([next(result) if isinstance(m, _Input) else m[1] for m in template.outputs])
+
+
+def _compile_ops(template: Template, r: _Repeated) -> None:
+    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes), ...]) action, their param slots
+    ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
+    tuples the recorder keeps."""
+    rank = [r.params[n] for n in template.params]
+    for actions in (template.forward, template.backward):
+        merged: list[tuple] = []
+        for a in actions:
+            if a[0] != "op":
+                merged.append(a)
+                continue
+            op = (tuple(sorted(a[1], key=rank.__getitem__)), a[2], a[3])
+            if merged and merged[-1][0] == "ops":
+                merged[-1][1].append(op)
+            else:
+                merged.append(("ops", [op]))
+        actions[:] = merged
+
+
+def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
+                    sources: dict[tuple, StorageWeakRef]) -> None:
+    for action in actions:
+        kind = action[0]
+        if kind == "ops":
+            main.ops([(tuple([params[i] for i in slots]), flops, nbytes) for slots, flops, nbytes in action[1]])
+        elif kind == "fwd_pre":
+            main.enter_forward(prefix + action[1], action[2])
+        elif kind == "fwd_post":
+            main.exit_forward(prefix + action[1])
+        elif kind == "bwd_pre":
+            main.enter_backward((prefix + action[1], action[2]))
+        elif kind == "bwd_post":
+            main.exit_backward((prefix + action[1], action[2]))
+        else:  # save
+            source, nbytes = action[1], action[2]
+            ref = sources.get(source) or _Fresh()
+            main.save(ref, nbytes)  # type: ignore[arg-type]
+
+
+class _Fresh:
+    """A storage made inside a replayed call: equal only to itself (compares like a StorageWeakRef)."""
+
+    __slots__ = ("cdata",)
+    _next = 0
+
+    def __init__(self) -> None:
+        _Fresh._next -= 1
+        self.cdata = _Fresh._next  # negative: no real storage has it
+
+    def __hash__(self) -> int:
+        return hash(self.cdata)
+
+    def __eq__(self, other: object) -> bool:
+        return getattr(other, "cdata", None) == self.cdata

@@ -1,0 +1,131 @@
+"""Repeated modules traced once and replayed (trace/reuse.py): the trace must equal a full trace, event for event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fsdp_planner.models import BUILTINS, load_model
+from fsdp_planner.trace import reuse as reuse_module
+from fsdp_planner.trace import trace
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FACTORIES = ["twice", "reads_outside", "root_param", "shared_submodule", "param_free_prologue"]
+
+
+def fingerprint(tr):
+    events = [tuple(e) for e in tr.events]
+    modules = {m: (i.calls, i.fwd_flops, i.bwd_flops, i.first_use, i.params, i.children) for m, i in tr.modules.items()}
+    return events, modules, tr.params
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Counts the module calls replayed from a template."""
+    counted = {"n": 0}
+    original = reuse_module.BlockReuse._replay
+
+    def counting(self, *args, **kwargs):
+        counted["n"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(reuse_module.BlockReuse, "_replay", counting)
+    return counted
+
+
+def same_both_ways(model, inputs, loss_fn=None):
+    full = trace(model, inputs, loss_fn, reuse=False)
+    fast = trace(model, inputs, loss_fn, reuse=True)
+    assert fingerprint(fast) == fingerprint(full)
+    return fast
+
+
+@pytest.mark.parametrize("spec", [n for n in BUILTINS if n not in ("llama3-70b", "llama3-405b")])
+def test_builtins_trace_the_same_with_reuse(spec, replays):
+    lm = load_model(spec)
+    same_both_ways(lm.model, lm.example_inputs, lm.loss_fn)
+    if spec in ("toy-llama", "llama3-8b", "vit-h14", "mixtral-8x7b", "t5-3b"):
+        assert replays["n"] > 0  # repeated blocks were replayed, not traced again
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_fixture_models_trace_the_same_with_reuse(name):
+    lm = load_model(f"{FIXTURES / 'factories.py'}:{name}")
+    same_both_ways(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+@pytest.mark.parametrize("spec", ["seed-net", "toy-llama", "toy-gpt2-tied"])
+def test_real_models_under_fake_tensors_trace_the_same(spec):
+    lm = load_model(spec, meta=False)
+    same_both_ways(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+class InPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y.add_(1.0)
+        x = x * 1.0
+        return F.relu(y) + x
+
+
+class ReturnsView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[..., :16]
+
+
+GLOBAL = torch.ones(16, device="meta")
+
+
+class SavesGlobal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * GLOBAL
+
+
+class Indexed(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0) -> tuple:
+        y = self.lin(x) * scale
+        if self.index % 2:
+            y = torch.tanh(y)
+        return (y if mask is None else y * mask), None
+
+
+class Stack(nn.Module):
+    def __init__(self, make) -> None:  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.blocks = nn.ModuleList(make(i) for i in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            out = b(x, scale=0.5) if isinstance(b, Indexed) else b(x)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+
+@pytest.mark.parametrize("make", [lambda i: InPlace(), lambda i: ReturnsView(), lambda i: SavesGlobal(),
+                                  lambda i: Indexed(i)], ids=["in-place", "view", "global", "attribute"])
+def test_calls_that_cannot_be_replayed_are_traced(make):
+    with torch.device("meta"):
+        model = Stack(make)
+        x = torch.randn(4, 16, requires_grad=True)
+    same_both_ways(model, (x,))
