@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import traced
 
 from fsdp_planner.errors import PlannerError
@@ -155,3 +156,43 @@ def test_submodule_shared_by_blocks_plans():
         plan = AutoPolicy(parse_cluster(cluster)).plan(tr)
         validate_plan(plan, tr)
         assert all("proj" not in g.modules or g.modules == ["proj"] for g in plan.groups)
+
+
+class _UnusedAndTied(torch.nn.Module):
+    """Two used Linears, a Linear never called, a param-free ReLU, and an output head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.used = torch.nn.Linear(8, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8)
+        self.act = torch.nn.ReLU()
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.mid(self.used(self.embed(x)))))
+
+
+def test_could_rank_bound_counts_only_groups_that_surely_all_gather():
+    from dataclasses import replace
+
+    from fsdp_planner.hardware.collectives import CollectiveKind
+    from fsdp_planner.planners.auto.evaluator import REFINE_STARTS, Candidate, Evaluator
+
+    with torch.device("meta"):
+        model = _UnusedAndTied()
+    tr = trace(model, (torch.zeros(2, 4, dtype=torch.long, device="meta"),),
+               lambda out: out.float().sum())
+    ev = Evaluator(tr, parse_cluster("h100:8"), SimOptions(), Target.FSDP2, "m")
+    ev.budget = 1 << 60
+    assert ev.could_rank([["used"], ["embed"]])  # nothing seen yet: every plan may rank
+    alpha = ev.ctx.link(CollectiveKind.ALL_GATHER)[0]
+    report = simulate(tr, ev.build([plan_atoms(tr, whole_blocks=False)]), context=ev.ctx, timeline=False)
+    fast = replace(report, step_time=1.5 * alpha)  # plans already seen that beat one latency but not two
+    ev.seen = [Candidate(ev.build([plan_atoms(tr, whole_blocks=False)]), fast, "seen") for _ in range(REFINE_STARTS)]
+    assert ev.could_rank([["used"]])
+    assert not ev.could_rank([["used"], ["mid"]])
+    # never called, no params, only a tied param (claimed by whichever group reaches it first): no sure all-gather
+    assert ev.could_rank([["used"], ["unused"], ["act"], ["head"], ["embed"]])

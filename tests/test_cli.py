@@ -198,3 +198,10 @@ def test_bad_plan_files_are_one_line_errors(tmp_path):
     for path, message in ((bad, "forward_prefetch names 99"), (binary, "is not text")):
         r = run("simulate", "toy-llama", "--plan", str(path), "--cluster", "h100:8")
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_full_trace_plans_the_same_model_without_replaying_blocks():
+    fast = run("plan", "toy-llama", "--policy", "order", "--json")
+    full = run("plan", "toy-llama", "--policy", "order", "--json", "--full-trace")
+    assert fast.returncode == 0 and full.returncode == 0, fast.stderr + full.stderr
+    assert json.loads(fast.stdout) == json.loads(full.stdout)

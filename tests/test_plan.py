@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import traced
@@ -8,7 +9,9 @@ from conftest import traced
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import application_order, check_plan_matches, make_plan, validate_plan
 from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.models import load_model
 from fsdp_planner.planners import ExecutionOrderPolicy, SizeBasedPolicy
+from fsdp_planner.trace import trace
 
 
 def test_json_round_trip_has_the_documented_shape(seed_trace):
@@ -95,3 +98,31 @@ def test_binary_plan_file_is_refused(tmp_path):
     path.write_bytes(bytes(range(256)))
     with pytest.raises(PlannerError, match="is not text"):
         Plan.load(path)
+
+
+@pytest.mark.parametrize("case", ["tree", "shared module"])
+def test_groups_nested_in_each_other_are_refused(case):
+    """Each group lists a module above one of the other's: no fully_shard order exists (both claim paths)."""
+    if case == "tree":
+        tr = traced("toy-llama")
+        groups = [["layers.0", "layers.1.attention"], ["layers.1", "layers.0.attention"]]
+    else:
+        lm = load_model(f"{Path(__file__).parent / 'fixtures' / 'factories.py'}:shared_submodule", meta=True)
+        tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+        assert tr.index.shared_modules  # the DAG walk, not the tree fast path
+        groups = [["blocks.0", "blocks.1.ff"], ["blocks.1", "blocks.0.ff"]]
+    with pytest.raises(PlannerError, match="cycle"):
+        make_plan(tr, groups)
+
+
+def test_containers_without_forward_become_their_children_and_plan_files_naming_them_are_refused():
+    """fully_shard(ModuleList) raises: a policy's group on one lists its children instead (same params)."""
+    tr = traced("toy-llama")
+    assert not tr.modules["layers"].shardable and tr.modules["layers.0"].shardable
+    plan = make_plan(tr, [["layers"]])
+    assert plan.groups[0].modules == [m for m in tr.modules["layers"].children]
+    assert set(plan.groups[0].params) == set(tr.index.subtree_params["layers"])
+    bad = Plan.from_json(plan.to_json())
+    bad.groups[0].modules = ["layers"]
+    with pytest.raises(PlannerError, match=r"containers without forward.*layers"):
+        check_plan_matches(bad, tr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,108 @@ def test_calls_that_cannot_be_replayed_are_traced(make):
         model = Stack(make)
         x = torch.randn(4, 16, requires_grad=True)
     same_both_ways(model, (x,))
+
+
+@functools.lru_cache
+def causal_mask(n: int, device: torch.device) -> torch.Tensor:
+    return torch.full((n, n), float("-inf"), device=device).triu(1)
+
+
+class MaskBlock(nn.Module):
+    """Reads a cached global mask: only the first call computes it (a second identical call records otherwise,
+    so the template is not used)."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.q(x) @ x.transpose(0, 1) + causal_mask(x.shape[0], x.device)
+        return torch.softmax(s, -1) @ x + x
+
+
+class RouterBlock(nn.Module):
+    """Two outputs that need grads, the second unused by the loss: which gets a grad depends on the caller."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.lin, self.router = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.relu(self.lin(x)) + x, self.router(x)
+
+
+class MLPBlock(nn.Module):
+    """Returns its last child's output tensor: that child's pre-backward hook fires first in a real run."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Table(nn.Module):
+    """No params, called with an int: nothing to take a device from but its template."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.arange(16, dtype=torch.float32))
+
+    def forward(self, n: int) -> torch.Tensor:
+        return torch.outer(torch.arange(n, device=self.freq.device, dtype=torch.float32), self.freq).cos()
+
+
+class TableBlock(nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.index, self.table, self.lin = i, Table(), nn.Linear(16, 16)  # index: blocks differ, tables repeat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.table(x.shape[0]) + x
+
+
+@pytest.mark.parametrize("make", [MaskBlock, RouterBlock, MLPBlock, TableBlock],
+                         ids=["cached-global", "two-grad-outputs", "child-output", "no-tensor-argument"])
+def test_review_counterexamples_trace_the_same(make):
+    causal_mask.cache_clear()
+    with torch.device("meta"):
+        model = Stack(make)
+        x = torch.randn(16, 16, requires_grad=True)
+    full = trace(model, (x,), reuse=False)
+    causal_mask.cache_clear()
+    assert fingerprint(trace(model, (x,), reuse=True)) == fingerprint(full)
+
+
+_CALLS = [0]
+
+
+class _CountingBlock(torch.nn.Module):
+    """Its forward depends on a global counter: outside what reuse can see (module state and arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.extra = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _CALLS[0] += 1
+        y = self.lin(x)
+        return self.extra(y) if _CALLS[0] % 3 == 0 else y
+
+
+def test_forward_reading_global_state_needs_a_full_trace():
+    """The documented limit of reuse (and why ``--full-trace`` exists): a block whose forward reads state outside
+    itself is replayed wrongly; the full trace sees which calls read ``extra``."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(_CountingBlock() for _ in range(6)))
+
+    def extra_reads(reuse: bool) -> set[str]:
+        _CALLS[0] = 0
+        tr = trace(model, (torch.randn(2, 8, device="meta"),), reuse=reuse)
+        return {tr.params[p].fqn for e in tr.events if e.is_op and not e.backward for p in e.params
+                if tr.params[p].fqn.endswith("extra.weight")}
+
+    assert extra_reads(reuse=False) == {"2.extra.weight", "5.extra.weight"}
+    assert extra_reads(reuse=True) != extra_reads(reuse=False)

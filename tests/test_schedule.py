@@ -77,3 +77,51 @@ def test_int_reshard_keeps_a_partial_shard():
     bwd_ag = [c for c in sched.collectives if c.kind == ALL_GATHER and c.backward and c.group < 4]
     assert bwd_ag and all(c.ranks == 4 for c in bwd_ag)
     assert any(r.divisor == 4 for r in sched.residency)
+
+
+def fixture_trace(name):
+    lm = load_model(f"{FIXTURES / 'factories.py'}:{name}")
+    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+def test_params_without_a_gradient_are_not_reduce_scattered():
+    """The routers' outputs are unused: autograd gives their params no grad, and FSDP2 reduces only grads."""
+    tr = fixture_trace("unused_outputs")
+    assert {p.fqn for p in tr.params if not p.gets_grad} == {f"blocks.{i}.router.{w}" for i in range(3)
+                                                             for w in ("weight", "bias")}
+    plan = make_plan(tr, [[f"blocks.{i}"] for i in range(3)] + [["head"]])
+    reduced = {tr.params[p].fqn for c in build_schedule(tr, plan).collectives if c.kind is REDUCE_SCATTER
+               for p in c.params}
+    assert not any("router" in p for p in reduced) and "blocks.0.lin.weight" in reduced
+
+
+def test_pre_backward_found_inside_dataclass_outputs():
+    tr = fixture_trace("dataclass_outputs")
+    entered = [e.module for e in tr.events if e.kind.value == "bwd_pre"]
+    assert {"blocks.0", "blocks.1", "blocks.2"} <= set(entered)
+    plan = make_plan(tr, [["inp"], *[[f"blocks.{i}"] for i in range(3)], ["head"]])
+    backward_gathers = [c for c in build_schedule(tr, plan).collectives if c.kind is ALL_GATHER and c.backward]
+    assert {plan.groups[c.group].modules[0] for c in backward_gathers} >= {"blocks.0", "blocks.1", "blocks.2"}
+
+
+def test_group_that_claims_nothing_does_not_take_part_in_backward_prefetch(seed_trace):
+    """A fully_shard call that claims no params (a plan file may list dropout1) makes no FSDP param group: it never
+    enters the post-forward order, so default backward prefetch goes past it as if it were not there."""
+    from fsdp_planner.fsdp2.claim import claimed_params
+    from fsdp_planner.fsdp2.plan import Group, Plan
+
+    def plan_of(groups):
+        plan = Plan([*(Group(list(g)) for g in groups), Group([""], [], False)], seed_trace.fingerprint,
+                    seed_trace.numel)
+        for g, ps in zip(plan.groups, claimed_params(plan, seed_trace), strict=True):
+            g.params = ps
+        return plan
+
+    def prefetched(plan):
+        return [(plan.groups[c.group].modules[0], c.event) for c in build_schedule(seed_trace, plan).collectives
+                if c.prefetch]
+
+    layers = [["conv1"], ["conv2"], ["fc1"], ["fc2"]]
+    with_empty = plan_of([*layers[:2], ["dropout1"], *layers[2:]])
+    assert with_empty.groups[2].params == []
+    assert prefetched(with_empty) == prefetched(plan_of(layers)) != []

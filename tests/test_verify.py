@@ -118,9 +118,11 @@ def test_byte_mismatch_fails_the_verdict():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("spec", ["root_param", "shared_submodule"])
+@pytest.mark.parametrize("spec", ["root_param", "shared_submodule", "dataclass_outputs", "unused_outputs"])
 @pytest.mark.parametrize("name", ["order", "auto"])
-def test_root_param_and_shared_submodule_train_on_real_runs(spec, name):
+def test_unusual_models_train_on_real_runs_with_predicted_collectives(spec, name):
+    """A param on the root, a shared submodule, blocks returning dataclasses, outputs autograd never reaches: the
+    real FSDP2 run's collective counts and bytes equal the prediction, and params match a single-process run."""
     import subprocess
     import sys
 
@@ -129,3 +131,16 @@ def test_root_param_and_shared_submodule_train_on_real_runs(spec, name):
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
+
+
+@pytest.mark.integration
+def test_a_failing_rank_reports_its_exception_not_torchruns_summary():
+    import subprocess
+    import sys
+
+    spec = f"{FIXTURES / 'factories.py'}:fails_in_job"
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "order", "--nproc", "2",
+                          "--steps", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "raised ValueError: no real runs for this model (at factories.py:" in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr + out.stdout and "error_file" not in out.stderr + out.stdout

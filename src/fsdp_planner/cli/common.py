@@ -16,11 +16,12 @@ from fsdp_planner.trace.recorder import trace
 from fsdp_planner.trace.records import Trace
 
 
-def load_trace(spec: str, notes: Console, measure: bool = False) -> Trace:
-    """The model's trace on meta tensors; with ``measure``, then timed for real on the local device."""
+def load_trace(spec: str, notes: Console, measure: bool = False, full: bool = False) -> Trace:
+    """The model's trace on meta tensors; with ``measure``, then timed for real on the local device. ``full``:
+    every module call traced (no replay of repeated blocks)."""
     lm = load_model(spec, meta=True)
     try:
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full)
     except PlannerError:
         raise
     except Exception as e:

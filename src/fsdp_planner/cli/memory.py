@@ -7,7 +7,7 @@ import json
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_trace
-from fsdp_planner.cli.requests import add_json, add_precision_options
+from fsdp_planner.cli.requests import add_json, add_model, add_precision_options
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.sim.memory import strategy_table
 from fsdp_planner.sim.options import SimOptions
@@ -15,7 +15,7 @@ from fsdp_planner.sim.options import SimOptions
 
 def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("memory", help="per-rank memory: one device, DDP, ZeRO-1/2, FSDP (ZeRO-3)")
-    sp.add_argument("model")
+    add_model(sp)
     sp.add_argument("--world-size", type=int, required=True)
     add_precision_options(sp)
     add_json(sp)
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise PlannerError("--world-size must be at least 1")
     options = SimOptions.named(args.precision, args.optimizer)
-    rows = strategy_table(load_trace(args.model, render.notes), args.world_size, options)
+    rows = strategy_table(load_trace(args.model, render.notes, full=args.full_trace), args.world_size, options)
     if args.json:
         print(json.dumps({k: v.to_dict() for k, v in rows.items()}, indent=2))
     else:

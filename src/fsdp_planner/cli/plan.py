@@ -10,6 +10,7 @@ from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import (
     add_json,
+    add_model,
     add_policy_options,
     add_sim_options,
     cluster_or_none,
@@ -32,7 +33,7 @@ DEFAULT_AUTO_CLUSTER = "h100:8"
 
 def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("plan", help="plan FSDP groups for a model; without --policy compare all policies")
-    sp.add_argument("model", help="built-in name, path/file.py:fn or package.module:fn")
+    add_model(sp)
     sp.add_argument("--policy", choices=POLICY_NAMES)
     add_policy_options(sp)
     add_sim_options(sp, cluster_required=False)
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         render.notes.print(f"auto: no --cluster given, planning for {DEFAULT_AUTO_CLUSTER}", highlight=False)
     if not args.policy and cluster is not None:
         requests.append(policy_request(args, PolicyName.AUTO.value))
-    tr = load_trace(args.model, render.notes, args.measure)
+    tr = load_trace(args.model, render.notes, args.measure, full=args.full_trace)
     auto: AutoResult | None = None
     plans: list[Plan] = []
     for request in requests:

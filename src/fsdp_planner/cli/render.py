@@ -89,13 +89,14 @@ def memory_table(peak: int, breakdown: Mapping[str, int]) -> Table:
 
 def strategy_table(rows: Mapping[str, MemoryBreakdown], title: str) -> Table:
     """Per-rank memory of each strategy; a category column only where some row has it."""
-    cats = [c for c in MemoryBreakdown().to_dict() if c != "total" and any(getattr(b, c) for b in rows.values())]
+    values = {name: b.to_dict() for name, b in rows.items()}
+    cats = [c for c in MemoryBreakdown().to_dict() if c != "total" and any(v[c] for v in values.values())]
     t = Table(title=title, title_justify="left")
     t.add_column("strategy")
     for c in [*cats, "total"]:
         t.add_column(c.replace("_", " "), justify="right")
-    for name, b in rows.items():
-        t.add_row(name, *(fmt_bytes(getattr(b, c)) for c in cats), fmt_bytes(b.total))
+    for name, v in values.items():
+        t.add_row(name, *(fmt_bytes(v[c]) for c in [*cats, "total"]))
     return t
 
 

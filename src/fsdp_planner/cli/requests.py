@@ -95,8 +95,15 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
                     help="auto: plans FSDP2 can apply (default) or only what FSDP1 can express")
 
 
-def add_plan_source(sp: argparse.ArgumentParser) -> None:
+def add_model(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="built-in name, path/file.py:fn or package.module:fn")
+    sp.add_argument("--full-trace", action="store_true",
+                    help="trace every module call (slower); by default identical calls of a repeated block are "
+                         "traced once, which assumes its forward depends only on its own state and arguments")
+
+
+def add_plan_source(sp: argparse.ArgumentParser) -> None:
+    add_model(sp)
     sp.add_argument("--plan", help="plan JSON file (from plan --out)")
     sp.add_argument("--policy", choices=POLICY_NAMES)
     add_policy_options(sp)

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     source = plan_source(args)
     cluster, options = parse_cluster(args.cluster), sim_options(args)
-    tr = load_trace(args.model, render.notes, args.measure)
+    tr = load_trace(args.model, render.notes, args.measure, full=args.full_trace)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
     else:

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     source = plan_source(args)
-    tr = load_trace(args.model, render.notes)
+    tr = load_trace(args.model, render.notes, full=args.full_trace)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
     else:

@@ -37,24 +37,7 @@ def application_order(plan: Plan, parents: Mapping[str, Sequence[str]]) -> list[
                 i = group_of.get(a)
                 if i is not None and i != j:
                     deps[i].add(j)
-    users: list[list[int]] = [[] for _ in range(n)]
-    for i, ds in enumerate(deps):
-        for j in ds:
-            users[j].append(i)
-    missing = [len(ds) for ds in deps]
-    ready = [i for i in range(n) if missing[i] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) < n:
-        raise PlannerError("plan groups nest inside each other in a cycle; no fully_shard order exists")
-    return order
+    return _topological_order(deps)
 
 
 def _dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
@@ -114,6 +97,7 @@ def _claimed_in_tree(plan: Plan, trace: Trace) -> list[list[str]]:
                 if group_of[a] != gi:
                     carved[group_of[a]].append(m)
                 break
+    _topological_order([{group_of[m] for m in ms} for ms in carved])
     result: list[list[str]] = []
     claimed_by: dict[str, int] = {}
     for gi, g in enumerate(plan.groups):
@@ -125,6 +109,29 @@ def _claimed_in_tree(plan: Plan, trace: Trace) -> list[list[str]]:
             claimed_by[p] = gi
         result.append(_registration_order(mine, trace))
     return result
+
+
+def _topological_order(before: list[set[int]]) -> list[int]:
+    """Indices ordered so that each comes after all of ``before[i]``, smallest index first among the ready ones
+    (deterministic). Two groups each nested in the other have no order: FSDP2 cannot apply them."""
+    missing = [len(b) for b in before]
+    after: list[list[int]] = [[] for _ in before]
+    for i, b in enumerate(before):
+        for j in b:
+            after[j].append(i)
+    ready = [i for i, n in enumerate(missing) if n == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        j = heapq.heappop(ready)
+        order.append(j)
+        for i in after[j]:
+            missing[i] -= 1
+            if missing[i] == 0:
+                heapq.heappush(ready, i)
+    if len(order) < len(before):
+        raise PlannerError("plan groups nest inside each other in a cycle; no fully_shard order exists")
+    return order
 
 
 def _registration_order(params: set[str], trace: Trace) -> list[str]:
@@ -162,6 +169,10 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
+    refused = {m for g in plan.groups for m in g.modules if not trace.modules[m].shardable}
+    if refused:
+        raise PlannerError(f"fully_shard refuses containers without forward (ModuleList/ModuleDict): "
+                           f"{short_list(refused)}; list their children in the group instead")
     validate_plan(plan, trace)
 
 
@@ -174,6 +185,7 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     listed: set[str] = set()
     groups = []
     for ms in module_groups:  # a module listed twice stays in its first group (a policy may reach it twice)
+        ms = [c for m in ms for c in _shardable_cover(trace, m)]
         groups.append([m for m in dict.fromkeys(ms) if m not in listed])
         listed.update(ms)
     added = resolve_shared_modules(trace, groups)
@@ -189,6 +201,16 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     never = len(trace.events) + 1
     plan.groups[:-1] = sorted(plan.groups[:-1], key=lambda g: min(first.get(index[p], never) for p in g.params))
     return plan
+
+
+def _shardable_cover(trace: Trace, fqn: str) -> list[str]:
+    """``fqn``, or for a container fully_shard refuses (a ModuleList without forward) its children holding params,
+    recursively: the same params as one list group."""
+    info = trace.modules[fqn]
+    if info.shardable:
+        return [fqn]
+    owners_below = trace.index.owners_below
+    return [m for c in info.children if owners_below[c] for m in _shardable_cover(trace, c)]
 
 
 def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]]:

@@ -155,8 +155,9 @@ class GroupReplay:
 
     def complete_forward(self, at: int, call: Call) -> None:
         self.reshard(at)
-        self.post_forward_indices.append(len(self.shared.post_forward_order))  # _record_post_forward
-        self.shared.post_forward_order.append(self)
+        if self.has_params:  # _record_post_forward: a fully_shard call that claimed nothing has no param group
+            self.post_forward_indices.append(len(self.shared.post_forward_order))
+            self.shared.post_forward_order.append(self)
         self.training_state = TrainingState.IDLE
         self.shared.pre_backward_at.setdefault(call, []).append(self)
 
@@ -229,6 +230,9 @@ class Replay:
             replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
             replay.backward_prefetch = [self.groups[j] for j in g.backward_prefetch]
         self.group_of = {m: self.groups[i] for i, g in enumerate(plan.groups) for m in g.modules}
+        # FSDP2's all_states: one per fully_shard call, in the registration order of its first module
+        registered = {m: i for i, m in enumerate(trace.modules)}
+        self.states = sorted(self.groups, key=lambda r: min(registered[m] for m in r.group.modules))
 
     def hooked_events(self) -> list[int]:
         """Boundary events of the modules FSDP2 hooks (the groups' modules), in order."""
@@ -258,8 +262,9 @@ class Replay:
 
     def _force_complete_forward(self, at: int, call: Call) -> None:
         """FSDPState._force_complete_incomplete_states: at the root's post-forward, list groups whose modules
-        did not all run complete their forward (their pre-backward hook goes on the root's output)."""
-        for group in self.groups:
+        did not all run complete their forward (their pre-backward hook goes on the root's output), visited in
+        reverse order of FSDP2's all_states."""
+        for group in reversed(self.states):
             if group.group.modules != [ROOT] and group.modules_to_run:
                 group.modules_to_run.clear()
                 group.complete_forward(at, (ROOT, call[1]))

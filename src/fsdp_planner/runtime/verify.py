@@ -106,6 +106,10 @@ def run_verify(spec: str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, 
         except subprocess.TimeoutExpired as e:
             raise PlannerError(f"verify job did not finish within {timeout:.0f} s") from e
         if not result_path.is_file():
+            raised = sorted(Path(tmp).glob("result.json.rank*.error"))
+            if raised:
+                rank = raised[0].name.rpartition(".rank")[2].split(".")[0]
+                raise PlannerError(f"verify job failed: rank {rank} raised {raised[0].read_text()}")
             tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
             raise PlannerError(f"verify job failed (exit {proc.returncode}):\n{tail}")
         data = json.loads(result_path.read_text())

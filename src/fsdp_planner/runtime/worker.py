@@ -139,6 +139,16 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
             "max_abs_diff": max_diff}
 
 
+def _describe(e: BaseException) -> str:
+    """``Type: message`` and the innermost frame that raised it, on one line."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    message = " ".join(str(e).split())
+    return f"{type(e).__name__}: {message[:500]}{where}"
+
+
 def worker(job_path: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -165,6 +175,10 @@ def worker(job_path: str) -> None:
         if rank == 0:
             Path(job["result"]).write_text(json.dumps({**result, "backend": backend, "world": world}))
         dist.barrier()
+    except Exception as e:
+        # torchrun's summary drops the rank's traceback: leave the cause where the launcher reads it
+        Path(f"{job['result']}.rank{rank}.error").write_text(_describe(e))
+        raise
     finally:
         dist.destroy_process_group()
 

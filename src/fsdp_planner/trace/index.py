@@ -103,8 +103,10 @@ class TraceIndex:
 
     @cached_property
     def reducible(self) -> list[bool]:
-        """Per param: whether it gets a gradient to reduce-scatter (trainable and read in forward)."""
-        return [p.requires_grad and bool(u) for p, u in zip(self._params, self.forward_users, strict=True)]
+        """Per param: whether it has a gradient to reduce-scatter (autograd gave it one, FSDP2's post_backward
+        reduces only those; ``reduce_scatter_unused_params`` is off by default)."""
+        return [p.requires_grad and p.gets_grad and bool(u)
+                for p, u in zip(self._params, self.forward_users, strict=True)]
 
     @cached_property
     def grad_ready_at(self) -> list[int]:

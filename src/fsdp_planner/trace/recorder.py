@@ -17,10 +17,12 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp._common_utils import collect_grad_tensors, replace_grad_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -73,6 +75,7 @@ class StepRecorder:
         self.backward = False
         self.saved_storages: set[StorageWeakRef] = set()
         self.last_op = -1
+        self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
 
     def current_module(self) -> str:
         if self.backward:
@@ -132,6 +135,9 @@ class StepRecorder:
             self.bwd_active.remove(key)
         self.events.append(Event(EventKind.BWD_POST, key[0], call=key[1], backward=True))
 
+    def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The grad-requiring outputs of the module call that just ended (templates compare them, see reuse.py)."""
+
     def finish_backward(self) -> None:
         for k in reversed(self.bwd_active):
             self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
@@ -149,6 +155,9 @@ class NullRecorder(StepRecorder):
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         pass
+
+
+NULL = NullRecorder()
 
 
 class Slot:
@@ -191,22 +200,29 @@ class _ModuleHooks:
             h.remove()
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """FSDP2's post-backward hook goes on the call's grad-requiring inputs, found as FSDP2 finds them
+        (``collect_grad_tensors``: tuples, lists, dicts, NamedTuples and dataclasses)."""
         fqn = self.name[module]
         recorder = self.slot.recorder
-        has_grad = torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in flat_leaves(args, kwargs))
-        call = recorder.enter_forward(fqn, has_grad)
-        if has_grad:
-            flat, spec = tree_flatten((args, kwargs))
-            grad_idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor) and a.requires_grad]
+        flat = not kwargs and all(isinstance(a, _ATOMS) for a in args)  # the common case, without a traversal
+        if not torch.is_grad_enabled():
+            inputs: tuple[torch.Tensor, ...] = ()
+        elif flat:
+            inputs = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
+        else:
+            inputs = collect_grad_tensors((args, kwargs))
+        call = recorder.enter_forward(fqn, bool(inputs))
+        if inputs:
             key = (fqn, call)
-            outs = _PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *[flat[i] for i in grad_idx])
-            for i, o in zip(grad_idx, outs, strict=True):
-                flat[i] = o
-            args, kwargs = spec.unflatten(flat)
+            outs = iter(_PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *inputs))
+            if flat:
+                args = tuple(next(outs) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+            else:
+                args, kwargs = replace_grad_tensors((args, kwargs), outs)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """FSDP2's pre-backward hook goes on the call's grad-requiring outputs (``collect_grad_tensors``)."""
         fqn = self.name[module]
         recorder = self.slot.recorder
         call = recorder.exit_forward(fqn)
@@ -219,9 +235,11 @@ class _ModuleHooks:
                     fired[0] = True
                     recorder.enter_backward(key)
 
-            for t in flat_leaves((output,)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(hook)
+            outputs = ((output,) if output.requires_grad else ()) if isinstance(output, torch.Tensor) \
+                else collect_grad_tensors(output)
+            recorder.outputs(outputs)
+            for t in outputs:
+                t.register_hook(hook)
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -359,9 +377,15 @@ def _module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn
             children=tuple(dict.fromkeys(walk.canonical[id(c)] for c in m._modules.values() if c is not None)),
             aliases=tuple(dict.fromkeys(aliases.get(fqn, ()))),
             calls=calls.get(fqn, 0), fwd_flops=fwd.get(fqn, 0), bwd_flops=bwd.get(fqn, 0), first_use=first.get(fqn, -1),
+            shardable=_shardable(m),
         )
         for fqn, m in walk.modules.items()
     }
+
+
+def _shardable(m: nn.Module) -> bool:
+    """What ``fully_shard``'s module check accepts: not a ModuleList/ModuleDict that keeps nn.Module's forward."""
+    return not (isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward)
 
 
 def _module_stats(events: list[Event]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -433,8 +457,7 @@ def _trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch
     slot = Slot(recorder)
     param_by_id = {id(p): i for i, p in enumerate(param_objs)}
     ops = _OpRecorder(slot, param_by_id, by_storage, _device_sync(param_objs) if measure else None)
-    repeated = BlockReuse(model, walk, slot, param_by_id, recorder.param_storages, fake_mode) \
-        if reuse and not measure else None
+    repeated = BlockReuse(model, walk, slot, param_by_id, recorder.param_storages) if reuse and not measure else None
     hooks = _ModuleHooks(walk, slot)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -452,6 +475,7 @@ def _trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch
             recorder.backward = True
             loss.backward()
             recorder.finish_backward()
+            got_grad = {i for i, p in enumerate(param_objs) if p.grad is not None} | recorder.grads
     finally:
         hooks.remove()
         if repeated is not None:
@@ -461,6 +485,7 @@ def _trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch
     events = recorder.events
     seconds = tuple(ops.seconds.get(i, 0.0) for i in range(len(events))) if measure else None
     buffers = {id(b): b for m in walk.modules.values() for b in m._buffers.values() if b is not None}
+    params = [p if i in got_grad else replace(p, gets_grad=False) for i, p in enumerate(params)]
     return Trace(params=tuple(params), modules=_module_infos(walk, params, param_objs, events, recorder.calls),
                  events=tuple(events), fingerprint=model_fingerprint(model, walk),
                  buffers_nbytes=sum(b.numel() * b.element_size() for b in buffers.values()), op_seconds=seconds)

@@ -23,6 +23,7 @@ class ParamInfo:
     owners: tuple[str, ...]  # canonical names of the modules registering it directly; more than one: tied
     aliases: tuple[str, ...] = ()  # its other names
     shape: tuple[int, ...] = ()
+    gets_grad: bool = True  # autograd gave it a gradient in the traced step (FSDP2 reduce-scatters only those)
 
     def padded_numel(self, world_size: int) -> int:
         """Numel after FSDP2 pads dim 0 to a multiple of the world size (its all-gather size)."""
@@ -53,6 +54,7 @@ class ModuleInfo:
     fwd_flops: int = 0
     bwd_flops: int = 0
     first_use: int = -1  # first forward op run inside its subtree that read a param; -1 if none
+    shardable: bool = True  # False: a ModuleList/ModuleDict without its own forward, which fully_shard refuses
 
     @property
     def depth(self) -> int:

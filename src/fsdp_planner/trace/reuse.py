@@ -34,10 +34,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from fsdp_planner.trace.recorder import ModuleWalk, NullRecorder, Slot, StepRecorder
+from fsdp_planner.trace.recorder import NULL, ModuleWalk, Slot, StepRecorder
 
 Call = tuple[str, int]
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -114,9 +113,11 @@ class Template:
     forward: list[tuple] = field(default_factory=list)
     backward: list[tuple] = field(default_factory=list)
     params: list[str] = field(default_factory=list)  # relative names of the params its ops read
+    grads: list[str] = field(default_factory=list)  # relative names of the params autograd gave a grad
     out_spec: TreeSpec | None = None
     outputs: list[Any] = field(default_factory=list)  # per output leaf: tensor metadata, or ("const", value)
     reusable: bool = True
+    confirmed: bool = field(default=False, compare=False)  # a second identical call recorded the same
 
 
 class ActionLog(StepRecorder):
@@ -128,6 +129,7 @@ class ActionLog(StepRecorder):
         self.template = Template()
         self.slots: dict[int, int] = {}  # global param index -> index into template.params
         self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
+        self.inner_outputs: list[torch.Tensor] = []  # grad-requiring outputs of the calls inside
 
     def _rel(self, fqn: str) -> str:
         if not fqn.startswith(self.prefix):
@@ -146,6 +148,9 @@ class ActionLog(StepRecorder):
     def exit_forward(self, fqn: str) -> int:
         self._log(("fwd_post", self._rel(fqn)))
         return self.calls[fqn] - 1
+
+    def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self.inner_outputs.extend(tensors)
 
     def enter_backward(self, key: Call) -> None:
         self._log(("bwd_pre", self._rel(key[0]), key[1]))
@@ -217,17 +222,17 @@ class _Input:
     @classmethod
     def of(cls, t: torch.Tensor) -> _Input:
         return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.untyped_storage().nbytes(), t.dtype,
-                   t.device.type, t.requires_grad)
+                   str(t.device), t.requires_grad)
 
     def key(self) -> tuple:
         return (self.shape, self.stride, self.offset, self.storage_nbytes, self.dtype, self.device, self.requires_grad)
 
-    def make(self, device: torch.device) -> torch.Tensor:
+    def make(self) -> torch.Tensor:
         """A new tensor with this metadata and a storage of this size (no autograd history)."""
-        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
         if self.offset == 0 and t.untyped_storage().nbytes() == self.storage_nbytes:
             return t
-        base = torch.empty(-(-self.storage_nbytes // t.element_size()), dtype=self.dtype, device=device)
+        base = torch.empty(-(-self.storage_nbytes // t.element_size()), dtype=self.dtype, device=self.device)
         return base.as_strided(self.shape, self.stride, self.offset).detach()
 
 
@@ -286,9 +291,8 @@ class BlockReuse:
     """Installs a forward wrapper on every module whose static signature repeats, and replays templates."""
 
     def __init__(self, model: nn.Module, walk: ModuleWalk, slot: Slot, param_index: dict[int, int],
-                 param_storages: set[StorageWeakRef], fake_mode: Any = None) -> None:
+                 param_storages: set[StorageWeakRef]) -> None:
         self.slot, self.param_index, self.param_storages = slot, param_index, param_storages
-        self.fake_mode = fake_mode
         self.templates: dict[tuple, Template] = {}
         self.active = True  # off while a template is being recorded (no nesting)
         self.anchor: torch.Tensor | None = None
@@ -308,10 +312,13 @@ class BlockReuse:
 
     @contextlib.contextmanager
     def own_tensors(self) -> Iterator[None]:
-        """Make the tracer's own tensors (stand-in outputs, input grads) without the recording mode: a Python
-        dispatch mode costs ~65 us an op. Under a fake mode they are made by it, as the model's are."""
-        with _disable_current_modes(), self.fake_mode or contextlib.nullcontext():
+        """Make the tracer's own tensors (stand-in outputs, input grads): the recorder lets their ops through
+        unrecorded (under a fake mode the fake mode still makes them, as it makes the model's)."""
+        main, self.slot.recorder = self.slot.recorder, NULL
+        try:
             yield
+        finally:
+            self.slot.recorder = main
 
     def _wrapper(self, r: _Repeated, forward: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -325,6 +332,11 @@ class BlockReuse:
             template = self.templates.get(key)
             if template is None:
                 template = self.templates[key] = self._record(r, forward, leaves, inputs, structure)
+            elif template.reusable and not template.confirmed:
+                # The second identical call is recorded too: a forward that reads state its first call changed
+                # (a cache it filled, a counter) records differently, and is then traced, not replayed.
+                template.confirmed = True
+                template.reusable = self._record(r, forward, leaves, inputs, structure) == template
             if not template.reusable:
                 return forward(*args, **kwargs)
             return self._replay(r, template, leaves, inputs)
@@ -361,9 +373,9 @@ class BlockReuse:
                 structure: Structure) -> Template:
         main = self.slot.recorder
         log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, self.param_storages)
-        self.active, self.slot.recorder = False, NullRecorder()
+        self.active, self.slot.recorder = False, NULL
         try:
-            clones = {i: m.make(leaves[i].device).requires_grad_(m.requires_grad) for i, m in inputs.items()}
+            clones = {i: m.make().requires_grad_(m.requires_grad) for i, m in inputs.items()}
             grad_idx = [i for i in clones if clones[i].requires_grad]
             for i, t in zip(grad_idx, _Sink.apply(*(clones[i] for i in grad_idx)), strict=True):
                 clones[i] = t
@@ -382,6 +394,7 @@ class BlockReuse:
             if log.template.reusable:
                 self._record_backward(log, out)
                 _compile_ops(log.template, r)
+                log.template.grads = [n for n, p in r.module.named_parameters() if p.grad is not None]
         finally:
             self.active, self.slot.recorder, self.slot.produced = True, main, None
             for p in r.module.parameters():
@@ -389,6 +402,10 @@ class BlockReuse:
         return log.template
 
     def _describe_outputs(self, log: ActionLog, out: Any, produced: set[StorageWeakRef]) -> None:
+        """The outputs a stand-in must return. Refused: views, aliases of inputs or params, outputs sharing memory,
+        non-constant non-tensors, more than one output needing a grad (which of them gets one depends on the
+        caller), and an output that is an inner call's own output (its pre-backward hook would fire before the
+        module's in a real run, after it in a replay)."""
         flat, log.template.out_spec = tree_flatten(out)
         seen: set[StorageWeakRef] = set()
         for t in flat:
@@ -396,14 +413,17 @@ class BlockReuse:
                 ref = StorageWeakRef(t.untyped_storage())
                 fresh = ref in produced and ref not in seen and t._base is None
                 meta = _Input.of(t)
-                if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
-                    log.template.reusable = False  # a view, an alias of an input/param, or two outputs sharing
+                if not fresh or meta.storage_nbytes != t.numel() * t.element_size() \
+                        or any(t is inner for inner in log.inner_outputs):
+                    log.template.reusable = False
                 seen.add(ref)
                 log.template.outputs.append(meta)
             elif isinstance(t, _CONSTANTS):
                 log.template.outputs.append(("const", t))
             else:
                 log.template.reusable = False
+        if sum(1 for m in log.template.outputs if isinstance(m, _Input) and m.requires_grad) > 1:
+            log.template.reusable = False
 
     def _classify_saves(self, log: ActionLog, r: _Repeated, clones: dict[int, torch.Tensor], out: Any,
                         produced: set[StorageWeakRef]) -> None:
@@ -431,34 +451,34 @@ class BlockReuse:
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
-        self.slot.recorder = NullRecorder()
-        grads = [torch.empty_like(t) for t in tensors]
+        with self.own_tensors():
+            grads = [torch.empty_like(t) for t in tensors]
         log.backward = True
         self.slot.recorder = log
         torch.autograd.backward(tensors, grads)
 
     # -- replaying it ---------------------------------------------------------------------------------------
-    def _anchor(self, device: torch.device) -> torch.Tensor:
+    def _anchor(self) -> torch.Tensor:
         """A leaf that requires grad, passed to every stand-in so that its backward runs even when no input needs
         a grad (the call's params do); it receives no grad."""
         if self.anchor is None:
             with self.own_tensors():
-                self.anchor = torch.empty(1, device=device).requires_grad_()
+                self.anchor = torch.empty(1, device="meta").requires_grad_()
         return self.anchor
 
     def _replay(self, r: _Repeated, template: Template, leaves: list, inputs: dict[int, _Input]) -> Any:
         main, prefix = self.slot.recorder, r.fqn + "."
         tensors = [leaves[i] for i in inputs]
         params = [r.params[n] for n in template.params]
-        device = tensors[0].device if tensors else next(r.module.parameters()).device
 
         def replay(backward: bool) -> Any:
-            if backward:
+            if backward:  # runs only when an output received a grad, as the call's own backward would
                 _replay_actions(main, template.backward, prefix, params, {})
+                main.grads.update(r.params[n] for n in template.grads)
                 with self.own_tensors():
-                    return [m.make(device) if m.requires_grad else None for m in inputs.values()]
+                    return [m.make() if m.requires_grad else None for m in inputs.values()]
             with self.own_tensors():
-                outs = [m.make(device) if isinstance(m, _Input) else m[1] for m in template.outputs]
+                outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]
             sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(leaves[i].untyped_storage())
                                                     for i in inputs}
             sources.update({("output", j): StorageWeakRef(t.untyped_storage()) for j, t in enumerate(outs)
@@ -469,9 +489,12 @@ class BlockReuse:
                     [t for t, m in zip(outs, template.outputs, strict=True)
                      if isinstance(m, _Input) and not m.requires_grad])
 
-        result = iter(_StandIn.apply(replay, self._anchor(device), *tensors))
+        result = _StandIn.apply(replay, self._anchor(), *tensors)
         assert template.out_spec is not None
-        return template.out_spec.unflatten([next(result) if isinstance(m, _Input) else m[1] for m in template.outputs])
+        if template.out_spec.is_leaf():  # one tensor: the common case
+            return result[0]
+        it = iter(result)
+        return template.out_spec.unflatten([next(it) if isinstance(m, _Input) else m[1] for m in template.outputs])
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:

@@ -43,15 +43,17 @@ def module_tree_cuts(ev: Evaluator, count: int) -> None:
     group, which pays when backward all-gathers are latency-bound."""
     trace = ev.trace
     numels = sorted({p.numel for p in trace.params})
+    tried: set[tuple[str, ...]] = set()  # thresholds often wrap the same modules: build each plan once
     for t in sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(trace.numel, 2), count)}, reverse=True):
         policy = SizeBasedPolicy(t)
-        wrapped = policy.wrapped_modules(trace)
-        if ev.could_rank(len(wrapped)):  # thresholds from large to small: the cheap plans first
+        wrapped = tuple(policy.wrapped_modules(trace))
+        if wrapped not in tried and ev.could_rank([[m] for m in wrapped]):  # large thresholds first: cheap plans
+            tried.add(wrapped)
             ev.evaluate(policy.plan(trace, ev.model), f"size({t})")
-    leaves = [[m] for m in trace.index.owning_modules
-              if m != ROOT and not any(trace.param(p).is_shared for p in trace.modules[m].params)]
-    if ev.could_rank(len(leaves)):
-        ev.evaluate(make_plan(trace, leaves, model=ev.model), "per-module")
+    leaves = tuple(m for m in trace.index.owning_modules
+                   if m != ROOT and not any(trace.param(p).is_shared for p in trace.modules[m].params))
+    if leaves not in tried and ev.could_rank([[m] for m in leaves]):
+        ev.evaluate(make_plan(trace, [[m] for m in leaves], model=ev.model), "per-module")
 
 
 def segments(atoms: Sequence[Atom], free_segments: Sequence[Sequence[Atom]]) -> list[list[Atom]]:
@@ -72,7 +74,7 @@ def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> Callable[[], None] | None
         def frugal() -> None:
             ev.evaluate(ev.build(segs, [True] * len(segs)), "frugal")
 
-        if ev.could_rank(len(segs)):
+        if ev.could_rank([[m for a in seg for m in a.modules] for seg in segs]):
             frugal()
         else:
             deferred = frugal

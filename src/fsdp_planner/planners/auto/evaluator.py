@@ -54,15 +54,23 @@ class Evaluator:
             self.cache[key] = c
         return self.cache[key]
 
-    def could_rank(self, groups: int) -> bool:
-        """Whether a plan gathering ``groups`` groups could be chosen, or start a refinement. All-gathers run one
-        after another on their stream and each costs at least its latency, so its step is at least groups x alpha:
-        when ``REFINE_STARTS`` plans that fit are already faster than that (with the empty-root preference's slack),
-        simulating it changes nothing."""
-        fitting = sorted(c.report.step_time for c in self.seen if c.report.peak_memory <= self.budget)
+    def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
+        """Whether a plan of these groups could be chosen, or start a refinement. A group listing a module that
+        runs in forward and registers an untied param directly owns that param (FSDP2's DFS reaches it first), so
+        it is all-gathered at least once; all-gathers run one after another on their stream, each costing at least
+        its latency, so the step is at least (such groups) x alpha. When ``REFINE_STARTS`` plans the target can
+        express and that fit are already faster than that (with the empty-root preference's slack), simulating it
+        changes nothing."""
+        fitting = sorted(c.report.step_time for c in self.seen
+                         if c.report.peak_memory <= self.budget and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
             return True
-        return groups * self.ctx.link(CollectiveKind.ALL_GATHER)[0] <= fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
+        gathered = sum(1 for ms in module_groups if any(self._gathers(m) for m in ms))
+        return gathered * self.ctx.link(CollectiveKind.ALL_GATHER)[0] <= fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
+
+    def _gathers(self, fqn: str) -> bool:
+        module = self.trace.modules[fqn]
+        return module.calls > 0 and any(not self.trace.param(p).is_shared for p in module.params)
 
     def key(self, c: Candidate) -> tuple:
         """Ranking: over the budget last, then faster (equal up to float noise), less memory, a smaller root."""
