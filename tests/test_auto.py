@@ -159,13 +159,14 @@ def test_submodule_shared_by_blocks_plans():
 
 
 class _UnusedAndTied(torch.nn.Module):
-    """Two used Linears, a Linear never called, a param-free ReLU, and an output head tied to the embedding."""
+    """Two used Linears (one inside a Sequential), a Linear never called, a param-free ReLU, and an output head tied
+    to the embedding."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(16, 8)
         self.used = torch.nn.Linear(8, 8)
-        self.mid = torch.nn.Linear(8, 8)
+        self.mid = torch.nn.Sequential(torch.nn.Linear(8, 8))
         self.unused = torch.nn.Linear(8, 8)
         self.act = torch.nn.ReLU()
         self.head = torch.nn.Linear(8, 16, bias=False)
@@ -194,5 +195,6 @@ def test_could_rank_bound_counts_only_groups_that_surely_all_gather():
     ev.seen = [Candidate(ev.build([plan_atoms(tr, whole_blocks=False)]), fast, "seen") for _ in range(REFINE_STARTS)]
     assert ev.could_rank([["used"]])
     assert not ev.could_rank([["used"], ["mid"]])
+    assert ev.could_rank([["mid"], ["mid.0"]])  # mid's only param-owning child is another group's: mid claims nothing
     # never called, no params, only a tied param (claimed by whichever group reaches it first): no sure all-gather
     assert ev.could_rank([["used"], ["unused"], ["act"], ["head"], ["embed"]])

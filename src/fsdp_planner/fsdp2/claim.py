@@ -185,7 +185,7 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     listed: set[str] = set()
     groups = []
     for ms in module_groups:  # a module listed twice stays in its first group (a policy may reach it twice)
-        ms = [c for m in ms for c in _shardable_cover(trace, m)]
+        ms = [c for m in ms for c in shardable_cover(trace, m)]
         groups.append([m for m in dict.fromkeys(ms) if m not in listed])
         listed.update(ms)
     added = resolve_shared_modules(trace, groups)
@@ -203,14 +203,14 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     return plan
 
 
-def _shardable_cover(trace: Trace, fqn: str) -> list[str]:
+def shardable_cover(trace: Trace, fqn: str) -> list[str]:
     """``fqn``, or for a container fully_shard refuses (a ModuleList without forward) its children holding params,
     recursively: the same params as one list group."""
     info = trace.modules[fqn]
     if info.shardable:
         return [fqn]
     owners_below = trace.index.owners_below
-    return [m for c in info.children if owners_below[c] for m in _shardable_cover(trace, c)]
+    return [m for c in info.children if owners_below[c] for m in shardable_cover(trace, c)]
 
 
 def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]]:

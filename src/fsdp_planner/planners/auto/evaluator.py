@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.claim import make_plan, shardable_cover
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.collectives import CollectiveKind
@@ -20,6 +20,7 @@ from fsdp_planner.trace.records import Trace
 
 REFINE_STARTS = 3  # refinement starts from this many of the best plans
 ROOT_SLACK = 1e-3  # a plan whose root manages nothing is preferred within this fraction of the best step time
+MIN_GAIN = 1e-4  # refining a plan behind the best, a move must save this fraction of its step (see ``pays``)
 
 
 class Target(Enum):
@@ -55,22 +56,36 @@ class Evaluator:
         return self.cache[key]
 
     def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
-        """Whether a plan of these groups could be chosen, or start a refinement. A group listing a module that
-        runs in forward and registers an untied param directly owns that param (FSDP2's DFS reaches it first), so
-        it is all-gathered at least once; all-gathers run one after another on their stream, each costing at least
-        its latency, so the step is at least (such groups) x alpha. When ``REFINE_STARTS`` plans the target can
-        express and that fit are already faster than that (with the empty-root preference's slack), simulating it
-        changes nothing."""
+        """Whether a plan of these groups could be chosen, or start a refinement. FSDP2 all-gathers a group at
+        least once when one of its modules runs in forward and it surely claims a param (``_surely_claims``);
+        all-gathers run one after another on their stream, each costing at least its latency, so the step is at
+        least (such groups) x alpha. When ``REFINE_STARTS`` plans the target can express and that fit are already
+        faster than that (with the empty-root preference's slack), simulating it changes nothing."""
         fitting = sorted(c.report.step_time for c in self.seen
                          if c.report.peak_memory <= self.budget and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
             return True
-        gathered = sum(1 for ms in module_groups if any(self._gathers(m) for m in ms))
+        groups = [[c for m in ms for c in shardable_cover(self.trace, m)] for ms in module_groups]
+        group_of = {m: i for i, ms in enumerate(groups) for m in ms}
+        modules = self.trace.modules
+        gathered = sum(1 for i, ms in enumerate(groups) if any(modules[m].calls for m in ms)
+                       and any(self._surely_claims(m, i, group_of) for m in ms))
         return gathered * self.ctx.link(CollectiveKind.ALL_GATHER)[0] <= fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
 
-    def _gathers(self, fqn: str) -> bool:
-        module = self.trace.modules[fqn]
-        return module.calls > 0 and any(not self.trace.param(p).is_shared for p in module.params)
+    def _surely_claims(self, fqn: str, group: int, group_of: dict[str, int]) -> bool:
+        """Whether the group listing ``fqn`` claims a param whatever the rest of the plan: an untied param
+        registered on a module below ``fqn`` (or on it) that is reached by one path only, with no module on the way
+        listed by another group (FSDP2 applies those first and its DFS stops at them)."""
+        modules, parents = self.trace.modules, self.trace.index.parents
+        for owner in self.trace.index.owners_below[fqn]:
+            if all(self.trace.param(p).is_shared for p in modules[owner].params):
+                continue
+            a = owner
+            while a != fqn and group_of.get(a, group) == group and len(parents[a]) == 1:
+                a = parents[a][0]
+            if a == fqn and group_of.get(a, group) == group:
+                return True
+        return False
 
     def key(self, c: Candidate) -> tuple:
         """Ranking: over the budget last, then faster (equal up to float noise), less memory, a smaller root."""
@@ -79,6 +94,17 @@ class Evaluator:
 
     def better(self, c: Candidate, than: Candidate) -> bool:
         return self.allowed(c.plan) and self.key(c) < self.key(than)
+
+    def pays(self, c: Candidate, than: Candidate) -> bool:
+        """``c`` is worth moving to from ``than``: better, and either the best plan seen so far, or bringing the
+        peak closer to the budget, or saving at least ``MIN_GAIN`` of the step. (Refining a plan well behind the
+        best, descent over 1,000 blocks otherwise creeps one block at a time along 0.01% differences, a simulation
+        per step, and cannot catch up.)"""
+        if not self.better(c, than):
+            return False
+        if self.key(c) <= self.key(self.best()) or than.report.peak_memory > self.budget:
+            return True
+        return c.report.step_time <= than.report.step_time * (1 - MIN_GAIN)
 
     def best(self) -> Candidate:
         valid = [c for c in self.seen if self.allowed(c.plan)]

@@ -93,7 +93,7 @@ class Refiner:
             tried = [(move, self.ev.evaluate(alt, best.origin + " + moved"))
                      for move, alt in self.moves(best.plan, deadline, only=k)]
             move, c = min(tried, key=lambda mc: self.ev.key(mc[1]), default=(None, best))
-            if move is not None and self.ev.better(c, best):
+            if move is not None and self.ev.pays(c, best):
                 best, unchanged = self._gallop(c, move, k, deadline), 0
             else:
                 k, unchanged = k + 1, unchanged + 1
@@ -106,7 +106,7 @@ class Refiner:
             if alt is None:
                 break
             c = self.ev.evaluate(alt, best.origin + " + moved")
-            if not self.ev.better(c, best):
+            if not self.ev.pays(c, best):
                 break
             best, step = c, step * 2
         return best
