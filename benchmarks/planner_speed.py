@@ -71,7 +71,7 @@ def child(case: str) -> None:
     t0 = time.perf_counter()
     model, inputs, loss_fn = build(case)
     t1 = time.perf_counter()
-    tr = trace(model, inputs, loss_fn)
+    tr = trace(model, inputs, loss_fn, compute_dtype=torch.bfloat16)  # as the CLI traces (bf16-mixed)
     t2 = time.perf_counter()
     result = AutoPolicy(parse_cluster(CLUSTER)).search(tr, case)
     t3 = time.perf_counter()

@@ -3,11 +3,18 @@ predicted collectives."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from conftest import policy, traced
 
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.models import load_model
 from fsdp_planner.runtime import verify as v
@@ -144,3 +151,146 @@ def test_a_failing_rank_reports_its_exception_not_torchruns_summary():
     assert out.returncode != 0
     assert "raised ValueError: no real runs for this model (at factories.py:" in out.stderr + out.stdout
     assert "Traceback" not in out.stderr + out.stdout and "error_file" not in out.stderr + out.stdout
+
+
+# -- the job's processes and files never outlive the command -------------------------------------------------------
+SLOW_MODEL = '''
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+def slow():
+    """Instant on the meta device (planning); in a verify rank, says it started and then sleeps."""
+    if torch.empty(0).device.type != "meta":
+        (Path(__file__).parent / f"started.{os.getpid()}").touch()
+        time.sleep(600)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), (torch.randn(4, 8),)
+'''
+
+
+def _processes_mentioning(marker: str) -> list[str]:
+    """Command lines of live processes whose command line or environment holds ``marker`` (no psutil needed)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if state != "Z" and (marker in cmdline or marker in environ):
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def _start_slow_verify(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, str]:
+    import uuid
+
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
+    env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker}
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'slow.py'}:slow",
+                             "--policy", "order", "--nproc", "2", "--steps", "1", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, tmpdir, marker
+
+
+def _wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int = 2, limit: float = 240) -> None:
+    deadline = time.monotonic() + limit
+    while len(list(tmp_path.glob("started.*"))) < n:
+        if proc.poll() is not None:
+            raise AssertionError(f"verify ended before its ranks started: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the verify ranks did not start")
+        time.sleep(0.2)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
+    """SIGTERM (a job scheduler, `kill`) or Ctrl-C while the ranks run: the torchrun launcher and every rank end
+    with the command, and the job directory is removed."""
+    proc, tmpdir, marker = _start_slow_verify(tmp_path)
+    try:
+        _wait_for_ranks(proc, tmp_path)
+        assert list(tmpdir.glob("fsdp-planner-verify-*")), "the job directory should exist while it runs"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + sig, err
+    assert ("terminated (SIGTERM)" if sig == signal.SIGTERM else "interrupted") in err
+    assert "Traceback" not in err
+    assert _processes_mentioning(marker) == []
+    assert _processes_mentioning(str(tmpdir)) == []
+    assert not list(tmpdir.glob("fsdp-planner-verify-*"))
+
+
+@pytest.mark.integration
+def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkeypatch):
+    (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    spec = f"{tmp_path / 'slow.py'}:slow"
+    lm = load_model(spec)
+    tr = trace(lm.model, lm.example_inputs)
+    plan = policy("order").plan(tr, spec)
+    with pytest.raises(PlannerError, match="did not finish within 40 s"):
+        run_verify(spec, tr, plan, nproc=2, steps=1, timeout=40)
+    assert len(list(tmp_path.glob("started.*"))) == 2  # the ranks were running when it timed out
+    assert _processes_mentioning(str(tmpdir)) == []
+    assert not list(tmpdir.glob("fsdp-planner-verify-*"))
+
+
+def test_stop_process_group_ends_children_that_ignore_sigterm(tmp_path):
+    """Everything in the job's session goes: SIGTERM first, SIGKILL for what ignores it."""
+    marker = f"stop-group-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen(["sh", "-c", f"trap '' TERM; sleep 300 & sleep 301 & echo {marker}; wait"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "FSDP_PLANNER_TEST_MARKER": marker})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == marker
+    start = time.monotonic()
+    v.stop_process_group(proc, grace=0.5)
+    assert time.monotonic() - start < 5
+    assert proc.returncode is not None
+    assert _processes_mentioning(marker) == []
+
+
+def test_sigterm_raises_terminated_only_inside_signals_raise():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(v.Terminated) as info, v.signals_raise():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # the handler runs at the next bytecode
+    assert info.value.signum == signal.SIGTERM and info.value.name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_rank_calling_sys_exit_is_reported():
+    from fsdp_planner.runtime.worker import _describe
+
+    try:
+        raise SystemExit(0)
+    except SystemExit as e:
+        assert _describe(e).startswith("SystemExit: the model's code called sys.exit(0) (at test_verify.py:")
+
+
+@pytest.mark.integration
+def test_one_rank_is_judged_with_no_collectives():
+    """FSDP2 issues no all-gather or reduce-scatter on one rank; verify --nproc 1 must pass a correct plan."""
+    tr = traced("seed-net")
+    plan = policy("order").plan(tr, "seed-net")
+    assert v.predict_collectives(tr, plan, 1) == ({"all_gather": 0, "reduce_scatter": 0},) * 2
+    result = v.run_verify("seed-net", tr, plan, nproc=1, steps=1)
+    assert result.counted == [{"all_gather": 0, "reduce_scatter": 0}] and result.ok

@@ -56,15 +56,45 @@ _UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``1GiB``, ``512MB``, ``1e9``, ``8G`` (bare K/M/G/T are binary, as in nccl-tests -e 8G)."""
+def parse_size(text: str, what: str | None = None) -> int:
+    """Bytes from ``1GiB``, ``512MB``, ``1e9``, ``8G`` (bare K/M/G/T are binary, as in nccl-tests -e 8G).
+
+    Fractions of a byte round to the nearest byte (``0.1GiB``), but a nonzero size under one byte is refused rather
+    than read as 0. ``what`` (an option name such as ``--memory-budget``) starts the error messages."""
+    quoted = f"{what} '{text}'" if what else f"the size '{text}'"
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise PlannerError(
-            f"cannot read the size '{text}': use a number with an optional unit such as 1GiB, 512MB, 64KiB or 1e9"
+            f"cannot read {quoted}{' as a size' if what else ''}: use a number with an optional unit such as 1GiB, "
+            "512MB, 64KiB or 1e9"
         )
     value = float(m.group(1)) * _UNITS[unit]
     if not math.isfinite(value):
-        raise PlannerError(f"the size '{text}' is too large")
+        raise PlannerError(f"{quoted} is too large")
+    if 0 < value < 1:
+        raise PlannerError(f"{quoted} is less than one byte: give a whole number of bytes or a unit, e.g. 64MiB")
     return round(value)
+
+
+_COUNT = re.compile(r"^\s*[+-]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)(?:e[+-]?[0-9]+)?\s*$", re.IGNORECASE)
+
+
+def parse_count(text: str, what: str | None = None) -> int:
+    """A whole number written as an integer or in float notation: ``100000000``, ``1e8``, ``1.5e6``, ``1_000``.
+
+    Float notation is read exactly (``1.5e6`` is 1500000); a value that is not whole (``1.5``, ``1e-3``) is refused."""
+    from decimal import Decimal, InvalidOperation
+
+    quoted = f"{what} '{text}'" if what else f"'{text}'"
+    if not _COUNT.match(str(text)):
+        raise PlannerError(f"cannot read {quoted}: give a whole number such as 100000000 or 1e8")
+    try:
+        value = Decimal(str(text).strip().replace("_", ""))
+    except InvalidOperation:
+        raise PlannerError(f"cannot read {quoted}: give a whole number such as 100000000 or 1e8") from None
+    if abs(value.adjusted()) > 100:
+        raise PlannerError(f"{quoted} is out of range")
+    if value != value.to_integral_value():
+        raise PlannerError(f"{quoted} is not a whole number")
+    return int(value)

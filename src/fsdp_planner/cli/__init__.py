@@ -1,44 +1,137 @@
 """Command line: ``fsdp-planner demo | plan | simulate | verify | cost | calibrate | memory | models``.
 
 Every user error is one line on stderr and exit code 2; never a traceback (set FSDP_PLANNER_DEBUG=1 to see one).
+Bad arguments are one line too: ``error: MESSAGE (see fsdp-planner COMMAND --help)``. When the reader of stdout goes
+away (``fsdp-planner models | head -1``) the command stops quietly with exit status 141, what a shell reports for a
+program killed by SIGPIPE (as ``yes | head`` gives); SIGTERM, SIGHUP and Ctrl-C stop it cleanly (worker processes
+and temporary files removed) with 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
+import errno
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from fsdp_planner.cli import calibrate, cost, demo, memory, models, plan, simulate, verify
+from fsdp_planner.cli.requests import check_paths
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.runtime.verify import Terminated, signals_raise
 
 COMMANDS = (demo, plan, simulate, verify, cost, calibrate, memory, models)
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line, not a usage block (subparsers are made of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                   ) -> argparse.Namespace:  # type: ignore[override]
+        """Unknown options are reported by the top-level parser: name the command's help, and the option meant."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = self._commands().get(getattr(ns, "command", None) or "", self)
+            known = [o for a in sub._actions for o in a.option_strings]
+            close = difflib.get_close_matches(extras[0].partition("=")[0], known, n=1) if extras[0][:1] == "-" else []
+            hint = f"; did you mean {close[0]}?" if close else ""
+            sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return ns
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                return dict(a.choices)
+        return {}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fsdp-planner", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = ArgumentParser(prog="fsdp-planner", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser)
     for command in COMMANDS:
         command.register(sub)
     return p
 
 
+def _open_missing_streams() -> None:
+    """A closed stdout or stderr (``>&-``) is None in Python: write to the null device instead."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+
+
+def _silence_output() -> None:
+    """After a broken pipe: point stdout's and stderr's descriptors at the null device, so the flush at exit
+    cannot fail again (nothing more is printed; every note so far was flushed as it was printed)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor (e.g. captured in tests): nothing to protect
+            pass
+
+
+def _say(text: str) -> None:
+    """One line on stderr; if stderr itself is gone there is nobody to tell."""
+    with contextlib.suppress(OSError, ValueError):
+        print(text, file=sys.stderr, flush=True)
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    _open_missing_streams()
     try:
-        return int(args.fn(args))
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or the one-line argument error already printed
+        return _exit_code(e.code)
+    try:
+        with signals_raise():
+            check_paths(args)
+            status = int(args.fn(args))
+            sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's flush at exit
+            return status
+    except BrokenPipeError:
+        _silence_output()
+        return EXIT_BROKEN_PIPE
     except PlannerError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _say(f"error: {e}")
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        _say("interrupted")
         return 130
+    except Terminated as e:
+        _say(f"terminated ({e.name})")
+        return 128 + e.signum
+    except OSError as e:
+        if os.environ.get("FSDP_PLANNER_DEBUG"):
+            raise
+        if e.filename:
+            _say(f"error: {e.strerror or e}: {e.filename}")
+        elif e.errno in WRITE_ERRNOS:  # no file named: stdout itself (`> /dev/full`, a full disk)
+            _say(f"error: cannot write the output: {e.strerror}")
+            _silence_output()
+        else:
+            _say(f"error: {e.strerror or e}")
+        return 2
     except Exception as e:
         if os.environ.get("FSDP_PLANNER_DEBUG"):
             raise
-        print(f"error: internal error: {type(e).__name__}: {e} (set FSDP_PLANNER_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        _say(f"error: internal error: {type(e).__name__}: {e} (set FSDP_PLANNER_DEBUG=1 for the traceback)")
         return 3
 
 

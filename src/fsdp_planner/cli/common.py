@@ -8,24 +8,38 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import load_model
+from fsdp_planner.models import exit_message, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import Precision, SimOptions
 from fsdp_planner.trace.recorder import trace
 from fsdp_planner.trace.records import Trace
 
 
-def load_trace(spec: str, notes: Console, measure: bool = False, full: bool = False) -> Trace:
-    """The model's trace on meta tensors; with ``measure``, then timed for real on the local device. ``full``:
-    every module call traced (no replay of repeated blocks)."""
+def load_trace(spec: str, notes: Console, measure: bool = False, full: bool = False,
+               precision: Precision | None = None) -> Trace:
+    """The model's trace on meta tensors, in ``precision``'s compute dtype (default: the default precision's);
+    with ``measure``, then timed for real on the local device. ``full``: every module call traced (no replay of
+    repeated blocks)."""
     lm = load_model(spec, meta=True)
+    dtype = (precision or SimOptions().precision).trace_dtype
     try:
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full)
+        try:
+            tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full, compute_dtype=dtype)
+        except (RuntimeError, TypeError, ValueError) as e:
+            if dtype is None:
+                raise
+            lm = load_model(spec, meta=True)
+            tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full)
+            notes.print(f"[dim]tracing in {str(dtype)[6:]} (the compute dtype) failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:120]}); traced in the model's own dtypes, activation sizes "
+                        "scaled[/dim]", highlight=False)
     except PlannerError:
         raise
+    except SystemExit as e:  # the model's forward or loss_fn: an error, never a silent exit with its status
+        raise PlannerError(exit_message(e, f"running the forward, backward or loss_fn of '{spec}'")) from e
     except Exception as e:
-        raise PlannerError(f"tracing '{spec}' failed: {type(e).__name__}: {e}") from e
+        raise PlannerError(f"tracing '{spec}' failed: {type(e).__name__}: {e}{_device_hint(e)}") from e
     if not measure:
         return tr
     from fsdp_planner.runtime.measure import check_fits, local_device
@@ -38,12 +52,23 @@ def load_trace(spec: str, notes: Console, measure: bool = False, full: bool = Fa
         measured = measure_ops(real.model, real.example_inputs, real.loss_fn, device=device)
     except PlannerError:
         raise
+    except SystemExit as e:
+        raise PlannerError(exit_message(e, f"measuring '{spec}' on {device.type}")) from e
     except Exception as e:
         raise PlannerError(f"measuring '{spec}' on {device.type} failed: {type(e).__name__}: {e}") from e
     notes.print(f"[dim]compute times measured on this machine's {device.type} "
                 f"({sum(measured.op_seconds or ()) * 1e3:.1f} ms of ops per step)"
                 f"{'; CPU times, not the cluster GPUs' if device.type == 'cpu' else ''}[/dim]", highlight=False)
     return measured
+
+
+def _device_hint(e: Exception) -> str:
+    """Why a device mismatch happens while planning, and what to change."""
+    text = f"{type(e).__name__} {e}"
+    if "meta" not in text or "device" not in text.lower():
+        return ""
+    return ("; the model is built on the meta device for planning, so every tensor the forward or loss_fn uses "
+            "must be made inside the factory (not at module level, and without an explicit device='cpu'/'cuda')")
 
 
 def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str) -> AutoResult:

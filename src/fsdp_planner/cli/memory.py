@@ -26,7 +26,8 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise PlannerError("--world-size must be at least 1")
     options = SimOptions.named(args.precision, args.optimizer)
-    rows = strategy_table(load_trace(args.model, render.notes, full=args.full_trace), args.world_size, options)
+    rows = strategy_table(load_trace(args.model, render.notes, full=args.full_trace,
+                                   precision=options.precision), args.world_size, options)
     if args.json:
         print(json.dumps({k: v.to_dict() for k, v in rows.items()}, indent=2))
     else:

@@ -15,17 +15,21 @@ from fsdp_planner.cli.requests import (
     add_sim_options,
     cluster_or_none,
     output_file,
+    policy_notes,
     policy_request,
     sim_options,
+    write_output,
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.hardware.cluster import parse_cluster
-from fsdp_planner.planners.auto import AutoResult
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import explain
+from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, POLICY_NAMES, PolicyName, make_policy
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.sim.options import DEFAULT_MFU, DEFAULT_OPTIMIZER
 from fsdp_planner.sim.timeline import simulate
 
 DEFAULT_AUTO_CLUSTER = "h100:8"
@@ -57,13 +61,29 @@ def run(args: argparse.Namespace) -> int:
         render.notes.print(f"auto: no --cluster given, planning for {DEFAULT_AUTO_CLUSTER}", highlight=False)
     if not args.policy and cluster is not None:
         requests.append(policy_request(args, PolicyName.AUTO.value))
-    tr = load_trace(args.model, render.notes, args.measure, full=args.full_trace)
+    measure = args.measure
+    for note in _ignored(args, [r.name for r in requests], cluster is not None):
+        render.note(note)
+        measure = measure and not note.startswith("--measure")
+    tr = load_trace(args.model, render.notes, measure, full=args.full_trace, precision=options.precision)
+    if not args.policy and not args.module_classes and default_block_class(tr) is None:
+        render.note("the module and titan policies are left out of the comparison: the model has no repeated "
+                    "block class (name the classes to wrap with --module-classes to compare them)")
+        requests = [r for r in requests if r.name not in (PolicyName.MODULE, PolicyName.TITAN)]
     auto: AutoResult | None = None
     plans: list[Plan] = []
+    no_fit: str | None = None  # in a comparison, auto finding no plan within the budget is a result, not an error
     for request in requests:
         if request.name is PolicyName.AUTO:
             assert cluster is not None
-            auto = run_auto(tr, request, cluster, options, args.model)
+            if args.policy:
+                auto = run_auto(tr, request, cluster, options, args.model)
+            else:
+                found = AutoPolicy(cluster, request.memory_budget, request.target, options).search(tr, args.model)
+                if not found.fits:
+                    no_fit = infeasible_message(found)
+                    continue
+                auto = found
             plans.append(auto.plan)
         else:
             plans.append(make_policy(request).plan(tr, args.model))
@@ -72,14 +92,39 @@ def run(args: argparse.Namespace) -> int:
     rows = [(p, plan_metrics(tr, p, world), simulate(tr, p, context=context, timeline=False) if context else None)
             for p in plans]
     if out is not None:
-        plans[0].save(out)
+        write_output(out, plans[0].to_json() + "\n")
     if args.json:
-        print(json.dumps(_json(args.model, tr, rows, auto), indent=2))
-        return 0
-    _print(args, tr, rows, auto)
+        print(json.dumps({**_json(args.model, tr, rows, auto),
+                          **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}, indent=2))
+        return 1 if no_fit else 0
+    _print(args, tr, rows, auto, cluster)
     if out is not None:
         render.console.print(f"plan written to {out}")
+    if no_fit:
+        render.console.print(f"auto: {no_fit}", highlight=False)
+        return 1
     return 0
+
+
+def _ignored(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:
+    """What the user asked for that this run does not use, one note each."""
+    why = (f"with --policy {args.policy}" if args.policy
+           else "without --cluster (the comparison includes auto only when a cluster is given)")
+    notes = policy_notes(args, ran, why)
+    if not simulated:
+        # (--precision is read without a cluster too: the model is traced in its compute dtype)
+        given = [opt for opt, value, default in (("--mfu", args.mfu, DEFAULT_MFU),
+                                                  ("--optimizer", args.optimizer, DEFAULT_OPTIMIZER))
+                 if value != default]
+        if given:
+            notes.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --cluster: "
+                         "only the step simulation uses them")
+        if args.measure:
+            notes.append("--measure has no effect without --cluster: measured times only feed the step simulation "
+                         "(nothing measured)")
+    if args.explain and args.json:
+        notes.append("--explain has no effect with --json: the explanation is printed only as a table")
+    return notes
 
 
 def _json(model: str, tr: Any, rows: list, auto: AutoResult | None) -> dict[str, Any]:
@@ -94,12 +139,14 @@ def _json(model: str, tr: Any, rows: list, auto: AutoResult | None) -> dict[str,
     return out
 
 
-def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | None) -> None:
+def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | None,
+           cluster: Cluster | None) -> None:
     console = render.console
     console.print(render.model_line(args.model, tr))
     if len(rows) == 1:
         console.print(render.groups_table(rows[0][0], tr))
-    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows))
+    capacity = cluster.gpu.memory_bytes if cluster is not None else None
+    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, capacity))
     if auto is None:
         return
     console.print(render.auto_line(auto), highlight=False)

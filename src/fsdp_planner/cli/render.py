@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 
 from fsdp_planner.fmt import fmt_bytes, fmt_modules, fmt_numel, fmt_time
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.cluster import GPU, Cluster
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation, Reason
 from fsdp_planner.runtime.verify import VerifyResult
@@ -20,9 +23,40 @@ from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.timeline import StepReport
 from fsdp_planner.trace.records import Trace
 
+
+def _isatty(stream: TextIO | None) -> bool:
+    """False for a closed or missing stream (``fsdp-planner models >&-`` leaves ``sys.stdout`` None)."""
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """rich exits with status 1 on a closed pipe; raise instead so ``cli.main`` ends every command the same
+        way (``fsdp-planner models | head -1``)."""
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+    def _check_buffer(self) -> None:
+        """A failed write (closed pipe, full disk) drops what it could not write rather than keeping it for the
+        next print."""
+        try:
+            super()._check_buffer()
+        except OSError:
+            with contextlib.suppress(Exception):
+                del self._buffer[:]
+            raise
+
+
 # Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
-console = Console(width=None if sys.stdout.isatty() else 150, soft_wrap=True)
-notes = Console(stderr=True, width=None if sys.stderr.isatty() else 150, soft_wrap=True)  # keeps --json output clean
+console = _Console(width=None if _isatty(sys.stdout) else 150, soft_wrap=True)
+notes = _Console(stderr=True, width=None if _isatty(sys.stderr) else 150, soft_wrap=True)  # keeps --json clean
+
+
+def note(text: str) -> None:
+    """``note: ...`` on stderr, for an option that has no effect or a part of the work left out."""
+    notes.print(f"note: {text}", highlight=False, markup=False)
 
 
 def model_line(name: str, tr: Trace) -> str:
@@ -30,8 +64,17 @@ def model_line(name: str, tr: Trace) -> str:
             f"{tr.fwd_flops / 1e9:.3g} GFLOP forward, {tr.bwd_flops / 1e9:.3g} GFLOP backward")
 
 
-def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]]) -> Table:
-    """Policies side by side; step time, exposed communication and peak memory when simulated on a cluster."""
+def fmt_peak(peak: int, capacity: int | None) -> str:
+    """A per-rank peak, marked when it exceeds one GPU's memory (such a plan is not a job anyone can run)."""
+    if capacity is None or peak <= capacity:
+        return fmt_bytes(peak)
+    return f"[red]{fmt_bytes(peak)} > GPU[/red]"
+
+
+def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
+                     capacity: int | None = None) -> Table:
+    """Policies side by side; step time, exposed communication and peak memory (marked over ``capacity``, one
+    GPU's memory) when simulated on a cluster."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
     for col in ("policy", "groups", "root params", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
@@ -43,8 +86,8 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
         cells = [plan.policy, str(m.groups), fmt_numel(m.root_numel), str(m.all_gathers), str(m.reduce_scatters),
                  fmt_bytes(m.all_gather_bytes), fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
-            cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory)]
-                      if report else ["-", "-", "-"])
+            cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm),
+                       fmt_peak(report.peak_memory, capacity)] if report else ["-", "-", "-"])
         t.add_row(*cells)
     return t
 
@@ -77,8 +120,10 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> l
     ]
 
 
-def memory_table(peak: int, breakdown: Mapping[str, int]) -> Table:
-    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)}", title_justify="left")
+def memory_table(peak: int, breakdown: Mapping[str, int], gpu: GPU | None = None) -> Table:
+    over = (f": [red]over the {fmt_bytes(gpu.memory_bytes)} of one {gpu.name}[/red]"
+            if gpu is not None and peak > gpu.memory_bytes else "")
+    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)}{over}", title_justify="left")
     t.add_column("part")
     t.add_column("bytes at peak", justify="right")
     for k, v in breakdown.items():

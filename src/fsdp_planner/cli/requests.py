@@ -7,11 +7,14 @@ Every option that more than one command takes is read here, so its meaning and d
 from __future__ import annotations
 
 import argparse
+import os
+import stat
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import parse_size
+from fsdp_planner.fmt import parse_count, parse_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.planners.registry import POLICY_NAMES, PolicyName, PolicyRequest
@@ -47,15 +50,57 @@ def module_classes(arg: str | None) -> tuple[str, ...]:
     return names
 
 
-def size_or_none(arg: str | None) -> int | None:
-    return None if arg is None else parse_size(arg)
+def size_or_none(arg: str | None, what: str | None = None) -> int | None:
+    return None if arg is None else parse_size(arg, what)
+
+
+# What each policy reads (planners/registry.py, PolicyRequest): an option no policy of the command reads is noted.
+POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
+    "--module-classes": ("module_classes", (PolicyName.MODULE, PolicyName.TITAN)),
+    "--min-nonwrapped-numel": ("min_nonwrapped_numel", (PolicyName.SIZE,)),
+    "--target-bytes": ("target_bytes", (PolicyName.ORDER,)),
+    "--memory-budget": ("memory_budget", (PolicyName.AUTO,)),
+    "--target": ("target", (PolicyName.AUTO,)),
+}
 
 
 def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
+    """The request for one policy, with only the settings that policy reads (the others are checked for syntax
+    here and noted as ignored by ``policy_notes``, never rejected by a policy that does not use them)."""
+    policy = PolicyName(name)
+    classes = module_classes(args.module_classes)
+    numel = parse_count(args.min_nonwrapped_numel, "--min-nonwrapped-numel") \
+        if args.min_nonwrapped_numel is not None else None
+    target_bytes = size_or_none(args.target_bytes, "--target-bytes")
+    budget = size_or_none(args.memory_budget, "--memory-budget")
     return PolicyRequest(
-        PolicyName(name), module_classes=module_classes(args.module_classes),
-        min_nonwrapped_numel=args.min_nonwrapped_numel, target_bytes=size_or_none(args.target_bytes),
-        memory_budget=size_or_none(args.memory_budget), target=Target(args.target))
+        policy,
+        module_classes=classes if policy in (PolicyName.MODULE, PolicyName.TITAN) else (),
+        min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
+        target_bytes=target_bytes if policy is PolicyName.ORDER else None,
+        memory_budget=budget if policy is PolicyName.AUTO else None,
+        target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2)
+
+
+def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: str = "",
+                 plan_file: bool = False) -> list[str]:
+    """One ``note:`` line per policy option the user gave that none of ``policies`` reads (all of them with
+    ``plan_file``); ``why`` says what the command runs instead, e.g. 'with --policy order'."""
+    ran = set(policies)
+    notes = []
+    for option, (attr, readers) in POLICY_OPTIONS.items():
+        if getattr(args, attr, None) is None or (ran & set(readers) and not plan_file):
+            continue
+        if plan_file:
+            notes.append(f"{option} has no effect with --plan: the plan file already fixes the groups")
+            continue
+        users = " and ".join(f"--policy {r.value}" for r in readers)
+        notes.append(f"{option} has no effect {why}: only {users} {'use' if len(readers) > 1 else 'uses'} it")
+    classes = module_classes(getattr(args, "module_classes", None))
+    if PolicyName.TITAN in ran and not plan_file and len(classes) > 1:
+        notes.append(f"the titan policy wraps one block class: it uses {classes[0]} and ignores "
+                     f"{', '.join(classes[1:])} from --module-classes")
+    return notes
 
 
 def plan_source(args: argparse.Namespace) -> PlanSource:
@@ -71,28 +116,123 @@ def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
     return parse_cluster(args.cluster) if args.cluster else None
 
 
-def output_file(arg: str | None) -> Path | None:
-    """``--out``: checked before any work, so a bad path fails in one line, not after minutes of planning."""
+def output_file(arg: str | None, example: str = "plan.json") -> Path | None:
+    """``--out``: checked before any work, so a bad path fails in one line, not after minutes of planning. An
+    existing regular file is overwritten only when it is a .json file (what the commands write): a typo such as
+    ``--out model.py`` must not replace the user's code."""
     if arg is None:
         return None
+    if not arg.strip():
+        raise PlannerError(f"--out is empty: give the file to write, e.g. --out {example}")
     path = Path(arg)
     if path.is_dir():
-        raise PlannerError(f"--out '{arg}' is a directory: give a file name, e.g. {path / 'plan.json'}")
+        raise PlannerError(f"--out '{arg}' is a directory: give a file name, e.g. {path / example}")
     if not path.parent.is_dir():
         raise PlannerError(f"--out '{arg}': directory '{path.parent}' does not exist")
+    if path.is_file() and path.suffix.lower() != ".json":
+        raise PlannerError(f"--out '{arg}' already exists and is not a .json file: refusing to overwrite it "
+                           f"(give a new name, e.g. {path.with_suffix('.json')})")
     return path
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write ``text`` to an ``--out`` file without losing the old one on failure: a regular file is written beside
+    it and renamed over it (a full disk leaves the previous plan whole); a device or pipe is written directly."""
+    if path.exists() and not path.is_file():
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
+        return
+    target = Path(os.path.realpath(path))  # through a symlink, as a plain write would
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _looks_like_cluster_file(spec: str) -> bool:
+    """What ``parse_cluster`` reads as a file rather than a preset name."""
+    text = spec.strip()
+    return Path(text).suffix.lower() == ".json" or "/" in text or os.path.isfile(text)
+
+
+def _model_file(spec: str) -> str | None:
+    target = spec.rpartition(":")[0]
+    return target if target.endswith(".py") else None
+
+
+def input_file(arg: str, what: str) -> Path:
+    """A file the command reads: 'does not exist', 'is a directory' and 'is not a regular file' told apart."""
+    path = Path(arg)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise PlannerError(f"{what} '{arg}' does not exist") from None
+    except OSError as e:
+        raise PlannerError(f"cannot read {what} '{arg}': {e.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise PlannerError(f"{what} '{arg}' is a directory: give the file itself")
+    if not stat.S_ISREG(mode):
+        raise PlannerError(f"{what} '{arg}' is not a regular file")
+    return path
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Before any work: the files a command reads exist and are regular files, and ``--out`` is writable and none
+    of them (``plan m.py:f --out m.py`` once replaced the user's model with a plan)."""
+    inputs: list[tuple[str, str]] = []  # (path, what it is)
+    model = getattr(args, "model", None)
+    if model and _model_file(model):
+        inputs.append((_model_file(model), "the model file"))  # type: ignore[arg-type]
+    if getattr(args, "plan", None):
+        input_file(args.plan, "plan file")
+        inputs.append((args.plan, "the plan file"))
+    for attr in ("cluster", "base"):
+        spec = getattr(args, attr, None)
+        if spec and _looks_like_cluster_file(spec) and os.path.lexists(spec.strip()):
+            input_file(spec.strip(), "cluster file")
+            inputs.append((spec.strip(), "the cluster file"))
+    for log in getattr(args, "logs", None) or ():
+        if os.path.lexists(log) and not os.path.isdir(log):  # a directory of logs is read whole
+            input_file(log, "nccl-tests log")
+        inputs.append((log, "a log"))
+    out_arg = getattr(args, "out", None)
+    if out_arg is None:
+        return
+    example = "cluster.json" if getattr(args, "command", None) == "calibrate" else "plan.json"
+    for path, what in inputs:
+        if out_arg.strip() and _same_file(Path(out_arg), Path(path)):
+            raise PlannerError(f"--out '{out_arg}' is {what} this command reads: write to another file, e.g. "
+                               f"{example}")
+    output_file(out_arg, example)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
 
 
 # -- the options, defined once -------------------------------------------------------------------------------------
 def add_policy_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--module-classes", help="comma-separated class names (default: the repeated block class)")
-    sp.add_argument("--min-nonwrapped-numel", type=int, default=None,
-                    help="size policy threshold in elements (default 1e8, FSDP1's)")
+    sp.add_argument("--min-nonwrapped-numel", default=None,
+                    help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's)")
     sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
-    sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the peak of "
-                                            "the fastest classic policy)")
-    sp.add_argument("--target", choices=[t.value for t in Target], default=Target.FSDP2.value,
-                    help="auto: plans FSDP2 can apply (default) or only what FSDP1 can express")
+    sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the memory of "
+                                            "one of the cluster's GPUs)")
+    sp.add_argument("--target", choices=[t.value for t in Target], default=None,
+                    help="auto: plans FSDP2 can apply (fsdp2, the default) or only what FSDP1 can express")
 
 
 def add_model(sp: argparse.ArgumentParser) -> None:

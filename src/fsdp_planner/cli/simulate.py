@@ -7,7 +7,15 @@ import json
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
-from fsdp_planner.cli.requests import add_json, add_plan_source, add_sim_options, plan_source, sim_options
+from fsdp_planner.cli.requests import (
+    add_json,
+    add_plan_source,
+    add_sim_options,
+    plan_source,
+    policy_notes,
+    sim_options,
+)
+from fsdp_planner.fsdp2.plan import check_plan_world_size
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.sim.timeline import simulate
 
@@ -23,9 +31,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     source = plan_source(args)
     cluster, options = parse_cluster(args.cluster), sim_options(args)
-    tr = load_trace(args.model, render.notes, args.measure, full=args.full_trace)
+    for note in policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
+                             plan_file=source.plan_file is not None):
+        render.note(note)
+    tr = load_trace(args.model, render.notes, args.measure, full=args.full_trace,
+                    precision=options.precision)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
+        check_plan_world_size(plan, cluster.world_size)
     else:
         assert source.policy is not None
         plan = policy_plan(tr, source.policy, args.model, cluster, options)
@@ -35,5 +48,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in render.step_lines(args.model, plan.policy or str(source.plan_file), cluster, report):
         render.console.print(line)
-    render.console.print(render.memory_table(report.peak_memory, report.memory_at_peak))
+    render.console.print(render.memory_table(report.peak_memory, report.memory_at_peak, cluster.gpu))
     return 0

@@ -5,12 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.table import Table
+
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
-from fsdp_planner.cli.requests import add_json, add_plan_source, plan_source
+from fsdp_planner.cli.requests import add_json, add_plan_source, plan_source, policy_notes
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.plan import check_plan_world_size
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
+from fsdp_planner.models import BUILTINS
+from fsdp_planner.planners.registry import PolicyName
 from fsdp_planner.runtime.verify import run_verify
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions
+from fsdp_planner.sim.timeline import simulate
+
+MEMORY_TOLERANCE = 0.05
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,19 +28,47 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_source(sp)
     sp.add_argument("--nproc", type=int, default=2, help="processes (ranks) to run (default 2)")
     sp.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs)")
+    sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs, or with "
+                                      "--fake-world-size GPUs)")
+    sp.add_argument("--fake-world-size", type=int, metavar="W",
+                    help="run real FSDP2 on W fake ranks in this process (fake process group and fake tensors, any "
+                         "model, no torchrun) and compare collectives, bytes and peak memory with the prediction")
+    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISIONS),
+                    help=f"--fake-world-size: the mixed precision to run (default {DEFAULT_PRECISION}; torchrun "
+                         "jobs train in fp32)")
+    sp.add_argument("--memory-tolerance", type=float, default=MEMORY_TOLERANCE,
+                    help=f"--fake-world-size: largest relative peak-memory error that passes (default "
+                         f"{MEMORY_TOLERANCE})")
     add_json(sp)
     sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fake_world_size is not None:
+        return run_fake(args)
+    # every argument is checked before the model is traced or auto searches: a typo costs no minutes
+    if args.nproc < 1:
+        raise PlannerError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.steps < 1:
+        raise PlannerError(f"--steps must be at least 1, got {args.steps}")
+    if args.model in BUILTINS and not BUILTINS[args.model].trainable:
+        raise PlannerError(f"'{args.model}' is for planning only (too large to train here); verify a trainable "
+                           "model")
     source = plan_source(args)
+    auto = source.policy is not None and source.policy.name is PolicyName.AUTO
+    cluster = parse_cluster(args.cluster or f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}") if auto else None
+    for note in policy_notes(args, [source.policy.name] if source.policy else [],
+                             f"with --policy {args.policy}", plan_file=source.plan_file is not None):
+        render.note(note)
+    if args.cluster and not auto:
+        render.note(f"--cluster has no effect with {'--plan' if source.plan_file else f'--policy {args.policy}'}: "
+                    "verify runs on this machine; only --policy auto reads --cluster (the cluster it plans for)")
     tr = load_trace(args.model, render.notes, full=args.full_trace)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
+        check_plan_world_size(plan, args.nproc)
     else:
         assert source.policy is not None
-        cluster = parse_cluster(args.cluster or f"h100:{min(max(args.nproc, 1), MAX_GPUS_PER_NODE)}")
         plan = policy_plan(tr, source.policy, args.model, cluster, SimOptions())
     if not args.json:
         render.console.print(f"verifying [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with "
@@ -44,3 +82,65 @@ def run(args: argparse.Namespace) -> int:
             render.console.print(f"note: {note}")
         render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")
     return 0 if result.ok else 1
+
+
+def run_fake(args: argparse.Namespace) -> int:
+    """Real FSDP2 on ``--fake-world-size`` fake ranks beside the simulator's prediction for that world size."""
+    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, check_precision, run_fake_world
+
+    world = args.fake_world_size
+    if not 1 <= world <= MAX_FAKE_WORLD:
+        raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD:,}, got {world}")
+    if not 0 <= args.memory_tolerance < 1:
+        raise PlannerError(f"--memory-tolerance must be in [0, 1), got {args.memory_tolerance}")
+    if args.nproc != 2 or args.steps != 3:
+        render.note("--nproc and --steps have no effect with --fake-world-size (one process, two steps)")
+    options = SimOptions.named(args.precision)
+    check_precision(options.precision)
+    source = plan_source(args)
+    cluster = parse_cluster(args.cluster or f"h100:{world}")
+    if cluster.world_size != world:
+        raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")
+    tr = load_trace(args.model, render.notes, full=args.full_trace, precision=options.precision)
+    if source.plan_file is not None:
+        plan = load_plan(str(source.plan_file), tr)
+        check_plan_world_size(plan, world)
+    else:
+        assert source.policy is not None
+        plan = policy_plan(tr, source.policy, args.model, cluster, options)
+    if not args.json:
+        render.console.print(f"running [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with real "
+                             f"FSDP2 on {world} fake ranks ({args.precision}) ...")
+    predicted = simulate(tr, plan, cluster, options, timeline=False)
+    measured = run_fake_world(args.model, plan, world, options.precision)
+    rows = {
+        "all_gathers": (predicted.all_gathers, measured.counts["all_gather"]),
+        "reduce_scatters": (predicted.reduce_scatters, measured.counts["reduce_scatter"]),
+        "all_gather_bytes": (predicted.all_gather_bytes, measured.nbytes["all_gather"]),
+        "reduce_scatter_bytes": (predicted.reduce_scatter_bytes, measured.nbytes["reduce_scatter"]),
+        "peak_memory": (predicted.peak_memory, measured.peak_memory),
+    }
+    exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
+    error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
+    ok = exact and abs(error) <= args.memory_tolerance
+    if args.json:
+        print(json.dumps({"world_size": world, "precision": args.precision, "plan": plan.policy,
+                          "predicted": {k: p for k, (p, _) in rows.items()},
+                          "measured": {k: m for k, (_, m) in rows.items()},
+                          "predicted_memory_at_peak": predicted.memory_at_peak, "counts_and_bytes_exact": exact,
+                          "peak_error": error, "memory_tolerance": args.memory_tolerance, "ok": ok,
+                          "seconds": measured.seconds}, indent=2))
+        return 0 if ok else 1
+    table = Table(title=f"{args.model}: prediction vs real FSDP2 on {world} fake ranks "
+                        f"({measured.seconds:.1f} s)")
+    for column in ("per step", "predicted", "measured", ""):
+        table.add_column(column, justify="left" if column == "per step" else "right")
+    for key, (p, m) in rows.items():
+        as_bytes = key.endswith("bytes") or key == "peak_memory"
+        shown = (fmt_bytes(p), fmt_bytes(m)) if as_bytes else (str(p), str(m))
+        verdict = (f"{error:+.1%}" if key == "peak_memory" else "exact" if p == m else "MISMATCH")
+        table.add_row(key.replace("_", " "), *shown, verdict)
+    render.console.print(table)
+    render.console.print("peak: bytes allocated per rank (the CUDA caching allocator's reserve is not in either)")
+    render.console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]")
+    return 0 if ok else 1

@@ -8,7 +8,9 @@ plan fits a model is ``claim.check_plan_matches``.
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,10 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
 
 PLAN_VERSION = 1
+# The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
+PLAN_KEYS = ("version", "model", "policy", "groups")
+MODEL_KEYS = ("fingerprint", "numel", "name")
+GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
 ReshardAfterForward = bool | int  # True, False, or the size of the sub-group that keeps a shard after forward
 
@@ -100,6 +106,11 @@ class Plan:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise PlannerError(f"plan is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise PlannerError("plan is not valid JSON: it nests too deeply to read") from None
+        except ValueError:  # Python refuses integers of more than 4300 digits
+            raise PlannerError("plan is not valid JSON: it holds a number too long to read (over 4300 digits)") \
+                from None
         return _plan_from_dict(data)
 
     @classmethod
@@ -120,18 +131,22 @@ def _plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict) or "version" not in data:
         raise PlannerError("this JSON is not an fsdp-planner plan: expected an object with 'version', 'model' and "
                            "'groups', as `plan --out` writes")
-    if data["version"] != PLAN_VERSION:
-        raise PlannerError(f"unsupported plan version {data['version']!r} (this fsdp-planner reads {PLAN_VERSION})")
+    version = data["version"]
+    if isinstance(version, bool) or not isinstance(version, int) or version != PLAN_VERSION:
+        raise PlannerError(f"unsupported plan version {_shown(version)}: this fsdp-planner reads plans with "
+                           f"\"version\": {PLAN_VERSION}")
+    _check_keys(data, PLAN_KEYS, "plan JSON")
     model, groups = data.get("model"), data.get("groups")
     if not isinstance(model, dict) or not isinstance(groups, list) or not groups:
         raise PlannerError("plan JSON needs a 'model' object and a non-empty 'groups' list")
+    _check_keys(model, MODEL_KEYS, "plan 'model' object")
     parsed = [_group_from_dict(i, g) for i, g in enumerate(groups)]
     if not parsed[-1].is_root:
         parsed.append(Group([ROOT], [], False))
     _check_structure(parsed)
     numel = model.get("numel", 0)
-    if isinstance(numel, bool) or not isinstance(numel, int):
-        raise PlannerError("plan 'model.numel' must be a whole number")
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {_shown(numel)}")
     return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
                 model=str(model.get("name", "")))
 
@@ -139,9 +154,11 @@ def _plan_from_dict(data: Any) -> Plan:
 def _group_from_dict(i: int, g: Any) -> Group:
     if not isinstance(g, dict) or not _str_list(g.get("modules")) or not _str_list(g.get("params", [])):
         raise PlannerError(f"plan group {i} must be an object with a 'modules' list and a 'params' list of names")
+    _check_keys(g, GROUP_KEYS, f"plan group {i}")
     raf = g.get("reshard_after_forward", True)
     if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
-        raise PlannerError(f"plan group {i}: reshard_after_forward must be true, false or a positive whole number")
+        raise PlannerError(f"plan group {i}: reshard_after_forward must be true, false or a positive whole number "
+                           f"(the size of the group that keeps a shard after forward), got {_shown(raf)}")
     prefetch = {}
     for key in ("forward_prefetch", "backward_prefetch"):
         value = g.get(key, [])
@@ -149,6 +166,43 @@ def _group_from_dict(i: int, g: Any) -> Group:
             raise PlannerError(f"plan group {i}: {key} must be a list of group indices")
         prefetch[key] = list(value)
     return Group(modules=list(g["modules"]), params=list(g.get("params", [])), reshard_after_forward=raf, **prefetch)
+
+
+def _shown(value: Any) -> str:
+    """A value as the JSON file spells it (true, 1.0, "1"), cut short if long."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} characters)"
+
+
+def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> None:
+    """Refuse a key the plan format does not have: a misspelled one would otherwise be silently ignored."""
+    for key in map(str, d):
+        if key not in accepted:
+            close = difflib.get_close_matches(key, accepted, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            name = key if len(key) <= 40 else f"{key[:30]}...({len(key)} characters)"
+            raise PlannerError(f"{where} has an unknown key '{name}'{hint}; the accepted keys are "
+                               f"{', '.join(accepted)}")
+
+
+def check_plan_world_size(plan: Plan, world_size: int) -> None:
+    """Refuse a plan that FSDP2 cannot apply on ``world_size`` ranks: an int ``reshard_after_forward`` is the size of
+    the post-forward sub-mesh, so it must divide the world size and not exceed it (``fully_shard`` raises
+    otherwise). Called where a plan file meets a cluster or a process count."""
+    for i, g in enumerate(plan.groups):
+        raf = g.reshard_after_forward
+        if isinstance(raf, bool):
+            continue
+        if raf > world_size or world_size % raf:
+            small = [d for d in range(1, math.isqrt(world_size) + 1) if world_size % d == 0]
+            divisors = sorted(set(small) | {world_size // d for d in small})
+            shown = ", ".join(map(str, divisors[:8])) + (f", ..., {world_size}" if len(divisors) > 8 else "")
+            raise PlannerError(f"plan group {i} has reshard_after_forward={raf}, which FSDP2 needs to divide the "
+                               f"world size of {world_size} ranks (and not exceed it); use true, false or one of "
+                               f"{shown}")
 
 
 def _str_list(value: Any) -> bool:

@@ -28,7 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, Fits, preset_cluster, with_fits
+from fsdp_planner.hardware.cluster import (
+    MAX_GPUS_PER_NODE,
+    MAX_WORLD_SIZE,
+    Cluster,
+    Fits,
+    preset_cluster,
+    with_fits,
+)
 from fsdp_planner.hardware.collectives import COLLECTIVES, CollectiveKind
 
 # nccl-tests type names -> bytes per element
@@ -48,6 +55,14 @@ _RANK = re.compile(
 )
 _TAG = re.compile(r"^\s*\[[^\]]*\]<std(?:out|err)>:")  # mpirun --tag-output
 _MIN_SIZE = 1  # rows with size 0 (count rounded down to 0 per rank) carry no information
+# What a real run prints: nccl-tests writes times in us with two decimals, so 0.01 is the smallest non-zero one,
+# and no collective takes hours; sizes stay far below a PiB. Outside these a row is a typo or a corrupt log (and
+# would break the fit's arithmetic: 1e-300 s squared is 0).
+_MIN_TIME_US, _MAX_TIME_US = 0.01, 1e10
+_MAX_SIZE = 1 << 50
+_MIN_FIT_SIZES = 3  # two sizes make a line; a third checks it (and lets a hiccup be dropped)
+_WHOLE = re.compile(r"\d+", re.ASCII)
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf|infinity)", re.ASCII | re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -120,10 +135,16 @@ def _float(tok: str) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _parse_row(tokens: list[str]) -> NcclRow | None:
+def _parse_row(tokens: list[str], where: str = "a row") -> NcclRow | None:
     """A data row in the 13-column layout (size count type redop root + 2 x (time algbw busbw #wrong)) or
-    the pre-2.13 11-column one (no redop/root)."""
-    if len(tokens) not in (11, 13) or not (tokens[0].isdigit() and tokens[1].isdigit()):
+    the pre-2.13 11-column one (no redop/root). None for a line that is not a data row; PlannerError, naming
+    ``where`` (e.g. "line 12 of ag.log"), for a data row whose size or time no nccl-tests run can print."""
+    if len(tokens) not in (11, 13):
+        return None
+    if not (_WHOLE.fullmatch(tokens[0]) and _WHOLE.fullmatch(tokens[1])):
+        if tokens[2].lower() in _WORD and _NUMBER.fullmatch(tokens[0]) and _NUMBER.fullmatch(tokens[1]):
+            raise PlannerError(f"{where} has size {tokens[0]} and count {tokens[1]}, but nccl-tests prints them as "
+                               "whole numbers of bytes and elements, 0 or more")
         return None
     if len(tokens) == 13:
         redop: str | None = tokens[3]
@@ -132,14 +153,37 @@ def _parse_row(tokens: list[str]) -> NcclRow | None:
         rest = tokens[5:]
     else:
         redop, rest = None, tokens[3:]
-    oop_t, ip_t = _float(rest[0]), _float(rest[4])
+    oop_t, ip_t = _number(rest[0]), _number(rest[4])
     if oop_t is None and ip_t is None:
         return None
+    if len(tokens[0]) > 16 or len(tokens[1]) > 16 or int(tokens[0]) > _MAX_SIZE:
+        raise PlannerError(f"{where} has a size of {_short(tokens[0])} bytes, more than the {_MAX_SIZE:,} bytes "
+                           "(1 PiB) any nccl-tests run measures")
+    size = int(tokens[0])
+    if size >= _MIN_SIZE:
+        for label, t, tok in (("out-of-place", oop_t, rest[0]), ("in-place", ip_t, rest[4])):
+            if t is not None and not _MIN_TIME_US <= t <= _MAX_TIME_US:
+                raise PlannerError(f"{where} has an {label} time of {_short(tok)} us, which no nccl-tests run prints "
+                                   f"(expected a finite time from {_MIN_TIME_US} to {_MAX_TIME_US:.0e} us)")
+    else:  # size-0 rows carry no information: keep them only as the table's shape, never fitted
+        oop_t = oop_t if oop_t is not None and math.isfinite(oop_t) else None
+        ip_t = ip_t if ip_t is not None and math.isfinite(ip_t) else None
     return NcclRow(
-        size=int(tokens[0]), count=int(tokens[1]), dtype=tokens[2], redop=redop,
+        size=size, count=int(tokens[1]), dtype=tokens[2], redop=redop,
         oop_time_us=oop_t, oop_busbw=_float(rest[2]), oop_wrong=rest[3],
         ip_time_us=ip_t, ip_busbw=_float(rest[6]), ip_wrong=rest[7],
     )
+
+
+def _number(tok: str) -> float | None:
+    """Any number nccl-tests could have printed, NaN and infinities included (None: not a number at all)."""
+    if not _NUMBER.fullmatch(tok):
+        return None
+    return float(tok)
+
+
+def _short(tok: str) -> str:
+    return tok if len(tok) <= 24 else f"{tok[:12]}...({len(tok)} characters)"
 
 
 @dataclass
@@ -150,11 +194,11 @@ class _Run:
     closed: bool = False
 
 
-def _split_runs(text: str) -> list[_Run]:
+def _split_runs(text: str, source: str = "<text>") -> list[_Run]:
     runs: list[_Run] = []
     cur: _Run | None = None
     pending: str | None = None  # a binary name seen before the run it belongs to
-    for raw in text.splitlines():
+    for lineno, raw in enumerate(text.splitlines(), start=1):
         line = _TAG.sub("", raw).strip()
         if not line:
             continue
@@ -163,7 +207,7 @@ def _split_runs(text: str) -> list[_Run]:
             runs.append(cur)
             pending = None
             continue
-        row = _parse_row(line.split()) if not line.startswith("#") else None
+        row = _parse_row(line.split(), f"line {lineno} of {source}") if not line.startswith("#") else None
         if row is not None:
             if cur is None or cur.closed:
                 cur = _Run(hint=pending)
@@ -236,7 +280,7 @@ def parse_nccl_tests(
 ) -> list[NcclTable]:
     """Every nccl-tests run found in ``text`` (maybe none). ``kind``/``ranks`` override what is inferred."""
     k = _norm_kind(kind)
-    return [_infer(run, k, ranks, source) for run in _split_runs(text)]
+    return [_infer(run, k, ranks, source) for run in _split_runs(text, source)]
 
 
 def read_nccl_tests(
@@ -288,9 +332,17 @@ def fit_samples(
     if ranks < 2:
         raise PlannerError(f"cannot fit {what}: a collective needs at least 2 ranks, found {ranks}")
     k = (ranks - 1) / ranks
-    pts = [(k * s, t) for s, t in samples if s > 0 and t > 0]
-    if len({x for x, _ in pts}) < 2:
-        raise PlannerError(f"cannot fit {what}: it needs measurements at two or more sizes")
+    for s, t in samples:
+        if not (0 <= s <= _MAX_SIZE and _MIN_TIME_US * 1e-6 <= t <= _MAX_TIME_US * 1e-6):
+            raise PlannerError(f"cannot fit {what}: the sample of {s!r} bytes in {t!r} s is not a plausible "
+                               f"measurement (sizes 0 to 1 PiB, times {_MIN_TIME_US:g} us to {_MAX_TIME_US:.0e} us)")
+    pts = [(k * s, t) for s, t in samples if s > 0]
+    found = len({x for x, _ in pts})
+    if found < _MIN_FIT_SIZES:
+        raise PlannerError(
+            f"cannot fit {what}: it needs measurements at {_MIN_FIT_SIZES} or more sizes and found {found} (two or "
+            "more sizes make a line, a third checks it); run nccl-tests over a range of sizes, e.g. -b 8 -e 8G -f 2"
+        )
     xs, ts = [x for x, _ in pts], [t for _, t in pts]
     a, b = _solve(xs, ts)
     res = [abs(a + b * x - t) / t for x, t in pts]
@@ -308,6 +360,9 @@ def fit_samples(
             "up to large sizes (e.g. -e 8G)"
         )
     rms = math.sqrt(sum(((a + b * x - t) / t) ** 2 for x, t in zip(xs, ts, strict=True)) / len(xs))
+    if not (math.isfinite(a) and math.isfinite(1 / b) and math.isfinite(rms)):
+        raise PlannerError(f"cannot fit {what}: the fitted latency {a!r} s and bandwidth {1 / b!r} B/s are not both "
+                           "finite; check the log's times and sizes")
     return a, 1 / b, rms, dropped
 
 
@@ -342,6 +397,10 @@ def fit_logs(
             f"no all_gather or reduce_scatter run with 2+ ranks in the logs (found {seen}); pass the "
             "collective and rank count explicitly if the log does not show them"
         )
+    for t in usable:
+        if t.ranks > MAX_WORLD_SIZE:
+            raise PlannerError(f"a {t.kind} run in {t.source} is over {t.ranks:,} ranks, more than the "
+                               f"{MAX_WORLD_SIZE:,} supported; check its size and count columns")
     groups: dict[tuple[str, int], list[NcclTable]] = {}
     for t in usable:
         groups.setdefault((t.kind, t.ranks), []).append(t)

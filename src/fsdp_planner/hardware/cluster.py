@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import InitVar, asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,11 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.collectives import COLLECTIVES
 
 CLUSTER_VERSION = 1
+# Sanity bounds on what a cluster may describe: a world far beyond any real job is a typo (and big enough
+# counts overflow the float arithmetic of the cost model); 72 GPUs per node is an NVL72 rack, the largest
+# NVLink domain sold today.
+MAX_WORLD_SIZE = 1_000_000
+MAX_NODE_GPUS = 72
 
 # Per-kind fitted (latency seconds, bus bandwidth bytes/s), keyed by group size N.
 Fits = dict[str, dict[int, tuple[float, float]]]
@@ -71,19 +76,10 @@ class Cluster:
     nics_per_node: int = 8
     fits: Fits = field(default_factory=dict, hash=False)
 
-    def __post_init__(self) -> None:
-        for attr in ("gpus_per_node", "nodes", "nics_per_node"):
-            v = getattr(self, attr)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlannerError(f"cluster '{self.name}' needs a positive whole {attr}, got {v!r}")
-        for lname in ("intra", "inter"):
-            _check_link(getattr(self, lname), f"{self.name}.{lname}")
-        for kind, table in self.fits.items():
-            if kind not in COLLECTIVES:
-                raise PlannerError(f"cluster '{self.name}' has fits for unknown collective '{kind}'")
-            for n, (alpha, bw) in table.items():
-                if n < 2 or alpha < 0 or not bw > 0:
-                    raise PlannerError(f"cluster '{self.name}' has a bad {kind} fit for {n} ranks")
+    where: InitVar[str | None] = None  # how errors name it, e.g. "cluster file c.json"; default: its name
+
+    def __post_init__(self, where: str | None) -> None:
+        _check_cluster(self, where or f"cluster '{self.name}'")
 
     @property
     def world_size(self) -> int:
@@ -119,12 +115,14 @@ class Cluster:
     def from_dict(cls, d: Any, where: str = "cluster JSON") -> Cluster:
         if not isinstance(d, dict):
             raise PlannerError(f"the {where} must be a JSON object, got {type(d).__name__}")
+        memory = _num(d, "gpu.memory_bytes", where)
         gpu = GPU(
             name=str(_get(d, "gpu.name", where)),
             peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
             peak_fp32_flops=_num(d, "gpu.peak_fp32_flops", where),
             hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
-            memory_bytes=int(_num(d, "gpu.memory_bytes", where)),
+            # a whole byte count; NaN / infinity are kept as read so that _check_cluster names them
+            memory_bytes=int(memory) if math.isfinite(memory) else memory,  # type: ignore[arg-type]
         )
         links = {}
         for lname in ("intra", "inter"):
@@ -142,7 +140,7 @@ class Cluster:
         try:
             for kind, table in raw_fits.items():
                 fits[str(kind)] = {int(n): (float(v[0]), float(v[1])) for n, v in table.items()}
-        except (TypeError, ValueError, IndexError, AttributeError) as e:
+        except (TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise PlannerError(f"the {where} field 'fits' is malformed ({e})") from None
         return cls(
             name=str(_get(d, "name", where)),
@@ -153,15 +151,12 @@ class Cluster:
             inter=links["inter"],
             nics_per_node=_int(d, "nics_per_node", where, 8),
             fits=fits,
+            where=where,
         )
 
     @classmethod
     def from_json(cls, text: str, where: str = "cluster JSON") -> Cluster:
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlannerError(f"the {where} is not valid JSON ({e.msg} at line {e.lineno})") from None
-        return cls.from_dict(d, where)
+        return cls.from_dict(_parse_json(text, where), where)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -171,7 +166,27 @@ class Cluster:
         p = Path(path)
         if not p.is_file():
             raise PlannerError(f"cluster file {p} does not exist")
-        return cls.from_json(p.read_text(), where=f"cluster file {p}")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise PlannerError(f"cluster file {p} is not text: expected a cluster JSON such as `calibrate --out` "
+                               "writes") from None
+        except OSError as e:
+            raise PlannerError(f"cannot read cluster file {p}: {e.strerror}") from None
+        return cls.from_json(text, where=f"cluster file {p}")
+
+
+def _parse_json(text: str, where: str) -> Any:
+    """``json.loads`` with every way it fails on bad input turned into one PlannerError line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlannerError(f"the {where} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise PlannerError(f"the {where} is not valid JSON (it nests too deeply to read)") from None
+    except ValueError:  # Python refuses integers of more than 4300 digits
+        raise PlannerError(f"the {where} is not valid JSON (it holds a number too long to read, over 4300 "
+                           "digits)") from None
 
 
 _MISSING = object()
@@ -192,7 +207,10 @@ def _num(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) ->
     v = _get(d, dotted, where, default)
     if isinstance(v, bool) or not isinstance(v, int | float):
         raise PlannerError(f"the {where} field '{dotted}' must be a number, got {v!r}")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer beyond any float: as infinite, which _check_cluster refuses by name
+        return math.inf if v > 0 else -math.inf
 
 
 def _int(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> int:
@@ -202,15 +220,47 @@ def _int(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) ->
     return v
 
 
-def _check_link(link: Link, where: str) -> None:
-    if not link.bus_bandwidth > 0:
-        raise PlannerError(f"link {where} needs a positive bus_bandwidth, got {link.bus_bandwidth!r}")
-    for attr in ("base_latency", "hop_latency", "half_bw_bytes"):
-        v = getattr(link, attr)
-        if not (v >= 0 and math.isfinite(v)):
-            raise PlannerError(f"link {where} needs a finite non-negative {attr}, got {v!r}")
-    if not 0 <= link.ring_overhead < 2:
-        raise PlannerError(f"link {where} needs ring_overhead in [0, 2), got {link.ring_overhead!r}")
+def _positive(label: str, name: str, v: Any, what: str = "finite number above 0") -> None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
+        raise PlannerError(f"the {label} field '{name}' must be a {what}, got {v!r}")
+
+
+def _check_cluster(c: Cluster, label: str) -> None:
+    """Every number of a cluster (preset, JSON file, calibration) in one place: finite, in range, named."""
+    for attr, top in (("gpus_per_node", MAX_NODE_GPUS), ("nodes", MAX_WORLD_SIZE), ("nics_per_node", MAX_WORLD_SIZE)):
+        v = getattr(c, attr)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            raise PlannerError(f"the {label} field '{attr}' must be a whole number from 1 to {top:,}, got {v!r}")
+    if c.world_size > MAX_WORLD_SIZE:
+        raise PlannerError(f"the {label} has {c.world_size:,} GPUs ({c.nodes:,} nodes x {c.gpus_per_node}); "
+                           f"at most {MAX_WORLD_SIZE:,} are supported")
+    for attr in ("peak_bf16_flops", "peak_fp32_flops", "hbm_bandwidth"):
+        _positive(label, f"gpu.{attr}", getattr(c.gpu, attr))
+    _positive(label, "gpu.memory_bytes", c.gpu.memory_bytes, "whole number of bytes above 0")
+    for lname in ("intra", "inter"):
+        link = getattr(c, lname)
+        bw = link.bus_bandwidth
+        if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:  # inf: an ideal link
+            raise PlannerError(f"the {label} field '{lname}.bus_bandwidth' must be a number above 0, got {bw!r}")
+        for attr in ("base_latency", "hop_latency", "half_bw_bytes"):
+            v = getattr(link, attr)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
+                raise PlannerError(f"the {label} field '{lname}.{attr}' must be a finite number of at least 0, "
+                                   f"got {v!r}")
+        if not 0 <= link.ring_overhead < 2:
+            raise PlannerError(f"the {label} field '{lname}.ring_overhead' must be at least 0 and below 2, "
+                               f"got {link.ring_overhead!r}")
+    for kind, table in c.fits.items():
+        if kind not in COLLECTIVES:
+            raise PlannerError(f"the {label} has fits for unknown collective '{kind}' "
+                               f"(known: {', '.join(COLLECTIVES)})")
+        for n, (alpha, bw) in table.items():
+            if not 2 <= n <= MAX_WORLD_SIZE:
+                raise PlannerError(f"the {label} field 'fits.{kind}' has a fit for {n} ranks; fits are for 2 to "
+                                   f"{MAX_WORLD_SIZE:,} ranks")
+            if not (math.isfinite(alpha) and alpha >= 0 and math.isfinite(bw) and bw > 0):
+                raise PlannerError(f"the {label} field 'fits.{kind}.{n}' must be [latency, bandwidth] with a finite "
+                                   f"latency of at least 0 and a finite bandwidth above 0, got [{alpha!r}, {bw!r}]")
 
 
 # ---- presets ---------------------------------------------------------------------------------------------
@@ -282,7 +332,11 @@ def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster
     )
 
 
-_SPEC = re.compile(r"^([a-z0-9]+)(?::(\d+)(?:x(\d+))?)?$")
+_SPEC = re.compile(r"^([a-z0-9]+)(?::(\d+)(?:x(\d+))?)?$", re.ASCII)
+
+
+def _shown(spec: str) -> str:
+    return spec if len(spec) <= 40 else f"{spec[:30]}...({len(spec)} characters)"
 
 
 def parse_cluster(spec: str) -> Cluster:
@@ -298,25 +352,30 @@ def parse_cluster(spec: str) -> Cluster:
         if p.suffix.lower() == ".json" or p.is_file() or "/" in text:
             return Cluster.load(p)
         raise PlannerError(
-            f"unknown cluster '{spec}': give a preset NAME[:GPUS] with NAME one of {presets} "
+            f"unknown cluster '{_shown(spec)}': give a preset NAME[:GPUS] with NAME one of {presets} "
             "(e.g. h100:64), or the path of a cluster JSON file"
         )
     name, count, per_node = m.group(1), m.group(2), m.group(3)
     if count is None:
         return preset_cluster(name)
+    # digits are counted before int(): a count of thousands of digits is a typo, and int() refuses > 4300 digits
+    if max(len(count), len(per_node or "")) > 9 or int(count) * int(per_node or 1) > MAX_WORLD_SIZE:
+        raise PlannerError(
+            f"bad GPU count in cluster '{_shown(spec)}': at most {MAX_WORLD_SIZE:,} GPUs are supported"
+        )
     n = int(count)
     if per_node is not None:  # NODESxGPUS_PER_NODE
         g = int(per_node)
         if n < 1 or not 1 <= g <= MAX_GPUS_PER_NODE:
             raise PlannerError(
-                f"bad cluster '{spec}': NODESxGPUS needs at least one node of 1 to {MAX_GPUS_PER_NODE} GPUs "
-                f"(presets: {presets})"
+                f"bad cluster '{_shown(spec)}': NODESxGPUS needs at least one node of 1 to {MAX_GPUS_PER_NODE} "
+                f"GPUs (presets: {presets})"
             )
         return preset_cluster(name, nodes=n, gpus_per_node=g)
     if n < 1 or (n > MAX_GPUS_PER_NODE and n % MAX_GPUS_PER_NODE):
         raise PlannerError(
-            f"bad GPU count in cluster '{spec}': give 1 to {MAX_GPUS_PER_NODE} GPUs (one node) or a multiple "
-            f"of {MAX_GPUS_PER_NODE} (whole nodes), with a preset among {presets}"
+            f"bad GPU count in cluster '{_shown(spec)}': give 1 to {MAX_GPUS_PER_NODE} GPUs (one node) or a "
+            f"multiple of {MAX_GPUS_PER_NODE} (whole nodes), with a preset among {presets}"
         )
     if n <= MAX_GPUS_PER_NODE:
         return preset_cluster(name, nodes=1, gpus_per_node=n)

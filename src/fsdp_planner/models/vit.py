@@ -119,7 +119,9 @@ def classification_loss(labels: torch.Tensor):  # type: ignore[no-untyped-def]
 
 def build(cfg: ViTConfig, batch_size: int, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any, Any]:
     """``(model, (images,), loss_fn)``."""
-    model = VisionTransformer(cfg).to(dtype)
+    model = VisionTransformer(cfg)
+    if dtype is not torch.float32:  # a no-op cast still swaps every param, which fake tensors refuse
+        model = model.to(dtype)
     images = torch.randn(batch_size, cfg.channels, cfg.image, cfg.image, dtype=dtype)
     labels = torch.randint(0, cfg.n_classes, (batch_size,))
     return model, (images,), classification_loss(labels)

@@ -42,7 +42,7 @@ class PolicyRequest:
     module_classes: tuple[str, ...] = ()  # module, titan (first class): default the repeated block class
     min_nonwrapped_numel: int | None = None  # size: default FSDP1's 1e8
     target_bytes: int | None = None  # order: default one block
-    memory_budget: int | None = None  # auto: default the fastest classic policy's peak
+    memory_budget: int | None = None  # auto: default the memory of one of the cluster's GPUs
     target: Target = Target.FSDP2  # auto
 
     def __post_init__(self) -> None:

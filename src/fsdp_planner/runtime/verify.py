@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,84 @@ from fsdp_planner.trace.records import Trace
 
 FP32_TOLERANCE = 1e-5
 Counts = dict[str, int]  # collective kind's value -> count or bytes
+STOP_GRACE_S = 5.0  # SIGTERM to the job's process group, then SIGKILL after this long
+
+
+class Terminated(BaseException):
+    """A terminating signal (SIGTERM, SIGHUP) arrived; raised from its handler so every ``finally`` runs: the
+    torchrun job is killed and the temporary directory removed, as on Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+@contextmanager
+def signals_raise(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise ``Terminated`` instead of killing the process outright (only in the
+    main thread, where Python runs signal handlers; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+    """End ``proc`` and every process of its session (it was started with ``start_new_session``): torchrun and its
+    workers. SIGTERM, then SIGKILL after ``grace`` seconds; Ctrl-C and SIGTERM wait until it is done."""
+    blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        pgid = proc.pid  # a session leader's group id is its pid, even after it exits
+        if proc.poll() is None or _group_alive(pgid):
+            _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                proc.poll()  # reap torchrun itself: a zombie still counts as a member of the group
+                if not _group_alive(pgid):
+                    break
+                time.sleep(0.05)
+            else:
+                _signal_group(pgid, signal.SIGKILL)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                with suppress(OSError):
+                    pipe.close()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    finally:
+        if in_main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
@@ -65,11 +148,14 @@ class VerifyResult:
 
 
 def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
-    """Per-step all-gather / reduce-scatter counts, and their bytes as FSDP2 sends them (padded, params' dtypes)."""
+    """Per-step all-gather / reduce-scatter counts, and their bytes as FSDP2 sends them (padded, params' dtypes).
+    On one rank FSDP2 issues none: its all-gather and reduce-scatter paths are skipped when the world size is 1."""
     sizing = Sizing(trace, world_size)
     groups = sizing.groups(plan)
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
+    if world_size == 1:
+        return counts, nbytes
     for c in build_schedule(trace, plan, world_size).collectives:
         counts[c.kind.value] += 1
         if c.kind is CollectiveKind.ALL_GATHER:
@@ -94,23 +180,30 @@ def run_verify(spec: str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, 
         path, _, fn = spec.rpartition(":")
         spec = f"{Path(path).resolve()}:{fn}"
     predicted, predicted_bytes = predict_collectives(trace, plan, nproc)
-    with tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-") as tmp:
+    with signals_raise(), \
+            tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-", ignore_cleanup_errors=True) as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps({"model": spec, "plan": plan.to_json(), "steps": steps, "lr": lr,
                                         "seed": seed, "result": str(result_path)}))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "fsdp_planner.runtime.worker", str(job_path)]
+        # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
+        # reaches only this process (which then stops them) instead of racing torchrun's own handling.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            raise PlannerError(f"verify job did not finish within {timeout:.0f} s") from e
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise PlannerError(f"verify job did not finish within {timeout:.0f} s (stopped)") from None
+        finally:
+            stop_process_group(proc)  # also after a normal exit: no rank outlives the job
         if not result_path.is_file():
             raised = sorted(Path(tmp).glob("result.json.rank*.error"))
             if raised:
                 rank = raised[0].name.rpartition(".rank")[2].split(".")[0]
                 raise PlannerError(f"verify job failed: rank {rank} raised {raised[0].read_text()}")
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+            tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
             raise PlannerError(f"verify job failed (exit {proc.returncode}):\n{tail}")
         data = json.loads(result_path.read_text())
     notes = []

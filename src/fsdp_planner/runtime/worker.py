@@ -145,6 +145,8 @@ def _describe(e: BaseException) -> str:
 
     frames = traceback.extract_tb(e.__traceback__)
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    if isinstance(e, SystemExit):
+        return f"SystemExit: the model's code called sys.exit({'' if e.code is None else repr(e.code)}){where}"
     message = " ".join(str(e).split())
     return f"{type(e).__name__}: {message[:500]}{where}"
 
@@ -175,9 +177,12 @@ def worker(job_path: str) -> None:
         if rank == 0:
             Path(job["result"]).write_text(json.dumps({**result, "backend": backend, "world": world}))
         dist.barrier()
-    except Exception as e:
-        # torchrun's summary drops the rank's traceback: leave the cause where the launcher reads it
+    except (Exception, SystemExit) as e:
+        # torchrun's summary drops the rank's traceback: leave the cause where the launcher reads it (a sys.exit in
+        # the model's code too: with status 0 the job would otherwise look finished, with no result)
         Path(f"{job['result']}.rank{rank}.error").write_text(_describe(e))
+        if isinstance(e, SystemExit):
+            raise SystemExit(1) from e
         raise
     finally:
         dist.destroy_process_group()

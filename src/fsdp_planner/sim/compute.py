@@ -10,8 +10,9 @@ from fsdp_planner.trace.records import Trace
 
 
 def traced_itemsize(trace: Trace) -> int:
-    """Bytes per element the model was traced in (its widest param dtype)."""
-    return max((p.itemsize for p in trace.params), default=4)
+    """Bytes per element the model was traced in: the compute dtype it was cast to, else its widest param
+    dtype."""
+    return trace.compute_itemsize or max((p.itemsize for p in trace.params), default=4)
 
 
 def op_times(trace: Trace, gpu: GPU, precision: Precision, mfu: float) -> list[float]:

@@ -1,11 +1,14 @@
 """Per-rank memory: the one model behind every peak the planner prints.
 
-Static (all step): sharded params, grads and optimizer state (padded, divided by the shard world size), and
-the model's buffers (replicated). Over the step, from the FSDP2 replay: the groups' unsharded params while
-they are gathered (``Residency``), the all-gather output beside them while it is copied out (just before the
-group's first use after each all-gather), each group's unsharded grads from its first backward op until its
-reduce-scatter, and the activations saved for backward, from the op that saves them until the backward of the
-module call that saved them is done. Sizes come from ``sizing.py``.
+Static (all step): sharded params and optimizer state (padded, divided by the shard world size), and the model's
+buffers (replicated). Over the step, from the FSDP2 replay: the groups' unsharded params while they are gathered
+(``Residency``), the all-gather output beside them while it is copied out (just before the group's first use
+after each all-gather), each group's unsharded grads from its first backward op until its reduce-scatter, the
+reduce-scatter input (padded, reduce dtype; FSDP2's ``foreach_reduce``) from its reduce-scatter until the next
+group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the default) or the step ends, the sharded
+grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default), and the
+activations saved for backward, from the op that saves them until the backward of the module call that saved
+them is done. Sizes come from ``sizing.py``.
 
 The same terms give the classic strategies' rows (``strategy_table``): one device, DDP (plus gradient buckets,
 one more copy of the grads), ZeRO-1 and ZeRO-2 (optimizer state, then grads too, divided by the world size),
@@ -47,6 +50,7 @@ class MemoryBreakdown:
     unsharded_params: int = 0
     all_gather_buffers: int = 0
     unsharded_grads: int = 0
+    reduce_scatter_buffers: int = 0
     activations: int = 0
 
     @property
@@ -103,34 +107,38 @@ class MemoryModel:
         shard = self.sizing.shard_numel(trainable)
         self.static = MemoryBreakdown(
             params=self.sizing.shard_numel(range(len(trace.params))) * precision.param_bytes,
-            grads=shard * precision.grad_bytes,
             optimizer_state=shard * optimizer.state_bytes_per_element(precision.param_bytes),
             buffers=trace.buffers_nbytes,
             compute_copies=compute_copies(trace, precision, sharded=True),
         )
+        self.grad_bytes = precision.grad_bytes
         self.activations = activation_levels(trace, precision)
 
     def peak(self, plan: Plan, schedule: Schedule) -> MemoryBreakdown:
         """The step's peak and its breakdown at that moment."""
         n = len(self.trace.events) + 1
         groups = self.sizing.groups(plan)
-        deltas: dict[int, list[float]] = {}  # position -> change in [unsharded params, all-gather buffers, grads]
+        deltas: dict[int, list[float]] = {}  # position -> change per dynamic category (``_DYNAMIC``)
 
         def add(cat: int, start: int, end: int, nbytes: float) -> None:
-            deltas.setdefault(start, [0.0, 0.0, 0.0])[cat] += nbytes
-            deltas.setdefault(end, [0.0, 0.0, 0.0])[cat] -= nbytes
+            deltas.setdefault(start, [0.0] * len(_DYNAMIC))[cat] += nbytes
+            deltas.setdefault(end, [0.0] * len(_DYNAMIC))[cat] -= nbytes
 
         for r in schedule.residency:
             add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)
+        reduces = [c for c in schedule.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
         for c in schedule.collectives:
-            g = groups[c.group]
             if c.kind is CollectiveKind.ALL_GATHER:
                 # FSDP2 copies the all-gather output out (then frees it) just before the group's first use after
                 # the all-gather: both copies are alive at that moment
+                g = groups[c.group]
                 use = first_at_or_after(g.uses, c.event, default=n - 1)
                 add(1, max(c.event, use - 1), use, g.gather_bytes)
-            else:
-                add(2, min(g.first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
+        for k, c in enumerate(reduces):
+            add(2, min(groups[c.group].first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
+            # the next post-backward frees this input buffer before it allocates its own
+            add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
+            add(4, c.event, n, self.sizing.shard_numel(c.params) * self.grad_bytes)
         return self._peak_of(deltas, n)
 
     def _peak_of(self, deltas: dict[int, list[float]], n: int) -> MemoryBreakdown:
@@ -138,20 +146,20 @@ class MemoryModel:
         if not starts or starts[0] != 0:
             starts.insert(0, 0)
         seg_max = np.maximum.reduceat(self.activations, starts)  # activations peak within each segment
-        level = [0.0, 0.0, 0.0]
+        level = [0.0] * len(_DYNAMIC)
         static_total = self.static.total
-        best, best_at = -1.0, (0.0, 0.0, 0.0, 0.0)
+        best, best_at = -1.0, (0.0,) * (len(_DYNAMIC) + 1)
         for k, s in enumerate(starts):
-            for cat, d in enumerate(deltas.get(s, (0.0, 0.0, 0.0))):
+            for cat, d in enumerate(deltas.get(s, ())):
                 level[cat] += d
             total = static_total + sum(level) + seg_max[k]
             if total > best:
                 best, best_at = total, (*level, float(seg_max[k]))
-        u, ag, g, act = (round(x) for x in best_at)
-        s = self.static
-        return MemoryBreakdown(params=s.params, grads=s.grads, optimizer_state=s.optimizer_state, buffers=s.buffers,
-                               compute_copies=s.compute_copies, unsharded_params=u, all_gather_buffers=ag,
-                               unsharded_grads=g, activations=act)
+        at = dict(zip((*_DYNAMIC, "activations"), (round(x) for x in best_at), strict=True))
+        return _replace(self.static, **at)
+
+
+_DYNAMIC = ("unsharded_params", "all_gather_buffers", "unsharded_grads", "reduce_scatter_buffers", "grads")
 
 
 def first_at_or_after(uses: list[int], event: int, default: int) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from fsdp_planner.errors import PlannerError
 
 
@@ -34,6 +36,13 @@ class Precision:
     autocast: bool = False
     weight_cache: bool = False
     description: str = ""
+
+    @property
+    def trace_dtype(self) -> torch.dtype | None:
+        """What to trace the step in (``trace(compute_dtype=)``): the 16-bit compute dtype FSDP2's
+        ``MixedPrecisionPolicy`` casts params and inputs to; None for fp32 compute and for autocast, which picks
+        a dtype per op."""
+        return torch.bfloat16 if self.compute_bytes == 2 and not self.autocast else None
 
     @property
     def gather_bytes(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.distributed.fsdp._common_utils import collect_grad_tensors, replace_grad_tensors
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_planner.batch import paused_gc
@@ -420,6 +420,7 @@ def trace(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     measure: bool = False,
     reuse: bool = True,
+    compute_dtype: torch.dtype | None = None,
 ) -> Trace:
     """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
 
@@ -428,18 +429,55 @@ def trace(
     With ``measure=True`` the model runs for real on its device instead and every op is timed
     (``Trace.op_seconds``); ``runtime/measure.py`` wraps this with warm-up and repeats. With ``reuse`` (not when
     measuring) a repeated module is traced once and its events replayed for identical calls (``reuse.py``).
+
+    ``compute_dtype`` runs the step the way FSDP2's ``MixedPrecisionPolicy(param_dtype=...)`` does: floating
+    params (not buffers) and the floating inputs cast to it, so what the model upcasts (a norm computing in fp32,
+    a loss on ``.float()`` logits) is recorded at its real size. Params are recorded with their own dtypes and
+    restored after.
     """
+    if measure and compute_dtype is not None:
+        raise ValueError("a measured trace runs the model as it is: no compute_dtype")
     with paused_gc():
-        return _trace(model, example_inputs, loss_fn, measure, reuse)
+        return _trace(model, example_inputs, loss_fn, measure, reuse, compute_dtype)
+
+
+@contextlib.contextmanager
+def _params_cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """Floating params' data cast to ``dtype`` (same Parameter objects), put back on exit."""
+    if dtype is None:
+        yield
+        return
+    originals = [(p, p.data) for p in dict.fromkeys(model.parameters())
+                 if p.is_floating_point() and p.dtype != dtype]
+    try:
+        for p, data in originals:
+            p.data = data.to(dtype)
+        yield
+    finally:
+        for p, data in originals:
+            p.data = data
 
 
 def _trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None, measure: bool,
-           reuse: bool) -> Trace:
-    from fsdp_planner.trace.reuse import BlockReuse
-
+           reuse: bool, compute_dtype: torch.dtype | None) -> Trace:
     walk = ModuleWalk(model)
     params, param_objs = collect_params(walk)
+    fingerprint = model_fingerprint(model, walk)  # of the params' own dtypes, before the cast
+    with _params_cast(model, compute_dtype):
+        return _trace_cast(model, walk, params, param_objs, fingerprint, example_inputs, loss_fn, measure, reuse,
+                           compute_dtype)
+
+
+def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter],
+                fingerprint: str, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+                measure: bool, reuse: bool, compute_dtype: torch.dtype | None) -> Trace:
+    from fsdp_planner.trace.reuse import BlockReuse
+
     args, kwargs = _split_inputs(example_inputs)
+    if compute_dtype is not None:  # FSDP2's root casts floating forward inputs (cast_forward_inputs=True)
+        args, kwargs = tree_map(
+            lambda t: t.to(compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            (args, kwargs))
     on_meta = all(p.is_meta for p in param_objs) and all(
         t.is_meta for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))
     if measure and (on_meta or any(p.is_meta for p in param_objs)):
@@ -487,7 +525,8 @@ def _trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch
     buffers = {id(b): b for m in walk.modules.values() for b in m._buffers.values() if b is not None}
     params = [p if i in got_grad else replace(p, gets_grad=False) for i, p in enumerate(params)]
     return Trace(params=tuple(params), modules=_module_infos(walk, params, param_objs, events, recorder.calls),
-                 events=tuple(events), fingerprint=model_fingerprint(model, walk),
+                 events=tuple(events), fingerprint=fingerprint,
+                 compute_itemsize=None if compute_dtype is None else compute_dtype.itemsize,
                  buffers_nbytes=sum(b.numel() * b.element_size() for b in buffers.values()), op_seconds=seconds)
 
 

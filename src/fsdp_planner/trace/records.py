@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from fsdp_planner.trace.events import Event, EventKind
@@ -72,6 +72,7 @@ class Trace:
     fingerprint: str
     buffers_nbytes: int = 0
     op_seconds: tuple[float, ...] | None = None  # measured seconds per event (0 for boundaries), see measure.py
+    compute_itemsize: int | None = None  # bytes per element params were cast to for the trace (None: their own)
 
     @cached_property
     def index(self) -> TraceIndex:
@@ -99,4 +100,4 @@ class Trace:
     def with_op_seconds(self, seconds: tuple[float, ...]) -> Trace:
         if len(seconds) != len(self.events):
             raise ValueError(f"got {len(seconds)} op times for a trace of {len(self.events)} events")
-        return Trace(self.params, self.modules, self.events, self.fingerprint, self.buffers_nbytes, tuple(seconds))
+        return replace(self, op_seconds=tuple(seconds))

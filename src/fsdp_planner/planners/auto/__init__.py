@@ -10,8 +10,10 @@ The search, one concern per module:
 ``evaluator.py`` simulates every candidate once and ranks them; ``explain.py`` says why each boundary sits where
 it does.
 
-Without a budget, auto keeps to the peak memory of the fastest classic policy: it is then never slower than any
-classic policy and never uses more memory than that fastest one (a slower classic policy may use less).
+Without a budget, the budget is the GPU's memory (``GPU.memory_bytes``, the spec sheet's decimal capacity: 80e9
+bytes = 74.5 GiB on an H100, which leaves ~4.5 GiB of the 79.1 GiB CUDA reports for the CUDA context, NCCL's
+buffers and the caching allocator's fragmentation, none of which the prediction counts). Every classic plan is a
+candidate, so auto is never slower than a classic policy that fits.
 ``Target.FSDP1`` searches only what FSDP1 can express: one module per unit, uniform dtype and requires_grad per
 unit, bool ``reshard_after_forward``, no prefetch lists.
 """
@@ -64,7 +66,7 @@ class AutoResult:
     plan: Plan
     report: StepReport
     budget: int
-    budget_source: str  # "--memory-budget" or the classic policy whose peak it is
+    budget_source: str  # "--memory-budget" or the GPU whose memory it is
     fits: bool
     baselines: dict[str, Candidate]
     evaluated: int  # plans simulated during the search
@@ -112,7 +114,7 @@ class AutoPolicy:
         search = Search(trace, self.cluster, self.options, self.target, model)
         ev = search.ev
         baselines = classic_baselines(ev)
-        ev.budget, source = self._budget(baselines)
+        ev.budget, source = self._budget()
         module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
         if self.target is Target.FSDP2:
             for atoms in search.granularities():
@@ -132,20 +134,18 @@ class AutoPolicy:
                           fits=best.report.peak_memory <= ev.budget, baselines=baselines,
                           evaluated=len(ev.seen), seconds=time.perf_counter() - started, search=search)
 
-    def _budget(self, baselines: dict[str, Candidate]) -> tuple[int, str]:
+    def _budget(self) -> tuple[int, str]:
         if self.memory_budget is not None:
             return self.memory_budget, "--memory-budget"
-        if baselines:
-            fastest = min(baselines.values(), key=lambda c: (c.report.step_time, c.report.peak_memory))
-            return fastest.report.peak_memory, f"peak of the fastest classic policy, {fastest.origin}"
-        return self.cluster.gpu.memory_bytes, "GPU memory"
+        return self.cluster.gpu.memory_bytes, f"the memory of one {self.cluster.gpu.name}"
 
 
 def infeasible_message(result: AutoResult) -> str:
     cluster = result.search.ev.cluster
+    hint = ", or raise --memory-budget to at least that" if result.budget_source == "--memory-budget" else ""
     return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {cluster.name}: the smallest "
             f"peak any plan reaches is {fmt_bytes(result.min_peak)} (most of it fixed: sharded state and "
-            "activations); raise --memory-budget to at least that or use more GPUs")
+            f"activations); use more GPUs or a smaller batch or sequence{hint}")
 
 
 __all__ = ["AutoPolicy", "AutoResult", "Search", "Target", "infeasible_message"]

@@ -1,0 +1,123 @@
+"""Memory and collective fidelity: the simulator's prediction beside real FSDP2 on the fake process group.
+
+Run: python benchmarks/fidelity_memory.py   (writes benchmarks/fidelity_memory.md and .json; ~15 min on 2 cores)
+
+For each model and world size W, the plans of auto (for h100:W) and of the four classic policies are applied with
+real ``fully_shard`` on W fake ranks in this process (``runtime/fake_world.py``) and trained two steps with AdamW
+under bf16-mixed precision; the last step's all-gathers, reduce-scatters, their bytes and the peak allocated bytes
+per rank are compared with ``simulate``'s. Target (issue 9): counts and bytes exact, peak within 5%.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import load_model
+from fsdp_planner.planners import AutoPolicy
+from fsdp_planner.runtime.fake_world import run_fake_world
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.trace import trace
+
+CASES = {  # model -> world sizes
+    "seed-net": [8, 64, 1024],
+    "toy-llama": [8, 64, 1024],
+    "toy-gpt2-tied": [8, 64, 1024],
+    "vit-h14": [8, 64],
+    "llama3-8b": [8, 64],
+    "t5-3b": [8],
+}
+TIMED = ("llama3-70b", 1024)  # auto's plan only: the issue's speed target (under 2 min)
+TOLERANCE = 0.05
+
+
+def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool = False) -> list[dict]:
+    lm = load_model(model)
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    rows = []
+    for world in worlds:
+        cluster = parse_cluster(f"h100:{world}")
+        result = AutoPolicy(cluster, options=options).search(tr, model)
+        plans = {"auto": result.plan, **({} if only_auto else {n: c.plan for n, c in result.baselines.items()})}
+        for name, plan in plans.items():
+            predicted = simulate(tr, plan, cluster, options, timeline=False)
+            measured = run_fake_world(model, plan, world, options.precision)
+            row = {"model": model, "world": world, "plan": name, "groups": len(plan.inner_groups),
+                   "predicted": {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
+                                 "all_gather_bytes": predicted.all_gather_bytes,
+                                 "reduce_scatter_bytes": predicted.reduce_scatter_bytes,
+                                 "peak": predicted.peak_memory},
+                   "measured": {"all_gather": measured.counts["all_gather"],
+                                "reduce_scatter": measured.counts["reduce_scatter"],
+                                "all_gather_bytes": measured.nbytes["all_gather"],
+                                "reduce_scatter_bytes": measured.nbytes["reduce_scatter"],
+                                "peak": measured.peak_memory},
+                   "seconds": measured.seconds}
+            p, m = row["predicted"], row["measured"]
+            row["exact"] = all(p[k] == m[k] for k in p if k != "peak")
+            row["peak_error"] = p["peak"] / m["peak"] - 1
+            rows.append(row)
+            print(f"{model} W={world} {name}: exact={row['exact']} peak {row['peak_error']:+.1%} "
+                  f"({measured.seconds:.1f} s)", file=sys.stderr)
+    return rows
+
+
+def main() -> None:
+    started = time.perf_counter()
+    options = SimOptions()
+    rows = [r for model, worlds in CASES.items() for r in rows_for(model, worlds, options)]
+    rows += rows_for(TIMED[0], [TIMED[1]], options, only_auto=True)
+    elapsed = time.perf_counter() - started
+    out = Path(__file__).parent
+    (out / "fidelity_memory.json").write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1) + "\n")
+    exact = sum(r["exact"] for r in rows)
+    within = sum(abs(r["peak_error"]) <= TOLERANCE for r in rows)
+    lines = [
+        "# Memory and collective fidelity: prediction vs real FSDP2 (fake process group)",
+        "",
+        f"Measured by `python benchmarks/fidelity_memory.py` on {platform.machine()}, torch {torch.__version__}, "
+        f"in {elapsed / 60:.1f} min. bf16-mixed precision (bf16 compute and all-gather, fp32 reduce-scatter), "
+        "AdamW, `zero_grad()` (set_to_none); the second of two steps. Peak: bytes allocated per rank (live tensor "
+        "storages, `runtime/fake_world.py`), the CUDA caching allocator's reserve not included.",
+        "",
+        f"**Counts and bytes exact in {exact} of {len(rows)} runs; peak within {TOLERANCE:.0%} in {within} of "
+        f"{len(rows)}.**",
+        "",
+        "| model | W | plan | groups | all-gathers (pred / meas) | reduce-scatters | bytes exact | peak predicted "
+        "| peak measured | error | check time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p, m = r["predicted"], r["measured"]
+        lines.append(
+            f"| {r['model']} | {r['world']} | {r['plan']} | {r['groups']} | {p['all_gather']} / {m['all_gather']} "
+            f"| {p['reduce_scatter']} / {m['reduce_scatter']} | "
+            f"{'yes' if r['exact'] else '**no**'} | {fmt_bytes(p['peak'])} | {fmt_bytes(m['peak'])} | "
+            f"{'**' if abs(r['peak_error']) > TOLERANCE else ''}{r['peak_error']:+.1%}"
+            f"{'**' if abs(r['peak_error']) > TOLERANCE else ''} | {r['seconds']:.1f} s |")
+    lines += ["", NOTES]
+    (out / "fidelity_memory.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+NOTES = """What the model misses where the error is large (read from the runs, not fitted):
+- activations are freed when the backward of the module call that saved them ends; autograd frees each saved
+  tensor as soon as the backward node that used it has run. A plan whose groups are large modules (one group
+  for a whole small model) holds them too long in the prediction: over-estimates (toy-gpt2-tied).
+- transients are not modelled: tensors that are not saved for backward but are alive at the peak (the logits'
+  gradient at the start of backward, in fp32 and bf16; a block's output while the next one runs):
+  under-estimates on the language models.
+The fix for both is to record live bytes per op in the trace itself (the same storage counting the fake-world
+check does), for forward and backward; it is not done yet (issue 9 stays open)."""
+
+
+if __name__ == "__main__":
+    main()

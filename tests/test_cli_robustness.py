@@ -1,0 +1,414 @@
+"""What a new user's mistakes get from the CLI: one clear line (``error: ...``, exit 2) or a one-line ``note:``,
+never a traceback, an "internal error", a silent exit or a lost file.
+
+Most tests call ``fsdp_planner.cli.main`` in-process; the ones that need a real closed stream or pipe run the CLI
+in a subprocess and are marked integration (each pays a Python + torch start-up)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_planner import cli
+from fsdp_planner.cli import render
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import parse_count, parse_size
+
+FIXTURES = Path(__file__).parent / "fixtures"
+LOG = FIXTURES / "nccl" / "all_gather_perf_8xh100.log"
+
+USER_MODELS = '''
+import sys
+import torch
+import torch.nn as nn
+
+INPUT = torch.randn(4, 8)  # made at import: on the CPU even when the factory runs under torch.device("meta")
+
+
+class ExitsInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        sys.exit(0)
+
+
+def exits_in_factory():
+    sys.exit(0)
+
+
+def exits_in_forward():
+    return ExitsInForward(), (torch.randn(4, 8),)
+
+
+def exits_in_loss():
+    return nn.Linear(8, 4), (torch.randn(4, 8),), lambda out: sys.exit(5)
+
+
+def cpu_inputs():
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), (torch.randn(4, 8, device="cpu"),)
+
+
+def module_level_inputs():
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), (INPUT,)
+
+
+def frozen():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    model.requires_grad_(False)
+    return model, (torch.randn(4, 8),)
+
+
+def no_params():
+    return nn.ReLU(), (torch.randn(4, 8),)
+
+
+def single_linear():
+    return nn.Linear(8, 4), (torch.randn(4, 8),)
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path: Path) -> Path:
+    path = tmp_path / "user_models.py"
+    path.write_text(USER_MODELS)
+    return path
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, message: str) -> None:
+    assert code == 2, err
+    assert err.startswith("error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and "internal error" not in err and "usage:" not in err
+
+
+def notes(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("note: ")]
+
+
+# -- 1. output streams ------------------------------------------------------------------------------------------
+class BrokenPipe(io.StringIO):
+    """A stdout whose reader has gone away."""
+
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+def test_closed_stdout_is_not_a_crash(monkeypatch, capsys):
+    assert render._isatty(None) is False  # render is imported with sys.stdout None under `>&-`
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli.main(["models"]) == 0
+    assert sys.stdout is not None  # replaced by the null device
+    assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [("models",), ("cost", "all-gather", "1GiB", "--cluster", "h100:8", "--json")])
+def test_broken_pipe_exits_quietly_with_141(monkeypatch, capsys, args):
+    """rich's console (models) and print (--json) alike: no 'internal error', exit status 141 as for SIGPIPE."""
+    monkeypatch.setattr(sys, "stdout", BrokenPipe())
+    assert cli.main(list(args)) == cli.EXIT_BROKEN_PIPE == 141
+    assert capsys.readouterr().err == ""
+
+
+def test_os_error_is_one_line_not_internal_error(monkeypatch, capsys):
+    def fails(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/out.json")
+
+    monkeypatch.setattr(cli.models, "run", fails)
+    code, _, err = run_main(capsys, "models")
+    assert_one_line_error(code, err, "No space left on device: /data/out.json")
+
+
+class FullDisk(io.StringIO):
+    def write(self, s: str) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_stdout_on_a_full_disk(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    assert cli.main(["models"]) == 2
+    assert capsys.readouterr().err == "error: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.integration
+def test_real_closed_stdout_and_broken_pipe():
+    exe = f'"{sys.executable}" -m fsdp_planner'
+    closed = subprocess.run(["sh", "-c", f"{exe} models >&-"], capture_output=True, text=True, timeout=120)
+    assert closed.returncode == 0 and closed.stderr == "", closed.stderr
+    no_err = subprocess.run(["sh", "-c", f"{exe} models 2>&-"], capture_output=True, text=True, timeout=120)
+    assert no_err.returncode == 0 and "seed-net" in no_err.stdout
+    for args in (["models"], ["plan", "seed-net", "--json"]):
+        proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        proc.stdout.close()  # the reader is gone before the first line is written (`| head -0`)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 141 and err == "", err
+
+
+# -- 2. argument errors -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "message"), [
+    (("plan", "seed-net", "--polcy", "order"),
+     "error: unrecognized arguments: --polcy order; did you mean --policy? (see fsdp-planner plan --help)"),
+    (("plna",), "invalid choice: 'plna'"),
+    (("plan",), "the following arguments are required: model (see fsdp-planner plan --help)"),
+    (("verify", "seed-net", "--nproc", "x"), "invalid int value: 'x' (see fsdp-planner verify --help)"),
+    (("plan", "seed-net", "--policy", "fastest"), "invalid choice: 'fastest'"),
+    ((), "required: COMMAND (see fsdp-planner --help)"),
+])
+def test_argument_errors_are_one_line(capsys, args, message):
+    code, out, err = run_main(capsys, *args)
+    assert_one_line_error(code, err, message)
+    assert out == ""
+
+
+def test_help_still_exits_0(capsys):
+    code, out, _ = run_main(capsys, "plan", "--help")
+    assert code == 0 and "--memory-budget" in out
+
+
+# -- 3. --out ---------------------------------------------------------------------------------------------------
+def test_out_never_overwrites_the_model_file(capsys, user_models):
+    before = user_models.read_text()
+    code, _, err = run_main(capsys, "plan", f"{user_models}:single_linear", "--policy", "order",
+                            "--out", str(user_models))
+    assert_one_line_error(code, err, "is the model file this command reads")
+    assert user_models.read_text() == before
+
+
+def test_out_refuses_an_existing_file_that_is_not_json(capsys, tmp_path):
+    notes_file = tmp_path / "notes.txt"
+    notes_file.write_text("mine")
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(notes_file))
+    assert_one_line_error(code, err, "already exists and is not a .json file: refusing to overwrite it")
+    assert notes_file.read_text() == "mine"
+
+
+def test_out_refuses_an_input_json(capsys, tmp_path):
+    cluster_file = tmp_path / "cluster.json"
+    assert cli.main(["calibrate", str(LOG), "--out", str(cluster_file)]) == 0
+    before = cluster_file.read_text()
+    capsys.readouterr()
+    code, _, err = run_main(capsys, "simulate", "seed-net", "--policy", "order", "--cluster", str(cluster_file))
+    assert code == 0, err
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--cluster", str(cluster_file),
+                            "--out", str(cluster_file))
+    assert_one_line_error(code, err, "is the cluster file this command reads")
+    assert cluster_file.read_text() == before
+
+
+def test_calibrate_out_is_not_one_of_its_logs(capsys, tmp_path):
+    log = tmp_path / "ag.json"  # even a .json name: it is an input
+    log.write_text(LOG.read_text())
+    code, _, err = run_main(capsys, "calibrate", str(log), "--out", str(log))
+    assert_one_line_error(code, err, "is a log this command reads")
+    assert log.read_text() == LOG.read_text()
+
+
+@pytest.mark.parametrize("command", [("plan", "seed-net", "--policy", "order"), ("calibrate", str(LOG))])
+def test_empty_out(capsys, command):
+    code, _, err = run_main(capsys, *command, "--out", "")
+    assert_one_line_error(code, err, "--out is empty: give the file to write")
+
+
+def test_out_overwrites_a_json_file_and_keeps_it_when_writing_fails(capsys, tmp_path, monkeypatch):
+    plan = tmp_path / "plan.json"
+    plan.write_text("{}")
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(plan))
+    assert code == 0, err
+    written = plan.read_text()
+    assert json.loads(written)["groups"]
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "size", "--out", str(plan))
+    assert_one_line_error(code, err, f"cannot write {plan}: No space left on device")
+    assert plan.read_text() == written  # the previous plan is whole
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # and no temporary file is left
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_out_on_a_full_disk(capsys):
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", "/dev/full")
+    assert_one_line_error(code, err, "cannot write /dev/full: No space left on device")
+
+
+# -- 4. input paths ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "message"), [
+    (("verify", "seed-net", "--plan", "{dir}"), "plan file '{dir}' is a directory"),
+    (("simulate", "seed-net", "--plan", "/dev/null", "--cluster", "h100:8"),
+     "plan file '/dev/null' is not a regular file"),
+    (("simulate", "seed-net", "--policy", "order", "--cluster", "{dir}"), "cluster file '{dir}' is a directory"),
+    (("cost", "all-gather", "1GiB", "--cluster", "/dev/null"), "cluster file '/dev/null' is not a regular file"),
+    (("plan", "{dir}/model.py:fn"), "model file '{dir}/model.py' is a directory"),
+    (("plan", "{dir}:fn"), "'{dir}' is a directory; give path/to/file.py:fn"),
+    (("calibrate", "/dev/null", "--out", "{dir}/c.json"), "nccl-tests log '/dev/null' is not a regular file"),
+    (("verify", "seed-net", "--plan", "{dir}/missing.json"), "plan file '{dir}/missing.json' does not exist"),
+])
+def test_input_paths_say_what_is_wrong(capsys, tmp_path, args, message):
+    (tmp_path / "model.py").mkdir()
+    code, _, err = run_main(capsys, *(a.format(dir=tmp_path) for a in args))
+    assert_one_line_error(code, err, message.format(dir=tmp_path))
+
+
+# -- 5. sizes and counts ----------------------------------------------------------------------------------------
+def test_parse_size_refuses_less_than_a_byte_quoting_the_input():
+    with pytest.raises(PlannerError, match=r"--memory-budget '0.4' is less than one byte"):
+        parse_size("0.4", "--memory-budget")
+    assert parse_size("0") == 0 and parse_size("0.1GiB") == round(0.1 * 2**30)
+
+
+@pytest.mark.parametrize(("text", "value"), [("1e8", 10**8), ("1.5e6", 1_500_000), ("100", 100), ("1_000", 1000),
+                                             ("-5", -5)])
+def test_parse_count_reads_float_notation(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize(("text", "message"), [("1.5", "is not a whole number"), ("1e-3", "is not a whole number"),
+                                               ("lots", "cannot read"), ("inf", "cannot read"), ("1e999", "range")])
+def test_parse_count_errors(text, message):
+    with pytest.raises(PlannerError, match=message):
+        parse_count(text, "--min-nonwrapped-numel")
+
+
+def test_memory_budget_under_a_byte(capsys):
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "auto", "--memory-budget", "0.4")
+    assert_one_line_error(code, err, "--memory-budget '0.4' is less than one byte")
+
+
+def test_min_nonwrapped_numel_in_float_notation(capsys):
+    code, out, err = run_main(capsys, "plan", "seed-net", "--policy", "size", "--min-nonwrapped-numel", "1e3",
+                              "--json")
+    assert code == 0, err
+    assert json.loads(out)["plans"][0]["plan"]["policy"] == "size(1000)"
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "size", "--min-nonwrapped-numel", "1.5")
+    assert_one_line_error(code, err, "--min-nonwrapped-numel '1.5' is not a whole number")
+
+
+# -- 6. options that have no effect -----------------------------------------------------------------------------
+@pytest.mark.parametrize(("args", "expected"), [
+    (("plan", "seed-net", "--policy", "order", "--memory-budget", "1GiB"),
+     ["--memory-budget has no effect with --policy order: only --policy auto uses it"]),
+    (("plan", "seed-net", "--policy", "order", "--memory-budget", "0"),  # ignored, so not "auto's ... positive"
+     ["--memory-budget has no effect with --policy order: only --policy auto uses it"]),
+    (("plan", "seed-net", "--memory-budget", "1GiB"),
+     ["--memory-budget has no effect without --cluster (the comparison includes auto only when a cluster is "
+      "given): only --policy auto uses it"]),
+    (("plan", "seed-net", "--policy", "size", "--module-classes", "Linear", "--target", "fsdp1"),
+     ["--module-classes has no effect with --policy size: only --policy module and --policy titan use it",
+      "--target has no effect with --policy size: only --policy auto uses it"]),
+    (("plan", "seed-net", "--policy", "order", "--module-classes", "Linear", "--min-nonwrapped-numel", "1000"),
+     ["--module-classes has no effect with --policy order: only --policy module and --policy titan use it",
+      "--min-nonwrapped-numel has no effect with --policy order: only --policy size uses it"]),
+    (("plan", "seed-net", "--policy", "titan", "--module-classes", "Linear,Conv2d"),
+     ["the titan policy wraps one block class: it uses Linear and ignores Conv2d from --module-classes"]),
+    (("plan", "seed-net", "--policy", "order", "--mfu", "0.3", "--optimizer", "sgd", "--precision", "fp32"),
+     ["--mfu, --optimizer have no effect without --cluster: only the step simulation uses them"]),
+    (("plan", "seed-net", "--policy", "order", "--cluster", "h100:8", "--mfu", "0.3"), []),
+    (("plan", "seed-net", "--memory-budget", "1GiB", "--cluster", "h100:8", "--module-classes", "Linear"), []),
+])
+def test_ignored_options_get_a_note(capsys, args, expected):
+    code, _, err = run_main(capsys, *args)
+    assert code == 0, err
+    assert notes(err) == [f"note: {n}" for n in expected]
+
+
+def test_policy_options_with_a_plan_file_are_noted(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", "seed-net", "--policy", "order", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    code, _, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8",
+                            "--memory-budget", "1GiB")
+    assert code == 0, err
+    assert notes(err) == ["note: --memory-budget has no effect with --plan: the plan file already fixes the groups"]
+
+
+def test_verify_notes_a_cluster_it_does_not_use(capsys, tmp_path, monkeypatch):
+    from fsdp_planner.cli import verify
+
+    plan = tmp_path / "plan.json"
+    assert cli.main(["plan", "seed-net", "--policy", "order", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(verify, "run_verify", lambda *a, **k: (_ for _ in ()).throw(PlannerError("stop here")))
+    code, _, err = run_main(capsys, "verify", "seed-net", "--plan", str(plan), "--cluster", "h100:8")
+    assert code == 2 and "stop here" in err
+    assert notes(err) == ["note: --cluster has no effect with --plan: verify runs on this machine; only --policy "
+                          "auto reads --cluster (the cluster it plans for)"]
+
+
+# -- 7. verify checks every argument before any work ------------------------------------------------------------
+@pytest.mark.parametrize(("args", "message"), [
+    (("--policy", "auto", "--nproc", "0"), "--nproc must be at least 1, got 0"),
+    (("--policy", "auto", "--steps", "0"), "--steps must be at least 1, got 0"),
+    (("--policy", "order", "--nproc", "-2"), "--nproc must be at least 1, got -2"),
+])
+def test_verify_rejects_bad_counts_before_tracing(capsys, monkeypatch, args, message):
+    from fsdp_planner.cli import verify
+
+    def no_work(*a, **k):
+        raise AssertionError("traced before the arguments were checked")
+
+    monkeypatch.setattr(verify, "load_trace", no_work)
+    code, out, err = run_main(capsys, "verify", "toy-llama", *args)
+    assert_one_line_error(code, err, message)
+    assert out == ""  # no "verifying ..." line
+
+
+# -- 8. the user's model code -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fn", "message"), [
+    ("exits_in_factory", "the model's code called sys.exit(0) while building the model"),
+    ("exits_in_forward", "the model's code called sys.exit(0) while running the forward, backward or loss_fn"),
+    ("exits_in_loss", "the model's code called sys.exit(5) while running the forward, backward or loss_fn"),
+    ("frozen", "has no trainable parameters (all 4 have requires_grad=False)"),
+    ("no_params", "has no parameters: there is nothing for FSDP to shard"),
+])
+def test_user_model_mistakes_are_one_line(capsys, user_models, fn, message):
+    code, out, err = run_main(capsys, "plan", f"{user_models}:{fn}", "--policy", "order")
+    assert_one_line_error(code, err, message)
+    assert out == ""
+
+
+@pytest.mark.parametrize("fn", ["cpu_inputs", "module_level_inputs"])
+def test_cpu_example_inputs_of_a_meta_model_are_moved(capsys, user_models, fn):
+    code, out, err = run_main(capsys, "plan", f"{user_models}:{fn}", "--policy", "order", "--json")
+    assert code == 0, err
+    assert json.loads(out)["model"]["numel"] == 8 * 8 + 8 + 8 * 4 + 4
+
+
+def test_meta_device_mismatch_is_explained(capsys, tmp_path):
+    path = tmp_path / "targets.py"
+    path.write_text("import torch, torch.nn as nn\nT = torch.zeros(4, dtype=torch.long)\n"
+                    "def fn():\n    return nn.Linear(8, 4), (torch.randn(4, 8),), "
+                    "lambda out: nn.functional.cross_entropy(out, T)\n")
+    code, _, err = run_main(capsys, "plan", f"{path}:fn", "--policy", "order")
+    assert_one_line_error(code, err, "the model is built on the meta device for planning")
+
+
+# -- 9. the comparison without a repeated block -----------------------------------------------------------------
+def test_comparison_skips_block_policies_when_the_model_has_no_block(capsys, user_models):
+    code, out, err = run_main(capsys, "plan", f"{user_models}:single_linear", "--json")
+    assert code == 0, err
+    assert [p["plan"]["policy"].split("(")[0] for p in json.loads(out)["plans"]] == ["size", "order"]
+    assert notes(err) == ["note: the module and titan policies are left out of the comparison: the model has no "
+                          "repeated block class (name the classes to wrap with --module-classes to compare them)"]
+    code, _, err = run_main(capsys, "plan", f"{user_models}:single_linear", "--policy", "module")
+    assert_one_line_error(code, err, "no repeated block class")  # asked for by name: still an error

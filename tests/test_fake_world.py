@@ -1,0 +1,113 @@
+"""Real FSDP2 on the fake process group as the oracle: counts and bytes exact, peak memory close, and the
+live-bytes counter equal to torch's own MemTracker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import load_model
+from fsdp_planner.planners.classic import TorchtitanPolicy
+from fsdp_planner.runtime.fake_world import LiveBytes, run_fake_world
+from fsdp_planner.sim.options import PRECISIONS, SimOptions
+from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.trace import trace
+
+
+def _traced(spec: str, options: SimOptions):
+    lm = load_model(spec)
+    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+@pytest.mark.parametrize("world", [8, 64])
+def test_prediction_matches_real_fsdp2_at_fake_world_size(precision: str, world: int) -> None:
+    options = SimOptions.named(precision)
+    tr = _traced("toy-llama", options)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    predicted = simulate(tr, plan, parse_cluster(f"h100:{world}"), options, timeline=False)
+    measured = run_fake_world("toy-llama", plan, world, options.precision)
+    assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters}
+    assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
+    assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
+
+
+def test_tracing_in_the_compute_dtype_sees_fp32_upcasts() -> None:
+    """toy-llama's RMSNorm and loss compute in fp32: traced in bf16 they save more than half the fp32 bytes."""
+    lm = load_model("toy-llama")
+    fp32 = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    bf16 = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    saved = [sum(e.saved for e in t.events) for t in (fp32, bf16)]
+    assert saved[0] / 2 < saved[1] < saved[0]
+    assert bf16.fingerprint == fp32.fingerprint and bf16.compute_itemsize == 2
+    assert all(p.dtype == torch.float32 for p in lm.model.parameters())  # params put back
+
+
+def test_autocast_and_mismatched_storage_are_refused() -> None:
+    tr = _traced("seed-net", SimOptions())
+    plan = make_plan(tr, [])
+    with pytest.raises(PlannerError, match="autocast"):
+        run_fake_world("seed-net", plan, 8, PRECISIONS["autocast"])
+    with pytest.raises(PlannerError, match="builds them in float32"):
+        run_fake_world("seed-net", plan, 8, PRECISIONS["pure-bf16"])
+
+
+@pytest.mark.integration
+def test_live_bytes_equals_torch_mem_tracker() -> None:
+    """The running counter and torch's MemTracker (which sums every storage on every op) see the same peak."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_planner.fsdp2.apply import apply_plan
+    from fsdp_planner.models import resolve_factory
+    from fsdp_planner.runtime.fake_world import mixed_precision
+
+    tr = _traced("toy-llama", SimOptions())
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (8,))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model, inputs, loss_fn = resolve_factory("toy-llama")()
+            apply_plan(model, plan, mesh=mesh,
+                       mp_policy=mixed_precision(SimOptions().precision, model))
+            optimizer = torch.optim.AdamW(model.parameters())
+            reference = MemTracker()
+            reference.track_external(model, optimizer)
+            peaks = []
+            for _ in range(2):
+                reference.reset_mod_stats()
+                ours = LiveBytes()
+                alive = [*model.parameters(), *inputs,
+                         *(t for s in optimizer.state.values() for t in s.values())]
+                with reference, ours:
+                    ours.track(alive)
+                    loss_fn(model(*inputs)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                peaks.append((ours.peak, reference.get_tracker_snapshot("peak")[torch.device("cpu")]))
+    finally:
+        dist.destroy_process_group()
+    ours_peak, snapshot = peaks[-1]
+    theirs = next(v for k, v in snapshot.items() if str(k).endswith("Total"))
+    assert ours_peak == pytest.approx(theirs, rel=0.01)
+
+
+def test_verify_fake_world_size_command(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from fsdp_planner.cli import main
+
+    assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["counts_and_bytes_exact"] and out["world_size"] == 64
+    assert out["predicted"]["all_gathers"] == out["measured"]["all_gathers"] > 0
+    assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "0"]) == 2
+    assert "--fake-world-size must be between 1" in capsys.readouterr().err

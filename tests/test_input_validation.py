@@ -1,0 +1,297 @@
+"""Bad user input is one clear line and exit code 2, never a traceback, an internal error or a silently wrong result:
+cluster specs and files, nccl-tests logs for calibrate, and plan files (found by a new-user break test)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import traced
+
+from fsdp_planner.cli import main
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.hardware.calibrate import fit_samples, parse_nccl_tests
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.planners import SizeBasedPolicy
+
+
+def _fails(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> str:
+    """Run the CLI: exit code 2 and one ``error: ...`` line containing ``message``."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "internal error" not in err and "Traceback" not in err
+    assert message in lines[0], lines[0]
+    return lines[0]
+
+
+# ---- clusters: --cluster specs -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", [
+    "h100:1" + "0" * 300,  # a multiple of 8: used to reach the cost model and overflow it
+    "h100:" + "9" * 300,
+    "h100:" + "1" * 5000,  # more digits than int() reads
+    "h100:2000000",
+    "h100:200000x8",
+    "a100:1" + "0" * 20 + "x8",
+], ids=["1e300", "300-nines", "5000-digits", "2e6", "200000x8", "1e20x8"])
+def test_huge_gpu_counts_are_refused(capsys, spec: str) -> None:
+    line = _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", spec], "at most 1,000,000 GPUs are supported")
+    assert len(line) < 300  # the 5000-digit spec is not echoed whole
+
+
+def test_largest_supported_preset_still_parses() -> None:
+    assert parse_cluster("h100:1000000").world_size == 1_000_000
+
+
+# ---- clusters: JSON files -------------------------------------------------------------------------------------------
+def _cluster_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    d = parse_cluster("h100:16").to_dict()
+    if change:
+        change(d)
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(d))  # NaN and Infinity written as JavaScript spells them, as Python's json reads
+    return path
+
+
+def _set(dotted: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def change(d: dict[str, Any]) -> None:
+        *parents, last = dotted.split(".")
+        for p in parents:
+            d = d[p]
+        d[last] = value
+    return change
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("gpu.memory_bytes", math.nan, "field 'gpu.memory_bytes' must be a whole number of bytes above 0, got nan"),
+    ("gpu.memory_bytes", 0, "field 'gpu.memory_bytes' must be a whole number of bytes above 0, got 0"),
+    ("gpu.memory_bytes", -80e9, "field 'gpu.memory_bytes' must be a whole number of bytes above 0"),
+    ("gpu.memory_bytes", math.inf, "field 'gpu.memory_bytes' must be a whole number of bytes above 0, got inf"),
+    ("gpu.hbm_bandwidth", 0, "field 'gpu.hbm_bandwidth' must be a finite number above 0, got 0.0"),
+    ("gpu.hbm_bandwidth", 10**400, "field 'gpu.hbm_bandwidth' must be a finite number above 0, got inf"),
+    ("gpu.hbm_bandwidth", math.inf, "field 'gpu.hbm_bandwidth' must be a finite number above 0, got inf"),
+    ("gpu.peak_bf16_flops", 0, "field 'gpu.peak_bf16_flops' must be a finite number above 0"),
+    ("gpu.peak_fp32_flops", -1, "field 'gpu.peak_fp32_flops' must be a finite number above 0"),
+    ("gpu.peak_bf16_flops", math.nan, "field 'gpu.peak_bf16_flops' must be a finite number above 0, got nan"),
+    ("intra.bus_bandwidth", math.nan, "field 'intra.bus_bandwidth' must be a number above 0, got nan"),
+    ("inter.bus_bandwidth", -5, "field 'inter.bus_bandwidth' must be a number above 0"),
+    ("inter.hop_latency", math.inf, "field 'inter.hop_latency' must be a finite number of at least 0, got inf"),
+    ("intra.base_latency", -1e-6, "field 'intra.base_latency' must be a finite number of at least 0"),
+    ("intra.ring_overhead", math.nan, "field 'intra.ring_overhead' must be at least 0 and below 2, got nan"),
+    ("gpus_per_node", 0, "field 'gpus_per_node' must be a whole number from 1 to 72, got 0"),
+    ("gpus_per_node", -8, "field 'gpus_per_node' must be a whole number from 1 to 72, got -8"),
+    ("gpus_per_node", 1000, "field 'gpus_per_node' must be a whole number from 1 to 72, got 1000"),
+    ("nodes", 0, "field 'nodes' must be a whole number from 1 to 1,000,000, got 0"),
+    ("nodes", 200_000, "has 1,600,000 GPUs (200,000 nodes x 8); at most 1,000,000 are supported"),
+    ("nics_per_node", 0, "field 'nics_per_node' must be a whole number from 1 to 1,000,000, got 0"),
+    ("fits", {"all_gather": {"8": [math.nan, 3e11]}}, "field 'fits.all_gather.8' must be [latency, bandwidth]"),
+    ("fits", {"all_gather": {"8": [1e-5, math.inf]}}, "a finite bandwidth above 0, got [1e-05, inf]"),
+    ("fits", {"all_gather": {"8": [1e-5, 0]}}, "a finite bandwidth above 0, got [1e-05, 0.0]"),
+    ("fits", {"all_gather": {"1": [1e-5, 3e11]}}, "has a fit for 1 ranks; fits are for 2 to 1,000,000 ranks"),
+])
+def test_every_cluster_number_is_checked_and_named(capsys, tmp_path: Path, field: str, value: Any,
+                                                    message: str) -> None:
+    path = _cluster_file(tmp_path, _set(field, value))
+    line = _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(path)], message)
+    assert f"the cluster file {path} field" in line or f"the cluster file {path} has" in line
+    with pytest.raises(PlannerError, match="cluster file"):
+        Cluster.load(path)
+
+
+def test_an_nvl72_node_is_a_valid_cluster(tmp_path: Path) -> None:
+    path = _cluster_file(tmp_path, lambda d: d.update(gpus_per_node=72, nodes=2))
+    assert Cluster.load(path).world_size == 144
+
+
+def test_presets_pass_the_same_checks() -> None:
+    from dataclasses import replace
+
+    c = parse_cluster("h100:8")
+    with pytest.raises(PlannerError, match=r"the cluster 'h100:8' field 'gpu\.hbm_bandwidth' must be a finite number"):
+        replace(c, gpu=replace(c.gpu, hbm_bandwidth=0.0))
+    with pytest.raises(PlannerError, match="'gpus_per_node' must be a whole number from 1 to 72"):
+        replace(c, gpus_per_node=73)
+    assert replace(c, name="renamed").name == "renamed"  # replace() still works with the validating InitVar
+
+
+def test_cluster_file_that_is_not_text(capsys, tmp_path: Path) -> None:
+    for data in (b"\xff\xfe\x00\x01binary", "{\"name\": \"caf\xe9\"}".encode("latin-1")):
+        path = tmp_path / "cluster.json"
+        path.write_bytes(data)
+        _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(path)],
+               f"cluster file {path} is not text: expected a cluster JSON")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[" * 100_000 + "]" * 100_000, "is not valid JSON (it nests too deeply to read)"),
+    ('{"nodes": ' + "9" * 5000 + "}", "is not valid JSON (it holds a number too long to read, over 4300 digits)"),
+], ids=["deep", "long-int"])
+def test_unreadable_cluster_json(capsys, tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "cluster.json"
+    path.write_text(text)
+    _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(path)], f"the cluster file {path} {message}")
+
+
+# ---- calibrate: nccl-tests logs -------------------------------------------------------------------------------------
+HEADER = "# nThread 1 nGpus 8 minBytes 8 maxBytes 8589934592 step: 2(factor)\n"
+
+
+def _row(size: int | str, t: float | str, count: int | str | None = None, ip: float | str | None = None) -> str:
+    count = size // 32 if count is None and isinstance(size, int) else (count if count is not None else 1)
+    ip = t if ip is None else ip
+    return f"  {size}  {count}  float  none  -1  {t}  1.0  1.0  0  {ip}  1.0  1.0  0"
+
+
+def _good_rows() -> list[str]:
+    return [_row(s, round(30 + s / 300e3, 2)) for s in (1 << 10, 1 << 20, 1 << 24, 1 << 28, 1 << 30)]
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    (_row(4096, "1e-300"), "line 3 of {log} has an out-of-place time of 1e-300 us, which no nccl-tests run prints"),
+    (_row(4096, "1e300"), "line 3 of {log} has an out-of-place time of 1e300 us"),
+    (_row(4096, "nan"), "line 3 of {log} has an out-of-place time of nan us"),
+    (_row(4096, "inf"), "line 3 of {log} has an out-of-place time of inf us"),
+    (_row(4096, "-12.5"), "line 3 of {log} has an out-of-place time of -12.5 us"),
+    (_row(4096, "0.00"), "line 3 of {log} has an out-of-place time of 0.00 us"),
+    (_row(4096, 31.0, ip="NaN"), "line 3 of {log} has an in-place time of NaN us"),
+    (_row("-4096", 31.0, count=128), "line 3 of {log} has size -4096 and count 128, but nccl-tests prints them as"),
+    (_row("4096.5", 31.0, count=128), "line 3 of {log} has size 4096.5 and count 128"),
+    (_row(1 << 60, 31.0), "line 3 of {log} has a size of 1152921504606846976 bytes, more than the"),
+    (_row("1" + "0" * 5000, 31.0, count=1), "more than the 1,125,899,906,842,624 bytes (1 PiB)"),
+], ids=["1e-300", "1e300", "nan", "inf", "negative", "zero", "in-place-nan", "negative-size", "fractional-size",
+        "2^60-size", "5000-digit-size"])
+def test_calibrate_refuses_impossible_rows_naming_the_line(capsys, tmp_path: Path, bad: str, message: str) -> None:
+    log = tmp_path / "ag.log"
+    rows = _good_rows()
+    log.write_text(HEADER + rows[0] + "\n" + bad + "\n" + "\n".join(rows[1:]) + "\n")
+    _fails(capsys, ["calibrate", str(log), "--base", "h100:8", "--out", str(tmp_path / "c.json")],
+           message.format(log=log))
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_size_zero_rows_are_still_skipped_quietly(tmp_path: Path) -> None:
+    log = tmp_path / "ag.log"
+    log.write_text(HEADER + "  0  0  float  none  -1  0.00  0.00  0.00  0  0.00  0.00  0.00  0\n"
+                   + "\n".join(_good_rows()) + "\n")
+    (table,) = parse_nccl_tests(log.read_text())
+    assert len(table.samples()) == 10
+
+
+@pytest.mark.parametrize("sizes", [1, 2])
+def test_calibrate_needs_three_sizes(capsys, tmp_path: Path, sizes: int) -> None:
+    log = tmp_path / "ag.log"
+    # one absurd-but-possible row next to a real one used to fit exactly (a line through two points) and be written
+    rows = [_row(1024, 30.0), _row(2048, 9e9)][:sizes]
+    log.write_text(HEADER + "\n".join(rows) + "\n")
+    _fails(capsys, ["calibrate", str(log), "--base", "h100:8", "--out", str(tmp_path / "c.json")],
+           f"it needs measurements at 3 or more sizes and found {sizes}")
+
+
+def test_fit_samples_refuses_implausible_samples() -> None:
+    good = [(1 << 20, 40e-6), (1 << 24, 80e-6), (1 << 28, 900e-6)]
+    for bad in ((1 << 30, 1e-300), (1 << 30, math.nan), (1 << 30, math.inf), (-1, 1e-3)):
+        with pytest.raises(PlannerError, match="is not a plausible measurement"):
+            fit_samples([*good, bad], 8)
+    alpha, busbw, _, _ = fit_samples(good, 8)
+    assert math.isfinite(alpha) and math.isfinite(busbw) and busbw > 0
+
+
+def test_calibrate_out_cannot_overwrite_its_input(capsys, tmp_path: Path) -> None:
+    # the --out check itself is cli/requests.py's (check_paths); this pins the behaviour for calibrate
+    log = tmp_path / "ag.json"  # a log with a .json name: --out would otherwise be allowed to replace it
+    text = HEADER + "\n".join(_good_rows()) + "\n"
+    log.write_text(text)
+    _fails(capsys, ["calibrate", str(log), "--base", "h100:8", "--out", str(log)], f"--out '{log}'")
+    assert log.read_text() == text
+
+
+# ---- plan files ------------------------------------------------------------------------------------------------------
+def _plan_dict() -> dict[str, Any]:
+    return SizeBasedPolicy(2000).plan(traced("seed-net"), "seed-net").to_dict()
+
+
+def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    d = _plan_dict()
+    if change:
+        change(d)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d.update(grups=[]),
+     "plan JSON has an unknown key 'grups' (did you mean 'groups'?); the accepted keys are version, model, policy, "
+     "groups"),
+    (lambda d: d["groups"][0].update(reshard_after_foward=False),
+     "plan group 0 has an unknown key 'reshard_after_foward' (did you mean 'reshard_after_forward'?); the accepted "
+     "keys are modules, params, reshard_after_forward, forward_prefetch, backward_prefetch"),
+    (lambda d: d["groups"][-1].update(comment="root"), "plan group 2 has an unknown key 'comment'; the accepted keys"),
+    (lambda d: d["model"].update(fingerprnt="x"), "plan 'model' object has an unknown key 'fingerprnt' (did you mean"),
+    (lambda d: d.update(version=True),
+     'unsupported plan version true: this fsdp-planner reads plans with "version": 1'),
+    (lambda d: d.update(version=1.0), "unsupported plan version 1.0"),
+    (lambda d: d.update(version="1"), 'unsupported plan version "1"'),
+    (lambda d: d["groups"][0].update(reshard_after_forward=0), "reshard_after_forward must be true, false or a "
+                                                               "positive whole number"),
+    (lambda d: d["groups"][0].update(reshard_after_forward=-2), "got -2"),
+    (lambda d: d["groups"][0].update(reshard_after_forward=2.0), "got 2.0"),
+    (lambda d: d["groups"][0].update(reshard_after_forward="2"), 'got "2"'),
+    (lambda d: d["model"].update(numel=-1), "plan 'model.numel' must be a whole number of 0 or more, got -1"),
+])
+def test_plan_json_is_read_strictly(capsys, tmp_path: Path, change, message: str) -> None:
+    path = _plan_file(tmp_path, change)
+    with pytest.raises(PlannerError, match=None) as e:
+        Plan.load(path)
+    assert message in str(e.value)
+    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"], message)
+
+
+def test_plan_as_written_still_loads(tmp_path: Path) -> None:
+    path = _plan_file(tmp_path, lambda d: d["groups"][0].update(reshard_after_forward=4))
+    plan = Plan.load(path)
+    assert plan.groups[0].reshard_after_forward == 4
+    check_plan_world_size(plan, 8)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[" * 100_000 + "]" * 100_000, "plan is not valid JSON: it nests too deeply to read"),
+    ('{"version": 1, "model": {"numel": ' + "9" * 5000 + "}}", "plan is not valid JSON: it holds a number too long"),
+], ids=["deep", "long-int"])
+def test_unreadable_plan_json(capsys, tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"], message)
+
+
+def test_check_plan_world_size() -> None:
+    plan = Plan.from_json(json.dumps(_plan_dict()))
+    for ok, world in ((True, 3), (False, 3), (1, 3), (4, 8), (8, 8), (2, 64)):
+        plan.groups[0].reshard_after_forward = ok
+        check_plan_world_size(plan, world)
+    for bad, world in ((3, 8), (16, 8), (5, 64)):
+        plan.groups[0].reshard_after_forward = bad
+        with pytest.raises(PlannerError, match=f"plan group 0 has reshard_after_forward={bad}, which FSDP2 needs to "
+                                               f"divide the world size of {world} ranks"):
+            check_plan_world_size(plan, world)
+    plan.groups[0].reshard_after_forward = 7
+    with pytest.raises(PlannerError, match=r"use true, false or one of 1, 2, 3, 4, 5, 6, 8, 9, \.\.\., 720"):
+        check_plan_world_size(plan, 720)
+
+
+@pytest.mark.parametrize(("argv", "world"), [
+    (["simulate", "seed-net", "--cluster", "h100:8"], 8),
+    (["simulate", "seed-net", "--cluster", "h100:64"], 64),
+    (["verify", "seed-net", "--nproc", "2"], 2),  # refused before any torchrun starts
+])
+def test_plan_file_meets_the_world_size(capsys, tmp_path: Path, argv: list[str], world: int) -> None:
+    path = _plan_file(tmp_path, lambda d: d["groups"][0].update(reshard_after_forward=3))
+    _fails(capsys, [*argv, "--plan", str(path)],
+           f"plan group 0 has reshard_after_forward=3, which FSDP2 needs to divide the world size of {world} ranks")
