@@ -22,7 +22,7 @@ from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import AutoPolicy
-from fsdp_planner.runtime.fake_world import run_fake_world
+from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.timeline import simulate
 from fsdp_planner.trace import trace
@@ -50,20 +50,13 @@ def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool
         for name, plan in plans.items():
             predicted = simulate(tr, plan, cluster, options, timeline=False)
             measured = run_fake_world(model, plan, world, options.precision)
+            pairs = beside_prediction(predicted, measured)
             row = {"model": model, "world": world, "plan": name, "groups": len(plan.inner_groups),
-                   "predicted": {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
-                                 "all_gather_bytes": predicted.all_gather_bytes,
-                                 "reduce_scatter_bytes": predicted.reduce_scatter_bytes,
-                                 "peak": predicted.peak_memory},
-                   "measured": {"all_gather": measured.counts["all_gather"],
-                                "reduce_scatter": measured.counts["reduce_scatter"],
-                                "all_gather_bytes": measured.nbytes["all_gather"],
-                                "reduce_scatter_bytes": measured.nbytes["reduce_scatter"],
-                                "peak": measured.peak_memory},
-                   "seconds": measured.seconds}
+                   "predicted": {k: p for k, (p, _) in pairs.items()},
+                   "measured": {k: m for k, (_, m) in pairs.items()}, "seconds": measured.seconds}
             p, m = row["predicted"], row["measured"]
-            row["exact"] = all(p[k] == m[k] for k in p if k != "peak")
-            row["peak_error"] = p["peak"] / m["peak"] - 1
+            row["exact"] = all(p[k] == m[k] for k in p if k != "peak_memory")
+            row["peak_error"] = p["peak_memory"] / m["peak_memory"] - 1
             rows.append(row)
             print(f"{model} W={world} {name}: exact={row['exact']} peak {row['peak_error']:+.1%} "
                   f"({measured.seconds:.1f} s)", file=sys.stderr)
@@ -98,9 +91,9 @@ def main() -> None:
     for r in rows:
         p, m = r["predicted"], r["measured"]
         lines.append(
-            f"| {r['model']} | {r['world']} | {r['plan']} | {r['groups']} | {p['all_gather']} / {m['all_gather']} "
-            f"| {p['reduce_scatter']} / {m['reduce_scatter']} | "
-            f"{'yes' if r['exact'] else '**no**'} | {fmt_bytes(p['peak'])} | {fmt_bytes(m['peak'])} | "
+            f"| {r['model']} | {r['world']} | {r['plan']} | {r['groups']} | {p['all_gathers']} / {m['all_gathers']} "
+            f"| {p['reduce_scatters']} / {m['reduce_scatters']} | "
+            f"{'yes' if r['exact'] else '**no**'} | {fmt_bytes(p['peak_memory'])} | {fmt_bytes(m['peak_memory'])} | "
             f"{'**' if abs(r['peak_error']) > TOLERANCE else ''}{r['peak_error']:+.1%}"
             f"{'**' if abs(r['peak_error']) > TOLERANCE else ''} | {r['seconds']:.1f} s |")
     lines += ["", NOTES]

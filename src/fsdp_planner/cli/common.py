@@ -71,9 +71,11 @@ def _device_hint(e: Exception) -> str:
             "must be made inside the factory (not at module level, and without an explicit device='cpu'/'cuda')")
 
 
-def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str) -> AutoResult:
+def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str,
+             must_fit: bool = True) -> AutoResult:
+    """Auto's search; a result over the budget is an error unless ``must_fit`` is False (the caller reports it)."""
     result = AutoPolicy(cluster, request.memory_budget, request.target, options).search(tr, model)
-    if not result.fits:
+    if must_fit and not result.fits:
         raise PlannerError(infeasible_message(result))
     return result
 

@@ -23,7 +23,7 @@ from fsdp_planner.cli.requests import (
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
+from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import explain
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, POLICY_NAMES, PolicyName, make_policy
@@ -76,14 +76,11 @@ def run(args: argparse.Namespace) -> int:
     for request in requests:
         if request.name is PolicyName.AUTO:
             assert cluster is not None
-            if args.policy:
-                auto = run_auto(tr, request, cluster, options, args.model)
-            else:
-                found = AutoPolicy(cluster, request.memory_budget, request.target, options).search(tr, args.model)
-                if not found.fits:
-                    no_fit = infeasible_message(found)
-                    continue
-                auto = found
+            found = run_auto(tr, request, cluster, options, args.model, must_fit=bool(args.policy))
+            if not found.fits:
+                no_fit = infeasible_message(found)
+                continue
+            auto = found
             plans.append(auto.plan)
         else:
             plans.append(make_policy(request).plan(tr, args.model))

@@ -120,6 +120,20 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> l
     ]
 
 
+def fake_world_table(title: str, rows: Mapping[str, tuple[int, int]]) -> Table:
+    """Predicted beside measured per quantity (counts, bytes, peak memory): equal, or the peak's relative error."""
+    t = Table(title=title)
+    for column in ("per step", "predicted", "measured", ""):
+        t.add_column(column, justify="left" if column == "per step" else "right")
+    for key, (p, m) in rows.items():
+        as_bytes = key.endswith("bytes") or key == "peak_memory"
+        shown = (fmt_bytes(p), fmt_bytes(m)) if as_bytes else (str(p), str(m))
+        error = f"{p / m - 1:+.1%}" if m else "-"
+        verdict = error if key == "peak_memory" else "exact" if p == m else "MISMATCH"
+        t.add_row(key.replace("_", " "), *shown, verdict)
+    return t
+
+
 def memory_table(peak: int, breakdown: Mapping[str, int], gpu: GPU | None = None) -> Table:
     over = (f": [red]over the {fmt_bytes(gpu.memory_bytes)} of one {gpu.name}[/red]"
             if gpu is not None and peak > gpu.memory_bytes else "")

@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.table import Table
-
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import add_json, add_plan_source, plan_source, policy_notes
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import check_plan_world_size
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
 from fsdp_planner.models import BUILTINS
@@ -86,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_fake(args: argparse.Namespace) -> int:
     """Real FSDP2 on ``--fake-world-size`` fake ranks beside the simulator's prediction for that world size."""
-    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, check_precision, run_fake_world
+    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, beside_prediction, check_precision, run_fake_world
 
     world = args.fake_world_size
     if not 1 <= world <= MAX_FAKE_WORLD:
@@ -113,13 +110,7 @@ def run_fake(args: argparse.Namespace) -> int:
                              f"FSDP2 on {world} fake ranks ({args.precision}) ...")
     predicted = simulate(tr, plan, cluster, options, timeline=False)
     measured = run_fake_world(args.model, plan, world, options.precision)
-    rows = {
-        "all_gathers": (predicted.all_gathers, measured.counts["all_gather"]),
-        "reduce_scatters": (predicted.reduce_scatters, measured.counts["reduce_scatter"]),
-        "all_gather_bytes": (predicted.all_gather_bytes, measured.nbytes["all_gather"]),
-        "reduce_scatter_bytes": (predicted.reduce_scatter_bytes, measured.nbytes["reduce_scatter"]),
-        "peak_memory": (predicted.peak_memory, measured.peak_memory),
-    }
+    rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
     ok = exact and abs(error) <= args.memory_tolerance
@@ -131,16 +122,8 @@ def run_fake(args: argparse.Namespace) -> int:
                           "peak_error": error, "memory_tolerance": args.memory_tolerance, "ok": ok,
                           "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    table = Table(title=f"{args.model}: prediction vs real FSDP2 on {world} fake ranks "
-                        f"({measured.seconds:.1f} s)")
-    for column in ("per step", "predicted", "measured", ""):
-        table.add_column(column, justify="left" if column == "per step" else "right")
-    for key, (p, m) in rows.items():
-        as_bytes = key.endswith("bytes") or key == "peak_memory"
-        shown = (fmt_bytes(p), fmt_bytes(m)) if as_bytes else (str(p), str(m))
-        verdict = (f"{error:+.1%}" if key == "peak_memory" else "exact" if p == m else "MISMATCH")
-        table.add_row(key.replace("_", " "), *shown, verdict)
-    render.console.print(table)
+    render.console.print(render.fake_world_table(f"{args.model}: prediction vs real FSDP2 on {world} fake ranks "
+                                                 f"({measured.seconds:.1f} s)", rows))
     render.console.print("peak: bytes allocated per rank (the CUDA caching allocator's reserve is not in either)")
     render.console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]")
     return 0 if ok else 1

@@ -17,6 +17,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
+from fsdp_planner.userfiles import parse_json, read_text
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
@@ -102,28 +103,12 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlannerError(f"plan is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-        except RecursionError:
-            raise PlannerError("plan is not valid JSON: it nests too deeply to read") from None
-        except ValueError:  # Python refuses integers of more than 4300 digits
-            raise PlannerError("plan is not valid JSON: it holds a number too long to read (over 4300 digits)") \
-                from None
+        data = parse_json(text, lambda detail: f"plan is not valid JSON: {detail}")
         return _plan_from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        p = Path(path)
-        if not p.is_file():
-            raise PlannerError(f"plan file '{path}' does not exist")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise PlannerError(f"plan file '{path}' is not text: expected the JSON that `plan --out` writes") from None
-        except OSError as e:
-            raise PlannerError(f"cannot read plan file '{path}': {e.strerror}") from None
+        text = read_text(path, f"plan file '{path}'", "the JSON that `plan --out` writes")
         return cls.from_json(text)
 
 

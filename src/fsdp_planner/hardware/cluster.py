@@ -18,6 +18,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.collectives import COLLECTIVES
+from fsdp_planner.userfiles import parse_json, read_text
 
 CLUSTER_VERSION = 1
 # Sanity bounds on what a cluster may describe: a world far beyond any real job is a typo (and big enough
@@ -156,7 +157,7 @@ class Cluster:
 
     @classmethod
     def from_json(cls, text: str, where: str = "cluster JSON") -> Cluster:
-        return cls.from_dict(_parse_json(text, where), where)
+        return cls.from_dict(parse_json(text, lambda detail: f"the {where} is not valid JSON ({detail})"), where)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -164,29 +165,8 @@ class Cluster:
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
         p = Path(path)
-        if not p.is_file():
-            raise PlannerError(f"cluster file {p} does not exist")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise PlannerError(f"cluster file {p} is not text: expected a cluster JSON such as `calibrate --out` "
-                               "writes") from None
-        except OSError as e:
-            raise PlannerError(f"cannot read cluster file {p}: {e.strerror}") from None
+        text = read_text(p, f"cluster file {p}", "a cluster JSON such as `calibrate --out` writes")
         return cls.from_json(text, where=f"cluster file {p}")
-
-
-def _parse_json(text: str, where: str) -> Any:
-    """``json.loads`` with every way it fails on bad input turned into one PlannerError line."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlannerError(f"the {where} is not valid JSON ({e.msg} at line {e.lineno})") from None
-    except RecursionError:
-        raise PlannerError(f"the {where} is not valid JSON (it nests too deeply to read)") from None
-    except ValueError:  # Python refuses integers of more than 4300 digits
-        raise PlannerError(f"the {where} is not valid JSON (it holds a number too long to read, over 4300 "
-                           "digits)") from None
 
 
 _MISSING = object()

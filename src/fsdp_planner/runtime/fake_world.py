@@ -32,6 +32,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import Precision
+from fsdp_planner.sim.timeline import StepReport
 
 MAX_FAKE_WORLD = 1 << 20
 
@@ -43,6 +44,17 @@ class FakeWorldResult:
     nbytes: Counts
     peak_memory: int  # bytes allocated per rank at the step's peak
     seconds: float
+
+
+def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
+    """(predicted, measured) per quantity the check compares: counts, bytes and the peak."""
+    return {
+        "all_gathers": (predicted.all_gathers, measured.counts["all_gather"]),
+        "reduce_scatters": (predicted.reduce_scatters, measured.counts["reduce_scatter"]),
+        "all_gather_bytes": (predicted.all_gather_bytes, measured.nbytes["all_gather"]),
+        "reduce_scatter_bytes": (predicted.reduce_scatter_bytes, measured.nbytes["reduce_scatter"]),
+        "peak_memory": (predicted.peak_memory, measured.peak_memory),
+    }
 
 
 class LiveBytes(TorchDispatchMode):
@@ -137,7 +149,7 @@ def run_fake_world(spec: str, plan: Plan, world_size: int, precision: Precision,
 
     from fsdp_planner.fsdp2.apply import apply_plan
     from fsdp_planner.models import resolve_factory
-    from fsdp_planner.trace.recorder import default_loss
+    from fsdp_planner.trace.recorder import default_loss, split_inputs
 
     if not 1 <= world_size <= MAX_FAKE_WORLD:
         raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD}, got {world_size}")
@@ -160,8 +172,7 @@ def run_fake_world(spec: str, plan: Plan, world_size: int, precision: Precision,
             apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             counter = CollectiveCounter()
-            args, kwargs = (inputs, {}) if isinstance(inputs, tuple | list) else \
-                ((), inputs) if isinstance(inputs, dict) else ((inputs,), {})
+            args, kwargs = split_inputs(inputs)
             for _ in range(steps):
                 tracker = LiveBytes()
                 alive = [*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0],

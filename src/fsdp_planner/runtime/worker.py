@@ -89,12 +89,10 @@ def _batch(spec: str, step: int, rank: int, base_seed: int) -> tuple[Any, Callab
 def _call(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
     from torch.utils._pytree import tree_map_only
 
-    inputs = tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+    from fsdp_planner.trace.recorder import split_inputs
+
+    args, kwargs = split_inputs(tree_map_only(torch.Tensor, lambda t: t.to(device), inputs))
+    return model(*args, **kwargs)
 
 
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,

@@ -473,7 +473,7 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
                 measure: bool, reuse: bool, compute_dtype: torch.dtype | None) -> Trace:
     from fsdp_planner.trace.reuse import BlockReuse
 
-    args, kwargs = _split_inputs(example_inputs)
+    args, kwargs = split_inputs(example_inputs)
     if compute_dtype is not None:  # FSDP2's root casts floating forward inputs (cast_forward_inputs=True)
         args, kwargs = tree_map(
             lambda t: t.to(compute_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
@@ -537,7 +537,9 @@ def _device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:
     return lambda: None
 
 
-def _split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """A factory's example inputs as ``model(*args, **kwargs)`` takes them: a dict is kwargs, a tuple or list
+    positional args, anything else the one positional arg."""
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):
