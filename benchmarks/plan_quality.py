@@ -4,9 +4,10 @@ memory, all judged by the same simulator.
 Run: python benchmarks/plan_quality.py   (writes benchmarks/plan_quality.md and plan_quality.json; ~3 min on 2 cores)
 
 One row per (model, cluster), with the budget every real job has: the memory of one GPU (80e9 bytes on an H100,
-auto's default). Classic policies over it are marked: they are not runnable jobs. Auto wins the row when its step
-time is <= that of every classic policy that fits; a row where no plan fits says what the smallest peak is (no
-activation checkpointing is planned yet, so the large models at 8192 tokens do not fit).
+auto's default). Classic policies over it are marked: they are not runnable jobs. Besides the four classic
+policies with their defaults, the configurations people run at scale: torchtitan's per-block grouping and module
+wrapping of the blocks, each with full activation checkpointing of every block (``--ac full``). Auto wins the row
+when its step time is <= that of every baseline that fits; a row where no plan fits says what the smallest peak is.
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult
+from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport
-from fsdp_planner.trace import trace
+from fsdp_planner.sim.timeline import StepReport, simulate
+from fsdp_planner.trace import Trace, trace
 
 POLICY_NAMES = [p.value for p in CLASSIC_POLICIES]
+WITH_AC = {"titan+ac": PolicyName.TITAN, "module+ac": PolicyName.MODULE}  # as torchtitan and FSDP1 users run them
+COLUMNS = [*POLICY_NAMES, *WITH_AC]
 
 MODELS = {
     "seed-net": "the seed's CNN",
@@ -45,17 +52,39 @@ def summary(r: StepReport) -> dict:
             "collectives": r.all_gathers + r.reduce_scatters, "lower_bound": r.lower_bound}
 
 
-def row(model: str, cluster: str, budget_kind: str, result: AutoResult) -> dict:
+def with_ac(tr: Trace, model: str, result: AutoResult) -> dict[str, dict]:
+    """The block policies with every block checkpointed, simulated like the rest (none without blocks)."""
+    out = {}
+    for name, policy in WITH_AC.items():
+        try:
+            plan = make_policy(PolicyRequest(policy, checkpointing=ACMode.FULL)).plan(tr, model)
+        except PlannerError:
+            continue
+        report = simulate(tr, plan, context=result.search.ev.ctx, timeline=False)
+        out[name] = {**summary(report), "plan": plan.policy}
+    return out
+
+
+def throughput(tr: Trace, tokens: int, report: StepReport, gpu_peak: float) -> dict:
+    """Tokens/s per GPU (each rank runs the example batch) and MFU (model FLOPs, recomputation not counted)."""
+    return {"tokens_per_s_per_gpu": tokens / report.step_time if tokens else None,
+            "mfu": (tr.fwd_flops + tr.bwd_flops) / report.step_time / gpu_peak}
+
+
+def row(model: str, cluster: str, tr: Trace, tokens: int, result: AutoResult) -> dict:
     policies = {name: {**summary(c.report), "plan": c.origin} for name, c in result.baselines.items()}
+    policies.update(with_ac(tr, model, result))
     policies["auto"] = {**summary(result.report), "plan": result.plan.policy,
-                        "groups": len(result.plan.inner_groups), "seconds": result.seconds}
+                        "groups": len(result.plan.inner_groups), "seconds": result.seconds,
+                        "checkpointed": len(result.plan.activation_checkpointing),
+                        **throughput(tr, tokens, result.report, result.search.ev.cluster.gpu.peak_bf16_flops)}
     fitting = {n: p for n, p in policies.items() if n != "auto" and p["peak_memory"] <= result.budget}
     best = min(fitting, key=lambda n: (fitting[n]["step_time"], fitting[n]["peak_memory"]), default=None)
     auto = policies["auto"]
     ok = result.fits and (best is None or (auto["step_time"] <= fitting[best]["step_time"] * (1 + 1e-9)
                                            and auto["peak_memory"] <= max(fitting[best]["peak_memory"],
                                                                           result.budget)))
-    return {"model": model, "cluster": cluster, "budget_kind": budget_kind, "budget": result.budget,
+    return {"model": model, "cluster": cluster, "budget": result.budget,
             "budget_source": result.budget_source, "min_peak": result.min_peak, "fits": result.fits,
             "lower_bound": result.report.lower_bound, "policies": policies, "best_other": best,
             "gain": 1 - auto["step_time"] / fitting[best]["step_time"] if best else None, "auto_ok": ok}
@@ -71,7 +100,7 @@ def verdict(r: dict) -> str:
     if not r["fits"]:
         return f"no plan fits; needs {fmt_bytes(r['min_peak'])}"
     if r["best_other"] is None:
-        return "auto (no classic policy fits)"
+        return "auto (no baseline fits)"
     gain = r["gain"]
     if gain > 5e-4:
         return f"auto, {gain:.1%} faster than {r['best_other']}"
@@ -84,10 +113,12 @@ def main() -> None:
     for model in MODELS:
         lm = load_model(model)
         tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
+        first = lm.example_inputs[0] if isinstance(lm.example_inputs, tuple) else lm.example_inputs
+        tokens = first.numel() if isinstance(first, torch.Tensor) and not first.is_floating_point() else 0
         del lm
         for spec in CLUSTERS:
             result = AutoPolicy(parse_cluster(spec)).search(tr, model)
-            rows.append(row(model, spec, "gpu", result))
+            rows.append(row(model, spec, tr, tokens, result))
             print(f"{model} {spec}: {verdict(rows[-1])}", file=sys.stderr)
     elapsed = time.perf_counter() - started
     out = Path(__file__).parent
@@ -99,24 +130,29 @@ def main() -> None:
         f"Measured by `python benchmarks/plan_quality.py` ({elapsed:.0f} s on {platform.machine()}, Python "
         f"{platform.python_version()}); every number is the step simulator's (bf16 mixed precision, AdamW, "
         "MFU 0.5, roofline op times, activations at their traced dtypes), for the built-in models' example batches "
-        "(one sequence of 8192 tokens for the Llamas). No activation checkpointing is planned yet.",
+        "(one sequence of 8192 tokens per GPU for the Llamas).",
         "",
         "Cells: step time / exposed communication / peak memory per rank / collectives per step. Budget: the memory "
-        "of one H100 (80e9 bytes); **over budget** marks a classic plan that does not fit, i.e. is not a job anyone "
+        "of one H100 (80e9 bytes); **over budget** marks a plan that does not fit, i.e. is not a job anyone "
         "can run. The classic policies run with their defaults (module and titan: the repeated block class; size: "
-        "FSDP1's 1e8 threshold; order: one block per group).",
+        "FSDP1's 1e8 threshold; order: one block per group); titan+ac and module+ac checkpoint every block. Auto "
+        "chooses which blocks to checkpoint (the fewest that let it fit, or all); 'AC' is how many it checkpoints. "
+        "Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense peak; recomputation is not model FLOPs).",
         "",
-        f"**Auto fits and is at least as fast as the best classic policy that fits on {wins} of {len(rows)} rows"
+        f"**Auto fits and is at least as fast as the best baseline that fits on {wins} of {len(rows)} rows"
         f"{'' if wins == len(rows) else ' (the others: no plan fits the GPU)'}.**",
         "",
-        "| model | GPUs | budget | lower bound | " + " | ".join([*POLICY_NAMES, "auto"]) + " | winner |",
-        "|---|---|---|---|" + "---|" * (len(POLICY_NAMES) + 1) + "---|",
+        "| model | GPUs | lower bound | " + " | ".join([*COLUMNS, "auto"])
+        + " | auto AC | tokens/s/GPU | MFU | winner |",
+        "|---|---|---|" + "---|" * (len(COLUMNS) + 1) + "---|---|---|---|",
     ]
     for r in rows:
-        budget = fmt_bytes(r["budget"])
-        cells = [cell(r["policies"][n], r["budget"]) if n in r["policies"] else "n/a" for n in [*POLICY_NAMES, "auto"]]
-        lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {budget} | {fmt_time(r['lower_bound'])} | "
-                     + " | ".join(cells) + f" | {verdict(r)} |")
+        cells = [cell(r["policies"][n], r["budget"]) if n in r["policies"] else "n/a" for n in [*COLUMNS, "auto"]]
+        auto = r["policies"]["auto"]
+        tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if auto["tokens_per_s_per_gpu"] and r["fits"] else "-"
+        mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
+        lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {fmt_time(r['lower_bound'])} | "
+                     + " | ".join(cells) + f" | {auto['checkpointed'] or '-'} | {tps} | {mfu} | {verdict(r)} |")
     (out / "plan_quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

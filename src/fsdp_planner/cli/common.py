@@ -74,7 +74,8 @@ def _device_hint(e: Exception) -> str:
 def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str,
              must_fit: bool = True) -> AutoResult:
     """Auto's search; a result over the budget is an error unless ``must_fit`` is False (the caller reports it)."""
-    result = AutoPolicy(cluster, request.memory_budget, request.target, options).search(tr, model)
+    result = AutoPolicy(cluster, request.memory_budget, request.target, options,
+                        checkpointing=request.checkpointing).search(tr, model)
     if must_fit and not result.fits:
         raise PlannerError(infeasible_message(result))
     return result

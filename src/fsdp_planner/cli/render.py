@@ -22,6 +22,7 @@ from fsdp_planner.sim.memory import MemoryBreakdown
 from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.timeline import StepReport
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within
 
 
 def _isatty(stream: TextIO | None) -> bool:
@@ -77,13 +78,14 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
     GPU's memory) when simulated on a cluster."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
-    for col in ("policy", "groups", "root params", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
+    for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     if with_cost:
         for col in ("step time", "exposed comm", "peak memory"):
             t.add_column(col, justify="right")
     for plan, m, report in rows:
-        cells = [plan.policy, str(m.groups), fmt_numel(m.root_numel), str(m.all_gathers), str(m.reduce_scatters),
+        cells = [plan.policy, str(m.groups), fmt_numel(m.root_numel), str(len(plan.activation_checkpointing) or "-"),
+                 str(m.all_gathers), str(m.reduce_scatters),
                  fmt_bytes(m.all_gather_bytes), fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm),
@@ -95,24 +97,38 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
 def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
     """One plan's groups: modules, params, bytes, reshard_after_forward (the first ``limit`` - 1 and the root)."""
     t = Table(title=f"plan: {plan.policy}", title_justify="left")
-    for col in ("#", "modules", "params", "bytes", "reshard_after_forward"):
+    for col in ("#", "modules", "params", "bytes", "reshard_after_forward", "checkpointed"):
         t.add_column(col, justify="left" if col == "modules" else "right")
+    checkpointed = checkpointed_per_group(plan)
     shown = list(range(len(plan.groups))) if len(plan.groups) <= limit else [*range(limit - 1), len(plan.groups) - 1]
     for i in shown:
         g = plan.groups[i]
         numel = sum(tr.param(p).numel for p in g.params)
         nbytes = sum(tr.param(p).nbytes for p in g.params)
         raf = "root default (False)" if g.is_root and g.reshard_after_forward is False else str(g.reshard_after_forward)
-        t.add_row(str(i), fmt_modules(g.modules), fmt_numel(numel) if g.params else "none", fmt_bytes(nbytes), raf)
+        ac = checkpointed[i]
+        t.add_row(str(i), fmt_modules(g.modules), fmt_numel(numel) if g.params else "none", fmt_bytes(nbytes), raf,
+                  "full" if ac and ac == g.modules else fmt_modules(ac, 1) if ac else "")
         if len(shown) < len(plan.groups) and i == limit - 2:
-            t.add_row("...", f"({len(plan.groups) - limit} more groups)", "", "", "")
+            t.add_row("...", f"({len(plan.groups) - limit} more groups)", "", "", "", "")
     return t
+
+
+def checkpointed_per_group(plan: Plan) -> list[list[str]]:
+    """The plan's checkpointed modules by the group whose modules hold them (the root: those no other holds)."""
+    out: list[list[str]] = [[] for _ in plan.groups]
+    for m in plan.activation_checkpointing:
+        i = next((i for i, g in enumerate(plan.inner_groups) if any(is_within(m, gm) for gm in g.modules)),
+                 len(plan.groups) - 1)
+        out[i].append(m)
+    return out
 
 
 def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> list[str]:
     return [
         f"[bold]{name}[/bold] with [bold]{plan_label}[/bold] on {cluster.describe()}",
-        f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}  exposed comm "
+        f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
+        f"{f' (recompute {fmt_time(r.recompute_time)})' if r.recompute_time else ''}  exposed comm "
         f"{fmt_time(r.exposed_comm)}  lower bound {fmt_time(r.lower_bound)}",
         f"{r.all_gathers} all-gathers ({fmt_bytes(r.all_gather_bytes)}), {r.reduce_scatters} reduce-scatters "
         f"({fmt_bytes(r.reduce_scatter_bytes)}) per step; comm busy: all-gather "
@@ -181,8 +197,9 @@ def verify_table(result: VerifyResult) -> Table:
 def auto_line(result: AutoResult) -> str:
     fitting = [c for c in result.baselines.values() if c.report.peak_memory <= result.budget]
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
-    n = len(result.plan.inner_groups)
-    line = (f"auto: {n} group{'s' if n != 1 else ''}, step {fmt_time(result.report.step_time)}, peak "
+    n, ac = len(result.plan.inner_groups), len(result.plan.activation_checkpointing)
+    checkpointed = f", {ac} module{'s' if ac != 1 else ''} checkpointed" if ac else ""
+    line = (f"auto: {n} group{'s' if n != 1 else ''}{checkpointed}, step {fmt_time(result.report.step_time)}, peak "
             f"{fmt_bytes(result.report.peak_memory)} within the budget {fmt_bytes(result.budget)} "
             f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
     if best_other is None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import parse_count, parse_size
+from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.planners.registry import POLICY_NAMES, PolicyName, PolicyRequest
@@ -61,6 +62,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--target-bytes": ("target_bytes", (PolicyName.ORDER,)),
     "--memory-budget": ("memory_budget", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
+    "--ac": ("ac", tuple(PolicyName)),
 }
 
 
@@ -79,7 +81,8 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
         min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
         target_bytes=target_bytes if policy is PolicyName.ORDER else None,
         memory_budget=budget if policy is PolicyName.AUTO else None,
-        target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2)
+        target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
+        checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None)
 
 
 def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: str = "",
@@ -233,6 +236,10 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
                                             "one of the cluster's GPUs)")
     sp.add_argument("--target", choices=[t.value for t in Target], default=None,
                     help="auto: plans FSDP2 can apply (fsdp2, the default) or only what FSDP1 can express")
+    sp.add_argument("--ac", choices=[m.value for m in ACMode], default=None,
+                    help="activation checkpointing of the repeated blocks: none, full (every block) or selective "
+                         "(every second block, torchtitan's selective_ac_option=2); default none, and auto "
+                         "chooses which blocks to checkpoint")
 
 
 def add_model(sp: argparse.ArgumentParser) -> None:

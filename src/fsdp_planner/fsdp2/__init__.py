@@ -2,9 +2,11 @@
 claims, when each group gathers, reshards and reduce-scatters, and applying the plan for real."""
 
 from fsdp_planner.fsdp2.apply import apply_plan
+from fsdp_planner.fsdp2.checkpointing import ACMode, apply_checkpointing, checkpointed_blocks
 from fsdp_planner.fsdp2.claim import check_plan_matches, claimed_params, make_plan, validate_plan
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.fsdp2.replay import Collective, Replay, Residency, Schedule, TrainingState, build_schedule
 
-__all__ = ["Collective", "Group", "Plan", "Replay", "Residency", "Schedule", "TrainingState", "apply_plan",
-           "build_schedule", "check_plan_matches", "claimed_params", "make_plan", "validate_plan"]
+__all__ = ["ACMode", "Collective", "Group", "Plan", "Replay", "Residency", "Schedule", "TrainingState",
+           "apply_checkpointing", "apply_plan", "build_schedule", "check_plan_matches", "checkpointed_blocks",
+           "claimed_params", "make_plan", "validate_plan"]

@@ -1,5 +1,5 @@
-"""Apply a Plan to a model with FSDP2 ``fully_shard``: one call per group (lists allowed), children first, the
-root last, then the plan's explicit prefetch lists."""
+"""Apply a Plan to a model with FSDP2 ``fully_shard``: activation checkpointing first, then one call per group
+(lists allowed), children first, the root last, then the plan's explicit prefetch lists."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.claim import application_order
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.trace.recorder import model_fingerprint
@@ -54,6 +55,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     world = mesh.size()
+    apply_checkpointing(model, plan.activation_checkpointing)  # before fully_shard, as torchtitan does
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
                               "offload_policy": offload_policy or OffloadPolicy()}
     for gi in application_order(plan, module_parents(model)):

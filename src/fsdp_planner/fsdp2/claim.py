@@ -13,6 +13,7 @@ import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import check_checkpointing
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -174,6 +175,7 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
         raise PlannerError(f"fully_shard refuses containers without forward (ModuleList/ModuleDict): "
                            f"{short_list(refused)}; list their children in the group instead")
     validate_plan(plan, trace)
+    check_checkpointing(plan, trace)
 
 
 def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],

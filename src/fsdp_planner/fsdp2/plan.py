@@ -21,7 +21,7 @@ from fsdp_planner.userfiles import parse_json, read_text
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
-PLAN_KEYS = ("version", "model", "policy", "groups")
+PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
@@ -59,6 +59,8 @@ class Plan:
     numel: int
     policy: str = ""
     model: str = ""
+    activation_checkpointing: list[str] = field(default_factory=list)  # modules checkpointed in full
+    # (every call: only its inputs kept after forward, its forward run again in backward; ``checkpointing.py``)
 
     @property
     def root(self) -> Group:
@@ -76,12 +78,12 @@ class Plan:
         return replace(self, groups=[replace(g, modules=list(g.modules), params=list(g.params),
                                              forward_prefetch=list(g.forward_prefetch),
                                              backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
-                       **changes)
+                       **{"activation_checkpointing": list(self.activation_checkpointing), **changes})
 
     def signature(self) -> tuple:
         """What makes two plans behave the same (names and labels aside)."""
-        return tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch), tuple(g.backward_prefetch))
-                     for g in self.groups)
+        return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
+                       tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing))
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -90,6 +92,7 @@ class Plan:
             "model": {"fingerprint": self.fingerprint, "numel": self.numel, "name": self.model},
             "policy": self.policy,
             "groups": [g.to_dict() for g in self.groups],
+            "activation_checkpointing": list(self.activation_checkpointing),
         }
 
     def to_json(self) -> str:
@@ -129,11 +132,15 @@ def _plan_from_dict(data: Any) -> Plan:
     if not parsed[-1].is_root:
         parsed.append(Group([ROOT], [], False))
     _check_structure(parsed)
+    checkpointed = data.get("activation_checkpointing", [])
+    if not _str_list(checkpointed) or len(set(checkpointed)) != len(checkpointed):
+        raise PlannerError("plan 'activation_checkpointing' must be a list of module names, each listed once "
+                           "(the modules checkpointed in full)")
     numel = model.get("numel", 0)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {_shown(numel)}")
     return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
-                model=str(model.get("name", "")))
+                model=str(model.get("name", "")), activation_checkpointing=list(checkpointed))
 
 
 def _group_from_dict(i: int, g: Any) -> Group:

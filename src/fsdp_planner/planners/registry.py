@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Protocol
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
@@ -44,6 +45,7 @@ class PolicyRequest:
     target_bytes: int | None = None  # order: default one block
     memory_budget: int | None = None  # auto: default the memory of one of the cluster's GPUs
     target: Target = Target.FSDP2  # auto
+    checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
 
     def __post_init__(self) -> None:
         if any(not c for c in self.module_classes):
@@ -63,8 +65,29 @@ class PolicyRequest:
         return cls(policy, **settings)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Checkpointed:
+    """A whole-model policy whose plans checkpoint the blocks ``mode`` names (``--ac``), as its users run it."""
+
+    policy: Policy
+    mode: ACMode
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def plan(self, trace: Trace, model: str = "") -> Plan:
+        plan = self.policy.plan(trace, model)
+        plan.activation_checkpointing = checkpointed_blocks(trace, self.mode)
+        plan.policy = f"{plan.policy} + ac {self.mode.value}" if self.mode is not ACMode.NONE else plan.policy
+        check_checkpointing(plan, trace)
+        return plan
+
+
 def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None) -> Policy:
     """The policy a request names; auto needs the cluster it plans for."""
+    if request.name is not PolicyName.AUTO and request.checkpointing is not None:
+        return Checkpointed(make_policy(replace(request, checkpointing=None)), request.checkpointing)
     name = request.name
     if name is PolicyName.MODULE:
         return ModuleWrapPolicy(request.module_classes)
@@ -76,4 +99,5 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
         return ExecutionOrderPolicy(request.target_bytes)
     if cluster is None:
         raise PlannerError("the auto policy plans for a cluster: give one")
-    return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions())
+    return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
+                      checkpointing=request.checkpointing)

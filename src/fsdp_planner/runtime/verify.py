@@ -82,6 +82,7 @@ def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> N
                 time.sleep(0.05)
             else:
                 _signal_group(pgid, signal.SIGKILL)
+                _wait_until_dead(pgid, grace)  # SIGKILL is delivered, not yet acted on, when killpg returns
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 with suppress(OSError):
@@ -99,6 +100,31 @@ def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> N
 def _signal_group(pgid: int, sig: int) -> None:
     with suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _wait_until_dead(pgid: int, seconds: float) -> None:
+    """Until no process of the group is still running (zombies waiting for their parent to reap them do not
+    count), at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and _running_members(pgid):
+        time.sleep(0.02)
+
+
+def _running_members(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is running (not a zombie), read from /proc; where there is no /proc,
+    whether the group exists."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return _group_alive(pgid)
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def _group_alive(pgid: int) -> bool:

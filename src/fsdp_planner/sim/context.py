@@ -3,6 +3,9 @@ planner can simulate many plans cheaply."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
 from fsdp_planner.hardware.cluster import Cluster
@@ -10,7 +13,18 @@ from fsdp_planner.hardware.collectives import CollectiveKind, alpha_beta, collec
 from fsdp_planner.sim.compute import step_op_times
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.trace.records import Trace
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Forward run again at one pre-backward boundary: its op seconds, the params it reads, whose calls."""
+
+    seconds: float
+    params: frozenset[int]
+    modules: list[str]
+
 
 Link = tuple[float, float, str]  # (latency seconds, seconds per byte of data, which link: "intra" | "inter")
 
@@ -35,6 +49,7 @@ class SimContext:
         self.memory = MemoryModel(trace, self.world, self.precision, self.options.optimizer)
         self.sizing = self.memory.sizing
         self._links: dict[tuple[CollectiveKind, int], Link] = {}
+        self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = {}
         self.lower_bound = self._lower_bound()
 
     def link(self, kind: CollectiveKind, ranks: int = 0) -> Link:
@@ -47,6 +62,21 @@ class SimContext:
             per_byte = 0.0 if n == 1 else (n - 1) / n / bw
             self._links[key] = (0.0 if n == 1 else alpha, per_byte, "inter" if nodes > 1 else "intra")
         return self._links[key]
+
+    def recompute(self, checkpointed: Sequence[str]) -> dict[int, Recompute]:
+        """Pre-backward position -> the checkpointed forward run again there (once per set of modules)."""
+        key = tuple(checkpointed)
+        if key not in self._recompute:
+            out: dict[int, Recompute] = {}
+            events = self.trace.events
+            for c in checkpointed_calls(self.trace, key):
+                params = {p for e in events[c.fwd_pre:c.fwd_post] for p in e.params}
+                seconds = self.cum[c.fwd_post] - self.cum[c.fwd_pre]
+                prev = out.get(c.bwd_pre)
+                out[c.bwd_pre] = Recompute(seconds, frozenset(params), [c.module]) if prev is None else \
+                    Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module])
+            self._recompute[key] = out
+        return self._recompute[key]
 
     def _lower_bound(self) -> float:
         """No plan beats this: all compute; or every param gathered once and every grad reduced once, each in one

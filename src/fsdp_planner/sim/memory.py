@@ -8,7 +8,8 @@ reduce-scatter input (padded, reduce dtype; FSDP2's ``foreach_reduce``) from its
 group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the default) or the step ends, the sharded
 grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default), and the
 activations saved for backward, from the op that saves them until the backward of the module call that saved
-them is done. Sizes come from ``sizing.py``.
+them is done, with activation checkpointing and the loss's live tensors as ``recompute.py`` says. Sizes come
+from ``sizing.py``.
 
 The same terms give the classic strategies' rows (``strategy_table``): one device, DDP (plus gradient buckets,
 one more copy of the grads), ZeRO-1 and ZeRO-2 (optimizer state, then grads too, divided by the world size),
@@ -21,6 +22,7 @@ full compute-dtype copy of the model. The CUDA caching allocator's rounding and 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -31,8 +33,8 @@ from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, Precision, SimOptions
+from fsdp_planner.sim.recompute import activation_deltas, checkpointed_calls
 from fsdp_planner.sim.sizing import Sizing
-from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -61,29 +63,12 @@ class MemoryBreakdown:
         return {**asdict(self), "total": self.total}
 
 
-def activation_levels(trace: Trace, precision: Precision) -> np.ndarray:
+def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[str] = ()) -> np.ndarray:
     """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
-    dtype: saved in forward, freed when the saving module call's backward is done."""
-    n = len(trace.events)
-    deltas = [0.0] * (n + 1)
+    dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
+    calls hold their inputs instead and re-create their activations in backward (``recompute.py``)."""
     scale = precision.compute_bytes / traced_itemsize(trace)
-    fwd_pre, fwd_post, bwd_post = EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
-    stack: list[tuple[str, int]] = []
-    saved_by: dict[tuple[str, int], float] = {}
-    for i, e in enumerate(trace.events):
-        kind = e.kind
-        if kind is EventKind.OP:
-            if e.saved and not e.backward:
-                key = stack[-1] if stack else (ROOT, 0)
-                deltas[i] += e.saved * scale
-                saved_by[key] = saved_by.get(key, 0.0) + e.saved * scale
-        elif kind is fwd_pre:
-            stack.append((e.module, e.call))
-        elif kind is fwd_post:
-            stack.pop()
-        elif kind is bwd_post and (e.module, e.call) in saved_by:
-            deltas[i] -= saved_by.pop((e.module, e.call))
-    return np.cumsum(deltas)
+    return np.cumsum(activation_deltas(trace, checkpointed_calls(trace, checkpointed), scale))
 
 
 def compute_copies(trace: Trace, precision: Precision, sharded: bool) -> int:
@@ -112,7 +97,14 @@ class MemoryModel:
             compute_copies=compute_copies(trace, precision, sharded=True),
         )
         self.grad_bytes = precision.grad_bytes
-        self.activations = activation_levels(trace, precision)
+        self._activations: dict[tuple[str, ...], np.ndarray] = {}
+
+    def activations(self, checkpointed: Sequence[str]) -> np.ndarray:
+        """``activation_levels`` for one set of checkpointed modules, computed once per set."""
+        key = tuple(checkpointed)
+        if key not in self._activations:
+            self._activations[key] = activation_levels(self.trace, self.precision, key)
+        return self._activations[key]
 
     def peak(self, plan: Plan, schedule: Schedule) -> MemoryBreakdown:
         """The step's peak and its breakdown at that moment."""
@@ -139,13 +131,13 @@ class MemoryModel:
             # the next post-backward frees this input buffer before it allocates its own
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
             add(4, c.event, n, self.sizing.shard_numel(c.params) * self.grad_bytes)
-        return self._peak_of(deltas, n)
+        return self._peak_of(deltas, n, self.activations(plan.activation_checkpointing))
 
-    def _peak_of(self, deltas: dict[int, list[float]], n: int) -> MemoryBreakdown:
+    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray) -> MemoryBreakdown:
         starts = sorted(p for p in deltas if p < n)
         if not starts or starts[0] != 0:
             starts.insert(0, 0)
-        seg_max = np.maximum.reduceat(self.activations, starts)  # activations peak within each segment
+        seg_max = np.maximum.reduceat(activations, starts)  # activations peak within each segment
         level = [0.0] * len(_DYNAMIC)
         static_total = self.static.total
         best, best_at = -1.0, (0.0,) * (len(_DYNAMIC) + 1)

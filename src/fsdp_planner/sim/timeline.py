@@ -62,6 +62,7 @@ class StepReport:
     all_gather_bytes: int
     reduce_scatter_bytes: int
     comm_time: dict[str, float]  # seconds each communication stream is busy
+    recompute_time: float = 0.0  # of compute_time: checkpointed forwards run again in backward
     timeline: list[TimelineEvent] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -117,6 +118,12 @@ class Streams:
             self.events.append(TimelineEvent(Stream(c.kind.value), fmt_modules(self.plan.groups[c.group].modules, 1),
                                              start - copy_in, end, c.group))
 
+    def run_extra(self, seconds: float, name: str) -> None:
+        """Compute that is not one of the trace's ops (a checkpointed forward run again)."""
+        if self.events is not None and seconds > 0:
+            self.events.append(TimelineEvent(Stream.COMPUTE, name, self.t, self.t + seconds))
+        self.t += seconds
+
     def wait_for(self, groups: list[int]) -> None:
         for g in groups:
             self.t = max(self.t, self.ready[g])
@@ -147,25 +154,33 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
             use = first_at_or_after(groups[c.group].uses, c.event, default=n)
             if use < n:
                 waits.setdefault(use, []).append(c.group)
+    recompute = ctx.recompute(plan.activation_checkpointing)
+    group_of = {p: gi for gi, g in enumerate(groups) for p in g.params}
     streams = Streams(ctx, plan, gather, timeline)
-    for idx in sorted({*issued_at, *waits, n}):
+    for idx in sorted({*issued_at, *waits, *recompute, n}):
         streams.compute_until(idx)
         for c in issued_at.get(idx, ()):
             streams.issue(c)
+        if idx in recompute:  # the checkpointed forward runs again once the params it reads are gathered
+            r = recompute[idx]
+            streams.wait_for(sorted({group_of[p] for p in r.params if p in group_of}))
+            streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}")
         if idx < n and idx in waits:
             streams.wait_for(waits[idx])
     step = max(streams.t, streams.free[AG], streams.free[RS])
-    return _report(ctx, sched, gather, streams, step)
+    return _report(ctx, sched, gather, streams, step, sum(r.seconds for r in recompute.values()))
 
 
-def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Streams, step: float) -> StepReport:
+def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Streams, step: float,
+            recompute: float) -> StepReport:
     ag = [c for c in sched.collectives if c.kind is AG]
     rs = [c for c in sched.collectives if c.kind is RS]
     memory = ctx.memory.peak(streams.plan, sched)
     breakdown = memory.to_dict()
     breakdown.pop("total")
     return StepReport(
-        step_time=step, compute_time=ctx.compute_total, exposed_comm=max(0.0, step - ctx.compute_total),
+        step_time=step, compute_time=ctx.compute_total + recompute,
+        exposed_comm=max(0.0, step - ctx.compute_total - recompute), recompute_time=recompute,
         lower_bound=ctx.lower_bound, peak_memory=memory.total, memory_at_peak=breakdown,
         all_gathers=len(ag), reduce_scatters=len(rs), all_gather_bytes=sum(gather[c.group] for c in ag),
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),

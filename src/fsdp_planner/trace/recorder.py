@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -65,9 +66,10 @@ def flat_leaves(args: tuple | list, kwargs: dict | None = None) -> list:
 class StepRecorder:
     """The trace's state machine: turns hook and dispatch callbacks into events."""
 
-    def __init__(self, param_storages: set[StorageWeakRef]) -> None:
+    def __init__(self, static_storages: set[StorageWeakRef]) -> None:
         self.events: list[Event] = []
-        self.param_storages = param_storages  # saved tensors on these are params, not activations
+        self.static_storages = static_storages  # params' and buffers': what they save or take is not activations
+        self.input_storages: set[StorageWeakRef] = set()  # storages some call's inputs_nbytes already counts
         self.fwd_stack: list[str] = []
         self.bwd_active: list[Call] = []  # module calls whose backward is running
         self.bwd_pending_post: set[Call] = set()  # calls that will get a post-backward marker
@@ -76,16 +78,22 @@ class StepRecorder:
         self.saved_storages: set[StorageWeakRef] = set()
         self.last_op = -1
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
+        self.bwd_started = False  # a module's pre-backward has run
+        self.loss = LossRegion()
 
     def current_module(self) -> str:
         if self.backward:
             return self.bwd_active[-1][0] if self.bwd_active else ROOT
         return self.fwd_stack[-1] if self.fwd_stack else ROOT
 
-    def op(self, params: tuple[int, ...], flops: int, nbytes: int) -> None:
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0) -> None:
         self.last_op = len(self.events)
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
-                                 backward=self.backward))
+                                 backward=self.backward, live=live))
+
+    def outside_modules(self) -> bool:
+        """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
+        return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
     def ops(self, batch: list[tuple[tuple[int, ...], int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes) each."""
@@ -96,7 +104,7 @@ class StepRecorder:
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them."""
-        if self.backward or ref in self.param_storages or ref in self.saved_storages:
+        if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
         self.saved_storages.add(ref)
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
@@ -104,10 +112,21 @@ class StepRecorder:
         e = self.events[self.last_op]
         self.events[self.last_op] = e._replace(saved=e.saved + nbytes)
 
-    def enter_forward(self, fqn: str, grad_inputs: bool) -> int:
+    def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the storages of a call's tensor inputs that no earlier call counted (params excluded)."""
+        nbytes = 0
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in self.static_storages and ref not in self.input_storages:
+                self.input_storages.add(ref)
+                nbytes += t.untyped_storage().nbytes()
+        return nbytes
+
+    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs))
+        self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
+                                 inputs_nbytes=inputs_nbytes))
         self.fwd_stack.append(fqn)
         if grad_inputs:
             self.bwd_pending_post.add((fqn, call))
@@ -127,6 +146,7 @@ class StepRecorder:
                 self.bwd_active.remove(k)
                 self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
         self.bwd_active.append(key)
+        self.bwd_started = True
         self.events.append(Event(EventKind.BWD_PRE, key[0], call=key[1], backward=True))
 
     def exit_backward(self, key: Call) -> None:
@@ -144,17 +164,50 @@ class StepRecorder:
         self.bwd_active.clear()
 
 
+class LossRegion:
+    """Live bytes of the tensors the loss works on, outside the model: its outputs and what the loss's ops and
+    their backward make, counted from the model's last output until backward reaches a module. A saved-tensor
+    view misses most of it (a language model's logits in bf16 and fp32, the loss's gradient), and at the loss
+    it is often the step's peak. Freed storages are seen through weak references, as ``fake_world.LiveBytes``
+    counts."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._sizes:
+                    self._sizes[key] = storage.nbytes()
+                    self.current += self._sizes[key]
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+
+    def _free(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+
 class NullRecorder(StepRecorder):
     """Records nothing: the target while the tracer makes tensors of its own (templates' inputs and grads)."""
 
     def __init__(self) -> None:
         super().__init__(set())
 
-    def op(self, params: tuple[int, ...], flops: int, nbytes: int) -> None:
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0) -> None:
         pass
+
+    def outside_modules(self) -> bool:
+        return False
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         pass
+
+    def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
+        return 0
 
 
 NULL = NullRecorder()
@@ -205,13 +258,15 @@ class _ModuleHooks:
         fqn = self.name[module]
         recorder = self.slot.recorder
         flat = not kwargs and all(isinstance(a, _ATOMS) for a in args)  # the common case, without a traversal
+        leaves = args if flat else flat_leaves(args, kwargs)
+        held = recorder.inputs_nbytes([a for a in leaves if isinstance(a, torch.Tensor)])
         if not torch.is_grad_enabled():
             inputs: tuple[torch.Tensor, ...] = ()
         elif flat:
             inputs = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
         else:
             inputs = collect_grad_tensors((args, kwargs))
-        call = recorder.enter_forward(fqn, bool(inputs))
+        call = recorder.enter_forward(fqn, bool(inputs), held)
         if inputs:
             key = (fqn, call)
             outs = iter(_PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *inputs))
@@ -226,6 +281,8 @@ class _ModuleHooks:
         fqn = self.name[module]
         recorder = self.slot.recorder
         call = recorder.exit_forward(fqn)
+        if recorder.outside_modules():  # the model's own outputs: what the loss starts from
+            recorder.loss.track(flat_leaves((output,)))
         if torch.is_grad_enabled():
             fired = [False]
             key = (fqn, call)
@@ -292,7 +349,12 @@ class _OpRecorder(TorchDispatchMode):
                     nbytes += a.numel() * a.element_size()
         fn = flop_registry.get(func._overloadpacket)
         flops = int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0
-        self.slot.recorder.op(tuple(sorted(used)), flops, nbytes)
+        recorder = self.slot.recorder
+        live = 0
+        if recorder.outside_modules():
+            recorder.loss.track(flat_out)
+            live = recorder.loss.current
+        recorder.op(tuple(sorted(used)), flops, nbytes, live)
         return out
 
 
@@ -491,11 +553,15 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
     if fake_mode is not None:
         for i, p in enumerate(param_objs):
             by_storage[StorageWeakRef(fake_mode.from_tensor(p).untyped_storage())] = i
-    recorder = StepRecorder(set(by_storage))
+    buffer_objs = list({id(b): b for m in walk.modules.values() for b in m._buffers.values() if b is not None}.values())
+    buffer_storages = {StorageWeakRef(b.untyped_storage()) for b in buffer_objs}
+    if fake_mode is not None:
+        buffer_storages |= {StorageWeakRef(fake_mode.from_tensor(b).untyped_storage()) for b in buffer_objs}
+    recorder = StepRecorder(set(by_storage) | buffer_storages)
     slot = Slot(recorder)
     param_by_id = {id(p): i for i, p in enumerate(param_objs)}
     ops = _OpRecorder(slot, param_by_id, by_storage, _device_sync(param_objs) if measure else None)
-    repeated = BlockReuse(model, walk, slot, param_by_id, recorder.param_storages) if reuse and not measure else None
+    repeated = BlockReuse(model, walk, slot, param_by_id, set(by_storage)) if reuse and not measure else None
     hooks = _ModuleHooks(walk, slot)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -522,12 +588,11 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
             t.grad = None
     events = recorder.events
     seconds = tuple(ops.seconds.get(i, 0.0) for i in range(len(events))) if measure else None
-    buffers = {id(b): b for m in walk.modules.values() for b in m._buffers.values() if b is not None}
     params = [p if i in got_grad else replace(p, gets_grad=False) for i, p in enumerate(params)]
     return Trace(params=tuple(params), modules=_module_infos(walk, params, param_objs, events, recorder.calls),
                  events=tuple(events), fingerprint=fingerprint,
                  compute_itemsize=None if compute_dtype is None else compute_dtype.itemsize,
-                 buffers_nbytes=sum(b.numel() * b.element_size() for b in buffers.values()), op_seconds=seconds)
+                 buffers_nbytes=sum(b.numel() * b.element_size() for b in buffer_objs), op_seconds=seconds)
 
 
 def _device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:

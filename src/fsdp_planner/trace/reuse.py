@@ -123,8 +123,8 @@ class Template:
 class ActionLog(StepRecorder):
     """Records the callbacks of one isolated call (the StepRecorder interface), relative to module ``prefix``."""
 
-    def __init__(self, prefix: str, param_name: dict[int, str], param_storages: set[StorageWeakRef]) -> None:
-        super().__init__(param_storages)
+    def __init__(self, prefix: str, param_name: dict[int, str], static_storages: set[StorageWeakRef]) -> None:
+        super().__init__(static_storages)
         self.prefix, self.param_name = prefix + ".", param_name
         self.template = Template()
         self.slots: dict[int, int] = {}  # global param index -> index into template.params
@@ -139,10 +139,10 @@ class ActionLog(StepRecorder):
     def _log(self, action: tuple) -> None:
         (self.template.backward if self.backward else self.template.forward).append(action)
 
-    def enter_forward(self, fqn: str, grad_inputs: bool) -> int:
+    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        self._log(("fwd_pre", self._rel(fqn), grad_inputs))
+        self._log(("fwd_pre", self._rel(fqn), grad_inputs, inputs_nbytes))
         return call
 
     def exit_forward(self, fqn: str) -> int:
@@ -158,7 +158,10 @@ class ActionLog(StepRecorder):
     def exit_backward(self, key: Call) -> None:
         self._log(("bwd_post", self._rel(key[0]), key[1]))
 
-    def op(self, params: tuple[int, ...], flops: int, nbytes: int) -> None:
+    def outside_modules(self) -> bool:
+        return False  # a template is one module call: nothing in it is outside the model
+
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0) -> None:
         slots = []
         for p in params:
             if p not in self.param_name:
@@ -171,7 +174,7 @@ class ActionLog(StepRecorder):
         self._log(("op", tuple(slots), flops, nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
-        if self.backward or ref in self.param_storages or ref in self.saved_storages:
+        if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
         self.saved_storages.add(ref)
         self.saved.append((len(self.template.forward), ref, nbytes))
@@ -372,7 +375,7 @@ class BlockReuse:
     def _record(self, r: _Repeated, forward: Callable[..., Any], leaves: list, inputs: dict[int, _Input],
                 structure: Structure) -> Template:
         main = self.slot.recorder
-        log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, self.param_storages)
+        log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, main.static_storages)
         self.active, self.slot.recorder = False, NULL
         try:
             clones = {i: m.make().requires_grad_(m.requires_grad) for i, m in inputs.items()}
@@ -380,6 +383,8 @@ class BlockReuse:
             for i, t in zip(grad_idx, _Sink.apply(*(clones[i] for i in grad_idx)), strict=True):
                 clones[i] = t
             versions = {i: t._version for i, t in clones.items()}
+            # the call's own inputs are counted by its pre-forward (in the step's recorder), not by inner calls
+            log.input_storages.update(StorageWeakRef(t.untyped_storage()) for t in clones.values())
             iso = list(leaves)
             for i, t in clones.items():
                 iso[i] = t
@@ -523,7 +528,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
         if kind == "ops":
             main.ops([(tuple([params[i] for i in slots]), flops, nbytes) for slots, flops, nbytes in action[1]])
         elif kind == "fwd_pre":
-            main.enter_forward(prefix + action[1], action[2])
+            main.enter_forward(prefix + action[1], action[2], action[3])
         elif kind == "fwd_post":
             main.exit_forward(prefix + action[1])
         elif kind == "bwd_pre":

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
@@ -88,6 +89,7 @@ class AutoPolicy:
     target: Target = Target.FSDP2
     options: SimOptions = field(default_factory=SimOptions)
     refine_seconds: float = 2.0  # time allowed for boundary moves after the structured search
+    checkpointing: ACMode | None = None  # activation checkpointing fixed for every plan; None: auto chooses
     name: str = "auto"
 
     def __post_init__(self) -> None:
@@ -113,15 +115,22 @@ class AutoPolicy:
         started = time.perf_counter()
         search = Search(trace, self.cluster, self.options, self.target, model)
         ev = search.ev
-        baselines = classic_baselines(ev)
         ev.budget, source = self._budget()
-        module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
-        if self.target is Target.FSDP2:
-            for atoms in search.granularities():
-                deferred = frugal_and_dp(ev, atoms)
-                if deferred is not None:
-                    search.deferred.append(deferred)
-        search.refiner.refine(time.perf_counter() + self.refine_seconds)
+        blocks = block_instances(trace)
+        if self.checkpointing is not None:
+            ev.checkpointed = checkpointed_blocks(trace, self.checkpointing)
+        baselines = self._explore(search, search.granularities())
+        if self.checkpointing is None and blocks and ev.best().report.peak_memory > ev.budget:
+            # Nothing fits without activation checkpointing: checkpoint the fewest blocks that let a plan fit
+            # (the first ones: their activations live longest), and all of them; each costs a recomputation.
+            fewest = self._fewest_checkpointed(ev, blocks, baselines)
+            counts = list(dict.fromkeys([fewest, len(blocks)]))
+            for count in counts:
+                ev.checkpointed = blocks[:count]
+                self._explore(search, [search.atoms])  # groups inside a block would forbid checkpointing it
+                search.refiner.refine(time.perf_counter() + self.refine_seconds / len(counts))
+        else:
+            search.refiner.refine(time.perf_counter() + self.refine_seconds)
         best = ev.best()
         if self.target is Target.FSDP2 and best.plan.root.params:
             classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
@@ -133,6 +142,36 @@ class AutoPolicy:
         return AutoResult(plan=plan, report=best.report, budget=ev.budget, budget_source=source,
                           fits=best.report.peak_memory <= ev.budget, baselines=baselines,
                           evaluated=len(ev.seen), seconds=time.perf_counter() - started, search=search)
+
+    def _explore(self, search: Search, granularities: list[list[Atom]]) -> dict[str, Candidate]:
+        """The structured candidates: classic plans (returned) and module-tree cuts, then the frugal plans and
+        the DP."""
+        ev = search.ev
+        classics = classic_baselines(ev)
+        module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
+        if self.target is Target.FSDP2:
+            for atoms in granularities:
+                deferred = frugal_and_dp(ev, atoms)
+                if deferred is not None:
+                    search.deferred.append(deferred)
+        return classics
+
+    @staticmethod
+    def _fewest_checkpointed(ev: Evaluator, blocks: list[str], baselines: dict[str, Candidate]) -> int:
+        """The fewest leading blocks to checkpoint for the per-block plan (torchtitan's grouping) to fit; all of
+        them when even that does not fit."""
+        start = baselines.get("titan")
+        if start is None:
+            return len(blocks)
+        lo, hi = 1, len(blocks)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            ev.checkpointed = blocks[:mid]
+            if ev.evaluate(start.plan, f"titan + checkpoint {mid} blocks").report.peak_memory <= ev.budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     def _budget(self) -> tuple[int, str]:
         if self.memory_budget is not None:

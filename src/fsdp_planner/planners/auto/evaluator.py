@@ -17,6 +17,7 @@ from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.timeline import StepReport, simulate
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import proper_ancestors
 
 REFINE_STARTS = 3  # refinement starts from this many of the best plans
 ROOT_SLACK = 1e-3  # a plan whose root manages nothing is preferred within this fraction of the best step time
@@ -46,14 +47,25 @@ class Evaluator:
         self.budget = 0
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
+        self.checkpointed: list[str] = []  # modules every plan checkpoints, each unless a group lies inside it
 
     def evaluate(self, plan: Plan, origin: str) -> Candidate:
+        plan = self.with_checkpointing(plan)
         key = plan.signature()
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             c = Candidate(plan, simulate(self.trace, plan, context=self.ctx, timeline=False), origin)
             self.seen.append(c)
             self.cache[key] = c
         return self.cache[key]
+
+    def with_checkpointing(self, plan: Plan) -> Plan:
+        """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside (FSDP2's hooks on
+        an inner group would run again in the recomputation, which the model does not replay)."""
+        if not self.checkpointed and not plan.activation_checkpointing:
+            return plan
+        blocked = {a for g in plan.groups for m in g.modules for a in proper_ancestors(m)}
+        ac = [m for m in self.checkpointed if m not in blocked]
+        return plan if ac == plan.activation_checkpointing else plan.copy(activation_checkpointing=ac)
 
     def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
         """Whether a plan of these groups could be chosen, or start a refinement. FSDP2 all-gathers a group at
