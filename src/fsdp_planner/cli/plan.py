@@ -82,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
                 continue
             auto = found
             plans.append(auto.plan)
-        elif args.policy:
-            plans.append(make_policy(request).plan(tr, args.model))
-        else:  # in a comparison, a policy that cannot take the requested checkpointing is left out, with why
+        else:
             try:
                 plans.append(make_policy(request).plan(tr, args.model))
             except PlannerError as e:
+                if args.policy:
+                    raise
+                # in a comparison, a policy that cannot take the requested checkpointing is left out, with why
                 render.note(f"the {request.name.value} policy is left out of the comparison: {e}")
     context = SimContext(tr, cluster, options) if cluster else None
     world = cluster.world_size if cluster else None
