@@ -8,7 +8,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import exit_message, load_model
+from fsdp_planner.models import ModelSpec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.options import Precision, SimOptions
@@ -16,7 +16,7 @@ from fsdp_planner.trace.recorder import trace
 from fsdp_planner.trace.records import Trace
 
 
-def load_trace(spec: str, notes: Console, measure: bool = False, full: bool = False,
+def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, full: bool = False,
                precision: Precision | None = None) -> Trace:
     """The model's trace on meta tensors, in ``precision``'s compute dtype (default: the default precision's);
     with ``measure``, then timed for real on the local device. ``full``: every module call traced (no replay of

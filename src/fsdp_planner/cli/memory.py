@@ -7,7 +7,7 @@ import json
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_trace
-from fsdp_planner.cli.requests import add_json, add_model, add_precision_options
+from fsdp_planner.cli.requests import add_json, add_model, add_precision_options, model_spec
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.sim.memory import strategy_table
 from fsdp_planner.sim.options import SimOptions
@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise PlannerError("--world-size must be at least 1")
     options = SimOptions.named(args.precision, args.optimizer)
-    rows = strategy_table(load_trace(args.model, render.notes, full=args.full_trace,
+    rows = strategy_table(load_trace(model_spec(args), render.notes, full=args.full_trace,
                                    precision=options.precision), args.world_size, options)
     if args.json:
         print(json.dumps({k: v.to_dict() for k, v in rows.items()}, indent=2))

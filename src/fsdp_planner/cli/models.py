@@ -1,11 +1,11 @@
-"""``fsdp-planner models``: the built-in models."""
+"""``fsdp-planner models``: the built-in models and their default workloads."""
 
 from __future__ import annotations
 
 import argparse
 
 from fsdp_planner.cli import render
-from fsdp_planner.models import BUILTINS
+from fsdp_planner.models import BUILTINS, ModelSpec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -14,5 +14,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     for name, b in BUILTINS.items():
-        render.console.print(f"{name:16s} {b.description}{'' if b.trainable else '  [dim](planning only)[/dim]'}")
+        workload = ModelSpec(name).label().partition(", ")[2]
+        render.console.print(f"{name:16s} {b.description}{f' ({workload})' if workload else ''}"
+                             f"{'' if b.trainable else '  [dim](planning only)[/dim]'}", highlight=False)
+    render.console.print("--batch and --seq set the batch and sequence length of the models that have them.",
+                         highlight=False)
     return 0

@@ -14,6 +14,7 @@ from fsdp_planner.cli.requests import (
     add_policy_options,
     add_sim_options,
     cluster_or_none,
+    model_spec,
     output_file,
     policy_notes,
     policy_request,
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     for note in _ignored(args, [r.name for r in requests], cluster is not None):
         render.note(note)
         measure = measure and not note.startswith("--measure")
-    tr = load_trace(args.model, render.notes, measure, full=args.full_trace, precision=options.precision)
+    tr = load_trace(model_spec(args), render.notes, measure, full=args.full_trace, precision=options.precision)
     if not args.policy and not args.module_classes and default_block_class(tr) is None:
         render.note("the module and titan policies are left out of the comparison: the model has no repeated "
                     "block class (name the classes to wrap with --module-classes to compare them)")
@@ -145,7 +146,7 @@ def _json(model: str, tr: Any, rows: list, auto: AutoResult | None) -> dict[str,
 def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | None,
            cluster: Cluster | None) -> None:
     console = render.console
-    console.print(render.model_line(args.model, tr))
+    console.print(render.model_line(model_spec(args).label(), tr))
     if len(rows) == 1:
         console.print(render.groups_table(rows[0][0], tr))
     capacity = cluster.gpu.memory_bytes if cluster is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import parse_count, parse_size
 from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.planners.registry import POLICY_NAMES, PolicyName, PolicyRequest
 from fsdp_planner.sim.options import (
@@ -104,6 +105,24 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
         notes.append(f"the titan policy wraps one block class: it uses {classes[0]} and ignores "
                      f"{', '.join(classes[1:])} from --module-classes")
     return notes
+
+
+def positive_int(option: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least 1 (``1e3`` reads too), one line otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = parse_count(text, option)
+        except PlannerError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option} must be at least 1, got {text}")
+        return value
+    return parse
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The model and the workload (``--batch``, ``--seq``) the command runs."""
+    return ModelSpec(args.model, getattr(args, "batch", None), getattr(args, "seq", None))
 
 
 def plan_source(args: argparse.Namespace) -> PlanSource:
@@ -244,6 +263,11 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
 
 def add_model(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="built-in name, path/file.py:fn or package.module:fn")
+    sp.add_argument("--batch", type=positive_int("--batch"), default=None,
+                    help="micro-batch size per rank: the factory's batch_size argument (default: the factory's; "
+                         "see fsdp-planner models)")
+    sp.add_argument("--seq", type=positive_int("--seq"), default=None,
+                    help="sequence length: the factory's seq_len argument (default: the factory's)")
     sp.add_argument("--full-trace", action="store_true",
                     help="trace every module call (slower); by default identical calls of a repeated block are "
                          "traced once, which assumes its forward depends only on its own state and arguments")

@@ -11,6 +11,7 @@ from fsdp_planner.cli.requests import (
     add_json,
     add_plan_source,
     add_sim_options,
+    model_spec,
     plan_source,
     policy_notes,
     sim_options,
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     for note in policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
                              plan_file=source.plan_file is not None):
         render.note(note)
-    tr = load_trace(args.model, render.notes, args.measure, full=args.full_trace,
+    tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.summary(), indent=2))
         return 0
-    for line in render.step_lines(args.model, plan.policy or str(source.plan_file), cluster, report):
+    for line in render.step_lines(model_spec(args).label(), plan.policy or str(source.plan_file), cluster, report):
         render.console.print(line)
     render.console.print(render.memory_table(report.peak_memory, report.memory_at_peak, cluster.gpu))
     return 0

@@ -7,7 +7,7 @@ import json
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
-from fsdp_planner.cli.requests import add_json, add_plan_source, plan_source, policy_notes
+from fsdp_planner.cli.requests import add_json, add_plan_source, model_spec, plan_source, policy_notes
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import check_plan_world_size
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cluster and not auto:
         render.note(f"--cluster has no effect with {'--plan' if source.plan_file else f'--policy {args.policy}'}: "
                     "verify runs on this machine; only --policy auto reads --cluster (the cluster it plans for)")
-    tr = load_trace(args.model, render.notes, full=args.full_trace)
+    tr = load_trace(model_spec(args), render.notes, full=args.full_trace)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
         check_plan_world_size(plan, args.nproc)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         render.console.print(f"verifying [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with "
                              f"{args.nproc} processes, {args.steps} steps ...")
-    result = run_verify(args.model, tr, plan, args.nproc, args.steps)
+    result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -98,7 +98,7 @@ def run_fake(args: argparse.Namespace) -> int:
     cluster = parse_cluster(args.cluster or f"h100:{world}")
     if cluster.world_size != world:
         raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")
-    tr = load_trace(args.model, render.notes, full=args.full_trace, precision=options.precision)
+    tr = load_trace(model_spec(args), render.notes, full=args.full_trace, precision=options.precision)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
         check_plan_world_size(plan, world)
@@ -109,7 +109,7 @@ def run_fake(args: argparse.Namespace) -> int:
         render.console.print(f"running [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with real "
                              f"FSDP2 on {world} fake ranks ({args.precision}) ...")
     predicted = simulate(tr, plan, cluster, options, timeline=False)
-    measured = run_fake_world(args.model, plan, world, options.precision)
+    measured = run_fake_world(model_spec(args), plan, world, options.precision)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
@@ -122,7 +122,7 @@ def run_fake(args: argparse.Namespace) -> int:
                           "peak_error": error, "memory_tolerance": args.memory_tolerance, "ok": ok,
                           "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    render.console.print(render.fake_world_table(f"{args.model}: prediction vs real FSDP2 on {world} fake ranks "
+    render.console.print(render.fake_world_table(f"{model_spec(args).label()}: prediction vs real FSDP2 on {world} fake ranks "
                                                  f"({measured.seconds:.1f} s)", rows))
     render.console.print("peak: bytes allocated per rank (the CUDA caching allocator's reserve is not in either)")
     render.console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]")

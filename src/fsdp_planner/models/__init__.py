@@ -3,12 +3,17 @@
 A MODEL spec is a built-in name, ``path/to/file.py:fn`` or ``package.module:fn``; ``fn()`` returns
 ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``. For planning the factory runs under
 ``torch.device("meta")`` so even a 405B model costs no memory.
+
+The workload is the user's: ``--batch`` and ``--seq`` reach the factory as its ``batch_size`` and ``seq_len``
+keyword arguments (every built-in that has them takes them; a user's factory opts in by declaring them).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,31 +29,109 @@ from fsdp_planner.models import encdec, gpt2, llama, moe, seed, vit
 
 @dataclass(frozen=True)
 class Builtin:
-    factory: Callable[[], tuple]
+    factory: Callable[..., tuple]
     description: str
     trainable: bool  # small enough to train on CPU (verify)
 
 
+def _llama(cfg: llama.LlamaConfig, batch_size: int, seq_len: int) -> Callable[..., tuple]:
+    return functools.partial(llama.build, cfg, batch_size=batch_size, seq_len=seq_len)
+
+
 BUILTINS: dict[str, Builtin] = {
     "seed-net": Builtin(seed.seed_net, "the seed's CNN (conv1, conv2, fc1, fc2), MNIST-sized input", True),
-    "toy-llama": Builtin(lambda: llama.build(llama.TOY_LLAMA, batch_size=4, seq_len=32),
-                         "4-layer Llama-style decoder, trains on CPU in seconds", True),
+    "toy-llama": Builtin(_llama(llama.TOY_LLAMA, 4, 32), "4-layer Llama-style decoder, trains on CPU in seconds",
+                         True),
     "toy-gpt2-tied": Builtin(gpt2.toy_gpt2_tied, "3-layer GPT-2-style decoder, lm_head tied to wte", True),
     "seed-linear10": Builtin(seed.seed_linear10, "seed 002's 10 x Linear(10000, 10000) memory study", False),
-    "llama3-8b": Builtin(lambda: llama.build(llama.LLAMA3_8B, 1, 8192), "Llama 3 8B, seq 8192 (planning)", False),
-    "llama3-70b": Builtin(lambda: llama.build(llama.LLAMA3_70B, 1, 8192), "Llama 3 70B, seq 8192 (planning)",
-                          False),
-    "llama3-405b": Builtin(lambda: llama.build(llama.LLAMA3_405B, 1, 8192), "Llama 3 405B, seq 8192 (planning)",
-                           False),
-    "llama32-3b": Builtin(lambda: llama.build(llama.LLAMA32_3B, 1, 8192),
-                          "Llama 3.2 3B, tied embeddings, seq 8192 (planning)", False),
-    "t5-3b": Builtin(encdec.t5_3b,
-                     "T5 v1.1 XL encoder-decoder, shared embedding, enc 1024 / dec 256 (planning)", False),
-    "vit-h14": Builtin(vit.vit_h14,
-                       "ViT-H/14, batch 32 at 224px (planning)", False),
-    "mixtral-8x7b": Builtin(moe.mixtral_8x7b,
-                            "Mixtral 8x7B MoE, 8 experts top-2, seq 4096 (planning)", False),
+    "llama3-8b": Builtin(_llama(llama.LLAMA3_8B, 1, 8192), "Llama 3 8B", False),
+    "llama3-70b": Builtin(_llama(llama.LLAMA3_70B, 1, 8192), "Llama 3 70B", False),
+    "llama3-405b": Builtin(_llama(llama.LLAMA3_405B, 1, 8192), "Llama 3 405B", False),
+    "llama32-3b": Builtin(_llama(llama.LLAMA32_3B, 1, 8192), "Llama 3.2 3B, tied embeddings", False),
+    "t5-3b": Builtin(encdec.t5_3b, "T5 v1.1 XL encoder-decoder, shared embedding; the decoder reads seq_len / 4 "
+                                   "tokens", False),
+    "vit-h14": Builtin(vit.vit_h14, "ViT-H/14 at 224px", False),
+    "mixtral-8x7b": Builtin(moe.mixtral_8x7b, "Mixtral 8x7B MoE, 8 experts top-2", False),
 }
+
+# The workload options and the factory keyword each one sets.
+WORKLOAD_OPTIONS = {"batch_size": "--batch", "seq_len": "--seq"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model to build: a MODEL spec and the workload the user set for it (None: the factory's default)."""
+
+    name: str
+    batch_size: int | None = None
+    seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for key, option in WORKLOAD_OPTIONS.items():
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PlannerError(f"{option} must be a positive whole number, got {value!r}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def kwargs(self) -> dict[str, int]:
+        """The factory keyword arguments the user set."""
+        return {k: getattr(self, k) for k in WORKLOAD_OPTIONS if getattr(self, k) is not None}
+
+    def label(self) -> str:
+        """The name with its workload: what the user set, and a built-in's defaults ("llama3-8b, batch 1, seq
+        8192"); a user factory's defaults are its own business and not read here (that would import it again)."""
+        values = workload_defaults(BUILTINS[self.name].factory) if self.name in BUILTINS else {}
+        values.update(self.kwargs())
+        words = {"batch_size": "batch", "seq_len": "seq"}
+        return ", ".join([self.name, *(f"{words[k]} {v:,}" for k, v in values.items())])
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, **self.kwargs()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelSpec:
+        return cls(**data)
+
+
+def as_spec(spec: ModelSpec | str) -> ModelSpec:
+    return spec if isinstance(spec, ModelSpec) else ModelSpec(spec)
+
+
+def workload_defaults(factory: Callable[..., tuple]) -> dict[str, Any]:
+    """The workload keywords a factory takes, with their defaults (``inspect.Parameter.empty`` when required)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return {}
+    return {k: params[k].default for k in WORKLOAD_OPTIONS if k in params}
+
+
+def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, int]:
+    """The keyword arguments ``factory`` gets for ``spec``; a workload option it cannot take is an error, never
+    silently ignored (the plan would be for another step)."""
+    wanted = spec.kwargs()
+    if not wanted:
+        return {}
+    try:
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                        for p in inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        takes_any = False
+    taken = workload_defaults(factory)
+    for key in wanted:
+        if key in taken or takes_any:
+            continue
+        option = WORKLOAD_OPTIONS[key]
+        if spec.name in BUILTINS:
+            others = ", ".join(n for n, b in BUILTINS.items() if key in workload_defaults(b.factory))
+            raise PlannerError(f"{option} does not apply to '{spec.name}' (it has no {key}); built-ins that take "
+                               f"it: {others}")
+        raise PlannerError(f"{option} does not apply to '{spec.name}': its factory takes no '{key}' keyword "
+                           f"argument (add one, e.g. def {spec.name.rpartition(':')[2]}({key}=...), to set it "
+                           f"from the command line)")
+    return wanted
 
 
 @dataclass
@@ -77,7 +160,7 @@ def _check_model_file(target: str) -> Path:
     raise PlannerError(f"model file '{target}' does not exist")
 
 
-def resolve_factory(spec: str) -> Callable[[], tuple]:
+def resolve_factory(spec: str) -> Callable[..., tuple]:
     """The factory function a MODEL spec names."""
     if spec in BUILTINS:
         return BUILTINS[spec].factory
@@ -115,16 +198,19 @@ def resolve_factory(spec: str) -> Callable[[], tuple]:
     return fn
 
 
-def load_model(spec: str, meta: bool = True, seed: int = 0) -> LoadedModel:
-    """Build the model a spec names; on the meta device when ``meta`` (planning only)."""
+def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) -> LoadedModel:
+    """Build the model a spec names, for the workload it sets; on the meta device when ``meta`` (planning only)."""
+    model_spec = as_spec(model_spec)
+    spec = model_spec.name
     factory = resolve_factory(spec)
+    kwargs = factory_kwargs(factory, model_spec)
     torch.manual_seed(seed)
     try:
         if meta:
             with torch.device("meta"):
-                result = factory()
+                result = factory(**kwargs)
         else:
-            result = factory()
+            result = factory(**kwargs)
     except PlannerError:
         raise
     except SystemExit as e:  # sys.exit or argparse in a factory is an error too, never a silent exit

@@ -227,6 +227,7 @@ def build(cfg: T5Config, batch_size: int, enc_len: int, dec_len: int,
     return model, (input_ids, decoder_input_ids), seq2seq_loss(labels)
 
 
-def t5_3b() -> tuple[nn.Module, Any, Any]:
-    """T5 v1.1 XL (~2.85B): encoder tokens (1, 1024), decoder tokens (1, 256)."""
-    return build(T5_V11_XL, 1, 1024, 256)
+def t5_3b(batch_size: int = 1, seq_len: int = 1024) -> tuple[nn.Module, Any, Any]:
+    """T5 v1.1 XL (~2.85B): ``seq_len`` encoder tokens, a quarter as many decoder tokens (at least one), the
+    ratio of T5's span-corruption pre-training (inputs 512, targets 114)."""
+    return build(T5_V11_XL, batch_size, seq_len, max(1, seq_len // 4))

@@ -130,6 +130,6 @@ def build(cfg: MoEConfig, batch_size: int, seq_len: int,
     return model, (tokens,), lm_loss(tokens)
 
 
-def mixtral_8x7b() -> tuple[nn.Module, Any, Any]:
-    """Mixtral 8x7B (~46.7B), batch 1, seq 4096."""
-    return build(MIXTRAL_8X7B, 1, 4096)
+def mixtral_8x7b(batch_size: int = 1, seq_len: int = 4096) -> tuple[nn.Module, Any, Any]:
+    """Mixtral 8x7B (~46.7B)."""
+    return build(MIXTRAL_8X7B, batch_size, seq_len)

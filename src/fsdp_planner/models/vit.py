@@ -127,6 +127,6 @@ def build(cfg: ViTConfig, batch_size: int, dtype: torch.dtype = torch.float32) -
     return model, (images,), classification_loss(labels)
 
 
-def vit_h14() -> tuple[nn.Module, Any, Any]:
-    """ViT-H/14 (~632M) on a batch of 32 images at 224px."""
-    return build(VIT_H14, 32)
+def vit_h14(batch_size: int = 32) -> tuple[nn.Module, Any, Any]:
+    """ViT-H/14 (~632M) on a batch of images at 224px (the sequence is fixed by the image: 256 patches + 1)."""
+    return build(VIT_H14, batch_size)

@@ -22,13 +22,16 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from fsdp_planner.models import ModelSpec
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import Precision
@@ -139,7 +142,8 @@ def mixed_precision(precision: Precision, model: torch.nn.Module) -> Any:
                                 reduce_dtype=None if reduce == compute else reduce)
 
 
-def run_fake_world(spec: str, plan: Plan, world_size: int, precision: Precision, steps: int = 2) -> FakeWorldResult:
+def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
+                   steps: int = 2) -> FakeWorldResult:
     """Apply ``plan`` to the model ``spec`` names with real FSDP2 on ``world_size`` fake ranks and train
     ``steps`` steps (at least 2); counts, bytes and memory are the last step's."""
     import torch.distributed as dist
@@ -148,7 +152,7 @@ def run_fake_world(spec: str, plan: Plan, world_size: int, precision: Precision,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_planner.fsdp2.apply import apply_plan
-    from fsdp_planner.models import resolve_factory
+    from fsdp_planner.models import as_spec, factory_kwargs, resolve_factory
     from fsdp_planner.trace.recorder import default_loss, split_inputs
 
     if not 1 <= world_size <= MAX_FAKE_WORLD:
@@ -157,14 +161,17 @@ def run_fake_world(spec: str, plan: Plan, world_size: int, precision: Precision,
         raise PlannerError("the fake-world check needs at least 2 steps (the first creates the optimizer state)")
     if dist.is_initialized():
         raise PlannerError("the fake-world check needs a process without a torch.distributed process group")
+    model_spec = as_spec(model_spec)
+    spec = model_spec.name
     factory = resolve_factory(spec)
+    kwargs = factory_kwargs(factory, model_spec)
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         with FakeTensorMode(allow_non_fake_inputs=True):
             try:
-                built = factory()
+                built = factory(**kwargs)
             except (Exception, SystemExit) as e:
                 raise PlannerError(f"model factory '{spec}' raised {type(e).__name__} under fake tensors: {e}") from e
             model, inputs = built[0], built[1]

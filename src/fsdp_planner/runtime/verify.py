@@ -8,6 +8,7 @@ counted all-gathers and reduce-scatters, and their bytes, equal the prediction o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
 
@@ -191,10 +193,13 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Coun
     return counts, nbytes
 
 
-def run_verify(spec: str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
+def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions."""
     from fsdp_planner.models import BUILTINS
+
+    model = as_spec(model)
+    spec = model.name
 
     if nproc < 1:
         raise PlannerError("--nproc must be at least 1")
@@ -204,12 +209,12 @@ def run_verify(spec: str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, 
         raise PlannerError(f"'{spec}' is for planning only (too large to train here); verify a trainable model")
     if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
         path, _, fn = spec.rpartition(":")
-        spec = f"{Path(path).resolve()}:{fn}"
+        model = dataclasses.replace(model, name=f"{Path(path).resolve()}:{fn}")
     predicted, predicted_bytes = predict_collectives(trace, plan, nproc)
     with signals_raise(), \
             tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-", ignore_cleanup_errors=True) as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_path.write_text(json.dumps({"model": spec, "plan": plan.to_json(), "steps": steps, "lr": lr,
+        job_path.write_text(json.dumps({"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr,
                                         "seed": seed, "result": str(result_path)}))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.models import ModelSpec
 
 _COUNTED = {
     "all_gather_single": CollectiveKind.ALL_GATHER,
@@ -77,7 +78,7 @@ class CollectiveCounter:
         return out
 
 
-def _batch(spec: str, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+def _batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
     """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed."""
     from fsdp_planner.models import load_model
     from fsdp_planner.trace.recorder import default_loss
@@ -105,7 +106,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
     counted, counted_bytes, losses, ref_losses = [], [], [], []
     counter = CollectiveCounter()
     for step in range(job["steps"]):
-        batches = [_batch(job["model"], step, r, job["seed"]) for r in range(world)]
+        batches = [_batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
         inputs, loss_fn = batches[rank]
         with counter:
             torch.manual_seed(job["seed"] + 7 * step + rank)
@@ -168,7 +169,7 @@ def worker(job_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        model = load_model(job["model"], meta=False, seed=job["seed"]).model.to(device)
+        model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
         reference = copy.deepcopy(model)
         apply_plan(model, Plan.from_json(job["plan"]), mesh=init_device_mesh(device.type, (world,)))
         result = _train(job, model, reference, device, rank, world)
