@@ -38,11 +38,11 @@ def test_default_budget_is_the_gpu_and_auto_beats_every_classic_plan_that_fits(s
     result = AutoPolicy(parse_cluster(cluster), refine_seconds=0.5).search(tr, spec)
     gpu = parse_cluster(cluster).gpu.memory_bytes
     assert result.budget == gpu and result.fits == (result.min_peak <= gpu)
-    fitting = [c for c in result.baselines.values() if c.report.peak_memory <= gpu]
+    fitting = [c for c in result.baselines.values() if c.report.reserved_memory <= gpu]
     if not result.fits:
         assert not fitting  # a classic plan that fits would have been a candidate
         return
-    assert result.report.peak_memory <= gpu
+    assert result.report.reserved_memory <= gpu
     assert all(result.report.step_time <= c.report.step_time * (1 + 1e-9) for c in fitting)
 
 
@@ -51,16 +51,16 @@ def test_default_budget_is_the_gpu_and_auto_beats_every_classic_plan_that_fits(s
 def test_never_slower_and_never_more_memory_than_the_fastest_classic_policy(spec, cluster):
     tr = traced(spec)
     free = AutoPolicy(parse_cluster(cluster), memory_budget=1 << 60, refine_seconds=0.1).search(tr, spec)
-    fastest = min(free.baselines.values(), key=lambda c: (c.report.step_time, c.report.peak_memory))
-    result = AutoPolicy(parse_cluster(cluster), fastest.report.peak_memory, refine_seconds=0.5).search(tr, spec)
+    fastest = min(free.baselines.values(), key=lambda c: (c.report.step_time, c.report.reserved_memory))
+    result = AutoPolicy(parse_cluster(cluster), fastest.report.reserved_memory, refine_seconds=0.5).search(tr, spec)
     validate_plan(result.plan, tr)
     assert result.report.step_time <= fastest.report.step_time * (1 + 1e-9)
-    assert result.report.peak_memory <= fastest.report.peak_memory
+    assert result.report.reserved_memory <= fastest.report.reserved_memory
     assert result.fits
     if result.plan.root.params:  # the root manages nothing unless that costs over 0.1% (or memory)
         empty = [c for c in result.search.ev.seen if not c.plan.root.params]
         assert empty and all(c.report.step_time > result.report.step_time * 1.001
-                             or c.report.peak_memory > result.report.peak_memory for c in empty)
+                             or c.report.reserved_memory > result.report.reserved_memory for c in empty)
     again = simulate(tr, result.plan, parse_cluster(cluster))  # the reported figures are the simulator's
     assert again.step_time == pytest.approx(result.report.step_time, rel=1e-9)
 
@@ -83,10 +83,10 @@ def test_tight_budget_is_met_and_impossible_budget_is_refused():
     tr = traced("toy-llama")
     cluster = parse_cluster("h100:8")
     free = AutoPolicy(cluster).search(tr)
-    tight = int(free.min_peak + 0.1 * (free.report.peak_memory - free.min_peak))
-    assert tight < free.report.peak_memory  # the budget binds
+    tight = int(free.min_peak + 0.1 * (free.report.reserved_memory - free.min_peak))
+    assert tight < free.report.reserved_memory  # the budget binds
     result = AutoPolicy(cluster, tight).search(tr)
-    assert result.fits and result.report.peak_memory <= tight
+    assert result.fits and result.report.reserved_memory <= tight
     with pytest.raises(PlannerError, match=r"no plan fits the memory budget .* smallest peak any plan reaches"):
         AutoPolicy(cluster, free.min_peak // 2).plan(tr)
 

@@ -134,7 +134,7 @@ def test_plan_auto_with_budget_explain_and_json(tmp_path):
             "--out", str(out))
     assert r.returncode == 0, r.stderr
     r = run("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--json")
-    assert json.loads(r.stdout)["peak_memory"] <= 3.2 * 2**20
+    assert json.loads(r.stdout)["reserved_memory"] <= 3.2 * 2**20
 
 
 @pytest.mark.parametrize(

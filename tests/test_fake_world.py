@@ -12,7 +12,7 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import LiveBytes, run_fake_world
-from fsdp_planner.sim.options import PRECISIONS, SimOptions
+from fsdp_planner.sim.options import PRECISIONS, SimOptions, ZeroGrad
 from fsdp_planner.sim.timeline import simulate
 from fsdp_planner.trace import trace
 
@@ -34,6 +34,21 @@ def test_prediction_matches_real_fsdp2_at_fake_world_size(precision: str, world:
     assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
     assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
+
+
+def test_grads_kept_by_zero_grad_set_to_none_false() -> None:
+    """``zero_grad(set_to_none=False)`` keeps the sharded grads all step: the prediction follows real FSDP2, and
+    the peak grows by at most the sharded grads."""
+    cluster = parse_cluster("h100:8")
+    none, zeros = SimOptions.named(), SimOptions.named(zero_grad="zeros")
+    tr = _traced("toy-llama", none)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    kept = simulate(tr, plan, cluster, zeros, timeline=False)
+    freed = simulate(tr, plan, cluster, none, timeline=False)
+    measured = run_fake_world("toy-llama", plan, 8, zeros.precision, zero_grad=ZeroGrad.ZEROS)
+    assert kept.peak_memory == pytest.approx(measured.peak_memory, rel=0.01)
+    assert kept.memory_at_peak["grads"] > 0
+    assert freed.peak_memory < kept.peak_memory <= freed.peak_memory + kept.memory_at_peak["grads"]
 
 
 def test_tracing_in_the_compute_dtype_sees_fp32_upcasts() -> None:

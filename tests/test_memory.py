@@ -13,6 +13,7 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, strategy_table
 from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, SimOptions, optimizer_named, precision_named
+from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.sim.timeline import simulate
 from fsdp_planner.trace import ModuleInfo, ParamInfo, Trace, trace
 
@@ -138,3 +139,18 @@ def test_strategy_table_renders_every_strategy(seed_trace: Trace) -> None:
         assert needle in out
     d = rows["ddp"].to_dict()
     assert d["total"] == rows["ddp"].total and set(d) == {*MemoryBreakdown().to_dict()}
+
+
+@pytest.mark.parametrize("spec", ["toy-llama", "seed-linear10", "toy-gpt2-tied"])
+def test_reserved_adds_the_all_gather_streams_own_pool(spec: str) -> None:
+    """The caching allocator's pools are per stream: FSDP2's all-gather buffers (their own stream) cannot reuse
+    the default stream's free blocks, so what is reserved is the default stream's peak plus the largest
+    all-gather buffer, which the allocated peak counts only while a copy-out runs."""
+    lm = load_model(spec)
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    plan = make_plan(tr, [[m] for m in tr.index.owning_modules if m])
+    report = simulate(tr, plan, parse_cluster("h100:16"), SimOptions(), timeline=False)
+    largest = max(g.gather_bytes for g in Sizing(tr, 16, SimOptions().precision).groups(plan))
+    assert report.peak_memory < report.reserved_memory <= report.peak_memory + largest
+    if report.memory_at_peak["all_gather_buffers"] == 0:  # the peak is not during a copy-out: the pools add up
+        assert report.reserved_memory == report.peak_memory + largest

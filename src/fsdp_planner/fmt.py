@@ -13,29 +13,36 @@ from collections.abc import Sequence
 from fsdp_planner.errors import PlannerError
 
 
+def _three(n: float) -> str:
+    """Three significant digits, never in exponent notation (``1000``, not ``1e+03``)."""
+    return f"{n:.3g}" if abs(n) < 999.5 else f"{n:.0f}"
+
+
 def fmt_bytes(n: float) -> str:
-    """``1.5 MiB``: binary units, three significant digits."""
+    """``1.5 MiB``: binary units, three significant digits (``1000 MiB`` reads ``0.977 GiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        if unit == "B" and abs(n) < 1024:
+            return f"{n:.0f} B"
+        if abs(n) < 999.5 or unit == "PiB":
+            return f"{_three(n)} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
 
 def fmt_time(seconds: float) -> str:
     """``2.76 ms``: three significant digits in s, ms or us."""
-    if seconds >= 1:
-        return f"{seconds:.3g} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} us"
+    if seconds >= 0.9995:
+        return f"{_three(seconds)} s"
+    if seconds >= 0.9995e-3:
+        return f"{_three(seconds * 1e3)} ms"
+    return f"{_three(seconds * 1e6)} us"
 
 
 def fmt_numel(n: float) -> str:
     """``8.03B``: element counts with K / M / B suffixes."""
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.3g}{unit}"
+        if abs(n) >= div * 0.9995:
+            return f"{_three(n / div)}{unit}"
     return f"{n:.0f}"
 
 

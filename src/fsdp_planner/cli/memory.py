@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.world_size < 1:
         raise PlannerError("--world-size must be at least 1")
-    options = SimOptions.named(args.precision, args.optimizer)
+    options = SimOptions.named(args.precision, args.optimizer, zero_grad=args.zero_grad)
     rows = strategy_table(load_trace(model_spec(args), render.notes, full=args.full_trace,
                                    precision=options.precision), args.world_size, options)
     if args.json:

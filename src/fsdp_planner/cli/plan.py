@@ -156,5 +156,5 @@ def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | Non
     console.print(render.auto_line(auto), highlight=False)
     if args.explain:
         explanations = explain(auto)
-        console.print(render.explain_table(explanations, auto.report.step_time, auto.report.peak_memory))
+        console.print(render.explain_table(explanations, auto.report.step_time, auto.report.reserved_memory))
         console.print(render.reasons_legend([r.reason for r in explanations]), highlight=False)

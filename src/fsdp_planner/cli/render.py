@@ -74,22 +74,22 @@ def fmt_peak(peak: int, capacity: int | None) -> str:
 
 def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
                      capacity: int | None = None) -> Table:
-    """Policies side by side; step time, exposed communication and peak memory (marked over ``capacity``, one
-    GPU's memory) when simulated on a cluster."""
+    """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
+    marked over ``capacity``, one GPU's memory) when simulated on a cluster."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
     for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     if with_cost:
-        for col in ("step time", "exposed comm", "peak memory"):
+        for col in ("step time", "exposed comm", "peak allocated", "reserved"):
             t.add_column(col, justify="right")
     for plan, m, report in rows:
         cells = [plan.policy, str(m.groups), fmt_numel(m.root_numel), str(len(plan.activation_checkpointing) or "-"),
                  str(m.all_gathers), str(m.reduce_scatters),
                  fmt_bytes(m.all_gather_bytes), fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
-            cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm),
-                       fmt_peak(report.peak_memory, capacity)] if report else ["-", "-", "-"])
+            cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
+                       fmt_peak(report.reserved_memory, capacity)] if report else ["-"] * 4)
         t.add_row(*cells)
     return t
 
@@ -150,10 +150,12 @@ def fake_world_table(title: str, rows: Mapping[str, tuple[int, int]]) -> Table:
     return t
 
 
-def memory_table(peak: int, breakdown: Mapping[str, int], gpu: GPU | None = None) -> Table:
+def memory_table(peak: int, reserved: int, breakdown: Mapping[str, int], gpu: GPU | None = None) -> Table:
+    """The allocated peak by category, and what the caching allocator reserves (marked over one GPU)."""
     over = (f": [red]over the {fmt_bytes(gpu.memory_bytes)} of one {gpu.name}[/red]"
-            if gpu is not None and peak > gpu.memory_bytes else "")
-    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)}{over}", title_justify="left")
+            if gpu is not None and reserved > gpu.memory_bytes else "")
+    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)} allocated, {fmt_bytes(reserved)} reserved{over}",
+              title_justify="left")
     t.add_column("part")
     t.add_column("bytes at peak", justify="right")
     for k, v in breakdown.items():
@@ -195,12 +197,12 @@ def verify_table(result: VerifyResult) -> Table:
 
 
 def auto_line(result: AutoResult) -> str:
-    fitting = [c for c in result.baselines.values() if c.report.peak_memory <= result.budget]
+    fitting = [c for c in result.baselines.values() if c.report.reserved_memory <= result.budget]
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
     n, ac = len(result.plan.inner_groups), len(result.plan.activation_checkpointing)
     checkpointed = f", {ac} module{'s' if ac != 1 else ''} checkpointed" if ac else ""
-    line = (f"auto: {n} group{'s' if n != 1 else ''}{checkpointed}, step {fmt_time(result.report.step_time)}, peak "
-            f"{fmt_bytes(result.report.peak_memory)} within the budget {fmt_bytes(result.budget)} "
+    line = (f"auto: {n} group{'s' if n != 1 else ''}{checkpointed}, step {fmt_time(result.report.step_time)}, "
+            f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
             f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
     if best_other is None:
         return line + "; no classic policy fits this budget"
@@ -210,9 +212,9 @@ def auto_line(result: AutoResult) -> str:
 
 def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int) -> Table:
     """Per group its size, all-gather terms, what holds its boundary and the best one-step alternative."""
-    t = Table(title=f"why the groups are where they are (step {fmt_time(step_time)}, peak {fmt_bytes(peak)})")
+    t = Table(title=f"why the groups are where they are (step {fmt_time(step_time)}, {fmt_bytes(peak)} reserved)")
     for col in ("#", "modules", "size", "all-gather", "latency", "hidden by", "held by", "best alternative",
-                "its step", "its peak"):
+                "its step", "its reserved"):
         t.add_column(col, overflow="fold")
     for r in rows:
         t.add_row(str(r.group), fmt_modules(r.modules, 1), fmt_bytes(r.nbytes), fmt_time(r.all_gather),

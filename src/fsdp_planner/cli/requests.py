@@ -27,6 +27,7 @@ from fsdp_planner.sim.options import (
     OPTIMIZERS,
     PRECISIONS,
     SimOptions,
+    ZeroGrad,
 )
 
 
@@ -131,7 +132,7 @@ def plan_source(args: argparse.Namespace) -> PlanSource:
 
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
-    return SimOptions.named(args.precision, args.optimizer, args.mfu)
+    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad)
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
@@ -296,6 +297,9 @@ def add_precision_options(sp: argparse.ArgumentParser) -> None:
                     help=f"{', '.join(PRECISIONS)} (default {DEFAULT_PRECISION})")
     sp.add_argument("--optimizer", default=DEFAULT_OPTIMIZER,
                     help=f"{', '.join(OPTIMIZERS)} (default {DEFAULT_OPTIMIZER})")
+    sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
+                    help="how the loop clears grads: none = zero_grad(set_to_none=True), the default; zeros = "
+                         "set_to_none=False (sharded grads kept all step)")
 
 
 def add_json(sp: argparse.ArgumentParser) -> None:

@@ -49,5 +49,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in render.step_lines(model_spec(args).label(), plan.policy or str(source.plan_file), cluster, report):
         render.console.print(line)
-    render.console.print(render.memory_table(report.peak_memory, report.memory_at_peak, cluster.gpu))
+    render.console.print(render.memory_table(report.peak_memory, report.reserved_memory, report.memory_at_peak,
+                                             cluster.gpu))
     return 0

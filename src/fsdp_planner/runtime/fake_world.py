@@ -3,7 +3,7 @@
 The model is built by its factory under ``FakeTensorMode`` (no real memory), the plan applied with real
 ``fully_shard`` over a mesh of the fake process group (``dist.init_process_group("fake")``: collectives return
 at once, with their real shapes), and real training steps run: forward, loss, backward, ``AdamW.step``,
-``zero_grad()``. What FSDP2 does is what it would do on W GPUs; only the values are missing.
+``zero_grad()`` (``set_to_none`` as asked). What FSDP2 does is what it would do on W GPUs; only the values are missing.
 
 Measured, on the last step (the first creates the optimizer state):
 - collectives and their bytes, by wrapping the ``torch.distributed`` functions FSDP2 calls (``worker.py``);
@@ -12,8 +12,8 @@ Measured, on the last step (the first creates the optimizer state):
   alive when the step began (sharded params, optimizer state, inputs). ``FSDPMemTracker`` would re-register
   FSDP2's hooks and change what list groups do; ``MemTracker`` counts the same storages but sums all of them on
   every op (100 s of a 140 s llama3-8b step), so this running total does the same in O(1) per tensor. This is
-  the allocator's *allocated* bytes: the CUDA caching allocator's rounding and fragmentation (reserved minus
-  allocated) are not in it, nor in the prediction.
+  the allocator's *allocated* bytes, compared with the prediction's allocated peak; what the allocator reserves
+  on a GPU (``sim/memory.py``) needs a GPU to measure.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from fsdp_planner.models import ModelSpec
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
-from fsdp_planner.sim.options import Precision
+from fsdp_planner.sim.options import Precision, ZeroGrad
 from fsdp_planner.sim.timeline import StepReport
 
 MAX_FAKE_WORLD = 1 << 20
@@ -143,7 +143,7 @@ def mixed_precision(precision: Precision, model: torch.nn.Module) -> Any:
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
-                   steps: int = 2) -> FakeWorldResult:
+                   steps: int = 2, zero_grad: ZeroGrad = ZeroGrad.NONE) -> FakeWorldResult:
     """Apply ``plan`` to the model ``spec`` names with real FSDP2 on ``world_size`` fake ranks and train
     ``steps`` steps (at least 2); counts, bytes and memory are the last step's."""
     import torch.distributed as dist
@@ -183,12 +183,13 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
             for _ in range(steps):
                 tracker = LiveBytes()
                 alive = [*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0],
-                         *(t for state in optimizer.state.values() for t in state.values())]
+                         *(t for state in optimizer.state.values() for t in state.values()),
+                         *(p.grad for p in model.parameters() if p.grad is not None)]
                 with tracker, counter:  # a new tracker per step: the last step's peak is kept
                     tracker.track(alive)
                     loss_fn(model(*args, **kwargs)).backward()
                     optimizer.step()
-                    optimizer.zero_grad()
+                    optimizer.zero_grad(set_to_none=zero_grad is ZeroGrad.NONE)
                 counts, nbytes = counter.take()
     finally:
         dist.destroy_process_group()

@@ -46,7 +46,8 @@ class SimContext:
         self.times = list(times)
         self.cum: list[float] = np.concatenate([[0.0], np.cumsum(self.times)]).tolist()
         self.compute_total = float(sum(self.times))
-        self.memory = MemoryModel(trace, self.world, self.precision, self.options.optimizer)
+        self.memory = MemoryModel(trace, self.world, self.precision, self.options.optimizer,
+                                  self.options.zero_grad)
         self.sizing = self.memory.sizing
         self._links: dict[tuple[CollectiveKind, int], Link] = {}
         self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = {}

@@ -6,7 +6,8 @@ buffers (replicated). Over the step, from the FSDP2 replay: the groups' unsharde
 after each all-gather), each group's unsharded grads from its first backward op until its reduce-scatter, the
 reduce-scatter input (padded, reduce dtype; FSDP2's ``foreach_reduce``) from its reduce-scatter until the next
 group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the default) or the step ends, the sharded
-grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default), and the
+grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default; with
+``set_to_none=False`` they live all step and each reduce-scatter output is a transient added into them), and the
 activations saved for backward, from the op that saves them until the backward of the module call that saved
 them is done, with activation checkpointing and the loss's live tensors as ``recompute.py`` says. Sizes come
 from ``sizing.py``.
@@ -16,7 +17,17 @@ one more copy of the grads), ZeRO-1 and ZeRO-2 (optimizer state, then grads too,
 and FSDP (ZeRO-3): a plan with one group per module that owns params, through the replay above. Low-precision
 copies of the weights are a term of their own: autocast's weight cache (every trainable weight at the compute
 dtype, kept for the autocast region), without the cache the largest one, and without FSDP's all-gather cast a
-full compute-dtype copy of the model. The CUDA caching allocator's rounding and workspaces are not modelled.
+full compute-dtype copy of the model.
+
+Allocated vs reserved. The peak above is of *allocated* bytes, what real FSDP2 allocates (checked on the fake
+process group). A GPU must hold what the CUDA caching allocator *reserves*, and its pools are per stream: a block
+freed on one stream is reused only by allocations on that stream (PyTorch's CUDA semantics notes). FSDP2
+allocates the all-gather buffers on its all-gather copy-in stream and everything else on the default stream, so
+reserved = the default stream's own peak + the all-gather buffers' own peak, two peaks that need not coincide
+(FSDP2's author on verl#3020: with expandable segments, FSDP2's remaining fragmentation is this inter-stream one).
+``Peak.reserved`` is that sum; it assumes ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's
+and the FSDP2 authors' recommendation). Without it, block splitting adds fragmentation that depends on the order
+of allocations and is not modelled. Plans are fitted to the GPU by ``reserved``.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.sim.compute import traced_itemsize
-from fsdp_planner.sim.options import Optimizer, Precision, SimOptions
+from fsdp_planner.sim.options import Optimizer, Precision, SimOptions, ZeroGrad
 from fsdp_planner.sim.recompute import activation_deltas, checkpointed_calls
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
@@ -63,6 +74,18 @@ class MemoryBreakdown:
         return {**asdict(self), "total": self.total}
 
 
+@dataclass(frozen=True)
+class Peak:
+    """The step's peak of allocated bytes by category, and what the caching allocator reserves for the step."""
+
+    at: MemoryBreakdown
+    reserved: int
+
+    @property
+    def allocated(self) -> int:
+        return self.at.total
+
+
 def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[str] = ()) -> np.ndarray:
     """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
@@ -85,13 +108,15 @@ class MemoryModel:
     """Per-rank memory of one model at one world size and precision: what does not depend on the plan is
     computed once; ``peak`` adds a plan's replay."""
 
-    def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer) -> None:
-        self.trace, self.precision = trace, precision
+    def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer,
+                 zero_grad: ZeroGrad = ZeroGrad.NONE) -> None:
+        self.trace, self.precision, self.zero_grad = trace, precision, zero_grad
         self.sizing = Sizing(trace, world_size, precision)
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
         shard = self.sizing.shard_numel(trainable)
         self.static = MemoryBreakdown(
             params=self.sizing.shard_numel(range(len(trace.params))) * precision.param_bytes,
+            grads=shard * precision.grad_bytes if zero_grad is ZeroGrad.ZEROS else 0,
             optimizer_state=shard * optimizer.state_bytes_per_element(precision.param_bytes),
             buffers=trace.buffers_nbytes,
             compute_copies=compute_copies(trace, precision, sharded=True),
@@ -106,8 +131,8 @@ class MemoryModel:
             self._activations[key] = activation_levels(self.trace, self.precision, key)
         return self._activations[key]
 
-    def peak(self, plan: Plan, schedule: Schedule) -> MemoryBreakdown:
-        """The step's peak and its breakdown at that moment."""
+    def peak(self, plan: Plan, schedule: Schedule) -> Peak:
+        """The step's peak, its breakdown at that moment, and the bytes reserved (module docstring)."""
         n = len(self.trace.events) + 1
         groups = self.sizing.groups(plan)
         deltas: dict[int, list[float]] = {}  # position -> change per dynamic category (``_DYNAMIC``)
@@ -130,10 +155,14 @@ class MemoryModel:
             add(2, min(groups[c.group].first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
             # the next post-backward frees this input buffer before it allocates its own
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
-            add(4, c.event, n, self.sizing.shard_numel(c.params) * self.grad_bytes)
+            shard = self.sizing.shard_numel(c.params)
+            if self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
+                add(4, c.event, n, shard * self.grad_bytes)
+            else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
+                add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
         return self._peak_of(deltas, n, self.activations(plan.activation_checkpointing))
 
-    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray) -> MemoryBreakdown:
+    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray) -> Peak:
         starts = sorted(p for p in deltas if p < n)
         if not starts or starts[0] != 0:
             starts.insert(0, 0)
@@ -141,17 +170,22 @@ class MemoryModel:
         level = [0.0] * len(_DYNAMIC)
         static_total = self.static.total
         best, best_at = -1.0, (0.0,) * (len(_DYNAMIC) + 1)
+        default_pool = gather_pool = 0.0  # the two streams' own peaks (module docstring: allocated vs reserved)
         for k, s in enumerate(starts):
             for cat, d in enumerate(deltas.get(s, ())):
                 level[cat] += d
             total = static_total + sum(level) + seg_max[k]
             if total > best:
                 best, best_at = total, (*level, float(seg_max[k]))
-        at = dict(zip((*_DYNAMIC, "activations"), (round(x) for x in best_at), strict=True))
-        return _replace(self.static, **at)
+            default_pool = max(default_pool, total - level[_GATHER])
+            gather_pool = max(gather_pool, level[_GATHER])
+        static = asdict(self.static)  # a dynamic category adds to its static part (grads kept by zero_grad)
+        at = {k: static[k] + round(x) for k, x in zip((*_DYNAMIC, "activations"), best_at, strict=True)}
+        return Peak(_replace(self.static, **at), round(default_pool + gather_pool))
 
 
 _DYNAMIC = ("unsharded_params", "all_gather_buffers", "unsharded_grads", "reduce_scatter_buffers", "grads")
+_GATHER = _DYNAMIC.index("all_gather_buffers")  # the one category on FSDP2's all-gather stream
 
 
 def first_at_or_after(uses: list[int], event: int, default: int) -> int:
@@ -177,14 +211,14 @@ def strategy_table(trace: Trace, world_size: int, options: SimOptions) -> dict[s
     def shard(nbytes: int) -> int:
         return -(-nbytes // world_size)
 
-    model = MemoryModel(trace, world_size, prec, opt)
+    model = MemoryModel(trace, world_size, prec, opt, options.zero_grad)
     plan = make_plan(trace, [[m] for m in trace.index.owning_modules if m != ROOT])
     return {
         "single": whole,
         "ddp": _replace(whole, gradient_buckets=trainable * prec.reduce_bytes),
         "zero1": _replace(whole, optimizer_state=shard(whole.optimizer_state)),
         "zero2": _replace(whole, grads=shard(whole.grads), optimizer_state=shard(whole.optimizer_state)),
-        "fsdp": model.peak(plan, build_schedule(trace, plan, world_size)),
+        "fsdp": model.peak(plan, build_schedule(trace, plan, world_size)).at,
     }
 
 

@@ -2,7 +2,8 @@
 
 Defaults (``SimOptions()``): ``bf16-mixed`` precision (FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``: fp32 sharded params and grads, bf16 all-gather and compute, fp32 reduce-scatter), the
-AdamW optimizer (two fp32 states per trainable element), and matmul-like ops at 50% of the GPU's dense peak
+AdamW optimizer (two fp32 states per trainable element), ``zero_grad()`` with its default ``set_to_none=True``,
+and matmul-like ops at 50% of the GPU's dense peak
 (``mfu=0.5``; transformer matmuls reach 40-60% in practice). To reproduce a measurement made another way, say
 so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32 run with SGD and momentum).
 """
@@ -10,6 +11,7 @@ so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32 ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -95,6 +97,13 @@ OPTIMIZERS: dict[str, Optimizer] = {
     )
 }
 
+class ZeroGrad(Enum):
+    """How the training loop clears grads between steps (``optimizer.zero_grad(set_to_none=...)``)."""
+
+    NONE = "none"  # set_to_none=True, the default since torch 2.0: sharded grads exist from their reduce-scatter
+    ZEROS = "zeros"  # set_to_none=False: sharded grads live all step, each reduce-scatter output is added in
+
+
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"
 DEFAULT_MFU = 0.5
@@ -116,11 +125,12 @@ def optimizer_named(name: str) -> Optimizer:
 
 @dataclass(frozen=True)
 class SimOptions:
-    """The training step being costed: precision, optimizer and how fast matmuls run."""
+    """The training step being costed: precision, optimizer, how grads are cleared and how fast matmuls run."""
 
     mfu: float = DEFAULT_MFU  # fraction of the GPU's dense peak FLOP/s that matmul-like ops reach
     precision: Precision = field(default_factory=lambda: PRECISIONS[DEFAULT_PRECISION])
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS[DEFAULT_OPTIMIZER])
+    zero_grad: ZeroGrad = ZeroGrad.NONE
 
     def __post_init__(self) -> None:
         if isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float) or not 0 < self.mfu <= 1:
@@ -128,5 +138,6 @@ class SimOptions:
 
     @classmethod
     def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER,
-              mfu: float = DEFAULT_MFU) -> SimOptions:
-        return cls(mfu=mfu, precision=precision_named(precision), optimizer=optimizer_named(optimizer))
+              mfu: float = DEFAULT_MFU, zero_grad: str = ZeroGrad.NONE.value) -> SimOptions:
+        return cls(mfu=mfu, precision=precision_named(precision), optimizer=optimizer_named(optimizer),
+                   zero_grad=ZeroGrad(zero_grad))

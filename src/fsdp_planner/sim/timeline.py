@@ -55,7 +55,8 @@ class StepReport:
     compute_time: float
     exposed_comm: float
     lower_bound: float
-    peak_memory: int
+    peak_memory: int  # allocated bytes per rank at the step's peak (what real FSDP2 allocates)
+    reserved_memory: int  # what the caching allocator reserves for the step: what must fit the GPU (sim/memory.py)
     memory_at_peak: dict[str, int]
     all_gathers: int
     reduce_scatters: int
@@ -176,12 +177,13 @@ def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Stream
     ag = [c for c in sched.collectives if c.kind is AG]
     rs = [c for c in sched.collectives if c.kind is RS]
     memory = ctx.memory.peak(streams.plan, sched)
-    breakdown = memory.to_dict()
+    breakdown = memory.at.to_dict()
     breakdown.pop("total")
     return StepReport(
         step_time=step, compute_time=ctx.compute_total + recompute,
         exposed_comm=max(0.0, step - ctx.compute_total - recompute), recompute_time=recompute,
-        lower_bound=ctx.lower_bound, peak_memory=memory.total, memory_at_peak=breakdown,
+        lower_bound=ctx.lower_bound, peak_memory=memory.allocated,
+        reserved_memory=memory.reserved, memory_at_peak=breakdown,
         all_gathers=len(ag), reduce_scatters=len(rs), all_gather_bytes=sum(gather[c.group] for c in ag),
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),
         comm_time={k.value: v for k, v in streams.busy.items()}, timeline=streams.events or [])

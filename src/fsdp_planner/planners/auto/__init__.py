@@ -12,8 +12,9 @@ it does.
 
 Without a budget, the budget is the GPU's memory (``GPU.memory_bytes``, the spec sheet's decimal capacity: 80e9
 bytes = 74.5 GiB on an H100, which leaves ~4.5 GiB of the 79.1 GiB CUDA reports for the CUDA context, NCCL's
-buffers and the caching allocator's fragmentation, none of which the prediction counts). Every classic plan is a
-candidate, so auto is never slower than a classic policy that fits.
+buffers and fragmentation beyond the allocator's inter-stream pools, none of which the prediction counts). A plan
+fits when its *reserved* memory (``sim/memory.py``: allocated plus the all-gather stream's own pool) is within it.
+Every classic plan is a candidate, so auto is never slower than a classic policy that fits.
 ``Target.FSDP1`` searches only what FSDP1 can express: one module per unit, uniform dtype and requires_grad per
 unit, bool ``reshard_after_forward``, no prefetch lists.
 """
@@ -55,7 +56,7 @@ class Search:
         """The lowest peak memory any candidate reaches, the frugal plans included (simulated now if skipped)."""
         while self.deferred:
             self.deferred.pop()()
-        return min(c.report.peak_memory for c in self.ev.seen)
+        return min(c.report.reserved_memory for c in self.ev.seen)
 
     def granularities(self) -> list[list[Atom]]:
         """The atom lists to search over: whole blocks and single modules (one list when the model has no blocks)."""
@@ -120,7 +121,7 @@ class AutoPolicy:
         if self.checkpointing is not None:
             ev.checkpointed = checkpointed_blocks(trace, self.checkpointing)
         baselines = self._explore(search, search.granularities())
-        if self.checkpointing is None and blocks and ev.best().report.peak_memory > ev.budget:
+        if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
             # Nothing fits without activation checkpointing: checkpoint the fewest blocks that let a plan fit
             # (the first ones: their activations live longest), and all of them; each costs a recomputation.
             fewest = self._fewest_checkpointed(ev, blocks, baselines)
@@ -140,7 +141,7 @@ class AutoPolicy:
                        f"{', fsdp1' if self.target is Target.FSDP1 else ''})")
         plan.model = model
         return AutoResult(plan=plan, report=best.report, budget=ev.budget, budget_source=source,
-                          fits=best.report.peak_memory <= ev.budget, baselines=baselines,
+                          fits=best.report.reserved_memory <= ev.budget, baselines=baselines,
                           evaluated=len(ev.seen), seconds=time.perf_counter() - started, search=search)
 
     def _explore(self, search: Search, granularities: list[list[Atom]]) -> dict[str, Candidate]:
@@ -167,7 +168,7 @@ class AutoPolicy:
         while lo < hi:
             mid = (lo + hi) // 2
             ev.checkpointed = blocks[:mid]
-            if ev.evaluate(start.plan, f"titan + checkpoint {mid} blocks").report.peak_memory <= ev.budget:
+            if ev.evaluate(start.plan, f"titan + checkpoint {mid} blocks").report.reserved_memory <= ev.budget:
                 hi = mid
             else:
                 lo = mid + 1
@@ -184,7 +185,7 @@ def infeasible_message(result: AutoResult) -> str:
     hint = ", or raise --memory-budget to at least that" if result.budget_source == "--memory-budget" else ""
     return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {cluster.name}: the smallest "
             f"peak any plan reaches is {fmt_bytes(result.min_peak)} (most of it fixed: sharded state and "
-            f"activations); use more GPUs or a smaller batch or sequence{hint}")
+            f"activations); use more GPUs or a smaller --batch or --seq{hint}")
 
 
 __all__ = ["AutoPolicy", "AutoResult", "Search", "Target", "infeasible_message"]

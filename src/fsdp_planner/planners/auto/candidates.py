@@ -91,7 +91,7 @@ def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> Callable[[], None] | None
         if rank >= 4 and fitting >= 3:
             break
         plan = ev.build(segments(atoms, [free[i:j] for i, j in zip((0, *cuts), (*cuts, len(free)), strict=True)]))
-        fitting += ev.evaluate(plan, f"dp({fmt_bytes(cap)})").report.peak_memory <= ev.budget
+        fitting += ev.evaluate(plan, f"dp({fmt_bytes(cap)})").report.reserved_memory <= ev.budget
     return deferred
 
 

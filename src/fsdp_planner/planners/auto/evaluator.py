@@ -74,7 +74,7 @@ class Evaluator:
         least (such groups) x alpha. When ``REFINE_STARTS`` plans the target can express and that fit are already
         faster than that (with the empty-root preference's slack), simulating it changes nothing."""
         fitting = sorted(c.report.step_time for c in self.seen
-                         if c.report.peak_memory <= self.budget and self.allowed(c.plan))
+                         if c.report.reserved_memory <= self.budget and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
             return True
         groups = [[c for m in ms for c in shardable_cover(self.trace, m)] for ms in module_groups]
@@ -101,8 +101,8 @@ class Evaluator:
 
     def key(self, c: Candidate) -> tuple:
         """Ranking: over the budget last, then faster (equal up to float noise), less memory, a smaller root."""
-        over = max(0, c.report.peak_memory - self.budget)
-        return (over, float(f"{c.report.step_time:.9g}"), c.report.peak_memory, len(c.plan.root.params))
+        over = max(0, c.report.reserved_memory - self.budget)
+        return (over, float(f"{c.report.step_time:.9g}"), c.report.reserved_memory, len(c.plan.root.params))
 
     def better(self, c: Candidate, than: Candidate) -> bool:
         return self.allowed(c.plan) and self.key(c) < self.key(than)
@@ -114,7 +114,7 @@ class Evaluator:
         per step, and cannot catch up.)"""
         if not self.better(c, than):
             return False
-        if self.key(c) <= self.key(self.best()) or than.report.peak_memory > self.budget:
+        if self.key(c) <= self.key(self.best()) or than.report.reserved_memory > self.budget:
             return True
         return c.report.step_time <= than.report.step_time * (1 - MIN_GAIN)
 

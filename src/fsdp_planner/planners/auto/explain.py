@@ -75,7 +75,7 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
             hidden_by=prev, reason=_reason(ag, alpha, prev, best, result),
             alternative=best[0] if best else None,
             alternative_step=best[1].report.step_time if best else None,
-            alternative_peak=best[1].report.peak_memory if best else None))
+            alternative_peak=best[1].report.reserved_memory if best else None))
     return out
 
 
@@ -85,7 +85,7 @@ def _reason(ag: float, alpha: float, prev: float, best: tuple[Move, Candidate] |
     move, c = best
     step = result.report.step_time
     faster = c.report.step_time < step * (1 - 1e-9)
-    if faster and c.report.peak_memory > result.budget:
+    if faster and c.report.reserved_memory > result.budget:
         return Reason.MEMORY
     if faster:
         return Reason.UNCONVERGED

@@ -56,7 +56,7 @@ class Refiner:
                 c = self.ev.evaluate(plan, f"{best.origin} + last {m} reshard={value}")
                 if self.ev.better(c, best):
                     best, lo = c, m
-                elif c.report.peak_memory > self.ev.budget:
+                elif c.report.reserved_memory > self.ev.budget:
                     hi = m - 1
                 else:
                     break  # fits but does not pay: more of the same will not either
@@ -170,6 +170,6 @@ class Refiner:
         movable = {p for a in self.atoms if a.pin is not Pin.ROOT for p in a.params}
         ok = [c for c in self.ev.seen
               if not any(index[p] in movable for p in c.plan.root.params) and self.ev.allowed(c.plan)
-              and c.report.peak_memory <= best.report.peak_memory
+              and c.report.reserved_memory <= best.report.reserved_memory
               and c.report.step_time <= min(best.report.step_time * (1 + slack), classic_step * (1 + 1e-9))]
         return min(ok, key=self.ev.key, default=best)
