@@ -132,7 +132,7 @@ def test_errors(call) -> None:  # type: ignore[no-untyped-def]
 def test_strategy_table_renders_every_strategy(seed_trace: Trace) -> None:
     rows = strategy_table(seed_trace, 8, seed_options("fp32"))
     assert tuple(rows) == STRATEGIES
-    console = Console(width=160, record=True)
+    console = Console(width=220, record=True)
     console.print(render_strategy_table(rows, "seed-linear10"))
     out = console.export_text()
     for needle in ("strategy", "gradient buckets", "unsharded params", "11.2 GiB", "14.9 GiB", "ddp", "fsdp"):
@@ -151,6 +151,6 @@ def test_reserved_adds_the_all_gather_streams_own_pool(spec: str) -> None:
     plan = make_plan(tr, [[m] for m in tr.index.owning_modules if m])
     report = simulate(tr, plan, parse_cluster("h100:16"), SimOptions(), timeline=False)
     largest = max(g.gather_bytes for g in Sizing(tr, 16, SimOptions().precision).groups(plan))
-    assert report.peak_memory < report.reserved_memory <= report.peak_memory + largest
+    assert report.peak_memory <= report.reserved_memory <= report.peak_memory + largest
     if report.memory_at_peak["all_gather_buffers"] == 0:  # the peak is not during a copy-out: the pools add up
         assert report.reserved_memory == report.peak_memory + largest

@@ -13,7 +13,7 @@ The output is events, not sizes or times: ``Collective`` (which group, at which 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum, auto
 
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
@@ -51,6 +51,8 @@ class Collective:
     prefetch: bool = False  # issued ahead by a prefetch, not by the group's own hook
     ranks: int = 0  # 0: the group's full shard mesh; k: the post-forward sub-group of k ranks
     params: tuple[int, ...] = ()  # reduce-scatter: the params whose grads it carries (indices into Trace.params)
+    copy_out: int = -1  # all-gather: the event whose hook copies the output into the unsharded params and frees
+    # it (FSDPParamGroup.wait_for_unshard: the group's own pre-forward/pre-backward; len(events) if never used)
 
 
 @dataclass(frozen=True)
@@ -97,20 +99,33 @@ class GroupReplay:
         self.sharded_state = ShardedState.SHARDED
         self.since = -1  # event from which the current (un)sharded-post-forward state holds
         self.gathered = False  # all-gathered at least once this step, so its params can have grads
+        self.pending: int | None = None  # FSDP2's _all_gather_result: the issued all-gather not yet copied out
         self.modules_to_run: set[str] = set()  # FSDPState._modules_to_run_forward
         self.post_forward_indices: list[int] = []
 
     # -- FSDPParamGroup.unshard / reshard -----------------------------------------------------------------
     def unshard(self, at: int, backward: bool, prefetch: bool = False) -> None:
-        if self.sharded_state is ShardedState.UNSHARDED or not self.has_params:
-            return  # no-op when already unsharded (e.g. prefetched)
+        """Issue the all-gather; its output buffer lives until ``wait_for_unshard`` copies it out."""
+        if self.sharded_state is ShardedState.UNSHARDED or self.pending is not None or not self.has_params:
+            return  # no-op when already unsharded or already issued (e.g. prefetched)
         ranks = 0
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             ranks = int(self.reshard_after_forward)  # gather from the sub-group's shard
-            self._hold_until(at, divisor=ranks)
-        self.shared.schedule.collectives.append(
-            Collective(CollectiveKind.ALL_GATHER, self.index, at, backward, prefetch, ranks))
-        self.sharded_state, self.since, self.gathered = ShardedState.UNSHARDED, at, True
+        collectives = self.shared.schedule.collectives
+        self.pending = len(collectives)
+        collectives.append(Collective(CollectiveKind.ALL_GATHER, self.index, at, backward, prefetch, ranks))
+        self.gathered = True
+
+    def wait_for_unshard(self, at: int) -> None:
+        """Copy-out: the unsharded params are allocated here (not when a prefetch issued the all-gather), the
+        all-gather output and a post-forward shard are freed."""
+        if self.pending is None:
+            return
+        collectives = self.shared.schedule.collectives
+        collectives[self.pending] = replace(collectives[self.pending], copy_out=at)
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            self._hold_until(at, divisor=int(self.reshard_after_forward))
+        self.sharded_state, self.since, self.pending = ShardedState.UNSHARDED, at, None
 
     def reshard(self, at: int) -> None:
         if self.sharded_state is not ShardedState.UNSHARDED:
@@ -137,6 +152,7 @@ class GroupReplay:
         first_in_pass = self.training_state is not TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
         self.unshard(at, backward=False)
+        self.wait_for_unshard(at)
         if first_in_pass:
             if grad_inputs:  # RegisterPostBackwardFunction on this call's inputs
                 self.shared.post_backward_at[call] = self
@@ -168,6 +184,7 @@ class GroupReplay:
             return
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard(at, backward=True)
+        self.wait_for_unshard(at)
         if self.backward_prefetch:
             for target in self.backward_prefetch:
                 target.unshard(at, backward=True, prefetch=True)
@@ -198,6 +215,10 @@ class GroupReplay:
         if self.training_state is not TrainingState.POST_BACKWARD and self.has_params:
             self.post_backward(end)
         self.training_state = TrainingState.IDLE
+        if self.pending is not None:  # prefetched but never used: its output is freed at the end
+            collectives = self.shared.schedule.collectives
+            collectives[self.pending] = replace(collectives[self.pending], copy_out=end)
+            self.pending = None
         if self.sharded_state is ShardedState.UNSHARDED:
             self._hold_until(end)
         elif self.sharded_state is ShardedState.SHARDED_POST_FORWARD:

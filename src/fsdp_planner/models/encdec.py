@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_planner.models.kernels import attention
+
 
 @dataclass(frozen=True)
 class T5Config:
@@ -88,29 +90,8 @@ class T5Attention(nn.Module):
         v = self.v(src).view(b, src.shape[1], self.n_heads, self.d_kv).transpose(1, 2)
         if self.relative_attention_bias is not None:
             bias = self.compute_bias(s, src.shape[1], x.device).to(x.dtype)
-        out = _attention(q, k, v, bias, self.causal)
+        out = attention(q, k, v, self.causal, bias, scale=1.0)  # T5 does not scale
         return self.o(out.transpose(1, 2).reshape(b, s, -1)), bias
-
-
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
-               causal: bool) -> torch.Tensor:
-    """Unscaled attention with an optional additive bias.
-
-    On meta tensors call the fused kernels a GPU would use (memory-efficient with a bias, flash without), so
-    the trace saves O(seq) activations besides the bias itself.
-    """
-    if q.is_meta:
-        if bias is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=1.0)[0]
-        full = bias.expand(q.shape[0], -1, -1, -1)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, full, True, 0.0, causal, scale=1.0)[0]
-    mask = bias
-    if causal:
-        tri = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        neg = torch.zeros(tri.shape, dtype=q.dtype, device=q.device).masked_fill(~tri, float("-inf"))
-        mask = neg if mask is None else mask + neg
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
 
 
 class DenseGatedGeluDense(nn.Module):

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_planner.models import kernels
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -36,18 +38,12 @@ TOY_LLAMA = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention on (batch, heads, seq, head_dim); GQA by repeating k/v heads.
-
-    On meta tensors (planning) call the flash kernel directly, as a GPU would, so the trace saves O(seq)
-    activations instead of the math path's O(seq^2) scores.
-    """
+    """Causal attention on (batch, heads, seq, head_dim); GQA by repeating k/v heads."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    if q.is_meta:
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return kernels.attention(q, k, v, causal=True)
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:

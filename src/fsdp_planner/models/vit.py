@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fsdp_planner.models.kernels import attention
+
 
 @dataclass(frozen=True)
 class ViTConfig:
@@ -61,10 +63,7 @@ class Attention(nn.Module):
         b, s, d = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        if q.is_meta:  # flash kernel, as a GPU would run it (O(seq) saved activations)
-            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False)[0]
-        else:
-            out = F.scaled_dot_product_attention(q, k, v)
+        out = attention(q, k, v, causal=False)
         return self.proj(out.transpose(1, 2).reshape(b, s, d))
 
 

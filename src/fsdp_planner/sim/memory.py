@@ -146,11 +146,10 @@ class MemoryModel:
         reduces = [c for c in schedule.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
         for c in schedule.collectives:
             if c.kind is CollectiveKind.ALL_GATHER:
-                # FSDP2 copies the all-gather output out (then frees it) just before the group's first use after
-                # the all-gather: both copies are alive at that moment
-                g = groups[c.group]
-                use = first_at_or_after(g.uses, c.event, default=n - 1)
-                add(1, max(c.event, use - 1), use, g.gather_bytes)
+                # the output buffer lives from the issue to the copy-out, where the unsharded params (residency)
+                # are allocated beside it; a prefetch is issued in the same hook after that hook's own copy-out
+                # freed its buffer, so it counts from the next event
+                add(1, c.event + c.prefetch, c.copy_out + 1, groups[c.group].gather_bytes)
         for k, c in enumerate(reduces):
             add(2, min(groups[c.group].first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
             # the next post-backward frees this input buffer before it allocates its own
