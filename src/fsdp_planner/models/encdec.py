@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_planner.models.kernels import attention
+from fsdp_planner.attention import sdpa
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,21 @@ class T5Attention(nn.Module):
         v = self.v(src).view(b, src.shape[1], self.n_heads, self.d_kv).transpose(1, 2)
         if self.relative_attention_bias is not None:
             bias = self.compute_bias(s, src.shape[1], x.device).to(x.dtype)
-        out = attention(q, k, v, self.causal, bias, scale=1.0)  # T5 does not scale
+        out = _attention(q, k, v, bias, self.causal)
         return self.o(out.transpose(1, 2).reshape(b, s, -1)), bias
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+               causal: bool) -> torch.Tensor:
+    """Unscaled attention (T5) with an optional additive position bias; SDPA takes a mask or ``is_causal``, not
+    both, so a causal stack with a bias folds the causal mask into it."""
+    if bias is None:
+        return sdpa(q, k, v, is_causal=causal, scale=1.0)
+    mask = bias
+    if causal:
+        tri = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        mask = mask + torch.zeros(tri.shape, dtype=q.dtype, device=q.device).masked_fill(~tri, float("-inf"))
+    return sdpa(q, k, v, attn_mask=mask, scale=1.0)
 
 
 class DenseGatedGeluDense(nn.Module):

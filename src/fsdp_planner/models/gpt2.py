@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_planner.models.kernels import attention
+from fsdp_planner.attention import sdpa
 from fsdp_planner.models.llama import lm_loss
 
 
@@ -33,7 +33,7 @@ class CausalSelfAttention(nn.Module):
         b, s, d = x.shape
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (t.view(b, s, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
-        out = attention(q, k, v, causal=True)
+        out = sdpa(q, k, v, is_causal=True)
         return self.c_proj(out.transpose(1, 2).reshape(b, s, d))
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_planner.models import kernels
+from fsdp_planner.attention import sdpa
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
         rep = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    return kernels.attention(q, k, v, causal=True)
+    return sdpa(q, k, v, is_causal=True)
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:

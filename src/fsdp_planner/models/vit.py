@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_planner.models.kernels import attention
+from fsdp_planner.attention import sdpa
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Attention(nn.Module):
         b, s, d = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        out = attention(q, k, v, causal=False)
+        out = sdpa(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, s, d))
 
 

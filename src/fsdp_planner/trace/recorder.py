@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_planner.attention import GpuAttention
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.records import ModuleInfo, ParamInfo, Trace
@@ -572,7 +573,8 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
     leaf_inputs = [t for t in flat_leaves(args, kwargs) if isinstance(t, torch.Tensor) and t.is_leaf
                    and t.requires_grad and t.grad is None]  # their grads are the trace's doing: undone after
     try:
-        with fake_mode or contextlib.nullcontext(), ops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with fake_mode or contextlib.nullcontext(), GpuAttention(), ops, \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = (loss_fn or default_loss)(model(*args, **kwargs))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("loss_fn must return a scalar tensor")

@@ -1,0 +1,62 @@
+"""Attention as a GPU runs it, for steps that are only planned.
+
+On a GPU, ``F.scaled_dot_product_attention`` runs a fused kernel (flash attention, or memory-efficient attention
+when there is a mask) that saves O(seq) for backward: the output and its log-sum-exp. On a meta device or a CPU
+it takes the math path, which saves the O(seq^2) attention scores: at seq 8192 that is gigabytes per layer that
+no GPU run allocates. The built-in models call ``sdpa``, which runs the fused kernels on
+tensors without data (meta while tracing, fake in the fake-world check), so the trace and real FSDP2 on the fake
+process group both see the GPU's program. ``GpuAttention`` does the same for a user's model while it is traced
+(its SDPA calls are redirected); the fake-world check cannot redirect them (a checkpointed recomputation runs
+outside torch function modes), so there a user's model runs SDPA's CPU choice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
+from torch.overrides import TorchFunctionMode
+
+
+def planned(t: torch.Tensor) -> bool:
+    """A tensor with no data: the step is being planned, not run."""
+    return t.is_meta or is_fake(t)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    if attn_mask is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    if attn_mask.dtype == torch.bool:  # SDPA's boolean mask: True takes part
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask,
+                                                                                            float("-inf"))
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask.unsqueeze(0)
+    bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
+                                                                  scale=scale)[0]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, fused when the step is planned. The built-in models call this rather
+    than rely on ``GpuAttention``: a checkpointed module's recomputation in backward runs outside any torch
+    function mode, and must run the kernel its forward ran."""
+    return fused_attention(q, k, v, **kwargs) if planned(q) else F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+class GpuAttention(TorchFunctionMode):
+    """Inside it, SDPA on planned tensors runs ``fused_attention``; real tensors are left to SDPA."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and isinstance(args[0], torch.Tensor) \
+                and planned(args[0]) and args[0].dim() == 4:
+            return fused_attention(*args, **kwargs)
+        return func(*args, **kwargs)
