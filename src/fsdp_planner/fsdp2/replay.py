@@ -51,8 +51,10 @@ class Collective:
     prefetch: bool = False  # issued ahead by a prefetch, not by the group's own hook
     ranks: int = 0  # 0: the group's full shard mesh; k: the post-forward sub-group of k ranks
     params: tuple[int, ...] = ()  # reduce-scatter: the params whose grads it carries (indices into Trace.params)
-    copy_out: int = -1  # all-gather: the event whose hook copies the output into the unsharded params and frees
-    # it (FSDPParamGroup.wait_for_unshard: the group's own pre-forward/pre-backward; len(events) if never used)
+    output_freed: int = -1  # all-gather: the position (exclusive) where FSDP2 frees its output buffer: just after
+    # its copy-out in the group's own pre-backward; in forward, when the next group's copy-out starts or at the
+    # root's post-forward (FSDPParamGroup.wait_for_unshard keeps it in all_gather_state to overlap the copy-out
+    # with the next all-gather)
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,15 @@ class _Shared:
     reduced: set[int] = field(default_factory=set)  # params whose grads were reduce-scattered this step
     pre_backward_at: dict[Call, list[GroupReplay]] = field(default_factory=dict)  # output grads -> pre_backward
     post_backward_at: dict[Call, GroupReplay] = field(default_factory=dict)  # input grads -> post_backward
+    all_gather_state: int | None = None  # FSDPCommContext.all_gather_state: a forward all-gather kept alive
+
+    def free_output(self, collective: int, end: int) -> None:
+        self.schedule.collectives[collective] = replace(self.schedule.collectives[collective], output_freed=end)
+
+    def free_all_gather_state(self, at: int) -> None:
+        if self.all_gather_state is not None:
+            self.free_output(self.all_gather_state, at)
+            self.all_gather_state = None
 
 
 class GroupReplay:
@@ -121,10 +132,15 @@ class GroupReplay:
         all-gather output and a post-forward shard are freed."""
         if self.pending is None:
             return
-        collectives = self.shared.schedule.collectives
-        collectives[self.pending] = replace(collectives[self.pending], copy_out=at)
+        forward = self.training_state is TrainingState.FORWARD
+        if forward:
+            self.shared.free_all_gather_state(at)  # the previous forward all-gather's output, before this copy-out
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             self._hold_until(at, divisor=int(self.reshard_after_forward))
+        if forward:
+            self.shared.all_gather_state = self.pending  # kept until the next copy-out or the root's post-forward
+        else:
+            self.shared.free_output(self.pending, at + 1)
         self.sharded_state, self.since, self.pending = ShardedState.UNSHARDED, at, None
 
     def reshard(self, at: int) -> None:
@@ -216,8 +232,7 @@ class GroupReplay:
             self.post_backward(end)
         self.training_state = TrainingState.IDLE
         if self.pending is not None:  # prefetched but never used: its output is freed at the end
-            collectives = self.shared.schedule.collectives
-            collectives[self.pending] = replace(collectives[self.pending], copy_out=end)
+            self.shared.free_output(self.pending, end)
             self.pending = None
         if self.sharded_state is ShardedState.UNSHARDED:
             self._hold_until(end)
@@ -271,12 +286,14 @@ class Replay:
                 self.group_of[e.module].post_forward(at, call)
                 if e.module == ROOT:
                     self._force_complete_forward(at, call)
+                    shared.free_all_gather_state(at)
             elif e.kind is EventKind.BWD_PRE:
                 for group in shared.pre_backward_at.get(call, ()):
                     group.pre_backward(at)
             elif call in shared.post_backward_at:  # BWD_POST: the inputs' grads are ready
                 shared.post_backward_at.pop(call).post_backward(at)
         end = len(events)
+        shared.free_all_gather_state(end)  # a root that is not a group: nothing freed it at post-forward
         for group in self.groups:
             group.finalize_backward(end)
         return shared.schedule

@@ -146,10 +146,9 @@ class MemoryModel:
         reduces = [c for c in schedule.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
         for c in schedule.collectives:
             if c.kind is CollectiveKind.ALL_GATHER:
-                # the output buffer lives from the issue to the copy-out, where the unsharded params (residency)
-                # are allocated beside it; a prefetch is issued in the same hook after that hook's own copy-out
-                # freed its buffer, so it counts from the next event
-                add(1, c.event + c.prefetch, c.copy_out + 1, groups[c.group].gather_bytes)
+                # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
+                # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
+                add(1, c.event + c.prefetch, c.output_freed, groups[c.group].gather_bytes)
         for k, c in enumerate(reduces):
             add(2, min(groups[c.group].first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
             # the next post-backward frees this input buffer before it allocates its own
