@@ -114,7 +114,7 @@ def test_saturation_size_is_where_latency_equals_bandwidth_term() -> None:
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (lambda c: collective_time(c, "all_reduce", 1), "unknown collective"),
+        (lambda c: collective_time(c, "broadcast", 1), "unknown collective"),
         (lambda c: collective_time(c, "all_gather", -1), "non-negative"),
         (lambda c: collective_time(c, "all_gather", 1, ranks=128), "does not fit"),
         (lambda c: collective_time(c, "all_gather", 1, ranks=0), "positive"),

@@ -6,7 +6,7 @@ from rich.console import Console
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
@@ -75,7 +75,7 @@ def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOp
              must_fit: bool = True) -> AutoResult:
     """Auto's search; a result over the budget is an error unless ``must_fit`` is False (the caller reports it)."""
     result = AutoPolicy(cluster, request.memory_budget, request.target, options,
-                        checkpointing=request.checkpointing).search(tr, model)
+                        checkpointing=request.checkpointing, mesh=request.mesh).search(tr, model)
     if must_fit and not result.fits:
         raise PlannerError(infeasible_message(result))
     return result
@@ -88,7 +88,10 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
         if cluster is None:
             raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
         return run_auto(tr, request, cluster, options or SimOptions(), model).plan
-    return make_policy(request).plan(tr, model)
+    plan = make_policy(request).plan(tr, model)
+    if cluster is not None:
+        check_plan_world_size(plan, cluster.world_size)
+    return plan
 
 
 def load_plan(path: str, tr: Trace) -> Plan:

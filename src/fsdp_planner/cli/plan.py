@@ -22,7 +22,7 @@ from fsdp_planner.cli.requests import (
     write_output,
 )
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import explain
@@ -91,10 +91,19 @@ def run(args: argparse.Namespace) -> int:
                     raise
                 # in a comparison, a policy that cannot take the requested checkpointing is left out, with why
                 render.note(f"the {request.name.value} policy is left out of the comparison: {e}")
-    context = SimContext(tr, cluster, options) if cluster else None
     world = cluster.world_size if cluster else None
-    rows = [(p, plan_metrics(tr, p, world), simulate(tr, p, context=context, timeline=False) if context else None)
-            for p in plans]
+    contexts: dict[Mesh, SimContext] = {}  # one per layout: the comparison may mix auto's HSDP with pure FSDP
+
+    def simulated(p: Plan) -> Any:
+        if cluster is None:
+            return None
+        check_plan_world_size(p, cluster.world_size)
+        mesh = p.layout(cluster.world_size)
+        if mesh not in contexts:
+            contexts[mesh] = SimContext(tr, cluster, options, mesh=mesh)
+        return simulate(tr, p, context=contexts[mesh], timeline=False)
+
+    rows = [(p, plan_metrics(tr, p, world), simulated(p)) for p in plans]
     if out is not None:
         write_output(out, plans[0].to_json() + "\n")
     if args.json:

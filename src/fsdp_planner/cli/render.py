@@ -131,8 +131,11 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> l
         f"{f' (recompute {fmt_time(r.recompute_time)})' if r.recompute_time else ''}  exposed comm "
         f"{fmt_time(r.exposed_comm)}  lower bound {fmt_time(r.lower_bound)}",
         f"{r.all_gathers} all-gathers ({fmt_bytes(r.all_gather_bytes)}), {r.reduce_scatters} reduce-scatters "
-        f"({fmt_bytes(r.reduce_scatter_bytes)}) per step; comm busy: all-gather "
-        f"{fmt_time(r.comm_time['all_gather'])}, reduce-scatter {fmt_time(r.comm_time['reduce_scatter'])}",
+        f"({fmt_bytes(r.reduce_scatter_bytes)})"
+        + (f", {r.all_reduces} all-reduces across replicas ({fmt_bytes(r.all_reduce_bytes)})" if r.all_reduces else "")
+        + f" per step on mesh {r.mesh}; comm busy: all-gather {fmt_time(r.comm_time['all_gather'])}, reduce-scatter "
+        f"{fmt_time(r.comm_time['reduce_scatter'])}"
+        + (f", all-reduce {fmt_time(r.comm_time['all_reduce'])}" if r.all_reduces else ""),
     ]
 
 
@@ -183,6 +186,8 @@ def verify_table(result: VerifyResult) -> Table:
         t.add_column(col)
     ok, bad = "[green]ok[/green]", "[red]MISMATCH[/red]"
     for kind in result.predicted:
+        if kind == "all_reduce" and not result.predicted[kind] and not any(c[kind] for c in result.counted):
+            continue  # not HSDP
         counts = sorted({c[kind] for c in result.counted})
         t.add_row(f"{kind}s per step", str(result.predicted[kind]), "/".join(map(str, counts)),
                   ok if counts == [result.predicted[kind]] else bad)
@@ -201,13 +206,29 @@ def auto_line(result: AutoResult) -> str:
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
     n, ac = len(result.plan.inner_groups), len(result.plan.activation_checkpointing)
     checkpointed = f", {ac} module{'s' if ac != 1 else ''} checkpointed" if ac else ""
-    line = (f"auto: {n} group{'s' if n != 1 else ''}{checkpointed}, step {fmt_time(result.report.step_time)}, "
+    layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
+    line = (f"auto: {n} group{'s' if n != 1 else ''}{checkpointed}{layout}, "
+            f"step {fmt_time(result.report.step_time)}, "
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
             f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
     if best_other is None:
-        return line + "; no classic policy fits this budget"
-    gain = 1 - result.report.step_time / best_other.report.step_time
-    return line + f"; {gain:.1%} faster than the best classic policy that fits, {best_other.origin}"
+        line += "; no classic policy fits this budget"
+    else:
+        gain = 1 - result.report.step_time / best_other.report.step_time
+        line += f"; {gain:.1%} faster than the best classic policy that fits on this layout, {best_other.origin}"
+    if len(result.meshes) > 1:
+        line += "\n" + mesh_line(result)
+    return line
+
+
+def mesh_line(result: AutoResult) -> str:
+    """The layouts auto compared (replicate x shard), each with its best plan's step time and reserved memory."""
+    parts = []
+    for name, c in sorted(result.meshes.items(), key=lambda kv: -int(kv[0].partition("x")[2])):
+        fits = c.report.reserved_memory <= result.budget
+        parts.append(f"{name} {fmt_time(c.report.step_time)}"
+                     f"{'' if fits else ' (' + fmt_bytes(c.report.reserved_memory) + ', does not fit)'}")
+    return f"  layouts (replicate x shard): {', '.join(parts)}"
 
 
 def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int) -> Table:

@@ -16,6 +16,7 @@ from pathlib import Path
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import parse_count, parse_size
 from fsdp_planner.fsdp2.checkpointing import ACMode
+from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import Target
@@ -65,6 +66,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--memory-budget": ("memory_budget", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
     "--ac": ("ac", tuple(PolicyName)),
+    "--mesh": ("mesh", tuple(PolicyName)),
 }
 
 
@@ -84,7 +86,8 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
         target_bytes=target_bytes if policy is PolicyName.ORDER else None,
         memory_budget=budget if policy is PolicyName.AUTO else None,
         target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
-        checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None)
+        checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None,
+        mesh=Mesh.parse(args.mesh) if getattr(args, "mesh", None) else None)
 
 
 def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: str = "",
@@ -260,6 +263,9 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
                     help="activation checkpointing of the repeated blocks: none, full (every block) or selective "
                          "(every second block, torchtitan's selective_ac_option=2); default none, and auto "
                          "chooses which blocks to checkpoint")
+    sp.add_argument("--mesh", metavar="RxS",
+                    help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
+                         "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")
 
 
 def add_model(sp: argparse.ArgumentParser) -> None:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         check_plan_world_size(plan, cluster.world_size)
     else:
         assert source.policy is not None
-        plan = policy_plan(tr, source.policy, args.model, cluster, options)
+        plan = policy_plan(tr, source.policy, args.model, cluster, options)  # checked against the cluster
     report = simulate(tr, plan, cluster, options, timeline=False)
     if args.json:
         print(json.dumps(report.summary(), indent=2))

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         assert source.policy is not None
         plan = policy_plan(tr, source.policy, args.model, cluster, SimOptions())
+        check_plan_world_size(plan, args.nproc)
     if not args.json:
         render.console.print(f"verifying [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with "
                              f"{args.nproc} processes, {args.steps} steps ...")

@@ -10,12 +10,13 @@ import torch.nn as nn
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.claim import application_order
-from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_plan_world_size
 from fsdp_planner.trace.recorder import model_fingerprint
 
 
 def reshard_arg(value: ReshardAfterForward, world_size: int) -> ReshardAfterForward:
-    """FSDP2 wants an int that divides the world size; 1 means False and the world size means True."""
+    """FSDP2 wants an int that divides the shard size (``world_size`` here); 1 means False and the shard size
+    means True."""
     if isinstance(value, bool):
         return value
     if value <= 1:
@@ -37,9 +38,23 @@ def module_parents(model: nn.Module) -> dict[str, list[str]]:
     return parents
 
 
+def device_mesh(plan: Plan, device_type: str, world_size: int) -> Any:
+    """The ``DeviceMesh`` the plan's layout needs on ``world_size`` ranks: 1-D for pure FSDP, 2-D
+    ``(dp_replicate, dp_shard)`` for HSDP (torchtitan's names; ``fully_shard`` shards on the last dimension and
+    all-reduces grads over the first)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    check_plan_world_size(plan, world_size)
+    mesh = plan.layout(world_size)
+    if mesh.replicate == 1:
+        return init_device_mesh(device_type, (world_size,))
+    return init_device_mesh(device_type, (mesh.replicate, mesh.shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
                offload_policy: Any = None) -> nn.Module:
-    """Shard ``model`` in place as ``plan`` says and return it. Works on any world size."""
+    """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
+    plan's layout over the default process group (``device_mesh``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
@@ -50,11 +65,10 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     if mesh is None:
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    world = mesh.size()
+        mesh = device_mesh(plan, device_type, dist.get_world_size())
+    world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
     apply_checkpointing(model, plan.activation_checkpointing)  # before fully_shard, as torchtitan does
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
                               "offload_policy": offload_policy or OffloadPolicy()}

@@ -21,11 +21,48 @@ from fsdp_planner.userfiles import parse_json, read_text
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
-PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing")
+PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
 ReshardAfterForward = bool | int  # True, False, or the size of the sub-group that keeps a shard after forward
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The data-parallel layout: ``replicate`` x ``shard`` ranks, shard innermost (HSDP when ``replicate`` > 1).
+
+    ``fully_shard(mesh=init_device_mesh(dev, (replicate, shard)))``: each group is all-gathered and
+    reduce-scattered over its ``shard`` consecutive ranks, and the reduced grads are all-reduced across the
+    ``replicate`` copies (FSDP2's HSDP; torchtitan's ``data_parallel_replicate_degree`` x ``_shard_degree``)."""
+
+    replicate: int
+    shard: int
+
+    @property
+    def size(self) -> int:
+        return self.replicate * self.shard
+
+    @classmethod
+    def flat(cls, world_size: int) -> Mesh:
+        """Pure FSDP: one shard group of the whole world."""
+        return cls(1, world_size)
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """``RxS`` (``2x4``: 2 replicas of 4-rank shard groups)."""
+        left, sep, right = text.strip().lower().partition("x")
+        if not sep or not left.isdigit() or not right.isdigit() or len(left) > 7 or len(right) > 7 \
+                or int(left) < 1 or int(right) < 1:
+            raise PlannerError(f"bad mesh '{text[:40]}': give REPLICATExSHARD with two positive whole numbers, e.g. "
+                               "2x4 (2 replicas of 4-rank shard groups; 1xN is pure FSDP over N ranks)")
+        return cls(int(left), int(right))
+
+    def describe(self) -> str:
+        return f"{self.replicate}x{self.shard}"
+
+    def to_dict(self) -> dict[str, int]:
+        return {"replicate": self.replicate, "shard": self.shard}
 
 
 @dataclass
@@ -61,6 +98,15 @@ class Plan:
     model: str = ""
     activation_checkpointing: list[str] = field(default_factory=list)  # modules checkpointed in full
     # (every call: only its inputs kept after forward, its forward run again in backward; ``checkpointing.py``)
+    mesh: Mesh | None = None  # None: pure FSDP over whatever world it runs on
+
+    def layout(self, world_size: int) -> Mesh:
+        """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
+        return self.mesh or Mesh.flat(world_size)
+
+    def shard_size(self, world_size: int) -> int:
+        """Ranks each group is sharded over: the world, or the mesh's shard dimension."""
+        return self.layout(world_size).shard
 
     @property
     def root(self) -> Group:
@@ -83,17 +129,21 @@ class Plan:
     def signature(self) -> tuple:
         """What makes two plans behave the same (names and labels aside)."""
         return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
-                       tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing))
+                       tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing),
+                self.mesh)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "version": PLAN_VERSION,
             "model": {"fingerprint": self.fingerprint, "numel": self.numel, "name": self.model},
             "policy": self.policy,
             "groups": [g.to_dict() for g in self.groups],
             "activation_checkpointing": list(self.activation_checkpointing),
         }
+        if self.mesh is not None:
+            d["mesh"] = self.mesh.to_dict()
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -140,7 +190,18 @@ def _plan_from_dict(data: Any) -> Plan:
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {_shown(numel)}")
     return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
-                model=str(model.get("name", "")), activation_checkpointing=list(checkpointed))
+                model=str(model.get("name", "")), activation_checkpointing=list(checkpointed),
+                mesh=_mesh_from_dict(data.get("mesh")))
+
+
+def _mesh_from_dict(m: Any) -> Mesh | None:
+    if m is None:
+        return None
+    if not isinstance(m, dict) or set(m) != {"replicate", "shard"} or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in m.values()):
+        raise PlannerError(f"plan 'mesh' must be {{\"replicate\": R, \"shard\": S}} with two positive whole numbers "
+                           f"(R x S ranks, shard innermost), got {_shown(m)}")
+    return Mesh(m["replicate"], m["shard"])
 
 
 def _group_from_dict(i: int, g: Any) -> Group:
@@ -180,21 +241,29 @@ def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> Non
                                f"{', '.join(accepted)}")
 
 
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small) | {n // d for d in small})
+
+
 def check_plan_world_size(plan: Plan, world_size: int) -> None:
-    """Refuse a plan that FSDP2 cannot apply on ``world_size`` ranks: an int ``reshard_after_forward`` is the size of
-    the post-forward sub-mesh, so it must divide the world size and not exceed it (``fully_shard`` raises
-    otherwise). Called where a plan file meets a cluster or a process count."""
+    """Refuse a plan that FSDP2 cannot apply on ``world_size`` ranks: its mesh must have that many ranks, and an
+    int ``reshard_after_forward`` is the size of the post-forward sub-mesh, so it must divide the shard size and
+    not exceed it (``fully_shard`` raises otherwise). Called where a plan meets a cluster or a process count."""
+    if plan.mesh is not None and plan.mesh.size != world_size:
+        raise PlannerError(f"the plan's mesh {plan.mesh.describe()} has {plan.mesh.size} ranks but it is run on "
+                           f"{world_size}; give a mesh REPLICATExSHARD whose product is {world_size} (--mesh)")
+    shard = plan.shard_size(world_size)
+    where = "world size" if plan.mesh is None or plan.mesh.replicate == 1 else "shard size"
     for i, g in enumerate(plan.groups):
         raf = g.reshard_after_forward
         if isinstance(raf, bool):
             continue
-        if raf > world_size or world_size % raf:
-            small = [d for d in range(1, math.isqrt(world_size) + 1) if world_size % d == 0]
-            divisors = sorted(set(small) | {world_size // d for d in small})
-            shown = ", ".join(map(str, divisors[:8])) + (f", ..., {world_size}" if len(divisors) > 8 else "")
+        if raf > shard or shard % raf:
+            ds = divisors(shard)
+            shown = ", ".join(map(str, ds[:8])) + (f", ..., {shard}" if len(ds) > 8 else "")
             raise PlannerError(f"plan group {i} has reshard_after_forward={raf}, which FSDP2 needs to divide the "
-                               f"world size of {world_size} ranks (and not exceed it); use true, false or one of "
-                               f"{shown}")
+                               f"{where} of {shard} ranks (and not exceed it); use true, false or one of {shown}")
 
 
 def _str_list(value: Any) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum, auto
 
-from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, ReshardAfterForward
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
@@ -49,8 +49,8 @@ class Collective:
     event: int  # trace event at whose boundary it is issued (len(events): the final callback)
     backward: bool
     prefetch: bool = False  # issued ahead by a prefetch, not by the group's own hook
-    ranks: int = 0  # 0: the group's full shard mesh; k: the post-forward sub-group of k ranks
-    params: tuple[int, ...] = ()  # reduce-scatter: the params whose grads it carries (indices into Trace.params)
+    ranks: int = 0  # 0: the group's full shard mesh (all-reduce: the replicas); k: the post-forward sub-group
+    params: tuple[int, ...] = ()  # reduce-scatter, all-reduce: the params whose grads it carries (Trace.params)
     output_freed: int = -1  # all-gather: the position (exclusive) where FSDP2 frees its output buffer: just after
     # its copy-out in the group's own pre-backward; in forward, when the next group's copy-out starts or at the
     # root's post-forward (FSDPParamGroup.wait_for_unshard keeps it in all_gather_state to overlap the copy-out
@@ -98,12 +98,13 @@ class GroupReplay:
     """One ``fully_shard`` group through one training step (FSDPParamGroup + its FSDPState's module hooks)."""
 
     def __init__(self, index: int, group: Group, grad_params: list[int], grad_ready_at: list[int],
-                 world_size: int | None, shared: _Shared) -> None:
+                 mesh: Mesh | None, shared: _Shared) -> None:
         self.index, self.group, self.shared = index, group, shared
         self.has_params = bool(group.params)
         self.grad_params = grad_params  # params with a grad to reduce (trainable and read in forward)
         self.grad_ready_at = grad_ready_at
-        self.reshard_after_forward = _resolve_reshard(group.reshard_after_forward, world_size)
+        self.reshard_after_forward = _resolve_reshard(group.reshard_after_forward, mesh and mesh.shard)
+        self.replicated = mesh is not None and mesh.replicate > 1  # HSDP: reduced grads are all-reduced
         self.forward_prefetch: list[GroupReplay] = []
         self.backward_prefetch: list[GroupReplay] = []
         self.training_state = TrainingState.IDLE
@@ -211,7 +212,8 @@ class GroupReplay:
 
     def post_backward(self, at: int) -> None:
         """FSDPParamGroup.post_backward: reshard, then reduce-scatter the grads autograd has finished (a param read
-        by several module calls has its grad only after the backward of the last of them)."""
+        by several module calls has its grad only after the backward of the last of them); with HSDP,
+        ``foreach_reduce`` all-reduces the reduce-scatter's output across the replicas."""
         self.training_state = TrainingState.POST_BACKWARD
         if not self.has_params:
             return
@@ -224,6 +226,9 @@ class GroupReplay:
             reduced.update(ready)
             self.shared.schedule.collectives.append(
                 Collective(CollectiveKind.REDUCE_SCATTER, self.index, at, True, params=ready))
+            if self.replicated:
+                self.shared.schedule.collectives.append(
+                    Collective(CollectiveKind.ALL_REDUCE, self.index, at, True, params=ready))
 
     def finalize_backward(self, end: int) -> None:
         """The root's final callback: post_backward for groups autograd never reached (inputs without grad),
@@ -240,11 +245,11 @@ class GroupReplay:
             self._hold_until(end, divisor=int(self.reshard_after_forward))
 
 
-def _resolve_reshard(value: ReshardAfterForward, world_size: int | None) -> ReshardAfterForward:
-    """FSDP2's reading of an int: 1 keeps everything (False), the world size or more reshards fully (True)."""
+def _resolve_reshard(value: ReshardAfterForward, shard_size: int | None) -> ReshardAfterForward:
+    """FSDP2's reading of an int: 1 keeps everything (False), the shard size or more reshards fully (True)."""
     if isinstance(value, bool):
         return value
-    if world_size is not None and value >= world_size:
+    if shard_size is not None and value >= shard_size:
         return True
     return False if value == 1 else value
 
@@ -260,7 +265,8 @@ class Replay:
         if group_params is None:
             group_params = [[index.param_index[p] for p in g.params] for g in plan.groups]
         reducible = index.reducible
-        self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, world_size, self.shared)
+        mesh = plan.mesh or (Mesh.flat(world_size) if world_size is not None else None)
+        self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, mesh, self.shared)
                        for i, (g, ps) in enumerate(zip(plan.groups, group_params, strict=True))]
         for g, replay in zip(plan.groups, self.groups, strict=True):
             replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
@@ -310,5 +316,7 @@ class Replay:
 
 def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None,
                    group_params: Sequence[Sequence[int]] | None = None) -> Schedule:
-    """Replay FSDP2 over ``trace`` with ``plan``'s groups (``group_params``: their params' indices, if known)."""
+    """Replay FSDP2 over ``trace`` with ``plan``'s groups (``group_params``: their params' indices, if known) on
+    ``world_size`` ranks laid out as the plan's mesh says (None: any world, ``reshard_after_forward`` ints as
+    given)."""
     return Replay(trace, plan, world_size, group_params).run()

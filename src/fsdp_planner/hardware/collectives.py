@@ -34,10 +34,12 @@ if TYPE_CHECKING:
 
 
 class CollectiveKind(Enum):
-    """The collectives FSDP2 issues per group: its params' all-gather and its grads' reduce-scatter."""
+    """The collectives FSDP2 issues per group: its params' all-gather and its grads' reduce-scatter, and with
+    HSDP the all-reduce of the reduced grads across replicas."""
 
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
 
     @classmethod
     def parse(cls, text: str | CollectiveKind) -> CollectiveKind:
@@ -45,7 +47,7 @@ class CollectiveKind(Enum):
         if isinstance(text, CollectiveKind):
             return text
         k = text.strip().lower().replace("-", "_")
-        k = {"allgather": "all_gather", "reducescatter": "reduce_scatter"}.get(k, k)
+        k = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}.get(k, k)
         try:
             return cls(k)
         except ValueError:
@@ -108,6 +110,11 @@ def alpha_beta(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL
     several): ring all-gather and reduce-scatter move the same bytes over the same steps.
     """
     k = CollectiveKind.parse(kind)
+    if k is CollectiveKind.ALL_REDUCE:
+        # NCCL's ring all-reduce is a reduce-scatter then an all-gather: twice the ring steps and twice the bytes
+        # per rank (nccl-tests' busbw factor 2(N-1)/N), i.e. twice the latency and half the bandwidth in this line
+        alpha, bw = alpha_beta(cluster, CollectiveKind.REDUCE_SCATTER, ranks, ranks_per_node)
+        return 2 * alpha, bw / 2
     n, rpn, nodes = group_layout(cluster, ranks, ranks_per_node)
     model = model_alpha_beta(cluster, n, rpn)
     if n == 1:

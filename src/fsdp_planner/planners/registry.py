@@ -8,7 +8,7 @@ from typing import Protocol
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpointed_blocks
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
@@ -46,6 +46,7 @@ class PolicyRequest:
     memory_budget: int | None = None  # auto: default the memory of one of the cluster's GPUs
     target: Target = Target.FSDP2  # auto
     checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
+    mesh: Mesh | None = None  # all: the data-parallel layout (HSDP); None: pure FSDP (auto: chosen)
 
     def __post_init__(self) -> None:
         if any(not c for c in self.module_classes):
@@ -84,8 +85,30 @@ class Checkpointed:
         return plan
 
 
+@dataclass(frozen=True)
+class OnMesh:
+    """A whole-model policy whose plans run on the HSDP layout ``mesh`` (``--mesh``): the same groups, sharded
+    over ``mesh.shard`` ranks and replicated ``mesh.replicate`` times."""
+
+    policy: Policy
+    mesh: Mesh
+
+    @property
+    def name(self) -> str:
+        return self.policy.name
+
+    def plan(self, trace: Trace, model: str = "") -> Plan:
+        plan = self.policy.plan(trace, model)
+        plan.mesh = self.mesh
+        if self.mesh.replicate > 1:
+            plan.policy = f"{plan.policy} on {self.mesh.describe()}"
+        return plan
+
+
 def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None) -> Policy:
     """The policy a request names; auto needs the cluster it plans for."""
+    if request.name is not PolicyName.AUTO and request.mesh is not None:
+        return OnMesh(make_policy(replace(request, mesh=None)), request.mesh)
     if request.name is not PolicyName.AUTO and request.checkpointing is not None:
         return Checkpointed(make_policy(replace(request, checkpointing=None)), request.checkpointing)
     name = request.name
@@ -100,4 +123,4 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
     if cluster is None:
         raise PlannerError("the auto policy plans for a cluster: give one")
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
-                      checkpointing=request.checkpointing)
+                      checkpointing=request.checkpointing, mesh=request.mesh)

@@ -51,13 +51,16 @@ class FakeWorldResult:
 
 def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
     """(predicted, measured) per quantity the check compares: counts, bytes and the peak."""
-    return {
+    rows = {
         "all_gathers": (predicted.all_gathers, measured.counts["all_gather"]),
         "reduce_scatters": (predicted.reduce_scatters, measured.counts["reduce_scatter"]),
         "all_gather_bytes": (predicted.all_gather_bytes, measured.nbytes["all_gather"]),
         "reduce_scatter_bytes": (predicted.reduce_scatter_bytes, measured.nbytes["reduce_scatter"]),
-        "peak_memory": (predicted.peak_memory, measured.peak_memory),
     }
+    if predicted.all_reduces or measured.counts["all_reduce"]:  # HSDP
+        rows["all_reduces"] = (predicted.all_reduces, measured.counts["all_reduce"])
+        rows["all_reduce_bytes"] = (predicted.all_reduce_bytes, measured.nbytes["all_reduce"])
+    return {**rows, "peak_memory": (predicted.peak_memory, measured.peak_memory)}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -148,10 +151,9 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     ``steps`` steps (at least 2); counts, bytes and memory are the last step's."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.apply import apply_plan
+    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
     from fsdp_planner.models import as_spec, factory_kwargs, resolve_factory
     from fsdp_planner.trace.recorder import default_loss, split_inputs
 
@@ -168,7 +170,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = device_mesh(plan, "cpu", world_size)
         with FakeTensorMode(allow_non_fake_inputs=True):
             try:
                 built = factory(**kwargs)

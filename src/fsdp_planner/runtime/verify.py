@@ -176,20 +176,23 @@ class VerifyResult:
 
 
 def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
-    """Per-step all-gather / reduce-scatter counts, and their bytes as FSDP2 sends them (padded, params' dtypes).
-    On one rank FSDP2 issues none: its all-gather and reduce-scatter paths are skipped when the world size is 1."""
-    sizing = Sizing(trace, world_size)
+    """Per-step all-gather / reduce-scatter (HSDP: all-reduce) counts, and their bytes as FSDP2 sends them (padded,
+    params' dtypes). FSDP2 issues no all-gather or reduce-scatter over a shard group of one rank."""
+    shard = plan.shard_size(world_size)
+    sizing = Sizing(trace, shard)
     groups = sizing.groups(plan)
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
-    if world_size == 1:
-        return counts, nbytes
     for c in build_schedule(trace, plan, world_size).collectives:
+        if c.kind is not CollectiveKind.ALL_REDUCE and shard == 1:
+            continue
         counts[c.kind.value] += 1
         if c.kind is CollectiveKind.ALL_GATHER:
             nbytes[c.kind.value] += groups[c.group].gather_bytes
-        else:
+        elif c.kind is CollectiveKind.REDUCE_SCATTER:
             nbytes[c.kind.value] += sizing.reduce_bytes(c.params)
+        else:
+            nbytes[c.kind.value] += sizing.reduce_bytes(c.params) // shard
     return counts, nbytes
 
 

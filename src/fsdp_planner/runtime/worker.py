@@ -27,6 +27,7 @@ _COUNTED = {
     "all_gather_into_tensor": CollectiveKind.ALL_GATHER,
     "reduce_scatter_single": CollectiveKind.REDUCE_SCATTER,
     "reduce_scatter_tensor": CollectiveKind.REDUCE_SCATTER,
+    "all_reduce": CollectiveKind.ALL_REDUCE,  # HSDP's grads across replicas (FSDP2's foreach_reduce)
 }
 
 Counts = dict[str, int]  # collective kind's value -> count or bytes
@@ -42,15 +43,21 @@ class CollectiveCounter:
         self._local = threading.local()
 
     def _wrap(self, kind: CollectiveKind, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        import inspect
+
+        # nccl-tests' size: the unsharded side (all-gather output, reduce-scatter input), an all-reduce's buffer
+        signature = inspect.signature(fn)
+        counted = list(signature.parameters)[1 if kind is CollectiveKind.REDUCE_SCATTER else 0]
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._local, "depth", 0)
             if depth == 0:
                 self.counts[kind.value] += 1
-                full = output if kind is CollectiveKind.ALL_GATHER else input  # the unsharded side
+                full = signature.bind(*args, **kwargs).arguments[counted]
                 self.nbytes[kind.value] += full.numel() * full.element_size()
             self._local.depth = depth + 1
             try:
-                return fn(output, input, *args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self._local.depth = depth
 
@@ -152,9 +159,8 @@ def _describe(e: BaseException) -> str:
 
 def worker(job_path: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_planner.fsdp2.apply import apply_plan
+    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
     from fsdp_planner.fsdp2.plan import Plan
     from fsdp_planner.models import load_model
 
@@ -171,7 +177,8 @@ def worker(job_path: str) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
         model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
         reference = copy.deepcopy(model)
-        apply_plan(model, Plan.from_json(job["plan"]), mesh=init_device_mesh(device.type, (world,)))
+        plan = Plan.from_json(job["plan"])
+        apply_plan(model, plan, mesh=device_mesh(plan, device.type, world))
         result = _train(job, model, reference, device, rank, world)
         if rank == 0:
             Path(job["result"]).write_text(json.dumps({**result, "backend": backend, "world": world}))

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.hardware.collectives import CollectiveKind, alpha_beta, collective_time, group_layout
+from fsdp_planner.hardware.collectives import CollectiveKind, alpha_beta, group_layout
 from fsdp_planner.sim.compute import step_op_times
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
@@ -31,14 +33,20 @@ Link = tuple[float, float, str]  # (latency seconds, seconds per byte of data, w
 
 class SimContext:
     """Op times (``times`` if given, else the trace's measured ``op_seconds``, else the roofline estimate), their
-    running sum, the memory model and the lower bound of one model on one cluster."""
+    running sum, the memory model and the lower bound of one model on one cluster with one data-parallel layout
+    (``mesh``; default pure FSDP over the whole cluster)."""
 
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions | None = None,
-                 times: list[float] | None = None) -> None:
+                 times: list[float] | None = None, mesh: Mesh | None = None) -> None:
         self.trace, self.cluster = trace, cluster
         self.options = options or SimOptions()
         self.precision = self.options.precision
         self.world = cluster.world_size
+        self.mesh = mesh or Mesh.flat(self.world)
+        if self.mesh.size != self.world:
+            raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster {cluster.name} has "
+                               f"{self.world} GPUs")
+        self.shard = self.mesh.shard
         if times is None:
             times = step_op_times(trace, cluster.gpu, self.precision, self.options.mfu)
         if len(times) != len(trace.events):
@@ -46,7 +54,7 @@ class SimContext:
         self.times = list(times)
         self.cum: list[float] = np.concatenate([[0.0], np.cumsum(self.times)]).tolist()
         self.compute_total = float(sum(self.times))
-        self.memory = MemoryModel(trace, self.world, self.precision, self.options.optimizer,
+        self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
                                   self.options.zero_grad)
         self.sizing = self.memory.sizing
         self._links: dict[tuple[CollectiveKind, int], Link] = {}
@@ -54,12 +62,16 @@ class SimContext:
         self.lower_bound = self._lower_bound()
 
     def link(self, kind: CollectiveKind, ranks: int = 0) -> Link:
-        """How a ``kind`` collective on ``ranks`` ranks (0: the whole world) is costed."""
+        """How a ``kind`` collective on ``ranks`` ranks is costed. 0: its whole group, the ``shard`` consecutive
+        ranks of the mesh (packed onto nodes), or for an all-reduce the ``replicate`` ranks ``shard`` apart."""
         key = (kind, ranks)
         if key not in self._links:
-            n = ranks or self.world
-            alpha, bw = alpha_beta(self.cluster, kind, n)
-            nodes = group_layout(self.cluster, n)[2]
+            n, per_node = ranks or self.shard, None
+            if kind is CollectiveKind.ALL_REDUCE:
+                n = ranks or self.mesh.replicate
+                per_node = replica_ranks_per_node(self.cluster, self.mesh)
+            alpha, bw = alpha_beta(self.cluster, kind, n, per_node)
+            nodes = group_layout(self.cluster, n, per_node)[2]
             per_byte = 0.0 if n == 1 else (n - 1) / n / bw
             self._links[key] = (0.0 if n == 1 else alpha, per_byte, "inter" if nodes > 1 else "intra")
         return self._links[key]
@@ -80,13 +92,22 @@ class SimContext:
         return self._recompute[key]
 
     def _lower_bound(self) -> float:
-        """No plan beats this: all compute; or every param gathered once and every grad reduced once, each in one
-        message, their bytes sharing the links."""
+        """No plan on this mesh beats this: all compute; or every param gathered once and every grad reduced once
+        (and all-reduced once across replicas), each in one message, their bytes sharing the links."""
         everything = range(len(self.trace.params))
-        ag_bytes = self.sizing.gather_bytes(everything)
-        rs_bytes = self.sizing.reduce_bytes(i for i in everything if self.trace.params[i].requires_grad)
-        ag = collective_time(self.cluster, CollectiveKind.ALL_GATHER, ag_bytes)
-        rs = collective_time(self.cluster, CollectiveKind.REDUCE_SCATTER, rs_bytes)
-        data = sum(nbytes * self.link(kind)[1] for kind, nbytes in ((CollectiveKind.ALL_GATHER, ag_bytes),
-                                                                     (CollectiveKind.REDUCE_SCATTER, rs_bytes)))
-        return max(self.compute_total, ag, rs, data)
+        trainable = tuple(i for i in everything if self.trace.params[i].requires_grad)
+        messages = [(CollectiveKind.ALL_GATHER, self.sizing.gather_bytes(everything)),
+                    (CollectiveKind.REDUCE_SCATTER, self.sizing.reduce_bytes(trainable))]
+        if self.mesh.replicate > 1:
+            messages.append((CollectiveKind.ALL_REDUCE, self.sizing.reduce_bytes(trainable) // self.shard))
+        times = [self.link(kind)[0] + nbytes * self.link(kind)[1] for kind, nbytes in messages if nbytes]
+        by_link: dict[str, float] = {}
+        for kind, nbytes in messages:
+            by_link[self.link(kind)[2]] = by_link.get(self.link(kind)[2], 0.0) + nbytes * self.link(kind)[1]
+        return max(self.compute_total, *times, *by_link.values())
+
+
+def replica_ranks_per_node(cluster: Cluster, mesh: Mesh) -> int:
+    """Ranks of one HSDP replica group on a node: its members are ``shard`` ranks apart, so a node of
+    ``gpus_per_node`` consecutive ranks holds ``gpus_per_node // shard`` of them (at least one)."""
+    return max(1, min(mesh.replicate, cluster.gpus_per_node // mesh.shard))

@@ -155,7 +155,8 @@ class MemoryModel:
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
             shard = self.sizing.shard_numel(c.params)
             if self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
-                add(4, c.event, n, shard * self.grad_bytes)
+                # FSDP2 frees the unsharded grads after the copy-in, before it allocates the output
+                add(4, c.event + 1, n, shard * self.grad_bytes)
             else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
                 add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
         return self._peak_of(deltas, n, self.activations(plan.activation_checkpointing))

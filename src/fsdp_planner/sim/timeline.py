@@ -7,9 +7,11 @@ module puts times on them with three streams, as FSDP2 runs them:
 - all-gather: collectives in issue order. Forward: the CPU runs one group ahead (FSDP2's implicit forward
   prefetch), so a group's all-gather may start once compute reached the previously gathered group. Backward and
   explicit prefetches start when compute reaches the boundary that issues them. Each pays a copy-in;
-- reduce-scatter: starts when compute finished the group's backward (its post-backward boundary).
-The two communication streams share the links: latencies overlap, but the bytes of one collective wait for the
-other stream's bytes on the same link (NVLink for groups within a node, the network otherwise).
+- reduce-scatter: starts when compute finished the group's backward (its post-backward boundary);
+- all-reduce (HSDP): FSDP2's ``all_reduce_stream`` all-reduces each reduce-scatter's output across the replicas
+  once that reduce-scatter is done.
+The communication streams share the links: latencies overlap, but the bytes of one collective wait for the
+other streams' bytes on the same link (NVLink for groups within a node, the network otherwise).
 
 Only two kinds of event can change the clocks: a collective being issued, and an op reading a group's params
 for the first time after that group's all-gather (later reads find it ready). The simulation stops only there
@@ -31,13 +33,14 @@ from fsdp_planner.sim.memory import first_at_or_after
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
 
-AG, RS = CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER
+AG, RS, AR = CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE
 
 
 class Stream(Enum):
     COMPUTE = "compute"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class StepReport:
     reduce_scatter_bytes: int
     comm_time: dict[str, float]  # seconds each communication stream is busy
     recompute_time: float = 0.0  # of compute_time: checkpointed forwards run again in backward
+    all_reduces: int = 0  # HSDP: the reduced grads' all-reduces across replicas
+    all_reduce_bytes: int = 0
+    mesh: str = ""  # REPLICATExSHARD
     timeline: list[TimelineEvent] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -79,11 +85,11 @@ class Streams:
         self.ctx, self.plan, self.gather = ctx, plan, gather
         self.t = 0.0  # compute clock at the start of event ``pos``
         self.pos = 0
-        self.free = {AG: 0.0, RS: 0.0}  # when each stream is idle again
+        self.free = {AG: 0.0, RS: 0.0, AR: 0.0}  # when each stream is idle again
         self.link_free = {"intra": 0.0, "inter": 0.0}  # when each link has carried the bytes queued on it
         self.ready = [0.0] * len(plan.groups)  # when each group's latest all-gather (and copy-out) finished
         self.last_forward_gather = 0.0  # compute time at the pre-forward of the previously gathered group
-        self.busy = {AG: 0.0, RS: 0.0}
+        self.busy = {AG: 0.0, RS: 0.0, AR: 0.0}
         self.events: list[TimelineEvent] | None = [] if timeline else None
 
     def compute_until(self, idx: int) -> None:
@@ -96,11 +102,13 @@ class Streams:
         self.pos = idx
 
     def issue(self, c: Collective) -> None:
-        nbytes = self.gather[c.group] if c.kind is AG else self.ctx.sizing.reduce_bytes(c.params)
+        nbytes = collective_bytes(self.ctx, c, self.gather)
         hbm = self.ctx.cluster.gpu.hbm_bandwidth
         if c.kind is AG:
-            copy_in = nbytes / self.ctx.world / hbm
+            copy_in = nbytes / self.ctx.shard / hbm
             issued = self.t if (c.backward or c.prefetch) else self.last_forward_gather
+        elif c.kind is AR:  # the reduce-scatter just issued for the same grads must be done
+            copy_in, issued = 0.0, self.free[RS]
         else:
             copy_in, issued = 0.0, self.t
         alpha, per_byte, link = self.ctx.link(c.kind, c.ranks)
@@ -141,8 +149,11 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     if context is None:
         if cluster is None:
             raise ValueError("simulate needs a cluster or a context")
-        context = SimContext(trace, cluster, options)
+        context = SimContext(trace, cluster, options, mesh=plan.mesh)
     ctx = context
+    if plan.layout(ctx.world) != ctx.mesh:
+        raise ValueError(f"plan's mesh {plan.layout(ctx.world).describe()} is not the context's "
+                         f"{ctx.mesh.describe()}")
     groups = ctx.sizing.groups(plan)
     sched = schedule or build_schedule(trace, plan, ctx.world, [g.params for g in groups])
     gather = [g.gather_bytes for g in groups]
@@ -168,14 +179,24 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
             streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}")
         if idx < n and idx in waits:
             streams.wait_for(waits[idx])
-    step = max(streams.t, streams.free[AG], streams.free[RS])
+    step = max(streams.t, *streams.free.values())
     return _report(ctx, sched, gather, streams, step, sum(r.seconds for r in recompute.values()))
+
+
+def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
+    """Bytes as nccl-tests counts them: an all-gather's output, a reduce-scatter's input (both padded, the
+    full unsharded size), an all-reduce's buffer (the reduce-scatter's output, one shard)."""
+    if c.kind is AG:
+        return gather[c.group]
+    reduced = ctx.sizing.reduce_bytes(c.params)
+    return reduced if c.kind is RS else reduced // ctx.shard
 
 
 def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Streams, step: float,
             recompute: float) -> StepReport:
     ag = [c for c in sched.collectives if c.kind is AG]
     rs = [c for c in sched.collectives if c.kind is RS]
+    ar = [c for c in sched.collectives if c.kind is AR]
     memory = ctx.memory.peak(streams.plan, sched)
     breakdown = memory.at.to_dict()
     breakdown.pop("total")
@@ -186,4 +207,6 @@ def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Stream
         reserved_memory=memory.reserved, memory_at_peak=breakdown,
         all_gathers=len(ag), reduce_scatters=len(rs), all_gather_bytes=sum(gather[c.group] for c in ag),
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),
-        comm_time={k.value: v for k, v in streams.busy.items()}, timeline=streams.events or [])
+        comm_time={k.value: v for k, v in streams.busy.items() if k is not AR or ar},
+        all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
+        mesh=ctx.mesh.describe(), timeline=streams.events or [])

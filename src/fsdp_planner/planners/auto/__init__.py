@@ -29,7 +29,7 @@ from fsdp_planner.batch import paused_gc
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
 from fsdp_planner.planners.auto.candidates import classic_baselines, frugal_and_dp, module_tree_cuts
@@ -42,13 +42,18 @@ from fsdp_planner.trace.records import Trace
 
 
 class Search:
-    """The state of one auto search: the evaluator, the two atom granularities and the refiner."""
+    """The state of one auto search on one mesh: the evaluator, the two atom granularities and the refiner."""
 
-    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str) -> None:
-        self.ev = Evaluator(trace, cluster, options, target, model)
-        whole = bool(block_instances(trace))
-        self.atoms: list[Atom] = plan_atoms(trace, whole_blocks=whole)
-        self.fine_atoms: list[Atom] = plan_atoms(trace, whole_blocks=False) if whole else self.atoms
+    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str,
+                 mesh: Mesh | None = None, shared: Search | None = None) -> None:
+        """``shared``: a search of the same model on another mesh, whose op times and atoms are reused."""
+        self.ev = Evaluator(trace, cluster, options, target, model, mesh, shared.ev.ctx.times if shared else None)
+        if shared is not None:
+            self.atoms, self.fine_atoms = shared.atoms, shared.fine_atoms
+        else:
+            whole = bool(block_instances(trace))
+            self.atoms = plan_atoms(trace, whole_blocks=whole)
+            self.fine_atoms = plan_atoms(trace, whole_blocks=False) if whole else self.atoms
         self.refiner = Refiner(self.ev, self.atoms, self.fine_atoms)
         self.deferred: list[Callable[[], None]] = []  # frugal plans not simulated (they could not rank)
 
@@ -74,6 +79,7 @@ class AutoResult:
     evaluated: int  # plans simulated during the search
     seconds: float
     search: Search = field(repr=False)
+    meshes: dict[str, Candidate] = field(default_factory=dict)  # layout -> its best plan (every layout tried)
 
     @property
     def min_peak(self) -> int:
@@ -91,6 +97,7 @@ class AutoPolicy:
     options: SimOptions = field(default_factory=SimOptions)
     refine_seconds: float = 2.0  # time allowed for boundary moves after the structured search
     checkpointing: ACMode | None = None  # activation checkpointing fixed for every plan; None: auto chooses
+    mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
     name: str = "auto"
 
     def __post_init__(self) -> None:
@@ -101,6 +108,11 @@ class AutoPolicy:
                 raise PlannerError(f"unknown auto target '{self.target}': choose fsdp2 or fsdp1") from None
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlannerError("the memory budget must be positive")
+        if self.mesh is not None and self.mesh.size != self.cluster.world_size:
+            raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster "
+                               f"{self.cluster.name} has {self.cluster.world_size} GPUs")
+        if self.mesh is not None and self.mesh.replicate > 1 and self.target is Target.FSDP1:
+            raise PlannerError("the fsdp1 target plans pure FSDP: FSDP1's HYBRID_SHARD is not modelled")
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
         result = self.search(trace, model)
@@ -113,10 +125,47 @@ class AutoPolicy:
             return self._search(trace, model)
 
     def _search(self, trace: Trace, model: str) -> AutoResult:
+        """The best plan on each layout worth a full search, the fastest that fits overall (``choose_meshes``)."""
         started = time.perf_counter()
-        search = Search(trace, self.cluster, self.options, self.target, model)
+        budget, source = self._budget()
+        first = Search(trace, self.cluster, self.options, self.target, model, self.mesh)
+        screened: dict[str, Candidate] = {}
+        meshes = [first.ev.ctx.mesh]
+        if self.mesh is None:
+            meshes, screened = self._choose_meshes(trace, model, first, budget)
+        searches = [first if m == first.ev.ctx.mesh else
+                    Search(trace, self.cluster, self.options, self.target, model, m, shared=first) for m in meshes]
+        results = [self._search_mesh(s, trace, model, budget, source) for s in searches]
+        best = min(results, key=lambda r: r.search.ev.key(r.search.ev.best()))
+        best.meshes = {**{r.search.ev.ctx.mesh.describe(): r.search.ev.best() for r in results}, **screened}
+        best.evaluated = sum(len(r.search.ev.seen) for r in results) + len(screened)
+        best.seconds = time.perf_counter() - started
+        return best
+
+    def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
+                       ) -> tuple[list[Mesh], dict[str, Candidate]]:
+        """Screen every candidate layout by the classic plans on it, each with the fewest checkpointed blocks that
+        make it fit when it does not (as a user would run it); the ``MESH_SEARCHES`` best are searched in full.
+        Returns them and the best screening plan of each layout left out."""
+        blocks = block_instances(trace)
+        screen: list[tuple[tuple, Mesh, Candidate]] = []
+        for mesh in candidate_meshes(self.cluster, self.target):
+            ev = Search(trace, self.cluster, self.options, self.target, model, mesh, shared=first).ev
+            ev.budget = budget
+            if self.checkpointing is not None:
+                ev.checkpointed = checkpointed_blocks(trace, self.checkpointing)
+            baselines = classic_baselines(ev)
+            if self.checkpointing is None and blocks and ev.best().report.reserved_memory > budget:
+                ev.checkpointed = blocks[:self._fewest_checkpointed(ev, blocks, baselines)]
+                classic_baselines(ev)
+            screen.append((ev.key(ev.best()), mesh, ev.best()))
+        screen.sort(key=lambda x: x[0])
+        return ([m for _, m, _ in screen[:MESH_SEARCHES]],
+                {m.describe(): c for _, m, c in screen[MESH_SEARCHES:]})
+
+    def _search_mesh(self, search: Search, trace: Trace, model: str, budget: int, source: str) -> AutoResult:
         ev = search.ev
-        ev.budget, source = self._budget()
+        ev.budget = budget
         blocks = block_instances(trace)
         if self.checkpointing is not None:
             ev.checkpointed = checkpointed_blocks(trace, self.checkpointing)
@@ -137,12 +186,13 @@ class AutoPolicy:
             classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
             best = search.refiner.prefer_empty_root(best, classic_step)
         plan = best.plan
+        hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
         plan.policy = (f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
-                       f"{', fsdp1' if self.target is Target.FSDP1 else ''})")
+                       f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp})")
         plan.model = model
         return AutoResult(plan=plan, report=best.report, budget=ev.budget, budget_source=source,
                           fits=best.report.reserved_memory <= ev.budget, baselines=baselines,
-                          evaluated=len(ev.seen), seconds=time.perf_counter() - started, search=search)
+                          evaluated=len(ev.seen), seconds=0.0, search=search)
 
     def _explore(self, search: Search, granularities: list[list[Atom]]) -> dict[str, Candidate]:
         """The structured candidates: classic plans (returned) and module-tree cuts, then the frugal plans and
@@ -178,6 +228,21 @@ class AutoPolicy:
         if self.memory_budget is not None:
             return self.memory_budget, "--memory-budget"
         return self.cluster.gpu.memory_bytes, f"the memory of one {self.cluster.gpu.name}"
+
+
+MESH_SEARCHES = 2  # layouts searched in full, the best by their classic plans; the others keep those plans' times
+
+
+def candidate_meshes(cluster: Cluster, target: Target) -> list[Mesh]:
+    """The layouts auto considers on ``cluster``: pure FSDP over every GPU, and HSDP with shard groups of whole
+    nodes (one, two, four... nodes: what people run at scale, torchtitan's ``dp_shard`` a multiple of the node).
+    Shard groups smaller than a node would all-reduce the grads over NVLink-free strided groups and hold more
+    state per GPU, for no collective saved; FSDP1's HYBRID_SHARD is not modelled."""
+    world, node = cluster.world_size, cluster.gpus_per_node
+    flat = Mesh.flat(world)
+    if target is Target.FSDP1 or world <= node:
+        return [flat]
+    return [flat] + [Mesh(world // s, s) for s in divisors(world) if s % node == 0 and s < world]
 
 
 def infeasible_message(result: AutoResult) -> str:

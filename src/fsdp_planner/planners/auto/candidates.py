@@ -112,7 +112,7 @@ class Surrogate:
     share the links in backward), backward compute in forward's proportions."""
 
     def __init__(self, ctx: SimContext, trace: Trace, free: list[Atom]) -> None:
-        prec, world = ctx.precision, ctx.world
+        prec, shard = ctx.precision, ctx.shard
         hbm = ctx.cluster.gpu.hbm_bandwidth
         itemsize = traced_itemsize(trace)
         trainable = [sum(trace.params[p].nbytes for p in a.params if trace.params[p].requires_grad) for a in free]
@@ -125,7 +125,10 @@ class Surrogate:
         bwd = fwd * (cum[-1] - cum[fwd_end]) / max(cum[fwd_end], 1e-30)
         self.a_ag, pb_ag, _ = ctx.link(CollectiveKind.ALL_GATHER)
         self.a_rs, self.pb_rs, _ = ctx.link(CollectiveKind.REDUCE_SCATTER)
-        self.pb_ag = pb_ag + 1 / world / hbm + 1 / hbm  # copy-in and copy-out at HBM speed
+        self.pb_ag = pb_ag + 1 / shard / hbm + 1 / hbm  # copy-in and copy-out at HBM speed
+        if ctx.mesh.replicate > 1:  # HSDP: each reduce-scatter's output (1/shard of it) is all-reduced after it
+            a_ar, pb_ar, _ = ctx.link(CollectiveKind.ALL_REDUCE)
+            self.a_rs, self.pb_rs = self.a_rs + a_ar, self.pb_rs + pb_ar / shard
         self.P = np.concatenate([[0.0], np.cumsum(gather)])
         self.R = np.concatenate([[0.0], np.cumsum(reduce)])
         self.F = np.concatenate([[0.0], np.cumsum(fwd)])

@@ -8,7 +8,7 @@ from enum import Enum
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan, shardable_cover
-from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.plan import Mesh, Plan, ReshardAfterForward
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto.atoms import Atom
@@ -39,11 +39,13 @@ class Candidate:
 
 
 class Evaluator:
-    """Simulates each distinct plan once on one context and ranks what it has seen."""
+    """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen."""
 
-    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str) -> None:
+    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str,
+                 mesh: Mesh | None = None, times: list[float] | None = None) -> None:
         self.trace, self.cluster, self.target, self.model = trace, cluster, target, model
-        self.ctx = SimContext(trace, cluster, options)
+        self.ctx = SimContext(trace, cluster, options, times=times, mesh=mesh)
+        self.mesh = self.ctx.mesh if self.ctx.mesh.replicate > 1 else None  # what the plans carry
         self.budget = 0
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
@@ -51,6 +53,8 @@ class Evaluator:
 
     def evaluate(self, plan: Plan, origin: str) -> Candidate:
         plan = self.with_checkpointing(plan)
+        if plan.mesh != self.mesh:
+            plan = plan.copy(mesh=self.mesh)
         key = plan.signature()
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             c = Candidate(plan, simulate(self.trace, plan, context=self.ctx, timeline=False), origin)

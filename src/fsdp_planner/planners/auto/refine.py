@@ -38,12 +38,12 @@ class Refiner:
                 self.move_boundaries(best, share)
 
     def reshard_prefix(self, best: Candidate) -> Candidate:
-        """Keep the last m groups of forward unsharded (False, or the node size when the world spans nodes): they
+        """Keep the last m groups of forward unsharded (False, or the node size when a shard group spans nodes): they
         are the first needed in backward. Binary-search the largest m that pays and fits, for each value."""
         inner = [i for i, g in enumerate(best.plan.groups) if not g.is_root and g.params]
         values: list[ReshardAfterForward] = [False]
-        k, world = self.ev.cluster.gpus_per_node, self.ev.cluster.world_size
-        if self.ev.target is Target.FSDP2 and 1 < k < world and world % k == 0:
+        k, shard = self.ev.cluster.gpus_per_node, self.ev.ctx.shard
+        if self.ev.target is Target.FSDP2 and 1 < k < shard and shard % k == 0:
             values.append(k)
         for value in values:
             lo, hi = 0, len(inner)
