@@ -5,9 +5,11 @@ Run: python benchmarks/plan_quality.py   (writes benchmarks/plan_quality.md and 
 
 One row per (model, cluster), with the budget every real job has: the memory of one GPU (80e9 bytes on an H100,
 auto's default). Classic policies over it are marked: they are not runnable jobs. Besides the four classic
-policies with their defaults, the configurations people run at scale: torchtitan's per-block grouping and module
-wrapping of the blocks, each with full activation checkpointing of every block (``--ac full``). Auto wins the row
-when its step time is <= that of every baseline that fits; a row where no plan fits says what the smallest peak is.
+policies with their defaults (pure FSDP over every GPU), the configurations people run at scale: torchtitan's
+per-block grouping and module wrapping of the blocks, each with full activation checkpointing of every block
+(``--ac full``), and torchtitan's grouping on HSDP layouts (shard over one node or over eight, replicate across;
+with and without full checkpointing). Auto chooses its layout too. Auto wins the row when its step time is <= that
+of every baseline that fits; a row where no plan fits says what the smallest peak is.
 """
 
 from __future__ import annotations
@@ -23,16 +25,20 @@ import torch
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.checkpointing import ACMode
-from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult, PolicyName, PolicyRequest, make_policy
+from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.timeline import StepReport, simulate
 from fsdp_planner.trace import Trace, trace
 
 POLICY_NAMES = [p.value for p in CLASSIC_POLICIES]
 WITH_AC = {"titan+ac": PolicyName.TITAN, "module+ac": PolicyName.MODULE}  # as torchtitan and FSDP1 users run them
-COLUMNS = [*POLICY_NAMES, *WITH_AC]
+HSDP_SHARDS = (8, 64)  # torchtitan's grouping with dp_shard one node, or eight nodes, and dp_replicate the rest
+HSDP = {f"titan{ac}/hsdp{s}": (s, mode) for s in HSDP_SHARDS for ac, mode in (("", None), ("+ac", ACMode.FULL))}
+COLUMNS = [*POLICY_NAMES, *WITH_AC, *HSDP]
 
 MODELS = {
     "seed-net": "the seed's CNN",
@@ -53,16 +59,23 @@ def summary(r: StepReport) -> dict:
             "collectives": r.all_gathers + r.reduce_scatters, "lower_bound": r.lower_bound}
 
 
-def with_ac(tr: Trace, model: str, result: AutoResult) -> dict[str, dict]:
-    """The block policies with every block checkpointed, simulated like the rest (none without blocks)."""
+def baselines(tr: Trace, model: str, cluster: Cluster) -> dict[str, dict]:
+    """Every baseline column this cluster has, simulated like auto's plan (a policy that cannot plan the model,
+    or an HSDP layout whose shard group is not smaller than the cluster, is left out)."""
+    requests = {name: PolicyRequest(PolicyName(name)) for name in POLICY_NAMES}
+    requests |= {name: PolicyRequest(p, checkpointing=ACMode.FULL) for name, p in WITH_AC.items()}
+    requests |= {name: PolicyRequest(PolicyName.TITAN, checkpointing=mode, mesh=Mesh(cluster.world_size // s, s))
+                 for name, (s, mode) in HSDP.items() if s < cluster.world_size}
+    contexts: dict[Mesh, SimContext] = {}
     out = {}
-    for name, policy in WITH_AC.items():
+    for name, request in requests.items():
         try:
-            plan = make_policy(PolicyRequest(policy, checkpointing=ACMode.FULL)).plan(tr, model)
+            plan = make_policy(request).plan(tr, model)
         except PlannerError:
             continue
-        report = simulate(tr, plan, context=result.search.ev.ctx, timeline=False)
-        out[name] = {**summary(report), "plan": plan.policy}
+        mesh = plan.layout(cluster.world_size)
+        ctx = contexts.setdefault(mesh, SimContext(tr, cluster, SimOptions(), mesh=mesh))
+        out[name] = {**summary(simulate(tr, plan, context=ctx, timeline=False)), "plan": plan.policy}
     return out
 
 
@@ -73,9 +86,8 @@ def throughput(tr: Trace, tokens: int, report: StepReport, gpu_peak: float) -> d
 
 
 def row(model: str, cluster: str, tr: Trace, tokens: int, result: AutoResult) -> dict:
-    policies = {name: {**summary(c.report), "plan": c.origin} for name, c in result.baselines.items()}
-    policies.update(with_ac(tr, model, result))
-    policies["auto"] = {**summary(result.report), "plan": result.plan.policy,
+    policies = baselines(tr, model, result.search.ev.cluster)
+    policies["auto"] = {**summary(result.report), "plan": result.plan.policy, "mesh": result.report.mesh,
                         "groups": len(result.plan.inner_groups), "seconds": result.seconds,
                         "checkpointed": len(result.plan.activation_checkpointing),
                         **throughput(tr, tokens, result.report, result.search.ev.cluster.gpu.peak_bf16_flops)}
@@ -137,16 +149,19 @@ def main() -> None:
         "allocator's separate all-gather stream pool, sim/memory.py) / collectives per step. Budget: the memory "
         "of one H100 (80e9 bytes); **over budget** marks a plan that does not fit, i.e. is not a job anyone "
         "can run. The classic policies run with their defaults (module and titan: the repeated block class; size: "
-        "FSDP1's 1e8 threshold; order: one block per group); titan+ac and module+ac checkpoint every block. Auto "
-        "chooses which blocks to checkpoint (the fewest that let it fit, or all); 'AC' is how many it checkpoints. "
+        "FSDP1's 1e8 threshold; order: one block per group), all pure FSDP over every GPU; titan+ac and module+ac "
+        "checkpoint every block; titan/hsdpS is torchtitan's grouping on HSDP with shard groups of S GPUs "
+        "(S = 8: one node; 64: eight nodes) replicated across the rest (n/a where S is the whole cluster). Auto "
+        "chooses its layout ('auto mesh': replicate x shard) and which blocks to checkpoint (the fewest that let it "
+        "fit, or all); 'AC' is how many it checkpoints. "
         "Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense peak; recomputation is not model FLOPs).",
         "",
         f"**Auto fits and is at least as fast as the best baseline that fits on {wins} of {len(rows)} rows"
         f"{'' if wins == len(rows) else ' (the others: no plan fits the GPU)'}.**",
         "",
         "| model | GPUs | lower bound | " + " | ".join([*COLUMNS, "auto"])
-        + " | auto AC | tokens/s/GPU | MFU | winner |",
-        "|---|---|---|" + "---|" * (len(COLUMNS) + 1) + "---|---|---|---|",
+        + " | auto mesh | auto AC | tokens/s/GPU | MFU | winner |",
+        "|---|---|---|" + "---|" * (len(COLUMNS) + 1) + "---|---|---|---|---|",
     ]
     for r in rows:
         cells = [cell(r["policies"][n], r["budget"]) if n in r["policies"] else "n/a" for n in [*COLUMNS, "auto"]]
@@ -154,7 +169,8 @@ def main() -> None:
         tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if auto["tokens_per_s_per_gpu"] and r["fits"] else "-"
         mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {fmt_time(r['lower_bound'])} | "
-                     + " | ".join(cells) + f" | {auto['checkpointed'] or '-'} | {tps} | {mfu} | {verdict(r)} |")
+                     + " | ".join(cells) + f" | {auto['mesh']} | {auto['checkpointed'] or '-'} | {tps} | {mfu} "
+                     f"| {verdict(r)} |")
     (out / "plan_quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -7,6 +7,7 @@ from rich.console import Console
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
@@ -91,10 +92,12 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     plan = make_policy(request).plan(tr, model)
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
+    check_plan_runs(tr, plan)
     return plan
 
 
 def load_plan(path: str, tr: Trace) -> Plan:
     plan = Plan.load(path)
     check_plan_matches(plan, tr)
+    check_plan_runs(tr, plan)
     return plan

@@ -23,6 +23,7 @@ from fsdp_planner.cli.requests import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
+from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import explain
@@ -85,7 +86,9 @@ def run(args: argparse.Namespace) -> int:
             plans.append(auto.plan)
         else:
             try:
-                plans.append(make_policy(request).plan(tr, args.model))
+                plan = make_policy(request).plan(tr, args.model)
+                check_plan_runs(tr, plan)  # a plan FSDP2 would fail on is not a baseline: say why instead
+                plans.append(plan)
             except PlannerError as e:
                 if args.policy:
                     raise

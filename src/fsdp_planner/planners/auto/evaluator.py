@@ -9,6 +9,8 @@ from enum import Enum
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan, shardable_cover
 from fsdp_planner.fsdp2.plan import Mesh, Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.validity import sharded_reads
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto.atoms import Atom
@@ -36,6 +38,7 @@ class Candidate:
     plan: Plan
     report: StepReport
     origin: str  # where it came from: a classic policy, "dp(cap)", "frugal", a refinement
+    runs: bool = True  # False: some op would read a param while its group is sharded (``validity.py``)
 
 
 class Evaluator:
@@ -57,7 +60,11 @@ class Evaluator:
             plan = plan.copy(mesh=self.mesh)
         key = plan.signature()
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
-            c = Candidate(plan, simulate(self.trace, plan, context=self.ctx, timeline=False), origin)
+            group_params = self.ctx.sizing.group_params(plan)
+            schedule = build_schedule(self.trace, plan, self.ctx.world, group_params)
+            runs = not sharded_reads(self.trace, plan, schedule, group_params)
+            c = Candidate(plan, simulate(self.trace, plan, context=self.ctx, schedule=schedule, timeline=False),
+                          origin, runs)
             self.seen.append(c)
             self.cache[key] = c
         return self.cache[key]
@@ -78,7 +85,7 @@ class Evaluator:
         least (such groups) x alpha. When ``REFINE_STARTS`` plans the target can express and that fit are already
         faster than that (with the empty-root preference's slack), simulating it changes nothing."""
         fitting = sorted(c.report.step_time for c in self.seen
-                         if c.report.reserved_memory <= self.budget and self.allowed(c.plan))
+                         if c.report.reserved_memory <= self.budget and c.runs and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
             return True
         groups = [[c for m in ms for c in shardable_cover(self.trace, m)] for ms in module_groups]
@@ -109,7 +116,7 @@ class Evaluator:
         return (over, float(f"{c.report.step_time:.9g}"), c.report.reserved_memory, len(c.plan.root.params))
 
     def better(self, c: Candidate, than: Candidate) -> bool:
-        return self.allowed(c.plan) and self.key(c) < self.key(than)
+        return c.runs and self.allowed(c.plan) and self.key(c) < self.key(than)
 
     def pays(self, c: Candidate, than: Candidate) -> bool:
         """``c`` is worth moving to from ``than``: better, and either the best plan seen so far, or bringing the
@@ -123,14 +130,17 @@ class Evaluator:
         return c.report.step_time <= than.report.step_time * (1 - MIN_GAIN)
 
     def best(self) -> Candidate:
-        valid = [c for c in self.seen if self.allowed(c.plan)]
-        if not valid:
+        valid = [c for c in self.seen if c.runs and self.allowed(c.plan)]
+        if not valid and self.target is Target.FSDP1 and any(c.runs for c in self.seen):
             raise PlannerError("no plan FSDP1 can express: every candidate unit mixes dtypes or requires_grad in one "
                                "flat parameter; use target fsdp2")
+        if not valid:
+            raise PlannerError("no candidate plan runs: every one reads a param while its group is sharded (the "
+                               "model calls modules outside their parents' forward); report this model")
         return min(valid, key=self.key)
 
     def ranked(self) -> list[Candidate]:
-        return sorted((c for c in self.seen if self.allowed(c.plan)), key=self.key)
+        return sorted((c for c in self.seen if c.runs and self.allowed(c.plan)), key=self.key)
 
     def allowed(self, plan: Plan) -> bool:
         """Plans the target can express (a classic policy may produce a list group FSDP1 cannot)."""

@@ -1,0 +1,66 @@
+"""A plan that reads a sharded param is refused before it runs, and auto never returns one (issue 11)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.validity import check_plan_runs, sharded_reads
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import BUILTINS, load_model
+from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, PolicyRequest, make_policy
+from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.trace import trace
+
+FIXTURES = "tests/fixtures/invalid_models.py"
+
+
+def traced(spec: str):
+    lm = load_model(spec)
+    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+def reads(tr, plan):
+    group_params = Sizing(tr, 8).group_params(plan)
+    return sharded_reads(tr, plan, build_schedule(tr, plan, 8, group_params), group_params)
+
+
+def test_a_parent_calling_a_grandchild_directly_is_found() -> None:
+    tr = traced(f"{FIXTURES}:direct_call")
+    for groups in ([["layer", "linear"]], [["layer"], ["linear"]]):  # layer.proc runs outside layer's hooks
+        bad = reads(tr, make_plan(tr, groups))
+        assert bad and bad[0].param == "layer.proc.weight" and bad[0].module == "layer.proc"
+    assert not reads(tr, make_plan(tr, [["layer.proc"], ["linear"], ["layer"]]))
+    with pytest.raises(PlannerError, match="this plan cannot run: an op of 'layer.proc' in forward"):
+        check_plan_runs(tr, make_plan(tr, [["layer", "linear"]]))
+
+
+def test_a_param_reused_after_its_group_resharded_is_found_and_auto_avoids_it() -> None:
+    tr = traced(f"{FIXTURES}:reuse")
+    titan = make_policy(PolicyRequest.named("titan")).plan(tr)
+    bad = reads(tr, titan)
+    assert bad and bad[0].param == "blocks.0.weight" and bad[0].module == "" and not bad[0].backward
+    result = AutoPolicy(parse_cluster("h100:8")).search(tr)
+    assert not reads(tr, result.plan)
+    assert any(not c.runs for c in result.search.ev.seen)  # it saw plans that would fail, and ranked none
+
+
+@pytest.mark.parametrize("model", [m for m in BUILTINS if m not in ("llama3-70b", "llama3-405b")])
+def test_every_classic_plan_of_the_built_ins_runs(model: str) -> None:
+    tr = traced(model)
+    for policy in CLASSIC_POLICIES:
+        assert not reads(tr, make_policy(PolicyRequest(policy)).plan(tr, model)), policy
+
+
+def test_cli_refuses_an_explicit_policy_whose_plan_cannot_run_and_leaves_it_out_of_a_comparison() -> None:
+    run = [sys.executable, "-m", "fsdp_planner", "plan", f"{FIXTURES}:reuse"]
+    r = subprocess.run([*run, "--policy", "titan"], capture_output=True, text=True)
+    assert r.returncode == 2 and "this plan cannot run" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(run, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "the titan policy is left out of the comparison: this plan cannot run" in r.stdout + r.stderr
