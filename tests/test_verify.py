@@ -49,7 +49,7 @@ def test_module_called_twice_on_a_real_run():
     assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
     # block: gathered twice in forward and twice in backward, but reduce-scattered once: autograd accumulates
     # its grad only after the backward of both calls (FSDP2's first post-backward finds no grad yet)
-    assert result.predicted == {"all_gather": 2 + 4 + 2, "reduce_scatter": 3}
+    assert result.predicted == {"all_gather": 2 + 4 + 2, "reduce_scatter": 3, "all_reduce": 0}
 
 
 @pytest.mark.integration
@@ -291,6 +291,6 @@ def test_one_rank_is_judged_with_no_collectives():
     """FSDP2 issues no all-gather or reduce-scatter on one rank; verify --nproc 1 must pass a correct plan."""
     tr = traced("seed-net")
     plan = policy("order").plan(tr, "seed-net")
-    assert v.predict_collectives(tr, plan, 1) == ({"all_gather": 0, "reduce_scatter": 0},) * 2
+    assert v.predict_collectives(tr, plan, 1) == ({"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0},) * 2
     result = v.run_verify("seed-net", tr, plan, nproc=1, steps=1)
-    assert result.counted == [{"all_gather": 0, "reduce_scatter": 0}] and result.ok
+    assert result.counted == [{"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}] and result.ok

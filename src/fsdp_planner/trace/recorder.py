@@ -9,6 +9,12 @@ Param reads are caught by a dispatch mode on op inputs (by identity and by stora
 ``weight.t()`` saved for backward count too); module hooks alone would miss tied weights and params read outside
 their own module. Post-backward is found the way FSDP2 finds it: an identity autograd function on the module's
 grad-requiring inputs (FSDP2's ``RegisterPostBackwardFunction``) whose backward runs once their grads are ready.
+
+In-place ops (``nn.ReLU(inplace=True)``, ``out += identity``) run on what that identity returns as they run on the
+call's inputs: it returns aliases that autograd does not treat as views (see ``_PostBackwardMarker``). A call that
+modifies its own grad-requiring inputs in place is recorded, since FSDP2's function on them would refuse it
+(``ModuleInfo.shardable``). Tensors saved for backward are checked as autograd checks them without hooks: one
+modified in place after it was saved fails the trace as it fails the real step.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class StepRecorder:
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion()
+        self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
 
     def current_module(self) -> str:
         if self.backward:
@@ -132,6 +139,10 @@ class StepRecorder:
         if grad_inputs:
             self.bwd_pending_post.add((fqn, call))
         return call
+
+    def modified_input(self, fqn: str) -> None:
+        """A call of ``fqn`` (now ending) modified one of its grad-requiring inputs in place."""
+        self.modified_inputs.add(fqn)
 
     def exit_forward(self, fqn: str) -> int:
         call = self.calls[fqn] - 1
@@ -207,6 +218,9 @@ class NullRecorder(StepRecorder):
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         pass
 
+    def modified_input(self, fqn: str) -> None:
+        pass
+
     def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
         return 0
 
@@ -225,12 +239,23 @@ class Slot:
 
 class _PostBackwardMarker(torch.autograd.Function):
     """Identity on a module's grad-requiring inputs; its backward fires when the module's backward is done
-    (FSDP2's RegisterPostBackwardFunction)."""
+    (FSDP2's RegisterPostBackwardFunction).
+
+    It returns ``t.detach()``, not ``t`` or ``t.view_as(t)``: autograd turns an input returned as-is into a view
+    of it, and a view made inside a custom Function may not be modified in place ("Output 0 of
+    _PostBackwardMarker is a view and is being modified inplace"), so every module fed by an in-place op's target
+    (``nn.ReLU(inplace=True)`` after a BatchNorm, ``F.relu(x, inplace=True)`` or ``x += y`` on a module's input)
+    failed to trace. A detached alias is no autograd view: autograd attaches it to this function as a new output,
+    and an in-place op on it is recorded on it like on any non-leaf (ReluBackward -> this backward -> the
+    producer's). It is the same storage, offset, strides and version counter as ``t``: no memory is made (saved
+    activations and call inputs are counted by storage, so they count the same bytes), the op writes the caller's
+    tensor as without the tracer, and a saved tensor it modifies is still caught by its version.
+    """
 
     @staticmethod
     def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.callback = callback
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
@@ -244,6 +269,8 @@ class _ModuleHooks:
     def __init__(self, walk: ModuleWalk, slot: Slot) -> None:
         self.slot = slot
         self.name = {m: n for n, m in walk.modules.items()}  # a module registered twice keeps its first name
+        # per running call (pushed by pre_forward, popped by post_forward): its marked inputs and their versions
+        self.watched: list[tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None] = []
         self.handles = []
         for m in walk.modules.values():
             self.handles.append(m.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
@@ -268,9 +295,13 @@ class _ModuleHooks:
         else:
             inputs = collect_grad_tensors((args, kwargs))
         call = recorder.enter_forward(fqn, bool(inputs), held)
-        if inputs:
+        if not inputs:
+            self.watched.append(None)
+        else:
             key = (fqn, call)
-            outs = iter(_PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *inputs))
+            marked = _PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *inputs)
+            self.watched.append((marked, tuple(t._version for t in marked)))
+            outs = iter(marked)
             if flat:
                 args = tuple(next(outs) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
             else:
@@ -281,6 +312,11 @@ class _ModuleHooks:
         """FSDP2's pre-backward hook goes on the call's grad-requiring outputs (``collect_grad_tensors``)."""
         fqn = self.name[module]
         recorder = self.slot.recorder
+        watched = self.watched.pop() if self.watched else None
+        if watched is not None and any(t._version != v for t, v in zip(*watched, strict=True)):
+            # an in-place op wrote the call's input (an alias sharing its version counter); with FSDP2's
+            # function on these inputs, autograd would have refused it
+            recorder.modified_input(fqn)
         call = recorder.exit_forward(fqn)
         if recorder.outside_modules():  # the model's own outputs: what the loss starts from
             recorder.loss.track(flat_leaves((output,)))
@@ -425,14 +461,17 @@ def collect_params(walk: ModuleWalk) -> tuple[list[ParamInfo], list[nn.Parameter
 
 
 def _module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter],
-                  events: list[Event], calls: dict[str, int]) -> dict[str, ModuleInfo]:
-    """One ModuleInfo per module object, with its real children and the stats of its calls."""
+                  events: list[Event], calls: dict[str, int],
+                  modified_inputs: set[str] | None = None) -> dict[str, ModuleInfo]:
+    """One ModuleInfo per module object, with its real children and the stats of its calls (``modified_inputs``:
+    modules a call of which modified its grad-requiring inputs in place)."""
     aliases: dict[str, list[str]] = {}
     for n, m in walk.named:
         if n != walk.canonical[id(m)]:
             aliases.setdefault(walk.canonical[id(m)], []).append(n)
     pname = {id(p): params[i].fqn for i, p in enumerate(param_objs)}
     fwd, bwd, first = _module_stats(events)
+    modified_inputs = modified_inputs or set()
     return {
         fqn: ModuleInfo(
             fqn=fqn, cls=type(m).__name__,
@@ -440,7 +479,7 @@ def _module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn
             children=tuple(dict.fromkeys(walk.canonical[id(c)] for c in m._modules.values() if c is not None)),
             aliases=tuple(dict.fromkeys(aliases.get(fqn, ()))),
             calls=calls.get(fqn, 0), fwd_flops=fwd.get(fqn, 0), bwd_flops=bwd.get(fqn, 0), first_use=first.get(fqn, -1),
-            shardable=_shardable(m),
+            shardable=_shardable(m) and not (fqn in modified_inputs and _fsdp2_refuses_inplace(fqn, m)),
         )
         for fqn, m in walk.modules.items()
     }
@@ -449,6 +488,15 @@ def _module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn
 def _shardable(m: nn.Module) -> bool:
     """What ``fully_shard``'s module check accepts: not a ModuleList/ModuleDict that keeps nn.Module's forward."""
     return not (isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward)
+
+
+def _fsdp2_refuses_inplace(fqn: str, m: nn.Module) -> bool:
+    """Whether ``fully_shard(m)`` breaks a call that modifies its grad-requiring inputs in place. FSDP2 passes the
+    inputs of a module that manages params through ``RegisterPostBackwardFunction``, which returns them as-is:
+    autograd makes them views made in a custom Function, which an in-place op may not modify. A module without
+    params below it gets no such function. The root is always sharded (a plan cannot avoid it), so it is left
+    shardable: its inputs rarely need grads."""
+    return fqn != ROOT and next(m.parameters(), None) is not None
 
 
 def _module_stats(events: list[Event]) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
@@ -565,16 +613,25 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
     repeated = BlockReuse(model, walk, slot, param_by_id, set(by_storage)) if reuse and not measure else None
     hooks = _ModuleHooks(walk, slot)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if isinstance(t, torch.Tensor):
-            slot.recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        slot.recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        return t, t._version
+
+    def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        # Autograd skips its own version check on tensors that saved-tensor hooks pack: done here, as it does it
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.dtype} {list(t.shape)}] is at version {t._version}; expected version {version} instead (the "
+                f"model's backward fails the same way without the tracer)")
         return t
 
     leaf_inputs = [t for t in flat_leaves(args, kwargs) if isinstance(t, torch.Tensor) and t.is_leaf
                    and t.requires_grad and t.grad is None]  # their grads are the trace's doing: undone after
     try:
         with fake_mode or contextlib.nullcontext(), GpuAttention(), ops, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             loss = (loss_fn or default_loss)(model(*args, **kwargs))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError("loss_fn must return a scalar tensor")
@@ -591,7 +648,8 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
     events = recorder.events
     seconds = tuple(ops.seconds.get(i, 0.0) for i in range(len(events))) if measure else None
     params = [p if i in got_grad else replace(p, gets_grad=False) for i, p in enumerate(params)]
-    return Trace(params=tuple(params), modules=_module_infos(walk, params, param_objs, events, recorder.calls),
+    return Trace(params=tuple(params), modules=_module_infos(walk, params, param_objs, events, recorder.calls,
+                                                             recorder.modified_inputs),
                  events=tuple(events), fingerprint=fingerprint,
                  compute_itemsize=None if compute_dtype is None else compute_dtype.itemsize,
                  buffers_nbytes=sum(b.numel() * b.element_size() for b in buffer_objs), op_seconds=seconds)

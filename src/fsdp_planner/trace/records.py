@@ -54,7 +54,9 @@ class ModuleInfo:
     fwd_flops: int = 0
     bwd_flops: int = 0
     first_use: int = -1  # first forward op run inside its subtree that read a param; -1 if none
-    shardable: bool = True  # False: a ModuleList/ModuleDict without its own forward, which fully_shard refuses
+    shardable: bool = True  # False: a ModuleList/ModuleDict without its own forward, which fully_shard refuses, or
+    # a module managing params whose call modifies its grad-requiring inputs in place, which FSDP2's post-backward
+    # function on them makes autograd refuse (see recorder._fsdp2_refuses_inplace)
 
     @property
     def depth(self) -> int:

@@ -145,6 +145,9 @@ class ActionLog(StepRecorder):
         self._log(("fwd_pre", self._rel(fqn), grad_inputs, inputs_nbytes))
         return call
 
+    def modified_input(self, fqn: str) -> None:
+        self._log(("modified_input", self._rel(fqn)))
+
     def exit_forward(self, fqn: str) -> int:
         self._log(("fwd_post", self._rel(fqn)))
         return self.calls[fqn] - 1
@@ -181,12 +184,13 @@ class ActionLog(StepRecorder):
 
 
 class _Sink(torch.autograd.Function):
-    """Identity whose backward drops the grads: a template's inputs behave like the real call's (views made by
-    the post-backward marker), and nothing accumulates into them."""
+    """Identity whose backward drops the grads: a template's inputs behave like the real call's (aliases made by
+    the post-backward marker, which an in-place op may modify; see ``recorder._PostBackwardMarker``), and nothing
+    accumulates into them."""
 
     @staticmethod
     def forward(ctx: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
@@ -535,6 +539,8 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.enter_backward((prefix + action[1], action[2]))
         elif kind == "bwd_post":
             main.exit_backward((prefix + action[1], action[2]))
+        elif kind == "modified_input":
+            main.modified_input(prefix + action[1])
         else:  # save
             source, nbytes = action[1], action[2]
             ref = sources.get(source) or _Fresh()

@@ -1,0 +1,144 @@
+"""Issue 11: models with in-place ops (``nn.ReLU(inplace=True)``, ``F.relu(x, inplace=True)``, ``x.relu_()``,
+``out += identity``) trace, plan and train, and their traces match the same models run out of place."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.models import load_model
+from fsdp_planner.trace import EventKind, Trace, trace
+from fsdp_planner.trace import reuse as reuse_mod
+from fsdp_planner.trace.recorder import ModuleWalk, Slot, StepRecorder, _ModuleHooks
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MODELS = FIXTURES / "inplace_models.py"
+
+
+def _trace(fn: str, reuse: bool = True, meta: bool = True) -> Trace:
+    lm = load_model(f"{MODELS}:{fn}", meta=meta)
+    return trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=reuse)
+
+
+def _same_but_inputs(a: Trace, b: Trace) -> set[str]:
+    """Assert the traces are equal but for FWD_PRE's inputs_nbytes; the modules whose inputs_nbytes differ."""
+    assert len(a.events) == len(b.events)
+    differ = set()
+    for x, y in zip(a.events, b.events, strict=True):
+        if x != y:
+            assert x.kind is EventKind.FWD_PRE and x._replace(inputs_nbytes=y.inputs_nbytes) == y, (x, y)
+            differ.add(x.module)
+    assert a.params == b.params and a.modules == b.modules
+    return differ
+
+
+# The modules whose input is what an in-place ReLU returned: the storage of that ReLU's input, which the ReLU's
+# call counted already (out of place, the ReLU's output is a new tensor: a second storage)
+RELU_FED = {"maxpool", "layer1.0.conv2", "layer1.1", "layer1.1.conv2", "layer2", "layer2.0.conv2",
+            "layer2.1", "layer2.1.conv2", "avgpool"}
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("meta", [True, False])
+def test_resnet_with_inplace_relu_traces_like_the_out_of_place_one(reuse, meta):
+    inplace, out_of_place = _trace("build", reuse, meta), _trace("build_not_inplace", reuse, meta)
+    # same ops in the same modules, same params read, FLOPs, bytes moved and activation bytes saved per op
+    # (an in-place ReLU saves its result as the out-of-place one does: the same bytes, in its input's storage)
+    differ = _same_but_inputs(inplace, out_of_place)
+    assert differ == RELU_FED
+    by_module = {e.module: e.inputs_nbytes for e in inplace.events if e.kind is EventKind.FWD_PRE}
+    assert all(by_module[m] == 0 for m in RELU_FED)  # no new storage: nothing to count again
+    assert inplace.modules["layer1.0.relu"].calls == 2
+    assert all(m.shardable for m in inplace.modules.values())  # no module modifies its own input
+
+
+def test_resnet_reuse_replays_the_same_events():
+    assert _trace("build", reuse=True).events == _trace("build", reuse=False).events
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_inplace_ops_in_forward_and_on_block_outputs(reuse):
+    inplace, out_of_place = _trace("functional", reuse), _trace("functional_not_inplace", reuse)
+    # the in-place ops write tensors no later call takes as a new input: the traces are equal, input bytes too
+    assert _same_but_inputs(inplace, out_of_place) == set()
+    assert sum(e.saved for e in inplace.events) == sum(e.saved for e in out_of_place.events)
+    assert inplace.events == _trace("functional", not reuse).events
+
+
+def test_a_module_modifying_its_own_input_is_not_a_group_of_its_own(monkeypatch):
+    replayed: list[str] = []
+    original = reuse_mod._replay_actions
+
+    def spy(main, actions, prefix, params, sources):
+        replayed.extend(prefix + a[1] for a in actions if a[0] == "modified_input")
+        return original(main, actions, prefix, params, sources)
+
+    monkeypatch.setattr(reuse_mod, "_replay_actions", spy)
+    tr = _trace("modifies_inputs")
+    shardable = {m: info.shardable for m, info in tr.modules.items()}
+    refused = {m for m, ok in shardable.items() if not ok}
+    # a, b: relu_ / += on their input; wraps.i.pre: on the wrapper's fc output; a wrapper modifies no input
+    assert refused == {"a", "b", "wraps.0.pre", "wraps.1.pre", "wraps.2.pre"}
+    assert set(replayed) == {"wraps.0.pre", "wraps.1.pre", "wraps.2.pre"}  # from the template, replayed
+    assert tr.events == _trace("modifies_inputs", reuse=False).events
+    assert tr.modules == _trace("modifies_inputs", reuse=False).modules
+    plan = make_plan(tr, [["a"], ["b"], ["wraps.0"], ["wraps.1.pre"]])
+    assert [g.modules for g in plan.groups] == [["a.fc"], ["b.fc"], ["wraps.0"], ["wraps.1.pre.fc"], [""]]
+
+
+def test_a_saved_tensor_modified_in_place_fails_as_without_the_tracer():
+    lm = load_model(f"{MODELS}:modifies_saved", meta=False)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lm.model(*lm.example_inputs).sum().backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _trace("modifies_saved")
+
+
+@pytest.mark.parametrize("fn", ["build", "functional", "modifies_inputs"])
+def test_the_tracers_hooks_keep_the_models_grads(fn):
+    """On real tensors, a step under the tracer's module hooks (markers on every call's inputs) gives the grads
+    of the plain model: the in-place ops on the markers' aliases are differentiated as on the inputs."""
+    grads = []
+    for hooked in (False, True):
+        lm = load_model(f"{MODELS}:{fn}", meta=False)
+        x = lm.example_inputs[0].clone().requires_grad_()
+        hooks = _ModuleHooks(ModuleWalk(lm.model), Slot(StepRecorder(set()))) if hooked else None
+        try:
+            lm.model(x).pow(2).mean().backward()
+        finally:
+            if hooks is not None:
+                hooks.remove()
+        grads.append([x.grad, *(p.grad for p in lm.model.parameters())])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.integration
+def test_plan_and_verify_a_resnet_with_inplace_relu_from_the_cli():
+    spec = f"{MODELS}:build"
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", spec], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "order", "--nproc", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout
+
+
+@pytest.mark.integration
+def test_modules_modifying_their_inputs_train_on_a_real_run():
+    """Listing every module (a and b too) still trains: a and b are replaced by their children, which FSDP2 can
+    shard; sharding a or b themselves fails on a real run (autograd refuses the in-place op on their input)."""
+    from fsdp_planner.runtime.verify import run_verify
+
+    spec = f"{MODELS}:modifies_inputs"
+    lm = load_model(spec)
+    tr = trace(lm.model, lm.example_inputs)
+    plan = make_plan(tr, [["inp"], ["a"], ["b"], ["wraps.0"], ["wraps.1"], ["wraps.2.pre"], ["out"]])
+    result = run_verify(spec, tr, plan, nproc=2, steps=2)
+    assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
