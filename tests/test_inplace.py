@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import check_plan_matches, make_plan
+from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.trace import EventKind, Trace, trace
 from fsdp_planner.trace import reuse as reuse_mod
@@ -89,6 +91,11 @@ def test_a_module_modifying_its_own_input_is_not_a_group_of_its_own(monkeypatch)
     assert tr.modules == _trace("modifies_inputs", reuse=False).modules
     plan = make_plan(tr, [["a"], ["b"], ["wraps.0"], ["wraps.1.pre"]])
     assert [g.modules for g in plan.groups] == [["a.fc"], ["b.fc"], ["wraps.0"], ["wraps.1.pre.fc"], [""]]
+    by_hand = Plan([Group(["a"], [p.fqn for p in tr.params if p.fqn.startswith("a.")]),
+                    Group([""], [p.fqn for p in tr.params if not p.fqn.startswith("a.")], False)],
+                   tr.fingerprint, tr.numel)
+    with pytest.raises(PlannerError, match=r"modify their own inputs in place.*: a; shard their children"):
+        check_plan_matches(by_hand, tr)
 
 
 def test_a_saved_tensor_modified_in_place_fails_as_without_the_tracer():

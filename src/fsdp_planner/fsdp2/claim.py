@@ -171,9 +171,13 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
     refused = {m for g in plan.groups for m in g.modules if not trace.modules[m].shardable}
-    if refused:
+    containers = {m for m in refused if trace.modules[m].cls in ("ModuleList", "ModuleDict")}
+    if containers:
         raise PlannerError(f"fully_shard refuses containers without forward (ModuleList/ModuleDict): "
-                           f"{short_list(refused)}; list their children in the group instead")
+                           f"{short_list(containers)}; list their children in the group instead")
+    if refused:
+        raise PlannerError(f"these modules modify their own inputs in place, which FSDP2's hook on a sharded "
+                           f"module's inputs refuses: {short_list(refused)}; shard their children instead")
     validate_plan(plan, trace)
     check_checkpointing(plan, trace)
 
