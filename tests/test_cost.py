@@ -13,11 +13,14 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import parse_size
 from fsdp_planner.hardware.cluster import GPU, Cluster, Link, parse_cluster, preset_cluster, with_fits
 from fsdp_planner.hardware.collectives import (
+    Protocol,
     alpha_beta,
     bandwidth_saturation_bytes,
     bus_bandwidth_at,
     collective_time,
+    lines,
     model_alpha_beta,
+    protocol_for,
 )
 
 GiB = 1024**3
@@ -32,14 +35,39 @@ def test_one_node_h100_1gib(kind: str) -> None:
 
 
 def test_two_node_h100_tiny_message_latency() -> None:
-    t = collective_time(parse_cluster("h100:16"), "all_gather", 8)
-    assert 50 * US <= t <= 90 * US
+    """A few bytes over 2x8 H100s run with LL: NCCL's model gives ~23 us (facts.md), SIMPLE would take 70."""
+    c = parse_cluster("h100:16")
+    assert protocol_for(c, "all_gather", 8) == (Protocol.LL, pytest.approx(collective_time(c, "all_gather", 8)))
+    assert 20 * US <= collective_time(c, "all_gather", 8) <= 27 * US
 
 
 @pytest.mark.parametrize(("spec", "nccl_us"), [("h100:16", 70), ("h100:64", 297), ("h100:256", 1204)])
-def test_nccl_2_27_ring_latencies(spec: str, nccl_us: float) -> None:
-    t = collective_time(parse_cluster(spec), "all_gather", 1)
-    assert abs(t / (nccl_us * US) - 1) <= 0.35
+def test_nccl_2_27_simple_ring_latencies(spec: str, nccl_us: float) -> None:
+    alpha, _ = alpha_beta(parse_cluster(spec), "all_gather")
+    assert abs(alpha / (nccl_us * US) - 1) <= 0.03
+
+
+# facts.md, NCCL 2.27's tuning model for a ring all-gather of 8-GPU nodes. LL128 agrees within 1%; LL comes out
+# 5-6% above (NCCL multiplies LL's NVLink hop latency by 1.8 when the ring spans nodes, which the figures in
+# facts.md do not seem to include), inside 8%.
+@pytest.mark.parametrize(("protocol", "anchors", "tolerance"), [
+    (Protocol.LL, {16: 23, 64: 81.5, 128: 159, 256: 314}, 0.08),
+    (Protocol.LL128, {16: 45, 64: 148, 128: 287, 256: 564}, 0.01),
+])
+def test_nccl_2_27_small_message_protocol_latencies(protocol: Protocol, anchors: dict, tolerance: float) -> None:
+    for n, us in anchors.items():
+        alpha = {p: a for p, a, _ in lines(parse_cluster(f"h100:{n}"), "all_gather")}[protocol]
+        assert abs(alpha / (us * US) - 1) <= tolerance, (n, alpha)
+
+
+def test_protocol_follows_the_message_size() -> None:
+    """LL for small messages, LL128 in between, SIMPLE for large ones (NCCL picks the fastest line)."""
+    c = parse_cluster("h100:8")
+    picked = [protocol_for(c, "all_gather", s)[0] for s in (1024, 64 * 1024, 16 << 20, GiB)]
+    assert picked == [Protocol.LL, Protocol.LL, Protocol.LL128, Protocol.SIMPLE]
+    for s in (1024, 16 << 20, GiB):  # never slower than SIMPLE alone
+        alpha, bw = alpha_beta(c, "all_gather")
+        assert collective_time(c, "all_gather", s) <= alpha + 7 / 8 * s / bw
 
 
 @pytest.mark.parametrize(("ranks", "busbw"), [(2, 268.5e9), (4, 325.5e9), (8, 344.75e9)])
@@ -106,8 +134,8 @@ def test_nothing_to_move_costs_nothing() -> None:
 def test_saturation_size_is_where_latency_equals_bandwidth_term() -> None:
     c = parse_cluster("h100:64")
     s8, s64 = bandwidth_saturation_bytes(c, 8), bandwidth_saturation_bytes(c, 64)
-    alpha, _ = alpha_beta(c, "all_gather", 8)
-    assert collective_time(c, "all_gather", s8, 8) == pytest.approx(2 * alpha)
+    alpha, bw = alpha_beta(c, "all_gather", 8)
+    assert alpha + 7 / 8 * s8 / bw == pytest.approx(2 * alpha)  # on the SIMPLE line
     assert 1e6 < s8 < s64
 
 

@@ -9,7 +9,7 @@ from conftest import policy, traced
 
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.replay import build_schedule
-from fsdp_planner.hardware.cluster import Link, parse_cluster
+from fsdp_planner.hardware.cluster import NO_OVERHEAD, Link, Overhead, parse_cluster
 from fsdp_planner.hardware.collectives import alpha_beta, collective_time
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
@@ -39,7 +39,7 @@ def test_free_network_gives_step_time_equal_to_compute():
     tr = traced("toy-llama")
     fast = Link(bus_bandwidth=1e30, base_latency=0.0, hop_latency=0.0)
     h100 = parse_cluster("h100:8")
-    cluster = dataclasses.replace(h100, intra=fast, inter=fast,
+    cluster = dataclasses.replace(h100, intra=fast, inter=fast, overhead=NO_OVERHEAD,
                                   gpu=dataclasses.replace(h100.gpu, hbm_bandwidth=1e30))
     for name in POLICIES:
         r = simulate(tr, policy(name).plan(tr), cluster)
@@ -48,16 +48,36 @@ def test_free_network_gives_step_time_equal_to_compute():
 
 
 def test_one_group_by_hand(seed_trace):
-    """Root only: gather everything before the first op, compute, reduce-scatter after the last one."""
-    cluster = parse_cluster("h100:8")
+    """Root only: gather everything before the first op (copy-in), copy it out on the compute stream, compute,
+    copy the grads into the reduce-scatter's input, reduce-scatter after the last op. The host is free here."""
+    h100 = parse_cluster("h100:8")
+    copy = 500e9
+    cluster = dataclasses.replace(h100, overhead=Overhead(0.0, 0.0, copy))
     plan = make_plan(seed_trace, [])
     r = simulate(seed_trace, plan, cluster, SimOptions.named("fp32"))
-    world, hbm = 8, cluster.gpu.hbm_bandwidth
+    world = 8
     gathered = sum(p.padded_numel(world) * 4 for p in seed_trace.params)
-    ag = collective_time(cluster, "all_gather", gathered) + gathered / world / hbm + gathered / hbm
-    rs = collective_time(cluster, "reduce_scatter", gathered)  # FSDP2 pads the reduce-scatter input too
+    ag = collective_time(cluster, "all_gather", gathered) + gathered / world / copy + gathered / copy
+    rs = gathered / copy + collective_time(cluster, "reduce_scatter", gathered)  # FSDP2 pads its input too
     assert r.step_time == pytest.approx(ag + r.compute_time + rs, rel=1e-9)
     assert r.memory_at_peak["unsharded_params"] == gathered
+
+
+def test_host_overhead_by_hand(seed_trace):
+    """A host far slower than the GPU is the step: the root's four hooks (pre/post-forward, pre/post-backward)
+    and every op's launch, the reduce-scatter issued by the last hook, on an ideal network and GPU."""
+    fast = Link(bus_bandwidth=1e30, base_latency=0.0, hop_latency=0.0)
+    h100 = parse_cluster("h100:8")
+    gpu = dataclasses.replace(h100.gpu, hbm_bandwidth=1e30, peak_bf16_flops=1e30, peak_fp32_flops=1e30)
+    hook, op = 1e-3, 1e-6
+    cluster = dataclasses.replace(h100, intra=fast, inter=fast, gpu=gpu, overhead=Overhead(hook, op, 1e30))
+    r = simulate(seed_trace, make_plan(seed_trace, []), cluster)
+    assert r.compute_time < 1e-9
+    # the last hook (the root's post-backward, in the final callback) runs once every op was launched
+    ops = sum(e.is_op for e in seed_trace.events)
+    assert r.step_time == pytest.approx(4 * hook + ops * op, rel=1e-9)
+    free = simulate(seed_trace, make_plan(seed_trace, []), dataclasses.replace(cluster, overhead=NO_OVERHEAD))
+    assert free.step_time < 1e-6
 
 
 def test_reshard_trades_memory_for_collectives():
@@ -105,7 +125,7 @@ def test_communication_streams_share_the_links():
     h100 = parse_cluster("h100:8")
     slow = Link(bus_bandwidth=1e6, base_latency=0.0, hop_latency=0.0, half_bw_bytes=0)
     fast_gpu = dataclasses.replace(h100.gpu, hbm_bandwidth=1e30, peak_bf16_flops=1e30, peak_fp32_flops=1e30)
-    cluster = dataclasses.replace(h100, intra=slow, inter=slow, gpu=fast_gpu)
+    cluster = dataclasses.replace(h100, intra=slow, inter=slow, gpu=fast_gpu, overhead=NO_OVERHEAD)
     for name in POLICIES:
         r = simulate(tr, policy(name).plan(tr), cluster)
         data = sum(7 / 8 * b / alpha_beta(cluster, k)[1]
@@ -123,15 +143,16 @@ def test_all_gather_buffer_is_counted_at_copy_out(seed_trace):
 
 
 def reference_step_time(tr, plan, ctx):
-    """The step clock advanced op by op, every op waiting for every group it reads (what the simulator's sparse
-    visit must reproduce)."""
-    from fsdp_planner.sim.timeline import Streams
+    """The step clock advanced op by op, every op waiting for every group it reads and for its launch (what the
+    simulator's sparse visit must reproduce)."""
+    from fsdp_planner.sim.timeline import HostClock, Streams
 
     sched = build_schedule(tr, plan, ctx.world)
     group_params = ctx.sizing.group_params(plan)
     gather = [g.gather_bytes for g in ctx.sizing.groups(plan)]
     group_of = {p: g for g, ps in enumerate(group_params) for p in ps}
-    streams = Streams(ctx, plan, gather, timeline=False)
+    host = HostClock(ctx, sched.hooks, [len(ps) for ps in group_params], {})
+    streams = Streams(ctx, plan, gather, timeline=False, host=host)
     issued = {}
     for c in sched.collectives:
         issued.setdefault(c.event, []).append(c)

@@ -1,28 +1,42 @@
-"""``fsdp-planner calibrate LOG... --out cluster.json``: fit latency and bandwidth from nccl-tests logs."""
+"""``fsdp-planner calibrate [LOG...] [--overhead] --out cluster.json``: fit the cluster's collectives from
+nccl-tests logs, and FSDP2's host overhead from real FSDP2 timed on this machine."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.requests import output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.calibrate import calibrate
-from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+
+DEFAULT_BASE = "h100:8"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("calibrate", help="fit latency and bandwidth from nccl-tests logs")
-    sp.add_argument("logs", nargs="+", help="all_gather_perf / reduce_scatter_perf output files")
-    sp.add_argument("--base", help="cluster preset to start from (e.g. h100:16); default: detected from the logs")
+    sp = sub.add_parser("calibrate", help="fit latency and bandwidth from nccl-tests logs, and FSDP2's per-group "
+                                          "overhead on this machine (--overhead)")
+    sp.add_argument("logs", nargs="*", help="all_gather_perf / reduce_scatter_perf output files")
+    sp.add_argument("--overhead", action="store_true",
+                    help="time real FSDP2 (fake process group, tiny layers) on this machine's GPU, or CPU when it "
+                         "has none, and fit its per-hook, per-param and per-op host cost and its copy bandwidth")
+    sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
+                                   f"detected from the logs, or {DEFAULT_BASE} with --overhead alone")
     sp.add_argument("--out", required=True, help="cluster JSON to write")
     sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.logs and not args.overhead:
+        raise PlannerError("calibrate needs nccl-tests logs, --overhead, or both")
     out = output_file(args.out)
     assert out is not None
-    cluster = calibrate(args.logs, parse_cluster(args.base) if args.base else None)
+    base = parse_cluster(args.base) if args.base else None
+    cluster = calibrate(args.logs, base) if args.logs else base or parse_cluster(DEFAULT_BASE)
+    if args.overhead:
+        cluster = _with_measured_overhead(cluster)
     try:
         cluster.save(out)
     except OSError as e:
@@ -33,3 +47,17 @@ def run(args: argparse.Namespace) -> int:
                                  f"bus bandwidth {busbw / 1e9:.1f} GB/s")
     render.console.print(f"cluster written to {out}")
     return 0
+
+
+def _with_measured_overhead(cluster: Cluster) -> Cluster:
+    from fsdp_planner.runtime.overhead import measure_overhead
+
+    m = measure_overhead(progress=render.note)
+    overhead = m.overhead
+    if m.device == "cpu":  # host memory bandwidth says nothing of a GPU's copy kernels: keep the cluster's
+        render.note(f"no GPU here: copy bandwidth measured on the CPU ({overhead.copy_bandwidth / 1e9:.1f} GB/s) "
+                    f"is not used; the cluster's {cluster.overhead.copy_bandwidth / 1e9:.0f} GB/s is kept")
+        overhead = dataclasses.replace(overhead, copy_bandwidth=cluster.overhead.copy_bandwidth)
+    render.console.print(render.overhead_table(m))
+    name = cluster.name if cluster.name.endswith("+calibrated") else f"{cluster.name}+calibrated"
+    return dataclasses.replace(cluster, overhead=overhead, name=name)

@@ -170,3 +170,4 @@ def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | Non
         explanations = explain(auto)
         console.print(render.explain_table(explanations, auto.report.step_time, auto.report.reserved_memory))
         console.print(render.reasons_legend([r.reason for r in explanations]), highlight=False)
+        console.print(render.host_line(auto.report, auto.search.ev.cluster), highlight=False)

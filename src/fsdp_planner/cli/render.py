@@ -17,6 +17,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation, Reason
+from fsdp_planner.runtime.overhead import OverheadMeasurement
 from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.sim.memory import MemoryBreakdown
 from fsdp_planner.sim.metrics import PlanMetrics
@@ -245,6 +246,17 @@ def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int)
     return t
 
 
+def host_line(r: StepReport, cluster: Cluster) -> str:
+    """How much of the step FSDP2's host work is, and whether the GPU waits for it."""
+    o = cluster.overhead
+    if not r.host_time:
+        return "host: not modelled (the cluster's overhead is zero)"
+    share = r.host_time / r.step_time
+    verdict = "the host is the bottleneck" if share > 0.98 else "hidden behind the GPU's work"
+    return (f"host: {r.hooks} FSDP2 hooks x {fmt_time(o.hook_seconds)} + params x {fmt_time(o.param_seconds)} + ops "
+            f"x {fmt_time(o.op_seconds)} = {fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step ({verdict})")
+
+
 def reasons_legend(reasons: Sequence[Reason]) -> str:
     return "held by:\n" + "\n".join(f"  {r.value}: {r.description}" for r in dict.fromkeys(reasons))
 
@@ -276,3 +288,19 @@ def json_ready(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [json_ready(v) for v in value]
     return value
+
+
+def overhead_table(m: OverheadMeasurement) -> Table:
+    """``calibrate --overhead``: each measured plan beside the fitted line, then the fitted figures."""
+    t = Table(title=f"FSDP2 host overhead on {m.device}: {m.ops} ops, {m.params} params a step; "
+                    f"without FSDP {fmt_time(m.plain_seconds)}")
+    for col in ("groups", "hooks", "measured step", "fitted", "error"):
+        t.add_column(col, justify="right")
+    for p in m.plans:
+        t.add_row(str(p.groups), str(p.hooks), fmt_time(p.seconds), fmt_time(p.predicted),
+                  f"{p.seconds / p.predicted - 1:+.1%}")
+    o = m.overhead
+    t.caption = (f"per hook {fmt_time(o.hook_seconds)}, per param {fmt_time(o.param_seconds)}, per op "
+                 f"{fmt_time(o.op_seconds)}, copy {fmt_bytes(o.copy_bandwidth)}/s; worst error of the line "
+                 f"{m.worst_residual:.1%}")
+    return t

@@ -72,6 +72,7 @@ class Schedule:
     collectives: list[Collective] = field(default_factory=list)
     residency: list[Residency] = field(default_factory=list)
     num_events: int = 0
+    hooks: list[tuple[int, int]] = field(default_factory=list)  # (event, group): a lifecycle call's host work
 
 
 @dataclass
@@ -157,6 +158,13 @@ class GroupReplay:
         self._hold_until(at)
         self.sharded_state = ShardedState.SHARDED
 
+    def _host_work(self, at: int) -> None:
+        """One lifecycle call doing its work on the host (``Schedule.hooks``): once per group and pass however many
+        modules the group lists (FSDP2's per-module hooks of a list group return at once but for one), and only
+        for a group that manages params (a state without a param group does next to nothing)."""
+        if self.has_params:
+            self.shared.schedule.hooks.append((at, self.index))
+
     def _hold_until(self, at: int, divisor: int = 1) -> None:
         self.shared.schedule.residency.append(Residency(self.index, self.since, at, divisor))
 
@@ -167,6 +175,8 @@ class GroupReplay:
         if not self.modules_to_run:
             self.modules_to_run = set(self.group.modules)
         first_in_pass = self.training_state is not TrainingState.FORWARD
+        if first_in_pass:
+            self._host_work(at)
         self.training_state = TrainingState.FORWARD
         self.unshard(at, backward=False)
         self.wait_for_unshard(at)
@@ -187,6 +197,7 @@ class GroupReplay:
             self.complete_forward(at, call)
 
     def complete_forward(self, at: int, call: Call) -> None:
+        self._host_work(at)
         self.reshard(at)
         if self.has_params:  # _record_post_forward: a fully_shard call that claimed nothing has no param group
             self.post_forward_indices.append(len(self.shared.post_forward_order))
@@ -199,6 +210,7 @@ class GroupReplay:
         by default the group that finished forward just before this call of it (_backward_prefetch)."""
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
+        self._host_work(at)
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard(at, backward=True)
         self.wait_for_unshard(at)
@@ -217,6 +229,7 @@ class GroupReplay:
         self.training_state = TrainingState.POST_BACKWARD
         if not self.has_params:
             return
+        self._host_work(at)
         self.reshard(at)
         if not self.gathered:
             return
@@ -234,7 +247,7 @@ class GroupReplay:
         """The root's final callback: post_backward for groups autograd never reached (inputs without grad),
         then the end of the step for whatever is still held."""
         if self.training_state is not TrainingState.POST_BACKWARD and self.has_params:
-            self.post_backward(end)
+            self.post_backward(end)  # the root's final callback runs it
         self.training_state = TrainingState.IDLE
         if self.pending is not None:  # prefetched but never used: its output is freed at the end
             self.shared.free_output(self.pending, end)

@@ -46,30 +46,30 @@ class ShardedRead:
 
 def sharded_reads(trace: Trace, plan: Plan, schedule: Schedule,
                   group_params: Sequence[Sequence[int]], limit: int = 1) -> list[ShardedRead]:
-    """The first ``limit`` ops (in trace order per group) that read a param of a group that is not unsharded at
-    that moment under ``schedule``; empty when the plan runs."""
-    intervals: dict[int, list[tuple[int, int]]] = {}
-    for r in schedule.residency:
-        if r.divisor == 1 and r.end > r.start:
-            intervals.setdefault(r.group, []).append((r.start, r.end))
-    uses, events = trace.index.param_uses, trace.events
-    found: list[ShardedRead] = []
+    """The first ``limit`` ops that read a param of a group that is not unsharded at that moment under
+    ``schedule``; empty when the plan runs. Vectorised over every (op, param) read: auto checks every candidate."""
+    n = len(trace.events) + 1
+    group_of = np.full(len(trace.params), -1, dtype=np.int64)
     for gi, params in enumerate(group_params):
-        spans = sorted(intervals.get(gi, ()))
-        starts = np.array([s for s, _ in spans], dtype=np.int64)
-        ends = np.array([e for _, e in spans], dtype=np.int64)
-        for p in params:
-            at = np.asarray(uses[p], dtype=np.int64)
-            if not len(at):
-                continue
-            k = np.searchsorted(starts, at, side="right") - 1
-            inside = (k >= 0) & (at < ends[np.maximum(k, 0)]) if len(starts) else np.zeros(len(at), dtype=bool)
-            for i in at[~inside][:limit]:
-                e = events[int(i)]
-                found.append(ShardedRead(int(i), trace.params[p].fqn, gi, e.module, e.backward))
-        if len(found) >= limit:
-            break
-    return sorted(found, key=lambda r: r.event)[:limit]
+        group_of[np.asarray(params, dtype=np.int64)] = gi
+    ops, params = trace.index.use_arrays
+    groups = group_of[params]
+    managed = groups >= 0
+    ops, params, groups = ops[managed], params[managed], groups[managed]
+    spans = sorted((r.group * n + r.start, r.group * n + r.end) for r in schedule.residency
+                   if r.divisor == 1 and r.end > r.start)
+    # One key space for every group (group * n + op): a read is covered when the nearest span starting at or
+    # before it reaches past it; spans of a group may overlap (prefetch), hence the running maximum of the ends.
+    starts = np.array([s for s, _ in spans], dtype=np.int64)
+    ends = np.maximum.accumulate(np.array([e for _, e in spans], dtype=np.int64)) if spans else starts
+    keys = groups * n + ops
+    k = np.searchsorted(starts, keys, side="right") - 1
+    inside = (k >= 0) & (keys < ends[np.maximum(k, 0)]) if spans else np.zeros(len(keys), dtype=bool)
+    bad = np.flatnonzero(~inside)
+    bad = bad[np.argsort(ops[bad], kind="stable")][:limit]
+    events = trace.events
+    return [ShardedRead(int(ops[i]), trace.params[int(params[i])].fqn, int(groups[i]), events[int(ops[i])].module,
+                        events[int(ops[i])].backward) for i in bad]
 
 
 def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> None:

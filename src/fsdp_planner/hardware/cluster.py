@@ -61,6 +61,31 @@ class Link:
 
 
 @dataclass(frozen=True)
+class Overhead:
+    """What FSDP2 costs per step beyond the ops' GPU time and the collectives: what makes hundreds of tiny groups
+    slow (pytorch#173680: pre-forward took half of a step on a model of tiny layers).
+
+    The host runs eager PyTorch ahead of the GPU: each traced op costs ``op_seconds`` to dispatch and launch, each
+    FSDP2 hook that runs (a group's pre/post-forward, pre/post-backward) ``hook_seconds`` (Python, stream and event
+    bookkeeping, the collective's launch), and each param FSDP2 manages ``param_seconds`` a step (its views, its
+    DTensor gradient, its share of the foreach copies), spread over its group's hooks. While the host keeps ahead
+    of the GPU this is hidden; when it falls behind, the GPU waits (``sim/timeline.py``). FSDP2's copy-in (the
+    all-gather input, the reduce-scatter input) and copy-out (``split_with_sizes_copy`` into the unsharded params,
+    on the compute stream) run at ``copy_bandwidth``. ``calibrate --overhead`` measures all four on the machine it
+    runs on (``runtime/overhead.py``).
+    """
+
+    hook_seconds: float
+    op_seconds: float
+    copy_bandwidth: float  # bytes/s
+    param_seconds: float = 0.0
+    source: str = ""  # where the figures come from (a preset's citation, or the machine calibrate measured)
+
+
+NO_OVERHEAD = Overhead(0.0, 0.0, math.inf, source="none: an ideal host and free copies")
+
+
+@dataclass(frozen=True)
 class Cluster:
     """``nodes`` x ``gpus_per_node`` GPUs, NVLink inside a node (``intra``), network across (``inter``).
 
@@ -76,6 +101,7 @@ class Cluster:
     inter: Link
     nics_per_node: int = 8
     fits: Fits = field(default_factory=dict, hash=False)
+    overhead: Overhead = field(default_factory=lambda: NO_OVERHEAD)
 
     where: InitVar[str | None] = None  # how errors name it, e.g. "cluster file c.json"; default: its name
 
@@ -107,6 +133,7 @@ class Cluster:
             "intra": asdict(self.intra),
             "inter": asdict(self.inter),
             "fits": {k: {str(n): [a, b] for n, (a, b) in sorted(t.items())} for k, t in self.fits.items()},
+            "overhead": asdict(self.overhead),
         }
 
     def to_json(self) -> str:
@@ -143,6 +170,14 @@ class Cluster:
                 fits[str(kind)] = {int(n): (float(v[0]), float(v[1])) for n, v in table.items()}
         except (TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise PlannerError(f"the {where} field 'fits' is malformed ({e})") from None
+        overhead = NO_OVERHEAD
+        if "overhead" in d:
+            source = _get(d, "overhead.source", where, "")
+            overhead = Overhead(hook_seconds=_num(d, "overhead.hook_seconds", where),
+                                op_seconds=_num(d, "overhead.op_seconds", where),
+                                copy_bandwidth=_num(d, "overhead.copy_bandwidth", where),
+                                param_seconds=_num(d, "overhead.param_seconds", where, 0.0),
+                                source=str(source))
         return cls(
             name=str(_get(d, "name", where)),
             gpu=gpu,
@@ -152,6 +187,7 @@ class Cluster:
             inter=links["inter"],
             nics_per_node=_int(d, "nics_per_node", where, 8),
             fits=fits,
+            overhead=overhead,
             where=where,
         )
 
@@ -230,6 +266,14 @@ def _check_cluster(c: Cluster, label: str) -> None:
         if not 0 <= link.ring_overhead < 2:
             raise PlannerError(f"the {label} field '{lname}.ring_overhead' must be at least 0 and below 2, "
                                f"got {link.ring_overhead!r}")
+    for attr in ("hook_seconds", "op_seconds", "param_seconds"):
+        v = getattr(c.overhead, attr)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and 0 <= v < 1):
+            raise PlannerError(f"the {label} field 'overhead.{attr}' must be a number of seconds from 0 to 1, "
+                               f"got {v!r}")
+    bw = c.overhead.copy_bandwidth
+    if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:  # inf: free copies
+        raise PlannerError(f"the {label} field 'overhead.copy_bandwidth' must be a number above 0, got {bw!r}")
     for kind, table in c.fits.items():
         if kind not in COLLECTIVES:
             raise PlannerError(f"the {label} has fits for unknown collective '{kind}' "
@@ -290,6 +334,25 @@ LINKS: dict[str, tuple[Link, Link]] = {
     "a100": (_nvlink(235e9), _infiniband(190e9)),
     "b200": (_nvlink(720e9), _infiniband(380e9)),
 }
+# FSDP2's host overhead. There is no public per-hook figure (pytorch#173680 shows pre-forward at half of a step
+# of tiny layers; an FSDP1 profile, pytorch#102434, ~454 us per _post_forward). The hook, param and op figures are
+# what `fsdp-planner calibrate --overhead` measured for real FSDP2 2.13 on the fake process group on this project's
+# 2-core x86 host (benchmarks/overhead.md): a GPU host adds CUDA stream, event and launch calls but usually has a
+# faster CPU; calibrate on yours. Copy bandwidth: FSDP2's copy-out kernel reaches ~650-700 GB/s on H100 (pytorch PR
+# #115515); other GPUs scale it by their HBM bandwidth.
+_HOOK_SECONDS = 170e-6
+_PARAM_SECONDS = 63e-6
+_OP_SECONDS = 2.5e-6
+_H100_COPY = 675e9
+
+
+def _overhead(gpu: GPU) -> Overhead:
+    return Overhead(hook_seconds=_HOOK_SECONDS, op_seconds=_OP_SECONDS, param_seconds=_PARAM_SECONDS,
+                    copy_bandwidth=_H100_COPY * gpu.hbm_bandwidth / GPUS["h100"].hbm_bandwidth,
+                    source="preset: calibrate --overhead on a 2-core x86 host (benchmarks/overhead.md); copy: "
+                           "pytorch PR #115515")
+
+
 PRESETS = tuple(GPUS)
 MAX_GPUS_PER_NODE = 8
 
@@ -309,6 +372,7 @@ def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster
         intra=intra,
         inter=inter,
         nics_per_node=8,
+        overhead=_overhead(GPUS[key]),
     )
 
 

@@ -1,29 +1,38 @@
-"""Time of one FSDP collective (ring all-gather / reduce-scatter) on a ``Cluster``.
+"""Time of one FSDP collective (ring all-gather / reduce-scatter / all-reduce) on a ``Cluster``.
 
 ``nbytes`` is always the FULL unsharded size S of the group, as nccl-tests reports it; N ranks take part.
-NCCL's ring model (src/graph/tuning.cc), SIMPLE protocol::
+NCCL's ring model (src/graph/tuning.cc) gives each protocol p (LL, LL128, SIMPLE) a line::
 
-    T(S, N) = base + (N - 1 - X) * hop_nvlink + X * hop_network + (N-1)/N * S / (B * eff(S))
+    T_p(S, N) = base_p + k * ((N - 1 - X) * hop_nvlink_p + X * hop_network_p) + k * (N-1)/N * S / B_p
 
-with X = nodes spanned - 1 the ring steps that cross nodes (NCCL counts one network step per extra node) and
-B the bus bandwidth of the slowest link the ring uses: NVLink on one node; min(NVLink, network share) across
-nodes, where a group with r ranks per node gets min(r, NICs)/NICs of a node's network bandwidth. Each link's
-B shrinks for small rings by ``(1 - ring_overhead / N)`` (fitted on nccl-tests, see ``cluster.py``).
+with X = nodes spanned - 1 the ring steps that cross nodes (NCCL counts one network step per extra node), k = 1
+for all-gather and reduce-scatter and 2 for all-reduce (a reduce-scatter then an all-gather: twice the steps and
+twice the bytes per rank), and NCCL runs the protocol whose line is lowest at that size (``collective_time``).
 
-Small-message efficiency: eff(S) = S / (S + S_half), S_half = the bottleneck link's ``half_bw_bytes`` (one
-SIMPLE pipeline slot). Algebraically that is a fixed (N-1)/N * S_half / B on top of the latency, so the whole
-model stays an alpha-beta line, ``T = alpha + (N-1)/N * S / B``, which is what ``alpha_beta`` returns and what
-calibration fits. SIMPLE only (no LL/LL128 switch): its latency constants give NCCL's own figures, at the price
-of overestimating sub-10 us collectives that NCCL would run with LL.
+SIMPLE reads the cluster's links: B the bus bandwidth of the slowest link the ring uses (NVLink on one node;
+min(NVLink, network share) across nodes, where a group with r ranks per node gets min(r, NICs)/NICs of a node's
+network bandwidth), shrunk for small rings by ``(1 - ring_overhead / N)`` (fitted on nccl-tests, see
+``cluster.py``), plus a small-message term: eff(S) = S / (S + S_half) with S_half the link's ``half_bw_bytes``
+(one SIMPLE pipeline slot), algebraically a fixed (N-1)/N * S_half / B on top of the latency. On the presets
+its constants are NCCL's: the 2x8 / 8x8 / 32x8 H100 all-gathers cost 70 / 297 / 1204 us of latency.
 
-Calibrated clusters carry measured (alpha, B) per (collective, N); a matching N uses them verbatim, other N
-scale the analytic model by the measured/model ratios of the nearest fitted sizes (same one-node/multi-node
-regime only), interpolated in log N.
+LL and LL128 (``PROTOCOLS``) scale the same links by NCCL's ratios: latencies base 6.6 / 14 us and per hop
+0.6 / 1.9 us over NVLink (LL's x1.8 when the ring spans nodes) and 2.7 / 4.0 us over the network, against
+SIMPLE's 8.4, 3.4 and 14; bandwidth LL 1/3 of SIMPLE's on one node and 1/4 across nodes (half of each 8-byte
+line is a flag) capped by NCCL's ``llMaxBws`` (H100: 141 / 45 / 35 GB/s on one / two / more nodes), LL128 0.92
+(0.7 with one rank per node). So a few-KB collective runs with LL at a third of
+SIMPLE's latency, and LL128 takes over in between. NCCL's per-channel cap on LL128 bandwidth and its tree and
+NVLS algorithms are not modelled (ring only, what FSDP's all-gather and reduce-scatter use).
+
+Calibrated clusters carry measured (alpha, B) per (collective, N); every protocol's line is scaled by the
+measured/SIMPLE-model ratios (so a matching N reproduces the fit verbatim for large messages); other N scale by
+the ratios of the nearest fitted sizes (same one-node/multi-node regime only), interpolated in log N.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -57,6 +66,43 @@ class CollectiveKind(Enum):
 COLLECTIVES = tuple(k.value for k in CollectiveKind)
 
 
+class Protocol(Enum):
+    """NCCL's protocols: LL (8-byte lines with a flag, lowest latency), LL128 (128-byte lines), SIMPLE (bulk)."""
+
+    LL = "LL"
+    LL128 = "LL128"
+    SIMPLE = "Simple"
+
+
+@dataclass(frozen=True)
+class ProtocolModel:
+    """One protocol relative to SIMPLE (which the cluster's links describe), from NCCL's tuning.cc: its ring
+    latencies (baseLat, hwLat[NVLINK], hwLat[NET]) over SIMPLE's, and its bus bandwidth over SIMPLE's."""
+
+    base: float
+    nvlink_hop: float
+    network_hop: float
+    nvlink_hop_across_nodes: float  # extra factor on the NVLink hops when the ring spans nodes (LL: 1.8)
+    bandwidth_one_node: float
+    bandwidth_nodes: float
+    bandwidth_one_rank_per_node: float
+    pipelined: bool  # SIMPLE's small-message term (the half-bandwidth slot) applies
+
+
+# NCCL tuning.cc (2.19-2.30), ring: baseLat LL/LL128/SIMPLE 6.6/14/8.4 us; hwLat NVLink .6/1.9/3.4, network
+# 2.7/4.0/14 us; LL bandwidth x1/3 (one node) or x1/4; LL128 x0.92 (x0.7 when ppn < 2).
+PROTOCOLS: dict[Protocol, ProtocolModel] = {
+    Protocol.LL: ProtocolModel(6.6 / 8.4, 0.6 / 3.4, 2.7 / 14, 1.8, 1 / 3, 1 / 4, 1 / 4, False),
+    Protocol.LL128: ProtocolModel(14 / 8.4, 1.9 / 3.4, 4.0 / 14, 1.0, 0.92, 0.92, 0.7, False),
+    Protocol.SIMPLE: ProtocolModel(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, True),
+}
+# NCCL's cap on LL's bus bandwidth (llMaxBws, GB/s) on one node, two nodes, more, by GPU generation; a GPU this
+# table does not name is treated as Hopper.
+LL_MAX_BUS_BANDWIDTH = {"A100": (87.7e9, 22.5e9, 19.0e9), "H100": (141e9, 45e9, 35e9), "H200": (141e9, 45e9, 35e9),
+                        "B200": (282e9, 90e9, 70e9)}
+Line = tuple[Protocol, float, float]  # (protocol, alpha seconds, bus bandwidth bytes/s) of T = alpha + (N-1)/N S/B
+
+
 def group_layout(cluster: Cluster, ranks: int | None = None, ranks_per_node: int | None = None) -> tuple[int, int, int]:
     """(N, ranks per node, nodes spanned) of a process group, checked against the cluster.
 
@@ -81,46 +127,81 @@ def group_layout(cluster: Cluster, ranks: int | None = None, ranks_per_node: int
     return n, rpn, nodes
 
 
-def model_alpha_beta(cluster: Cluster, ranks: int | None = None,
-                     ranks_per_node: int | None = None) -> tuple[float, float]:
-    """The preset (uncalibrated) ring model as (alpha seconds, bus bandwidth bytes/s); see the module doc."""
+def model_lines(cluster: Cluster, ranks: int | None = None, ranks_per_node: int | None = None,
+                steps: int = 1) -> list[Line]:
+    """The preset (uncalibrated) ring model, one line per protocol; ``steps`` 2 for an all-reduce (module doc)."""
     n, rpn, nodes = group_layout(cluster, ranks, ranks_per_node)
     if n == 1:
-        return 0.0, math.inf
+        return [(Protocol.SIMPLE, 0.0, math.inf)]
     inter_steps = nodes - 1
     intra_steps = n - 1 - inter_steps
-    used = []  # (link, its bus bandwidth for this ring)
+    used = []  # (link, its SIMPLE bus bandwidth for this ring)
     if rpn > 1:
         used.append((cluster.intra, cluster.intra.bus_bandwidth * (1 - cluster.intra.ring_overhead / n)))
     if nodes > 1:
         share = min(rpn, cluster.nics_per_node) / cluster.nics_per_node
         used.append((cluster.inter, cluster.inter.bus_bandwidth * share * (1 - cluster.inter.ring_overhead / n)))
     base = max(link.base_latency for link, _ in used)
-    latency = base + intra_steps * cluster.intra.hop_latency + inter_steps * cluster.inter.hop_latency
     link, bw = min(used, key=lambda u: u[1])
-    # eff(S) = S/(S+S_half) folded into alpha: (N-1)/N * S_half / B (zero for an infinite-bandwidth link).
-    return latency + (n - 1) / n * link.half_bw_bytes / bw, bw
+    lines = []
+    for protocol, m in PROTOCOLS.items():
+        intra_hop = cluster.intra.hop_latency * m.nvlink_hop * (m.nvlink_hop_across_nodes if nodes > 1 else 1.0)
+        hops = intra_steps * intra_hop + inter_steps * cluster.inter.hop_latency * m.network_hop
+        share = m.bandwidth_one_rank_per_node if rpn == 1 else m.bandwidth_nodes if nodes > 1 else \
+            m.bandwidth_one_node
+        bw_p = bw * share
+        if protocol is Protocol.LL:
+            bw_p = min(bw_p, _ll_cap(cluster, nodes))
+        bw_p /= steps
+        latency = base * m.base + steps * hops
+        if m.pipelined:  # eff(S) = S/(S+S_half) folded into alpha: (N-1)/N * S_half / B (zero on an ideal link)
+            latency += steps * (n - 1) / n * link.half_bw_bytes / bw
+        lines.append((protocol, latency, bw_p))
+    return lines
+
+
+def _ll_cap(cluster: Cluster, nodes: int) -> float:
+    caps = next((c for name, c in LL_MAX_BUS_BANDWIDTH.items() if cluster.gpu.name.upper().startswith(name)),
+                LL_MAX_BUS_BANDWIDTH["H100"])
+    return caps[min(nodes, 3) - 1]
+
+
+def model_alpha_beta(cluster: Cluster, ranks: int | None = None,
+                     ranks_per_node: int | None = None) -> tuple[float, float]:
+    """The preset SIMPLE line of an all-gather or reduce-scatter as (alpha seconds, bus bandwidth bytes/s)."""
+    _, alpha, bw = _simple(model_lines(cluster, ranks, ranks_per_node))
+    return alpha, bw
+
+
+def _simple(lines: list[Line]) -> Line:
+    return next(line for line in lines if line[0] is Protocol.SIMPLE)
 
 
 def alpha_beta(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL_GATHER, ranks: int | None = None,
                ranks_per_node: int | None = None) -> tuple[float, float]:
-    """(alpha seconds, bus bandwidth bytes/s) used for ``kind`` on this group: calibrated when possible.
+    """(alpha seconds, bus bandwidth bytes/s) of the SIMPLE protocol for ``kind`` on this group: the large-message
+    line, what calibration fits (calibrated when possible; ``lines`` has every protocol)."""
+    _, alpha, bw = _simple(lines(cluster, kind, ranks, ranks_per_node))
+    return alpha, bw
+
+
+def lines(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL_GATHER, ranks: int | None = None,
+          ranks_per_node: int | None = None) -> list[Line]:
+    """Every protocol's line for ``kind`` on this group, calibrated when possible.
 
     Fits of the other collective are used when ``kind`` has none for this group's regime (one node or
-    several): ring all-gather and reduce-scatter move the same bytes over the same steps.
+    several): ring all-gather and reduce-scatter move the same bytes over the same steps; an all-reduce is
+    costed as a reduce-scatter and an all-gather (its fits are not used).
     """
     k = CollectiveKind.parse(kind)
-    if k is CollectiveKind.ALL_REDUCE:
-        # NCCL's ring all-reduce is a reduce-scatter then an all-gather: twice the ring steps and twice the bytes
-        # per rank (nccl-tests' busbw factor 2(N-1)/N), i.e. twice the latency and half the bandwidth in this line
-        alpha, bw = alpha_beta(cluster, CollectiveKind.REDUCE_SCATTER, ranks, ranks_per_node)
-        return 2 * alpha, bw / 2
+    steps = 2 if k is CollectiveKind.ALL_REDUCE else 1
     n, rpn, nodes = group_layout(cluster, ranks, ranks_per_node)
-    model = model_alpha_beta(cluster, n, rpn)
+    model = model_lines(cluster, n, rpn, steps)
     if n == 1:
         return model
     same: dict[int, tuple[float, float]] = {}
-    for name in (k.value, *(c for c in COLLECTIVES if c != k.value)):
+    own = () if k is CollectiveKind.ALL_REDUCE else (k.value,)
+    for name in (*own, *(c for c in COLLECTIVES if c not in (k.value, CollectiveKind.ALL_REDUCE.value))):
         same = {m: ab for m, ab in cluster.fits.get(name, {}).items()
                 if (m <= cluster.gpus_per_node) == (nodes == 1)}  # calibration logs are packed runs
         if same:
@@ -128,18 +209,22 @@ def alpha_beta(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL
     if not same:
         return model
     if n in same and rpn == min(n, cluster.gpus_per_node):
-        return same[n]
-    ra, rb = _fit_ratio(cluster, same, n)
-    return model[0] * ra, model[1] * rb
+        ra, rb = _ratio(cluster, n, same[n])
+    else:
+        ra, rb = _fit_ratio(cluster, same, n)
+    return [(p, alpha * ra, bw * rb) for p, alpha, bw in model]
+
+
+def _ratio(cluster: Cluster, m: int, fit: tuple[float, float]) -> tuple[float, float]:
+    """Measured/model (alpha, bandwidth) at ``m`` packed ranks."""
+    a_mod, b_mod = model_alpha_beta(cluster, m)
+    return fit[0] / a_mod if a_mod > 0 else 1.0, fit[1] / b_mod if math.isfinite(b_mod) else 1.0
 
 
 def _fit_ratio(cluster: Cluster, fits: dict[int, tuple[float, float]], n: int) -> tuple[float, float]:
     """Measured/model (alpha, bandwidth) ratios at ``n`` ranks, interpolated in log N between the nearest fitted
     sizes: geometrically, or linearly when a fit has zero latency (the fitter's floor)."""
-    ratios = {}
-    for m, (a_fit, b_fit) in fits.items():
-        a_mod, b_mod = model_alpha_beta(cluster, m)
-        ratios[m] = (a_fit / a_mod if a_mod > 0 else 1.0, b_fit / b_mod if math.isfinite(b_mod) else 1.0)
+    ratios = {m: _ratio(cluster, m, fit) for m, fit in fits.items()}
     sizes = sorted(ratios)
     lo = max((m for m in sizes if m <= n), default=sizes[0])
     hi = min((m for m in sizes if m >= n), default=sizes[-1])
@@ -157,18 +242,25 @@ def _fit_ratio(cluster: Cluster, fits: dict[int, tuple[float, float]], n: int) -
 
 def collective_time(cluster: Cluster, kind: str | CollectiveKind, nbytes: float, ranks: int | None = None,
                     ranks_per_node: int | None = None) -> float:
-    """Seconds for one ``kind`` collective of ``nbytes`` (full unsharded size) over ``ranks`` ranks.
+    """Seconds for one ``kind`` collective of ``nbytes`` (full unsharded size) over ``ranks`` ranks, with the
+    protocol NCCL would pick (``protocol_for``).
 
     ``ranks`` defaults to the world; ``ranks_per_node`` to a packed group (see ``group_layout``). Zero bytes or
     a single rank cost nothing (NCCL returns at once).
     """
+    return protocol_for(cluster, kind, nbytes, ranks, ranks_per_node)[1]
+
+
+def protocol_for(cluster: Cluster, kind: str | CollectiveKind, nbytes: float, ranks: int | None = None,
+                 ranks_per_node: int | None = None) -> tuple[Protocol, float]:
+    """The protocol NCCL runs for this collective (the fastest line at this size) and its seconds."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int | float) or not nbytes >= 0:
         raise PlannerError(f"a collective needs a non-negative byte count, got {nbytes!r}")
-    alpha, bw = alpha_beta(cluster, kind, ranks, ranks_per_node)
     n = cluster.world_size if ranks is None else ranks
+    options = lines(cluster, kind, ranks, ranks_per_node)
     if nbytes == 0 or n == 1:
-        return 0.0
-    return alpha + (n - 1) / n * nbytes / bw
+        return Protocol.SIMPLE, 0.0
+    return min(((p, alpha + (n - 1) / n * nbytes / bw) for p, alpha, bw in options), key=lambda pt: pt[1])
 
 
 def bus_bandwidth_at(cluster: Cluster, kind: str | CollectiveKind, nbytes: float, ranks: int | None = None,

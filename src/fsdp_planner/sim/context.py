@@ -3,6 +3,7 @@ planner can simulate many plans cheaply."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import numpy as np
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.hardware.collectives import CollectiveKind, alpha_beta, group_layout
+from fsdp_planner.hardware.collectives import CollectiveKind, Protocol, group_layout, lines
 from fsdp_planner.sim.compute import step_op_times
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
@@ -21,11 +22,13 @@ from fsdp_planner.trace.records import Trace
 
 @dataclass(frozen=True)
 class Recompute:
-    """Forward run again at one pre-backward boundary: its op seconds, the params it reads, whose calls."""
+    """Forward run again at one pre-backward boundary: its op seconds, the params it reads, whose calls, and how
+    many ops the host launches again for it."""
 
     seconds: float
     params: frozenset[int]
     modules: list[str]
+    ops: int
 
 
 Link = tuple[float, float, str]  # (latency seconds, seconds per byte of data, which link: "intra" | "inter")
@@ -57,24 +60,44 @@ class SimContext:
         self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
                                   self.options.zero_grad)
         self.sizing = self.memory.sizing
-        self._links: dict[tuple[CollectiveKind, int], Link] = {}
+        self._links: dict[tuple[CollectiveKind, int], tuple[list[Link], str]] = {}
         self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = {}
         self.lower_bound = self._lower_bound()
 
-    def link(self, kind: CollectiveKind, ranks: int = 0) -> Link:
-        """How a ``kind`` collective on ``ranks`` ranks is costed. 0: its whole group, the ``shard`` consecutive
+    def link(self, kind: CollectiveKind, ranks: int = 0, nbytes: float = math.inf) -> Link:
+        """How a ``kind`` collective of ``nbytes`` on ``ranks`` ranks is costed: the line of the protocol NCCL runs
+        at that size (default: a large message, SIMPLE). ``ranks`` 0: its whole group, the ``shard`` consecutive
         ranks of the mesh (packed onto nodes), or for an all-reduce the ``replicate`` ranks ``shard`` apart."""
+        options = self.links(kind, ranks)
+        if len(options) == 1 or nbytes == math.inf:
+            return options[-1]
+        return min(options, key=lambda line: line[0] + nbytes * line[1])
+
+    def latency(self, kind: CollectiveKind, ranks: int = 0) -> float:
+        """The least a ``kind`` collective can cost (the lowest-latency protocol, no bytes)."""
+        return min(line[0] for line in self.links(kind, ranks))
+
+    def links(self, kind: CollectiveKind, ranks: int = 0) -> list[Link]:
+        """Every protocol's line for ``kind`` (SIMPLE last)."""
         key = (kind, ranks)
         if key not in self._links:
             n, per_node = ranks or self.shard, None
             if kind is CollectiveKind.ALL_REDUCE:
                 n = ranks or self.mesh.replicate
                 per_node = replica_ranks_per_node(self.cluster, self.mesh)
-            alpha, bw = alpha_beta(self.cluster, kind, n, per_node)
-            nodes = group_layout(self.cluster, n, per_node)[2]
-            per_byte = 0.0 if n == 1 else (n - 1) / n / bw
-            self._links[key] = (0.0 if n == 1 else alpha, per_byte, "inter" if nodes > 1 else "intra")
-        return self._links[key]
+            where = "inter" if group_layout(self.cluster, n, per_node)[2] > 1 else "intra"
+            if n == 1:
+                self._links[key] = ([(0.0, 0.0, where)], where)
+            else:
+                ordered = sorted(lines(self.cluster, kind, n, per_node), key=lambda line: line[0] is Protocol.SIMPLE)
+                self._links[key] = ([(alpha, (n - 1) / n / bw, where) for _, alpha, bw in ordered], where)
+        return self._links[key][0]
+
+    def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:
+        """Seconds of ``kind`` collectives of each size in ``nbytes`` on the whole group, the fastest protocol
+        each (zero bytes: nothing)."""
+        best = np.min([alpha + nbytes * per_byte for alpha, per_byte, _ in self.links(kind)], axis=0)
+        return np.where(nbytes > 0, best, 0.0)
 
     def recompute(self, checkpointed: Sequence[str]) -> dict[int, Recompute]:
         """Pre-backward position -> the checkpointed forward run again there (once per set of modules)."""
@@ -85,9 +108,11 @@ class SimContext:
             for c in checkpointed_calls(self.trace, key):
                 params = {p for e in events[c.fwd_pre:c.fwd_post] for p in e.params}
                 seconds = self.cum[c.fwd_post] - self.cum[c.fwd_pre]
+                ops = int(self.trace.index.ops_through[c.fwd_post] - self.trace.index.ops_through[c.fwd_pre])
                 prev = out.get(c.bwd_pre)
-                out[c.bwd_pre] = Recompute(seconds, frozenset(params), [c.module]) if prev is None else \
-                    Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module])
+                out[c.bwd_pre] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
+                    Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],
+                              prev.ops + ops)
             self._recompute[key] = out
         return self._recompute[key]
 
@@ -100,10 +125,11 @@ class SimContext:
                     (CollectiveKind.REDUCE_SCATTER, self.sizing.reduce_bytes(trainable))]
         if self.mesh.replicate > 1:
             messages.append((CollectiveKind.ALL_REDUCE, self.sizing.reduce_bytes(trainable) // self.shard))
-        times = [self.link(kind)[0] + nbytes * self.link(kind)[1] for kind, nbytes in messages if nbytes]
+        times = [float(self.comm_time(kind, np.array([nbytes]))[0]) for kind, nbytes in messages if nbytes]
         by_link: dict[str, float] = {}
-        for kind, nbytes in messages:
-            by_link[self.link(kind)[2]] = by_link.get(self.link(kind)[2], 0.0) + nbytes * self.link(kind)[1]
+        for kind, nbytes in messages:  # the bytes at the best bandwidth any protocol reaches
+            where = self.link(kind)[2]
+            by_link[where] = by_link.get(where, 0.0) + nbytes * min(line[1] for line in self.links(kind))
         return max(self.compute_total, *times, *by_link.values())
 
 

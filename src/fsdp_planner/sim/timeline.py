@@ -2,12 +2,18 @@
 
 The FSDP2 decisions (what is gathered, resharded, reduce-scattered, when) come from ``fsdp2/replay.py``; this
 module puts times on them with three streams, as FSDP2 runs them:
+- host: eager PyTorch runs ahead of the GPU, launching each op (``Overhead.op_seconds``) and running FSDP2's
+  hooks (``hook_seconds`` each, at the boundaries the replay lists); an op cannot start before the host launched
+  it, and a collective not before its hook ran. While the host keeps ahead this costs nothing; with many tiny
+  groups or ops it is the step (pytorch#173680);
 - compute: the trace's ops in order (``compute.py``); an op reading a param waits until that param's group is
-  gathered and copied out;
+  gathered, then pays the group's copy-out (FSDP2 runs ``split_with_sizes_copy`` on the compute stream);
 - all-gather: collectives in issue order. Forward: the CPU runs one group ahead (FSDP2's implicit forward
   prefetch), so a group's all-gather may start once compute reached the previously gathered group. Backward and
-  explicit prefetches start when compute reaches the boundary that issues them. Each pays a copy-in;
-- reduce-scatter: starts when compute finished the group's backward (its post-backward boundary);
+  explicit prefetches start when compute reaches the boundary that issues them. Each pays a copy-in (FSDP2's
+  copy-in stream) at ``Overhead.copy_bandwidth``;
+- reduce-scatter: starts when compute finished the group's backward (its post-backward boundary), after the
+  copy of the grads into its input;
 - all-reduce (HSDP): FSDP2's ``all_reduce_stream`` all-reduces each reduce-scatter's output across the replicas
   once that reduce-scatter is done.
 The communication streams share the links: latencies overlap, but the bytes of one collective wait for the
@@ -15,7 +21,9 @@ other streams' bytes on the same link (NVLink for groups within a node, the netw
 
 Only two kinds of event can change the clocks: a collective being issued, and an op reading a group's params
 for the first time after that group's all-gather (later reads find it ready). The simulation stops only there
-and adds up the op times in between, so a plan costs time in its collectives, not in the trace's length.
+and adds up the op times in between (the host's lead over such a stretch is one running maximum), so a plan
+costs time in its collectives, not in the trace's length. Each collective is costed with the protocol NCCL
+would run at its size (``hardware/collectives.py``).
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from fsdp_planner.fmt import fmt_modules
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.collectives import CollectiveKind
-from fsdp_planner.sim.context import SimContext
+from fsdp_planner.sim.context import Recompute, SimContext
 from fsdp_planner.sim.memory import first_at_or_after
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
@@ -70,6 +80,8 @@ class StepReport:
     all_reduces: int = 0  # HSDP: the reduced grads' all-reduces across replicas
     all_reduce_bytes: int = 0
     mesh: str = ""  # REPLICATExSHARD
+    host_time: float = 0.0  # the host's work for the step: ops launched, FSDP2's hooks (hidden while it keeps ahead)
+    hooks: int = 0  # FSDP2 lifecycle calls doing work in the step (pre/post-forward, pre/post-backward per group)
     timeline: list[TimelineEvent] = field(default_factory=list)
 
     def summary(self) -> dict:
@@ -79,23 +91,27 @@ class StepReport:
 
 
 class Streams:
-    """The compute clock, the two communication streams and the links they share."""
+    """The host and compute clocks, the communication streams and the links they share."""
 
-    def __init__(self, ctx: SimContext, plan: Plan, gather: list[int], timeline: bool) -> None:
-        self.ctx, self.plan, self.gather = ctx, plan, gather
+    def __init__(self, ctx: SimContext, plan: Plan, gather: list[int], timeline: bool,
+                 host: HostClock | None) -> None:
+        self.ctx, self.plan, self.gather, self.host = ctx, plan, gather, host
         self.t = 0.0  # compute clock at the start of event ``pos``
         self.pos = 0
         self.free = {AG: 0.0, RS: 0.0, AR: 0.0}  # when each stream is idle again
         self.link_free = {"intra": 0.0, "inter": 0.0}  # when each link has carried the bytes queued on it
-        self.ready = [0.0] * len(plan.groups)  # when each group's latest all-gather (and copy-out) finished
+        self.ready = [0.0] * len(plan.groups)  # when each group's latest all-gather finished
+        self.copy_out = [0.0] * len(plan.groups)  # its copy-out, paid on the compute stream by the first reader
         self.last_forward_gather = 0.0  # compute time at the pre-forward of the previously gathered group
         self.busy = {AG: 0.0, RS: 0.0, AR: 0.0}
         self.events: list[TimelineEvent] | None = [] if timeline else None
 
     def compute_until(self, idx: int) -> None:
-        """Run the ops before ``idx`` (none of them waits)."""
+        """Run the ops before ``idx`` (none of them waits for a collective; each waits for its launch)."""
         start = self.t
         self.t += self.ctx.cum[idx] - self.ctx.cum[self.pos]
+        if self.host is not None and idx > self.pos:
+            self.t = max(self.t, self.host.finish(self.pos, idx))
         if self.events is not None and self.t > start:
             self.events.append(TimelineEvent(Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)",
                                              start, self.t))
@@ -103,15 +119,17 @@ class Streams:
 
     def issue(self, c: Collective) -> None:
         nbytes = collective_bytes(self.ctx, c, self.gather)
-        hbm = self.ctx.cluster.gpu.hbm_bandwidth
+        copy = self.ctx.cluster.overhead.copy_bandwidth
         if c.kind is AG:
-            copy_in = nbytes / self.ctx.shard / hbm
+            copy_in = nbytes / self.ctx.shard / copy
             issued = self.t if (c.backward or c.prefetch) else self.last_forward_gather
         elif c.kind is AR:  # the reduce-scatter just issued for the same grads must be done
             copy_in, issued = 0.0, self.free[RS]
-        else:
-            copy_in, issued = 0.0, self.t
-        alpha, per_byte, link = self.ctx.link(c.kind, c.ranks)
+        else:  # the unsharded grads copied into the reduce-scatter's input
+            copy_in, issued = nbytes / copy, self.t
+        if self.host is not None:  # launched by the hook at this boundary
+            issued = max(issued, self.host.at(c.event))
+        alpha, per_byte, link = self.ctx.link(c.kind, c.ranks, nbytes)
         start = max(self.free[c.kind], issued) + copy_in
         end = start + (alpha if nbytes else 0.0)
         if nbytes * per_byte > 0:  # the bytes queue behind the other stream's on the same link
@@ -120,22 +138,58 @@ class Streams:
         self.free[c.kind] = end
         self.busy[c.kind] += end - start + copy_in
         if c.kind is AG:
-            self.ready[c.group] = end + nbytes / hbm  # copy-out into the unsharded params
+            self.ready[c.group] = end
+            self.copy_out[c.group] = nbytes / copy
             if not c.backward and not c.prefetch:
                 self.last_forward_gather = self.t
         if self.events is not None:
             self.events.append(TimelineEvent(Stream(c.kind.value), fmt_modules(self.plan.groups[c.group].modules, 1),
                                              start - copy_in, end, c.group))
 
-    def run_extra(self, seconds: float, name: str) -> None:
-        """Compute that is not one of the trace's ops (a checkpointed forward run again)."""
+    def run_extra(self, seconds: float, name: str, launched: float = 0.0) -> None:
+        """Compute that is not one of the trace's ops (a checkpointed forward run again), its last op launched by
+        the host at ``launched``."""
+        start = self.t
+        self.t = max(self.t + seconds, launched)
         if self.events is not None and seconds > 0:
-            self.events.append(TimelineEvent(Stream.COMPUTE, name, self.t, self.t + seconds))
-        self.t += seconds
+            self.events.append(TimelineEvent(Stream.COMPUTE, name, start, self.t))
 
     def wait_for(self, groups: list[int]) -> None:
+        """Compute waits for each group's all-gather, then copies it out (once per all-gather)."""
         for g in groups:
-            self.t = max(self.t, self.ready[g])
+            self.t = max(self.t, self.ready[g]) + self.copy_out[g]
+            self.copy_out[g] = 0.0
+
+
+class HostClock:
+    """When the host has launched each op of the trace under one plan: ``op_seconds`` per op, and per FSDP2 hook
+    (at its boundary, before the ops after it) ``hook_seconds`` plus ``param_seconds`` / 4 for each param its group
+    manages (a group runs four hooks a step), and the ops of a checkpointed forward launched again at its
+    pre-backward boundary. The host never waits for the GPU within a step (FSDP2's stream waits are on the GPU),
+    so this is a running sum, and the GPU finishes ops pos..idx-1 no earlier than the latest (launch of op j + the
+    ops from j to idx)."""
+
+    def __init__(self, ctx: SimContext, hooks: list[tuple[int, int]], group_params: list[int],
+                 recompute: dict[int, Recompute]) -> None:
+        n = len(ctx.trace.events)
+        overhead = ctx.cluster.overhead
+        host = np.zeros(n + 1)  # host seconds spent at each event beyond launching its op
+        for at, group in hooks:
+            host[at] += overhead.hook_seconds + group_params[group] * overhead.param_seconds / 4
+        for at, r in recompute.items():
+            host[at] += r.ops * overhead.op_seconds
+        # launched[i]: the host's time once event i is done (an op launched, a boundary's hooks run)
+        self.launched = ctx.trace.index.ops_through * overhead.op_seconds + np.cumsum(host)
+        self.cum = ctx.cum
+        self.lead = self.launched[:n] - np.asarray(self.cum[:n])  # launch of op j less the ops before it
+
+    def at(self, idx: int) -> float:
+        """The host's time once boundary ``idx``'s hooks ran (and any recomputation there was launched)."""
+        return float(self.launched[idx])
+
+    def finish(self, pos: int, idx: int) -> float:
+        """The earliest the GPU can finish ops pos..idx-1, given when they were launched."""
+        return float(self.lead[pos:idx].max()) + self.cum[idx]
 
 
 def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: SimOptions | None = None,
@@ -168,7 +222,10 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
                 waits.setdefault(use, []).append(c.group)
     recompute = ctx.recompute(plan.activation_checkpointing)
     group_of = {p: gi for gi, g in enumerate(groups) for p in g.params}
-    streams = Streams(ctx, plan, gather, timeline)
+    overhead = ctx.cluster.overhead
+    busy_host = overhead.op_seconds or overhead.hook_seconds or overhead.param_seconds
+    host = HostClock(ctx, sched.hooks, [len(g.params) for g in groups], recompute) if busy_host else None
+    streams = Streams(ctx, plan, gather, timeline, host)
     for idx in sorted({*issued_at, *waits, *recompute, n}):
         streams.compute_until(idx)
         for c in issued_at.get(idx, ()):
@@ -176,11 +233,12 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
         if idx in recompute:  # the checkpointed forward runs again once the params it reads are gathered
             r = recompute[idx]
             streams.wait_for(sorted({group_of[p] for p in r.params if p in group_of}))
-            streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}")
+            streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}", host.at(idx) if host else 0.0)
         if idx < n and idx in waits:
             streams.wait_for(waits[idx])
     step = max(streams.t, *streams.free.values())
-    return _report(ctx, sched, gather, streams, step, sum(r.seconds for r in recompute.values()))
+    return _report(ctx, sched, gather, streams, step, sum(r.seconds for r in recompute.values()),
+                   host.at(n) if host else 0.0)
 
 
 def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
@@ -193,7 +251,7 @@ def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
 
 
 def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Streams, step: float,
-            recompute: float) -> StepReport:
+            recompute: float, host_time: float) -> StepReport:
     ag = [c for c in sched.collectives if c.kind is AG]
     rs = [c for c in sched.collectives if c.kind is RS]
     ar = [c for c in sched.collectives if c.kind is AR]
@@ -209,4 +267,4 @@ def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Stream
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),
         comm_time={k.value: v for k, v in streams.busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
-        mesh=ctx.mesh.describe(), timeline=streams.events or [])
+        mesh=ctx.mesh.describe(), host_time=host_time, hooks=len(sched.hooks), timeline=streams.events or [])

@@ -85,6 +85,21 @@ class TraceIndex:
         return self._scan.param_uses
 
     @cached_property
+    def use_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (op, param) read as two flat arrays (op indices, param indices): whole-plan checks vectorise
+        over them instead of looping over 10,000 params."""
+        uses = self.param_uses
+        ops = np.fromiter((i for u in uses for i in u), dtype=np.int64, count=sum(map(len, uses)))
+        params = np.repeat(np.arange(len(uses), dtype=np.int64), [len(u) for u in uses])
+        return ops, params
+
+    @cached_property
+    def ops_through(self) -> np.ndarray:
+        """ops_through[i]: how many of events 0..i are ops (boundaries launch nothing), for i up to len(events)."""
+        is_op = np.fromiter((e.is_op for e in self._events), dtype=np.int64, count=len(self._events))
+        return np.concatenate([np.cumsum(is_op), [int(is_op.sum())]])
+
+    @cached_property
     def first_use(self) -> dict[int, int]:
         """Param index -> its first op (a forward one when it has any); params never read are absent."""
         return {p: uses[0] for p, uses in enumerate(self.param_uses) if uses}

@@ -32,7 +32,7 @@ from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
-from fsdp_planner.planners.auto.candidates import classic_baselines, frugal_and_dp, module_tree_cuts
+from fsdp_planner.planners.auto.candidates import classic_baselines, classic_plans, frugal_and_dp, module_tree_cuts
 from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
@@ -42,18 +42,20 @@ from fsdp_planner.trace.records import Trace
 
 
 class Search:
-    """The state of one auto search on one mesh: the evaluator, the two atom granularities and the refiner."""
+    """The state of one auto search on one mesh: the evaluator, the two atom granularities, the classic plans
+    and the refiner."""
 
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str,
                  mesh: Mesh | None = None, shared: Search | None = None) -> None:
         """``shared``: a search of the same model on another mesh, whose op times and atoms are reused."""
         self.ev = Evaluator(trace, cluster, options, target, model, mesh, shared.ev.ctx.times if shared else None)
         if shared is not None:
-            self.atoms, self.fine_atoms = shared.atoms, shared.fine_atoms
+            self.atoms, self.fine_atoms, self.classics = shared.atoms, shared.fine_atoms, shared.classics
         else:
             whole = bool(block_instances(trace))
             self.atoms = plan_atoms(trace, whole_blocks=whole)
             self.fine_atoms = plan_atoms(trace, whole_blocks=False) if whole else self.atoms
+            self.classics = classic_plans(trace, model)
         self.refiner = Refiner(self.ev, self.atoms, self.fine_atoms)
         self.deferred: list[Callable[[], None]] = []  # frugal plans not simulated (they could not rank)
 
@@ -80,6 +82,7 @@ class AutoResult:
     seconds: float
     search: Search = field(repr=False)
     meshes: dict[str, Candidate] = field(default_factory=dict)  # layout -> its best plan (every layout tried)
+    chosen: Candidate | None = field(default=None, repr=False)  # the candidate behind ``plan`` and ``report``
 
     @property
     def min_peak(self) -> int:
@@ -135,35 +138,48 @@ class AutoPolicy:
             meshes, screened = self._choose_meshes(trace, model, first, budget)
         searches = [first if m == first.ev.ctx.mesh else
                     Search(trace, self.cluster, self.options, self.target, model, m, shared=first) for m in meshes]
-        results = [self._search_mesh(s, trace, model, budget, source) for s in searches]
-        best = min(results, key=lambda r: r.search.ev.key(r.search.ev.best()))
-        best.meshes = {**{r.search.ev.ctx.mesh.describe(): r.search.ev.best() for r in results}, **screened}
+        refine = self.refine_seconds / len(searches)  # the refinement budget is the search's, whatever the layouts
+        results = [self._search_mesh(s, trace, budget, source, refine) for s in searches]
+        best = min(results, key=lambda r: (max(0, r.report.reserved_memory - budget), r.report.step_time))
+        best.meshes = {**{r.search.ev.ctx.mesh.describe(): r.chosen or r.search.ev.best() for r in results},
+                       **screened}
         best.evaluated = sum(len(r.search.ev.seen) for r in results) + len(screened)
         best.seconds = time.perf_counter() - started
         return best
 
     def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
                        ) -> tuple[list[Mesh], dict[str, Candidate]]:
-        """Screen every candidate layout by the classic plans on it, each with the fewest checkpointed blocks that
-        make it fit when it does not (as a user would run it); the ``MESH_SEARCHES`` best are searched in full.
-        Returns them and the best screening plan of each layout left out."""
+        """Screen every candidate layout by the best classic plan of the first (pure FSDP) on it, with the fewest
+        checkpointed blocks that make it fit when it does not (as a user would run it). The best is searched in
+        full, and so are the next ones up to ``MESH_SEARCHES`` whose screening plan is within ``MESH_SLACK`` of the
+        best's (a search gains less than that over the classic plans it starts from). Returns them and the best
+        screening plan of each layout left out."""
         blocks = block_instances(trace)
         screen: list[tuple[tuple, Mesh, Candidate]] = []
+        plans = first.classics  # on the first layout; then only the best of them (the layouts rank alike)
         for mesh in candidate_meshes(self.cluster, self.target):
-            ev = Search(trace, self.cluster, self.options, self.target, model, mesh, shared=first).ev
+            flat = mesh == first.ev.ctx.mesh
+            ev = first.ev if flat else Evaluator(trace, self.cluster, self.options, self.target, model, mesh,
+                                                 first.ev.ctx.times)
             ev.budget = budget
             if self.checkpointing is not None:
                 ev.checkpointed = checkpointed_blocks(trace, self.checkpointing)
-            baselines = classic_baselines(ev)
+            baselines = classic_baselines(ev, plans)
             if self.checkpointing is None and blocks and ev.best().report.reserved_memory > budget:
                 ev.checkpointed = blocks[:self._fewest_checkpointed(ev, blocks, baselines)]
-                classic_baselines(ev)
+                baselines = classic_baselines(ev, plans)
+            if flat:
+                best = min(baselines, key=lambda k: ev.key(baselines[k]))
+                plans = {best: plans[best]}
+                ev.checkpointed = []  # the flat layout's search keeps what its screening simulated, chooses its AC
             screen.append((ev.key(ev.best()), mesh, ev.best()))
         screen.sort(key=lambda x: x[0])
-        return ([m for _, m, _ in screen[:MESH_SEARCHES]],
-                {m.describe(): c for _, m, c in screen[MESH_SEARCHES:]})
+        fastest = screen[0][2].report.step_time
+        searched = [m for i, (key, m, c) in enumerate(screen[:MESH_SEARCHES])
+                    if i == 0 or (key[0] == 0 and c.report.step_time <= fastest * (1 + MESH_SLACK))]
+        return searched, {m.describe(): c for _, m, c in screen if m not in searched}
 
-    def _search_mesh(self, search: Search, trace: Trace, model: str, budget: int, source: str) -> AutoResult:
+    def _search_mesh(self, search: Search, trace: Trace, budget: int, source: str, refine: float) -> AutoResult:
         ev = search.ev
         ev.budget = budget
         blocks = block_instances(trace)
@@ -178,27 +194,29 @@ class AutoPolicy:
             for count in counts:
                 ev.checkpointed = blocks[:count]
                 self._explore(search, [search.atoms])  # groups inside a block would forbid checkpointing it
-                search.refiner.refine(time.perf_counter() + self.refine_seconds / len(counts))
+                search.refiner.refine(time.perf_counter() + refine / len(counts))
         else:
-            search.refiner.refine(time.perf_counter() + self.refine_seconds)
+            search.refiner.refine(time.perf_counter() + refine)
         best = ev.best()
+        classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
         if self.target is Target.FSDP2 and best.plan.root.params:
-            classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
             best = search.refiner.prefer_empty_root(best, classic_step)
+        if best.report.reserved_memory <= ev.budget:
+            best = search.refiner.prefer_fewer_groups(best, classic_step)
         plan = best.plan
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
         plan.policy = (f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
                        f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp})")
-        plan.model = model
+        plan.model = ev.model
         return AutoResult(plan=plan, report=best.report, budget=ev.budget, budget_source=source,
                           fits=best.report.reserved_memory <= ev.budget, baselines=baselines,
-                          evaluated=len(ev.seen), seconds=0.0, search=search)
+                          evaluated=len(ev.seen), seconds=0.0, search=search, chosen=best)
 
     def _explore(self, search: Search, granularities: list[list[Atom]]) -> dict[str, Candidate]:
         """The structured candidates: classic plans (returned) and module-tree cuts, then the frugal plans and
         the DP."""
         ev = search.ev
-        classics = classic_baselines(ev)
+        classics = classic_baselines(ev, search.classics)
         module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
         if self.target is Target.FSDP2:
             for atoms in granularities:
@@ -209,9 +227,9 @@ class AutoPolicy:
 
     @staticmethod
     def _fewest_checkpointed(ev: Evaluator, blocks: list[str], baselines: dict[str, Candidate]) -> int:
-        """The fewest leading blocks to checkpoint for the per-block plan (torchtitan's grouping) to fit; all of
-        them when even that does not fit."""
-        start = baselines.get("titan")
+        """The fewest leading blocks to checkpoint for the per-block plan (torchtitan's grouping, or the best
+        classic plan given) to fit; all of them when even that does not fit."""
+        start = baselines.get("titan") or min(baselines.values(), key=ev.key, default=None)
         if start is None:
             return len(blocks)
         lo, hi = 1, len(blocks)
@@ -230,7 +248,8 @@ class AutoPolicy:
         return self.cluster.gpu.memory_bytes, f"the memory of one {self.cluster.gpu.name}"
 
 
-MESH_SEARCHES = 2  # layouts searched in full, the best by their classic plans; the others keep those plans' times
+MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
+MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
 
 
 def candidate_meshes(cluster: Cluster, target: Target) -> list[Mesh]:

@@ -11,6 +11,7 @@ import numpy as np
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto.atoms import Atom, Pin, coarsen
 from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
@@ -24,17 +25,21 @@ from fsdp_planner.trace.tree import ROOT
 DP_ATOM_LIMIT = 512  # atoms the DP works on at most (finer models are coarsened first)
 
 
-def classic_baselines(ev: Evaluator) -> dict[str, Candidate]:
-    """The four classic policies with their defaults; a policy the model cannot use (no repeated block) is
-    left out."""
+def classic_plans(trace: Trace, model: str) -> dict[str, Plan]:
+    """The four classic policies' plans with their defaults (they do not depend on the layout: built once per
+    search and evaluated on every mesh); a policy the model cannot use (no repeated block) is left out."""
     out = {}
     for policy in (ModuleWrapPolicy(), SizeBasedPolicy(), TorchtitanPolicy(), ExecutionOrderPolicy()):
         try:
-            plan = policy.plan(ev.trace, ev.model)
+            out[policy.name] = policy.plan(trace, model)
         except PlannerError:
             continue
-        out[policy.name] = ev.evaluate(plan, plan.policy)
     return out
+
+
+def classic_baselines(ev: Evaluator, plans: dict[str, Plan]) -> dict[str, Candidate]:
+    """The classic plans simulated on ``ev``'s mesh."""
+    return {name: ev.evaluate(plan, plan.policy or name) for name, plan in plans.items()}
 
 
 def module_tree_cuts(ev: Evaluator, count: int) -> None:
@@ -109,11 +114,11 @@ def caps(sizes: np.ndarray) -> list[float]:
 class Surrogate:
     """Per-group step time for the DP, vectorised over group starts:
     ``max(forward compute, all-gather) + max(backward compute, all-gather + reduce-scatter)`` (the two collectives
-    share the links in backward), backward compute in forward's proportions."""
+    share the links in backward; each at the protocol NCCL picks for its size, with its copy-in), backward compute
+    in forward's proportions, plus the copy-outs on the compute stream and FSDP2's host work per group."""
 
     def __init__(self, ctx: SimContext, trace: Trace, free: list[Atom]) -> None:
-        prec, shard = ctx.precision, ctx.shard
-        hbm = ctx.cluster.gpu.hbm_bandwidth
+        prec = ctx.precision
         itemsize = traced_itemsize(trace)
         trainable = [sum(trace.params[p].nbytes for p in a.params if trace.params[p].requires_grad) for a in free]
         gather = np.array([a.nbytes for a in free], dtype=float) * prec.gather_bytes / itemsize
@@ -123,12 +128,12 @@ class Surrogate:
         cum = ctx.cum
         fwd = np.array([cum[starts[i + 1]] - cum[starts[i]] for i in range(len(free))])
         bwd = fwd * (cum[-1] - cum[fwd_end]) / max(cum[fwd_end], 1e-30)
-        self.a_ag, pb_ag, _ = ctx.link(CollectiveKind.ALL_GATHER)
-        self.a_rs, self.pb_rs, _ = ctx.link(CollectiveKind.REDUCE_SCATTER)
-        self.pb_ag = pb_ag + 1 / shard / hbm + 1 / hbm  # copy-in and copy-out at HBM speed
-        if ctx.mesh.replicate > 1:  # HSDP: each reduce-scatter's output (1/shard of it) is all-reduced after it
-            a_ar, pb_ar, _ = ctx.link(CollectiveKind.ALL_REDUCE)
-            self.a_rs, self.pb_rs = self.a_rs + a_ar, self.pb_rs + pb_ar / shard
+        self.ctx = ctx
+        overhead = ctx.cluster.overhead
+        self.copy = 1 / overhead.copy_bandwidth
+        # FSDP2's host work per group and step (four hooks), added whole: it only hides behind compute that the
+        # host is not itself launching op by op
+        self.per_group = 4 * overhead.hook_seconds
         self.P = np.concatenate([[0.0], np.cumsum(gather)])
         self.R = np.concatenate([[0.0], np.cumsum(reduce)])
         self.F = np.concatenate([[0.0], np.cumsum(fwd)])
@@ -162,9 +167,15 @@ class Surrogate:
     def cost(self) -> np.ndarray:
         """cost[i, j]: the surrogate for one group of atoms i..j-1 (upper triangle; the same for every cap)."""
         i, j = np.triu_indices(len(self.P), k=1)
-        ag = self.a_ag + (self.P[j] - self.P[i]) * self.pb_ag
-        rs = np.where(self.R[j] > self.R[i], self.a_rs + (self.R[j] - self.R[i]) * self.pb_rs, 0.0)
-        c = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], ag + rs)
+        gather, reduce = self.P[j] - self.P[i], self.R[j] - self.R[i]
+        ctx, shard = self.ctx, self.ctx.shard
+        ag = ctx.comm_time(CollectiveKind.ALL_GATHER, gather) + gather / shard * self.copy  # with its copy-in
+        rs = ctx.comm_time(CollectiveKind.REDUCE_SCATTER, reduce) + reduce * self.copy
+        if ctx.mesh.replicate > 1:  # HSDP: each reduce-scatter's output (1/shard of it) is all-reduced after it
+            rs = rs + ctx.comm_time(CollectiveKind.ALL_REDUCE, reduce / shard)
+        copy_out = gather * self.copy  # on the compute stream, in forward and again in backward
+        c = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], ag + rs) + 2 * copy_out
+        c = c + self.per_group
         penalty = 1e-9 / max(self.raw[-1], 1.0) ** 2  # among equal times prefer smaller groups (memory)
         c = c + np.where(i == 0, ag, 0.0) + penalty * (self.raw[j] - self.raw[i]) ** 2
         out = np.full((len(self.P), len(self.P)), np.inf)

@@ -23,6 +23,7 @@ from fsdp_planner.trace.tree import proper_ancestors
 
 REFINE_STARTS = 3  # refinement starts from this many of the best plans
 ROOT_SLACK = 1e-3  # a plan whose root manages nothing is preferred within this fraction of the best step time
+GROUP_SLACK = 5e-3  # then the plan with the fewest groups within this fraction (``Refiner.prefer_fewer_groups``)
 MIN_GAIN = 1e-4  # refining a plan behind the best, a move must save this fraction of its step (see ``pays``)
 
 
@@ -81,9 +82,10 @@ class Evaluator:
     def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
         """Whether a plan of these groups could be chosen, or start a refinement. FSDP2 all-gathers a group at
         least once when one of its modules runs in forward and it surely claims a param (``_surely_claims``);
-        all-gathers run one after another on their stream, each costing at least its latency, so the step is at
-        least (such groups) x alpha. When ``REFINE_STARTS`` plans the target can express and that fit are already
-        faster than that (with the empty-root preference's slack), simulating it changes nothing."""
+        all-gathers run one after another on their stream, each costing at least its latency, and the host runs at
+        least its pre- and post-forward hooks, so the step is at least (such groups) x either. When
+        ``REFINE_STARTS`` plans the target can express and that fit are already faster than that (with the
+        empty-root preference's slack), simulating it changes nothing."""
         fitting = sorted(c.report.step_time for c in self.seen
                          if c.report.reserved_memory <= self.budget and c.runs and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
@@ -93,7 +95,12 @@ class Evaluator:
         modules = self.trace.modules
         gathered = sum(1 for i, ms in enumerate(groups) if any(modules[m].calls for m in ms)
                        and any(self._surely_claims(m, i, group_of) for m in ms))
-        return gathered * self.ctx.link(CollectiveKind.ALL_GATHER)[0] <= fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
+        return gathered * self.group_floor() <= fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
+
+    def group_floor(self) -> float:
+        """The least a group that all-gathers adds to a step: its all-gather's latency (the lowest-latency
+        protocol) on the all-gather stream, or its pre- and post-forward hooks on the host."""
+        return max(self.ctx.latency(CollectiveKind.ALL_GATHER), 2 * self.cluster.overhead.hook_seconds)
 
     def _surely_claims(self, fqn: str, group: int, group_of: dict[str, int]) -> bool:
         """Whether the group listing ``fqn`` claims a param whatever the rest of the plan: an untied param

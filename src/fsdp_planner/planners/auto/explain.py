@@ -7,7 +7,7 @@ from enum import Enum
 
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto import AutoResult
-from fsdp_planner.planners.auto.evaluator import Candidate
+from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, Candidate
 from fsdp_planner.planners.auto.refine import Move
 
 
@@ -18,6 +18,7 @@ class Reason(Enum):
     MEMORY = "memory"
     TIE = "tie"
     UNCONVERGED = "unconverged"
+    GROUPS = "fewer groups"
     OVERLAP = "overlap"
     BANDWIDTH = "bandwidth"
     BALANCE = "balance"
@@ -32,6 +33,8 @@ _DESCRIPTIONS = {
     Reason.MEMORY: "a faster alternative exists but exceeds the memory budget",
     Reason.TIE: "alternatives simulate equally fast; this one has the smaller peak memory",
     Reason.UNCONVERGED: "a one-step move is faster and fits: the search's time ran out before it tried it",
+    Reason.GROUPS: f"a split is faster by less than {GROUP_SLACK:.1%}: not worth another group (what a group costs "
+                   "the GPU beyond its collectives and copies is not modelled)",
     Reason.OVERLAP: "merging removes a latency-bound collective but exposes a larger all-gather",
     Reason.BANDWIDTH: "its all-gather already takes longer than the compute hiding it; larger would be slower",
     Reason.BALANCE: "latency vs overlap: every one-step move simulates slower",
@@ -57,7 +60,6 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
     it does, and what the best one-step alternative (boundary moved, groups merged) would cost."""
     ev, refiner = result.search.ev, result.search.refiner
     plan, trace, ctx = result.plan, ev.trace, ev.ctx
-    alpha, per_byte, _ = ctx.link(CollectiveKind.ALL_GATHER)
     fwd_end = trace.index.forward_end
     first, index = trace.index.first_use, trace.index.param_index
     starts = [min((first.get(index[p], fwd_end) for p in g.params), default=fwd_end) for g in plan.inner_groups]
@@ -65,6 +67,7 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
     out = []
     for k, g in enumerate(plan.inner_groups):
         nbytes = groups[k].gather_bytes
+        alpha, per_byte, _ = ctx.link(CollectiveKind.ALL_GATHER, 0, nbytes)  # the protocol NCCL picks at this size
         ag = alpha + nbytes * per_byte if nbytes else 0.0
         prev = ctx.cum[starts[k]] - ctx.cum[starts[k - 1]] if k > 0 else 0.0
         alternatives = [] if k + 1 >= len(plan.inner_groups) else [
@@ -87,6 +90,9 @@ def _reason(ag: float, alpha: float, prev: float, best: tuple[Move, Candidate] |
     faster = c.report.step_time < step * (1 - 1e-9)
     if faster and c.report.reserved_memory > result.budget:
         return Reason.MEMORY
+    if faster and len(c.plan.inner_groups) > len(result.plan.inner_groups) \
+            and c.report.step_time >= step * (1 - GROUP_SLACK):
+        return Reason.GROUPS
     if faster:
         return Reason.UNCONVERGED
     if c.report.step_time <= step * (1 + 1e-9):
