@@ -50,6 +50,7 @@ class TimelineEvent:
     start: float
     end: float
     group: int = -1
+    op: int = -1  # compute: the first trace event of this run of ops (pictures map event positions to times)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Streams:
         self.t += self.ctx.cum[idx] - self.ctx.cum[self.pos]
         if self.events is not None and self.t > start:
             self.events.append(TimelineEvent(Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)",
-                                             start, self.t))
+                                             start, self.t, op=self.pos))
         self.pos = idx
 
     def issue(self, c: Collective) -> None:
