@@ -111,7 +111,7 @@ class StepView:
         share = r.exposed_comm / r.step_time if r.step_time else 0.0
         return (f"{self.label}: step {fmt_time(r.step_time)}, exposed comm {fmt_time(r.exposed_comm)} ({share:.1%}), "
                 f"peak {fmt_bytes(r.peak_memory)} allocated, {fmt_bytes(r.reserved_memory)} reserved of "
-                f"{fmt_bytes(self.capacity)}")
+                f"{fmt_bytes(self.capacity)}{': does not fit' if r.reserved_memory > self.capacity else ''}")
 
 
 def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | None = None,
