@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +19,46 @@ def run(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_demo_shows_the_seed_problem_and_the_fix():
-    r = run("demo")
+def test_demo_shows_the_seed_problem_then_auto_on_a_cluster(tmp_path):
+    r = run("demo", "--out-dir", str(tmp_path / "demo"))
     assert r.returncode == 0, r.stderr
-    assert "size(2000)" in r.stdout and "order(per-module)" in r.stdout
-    assert "conv1, fc2" in r.stdout
+    seed, main = r.stdout.split("2. The main job")
+    assert "size(2000)" in seed and "order(per-module)" in seed
+    assert "the root unit holds conv1, fc2 together" in seed
+    assert "the root unit holds norm, output, tok_embeddings together" in seed
+    assert "llama3-8b on h100:8" in main and "step time" in main and "exposed comm" in main
+    assert "auto: 34 groups" in main
+    assert re.search(r"auto against titan\(TransformerBlock\) \+ ac full, the fastest classic plan that fits: "
+                     r"step 1\.2\d s against 1\.5\d s \(1\d\.\d% faster\)", main)
+    assert "held by:" in main and "balance:" in main
+    for name in ("timeline.png", "timeline.html"):
+        assert (tmp_path / "demo" / name).stat().st_size > 10_000
+        assert str(tmp_path / "demo" / name) in main
+
+
+def test_simulate_draws_a_timeline_compared_with_another_plan(tmp_path):
+    plan = tmp_path / "size.json"
+    assert run("plan", "toy-llama", "--policy", "size", "--min-nonwrapped-numel", "20000", "--out",
+               str(plan)).returncode == 0
+    png, page = tmp_path / "t.png", tmp_path / "t.html"
+    r = run("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:16", "--compare", str(plan),
+            "--timeline", str(png), "--html", str(page))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("step time") == 2 and f"timeline written to {png}" in r.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG" and "size(20000)" in page.read_text()
+    j = run("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:16", "--compare", "titan", "--json")
+    assert j.returncode == 0 and json.loads(j.stdout)["compare"]["step_time"] > 0
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--timeline", "t.txt"), "--timeline 't.txt' must end in .png or .svg or .pdf"),
+    (("--html", "nodir/t.html"), "directory 'nodir' does not exist"),
+    (("--compare", "nosuch"), "--compare 'nosuch' is neither a policy"),
+])
+def test_simulate_picture_options_are_checked_before_any_work(args, message):
+    r = run("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", *args)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {r.stderr.strip()[7:]}"
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_plan_json_lists_every_policy():

@@ -1,41 +1,159 @@
-"""``fsdp-planner demo``: what classic wrap policies do on the built-in models, beside the execution-order plan."""
+"""``fsdp-planner demo``: the seed's problem on the small built-in models, then the main job: auto's plan against the
+classic policies on a real cluster, with step time, exposed communication, memory against the GPU, why each
+boundary sits where it does, and the timelines drawn."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from fsdp_planner.cli import render
-from fsdp_planner.cli.common import load_trace
+from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.fsdp2.checkpointing import ACMode
+from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.fsdp2.validity import check_plan_runs
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.planners.auto import infeasible_message
+from fsdp_planner.planners.auto.explain import explain
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, PolicyRequest, make_policy
+from fsdp_planner.report.step_view import step_view
+from fsdp_planner.report.timeline_html import write_html
+from fsdp_planner.report.timeline_png import write_png
+from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.timeline import StepReport, simulate
+from fsdp_planner.trace.records import Trace
 
 # Size thresholds: 2000 for the CNN (what its forum question used); for the toy decoder one that wraps inside blocks,
 # as size-based wrapping does on real transformers.
-DEMO_MODELS = {"seed-net": 2000, "toy-llama": 20_000}
+SEED_MODELS = {"seed-net": 2000, "toy-llama": 20_000}
+# One 8-GPU H100 node training Llama 3 8B on 8,192-token sequences: a job people run, where the classic plans do
+# not fit 80 GB without checkpointing every block, and the search takes seconds.
+MAIN_MODEL, MAIN_CLUSTER, OUT_DIR = "llama3-8b", "h100:8", "fsdp-planner-demo"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("demo", help="classic wrap policies vs the execution-order plan on the built-in models")
+    sp = sub.add_parser("demo", help="the seed's problem, then auto against the classic policies on a real cluster")
+    sp.add_argument("--model", default=MAIN_MODEL, help=f"the main job's model (default {MAIN_MODEL})")
+    sp.add_argument("--cluster", default=MAIN_CLUSTER, help=f"the main job's cluster (default {MAIN_CLUSTER})")
+    sp.add_argument("--out-dir", default=OUT_DIR, help=f"where the timeline pictures go (default ./{OUT_DIR}/)")
     sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    console = render.console
-    for spec, threshold in DEMO_MODELS.items():
-        tr = load_trace(spec, render.notes)
-        plans = {name: make_policy(PolicyRequest(name, min_nonwrapped_numel=threshold)).plan(tr, spec)
-                 for name in CLASSIC_POLICIES}
-        console.rule(f"[bold]{spec}[/bold]: {tr.numel:,} params")
-        for name in (PolicyName.SIZE, PolicyName.ORDER):
-            console.print(render.groups_table(plans[name], tr))
-        rows = [(p, plan_metrics(tr, p), None) for p in plans.values()]
-        console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows))
-        size_root = plans[PolicyName.SIZE].root
-        if spec == "seed-net" and size_root.params:
-            mods = sorted({m for p in size_root.params for m in tr.param(p).owners})
-            console.print(f"size-based: the root unit holds {', '.join(mods)} together and keeps them gathered from "
-                          "the first op of forward to the end of backward; the execution-order plan gives each its "
-                          "own group and the root manages nothing.")
-    console.print("\nnext: fsdp-planner plan MODEL --policy order --out plan.json; "
-                  "fsdp-planner verify MODEL --plan plan.json --nproc 2")
+    out_dir = _out_dir(args.out_dir)
+    cluster = parse_cluster(args.cluster)
+    render.console.rule("[bold]1. The seed's problem: what classic wrap policies do[/bold]")
+    for spec, threshold in SEED_MODELS.items():
+        _seed_problem(spec, threshold)
+    render.console.rule(f"[bold]2. The main job: {args.model} on {cluster.name}[/bold]")
+    _main_job(args.model, cluster, out_dir)
+    render.console.print(f"\nnext: fsdp-planner plan {args.model} --policy auto --cluster {cluster.name} --out "
+                         f"plan.json; fsdp-planner verify {args.model} --plan plan.json --fake-world-size "
+                         f"{cluster.world_size}", highlight=False)
     return 0
+
+
+def _out_dir(arg: str) -> Path:
+    path = Path(arg)
+    if path.exists() and not path.is_dir():
+        raise PlannerError(f"--out-dir '{arg}' is a file: give a directory for the pictures")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlannerError(f"cannot create --out-dir '{arg}': {e.strerror or e}") from None
+    return path
+
+
+def _seed_problem(spec: str, threshold: int) -> None:
+    """The classic policies on a small model, and the one sentence that says what goes wrong."""
+    console = render.console
+    tr = load_trace(spec, render.notes)
+    plans = {name: make_policy(PolicyRequest(name, min_nonwrapped_numel=threshold)).plan(tr, spec)
+             for name in CLASSIC_POLICIES}
+    console.print(render.model_line(spec, tr))
+    if spec == "seed-net":
+        console.print(render.groups_table(plans[PolicyName.SIZE], tr))
+    rows = [(p, plan_metrics(tr, p), None) for p in plans.values()]
+    console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows))
+    blamed = PolicyName.SIZE if spec == "seed-net" else PolicyName.MODULE
+    root = plans[blamed].root
+    if not root.params:
+        return
+    mods = sorted({m for p in root.params for m in tr.param(p).owners})
+    idle = {name: plan_metrics(tr, plans[name]).avg_idle_bytes for name in (blamed, PolicyName.ORDER)}
+    how = "size-based wrapping" if blamed is PolicyName.SIZE else "per-block wrapping (ModuleWrapPolicy)"
+    console.print(f"{how}: the root unit holds {', '.join(mods)} together and keeps them gathered from the first op "
+                  f"of forward to the end of backward ({fmt_bytes(idle[blamed])} idle on average); the "
+                  f"execution-order plan gives each its own group, the root manages nothing "
+                  f"({fmt_bytes(idle[PolicyName.ORDER])} idle).\n", highlight=False)
+
+
+def _main_job(model: str, cluster: Cluster, out_dir: Path) -> None:
+    """Auto against the classic policies (as run plain, and torchtitan's with every block checkpointed)."""
+    console, options = render.console, SimOptions()
+    tr = load_trace(model, render.notes)
+    console.print(render.model_line(model, tr))
+    console.print(f"cluster {cluster.describe()}", highlight=False)
+    requests = [PolicyRequest(n) for n in CLASSIC_POLICIES]
+    requests.append(PolicyRequest(PolicyName.TITAN, checkpointing=ACMode.FULL))
+    plans = [_classic(tr, r, model) for r in requests]
+    auto = run_auto(tr, PolicyRequest(PolicyName.AUTO), cluster, options, model, must_fit=False)
+    contexts: dict[Mesh, SimContext] = {}
+
+    def simulated(p: Plan) -> StepReport:
+        mesh = p.layout(cluster.world_size)
+        if mesh not in contexts:
+            contexts[mesh] = SimContext(tr, cluster, options, mesh=mesh)
+        return simulate(tr, p, context=contexts[mesh], timeline=False)
+
+    classic = [(p, plan_metrics(tr, p, cluster.world_size), simulated(p)) for p in plans if p is not None]
+    rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size), auto.report)]
+    capacity = cluster.gpu.memory_bytes
+    console.print(render.comparison_table(f"{model} on {cluster.name}: per training step; reserved memory against "
+                                          f"one {cluster.gpu.name} ({fmt_bytes(capacity)})", rows, capacity))
+    console.print(render.auto_line(auto), highlight=False)
+    if not auto.fits:
+        console.print(f"auto: {infeasible_message(auto)}", highlight=False)
+        return
+    fitting = [(p, r) for p, _, r in classic if r.reserved_memory <= capacity]
+    rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
+    which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
+    console.print(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
+                  f"{fmt_time(rival_report.step_time)} ({1 - auto.report.step_time / rival_report.step_time:.1%} "
+                  f"faster), {fmt_bytes(auto.report.reserved_memory)} reserved against "
+                  f"{fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has", highlight=False)
+    explanations = explain(auto)
+    console.print(render.explain_table(explanations, auto.report.step_time, auto.report.reserved_memory,
+                                       collapse=True))
+    console.print(render.reasons_legend([r.reason for r in explanations]), highlight=False)
+    views = [step_view(tr, p, cluster, options, _label(p)) for p in (auto.plan, rival)]
+    title = f"{model} on {cluster.describe()}"
+    png, page = out_dir / "timeline.png", out_dir / "timeline.html"
+    write_png(views, png, title)
+    write_html(views, page, title)
+    console.print(f"timelines of both on one time axis: {png} and {page} (open the HTML in a browser: hover for "
+                  "group names, scroll to zoom)", highlight=False)
+
+
+def _classic(tr: Trace, request: PolicyRequest, model: str) -> Plan | None:
+    """A classic policy's plan, or None (with a note saying why) when FSDP2 could not run it on this model."""
+    try:
+        plan = make_policy(request).plan(tr, model)
+        check_plan_runs(tr, plan)
+        return plan
+    except PlannerError as e:
+        render.note(f"the {request.name.value} policy is left out: {e}")
+        return None
+
+
+def _label(plan: Plan) -> str:
+    """The plan's policy, and how many modules it checkpoints unless the policy's name says so."""
+    ac = len(plan.activation_checkpointing)
+    if not ac or "ac " in plan.policy:
+        return plan.policy
+    return f"{plan.policy}, {ac} module{'s' if ac != 1 else ''} checkpointed"
+

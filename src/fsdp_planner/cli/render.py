@@ -232,17 +232,27 @@ def mesh_line(result: AutoResult) -> str:
     return f"  layouts (replicate x shard): {', '.join(parts)}"
 
 
-def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int) -> Table:
-    """Per group its size, all-gather terms, what holds its boundary and the best one-step alternative."""
+def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int, collapse: bool = False) -> Table:
+    """Per group its size, all-gather terms, what holds its boundary and the best one-step alternative;
+    ``collapse``: consecutive groups that read the same (a run of identical blocks) share one row."""
     t = Table(title=f"why the groups are where they are (step {fmt_time(step_time)}, {fmt_bytes(peak)} reserved)")
     for col in ("#", "modules", "size", "all-gather", "latency", "hidden by", "held by", "best alternative",
                 "its step", "its reserved"):
         t.add_column(col, overflow="fold")
-    for r in rows:
-        t.add_row(str(r.group), fmt_modules(r.modules, 1), fmt_bytes(r.nbytes), fmt_time(r.all_gather),
-                  f"{r.latency_share:.0%}", fmt_time(r.hidden_by), r.reason.value,
-                  r.alternative.value if r.alternative else "-", _delta_time(r.alternative_step, step_time),
-                  _delta_bytes(r.alternative_peak, peak))
+    cells = [[fmt_bytes(r.nbytes), fmt_time(r.all_gather), f"{r.latency_share:.0%}", fmt_time(r.hidden_by),
+              r.reason.value, r.alternative.value if r.alternative else "-",
+              _delta_time(r.alternative_step, step_time), _delta_bytes(r.alternative_peak, peak)] for r in rows]
+    k = 0
+    while k < len(rows):
+        end = k + 1
+        while collapse and end < len(rows) and cells[end] == cells[k]:
+            end += 1
+        if end - k > 1:
+            first, last = fmt_modules(rows[k].modules, 1), fmt_modules(rows[end - 1].modules, 1)
+            t.add_row(f"{rows[k].group}-{rows[end - 1].group}", f"{first} … {last} ({end - k} groups)", *cells[k])
+        else:
+            t.add_row(str(rows[k].group), fmt_modules(rows[k].modules, 1), *cells[k])
+        k = end
     return t
 
 

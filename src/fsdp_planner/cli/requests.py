@@ -134,6 +134,18 @@ def plan_source(args: argparse.Namespace) -> PlanSource:
                       policy_request(args, args.policy) if args.policy else None)
 
 
+def compare_source(args: argparse.Namespace) -> PlanSource | None:
+    """``--compare POLICY_OR_PLAN_FILE``: a policy name (run with the command's policy options) or a plan file."""
+    arg = getattr(args, "compare", None)
+    if arg is None:
+        return None
+    if arg in POLICY_NAMES:
+        return PlanSource(None, policy_request(args, arg))
+    if not os.path.lexists(arg):
+        raise PlannerError(f"--compare '{arg}' is neither a policy ({', '.join(POLICY_NAMES)}) nor a plan file")
+    return PlanSource(input_file(arg, "plan file"), None)
+
+
 def sim_options(args: argparse.Namespace) -> SimOptions:
     return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad)
 
@@ -158,6 +170,25 @@ def output_file(arg: str | None, example: str = "plan.json") -> Path | None:
     if path.is_file() and path.suffix.lower() != ".json":
         raise PlannerError(f"--out '{arg}' already exists and is not a .json file: refusing to overwrite it "
                            f"(give a new name, e.g. {path.with_suffix('.json')})")
+    return path
+
+
+def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...]) -> Path | None:
+    """``--timeline`` / ``--html``: checked before any work (as ``--out``); the suffix says the format, and an
+    existing file is replaced only when it has one of ``suffixes`` (a picture this command writes)."""
+    if arg is None:
+        return None
+    example = f"step{suffixes[0]}"
+    if not arg.strip():
+        raise PlannerError(f"{option} is empty: give the file to write, e.g. {option} {example}")
+    path = Path(arg)
+    if path.is_dir():
+        raise PlannerError(f"{option} '{arg}' is a directory: give a file name, e.g. {path / example}")
+    if not path.parent.is_dir():
+        raise PlannerError(f"{option} '{arg}': directory '{path.parent}' does not exist")
+    if path.suffix.lower() not in suffixes:
+        raise PlannerError(f"{option} '{arg}' must end in {' or '.join(suffixes)} (the format it writes), "
+                           f"e.g. {path.with_suffix(suffixes[0])}")
     return path
 
 

@@ -1,4 +1,5 @@
-"""``fsdp-planner simulate MODEL --cluster SPEC``: one step of a plan in time and memory."""
+"""``fsdp-planner simulate MODEL --cluster SPEC``: one step of a plan in time and memory, optionally drawn as a
+timeline (``--timeline`` PNG, ``--html`` page) beside a second plan (``--compare``)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,27 @@ import json
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import (
+    PlanSource,
     add_json,
     add_plan_source,
     add_sim_options,
+    compare_source,
     model_spec,
+    picture_file,
     plan_source,
     policy_notes,
     sim_options,
 )
-from fsdp_planner.fsdp2.plan import check_plan_world_size
-from fsdp_planner.hardware.cluster import parse_cluster
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.report.step_view import step_view
+from fsdp_planner.report.timeline_html import write_html
+from fsdp_planner.report.timeline_png import write_png
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.trace.records import Trace
+
+PNG_SUFFIXES = (".png", ".svg", ".pdf")
+HTML_SUFFIXES = (".html", ".htm")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,29 +37,58 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_source(sp)
     add_sim_options(sp, cluster_required=True)
     add_json(sp)
+    sp.add_argument("--timeline", metavar="FILE.png",
+                    help="draw the step: stream lanes, exposed communication and the memory curve (matplotlib)")
+    sp.add_argument("--html", metavar="FILE.html",
+                    help="the same timeline as one self-contained HTML page (hover for group names, scroll to zoom)")
+    sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
+                    help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
+                         "time axis")
     sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    source = plan_source(args)
+    png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES)
+    page = picture_file(args.html, "--html", HTML_SUFFIXES)
+    sources = [plan_source(args), *filter(None, [compare_source(args)])]
     cluster, options = parse_cluster(args.cluster), sim_options(args)
-    for note in policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
-                             plan_file=source.plan_file is not None):
+    policies = [s.policy.name for s in sources if s.policy]
+    ran = " and ".join(f"{o} {v}" for o, v in (("--policy", args.policy), ("--compare", args.compare))
+                       if v in {p.value for p in policies})
+    for note in policy_notes(args, policies, f"with {ran}", plan_file=not policies):
         render.note(note)
     tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
+    plans = [(_label(s, p), p) for s in sources for p in [_plan(tr, s, args.model, cluster, options)]]
+    views = [step_view(tr, p, cluster, options, label) for label, p in plans]
+    title = f"{model_spec(args).label()} on {cluster.describe()}"
+    if png is not None:
+        write_png(views, png, title)
+    if page is not None:
+        write_html(views, page, title)
+    if args.json:
+        summaries = [v.report.summary() for v in views]
+        print(json.dumps(summaries[0] if len(views) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
+        return 0
+    for v in views:
+        for line in render.step_lines(model_spec(args).label(), v.label, cluster, v.report):
+            render.console.print(line)
+        render.console.print(render.memory_table(v.report.peak_memory, v.report.reserved_memory,
+                                                 v.report.memory_at_peak, cluster.gpu))
+    for path in filter(None, (png, page)):
+        render.console.print(f"timeline written to {path}", highlight=False)
+    return 0
+
+
+def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster, options: SimOptions) -> Plan:
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
         check_plan_world_size(plan, cluster.world_size)
-    else:
-        assert source.policy is not None
-        plan = policy_plan(tr, source.policy, args.model, cluster, options)  # checked against the cluster
-    report = simulate(tr, plan, cluster, options, timeline=False)
-    if args.json:
-        print(json.dumps(report.summary(), indent=2))
-        return 0
-    for line in render.step_lines(model_spec(args).label(), plan.policy or str(source.plan_file), cluster, report):
-        render.console.print(line)
-    render.console.print(render.memory_table(report.peak_memory, report.reserved_memory, report.memory_at_peak,
-                                             cluster.gpu))
-    return 0
+        return plan
+    assert source.policy is not None
+    return policy_plan(tr, source.policy, model, cluster, options)  # checked against the cluster
+
+
+def _label(source: PlanSource, plan: Plan) -> str:
+    return plan.policy if source.policy is not None else f"{source.plan_file} ({plan.policy})"
+

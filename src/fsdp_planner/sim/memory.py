@@ -134,6 +134,20 @@ class MemoryModel:
     def peak(self, plan: Plan, schedule: Schedule) -> Peak:
         """The step's peak, its breakdown at that moment, and the bytes reserved (module docstring)."""
         n = len(self.trace.events) + 1
+        return self._peak_of(self._deltas(plan, schedule), n, self.activations(plan.activation_checkpointing))
+
+    def levels(self, plan: Plan, schedule: Schedule) -> np.ndarray:
+        """Allocated bytes per rank at each event position (``i``: while event ``i`` runs; the last: after the final
+        callback), from the same terms as ``peak``: the memory curve of the step, whose maximum is the peak."""
+        n = len(self.trace.events) + 1
+        dense = np.zeros(n + 1)
+        for pos, d in self._deltas(plan, schedule).items():
+            dense[pos] += sum(d)
+        return self.static.total + np.cumsum(dense)[:n] + self.activations(plan.activation_checkpointing)
+
+    def _deltas(self, plan: Plan, schedule: Schedule) -> dict[int, list[float]]:
+        """Event position -> change of each dynamic category (``_DYNAMIC``) there."""
+        n = len(self.trace.events) + 1
         groups = self.sizing.groups(plan)
         deltas: dict[int, list[float]] = {}  # position -> change per dynamic category (``_DYNAMIC``)
 
@@ -159,7 +173,7 @@ class MemoryModel:
                 add(4, c.event + 1, n, shard * self.grad_bytes)
             else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
                 add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
-        return self._peak_of(deltas, n, self.activations(plan.activation_checkpointing))
+        return deltas
 
     def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray) -> Peak:
         starts = sorted(p for p in deltas if p < n)

@@ -60,6 +60,7 @@ class TimelineEvent:
     start: float
     end: float
     group: int = -1
+    op: int = -1  # compute: the first trace event of this run of ops (pictures map event positions to times)
 
 
 @dataclass
@@ -114,7 +115,7 @@ class Streams:
             self.t = max(self.t, self.host.finish(self.pos, idx))
         if self.events is not None and self.t > start:
             self.events.append(TimelineEvent(Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)",
-                                             start, self.t))
+                                             start, self.t, op=self.pos))
         self.pos = idx
 
     def issue(self, c: Collective) -> None:

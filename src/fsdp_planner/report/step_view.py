@@ -1,0 +1,226 @@
+"""The data behind the step pictures: lanes of bars, exposed communication and the memory curve of one plan.
+
+Both renderers (``timeline_png.py``, ``timeline_html.py``) draw a ``StepView`` and nothing else, so what a picture
+shows is computed (and tested) once. The bars are the simulator's own timeline (``sim/timeline.py``); the memory
+curve is the memory model's per-event levels (``MemoryModel.levels``, the same terms as the peak), put on the time
+axis by the compute events, which say where each run of ops starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.sim.context import SimContext
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.timeline import StepReport, Stream, TimelineEvent, simulate
+from fsdp_planner.trace.records import Trace
+
+# Compute runs shorter than this share of the step are merged with their neighbours: a picture is ~1,500 pixels
+# wide, and thousands of abutting slivers would read as noise (and bloat the HTML).
+MIN_BAR_SHARE = 1 / 1500
+MEMORY_POINTS = 20_000  # the memory curve is thinned to this many steps, each keeping its maximum
+
+
+class BarKind(Enum):
+    """What a bar shows; the renderers give each kind one colour and one legend entry."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"
+    EXPOSED = "exposed"  # compute idle, waiting for a collective
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
+    @property
+    def label(self) -> str:
+        return _LABELS[self]
+
+    @property
+    def color(self) -> str:
+        """The same in the PNG and the HTML, so the two read alike."""
+        return _COLORS[self]
+
+
+_LABELS = {
+    BarKind.FORWARD: "forward compute",
+    BarKind.BACKWARD: "backward compute",
+    BarKind.RECOMPUTE: "recompute (activation checkpointing)",
+    BarKind.EXPOSED: "exposed communication (compute waits)",
+    BarKind.ALL_GATHER: "all-gather",
+    BarKind.REDUCE_SCATTER: "reduce-scatter",
+    BarKind.ALL_REDUCE: "all-reduce (HSDP replicas)",
+}
+_COLORS = {
+    BarKind.FORWARD: "#4c78a8",
+    BarKind.BACKWARD: "#2a4d7a",
+    BarKind.RECOMPUTE: "#9ecae9",
+    BarKind.EXPOSED: "#e45756",
+    BarKind.ALL_GATHER: "#54a24b",
+    BarKind.REDUCE_SCATTER: "#f58518",
+    BarKind.ALL_REDUCE: "#b279a2",
+}
+_COMM = {Stream.ALL_GATHER: BarKind.ALL_GATHER, Stream.REDUCE_SCATTER: BarKind.REDUCE_SCATTER,
+         Stream.ALL_REDUCE: BarKind.ALL_REDUCE}
+
+
+@dataclass(frozen=True)
+class Bar:
+    kind: BarKind
+    name: str  # the module(s) or group it runs for; for exposed time, what compute waits for
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Lane:
+    name: str
+    bars: list[Bar]
+
+
+@dataclass
+class StepView:
+    """One plan's step on one cluster, ready to draw."""
+
+    label: str
+    report: StepReport
+    lanes: list[Lane]  # compute, all-gather, reduce-scatter (and all-reduce under HSDP)
+    memory_times: np.ndarray  # start of each event position, then the step's end
+    memory_bytes: np.ndarray  # allocated bytes per rank from that time on (the last repeats the one before)
+    capacity: int  # one GPU's memory
+    gpu: str
+
+    @property
+    def exposed(self) -> list[Bar]:
+        return [b for b in self.lanes[0].bars if b.kind is BarKind.EXPOSED]
+
+    def summary(self) -> str:
+        r = self.report
+        share = r.exposed_comm / r.step_time if r.step_time else 0.0
+        return (f"{self.label}: step {fmt_time(r.step_time)}, exposed comm {fmt_time(r.exposed_comm)} ({share:.1%}), "
+                f"peak {fmt_bytes(r.peak_memory)} allocated, {fmt_bytes(r.reserved_memory)} reserved of "
+                f"{fmt_bytes(self.capacity)}{': does not fit' if r.reserved_memory > self.capacity else ''}")
+
+
+def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | None = None,
+              label: str | None = None) -> StepView:
+    """Simulate ``plan`` with its timeline and turn it into lanes and a memory curve."""
+    ctx = SimContext(trace, cluster, options, mesh=plan.layout(cluster.world_size))
+    groups = ctx.sizing.groups(plan)
+    schedule = build_schedule(trace, plan, ctx.world, [g.params for g in groups])
+    report = simulate(trace, plan, context=ctx, schedule=schedule, timeline=True)
+    levels = ctx.memory.levels(plan, schedule)
+    times = event_times(report.timeline, ctx.cum, len(trace.events))
+    comm = [comm_bars(report.timeline, s) for s in _COMM if s is not Stream.ALL_REDUCE or ctx.mesh.replicate > 1]
+    compute = compute_bars(report.timeline, trace.index.forward_end, report.step_time, comm)
+    lanes = [Lane("compute", compute), *(Lane(k.label.split(" (")[0], bars) for k, bars in comm)]
+    return StepView(label or plan.policy or "plan", report, lanes,
+                    np.append(times, report.step_time), np.append(levels, levels[-1]),
+                    cluster.gpu.memory_bytes, cluster.gpu.name)
+
+
+def event_times(timeline: Sequence[TimelineEvent], cum: Sequence[float], n: int) -> np.ndarray:
+    """When each event position ``0..n`` starts: the compute run holding it started at ``start`` with op ``op``,
+    and the ops before it in the run took ``cum[k] - cum[op]``. Positions of zero-time ops that ended a run
+    (no event of their own) sit at its end."""
+    runs = sorted((e for e in timeline if e.stream is Stream.COMPUTE and e.op >= 0), key=lambda e: e.op)
+    cum_arr = np.asarray(cum)
+    out = np.zeros(n + 1)
+    for k, e in enumerate(runs):
+        stop = runs[k + 1].op if k + 1 < len(runs) else n + 1
+        out[e.op:stop] = np.minimum(e.start + cum_arr[e.op:stop] - cum_arr[e.op], e.end)
+    return out
+
+
+def comm_bars(timeline: Sequence[TimelineEvent], stream: Stream) -> tuple[BarKind, list[Bar]]:
+    """One communication stream's collectives, named by their group's modules."""
+    kind = _COMM[stream]
+    return kind, [Bar(kind, e.name, e.start, e.end) for e in timeline if e.stream is stream]
+
+
+def compute_bars(timeline: Sequence[TimelineEvent], forward_end: int, step: float,
+                 comm: Sequence[tuple[BarKind, list[Bar]]]) -> list[Bar]:
+    """The compute lane: runs of ops (forward, backward, recompute), thin abutting runs merged, and the gaps
+    between them, where compute waits for a collective, as exposed bars naming that collective."""
+    runs = [Bar(_compute_kind(e, forward_end), e.name, e.start, e.end)
+            for e in timeline if e.stream is Stream.COMPUTE]
+    runs.sort(key=lambda b: b.start)
+    tol = step * 1e-9
+    bars: list[Bar] = []
+    clock = 0.0
+    for b in runs:
+        if b.start > clock + tol:
+            bars.append(Bar(BarKind.EXPOSED, _waited_for(clock, b.start, comm), clock, b.start))
+        bars.append(b)
+        clock = max(clock, b.end)
+    if step > clock + tol:
+        bars.append(Bar(BarKind.EXPOSED, _waited_for(clock, step, comm), clock, step))
+    return merge_thin(bars, step * MIN_BAR_SHARE)
+
+
+def _compute_kind(e: TimelineEvent, forward_end: int) -> BarKind:
+    if e.op < 0:  # not one of the trace's ops: a checkpointed forward run again
+        return BarKind.RECOMPUTE
+    return BarKind.FORWARD if e.op < forward_end else BarKind.BACKWARD
+
+
+def _waited_for(start: float, end: float, comm: Sequence[tuple[BarKind, list[Bar]]]) -> str:
+    """The collective compute waits for in [start, end]: of those running then, the one that finishes last
+    before compute resumes (the last one running at all when none finishes in time)."""
+    running = [b for _, bars in comm for b in bars if b.start < end and b.end > start]
+    if not running:
+        return "nothing (idle)"
+    done = [b for b in running if b.end <= end * (1 + 1e-9)]
+    b = max(done or running, key=lambda x: x.end)
+    return f"{b.kind.label} {b.name}"
+
+
+def merge_thin(bars: Sequence[Bar], min_width: float) -> list[Bar]:
+    """Merge abutting bars of one kind while the merged bar stays under ``min_width``: a run of thin bars
+    becomes a few readable ones; a wide bar and every exposed gap keep their own extent."""
+    out: list[Bar] = []
+    for b in bars:
+        last = out[-1] if out else None
+        if (last is not None and last.kind is b.kind and b.kind is not BarKind.EXPOSED
+                and abs(b.start - last.end) <= min_width * 1e-6 and b.end - last.start < min_width):
+            first = last.name.split(" … ")[0]
+            out[-1] = Bar(b.kind, first if first == b.name else f"{first} … {b.name}", last.start, b.end)
+        else:
+            out.append(b)
+    return out
+
+
+def thin_curve(times: np.ndarray, levels: np.ndarray, points: int = MEMORY_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``points`` steps of the memory curve, each the maximum of the levels it covers (so the peak
+    survives thinning); times are the start of each step, the last one the step's end."""
+    if len(times) <= points:
+        return times, levels
+    end = float(times[-1])
+    edges = np.linspace(0.0, end, points)
+    which = np.clip(np.searchsorted(edges, times[:-1], side="right") - 1, 0, points - 1)
+    out = np.full(points, -np.inf)
+    np.maximum.at(out, which, levels[:-1])
+    keep = np.isfinite(out)
+    t, b = edges[keep], out[keep]
+    return np.append(t, end), np.append(b, b[-1])
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """The axis unit for a step of ``seconds``: s, ms or us, and the factor from seconds."""
+    if seconds >= 1.0:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "us", 1e6

@@ -1,0 +1,133 @@
+"""A step's timeline as a PNG (matplotlib): per plan, the stream lanes above the per-rank memory curve, every plan
+on one shared time axis so a comparison reads at a glance."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.report.step_view import BarKind, StepView, thin_curve, time_unit
+
+MEMORY_COLOR, CAPACITY_COLOR, RESERVED_COLOR = "#4c78a8", "#d62728", "#7f7f7f"
+WIDTH_IN, DPI = 16.0, 100  # 1600 pixels wide
+LANE_IN, MEMORY_IN, TITLE_IN = 0.42, 1.7, 0.75
+CAPACITY_IN_VIEW = 8  # the capacity line is drawn when it is within this factor of the curve's top
+MIN_PIXELS = 1.5  # exposed gaps are drawn at least this wide: a 50 us wait in a 10 s step must still show
+PLOT_SHARE = 0.9  # of the figure's width, the time axis
+SEPARATED_PIXELS, LABEL_PIXELS = 4, 60  # collectives this wide get a white edge, this wide their group's name
+LABELLED = (BarKind.ALL_GATHER, BarKind.REDUCE_SCATTER, BarKind.ALL_REDUCE)
+
+
+def figure_size(views: Sequence[StepView]) -> tuple[float, float]:
+    """Inches: the lanes and memory panel of every plan, titles, the shared axis and the legend."""
+    lanes = sum(len(v.lanes) for v in views)
+    return WIDTH_IN, round(lanes * LANE_IN + len(views) * (MEMORY_IN + TITLE_IN) + 1.4, 2)
+
+
+def write_png(views: Sequence[StepView], path: Path, title: str) -> None:
+    """Draw ``views`` (one plan, or a plan and the one it is compared with) into ``path`` under ``title``."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        raise PlannerError("--timeline draws with matplotlib, which is not installed: pip install matplotlib "
+                           "(or the package's [plot] extra)") from None
+    end = max(v.report.step_time for v in views)
+    unit, scale = time_unit(end)
+    fig = Figure(figsize=figure_size(views), dpi=DPI, layout="constrained")
+    fig.suptitle(title, x=0.01, ha="left", fontsize=13)
+    ratios = [r for v in views for r in (len(v.lanes) * LANE_IN, MEMORY_IN)]
+    axes = fig.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios})
+    px = end / (WIDTH_IN * DPI * PLOT_SHARE)  # seconds per pixel
+    min_width = MIN_PIXELS * px
+    kinds: set[BarKind] = set()
+    for k, v in enumerate(views):
+        lanes_ax, memory_ax = axes[2 * k], axes[2 * k + 1]
+        kinds |= _draw_lanes(lanes_ax, v, min_width, px)
+        lanes_ax.set_title(v.summary(), loc="left", fontsize=11, fontweight="bold")
+        _draw_memory(memory_ax, v)
+    last = axes[-1]
+    last.set_xlim(0, end * 1.005)
+    last.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * scale:g}"))
+    last.set_xlabel(f"time in the training step ({unit})", fontsize=10)
+    handles = [Patch(color=kind.color, label=kind.label) for kind in BarKind if kind in kinds]
+    handles += [*axes[1].get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as e:
+        raise PlannerError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _draw_lanes(ax: Any, view: StepView, min_width: float, px: float) -> set[BarKind]:
+    """One row per stream, top to bottom, collectives wide enough named inside their bar (``px``: seconds per
+    pixel); returns the kinds drawn (for the legend)."""
+    drawn: set[BarKind] = set()
+    rows = len(view.lanes)
+    for row, lane in enumerate(view.lanes):
+        y = rows - 1 - row
+        by_kind: dict[BarKind, list[tuple[float, float]]] = {}
+        for b in lane.bars:
+            width = max(b.seconds, min_width) if b.kind is BarKind.EXPOSED else b.seconds
+            by_kind.setdefault(b.kind, []).append((b.start, width))
+        for kind, spans in by_kind.items():
+            # a white edge parts abutting collectives; thin bars get none, or they would turn white
+            wide = [sp for sp in spans if sp[1] >= SEPARATED_PIXELS * px]
+            thin = [sp for sp in spans if sp[1] < SEPARATED_PIXELS * px]
+            ax.broken_barh(thin, (y + 0.12, 0.76), facecolors=kind.color, linewidth=0)
+            ax.broken_barh(wide, (y + 0.12, 0.76), facecolors=kind.color, edgecolors="white", linewidth=0.6)
+            drawn.add(kind)
+        for b in lane.bars:
+            if b.kind in LABELLED and b.seconds >= LABEL_PIXELS * px:
+                chars = int(b.seconds / px / 6.5)
+                text = b.name if len(b.name) <= chars else b.name[:max(1, chars - 1)] + "…"
+                ax.text(b.start + b.seconds / 2, y + 0.5, text, ha="center", va="center", fontsize=8, color="white",
+                        clip_on=True)
+    ax.set_ylim(0, rows)
+    ax.set_yticks([rows - 1 - r + 0.5 for r in range(rows)], [lane.name for lane in view.lanes], fontsize=10)
+    ax.tick_params(axis="y", length=0)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return drawn
+
+
+def _draw_memory(ax: Any, view: StepView) -> None:
+    """Allocated bytes over the step as a filled step curve, the GPU's capacity and the reserved peak as lines."""
+    times, levels = thin_curve(view.memory_times, view.memory_bytes, 3000)
+    top = max(float(levels.max()), view.report.reserved_memory)
+    unit, div = byte_unit(max(top, view.capacity) if view.capacity <= CAPACITY_IN_VIEW * top else top)
+    ax.fill_between(times, levels / div, step="post", color=MEMORY_COLOR, alpha=0.25, linewidth=0)
+    ax.step(times, levels / div, where="post", color=MEMORY_COLOR, linewidth=1.2, label="allocated memory per rank")
+    ax.axhline(view.report.reserved_memory / div, color=RESERVED_COLOR, linestyle=":", linewidth=1.2,
+               label="reserved at peak (caching allocator)")
+    peak_at = float(times[int(levels.argmax())])
+    ax.annotate(f"peak {fmt_bytes(view.report.peak_memory)}", (peak_at, view.report.peak_memory / div),
+                xytext=(4, -12), textcoords="offset points", fontsize=9, color=MEMORY_COLOR)
+    if view.capacity <= CAPACITY_IN_VIEW * top:
+        ax.axhline(view.capacity / div, color=CAPACITY_COLOR, linestyle="--", linewidth=1.3, label="GPU capacity")
+        ax.text(0.002, view.capacity / div, f" {view.gpu}: {fmt_bytes(view.capacity)}",
+                transform=ax.get_yaxis_transform(), va="bottom", fontsize=9, color=CAPACITY_COLOR)
+        top = max(top, view.capacity)
+    else:  # a small model on a large GPU: the curve would be a flat line at the bottom
+        ax.text(0.002, 0.97, f" {view.gpu} capacity {fmt_bytes(view.capacity)}: far above this scale",
+                transform=ax.transAxes, va="top", fontsize=9, color=CAPACITY_COLOR)
+    ax.set_ylim(0, top / div * 1.15)
+    ax.set_ylabel(f"memory ({unit})", fontsize=10)
+    ax.grid(color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def byte_unit(nbytes: float) -> tuple[str, float]:
+    """The axis unit for memory up to ``nbytes``: GiB, MiB or KiB, and the divisor from bytes."""
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= div:
+            return unit, float(div)
+    return "KiB", 1024.0
