@@ -130,7 +130,9 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> l
         f"[bold]{name}[/bold] with [bold]{plan_label}[/bold] on {cluster.describe()}",
         f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
         f"{f' (recompute {fmt_time(r.recompute_time)})' if r.recompute_time else ''}  exposed comm "
-        f"{fmt_time(r.exposed_comm)}  lower bound {fmt_time(r.lower_bound)}",
+        f"{fmt_time(r.exposed_comm)}  FSDP2 copy-outs {fmt_time(r.copy_time)}  waiting for the host "
+        f"{fmt_time(r.host_wait)} (host busy {fmt_time(r.host_time)}, {r.hooks} hooks)  lower bound "
+        f"{fmt_time(r.lower_bound)}",
         f"{r.all_gathers} all-gathers ({fmt_bytes(r.all_gather_bytes)}), {r.reduce_scatters} reduce-scatters "
         f"({fmt_bytes(r.reduce_scatter_bytes)})"
         + (f", {r.all_reduces} all-reduces across replicas ({fmt_bytes(r.all_reduce_bytes)})" if r.all_reduces else "")

@@ -20,7 +20,7 @@ from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport, Stream, TimelineEvent, simulate
+from fsdp_planner.sim.timeline import StepReport, Stream, TimelineEvent, Work, simulate
 from fsdp_planner.trace.records import Trace
 
 # Compute runs shorter than this share of the step are merged with their neighbours: a picture is ~1,500 pixels
@@ -35,6 +35,8 @@ class BarKind(Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     RECOMPUTE = "recompute"
+    COPY_OUT = "copy_out"  # FSDP2's copy of an all-gather's output into the params, on the compute stream
+    HOST = "host"  # compute idle, waiting for the host to launch the next op
     EXPOSED = "exposed"  # compute idle, waiting for a collective
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
@@ -54,6 +56,8 @@ _LABELS = {
     BarKind.FORWARD: "forward compute",
     BarKind.BACKWARD: "backward compute",
     BarKind.RECOMPUTE: "recompute (activation checkpointing)",
+    BarKind.COPY_OUT: "FSDP2 copy-out",
+    BarKind.HOST: "waiting for the host (FSDP2 hooks, launches)",
     BarKind.EXPOSED: "exposed communication (compute waits)",
     BarKind.ALL_GATHER: "all-gather",
     BarKind.REDUCE_SCATTER: "reduce-scatter",
@@ -63,6 +67,8 @@ _COLORS = {
     BarKind.FORWARD: "#4c78a8",
     BarKind.BACKWARD: "#2a4d7a",
     BarKind.RECOMPUTE: "#9ecae9",
+    BarKind.COPY_OUT: "#bab0ac",
+    BarKind.HOST: "#eeca3b",
     BarKind.EXPOSED: "#e45756",
     BarKind.ALL_GATHER: "#54a24b",
     BarKind.REDUCE_SCATTER: "#f58518",
@@ -109,7 +115,9 @@ class StepView:
     def summary(self) -> str:
         r = self.report
         share = r.exposed_comm / r.step_time if r.step_time else 0.0
-        return (f"{self.label}: step {fmt_time(r.step_time)}, exposed comm {fmt_time(r.exposed_comm)} ({share:.1%}), "
+        host = f", waiting for the host {fmt_time(r.host_wait)}" if r.host_wait else ""
+        return (f"{self.label}: step {fmt_time(r.step_time)}, exposed comm {fmt_time(r.exposed_comm)} ({share:.1%})"
+                f"{host}, "
                 f"peak {fmt_bytes(r.peak_memory)} allocated, {fmt_bytes(r.reserved_memory)} reserved of "
                 f"{fmt_bytes(self.capacity)}{': does not fit' if r.reserved_memory > self.capacity else ''}")
 
@@ -171,9 +179,12 @@ def compute_bars(timeline: Sequence[TimelineEvent], forward_end: int, step: floa
 
 
 def _compute_kind(e: TimelineEvent, forward_end: int) -> BarKind:
-    if e.op < 0:  # not one of the trace's ops: a checkpointed forward run again
-        return BarKind.RECOMPUTE
+    if e.work is not Work.OPS:
+        return _WORK[e.work]
     return BarKind.FORWARD if e.op < forward_end else BarKind.BACKWARD
+
+
+_WORK = {Work.RECOMPUTE: BarKind.RECOMPUTE, Work.COPY_OUT: BarKind.COPY_OUT, Work.HOST: BarKind.HOST}
 
 
 def _waited_for(start: float, end: float, comm: Sequence[tuple[BarKind, list[Bar]]]) -> str:

@@ -53,6 +53,15 @@ class Stream(Enum):
     ALL_REDUCE = "all_reduce"
 
 
+class Work(Enum):
+    """What the compute stream does during one of its timeline events."""
+
+    OPS = "ops"  # a run of the trace's ops
+    RECOMPUTE = "recompute"  # a checkpointed forward run again
+    COPY_OUT = "copy-out"  # FSDP2 copying an all-gather's output into the unsharded params
+    HOST = "host"  # idle: the host has not launched the next op yet (FSDP2's hooks, launches)
+
+
 @dataclass(frozen=True)
 class TimelineEvent:
     stream: Stream
@@ -61,13 +70,14 @@ class TimelineEvent:
     end: float
     group: int = -1
     op: int = -1  # compute: the first trace event of this run of ops (pictures map event positions to times)
+    work: Work = Work.OPS  # compute only
 
 
 @dataclass
 class StepReport:
     step_time: float
     compute_time: float
-    exposed_comm: float
+    exposed_comm: float  # compute waiting for collectives: step - compute - copy-outs - host waits
     lower_bound: float
     peak_memory: int  # allocated bytes per rank at the step's peak (what real FSDP2 allocates)
     reserved_memory: int  # what the caching allocator reserves for the step: what must fit the GPU (sim/memory.py)
@@ -82,6 +92,8 @@ class StepReport:
     all_reduce_bytes: int = 0
     mesh: str = ""  # REPLICATExSHARD
     host_time: float = 0.0  # the host's work for the step: ops launched, FSDP2's hooks (hidden while it keeps ahead)
+    host_wait: float = 0.0  # compute idle because the host had not launched the next op
+    copy_time: float = 0.0  # FSDP2's copy-outs on the compute stream
     hooks: int = 0  # FSDP2 lifecycle calls doing work in the step (pre/post-forward, pre/post-backward per group)
     timeline: list[TimelineEvent] = field(default_factory=list)
 
@@ -105,18 +117,29 @@ class Streams:
         self.copy_out = [0.0] * len(plan.groups)  # its copy-out, paid on the compute stream by the first reader
         self.last_forward_gather = 0.0  # compute time at the pre-forward of the previously gathered group
         self.busy = {AG: 0.0, RS: 0.0, AR: 0.0}
+        self.host_wait = 0.0
+        self.copy_time = 0.0
         self.events: list[TimelineEvent] | None = [] if timeline else None
 
     def compute_until(self, idx: int) -> None:
-        """Run the ops before ``idx`` (none of them waits for a collective; each waits for its launch)."""
-        start = self.t
-        self.t += self.ctx.cum[idx] - self.ctx.cum[self.pos]
+        """Run the ops before ``idx`` (none of them waits for a collective; each waits for its launch: where the
+        host is behind, the wait is drawn before the run)."""
+        busy = self.ctx.cum[idx] - self.ctx.cum[self.pos]
         if self.host is not None and idx > self.pos:
-            self.t = max(self.t, self.host.finish(self.pos, idx))
-        if self.events is not None and self.t > start:
+            self._host_wait(self.host.finish(self.pos, idx) - busy)
+        if self.events is not None and busy > 0:
             self.events.append(TimelineEvent(Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)",
-                                             start, self.t, op=self.pos))
+                                             self.t, self.t + busy, op=self.pos))
+        self.t += busy
         self.pos = idx
+
+    def _host_wait(self, until: float) -> None:
+        if until > self.t:
+            if self.events is not None:
+                self.events.append(TimelineEvent(Stream.COMPUTE, "waiting for the host", self.t, until,
+                                                 work=Work.HOST))
+            self.host_wait += until - self.t
+            self.t = until
 
     def issue(self, c: Collective) -> None:
         nbytes = collective_bytes(self.ctx, c, self.gather)
@@ -150,15 +173,21 @@ class Streams:
     def run_extra(self, seconds: float, name: str, launched: float = 0.0) -> None:
         """Compute that is not one of the trace's ops (a checkpointed forward run again), its last op launched by
         the host at ``launched``."""
-        start = self.t
-        self.t = max(self.t + seconds, launched)
         if self.events is not None and seconds > 0:
-            self.events.append(TimelineEvent(Stream.COMPUTE, name, start, self.t))
+            self.events.append(TimelineEvent(Stream.COMPUTE, name, self.t, self.t + seconds, work=Work.RECOMPUTE))
+        self.t += seconds
+        self._host_wait(launched)
 
     def wait_for(self, groups: list[int]) -> None:
         """Compute waits for each group's all-gather, then copies it out (once per all-gather)."""
         for g in groups:
-            self.t = max(self.t, self.ready[g]) + self.copy_out[g]
+            self.t = max(self.t, self.ready[g])
+            copy = self.copy_out[g]
+            if self.events is not None and copy > 0:
+                name = f"copy-out {fmt_modules(self.plan.groups[g].modules, 1)}"
+                self.events.append(TimelineEvent(Stream.COMPUTE, name, self.t, self.t + copy, g, work=Work.COPY_OUT))
+            self.t += copy
+            self.copy_time += copy
             self.copy_out[g] = 0.0
 
 
@@ -261,7 +290,8 @@ def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Stream
     breakdown.pop("total")
     return StepReport(
         step_time=step, compute_time=ctx.compute_total + recompute,
-        exposed_comm=max(0.0, step - ctx.compute_total - recompute), recompute_time=recompute,
+        exposed_comm=max(0.0, step - ctx.compute_total - recompute - streams.copy_time - streams.host_wait),
+        recompute_time=recompute, host_wait=streams.host_wait, copy_time=streams.copy_time,
         lower_bound=ctx.lower_bound, peak_memory=memory.allocated,
         reserved_memory=memory.reserved, memory_at_peak=breakdown,
         all_gathers=len(ag), reduce_scatters=len(rs), all_gather_bytes=sum(gather[c.group] for c in ag),

@@ -64,6 +64,8 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
     first, index = trace.index.first_use, trace.index.param_index
     starts = [min((first.get(index[p], fwd_end) for p in g.params), default=fwd_end) for g in plan.inner_groups]
     groups = ctx.sizing.groups(plan)
+    ev.checkpointed = list(plan.activation_checkpointing)  # alternatives checkpoint what the plan does (the search
+    # may have left the evaluator on another setting)
     out = []
     for k, g in enumerate(plan.inner_groups):
         nbytes = groups[k].gather_bytes
