@@ -12,7 +12,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import check_plan_world_size
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
-from fsdp_planner.models import BUILTINS
+from fsdp_planner.models import planning_only
 from fsdp_planner.planners.registry import PolicyName
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions, ZeroGrad
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlannerError(f"--nproc must be at least 1, got {args.nproc}")
     if args.steps < 1:
         raise PlannerError(f"--steps must be at least 1, got {args.steps}")
-    if args.model in BUILTINS and not BUILTINS[args.model].trainable:
+    if planning_only(args.model):
         raise PlannerError(f"'{args.model}' is for planning only (too large to train here); verify a trainable "
                            "model")
     if args.precision != DEFAULT_PRECISION or args.zero_grad != ZeroGrad.NONE.value:

@@ -1,6 +1,7 @@
 """Built-in models and loading of user model factories.
 
-A MODEL spec is a built-in name, ``path/to/file.py:fn`` or ``package.module:fn``; ``fn()`` returns
+A MODEL spec is a built-in name, ``path/to/file.py:fn``, ``package.module:fn`` or a Hugging Face config
+(``hf:NAME``, ``hf:path/config.json``, ``hf:path/dir``: ``hf.py``); ``fn()`` returns
 ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``. For planning the factory runs under
 ``torch.device("meta")`` so even a 405B model costs no memory.
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.models import encdec, gpt2, llama, moe, seed, vit
+from fsdp_planner.models import encdec, gpt2, hf, llama, moe, seed, vit
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class ModelSpec:
         """The name with its workload: what the user set, and a built-in's defaults ("llama3-8b, batch 1, seq
         8192"); a user factory's defaults are its own business and not read here (that would import it again)."""
         values = workload_defaults(BUILTINS[self.name].factory) if self.name in BUILTINS else {}
+        if hf.is_hf(self.name):
+            values = _hf_workload(self.name)
         values.update(self.kwargs())
         words = {"batch_size": "batch", "seq_len": "seq"}
         return ", ".join([self.name, *(f"{words[k]} {v:,}" for k, v in values.items())])
@@ -93,6 +96,24 @@ class ModelSpec:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelSpec:
         return cls(**data)
+
+
+def _hf_workload(spec: str) -> dict[str, Any]:
+    """An ``hf:`` model's default workload; none when its config cannot be read (the command will say why)."""
+    source = spec.removeprefix(hf.PREFIX)
+    if source in hf.SHIPPED:  # known without importing transformers
+        return hf.SHIPPED[source].workload()
+    try:
+        return workload_defaults(hf.factory(spec.removeprefix(hf.PREFIX)))
+    except PlannerError:
+        return {}
+
+
+def planning_only(spec: str) -> bool:
+    """A model too large to train on this machine: a built-in marked so, or a config shipped for planning."""
+    if spec in BUILTINS:
+        return not BUILTINS[spec].trainable
+    return hf.is_hf(spec) and spec.removeprefix(hf.PREFIX) in hf.SHIPPED
 
 
 def as_spec(spec: ModelSpec | str) -> ModelSpec:
@@ -128,6 +149,8 @@ def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, 
             others = ", ".join(n for n, b in BUILTINS.items() if key in workload_defaults(b.factory))
             raise PlannerError(f"{option} does not apply to '{spec.name}' (it has no {key}); built-ins that take "
                                f"it: {others}")
+        if hf.is_hf(spec.name):
+            raise PlannerError(f"{option} does not apply to '{spec.name}': its inputs have no {key} (images)")
         raise PlannerError(f"{option} does not apply to '{spec.name}': its factory takes no '{key}' keyword "
                            f"argument (add one, e.g. def {spec.name.rpartition(':')[2]}({key}=...), to set it "
                            f"from the command line)")
@@ -164,9 +187,12 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
     """The factory function a MODEL spec names."""
     if spec in BUILTINS:
         return BUILTINS[spec].factory
+    if hf.is_hf(spec):
+        return hf.factory(spec.removeprefix(hf.PREFIX))
     if ":" not in spec:
         known = ", ".join(BUILTINS)
-        raise PlannerError(f"unknown model '{spec}': use a built-in ({known}) or 'file.py:fn' / 'module:fn'")
+        raise PlannerError(f"unknown model '{spec}': use a built-in ({known}), 'file.py:fn' / 'module:fn' or "
+                           "'hf:NAME' / 'hf:path/config.json'")
     target, _, fn_name = spec.rpartition(":")
     if not target.endswith(".py") and ("/" in target or Path(target).is_dir()):
         kind = "a directory" if Path(target).is_dir() else "not a .py file"

@@ -199,7 +199,7 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Coun
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions."""
-    from fsdp_planner.models import BUILTINS
+    from fsdp_planner.models import planning_only
 
     model = as_spec(model)
     spec = model.name
@@ -208,7 +208,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         raise PlannerError("--nproc must be at least 1")
     if steps < 1:
         raise PlannerError("--steps must be at least 1")
-    if spec in BUILTINS and not BUILTINS[spec].trainable:
+    if planning_only(spec):
         raise PlannerError(f"'{spec}' is for planning only (too large to train here); verify a trainable model")
     if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
         path, _, fn = spec.rpartition(":")

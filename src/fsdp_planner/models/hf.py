@@ -1,0 +1,219 @@
+"""Hugging Face transformers models built from a config, never downloaded.
+
+MODEL ``hf:NAME`` is a config shipped with the package (``hf_configs/NAME.json``: the architecture numbers of a
+public checkpoint's config.json), ``hf:path/to/config.json`` or ``hf:path/to/model_dir`` (a directory holding a
+config.json). The config goes through ``AutoConfig.for_model`` and the task's Auto class (``from_config``), so
+nothing is fetched from the Hub and ``HF_HUB_OFFLINE=1`` changes nothing. The task follows the config's
+``model_type``: causal LMs get token ids (labels = the ids), encoder-decoders encoder ids and a quarter as many
+target ids (as the built-in ``t5-3b``), image classifiers pixel values at the config's image size and one label
+per image; the loss is the model's own. Params are fp32 (the precision option casts them as FSDP2 would) and
+initialised by transformers under the seed ``load_model`` sets, so every verify rank builds the same weights.
+
+transformers is the optional extra ``fsdp-planner[hf]``: it is imported only when an ``hf:`` model is asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.userfiles import parse_json, read_text
+
+PREFIX = "hf:"
+CONFIG_DIR = Path(__file__).with_name("hf_configs")
+INSTALL_HINT = "hf: models need Hugging Face transformers: pip install 'fsdp-planner[hf]'"
+DEFAULT_SEQ_CAP = 2048  # a user config's default sequence: its maximum position count, at most this
+
+
+class HfTask(Enum):
+    CAUSAL_LM = "causal LM"
+    SEQ2SEQ_LM = "encoder-decoder LM"
+    IMAGE_CLASSIFICATION = "image classifier"
+
+
+@dataclass(frozen=True)
+class ShippedConfig:
+    """A config in ``hf_configs/``: where its numbers come from and the workload it is planned for by default."""
+
+    description: str
+    batch_size: int
+    seq_len: int | None = None  # None: the input has no sequence length (images)
+
+    def workload(self) -> dict[str, int]:
+        """The factory's default ``batch_size`` and ``seq_len``."""
+        return {"batch_size": self.batch_size, **({"seq_len": self.seq_len} if self.seq_len is not None else {})}
+
+
+SHIPPED: dict[str, ShippedConfig] = {
+    "llama3-8b": ShippedConfig("Llama 3 8B (meta-llama/Meta-Llama-3-8B)", 1, 8192),
+    "llama3-70b": ShippedConfig("Llama 3 70B (meta-llama/Meta-Llama-3-70B)", 1, 8192),
+    "qwen2.5-3b": ShippedConfig("Qwen2.5 3B, tied embeddings (Qwen/Qwen2.5-3B)", 1, 4096),
+    "gpt2": ShippedConfig("GPT-2 124M, tied embeddings (openai-community/gpt2)", 8, 1024),
+    "mixtral-8x7b": ShippedConfig("Mixtral 8x7B MoE, 8 experts top-2 (mistralai/Mixtral-8x7B-v0.1)", 1, 4096),
+    "t5-3b": ShippedConfig("T5 3B, tied embeddings (google-t5/t5-3b); decoder reads seq_len / 4", 1, 1024),
+    "vit-h14": ShippedConfig("ViT-H/14 at 224px, 1000 classes (google/vit-huge-patch14-224-in21k)", 32),
+}
+
+
+def is_hf(spec: str) -> bool:
+    return spec.startswith(PREFIX)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise PlannerError(INSTALL_HINT) from None
+    return transformers
+
+
+def config_file(source: str) -> Path:
+    """The config.json an ``hf:`` source names (the part after ``hf:``)."""
+    if source in SHIPPED:
+        return CONFIG_DIR / f"{source}.json"
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise PlannerError(f"hf:{source} is a directory without a config.json")
+        return path
+    if path.is_file():
+        return path
+    raise PlannerError(f"hf:{source} is neither a shipped config ({', '.join(SHIPPED)}) nor a config.json file or a "
+                       "directory holding one")
+
+
+def read_config(source: str) -> dict[str, Any]:
+    """The config's JSON object; it must name its ``model_type`` (what ``AutoConfig.for_model`` dispatches on)."""
+    path = config_file(source)
+    label = f"config file '{path}'"
+    data = parse_json(read_text(path, label, "a Hugging Face config.json"),
+                      lambda detail: f"{label} is not valid JSON: {detail}")
+    if not isinstance(data, dict):
+        raise PlannerError(f"{label} must hold a JSON object, got {type(data).__name__}")
+    if not isinstance(data.get("model_type"), str):
+        raise PlannerError(f"{label} has no \"model_type\" (e.g. \"llama\"): transformers needs it to pick the "
+                           "architecture")
+    return data
+
+
+def _config(data: dict[str, Any]) -> Any:
+    """A fresh transformers config for ``data`` (from_config writes its choices into the config it is given)."""
+    transformers = _transformers()
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        return transformers.AutoConfig.for_model(data["model_type"], **fields)
+    except (ValueError, KeyError, TypeError) as e:
+        raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {e}") from None
+
+
+def task_of(config: Any) -> HfTask:
+    """The training task the planner runs for a config, from transformers' Auto mappings."""
+    from transformers.models.auto import modeling_auto as auto
+
+    model_type = config.model_type
+    if getattr(config, "is_encoder_decoder", False) and model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return HfTask.SEQ2SEQ_LM
+    if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return HfTask.CAUSAL_LM
+    if model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
+        return HfTask.IMAGE_CLASSIFICATION
+    raise PlannerError(f"hf: model type '{model_type}' is not supported: the planner trains causal LMs, "
+                       "encoder-decoder LMs and image classifiers")
+
+
+def _auto_class(task: HfTask) -> Any:
+    transformers = _transformers()
+    return {HfTask.CAUSAL_LM: transformers.AutoModelForCausalLM,
+            HfTask.SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
+            HfTask.IMAGE_CLASSIFICATION: transformers.AutoModelForImageClassification}[task]
+
+
+# The loss transformers would pick by the class name, for classes whose name does not say it.
+_LOSS_TYPES = {HfTask.CAUSAL_LM: "ForCausalLM", HfTask.IMAGE_CLASSIFICATION: "ForImageClassification"}
+
+
+def build_model(data: dict[str, Any]) -> nn.Module:
+    """The model of a config (on the current default device: meta while planning), fp32 params, training mode.
+    Experts layers take the token-balanced routing while planned (``hf_experts``)."""
+    from fsdp_planner.models import hf_experts
+
+    config = _config(data)
+    task = task_of(config)
+    # a model without experts layers accepts the option and ignores it
+    model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register())
+    if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
+        model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
+    return model.train()
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The model's own loss (it was given labels); a model that returns none: the sum of its logits."""
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    return output.logits.float().sum()
+
+
+def causal_lm_loss(model: nn.Module, ids: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    """The model's own next-token loss (``loss_function``: logits upcast to fp32, labels shifted), applied to
+    its logits after the forward rather than inside it: the trace then sees the fp32 logits and their gradient
+    alive at the start of backward, as it does for the built-ins (gigabytes at a 128K vocabulary)."""
+
+    def loss(output: Any) -> torch.Tensor:
+        return model.loss_function(output.logits, ids, vocab_size=model.config.vocab_size)
+
+    return loss
+
+
+def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Any]:
+    model = build_model(data)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len))
+    return model, {"input_ids": ids}, causal_lm_loss(model, ids)
+
+
+def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Any]:
+    """Encoder ids of ``seq_len`` and a quarter as many target ids (T5's span-corruption ratio); the decoder's
+    inputs are the targets shifted right, made by the model."""
+    model = build_model(data)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch_size, seq_len))
+    labels = torch.randint(0, vocab, (batch_size, max(1, seq_len // 4)))
+    return model, {"input_ids": ids, "labels": labels}, model_loss
+
+
+def build_image_classifier(data: dict[str, Any], batch_size: int) -> tuple[nn.Module, Any, Any]:
+    model = build_model(data)
+    cfg = model.config
+    pixels = torch.randn(batch_size, cfg.num_channels, cfg.image_size, cfg.image_size)
+    labels = torch.randint(0, cfg.num_labels, (batch_size,))
+    return model, {"pixel_values": pixels, "labels": labels}, model_loss
+
+
+def _default_workload(source: str, task: HfTask, config: Any) -> dict[str, int]:
+    if source in SHIPPED:
+        return SHIPPED[source].workload()
+    if task is HfTask.IMAGE_CLASSIFICATION:
+        return {"batch_size": 32}
+    max_positions = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_CAP
+    return {"batch_size": 1, "seq_len": min(int(max_positions), DEFAULT_SEQ_CAP)}
+
+
+@functools.cache
+def factory(source: str) -> Callable[..., tuple]:
+    """The model factory of an ``hf:`` source: its workload keywords (``batch_size``, ``seq_len`` where the task
+    has one) default to the shipped workload, or for a user config to batch 1 and its maximum position count
+    (at most 2048)."""
+    data = read_config(source)
+    config = _config(data)
+    task = task_of(config)
+    build = {HfTask.CAUSAL_LM: build_causal_lm, HfTask.SEQ2SEQ_LM: build_seq2seq_lm,
+             HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
+    return functools.partial(build, data, **_default_workload(source, task, config))

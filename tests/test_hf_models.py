@@ -1,0 +1,184 @@
+"""Hugging Face models from configs (``hf:``): shipped numbers, workload options, MoE tracing, real training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fsdp_planner.cli import main
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.models import ModelSpec, hf, load_model
+from fsdp_planner.trace import trace
+
+TINY = {
+    "tiny-llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+                   "max_position_embeddings": 32},
+    "tiny-gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32,
+                  "vocab_size": 256, "bos_token_id": 0, "eos_token_id": 0},
+    "tiny-mixtral": {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+                     "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 32},
+}
+
+
+def tiny(tmp_path: Path, name: str) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(TINY[name]))
+    return f"hf:{path}"
+
+
+def flops(tr) -> int:  # type: ignore[no-untyped-def]
+    return sum(e.flops for e in tr.events)
+
+
+def traced(spec: str):  # type: ignore[no-untyped-def]
+    lm = load_model(spec)
+    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+
+
+# The public checkpoints' parameter counts (their config.json numbers built by transformers).
+SHIPPED_PARAMS = {
+    "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "qwen2.5-3b": 3_085_938_688, "gpt2": 124_439_808,
+    "mixtral-8x7b": 46_702_792_704, "t5-3b": 2_851_598_336, "vit-h14": 632_045_800,
+}
+
+
+def test_every_shipped_config_builds_on_meta_with_its_checkpoints_parameter_count():
+    assert set(SHIPPED_PARAMS) == set(hf.SHIPPED)
+    for name, count in SHIPPED_PARAMS.items():
+        model = load_model(f"hf:{name}").model
+        params = list(model.parameters())
+        assert all(p.is_meta and p.dtype == torch.float32 for p in params), name
+        assert sum(p.numel() for p in params) == count, name
+
+
+def test_tied_configs_tie_their_embeddings():
+    qwen = load_model("hf:qwen2.5-3b").model
+    assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
+    llama = load_model("hf:llama3-8b").model
+    assert llama.lm_head.weight is not llama.model.embed_tokens.weight
+
+
+def test_hf_llama3_8b_traces_as_the_builtin_llama3_8b():
+    ours, theirs = traced("hf:llama3-8b"), traced("llama3-8b")
+    assert ours.numel == theirs.numel == 8_030_261_248
+    assert flops(ours) == flops(theirs)
+    # the loss runs outside the forward as for the built-in: the fp32 logits and their gradient are counted
+    assert max(e.live for e in ours.events) == pytest.approx(max(e.live for e in theirs.events), rel=1e-3)
+
+
+def test_hf_mixtral_traces_with_token_balanced_routing():
+    """The router runs, experts get an even share: the built-in Mixtral's FLOPs, every expert weight gets a grad."""
+    ours, theirs = traced("hf:mixtral-8x7b"), traced("mixtral-8x7b")
+    assert ours.numel == theirs.numel
+    assert flops(ours) == flops(theirs)
+    experts = [p for p in ours.params if ".experts." in p.fqn or ".gate." in p.fqn]
+    assert len(experts) == 3 * 32 and all(p.gets_grad for p in experts)
+
+
+def test_real_tensors_take_transformers_own_expert_routing(tmp_path):
+    spec = tiny(tmp_path, "tiny-mixtral")
+    lm = load_model(spec, meta=False)
+    ours = lm.model(**lm.example_inputs).logits
+    lm.model.set_experts_implementation("eager")  # transformers' reference loop over the routed experts
+    assert torch.allclose(ours, lm.model(**lm.example_inputs).logits, atol=1e-5)
+
+
+def test_workload_options_reach_the_inputs(tmp_path):
+    spec = tiny(tmp_path, "tiny-llama")
+    assert load_model(spec).example_inputs["input_ids"].shape == (1, 32)  # max_position_embeddings
+    lm = load_model(ModelSpec(spec, batch_size=3, seq_len=16))
+    assert lm.example_inputs["input_ids"].shape == (3, 16)
+    t5 = load_model(ModelSpec("hf:t5-3b", batch_size=2, seq_len=64)).example_inputs
+    assert t5["input_ids"].shape == (2, 64) and t5["labels"].shape == (2, 16)
+    vit = load_model(ModelSpec("hf:vit-h14", batch_size=4)).example_inputs
+    assert vit["pixel_values"].shape == (4, 3, 224, 224) and vit["labels"].shape == (4,)
+    assert ModelSpec("hf:llama3-8b").label() == "hf:llama3-8b, batch 1, seq 8,192"
+    with pytest.raises(PlannerError, match="--seq does not apply to 'hf:vit-h14'"):
+        load_model(ModelSpec("hf:vit-h14", seq_len=128))
+
+
+def test_a_model_directory_is_read_through_its_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY["tiny-gpt2"]))
+    model = load_model(f"hf:{tmp_path}").model
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_real_builds_are_deterministic_per_seed(tmp_path):
+    spec = tiny(tmp_path, "tiny-llama")
+    a, b, c = (load_model(spec, meta=False, seed=s).model for s in (0, 0, 1))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "is neither a shipped config"),
+    ("[1, 2]", "must hold a JSON object"),
+    ("{\"hidden_size\": 8}", "has no \"model_type\""),
+    ("{\"model_type\": \"no-such-architecture\"}", "transformers cannot make a 'no-such-architecture' config"),
+    ("{\"model_type\": \"wav2vec2\"}", "model type 'wav2vec2' is not supported"),
+    ("{\"model_type\": ", "is not valid JSON"),
+])
+def test_bad_configs_are_one_line_errors(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(PlannerError, match=message):
+        load_model(f"hf:{path}")
+
+
+def test_without_transformers_the_user_is_told_to_install_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    hf.factory.cache_clear()
+    try:
+        with pytest.raises(PlannerError) as e:
+            load_model("hf:gpt2")
+        assert str(e.value) == hf.INSTALL_HINT
+        assert main(["plan", "hf:gpt2", "--policy", "titan"]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: {hf.INSTALL_HINT}"]
+    finally:
+        hf.factory.cache_clear()
+
+
+def test_shipped_configs_are_for_planning_only():
+    assert main(["verify", "hf:gpt2", "--policy", "titan"]) == 2
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
+                          timeout=480, env=env)
+
+
+@pytest.mark.integration
+def test_goal_command_plans_hf_llama3_8b_offline():
+    r = _cli("plan", "hf:llama3-8b", "--policy", "auto", "--cluster", "h100:64")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "8,030,261,248 params" in r.stdout and "auto:" in r.stdout and "within the budget" in r.stdout
+
+
+@pytest.mark.integration
+def test_hf_mixtral_gets_every_plan():
+    """No plan fits one H100 at 64 GPUs (the experts' dim-0 padding, as for the built-in): a larger budget."""
+    r = _cli("plan", "hf:mixtral-8x7b", "--cluster", "h100:64", "--memory-budget", "250GiB", "--json")
+    assert r.returncode == 0, r.stderr
+    names = [p["plan"]["policy"].split("(")[0] for p in json.loads(r.stdout)["plans"]]
+    assert {"module", "titan", "order", "auto"} <= set(names)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("name", "policy"), [("tiny-llama", "auto"), ("tiny-gpt2", "auto"),
+                                              ("tiny-mixtral", "auto"), ("tiny-mixtral", "titan")])
+def test_tiny_hf_models_train_on_two_gloo_ranks(tmp_path, name, policy):
+    r = _cli("verify", tiny(tmp_path, name), "--policy", policy, "--nproc", "2", "--steps", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout
