@@ -277,9 +277,16 @@ class Replay:
         self.states = sorted(self.groups, key=lambda r: min(registered[m] for m in r.group.modules))
 
     def hooked_events(self) -> list[int]:
-        """Boundary events of the modules FSDP2 hooks (the groups' modules), in order."""
+        """Boundary events of the modules FSDP2 hooks (the groups' modules), in order; a call of a non-forward
+        method (``Trace.method_calls``) only when the plan registers it (``register_fsdp_forward_method``)."""
         by_module = self.trace.index.boundaries_by_module
-        return sorted(i for m in self.group_of for i in by_module.get(m, ()))
+        hooked = sorted(i for m in self.group_of for i in by_module.get(m, ()))
+        registered = set(self.plan.forward_methods)
+        unregistered = {call for call, name in self.trace.method_calls.items() if (call[0], name) not in registered}
+        if unregistered:  # a non-forward method runs inside its module's hooks only once registered
+            events = self.trace.events
+            hooked = [i for i in hooked if (events[i].module, events[i].call) not in unregistered]
+        return hooked
 
     def run(self) -> Schedule:
         events, shared = self.trace.events, self.shared
