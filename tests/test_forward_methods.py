@@ -69,7 +69,7 @@ def test_an_unregistered_method_of_a_sharded_module_is_refused_and_registering_i
     plan = make_plan(tr, [["inp"], ["block"], ["head"]])
     assert plan.forward_methods == [("head", "loss")]
     check_plan_runs(tr, plan)
-    with pytest.raises(PlannerError, match="'head.weight' while its group 2 .* is sharded"):
+    with pytest.raises(PlannerError, match=r"'head\.weight' while its group 2 .* is sharded"):
         check_plan_runs(tr, plan.copy(forward_methods=[]))
 
 
