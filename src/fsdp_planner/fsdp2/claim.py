@@ -243,7 +243,7 @@ def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]
                 if o in group_of:
                     module_groups[group_of[o]].remove(o)
             continue
-        gids = [_claiming_group(o, group_of, trace.index.parents) for o in p.owners]
+        gids = [claiming_group(o, group_of, trace.index.parents) for o in p.owners]
         inner = sorted({g for g in gids if g >= 0})
         if len(set(gids)) <= 1 or not inner:
             continue
@@ -262,13 +262,13 @@ def resolve_shared_modules(trace: Trace, module_groups: list[list[str]]) -> int:
     added = 0
     for m in trace.index.shared_modules:
         group_of = {x: i for i, ms in enumerate(module_groups) for x in ms}
-        if m not in group_of and len({_claiming_group(p, group_of, parents) for p in parents[m]}) > 1:
+        if m not in group_of and len({claiming_group(p, group_of, parents) for p in parents[m]}) > 1:
             module_groups.append([m])
             added += 1
     return added
 
 
-def _claiming_group(fqn: str, group_of: Mapping[str, int], parents: Mapping[str, Sequence[str]]) -> int:
+def claiming_group(fqn: str, group_of: Mapping[str, int], parents: Mapping[str, Sequence[str]]) -> int:
     """The group whose fully_shard call claims ``fqn``'s own params: its own, else its nearest listed ancestor's
     (following the first parent of a shared module); -1 for the root."""
     while True:
