@@ -21,7 +21,7 @@ BF16_MIXED = SimOptions().precision
 
 
 def traced(spec: str):
-    lm = load_model(spec if ":" in spec and "/" in spec or "-" in spec else f"{FACTORIES}:{spec}")
+    lm = load_model(spec if ":" in spec or "-" in spec else f"{FACTORIES}:{spec}")  # a bare name: a factory
     return trace(lm.model, lm.example_inputs, lm.loss_fn)
 
 
