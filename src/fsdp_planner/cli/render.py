@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fsdp_planner.fmt import fmt_bytes, fmt_modules, fmt_numel, fmt_time
+from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster
 from fsdp_planner.planners.auto import AutoResult
@@ -112,6 +113,17 @@ def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
                   "full" if ac and ac == g.modules else fmt_modules(ac, 1) if ac else "")
         if len(shown) < len(plan.groups) and i == limit - 2:
             t.add_row("...", f"({len(plan.groups) - limit} more groups)", "", "", "", "")
+    return t
+
+
+def findings_table(findings: Sequence[Finding]) -> Table:
+    """``check``'s findings: errors first, each with the module to change and the fix."""
+    t = Table(title="findings", title_justify="left", show_lines=True)
+    for col in ("severity", "code", "module", "finding", "fix"):
+        t.add_column(col, justify="left", overflow="fold")
+    for f in sorted(findings, key=lambda f: f.severity is not Severity.ERROR):
+        style = "red" if f.severity is Severity.ERROR else "yellow"
+        t.add_row(f"[{style}]{f.severity.value}[/{style}]", f.code.value, f.module or "(root)", f.message, f.fix)
     return t
 
 

@@ -1,5 +1,5 @@
 """Apply a Plan to a model with FSDP2 ``fully_shard``: activation checkpointing first, then one call per group
-(lists allowed), children first, the root last, then the plan's explicit prefetch lists."""
+(lists allowed), children first, the root last, then the plan's forward methods and explicit prefetch lists."""
 
 from __future__ import annotations
 
@@ -55,12 +55,13 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
                offload_policy: Any = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
     plan's layout over the default process group (``device_mesh``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
     modules = dict(model.named_modules())
-    unknown = [m for g in plan.groups for m in g.modules if m not in modules]
+    unknown = [m for g in plan.groups for m in g.modules if m not in modules] + [
+        m for m, _ in plan.forward_methods if m not in modules]
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     if mesh is None:
@@ -81,6 +82,10 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
                     reshard_after_forward=reshard_arg(g.reshard_after_forward, world), **kwargs)
     # the root's reshard_after_forward is given explicitly (False by default, what FSDP2 2.8+ infers from None)
     fully_shard(model, reshard_after_forward=reshard_arg(plan.root.reshard_after_forward, world), **kwargs)
+    for fqn, name in plan.forward_methods:  # after fully_shard: it wraps with the module's FSDP state's hooks
+        if not callable(getattr(modules[fqn], name, None)):
+            raise PlannerError(f"plan registers '{fqn}.{name}' as a forward method but the module has no such method")
+        register_fsdp_forward_method(modules[fqn], name)
     for g in plan.groups:
         first = modules[g.modules[0]]
         if g.forward_prefetch:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import check_checkpointing
+from fsdp_planner.fsdp2.dtypes import check_uniform_dtypes, split_by_dtype
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -178,7 +179,11 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     if refused:
         raise PlannerError(f"these modules modify their own inputs in place, which FSDP2's hook on a sharded "
                            f"module's inputs refuses: {short_list(refused)}; shard their children instead")
+    unknown = sorted({m for m, _ in plan.forward_methods} - set(trace.modules))
+    if unknown:
+        raise PlannerError(f"plan 'forward_methods' names modules the model does not have: {short_list(unknown)}")
     validate_plan(plan, trace)
+    check_uniform_dtypes(plan, trace)
     check_checkpointing(plan, trace)
 
 
@@ -197,16 +202,25 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     added = resolve_shared_modules(trace, groups)
     reshard += [True] * added
     groups = resolve_ties(trace, groups)
+    groups, reshard = split_by_dtype(trace, groups, reshard)
     plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],
                 trace.fingerprint, trace.numel, policy=policy, model=model)
     for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True):
         g.params = params
     plan.groups = [g for g in plan.groups if g.params or g.is_root]
+    plan.forward_methods = methods_to_register(trace, plan)
     first = trace.index.first_use
     index = trace.index.param_index
     never = len(trace.events) + 1
     plan.groups[:-1] = sorted(plan.groups[:-1], key=lambda g: min(first.get(index[p], never) for p in g.params))
     return plan
+
+
+def methods_to_register(trace: Trace, plan: Plan) -> list[tuple[str, str]]:
+    """The non-forward methods the step calls on modules the plan shards (``fully_shard`` targets, the root
+    included): FSDP2 runs them inside the module's hooks only once ``register_fsdp_forward_method`` is called."""
+    listed = {m for g in plan.groups for m in g.modules}
+    return [(m, name) for m, name in trace.forward_methods if m in listed]
 
 
 def shardable_cover(trace: Trace, fqn: str) -> list[str]:
@@ -229,7 +243,7 @@ def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]
                 if o in group_of:
                     module_groups[group_of[o]].remove(o)
             continue
-        gids = [_claiming_group(o, group_of, trace.index.parents) for o in p.owners]
+        gids = [claiming_group(o, group_of, trace.index.parents) for o in p.owners]
         inner = sorted({g for g in gids if g >= 0})
         if len(set(gids)) <= 1 or not inner:
             continue
@@ -248,13 +262,13 @@ def resolve_shared_modules(trace: Trace, module_groups: list[list[str]]) -> int:
     added = 0
     for m in trace.index.shared_modules:
         group_of = {x: i for i, ms in enumerate(module_groups) for x in ms}
-        if m not in group_of and len({_claiming_group(p, group_of, parents) for p in parents[m]}) > 1:
+        if m not in group_of and len({claiming_group(p, group_of, parents) for p in parents[m]}) > 1:
             module_groups.append([m])
             added += 1
     return added
 
 
-def _claiming_group(fqn: str, group_of: Mapping[str, int], parents: Mapping[str, Sequence[str]]) -> int:
+def claiming_group(fqn: str, group_of: Mapping[str, int], parents: Mapping[str, Sequence[str]]) -> int:
     """The group whose fully_shard call claims ``fqn``'s own params: its own, else its nearest listed ancestor's
     (following the first parent of a shared module); -1 for the root."""
     while True:

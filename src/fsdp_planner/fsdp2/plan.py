@@ -21,7 +21,7 @@ from fsdp_planner.userfiles import parse_json, read_text
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
-PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh")
+PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh", "forward_methods")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
@@ -99,6 +99,8 @@ class Plan:
     activation_checkpointing: list[str] = field(default_factory=list)  # modules checkpointed in full
     # (every call: only its inputs kept after forward, its forward run again in backward; ``checkpointing.py``)
     mesh: Mesh | None = None  # None: pure FSDP over whatever world it runs on
+    forward_methods: list[tuple[str, str]] = field(default_factory=list)  # (module, method): non-forward methods
+    # the step calls on a sharded module, run inside its pre/post-forward hooks (register_fsdp_forward_method)
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -124,13 +126,14 @@ class Plan:
         return replace(self, groups=[replace(g, modules=list(g.modules), params=list(g.params),
                                              forward_prefetch=list(g.forward_prefetch),
                                              backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
-                       **{"activation_checkpointing": list(self.activation_checkpointing), **changes})
+                       **{"activation_checkpointing": list(self.activation_checkpointing),
+                          "forward_methods": list(self.forward_methods), **changes})
 
     def signature(self) -> tuple:
         """What makes two plans behave the same (names and labels aside)."""
         return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
                        tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing),
-                self.mesh)
+                self.mesh, tuple(self.forward_methods))
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -143,6 +146,8 @@ class Plan:
         }
         if self.mesh is not None:
             d["mesh"] = self.mesh.to_dict()
+        if self.forward_methods:
+            d["forward_methods"] = [{"module": m, "method": name} for m, name in self.forward_methods]
         return d
 
     def to_json(self) -> str:
@@ -191,7 +196,21 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {_shown(numel)}")
     return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
                 model=str(model.get("name", "")), activation_checkpointing=list(checkpointed),
-                mesh=_mesh_from_dict(data.get("mesh")))
+                mesh=_mesh_from_dict(data.get("mesh")),
+                forward_methods=_methods_from_list(data.get("forward_methods", [])))
+
+
+def _methods_from_list(items: Any) -> list[tuple[str, str]]:
+    """``[{"module": "head", "method": "loss"}, ...]``; absent: none."""
+    if not isinstance(items, list) or any(
+            not isinstance(x, dict) or set(x) != {"module", "method"} or not isinstance(x["module"], str)
+            or not isinstance(x["method"], str) or not x["method"].isidentifier() for x in items):
+        raise PlannerError(f"plan 'forward_methods' must be a list of {{\"module\": NAME, \"method\": NAME}} objects "
+                           f"(methods registered with register_fsdp_forward_method), got {_shown(items)}")
+    pairs = [(x["module"], x["method"]) for x in items]
+    if len(set(pairs)) != len(pairs):
+        raise PlannerError("plan 'forward_methods' lists a method twice; list each once")
+    return pairs
 
 
 def _mesh_from_dict(m: Any) -> Mesh | None:

@@ -169,10 +169,11 @@ class GroupReplay:
         self.shared.schedule.residency.append(Residency(self.index, self.since, at, divisor))
 
     # -- the lifecycle ------------------------------------------------------------------------------------
-    def pre_forward(self, at: int, call: Call, grad_inputs: bool) -> None:
+    def pre_forward(self, at: int, call: Call, grad_inputs: bool, gated: bool = True) -> None:
         """FSDPState._pre_forward + FSDPParamGroup.pre_forward: runs for every listed module; the post-backward
-        hook and forward prefetch only for the first module of the pass."""
-        if not self.modules_to_run:
+        hook and forward prefetch only for the first module of the pass. ``gated``: through the group's forward
+        hook, which resets the modules still to run (not a registered method's wrapper)."""
+        if gated and not self.modules_to_run:
             self.modules_to_run = set(self.group.modules)
         first_in_pass = self.training_state is not TrainingState.FORWARD
         if first_in_pass:
@@ -288,11 +289,21 @@ class Replay:
         # FSDP2's all_states: one per fully_shard call, in the registration order of its first module
         registered = {m: i for i, m in enumerate(trace.modules)}
         self.states = sorted(self.groups, key=lambda r: min(registered[m] for m in r.group.modules))
+        methods = set(plan.forward_methods)
+        # calls of registered methods: register_fsdp_forward_method's wrapper calls FSDPState._pre_forward and
+        # _post_forward itself, past a list group's gate (_register_group_forward_hooks' modules_to_run)
+        self.method_calls = {call for call, name in trace.method_calls.items() if (call[0], name) in methods}
 
     def hooked_events(self) -> list[int]:
-        """Boundary events of the modules FSDP2 hooks (the groups' modules), in order."""
+        """Boundary events of the modules FSDP2 hooks (the groups' modules), in order; a call of a non-forward
+        method (``Trace.method_calls``) only when the plan registers it (``register_fsdp_forward_method``)."""
         by_module = self.trace.index.boundaries_by_module
-        return sorted(i for m in self.group_of for i in by_module.get(m, ()))
+        hooked = sorted(i for m in self.group_of for i in by_module.get(m, ()))
+        unregistered = set(self.trace.method_calls) - self.method_calls
+        if unregistered:  # a non-forward method runs inside its module's hooks only once registered
+            events = self.trace.events
+            hooked = [i for i in hooked if (events[i].module, events[i].call) not in unregistered]
+        return hooked
 
     def run(self) -> Schedule:
         events, shared = self.trace.events, self.shared
@@ -300,9 +311,12 @@ class Replay:
             e = events[at]
             call = (e.module, e.call)
             if e.kind is EventKind.FWD_PRE:
-                self.group_of[e.module].pre_forward(at, call, e.grad_inputs)
+                self.group_of[e.module].pre_forward(at, call, e.grad_inputs, gated=call not in self.method_calls)
             elif e.kind is EventKind.FWD_POST:
-                self.group_of[e.module].post_forward(at, call)
+                if call in self.method_calls:
+                    self.group_of[e.module].complete_forward(at, call)
+                else:
+                    self.group_of[e.module].post_forward(at, call)
                 if e.module == ROOT:
                     self._force_complete_forward(at, call)
                     shared.free_all_gather_state(at)

@@ -105,6 +105,11 @@ class TraceIndex:
         return {p: uses[0] for p, uses in enumerate(self.param_uses) if uses}
 
     @cached_property
+    def trainable_dtypes(self) -> frozenset[str]:
+        """The dtypes of the params that require grad (FSDP2 wants one per group)."""
+        return frozenset(p.dtype for p in self._params if p.requires_grad)
+
+    @cached_property
     def first_backward_use(self) -> list[int]:
         """Per param: its first backward op, or ``len(events) + 1`` when backward never reads it."""
         never = len(self._events) + 1

@@ -38,6 +38,7 @@ from torch.utils.flop_counter import flop_registry
 from fsdp_planner.attention import GpuAttention
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.trace.events import Event, EventKind
+from fsdp_planner.trace.methods import MethodFinder, forward_methods
 from fsdp_planner.trace.records import ModuleInfo, ParamInfo, Trace
 from fsdp_planner.trace.tree import ROOT, is_within, parent_of
 
@@ -88,6 +89,8 @@ class StepRecorder:
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion()
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
+        self.methods: MethodFinder | None = None  # set on the step's recorder: finds non-forward methods reading params
+        self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
 
     def current_module(self) -> str:
         if self.backward:
@@ -387,6 +390,8 @@ class _OpRecorder(TorchDispatchMode):
         fn = flop_registry.get(func._overloadpacket)
         flops = int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0
         recorder = self.slot.recorder
+        if used and recorder.methods is not None and not recorder.backward:
+            recorder.methods.check(tuple(used), recorder.fwd_stack)
         live = 0
         if recorder.outside_modules():
             recorder.loss.track(flat_out)
@@ -574,14 +579,28 @@ def _trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch
     walk = ModuleWalk(model)
     params, param_objs = collect_params(walk)
     fingerprint = model_fingerprint(model, walk)  # of the params' own dtypes, before the cast
+    methods: dict[str, str] = {}
     with _params_cast(model, compute_dtype):
-        return _trace_cast(model, walk, params, param_objs, fingerprint, example_inputs, loss_fn, measure, reuse,
-                           compute_dtype)
+        # a non-forward method found reading params is wrapped and the step traced again (methods.py); a wrapped
+        # method may reveal another (one it calls on a child), so up to a few passes
+        for _ in range(_METHOD_PASSES):
+            finder = MethodFinder(walk.modules, params)
+            tr = _trace_cast(model, walk, params, param_objs, fingerprint, example_inputs, loss_fn, measure, reuse,
+                             compute_dtype, methods, finder)
+            new = {m: name for m, name in finder.found.items() if m not in methods}
+            if not new:
+                return tr
+            methods |= new
+    return tr
+
+
+_METHOD_PASSES = 4
 
 
 def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter],
                 fingerprint: str, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-                measure: bool, reuse: bool, compute_dtype: torch.dtype | None) -> Trace:
+                measure: bool, reuse: bool, compute_dtype: torch.dtype | None, methods: dict[str, str],
+                finder: MethodFinder) -> Trace:
     from fsdp_planner.trace.reuse import BlockReuse
 
     args, kwargs = split_inputs(example_inputs)
@@ -607,11 +626,15 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
     if fake_mode is not None:
         buffer_storages |= {StorageWeakRef(fake_mode.from_tensor(b).untyped_storage()) for b in buffer_objs}
     recorder = StepRecorder(set(by_storage) | buffer_storages)
+    recorder.methods = finder
     slot = Slot(recorder)
     param_by_id = {id(p): i for i, p in enumerate(param_objs)}
     ops = _OpRecorder(slot, param_by_id, by_storage, _device_sync(param_objs) if measure else None)
+    hooks: list[_ModuleHooks] = []
+    wrapped = forward_methods(walk.modules, methods, lambda: hooks[0], slot)
+    wrapped.__enter__()  # before BlockReuse: a module with a wrapped method is no template (its attributes differ)
     repeated = BlockReuse(model, walk, slot, param_by_id, set(by_storage)) if reuse and not measure else None
-    hooks = _ModuleHooks(walk, slot)
+    hooks.append(_ModuleHooks(walk, slot))  # after BlockReuse's: its hooks must run first
 
     def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         slot.recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
@@ -640,9 +663,10 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
             recorder.finish_backward()
             got_grad = {i for i, p in enumerate(param_objs) if p.grad is not None} | recorder.grads
     finally:
-        hooks.remove()
+        hooks[0].remove()
         if repeated is not None:
             repeated.remove()
+        wrapped.__exit__(None, None, None)
         for t in [*param_objs, *leaf_inputs]:
             t.grad = None
     events = recorder.events
@@ -650,7 +674,7 @@ def _trace_cast(model: nn.Module, walk: ModuleWalk, params: list[ParamInfo], par
     params = [p if i in got_grad else replace(p, gets_grad=False) for i, p in enumerate(params)]
     return Trace(params=tuple(params), modules=_module_infos(walk, params, param_objs, events, recorder.calls,
                                                              recorder.modified_inputs),
-                 events=tuple(events), fingerprint=fingerprint,
+                 events=tuple(events), fingerprint=fingerprint, method_calls=dict(recorder.method_calls),
                  compute_itemsize=None if compute_dtype is None else compute_dtype.itemsize,
                  buffers_nbytes=sum(b.numel() * b.element_size() for b in buffer_objs), op_seconds=seconds)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from fsdp_planner.trace.events import Event, EventKind
@@ -75,6 +75,14 @@ class Trace:
     buffers_nbytes: int = 0
     op_seconds: tuple[float, ...] | None = None  # measured seconds per event (0 for boundaries), see measure.py
     compute_itemsize: int | None = None  # bytes per element params were cast to for the trace (None: their own)
+    method_calls: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (module, call) -> method name: calls
+    # of a non-forward method that reads the module's params outside its forward (trace/methods.py); recorded as calls
+    # of the module, which FSDP2 hooks only when the plan registers the method (Plan.forward_methods)
+
+    @property
+    def forward_methods(self) -> list[tuple[str, str]]:
+        """(module, method) pairs the step calls, in call order, each once."""
+        return list(dict.fromkeys((m, name) for (m, _), name in self.method_calls.items()))
 
     @cached_property
     def index(self) -> TraceIndex:

@@ -1,0 +1,93 @@
+"""``fsdp-planner check MODEL [--plan FILE | --policy NAME]``: FSDP pitfalls in a model and a plan, each with its
+severity and fix. Exit 1 when a finding is an error (the run would fail or be wrong), 0 otherwise, 2 for bad
+input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fsdp_planner.cli import render
+from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.requests import (
+    add_json,
+    add_plan_source,
+    add_precision_options,
+    cluster_or_none,
+    model_spec,
+    policy_request,
+    sim_options,
+)
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.pitfalls import Finding, has_errors, model_findings, plan_findings
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.planners import PolicyName, make_policy
+from fsdp_planner.planners.auto import Target
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.trace.records import Trace
+
+DEFAULT_POLICY = PolicyName.MODULE  # what hand-written FSDP code does most: each block, the root takes the rest
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    sp = sub.add_parser("check", help="FSDP pitfalls in a model and a plan, with fixes (exit 1 on an error)")
+    add_plan_source(sp)
+    sp.add_argument("--cluster", help="the cluster the plan runs on (auto needs it; an int reshard_after_forward is "
+                                      "checked against its GPU count)")
+    sp.add_argument("--mfu", type=float, default=None, help=argparse.SUPPRESS)
+    add_precision_options(sp)
+    add_json(sp)
+    sp.set_defaults(fn=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.plan and args.policy:
+        raise PlannerError("give at most one of --plan FILE or --policy NAME")
+    args.mfu = args.mfu if args.mfu is not None else 0.5
+    options, cluster = sim_options(args), cluster_or_none(args)
+    tr = load_trace(model_spec(args), render.notes, precision=options.precision)
+    findings = model_findings(tr, options.precision)
+    fsdp1 = args.target == Target.FSDP1.value
+    world = cluster.world_size if cluster is not None else None
+    plan, label = _plan(args, tr, cluster, options)
+    if plan is not None:
+        findings += plan_findings(tr, plan, world, fsdp1=fsdp1)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        _show(args.model, label, findings)
+    return 1 if has_errors(findings) else 0
+
+
+def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options: SimOptions
+          ) -> tuple[Plan | None, str]:
+    """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
+    if args.plan:
+        return Plan.load(args.plan), f"the plan in {args.plan}"
+    name = args.policy or DEFAULT_POLICY.value
+    label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
+                                                                       "takes the rest)")
+    request = policy_request(args, name)
+    try:
+        if request.name is PolicyName.AUTO:
+            if cluster is None:
+                raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
+            return run_auto(tr, request, cluster, options, args.model).plan, label
+        return make_policy(request).plan(tr, args.model), label
+    except PlannerError as e:
+        if "--cluster" in str(e):
+            raise
+        render.note(f"--policy {name} makes no plan for this model: {e}")
+        return None, label
+
+
+def _show(model: str, label: str, findings: list[Finding]) -> None:
+    render.console.print(f"checked {model}: the model, and {label}", highlight=False)
+    if not findings:
+        render.console.print("no findings: FSDP2 accepts this plan and nothing in it is wasteful that check knows of",
+                             highlight=False)
+        return
+    render.console.print(render.findings_table(findings))
+    errors = sum(f.severity.value == "error" for f in findings)
+    render.console.print(f"{errors} error(s), {len(findings) - errors} warning(s)", highlight=False)

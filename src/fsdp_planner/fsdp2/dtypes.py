@@ -1,0 +1,135 @@
+"""One original dtype per group: what FSDP2 2.13 asserts at its first forward.
+
+``FSDPParamGroup._init_mp_dtypes`` (lazy init) raises "FSDP expects uniform original parameter dtype" when the
+params a group manages that require grad have more than one dtype. The check is on the params' own (original)
+dtypes, before any cast: ``MixedPrecisionPolicy(param_dtype=...)`` does not make a group uniform. Frozen params
+are not checked (FSDP2 all-gathers a group of mixed dtypes as bytes).
+
+A policy's grouping is made uniform here by splitting: a module whose claimed params mix dtypes is replaced by
+pieces (its children, recursively) each of one dtype, and the pieces of each dtype form one list group. The module
+itself stays listed for its own params. A module that registers trainable params of several dtypes itself cannot
+be split (``fully_shard`` manages a module's own params together): that is an error naming it.
+"""
+
+from __future__ import annotations
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT
+
+
+def group_dtypes(plan: Plan, trace: Trace) -> list[list[str]]:
+    """Per group: the distinct original dtypes of its params that require grad, in first-seen order."""
+    index = trace.index.param_index
+    out = []
+    for g in plan.groups:
+        ps = (trace.params[index[p]] for p in g.params)
+        out.append(list(dict.fromkeys(p.dtype for p in ps if p.requires_grad)))
+    return out
+
+
+def check_uniform_dtypes(plan: Plan, trace: Trace) -> None:
+    """Refuse a plan with a group FSDP2 would reject for mixed original dtypes."""
+    for i, dtypes in enumerate(group_dtypes(plan, trace)):
+        if len(dtypes) > 1:
+            g = plan.groups[i]
+            raise PlannerError(f"group {i} ({', '.join(g.modules[:3]) or '(root)'}) manages trainable params of "
+                               f"several dtypes ({', '.join(dtypes)}), which FSDP2 refuses at its first forward "
+                               f"(\"FSDP expects uniform original parameter dtype\"); put each dtype's modules in a "
+                               f"group of their own")
+
+
+def split_by_dtype(trace: Trace, groups: list[list[str]], reshard: list[ReshardAfterForward]
+                   ) -> tuple[list[list[str]], list[ReshardAfterForward]]:
+    """``groups`` (the non-root groups, root implied) with every group, the root's share included, made of one
+    trainable dtype; added groups reshard after forward. Unchanged when the model has one trainable dtype."""
+    if len(trace.index.trainable_dtypes) <= 1:
+        return groups, reshard
+    splitter = _Splitter(trace, {m for ms in groups for m in ms})
+    out: list[list[str]] = []
+    out_reshard: list[ReshardAfterForward] = []
+    for ms, r in zip(groups, reshard, strict=True):
+        pieces: dict[str | None, list[str]] = {}
+        for m in ms:
+            splitter.expand(m, pieces)
+        frozen = pieces.pop(None, [])
+        split = list(pieces.values()) or [[]]
+        split[0] = [*split[0], *frozen]  # pieces without trainable params join any group
+        out.extend(split)
+        out_reshard.extend([r] * len(split))
+    root_pieces = splitter.expand_root()
+    out.extend(root_pieces)
+    out_reshard.extend([True] * len(root_pieces))
+    return out, out_reshard
+
+
+class _Splitter:
+    def __init__(self, trace: Trace, listed: set[str]) -> None:
+        self.trace, self.modules = trace, trace.modules
+        self.dtype = {p.fqn: p.dtype for p in trace.params if p.requires_grad}
+        self.numel = {p.fqn: p.numel for p in trace.params}
+        self.listed = listed
+        self.owners_below = trace.index.owners_below
+
+    def below(self, m: str) -> set[str]:
+        """Trainable dtypes ``fully_shard(m)`` would claim: ``m``'s subtree without modules listed elsewhere."""
+        out: set[str] = set()
+        stack, seen = [m], set()
+        while stack:
+            x = stack.pop()
+            if x in seen or (x != m and x in self.listed):
+                continue
+            seen.add(x)
+            out.update(self.dtype[p] for p in self.modules[x].params if p in self.dtype)
+            stack.extend(self.modules[x].children)
+        return out
+
+    def own(self, m: str) -> list[str]:
+        dtypes = list(dict.fromkeys(self.dtype[p] for p in self.modules[m].params if p in self.dtype))
+        if len(dtypes) > 1:
+            where = "the root module" if m == ROOT else f"module '{m}'"
+            raise PlannerError(f"{where} registers trainable params of several dtypes ({', '.join(dtypes)}) itself; "
+                               f"FSDP2 manages a module's own params in one group and needs one original dtype per "
+                               f"group: cast them to one dtype (the precision policy casts for compute) or freeze one")
+        return dtypes
+
+    def carve(self, m: str, keep: str | None, pieces: dict[str | None, list[str]]) -> None:
+        """List apart (as pieces) the children of ``m`` whose dtypes are not ``keep``."""
+        from fsdp_planner.fsdp2.claim import shardable_cover
+
+        for c in self.modules[m].children:
+            if c in self.listed or not self.owners_below[c]:
+                continue
+            ds = self.below(c)
+            if not ds or ds == {keep}:
+                continue
+            for piece in shardable_cover(self.trace, c):
+                self.listed.add(piece)
+                self.expand(piece, pieces)
+
+    def expand(self, m: str, pieces: dict[str | None, list[str]]) -> None:
+        ds = self.below(m)
+        if len(ds) <= 1:
+            pieces.setdefault(next(iter(ds), None), []).append(m)
+            return
+        own = self.own(m)
+        keep = own[0] if own else None
+        self.carve(m, keep, pieces)
+        pieces.setdefault(keep, []).append(m)  # its own params and what stayed below it
+
+    def expand_root(self) -> list[list[str]]:
+        """The root's share: the root keeps its own params' dtype (or the largest dtype it would hold); every
+        other dtype below it becomes a list group."""
+        ds = self.below(ROOT)
+        if len(ds) <= 1:
+            return []
+        own = self.own(ROOT)
+        keep = own[0] if own else max(sorted(ds), key=self._numel_of)
+        pieces: dict[str | None, list[str]] = {}
+        self.carve(ROOT, keep, pieces)
+        pieces.pop(None, None)
+        return [ms for ms in pieces.values() if ms]
+
+    def _numel_of(self, dtype: str) -> int:
+        return sum(self.numel[p] for p, d in self.dtype.items() if d == dtype)

@@ -1,0 +1,319 @@
+"""FSDP pitfalls in a model and a plan, as findings with a severity and the exact fix (``fsdp-planner check``).
+
+Errors are what makes a run fail or train wrong: a param read while its group is sharded, a non-forward method of
+a sharded module left unregistered, tied params across groups, a module reused inside a list group
+(pytorch#183702), a group of several trainable dtypes, a container listed as a group, an int
+``reshard_after_forward`` that does not divide the shard size, an FSDP1 unit mixing dtypes or requires_grad.
+Warnings are what makes it slow or wasteful: params never used in the step, params the root keeps gathered all
+step, 16-bit params whose grads are reduce-scattered in fp32 only to be cast back, fp64 params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes, fmt_modules
+from fsdp_planner.fsdp2.claim import check_plan_matches, claiming_group, short_list
+from fsdp_planner.fsdp2.dtypes import group_dtypes
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.validity import sharded_reads
+from fsdp_planner.sim.options import Precision
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT, is_within
+
+
+class Severity(Enum):
+    ERROR = "error"  # the run fails or trains wrong
+    WARNING = "warning"  # the run is slow or wasteful
+
+
+class Code(Enum):
+    SHARDED_READ = "sharded-read"
+    FORWARD_METHOD = "forward-method"
+    TIED_ACROSS_GROUPS = "tied-across-groups"
+    LIST_GROUP_REUSE = "list-group-reuse"
+    MIXED_DTYPE_GROUP = "mixed-dtype-group"
+    MIXED_DTYPE_MODULE = "mixed-dtype-module"
+    CONTAINER_GROUP = "container-group"
+    RESHARD_AFTER_FORWARD = "reshard-after-forward"
+    FSDP1_MIXED_UNIT = "fsdp1-mixed-unit"
+    UNUSED_PARAMS = "unused-params"
+    ROOT_PARAMS = "root-params"
+    UPCAST_REDUCE = "upcast-reduce"
+    FP64_PARAMS = "fp64-params"
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: Severity
+    code: Code
+    message: str
+    fix: str
+    module: str = ""  # the module to change ("" is the root)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"severity": self.severity.value, "code": self.code.value, "message": self.message, "fix": self.fix,
+                "module": self.module}
+
+
+def has_errors(findings: Sequence[Finding]) -> bool:
+    return any(f.severity is Severity.ERROR for f in findings)
+
+
+def _name(fqn: str) -> str:
+    return "model" if fqn == ROOT else f"model.{fqn}"
+
+
+# -- the model, whatever the plan ----------------------------------------------------------------------------
+def model_findings(trace: Trace, precision: Precision | None = None) -> list[Finding]:
+    """Findings about the model itself: dtypes a module mixes, params the step never uses, dtypes FSDP2 upcasts."""
+    out: list[Finding] = []
+    by_name = {p.fqn: p for p in trace.params}
+    for fqn, info in trace.modules.items():
+        dtypes = list(dict.fromkeys(by_name[p].dtype for p in info.params if by_name[p].requires_grad))
+        if len(dtypes) > 1:
+            out.append(Finding(Severity.ERROR, Code.MIXED_DTYPE_MODULE,
+                               f"{_name(fqn)} registers trainable params of several dtypes ({', '.join(dtypes)}); "
+                               f"FSDP2 manages a module's own params in one group and asserts one original dtype "
+                               f"per group at its first forward, whatever MixedPrecisionPolicy says",
+                               "store them in one dtype (MixedPrecisionPolicy casts for compute) or freeze one", fqn))
+    uses = trace.index.param_uses
+    unused = [p for i, p in enumerate(trace.params) if p.requires_grad and not uses[i]]
+    for owner, ps in _by_owner(unused).items():
+        out.append(Finding(Severity.WARNING, Code.UNUSED_PARAMS,
+                           f"{short_list(p.fqn for p in ps)} ({fmt_bytes(sum(p.nbytes for p in ps))}) never read in "
+                           f"the step: FSDP2 still all-gathers them with their group and keeps their optimizer state",
+                           "remove them, freeze them (requires_grad_(False)), or check why the step skips them", owner))
+    if precision is not None:
+        out += _dtype_warnings(trace, precision)
+    return out
+
+
+def _by_owner(params: Sequence) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for p in params:
+        out.setdefault(p.owners[0], []).append(p)
+    return out
+
+
+def _dtype_warnings(trace: Trace, precision: Precision) -> list[Finding]:
+    out = []
+    trainable = [p for p in trace.params if p.requires_grad]
+    small = [p for p in trainable if p.itemsize < precision.reduce_bytes and p.dtype in ("bfloat16", "float16")]
+    if small and not precision.autocast:
+        nbytes = sum(p.nbytes for p in small)
+        out.append(Finding(Severity.WARNING, Code.UPCAST_REDUCE,
+                           f"{len(small)} trainable params ({fmt_bytes(nbytes)}) are stored in {small[0].dtype}: "
+                           f"under '{precision.name}' (reduce in {8 * precision.reduce_bytes}-bit) FSDP2 "
+                           f"reduce-scatters their grads in fp32, twice the bytes, and casts them back to "
+                           f"{small[0].dtype}; the optimizer updates 16-bit weights (no fp32 master copy)",
+                           "build the model in fp32 and let MixedPrecisionPolicy(param_dtype=torch.bfloat16) cast "
+                           "for compute, or set reduce_dtype to the params' dtype", small[0].owners[0]))
+    wide = [p for p in trainable if p.dtype == "float64"]
+    if wide:
+        out.append(Finding(Severity.WARNING, Code.FP64_PARAMS,
+                           f"{short_list(p.fqn for p in wide)} are float64: every all-gather, reduce-scatter and "
+                           f"optimizer state of them is twice fp32's bytes",
+                           "store them in fp32 (model.float())", wide[0].owners[0]))
+    return out
+
+
+# -- a plan ----------------------------------------------------------------------------------------------------
+def plan_findings(trace: Trace, plan: Plan, world_size: int | None = None, fsdp1: bool = False) -> list[Finding]:
+    """Findings about ``plan`` on the traced model. A plan made for another model is a PlannerError."""
+    out = _structure_findings(trace, plan, world_size)
+    if out:  # the replay needs a plan FSDP2 can apply: check that it is this model's, then stop
+        if plan.fingerprint != trace.fingerprint:
+            check_plan_matches(plan, trace)
+        return out
+    check_plan_matches(plan, trace)
+    out += _method_findings(trace, plan)
+    out += _sharded_read_findings(trace, plan, world_size)
+    out += _reuse_findings(trace, plan)
+    out += _root_findings(trace, plan)
+    if fsdp1:
+        out += _fsdp1_findings(trace, plan)
+    return out
+
+
+def _structure_findings(trace: Trace, plan: Plan, world_size: int | None) -> list[Finding]:
+    out = []
+    modules = trace.modules
+    for i, g in enumerate(plan.groups):
+        for m in g.modules:
+            if m in modules and modules[m].cls in ("ModuleList", "ModuleDict") and not modules[m].shardable:
+                out.append(Finding(Severity.ERROR, Code.CONTAINER_GROUP,
+                                   f"group {i} lists {_name(m)}, a {modules[m].cls} without forward: fully_shard "
+                                   f"refuses it", "list its children in the group instead", m))
+    if all(m in modules for g in plan.groups for m in g.modules):
+        group_of = {m: i for i, g in enumerate(plan.groups) for m in g.modules if m != ROOT}
+        for p in (trace.params[i] for i in trace.index.tied_params):
+            groups = {claiming_group(o, group_of, trace.index.parents) for o in p.owners}
+            if len(groups) > 1:
+                names = ", ".join(_name(o) for o in p.owners)
+                out.append(Finding(Severity.ERROR, Code.TIED_ACROSS_GROUPS,
+                                   f"param '{p.fqn}' is shared by {names}, which are in different groups: FSDP2 2.13 "
+                                   f"raises ValueError (\"shared with a parameter already managed by another FSDP "
+                                   f"group\")", f"shard them in one call: fully_shard([{names}])", p.owners[0]))
+    if {p for g in plan.groups for p in g.params} == {p.fqn for p in trace.params}:
+        for i, dtypes in enumerate(group_dtypes(plan, trace)):
+            if len(dtypes) > 1:
+                g = plan.groups[i]
+                out.append(Finding(Severity.ERROR, Code.MIXED_DTYPE_GROUP,
+                                   f"group {i} ({fmt_modules(g.modules)}) manages trainable params of several dtypes "
+                                   f"({', '.join(dtypes)}): FSDP2 asserts \"FSDP expects uniform original parameter "
+                                   f"dtype\" at its first forward (MixedPrecisionPolicy does not change it)",
+                                   "put each dtype's modules in a group of their own (every fsdp-planner policy "
+                                   "splits them)", g.modules[0]))
+    if world_size is not None:
+        try:
+            check_plan_world_size(plan, world_size)
+        except PlannerError as e:
+            out.append(Finding(Severity.ERROR, Code.RESHARD_AFTER_FORWARD, str(e),
+                               "use true, false or a divisor of the shard size"))
+    return out
+
+
+def _method_calls_by_event(trace: Trace) -> dict[int, tuple[str, str]]:
+    """Event index -> (module, method) for the ops of each traced non-forward method call, forward and backward."""
+    out: dict[int, tuple[str, str]] = {}
+    start: dict[tuple[str, int], int] = {}
+    for i, e in enumerate(trace.events):
+        key = (e.module, e.call)
+        if key in trace.method_calls:  # its forward, and its backward (between its pre- and post-backward)
+            if e.kind in (EventKind.FWD_PRE, EventKind.BWD_PRE):
+                start[key] = i
+            elif e.kind in (EventKind.FWD_POST, EventKind.BWD_POST) and key in start:
+                for j in range(start.pop(key), i):
+                    out.setdefault(j, (e.module, trace.method_calls[key]))
+    return out
+
+
+def _method_findings(trace: Trace, plan: Plan) -> list[Finding]:
+    listed = {m for g in plan.groups for m in g.modules}
+    registered = set(plan.forward_methods)
+    out = []
+    for m, name in trace.forward_methods:
+        call = f"{_name(m)}.{name}()"
+        if m in listed and (m, name) not in registered:
+            out.append(Finding(Severity.ERROR, Code.FORWARD_METHOD,
+                               f"the step calls {call}, which runs {_name(m)}'s params outside its forward: FSDP2 "
+                               f"leaves them sharded there (\"mixed torch.Tensor and DTensor\")",
+                               f"register_fsdp_forward_method({_name(m)}, \"{name}\") after fully_shard, or add "
+                               f"{{\"module\": \"{m}\", \"method\": \"{name}\"}} to the plan's forward_methods "
+                               f"(apply_plan registers them)", m))
+        else:
+            how = "the plan registers it, so apply_plan wraps it with FSDP2's hooks" if m in listed else \
+                "this plan does not shard it on its own, so its params are gathered around the call"
+            out.append(Finding(Severity.WARNING, Code.FORWARD_METHOD,
+                               f"the step calls {call}, which runs {_name(m)}'s params outside its forward; {how}",
+                               f"a training script that calls fully_shard({_name(m)}) itself must also call "
+                               f"register_fsdp_forward_method({_name(m)}, \"{name}\")", m))
+    return out
+
+
+def _sharded_read_findings(trace: Trace, plan: Plan, world_size: int | None) -> list[Finding]:
+    index = trace.index.param_index
+    group_params = [[index[p] for p in g.params] for g in plan.groups]
+    schedule = build_schedule(trace, plan, world_size, group_params)
+    in_method = _method_calls_by_event(trace)
+    registered = set(plan.forward_methods)
+    listed = {m for g in plan.groups for m in g.modules}
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for r in sharded_reads(trace, plan, schedule, group_params, limit=len(trace.events)):
+        method = in_method.get(r.event)
+        if method is not None and method[0] in listed and method not in registered:
+            continue  # reported as an unregistered forward method
+        if (r.module, r.group) in seen:
+            continue
+        seen.add((r.module, r.group))
+        g = plan.groups[r.group]
+        caller = f"{_name(method[0])}.{method[1]}()" if method else f"{_name(r.module)}'s forward"
+        out.append(Finding(Severity.ERROR, Code.SHARDED_READ,
+                           f"{caller} reads '{r.param}' in {'backward' if r.backward else 'forward'} while its group "
+                           f"{r.group} ({fmt_modules(g.modules)}) is sharded: FSDP2 unshards a group only in the "
+                           f"hooks of the modules it lists (\"mixed torch.Tensor and DTensor\")",
+                           _sharded_read_fix(r.module, g.modules, method), r.module))
+    return out
+
+
+def _sharded_read_fix(module: str, group_modules: Sequence[str], method: tuple[str, str] | None) -> str:
+    if method is not None:
+        return (f"shard {_name(method[0])} as a group of its own (or with its caller) and register_fsdp_forward_method"
+                f"({_name(method[0])}, \"{method[1]}\")")
+    owner = next((g for g in group_modules if is_within(module, g)), None)
+    if owner is not None:  # a submodule of a group's module called from outside that module's forward
+        return (f"call {_name(module)} through {_name(owner)}'s forward, or shard it as a group of its own "
+                f"(fully_shard({_name(module)}) before fully_shard({_name(owner)}))")
+    return (f"shard {_name(module)} and {fmt_modules(group_modules)} in one call (fully_shard([...])), or leave those "
+            f"params to the root")
+
+
+def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
+    out = []
+    methods: dict[str, int] = {}
+    for m, _ in trace.method_calls:
+        methods[m] = methods.get(m, 0) + 1
+    for i, g in enumerate(plan.inner_groups):
+        if len(g.modules) < 2:
+            continue
+        for m in g.modules:
+            calls = trace.modules[m].calls - methods.get(m, 0)
+            if calls > 1:
+                out.append(Finding(Severity.ERROR, Code.LIST_GROUP_REUSE,
+                                   f"{_name(m)} runs {calls} times per step inside list group {i} "
+                                   f"({fmt_modules(g.modules)}): a module of a list group reused later in the step "
+                                   f"can fail in backward (pytorch#183702)",
+                                   f"shard {_name(m)} in a group of its own (fully_shard({_name(m)}))", m))
+    return out
+
+
+def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
+    root = plan.root
+    if not root.params:
+        return []
+    index = trace.index.param_index
+    ps = [trace.params[index[p]] for p in root.params]
+    itemsize = trace.compute_itemsize
+    nbytes = sum(p.numel * (itemsize or p.itemsize) for p in ps)
+    owners = list(dict.fromkeys(o for p in ps for o in p.owners[:1]))
+    own = [o for o in owners if o == ROOT]
+    movable = [o for o in owners if o != ROOT]
+    fix = f"give {fmt_modules(movable)} groups of their own (fully_shard({_name(movable[0])}), ...)" \
+        if movable else ""
+    if own:
+        fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
+                                       "root: move them into a submodule to shard them"
+    return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
+                    f"the root group manages {len(ps)} params ({fmt_bytes(nbytes)} unsharded) of "
+                    f"{fmt_modules([_name(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
+                    f"the root not resharding after forward, keeps them on every rank until the end of backward",
+                    fix, owners[0])]
+
+
+def _fsdp1_findings(trace: Trace, plan: Plan) -> list[Finding]:
+    index = trace.index.param_index
+    out = []
+    for i, g in enumerate(plan.groups):
+        ps = [trace.params[index[p]] for p in g.params]
+        dtypes = sorted({p.dtype for p in ps})
+        grads = {p.requires_grad for p in ps}
+        where = f"FSDP1 unit {i} ({fmt_modules(g.modules)})"
+        if len(dtypes) > 1:
+            out.append(Finding(Severity.ERROR, Code.FSDP1_MIXED_UNIT,
+                               f"{where} flattens params of several dtypes ({', '.join(dtypes)}) into one flat "
+                               f"parameter, which FSDP1 refuses", "wrap each dtype's modules as units of their own",
+                               g.modules[0]))
+        if len(grads) > 1:
+            out.append(Finding(Severity.ERROR, Code.FSDP1_MIXED_UNIT,
+                               f"{where} mixes frozen and trainable params in one flat parameter, which FSDP1 refuses "
+                               f"unless use_orig_params=True",
+                               "pass use_orig_params=True, or wrap the frozen modules as units of their own",
+                               g.modules[0]))
+    return out

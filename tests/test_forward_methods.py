@@ -1,0 +1,100 @@
+"""Non-forward methods that run a sharded module's params (issue 11): found by the trace, registered by plans and
+apply_plan, replayed as FSDP2 runs them once registered."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import check_plan_matches, make_plan
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.validity import check_plan_runs
+from fsdp_planner.models import load_model
+from fsdp_planner.planners import CLASSIC_POLICIES, PolicyRequest, make_policy
+from fsdp_planner.trace import trace
+from fsdp_planner.trace.events import EventKind
+
+FACTORIES = "tests/fixtures/factories.py"
+
+
+def traced(fn: str):
+    lm = load_model(f"{FACTORIES}:{fn}")
+    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+@pytest.mark.parametrize("fn", ["head_loss", "head_loss_in_loss_fn"])
+def test_the_trace_finds_a_method_reading_params_outside_forward(fn):
+    """In the model's forward (head.loss reads its own weight) and in the loss function after it (head.loss runs
+    its child proj's forward): recorded as a call of head with FSDP2's four boundaries."""
+    tr = traced(fn)
+    assert tr.forward_methods == [("head", "loss")]
+    assert tr.method_calls == {("head", 0): "loss"}
+    kinds = [e.kind for e in tr.events if e.module == "head" and not e.is_op]
+    assert kinds == [EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_PRE, EventKind.BWD_POST]
+    head_params = {i for i, p in enumerate(tr.params) if p.fqn.startswith("head.")}
+    assert not head_params & tr.index.read_outside  # read inside the (wrapped) call now
+
+
+def test_a_model_without_such_methods_is_traced_once(monkeypatch):
+    import importlib
+
+    recorder = importlib.import_module("fsdp_planner.trace.recorder")  # fsdp_planner.trace is also the function
+    calls = []
+    original = recorder._trace_cast
+    monkeypatch.setattr(recorder, "_trace_cast", lambda *a: calls.append(1) or original(*a))
+    tr = traced("twice")
+    assert tr.method_calls == {} and len(calls) == 1
+
+
+def test_a_parent_calling_a_grandchild_is_no_method():
+    lm = load_model("tests/fixtures/invalid_models.py:direct_call")
+    assert trace(lm.model, lm.example_inputs).method_calls == {}
+
+
+@pytest.mark.parametrize("name", [*CLASSIC_POLICIES, "order"])
+def test_every_policy_registers_the_method_of_a_module_it_shards(name):
+    tr = traced("head_loss")
+    plan = make_policy(PolicyRequest.named(name, min_nonwrapped_numel=50)).plan(tr)
+    listed = {m for g in plan.groups for m in g.modules}
+    assert plan.forward_methods == ([("head", "loss")] if "head" in listed else [])
+    check_plan_runs(tr, plan)
+
+
+def test_an_unregistered_method_of_a_sharded_module_is_refused_and_registering_it_runs():
+    tr = traced("head_loss")
+    plan = make_plan(tr, [["inp"], ["block"], ["head"]])
+    assert plan.forward_methods == [("head", "loss")]
+    check_plan_runs(tr, plan)
+    with pytest.raises(PlannerError, match=r"'head\.weight' while its group 2 .* is sharded"):
+        check_plan_runs(tr, plan.copy(forward_methods=[]))
+
+
+def test_forward_methods_round_trip_and_absent_means_none():
+    tr = traced("head_loss")
+    plan = make_plan(tr, [["inp"], ["block"], ["head"]])
+    data = json.loads(plan.to_json())
+    assert data["forward_methods"] == [{"module": "head", "method": "loss"}]
+    assert Plan.from_json(plan.to_json()).forward_methods == [("head", "loss")]
+    del data["forward_methods"]
+    assert Plan.from_json(json.dumps(data)).forward_methods == []
+    for bad in ([["head", "loss"]], [{"module": "head"}], [{"module": "head", "method": "no such"}]):
+        with pytest.raises(PlannerError, match="forward_methods"):
+            Plan.from_json(json.dumps({**data, "forward_methods": bad}))
+    data["forward_methods"] = [{"module": "nope", "method": "loss"}]
+    with pytest.raises(PlannerError, match="names modules the model does not have: nope"):
+        check_plan_matches(Plan.from_json(json.dumps(data)), tr)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["order", "auto"])
+def test_a_head_loss_method_trains_on_a_real_run(name):
+    """Real FSDP2 on 2 gloo ranks with head sharded on its own: apply_plan registers head.loss, parameters match
+    the unsharded run, the collectives equal the replay's prediction."""
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{FACTORIES}:head_loss", "--policy", name,
+                          "--nproc", "2", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PASS" in out.stdout

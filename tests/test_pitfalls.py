@@ -1,0 +1,145 @@
+"""``fsdp-planner check``: one small model per finding, a clean model with none, the CLI's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.pitfalls import Code, Severity, has_errors, model_findings, plan_findings
+from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.models import load_model
+from fsdp_planner.planners import ExecutionOrderPolicy
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.trace import trace
+
+FACTORIES = "tests/fixtures/factories.py"
+BF16_MIXED = SimOptions().precision
+
+
+def traced(spec: str):
+    lm = load_model(spec if ":" in spec or "-" in spec else f"{FACTORIES}:{spec}")  # a bare name: a factory
+    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+def codes(findings, severity: Severity | None = None) -> list[str]:
+    return [f.code.value for f in findings if severity is None or f.severity is severity]
+
+
+def by_hand(tr, *groups: list[str]) -> Plan:
+    """A plan file as a user writes it: each group's params by prefix, the root the rest."""
+    taken: set[str] = set()
+    out = []
+    for ms in groups:
+        ps = [p.fqn for p in tr.params if any(p.fqn.startswith(m + ".") for m in ms) and p.fqn not in taken]
+        taken.update(ps)
+        out.append(Group(list(ms), ps))
+    out.append(Group([""], [p.fqn for p in tr.params if p.fqn not in taken], False))
+    return Plan(out, tr.fingerprint, tr.numel)
+
+
+def test_a_clean_model_and_plan_have_no_findings():
+    tr = traced("twice")
+    plan = ExecutionOrderPolicy().plan(tr)
+    assert model_findings(tr, BF16_MIXED) == [] and plan_findings(tr, plan) == []
+
+
+def test_sharded_read_names_the_module_and_the_fix():
+    tr = traced("tests/fixtures/invalid_models.py:direct_call")
+    [f] = plan_findings(tr, make_plan(tr, [["layer"], ["linear"]]))
+    assert (f.severity, f.code, f.module) == (Severity.ERROR, Code.SHARDED_READ, "layer.proc")
+    assert "'layer.proc.weight'" in f.message and "group 0 (layer)" in f.message
+    assert "through model.layer's forward" in f.fix
+
+
+def test_an_unregistered_forward_method_is_an_error_and_a_registered_one_a_warning():
+    tr = traced("head_loss")
+    plan = make_plan(tr, [["inp"], ["block"], ["head"]])
+    [f] = plan_findings(tr, plan.copy(forward_methods=[]))  # its sharded reads are this finding, not another
+    assert (f.severity, f.code, f.module) == (Severity.ERROR, Code.FORWARD_METHOD, "head")
+    assert 'register_fsdp_forward_method(model.head, "loss")' in f.fix
+    assert codes(plan_findings(tr, plan)) == ["forward-method"]
+    assert not has_errors(plan_findings(tr, plan))
+
+
+def test_tied_params_across_groups():
+    tr = traced("toy-gpt2-tied")
+    plan = by_hand(tr, ["wte"], ["lm_head"])
+    found = [f for f in plan_findings(tr, plan) if f.code is Code.TIED_ACROSS_GROUPS]
+    assert len(found) == 1 and found[0].severity is Severity.ERROR
+    assert "fully_shard([model.wte, model.lm_head])" in found[0].fix
+
+
+def test_a_module_reused_inside_a_list_group():
+    tr = traced("twice")
+    found = plan_findings(tr, make_plan(tr, [["inp", "block"]]))
+    assert codes(found, Severity.ERROR) == ["list-group-reuse"]
+    assert found[0].module == "block" and "pytorch#183702" in found[0].message
+
+
+def test_unused_and_float64_params():
+    tr = traced("wasteful")
+    found = model_findings(tr, BF16_MIXED)
+    assert codes(found) == ["unused-params", "fp64-params"]
+    assert all(f.severity is Severity.WARNING for f in found)
+    assert found[0].module == "spare" and "spare.weight" in found[0].message
+
+
+def test_root_params_with_their_bytes():
+    tr = traced("toy-llama")
+    [f] = [f for f in plan_findings(tr, make_plan(tr, [[f"layers.{i}"] for i in range(4)]))
+           if f.code is Code.ROOT_PARAMS]
+    nbytes = sum(p.nbytes for p in tr.params if not p.fqn.startswith("layers."))  # traced in fp32: its own bytes
+    assert f.severity is Severity.WARNING and f"({nbytes // 1024} KiB unsharded)" in f.message
+
+
+def test_fsdp1_unit_mixing_frozen_and_trainable_params():
+    tr = traced("partly_frozen")
+    plan = make_plan(tr, [["block"]])
+    assert plan_findings(tr, plan) == []  # FSDP2 takes it
+    [f] = plan_findings(tr, plan, fsdp1=True)
+    assert (f.code, f.module) == (Code.FSDP1_MIXED_UNIT, "block") and "use_orig_params=True" in f.fix
+
+
+def test_dtype_findings():
+    tr = traced("mixed_dtype")
+    assert codes(model_findings(tr, BF16_MIXED)) == ["upcast-reduce"]
+    found = plan_findings(tr, by_hand(tr, ["layers.0"]))
+    assert codes(found) == ["mixed-dtype-group"] * 2  # the block's group and the root's (inp in fp32, out in bf16)
+    assert found[0].module == "layers.0" and "uniform original parameter dtype" in found[0].message
+    assert codes(model_findings(traced("own_mixed"))) == ["mixed-dtype-module"]
+
+
+def test_container_group_and_reshard_after_forward():
+    tr = traced("mixed_dtype")
+    plan = by_hand(tr, ["layers"])
+    assert "container-group" in codes(plan_findings(tr, plan))
+    plan = make_plan(tr, [["inp"]], reshard=[3])
+    assert codes(plan_findings(tr, plan, world_size=8)) == ["reshard-after-forward"]
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_planner", "check", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.integration
+def test_cli_exit_codes_and_json(tmp_path):
+    clean = run_check(f"{FACTORIES}:twice", "--policy", "order")
+    assert clean.returncode == 0 and "no findings" in clean.stdout, clean.stdout + clean.stderr
+    tr = traced("head_loss")
+    path = tmp_path / "plan.json"
+    make_plan(tr, [["inp"], ["block"], ["head"]]).copy(forward_methods=[]).save(path)
+    bad = run_check(f"{FACTORIES}:head_loss", "--plan", str(path), "--json")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    findings = json.loads(bad.stdout)
+    assert [sorted(f) for f in findings] == [["code", "fix", "message", "module", "severity"]] * len(findings)
+    assert {"severity": "error", "code": "forward-method", "module": "head"}.items() <= findings[0].items()
+    default = run_check("toy-llama")
+    assert default.returncode == 0 and "--policy module (the default" in default.stdout
+    assert "root-params" in default.stdout
+    missing = run_check(f"{FACTORIES}:twice", "--plan", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
