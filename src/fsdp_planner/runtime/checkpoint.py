@@ -44,16 +44,21 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
+def digests(state: dict[str, Any]) -> dict[str, str]:
+    """sha256 of each tensor of a (full) state dict, and the repr of each other value, by flattened key
+    (``model.<fqn>``, ``optim.state.<fqn>.momentum_buffer``, ``optim.param_groups.0.lr``)."""
+    flat: dict[str, Any] = {}
+    _flatten("", state, flat)
+    return {k[1:]: _digest(v) if isinstance(v, torch.Tensor) else repr(v) for k, v in sorted(flat.items())}
+
+
 def state_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """sha256 of each tensor (and each hyperparameter) of the full model and optimizer state dicts, by FQN: what
-    must be equal whatever world size and plan hold the state. A collective: every rank calls it."""
+    """``digests`` of the full model and optimizer state: what must be equal whatever world size and plan hold the
+    state. A collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
-    flat: dict[str, Any] = {}
-    _flatten("model", model_sd, flat)
-    _flatten("optim", optim_sd, flat)
-    return {k: _digest(v) if isinstance(v, torch.Tensor) else repr(v) for k, v in sorted(flat.items())}
+    return digests({"model": model_sd, "optim": optim_sd})
 
 
 def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, reference: nn.Module,

@@ -103,8 +103,9 @@ class CollectiveCounter:
         return out
 
 
-def _batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
-    """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed."""
+def batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed (the same in
+    every run that reaches that step)."""
     from fsdp_planner.models import load_model
     from fsdp_planner.trace.recorder import default_loss
 
@@ -121,6 +122,21 @@ def _call(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
     return model(*args, **kwargs)
 
 
+def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[Any, Any]],
+                   step: int, seed: int, device: torch.device) -> float:
+    """One step of unsharded training on every rank's micro-batch (losses over the world size, as FSDP averages
+    grads); the global loss. What a run on one process does, uninterrupted, for the same data."""
+    total = 0.0
+    for r, (inputs, loss_fn) in enumerate(batches):
+        torch.manual_seed(seed + 7 * step + r)
+        loss = loss_fn(_call(reference, inputs, device)) / len(batches)
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
            ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int) -> dict[str, Any]:
     """K steps of the sharded model and the unsharded reference on the same data; what rank 0 reports."""
@@ -132,7 +148,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
     for step in range(start, start + job["steps"]):
         if _fault(rank) == "kill" and step == start + 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        batches = [_batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
+        batches = [batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
         inputs, loss_fn = batches[rank]
         with counter:
             torch.manual_seed(job["seed"] + 7 * step + rank)
@@ -146,15 +162,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
-        ref_total = 0.0
-        for r, (r_inputs, r_loss_fn) in enumerate(batches):
-            torch.manual_seed(job["seed"] + 7 * step + r)
-            r_loss = r_loss_fn(_call(reference, r_inputs, device)) / world
-            r_loss.backward()
-            ref_total += r_loss.item()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_total)
+        ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
     ref_params = dict(reference.named_parameters())
     max_diff = 0.0
     for name, p in model.named_parameters():
