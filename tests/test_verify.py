@@ -233,7 +233,7 @@ def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
     assert "Traceback" not in err
     assert _processes_mentioning(marker) == []
     assert _processes_mentioning(str(tmpdir)) == []
-    assert not list(tmpdir.glob("fsdp-planner-verify-*"))
+    assert not list(tmpdir.glob("fsdp-planner-verify-*")) and not list(tmpdir.glob("torchelastic_*"))
     assert not list(tmp_path.glob("*ck*")), "no checkpoint, whole or partial"
 
 
@@ -339,7 +339,7 @@ def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkey
         run_verify(spec, tr, plan, nproc=2, steps=1, timeout=40)
     assert len(list(tmp_path.glob("started.*"))) == 2  # the ranks were running when it timed out
     assert _processes_mentioning(str(tmpdir)) == []
-    assert not list(tmpdir.glob("fsdp-planner-verify-*"))
+    assert not list(tmpdir.glob("fsdp-planner-verify-*")) and not list(tmpdir.glob("torchelastic_*"))
 
 
 def test_stop_process_group_ends_children_that_ignore_sigterm(tmp_path):
