@@ -218,8 +218,8 @@ def _wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int = 2, limit: f
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
     """SIGTERM (a job scheduler, `kill`) or Ctrl-C while the ranks run: the torchrun launcher and every rank end
-    with the command, and the job directory is removed."""
-    proc, tmpdir, marker = _start_slow_verify(tmp_path)
+    with the command, and the job directory and the half-written checkpoint are removed."""
+    proc, tmpdir, marker = _start_slow_verify(tmp_path, "--save-checkpoint", str(tmp_path / "ck"))
     try:
         _wait_for_ranks(proc, tmp_path)
         assert list(tmpdir.glob("fsdp-planner-verify-*")), "the job directory should exist while it runs"
@@ -233,7 +233,95 @@ def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
     assert "Traceback" not in err
     assert _processes_mentioning(marker) == []
     assert _processes_mentioning(str(tmpdir)) == []
-    assert not list(tmpdir.glob("fsdp-planner-verify-*"))
+    assert not list(tmpdir.glob("fsdp-planner-verify-*")) and not list(tmpdir.glob("torchelastic_*"))
+    assert not list(tmp_path.glob("*ck*")), "no checkpoint, whole or partial"
+
+
+def _faulty_verify(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:
+    """Run the CLI with a test-only fault injected into the ranks; returns its outcome, its wall time and the
+    seconds from the first rank's death to the command's end (None when no rank died before it)."""
+    import uuid
+
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
+    env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker, "FSDP_PLANNER_TEST_FAULT": fault}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", "verify", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    ranks_seen, first_death = 0, None
+    try:
+        while proc.poll() is None and time.monotonic() - start < 300:
+            ranks = len([p for p in _processes_mentioning(marker) if "fsdp_planner.runtime.worker" in p])
+            ranks_seen = max(ranks_seen, ranks)
+            if first_death is None and 0 < ranks < ranks_seen:
+                first_death = time.monotonic()
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    end = time.monotonic()
+    assert _processes_mentioning(marker) == [], "no rank and no launcher outlives the command"
+    # torch's compile cache (torchinductor_USER) is made by any command, planning too, and kept on purpose
+    left = [p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == [], "the job's temp dirs (its own, torchrun's) are removed"
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done, end - start, None if first_death is None else end - first_death
+
+
+@pytest.mark.integration
+def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
+    """Rank 1 SIGKILLs itself in step 1 while rank 0 waits in an all-gather: torchrun notices within its 0.1 s
+    monitor interval and stops rank 0; the error names rank 1 and its signal first, rank 0's echo after."""
+    done, wall, after_death = _faulty_verify(tmp_path, "kill:1", "seed-net", "--policy", "order", "--nproc", "2",
+                                             "--steps", "2")
+    print(f"killed rank: command took {wall:.1f} s, {after_death} s after the first rank died")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert lines[0].startswith("error: verify job failed: rank 1 was killed by SIGKILL"), done.stderr
+    assert "Traceback" not in done.stderr
+    assert after_death is not None and after_death < 30  # not gloo's 30 minutes, nor the 120 s collective timeout
+
+
+@pytest.mark.integration
+def test_a_rank_with_another_plan_ends_the_job_naming_it(tmp_path):
+    """A rank that would apply another plan would issue other collectives (a hang, or garbage): the ranks compare
+    plans before sharding and stop with the rank's number."""
+    done, wall, _ = _faulty_verify(tmp_path, "plan:1", "seed-net", "--policy", "order", "--nproc", "2", "--steps",
+                                   "1")
+    print(f"plan mismatch: command took {wall:.1f} s")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: verify job failed: ranks 0, 1 raised RuntimeError: rank 1 has a different "
+                                  "plan than rank 0"), done.stderr
+    assert wall < 120
+
+
+GROWS_MODEL = '''
+import torch
+import torch.nn as nn
+
+
+def grows():
+    """Planned 8 wide; built in a verify job's ranks, 12 wide: the same groups, other bytes."""
+    width = 12 if torch.distributed.is_initialized() else 8
+    return nn.Sequential(nn.Linear(8, width), nn.Linear(width, 4)), (torch.randn(4, 8),)
+'''
+
+
+@pytest.mark.integration
+def test_a_byte_mismatch_fails_a_real_run(tmp_path):
+    """The collectives' counts match the prediction but their bytes do not (the model that trains is wider than
+    the one planned; a plan without a fingerprint cannot tell): the verdict fails on bytes alone."""
+    (tmp_path / "grows.py").write_text(GROWS_MODEL)
+    spec = f"{tmp_path / 'grows.py'}:grows"
+    lm = load_model(spec)
+    tr = trace(lm.model, lm.example_inputs)
+    plan = policy("order").plan(tr, spec).copy(fingerprint="")
+    result = run_verify(spec, tr, plan, nproc=2, steps=1)
+    assert result.counts_match and result.params_match
+    assert not result.bytes_match and not result.ok
+    assert result.counted_bytes[0]["all_gather"] > result.predicted_bytes["all_gather"]
 
 
 @pytest.mark.integration
@@ -251,7 +339,7 @@ def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkey
         run_verify(spec, tr, plan, nproc=2, steps=1, timeout=40)
     assert len(list(tmp_path.glob("started.*"))) == 2  # the ranks were running when it timed out
     assert _processes_mentioning(str(tmpdir)) == []
-    assert not list(tmpdir.glob("fsdp-planner-verify-*"))
+    assert not list(tmpdir.glob("fsdp-planner-verify-*")) and not list(tmpdir.glob("torchelastic_*"))
 
 
 def test_stop_process_group_ends_children_that_ignore_sigterm(tmp_path):
@@ -278,12 +366,15 @@ def test_sigterm_raises_terminated_only_inside_signals_raise():
 
 
 def test_a_rank_calling_sys_exit_is_reported():
-    from fsdp_planner.runtime.worker import _describe
+    from fsdp_planner.runtime.failures import RankFailure, describe_exception
 
     try:
         raise SystemExit(0)
     except SystemExit as e:
-        assert _describe(e).startswith("SystemExit: the model's code called sys.exit(0) (at test_verify.py:")
+        info = describe_exception(e)
+    failure = RankFailure(1, info["error"], tuple(info["frames"]), info["backend"], 1)
+    assert failure.describe().startswith("rank 1 raised SystemExit: the model's code called sys.exit(0) (at "
+                                         "test_verify.py:")
 
 
 @pytest.mark.integration
@@ -294,3 +385,32 @@ def test_one_rank_is_judged_with_no_collectives():
     assert v.predict_collectives(tr, plan, 1) == ({"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0},) * 2
     result = v.run_verify("seed-net", tr, plan, nproc=1, steps=1)
     assert result.counted == [{"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}] and result.ok
+
+
+def test_the_cause_is_told_apart_from_its_echoes():
+    """A rank killed by a signal is the cause; its peer's failed collective and torchrun's SIGTERMs are echoes."""
+    from fsdp_planner.runtime.failures import RankFailure, explain
+
+    killed = RankFailure(2, exitcode=-signal.SIGKILL)
+    echo = RankFailure(0, "RuntimeError: Connection reset by peer", ("pair.cc",), backend=True, exitcode=1)
+    stopped = [RankFailure(r, exitcode=-signal.SIGTERM) for r in (1, 3)]
+    lines = explain([echo, stopped[0], killed, stopped[1]]).splitlines()
+    assert lines == ["verify job failed: rank 2 was killed by SIGKILL (it raised no exception: killed from outside, "
+                     "or by the out-of-memory killer)",
+                     "  then rank 0 failed in a collective: RuntimeError: Connection reset by peer (at pair.cc)",
+                     "  then torchrun stopped ranks 1, 3 (SIGTERM)"]
+    raised = RankFailure(1, "ValueError: bad", ("m.py:3 in f",), exitcode=1)
+    first = explain([echo, raised]).splitlines()[0]
+    assert first == "verify job failed: rank 1 raised ValueError: bad (at m.py:3 in f)"
+    assert explain([]) is None
+
+
+def test_a_gloo_error_is_marked_as_the_backends_and_shortened():
+    from fsdp_planner.runtime.failures import describe_exception
+
+    try:
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                           "[127.0.0.1]:5558: Connection reset by peer. This is typically caused by a remote worker")
+    except RuntimeError as e:
+        info = describe_exception(e)
+    assert info["backend"] and info["error"] == "RuntimeError: Read error [127.0.0.1]:5558: Connection reset by peer"

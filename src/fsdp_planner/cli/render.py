@@ -196,7 +196,8 @@ def strategy_table(rows: Mapping[str, MemoryBreakdown], title: str) -> Table:
 
 
 def verify_table(result: VerifyResult) -> Table:
-    t = Table(title=f"verify: {result.world_size} ranks, {result.backend}, {result.steps} steps", title_justify="left")
+    t = Table(title=f"verify: {result.world_size} ranks, {result.backend}, {result.steps} steps"
+              + (f" from step {result.start_step}" if result.start_step else ""), title_justify="left")
     for col in ("check", "predicted", "measured", "result"):
         t.add_column(col)
     ok, bad = "[green]ok[/green]", "[red]MISMATCH[/red]"
@@ -213,6 +214,14 @@ def verify_table(result: VerifyResult) -> Table:
               ok if result.params_match else bad)
     t.add_row("loss per step (FSDP / reference)", " ".join(f"{x:.5f}" for x in result.reference_losses),
               " ".join(f"{x:.5f}" for x in result.losses), "")
+    if result.loaded is not None:
+        loaded, bad_keys = result.loaded, result.loaded["mismatched"]
+        t.add_row(f"state restored from step {loaded['step']} ({loaded['world']} ranks, {loaded['policy'] or 'plan'})",
+                  f"{loaded['tensors']} entries as saved", f"{loaded['tensors'] - len(bad_keys)} equal"
+                  + (f" (differ: {', '.join(bad_keys[:3])})" if bad_keys else ""),
+                  ok if result.checkpoint_match else bad)
+    if result.saved is not None:
+        t.add_row("checkpoint saved", f"step {result.start_step + result.steps}", result.saved, "")
     return t
 
 

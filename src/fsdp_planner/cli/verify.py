@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
@@ -14,7 +15,7 @@ from fsdp_planner.fsdp2.plan import check_plan_world_size
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
 from fsdp_planner.models import planning_only
 from fsdp_planner.planners.registry import PolicyName
-from fsdp_planner.runtime.verify import run_verify
+from fsdp_planner.runtime.verify import check_load_dir, check_save_dir, run_verify
 from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions, ZeroGrad
 from fsdp_planner.sim.timeline import simulate
 
@@ -40,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--memory-tolerance", type=float, default=MEMORY_TOLERANCE,
                     help=f"--fake-world-size: largest relative peak-memory error that passes (default "
                          f"{MEMORY_TOLERANCE})")
+    sp.add_argument("--save-checkpoint", type=Path, metavar="DIR",
+                    help="after the steps, save the sharded model and optimizer as a distributed checkpoint (DCP) "
+                         "in the new directory DIR")
+    sp.add_argument("--load-checkpoint", type=Path, metavar="DIR",
+                    help="start from a checkpoint that --save-checkpoint wrote, at any --nproc and with any plan "
+                         "(resharded on load), and check the restored state is the saved one")
     add_json(sp)
     sp.set_defaults(fn=run)
 
@@ -55,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     if planning_only(args.model):
         raise PlannerError(f"'{args.model}' is for planning only (too large to train here); verify a trainable "
                            "model")
+    if args.save_checkpoint is not None:
+        check_save_dir(args.save_checkpoint)
+    if args.load_checkpoint is not None:
+        check_load_dir(args.load_checkpoint, "")
     if args.precision != DEFAULT_PRECISION or args.zero_grad != ZeroGrad.NONE.value:
         render.note("--precision and --zero-grad apply with --fake-world-size: torchrun jobs train in fp32 with "
                     "zero_grad()")
@@ -78,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         render.console.print(f"verifying [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with "
                              f"{args.nproc} processes, {args.steps} steps ...")
-    result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps)
+    result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps, save_checkpoint=args.save_checkpoint,
+                        load_checkpoint=args.load_checkpoint)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -100,6 +112,9 @@ def run_fake(args: argparse.Namespace) -> int:
         raise PlannerError(f"--memory-tolerance must be in [0, 1), got {args.memory_tolerance}")
     if args.nproc != 2 or args.steps != 3:
         render.note("--nproc and --steps have no effect with --fake-world-size (one process, two steps)")
+    if args.save_checkpoint is not None or args.load_checkpoint is not None:
+        render.note("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
+                    "hold no values)")
     options = SimOptions.named(args.precision, zero_grad=args.zero_grad)
     check_precision(options.precision)
     source = plan_source(args)

@@ -1,9 +1,12 @@
 """Verify a plan on a real multi-process run: same parameters as unsharded training, predicted collectives.
 
 ``run_verify`` predicts the step's collectives from the FSDP2 replay, writes a job file and launches
-``torchrun --standalone --nproc_per_node N -m fsdp_planner.runtime.worker JOB`` (gloo on CPU, NCCL on GPUs); see
-``worker.py`` for what each rank does. A plan passes when the parameters match the unsharded reference and the
-counted all-gathers and reduce-scatters, and their bytes, equal the prediction on every step.
+``torchrun --standalone --nproc_per_node N -m fsdp_planner.runtime.worker JOB`` (gloo on CPU, NCCL on GPUs; through
+``launch.py``, which records each rank's exit status); see ``worker.py`` for what each rank does. A plan passes
+when the parameters match the unsharded reference and the counted all-gathers and reduce-scatters, and their
+bytes, equal the prediction on every step, and, when it starts from a checkpoint, the restored state is the saved
+one. A failed job is told by its cause (``failures.py``): the rank that raised or died, not the ranks it took
+down with it. The job runs in its own session, ended as a whole on every way out.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +32,8 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec, as_spec
+from fsdp_planner.runtime.checkpoint import META, read_meta
+from fsdp_planner.runtime.failures import explain, read_failures
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
 
@@ -153,6 +159,14 @@ class VerifyResult:
     max_abs_diff: float
     tolerance: float = FP32_TOLERANCE
     notes: list[str] = field(default_factory=list)
+    start_step: int = 0
+    loaded: dict[str, Any] | None = None  # the checkpoint it started from: step, world, policy, tensors, mismatched
+    saved: str | None = None  # the checkpoint directory it wrote
+
+    @property
+    def checkpoint_match(self) -> bool:
+        """The state restored from the checkpoint is the saved one, tensor for tensor (true when none was loaded)."""
+        return self.loaded is None or not self.loaded["mismatched"]
 
     @property
     def params_match(self) -> bool:
@@ -168,11 +182,11 @@ class VerifyResult:
 
     @property
     def ok(self) -> bool:
-        return self.params_match and self.counts_match and self.bytes_match
+        return self.params_match and self.counts_match and self.bytes_match and self.checkpoint_match
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "params_match": self.params_match, "counts_match": self.counts_match,
-                "bytes_match": self.bytes_match, "ok": self.ok}
+                "bytes_match": self.bytes_match, "checkpoint_match": self.checkpoint_match, "ok": self.ok}
 
 
 def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
@@ -196,9 +210,53 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Coun
     return counts, nbytes
 
 
+def check_save_dir(directory: Path) -> None:
+    """A checkpoint goes to a new (or empty) directory: never mixed with, or over, other files."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise PlannerError(f"--save-checkpoint '{directory}' already exists and is not an empty directory: give a "
+                           "new one")
+    if not directory.parent.is_dir():
+        raise PlannerError(f"--save-checkpoint '{directory}': its parent directory does not exist")
+
+
+def check_load_dir(directory: Path, fingerprint: str) -> dict[str, Any]:
+    """The checkpoint's metadata, once it is known to be one verify wrote for this model."""
+    if not (directory / META).is_file():
+        raise PlannerError(f"--load-checkpoint '{directory}' is not a checkpoint written by verify --save-checkpoint "
+                           f"(no {META} in it)")
+    try:
+        meta = read_meta(directory)
+        step, saved_from = int(meta["step"]), str(meta["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PlannerError(f"--load-checkpoint '{directory}': its {META} cannot be read ({e})") from None
+    if fingerprint and saved_from != fingerprint:
+        raise PlannerError(f"--load-checkpoint '{directory}' was saved from another model (parameter names, shapes "
+                           "or dtypes differ)")
+    return {**meta, "step": step}
+
+
+@contextmanager
+def staged(directory: Path | None) -> Iterator[Path | None]:
+    """A fresh directory beside ``directory`` for the job to write into; the caller renames it into place once
+    the job succeeded, and whatever is left (a failed or interrupted job's half checkpoint) is removed."""
+    if directory is None:
+        yield None
+        return
+    stage = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    stage.chmod(0o777 & ~umask)  # mkdtemp's 0700 is for secrets; a checkpoint gets what mkdir would give it
+    try:
+        yield stage
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
-               seed: int = 0, timeout: float = 600.0) -> VerifyResult:
-    """Launch the torchrun job and compare its results with the plan's predictions."""
+               seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
+               load_checkpoint: Path | None = None) -> VerifyResult:
+    """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
+    checkpoint (any world size and plan) and save one."""
     from fsdp_planner.models import planning_only
 
     model = as_spec(model)
@@ -213,15 +271,24 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
         path, _, fn = spec.rpartition(":")
         model = dataclasses.replace(model, name=f"{Path(path).resolve()}:{fn}")
+    save = save_checkpoint.resolve() if save_checkpoint is not None else None
+    load = load_checkpoint.resolve() if load_checkpoint is not None else None
+    if save is not None:
+        check_save_dir(save)
+    start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
     predicted, predicted_bytes = predict_collectives(trace, plan, nproc)
-    with signals_raise(), \
+    with signals_raise(), staged(save) as stage, \
             tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-", ignore_cleanup_errors=True) as tmp:
-        job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        job_path, result_path, exits_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "exits"
         job_path.write_text(json.dumps({"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr,
-                                        "seed": seed, "result": str(result_path)}))
+                                        "seed": seed, "result": str(result_path), "start_step": start_step,
+                                        "load": str(load) if load else None, "save": str(stage) if stage else None}))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "fsdp_planner.runtime.worker", str(job_path)]
+        # torchrun's per-rank error files go under the job's directory too (by default a torchelastic_* temp dir
+        # that it never removes)
+        cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), "--standalone",
+               f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}", "-m",
+               "fsdp_planner.runtime.worker", str(job_path)]
         # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
         # reaches only this process (which then stops them) instead of racing torchrun's own handling.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -233,13 +300,14 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         finally:
             stop_process_group(proc)  # also after a normal exit: no rank outlives the job
         if not result_path.is_file():
-            raised = sorted(Path(tmp).glob("result.json.rank*.error"))
-            if raised:
-                rank = raised[0].name.rpartition(".rank")[2].split(".")[0]
-                raise PlannerError(f"verify job failed: rank {rank} raised {raised[0].read_text()}")
-            tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
-            raise PlannerError(f"verify job failed (exit {proc.returncode}):\n{tail}")
+            message = explain(read_failures(result_path, exits_path))
+            if message is None:
+                tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
+                message = f"verify job failed (exit {proc.returncode}):\n{tail}"
+            raise PlannerError(message)
         data = json.loads(result_path.read_text())
+        if save is not None and stage is not None:
+            os.replace(stage, save)  # whole or not at all: a failed job leaves no half checkpoint under that name
     notes = []
     if proc.returncode != 0:
         notes.append(f"torchrun exited {proc.returncode} after the results were written (exit noise ignored)")
@@ -247,4 +315,4 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
-        notes=notes)
+        notes=notes, start_step=start_step, loaded=data["loaded"], saved=str(save) if save else None)

@@ -2,8 +2,16 @@
 
 Every rank builds the same model, keeps an unsharded reference copy, applies the plan with FSDP2 and trains K
 steps on its own micro-batch while the reference trains on all ranks' micro-batches (loss divided by the world
-size, as FSDP averages gradients). Collectives are counted by wrapping the ``torch.distributed`` functions FSDP2
-calls. Rank 0 writes the results as JSON.
+size, as FSDP averages gradients), both with SGD (momentum 0.9). Collectives are counted by wrapping the
+``torch.distributed`` functions FSDP2 calls. Rank 0 writes the results as JSON; a rank that raises writes its
+exception beside them (``failures.py``). Before sharding, the ranks check that they build the same model and apply
+the same plan (a rank that differs would issue other collectives: a hang or garbage, not an error). The job may
+start from a distributed checkpoint and save one (``checkpoint.py``); the data of step s is the same whatever run
+reaches it.
+
+Test-only fault injection (never set it otherwise): ``FSDP_PLANNER_TEST_FAULT=kill:R`` makes rank R SIGKILL
+itself at the start of step 1 (its peers are then in a collective); ``plan:R`` makes rank R apply the plan with
+its first group's ``reshard_after_forward`` flipped.
 """
 
 from __future__ import annotations
@@ -11,16 +19,26 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec
+from fsdp_planner.runtime.failures import describe_exception
+
+MOMENTUM = 0.9  # SGD with momentum: an optimizer with state, which a checkpoint must carry across world sizes
+# A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
+# rank does the same work between collectives, so a healthy job never waits near this.
+COLLECTIVE_TIMEOUT_S = 120
+FAULT_ENV = "FSDP_PLANNER_TEST_FAULT"
 
 _COUNTED = {
     "all_gather_single": CollectiveKind.ALL_GATHER,
@@ -85,8 +103,9 @@ class CollectiveCounter:
         return out
 
 
-def _batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
-    """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed."""
+def batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed (the same in
+    every run that reaches that step)."""
     from fsdp_planner.models import load_model
     from fsdp_planner.trace.recorder import default_loss
 
@@ -103,17 +122,33 @@ def _call(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
     return model(*args, **kwargs)
 
 
-def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,
-           world: int) -> dict[str, Any]:
+def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[Any, Any]],
+                   step: int, seed: int, device: torch.device) -> float:
+    """One step of unsharded training on every rank's micro-batch (losses over the world size, as FSDP averages
+    grads); the global loss. What a run on one process does, uninterrupted, for the same data."""
+    total = 0.0
+    for r, (inputs, loss_fn) in enumerate(batches):
+        torch.manual_seed(seed + 7 * step + r)
+        loss = loss_fn(_call(reference, inputs, device)) / len(batches)
+        loss.backward()
+        total += loss.item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return total
+
+
+def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
+           ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int) -> dict[str, Any]:
     """K steps of the sharded model and the unsharded reference on the same data; what rank 0 reports."""
     import torch.distributed as dist
 
-    opt = torch.optim.SGD(model.parameters(), lr=job["lr"])
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=job["lr"])
     counted, counted_bytes, losses, ref_losses = [], [], [], []
     counter = CollectiveCounter()
-    for step in range(job["steps"]):
-        batches = [_batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
+    start = job.get("start_step", 0)
+    for step in range(start, start + job["steps"]):
+        if _fault(rank) == "kill" and step == start + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        batches = [batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
         inputs, loss_fn = batches[rank]
         with counter:
             torch.manual_seed(job["seed"] + 7 * step + rank)
@@ -127,15 +162,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
-        ref_total = 0.0
-        for r, (r_inputs, r_loss_fn) in enumerate(batches):
-            torch.manual_seed(job["seed"] + 7 * step + r)
-            r_loss = r_loss_fn(_call(reference, r_inputs, device)) / world
-            r_loss.backward()
-            ref_total += r_loss.item()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_total)
+        ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
     ref_params = dict(reference.named_parameters())
     max_diff = 0.0
     for name, p in model.named_parameters():
@@ -145,24 +172,38 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
             "max_abs_diff": max_diff}
 
 
-def _describe(e: BaseException) -> str:
-    """``Type: message`` and the innermost frame that raised it, on one line."""
-    import traceback
+def _fault(rank: int) -> str | None:
+    """The test-only fault aimed at this rank, if any (see the module's docstring)."""
+    kind, _, target = os.environ.get(FAULT_ENV, "").partition(":")
+    return kind if target == str(rank) else None
 
-    frames = traceback.extract_tb(e.__traceback__)
-    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    if isinstance(e, SystemExit):
-        return f"SystemExit: the model's code called sys.exit({'' if e.code is None else repr(e.code)}){where}"
-    message = " ".join(str(e).split())
-    return f"{type(e).__name__}: {message[:500]}{where}"
+
+def _check_same_job(model: torch.nn.Module, plan: Plan, world: int) -> str:
+    """Every rank must build the same model and apply the same plan; name the ranks that do not (as rank 0).
+    Returns the model's fingerprint."""
+    import torch.distributed as dist
+
+    from fsdp_planner.trace.recorder import model_fingerprint
+
+    mine = (model_fingerprint(model), repr(plan.signature()))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    for what, i in (("model", 0), ("plan", 1)):
+        differ = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
+        if differ:
+            ranks = ", ".join(map(str, differ))
+            raise RuntimeError(f"rank{'s' if len(differ) > 1 else ''} {ranks} {'have' if len(differ) > 1 else 'has'}"
+                               f" a different {what} than rank 0 (every rank must build the same model and apply "
+                               "the same plan)")
+    return mine[0]
 
 
 def worker(job_path: str) -> None:
     import torch.distributed as dist
 
     from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
-    from fsdp_planner.fsdp2.plan import Plan
     from fsdp_planner.models import load_model
+    from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     job = json.loads(Path(job_path).read_text())
     use_cuda = torch.cuda.is_available()
@@ -171,22 +212,35 @@ def worker(job_path: str) -> None:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         torch.use_deterministic_algorithms(True, warn_only=True)
         model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
         reference = copy.deepcopy(model)
         plan = Plan.from_json(job["plan"])
+        if _fault(rank) == "plan":
+            plan = plan.copy()
+            plan.groups[0].reshard_after_forward = not plan.groups[0].reshard_after_forward
+        fingerprint = _check_same_job(model, plan, world)
         apply_plan(model, plan, mesh=device_mesh(plan, device.type, world))
-        result = _train(job, model, reference, device, rank, world)
+        opt = torch.optim.SGD(model.parameters(), lr=job["lr"], momentum=MOMENTUM)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=job["lr"], momentum=MOMENTUM)
+        loaded = load_checkpoint(Path(job["load"]), model, opt, reference, ref_opt) if job.get("load") else None
+        result = _train(job, model, reference, opt, ref_opt, device, rank, world)
+        if job.get("save"):
+            step = job.get("start_step", 0) + job["steps"]
+            save_checkpoint(Path(job["save"]), model, opt, reference, ref_opt,
+                            {"step": step, "world": world, "policy": plan.policy, "model": job["model"],
+                             "fingerprint": fingerprint, "seed": job["seed"], "lr": job["lr"]})
         if rank == 0:
-            Path(job["result"]).write_text(json.dumps({**result, "backend": backend, "world": world}))
+            Path(job["result"]).write_text(json.dumps({**result, "backend": backend, "world": world,
+                                                       "loaded": loaded}))
         dist.barrier()
     except (Exception, SystemExit) as e:
         # torchrun's summary drops the rank's traceback: leave the cause where the launcher reads it (a sys.exit in
         # the model's code too: with status 0 the job would otherwise look finished, with no result)
-        Path(f"{job['result']}.rank{rank}.error").write_text(_describe(e))
+        Path(f"{job['result']}.rank{rank}.error").write_text(json.dumps(describe_exception(e)))
         if isinstance(e, SystemExit):
             raise SystemExit(1) from e
         raise

@@ -1,0 +1,104 @@
+"""Distributed checkpoints of a verify run, loadable at another world size under another plan.
+
+The sharded model and its optimizer are saved with ``torch.distributed.checkpoint`` (DCP) from the state dicts
+``get_state_dict`` gives: keys are parameter names (FQNs), values DTensors, so the files do not depend on the
+world size or on the grouping, and ``dcp.load`` + ``set_state_dict`` reshard them onto any plan. This is the
+format a training script reads with the same two calls. Beside it:
+
+- ``fsdp-planner.json``: the step reached, the world size and plan it was saved from, and a sha256 of every
+  tensor of the full (gathered) model and optimizer state, so a load can prove it restored the same bytes;
+- ``reference.pt``: the unsharded reference model and optimizer of the run, so verify's parity check spans the
+  whole chain of runs (the reference never stops: it is one uninterrupted single-process training).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+META = "fsdp-planner.json"
+REFERENCE = "reference.pt"
+VERSION = 1
+
+
+def _digest(t: torch.Tensor) -> str:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    h.update(flat.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(f"{prefix}.{k}", v, out)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _flatten(f"{prefix}.{i}", v, out)
+    else:
+        out[prefix] = value
+
+
+def digests(state: dict[str, Any]) -> dict[str, str]:
+    """sha256 of each tensor of a (full) state dict, and the repr of each other value, by flattened key
+    (``model.<fqn>``, ``optim.state.<fqn>.momentum_buffer``, ``optim.param_groups.0.lr``)."""
+    flat: dict[str, Any] = {}
+    _flatten("", state, flat)
+    return {k[1:]: _digest(v) if isinstance(v, torch.Tensor) else repr(v) for k, v in sorted(flat.items())}
+
+
+def state_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """``digests`` of the full model and optimizer state: what must be equal whatever world size and plan hold the
+    state. A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    return digests({"model": model_sd, "optim": optim_sd})
+
+
+def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, reference: nn.Module,
+                    ref_optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
+    """Every rank calls it; rank 0 writes the metadata and the reference."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    digests = state_digests(model, optimizer)
+    if dist.get_rank() == 0:
+        torch.save({"model": reference.state_dict(), "optim": ref_optimizer.state_dict()}, directory / REFERENCE)
+        (directory / META).write_text(json.dumps({"version": VERSION, **meta, "digests": digests}, indent=1))
+    dist.barrier()
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / META).read_text())
+
+
+def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, reference: nn.Module,
+                    ref_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Restore the sharded state (resharded onto this world size and plan) and the reference; report whether the
+    restored full state is the saved one, tensor by tensor."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # this plan's shards: DCP fills them in place
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    meta = read_meta(directory)
+    digests = state_digests(model, optimizer)
+    saved = meta["digests"]
+    mismatched = sorted(k for k in saved.keys() | digests.keys() if saved.get(k) != digests.get(k))
+    device = next(reference.parameters()).device
+    ref = torch.load(directory / REFERENCE, map_location=device, weights_only=True)
+    reference.load_state_dict(ref["model"])
+    ref_optimizer.load_state_dict(ref["optim"])
+    return {"step": meta["step"], "world": meta["world"], "policy": meta["policy"], "tensors": len(digests),
+            "mismatched": mismatched}

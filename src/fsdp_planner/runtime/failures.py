@@ -1,0 +1,125 @@
+"""Why a verify job failed, told from what its ranks left: each rank's exception (``worker.py`` writes it as
+JSON beside the result) and each rank's exit status (``launch.py`` records torchrun's).
+
+One rank's failure takes the others down with it: a rank that dies mid-step leaves its peers' collectives with a
+closed connection (gloo raises "Connection reset by peer"), and torchrun then stops every rank still running with
+SIGTERM. So the cause is told apart from its echoes: a rank that raised an exception of its own, or died of a
+signal torchrun did not send, is a cause; a collective that failed in the backend, or a SIGTERM, is an echo.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+ERROR_SUFFIX = ".error"  # the worker writes RESULT.rankN.error; the launcher writes EXITS
+MAX_MESSAGE = 300
+MAX_FRAMES = 3
+# wrappers in every module call and every collective, telling nothing of where it failed
+NOISE_FRAMES = ("torch/nn/modules/module.py", "torch/distributed/c10d_logger.py")
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    error: str | None = None  # "Type: message" when the rank raised
+    frames: tuple[str, ...] = ()  # innermost first: "file.py:12 in fn"
+    backend: bool = False  # raised by the communication backend: a peer went away or a collective timed out
+    exitcode: int | None = None  # torchrun's record; negative: killed by that signal
+
+    @property
+    def stopped_by_launcher(self) -> bool:
+        """Ended by torchrun's SIGTERM after another rank failed (what it sends every rank still running)."""
+        return self.error is None and self.exitcode == -signal.SIGTERM
+
+    @property
+    def is_cause(self) -> bool:
+        if self.error is not None:
+            return not self.backend
+        return self.exitcode not in (None, 0) and not self.stopped_by_launcher
+
+    def describe(self) -> str:
+        if self.error is not None:
+            where = f" (at {'; '.join(self.frames)})" if self.frames else ""
+            verb = "failed in a collective:" if self.backend else "raised"
+            return f"rank {self.rank} {verb} {self.error}{where}"
+        if self.exitcode is not None and self.exitcode < 0:
+            name = _signal_name(-self.exitcode)
+            if self.stopped_by_launcher:
+                return f"rank {self.rank} was stopped by torchrun ({name})"
+            return (f"rank {self.rank} was killed by {name} (it raised no exception: killed from outside, or by the "
+                    "out-of-memory killer)")
+        return f"rank {self.rank} exited with status {self.exitcode} without raising an exception"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def read_failures(result_path: Path, exits_path: Path) -> list[RankFailure]:
+    """Every rank that raised or ended badly, in rank order."""
+    raised: dict[int, dict] = {}
+    for path in result_path.parent.glob(f"{result_path.name}.rank*{ERROR_SUFFIX}"):
+        rank = int(path.name[len(result_path.name) + len(".rank"):-len(ERROR_SUFFIX)])
+        try:
+            raised[rank] = json.loads(path.read_text())
+        except (OSError, ValueError):  # killed while writing it: its exit status still tells
+            continue
+    exits: dict[int, int] = {}
+    if exits_path.is_file():
+        exits = {int(r): int(code) for r, code in json.loads(exits_path.read_text()).items()}
+    failures = []
+    for rank in sorted(set(raised) | {r for r, code in exits.items() if code != 0}):
+        info = raised.get(rank, {})
+        failures.append(RankFailure(rank, info.get("error"), tuple(info.get("frames", ())),
+                                    bool(info.get("backend")), exits.get(rank)))
+    return failures
+
+
+def explain(failures: list[RankFailure]) -> str | None:
+    """The cause on the first line, then the other failing ranks' lines; None when no rank left a trace."""
+    if not failures:
+        return None
+    causes = [f for f in failures if f.is_cause] or [f for f in failures if f.error is not None] or failures
+    echoes = [f for f in failures if f not in causes and not f.stopped_by_launcher]
+    lines = [f"verify job failed: {'; '.join(_grouped(causes))}"]
+    lines += [f"  then {f.describe()}" for f in echoes]
+    stopped = [f.rank for f in failures if f not in causes and f.stopped_by_launcher]
+    if stopped:
+        lines.append(f"  then torchrun stopped rank{'s' if len(stopped) > 1 else ''} "
+                     f"{', '.join(map(str, stopped))} (SIGTERM)")
+    return "\n".join(lines)
+
+
+def _grouped(failures: list[RankFailure]) -> list[str]:
+    """One phrase per distinct failure: "ranks 0, 1 raised X" rather than the same line per rank."""
+    ranks: dict[str, list[int]] = {}
+    for f in failures:
+        ranks.setdefault(f.describe().partition(" ")[2].partition(" ")[2], []).append(f.rank)
+    return [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {what}" for what, rs in ranks.items()]
+
+
+def describe_exception(e: BaseException) -> dict:
+    """What a rank writes when it raises: ``Type: message``, its innermost frames, and whether the communication
+    backend raised it (gloo's errors name their source; NCCL's are ``DistError``)."""
+    import traceback
+
+    import torch.distributed as dist
+
+    message = " ".join(str(e).split())
+    backend = isinstance(e, dist.DistError) or "/gloo/" in message
+    if backend:  # gloo's source path and generic advice say nothing about what happened
+        message = re.sub(r"^\[[^\]]*\]\s*", "", message).split(". This is typically caused")[0]
+    frames = [f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.endswith(NOISE_FRAMES)][::-1][:MAX_FRAMES]
+    if isinstance(e, SystemExit):
+        code = "" if e.code is None else repr(e.code)
+        return {"error": f"SystemExit: the model's code called sys.exit({code})", "frames": frames,
+                "backend": False}
+    return {"error": f"{type(e).__name__}: {message[:MAX_MESSAGE]}", "frames": frames, "backend": backend}
