@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from fsdp_planner.cli import calibrate, check, cost, demo, memory, models, plan, simulate, verify
+from fsdp_planner.cli import calibrate, check, cost, demo, memory, models, plan, render, simulate, verify
 from fsdp_planner.cli.requests import check_paths
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.runtime.verify import Terminated, signals_raise
@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser)
     for command in COMMANDS:
         command.register(sub)
+    for sp in sub.choices.values():  # every command: --quiet (one place, so no command can miss it)
+        sp.add_argument("--quiet", "-q", action="store_true",
+                        help="print no notes and no progress on stderr (errors still are)")
     return p
 
 
@@ -101,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_code(e.code)
     try:
         with signals_raise():
+            render.set_quiet(args.quiet)
             check_paths(args)
             status = int(args.fn(args))
             sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's flush at exit

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from fsdp_planner.cli import render
-from fsdp_planner.cli.requests import output_file
+from fsdp_planner.cli.requests import add_json, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.calibrate import calibrate
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+
+if TYPE_CHECKING:
+    from fsdp_planner.runtime.overhead import OverheadMeasurement
 
 DEFAULT_BASE = "h100:8"
 
@@ -25,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
                                    f"detected from the logs, or {DEFAULT_BASE} with --overhead alone")
     sp.add_argument("--out", required=True, help="cluster JSON to write")
+    add_json(sp)
     sp.set_defaults(fn=run)
 
 
@@ -35,12 +42,20 @@ def run(args: argparse.Namespace) -> int:
     assert out is not None
     base = parse_cluster(args.base) if args.base else None
     cluster = calibrate(args.logs, base) if args.logs else base or parse_cluster(DEFAULT_BASE)
+    measured = None
     if args.overhead:
-        cluster = _with_measured_overhead(cluster)
+        cluster, measured = _with_measured_overhead(cluster)
+        if not args.json:
+            render.console.print(render.overhead_table(measured))
     try:
         cluster.save(out)
     except OSError as e:
         raise PlannerError(f"cannot write '{out}': {e.strerror}") from None
+    if args.json:
+        print(json.dumps({"out": str(out), "cluster": cluster.to_dict(),
+                          "overhead_measurement": None if measured is None else render.json_ready(asdict(measured))},
+                         indent=2))
+        return 0
     for kind, fits in cluster.fits.items():
         for n, (alpha, busbw) in sorted(fits.items()):
             render.console.print(f"{kind:15s} {n:5d} ranks: latency {alpha * 1e6:.1f} us, "
@@ -49,15 +64,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_measured_overhead(cluster: Cluster) -> Cluster:
+def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurement]:
     from fsdp_planner.runtime.overhead import measure_overhead
 
-    m = measure_overhead(progress=render.note)
+    with render.progress("timing real FSDP2 (fake process group) with 1 to 256 groups"):
+        m = measure_overhead()
     overhead = m.overhead
     if m.device == "cpu":  # host memory bandwidth says nothing of a GPU's copy kernels: keep the cluster's
         render.note(f"no GPU here: copy bandwidth measured on the CPU ({overhead.copy_bandwidth / 1e9:.1f} GB/s) "
                     f"is not used; the cluster's {cluster.overhead.copy_bandwidth / 1e9:.0f} GB/s is kept")
         overhead = dataclasses.replace(overhead, copy_bandwidth=cluster.overhead.copy_bandwidth)
-    render.console.print(render.overhead_table(m))
     name = cluster.name if cluster.name.endswith("+calibrated") else f"{cluster.name}+calibrated"
-    return dataclasses.replace(cluster, overhead=overhead, name=name)
+    return dataclasses.replace(cluster, overhead=overhead, name=name), m

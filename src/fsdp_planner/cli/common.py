@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from fsdp_planner.cli import render
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
@@ -22,6 +23,12 @@ def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, ful
     """The model's trace on meta tensors, in ``precision``'s compute dtype (default: the default precision's);
     with ``measure``, then timed for real on the local device. ``full``: every module call traced (no replay of
     repeated blocks)."""
+    with render.progress(f"tracing {spec}"):
+        return _load_trace(spec, notes, measure, full, precision)
+
+
+def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool, precision: Precision | None
+                ) -> Trace:
     lm = load_model(spec, meta=True)
     dtype = (precision or SimOptions().precision).trace_dtype
     try:
@@ -75,8 +82,9 @@ def _device_hint(e: Exception) -> str:
 def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str,
              must_fit: bool = True) -> AutoResult:
     """Auto's search; a result over the budget is an error unless ``must_fit`` is False (the caller reports it)."""
-    result = AutoPolicy(cluster, request.memory_budget, request.target, options,
-                        checkpointing=request.checkpointing, mesh=request.mesh).search(tr, model)
+    with render.progress(f"auto: searching plans for {cluster.name}"):
+        result = AutoPolicy(cluster, request.memory_budget, request.target, options,
+                            checkpointing=request.checkpointing, mesh=request.mesh).search(tr, model)
     if must_fit and not result.fits:
         raise PlannerError(infeasible_message(result))
     return result

@@ -5,10 +5,13 @@ boundary sits where it does, and the timelines drawn."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.checkpointing import ACMode
@@ -40,20 +43,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--model", default=MAIN_MODEL, help=f"the main job's model (default {MAIN_MODEL})")
     sp.add_argument("--cluster", default=MAIN_CLUSTER, help=f"the main job's cluster (default {MAIN_CLUSTER})")
     sp.add_argument("--out-dir", default=OUT_DIR, help=f"where the timeline pictures go (default ./{OUT_DIR}/)")
+    add_json(sp)
     sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
     out_dir = _out_dir(args.out_dir)
     cluster = parse_cluster(args.cluster)
-    render.console.rule("[bold]1. The seed's problem: what classic wrap policies do[/bold]")
-    for spec, threshold in SEED_MODELS.items():
-        _seed_problem(spec, threshold)
-    render.console.rule(f"[bold]2. The main job: {args.model} on {cluster.name}[/bold]")
-    _main_job(args.model, cluster, out_dir)
-    render.console.print(f"\nnext: fsdp-planner plan {args.model} --policy auto --cluster {cluster.name} --out "
-                         f"plan.json; fsdp-planner verify {args.model} --plan plan.json --fake-world-size "
-                         f"{cluster.world_size}", highlight=False)
+    quiet = render.console.quiet
+    render.console.quiet = quiet or args.json  # the same work; the tables give way to one JSON document
+    try:
+        render.console.rule("[bold]1. The seed's problem: what classic wrap policies do[/bold]")
+        seed = [_seed_problem(spec, threshold) for spec, threshold in SEED_MODELS.items()]
+        render.console.rule(f"[bold]2. The main job: {args.model} on {cluster.name}[/bold]")
+        main = _main_job(args.model, cluster, out_dir)
+        render.console.print(f"\nnext: fsdp-planner plan {args.model} --policy auto --cluster {cluster.name} --out "
+                             f"plan.json; fsdp-planner verify {args.model} --plan plan.json --fake-world-size "
+                             f"{cluster.world_size}", highlight=False)
+    finally:
+        render.console.quiet = quiet
+    if args.json:
+        print(json.dumps({"seed": seed, "main": main}, indent=2))
     return 0
 
 
@@ -68,7 +78,7 @@ def _out_dir(arg: str) -> Path:
     return path
 
 
-def _seed_problem(spec: str, threshold: int) -> None:
+def _seed_problem(spec: str, threshold: int) -> dict[str, Any]:
     """The classic policies on a small model, and the one sentence that says what goes wrong."""
     console = render.console
     tr = load_trace(spec, render.notes)
@@ -81,8 +91,10 @@ def _seed_problem(spec: str, threshold: int) -> None:
     console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows))
     blamed = PolicyName.SIZE if spec == "seed-net" else PolicyName.MODULE
     root = plans[blamed].root
+    out = {"model": spec, "plans": [{"policy": p.policy, "metrics": m.to_dict()} for p, m, _ in rows],
+           "root_holds": {"policy": plans[blamed].policy, "modules": []}}
     if not root.params:
-        return
+        return out
     mods = sorted({m for p in root.params for m in tr.param(p).owners})
     idle = {name: plan_metrics(tr, plans[name]).avg_idle_bytes for name in (blamed, PolicyName.ORDER)}
     how = "size-based wrapping" if blamed is PolicyName.SIZE else "per-block wrapping (ModuleWrapPolicy)"
@@ -90,9 +102,11 @@ def _seed_problem(spec: str, threshold: int) -> None:
                   f"of forward to the end of backward ({fmt_bytes(idle[blamed])} idle on average); the "
                   f"execution-order plan gives each its own group, the root manages nothing "
                   f"({fmt_bytes(idle[PolicyName.ORDER])} idle).\n", highlight=False)
+    out["root_holds"]["modules"] = mods
+    return out
 
 
-def _main_job(model: str, cluster: Cluster, out_dir: Path) -> None:
+def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     """Auto against the classic policies (as run plain, and torchtitan's with every block checkpointed)."""
     console, options = render.console, SimOptions()
     tr = load_trace(model, render.notes)
@@ -116,9 +130,17 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> None:
     console.print(render.comparison_table(f"{model} on {cluster.name}: per training step; reserved memory against "
                                           f"one {cluster.gpu.name} ({fmt_bytes(capacity)})", rows, capacity))
     console.print(render.auto_line(auto), highlight=False)
+    out: dict[str, Any] = {
+        "model": model, "cluster": cluster.name, "capacity": capacity,
+        "plans": [{"policy": _label(p), "groups": len(p.inner_groups), "simulation": r.summary(),
+                   "fits": r.reserved_memory <= capacity} for p, _, r in rows],
+        "auto": {"fits": auto.fits, "layout": auto.report.mesh, "groups": len(auto.plan.inner_groups),
+                 "checkpointed": len(auto.plan.activation_checkpointing), "step_time": auto.report.step_time,
+                 "reserved_memory": auto.report.reserved_memory},
+        "rival": None, "timelines": []}
     if not auto.fits:
         console.print(f"auto: {infeasible_message(auto)}", highlight=False)
-        return
+        return out
     fitting = [(p, r) for p, _, r in classic if r.reserved_memory <= capacity]
     rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
     which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
@@ -137,6 +159,10 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> None:
     write_html(views, page, title)
     console.print(f"timelines of both on one time axis: {png} and {page} (open the HTML in a browser: hover for "
                   "group names, scroll to zoom)", highlight=False)
+    out["rival"] = {"policy": _label(rival), "fits": bool(fitting), "step_time": rival_report.step_time,
+                    "reserved_memory": rival_report.reserved_memory}
+    out["timelines"] = [str(png), str(page)]
+    return out
 
 
 def _classic(tr: Trace, request: PolicyRequest, model: str) -> Plan | None:

@@ -3,24 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
+
+from rich.markup import escape
 
 from fsdp_planner.cli import render
-from fsdp_planner.models import BUILTINS, ModelSpec, hf
+from fsdp_planner.cli.requests import add_json
+from fsdp_planner.models import BUILTINS, hf, workload_defaults
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("models", help="list the built-in models and the shipped Hugging Face configs").set_defaults(fn=run)
+    sp = sub.add_parser("models", help="list the built-in models and the shipped Hugging Face configs")
+    add_json(sp)
+    sp.set_defaults(fn=run)
+
+
+def listing() -> list[dict[str, Any]]:
+    """Every model a name selects: built-ins and shipped configs, with their default workload."""
+    out = [{"name": name, "description": b.description, "workload": workload_defaults(b.factory),
+            "trainable": b.trainable, "needs": None} for name, b in BUILTINS.items()]
+    out += [{"name": hf.PREFIX + name, "description": shipped.description, "workload": shipped.workload(),
+             "trainable": False, "needs": "fsdp-planner[hf]"} for name, shipped in hf.SHIPPED.items()]
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
-    for name, b in BUILTINS.items():
-        workload = ModelSpec(name).label().partition(", ")[2]
-        render.console.print(f"{name:16s} {b.description}{f' ({workload})' if workload else ''}"
-                             f"{'' if b.trainable else '  [dim](planning only)[/dim]'}", highlight=False)
-    for name, shipped in hf.SHIPPED.items():
-        workload = ModelSpec(f"{hf.PREFIX}{name}").label().partition(", ")[2]
-        render.console.print(f"{hf.PREFIX + name:16s} {shipped.description} ({workload})  [dim](planning only; "
-                             r"needs fsdp-planner\[hf])[/dim]", highlight=False)
+    rows = listing()
+    if args.json:
+        print(json.dumps({"models": rows}, indent=2))
+        return 0
+    words = {"batch_size": "batch", "seq_len": "seq"}
+    for r in rows:
+        workload = ", ".join(f"{words[k]} {v:,}" for k, v in r["workload"].items())
+        planning = "planning only" + (f"; needs {r['needs']}" if r["needs"] else "")
+        line = escape(f"{r['name']:16s} {r['description']}{f' ({workload})' if workload else ''}")
+        render.console.print(line + ("" if r["trainable"] else f"  [dim]{escape(f'({planning})')}[/dim]"),
+                             highlight=False)
     render.console.print("hf:path/config.json or hf:path/dir builds any Hugging Face causal LM, encoder-decoder LM "
                          "or image classifier from its config (no download).", highlight=False)
     render.console.print("--batch and --seq set the batch and sequence length of the models that have them.",

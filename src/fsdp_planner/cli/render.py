@@ -6,10 +6,11 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fsdp_planner.fmt import fmt_bytes, fmt_modules, fmt_numel, fmt_time
@@ -55,6 +56,25 @@ class _Console(Console):
 # Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
 console = _Console(width=None if _isatty(sys.stdout) else 150, soft_wrap=True)
 notes = _Console(stderr=True, width=None if _isatty(sys.stderr) else 150, soft_wrap=True)  # keeps --json clean
+
+
+def set_quiet(quiet: bool) -> None:
+    """``--quiet``: no notes and no progress on stderr (errors are printed by ``cli.main``, not here)."""
+    notes.quiet = quiet
+
+
+@contextlib.contextmanager
+def progress(description: str) -> Iterator[None]:
+    """A spinner with the elapsed time on stderr while a step that may take seconds runs (tracing, auto's search,
+    a fake-world check, a torchrun job, a calibration); only on a terminal, never with ``--quiet``, and gone when the
+    step ends (``transient``), so piped and ``--json`` output stays clean."""
+    if notes.quiet or not notes.is_terminal:
+        yield
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=notes, transient=True) as bar:
+        bar.add_task(description, total=None)
+        yield
 
 
 def note(text: str) -> None:

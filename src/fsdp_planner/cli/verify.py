@@ -89,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         render.console.print(f"verifying [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with "
                              f"{args.nproc} processes, {args.steps} steps ...")
-    result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps, save_checkpoint=args.save_checkpoint,
-                        load_checkpoint=args.load_checkpoint)
+    with render.progress(f"torchrun job: {args.nproc} ranks, {args.steps} steps"):
+        result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps,
+                            save_checkpoint=args.save_checkpoint, load_checkpoint=args.load_checkpoint)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -132,8 +133,8 @@ def run_fake(args: argparse.Namespace) -> int:
         render.console.print(f"running [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with real "
                              f"FSDP2 on {world} fake ranks ({args.precision}) ...")
     predicted = simulate(tr, plan, cluster, options, timeline=False)
-    measured = run_fake_world(model_spec(args), plan, world, options.precision,
-                              zero_grad=options.zero_grad)
+    with render.progress(f"real FSDP2 on {world} fake ranks"):
+        measured = run_fake_world(model_spec(args), plan, world, options.precision, zero_grad=options.zero_grad)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
