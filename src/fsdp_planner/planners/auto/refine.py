@@ -12,6 +12,7 @@ from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.planners.auto.atoms import Atom, Pin
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, REFINE_STARTS, ROOT_SLACK, Candidate, Evaluator, Target
 from fsdp_planner.planners.order import compress_modules
+from fsdp_planner.trace.tree import proper_ancestors
 
 
 class Move(Enum):
@@ -30,12 +31,23 @@ class Refiner:
         """Refine the ``starts`` best distinct plans so far (a plan second before refinement can end first),
         sharing the time until ``deadline``. Every plan tried stays in the evaluator."""
         ranked = self.ev.ranked()[:starts]
+        setting = self.ev.checkpointed
         for n, start in enumerate(ranked):
+            # plans built from this start checkpoint what the start does (the search may have left the evaluator
+            # on another setting), and what the setting would have it checkpoint but a group inside forbade
+            self.ev.checkpointed = self._intended(start, setting)
             share = time.perf_counter() + (deadline - time.perf_counter()) / (len(ranked) - n)
             best = self.reshard_prefix(start)
             if self.ev.target is Target.FSDP2:
                 best = self.prefetch(best)
                 self.move_boundaries(best, share)
+        self.ev.checkpointed = setting
+
+    @staticmethod
+    def _intended(start: Candidate, setting: list[str]) -> list[str]:
+        own = start.plan.activation_checkpointing
+        blocked = {a for g in start.plan.groups for m in g.modules for a in proper_ancestors(m)}
+        return [*own, *(m for m in setting if m in blocked and m not in own)]
 
     def reshard_prefix(self, best: Candidate) -> Candidate:
         """Keep the last m groups of forward unsharded (False, or the node size when a shard group spans nodes): they
