@@ -40,12 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--memory-tolerance", type=float, default=MEMORY_TOLERANCE,
                     help=f"--fake-world-size: largest relative peak-memory error that passes (default "
                          f"{MEMORY_TOLERANCE})")
+    sp.add_argument("--fsdp1", action="store_true",
+                    help="run the plan with FSDP1 FullyShardedDataParallel (its auto_wrap_policy, one unit per "
+                         "group) instead of FSDP2; checks parity, the wrapped units and the collectives")
     add_json(sp)
     sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.fake_world_size is not None:
+        if args.fsdp1:
+            raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
         return run_fake(args)
     # every argument is checked before the model is traced or auto searches: a typo costs no minutes
     if args.nproc < 1:
@@ -75,14 +80,21 @@ def run(args: argparse.Namespace) -> int:
         assert source.policy is not None
         plan = policy_plan(tr, source.policy, args.model, cluster, SimOptions())
         check_plan_world_size(plan, args.nproc)
+    if args.fsdp1:
+        from fsdp_planner.fsdp2.fsdp1 import check_fsdp1
+
+        check_fsdp1(plan)
     if not args.json:
         render.console.print(f"verifying [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with "
-                             f"{args.nproc} processes, {args.steps} steps ...")
-    result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps)
+                             f"{args.nproc} processes{' (FSDP1)' if args.fsdp1 else ''}, {args.steps} steps ...")
+    result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps, fsdp1=args.fsdp1)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         render.console.print(render.verify_table(result))
+        if result.units is not None:
+            render.console.print(f"FSDP1 units: {len(result.units)} wrapped, "
+                                 f"{'exactly the plan' + chr(39) + 's groups' if result.units_match else 'NOT the plan' + chr(39) + 's groups: ' + ', '.join(sorted(set(result.units) ^ set(result.expected_units or [])))}")
         for note in result.notes:
             render.console.print(f"note: {note}")
         render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")

@@ -153,6 +153,12 @@ class VerifyResult:
     max_abs_diff: float
     tolerance: float = FP32_TOLERANCE
     notes: list[str] = field(default_factory=list)
+    units: list[str] | None = None  # FSDP1 (``fsdp1=True``): the modules it wrapped, as the plan's groups name them
+    expected_units: list[str] | None = None
+
+    @property
+    def units_match(self) -> bool:
+        return self.units is None or sorted(self.units) == sorted(self.expected_units or [])
 
     @property
     def params_match(self) -> bool:
@@ -168,11 +174,11 @@ class VerifyResult:
 
     @property
     def ok(self) -> bool:
-        return self.params_match and self.counts_match and self.bytes_match
+        return self.params_match and self.counts_match and self.bytes_match and self.units_match
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "params_match": self.params_match, "counts_match": self.counts_match,
-                "bytes_match": self.bytes_match, "ok": self.ok}
+                "bytes_match": self.bytes_match, "units_match": self.units_match, "ok": self.ok}
 
 
 def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
@@ -197,8 +203,9 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Coun
 
 
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
-               seed: int = 0, timeout: float = 600.0) -> VerifyResult:
-    """Launch the torchrun job and compare its results with the plan's predictions."""
+               seed: int = 0, timeout: float = 600.0, fsdp1: bool = False) -> VerifyResult:
+    """Launch the torchrun job and compare its results with the plan's predictions (``fsdp1``: run the plan as
+    FSDP1 ``FullyShardedDataParallel`` units, ``fsdp1_worker.py``)."""
     from fsdp_planner.models import BUILTINS
 
     model = as_spec(model)
@@ -214,6 +221,8 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         path, _, fn = spec.rpartition(":")
         model = dataclasses.replace(model, name=f"{Path(path).resolve()}:{fn}")
     predicted, predicted_bytes = predict_collectives(trace, plan, nproc)
+    if fsdp1:
+        predicted_bytes = predict_fsdp1_bytes(trace, plan, nproc)
     with signals_raise(), \
             tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-", ignore_cleanup_errors=True) as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
@@ -221,7 +230,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
                                         "seed": seed, "result": str(result_path)}))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "fsdp_planner.runtime.worker", str(job_path)]
+               "-m", f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", str(job_path)]
         # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
         # reaches only this process (which then stops them) instead of racing torchrun's own handling.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -247,4 +256,15 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
-        notes=notes)
+        notes=notes, units=data.get("units"),
+        expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)
+
+
+def predict_fsdp1_bytes(trace: Trace, plan: Plan, world_size: int) -> Counts:
+    """FSDP1 issues the collectives FSDP2's replay predicts for a single-module plan (its root is never resharded
+    after forward, SHARD_GRAD_OP units neither), but with one flat parameter per unit: other bytes."""
+    from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes
+
+    kinds = [(c.kind.value, c.group) for c in build_schedule(trace, plan, world_size).collectives]
+    nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
+    return {**nbytes, **fsdp1_collective_bytes(trace, plan, world_size, [] if world_size == 1 else kinds)}
