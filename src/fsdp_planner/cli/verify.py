@@ -93,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         render.console.print(render.verify_table(result))
         if result.units is not None:
-            render.console.print(f"FSDP1 units: {len(result.units)} wrapped, "
-                                 f"{'exactly the plan' + chr(39) + 's groups' if result.units_match else 'NOT the plan' + chr(39) + 's groups: ' + ', '.join(sorted(set(result.units) ^ set(result.expected_units or [])))}")
+            differ = sorted(set(result.units) ^ set(result.expected_units or []))
+            verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
+            render.console.print(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")
         for note in result.notes:
             render.console.print(f"note: {note}")
         render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")
