@@ -40,10 +40,10 @@ def test_documented_commands_are_the_commands():
 def test_plan_simulate_cost_memory_models(capsys):
     d = run_json(capsys, "plan", "toy-llama", "--cluster", "h100:8")
     assert set(d) == {"model", "plans", "auto"} and {"name", "fingerprint", "numel"} <= set(d["model"])
-    assert all({"plan", "metrics", "simulation"} <= set(p) and STEP <= set(p["simulation"]) for p in d["plans"])
+    assert all({"plan", "metrics", "simulation"} <= set(p) and set(p["simulation"]) >= STEP for p in d["plans"])
     assert {"budget", "budget_source", "fits", "plans_simulated", "seconds"} <= set(d["auto"])
     d = run_json(capsys, "simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", "--compare", "titan")
-    assert STEP <= set(d) and STEP <= set(d["compare"]) and MEMORY <= set(d["memory_at_peak"])
+    assert set(d) >= STEP and set(d["compare"]) >= STEP and set(d["memory_at_peak"]) >= MEMORY
     assert set(run_json(capsys, "cost", "all-gather", "1GiB", "--cluster", "h100:8")) == {
         "collective", "bytes", "ranks", "seconds"}
     d = run_json(capsys, "memory", "seed-net", "--world-size", "8")
@@ -61,6 +61,15 @@ def test_check_and_fake_world_verify(capsys):
     d = run_json(capsys, "verify", "toy-llama", "--policy", "order", "--fake-world-size", "8")
     assert {"world_size", "precision", "plan", "predicted", "measured", "counts_and_bytes_exact", "peak_error",
             "ok", "seconds"} <= set(d) and d["ok"]
+
+
+def test_export_json(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(plan), "--quiet"]) == 0
+    capsys.readouterr()
+    d = run_json(capsys, "export", str(plan), "--format", "python")
+    assert set(d) == {"format", "out", "source"} and d["out"] is None
+    compile(d["source"], "plan.py", "exec")
 
 
 def test_calibrate_json(capsys, tmp_path):

@@ -18,12 +18,12 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from fsdp_planner.cli import calibrate, check, cost, demo, memory, models, plan, render, simulate, verify
+from fsdp_planner.cli import calibrate, check, cost, demo, export, memory, models, plan, render, simulate, verify
 from fsdp_planner.cli.requests import check_paths
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.runtime.verify import Terminated, signals_raise
 
-COMMANDS = (demo, plan, simulate, verify, check, cost, calibrate, memory, models)
+COMMANDS = (demo, plan, simulate, verify, check, export, cost, calibrate, memory, models)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 

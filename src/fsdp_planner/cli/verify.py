@@ -47,12 +47,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--load-checkpoint", type=Path, metavar="DIR",
                     help="start from a checkpoint that --save-checkpoint wrote, at any --nproc and with any plan "
                          "(resharded on load), and check the restored state is the saved one")
+    sp.add_argument("--fsdp1", action="store_true",
+                    help="run the plan with FSDP1 FullyShardedDataParallel (its auto_wrap_policy, one unit per "
+                         "group) instead of FSDP2; checks parity, the wrapped units and the collectives")
     add_json(sp)
     sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.fake_world_size is not None:
+        if args.fsdp1:
+            raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
         return run_fake(args)
     # every argument is checked before the model is traced or auto searches: a typo costs no minutes
     if args.nproc < 1:
@@ -86,16 +91,24 @@ def run(args: argparse.Namespace) -> int:
         assert source.policy is not None
         plan = policy_plan(tr, source.policy, args.model, cluster, SimOptions())
         check_plan_world_size(plan, args.nproc)
+    if args.fsdp1:
+        from fsdp_planner.fsdp2.fsdp1 import check_fsdp1
+
+        check_fsdp1(plan)
     if not args.json:
         render.console.print(f"verifying [bold]{plan.policy or source.plan_file}[/bold] on {args.model} with "
-                             f"{args.nproc} processes, {args.steps} steps ...")
+                             f"{args.nproc} processes{' (FSDP1)' if args.fsdp1 else ''}, {args.steps} steps ...")
     with render.progress(f"torchrun job: {args.nproc} ranks, {args.steps} steps"):
-        result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps,
+        result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps, fsdp1=args.fsdp1,
                             save_checkpoint=args.save_checkpoint, load_checkpoint=args.load_checkpoint)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         render.console.print(render.verify_table(result))
+        if result.units is not None:
+            differ = sorted(set(result.units) ^ set(result.expected_units or []))
+            verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
+            render.console.print(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")
         for note in result.notes:
             render.console.print(f"note: {note}")
         render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.models import encdec, gpt2, hf, llama, moe, seed, vit
+from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,8 @@ BUILTINS: dict[str, Builtin] = {
     "toy-llama": Builtin(_llama(llama.TOY_LLAMA, 4, 32), "4-layer Llama-style decoder, trains on CPU in seconds",
                          True),
     "toy-gpt2-tied": Builtin(gpt2.toy_gpt2_tied, "3-layer GPT-2-style decoder, lm_head tied to wte", True),
+    "toy-llama-lora": Builtin(lora.toy_llama_lora, "toy-llama with rank-8 LoRA adapters on wq/wk/wv/wo, base frozen "
+                                                   "(needs peft)", True),
     "seed-linear10": Builtin(seed.seed_linear10, "seed 002's 10 x Linear(10000, 10000) memory study", False),
     "llama3-8b": Builtin(_llama(llama.LLAMA3_8B, 1, 8192), "Llama 3 8B", False),
     "llama3-70b": Builtin(_llama(llama.LLAMA3_70B, 1, 8192), "Llama 3 70B", False),

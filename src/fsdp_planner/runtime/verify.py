@@ -162,11 +162,17 @@ class VerifyResult:
     start_step: int = 0
     loaded: dict[str, Any] | None = None  # the checkpoint it started from: step, world, policy, tensors, mismatched
     saved: str | None = None  # the checkpoint directory it wrote
+    units: list[str] | None = None  # FSDP1 (``fsdp1=True``): the modules it wrapped, as the plan's groups name them
+    expected_units: list[str] | None = None
 
     @property
     def checkpoint_match(self) -> bool:
         """The state restored from the checkpoint is the saved one, tensor for tensor (true when none was loaded)."""
         return self.loaded is None or not self.loaded["mismatched"]
+
+    @property
+    def units_match(self) -> bool:
+        return self.units is None or sorted(self.units) == sorted(self.expected_units or [])
 
     @property
     def params_match(self) -> bool:
@@ -182,11 +188,13 @@ class VerifyResult:
 
     @property
     def ok(self) -> bool:
-        return self.params_match and self.counts_match and self.bytes_match and self.checkpoint_match
+        return (self.params_match and self.counts_match and self.bytes_match and self.checkpoint_match
+                and self.units_match)
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "params_match": self.params_match, "counts_match": self.counts_match,
-                "bytes_match": self.bytes_match, "checkpoint_match": self.checkpoint_match, "ok": self.ok}
+                "bytes_match": self.bytes_match, "checkpoint_match": self.checkpoint_match,
+                "units_match": self.units_match, "ok": self.ok}
 
 
 def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
@@ -254,9 +262,10 @@ def staged(directory: Path | None) -> Iterator[Path | None]:
 
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
-               load_checkpoint: Path | None = None) -> VerifyResult:
+               load_checkpoint: Path | None = None, fsdp1: bool = False) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
-    checkpoint (any world size and plan) and save one."""
+    checkpoint (any world size and plan) and save one. ``fsdp1``: run the plan as FSDP1
+    ``FullyShardedDataParallel`` units (``fsdp1_worker.py``; no checkpoints)."""
     from fsdp_planner.models import planning_only
 
     model = as_spec(model)
@@ -277,6 +286,8 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         check_save_dir(save)
     start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
     predicted, predicted_bytes = predict_collectives(trace, plan, nproc)
+    if fsdp1:
+        predicted_bytes = predict_fsdp1_bytes(trace, plan, nproc)
     with signals_raise(), staged(save) as stage, \
             tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-", ignore_cleanup_errors=True) as tmp:
         job_path, result_path, exits_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "exits"
@@ -288,7 +299,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         # that it never removes)
         cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), "--standalone",
                f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}", "-m",
-               "fsdp_planner.runtime.worker", str(job_path)]
+               f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", str(job_path)]
         # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
         # reaches only this process (which then stops them) instead of racing torchrun's own handling.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -315,4 +326,15 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
-        notes=notes, start_step=start_step, loaded=data["loaded"], saved=str(save) if save else None)
+        notes=notes, start_step=start_step, loaded=data.get("loaded"), saved=str(save) if save else None,
+        units=data.get("units"), expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)
+
+
+def predict_fsdp1_bytes(trace: Trace, plan: Plan, world_size: int) -> Counts:
+    """FSDP1 issues the collectives FSDP2's replay predicts for a single-module plan (its root is never resharded
+    after forward, SHARD_GRAD_OP units neither), but with one flat parameter per unit: other bytes."""
+    from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes
+
+    kinds = [(c.kind.value, c.group) for c in build_schedule(trace, plan, world_size).collectives]
+    nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
+    return {**nbytes, **fsdp1_collective_bytes(trace, plan, world_size, [] if world_size == 1 else kinds)}

@@ -154,10 +154,13 @@ class AutoPolicy:
         full, and so are the next ones up to ``MESH_SEARCHES`` whose screening plan is within ``MESH_SLACK`` of the
         best's (a search gains less than that over the classic plans it starts from). Returns them and the best
         screening plan of each layout left out."""
+        meshes = candidate_meshes(self.cluster, self.target)
+        if len(meshes) == 1:  # nothing to screen (one node, or FSDP1, where no classic plan may be expressible)
+            return meshes, {}
         blocks = block_instances(trace)
         screen: list[tuple[tuple, Mesh, Candidate]] = []
         plans = first.classics  # on the first layout; then only the best of them (the layouts rank alike)
-        for mesh in candidate_meshes(self.cluster, self.target):
+        for mesh in meshes:
             flat = mesh == first.ev.ctx.mesh
             ev = first.ev if flat else Evaluator(trace, self.cluster, self.options, self.target, model, mesh,
                                                  first.ev.ctx.times)

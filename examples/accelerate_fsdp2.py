@@ -1,0 +1,33 @@
+"""Hugging Face Accelerate with a plan: ``fsdp-planner export plan.json --format accelerate --out acc_plan.py``,
+then ``accelerate launch examples/accelerate_fsdp2.py acc_plan.py`` (or torchrun). The exported ``prepare`` shards
+the model with the plan's groups and then calls ``accelerator.prepare`` (which keeps an FSDP2 model as it is)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import torch
+from accelerate import Accelerator
+
+from fsdp_planner.models import load_model
+
+
+def main(plan_code: str, model_name: str = "toy-llama") -> None:
+    spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    accelerator = Accelerator(fsdp_plugin=plan.fsdp_plugin())
+    lm = load_model(model_name, meta=False, seed=0)
+    model = plan.prepare(accelerator, lm.model)  # accelerate returns a single object unpacked
+    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.05))
+    for step in range(3):
+        batch = load_model(model_name, meta=False, seed=100 + 10 * step + accelerator.process_index)
+        accelerator.backward(batch.loss_fn(model(*batch.example_inputs)))
+        optimizer.step()
+        optimizer.zero_grad()
+    accelerator.print("trained 3 steps")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,45 @@
+"""Lightning with a plan: ``fsdp-planner export plan.json --format lightning --out pl_plan.py``, then
+``python examples/lightning_fsdp2.py pl_plan.py`` (Lightning launches its own processes). The exported
+``configure_model`` applies the plan on ``ModelParallelStrategy``'s data-parallel mesh."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from fsdp_planner.models import load_model
+
+
+def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> None:
+    spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = load_model(model_name, meta=False, seed=0).model
+
+        def configure_model(self) -> None:
+            plan.configure_model(self)  # the plan's fully_shard calls, root last
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            lm = load_model(model_name, meta=False, seed=100 + batch_idx)
+            return lm.loss_fn(self.model(*lm.example_inputs))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    data = torch.utils.data.DataLoader(torch.zeros(3, 1), batch_size=1)
+    strategy = ModelParallelStrategy(data_parallel_size=int(devices), tensor_parallel_size=1)  # all ranks shard
+    trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy,
+                        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(Module(), data)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

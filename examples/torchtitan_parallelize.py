@@ -1,0 +1,38 @@
+"""A torchtitan-style trainer with a plan: ``fsdp-planner export plan.json --format torchtitan --out tt_plan.py``,
+then ``torchrun --nproc_per_node 2 examples/torchtitan_parallelize.py tt_plan.py``. The exported
+``parallelize(model, world_mesh)`` takes torchtitan's named mesh (``dp_shard``; ``dp_replicate`` for HSDP) in place
+of its ``apply_fsdp``."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_planner.models import load_model
+
+
+def main(plan_code: str, model_name: str = "toy-llama") -> None:
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
+    plan = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    world_mesh = init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    model = plan.parallelize(load_model(model_name, meta=False, seed=0).model, world_mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        lm = load_model(model_name, meta=False, seed=100 + 10 * step + dist.get_rank())
+        lm.loss_fn(model(*lm.example_inputs)).backward()
+        opt.step()
+        opt.zero_grad()
+    if dist.get_rank() == 0:
+        print("trained 3 steps")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,111 @@
+"""A plan as FSDP1 (``FullyShardedDataParallel``) runs it: an ``auto_wrap_policy`` that wraps exactly the plan's
+inner groups, each its own FSDP1 unit, and leaves the rest to the root unit.
+
+What FSDP1 can express: one module per unit (no list groups), ``reshard_after_forward`` True or False per unit
+(``FULL_SHARD`` / ``SHARD_GRAD_OP``, the unit's ``sharding_strategy``), one flat parameter per unit (uniform dtype
+and requires_grad, with the default ``use_orig_params=False``). What it cannot: list groups, an int
+``reshard_after_forward`` (FSDP1's ``_HYBRID_SHARD_ZERO2`` is a replica mesh, not a smaller shard group), explicit
+prefetch lists (FSDP1 prefetches by its own recorded order), HSDP meshes (not modelled for FSDP1), and a root that
+reshards after forward (FSDP1 never frees the root's params after forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
+
+
+def fsdp1_refusal(plan: Plan) -> str | None:
+    """Why FSDP1 cannot run ``plan`` (one sentence), or None when it can."""
+    if plan.mesh is not None and plan.mesh.replicate > 1:
+        return (f"the plan's HSDP mesh {plan.mesh.describe()} has no FSDP1 form here (HYBRID_SHARD is not "
+                "modelled); plan with --target fsdp1")
+    for i, g in enumerate(plan.groups):
+        if len(g.modules) > 1:
+            return (f"plan group {i} is a list of {len(g.modules)} modules, which FSDP1 cannot wrap as one unit; "
+                    "plan with --target fsdp1 (or the size or module policy)")
+        if not isinstance(g.reshard_after_forward, bool):
+            return (f"plan group {i} has reshard_after_forward={g.reshard_after_forward}, a sub-group FSDP1 cannot "
+                    "shard over (only true or false)")
+        if g.forward_prefetch or g.backward_prefetch:
+            return f"plan group {i} has explicit prefetch lists, which FSDP1 does not take per unit"
+    if plan.root.reshard_after_forward is True and plan.root.params:
+        return "the plan's root reshards after forward, which an FSDP1 root never does"
+    return None
+
+
+def check_fsdp1(plan: Plan, model: nn.Module | None = None) -> None:
+    """Refuse a plan FSDP1 cannot run; with ``model``, also a unit mixing dtypes or requires_grad in one flat
+    parameter (``use_orig_params=False``)."""
+    reason = fsdp1_refusal(plan)
+    if reason is None and model is not None:
+        params = dict(model.named_parameters())
+        for i, g in enumerate(plan.groups):
+            kinds = {(params[p].dtype, params[p].requires_grad) for p in g.params if p in params}
+            if len(kinds) > 1:
+                reason = (f"plan group {i} ({g.modules[0] or 'root'}) mixes dtypes or requires_grad in one FSDP1 "
+                          "flat parameter; plan with --target fsdp1")
+                break
+    if reason is not None:
+        raise PlannerError(f"FSDP1 cannot run this plan: {reason}")
+
+
+def sharding_strategy(reshard_after_forward: bool) -> Any:
+    """FSDP1's name for a unit's ``reshard_after_forward``: FULL_SHARD frees after forward, SHARD_GRAD_OP keeps."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+
+
+def fsdp1_policy(plan: Plan, model: nn.Module) -> Any:
+    """The ``CustomPolicy`` that wraps each inner group's module as an FSDP1 unit with its sharding strategy
+    (FSDP1 calls the policy with modules only, so the names are resolved against ``model`` here)."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    check_fsdp1(plan, model)
+    modules = dict(model.named_modules())
+    unknown = [g.modules[0] for g in plan.inner_groups if g.modules[0] not in modules]
+    if unknown:
+        raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
+    units = {id(modules[g.modules[0]]): {"sharding_strategy": sharding_strategy(g.reshard_after_forward)}
+             for g in plan.inner_groups}
+    return CustomPolicy(lambda module: units.get(id(module), False))
+
+
+def fsdp1_kwargs(plan: Plan, model: nn.Module) -> dict[str, Any]:
+    """``FullyShardedDataParallel(model, **fsdp1_kwargs(plan, model), device_id=...)``: the policy and the root's
+    strategy (the root is never resharded after forward by FSDP1, whatever its strategy)."""
+    return {"auto_wrap_policy": fsdp1_policy(plan, model), "sharding_strategy": sharding_strategy(True),
+            "use_orig_params": False}
+
+
+def wrapped_units(model: nn.Module) -> list[str]:
+    """The module names FSDP1 wrapped (``""`` for the root), as the unwrapped model names them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [clean_name(n) for n, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+def clean_name(name: str) -> str:
+    """A module name without FSDP1's wrapper segments."""
+    return ".".join(part for part in name.split(".") if part != "_fsdp_wrapped_module")
+
+
+def fsdp1_collective_bytes(trace: Any, plan: Plan, world_size: int, kinds: list[tuple[str, int]]) -> dict[str, int]:
+    """Bytes of FSDP1's all-gathers and reduce-scatters (``kinds``: each collective's kind and group): one flat
+    parameter per unit, padded as a whole to a multiple of the world size (FSDP2 pads each param instead); a
+    reduce-scatter carries the unit's flat gradient, which exists only when the unit is trainable."""
+    flat: list[int] = []
+    for g in plan.groups:
+        params = [trace.param(p) for p in g.params]
+        numel = sum(p.numel for p in params)
+        padded = -(-numel // world_size) * world_size
+        flat.append(padded * (params[0].itemsize if params else 0))
+    out: dict[str, int] = {}
+    for kind, group in kinds:
+        out[kind] = out.get(kind, 0) + flat[group]
+    return out

@@ -1,0 +1,131 @@
+"""One rank of an FSDP1 verify job (``verify --fsdp1``): ``python -m fsdp_planner.runtime.fsdp1_worker JOB.json``.
+
+As ``worker.py`` but the plan runs as FSDP1 ``FullyShardedDataParallel`` with the plan's ``auto_wrap_policy``
+(``fsdp2/fsdp1.py``): K SGD steps beside an unsharded reference on the same data, the all-gathers and
+reduce-scatters counted per step (FSDP1 calls them through the ``torch.distributed`` module too), the parameters
+compared under ``summon_full_params``, and the module names FSDP1 wrapped reported for the launcher to compare
+with the plan's groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.runtime.worker import CollectiveCounter
+
+
+@contextmanager
+def counting_list_all_gather(counter: CollectiveCounter) -> Iterator[None]:
+    """FSDP1 all-gathers a CPU flat parameter with ``dist.all_gather`` into a list of chunks (GPU: the
+    ``all_gather_into_tensor`` family ``CollectiveCounter`` wraps): count those too, at the unsharded size."""
+    import torch.distributed as dist
+
+    original = dist.all_gather
+
+    def wrapper(tensor_list: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        counter.counts[CollectiveKind.ALL_GATHER.value] += 1
+        counter.nbytes[CollectiveKind.ALL_GATHER.value] += sum(t.numel() * t.element_size() for t in tensor_list)
+        return original(tensor_list, *args, **kwargs)
+
+    dist.all_gather = wrapper
+    try:
+        yield
+    finally:
+        dist.all_gather = original
+
+
+def _run(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
+    from torch.utils._pytree import tree_map_only
+
+    from fsdp_planner.trace.recorder import split_inputs
+
+    args, kwargs = split_inputs(tree_map_only(torch.Tensor, lambda t: t.to(device), inputs))
+    return model(*args, **kwargs)
+
+
+def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,
+           world: int) -> dict[str, Any]:
+    """K steps of the FSDP1 model and the unsharded reference (all ranks' micro-batches, loss / world size)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from fsdp_planner.fsdp2.fsdp1 import clean_name
+    from fsdp_planner.trace.recorder import default_loss
+
+    spec = ModelSpec.from_json(job["model"])
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"])
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"])
+    counter, counted, counted_bytes = CollectiveCounter(), [], []
+    for step in range(job["steps"]):
+        batches = []
+        for r in range(world):
+            lm = load_model(spec, meta=False, seed=job["seed"] + 1000 * (step + 1) + r)
+            batches.append((lm.example_inputs, lm.loss_fn or default_loss))
+        inputs, loss_fn = batches[rank]
+        with counter, counting_list_all_gather(counter):
+            torch.manual_seed(job["seed"] + 7 * step + rank)
+            loss_fn(_run(model, inputs, device)).backward()
+        c, b = counter.take()
+        counted.append(c)
+        counted_bytes.append(b)
+        opt.step()
+        opt.zero_grad()
+        for r, (r_inputs, r_loss_fn) in enumerate(batches):
+            torch.manual_seed(job["seed"] + 7 * step + r)
+            (r_loss_fn(_run(reference, r_inputs, device)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    max_diff = 0.0
+    with FullyShardedDataParallel.summon_full_params(model):
+        for name, p in model.named_parameters():
+            max_diff = max(max_diff, (p.detach() - ref_params[clean_name(name)].detach()).abs().max().item())
+    return {"counted": counted, "counted_bytes": counted_bytes, "max_abs_diff": max_diff}
+
+
+def worker(job_path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from fsdp_planner.fsdp2.fsdp1 import fsdp1_kwargs, wrapped_units
+    from fsdp_planner.fsdp2.plan import Plan
+
+    job = json.loads(Path(job_path).read_text())
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
+        reference = copy.deepcopy(model)
+        plan = Plan.from_json(job["plan"])
+        # device_id: FSDP1 on CPU needs it said explicitly (it otherwise looks for a CUDA device)
+        model = FullyShardedDataParallel(model, device_id=device, **fsdp1_kwargs(plan, model))
+        units = wrapped_units(model)
+        result = _train(job, model, reference, device, rank, world)
+        if rank == 0:
+            Path(job["result"]).write_text(json.dumps({**result, "units": units, "backend": dist.get_backend(),
+                                                       "world": world, "losses": [], "reference_losses": []}))
+        dist.barrier()
+    except (Exception, SystemExit) as e:
+        Path(f"{job['result']}.rank{rank}.error").write_text(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
