@@ -246,7 +246,9 @@ def verify_table(result: VerifyResult) -> Table:
 
 
 def auto_line(result: AutoResult) -> str:
-    fitting = [c for c in result.baselines.values() if c.report.reserved_memory <= result.budget]
+    ev = result.search.ev  # a classic plan the target cannot express (FSDP1) or that cannot run is no rival
+    fitting = [c for c in result.baselines.values()
+               if c.report.reserved_memory <= result.budget and c.runs and ev.allowed(c.plan)]
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
     n, ac = len(result.plan.inner_groups), len(result.plan.activation_checkpointing)
     checkpointed = f", {ac} module{'s' if ac != 1 else ''} checkpointed" if ac else ""
@@ -256,7 +258,7 @@ def auto_line(result: AutoResult) -> str:
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
             f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
     if best_other is None:
-        line += "; no classic policy fits this budget"
+        line += "; no classic policy gives a plan that fits this budget and runs"
     else:
         gain = 1 - result.report.step_time / best_other.report.step_time
         line += f"; {gain:.1%} faster than the best classic policy that fits on this layout, {best_other.origin}"
