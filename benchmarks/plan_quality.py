@@ -173,6 +173,15 @@ def main() -> None:
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {fmt_time(r['lower_bound'])} | "
                      + " | ".join(cells) + f" | {auto['mesh']} | {auto['checkpointed'] or '-'} | {tps} | {mfu} "
                      f"| {verdict(r)} |")
+    lines += ["", "## Summary (the table the README shows)", "",
+              "| model | GPUs | best baseline that fits (step time) | auto: step / reserved / layout / blocks "
+              "checkpointed / groups | verdict |", "|---|---|---|---|---|"]
+    for r in rows:
+        auto, best = r["policies"]["auto"], r["best_other"]
+        base = f"{best} {fmt_time(r['policies'][best]['step_time'])}" if best else "none"
+        mine = (f"**{fmt_time(auto['step_time'])}** / {fmt_bytes(auto['reserved_memory'])} / {auto['mesh']} / "
+                f"{auto['checkpointed'] or 0} / {auto['groups']}" if r["fits"] else "-")
+        lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {base} | {mine} | {verdict(r)} |")
     (out / "plan_quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

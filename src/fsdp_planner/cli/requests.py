@@ -160,16 +160,22 @@ def output_file(arg: str | None, example: str = "plan.json") -> Path | None:
     ``--out model.py`` must not replace the user's code."""
     if arg is None:
         return None
-    if not arg.strip():
-        raise PlannerError(f"--out is empty: give the file to write, e.g. --out {example}")
-    path = Path(arg)
-    if path.is_dir():
-        raise PlannerError(f"--out '{arg}' is a directory: give a file name, e.g. {path / example}")
-    if not path.parent.is_dir():
-        raise PlannerError(f"--out '{arg}': directory '{path.parent}' does not exist")
+    path = _file_to_write(arg, "--out", example)
     if path.is_file() and path.suffix.lower() != ".json":
         raise PlannerError(f"--out '{arg}' already exists and is not a .json file: refusing to overwrite it "
                            f"(give a new name, e.g. {path.with_suffix('.json')})")
+    return path
+
+
+def _file_to_write(arg: str, option: str, example: str) -> Path:
+    """A file name an option gives for writing: not empty, not a directory, in a directory that exists."""
+    if not arg.strip():
+        raise PlannerError(f"{option} is empty: give the file to write, e.g. {option} {example}")
+    path = Path(arg)
+    if path.is_dir():
+        raise PlannerError(f"{option} '{arg}' is a directory: give a file name, e.g. {path / example}")
+    if not path.parent.is_dir():
+        raise PlannerError(f"{option} '{arg}': directory '{path.parent}' does not exist")
     return path
 
 
@@ -178,14 +184,7 @@ def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...]) -> Pat
     existing file is replaced only when it has one of ``suffixes`` (a picture this command writes)."""
     if arg is None:
         return None
-    example = f"step{suffixes[0]}"
-    if not arg.strip():
-        raise PlannerError(f"{option} is empty: give the file to write, e.g. {option} {example}")
-    path = Path(arg)
-    if path.is_dir():
-        raise PlannerError(f"{option} '{arg}' is a directory: give a file name, e.g. {path / example}")
-    if not path.parent.is_dir():
-        raise PlannerError(f"{option} '{arg}': directory '{path.parent}' does not exist")
+    path = _file_to_write(arg, option, f"step{suffixes[0]}")
     if path.suffix.lower() not in suffixes:
         raise PlannerError(f"{option} '{arg}' must end in {' or '.join(suffixes)} (the format it writes), "
                            f"e.g. {path.with_suffix(suffixes[0])}")

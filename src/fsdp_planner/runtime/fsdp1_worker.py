@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ import torch
 
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.runtime.worker import CollectiveCounter
+from fsdp_planner.runtime.worker import CollectiveCounter, call_model, start_rank
 
 
 @contextmanager
@@ -45,15 +44,6 @@ def counting_list_all_gather(counter: CollectiveCounter) -> Iterator[None]:
         dist.all_gather = original
 
 
-def _run(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
-    from torch.utils._pytree import tree_map_only
-
-    from fsdp_planner.trace.recorder import split_inputs
-
-    args, kwargs = split_inputs(tree_map_only(torch.Tensor, lambda t: t.to(device), inputs))
-    return model(*args, **kwargs)
-
-
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,
            world: int) -> dict[str, Any]:
     """K steps of the FSDP1 model and the unsharded reference (all ranks' micro-batches, loss / world size)."""
@@ -74,7 +64,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
         inputs, loss_fn = batches[rank]
         with counter, counting_list_all_gather(counter):
             torch.manual_seed(job["seed"] + 7 * step + rank)
-            loss_fn(_run(model, inputs, device)).backward()
+            loss_fn(call_model(model, inputs, device)).backward()
         c, b = counter.take()
         counted.append(c)
         counted_bytes.append(b)
@@ -82,7 +72,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
         opt.zero_grad()
         for r, (r_inputs, r_loss_fn) in enumerate(batches):
             torch.manual_seed(job["seed"] + 7 * step + r)
-            (r_loss_fn(_run(reference, r_inputs, device)) / world).backward()
+            (r_loss_fn(call_model(reference, r_inputs, device)) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     ref_params = dict(reference.named_parameters())
@@ -101,12 +91,7 @@ def worker(job_path: str) -> None:
     from fsdp_planner.fsdp2.plan import Plan
 
     job = json.loads(Path(job_path).read_text())
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = start_rank()
     try:
         torch.use_deterministic_algorithms(True, warn_only=True)
         model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)

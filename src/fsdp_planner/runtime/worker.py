@@ -113,7 +113,8 @@ def batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, C
     return lm.example_inputs, lm.loss_fn or default_loss
 
 
-def _call(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
+def call_model(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
+    """The model on one batch, moved to ``device`` (the example inputs' tuple or dict form)."""
     from torch.utils._pytree import tree_map_only
 
     from fsdp_planner.trace.recorder import split_inputs
@@ -129,7 +130,7 @@ def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
     total = 0.0
     for r, (inputs, loss_fn) in enumerate(batches):
         torch.manual_seed(seed + 7 * step + r)
-        loss = loss_fn(_call(reference, inputs, device)) / len(batches)
+        loss = loss_fn(call_model(reference, inputs, device)) / len(batches)
         loss.backward()
         total += loss.item()
     optimizer.step()
@@ -152,7 +153,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
         inputs, loss_fn = batches[rank]
         with counter:
             torch.manual_seed(job["seed"] + 7 * step + rank)
-            loss = loss_fn(_call(model, inputs, device))
+            loss = loss_fn(call_model(model, inputs, device))
             loss.backward()
         c, b = counter.take()
         counted.append(c)
@@ -198,6 +199,19 @@ def _check_same_job(model: torch.nn.Module, plan: Plan, world: int) -> str:
     return mine[0]
 
 
+def start_rank() -> tuple[torch.device, int, int]:
+    """Join torchrun's process group: NCCL on this rank's GPU when there is one, gloo on the CPU otherwise, with
+    collectives that time out (a peer that hangs ends the job instead of blocking it for gloo's 30 minutes)."""
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return device, dist.get_rank(), dist.get_world_size()
+
+
 def worker(job_path: str) -> None:
     import torch.distributed as dist
 
@@ -206,14 +220,7 @@ def worker(job_path: str) -> None:
     from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     job = json.loads(Path(job_path).read_text())
-    use_cuda = torch.cuda.is_available()
-    backend = "nccl" if use_cuda else "gloo"
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = start_rank()
     try:
         torch.use_deterministic_algorithms(True, warn_only=True)
         model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
@@ -234,7 +241,7 @@ def worker(job_path: str) -> None:
                             {"step": step, "world": world, "policy": plan.policy, "model": job["model"],
                              "fingerprint": fingerprint, "seed": job["seed"], "lr": job["lr"]})
         if rank == 0:
-            Path(job["result"]).write_text(json.dumps({**result, "backend": backend, "world": world,
+            Path(job["result"]).write_text(json.dumps({**result, "backend": dist.get_backend(), "world": world,
                                                        "loaded": loaded}))
         dist.barrier()
     except (Exception, SystemExit) as e:
