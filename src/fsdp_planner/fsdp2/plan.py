@@ -91,6 +91,10 @@ class Group:
 
 @dataclass
 class Plan:
+    """A grouping of a model's params into FSDP2 groups, with their settings: what ``apply_plan`` applies and
+    ``plan --out`` writes (``save`` / ``load``; ``fingerprint`` ties it to one model's param names, shapes and
+    dtypes)."""
+
     groups: list[Group]  # execution order, root group last
     fingerprint: str
     numel: int

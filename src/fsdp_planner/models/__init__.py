@@ -161,6 +161,9 @@ def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, 
 
 @dataclass
 class LoadedModel:
+    """What a factory returned, checked: the model, its example inputs and its loss (None: the mean of squares of
+    the output)."""
+
     name: str
     model: nn.Module
     example_inputs: Any

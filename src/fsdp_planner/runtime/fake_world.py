@@ -42,6 +42,8 @@ MAX_FAKE_WORLD = 1 << 20
 
 @dataclass(frozen=True)
 class FakeWorldResult:
+    """What real FSDP2 did on the fake ranks in the last step: collectives, their bytes, peak allocated bytes."""
+
     world_size: int
     counts: Counts  # per step, by collective kind
     nbytes: Counts

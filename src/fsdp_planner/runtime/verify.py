@@ -147,6 +147,8 @@ def _group_alive(pgid: int) -> bool:
 
 @dataclass
 class VerifyResult:
+    """The torchrun job's counts, losses and parity against the prediction; ``ok`` when every check holds."""
+
     world_size: int
     steps: int
     backend: str

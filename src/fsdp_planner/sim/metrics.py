@@ -24,6 +24,8 @@ from fsdp_planner.trace.records import Trace
 
 @dataclass(frozen=True)
 class PlanMetrics:
+    """A plan's per-step counts and bytes, without hardware: what ``plan`` shows when no cluster is given."""
+
     groups: int  # groups that own params (the root counted only if it owns some)
     root_numel: int
     all_gathers: int
