@@ -356,6 +356,6 @@ def overhead_table(m: OverheadMeasurement) -> Table:
                   f"{p.seconds / p.predicted - 1:+.1%}")
     o = m.overhead
     t.caption = (f"per hook {fmt_time(o.hook_seconds)}, per param {fmt_time(o.param_seconds)}, per op "
-                 f"{fmt_time(o.op_seconds)}, copy {fmt_bytes(o.copy_bandwidth)}/s; worst error of the line "
-                 f"{m.worst_residual:.1%}")
+                 f"{fmt_time(o.op_seconds)}, copy-out measured at {fmt_bytes(o.copy_bandwidth)}/s on {m.device}; "
+                 f"worst error of the line {m.worst_residual:.1%}")
     return t
