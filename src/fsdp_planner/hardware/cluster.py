@@ -340,9 +340,9 @@ LINKS: dict[str, tuple[Link, Link]] = {
 # 2-core x86 host (benchmarks/overhead.md): a GPU host adds CUDA stream, event and launch calls but usually has a
 # faster CPU; calibrate on yours. Copy bandwidth: FSDP2's copy-out kernel reaches ~650-700 GB/s on H100 (pytorch PR
 # #115515); other GPUs scale it by their HBM bandwidth.
-_HOOK_SECONDS = 170e-6
-_PARAM_SECONDS = 63e-6
-_OP_SECONDS = 2.5e-6
+_HOOK_SECONDS = 163e-6
+_PARAM_SECONDS = 59.5e-6
+_OP_SECONDS = 2.43e-6
 _H100_COPY = 675e9
 
 
