@@ -154,6 +154,7 @@ def load_traced(name: str, options: SimOptions):
     return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
+@pytest.mark.integration  # CLI subprocesses
 def test_cli_mesh_errors_are_one_line() -> None:
     for args, expected in ((["--mesh", "2by4"], "bad mesh '2by4'"),
                            (["--mesh", "3x3"], "has 9 ranks but it is run on 8")):

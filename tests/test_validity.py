@@ -57,6 +57,7 @@ def test_every_classic_plan_of_the_built_ins_runs(model: str) -> None:
         assert not reads(tr, make_policy(PolicyRequest(policy)).plan(tr, model)), policy
 
 
+@pytest.mark.integration  # CLI subprocesses
 def test_cli_refuses_an_explicit_policy_whose_plan_cannot_run_and_leaves_it_out_of_a_comparison() -> None:
     run = [sys.executable, "-m", "fsdp_planner", "plan", f"{FIXTURES}:reuse"]
     r = subprocess.run([*run, "--policy", "titan"], capture_output=True, text=True)
