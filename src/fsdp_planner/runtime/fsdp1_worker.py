@@ -9,7 +9,6 @@ with the plan's groups.
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import torch
 
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.runtime.worker import CollectiveCounter, call_model, start_rank
+from fsdp_planner.runtime.worker import CollectiveCounter, build_job, call_model, start_rank
 
 
 @contextmanager
@@ -88,15 +87,11 @@ def worker(job_path: str) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from fsdp_planner.fsdp2.fsdp1 import fsdp1_kwargs, wrapped_units
-    from fsdp_planner.fsdp2.plan import Plan
 
     job = json.loads(Path(job_path).read_text())
     device, rank, world = start_rank()
     try:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
-        reference = copy.deepcopy(model)
-        plan = Plan.from_json(job["plan"])
+        model, reference, plan = build_job(job, device)
         # device_id: FSDP1 on CPU needs it said explicitly (it otherwise looks for a CUDA device)
         model = FullyShardedDataParallel(model, device_id=device, **fsdp1_kwargs(plan, model))
         units = wrapped_units(model)

@@ -212,20 +212,26 @@ def start_rank() -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
+def build_job(job: dict, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module, Plan]:
+    """The job's model on ``device`` (seeded: every rank builds the same), an unsharded copy as the reference, and
+    the plan."""
+    from fsdp_planner.models import load_model
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
+    return model, copy.deepcopy(model), Plan.from_json(job["plan"])
+
+
 def worker(job_path: str) -> None:
     import torch.distributed as dist
 
     from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
-    from fsdp_planner.models import load_model
     from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     job = json.loads(Path(job_path).read_text())
     device, rank, world = start_rank()
     try:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
-        reference = copy.deepcopy(model)
-        plan = Plan.from_json(job["plan"])
+        model, reference, plan = build_job(job, device)
         if _fault(rank) == "plan":
             plan = plan.copy()
             plan.groups[0].reshard_after_forward = not plan.groups[0].reshard_after_forward
