@@ -17,6 +17,10 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import Collective, build_schedule
+from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.records import Trace
 
 
 def fsdp1_refusal(plan: Plan) -> str | None:
@@ -93,6 +97,19 @@ def wrapped_units(model: nn.Module) -> list[str]:
 def clean_name(name: str) -> str:
     """A module name without FSDP1's wrapper segments."""
     return ".".join(part for part in name.split(".") if part != "_fsdp_wrapped_module")
+
+
+def fsdp1_collectives(trace: Trace, plan: Plan, world_size: int) -> list[Collective]:
+    """The collectives FSDP1 issues for a plan it can express: FSDP2's replay (FSDP1's root also never reshards
+    after forward, SHARD_GRAD_OP units neither), less the backward all-gathers of a unit whose forward outputs
+    need no gradient: FSDP1 registers its pre-backward unshard on outputs that require grad, and its backward
+    prefetch skips a handle without one (FSDP2 prefetches it all the same). Under LoRA, the frozen base layers of
+    the first block are such units (their input needs no grad)."""
+    backward_of = {e.module for e in trace.events if e.kind is EventKind.BWD_PRE}
+    no_backward = {gi for gi, g in enumerate(plan.groups)
+                   if not g.is_root and not any(m in backward_of for m in g.modules)}
+    return [c for c in build_schedule(trace, plan, world_size).collectives
+            if not (c.kind is CollectiveKind.ALL_GATHER and c.backward and c.group in no_backward)]
 
 
 def fsdp1_collective_bytes(trace: Any, plan: Plan, world_size: int, kinds: list[tuple[str, int]]) -> dict[str, int]:

@@ -287,9 +287,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     if save is not None:
         check_save_dir(save)
     start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
-    predicted, predicted_bytes = predict_collectives(trace, plan, nproc)
-    if fsdp1:
-        predicted_bytes = predict_fsdp1_bytes(trace, plan, nproc)
+    predicted, predicted_bytes = (predict_fsdp1 if fsdp1 else predict_collectives)(trace, plan, nproc)
     with signals_raise(), staged(save) as stage, \
             tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-", ignore_cleanup_errors=True) as tmp:
         job_path, result_path, exits_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "exits"
@@ -332,11 +330,13 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         units=data.get("units"), expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)
 
 
-def predict_fsdp1_bytes(trace: Trace, plan: Plan, world_size: int) -> Counts:
-    """FSDP1 issues the collectives FSDP2's replay predicts for a single-module plan (its root is never resharded
-    after forward, SHARD_GRAD_OP units neither), but with one flat parameter per unit: other bytes."""
-    from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes
+def predict_fsdp1(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
+    """Per-step FSDP1 all-gather / reduce-scatter counts and bytes (``fsdp1_collectives``): one flat parameter per
+    unit, so other bytes than FSDP2's; none on one rank."""
+    from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes, fsdp1_collectives
 
-    kinds = [(c.kind.value, c.group) for c in build_schedule(trace, plan, world_size).collectives]
-    nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
-    return {**nbytes, **fsdp1_collective_bytes(trace, plan, world_size, [] if world_size == 1 else kinds)}
+    kinds = [] if world_size == 1 else [(c.kind.value, c.group) for c in fsdp1_collectives(trace, plan, world_size)]
+    counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
+    for kind, _ in kinds:
+        counts[kind] += 1
+    return counts, {**dict.fromkeys(counts, 0), **fsdp1_collective_bytes(trace, plan, world_size, kinds)}
