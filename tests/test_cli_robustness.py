@@ -197,7 +197,8 @@ def test_out_refuses_an_existing_file_that_is_not_json(capsys, tmp_path):
     notes_file = tmp_path / "notes.txt"
     notes_file.write_text("mine")
     code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(notes_file))
-    assert_one_line_error(code, err, "already exists and is not a .json file: refusing to overwrite it")
+    assert_one_line_error(code, err, "already exists and is neither a .json file nor code fsdp-planner export "
+                                     "wrote: refusing to overwrite it")
     assert notes_file.read_text() == "mine"
 
 

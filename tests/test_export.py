@@ -80,3 +80,18 @@ def test_accelerate_example_trains(tmp_path: Path) -> None:
 def test_lightning_example_trains(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     _run_example(tmp_path, ExportFormat.LIGHTNING, "lightning_fsdp2.py", torchrun=False)
+
+
+def test_export_rewrites_its_own_file_but_never_the_users(tmp_path, capsys) -> None:
+    from fsdp_planner.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(plan), "--quiet"]) == 0
+    out = tmp_path / "my_plan.py"
+    assert main(["export", str(plan), "--out", str(out)]) == 0
+    assert main(["export", str(plan), "--out", str(out)]) == 0  # a plan changed: export again over its own file
+    mine = tmp_path / "train.py"
+    mine.write_text("print('my training script')\n")
+    assert main(["export", str(plan), "--out", str(mine)]) == 2
+    assert mine.read_text() == "print('my training script')\n"
+    assert "refusing to overwrite" in capsys.readouterr().err

@@ -258,7 +258,7 @@ def auto_line(result: AutoResult) -> str:
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
             f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
     if best_other is None:
-        line += "; no classic policy gives a plan that fits this budget and runs"
+        line += "; no classic policy with its defaults (no checkpointing) fits this budget"
     else:
         gain = 1 - result.report.step_time / best_other.report.step_time
         line += f"; {gain:.1%} faster than the best classic policy that fits on this layout, {best_other.origin}"
@@ -306,8 +306,9 @@ def host_line(r: StepReport, cluster: Cluster) -> str:
     o = cluster.overhead
     if not r.host_time:
         return "host: not modelled (the cluster's overhead is zero)"
-    share = r.host_time / r.step_time
-    verdict = "the host is the bottleneck" if share > 0.98 else "hidden behind the GPU's work"
+    share = r.host_wait / r.step_time if r.step_time else 0.0
+    verdict = (f"the host is the bottleneck: the GPU waits {fmt_time(r.host_wait)} for it, {share:.0%} of the step"
+               if share >= 0.05 else f"hidden behind the GPU's work: it waits {fmt_time(r.host_wait)} for the host")
     return (f"host: {r.hooks} FSDP2 hooks x {fmt_time(o.hook_seconds)} + params x {fmt_time(o.param_seconds)} + ops "
             f"x {fmt_time(o.op_seconds)} = {fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step ({verdict})")
 

@@ -111,8 +111,10 @@ def _config(data: dict[str, Any]) -> Any:
     fields = {k: v for k, v in data.items() if k != "model_type"}
     try:
         return transformers.AutoConfig.for_model(data["model_type"], **fields)
-    except (ValueError, KeyError, TypeError) as e:
-        raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {e}") from None
+    except Exception as e:  # transformers' validators raise their own types for a bad config: the user's input
+        first = " ".join(str(e).split())
+        first = first if len(first) <= 300 else first[:300] + " ..."  # an unknown type lists every known one
+        raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {first}") from None
 
 
 def task_of(config: Any) -> HfTask:

@@ -126,14 +126,15 @@ class Streams:
         host is behind, the wait is drawn before the run)."""
         busy = self.ctx.cum[idx] - self.ctx.cum[self.pos]
         if self.host is not None and idx > self.pos:
-            self._host_wait(self.host.finish(self.pos, idx) - busy)
+            self.wait_for_host(self.host.finish(self.pos, idx) - busy)
         if self.events is not None and busy > 0:
             self.events.append(TimelineEvent(Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)",
                                              self.t, self.t + busy, op=self.pos))
         self.t += busy
         self.pos = idx
 
-    def _host_wait(self, until: float) -> None:
+    def wait_for_host(self, until: float) -> None:
+        """Compute idle until the host reaches ``until`` (drawn as a wait for the host)."""
         if until > self.t:
             if self.events is not None:
                 self.events.append(TimelineEvent(Stream.COMPUTE, "waiting for the host", self.t, until,
@@ -176,7 +177,7 @@ class Streams:
         if self.events is not None and seconds > 0:
             self.events.append(TimelineEvent(Stream.COMPUTE, name, self.t, self.t + seconds, work=Work.RECOMPUTE))
         self.t += seconds
-        self._host_wait(launched)
+        self.wait_for_host(launched)
 
     def wait_for(self, groups: list[int]) -> None:
         """Compute waits for each group's all-gather, then copies it out (once per all-gather)."""
@@ -266,6 +267,8 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
             streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}", host.at(idx) if host else 0.0)
         if idx < n and idx in waits:
             streams.wait_for(waits[idx])
+    if host is not None:  # the step is not over before the host ran the final callback's hooks
+        streams.wait_for_host(host.at(n))
     step = max(streams.t, *streams.free.values())
     return _report(ctx, sched, gather, streams, step, sum(r.seconds for r in recompute.values()),
                    host.at(n) if host else 0.0)
