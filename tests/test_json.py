@@ -42,6 +42,10 @@ def test_plan_simulate_cost_memory_models(capsys):
     assert set(d) == {"model", "plans", "auto"} and {"name", "fingerprint", "numel"} <= set(d["model"])
     assert all({"plan", "metrics", "simulation"} <= set(p) and set(p["simulation"]) >= STEP for p in d["plans"])
     assert {"budget", "budget_source", "fits", "plans_simulated", "seconds"} <= set(d["auto"])
+    d = run_json(capsys, "plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--explain")
+    rows = d["auto"]["explanation"]
+    assert len(rows) == len(d["plans"][0]["plan"]["groups"]) - 1  # one per inner group
+    assert all({"group", "modules", "held_by", "why", "alternative", "alternative_step"} <= set(r) for r in rows)
     d = run_json(capsys, "simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", "--compare", "titan")
     assert set(d) >= STEP and set(d["compare"]) >= STEP and set(d["memory_at_peak"]) >= MEMORY
     assert set(run_json(capsys, "cost", "all-gather", "1GiB", "--cluster", "h100:8")) == {

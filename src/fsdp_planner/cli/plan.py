@@ -26,7 +26,7 @@ from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
-from fsdp_planner.planners.auto.explain import explain
+from fsdp_planner.planners.auto.explain import GroupExplanation, explain
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, POLICY_NAMES, PolicyName, make_policy
 from fsdp_planner.sim.context import SimContext
@@ -110,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
     if out is not None:
         write_output(out, plans[0].to_json() + "\n")
     if args.json:
-        print(json.dumps({**_json(args.model, tr, rows, auto),
-                          **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}, indent=2))
+        doc = {**_json(args.model, tr, rows, auto), **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
+        if args.explain and auto is not None and not no_fit:
+            doc["auto"]["explanation"] = [_explanation(r) for r in explain(auto)]
+        print(json.dumps(doc, indent=2))
         return 1 if no_fit else 0
     _print(args, tr, rows, auto, cluster)
     if out is not None:
@@ -138,9 +140,15 @@ def _ignored(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -
         if args.measure:
             notes.append("--measure has no effect without --cluster: measured times only feed the step simulation "
                          "(nothing measured)")
-    if args.explain and args.json:
-        notes.append("--explain has no effect with --json: the explanation is printed only as a table")
     return notes
+
+
+def _explanation(r: GroupExplanation) -> dict[str, Any]:
+    """One group of ``--explain`` for ``--json``."""
+    return {"group": r.group, "modules": r.modules, "bytes": r.nbytes, "all_gather": r.all_gather,
+            "latency_share": r.latency_share, "hidden_by": r.hidden_by, "held_by": r.reason.value,
+            "why": r.reason.description, "alternative": r.alternative.value if r.alternative else None,
+            "alternative_step": r.alternative_step, "alternative_reserved": r.alternative_peak}
 
 
 def _json(model: str, tr: Any, rows: list, auto: AutoResult | None) -> dict[str, Any]:
