@@ -352,8 +352,11 @@ def test_verify_notes_a_cluster_it_does_not_use(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "run_verify", lambda *a, **k: (_ for _ in ()).throw(PlannerError("stop here")))
     code, _, err = run_main(capsys, "verify", "seed-net", "--plan", str(plan), "--cluster", "h100:8")
     assert code == 2 and "stop here" in err
-    assert notes(err) == ["note: --cluster has no effect with --plan: verify runs on this machine; only --policy "
-                          "auto reads --cluster (the cluster it plans for)"]
+    assert notes(err) == ["note: no step-time prediction: --cluster h100:8 has 8 ranks and the job runs 2"]
+    code, _, err = run_main(capsys, "verify", "seed-net", "--plan", str(plan), "--measure")
+    assert code == 2 and "stop here" in err
+    assert notes(err) == ["note: --measure has no effect without a --cluster of --nproc ranks to predict the step "
+                          "time on"]
 
 
 # -- 7. verify checks every argument before any work ------------------------------------------------------------
@@ -413,3 +416,34 @@ def test_comparison_skips_block_policies_when_the_model_has_no_block(capsys, use
                           "repeated block class (name the classes to wrap with --module-classes to compare them)"]
     code, _, err = run_main(capsys, "plan", f"{user_models}:single_linear", "--policy", "module")
     assert_one_line_error(code, err, "no repeated block class")  # asked for by name: still an error
+
+
+def test_version_names_the_package_and_torch(capsys):
+    import torch
+
+    assert cli.main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fsdp-planner ") and f"(torch {torch.__version__})" in out
+
+
+def test_a_model_file_without_its_factory_lists_the_functions(capsys, tmp_path):
+    model = tmp_path / "mine.py"
+    model.write_text("import torch\n\n\ndef build():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n\n\n"
+                     "def _helper():\n    pass\n")
+    code, _, err = run_main(capsys, "plan", str(model))
+    assert code == 2
+    assert err.strip() == f"error: model '{model}' names a file but not its factory: give '{model}:FN' (its " \
+                          "functions: build)"
+    code, _, err = run_main(capsys, "plan", str(tmp_path / "missing.py"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_demo_with_an_unknown_model_fails_before_any_work(capsys, tmp_path):
+    code, out, err = run_main(capsys, "demo", "--model", "nosuch", "--out-dir", str(tmp_path / "pics"))
+    assert code == 2 and err.startswith("error: unknown model 'nosuch'")
+    assert "1. The seed's problem" not in out and not (tmp_path / "pics").exists()
+
+
+def test_a_value_that_looks_like_an_option_says_how_to_give_it(capsys):
+    code, _, err = run_main(capsys, "plan", "toy-llama", "--policy", "auto", "--memory-budget", "-5GiB")
+    assert_one_line_error(code, err, "given as --option=VALUE")

@@ -32,6 +32,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line, not a usage block (subparsers are made of this class too)."""
 
     def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # argparse takes a value starting with '-' for an option
+            message += " (a value that starts with '-' is given as --option=VALUE)"
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -55,6 +57,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="fsdp-planner", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"fsdp-planner {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser)
     for command in COMMANDS:
         command.register(sub)
@@ -141,3 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _version() -> str:
+    """The installed package's version, and the torch it runs with (what a bug report needs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    try:
+        mine = version("fsdp-planner")
+    except PackageNotFoundError:  # run from a source tree without installing
+        mine = "(not installed)"
+    return f"{mine} (torch {torch.__version__})"

@@ -1,12 +1,15 @@
 """``fsdp-planner calibrate [LOG...] [--overhead] --out cluster.json``: fit the cluster's collectives from
-nccl-tests logs, and FSDP2's host overhead from real FSDP2 timed on this machine."""
+nccl-tests logs, and FSDP2's host overhead from real FSDP2 timed on this machine; ``--backend gloo --nproc N``:
+measure a cluster of N CPU ranks of this machine in a real torchrun job (collectives and FSDP2's per-group cost)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_planner.cli import render
@@ -28,6 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--overhead", action="store_true",
                     help="time real FSDP2 (fake process group, tiny layers) on this machine's GPU, or CPU when it "
                          "has none, and fit its per-hook, per-param and per-op host cost and its copy bandwidth")
+    sp.add_argument("--backend", choices=["gloo"],
+                    help="measure this machine's CPU ranks in a torchrun job instead: gloo collectives over a sweep "
+                         "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "
+                         "step-time predictions verify --cluster checks")
+    sp.add_argument("--nproc", type=int, default=2, help="--backend gloo: ranks (processes) to run (default 2)")
     sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
                                    f"detected from the logs, or {DEFAULT_BASE} with --overhead alone")
     sp.add_argument("--out", required=True, help="cluster JSON to write")
@@ -36,8 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.backend is not None:
+        return run_gloo(args)
+    if args.nproc != 2:
+        render.note("--nproc has no effect without --backend gloo")
     if not args.logs and not args.overhead:
-        raise PlannerError("calibrate needs nccl-tests logs, --overhead, or both")
+        raise PlannerError("calibrate needs nccl-tests logs, --overhead, --backend gloo, or logs and --overhead")
     out = output_file(args.out)
     assert out is not None
     base = parse_cluster(args.base) if args.base else None
@@ -47,10 +59,7 @@ def run(args: argparse.Namespace) -> int:
         cluster, measured = _with_measured_overhead(cluster)
         if not args.json:
             render.console.print(render.overhead_table(measured))
-    try:
-        cluster.save(out)
-    except OSError as e:
-        raise PlannerError(f"cannot write '{out}': {e.strerror}") from None
+    _save(cluster, out)
     if args.json:
         print(json.dumps({"out": str(out), "cluster": cluster.to_dict(),
                           "overhead_measurement": None if measured is None else render.json_ready(asdict(measured))},
@@ -76,3 +85,41 @@ def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurem
         overhead = dataclasses.replace(overhead, copy_bandwidth=cluster.overhead.copy_bandwidth)
     name = cluster.name if cluster.name.endswith("+calibrated") else f"{cluster.name}+calibrated"
     return dataclasses.replace(cluster, overhead=overhead, name=name), m
+
+
+def run_gloo(args: argparse.Namespace) -> int:
+    """``--backend gloo --nproc N``: the cluster of N CPU ranks, measured in a torchrun job."""
+    from fsdp_planner.runtime.gloo_calibrate import MAX_NPROC, calibrate_gloo
+
+    if args.logs or args.overhead or args.base:
+        raise PlannerError("--backend gloo measures this machine's CPU ranks on its own: give no nccl-tests logs, "
+                           "--overhead or --base with it")
+    if not 2 <= args.nproc <= MAX_NPROC:
+        raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} with --backend gloo (a collective needs two "
+                           f"ranks), got {args.nproc}")
+    out = output_file(args.out)
+    assert out is not None
+    cores = os.cpu_count() or 1
+    if args.nproc > cores:
+        render.note(f"{args.nproc} ranks on {cores} cores: the ranks share cores, so every time measured includes "
+                    "waiting for one; predictions hold for jobs run the same way")
+    with render.progress(f"torchrun job: {args.nproc} gloo ranks timing collectives and FSDP2 (about a minute)"):
+        cluster, measured = calibrate_gloo(args.nproc)
+    _save(cluster, out)
+    if args.json:
+        print(json.dumps({"out": str(out), "cluster": cluster.to_dict(),
+                          "gloo_measurement": render.json_ready(asdict(measured))}, indent=2))
+        return 0
+    render.console.print(render.gloo_table(measured))
+    render.console.print(render.overhead_table(measured))
+    render.console.print(f"cluster written to {out}: {cluster.describe()}")
+    render.console.print(f"predict and measure a plan's step: fsdp-planner verify MODEL --policy auto --nproc "
+                         f"{args.nproc} --cluster {out} --measure")
+    return 0
+
+
+def _save(cluster: Cluster, out: Path) -> None:
+    try:
+        cluster.save(out)
+    except OSError as e:
+        raise PlannerError(f"cannot write '{out}': {e.strerror}") from None

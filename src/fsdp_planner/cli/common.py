@@ -19,16 +19,16 @@ from fsdp_planner.trace.records import Trace
 
 
 def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, full: bool = False,
-               precision: Precision | None = None) -> Trace:
+               precision: Precision | None = None, threads: int | None = None) -> Trace:
     """The model's trace on meta tensors, in ``precision``'s compute dtype (default: the default precision's);
-    with ``measure``, then timed for real on the local device. ``full``: every module call traced (no replay of
-    repeated blocks)."""
+    with ``measure``, then timed for real on the local device (with ``threads`` CPU threads when given).
+    ``full``: every module call traced (no replay of repeated blocks)."""
     with render.progress(f"tracing {spec}"):
-        return _load_trace(spec, notes, measure, full, precision)
+        return _load_trace(spec, notes, measure, full, precision, threads)
 
 
-def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool, precision: Precision | None
-                ) -> Trace:
+def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool, precision: Precision | None,
+                threads: int | None = None) -> Trace:
     lm = load_model(spec, meta=True)
     dtype = (precision or SimOptions().precision).trace_dtype
     try:
@@ -57,7 +57,7 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
     check_fits(tr, device, spec)
     real = load_model(spec, meta=False)
     try:
-        measured = measure_ops(real.model, real.example_inputs, real.loss_fn, device=device)
+        measured = measure_ops(real.model, real.example_inputs, real.loss_fn, device=device, threads=threads)
     except PlannerError:
         raise
     except SystemExit as e:

@@ -18,6 +18,7 @@ from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.models import resolve_factory
 from fsdp_planner.planners.auto import infeasible_message
 from fsdp_planner.planners.auto.explain import explain
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, PolicyRequest, make_policy
@@ -48,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_factory(args.model)  # a model that does not exist is said before a minute of demo, not after
     out_dir = _out_dir(args.out_dir)
     cluster = parse_cluster(args.cluster)
     quiet = render.console.quiet

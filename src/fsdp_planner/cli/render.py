@@ -16,9 +16,10 @@ from rich.table import Table
 from fsdp_planner.fmt import fmt_bytes, fmt_modules, fmt_numel, fmt_time
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.hardware.cluster import GPU, Cluster
+from fsdp_planner.hardware.cluster import GPU, Cluster, Engine
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation, Reason
+from fsdp_planner.runtime.gloo_calibrate import GlooMeasurement
 from fsdp_planner.runtime.overhead import OverheadMeasurement
 from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.sim.memory import MemoryBreakdown
@@ -215,7 +216,8 @@ def strategy_table(rows: Mapping[str, MemoryBreakdown], title: str) -> Table:
     return t
 
 
-def verify_table(result: VerifyResult) -> Table:
+def verify_table(result: VerifyResult, cluster: str | None = None) -> Table:
+    """Predicted beside measured for each check; the step time when one was timed (predicted with ``cluster``)."""
     t = Table(title=f"verify: {result.world_size} ranks, {result.backend}, {result.steps} steps"
               + (f" from step {result.start_step}" if result.start_step else ""), title_justify="left")
     for col in ("check", "predicted", "measured", "result"):
@@ -242,6 +244,12 @@ def verify_table(result: VerifyResult) -> Table:
                   ok if result.checkpoint_match else bad)
     if result.saved is not None:
         t.add_row("checkpoint saved", f"step {result.start_step + result.steps}", result.saved, "")
+    if result.measured_step is not None:
+        error = result.step_error
+        t.add_row(f"step time (forward + backward, median of {len(result.step_seconds)})",
+                  f"{fmt_time(result.predicted_step)} on {cluster}" if result.predicted_step is not None else
+                  "(give --cluster to predict)", fmt_time(result.measured_step),
+                  f"{error:+.1%}" if error is not None else "")
     return t
 
 
@@ -306,6 +314,10 @@ def host_line(r: StepReport, cluster: Cluster) -> str:
     o = cluster.overhead
     if not r.host_time:
         return "host: not modelled (the cluster's overhead is zero)"
+    if cluster.engine is Engine.HOST:
+        return (f"host: {r.hooks} FSDP2 hooks x {fmt_time(o.hook_seconds)} + params x {fmt_time(o.param_seconds)} = "
+                f"{fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step (CPU ranks: each rank runs them "
+                "between its ops, nothing overlaps)")
     share = r.host_wait / r.step_time if r.step_time else 0.0
     verdict = (f"the host is the bottleneck: the GPU waits {fmt_time(r.host_wait)} for it, {share:.0%} of the step"
                if share >= 0.05 else f"hidden behind the GPU's work: it waits {fmt_time(r.host_wait)} for the host")
@@ -346,9 +358,24 @@ def json_ready(value: Any) -> Any:
     return value
 
 
-def overhead_table(m: OverheadMeasurement) -> Table:
-    """``calibrate --overhead``: each measured plan beside the fitted line, then the fitted figures."""
-    t = Table(title=f"FSDP2 host overhead on {m.device}: {m.ops} ops, {m.params} params a step; "
+def gloo_table(m: GlooMeasurement) -> Table:
+    """``calibrate --backend gloo``: each collective's measured times and fitted line."""
+    t = Table(title=f"gloo collectives on {m.world} ranks, as FSDP2 runs them (buffers allocated and copied in)")
+    for col in ("size", *(f.kind.replace("_", "-") for f in m.collectives)):
+        t.add_column(col, justify="right")
+    for i, (size, _) in enumerate(m.collectives[0].samples):
+        t.add_row(fmt_bytes(size), *(fmt_time(f.samples[i][1]) for f in m.collectives))
+    t.caption = "; ".join(f"{f.kind.replace('_', '-')} line: latency {fmt_time(f.alpha)}, bus bandwidth "
+                          f"{fmt_bytes(f.busbw)}/s (rms {f.rms:.0%}; the measured times are what the simulator uses)"
+                          for f in m.collectives)
+    return t
+
+
+def overhead_table(m: OverheadMeasurement | GlooMeasurement) -> Table:
+    """``calibrate --overhead`` / ``--backend gloo``: each measured plan beside the fitted line, then the fitted
+    figures."""
+    where = getattr(m, "device", None) or f"{m.world} gloo ranks"
+    t = Table(title=f"FSDP2 overhead on {where}: {m.ops} ops, {m.params} params a step; "
                     f"without FSDP {fmt_time(m.plain_seconds)}")
     for col in ("groups", "hooks", "measured step", "fitted", "error"):
         t.add_column(col, justify="right")
@@ -357,6 +384,6 @@ def overhead_table(m: OverheadMeasurement) -> Table:
                   f"{p.seconds / p.predicted - 1:+.1%}")
     o = m.overhead
     t.caption = (f"per hook {fmt_time(o.hook_seconds)}, per param {fmt_time(o.param_seconds)}, per op "
-                 f"{fmt_time(o.op_seconds)}, copy-out measured at {fmt_bytes(o.copy_bandwidth)}/s on {m.device}; "
+                 f"{fmt_time(o.op_seconds)}, copy-out measured at {fmt_bytes(o.copy_bandwidth)}/s on {where}; "
                  f"worst error of the line {m.worst_residual:.1%}")
     return t

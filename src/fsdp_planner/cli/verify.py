@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from fsdp_planner.cli.requests import add_json, add_plan_source, model_spec, pla
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import check_plan_world_size
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, Engine, parse_cluster
 from fsdp_planner.models import planning_only
 from fsdp_planner.planners.registry import PolicyName
 from fsdp_planner.runtime.verify import check_load_dir, check_save_dir, run_verify
@@ -20,6 +21,8 @@ from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions, 
 from fsdp_planner.sim.timeline import simulate
 
 MEMORY_TOLERANCE = 0.05
+TIME_STEPS = 5
+FP32 = SimOptions.named("fp32", "sgd-momentum")  # what the torchrun jobs train with (worker.py)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +31,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--nproc", type=int, default=2, help="processes (ranks) to run (default 2)")
     sp.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs, or with "
-                                      "--fake-world-size GPUs)")
+                                      "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
+                                      "and print it beside the measured one (on CPU ranks give the cluster "
+                                      "`calibrate --backend gloo --nproc N` wrote on this machine)")
+    sp.add_argument("--time-steps", type=int, default=TIME_STEPS, metavar="T",
+                    help=f"after the checked steps, time T more forward + backward steps of the sharded model alone "
+                         f"and report their median (default {TIME_STEPS}; 0: none)")
+    sp.add_argument("--measure", action="store_true",
+                    help="with --cluster: time the model's ops on this machine for the step-time prediction (one "
+                         "thread, as each gloo rank runs) instead of the roofline estimate")
     sp.add_argument("--fake-world-size", type=int, metavar="W",
                     help="run real FSDP2 on W fake ranks in this process (fake process group and fake tensors, any "
                          "model, no torchrun) and compare collectives, bytes and peak memory with the prediction")
@@ -64,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlannerError(f"--nproc must be at least 1, got {args.nproc}")
     if args.steps < 1:
         raise PlannerError(f"--steps must be at least 1, got {args.steps}")
+    if args.time_steps < 0:
+        raise PlannerError(f"--time-steps must be 0 or more, got {args.time_steps}")
     if planning_only(args.model):
         raise PlannerError(f"'{args.model}' is for planning only (too large to train here); verify a trainable "
                            "model")
@@ -76,14 +89,18 @@ def run(args: argparse.Namespace) -> int:
                     "zero_grad()")
     source = plan_source(args)
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
-    cluster = parse_cluster(args.cluster or f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}") if auto else None
+    given = parse_cluster(args.cluster) if args.cluster else None
+    cluster = (given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto else None
     for note in policy_notes(args, [source.policy.name] if source.policy else [],
                              f"with --policy {args.policy}", plan_file=source.plan_file is not None):
         render.note(note)
-    if args.cluster and not auto:
-        render.note(f"--cluster has no effect with {'--plan' if source.plan_file else f'--policy {args.policy}'}: "
-                    "verify runs on this machine; only --policy auto reads --cluster (the cluster it plans for)")
-    tr = load_trace(model_spec(args), render.notes, full=args.full_trace)
+    predict_on = _prediction_cluster(given, args)
+    if args.measure and predict_on is None:
+        render.note("--measure has no effect without a --cluster of --nproc ranks to predict the step time on")
+    host = predict_on is not None and predict_on.engine is Engine.HOST
+    tr = load_trace(model_spec(args), render.notes, measure=args.measure and predict_on is not None,
+                    full=args.full_trace, precision=FP32.precision if predict_on else None,
+                    threads=1 if host else None)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
         check_plan_world_size(plan, args.nproc)
@@ -100,11 +117,15 @@ def run(args: argparse.Namespace) -> int:
                              f"{args.nproc} processes{' (FSDP1)' if args.fsdp1 else ''}, {args.steps} steps ...")
     with render.progress(f"torchrun job: {args.nproc} ranks, {args.steps} steps"):
         result = run_verify(model_spec(args), tr, plan, args.nproc, args.steps, fsdp1=args.fsdp1,
+                            timed_steps=0 if args.fsdp1 else args.time_steps,
                             save_checkpoint=args.save_checkpoint, load_checkpoint=args.load_checkpoint)
+    if predict_on is not None and not args.fsdp1:
+        predicted = simulate(tr, plan, predict_on, FP32, timeline=False).step_time
+        result = dataclasses.replace(result, predicted_step=predicted)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps({**result.to_dict(), "cluster": predict_on.name if predict_on else None}, indent=2))
     else:
-        render.console.print(render.verify_table(result))
+        render.console.print(render.verify_table(result, predict_on.name if predict_on else None))
         if result.units is not None:
             differ = sorted(set(result.units) ^ set(result.expected_units or []))
             verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
@@ -113,6 +134,29 @@ def run(args: argparse.Namespace) -> int:
             render.console.print(f"note: {note}")
         render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")
     return 0 if result.ok else 1
+
+
+def _prediction_cluster(given: Cluster | None, args: argparse.Namespace) -> Cluster | None:
+    """The cluster to predict the job's step time on: the one given, when it has --nproc ranks (auto may plan for
+    a larger one). Notes say when there is none, or when its GPUs are not what the job runs on."""
+    if given is None:
+        return None
+    if args.fsdp1:
+        render.note("no step-time prediction with --fsdp1: the simulator models FSDP2")
+        return None
+    if given.world_size != args.nproc:
+        render.note(f"no step-time prediction: --cluster {given.name} has {given.world_size} ranks and the job "
+                    f"runs {args.nproc}")
+        return None
+    import torch
+
+    if given.engine is Engine.STREAMS and not torch.cuda.is_available():
+        render.note(f"the step time is predicted for {given.name}'s GPUs and measured on this machine's CPU ranks: "
+                    f"not comparable; for CPU ranks run `fsdp-planner calibrate --backend gloo --nproc {args.nproc} "
+                    "--out gloo.json` and pass --cluster gloo.json")
+    elif given.engine is Engine.HOST and not args.measure:
+        render.note("op times from the roofline of this CPU's matmul rate: add --measure to time them")
+    return given
 
 
 def run_fake(args: argparse.Namespace) -> int:

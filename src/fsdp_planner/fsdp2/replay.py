@@ -347,3 +347,12 @@ def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None,
     ``world_size`` ranks laid out as the plan's mesh says (None: any world, ``reshard_after_forward`` ints as
     given)."""
     return Replay(trace, plan, world_size, group_params).run()
+
+
+def state_hook_calls(trace: Trace, plan: Plan) -> list[int]:
+    """The forward-call events of modules ``fully_shard`` was applied to (every module of every group, the root
+    too). Each such call runs its ``FSDPState``'s hooks (pre/post-forward, and in backward pre/post-backward) whether
+    or not its group has work there: a list group of k modules pays k of these a pass, single-module groups one
+    each (``Overhead.module_seconds``)."""
+    targets = {m for g in plan.groups for m in g.modules}
+    return [i for i, e in enumerate(trace.events) if e.kind is EventKind.FWD_PRE and e.module in targets]

@@ -13,6 +13,7 @@ import json
 import math
 import re
 from dataclasses import InitVar, asdict, dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ MAX_NODE_GPUS = 72
 
 # Per-kind fitted (latency seconds, bus bandwidth bytes/s), keyed by group size N.
 Fits = dict[str, dict[int, tuple[float, float]]]
+# Per-kind measured (bytes, seconds) over all the cluster's ranks, sizes ascending (calibrate --backend gloo).
+Tables = dict[str, list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,8 @@ class Overhead:
     of the GPU this is hidden; when it falls behind, the GPU waits (``sim/timeline.py``). FSDP2's copy-in (the
     all-gather input, the reduce-scatter input) and copy-out (``split_with_sizes_copy`` into the unsharded params,
     on the compute stream) run at ``copy_bandwidth``. ``calibrate --overhead`` measures all four on the machine it
-    runs on (``runtime/overhead.py``).
+    runs on (``runtime/overhead.py``). On the host engine (CPU ranks, ``Engine.HOST``) ``op_seconds`` corrects each
+    measured op time instead, and may be negative (``sim/host_engine.py``, ``calibrate --backend gloo``).
     """
 
     hook_seconds: float
@@ -80,9 +84,26 @@ class Overhead:
     copy_bandwidth: float  # bytes/s
     param_seconds: float = 0.0
     source: str = ""  # where the figures come from (a preset's citation, or the machine calibrate measured)
+    # per call of a module fully_shard was applied to: its FSDPState's forward and backward hooks run on every call,
+    # whether or not its group has work there (a list group of k modules pays k a pass); 0 where not measured
+    module_seconds: float = 0.0
 
 
 NO_OVERHEAD = Overhead(0.0, 0.0, math.inf, source="none: an ideal host and free copies")
+
+
+class Engine(Enum):
+    """How a rank runs its step, which decides what can overlap (``sim/timeline.py``, ``sim/host_engine.py``).
+
+    ``STREAMS``: a GPU with NCCL. The host launches work ahead of the GPU; compute, all-gather and reduce-scatter
+    run on their own streams and overlap. ``HOST``: a CPU rank with gloo (``calibrate --backend gloo``). One
+    thread runs the ops, FSDP2's hooks and copies, and every collective blocks it: FSDP2 issues them with
+    ``async_op=False`` (``unshard_async_op`` defaults to False; ``foreach_reduce`` waits), which on a GPU only
+    orders streams but on a CPU waits for gloo. Nothing overlaps: the step is the sum of its parts.
+    """
+
+    STREAMS = "streams"
+    HOST = "host"
 
 
 @dataclass(frozen=True)
@@ -102,6 +123,10 @@ class Cluster:
     nics_per_node: int = 8
     fits: Fits = field(default_factory=dict, hash=False)
     overhead: Overhead = field(default_factory=lambda: NO_OVERHEAD)
+    engine: Engine = Engine.STREAMS
+    # the host engine's collectives as measured, interpolated (hardware/collectives.py): on a CPU the time per byte
+    # changes with size (buffers of 32 MiB or more are fresh pages each step), which no single line follows
+    tables: Tables = field(default_factory=dict, hash=False)
 
     where: InitVar[str | None] = None  # how errors name it, e.g. "cluster file c.json"; default: its name
 
@@ -115,6 +140,11 @@ class Cluster:
     def describe(self) -> str:
         """One line for CLI output."""
         fitted = ", calibrated" if self.fits else ""
+        if self.engine is Engine.HOST:
+            alpha, busbw = next(iter(next(iter(self.fits.values())).values()), (0.0, 0.0)) if self.fits else \
+                (self.intra.base_latency, self.intra.bus_bandwidth)
+            return (f"{self.name}: {self.world_size} CPU ranks on gloo (collectives block the rank: nothing "
+                    f"overlaps), latency {alpha * 1e6:.0f} us, bus bandwidth {busbw / 1e9:.2f} GB/s{fitted}")
         return (
             f"{self.name}: {self.nodes} x {self.gpus_per_node} {self.gpu.name} ({self.world_size} GPUs), "
             f"NVLink {self.intra.bus_bandwidth / 1e9:.0f} GB/s, network {self.inter.bus_bandwidth / 1e9:.0f} "
@@ -134,6 +164,8 @@ class Cluster:
             "inter": asdict(self.inter),
             "fits": {k: {str(n): [a, b] for n, (a, b) in sorted(t.items())} for k, t in self.fits.items()},
             "overhead": asdict(self.overhead),
+            "engine": self.engine.value,
+            "tables": {k: [[n, t] for n, t in rows] for k, rows in self.tables.items()},
         }
 
     def to_json(self) -> str:
@@ -177,7 +209,19 @@ class Cluster:
                                 op_seconds=_num(d, "overhead.op_seconds", where),
                                 copy_bandwidth=_num(d, "overhead.copy_bandwidth", where),
                                 param_seconds=_num(d, "overhead.param_seconds", where, 0.0),
+                                module_seconds=_num(d, "overhead.module_seconds", where, 0.0),
                                 source=str(source))
+        tables: Tables = {}
+        try:
+            for kind, rows in (d.get("tables") or {}).items():
+                tables[str(kind)] = [(int(n), float(t)) for n, t in rows]
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise PlannerError(f"the {where} field 'tables' must map collective -> [[bytes, seconds], ...] ({e})"
+                               ) from None
+        engine = _get(d, "engine", where, Engine.STREAMS.value)
+        if engine not in {e.value for e in Engine}:
+            raise PlannerError(f"the {where} field 'engine' must be one of {', '.join(e.value for e in Engine)}, "
+                               f"got {engine!r}")
         return cls(
             name=str(_get(d, "name", where)),
             gpu=gpu,
@@ -188,6 +232,8 @@ class Cluster:
             nics_per_node=_int(d, "nics_per_node", where, 8),
             fits=fits,
             overhead=overhead,
+            engine=Engine(engine),
+            tables=tables,
             where=where,
         )
 
@@ -266,14 +312,23 @@ def _check_cluster(c: Cluster, label: str) -> None:
         if not 0 <= link.ring_overhead < 2:
             raise PlannerError(f"the {label} field '{lname}.ring_overhead' must be at least 0 and below 2, "
                                f"got {link.ring_overhead!r}")
-    for attr in ("hook_seconds", "op_seconds", "param_seconds"):
+    for attr in ("hook_seconds", "op_seconds", "param_seconds", "module_seconds"):
         v = getattr(c.overhead, attr)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and 0 <= v < 1):
-            raise PlannerError(f"the {label} field 'overhead.{attr}' must be a number of seconds from 0 to 1, "
+        # on the host engine op_seconds corrects measured op times, and timing each op can add more than the
+        # framework's work around it: a negative correction (sim/host_engine.py)
+        low = -1 if attr == "op_seconds" and c.engine is Engine.HOST else 0
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and low <= v < 1):
+            raise PlannerError(f"the {label} field 'overhead.{attr}' must be a number of seconds from {low} to 1, "
                                f"got {v!r}")
     bw = c.overhead.copy_bandwidth
     if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:  # inf: free copies
         raise PlannerError(f"the {label} field 'overhead.copy_bandwidth' must be a number above 0, got {bw!r}")
+    for kind, rows in c.tables.items():
+        sizes = [n for n, _ in rows]
+        if kind not in COLLECTIVES or len(rows) < 2 or sizes != sorted(set(sizes)) or sizes[0] < 1 or \
+                not all(math.isfinite(t) and t > 0 for _, t in rows):
+            raise PlannerError(f"the {label} field 'tables.{kind}' must be two or more [bytes, seconds] of a known "
+                               "collective, sizes ascending from 1 byte, times above 0")
     for kind, table in c.fits.items():
         if kind not in COLLECTIVES:
             raise PlannerError(f"the {label} has fits for unknown collective '{kind}' "

@@ -31,6 +31,7 @@ the ratios of the nearest fitted sizes (same one-node/multi-node regime only), i
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -133,6 +134,11 @@ def model_lines(cluster: Cluster, ranks: int | None = None, ranks_per_node: int 
     n, rpn, nodes = group_layout(cluster, ranks, ranks_per_node)
     if n == 1:
         return [(Protocol.SIMPLE, 0.0, math.inf)]
+    from fsdp_planner.hardware.cluster import Engine  # cluster.py imports this module
+
+    if cluster.engine is Engine.HOST:  # gloo: one algorithm, no NCCL protocols; calibrate fits this line as it is
+        link = cluster.inter if nodes > 1 else cluster.intra
+        return [(Protocol.SIMPLE, link.base_latency, link.bus_bandwidth / steps)]
     inter_steps = nodes - 1
     intra_steps = n - 1 - inter_steps
     used = []  # (link, its SIMPLE bus bandwidth for this ring)
@@ -158,6 +164,18 @@ def model_lines(cluster: Cluster, ranks: int | None = None, ranks_per_node: int 
             latency += steps * (n - 1) / n * link.half_bw_bytes / bw
         lines.append((protocol, latency, bw_p))
     return lines
+
+
+def table_seconds(rows: list[tuple[int, float]], nbytes: float) -> float:
+    """A measured collective's seconds at ``nbytes``: linear between the measured sizes, the smallest size's time
+    below them, the last two sizes' slope beyond."""
+    if nbytes <= rows[0][0]:
+        return rows[0][1]
+    for (s0, t0), (s1, t1) in itertools.pairwise(rows):
+        if nbytes <= s1:
+            return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
+    (s0, t0), (s1, t1) = rows[-2], rows[-1]
+    return t1 + max(0.0, (t1 - t0) / (s1 - s0)) * (nbytes - s1)
 
 
 def _ll_cap(cluster: Cluster, nodes: int) -> float:

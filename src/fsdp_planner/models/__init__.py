@@ -188,12 +188,29 @@ def _check_model_file(target: str) -> Path:
     raise PlannerError(f"model file '{target}' does not exist")
 
 
+def _factories_hint(path: Path) -> str:
+    """The file's top-level functions, read without running it (what FN can be)."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
+    return f" (its functions: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''})" if names else ""
+
+
 def resolve_factory(spec: str) -> Callable[..., tuple]:
     """The factory function a MODEL spec names."""
     if spec in BUILTINS:
         return BUILTINS[spec].factory
     if hf.is_hf(spec):
         return hf.factory(spec.removeprefix(hf.PREFIX))
+    if ":" not in spec and spec.endswith(".py"):
+        if not Path(spec).is_file():
+            raise PlannerError(f"model file '{spec}' does not exist (a model file is given as path/file.py:FN)")
+        raise PlannerError(f"model '{spec}' names a file but not its factory: give '{spec}:FN'"
+                           + _factories_hint(Path(spec)))
     if ":" not in spec:
         known = ", ".join(BUILTINS)
         raise PlannerError(f"unknown model '{spec}': use a built-in ({known}), 'file.py:fn' / 'module:fn' or "

@@ -82,13 +82,13 @@ def read_failures(result_path: Path, exits_path: Path) -> list[RankFailure]:
     return failures
 
 
-def explain(failures: list[RankFailure]) -> str | None:
+def explain(failures: list[RankFailure], what: str = "verify job") -> str | None:
     """The cause on the first line, then the other failing ranks' lines; None when no rank left a trace."""
     if not failures:
         return None
     causes = [f for f in failures if f.is_cause] or [f for f in failures if f.error is not None] or failures
     echoes = [f for f in failures if f not in causes and not f.stopped_by_launcher]
-    lines = [f"verify job failed: {'; '.join(_grouped(causes))}"]
+    lines = [f"{what} failed: {'; '.join(_grouped(causes))}"]
     lines += [f"  then {f.describe()}" for f in echoes]
     stopped = [f.rank for f in failures if f not in causes and f.stopped_by_launcher]
     if stopped:

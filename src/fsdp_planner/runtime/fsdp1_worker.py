@@ -10,6 +10,7 @@ with the plan's groups.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -78,7 +79,8 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
     max_diff = 0.0
     with FullyShardedDataParallel.summon_full_params(model):
         for name, p in model.named_parameters():
-            max_diff = max(max_diff, (p.detach() - ref_params[clean_name(name)].detach()).abs().max().item())
+            diff = (p.detach() - ref_params[clean_name(name)].detach()).abs().max().item()
+            max_diff = max(max_diff, diff if diff == diff else math.inf)  # NaN: a diverged run proves no parity
     return {"counted": counted, "counted_bytes": counted_bytes, "max_abs_diff": max_diff}
 
 

@@ -32,14 +32,20 @@ def available_memory(device: torch.device) -> int:
     """Free bytes on ``device``: CUDA's free memory, or the host's MemAvailable."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    return host_memory("MemAvailable", "SC_AVPHYS_PAGES")
+
+
+def host_memory(field: str = "MemTotal", pages: str = "SC_PHYS_PAGES") -> int:
+    """Bytes of the host's memory from /proc/meminfo's ``field`` (MemTotal, MemAvailable), or from ``sysconf``'s
+    ``pages`` where there is no /proc."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE")
 
 
 def required_memory(planning_trace: Trace) -> int:
@@ -67,14 +73,23 @@ def measure(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     repeats: int = 3,
     device: torch.device | None = None,
+    threads: int | None = None,
 ) -> Trace:
     """A trace whose ``op_seconds`` are per-op medians over ``repeats`` timed steps, after one warm-up step.
 
     ``model`` must have real parameters; it and the example inputs are moved to ``device`` (default: the
-    local GPU, else the CPU).
+    local GPU, else the CPU). ``threads``: the CPU threads torch may use meanwhile (a gloo rank's, to predict
+    its step: ``verify`` runs each rank with one); default: as it is.
     """
     if repeats < 1:
         raise PlannerError("--measure needs at least one timed repeat")
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure(model, example_inputs, loss_fn, repeats, device)
+        finally:
+            torch.set_num_threads(before)
     device = device or local_device()
     model = model.to(device)
     inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example_inputs)

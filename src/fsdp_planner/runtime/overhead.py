@@ -33,6 +33,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Overhead
 from fsdp_planner.models import LoadedModel
+from fsdp_planner.trace.records import Trace
 
 LAYERS = 256  # tiny layers in the measured chain
 WIDTH = 32  # their width: small enough that every op is dispatch, not arithmetic
@@ -88,9 +89,19 @@ def _sum(out: torch.Tensor) -> torch.Tensor:
     return out.sum()
 
 
-def _chain() -> LoadedModel:
+def chain_model() -> LoadedModel:
+    """The measured chain with real parameters (seeded) on the CPU."""
     torch.manual_seed(0)
     return LoadedModel("chain", _Chain(), (_inputs("cpu"),), _sum)
+
+
+def chain_trace() -> Trace:
+    """The chain's trace, on meta tensors."""
+    from fsdp_planner.trace import trace
+
+    with torch.device("meta"):
+        meta = _Chain()
+    return trace(meta, (_inputs("meta"),), _sum)
 
 
 def _fastest_steps(steps: list[Callable[[], None]], device: torch.device, rounds: int) -> list[float]:
@@ -113,7 +124,7 @@ def _fastest_steps(steps: list[Callable[[], None]], device: torch.device, rounds
     return best
 
 
-def _training_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], None]:
+def training_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], None]:
     from fsdp_planner.trace.recorder import split_inputs
 
     args, kwargs = split_inputs(inputs)
@@ -147,13 +158,13 @@ def time_plans(build: Callable[[], LoadedModel], plans: Sequence[Plan | None], d
             if plan is not None:
                 apply_plan(model, plan, mesh=device_mesh(plan, device.type, WORLD))
             inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, built.example_inputs)
-            steps.append(_training_step(model, inputs, built.loss_fn or default_loss))
+            steps.append(training_step(model, inputs, built.loss_fn or default_loss))
         return _fastest_steps(steps, device, rounds)
     finally:
         dist.destroy_process_group()
 
 
-def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least squares ``seconds = a + hooks * b``."""
     xs, ys = [float(h) for h, _ in points], [s for _, s in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -162,7 +173,7 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def _copy_bandwidth(device: torch.device, rounds: int) -> float:
+def copy_bandwidth(device: torch.device, rounds: int) -> float:
     """Bytes per second of FSDP2's copy-out: one flat buffer split into many params' tensors."""
     src = torch.empty(COPY_BYTES // 4, device=device)
     sizes = [src.numel() // 64] * 64
@@ -177,12 +188,9 @@ def measure_overhead(device: torch.device | None = None, rounds: int = 7,
     from fsdp_planner.fsdp2.claim import make_plan
     from fsdp_planner.fsdp2.replay import build_schedule
     from fsdp_planner.runtime.measure import local_device
-    from fsdp_planner.trace import trace
 
     device = device or local_device()
-    with torch.device("meta"):
-        meta = _Chain()
-    traced = trace(meta, (_inputs("meta"),), _sum)
+    traced = chain_trace()
     ops = sum(e.is_op for e in traced.events)
     params = len(traced.params)
     plans = [make_plan(traced, [[f"layers.{i}" for i in range(start, start + size)]
@@ -191,17 +199,17 @@ def measure_overhead(device: torch.device | None = None, rounds: int = 7,
     if progress:
         progress(f"timing {rounds} rounds of a step of {LAYERS} tiny layers without FSDP and with FSDP2 in "
                  f"{', '.join(str(len(p.inner_groups)) for p in plans)} groups")
-    seconds = time_plans(_chain, [None, *plans], device, rounds)
+    seconds = time_plans(chain_model, [None, *plans], device, rounds)
     plain_seconds = seconds[0]
     timings = [PlanTiming(len(p.inner_groups), h, t) for p, h, t in zip(plans, hooks, seconds[1:], strict=True)]
-    intercept, hook_seconds = _fit([(t.hooks, t.seconds) for t in timings])
+    intercept, hook_seconds = fit_line([(t.hooks, t.seconds) for t in timings])
     if hook_seconds <= 0:
         raise PlannerError("the measured step did not grow with the number of FSDP2 groups (the machine was too "
                            "busy to time it?): run calibrate --overhead again on an idle machine")
     timings = [PlanTiming(t.groups, t.hooks, t.seconds, intercept + t.hooks * hook_seconds) for t in timings]
     if progress:
         progress("timing the copy-out")
-    copy = _copy_bandwidth(device, rounds)
+    copy = copy_bandwidth(device, rounds)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     source = (f"calibrate --overhead: FSDP2 {torch.__version__} on the fake process group, {LAYERS} tiny layers, "
               f"{name}")

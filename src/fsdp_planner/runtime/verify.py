@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,11 @@ from fsdp_planner.trace.records import Trace
 FP32_TOLERANCE = 1e-5
 Counts = dict[str, int]  # collective kind's value -> count or bytes
 STOP_GRACE_S = 5.0  # SIGTERM to the job's process group, then SIGKILL after this long
+# CPU ranks keep the memory they free for their next allocations, as PyTorch's caching allocator does on a GPU:
+# glibc would otherwise return every buffer of 32 MiB or more to the OS (mmap) and fault its pages in again on the
+# next step (1.6 against 13 GB/s writing 100 MB on this project's host), a cost FSDP2 on a GPU never pays and the
+# step-time model does not carry. No effect outside glibc; a GLIBC_TUNABLES the user set is kept.
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
 
 
 class Terminated(BaseException):
@@ -166,6 +172,20 @@ class VerifyResult:
     saved: str | None = None  # the checkpoint directory it wrote
     units: list[str] | None = None  # FSDP1 (``fsdp1=True``): the modules it wrapped, as the plan's groups name them
     expected_units: list[str] | None = None
+    step_seconds: list[float] = field(default_factory=list)  # the timed steps' forward + backward on rank 0
+    predicted_step: float | None = None  # the simulator's step on the cluster verify was given (--cluster)
+
+    @property
+    def measured_step(self) -> float | None:
+        """The median timed step; None when none was timed."""
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+    @property
+    def step_error(self) -> float | None:
+        """predicted / measured - 1."""
+        if self.predicted_step is None or not self.measured_step:
+            return None
+        return self.predicted_step / self.measured_step - 1
 
     @property
     def checkpoint_match(self) -> bool:
@@ -196,7 +216,8 @@ class VerifyResult:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "params_match": self.params_match, "counts_match": self.counts_match,
                 "bytes_match": self.bytes_match, "checkpoint_match": self.checkpoint_match,
-                "units_match": self.units_match, "ok": self.ok}
+                "units_match": self.units_match, "measured_step": self.measured_step, "step_error": self.step_error,
+                "ok": self.ok}
 
 
 def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
@@ -262,12 +283,47 @@ def staged(directory: Path | None) -> Iterator[Path | None]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[str, Any]) -> tuple[dict, int]:
+    """``python -m MODULE JOB.json`` on ``nproc`` local ranks under torchrun (``launch.py``), in its own session,
+    ended as a whole on every way out (call it inside ``signals_raise``). ``job`` gains ``result``, the file rank 0
+    writes; returns what it wrote and torchrun's exit status. A job that wrote nothing is a ``PlannerError`` naming
+    the rank that failed and why (``failures.py``)."""
+    prefix = f"fsdp-planner-{what.split()[0]}-"  # fsdp-planner-verify-..., fsdp-planner-calibration-...
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as tmp:
+        job_path, result_path, exits_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "exits"
+        job_path.write_text(json.dumps({**job, "result": str(result_path)}))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+               "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY)}
+        # torchrun's per-rank error files go under the job's directory too (by default a torchelastic_* temp dir
+        # that it never removes)
+        cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), "--standalone",
+               f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}", "-m", module, str(job_path)]
+        # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
+        # reaches only this process (which then stops them) instead of racing torchrun's own handling.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise PlannerError(f"{what} did not finish within {timeout:.0f} s (stopped)") from None
+        finally:
+            stop_process_group(proc)  # also after a normal exit: no rank outlives the job
+        if not result_path.is_file():
+            message = explain(read_failures(result_path, exits_path), what)
+            if message is None:
+                tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
+                message = f"{what} failed (exit {proc.returncode}):\n{tail}"
+            raise PlannerError(message)
+        return json.loads(result_path.read_text()), proc.returncode
+
+
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
-               load_checkpoint: Path | None = None, fsdp1: bool = False) -> VerifyResult:
+               load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
     checkpoint (any world size and plan) and save one. ``fsdp1``: run the plan as FSDP1
-    ``FullyShardedDataParallel`` units (``fsdp1_worker.py``; no checkpoints)."""
+    ``FullyShardedDataParallel`` units (``fsdp1_worker.py``; no checkpoints). ``timed_steps``: then time that many
+    steps of the sharded model alone (``worker.time_steps``; FSDP2 only)."""
     from fsdp_planner.models import planning_only
 
     model = as_spec(model)
@@ -288,46 +344,24 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         check_save_dir(save)
     start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
     predicted, predicted_bytes = (predict_fsdp1 if fsdp1 else predict_collectives)(trace, plan, nproc)
-    with signals_raise(), staged(save) as stage, \
-            tempfile.TemporaryDirectory(prefix="fsdp-planner-verify-", ignore_cleanup_errors=True) as tmp:
-        job_path, result_path, exits_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "exits"
-        job_path.write_text(json.dumps({"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr,
-                                        "seed": seed, "result": str(result_path), "start_step": start_step,
-                                        "load": str(load) if load else None, "save": str(stage) if stage else None}))
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        # torchrun's per-rank error files go under the job's directory too (by default a torchelastic_* temp dir
-        # that it never removes)
-        cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), "--standalone",
-               f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}", "-m",
-               f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", str(job_path)]
-        # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
-        # reaches only this process (which then stops them) instead of racing torchrun's own handling.
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise PlannerError(f"verify job did not finish within {timeout:.0f} s (stopped)") from None
-        finally:
-            stop_process_group(proc)  # also after a normal exit: no rank outlives the job
-        if not result_path.is_file():
-            message = explain(read_failures(result_path, exits_path))
-            if message is None:
-                tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
-                message = f"verify job failed (exit {proc.returncode}):\n{tail}"
-            raise PlannerError(message)
-        data = json.loads(result_path.read_text())
+    with signals_raise(), staged(save) as stage:
+        data, returncode = run_torchrun(
+            f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", nproc, timeout, "verify job",
+            {"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr, "seed": seed,
+             "timed_steps": timed_steps,
+             "start_step": start_step, "load": str(load) if load else None, "save": str(stage) if stage else None})
         if save is not None and stage is not None:
             os.replace(stage, save)  # whole or not at all: a failed job leaves no half checkpoint under that name
     notes = []
-    if proc.returncode != 0:
-        notes.append(f"torchrun exited {proc.returncode} after the results were written (exit noise ignored)")
+    if returncode != 0:
+        notes.append(f"torchrun exited {returncode} after the results were written (exit noise ignored)")
     return VerifyResult(
         world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
         notes=notes, start_step=start_step, loaded=data.get("loaded"), saved=str(save) if save else None,
-        units=data.get("units"), expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)
+        units=data.get("units"), step_seconds=data.get("step_seconds", []),
+        expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)
 
 
 def predict_fsdp1(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:

@@ -2,12 +2,12 @@
 
 Every rank builds the same model, keeps an unsharded reference copy, applies the plan with FSDP2 and trains K
 steps on its own micro-batch while the reference trains on all ranks' micro-batches (loss divided by the world
-size, as FSDP averages gradients), both with SGD (momentum 0.9). Collectives are counted by wrapping the
-``torch.distributed`` functions FSDP2 calls. Rank 0 writes the results as JSON; a rank that raises writes its
-exception beside them (``failures.py``). Before sharding, the ranks check that they build the same model and apply
-the same plan (a rank that differs would issue other collectives: a hang or garbage, not an error). The job may
-start from a distributed checkpoint and save one (``checkpoint.py``); the data of step s is the same whatever run
-reaches it.
+size, as FSDP averages gradients), both with SGD (momentum 0.9); then times the sharded model's steps alone
+(``time_steps``). Collectives are counted by wrapping the ``torch.distributed`` functions FSDP2 calls. Rank 0
+writes the results as JSON; a rank that raises writes its exception beside them (``failures.py``). Before
+sharding, the ranks check that they build the same model and apply the same plan (a rank that differs would issue
+other collectives: a hang or garbage, not an error). The job may start from a distributed checkpoint and save one
+(``checkpoint.py``); the data of step s is the same whatever run reaches it.
 
 Test-only fault injection (never set it otherwise): ``FSDP_PLANNER_TEST_FAULT=kill:R`` makes rank R SIGKILL
 itself at the start of step 1 (its peers are then in a collective); ``plan:R`` makes rank R apply the plan with
@@ -17,11 +17,14 @@ its first group's ``reshard_after_forward`` flipped.
 from __future__ import annotations
 
 import copy
+import gc
 import json
+import math
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -168,9 +171,47 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
     max_diff = 0.0
     for name, p in model.named_parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        max_diff = max(max_diff, (full.detach() - ref_params[name].detach()).abs().max().item())
+        diff = (full.detach() - ref_params[name].detach()).abs().max().item()
+        max_diff = max(max_diff, diff if diff == diff else math.inf)  # NaN (a diverged run) proves no parity
     return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses,
             "max_abs_diff": max_diff}
+
+
+def time_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
+               steps: int) -> list[float]:
+    """Seconds of ``steps`` forward + loss + backward steps of the sharded model alone, back to back on one batch
+    (grads set to None between them, as ``zero_grad()`` does), in PyTorch's default (not deterministic) mode: a
+    training loop's steps, without the reference's training or the next batch's making in between. The ranks start
+    each step together (a barrier), so its time is the step's, not a wait for a peer."""
+
+    # as a training job runs: the parity check's deterministic mode also fills every new tensor (FSDP2's buffers)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        return _timed_steps(model, inputs, loss_fn, device, steps)
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
+def _timed_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
+                 steps: int) -> list[float]:
+    import torch.distributed as dist
+
+    seconds = []
+    for _ in range(steps + 1 if steps else 0):  # the first one untimed: it follows other work (warm-up)
+        dist.barrier()
+        _synchronize(device)
+        start = time.perf_counter()
+        loss_fn(call_model(model, inputs, device)).backward()
+        _synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return seconds[1:]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _fault(rank: int) -> str | None:
@@ -246,6 +287,11 @@ def worker(job_path: str) -> None:
             save_checkpoint(Path(job["save"]), model, opt, reference, ref_opt,
                             {"step": step, "world": world, "policy": plan.policy, "model": job["model"],
                              "fingerprint": fingerprint, "seed": job["seed"], "lr": job["lr"]})
+        # timed last, with the reference and the optimizers gone: what stays in memory is what a training job keeps
+        del reference, opt, ref_opt
+        gc.collect()
+        inputs, loss_fn = batch(ModelSpec.from_json(job["model"]), job.get("start_step", 0), rank, job["seed"])
+        result["step_seconds"] = time_steps(model, inputs, loss_fn, device, job.get("timed_steps", 0))
         if rank == 0:
             Path(job["result"]).write_text(json.dumps({**result, "backend": dist.get_backend(), "world": world,
                                                        "loaded": loaded}))

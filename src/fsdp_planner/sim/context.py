@@ -11,8 +11,8 @@ import numpy as np
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
-from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.hardware.collectives import CollectiveKind, Protocol, group_layout, lines
+from fsdp_planner.hardware.cluster import Cluster, Engine
+from fsdp_planner.hardware.collectives import CollectiveKind, Protocol, group_layout, lines, table_seconds
 from fsdp_planner.sim.compute import step_op_times
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
@@ -68,13 +68,26 @@ class SimContext:
         """How a ``kind`` collective of ``nbytes`` on ``ranks`` ranks is costed: the line of the protocol NCCL runs
         at that size (default: a large message, SIMPLE). ``ranks`` 0: its whole group, the ``shard`` consecutive
         ranks of the mesh (packed onto nodes), or for an all-reduce the ``replicate`` ranks ``shard`` apart."""
+        rows = self.table(kind, ranks)
+        if rows is not None and nbytes != math.inf:  # measured: its time at this size, as a latency
+            return table_seconds(rows, nbytes), 0.0, "intra"
         options = self.links(kind, ranks)
         if len(options) == 1 or nbytes == math.inf:
             return options[-1]
         return min(options, key=lambda line: line[0] + nbytes * line[1])
 
+    def table(self, kind: CollectiveKind, ranks: int = 0) -> list[tuple[int, float]] | None:
+        """The measured (bytes, seconds) of ``kind`` when the cluster has them for this group: a host-engine
+        cluster measured over all its ranks (``calibrate --backend gloo``)."""
+        if self.cluster.engine is not Engine.HOST or (ranks or self.shard) != self.world:
+            return None
+        return self.cluster.tables.get(kind.value)
+
     def latency(self, kind: CollectiveKind, ranks: int = 0) -> float:
         """The least a ``kind`` collective can cost (the lowest-latency protocol, no bytes)."""
+        rows = self.table(kind, ranks)
+        if rows is not None:
+            return rows[0][1]
         return min(line[0] for line in self.links(kind, ranks))
 
     def links(self, kind: CollectiveKind, ranks: int = 0) -> list[Link]:
@@ -96,7 +109,11 @@ class SimContext:
     def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:
         """Seconds of ``kind`` collectives of each size in ``nbytes`` on the whole group, the fastest protocol
         each (zero bytes: nothing)."""
-        best = np.min([alpha + nbytes * per_byte for alpha, per_byte, _ in self.links(kind)], axis=0)
+        rows = self.table(kind)
+        if rows is not None:
+            best = np.array([table_seconds(rows, float(b)) for b in np.ravel(nbytes)]).reshape(np.shape(nbytes))
+        else:
+            best = np.min([alpha + nbytes * per_byte for alpha, per_byte, _ in self.links(kind)], axis=0)
         return np.where(nbytes > 0, best, 0.0)
 
     def recompute(self, checkpointed: Sequence[str]) -> dict[int, Recompute]:

@@ -28,6 +28,7 @@ would run at its size (``hardware/collectives.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
@@ -35,8 +36,8 @@ import numpy as np
 
 from fsdp_planner.fmt import fmt_modules
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
-from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule, state_hook_calls
+from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.sim.context import Recompute, SimContext
 from fsdp_planner.sim.memory import first_at_or_after
@@ -195,18 +196,20 @@ class Streams:
 class HostClock:
     """When the host has launched each op of the trace under one plan: ``op_seconds`` per op, and per FSDP2 hook
     (at its boundary, before the ops after it) ``hook_seconds`` plus ``param_seconds`` / 4 for each param its group
-    manages (a group runs four hooks a step), and the ops of a checkpointed forward launched again at its
-    pre-backward boundary. The host never waits for the GPU within a step (FSDP2's stream waits are on the GPU),
-    so this is a running sum, and the GPU finishes ops pos..idx-1 no earlier than the latest (launch of op j + the
-    ops from j to idx)."""
+    manages (a group runs four hooks a step), ``module_seconds`` at each call of a module fully_shard was applied
+    to, and the ops of a checkpointed forward launched again at its pre-backward boundary. The host never waits for
+    the GPU within a step (FSDP2's stream waits are on the GPU), so this is a running sum, and the GPU finishes ops
+    pos..idx-1 no earlier than the latest (launch of op j + the ops from j to idx)."""
 
     def __init__(self, ctx: SimContext, hooks: list[tuple[int, int]], group_params: list[int],
-                 recompute: dict[int, Recompute]) -> None:
+                 recompute: dict[int, Recompute], calls: Sequence[int] = ()) -> None:
         n = len(ctx.trace.events)
         overhead = ctx.cluster.overhead
         host = np.zeros(n + 1)  # host seconds spent at each event beyond launching its op
         for at, group in hooks:
             host[at] += overhead.hook_seconds + group_params[group] * overhead.param_seconds / 4
+        for at in calls:  # its backward hooks charged with its forward ones
+            host[at] += overhead.module_seconds
         for at, r in recompute.items():
             host[at] += r.ops * overhead.op_seconds
         # launched[i]: the host's time once event i is done (an op launched, a boundary's hooks run)
@@ -252,10 +255,15 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
             if use < n:
                 waits.setdefault(use, []).append(c.group)
     recompute = ctx.recompute(plan.activation_checkpointing)
+    if ctx.cluster.engine is Engine.HOST:
+        from fsdp_planner.sim.host_engine import simulate_host
+
+        return simulate_host(ctx, plan, sched, gather, [len(g.params) for g in groups], recompute, timeline)
     group_of = {p: gi for gi, g in enumerate(groups) for p in g.params}
     overhead = ctx.cluster.overhead
-    busy_host = overhead.op_seconds or overhead.hook_seconds or overhead.param_seconds
-    host = HostClock(ctx, sched.hooks, [len(g.params) for g in groups], recompute) if busy_host else None
+    busy_host = overhead.op_seconds or overhead.hook_seconds or overhead.param_seconds or overhead.module_seconds
+    calls = state_hook_calls(trace, plan) if overhead.module_seconds else []
+    host = HostClock(ctx, sched.hooks, [len(g.params) for g in groups], recompute, calls) if busy_host else None
     streams = Streams(ctx, plan, gather, timeline, host)
     for idx in sorted({*issued_at, *waits, *recompute, n}):
         streams.compute_until(idx)
@@ -270,8 +278,11 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     if host is not None:  # the step is not over before the host ran the final callback's hooks
         streams.wait_for_host(host.at(n))
     step = max(streams.t, *streams.free.values())
-    return _report(ctx, sched, gather, streams, step, sum(r.seconds for r in recompute.values()),
-                   host.at(n) if host else 0.0)
+    recomputed = sum(r.seconds for r in recompute.values())
+    # exposed: compute waiting for collectives, what is left of the step after compute, copy-outs and host waits
+    exposed = step - ctx.compute_total - recomputed - streams.copy_time - streams.host_wait
+    return report(ctx, plan, sched, gather, step, recomputed, exposed, streams.busy, host.at(n) if host else 0.0,
+                  streams.host_wait, streams.copy_time, streams.events or [])
 
 
 def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
@@ -283,22 +294,25 @@ def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
     return reduced if c.kind is RS else reduced // ctx.shard
 
 
-def _report(ctx: SimContext, sched: Schedule, gather: list[int], streams: Streams, step: float,
-            recompute: float, host_time: float) -> StepReport:
+def report(ctx: SimContext, plan: Plan, sched: Schedule, gather: list[int], step: float, recompute: float,
+           exposed: float, busy: dict[CollectiveKind, float], host_time: float, host_wait: float, copy_time: float,
+           events: list[TimelineEvent], compute: float | None = None) -> StepReport:
+    """The step's report: the engine's times, the schedule's collectives and the memory model's peak (``compute``:
+    the engine's compute time, recomputation included; default the trace's ops and ``recompute``)."""
     ag = [c for c in sched.collectives if c.kind is AG]
     rs = [c for c in sched.collectives if c.kind is RS]
     ar = [c for c in sched.collectives if c.kind is AR]
-    memory = ctx.memory.peak(streams.plan, sched)
+    memory = ctx.memory.peak(plan, sched)
     breakdown = memory.at.to_dict()
     breakdown.pop("total")
     return StepReport(
-        step_time=step, compute_time=ctx.compute_total + recompute,
-        exposed_comm=max(0.0, step - ctx.compute_total - recompute - streams.copy_time - streams.host_wait),
-        recompute_time=recompute, host_wait=streams.host_wait, copy_time=streams.copy_time,
+        step_time=step, compute_time=ctx.compute_total + recompute if compute is None else compute,
+        exposed_comm=max(0.0, exposed),
+        recompute_time=recompute, host_wait=host_wait, copy_time=copy_time,
         lower_bound=ctx.lower_bound, peak_memory=memory.allocated,
         reserved_memory=memory.reserved, memory_at_peak=breakdown,
         all_gathers=len(ag), reduce_scatters=len(rs), all_gather_bytes=sum(gather[c.group] for c in ag),
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),
-        comm_time={k.value: v for k, v in streams.busy.items() if k is not AR or ar},
+        comm_time={k.value: v for k, v in busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
-        mesh=ctx.mesh.describe(), host_time=host_time, hooks=len(sched.hooks), timeline=streams.events or [])
+        mesh=ctx.mesh.describe(), host_time=host_time, hooks=len(sched.hooks), timeline=events)

@@ -1,0 +1,143 @@
+"""One rank of ``calibrate --backend gloo``, run under torchrun: ``python -m fsdp_planner.runtime.calibrate_worker
+JOB.json``. Rank 0 writes what every rank measured together (``gloo_calibrate.py`` fits it):
+
+- the collectives FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``) over a sweep of sizes, with the
+  buffers FSDP2 allocates and copies into for them, median seconds of each (a barrier before each call: every rank
+  starts it together, as in a step);
+- the chain of tiny layers of ``overhead.py`` trained for real: without FSDP, and under FSDP2 plans of the root
+  alone, and one list group down to one group per layer (``gloo_calibrate.chain_plan``), median seconds of steps
+  run back to back as ``verify`` times them (``worker.time_steps``: a barrier before each; taking plans in turn
+  instead would time each step with the caches of another model);
+- the chain's per-op times as ``--measure`` times them, to split the step without FSDP into the ops and what the
+  framework spends around them;
+- this CPU's one-thread fp32 matmul rate and copy bandwidth (the roofline of a model traced without ``--measure``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdp_planner.runtime.failures import describe_exception
+
+WARMUP = 2
+MATMUL = 512  # square fp32 matmul whose rate stands for the CPU's peak
+
+
+def _timed(fn: Any, reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls, after warm-up calls; all ranks start each call together."""
+    import torch.distributed as dist
+
+    for _ in range(WARMUP):  # gloo sets up each new size's buffers and pairs on first use
+        fn()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def sweep(sizes: list[int], world: int, reps: int) -> dict[str, list[tuple[int, float]]]:
+    """(bytes, seconds) of each collective at each size (bytes as nccl-tests counts them: the unsharded side), as
+    FSDP2 runs it on a CPU: its input allocated and copied in, its output allocated, every call (there is no caching
+    allocator on a CPU: a buffer of 32 MiB or more is fresh pages from the OS each time, which a collective into a
+    reused buffer would not show)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+    def all_gather(numel: int, source: torch.Tensor) -> None:
+        shard = torch.empty(numel // world)
+        shard.copy_(source[: numel // world])
+        gather(torch.empty(numel), shard)
+
+    def reduce_scatter(numel: int, source: torch.Tensor) -> None:
+        full = torch.empty(numel)
+        full.copy_(source)
+        scatter(torch.empty(numel // world), full)
+
+    out: dict[str, list[tuple[int, float]]] = {"all_gather": [], "reduce_scatter": []}
+    for size in sizes:
+        numel = max(world, size // 4 // world * world)
+        source = torch.ones(numel)
+        many = reps if size <= 1 << 20 else max(3, reps // 3)
+        out["all_gather"].append((numel * 4, _timed(lambda n=numel, s=source: all_gather(n, s), many)))
+        out["reduce_scatter"].append((numel * 4, _timed(lambda n=numel, s=source: reduce_scatter(n, s), many)))
+    return out
+
+
+def time_chain(group_sizes: list[int], world: int, rounds: int) -> tuple[float, list[float], list[float]]:
+    """Median step of the chain without FSDP, and under each plan (``chain_plan``); and the chain's per-op times
+    measured as ``--measure`` does."""
+
+    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.runtime.gloo_calibrate import chain_plan
+    from fsdp_planner.runtime.measure import measure
+    from fsdp_planner.runtime.overhead import chain_model, chain_trace, training_step
+
+    traced = chain_trace()
+    seconds = []
+    for k in [None, *group_sizes]:  # each model built just before its steps: only one in memory at a time
+        built = chain_model()
+        if k is not None:
+            plan = chain_plan(traced, k)
+            apply_plan(built.model, plan, mesh=device_mesh(plan, "cpu", world))
+        seconds.append(_timed(training_step(built.model, built.example_inputs, built.loss_fn), rounds))
+        del built
+    built = chain_model()
+    measured = measure(built.model, built.example_inputs, built.loss_fn, repeats=3, device=torch.device("cpu"))
+    return seconds[0], seconds[1:], list(measured.op_seconds or ())
+
+
+def cpu_rates(reps: int = 5) -> tuple[float, float]:
+    """(fp32 matmul FLOP/s, copy bytes/s) of one thread of this CPU."""
+    from fsdp_planner.runtime.overhead import copy_bandwidth
+
+    a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
+    torch.mm(a, b)
+    best = min(_wall(lambda: torch.mm(a, b)) for _ in range(reps))
+    return 2 * MATMUL**3 / best, copy_bandwidth(torch.device("cpu"), reps)
+
+
+def _wall(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def worker(job_path: str) -> None:
+    import torch.distributed as dist
+
+    from fsdp_planner.runtime.worker import start_rank
+
+    job = json.loads(Path(job_path).read_text())
+    _, rank, world = start_rank()
+    try:
+        # the chain first: the sweep's large buffers would leave this rank's heap larger than a small model's
+        plain, plans, op_seconds = time_chain(job["group_sizes"], world, job["rounds"])
+        collectives = sweep(job["sizes"], world, job["reps"])
+        flops, copy = cpu_rates()
+        if rank == 0:
+            Path(job["result"]).write_text(json.dumps({
+                "world": world, "collectives": collectives, "plain_seconds": plain, "plan_seconds": plans,
+                "op_seconds": op_seconds, "matmul_flops": flops, "copy_bandwidth": copy,
+                "threads": torch.get_num_threads()}))
+        dist.barrier()
+    except (Exception, SystemExit) as e:
+        Path(f"{job['result']}.rank{rank}.error").write_text(json.dumps(describe_exception(e)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])

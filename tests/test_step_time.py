@@ -1,0 +1,99 @@
+"""Step time on a real engine: ``calibrate --backend gloo`` measures this machine's CPU ranks in a torchrun job, and
+``verify --cluster`` prints the simulator's step beside the measured one."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from test_host_engine import host_cluster
+
+from fsdp_planner.hardware.cluster import Cluster, Engine
+from fsdp_planner.runtime.gloo_calibrate import calibrate_gloo
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.integration
+def test_calibrate_gloo_measures_a_host_cluster(tmp_path) -> None:
+    cluster, m = calibrate_gloo(2, quick=True)
+    assert cluster.engine is Engine.HOST and cluster.world_size == 2
+    for kind, rows in cluster.tables.items():
+        times = [t for _, t in rows]
+        assert times == sorted(times) and times[0] > 0, kind  # measured, made non-decreasing
+    assert set(cluster.fits) == {"all_gather", "reduce_scatter"} and all(2 in f for f in cluster.fits.values())
+    assert cluster.overhead.hook_seconds > 0 and cluster.overhead.param_seconds >= 0
+    assert [p.groups for p in m.plans] == [0, 1, 16, 256] and all(p.seconds > 0 for p in m.plans)
+    assert m.plans[-1].seconds > m.plans[1].seconds  # 256 groups cost more than one
+    path = tmp_path / "gloo.json"
+    cluster.save(path)
+    assert Cluster.load(path).tables == cluster.tables
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("args,message", [
+    (["--nproc", "1"], "--nproc must be from 2 to 64 with --backend gloo"),
+    (["--overhead"], "--backend gloo measures this machine's CPU ranks on its own"),
+])
+def test_calibrate_gloo_bad_arguments_are_one_line(tmp_path, args, message) -> None:
+    done = cli("calibrate", "--backend", "gloo", *args, "--out", str(tmp_path / "c.json"))
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.integration
+def test_verify_prints_the_predicted_step_beside_the_measured_one(tmp_path) -> None:
+    path = tmp_path / "gloo.json"
+    host_cluster().save(path)
+    done = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--measure", "--time-steps", "3",
+               "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["cluster"] == "gloo:2" and result["ok"]
+    assert len(result["step_seconds"]) == 3 and all(s > 0 for s in result["step_seconds"])
+    assert result["predicted_step"] > 0 and result["measured_step"] > 0
+    assert result["step_error"] == pytest.approx(result["predicted_step"] / result["measured_step"] - 1)
+    text = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--time-steps", "2")
+    assert text.returncode == 0, text.stderr
+    assert "step time (forward + backward, median of 2)" in text.stdout and "on gloo:2" in text.stdout
+    assert "add --measure" in text.stderr  # the roofline of a CPU is a guess: say so
+
+
+@pytest.mark.integration
+def test_verify_without_a_cluster_measures_and_says_how_to_predict() -> None:
+    done = cli("verify", "toy-llama", "--policy", "titan", "--time-steps", "2")
+    assert done.returncode == 0, done.stderr
+    assert "(give --cluster to predict)" in done.stdout
+    gpu = cli("verify", "toy-llama", "--policy", "titan", "--cluster", "h100:2", "--time-steps", "2")
+    assert "not comparable" in gpu.stderr and "calibrate --backend gloo --nproc 2" in gpu.stderr
+
+
+DIVERGES = '''
+import torch
+import torch.nn as nn
+
+
+def diverges():
+    """Trains to NaN at once: its loss is infinite."""
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), (torch.randn(4, 8),), lambda out: out.sum() * float("inf")
+'''
+
+
+@pytest.mark.integration
+def test_a_run_that_diverges_proves_no_parity(tmp_path) -> None:
+    """NaN params on both sides compare as no difference under max(); a diverged run must fail, not pass."""
+    (tmp_path / "m.py").write_text(DIVERGES)
+    done = cli("verify", f"{tmp_path / 'm.py'}:diverges", "--policy", "order", "--steps", "2", "--time-steps", "0",
+               "--json")
+    assert done.returncode == 1
+    result = json.loads(done.stdout)
+    assert math.isinf(result["max_abs_diff"]) and not result["params_match"] and not result["ok"]
+    assert result["measured_step"] is None
