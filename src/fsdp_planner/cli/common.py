@@ -19,16 +19,17 @@ from fsdp_planner.trace.records import Trace
 
 
 def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, full: bool = False,
-               precision: Precision | None = None, threads: int | None = None) -> Trace:
+               precision: Precision | None = None, threads: int | None = None, repeats: int = 3) -> Trace:
     """The model's trace on meta tensors, in ``precision``'s compute dtype (default: the default precision's);
-    with ``measure``, then timed for real on the local device (with ``threads`` CPU threads when given).
+    with ``measure``, then timed for real on the local device (median of ``repeats`` steps, with ``threads`` CPU
+    threads when given).
     ``full``: every module call traced (no replay of repeated blocks)."""
     with render.progress(f"tracing {spec}"):
-        return _load_trace(spec, notes, measure, full, precision, threads)
+        return _load_trace(spec, notes, measure, full, precision, threads, repeats)
 
 
 def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool, precision: Precision | None,
-                threads: int | None = None) -> Trace:
+                threads: int | None = None, repeats: int = 3) -> Trace:
     lm = load_model(spec, meta=True)
     dtype = (precision or SimOptions().precision).trace_dtype
     try:
@@ -57,7 +58,8 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
     check_fits(tr, device, spec)
     real = load_model(spec, meta=False)
     try:
-        measured = measure_ops(real.model, real.example_inputs, real.loss_fn, device=device, threads=threads)
+        measured = measure_ops(real.model, real.example_inputs, real.loss_fn, repeats=repeats, device=device,
+                              threads=threads)
     except PlannerError:
         raise
     except SystemExit as e:

@@ -16,6 +16,7 @@ from fsdp_planner.fsdp2.plan import check_plan_world_size
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, Engine, parse_cluster
 from fsdp_planner.models import planning_only
 from fsdp_planner.planners.registry import PolicyName
+from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import check_load_dir, check_save_dir, run_verify
 from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions, ZeroGrad
 from fsdp_planner.sim.timeline import simulate
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     host = predict_on is not None and predict_on.engine is Engine.HOST
     tr = load_trace(model_spec(args), render.notes, measure=args.measure and predict_on is not None,
                     full=args.full_trace, precision=FP32.precision if predict_on else None,
-                    threads=1 if host else None)
+                    threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr)
         check_plan_world_size(plan, args.nproc)

@@ -27,21 +27,28 @@ import torch
 from fsdp_planner.runtime.failures import describe_exception
 
 WARMUP = 2
+STEP_SECONDS = 1.5  # each chain plan is timed for at least this long
+MAX_REPS = 200
 MATMUL = 512  # square fp32 matmul whose rate stands for the CPU's peak
 
 
-def _timed(fn: Any, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls, after warm-up calls; all ranks start each call together."""
+def _timed(fn: Any, reps: int, min_seconds: float = 0.0) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls, or more until they took ``min_seconds`` (a fast step's median
+    wants more samples; rank 0 decides, so every rank makes the same calls), after warm-up calls; all ranks start
+    each call together."""
     import torch.distributed as dist
 
     for _ in range(WARMUP):  # gloo sets up each new size's buffers and pairs on first use
         fn()
-    times = []
-    for _ in range(reps):
+    times: list[float] = []
+    more = torch.ones(1)
+    while more.item():
         dist.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+        more.fill_(len(times) < reps or (sum(times) < min_seconds and len(times) < MAX_REPS))
+        dist.broadcast(more, 0)
     return statistics.median(times)
 
 
@@ -81,7 +88,7 @@ def time_chain(group_sizes: list[int], world: int, rounds: int) -> tuple[float, 
 
     from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
     from fsdp_planner.runtime.gloo_calibrate import chain_plan
-    from fsdp_planner.runtime.measure import measure
+    from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
     from fsdp_planner.runtime.overhead import chain_model, chain_trace, training_step
 
     traced = chain_trace()
@@ -91,10 +98,11 @@ def time_chain(group_sizes: list[int], world: int, rounds: int) -> tuple[float, 
         if k is not None:
             plan = chain_plan(traced, k)
             apply_plan(built.model, plan, mesh=device_mesh(plan, "cpu", world))
-        seconds.append(_timed(training_step(built.model, built.example_inputs, built.loss_fn), rounds))
+        seconds.append(_timed(training_step(built.model, built.example_inputs, built.loss_fn), rounds, STEP_SECONDS))
         del built
     built = chain_model()
-    measured = measure(built.model, built.example_inputs, built.loss_fn, repeats=3, device=torch.device("cpu"))
+    measured = measure(built.model, built.example_inputs, built.loss_fn, repeats=CPU_RANK_REPEATS,
+                       device=torch.device("cpu"))
     return seconds[0], seconds[1:], list(measured.op_seconds or ())
 
 

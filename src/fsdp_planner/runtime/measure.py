@@ -23,6 +23,10 @@ from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.recorder import trace
 from fsdp_planner.trace.records import Trace
 
+# repeats when timing ops for a CPU rank (calibrate --backend gloo, verify --measure on its cluster): the host
+# engine corrects each op by a per-op figure that is a small difference of two sums, so the medians must be steady
+CPU_RANK_REPEATS = 9
+
 
 def local_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
