@@ -1,6 +1,6 @@
 """Step-time fidelity on a real engine: predicted vs measured step times of real torchrun jobs on gloo.
 
-Run: python benchmarks/fidelity_time.py   (writes benchmarks/fidelity_time.md and .json; about 5 minutes on 2 cores)
+Run: python benchmarks/fidelity_time.py   (writes benchmarks/fidelity_time.md and .json; about 12 minutes on 2 cores)
 
 What a user runs, command for command: ``fsdp-planner calibrate --backend gloo --nproc 2`` measures this machine's
 CPU ranks (gloo collectives over a sweep of sizes, FSDP2's per-group cost on a chain of tiny layers); then for each
@@ -33,7 +33,7 @@ MODELS = HERE / "fidelity_models.py"
 NPROC = 2
 STEPS = 2
 TIMED_STEPS = 9
-ROUNDS = 3  # each plan's job run this many times, the plans taken in turn: run-to-run noise shows as a spread
+ROUNDS = 5  # each plan's job run this many times, the plans taken in turn: run-to-run noise shows as a spread
 TOLERANCE = 0.25
 CASES = {
     "deep": [

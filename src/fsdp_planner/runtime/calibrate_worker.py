@@ -6,8 +6,7 @@ JOB.json``. Rank 0 writes what every rank measured together (``gloo_calibrate.py
   starts it together, as in a step);
 - the chain of tiny layers of ``overhead.py`` trained for real: without FSDP, and under FSDP2 plans of the root
   alone, and one list group down to one group per layer (``gloo_calibrate.chain_plan``), median seconds of steps
-  run back to back as ``verify`` times them (``worker.time_steps``: a barrier before each; taking plans in turn
-  instead would time each step with the caches of another model);
+  run back to back as ``verify`` times them (``worker.time_steps``: a barrier before each), the plans taking turns;
 - the chain's per-op times as ``--measure`` times them, to split the step without FSDP into the ops and what the
   framework spends around them;
 - this CPU's one-thread fp32 matmul rate and copy bandwidth (the roofline of a model traced without ``--measure``).
@@ -27,15 +26,15 @@ import torch
 from fsdp_planner.runtime.failures import describe_exception
 
 WARMUP = 2
-STEP_SECONDS = 1.5  # each chain plan is timed for at least this long
+STEP_SECONDS = 2.0  # each chain plan is timed for at least this long, over all its turns
 MAX_REPS = 200
 MATMUL = 512  # square fp32 matmul whose rate stands for the CPU's peak
 
 
-def _timed(fn: Any, reps: int, min_seconds: float = 0.0) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls, or more until they took ``min_seconds`` (a fast step's median
-    wants more samples; rank 0 decides, so every rank makes the same calls), after warm-up calls; all ranks start
-    each call together."""
+def _timed(fn: Any, reps: int, min_seconds: float = 0.0) -> list[float]:
+    """Seconds of ``fn`` over ``reps`` calls, or more until they took ``min_seconds`` (a fast step wants more
+    samples; rank 0 decides, so every rank makes the same calls), after warm-up calls; all ranks start each call
+    together."""
     import torch.distributed as dist
 
     for _ in range(WARMUP):  # gloo sets up each new size's buffers and pairs on first use
@@ -49,7 +48,7 @@ def _timed(fn: Any, reps: int, min_seconds: float = 0.0) -> float:
         times.append(time.perf_counter() - start)
         more.fill_(len(times) < reps or (sum(times) < min_seconds and len(times) < MAX_REPS))
         dist.broadcast(more, 0)
-    return statistics.median(times)
+    return times
 
 
 def sweep(sizes: list[int], world: int, reps: int) -> dict[str, list[tuple[int, float]]]:
@@ -77,33 +76,38 @@ def sweep(sizes: list[int], world: int, reps: int) -> dict[str, list[tuple[int, 
         numel = max(world, size // 4 // world * world)
         source = torch.ones(numel)
         many = reps if size <= 1 << 20 else max(3, reps // 3)
-        out["all_gather"].append((numel * 4, _timed(lambda n=numel, s=source: all_gather(n, s), many)))
-        out["reduce_scatter"].append((numel * 4, _timed(lambda n=numel, s=source: reduce_scatter(n, s), many)))
+        for kind, fn in (("all_gather", all_gather), ("reduce_scatter", reduce_scatter)):
+            out[kind].append((numel * 4, statistics.median(_timed(lambda f=fn, n=numel, s=source: f(n, s), many))))
     return out
 
 
 def time_chain(group_sizes: list[int], world: int, rounds: int) -> tuple[float, list[float], list[float]]:
     """Median step of the chain without FSDP, and under each plan (``chain_plan``); and the chain's per-op times
-    measured as ``--measure`` does."""
-
+    measured as ``--measure`` does. The plans take turns, ``rounds`` times: in each turn a plan runs warm-up steps,
+    then steps back to back for ``STEP_SECONDS / rounds`` (as ``verify`` times them: its own caches warm), so a
+    machine that is slower for a minute slows every plan alike instead of one."""
     from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
     from fsdp_planner.runtime.gloo_calibrate import chain_plan
     from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
     from fsdp_planner.runtime.overhead import chain_model, chain_trace, training_step
 
     traced = chain_trace()
-    seconds = []
-    for k in [None, *group_sizes]:  # each model built just before its steps: only one in memory at a time
+    steps = []
+    for k in [None, *group_sizes]:
         built = chain_model()
         if k is not None:
             plan = chain_plan(traced, k)
             apply_plan(built.model, plan, mesh=device_mesh(plan, "cpu", world))
-        seconds.append(_timed(training_step(built.model, built.example_inputs, built.loss_fn), rounds, STEP_SECONDS))
-        del built
+        steps.append(training_step(built.model, built.example_inputs, built.loss_fn))
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for i, step in enumerate(steps):
+            times[i] += _timed(step, 1, STEP_SECONDS / rounds)
     built = chain_model()
     measured = measure(built.model, built.example_inputs, built.loss_fn, repeats=CPU_RANK_REPEATS,
                        device=torch.device("cpu"))
-    return seconds[0], seconds[1:], list(measured.op_seconds or ())
+    medians = [statistics.median(t) for t in times]
+    return medians[0], medians[1:], list(measured.op_seconds or ())
 
 
 def cpu_rates(reps: int = 5) -> tuple[float, float]:

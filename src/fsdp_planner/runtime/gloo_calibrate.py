@@ -38,7 +38,7 @@ from fsdp_planner.trace.records import Trace
 SIZES = tuple(sorted({4096 * 2**i for i in range(15)} | {3 << 22, 3 << 23, 3 << 24}))
 QUICK_SIZES = (4096, 65536, 1 << 20)
 REPS = 15  # calls per size (a third of it above 1 MiB)
-ROUNDS = 9  # steps per plan
+ROUNDS = 5  # turns the plans take (calibrate_worker.time_chain)
 MAX_NPROC = 64
 
 
