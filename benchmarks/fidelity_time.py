@@ -114,7 +114,7 @@ def write(calibration: dict, results: dict[str, list[dict]], elapsed: float) -> 
     total = sum(len(rows) for rows in results.values())
     noise = spread(results)
     ranked = {m: ranked_as_measured(rows, noise) for m, rows in results.items()}
-    ties = [t for _, _, model_ties in ranked.values() for t in model_ties]
+    ties = [f"{m}: {t}" for m, (_, _, model_ties) in ranked.items() for t in model_ties]
     lines = [
         "# Step-time fidelity on gloo: predicted vs measured",
         "",
@@ -169,8 +169,10 @@ per call of a module `fully_shard` was applied to: the 130 modules of `deep`'s o
 every call), the collectives at their measured times for their sizes, copy-outs. The jobs run with glibc keeping
 freed memory (as the CUDA caching allocator does), without which every buffer of 32 MiB or more is paged in again
 each step; `wide` keeps its collectives below 32 MiB, where this VM's 32 MiB last-level cache makes times jump
-(see the table). The same plan's run medians differ by up to half on this 2-vCPU VM, so a prediction within 25%
-is within the noise and pairs closer than the spread have no order to get right. What only a GPU shows, overlap
+(see the table). The same plan's run medians differ by up to a factor of two on this 2-vCPU VM (and one
+configuration timed twice a minute apart in one process by up to 70%), so a prediction within 25% is within the
+noise, another run of this benchmark can move a row across the line, and pairs closer than the spread have no
+order to get right. What only a GPU shows, overlap
 of communication with compute and the host running ahead, is not exercised here: no GPU was lent to this
 project's sessions."""
 

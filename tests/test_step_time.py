@@ -61,19 +61,40 @@ def test_verify_prints_the_predicted_step_beside_the_measured_one(tmp_path) -> N
     assert len(result["step_seconds"]) == 3 and all(s > 0 for s in result["step_seconds"])
     assert result["predicted_step"] > 0 and result["measured_step"] > 0
     assert result["step_error"] == pytest.approx(result["predicted_step"] / result["measured_step"] - 1)
-    text = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--time-steps", "2")
+    text = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--steps", "1", "--time-steps", "2")
     assert text.returncode == 0, text.stderr
     assert "step time (forward + backward, median of 2)" in text.stdout and "on gloo:2" in text.stdout
     assert "add --measure" in text.stderr  # the roofline of a CPU is a guess: say so
 
 
-@pytest.mark.integration
-def test_verify_without_a_cluster_measures_and_says_how_to_predict() -> None:
-    done = cli("verify", "toy-llama", "--policy", "titan", "--time-steps", "2")
-    assert done.returncode == 0, done.stderr
-    assert "(give --cluster to predict)" in done.stdout
-    gpu = cli("verify", "toy-llama", "--policy", "titan", "--cluster", "h100:2", "--time-steps", "2")
-    assert "not comparable" in gpu.stderr and "calibrate --backend gloo --nproc 2" in gpu.stderr
+def test_verify_table_says_how_to_predict_when_no_cluster_was_given() -> None:
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import verify_table
+    from fsdp_planner.runtime.verify import VerifyResult
+
+    counts = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0}
+    result = VerifyResult(world_size=2, steps=1, backend="gloo", predicted=counts, counted=[counts],
+                          counted_bytes=[counts], predicted_bytes=counts, losses=[1.0], reference_losses=[1.0],
+                          max_abs_diff=0.0, step_seconds=[0.03, 0.01, 0.02])
+    console = Console(width=200, record=True)
+    console.print(verify_table(result))
+    text = console.export_text()
+    assert "median of 3" in text and "20 ms" in text and "(give --cluster to predict)" in text
+    assert result.step_error is None
+    predicted = VerifyResult(**{**result.__dict__, "predicted_step": 0.025})
+    assert predicted.step_error == pytest.approx(0.25)
+
+
+def test_verify_says_a_gpu_cluster_is_not_comparable_with_cpu_ranks(capsys, monkeypatch) -> None:
+    from fsdp_planner import cli
+    from fsdp_planner.cli import verify
+    from fsdp_planner.errors import PlannerError
+
+    monkeypatch.setattr(verify, "run_verify", lambda *a, **k: (_ for _ in ()).throw(PlannerError("stop here")))
+    assert cli.main(["verify", "toy-llama", "--policy", "titan", "--cluster", "h100:2"]) == 2
+    err = capsys.readouterr().err
+    assert "not comparable" in err and "calibrate --backend gloo --nproc 2" in err
 
 
 DIVERGES = '''

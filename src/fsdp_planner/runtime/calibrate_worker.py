@@ -81,11 +81,13 @@ def sweep(sizes: list[int], world: int, reps: int) -> dict[str, list[tuple[int, 
     return out
 
 
-def time_chain(group_sizes: list[int], world: int, rounds: int) -> tuple[float, list[float], list[float]]:
+def time_chain(group_sizes: list[int], world: int, rounds: int, seconds: float = STEP_SECONDS,
+               repeats: int = 0) -> tuple[float, list[float], list[float]]:
     """Median step of the chain without FSDP, and under each plan (``chain_plan``); and the chain's per-op times
     measured as ``--measure`` does. The plans take turns, ``rounds`` times: in each turn a plan runs warm-up steps,
-    then steps back to back for ``STEP_SECONDS / rounds`` (as ``verify`` times them: its own caches warm), so a
-    machine that is slower for a minute slows every plan alike instead of one."""
+    then steps back to back for ``seconds / rounds`` (as ``verify`` times them: its own caches warm), so a
+    machine that is slower for a minute slows every plan alike instead of one. ``repeats``: of the per-op timing
+    (default ``CPU_RANK_REPEATS``)."""
     from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
     from fsdp_planner.runtime.gloo_calibrate import chain_plan
     from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
@@ -102,9 +104,9 @@ def time_chain(group_sizes: list[int], world: int, rounds: int) -> tuple[float, 
     times: list[list[float]] = [[] for _ in steps]
     for _ in range(rounds):
         for i, step in enumerate(steps):
-            times[i] += _timed(step, 1, STEP_SECONDS / rounds)
+            times[i] += _timed(step, 1, seconds / rounds)
     built = chain_model()
-    measured = measure(built.model, built.example_inputs, built.loss_fn, repeats=CPU_RANK_REPEATS,
+    measured = measure(built.model, built.example_inputs, built.loss_fn, repeats=repeats or CPU_RANK_REPEATS,
                        device=torch.device("cpu"))
     medians = [statistics.median(t) for t in times]
     return medians[0], medians[1:], list(measured.op_seconds or ())
@@ -135,7 +137,8 @@ def worker(job_path: str) -> None:
     _, rank, world = start_rank()
     try:
         # the chain first: the sweep's large buffers would leave this rank's heap larger than a small model's
-        plain, plans, op_seconds = time_chain(job["group_sizes"], world, job["rounds"])
+        plain, plans, op_seconds = time_chain(job["group_sizes"], world, job["rounds"],
+                                              job.get("seconds", STEP_SECONDS), job.get("repeats", 0))
         collectives = sweep(job["sizes"], world, job["reps"])
         flops, copy = cpu_rates()
         if rank == 0:

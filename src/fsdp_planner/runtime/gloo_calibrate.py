@@ -81,6 +81,8 @@ def calibrate_gloo(nproc: int, quick: bool = False, timeout: float = 600.0) -> t
     group_sizes = [0, LAYERS, 16, 1] if quick else [0, *GROUP_SIZES]
     job = {"sizes": list(QUICK_SIZES if quick else SIZES), "reps": 3 if quick else REPS,
            "rounds": 2 if quick else ROUNDS, "group_sizes": group_sizes}
+    if quick:
+        job.update(seconds=0.2, repeats=2)
     with signals_raise():
         data, _ = run_torchrun("fsdp_planner.runtime.calibrate_worker", nproc, timeout, "calibration job", job)
     return fit(data, group_sizes)
