@@ -172,9 +172,8 @@ each step; `wide` keeps its collectives below 32 MiB, where this VM's 32 MiB las
 (see the table). The same plan's run medians differ by up to a factor of two on this 2-vCPU VM (and one
 configuration timed twice a minute apart in one process by up to 70%), so a prediction within 25% is within the
 noise, another run of this benchmark can move a row across the line, and pairs closer than the spread have no
-order to get right. What only a GPU shows, overlap
-of communication with compute and the host running ahead, is not exercised here: no GPU was lent to this
-project's sessions."""
+order to get right. What only a GPU shows, overlap of communication with compute and the host running ahead, is
+not exercised here: no GPU was lent to this project's sessions."""
 
 
 if __name__ == "__main__":

@@ -61,13 +61,9 @@ def test_verify_prints_the_predicted_step_beside_the_measured_one(tmp_path) -> N
     assert len(result["step_seconds"]) == 3 and all(s > 0 for s in result["step_seconds"])
     assert result["predicted_step"] > 0 and result["measured_step"] > 0
     assert result["step_error"] == pytest.approx(result["predicted_step"] / result["measured_step"] - 1)
-    text = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--steps", "1", "--time-steps", "2")
-    assert text.returncode == 0, text.stderr
-    assert "step time (forward + backward, median of 2)" in text.stdout and "on gloo:2" in text.stdout
-    assert "add --measure" in text.stderr  # the roofline of a CPU is a guess: say so
 
 
-def test_verify_table_says_how_to_predict_when_no_cluster_was_given() -> None:
+def test_verify_table_shows_the_step_and_how_to_predict_it() -> None:
     from rich.console import Console
 
     from fsdp_planner.cli.render import verify_table
@@ -84,6 +80,22 @@ def test_verify_table_says_how_to_predict_when_no_cluster_was_given() -> None:
     assert result.step_error is None
     predicted = VerifyResult(**{**result.__dict__, "predicted_step": 0.025})
     assert predicted.step_error == pytest.approx(0.25)
+    console = Console(width=200, record=True)
+    console.print(verify_table(predicted, "gloo:2"))
+    text = console.export_text()
+    assert "25 ms on gloo:2" in text and "+25.0%" in text
+
+
+def test_verify_without_measure_on_a_cpu_cluster_says_to_add_it(capsys, monkeypatch, tmp_path) -> None:
+    from fsdp_planner import cli
+    from fsdp_planner.cli import verify
+    from fsdp_planner.errors import PlannerError
+
+    path = tmp_path / "gloo.json"
+    host_cluster().save(path)
+    monkeypatch.setattr(verify, "run_verify", lambda *a, **k: (_ for _ in ()).throw(PlannerError("stop here")))
+    assert cli.main(["verify", "toy-llama", "--policy", "titan", "--cluster", str(path)]) == 2
+    assert "add --measure" in capsys.readouterr().err  # the roofline of a CPU is a guess: say so
 
 
 def test_verify_says_a_gpu_cluster_is_not_comparable_with_cpu_ranks(capsys, monkeypatch) -> None:
