@@ -5,7 +5,7 @@ JOB.json``. Rank 0 writes what every rank measured together (``gloo_calibrate.py
   buffers FSDP2 allocates and copies into for them, median seconds of each (a barrier before each call: every rank
   starts it together, as in a step);
 - the chain of tiny layers of ``overhead.py`` trained for real: without FSDP, and under FSDP2 plans of the root
-  alone, and one list group down to one group per layer (``gloo_calibrate.chain_plan``), median seconds of steps
+  alone, and one list group down to one group per layer (``overhead.chain_plan``), median seconds of steps
   run back to back as ``verify`` times them (``worker.time_steps``: a barrier before each), the plans taking turns;
 - the chain's per-op times as ``--measure`` times them, to split the step without FSDP into the ops and what the
   framework spends around them;
@@ -89,9 +89,8 @@ def time_chain(group_sizes: list[int], world: int, rounds: int, seconds: float =
     machine that is slower for a minute slows every plan alike instead of one. ``repeats``: of the per-op timing
     (default ``CPU_RANK_REPEATS``)."""
     from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
-    from fsdp_planner.runtime.gloo_calibrate import chain_plan
     from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
-    from fsdp_planner.runtime.overhead import chain_model, chain_trace, training_step
+    from fsdp_planner.runtime.overhead import chain_model, chain_plan, chain_trace, training_step
 
     traced = chain_trace()
     steps = []
@@ -114,18 +113,11 @@ def time_chain(group_sizes: list[int], world: int, rounds: int, seconds: float =
 
 def cpu_rates(reps: int = 5) -> tuple[float, float]:
     """(fp32 matmul FLOP/s, copy bytes/s) of one thread of this CPU."""
-    from fsdp_planner.runtime.overhead import copy_bandwidth
+    from fsdp_planner.runtime.overhead import copy_bandwidth, fastest_steps
 
     a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
-    torch.mm(a, b)
-    best = min(_wall(lambda: torch.mm(a, b)) for _ in range(reps))
-    return 2 * MATMUL**3 / best, copy_bandwidth(torch.device("cpu"), reps)
-
-
-def _wall(fn: Any) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    cpu = torch.device("cpu")
+    return 2 * MATMUL**3 / fastest_steps([lambda: torch.mm(a, b)], cpu, reps)[0], copy_bandwidth(cpu, reps)
 
 
 def worker(job_path: str) -> None:

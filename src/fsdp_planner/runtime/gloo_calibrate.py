@@ -25,18 +25,16 @@ import os
 from dataclasses import dataclass
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.calibrate import fit_samples
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine, Link, Overhead
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.runtime.measure import host_memory
-from fsdp_planner.runtime.overhead import GROUP_SIZES, LAYERS, PlanTiming
-from fsdp_planner.trace.records import Trace
+from fsdp_planner.runtime.overhead import GROUP_SIZES, LAYERS, PlanTiming, chain_plan
 
 # 4 KiB .. 64 MiB by factors of 2, and 12, 24 and 48 MiB: a CPU's time per byte jumps where a collective's buffers
 # outgrow its last-level cache (32 MiB on this project's host), and interpolating across that jump misprices sizes
 SIZES = tuple(sorted({4096 * 2**i for i in range(15)} | {3 << 22, 3 << 23, 3 << 24}))
-QUICK_SIZES = (4096, 65536, 1 << 20)
+QUICK_SIZES = (4096, 1 << 20, 8 << 20)  # far enough apart that noise cannot hide the growth
 REPS = 15  # calls per size (a third of it above 1 MiB)
 ROUNDS = 5  # turns the plans take (calibrate_worker.time_chain)
 MAX_NPROC = 64
@@ -79,10 +77,10 @@ def calibrate_gloo(nproc: int, quick: bool = False, timeout: float = 600.0) -> t
         raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} for --backend gloo (a collective needs two "
                            f"ranks), got {nproc}")
     group_sizes = [0, LAYERS, 16, 1] if quick else [0, *GROUP_SIZES]
-    job = {"sizes": list(QUICK_SIZES if quick else SIZES), "reps": 3 if quick else REPS,
+    job = {"sizes": list(QUICK_SIZES if quick else SIZES), "reps": 5 if quick else REPS,
            "rounds": 2 if quick else ROUNDS, "group_sizes": group_sizes}
     if quick:
-        job.update(seconds=0.2, repeats=2)
+        job.update(seconds=0.6, repeats=3)
     with signals_raise():
         data, _ = run_torchrun("fsdp_planner.runtime.calibrate_worker", nproc, timeout, "calibration job", job)
     return fit(data, group_sizes)
@@ -140,16 +138,6 @@ def relative_fit(features: list[tuple[float, ...]], residuals: list[float], step
     w = 1 / np.asarray(steps)
     x, *_ = np.linalg.lstsq(np.asarray(features) * w[:, None], np.asarray(residuals) * w, rcond=None)
     return [float(v) for v in x]
-
-
-def chain_plan(traced: Trace, k: int) -> Plan:
-    """The chain under FSDP2: one group per ``k`` layers (a list group when k > 1), or with ``k`` 0 the root alone.
-    The root-alone plan and the one-list-group plan differ in nothing but 255 modules' FSDPState hooks."""
-    from fsdp_planner.fsdp2.claim import make_plan
-
-    if k == 0:
-        return make_plan(traced, [])
-    return make_plan(traced, [[f"layers.{i}" for i in range(s, s + k)] for s in range(0, LAYERS, k)])
 
 
 def _source(data: dict) -> str:

@@ -104,7 +104,7 @@ def chain_trace() -> Trace:
     return trace(meta, (_inputs("meta"),), _sum)
 
 
-def _fastest_steps(steps: list[Callable[[], None]], device: torch.device, rounds: int) -> list[float]:
+def fastest_steps(steps: list[Callable[[], None]], device: torch.device, rounds: int) -> list[float]:
     """Each step's fastest time over ``rounds``, the steps taken in turn in every round: a machine busy with
     something else slows a whole stretch of time, and taking turns spreads that over every step alike, while the
     fastest time is the cost of the work itself (as ``timeit`` reports)."""
@@ -122,6 +122,16 @@ def _fastest_steps(steps: list[Callable[[], None]], device: torch.device, rounds
                 torch.cuda.synchronize(device)
             best[i] = min(best[i], time.perf_counter() - start)
     return best
+
+
+def chain_plan(traced: Trace, k: int) -> Plan:
+    """The chain under FSDP2: one group per ``k`` layers (a list group when k > 1), or with ``k`` 0 the root alone.
+    The root-alone plan and the one-list-group plan differ in nothing but 255 modules' FSDPState hooks."""
+    from fsdp_planner.fsdp2.claim import make_plan
+
+    if k == 0:
+        return make_plan(traced, [])
+    return make_plan(traced, [[f"layers.{i}" for i in range(s, s + k)] for s in range(0, LAYERS, k)])
 
 
 def training_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], None]:
@@ -159,7 +169,7 @@ def time_plans(build: Callable[[], LoadedModel], plans: Sequence[Plan | None], d
                 apply_plan(model, plan, mesh=device_mesh(plan, device.type, WORLD))
             inputs = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, built.example_inputs)
             steps.append(training_step(model, inputs, built.loss_fn or default_loss))
-        return _fastest_steps(steps, device, rounds)
+        return fastest_steps(steps, device, rounds)
     finally:
         dist.destroy_process_group()
 
@@ -178,14 +188,13 @@ def copy_bandwidth(device: torch.device, rounds: int) -> float:
     src = torch.empty(COPY_BYTES // 4, device=device)
     sizes = [src.numel() // 64] * 64
     outs = [torch.empty(s, device=device) for s in sizes]
-    seconds = _fastest_steps([lambda: torch.split_with_sizes_copy(src, sizes, out=outs)], device, rounds)[0]
+    seconds = fastest_steps([lambda: torch.split_with_sizes_copy(src, sizes, out=outs)], device, rounds)[0]
     return COPY_BYTES / seconds
 
 
 def measure_overhead(device: torch.device | None = None, rounds: int = 7,
                      progress: Callable[[str], None] | None = None) -> OverheadMeasurement:
     """Time the chain without FSDP and under each plan of ``GROUP_SIZES``, and fit ``Overhead``."""
-    from fsdp_planner.fsdp2.claim import make_plan
     from fsdp_planner.fsdp2.replay import build_schedule
     from fsdp_planner.runtime.measure import local_device
 
@@ -193,8 +202,7 @@ def measure_overhead(device: torch.device | None = None, rounds: int = 7,
     traced = chain_trace()
     ops = sum(e.is_op for e in traced.events)
     params = len(traced.params)
-    plans = [make_plan(traced, [[f"layers.{i}" for i in range(start, start + size)]
-                                for start in range(0, LAYERS, size)]) for size in GROUP_SIZES]
+    plans = [chain_plan(traced, size) for size in GROUP_SIZES]
     hooks = [len(build_schedule(traced, plan, WORLD).hooks) for plan in plans]
     if progress:
         progress(f"timing {rounds} rounds of a step of {LAYERS} tiny layers without FSDP and with FSDP2 in "

@@ -61,6 +61,8 @@ class SimContext:
                                   self.options.zero_grad)
         self.sizing = self.memory.sizing
         self._links: dict[tuple[CollectiveKind, int], tuple[list[Link], str]] = {}
+        # measured collectives of a CPU-rank cluster (empty on GPUs: link() then never looks them up)
+        self.host_tables = cluster.tables if cluster.engine is Engine.HOST else {}
         self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = {}
         self.lower_bound = self._lower_bound()
 
@@ -68,7 +70,7 @@ class SimContext:
         """How a ``kind`` collective of ``nbytes`` on ``ranks`` ranks is costed: the line of the protocol NCCL runs
         at that size (default: a large message, SIMPLE). ``ranks`` 0: its whole group, the ``shard`` consecutive
         ranks of the mesh (packed onto nodes), or for an all-reduce the ``replicate`` ranks ``shard`` apart."""
-        rows = self.table(kind, ranks)
+        rows = self.table(kind, ranks) if self.host_tables else None
         if rows is not None and nbytes != math.inf:  # measured: its time at this size, as a latency
             return table_seconds(rows, nbytes), 0.0, "intra"
         options = self.links(kind, ranks)
@@ -79,9 +81,9 @@ class SimContext:
     def table(self, kind: CollectiveKind, ranks: int = 0) -> list[tuple[int, float]] | None:
         """The measured (bytes, seconds) of ``kind`` when the cluster has them for this group: a host-engine
         cluster measured over all its ranks (``calibrate --backend gloo``)."""
-        if self.cluster.engine is not Engine.HOST or (ranks or self.shard) != self.world:
+        if not self.host_tables or (ranks or self.shard) != self.world:
             return None
-        return self.cluster.tables.get(kind.value)
+        return self.host_tables.get(kind.value)
 
     def latency(self, kind: CollectiveKind, ranks: int = 0) -> float:
         """The least a ``kind`` collective can cost (the lowest-latency protocol, no bytes)."""
