@@ -4,6 +4,7 @@ the model with the plan's groups and then calls ``accelerator.prepare`` (which k
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 
@@ -27,6 +28,12 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
         optimizer.step()
         optimizer.zero_grad()
     accelerator.print("trained 3 steps")
+    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
+    # rank when they outlive it)
+    accelerator.free_memory()
+    del model, optimizer, lm
+    gc.collect()
+    accelerator.end_training()  # destroys the process group
 
 
 if __name__ == "__main__":

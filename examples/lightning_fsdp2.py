@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 
@@ -38,7 +39,14 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
     strategy = ModelParallelStrategy(data_parallel_size=int(devices), tensor_parallel_size=1)  # all ranks shard
     trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy,
                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-    trainer.fit(Module(), data)
+    module = Module()
+    trainer.fit(module, data)
+    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
+    # rank when they outlive it)
+    del trainer, module
+    gc.collect()
+    if torch.distributed.is_initialized():  # Lightning leaves it initialized
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

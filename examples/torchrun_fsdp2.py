@@ -11,6 +11,7 @@ the same data and prints the largest parameter difference (gloo on CPU, NCCL on 
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import sys
 
@@ -49,6 +50,10 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     if rank == 0:
         print(f"fsdp modules: {sum(1 for m in model.modules() if type(m).__name__.startswith('FSDP'))}")
         print(f"max_abs_diff {diff:.3g}")
+    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
+    # rank when they outlive it)
+    del model, opt, lm
+    gc.collect()
     dist.destroy_process_group()
 
 

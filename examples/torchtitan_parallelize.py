@@ -5,6 +5,7 @@ of its ``apply_fsdp``."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 
@@ -31,6 +32,10 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
         opt.zero_grad()
     if dist.get_rank() == 0:
         print("trained 3 steps")
+    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
+    # rank when they outlive it)
+    del model, opt, world_mesh
+    gc.collect()
     dist.destroy_process_group()
 
 

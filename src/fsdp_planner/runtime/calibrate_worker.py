@@ -123,7 +123,7 @@ def cpu_rates(reps: int = 5) -> tuple[float, float]:
 def worker(job_path: str) -> None:
     import torch.distributed as dist
 
-    from fsdp_planner.runtime.worker import start_rank
+    from fsdp_planner.runtime.worker import end_rank, start_rank
 
     job = json.loads(Path(job_path).read_text())
     _, rank, world = start_rank()
@@ -143,7 +143,7 @@ def worker(job_path: str) -> None:
         Path(f"{job['result']}.rank{rank}.error").write_text(json.dumps(describe_exception(e)))
         raise
     finally:
-        dist.destroy_process_group()
+        end_rank()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.runtime.worker import CollectiveCounter, build_job, call_model, start_rank
+from fsdp_planner.runtime.worker import CollectiveCounter, build_job, call_model, end_rank, start_rank
 
 
 @contextmanager
@@ -85,28 +85,33 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
 
 
 def worker(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    device, rank, world = start_rank()
+    try:
+        _run(job, device, rank, world)
+    except (Exception, SystemExit) as e:
+        Path(f"{job['result']}.rank{rank}.error").write_text(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
+        raise
+    finally:
+        end_rank()
+
+
+def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
+    """The job on this rank as FSDP1 units; rank 0 writes the result."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from fsdp_planner.fsdp2.fsdp1 import fsdp1_kwargs, wrapped_units
 
-    job = json.loads(Path(job_path).read_text())
-    device, rank, world = start_rank()
-    try:
-        model, reference, plan = build_job(job, device)
-        # device_id: FSDP1 on CPU needs it said explicitly (it otherwise looks for a CUDA device)
-        model = FullyShardedDataParallel(model, device_id=device, **fsdp1_kwargs(plan, model))
-        units = wrapped_units(model)
-        result = _train(job, model, reference, device, rank, world)
-        if rank == 0:
-            Path(job["result"]).write_text(json.dumps({**result, "units": units, "backend": dist.get_backend(),
-                                                       "world": world, "losses": [], "reference_losses": []}))
-        dist.barrier()
-    except (Exception, SystemExit) as e:
-        Path(f"{job['result']}.rank{rank}.error").write_text(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
-        raise
-    finally:
-        dist.destroy_process_group()
+    model, reference, plan = build_job(job, device)
+    # device_id: FSDP1 on CPU needs it said explicitly (it otherwise looks for a CUDA device)
+    model = FullyShardedDataParallel(model, device_id=device, **fsdp1_kwargs(plan, model))
+    units = wrapped_units(model)
+    result = _train(job, model, reference, device, rank, world)
+    if rank == 0:
+        Path(job["result"]).write_text(json.dumps({**result, "units": units, "backend": dist.get_backend(),
+                                                   "world": world, "losses": [], "reference_losses": []}))
+    dist.barrier()
 
 
 if __name__ == "__main__":
