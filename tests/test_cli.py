@@ -27,7 +27,7 @@ def test_demo_shows_the_seed_problem_then_auto_on_a_cluster(tmp_path):
     assert "the root unit holds conv1, fc2 together" in seed
     assert "the root unit holds norm, output, tok_embeddings together" in seed
     assert "llama3-8b on h100:8" in main and "step time" in main and "exposed comm" in main
-    assert "auto: 34 groups" in main
+    assert "auto: 34 groups," in main
     assert re.search(r"auto against titan\(TransformerBlock\) \+ ac full, the fastest classic plan that fits: "
                      r"step 1\.\d\d s against 1\.\d\d s \(1\d\.\d% faster\)", main)
     assert "held by:" in main and "balance:" in main
@@ -231,7 +231,12 @@ def test_bad_plan_files_are_one_line_errors(tmp_path):
     bad.write_text(json.dumps(data))
     binary = tmp_path / "binary.json"
     binary.write_bytes(bytes(range(256)))
-    for path, message in ((bad, "forward_prefetch names 99"), (binary, "is not text")):
+    data = json.loads(good.read_text())
+    data["groups"][1]["params"] = data["groups"][1]["params"][:1]  # this model's plan, edited by hand
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    for path, message in ((bad, "forward_prefetch names 99"), (binary, "is not text"),
+                          (edited, "the plan's groups do not list every param of this model (missing parameters: ")):
         r = run("simulate", "toy-llama", "--plan", str(path), "--cluster", "h100:8")
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 

@@ -447,3 +447,22 @@ def test_demo_with_an_unknown_model_fails_before_any_work(capsys, tmp_path):
 def test_a_value_that_looks_like_an_option_says_how_to_give_it(capsys):
     code, _, err = run_main(capsys, "plan", "toy-llama", "--policy", "auto", "--memory-budget", "-5GiB")
     assert_one_line_error(code, err, "given as --option=VALUE")
+
+
+def test_a_model_file_imports_what_lies_beside_it_and_modules_come_from_here(capsys, tmp_path, monkeypatch):
+    """As ``python file.py`` and ``python -m`` do: a model file imports its neighbours, and ``module:fn`` finds a
+    module in the current directory (the console script's sys.path has neither)."""
+    package = tmp_path / "models_here"
+    package.mkdir()
+    (package / "blocks_beside.py").write_text(
+        "import torch\n\n\nclass MLP(torch.nn.Sequential):\n    def __init__(self):\n"
+        "        super().__init__(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))\n")
+    (package / "net_beside.py").write_text("import torch\nfrom blocks_beside import MLP\n\n\ndef build():\n"
+                                            "    return MLP(), (torch.randn(2, 8),)\n")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    code, out, err = run_main(capsys, "plan", f"{package / 'net_beside.py'}:build", "--policy", "order")
+    assert code == 0 and "3 modules" in out, err
+    monkeypatch.chdir(package)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(package))])
+    code, out, err = run_main(capsys, "plan", "net_beside:build", "--policy", "order")
+    assert code == 0 and "net_beside:build" in out, err

@@ -262,13 +262,14 @@ def test_plan_as_written_still_loads(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("[" * 100_000 + "]" * 100_000, "plan is not valid JSON: it nests too deeply to read"),
-    ('{"version": 1, "model": {"numel": ' + "9" * 5000 + "}}", "plan is not valid JSON: it holds a number too long"),
+    ("[" * 100_000 + "]" * 100_000, "is not valid JSON: it nests too deeply to read"),
+    ('{"version": 1, "model": {"numel": ' + "9" * 5000 + "}}", "is not valid JSON: it holds a number too long"),
 ], ids=["deep", "long-int"])
 def test_unreadable_plan_json(capsys, tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "plan.json"
     path.write_text(text)
-    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"], message)
+    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"],
+           f"plan file '{path}' {message}")
 
 
 def test_check_plan_world_size() -> None:

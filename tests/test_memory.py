@@ -11,7 +11,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, strategy_table
+from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, activation_levels, strategy_table
 from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, SimOptions, optimizer_named, precision_named
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.sim.timeline import simulate
@@ -49,7 +49,24 @@ def test_seed_components(seed_trace: Trace) -> None:
     assert cached.compute_copies == 10 * 100_010_000 * 2  # fp16 cache of every weight and bias: 2.0 GB
     assert nocache.compute_copies == 10_000 * 10_000 * 2  # one Linear weight's fp16 copy: the 0.2 GB gap
     assert seed_trace.numel == 1_000_100_000
-    assert 0 < strategy_table(seed_trace, 1, seed_options("fp32"))["single"].activations < 1e6
+    assert 0 < activation_levels(seed_trace, seed_options("fp32").precision).max() < 1e6
+    # 4 GB of grads outweigh 80 KB of activations: the peak is after backward, every grad and no activation held
+    fp32 = strategy_table(seed_trace, 1, seed_options("fp32"))["single"]
+    assert (fp32.grads, fp32.activations) == (4_000_400_000, 0)
+
+
+def test_each_strategy_at_its_peak_moment() -> None:
+    """Activations peak as forward ends, grads (set to None by zero_grad) once backward is done: a row holds
+    one or the other at its peak, never both maxima."""
+    lm = load_model("toy-llama")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    acts = activation_levels(tr, SimOptions().precision)
+    assert acts[-1] < acts.max()
+    single = strategy_table(tr, 1, SimOptions())["single"]
+    kept = strategy_table(tr, 1, SimOptions.named("bf16-mixed", "adamw", zero_grad="zeros"))["single"]
+    grads = sum(p.numel for p in tr.params) * 4
+    assert (single.grads, single.activations) == (0, round(acts.max()))  # forward's end: no grad exists yet
+    assert (kept.grads, kept.activations) == (grads, round(acts.max()))  # zeroed grads live all step
 
 
 @pytest.mark.parametrize("precision", ["fp32", "autocast-nocache"])  # the seed's DDP run used the latter
@@ -99,18 +116,17 @@ def _synthetic_trace(total: int, layers: int) -> Trace:
 
 def test_zero_paper_anchor() -> None:
     """ZeRO paper, Figure 1: 7.5B params, 64 GPUs: 120 GB unsharded, ZeRO-1 31.4 GB, ZeRO-2 16.6 GB, ZeRO-3 1.9 GB
-    (params, grads and states only)."""
+    (params, grads and states only: all held at once, as with grads zeroed rather than set to None)."""
     adam = OPTIMIZERS["adam"]
     assert adam.state_bytes_per_element(2) == 12 and adam.state_bytes_per_element(4) == 8
-    rows = strategy_table(_synthetic_trace(7_500_000_000, 750), 64, SimOptions.named("pure-bf16", "adam"))
+    synthetic = _synthetic_trace(7_500_000_000, 750)
+    rows = strategy_table(synthetic, 64, SimOptions.named("pure-bf16", "adam", zero_grad="zeros"))
     assert _close(rows["single"].total, 120.0, 0.001)
-    for stage, gb in {"zero1": 31.4, "zero2": 16.6}.items():
+    for stage, gb in {"zero1": 31.4, "zero2": 16.6, "fsdp": 1.9}.items():
         assert _close(rows[stage].total, gb, 0.03), (stage, rows[stage].total / GB)
-    # the synthetic trace runs no op, so no param gets a grad (FSDP2 reduce-scatters none): its FSDP peak is the
-    # sharded params and states; the paper's ZeRO-3 figure adds the sharded grads, alive at the optimizer step
-    sharded_grads = 7_500_000_000 * 2 // 64
-    assert rows["fsdp"].grads == 0
-    assert _close(rows["fsdp"].total + sharded_grads, 1.9, 0.03), rows["fsdp"].total / GB
+    # set to None, the grads of a trace that runs no op never exist: params and states only
+    unset = strategy_table(synthetic, 64, SimOptions.named("pure-bf16", "adam"))
+    assert unset["single"].grads == unset["fsdp"].grads == 0 and _close(unset["single"].total, 105.0, 0.001)
 
 
 def test_presets() -> None:

@@ -46,10 +46,25 @@ def fmt_numel(n: float) -> str:
     return f"{n:.0f}"
 
 
+def fmt_count(n: int, noun: str) -> str:
+    """``1 group``, ``2 groups``: a count with its noun (plural by ``s``)."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def fmt_gain(time: float, rival: float) -> str:
+    """How a step time compares with a rival's: ``12.3% faster than``, ``4.0% slower than`` or ``ties with`` (within
+    0.05%, what one decimal shows as 0.0%)."""
+    gain = 1 - time / rival if rival else 0.0
+    if abs(gain) < 0.0005:
+        return "ties with"
+    return f"{abs(gain):.1%} {'faster' if gain > 0 else 'slower'} than"
+
+
 def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
-    """A group's modules for a table cell: ``layers.0, layers.1, +6``; the root module is ``(root)``."""
+    """A group's modules for a table cell: ``layers.0, layers.1, +6``; the root module is ``(root)``. One name
+    more than ``limit`` is shown rather than counted (``+1`` would hide it in no less room)."""
     names = ["(root)" if m == "" else m for m in modules]
-    if len(names) <= limit:
+    if len(names) <= limit + 1:
         return ", ".join(names)
     return ", ".join(names[:limit]) + f", +{len(names) - limit}"
 
@@ -95,11 +110,11 @@ def parse_count(text: str, what: str | None = None) -> int:
 
     quoted = f"{what} '{text}'" if what else f"'{text}'"
     if not _COUNT.match(str(text)):
-        raise PlannerError(f"cannot read {quoted}: give a whole number such as 100000000 or 1e8")
+        raise PlannerError(f"cannot read {quoted}: give a whole number such as 8, 1000 or 1e8")
     try:
         value = Decimal(str(text).strip().replace("_", ""))
     except InvalidOperation:
-        raise PlannerError(f"cannot read {quoted}: give a whole number such as 100000000 or 1e8") from None
+        raise PlannerError(f"cannot read {quoted}: give a whole number such as 8, 1000 or 1e8") from None
     if abs(value.adjusted()) > 100:
         raise PlannerError(f"{quoted} is out of range")
     if value != value.to_integral_value():

@@ -14,6 +14,7 @@ import contextlib
 import difflib
 import errno
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -31,14 +32,20 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad argument is one line, not a usage block (subparsers are made of this class too)."""
 
+    given: tuple[str, ...] = ()  # the command line being parsed (set by the top-level parse_args, read by error)
+
     def error(self, message: str) -> NoReturn:
         if message.endswith("expected one argument"):  # argparse takes a value starting with '-' for an option
             message += " (a value that starts with '-' is given as --option=VALUE)"
+        negative = next((a for a in ArgumentParser.given if re.fullmatch(r"-[0-9.].*", a)), None)
+        if negative and message.startswith("the following arguments are required"):
+            message += f" ('{negative}' reads as an option: a size or count cannot be negative)"
         self.exit(2, f"error: {message} (see {self.prog} --help)\n")
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
                    ) -> argparse.Namespace:  # type: ignore[override]
         """Unknown options are reported by the top-level parser: name the command's help, and the option meant."""
+        ArgumentParser.given = tuple(sys.argv[1:] if args is None else args)
         ns, extras = self.parse_known_args(args, namespace)
         if extras:
             sub = self._commands().get(getattr(ns, "command", None) or "", self)

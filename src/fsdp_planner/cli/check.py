@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:
-        _show(args.model, label, findings)
+        _show(args.model, label if plan is not None else None, findings)
     return 1 if has_errors(findings) else 0
 
 
@@ -82,11 +82,13 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
         return None, label
 
 
-def _show(model: str, label: str, findings: list[Finding]) -> None:
-    render.console.print(f"checked {model}: the model, and {label}", highlight=False)
+def _show(model: str, label: str | None, findings: list[Finding]) -> None:
+    """``label``: the plan checked; None when the policy made none (only the model was checked)."""
+    what = f"the model, and {label}" if label else "the model only (no plan to check)"
+    render.console.print(f"checked {model}: {what}", highlight=False, markup=False)
     if not findings:
-        render.console.print("no findings: FSDP2 accepts this plan and nothing in it is wasteful that check knows of",
-                             highlight=False)
+        render.console.print("no findings: FSDP2 accepts this plan and nothing in it is wasteful that check knows of"
+                             if label else "no findings in the model", highlight=False)
         return
     render.console.print(render.findings_table(findings))
     errors = sum(f.severity.value == "error" for f in findings)

@@ -13,7 +13,7 @@ from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.fmt import fmt_bytes, fmt_gain, fmt_time
 from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.fsdp2.validity import check_plan_runs
@@ -147,13 +147,12 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
     which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
     console.print(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
-                  f"{fmt_time(rival_report.step_time)} ({1 - auto.report.step_time / rival_report.step_time:.1%} "
-                  f"faster), {fmt_bytes(auto.report.reserved_memory)} reserved against "
+                  f"{fmt_time(rival_report.step_time)} ({fmt_gain(auto.report.step_time, rival_report.step_time)} "
+                  f"it), {fmt_bytes(auto.report.reserved_memory)} reserved against "
                   f"{fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has", highlight=False)
     explanations = explain(auto)
-    console.print(render.explain_table(explanations, auto.report.step_time, auto.report.reserved_memory,
-                                       collapse=True))
-    console.print(render.reasons_legend([r.reason for r in explanations]), highlight=False)
+    for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory, collapse=True):
+        console.print(part, highlight=False)
     views = [step_view(tr, p, cluster, options, _label(p)) for p in (auto.plan, rival)]
     title = f"{model} on {cluster.describe()}"
     png, page = out_dir / "timeline.png", out_dir / "timeline.html"

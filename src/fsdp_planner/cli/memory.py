@@ -16,7 +16,8 @@ from fsdp_planner.sim.options import SimOptions
 def register(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("memory", help="per-rank memory: one device, DDP, ZeRO-1/2, FSDP (ZeRO-3)")
     add_model(sp)
-    sp.add_argument("--world-size", type=int, required=True)
+    sp.add_argument("--world-size", type=int, required=True,
+                    help="ranks sharing the model (DDP, ZeRO and FSDP divide by it)")
     add_precision_options(sp)
     add_json(sp)
     sp.set_defaults(fn=run)

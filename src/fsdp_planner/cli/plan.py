@@ -59,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     requests = [policy_request(args, n.value) for n in names]
     cluster, options = cluster_or_none(args), sim_options(args)
     if args.policy == PolicyName.AUTO.value and cluster is None:
-        cluster = parse_cluster(DEFAULT_AUTO_CLUSTER)
-        render.notes.print(f"auto: no --cluster given, planning for {DEFAULT_AUTO_CLUSTER}", highlight=False)
+        # as many H100s as a given --mesh has ranks
+        default = f"h100:{Mesh.parse(args.mesh).size}" if getattr(args, "mesh", None) else DEFAULT_AUTO_CLUSTER
+        cluster = parse_cluster(default)
+        render.notes.print(f"auto: no --cluster given, planning for {default}", highlight=False)
     if not args.policy and cluster is not None:
         requests.append(policy_request(args, PolicyName.AUTO.value))
     measure = args.measure
@@ -136,7 +138,7 @@ def _ignored(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -
                  if value != default]
         if given:
             notes.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --cluster: "
-                         "only the step simulation uses them")
+                         f"only the step simulation uses {'it' if len(given) == 1 else 'them'}")
         if args.measure:
             notes.append("--measure has no effect without --cluster: measured times only feed the step simulation "
                          "(nothing measured)")
@@ -176,6 +178,6 @@ def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | Non
     console.print(render.auto_line(auto), highlight=False)
     if args.explain:
         explanations = explain(auto)
-        console.print(render.explain_table(explanations, auto.report.step_time, auto.report.reserved_memory))
-        console.print(render.reasons_legend([r.reason for r in explanations]), highlight=False)
+        for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory):
+            console.print(part, highlight=False)
         console.print(render.host_line(auto.report, auto.search.ev.cluster), highlight=False)

@@ -10,15 +10,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fsdp_planner.fmt import fmt_bytes, fmt_modules, fmt_numel, fmt_time
+from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine
 from fsdp_planner.planners.auto import AutoResult
-from fsdp_planner.planners.auto.explain import GroupExplanation, Reason
+from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.runtime.gloo_calibrate import GlooMeasurement
 from fsdp_planner.runtime.overhead import OverheadMeasurement
 from fsdp_planner.runtime.verify import VerifyResult
@@ -84,7 +85,8 @@ def note(text: str) -> None:
 
 
 def model_line(name: str, tr: Trace) -> str:
-    return (f"[bold]{name}[/bold]: {tr.numel:,} params ({fmt_bytes(tr.nbytes)}), {len(tr.modules)} modules, "
+    return (f"[bold]{escape(name)}[/bold]: {fmt_count(tr.numel, 'param')} ({fmt_bytes(tr.nbytes)}), "
+            f"{fmt_count(len(tr.modules), 'module')}, "
             f"{tr.fwd_flops / 1e9:.3g} GFLOP forward, {tr.bwd_flops / 1e9:.3g} GFLOP backward")
 
 
@@ -102,24 +104,29 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
     for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
-        t.add_column(col, justify="left" if col == "policy" else "right")
+        # a policy's name is its settings (size(100000000)): folded onto two lines, never cut
+        t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold" if col == "policy" else None)
     if with_cost:
         for col in ("step time", "exposed comm", "peak allocated", "reserved"):
             t.add_column(col, justify="right")
     for plan, m, report in rows:
-        cells = [plan.policy, str(m.groups), fmt_numel(m.root_numel), str(len(plan.activation_checkpointing) or "-"),
-                 str(m.all_gathers), str(m.reduce_scatters),
-                 fmt_bytes(m.all_gather_bytes), fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
+        cells = [escape(plan.policy), str(m.groups), fmt_numel(m.root_numel),
+                 str(len(plan.activation_checkpointing) or "-"), str(m.all_gathers), str(m.reduce_scatters),
+                 fmt_bytes(report.all_gather_bytes if report else m.all_gather_bytes),
+                 fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
                        fmt_peak(report.reserved_memory, capacity)] if report else ["-"] * 4)
         t.add_row(*cells)
+    t.caption = ("AG bytes: what one rank's all-gathers return a step, "
+                 + ("at the simulated precision (compute dtype); peak unsharded and idle at the params' own dtype"
+                    if with_cost else "at the params' own dtype"))
     return t
 
 
 def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
     """One plan's groups: modules, params, bytes, reshard_after_forward (the first ``limit`` - 1 and the root)."""
-    t = Table(title=f"plan: {plan.policy}", title_justify="left")
+    t = Table(title=f"plan: {escape(plan.policy)}", title_justify="left")
     for col in ("#", "modules", "params", "bytes", "reshard_after_forward", "checkpointed"):
         t.add_column(col, justify="left" if col == "modules" else "right")
     checkpointed = checkpointed_per_group(plan)
@@ -130,8 +137,9 @@ def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
         nbytes = sum(tr.param(p).nbytes for p in g.params)
         raf = "root default (False)" if g.is_root and g.reshard_after_forward is False else str(g.reshard_after_forward)
         ac = checkpointed[i]
-        t.add_row(str(i), fmt_modules(g.modules), fmt_numel(numel) if g.params else "none", fmt_bytes(nbytes), raf,
-                  "full" if ac and ac == g.modules else fmt_modules(ac, 1) if ac else "")
+        checkpoint = "full" if ac and ac == g.modules else escape(fmt_modules(ac, 1)) if ac else ""
+        t.add_row(str(i), escape(fmt_modules(g.modules)), fmt_numel(numel) if g.params else "none",
+                  fmt_bytes(nbytes), raf, checkpoint)
         if len(shown) < len(plan.groups) and i == limit - 2:
             t.add_row("...", f"({len(plan.groups) - limit} more groups)", "", "", "", "")
     return t
@@ -144,7 +152,8 @@ def findings_table(findings: Sequence[Finding]) -> Table:
         t.add_column(col, justify="left", overflow="fold")
     for f in sorted(findings, key=lambda f: f.severity is not Severity.ERROR):
         style = "red" if f.severity is Severity.ERROR else "yellow"
-        t.add_row(f"[{style}]{f.severity.value}[/{style}]", f.code.value, f.module or "(root)", f.message, f.fix)
+        t.add_row(f"[{style}]{f.severity.value}[/{style}]", f.code.value, escape(f.module or "(root)"),
+                  escape(f.message), escape(f.fix))
     return t
 
 
@@ -166,9 +175,10 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> l
         f"{fmt_time(r.exposed_comm)}  FSDP2 copy-outs {fmt_time(r.copy_time)}  waiting for the host "
         f"{fmt_time(r.host_wait)} (host busy {fmt_time(r.host_time)}, {r.hooks} hooks)  lower bound "
         f"{fmt_time(r.lower_bound)}",
-        f"{r.all_gathers} all-gathers ({fmt_bytes(r.all_gather_bytes)}), {r.reduce_scatters} reduce-scatters "
-        f"({fmt_bytes(r.reduce_scatter_bytes)})"
-        + (f", {r.all_reduces} all-reduces across replicas ({fmt_bytes(r.all_reduce_bytes)})" if r.all_reduces else "")
+        f"{fmt_count(r.all_gathers, 'all-gather')} ({fmt_bytes(r.all_gather_bytes)}), "
+        f"{fmt_count(r.reduce_scatters, 'reduce-scatter')} ({fmt_bytes(r.reduce_scatter_bytes)})"
+        + (f", {fmt_count(r.all_reduces, 'all-reduce')} across replicas ({fmt_bytes(r.all_reduce_bytes)})"
+           if r.all_reduces else "")
         + f" per step on mesh {r.mesh}; comm busy: all-gather {fmt_time(r.comm_time['all_gather'])}, reduce-scatter "
         f"{fmt_time(r.comm_time['reduce_scatter'])}"
         + (f", all-reduce {fmt_time(r.comm_time['all_reduce'])}" if r.all_reduces else ""),
@@ -213,6 +223,9 @@ def strategy_table(rows: Mapping[str, MemoryBreakdown], title: str) -> Table:
         t.add_column(c.replace("_", " "), justify="right")
     for name, v in values.items():
         t.add_row(name, *(fmt_bytes(v[c]) for c in [*cats, "total"]))
+    t.caption = ("each row at its own peak moment (the end of forward when activations dominate: grads set to None "
+                 "by zero_grad do not exist yet); fsdp casts each group to the compute dtype as it gathers it "
+                 "(unsharded params), the others keep a compute-dtype copy of every weight (compute copies)")
     return t
 
 
@@ -240,16 +253,16 @@ def verify_table(result: VerifyResult, cluster: str | None = None) -> Table:
         loaded, bad_keys = result.loaded, result.loaded["mismatched"]
         t.add_row(f"state restored from step {loaded['step']} ({loaded['world']} ranks, {loaded['policy'] or 'plan'})",
                   f"{loaded['tensors']} entries as saved", f"{loaded['tensors'] - len(bad_keys)} equal"
-                  + (f" (differ: {', '.join(bad_keys[:3])})" if bad_keys else ""),
+                  + (f" (differ: {escape(', '.join(bad_keys[:3]))})" if bad_keys else ""),
                   ok if result.checkpoint_match else bad)
     if result.saved is not None:
-        t.add_row("checkpoint saved", f"step {result.start_step + result.steps}", result.saved, "")
+        t.add_row("checkpoint saved", f"step {result.start_step + result.steps}", escape(result.saved), "")
     if result.measured_step is not None:
         error = result.step_error
         t.add_row(f"step time (forward + backward, median of {len(result.step_seconds)})",
-                  f"{fmt_time(result.predicted_step)} on {cluster}" if result.predicted_step is not None else
-                  "(give --cluster to predict)", fmt_time(result.measured_step),
-                  f"{error:+.1%}" if error is not None else "")
+                  f"{fmt_time(result.predicted_step)} on {escape(cluster or '')}"
+                  if result.predicted_step is not None else "(give --cluster to predict)",
+                  fmt_time(result.measured_step), f"{error:+.1%}" if error is not None else "")
     return t
 
 
@@ -258,18 +271,20 @@ def auto_line(result: AutoResult) -> str:
     fitting = [c for c in result.baselines.values()
                if c.report.reserved_memory <= result.budget and c.runs and ev.allowed(c.plan)]
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
-    n, ac = len(result.plan.inner_groups), len(result.plan.activation_checkpointing)
-    checkpointed = f", {ac} module{'s' if ac != 1 else ''} checkpointed" if ac else ""
+    ac = len(result.plan.activation_checkpointing)
+    owning = sum(1 for g in result.plan.groups if g.params)  # as the tables count: the root when it owns params
+    groups = fmt_count(owning, "group") if result.plan.inner_groups else "the root alone"
+    checkpointed = f", {fmt_count(ac, 'module')} checkpointed" if ac else ""
     layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
-    line = (f"auto: {n} group{'s' if n != 1 else ''}{checkpointed}{layout}, "
+    line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
-            f"({result.budget_source}); {result.evaluated} plans simulated in {result.seconds:.1f} s")
+            f"({result.budget_source}); {fmt_count(result.evaluated, 'plan')} simulated in {result.seconds:.1f} s")
     if best_other is None:
         line += "; no classic policy with its defaults (no checkpointing) fits this budget"
     else:
-        gain = 1 - result.report.step_time / best_other.report.step_time
-        line += f"; {gain:.1%} faster than the best classic policy that fits on this layout, {best_other.origin}"
+        line += (f"; {fmt_gain(result.report.step_time, best_other.report.step_time)} the best classic policy that "
+                 f"fits on this layout, {best_other.origin}")
     if len(result.meshes) > 1:
         line += "\n" + mesh_line(result)
     return line
@@ -289,7 +304,7 @@ def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int,
     """Per group its size, all-gather terms, what holds its boundary and the best one-step alternative;
     ``collapse``: consecutive groups that read the same (a run of identical blocks) share one row."""
     t = Table(title=f"why the groups are where they are (step {fmt_time(step_time)}, {fmt_bytes(peak)} reserved)")
-    for col in ("#", "modules", "size", "all-gather", "latency", "hidden by", "held by", "best alternative",
+    for col in ("#", "modules", "gathered", "all-gather", "latency", "hidden by", "held by", "best alternative",
                 "its step", "its reserved"):
         t.add_column(col, overflow="fold")
     cells = [[fmt_bytes(r.nbytes), fmt_time(r.all_gather), f"{r.latency_share:.0%}", fmt_time(r.hidden_by),
@@ -302,9 +317,10 @@ def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int,
             end += 1
         if end - k > 1:
             first, last = fmt_modules(rows[k].modules, 1), fmt_modules(rows[end - 1].modules, 1)
-            t.add_row(f"{rows[k].group}-{rows[end - 1].group}", f"{first} … {last} ({end - k} groups)", *cells[k])
+            t.add_row(f"{rows[k].group}-{rows[end - 1].group}", escape(f"{first} … {last} ({end - k} groups)"),
+                      *cells[k])
         else:
-            t.add_row(str(rows[k].group), fmt_modules(rows[k].modules, 1), *cells[k])
+            t.add_row(str(rows[k].group), escape(fmt_modules(rows[k].modules, 1)), *cells[k])
         k = end
     return t
 
@@ -325,8 +341,14 @@ def host_line(r: StepReport, cluster: Cluster) -> str:
             f"x {fmt_time(o.op_seconds)} = {fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step ({verdict})")
 
 
-def reasons_legend(reasons: Sequence[Reason]) -> str:
-    return "held by:\n" + "\n".join(f"  {r.value}: {r.description}" for r in dict.fromkeys(reasons))
+def explanation(rows: Sequence[GroupExplanation], step_time: float, peak: int, collapse: bool = False) -> list[Any]:
+    """``--explain``: the table of ``explain_table`` and the legend of the reasons it names; a line when the plan
+    has no group but the root (no boundary to explain)."""
+    if not rows:
+        return ["why: every param stays with the root (one all-gather before forward, kept until backward ends): "
+                "no group boundary to explain"]
+    legend = "held by:\n" + "\n".join(f"  {r.value}: {r.description}" for r in dict.fromkeys(r.reason for r in rows))
+    return [explain_table(rows, step_time, peak, collapse), legend]
 
 
 def _delta_time(alt: float | None, base: float) -> str:

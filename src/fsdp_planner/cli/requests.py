@@ -100,7 +100,8 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
         if getattr(args, attr, None) is None or (ran & set(readers) and not plan_file):
             continue
         if plan_file:
-            notes.append(f"{option} has no effect with --plan: the plan file already fixes the groups")
+            fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else "the groups"
+            notes.append(f"{option} has no effect with --plan: the plan file already fixes {fixed}")
             continue
         users = " and ".join(f"--policy {r.value}" for r in readers)
         notes.append(f"{option} has no effect {why}: only {users} {'use' if len(readers) > 1 else 'uses'} it")
@@ -311,7 +312,8 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
 
 
 def add_model(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("model", help="built-in name, path/file.py:fn or package.module:fn")
+    sp.add_argument("model", help="built-in name (see fsdp-planner models), path/file.py:fn, package.module:fn, "
+                                   "hf:NAME or hf:path/config.json")
     sp.add_argument("--batch", type=positive_int("--batch"), default=None,
                     help="micro-batch size per rank: the factory's batch_size argument (default: the factory's; "
                          "see fsdp-planner models)")

@@ -167,6 +167,10 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
             parts.append(f"extra parameters: {short_list(extra)}")
         if not parts:
             parts.append("same parameter names but different shapes or dtypes")
+        if plan.fingerprint in ("", trace.fingerprint) and have != want:  # this model's plan, its groups edited
+            raise PlannerError(f"the plan's groups do not list every param of this model ({'; '.join(parts)}): "
+                               "each group's 'params' are those its modules own (make the plan again with "
+                               "'plan --out' to get them)")
         raise PlannerError(f"plan was made for another model ({'; '.join(parts)})")
     unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
     if unknown:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, fmt_modules
+from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_modules
 from fsdp_planner.fsdp2.claim import check_plan_matches, claiming_group, short_list
 from fsdp_planner.fsdp2.dtypes import group_dtypes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
@@ -285,13 +285,13 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     owners = list(dict.fromkeys(o for p in ps for o in p.owners[:1]))
     own = [o for o in owners if o == ROOT]
     movable = [o for o in owners if o != ROOT]
-    fix = f"give {fmt_modules(movable)} groups of their own (fully_shard({_name(movable[0])}), ...)" \
-        if movable else ""
+    own_groups = "a group of its own" if len(movable) == 1 else "groups of their own"
+    fix = f"give {fmt_modules(movable)} {own_groups} (fully_shard({_name(movable[0])}), ...)" if movable else ""
     if own:
         fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
                                        "root: move them into a submodule to shard them"
     return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
-                    f"the root group manages {len(ps)} params ({fmt_bytes(nbytes)} unsharded) of "
+                    f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded) of "
                     f"{fmt_modules([_name(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
                     f"the root not resharding after forward, keeps them on every rank until the end of backward",
                     fix, owners[0])]

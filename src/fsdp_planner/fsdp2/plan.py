@@ -170,14 +170,14 @@ class Plan:
             raise PlannerError(f"cannot write the plan to '{path}': {e.strerror}") from None
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        data = parse_json(text, lambda detail: f"plan is not valid JSON: {detail}")
+    def from_json(cls, text: str, where: str = "plan") -> Plan:
+        data = parse_json(text, lambda detail: f"{where} is not valid JSON: {detail}")
         return _plan_from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        text = read_text(path, f"plan file '{path}'", "the JSON that `plan --out` writes")
-        return cls.from_json(text)
+        where = f"plan file '{path}'"
+        return cls.from_json(read_text(path, where, "the JSON that `plan --out` writes"), where)
 
 
 def _plan_from_dict(data: Any) -> Plan:

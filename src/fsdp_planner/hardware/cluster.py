@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_count
 from fsdp_planner.hardware.collectives import COLLECTIVES
 from fsdp_planner.userfiles import parse_json, read_text
 
@@ -146,7 +147,7 @@ class Cluster:
             return (f"{self.name}: {self.world_size} CPU ranks on gloo (collectives block the rank: nothing "
                     f"overlaps), latency {alpha * 1e6:.0f} us, bus bandwidth {busbw / 1e9:.2f} GB/s{fitted}")
         return (
-            f"{self.name}: {self.nodes} x {self.gpus_per_node} {self.gpu.name} ({self.world_size} GPUs), "
+            f"{self.name}: {self.nodes} x {self.gpus_per_node} {self.gpu.name} ({fmt_count(self.world_size, 'GPU')}), "
             f"NVLink {self.intra.bus_bandwidth / 1e9:.0f} GB/s, network {self.inter.bus_bandwidth / 1e9:.0f} "
             f"GB/s per node{fitted}"
         )

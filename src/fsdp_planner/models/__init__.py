@@ -15,6 +15,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,6 +228,9 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
             raise PlannerError(f"cannot import '{target}'")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[mod_name] = module
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:  # as ``python file.py`` does: the file imports what lies beside it
+            sys.path.insert(0, folder)
         try:
             module_spec.loader.exec_module(module)
         except SystemExit as e:
@@ -234,6 +238,8 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
         except Exception as e:  # user code: report, never a traceback
             raise PlannerError(f"importing '{target}' failed: {type(e).__name__}: {e}") from e
     else:
+        if "" not in sys.path and os.getcwd() not in sys.path:  # as ``python -m``: modules in this directory too
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(target)
         except SystemExit as e:

@@ -14,7 +14,9 @@ from ``sizing.py``.
 
 The same terms give the classic strategies' rows (``strategy_table``): one device, DDP (plus gradient buckets,
 one more copy of the grads), ZeRO-1 and ZeRO-2 (optimizer state, then grads too, divided by the world size),
-and FSDP (ZeRO-3): a plan with one group per module that owns params, through the replay above. Low-precision
+and FSDP (ZeRO-3): a plan with one group per module that owns params, through the replay above. Each row is one
+moment, its peak: without FSDP the activations (largest as forward ends) and the grads (set to None, each
+allocated when autograd completes it) held at the same event, never both maxima. Low-precision
 copies of the weights are a term of their own: autocast's weight cache (every trainable weight at the compute
 dtype, kept for the autocast region), without the cache the largest one, and without FSDP's all-gather cast a
 full compute-dtype copy of the model.
@@ -212,27 +214,53 @@ STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp")
 
 def strategy_table(trace: Trace, world_size: int, options: SimOptions) -> dict[str, MemoryBreakdown]:
     """Per-rank peak memory of one device, DDP, ZeRO-1, ZeRO-2 and FSDP (ZeRO-3, one group per module that owns
-    params) at ``world_size`` ranks, all from the same terms (module docstring)."""
+    params) at ``world_size`` ranks, all from the same terms (module docstring), each at its own peak moment."""
     prec, opt = options.precision, options.optimizer
     trainable = sum(p.numel for p in trace.params if p.requires_grad)
-    whole = MemoryBreakdown(
-        params=trace.numel * prec.param_bytes, grads=trainable * prec.grad_bytes,
-        optimizer_state=trainable * opt.state_bytes_per_element(prec.param_bytes), buffers=trace.buffers_nbytes,
-        compute_copies=compute_copies(trace, prec, sharded=False),
-        activations=round(float(activation_levels(trace, prec).max())))
+    full_grads, full_state = trainable * prec.grad_bytes, trainable * opt.state_bytes_per_element(prec.param_bytes)
+    activations = activation_levels(trace, prec)
+    # zero_grad(set_to_none=True): no grad before backward, each allocated as backward produces it; with zeros
+    # the grads live all step
+    produced = grads_produced(trace, prec) if options.zero_grad is ZeroGrad.NONE else np.zeros_like(activations)
+    kept = full_grads if options.zero_grad is ZeroGrad.ZEROS else 0
 
     def shard(nbytes: int) -> int:
         return -(-nbytes // world_size)
 
+    def row(optimizer_state: int, grads_divisor: int = 1, gradient_buckets: int = 0) -> MemoryBreakdown:
+        static = MemoryBreakdown(params=trace.numel * prec.param_bytes, grads=-(-kept // grads_divisor),
+                                 optimizer_state=optimizer_state, buffers=trace.buffers_nbytes,
+                                 compute_copies=compute_copies(trace, prec, sharded=False),
+                                 gradient_buckets=gradient_buckets)
+        return peak_moment(static, activations, produced / grads_divisor)
+
     model = MemoryModel(trace, world_size, prec, opt, options.zero_grad)
     plan = make_plan(trace, [[m] for m in trace.index.owning_modules if m != ROOT])
     return {
-        "single": whole,
-        "ddp": _replace(whole, gradient_buckets=trainable * prec.reduce_bytes),
-        "zero1": _replace(whole, optimizer_state=shard(whole.optimizer_state)),
-        "zero2": _replace(whole, grads=shard(whole.grads), optimizer_state=shard(whole.optimizer_state)),
+        "single": row(full_state),
+        "ddp": row(full_state, gradient_buckets=trainable * prec.reduce_bytes),
+        "zero1": row(shard(full_state)),
+        "zero2": row(shard(full_state), grads_divisor=world_size),
         "fsdp": model.peak(plan, build_schedule(trace, plan, world_size)).at,
     }
+
+
+def grads_produced(trace: Trace, precision: Precision) -> np.ndarray:
+    """Bytes of grads held after each event (index ``len(events)``: after the final callback): each param that
+    autograd gives a grad, from when its grad is complete (the ops computing a weight's grad need not read it)."""
+    delta = np.zeros(len(trace.events) + 1)
+    index = trace.index
+    for p, ready, has_grad in zip(trace.params, index.grad_ready_at, index.reducible, strict=True):
+        if has_grad:
+            delta[min(ready + 1, len(trace.events))] += p.numel * precision.grad_bytes
+    return np.cumsum(delta)
+
+
+def peak_moment(static: MemoryBreakdown, activations: np.ndarray, grads: np.ndarray) -> MemoryBreakdown:
+    """A strategy without FSDP at its peak: the static part, and the activations and grads held at the event
+    where together they are largest (activations peak as forward ends, grads once backward is done)."""
+    k = int(np.argmax(activations + grads))
+    return _replace(static, activations=round(float(activations[k])), grads=static.grads + round(float(grads[k])))
 
 
 def _replace(b: MemoryBreakdown, **changes: int) -> MemoryBreakdown:

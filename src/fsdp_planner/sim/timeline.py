@@ -146,8 +146,12 @@ class Streams:
     def issue(self, c: Collective) -> None:
         nbytes = collective_bytes(self.ctx, c, self.gather)
         copy = self.ctx.cluster.overhead.copy_bandwidth
+        # a shard group of one rank: FSDP2 issues no all-gather or reduce-scatter, yet copies the params out of
+        # their shards on the compute stream and the grads into the reduce-scatter buffer (wait_for_unshard and
+        # foreach_reduce at world size 1)
+        one_rank = self.ctx.shard == 1 and c.kind is not AR
         if c.kind is AG:
-            copy_in = nbytes / self.ctx.shard / copy
+            copy_in = 0.0 if one_rank else nbytes / self.ctx.shard / copy
             issued = self.t if (c.backward or c.prefetch) else self.last_forward_gather
         elif c.kind is AR:  # the reduce-scatter just issued for the same grads must be done
             copy_in, issued = 0.0, self.free[RS]
@@ -155,7 +159,7 @@ class Streams:
             copy_in, issued = nbytes / copy, self.t
         if self.host is not None:  # launched by the hook at this boundary
             issued = max(issued, self.host.at(c.event))
-        alpha, per_byte, link = self.ctx.link(c.kind, c.ranks, nbytes)
+        alpha, per_byte, link = (0.0, 0.0, "intra") if one_rank else self.ctx.link(c.kind, c.ranks, nbytes)
         start = max(self.free[c.kind], issued) + copy_in
         end = start + (alpha if nbytes else 0.0)
         if nbytes * per_byte > 0:  # the bytes queue behind the other stream's on the same link
@@ -168,7 +172,7 @@ class Streams:
             self.copy_out[c.group] = nbytes / copy
             if not c.backward and not c.prefetch:
                 self.last_forward_gather = self.t
-        if self.events is not None:
+        if self.events is not None and end > start - copy_in:
             self.events.append(TimelineEvent(Stream(c.kind.value), fmt_modules(self.plan.groups[c.group].modules, 1),
                                              start - copy_in, end, c.group))
 
@@ -299,9 +303,10 @@ def report(ctx: SimContext, plan: Plan, sched: Schedule, gather: list[int], step
            events: list[TimelineEvent], compute: float | None = None) -> StepReport:
     """The step's report: the engine's times, the schedule's collectives and the memory model's peak (``compute``:
     the engine's compute time, recomputation included; default the trace's ops and ``recompute``)."""
-    ag = [c for c in sched.collectives if c.kind is AG]
-    rs = [c for c in sched.collectives if c.kind is RS]
-    ar = [c for c in sched.collectives if c.kind is AR]
+    issued = [c for c in sched.collectives if ctx.shard > 1 or c.kind is AR]  # none over one rank (Streams.issue)
+    ag = [c for c in issued if c.kind is AG]
+    rs = [c for c in issued if c.kind is RS]
+    ar = [c for c in issued if c.kind is AR]
     memory = ctx.memory.peak(plan, sched)
     breakdown = memory.at.to_dict()
     breakdown.pop("total")

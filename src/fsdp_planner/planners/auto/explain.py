@@ -31,7 +31,7 @@ class Reason(Enum):
 _DESCRIPTIONS = {
     Reason.FIXED: "last group, or pinned (tied, reused or read outside its module): no boundary to move",
     Reason.MEMORY: "a faster alternative exists but exceeds the memory budget",
-    Reason.TIE: "alternatives simulate equally fast; this one has the smaller peak memory",
+    Reason.TIE: "the best alternative simulates equally fast and needs no less memory: nothing gained by moving",
     Reason.UNCONVERGED: "a one-step move is faster and fits: the search's time ran out before it tried it",
     Reason.GROUPS: f"a split is faster by less than {GROUP_SLACK:.1%}: not worth another group (what a group costs "
                    "the GPU beyond its collectives and copies is not modelled)",
