@@ -158,7 +158,7 @@ def test_cost_model_bad_input(args, message):
 def test_plan_auto_with_budget_explain_and_json(tmp_path):
     r = run("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:64", "--explain")
     assert r.returncode == 0, r.stderr
-    assert "faster than the best classic policy" in r.stdout and "held by" in r.stdout
+    assert "ties with the best classic policy" in r.stdout and "held by" in r.stdout  # one group: nothing to gain
     r = run("plan", "toy-llama", "--cluster", "h100:64", "--json")
     data = json.loads(r.stdout)
     assert [p["plan"]["policy"].split("(")[0] for p in data["plans"]] == ["module", "size", "titan", "order", "auto"]

@@ -54,6 +54,9 @@ def test_verify_fsdp1_on_two_gloo_ranks(tmp_path: Path) -> None:
     assert result["ok"], out.stdout + out.stderr
     assert sorted(result["units"]) == sorted([g.modules[0] for g in plan.inner_groups] + [""])
     assert result["counted"][0] == result["predicted"]
+    # the same data and reference step as FSDP2's verify: the global batch's loss, step for step
+    assert len(result["losses"]) == result["steps"] and result["losses"] == pytest.approx(result["reference_losses"],
+                                                                                          rel=1e-5)
 
 
 def _lora_fsdp1_plan():

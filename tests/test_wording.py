@@ -109,3 +109,8 @@ def test_exported_code_counts_the_groups_it_lists():
     tr = _traced("toy-llama")
     plan = make_plan(tr, [["layers.0"], ["layers.1"]])
     assert "(2 groups and the root)" in export_plan(plan, ExportFormat.PYTHON)
+
+
+def test_a_budget_larger_than_the_gpu_is_noted(capsys):
+    assert main(["plan", "seed-net", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "1TiB"]) == 0
+    assert "note: --memory-budget 1 TiB is more than one H100-SXM-80GB holds" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from rich.console import Console
 
 from fsdp_planner.cli import render
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_plan_runs
@@ -84,6 +85,10 @@ def _device_hint(e: Exception) -> str:
 def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str,
              must_fit: bool = True) -> AutoResult:
     """Auto's search; a result over the budget is an error unless ``must_fit`` is False (the caller reports it)."""
+    capacity = cluster.gpu.memory_bytes
+    if request.memory_budget is not None and request.memory_budget > capacity:
+        render.note(f"--memory-budget {fmt_bytes(request.memory_budget)} is more than one {cluster.gpu.name} holds "
+                    f"({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
     with render.progress(f"auto: searching plans for {cluster.name}"):
         result = AutoPolicy(cluster, request.memory_budget, request.target, options,
                             checkpointing=request.checkpointing, mesh=request.mesh).search(tr, model)

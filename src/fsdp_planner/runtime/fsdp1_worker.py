@@ -20,8 +20,16 @@ from typing import Any
 import torch
 
 from fsdp_planner.hardware.collectives import CollectiveKind
-from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.runtime.worker import CollectiveCounter, build_job, call_model, end_rank, start_rank
+from fsdp_planner.models import ModelSpec
+from fsdp_planner.runtime.worker import (
+    CollectiveCounter,
+    batch,
+    build_job,
+    call_model,
+    end_rank,
+    reference_step,
+    start_rank,
+)
 
 
 @contextmanager
@@ -46,42 +54,41 @@ def counting_list_all_gather(counter: CollectiveCounter) -> Iterator[None]:
 
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,
            world: int) -> dict[str, Any]:
-    """K steps of the FSDP1 model and the unsharded reference (all ranks' micro-batches, loss / world size)."""
+    """K steps of the FSDP1 model and the unsharded reference on the FSDP2 job's data (``worker.batch``,
+    ``worker.reference_step``); what rank 0 reports."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from fsdp_planner.fsdp2.fsdp1 import clean_name
-    from fsdp_planner.trace.recorder import default_loss
 
     spec = ModelSpec.from_json(job["model"])
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"])
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"])
-    counter, counted, counted_bytes = CollectiveCounter(), [], []
+    counter, counted, counted_bytes, losses, ref_losses = CollectiveCounter(), [], [], [], []
     for step in range(job["steps"]):
-        batches = []
-        for r in range(world):
-            lm = load_model(spec, meta=False, seed=job["seed"] + 1000 * (step + 1) + r)
-            batches.append((lm.example_inputs, lm.loss_fn or default_loss))
+        batches = [batch(spec, step, r, job["seed"]) for r in range(world)]
         inputs, loss_fn = batches[rank]
         with counter, counting_list_all_gather(counter):
             torch.manual_seed(job["seed"] + 7 * step + rank)
-            loss_fn(call_model(model, inputs, device)).backward()
+            loss = loss_fn(call_model(model, inputs, device))
+            loss.backward()
         c, b = counter.take()
         counted.append(c)
         counted_bytes.append(b)
         opt.step()
         opt.zero_grad()
-        for r, (r_inputs, r_loss_fn) in enumerate(batches):
-            torch.manual_seed(job["seed"] + 7 * step + r)
-            (r_loss_fn(call_model(reference, r_inputs, device)) / world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # the global batch's loss, as the reference computes it
+        losses.append(mean_loss.item() / world)
+        ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
     ref_params = dict(reference.named_parameters())
     max_diff = 0.0
     with FullyShardedDataParallel.summon_full_params(model):
         for name, p in model.named_parameters():
             diff = (p.detach() - ref_params[clean_name(name)].detach()).abs().max().item()
             max_diff = max(max_diff, diff if diff == diff else math.inf)  # NaN: a diverged run proves no parity
-    return {"counted": counted, "counted_bytes": counted_bytes, "max_abs_diff": max_diff}
+    return {"counted": counted, "counted_bytes": counted_bytes, "max_abs_diff": max_diff, "losses": losses,
+            "reference_losses": ref_losses}
 
 
 def worker(job_path: str) -> None:
@@ -110,7 +117,7 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     result = _train(job, model, reference, device, rank, world)
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({**result, "units": units, "backend": dist.get_backend(),
-                                                   "world": world, "losses": [], "reference_losses": []}))
+                                                   "world": world}))
     dist.barrier()
 
 
