@@ -12,7 +12,7 @@ from fsdp_planner.cli import main, render
 from fsdp_planner.fmt import fmt_count, fmt_gain, fmt_modules
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.export import ExportFormat, export_plan
-from fsdp_planner.fsdp2.pitfalls import Code, plan_findings
+from fsdp_planner.fsdp2.pitfalls import Code, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
@@ -114,3 +114,30 @@ def test_exported_code_counts_the_groups_it_lists():
 def test_a_budget_larger_than_the_gpu_is_noted(capsys):
     assert main(["plan", "seed-net", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "1TiB"]) == 0
     assert "note: --memory-budget 1 TiB is more than one H100-SXM-80GB holds" in capsys.readouterr().err
+
+
+UNUSED = """import torch
+
+
+class WithSpare(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out, self.spare = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        return self.out(self.inp(x))
+
+
+def build():
+    return WithSpare(), (torch.randn(2, 16),)
+"""
+
+
+def test_a_module_the_step_never_runs_is_to_remove_not_to_group(tmp_path):
+    (tmp_path / "spare.py").write_text(UNUSED)
+    tr = _traced(f"{tmp_path / 'spare.py'}:build")
+    plan = make_plan(tr, [["out"]])  # the root keeps inp and spare
+    found = {f.code: f for f in [*model_findings(tr, SimOptions().precision), *plan_findings(tr, plan)]}
+    assert found[Code.ROOT_PARAMS].fix.startswith("give inp a group of its own") and "spare" not in \
+        found[Code.ROOT_PARAMS].fix + found[Code.ROOT_PARAMS].message
+    assert found[Code.UNUSED_PARAMS].module == "spare"

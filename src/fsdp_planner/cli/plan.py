@@ -178,6 +178,7 @@ def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | Non
     console.print(render.auto_line(auto), highlight=False)
     if args.explain:
         explanations = explain(auto)
-        for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory):
+        for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory,
+                                       collapse=True):
             console.print(part, highlight=False)
         console.print(render.host_line(auto.report, auto.search.ev.cluster), highlight=False)

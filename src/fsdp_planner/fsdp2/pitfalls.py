@@ -278,8 +278,11 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     root = plan.root
     if not root.params:
         return []
-    index = trace.index.param_index
-    ps = [trace.params[index[p]] for p in root.params]
+    index, uses = trace.index.param_index, trace.index.param_uses
+    # params the step never reads have their own finding (unused-params): remove them, not group them
+    ps = [trace.params[index[p]] for p in root.params if uses[index[p]]]
+    if not ps:
+        return []
     itemsize = trace.compute_itemsize
     nbytes = sum(p.numel * (itemsize or p.itemsize) for p in ps)
     owners = list(dict.fromkeys(o for p in ps for o in p.owners[:1]))
