@@ -146,3 +146,28 @@ def test_fit_refuses_a_step_that_does_not_grow_with_groups() -> None:
     data["plan_seconds"] = [1.0, 1.0, 0.5, 0.1]  # fewer seconds with more groups: not a measurement of FSDP2
     with pytest.raises(PlannerError, match="did not grow with the number of groups"):
         fit(data, [0, 256, 16, 1])
+
+
+@pytest.mark.parametrize("engine", [Engine.STREAMS, Engine.HOST])
+def test_the_host_line_is_a_sum_that_adds_up(engine: Engine) -> None:
+    """``plan --explain``'s host line names each count and figure: they multiply and add to the host time the
+    engine charged (GPU: ops launched, a checkpointed block's launched again; CPU ranks: hooks only)."""
+    from fsdp_planner.cli.render import host_line
+    from fsdp_planner.fsdp2.claim import make_plan
+    from fsdp_planner.sim.timeline import host_work
+
+    tr = traced("toy-llama")
+    plan = make_plan(tr, [["layers.0", "layers.1"], ["layers.2"], ["layers.3"]])
+    plan.activation_checkpointing = ["layers.3"]
+    overhead = dataclasses.replace(OVERHEAD, op_seconds=2e-6)
+    cluster = dataclasses.replace(host_cluster(overhead=overhead), engine=engine)
+    ctx = SimContext(tr, cluster)
+    report, work = simulate(tr, plan, context=ctx), host_work(ctx, plan)
+    total = work.hooks * overhead.hook_seconds + work.params * overhead.param_seconds \
+        + work.module_calls * overhead.module_seconds \
+        + (work.ops * overhead.op_seconds if engine is Engine.STREAMS else 0)
+    assert total == pytest.approx(report.host_time, rel=1e-9)
+    assert work.module_calls == 4 + 1  # each block called once (layers.0 and layers.1 in one list group), the root
+    line = host_line(report, cluster, work)
+    assert f"{work.hooks} FSDP2 hooks x " in line and "5 module calls x 70 us" in line
+    assert (f"{work.ops:,} ops x" in line) is (engine is Engine.STREAMS)

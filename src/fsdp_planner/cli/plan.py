@@ -32,7 +32,7 @@ from fsdp_planner.planners.registry import CLASSIC_POLICIES, POLICY_NAMES, Polic
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import DEFAULT_MFU, DEFAULT_OPTIMIZER
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.timeline import host_work, simulate
 
 DEFAULT_AUTO_CLUSTER = "h100:8"
 
@@ -181,4 +181,5 @@ def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | Non
         for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory,
                                        collapse=True):
             console.print(part, highlight=False)
-        console.print(render.host_line(auto.report, auto.search.ev.cluster), highlight=False)
+        ev = auto.search.ev
+        console.print(render.host_line(auto.report, ev.cluster, host_work(ev.ctx, auto.plan)), highlight=False)

@@ -25,7 +25,7 @@ from fsdp_planner.runtime.overhead import OverheadMeasurement
 from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.sim.memory import MemoryBreakdown
 from fsdp_planner.sim.metrics import PlanMetrics
-from fsdp_planner.sim.timeline import StepReport
+from fsdp_planner.sim.timeline import HostWork, StepReport
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within
 
@@ -325,20 +325,23 @@ def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int,
     return t
 
 
-def host_line(r: StepReport, cluster: Cluster) -> str:
-    """How much of the step FSDP2's host work is, and whether the GPU waits for it."""
+def host_line(r: StepReport, cluster: Cluster, work: HostWork) -> str:
+    """How much of the step FSDP2's host work is, the sum that makes it, and whether the GPU waits for it."""
     o = cluster.overhead
     if not r.host_time:
         return "host: not modelled (the cluster's overhead is zero)"
+    terms = [f"{fmt_count(work.hooks, 'FSDP2 hook')} x {fmt_time(o.hook_seconds)}",
+             f"{work.params:,.4g} params x {fmt_time(o.param_seconds)}"]
+    if o.module_seconds:
+        terms.append(f"{fmt_count(work.module_calls, 'module call')} x {fmt_time(o.module_seconds)}")
     if cluster.engine is Engine.HOST:
-        return (f"host: {r.hooks} FSDP2 hooks x {fmt_time(o.hook_seconds)} + params x {fmt_time(o.param_seconds)} = "
-                f"{fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step (CPU ranks: each rank runs them "
-                "between its ops, nothing overlaps)")
+        return (f"host: {' + '.join(terms)} = {fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step (CPU "
+                "ranks: each rank runs them between its ops, nothing overlaps)")
+    terms.append(f"{fmt_count(work.ops, 'op')} x {fmt_time(o.op_seconds)}")
     share = r.host_wait / r.step_time if r.step_time else 0.0
     verdict = (f"the host is the bottleneck: the GPU waits {fmt_time(r.host_wait)} for it, {share:.0%} of the step"
                if share >= 0.05 else f"hidden behind the GPU's work: it waits {fmt_time(r.host_wait)} for the host")
-    return (f"host: {r.hooks} FSDP2 hooks x {fmt_time(o.hook_seconds)} + params x {fmt_time(o.param_seconds)} + ops "
-            f"x {fmt_time(o.op_seconds)} = {fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step ({verdict})")
+    return f"host: {' + '.join(terms)} = {fmt_time(r.host_time)} of the {fmt_time(r.step_time)} step ({verdict})"
 
 
 def explanation(rows: Sequence[GroupExplanation], step_time: float, peak: int, collapse: bool = False) -> list[Any]:

@@ -197,6 +197,26 @@ class Streams:
             self.copy_out[g] = 0.0
 
 
+@dataclass(frozen=True)
+class HostWork:
+    """FSDP2's host work in one step, counted: what ``HostClock`` (and the CPU-rank engine) charges the cluster's
+    ``Overhead`` figures for, so a report can show the sum it makes."""
+
+    hooks: int
+    params: float  # params per hook, summed over the hooks (a group's four hooks a step count its params once)
+    module_calls: int  # calls of modules fully_shard was applied to
+    ops: int  # ops launched, recomputation included (on CPU ranks the ops are the compute itself)
+
+
+def host_work(ctx: SimContext, plan: Plan) -> HostWork:
+    groups = ctx.sizing.groups(plan)
+    sched = build_schedule(ctx.trace, plan, ctx.world, [g.params for g in groups])
+    recompute = ctx.recompute(plan.activation_checkpointing)
+    return HostWork(hooks=len(sched.hooks), params=sum(len(groups[g].params) for _, g in sched.hooks) / 4,
+                    module_calls=len(state_hook_calls(ctx.trace, plan)),
+                    ops=ctx.trace.index.op_count + sum(r.ops for r in recompute.values()))
+
+
 class HostClock:
     """When the host has launched each op of the trace under one plan: ``op_seconds`` per op, and per FSDP2 hook
     (at its boundary, before the ops after it) ``hook_seconds`` plus ``param_seconds`` / 4 for each param its group
