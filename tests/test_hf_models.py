@@ -182,3 +182,16 @@ def test_tiny_hf_models_train_on_two_gloo_ranks(tmp_path, name, policy):
     r = _cli("verify", tiny(tmp_path, name), "--policy", policy, "--nproc", "2", "--steps", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
+
+
+def test_an_encoder_config_trains_as_a_causal_lm_decoder(tmp_path, capsys):
+    """BERT is in transformers' causal-LM mapping only as a decoder: built so, with no warning to print."""
+    from fsdp_planner.models import load_model
+
+    config = tmp_path / "bert.json"
+    config.write_text(json.dumps({"model_type": "bert", "vocab_size": 128, "hidden_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 2, "intermediate_size": 64}))
+    lm = load_model(f"hf:{config}")
+    assert type(lm.model).__name__ == "BertLMHeadModel" and lm.model.config.is_decoder
+    assert main(["plan", f"hf:{config}", "--policy", "order", "--seq", "16"]) == 0
+    assert "is_decoder" not in capsys.readouterr().err

@@ -141,3 +141,16 @@ def test_a_module_the_step_never_runs_is_to_remove_not_to_group(tmp_path):
     assert found[Code.ROOT_PARAMS].fix.startswith("give inp a group of its own") and "spare" not in \
         found[Code.ROOT_PARAMS].fix + found[Code.ROOT_PARAMS].message
     assert found[Code.UNUSED_PARAMS].module == "spare"
+
+
+def test_quiet_silences_library_warnings_too(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "warns.py").write_text(ROOT_ONLY.replace("def build():\n", "def build():\n    import warnings\n"
+                                                         "    warnings.warn('a library speaks')\n"))
+    spec = f"{tmp_path / 'warns.py'}:build"
+    loud, quiet = (subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", spec, "--policy", "order", *flag],
+                                  capture_output=True, text=True, timeout=120) for flag in ([], ["-q"]))
+    assert loud.returncode == quiet.returncode == 0 and loud.stdout == quiet.stdout
+    assert "a library speaks" in loud.stderr and quiet.stderr == ""

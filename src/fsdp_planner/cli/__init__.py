@@ -16,7 +16,8 @@ import errno
 import os
 import re
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from fsdp_planner.cli import calibrate, check, cost, demo, export, memory, models, plan, render, simulate, verify
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.register(sub)
     for sp in sub.choices.values():  # every command: --quiet (one place, so no command can miss it)
         sp.add_argument("--quiet", "-q", action="store_true",
-                        help="print no notes and no progress on stderr (errors still are)")
+                        help="print no notes, no progress and no library warnings on stderr (errors still are)")
     return p
 
 
@@ -100,6 +101,32 @@ def _say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _quiet_libraries(quiet: bool) -> Iterator[None]:
+    """``--quiet`` silences what PyTorch and transformers print on their own too (Python warnings; transformers'
+    logger, read from the environment when it is first imported), for this command only."""
+    if not quiet:
+        yield
+        return
+    saved = os.environ.get("TRANSFORMERS_VERBOSITY")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    level = hf_logging.get_verbosity() if hf_logging else None
+    if hf_logging:
+        hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if saved is None:
+            os.environ.pop("TRANSFORMERS_VERBOSITY", None)
+        else:
+            os.environ["TRANSFORMERS_VERBOSITY"] = saved
+        if hf_logging and level is not None:
+            hf_logging.set_verbosity(level)
+
+
 def _exit_code(code: object) -> int:
     if code is None:
         return 0
@@ -113,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # --help, or the one-line argument error already printed
         return _exit_code(e.code)
     try:
-        with signals_raise():
+        with signals_raise(), _quiet_libraries(args.quiet):
             render.set_quiet(args.quiet)
             check_paths(args)
             status = int(args.fn(args))

@@ -132,6 +132,13 @@ def task_of(config: Any) -> HfTask:
                        "encoder-decoder LMs and image classifiers")
 
 
+def is_encoder(model_type: str) -> bool:
+    """An encoder architecture (masked LM) that transformers also builds as a causal LM (BERT, RoBERTa)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    return model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
 def _auto_class(task: HfTask) -> Any:
     transformers = _transformers()
     return {HfTask.CAUSAL_LM: transformers.AutoModelForCausalLM,
@@ -150,6 +157,8 @@ def build_model(data: dict[str, Any]) -> nn.Module:
 
     config = _config(data)
     task = task_of(config)
+    if task is HfTask.CAUSAL_LM and not config.is_decoder and is_encoder(config.model_type):
+        config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
     model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register())
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
