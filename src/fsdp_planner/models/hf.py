@@ -157,7 +157,7 @@ def build_model(data: dict[str, Any]) -> nn.Module:
 
     config = _config(data)
     task = task_of(config)
-    if task is HfTask.CAUSAL_LM and not config.is_decoder and is_encoder(config.model_type):
+    if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
     model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register())
