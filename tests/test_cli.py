@@ -203,6 +203,8 @@ def test_auto_bad_input(args, message):
         (("plan", "toy-llama", "--policy", "module", "--module-classes", ","), "names no class"),
         (("plan", f"{FIXTURES / 'factories.py'}:exits"), "raised SystemExit: 3"),
         (("cost", "all-gather", "1GiB", "--cluster", "h100:8", "--ranks", "0"), "positive whole number of ranks"),
+        (("verify", f"{FIXTURES / 'factories.py'}:broken", "--policy", "order", "--fsdp1", "--save-checkpoint",
+          "/tmp/never-written"), "--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1"),
     ],
 )
 def test_bad_options_fail_before_any_work(args, message):

@@ -202,6 +202,22 @@ def test_out_refuses_an_existing_file_that_is_not_json(capsys, tmp_path):
     assert notes_file.read_text() == "mine"
 
 
+def test_export_never_overwrites_a_plan_with_code(capsys, tmp_path):
+    plan, other = tmp_path / "plan.json", tmp_path / "other.json"
+    assert cli.main(["plan", "seed-net", "--policy", "order", "--out", str(plan)]) == 0
+    assert cli.main(["plan", "seed-net", "--policy", "module", "--out", str(other)]) == 0
+    before = other.read_text()
+    capsys.readouterr()
+    code, _, err = run_main(capsys, "export", str(plan), "--out", str(other))
+    assert_one_line_error(code, err, f"--out '{other}' already exists and is not code fsdp-planner export wrote")
+    assert other.read_text() == before
+    code, _, err = run_main(capsys, "export", str(plan), "--out", str(plan))
+    assert_one_line_error(code, err, "is the plan file this command reads: write to another file, e.g. plan_code.py")
+    written = tmp_path / "plan_code.py"
+    assert run_main(capsys, "export", str(plan), "--out", str(written))[0] == 0
+    assert run_main(capsys, "export", str(plan), "--out", str(written))[0] == 0  # its own code: written again
+
+
 def test_out_refuses_an_input_json(capsys, tmp_path):
     cluster_file = tmp_path / "cluster.json"
     assert cli.main(["calibrate", str(LOG), "--out", str(cluster_file)]) == 0

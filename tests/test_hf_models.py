@@ -195,3 +195,13 @@ def test_an_encoder_config_trains_as_a_causal_lm_decoder(tmp_path, capsys):
     assert type(lm.model).__name__ == "BertLMHeadModel" and lm.model.config.is_decoder
     assert main(["plan", f"hf:{config}", "--policy", "order", "--seq", "16"]) == 0
     assert "is_decoder" not in capsys.readouterr().err
+
+
+def test_a_sequence_beyond_learned_positions_is_one_line(tmp_path, capsys):
+    config = tmp_path / "gpt2.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 128, "n_embd": 32, "n_layer": 1, "n_head": 2,
+                                  "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}))
+    assert main(["plan", f"hf:{config}", "--policy", "order", "--seq", "1000"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --seq 1000 is longer than the model's 64 learned positions "
+                                               "(transformer.wpe): give --seq 64 or less")
+    assert main(["plan", f"hf:{config}", "--policy", "order", "--seq", "64"]) == 0

@@ -76,7 +76,8 @@ def test_tied_params_across_groups():
 def test_a_module_reused_inside_a_list_group():
     tr = traced("twice")
     found = plan_findings(tr, make_plan(tr, [["inp", "block"]]))
-    assert codes(found, Severity.ERROR) == ["list-group-reuse"]
+    assert codes(found, Severity.WARNING)[0] == "list-group-reuse"  # real FSDP2 trains this one (verify passes)
+    assert not has_errors(found)
     assert found[0].module == "block" and "pytorch#183702" in found[0].message
 
 

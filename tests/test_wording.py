@@ -143,6 +143,7 @@ def test_a_module_the_step_never_runs_is_to_remove_not_to_group(tmp_path):
     assert found[Code.UNUSED_PARAMS].module == "spare"
 
 
+@pytest.mark.integration
 def test_quiet_silences_library_warnings_too(tmp_path):
     import subprocess
     import sys

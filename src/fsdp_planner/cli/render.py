@@ -23,6 +23,7 @@ from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.runtime.gloo_calibrate import GlooMeasurement
 from fsdp_planner.runtime.overhead import OverheadMeasurement
 from fsdp_planner.runtime.verify import VerifyResult
+from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
 from fsdp_planner.sim.memory import MemoryBreakdown
 from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.timeline import HostWork, StepReport
@@ -245,9 +246,12 @@ def verify_table(result: VerifyResult, cluster: str | None = None) -> Table:
         nbytes = sorted({c[kind] for c in result.counted_bytes})
         t.add_row(f"{kind} bytes per step", fmt_bytes(result.predicted_bytes[kind]), "/".join(map(fmt_bytes, nbytes)),
                   ok if nbytes == [result.predicted_bytes[kind]] else bad)
-    t.add_row("params vs unsharded reference (max abs diff)", f"<= {result.tolerance:g}", f"{result.max_abs_diff:.3g}",
-              ok if result.params_match else bad)
-    t.add_row("loss per step (FSDP / reference)", " ".join(f"{x:.5f}" for x in result.reference_losses),
+    worst = f" ({escape(result.worst_param)}, {result.param_error:.3g}x its bound)" \
+        if not result.params_match and result.worst_param else ""
+    t.add_row("params vs unsharded reference (max abs diff)",
+              f"<= {result.tolerance:g} (training 16-bit params: {LOW_PRECISION_ULPS} steps of their precision)",
+              f"{result.max_abs_diff:.3g}{worst}", ok if result.params_match else bad)
+    t.add_row("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
               " ".join(f"{x:.5f}" for x in result.losses), "")
     if result.loaded is not None:
         loaded, bad_keys = result.loaded, result.loaded["mismatched"]
@@ -261,7 +265,8 @@ def verify_table(result: VerifyResult, cluster: str | None = None) -> Table:
         error = result.step_error
         t.add_row(f"step time (forward + backward, median of {len(result.step_seconds)})",
                   f"{fmt_time(result.predicted_step)} on {escape(cluster or '')}"
-                  if result.predicted_step is not None else "(give --cluster to predict)",
+                  if result.predicted_step is not None else
+                  "(give --cluster to predict)" if cluster is None else "(not predicted: see the note)",
                   fmt_time(result.measured_step), f"{error:+.1%}" if error is not None else "")
     return t
 

@@ -155,13 +155,18 @@ def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
     return parse_cluster(args.cluster) if args.cluster else None
 
 
-def output_file(arg: str | None, example: str = "plan.json") -> Path | None:
+def output_file(arg: str | None, example: str = "plan.json", code: bool = False) -> Path | None:
     """``--out``: checked before any work, so a bad path fails in one line, not after minutes of planning. An
-    existing regular file is overwritten only when it is a .json file (what the commands write): a typo such as
-    ``--out model.py`` must not replace the user's code."""
+    existing regular file is overwritten only when it is what the command writes: a .json file, or for ``code``
+    (``export``) code export wrote. A typo such as ``--out model.py`` must not replace the user's code, nor
+    ``export ... --out plan.json`` the plan."""
     if arg is None:
         return None
     path = _file_to_write(arg, "--out", example)
+    if code and path.is_file() and not _generated(path):
+        other = path.with_suffix(".py").with_stem(path.stem + "_plan")
+        raise PlannerError(f"--out '{arg}' already exists and is not code fsdp-planner export wrote: refusing to "
+                           f"overwrite it (give a new name, e.g. {other})")
     if path.is_file() and path.suffix.lower() != ".json" and not _generated(path):
         raise PlannerError(f"--out '{arg}' already exists and is neither a .json file nor code fsdp-planner export "
                            f"wrote: refusing to overwrite it (give a new name, e.g. {path.with_stem(path.stem + '2')})")
@@ -275,12 +280,13 @@ def check_paths(args: argparse.Namespace) -> None:
     out_arg = getattr(args, "out", None)
     if out_arg is None:
         return
-    example = "cluster.json" if getattr(args, "command", None) == "calibrate" else "plan.json"
+    command = getattr(args, "command", None)
+    example = {"calibrate": "cluster.json", "export": "plan_code.py"}.get(command, "plan.json")
     for path, what in inputs:
         if out_arg.strip() and _same_file(Path(out_arg), Path(path)):
             raise PlannerError(f"--out '{out_arg}' is {what} this command reads: write to another file, e.g. "
                                f"{example}")
-    output_file(out_arg, example)
+    output_file(out_arg, example, code=command == "export")
 
 
 def _same_file(a: Path, b: Path) -> bool:

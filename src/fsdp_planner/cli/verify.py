@@ -78,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise PlannerError(f"--steps must be at least 1, got {args.steps}")
     if args.time_steps < 0:
         raise PlannerError(f"--time-steps must be 0 or more, got {args.time_steps}")
+    if args.fsdp1 and (args.save_checkpoint is not None or args.load_checkpoint is not None):
+        raise PlannerError("--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1")
     if planning_only(args.model):
         raise PlannerError(f"'{args.model}' is for planning only (too large to train here); verify a trainable "
                            "model")
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.to_dict(), "cluster": predict_on.name if predict_on else None}, indent=2))
     else:
-        render.console.print(render.verify_table(result, predict_on.name if predict_on else None))
+        render.console.print(render.verify_table(result, predict_on.name if predict_on else args.cluster))
         if result.units is not None:
             differ = sorted(set(result.units) ^ set(result.expected_units or []))
             verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
@@ -143,7 +145,7 @@ def _prediction_cluster(given: Cluster | None, args: argparse.Namespace) -> Clus
     if given is None:
         return None
     if args.fsdp1:
-        render.note("no step-time prediction with --fsdp1: the simulator models FSDP2")
+        render.note("no step time with --fsdp1: the simulator models FSDP2 and the FSDP1 job is not timed")
         return None
     if given.world_size != args.nproc:
         render.note(f"no step-time prediction: --cluster {given.name} has {given.world_size} ranks and the job "

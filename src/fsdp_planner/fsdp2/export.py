@@ -50,6 +50,9 @@ def make_mesh(device_type: str | None = None) -> DeviceMesh:
     """The plan's data-parallel mesh over the default process group: 1-D, or (replicate, shard) for HSDP."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     world = dist.get_world_size()
+    if MESH is not None and MESH[0] * MESH[1] != world:
+        raise ValueError(f"this plan was made for a {MESH[0]}x{MESH[1]} mesh ({MESH[0] * MESH[1]} ranks) and the job "
+                         f"has {world}: make the plan again for {world} ranks")
     if MESH is None or MESH[0] == 1:
         return init_device_mesh(device_type, (world,))
     return init_device_mesh(device_type, MESH, mesh_dim_names=("dp_replicate", "dp_shard"))

@@ -266,10 +266,11 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
         for m in g.modules:
             calls = trace.modules[m].calls - methods.get(m, 0)
             if calls > 1:
-                out.append(Finding(Severity.ERROR, Code.LIST_GROUP_REUSE,
+                # a warning: the upstream bug does not hit every model (the fixture 'twice' trains with it)
+                out.append(Finding(Severity.WARNING, Code.LIST_GROUP_REUSE,
                                    f"{_name(m)} runs {calls} times per step inside list group {i} "
                                    f"({fmt_modules(g.modules)}): a module of a list group reused later in the step "
-                                   f"can fail in backward (pytorch#183702)",
+                                   f"can fail in backward (pytorch#183702; not every model, so verify the plan)",
                                    f"shard {_name(m)} in a group of its own (fully_shard({_name(m)}))", m))
     return out
 

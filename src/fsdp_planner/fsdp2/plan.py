@@ -281,7 +281,8 @@ def check_plan_world_size(plan: Plan, world_size: int) -> None:
     not exceed it (``fully_shard`` raises otherwise). Called where a plan meets a cluster or a process count."""
     if plan.mesh is not None and plan.mesh.size != world_size:
         raise PlannerError(f"the plan's mesh {plan.mesh.describe()} has {plan.mesh.size} ranks but it is run on "
-                           f"{world_size}; give a mesh REPLICATExSHARD whose product is {world_size} (--mesh)")
+                           f"{world_size}: a plan file keeps the mesh it was made for (make it again for "
+                           f"{world_size} ranks), a --mesh REPLICATExSHARD needs a product of {world_size}")
     shard = plan.shard_size(world_size)
     where = "world size" if plan.mesh is None or plan.mesh.replicate == 1 else "shard size"
     for i, g in enumerate(plan.groups):

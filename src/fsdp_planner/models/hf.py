@@ -184,8 +184,22 @@ def causal_lm_loss(model: nn.Module, ids: torch.Tensor) -> Callable[[Any], torch
     return loss
 
 
+_POSITION_TABLES = ("wpe", "position_embeddings")  # learned absolute positions (GPT-2, BERT): a hard length limit
+
+
+def check_positions(model: nn.Module, seq_len: int) -> None:
+    """A sequence longer than a learned position table fails inside the model's forward (an IndexError in the
+    embedding): say so before planning. Rotary positions (Llama) have no such limit."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(module, nn.Embedding) \
+                and seq_len > module.num_embeddings:
+            raise PlannerError(f"--seq {seq_len} is longer than the model's {module.num_embeddings} learned "
+                               f"positions ({name}): give --seq {module.num_embeddings} or less")
+
+
 def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Any]:
     model = build_model(data)
+    check_positions(model, seq_len)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len))
     return model, {"input_ids": ids}, causal_lm_loss(model, ids)
 

@@ -10,7 +10,6 @@ with the plan's groups.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,11 +21,13 @@ import torch
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.runtime.worker import (
+    MOMENTUM,
     CollectiveCounter,
     batch,
     build_job,
     call_model,
     end_rank,
+    parity,
     reference_step,
     start_rank,
 )
@@ -62,8 +63,9 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
     from fsdp_planner.fsdp2.fsdp1 import clean_name
 
     spec = ModelSpec.from_json(job["model"])
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"])
-    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"])
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"], momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"],
+                              momentum=MOMENTUM)
     counter, counted, counted_bytes, losses, ref_losses = CollectiveCounter(), [], [], [], []
     for step in range(job["steps"]):
         batches = [batch(spec, step, r, job["seed"]) for r in range(world)]
@@ -82,13 +84,10 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
         losses.append(mean_loss.item() / world)
         ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
     ref_params = dict(reference.named_parameters())
-    max_diff = 0.0
     with FullyShardedDataParallel.summon_full_params(model):
-        for name, p in model.named_parameters():
-            diff = (p.detach() - ref_params[clean_name(name)].detach()).abs().max().item()
-            max_diff = max(max_diff, diff if diff == diff else math.inf)  # NaN: a diverged run proves no parity
-    return {"counted": counted, "counted_bytes": counted_bytes, "max_abs_diff": max_diff, "losses": losses,
-            "reference_losses": ref_losses}
+        checked = parity((clean_name(name), p, ref_params[clean_name(name)]) for name, p in model.named_parameters())
+    return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses,
+            **checked}
 
 
 def worker(job_path: str) -> None:

@@ -35,10 +35,11 @@ from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.runtime.checkpoint import META, read_meta
 from fsdp_planner.runtime.failures import explain, read_failures
+from fsdp_planner.runtime.launch import PARENT_ENV
+from fsdp_planner.runtime.worker import FP32_TOLERANCE
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
 
-FP32_TOLERANCE = 1e-5
 Counts = dict[str, int]  # collective kind's value -> count or bytes
 STOP_GRACE_S = 5.0  # SIGTERM to the job's process group, then SIGKILL after this long
 # CPU ranks keep the memory they free for their next allocations, as PyTorch's caching allocator does on a GPU:
@@ -165,7 +166,9 @@ class VerifyResult:
     losses: list[float]
     reference_losses: list[float]
     max_abs_diff: float
-    tolerance: float = FP32_TOLERANCE
+    tolerance: float = FP32_TOLERANCE  # for params of 32 bits or more; 16-bit ones: ``worker.allowed_diff``
+    param_error: float | None = None  # the worst param's difference over what its dtype allows (above 1 fails)
+    worst_param: str = ""
     notes: list[str] = field(default_factory=list)
     start_step: int = 0
     loaded: dict[str, Any] | None = None  # the checkpoint it started from: step, world, policy, tensors, mismatched
@@ -198,6 +201,8 @@ class VerifyResult:
 
     @property
     def params_match(self) -> bool:
+        if self.param_error is not None:
+            return self.param_error <= 1.0
         return self.max_abs_diff <= self.tolerance
 
     @property
@@ -283,17 +288,35 @@ def staged(directory: Path | None) -> Iterator[Path | None]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+OWNER_FILE = "owner"  # in a job's temp directory: the pid of the command that made it
+
+
+def remove_orphaned_job_dirs(prefix: str) -> None:
+    """Temp directories of jobs whose command was killed by SIGKILL (its handlers never ran; ``launch`` ended the
+    job itself): removed by the next job, once their owner is gone."""
+    for directory in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        try:
+            owner = int((directory / OWNER_FILE).read_text())
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            shutil.rmtree(directory, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # not ours to judge: unreadable, another user's, or still being written
+
+
 def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[str, Any]) -> tuple[dict, int]:
     """``python -m MODULE JOB.json`` on ``nproc`` local ranks under torchrun (``launch.py``), in its own session,
     ended as a whole on every way out (call it inside ``signals_raise``). ``job`` gains ``result``, the file rank 0
     writes; returns what it wrote and torchrun's exit status. A job that wrote nothing is a ``PlannerError`` naming
     the rank that failed and why (``failures.py``)."""
     prefix = f"fsdp-planner-{what.split()[0]}-"  # fsdp-planner-verify-..., fsdp-planner-calibration-...
+    remove_orphaned_job_dirs(prefix)
     with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as tmp:
         job_path, result_path, exits_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "exits"
+        (Path(tmp) / OWNER_FILE).write_text(str(os.getpid()))
         job_path.write_text(json.dumps({**job, "result": str(result_path)}))
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY)}
+               "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY), PARENT_ENV: str(os.getpid())}
         # torchrun's per-rank error files go under the job's directory too (by default a torchelastic_* temp dir
         # that it never removes)
         cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), "--standalone",
@@ -359,6 +382,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
+        param_error=data.get("param_error"), worst_param=data.get("worst_param", ""),
         notes=notes, start_step=start_step, loaded=data.get("loaded"), saved=str(save) if save else None,
         units=data.get("units"), step_seconds=data.get("step_seconds", []),
         expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)

@@ -168,13 +168,41 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
         losses.append(mean_loss.item() / world)
         ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
     ref_params = dict(reference.named_parameters())
-    max_diff = 0.0
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        diff = (full.detach() - ref_params[name].detach()).abs().max().item()
-        max_diff = max(max_diff, diff if diff == diff else math.inf)  # NaN (a diverged run) proves no parity
+    fulls = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters())
     return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses,
-            "max_abs_diff": max_diff}
+            **parity((name, full, ref_params[name]) for name, full in fulls)}
+
+
+FP32_TOLERANCE = 1e-5  # params of 32 bits or more: a few roundings of fp32 over a few steps
+LOW_PRECISION_ULPS = 4  # 16-bit params: grads reduced in another order round to a neighbouring value
+LOW_PRECISION_SCALE = 1 / 16  # ... and a small param (a bias) moves by updates the size of its neighbours'
+
+
+def allowed_diff(reference: torch.Tensor, eps: float | None) -> float:
+    """How far a param may be from the unsharded reference's: ``FP32_TOLERANCE`` in an fp32 model; where the model
+    trains 16-bit params (``eps``, their precision), what they compute carries their rounding into every param: a
+    few steps of that precision at the param's scale, at least ``LOW_PRECISION_SCALE`` (one bf16 step at 0.2 is
+    1e-3, a hundred times fp32's bound)."""
+    if eps is None:
+        return FP32_TOLERANCE
+    scale = max(reference.detach().abs().max().item() if reference.numel() else 0.0, LOW_PRECISION_SCALE)
+    return max(FP32_TOLERANCE, LOW_PRECISION_ULPS * eps * scale)
+
+
+def parity(pairs: Any) -> dict[str, Any]:
+    """(name, trained param, reference param) triples: the largest absolute difference, and the worst param in
+    units of what it may differ by (``allowed_diff``; above 1 fails). NaN (a diverged run) proves no parity."""
+    pairs = list(pairs)
+    low = [r.dtype for _, _, r in pairs if r.requires_grad and r.is_floating_point() and r.element_size() < 4]
+    eps = max((torch.finfo(d).eps for d in low), default=None)
+    max_diff, error, worst = 0.0, 0.0, ""
+    for name, trained, reference in pairs:
+        diff = (trained.detach() - reference.detach()).abs().max().item() if trained.numel() else 0.0
+        diff = diff if diff == diff else math.inf
+        max_diff = max(max_diff, diff)
+        if diff / allowed_diff(reference, eps) > error:
+            error, worst = diff / allowed_diff(reference, eps), name
+    return {"max_abs_diff": max_diff, "param_error": error, "worst_param": worst}
 
 
 def time_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
