@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -10,13 +12,24 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_planner.cli import main
+
 FIXTURES = Path(__file__).parent / "fixtures"
-pytestmark = pytest.mark.integration  # every test runs the CLI in a subprocess
+pytestmark = pytest.mark.integration  # the CLI in a subprocess, or many cases of it in process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
                           timeout=300)
+
+
+def run_here(*args: str) -> subprocess.CompletedProcess:
+    """The CLI's ``main`` in this process, stdout and stderr captured: for the many one-line-error cases, whose
+    exit codes and messages are ``main``'s (the subprocess tests above and below show the real command's)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(["fsdp-planner", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_demo_shows_the_seed_problem_then_auto_on_a_cluster(tmp_path):
@@ -56,7 +69,7 @@ def test_simulate_draws_a_timeline_compared_with_another_plan(tmp_path):
     (("--compare", "nosuch"), "--compare 'nosuch' is neither a policy"),
 ])
 def test_simulate_picture_options_are_checked_before_any_work(args, message):
-    r = run("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", *args)
+    r = run_here("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", *args)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {r.stderr.strip()[7:]}"
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -102,7 +115,7 @@ def test_module_classes_option():
     ],
 )
 def test_bad_input_is_one_clear_line(args, message):
-    r = run(*args)
+    r = run_here(*args)
     assert r.returncode == 2
     assert message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
@@ -149,7 +162,7 @@ def test_cost_simulate_memory_calibrate_commands(tmp_path):
     ],
 )
 def test_cost_model_bad_input(args, message):
-    r = run(*args)
+    r = run_here(*args)
     assert r.returncode == 2
     assert message in r.stderr.lower() and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -184,7 +197,7 @@ def test_plan_auto_with_budget_explain_and_json(tmp_path):
     ],
 )
 def test_auto_bad_input(args, message):
-    r = run(*args)
+    r = run_here(*args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -208,7 +221,7 @@ def test_auto_bad_input(args, message):
     ],
 )
 def test_bad_options_fail_before_any_work(args, message):
-    r = run(*args)
+    r = run_here(*args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr and "internal error" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -219,7 +232,7 @@ def test_bad_options_fail_before_any_work(args, message):
     (("reduce-scatter", "1GiB", "--cluster", "h100:8", "--ranks", "1"), "0 s (one rank holds everything)"),
 ])
 def test_collectives_that_move_nothing_cost_nothing(args, shown):
-    r = run("cost", *args)
+    r = run_here("cost", *args)
     assert r.returncode == 0, r.stderr
     assert shown in r.stdout
 
