@@ -51,13 +51,13 @@ def fmt_count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
-def fmt_gain(time: float, rival: float) -> str:
-    """How a step time compares with a rival's: ``12.3% faster than``, ``4.0% slower than`` or ``ties with`` (within
-    0.05%, what one decimal shows as 0.0%)."""
+def fmt_gain(time: float, rival: float) -> str | None:
+    """How a step time compares with a rival's: ``12.3% faster``, ``4.0% slower``, or None for a tie (within 0.05%,
+    what one decimal shows as 0.0%)."""
     gain = 1 - time / rival if rival else 0.0
     if abs(gain) < 0.0005:
-        return "ties with"
-    return f"{abs(gain):.1%} {'faster' if gain > 0 else 'slower'} than"
+        return None
+    return f"{abs(gain):.1%} {'faster' if gain > 0 else 'slower'}"
 
 
 def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:

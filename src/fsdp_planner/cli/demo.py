@@ -146,8 +146,7 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     fitting = [(p, r) for p, _, r in classic if r.reserved_memory <= capacity]
     rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
     which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
-    gain = fmt_gain(auto.report.step_time, rival_report.step_time)
-    gain = "a tie" if gain == "ties with" else gain.removesuffix(" than")
+    gain = fmt_gain(auto.report.step_time, rival_report.step_time) or "a tie"
     console.print(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
                   f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.report.reserved_memory)} reserved "
                   f"against {fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has",

@@ -288,8 +288,9 @@ def auto_line(result: AutoResult) -> str:
     if best_other is None:
         line += "; no classic policy with its defaults (no checkpointing) fits this budget"
     else:
-        line += (f"; {fmt_gain(result.report.step_time, best_other.report.step_time)} the best classic policy that "
-                 f"fits on this layout, {best_other.origin}")
+        gain = fmt_gain(result.report.step_time, best_other.report.step_time)
+        line += (f"; {f'{gain} than' if gain else 'ties with'} the best classic policy that fits on this layout, "
+                 f"{best_other.origin}")
     if len(result.meshes) > 1:
         line += "\n" + mesh_line(result)
     return line

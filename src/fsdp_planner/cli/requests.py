@@ -163,13 +163,12 @@ def output_file(arg: str | None, example: str = "plan.json", code: bool = False)
     if arg is None:
         return None
     path = _file_to_write(arg, "--out", example)
-    if code and path.is_file() and not _generated(path):
-        other = path.with_suffix(".py").with_stem(path.stem + "_plan")
-        raise PlannerError(f"--out '{arg}' already exists and is not code fsdp-planner export wrote: refusing to "
-                           f"overwrite it (give a new name, e.g. {other})")
-    if path.is_file() and path.suffix.lower() != ".json" and not _generated(path):
-        raise PlannerError(f"--out '{arg}' already exists and is neither a .json file nor code fsdp-planner export "
-                           f"wrote: refusing to overwrite it (give a new name, e.g. {path.with_stem(path.stem + '2')})")
+    if path.is_file() and not (_generated(path) or (not code and path.suffix.lower() == ".json")):
+        what = "not code" if code else "neither a .json file nor code"
+        what += " fsdp-planner export wrote"
+        other = path.with_suffix(".py").with_stem(path.stem + "_plan") if code else path.with_stem(path.stem + "2")
+        raise PlannerError(f"--out '{arg}' already exists and is {what}: refusing to overwrite it (give a new name, "
+                           f"e.g. {other})")
     return path
 
 

@@ -19,17 +19,14 @@ from typing import Any
 import torch
 
 from fsdp_planner.hardware.collectives import CollectiveKind
-from fsdp_planner.models import ModelSpec
 from fsdp_planner.runtime.worker import (
     MOMENTUM,
     CollectiveCounter,
-    batch,
     build_job,
-    call_model,
     end_rank,
     parity,
-    reference_step,
     start_rank,
+    train_steps,
 )
 
 
@@ -55,39 +52,20 @@ def counting_list_all_gather(counter: CollectiveCounter) -> Iterator[None]:
 
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,
            world: int) -> dict[str, Any]:
-    """K steps of the FSDP1 model and the unsharded reference on the FSDP2 job's data (``worker.batch``,
-    ``worker.reference_step``); what rank 0 reports."""
-    import torch.distributed as dist
+    """K steps of the FSDP1 model beside the reference, as the FSDP2 job runs them (``worker.train_steps``), then
+    parity on the gathered params; what rank 0 reports."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from fsdp_planner.fsdp2.fsdp1 import clean_name
 
-    spec = ModelSpec.from_json(job["model"])
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"], momentum=MOMENTUM)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"],
                               momentum=MOMENTUM)
-    counter, counted, counted_bytes, losses, ref_losses = CollectiveCounter(), [], [], [], []
-    for step in range(job["steps"]):
-        batches = [batch(spec, step, r, job["seed"]) for r in range(world)]
-        inputs, loss_fn = batches[rank]
-        with counter, counting_list_all_gather(counter):
-            torch.manual_seed(job["seed"] + 7 * step + rank)
-            loss = loss_fn(call_model(model, inputs, device))
-            loss.backward()
-        c, b = counter.take()
-        counted.append(c)
-        counted_bytes.append(b)
-        opt.step()
-        opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)  # the global batch's loss, as the reference computes it
-        losses.append(mean_loss.item() / world)
-        ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
+    result = train_steps(job, model, reference, opt, ref_opt, device, rank, world, counting_list_all_gather)
     ref_params = dict(reference.named_parameters())
     with FullyShardedDataParallel.summon_full_params(model):
         checked = parity((clean_name(name), p, ref_params[clean_name(name)]) for name, p in model.named_parameters())
-    return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses,
-            **checked}
+    return {**result, **checked}
 
 
 def worker(job_path: str) -> None:

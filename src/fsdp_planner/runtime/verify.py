@@ -166,7 +166,7 @@ class VerifyResult:
     losses: list[float]
     reference_losses: list[float]
     max_abs_diff: float
-    tolerance: float = FP32_TOLERANCE  # for params of 32 bits or more; 16-bit ones: ``worker.allowed_diff``
+    tolerance: float = FP32_TOLERANCE  # of an fp32 model; a model training 16-bit params: ``worker.allowed_diff``
     param_error: float | None = None  # the worst param's difference over what its dtype allows (above 1 fails)
     worst_param: str = ""
     notes: list[str] = field(default_factory=list)

@@ -16,6 +16,7 @@ its first group's ``reshard_after_forward`` flipped.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
@@ -141,9 +142,11 @@ def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return total
 
 
-def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
-           ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int) -> dict[str, Any]:
-    """K steps of the sharded model and the unsharded reference on the same data; what rank 0 reports."""
+def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
+                ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int,
+                counting: Callable[[CollectiveCounter], Any] = contextlib.nullcontext) -> dict[str, Any]:
+    """K steps of the sharded model (FSDP2 or FSDP1) and the unsharded reference on the same data: the collectives
+    counted per step (``counting``: more the counter must see) and the global batch's losses of both."""
     import torch.distributed as dist
 
     counted, counted_bytes, losses, ref_losses = [], [], [], []
@@ -154,7 +157,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
             os.kill(os.getpid(), signal.SIGKILL)
         batches = [batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
         inputs, loss_fn = batches[rank]
-        with counter:
+        with counter, counting(counter):
             torch.manual_seed(job["seed"] + 7 * step + rank)
             loss = loss_fn(call_model(model, inputs, device))
             loss.backward()
@@ -167,10 +170,16 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
         ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
+    return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses}
+
+
+def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
+           ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int) -> dict[str, Any]:
+    """K steps of the FSDP2 model beside the reference, then parity; what rank 0 reports."""
+    result = train_steps(job, model, reference, opt, ref_opt, device, rank, world)
     ref_params = dict(reference.named_parameters())
     fulls = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters())
-    return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses,
-            **parity((name, full, ref_params[name]) for name, full in fulls)}
+    return {**result, **parity((name, full, ref_params[name]) for name, full in fulls)}
 
 
 FP32_TOLERANCE = 1e-5  # params of 32 bits or more: a few roundings of fp32 over a few steps
@@ -200,8 +209,9 @@ def parity(pairs: Any) -> dict[str, Any]:
         diff = (trained.detach() - reference.detach()).abs().max().item() if trained.numel() else 0.0
         diff = diff if diff == diff else math.inf
         max_diff = max(max_diff, diff)
-        if diff / allowed_diff(reference, eps) > error:
-            error, worst = diff / allowed_diff(reference, eps), name
+        ratio = diff / allowed_diff(reference, eps)
+        if ratio > error:
+            error, worst = ratio, name
     return {"max_abs_diff": max_diff, "param_error": error, "worst_param": worst}
 
 
