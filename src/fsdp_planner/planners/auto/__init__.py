@@ -45,10 +45,9 @@ class Search:
     """The state of one auto search on one mesh: the evaluator, the two atom granularities, the classic plans
     and the refiner."""
 
-    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str,
-                 mesh: Mesh | None = None, shared: Search | None = None) -> None:
-        """``shared``: a search of the same model on another mesh, whose op times and atoms are reused."""
-        self.ev = Evaluator(trace, cluster, options, target, model, mesh, shared.ev.ctx.times if shared else None)
+    def __init__(self, ev: Evaluator, trace: Trace, model: str, shared: Search | None = None) -> None:
+        """``shared``: a search of the same model on another mesh, whose atoms and classic plans are reused."""
+        self.ev = ev
         if shared is not None:
             self.atoms, self.fine_atoms, self.classics = shared.atoms, shared.fine_atoms, shared.classics
         else:
@@ -71,6 +70,15 @@ class Search:
 
 
 @dataclass
+class MeshOutcome:
+    """One layout's full search: its best plan (``chosen``) and the classic plans it started from."""
+
+    search: Search
+    chosen: Candidate
+    baselines: dict[str, Candidate]
+
+
+@dataclass
 class AutoResult:
     plan: Plan
     report: StepReport
@@ -79,6 +87,8 @@ class AutoResult:
     fits: bool
     baselines: dict[str, Candidate]
     evaluated: int  # plans simulated during the search
+    effort: int  # plans the local refinement could simulate (``AutoPolicy.search_effort``)
+    refined: int  # plans it did simulate
     seconds: float
     search: Search = field(repr=False)
     meshes: dict[str, Candidate] = field(default_factory=dict)  # layout -> its best plan (every layout tried)
@@ -90,15 +100,32 @@ class AutoResult:
         return self.search.min_peak()
 
 
+SEARCH_EVENTS = 6_000_000  # trace events the refinement simulates by default (plans x events per plan)
+MIN_SEARCH_EFFORT = 24  # plans it may simulate at least, however large the trace
+
+
+def default_search_effort(trace: Trace) -> int:
+    """Plans the local refinement may simulate by default: ``SEARCH_EVENTS`` worth of traced events, so the
+    refinement's work, like the rest of the search's, grows with the model no faster than linearly. A simulation
+    costs about 0.2-0.3 us per trace event on a 2-core x86 host (3.6 ms for hf:qwen2.5-3b's 12,380 events, 40 ms for
+    the 217,003 of a 10,000-module model): ~1 s of refinement at most. Every row of benchmarks/plan_quality.md
+    finishes its refinement within it (323 plans for qwen2.5-3b, where it uses 258)."""
+    return max(MIN_SEARCH_EFFORT, SEARCH_EVENTS // max(len(trace.events), 1))
+
+
 @dataclass
 class AutoPolicy:
-    """Choose groups, ``reshard_after_forward`` and prefetch for ``cluster`` under ``memory_budget`` bytes."""
+    """Choose groups, ``reshard_after_forward`` and prefetch for ``cluster`` under ``memory_budget`` bytes.
+
+    The search is deterministic: the structured candidates are a fixed set, and the local refinement simulates at
+    most ``search_effort`` plans (None: ``default_search_effort``), so the same trace and cluster give the same plan
+    on any machine under any load."""
 
     cluster: Cluster
     memory_budget: int | None = None
     target: Target = Target.FSDP2
     options: SimOptions = field(default_factory=SimOptions)
-    refine_seconds: float = 2.0  # time allowed for boundary moves after the structured search
+    search_effort: int | None = None  # plans the local refinement may simulate; None: ``default_search_effort``
     checkpointing: ACMode | None = None  # activation checkpointing fixed for every plan; None: auto chooses
     mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
     name: str = "auto"
@@ -111,6 +138,8 @@ class AutoPolicy:
                 raise PlannerError(f"unknown auto target '{self.target}': choose fsdp2 or fsdp1") from None
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlannerError("the memory budget must be positive")
+        if self.search_effort is not None and self.search_effort < 0:
+            raise PlannerError("the search effort is a number of plans: 0 or more")
         if self.mesh is not None and self.mesh.size != self.cluster.world_size:
             raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster "
                                f"{self.cluster.name} has {self.cluster.world_size} GPUs")
@@ -128,24 +157,46 @@ class AutoPolicy:
             return self._search(trace, model)
 
     def _search(self, trace: Trace, model: str) -> AutoResult:
-        """The best plan on each layout worth a full search, the fastest that fits overall (``choose_meshes``)."""
+        """The best plan on each layout worth a full search, the fastest that fits overall (``_choose_meshes``)."""
         started = time.perf_counter()
         budget, source = self._budget()
-        first = Search(trace, self.cluster, self.options, self.target, model, self.mesh)
+        first = Search(self._evaluator(trace, model, budget, self.mesh), trace, model)
         screened: dict[str, Candidate] = {}
         meshes = [first.ev.ctx.mesh]
         if self.mesh is None:
             meshes, screened = self._choose_meshes(trace, model, first, budget)
         searches = [first if m == first.ev.ctx.mesh else
-                    Search(trace, self.cluster, self.options, self.target, model, m, shared=first) for m in meshes]
-        refine = self.refine_seconds / len(searches)  # the refinement budget is the search's, whatever the layouts
-        results = [self._search_mesh(s, trace, budget, source, refine) for s in searches]
-        best = min(results, key=lambda r: (max(0, r.report.reserved_memory - budget), r.report.step_time))
-        best.meshes = {**{r.search.ev.ctx.mesh.describe(): r.chosen or r.search.ev.best() for r in results},
-                       **screened}
-        best.evaluated = sum(len(r.search.ev.seen) for r in results) + len(screened)
-        best.seconds = time.perf_counter() - started
-        return best
+                    Search(self._evaluator(trace, model, budget, m, first), trace, model, shared=first)
+                    for m in meshes]
+        effort = self.search_effort if self.search_effort is not None else default_search_effort(trace)
+        outcomes, left = [], effort
+        for n, search in enumerate(searches):  # what one layout's refinement leaves, the next may use
+            outcome, used = self._search_mesh(search, trace, left // (len(searches) - n))
+            outcomes.append(outcome)
+            left -= used
+        best = min(outcomes, key=lambda o: (max(0, o.chosen.report.reserved_memory - budget),
+                                            o.chosen.report.step_time))
+        ev = best.search.ev
+        return AutoResult(
+            plan=self._labelled(best.chosen.plan, ev), report=best.chosen.report, budget=budget,
+            budget_source=source, fits=best.chosen.report.reserved_memory <= budget, baselines=best.baselines,
+            evaluated=sum(o.search.ev.simulated for o in outcomes) + len(screened), effort=effort,
+            refined=effort - left, seconds=time.perf_counter() - started, search=best.search,
+            meshes={**{o.search.ev.ctx.mesh.describe(): o.chosen for o in outcomes}, **screened},
+            chosen=best.chosen)
+
+    def _evaluator(self, trace: Trace, model: str, budget: int, mesh: Mesh | None,
+                   shared: Search | None = None) -> Evaluator:
+        """An evaluator on ``mesh`` (``shared``: a search of the same model whose op times are reused), checkpointing
+        what ``checkpointing`` fixes."""
+        fixed = checkpointed_blocks(trace, self.checkpointing) if self.checkpointing is not None else []
+        return Evaluator(trace, self.cluster, self.options, self.target, model, budget, mesh,
+                         shared.ev.ctx.times if shared else None, checkpointed=fixed)
+
+    def _labelled(self, plan: Plan, ev: Evaluator) -> Plan:
+        hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
+        return plan.copy(policy=(f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
+                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp})"), model=ev.model)
 
     def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
                        ) -> tuple[list[Mesh], dict[str, Candidate]]:
@@ -157,24 +208,16 @@ class AutoPolicy:
         meshes = candidate_meshes(self.cluster, self.target)
         if len(meshes) == 1:  # nothing to screen (one node, or FSDP1, where no classic plan may be expressible)
             return meshes, {}
-        blocks = block_instances(trace)
         screen: list[tuple[tuple, Mesh, Candidate]] = []
         plans = first.classics  # on the first layout; then only the best of them (the layouts rank alike)
         for mesh in meshes:
             flat = mesh == first.ev.ctx.mesh
-            ev = first.ev if flat else Evaluator(trace, self.cluster, self.options, self.target, model, mesh,
-                                                 first.ev.ctx.times)
-            ev.budget = budget
-            if self.checkpointing is not None:
-                ev.checkpointed = checkpointed_blocks(trace, self.checkpointing)
-            baselines = classic_baselines(ev, plans)
-            if self.checkpointing is None and blocks and ev.best().report.reserved_memory > budget:
-                ev.checkpointed = blocks[:self._fewest_checkpointed(ev, blocks, baselines)]
-                baselines = classic_baselines(ev, plans)
+            # the flat layout's search keeps what its screening simulated, and chooses its own checkpointing
+            ev = first.ev if flat else self._evaluator(trace, model, budget, mesh, first)
+            ev, baselines = self._fitting_baselines(ev, trace, plans)
             if flat:
                 best = min(baselines, key=lambda k: ev.key(baselines[k]))
                 plans = {best: plans[best]}
-                ev.checkpointed = []  # the flat layout's search keeps what its screening simulated, chooses its AC
             screen.append((ev.key(ev.best()), mesh, ev.best()))
         screen.sort(key=lambda x: x[0])
         fastest = screen[0][2].report.step_time
@@ -182,43 +225,49 @@ class AutoPolicy:
                     if i == 0 or (key[0] == 0 and c.report.step_time <= fastest * (1 + MESH_SLACK))]
         return searched, {m.describe(): c for _, m, c in screen if m not in searched}
 
-    def _search_mesh(self, search: Search, trace: Trace, budget: int, source: str, refine: float) -> AutoResult:
-        ev = search.ev
-        ev.budget = budget
+    def _fitting_baselines(self, ev: Evaluator, trace: Trace, plans: dict[str, Plan]
+                           ) -> tuple[Evaluator, dict[str, Candidate]]:
+        """The classic ``plans`` on ``ev``, with the fewest leading blocks checkpointed that let one fit when none
+        does and auto chooses the checkpointing; the evaluator they were simulated with."""
+        baselines = classic_baselines(ev, plans)
         blocks = block_instances(trace)
-        if self.checkpointing is not None:
-            ev.checkpointed = checkpointed_blocks(trace, self.checkpointing)
-        baselines = self._explore(search, search.granularities())
+        if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
+            ev = ev.checkpointing(blocks[:self._fewest_checkpointed(ev, blocks, baselines)])
+            baselines = classic_baselines(ev, plans)
+        return ev, baselines
+
+    def _search_mesh(self, search: Search, trace: Trace, effort: int) -> tuple[MeshOutcome, int]:
+        """The best plan on one layout, refining with at most ``effort`` plans; with the plans refinement used."""
+        ev = search.ev
+        blocks = block_instances(trace)
+        baselines = self._explore(search, ev, search.granularities())
+        used = 0
         if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
             # Nothing fits without activation checkpointing: checkpoint the fewest blocks that let a plan fit
             # (the first ones: their activations live longest), and all of them; each costs a recomputation.
             fewest = self._fewest_checkpointed(ev, blocks, baselines)
             counts = list(dict.fromkeys([fewest, len(blocks)]))
-            for count in counts:
-                ev.checkpointed = blocks[:count]
-                self._explore(search, [search.atoms])  # groups inside a block would forbid checkpointing it
-                search.refiner.refine(time.perf_counter() + refine / len(counts))
+            for n, count in enumerate(counts):
+                setting = ev.checkpointing(blocks[:count])
+                self._explore(search, setting, [search.atoms])  # groups inside a block would forbid checkpointing it
+                used += Refiner(setting, search.atoms, search.fine_atoms).refine((effort - used) // (len(counts) - n))
         else:
-            search.refiner.refine(time.perf_counter() + refine)
-        best = ev.best()
+            used = search.refiner.refine(effort)
+        return MeshOutcome(search, self._preferred(search, ev.best(), baselines), baselines), used
+
+    def _preferred(self, search: Search, best: Candidate, baselines: dict[str, Candidate]) -> Candidate:
+        """Among the plans as fast as ``best`` (within a slack), one whose root manages only what it must, then one
+        with the fewest groups."""
         classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
         if self.target is Target.FSDP2 and best.plan.root.params:
             best = search.refiner.prefer_empty_root(best, classic_step)
-        if best.report.reserved_memory <= ev.budget:
+        if best.report.reserved_memory <= search.ev.budget:
             best = search.refiner.prefer_fewer_groups(best, classic_step)
-        plan = best.plan
-        hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
-        plan.policy = (f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
-                       f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp})")
-        plan.model = ev.model
-        return AutoResult(plan=plan, report=best.report, budget=ev.budget, budget_source=source,
-                          fits=best.report.reserved_memory <= ev.budget, baselines=baselines,
-                          evaluated=len(ev.seen), seconds=0.0, search=search, chosen=best)
+        return best
 
-    def _explore(self, search: Search, granularities: list[list[Atom]]) -> dict[str, Candidate]:
-        """The structured candidates: classic plans (returned) and module-tree cuts, then the frugal plans and
-        the DP."""
-        ev = search.ev
+    def _explore(self, search: Search, ev: Evaluator, granularities: list[list[Atom]]) -> dict[str, Candidate]:
+        """The structured candidates on ``ev``: classic plans (returned) and module-tree cuts, then the frugal plans
+        and the DP."""
         classics = classic_baselines(ev, search.classics)
         module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
         if self.target is Target.FSDP2:
@@ -238,8 +287,8 @@ class AutoPolicy:
         lo, hi = 1, len(blocks)
         while lo < hi:
             mid = (lo + hi) // 2
-            ev.checkpointed = blocks[:mid]
-            if ev.evaluate(start.plan, f"titan + checkpoint {mid} blocks").report.reserved_memory <= ev.budget:
+            tried = ev.checkpointing(blocks[:mid]).evaluate(start.plan, f"titan + checkpoint {mid} blocks")
+            if tried.report.reserved_memory <= ev.budget:
                 hi = mid
             else:
                 lo = mid + 1

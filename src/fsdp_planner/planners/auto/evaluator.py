@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -43,17 +44,32 @@ class Candidate:
 
 
 class Evaluator:
-    """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen."""
+    """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen against ``budget``
+    (bytes per rank). ``checkpointed``: the modules every plan it builds checkpoints, each unless a group lies
+    inside it; ``checkpointing`` gives the same evaluator under another setting, sharing what was simulated."""
 
-    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str,
-                 mesh: Mesh | None = None, times: list[float] | None = None) -> None:
+    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str, budget: int,
+                 mesh: Mesh | None = None, times: list[float] | None = None,
+                 checkpointed: Sequence[str] = ()) -> None:
         self.trace, self.cluster, self.target, self.model = trace, cluster, target, model
         self.ctx = SimContext(trace, cluster, options, times=times, mesh=mesh)
         self.mesh = self.ctx.mesh if self.ctx.mesh.replicate > 1 else None  # what the plans carry
-        self.budget = 0
+        self.budget = budget
+        self.checkpointed = list(checkpointed)
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
-        self.checkpointed: list[str] = []  # modules every plan checkpoints, each unless a group lies inside it
+
+    def checkpointing(self, modules: Sequence[str]) -> Evaluator:
+        """This evaluator with every plan checkpointing ``modules``; the plans simulated (``seen``, the cache) are
+        shared, so a plan is simulated once whichever setting asked for it."""
+        view = copy.copy(self)
+        view.checkpointed = list(modules)
+        return view
+
+    @property
+    def simulated(self) -> int:
+        """Plans simulated so far: the unit the refinement's effort is counted in."""
+        return len(self.seen)
 
     def evaluate(self, plan: Plan, origin: str) -> Candidate:
         plan = self.with_checkpointing(plan)

@@ -8,7 +8,7 @@ from enum import Enum
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, Candidate
-from fsdp_planner.planners.auto.refine import Move
+from fsdp_planner.planners.auto.refine import Move, Refiner
 
 
 class Reason(Enum):
@@ -32,7 +32,8 @@ _DESCRIPTIONS = {
     Reason.FIXED: "last group, or pinned (tied, reused or read outside its module): no boundary to move",
     Reason.MEMORY: "a faster alternative exists but exceeds the memory budget",
     Reason.TIE: "the best alternative simulates equally fast and needs no less memory: nothing gained by moving",
-    Reason.UNCONVERGED: "a one-step move is faster and fits: the search's time ran out before it tried it",
+    Reason.UNCONVERGED: "a one-step move is faster and fits: the search's effort ran out before it tried it "
+                         "(raise --search-effort)",
     Reason.GROUPS: f"a split is faster by less than {GROUP_SLACK:.1%}: not worth another group (what a group costs "
                    "the GPU beyond its collectives and copies is not modelled)",
     Reason.OVERLAP: "merging removes a latency-bound collective but exposes a larger all-gather",
@@ -58,14 +59,15 @@ class GroupExplanation:
 def explain(result: AutoResult) -> list[GroupExplanation]:
     """Per group of ``result.plan``: its size and all-gather terms, why its boundary with the next group sits where
     it does, and what the best one-step alternative (boundary moved, groups merged) would cost."""
-    ev, refiner = result.search.ev, result.search.refiner
-    plan, trace, ctx = result.plan, ev.trace, ev.ctx
+    plan = result.plan
+    # alternatives checkpoint what the plan does (the search may have ended on another setting)
+    ev = result.search.ev.checkpointing(plan.activation_checkpointing)
+    refiner = Refiner(ev, result.search.atoms, result.search.fine_atoms)
+    trace, ctx = ev.trace, ev.ctx
     fwd_end = trace.index.forward_end
     first, index = trace.index.first_use, trace.index.param_index
     starts = [min((first.get(index[p], fwd_end) for p in g.params), default=fwd_end) for g in plan.inner_groups]
     groups = ctx.sizing.groups(plan)
-    ev.checkpointed = list(plan.activation_checkpointing)  # alternatives checkpoint what the plan does (the search
-    # may have left the evaluator on another setting)
     out = []
     for k, g in enumerate(plan.inner_groups):
         nbytes = groups[k].gather_bytes
@@ -73,7 +75,7 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
         ag = alpha + nbytes * per_byte if nbytes else 0.0
         prev = ctx.cum[starts[k]] - ctx.cum[starts[k - 1]] if k > 0 else 0.0
         alternatives = [] if k + 1 >= len(plan.inner_groups) else [
-            (move, ev.evaluate(p, "explain")) for move, p in refiner.moves(plan, float("inf"), only=k) if ev.allowed(p)]
+            (move, ev.evaluate(p, "explain")) for move, p in refiner.moves(plan, only=k) if ev.allowed(p)]
         best = min(alternatives, key=lambda mc: ev.key(mc[1]), default=None)
         out.append(GroupExplanation(
             group=k, modules=list(g.modules), nbytes=nbytes, all_gather=ag, latency_share=alpha / ag if ag else 0.0,

@@ -1,9 +1,11 @@
 """Local refinement of the best plans, judged by the simulator: keep the groups that finish forward last
-unsharded, prefetch ahead, move single boundaries by one atom or merge neighbours, while it pays and fits."""
+unsharded, prefetch ahead, move single boundaries by one atom or merge neighbours, while it pays and fits.
+
+Its effort is counted in plans simulated, never in seconds: the same search gives the same plan on any machine
+under any load (``Refiner.refine``'s ``plans``)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from enum import Enum
 
@@ -27,21 +29,24 @@ class Refiner:
     def __init__(self, ev: Evaluator, atoms: list[Atom], fine_atoms: list[Atom]) -> None:
         self.ev, self.atoms, self.fine_atoms = ev, atoms, fine_atoms
 
-    def refine(self, deadline: float, starts: int = REFINE_STARTS) -> None:
+    def refine(self, plans: int, starts: int = REFINE_STARTS) -> int:
         """Refine the ``starts`` best distinct plans so far (a plan second before refinement can end first),
-        sharing the time until ``deadline``. Every plan tried stays in the evaluator."""
+        simulating at most ``plans`` new plans between them (what one start leaves, the next may use). Every plan
+        tried stays in the evaluator. Returns the plans simulated."""
+        first = self.ev.simulated
+        stop = first + plans
         ranked = self.ev.ranked()[:starts]
-        setting = self.ev.checkpointed
         for n, start in enumerate(ranked):
             # plans built from this start checkpoint what the start does (the search may have left the evaluator
             # on another setting), and what the setting would have it checkpoint but a group inside forbade
-            self.ev.checkpointed = self._intended(start, setting)
-            share = time.perf_counter() + (deadline - time.perf_counter()) / (len(ranked) - n)
-            best = self.reshard_prefix(start)
+            refiner = Refiner(self.ev.checkpointing(self._intended(start, self.ev.checkpointed)), self.atoms,
+                              self.fine_atoms)
+            share = self.ev.simulated + max(0, stop - self.ev.simulated) // (len(ranked) - n)
+            best = refiner.reshard_prefix(start, share)
             if self.ev.target is Target.FSDP2:
-                best = self.prefetch(best)
-                self.move_boundaries(best, share)
-        self.ev.checkpointed = setting
+                best = refiner.prefetch(best, share)
+                refiner.move_boundaries(best, share)
+        return self.ev.simulated - first
 
     @staticmethod
     def _intended(start: Candidate, setting: list[str]) -> list[str]:
@@ -49,9 +54,10 @@ class Refiner:
         blocked = {a for g in start.plan.groups for m in g.modules for a in proper_ancestors(m)}
         return [*own, *(m for m in setting if m in blocked and m not in own)]
 
-    def reshard_prefix(self, best: Candidate) -> Candidate:
+    def reshard_prefix(self, best: Candidate, stop: int) -> Candidate:
         """Keep the last m groups of forward unsharded (False, or the node size when a shard group spans nodes): they
-        are the first needed in backward. Binary-search the largest m that pays and fits, for each value."""
+        are the first needed in backward. Binary-search the largest m that pays and fits, for each value, until
+        ``stop`` plans have been simulated."""
         inner = [i for i, g in enumerate(best.plan.groups) if not g.is_root and g.params]
         values: list[ReshardAfterForward] = [False]
         k, shard = self.ev.cluster.gpus_per_node, self.ev.ctx.shard
@@ -59,7 +65,7 @@ class Refiner:
             values.append(k)
         for value in values:
             lo, hi = 0, len(inner)
-            while lo < hi:
+            while lo < hi and self.ev.simulated < stop:
                 m = (lo + hi + 1) // 2
                 plan = best.plan.copy()
                 for i in inner[len(inner) - m:]:
@@ -74,12 +80,15 @@ class Refiner:
                     break  # fits but does not pay: more of the same will not either
         return best
 
-    def prefetch(self, best: Candidate) -> Candidate:
-        """Explicit prefetch two groups ahead, forward then backward, kept when it pays."""
+    def prefetch(self, best: Candidate, stop: int) -> Candidate:
+        """Explicit prefetch two groups ahead, forward then backward, kept when it pays (until ``stop`` plans have
+        been simulated)."""
         inner = [i for i, g in enumerate(best.plan.groups) if not g.is_root and g.params]
         if len(inner) < 3:
             return best
         for direction in ("forward", "backward"):
+            if self.ev.simulated >= stop:
+                break
             plan = best.plan.copy()
             for pos, i in enumerate(inner):
                 if direction == "forward":
@@ -91,30 +100,30 @@ class Refiner:
                 best = c
         return best
 
-    def move_boundaries(self, best: Candidate, deadline: float) -> Candidate:
+    def move_boundaries(self, best: Candidate, stop: int) -> Candidate:
         """Move one boundary between adjacent free groups by one atom, or merge two, while it pays: sweep the
         boundaries in turn, taking the best of the three moves at each and retrying a boundary after a move it
-        accepted, until a full sweep changes nothing. A boundary move that pays is tried again twice as far (then
-        four times...) while that pays too."""
+        accepted, until a full sweep changes nothing or ``stop`` plans have been simulated. A boundary move that pays
+        is tried again twice as far (then four times...) while that pays too."""
         k, unchanged = 0, 0
-        while time.perf_counter() < deadline:
+        while self.ev.simulated < stop:
             bounds = len(best.plan.inner_groups) - 1
             if bounds < 1 or unchanged >= bounds:
                 break
             k %= bounds
             tried = [(move, self.ev.evaluate(alt, best.origin + " + moved"))
-                     for move, alt in self.moves(best.plan, deadline, only=k)]
+                     for move, alt in self.moves(best.plan, stop, only=k)]
             move, c = min(tried, key=lambda mc: self.ev.key(mc[1]), default=(None, best))
             if move is not None and self.ev.pays(c, best):
-                best, unchanged = self._gallop(c, move, k, deadline), 0
+                best, unchanged = self._gallop(c, move, k, stop), 0
             else:
                 k, unchanged = k + 1, unchanged + 1
         return best
 
-    def _gallop(self, best: Candidate, move: Move, k: int, deadline: float) -> Candidate:
+    def _gallop(self, best: Candidate, move: Move, k: int, stop: int) -> Candidate:
         step = 2
-        while move is not Move.MERGED and time.perf_counter() < deadline:
-            alt = next((p for m, p in self.moves(best.plan, deadline, only=k, step=step) if m is move), None)
+        while move is not Move.MERGED and self.ev.simulated < stop:
+            alt = next((p for m, p in self.moves(best.plan, stop, only=k, step=step) if m is move), None)
             if alt is None:
                 break
             c = self.ev.evaluate(alt, best.origin + " + moved")
@@ -136,9 +145,10 @@ class Refiner:
                 return atoms, seq
         return None
 
-    def moves(self, plan: Plan, deadline: float, only: int | None = None,
+    def moves(self, plan: Plan, stop: int | None = None, only: int | None = None,
               step: int = 1) -> Iterator[tuple[Move, Plan]]:
-        """Plans one step away, made lazily until ``deadline``, with what changed: a boundary between consecutive
+        """Plans one step away, made lazily until ``stop`` plans have been simulated (None: all of them), with what
+        changed: a boundary between consecutive
         groups of free atoms moved by ``step`` atoms either way, or the two groups merged (``only``: just the
         boundary after inner group ``only``). Reshard settings carry over by group position; prefetch lists are
         dropped."""
@@ -156,7 +166,7 @@ class Refiner:
             options = ((Move.EARLIER, a[:-step], [*a[-step:], *b]), (Move.LATER, [*a, *b[:step]], b[step:]),
                        (Move.MERGED, a + b, []))
             for what, na, nb in options:
-                if not na or (step > 1 and not nb) or time.perf_counter() >= deadline:
+                if not na or (step > 1 and not nb) or (stop is not None and self.ev.simulated >= stop):
                     continue  # a longer step moves a boundary; it never empties a group
                 segs = [[atoms[x] for x in s] for s in seq]
                 segs[k], segs[k + 1] = [atoms[x] for x in na], [atoms[x] for x in nb]
@@ -191,10 +201,11 @@ class Refiner:
             groups = [list(g.modules) for g in best.plan.inner_groups]
             reshard = [g.reshard_after_forward for g in best.plan.inner_groups]
             plan = make_plan(self.ev.trace, [*groups, *new], [*reshard, *[False] * len(new)], model=self.ev.model)
-            self.ev.evaluate(plan, best.origin + " + root emptied")
+            # the new groups hold no block: the plan checkpoints what ``best`` does
+            self.ev.checkpointing(best.plan.activation_checkpointing).evaluate(plan, best.origin + " + root emptied")
         movable = {p for a in self.atoms if a.pin is not Pin.ROOT for p in a.params}
         ok = [c for c in self.ev.seen
-              if not any(index[p] in movable for p in c.plan.root.params) and self.ev.allowed(c.plan)
+              if c.runs and not any(index[p] in movable for p in c.plan.root.params) and self.ev.allowed(c.plan)
               and c.report.reserved_memory <= best.report.reserved_memory
               and c.report.step_time <= min(best.report.step_time * (1 + slack), classic_step * (1 + 1e-9))]
         return min(ok, key=self.ev.key, default=best)
