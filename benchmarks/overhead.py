@@ -3,7 +3,7 @@
 Run: python benchmarks/overhead.py   (writes benchmarks/overhead.md and .json; about 2 minutes on 2 cores)
 
 ``calibrate --overhead`` fits the per-hook, per-param and per-op host cost from real FSDP2 on a chain of 256 tiny
-Linear layers (``runtime/overhead.py``). This benchmark then checks the fitted term out of sample: other models of
+Linear layers (``calibrate/overhead.py``). This benchmark then checks the fitted term out of sample: other models of
 small layers, each under plans from one group to one group per module, run with real ``fully_shard`` on 8 ranks of
 the fake process group on this machine's CPU (collectives return at once; the step is the host's work), beside the
 simulator's FSDP2 term for the same plan (its step time on a cluster whose links and GPU are free, less the ops'
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
+from fsdp_planner.calibrate.overhead import LAYERS, measure_overhead, time_plans
 from fsdp_planner.fmt import fmt_time
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.hardware.cluster import Link, parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
-from fsdp_planner.runtime.overhead import LAYERS, measure_overhead, time_plans
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.timeline import simulate
 from fsdp_planner.trace import trace

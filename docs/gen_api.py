@@ -26,8 +26,8 @@ SECTIONS: list[tuple[str, list[str] | None, str]] = [
      "`verify` on torchrun ranks (gloo on CPU, NCCL on GPUs)."),
     ("fsdp_planner.runtime.fake_world", ["run_fake_world", "FakeWorldResult"],
      "`verify --fake-world-size`: real FSDP2 on PyTorch's fake process group."),
-    ("fsdp_planner.hardware.calibrate", ["calibrate", "fit_logs"], "`calibrate` from nccl-tests logs."),
-    ("fsdp_planner.runtime.overhead", ["measure_overhead", "OverheadMeasurement"],
+    ("fsdp_planner.calibrate.nccl_logs", ["calibrate", "fit_logs"], "`calibrate` from nccl-tests logs."),
+    ("fsdp_planner.calibrate.overhead", ["measure_overhead", "OverheadMeasurement"],
      "`calibrate --overhead`: FSDP2's host cost, timed."),
 ]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_planner.calibrate.nccl_logs import calibrate, fit_logs, fit_samples, parse_nccl_tests, read_nccl_tests
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.hardware.calibrate import calibrate, fit_logs, fit_samples, parse_nccl_tests, read_nccl_tests
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.hardware.collectives import alpha_beta, collective_time
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from conftest import traced
 
+from fsdp_planner.calibrate.nccl_logs import fit_samples, parse_nccl_tests
 from fsdp_planner.cli import main
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.hardware.calibrate import fit_samples, parse_nccl_tests
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners import SizeBasedPolicy
 

@@ -119,7 +119,7 @@ def test_overhead_travels_in_the_cluster_file(tmp_path):
 def test_calibration_fits_a_line_real_fsdp2_follows():
     """Real FSDP2 timed on this machine: more groups cost more host time and the fitted figures are positive (how
     well the line holds is a benchmark, benchmarks/overhead.md: a shared machine's noise is no test failure)."""
-    from fsdp_planner.runtime.overhead import measure_overhead
+    from fsdp_planner.calibrate.overhead import measure_overhead
 
     m = measure_overhead(torch.device("cpu"), rounds=3)
     assert [p.hooks for p in m.plans] == [4 * p.groups for p in m.plans]

@@ -11,8 +11,8 @@ import sys
 import pytest
 from test_host_engine import host_cluster
 
+from fsdp_planner.calibrate.gloo import calibrate_gloo
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.runtime.gloo_calibrate import calibrate_gloo
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

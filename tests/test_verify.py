@@ -267,9 +267,9 @@ def test_a_killed_command_takes_its_job_with_it(tmp_path, monkeypatch):
     assert not left[0].exists()
 
 
-def _faulty_verify(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:
+def _faulty_command(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:
     """Run the CLI with a test-only fault injected into the ranks; returns its outcome, its wall time and the
-    seconds from the first rank's death to the command's end (None when no rank died before it)."""
+    seconds from the first verify rank's death to the command's end (None when no rank died before it)."""
     import uuid
 
     tmpdir = tmp_path / "tmp"
@@ -277,7 +277,7 @@ def _faulty_verify(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.C
     marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
     env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker, "FSDP_PLANNER_TEST_FAULT": fault}
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", "verify", *args], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     ranks_seen, first_death = 0, None
     try:
@@ -304,8 +304,8 @@ def _faulty_verify(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.C
 def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
     """Rank 1 SIGKILLs itself in step 1 while rank 0 waits in an all-gather: torchrun notices within its 0.1 s
     monitor interval and stops rank 0; the error names rank 1 and its signal first, rank 0's echo after."""
-    done, wall, after_death = _faulty_verify(tmp_path, "kill:1", "seed-net", "--policy", "order", "--nproc", "2",
-                                             "--steps", "2")
+    done, wall, after_death = _faulty_command(tmp_path, "kill:1", "verify", "seed-net", "--policy", "order",
+                                              "--nproc", "2", "--steps", "2")
     print(f"killed rank: command took {wall:.1f} s, {after_death} s after the first rank died")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
@@ -318,13 +318,38 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
 def test_a_rank_with_another_plan_ends_the_job_naming_it(tmp_path):
     """A rank that would apply another plan would issue other collectives (a hang, or garbage): the ranks compare
     plans before sharding and stop with the rank's number."""
-    done, wall, _ = _faulty_verify(tmp_path, "plan:1", "seed-net", "--policy", "order", "--nproc", "2", "--steps",
-                                   "1")
+    done, wall, _ = _faulty_command(tmp_path, "plan:1", "verify", "seed-net", "--policy", "order", "--nproc", "2",
+                                    "--steps", "1")
     print(f"plan mismatch: command took {wall:.1f} s")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: verify job failed: ranks 0, 1 raised RuntimeError: rank 1 has a different "
                                   "plan than rank 0"), done.stderr
     assert wall < 120
+
+
+# every torchrun job's worker, each through runtime/rank.py: (command, what its failure is called)
+WORKER_JOBS = {
+    "fsdp2": (["verify", "seed-net", "--policy", "order", "--nproc", "2", "--steps", "1"], "verify job"),
+    "fsdp1": (["verify", "seed-net", "--policy", "order", "--nproc", "2", "--steps", "1", "--fsdp1"], "verify job"),
+    "gloo-calibration": (["calibrate", "--backend", "gloo", "--nproc", "2"], "calibration job"),
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("worker", list(WORKER_JOBS))
+def test_a_rank_that_raises_is_the_first_line_of_every_jobs_command(tmp_path, worker):
+    """Rank 1 raises as its work starts (``raise:1``): whichever worker runs, the command fails with that rank's
+    exception on its first line, read from the one error file every rank writes, not torchrun's summary."""
+    args, what = WORKER_JOBS[worker]
+    out = tmp_path / "cluster.json"
+    extra = ["--out", str(out)] if args[0] == "calibrate" else []
+    done, wall, _ = _faulty_command(tmp_path, "raise:1", *args, *extra)
+    print(f"{worker}: command took {wall:.1f} s")
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]  # e.g. more ranks than cores
+    assert lines[0].startswith(f"error: {what} failed: rank 1 raised RuntimeError: test fault: rank 1 raised on "
+                               "purpose"), done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
 
 
 GROWS_MODEL = '''

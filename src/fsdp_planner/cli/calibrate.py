@@ -10,16 +10,14 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from fsdp_planner.calibrate.gloo import MAX_NPROC, calibrate_gloo
+from fsdp_planner.calibrate.nccl_logs import calibrate
+from fsdp_planner.calibrate.overhead import OverheadMeasurement, measure_overhead
 from fsdp_planner.cli import render
 from fsdp_planner.cli.requests import add_json, output_file
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.hardware.calibrate import calibrate
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-
-if TYPE_CHECKING:
-    from fsdp_planner.runtime.overhead import OverheadMeasurement
 
 DEFAULT_BASE = "h100:8"
 
@@ -74,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurement]:
-    from fsdp_planner.runtime.overhead import measure_overhead
-
     with render.progress("timing real FSDP2 (fake process group) with 1 to 256 groups"):
         m = measure_overhead()
     overhead = m.overhead
@@ -89,8 +85,6 @@ def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurem
 
 def run_gloo(args: argparse.Namespace) -> int:
     """``--backend gloo --nproc N``: the cluster of N CPU ranks, measured in a torchrun job."""
-    from fsdp_planner.runtime.gloo_calibrate import MAX_NPROC, calibrate_gloo
-
     if args.logs or args.overhead or args.base:
         raise PlannerError("--backend gloo measures this machine's CPU ranks on its own: give no nccl-tests logs, "
                            "--overhead or --base with it")

@@ -14,14 +14,14 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fsdp_planner.calibrate.gloo import GlooMeasurement
+from fsdp_planner.calibrate.overhead import OverheadMeasurement
 from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation
-from fsdp_planner.runtime.gloo_calibrate import GlooMeasurement
-from fsdp_planner.runtime.overhead import OverheadMeasurement
 from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
 from fsdp_planner.sim.memory import MemoryBreakdown

@@ -76,7 +76,7 @@ class Overhead:
     of the GPU this is hidden; when it falls behind, the GPU waits (``sim/timeline.py``). FSDP2's copy-in (the
     all-gather input, the reduce-scatter input) and copy-out (``split_with_sizes_copy`` into the unsharded params,
     on the compute stream) run at ``copy_bandwidth``. ``calibrate --overhead`` measures all four on the machine it
-    runs on (``runtime/overhead.py``). On the host engine (CPU ranks, ``Engine.HOST``) ``op_seconds`` corrects each
+    runs on (``calibrate/overhead.py``). On the host engine (CPU ranks, ``Engine.HOST``) ``op_seconds`` corrects each
     measured op time instead, and may be negative (``sim/host_engine.py``, ``calibrate --backend gloo``).
     """
 

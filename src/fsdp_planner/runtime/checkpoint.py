@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 META = "fsdp-planner.json"
 REFERENCE = "reference.pt"
@@ -55,8 +58,6 @@ def digests(state: dict[str, Any]) -> dict[str, str]:
 def state_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
     """``digests`` of the full model and optimizer state: what must be equal whatever world size and plan hold the
     state. A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     return digests({"model": model_sd, "optim": optim_sd})
 
@@ -64,10 +65,6 @@ def state_digests(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
 def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, reference: nn.Module,
                     ref_optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
     """Every rank calls it; rank 0 writes the metadata and the reference."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
     digests = state_digests(model, optimizer)
@@ -85,9 +82,6 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
                     ref_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore the sharded state (resharded onto this world size and plan) and the reference; report whether the
     restored full state is the saved one, tensor by tensor."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this plan's shards: DCP fills them in place
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=directory)

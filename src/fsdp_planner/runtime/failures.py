@@ -1,5 +1,5 @@
-"""Why a verify job failed, told from what its ranks left: each rank's exception (``worker.py`` writes it as
-JSON beside the result) and each rank's exit status (``launch.py`` records torchrun's).
+"""Why a torchrun job failed, told from what its ranks left: each rank's exception (``rank.py`` writes it with
+``write_failure``, JSON beside the result) and each rank's exit status (``launch.py`` records torchrun's).
 
 One rank's failure takes the others down with it: a rank that dies mid-step leaves its peers' collectives with a
 closed connection (gloo raises "Connection reset by peer"), and torchrun then stops every rank still running with
@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import re
 import signal
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-ERROR_SUFFIX = ".error"  # the worker writes RESULT.rankN.error; the launcher writes EXITS
+import torch.distributed as dist
+
+ERROR_SUFFIX = ".error"  # a rank writes RESULT.rankN.error; the launcher writes EXITS
 MAX_MESSAGE = 300
 MAX_FRAMES = 3
 # wrappers in every module call and every collective, telling nothing of where it failed
@@ -60,6 +63,16 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def error_file(result_path: Path, rank: int) -> Path:
+    """Where ``rank`` leaves its exception: beside the result, one file per rank (``read_failures`` finds them)."""
+    return result_path.with_name(f"{result_path.name}.rank{rank}{ERROR_SUFFIX}")
+
+
+def write_failure(result_path: Path, rank: int, e: BaseException) -> None:
+    """Leave the rank's exception where the launcher reads it: torchrun's summary drops the rank's traceback."""
+    error_file(result_path, rank).write_text(json.dumps(describe_exception(e)))
 
 
 def read_failures(result_path: Path, exits_path: Path) -> list[RankFailure]:
@@ -108,10 +121,6 @@ def _grouped(failures: list[RankFailure]) -> list[str]:
 def describe_exception(e: BaseException) -> dict:
     """What a rank writes when it raises: ``Type: message``, its innermost frames, and whether the communication
     backend raised it (gloo's errors name their source; NCCL's are ``DistError``)."""
-    import traceback
-
-    import torch.distributed as dist
-
     message = " ".join(str(e).split())
     backend = isinstance(e, dist.DistError) or "/gloo/" in message
     if backend:  # gloo's source path and generic advice say nothing about what happened

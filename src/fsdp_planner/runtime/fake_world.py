@@ -22,20 +22,24 @@ import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.errors import PlannerError
-
-if TYPE_CHECKING:
-    from fsdp_planner.models import ModelSpec
+from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, resolve_factory
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import Precision, ZeroGrad
 from fsdp_planner.sim.timeline import StepReport
+from fsdp_planner.trace.recorder import default_loss, split_inputs
 
 MAX_FAKE_WORLD = 1 << 20
 
@@ -132,8 +136,6 @@ def check_precision(precision: Precision) -> None:
 
 def mixed_precision(precision: Precision, model: torch.nn.Module) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     check_precision(precision)
     dtypes = {2: torch.bfloat16, 4: torch.float32}
     storage = dtypes[precision.param_bytes]
@@ -151,14 +153,6 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                    steps: int = 2, zero_grad: ZeroGrad = ZeroGrad.NONE) -> FakeWorldResult:
     """Apply ``plan`` to the model ``spec`` names with real FSDP2 on ``world_size`` fake ranks and train
     ``steps`` steps (at least 2); counts, bytes and memory are the last step's."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
-    from fsdp_planner.models import as_spec, factory_kwargs, resolve_factory
-    from fsdp_planner.trace.recorder import default_loss, split_inputs
-
     if not 1 <= world_size <= MAX_FAKE_WORLD:
         raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD}, got {world_size}")
     if steps < 2:

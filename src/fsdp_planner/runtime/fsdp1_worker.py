@@ -4,7 +4,7 @@ As ``worker.py`` but the plan runs as FSDP1 ``FullyShardedDataParallel`` with th
 (``fsdp2/fsdp1.py``): K SGD steps beside an unsharded reference on the same data, the all-gathers and
 reduce-scatters counted per step (FSDP1 calls them through the ``torch.distributed`` module too), the parameters
 compared under ``summon_full_params``, and the module names FSDP1 wrapped reported for the launcher to compare
-with the plan's groups.
+with the plan's groups. ``rank.run_rank`` starts and ends the rank and reports a failure.
 """
 
 from __future__ import annotations
@@ -17,25 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel
 
+from fsdp_planner.fsdp2.fsdp1 import clean_name, fsdp1_kwargs, wrapped_units
 from fsdp_planner.hardware.collectives import CollectiveKind
-from fsdp_planner.runtime.worker import (
-    MOMENTUM,
-    CollectiveCounter,
-    build_job,
-    end_rank,
-    parity,
-    start_rank,
-    train_steps,
-)
+from fsdp_planner.runtime.rank import run_rank
+from fsdp_planner.runtime.worker import MOMENTUM, CollectiveCounter, build_job, parity, train_steps
 
 
 @contextmanager
 def counting_list_all_gather(counter: CollectiveCounter) -> Iterator[None]:
     """FSDP1 all-gathers a CPU flat parameter with ``dist.all_gather`` into a list of chunks (GPU: the
     ``all_gather_into_tensor`` family ``CollectiveCounter`` wraps): count those too, at the unsharded size."""
-    import torch.distributed as dist
-
     original = dist.all_gather
 
     def wrapper(tensor_list: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -54,10 +48,6 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
            world: int) -> dict[str, Any]:
     """K steps of the FSDP1 model beside the reference, as the FSDP2 job runs them (``worker.train_steps``), then
     parity on the gathered params; what rank 0 reports."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from fsdp_planner.fsdp2.fsdp1 import clean_name
-
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"], momentum=MOMENTUM)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"],
                               momentum=MOMENTUM)
@@ -68,25 +58,8 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
     return {**result, **checked}
 
 
-def worker(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
-    device, rank, world = start_rank()
-    try:
-        _run(job, device, rank, world)
-    except (Exception, SystemExit) as e:
-        Path(f"{job['result']}.rank{rank}.error").write_text(f"{type(e).__name__}: {' '.join(str(e).split())[:500]}")
-        raise
-    finally:
-        end_rank()
-
-
 def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     """The job on this rank as FSDP1 units; rank 0 writes the result."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from fsdp_planner.fsdp2.fsdp1 import fsdp1_kwargs, wrapped_units
-
     model, reference, plan = build_job(job, device)
     # device_id: FSDP1 on CPU needs it said explicitly (it otherwise looks for a CUDA device)
     model = FullyShardedDataParallel(model, device_id=device, **fsdp1_kwargs(plan, model))
@@ -99,4 +72,4 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    run_rank(sys.argv[1], _run)

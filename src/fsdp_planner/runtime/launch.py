@@ -7,11 +7,15 @@ no other trace: it wrote nothing) but only prints it in a summary meant for peop
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
 import sys
 from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
 
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
 
@@ -20,8 +24,6 @@ def follow_parent() -> None:
     """End with the command that started the job, even when it is killed by SIGKILL and cannot stop the job
     itself: Linux sends this process SIGTERM then (``PR_SET_PDEATHSIG``), and torchrun ends its ranks on SIGTERM.
     Where prctl does not exist the command's own handlers are all there is."""
-    import ctypes
-
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -33,9 +35,6 @@ def follow_parent() -> None:
 
 def main(argv: list[str]) -> int:
     follow_parent()
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     exits_path, torchrun_args = Path(argv[0]), argv[1:]
     try:
         run(parse_args(torchrun_args))

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.collectives import CollectiveKind
-from fsdp_planner.models import ModelSpec, as_spec
+from fsdp_planner.models import ModelSpec, as_spec, planning_only
 from fsdp_planner.runtime.checkpoint import META, read_meta
 from fsdp_planner.runtime.failures import explain, read_failures
 from fsdp_planner.runtime.launch import PARENT_ENV
@@ -347,8 +348,6 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     checkpoint (any world size and plan) and save one. ``fsdp1``: run the plan as FSDP1
     ``FullyShardedDataParallel`` units (``fsdp1_worker.py``; no checkpoints). ``timed_steps``: then time that many
     steps of the sharded model alone (``worker.time_steps``; FSDP2 only)."""
-    from fsdp_planner.models import planning_only
-
     model = as_spec(model)
     spec = model.name
 
@@ -391,8 +390,6 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
 def predict_fsdp1(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
     """Per-step FSDP1 all-gather / reduce-scatter counts and bytes (``fsdp1_collectives``): one flat parameter per
     unit, so other bytes than FSDP2's; none on one rank."""
-    from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes, fsdp1_collectives
-
     kinds = [] if world_size == 1 else [(c.kind.value, c.group) for c in fsdp1_collectives(trace, plan, world_size)]
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     for kind, _ in kinds:

@@ -4,14 +4,14 @@ Every rank builds the same model, keeps an unsharded reference copy, applies the
 steps on its own micro-batch while the reference trains on all ranks' micro-batches (loss divided by the world
 size, as FSDP averages gradients), both with SGD (momentum 0.9); then times the sharded model's steps alone
 (``time_steps``). Collectives are counted by wrapping the ``torch.distributed`` functions FSDP2 calls. Rank 0
-writes the results as JSON; a rank that raises writes its exception beside them (``failures.py``). Before
+writes the results as JSON; ``rank.run_rank`` starts and ends the rank and reports a failure. Before
 sharding, the ranks check that they build the same model and apply the same plan (a rank that differs would issue
 other collectives: a hang or garbage, not an error). The job may start from a distributed checkpoint and save one
 (``checkpoint.py``); the data of step s is the same whatever run reaches it.
 
-Test-only fault injection (never set it otherwise): ``FSDP_PLANNER_TEST_FAULT=kill:R`` makes rank R SIGKILL
-itself at the start of step 1 (its peers are then in a collective); ``plan:R`` makes rank R apply the plan with
-its first group's ``reshard_after_forward`` flipped.
+Test-only fault injection (never set it otherwise; ``rank.injected_fault``): ``FSDP_PLANNER_TEST_FAULT=kill:R``
+makes rank R SIGKILL itself at the start of step 1 (its peers are then in a collective); ``plan:R`` makes rank R
+apply the plan with its first group's ``reshard_after_forward`` flipped.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import json
 import math
 import os
@@ -27,22 +28,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
+from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.collectives import CollectiveKind
-from fsdp_planner.models import ModelSpec
-from fsdp_planner.runtime.failures import describe_exception
+from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
+from fsdp_planner.runtime.rank import injected_fault, run_rank
+from fsdp_planner.trace.recorder import default_loss, model_fingerprint, split_inputs
 
 MOMENTUM = 0.9  # SGD with momentum: an optimizer with state, which a checkpoint must carry across world sizes
-# A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
-# rank does the same work between collectives, so a healthy job never waits near this.
-COLLECTIVE_TIMEOUT_S = 120
-FAULT_ENV = "FSDP_PLANNER_TEST_FAULT"
 
 _COUNTED = {
     "all_gather_single": CollectiveKind.ALL_GATHER,
@@ -65,8 +66,6 @@ class CollectiveCounter:
         self._local = threading.local()
 
     def _wrap(self, kind: CollectiveKind, fn: Callable[..., Any]) -> Callable[..., Any]:
-        import inspect
-
         # nccl-tests' size: the unsharded side (all-gather output, reduce-scatter input), an all-reduce's buffer
         signature = inspect.signature(fn)
         counted = list(signature.parameters)[1 if kind is CollectiveKind.REDUCE_SCATTER else 0]
@@ -86,8 +85,6 @@ class CollectiveCounter:
         return wrapper
 
     def __enter__(self) -> CollectiveCounter:
-        import torch.distributed as dist
-
         for name, kind in _COUNTED.items():
             if hasattr(dist, name):
                 self._orig[name] = getattr(dist, name)
@@ -95,8 +92,6 @@ class CollectiveCounter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
         for name, fn in self._orig.items():
             setattr(dist, name, fn)
 
@@ -110,19 +105,12 @@ class CollectiveCounter:
 def batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
     """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed (the same in
     every run that reaches that step)."""
-    from fsdp_planner.models import load_model
-    from fsdp_planner.trace.recorder import default_loss
-
     lm = load_model(spec, meta=False, seed=base_seed + 1000 * (step + 1) + rank)
     return lm.example_inputs, lm.loss_fn or default_loss
 
 
 def call_model(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
     """The model on one batch, moved to ``device`` (the example inputs' tuple or dict form)."""
-    from torch.utils._pytree import tree_map_only
-
-    from fsdp_planner.trace.recorder import split_inputs
-
     args, kwargs = split_inputs(tree_map_only(torch.Tensor, lambda t: t.to(device), inputs))
     return model(*args, **kwargs)
 
@@ -147,13 +135,11 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
                 counting: Callable[[CollectiveCounter], Any] = contextlib.nullcontext) -> dict[str, Any]:
     """K steps of the sharded model (FSDP2 or FSDP1) and the unsharded reference on the same data: the collectives
     counted per step (``counting``: more the counter must see) and the global batch's losses of both."""
-    import torch.distributed as dist
-
     counted, counted_bytes, losses, ref_losses = [], [], [], []
     counter = CollectiveCounter()
     start = job.get("start_step", 0)
     for step in range(start, start + job["steps"]):
-        if _fault(rank) == "kill" and step == start + 1:
+        if injected_fault(rank) == "kill" and step == start + 1:
             os.kill(os.getpid(), signal.SIGKILL)
         batches = [batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
         inputs, loss_fn = batches[rank]
@@ -233,8 +219,6 @@ def time_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], tor
 
 def _timed_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
                  steps: int) -> list[float]:
-    import torch.distributed as dist
-
     seconds = []
     for _ in range(steps + 1 if steps else 0):  # the first one untimed: it follows other work (warm-up)
         dist.barrier()
@@ -252,19 +236,9 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fault(rank: int) -> str | None:
-    """The test-only fault aimed at this rank, if any (see the module's docstring)."""
-    kind, _, target = os.environ.get(FAULT_ENV, "").partition(":")
-    return kind if target == str(rank) else None
-
-
 def _check_same_job(model: torch.nn.Module, plan: Plan, world: int) -> str:
     """Every rank must build the same model and apply the same plan; name the ranks that do not (as rank 0).
     Returns the model's fingerprint."""
-    import torch.distributed as dist
-
-    from fsdp_planner.trace.recorder import model_fingerprint
-
     mine = (model_fingerprint(model), repr(plan.signature()))
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -278,64 +252,18 @@ def _check_same_job(model: torch.nn.Module, plan: Plan, world: int) -> str:
     return mine[0]
 
 
-def start_rank() -> tuple[torch.device, int, int]:
-    """Join torchrun's process group: NCCL on this rank's GPU when there is one, gloo on the CPU otherwise, with
-    collectives that time out (a peer that hangs ends the job instead of blocking it for gloo's 30 minutes)."""
-    import torch.distributed as dist
-
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def end_rank() -> None:
-    """Leave the process group. The job's FSDP modules and meshes hold it: collected first (their reference cycles
-    need ``gc``), else the gloo backend outlives ``destroy_process_group`` and its threads may abort the exiting
-    process (``terminate called without an active exception``, about 1 exit in 10 on a 2-vCPU VM)."""
-    import torch.distributed as dist
-
-    gc.collect()
-    dist.destroy_process_group()
-
-
 def build_job(job: dict, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module, Plan]:
     """The job's model on ``device`` (seeded: every rank builds the same), an unsharded copy as the reference, and
     the plan."""
-    from fsdp_planner.models import load_model
-
     torch.use_deterministic_algorithms(True, warn_only=True)
     model = load_model(ModelSpec.from_json(job["model"]), meta=False, seed=job["seed"]).model.to(device)
     return model, copy.deepcopy(model), Plan.from_json(job["plan"])
 
 
-def worker(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
-    device, rank, world = start_rank()
-    try:
-        _run(job, device, rank, world)
-    except (Exception, SystemExit) as e:
-        # torchrun's summary drops the rank's traceback: leave the cause where the launcher reads it (a sys.exit in
-        # the model's code too: with status 0 the job would otherwise look finished, with no result)
-        Path(f"{job['result']}.rank{rank}.error").write_text(json.dumps(describe_exception(e)))
-        if isinstance(e, SystemExit):
-            raise SystemExit(1) from e
-        raise
-    finally:
-        end_rank()
-
-
 def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     """The job on this rank: train beside the reference, check, checkpoint, time; rank 0 writes the result."""
-    import torch.distributed as dist
-
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
-    from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
-
     model, reference, plan = build_job(job, device)
-    if _fault(rank) == "plan":
+    if injected_fault(rank) == "plan":
         plan = plan.copy()
         plan.groups[0].reshard_after_forward = not plan.groups[0].reshard_after_forward
     fingerprint = _check_same_job(model, plan, world)
@@ -361,4 +289,4 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    run_rank(sys.argv[1], _run)

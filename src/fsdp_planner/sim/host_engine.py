@@ -84,7 +84,7 @@ class HostRank:
         name = fmt_modules(self.plan.groups[c.group].modules, 1)
         copy_in = nbytes / ctx.shard / bandwidth if c.kind is AG else nbytes / bandwidth if c.kind is RS else 0.0
         if ctx.table(c.kind, c.ranks) is not None:
-            copy_in = 0.0  # measured as FSDP2 runs it, copy-in included (calibrate_worker.sweep)
+            copy_in = 0.0  # measured as FSDP2 runs it, copy-in included (calibrate/worker.py: sweep)
         self.copy += copy_in
         self._spend(copy_in, Stream.COMPUTE, f"copy-in {name}", Work.COPY_OUT, c.group)
         alpha, per_byte, _ = ctx.link(c.kind, c.ranks, nbytes)

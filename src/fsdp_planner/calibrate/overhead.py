@@ -26,13 +26,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_map
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Overhead
 from fsdp_planner.models import LoadedModel
+from fsdp_planner.runtime.measure import local_device
+from fsdp_planner.trace import trace
+from fsdp_planner.trace.recorder import default_loss, split_inputs
 from fsdp_planner.trace.records import Trace
 
 LAYERS = 256  # tiny layers in the measured chain
@@ -97,8 +105,6 @@ def chain_model() -> LoadedModel:
 
 def chain_trace() -> Trace:
     """The chain's trace, on meta tensors."""
-    from fsdp_planner.trace import trace
-
     with torch.device("meta"):
         meta = _Chain()
     return trace(meta, (_inputs("meta"),), _sum)
@@ -127,16 +133,12 @@ def fastest_steps(steps: list[Callable[[], None]], device: torch.device, rounds:
 def chain_plan(traced: Trace, k: int) -> Plan:
     """The chain under FSDP2: one group per ``k`` layers (a list group when k > 1), or with ``k`` 0 the root alone.
     The root-alone plan and the one-list-group plan differ in nothing but 255 modules' FSDPState hooks."""
-    from fsdp_planner.fsdp2.claim import make_plan
-
     if k == 0:
         return make_plan(traced, [])
     return make_plan(traced, [[f"layers.{i}" for i in range(s, s + k)] for s in range(0, LAYERS, k)])
 
 
 def training_step(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[], None]:
-    from fsdp_planner.trace.recorder import split_inputs
-
     args, kwargs = split_inputs(inputs)
 
     def step() -> None:
@@ -151,12 +153,6 @@ def time_plans(build: Callable[[], LoadedModel], plans: Sequence[Plan | None], d
                rounds: int = 7) -> list[float]:
     """The fastest training step (forward, loss, backward) of a fresh model from ``build`` under each plan
     (``None``: no FSDP), applied with real ``fully_shard`` over ``WORLD`` ranks of the fake process group."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
-    from fsdp_planner.trace.recorder import default_loss
-
     if dist.is_initialized():
         raise PlannerError("timing FSDP2 needs a process without a torch.distributed process group")
     steps = []
@@ -195,9 +191,6 @@ def copy_bandwidth(device: torch.device, rounds: int) -> float:
 def measure_overhead(device: torch.device | None = None, rounds: int = 7,
                      progress: Callable[[str], None] | None = None) -> OverheadMeasurement:
     """Time the chain without FSDP and under each plan of ``GROUP_SIZES``, and fit ``Overhead``."""
-    from fsdp_planner.fsdp2.replay import build_schedule
-    from fsdp_planner.runtime.measure import local_device
-
     device = device or local_device()
     traced = chain_trace()
     ops = sum(e.is_op for e in traced.events)

@@ -1,12 +1,14 @@
-"""One rank of ``calibrate --backend gloo``, run under torchrun: ``python -m fsdp_planner.runtime.calibrate_worker
-JOB.json``. Rank 0 writes what every rank measured together (``gloo_calibrate.py`` fits it):
+"""One rank of ``calibrate --backend gloo``, run under torchrun: ``python -m fsdp_planner.calibrate.worker
+JOB.json``. Rank 0 writes what every rank measured together (``gloo.py`` fits it); ``runtime.rank.run_rank`` starts
+and ends the rank (gloo on the CPU, even beside a GPU) and reports a failure. It measures:
 
 - the collectives FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``) over a sweep of sizes, with the
   buffers FSDP2 allocates and copies into for them, median seconds of each (a barrier before each call: every rank
   starts it together, as in a step);
 - the chain of tiny layers of ``overhead.py`` trained for real: without FSDP, and under FSDP2 plans of the root
   alone, and one list group down to one group per layer (``overhead.chain_plan``), median seconds of steps
-  run back to back as ``verify`` times them (``worker.time_steps``: a barrier before each), the plans taking turns;
+  run back to back as ``verify`` times them (``runtime.worker.time_steps``: a barrier before each), the plans
+  taking turns;
 - the chain's per-op times as ``--measure`` times them, to split the step without FSDP into the ops and what the
   framework spends around them;
 - this CPU's one-thread fp32 matmul rate and copy bandwidth (the roofline of a model traced without ``--measure``).
@@ -22,8 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from fsdp_planner.runtime.failures import describe_exception
+from fsdp_planner.calibrate.overhead import (
+    chain_model,
+    chain_plan,
+    chain_trace,
+    copy_bandwidth,
+    fastest_steps,
+    training_step,
+)
+from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
+from fsdp_planner.runtime.rank import run_rank
 
 WARMUP = 2
 STEP_SECONDS = 2.0  # each chain plan is timed for at least this long, over all its turns
@@ -35,8 +48,6 @@ def _timed(fn: Any, reps: int, min_seconds: float = 0.0) -> list[float]:
     """Seconds of ``fn`` over ``reps`` calls, or more until they took ``min_seconds`` (a fast step wants more
     samples; rank 0 decides, so every rank makes the same calls), after warm-up calls; all ranks start each call
     together."""
-    import torch.distributed as dist
-
     for _ in range(WARMUP):  # gloo sets up each new size's buffers and pairs on first use
         fn()
     times: list[float] = []
@@ -56,8 +67,6 @@ def sweep(sizes: list[int], world: int, reps: int) -> dict[str, list[tuple[int, 
     FSDP2 runs it on a CPU: its input allocated and copied in, its output allocated, every call (there is no caching
     allocator on a CPU: a buffer of 32 MiB or more is fresh pages from the OS each time, which a collective into a
     reused buffer would not show)."""
-    import torch.distributed as dist
-
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
@@ -88,10 +97,6 @@ def time_chain(group_sizes: list[int], world: int, rounds: int, seconds: float =
     then steps back to back for ``seconds / rounds`` (as ``verify`` times them: its own caches warm), so a
     machine that is slower for a minute slows every plan alike instead of one. ``repeats``: of the per-op timing
     (default ``CPU_RANK_REPEATS``)."""
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
-    from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
-    from fsdp_planner.runtime.overhead import chain_model, chain_plan, chain_trace, training_step
-
     traced = chain_trace()
     steps = []
     for k in [None, *group_sizes]:
@@ -113,38 +118,25 @@ def time_chain(group_sizes: list[int], world: int, rounds: int, seconds: float =
 
 def cpu_rates(reps: int = 5) -> tuple[float, float]:
     """(fp32 matmul FLOP/s, copy bytes/s) of one thread of this CPU."""
-    from fsdp_planner.runtime.overhead import copy_bandwidth, fastest_steps
-
     a, b = torch.randn(MATMUL, MATMUL), torch.randn(MATMUL, MATMUL)
     cpu = torch.device("cpu")
     return 2 * MATMUL**3 / fastest_steps([lambda: torch.mm(a, b)], cpu, reps)[0], copy_bandwidth(cpu, reps)
 
 
-def worker(job_path: str) -> None:
-    import torch.distributed as dist
-
-    from fsdp_planner.runtime.worker import end_rank, start_rank
-
-    job = json.loads(Path(job_path).read_text())
-    _, rank, world = start_rank()
-    try:
-        # the chain first: the sweep's large buffers would leave this rank's heap larger than a small model's
-        plain, plans, op_seconds = time_chain(job["group_sizes"], world, job["rounds"],
-                                              job.get("seconds", STEP_SECONDS), job.get("repeats", 0))
-        collectives = sweep(job["sizes"], world, job["reps"])
-        flops, copy = cpu_rates()
-        if rank == 0:
-            Path(job["result"]).write_text(json.dumps({
-                "world": world, "collectives": collectives, "plain_seconds": plain, "plan_seconds": plans,
-                "op_seconds": op_seconds, "matmul_flops": flops, "copy_bandwidth": copy,
-                "threads": torch.get_num_threads()}))
-        dist.barrier()
-    except (Exception, SystemExit) as e:
-        Path(f"{job['result']}.rank{rank}.error").write_text(json.dumps(describe_exception(e)))
-        raise
-    finally:
-        end_rank()
+def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
+    """The measurements on this rank; rank 0 writes them."""
+    # the chain first: the sweep's large buffers would leave this rank's heap larger than a small model's
+    plain, plans, op_seconds = time_chain(job["group_sizes"], world, job["rounds"],
+                                          job.get("seconds", STEP_SECONDS), job.get("repeats", 0))
+    collectives = sweep(job["sizes"], world, job["reps"])
+    flops, copy = cpu_rates()
+    if rank == 0:
+        Path(job["result"]).write_text(json.dumps({
+            "world": world, "collectives": collectives, "plain_seconds": plain, "plan_seconds": plans,
+            "op_seconds": op_seconds, "matmul_flops": flops, "copy_bandwidth": copy,
+            "threads": torch.get_num_threads()}))
+    dist.barrier()
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    run_rank(sys.argv[1], _run, cpu=True)

@@ -1,10 +1,10 @@
 """``calibrate --backend gloo --nproc N``: a cluster of N CPU ranks on gloo, measured in a real torchrun job.
 
-The job (``calibrate_worker.py``) times the collectives FSDP2 calls over a sweep of sizes, the chain of tiny layers
+The job (``worker.py``) times the collectives FSDP2 calls over a sweep of sizes, the chain of tiny layers
 of ``overhead.py`` under FSDP2 plans of 1 to 256 groups, and the chain's per-op times. Fitted here:
 - each collective's measured times, made non-decreasing in size (``monotone``), as the cluster's ``tables``
   (which the host engine interpolates: on a CPU the time per byte changes with size), and its line
-  ``alpha + (N-1)/N * bytes / busbw`` (``hardware.calibrate.fit_samples``, the fit of nccl-tests logs) as its
+  ``alpha + (N-1)/N * bytes / busbw`` (``nccl_logs.fit_samples``, the fit of nccl-tests logs) as its
   ``fits``, for display and for groups of fewer ranks;
 - ``op_seconds``: the step without FSDP less its measured ops, per op: what a measured op time leaves out
   (autograd, module calls) less what timing each op adds to it (negative when that is more);
@@ -24,19 +24,25 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
+from fsdp_planner.calibrate.nccl_logs import fit_samples
+from fsdp_planner.calibrate.overhead import GROUP_SIZES, LAYERS, PlanTiming, chain_plan, chain_trace
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.hardware.calibrate import fit_samples
+from fsdp_planner.fsdp2.replay import build_schedule, state_hook_calls
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine, Link, Overhead
 from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.runtime.measure import host_memory
-from fsdp_planner.runtime.overhead import GROUP_SIZES, LAYERS, PlanTiming, chain_plan
+from fsdp_planner.runtime.verify import run_torchrun, signals_raise
+from fsdp_planner.sim.timeline import simulate
 
 # 4 KiB .. 64 MiB by factors of 2, and 12, 24 and 48 MiB: a CPU's time per byte jumps where a collective's buffers
 # outgrow its last-level cache (32 MiB on this project's host), and interpolating across that jump misprices sizes
 SIZES = tuple(sorted({4096 * 2**i for i in range(15)} | {3 << 22, 3 << 23, 3 << 24}))
 QUICK_SIZES = (4096, 1 << 20, 8 << 20)  # far enough apart that noise cannot hide the growth
 REPS = 15  # calls per size (a third of it above 1 MiB)
-ROUNDS = 5  # turns the plans take (calibrate_worker.time_chain)
+ROUNDS = 5  # turns the plans take (worker.time_chain)
 MAX_NPROC = 64
 
 
@@ -71,8 +77,6 @@ class GlooMeasurement:
 def calibrate_gloo(nproc: int, quick: bool = False, timeout: float = 600.0) -> tuple[Cluster, GlooMeasurement]:
     """Run the calibration job on ``nproc`` local gloo ranks and fit the cluster (``quick``: fewer sizes, plans
     and rounds; for tests)."""
-    from fsdp_planner.runtime.verify import run_torchrun, signals_raise
-
     if not 2 <= nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} for --backend gloo (a collective needs two "
                            f"ranks), got {nproc}")
@@ -82,16 +86,12 @@ def calibrate_gloo(nproc: int, quick: bool = False, timeout: float = 600.0) -> t
     if quick:
         job.update(seconds=0.6, repeats=3)
     with signals_raise():
-        data, _ = run_torchrun("fsdp_planner.runtime.calibrate_worker", nproc, timeout, "calibration job", job)
+        data, _ = run_torchrun("fsdp_planner.calibrate.worker", nproc, timeout, "calibration job", job)
     return fit(data, group_sizes)
 
 
 def fit(data: dict, group_sizes: list[int]) -> tuple[Cluster, GlooMeasurement]:
     """The cluster and the measurement from what the calibration job wrote."""
-    from fsdp_planner.fsdp2.replay import build_schedule, state_hook_calls
-    from fsdp_planner.runtime.overhead import chain_trace
-    from fsdp_planner.sim.timeline import simulate
-
     world = int(data["world"])
     fits = []
     for kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
@@ -133,16 +133,12 @@ def relative_fit(features: list[tuple[float, ...]], residuals: list[float], step
     """``residual = features . x`` by least squares of each plan's error relative to its step: the one-group plan
     (tens of ms) counts as much as the 256-group one (a second), so the intercept, FSDP2's per-param cost, is
     pinned by the plans where it matters."""
-    import numpy as np
-
     w = 1 / np.asarray(steps)
     x, *_ = np.linalg.lstsq(np.asarray(features) * w[:, None], np.asarray(residuals) * w, rcond=None)
     return [float(v) for v in x]
 
 
 def _source(data: dict) -> str:
-    import torch
-
     return (f"calibrate --backend gloo: FSDP2 {torch.__version__} on {data['world']} gloo ranks of this machine "
             f"({os.cpu_count()} cores, {data['threads']} thread(s) per rank), {LAYERS} tiny layers")
 

@@ -1,0 +1,84 @@
+"""One torchrun rank's life, the same for every job: ``run_rank(job_path, body)``.
+
+Each job's worker (``worker.py`` for verify, ``fsdp1_worker.py`` for verify --fsdp1, ``calibrate/worker.py`` for
+calibrate --backend gloo) is ``python -m MODULE JOB.json`` and hands its own work to ``run_rank``, which reads the
+job, joins the process group, runs the work and leaves the process group. How a rank ends, as the launcher
+(``verify.run_torchrun``) reads it:
+
+- status 0: the work returned (rank 0 wrote the job's ``result`` file);
+- status 1: the work raised; the exception is in ``RESULT.rankN.error`` (``failures.write_failure``), and a
+  ``sys.exit`` in the model's code counts as raising, whatever its status (with 0 the job would look finished,
+  with no result);
+- killed by a signal: no file; ``launch.py`` records the signal.
+
+Test-only fault injection (never set it otherwise): ``FSDP_PLANNER_TEST_FAULT=KIND:R`` aims a fault at rank R
+(``injected_fault``); ``raise:R`` makes it raise before its work starts, the other kinds are the workers' own.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_planner.runtime.failures import write_failure
+
+# A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
+# rank does the same work between collectives, so a healthy job never waits near this.
+COLLECTIVE_TIMEOUT_S = 120
+FAULT_ENV = "FSDP_PLANNER_TEST_FAULT"
+
+Body = Callable[[dict[str, Any], torch.device, int, int], None]  # (job, device, rank, world size)
+
+
+def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
+    """Run ``body`` as this rank of the job in ``job_path`` (``cpu``: gloo on the CPU even beside a GPU); a
+    failure is written for the launcher before it ends the rank (see the module's docstring)."""
+    job = json.loads(Path(job_path).read_text())
+    device, rank, world = start_rank(cpu)
+    try:
+        if injected_fault(rank) == "raise":
+            raise RuntimeError(f"test fault: rank {rank} raised on purpose ({FAULT_ENV}=raise:{rank})")
+        body(job, device, rank, world)
+    except (Exception, SystemExit) as e:
+        write_failure(Path(job["result"]), rank, e)
+        traceback.clear_frames(e.__traceback__)  # the failed work's locals (its FSDP modules): for end_rank's gc
+        if isinstance(e, SystemExit):
+            raise SystemExit(1) from e
+        raise
+    finally:
+        end_rank()
+
+
+def start_rank(cpu: bool = False) -> tuple[torch.device, int, int]:
+    """Join torchrun's process group: NCCL on this rank's GPU when there is one (and not ``cpu``), gloo on the CPU
+    otherwise, with collectives that time out (a peer that hangs ends the job instead of blocking it for gloo's 30
+    minutes)."""
+    use_cuda = torch.cuda.is_available() and not cpu
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def end_rank() -> None:
+    """Leave the process group. The job's FSDP modules and meshes hold it: collected first (their reference cycles
+    need ``gc``), else the gloo backend outlives ``destroy_process_group`` and its threads may abort the exiting
+    process (``terminate called without an active exception``, about 1 exit in 10 on a 2-vCPU VM)."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def injected_fault(rank: int) -> str | None:
+    """The kind of test-only fault aimed at this rank, if any (see the module's docstring)."""
+    kind, _, target = os.environ.get(FAULT_ENV, "").partition(":")
+    return kind if target == str(rank) else None
