@@ -32,7 +32,7 @@ from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
-from fsdp_planner.planners.auto.candidates import classic_baselines, classic_plans, frugal_and_dp, module_tree_cuts
+from fsdp_planner.planners.auto.candidates import ModuleTreeCuts, classic_baselines, classic_plans, frugal_and_dp
 from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
@@ -46,15 +46,17 @@ class Search:
     and the refiner."""
 
     def __init__(self, ev: Evaluator, trace: Trace, model: str, shared: Search | None = None) -> None:
-        """``shared``: a search of the same model on another mesh, whose atoms and classic plans are reused."""
+        """``shared``: a search of the same model on another mesh, whose atoms and candidate plans are reused."""
         self.ev = ev
         if shared is not None:
             self.atoms, self.fine_atoms, self.classics = shared.atoms, shared.fine_atoms, shared.classics
+            self.cuts = shared.cuts
         else:
             whole = bool(block_instances(trace))
             self.atoms = plan_atoms(trace, whole_blocks=whole)
             self.fine_atoms = plan_atoms(trace, whole_blocks=False) if whole else self.atoms
             self.classics = classic_plans(trace, model)
+            self.cuts = ModuleTreeCuts(trace, model, 24 if ev.target is Target.FSDP1 else 8)
         self.refiner = Refiner(self.ev, self.atoms, self.fine_atoms)
         self.deferred: list[Callable[[], None]] = []  # frugal plans not simulated (they could not rank)
 
@@ -276,7 +278,7 @@ class AutoPolicy:
                 deferred = frugal_and_dp(ev, atoms)
                 if deferred is not None:
                     search.deferred.append(deferred)
-        module_tree_cuts(ev, 24 if self.target is Target.FSDP1 else 8)
+        search.cuts.evaluate(ev)
         return classics
 
     @staticmethod

@@ -42,23 +42,35 @@ def classic_baselines(ev: Evaluator, plans: dict[str, Plan]) -> dict[str, Candid
     return {name: ev.evaluate(plan, plan.policy or name) for name, plan in plans.items()}
 
 
-def module_tree_cuts(ev: Evaluator, count: int) -> None:
-    """FSDP1 units are single modules: evaluate size-based wrapping at ``count`` thresholds from per-leaf to none,
-    and every param-owning module wrapped alone. They are FSDP2 plans too: the root then plays a never-resharded
-    group, which pays when backward all-gathers are latency-bound."""
-    trace = ev.trace
-    numels = sorted({p.numel for p in trace.params})
-    tried: set[tuple[str, ...]] = set()  # thresholds often wrap the same modules: build each plan once
-    for t in sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(trace.numel, 2), count)}, reverse=True):
-        policy = SizeBasedPolicy(t)
-        wrapped = tuple(policy.wrapped_modules(trace))
-        if wrapped not in tried and ev.could_rank([[m] for m in wrapped]):  # large thresholds first: cheap plans
-            tried.add(wrapped)
-            ev.evaluate(policy.plan(trace, ev.model), f"size({t})")
-    leaves = tuple(m for m in trace.index.owning_modules
-                   if m != ROOT and not any(trace.param(p).is_shared for p in trace.modules[m].params))
-    if leaves not in tried and ev.could_rank([[m] for m in leaves]):
-        ev.evaluate(make_plan(trace, [[m] for m in leaves], model=ev.model), "per-module")
+class ModuleTreeCuts:
+    """FSDP1 units are single modules: size-based wrapping at ``count`` thresholds from per-leaf to none, and every
+    param-owning module wrapped alone. They are FSDP2 plans too: the root then plays a never-resharded group, which
+    pays when backward all-gathers are latency-bound. The cuts do not depend on the layout: listed once per search,
+    each plan built the first time a layout could rank it."""
+
+    def __init__(self, trace: Trace, model: str, count: int) -> None:
+        self.trace, self.model = trace, model
+        numels = sorted({p.numel for p in trace.params})
+        self.cuts: dict[tuple[str, ...], str] = {}  # wrapped modules -> origin; thresholds often wrap the same
+        for t in sorted({int(x) for x in np.geomspace(max(numels[0], 1), max(trace.numel, 2), count)}, reverse=True):
+            self.cuts.setdefault(tuple(SizeBasedPolicy(t).wrapped_modules(trace)), f"size({t})")
+        leaves = tuple(m for m in trace.index.owning_modules
+                       if m != ROOT and not any(trace.param(p).is_shared for p in trace.modules[m].params))
+        self.cuts.setdefault(leaves, "per-module")
+        self.plans: dict[tuple[str, ...], Plan] = {}
+
+    def evaluate(self, ev: Evaluator) -> None:
+        """Simulate on ``ev`` the cuts that could rank there (large thresholds first: cheap plans)."""
+        for wrapped, origin in self.cuts.items():
+            if ev.could_rank([[m] for m in wrapped]):
+                ev.evaluate(self.plan(wrapped), origin)
+
+    def plan(self, wrapped: tuple[str, ...]) -> Plan:
+        if wrapped not in self.plans:
+            origin = self.cuts[wrapped]
+            self.plans[wrapped] = make_plan(self.trace, [[m] for m in wrapped], model=self.model,
+                                            policy="" if origin == "per-module" else origin)
+        return self.plans[wrapped]
 
 
 def segments(atoms: Sequence[Atom], free_segments: Sequence[Sequence[Atom]]) -> list[list[Atom]]:

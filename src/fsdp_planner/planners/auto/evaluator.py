@@ -106,12 +106,15 @@ class Evaluator:
                          if c.report.reserved_memory <= self.budget and c.runs and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
             return True
+        bar = fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
+        if len(module_groups) * self.group_floor() <= bar:  # even if every group all-gathers (the exact count costs
+            return True  # a walk of the module tree)
         groups = [[c for m in ms for c in shardable_cover(self.trace, m)] for ms in module_groups]
         group_of = {m: i for i, ms in enumerate(groups) for m in ms}
         modules = self.trace.modules
         gathered = sum(1 for i, ms in enumerate(groups) if any(modules[m].calls for m in ms)
                        and any(self._surely_claims(m, i, group_of) for m in ms))
-        return gathered * self.group_floor() <= fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
+        return gathered * self.group_floor() <= bar
 
     def group_floor(self) -> float:
         """The least a group that all-gathers adds to a step: its all-gather's latency (the lowest-latency
