@@ -10,9 +10,10 @@ import pytest
 from conftest import policy, traced
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine, Link, Overhead
-from fsdp_planner.hardware.collectives import CollectiveKind, table_seconds
+from fsdp_planner.hardware.collectives import table_seconds
 from fsdp_planner.runtime.gloo_calibrate import fit, monotone
 from fsdp_planner.runtime.overhead import chain_plan, chain_trace
 from fsdp_planner.sim.context import SimContext

@@ -16,9 +16,9 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Collective, build_schedule
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
-from fsdp_planner.hardware.collectives import COLLECTIVES
+from fsdp_planner.fsdp2.collectives import COLLECTIVES
 from fsdp_planner.userfiles import parse_json, read_text
 
 CLUSTER_VERSION = 1

@@ -33,8 +33,9 @@ from fsdp_planner.errors import PlannerError
 if TYPE_CHECKING:
     from fsdp_planner.models import ModelSpec
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
-from fsdp_planner.sim.options import Precision, ZeroGrad
+from fsdp_planner.sim.options import ZeroGrad
 from fsdp_planner.sim.timeline import StepReport
 
 MAX_FAKE_WORLD = 1 << 20

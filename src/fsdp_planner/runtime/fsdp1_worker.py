@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.runtime.worker import (
     MOMENTUM,
     CollectiveCounter,

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.runtime.failures import describe_exception
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.hardware.collectives import CollectiveKind, Protocol, group_layout, lines, table_seconds
+from fsdp_planner.hardware.collectives import Protocol, group_layout, lines, table_seconds
 from fsdp_planner.sim.compute import step_op_times
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions

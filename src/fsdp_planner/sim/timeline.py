@@ -35,10 +35,10 @@ from enum import Enum
 import numpy as np
 
 from fsdp_planner.fmt import fmt_modules
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule, state_hook_calls
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.sim.context import Recompute, SimContext
 from fsdp_planner.sim.memory import first_at_or_after
 from fsdp_planner.sim.options import SimOptions
