@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.auto import AutoPolicy, Target

@@ -28,7 +28,7 @@ def _real_fsdp2_hooks(spec: str, plan) -> Counter:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
     from fsdp_planner.trace.recorder import split_inputs
 
     calls: Counter = Counter()

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         plan = policy_plan(tr, source.policy, args.model, cluster, SimOptions())
         check_plan_world_size(plan, args.nproc)
     if args.fsdp1:
-        from fsdp_planner.fsdp2.fsdp1 import check_fsdp1
+        from fsdp_planner.apply.fsdp1 import check_fsdp1
 
         check_fsdp1(plan)
     if not args.json:

@@ -88,7 +88,7 @@ def time_chain(group_sizes: list[int], world: int, rounds: int, seconds: float =
     then steps back to back for ``seconds / rounds`` (as ``verify`` times them: its own caches warm), so a
     machine that is slower for a minute slows every plan alike instead of one. ``repeats``: of the per-op timing
     (default ``CPU_RANK_REPEATS``)."""
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
     from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
     from fsdp_planner.runtime.overhead import chain_model, chain_plan, chain_trace, training_step
 

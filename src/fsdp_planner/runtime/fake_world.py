@@ -156,7 +156,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
     from fsdp_planner.models import as_spec, factory_kwargs, resolve_factory
     from fsdp_planner.trace.recorder import default_loss, split_inputs
 

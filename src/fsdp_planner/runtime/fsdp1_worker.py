@@ -1,7 +1,7 @@
 """One rank of an FSDP1 verify job (``verify --fsdp1``): ``python -m fsdp_planner.runtime.fsdp1_worker JOB.json``.
 
 As ``worker.py`` but the plan runs as FSDP1 ``FullyShardedDataParallel`` with the plan's ``auto_wrap_policy``
-(``fsdp2/fsdp1.py``): K SGD steps beside an unsharded reference on the same data, the all-gathers and
+(``apply/fsdp1.py``): K SGD steps beside an unsharded reference on the same data, the all-gathers and
 reduce-scatters counted per step (FSDP1 calls them through the ``torch.distributed`` module too), the parameters
 compared under ``summon_full_params``, and the module names FSDP1 wrapped reported for the launcher to compare
 with the plan's groups.
@@ -56,7 +56,7 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device
     parity on the gathered params; what rank 0 reports."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from fsdp_planner.fsdp2.fsdp1 import clean_name
+    from fsdp_planner.apply.fsdp1 import clean_name
 
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"], momentum=MOMENTUM)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"],
@@ -85,7 +85,7 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from fsdp_planner.fsdp2.fsdp1 import fsdp1_kwargs, wrapped_units
+    from fsdp_planner.apply.fsdp1 import fsdp1_kwargs, wrapped_units
 
     model, reference, plan = build_job(job, device)
     # device_id: FSDP1 on CPU needs it said explicitly (it otherwise looks for a CUDA device)

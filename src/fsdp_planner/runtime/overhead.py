@@ -154,7 +154,7 @@ def time_plans(build: Callable[[], LoadedModel], plans: Sequence[Plan | None], d
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
     from fsdp_planner.trace.recorder import default_loss
 
     if dist.is_initialized():

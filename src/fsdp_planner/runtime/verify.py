@@ -391,7 +391,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
 def predict_fsdp1(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
     """Per-step FSDP1 all-gather / reduce-scatter counts and bytes (``fsdp1_collectives``): one flat parameter per
     unit, so other bytes than FSDP2's; none on one rank."""
-    from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes, fsdp1_collectives
+    from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 
     kinds = [] if world_size == 1 else [(c.kind.value, c.group) for c in fsdp1_collectives(trace, plan, world_size)]
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)

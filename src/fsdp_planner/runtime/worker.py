@@ -331,7 +331,7 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     """The job on this rank: train beside the reference, check, checkpoint, time; rank 0 writes the result."""
     import torch.distributed as dist
 
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
     from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     model, reference, plan = build_job(job, device)
