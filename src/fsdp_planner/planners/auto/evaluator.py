@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from enum import Enum
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import make_plan, shardable_cover
+from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.fsdp2.validity import sharded_reads
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom
