@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.requests import add_json, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.calibrate import calibrate

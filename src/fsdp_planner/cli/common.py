@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import check_plan_matches

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.fmt import parse_size
 from fsdp_planner.fsdp2.collectives import CollectiveKind

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError

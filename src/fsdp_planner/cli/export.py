@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import fsdp_planner.cli.render as render
 from fsdp_planner.apply.export import ExportFormat, export_plan
-from fsdp_planner.cli import render
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan

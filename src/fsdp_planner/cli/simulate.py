@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import (
     PlanSource,

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import add_json, add_plan_source, model_spec, plan_source, policy_notes
 from fsdp_planner.errors import PlannerError
