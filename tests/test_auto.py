@@ -18,7 +18,7 @@ from fsdp_planner.planners.auto.atoms import Pin, plan_atoms
 from fsdp_planner.planners.auto.explain import Reason, explain
 from fsdp_planner.planners.auto.refine import Move
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -13,7 +13,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import LiveBytes, run_fake_world
 from fsdp_planner.sim.options import PRECISIONS, SimOptions, ZeroGrad
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 

@@ -17,7 +17,7 @@ from fsdp_planner.hardware.collectives import table_seconds
 from fsdp_planner.runtime.gloo_calibrate import fit, monotone
 from fsdp_planner.runtime.overhead import chain_plan, chain_trace
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.events import EventKind
 
 AG, RS = CollectiveKind.ALL_GATHER.value, CollectiveKind.REDUCE_SCATTER.value
@@ -155,7 +155,7 @@ def test_the_host_line_is_a_sum_that_adds_up(engine: Engine) -> None:
     engine charged (GPU: ops launched, a checkpointed block's launched again; CPU ranks: hooks only)."""
     from fsdp_planner.cli.render import host_line
     from fsdp_planner.fsdp2.claim import make_plan
-    from fsdp_planner.sim.timeline import host_work
+    from fsdp_planner.sim.host_work import host_work
 
     tr = traced("toy-llama")
     plan = make_plan(tr, [["layers.0", "layers.1"], ["layers.2"], ["layers.3"]])

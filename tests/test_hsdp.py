@@ -20,7 +20,7 @@ from fsdp_planner.planners.auto.evaluator import Target
 from fsdp_planner.runtime.verify import predict_collectives
 from fsdp_planner.sim.context import SimContext, replica_ranks_per_node
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 AR, RS = CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER

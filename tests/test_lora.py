@@ -19,7 +19,7 @@ from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 MODEL = "toy-llama-lora"

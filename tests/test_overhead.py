@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import NO_OVERHEAD, Cluster, Overhead, parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 
 WORLD = 8
 

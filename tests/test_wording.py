@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 ROOT_ONLY = """import torch

@@ -19,7 +19,7 @@ from fsdp_planner.planners.registry import PolicyName
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import check_load_dir, check_save_dir, run_verify
 from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions, ZeroGrad
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 
 MEMORY_TOLERANCE = 0.05
 TIME_STEPS = 5

@@ -36,7 +36,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import ZeroGrad
-from fsdp_planner.sim.timeline import StepReport
+from fsdp_planner.sim.simulate import StepReport
 
 MAX_FAKE_WORLD = 1 << 20
 

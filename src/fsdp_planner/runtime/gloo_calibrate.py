@@ -90,7 +90,7 @@ def fit(data: dict, group_sizes: list[int]) -> tuple[Cluster, GlooMeasurement]:
     """The cluster and the measurement from what the calibration job wrote."""
     from fsdp_planner.fsdp2.replay import build_schedule, state_hook_calls
     from fsdp_planner.runtime.overhead import chain_trace
-    from fsdp_planner.sim.timeline import simulate
+    from fsdp_planner.sim.simulate import simulate
 
     world = int(data["world"])
     fits = []

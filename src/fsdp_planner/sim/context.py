@@ -13,6 +13,7 @@ import numpy as np
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.fsdp2.replay import Collective
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.hardware.collectives import Protocol, group_layout, lines, table_seconds
 from fsdp_planner.sim.compute import step_op_times
@@ -164,3 +165,12 @@ def replica_ranks_per_node(cluster: Cluster, mesh: Mesh) -> int:
     """Ranks of one HSDP replica group on a node: its members are ``shard`` ranks apart, so a node of
     ``gpus_per_node`` consecutive ranks holds ``gpus_per_node // shard`` of them (at least one)."""
     return max(1, min(mesh.replicate, cluster.gpus_per_node // mesh.shard))
+
+
+def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
+    """Bytes as nccl-tests counts them: an all-gather's output, a reduce-scatter's input (both padded, the
+    full unsharded size), an all-reduce's buffer (the reduce-scatter's output, one shard)."""
+    if c.kind is CollectiveKind.ALL_GATHER:
+        return gather[c.group]
+    reduced = ctx.sizing.reduce_bytes(c.params)
+    return reduced if c.kind is CollectiveKind.REDUCE_SCATTER else reduced // ctx.shard

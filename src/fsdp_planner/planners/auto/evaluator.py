@@ -18,7 +18,7 @@ from fsdp_planner.planners.auto.atoms import Atom
 from fsdp_planner.planners.order import compress_modules
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport, simulate
+from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import proper_ancestors
 
