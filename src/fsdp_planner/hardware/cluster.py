@@ -73,7 +73,7 @@ class Overhead:
     FSDP2 hook that runs (a group's pre/post-forward, pre/post-backward) ``hook_seconds`` (Python, stream and event
     bookkeeping, the collective's launch), and each param FSDP2 manages ``param_seconds`` a step (its views, its
     DTensor gradient, its share of the foreach copies), spread over its group's hooks. While the host keeps ahead
-    of the GPU this is hidden; when it falls behind, the GPU waits (``sim/timeline.py``). FSDP2's copy-in (the
+    of the GPU this is hidden; when it falls behind, the GPU waits (``sim/streams.py``). FSDP2's copy-in (the
     all-gather input, the reduce-scatter input) and copy-out (``split_with_sizes_copy`` into the unsharded params,
     on the compute stream) run at ``copy_bandwidth``. ``calibrate --overhead`` measures all four on the machine it
     runs on (``runtime/overhead.py``). On the host engine (CPU ranks, ``Engine.HOST``) ``op_seconds`` corrects each
@@ -94,7 +94,7 @@ NO_OVERHEAD = Overhead(0.0, 0.0, math.inf, source="none: an ideal host and free 
 
 
 class Engine(Enum):
-    """How a rank runs its step, which decides what can overlap (``sim/timeline.py``, ``sim/host_engine.py``).
+    """How a rank runs its step, which decides what can overlap (``sim/streams.py``, ``sim/host_engine.py``).
 
     ``STREAMS``: a GPU with NCCL. The host launches work ahead of the GPU; compute, all-gather and reduce-scatter
     run on their own streams and overlap. ``HOST``: a CPU rank with gloo (``calibrate --backend gloo``). One
