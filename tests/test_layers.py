@@ -222,6 +222,18 @@ def test_every_module_is_in_a_layer():
         _place(module)
 
 
+def test_every_import_of_the_package_names_a_module():
+    """A moved module leaves no import behind (a function-local one would fail only when it runs)."""
+    known = _modules()
+    missing = []
+    for module, (_, tree) in known.items():
+        for node in _import_nodes(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [_absolute(module, node)]
+            missing += [f"{module} imports {name}" for name in names
+                        if name.split(".")[0] == PACKAGE and name not in known]
+    assert not missing, "imports of modules that do not exist:\n  " + "\n  ".join(missing)
+
+
 def test_no_module_imports_from_a_higher_layer_or_a_peer():
     bad = _upward_edges()
     assert not bad, "imports against the layers:\n  " + "\n  ".join(bad)
