@@ -63,17 +63,22 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import under ``node``, however deep, but none under ``if TYPE_CHECKING:`` (its ``else`` still runs)."""
-    if isinstance(node, ast.If) and _is_type_checking(node.test):
-        for child in node.orelse:
-            yield from _import_nodes(child)
-        return
-    if isinstance(node, ast.Import | ast.ImportFrom):
-        yield node
-        return
-    for child in ast.iter_child_nodes(node):
-        yield from _import_nodes(child)
+@functools.cache
+def _imports(module: str) -> list[ast.Import | ast.ImportFrom]:
+    return list(_import_nodes(_modules()[module][1]))
+
+
+def _import_nodes(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import under ``tree``, however deep, but none under ``if TYPE_CHECKING:`` (its ``else`` still runs)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(reversed(node.orelse))
+        else:
+            todo.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
 def _absolute(module: str, node: ast.ImportFrom) -> str:
@@ -101,8 +106,8 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> Iterator[str]:
 @functools.cache
 def _edges() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (itself left out)."""
-    return {module: {t for node in _import_nodes(tree) for t in _targets(module, node)} - {module}
-            for module, (_, tree) in _modules().items()}
+    return {module: {t for node in _imports(module) for t in _targets(module, node)} - {module}
+            for module in _modules()}
 
 
 def _place(module: str) -> tuple[int, str] | None:
@@ -226,8 +231,8 @@ def test_every_import_of_the_package_names_a_module():
     """A moved module leaves no import behind (a function-local one would fail only when it runs)."""
     known = _modules()
     missing = []
-    for module, (_, tree) in known.items():
-        for node in _import_nodes(tree):
+    for module in known:
+        for node in _imports(module):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [_absolute(module, node)]
             missing += [f"{module} imports {name}" for name in names
                         if name.split(".")[0] == PACKAGE and name not in known]
