@@ -26,7 +26,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.planners import AutoPolicy, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 CASES = {  # model -> world sizes

@@ -31,7 +31,7 @@ from fsdp_planner.hardware.cluster import Link, parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 MODELS = ("toy-llama", "toy-gpt2-tied", "seed-net")

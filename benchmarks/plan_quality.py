@@ -31,7 +31,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport, simulate
+from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace import Trace, trace
 
 POLICY_NAMES = [p.value for p in CLASSIC_POLICIES]

@@ -19,7 +19,7 @@ from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, ROOT_SLACK, Evalua
 from fsdp_planner.planners.auto.explain import Reason, explain
 from fsdp_planner.planners.auto.refine import Move
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -19,7 +19,7 @@ from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 from fsdp_planner.trace.events import EventKind
 

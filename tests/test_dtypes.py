@@ -40,7 +40,7 @@ def run_with_fully_shard(plan: Plan, world_size: int = 4) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:

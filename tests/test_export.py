@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_planner.fsdp2.export import ExportFormat, export_plan
+from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy

@@ -13,7 +13,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import LiveBytes, run_fake_world
 from fsdp_planner.sim.options import PRECISIONS, SimOptions, ZeroGrad
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 
@@ -81,7 +81,7 @@ def test_live_bytes_equals_torch_mem_tracker() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.apply import apply_plan
+    from fsdp_planner.apply.fully_shard import apply_plan
     from fsdp_planner.models import resolve_factory
     from fsdp_planner.runtime.fake_world import mixed_precision
 

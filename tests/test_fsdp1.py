@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_planner.apply.fsdp1 import check_fsdp1, fsdp1_policy, fsdp1_refusal
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.fsdp1 import check_fsdp1, fsdp1_refusal
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.trace import trace
@@ -27,7 +27,7 @@ def test_policy_wraps_exactly_the_plans_modules_with_their_strategy() -> None:
     plan = SizeBasedPolicy(20000).plan(_trace())
     plan.groups[1].reshard_after_forward = False
     model = load_model("toy-llama", meta=False).model
-    policy = plan.to_fsdp1_policy(model)
+    policy = fsdp1_policy(plan, model)
     modules = dict(model.named_modules())
     chosen = policy._run_policy(model, set(), {})  # FSDP1 calls this; what it would wrap, and how
     assert sorted(n for n, m in modules.items() if m in chosen) == sorted(g.modules[0] for g in plan.inner_groups)
@@ -73,9 +73,9 @@ def test_fsdp1_issues_no_backward_all_gather_for_a_unit_whose_outputs_need_no_gr
     """LoRA's first block: its frozen base layers see an input that needs no grad, so their outputs need none and
     no pre-backward hook fires for them. FSDP2 still gathers the one its default backward prefetch reaches (wv's,
     prefetched from wo's pre-backward); FSDP1 skips it (measured: 65 all-gathers, not 66)."""
-    from fsdp_planner.fsdp2.fsdp1 import fsdp1_collectives
+    from fsdp_planner.fsdp2.collectives import CollectiveKind
+    from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collectives
     from fsdp_planner.fsdp2.replay import build_schedule
-    from fsdp_planner.hardware.collectives import CollectiveKind
 
     tr, plan = _lora_fsdp1_plan()
     fsdp2 = build_schedule(tr, plan, 2).collectives

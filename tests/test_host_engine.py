@@ -12,11 +12,12 @@ from conftest import policy, traced
 from fsdp_planner.calibrate.gloo import fit, monotone
 from fsdp_planner.calibrate.overhead import chain_plan, chain_trace
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine, Link, Overhead
-from fsdp_planner.hardware.collectives import CollectiveKind, table_seconds
+from fsdp_planner.hardware.collectives import table_seconds
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.events import EventKind
 
 AG, RS = CollectiveKind.ALL_GATHER.value, CollectiveKind.REDUCE_SCATTER.value
@@ -154,7 +155,7 @@ def test_the_host_line_is_a_sum_that_adds_up(engine: Engine) -> None:
     engine charged (GPU: ops launched, a checkpointed block's launched again; CPU ranks: hooks only)."""
     from fsdp_planner.cli.render import host_line
     from fsdp_planner.fsdp2.claim import make_plan
-    from fsdp_planner.sim.timeline import host_work
+    from fsdp_planner.sim.host_work import host_work
 
     tr = traced("toy-llama")
     plan = make_plan(tr, [["layers.0", "layers.1"], ["layers.2"], ["layers.3"]])

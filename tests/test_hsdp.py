@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import parse_cluster
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.planners.auto import AutoPolicy, candidate_meshes
@@ -20,7 +20,7 @@ from fsdp_planner.planners.auto.evaluator import Target
 from fsdp_planner.runtime.verify import predict_collectives
 from fsdp_planner.sim.context import SimContext, replica_ranks_per_node
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 AR, RS = CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER

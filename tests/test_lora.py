@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.auto import AutoPolicy, Target
@@ -19,7 +19,7 @@ from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 MODEL = "toy-llama-lora"

@@ -9,7 +9,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.runtime.measure import check_fits, local_device, measure
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 
 
 def test_measured_trace_has_the_planning_trace_events_and_drives_the_simulator():

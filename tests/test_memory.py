@@ -13,8 +13,8 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, activation_levels, strategy_table
 from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, SimOptions, optimizer_named, precision_named
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.sizing import Sizing
-from fsdp_planner.sim.timeline import simulate
 from fsdp_planner.trace import ModuleInfo, ParamInfo, Trace, trace
 
 GB = 1e9  # seed 002 prints memory / 1e9

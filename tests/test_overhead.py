@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import NO_OVERHEAD, Cluster, Overhead, parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 
 WORLD = 8
 
@@ -28,7 +28,7 @@ def _real_fsdp2_hooks(spec: str, plan) -> Counter:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
     from fsdp_planner.trace.recorder import split_inputs
 
     calls: Counter = Counter()

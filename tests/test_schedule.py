@@ -7,8 +7,8 @@ from pathlib import Path
 from conftest import traced
 
 from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.replay import build_schedule
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.trace import trace

@@ -14,7 +14,8 @@ from fsdp_planner.hardware.collectives import alpha_beta, collective_time
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import Stream, simulate
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.sim.timeline import Stream
 
 POLICIES = ["module", "size", "titan", "order"]
 
@@ -145,7 +146,7 @@ def test_all_gather_buffer_is_counted_at_copy_out(seed_trace):
 def reference_step_time(tr, plan, ctx):
     """The step clock advanced op by op, every op waiting for every group it reads and for its launch (what the
     simulator's sparse visit must reproduce)."""
-    from fsdp_planner.sim.timeline import HostClock, Streams
+    from fsdp_planner.sim.streams import HostClock, Streams
 
     sched = build_schedule(tr, plan, ctx.world)
     group_params = ctx.sizing.group_params(plan)

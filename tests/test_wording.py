@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.cli import main, render
 from fsdp_planner.fmt import fmt_count, fmt_gain, fmt_modules
 from fsdp_planner.fsdp2.claim import make_plan
-from fsdp_planner.fsdp2.export import ExportFormat, export_plan
 from fsdp_planner.fsdp2.pitfalls import Code, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
 
 ROOT_ONLY = """import torch

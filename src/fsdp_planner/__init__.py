@@ -2,11 +2,13 @@
 
 The pipeline, one package per step: ``trace`` (the step on meta tensors) -> ``fsdp2`` (FSDP2's semantics for a
 plan) -> ``hardware`` (the cluster and its collectives) -> ``sim`` (time and memory of a plan) -> ``planners``
-(classic policies and auto) -> ``runtime`` (measure and verify for real) -> ``cli``.
+(classic policies and auto) -> ``apply`` (the plan on a real model, or as code) -> ``runtime`` (measure and verify
+for real) -> ``cli``.
 """
 
+from fsdp_planner.apply import apply_plan
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2 import Group, Plan, apply_plan
+from fsdp_planner.fsdp2 import Group, Plan
 from fsdp_planner.hardware import Cluster, parse_cluster
 from fsdp_planner.planners import (
     AutoPolicy,

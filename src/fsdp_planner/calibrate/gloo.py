@@ -30,12 +30,12 @@ import torch
 from fsdp_planner.calibrate.nccl_logs import fit_samples
 from fsdp_planner.calibrate.overhead import GROUP_SIZES, LAYERS, PlanTiming, chain_plan, chain_trace
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.replay import build_schedule, state_hook_calls
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine, Link, Overhead
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.runtime.measure import host_memory
 from fsdp_planner.runtime.verify import run_torchrun, signals_raise
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 
 # 4 KiB .. 64 MiB by factors of 2, and 12, 24 and 48 MiB: a CPU's time per byte jumps where a collective's buffers
 # outgrow its last-level cache (32 MiB on this project's host), and interpolating across that jump misprices sizes

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import COLLECTIVES, CollectiveKind
 from fsdp_planner.hardware.cluster import (
     MAX_GPUS_PER_NODE,
     MAX_WORLD_SIZE,
@@ -36,7 +37,6 @@ from fsdp_planner.hardware.cluster import (
     preset_cluster,
     with_fits,
 )
-from fsdp_planner.hardware.collectives import COLLECTIVES, CollectiveKind
 
 # nccl-tests type names -> bytes per element
 _WORD = {

@@ -31,8 +31,8 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._pytree import tree_map
 
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule

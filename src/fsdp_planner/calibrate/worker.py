@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.calibrate.overhead import (
     chain_model,
     chain_plan,
@@ -34,7 +35,6 @@ from fsdp_planner.calibrate.overhead import (
     fastest_steps,
     training_step,
 )
-from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS, measure
 from fsdp_planner.runtime.rank import run_rank
 

@@ -11,10 +11,10 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+import fsdp_planner.cli.render as render
 from fsdp_planner.calibrate.gloo import MAX_NPROC, calibrate_gloo
 from fsdp_planner.calibrate.nccl_logs import calibrate
 from fsdp_planner.calibrate.overhead import OverheadMeasurement, measure_overhead
-from fsdp_planner.cli import render
 from fsdp_planner.cli.requests import add_json, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import (
     add_json,

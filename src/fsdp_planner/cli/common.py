@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
-from fsdp_planner.sim.options import Precision, SimOptions
+from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.recorder import trace
 from fsdp_planner.trace.records import Trace
 

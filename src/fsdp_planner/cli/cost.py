@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.fmt import parse_size
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.hardware.cluster import parse_cluster
-from fsdp_planner.hardware.collectives import CollectiveKind, collective_time
+from fsdp_planner.hardware.collectives import collective_time
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError
@@ -28,7 +28,7 @@ from fsdp_planner.report.timeline_png import write_png
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport, simulate
+from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 
 # Size thresholds: 2000 for the CNN (what its forum question used); for the toy decoder one that wraps inside blocks,

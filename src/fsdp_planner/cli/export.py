@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
+from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.export import ExportFormat, export_plan
 from fsdp_planner.fsdp2.plan import Plan
 
 

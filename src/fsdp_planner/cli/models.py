@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.markup import escape
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.requests import add_json
 from fsdp_planner.models import BUILTINS, hf, workload_defaults
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import (
     add_json,
@@ -30,9 +30,10 @@ from fsdp_planner.planners.auto.explain import GroupExplanation, explain
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, POLICY_NAMES, PolicyName, make_policy
 from fsdp_planner.sim.context import SimContext
+from fsdp_planner.sim.host_work import host_work
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import DEFAULT_MFU, DEFAULT_OPTIMIZER
-from fsdp_planner.sim.timeline import host_work, simulate
+from fsdp_planner.sim.simulate import simulate
 
 DEFAULT_AUTO_CLUSTER = "h100:8"
 

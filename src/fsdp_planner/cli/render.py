@@ -24,9 +24,10 @@ from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
+from fsdp_planner.sim.host_work import HostWork
 from fsdp_planner.sim.memory import MemoryBreakdown
 from fsdp_planner.sim.metrics import PlanMetrics
-from fsdp_planner.sim.timeline import HostWork, StepReport
+from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import (
     PlanSource,
@@ -22,10 +23,11 @@ from fsdp_planner.cli.requests import (
 )
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.report.step_view import step_view
+from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.records import Trace
 
 PNG_SUFFIXES = (".png", ".svg", ".pdf")
@@ -60,21 +62,20 @@ def run(args: argparse.Namespace) -> int:
     tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
     plans = [(_label(s, p), p) for s in sources for p in [_plan(tr, s, args.model, cluster, options)]]
-    views = [step_view(tr, p, cluster, options, label) for label, p in plans]
-    title = f"{model_spec(args).label()} on {cluster.describe()}"
-    if png is not None:
-        write_png(views, png, title)
-    if page is not None:
-        write_html(views, page, title)
+    if png is None and page is None:  # no picture: the step's numbers alone, without recording its timeline
+        reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]
+    else:
+        views = [step_view(tr, p, cluster, options, label) for label, p in plans]
+        _draw(views, png, page, f"{model_spec(args).label()} on {cluster.describe()}")
+        reports = [(v.label, v.report) for v in views]
     if args.json:
-        summaries = [v.report.summary() for v in views]
-        print(json.dumps(summaries[0] if len(views) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
+        summaries = [r.summary() for _, r in reports]
+        print(json.dumps(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
         return 0
-    for v in views:
-        for line in render.step_lines(model_spec(args).label(), v.label, cluster, v.report):
+    for label, r in reports:
+        for line in render.step_lines(model_spec(args).label(), label, cluster, r):
             render.console.print(line)
-        render.console.print(render.memory_table(v.report.peak_memory, v.report.reserved_memory,
-                                                 v.report.memory_at_peak, cluster.gpu))
+        render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, cluster.gpu))
     for path in filter(None, (png, page)):
         render.console.print(f"timeline written to {path}", highlight=False)
     return 0
@@ -90,5 +91,13 @@ def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster, options: 
 
 
 def _label(source: PlanSource, plan: Plan) -> str:
-    return plan.policy if source.policy is not None else f"{source.plan_file} ({plan.policy})"
+    """How the output names a plan (``step_view`` names an unnamed one "plan" too)."""
+    return (plan.policy or "plan") if source.policy is not None else f"{source.plan_file} ({plan.policy})"
+
+
+def _draw(views: list[StepView], png: Path | None, page: Path | None, title: str) -> None:
+    if png is not None:
+        write_png(views, png, title)
+    if page is not None:
+        write_html(views, page, title)
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fsdp_planner.cli import render
+import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import add_json, add_plan_source, model_spec, plan_source, policy_notes
 from fsdp_planner.errors import PlannerError
@@ -19,7 +19,7 @@ from fsdp_planner.planners.registry import PolicyName
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import check_load_dir, check_save_dir, run_verify
 from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions, ZeroGrad
-from fsdp_planner.sim.timeline import simulate
+from fsdp_planner.sim.simulate import simulate
 
 MEMORY_TOLERANCE = 0.05
 TIME_STEPS = 5
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         plan = policy_plan(tr, source.policy, args.model, cluster, SimOptions())
         check_plan_world_size(plan, args.nproc)
     if args.fsdp1:
-        from fsdp_planner.fsdp2.fsdp1 import check_fsdp1
+        from fsdp_planner.apply.fsdp1 import check_fsdp1
 
         check_fsdp1(plan)
     if not args.json:

@@ -16,6 +16,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import check_checkpointing
 from fsdp_planner.fsdp2.dtypes import check_uniform_dtypes, split_by_dtype
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -225,16 +226,6 @@ def methods_to_register(trace: Trace, plan: Plan) -> list[tuple[str, str]]:
     included): FSDP2 runs them inside the module's hooks only once ``register_fsdp_forward_method`` is called."""
     listed = {m for g in plan.groups for m in g.modules}
     return [(m, name) for m, name in trace.forward_methods if m in listed]
-
-
-def shardable_cover(trace: Trace, fqn: str) -> list[str]:
-    """``fqn``, or for a container fully_shard refuses (a ModuleList without forward) its children holding params,
-    recursively: the same params as one list group."""
-    info = trace.modules[fqn]
-    if info.shardable:
-        return [fqn]
-    owners_below = trace.index.owners_below
-    return [m for c in info.children if owners_below[c] for m in shardable_cover(trace, c)]
 
 
 def resolve_ties(trace: Trace, module_groups: list[list[str]]) -> list[list[str]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -96,8 +97,6 @@ class _Splitter:
 
     def carve(self, m: str, keep: str | None, pieces: dict[str | None, list[str]]) -> None:
         """List apart (as pieces) the children of ``m`` whose dtypes are not ``keep``."""
-        from fsdp_planner.fsdp2.claim import shardable_cover
-
         for c in self.modules[m].children:
             if c in self.listed or not self.owners_below[c]:
                 continue

@@ -19,9 +19,9 @@ from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_modules
 from fsdp_planner.fsdp2.claim import check_plan_matches, claiming_group, short_list
 from fsdp_planner.fsdp2.dtypes import group_dtypes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import sharded_reads
-from fsdp_planner.sim.options import Precision
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, is_within

@@ -122,12 +122,6 @@ class Plan:
     def inner_groups(self) -> list[Group]:
         return self.groups[:-1]
 
-    def to_fsdp1_policy(self, model: Any) -> Any:
-        """FSDP1's ``auto_wrap_policy`` for this plan on ``model`` (``fsdp1.py``; refused if FSDP1 cannot run it)."""
-        from fsdp_planner.fsdp2.fsdp1 import fsdp1_policy
-
-        return fsdp1_policy(self, model)
-
     def group_of_param(self) -> dict[str, int]:
         return {p: i for i, g in enumerate(self.groups) for p in g.params}
 

@@ -1,7 +1,7 @@
 """Step 2 of the pipeline's cost side: the cluster, and what a collective costs on it."""
 
 from fsdp_planner.hardware.cluster import GPU, Cluster, Link, parse_cluster, preset_cluster
-from fsdp_planner.hardware.collectives import CollectiveKind, alpha_beta, collective_time
+from fsdp_planner.hardware.collectives import alpha_beta, collective_time
 
-__all__ = ["GPU", "Cluster", "CollectiveKind", "Link", "alpha_beta", "collective_time", "parse_cluster",
+__all__ = ["GPU", "Cluster", "Link", "alpha_beta", "collective_time", "parse_cluster",
            "preset_cluster"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
-from fsdp_planner.hardware.collectives import COLLECTIVES
+from fsdp_planner.fsdp2.collectives import COLLECTIVES
 from fsdp_planner.userfiles import parse_json, read_text
 
 CLUSTER_VERSION = 1
@@ -73,7 +73,7 @@ class Overhead:
     FSDP2 hook that runs (a group's pre/post-forward, pre/post-backward) ``hook_seconds`` (Python, stream and event
     bookkeeping, the collective's launch), and each param FSDP2 manages ``param_seconds`` a step (its views, its
     DTensor gradient, its share of the foreach copies), spread over its group's hooks. While the host keeps ahead
-    of the GPU this is hidden; when it falls behind, the GPU waits (``sim/timeline.py``). FSDP2's copy-in (the
+    of the GPU this is hidden; when it falls behind, the GPU waits (``sim/streams.py``). FSDP2's copy-in (the
     all-gather input, the reduce-scatter input) and copy-out (``split_with_sizes_copy`` into the unsharded params,
     on the compute stream) run at ``copy_bandwidth``. ``calibrate --overhead`` measures all four on the machine it
     runs on (``calibrate/overhead.py``). On the host engine (CPU ranks, ``Engine.HOST``) ``op_seconds`` corrects each
@@ -94,7 +94,7 @@ NO_OVERHEAD = Overhead(0.0, 0.0, math.inf, source="none: an ideal host and free 
 
 
 class Engine(Enum):
-    """How a rank runs its step, which decides what can overlap (``sim/timeline.py``, ``sim/host_engine.py``).
+    """How a rank runs its step, which decides what can overlap (``sim/streams.py``, ``sim/host_engine.py``).
 
     ``STREAMS``: a GPU with NCCL. The host launches work ahead of the GPU; compute, all-gather and reduce-scatter
     run on their own streams and overlap. ``HOST``: a CPU rank with gloo (``calibrate --backend gloo``). One
@@ -289,7 +289,19 @@ def _positive(label: str, name: str, v: Any, what: str = "finite number above 0"
 
 
 def _check_cluster(c: Cluster, label: str) -> None:
-    """Every number of a cluster (preset, JSON file, calibration) in one place: finite, in range, named."""
+    """Every number of a cluster (preset, JSON file, calibration) in one place: finite, in range, named. The checks
+    run in this order, so a cluster wrong in several ways is refused for the first."""
+    _check_shape(c, label)
+    _check_gpu(c.gpu, label)
+    for lname in ("intra", "inter"):
+        _check_link(getattr(c, lname), label, lname)
+    _check_overhead(c.overhead, c.engine, label)
+    _check_tables(c.tables, label)
+    _check_fits(c.fits, label)
+
+
+def _check_shape(c: Cluster, label: str) -> None:
+    """Nodes, GPUs and NICs per node: whole numbers in range, and a world size the planner supports."""
     for attr, top in (("gpus_per_node", MAX_NODE_GPUS), ("nodes", MAX_WORLD_SIZE), ("nics_per_node", MAX_WORLD_SIZE)):
         v = getattr(c, attr)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
@@ -297,40 +309,57 @@ def _check_cluster(c: Cluster, label: str) -> None:
     if c.world_size > MAX_WORLD_SIZE:
         raise PlannerError(f"the {label} has {c.world_size:,} GPUs ({c.nodes:,} nodes x {c.gpus_per_node}); "
                            f"at most {MAX_WORLD_SIZE:,} are supported")
+
+
+def _check_gpu(gpu: GPU, label: str) -> None:
     for attr in ("peak_bf16_flops", "peak_fp32_flops", "hbm_bandwidth"):
-        _positive(label, f"gpu.{attr}", getattr(c.gpu, attr))
-    _positive(label, "gpu.memory_bytes", c.gpu.memory_bytes, "whole number of bytes above 0")
-    for lname in ("intra", "inter"):
-        link = getattr(c, lname)
-        bw = link.bus_bandwidth
-        if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:  # inf: an ideal link
-            raise PlannerError(f"the {label} field '{lname}.bus_bandwidth' must be a number above 0, got {bw!r}")
-        for attr in ("base_latency", "hop_latency", "half_bw_bytes"):
-            v = getattr(link, attr)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
-                raise PlannerError(f"the {label} field '{lname}.{attr}' must be a finite number of at least 0, "
-                                   f"got {v!r}")
-        if not 0 <= link.ring_overhead < 2:
-            raise PlannerError(f"the {label} field '{lname}.ring_overhead' must be at least 0 and below 2, "
-                               f"got {link.ring_overhead!r}")
+        _positive(label, f"gpu.{attr}", getattr(gpu, attr))
+    _positive(label, "gpu.memory_bytes", gpu.memory_bytes, "whole number of bytes above 0")
+
+
+def _check_link(link: Link, label: str, lname: str) -> None:
+    """One level of the interconnect: a bandwidth above 0 (infinite: an ideal link), finite latencies."""
+    bw = link.bus_bandwidth
+    if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:
+        raise PlannerError(f"the {label} field '{lname}.bus_bandwidth' must be a number above 0, got {bw!r}")
+    for attr in ("base_latency", "hop_latency", "half_bw_bytes"):
+        v = getattr(link, attr)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
+            raise PlannerError(f"the {label} field '{lname}.{attr}' must be a finite number of at least 0, "
+                               f"got {v!r}")
+    if not 0 <= link.ring_overhead < 2:
+        raise PlannerError(f"the {label} field '{lname}.ring_overhead' must be at least 0 and below 2, "
+                           f"got {link.ring_overhead!r}")
+
+
+def _check_overhead(overhead: Overhead, engine: Engine, label: str) -> None:
+    """FSDP2's host costs in seconds below 1, and a copy bandwidth above 0 (infinite: free copies)."""
     for attr in ("hook_seconds", "op_seconds", "param_seconds", "module_seconds"):
-        v = getattr(c.overhead, attr)
+        v = getattr(overhead, attr)
         # on the host engine op_seconds corrects measured op times, and timing each op can add more than the
         # framework's work around it: a negative correction (sim/host_engine.py)
-        low = -1 if attr == "op_seconds" and c.engine is Engine.HOST else 0
+        low = -1 if attr == "op_seconds" and engine is Engine.HOST else 0
         if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and low <= v < 1):
             raise PlannerError(f"the {label} field 'overhead.{attr}' must be a number of seconds from {low} to 1, "
                                f"got {v!r}")
-    bw = c.overhead.copy_bandwidth
-    if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:  # inf: free copies
+    bw = overhead.copy_bandwidth
+    if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:
         raise PlannerError(f"the {label} field 'overhead.copy_bandwidth' must be a number above 0, got {bw!r}")
-    for kind, rows in c.tables.items():
+
+
+def _check_tables(tables: Tables, label: str) -> None:
+    """Measured collectives: two or more rows of a known collective, sizes ascending, times above 0."""
+    for kind, rows in tables.items():
         sizes = [n for n, _ in rows]
         if kind not in COLLECTIVES or len(rows) < 2 or sizes != sorted(set(sizes)) or sizes[0] < 1 or \
                 not all(math.isfinite(t) and t > 0 for _, t in rows):
             raise PlannerError(f"the {label} field 'tables.{kind}' must be two or more [bytes, seconds] of a known "
                                "collective, sizes ascending from 1 byte, times above 0")
-    for kind, table in c.fits.items():
+
+
+def _check_fits(fits: Fits, label: str) -> None:
+    """Calibrated lines: of a known collective, for 2 or more ranks, a finite latency and bandwidth."""
+    for kind, table in fits.items():
         if kind not in COLLECTIVES:
             raise PlannerError(f"the {label} has fits for unknown collective '{kind}' "
                                f"(known: {', '.join(COLLECTIVES)})")

@@ -35,36 +35,11 @@ import itertools
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 from fsdp_planner.errors import PlannerError
-
-if TYPE_CHECKING:
-    from fsdp_planner.hardware.cluster import Cluster
-
-
-class CollectiveKind(Enum):
-    """The collectives FSDP2 issues per group: its params' all-gather and its grads' reduce-scatter, and with
-    HSDP the all-reduce of the reduced grads across replicas."""
-
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_REDUCE = "all_reduce"
-
-    @classmethod
-    def parse(cls, text: str | CollectiveKind) -> CollectiveKind:
-        """``all-gather``, ``all_gather``, ``allgather`` (and the reduce-scatter spellings)."""
-        if isinstance(text, CollectiveKind):
-            return text
-        k = text.strip().lower().replace("-", "_")
-        k = {"allgather": "all_gather", "reducescatter": "reduce_scatter", "allreduce": "all_reduce"}.get(k, k)
-        try:
-            return cls(k)
-        except ValueError:
-            raise PlannerError(f"unknown collective '{text}': use one of {', '.join(COLLECTIVES)}") from None
-
-
-COLLECTIVES = tuple(k.value for k in CollectiveKind)
+from fsdp_planner.fsdp2.collectives import COLLECTIVES, CollectiveKind
+from fsdp_planner.hardware.cluster import Cluster, Engine
 
 
 class Protocol(Enum):
@@ -101,7 +76,14 @@ PROTOCOLS: dict[Protocol, ProtocolModel] = {
 # table does not name is treated as Hopper.
 LL_MAX_BUS_BANDWIDTH = {"A100": (87.7e9, 22.5e9, 19.0e9), "H100": (141e9, 45e9, 35e9), "H200": (141e9, 45e9, 35e9),
                         "B200": (282e9, 90e9, 70e9)}
-Line = tuple[Protocol, float, float]  # (protocol, alpha seconds, bus bandwidth bytes/s) of T = alpha + (N-1)/N S/B
+
+
+class ProtocolLine(NamedTuple):
+    """One protocol's time line for a collective on a group: T = alpha + (N-1)/N * S / bus_bandwidth."""
+
+    protocol: Protocol
+    alpha: float  # seconds
+    bus_bandwidth: float  # bytes/s
 
 
 def group_layout(cluster: Cluster, ranks: int | None = None, ranks_per_node: int | None = None) -> tuple[int, int, int]:
@@ -129,16 +111,14 @@ def group_layout(cluster: Cluster, ranks: int | None = None, ranks_per_node: int
 
 
 def model_lines(cluster: Cluster, ranks: int | None = None, ranks_per_node: int | None = None,
-                steps: int = 1) -> list[Line]:
+                steps: int = 1) -> list[ProtocolLine]:
     """The preset (uncalibrated) ring model, one line per protocol; ``steps`` 2 for an all-reduce (module doc)."""
     n, rpn, nodes = group_layout(cluster, ranks, ranks_per_node)
     if n == 1:
-        return [(Protocol.SIMPLE, 0.0, math.inf)]
-    from fsdp_planner.hardware.cluster import Engine  # cluster.py imports this module
-
+        return [ProtocolLine(Protocol.SIMPLE, 0.0, math.inf)]
     if cluster.engine is Engine.HOST:  # gloo: one algorithm, no NCCL protocols; calibrate fits this line as it is
         link = cluster.inter if nodes > 1 else cluster.intra
-        return [(Protocol.SIMPLE, link.base_latency, link.bus_bandwidth / steps)]
+        return [ProtocolLine(Protocol.SIMPLE, link.base_latency, link.bus_bandwidth / steps)]
     inter_steps = nodes - 1
     intra_steps = n - 1 - inter_steps
     used = []  # (link, its SIMPLE bus bandwidth for this ring)
@@ -149,7 +129,7 @@ def model_lines(cluster: Cluster, ranks: int | None = None, ranks_per_node: int 
         used.append((cluster.inter, cluster.inter.bus_bandwidth * share * (1 - cluster.inter.ring_overhead / n)))
     base = max(link.base_latency for link, _ in used)
     link, bw = min(used, key=lambda u: u[1])
-    lines = []
+    lines: list[ProtocolLine] = []
     for protocol, m in PROTOCOLS.items():
         intra_hop = cluster.intra.hop_latency * m.nvlink_hop * (m.nvlink_hop_across_nodes if nodes > 1 else 1.0)
         hops = intra_steps * intra_hop + inter_steps * cluster.inter.hop_latency * m.network_hop
@@ -162,7 +142,7 @@ def model_lines(cluster: Cluster, ranks: int | None = None, ranks_per_node: int 
         latency = base * m.base + steps * hops
         if m.pipelined:  # eff(S) = S/(S+S_half) folded into alpha: (N-1)/N * S_half / B (zero on an ideal link)
             latency += steps * (n - 1) / n * link.half_bw_bytes / bw
-        lines.append((protocol, latency, bw_p))
+        lines.append(ProtocolLine(protocol, latency, bw_p))
     return lines
 
 
@@ -191,8 +171,8 @@ def model_alpha_beta(cluster: Cluster, ranks: int | None = None,
     return alpha, bw
 
 
-def _simple(lines: list[Line]) -> Line:
-    return next(line for line in lines if line[0] is Protocol.SIMPLE)
+def _simple(lines: list[ProtocolLine]) -> ProtocolLine:
+    return next(line for line in lines if line.protocol is Protocol.SIMPLE)
 
 
 def alpha_beta(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL_GATHER, ranks: int | None = None,
@@ -204,7 +184,7 @@ def alpha_beta(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL
 
 
 def lines(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL_GATHER, ranks: int | None = None,
-          ranks_per_node: int | None = None) -> list[Line]:
+          ranks_per_node: int | None = None) -> list[ProtocolLine]:
     """Every protocol's line for ``kind`` on this group, calibrated when possible.
 
     Fits of the other collective are used when ``kind`` has none for this group's regime (one node or
@@ -230,7 +210,7 @@ def lines(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL_GATH
         ra, rb = _ratio(cluster, n, same[n])
     else:
         ra, rb = _fit_ratio(cluster, same, n)
-    return [(p, alpha * ra, bw * rb) for p, alpha, bw in model]
+    return [ProtocolLine(p, alpha * ra, bw * rb) for p, alpha, bw in model]
 
 
 def _ratio(cluster: Cluster, m: int, fit: tuple[float, float]) -> tuple[float, float]:

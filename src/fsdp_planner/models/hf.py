@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import parse_json, read_text
 
@@ -153,8 +154,6 @@ _LOSS_TYPES = {HfTask.CAUSAL_LM: "ForCausalLM", HfTask.IMAGE_CLASSIFICATION: "Fo
 def build_model(data: dict[str, Any]) -> nn.Module:
     """The model of a config (on the current default device: meta while planning), fp32 params, training mode.
     Experts layers take the token-balanced routing while planned (``hf_experts``)."""
-    from fsdp_planner.models import hf_experts
-
     config = _config(data)
     task = task_of(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+import fsdp_planner.models.llama as llama
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.models import llama
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo")  # the attention projections, as most LoRA recipes adapt
 LORA_RANK = 8

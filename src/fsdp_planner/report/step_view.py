@@ -20,7 +20,8 @@ from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport, Stream, TimelineEvent, Work, simulate
+from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.sim.timeline import Stream, TimelineEvent, Work
 from fsdp_planner.trace.records import Trace
 
 # Compute runs shorter than this share of the step are merged with their neighbours: a picture is ~1,500 pixels

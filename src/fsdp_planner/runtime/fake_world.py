@@ -32,13 +32,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, resolve_factory
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
-from fsdp_planner.sim.options import Precision, ZeroGrad
-from fsdp_planner.sim.timeline import StepReport
+from fsdp_planner.sim.options import ZeroGrad
+from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.recorder import default_loss, split_inputs
 
 MAX_FAKE_WORLD = 1 << 20

@@ -1,7 +1,7 @@
 """One rank of an FSDP1 verify job (``verify --fsdp1``): ``python -m fsdp_planner.runtime.fsdp1_worker JOB.json``.
 
 As ``worker.py`` but the plan runs as FSDP1 ``FullyShardedDataParallel`` with the plan's ``auto_wrap_policy``
-(``fsdp2/fsdp1.py``): K SGD steps beside an unsharded reference on the same data, the all-gathers and
+(``apply/fsdp1.py``): K SGD steps beside an unsharded reference on the same data, the all-gathers and
 reduce-scatters counted per step (FSDP1 calls them through the ``torch.distributed`` module too), the parameters
 compared under ``summon_full_params``, and the module names FSDP1 wrapped reported for the launcher to compare
 with the plan's groups. ``rank.run_rank`` starts and ends the rank and reports a failure.
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from fsdp_planner.fsdp2.fsdp1 import clean_name, fsdp1_kwargs, wrapped_units
-from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.apply.fsdp1 import clean_name, fsdp1_kwargs, wrapped_units
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.runtime.rank import run_rank
 from fsdp_planner.runtime.worker import MOMENTUM, CollectiveCounter, build_job, parity, train_steps
 

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.fsdp1 import fsdp1_collective_bytes, fsdp1_collectives
+from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec, as_spec, planning_only
 from fsdp_planner.runtime.checkpoint import META, read_meta
 from fsdp_planner.runtime.failures import explain, read_failures

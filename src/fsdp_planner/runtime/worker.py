@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from fsdp_planner.fsdp2.apply import apply_plan, device_mesh
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_planner.runtime.rank import injected_fault, run_rank

@@ -3,10 +3,11 @@
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.memory import MemoryBreakdown, MemoryModel, strategy_table
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
-from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, Optimizer, Precision, SimOptions
+from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, Optimizer, SimOptions
+from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import Sizing
-from fsdp_planner.sim.timeline import StepReport, Stream, TimelineEvent, simulate
+from fsdp_planner.sim.timeline import Stream, TimelineEvent
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "MemoryBreakdown", "MemoryModel", "Optimizer", "PlanMetrics", "Precision",
+__all__ = ["OPTIMIZERS", "PRECISIONS", "MemoryBreakdown", "MemoryModel", "Optimizer", "PlanMetrics",
            "SimContext", "SimOptions", "Sizing", "StepReport", "Stream", "TimelineEvent", "plan_metrics", "simulate",
            "strategy_table"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU
-from fsdp_planner.sim.options import Precision
 from fsdp_planner.trace.records import Trace
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.fsdp2.replay import Collective
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.hardware.collectives import CollectiveKind, Protocol, group_layout, lines, table_seconds
+from fsdp_planner.hardware.collectives import Protocol, group_layout, lines, table_seconds
 from fsdp_planner.sim.compute import step_op_times
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
@@ -31,7 +34,12 @@ class Recompute:
     ops: int
 
 
-Link = tuple[float, float, str]  # (latency seconds, seconds per byte of data, which link: "intra" | "inter")
+class LinkCost(NamedTuple):
+    """How one collective is costed on the links: T = alpha + bytes * per_byte, its bytes queued on ``link``."""
+
+    alpha: float  # seconds
+    per_byte: float  # seconds per byte of data
+    link: str  # "intra" (NVLink, or a measured host collective) | "inter" (the network)
 
 
 class SimContext:
@@ -60,23 +68,23 @@ class SimContext:
         self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
                                   self.options.zero_grad)
         self.sizing = self.memory.sizing
-        self._links: dict[tuple[CollectiveKind, int], tuple[list[Link], str]] = {}
+        self._links: dict[tuple[CollectiveKind, int], tuple[list[LinkCost], str]] = {}
         # measured collectives of a CPU-rank cluster (empty on GPUs: link() then never looks them up)
         self.host_tables = cluster.tables if cluster.engine is Engine.HOST else {}
         self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = {}
         self.lower_bound = self._lower_bound()
 
-    def link(self, kind: CollectiveKind, ranks: int = 0, nbytes: float = math.inf) -> Link:
+    def link(self, kind: CollectiveKind, ranks: int = 0, nbytes: float = math.inf) -> LinkCost:
         """How a ``kind`` collective of ``nbytes`` on ``ranks`` ranks is costed: the line of the protocol NCCL runs
         at that size (default: a large message, SIMPLE). ``ranks`` 0: its whole group, the ``shard`` consecutive
         ranks of the mesh (packed onto nodes), or for an all-reduce the ``replicate`` ranks ``shard`` apart."""
         rows = self.table(kind, ranks) if self.host_tables else None
         if rows is not None and nbytes != math.inf:  # measured: its time at this size, as a latency
-            return table_seconds(rows, nbytes), 0.0, "intra"
+            return LinkCost(table_seconds(rows, nbytes), 0.0, "intra")
         options = self.links(kind, ranks)
         if len(options) == 1 or nbytes == math.inf:
             return options[-1]
-        return min(options, key=lambda line: line[0] + nbytes * line[1])
+        return min(options, key=lambda line: line.alpha + nbytes * line.per_byte)
 
     def table(self, kind: CollectiveKind, ranks: int = 0) -> list[tuple[int, float]] | None:
         """The measured (bytes, seconds) of ``kind`` when the cluster has them for this group: a host-engine
@@ -90,9 +98,9 @@ class SimContext:
         rows = self.table(kind, ranks)
         if rows is not None:
             return rows[0][1]
-        return min(line[0] for line in self.links(kind, ranks))
+        return min(line.alpha for line in self.links(kind, ranks))
 
-    def links(self, kind: CollectiveKind, ranks: int = 0) -> list[Link]:
+    def links(self, kind: CollectiveKind, ranks: int = 0) -> list[LinkCost]:
         """Every protocol's line for ``kind`` (SIMPLE last)."""
         key = (kind, ranks)
         if key not in self._links:
@@ -102,10 +110,11 @@ class SimContext:
                 per_node = replica_ranks_per_node(self.cluster, self.mesh)
             where = "inter" if group_layout(self.cluster, n, per_node)[2] > 1 else "intra"
             if n == 1:
-                self._links[key] = ([(0.0, 0.0, where)], where)
+                self._links[key] = ([LinkCost(0.0, 0.0, where)], where)
             else:
-                ordered = sorted(lines(self.cluster, kind, n, per_node), key=lambda line: line[0] is Protocol.SIMPLE)
-                self._links[key] = ([(alpha, (n - 1) / n / bw, where) for _, alpha, bw in ordered], where)
+                ordered = sorted(lines(self.cluster, kind, n, per_node),
+                                 key=lambda line: line.protocol is Protocol.SIMPLE)
+                self._links[key] = ([LinkCost(alpha, (n - 1) / n / bw, where) for _, alpha, bw in ordered], where)
         return self._links[key][0]
 
     def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:
@@ -147,8 +156,8 @@ class SimContext:
         times = [float(self.comm_time(kind, np.array([nbytes]))[0]) for kind, nbytes in messages if nbytes]
         by_link: dict[str, float] = {}
         for kind, nbytes in messages:  # the bytes at the best bandwidth any protocol reaches
-            where = self.link(kind)[2]
-            by_link[where] = by_link.get(where, 0.0) + nbytes * min(line[1] for line in self.links(kind))
+            where = self.link(kind).link
+            by_link[where] = by_link.get(where, 0.0) + nbytes * min(line.per_byte for line in self.links(kind))
         return max(self.compute_total, *times, *by_link.values())
 
 
@@ -156,3 +165,12 @@ def replica_ranks_per_node(cluster: Cluster, mesh: Mesh) -> int:
     """Ranks of one HSDP replica group on a node: its members are ``shard`` ranks apart, so a node of
     ``gpus_per_node`` consecutive ranks holds ``gpus_per_node // shard`` of them (at least one)."""
     return max(1, min(mesh.replicate, cluster.gpus_per_node // mesh.shard))
+
+
+def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
+    """Bytes as nccl-tests counts them: an all-gather's output, a reduce-scatter's input (both padded, the
+    full unsharded size), an all-reduce's buffer (the reduce-scatter's output, one shard)."""
+    if c.kind is CollectiveKind.ALL_GATHER:
+        return gather[c.group]
+    reduced = ctx.sizing.reduce_bytes(c.params)
+    return reduced if c.kind is CollectiveKind.REDUCE_SCATTER else reduced // ctx.shard

@@ -1,6 +1,6 @@
 """One training step on CPU ranks with gloo (``Engine.HOST``): everything in one thread, nothing overlaps.
 
-On a GPU the host runs ahead and the streams overlap (``timeline.py``). On a CPU rank the thread that runs the
+On a GPU the host runs ahead and the streams overlap (``streams.py``). On a CPU rank the thread that runs the
 ops also runs FSDP2's hooks and copies, and each collective blocks it: FSDP2 issues all-gathers with
 ``async_op=False`` (``FSDPParamGroup.unshard_async_op`` is False by default, prefetches included) and
 ``foreach_reduce`` runs the reduce-scatter synchronously, which on a GPU only orders streams but on gloo waits
@@ -24,8 +24,8 @@ import numpy as np
 from fsdp_planner.fmt import fmt_modules
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Collective, Schedule, state_hook_calls
-from fsdp_planner.sim.context import Recompute, SimContext
-from fsdp_planner.sim.timeline import AG, AR, RS, StepReport, Stream, TimelineEvent, Work, collective_bytes, report
+from fsdp_planner.sim.context import Recompute, SimContext, collective_bytes
+from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, Stream, Timeline, Work
 
 
 class HostRank:
@@ -43,12 +43,12 @@ class HostRank:
         self.compute = 0.0  # the ops, corrected
         self.copy = 0.0
         self.busy = {AG: 0.0, RS: 0.0, AR: 0.0}
-        self.events: list[TimelineEvent] | None = [] if timeline else None
+        self.timeline = Timeline(timeline)
 
     def _spend(self, seconds: float, stream: Stream, name: str, work: Work = Work.OPS, group: int = -1,
                op: int = -1) -> None:
-        if self.events is not None and seconds > 0:
-            self.events.append(TimelineEvent(stream, name, self.t, self.t + seconds, group, op, work))
+        if seconds > 0:
+            self.timeline.add(stream, name, self.t, self.t + seconds, group, op, work)
         self.t += seconds
 
     def run_ops(self, idx: int) -> None:
@@ -103,7 +103,7 @@ class HostRank:
 
 
 def simulate_host(ctx: SimContext, plan: Plan, sched: Schedule, gather: list[int], group_params: list[int],
-                  recompute: dict[int, Recompute], timeline: bool) -> StepReport:
+                  recompute: dict[int, Recompute], timeline: bool) -> StepTimes:
     """The step of ``plan`` on CPU ranks: ops, hooks, copies and collectives one after another."""
     rank = HostRank(ctx, plan, gather, group_params, timeline)
     hooks: dict[int, list[int]] = {}
@@ -126,7 +126,7 @@ def simulate_host(ctx: SimContext, plan: Plan, sched: Schedule, gather: list[int
         if idx in recompute:
             recomputed += rank.recompute(recompute[idx])
     exposed = sum(rank.busy.values())
-    return report(ctx, plan, sched, gather, step=rank.t, recompute=recomputed, exposed=exposed, busy=rank.busy,
-                  host_time=rank.host, host_wait=rank.host, copy_time=rank.copy, events=rank.events or [],
-                  compute=rank.compute + recomputed)
+    return StepTimes(step=rank.t, recompute=recomputed, exposed=exposed, busy=rank.busy, host_time=rank.host,
+                     host_wait=rank.host, copy_time=rank.copy, events=rank.timeline.events,
+                     compute=rank.compute + recomputed)
 

@@ -41,11 +41,12 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.sim.compute import traced_itemsize
-from fsdp_planner.sim.options import Optimizer, Precision, SimOptions, ZeroGrad
+from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
 from fsdp_planner.sim.recompute import activation_deltas, checkpointed_calls
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace

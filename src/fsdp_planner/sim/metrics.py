@@ -14,9 +14,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import asdict, dataclass
 
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace

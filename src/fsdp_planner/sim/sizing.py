@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.sim.options import Precision
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.trace.records import Trace
 
 

@@ -37,7 +37,7 @@ from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport
+from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.records import Trace
 
 

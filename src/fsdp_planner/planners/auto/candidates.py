@@ -11,8 +11,8 @@ import numpy as np
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto.atoms import Atom, Pin, coarsen
 from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy

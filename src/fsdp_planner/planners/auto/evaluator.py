@@ -8,17 +8,18 @@ from dataclasses import dataclass
 from enum import Enum
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import make_plan, shardable_cover
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.fsdp2.validity import sharded_reads
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.hardware.collectives import CollectiveKind
 from fsdp_planner.planners.auto.atoms import Atom
 from fsdp_planner.planners.order import compress_modules
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.timeline import StepReport, simulate
+from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import proper_ancestors
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from fsdp_planner.hardware.collectives import CollectiveKind
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, Candidate
 from fsdp_planner.planners.auto.refine import Move, Refiner
