@@ -8,18 +8,13 @@ from typing import Any
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.paths import output_file, write_output
 from fsdp_planner.cli.requests import (
-    add_json,
-    add_model,
-    add_policy_options,
-    add_sim_options,
     cluster_or_none,
     model_spec,
-    output_file,
     policy_notes,
     policy_request,
     sim_options,
-    write_output,
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
@@ -28,25 +23,13 @@ from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import GroupExplanation, explain
 from fsdp_planner.planners.blocks import default_block_class
-from fsdp_planner.planners.registry import CLASSIC_POLICIES, POLICY_NAMES, PolicyName, make_policy
+from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, make_policy
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import DEFAULT_MFU, DEFAULT_OPTIMIZER
 from fsdp_planner.sim.timeline import host_work, simulate
 
 DEFAULT_AUTO_CLUSTER = "h100:8"
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("plan", help="plan FSDP groups for a model; without --policy compare all policies")
-    add_model(sp)
-    sp.add_argument("--policy", choices=POLICY_NAMES)
-    add_policy_options(sp)
-    add_sim_options(sp, cluster_required=False)
-    add_json(sp)
-    sp.add_argument("--out", help="write the plan JSON here")
-    sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

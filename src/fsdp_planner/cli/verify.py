@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
 from fsdp_planner.cli import render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
-from fsdp_planner.cli.requests import add_json, add_plan_source, model_spec, plan_source, policy_notes
+from fsdp_planner.cli.requests import model_spec, plan_source, policy_notes
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import check_plan_world_size
@@ -18,52 +17,10 @@ from fsdp_planner.models import planning_only
 from fsdp_planner.planners.registry import PolicyName
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import check_load_dir, check_save_dir, run_verify
-from fsdp_planner.sim.options import DEFAULT_PRECISION, PRECISIONS, SimOptions, ZeroGrad
+from fsdp_planner.sim.options import DEFAULT_PRECISION, SimOptions, ZeroGrad
 from fsdp_planner.sim.timeline import simulate
 
-MEMORY_TOLERANCE = 0.05
-TIME_STEPS = 5
 FP32 = SimOptions.named("fp32", "sgd-momentum")  # what the torchrun jobs train with (worker.py)
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("verify", help="train with the plan under torchrun and check it against the prediction")
-    add_plan_source(sp)
-    sp.add_argument("--nproc", type=int, default=2, help="processes (ranks) to run (default 2)")
-    sp.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
-    sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs, or with "
-                                      "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
-                                      "and print it beside the measured one (on CPU ranks give the cluster "
-                                      "`calibrate --backend gloo --nproc N` wrote on this machine)")
-    sp.add_argument("--time-steps", type=int, default=TIME_STEPS, metavar="T",
-                    help=f"after the checked steps, time T more forward + backward steps of the sharded model alone "
-                         f"and report their median (default {TIME_STEPS}; 0: none)")
-    sp.add_argument("--measure", action="store_true",
-                    help="with --cluster: time the model's ops on this machine for the step-time prediction (one "
-                         "thread, as each gloo rank runs) instead of the roofline estimate")
-    sp.add_argument("--fake-world-size", type=int, metavar="W",
-                    help="run real FSDP2 on W fake ranks in this process (fake process group and fake tensors, any "
-                         "model, no torchrun) and compare collectives, bytes and peak memory with the prediction")
-    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISIONS),
-                    help=f"--fake-world-size: the mixed precision to run (default {DEFAULT_PRECISION}; torchrun "
-                         "jobs train in fp32)")
-    sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
-                    help="--fake-world-size: how the loop clears grads (none = set_to_none=True, the default; "
-                         "zeros = set_to_none=False)")
-    sp.add_argument("--memory-tolerance", type=float, default=MEMORY_TOLERANCE,
-                    help=f"--fake-world-size: largest relative peak-memory error that passes (default "
-                         f"{MEMORY_TOLERANCE})")
-    sp.add_argument("--save-checkpoint", type=Path, metavar="DIR",
-                    help="after the steps, save the sharded model and optimizer as a distributed checkpoint (DCP) "
-                         "in the new directory DIR")
-    sp.add_argument("--load-checkpoint", type=Path, metavar="DIR",
-                    help="start from a checkpoint that --save-checkpoint wrote, at any --nproc and with any plan "
-                         "(resharded on load), and check the restored state is the saved one")
-    sp.add_argument("--fsdp1", action="store_true",
-                    help="run the plan with FSDP1 FullyShardedDataParallel (its auto_wrap_policy, one unit per "
-                         "group) instead of FSDP2; checks parity, the wrapped units and the collectives")
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:
