@@ -60,3 +60,16 @@ def test_every_command_has_a_run() -> None:
 
     for command in COMMANDS:
         assert callable(importlib.import_module(f"fsdp_planner.cli.{command.__name__}").run), command.__name__
+
+
+def test_ctrl_c_while_the_command_is_imported_is_one_line(monkeypatch, capsys) -> None:
+    import importlib
+
+    from fsdp_planner import cli
+
+    def interrupted(name: str, package: str | None = None) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib, "import_module", interrupted)  # Ctrl-C while torch loads
+    assert cli.main(["models"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
