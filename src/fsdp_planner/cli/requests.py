@@ -1,7 +1,8 @@
-"""What the user asked for, as typed requests built once from the command line and validated where they are built.
+"""What the user asked for, as typed requests built once from the command line and validated where they are built:
+every argument is checked before the model is traced or auto searches, so a typo costs no minutes.
 
-Every option that more than one command takes is read here, so its meaning and default exist in one place
-(the simulation defaults themselves live in ``sim/options.py``).
+The options themselves (meaning, default, help) are defined in ``cli/options.py`` and ``cli/commands.py``; this
+module reads them into the values the commands run with.
 """
 
 from __future__ import annotations
@@ -12,18 +13,26 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_planner.cli.paths import input_file
+from fsdp_planner.choices import (
+    DEFAULT_MFU,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    POLICY_NAMES,
+    ACMode,
+    PolicyName,
+    Target,
+    ZeroGrad,
+)
+from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import parse_count, parse_size
-from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.plan import Mesh
-from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.models import ModelSpec
-from fsdp_planner.planners.auto import Target
-from fsdp_planner.planners.registry import POLICY_NAMES, PolicyName, PolicyRequest
-from fsdp_planner.sim.options import (
-    SimOptions,
-)
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
+from fsdp_planner.models import ModelSpec, planning_only
+from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
+from fsdp_planner.sim.options import SimOptions
+
+DEFAULT_AUTO_CLUSTER = "h100:8"  # plan --policy auto without --cluster (or h100 with --mesh's rank count)
 
 
 @dataclass(frozen=True)
@@ -136,3 +145,158 @@ def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
     return parse_cluster(args.cluster) if args.cluster else None
 
 
+
+
+# -- plan ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanRequest:
+    """``plan MODEL``: one policy's plan (``--policy``), or the policies side by side."""
+
+    model: ModelSpec
+    policy: PolicyName | None  # --policy: one plan, and its errors are errors; None: a comparison
+    policies: tuple[PolicyRequest, ...]  # in the order they run (in a comparison with a cluster, auto last)
+    cluster: Cluster | None  # what the plans are simulated on; None: no simulation
+    options: SimOptions
+    out: Path | None
+    json: bool
+    explain: bool
+    measure: bool  # --measure, when it has a simulation to feed
+    full_trace: bool
+    default_cluster: str | None  # auto's cluster when none was given (said on stderr)
+    notes: tuple[str, ...]  # what the user asked for that this run does not use, one note each
+
+
+def plan_request(args: argparse.Namespace) -> PlanRequest:
+    out = output_file(args.out)
+    if out is not None and not args.policy:
+        raise PlannerError("--out writes one plan: choose it with --policy")
+    if args.explain and args.policy != PolicyName.AUTO.value:
+        raise PlannerError("--explain explains an auto plan: add --policy auto")
+    names = [PolicyName(args.policy)] if args.policy else list(CLASSIC_POLICIES)
+    policies = [policy_request(args, n.value) for n in names]
+    cluster, options = cluster_or_none(args), sim_options(args)
+    default = None
+    if args.policy == PolicyName.AUTO.value and cluster is None:
+        # as many H100s as a given --mesh has ranks
+        default = f"h100:{Mesh.parse(args.mesh).size}" if getattr(args, "mesh", None) else DEFAULT_AUTO_CLUSTER
+        cluster = parse_cluster(default)
+    if not args.policy and cluster is not None:
+        policies.append(policy_request(args, PolicyName.AUTO.value))
+    notes = _plan_notes(args, [p.name for p in policies], cluster is not None)
+    measure = args.measure and not any(n.startswith("--measure") for n in notes)
+    return PlanRequest(model_spec(args), PolicyName(args.policy) if args.policy else None, tuple(policies), cluster,
+                       options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes))
+
+
+def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:
+    """What the user asked for that this ``plan`` does not use, one note each."""
+    why = (f"with --policy {args.policy}" if args.policy
+           else "without --cluster (the comparison includes auto only when a cluster is given)")
+    notes = policy_notes(args, ran, why)
+    if not simulated:
+        # (--precision is read without a cluster too: the model is traced in its compute dtype)
+        given = [opt for opt, value, default in (("--mfu", args.mfu, DEFAULT_MFU),
+                                                  ("--optimizer", args.optimizer, DEFAULT_OPTIMIZER))
+                 if value != default]
+        if given:
+            notes.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --cluster: "
+                         f"only the step simulation uses {'it' if len(given) == 1 else 'them'}")
+        if args.measure:
+            notes.append("--measure has no effect without --cluster: measured times only feed the step simulation "
+                         "(nothing measured)")
+    return notes
+
+
+# -- verify ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VerifyRequest:
+    """``verify MODEL``: a torchrun job of ``nproc`` ranks training the plan, checked against the prediction."""
+
+    model: ModelSpec
+    source: PlanSource
+    nproc: int
+    steps: int
+    time_steps: int  # timed forward + backward steps after the checked ones (none with --fsdp1)
+    plan_cluster: Cluster | None  # what auto plans for (None: the plan is not auto's)
+    cluster: Cluster | None  # --cluster: predict the job's step time on it too
+    measure: bool
+    full_trace: bool
+    fsdp1: bool
+    save_checkpoint: Path | None
+    load_checkpoint: Path | None
+    json: bool
+    notes: tuple[str, ...]
+
+
+def verify_request(args: argparse.Namespace) -> VerifyRequest:
+    from fsdp_planner.runtime.verify import check_load_dir, check_save_dir
+
+    if args.nproc < 1:
+        raise PlannerError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.steps < 1:
+        raise PlannerError(f"--steps must be at least 1, got {args.steps}")
+    if args.time_steps < 0:
+        raise PlannerError(f"--time-steps must be 0 or more, got {args.time_steps}")
+    if args.fsdp1 and (args.save_checkpoint is not None or args.load_checkpoint is not None):
+        raise PlannerError("--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1")
+    if planning_only(args.model):
+        raise PlannerError(f"'{args.model}' is for planning only (too large to train here); verify a trainable "
+                           "model")
+    if args.save_checkpoint is not None:
+        check_save_dir(args.save_checkpoint)
+    if args.load_checkpoint is not None:
+        check_load_dir(args.load_checkpoint, "")
+    notes = []
+    if args.precision != DEFAULT_PRECISION or args.zero_grad != ZeroGrad.NONE.value:
+        notes.append("--precision and --zero-grad apply with --fake-world-size: torchrun jobs train in fp32 with "
+                     "zero_grad()")
+    source = plan_source(args)
+    auto = source.policy is not None and source.policy.name is PolicyName.AUTO
+    given = cluster_or_none(args)
+    plan_cluster = (given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto else None
+    notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
+                          plan_file=source.plan_file is not None)
+    return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
+                         args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
+                         args.json, tuple(notes))
+
+
+@dataclass(frozen=True)
+class FakeWorldRequest:
+    """``verify MODEL --fake-world-size W``: real FSDP2 on W fake ranks beside the simulator's prediction."""
+
+    model: ModelSpec
+    source: PlanSource
+    world: int
+    cluster: Cluster  # the prediction's (W GPUs)
+    options: SimOptions
+    memory_tolerance: float  # the largest relative peak-memory error that passes
+    full_trace: bool
+    json: bool
+    notes: tuple[str, ...]
+
+
+def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
+    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, check_precision
+
+    if args.fsdp1:
+        raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
+    world = args.fake_world_size
+    if not 1 <= world <= MAX_FAKE_WORLD:
+        raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD:,}, got {world}")
+    if not 0 <= args.memory_tolerance < 1:
+        raise PlannerError(f"--memory-tolerance must be in [0, 1), got {args.memory_tolerance}")
+    notes = []
+    if args.nproc != 2 or args.steps != 3:
+        notes.append("--nproc and --steps have no effect with --fake-world-size (one process, two steps)")
+    if args.save_checkpoint is not None or args.load_checkpoint is not None:
+        notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
+                     "hold no values)")
+    options = SimOptions.named(args.precision, zero_grad=args.zero_grad)
+    check_precision(options.precision)
+    source = plan_source(args)
+    cluster = parse_cluster(args.cluster or f"h100:{world}")
+    if cluster.world_size != world:
+        raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")
+    return FakeWorldRequest(model_spec(args), source, world, cluster, options, args.memory_tolerance,
+                            args.full_trace, args.json, tuple(notes))
