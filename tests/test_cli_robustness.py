@@ -131,7 +131,7 @@ def test_os_error_is_one_line_not_internal_error(monkeypatch, capsys):
     def fails(args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/out.json")
 
-    monkeypatch.setattr(cli.models, "run", fails)
+    monkeypatch.setattr("fsdp_planner.cli.models.run", fails)
     code, _, err = run_main(capsys, "models")
     assert_one_line_error(code, err, "No space left on device: /data/out.json")
 

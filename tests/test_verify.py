@@ -17,6 +17,7 @@ from conftest import policy, traced
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.models import load_model
+from fsdp_planner.runtime import signals
 from fsdp_planner.runtime import verify as v
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.trace import trace
@@ -413,7 +414,7 @@ def test_stop_process_group_ends_children_that_ignore_sigterm(tmp_path):
 
 def test_sigterm_raises_terminated_only_inside_signals_raise():
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(v.Terminated) as info, v.signals_raise():
+    with pytest.raises(signals.Terminated) as info, signals.signals_raise():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(1)  # the handler runs at the next bytecode
     assert info.value.signum == signal.SIGTERM and info.value.name == "SIGTERM"

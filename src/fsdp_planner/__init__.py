@@ -6,19 +6,39 @@ plan) -> ``hardware`` (the cluster and its collectives) -> ``sim`` (time and mem
 for real) -> ``cli``.
 """
 
-from fsdp_planner.apply import apply_plan
-from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2 import Group, Plan
-from fsdp_planner.hardware import Cluster, parse_cluster
-from fsdp_planner.planners import (
-    AutoPolicy,
-    ExecutionOrderPolicy,
-    ModuleWrapPolicy,
-    SizeBasedPolicy,
-    TorchtitanPolicy,
-)
-from fsdp_planner.sim import PlanMetrics, SimOptions, StepReport, plan_metrics, simulate
-from fsdp_planner.trace import Trace, trace
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fsdp_planner.apply import apply_plan
+    from fsdp_planner.errors import PlannerError
+    from fsdp_planner.fsdp2 import Group, Plan
+    from fsdp_planner.hardware import Cluster, parse_cluster
+    from fsdp_planner.planners import (
+        AutoPolicy,
+        ExecutionOrderPolicy,
+        ModuleWrapPolicy,
+        SizeBasedPolicy,
+        TorchtitanPolicy,
+    )
+    from fsdp_planner.sim import PlanMetrics, SimOptions, StepReport, plan_metrics, simulate
+    from fsdp_planner.trace import Trace, trace
+
+# Each public name and the module it comes from, imported on first use: importing any part of the package (the
+# command line's parser above all) must not import torch and every subpackage before it is needed.
+_SOURCES = {
+    "PlannerError": "fsdp_planner.errors",
+    "Group": "fsdp_planner.fsdp2", "Plan": "fsdp_planner.fsdp2", "apply_plan": "fsdp_planner.apply",
+    "Cluster": "fsdp_planner.hardware", "parse_cluster": "fsdp_planner.hardware",
+    **dict.fromkeys(("AutoPolicy", "ExecutionOrderPolicy", "ModuleWrapPolicy", "SizeBasedPolicy", "TorchtitanPolicy"),
+                    "fsdp_planner.planners"),
+    **dict.fromkeys(("PlanMetrics", "SimOptions", "StepReport", "plan_metrics", "simulate"), "fsdp_planner.sim"),
+    "Trace": "fsdp_planner.trace", "trace": "fsdp_planner.trace",
+}
 
 __all__ = [
     "AutoPolicy",
@@ -40,3 +60,29 @@ __all__ = [
     "simulate",
     "trace",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``fsdp_planner.Plan`` and the other public names, imported when first read (PEP 562)."""
+    if name not in _SOURCES:
+        raise AttributeError(f"module 'fsdp_planner' has no attribute '{name}'")
+    value = getattr(importlib.import_module(_SOURCES[name]), name)
+    globals()[name] = value  # read once: later lookups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """This package's module: importing the ``fsdp_planner.trace`` subpackage sets the package's ``trace`` to that
+    module, but the public name ``trace`` is the function (as the eager import of the old ``__init__`` left it)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "trace" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -10,18 +10,9 @@ torchtitan (a ``parallelize``-style function taking the model and its ``world_me
 
 from __future__ import annotations
 
-from enum import Enum
-
+from fsdp_planner.choices import ExportFormat
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.plan import Plan
-
-
-class ExportFormat(str, Enum):
-    PYTHON = "python"
-    ACCELERATE = "accelerate"
-    LIGHTNING = "lightning"
-    TORCHTITAN = "torchtitan"
-
 
 APPLY_BODY = '''
 

@@ -9,70 +9,23 @@ and temporary files removed) with 128 + the signal number.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import difflib
 import errno
+import importlib
 import os
-import re
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import NoReturn
 
-from fsdp_planner.cli import calibrate, check, cost, demo, export, memory, models, plan, render, simulate, verify
-from fsdp_planner.cli.requests import check_paths
+from fsdp_planner.cli.parser import build_parser
+from fsdp_planner.cli.paths import check_paths
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.runtime.verify import Terminated, signals_raise
+from fsdp_planner.runtime.signals import Terminated, signals_raise
 
-COMMANDS = (demo, plan, simulate, verify, check, export, cost, calibrate, memory, models)
+__all__ = ["EXIT_BROKEN_PIPE", "build_parser", "main"]
+
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO}
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad argument is one line, not a usage block (subparsers are made of this class too)."""
-
-    given: tuple[str, ...] = ()  # the command line being parsed (set by the top-level parse_args, read by error)
-
-    def error(self, message: str) -> NoReturn:
-        if message.endswith("expected one argument"):  # argparse takes a value starting with '-' for an option
-            message += " (a value that starts with '-' is given as --option=VALUE)"
-        negative = next((a for a in ArgumentParser.given if re.fullmatch(r"-[0-9.].*", a)), None)
-        if negative and message.startswith("the following arguments are required"):
-            message += f" ('{negative}' reads as an option: a size or count cannot be negative)"
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-                   ) -> argparse.Namespace:  # type: ignore[override]
-        """Unknown options are reported by the top-level parser: name the command's help, and the option meant."""
-        ArgumentParser.given = tuple(sys.argv[1:] if args is None else args)
-        ns, extras = self.parse_known_args(args, namespace)
-        if extras:
-            sub = self._commands().get(getattr(ns, "command", None) or "", self)
-            known = [o for a in sub._actions for o in a.option_strings]
-            close = difflib.get_close_matches(extras[0].partition("=")[0], known, n=1) if extras[0][:1] == "-" else []
-            hint = f"; did you mean {close[0]}?" if close else ""
-            sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
-        return ns
-
-    def _commands(self) -> dict[str, argparse.ArgumentParser]:
-        for a in self._actions:
-            if isinstance(a, argparse._SubParsersAction):
-                return dict(a.choices)
-        return {}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="fsdp-planner", description=__doc__.splitlines()[0])
-    p.add_argument("--version", action="version", version=f"fsdp-planner {_version()}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser)
-    for command in COMMANDS:
-        command.register(sub)
-    for sp in sub.choices.values():  # every command: --quiet (one place, so no command can miss it)
-        sp.add_argument("--quiet", "-q", action="store_true",
-                        help="print no notes, no progress and no library warnings on stderr (errors still are)")
-    return p
 
 
 def _open_missing_streams() -> None:
@@ -136,16 +89,8 @@ def _exit_code(code: object) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     _open_missing_streams()
     try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:  # --help, or the one-line argument error already printed
-        return _exit_code(e.code)
-    try:
-        with signals_raise(), _quiet_libraries(args.quiet):
-            render.set_quiet(args.quiet)
-            check_paths(args)
-            status = int(args.fn(args))
-            sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's flush at exit
-            return status
+        with signals_raise():  # from the start: Ctrl-C or SIGTERM while torch is imported is one line too
+            return _run(argv)
     except BrokenPipeError:
         _silence_output()
         return EXIT_BROKEN_PIPE
@@ -176,18 +121,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
 
 
+def _run(argv: Sequence[str] | None) -> int:
+    """Parse, check the paths, then import the command (and with it torch) and run it."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or the one-line argument error already printed
+        return _exit_code(e.code)
+    with _quiet_libraries(args.quiet):
+        check_paths(args)
+        command = importlib.import_module(f"fsdp_planner.cli.{args.command}")
+        from fsdp_planner.cli import render
+
+        render.set_quiet(args.quiet)
+        status = int(command.run(args))
+        sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's flush at exit
+        return status
+
+
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _version() -> str:
-    """The installed package's version, and the torch it runs with (what a bug report needs)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
-
-    try:
-        mine = version("fsdp-planner")
-    except PackageNotFoundError:  # run from a source tree without installing
-        mine = "(not installed)"
-    return f"{mine} (torch {torch.__version__})"

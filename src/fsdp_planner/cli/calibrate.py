@@ -15,30 +15,10 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.calibrate.gloo import MAX_NPROC, calibrate_gloo
 from fsdp_planner.calibrate.nccl_logs import calibrate
 from fsdp_planner.calibrate.overhead import OverheadMeasurement, measure_overhead
-from fsdp_planner.cli.requests import add_json, output_file
+from fsdp_planner.cli.commands import CALIBRATE_BASE as DEFAULT_BASE
+from fsdp_planner.cli.paths import output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-
-DEFAULT_BASE = "h100:8"
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("calibrate", help="fit latency and bandwidth from nccl-tests logs, and FSDP2's per-group "
-                                          "overhead on this machine (--overhead)")
-    sp.add_argument("logs", nargs="*", help="all_gather_perf / reduce_scatter_perf output files")
-    sp.add_argument("--overhead", action="store_true",
-                    help="time real FSDP2 (fake process group, tiny layers) on this machine's GPU, or CPU when it "
-                         "has none, and fit its per-hook, per-param and per-op host cost and its copy bandwidth")
-    sp.add_argument("--backend", choices=["gloo"],
-                    help="measure this machine's CPU ranks in a torchrun job instead: gloo collectives over a sweep "
-                         "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "
-                         "step-time predictions verify --cluster checks")
-    sp.add_argument("--nproc", type=int, default=2, help="--backend gloo: ranks (processes) to run (default 2)")
-    sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
-                                   f"detected from the logs, or {DEFAULT_BASE} with --overhead alone")
-    sp.add_argument("--out", required=True, help="cluster JSON to write")
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

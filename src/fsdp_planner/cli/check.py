@@ -10,9 +10,6 @@ import json
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import (
-    add_json,
-    add_plan_source,
-    add_precision_options,
     cluster_or_none,
     model_spec,
     policy_request,
@@ -28,17 +25,6 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
 
 DEFAULT_POLICY = PolicyName.MODULE  # what hand-written FSDP code does most: each block, the root takes the rest
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("check", help="FSDP pitfalls in a model and a plan, with fixes (exit 1 on an error)")
-    add_plan_source(sp)
-    sp.add_argument("--cluster", help="the cluster the plan runs on (auto needs it; an int reshard_after_forward is "
-                                      "checked against its GPU count)")
-    sp.add_argument("--mfu", type=float, default=None, help=argparse.SUPPRESS)
-    add_precision_options(sp)
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

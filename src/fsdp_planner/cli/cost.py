@@ -6,22 +6,10 @@ import argparse
 import json
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.requests import add_json
 from fsdp_planner.fmt import parse_size
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.hardware.collectives import collective_time
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("cost", help="time of one collective on a cluster")
-    sp.add_argument("collective", choices=("all-gather", "reduce-scatter"))
-    sp.add_argument("size", help="full (unsharded) size, e.g. 1GiB, 512MB, 1e9")
-    sp.add_argument("--cluster", required=True,
-                    help="preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file")
-    sp.add_argument("--ranks", type=int, default=None, help="sub-group size (default: the whole cluster)")
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,6 @@ from typing import Any
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
-from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_gain, fmt_time
 from fsdp_planner.fsdp2.checkpointing import ACMode
@@ -34,18 +33,6 @@ from fsdp_planner.trace.records import Trace
 # Size thresholds: 2000 for the CNN (what its forum question used); for the toy decoder one that wraps inside blocks,
 # as size-based wrapping does on real transformers.
 SEED_MODELS = {"seed-net": 2000, "toy-llama": 20_000}
-# One 8-GPU H100 node training Llama 3 8B on 8,192-token sequences: a job people run, where the classic plans do
-# not fit 80 GB without checkpointing every block, and the search takes seconds.
-MAIN_MODEL, MAIN_CLUSTER, OUT_DIR = "llama3-8b", "h100:8", "fsdp-planner-demo"
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("demo", help="the seed's problem, then auto against the classic policies on a real cluster")
-    sp.add_argument("--model", default=MAIN_MODEL, help=f"the main job's model (default {MAIN_MODEL})")
-    sp.add_argument("--cluster", default=MAIN_CLUSTER, help=f"the main job's cluster (default {MAIN_CLUSTER})")
-    sp.add_argument("--out-dir", default=OUT_DIR, help=f"where the timeline pictures go (default ./{OUT_DIR}/)")
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

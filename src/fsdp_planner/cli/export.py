@@ -7,21 +7,8 @@ import json
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.apply.export import ExportFormat, export_plan
-from fsdp_planner.cli.requests import add_json
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("export", help="write a plan as ready code: apply(model, mesh) for plain FSDP2, "
-                                       "Accelerate, Lightning or torchtitan")
-    sp.add_argument("plan", help="plan JSON (from `plan --out`)")
-    sp.add_argument("--format", default=ExportFormat.PYTHON.value, choices=[f.value for f in ExportFormat],
-                    help="python (default): apply(model, mesh); accelerate: prepare(accelerator, model, ...); "
-                         "lightning: configure_model(self); torchtitan: parallelize(model, world_mesh)")
-    sp.add_argument("--out", help="file to write (default: stdout)")
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

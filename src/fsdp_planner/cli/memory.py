@@ -7,20 +7,10 @@ import json
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace
-from fsdp_planner.cli.requests import add_json, add_model, add_precision_options, model_spec
+from fsdp_planner.cli.requests import model_spec
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.sim.memory import strategy_table
 from fsdp_planner.sim.options import SimOptions
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("memory", help="per-rank memory: one device, DDP, ZeRO-1/2, FSDP (ZeRO-3)")
-    add_model(sp)
-    sp.add_argument("--world-size", type=int, required=True,
-                    help="ranks sharing the model (DDP, ZeRO and FSDP divide by it)")
-    add_precision_options(sp)
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,14 +9,7 @@ from typing import Any
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.requests import add_json
 from fsdp_planner.models import BUILTINS, hf, workload_defaults
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("models", help="list the built-in models and the shipped Hugging Face configs")
-    add_json(sp)
-    sp.set_defaults(fn=run)
 
 
 def listing() -> list[dict[str, Any]]:

@@ -8,142 +8,115 @@ from typing import Any
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
-from fsdp_planner.cli.requests import (
-    add_json,
-    add_model,
-    add_policy_options,
-    add_sim_options,
-    cluster_or_none,
-    model_spec,
-    output_file,
-    policy_notes,
-    policy_request,
-    sim_options,
-    write_output,
-)
+from fsdp_planner.cli.paths import write_output
+from fsdp_planner.cli.requests import PlanRequest, plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_plan_runs
-from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import GroupExplanation, explain
 from fsdp_planner.planners.blocks import default_block_class
-from fsdp_planner.planners.registry import CLASSIC_POLICIES, POLICY_NAMES, PolicyName, make_policy
+from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.host_work import host_work
-from fsdp_planner.sim.metrics import plan_metrics
-from fsdp_planner.sim.options import DEFAULT_MFU, DEFAULT_OPTIMIZER
-from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
+from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.trace.records import Trace
 
-DEFAULT_AUTO_CLUSTER = "h100:8"
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("plan", help="plan FSDP groups for a model; without --policy compare all policies")
-    add_model(sp)
-    sp.add_argument("--policy", choices=POLICY_NAMES)
-    add_policy_options(sp)
-    add_sim_options(sp, cluster_required=False)
-    add_json(sp)
-    sp.add_argument("--out", help="write the plan JSON here")
-    sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
-    sp.set_defaults(fn=run)
+Row = tuple[Plan, PlanMetrics, StepReport | None]  # a plan, its metrics, its simulated step (with a cluster)
 
 
 def run(args: argparse.Namespace) -> int:
-    out = output_file(args.out)
-    if out is not None and not args.policy:
-        raise PlannerError("--out writes one plan: choose it with --policy")
-    if args.explain and args.policy != PolicyName.AUTO.value:
-        raise PlannerError("--explain explains an auto plan: add --policy auto")
-    names = [PolicyName(args.policy)] if args.policy else list(CLASSIC_POLICIES)
-    requests = [policy_request(args, n.value) for n in names]
-    cluster, options = cluster_or_none(args), sim_options(args)
-    if args.policy == PolicyName.AUTO.value and cluster is None:
-        # as many H100s as a given --mesh has ranks
-        default = f"h100:{Mesh.parse(args.mesh).size}" if getattr(args, "mesh", None) else DEFAULT_AUTO_CLUSTER
-        cluster = parse_cluster(default)
-        render.notes.print(f"auto: no --cluster given, planning for {default}", highlight=False)
-    if not args.policy and cluster is not None:
-        requests.append(policy_request(args, PolicyName.AUTO.value))
-    measure = args.measure
-    for note in _ignored(args, [r.name for r in requests], cluster is not None):
+    request = plan_request(args)
+    if request.default_cluster is not None:
+        render.notes.print(f"auto: no --cluster given, planning for {request.default_cluster}", highlight=False)
+    for note in request.notes:
         render.note(note)
-        measure = measure and not note.startswith("--measure")
-    tr = load_trace(model_spec(args), render.notes, measure, full=args.full_trace, precision=options.precision)
-    if not args.policy and not args.module_classes and default_block_class(tr) is None:
-        render.note("the module and titan policies are left out of the comparison: the model has no repeated "
-                    "block class (name the classes to wrap with --module-classes to compare them)")
-        requests = [r for r in requests if r.name not in (PolicyName.MODULE, PolicyName.TITAN)]
-    auto: AutoResult | None = None
-    plans: list[Plan] = []
-    no_fit: str | None = None  # in a comparison, auto finding no plan within the budget is a result, not an error
-    for request in requests:
-        if request.name is PolicyName.AUTO:
-            assert cluster is not None
-            found = run_auto(tr, request, cluster, options, args.model, must_fit=bool(args.policy))
-            if not found.fits:
-                no_fit = infeasible_message(found)
-                continue
-            auto = found
-            plans.append(auto.plan)
-        else:
-            try:
-                plan = make_policy(request).plan(tr, args.model)
-                check_plan_runs(tr, plan)  # a plan FSDP2 would fail on is not a baseline: say why instead
-                plans.append(plan)
-            except PlannerError as e:
-                if args.policy:
-                    raise
-                # in a comparison, a policy that cannot take the requested checkpointing is left out, with why
-                render.note(f"the {request.name.value} policy is left out of the comparison: {e}")
-    world = cluster.world_size if cluster else None
-    contexts: dict[Mesh, SimContext] = {}  # one per layout: the comparison may mix auto's HSDP with pure FSDP
-
-    def simulated(p: Plan) -> Any:
-        if cluster is None:
-            return None
-        check_plan_world_size(p, cluster.world_size)
-        mesh = p.layout(cluster.world_size)
-        if mesh not in contexts:
-            contexts[mesh] = SimContext(tr, cluster, options, mesh=mesh)
-        return simulate(tr, p, context=contexts[mesh], timeline=False)
-
-    rows = [(p, plan_metrics(tr, p, world), simulated(p)) for p in plans]
-    if out is not None:
-        write_output(out, plans[0].to_json() + "\n")
-    if args.json:
-        doc = {**_json(args.model, tr, rows, auto), **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
-        if args.explain and auto is not None and not no_fit:
+    tr = load_trace(request.model, render.notes, request.measure, full=request.full_trace,
+                    precision=request.options.precision)
+    plans, auto, no_fit = _plans(tr, request)
+    rows = _rows(tr, plans, request)
+    if request.out is not None:
+        write_output(request.out, plans[0].to_json() + "\n")
+    if request.json:
+        doc = {**_json(request.model.name, tr, rows, auto),
+               **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
+        if request.explain and auto is not None and not no_fit:
             doc["auto"]["explanation"] = [_explanation(r) for r in explain(auto)]
         print(json.dumps(doc, indent=2))
         return 1 if no_fit else 0
-    _print(args, tr, rows, auto, cluster)
-    if out is not None:
-        render.console.print(f"plan written to {out}")
+    _print(request, tr, rows, auto)
+    if request.out is not None:
+        render.console.print(f"plan written to {request.out}")
     if no_fit:
         render.console.print(f"auto: {no_fit}", highlight=False)
         return 1
     return 0
 
 
-def _ignored(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:
-    """What the user asked for that this run does not use, one note each."""
-    why = (f"with --policy {args.policy}" if args.policy
-           else "without --cluster (the comparison includes auto only when a cluster is given)")
-    notes = policy_notes(args, ran, why)
-    if not simulated:
-        # (--precision is read without a cluster too: the model is traced in its compute dtype)
-        given = [opt for opt, value, default in (("--mfu", args.mfu, DEFAULT_MFU),
-                                                  ("--optimizer", args.optimizer, DEFAULT_OPTIMIZER))
-                 if value != default]
-        if given:
-            notes.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --cluster: "
-                         f"only the step simulation uses {'it' if len(given) == 1 else 'them'}")
-        if args.measure:
-            notes.append("--measure has no effect without --cluster: measured times only feed the step simulation "
-                         "(nothing measured)")
-    return notes
+def _compared(tr: Trace, request: PlanRequest) -> tuple[PolicyRequest, ...]:
+    """The policies to run: in a comparison, module and titan only when the model has a block class to wrap (the
+    user's --module-classes, which the module request carries, or a repeated one)."""
+    named = any(p.module_classes for p in request.policies)
+    if request.policy is not None or named or default_block_class(tr) is not None:
+        return request.policies
+    render.note("the module and titan policies are left out of the comparison: the model has no repeated "
+                "block class (name the classes to wrap with --module-classes to compare them)")
+    return tuple(p for p in request.policies if p.name not in (PolicyName.MODULE, PolicyName.TITAN))
+
+
+def _plans(tr: Trace, request: PlanRequest) -> tuple[list[Plan], AutoResult | None, str | None]:
+    """Each policy's plan, auto's search result, and why auto found no plan within the budget (in a comparison
+    that is a result, not an error)."""
+    auto: AutoResult | None = None
+    plans: list[Plan] = []
+    no_fit: str | None = None
+    for policy in _compared(tr, request):
+        if policy.name is not PolicyName.AUTO:
+            plans += _classic(tr, policy, request)
+            continue
+        assert request.cluster is not None
+        found = run_auto(tr, policy, request.cluster, request.options, request.model.name,
+                         must_fit=request.policy is not None)
+        if not found.fits:
+            no_fit = infeasible_message(found)
+            continue
+        auto = found
+        plans.append(auto.plan)
+    return plans, auto, no_fit
+
+
+def _classic(tr: Trace, policy: PolicyRequest, request: PlanRequest) -> list[Plan]:
+    """A classic policy's plan; in a comparison, none (with a note saying why) when the policy cannot take the
+    requested settings or FSDP2 would fail on its plan: that is no baseline."""
+    try:
+        plan = make_policy(policy).plan(tr, request.model.name)
+        check_plan_runs(tr, plan)
+        return [plan]
+    except PlannerError as e:
+        if request.policy is not None:
+            raise
+        render.note(f"the {policy.name.value} policy is left out of the comparison: {e}")
+        return []
+
+
+def _rows(tr: Trace, plans: list[Plan], request: PlanRequest) -> list[Row]:
+    """Each plan's metrics and, with a cluster, its simulated step (one context per layout: the comparison may mix
+    auto's HSDP with pure FSDP)."""
+    cluster = request.cluster
+    world = cluster.world_size if cluster else None
+    contexts: dict[Mesh, SimContext] = {}
+
+    def simulated(p: Plan) -> StepReport | None:
+        if cluster is None:
+            return None
+        check_plan_world_size(p, cluster.world_size)
+        mesh = p.layout(cluster.world_size)
+        if mesh not in contexts:
+            contexts[mesh] = SimContext(tr, cluster, request.options, mesh=mesh)
+        return simulate(tr, p, context=contexts[mesh], timeline=False)
+
+    return [(p, plan_metrics(tr, p, world), simulated(p)) for p in plans]
 
 
 def _explanation(r: GroupExplanation) -> dict[str, Any]:
@@ -154,7 +127,7 @@ def _explanation(r: GroupExplanation) -> dict[str, Any]:
             "alternative_step": r.alternative_step, "alternative_reserved": r.alternative_peak}
 
 
-def _json(model: str, tr: Any, rows: list, auto: AutoResult | None) -> dict[str, Any]:
+def _json(model: str, tr: Trace, rows: list[Row], auto: AutoResult | None) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": {"name": model, "fingerprint": tr.fingerprint, "numel": tr.numel},
         "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **({"simulation": r.summary()} if r else {})}
@@ -166,10 +139,9 @@ def _json(model: str, tr: Any, rows: list, auto: AutoResult | None) -> dict[str,
     return out
 
 
-def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | None,
-           cluster: Cluster | None) -> None:
-    console = render.console
-    console.print(render.model_line(model_spec(args).label(), tr))
+def _print(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | None) -> None:
+    console, cluster = render.console, request.cluster
+    console.print(render.model_line(request.model.label(), tr))
     if len(rows) == 1:
         console.print(render.groups_table(rows[0][0], tr))
     capacity = cluster.gpu.memory_bytes if cluster is not None else None
@@ -177,7 +149,7 @@ def _print(args: argparse.Namespace, tr: Any, rows: list, auto: AutoResult | Non
     if auto is None:
         return
     console.print(render.auto_line(auto), highlight=False)
-    if args.explain:
+    if request.explain:
         explanations = explain(auto)
         for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory,
                                        collapse=True):

@@ -231,45 +231,73 @@ def strategy_table(rows: Mapping[str, MemoryBreakdown], title: str) -> Table:
     return t
 
 
+OK, BAD = "[green]ok[/green]", "[red]MISMATCH[/red]"
+
+
 def verify_table(result: VerifyResult, cluster: str | None = None) -> Table:
     """Predicted beside measured for each check; the step time when one was timed (predicted with ``cluster``)."""
     t = Table(title=f"verify: {result.world_size} ranks, {result.backend}, {result.steps} steps"
               + (f" from step {result.start_step}" if result.start_step else ""), title_justify="left")
     for col in ("check", "predicted", "measured", "result"):
         t.add_column(col)
-    ok, bad = "[green]ok[/green]", "[red]MISMATCH[/red]"
+    for row in [*_collective_rows(result), *_parity_rows(result), *_checkpoint_rows(result),
+                *_step_time_rows(result, cluster)]:
+        t.add_row(*row)
+    return t
+
+
+def _collective_rows(result: VerifyResult) -> list[tuple[str, ...]]:
+    """Per collective kind, its count and bytes per step: predicted, and what each rank counted."""
+    rows = []
     for kind in result.predicted:
         if kind == "all_reduce" and not result.predicted[kind] and not any(c[kind] for c in result.counted):
             continue  # not HSDP
         counts = sorted({c[kind] for c in result.counted})
-        t.add_row(f"{kind}s per step", str(result.predicted[kind]), "/".join(map(str, counts)),
-                  ok if counts == [result.predicted[kind]] else bad)
+        rows.append((f"{kind}s per step", str(result.predicted[kind]), "/".join(map(str, counts)),
+                     OK if counts == [result.predicted[kind]] else BAD))
         nbytes = sorted({c[kind] for c in result.counted_bytes})
-        t.add_row(f"{kind} bytes per step", fmt_bytes(result.predicted_bytes[kind]), "/".join(map(fmt_bytes, nbytes)),
-                  ok if nbytes == [result.predicted_bytes[kind]] else bad)
+        rows.append((f"{kind} bytes per step", fmt_bytes(result.predicted_bytes[kind]),
+                     "/".join(map(fmt_bytes, nbytes)), OK if nbytes == [result.predicted_bytes[kind]] else BAD))
+    return rows
+
+
+def _parity_rows(result: VerifyResult) -> list[tuple[str, ...]]:
+    """The trained params against the unsharded reference's (the worst one named when over its bound), and the
+    losses of both."""
     worst = f" ({escape(result.worst_param)}, {result.param_error:.3g}x its bound)" \
         if not result.params_match and result.worst_param else ""
-    t.add_row("params vs unsharded reference (max abs diff)",
-              f"<= {result.tolerance:g} (training 16-bit params: {LOW_PRECISION_ULPS} steps of their precision)",
-              f"{result.max_abs_diff:.3g}{worst}", ok if result.params_match else bad)
-    t.add_row("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
-              " ".join(f"{x:.5f}" for x in result.losses), "")
+    return [("params vs unsharded reference (max abs diff)",
+             f"<= {result.tolerance:g} (training 16-bit params: {LOW_PRECISION_ULPS} steps of their precision)",
+             f"{result.max_abs_diff:.3g}{worst}", OK if result.params_match else BAD),
+            ("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
+             " ".join(f"{x:.5f}" for x in result.losses), "")]
+
+
+def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
+    """The state restored from ``--load-checkpoint`` (entries equal to the saved ones), and where
+    ``--save-checkpoint`` wrote."""
+    rows = []
     if result.loaded is not None:
         loaded, bad_keys = result.loaded, result.loaded["mismatched"]
-        t.add_row(f"state restored from step {loaded['step']} ({loaded['world']} ranks, {loaded['policy'] or 'plan'})",
-                  f"{loaded['tensors']} entries as saved", f"{loaded['tensors'] - len(bad_keys)} equal"
-                  + (f" (differ: {escape(', '.join(bad_keys[:3]))})" if bad_keys else ""),
-                  ok if result.checkpoint_match else bad)
+        rows.append((f"state restored from step {loaded['step']} ({loaded['world']} ranks, "
+                     f"{loaded['policy'] or 'plan'})", f"{loaded['tensors']} entries as saved",
+                     f"{loaded['tensors'] - len(bad_keys)} equal"
+                     + (f" (differ: {escape(', '.join(bad_keys[:3]))})" if bad_keys else ""),
+                     OK if result.checkpoint_match else BAD))
     if result.saved is not None:
-        t.add_row("checkpoint saved", f"step {result.start_step + result.steps}", escape(result.saved), "")
-    if result.measured_step is not None:
-        error = result.step_error
-        t.add_row(f"step time (forward + backward, median of {len(result.step_seconds)})",
-                  f"{fmt_time(result.predicted_step)} on {escape(cluster or '')}"
-                  if result.predicted_step is not None else
-                  "(give --cluster to predict)" if cluster is None else "(not predicted: see the note)",
-                  fmt_time(result.measured_step), f"{error:+.1%}" if error is not None else "")
-    return t
+        rows.append(("checkpoint saved", f"step {result.start_step + result.steps}", escape(result.saved), ""))
+    return rows
+
+
+def _step_time_rows(result: VerifyResult, cluster: str | None) -> list[tuple[str, ...]]:
+    """The timed steps' median beside the prediction on ``cluster``, or why there is none."""
+    if result.measured_step is None:
+        return []
+    error = result.step_error
+    predicted = (f"{fmt_time(result.predicted_step)} on {escape(cluster or '')}" if result.predicted_step is not None
+                 else "(give --cluster to predict)" if cluster is None else "(not predicted: see the note)")
+    return [(f"step time (forward + backward, median of {len(result.step_seconds)})", predicted,
+             fmt_time(result.measured_step), f"{error:+.1%}" if error is not None else "")]
 
 
 def auto_line(result: AutoResult) -> str:

@@ -1,35 +1,38 @@
-"""What the user asked for, as typed requests built once from the command line and validated where they are built.
+"""What the user asked for, as typed requests built once from the command line and validated where they are built:
+every argument is checked before the model is traced or auto searches, so a typo costs no minutes.
 
-Every option that more than one command takes is read here, so its meaning and default exist in one place
-(the simulation defaults themselves live in ``sim/options.py``).
+The options themselves (meaning, default, help) are defined in ``cli/options.py`` and ``cli/commands.py``; this
+module reads them into the values the commands run with.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import parse_count, parse_size
-from fsdp_planner.fsdp2.checkpointing import ACMode
-from fsdp_planner.fsdp2.plan import Mesh
-from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.models import ModelSpec
-from fsdp_planner.planners.auto import Target
-from fsdp_planner.planners.registry import POLICY_NAMES, PolicyName, PolicyRequest
-from fsdp_planner.sim.options import (
+from fsdp_planner.choices import (
     DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
-    OPTIMIZERS,
-    PRECISIONS,
-    SimOptions,
+    POLICY_NAMES,
+    ACMode,
+    PolicyName,
+    Target,
     ZeroGrad,
 )
+from fsdp_planner.cli.paths import input_file, output_file
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import parse_count, parse_size
+from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
+from fsdp_planner.models import ModelSpec, planning_only
+from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
+from fsdp_planner.sim.options import SimOptions
+
+DEFAULT_AUTO_CLUSTER = "h100:8"  # plan --policy auto without --cluster (or h100 with --mesh's rank count)
 
 
 @dataclass(frozen=True)
@@ -112,19 +115,6 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
     return notes
 
 
-def positive_int(option: str) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least 1 (``1e3`` reads too), one line otherwise."""
-    def parse(text: str) -> int:
-        try:
-            value = parse_count(text, option)
-        except PlannerError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{option} must be at least 1, got {text}")
-        return value
-    return parse
-
-
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The model and the workload (``--batch``, ``--seq``) the command runs."""
     return ModelSpec(args.model, getattr(args, "batch", None), getattr(args, "seq", None))
@@ -155,207 +145,158 @@ def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
     return parse_cluster(args.cluster) if args.cluster else None
 
 
-def output_file(arg: str | None, example: str = "plan.json", code: bool = False) -> Path | None:
-    """``--out``: checked before any work, so a bad path fails in one line, not after minutes of planning. An
-    existing regular file is overwritten only when it is what the command writes: a .json file, or for ``code``
-    (``export``) code export wrote. A typo such as ``--out model.py`` must not replace the user's code, nor
-    ``export ... --out plan.json`` the plan."""
-    if arg is None:
-        return None
-    path = _file_to_write(arg, "--out", example)
-    if path.is_file() and not (_generated(path) or (not code and path.suffix.lower() == ".json")):
-        what = "not code" if code else "neither a .json file nor code"
-        what += " fsdp-planner export wrote"
-        other = path.with_suffix(".py").with_stem(path.stem + "_plan") if code else path.with_stem(path.stem + "2")
-        raise PlannerError(f"--out '{arg}' already exists and is {what}: refusing to overwrite it (give a new name, "
-                           f"e.g. {other})")
-    return path
 
 
-def _generated(path: Path) -> bool:
-    """Whether ``path`` is code ``fsdp-planner export`` wrote (its header says so): safe to write again."""
-    try:
-        with path.open(encoding="utf-8", errors="replace") as f:
-            return GENERATED_MARK in f.read(1000)
-    except OSError:
-        return False
+# -- plan ------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanRequest:
+    """``plan MODEL``: one policy's plan (``--policy``), or the policies side by side."""
+
+    model: ModelSpec
+    policy: PolicyName | None  # --policy: one plan, and its errors are errors; None: a comparison
+    policies: tuple[PolicyRequest, ...]  # in the order they run (in a comparison with a cluster, auto last)
+    cluster: Cluster | None  # what the plans are simulated on; None: no simulation
+    options: SimOptions
+    out: Path | None
+    json: bool
+    explain: bool
+    measure: bool  # --measure, when it has a simulation to feed
+    full_trace: bool
+    default_cluster: str | None  # auto's cluster when none was given (said on stderr)
+    notes: tuple[str, ...]  # what the user asked for that this run does not use, one note each
 
 
-GENERATED_MARK = "Generated by fsdp-planner"  # the header of every file `export` writes (apply/export.py)
+def plan_request(args: argparse.Namespace) -> PlanRequest:
+    out = output_file(args.out)
+    if out is not None and not args.policy:
+        raise PlannerError("--out writes one plan: choose it with --policy")
+    if args.explain and args.policy != PolicyName.AUTO.value:
+        raise PlannerError("--explain explains an auto plan: add --policy auto")
+    names = [PolicyName(args.policy)] if args.policy else list(CLASSIC_POLICIES)
+    policies = [policy_request(args, n.value) for n in names]
+    cluster, options = cluster_or_none(args), sim_options(args)
+    default = None
+    if args.policy == PolicyName.AUTO.value and cluster is None:
+        # as many H100s as a given --mesh has ranks
+        default = f"h100:{Mesh.parse(args.mesh).size}" if getattr(args, "mesh", None) else DEFAULT_AUTO_CLUSTER
+        cluster = parse_cluster(default)
+    if not args.policy and cluster is not None:
+        policies.append(policy_request(args, PolicyName.AUTO.value))
+    notes = _plan_notes(args, [p.name for p in policies], cluster is not None)
+    measure = args.measure and not any(n.startswith("--measure") for n in notes)
+    return PlanRequest(model_spec(args), PolicyName(args.policy) if args.policy else None, tuple(policies), cluster,
+                       options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes))
 
 
-def _file_to_write(arg: str, option: str, example: str) -> Path:
-    """A file name an option gives for writing: not empty, not a directory, in a directory that exists."""
-    if not arg.strip():
-        raise PlannerError(f"{option} is empty: give the file to write, e.g. {option} {example}")
-    path = Path(arg)
-    if path.is_dir():
-        raise PlannerError(f"{option} '{arg}' is a directory: give a file name, e.g. {path / example}")
-    if not path.parent.is_dir():
-        raise PlannerError(f"{option} '{arg}': directory '{path.parent}' does not exist")
-    return path
+def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:
+    """What the user asked for that this ``plan`` does not use, one note each."""
+    why = (f"with --policy {args.policy}" if args.policy
+           else "without --cluster (the comparison includes auto only when a cluster is given)")
+    notes = policy_notes(args, ran, why)
+    if not simulated:
+        # (--precision is read without a cluster too: the model is traced in its compute dtype)
+        given = [opt for opt, value, default in (("--mfu", args.mfu, DEFAULT_MFU),
+                                                  ("--optimizer", args.optimizer, DEFAULT_OPTIMIZER))
+                 if value != default]
+        if given:
+            notes.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --cluster: "
+                         f"only the step simulation uses {'it' if len(given) == 1 else 'them'}")
+        if args.measure:
+            notes.append("--measure has no effect without --cluster: measured times only feed the step simulation "
+                         "(nothing measured)")
+    return notes
 
 
-def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...]) -> Path | None:
-    """``--timeline`` / ``--html``: checked before any work (as ``--out``); the suffix says the format, and an
-    existing file is replaced only when it has one of ``suffixes`` (a picture this command writes)."""
-    if arg is None:
-        return None
-    path = _file_to_write(arg, option, f"step{suffixes[0]}")
-    if path.suffix.lower() not in suffixes:
-        raise PlannerError(f"{option} '{arg}' must end in {' or '.join(suffixes)} (the format it writes), "
-                           f"e.g. {path.with_suffix(suffixes[0])}")
-    return path
+# -- verify ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VerifyRequest:
+    """``verify MODEL``: a torchrun job of ``nproc`` ranks training the plan, checked against the prediction."""
+
+    model: ModelSpec
+    source: PlanSource
+    nproc: int
+    steps: int
+    time_steps: int  # timed forward + backward steps after the checked ones (none with --fsdp1)
+    plan_cluster: Cluster | None  # what auto plans for (None: the plan is not auto's)
+    cluster: Cluster | None  # --cluster: predict the job's step time on it too
+    measure: bool
+    full_trace: bool
+    fsdp1: bool
+    save_checkpoint: Path | None
+    load_checkpoint: Path | None
+    json: bool
+    notes: tuple[str, ...]
 
 
-def write_output(path: Path, text: str) -> None:
-    """Write ``text`` to an ``--out`` file without losing the old one on failure: a regular file is written beside
-    it and renamed over it (a full disk leaves the previous plan whole); a device or pipe is written directly."""
-    if path.exists() and not path.is_file():
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
-        return
-    target = Path(os.path.realpath(path))  # through a symlink, as a plain write would
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+def verify_request(args: argparse.Namespace) -> VerifyRequest:
+    from fsdp_planner.runtime.verify import check_load_dir, check_save_dir
+
+    if args.nproc < 1:
+        raise PlannerError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.steps < 1:
+        raise PlannerError(f"--steps must be at least 1, got {args.steps}")
+    if args.time_steps < 0:
+        raise PlannerError(f"--time-steps must be 0 or more, got {args.time_steps}")
+    if args.fsdp1 and (args.save_checkpoint is not None or args.load_checkpoint is not None):
+        raise PlannerError("--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1")
+    if planning_only(args.model):
+        raise PlannerError(f"'{args.model}' is for planning only (too large to train here); verify a trainable "
+                           "model")
+    if args.save_checkpoint is not None:
+        check_save_dir(args.save_checkpoint)
+    if args.load_checkpoint is not None:
+        check_load_dir(args.load_checkpoint, "")
+    notes = []
+    if args.precision != DEFAULT_PRECISION or args.zero_grad != ZeroGrad.NONE.value:
+        notes.append("--precision and --zero-grad apply with --fake-world-size: torchrun jobs train in fp32 with "
+                     "zero_grad()")
+    source = plan_source(args)
+    auto = source.policy is not None and source.policy.name is PolicyName.AUTO
+    given = cluster_or_none(args)
+    plan_cluster = (given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto else None
+    notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
+                          plan_file=source.plan_file is not None)
+    return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
+                         args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
+                         args.json, tuple(notes))
 
 
-def _looks_like_cluster_file(spec: str) -> bool:
-    """What ``parse_cluster`` reads as a file rather than a preset name."""
-    text = spec.strip()
-    return Path(text).suffix.lower() == ".json" or "/" in text or os.path.isfile(text)
+@dataclass(frozen=True)
+class FakeWorldRequest:
+    """``verify MODEL --fake-world-size W``: real FSDP2 on W fake ranks beside the simulator's prediction."""
+
+    model: ModelSpec
+    source: PlanSource
+    world: int
+    cluster: Cluster  # the prediction's (W GPUs)
+    options: SimOptions
+    memory_tolerance: float  # the largest relative peak-memory error that passes
+    full_trace: bool
+    json: bool
+    notes: tuple[str, ...]
 
 
-def _model_file(spec: str) -> str | None:
-    target = spec.rpartition(":")[0]
-    return target if target.endswith(".py") else None
+def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
+    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, check_precision
 
-
-def input_file(arg: str, what: str) -> Path:
-    """A file the command reads: 'does not exist', 'is a directory' and 'is not a regular file' told apart."""
-    path = Path(arg)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise PlannerError(f"{what} '{arg}' does not exist") from None
-    except OSError as e:
-        raise PlannerError(f"cannot read {what} '{arg}': {e.strerror}") from None
-    if stat.S_ISDIR(mode):
-        raise PlannerError(f"{what} '{arg}' is a directory: give the file itself")
-    if not stat.S_ISREG(mode):
-        raise PlannerError(f"{what} '{arg}' is not a regular file")
-    return path
-
-
-def check_paths(args: argparse.Namespace) -> None:
-    """Before any work: the files a command reads exist and are regular files, and ``--out`` is writable and none
-    of them (``plan m.py:f --out m.py`` once replaced the user's model with a plan)."""
-    inputs: list[tuple[str, str]] = []  # (path, what it is)
-    model = getattr(args, "model", None)
-    if model and _model_file(model):
-        inputs.append((_model_file(model), "the model file"))  # type: ignore[arg-type]
-    if getattr(args, "plan", None):
-        input_file(args.plan, "plan file")
-        inputs.append((args.plan, "the plan file"))
-    for attr in ("cluster", "base"):
-        spec = getattr(args, attr, None)
-        if spec and _looks_like_cluster_file(spec) and os.path.lexists(spec.strip()):
-            input_file(spec.strip(), "cluster file")
-            inputs.append((spec.strip(), "the cluster file"))
-    for log in getattr(args, "logs", None) or ():
-        if os.path.lexists(log) and not os.path.isdir(log):  # a directory of logs is read whole
-            input_file(log, "nccl-tests log")
-        inputs.append((log, "a log"))
-    out_arg = getattr(args, "out", None)
-    if out_arg is None:
-        return
-    command = getattr(args, "command", None)
-    example = {"calibrate": "cluster.json", "export": "plan_code.py"}.get(command, "plan.json")
-    for path, what in inputs:
-        if out_arg.strip() and _same_file(Path(out_arg), Path(path)):
-            raise PlannerError(f"--out '{out_arg}' is {what} this command reads: write to another file, e.g. "
-                               f"{example}")
-    output_file(out_arg, example, code=command == "export")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        if a.exists() and b.exists():
-            return os.path.samefile(a, b)
-    except OSError:
-        pass
-    return a.resolve() == b.resolve()
-
-
-# -- the options, defined once -------------------------------------------------------------------------------------
-def add_policy_options(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--module-classes", help="comma-separated class names (default: the repeated block class)")
-    sp.add_argument("--min-nonwrapped-numel", default=None,
-                    help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's)")
-    sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
-    sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the memory of "
-                                            "one of the cluster's GPUs)")
-    sp.add_argument("--target", choices=[t.value for t in Target], default=None,
-                    help="auto: plans FSDP2 can apply (fsdp2, the default) or only what FSDP1 can express")
-    sp.add_argument("--ac", choices=[m.value for m in ACMode], default=None,
-                    help="activation checkpointing of the repeated blocks: none, full (every block) or selective "
-                         "(every second block, torchtitan's selective_ac_option=2); default none, and auto "
-                         "chooses which blocks to checkpoint")
-    sp.add_argument("--mesh", metavar="RxS",
-                    help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
-                         "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")
-
-
-def add_model(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("model", help="built-in name (see fsdp-planner models), path/file.py:fn, package.module:fn, "
-                                   "hf:NAME or hf:path/config.json")
-    sp.add_argument("--batch", type=positive_int("--batch"), default=None,
-                    help="micro-batch size per rank: the factory's batch_size argument (default: the factory's; "
-                         "see fsdp-planner models)")
-    sp.add_argument("--seq", type=positive_int("--seq"), default=None,
-                    help="sequence length: the factory's seq_len argument (default: the factory's)")
-    sp.add_argument("--full-trace", action="store_true",
-                    help="trace every module call (slower); by default identical calls of a repeated block are "
-                         "traced once, which assumes its forward depends only on its own state and arguments")
-
-
-def add_plan_source(sp: argparse.ArgumentParser) -> None:
-    add_model(sp)
-    sp.add_argument("--plan", help="plan JSON file (from plan --out)")
-    sp.add_argument("--policy", choices=POLICY_NAMES)
-    add_policy_options(sp)
-
-
-def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None:
-    sp.add_argument("--cluster", required=cluster_required,
-                    help="preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file")
-    sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                    help=f"fraction of peak FLOP/s matmuls reach (default {DEFAULT_MFU})")
-    add_precision_options(sp)
-    sp.add_argument("--measure", action="store_true",
-                    help="time the model's ops for real on this machine (GPU if present) instead of the roofline "
-                         "estimate; the model must fit unsharded")
-
-
-def add_precision_options(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--precision", default=DEFAULT_PRECISION,
-                    help=f"{', '.join(PRECISIONS)} (default {DEFAULT_PRECISION})")
-    sp.add_argument("--optimizer", default=DEFAULT_OPTIMIZER,
-                    help=f"{', '.join(OPTIMIZERS)} (default {DEFAULT_OPTIMIZER})")
-    sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
-                    help="how the loop clears grads: none = zero_grad(set_to_none=True), the default; zeros = "
-                         "set_to_none=False (sharded grads kept all step)")
-
-
-def add_json(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    if args.fsdp1:
+        raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
+    world = args.fake_world_size
+    if not 1 <= world <= MAX_FAKE_WORLD:
+        raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD:,}, got {world}")
+    if not 0 <= args.memory_tolerance < 1:
+        raise PlannerError(f"--memory-tolerance must be in [0, 1), got {args.memory_tolerance}")
+    notes = []
+    if args.nproc != 2 or args.steps != 3:
+        notes.append("--nproc and --steps have no effect with --fake-world-size (one process, two steps)")
+    if args.save_checkpoint is not None or args.load_checkpoint is not None:
+        notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
+                     "hold no values)")
+    options = SimOptions.named(args.precision, zero_grad=args.zero_grad)
+    check_precision(options.precision)
+    source = plan_source(args)
+    cluster = parse_cluster(args.cluster or f"h100:{world}")
+    if cluster.world_size != world:
+        raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")
+    return FakeWorldRequest(model_spec(args), source, world, cluster, options, args.memory_tolerance,
+                            args.full_trace, args.json, tuple(notes))

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
+from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import (
     PlanSource,
-    add_json,
-    add_plan_source,
-    add_sim_options,
     compare_source,
     model_spec,
-    picture_file,
     plan_source,
     policy_notes,
     sim_options,
@@ -32,21 +29,6 @@ from fsdp_planner.trace.records import Trace
 
 PNG_SUFFIXES = (".png", ".svg", ".pdf")
 HTML_SUFFIXES = (".html", ".htm")
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    sp = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
-    add_plan_source(sp)
-    add_sim_options(sp, cluster_required=True)
-    add_json(sp)
-    sp.add_argument("--timeline", metavar="FILE.png",
-                    help="draw the step: stream lanes, exposed communication and the memory curve (matplotlib)")
-    sp.add_argument("--html", metavar="FILE.html",
-                    help="the same timeline as one self-contained HTML page (hover for group names, scroll to zoom)")
-    sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
-                    help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
-                         "time axis")
-    sp.set_defaults(fn=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,23 +14,17 @@ torchtitan's op-level option ("op", a per-op save list) is not modelled.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
+from fsdp_planner.choices import ACMode
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT, is_within
 
 if TYPE_CHECKING:
     from fsdp_planner.fsdp2.plan import Plan
     from fsdp_planner.trace.records import Trace
-
-
-class ACMode(Enum):
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"  # every second block (torchtitan's selective_ac_option = "2")
 
 
 SELECTIVE_EVERY = 2  # torchtitan's layer-level selective frequency this mode reproduces

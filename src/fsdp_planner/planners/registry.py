@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Protocol
 
+from fsdp_planner.choices import POLICY_NAMES, PolicyName
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan
@@ -23,16 +23,7 @@ class Policy(Protocol):
     def plan(self, trace: Trace, model: str = "") -> Plan: ...
 
 
-class PolicyName(Enum):
-    MODULE = "module"
-    SIZE = "size"
-    TITAN = "titan"
-    ORDER = "order"
-    AUTO = "auto"
-
-
 CLASSIC_POLICIES = (PolicyName.MODULE, PolicyName.SIZE, PolicyName.TITAN, PolicyName.ORDER)
-POLICY_NAMES = tuple(p.value for p in PolicyName)
 
 
 @dataclass(frozen=True)

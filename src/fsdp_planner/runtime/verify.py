@@ -37,6 +37,7 @@ from fsdp_planner.models import ModelSpec, as_spec, planning_only
 from fsdp_planner.runtime.checkpoint import META, read_meta
 from fsdp_planner.runtime.failures import explain, read_failures
 from fsdp_planner.runtime.launch import PARENT_ENV
+from fsdp_planner.runtime.signals import signals_raise
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
@@ -48,35 +49,6 @@ STOP_GRACE_S = 5.0  # SIGTERM to the job's process group, then SIGKILL after thi
 # next step (1.6 against 13 GB/s writing 100 MB on this project's host), a cost FSDP2 on a GPU never pays and the
 # step-time model does not carry. No effect outside glibc; a GLIBC_TUNABLES the user set is kept.
 KEEP_FREED_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
-
-
-class Terminated(BaseException):
-    """A terminating signal (SIGTERM, SIGHUP) arrived; raised from its handler so every ``finally`` runs: the
-    torchrun job is killed and the temporary directory removed, as on Ctrl-C."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-
-
-@contextmanager
-def signals_raise(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise ``Terminated`` instead of killing the process outright (only in the
-    main thread, where Python runs signal handlers; elsewhere nothing changes)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        raise Terminated(signum)
-
-    previous = {s: signal.signal(s, handler) for s in signums}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:

@@ -11,8 +11,8 @@ so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32 ru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
+from fsdp_planner.choices import DEFAULT_MFU, DEFAULT_OPTIMIZER, DEFAULT_PRECISION, ZeroGrad
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.precision import Precision
 
@@ -60,17 +60,6 @@ OPTIMIZERS: dict[str, Optimizer] = {
         Optimizer("adamw", fp32_states=2, master_copy=True),
     )
 }
-
-class ZeroGrad(Enum):
-    """How the training loop clears grads between steps (``optimizer.zero_grad(set_to_none=...)``)."""
-
-    NONE = "none"  # set_to_none=True, the default since torch 2.0: sharded grads exist from their reduce-scatter
-    ZEROS = "zeros"  # set_to_none=False: sharded grads live all step, each reduce-scatter output is added in
-
-
-DEFAULT_PRECISION = "bf16-mixed"
-DEFAULT_OPTIMIZER = "adamw"
-DEFAULT_MFU = 0.5
 
 
 def precision_named(name: str) -> Precision:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
+from fsdp_planner.choices import Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
@@ -27,13 +27,6 @@ REFINE_STARTS = 3  # refinement starts from this many of the best plans
 ROOT_SLACK = 1e-3  # a plan whose root manages nothing is preferred within this fraction of the best step time
 GROUP_SLACK = 5e-3  # then the plan with the fewest groups within this fraction (``Refiner.prefer_fewer_groups``)
 MIN_GAIN = 1e-4  # refining a plan behind the best, a move must save this fraction of its step (see ``pays``)
-
-
-class Target(Enum):
-    """What the plan will be applied with."""
-
-    FSDP2 = "fsdp2"  # fully_shard: list groups, int reshard_after_forward, explicit prefetch
-    FSDP1 = "fsdp1"  # FullyShardedDataParallel: one module per unit, uniform dtype and requires_grad per unit
 
 
 @dataclass

@@ -1,0 +1,58 @@
+"""The names a user chooses among: policies, targets, activation checkpointing, precisions, optimizers, how grads
+are cleared, export formats, and the simulation's defaults.
+
+Defined here, with nothing heavier than ``enum``, so the command line's parser (its ``choices`` and help) is built
+without importing torch; the modules that act on a name (``planners/registry.py``, ``sim/options.py``, ...)
+import it from here.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class PolicyName(Enum):
+    MODULE = "module"
+    SIZE = "size"
+    TITAN = "titan"
+    ORDER = "order"
+    AUTO = "auto"
+
+
+POLICY_NAMES = tuple(p.value for p in PolicyName)
+
+
+class Target(Enum):
+    """What the plan will be applied with."""
+
+    FSDP2 = "fsdp2"  # fully_shard: list groups, int reshard_after_forward, explicit prefetch
+    FSDP1 = "fsdp1"  # FullyShardedDataParallel: one module per unit, uniform dtype and requires_grad per unit
+
+
+class ACMode(Enum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"  # every second block (torchtitan's selective_ac_option = "2")
+
+
+class ZeroGrad(Enum):
+    """How the training loop clears grads between steps (``optimizer.zero_grad(set_to_none=...)``)."""
+
+    NONE = "none"  # set_to_none=True, the default since torch 2.0: sharded grads exist from their reduce-scatter
+    ZEROS = "zeros"  # set_to_none=False: sharded grads live all step, each reduce-scatter output is added in
+
+
+class ExportFormat(str, Enum):
+    PYTHON = "python"
+    ACCELERATE = "accelerate"
+    LIGHTNING = "lightning"
+    TORCHTITAN = "torchtitan"
+
+
+# The keys of ``sim.options.PRECISIONS`` and ``OPTIMIZERS``, in their order (tests/test_cli_start.py keeps them equal).
+PRECISION_NAMES = ("fp32", "bf16-mixed", "pure-bf16", "autocast", "autocast-nocache")
+OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw")
+
+DEFAULT_PRECISION = "bf16-mixed"
+DEFAULT_OPTIMIZER = "adamw"
+DEFAULT_MFU = 0.5

@@ -1,0 +1,168 @@
+"""Every command's arguments, with their help: the command line's grammar, in one torch-free module (each
+command's ``run`` lives in ``cli/<command>.py`` and is imported only when that command runs)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from fsdp_planner.choices import DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
+from fsdp_planner.cli.options import (
+    CLUSTER_HELP,
+    add_json,
+    add_model,
+    add_plan_source,
+    add_policy_options,
+    add_precision_options,
+    add_sim_options,
+)
+
+Subparsers = argparse._SubParsersAction
+
+MEMORY_TOLERANCE = 0.05  # verify --fake-world-size: the largest relative peak-memory error that passes
+TIME_STEPS = 5  # verify: forward + backward steps timed after the checked ones
+# demo: one 8-GPU H100 node training Llama 3 8B on 8,192-token sequences: a job people run, where the classic plans
+# do not fit 80 GB without checkpointing every block, and the search takes seconds.
+DEMO_MODEL, DEMO_CLUSTER, DEMO_OUT_DIR = "llama3-8b", "h100:8", "fsdp-planner-demo"
+CALIBRATE_BASE = "h100:8"  # calibrate: the cluster to start from with --overhead alone
+
+
+def demo(sub: Subparsers) -> None:
+    sp = sub.add_parser("demo", help="the seed's problem, then auto against the classic policies on a real cluster")
+    sp.add_argument("--model", default=DEMO_MODEL, help=f"the main job's model (default {DEMO_MODEL})")
+    sp.add_argument("--cluster", default=DEMO_CLUSTER, help=f"the main job's cluster (default {DEMO_CLUSTER})")
+    sp.add_argument("--out-dir", default=DEMO_OUT_DIR,
+                    help=f"where the timeline pictures go (default ./{DEMO_OUT_DIR}/)")
+    add_json(sp)
+
+
+def plan(sub: Subparsers) -> None:
+    sp = sub.add_parser("plan", help="plan FSDP groups for a model; without --policy compare all policies")
+    add_model(sp)
+    sp.add_argument("--policy", choices=POLICY_NAMES)
+    add_policy_options(sp)
+    add_sim_options(sp, cluster_required=False)
+    add_json(sp)
+    sp.add_argument("--out", help="write the plan JSON here")
+    sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
+
+
+def simulate(sub: Subparsers) -> None:
+    sp = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
+    add_plan_source(sp)
+    add_sim_options(sp, cluster_required=True)
+    add_json(sp)
+    sp.add_argument("--timeline", metavar="FILE.png",
+                    help="draw the step: stream lanes, exposed communication and the memory curve (matplotlib)")
+    sp.add_argument("--html", metavar="FILE.html",
+                    help="the same timeline as one self-contained HTML page (hover for group names, scroll to zoom)")
+    sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
+                    help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
+                         "time axis")
+
+
+def verify(sub: Subparsers) -> None:
+    sp = sub.add_parser("verify", help="train with the plan under torchrun and check it against the prediction")
+    add_plan_source(sp)
+    sp.add_argument("--nproc", type=int, default=2, help="processes (ranks) to run (default 2)")
+    sp.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs, or with "
+                                      "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
+                                      "and print it beside the measured one (on CPU ranks give the cluster "
+                                      "`calibrate --backend gloo --nproc N` wrote on this machine)")
+    sp.add_argument("--time-steps", type=int, default=TIME_STEPS, metavar="T",
+                    help=f"after the checked steps, time T more forward + backward steps of the sharded model alone "
+                         f"and report their median (default {TIME_STEPS}; 0: none)")
+    sp.add_argument("--measure", action="store_true",
+                    help="with --cluster: time the model's ops on this machine for the step-time prediction (one "
+                         "thread, as each gloo rank runs) instead of the roofline estimate")
+    sp.add_argument("--fake-world-size", type=int, metavar="W",
+                    help="run real FSDP2 on W fake ranks in this process (fake process group and fake tensors, any "
+                         "model, no torchrun) and compare collectives, bytes and peak memory with the prediction")
+    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
+                    help=f"--fake-world-size: the mixed precision to run (default {DEFAULT_PRECISION}; torchrun "
+                         "jobs train in fp32)")
+    sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
+                    help="--fake-world-size: how the loop clears grads (none = set_to_none=True, the default; "
+                         "zeros = set_to_none=False)")
+    sp.add_argument("--memory-tolerance", type=float, default=MEMORY_TOLERANCE,
+                    help=f"--fake-world-size: largest relative peak-memory error that passes (default "
+                         f"{MEMORY_TOLERANCE})")
+    sp.add_argument("--save-checkpoint", type=Path, metavar="DIR",
+                    help="after the steps, save the sharded model and optimizer as a distributed checkpoint (DCP) "
+                         "in the new directory DIR")
+    sp.add_argument("--load-checkpoint", type=Path, metavar="DIR",
+                    help="start from a checkpoint that --save-checkpoint wrote, at any --nproc and with any plan "
+                         "(resharded on load), and check the restored state is the saved one")
+    sp.add_argument("--fsdp1", action="store_true",
+                    help="run the plan with FSDP1 FullyShardedDataParallel (its auto_wrap_policy, one unit per "
+                         "group) instead of FSDP2; checks parity, the wrapped units and the collectives")
+    add_json(sp)
+
+
+def check(sub: Subparsers) -> None:
+    sp = sub.add_parser("check", help="FSDP pitfalls in a model and a plan, with fixes (exit 1 on an error)")
+    add_plan_source(sp)
+    sp.add_argument("--cluster", help="the cluster the plan runs on (auto needs it; an int reshard_after_forward is "
+                                      "checked against its GPU count)")
+    sp.add_argument("--mfu", type=float, default=None, help=argparse.SUPPRESS)
+    add_precision_options(sp)
+    add_json(sp)
+
+
+def export(sub: Subparsers) -> None:
+    sp = sub.add_parser("export", help="write a plan as ready code: apply(model, mesh) for plain FSDP2, "
+                                       "Accelerate, Lightning or torchtitan")
+    sp.add_argument("plan", help="plan JSON (from `plan --out`)")
+    sp.add_argument("--format", default=ExportFormat.PYTHON.value, choices=[f.value for f in ExportFormat],
+                    help="python (default): apply(model, mesh); accelerate: prepare(accelerator, model, ...); "
+                         "lightning: configure_model(self); torchtitan: parallelize(model, world_mesh)")
+    sp.add_argument("--out", help="file to write (default: stdout)")
+    add_json(sp)
+
+
+def cost(sub: Subparsers) -> None:
+    sp = sub.add_parser("cost", help="time of one collective on a cluster")
+    sp.add_argument("collective", choices=("all-gather", "reduce-scatter"))
+    sp.add_argument("size", help="full (unsharded) size, e.g. 1GiB, 512MB, 1e9")
+    sp.add_argument("--cluster", required=True, help=CLUSTER_HELP)
+    sp.add_argument("--ranks", type=int, default=None, help="sub-group size (default: the whole cluster)")
+    add_json(sp)
+
+
+def calibrate(sub: Subparsers) -> None:
+    sp = sub.add_parser("calibrate", help="fit latency and bandwidth from nccl-tests logs, and FSDP2's per-group "
+                                          "overhead on this machine (--overhead)")
+    sp.add_argument("logs", nargs="*", help="all_gather_perf / reduce_scatter_perf output files")
+    sp.add_argument("--overhead", action="store_true",
+                    help="time real FSDP2 (fake process group, tiny layers) on this machine's GPU, or CPU when it "
+                         "has none, and fit its per-hook, per-param and per-op host cost and its copy bandwidth")
+    sp.add_argument("--backend", choices=["gloo"],
+                    help="measure this machine's CPU ranks in a torchrun job instead: gloo collectives over a sweep "
+                         "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "
+                         "step-time predictions verify --cluster checks")
+    sp.add_argument("--nproc", type=int, default=2, help="--backend gloo: ranks (processes) to run (default 2)")
+    sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
+                                   f"detected from the logs, or {CALIBRATE_BASE} with --overhead alone")
+    sp.add_argument("--out", required=True, help="cluster JSON to write")
+    add_json(sp)
+
+
+def memory(sub: Subparsers) -> None:
+    sp = sub.add_parser("memory", help="per-rank memory: one device, DDP, ZeRO-1/2, FSDP (ZeRO-3)")
+    add_model(sp)
+    sp.add_argument("--world-size", type=int, required=True,
+                    help="ranks sharing the model (DDP, ZeRO and FSDP divide by it)")
+    add_precision_options(sp)
+    add_json(sp)
+
+
+def models(sub: Subparsers) -> None:
+    sp = sub.add_parser("models", help="list the built-in models and the shipped Hugging Face configs")
+    add_json(sp)
+
+
+# In the order ``fsdp-planner --help`` lists them; each is also the module under cli/ whose ``run`` executes it.
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (demo, plan, simulate, verify, check, export, cost, calibrate,
+                                                      memory, models)

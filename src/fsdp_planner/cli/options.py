@@ -1,0 +1,98 @@
+"""The options several commands take, defined once (their meaning, default and help); the simulation's defaults
+come from ``choices.py``. Imports nothing heavy: the parser is built without torch."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from fsdp_planner.choices import (
+    DEFAULT_MFU,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    OPTIMIZER_NAMES,
+    POLICY_NAMES,
+    PRECISION_NAMES,
+    ACMode,
+    Target,
+    ZeroGrad,
+)
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import parse_count
+
+CLUSTER_HELP = "preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file"
+
+
+def positive_int(option: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least 1 (``1e3`` reads too), one line otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = parse_count(text, option)
+        except PlannerError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{option} must be at least 1, got {text}")
+        return value
+    return parse
+
+
+def add_policy_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--module-classes", help="comma-separated class names (default: the repeated block class)")
+    sp.add_argument("--min-nonwrapped-numel", default=None,
+                    help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's)")
+    sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
+    sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the memory of "
+                                            "one of the cluster's GPUs)")
+    sp.add_argument("--target", choices=[t.value for t in Target], default=None,
+                    help="auto: plans FSDP2 can apply (fsdp2, the default) or only what FSDP1 can express")
+    sp.add_argument("--ac", choices=[m.value for m in ACMode], default=None,
+                    help="activation checkpointing of the repeated blocks: none, full (every block) or selective "
+                         "(every second block, torchtitan's selective_ac_option=2); default none, and auto "
+                         "chooses which blocks to checkpoint")
+    sp.add_argument("--mesh", metavar="RxS",
+                    help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
+                         "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")
+
+
+def add_model(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("model", help="built-in name (see fsdp-planner models), path/file.py:fn, package.module:fn, "
+                                   "hf:NAME or hf:path/config.json")
+    sp.add_argument("--batch", type=positive_int("--batch"), default=None,
+                    help="micro-batch size per rank: the factory's batch_size argument (default: the factory's; "
+                         "see fsdp-planner models)")
+    sp.add_argument("--seq", type=positive_int("--seq"), default=None,
+                    help="sequence length: the factory's seq_len argument (default: the factory's)")
+    sp.add_argument("--full-trace", action="store_true",
+                    help="trace every module call (slower); by default identical calls of a repeated block are "
+                         "traced once, which assumes its forward depends only on its own state and arguments")
+
+
+def add_plan_source(sp: argparse.ArgumentParser) -> None:
+    add_model(sp)
+    sp.add_argument("--plan", help="plan JSON file (from plan --out)")
+    sp.add_argument("--policy", choices=POLICY_NAMES)
+    add_policy_options(sp)
+
+
+def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None:
+    sp.add_argument("--cluster", required=cluster_required, help=CLUSTER_HELP)
+    sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                    help=f"fraction of peak FLOP/s matmuls reach (default {DEFAULT_MFU})")
+    add_precision_options(sp)
+    sp.add_argument("--measure", action="store_true",
+                    help="time the model's ops for real on this machine (GPU if present) instead of the roofline "
+                         "estimate; the model must fit unsharded")
+
+
+def add_precision_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--precision", default=DEFAULT_PRECISION,
+                    help=f"{', '.join(PRECISION_NAMES)} (default {DEFAULT_PRECISION})")
+    sp.add_argument("--optimizer", default=DEFAULT_OPTIMIZER,
+                    help=f"{', '.join(OPTIMIZER_NAMES)} (default {DEFAULT_OPTIMIZER})")
+    sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
+                    help="how the loop clears grads: none = zero_grad(set_to_none=True), the default; zeros = "
+                         "set_to_none=False (sharded grads kept all step)")
+
+
+def add_json(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")

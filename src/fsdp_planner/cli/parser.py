@@ -1,0 +1,85 @@
+"""The command line's parser: a bad argument is one line, not a usage block, and the parser is built without
+importing torch, so ``--help`` and an argument error answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from fsdp_planner.cli.commands import COMMANDS
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line, not a usage block (subparsers are made of this class too)."""
+
+    given: tuple[str, ...] = ()  # the command line being parsed (set by the top-level parse_args, read by error)
+
+    def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # argparse takes a value starting with '-' for an option
+            message += " (a value that starts with '-' is given as --option=VALUE)"
+        negative = next((a for a in ArgumentParser.given if re.fullmatch(r"-[0-9.].*", a)), None)
+        if negative and message.startswith("the following arguments are required"):
+            message += f" ('{negative}' reads as an option: a size or count cannot be negative)"
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                   ) -> argparse.Namespace:  # type: ignore[override]
+        """Unknown options are reported by the top-level parser: name the command's help, and the option meant."""
+        ArgumentParser.given = tuple(sys.argv[1:] if args is None else args)
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = self._commands().get(getattr(ns, "command", None) or "", self)
+            known = [o for a in sub._actions for o in a.option_strings]
+            close = difflib.get_close_matches(extras[0].partition("=")[0], known, n=1) if extras[0][:1] == "-" else []
+            hint = f"; did you mean {close[0]}?" if close else ""
+            sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return ns
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                return dict(a.choices)
+        return {}
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the installed package's version and the torch it runs with (what a bug report needs), read
+    only when asked, so building the parser does not import torch."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show program's version number and exit", **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> NoReturn:
+        parser._print_message(f"fsdp-planner {_version()}\n", sys.stdout)  # on stdout, as argparse's own
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    commands = " | ".join(command.__name__ for command in COMMANDS)
+    p = ArgumentParser(prog="fsdp-planner", description=f"Command line: ``fsdp-planner {commands}``.")
+    p.add_argument("--version", action=_VersionAction)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=ArgumentParser)
+    for command in COMMANDS:
+        command(sub)
+    for sp in sub.choices.values():  # every command: --quiet (one place, so no command can miss it)
+        sp.add_argument("--quiet", "-q", action="store_true",
+                        help="print no notes, no progress and no library warnings on stderr (errors still are)")
+    return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    try:
+        mine = version("fsdp-planner")
+    except PackageNotFoundError:  # run from a source tree without installing
+        mine = "(not installed)"
+    return f"{mine} (torch {torch.__version__})"
