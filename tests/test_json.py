@@ -41,7 +41,9 @@ def test_plan_simulate_cost_memory_models(capsys):
     d = run_json(capsys, "plan", "toy-llama", "--cluster", "h100:8")
     assert set(d) == {"model", "plans", "auto"} and {"name", "fingerprint", "numel"} <= set(d["model"])
     assert all({"plan", "metrics", "simulation"} <= set(p) and set(p["simulation"]) >= STEP for p in d["plans"])
-    assert {"budget", "budget_source", "fits", "plans_simulated", "seconds"} <= set(d["auto"])
+    assert {"budget", "budget_source", "fits", "plans_simulated", "plans_refined", "search_effort",
+            "seconds"} <= set(d["auto"])
+    assert 0 <= d["auto"]["plans_refined"] <= d["auto"]["search_effort"]
     d = run_json(capsys, "plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--explain")
     rows = d["auto"]["explanation"]
     assert len(rows) == len(d["plans"][0]["plan"]["groups"]) - 1  # one per inner group
@@ -56,6 +58,8 @@ def test_plan_simulate_cost_memory_models(capsys):
     d = run_json(capsys, "models")
     assert {"toy-llama", "llama3-8b", "hf:llama3-8b"} <= {m["name"] for m in d["models"]}
     assert all(set(m) == {"name", "description", "workload", "trainable", "needs"} for m in d["models"])
+    assert {p["name"] for p in d["cluster_presets"]} == {"h100", "h200", "a100", "b200"}
+    assert all("2-core x86 host" in p["host_figures"] for p in d["cluster_presets"])  # where they were measured
 
 
 def test_check_and_fake_world_verify(capsys):

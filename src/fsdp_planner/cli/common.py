@@ -92,7 +92,8 @@ def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOp
                     f"({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
     with render.progress(f"auto: searching plans for {cluster.name}"):
         result = AutoPolicy(cluster, request.memory_budget, request.target, options,
-                            checkpointing=request.checkpointing, mesh=request.mesh).search(tr, model)
+                            search_effort=request.search_effort, checkpointing=request.checkpointing,
+                            mesh=request.mesh).search(tr, model)
     if must_fit and not result.fits:
         raise PlannerError(infeasible_message(result))
     return result

@@ -9,6 +9,8 @@ from typing import Any
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.hardware.cluster import PRESETS, preset_cluster
 from fsdp_planner.models import BUILTINS, hf, workload_defaults
 
 
@@ -21,10 +23,20 @@ def listing() -> list[dict[str, Any]]:
     return out
 
 
+def presets() -> list[dict[str, Any]]:
+    """The cluster presets (``--cluster NAME:N``): the GPU, its memory, and where their host figures come from."""
+    out = []
+    for name in PRESETS:
+        c = preset_cluster(name)
+        out.append({"name": name, "gpu": c.gpu.name, "memory_bytes": c.gpu.memory_bytes,
+                    "host_figures": c.overhead.source})
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     rows = listing()
     if args.json:
-        print(json.dumps({"models": rows}, indent=2))
+        print(json.dumps({"models": rows, "cluster_presets": presets()}, indent=2))
         return 0
     words = {"batch_size": "batch", "seq_len": "seq"}
     for r in rows:
@@ -37,4 +49,11 @@ def run(args: argparse.Namespace) -> int:
                          "or image classifier from its config (no download).", highlight=False)
     render.console.print("--batch and --seq set the batch and sequence length of the models that have them.",
                          highlight=False)
+    render.console.print("\ncluster presets (--cluster NAME:GPUS):", highlight=False)
+    shown = presets()
+    for p in shown:
+        render.console.print(escape(f"{p['name']:16s} {p['gpu']} ({fmt_bytes(p['memory_bytes'])})"), highlight=False)
+    sources = {p["host_figures"] for p in shown}
+    render.console.print(escape(f"FSDP2 host figures of every preset: {', '.join(sorted(sources))}; "
+                                "`fsdp-planner calibrate --overhead` measures yours"), highlight=False)
     return 0

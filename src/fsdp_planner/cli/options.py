@@ -23,15 +23,15 @@ from fsdp_planner.fmt import parse_count
 CLUSTER_HELP = "preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file"
 
 
-def positive_int(option: str) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least 1 (``1e3`` reads too), one line otherwise."""
+def positive_int(option: str, minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``minimum`` (``1e3`` reads too), one line otherwise."""
     def parse(text: str) -> int:
         try:
             value = parse_count(text, option)
         except PlannerError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{option} must be at least 1, got {text}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{option} must be at least {minimum}, got {text}")
         return value
     return parse
 
@@ -43,6 +43,10 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
     sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the memory of "
                                             "one of the cluster's GPUs)")
+    sp.add_argument("--search-effort", type=positive_int("--search-effort", minimum=0), default=None, metavar="N",
+                    help="auto: plans its local refinement may simulate, counted, never timed, so the same command "
+                         "gives the same plan on any machine (default: 6,000,000 trace events' worth, at least 24: "
+                         "~520 plans of an 8B Llama, ~27 of a 10,000-module model)")
     sp.add_argument("--target", choices=[t.value for t in Target], default=None,
                     help="auto: plans FSDP2 can apply (fsdp2, the default) or only what FSDP1 can express")
     sp.add_argument("--ac", choices=[m.value for m in ACMode], default=None,

@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from rich.markup import escape
+
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.paths import write_output
@@ -135,7 +137,8 @@ def _json(model: str, tr: Trace, rows: list[Row], auto: AutoResult | None) -> di
     }
     if auto is not None:
         out["auto"] = {"budget": auto.budget, "budget_source": auto.budget_source, "fits": auto.fits,
-                       "plans_simulated": auto.evaluated, "seconds": auto.seconds}
+                       "plans_simulated": auto.evaluated,
+                       "plans_refined": auto.refined, "search_effort": auto.effort, "seconds": auto.seconds}
     return out
 
 
@@ -156,3 +159,5 @@ def _print(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | 
             console.print(part, highlight=False)
         ev = auto.search.ev
         console.print(render.host_line(auto.report, ev.cluster, host_work(ev.ctx, auto.plan)), highlight=False)
+        if ev.cluster.overhead.source:  # a preset's citation, or the machine a calibration measured (from a file)
+            console.print(escape(f"host figures: {ev.cluster.overhead.source}"), highlight=False)

@@ -313,7 +313,8 @@ def auto_line(result: AutoResult) -> str:
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
-            f"({result.budget_source}); {fmt_count(result.evaluated, 'plan')} simulated in {result.seconds:.1f} s")
+            f"({result.budget_source}); {fmt_count(result.evaluated, 'plan')} simulated ({result.refined} "
+            f"refining, of at most {result.effort}: --search-effort) in {result.seconds:.1f} s")
     if best_other is None:
         line += "; no classic policy with its defaults (no checkpointing) fits this budget"
     else:

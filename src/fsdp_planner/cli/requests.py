@@ -67,6 +67,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--min-nonwrapped-numel": ("min_nonwrapped_numel", (PolicyName.SIZE,)),
     "--target-bytes": ("target_bytes", (PolicyName.ORDER,)),
     "--memory-budget": ("memory_budget", (PolicyName.AUTO,)),
+    "--search-effort": ("search_effort", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
     "--ac": ("ac", tuple(PolicyName)),
     "--mesh": ("mesh", tuple(PolicyName)),
@@ -88,6 +89,7 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
         min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
         target_bytes=target_bytes if policy is PolicyName.ORDER else None,
         memory_budget=budget if policy is PolicyName.AUTO else None,
+        search_effort=args.search_effort if policy is PolicyName.AUTO else None,
         target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
         checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None,
         mesh=Mesh.parse(args.mesh) if getattr(args, "mesh", None) else None)

@@ -35,6 +35,7 @@ class PolicyRequest:
     min_nonwrapped_numel: int | None = None  # size: default FSDP1's 1e8
     target_bytes: int | None = None  # order: default one block
     memory_budget: int | None = None  # auto: default the memory of one of the cluster's GPUs
+    search_effort: int | None = None  # auto: plans its refinement may simulate; default ``default_search_effort``
     target: Target = Target.FSDP2  # auto
     checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
     mesh: Mesh | None = None  # all: the data-parallel layout (HSDP); None: pure FSDP (auto: chosen)
@@ -47,6 +48,8 @@ class PolicyRequest:
                             ("auto's --memory-budget", self.memory_budget)):
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise PlannerError(f"{what} must be positive, got {value}")
+        if self.search_effort is not None and (isinstance(self.search_effort, bool) or self.search_effort < 0):
+            raise PlannerError(f"auto's --search-effort must be 0 or more, got {self.search_effort}")
 
     @classmethod
     def named(cls, name: str, **settings: object) -> PolicyRequest:
@@ -114,4 +117,4 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
     if cluster is None:
         raise PlannerError("the auto policy plans for a cluster: give one")
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
-                      checkpointing=request.checkpointing, mesh=request.mesh)
+                      search_effort=request.search_effort, checkpointing=request.checkpointing, mesh=request.mesh)
