@@ -63,7 +63,8 @@ class SimContext:
         if len(times) != len(trace.events):
             raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
         self.times = list(times)
-        self.cum: list[float] = np.concatenate([[0.0], np.cumsum(self.times)]).tolist()
+        self.cum_array = np.concatenate([[0.0], np.cumsum(self.times)])  # for vector work on every plan
+        self.cum: list[float] = self.cum_array.tolist()  # for the engines' scalar reads
         self.compute_total = float(sum(self.times))
         self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
                                   self.options.zero_grad)

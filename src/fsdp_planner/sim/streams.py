@@ -107,7 +107,7 @@ class Streams:
             self.copy_out[c.group] = nbytes / copy
             if not c.backward and not c.prefetch:
                 self.last_forward_gather = self.t
-        if end > start - copy_in:
+        if end > start - copy_in and self.timeline.recording:  # (naming the group costs a planner's every plan)
             self.timeline.add(Stream(c.kind.value), fmt_modules(self.plan.groups[c.group].modules, 1), start - copy_in,
                               end, c.group)
 
@@ -124,7 +124,7 @@ class Streams:
         for g in groups:
             self.t = max(self.t, self.ready[g])
             copy = self.copy_out[g]
-            if copy > 0:
+            if copy > 0 and self.timeline.recording:
                 name = f"copy-out {fmt_modules(self.plan.groups[g].modules, 1)}"
                 self.timeline.add(Stream.COMPUTE, name, self.t, self.t + copy, g, work=Work.COPY_OUT)
             self.t += copy
@@ -154,7 +154,7 @@ class HostClock:
         # launched[i]: the host's time once event i is done (an op launched, a boundary's hooks run)
         self.launched = ctx.trace.index.ops_through * overhead.op_seconds + np.cumsum(host)
         self.cum = ctx.cum
-        self.lead = self.launched[:n] - np.asarray(self.cum[:n])  # launch of op j less the ops before it
+        self.lead = self.launched[:n] - ctx.cum_array[:n]  # launch of op j less the ops before it
 
     def at(self, idx: int) -> float:
         """The host's time once boundary ``idx``'s hooks ran (and any recomputation there was launched)."""
