@@ -48,7 +48,9 @@ class SimContext:
     (``mesh``; default pure FSDP over the whole cluster)."""
 
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions | None = None,
-                 times: list[float] | None = None, mesh: Mesh | None = None) -> None:
+                 times: list[float] | None = None, mesh: Mesh | None = None, like: SimContext | None = None) -> None:
+        """``like``: a context of the same model, cluster and options on another layout, whose layout-free parts
+        (op times and their running sum, activation levels, recomputations) are shared (``on_mesh``)."""
         self.trace, self.cluster = trace, cluster
         self.options = options or SimOptions()
         self.precision = self.options.precision
@@ -58,22 +60,30 @@ class SimContext:
             raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster {cluster.name} has "
                                f"{self.world} GPUs")
         self.shard = self.mesh.shard
-        if times is None:
-            times = step_op_times(trace, cluster.gpu, self.precision, self.options.mfu)
-        if len(times) != len(trace.events):
-            raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
-        self.times = list(times)
-        self.cum_array = np.concatenate([[0.0], np.cumsum(self.times)])  # for vector work on every plan
-        self.cum: list[float] = self.cum_array.tolist()  # for the engines' scalar reads
-        self.compute_total = float(sum(self.times))
+        if like is not None:
+            self.times, self.cum_array, self.cum = like.times, like.cum_array, like.cum
+            self.compute_total = like.compute_total
+        else:
+            if times is None:
+                times = step_op_times(trace, cluster.gpu, self.precision, self.options.mfu)
+            if len(times) != len(trace.events):
+                raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
+            self.times = list(times)
+            self.cum_array = np.concatenate([[0.0], np.cumsum(self.times)])  # for vector work on every plan
+            self.cum = self.cum_array.tolist()  # for the engines' scalar reads
+            self.compute_total = float(sum(self.times))
         self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
-                                  self.options.zero_grad)
+                                  self.options.zero_grad, like.memory if like is not None else None)
         self.sizing = self.memory.sizing
         self._links: dict[tuple[CollectiveKind, int], tuple[list[LinkCost], str]] = {}
         # measured collectives of a CPU-rank cluster (empty on GPUs: link() then never looks them up)
         self.host_tables = cluster.tables if cluster.engine is Engine.HOST else {}
-        self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = {}
+        self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = like._recompute if like is not None else {}
         self.lower_bound = self._lower_bound()
+
+    def on_mesh(self, mesh: Mesh) -> SimContext:
+        """This model, cluster and options on another layout, sharing what does not depend on the layout."""
+        return SimContext(self.trace, self.cluster, self.options, mesh=mesh, like=self)
 
     def link(self, kind: CollectiveKind, ranks: int = 0, nbytes: float = math.inf) -> LinkCost:
         """How a ``kind`` collective of ``nbytes`` on ``ranks`` ranks is costed: the line of the protocol NCCL runs

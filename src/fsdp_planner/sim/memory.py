@@ -112,7 +112,9 @@ class MemoryModel:
     computed once; ``peak`` adds a plan's replay."""
 
     def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer,
-                 zero_grad: ZeroGrad = ZeroGrad.NONE) -> None:
+                 zero_grad: ZeroGrad = ZeroGrad.NONE, like: MemoryModel | None = None) -> None:
+        """``like``: the model of the same trace and precision at another world size, whose activation levels (they
+        do not depend on the world size) are shared."""
         self.trace, self.precision, self.zero_grad = trace, precision, zero_grad
         self.sizing = Sizing(trace, world_size, precision)
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
@@ -125,7 +127,7 @@ class MemoryModel:
             compute_copies=compute_copies(trace, precision, sharded=True),
         )
         self.grad_bytes = precision.grad_bytes
-        self._activations: dict[tuple[str, ...], np.ndarray] = {}
+        self._activations: dict[tuple[str, ...], np.ndarray] = like._activations if like is not None else {}
 
     def activations(self, checkpointed: Sequence[str]) -> np.ndarray:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""

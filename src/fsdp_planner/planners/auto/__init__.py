@@ -189,11 +189,11 @@ class AutoPolicy:
 
     def _evaluator(self, trace: Trace, model: str, budget: int, mesh: Mesh | None,
                    shared: Search | None = None) -> Evaluator:
-        """An evaluator on ``mesh`` (``shared``: a search of the same model whose op times are reused), checkpointing
-        what ``checkpointing`` fixes."""
+        """An evaluator on ``mesh`` (``shared``: a search of the same model whose layout-free costs are reused),
+        checkpointing what ``checkpointing`` fixes."""
         fixed = checkpointed_blocks(trace, self.checkpointing) if self.checkpointing is not None else []
         return Evaluator(trace, self.cluster, self.options, self.target, model, budget, mesh,
-                         shared.ev.ctx.times if shared else None, checkpointed=fixed)
+                         shared.ev.ctx if shared else None, checkpointed=fixed)
 
     def _labelled(self, plan: Plan, ev: Evaluator) -> Plan:
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""

@@ -43,10 +43,13 @@ class Evaluator:
     inside it; ``checkpointing`` gives the same evaluator under another setting, sharing what was simulated."""
 
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str, budget: int,
-                 mesh: Mesh | None = None, times: list[float] | None = None,
+                 mesh: Mesh | None = None, like: SimContext | None = None,
                  checkpointed: Sequence[str] = ()) -> None:
+        """``like``: the context of a search of the same model on another layout, whose layout-free parts are
+        shared (``SimContext.on_mesh``)."""
         self.trace, self.cluster, self.target, self.model = trace, cluster, target, model
-        self.ctx = SimContext(trace, cluster, options, times=times, mesh=mesh)
+        self.ctx = like.on_mesh(mesh or Mesh.flat(cluster.world_size)) if like is not None else \
+            SimContext(trace, cluster, options, mesh=mesh)
         self.mesh = self.ctx.mesh if self.ctx.mesh.replicate > 1 else None  # what the plans carry
         self.budget = budget
         self.checkpointed = list(checkpointed)
