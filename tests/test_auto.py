@@ -217,7 +217,7 @@ def test_could_rank_bound_counts_only_groups_that_surely_all_gather():
                lambda out: out.float().sum())
     ev = Evaluator(tr, parse_cluster("h100:8"), SimOptions(), Target.FSDP2, "m", budget=1 << 60)
     assert ev.could_rank([["used"], ["embed"]])  # nothing seen yet: every plan may rank
-    alpha = ev.group_floor()
+    alpha = ev.step_floor(1)
     report = simulate(tr, ev.build([plan_atoms(tr, whole_blocks=False)]), context=ev.ctx, timeline=False)
     fast = replace(report, step_time=1.5 * alpha)  # plans already seen that beat one group's floor but not two
     ev.seen = [Candidate(ev.build([plan_atoms(tr, whole_blocks=False)]), fast, "seen") for _ in range(REFINE_STARTS)]

@@ -14,7 +14,7 @@ from fsdp_planner.fsdp2.plan import Mesh, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.fsdp2.validity import sharded_reads
-from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.planners.auto.atoms import Atom
 from fsdp_planner.planners.order import compress_modules
 from fsdp_planner.sim.context import SimContext
@@ -94,29 +94,34 @@ class Evaluator:
 
     def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
         """Whether a plan of these groups could be chosen, or start a refinement. FSDP2 all-gathers a group at
-        least once when one of its modules runs in forward and it surely claims a param (``_surely_claims``);
-        all-gathers run one after another on their stream, each costing at least its latency, and the host runs at
-        least its pre- and post-forward hooks, so the step is at least (such groups) x either. When
-        ``REFINE_STARTS`` plans the target can express and that fit are already faster than that (with the
-        empty-root preference's slack), simulating it changes nothing."""
+        least once when one of its modules runs in forward and it surely claims a param (``_surely_claims``): the
+        step is at least ``step_floor`` of the number of such groups. When ``REFINE_STARTS`` plans the target can
+        express and that fit are already faster than that (with the empty-root preference's slack), simulating it
+        changes nothing."""
         fitting = sorted(c.report.step_time for c in self.seen
                          if c.report.reserved_memory <= self.budget and c.runs and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
             return True
         bar = fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
-        if len(module_groups) * self.group_floor() <= bar:  # even if every group all-gathers (the exact count costs
-            return True  # a walk of the module tree)
+        if self.step_floor(len(module_groups)) <= bar:  # even if every group all-gathers (the exact count costs a
+            return True  # walk of the module tree)
         groups = [[c for m in ms for c in shardable_cover(self.trace, m)] for ms in module_groups]
         group_of = {m: i for i, ms in enumerate(groups) for m in ms}
         modules = self.trace.modules
         gathered = sum(1 for i, ms in enumerate(groups) if any(modules[m].calls for m in ms)
                        and any(self._surely_claims(m, i, group_of) for m in ms))
-        return gathered * self.group_floor() <= bar
+        return self.step_floor(gathered) <= bar
 
-    def group_floor(self) -> float:
-        """The least a group that all-gathers adds to a step: its all-gather's latency (the lowest-latency
-        protocol) on the all-gather stream, or its pre- and post-forward hooks on the host."""
-        return max(self.ctx.latency(CollectiveKind.ALL_GATHER), 2 * self.cluster.overhead.hook_seconds)
+    def step_floor(self, gathered: int) -> float:
+        """The least step of any plan in which ``gathered`` groups all-gather: their all-gathers run one after
+        another on their stream, each at least its latency (the lowest-latency protocol); and the step cannot end
+        before the host's work, which on GPUs launches every op of the step (whatever the plan) and runs each such
+        group's pre- and post-forward hooks. (On CPU ranks the op figure corrects measured op times and may be
+        negative: the hooks alone count there.)"""
+        overhead = self.cluster.overhead
+        launches = self.trace.index.op_count * overhead.op_seconds if self.cluster.engine is Engine.STREAMS else 0.0
+        return max(gathered * self.ctx.latency(CollectiveKind.ALL_GATHER),
+                   max(0.0, launches) + gathered * 2 * overhead.hook_seconds)
 
     def _surely_claims(self, fqn: str, group: int, group_of: dict[str, int]) -> bool:
         """Whether the group listing ``fqn`` claims a param whatever the rest of the plan: an untied param
