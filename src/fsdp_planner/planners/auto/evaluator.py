@@ -55,6 +55,7 @@ class Evaluator:
         self.checkpointed = list(checkpointed)
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
+        self.compressed: dict[tuple[str, ...], list[str]] = {}  # a segment's modules -> its group's (``build``)
 
     def checkpointing(self, modules: Sequence[str]) -> Evaluator:
         """This evaluator with every plan checkpointing ``modules``; the plans simulated (``seen``, the cache) are
@@ -185,10 +186,16 @@ class Evaluator:
               reshard: Sequence[ReshardAfterForward] | None = None) -> Plan:
         """The plan with one group per segment of atoms; by default only the last group used in forward stays
         unsharded after forward (it is the first needed in backward)."""
-        groups = [compress_modules(self.trace, [m for a in seg for m in a.modules]) for seg in segments]
+        groups = [self._compressed(tuple(m for a in seg for m in a.modules)) for seg in segments]
         if reshard is None:
             reshard = [True] * len(groups)
             used = [i for i, seg in enumerate(segments) if seg[0].start < len(self.trace.events)]
             if used:
                 reshard[used[-1]] = False
         return make_plan(self.trace, groups, reshard, model=self.model)
+
+    def _compressed(self, modules: tuple[str, ...]) -> list[str]:
+        """``compress_modules`` once per segment: a refinement rebuilds every group but the one or two it moves."""
+        if modules not in self.compressed:
+            self.compressed[modules] = compress_modules(self.trace, modules)
+        return self.compressed[modules]
