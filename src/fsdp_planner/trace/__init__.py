@@ -2,8 +2,9 @@
 
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.index import TraceIndex
+from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 from fsdp_planner.trace.recorder import default_loss, model_fingerprint, trace
-from fsdp_planner.trace.records import ModuleInfo, ParamInfo, Trace
+from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
 __all__ = ["ROOT", "Event", "EventKind", "ModuleInfo", "ParamInfo", "Trace", "TraceIndex", "default_loss",

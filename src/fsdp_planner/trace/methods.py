@@ -23,7 +23,7 @@ from typing import Any
 import torch.nn as nn
 import torch.nn.modules.module as module_py
 
-from fsdp_planner.trace.records import ParamInfo
+from fsdp_planner.trace.infos import ParamInfo
 from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
 _MODULE_MACHINERY = module_py.__file__  # nn.Module's own frames (_call_impl, hooks): never a user's method
