@@ -263,7 +263,7 @@ def _check_same_job(model: torch.nn.Module, plan: Plan, world: int) -> str:
     Returns the model's fingerprint."""
     import torch.distributed as dist
 
-    from fsdp_planner.trace.recorder import model_fingerprint
+    from fsdp_planner.trace.walk import model_fingerprint
 
     mine = (model_fingerprint(model), repr(plan.signature()))
     everyone: list[Any] = [None] * world

@@ -36,9 +36,9 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from fsdp_planner.trace.recorder import NULL, ModuleWalk, Slot, StepRecorder
+from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
+from fsdp_planner.trace.walk import ModuleWalk
 
-Call = tuple[str, int]
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -185,7 +185,7 @@ class ActionLog(StepRecorder):
 
 class _Sink(torch.autograd.Function):
     """Identity whose backward drops the grads: a template's inputs behave like the real call's (aliases made by
-    the post-backward marker, which an in-place op may modify; see ``recorder._PostBackwardMarker``), and nothing
+    the post-backward marker, which an in-place op may modify; see ``hooks.PostBackwardMarker``), and nothing
     accumulates into them."""
 
     @staticmethod
