@@ -23,6 +23,7 @@ Each pass of the step is a ``session.TraceSession``; this module is the entry po
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,6 +84,10 @@ def _params_cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
 
 
 def _trace(request: TraceRequest) -> Trace:
+    # Imported before the step, not by its first decomposition (``_disable_dynamo`` imports it then): that import
+    # leaves module frames in reference cycles (``torch.fx.wrap`` keeps its caller's), which hold the step's frames
+    # and so its tensors while the collector is paused, and the loss's live bytes would depend on what ran before.
+    importlib.import_module("torch._dynamo")
     model = request.model
     traced = TracedModel.of(model)  # the params' own dtypes, before the cast
     methods: dict[str, str] = {}
