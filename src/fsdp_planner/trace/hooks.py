@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp._common_utils import collect_grad_tensors, replace_grad_tensors
 
+from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.leaves import ATOMS, flat_leaves
 from fsdp_planner.trace.step import Slot
 from fsdp_planner.trace.walk import ModuleWalk
@@ -68,6 +69,7 @@ class ModuleHooks:
             for h in handles:
                 h.remove()
 
+    @bookkeeping
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """FSDP2's post-backward hook goes on the call's grad-requiring inputs, found as FSDP2 finds them
         (``collect_grad_tensors``: tuples, lists, dicts, NamedTuples and dataclasses)."""
@@ -96,6 +98,7 @@ class ModuleHooks:
                 args, kwargs = replace_grad_tensors((args, kwargs), outs)
         return args, kwargs
 
+    @bookkeeping
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """FSDP2's pre-backward hook goes on the call's grad-requiring outputs (``collect_grad_tensors``)."""
         fqn = self.name[module]

@@ -53,7 +53,7 @@ class ModuleInfo:
     first_use: int = -1  # first forward op run inside its subtree that read a param; -1 if none
     shardable: bool = True  # False: a ModuleList/ModuleDict without its own forward, which fully_shard refuses, or
     # a module managing params whose call modifies its grad-requiring inputs in place, which FSDP2's post-backward
-    # function on them makes autograd refuse (see recorder._fsdp2_refuses_inplace)
+    # function on them makes autograd refuse (see summary._fsdp2_refuses_inplace)
 
     @property
     def depth(self) -> int:
