@@ -36,16 +36,23 @@ class MethodFinder:
 
     def __init__(self, modules: Mapping[str, nn.Module], params: Sequence[ParamInfo]) -> None:
         self.module_name = {id(m): n for n, m in modules.items()}
-        # per param, per owner: the modules whose forward must be running for the read to be inside all of them
-        # (the root excluded: its group is unsharded from its forward to its backward)
-        self.chains = [tuple(tuple(a for a in (o, *proper_ancestors(o)) if a != ROOT) for o in p.owners)
-                       for p in params]
+        self.params = params
+        self.chains: dict[int, tuple[tuple[str, ...], ...]] = {}  # made when a param is first read (replayed
+        # calls read most params without an op, so most are never asked for)
         self.found: dict[str, str] = {}  # module -> the outermost method of it seen reading params
+
+    def chains_of(self, p: int) -> tuple[tuple[str, ...], ...]:
+        """Per owner of param ``p``: the modules whose forward must be running for a read to be inside all of them
+        (the root excluded: its group is unsharded from its forward to its backward)."""
+        if p not in self.chains:
+            self.chains[p] = tuple(tuple(a for a in (o, *proper_ancestors(o)) if a != ROOT)
+                                   for o in self.params[p].owners)
+        return self.chains[p]
 
     def check(self, used: Sequence[int], fwd_stack: Sequence[str]) -> None:
         """Called for a forward op reading ``used`` params while ``fwd_stack`` modules run their forward."""
         for p in used:
-            chains = self.chains[p]
+            chains = self.chains_of(p)
             if any(all(a in fwd_stack for a in c) for c in chains):
                 continue
             self._inspect({a for c in chains for a in c if a not in fwd_stack})
