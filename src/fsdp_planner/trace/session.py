@@ -8,9 +8,10 @@ The pieces go on in one order, and each place in it has a reason:
 2. block reuse (``reuse.BlockReuse``) before the module hooks: it takes the static signatures as it installs, and a
    module with hooks is never a template, so the tracer's own hooks must not be there yet;
 3. the module hooks (``hooks.ModuleHooks``);
-4. for the step itself, the fake mode (a model with real params; none on meta) under the op recorder: the
-   recorder sees each op first and runs it under the fake mode, which makes its outputs fake; then
-   ``GpuAttention`` and the saved-tensor hooks.
+4. for the step itself, the fake mode (a model with real params; none on meta) before the op recorder: the
+   dispatch mode entered last sees an op first, so the recorder records each op and runs it under the fake
+   mode, which makes its outputs fake; then ``GpuAttention`` (a torch-function mode, a stack of its own) and the
+   saved-tensor hooks.
 
 They come off in the reverse order, and the grads the step left (on params and on leaf inputs) are cleared last.
 """

@@ -10,9 +10,8 @@ from fsdp_planner.trace.tree import ROOT, parent_of
 from fsdp_planner.trace.walk import ModuleWalk
 
 
-def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter],
-                  events: list[Event], calls: dict[str, int],
-                  modified_inputs: set[str] | None = None) -> dict[str, ModuleInfo]:
+def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.Parameter], events: list[Event],
+                 calls: dict[str, int], modified_inputs: set[str]) -> dict[str, ModuleInfo]:
     """One ModuleInfo per module object, with its real children and the stats of its calls (``modified_inputs``:
     modules a call of which modified its grad-requiring inputs in place)."""
     aliases: dict[str, list[str]] = {}
@@ -21,7 +20,6 @@ def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.
             aliases.setdefault(walk.canonical[id(m)], []).append(n)
     pname = {id(p): params[i].fqn for i, p in enumerate(param_objs)}
     fwd, bwd, first = _module_stats(events)
-    modified_inputs = modified_inputs or set()
     return {
         fqn: ModuleInfo(
             fqn=fqn, cls=type(m).__name__,
