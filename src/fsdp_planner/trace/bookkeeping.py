@@ -8,13 +8,13 @@ from typing import TypeVar
 
 import torch
 
-F = TypeVar("F", bound=Callable)
+Fn = TypeVar("Fn", bound=Callable)
 
 
-def bookkeeping(fn: F) -> F:
+def bookkeeping(fn: Fn) -> Fn:
     """``fn`` run with torch-function modes off. The hooks and replays query storages, versions and metadata and
     make placeholder tensors, about twenty calls per module call; under ``GpuAttention`` (a mode for the model's
-    SDPA calls) each of them went through Python, a sixth of a 10,000-module trace. Dispatch modes (the op
+    SDPA calls) each of them went through Python: a sixth of tracing 10,000 sibling Linears. Dispatch modes (the op
     recorder, the fake mode) still see every op, so nothing recorded changes."""
 
     @functools.wraps(fn)
