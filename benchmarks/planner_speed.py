@@ -51,12 +51,12 @@ class Blocks(nn.Module):
 
 
 def build(case: str) -> tuple[nn.Module, tuple, object]:
-    from fsdp_planner.models import load_model
+    from fsdp_planner.models import load_model, meta_init
 
     if case == "llama3-405b":
         lm = load_model(case)
         return lm.model, lm.example_inputs, lm.loss_fn
-    with torch.device("meta"):
+    with meta_init():  # as load_model builds on meta
         if case == "blocks":
             return Blocks(1000, 128), (torch.randn(4, 64, 128),), lambda out: out.sum()
         return nn.Sequential(*(nn.Linear(256, 256) for _ in range(10_000))), (torch.randn(64, 256),), \

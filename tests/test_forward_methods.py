@@ -17,6 +17,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.planners import CLASSIC_POLICIES, PolicyRequest, make_policy
 from fsdp_planner.trace import trace
 from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.session import TraceSession
 
 FACTORIES = "tests/fixtures/factories.py"
 
@@ -40,12 +41,9 @@ def test_the_trace_finds_a_method_reading_params_outside_forward(fn):
 
 
 def test_a_model_without_such_methods_is_traced_once(monkeypatch):
-    import importlib
-
-    recorder = importlib.import_module("fsdp_planner.trace.recorder")  # fsdp_planner.trace is also the function
     calls = []
-    original = recorder._trace_cast
-    monkeypatch.setattr(recorder, "_trace_cast", lambda *a: calls.append(1) or original(*a))
+    original = TraceSession.run
+    monkeypatch.setattr(TraceSession, "run", lambda self: calls.append(1) or original(self))
     tr = traced("twice")
     assert tr.method_calls == {} and len(calls) == 1
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.trace import EventKind, Trace, trace
 from fsdp_planner.trace import reuse as reuse_mod
-from fsdp_planner.trace.recorder import ModuleWalk, Slot, StepRecorder, _ModuleHooks
+from fsdp_planner.trace.hooks import ModuleHooks
+from fsdp_planner.trace.step import Slot, StepRecorder
+from fsdp_planner.trace.walk import ModuleWalk
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODELS = FIXTURES / "inplace_models.py"
@@ -114,12 +117,9 @@ def test_the_tracers_hooks_keep_the_models_grads(fn):
     for hooked in (False, True):
         lm = load_model(f"{MODELS}:{fn}", meta=False)
         x = lm.example_inputs[0].clone().requires_grad_()
-        hooks = _ModuleHooks(ModuleWalk(lm.model), Slot(StepRecorder(set()))) if hooked else None
-        try:
+        hooks = ModuleHooks(ModuleWalk(lm.model), Slot(StepRecorder(set())))
+        with hooks.installed() if hooked else contextlib.nullcontext():
             lm.model(x).pow(2).mean().backward()
-        finally:
-            if hooks is not None:
-                hooks.remove()
         grads.append([x.grad, *(p.grad for p in lm.model.parameters())])
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

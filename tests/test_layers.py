@@ -13,8 +13,6 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 PACKAGE = "fsdp_planner"
 SRC = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 
@@ -33,10 +31,6 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"cli": ("cli",)},
 )
 EXEMPT = {PACKAGE, f"{PACKAGE}.__main__"}  # the public face of the package gathers from every layer
-
-# Cycles whose modules another change of issue 23 is reshaping: tolerated by test_no_import_cycles until it lands
-# (test_no_pending_import_cycles still fails on them), then removed from here.
-PENDING_CYCLES = [{f"{PACKAGE}.trace.recorder", f"{PACKAGE}.trace.reuse"}]
 
 MAX_LINES = 60
 MAX_COMPLEXITY = 25
@@ -251,18 +245,10 @@ def _describe(cycles: list[tuple[list[str], set[str]]]) -> str:
 
 
 def test_no_import_cycles():
-    cycles = [(loop, scc) for loop, scc in _cycles() if scc not in PENDING_CYCLES]
-    assert not cycles, _describe(cycles)
-
-
-@pytest.mark.xfail(strict=False, reason="issue 23: trace/'s recorder and reuse are being untangled by its owner")
-def test_no_pending_import_cycles():
     cycles = _cycles()
     assert not cycles, _describe(cycles)
 
 
-@pytest.mark.xfail(strict=False, reason="issue 23: the large functions of trace/, sim/, planners/ and cli/ are being "
-                   "split by their owners; made strict once they all are")
 def test_functions_are_small():
     bad = _oversized()
     assert not bad, (f"functions over {MAX_LINES} lines or complexity {MAX_COMPLEXITY}:\n  " + "\n  ".join(bad))

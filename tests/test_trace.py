@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import ast
+import importlib
 import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -9,6 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_planner.models import load_model
 from fsdp_planner.trace import EventKind, trace
+
+trace_package = importlib.import_module("fsdp_planner.trace")  # the package (its ``trace`` attribute is the function)
 
 
 def test_seed_net_order_params_and_flops(seed_trace):
@@ -94,3 +101,50 @@ def test_llama3_8b_traces_without_memory():
     assert grown_mb < 1024
     # activations saved for backward are recorded (flash attention on meta keeps them linear in seq)
     assert sum(e.saved for e in tr.events) > 0
+
+
+_LIVE_BYTES = """
+import sys
+{first}
+from fsdp_planner.models import load_model
+from fsdp_planner.trace import trace
+lm = load_model("toy-llama")
+imported = "torch._dynamo" in sys.modules  # before the trace
+print(imported, max(e.live for e in trace(lm.model, lm.example_inputs, lm.loss_fn).events))
+"""
+
+
+def test_a_trace_does_not_depend_on_what_ran_before_it():
+    """Building on meta imports nothing of torch._dynamo; were its first import made by a decomposition inside the
+    traced step, the frames it keeps in reference cycles would hold the model's output alive through the loss (the
+    collector is paused): the loss's live bytes would depend on whether something had imported it before."""
+    runs = [subprocess.run([sys.executable, "-c", _LIVE_BYTES.format(first=first)], capture_output=True, text=True,
+                           timeout=120) for first in ("", "import torch._dynamo")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    (lazy, lazy_live), (_, first_live) = (r.stdout.split() for r in runs)
+    assert lazy == "False" and lazy_live == first_live
+
+
+def test_the_trace_layer_has_no_import_cycles():
+    """Each module of trace/ imports the others at its top, and the imports form no cycle."""
+    folder = Path(trace_package.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = {n.module.rpartition(".")[2] for n in tree.body
+               if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fsdp_planner.trace.")}
+        every = {n.module.rpartition(".")[2] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fsdp_planner.trace.")}
+        assert every == top, f"{path.name} imports {every - top} inside a function"
+        graph[path.stem] = top
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        assert module not in path, f"import cycle: {' -> '.join((*path, module))}"
+        if module not in done:
+            for dep in graph.get(module, ()):
+                visit(dep, (*path, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())

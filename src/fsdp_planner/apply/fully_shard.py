@@ -11,7 +11,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.claim import application_order
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_plan_world_size
-from fsdp_planner.trace.recorder import model_fingerprint
+from fsdp_planner.trace.walk import model_fingerprint
 
 
 def reshard_arg(value: ReshardAfterForward, world_size: int) -> ReshardAfterForward:

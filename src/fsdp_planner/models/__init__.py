@@ -3,7 +3,8 @@
 A MODEL spec is a built-in name, ``path/to/file.py:fn``, ``package.module:fn`` or a Hugging Face config
 (``hf:NAME``, ``hf:path/config.json``, ``hf:path/dir``: ``hf.py``); ``fn()`` returns
 ``(model, example_inputs)`` or ``(model, example_inputs, loss_fn)``. For planning the factory runs under
-``torch.device("meta")`` so even a 405B model costs no memory.
+``torch.device("meta")`` so even a 405B model costs no memory, with ``torch.nn.init``'s fills skipped on meta
+tensors (``meta_init``).
 
 The workload is the user's: ``--batch`` and ``--seq`` reach the factory as its ``batch_size`` and ``seq_len``
 keyword arguments (every built-in that has them takes them; a user's factory opts in by declaring them).
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
+from fsdp_planner.models.on_meta import meta_init
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     torch.manual_seed(seed)
     try:
         if meta:
-            with torch.device("meta"):
+            with meta_init():  # on meta, initialisers fill nothing: skipped (on_meta.py)
                 result = factory(**kwargs)
         else:
             result = factory(**kwargs)

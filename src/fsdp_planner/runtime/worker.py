@@ -41,7 +41,8 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_planner.runtime.rank import injected_fault, run_rank
-from fsdp_planner.trace.recorder import default_loss, model_fingerprint, split_inputs
+from fsdp_planner.trace.recorder import default_loss, split_inputs
+from fsdp_planner.trace.walk import model_fingerprint
 
 MOMENTUM = 0.9  # SGD with momentum: an optimizer with state, which a checkpoint must carry across world sizes
 

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fsdp_planner.trace.events import Event, EventKind
+from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 from fsdp_planner.trace.tree import ROOT, is_within
-
-if TYPE_CHECKING:
-    from fsdp_planner.trace.records import ModuleInfo, ParamInfo
 
 Call = tuple[str, int]  # (module, call number)
 CONTAINERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.nn as nn
 import torch.nn.modules.module as module_py
 
-from fsdp_planner.trace.records import ParamInfo
+from fsdp_planner.trace.hooks import ModuleHooks
+from fsdp_planner.trace.infos import ParamInfo
+from fsdp_planner.trace.step import Slot
 from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
 _MODULE_MACHINERY = module_py.__file__  # nn.Module's own frames (_call_impl, hooks): never a user's method
@@ -34,16 +36,23 @@ class MethodFinder:
 
     def __init__(self, modules: Mapping[str, nn.Module], params: Sequence[ParamInfo]) -> None:
         self.module_name = {id(m): n for n, m in modules.items()}
-        # per param, per owner: the modules whose forward must be running for the read to be inside all of them
-        # (the root excluded: its group is unsharded from its forward to its backward)
-        self.chains = [tuple(tuple(a for a in (o, *proper_ancestors(o)) if a != ROOT) for o in p.owners)
-                       for p in params]
+        self.params = params
+        self.chains: dict[int, tuple[tuple[str, ...], ...]] = {}  # made when a param is first read (replayed
+        # calls read most params without an op, so most are never asked for)
         self.found: dict[str, str] = {}  # module -> the outermost method of it seen reading params
+
+    def chains_of(self, p: int) -> tuple[tuple[str, ...], ...]:
+        """Per owner of param ``p``: the modules whose forward must be running for a read to be inside all of them
+        (the root excluded: its group is unsharded from its forward to its backward)."""
+        if p not in self.chains:
+            self.chains[p] = tuple(tuple(a for a in (o, *proper_ancestors(o)) if a != ROOT)
+                                   for o in self.params[p].owners)
+        return self.chains[p]
 
     def check(self, used: Sequence[int], fwd_stack: Sequence[str]) -> None:
         """Called for a forward op reading ``used`` params while ``fwd_stack`` modules run their forward."""
         for p in used:
-            chains = self.chains[p]
+            chains = self.chains_of(p)
             if any(all(a in fwd_stack for a in c) for c in chains):
                 continue
             self._inspect({a for c in chains for a in c if a not in fwd_stack})
@@ -67,11 +76,10 @@ class MethodFinder:
 
 
 @contextlib.contextmanager
-def forward_methods(modules: Mapping[str, nn.Module], methods: Mapping[str, str], hooks: Callable[[], Any],
-                    slot: Any) -> Iterator[None]:
+def forward_methods(modules: Mapping[str, nn.Module], methods: Mapping[str, str], hooks: ModuleHooks,
+                    slot: Slot) -> Iterator[None]:
     """Wrap ``methods`` (module -> method name) as ``register_fsdp_forward_method`` does, with the tracer's module
-    hooks (``hooks()``: recorder._ModuleHooks, made later) in place of FSDP2's; each call is noted in the
-    recorder's ``method_calls``. Restored on exit."""
+    hooks in place of FSDP2's; each call is noted in the recorder's ``method_calls``. Restored on exit."""
     undo: list[tuple[nn.Module, str, Any]] = []
     try:
         for fqn, name in methods.items():
@@ -90,13 +98,13 @@ def forward_methods(modules: Mapping[str, nn.Module], methods: Mapping[str, str]
 _ABSENT = object()
 
 
-def _wrapped(module: nn.Module, fqn: str, name: str, method: Any, hooks: Callable[[], Any], slot: Any) -> Any:
+def _wrapped(module: nn.Module, fqn: str, name: str, method: Any, hooks: ModuleHooks, slot: Slot) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = hooks().pre_forward(module, args, kwargs)
+        args, kwargs = hooks.pre_forward(module, args, kwargs)
         recorder = slot.recorder
         recorder.method_calls[(fqn, recorder.calls.get(fqn, 1) - 1)] = name
         out = method(*args, **kwargs)
-        hooks().post_forward(module, args, out)
+        hooks.post_forward(module, args, out)
         return out
 
     return wrapper

@@ -36,9 +36,10 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from fsdp_planner.trace.recorder import NULL, ModuleWalk, Slot, StepRecorder
+from fsdp_planner.trace.bookkeeping import bookkeeping
+from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
+from fsdp_planner.trace.walk import ModuleWalk
 
-Call = tuple[str, int]
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -185,7 +186,7 @@ class ActionLog(StepRecorder):
 
 class _Sink(torch.autograd.Function):
     """Identity whose backward drops the grads: a template's inputs behave like the real call's (aliases made by
-    the post-backward marker, which an in-place op may modify; see ``recorder._PostBackwardMarker``), and nothing
+    the post-backward marker, which an in-place op may modify; see ``hooks.PostBackwardMarker``), and nothing
     accumulates into them."""
 
     @staticmethod
@@ -210,6 +211,7 @@ class _StandIn(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
+    @bookkeeping
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         return (None, None, *ctx.replay(True))
 
@@ -351,9 +353,11 @@ class BlockReuse:
         return run
 
     @staticmethod
+    @bookkeeping
     def _inputs(leaves: list) -> dict[int, _Input]:
         return {i: _Input.of(a) for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)}
 
+    @bookkeeping
     def _call_key(self, r: _Repeated, leaves: list, inputs: dict[int, _Input], structure: Structure) -> tuple | None:
         """What a call must match to reuse a template, or None when it cannot reuse one."""
         if not torch.is_grad_enabled() or torch.is_autocast_enabled():
@@ -475,6 +479,7 @@ class BlockReuse:
                 self.anchor = torch.empty(1, device="meta").requires_grad_()
         return self.anchor
 
+    @bookkeeping
     def _replay(self, r: _Repeated, template: Template, leaves: list, inputs: dict[int, _Input]) -> Any:
         main, prefix = self.slot.recorder, r.fqn + "."
         tensors = [leaves[i] for i in inputs]

@@ -1,0 +1,127 @@
+"""The module boundaries FSDP2 hooks on, seen through hooks of the same kinds: a forward pre-hook and a forward
+hook on every module, an identity autograd function on each call's grad-requiring inputs (FSDP2's
+``RegisterPostBackwardFunction``) and a grad hook on its grad-requiring outputs (FSDP2's pre-backward)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp._common_utils import collect_grad_tensors, replace_grad_tensors
+
+from fsdp_planner.trace.bookkeeping import bookkeeping
+from fsdp_planner.trace.leaves import ATOMS, flat_leaves
+from fsdp_planner.trace.step import Slot
+from fsdp_planner.trace.walk import ModuleWalk
+
+
+class PostBackwardMarker(torch.autograd.Function):
+    """Identity on a module's grad-requiring inputs; its backward fires when the module's backward is done
+    (FSDP2's RegisterPostBackwardFunction).
+
+    It returns ``t.detach()``, not ``t`` or ``t.view_as(t)``: autograd turns an input returned as-is into a view
+    of it, and a view made inside a custom Function may not be modified in place ("Output 0 of
+    PostBackwardMarker is a view and is being modified inplace"), so every module fed by an in-place op's target
+    (``nn.ReLU(inplace=True)`` after a BatchNorm, ``F.relu(x, inplace=True)`` or ``x += y`` on a module's input)
+    failed to trace. A detached alias is no autograd view: autograd attaches it to this function as a new output,
+    and an in-place op on it is recorded on it like on any non-leaf (ReluBackward -> this backward -> the
+    producer's). It is the same storage, offset, strides and version counter as ``t``: no memory is made (saved
+    activations and call inputs are counted by storage, so they count the same bytes), the op writes the caller's
+    tensor as without the tracer, and a saved tensor it modifies is still caught by its version.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.callback = callback
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
+class ModuleHooks:
+    """Forward hooks on every module, feeding boundary events to the slot's recorder. Made before they are
+    installed: the forward methods wrapped for FSDP2 (``methods.forward_methods``) call them, and must be wrapped
+    before the hooks go on (see ``session.TraceSession``)."""
+
+    def __init__(self, walk: ModuleWalk, slot: Slot) -> None:
+        self.slot = slot
+        self.modules = list(walk.modules.values())
+        self.name = {m: n for n, m in walk.modules.items()}  # a module registered twice keeps its first name
+        # per running call (pushed by pre_forward, popped by post_forward): its marked inputs and their versions
+        self.watched: list[tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None] = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """The hooks on every module, removed on exit."""
+        handles = []
+        try:
+            for m in self.modules:
+                handles.append(m.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
+                handles.append(m.register_forward_hook(self.post_forward, always_call=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    @bookkeeping
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """FSDP2's post-backward hook goes on the call's grad-requiring inputs, found as FSDP2 finds them
+        (``collect_grad_tensors``: tuples, lists, dicts, NamedTuples and dataclasses)."""
+        fqn = self.name[module]
+        recorder = self.slot.recorder
+        flat = not kwargs and all(isinstance(a, ATOMS) for a in args)  # the common case, without a traversal
+        leaves = args if flat else flat_leaves(args, kwargs)
+        held = recorder.inputs_nbytes([a for a in leaves if isinstance(a, torch.Tensor)])
+        if not torch.is_grad_enabled():
+            inputs: tuple[torch.Tensor, ...] = ()
+        elif flat:
+            inputs = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
+        else:
+            inputs = collect_grad_tensors((args, kwargs))
+        call = recorder.enter_forward(fqn, bool(inputs), held)
+        if not inputs:
+            self.watched.append(None)
+        else:
+            key = (fqn, call)
+            marked = PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *inputs)
+            self.watched.append((marked, tuple(t._version for t in marked)))
+            outs = iter(marked)
+            if flat:
+                args = tuple(next(outs) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
+            else:
+                args, kwargs = replace_grad_tensors((args, kwargs), outs)
+        return args, kwargs
+
+    @bookkeeping
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """FSDP2's pre-backward hook goes on the call's grad-requiring outputs (``collect_grad_tensors``)."""
+        fqn = self.name[module]
+        recorder = self.slot.recorder
+        watched = self.watched.pop() if self.watched else None
+        if watched is not None and any(t._version != v for t, v in zip(*watched, strict=True)):
+            # an in-place op wrote the call's input (an alias sharing its version counter); with FSDP2's
+            # function on these inputs, autograd would have refused it
+            recorder.modified_input(fqn)
+        call = recorder.exit_forward(fqn)
+        if recorder.outside_modules():  # the model's own outputs: what the loss starts from
+            recorder.loss.track(flat_leaves((output,)))
+        if torch.is_grad_enabled():
+            fired = [False]
+            key = (fqn, call)
+
+            def hook(grad: torch.Tensor) -> None:  # FSDP2's pre-backward: the first output grad of this call
+                if not fired[0]:
+                    fired[0] = True
+                    recorder.enter_backward(key)
+
+            outputs = ((output,) if output.requires_grad else ()) if isinstance(output, torch.Tensor) \
+                else collect_grad_tensors(output)
+            recorder.outputs(outputs)
+            for t in outputs:
+                t.register_hook(hook)

@@ -1,0 +1,60 @@
+"""What a trace knows about the model itself: one ``ParamInfo`` per parameter, one ``ModuleInfo`` per module
+object. ``records.Trace`` holds them beside the step's events, and ``index.TraceIndex`` derives views from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_planner.trace.tree import depth
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One ``nn.Parameter`` (tied aliases share one entry)."""
+
+    fqn: str  # canonical name: the first in named_parameters() order
+    numel: int
+    dtype: str
+    itemsize: int
+    requires_grad: bool
+    owners: tuple[str, ...]  # canonical names of the modules registering it directly; more than one: tied
+    aliases: tuple[str, ...] = ()  # its other names
+    shape: tuple[int, ...] = ()
+    gets_grad: bool = True  # autograd gave it a gradient in the traced step (FSDP2 reduce-scatters only those)
+
+    def padded_numel(self, world_size: int) -> int:
+        """Numel after FSDP2 pads dim 0 to a multiple of the world size (its all-gather size)."""
+        if not self.shape:
+            return self.numel if world_size == 1 else world_size
+        rest = self.numel // self.shape[0] if self.shape[0] else 0
+        return -(-self.shape[0] // world_size) * world_size * rest
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def is_shared(self) -> bool:
+        return len(self.owners) > 1
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """One module object of the model, under its canonical name. FLOPs include its subtree's (by name)."""
+
+    fqn: str
+    cls: str
+    params: tuple[str, ...]  # canonical names of the params registered directly on it
+    children: tuple[str, ...] = ()  # canonical names of its child module objects (a shared child: elsewhere)
+    aliases: tuple[str, ...] = ()  # its other names (a module object registered under several parents)
+    calls: int = 0
+    fwd_flops: int = 0
+    bwd_flops: int = 0
+    first_use: int = -1  # first forward op run inside its subtree that read a param; -1 if none
+    shardable: bool = True  # False: a ModuleList/ModuleDict without its own forward, which fully_shard refuses, or
+    # a module managing params whose call modifies its grad-requiring inputs in place, which FSDP2's post-backward
+    # function on them makes autograd refuse (see summary._fsdp2_refuses_inplace)
+
+    @property
+    def depth(self) -> int:
+        return depth(self.fqn)

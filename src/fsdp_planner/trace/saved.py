@@ -1,0 +1,30 @@
+"""Tensors saved for backward, seen through saved-tensor hooks: their bytes are the step's activations, and their
+versions are checked as autograd checks them without hooks."""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fsdp_planner.trace.step import Slot
+
+
+def saved_tensor_hooks(slot: Slot) -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks charging each saved storage to the slot's recorder; a tensor modified in place after it was saved
+    fails the trace as it fails the real step."""
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        slot.recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        return t, t._version
+
+    def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        # Autograd skips its own version check on tensors that saved-tensor hooks pack: done here, as it does it
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.dtype} {list(t.shape)}] is at version {t._version}; expected version {version} instead (the "
+                f"model's backward fails the same way without the tracer)")
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -1,0 +1,190 @@
+"""The trace's state machine: what the module hooks, the op recorder and the saved-tensor hooks see, turned
+into the step's events.
+
+Every callback goes through a ``Slot``: the step's ``StepRecorder`` most of the time, a ``NullRecorder`` while the
+tracer makes tensors of its own, or a template's log while a repeated module is traced on its own (``reuse.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fsdp_planner.trace.events import Event, EventKind
+from fsdp_planner.trace.tree import ROOT, is_within
+
+Call = tuple[str, int]
+
+
+class StepRecorder:
+    """The trace's state machine: turns hook and dispatch callbacks into events."""
+
+    def __init__(self, static_storages: set[StorageWeakRef]) -> None:
+        self.events: list[Event] = []
+        self.static_storages = static_storages  # params' and buffers': what they save or take is not activations
+        self.input_storages: set[StorageWeakRef] = set()  # storages some call's inputs_nbytes already counts
+        self.fwd_stack: list[str] = []
+        self.bwd_active: list[Call] = []  # module calls whose backward is running
+        self.bwd_pending_post: set[Call] = set()  # calls that will get a post-backward marker
+        self.calls: dict[str, int] = {}
+        self.backward = False
+        self.saved_storages: set[StorageWeakRef] = set()
+        self.last_op = -1
+        self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
+        self.bwd_started = False  # a module's pre-backward has run
+        self.loss = LossRegion()
+        self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
+        # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
+        self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
+        self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
+
+    def current_module(self) -> str:
+        if self.backward:
+            return self.bwd_active[-1][0] if self.bwd_active else ROOT
+        return self.fwd_stack[-1] if self.fwd_stack else ROOT
+
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0) -> None:
+        self.last_op = len(self.events)
+        self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
+                                 backward=self.backward, live=live))
+
+    def outside_modules(self) -> bool:
+        """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
+        return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
+
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int]]) -> None:
+        """Several ops in a row in the same module (replayed calls): (params, flops, bytes) each."""
+        module, backward = self.current_module(), self.backward
+        self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward)
+                            for params, flops, nbytes in batch])
+        self.last_op = len(self.events) - 1
+
+    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        """Activation bytes saved for backward, once per storage, charged to the op that saved them."""
+        if self.backward or ref in self.static_storages or ref in self.saved_storages:
+            return
+        self.saved_storages.add(ref)
+        if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
+            return
+        e = self.events[self.last_op]
+        self.events[self.last_op] = e._replace(saved=e.saved + nbytes)
+
+    def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of the storages of a call's tensor inputs that no earlier call counted (params excluded)."""
+        nbytes = 0
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in self.static_storages and ref not in self.input_storages:
+                self.input_storages.add(ref)
+                nbytes += t.untyped_storage().nbytes()
+        return nbytes
+
+    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
+        call = self.calls.get(fqn, 0)
+        self.calls[fqn] = call + 1
+        self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
+                                 inputs_nbytes=inputs_nbytes))
+        self.fwd_stack.append(fqn)
+        if grad_inputs:
+            self.bwd_pending_post.add((fqn, call))
+        return call
+
+    def modified_input(self, fqn: str) -> None:
+        """A call of ``fqn`` (now ending) modified one of its grad-requiring inputs in place."""
+        self.modified_inputs.add(fqn)
+
+    def exit_forward(self, fqn: str) -> int:
+        call = self.calls[fqn] - 1
+        self.fwd_stack.pop()
+        self.events.append(Event(EventKind.FWD_POST, fqn, call=call))
+        return call
+
+    def enter_backward(self, key: Call) -> None:
+        # A module whose backward started earlier and that gets no post-backward marker (no grad inputs) is
+        # finished once an unrelated module starts: close it so ops are attributed correctly.
+        for k in list(self.bwd_active):
+            if k not in self.bwd_pending_post and not is_within(key[0], k[0]):
+                self.bwd_active.remove(k)
+                self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
+        self.bwd_active.append(key)
+        self.bwd_started = True
+        self.events.append(Event(EventKind.BWD_PRE, key[0], call=key[1], backward=True))
+
+    def exit_backward(self, key: Call) -> None:
+        self.bwd_pending_post.discard(key)
+        if key in self.bwd_active:
+            self.bwd_active.remove(key)
+        self.events.append(Event(EventKind.BWD_POST, key[0], call=key[1], backward=True))
+
+    def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The grad-requiring outputs of the module call that just ended (templates compare them, see reuse.py)."""
+
+    def finish_backward(self) -> None:
+        for k in reversed(self.bwd_active):
+            self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
+        self.bwd_active.clear()
+
+
+class LossRegion:
+    """Live bytes of the tensors the loss works on, outside the model: its outputs and what the loss's ops and
+    their backward make, counted from the model's last output until backward reaches a module. A saved-tensor
+    view misses most of it (a language model's logits in bf16 and fp32, the loss's gradient), and at the loss
+    it is often the step's peak. Freed storages are seen through weak references, as ``fake_world.LiveBytes``
+    counts."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._sizes:
+                    self._sizes[key] = storage.nbytes()
+                    self.current += self._sizes[key]
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+
+    def _free(self, key: int) -> None:
+        self.current -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
+
+
+class NullRecorder(StepRecorder):
+    """Records nothing: the target while the tracer makes tensors of its own (templates' inputs and grads)."""
+
+    def __init__(self) -> None:
+        super().__init__(set())
+
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0) -> None:
+        pass
+
+    def outside_modules(self) -> bool:
+        return False
+
+    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        pass
+
+    def modified_input(self, fqn: str) -> None:
+        pass
+
+    def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
+        return 0
+
+
+NULL = NullRecorder()
+
+
+class Slot:
+    """Where the hooks, the dispatch mode and the saved-tensor hook send what they see: the step's recorder,
+    or (while a repeated module is traced once on its own, see ``reuse.py``) something else."""
+
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+        self.produced: set[StorageWeakRef] | None = None  # when set: storages of every op's outputs are added
