@@ -287,7 +287,7 @@ class Replay:
             replay.backward_prefetch = [self.groups[j] for j in g.backward_prefetch]
         self.group_of = {m: self.groups[i] for i, g in enumerate(plan.groups) for m in g.modules}
         # FSDP2's all_states: one per fully_shard call, in the registration order of its first module
-        registered = {m: i for i, m in enumerate(trace.modules)}
+        registered = trace.index.registration
         self.states = sorted(self.groups, key=lambda r: min(registered[m] for m in r.group.modules))
         methods = set(plan.forward_methods)
         # calls of registered methods: register_fsdp_forward_method's wrapper calls FSDPState._pre_forward and

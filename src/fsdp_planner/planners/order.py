@@ -52,7 +52,7 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
         members.setdefault(find(m), []).append(m)
     never = len(trace.events) + 1
     first, index = trace.index.first_use, trace.index.param_index
-    registered = {m: i for i, m in enumerate(trace.modules)}
+    registered = trace.index.registration
     atoms = []
     for ms in members.values():
         params = {p for m in ms for p in trace.modules[m].params}

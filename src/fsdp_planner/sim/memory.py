@@ -116,7 +116,7 @@ class MemoryModel:
         """``like``: the model of the same trace and precision at another world size, whose activation levels (they
         do not depend on the world size) are shared."""
         self.trace, self.precision, self.zero_grad = trace, precision, zero_grad
-        self.sizing = Sizing(trace, world_size, precision)
+        self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None)
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
         shard = self.sizing.shard_numel(trainable)
         self.static = MemoryBreakdown(

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.trace.records import Trace
@@ -32,14 +34,26 @@ class Sizing:
 
     Planners size thousands of plans whose groups recur; per-group facts and per-collective bytes are cached."""
 
-    def __init__(self, trace: Trace, world_size: int = 1, precision: Precision | None = None) -> None:
+    def __init__(self, trace: Trace, world_size: int = 1, precision: Precision | None = None,
+                 like: Sizing | None = None) -> None:
+        """``like``: the sizing of the same trace at another world size, whose per-group uses (they do not depend on
+        the world size) are shared."""
         self.trace, self.world_size = trace, world_size
         self.padded = [p.padded_numel(world_size) for p in trace.params]
         own = [p.itemsize for p in trace.params]
         self.gather_itemsize = own if precision is None else [precision.gather_bytes] * len(own)
         self.reduce_itemsize = own if precision is None else [precision.reduce_bytes] * len(own)
         self.grad_itemsize = own if precision is None else [precision.compute_bytes] * len(own)
+        # per param, for sums over thousands of params at C speed (a plan's root or large groups)
+        padded = np.array(self.padded, dtype=np.int64)
+        self._padded = padded
+        self._gather = padded * np.array(self.gather_itemsize, dtype=np.int64)
+        self._reduce_per = padded * np.array(self.reduce_itemsize, dtype=np.int64)
+        self._grad_per = np.array([p.numel for p in trace.params], dtype=np.int64) * \
+            np.array(self.grad_itemsize, dtype=np.int64)
         self._facts: dict[tuple[str, ...], GroupFacts] = {}
+        # param names -> (their indices, the ops reading them, the first backward one): the same at any world size
+        self._uses: dict[tuple[str, ...], tuple[tuple[int, ...], list[int], int]] = like._uses if like else {}
         self._reduce: dict[tuple[int, ...], int] = {}
         self._grads: dict[tuple[int, ...], int] = {}
 
@@ -48,13 +62,19 @@ class Sizing:
 
     def facts(self, names: tuple[str, ...]) -> GroupFacts:
         if names not in self._facts:
+            params, uses, first_bwd = self._usage(names)
+            self._facts[names] = GroupFacts(params, self.gather_bytes(params), uses, first_bwd)
+        return self._facts[names]
+
+    def _usage(self, names: tuple[str, ...]) -> tuple[tuple[int, ...], list[int], int]:
+        if names not in self._uses:
             index = self.trace.index
             param_index, param_uses, first_backward = index.param_index, index.param_uses, index.first_backward_use
             params = tuple(param_index[p] for p in names)
             uses = param_uses[params[0]] if len(params) == 1 else sorted({i for p in params for i in param_uses[p]})
             first_bwd = min((first_backward[p] for p in params), default=len(self.trace.events) + 1)
-            self._facts[names] = GroupFacts(params, self.gather_bytes(params), uses, first_bwd)
-        return self._facts[names]
+            self._uses[names] = (params, uses, first_bwd)
+        return self._uses[names]
 
     def group_params(self, plan: Plan) -> list[tuple[int, ...]]:
         """Each group's params as indices into ``Trace.params``."""
@@ -62,20 +82,27 @@ class Sizing:
 
     def gather_bytes(self, params: Iterable[int]) -> int:
         """All-gather output of these params: the bytes they occupy unsharded (padded)."""
-        return sum(self.padded[p] * self.gather_itemsize[p] for p in params)
+        return _sum(self._gather, params)
 
     def reduce_bytes(self, params: tuple[int, ...]) -> int:
         """Reduce-scatter input for these params' grads (padded, reduce dtype)."""
         if params not in self._reduce:
-            self._reduce[params] = sum(self.padded[p] * self.reduce_itemsize[p] for p in params)
+            self._reduce[params] = _sum(self._reduce_per, params)
         return self._reduce[params]
 
     def grad_bytes(self, params: tuple[int, ...]) -> int:
         """Unsharded grads of these params as autograd makes them (the params' shapes, compute dtype)."""
         if params not in self._grads:
-            self._grads[params] = sum(self.trace.params[p].numel * self.grad_itemsize[p] for p in params)
+            self._grads[params] = _sum(self._grad_per, params)
         return self._grads[params]
 
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""
-        return sum(self.padded[p] for p in params) // self.world_size
+        return _sum(self._padded, params) // self.world_size
+
+
+def _sum(per_param: np.ndarray, params: Iterable[int]) -> int:
+    """The sum of ``per_param`` over ``params`` (indices), exact in int64."""
+    index = np.fromiter(params, dtype=np.intp) if not isinstance(params, range) else np.arange(
+        params.start, params.stop, params.step)
+    return int(per_param[index].sum()) if len(index) else 0

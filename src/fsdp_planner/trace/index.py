@@ -61,6 +61,11 @@ class TraceIndex:
                  events: Sequence[Event]) -> None:
         self._params, self._modules, self._events = params, modules, events
 
+    @cached_property
+    def registration(self) -> dict[str, int]:
+        """Module name -> its position in registration order (``named_modules``), which FSDP2's orders follow."""
+        return {m: i for i, m in enumerate(self._modules)}
+
     # -- params ------------------------------------------------------------------------------------------
     @cached_property
     def param_index(self) -> dict[str, int]:
