@@ -124,7 +124,7 @@ def main() -> None:
 
 NOTES = """What this shows and what it does not. On a CPU the ops run inside the host's time, so a step of small
 layers is the host's work and the term can be checked whole; on a GPU the host runs ahead and the term costs time
-only where it outruns the GPU's work (`sim/timeline.py`), which needs a GPU to check (none was lent to this
+only where it outruns the GPU's work (`sim/streams.py`), which needs a GPU to check (none was lent to this
 project's sessions so far). The preset clusters (`hardware/cluster.py`) carry figures measured by this command on
 this 2-core host; a GPU host adds CUDA launch, stream and event calls and usually has a faster CPU: run
 `fsdp-planner calibrate --overhead --base h100:64 --out mine.json` there and plan with `--cluster mine.json`."""
