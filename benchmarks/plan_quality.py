@@ -122,15 +122,20 @@ def verdict(r: dict) -> str:
     return f"tie with {r['best_other']} ({gain:+.2%})"
 
 
+def planning_trace(model: str) -> tuple[Trace, int]:
+    """The model traced as the CLI plans it (bf16 compute), and the tokens of its batch (0: not a token model)."""
+    lm = load_model(model)
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
+    first = lm.example_inputs[0] if isinstance(lm.example_inputs, tuple) else lm.example_inputs
+    tokens = first.numel() if isinstance(first, torch.Tensor) and not first.is_floating_point() else 0
+    return tr, tokens
+
+
 def main() -> None:
     started = time.perf_counter()
     rows = []
     for model, (_, gpus) in MODELS.items():
-        lm = load_model(model)
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
-        first = lm.example_inputs[0] if isinstance(lm.example_inputs, tuple) else lm.example_inputs
-        tokens = first.numel() if isinstance(first, torch.Tensor) and not first.is_floating_point() else 0
-        del lm
+        tr, tokens = planning_trace(model)
         for spec in [f"h100:{n}" for n in gpus]:
             result = AutoPolicy(parse_cluster(spec)).search(tr, model)
             rows.append(row(model, spec, tr, tokens, result))

@@ -18,13 +18,10 @@ from pathlib import Path
 import torch
 
 from fsdp_planner.hardware.cluster import parse_cluster
-from fsdp_planner.models import load_model
 from fsdp_planner.planners.auto import AutoPolicy
-from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.trace import trace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plan_quality import MODELS  # the same rows
+from plan_quality import MODELS, planning_trace  # the same rows, traced alike
 
 UNBOUNDED = 10**9
 
@@ -33,9 +30,7 @@ def main() -> None:
     started = time.perf_counter()
     rows = []
     for model, (_, gpus) in MODELS.items():
-        lm = load_model(model)
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
-        del lm
+        tr, _ = planning_trace(model)
         for n in gpus:
             cluster = parse_cluster(f"h100:{n}")
             t0 = time.process_time()

@@ -91,9 +91,9 @@ def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOp
         render.note(f"--memory-budget {fmt_bytes(request.memory_budget)} is more than one {cluster.gpu.name} holds "
                     f"({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
     with render.progress(f"auto: searching plans for {cluster.name}"):
-        result = AutoPolicy(cluster, request.memory_budget, request.target, options,
-                            search_effort=request.search_effort, checkpointing=request.checkpointing,
-                            mesh=request.mesh).search(tr, model)
+        policy = make_policy(request, cluster, options)
+        assert isinstance(policy, AutoPolicy)
+        result = policy.search(tr, model)
     if must_fit and not result.fits:
         raise PlannerError(infeasible_message(result))
     return result

@@ -23,8 +23,17 @@ from fsdp_planner.fmt import parse_count
 CLUSTER_HELP = "preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file"
 
 
-def positive_int(option: str, minimum: int = 1) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``minimum`` (``1e3`` reads too), one line otherwise."""
+def positive_int(option: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least 1 (``1e3`` reads too), one line otherwise."""
+    return _whole_number(option, 1)
+
+
+def non_negative_int(option: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least 0 (``1e3`` reads too), one line otherwise."""
+    return _whole_number(option, 0)
+
+
+def _whole_number(option: str, minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = parse_count(text, option)
@@ -43,7 +52,7 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
     sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the memory of "
                                             "one of the cluster's GPUs)")
-    sp.add_argument("--search-effort", type=positive_int("--search-effort", minimum=0), default=None, metavar="N",
+    sp.add_argument("--search-effort", type=non_negative_int("--search-effort"), default=None, metavar="N",
                     help="auto: plans its local refinement may simulate, counted, never timed, so the same command "
                          "gives the same plan on any machine (default: 6,000,000 trace events' worth, at least 24: "
                          "~520 plans of an 8B Llama, ~27 of a 10,000-module model)")

@@ -77,7 +77,7 @@ def progress(description: str) -> Iterator[None]:
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=notes, transient=True) as bar:
-        bar.add_task(description, total=None)
+        bar.add_task(escape(description), total=None)  # it may name a cluster or model from a file
         yield
 
 
@@ -323,7 +323,7 @@ def auto_line(result: AutoResult) -> str:
                  f"{best_other.origin}")
     if len(result.meshes) > 1:
         line += "\n" + mesh_line(result)
-    return line
+    return escape(line)  # the budget's source names the GPU a cluster file gives: plain text, never markup
 
 
 def mesh_line(result: AutoResult) -> str:

@@ -214,10 +214,8 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
         g.params = params
     plan.groups = [g for g in plan.groups if g.params or g.is_root]
     plan.forward_methods = methods_to_register(trace, plan)
-    first = trace.index.first_use
-    index = trace.index.param_index
-    never = len(trace.events) + 1
-    plan.groups[:-1] = sorted(plan.groups[:-1], key=lambda g: min(first.get(index[p], never) for p in g.params))
+    first = trace.index.first_use_by_name.__getitem__
+    plan.groups[:-1] = sorted(plan.groups[:-1], key=lambda g: min(map(first, g.params)))
     return plan
 
 

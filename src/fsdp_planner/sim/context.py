@@ -61,6 +61,8 @@ class SimContext:
                                f"{self.world} GPUs")
         self.shard = self.mesh.shard
         if like is not None:
+            if times is not None or like.trace is not trace or like.options != self.options:
+                raise ValueError("a context shares op times only with one of the same trace and options")
             self.times, self.cum_array, self.cum = like.times, like.cum_array, like.cum
             self.compute_total = like.compute_total
         else:

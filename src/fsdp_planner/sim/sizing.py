@@ -53,7 +53,8 @@ class Sizing:
             np.array(self.grad_itemsize, dtype=np.int64)
         self._facts: dict[tuple[str, ...], GroupFacts] = {}
         # param names -> (their indices, the ops reading them, the first backward one): the same at any world size
-        self._uses: dict[tuple[str, ...], tuple[tuple[int, ...], list[int], int]] = like._uses if like else {}
+        self._uses: dict[tuple[str, ...], tuple[tuple[int, ...], list[int], int]] = \
+            like._uses if like is not None else {}
         self._reduce: dict[tuple[int, ...], int] = {}
         self._grads: dict[tuple[int, ...], int] = {}
 

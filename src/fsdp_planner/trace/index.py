@@ -107,6 +107,13 @@ class TraceIndex:
         return {p: uses[0] for p, uses in enumerate(self.param_uses) if uses}
 
     @cached_property
+    def first_use_by_name(self) -> dict[str, int]:
+        """Param name (canonical or alias) -> its first op, or ``len(events) + 1`` when never read: how plans order
+        their groups, looked up for every param of every plan a planner builds."""
+        never, first, index = len(self._events) + 1, self.first_use, self.param_index
+        return {name: first.get(i, never) for name, i in index.items()}
+
+    @cached_property
     def trainable_dtypes(self) -> frozenset[str]:
         """The dtypes of the params that require grad (FSDP2 wants one per group)."""
         return frozenset(p.dtype for p in self._params if p.requires_grad)

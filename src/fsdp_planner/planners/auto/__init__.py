@@ -78,6 +78,7 @@ class MeshOutcome:
     search: Search
     chosen: Candidate
     baselines: dict[str, Candidate]
+    cut: bool  # the effort stopped its refinement before it converged
 
 
 @dataclass
@@ -91,6 +92,7 @@ class AutoResult:
     evaluated: int  # plans simulated during the search
     effort: int  # plans the local refinement could simulate (``AutoPolicy.search_effort``)
     refined: int  # plans it did simulate
+    cut: bool  # the effort stopped the chosen layout's refinement before it converged
     seconds: float
     search: Search = field(repr=False)
     meshes: dict[str, Candidate] = field(default_factory=dict)  # layout -> its best plan (every layout tried)
@@ -109,9 +111,10 @@ MIN_SEARCH_EFFORT = 24  # plans it may simulate at least, however large the trac
 def default_search_effort(trace: Trace) -> int:
     """Plans the local refinement may simulate by default: ``SEARCH_EVENTS`` worth of traced events, so the
     refinement's work, like the rest of the search's, grows with the model no faster than linearly. A simulation
-    costs about 0.2-0.3 us per trace event on a 2-core x86 host (3.6 ms for hf:qwen2.5-3b's 12,380 events, 40 ms for
-    the 217,003 of a 10,000-module model): ~1 s of refinement at most. Every row of benchmarks/plan_quality.md
-    finishes its refinement within it (323 plans for qwen2.5-3b, where it uses 258)."""
+    costs about 0.1-0.3 us per trace event on a 2-core x86 host (~3 ms for llama3-8b's 11,541 events, ~20 ms for
+    the 217,003 of a 10,000-module model): 1-2 s of refinement at most. llama3-8b gets 519 plans and uses 208-472 of
+    them; on every row of benchmarks/plan_quality.md the default gives the plan an unbounded search gives
+    (benchmarks/search_effort.md)."""
     return max(MIN_SEARCH_EFFORT, SEARCH_EVENTS // max(len(trace.events), 1))
 
 
@@ -140,7 +143,7 @@ class AutoPolicy:
                 raise PlannerError(f"unknown auto target '{self.target}': choose fsdp2 or fsdp1") from None
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlannerError("the memory budget must be positive")
-        if self.search_effort is not None and self.search_effort < 0:
+        if self.search_effort is not None and (isinstance(self.search_effort, bool) or self.search_effort < 0):
             raise PlannerError("the search effort is a number of plans: 0 or more")
         if self.mesh is not None and self.mesh.size != self.cluster.world_size:
             raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster "
@@ -164,12 +167,11 @@ class AutoPolicy:
         budget, source = self._budget()
         first = Search(self._evaluator(trace, model, budget, self.mesh), trace, model)
         screened: dict[str, Candidate] = {}
-        meshes = [first.ev.ctx.mesh]
+        evaluators = {first.ev.ctx.mesh: first.ev}
         if self.mesh is None:
-            meshes, screened = self._choose_meshes(trace, model, first, budget)
-        searches = [first if m == first.ev.ctx.mesh else
-                    Search(self._evaluator(trace, model, budget, m, first), trace, model, shared=first)
-                    for m in meshes]
+            evaluators, screened = self._choose_meshes(trace, model, first, budget)
+        # a layout searched in full goes on with what its screening simulated
+        searches = [first if ev is first.ev else Search(ev, trace, model, shared=first) for ev in evaluators.values()]
         effort = self.search_effort if self.search_effort is not None else default_search_effort(trace)
         outcomes, left = [], effort
         for n, search in enumerate(searches):  # what one layout's refinement leaves, the next may use
@@ -183,7 +185,7 @@ class AutoPolicy:
             plan=self._labelled(best.chosen.plan, ev), report=best.chosen.report, budget=budget,
             budget_source=source, fits=best.chosen.report.reserved_memory <= budget, baselines=best.baselines,
             evaluated=sum(o.search.ev.simulated for o in outcomes) + len(screened), effort=effort,
-            refined=effort - left, seconds=time.perf_counter() - started, search=best.search,
+            refined=effort - left, cut=best.cut, seconds=time.perf_counter() - started, search=best.search,
             meshes={**{o.search.ev.ctx.mesh.describe(): o.chosen for o in outcomes}, **screened},
             chosen=best.chosen)
 
@@ -201,31 +203,33 @@ class AutoPolicy:
                                  f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp})"), model=ev.model)
 
     def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
-                       ) -> tuple[list[Mesh], dict[str, Candidate]]:
+                       ) -> tuple[dict[Mesh, Evaluator], dict[str, Candidate]]:
         """Screen every candidate layout by the best classic plan of the first (pure FSDP) on it, with the fewest
         checkpointed blocks that make it fit when it does not (as a user would run it). The best is searched in
         full, and so are the next ones up to ``MESH_SEARCHES`` whose screening plan is within ``MESH_SLACK`` of the
-        best's (a search gains less than that over the classic plans it starts from). Returns them and the best
-        screening plan of each layout left out."""
+        best's (a search gains less than that over the classic plans it starts from). Returns the evaluators of the
+        layouts to search (with what their screening simulated) and the best screening plan of each layout left
+        out."""
         meshes = candidate_meshes(self.cluster, self.target)
         if len(meshes) == 1:  # nothing to screen (one node, or FSDP1, where no classic plan may be expressible)
-            return meshes, {}
-        screen: list[tuple[tuple, Mesh, Candidate]] = []
+            return {first.ev.ctx.mesh: first.ev}, {}
+        screen: list[tuple[tuple, Evaluator, Candidate]] = []
         plans = first.classics  # on the first layout; then only the best of them (the layouts rank alike)
         for mesh in meshes:
             flat = mesh == first.ev.ctx.mesh
-            # the flat layout's search keeps what its screening simulated, and chooses its own checkpointing
-            ev = first.ev if flat else self._evaluator(trace, model, budget, mesh, first)
-            ev, baselines = self._fitting_baselines(ev, trace, plans)
+            # each layout's search chooses its own checkpointing: the screening's setting stays on a view
+            base = first.ev if flat else self._evaluator(trace, model, budget, mesh, first)
+            ev, baselines = self._fitting_baselines(base, trace, plans)
             if flat:
                 best = min(baselines, key=lambda k: ev.key(baselines[k]))
                 plans = {best: plans[best]}
-            screen.append((ev.key(ev.best()), mesh, ev.best()))
+            screen.append((ev.key(ev.best()), base, ev.best()))
         screen.sort(key=lambda x: x[0])
         fastest = screen[0][2].report.step_time
-        searched = [m for i, (key, m, c) in enumerate(screen[:MESH_SEARCHES])
+        searched = [ev for i, (key, ev, c) in enumerate(screen[:MESH_SEARCHES])
                     if i == 0 or (key[0] == 0 and c.report.step_time <= fastest * (1 + MESH_SLACK))]
-        return searched, {m.describe(): c for _, m, c in screen if m not in searched}
+        return ({ev.ctx.mesh: ev for ev in searched},
+                {ev.ctx.mesh.describe(): c for _, ev, c in screen if ev not in searched})
 
     def _fitting_baselines(self, ev: Evaluator, trace: Trace, plans: dict[str, Plan]
                            ) -> tuple[Evaluator, dict[str, Candidate]]:
@@ -243,7 +247,7 @@ class AutoPolicy:
         ev = search.ev
         blocks = block_instances(trace)
         baselines = self._explore(search, ev, search.granularities())
-        used = 0
+        used, cut = 0, False
         if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
             # Nothing fits without activation checkpointing: checkpoint the fewest blocks that let a plan fit
             # (the first ones: their activations live longest), and all of them; each costs a recomputation.
@@ -252,10 +256,12 @@ class AutoPolicy:
             for n, count in enumerate(counts):
                 setting = ev.checkpointing(blocks[:count])
                 self._explore(search, setting, [search.atoms])  # groups inside a block would forbid checkpointing it
-                used += Refiner(setting, search.atoms, search.fine_atoms).refine((effort - used) // (len(counts) - n))
+                refiner = Refiner(setting, search.atoms, search.fine_atoms)
+                used += refiner.refine((effort - used) // (len(counts) - n))
+                cut = cut or refiner.cut
         else:
-            used = search.refiner.refine(effort)
-        return MeshOutcome(search, self._preferred(search, ev.best(), baselines), baselines), used
+            used, cut = search.refiner.refine(effort), search.refiner.cut
+        return MeshOutcome(search, self._preferred(search, ev.best(), baselines), baselines, cut), used
 
     def _preferred(self, search: Search, best: Candidate, baselines: dict[str, Candidate]) -> Candidate:
         """Among the plans as fast as ``best`` (within a slack), one whose root manages only what it must, then one

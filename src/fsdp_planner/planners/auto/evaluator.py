@@ -117,12 +117,12 @@ class Evaluator:
         """The least step of any plan in which ``gathered`` groups all-gather: their all-gathers run one after
         another on their stream, each at least its latency (the lowest-latency protocol); and the step cannot end
         before the host's work, which on GPUs launches every op of the step (whatever the plan) and runs each such
-        group's pre- and post-forward hooks. (On CPU ranks the op figure corrects measured op times and may be
-        negative: the hooks alone count there.)"""
+        group's pre- and post-forward hooks. (On CPU ranks the op figure is a correction to measured op times, not a
+        launch: the hooks alone count there.)"""
         overhead = self.cluster.overhead
         launches = self.trace.index.op_count * overhead.op_seconds if self.cluster.engine is Engine.STREAMS else 0.0
         return max(gathered * self.ctx.latency(CollectiveKind.ALL_GATHER),
-                   max(0.0, launches) + gathered * 2 * overhead.hook_seconds)
+                   launches + gathered * 2 * overhead.hook_seconds)
 
     def _surely_claims(self, fqn: str, group: int, group_of: dict[str, int]) -> bool:
         """Whether the group listing ``fqn`` claims a param whatever the rest of the plan: an untied param

@@ -7,7 +7,7 @@ from enum import Enum
 
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.planners.auto import AutoResult
-from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, Candidate
+from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, MIN_GAIN, ROOT_SLACK, Candidate
 from fsdp_planner.planners.auto.refine import Move, Refiner
 
 
@@ -18,6 +18,7 @@ class Reason(Enum):
     MEMORY = "memory"
     TIE = "tie"
     UNCONVERGED = "unconverged"
+    MARGIN = "margin"
     GROUPS = "fewer groups"
     OVERLAP = "overlap"
     BANDWIDTH = "bandwidth"
@@ -34,6 +35,9 @@ _DESCRIPTIONS = {
     Reason.TIE: "the best alternative simulates equally fast and needs no less memory: nothing gained by moving",
     Reason.UNCONVERGED: "a one-step move is faster and fits: the search's effort ran out before it tried it "
                          "(raise --search-effort)",
+    Reason.MARGIN: f"a one-step move is faster and fits, by less than the search's margins (refining a plan behind "
+                   f"the best, a move must save {MIN_GAIN:.2%}; a root that manages nothing is preferred within "
+                   f"{ROOT_SLACK:.1%})",
     Reason.GROUPS: f"a split is faster by less than {GROUP_SLACK:.1%}: not worth another group (what a group costs "
                    "the GPU beyond its collectives and copies is not modelled)",
     Reason.OVERLAP: "merging removes a latency-bound collective but exposes a larger all-gather",
@@ -97,8 +101,8 @@ def _reason(ag: float, alpha: float, prev: float, best: tuple[Move, Candidate] |
     if faster and len(c.plan.inner_groups) > len(result.plan.inner_groups) \
             and c.report.step_time >= step * (1 - GROUP_SLACK):
         return Reason.GROUPS
-    if faster:
-        return Reason.UNCONVERGED
+    if faster:  # the refinement stopped short of it, or moved past it by its margins
+        return Reason.UNCONVERGED if result.cut else Reason.MARGIN
     if c.report.step_time <= step * (1 + 1e-9):
         return Reason.TIE
     if move is Move.MERGED and ag > 0 and alpha / ag >= 0.5:

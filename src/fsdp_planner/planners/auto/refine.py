@@ -28,6 +28,14 @@ class Move(Enum):
 class Refiner:
     def __init__(self, ev: Evaluator, atoms: list[Atom], fine_atoms: list[Atom]) -> None:
         self.ev, self.atoms, self.fine_atoms = ev, atoms, fine_atoms
+        self.cut = False  # the effort stopped a refinement before it converged
+
+    def _within(self, stop: int) -> bool:
+        """Whether the effort allows another simulation; remembers when it did not (``cut``)."""
+        if self.ev.simulated < stop:
+            return True
+        self.cut = True
+        return False
 
     def refine(self, plans: int, starts: int = REFINE_STARTS) -> int:
         """Refine the ``starts`` best distinct plans so far (a plan second before refinement can end first),
@@ -46,6 +54,7 @@ class Refiner:
             if self.ev.target is Target.FSDP2:
                 best = refiner.prefetch(best, share)
                 refiner.move_boundaries(best, share)
+            self.cut = self.cut or refiner.cut
         return self.ev.simulated - first
 
     @staticmethod
@@ -65,7 +74,7 @@ class Refiner:
             values.append(k)
         for value in values:
             lo, hi = 0, len(inner)
-            while lo < hi and self.ev.simulated < stop:
+            while lo < hi and self._within(stop):
                 m = (lo + hi + 1) // 2
                 plan = best.plan.copy()
                 for i in inner[len(inner) - m:]:
@@ -87,7 +96,7 @@ class Refiner:
         if len(inner) < 3:
             return best
         for direction in ("forward", "backward"):
-            if self.ev.simulated >= stop:
+            if not self._within(stop):
                 break
             plan = best.plan.copy()
             for pos, i in enumerate(inner):
@@ -106,7 +115,7 @@ class Refiner:
         accepted, until a full sweep changes nothing or ``stop`` plans have been simulated. A boundary move that pays
         is tried again twice as far (then four times...) while that pays too."""
         k, unchanged = 0, 0
-        while self.ev.simulated < stop:
+        while self._within(stop):
             bounds = len(best.plan.inner_groups) - 1
             if bounds < 1 or unchanged >= bounds:
                 break
@@ -122,7 +131,7 @@ class Refiner:
 
     def _gallop(self, best: Candidate, move: Move, k: int, stop: int) -> Candidate:
         step = 2
-        while move is not Move.MERGED and self.ev.simulated < stop:
+        while move is not Move.MERGED and self._within(stop):
             alt = next((p for m, p in self.moves(best.plan, stop, only=k, step=step) if m is move), None)
             if alt is None:
                 break
@@ -166,7 +175,7 @@ class Refiner:
             options = ((Move.EARLIER, a[:-step], [*a[-step:], *b]), (Move.LATER, [*a, *b[:step]], b[step:]),
                        (Move.MERGED, a + b, []))
             for what, na, nb in options:
-                if not na or (step > 1 and not nb) or (stop is not None and self.ev.simulated >= stop):
+                if not na or (step > 1 and not nb) or (stop is not None and not self._within(stop)):
                     continue  # a longer step moves a boundary; it never empties a group
                 segs = [[atoms[x] for x in s] for s in seq]
                 segs[k], segs[k + 1] = [atoms[x] for x in na], [atoms[x] for x in nb]
