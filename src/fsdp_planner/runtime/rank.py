@@ -42,8 +42,12 @@ Body = Callable[[dict[str, Any], torch.device, int, int], None]  # (job, device,
 def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     """Run ``body`` as this rank of the job in ``job_path`` (``cpu``: gloo on the CPU even beside a GPU); a
     failure is written for the launcher before it ends the rank (see the module's docstring)."""
-    job = json.loads(Path(job_path).read_text())
-    device, rank, world = start_rank(cpu)
+    job = json.loads(Path(job_path).read_text())  # the launcher wrote it; without it no error file can be placed
+    try:
+        device, rank, world = start_rank(cpu)
+    except Exception as e:  # joining the group failed (a peer gone, a port taken): said as this rank's failure
+        write_failure(Path(job["result"]), int(os.environ.get("RANK", "0")), e)
+        raise
     try:
         if injected_fault(rank) == "raise":
             raise RuntimeError(f"test fault: rank {rank} raised on purpose ({FAULT_ENV}=raise:{rank})")
