@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
 
 from fsdp_planner.errors import PlannerError
 
@@ -106,8 +107,6 @@ def parse_count(text: str, what: str | None = None) -> int:
     """A whole number written as an integer or in float notation: ``100000000``, ``1e8``, ``1.5e6``, ``1_000``.
 
     Float notation is read exactly (``1.5e6`` is 1500000); a value that is not whole (``1.5``, ``1e-3``) is refused."""
-    from decimal import Decimal, InvalidOperation
-
     quoted = f"{what} '{text}'" if what else f"'{text}'"
     if not _COUNT.match(str(text)):
         raise PlannerError(f"cannot read {quoted}: give a whole number such as 8, 1000 or 1e8")

@@ -7,6 +7,7 @@ import errno
 import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from enum import Enum
 from typing import Any, TextIO
 
 from rich.console import Console
@@ -408,8 +409,6 @@ def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, second
 
 def json_ready(value: Any) -> Any:
     """Enums and tuples as JSON writes them (for ``--json``)."""
-    from enum import Enum
-
     if isinstance(value, Enum):
         return value.value
     if isinstance(value, dict):

@@ -231,6 +231,7 @@ class VerifyRequest:
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
+    # the job machinery (torchrun, DCP, the fake process group) is imported by the commands that run a job only
     from fsdp_planner.runtime.verify import check_load_dir, check_save_dir
 
     if args.nproc < 1:

@@ -12,6 +12,7 @@ keyword arguments (every built-in that has them takes them; a user's factory opt
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import importlib.util
@@ -193,8 +194,6 @@ def _check_model_file(target: str) -> Path:
 
 def _factories_hint(path: Path) -> str:
     """The file's top-level functions, read without running it (what FN can be)."""
-    import ast
-
     try:
         tree = ast.parse(path.read_text(), str(path))
     except (OSError, SyntaxError, ValueError):
