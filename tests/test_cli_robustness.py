@@ -482,3 +482,19 @@ def test_a_model_file_imports_what_lies_beside_it_and_modules_come_from_here(cap
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(package))])
     code, out, err = run_main(capsys, "plan", "net_beside:build", "--policy", "order")
     assert code == 0 and "net_beside:build" in out, err
+
+
+@pytest.mark.parametrize("name", ["[/x]", "[bold]x[/bold]"])
+def test_names_from_files_print_as_text_never_markup(tmp_path, capsys, name):
+    """A cluster file's GPU name (and so its description) is data: printed as written, never read as rich markup
+    (a closing tag that matches nothing used to end simulate and cost in 'internal error: MarkupError')."""
+    from fsdp_planner.hardware.cluster import parse_cluster
+
+    d = parse_cluster("h100:8").to_dict()
+    d["gpu"]["name"] = name
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(d))
+    for args in (("cost", "all-gather", "1GiB"), ("simulate", "seed-net", "--policy", "size")):
+        code, out, err = run_main(capsys, *args, "--cluster", str(path))
+        assert code == 0 and "internal error" not in err
+        assert f"8 {name} (8 GPUs)" in out  # the brackets kept, not taken as style

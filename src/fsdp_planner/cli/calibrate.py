@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from rich.markup import escape
+
 import fsdp_planner.cli.render as render
 from fsdp_planner.calibrate.gloo import MAX_NPROC, calibrate_gloo
 from fsdp_planner.calibrate.nccl_logs import calibrate
@@ -86,7 +88,7 @@ def run_gloo(args: argparse.Namespace) -> int:
         return 0
     render.console.print(render.gloo_table(measured))
     render.console.print(render.overhead_table(measured))
-    render.console.print(f"cluster written to {out}: {cluster.describe()}")
+    render.console.print(escape(f"cluster written to {out}: {cluster.describe()}"))
     render.console.print(f"predict and measure a plan's step: fsdp-planner verify MODEL --policy auto --nproc "
                          f"{args.nproc} --cluster {out} --measure")
     return 0

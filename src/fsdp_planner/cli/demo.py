@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.errors import PlannerError
@@ -44,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         render.console.rule("[bold]1. The seed's problem: what classic wrap policies do[/bold]")
         seed = [_seed_problem(spec, threshold) for spec, threshold in SEED_MODELS.items()]
-        render.console.rule(f"[bold]2. The main job: {args.model} on {cluster.name}[/bold]")
+        render.console.rule(f"[bold]2. The main job: {escape(args.model)} on {escape(cluster.name)}[/bold]")
         main = _main_job(args.model, cluster, out_dir)
-        render.console.print(f"\nnext: fsdp-planner plan {args.model} --policy auto --cluster {cluster.name} --out "
-                             f"plan.json; fsdp-planner verify {args.model} --plan plan.json --fake-world-size "
-                             f"{cluster.world_size}", highlight=False)
+        render.console.print(escape(f"\nnext: fsdp-planner plan {args.model} --policy auto --cluster {cluster.name} "
+                                    f"--out plan.json; fsdp-planner verify {args.model} --plan plan.json "
+                                    f"--fake-world-size {cluster.world_size}"), highlight=False)
     finally:
         render.console.quiet = quiet
     if args.json:
@@ -100,7 +102,7 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     console, options = render.console, SimOptions()
     tr = load_trace(model, render.notes)
     console.print(render.model_line(model, tr))
-    console.print(f"cluster {cluster.describe()}", highlight=False)
+    console.print(escape(f"cluster {cluster.describe()}"), highlight=False)
     requests = [PolicyRequest(n) for n in CLASSIC_POLICIES]
     requests.append(PolicyRequest(PolicyName.TITAN, checkpointing=ACMode.FULL))
     plans = [_classic(tr, r, model) for r in requests]
@@ -116,8 +118,9 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     classic = [(p, plan_metrics(tr, p, cluster.world_size), simulated(p)) for p in plans if p is not None]
     rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size), auto.report)]
     capacity = cluster.gpu.memory_bytes
-    console.print(render.comparison_table(f"{model} on {cluster.name}: per training step; reserved memory against "
-                                          f"one {cluster.gpu.name} ({fmt_bytes(capacity)})", rows, capacity))
+    console.print(render.comparison_table(escape(f"{model} on {cluster.name}: per training step; reserved memory "
+                                                 f"against one {cluster.gpu.name} ({fmt_bytes(capacity)})"), rows,
+                                          capacity))
     console.print(render.auto_line(auto), highlight=False)
     out: dict[str, Any] = {
         "model": model, "cluster": cluster.name, "capacity": capacity,

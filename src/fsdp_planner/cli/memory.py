@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.markup import escape
+
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace
 from fsdp_planner.cli.requests import model_spec
@@ -22,6 +24,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: v.to_dict() for k, v in rows.items()}, indent=2))
     else:
-        render.console.print(render.strategy_table(rows, f"{args.model}: per-rank peak memory at world size "
+        render.console.print(render.strategy_table(rows, f"{escape(args.model)}: per-rank peak memory at world size "
                                                          f"{args.world_size} ({args.precision}, {args.optimizer})"))
     return 0

@@ -172,7 +172,7 @@ def checkpointed_per_group(plan: Plan) -> list[list[str]]:
 
 def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> list[str]:
     return [
-        f"[bold]{name}[/bold] with [bold]{plan_label}[/bold] on {cluster.describe()}",
+        f"[bold]{escape(name)}[/bold] with [bold]{escape(plan_label)}[/bold] on {escape(cluster.describe())}",
         f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
         f"{f' (recompute {fmt_time(r.recompute_time)})' if r.recompute_time else ''}  exposed comm "
         f"{fmt_time(r.exposed_comm)}  FSDP2 copy-outs {fmt_time(r.copy_time)}  waiting for the host "
@@ -204,7 +204,7 @@ def fake_world_table(title: str, rows: Mapping[str, tuple[int, int]]) -> Table:
 
 def memory_table(peak: int, reserved: int, breakdown: Mapping[str, int], gpu: GPU | None = None) -> Table:
     """The allocated peak by category, and what the caching allocator reserves (marked over one GPU)."""
-    over = (f": [red]over the {fmt_bytes(gpu.memory_bytes)} of one {gpu.name}[/red]"
+    over = (f": [red]over the {fmt_bytes(gpu.memory_bytes)} of one {escape(gpu.name)}[/red]"
             if gpu is not None and reserved > gpu.memory_bytes else "")
     t = Table(title=f"per-rank peak memory {fmt_bytes(peak)} allocated, {fmt_bytes(reserved)} reserved{over}",
               title_justify="left")
@@ -400,7 +400,8 @@ def _delta_bytes(alt: int | None, base: int) -> str:
 
 
 def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, seconds: float) -> str:
-    where = f"{collective} of {fmt_bytes(nbytes)} over {ranks} rank{'s' if ranks != 1 else ''} on {cluster.describe()}"
+    where = (f"{collective} of {fmt_bytes(nbytes)} over {ranks} rank{'s' if ranks != 1 else ''} on "
+             f"{escape(cluster.describe())}")
     if seconds == 0:
         why = "nothing to move" if nbytes == 0 else "one rank holds everything"
         return f"{where}: 0 s ({why})"

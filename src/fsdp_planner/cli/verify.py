@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import json
 
+from rich.markup import escape
+
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import (
@@ -46,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
 
         check_fsdp1(plan)
     if not request.json:
-        render.console.print(f"verifying [bold]{plan.policy or request.source.plan_file}[/bold] on "
-                             f"{request.model.name} with {request.nproc} processes"
+        render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
+                             f"{escape(request.model.name)} with {request.nproc} processes"
                              f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps ...")
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
         result = run_verify(request.model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
@@ -125,7 +127,8 @@ def run_fake(request: FakeWorldRequest) -> int:
     plan = _plan(tr, request.source, request.model.name, request.cluster, options,
                  world if request.source.plan_file is not None else None)
     if not request.json:
-        render.console.print(f"running [bold]{plan.policy or request.source.plan_file}[/bold] on {request.model.name} "
+        render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
+                             f"{escape(request.model.name)} "
                              f"with real FSDP2 on {world} fake ranks ({precision}) ...")
     predicted = simulate(tr, plan, request.cluster, options, timeline=False)
     with render.progress(f"real FSDP2 on {world} fake ranks"):
