@@ -39,18 +39,18 @@ class Sizing:
         """``like``: the sizing of the same trace at another world size, whose per-group uses (they do not depend on
         the world size) are shared."""
         self.trace, self.world_size = trace, world_size
-        self.padded = [p.padded_numel(world_size) for p in trace.params]
-        own = [p.itemsize for p in trace.params]
-        self.gather_itemsize = own if precision is None else [precision.gather_bytes] * len(own)
-        self.reduce_itemsize = own if precision is None else [precision.reduce_bytes] * len(own)
-        self.grad_itemsize = own if precision is None else [precision.compute_bytes] * len(own)
-        # per param, for sums over thousands of params at C speed (a plan's root or large groups)
-        padded = np.array(self.padded, dtype=np.int64)
-        self._padded = padded
-        self._gather = padded * np.array(self.gather_itemsize, dtype=np.int64)
-        self._reduce_per = padded * np.array(self.reduce_itemsize, dtype=np.int64)
+        # bytes per param (padded to the world size, at the precision's dtypes or each param's own), for sums over
+        # thousands of params at C speed (a plan's root or large groups)
+        own = np.array([p.itemsize for p in trace.params], dtype=np.int64)
+
+        def itemsize(field: str) -> np.ndarray:  # the precision's dtype for these bytes, else each param's own
+            return own if precision is None else np.full_like(own, getattr(precision, field))
+
+        self._padded = np.array([p.padded_numel(world_size) for p in trace.params], dtype=np.int64)
+        self._gather = self._padded * itemsize("gather_bytes")
+        self._reduce_per = self._padded * itemsize("reduce_bytes")
         self._grad_per = np.array([p.numel for p in trace.params], dtype=np.int64) * \
-            np.array(self.grad_itemsize, dtype=np.int64)
+            itemsize("compute_bytes")
         self._facts: dict[tuple[str, ...], GroupFacts] = {}
         # param names -> (their indices, the ops reading them, the first backward one): the same at any world size
         self._uses: dict[tuple[str, ...], tuple[tuple[int, ...], list[int], int]] = \
