@@ -110,6 +110,16 @@ def explain(failures: list[RankFailure], what: str = "verify job") -> str | None
     return "\n".join(lines)
 
 
+def launcher_killed(returncode: int, what: str = "verify job") -> str | None:
+    """The job's failure when its torchrun launcher was killed by a signal from outside (the command stops it only
+    after reading its status): its ranks died with it (``rank.follow_launcher``), so nothing they wrote is a
+    finished job's. None when the launcher exited."""
+    if returncode >= 0:
+        return None
+    return (f"{what} failed: its torchrun launcher was killed by {_signal_name(-returncode)} (from outside the "
+            "job), and its ranks were stopped with it")
+
+
 def _grouped(failures: list[RankFailure]) -> list[str]:
     """One phrase per distinct failure: "ranks 0, 1 raised X" rather than the same line per rank."""
     ranks: dict[str, list[int]] = {}

@@ -35,7 +35,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.models import ModelSpec, as_spec, planning_only
 from fsdp_planner.runtime.checkpoint import META, read_meta
-from fsdp_planner.runtime.failures import explain, read_failures
+from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.signals import signals_raise
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
@@ -304,6 +304,9 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
             raise PlannerError(f"{what} did not finish within {timeout:.0f} s (stopped)") from None
         finally:
             stop_process_group(proc)  # also after a normal exit: no rank outlives the job
+        killed = launcher_killed(proc.returncode, what)
+        if killed is not None:  # even after rank 0 wrote the result: a job nobody supervised to its end
+            raise PlannerError(killed)
         if not result_path.is_file():
             message = explain(read_failures(result_path, exits_path), what)
             if message is None:
