@@ -5,6 +5,8 @@ on as one uninterrupted run on the same data would."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner import cli
-from fsdp_planner.runtime.checkpoint import META, digests, read_meta
+from fsdp_planner.runtime.checkpoint import META, REFERENCE, digests, read_meta
 from fsdp_planner.runtime.verify import check_load_dir
 
 LR, SEED = 0.05, 0
@@ -111,3 +113,59 @@ def test_load_checkpoint_refuses_another_models(tmp_path):
     assert check_load_dir(tmp_path, "abc")["step"] == 2
     with pytest.raises(PlannerError, match="was saved from another model"):
         check_load_dir(tmp_path, "def")
+
+
+# -- a damaged checkpoint: the cause on the first line, whichever file is damaged -------------------------------------
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory) -> Path:
+    """One checkpoint of seed-net at 2 ranks, copied by each test before it damages it."""
+    directory = tmp_path_factory.mktemp("saved") / "ck"
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "seed-net", "--policy", "order", "--nproc",
+                          "2", "--steps", "1", "--time-steps", "0", "--save-checkpoint", str(directory)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return directory
+
+
+def _truncate_shard(directory: Path) -> str:
+    shard = sorted(directory.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return "cannot be loaded"  # DCP's own words for a short file differ between its readers
+
+
+def _delete_shard(directory: Path) -> str:
+    shard = sorted(directory.glob("*.distcp"))[0]
+    shard.unlink()
+    return f"FileNotFoundError: [Errno 2] No such file or directory: '{shard.name}'"
+
+
+def _corrupt_metadata(directory: Path) -> str:
+    (directory / ".metadata").write_bytes(b"not a pickle\n")
+    return "global metadata read failed"
+
+
+def _truncate_reference(directory: Path) -> str:
+    reference = directory / REFERENCE
+    reference.write_bytes(reference.read_bytes()[:100])
+    return "cannot be loaded"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("damage", [_truncate_shard, _delete_shard, _corrupt_metadata, _truncate_reference],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_damaged_checkpoint_fails_with_its_cause_on_the_first_line(saved_checkpoint, tmp_path, damage):
+    """DCP raises CheckpointException, a BaseException: each rank still writes it, unwrapped, and the command's
+    first line names the checkpoint and what is wrong with it (not "exited with status 1 without raising")."""
+    directory = tmp_path / "ck"
+    shutil.copytree(saved_checkpoint, directory)
+    expected = damage(directory)
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "seed-net", "--policy", "order", "--nproc",
+                          "2", "--steps", "1", "--time-steps", "0", "--load-checkpoint", str(directory)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    first = out.stderr.splitlines()[0]
+    assert re.match(rf"error: verify job failed: ranks? [0-9, ]+ raised CheckpointLoadError: checkpoint "
+                    rf"'{re.escape(str(directory))}' cannot be loaded \(a file missing, truncated or not written by "
+                    r"verify\): ", first), out.stderr
+    assert expected in first, out.stderr
+    assert "Traceback" not in out.stderr

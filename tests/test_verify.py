@@ -459,6 +459,55 @@ def test_a_rank_calling_sys_exit_is_reported():
                                          "test_verify.py:")
 
 
+class ModelGaveUp(BaseException):
+    """A model's own BaseException (not an Exception), as DCP's CheckpointException is one."""
+
+
+@pytest.mark.parametrize(("raised", "written"), [
+    (ModelGaveUp("the model gave up"), "ModelGaveUp: the model gave up"),
+    (SystemExit("bad config"), "SystemExit: the model's code called sys.exit('bad config')"),
+    (KeyboardInterrupt(), None),  # SIGINT from outside the job: its signal is the rank's exit status
+])
+def test_a_rank_leaves_whatever_its_work_raised(tmp_path, monkeypatch, raised, written):
+    """run_rank on a real gloo group of one rank: a BaseException that is no Exception still reaches the error file
+    the launcher reads, and still ends the rank."""
+    import json
+    import socket
+
+    from fsdp_planner.runtime.failures import error_file
+    from fsdp_planner.runtime.launch import LAUNCHER_ENV
+    from fsdp_planner.runtime.rank import run_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    result = tmp_path / "result.json"
+    (tmp_path / "job.json").write_text(json.dumps({"result": str(result)}))
+
+    def body(job, device, rank, world):
+        raise raised
+
+    with pytest.raises(type(raised)) as info:
+        run_rank(str(tmp_path / "job.json"), body)
+    if isinstance(raised, SystemExit):
+        assert info.value.code == 1  # whatever the model passed: 0 would read as a finished job
+    error = error_file(result, 0)
+    assert (json.loads(error.read_text())["error"] if error.exists() else None) == written
+
+
+def test_dcps_checkpoint_exception_is_told_by_what_it_wraps():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fsdp_planner.runtime.failures import describe_exception
+
+    wrapped = CheckpointException("load failed", {1: (EOFError(), None), 0: (FileNotFoundError("__0_0.distcp"), None)})
+    assert describe_exception(wrapped)["error"] == "CheckpointException: FileNotFoundError: __0_0.distcp"
+
+
 @pytest.mark.integration
 def test_one_rank_is_judged_with_no_collectives():
     """FSDP2 issues no all-gather or reduce-scatter on one rank; verify --nproc 1 must pass a correct plan."""
