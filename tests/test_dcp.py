@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner import cli
-from fsdp_planner.runtime.checkpoint import META, REFERENCE, digests, read_meta
+from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, digests, read_meta
 from fsdp_planner.runtime.verify import check_load_dir
 
 LR, SEED = 0.05, 0
@@ -106,13 +106,36 @@ def test_load_checkpoint_refuses_what_verify_did_not_write(capsys, tmp_path):
                                        f"--save-checkpoint (no {META} in it)\n")
 
 
+def _checkpoint_files(directory: Path, **meta: object) -> None:
+    """What verify --save-checkpoint leaves (the files' contents are not read before the ranks load them)."""
+    (directory / META).write_text(json.dumps({"version": VERSION, "step": 2, "fingerprint": "abc", "digests": {},
+                                              **meta}))
+    (directory / DCP_METADATA).write_bytes(b"")
+    (directory / REFERENCE).write_bytes(b"")
+
+
 def test_load_checkpoint_refuses_another_models(tmp_path):
     from fsdp_planner.errors import PlannerError
 
-    (tmp_path / META).write_text(json.dumps({"step": 2, "fingerprint": "abc", "digests": {}}))
+    _checkpoint_files(tmp_path)
     assert check_load_dir(tmp_path, "abc")["step"] == 2
     with pytest.raises(PlannerError, match="was saved from another model"):
         check_load_dir(tmp_path, "def")
+
+
+def test_load_checkpoint_refuses_another_format_before_any_rank_starts(capsys, tmp_path):
+    _checkpoint_files(tmp_path, version=VERSION + 1)
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --load-checkpoint '{tmp_path}' is in checkpoint format "
+                                       f"{VERSION + 1}, not {VERSION}, the one verify --save-checkpoint writes\n")
+
+
+@pytest.mark.parametrize("missing", [DCP_METADATA, REFERENCE])
+def test_load_checkpoint_refuses_an_incomplete_directory_before_any_rank_starts(capsys, tmp_path, missing):
+    _checkpoint_files(tmp_path)
+    (tmp_path / missing).unlink()
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --load-checkpoint '{tmp_path}' is incomplete: {missing} missing\n"
 
 
 # -- a damaged checkpoint: the cause on the first line, whichever file is damaged -------------------------------------

@@ -37,6 +37,7 @@ from fsdp_planner.runtime.failures import checkpoint_cause, is_backend_error
 
 META = "fsdp-planner.json"
 REFERENCE = "reference.pt"
+DCP_METADATA = ".metadata"  # the pickle dcp.save writes beside its shards (FileSystemWriter's name)
 VERSION = 1
 
 
