@@ -33,7 +33,8 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
-from fsdp_planner.models import ModelSpec, as_spec, planning_only
+from fsdp_planner.fsdp2.validity import check_forward_methods
+from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
 from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, read_meta
 from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures
 from fsdp_planner.runtime.launch import PARENT_ENV
@@ -352,6 +353,8 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     if save is not None:
         check_save_dir(save)
     start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
+    if plan.forward_methods:  # checked here on meta, not in the ranks once they started
+        check_forward_methods(plan, load_model(model, meta=True).model)
     predicted, predicted_bytes = (predict_fsdp1 if fsdp1 else predict_collectives)(trace, plan, nproc)
     with signals_raise(), staged(save) as stage:
         data, returncode = run_torchrun(
