@@ -269,15 +269,17 @@ def test_a_killed_command_takes_its_job_with_it(tmp_path, monkeypatch):
 
 
 @pytest.mark.integration
-def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_path):
-    """SIGKILL of the torchrun agent (launch.py) while its ranks run: each rank follows its launcher
-    (PR_SET_PDEATHSIG) and dies at once instead of running on unsupervised, and the command fails with one line."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_path, sig):
+    """The torchrun agent (launch.py) killed from outside while its ranks run. SIGKILL: each rank follows its
+    launcher (PR_SET_PDEATHSIG) and dies at once instead of running on unsupervised; SIGTERM: torchrun stops them.
+    Either way the command fails with one line, not a traceback."""
     proc, _, marker = _start_slow_verify(tmp_path)
     try:
         _wait_for_ranks(proc, tmp_path)
         launchers = [p for p in _processes_mentioning(marker) if "fsdp_planner.runtime.launch" in p]
         assert len(launchers) == 1, launchers
-        os.kill(int(launchers[0].partition(":")[0]), signal.SIGKILL)
+        os.kill(int(launchers[0].partition(":")[0]), sig)
         killed = time.monotonic()
         while _processes_mentioning(marker) and time.monotonic() - killed < 10:
             time.sleep(0.1)
@@ -290,8 +292,8 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_pat
     assert ranks_gone < 5, f"ranks outlived their launcher by {ranks_gone:.1f} s"
     assert proc.returncode == 2, err
     lines = [line for line in err.splitlines() if not line.startswith("note: ")]
-    assert lines == ["error: verify job failed: its torchrun launcher was killed by SIGKILL (from outside the job), "
-                     "and its ranks were stopped with it"], err
+    assert lines == [f"error: verify job failed: its torchrun launcher was killed by {signal.Signals(sig).name} (from "
+                     "outside the job), and its ranks were stopped with it"], err
 
 
 def _faulty_command(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:

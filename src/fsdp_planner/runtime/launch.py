@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
@@ -39,7 +40,17 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         exits_path.write_text(json.dumps({str(rank): f.exitcode for rank, f in e.failures.items()}))
         return 1
+    except SignalException as e:  # torchrun stopped its ranks on a signal sent to it: die of it, not a traceback
+        return die_of(e.sigval)
     return 0
+
+
+def die_of(signum: int) -> int:
+    """End this process by ``signum``, which the command reads as the launcher killed from outside
+    (``failures.launcher_killed``); the status a shell would give, should the signal not end it."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum
 
 
 if __name__ == "__main__":
