@@ -381,6 +381,44 @@ def test_a_rank_that_raises_is_the_first_line_of_every_jobs_command(tmp_path, wo
     assert "Traceback" not in done.stderr and not out.exists()
 
 
+VANISHING_MODEL = '''
+import os
+
+import torch
+import torch.nn as nn
+
+
+def vanishes():
+    """Built on meta for planning; in a verify rank, ends the process with status 0 before any work."""
+    if torch.empty(0).device.type != "meta":
+        os._exit(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), (torch.randn(4, 8),)
+'''
+
+
+@pytest.mark.integration
+def test_ranks_that_end_well_without_a_result_fail_the_job_in_one_line(tmp_path):
+    """No rank raised, none died, torchrun succeeded, and yet no result: a failure, said in one line (the job's
+    last output as a clue), not torchrun's log."""
+    (tmp_path / "vanishes.py").write_text(VANISHING_MODEL)
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'vanishes.py'}:vanishes",
+                          "--policy", "order", "--nproc", "2", "--steps", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("note: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: verify job failed: no result, and no rank raised or died "
+                                                   "(torchrun exited with status 0)"), out.stderr
+
+
+def test_a_result_cut_short_is_no_result(tmp_path):
+    path = tmp_path / "result.json"
+    assert v.read_result(path) is None
+    path.write_text('{"counted": [')  # rank 0 killed while writing it
+    assert v.read_result(path) is None
+    path.write_text('{"counted": []}')
+    assert v.read_result(path) == {"counted": []}
+
+
 GROWS_MODEL = '''
 import torch
 import torch.nn as nn

@@ -121,6 +121,14 @@ def launcher_killed(returncode: int, what: str = "verify job") -> str | None:
             "job), and its ranks were stopped with it")
 
 
+def unexplained(returncode: int, output: str, what: str = "verify job") -> str:
+    """A job with no result that left no cause (no rank raised or died: they all exited 0 without rank 0's result,
+    or torchrun failed before it started them): one line, with the last line the job printed as a clue."""
+    last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
+    clue = f"; its last output: {last[:MAX_MESSAGE]}" if last else ""
+    return f"{what} failed: no result, and no rank raised or died (torchrun exited with status {returncode}){clue}"
+
+
 def _grouped(failures: list[RankFailure]) -> list[str]:
     """One phrase per distinct failure: "ranks 0, 1 raised X" rather than the same line per rank."""
     ranks: dict[str, list[int]] = {}

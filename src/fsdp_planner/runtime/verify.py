@@ -36,7 +36,7 @@ from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
 from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, read_meta
-from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures
+from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.signals import signals_raise
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
@@ -320,13 +320,20 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
         killed = launcher_killed(proc.returncode, what)
         if killed is not None:  # even after rank 0 wrote the result: a job nobody supervised to its end
             raise PlannerError(killed)
-        if not result_path.is_file():
+        data = read_result(result_path)
+        if data is None:
             message = explain(read_failures(result_path, exits_path), what)
-            if message is None:
-                tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
-                message = f"{what} failed (exit {proc.returncode}):\n{tail}"
-            raise PlannerError(message)
-        return json.loads(result_path.read_text()), proc.returncode
+            raise PlannerError(message or unexplained(proc.returncode, stdout + stderr, what))
+        return data, proc.returncode
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """What rank 0 wrote; None when it wrote nothing whole (none at all, or it was killed while writing)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
