@@ -192,3 +192,17 @@ def test_a_damaged_checkpoint_fails_with_its_cause_on_the_first_line(saved_check
                     r"verify\): ", first), out.stderr
     assert expected in first, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_save_checkpoint_under_a_file_is_refused_in_one_line(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "file" / "ck"
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--save-checkpoint", str(target)]) == 2
+    assert capsys.readouterr().err == (f"error: --save-checkpoint '{target}': its parent directory does not exist (a "
+                                       "file of that name does)\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no directory can be made")
+def test_save_checkpoint_where_nothing_can_be_written_is_refused_before_any_rank_starts(capsys):
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--save-checkpoint", "/proc/ck"]) == 2
+    assert capsys.readouterr().err.startswith("error: --save-checkpoint '/proc/ck': cannot write in /proc (")

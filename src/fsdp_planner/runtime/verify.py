@@ -226,7 +226,8 @@ def check_save_dir(directory: Path) -> None:
         raise PlannerError(f"--save-checkpoint '{directory}' already exists and is not an empty directory: give a "
                            "new one")
     if not directory.parent.is_dir():
-        raise PlannerError(f"--save-checkpoint '{directory}': its parent directory does not exist")
+        raise PlannerError(f"--save-checkpoint '{directory}': its parent directory does not exist"
+                           f"{' (a file of that name does)' if directory.parent.exists() else ''}")
 
 
 def check_load_dir(directory: Path, fingerprint: str) -> dict[str, Any]:
@@ -264,7 +265,11 @@ def staged(directory: Path | None) -> Iterator[Path | None]:
     if directory is None:
         yield None
         return
-    stage = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    except OSError as e:  # a read-only or special file system: before any rank starts
+        raise PlannerError(f"--save-checkpoint '{directory}': cannot write in {directory.parent} "
+                           f"({e.strerror or e})") from None
     umask = os.umask(0)
     os.umask(umask)
     stage.chmod(0o777 & ~umask)  # mkdtemp's 0700 is for secrets; a checkpoint gets what mkdir would give it
