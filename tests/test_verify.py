@@ -222,10 +222,11 @@ def _wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int = 2, limit: f
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
-    """SIGTERM (a job scheduler, `kill`) or Ctrl-C while the ranks run: the torchrun launcher and every rank end
-    with the command, and the job directory and the half-written checkpoint are removed."""
+    """SIGTERM (a job scheduler, `kill`), Ctrl-C or SIGHUP (the terminal closed) while the ranks run: the torchrun
+    launcher and every rank end with the command, and the job directory and the half-written checkpoint are
+    removed."""
     proc, tmpdir, marker = _start_slow_verify(tmp_path, "--save-checkpoint", str(tmp_path / "ck"))
     try:
         _wait_for_ranks(proc, tmp_path)
@@ -236,7 +237,7 @@ def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 128 + sig, err
-    assert ("terminated (SIGTERM)" if sig == signal.SIGTERM else "interrupted") in err
+    assert ("interrupted" if sig == signal.SIGINT else f"terminated ({signal.Signals(sig).name})") in err
     assert "Traceback" not in err
     assert _processes_mentioning(marker) == []
     assert _processes_mentioning(str(tmpdir)) == []
