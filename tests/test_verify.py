@@ -612,3 +612,45 @@ def test_parity_bounds_follow_the_dtypes_the_model_trains():
     off = parity([("w", w + 2e-5, w), ("half", half + 0.05, half)])
     assert off["param_error"] > 1 and off["worst_param"] == "half"
     assert parity([("w", w * float("nan"), w)])["param_error"] == float("inf")
+
+
+FOLLOWER = '''
+import os, signal, sys, time
+from fsdp_planner.runtime import signals
+getattr(signals, sys.argv[1])(os.getppid(), signal.SIGKILL)
+print(os.getpid(), flush=True)
+time.sleep(60)
+'''
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and waiting to be reaped by init, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("how", ["follow_parent", "watch_parent"])  # prctl, and the fallback where it is missing
+def test_a_process_following_its_parent_dies_with_it(how):
+    """A middle process starts a follower of itself and is SIGKILLed: the follower (a rank, under its launcher)
+    is gone within a second or so, by the kernel's PR_SET_PDEATHSIG or by the watcher thread."""
+    middle = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               f"subprocess.run([sys.executable, '-c', {FOLLOWER!r}, {how!r}])"],
+                              stdout=subprocess.PIPE, text=True)
+    follower = None
+    try:
+        assert middle.stdout is not None
+        follower = int(middle.stdout.readline())
+        middle.kill()
+        middle.wait()
+        deadline = time.monotonic() + 5
+        while _running(follower) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(follower), f"the follower outlived its parent ({how})"
+    finally:
+        if middle.poll() is None:
+            middle.kill()
+        if follower is not None and _running(follower):
+            os.kill(follower, signal.SIGKILL)

@@ -52,7 +52,7 @@ def follow_parent(parent: int, sig: int) -> None:
     (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent pid. A parent already gone (it died before
     this ran, and this process was re-parented) gets ``sig`` at once."""
     if not _set_parent_death_signal(sig):
-        threading.Thread(target=_watch_parent, args=(parent, sig), name="follow-parent", daemon=True).start()
+        watch_parent(parent, sig)
     if os.getppid() != parent:  # checked after prctl: a death before it would otherwise go unnoticed
         os.kill(os.getpid(), sig)
 
@@ -65,7 +65,13 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def _watch_parent(parent: int, sig: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)
-    os.kill(os.getpid(), sig)
+def watch_parent(parent: int, sig: int) -> None:
+    """``follow_parent`` without prctl: a daemon thread sends ``sig`` to this process within ``PARENT_POLL_S`` of
+    its parent's death (this process is then re-parented, so its parent pid changes)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
