@@ -6,7 +6,9 @@
 when the parameters match the unsharded reference and the counted all-gathers and reduce-scatters, and their
 bytes, equal the prediction on every step, and, when it starts from a checkpoint, the restored state is the saved
 one. A failed job is told by its cause (``failures.py``): the rank that raised or died, not the ranks it took
-down with it. The job runs in its own session, ended as a whole on every way out.
+down with it. The job runs in its own session, ended as a whole on every way out; its launcher follows this
+command and its ranks follow their launcher (``signals.follow_parent``), so none outlives a parent killed by
+SIGKILL, and a launcher killed from outside fails the job (``failures.launcher_killed``).
 """
 
 from __future__ import annotations
