@@ -49,8 +49,8 @@ PARENT_POLL_S = 0.5  # the fallback watcher's period, where prctl does not exist
 def follow_parent(parent: int, sig: int) -> None:
     """Have this process receive ``sig`` when ``parent`` (its parent's pid, as the parent passed it down) dies, even
     by SIGKILL, whose death runs no handler that could stop its children. Linux: the kernel sends it
-    (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent pid. A parent already gone (it died before
-    this ran, and this process was re-parented) gets ``sig`` at once."""
+    (``PR_SET_PDEATHSIG``); elsewhere a daemon thread polls the parent pid. When the parent is already gone (it
+    died before this ran, and this process was re-parented), ``sig`` comes at once."""
     if not _set_parent_death_signal(sig):
         watch_parent(parent, sig)
     if os.getppid() != parent:  # checked after prctl: a death before it would otherwise go unnoticed
