@@ -13,7 +13,7 @@ format a training script reads with the same two calls. Beside it:
 Loading unpickles: DCP's ``.metadata`` is a pickle, so a checkpoint runs code when loaded and must come from
 someone trusted (``verify`` refuses a directory without ``fsdp-planner.json`` of this format before any rank starts,
 which keeps out foreign directories, not crafted ones). A file that cannot be read (missing, truncated, not DCP's)
-fails every rank with ``CheckpointLoadError``, which names the directory and the underlying error.
+fails the ranks that read it with ``CheckpointLoadError``, naming the directory and the underlying error.
 """
 
 from __future__ import annotations
