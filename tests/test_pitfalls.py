@@ -52,7 +52,7 @@ def test_sharded_read_names_the_module_and_the_fix():
     [f] = plan_findings(tr, make_plan(tr, [["layer"], ["linear"]]))
     assert (f.severity, f.code, f.module) == (Severity.ERROR, Code.SHARDED_READ, "layer.proc")
     assert "'layer.proc.weight'" in f.message and "group 0 (layer)" in f.message
-    assert "through model.layer's forward" in f.fix
+    assert "through layer's forward" in f.fix and "fully_shard(model.layer.proc)" in f.fix
 
 
 def test_an_unregistered_forward_method_is_an_error_and_a_registered_one_a_warning():
