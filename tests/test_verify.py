@@ -510,3 +510,17 @@ def test_the_documented_hand_written_plan_verifies():
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["ok"] and result["predicted"]["reduce_scatter"] == 6  # one per group: the root claims nothing
+
+
+@pytest.mark.integration
+def test_auto_s_plan_at_scale_verifies_on_the_toy():
+    """The issue's command: auto plans Llama 3 8B for 64 H100s (one group per block) and the toy, the same code
+    with 4 blocks, trains that grouping on 2 ranks exactly as predicted."""
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", "--policy", "auto",
+                          "--plan-for", "h100:64", "--plan-model", "llama3-8b", "--nproc", "2", "--steps", "2",
+                          "--time-steps", "0", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["ok"] and result["counts_match"] and result["bytes_match"]
+    assert result["predicted"]["reduce_scatter"] > 1  # one per group with params: more than one group proven
+    assert "for llama3-8b on h100:64" in out.stderr and "hold only modules this model does not have" in out.stderr
