@@ -106,7 +106,7 @@ _ITEMSIZE_NAMES = {4: "fp32", 2: "bf16"}  # a simulated precision's unsharded pa
 
 
 def metrics_dtype(tr: Trace, precision: Precision | None) -> str:
-    """The dtype of a comparison table's byte columns, named in their headers: the simulated precision's
+    """The dtype of a comparison table's byte columns, named in its caption: the simulated precision's
     unsharded params (``plan_metrics(precision=)``), else the params' own dtype."""
     if precision is not None:
         return _ITEMSIZE_NAMES.get(precision.gather_bytes, f"{precision.gather_bytes}-byte")
@@ -117,12 +117,11 @@ def metrics_dtype(tr: Trace, precision: Precision | None) -> str:
 def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
                      capacity: int | None = None, dtype: str = "own dtypes") -> Table:
     """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
-    marked over ``capacity``, one GPU's memory) when simulated on a cluster. Every byte column of the metrics is
-    in one ``dtype`` (``metrics_dtype``), named in its header."""
+    marked over ``capacity``, one GPU's memory) when simulated on a cluster. The metrics' byte columns are all in
+    one ``dtype`` (``metrics_dtype``), which the caption under them names."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
-    for col in ("policy", "groups", "root params", "AC", "AG", "RS", f"AG bytes ({dtype})",
-                f"peak unsharded ({dtype})", f"idle avg ({dtype})"):
+    for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
         # a policy's name is its settings (size(100000000)): folded onto two lines, never cut
         t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold" if col == "policy" else None)
     if with_cost:
@@ -137,9 +136,10 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
                        fmt_peak(report.reserved_memory, capacity)] if report else ["-"] * 4)
         t.add_row(*cells)
-    t.caption = ("AG bytes: what one rank's all-gathers return a step; peak unsharded: the most params held "
-                 "unsharded at once; idle avg: unsharded bytes not being read, averaged over ops"
-                 + ("; at the simulated precision, as in the memory breakdown" if with_cost else ""))
+    t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}"
+                 + (" (the simulated precision, as in the memory breakdown)" if with_cost else "")
+                 + ": what one rank's all-gathers return a step, the most params held unsharded at once, and "
+                   "unsharded bytes not being read, averaged over ops")
     return t
 
 
