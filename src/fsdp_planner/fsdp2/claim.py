@@ -195,8 +195,9 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
 def with_claimed_params(plan: Plan, trace: Trace) -> Plan:
     """A plan written as lists of modules (no group lists params) made whole for ``trace``: each group's params
     are what its fully_shard call claims (the root takes the rest), so people write the groups and never the
-    params. Groups keep their order unless no prefetch list refers to it, then they follow first use, as a
-    policy's do. A plan that lists params is returned as it is, for ``check_plan_matches`` to compare."""
+    params. The groups then follow first use, as a policy's do, unless a prefetch list names them by position
+    (then they keep the order written). A plan that lists params is returned as it is, for
+    ``check_plan_matches`` to compare."""
     if any(g.params for g in plan.groups):
         return plan
     unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)

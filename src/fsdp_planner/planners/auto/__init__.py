@@ -337,7 +337,7 @@ class PeakTerm(Enum):
     UNSHARDED_PARAMS = "unsharded params"
     UNSHARDED_GRADS = "unsharded grads"
     COPIES = "low-precision weight copies"
-    ALLOCATOR = "all-gather stream's own pool"
+    ALLOCATOR = "all-gather stream's pool beyond the allocated peak"
 
 
 # the memory model's categories, summed into the terms a user can act on
