@@ -66,8 +66,14 @@ def has_errors(findings: Sequence[Finding]) -> bool:
 
 
 def _name(fqn: str) -> str:
-    """The module as Python code reaches it from the user's ``model`` (in a fix's code: fully_shard(model.x))."""
-    return "model" if fqn == ROOT else f"model.{fqn}"
+    """The module as Python code reaches it from the user's ``model``, code that runs: ``model.layers[0].attn`` (a
+    ModuleList's child is indexed), ``model.get_submodule("...")`` for a name no attribute can spell."""
+    if fqn == ROOT:
+        return "model"
+    parts = fqn.split(".")
+    if not all(p.isidentifier() or p.isdigit() for p in parts):
+        return f"model.get_submodule({fqn!r})"
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
 
 
 def _path(fqn: str) -> str:
