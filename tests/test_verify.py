@@ -523,4 +523,5 @@ def test_auto_s_plan_at_scale_verifies_on_the_toy():
     result = json.loads(out.stdout)
     assert result["ok"] and result["counts_match"] and result["bytes_match"]
     assert result["predicted"]["reduce_scatter"] > 1  # one per group with params: more than one group proven
+    assert (result["plan_for"], result["plan_model"]) == ("h100:64", "llama3-8b")
     assert "for llama3-8b on h100:64" in out.stderr and "hold only modules this model does not have" in out.stderr

@@ -112,7 +112,10 @@ def _sharded(plan: Plan) -> int:
 def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | None) -> None:
     """The job's checks on stdout: a JSON document, or the table, FSDP1's units, the job's notes and the verdict."""
     if request.json:
-        print(json.dumps({**result.to_dict(), "cluster": predict_on.name if predict_on else None}, indent=2))
+        plan_for = request.plan_cluster.name if request.plan_for and request.plan_cluster else None
+        print(json.dumps({**result.to_dict(), "cluster": predict_on.name if predict_on else None,
+                          "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None},
+                         indent=2))
         return
     given = request.cluster.name if request.cluster else None  # only whether one was given is read when not used
     render.console.print(render.verify_table(result, predict_on.name if predict_on else given))
