@@ -18,6 +18,7 @@ What is proven is the grouping's mechanics (claims, collectives and their bytes,
 from __future__ import annotations
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.trace.records import Trace
@@ -40,9 +41,10 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
                                                                             strict=True)]
     kept = [(ms, r) for ms, r in kept if ms]
     if not kept:
-        raise PlannerError(f"none of the {len(plan.inner_groups)} groups the plan makes for the larger model names "
-                           "a module this model has: --plan-model must be the same model code at another size "
-                           "(e.g. llama3-8b for toy-llama)")
+        groups = fmt_count(len(plan.inner_groups), "group")
+        raise PlannerError(f"no group of the plan made for the larger model ({groups}) names a module this model "
+                           "has: --plan-model must be the same model code at another size (e.g. llama3-8b for "
+                           "toy-llama)")
     dropped = len(plan.inner_groups) - len(kept)
     if dropped:
         notes.append(f"{dropped} of the plan's {len(plan.inner_groups)} groups hold only modules this model does "
