@@ -77,6 +77,15 @@ def verify(sub: Subparsers) -> None:
                                       "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
                                       "and print it beside the measured one (on CPU ranks give the cluster "
                                       "`calibrate --backend gloo --nproc N` wrote on this machine)")
+    sp.add_argument("--plan-for", metavar="CLUSTER",
+                    help="with --policy auto: plan for CLUSTER (e.g. h100:64: its GPUs, links and world size) and "
+                         "run that grouping on the --nproc job, to prove the plan auto makes at scale; an HSDP "
+                         "layout runs as plain FSDP, an int reshard_after_forward the job's ranks cannot hold as "
+                         "true (docs/your-model.md)")
+    sp.add_argument("--plan-model", metavar="MODEL",
+                    help="with --plan-for: plan this model instead, the full-size one of the same code (llama3-8b "
+                         "for toy-llama; its default workload), and keep each group's modules that MODEL has "
+                         "(groups of deeper blocks are left out)")
     sp.add_argument("--time-steps", type=int, default=TIME_STEPS, metavar="T",
                     help=f"after the checked steps, time T more forward + backward steps of the sharded model alone "
                          f"and report their median (default {TIME_STEPS}; 0: none)")

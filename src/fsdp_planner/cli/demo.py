@@ -79,7 +79,8 @@ def _seed_problem(spec: str, threshold: int) -> dict[str, Any]:
     if spec == "seed-net":
         console.print(render.groups_table(plans[PolicyName.SIZE], tr))
     rows = [(p, plan_metrics(tr, p), None) for p in plans.values()]
-    console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows))
+    console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows,
+                                          dtype=render.metrics_dtype(tr, None)))
     blamed = PolicyName.SIZE if spec == "seed-net" else PolicyName.MODULE
     root = plans[blamed].root
     out = {"model": spec, "plans": [{"policy": p.policy, "metrics": m.to_dict()} for p, m, _ in rows],
@@ -115,12 +116,13 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
             contexts[mesh] = SimContext(tr, cluster, options, mesh=mesh)
         return simulate(tr, p, context=contexts[mesh], timeline=False)
 
-    classic = [(p, plan_metrics(tr, p, cluster.world_size), simulated(p)) for p in plans if p is not None]
-    rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size), auto.report)]
+    precision = options.precision  # the table's bytes in the simulation's dtypes
+    classic = [(p, plan_metrics(tr, p, cluster.world_size, precision), simulated(p)) for p in plans if p is not None]
+    rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size, precision), auto.report)]
     capacity = cluster.gpu.memory_bytes
     console.print(render.comparison_table(escape(f"{model} on {cluster.name}: per training step; reserved memory "
                                                  f"against one {cluster.gpu.name} ({fmt_bytes(capacity)})"), rows,
-                                          capacity))
+                                          capacity, render.metrics_dtype(tr, precision)))
     console.print(render.auto_line(auto), highlight=False)
     out: dict[str, Any] = {
         "model": model, "cluster": cluster.name, "capacity": capacity,

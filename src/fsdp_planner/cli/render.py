@@ -20,6 +20,7 @@ from fsdp_planner.calibrate.overhead import OverheadMeasurement
 from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation
@@ -100,10 +101,24 @@ def fmt_peak(peak: int, capacity: int | None) -> str:
     return f"[red]{fmt_bytes(peak)} > GPU[/red]"
 
 
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+_ITEMSIZE_NAMES = {4: "fp32", 2: "bf16"}  # a simulated precision's unsharded params (``Precision.gather_bytes``)
+
+
+def metrics_dtype(tr: Trace, precision: Precision | None) -> str:
+    """The dtype of a comparison table's byte columns, named in its caption: the simulated precision's
+    unsharded params (``plan_metrics(precision=)``), else the params' own dtype."""
+    if precision is not None:
+        return _ITEMSIZE_NAMES.get(precision.gather_bytes, f"{precision.gather_bytes}-byte")
+    dtypes = {p.dtype for p in tr.params}
+    return _DTYPE_NAMES.get(next(iter(dtypes)), "own dtype") if len(dtypes) == 1 else "own dtypes"
+
+
 def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
-                     capacity: int | None = None) -> Table:
+                     capacity: int | None = None, dtype: str = "own dtypes") -> Table:
     """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
-    marked over ``capacity``, one GPU's memory) when simulated on a cluster."""
+    marked over ``capacity``, one GPU's memory) when simulated on a cluster. The metrics' byte columns are all in
+    one ``dtype`` (``metrics_dtype``), which the caption under them names."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
     for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
@@ -121,9 +136,10 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
                        fmt_peak(report.reserved_memory, capacity)] if report else ["-"] * 4)
         t.add_row(*cells)
-    t.caption = ("AG bytes: what one rank's all-gathers return a step, "
-                 + ("at the simulated precision (compute dtype); peak unsharded and idle at the params' own dtype"
-                    if with_cost else "at the params' own dtype"))
+    t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}"
+                 + (" (the simulated precision, as in the memory breakdown)" if with_cost else "")
+                 + ": what one rank's all-gathers return a step, the most params held unsharded at once, and "
+                   "unsharded bytes not being read, averaged over ops")
     return t
 
 
