@@ -1,11 +1,12 @@
 """Plain torchrun + FSDP2 with a plan exported as code.
 
-    fsdp-planner plan toy-llama --policy auto --out plan.json
-    fsdp-planner export plan.json --format python --out toy_plan.py
+    fsdp-planner plan toy-llama --policy auto --precision fp32 --out plan.json
+    fsdp-planner export plan.json --format python --precision fp32 --out toy_plan.py
     torchrun --nproc_per_node 2 examples/torchrun_fsdp2.py toy_plan.py
 
 Builds the model, applies the exported ``apply(model, mesh)``, trains three SGD steps beside an unsharded copy on
-the same data and prints the largest parameter difference (gloo on CPU, NCCL on GPUs).
+the same data and prints the largest parameter difference (gloo on CPU, NCCL on GPUs). The reference trains in
+fp32, hence fp32 for the plan too (``apply`` sets the precision the plan was exported with, bf16-mixed by default).
 """
 
 from __future__ import annotations

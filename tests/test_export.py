@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
+from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
+from fsdp_planner.sim.options import PRECISIONS
 from fsdp_planner.trace import trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -45,9 +47,10 @@ def test_export_compiles_with_its_entry_point(fmt: ExportFormat) -> None:
     assert scope["FORWARD_PREFETCH"] == {1: [2]} and scope["CHECKPOINTED"] == ["layers.3"]
 
 
-def _run_example(tmp_path: Path, fmt: ExportFormat, script: str, torchrun: bool = True) -> str:
+def _run_example(tmp_path: Path, fmt: ExportFormat, script: str, torchrun: bool = True,
+                 precision: str = DEFAULT_PRECISION) -> str:
     code = tmp_path / f"plan_{fmt.value}.py"
-    code.write_text(export_plan(_plan(), fmt))
+    code.write_text(export_plan(_plan(), fmt, PRECISIONS[precision]))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] \
         if torchrun else [sys.executable]
     src = str(Path(__file__).resolve().parents[1] / "src")
@@ -60,7 +63,7 @@ def _run_example(tmp_path: Path, fmt: ExportFormat, script: str, torchrun: bool 
 
 @pytest.mark.integration
 def test_torchrun_example_matches_unsharded_training(tmp_path: Path) -> None:
-    out = _run_example(tmp_path, ExportFormat.PYTHON, "torchrun_fsdp2.py")
+    out = _run_example(tmp_path, ExportFormat.PYTHON, "torchrun_fsdp2.py", precision="fp32")  # as the reference
     assert "max_abs_diff 0" in out or float(out.split("max_abs_diff")[1].split()[0]) <= 1e-5
     assert "fsdp modules: 8" in out  # 6 groups, [norm, output] two modules, the root
 

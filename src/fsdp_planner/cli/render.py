@@ -6,18 +6,19 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.segment import Segment
 from rich.table import Table
 
 from fsdp_planner.calibrate.gloo import GlooMeasurement
 from fsdp_planner.calibrate.overhead import OverheadMeasurement
-from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time
+from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine
@@ -56,6 +57,11 @@ class _Console(Console):
             with contextlib.suppress(Exception):
                 del self._buffer[:]
             raise
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        """Every piece of text through ``printable``, whichever line or table shows it: a name from a file cannot
+        act on the terminal. rich's own cursor moves (control segments) and styles (added after) are kept."""
+        return super()._render_buffer(s if s.control else Segment(printable(s.text), s.style) for s in buffer)
 
 
 # Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
