@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.choices import DEFAULT_PRECISION
@@ -47,6 +48,44 @@ def test_export_compiles_with_its_entry_point(fmt: ExportFormat) -> None:
     assert scope["GROUPS"][1] == (["layers.0"], 2)
     assert scope["GROUPS"][-1] == (["norm", "output"], False)
     assert scope["FORWARD_PREFETCH"] == {1: [2]} and scope["CHECKPOINTED"] == ["layers.3"]
+
+
+def _apply_exported(precision: str, methods: bool = True, **fsdp_kwargs) -> tuple[set, str | None]:
+    """Export a head_loss plan, apply it with real FSDP2 on 2 ranks of the fake process group, run a step: the
+    dtypes ``block`` computes in, and the error of the step (None when it ran)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    lm = load_model(f"{FACTORIES}:head_loss", meta=False)
+    plan = make_plan(trace(lm.model, lm.example_inputs, lm.loss_fn), [["inp"], ["block"], ["head"]])
+    scope: dict = {}
+    exec(compile(export_plan(plan if methods else plan.copy(forward_methods=[]), ExportFormat.PYTHON,
+                             PRECISIONS[precision]), "exported.py", "exec"), scope)
+    model, seen = load_model(f"{FACTORIES}:head_loss", meta=False).model, set()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        scope["apply"](model, init_device_mesh("cpu", (2,)), **fsdp_kwargs)
+        model.block.register_forward_pre_hook(lambda m, args: seen.add(m.weight.dtype))  # after FSDP2's unshard
+        try:
+            model(*lm.example_inputs).backward()
+        except RuntimeError as e:
+            return seen, str(e)
+    finally:
+        dist.destroy_process_group()
+    return seen, None
+
+
+def test_exported_apply_sets_the_plans_precision_and_forward_methods() -> None:
+    """bf16-mixed computes in bf16 (FSDP2 all-gathers the fp32 shards as bf16), fp32 in fp32, an mp_policy given
+    to apply wins; and head.loss runs only because apply registers it (FSDP2 refuses it otherwise)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    assert _apply_exported("bf16-mixed") == ({torch.bfloat16}, None)
+    assert _apply_exported("fp32") == ({torch.float32}, None)
+    assert _apply_exported("bf16-mixed", mp_policy=MixedPrecisionPolicy()) == ({torch.float32}, None)
+    _, error = _apply_exported("fp32", methods=False)
+    assert error is not None and "DTensor" in error
 
 
 def _run_example(tmp_path: Path, fmt: ExportFormat, script: str, torchrun: bool = True,

@@ -137,6 +137,8 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
              f"REDUCE_DTYPE: torch.dtype | None = {_dtype(reduce_dtype)}"]
     if precision.autocast:
         lines.append("# PRECISION casts with torch.autocast in the training loop; FSDP2 runs in the params' dtype")
+    if precision.storage_dtype != torch.float32:
+        lines.append(f"# PRECISION keeps the params in {_dtype(precision.storage_dtype)}: build the model in it")
     lines.append("GROUPS: list[tuple[list[str], bool | int]] = [")
     lines += [f"    {py_literal((list(g.modules), g.reshard_after_forward))}," for g in plan.inner_groups]
     lines.append("]")
