@@ -190,12 +190,17 @@ def files(tmp_path_factory) -> dict[str, Path]:
     cluster["gpu"]["name"] = "[/x]\x1b[2J<!--"
     cluster["overhead"]["source"] = "[/i]\x1b[31m"
     (d / "cluster.json").write_text(json.dumps(cluster))
+    (d / "cluster2.json").write_text(json.dumps({**cluster, "gpus_per_node": 2}))  # for verify's 2 ranks
     lm = load_model(f"{MODEL_FILE}:build")
     plan = make_policy(PolicyRequest.named("order", min_nonwrapped_numel=1000)).plan(
         trace(lm.model, lm.example_inputs, lm.loss_fn))
     plan.policy, plan.model = "order[/bold]\x1b]0;pwned\x07" + CODE[0], "net[/b]\x1b[2J"
     (d / "plan.json").write_text(plan.to_json())
-    return {"cluster": d / "cluster.json", "plan": d / "plan.json", "dir": d}
+    model_dir = d / "net[/bold]\x1b[2J"  # the model's own name (its path) a payload too
+    model_dir.mkdir(parents=True)  # ("net[" holding "bold]...")
+    shutil.copy(MODEL_FILE, model_dir / MODEL_FILE.name)
+    return {"cluster": d / "cluster.json", "plan": d / "plan.json", "dir": d,
+            "model": f"{model_dir / MODEL_FILE.name}:build"}
 
 
 def _clean(capsys, *args: str) -> tuple[int, str, str]:
@@ -212,7 +217,7 @@ def _clean(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_commands_print_names_from_files_as_text(files, capsys):
-    model, cluster, plan = f"{MODEL_FILE}:build", str(files["cluster"]), str(files["plan"])
+    model, cluster, plan = files["model"], str(files["cluster"]), str(files["plan"])
     runs = [("plan", model, "--policy", "order", "--cluster", cluster),
             ("plan", model, "--policy", "auto", "--cluster", cluster, "--explain"),
             ("simulate", model, "--plan", plan, "--cluster", cluster, "--compare", "size"),
@@ -226,12 +231,12 @@ def test_commands_print_names_from_files_as_text(files, capsys):
     for args in runs:
         _, out, err = _clean(capsys, *args)
         shown += out + err
-    assert "\\x1b]0;pwned\\x07" in shown and "[/bold]" in shown  # the names printed, as written
+    assert "\\x1b]0;pwned\\x07" in shown and "net[/bold]\\x1b[2J" in shown  # the names printed, as written
 
 
 def test_simulate_writes_both_pictures_of_hostile_names(files, capsys):
     html, png = files["dir"] / "t.html", files["dir"] / "t.png"
-    code, _, err = _clean(capsys, "simulate", f"{MODEL_FILE}:build", "--plan", str(files["plan"]), "--cluster",
+    code, _, err = _clean(capsys, "simulate", files["model"], "--plan", str(files["plan"]), "--cluster",
                           str(files["cluster"]), "--html", str(html), "--timeline", str(png))
     assert code == 0, err
     _png_ok(png)
@@ -249,11 +254,15 @@ def test_exported_plan_file_runs_nothing(files, capsys, tmp_path):
 
 
 @pytest.mark.integration
-def test_calibrate_and_demo_print_names_from_files_as_text(files, capsys):
-    """The two slower commands: a calibration from a hostile base cluster, and the demo on the hostile model."""
+def test_slower_commands_print_names_from_files_as_text(files, capsys):
+    """verify on 2 torchrun ranks (the hostile model, plan and cluster), a calibration from a hostile base cluster,
+    and the demo on the hostile model."""
+    code, out, _ = _clean(capsys, "verify", files["model"], "--plan", str(files["plan"]), "--nproc", "2", "--steps",
+                          "2", "--cluster", str(files["dir"] / "cluster2.json"))
+    assert code == 2 or ("PASS" in out and "net[/bold]\\x1b[2J" in out)  # (2: a loader refused a payload)
     log = FIXTURES / "nccl" / "all_gather_perf_8xh100.log"
     _clean(capsys, "calibrate", str(log), "--base", str(files["cluster"]), "--out", str(files["dir"] / "cal.json"))
-    _clean(capsys, "demo", "--model", f"{MODEL_FILE}:build", "--cluster", str(files["cluster"]), "--out-dir",
+    _clean(capsys, "demo", "--model", files["model"], "--cluster", str(files["cluster"]), "--out-dir",
            str(files["dir"] / "demo"))
 
 

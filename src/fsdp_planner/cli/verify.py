@@ -146,7 +146,8 @@ def run_fake(request: FakeWorldRequest) -> int:
                           "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
                           "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    title = f"{request.model.label()}: prediction vs real FSDP2 on {world} fake ranks ({measured.seconds:.1f} s)"
+    title = (f"{escape(request.model.label())}: prediction vs real FSDP2 on {world} fake ranks "
+             f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "
                          f"{fmt_bytes(predicted.reserved_memory)} (predicted: the default stream's peak plus the "
