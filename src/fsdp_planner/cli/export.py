@@ -22,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
             raise PlannerError(f"cannot write '{args.out}': {e.strerror}") from None
         render.note(f"{args.format} code for the plan ({args.precision}) written to {args.out}")
     if args.json:
-        print(json.dumps({"format": args.format, "out": args.out, "source": source}, indent=2))
+        print(json.dumps({"format": args.format, "precision": args.precision, "out": args.out, "source": source},
+                         indent=2))
     elif args.out is None:
         print(source, end="")
     return 0
