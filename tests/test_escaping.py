@@ -284,3 +284,8 @@ def test_html_shows_a_script_module_name_as_text_in_chromium(hostile_view, tmp_p
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in dom  # the policy in the plan's title, as text
     labels = re.findall(r'font-size="11" pointer-events="none">([^<]*)</text>', dom)
     assert "&lt;!--&lt;script&gt;" in labels and "&lt;/script&gt;" in labels  # module names inside their bars
+    path.write_text(render_html([dataclasses.replace(hostile_view, capacity=math.nan)], "t"), encoding="utf-8")
+    r = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+                        "--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=120)
+    assert "Uncaught" not in r.stderr and 'data-rendered="1"' in r.stdout, r.stderr[-2000:]  # a NaN figure too
+    assert "&lt;/script&gt;&lt;!--$y$: n/a" in r.stdout  # the capacity it could not show
