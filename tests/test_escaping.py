@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
+import io
 import json
 import math
 import re
 import shutil
 import struct
 import subprocess
-import sys
+import tokenize
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -36,8 +38,17 @@ from fsdp_planner.trace import trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL_FILE = FIXTURES / "hostile_names.py"
-sys.path.insert(0, str(FIXTURES))
-from hostile_names import PAYLOADS  # noqa: E402  (the fixture's payloads, as the model names its modules)
+
+
+def _payloads() -> tuple[str, ...]:
+    """The fixture's payloads, as the model names its modules."""
+    spec = importlib.util.spec_from_file_location("hostile_names", MODEL_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PAYLOADS
+
+
+PAYLOADS = _payloads()
 
 # Closes the exported docstring and opens a string the next name would close, then runs code (the report's
 # exploit), and the same for a single-quoted literal and a comment.
@@ -71,8 +82,8 @@ def test_exported_code_holds_every_name_as_a_literal_that_round_trips(fmt):
     assert scope["CHECKPOINTED"] == [NAMES[0], NAMES[-1]] and scope["FORWARD_METHODS"] == [(NAMES[1], "loss")]
     docstring = ast.get_docstring(ast.parse(source))
     assert "PWNED" not in docstring and "$x$" not in docstring  # the names are in the constants only
-    comments = [line.split("#", 1)[1] for line in source.splitlines() if "#" in line and "'" not in line]
-    assert not any("PWNED" in c for c in comments)
+    comments = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    assert comments and not any("PWNED" in c or "$x$" in c or "\\x1b" in c for c in comments)
 
 
 def test_py_literal_writes_plain_values_and_refuses_others():
