@@ -50,9 +50,11 @@ def _payloads() -> tuple[str, ...]:
 
 PAYLOADS = _payloads()
 
-# Closes the exported docstring and opens a string the next name would close, then runs code (the report's
-# exploit), and the same for a single-quoted literal and a comment.
-CODE = ['order(168 KiB)"""\nPWNED = 1\n_ = \'\'\'', "'''\nPWNED = 1\n'''", "'];PWNED = 1;x = ['", "x\nPWNED = 1 #"]
+# The report's exploit: a policy that closes the exported docstring, runs code and opens a string, and a
+# checkpointed module (the last name) that closes that string and runs more; the same for a single-quoted literal
+# and a comment.
+CODE = ['order(168 KiB)"""\nPWNED = 1\n_ = \'\'\'', "'''\nPWNED = 1\n'''", "'];PWNED = 1;x = ['", "x\nPWNED = 1 #",
+        "x''' ;PWNED = 2 #"]
 NAMES = [*PAYLOADS, *CODE]
 
 
