@@ -72,7 +72,7 @@ def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
 
 # C0 and C1 control characters but tab and newline, DEL, and the Unicode line separators and bidirectional
 # overrides: what lets a name from a file move the cursor, retitle or clear the terminal, or reorder the text shown.
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def printable(text: str) -> str:
