@@ -302,3 +302,22 @@ def test_html_shows_a_script_module_name_as_text_in_chromium(hostile_view, tmp_p
                         "--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=120)
     assert "Uncaught" not in r.stderr and 'data-rendered="1"' in r.stdout, r.stderr[-2000:]  # a NaN figure too
     assert "&lt;/script&gt;&lt;!--$y$: n/a" in r.stdout  # the capacity it could not show
+
+
+def test_verify_table_shows_names_from_a_run_as_text():
+    """What a torchrun job reports back (the checkpoint's plan name, its directory, the worst param, the cluster)
+    comes from files too: the table renders it as written."""
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import verify_table
+    from fsdp_planner.runtime.verify import VerifyResult
+
+    counts = {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 0}
+    result = VerifyResult(2, 1, "gloo", counts, [counts], [counts], counts, [1.0], [1.0], 1.0, param_error=2.0,
+                          worst_param="w[/bold]", start_step=1, saved="ck[/i]", step_seconds=[0.1],
+                          predicted_step=0.1, loaded={"step": 1, "world": 2, "policy": "order[/bold]", "tensors": 3,
+                                                      "mismatched": ["k[/x]"]})
+    console = Console(file=io.StringIO(), width=400)
+    console.print(verify_table(result, cluster="c[/b]"))
+    shown = console.file.getvalue()
+    assert all(name in shown for name in ("w[/bold]", "ck[/i]", "order[/bold]", "k[/x]", "c[/b]")), shown

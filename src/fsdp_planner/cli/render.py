@@ -287,7 +287,7 @@ def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     if result.loaded is not None:
         loaded, bad_keys = result.loaded, result.loaded["mismatched"]
         rows.append((f"state restored from step {loaded['step']} ({loaded['world']} ranks, "
-                     f"{loaded['policy'] or 'plan'})", f"{loaded['tensors']} entries as saved",
+                     f"{escape(loaded['policy'] or 'plan')})", f"{loaded['tensors']} entries as saved",
                      f"{loaded['tensors'] - len(bad_keys)} equal"
                      + (f" (differ: {escape(', '.join(bad_keys[:3]))})" if bad_keys else ""),
                      OK if result.checkpoint_match else BAD))
