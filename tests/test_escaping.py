@@ -212,8 +212,9 @@ def files(tmp_path_factory) -> dict[str, Path]:
     model_dir = d / "net[/bold]\x1b[2J"  # the model's own name (its path) a payload too
     model_dir.mkdir(parents=True)  # ("net[" holding "bold]...")
     shutil.copy(MODEL_FILE, model_dir / MODEL_FILE.name)
+    (d / "out[").mkdir()  # output paths with markup in them: out[/b].json is out[ / b].json
     return {"cluster": d / "cluster.json", "plan": d / "plan.json", "dir": d,
-            "model": f"{model_dir / MODEL_FILE.name}:build"}
+            "model": f"{model_dir / MODEL_FILE.name}:build", "out": d / "out[" / "b]"}
 
 
 def _clean(capsys, *args: str) -> tuple[int, str, str]:
@@ -231,13 +232,16 @@ def _clean(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_commands_print_names_from_files_as_text(files, capsys):
     model, cluster, plan = files["model"], str(files["cluster"]), str(files["plan"])
-    runs = [("plan", model, "--policy", "order", "--cluster", cluster),
+    dest = files["out"]
+    runs = [("plan", model, "--policy", "order", "--cluster", cluster, "--out", f"{dest}.json"),
             ("plan", model, "--policy", "auto", "--cluster", cluster, "--explain"),
             ("simulate", model, "--plan", plan, "--cluster", cluster, "--compare", "size"),
             ("check", model, "--plan", plan, "--cluster", cluster),
             ("memory", model, "--world-size", "8"),
             ("cost", "all-gather", "1GiB", "--cluster", cluster),
             ("export", plan),
+            ("calibrate", str(FIXTURES / "nccl" / "all_gather_perf_8xh100.log"), "--base", cluster, "--out",
+             f"{dest}.cluster.json"),
             ("verify", model, "--plan", plan, "--fake-world-size", "2", "--precision", "fp32"),
             ("models",)]
     shown = ""
@@ -245,10 +249,11 @@ def test_commands_print_names_from_files_as_text(files, capsys):
         _, out, err = _clean(capsys, *args)
         shown += out + err
     assert "\\x1b]0;pwned\\x07" in shown and "net[/bold]\\x1b[2J" in shown  # the names printed, as written
+    assert f"plan written to {dest}.json" in shown and f"cluster written to {dest}.cluster.json" in shown
 
 
 def test_simulate_writes_both_pictures_of_hostile_names(files, capsys):
-    html, png = files["dir"] / "t.html", files["dir"] / "t.png"
+    html, png = Path(f"{files['out']}.html"), Path(f"{files['out']}.png")
     code, _, err = _clean(capsys, "simulate", files["model"], "--plan", str(files["plan"]), "--cluster",
                           str(files["cluster"]), "--html", str(html), "--timeline", str(png))
     assert code == 0, err
@@ -276,7 +281,7 @@ def test_slower_commands_print_names_from_files_as_text(files, capsys):
     log = FIXTURES / "nccl" / "all_gather_perf_8xh100.log"
     _clean(capsys, "calibrate", str(log), "--base", str(files["cluster"]), "--out", str(files["dir"] / "cal.json"))
     _clean(capsys, "demo", "--model", files["model"], "--cluster", str(files["cluster"]), "--out-dir",
-           str(files["dir"] / "demo"))
+           f"{files['out']}.demo")
 
 
 @pytest.mark.integration

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         for n, (alpha, busbw) in sorted(fits.items()):
             render.console.print(f"{kind:15s} {n:5d} ranks: latency {alpha * 1e6:.1f} us, "
                                  f"bus bandwidth {busbw / 1e9:.1f} GB/s")
-    render.console.print(f"cluster written to {out}")
+    render.plain(f"cluster written to {out}")
     return 0
 
 

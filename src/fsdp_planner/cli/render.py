@@ -88,6 +88,12 @@ def progress(description: str) -> Iterator[None]:
         yield
 
 
+def plain(text: str) -> None:
+    """A line on stdout printed as written, never read as rich markup: for lines that quote a name or a path the
+    user gave (``plan written to p[1].json``)."""
+    console.print(text, highlight=False, markup=False)
+
+
 def note(text: str) -> None:
     """``note: ...`` on stderr, for an option that has no effect or a part of the work left out."""
     notes.print(f"note: {text}", highlight=False, markup=False)

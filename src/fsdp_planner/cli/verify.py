@@ -86,9 +86,9 @@ def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | 
     if result.units is not None:
         differ = sorted(set(result.units) ^ set(result.expected_units or []))
         verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
-        render.console.print(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")
+        render.plain(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")  # module names
     for note in result.notes:
-        render.console.print(f"note: {note}")
+        render.plain(f"note: {note}")
     render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")
 
 
