@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.errors import PlannerError
@@ -43,7 +44,7 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
             lm = load_model(spec, meta=True)
             tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full)
             notes.print(f"[dim]tracing in {str(dtype)[6:]} (the compute dtype) failed ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:120]}); traced in the model's own dtypes, activation sizes "
+                        f"{escape(str(e).splitlines()[0][:120])}); traced in the model's own dtypes, activation sizes "
                         "scaled[/dim]", highlight=False)
     except PlannerError:
         raise

@@ -133,16 +133,15 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
                  "reserved_memory": auto.report.reserved_memory},
         "rival": None, "timelines": []}
     if not auto.fits:
-        console.print(f"auto: {infeasible_message(auto)}", highlight=False)
+        render.plain(f"auto: {infeasible_message(auto)}")
         return out
     fitting = [(p, r) for p, _, r in classic if r.reserved_memory <= capacity]
     rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
     which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
     gain = fmt_gain(auto.report.step_time, rival_report.step_time) or "a tie"
-    console.print(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
-                  f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.report.reserved_memory)} reserved "
-                  f"against {fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has",
-                  highlight=False)
+    render.plain(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
+                 f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.report.reserved_memory)} reserved "
+                 f"against {fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has")
     explanations = explain(auto)
     for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory, collapse=True):
         console.print(part, highlight=False)
@@ -151,8 +150,8 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     png, page = out_dir / "timeline.png", out_dir / "timeline.html"
     write_png(views, png, title)
     write_html(views, page, title)
-    console.print(f"timelines of both on one time axis: {png} and {page} (open the HTML in a browser: hover for "
-                  "group names, scroll to zoom)", highlight=False)
+    render.plain(f"timelines of both on one time axis: {png} and {page} (open the HTML in a browser: hover for "
+                 "group names, scroll to zoom)")
     out["rival"] = {"policy": _label(rival), "fits": bool(fitting), "step_time": rival_report.step_time,
                     "reserved_memory": rival_report.reserved_memory}
     out["timelines"] = [str(png), str(page)]

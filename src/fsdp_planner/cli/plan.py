@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
         return 1 if no_fit else 0
     _print(request, tr, rows, auto)
     if request.out is not None:
-        render.console.print(f"plan written to {request.out}")
+        render.plain(f"plan written to {request.out}")
     if no_fit:
-        render.console.print(f"auto: {no_fit}", highlight=False)
+        render.plain(f"auto: {no_fit}")  # it names the budget's source: a cluster file's GPU
         return 1
     return 0
 

@@ -6,18 +6,19 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.segment import Segment
 from rich.table import Table
 
 from fsdp_planner.calibrate.gloo import GlooMeasurement
 from fsdp_planner.calibrate.overhead import OverheadMeasurement
-from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time
+from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
@@ -58,6 +59,11 @@ class _Console(Console):
                 del self._buffer[:]
             raise
 
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        """Every piece of text through ``printable``, whichever line or table shows it: a name from a file cannot
+        act on the terminal. rich's own cursor moves (control segments) and styles (added after) are kept."""
+        return super()._render_buffer(s if s.control else Segment(printable(s.text), s.style) for s in buffer)
+
 
 # Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
 console = _Console(width=None if _isatty(sys.stdout) else 150, soft_wrap=True)
@@ -81,6 +87,12 @@ def progress(description: str) -> Iterator[None]:
     with Progress(*columns, console=notes, transient=True) as bar:
         bar.add_task(escape(description), total=None)  # it may name a cluster or model from a file
         yield
+
+
+def plain(text: str) -> None:
+    """A line on stdout printed as written, never read as rich markup: for lines that quote a name or a path the
+    user gave (``plan written to p[1].json``)."""
+    console.print(text, highlight=False, markup=False)
 
 
 def note(text: str) -> None:
@@ -297,7 +309,7 @@ def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     if result.loaded is not None:
         loaded, bad_keys = result.loaded, result.loaded["mismatched"]
         rows.append((f"state restored from step {loaded['step']} ({loaded['world']} ranks, "
-                     f"{loaded['policy'] or 'plan'})", f"{loaded['tensors']} entries as saved",
+                     f"{escape(loaded['policy'] or 'plan')})", f"{loaded['tensors']} entries as saved",
                      f"{loaded['tensors'] - len(bad_keys)} equal"
                      + (f" (differ: {escape(', '.join(bad_keys[:3]))})" if bad_keys else ""),
                      OK if result.checkpoint_match else BAD))

@@ -122,9 +122,9 @@ def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | 
     if result.units is not None:
         differ = sorted(set(result.units) ^ set(result.expected_units or []))
         verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
-        render.console.print(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")
+        render.plain(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")  # module names
     for note in result.notes:
-        render.console.print(f"note: {note}")
+        render.plain(f"note: {note}")
     render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")
 
 
@@ -182,7 +182,8 @@ def run_fake(request: FakeWorldRequest) -> int:
                           "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
                           "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    title = f"{request.model.label()}: prediction vs real FSDP2 on {world} fake ranks ({measured.seconds:.1f} s)"
+    title = (f"{escape(request.model.label())}: prediction vs real FSDP2 on {world} fake ranks "
+             f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "
                          f"{fmt_bytes(predicted.reserved_memory)} (predicted: the default stream's peak plus the "
