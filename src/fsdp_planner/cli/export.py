@@ -7,18 +7,14 @@ import json
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.apply.export import ExportFormat, export_plan
-from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.userfiles import write_atomic
 
 
 def run(args: argparse.Namespace) -> int:
     source = export_plan(Plan.load(args.plan), ExportFormat(args.format))
     if args.out is not None:
-        try:
-            with open(args.out, "w") as f:
-                f.write(source)
-        except OSError as e:
-            raise PlannerError(f"cannot write '{args.out}': {e.strerror}") from None
+        write_atomic(args.out, source)
         render.note(f"{args.format} code for the plan written to {args.out}")
     if args.json:
         print(json.dumps({"format": args.format, "out": args.out, "source": source}, indent=2))

@@ -107,5 +107,11 @@ def add_precision_options(sp: argparse.ArgumentParser) -> None:
                          "set_to_none=False (sharded grads kept all step)")
 
 
+def add_force(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--force", action="store_true",
+                    help="replace the file an output option names even when it is a file this command reads or "
+                         "one it did not write (refused by default: a typo must not cost a model, config or plan)")
+
+
 def add_json(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")

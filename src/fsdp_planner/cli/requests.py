@@ -169,7 +169,7 @@ class PlanRequest:
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
-    out = output_file(args.out)
+    out = output_file(args.out, force=args.force)
     if out is not None and not args.policy:
         raise PlannerError("--out writes one plan: choose it with --policy")
     if args.explain and args.policy != PolicyName.AUTO.value:

@@ -17,7 +17,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
-from fsdp_planner.userfiles import parse_json, read_text
+from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
@@ -158,10 +158,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | Path) -> None:
-        try:
-            Path(path).write_text(self.to_json() + "\n")
-        except OSError as e:
-            raise PlannerError(f"cannot write the plan to '{path}': {e.strerror}") from None
+        write_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> Plan:

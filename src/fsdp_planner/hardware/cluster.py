@@ -20,7 +20,7 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.collectives import COLLECTIVES
-from fsdp_planner.userfiles import parse_json, read_text
+from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 CLUSTER_VERSION = 1
 # Sanity bounds on what a cluster may describe: a world far beyond any real job is a typo (and big enough
@@ -243,7 +243,7 @@ class Cluster:
         return cls.from_dict(parse_json(text, lambda detail: f"the {where} is not valid JSON ({detail})"), where)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        write_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Cluster:

@@ -24,6 +24,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fsdp_planner.userfiles import write_atomic
+
 META = "fsdp-planner.json"
 REFERENCE = "reference.pt"
 VERSION = 1
@@ -70,7 +72,7 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     digests = state_digests(model, optimizer)
     if dist.get_rank() == 0:
         torch.save({"model": reference.state_dict(), "optim": ref_optimizer.state_dict()}, directory / REFERENCE)
-        (directory / META).write_text(json.dumps({"version": VERSION, **meta, "digests": digests}, indent=1))
+        write_atomic(directory / META, json.dumps({"version": VERSION, **meta, "digests": digests}, indent=1))
     dist.barrier()
 
 
