@@ -279,13 +279,57 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
     (lambda d: d["groups"][0].update(reshard_after_forward=2.0), "got 2.0"),
     (lambda d: d["groups"][0].update(reshard_after_forward="2"), 'got "2"'),
     (lambda d: d["model"].update(numel=-1), "plan 'model.numel' must be a whole number of 0 or more, got -1"),
+    # sizes and names: bounded, and never echoed whole
+    (lambda d: d["model"].update(numel=10**40), "plan 'model.numel' 100000000000000000000000000000...(41 characters) "
+                                                "is more than 1,000,000,000,000,000 parameters"),
+    (lambda d: d["groups"][0].update(reshard_after_forward=int("9" * 4000)),
+     "reshard_after_forward 999999999999999999999999999999...(4000 characters) is more ranks than the 1,000,000"),
+    (lambda d: d.update(policy="a" * 100_000), "plan 'policy' must be a string of at most 200 characters, got "
+                                               '"aaaaaaaaaaaaaaaaaaaaaaaaaaaaa...(100002 characters)'),
+    (lambda d: d.update(policy=["size"]), "plan 'policy' must be a string of at most 200 characters, got [\"size\"]"),
+    (lambda d: d["model"].update(name={"a": 1}), "plan 'model.name' must be a string"),
+    (lambda d: d["model"].update(fingerprint=7), "plan 'model.fingerprint' must be a string"),
+    (lambda d: d.update(groups=[{"modules": [f"m{i}"]} for i in range(100_001)]),
+     "the plan has 100,001 groups; at most 100,000 are accepted"),
+    (lambda d: d.update(mesh={"replicate": 10**30, "shard": 2}), "has more ranks than the 1,000,000 a cluster may"),
+    (lambda d: d["groups"][0].update(forward_prefetch=[10**400]), "forward_prefetch names 10000000000000000000000000"),
+    # names: module paths and public method names, refused at load time rather than inside the ranks
+    (lambda d: d["groups"][0].update(modules=["a..b"]), "plan group 0 'modules': \"a..b\" is not a module path"),
+    (lambda d: d["groups"][0].update(modules=["a\nb"]), "plan group 0 'modules': \"a\\nb\" is not a module path"),
+    (lambda d: d["groups"][0].update(params=["x" * 2000]), "plan group 0 'params': \"xxxxxxxxxxxxxx"),
+    (lambda d: d.update(activation_checkpointing=[" "]), "plan 'activation_checkpointing': \" \" is not a module"),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "__init__"}]),
+     "plan 'forward_methods': method \"__init__\" is not a public method name"),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "__class__"}]), 'method "__class__" is not a'),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "_helper"}]), 'method "_helper" is not a public'),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "class"}]), 'method "class" is not a public'),
+    (lambda d: d.update(forward_methods=[{"module": "a b", "method": "loss"}]), 'module "a b" is not a module path'),
 ])
 def test_plan_json_is_read_strictly(capsys, tmp_path: Path, change, message: str) -> None:
     path = _plan_file(tmp_path, change)
     with pytest.raises(PlannerError, match=None) as e:
         Plan.load(path)
     assert message in str(e.value)
-    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"], message)
+    line = _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"], message)
+    assert len(line) < 300
+
+
+def test_plan_numel_is_compared_with_the_model(capsys, tmp_path: Path) -> None:
+    path = _plan_file(tmp_path, lambda d: d["model"].update(numel=d["model"]["numel"] + 1))
+    numel = traced("seed-net").numel
+    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"],
+           f"the plan's 'model.numel' is {numel + 1:,} but this model has {numel:,} parameters")
+
+
+def test_module_dict_keys_that_are_not_identifiers_read_back(tmp_path: Path) -> None:
+    """torch allows any key without a dot in an nn.ModuleDict: a plan written for such a model must load."""
+    plan = Plan.from_json(json.dumps(_plan_dict()))
+    plan.groups[0].modules = ["blocks.block-1", "blocks.2"]
+    plan.forward_methods = [("blocks.block-1", "loss")]
+    plan.save(tmp_path / "p.json")
+    again = Plan.load(tmp_path / "p.json")
+    assert again.groups[0].modules == ["blocks.block-1", "blocks.2"]
+    assert again.forward_methods == [("blocks.block-1", "loss")]
 
 
 def test_plan_as_written_still_loads(tmp_path: Path) -> None:
