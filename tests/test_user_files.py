@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -185,3 +186,43 @@ def test_force_replaces_an_input_and_a_file_not_written_by_the_tool(capsys, tmp_
     _one_line_error(capsys, ["export", str(plan), "--out", str(notes)], "refusing to overwrite it")
     _ok(capsys, ["export", str(plan), "--out", str(notes), "--force"])
     assert "fully_shard" in notes.read_text()
+
+
+# ---- checkpoint metadata ----------------------------------------------------------------------------------------------
+def _meta(**changes) -> str:
+    meta = {"version": 1, "step": 3, "world": 2, "policy": "size", "model": {"name": "seed-net"}, "fingerprint": "ab",
+            "seed": 0, "lr": 0.1, "digests": {"model.w": "00ff"}}
+    return json.dumps({**meta, **changes})
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (_meta(step=math.inf), "'step' must be a whole number from 0 to 1,000,000,000,000, got Infinity"),
+    (_meta().replace('"step": 3', '"step": 1e999'), "'step' must be a whole number from 0 to 1,000,000,000,000, got "
+                                                     "Infinity"),
+    (_meta(step=-1), "'step' must be a whole number from 0 to 1,000,000,000,000, got -1"),
+    (_meta(step="3"), "'step' must be a whole number from 0 to 1,000,000,000,000, got \"3\""),
+    (_meta(step=10**40), "got 100000000000000000000000000000...(41 characters)"),
+    (_meta().replace('"step": 3', '"step": ' + "9" * 5000), "is not valid JSON: it holds a number too long to read"),
+    (_meta(world=0), "'world' must be a whole number from 1 to 1,048,576, got 0"),
+    (_meta(version=2), "has format version 2: this fsdp-planner reads version 1"),
+    (_meta(fingerprint=["ab"]), "'fingerprint' must be a string of at most 1000 characters, got [\"ab\"]"),
+    (_meta(policy="p" * 10_000), "'policy' must be a string of at most 1000 characters, got \"ppppppppppppppppppp"),
+    (_meta(digests=[1, 2]), "'digests' must map each tensor's name to its sha256 (strings)"),
+    ("[" * 100_000 + "]" * 100_000, "is not valid JSON: it nests too deeply to read"),
+    ("[1, 2]", "is not a JSON object: it was not written by verify --save-checkpoint"),
+    ("\xff", "is not valid JSON"),
+], ids=["inf", "1e999", "negative", "string", "1e40", "5000-digits", "world-0", "version", "fingerprint-list",
+        "long-policy", "digests-list", "deep", "list", "garbage"])
+def test_checkpoint_metadata_is_read_with_limits(capsys, tmp_path: Path, text: str, message: str) -> None:
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "fsdp-planner.json").write_text(text)
+    line = _one_line_error(capsys, ["verify", "seed-net", "--policy", "size", "--load-checkpoint", str(checkpoint)],
+                           message)
+    assert f"the checkpoint's fsdp-planner.json in '{checkpoint}'" in line and len(line) < 300
+
+
+def test_checkpoint_metadata_as_written_reads_back() -> None:
+    from fsdp_planner.runtime.checkpoint import parse_meta
+
+    assert parse_meta(_meta(), "meta")["step"] == 3
