@@ -134,7 +134,7 @@ def test_physical_ranges_hold_for_files_not_for_studies_in_code(tmp_path: Path) 
                                            r"outside 1e8\.\.1e14 B/s$"):
         free.save(tmp_path / "free.json")
     assert not (tmp_path / "free.json").exists()
-    with pytest.raises(PlannerError, match="field 'gpu.hbm_bandwidth' is 1e30 B/s, outside"):
+    with pytest.raises(PlannerError, match=r"field 'gpu\.hbm_bandwidth' is 1e30 B/s, outside"):
         Cluster.from_dict(free.to_dict())
 
 

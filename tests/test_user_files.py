@@ -188,7 +188,7 @@ def test_force_replaces_an_input_and_a_file_not_written_by_the_tool(capsys, tmp_
     assert "fully_shard" in notes.read_text()
 
 
-# ---- checkpoint metadata ----------------------------------------------------------------------------------------------
+# ---- checkpoint metadata ---------------------------------------------------------------------------------------------
 def _meta(**changes) -> str:
     meta = {"version": 1, "step": 3, "world": 2, "policy": "size", "model": {"name": "seed-net"}, "fingerprint": "ab",
             "seed": 0, "lr": 0.1, "digests": {"model.w": "00ff"}}
