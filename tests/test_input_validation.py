@@ -374,3 +374,46 @@ def test_plan_file_meets_the_world_size(capsys, tmp_path: Path, argv: list[str],
     path = _plan_file(tmp_path, lambda d: d["groups"][0].update(reshard_after_forward=3))
     _fails(capsys, [*argv, "--plan", str(path)],
            f"plan group 0 has reshard_after_forward=3, which FSDP2 needs to divide the world size of {world} ranks")
+
+
+# ---- sizes on the command line ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "toy-llama", "--policy", "size", "--batch", "99999999999999999999"],
+     "--batch must be at most 1,000,000, got 99999999999999999999"),
+    (["plan", "toy-llama", "--policy", "size", "--seq", "1e30"], "--seq must be at most 10,000,000, got 1e30"),
+    (["plan", "toy-llama", "--policy", "size", "--batch", "1000", "--seq", "1e7"],
+     "--batch 1,000 x --seq 10,000,000 is 10,000,000,000 tokens per rank; at most 1,000,000,000 are supported"),
+    (["plan", "toy-llama", "--policy", "size", "--batch", "9" * 20_000], "--batch '999999999999999999999999999999..."
+                                                                         "(20000 characters)' is 20,000 characters"),
+    (["cost", "all-gather", "9" * 20_000 + "!", "--cluster", "h100:8"], "is 20,001 characters long: not a size"),
+    (["cost", "all-gather", "1e300", "--cluster", "h100:8"], "the size '1e300' is too large: at most 1 EiB"),
+    (["plan", "seed-net", "--policy", "auto", "--memory-budget", "1e300"], "--memory-budget '1e300' is too large"),
+    (["plan", "seed-net", "--policy", "auto", "--search-effort", "1e100"], "--search-effort must be at most "
+                                                                          "1,000,000,000, got 1e100"),
+    (["plan", "seed-net", "--policy", "size", "--min-nonwrapped-numel", "1e100"],
+     "--min-nonwrapped-numel must be at most 1,000,000,000,000,000 parameters, got 1e100"),
+    (["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", "--mfu", "1e-300"],
+     "--mfu must be from 0.001 to 1"),
+    (["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", "--mfu", "nan"], "got nan"),
+    (["verify", "seed-net", "--policy", "size", "--nproc", "99999999999"], "--nproc must be from 1 to 64"),
+    (["verify", "seed-net", "--policy", "size", "--steps", "1000000000"], "--steps must be from 1 to 100,000"),
+    (["verify", "seed-net", "--policy", "size", "--time-steps", "1000000000"], "--time-steps must be from 0 to"),
+], ids=["batch-1e20", "seq-1e30", "tokens", "batch-20000-digits", "size-20000-digits", "size-1e300", "budget-1e300",
+        "effort-1e100", "numel-1e100", "mfu-tiny", "mfu-nan", "nproc", "steps", "time-steps"])
+def test_sizes_are_bounded_in_one_line(capsys, argv: list[str], message: str) -> None:
+    line = _fails(capsys, argv, message)
+    assert len(line) < 300
+
+
+def test_parse_size_answers_at_once_on_a_long_run_of_digits() -> None:
+    """The size pattern backtracks quadratically: 20,000 digits and a stray character took 33 s before the length
+    bound."""
+    import time
+
+    from fsdp_planner.fmt import parse_size
+
+    start = time.perf_counter()
+    with pytest.raises(PlannerError, match="characters long: not a size"):
+        parse_size("9" * 1_000_000 + "!")
+    assert time.perf_counter() - start < 1.0
+    assert parse_size("1.5e6GiB") == round(1.5e6 * 2**30)

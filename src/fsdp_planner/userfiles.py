@@ -12,6 +12,10 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 
+# The largest file read: a plan of 100,000 groups over a million params is tens of MiB; cluster files, configs and
+# checkpoint metadata are far smaller.
+MAX_FILE_BYTES = 256 << 20
+
 
 def read_text(path: str | Path, label: str, expected: str) -> str:
     """The UTF-8 text of ``path``; ``label`` names it in messages ("plan file 'p.json'"), ``expected`` says what
@@ -20,6 +24,10 @@ def read_text(path: str | Path, label: str, expected: str) -> str:
     if not p.is_file():
         raise PlannerError(f"{label} does not exist")
     try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:  # read whole, parsed whole: a file this large would take minutes and gigabytes
+            raise PlannerError(f"{label} is {size / 2**20:,.0f} MiB: at most {MAX_FILE_BYTES >> 20} MiB is read "
+                               f"(expected {expected})")
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected {expected}") from None

@@ -258,7 +258,8 @@ def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> Non
         if key not in accepted:
             close = difflib.get_close_matches(key, accepted, n=1) if len(key) <= 100 else []
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            name = key if len(key) <= 40 else f"{key[:30]}...({len(key)} characters)"
+            name = json.dumps(key)[1:-1]  # control characters escaped: the message stays one line
+            name = name if len(name) <= 40 else f"{name[:30]}...({len(key)} characters)"
             raise PlannerError(f"{where} has an unknown key '{name}'{hint}; the accepted keys are "
                                f"{', '.join(accepted)}")
 
