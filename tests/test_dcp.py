@@ -107,7 +107,8 @@ def test_load_checkpoint_refuses_what_verify_did_not_write(capsys, tmp_path):
 def test_load_checkpoint_refuses_another_models(tmp_path):
     from fsdp_planner.errors import PlannerError
 
-    (tmp_path / META).write_text(json.dumps({"step": 2, "fingerprint": "abc", "digests": {}}))
+    (tmp_path / META).write_text(json.dumps({"version": 1, "step": 2, "world": 2, "policy": "size",
+                                             "fingerprint": "abc", "digests": {}}))
     assert check_load_dir(tmp_path, "abc")["step"] == 2
     with pytest.raises(PlannerError, match="was saved from another model"):
         check_load_dir(tmp_path, "def")
