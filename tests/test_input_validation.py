@@ -417,3 +417,34 @@ def test_parse_size_answers_at_once_on_a_long_run_of_digits() -> None:
         parse_size("9" * 1_000_000 + "!")
     assert time.perf_counter() - start < 1.0
     assert parse_size("1.5e6GiB") == round(1.5e6 * 2**30)
+
+
+# ---- long arguments are never echoed whole --------------------------------------------------------------------------
+LONG = "x" * 100_000
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "seed-net", "--policy", LONG],
+    ["plan", LONG, "--policy", "size"],
+    ["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", "--precision", LONG],
+    ["plan", "seed-net", "--policy", "titan", "--module-classes", LONG],
+    ["plan", "seed-net", "--policy", "size", "--out", LONG],
+    ["plan", "seed-net", f"--{LONG}"],
+    [LONG],
+], ids=["choice", "model", "precision", "module-classes", "out", "option", "command"])
+def test_a_long_argument_is_cut_short_in_the_error(capsys, argv: list[str]) -> None:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err[:300]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in err, err[:300]
+    assert "...(100,0" in lines[0] and len(lines[0]) < 1000, lines[0][:300]
+
+
+def test_one_line_keeps_the_first_line_of_a_multi_line_error() -> None:
+    from fsdp_planner.errors import one_line
+
+    backtrace = "randn(): Overflow when unpacking long long\nException raised from THPUtils_unpackLong\nframe #0: ..."
+    assert one_line(backtrace) == "randn(): Overflow when unpacking long long (+2 more lines)"
+    assert one_line("a short line") == "a short line"
+    assert len(one_line(" ".join(["word"] * 1000))) <= 1000
