@@ -139,7 +139,14 @@ INPUTS: dict[str, Inputs] = {
     "calibrate base": lambda t: (c := _cluster_file(t), ["calibrate", str(LOG), "--base", str(c)],
                                  "the cluster file"),
     "log": lambda t: (log := _log(t), ["calibrate", str(log)], "a log"),
+    "model file": lambda t: (m := _model_file(t), ["plan", f"{m}:build", "--policy", "size"], "the model file"),
 }
+
+
+def _model_file(tmp: Path) -> Path:
+    path = tmp / "my_model.py"
+    path.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n")
+    return path
 
 
 def _cluster_file(tmp: Path) -> Path:
@@ -171,6 +178,16 @@ def test_a_picture_onto_a_plan_it_draws_is_refused(capsys, tmp_path: Path, optio
     _one_line_error(capsys, ["simulate", "seed-net", *source, str(plan), "--cluster", "h100:8", option, str(plan)],
                     f"{option} '{plan}' is the plan file this command reads")
     assert plan.read_bytes() == before
+
+
+def test_a_checkpoint_is_not_saved_over_the_one_loaded(capsys, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ck"
+    checkpoint.mkdir()
+    (checkpoint / "fsdp-planner.json").write_text("{}")
+    _one_line_error(capsys, ["verify", "seed-net", "--policy", "size", "--load-checkpoint", str(checkpoint),
+                             "--save-checkpoint", str(checkpoint)],
+                    f"--save-checkpoint '{checkpoint}' is the checkpoint this command reads")
+    assert (checkpoint / "fsdp-planner.json").read_text() == "{}"
 
 
 def test_force_replaces_an_input_and_a_file_not_written_by_the_tool(capsys, tmp_path: Path) -> None:
