@@ -3,7 +3,8 @@ metadata and Hugging Face configs (keys deleted, types changed, huge, negative, 
 strings, control characters, deep nesting, wrong versions, unknown keys), each read by the real reader. Every one
 ends in a valid result or a PlannerError of one bounded line, never another exception, and the lot in seconds.
 
-A few go through the CLI in-process as well (``cost`` reads a cluster file, ``export`` a plan file)."""
+A few go through the CLI in-process as well (``cost`` reads a cluster file, ``export`` and ``simulate`` a plan
+file)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,22 @@ def _hf_doc() -> dict[str, Any]:
     return {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}
 
 
+def _settings(seed: int, count: int) -> list[str]:
+    """seed-net's own plan with random settings changed (reshard_after_forward, prefetch, labels): files that load,
+    so they reach the model and the cluster, where some are refused (3 ranks do not divide 8) and some run."""
+    rng = random.Random(seed)
+    base = SizeBasedPolicy(2000).plan(traced("seed-net"), "seed-net").to_dict()
+    docs = []
+    for _ in range(count):
+        doc = copy.deepcopy(base)
+        group = rng.choice(doc["groups"])
+        group["reshard_after_forward"] = rng.choice([True, False, 1, 2, 3, 4, 8, 16])
+        group["forward_prefetch"] = rng.sample(range(-1, len(doc["groups"]) + 1), rng.choice([0, 0, 1]))
+        doc["policy"] = rng.choice(["", "mine", "\x1b[31mred", "p" * 200])
+        docs.append(_text(doc))
+    return docs
+
+
 def _use_plan(text: str, _: Path) -> None:
     plan = Plan.from_json(text, "plan file 'p.json'")
     check_plan_world_size(plan, 8)  # where a plan meets a world size
@@ -180,12 +197,18 @@ def test_mutated_files_through_the_cli(capsys, tmp_path: Path) -> None:
     cases = [(t, ["cost", "all-gather", "1GiB", "--cluster", str(tmp_path / "c.json")], "c.json")
              for t in _documents(_cluster_doc(), SEED)[:25]]
     cases += [(t, ["export", str(tmp_path / "p.json")], "p.json") for t in _documents(_plan_doc(), SEED)[:25]]
+    # where a plan meets the model and a cluster: the mutations that still load reach check_plan_matches
+    simulate = ["simulate", "seed-net", "--plan", str(tmp_path / "p.json"), "--cluster", "h100:8", "--json"]
+    cases += [(t, simulate, "p.json") for t in _documents(_plan_doc(), SEED + 1)[:10] + _settings(SEED, 10)]
+    succeeded = 0
     for text, argv, name in cases:
         (tmp_path / name).write_text(text)
         code = cli.main(argv)
         err = capsys.readouterr().err
         assert code in (0, 2), (code, err[:300])
+        succeeded += code == 0
         if code == 2:
             lines = err.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("error: "), err[:300]
             assert "internal error" not in err and len(lines[0]) <= MAX_MESSAGE + 100, err[:300]
+    assert 0 < succeeded < len(cases)  # some mutations are harmless, some are refused
