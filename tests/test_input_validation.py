@@ -84,7 +84,7 @@ def _set(dotted: str, value: Any) -> Callable[[dict[str, Any]], None]:
     ("gpu.peak_bf16_flops", math.nan, "field 'gpu.peak_bf16_flops' is NaN, outside 1e8..1e17 FLOP/s"),
     ("gpu.name", ["H100"], "field 'gpu.name' must be a string, got ['H100']"),
     ("name", {"a": 1}, "field 'name' must be a string, got {'a': 1}"),
-    ("name", "x" * 5000, "field 'name' is 5,000 characters long; at most 200 are accepted"),
+    ("name", "x" * 5000, "field 'name' is 5,000 characters long; at most 1,000 are accepted"),
     ("engine", ["streams"], "field 'engine' must be one of streams, host, got ['streams']"),
     ("version", 2, 'has format version 2: this fsdp-planner reads cluster files with "version": 1'),
     ("version", "1", "has format version '1'"),
@@ -284,9 +284,10 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
                                                 "is more than 1,000,000,000,000,000 parameters"),
     (lambda d: d["groups"][0].update(reshard_after_forward=int("9" * 4000)),
      "reshard_after_forward 999999999999999999999999999999...(4000 characters) is more ranks than the 1,000,000"),
-    (lambda d: d.update(policy="a" * 100_000), "plan 'policy' must be a string of at most 200 characters, got "
+    (lambda d: d.update(policy="a" * 100_000), "plan 'policy' must be a string of at most 10,000 characters, got "
                                                '"aaaaaaaaaaaaaaaaaaaaaaaaaaaaa...(100002 characters)'),
-    (lambda d: d.update(policy=["size"]), "plan 'policy' must be a string of at most 200 characters, got [\"size\"]"),
+    (lambda d: d.update(policy=["size"]), "plan 'policy' must be a string of at most 10,000 characters, got "
+                                          "[\"size\"]"),
     (lambda d: d["model"].update(name={"a": 1}), "plan 'model.name' must be a string"),
     (lambda d: d["model"].update(fingerprint=7), "plan 'model.fingerprint' must be a string"),
     (lambda d: d.update(groups=[{"modules": [f"m{i}"]} for i in range(100_001)]),
@@ -296,7 +297,7 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
     # names: module paths and public method names, refused at load time rather than inside the ranks
     (lambda d: d["groups"][0].update(modules=["a..b"]), "plan group 0 'modules': \"a..b\" is not a module path"),
     (lambda d: d["groups"][0].update(modules=["a\nb"]), "plan group 0 'modules': \"a\\nb\" is not a module path"),
-    (lambda d: d["groups"][0].update(params=["x" * 2000]), "plan group 0 'params': \"xxxxxxxxxxxxxx"),
+    (lambda d: d["groups"][0].update(params=["x" * 5000]), "plan group 0 'params': \"xxxxxxxxxxxxxx"),
     (lambda d: d.update(activation_checkpointing=[" "]), "plan 'activation_checkpointing': \" \" is not a module"),
     (lambda d: d.update(forward_methods=[{"module": "", "method": "__init__"}]),
      "plan 'forward_methods': method \"__init__\" is not a public method name"),

@@ -323,8 +323,10 @@ def _check_structure(groups: list[Group]) -> None:
 MAX_GROUPS = 100_000  # a 50,000-module model has fewer
 MAX_RANKS = 1_000_000  # hardware.cluster.MAX_WORLD_SIZE (not imported: fsdp2 comes before hardware)
 MAX_NUMEL = 10**15  # parameters: a thousand times the largest model trained
-MAX_LABEL = 200  # characters of 'policy', 'model.name', 'model.fingerprint'
-MAX_NAME = 1000  # characters of a module or param name
+# what the tool itself writes must read back: 'model.name' is the model spec (a path of up to PATH_MAX, 4,096), and
+# 'policy' names every class --module-classes gave
+MAX_LABEL = 10_000  # characters of 'policy', 'model.name', 'model.fingerprint'
+MAX_NAME = 4096  # characters of a module or param name (a 1,000-deep nn.Sequential's FQN is under 2,000)
 
 
 def check_plan_limits(data: dict[str, Any]) -> None:
@@ -334,7 +336,8 @@ def check_plan_limits(data: dict[str, Any]) -> None:
     for key, value in (("policy", data.get("policy", "")), ("model.name", _get(data, "model", "name")),
                        ("model.fingerprint", _get(data, "model", "fingerprint"))):
         if value is not None and (not isinstance(value, str) or len(value) > MAX_LABEL):
-            raise PlannerError(f"plan '{key}' must be a string of at most {MAX_LABEL} characters, got {_shown(value)}")
+            raise PlannerError(f"plan '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
+                               f"{_shown(value)}")
     numel = _get(data, "model", "numel")
     if isinstance(numel, int) and not isinstance(numel, bool) and numel > MAX_NUMEL:
         raise PlannerError(f"plan 'model.numel' {_shown(numel)} is more than {MAX_NUMEL:,} parameters: not a "
@@ -380,7 +383,7 @@ def _check_names(names: Any, where: str, module: bool) -> None:
         if isinstance(name, str) and not (module and name == "") and not is_module_path(name):
             what = "module path" if module else "param name"
             raise PlannerError(f"{where}: {_shown(name)} is not a {what} (names separated by dots, each without "
-                               f"spaces or control characters, at most {MAX_NAME} characters in all)")
+                               f"spaces or control characters, at most {MAX_NAME:,} characters in all)")
 
 
 def is_module_path(name: str) -> bool:

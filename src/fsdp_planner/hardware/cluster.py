@@ -356,7 +356,7 @@ RING_OVERHEAD = Range(0.0, 2.0, "", physical=False)
 HOST_SECONDS = Range(0.0, 1.0, "s", physical=False)
 TABLE_BYTES = Range(1, 1e13, "B")
 TABLE_SECONDS = Range(0.0, 1e3, "s", low_open=True)
-MAX_NAME = 200  # characters of a cluster's or a GPU's name
+MAX_NAME = 1000  # characters of a cluster's or a GPU's name
 MAX_SOURCE = 1000  # characters of overhead.source
 
 

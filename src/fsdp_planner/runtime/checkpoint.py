@@ -86,7 +86,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
 # What the metadata may hold: far beyond any real run, small enough that nothing built from it overflows.
 MAX_STEP = 10**12
 MAX_WORLD = 1 << 20  # runtime.fake_world.MAX_FAKE_WORLD, the most ranks any job of this tool runs
-MAX_LABEL = 1000  # characters of the fingerprint, policy, and each digest key and value
+MAX_LABEL = 10_000  # characters of the fingerprint, policy (fsdp2.plan.MAX_LABEL), and each digest key and value
 MAX_DIGESTS = 10_000_000
 
 
@@ -105,7 +105,7 @@ def parse_meta(text: str, where: str) -> dict[str, Any]:
             raise PlannerError(f"{where}: '{key}' must be a whole number from {low} to {high:,}, got {_shown(v)}")
     for key in ("fingerprint", "policy"):
         if not _label(meta.get(key)):
-            raise PlannerError(f"{where}: '{key}' must be a string of at most {MAX_LABEL} characters, got "
+            raise PlannerError(f"{where}: '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
                                f"{_shown(meta.get(key))}")
     digests = meta.get("digests")
     if not isinstance(digests, dict) or len(digests) > MAX_DIGESTS or \
