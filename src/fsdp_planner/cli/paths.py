@@ -9,6 +9,7 @@ import os
 import stat
 from pathlib import Path
 
+from fsdp_planner.choices import POLICY_NAMES
 from fsdp_planner.errors import PlannerError
 
 
@@ -116,7 +117,7 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     inputs = _model_inputs(getattr(args, "model", None))
     for attr in ("plan", "compare"):
         spec = getattr(args, attr, None)
-        if spec and (attr == "plan" or os.path.lexists(spec)):  # --compare may name a policy
+        if spec and (attr == "plan" or (spec not in POLICY_NAMES and os.path.lexists(spec))):  # or a policy
             input_file(spec, "plan file")
             inputs.append((spec, "the plan file"))
     for attr in ("cluster", "base"):
