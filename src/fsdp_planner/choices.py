@@ -42,6 +42,25 @@ class ZeroGrad(Enum):
     ZEROS = "zeros"  # set_to_none=False: sharded grads live all step, each reduce-scatter output is added in
 
 
+class ShardPlacement(Enum):
+    """Which dim ``fully_shard(shard_placement_fn=...)`` shards a param on."""
+
+    DIM0 = "dim0"  # FSDP2's default: Shard(0), dim 0 padded to a multiple of the shard size
+    AUTO = "auto"  # Shard(1) where dim 0 is smaller than the shard size and dim 1 divides evenly (torchtitan's MoE
+    # experts rule); Shard(0) elsewhere
+
+
+class ReduceDtype(Enum):
+    """``MixedPrecisionPolicy.reduce_dtype``: the dtype grads are reduce-scattered in (it changes numerics, so only
+    the user changes it)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+REDUCE_BYTES = {ReduceDtype.FP32: 4, ReduceDtype.BF16: 2}
+
+
 class ExportFormat(str, Enum):
     PYTHON = "python"
     ACCELERATE = "accelerate"

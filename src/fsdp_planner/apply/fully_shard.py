@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch.nn as nn
@@ -52,11 +53,48 @@ def device_mesh(plan: Plan, device_type: str, world_size: int) -> Any:
     return init_device_mesh(device_type, (mesh.replicate, mesh.shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
+def shard_placement_fn(model: nn.Module, plan: Plan, world: int) -> Any:
+    """``fully_shard(shard_placement_fn=...)`` for the plan's ``shard_dims``: ``Shard(dim)`` for those params, None
+    (FSDP2's Shard(0)) for the others; None when the plan shards every param on dim 0. FSDP2 refuses a dim that the
+    shard size does not divide (NotImplementedError deep in fully_shard), so that is refused here in one line."""
+    if not plan.shard_dims:
+        return None
+    from torch.distributed.tensor import Shard
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    placed: dict[int, int] = {}
+    for name, dim in plan.shard_dims.items():
+        p = params.get(name)
+        if p is None:
+            raise PlannerError(f"plan 'shard_dims' names {name!r}, which is not a parameter of the model")
+        if dim >= p.dim() or p.shape[dim] % world:
+            raise PlannerError(f"plan 'shard_dims' shards {name} {tuple(p.shape)} on dim {dim}, which FSDP2 needs to "
+                               f"exist and divide evenly by the shard size {world}")
+        placed[id(p)] = dim
+    return lambda param: Shard(placed[id(param)]) if id(param) in placed else None
+
+
+def plan_policies(plan: Plan, mp_policy: Any, offload_policy: Any) -> tuple[Any, Any]:
+    """The mixed-precision and offload policies to apply: the given ones, else what the plan records (its
+    ``reduce_dtype`` over the given or default ``MixedPrecisionPolicy``; ``CPUOffloadPolicy`` when ``offload``,
+    pinned where CUDA can pin)."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    mp = mp_policy or MixedPrecisionPolicy()
+    if plan.reduce_dtype:
+        mp = dataclasses.replace(mp, reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[plan.reduce_dtype])
+    if offload_policy is None:
+        offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload else OffloadPolicy()
+    return mp, offload_policy
+
+
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
                offload_policy: Any = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
-    plan's layout over the default process group (``device_mesh``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
+    plan's layout over the default process group (``device_mesh``). The plan's memory options (offload, shard dims,
+    reduce dtype) apply unless ``mp_policy`` / ``offload_policy`` say otherwise (``plan_policies``)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
@@ -71,9 +109,11 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = device_mesh(plan, device_type, dist.get_world_size())
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
+    placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, before any wrapping
     apply_checkpointing(model, plan.activation_checkpointing)  # before fully_shard, as torchtitan does
-    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
-                              "offload_policy": offload_policy or OffloadPolicy()}
+    mp, offload = plan_policies(plan, mp_policy, offload_policy)
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload,
+                              "shard_placement_fn": placement}
     for gi in application_order(plan, module_parents(model)):
         g = plan.groups[gi]
         targets = [modules[m] for m in g.modules]

@@ -12,6 +12,7 @@ from fsdp_planner.cli.options import (
     CLUSTER_HELP,
     add_force,
     add_json,
+    add_memory_options,
     add_model,
     add_plan_source,
     add_policy_options,
@@ -50,6 +51,7 @@ def plan(sub: Subparsers) -> None:
     sp.add_argument("--policy", choices=POLICY_NAMES)
     add_policy_options(sp)
     add_sim_options(sp, cluster_required=False)
+    add_memory_options(sp)
     add_json(sp)
     sp.add_argument("--out", help="write the plan JSON here")
     add_force(sp)
@@ -60,6 +62,7 @@ def simulate(sub: Subparsers) -> None:
     sp = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
     add_plan_source(sp)
     add_sim_options(sp, cluster_required=True)
+    add_memory_options(sp)
     add_json(sp)
     sp.add_argument("--timeline", metavar="FILE.png",
                     help="draw the step: stream lanes, exposed communication and the memory curve (matplotlib)")
@@ -104,6 +107,7 @@ def verify(sub: Subparsers) -> None:
     sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
                     help="--fake-world-size: how the loop clears grads (none = set_to_none=True, the default; "
                          "zeros = set_to_none=False)")
+    add_memory_options(sp)
     sp.add_argument("--memory-tolerance", type=float, default=MEMORY_TOLERANCE,
                     help=f"--fake-world-size: largest relative peak-memory error that passes (default "
                          f"{MEMORY_TOLERANCE})")

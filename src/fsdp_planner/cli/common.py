@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
+from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
@@ -17,6 +18,7 @@ from fsdp_planner.models import ModelSpec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.sizing import with_memory_options
 from fsdp_planner.trace.recorder import trace
 from fsdp_planner.trace.records import Trace
 
@@ -100,6 +102,19 @@ def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOp
     return result
 
 
+def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None) -> Plan:
+    """``plan`` recording the memory options the command line asked for beside those it has (a plan file's offload
+    or shard dims are kept; a --reduce-dtype replaces its reduce dtype). Shard dims need the shard size: none
+    without ``world``."""
+    if options is None:
+        return plan
+    placement = options.shard_placement if world is not None and not plan.shard_dims else ShardPlacement.DIM0
+    shard = plan.shard_size(world) if world is not None else 1
+    reduce = options.reduce_dtype.value if options.reduce_dtype else plan.reduce_dtype
+    out = with_memory_options(plan, tr, shard, plan.offload or options.offload, placement, reduce)
+    return out if not plan.shard_dims else out.copy(shard_dims=dict(plan.shard_dims))
+
+
 def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
                 options: SimOptions | None = None) -> Plan:
     """The plan a policy makes for the traced model (auto: for ``cluster``)."""
@@ -111,7 +126,7 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
     check_plan_runs(tr, plan)
-    return plan
+    return stamped(plan, tr, cluster.world_size if cluster else None, options)
 
 
 def load_plan(path: str, tr: Trace) -> Plan:

@@ -14,6 +14,8 @@ from fsdp_planner.choices import (
     POLICY_NAMES,
     PRECISION_NAMES,
     ACMode,
+    ReduceDtype,
+    ShardPlacement,
     Target,
     ZeroGrad,
 )
@@ -123,6 +125,20 @@ def add_precision_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
                     help="how the loop clears grads: none = zero_grad(set_to_none=True), the default; zeros = "
                          "set_to_none=False (sharded grads kept all step)")
+
+
+def add_memory_options(sp: argparse.ArgumentParser) -> None:
+    """FSDP2's memory options (``fully_shard`` arguments), recorded in the plan and simulated."""
+    sp.add_argument("--offload", action="store_true",
+                    help="CPUOffloadPolicy: sharded params, grads and optimizer state on the CPU, the optimizer step "
+                         "on the CPU (default off; auto turns it on only when nothing fits without it)")
+    sp.add_argument("--shard-placement", choices=[p.value for p in ShardPlacement], default=None,
+                    help="dim0: FSDP2's Shard(0) for every param (default); auto: Shard(1) where dim 0 has fewer rows "
+                         "than the shard size and dim 1 divides evenly (MoE experts); auto policy: tried when "
+                         "nothing fits")
+    sp.add_argument("--reduce-dtype", choices=[d.value for d in ReduceDtype], default=None,
+                    help="MixedPrecisionPolicy.reduce_dtype: the dtype grads are reduce-scattered in (default: the "
+                         "precision's, fp32 for bf16-mixed; bf16 halves the bytes and changes numerics)")
 
 
 def add_force(sp: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.common import load_trace, run_auto, stamped
 from fsdp_planner.cli.requests import PlanRequest, plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
@@ -21,6 +21,7 @@ from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_polic
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.host_work import host_work
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
+from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import write_atomic
@@ -94,7 +95,8 @@ def _classic(tr: Trace, policy: PolicyRequest, request: PlanRequest) -> list[Pla
     try:
         plan = make_policy(policy).plan(tr, request.model.name)
         check_plan_runs(tr, plan)
-        return [plan]
+        world = request.cluster.world_size if request.cluster else None
+        return [stamped(plan, tr, world, request.options)]
     except PlannerError as e:
         if request.policy is not None:
             raise
@@ -107,16 +109,16 @@ def _rows(tr: Trace, plans: list[Plan], request: PlanRequest) -> list[Row]:
     auto's HSDP with pure FSDP)."""
     cluster = request.cluster
     world = cluster.world_size if cluster else None
-    contexts: dict[Mesh, SimContext] = {}
+    contexts: dict[tuple[Mesh, SimOptions], SimContext] = {}
 
     def simulated(p: Plan) -> StepReport | None:
         if cluster is None:
             return None
         check_plan_world_size(p, cluster.world_size)
-        mesh = p.layout(cluster.world_size)
-        if mesh not in contexts:
-            contexts[mesh] = SimContext(tr, cluster, request.options, mesh=mesh)
-        return simulate(tr, p, context=contexts[mesh], timeline=False)
+        key = (p.layout(cluster.world_size), plan_options(p, request.options))  # auto may have chosen offload
+        if key not in contexts:
+            contexts[key] = SimContext(tr, cluster, key[1], mesh=key[0])
+        return simulate(tr, p, context=contexts[key], timeline=False)
 
     precision = request.options.precision if cluster else None  # the table's bytes in the simulation's dtypes
     return [(p, plan_metrics(tr, p, world, precision), simulated(p)) for p in plans]

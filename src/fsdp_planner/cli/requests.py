@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_planner.choices import (
@@ -151,7 +151,14 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     if not MIN_MFU <= args.mfu <= 1:  # NaN too
         raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
                            f"{args.mfu:g}")
-    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad)
+    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, **memory_options(args))
+
+
+def memory_options(args: argparse.Namespace) -> dict:
+    """``SimOptions.named``'s memory options from the flags of commands that have them (``add_memory_options``)."""
+    return {"offload": getattr(args, "offload", False),
+            "shard_placement": getattr(args, "shard_placement", None) or "dim0",
+            "reduce_dtype": getattr(args, "reduce_dtype", None)}
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
@@ -247,6 +254,8 @@ class VerifyRequest:
     notes: tuple[str, ...]
     plan_for: bool = False  # --plan-for: auto planned for ``plan_cluster``, its grouping carried onto the job
     plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
+    # --offload, --shard-placement, --reduce-dtype: applied to the job's plan
+    memory: SimOptions = field(default_factory=SimOptions)
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
@@ -284,7 +293,8 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
                          args.json, tuple(notes), plan_for is not None,
-                         ModelSpec(args.plan_model) if args.plan_model else None)
+                         ModelSpec(args.plan_model) if args.plan_model else None,
+                         SimOptions.named("fp32", **memory_options(args)))
 
 
 def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
@@ -333,7 +343,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
-    options = SimOptions.named(args.precision, zero_grad=args.zero_grad)
+    options = SimOptions.named(args.precision, zero_grad=args.zero_grad, **memory_options(args))
     check_precision(options.precision)
     source = plan_source(args)
     cluster = parse_cluster(args.cluster or f"h100:{world}")

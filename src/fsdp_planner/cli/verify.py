@@ -9,7 +9,7 @@ import json
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
+from fsdp_planner.cli.common import load_plan, load_trace, policy_plan, stamped
 from fsdp_planner.cli.requests import (
     FakeWorldRequest,
     PlanSource,
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
     plan = _at_scale(tr, request) if request.plan_for else \
         _plan(tr, request.source, request.model.name, request.plan_cluster, SimOptions(), request.nproc)
+    plan = stamped(plan, tr, request.nproc, request.memory)
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -160,8 +161,8 @@ def run_fake(request: FakeWorldRequest) -> int:
         render.note(note)
     world, options, precision = request.world, request.options, request.options.precision.name
     tr = load_trace(request.model, render.notes, full=request.full_trace, precision=options.precision)
-    plan = _plan(tr, request.source, request.model.name, request.cluster, options,
-                 world if request.source.plan_file is not None else None)
+    plan = stamped(_plan(tr, request.source, request.model.name, request.cluster, options,
+                         world if request.source.plan_file is not None else None), tr, world, options)
     if not request.json:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} "

@@ -22,7 +22,8 @@ from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
-PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh", "forward_methods")
+PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh", "forward_methods", "offload",
+             "shard_dims", "reduce_dtype")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
@@ -106,6 +107,10 @@ class Plan:
     mesh: Mesh | None = None  # None: pure FSDP over whatever world it runs on
     forward_methods: list[tuple[str, str]] = field(default_factory=list)  # (module, method): non-forward methods
     # the step calls on a sharded module, run inside its pre/post-forward hooks (register_fsdp_forward_method)
+    offload: bool = False  # CPUOffloadPolicy: sharded params, grads and optimizer state on the CPU
+    shard_dims: dict[str, int] = field(default_factory=dict)  # param -> dim it is sharded on, where not 0
+    # (fully_shard(shard_placement_fn=...) returning Shard(dim))
+    reduce_dtype: str = ""  # MixedPrecisionPolicy.reduce_dtype the user chose ("fp32", "bf16"); "": the precision's
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -132,13 +137,15 @@ class Plan:
                                              forward_prefetch=list(g.forward_prefetch),
                                              backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
                        **{"activation_checkpointing": list(self.activation_checkpointing),
-                          "forward_methods": list(self.forward_methods), **changes})
+                          "forward_methods": list(self.forward_methods), "shard_dims": dict(self.shard_dims),
+                          **changes})
 
     def signature(self) -> tuple:
         """What makes two plans behave the same (names and labels aside)."""
         return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
                        tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing),
-                self.mesh, tuple(self.forward_methods))
+                self.mesh, tuple(self.forward_methods), self.offload, tuple(sorted(self.shard_dims.items())),
+                self.reduce_dtype)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +160,13 @@ class Plan:
             d["mesh"] = self.mesh.to_dict()
         if self.forward_methods:
             d["forward_methods"] = [{"module": m, "method": name} for m, name in self.forward_methods]
+        # the memory options, written only when set: a plan that uses none reads and writes as before
+        if self.offload:
+            d["offload"] = True
+        if self.shard_dims:
+            d["shard_dims"] = dict(self.shard_dims)
+        if self.reduce_dtype:
+            d["reduce_dtype"] = self.reduce_dtype
         return d
 
     def to_json(self) -> str:
@@ -200,7 +214,28 @@ def _plan_from_dict(data: Any) -> Plan:
     return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
                 model=str(model.get("name", "")), activation_checkpointing=list(checkpointed),
                 mesh=_mesh_from_dict(data.get("mesh")),
-                forward_methods=_methods_from_list(data.get("forward_methods", [])))
+                forward_methods=_methods_from_list(data.get("forward_methods", [])),
+                **_memory_options(data))
+
+
+REDUCE_DTYPES = ("fp32", "bf16")  # choices.ReduceDtype's values (choices is imported by the CLI without torch)
+
+
+def _memory_options(data: dict[str, Any]) -> dict[str, Any]:
+    """``offload`` (a boolean), ``shard_dims`` ({param: dim >= 1}) and ``reduce_dtype`` ("fp32" or "bf16"); absent:
+    FSDP2's defaults."""
+    offload = data.get("offload", False)
+    if not isinstance(offload, bool):
+        raise PlannerError(f"plan 'offload' must be true or false (CPUOffloadPolicy), got {_shown(offload)}")
+    dims = data.get("shard_dims", {})
+    if not isinstance(dims, dict) or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64
+                                         for v in dims.values()):
+        raise PlannerError(f"plan 'shard_dims' must map param names to the dim they are sharded on (a whole number "
+                           f"from 1 to 64; dim 0 is the default and not listed), got {_shown(dims)}")
+    reduce = data.get("reduce_dtype", "")
+    if reduce != "" and reduce not in REDUCE_DTYPES:
+        raise PlannerError(f"plan 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {_shown(reduce)}")
+    return {"offload": offload, "shard_dims": dict(dims), "reduce_dtype": reduce}
 
 
 def _methods_from_list(items: Any) -> list[tuple[str, str]]:
@@ -353,6 +388,9 @@ def check_plan_limits(data: dict[str, Any]) -> None:
                 _check_group_limits(i, g)
     _check_names(data.get("activation_checkpointing"), "plan 'activation_checkpointing'", module=True)
     _check_methods_limits(data.get("forward_methods"))
+    dims = data.get("shard_dims")
+    if isinstance(dims, dict):
+        _check_names(list(dims), "plan 'shard_dims'", module=False)
     _check_mesh_limits(data.get("mesh"))
 
 

@@ -29,6 +29,15 @@ CLUSTER_VERSION = 1
 MAX_WORLD_SIZE = 1_000_000
 MAX_NODE_GPUS = 72
 
+# CPUOffloadPolicy's copies between host and GPU: one direction of a PCIe Gen5 x16 link, 64 GB/s (NVIDIA's H100 SXM,
+# H200 and HGX B200 data sheets give "PCIe Gen5: 128 GB/s", both directions); A100 SXM4: Gen4, 64 GB/s both ways.
+# A ceiling: pinned copies reach ~80-90% of it in practice.
+PCIE5_ONE_WAY = 64e9
+PCIE4_ONE_WAY = 32e9
+# The CPU optimizer step under CPUOffloadPolicy: torch.optim.AdamW(foreach=True) on fp32 CPU params, elements/s,
+# measured on this project's 2-core x86 host (benchmarks/cpu_adamw.md: 87.8 M elements/s). Calibrate on yours.
+CPU_ADAMW_RATE = 87.8e6
+
 # Per-kind fitted (latency seconds, bus bandwidth bytes/s), keyed by group size N.
 Fits = dict[str, dict[int, tuple[float, float]]]
 # Per-kind measured (bytes, seconds) over all the cluster's ranks, sizes ascending (calibrate --backend gloo).
@@ -128,6 +137,8 @@ class Cluster:
     # the host engine's collectives as measured, interpolated (hardware/collectives.py): on a CPU the time per byte
     # changes with size (buffers of 32 MiB or more are fresh pages each step), which no single line follows
     tables: Tables = field(default_factory=dict, hash=False)
+    host_copy_bandwidth: float = PCIE5_ONE_WAY  # bytes/s each way between a GPU and its host (CPUOffloadPolicy)
+    cpu_optimizer_rate: float = CPU_ADAMW_RATE  # elements/s of the optimizer step on the host (CPUOffloadPolicy)
 
     where: InitVar[str | None] = None  # how errors name it, e.g. "cluster file c.json"; default: its name
     physical: InitVar[bool] = False  # read from a file: its figures are held to the physical ranges too
@@ -168,6 +179,8 @@ class Cluster:
             "overhead": asdict(self.overhead),
             "engine": self.engine.value,
             "tables": {k: [[n, t] for n, t in rows] for k, rows in self.tables.items()},
+            "host_copy_bandwidth": self.host_copy_bandwidth,
+            "cpu_optimizer_rate": self.cpu_optimizer_rate,
         }
 
     def to_json(self) -> str:
@@ -223,6 +236,8 @@ class Cluster:
             overhead=overhead,
             engine=Engine(engine),
             tables=tables,
+            host_copy_bandwidth=_num(d, "host_copy_bandwidth", where, PCIE5_ONE_WAY),
+            cpu_optimizer_rate=_num(d, "cpu_optimizer_rate", where, CPU_ADAMW_RATE),
             where=where,
             physical=True,
         )
@@ -351,6 +366,7 @@ MEMORY_BANDWIDTH = Range(1e8, 1e14, "B/s")
 MEMORY = Range(1e8, 1e13, "B")
 BANDWIDTH = Range(1e6, 1e14, "B/s", infinite=True)
 LATENCY = Range(0.0, 1.0, "s")
+ELEMENT_RATE = Range(1e3, 1e13, "elements/s")  # a CPU optimizer step: from a slow core to far beyond any host
 HALF_BW = Range(0.0, 1e10, "B")
 RING_OVERHEAD = Range(0.0, 2.0, "", physical=False)
 HOST_SECONDS = Range(0.0, 1.0, "s", physical=False)
@@ -410,6 +426,8 @@ def _check_cluster(c: Cluster, label: str, physical: bool = False) -> None:
     for lname in ("intra", "inter"):
         _check_link(getattr(c, lname), label, lname, physical)
     _check_overhead(c.overhead, c.engine, label, physical)
+    _check_range(label, "host_copy_bandwidth", c.host_copy_bandwidth, BANDWIDTH._replace(infinite=False), physical)
+    _check_range(label, "cpu_optimizer_rate", c.cpu_optimizer_rate, ELEMENT_RATE, physical)
     _check_tables(c.tables, label, physical)
     _check_fits(c.fits, label, physical)
 
@@ -570,6 +588,7 @@ def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster
         inter=inter,
         nics_per_node=8,
         overhead=_overhead(GPUS[key]),
+        host_copy_bandwidth=PCIE4_ONE_WAY if key == "a100" else PCIE5_ONE_WAY,
     )
 
 

@@ -19,7 +19,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.timeline import Stream, TimelineEvent, Work
 from fsdp_planner.trace.records import Trace
@@ -127,7 +127,7 @@ class StepView:
 def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | None = None,
               label: str | None = None) -> StepView:
     """Simulate ``plan`` with its timeline and turn it into lanes and a memory curve."""
-    ctx = SimContext(trace, cluster, options, mesh=plan.layout(cluster.world_size))
+    ctx = SimContext(trace, cluster, plan_options(plan, options or SimOptions()), mesh=plan.layout(cluster.world_size))
     groups = ctx.sizing.groups(plan)
     schedule = build_schedule(trace, plan, ctx.world, [g.params for g in groups])
     report = simulate(trace, plan, context=ctx, schedule=schedule, timeline=True)

@@ -75,7 +75,8 @@ class SimContext:
             self.cum = self.cum_array.tolist()  # for the engines' scalar reads
             self.compute_total = float(sum(self.times))
         self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
-                                  self.options.zero_grad, like.memory if like is not None else None)
+                                  self.options.zero_grad, like.memory if like is not None else None,
+                                  self.options.offload, self.options.shard_placement)
         self.sizing = self.memory.sizing
         self._links: dict[tuple[CollectiveKind, int], tuple[list[LinkCost], str]] = {}
         # measured collectives of a CPU-rank cluster (empty on GPUs: link() then never looks them up)
@@ -156,6 +157,23 @@ class SimContext:
                               prev.ops + ops)
             self._recompute[key] = out
         return self._recompute[key]
+
+    def host_copy_seconds(self, kind: CollectiveKind, params: tuple[int, ...]) -> float:
+        """``CPUOffloadPolicy``: the shards of ``params`` copied host-to-device before their all-gather (the params'
+        dtype), or the reduce-scatter's output device-to-host after it (the reduce dtype), at the cluster's host
+        copy bandwidth; 0 without offload."""
+        if not self.options.offload or kind is CollectiveKind.ALL_REDUCE:
+            return 0.0
+        itemsize = self.precision.param_bytes if kind is CollectiveKind.ALL_GATHER else self.precision.reduce_bytes
+        return self.sizing.shard_numel(params) * itemsize / self.cluster.host_copy_bandwidth
+
+    def optimizer_seconds(self) -> float:
+        """``CPUOffloadPolicy``: the optimizer step on the host over this rank's trainable shard, at the cluster's
+        CPU optimizer rate; 0 without offload (the GPU's optimizer step is not modelled)."""
+        if not self.options.offload:
+            return 0.0
+        trainable = [i for i, p in enumerate(self.trace.params) if p.requires_grad]
+        return self.sizing.shard_numel(trainable) / self.cluster.cpu_optimizer_rate
 
     def _lower_bound(self) -> float:
         """No plan on this mesh beats this: all compute; or every param gathered once and every grad reduced once

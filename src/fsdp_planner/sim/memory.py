@@ -21,6 +21,13 @@ copies of the weights are a term of their own: autocast's weight cache (every tr
 dtype, kept for the autocast region), without the cache the largest one, and without FSDP's all-gather cast a
 full compute-dtype copy of the model.
 
+FSDP2's memory options. ``CPUOffloadPolicy`` (``offload``) keeps the sharded params, grads and optimizer state on
+the CPU: none of them is on the GPU; each all-gather copies its shards in first (into the all-gather buffer, which
+holds them anyway) and each reduce-scatter's output is a transient copied out to the CPU. A param sharded on dim 1
+(``sizing.py``) is not padded, and costs a copy-out temporary of its unsharded size beside its all-gather output
+(counted with the unsharded params, at the event where they are copied out) and a re-laid-out copy
+of its unsharded grad at its reduce-scatter (counted with the unsharded grads).
+
 Allocated vs reserved. The peak above is of *allocated* bytes, what real FSDP2 allocates (checked on the fake
 process group). A GPU must hold what the CUDA caching allocator *reserves*, and its pools are per stream: a block
 freed on one stream is reused only by allocations on that stream (PyTorch's CUDA semantics notes). FSDP2
@@ -40,6 +47,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
@@ -112,15 +120,17 @@ class MemoryModel:
     computed once; ``peak`` adds a plan's replay."""
 
     def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer,
-                 zero_grad: ZeroGrad = ZeroGrad.NONE, like: MemoryModel | None = None) -> None:
+                 zero_grad: ZeroGrad = ZeroGrad.NONE, like: MemoryModel | None = None,
+                 offload: bool = False, placement: ShardPlacement = ShardPlacement.DIM0) -> None:
         """``like``: the model of the same trace and precision at another world size, whose activation levels (they
-        do not depend on the world size) are shared."""
-        self.trace, self.precision, self.zero_grad = trace, precision, zero_grad
-        self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None)
+        do not depend on the world size) are shared. ``offload``, ``placement``: FSDP2's memory options (module
+        docstring)."""
+        self.trace, self.precision, self.zero_grad, self.offload = trace, precision, zero_grad, offload
+        self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None, placement)
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
-        shard = self.sizing.shard_numel(trainable)
+        shard = 0 if offload else self.sizing.shard_numel(trainable)  # offloaded: on the CPU
         self.static = MemoryBreakdown(
-            params=self.sizing.shard_numel(range(len(trace.params))) * precision.param_bytes,
+            params=0 if offload else self.sizing.shard_numel(range(len(trace.params))) * precision.param_bytes,
             grads=shard * precision.grad_bytes if zero_grad is ZeroGrad.ZEROS else 0,
             optimizer_state=shard * optimizer.state_bytes_per_element(precision.param_bytes),
             buffers=trace.buffers_nbytes,
@@ -172,6 +182,8 @@ class MemoryModel:
 
         for r in schedule.residency:
             add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)
+            # dim-1 params are copied out through a temporary of their unsharded size, freed once copied
+            add(0, r.start, r.start + 1, self.sizing.shard1_gather_bytes(groups[r.group].params) / r.divisor)
         reduces = [c for c in schedule.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
         for c in schedule.collectives:
             if c.kind is CollectiveKind.ALL_GATHER:
@@ -180,10 +192,13 @@ class MemoryModel:
                 add(1, c.event + c.prefetch, c.output_freed, groups[c.group].gather_bytes)
         for k, c in enumerate(reduces):
             add(2, min(groups[c.group].first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
+            add(2, c.event, c.event + 1, self.sizing.shard1_grad_bytes(c.params))  # dim-1 grads re-laid out
             # the next post-backward frees this input buffer before it allocates its own
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
             shard = self.sizing.shard_numel(c.params)
-            if self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
+            if self.offload:  # the output is copied to the CPU, where the sharded grads live
+                add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
+            elif self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
                 # FSDP2 frees the unsharded grads after the copy-in, before it allocates the output
                 add(4, c.event + 1, n, shard * self.grad_bytes)
             else:  # set_to_none=False: the output is added into the grad that lives all step, then freed

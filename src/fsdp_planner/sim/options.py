@@ -10,10 +10,19 @@ so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32 ru
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from fsdp_planner.choices import DEFAULT_MFU, DEFAULT_OPTIMIZER, DEFAULT_PRECISION, ZeroGrad
+from fsdp_planner.choices import (
+    DEFAULT_MFU,
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    REDUCE_BYTES,
+    ReduceDtype,
+    ShardPlacement,
+    ZeroGrad,
+)
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 
 PRECISIONS: dict[str, Precision] = {
@@ -76,14 +85,29 @@ def optimizer_named(name: str) -> Optimizer:
         raise PlannerError(f"unknown optimizer '{name}': use one of {', '.join(OPTIMIZERS)}") from None
 
 
+def with_reduce_dtype(precision: Precision, reduce: ReduceDtype | None) -> Precision:
+    """``precision`` with the user's ``MixedPrecisionPolicy.reduce_dtype``: it sets the reduce-scatter's bytes and
+    the dtype of its input buffer. None, or the dtype it already has: unchanged."""
+    if reduce is None or REDUCE_BYTES[reduce] == precision.reduce_bytes:
+        return precision
+    if precision.autocast:  # autocast runs FSDP2 without a MixedPrecisionPolicy (Precision.fsdp_dtypes)
+        raise PlannerError(f"--reduce-dtype needs an FSDP2 mixed precision; {precision.name} casts outside FSDP2")
+    return replace(precision, name=f"{precision.name}+reduce-{reduce.value}", reduce_bytes=REDUCE_BYTES[reduce],
+                   description=f"{precision.description}; grads reduced in {reduce.value}")
+
+
 @dataclass(frozen=True)
 class SimOptions:
-    """The training step being costed: precision, optimizer, how grads are cleared and how fast matmuls run."""
+    """The training step being costed: precision, optimizer, how grads are cleared and how fast matmuls run, and
+    FSDP2's memory options: ``offload`` (``CPUOffloadPolicy``) and where params are sharded (``shard_placement``)."""
 
     mfu: float = DEFAULT_MFU  # fraction of the GPU's dense peak FLOP/s that matmul-like ops reach
     precision: Precision = field(default_factory=lambda: PRECISIONS[DEFAULT_PRECISION])
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS[DEFAULT_OPTIMIZER])
     zero_grad: ZeroGrad = ZeroGrad.NONE
+    offload: bool = False
+    shard_placement: ShardPlacement = ShardPlacement.DIM0
+    reduce_dtype: ReduceDtype | None = None  # the user's MixedPrecisionPolicy.reduce_dtype, applied to ``precision``
 
     def __post_init__(self) -> None:
         if isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float) or not 0 < self.mfu <= 1:
@@ -91,6 +115,22 @@ class SimOptions:
 
     @classmethod
     def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER,
-              mfu: float = DEFAULT_MFU, zero_grad: str = ZeroGrad.NONE.value) -> SimOptions:
-        return cls(mfu=mfu, precision=precision_named(precision), optimizer=optimizer_named(optimizer),
-                   zero_grad=ZeroGrad(zero_grad))
+              mfu: float = DEFAULT_MFU, zero_grad: str = ZeroGrad.NONE.value, offload: bool = False,
+              shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None) -> SimOptions:
+        reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None
+        return cls(mfu=mfu, precision=with_reduce_dtype(precision_named(precision), reduce),
+                   optimizer=optimizer_named(optimizer), zero_grad=ZeroGrad(zero_grad), offload=offload,
+                   shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce)
+
+    def with_memory_options(self, offload: bool, placement: ShardPlacement) -> SimOptions:
+        """These options with FSDP2's offload and shard placement set (auto's way out when nothing fits)."""
+        return replace(self, offload=offload, shard_placement=placement)
+
+
+def plan_options(plan: Plan, options: SimOptions) -> SimOptions:
+    """The options a plan runs under: what it records (offload, dims other than 0, the reduce dtype) added to
+    ``options``. A plan's ``shard_dims`` are simulated as ``ShardPlacement.AUTO``'s rule (``check_shard_dims``)."""
+    reduce = ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else options.reduce_dtype
+    return replace(options, offload=options.offload or plan.offload,
+                   shard_placement=ShardPlacement.AUTO if plan.shard_dims else options.shard_placement,
+                   precision=with_reduce_dtype(options.precision, reduce), reduce_dtype=reduce)

@@ -12,7 +12,8 @@ from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.host_engine import simulate_host
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import SimOptions, plan_options
+from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
 from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
 from fsdp_planner.trace.records import Trace
@@ -41,10 +42,13 @@ class StepReport:
     copy_time: float = 0.0  # FSDP2's copy-outs on the compute stream
     hooks: int = 0  # FSDP2 lifecycle calls doing work in the step (pre/post-forward, pre/post-backward per group)
     timeline: list[TimelineEvent] = field(default_factory=list)
+    cpu_optimizer_time: float = 0.0  # of step_time: CPUOffloadPolicy's optimizer step on the host, after backward
 
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("timeline")
+        if not d["cpu_optimizer_time"]:  # a step without offload reports as it always did
+            d.pop("cpu_optimizer_time")
         return d
 
 
@@ -57,6 +61,7 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     skips the timeline, which only pictures need.
     """
     ctx = _context(trace, plan, cluster, options, context)
+    check_shard_dims(plan, trace, ctx.shard)
     groups = ctx.sizing.groups(plan)
     sched = schedule or build_schedule(trace, plan, ctx.world, [g.params for g in groups])
     gather = [g.gather_bytes for g in groups]
@@ -74,7 +79,7 @@ def _context(trace: Trace, plan: Plan, cluster: Cluster | None, options: SimOpti
     if context is None:
         if cluster is None:
             raise ValueError("simulate needs a cluster or a context")
-        context = SimContext(trace, cluster, options, mesh=plan.mesh)
+        context = SimContext(trace, cluster, plan_options(plan, options or SimOptions()), mesh=plan.mesh)
     if plan.layout(context.world) != context.mesh:
         raise ValueError(f"plan's mesh {plan.layout(context.world).describe()} is not the context's "
                          f"{context.mesh.describe()}")
@@ -103,8 +108,9 @@ def report(given: ReportInput) -> StepReport:
     memory = ctx.memory.peak(given.plan, given.sched)
     breakdown = memory.at.to_dict()
     breakdown.pop("total")
+    optimizer = ctx.optimizer_seconds()
     return StepReport(
-        step_time=times.step,
+        step_time=times.step + optimizer, cpu_optimizer_time=optimizer,
         compute_time=ctx.compute_total + times.recompute if times.compute is None else times.compute,
         exposed_comm=max(0.0, times.exposed),
         recompute_time=times.recompute, host_wait=times.host_wait, copy_time=times.copy_time,

@@ -5,6 +5,14 @@ FSDP2 shards every param on dim 0 and pads dim 0 to a multiple of the shard worl
 and the reduce-scatter input (a buffer of the reduce dtype, ``foreach_reduce``) all have the padded size; each
 rank's shard is the padded size divided by the world size. The unsharded gradients autograd produces have the
 param's own (unpadded) shape. With one rank nothing is padded.
+
+``fully_shard(shard_placement_fn=...)`` may shard a param on another dim instead (``ShardPlacement.AUTO``: dim 1
+where dim 0 has fewer rows than the shard size, as torchtitan does for MoE experts). FSDP2 refuses uneven sharding
+on a dim other than 0 (``FSDPParam._init_sharded_param``: "FSDP does not support uneven sharding on dim"), so such
+a param is not padded; instead its all-gather is copied out through a temporary of its unsharded size
+(``foreach_all_gather_copy_out``: ``torch.empty_like`` then ``torch.cat(chunks, dim)``), and its unsharded grad is
+re-laid out by ``torch.cat(torch.chunk(grad, world_size, dim), dim=0)`` before the reduce-scatter copy-in
+(``foreach_reduce``): one extra copy each way (``shard1_gather_bytes``, ``shard1_grad_bytes``).
 """
 
 from __future__ import annotations
@@ -14,9 +22,48 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.trace.infos import ParamInfo
 from fsdp_planner.trace.records import Trace
+
+
+def shard_dim(param: ParamInfo, shard: int, placement: ShardPlacement) -> int:
+    """The dim ``placement`` shards ``param`` on over ``shard`` ranks: 1 under ``AUTO`` where dim 0 is smaller than
+    the shard size (so Shard(0) would pad it past its size) and dim 1 divides evenly (FSDP2 requires it); else 0."""
+    if placement is ShardPlacement.AUTO and shard > 1 and len(param.shape) >= 2 and param.shape[0] < shard \
+            and param.shape[1] % shard == 0:
+        return 1
+    return 0
+
+
+def shard_dims(trace: Trace, shard: int, placement: ShardPlacement) -> dict[str, int]:
+    """The params ``placement`` shards on a dim other than 0, by name (what a plan's ``shard_dims`` records)."""
+    dims = {p.fqn: shard_dim(p, shard, placement) for p in trace.params}
+    return {name: d for name, d in dims.items() if d}
+
+
+def with_memory_options(plan: Plan, trace: Trace, shard: int, offload: bool, placement: ShardPlacement,
+                        reduce_dtype: str) -> Plan:
+    """``plan`` recording FSDP2's memory options it was made with: what ``apply_plan`` and export then apply."""
+    return plan.copy(offload=offload, shard_dims=shard_dims(trace, shard, placement), reduce_dtype=reduce_dtype)
+
+
+def check_shard_dims(plan: Plan, trace: Trace, shard: int) -> None:
+    """The simulator models ``ShardPlacement.AUTO``'s rule only: a plan whose ``shard_dims`` differ from what the
+    rule gives at this shard size is refused rather than simulated wrongly."""
+    if plan.shard_dims and plan.shard_dims != shard_dims(trace, shard, ShardPlacement.AUTO):
+        raise PlannerError(f"the plan's shard_dims differ from 'dim 1 where dim 0 has fewer rows than the shard size "
+                           f"({shard}) and dim 1 divides evenly', the only placement the simulator models; make the "
+                           "plan again with --shard-placement auto for this cluster")
+
+
+def sharded_numel(param: ParamInfo, shard: int, dim: int) -> int:
+    """Elements of ``param``'s all-gather output over ``shard`` ranks sharded on ``dim``: dim 0 padded to a multiple
+    of the shard size, another dim as it is (FSDP2 requires it to divide evenly)."""
+    return param.padded_numel(shard) if dim == 0 else param.numel
 
 
 @dataclass(frozen=True)
@@ -35,9 +82,9 @@ class Sizing:
     Planners size thousands of plans whose groups recur; per-group facts and per-collective bytes are cached."""
 
     def __init__(self, trace: Trace, world_size: int = 1, precision: Precision | None = None,
-                 like: Sizing | None = None) -> None:
+                 like: Sizing | None = None, placement: ShardPlacement = ShardPlacement.DIM0) -> None:
         """``like``: the sizing of the same trace at another world size, whose per-group uses (they do not depend on
-        the world size) are shared."""
+        the world size) are shared. ``placement``: the dim each param is sharded on (module docstring)."""
         self.trace, self.world_size = trace, world_size
         # bytes per param (padded to the world size, at the precision's dtypes or each param's own), for sums over
         # thousands of params at C speed (a plan's root or large groups)
@@ -46,11 +93,16 @@ class Sizing:
         def itemsize(field: str) -> np.ndarray:  # the precision's dtype for these bytes, else each param's own
             return own if precision is None else np.full_like(own, getattr(precision, field))
 
-        self._padded = np.array([p.padded_numel(world_size) for p in trace.params], dtype=np.int64)
+        dims = [shard_dim(p, world_size, placement) for p in trace.params]
+        self._padded = np.array([sharded_numel(p, world_size, d) for p, d in zip(trace.params, dims, strict=True)],
+                                dtype=np.int64)
+        self._dim1 = np.array([d != 0 for d in dims], dtype=bool)  # the params copied once more each way
         self._gather = self._padded * itemsize("gather_bytes")
         self._reduce_per = self._padded * itemsize("reduce_bytes")
         self._grad_per = np.array([p.numel for p in trace.params], dtype=np.int64) * \
             itemsize("compute_bytes")
+        self._gather1 = np.where(self._dim1, self._gather, 0)
+        self._grad1 = np.where(self._dim1, self._grad_per, 0)
         self._facts: dict[tuple[str, ...], GroupFacts] = {}
         # param names -> (their indices, the ops reading them, the first backward one): the same at any world size
         self._uses: dict[tuple[str, ...], tuple[tuple[int, ...], list[int], int]] = \
@@ -96,6 +148,14 @@ class Sizing:
         if params not in self._grads:
             self._grads[params] = _sum(self._grad_per, params)
         return self._grads[params]
+
+    def shard1_gather_bytes(self, params: Iterable[int]) -> int:
+        """The copy-out temporary of these params' all-gather: the unsharded bytes of those sharded on dim > 0."""
+        return _sum(self._gather1, params) if self._dim1.any() else 0
+
+    def shard1_grad_bytes(self, params: tuple[int, ...]) -> int:
+        """The re-laid-out grads of these params sharded on dim > 0 (``torch.cat`` before the copy-in)."""
+        return _sum(self._grad1, params) if self._dim1.any() else 0
 
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""

@@ -44,9 +44,11 @@ from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, Stream, Timeline, W
 class Streams:
     """The host and compute clocks, the communication streams and the links they share."""
 
-    def __init__(self, ctx: SimContext, plan: Plan, gather: list[int], timeline: bool,
+    def __init__(self, ctx: SimContext, plan: Plan, groups: list[GroupFacts], timeline: bool,
                  host: HostClock | None) -> None:
-        self.ctx, self.plan, self.gather, self.host = ctx, plan, gather, host
+        self.ctx, self.plan, self.host = ctx, plan, host
+        self.gather = [g.gather_bytes for g in groups]
+        self.group_params = [g.params for g in groups]
         self.t = 0.0  # compute clock at the start of event ``pos``
         self.pos = 0
         self.free = {AG: 0.0, RS: 0.0, AR: 0.0}  # when each stream is idle again
@@ -85,13 +87,18 @@ class Streams:
         # their shards on the compute stream and the grads into the reduce-scatter buffer (wait_for_unshard and
         # foreach_reduce at world size 1)
         one_rank = self.ctx.shard == 1 and c.kind is not AR
+        params = self.group_params[c.group] if c.kind is AG else c.params
         if c.kind is AG:
             copy_in = 0.0 if one_rank else nbytes / self.ctx.shard / copy
             issued = self.t if (c.backward or c.prefetch) else self.last_forward_gather
         elif c.kind is AR:  # the reduce-scatter just issued for the same grads must be done
             copy_in, issued = 0.0, self.free[RS]
-        else:  # the unsharded grads copied into the reduce-scatter's input
-            copy_in, issued = nbytes / copy, self.t
+        else:  # the unsharded grads copied into the reduce-scatter's input (dim-1 ones re-laid out first)
+            copy_in, issued = (nbytes + self.ctx.sizing.shard1_grad_bytes(params)) / copy, self.t
+        # offload: the shards come from the host first (not for a backward all-gather from a post-forward shard,
+        # ``ranks``, kept on the GPU); the reduced shard goes back (counted before the collective: the same time on
+        # its stream)
+        copy_in += 0.0 if c.ranks else self.ctx.host_copy_seconds(c.kind, params)
         if self.host is not None:  # launched by the hook at this boundary
             issued = max(issued, self.host.at(c.event))
         alpha, per_byte, link = (0.0, 0.0, "intra") if one_rank else self.ctx.link(c.kind, c.ranks, nbytes)
@@ -104,7 +111,8 @@ class Streams:
         self.busy[c.kind] += end - start + copy_in
         if c.kind is AG:
             self.ready[c.group] = end
-            self.copy_out[c.group] = nbytes / copy
+            # dim-1 params are copied out twice (through a temporary: sizing.py)
+            self.copy_out[c.group] = (nbytes + self.ctx.sizing.shard1_gather_bytes(params)) / copy
             if not c.backward and not c.prefetch:
                 self.last_forward_gather = self.t
         if end > start - copy_in and self.timeline.recording:  # (naming the group costs a planner's every plan)
@@ -172,7 +180,7 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
     issued_at, waits = _stops(sched, groups, len(ctx.trace.events))
     group_of = {p: gi for gi, g in enumerate(groups) for p in g.params}
     host = _host_clock(ctx, plan, sched, groups, recompute)
-    streams = Streams(ctx, plan, [g.gather_bytes for g in groups], timeline, host)
+    streams = Streams(ctx, plan, groups, timeline, host)
     n = len(ctx.trace.events)
     # forward_end: a run of ops never spans the step's forward/backward boundary, so each run has one phase
     # (pictures colour it by that; the clocks are unchanged, a run's time being the sum of its parts)

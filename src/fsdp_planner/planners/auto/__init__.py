@@ -15,6 +15,9 @@ bytes = 74.5 GiB on an H100, which leaves ~4.5 GiB of the 79.1 GiB CUDA reports 
 buffers and fragmentation beyond the allocator's inter-stream pools, none of which the prediction counts). A plan
 fits when its *reserved* memory (``sim/memory.py``: allocated plus the all-gather stream's own pool) is within it.
 Every classic plan is a candidate, so auto is never slower than a classic policy that fits.
+When no plan fits, auto searches again with FSDP2's memory options, in order: params sharded on dim 1 where dim 0 is
+smaller than the shard size (``ShardPlacement.AUTO``, when the model has such params), CPU offload, both; the first
+search that fits wins. A model that fits without them gets the plan it always got.
 ``Target.FSDP1`` searches only what FSDP1 can express: one module per unit, uniform dtype and requires_grad per
 unit, bool ``reshard_after_forward``, no prefetch lists.
 """
@@ -23,10 +26,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from fsdp_planner.batch import paused_gc
+from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
@@ -40,6 +44,7 @@ from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
+from fsdp_planner.sim.sizing import shard_dims, with_memory_options
 from fsdp_planner.trace.records import Trace
 
 
@@ -136,6 +141,7 @@ class AutoPolicy:
     checkpointing: ACMode | None = None  # activation checkpointing fixed for every plan; None: auto chooses
     mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
     name: str = "auto"
+    choose_memory_options: bool = True  # when nothing fits: try dim-1 sharding and CPU offload (module docstring)
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, Target):
@@ -161,7 +167,24 @@ class AutoPolicy:
 
     def search(self, trace: Trace, model: str = "") -> AutoResult:
         with paused_gc():
-            return self._search(trace, model)
+            result = self._search(trace, model)
+            for offload, placement in self._ways_out(trace, result):
+                tried = replace(self, options=self.options.with_memory_options(offload, placement),
+                                choose_memory_options=False)._search(trace, model)
+                if tried.fits:
+                    return tried
+            return result
+
+    def _ways_out(self, trace: Trace, result: AutoResult) -> list[tuple[bool, ShardPlacement]]:
+        """FSDP2's memory options to search with when ``result`` does not fit, cheapest first: dim-1 sharding (no
+        extra traffic beyond a copy, where the model has params it applies to), offload, both. None when it fits,
+        when the user fixed them, or when auto must plan for FSDP1 (which has no shard placement)."""
+        if result.fits or not self.choose_memory_options or self.target is Target.FSDP1 or self.options.offload \
+                or self.options.shard_placement is not ShardPlacement.DIM0:
+            return []
+        dim1 = bool(shard_dims(trace, self.cluster.world_size, ShardPlacement.AUTO))
+        ways = [(False, ShardPlacement.AUTO)] if dim1 else []
+        return [*ways, (True, ShardPlacement.DIM0), *([(True, ShardPlacement.AUTO)] if dim1 else [])]
 
     def _search(self, trace: Trace, model: str) -> AutoResult:
         """The best plan on each layout worth a full search, the fastest that fits overall (``_choose_meshes``)."""
@@ -201,8 +224,12 @@ class AutoPolicy:
 
     def _labelled(self, plan: Plan, ev: Evaluator) -> Plan:
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
+        opts = self.options
+        plan = with_memory_options(plan, ev.trace, ev.ctx.shard, opts.offload, opts.shard_placement,
+                                   opts.reduce_dtype.value if opts.reduce_dtype else "")
+        memory = (", offload" if plan.offload else "") + (", shard dim 1" if plan.shard_dims else "")
         return plan.copy(policy=(f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
-                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp})"), model=ev.model)
+                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{memory})"), model=ev.model)
 
     def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
                        ) -> tuple[dict[Mesh, Evaluator], dict[str, Candidate]]:
