@@ -131,3 +131,28 @@ def test_shard_dims_the_simulator_does_not_model_are_refused() -> None:
     plan = make_plan(tr, [["layers.0"]]).copy(shard_dims={"inp.weight": 1})
     with pytest.raises(PlannerError, match="shard_dims"):
         simulate(tr, plan, parse_cluster("h100:64"), options, timeline=False)
+
+
+def _gloo_job(plan_changes: dict) -> object:
+    from fsdp_planner.runtime.verify import run_verify
+
+    lm = load_model("toy-llama")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr, "toy-llama").copy(**plan_changes)
+    return run_verify("toy-llama", tr, plan, 2)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("changes", [
+    {"offload": True},
+    {"shard_dims": {"layers.0.attention.wq.weight": 1, "layers.1.feed_forward.w1.weight": 1, "output.weight": 1}},
+    {"reduce_dtype": "bf16"},
+], ids=["offload", "shard-dim-1", "bf16-reduce"])
+def test_gloo_job_with_each_memory_option_keeps_parity(changes: dict) -> None:
+    """torchrun + gloo, 2 ranks: FSDP2 with the option applied by apply_plan trains to the unsharded reference's
+    params (bf16 reduce: within bf16's precision) with the predicted collectives and bytes (bf16: half the
+    reduce-scatter bytes)."""
+    result = _gloo_job(changes)
+    assert result.counts_match and result.bytes_match and result.params_match, result
+    if "reduce_dtype" in changes:
+        assert result.counted_bytes[-1]["reduce_scatter"] * 2 == _gloo_job({}).counted_bytes[-1]["reduce_scatter"]

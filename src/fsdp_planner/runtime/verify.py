@@ -205,7 +205,9 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Coun
     """Per-step all-gather / reduce-scatter (HSDP: all-reduce) counts, and their bytes as FSDP2 sends them (padded,
     params' dtypes). FSDP2 issues no all-gather or reduce-scatter over a shard group of one rank."""
     shard = plan.shard_size(world_size)
-    sizing = Sizing(trace, shard)
+    # the plan's shard dims (no padding off dim 0) and reduce dtype (what the worker applies: apply_plan)
+    sizing = Sizing(trace, shard, dims=plan.shard_dims,
+                    reduce_itemsize={"fp32": 4, "bf16": 2}.get(plan.reduce_dtype))
     groups = sizing.groups(plan)
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)

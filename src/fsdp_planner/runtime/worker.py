@@ -166,7 +166,9 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
     result = train_steps(job, model, reference, opt, ref_opt, device, rank, world)
     ref_params = dict(reference.named_parameters())
     fulls = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters())
-    return {**result, **parity((name, full, ref_params[name]) for name, full in fulls)}
+    # grads reduce-scattered in bf16 (the plan's reduce_dtype) carry bf16's rounding into every param
+    reduced = torch.bfloat16 if Plan.from_json(job["plan"]).reduce_dtype == "bf16" else None
+    return {**result, **parity(((name, full, ref_params[name]) for name, full in fulls), reduced)}
 
 
 FP32_TOLERANCE = 1e-5  # params of 32 bits or more: a few roundings of fp32 over a few steps
@@ -185,11 +187,14 @@ def allowed_diff(reference: torch.Tensor, eps: float | None) -> float:
     return max(FP32_TOLERANCE, LOW_PRECISION_ULPS * eps * scale)
 
 
-def parity(pairs: Any) -> dict[str, Any]:
+def parity(pairs: Any, reduced: torch.dtype | None = None) -> dict[str, Any]:
     """(name, trained param, reference param) triples: the largest absolute difference, and the worst param in
-    units of what it may differ by (``allowed_diff``; above 1 fails). NaN (a diverged run) proves no parity."""
+    units of what it may differ by (``allowed_diff``; above 1 fails). NaN (a diverged run) proves no parity.
+    ``reduced``: a 16-bit dtype the grads were reduce-scattered in, whose precision bounds the params like 16-bit
+    params'."""
     pairs = list(pairs)
     low = [r.dtype for _, _, r in pairs if r.requires_grad and r.is_floating_point() and r.element_size() < 4]
+    low += [reduced] if reduced is not None else []
     eps = max((torch.finfo(d).eps for d in low), default=None)
     max_diff, error, worst = 0.0, 0.0, ""
     for name, trained, reference in pairs:

@@ -82,9 +82,12 @@ class Sizing:
     Planners size thousands of plans whose groups recur; per-group facts and per-collective bytes are cached."""
 
     def __init__(self, trace: Trace, world_size: int = 1, precision: Precision | None = None,
-                 like: Sizing | None = None, placement: ShardPlacement = ShardPlacement.DIM0) -> None:
+                 like: Sizing | None = None, placement: ShardPlacement = ShardPlacement.DIM0,
+                 dims: dict[str, int] | None = None, reduce_itemsize: int | None = None) -> None:
         """``like``: the sizing of the same trace at another world size, whose per-group uses (they do not depend on
-        the world size) are shared. ``placement``: the dim each param is sharded on (module docstring)."""
+        the world size) are shared. ``placement``: the dim each param is sharded on (module docstring); ``dims``:
+        a plan's own ``shard_dims`` instead. ``reduce_itemsize``: the reduce dtype's bytes when ``precision`` is
+        None (a plan's ``reduce_dtype`` over the params' own dtypes)."""
         self.trace, self.world_size = trace, world_size
         # bytes per param (padded to the world size, at the precision's dtypes or each param's own), for sums over
         # thousands of params at C speed (a plan's root or large groups)
@@ -93,12 +96,12 @@ class Sizing:
         def itemsize(field: str) -> np.ndarray:  # the precision's dtype for these bytes, else each param's own
             return own if precision is None else np.full_like(own, getattr(precision, field))
 
-        dims = [shard_dim(p, world_size, placement) for p in trace.params]
-        self._padded = np.array([sharded_numel(p, world_size, d) for p, d in zip(trace.params, dims, strict=True)],
+        on = [dims.get(p.fqn, 0) if dims is not None else shard_dim(p, world_size, placement) for p in trace.params]
+        self._padded = np.array([sharded_numel(p, world_size, d) for p, d in zip(trace.params, on, strict=True)],
                                 dtype=np.int64)
-        self._dim1 = np.array([d != 0 for d in dims], dtype=bool)  # the params copied once more each way
+        self._dim1 = np.array([d != 0 for d in on], dtype=bool)  # the params copied once more each way
         self._gather = self._padded * itemsize("gather_bytes")
-        self._reduce_per = self._padded * itemsize("reduce_bytes")
+        self._reduce_per = self._padded * (itemsize("reduce_bytes") if reduce_itemsize is None else reduce_itemsize)
         self._grad_per = np.array([p.numel for p in trace.params], dtype=np.int64) * \
             itemsize("compute_bytes")
         self._gather1 = np.where(self._dim1, self._gather, 0)
