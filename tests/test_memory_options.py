@@ -156,3 +156,33 @@ def test_gloo_job_with_each_memory_option_keeps_parity(changes: dict) -> None:
     assert result.counts_match and result.bytes_match and result.params_match, result
     if "reduce_dtype" in changes:
         assert result.counted_bytes[-1]["reduce_scatter"] * 2 == _gloo_job({}).counted_bytes[-1]["reduce_scatter"]
+
+
+def test_exported_code_applies_the_memory_options() -> None:
+    """export writes OFFLOAD, SHARD_DIMS and the plan's reduce dtype; its apply() shards the named params on dim 1
+    with real FSDP2 on 64 fake ranks, and the step runs."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_planner.apply.export import export_plan
+    from fsdp_planner.choices import ExportFormat
+
+    tr = _traced(EXPERTS, SimOptions.named())
+    plan = with_memory_options(make_plan(tr, [["layers.0"], ["layers.1"]]), tr, 64, True, ShardPlacement.AUTO, "bf16")
+    scope: dict = {}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON), "exported.py", "exec"), scope)
+    assert scope["OFFLOAD"] is True and scope["SHARD_DIMS"] == plan.shard_dims
+    assert scope["REDUCE_DTYPE"] is None and scope["PARAM_DTYPE"] == torch.bfloat16  # bf16 reduce = compute dtype
+    lm = load_model(EXPERTS, meta=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
+    try:
+        model = scope["apply"](lm.model, init_device_mesh("cpu", (64,)))
+        assert model.layers[0].w_in.placements == (Shard(1),) and model.inp.weight.placements == (Shard(0),)
+        assert isinstance(scope["CPUOffloadPolicy"](), CPUOffloadPolicy)
+        model(*lm.example_inputs).float().sum().backward()
+    finally:
+        dist.destroy_process_group()

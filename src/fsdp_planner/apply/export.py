@@ -18,20 +18,24 @@ from typing import Any
 
 import torch
 
-from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat
+from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.sim.options import PRECISIONS
+from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 
 APPLY_BODY = '''
 
 def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) -> nn.Module:
-    """Shard ``model`` in place as the plan says and return it. ``fsdp_kwargs`` go to every ``fully_shard``:
-    offload_policy, or an mp_policy in place of ``mixed_precision()`` (the precision the plan was simulated with)."""
+    """Shard ``model`` in place as the plan says and return it. ``fsdp_kwargs`` go to every ``fully_shard``: an
+    mp_policy in place of ``mixed_precision()`` (the precision the plan was simulated with), an offload_policy or a
+    shard_placement_fn in place of the plan's (OFFLOAD, SHARD_DIMS)."""
     mesh = mesh or make_mesh()
     fsdp_kwargs.setdefault("mp_policy", mixed_precision())
+    fsdp_kwargs.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if OFFLOAD
+                           else OffloadPolicy())
+    fsdp_kwargs.setdefault("shard_placement_fn", shard_placement(model))
     modules = dict(model.named_modules())
     for name in CHECKPOINTED:  # activation checkpointing before sharding, as torchtitan does
         checkpoint(modules[name])
@@ -56,6 +60,15 @@ def mixed_precision() -> MixedPrecisionPolicy:
     """FSDP2's mixed precision for PRECISION: params all-gathered and computed in PARAM_DTYPE, grads reduced in
     REDUCE_DTYPE (None: FSDP2 keeps the dtype it has)."""
     return MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
+
+
+def shard_placement(model: nn.Module) -> Callable[[nn.Parameter], Shard | None] | None:
+    """Shard(dim) for the params SHARD_DIMS names (each dim must divide evenly by the shard size), FSDP2's default
+    Shard(0) for the others; None when the plan shards every param on dim 0."""
+    if not SHARD_DIMS:
+        return None
+    dims = {id(p): SHARD_DIMS[n] for n, p in model.named_parameters(remove_duplicate=False) if n in SHARD_DIMS}
+    return lambda param: Shard(dims[id(param)]) if id(param) in dims else None
 
 
 def make_mesh(device_type: str | None = None) -> DeviceMesh:
@@ -84,6 +97,7 @@ Each entry of GROUPS is one ``fully_shard`` call: (module names, reshard_after_f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,7 +105,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import Shard
 
 '''
 
@@ -149,6 +170,10 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     lines.append(f"BACKWARD_PREFETCH: dict[int, list[int]] = {py_literal(bwd)}")
     lines.append(f"MESH: tuple[int, int] | None = {py_literal(mesh)}  # (replicate, shard); None: pure FSDP over the "
                  "world")
+    lines.append(f"OFFLOAD: bool = {py_literal(plan.offload)}  # CPUOffloadPolicy: sharded state and the optimizer "
+                 "step on the CPU")
+    lines.append(f"SHARD_DIMS: dict[str, int] = {py_literal(dict(plan.shard_dims))}  # param -> dim it is sharded on, "
+                 "where not 0")
     return "\n".join(lines)
 
 
@@ -206,4 +231,6 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
     """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
     plan's numbers were simulated with: a plan file does not record it)."""
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
+    # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
+    precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
     return header + plan_constants(plan, precision) + "\n" + APPLY_BODY + TAILS[fmt]
