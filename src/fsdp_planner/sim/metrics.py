@@ -112,7 +112,7 @@ def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None,
     ``reshard_after_forward`` ints kept as given), at each param's own dtype, or at ``precision``'s when the plan
     is simulated with it: then the unsharded bytes are those of the simulation's memory breakdown."""
     sched = build_schedule(trace, plan, world_size)
-    sizing = Sizing(trace, world_size or 1, precision)
+    sizing = Sizing(trace, world_size or 1, precision, dims=plan.shard_dims)  # Shard(1) params: not padded
     ag = [c for c in sched.collectives if c.kind is CollectiveKind.ALL_GATHER]
     rs = [c for c in sched.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
     gathered = [g.gather_bytes for g in sizing.groups(plan)]

@@ -104,6 +104,7 @@ class Sizing:
         self._reduce_per = self._padded * (itemsize("reduce_bytes") if reduce_itemsize is None else reduce_itemsize)
         self._grad_per = np.array([p.numel for p in trace.params], dtype=np.int64) * \
             itemsize("compute_bytes")
+        self._any_dim1 = bool(self._dim1.any())  # checked per collective: most models have none
         self._gather1 = np.where(self._dim1, self._gather, 0)
         self._grad1 = np.where(self._dim1, self._grad_per, 0)
         self._facts: dict[tuple[str, ...], GroupFacts] = {}
@@ -154,11 +155,11 @@ class Sizing:
 
     def shard1_gather_bytes(self, params: Iterable[int]) -> int:
         """The copy-out temporary of these params' all-gather: the unsharded bytes of those sharded on dim > 0."""
-        return _sum(self._gather1, params) if self._dim1.any() else 0
+        return _sum(self._gather1, params) if self._any_dim1 else 0
 
     def shard1_grad_bytes(self, params: tuple[int, ...]) -> int:
         """The re-laid-out grads of these params sharded on dim > 0 (``torch.cat`` before the copy-in)."""
-        return _sum(self._grad1, params) if self._dim1.any() else 0
+        return _sum(self._grad1, params) if self._any_dim1 else 0
 
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""

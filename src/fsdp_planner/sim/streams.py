@@ -44,11 +44,10 @@ from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, Stream, Timeline, W
 class Streams:
     """The host and compute clocks, the communication streams and the links they share."""
 
-    def __init__(self, ctx: SimContext, plan: Plan, groups: list[GroupFacts], timeline: bool,
+    def __init__(self, ctx: SimContext, plan: Plan, gather: list[int], timeline: bool,
                  host: HostClock | None) -> None:
-        self.ctx, self.plan, self.host = ctx, plan, host
-        self.gather = [g.gather_bytes for g in groups]
-        self.group_params = [g.params for g in groups]
+        self.ctx, self.plan, self.gather, self.host = ctx, plan, gather, host
+        self.group_params = ctx.sizing.group_params(plan)  # (cached per group) what offload copies and dim 1 adds
         self.t = 0.0  # compute clock at the start of event ``pos``
         self.pos = 0
         self.free = {AG: 0.0, RS: 0.0, AR: 0.0}  # when each stream is idle again
@@ -180,7 +179,7 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
     issued_at, waits = _stops(sched, groups, len(ctx.trace.events))
     group_of = {p: gi for gi, g in enumerate(groups) for p in g.params}
     host = _host_clock(ctx, plan, sched, groups, recompute)
-    streams = Streams(ctx, plan, groups, timeline, host)
+    streams = Streams(ctx, plan, [g.gather_bytes for g in groups], timeline, host)
     n = len(ctx.trace.events)
     # forward_end: a run of ops never spans the step's forward/backward boundary, so each run has one phase
     # (pictures colour it by that; the clocks are unchanged, a run's time being the sum of its parts)
