@@ -20,6 +20,7 @@ from fsdp_planner.choices import (
     POLICY_NAMES,
     ACMode,
     PolicyName,
+    ShardPlacement,
     Target,
     ZeroGrad,
 )
@@ -224,6 +225,9 @@ def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool
         if args.measure:
             notes.append("--measure has no effect without --cluster: measured times only feed the step simulation "
                          "(nothing measured)")
+        if args.shard_placement == ShardPlacement.AUTO.value:
+            notes.append("--shard-placement auto has no effect without --cluster: the shard size decides which "
+                         "params go on dim 1 (none recorded)")
     return notes
 
 
