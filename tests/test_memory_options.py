@@ -13,6 +13,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
+from fsdp_planner.planners.auto import AutoPolicy
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.options import SimOptions
@@ -186,3 +187,21 @@ def test_exported_code_applies_the_memory_options() -> None:
         model(*lm.example_inputs).float().sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_auto_turns_to_offload_only_when_nothing_fits() -> None:
+    """Under a budget below every plan's peak, auto searches again with CPU offload and returns a plan that
+    records it (toy-llama has no param that dim-1 sharding helps at 8 ranks); under a budget that fits, the plan
+    is the one auto makes without memory options."""
+    tr = _traced("toy-llama", SimOptions())
+    cluster = parse_cluster("h100:8")
+    free = AutoPolicy(cluster).search(tr)
+    assert not free.plan.offload and not free.plan.shard_dims
+    budget = free.min_peak // 2
+    without = AutoPolicy(cluster, budget, choose_memory_options=False).search(tr)
+    assert not without.fits
+    found = AutoPolicy(cluster, budget).search(tr)
+    assert found.fits and found.plan.offload and found.report.reserved_memory <= budget
+    assert found.report.cpu_optimizer_time > 0 and "offload" in found.plan.policy
+    fitting = AutoPolicy(cluster, free.report.reserved_memory).search(tr).plan
+    assert fitting.copy(policy="").to_json() == free.plan.copy(policy="").to_json()  # (the label names the budget)
