@@ -92,7 +92,8 @@ def with_reduce_dtype(precision: Precision, reduce: ReduceDtype | None) -> Preci
         return precision
     if precision.autocast:  # autocast runs FSDP2 without a MixedPrecisionPolicy (Precision.fsdp_dtypes)
         raise PlannerError(f"--reduce-dtype needs an FSDP2 mixed precision; {precision.name} casts outside FSDP2")
-    return replace(precision, name=f"{precision.name}+reduce-{reduce.value}", reduce_bytes=REDUCE_BYTES[reduce],
+    # the name stays the precision's (a plan records it, and its reduce dtype apart)
+    return replace(precision, reduce_bytes=REDUCE_BYTES[reduce],
                    description=f"{precision.description}; grads reduced in {reduce.value}")
 
 
