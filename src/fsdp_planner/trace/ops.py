@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.step import NullRecorder, Slot
 
@@ -51,14 +53,11 @@ class OpRecorder(TorchDispatchMode):
         if type(self.slot.recorder) is NullRecorder or func.namespace == "prim":
             # the tracer's own tensors (replayed calls), or a metadata query (prim.device on a fake tensor): no op
             return func(*args, **kwargs)
-        if self.sync is None:
-            out = func(*args, **kwargs)
-        else:
-            self.sync()
-            start = time.perf_counter()
-            out = func(*args, **kwargs)
-            self.sync()
-            self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
+        try:
+            out = self._run(func, args, kwargs)
+        except Exception as e:
+            mark(e, op_name(func), self.slot.recorder.current_module())
+            raise
         flat_in = flat_leaves(args, kwargs)
         flat_out = flat_leaves((out,))
         if self.slot.produced is not None:
@@ -87,6 +86,20 @@ class OpRecorder(TorchDispatchMode):
             recorder.loss.track(flat_out)
             live = recorder.loss.current
         recorder.op(tuple(sorted(used)), flops, nbytes, live)
+        return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The op itself (timed when measuring), refused first where a real kernel would refuse it and a meta
+        kernel would not (``failures.check_operand_dtypes``; forward only: backward follows what forward did)."""
+        if not self.slot.recorder.backward:
+            check_operand_dtypes(func, args)
+        if self.sync is None:
+            return func(*args, **kwargs)
+        self.sync()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
         return out
 
 

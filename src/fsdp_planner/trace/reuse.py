@@ -144,6 +144,7 @@ class ActionLog(StepRecorder):
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         self._log(("fwd_pre", self._rel(fqn), grad_inputs, inputs_nbytes))
+        self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         return call
 
     def modified_input(self, fqn: str) -> None:
@@ -151,6 +152,7 @@ class ActionLog(StepRecorder):
 
     def exit_forward(self, fqn: str) -> int:
         self._log(("fwd_post", self._rel(fqn)))
+        self.fwd_stack.pop()
         return self.calls[fqn] - 1
 
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
