@@ -18,9 +18,11 @@ Measured, on the last step (the first creates the optimizer state):
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
@@ -40,7 +43,9 @@ from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, resolve_fact
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import ZeroGrad
 from fsdp_planner.sim.simulate import StepReport
+from fsdp_planner.trace.failures import check_operand_dtypes, failed_at, first_line, mark, op_name
 from fsdp_planner.trace.recorder import default_loss, split_inputs
+from fsdp_planner.trace.tree import ROOT
 
 MAX_FAKE_WORLD = 1 << 20
 
@@ -79,6 +84,7 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._resize: Any = None
+        self.calls: list[str] = []  # the module calls running now (``module_calls``), innermost last
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
@@ -104,7 +110,12 @@ class LiveBytes(TorchDispatchMode):
         self._refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
+        try:
+            check_operand_dtypes(func, args)  # fake kernels let a mixed-dtype matmul through; real ones do not
+            out = func(*args, **(kwargs or {}))
+        except Exception as e:
+            mark(e, op_name(func), self.calls[-1] if self.calls else ROOT)
+            raise
         self.track(tree_flatten(out)[0])
         return out
 
@@ -129,6 +140,33 @@ class LiveBytes(TorchDispatchMode):
         super().__exit__(*exc)
 
 
+@contextlib.contextmanager
+def module_calls(model: torch.nn.Module, calls: list[str]) -> Iterator[None]:
+    """``calls`` kept as the stack of ``model``'s module calls running now; a call that raises marks its exception
+    with its module (``trace.failures``), so the user's error names where it happened."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        if id(module) in names:
+            calls.append(names[id(module)])
+
+    def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if id(module) not in names:
+            return
+        failure = sys.exc_info()[1]
+        if failure is not None and output is None:  # always_call: torch runs this in its except clause
+            mark(failure, None, names[id(module)], type(module).__name__)
+        if calls:
+            calls.pop()
+
+    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def check_precision(precision: Precision) -> None:
     if precision.autocast:
         raise PlannerError(f"the fake-world check runs FSDP2's own mixed precision; '{precision.name}' uses "
@@ -148,6 +186,18 @@ def mixed_precision(precision: Precision, model: torch.nn.Module) -> Any:
     compute, reduce = dtypes[precision.compute_bytes], dtypes[precision.reduce_bytes]
     return MixedPrecisionPolicy(param_dtype=None if compute == storage else compute,
                                 reduce_dtype=None if reduce == compute else reduce)
+
+
+def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, tracker: LiveBytes, spec: str) -> None:
+    """Forward, loss and backward; what the user's model raises is one line naming the op and the module."""
+    try:
+        with module_calls(model, tracker.calls):
+            loss_fn(model(*args, **kwargs)).backward()
+    except (Exception, SystemExit) as e:
+        failed = failed_at(e)
+        where = f"{failed.describe()} raised " if failed is not None else ""
+        raise PlannerError(f"'{spec}' failed under real FSDP2 on fake ranks: {where}{type(e).__name__}: "
+                           f"{first_line(e)}") from e
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
@@ -186,7 +236,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                          *(p.grad for p in model.parameters() if p.grad is not None)]
                 with tracker, counter:  # a new tracker per step: the last step's peak is kept
                     tracker.track(alive)
-                    loss_fn(model(*args, **kwargs)).backward()
+                    _step(model, args, kwargs, loss_fn, tracker, spec)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=zero_grad is ZeroGrad.NONE)
                 counts, nbytes = counter.take()

@@ -20,7 +20,7 @@ from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.sim.options import precision_named
-from fsdp_planner.trace.failures import failed_at
+from fsdp_planner.trace.failures import failed_at, first_line
 from fsdp_planner.trace.recorder import trace as record
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -41,12 +41,6 @@ class PrecisionError(PlannerError):
         self.fix = ("cast in forward: build tensors in the activations' dtype (torch.ones(..., dtype=x.dtype)) or "
                     "cast them (t.to(x.dtype)); or plan with --precision fp32")
         super().__init__(f"{self.problem}; {self.fix}")
-
-
-def first_line(e: BaseException, limit: int = 200) -> str:
-    """The exception's first line, cut to ``limit`` characters: one line of an error, whatever PyTorch wrote."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def resolve_precision(precision: Precision | str) -> Precision:

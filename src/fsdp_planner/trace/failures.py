@@ -39,10 +39,10 @@ class FailedOp:
     kind: str = ""
 
     def describe(self) -> str:
-        where = "the model's top level" if self.module == ROOT else f"module '{self.module}'"
         if self.op is None:
-            return f"the forward of {where}" + (f" ({self.kind})" if self.kind else "")
-        return f"{self.op} in {where}"
+            return f"the forward of module '{self.module}'" + (f" ({self.kind})" if self.kind else "") \
+                if self.module != ROOT else "the model's forward"
+        return f"{self.op} " + ("at the model's top level" if self.module == ROOT else f"in module '{self.module}'")
 
 
 def op_name(func: Any) -> str:
@@ -76,3 +76,9 @@ def failed_at(e: BaseException) -> FailedOp | None:
             return found
         e = e.__cause__  # type: ignore[assignment]
     return None
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The exception's first line, cut to ``limit`` characters: one line of an error, whatever PyTorch wrote."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
