@@ -82,8 +82,8 @@ def test_live_bytes_equals_torch_mem_tracker() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.fsdp2.precision import mixed_precision
     from fsdp_planner.models import resolve_factory
-    from fsdp_planner.runtime.fake_world import mixed_precision
 
     tr = _traced("toy-llama", SimOptions())
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)

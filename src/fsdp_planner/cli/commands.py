@@ -86,9 +86,9 @@ def verify(sub: Subparsers) -> None:
     sp.add_argument("--fake-world-size", type=int, metavar="W",
                     help="run real FSDP2 on W fake ranks in this process (fake process group and fake tensors, any "
                          "model, no torchrun) and compare collectives, bytes and peak memory with the prediction")
-    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
-                    help=f"--fake-world-size: the mixed precision to run (default {DEFAULT_PRECISION}; torchrun "
-                         "jobs train in fp32)")
+    sp.add_argument("--precision", default=None, choices=list(PRECISION_NAMES),
+                    help=f"the mixed precision FSDP2 trains in (its MixedPrecisionPolicy; default {DEFAULT_PRECISION}, "
+                         "as plan assumes; the model is traced in it too); --fsdp1 trains in fp32")
     sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
                     help="--fake-world-size: how the loop clears grads (none = set_to_none=True, the default; "
                          "zeros = set_to_none=False)")

@@ -267,11 +267,18 @@ def _parity_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     losses of both."""
     worst = f" ({escape(result.worst_param)}, {result.param_error:.3g}x its bound)" \
         if not result.params_match and result.worst_param else ""
-    return [("params vs unsharded reference (max abs diff)",
-             f"<= {result.tolerance:g} (training 16-bit params: {LOW_PRECISION_ULPS} steps of their precision)",
+    return [(f"params vs unsharded reference (max abs diff, {result.precision})", parity_bound(result),
              f"{result.max_abs_diff:.3g}{worst}", OK if result.params_match else BAD),
             ("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
              " ".join(f"{x:.5f}" for x in result.losses), "")]
+
+
+def parity_bound(result: VerifyResult) -> str:
+    """What the params may differ by, in the words of what the job trained: fp32's bound, or a few steps of the
+    16-bit dtype its params or its compute were in."""
+    if not result.bound:
+        return f"<= {result.tolerance:g}"
+    return f"<= {LOW_PRECISION_ULPS} steps of {result.bound} at each param's scale"
 
 
 def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:

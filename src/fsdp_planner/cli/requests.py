@@ -27,6 +27,7 @@ from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import parse_count, parse_size
 from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.fsdp2.precision import check_precision
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, planning_only
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
@@ -228,11 +229,12 @@ class VerifyRequest:
     load_checkpoint: Path | None
     json: bool
     notes: tuple[str, ...]
+    options: SimOptions  # what the job trains in (--precision) and with (SGD with momentum)
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
     # the job machinery (torchrun, DCP, the fake process group) is imported by the commands that run a job only
-    from fsdp_planner.runtime.verify import check_load_dir, check_save_dir
+    from fsdp_planner.runtime.verify import JOB_OPTIMIZER, check_load_dir, check_save_dir, job_precision
 
     if args.nproc < 1:
         raise PlannerError(f"--nproc must be at least 1, got {args.nproc}")
@@ -249,10 +251,10 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
         check_save_dir(args.save_checkpoint)
     if args.load_checkpoint is not None:
         check_load_dir(args.load_checkpoint, "")
+    options = SimOptions.named(job_precision(args.precision, args.fsdp1).name, JOB_OPTIMIZER)
     notes = []
-    if args.precision != DEFAULT_PRECISION or args.zero_grad != ZeroGrad.NONE.value:
-        notes.append("--precision and --zero-grad apply with --fake-world-size: torchrun jobs train in fp32 with "
-                     "zero_grad()")
+    if args.zero_grad != ZeroGrad.NONE.value:
+        notes.append("--zero-grad applies with --fake-world-size: torchrun jobs clear grads with zero_grad()")
     source = plan_source(args)
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
@@ -261,7 +263,7 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
                           plan_file=source.plan_file is not None)
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
-                         args.json, tuple(notes))
+                         args.json, tuple(notes), options)
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,7 @@ class FakeWorldRequest:
 
 
 def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
-    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, check_precision
+    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD
 
     if args.fsdp1:
         raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
@@ -295,7 +297,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
-    options = SimOptions.named(args.precision, zero_grad=args.zero_grad)
+    options = SimOptions.named(args.precision or DEFAULT_PRECISION, zero_grad=args.zero_grad)
     check_precision(options.precision)
     source = plan_source(args)
     cluster = parse_cluster(args.cluster or f"h100:{world}")

@@ -26,8 +26,6 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.records import Trace
 
-FP32 = SimOptions.named("fp32", "sgd-momentum")  # what the torchrun jobs train with (worker.py)
-
 
 def run(args: argparse.Namespace) -> int:
     if args.fake_world_size is not None:
@@ -39,10 +37,11 @@ def run(args: argparse.Namespace) -> int:
     if request.measure and predict_on is None:
         render.note("--measure has no effect without a --cluster of --nproc ranks to predict the step time on")
     host = predict_on is not None and predict_on.engine is Engine.HOST
+    options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
     tr = load_trace(request.model, render.notes, measure=request.measure and predict_on is not None,
-                    full=request.full_trace, precision=FP32.precision if predict_on else None,
+                    full=request.full_trace, precision=options.precision,
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
-    plan = _plan(tr, request.source, request.model.name, request.plan_cluster, SimOptions(), request.nproc)
+    plan = _plan(tr, request.source, request.model.name, request.plan_cluster, options, request.nproc)
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -50,13 +49,15 @@ def run(args: argparse.Namespace) -> int:
     if not request.json:
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} with {request.nproc} processes"
-                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps ...")
+                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps in "
+                             f"{options.precision.name} ...")
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
         result = run_verify(request.model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
                             timed_steps=0 if request.fsdp1 else request.time_steps,
-                            save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint)
+                            save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
+                            precision=options.precision)
     if predict_on is not None and not request.fsdp1:
-        predicted = simulate(tr, plan, predict_on, FP32, timeline=False).step_time
+        predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
         result = dataclasses.replace(result, predicted_step=predicted)
     _report(result, request, predict_on)
     return 0 if result.ok else 1

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from fsdp_planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -39,3 +45,30 @@ class Precision:
     def gather_bytes(self) -> int:
         """Bytes per element of an all-gathered (unsharded) param."""
         return self.param_bytes if self.autocast else self.compute_bytes
+
+
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}  # bytes per element -> the dtype FSDP2 runs them in
+
+
+def check_precision(precision: Precision) -> None:
+    """What ``verify`` can run: FSDP2's own mixed precision, not torch.autocast."""
+    if precision.autocast:
+        raise PlannerError(f"verify runs FSDP2's own mixed precision (MixedPrecisionPolicy); '{precision.name}' uses "
+                           "torch.autocast, which it does not: use fp32, bf16-mixed or pure-bf16")
+
+
+def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecisionPolicy:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built (the
+    precision's param dtype: FSDP2 keeps the sharded params in the dtype they were built in)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # the distributed stack: for a run only
+
+    check_precision(precision)
+    storage = _DTYPES[precision.param_bytes]
+    built = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if built - {storage}:
+        raise PlannerError(f"precision '{precision.name}' stores params in {str(storage)[6:]} but the model builds "
+                           f"them in {', '.join(sorted(str(d)[6:] for d in built))}: build the model in that dtype "
+                           "or pick a precision that matches it (--precision)")
+    compute, reduce = _DTYPES[precision.compute_bytes], _DTYPES[precision.reduce_bytes]
+    return MixedPrecisionPolicy(param_dtype=None if compute == storage else compute,
+                                reduce_dtype=None if reduce == compute else reduce)

@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -38,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, resolve_factory
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import ZeroGrad
@@ -165,27 +164,6 @@ def module_calls(model: torch.nn.Module, calls: list[str]) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
-
-
-def check_precision(precision: Precision) -> None:
-    if precision.autocast:
-        raise PlannerError(f"the fake-world check runs FSDP2's own mixed precision; '{precision.name}' uses "
-                           "torch.autocast, which it does not: use fp32, bf16-mixed or pure-bf16")
-
-
-def mixed_precision(precision: Precision, model: torch.nn.Module) -> Any:
-    """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built."""
-    check_precision(precision)
-    dtypes = {2: torch.bfloat16, 4: torch.float32}
-    storage = dtypes[precision.param_bytes]
-    built = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if built - {storage}:
-        raise PlannerError(f"precision '{precision.name}' stores params in {str(storage)[6:]} but the model builds "
-                           f"them in {', '.join(sorted(str(d)[6:] for d in built))}: build the model in that dtype "
-                           "or pick a precision that matches it")
-    compute, reduce = dtypes[precision.compute_bytes], dtypes[precision.reduce_bytes]
-    return MixedPrecisionPolicy(param_dtype=None if compute == storage else compute,
-                                reduce_dtype=None if reduce == compute else reduce)
 
 
 def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, tracker: LiveBytes, spec: str) -> None:
