@@ -19,6 +19,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import ExecutionOrderPolicy
 from fsdp_planner.runtime.fake_world import run_fake_world
+from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.sim.options import PRECISIONS
 from fsdp_planner.trace import trace as record
 
@@ -138,3 +139,61 @@ def test_readme_python_example_gives_the_cli_figures(capsys, tmp_path, monkeypat
     lm = example["lm"]
     own = fp.simulate(record(lm.model, lm.example_inputs, lm.loss_fn), plan, cluster).summary()
     assert (own["step_time"], own["peak_memory"]) != (api["step_time"], api["peak_memory"])
+
+
+FP32_MLP = f"{MODELS}:fp32_mlp"
+
+
+def _verify_result(precision: str, bound: str) -> VerifyResult:
+    counts = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0}
+    return VerifyResult(world_size=2, steps=1, backend="gloo", predicted=counts, counted=[counts],
+                        counted_bytes=[counts], predicted_bytes=counts, losses=[1.0], reference_losses=[1.0],
+                        max_abs_diff=0.0, precision=precision, bound=bound)
+
+
+def test_the_parity_row_says_what_the_job_trained_in():
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import verify_table
+
+    def row(result: VerifyResult) -> str:
+        console = Console(width=200, record=True)
+        console.print(verify_table(result))
+        return next(line for line in console.export_text().splitlines() if "unsharded reference" in line)
+
+    fp32 = row(_verify_result("fp32", ""))
+    assert "fp32" in fp32 and "<= 1e-05" in fp32 and "16-bit" not in fp32 and "bfloat16" not in fp32
+    assert "bf16-mixed" in (bf16 := row(_verify_result("bf16-mixed", "bfloat16"))) and "steps of bfloat16" in bf16
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--fsdp1", "--precision", "bf16-mixed"), "--fsdp1 trains in fp32"),
+    (("--precision", "autocast"), "'autocast' uses torch.autocast"),
+])
+def test_verify_refuses_a_precision_it_cannot_train_in_one_line(capsys, args, message):
+    code, _, err = run_main(capsys, "verify", FP32_MLP, "--policy", "order", *args)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def _verify_json(capsys, *args: str) -> dict:
+    code, out, err = run_main(capsys, "verify", FP32_MLP, "--policy", "order", "--steps", "2", "--time-steps", "0",
+                              "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.integration
+def test_verify_trains_in_the_precision_plan_assumes(capsys):
+    """Default: bf16-mixed, as ``plan``: FSDP2 all-gathers bf16 (half the fp32 job's bytes), the losses are not the
+    fp32 job's, and the reference, casting as FSDP2 does, still matches; ``--precision fp32`` trains in fp32 and
+    says so (no 16-bit wording)."""
+    bf16, fp32 = _verify_json(capsys), _verify_json(capsys, "--precision", "fp32")
+    assert (bf16["precision"], bf16["bound"]) == ("bf16-mixed", "bfloat16")
+    assert (fp32["precision"], fp32["bound"]) == ("fp32", "")
+    assert bf16["ok"] and fp32["ok"] and fp32["max_abs_diff"] <= 1e-5
+    assert bf16["counted_bytes"][0]["all_gather"] * 2 == fp32["counted_bytes"][0]["all_gather"]
+    assert bf16["counted_bytes"][0]["reduce_scatter"] == fp32["counted_bytes"][0]["reduce_scatter"]  # fp32 reduce
+    assert bf16["losses"][0] != fp32["losses"][0]
+    code, out, _ = run_main(capsys, "verify", FP32_MLP, "--policy", "order", "--steps", "1", "--time-steps", "0",
+                            "--precision", "fp32")
+    assert code == 0 and "16-bit" not in out and "bfloat16" not in out and "in fp32" in out
