@@ -1,6 +1,6 @@
 """``fsdp-planner check MODEL [--plan FILE | --policy NAME]``: FSDP pitfalls in a model and a plan, each with its
-severity and fix. Exit 1 when a finding is an error (the run would fail or be wrong), 0 otherwise, 2 for bad
-input."""
+severity and fix. Exit 1 when a finding is an error (the run would fail or be wrong: a step failing in the
+precision's compute dtype among them, ``sim/tracing.py``), 0 otherwise, 2 for bad input."""
 
 from __future__ import annotations
 
