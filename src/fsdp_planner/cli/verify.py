@@ -36,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     predict_on = _prediction_cluster(request)
     if request.measure and predict_on is None:
         render.note("--measure has no effect without a --cluster of --nproc ranks to predict the step time on")
+    elif request.measure and request.options.precision.trace_dtype is not None:
+        render.note(f"--measure times the model's ops in its own dtypes, but the job trains in "
+                    f"{request.options.precision.name}: add --precision fp32 to predict a job timed like them")
     host = predict_on is not None and predict_on.engine is Engine.HOST
     options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
     tr = load_trace(request.model, render.notes, measure=request.measure and predict_on is not None,
