@@ -197,3 +197,15 @@ def test_verify_trains_in_the_precision_plan_assumes(capsys):
     code, out, _ = run_main(capsys, "verify", FP32_MLP, "--policy", "order", "--steps", "1", "--time-steps", "0",
                             "--precision", "fp32")
     assert code == 0 and "16-bit" not in out and "bfloat16" not in out and "in fp32" in out
+
+
+def test_verify_measure_says_when_the_job_trains_in_another_precision(capsys, monkeypatch):
+    """Measured op times are the model's own dtypes': a bf16-mixed job is not timed like them, and a note says so."""
+    from fsdp_planner.cli import verify
+
+    monkeypatch.setattr(verify, "run_verify", lambda *a, **k: (_ for _ in ()).throw(PlannerError("stop here")))
+    for args, noted in (((), True), (("--precision", "fp32"), False)):
+        code, _, err = run_main(capsys, "verify", FP32_MLP, "--policy", "order", "--cluster", "h100:2", "--measure",
+                                *args)
+        assert code == 2 and err.rstrip().endswith("error: stop here"), err
+        assert ("the job trains in bf16-mixed: add --precision fp32" in err) is noted, err
