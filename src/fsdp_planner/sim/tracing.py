@@ -38,8 +38,9 @@ class PrecisionError(PlannerError):
         where = f"{self.failed.describe()} raised " if self.failed is not None else ""
         self.problem = (f"the step fails in {dtype}, the compute dtype of precision '{precision.name}': "
                         f"{where}{type(cause).__name__}: {first_line(cause)}")
-        self.fix = ("cast in forward: build tensors in the activations' dtype (torch.ones(..., dtype=x.dtype)) or "
-                    "cast them (t.to(x.dtype)); or plan with --precision fp32")
+        self.fix = ("cast in forward, so the op's operands share a dtype (build tensors with dtype=x.dtype, or "
+                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), or plan with "
+                    "--precision fp32")
         super().__init__(f"{self.problem}; {self.fix}")
 
 

@@ -21,6 +21,12 @@ _aten = torch.ops.aten
 # Ops whose CPU and CUDA kernels require one dtype for all floating operands (their meta kernels do not check).
 SAME_DTYPE_OPS = frozenset({_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.mv, _aten.addmv,
                             _aten.dot, _aten.vdot, _aten.convolution})
+# Normalizations: the input first, then weight, bias (and a batch norm's running stats). Real kernels take params of
+# the input's dtype, or float32 params for a 16-bit input; FSDP2's mixed precision casts the weight to bf16 but not
+# the running stats (buffers), which no kernel takes.
+NORM_OPS = frozenset({_aten.native_batch_norm, _aten._native_batch_norm_legit,
+                      _aten._native_batch_norm_legit_functional, _aten._native_batch_norm_legit_no_training,
+                      _aten.native_layer_norm, _aten.native_group_norm})
 _ATTRIBUTE = "_fsdp_planner_failed_at"
 
 
@@ -51,14 +57,21 @@ def op_name(func: Any) -> str:
 
 
 def check_operand_dtypes(func: Any, args: tuple) -> None:
-    """Raise ``MixedDtypeError`` for an op of ``SAME_DTYPE_OPS`` whose floating tensor operands differ in dtype."""
-    if func._overloadpacket not in SAME_DTYPE_OPS:
+    """Raise ``MixedDtypeError`` for an op of ``SAME_DTYPE_OPS`` whose floating tensor operands differ in dtype,
+    or a normalization (``NORM_OPS``) whose params no real kernel takes with its input."""
+    packet = func._overloadpacket
+    if packet not in SAME_DTYPE_OPS and packet not in NORM_OPS:
         return
-    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
-    if len(dtypes) > 1:
-        names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        raise MixedDtypeError(f"{op_name(func)} got {names} operands, which real kernels refuse (expected one "
-                              "dtype)")
+    floating = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    dtypes = set(floating)
+    if len(dtypes) <= 1:
+        return
+    if packet in NORM_OPS:
+        params = set(floating[1:])
+        if len(params) == 1 and params == {torch.float32} and floating[0].itemsize < 4:
+            return  # the mixed kernels: a 16-bit input normalized with float32 params
+    names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    raise MixedDtypeError(f"{op_name(func)} got {names} operands, which real kernels refuse (expected one dtype)")
 
 
 def mark(e: BaseException, op: str | None, module: str, kind: str = "") -> None:

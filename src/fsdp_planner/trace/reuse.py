@@ -132,6 +132,10 @@ class ActionLog(StepRecorder):
         self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
         self.inner_outputs: list[torch.Tensor] = []  # grad-requiring outputs of the calls inside
 
+    def current_module(self) -> str:
+        """The innermost module call running inside this one, else this one's module: where a failing op ran."""
+        return self.fwd_stack[-1] if self.fwd_stack else self.prefix[:-1]
+
     def _rel(self, fqn: str) -> str:
         if not fqn.startswith(self.prefix):
             self.template.reusable = False  # a module held outside the subtree
