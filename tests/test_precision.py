@@ -173,6 +173,9 @@ def test_the_parity_row_says_what_the_job_trained_in():
 @pytest.mark.parametrize(("args", "message"), [
     (("--fsdp1", "--precision", "bf16-mixed"), "--fsdp1 trains in fp32"),
     (("--precision", "autocast"), "'autocast' uses torch.autocast"),
+    # FSDP2 keeps params in the dtype they were built in: told before any rank starts
+    (("--precision", "pure-bf16"), "precision 'pure-bf16' stores params in bfloat16 but the model builds them in "
+                                   "float32"),
 ])
 def test_verify_refuses_a_precision_it_cannot_train_in_one_line(capsys, args, message):
     code, _, err = run_main(capsys, "verify", FP32_MLP, "--policy", "order", *args)

@@ -57,18 +57,26 @@ def check_precision(precision: Precision) -> None:
                            "torch.autocast, which it does not: use fp32, bf16-mixed or pure-bf16")
 
 
+def check_param_dtypes(precision: Precision, built: set[str]) -> None:
+    """FSDP2 keeps sharded params in the dtype they were built in: ``built`` (floating dtype names, as a trace's
+    params give them) must be the precision's param dtype."""
+    check_precision(precision)
+    storage = str(_DTYPES[precision.param_bytes]).removeprefix("torch.")
+    if built - {storage}:
+        raise PlannerError(f"precision '{precision.name}' stores params in {storage} but the model builds them in "
+                           f"{', '.join(sorted(built))}: build the model in that dtype or pick a precision that "
+                           "matches it (--precision)")
+
+
 def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecisionPolicy:
     """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built (the
     precision's param dtype: FSDP2 keeps the sharded params in the dtype they were built in)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # the distributed stack: for a run only
 
     check_precision(precision)
+    check_param_dtypes(precision, {str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                                   if p.is_floating_point()})
     storage = _DTYPES[precision.param_bytes]
-    built = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if built - {storage}:
-        raise PlannerError(f"precision '{precision.name}' stores params in {str(storage)[6:]} but the model builds "
-                           f"them in {', '.join(sorted(str(d)[6:] for d in built))}: build the model in that dtype "
-                           "or pick a precision that matches it (--precision)")
     compute, reduce = _DTYPES[precision.compute_bytes], _DTYPES[precision.reduce_bytes]
     return MixedPrecisionPolicy(param_dtype=None if compute == storage else compute,
                                 reduce_dtype=None if reduce == compute else reduce)

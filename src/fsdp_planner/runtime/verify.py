@@ -33,7 +33,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.precision import Precision, check_precision
+from fsdp_planner.fsdp2.precision import Precision, check_param_dtypes, check_precision
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.models import ModelSpec, as_spec, planning_only
 from fsdp_planner.runtime.checkpoint import META, read_meta
@@ -349,6 +349,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     if save is not None:
         check_save_dir(save)
     start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
+    check_param_dtypes(trained, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
     predicted, predicted_bytes = predict_fsdp1(trace, plan, nproc) if fsdp1 else \
         predict_collectives(trace, plan, nproc, trained)
     with signals_raise(), staged(save) as stage:
