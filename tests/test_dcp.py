@@ -5,6 +5,8 @@ on as one uninterrupted run on the same data would."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner import cli
-from fsdp_planner.runtime.checkpoint import META, digests, read_meta
+from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, digests, read_meta
 from fsdp_planner.runtime.verify import check_load_dir
 
 LR, SEED = 0.05, 0
@@ -106,10 +108,103 @@ def test_load_checkpoint_refuses_what_verify_did_not_write(capsys, tmp_path):
                                        f"--save-checkpoint (no {META} in it)\n")
 
 
+def _checkpoint_files(directory: Path, **meta: object) -> None:
+    """What verify --save-checkpoint leaves (the files' contents are not read before the ranks load them)."""
+    (directory / META).write_text(json.dumps({"version": VERSION, "step": 2, "fingerprint": "abc", "digests": {},
+                                              **meta}))
+    (directory / DCP_METADATA).write_bytes(b"")
+    (directory / REFERENCE).write_bytes(b"")
+
+
 def test_load_checkpoint_refuses_another_models(tmp_path):
     from fsdp_planner.errors import PlannerError
 
-    (tmp_path / META).write_text(json.dumps({"step": 2, "fingerprint": "abc", "digests": {}}))
+    _checkpoint_files(tmp_path)
     assert check_load_dir(tmp_path, "abc")["step"] == 2
     with pytest.raises(PlannerError, match="was saved from another model"):
         check_load_dir(tmp_path, "def")
+
+
+def test_load_checkpoint_refuses_another_format_before_any_rank_starts(capsys, tmp_path):
+    _checkpoint_files(tmp_path, version=VERSION + 1)
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --load-checkpoint '{tmp_path}' is in checkpoint format "
+                                       f"{VERSION + 1}, not {VERSION}, the one verify --save-checkpoint writes\n")
+
+
+@pytest.mark.parametrize("missing", [DCP_METADATA, REFERENCE])
+def test_load_checkpoint_refuses_an_incomplete_directory_before_any_rank_starts(capsys, tmp_path, missing):
+    _checkpoint_files(tmp_path)
+    (tmp_path / missing).unlink()
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: --load-checkpoint '{tmp_path}' is incomplete: {missing} missing\n"
+
+
+# -- a damaged checkpoint: the cause on the first line, whichever file is damaged -------------------------------------
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory) -> Path:
+    """One checkpoint of seed-net at 2 ranks, copied by each test before it damages it."""
+    directory = tmp_path_factory.mktemp("saved") / "ck"
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "seed-net", "--policy", "order", "--nproc",
+                          "2", "--steps", "1", "--time-steps", "0", "--save-checkpoint", str(directory)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return directory
+
+
+def _truncate_shard(directory: Path) -> str:
+    shard = sorted(directory.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return "cannot be loaded"  # DCP's own words for a short file differ between its readers
+
+
+def _delete_shard(directory: Path) -> str:
+    shard = sorted(directory.glob("*.distcp"))[0]
+    shard.unlink()
+    return f"FileNotFoundError: [Errno 2] No such file or directory: '{shard.name}'"
+
+
+def _corrupt_metadata(directory: Path) -> str:
+    (directory / ".metadata").write_bytes(b"not a pickle\n")
+    return "global metadata read failed"
+
+
+def _truncate_reference(directory: Path) -> str:
+    reference = directory / REFERENCE
+    reference.write_bytes(reference.read_bytes()[:100])
+    return "cannot be loaded"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("damage", [_truncate_shard, _delete_shard, _corrupt_metadata, _truncate_reference],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_damaged_checkpoint_fails_with_its_cause_on_the_first_line(saved_checkpoint, tmp_path, damage):
+    """DCP raises CheckpointException, a BaseException: each rank still writes it, unwrapped, and the command's
+    first line names the checkpoint and what is wrong with it (not "exited with status 1 without raising")."""
+    directory = tmp_path / "ck"
+    shutil.copytree(saved_checkpoint, directory)
+    expected = damage(directory)
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "seed-net", "--policy", "order", "--nproc",
+                          "2", "--steps", "1", "--time-steps", "0", "--load-checkpoint", str(directory)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    first = out.stderr.splitlines()[0]
+    assert re.match(rf"error: verify job failed: ranks? [0-9, ]+ raised CheckpointLoadError: checkpoint "
+                    rf"'{re.escape(str(directory))}' cannot be loaded \(a file missing, truncated or not written by "
+                    r"verify\): ", first), out.stderr
+    assert expected in first, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_save_checkpoint_under_a_file_is_refused_in_one_line(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    target = tmp_path / "file" / "ck"
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--save-checkpoint", str(target)]) == 2
+    assert capsys.readouterr().err == (f"error: --save-checkpoint '{target}': its parent directory does not exist (a "
+                                       "file of that name does)\n")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no directory can be made")
+def test_save_checkpoint_where_nothing_can_be_written_is_refused_before_any_rank_starts(capsys):
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--save-checkpoint", "/proc/ck"]) == 2
+    assert capsys.readouterr().err.startswith("error: --save-checkpoint '/proc/ck': cannot write in /proc (")

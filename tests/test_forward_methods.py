@@ -96,3 +96,32 @@ def test_a_head_loss_method_trains_on_a_real_run(name):
                           "--nproc", "2", "--steps", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
+
+
+@pytest.mark.parametrize(("method", "message"), [
+    ("nope", "plan 'forward_methods' registers 'head.nope' but LossHead 'head' has no method 'nope'"),
+    ("weight", "plan 'forward_methods' registers 'head.weight' but LossHead 'head' has no method 'weight'"),
+    ("__call__", "plan 'forward_methods' registers 'head.__call__', a special method: list the module's own methods"),
+])
+def test_verify_refuses_a_method_the_model_lacks_before_torchrun_starts(method, message):
+    """Checked on the model built on meta in this process: the message is the check's own, not a verify job's
+    report of what its ranks raised (which would take a torchrun job to tell)."""
+    from fsdp_planner.runtime.verify import run_verify
+
+    tr = traced("head_loss")
+    plan = make_plan(tr, [["inp"], ["block"], ["head"]])
+    bad = plan.copy(forward_methods=[*plan.forward_methods, ("head", method)])
+    with pytest.raises(PlannerError) as info:
+        run_verify(f"{FACTORIES}:head_loss", tr, bad, nproc=2, steps=1)
+    assert str(info.value).startswith(message)
+
+
+def test_apply_plan_refuses_a_method_the_model_lacks_and_leaves_the_model_unsharded():
+    from fsdp_planner.apply.fully_shard import apply_plan
+
+    tr = traced("head_loss")
+    plan = make_plan(tr, [["inp"], ["block"], ["head"]])
+    model = load_model(f"{FACTORIES}:head_loss").model
+    with pytest.raises(PlannerError, match="has no method 'nope'"):
+        apply_plan(model, plan.copy(forward_methods=[("head", "nope")]))  # before it asks for a process group
+    assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())

@@ -3,6 +3,7 @@ predicted collectives."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -222,10 +223,11 @@ def _wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int = 2, limit: f
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
-    """SIGTERM (a job scheduler, `kill`) or Ctrl-C while the ranks run: the torchrun launcher and every rank end
-    with the command, and the job directory and the half-written checkpoint are removed."""
+    """SIGTERM (a job scheduler, `kill`), Ctrl-C or SIGHUP (the terminal closed) while the ranks run: the torchrun
+    launcher and every rank end with the command, and the job directory and the half-written checkpoint are
+    removed."""
     proc, tmpdir, marker = _start_slow_verify(tmp_path, "--save-checkpoint", str(tmp_path / "ck"))
     try:
         _wait_for_ranks(proc, tmp_path)
@@ -236,7 +238,7 @@ def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 128 + sig, err
-    assert ("terminated (SIGTERM)" if sig == signal.SIGTERM else "interrupted") in err
+    assert ("interrupted" if sig == signal.SIGINT else f"terminated ({signal.Signals(sig).name})") in err
     assert "Traceback" not in err
     assert _processes_mentioning(marker) == []
     assert _processes_mentioning(str(tmpdir)) == []
@@ -266,6 +268,34 @@ def test_a_killed_command_takes_its_job_with_it(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     v.remove_orphaned_job_dirs("fsdp-planner-verify-")
     assert not left[0].exists()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_path, sig):
+    """The torchrun agent (launch.py) killed from outside while its ranks run. SIGKILL: each rank follows its
+    launcher (PR_SET_PDEATHSIG) and dies at once instead of running on unsupervised; SIGTERM: torchrun stops them.
+    Either way the command fails with one line, not a traceback."""
+    proc, _, marker = _start_slow_verify(tmp_path)
+    try:
+        _wait_for_ranks(proc, tmp_path)
+        launchers = [p for p in _processes_mentioning(marker) if "fsdp_planner.runtime.launch" in p]
+        assert len(launchers) == 1, launchers
+        os.kill(int(launchers[0].partition(":")[0]), sig)
+        killed = time.monotonic()
+        while _processes_mentioning(marker) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        ranks_gone = time.monotonic() - killed
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _processes_mentioning(marker) == []
+    assert ranks_gone < 5, f"ranks outlived their launcher by {ranks_gone:.1f} s"
+    assert proc.returncode == 2, err
+    lines = [line for line in err.splitlines() if not line.startswith("note: ")]
+    assert lines == [f"error: verify job failed: its torchrun launcher was killed by {signal.Signals(sig).name} (from "
+                     "outside the job), and its ranks were stopped with it"], err
 
 
 def _faulty_command(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:
@@ -353,6 +383,44 @@ def test_a_rank_that_raises_is_the_first_line_of_every_jobs_command(tmp_path, wo
     assert "Traceback" not in done.stderr and not out.exists()
 
 
+VANISHING_MODEL = '''
+import os
+
+import torch
+import torch.nn as nn
+
+
+def vanishes():
+    """Built on meta for planning; in a verify rank, ends the process with status 0 before any work."""
+    if torch.empty(0).device.type != "meta":
+        os._exit(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)), (torch.randn(4, 8),)
+'''
+
+
+@pytest.mark.integration
+def test_ranks_that_end_well_without_a_result_fail_the_job_in_one_line(tmp_path):
+    """No rank raised, none died, torchrun succeeded, and yet no result: a failure, said in one line (the job's
+    last output as a clue), not torchrun's log."""
+    (tmp_path / "vanishes.py").write_text(VANISHING_MODEL)
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'vanishes.py'}:vanishes",
+                          "--policy", "order", "--nproc", "2", "--steps", "1"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if not line.startswith("note: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: verify job failed: no result, and no rank raised or died "
+                                                   "(torchrun exited with status 0)"), out.stderr
+
+
+def test_a_result_cut_short_is_no_result(tmp_path):
+    path = tmp_path / "result.json"
+    assert v.read_result(path) is None
+    path.write_text('{"counted": [')  # rank 0 killed while writing it
+    assert v.read_result(path) is None
+    path.write_text('{"counted": []}')
+    assert v.read_result(path) == {"counted": []}
+
+
 GROWS_MODEL = '''
 import torch
 import torch.nn as nn
@@ -433,6 +501,55 @@ def test_a_rank_calling_sys_exit_is_reported():
                                          "test_verify.py:")
 
 
+class ModelGaveUp(BaseException):
+    """A model's own BaseException (not an Exception), as DCP's CheckpointException is one."""
+
+
+@pytest.mark.parametrize(("raised", "written"), [
+    (ModelGaveUp("the model gave up"), "ModelGaveUp: the model gave up"),
+    (SystemExit("bad config"), "SystemExit: the model's code called sys.exit('bad config')"),
+    (KeyboardInterrupt(), None),  # SIGINT from outside the job: its signal is the rank's exit status
+])
+def test_a_rank_leaves_whatever_its_work_raised(tmp_path, monkeypatch, raised, written):
+    """run_rank on a real gloo group of one rank: a BaseException that is no Exception still reaches the error file
+    the launcher reads, and still ends the rank."""
+    import json
+    import socket
+
+    from fsdp_planner.runtime.failures import error_file
+    from fsdp_planner.runtime.launch import LAUNCHER_ENV
+    from fsdp_planner.runtime.rank import run_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    result = tmp_path / "result.json"
+    (tmp_path / "job.json").write_text(json.dumps({"result": str(result)}))
+
+    def body(job, device, rank, world):
+        raise raised
+
+    with pytest.raises(type(raised)) as info:
+        run_rank(str(tmp_path / "job.json"), body)
+    if isinstance(raised, SystemExit):
+        assert info.value.code == 1  # whatever the model passed: 0 would read as a finished job
+    error = error_file(result, 0)
+    assert (json.loads(error.read_text())["error"] if error.exists() else None) == written
+
+
+def test_dcps_checkpoint_exception_is_told_by_what_it_wraps():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fsdp_planner.runtime.failures import describe_exception
+
+    wrapped = CheckpointException("load failed", {1: (EOFError(), None), 0: (FileNotFoundError("__0_0.distcp"), None)})
+    assert describe_exception(wrapped)["error"] == "CheckpointException: FileNotFoundError: __0_0.distcp"
+
+
 @pytest.mark.integration
 def test_one_rank_is_judged_with_no_collectives():
     """FSDP2 issues no all-gather or reduce-scatter on one rank; verify --nproc 1 must pass a correct plan."""
@@ -496,3 +613,73 @@ def test_parity_bounds_follow_the_dtypes_the_model_trains():
     off = parity([("w", w + 2e-5, w), ("half", half + 0.05, half)])
     assert off["param_error"] > 1 and off["worst_param"] == "half"
     assert parity([("w", w * float("nan"), w)])["param_error"] == float("inf")
+
+
+FOLLOWER = '''
+import os, signal, sys, time
+from fsdp_planner.runtime import signals
+getattr(signals, sys.argv[1])(os.getppid(), signal.SIGKILL)
+print(os.getpid(), flush=True)
+time.sleep(60)
+'''
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead and waiting to be reaped by init, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("how", ["follow_parent", "watch_parent"])  # prctl, and the fallback where it is missing
+def test_a_process_following_its_parent_dies_with_it(how):
+    """A middle process starts a follower of itself and is SIGKILLed: the follower (a rank, under its launcher)
+    is gone within a second or so, by the kernel's PR_SET_PDEATHSIG or by the watcher thread."""
+    middle = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               f"subprocess.run([sys.executable, '-c', {FOLLOWER!r}, {how!r}])"],
+                              stdout=subprocess.PIPE, text=True)
+    follower = None
+    try:
+        assert middle.stdout is not None
+        follower = int(middle.stdout.readline())
+        middle.kill()
+        middle.wait()
+        deadline = time.monotonic() + 5
+        while _running(follower) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(follower), f"the follower outlived its parent ({how})"
+    finally:
+        if middle.poll() is None:
+            middle.kill()
+        if follower is not None and _running(follower):
+            os.kill(follower, signal.SIGKILL)
+
+
+@pytest.mark.integration
+def test_the_documented_hand_written_plan_verifies():
+    """docs/examples/hand_plan.json (module lists only) trains like the reference on a real 2-rank job, each of
+    its six groups gathered and reduce-scattered as predicted."""
+    docs = Path(__file__).parent.parent / "docs" / "examples"
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{docs / 'my_model.py'}:build", "--plan",
+                          str(docs / "hand_plan.json"), "--nproc", "2", "--steps", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["ok"] and result["predicted"]["reduce_scatter"] == 6  # one per group: the root claims nothing
+
+
+@pytest.mark.integration
+def test_auto_s_plan_at_scale_verifies_on_the_toy():
+    """The issue's command: auto plans Llama 3 8B for 64 H100s (one group per block) and the toy, the same code
+    with 4 blocks, trains that grouping on 2 ranks exactly as predicted."""
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", "--policy", "auto",
+                          "--plan-for", "h100:64", "--plan-model", "llama3-8b", "--nproc", "2", "--steps", "2",
+                          "--time-steps", "0", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["ok"] and result["counts_match"] and result["bytes_match"]
+    assert result["predicted"]["reduce_scatter"] > 1  # one per group with params: more than one group proven
+    assert (result["plan_for"], result["plan_model"]) == ("h100:64", "llama3-8b")
+    assert "for llama3-8b on h100:64" in out.stderr and "hold only modules this model does not have" in out.stderr

@@ -70,6 +70,17 @@ def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + f", +{len(names) - limit}"
 
 
+# C0 and C1 control characters but tab and newline, DEL, and the Unicode line separators and bidirectional
+# overrides: what lets a name from a file move the cursor, retitle or clear the terminal, or reorder the text shown.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: each control character shown as its escape (``\\x1b``, ``\\u202e``), so a name from
+    a plan, cluster or model file reads as written and cannot act on the terminal."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,

@@ -11,6 +11,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.claim import application_order
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_plan_world_size
+from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.trace.walk import model_fingerprint
 
 
@@ -60,10 +61,10 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
     modules = dict(model.named_modules())
-    unknown = [m for g in plan.groups for m in g.modules if m not in modules] + [
-        m for m, _ in plan.forward_methods if m not in modules]
+    unknown = [m for g in plan.groups for m in g.modules if m not in modules]
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
+    check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
     if mesh is None:
         import torch.distributed as dist
 
@@ -83,8 +84,6 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     # the root's reshard_after_forward is given explicitly (False by default, what FSDP2 2.8+ infers from None)
     fully_shard(model, reshard_after_forward=reshard_arg(plan.root.reshard_after_forward, world), **kwargs)
     for fqn, name in plan.forward_methods:  # after fully_shard: it wraps with the module's FSDP state's hooks
-        if not callable(getattr(modules[fqn], name, None)):
-            raise PlannerError(f"plan registers '{fqn}.{name}' as a forward method but the module has no such method")
         register_fsdp_forward_method(modules[fqn], name)
     for g in plan.groups:
         first = modules[g.modules[0]]

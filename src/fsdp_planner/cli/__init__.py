@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from fsdp_planner.cli.parser import build_parser
 from fsdp_planner.cli.paths import check_paths
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import printable
 from fsdp_planner.runtime.signals import Terminated, signals_raise
 
 __all__ = ["EXIT_BROKEN_PIPE", "build_parser", "main"]
@@ -51,7 +52,7 @@ def _silence_output() -> None:
 def _say(text: str) -> None:
     """One line on stderr; if stderr itself is gone there is nobody to tell."""
     with contextlib.suppress(OSError, ValueError):
-        print(text, file=sys.stderr, flush=True)
+        print(printable(text), file=sys.stderr, flush=True)  # errors quote names from files
 
 
 @contextlib.contextmanager

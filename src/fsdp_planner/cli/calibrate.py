@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         for n, (alpha, busbw) in sorted(fits.items()):
             render.console.print(f"{kind:15s} {n:5d} ranks: latency {alpha * 1e6:.1f} us, "
                                  f"bus bandwidth {busbw / 1e9:.1f} GB/s")
-    render.console.print(f"cluster written to {out}")
+    render.plain(f"cluster written to {out}")
     return 0
 
 
@@ -89,8 +89,8 @@ def run_gloo(args: argparse.Namespace) -> int:
     render.console.print(render.gloo_table(measured))
     render.console.print(render.overhead_table(measured))
     render.console.print(escape(f"cluster written to {out}: {cluster.describe()}"))
-    render.console.print(f"predict and measure a plan's step: fsdp-planner verify MODEL --policy auto --nproc "
-                         f"{args.nproc} --cluster {out} --measure")
+    render.plain(f"predict and measure a plan's step: fsdp-planner verify MODEL --policy auto --nproc {args.nproc} "
+                 f"--cluster {out} --measure")
     return 0
 
 

@@ -77,6 +77,15 @@ def verify(sub: Subparsers) -> None:
                                       "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
                                       "and print it beside the measured one (on CPU ranks give the cluster "
                                       "`calibrate --backend gloo --nproc N` wrote on this machine)")
+    sp.add_argument("--plan-for", metavar="CLUSTER",
+                    help="with --policy auto: plan for CLUSTER (e.g. h100:64: its GPUs, links and world size) and "
+                         "run that grouping on the --nproc job, to prove the plan auto makes at scale; an HSDP "
+                         "layout runs as plain FSDP, an int reshard_after_forward the job's ranks cannot hold as "
+                         "true (docs/your-model.md)")
+    sp.add_argument("--plan-model", metavar="MODEL",
+                    help="with --plan-for: plan this model instead, the full-size one of the same code (llama3-8b "
+                         "for toy-llama; its default workload), and keep each group's modules that MODEL has "
+                         "(groups of deeper blocks are left out)")
     sp.add_argument("--time-steps", type=int, default=TIME_STEPS, metavar="T",
                     help=f"after the checked steps, time T more forward + backward steps of the sharded model alone "
                          f"and report their median (default {TIME_STEPS}; 0: none)")
@@ -100,7 +109,8 @@ def verify(sub: Subparsers) -> None:
                          "in the new directory DIR")
     sp.add_argument("--load-checkpoint", type=Path, metavar="DIR",
                     help="start from a checkpoint that --save-checkpoint wrote, at any --nproc and with any plan "
-                         "(resharded on load), and check the restored state is the saved one")
+                         "(resharded on load), and check the restored state is the saved one. Loading unpickles "
+                         "DCP's metadata, which can run code: load only checkpoints from someone you trust")
     sp.add_argument("--fsdp1", action="store_true",
                     help="run the plan with FSDP1 FullyShardedDataParallel (its auto_wrap_policy, one unit per "
                          "group) instead of FSDP2; checks parity, the wrapped units and the collectives")
@@ -124,6 +134,9 @@ def export(sub: Subparsers) -> None:
     sp.add_argument("--format", default=ExportFormat.PYTHON.value, choices=[f.value for f in ExportFormat],
                     help="python (default): apply(model, mesh); accelerate: prepare(accelerator, model, ...); "
                          "lightning: configure_model(self); torchtitan: parallelize(model, world_mesh)")
+    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
+                    help=f"the mixed precision apply() sets, the one the plan was made with (default "
+                         f"{DEFAULT_PRECISION}, as for plan; a plan file does not record it)")
     sp.add_argument("--out", help="file to write (default: stdout)")
     add_json(sp)
 

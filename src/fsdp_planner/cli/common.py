@@ -7,7 +7,7 @@ from rich.console import Console
 import fsdp_planner.cli.render as render
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
-from fsdp_planner.fsdp2.claim import check_plan_matches
+from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.validity import check_plan_runs
@@ -112,7 +112,8 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
 
 
 def load_plan(path: str, tr: Trace) -> Plan:
-    plan = Plan.load(path)
+    """The plan file for the traced model; a hand-written one (module lists) gets its params derived."""
+    plan = with_claimed_params(Plan.load(path), tr)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     return plan

@@ -230,6 +230,8 @@ class VerifyRequest:
     json: bool
     notes: tuple[str, ...]
     options: SimOptions  # what the job trains in (--precision) and with (SGD with momentum)
+    plan_for: bool = False  # --plan-for: auto planned for ``plan_cluster``, its grouping carried onto the job
+    plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
@@ -258,12 +260,27 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     source = plan_source(args)
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
-    plan_cluster = (given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto else None
+    plan_for = _plan_for(args, auto)
+    plan_cluster = (plan_for or given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto \
+        else None
     notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
                           plan_file=source.plan_file is not None)
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
-                         args.json, tuple(notes), options)
+                         args.json, tuple(notes), options, plan_for is not None,
+                         ModelSpec(args.plan_model) if args.plan_model else None)
+
+
+def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
+    """``--plan-for CLUSTER`` (and ``--plan-model``), checked: what auto plans for when the job is smaller."""
+    if args.plan_model and not args.plan_for:
+        raise PlannerError("--plan-model names the model auto plans for --plan-for CLUSTER: add --plan-for")
+    if not args.plan_for:
+        return None
+    if not auto:
+        raise PlannerError("--plan-for CLUSTER says which cluster --policy auto plans for: add --policy auto (a "
+                           "plan file or another policy does not depend on the cluster)")
+    return parse_cluster(args.plan_for)
 
 
 @dataclass(frozen=True)
@@ -286,6 +303,9 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
 
     if args.fsdp1:
         raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
+    if args.plan_for or args.plan_model:
+        raise PlannerError("--plan-for and --plan-model carry a large cluster's plan onto a small torchrun job; "
+                           "--fake-world-size runs the cluster's own world size: give --cluster instead")
     world = args.fake_world_size
     if not 1 <= world <= MAX_FAKE_WORLD:
         raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD:,}, got {world}")

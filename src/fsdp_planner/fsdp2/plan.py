@@ -183,7 +183,7 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlannerError(f"unsupported plan version {_shown(version)}: this fsdp-planner reads plans with "
                            f"\"version\": {PLAN_VERSION}")
     _check_keys(data, PLAN_KEYS, "plan JSON")
-    model, groups = data.get("model"), data.get("groups")
+    model, groups = data.get("model", {}), data.get("groups")  # no model: a hand-written plan, for any model
     if not isinstance(model, dict) or not isinstance(groups, list) or not groups:
         raise PlannerError("plan JSON needs a 'model' object and a non-empty 'groups' list")
     _check_keys(model, MODEL_KEYS, "plan 'model' object")
@@ -228,6 +228,8 @@ def _mesh_from_dict(m: Any) -> Mesh | None:
 
 
 def _group_from_dict(i: int, g: Any) -> Group:
+    if _str_list(g):  # a hand-written group: just its modules (params derived: ``claim.with_claimed_params``)
+        g = {"modules": g}
     if not isinstance(g, dict) or not _str_list(g.get("modules")) or not _str_list(g.get("params", [])):
         raise PlannerError(f"plan group {i} must be an object with a 'modules' list and a 'params' list of names")
     _check_keys(g, GROUP_KEYS, f"plan group {i}")

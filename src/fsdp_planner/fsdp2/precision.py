@@ -12,6 +12,8 @@ from fsdp_planner.errors import PlannerError
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the floating dtype of each size the precisions use
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -41,13 +43,23 @@ class Precision:
         a dtype per op."""
         return torch.bfloat16 if self.compute_bytes == 2 and not self.autocast else None
 
+    def fsdp_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` for params stored in ``param_bytes``: None where FSDP2
+        keeps the dtype it already has. Autocast casts outside FSDP2, which then runs in the params' own dtype."""
+        if self.autocast:
+            return None, None
+        storage, compute, reduce = (_DTYPES[n] for n in (self.param_bytes, self.compute_bytes, self.reduce_bytes))
+        return None if compute == storage else compute, None if reduce == compute else reduce
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype the (sharded) params are stored in."""
+        return _DTYPES[self.param_bytes]
+
     @property
     def gather_bytes(self) -> int:
         """Bytes per element of an all-gathered (unsharded) param."""
         return self.param_bytes if self.autocast else self.compute_bytes
-
-
-_DTYPES = {2: torch.bfloat16, 4: torch.float32}  # bytes per element -> the dtype FSDP2 runs them in
 
 
 def check_precision(precision: Precision) -> None:
@@ -61,7 +73,7 @@ def check_param_dtypes(precision: Precision, built: set[str]) -> None:
     """FSDP2 keeps sharded params in the dtype they were built in: ``built`` (floating dtype names, as a trace's
     params give them) must be the precision's param dtype."""
     check_precision(precision)
-    storage = str(_DTYPES[precision.param_bytes]).removeprefix("torch.")
+    storage = str(precision.storage_dtype).removeprefix("torch.")
     if built - {storage}:
         raise PlannerError(f"precision '{precision.name}' stores params in {storage} but the model builds them in "
                            f"{', '.join(sorted(built))}: build the model in that dtype or pick a precision that "
@@ -73,10 +85,7 @@ def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecis
     precision's param dtype: FSDP2 keeps the sharded params in the dtype they were built in)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # the distributed stack: for a run only
 
-    check_precision(precision)
     check_param_dtypes(precision, {str(p.dtype).removeprefix("torch.") for p in model.parameters()
                                    if p.is_floating_point()})
-    storage = _DTYPES[precision.param_bytes]
-    compute, reduce = _DTYPES[precision.compute_bytes], _DTYPES[precision.reduce_bytes]
-    return MixedPrecisionPolicy(param_dtype=None if compute == storage else compute,
-                                reduce_dtype=None if reduce == compute else reduce)
+    param_dtype, reduce_dtype = precision.fsdp_dtypes()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -11,8 +11,10 @@ are checked against it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,6 +22,9 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.trace.records import Trace
+
+if TYPE_CHECKING:
+    import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -79,3 +84,21 @@ def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> 
     bad = sharded_reads(trace, plan, build_schedule(trace, plan, world_size, group_params), group_params)
     if bad:
         raise PlannerError(f"this plan cannot run: {bad[0].describe(plan)}")
+
+
+def check_forward_methods(plan: Plan, model: nn.Module) -> None:
+    """Every method the plan registers for FSDP2 (``forward_methods``) is a method of its module in ``model`` (on
+    meta is enough), and not a special one (``__call__``, ``__init__``: FSDP2 would wrap them in its hooks). Checked
+    on the model itself: the trace records only the methods the step called, and a torchrun job would find the
+    mistake only after its ranks started."""
+    modules = dict(model.named_modules())
+    for fqn, name in plan.forward_methods:
+        where = f"plan 'forward_methods' registers '{f'{fqn}.' if fqn else ''}{name}'"
+        if fqn not in modules:
+            raise PlannerError(f"{where} but the model has no module '{fqn}'")
+        if name.startswith("__") and name.endswith("__"):
+            raise PlannerError(f"{where}, a special method: list the module's own methods that the step calls "
+                               "(e.g. 'loss', 'generate'), never dunder names")
+        if not inspect.ismethod(getattr(modules[fqn], name, None)):
+            raise PlannerError(f"{where} but {type(modules[fqn]).__name__} '{fqn or '(root)'}' has no method "
+                               f"'{name}'")

@@ -9,12 +9,20 @@ format a training script reads with the same two calls. Beside it:
   tensor of the full (gathered) model and optimizer state, so a load can prove it restored the same bytes;
 - ``reference.pt``: the unsharded reference model and optimizer of the run, so verify's parity check spans the
   whole chain of runs (the reference never stops: it is one uninterrupted single-process training).
+
+Loading unpickles: DCP's ``.metadata`` is a pickle, so a checkpoint runs code when loaded and must come from
+someone trusted (``verify`` refuses a directory without ``fsdp-planner.json`` of this format before any rank starts,
+which keeps out foreign directories, not crafted ones). A file that cannot be read (missing, truncated, not DCP's)
+fails the ranks that read it with ``CheckpointLoadError``, naming the directory and the underlying error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from fsdp_planner.runtime.failures import checkpoint_cause, is_backend_error
 
 META = "fsdp-planner.json"
 REFERENCE = "reference.pt"
+DCP_METADATA = ".metadata"  # the pickle dcp.save writes beside its shards (FileSystemWriter's name)
 VERSION = 1
 
 
@@ -78,20 +90,44 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return json.loads((directory / META).read_text())
 
 
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint whose files cannot be read: one missing, truncated, or not what verify --save-checkpoint
+    wrote."""
+
+
+@contextmanager
+def reading(directory: Path) -> Iterator[None]:
+    """Errors reading ``directory``'s files as ``CheckpointLoadError`` naming it and the underlying error (DCP's
+    ``CheckpointException`` unwrapped). A backend error passes as it is: a peer that died is an echo, not the
+    checkpoint's fault (``failures.py``)."""
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        cause = checkpoint_cause(e)
+        if is_backend_error(cause):
+            raise cause from None
+        message = str(cause).replace(f"{directory}{os.sep}", "")  # its files by name: the directory is said once
+        detail = f"{type(cause).__name__}: {message}" if message else f"{type(cause).__name__} (a file ends early)"
+        raise CheckpointLoadError(f"checkpoint '{directory}' cannot be loaded (a file missing, truncated or not "
+                                  f"written by verify): {detail}") from None
+
+
 def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, reference: nn.Module,
                     ref_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore the sharded state (resharded onto this world size and plan) and the reference; report whether the
     restored full state is the saved one, tensor by tensor."""
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this plan's shards: DCP fills them in place
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=directory)
+    with reading(directory):
+        dcp.load(state, checkpoint_id=directory)
+        meta = read_meta(directory)
+        saved = meta["digests"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = read_meta(directory)
     digests = state_digests(model, optimizer)
-    saved = meta["digests"]
     mismatched = sorted(k for k in saved.keys() | digests.keys() if saved.get(k) != digests.get(k))
     device = next(reference.parameters()).device
-    ref = torch.load(directory / REFERENCE, map_location=device, weights_only=True)
+    with reading(directory):
+        ref = torch.load(directory / REFERENCE, map_location=device, weights_only=True)
     reference.load_state_dict(ref["model"])
     ref_optimizer.load_state_dict(ref["optim"])
     return {"step": meta["step"], "world": meta["world"], "policy": meta["policy"], "tensors": len(digests),

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 ERROR_SUFFIX = ".error"  # a rank writes RESULT.rankN.error; the launcher writes EXITS
 MAX_MESSAGE = 300
 MAX_FRAMES = 3
-# wrappers in every module call and every collective, telling nothing of where it failed
-NOISE_FRAMES = ("torch/nn/modules/module.py", "torch/distributed/c10d_logger.py")
+# wrappers in every module call, every collective and every context manager, telling nothing of where it failed
+NOISE_FRAMES = ("torch/nn/modules/module.py", "torch/distributed/c10d_logger.py", "/contextlib.py")
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,24 @@ def explain(failures: list[RankFailure], what: str = "verify job") -> str | None
     return "\n".join(lines)
 
 
+def launcher_killed(returncode: int, what: str = "verify job") -> str | None:
+    """The job's failure when its torchrun launcher was killed by a signal from outside (the command stops it only
+    after reading its status): its ranks died with it (``rank.follow_launcher``), so nothing they wrote is a
+    finished job's. None when the launcher exited."""
+    if returncode >= 0:
+        return None
+    return (f"{what} failed: its torchrun launcher was killed by {_signal_name(-returncode)} (from outside the "
+            "job), and its ranks were stopped with it")
+
+
+def unexplained(returncode: int, output: str, what: str = "verify job") -> str:
+    """A job with no result that left no cause (no rank raised or died: they all exited 0 without rank 0's result,
+    or torchrun failed before it started them): one line, with the last line the job printed as a clue."""
+    last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
+    clue = f"; its last output: {last[:MAX_MESSAGE]}" if last else ""
+    return f"{what} failed: no result, and no rank raised or died (torchrun exited with status {returncode}){clue}"
+
+
 def _grouped(failures: list[RankFailure]) -> list[str]:
     """One phrase per distinct failure: "ranks 0, 1 raised X" rather than the same line per rank."""
     ranks: dict[str, list[int]] = {}
@@ -118,17 +137,34 @@ def _grouped(failures: list[RankFailure]) -> list[str]:
     return [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {what}" for what, rs in ranks.items()]
 
 
+def checkpoint_cause(e: BaseException) -> BaseException:
+    """What DCP's ``CheckpointException`` (a BaseException, not an Exception) wraps: the exception of the lowest
+    rank that failed, with its own message (DCP's is every rank's traceback); any other exception is its own."""
+    if isinstance(e, CheckpointException) and e.failures:
+        return e.failures[min(e.failures)][0]
+    return e
+
+
+def is_backend_error(e: BaseException) -> bool:
+    """Raised by the communication backend (gloo's errors name their source; NCCL's are ``DistError``): a peer
+    went away or a collective timed out."""
+    return isinstance(e, dist.DistError) or "/gloo/" in str(e)
+
+
 def describe_exception(e: BaseException) -> dict:
     """What a rank writes when it raises: ``Type: message``, its innermost frames, and whether the communication
-    backend raised it (gloo's errors name their source; NCCL's are ``DistError``)."""
-    message = " ".join(str(e).split())
-    backend = isinstance(e, dist.DistError) or "/gloo/" in message
-    if backend:  # gloo's source path and generic advice say nothing about what happened
-        message = re.sub(r"^\[[^\]]*\]\s*", "", message).split(". This is typically caused")[0]
+    backend raised it (``is_backend_error``)."""
     frames = [f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(e.__traceback__)
               if not f.filename.endswith(NOISE_FRAMES)][::-1][:MAX_FRAMES]
     if isinstance(e, SystemExit):
         code = "" if e.code is None else repr(e.code)
         return {"error": f"SystemExit: the model's code called sys.exit({code})", "frames": frames,
                 "backend": False}
-    return {"error": f"{type(e).__name__}: {message[:MAX_MESSAGE]}", "frames": frames, "backend": backend}
+    cause = checkpoint_cause(e)
+    prefix = "" if cause is e else f"{type(e).__name__}: "  # DCP's wrapper, then what it wraps
+    message = " ".join(str(cause).split())
+    backend = is_backend_error(cause)
+    if backend:  # gloo's source path and generic advice say nothing about what happened
+        message = re.sub(r"^\[[^\]]*\]\s*", "", message).split(". This is typically caused")[0]
+    error = f"{prefix}{type(cause).__name__}{': ' + message if message else ''}"
+    return {"error": error[:MAX_MESSAGE], "frames": frames, "backend": backend}

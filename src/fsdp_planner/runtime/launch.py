@@ -7,41 +7,50 @@ no other trace: it wrote nothing) but only prints it in a summary meant for peop
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import sys
 from pathlib import Path
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from fsdp_planner.runtime.signals import follow_parent
+
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
+LAUNCHER_ENV = "FSDP_PLANNER_LAUNCHER"  # this launcher's pid, which its ranks follow (rank.follow_launcher)
 
 
-def follow_parent() -> None:
+def follow_command() -> None:
     """End with the command that started the job, even when it is killed by SIGKILL and cannot stop the job
-    itself: Linux sends this process SIGTERM then (``PR_SET_PDEATHSIG``), and torchrun ends its ranks on SIGTERM.
-    Where prctl does not exist the command's own handlers are all there is."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
+    itself: this process then gets SIGTERM (``signals.follow_parent``), on which torchrun ends its ranks."""
     parent = os.environ.get(PARENT_ENV)
-    if parent and os.getppid() != int(parent):  # it died before prctl: nobody waits for this job
-        sys.exit(1)
+    if parent:
+        follow_parent(int(parent), signal.SIGTERM)
 
 
 def main(argv: list[str]) -> int:
-    follow_parent()
+    follow_command()
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # torchrun passes its environment on to the ranks
     exits_path, torchrun_args = Path(argv[0]), argv[1:]
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as e:
         exits_path.write_text(json.dumps({str(rank): f.exitcode for rank, f in e.failures.items()}))
         return 1
+    except SignalException as e:  # torchrun stopped its ranks on a signal sent to it: die of it, not a traceback
+        return die_of(e.sigval)
     return 0
+
+
+def die_of(signum: int) -> int:
+    """End this process by ``signum``, which the command reads as the launcher killed from outside
+    (``failures.launcher_killed``); the status a shell would give, should the signal not end it."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return 128 + signum
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ job, joins the process group, runs the work and leaves the process group. How a 
   with no result);
 - killed by a signal: no file; ``launch.py`` records the signal.
 
+A rank ends with its launcher (``follow_launcher``): a rank whose torchrun agent was killed would otherwise run on
+unsupervised, keeping the command waiting on its output.
+
 Test-only fault injection (never set it otherwise): ``FSDP_PLANNER_TEST_FAULT=KIND:R`` aims a fault at rank R
 (``injected_fault``); ``raise:R`` makes it raise before its work starts, the other kinds are the workers' own.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -30,6 +34,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_planner.runtime.failures import write_failure
+from fsdp_planner.runtime.launch import LAUNCHER_ENV
+from fsdp_planner.runtime.signals import follow_parent
 
 # A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
 # rank does the same work between collectives, so a healthy job never waits near this.
@@ -42,6 +48,7 @@ Body = Callable[[dict[str, Any], torch.device, int, int], None]  # (job, device,
 def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     """Run ``body`` as this rank of the job in ``job_path`` (``cpu``: gloo on the CPU even beside a GPU); a
     failure is written for the launcher before it ends the rank (see the module's docstring)."""
+    follow_launcher()
     job = json.loads(Path(job_path).read_text())  # the launcher wrote it; without it no error file can be placed
     try:
         device, rank, world = start_rank(cpu)
@@ -52,7 +59,9 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         if injected_fault(rank) == "raise":
             raise RuntimeError(f"test fault: rank {rank} raised on purpose ({FAULT_ENV}=raise:{rank})")
         body(job, device, rank, world)
-    except (Exception, SystemExit) as e:
+    except KeyboardInterrupt:  # SIGINT, from outside the job (its own session): the signal is the exit status
+        raise
+    except BaseException as e:  # DCP's CheckpointException, a model's own BaseException, sys.exit: all told
         write_failure(Path(job["result"]), rank, e)
         traceback.clear_frames(e.__traceback__)  # the failed work's locals (its FSDP modules): for end_rank's gc
         if isinstance(e, SystemExit):
@@ -60,6 +69,15 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         raise
     finally:
         end_rank()
+
+
+def follow_launcher() -> None:
+    """End this rank with SIGKILL when its launcher dies (``launch.py``; its pid in ``LAUNCHER_ENV``): nothing
+    supervises the rank any longer, and a handler in the model's code must not keep it alive. Not under a launcher
+    that does not say its pid (torchrun run by hand)."""
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher:
+        follow_parent(int(launcher), signal.SIGKILL)
 
 
 def start_rank(cpu: bool = False) -> tuple[torch.device, int, int]:

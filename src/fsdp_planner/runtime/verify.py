@@ -6,7 +6,9 @@
 when the parameters match the unsharded reference and the counted all-gathers and reduce-scatters, and their
 bytes, equal the prediction on every step, and, when it starts from a checkpoint, the restored state is the saved
 one. A failed job is told by its cause (``failures.py``): the rank that raised or died, not the ranks it took
-down with it. The job runs in its own session, ended as a whole on every way out.
+down with it. The job runs in its own session, ended as a whole on every way out; its launcher follows this
+command and its ranks follow their launcher (``signals.follow_parent``), so none outlives a parent killed by
+SIGKILL, and a launcher killed from outside fails the job (``failures.launcher_killed``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collec
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, check_param_dtypes, check_precision
 from fsdp_planner.fsdp2.replay import build_schedule
-from fsdp_planner.models import ModelSpec, as_spec, planning_only
-from fsdp_planner.runtime.checkpoint import META, read_meta
-from fsdp_planner.runtime.failures import explain, read_failures
+from fsdp_planner.fsdp2.validity import check_forward_methods
+from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
+from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, read_meta
+from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.signals import signals_raise
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
@@ -234,7 +237,8 @@ def check_save_dir(directory: Path) -> None:
         raise PlannerError(f"--save-checkpoint '{directory}' already exists and is not an empty directory: give a "
                            "new one")
     if not directory.parent.is_dir():
-        raise PlannerError(f"--save-checkpoint '{directory}': its parent directory does not exist")
+        raise PlannerError(f"--save-checkpoint '{directory}': its parent directory does not exist"
+                           f"{' (a file of that name does)' if directory.parent.exists() else ''}")
 
 
 def check_load_dir(directory: Path, fingerprint: str) -> dict[str, Any]:
@@ -247,10 +251,22 @@ def check_load_dir(directory: Path, fingerprint: str) -> dict[str, Any]:
         step, saved_from = int(meta["step"]), str(meta["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PlannerError(f"--load-checkpoint '{directory}': its {META} cannot be read ({e})") from None
+    check_checkpoint_format(directory, meta)
     if fingerprint and saved_from != fingerprint:
         raise PlannerError(f"--load-checkpoint '{directory}' was saved from another model (parameter names, shapes "
                            "or dtypes differ)")
     return {**meta, "step": step}
+
+
+def check_checkpoint_format(directory: Path, meta: dict[str, Any]) -> None:
+    """Refuse a directory that is plainly not a checkpoint of this format before any rank unpickles its files
+    (DCP's metadata is a pickle): a guard against a wrong or incomplete directory, not against a crafted one."""
+    if meta.get("version") != VERSION:
+        raise PlannerError(f"--load-checkpoint '{directory}' is in checkpoint format {meta.get('version')!r}, not "
+                           f"{VERSION}, the one verify --save-checkpoint writes")
+    missing = [name for name in (DCP_METADATA, REFERENCE) if not (directory / name).is_file()]
+    if missing:
+        raise PlannerError(f"--load-checkpoint '{directory}' is incomplete: {' and '.join(missing)} missing")
 
 
 @contextmanager
@@ -260,7 +276,11 @@ def staged(directory: Path | None) -> Iterator[Path | None]:
     if directory is None:
         yield None
         return
-    stage = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    except OSError as e:  # a read-only or special file system: before any rank starts
+        raise PlannerError(f"--save-checkpoint '{directory}': cannot write in {directory.parent} "
+                           f"({e.strerror or e})") from None
     umask = os.umask(0)
     os.umask(umask)
     stage.chmod(0o777 & ~umask)  # mkdtemp's 0700 is for secrets; a checkpoint gets what mkdir would give it
@@ -313,13 +333,23 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
             raise PlannerError(f"{what} did not finish within {timeout:.0f} s (stopped)") from None
         finally:
             stop_process_group(proc)  # also after a normal exit: no rank outlives the job
-        if not result_path.is_file():
+        killed = launcher_killed(proc.returncode, what)
+        if killed is not None:  # even after rank 0 wrote the result: a job nobody supervised to its end
+            raise PlannerError(killed)
+        data = read_result(result_path)
+        if data is None:
             message = explain(read_failures(result_path, exits_path), what)
-            if message is None:
-                tail = "\n".join((stdout + stderr).strip().splitlines()[-15:])
-                message = f"{what} failed (exit {proc.returncode}):\n{tail}"
-            raise PlannerError(message)
-        return json.loads(result_path.read_text()), proc.returncode
+            raise PlannerError(message or unexplained(proc.returncode, stdout + stderr, what))
+        return data, proc.returncode
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """What rank 0 wrote; None when it wrote nothing whole (none at all, or it was killed while writing)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
@@ -349,6 +379,8 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     if save is not None:
         check_save_dir(save)
     start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
+    if plan.forward_methods:  # checked here on meta, not in the ranks once they started
+        check_forward_methods(plan, load_model(model, meta=True).model)
     check_param_dtypes(trained, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
     predicted, predicted_bytes = predict_fsdp1(trace, plan, nproc) if fsdp1 else \
         predict_collectives(trace, plan, nproc, trained)
