@@ -58,7 +58,9 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     so what the model upcasts is recorded at its real size and ``simulate`` with the same precision gives the
     command line's figures. A step that fails in that dtype but runs in the model's own dtypes raises
     ``PrecisionError`` (the real run would crash); one that fails in both raises what the model raised.
-    ``fsdp_planner.trace.trace`` is the recorder underneath, with an explicit ``compute_dtype``.
+    ``fsdp_planner.trace.trace`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
+    real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
+    no memory.
     """
     precision = resolve_precision(precision)
     dtype = precision.trace_dtype
