@@ -195,6 +195,8 @@ def fsdp2_casts(reference: torch.nn.Module, plan: Plan, policy: MixedPrecisionPo
 @contextlib.contextmanager
 def _in_compute_dtype(model: torch.nn.Module, modules: list[torch.nn.Module], compute: torch.dtype,
                       reduce: torch.dtype) -> Iterator[None]:
+    """One micro-batch of ``model`` in ``compute`` (``fsdp2_casts``); its grads then join the params' own. Not
+    mirrored: the casts FSDP2 also makes for a group's registered non-forward methods (``plan.forward_methods``)."""
     kept = [(p, p.data, p.grad) for p in dict.fromkeys(model.parameters()) if p.is_floating_point()]
 
     def cast(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
