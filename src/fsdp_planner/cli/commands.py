@@ -10,6 +10,7 @@ from pathlib import Path
 from fsdp_planner.choices import DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
 from fsdp_planner.cli.options import (
     CLUSTER_HELP,
+    add_force,
     add_json,
     add_model,
     add_plan_source,
@@ -51,6 +52,7 @@ def plan(sub: Subparsers) -> None:
     add_sim_options(sp, cluster_required=False)
     add_json(sp)
     sp.add_argument("--out", help="write the plan JSON here")
+    add_force(sp)
     sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
 
 
@@ -63,6 +65,7 @@ def simulate(sub: Subparsers) -> None:
                     help="draw the step: stream lanes, exposed communication and the memory curve (matplotlib)")
     sp.add_argument("--html", metavar="FILE.html",
                     help="the same timeline as one self-contained HTML page (hover for group names, scroll to zoom)")
+    add_force(sp)
     sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
                     help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
                          "time axis")
@@ -138,6 +141,7 @@ def export(sub: Subparsers) -> None:
                     help=f"the mixed precision apply() sets, the one the plan was made with (default "
                          f"{DEFAULT_PRECISION}, as for plan; a plan file does not record it)")
     sp.add_argument("--out", help="file to write (default: stdout)")
+    add_force(sp)
     add_json(sp)
 
 
@@ -165,6 +169,7 @@ def calibrate(sub: Subparsers) -> None:
     sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
                                    f"detected from the logs, or {CALIBRATE_BASE} with --overhead alone")
     sp.add_argument("--out", required=True, help="cluster JSON to write")
+    add_force(sp)
     add_json(sp)
 
 

@@ -7,19 +7,15 @@ import json
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.apply.export import ExportFormat, export_plan
-from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.sim.options import precision_named
+from fsdp_planner.userfiles import write_atomic
 
 
 def run(args: argparse.Namespace) -> int:
     source = export_plan(Plan.load(args.plan), ExportFormat(args.format), precision_named(args.precision))
     if args.out is not None:
-        try:
-            with open(args.out, "w", encoding="ascii") as f:  # export_plan writes ASCII only
-                f.write(source)
-        except OSError as e:
-            raise PlannerError(f"cannot write '{args.out}': {e.strerror}") from None
+        write_atomic(args.out, source)  # export_plan writes ASCII only
         render.note(f"{args.format} code for the plan ({args.precision}) written to {args.out}")
     if args.json:
         print(json.dumps({"format": args.format, "precision": args.precision, "out": args.out, "source": source},

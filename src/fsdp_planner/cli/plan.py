@@ -10,7 +10,6 @@ from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
-from fsdp_planner.cli.paths import write_output
 from fsdp_planner.cli.requests import PlanRequest, plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
@@ -24,6 +23,7 @@ from fsdp_planner.sim.host_work import host_work
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.userfiles import write_atomic
 
 Row = tuple[Plan, PlanMetrics, StepReport | None]  # a plan, its metrics, its simulated step (with a cluster)
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     plans, auto, no_fit = _plans(tr, request)
     rows = _rows(tr, plans, request)
     if request.out is not None:
-        write_output(request.out, plans[0].to_json() + "\n")
+        write_atomic(request.out, plans[0].to_json() + "\n")
     if request.json:
         doc = {**_json(request.model.name, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}

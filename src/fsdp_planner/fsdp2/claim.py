@@ -173,6 +173,9 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
                                "each group's 'params' are those its modules own (make the plan again with "
                                "'plan --out' to get them)")
         raise PlannerError(f"plan was made for another model ({'; '.join(parts)})")
+    if plan.numel and plan.numel != trace.numel:  # 0: not recorded; the fingerprint agrees, so an edited file
+        raise PlannerError(f"the plan's 'model.numel' is {plan.numel:,} but this model has {trace.numel:,} parameters "
+                           "(the plan file was edited: make it again with 'plan --out')")
     unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")

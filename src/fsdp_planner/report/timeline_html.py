@@ -11,8 +11,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.errors import PlannerError
 from fsdp_planner.report.step_view import BarKind, StepView, thin_curve
+from fsdp_planner.userfiles import write_atomic
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en">
@@ -102,7 +102,4 @@ def render_html(views: Sequence[StepView], title: str) -> str:
 
 
 def write_html(views: Sequence[StepView], path: Path, title: str) -> None:
-    try:
-        path.write_text(render_html(views, title), encoding="utf-8")
-    except OSError as e:
-        raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
+    write_atomic(path, render_html(views, title))

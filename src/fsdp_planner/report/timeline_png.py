@@ -3,6 +3,7 @@ on one shared time axis so a comparison reads at a glance."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, printable
 from fsdp_planner.report.step_view import BarKind, StepView, thin_curve, time_unit
+from fsdp_planner.userfiles import write_atomic
 
 MEMORY_COLOR, CAPACITY_COLOR, RESERVED_COLOR = "#4c78a8", "#d62728", "#7f7f7f"
 WIDTH_IN, DPI = 16.0, 100  # 1600 pixels wide
@@ -72,10 +74,12 @@ def _draw(views: Sequence[StepView], path: Path, title: str) -> None:
     handles = [Patch(color=kind.color, label=kind.label) for kind in BarKind if kind in kinds]
     handles += [*axes[1].get_legend_handles_labels()[0]]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
+    picture = io.BytesIO()  # drawn in memory, then written whole (write_atomic): a failed write keeps the old file
     try:
-        fig.savefig(path)
-    except (OSError, ValueError) as e:
-        raise PlannerError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+        fig.savefig(picture, format=path.suffix.lstrip(".").lower() or "png")
+    except ValueError as e:  # a format matplotlib cannot write
+        raise PlannerError(f"cannot write {path}: {e}") from None
+    write_atomic(path, picture.getvalue())
 
 
 def _draw_lanes(ax: Any, view: StepView, min_width: float, px: float) -> set[BarKind]:
