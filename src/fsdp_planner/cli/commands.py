@@ -137,9 +137,9 @@ def export(sub: Subparsers) -> None:
     sp.add_argument("--format", default=ExportFormat.PYTHON.value, choices=[f.value for f in ExportFormat],
                     help="python (default): apply(model, mesh); accelerate: prepare(accelerator, model, ...); "
                          "lightning: configure_model(self); torchtitan: parallelize(model, world_mesh)")
-    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
-                    help=f"the mixed precision apply() sets, the one the plan was made with (default "
-                         f"{DEFAULT_PRECISION}, as for plan; a plan file does not record it)")
+    sp.add_argument("--precision", choices=list(PRECISION_NAMES),
+                    help=f"the mixed precision apply() sets (default: the one the plan file records, which `plan "
+                         f"--out` writes; {DEFAULT_PRECISION}, plan's default, for a plan that records none)")
     sp.add_argument("--out", help="file to write (default: stdout)")
     add_force(sp)
     add_json(sp)

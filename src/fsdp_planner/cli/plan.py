@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     plans, auto, no_fit = _plans(tr, request)
     rows = _rows(tr, plans, request)
     if request.out is not None:
-        write_atomic(request.out, plans[0].to_json() + "\n")
+        # the precision goes with the plan: export sets it, so the code runs as the numbers assumed
+        write_atomic(request.out, plans[0].copy(precision=request.options.precision.name).to_json() + "\n")
     if request.json:
         doc = {**_json(request.model.name, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}

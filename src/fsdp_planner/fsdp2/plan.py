@@ -16,13 +16,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fsdp_planner.choices import PRECISION_NAMES
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
-PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh", "forward_methods")
+PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh", "forward_methods",
+             "precision")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
@@ -106,6 +108,8 @@ class Plan:
     mesh: Mesh | None = None  # None: pure FSDP over whatever world it runs on
     forward_methods: list[tuple[str, str]] = field(default_factory=list)  # (module, method): non-forward methods
     # the step calls on a sharded module, run inside its pre/post-forward hooks (register_fsdp_forward_method)
+    precision: str = ""  # the mixed precision the plan was simulated in (``choices.PRECISION_NAMES``; "": not
+    # recorded, e.g. a hand-written plan): what ``export`` sets, so the code runs as the numbers assumed
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -153,6 +157,8 @@ class Plan:
             d["mesh"] = self.mesh.to_dict()
         if self.forward_methods:
             d["forward_methods"] = [{"module": m, "method": name} for m, name in self.forward_methods]
+        if self.precision:
+            d["precision"] = self.precision
         return d
 
     def to_json(self) -> str:
@@ -200,7 +206,14 @@ def _plan_from_dict(data: Any) -> Plan:
     return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
                 model=str(model.get("name", "")), activation_checkpointing=list(checkpointed),
                 mesh=_mesh_from_dict(data.get("mesh")),
-                forward_methods=_methods_from_list(data.get("forward_methods", [])))
+                forward_methods=_methods_from_list(data.get("forward_methods", [])),
+                precision=_precision_from(data.get("precision", "")))
+
+
+def _precision_from(value: Any) -> str:
+    if value != "" and value not in PRECISION_NAMES:
+        raise PlannerError(f"plan 'precision' must be one of {', '.join(PRECISION_NAMES)}, got {_shown(value)}")
+    return str(value)
 
 
 def _methods_from_list(items: Any) -> list[tuple[str, str]]:
