@@ -208,6 +208,9 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     reshard += [True] * added
     groups = resolve_ties(trace, groups)
     groups, reshard = split_by_dtype(trace, groups, reshard)
+    # the split lists a mixed-dtype module's pieces instead of it (the root's too): a piece may hold one owner of
+    # a tied param whose other owner stays with the root or another group, so the ties are resolved again
+    groups = resolve_ties(trace, groups)
     plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],
                 trace.fingerprint, trace.numel, policy=policy, model=model)
     for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True):
