@@ -29,6 +29,7 @@ from fsdp_planner.batch import paused_gc
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
+from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
@@ -220,10 +221,17 @@ class AutoPolicy:
             # each layout's search chooses its own checkpointing: the screening's setting stays on a view
             base = first.ev if flat else self._evaluator(trace, model, budget, mesh, first)
             ev, baselines = self._fitting_baselines(base, trace, plans)
+            if flat and not baselines:  # no classic plan runs: screen with the root's plan, which does
+                plans = {ROOT_ONLY: make_plan(trace, [], policy=ROOT_ONLY, model=model)}
+                ev, baselines = self._fitting_baselines(base, trace, plans)
             if flat:
-                best = min(baselines, key=lambda k: ev.key(baselines[k]))
-                plans = {best: plans[best]}
-            screen.append((ev.key(ev.best()), base, ev.best()))
+                best = min(baselines, key=lambda k: ev.key(baselines[k]), default=None)
+                plans = {best: plans[best]} if best is not None else {}
+            ranked = ev.ranked()  # empty: not even the root's plan runs (the flat layout's search says why)
+            if ranked:
+                screen.append((ev.key(ranked[0]), base, ranked[0]))
+        if not screen:
+            return {first.ev.ctx.mesh: first.ev}, {}
         screen.sort(key=lambda x: x[0])
         fastest = screen[0][2].report.step_time
         searched = [ev for i, (key, ev, c) in enumerate(screen[:MESH_SEARCHES])
@@ -237,7 +245,7 @@ class AutoPolicy:
         does and auto chooses the checkpointing; the evaluator they were simulated with."""
         baselines = classic_baselines(ev, plans)
         blocks = block_instances(trace)
-        if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
+        if self.checkpointing is None and blocks and baselines and ev.best().report.reserved_memory > ev.budget:
             ev = ev.checkpointing(blocks[:self._fewest_checkpointed(ev, blocks, baselines)])
             baselines = classic_baselines(ev, plans)
         return ev, baselines
@@ -310,6 +318,9 @@ class AutoPolicy:
         return self.cluster.gpu.memory_bytes, f"the memory of one {self.cluster.gpu.name}"
 
 
+# the plan keeping every param on the root group, unsharded from the root's forward to the end of backward: it
+# runs however the model reaches its params (screens the layouts when no classic plan runs)
+ROOT_ONLY = "root only"
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
 MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
 
