@@ -79,3 +79,9 @@ def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> 
     bad = sharded_reads(trace, plan, build_schedule(trace, plan, world_size, group_params), group_params)
     if bad:
         raise PlannerError(f"this plan cannot run: {bad[0].describe(plan)}")
+
+
+def runnable(trace: Trace, plan: Plan) -> Plan:
+    """``plan``, refused like ``check_plan_runs`` does when it reads a sharded param: what a policy returns."""
+    check_plan_runs(trace, plan)
+    return plan

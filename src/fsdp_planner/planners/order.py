@@ -13,6 +13,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
@@ -98,7 +99,8 @@ class ExecutionOrderPolicy:
     Default target: one repeated block's bytes, blocks kept whole (the transformer-block granularity people tune
     by hand; a smaller target splits blocks); a model without a container of repeated blocks (e.g. a CNN) gets one
     group per param-owning module. Groups under 1/16 of the target join their smaller neighbour, so a lone norm
-    does not cost a collective of its own."""
+    does not cost a collective of its own. Like the classic policies, ``plan`` refuses the grouping when FSDP2
+    could not run it (``build`` gives it regardless)."""
 
     target_bytes: int | None = None
     name: str = "order"
@@ -108,6 +110,10 @@ class ExecutionOrderPolicy:
             raise PlannerError(f"the order policy's target group size must be at least 1 byte, got {self.target_bytes}")
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
+        """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
+        return runnable(trace, self.build(trace, model))
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
         blocks = block_instances(trace)
         subtree = trace.index.subtree_params
         block_bytes = max((sum(trace.param(p).nbytes for p in subtree[b]) for b in blocks), default=0)

@@ -9,6 +9,7 @@ from fsdp_planner.choices import POLICY_NAMES, PolicyName
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
@@ -76,7 +77,7 @@ class Checkpointed:
         plan.activation_checkpointing = checkpointed_blocks(trace, self.mode)
         plan.policy = f"{plan.policy} + ac {self.mode.value}" if self.mode is not ACMode.NONE else plan.policy
         check_checkpointing(plan, trace)
-        return plan
+        return runnable(trace, plan)  # the recomputation reads the blocks' params again, in backward
 
 
 @dataclass(frozen=True)
