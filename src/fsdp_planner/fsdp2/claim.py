@@ -36,14 +36,15 @@ def application_order(plan: Plan, parents: Mapping[str, Sequence[str]]) -> list[
     deps: list[set[int]] = [set() for _ in range(n)]  # deps[i]: groups to apply before group i
     for j, g in enumerate(plan.groups):
         for m in g.modules:
-            for a in _dag_ancestors(m, parents):
+            for a in dag_ancestors(m, parents):
                 i = group_of.get(a)
                 if i is not None and i != j:
                     deps[i].add(j)
     return _topological_order(deps)
 
 
-def _dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
+def dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
+    """Every module holding ``fqn`` below it, by any path (a shared submodule has several parents)."""
     seen: set[str] = set()
     stack = list(parents.get(fqn, ()))
     while stack:
