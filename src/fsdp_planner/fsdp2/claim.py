@@ -55,6 +55,16 @@ def dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
     return seen
 
 
+def hooked_modules(modules: Sequence[str], parents: Mapping[str, Sequence[str]]) -> list[str]:
+    """The modules of a group that FSDP2 hooks: ``fully_shard([a, a.b])`` keeps only the modules not below another
+    listed one (``_get_root_modules``), so ``a.b`` gets no hooks and no FSDP state of its own, and a call of it from
+    outside ``a``'s forward unshards nothing (its params are still the group's, claimed through ``a``)."""
+    if len(modules) == 1:
+        return list(modules)
+    listed = set(modules)
+    return [m for m in modules if not dag_ancestors(m, parents) & listed]
+
+
 def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
     """Params each group's ``fully_shard`` call would manage (FSDP2's DFS, in application order)."""
     if not trace.index.shared_modules and not trace.index.tied_params:
@@ -226,7 +236,8 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
 def methods_to_register(trace: Trace, plan: Plan) -> list[tuple[str, str]]:
     """The non-forward methods the step calls on modules the plan shards (``fully_shard`` targets, the root
     included): FSDP2 runs them inside the module's hooks only once ``register_fsdp_forward_method`` is called."""
-    listed = {m for g in plan.groups for m in g.modules}
+    parents = trace.index.parents  # only a module fully_shard hooked has the state the registration wraps
+    listed = {m for g in plan.groups for m in hooked_modules(g.modules, parents)}
     return [(m, name) for m, name in trace.forward_methods if m in listed]
 
 

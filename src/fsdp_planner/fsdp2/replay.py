@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum, auto
 
-from fsdp_planner.fsdp2.claim import dag_ancestors
+from fsdp_planner.fsdp2.claim import hooked_modules
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, ReshardAfterForward
 from fsdp_planner.trace.events import EventKind
@@ -283,7 +283,7 @@ class Replay:
         reducible = index.reducible
         mesh = plan.mesh or (Mesh.flat(world_size) if world_size is not None else None)
         self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, mesh, self.shared,
-                                   hooked_modules(trace, g))
+                                   hooked_modules(g.modules, trace.index.parents))
                        for i, (g, ps) in enumerate(zip(plan.groups, group_params, strict=True))]
         for g, replay in zip(plan.groups, self.groups, strict=True):
             replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
@@ -345,16 +345,6 @@ class Replay:
                 group.complete_forward(at, (ROOT, call[1]))
 
 
-def hooked_modules(trace: Trace, group: Group) -> list[str]:
-    """The modules of ``group`` that FSDP2 hooks: ``fully_shard([a, a.b])`` keeps only the modules not below
-    another listed one (``_get_root_modules``), so ``a.b`` gets no hooks of its own and a call of it from outside
-    ``a``'s forward unshards nothing (its params are still ``a``'s group's, claimed through ``a``)."""
-    if len(group.modules) == 1:
-        return list(group.modules)
-    listed, parents = set(group.modules), trace.index.parents
-    return [m for m in group.modules if not dag_ancestors(m, parents) & listed]
-
-
 def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None,
                    group_params: Sequence[Sequence[int]] | None = None) -> Schedule:
     """Replay FSDP2 over ``trace`` with ``plan``'s groups (``group_params``: their params' indices, if known) on
@@ -368,5 +358,5 @@ def state_hook_calls(trace: Trace, plan: Plan) -> list[int]:
     hooks, ``hooked_modules``, the root too). Each such call runs its ``FSDPState``'s hooks (pre/post-forward, and
     in backward pre/post-backward) whether or not its group has work there: a list group of k modules pays k of
     these a pass, single-module groups one each (``Overhead.module_seconds``)."""
-    targets = {m for g in plan.groups for m in hooked_modules(trace, g)}
+    targets = {m for g in plan.groups for m in hooked_modules(g.modules, trace.index.parents)}
     return [i for i, e in enumerate(trace.events) if e.kind is EventKind.FWD_PRE and e.module in targets]
