@@ -32,6 +32,7 @@ class ModuleWrapPolicy:
         return runnable(trace, self.build(trace, model))
 
     def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         classes = self.module_classes or tuple(filter(None, [default_block_class(trace)]))
         if not classes:
             raise PlannerError("the model has no repeated block class; pass --module-classes")
@@ -80,6 +81,7 @@ class SizeBasedPolicy:
         return runnable(trace, self.build(trace, model))
 
     def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         return make_plan(trace, [[m] for m in self.wrapped_modules(trace)],
                          policy=f"{self.name}({self.min_nonwrapped_numel})", model=model)
 
@@ -100,6 +102,7 @@ class TorchtitanPolicy:
         return runnable(trace, self.build(trace, model))
 
     def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         block_cls = self.block_class or default_block_class(trace)
         if block_cls is None:
             raise PlannerError("the model has no repeated block class for the torchtitan policy")

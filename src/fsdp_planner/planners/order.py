@@ -114,6 +114,7 @@ class ExecutionOrderPolicy:
         return runnable(trace, self.build(trace, model))
 
     def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         blocks = block_instances(trace)
         subtree = trace.index.subtree_params
         block_bytes = max((sum(trace.param(p).nbytes for p in subtree[b]) for b in blocks), default=0)
