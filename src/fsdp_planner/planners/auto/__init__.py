@@ -62,10 +62,12 @@ class Search:
         self.deferred: list[Callable[[], None]] = []  # frugal plans not simulated (they could not rank)
 
     def min_peak(self) -> int:
-        """The lowest peak memory any candidate reaches, the frugal plans included (simulated now if skipped)."""
+        """The lowest peak memory any candidate that runs and the target can express reaches, the frugal plans
+        included (simulated now if skipped). A plan that cannot run is no floor: a budget between its peak and the
+        real floor would be refused as reachable."""
         while self.deferred:
             self.deferred.pop()()
-        return min(c.report.reserved_memory for c in self.ev.seen)
+        return min(c.report.reserved_memory for c in self.ev.ranked())
 
     def granularities(self) -> list[list[Atom]]:
         """The atom lists to search over: whole blocks and single modules (one list when the model has no blocks)."""
