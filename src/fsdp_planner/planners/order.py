@@ -66,9 +66,12 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
 
 def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
     """Replace sets of modules that cover a whole subtree's param-owning modules by the subtree's root, so a group
-    reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used."""
+    reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used, nor is a
+    module with a module below it called outside its parent (``not_enclosing``): its hooks would not run around
+    that call, which would read the group's params sharded (and FSDP2 hooks no listed module below another)."""
     mine = set(modules)
     owners_below = trace.index.owners_below
+    not_enclosing = trace.index.not_enclosing
     covered: dict[str, bool] = {}  # module -> every param-owning module below it is ours
     top_of: dict[str, str] = {}  # module -> the outermost module above it (or itself) whose subtree is all ours
     tops: dict[str, None] = {}
@@ -79,7 +82,7 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
             up = parent_of(a)
             if a != ROOT and up != ROOT and up not in covered:
                 covered[up] = owners_below[up] <= mine
-            if a == ROOT or up == ROOT or not covered[up]:
+            if a == ROOT or up == ROOT or not covered[up] or up in not_enclosing:
                 top_of[a] = a
                 break
             a = up
