@@ -29,12 +29,17 @@ from fsdp_planner.batch import paused_gc
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
-from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
-from fsdp_planner.planners.auto.candidates import ModuleTreeCuts, classic_baselines, classic_plans, frugal_and_dp
-from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
+from fsdp_planner.planners.auto.candidates import (
+    ModuleTreeCuts,
+    classic_baselines,
+    classic_plans,
+    frugal_and_dp,
+    root_plan,
+)
+from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.options import SimOptions
@@ -224,7 +229,7 @@ class AutoPolicy:
             base = first.ev if flat else self._evaluator(trace, model, budget, mesh, first)
             ev, baselines = self._fitting_baselines(base, trace, plans)
             if flat and not baselines:  # no classic plan runs: screen with the root's plan, which does
-                plans = {ROOT_ONLY: make_plan(trace, [], policy=ROOT_ONLY, model=model)}
+                plans = {ROOT_ONLY: root_plan(trace, model)}
                 ev, baselines = self._fitting_baselines(base, trace, plans)
             if flat:
                 best = min(baselines, key=lambda k: ev.key(baselines[k]), default=None)
@@ -289,6 +294,9 @@ class AutoPolicy:
         ``could_rank`` skip the cuts with thousands of groups (a per-leaf cut of a 10,000-module model costs more
         than all DP plans together)."""
         classics = classic_baselines(ev, search.classics)
+        if self.target is Target.FSDP2 and len(ev.trace.index.trainable_dtypes) > 1:
+            # the size cuts hold the root-only plan, but with several dtypes it has groups that must not reshard
+            ev.evaluate(root_plan(ev.trace, ev.model), ROOT_ONLY)
         if self.target is Target.FSDP2:
             for atoms in granularities:
                 deferred = frugal_and_dp(ev, atoms)
@@ -320,9 +328,6 @@ class AutoPolicy:
         return self.cluster.gpu.memory_bytes, f"the memory of one {self.cluster.gpu.name}"
 
 
-# the plan keeping every param on the root group, unsharded from the root's forward to the end of backward: it
-# runs however the model reaches its params (screens the layouts when no classic plan runs)
-ROOT_ONLY = "root only"
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
 MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
 

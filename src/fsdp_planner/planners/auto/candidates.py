@@ -14,7 +14,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.auto.atoms import Atom, Pin, coarsen
-from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
+from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.planners.order import ExecutionOrderPolicy
 from fsdp_planner.sim.compute import traced_itemsize
@@ -37,6 +37,16 @@ def classic_plans(trace: Trace, model: str) -> dict[str, Plan]:
         except PlannerError:
             continue
     return out
+
+
+def root_plan(trace: Trace, model: str) -> Plan:
+    """Every param on the root group but those FSDP2 needs in groups of another dtype (``split_by_dtype``), which
+    stay unsharded after forward like the root: the plan holding params unsharded the longest, so the one a model
+    reading params outside their modules' forward is likeliest to run with."""
+    plan = make_plan(trace, [], policy=ROOT_ONLY, model=model)
+    for g in plan.inner_groups:
+        g.reshard_after_forward = False
+    return plan
 
 
 def classic_baselines(ev: Evaluator, plans: dict[str, Plan]) -> dict[str, Candidate]:
