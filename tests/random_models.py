@@ -94,16 +94,17 @@ def _node(rng: random.Random, depth: int, dtype: torch.dtype, leaves: list[Leaf]
 def _program(rng: random.Random, node: Node, features: list[str]) -> None:
     """Each node's steps: its children in a random order, sometimes a grandchild called or a weight read directly,
     sometimes a step repeated (a module called twice); then the same for each child node."""
-    steps = [Step((name,)) for name, _ in node.named_children()]
+    children = callable_children(node)
+    steps = [Step(path) for path, _ in children]
     rng.shuffle(steps)
-    for name, child in node.named_children():
+    for path, child in children:
         if isinstance(child, Node):
             for sub, grandchild in child.named_children():
                 if rng.random() < 0.25:
-                    steps.insert(rng.randint(0, len(steps)), Step((name, sub)))
+                    steps.insert(rng.randint(0, len(steps)), Step((*path, sub)))
                     features.append("direct call")
                 elif isinstance(grandchild, Leaf) and rng.random() < 0.1:
-                    steps.insert(rng.randint(0, len(steps)), Step((name, sub), read=True))
+                    steps.insert(rng.randint(0, len(steps)), Step((*path, sub), read=True))
                     features.append("weight read")
     if steps and rng.random() < 0.2:
         steps.insert(rng.randint(0, len(steps)), rng.choice(steps))
@@ -112,9 +113,20 @@ def _program(rng: random.Random, node: Node, features: list[str]) -> None:
         steps.pop(rng.randrange(len(steps)))  # a child never called
         features.append("unused")
     node.program = steps
-    for child in node.children():
+    for _, child in children:
         if isinstance(child, Node):
             _program(rng, child, features)
+
+
+def callable_children(node: nn.Module) -> list[tuple[tuple[str, ...], nn.Module]]:
+    """A node's children with their paths, a ModuleList's items in its place (the list itself has no forward)."""
+    out: list[tuple[tuple[str, ...], nn.Module]] = []
+    for name, child in node.named_children():
+        if isinstance(child, nn.ModuleList):
+            out += [((name, i), block) for i, block in child.named_children()]
+        else:
+            out.append(((name,), child))
+    return out
 
 
 def build(seed: int) -> tuple[nn.Module, tuple[torch.Tensor], Drawn]:
@@ -124,6 +136,11 @@ def build(seed: int) -> tuple[nn.Module, tuple[torch.Tensor], Drawn]:
     drawn = Drawn(seed, dtype, rng.randint(1, 3))
     leaves: list[Leaf] = []
     model = _node(rng, drawn.depth, dtype, leaves)
+    blocks = random.Random(f"blocks {seed}")  # its own stream: the draws below stay those of a model without
+    if blocks.random() < 0.35:  # repeated blocks in a ModuleList (the block class the policies and --ac look for)
+        count, depth = blocks.randint(2, 3), max(1, drawn.depth - 1)
+        model.add_module("blocks", nn.ModuleList(_node(blocks, depth, dtype, leaves) for _ in range(count)))
+        drawn.features.append("blocks")
     _program(rng, model, drawn.features)
     if len(leaves) > 1 and rng.random() < 0.3:  # a tied weight: two leaves of one dtype share it
         a, b = rng.sample(leaves, 2)
