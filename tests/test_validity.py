@@ -13,7 +13,14 @@ from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import check_plan_runs, sharded_reads
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import BUILTINS, load_model
-from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, PolicyRequest, TorchtitanPolicy, make_policy
+from fsdp_planner.planners import (
+    CLASSIC_POLICIES,
+    AutoPolicy,
+    PolicyRequest,
+    TorchtitanPolicy,
+    make_baseline,
+    make_policy,
+)
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace import trace
 
@@ -68,3 +75,17 @@ def test_cli_refuses_an_explicit_policy_whose_plan_cannot_run_and_leaves_it_out_
     r = subprocess.run(run, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "the titan policy is left out of the comparison: this plan cannot run" in r.stdout + r.stderr
+
+
+def test_a_policy_refuses_a_grouping_that_cannot_run_and_check_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan()`` refuses the grouping, naming the op; ``build()`` gives it, and ``check`` reports the sharded read
+    as an error finding (exit 1) instead of passing the model alone."""
+    from fsdp_planner.cli import main
+
+    tr = traced(f"{FIXTURES}:direct_call")
+    request = PolicyRequest.named("module", module_classes=("Layer",))
+    with pytest.raises(PlannerError, match=r"this plan cannot run: an op of 'layer\.proc' in forward"):
+        make_policy(request).plan(tr)
+    assert [g.modules for g in make_baseline(request).build(tr).groups] == [["layer"], [""]]
+    assert main(["check", f"{FIXTURES}:direct_call", "--policy", "module", "--module-classes", "Layer"]) == 1
+    assert "sharded-read" in capsys.readouterr().out

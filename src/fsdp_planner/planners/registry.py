@@ -24,6 +24,13 @@ class Policy(Protocol):
     def plan(self, trace: Trace, model: str = "") -> Plan: ...
 
 
+class Baseline(Policy, Protocol):
+    """A classic policy (or one of them checkpointed, or on a mesh): ``build`` gives its grouping unchecked, ``plan``
+    only when FSDP2 can run it."""
+
+    def build(self, trace: Trace, model: str = "") -> Plan: ...
+
+
 CLASSIC_POLICIES = (PolicyName.MODULE, PolicyName.SIZE, PolicyName.TITAN, PolicyName.ORDER)
 
 
@@ -65,7 +72,7 @@ class PolicyRequest:
 class Checkpointed:
     """A whole-model policy whose plans checkpoint the blocks ``mode`` names (``--ac``), as its users run it."""
 
-    policy: Policy
+    policy: Baseline
     mode: ACMode
 
     @property
@@ -73,11 +80,14 @@ class Checkpointed:
         return self.policy.name
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
-        plan = self.policy.plan(trace, model)
+        return runnable(trace, self.build(trace, model))  # checked with the recomputation, which reads params again
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        plan = self.policy.build(trace, model)
         plan.activation_checkpointing = checkpointed_blocks(trace, self.mode)
         plan.policy = f"{plan.policy} + ac {self.mode.value}" if self.mode is not ACMode.NONE else plan.policy
         check_checkpointing(plan, trace)
-        return runnable(trace, plan)  # the recomputation reads the blocks' params again, in backward
+        return plan
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,7 @@ class OnMesh:
     """A whole-model policy whose plans run on the HSDP layout ``mesh`` (``--mesh``): the same groups, sharded
     over ``mesh.shard`` ranks and replicated ``mesh.replicate`` times."""
 
-    policy: Policy
+    policy: Baseline
     mesh: Mesh
 
     @property
@@ -93,7 +103,10 @@ class OnMesh:
         return self.policy.name
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
-        plan = self.policy.plan(trace, model)
+        return runnable(trace, self.build(trace, model))
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        plan = self.policy.build(trace, model)
         plan.mesh = self.mesh
         if self.mesh.replicate > 1:
             plan.policy = f"{plan.policy} on {self.mesh.describe()}"
@@ -102,10 +115,21 @@ class OnMesh:
 
 def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None) -> Policy:
     """The policy a request names; auto needs the cluster it plans for."""
-    if request.name is not PolicyName.AUTO and request.mesh is not None:
-        return OnMesh(make_policy(replace(request, mesh=None)), request.mesh)
-    if request.name is not PolicyName.AUTO and request.checkpointing is not None:
-        return Checkpointed(make_policy(replace(request, checkpointing=None)), request.checkpointing)
+    if request.name is not PolicyName.AUTO:
+        return make_baseline(request)
+    if cluster is None:
+        raise PlannerError("the auto policy plans for a cluster: give one")
+    return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
+                      search_effort=request.search_effort, checkpointing=request.checkpointing, mesh=request.mesh)
+
+
+def make_baseline(request: PolicyRequest) -> Baseline:
+    """The classic policy a request names (not auto): its ``build`` gives the grouping even when FSDP2 could not
+    run it, for ``check`` to report what goes wrong."""
+    if request.mesh is not None:
+        return OnMesh(make_baseline(replace(request, mesh=None)), request.mesh)
+    if request.checkpointing is not None:
+        return Checkpointed(make_baseline(replace(request, checkpointing=None)), request.checkpointing)
     name = request.name
     if name is PolicyName.MODULE:
         return ModuleWrapPolicy(request.module_classes)
@@ -115,7 +139,4 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
         return TorchtitanPolicy(request.module_classes[0] if request.module_classes else None)
     if name is PolicyName.ORDER:
         return ExecutionOrderPolicy(request.target_bytes)
-    if cluster is None:
-        raise PlannerError("the auto policy plans for a cluster: give one")
-    return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
-                      search_effort=request.search_effort, checkpointing=request.checkpointing, mesh=request.mesh)
+    raise ValueError("auto is no baseline: make_policy makes it, for a cluster")
