@@ -203,9 +203,13 @@ def train_on_fake_ranks(seed: int, plan: Plan, world_size: int = 8, steps: int =
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = device_mesh(plan, "cpu", world_size)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
             model, (x,), _ = build(seed)
-            apply_plan(model, plan, mesh=mesh)
+        # fully_shard outside the fake mode: the mesh of an int reshard_after_forward's sub-groups is built from a
+        # tensor, whose .tolist() a fake tensor cannot answer (the model's fake params still dispatch to their mode)
+        apply_plan(model, plan, mesh=mesh)
+        with fake:
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
             freed = FreedRead()
             for _ in range(steps):

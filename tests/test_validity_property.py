@@ -81,13 +81,13 @@ def outcome(policy: str, make: Callable[[], Plan], world: int = 8) -> Outcome:
         return Outcome(policy, None, str(e), world)
 
 
-def random_plans(tr: Trace, seed: int, count: int, reshard_ints: bool = True) -> list[Plan]:
+def random_plans(tr: Trace, seed: int, count: int) -> list[Plan]:
     """``count`` random groupings (make_plan may refuse some: a cycle of nested groups), with random
     ``reshard_after_forward`` and sometimes explicit prefetch."""
     rng = random.Random(seed)
     modules = [m for m in tr.modules if m and tr.index.subtree_numel[m]]
     first_use = {m: tr.modules[m].first_use for m in modules}
-    choices = [True, True, False, 2, 4] if reshard_ints else [True, True, False]
+    choices = [True, True, False, 2, 4]  # 2 and 4: reshard to a sub-group of 8 ranks
     plans = []
     for _ in range(count):
         groups = random_groups(rng, modules, first_use)
@@ -188,9 +188,7 @@ def test_real_fsdp2_trains_every_returned_plan_and_exactly_the_random_plans_the_
             if o.plan is not None:
                 assert train_on_fake_ranks(seed, o.plan, o.world) is None, (seed, o.policy)
                 agreed["returned plans trained"] += 1
-        # int reshard_after_forward left out: fully_shard builds its post-forward sub-group mesh from a tensor, fake
-        # under FakeTensorMode, and .tolist() raises DataDependentOutputException whatever the grouping
-        for plan in random_plans(tr, seed, 3, reshard_ints=False):
+        for plan in random_plans(tr, seed, 3):
             verdict, failure = refusal(tr, plan), train_on_fake_ranks(seed, plan)
             assert (verdict is None) == (failure is None), (seed, [g.modules for g in plan.groups], verdict, failure)
             agreed["accepted and trained" if failure is None else "refused and failed"] += 1
