@@ -85,4 +85,3 @@ def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> 
     bad = sharded_reads(trace, plan, build_schedule(trace, plan, world_size, group_params), group_params)
     if bad:
         raise PlannerError(f"this plan cannot run: {bad[0].describe(plan)}")
-
