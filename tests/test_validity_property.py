@@ -32,6 +32,7 @@ from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, PolicyName, Poli
 from fsdp_planner.trace import Trace, trace
 
 CLASSIC_NAMES = {p.value for p in CLASSIC_POLICIES}
+ISSUE_MODEL = "tests/fixtures/invalid_models.py:direct_call_first"  # the reported model
 SEEDS = range(160)  # the fast part: ~160 models, ~1,100 plans from policies and ~640 random ones
 SAMPLE = range(0, 160, 12)  # the integration part: 14 of them, each plan trained on fake ranks
 REFUSAL = re.compile(r"^this plan cannot run: an op of '(?P<module>[^']+)' in (?P<phase>forward|backward) "
@@ -168,7 +169,7 @@ def test_the_issue_model_plans_verify_and_train_on_fake_ranks(tmp_path, capsys) 
     it, its plan passes ``verify --plan``'s check and real FSDP2 on 8 fake ranks trains it."""
     from fsdp_planner.cli import main
 
-    spec = "tests/fixtures/invalid_models.py:direct_call_first"
+    spec = ISSUE_MODEL
     for budget in ("400MiB", "300MiB", "250MiB"):
         out = tmp_path / f"plan-{budget}.json"
         assert main(["plan", spec, "--policy", "auto", "--cluster", "h100:8", "--memory-budget", budget,
@@ -177,6 +178,24 @@ def test_the_issue_model_plans_verify_and_train_on_fake_ranks(tmp_path, capsys) 
         assert len(plan.inner_groups) >= 2  # the budget made it split the model
         assert main(["verify", spec, "--plan", str(out), "--fake-world-size", "8"]) == 0, capsys.readouterr()
         assert "PASS" in capsys.readouterr().out
+
+
+def test_the_issue_model_at_a_small_width_under_every_budget_auto_can_meet() -> None:
+    """64 wide, auto under budgets from its memory floor up to its unconstrained plan's peak: every plan runs
+    (the reported plan grouped ``[layer, linear]``, leaving ``layer.proc``, called first by the parent, sharded)."""
+    from fsdp_planner.models import resolve_factory
+
+    with torch.device("meta"):
+        model, inputs = resolve_factory(ISSUE_MODEL)(width=64)
+    tr = trace(model, inputs)
+    cluster = parse_cluster("h100:8")
+    free = AutoPolicy(cluster).search(tr)
+    low, high = free.min_peak, free.report.reserved_memory
+    plans = [AutoPolicy(cluster, int(low + (high - low) * k / 8)).plan(tr) for k in range(9)]
+    for plan in plans:
+        check_plan_runs(tr, plan)
+        assert ["layer", "linear"] not in [sorted(g.modules) for g in plan.groups]
+    assert len({len(p.groups) for p in plans}) > 1  # the budgets did move the search
 
 
 @pytest.mark.integration  # real FSDP2 on the fake process group, ~100 small trainings
