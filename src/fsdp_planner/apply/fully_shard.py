@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
-from fsdp_planner.fsdp2.claim import application_order
+from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.trace.walk import model_fingerprint
@@ -74,7 +74,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     apply_checkpointing(model, plan.activation_checkpointing)  # before fully_shard, as torchtitan does
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
                               "offload_policy": offload_policy or OffloadPolicy()}
-    for gi in application_order(plan, module_parents(model)):
+    parents = module_parents(model)
+    for gi in application_order(plan, parents):
         g = plan.groups[gi]
         targets = [modules[m] for m in g.modules]
         if g.is_root:
@@ -85,10 +86,11 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     fully_shard(model, reshard_after_forward=reshard_arg(plan.root.reshard_after_forward, world), **kwargs)
     for fqn, name in plan.forward_methods:  # after fully_shard: it wraps with the module's FSDP state's hooks
         register_fsdp_forward_method(modules[fqn], name)
-    for g in plan.groups:
-        first = modules[g.modules[0]]
+    # a group's FSDP module: its first module that fully_shard hooked (a listed module below another gets no state)
+    state = [modules[hooked_modules(g.modules, parents)[0]] for g in plan.groups]
+    for g, first in zip(plan.groups, state, strict=True):
         if g.forward_prefetch:
-            first.set_modules_to_forward_prefetch([modules[plan.groups[j].modules[0]] for j in g.forward_prefetch])
+            first.set_modules_to_forward_prefetch([state[j] for j in g.forward_prefetch])
         if g.backward_prefetch:
-            first.set_modules_to_backward_prefetch([modules[plan.groups[j].modules[0]] for j in g.backward_prefetch])
+            first.set_modules_to_backward_prefetch([state[j] for j in g.backward_prefetch])
     return model

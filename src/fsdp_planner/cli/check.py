@@ -20,7 +20,7 @@ from fsdp_planner.fsdp2.claim import with_claimed_params
 from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.planners import PolicyName, make_policy
+from fsdp_planner.planners import PolicyName, make_baseline
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import PrecisionError
@@ -72,7 +72,8 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
             if cluster is None:
                 raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
             return run_auto(tr, request, cluster, options, args.model).plan, label
-        return make_policy(request).plan(tr, args.model), label
+        # the grouping unchecked: a param it would read sharded is one of the findings check reports
+        return make_baseline(request).build(tr, args.model), label
     except PlannerError as e:
         if "--cluster" in str(e):
             raise

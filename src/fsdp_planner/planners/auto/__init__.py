@@ -34,8 +34,14 @@ from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
-from fsdp_planner.planners.auto.candidates import ModuleTreeCuts, classic_baselines, classic_plans, frugal_and_dp
-from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
+from fsdp_planner.planners.auto.candidates import (
+    ModuleTreeCuts,
+    classic_baselines,
+    classic_plans,
+    frugal_and_dp,
+    root_plan,
+)
+from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.options import SimOptions
@@ -63,10 +69,12 @@ class Search:
         self.deferred: list[Callable[[], None]] = []  # frugal plans not simulated (they could not rank)
 
     def min_peak(self) -> int:
-        """The lowest peak memory any candidate reaches, the frugal plans included (simulated now if skipped)."""
+        """The lowest peak memory any candidate that runs and the target can express reaches, the frugal plans
+        included (simulated now if skipped). A plan that cannot run is no floor: a budget between its peak and the
+        real floor would be refused as reachable."""
         while self.deferred:
             self.deferred.pop()()
-        return min(c.report.reserved_memory for c in self.ev.seen)
+        return min(c.report.reserved_memory for c in self.ev.ranked())
 
     def granularities(self) -> list[list[Atom]]:
         """The atom lists to search over: whole blocks and single modules (one list when the model has no blocks)."""
@@ -222,10 +230,17 @@ class AutoPolicy:
             # each layout's search chooses its own checkpointing: the screening's setting stays on a view
             base = first.ev if flat else self._evaluator(trace, model, budget, mesh, first)
             ev, baselines = self._fitting_baselines(base, trace, plans)
+            if flat and not baselines:  # no classic plan runs: screen with the root's plan, which does
+                plans = {ROOT_ONLY: root_plan(trace, model)}
+                ev, baselines = self._fitting_baselines(base, trace, plans)
             if flat:
-                best = min(baselines, key=lambda k: ev.key(baselines[k]))
-                plans = {best: plans[best]}
-            screen.append((ev.key(ev.best()), base, ev.best()))
+                best = min(baselines, key=lambda k: ev.key(baselines[k]), default=None)
+                plans = {best: plans[best]} if best is not None else {}
+            ranked = ev.ranked()  # empty: not even the root's plan runs (the flat layout's search says why)
+            if ranked:
+                screen.append((ev.key(ranked[0]), base, ranked[0]))
+        if not screen:
+            return {first.ev.ctx.mesh: first.ev}, {}
         screen.sort(key=lambda x: x[0])
         fastest = screen[0][2].report.step_time
         searched = [ev for i, (key, ev, c) in enumerate(screen[:MESH_SEARCHES])
@@ -239,7 +254,7 @@ class AutoPolicy:
         does and auto chooses the checkpointing; the evaluator they were simulated with."""
         baselines = classic_baselines(ev, plans)
         blocks = block_instances(trace)
-        if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
+        if self.checkpointing is None and blocks and baselines and ev.best().report.reserved_memory > ev.budget:
             ev = ev.checkpointing(blocks[:self._fewest_checkpointed(ev, blocks, baselines)])
             baselines = classic_baselines(ev, plans)
         return ev, baselines
@@ -281,6 +296,9 @@ class AutoPolicy:
         ``could_rank`` skip the cuts with thousands of groups (a per-leaf cut of a 10,000-module model costs more
         than all DP plans together)."""
         classics = classic_baselines(ev, search.classics)
+        if self.target is Target.FSDP2 and len(ev.trace.index.trainable_dtypes) > 1:
+            # the size cuts hold the root-only plan, but with several dtypes it has groups that must not reshard
+            ev.evaluate(root_plan(ev.trace, ev.model), ROOT_ONLY)
         if self.target is Target.FSDP2:
             for atoms in granularities:
                 deferred = frugal_and_dp(ev, atoms)

@@ -23,6 +23,9 @@ from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import proper_ancestors
 
+# the plan keeping every param on the root group (unsharded from the root's forward to the end of backward) but
+# those FSDP2 needs in groups of another dtype, kept unsharded after forward (``candidates.root_plan``)
+ROOT_ONLY = "root only"
 REFINE_STARTS = 3  # refinement starts from this many of the best plans
 ROOT_SLACK = 1e-3  # a plan whose root manages nothing is preferred within this fraction of the best step time
 GROUP_SLACK = 5e-3  # then the plan with the fewest groups within this fraction (``Refiner.prefer_fewer_groups``)
@@ -35,6 +38,7 @@ class Candidate:
     report: StepReport
     origin: str  # where it came from: a classic policy, "dp(cap)", "frugal", a refinement
     runs: bool = True  # False: some op would read a param while its group is sharded (``validity.py``)
+    why: str = ""  # when it does not run: the first such read, described
 
 
 class Evaluator:
@@ -77,9 +81,9 @@ class Evaluator:
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             group_params = self.ctx.sizing.group_params(plan)
             schedule = build_schedule(self.trace, plan, self.ctx.world, group_params)
-            runs = not sharded_reads(self.trace, plan, schedule, group_params)
+            bad = sharded_reads(self.trace, plan, schedule, group_params)
             c = Candidate(plan, simulate(self.trace, plan, context=self.ctx, schedule=schedule, timeline=False),
-                          origin, runs)
+                          origin, not bad, bad[0].describe(plan) if bad else "")
             self.seen.append(c)
             self.cache[key] = c
         return self.cache[key]
@@ -164,8 +168,10 @@ class Evaluator:
             raise PlannerError("no plan FSDP1 can express: every candidate unit mixes dtypes or requires_grad in one "
                                "flat parameter; use target fsdp2")
         if not valid:
-            raise PlannerError("no candidate plan runs: every one reads a param while its group is sharded (the "
-                               "model calls modules outside their parents' forward); report this model")
+            held = next((c for c in self.seen if c.origin == ROOT_ONLY), None)  # params unsharded the longest
+            why = f": even keeping its params on the root (and the groups FSDP2 needs for another dtype unsharded " \
+                  f"after forward), {held.why}" if held else ""
+            raise PlannerError(f"no candidate plan runs: every one reads a param while its group is sharded{why}")
         return min(valid, key=self.key)
 
     def ranked(self) -> list[Candidate]:
