@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -203,7 +203,11 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                 raise PlannerError(f"model factory '{spec}' raised {type(e).__name__} under fake tensors: {e}") from e
             model, inputs = built[0], built[1]
             loss_fn = built[2] if len(built) == 3 else default_loss
-            apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
+            with unset_fake_temporarily():
+                # fully_shard outside the fake mode: an int reshard_after_forward's post-forward mesh is built from
+                # a tensor's .tolist(), which a fake tensor cannot answer; the fake params still dispatch to their
+                # mode, so every sharded param and buffer FSDP2 makes from them stays fake
+                apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             counter = CollectiveCounter()
             args, kwargs = split_inputs(inputs)
