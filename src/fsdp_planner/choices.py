@@ -30,9 +30,24 @@ class Target(Enum):
 
 
 class ACMode(Enum):
+    """``--ac``: which blocks are checkpointed, and how (``fsdp2/checkpointing.py``)."""
+
     NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"  # every second block (torchtitan's selective_ac_option = "2")
+    FULL = "full"  # every block in full
+    OP = "op"  # every block with op-level selective checkpointing (torchtitan's selective_ac_option = "op")
+    SELECTIVE = "selective"  # every second block in full: torchtitan's layer-level option "2", which it removed;
+    # kept under its old name so that commands and plans that say it mean what they meant
+
+
+class SacPolicy(Enum):
+    """Which ops' outputs an op-level selective checkpoint keeps (``fsdp2/selective.py`` lists them)."""
+
+    TITAN = "titan"  # torchtitan's llama3 save list of 2025
+    TITAN_EARLY = "titan-early"  # its first save list (2024)
+
+
+SAC_POLICY_NAMES = tuple(p.value for p in SacPolicy)
+DEFAULT_SAC_POLICY = SacPolicy.TITAN
 
 
 class ZeroGrad(Enum):
