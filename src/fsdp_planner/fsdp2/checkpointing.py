@@ -97,9 +97,9 @@ def check_checkpointing(plan: Plan, trace: Trace) -> None:
 
 
 def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[str, SacPolicy] | None = None) -> None:
-    """Checkpoint each named module in place (composable hooks, names unchanged); before ``fully_shard``. The
-    ``selective`` ones get op-level SAC: torch 2.13's composable ``checkpoint`` takes ``context_fn`` as
-    ``torch.utils.checkpoint`` does, so no ``checkpoint_wrapper`` (which would rename the module's params)."""
+    """Checkpoint each named module in place, names unchanged (no ``checkpoint_wrapper``, which would rename the
+    module's params); before ``fully_shard``. Full: the composable ``checkpoint`` hooks. Op-level (``selective``):
+    the module's forward runs under ``torch.utils.checkpoint`` with SAC's ``context_fn`` (``_checkpoint_forward``)."""
     from torch.distributed._composable import checkpoint
 
     modules = dict(model.named_modules())
@@ -110,4 +110,21 @@ def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[s
         if policy is None:
             checkpoint(modules[name])
         else:
-            checkpoint(modules[name], context_fn=sac_context_fn(policy))
+            _checkpoint_forward(modules[name], policy)
+
+
+def _checkpoint_forward(module: nn.Module, policy: SacPolicy) -> None:
+    """Run ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` with ``policy``'s SAC context, as
+    torchtitan's ``checkpoint_wrapper`` does, by setting the instance's ``forward``. Not the composable
+    ``checkpoint`` with ``context_fn``: its recomputation calls the module with its hooks, so FSDP2's pre-forward
+    (its ``record_function`` on casting inputs under mixed precision) runs inside SAC's replay but ran outside the
+    caching forward, and SAC refuses the unknown op. Here FSDP2's hooks stay outside both."""
+    from torch.utils.checkpoint import checkpoint as run_checkpointed
+
+    forward = module.forward
+    context_fn = sac_context_fn(policy)
+
+    def checkpointed(*args: object, **kwargs: object) -> object:
+        return run_checkpointed(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = checkpointed  # type: ignore[method-assign]
