@@ -4,7 +4,11 @@ field, what the model holds and recomputes, and real FSDP2 (fake process group, 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +17,8 @@ from conftest import traced
 from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_planner.choices import SacPolicy
+from fsdp_planner.apply.export import export_plan
+from fsdp_planner.choices import ExportFormat, SacPolicy
 from fsdp_planner.cli import main
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, apply_checkpointing, check_checkpointing
@@ -222,3 +227,36 @@ def test_verify_passes_with_op_sac_on_real_gloo_ranks():
     result = run_verify("toy-llama", traced("toy-llama"), _titan(ACMode.OP), nproc=2, steps=2)
     assert result.ok and result.max_abs_diff <= 1e-5
     assert result.counted == [result.predicted] * 2
+
+
+def test_exported_code_applies_the_same_op_sac():
+    """``export``'s self-contained copy of the policy recomputes what fsdp-planner's own apply does (the 3 dropped
+    mm of a block), and plans without op-level checkpointing export as before (no SAC code)."""
+    plan = _titan(ACMode.OP)
+    scope: dict = {}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON), "exported.py", "exec"), scope)
+    assert scope["SELECTIVE"] == dict.fromkeys(BLOCKS, "titan")
+    lm = load_model("toy-llama", meta=False)
+    base = _backward_mm([], {})
+    scope["_checkpoint_selective"](lm.model.get_submodule("layers.2"), "titan")
+    loss = lm.model(*lm.example_inputs).float().pow(2).mean()
+    with _CountMm() as counter:
+        loss.backward()
+    assert counter.mm - base == _backward_mm([], {"layers.2": SacPolicy.TITAN}) - base == 3
+    assert "_checkpoint_selective" not in export_plan(_titan(ACMode.FULL), ExportFormat.PYTHON)
+
+
+@pytest.mark.integration
+def test_exported_op_sac_plan_trains_like_unsharded_on_gloo(tmp_path):
+    """The exported module of an op-SAC plan, run by examples/torchrun_fsdp2.py on 2 gloo ranks: parameter
+    parity with unsharded training."""
+    code = tmp_path / "plan_python.py"
+    code.write_text(export_plan(_titan(ACMode.OP), ExportFormat.PYTHON))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(root / "examples" / "torchrun_fsdp2.py"), str(code)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "max_abs_diff 0" in out.stdout or float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5

@@ -52,6 +52,11 @@ def op_class(func: object) -> OpClass:
     return _OP_CLASSES.get(func, OpClass.OTHER)
 
 
+def op_names(classes: frozenset[OpClass]) -> list[str]:
+    """The aten ops (``namespace.name.overload``) of ``classes``, sorted: what exported code saves by name."""
+    return sorted(str(op) for op, cls in _OP_CLASSES.items() if cls in classes)
+
+
 def outputs_nbytes(flat_out: list) -> int:
     """Bytes of the distinct storages of an op's tensor outputs: what keeping its outputs holds."""
     seen: dict[StorageWeakRef, int] = {}
