@@ -188,6 +188,11 @@ def test_cli_ac_op_and_its_policy(capsys):
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early",
                  "--cluster", "h100:8"]) == 0
     assert "+ ac op titan-early" in capsys.readouterr().out
+    assert main(["plan", "toy-llama", "--policy", "titan", "--ac", "op"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "│ layers." in line]  # the groups table's block rows
+    assert len(rows) == 4 and all(row.rstrip(" │").endswith("op titan") for row in rows)
+    assert "│ 4 op │" in out  # the comparison table's AC column
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--ac-policy", "titan",
                  "--cluster", "h100:8"]) != 0
     assert "--ac-policy chooses what op-level checkpointing saves: give it with --ac op" in capsys.readouterr().err
