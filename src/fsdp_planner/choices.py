@@ -74,8 +74,8 @@ DEFAULT_OPTIMIZER = "adamw"
 # max(FLOPs / (peak x MFU), bytes / HBM bandwidth)), the most influential figure of the compute model. 0.5 is the
 # middle of the 40-60% that transformer matmuls reach in published runs (torchtitan docs/performance.md: Llama 3 70B
 # on 64 A100s with full AC, 51.7% MFU; shared/reference/facts.md). Checked against torchtitan's Llama 3 8B table
-# (8 H100s, batch 2, seq 8192, measured 5,762 tokens/s/GPU): `simulate llama3-8b --policy titan --ac selective
-# --batch 2 --seq 8192 --cluster h100:8` predicts 5,801 (+0.7%), but with every-second-block checkpointing where
-# the run used op-level selective checkpointing (issue 27), so the agreement is partly luck. One constant for every
-# op shape is a simplification: measured op times (`--measure`, calibrate) replace it.
+# (8 H100s, batch 2, seq 8192, measured 5,762 tokens/s/GPU, with op-level selective checkpointing): `simulate
+# llama3-8b --policy titan --ac op --batch 2 --seq 8192 --cluster h100:8` predicts 5,941 (+3.1%; every second
+# block in full, `--ac selective`, would give 5,801). One constant for every op shape is a simplification:
+# measured op times (`--measure`, calibrate) replace it.
 DEFAULT_MFU = 0.5
