@@ -265,3 +265,15 @@ def test_exported_op_sac_plan_trains_like_unsharded_on_gloo(tmp_path):
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "max_abs_diff 0" in out.stdout or float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("world", [8, 64])
+def test_llama3_8b_op_sac_peak_matches_real_fsdp2(world, capsys):
+    """The issue's bar: llama3-8b (batch 1, seq 8192, bf16-mixed) with op-level SAC on every block, its peak within
+    5% of real FSDP2's on the fake process group (measured at the time of writing: within 2 KB at 8 and 64)."""
+    assert main(["verify", "llama3-8b", "--policy", "titan", "--ac", "op", "--fake-world-size", str(world),
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["counts_and_bytes_exact"] and doc["ok"]
+    assert abs(doc["peak_error"]) < 0.05
