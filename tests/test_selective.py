@@ -147,6 +147,12 @@ def test_plan_json_round_trip_old_files_and_bad_values():
     both = plan.copy(activation_checkpointing=["layers.0"])
     with pytest.raises(PlannerError, match=r"'layers\.0' is in both"):
         check_checkpointing(both, traced("toy-llama"))
+    for names, message in ((["layers.9"], "selective_checkpointing names modules the model does not have"),
+                           (["layers.0", "layers.0.attention"], "selective_checkpointing names 'layers.0.attention' "
+                                                                "inside 'layers.0'")):
+        with pytest.raises(PlannerError, match=message):
+            check_checkpointing(plan.copy(selective_checkpointing=dict.fromkeys(names, SacPolicy.TITAN)),
+                                traced("toy-llama"))
 
 
 class _CountMm(TorchDispatchMode):

@@ -78,18 +78,21 @@ def check_checkpointing(plan: Plan, trace: Trace) -> None:
     if twice is not None:
         raise PlannerError(f"'{twice}' is in both activation_checkpointing and selective_checkpointing; a module is "
                            "checkpointed one way")
+
+    def field(m: str) -> str:  # the plan key that names ``m``, for the message
+        return "selective_checkpointing" if m in plan.selective_checkpointing else "activation_checkpointing"
+
     unknown = [m for m in names if m not in trace.modules]
     if unknown:
-        raise PlannerError(f"activation_checkpointing names modules the model does not have: {', '.join(unknown[:5])}")
+        raise PlannerError(f"{field(unknown[0])} names modules the model does not have: {', '.join(unknown[:5])}")
     for m in names:
         if m == ROOT:
-            raise PlannerError("activation_checkpointing cannot name the root module ''; name its blocks")
+            raise PlannerError(f"{field(m)} cannot name the root module ''; name its blocks")
         if not trace.modules[m].calls:
-            raise PlannerError(f"activation_checkpointing names '{m}', which the step never calls")
+            raise PlannerError(f"{field(m)} names '{m}', which the step never calls")
         outer = next((o for o in names if o != m and is_within(m, o)), None)
         if outer is not None:
-            raise PlannerError(f"activation_checkpointing names '{m}' inside '{outer}', which is checkpointed too; "
-                               "name one of them")
+            raise PlannerError(f"{field(m)} names '{m}' inside '{outer}', which is checkpointed too; name one of them")
         inner = next((g for grp in plan.groups for g in grp.modules if g != m and is_within(g, m)), None)
         if inner is not None:
             raise PlannerError(f"checkpointed module '{m}' holds the FSDP group module '{inner}'; checkpoint a "
@@ -106,7 +109,8 @@ def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[s
     how: dict[str, SacPolicy | None] = {**dict.fromkeys(names), **(selective or {})}
     for name, policy in how.items():
         if name not in modules:
-            raise PlannerError(f"activation_checkpointing names a module the model does not have: '{name}'")
+            key = "activation_checkpointing" if policy is None else "selective_checkpointing"
+            raise PlannerError(f"{key} names a module the model does not have: '{name}'")
         if policy is None:
             checkpoint(modules[name])
         else:
