@@ -202,8 +202,6 @@ def test_cli_ac_op_and_its_policy(capsys):
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--ac-policy", "titan",
                  "--cluster", "h100:8"]) != 0
     assert "--ac-policy chooses what op-level checkpointing saves: give it with --ac op" in capsys.readouterr().err
-    assert main(["plan", "toy-llama", "--policy", "auto", "--ac", "op", "--cluster", "h100:8"]) != 0
-    assert "auto does not search op-level selective checkpointing yet" in capsys.readouterr().err
 
 
 def test_trace_events_carry_op_classes_for_forward_ops_only():
@@ -283,3 +281,19 @@ def test_llama3_8b_op_sac_peak_matches_real_fsdp2(world, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["counts_and_bytes_exact"] and doc["ok"]
     assert abs(doc["peak_error"]) < 0.05
+
+
+def test_auto_with_ac_op_checkpoints_every_block_it_can_op_level():
+    """``--ac op`` fixes op-level SAC for every plan auto simulates, as ``--ac full`` fixes full checkpointing:
+    each block no group lies inside is checkpointed op-level, none in full, and the report is that plan's."""
+    tr = traced("toy-llama")
+    cluster = parse_cluster("h100:8")
+    auto = make_policy(PolicyRequest.named("auto", checkpointing=ACMode.OP, sac_policy=SacPolicy.TITAN_EARLY), cluster)
+    plan = auto.plan(tr, "toy-llama")
+    inside = {b for b in BLOCKS for g in plan.groups for m in g.modules if m != b and m.startswith(b + ".")}
+    assert plan.activation_checkpointing == [] and plan.policy.endswith("ac op titan-early)")
+    assert plan.selective_checkpointing == {b: SacPolicy.TITAN_EARLY for b in BLOCKS if b not in inside}
+    assert len(plan.selective_checkpointing) == 4  # on this model auto's plan holds no group inside a block
+    report = simulate(tr, plan, cluster, timeline=False)
+    assert report.recompute_time == pytest.approx(sum(r.seconds for r in SimContext(tr, cluster).recompute(
+        [(b, SacPolicy.TITAN_EARLY) for b in BLOCKS]).values()))

@@ -320,10 +320,11 @@ def auto_line(result: AutoResult) -> str:
     fitting = [c for c in result.baselines.values()
                if c.report.reserved_memory <= result.budget and c.runs and ev.allowed(c.plan)]
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
-    ac = len(result.plan.activation_checkpointing)
+    ac, op = len(result.plan.activation_checkpointing), len(result.plan.selective_checkpointing)
     owning = sum(1 for g in result.plan.groups if g.params)  # as the tables count: the root when it owns params
     groups = fmt_count(owning, "group") if result.plan.inner_groups else "the root alone"
-    checkpointed = f", {fmt_count(ac, 'module')} checkpointed" if ac else ""
+    checkpointed = (f", {fmt_count(ac, 'module')} checkpointed" if ac else "") + \
+        (f", {fmt_count(op, 'module')} with op-level checkpointing" if op else "")
     layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "

@@ -72,7 +72,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--search-effort": ("search_effort", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
     "--ac": ("ac", tuple(PolicyName)),
-    "--ac-policy": ("ac_policy", CLASSIC_POLICIES),
+    "--ac-policy": ("ac_policy", tuple(PolicyName)),
     "--mesh": ("mesh", tuple(PolicyName)),
 }
 

@@ -118,8 +118,6 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
         return ExecutionOrderPolicy(request.target_bytes)
     if cluster is None:
         raise PlannerError("the auto policy plans for a cluster: give one")
-    if request.checkpointing is ACMode.OP:
-        raise PlannerError("auto does not search op-level selective checkpointing yet: give it --ac none, full or "
-                           "selective, or plan with a classic policy (--policy titan --ac op)")
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
-                      search_effort=request.search_effort, checkpointing=request.checkpointing, mesh=request.mesh)
+                      search_effort=request.search_effort, checkpointing=request.checkpointing,
+                      sac_policy=request.sac_policy, mesh=request.mesh)
