@@ -1,11 +1,12 @@
 """Plain torchrun + FSDP2 with a plan exported as code.
 
-    fsdp-planner plan toy-llama --policy auto --out plan.json
-    fsdp-planner export plan.json --format python --out toy_plan.py
+    fsdp-planner plan toy-llama --policy auto --precision fp32 --out plan.json
+    fsdp-planner export plan.json --format python --precision fp32 --out toy_plan.py
     torchrun --nproc_per_node 2 examples/torchrun_fsdp2.py toy_plan.py
 
 Builds the model, applies the exported ``apply(model, mesh)``, trains three SGD steps beside an unsharded copy on
-the same data and prints the largest parameter difference (gloo on CPU, NCCL on GPUs).
+the same data and prints the largest parameter difference (gloo on CPU, NCCL on GPUs). The reference trains in
+fp32, hence fp32 for the plan too (``apply`` sets the precision the plan was exported with, bf16-mixed by default).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import copy
 import gc
 import importlib.util
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fsdp_planner.models import load_model
+from fsdp_planner.models import LoadedModel, load_model
+from fsdp_planner.trace import default_loss
 
 
 def load_plan_module(path: str):  # type: ignore[no-untyped-def]
@@ -26,6 +30,11 @@ def load_plan_module(path: str):  # type: ignore[no-untyped-def]
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def loss_of(lm: LoadedModel) -> Callable[[Any], torch.Tensor]:
+    """The model's loss function; a factory that returns none is trained on the mean square of its output."""
+    return lm.loss_fn or default_loss
 
 
 def main(plan_code: str, model_name: str = "toy-llama") -> None:
@@ -38,11 +47,11 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     for step in range(3):
         batches = [load_model(model_name, meta=False, seed=100 + 10 * step + r) for r in range(world)]
-        batches[rank].loss_fn(model(*batches[rank].example_inputs)).backward()
+        loss_of(batches[rank])(model(*batches[rank].example_inputs)).backward()
         opt.step()
         opt.zero_grad()
         for b in batches:  # the same global batch, unsharded: mean of the ranks' losses
-            (b.loss_fn(reference(*b.example_inputs)) / world).backward()
+            (loss_of(b)(reference(*b.example_inputs)) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     ref = dict(reference.named_parameters())

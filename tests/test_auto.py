@@ -13,7 +13,7 @@ from fsdp_planner.fsdp2.claim import validate_plan
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.planners.auto import AutoPolicy, Search, Target
+from fsdp_planner.planners.auto import AutoPolicy, PeakTerm, Search, Target, infeasible_message, peak_terms
 from fsdp_planner.planners.auto.atoms import Pin, plan_atoms
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, ROOT_SLACK, Evaluator
 from fsdp_planner.planners.auto.explain import Reason, explain
@@ -284,3 +284,32 @@ def test_same_command_same_plan_bytes_under_other_hash_seeds(tmp_path):
     finally:
         busy.kill()
     assert plan(0, tmp_path / "a.json") == loaded == plan(2, tmp_path / "c.json")
+
+
+@pytest.mark.parametrize("spec", [f"{FIXTURES / 'factories.py'}:big_vocab", "toy-llama"])
+def test_no_fit_names_the_smallest_peak_s_terms_and_blames_the_largest(spec):
+    """The message breaks the smallest peak into named terms that add up to it, and blames the largest: for a
+    tiny body under a 65,536-word vocabulary at 16,384 tokens, the logits and the loss's tensors outside the
+    model (the fp32 logits alone are 4 GiB), not the sharded state or the activations."""
+    tr = traced(spec)
+    cluster = parse_cluster("h100:8")
+    budget = AutoPolicy(cluster).search(tr).min_peak // 2
+    tight = AutoPolicy(cluster, budget).search(tr)
+    assert not tight.fits
+    message = infeasible_message(tight)
+    ev = tight.search.ev
+    smallest = min(ev.seen, key=lambda c: c.report.reserved_memory)
+    terms = peak_terms(ev, smallest)
+    assert sum(terms.values()) == smallest.report.reserved_memory == tight.min_peak
+    assert list(terms.values()) == sorted(terms.values(), reverse=True)
+    largest = next(iter(terms))
+    assert f"the largest part is the {largest.value}:" in message
+    assert all(t.value in message for t in list(terms)[:4])
+    with pytest.raises(PlannerError, match="the largest part is the"):
+        AutoPolicy(cluster, budget).plan(tr)
+    if "big_vocab" in spec:
+        assert largest is PeakTerm.LOSS and terms[PeakTerm.LOSS] >= 16_384 * 65_536 * 4
+        assert terms[PeakTerm.LOSS] > 2 * (terms[PeakTerm.ACTIVATIONS] + terms[PeakTerm.SHARDED])
+        assert "smaller --batch or --seq" in message
+    else:  # no vocabulary to speak of: something else is the largest
+        assert largest is not PeakTerm.LOSS

@@ -377,9 +377,10 @@ def test_verify_notes_a_cluster_it_does_not_use(capsys, tmp_path, monkeypatch):
 
 # -- 7. verify checks every argument before any work ------------------------------------------------------------
 @pytest.mark.parametrize(("args", "message"), [
-    (("--policy", "auto", "--nproc", "0"), "--nproc must be at least 1, got 0"),
-    (("--policy", "auto", "--steps", "0"), "--steps must be at least 1, got 0"),
-    (("--policy", "order", "--nproc", "-2"), "--nproc must be at least 1, got -2"),
+    (("--policy", "auto", "--nproc", "0"), "--nproc must be from 1 to 64 (processes on this machine"),
+    (("--policy", "auto", "--steps", "0"), "--steps must be from 1 to 100,000, got 0"),
+    (("--policy", "order", "--nproc", "-2"), "got -2"),
+    (("--policy", "order", "--nproc", "99999999999"), "--nproc must be from 1 to 64"),
 ])
 def test_verify_rejects_bad_counts_before_tracing(capsys, monkeypatch, args, message):
     from fsdp_planner.cli import verify

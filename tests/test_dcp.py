@@ -108,8 +108,8 @@ def test_load_checkpoint_refuses_what_verify_did_not_write(capsys, tmp_path):
 
 def _checkpoint_files(directory: Path, **meta: object) -> None:
     """What verify --save-checkpoint leaves (the files' contents are not read before the ranks load them)."""
-    (directory / META).write_text(json.dumps({"version": VERSION, "step": 2, "fingerprint": "abc", "digests": {},
-                                              **meta}))
+    (directory / META).write_text(json.dumps({"version": VERSION, "step": 2, "world": 2, "policy": "size",
+                                              "fingerprint": "abc", "digests": {}, **meta}))
     (directory / DCP_METADATA).write_bytes(b"")
     (directory / REFERENCE).write_bytes(b"")
 
@@ -126,8 +126,8 @@ def test_load_checkpoint_refuses_another_models(tmp_path):
 def test_load_checkpoint_refuses_another_format_before_any_rank_starts(capsys, tmp_path):
     _checkpoint_files(tmp_path, version=VERSION + 1)
     assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == (f"error: --load-checkpoint '{tmp_path}' is in checkpoint format "
-                                       f"{VERSION + 1}, not {VERSION}, the one verify --save-checkpoint writes\n")
+    assert capsys.readouterr().err == (f"error: the checkpoint's {META} in '{tmp_path}' has format version "
+                                       f"{VERSION + 1}: this fsdp-planner reads version {VERSION}\n")
 
 
 @pytest.mark.parametrize("missing", [DCP_METADATA, REFERENCE])

@@ -10,14 +10,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
+from fsdp_planner.choices import DEFAULT_PRECISION
+from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
+from fsdp_planner.sim.options import PRECISIONS
 from fsdp_planner.trace import trace
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+FACTORIES = str(Path(__file__).resolve().parent / "fixtures" / "factories.py")
 ENTRY = {ExportFormat.PYTHON: "apply", ExportFormat.ACCELERATE: "prepare", ExportFormat.LIGHTNING: "configure_model",
          ExportFormat.TORCHTITAN: "parallelize"}
 
@@ -45,24 +50,87 @@ def test_export_compiles_with_its_entry_point(fmt: ExportFormat) -> None:
     assert scope["FORWARD_PREFETCH"] == {1: [2]} and scope["CHECKPOINTED"] == ["layers.3"]
 
 
-def _run_example(tmp_path: Path, fmt: ExportFormat, script: str, torchrun: bool = True) -> str:
+def _apply_exported(precision: str, methods: bool = True, **fsdp_kwargs) -> tuple[set, str | None]:
+    """Export a head_loss plan, apply it with real FSDP2 on 2 ranks of the fake process group, run a step: the
+    dtypes ``block`` computes in, and the error of the step (None when it ran)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    lm = load_model(f"{FACTORIES}:head_loss", meta=False)
+    plan = make_plan(trace(lm.model, lm.example_inputs, lm.loss_fn), [["inp"], ["block"], ["head"]])
+    scope: dict = {}
+    exec(compile(export_plan(plan if methods else plan.copy(forward_methods=[]), ExportFormat.PYTHON,
+                             PRECISIONS[precision]), "exported.py", "exec"), scope)
+    model, seen = load_model(f"{FACTORIES}:head_loss", meta=False).model, set()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        scope["apply"](model, init_device_mesh("cpu", (2,)), **fsdp_kwargs)
+        model.block.register_forward_pre_hook(lambda m, args: seen.add(m.weight.dtype))  # after FSDP2's unshard
+        try:
+            model(*lm.example_inputs).backward()
+        except RuntimeError as e:
+            return seen, str(e)
+    finally:
+        dist.destroy_process_group()
+    return seen, None
+
+
+def test_exported_apply_sets_the_plans_precision_and_forward_methods() -> None:
+    """bf16-mixed computes in bf16 (FSDP2 all-gathers the fp32 shards as bf16), fp32 in fp32, an mp_policy given
+    to apply wins; and head.loss runs only because apply registers it (FSDP2 refuses it otherwise)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    assert _apply_exported("bf16-mixed") == ({torch.bfloat16}, None)
+    assert _apply_exported("fp32") == ({torch.float32}, None)
+    assert _apply_exported("bf16-mixed", mp_policy=MixedPrecisionPolicy()) == ({torch.float32}, None)
+    _, error = _apply_exported("fp32", methods=False)
+    assert error is not None and "DTensor" in error
+
+
+def _run_example(tmp_path: Path, fmt: ExportFormat, script: str, torchrun: bool = True,
+                 precision: str = DEFAULT_PRECISION) -> str:
     code = tmp_path / f"plan_{fmt.value}.py"
-    code.write_text(export_plan(_plan(), fmt))
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] \
-        if torchrun else [sys.executable]
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([*launcher, str(EXAMPLES / script), str(code)], capture_output=True, text=True,
-                         timeout=300, env=env, cwd=tmp_path)
+    code.write_text(export_plan(_plan(), fmt, PRECISIONS[precision]))
+    out = _launch(tmp_path, [str(EXAMPLES / script), str(code)], torchrun)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return out.stdout
 
 
+def _launch(tmp_path: Path, args: list[str], torchrun: bool = True) -> subprocess.CompletedProcess:
+    """An example script, under torchrun on 2 CPU gloo ranks or alone, with this checkout's package."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] \
+        if torchrun else [sys.executable]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
 @pytest.mark.integration
 def test_torchrun_example_matches_unsharded_training(tmp_path: Path) -> None:
-    out = _run_example(tmp_path, ExportFormat.PYTHON, "torchrun_fsdp2.py")
+    out = _run_example(tmp_path, ExportFormat.PYTHON, "torchrun_fsdp2.py", precision="fp32")  # as the reference
     assert "max_abs_diff 0" in out or float(out.split("max_abs_diff")[1].split()[0]) <= 1e-5
     assert "fsdp modules: 8" in out  # 6 groups, [norm, output] two modules, the root
+
+
+@pytest.mark.integration
+def test_exported_code_registers_the_plans_forward_methods(tmp_path: Path) -> None:
+    """head sharded on its own and the step calling ``head.loss``: the exported ``apply`` registers the method, and
+    the run matches unsharded training; the same code without it fails as FSDP2 does (plain tensors meet the
+    sharded DTensor params), so the registration is what makes it run."""
+    factory = f"{FACTORIES}:head_loss"
+    lm = load_model(factory)
+    plan = make_plan(trace(lm.model, lm.example_inputs, lm.loss_fn), [["inp"], ["block"], ["head"]])
+    assert plan.forward_methods == [("head", "loss")]
+    runs = {}
+    for name, p in (("registered", plan), ("unregistered", plan.copy(forward_methods=[]))):
+        code = tmp_path / f"{name}.py"
+        code.write_text(export_plan(p, ExportFormat.PYTHON, PRECISIONS["fp32"]))  # fp32: as the reference
+        runs[name] = _launch(tmp_path, [str(EXAMPLES / "torchrun_fsdp2.py"), str(code), factory])
+    ok, bad = runs["registered"], runs["unregistered"]
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    assert "fsdp modules: 4" in ok.stdout and float(ok.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+    assert bad.returncode != 0 and "DTensor" in bad.stderr, bad.stdout[-2000:] + bad.stderr[-2000:]
 
 
 @pytest.mark.integration

@@ -205,3 +205,18 @@ def test_a_sequence_beyond_learned_positions_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == ("error: --seq 1000 is longer than the model's 64 learned positions "
                                                "(transformer.wpe): give --seq 64 or less")
     assert main(["plan", f"hf:{config}", "--policy", "order", "--seq", "64"]) == 0
+
+
+def test_check_names_an_hf_model_s_modules_by_their_real_path(tmp_path):
+    """An HF causal LM keeps its body in ``model.model``: findings name ``model.embed_tokens`` (its path in
+    ``named_modules``), never ``model.model.embed_tokens``, and only the fix's code reaches it from ``model``."""
+    from fsdp_planner.fsdp2.pitfalls import Code, plan_findings
+    from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
+
+    tr = traced(tiny(tmp_path, "tiny-llama"))
+    plan = make_policy(PolicyRequest(PolicyName.MODULE)).plan(tr, "tiny-llama")
+    [root] = [f for f in plan_findings(tr, plan) if f.code is Code.ROOT_PARAMS]
+    assert root.module == "model.embed_tokens"
+    assert "of model.embed_tokens, model.norm, lm_head:" in root.message and "model.model." not in root.message
+    assert root.fix.startswith("give model.embed_tokens, model.norm, lm_head groups of their own")
+    assert "fully_shard(model.model.embed_tokens)" in root.fix  # code: the user's variable, then the path

@@ -70,30 +70,46 @@ def _set(dotted: str, value: Any) -> Callable[[dict[str, Any]], None]:
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
-    ("gpu.memory_bytes", math.nan, "field 'gpu.memory_bytes' must be a whole number of bytes above 0, got nan"),
-    ("gpu.memory_bytes", 0, "field 'gpu.memory_bytes' must be a whole number of bytes above 0, got 0"),
-    ("gpu.memory_bytes", -80e9, "field 'gpu.memory_bytes' must be a whole number of bytes above 0"),
-    ("gpu.memory_bytes", math.inf, "field 'gpu.memory_bytes' must be a whole number of bytes above 0, got inf"),
-    ("gpu.hbm_bandwidth", 0, "field 'gpu.hbm_bandwidth' must be a finite number above 0, got 0.0"),
-    ("gpu.hbm_bandwidth", 10**400, "field 'gpu.hbm_bandwidth' must be a finite number above 0, got inf"),
-    ("gpu.hbm_bandwidth", math.inf, "field 'gpu.hbm_bandwidth' must be a finite number above 0, got inf"),
-    ("gpu.peak_bf16_flops", 0, "field 'gpu.peak_bf16_flops' must be a finite number above 0"),
-    ("gpu.peak_fp32_flops", -1, "field 'gpu.peak_fp32_flops' must be a finite number above 0"),
-    ("gpu.peak_bf16_flops", math.nan, "field 'gpu.peak_bf16_flops' must be a finite number above 0, got nan"),
-    ("intra.bus_bandwidth", math.nan, "field 'intra.bus_bandwidth' must be a number above 0, got nan"),
-    ("inter.bus_bandwidth", -5, "field 'inter.bus_bandwidth' must be a number above 0"),
-    ("inter.hop_latency", math.inf, "field 'inter.hop_latency' must be a finite number of at least 0, got inf"),
-    ("intra.base_latency", -1e-6, "field 'intra.base_latency' must be a finite number of at least 0"),
-    ("intra.ring_overhead", math.nan, "field 'intra.ring_overhead' must be at least 0 and below 2, got nan"),
+    ("gpu.memory_bytes", math.nan, "field 'gpu.memory_bytes' is NaN, outside 1e8..1e13 B"),
+    ("gpu.memory_bytes", 0, "field 'gpu.memory_bytes' is 0 B, outside 1e8..1e13 B"),
+    ("gpu.memory_bytes", -80e9, "field 'gpu.memory_bytes' is -8e10 B, outside 1e8..1e13 B"),
+    ("gpu.memory_bytes", math.inf, "field 'gpu.memory_bytes' is infinity, outside 1e8..1e13 B"),
+    ("gpu.hbm_bandwidth", 0, "field 'gpu.hbm_bandwidth' is 0 B/s, outside 1e8..1e14 B/s"),
+    ("gpu.hbm_bandwidth", 1e-9, "field 'gpu.hbm_bandwidth' is 1e-9 B/s, outside 1e8..1e14 B/s"),
+    ("gpu.hbm_bandwidth", 10**400, "field 'gpu.hbm_bandwidth' is infinity, outside 1e8..1e14 B/s"),
+    ("gpu.hbm_bandwidth", math.inf, "field 'gpu.hbm_bandwidth' is infinity, outside 1e8..1e14 B/s"),
+    ("gpu.peak_bf16_flops", 0, "field 'gpu.peak_bf16_flops' is 0 FLOP/s, outside 1e8..1e17 FLOP/s"),
+    ("gpu.peak_bf16_flops", 1e-300, "field 'gpu.peak_bf16_flops' is 1e-300 FLOP/s, outside 1e8..1e17 FLOP/s"),
+    ("gpu.peak_fp32_flops", -1, "field 'gpu.peak_fp32_flops' is -1 FLOP/s, outside 1e8..1e17 FLOP/s"),
+    ("gpu.peak_bf16_flops", math.nan, "field 'gpu.peak_bf16_flops' is NaN, outside 1e8..1e17 FLOP/s"),
+    ("gpu.name", ["H100"], "field 'gpu.name' must be a string, got ['H100']"),
+    ("name", {"a": 1}, "field 'name' must be a string, got {'a': 1}"),
+    ("name", "x" * 5000, "field 'name' is 5,000 characters long; at most 1,000 are accepted"),
+    ("engine", ["streams"], "field 'engine' must be one of streams, host, got ['streams']"),
+    ("version", 2, 'has format version 2: this fsdp-planner reads cluster files with "version": 1'),
+    ("version", "1", "has format version '1'"),
+    ("intra.bus_bandwidth", math.nan, "field 'intra.bus_bandwidth' is NaN, outside 1e6..1e14 B/s (or infinity"),
+    ("inter.bus_bandwidth", -5, "field 'inter.bus_bandwidth' is -5 B/s, outside 1e6..1e14 B/s"),
+    ("inter.bus_bandwidth", 1e-300, "field 'inter.bus_bandwidth' is 1e-300 B/s, outside 1e6..1e14 B/s"),
+    ("inter.hop_latency", math.inf, "field 'inter.hop_latency' is infinity, outside 0..1 s"),
+    ("inter.base_latency", 1e300, "field 'inter.base_latency' is 1e300 s, outside 0..1 s"),
+    ("intra.base_latency", -1e-6, "field 'intra.base_latency' is -1e-6 s, outside 0..1 s"),
+    ("intra.ring_overhead", math.nan, "field 'intra.ring_overhead' is NaN, outside 0..2"),
+    ("overhead.copy_bandwidth", 1e-300, "field 'overhead.copy_bandwidth' is 1e-300 B/s, outside 1e6..1e14 B/s"),
+    ("overhead.hook_seconds", 5, "field 'overhead.hook_seconds' is 5 s, outside 0..1 s"),
     ("gpus_per_node", 0, "field 'gpus_per_node' must be a whole number from 1 to 72, got 0"),
     ("gpus_per_node", -8, "field 'gpus_per_node' must be a whole number from 1 to 72, got -8"),
     ("gpus_per_node", 1000, "field 'gpus_per_node' must be a whole number from 1 to 72, got 1000"),
     ("nodes", 0, "field 'nodes' must be a whole number from 1 to 1,000,000, got 0"),
     ("nodes", 200_000, "has 1,600,000 GPUs (200,000 nodes x 8); at most 1,000,000 are supported"),
     ("nics_per_node", 0, "field 'nics_per_node' must be a whole number from 1 to 1,000,000, got 0"),
-    ("fits", {"all_gather": {"8": [math.nan, 3e11]}}, "field 'fits.all_gather.8' must be [latency, bandwidth]"),
-    ("fits", {"all_gather": {"8": [1e-5, math.inf]}}, "a finite bandwidth above 0, got [1e-05, inf]"),
-    ("fits", {"all_gather": {"8": [1e-5, 0]}}, "a finite bandwidth above 0, got [1e-05, 0.0]"),
+    ("fits", {"all_gather": {"8": [math.nan, 3e11]}}, "field 'fits.all_gather.8 latency' is NaN, outside 0..1 s"),
+    ("fits", {"all_gather": {"8": [1e-5, math.inf]}}, "field 'fits.all_gather.8 bandwidth' is infinity, outside "
+                                                      "1e6..1e14 B/s"),
+    ("fits", {"all_gather": {"8": [1e-5, 0]}}, "field 'fits.all_gather.8 bandwidth' is 0 B/s, outside 1e6..1e14"),
+    ("fits", {"all_gather": {"8": ["x" * 100_000, 3e11]}}, "field 'fits' must map each collective to"),
+    ("tables", {"all_gather": [[1, 1e-4], [2, 1e9]]}, "field 'tables.all_gather.1.seconds' is 1e9 s, outside "
+                                                       "0..1000 s (0 excluded)"),
     ("fits", {"all_gather": {"1": [1e-5, 3e11]}}, "has a fit for 1 ranks; fits are for 2 to 1,000,000 ranks"),
 ])
 def test_every_cluster_number_is_checked_and_named(capsys, tmp_path: Path, field: str, value: Any,
@@ -101,8 +117,25 @@ def test_every_cluster_number_is_checked_and_named(capsys, tmp_path: Path, field
     path = _cluster_file(tmp_path, _set(field, value))
     line = _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(path)], message)
     assert f"the cluster file {path} field" in line or f"the cluster file {path} has" in line
+    assert len(line) < 300  # a long value is not echoed whole
     with pytest.raises(PlannerError, match="cluster file"):
         Cluster.load(path)
+
+
+def test_physical_ranges_hold_for_files_not_for_studies_in_code(tmp_path: Path) -> None:
+    """A study of an ideal machine in code may use 1e30 for 'free'; a file may not (Cluster.save refuses to write
+    what Cluster.load would refuse to read)."""
+    from dataclasses import replace
+
+    c = parse_cluster("h100:8")
+    free = replace(c, gpu=replace(c.gpu, hbm_bandwidth=1e30))
+    assert free.gpu.hbm_bandwidth == 1e30
+    with pytest.raises(PlannerError, match=r"^the cluster to write to .* field 'gpu\.hbm_bandwidth' is 1e30 B/s, "
+                                           r"outside 1e8\.\.1e14 B/s$"):
+        free.save(tmp_path / "free.json")
+    assert not (tmp_path / "free.json").exists()
+    with pytest.raises(PlannerError, match=r"field 'gpu\.hbm_bandwidth' is 1e30 B/s, outside"):
+        Cluster.from_dict(free.to_dict())
 
 
 def test_an_nvl72_node_is_a_valid_cluster(tmp_path: Path) -> None:
@@ -114,7 +147,8 @@ def test_presets_pass_the_same_checks() -> None:
     from dataclasses import replace
 
     c = parse_cluster("h100:8")
-    with pytest.raises(PlannerError, match=r"the cluster 'h100:8' field 'gpu\.hbm_bandwidth' must be a finite number"):
+    with pytest.raises(PlannerError, match=r"the cluster 'h100:8' field 'gpu\.hbm_bandwidth' is 0 B/s; it must be a "
+                                           "finite number above 0"):
         replace(c, gpu=replace(c.gpu, hbm_bandwidth=0.0))
     with pytest.raises(PlannerError, match="'gpus_per_node' must be a whole number from 1 to 72"):
         replace(c, gpus_per_node=73)
@@ -245,13 +279,58 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
     (lambda d: d["groups"][0].update(reshard_after_forward=2.0), "got 2.0"),
     (lambda d: d["groups"][0].update(reshard_after_forward="2"), 'got "2"'),
     (lambda d: d["model"].update(numel=-1), "plan 'model.numel' must be a whole number of 0 or more, got -1"),
+    # sizes and names: bounded, and never echoed whole
+    (lambda d: d["model"].update(numel=10**40), "plan 'model.numel' 100000000000000000000000000000...(41 characters) "
+                                                "is more than 1,000,000,000,000,000 parameters"),
+    (lambda d: d["groups"][0].update(reshard_after_forward=int("9" * 4000)),
+     "reshard_after_forward 999999999999999999999999999999...(4000 characters) is more ranks than the 1,000,000"),
+    (lambda d: d.update(policy="a" * 100_000), "plan 'policy' must be a string of at most 10,000 characters, got "
+                                               '"aaaaaaaaaaaaaaaaaaaaaaaaaaaaa...(100002 characters)'),
+    (lambda d: d.update(policy=["size"]), "plan 'policy' must be a string of at most 10,000 characters, got "
+                                          "[\"size\"]"),
+    (lambda d: d["model"].update(name={"a": 1}), "plan 'model.name' must be a string"),
+    (lambda d: d["model"].update(fingerprint=7), "plan 'model.fingerprint' must be a string"),
+    (lambda d: d.update(groups=[{"modules": [f"m{i}"]} for i in range(100_001)]),
+     "the plan has 100,001 groups; at most 100,000 are accepted"),
+    (lambda d: d.update(mesh={"replicate": 10**30, "shard": 2}), "has more ranks than the 1,000,000 a cluster may"),
+    (lambda d: d["groups"][0].update(forward_prefetch=[10**400]), "forward_prefetch names 10000000000000000000000000"),
+    # names: module paths and public method names, refused at load time rather than inside the ranks
+    (lambda d: d["groups"][0].update(modules=["a..b"]), "plan group 0 'modules': \"a..b\" is not a module path"),
+    (lambda d: d["groups"][0].update(modules=["a."]), "plan group 0 'modules': \"a.\" is not a module path"),
+    (lambda d: d["groups"][0].update(params=["x" * 5000]), "plan group 0 'params': \"xxxxxxxxxxxxxx"),
+    (lambda d: d.update(activation_checkpointing=[".x"]), "plan 'activation_checkpointing': \".x\" is not a module"),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "__init__"}]),
+     "plan 'forward_methods': method \"__init__\" is not a public method name"),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "__class__"}]), 'method "__class__" is not a'),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "_helper"}]), 'method "_helper" is not a public'),
+    (lambda d: d.update(forward_methods=[{"module": "", "method": "class"}]), 'method "class" is not a public'),
+    (lambda d: d.update(forward_methods=[{"module": "a..b", "method": "loss"}]), 'module "a..b" is not a module'),
 ])
 def test_plan_json_is_read_strictly(capsys, tmp_path: Path, change, message: str) -> None:
     path = _plan_file(tmp_path, change)
     with pytest.raises(PlannerError, match=None) as e:
         Plan.load(path)
     assert message in str(e.value)
-    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"], message)
+    line = _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"], message)
+    assert len(line) < 300
+
+
+def test_plan_numel_is_compared_with_the_model(capsys, tmp_path: Path) -> None:
+    path = _plan_file(tmp_path, lambda d: d["model"].update(numel=d["model"]["numel"] + 1))
+    numel = traced("seed-net").numel
+    _fails(capsys, ["simulate", "seed-net", "--plan", str(path), "--cluster", "h100:8"],
+           f"the plan's 'model.numel' is {numel + 1:,} but this model has {numel:,} parameters")
+
+
+def test_module_dict_keys_that_are_not_identifiers_read_back(tmp_path: Path) -> None:
+    """torch allows any key without a dot in an nn.ModuleDict: a plan written for such a model must load."""
+    plan = Plan.from_json(json.dumps(_plan_dict()))
+    plan.groups[0].modules = ["blocks.block-1", "blocks.2"]
+    plan.forward_methods = [("blocks.block-1", "loss")]
+    plan.save(tmp_path / "p.json")
+    again = Plan.load(tmp_path / "p.json")
+    assert again.groups[0].modules == ["blocks.block-1", "blocks.2"]
+    assert again.forward_methods == [("blocks.block-1", "loss")]
 
 
 def test_plan_as_written_still_loads(tmp_path: Path) -> None:
@@ -296,3 +375,77 @@ def test_plan_file_meets_the_world_size(capsys, tmp_path: Path, argv: list[str],
     path = _plan_file(tmp_path, lambda d: d["groups"][0].update(reshard_after_forward=3))
     _fails(capsys, [*argv, "--plan", str(path)],
            f"plan group 0 has reshard_after_forward=3, which FSDP2 needs to divide the world size of {world} ranks")
+
+
+# ---- sizes on the command line ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "toy-llama", "--policy", "size", "--batch", "99999999999999999999"],
+     "--batch must be at most 1,000,000, got 99999999999999999999"),
+    (["plan", "toy-llama", "--policy", "size", "--seq", "1e30"], "--seq must be at most 10,000,000, got 1e30"),
+    (["plan", "toy-llama", "--policy", "size", "--batch", "1000", "--seq", "1e7"],
+     "--batch 1,000 x --seq 10,000,000 is 10,000,000,000 tokens per rank; at most 1,000,000,000 are supported"),
+    (["plan", "toy-llama", "--policy", "size", "--batch", "9" * 20_000], "--batch '999999999999999999999999999999..."
+                                                                         "(20000 characters)' is 20,000 characters"),
+    (["cost", "all-gather", "9" * 20_000 + "!", "--cluster", "h100:8"], "is 20,001 characters long: not a size"),
+    (["cost", "all-gather", "1e300", "--cluster", "h100:8"], "the size '1e300' is too large: at most 1 EiB"),
+    (["plan", "seed-net", "--policy", "auto", "--memory-budget", "1e300"], "--memory-budget '1e300' is too large"),
+    (["plan", "seed-net", "--policy", "auto", "--search-effort", "1e100"], "--search-effort must be at most "
+                                                                          "1,000,000,000, got 1e100"),
+    (["plan", "seed-net", "--policy", "size", "--min-nonwrapped-numel", "1e100"],
+     "--min-nonwrapped-numel must be at most 1,000,000,000,000,000 parameters, got 1e100"),
+    (["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", "--mfu", "1e-300"],
+     "--mfu must be from 0.001 to 1"),
+    (["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", "--mfu", "nan"], "got nan"),
+    (["verify", "seed-net", "--policy", "size", "--nproc", "99999999999"], "--nproc must be from 1 to 64"),
+    (["verify", "seed-net", "--policy", "size", "--steps", "1000000000"], "--steps must be from 1 to 100,000"),
+    (["verify", "seed-net", "--policy", "size", "--time-steps", "1000000000"], "--time-steps must be from 0 to"),
+], ids=["batch-1e20", "seq-1e30", "tokens", "batch-20000-digits", "size-20000-digits", "size-1e300", "budget-1e300",
+        "effort-1e100", "numel-1e100", "mfu-tiny", "mfu-nan", "nproc", "steps", "time-steps"])
+def test_sizes_are_bounded_in_one_line(capsys, argv: list[str], message: str) -> None:
+    line = _fails(capsys, argv, message)
+    assert len(line) < 300
+
+
+def test_parse_size_answers_at_once_on_a_long_run_of_digits() -> None:
+    """The size pattern backtracks quadratically: 20,000 digits and a stray character took 33 s before the length
+    bound."""
+    import time
+
+    from fsdp_planner.fmt import parse_size
+
+    start = time.perf_counter()
+    with pytest.raises(PlannerError, match="characters long: not a size"):
+        parse_size("9" * 1_000_000 + "!")
+    assert time.perf_counter() - start < 1.0
+    assert parse_size("1.5e6GiB") == round(1.5e6 * 2**30)
+
+
+# ---- long arguments are never echoed whole --------------------------------------------------------------------------
+LONG = "x" * 100_000
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "seed-net", "--policy", LONG],
+    ["plan", LONG, "--policy", "size"],
+    ["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", "--precision", LONG],
+    ["plan", "seed-net", "--policy", "titan", "--module-classes", LONG],
+    ["plan", "seed-net", "--policy", "size", "--out", LONG],
+    ["plan", "seed-net", f"--{LONG}"],
+    [LONG],
+], ids=["choice", "model", "precision", "module-classes", "out", "option", "command"])
+def test_a_long_argument_is_cut_short_in_the_error(capsys, argv: list[str]) -> None:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err[:300]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "internal error" not in err, err[:300]
+    assert "...(100,0" in lines[0] and len(lines[0]) < 1000, lines[0][:300]
+
+
+def test_one_line_keeps_the_first_line_of_a_multi_line_error() -> None:
+    from fsdp_planner.errors import one_line
+
+    backtrace = "randn(): Overflow when unpacking long long\nException raised from THPUtils_unpackLong\nframe #0: ..."
+    assert one_line(backtrace) == "randn(): Overflow when unpacking long long (+2 more lines)"
+    assert one_line("a short line") == "a short line"
+    assert len(one_line(" ".join(["word"] * 1000))) <= 1000

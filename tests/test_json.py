@@ -75,8 +75,9 @@ def test_export_json(capsys, tmp_path):
     plan = tmp_path / "plan.json"
     assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(plan), "--quiet"]) == 0
     capsys.readouterr()
-    d = run_json(capsys, "export", str(plan), "--format", "python")
-    assert set(d) == {"format", "out", "source"} and d["out"] is None
+    d = run_json(capsys, "export", str(plan), "--format", "python", "--precision", "fp32")
+    assert set(d) == {"format", "precision", "out", "source"} and d["out"] is None and d["precision"] == "fp32"
+    assert "PRECISION: str = 'fp32'" in d["source"]
     compile(d["source"], "plan.py", "exec")
 
 

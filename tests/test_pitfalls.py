@@ -52,7 +52,7 @@ def test_sharded_read_names_the_module_and_the_fix():
     [f] = plan_findings(tr, make_plan(tr, [["layer"], ["linear"]]))
     assert (f.severity, f.code, f.module) == (Severity.ERROR, Code.SHARDED_READ, "layer.proc")
     assert "'layer.proc.weight'" in f.message and "group 0 (layer)" in f.message
-    assert "through model.layer's forward" in f.fix
+    assert "through layer's forward" in f.fix and "fully_shard(model.layer.proc)" in f.fix
 
 
 def test_an_unregistered_forward_method_is_an_error_and_a_registered_one_a_warning():
@@ -144,3 +144,13 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert "root-params" in default.stdout
     missing = run_check(f"{FACTORIES}:twice", "--plan", str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_fix_s_code_reaches_each_module_as_python_does():
+    """``fully_shard(...)`` in a fix is code that runs: a ModuleList's child is indexed (``model.layers[0]``),
+    while the finding's prose names the module by its path."""
+    tr = traced("toy-llama")
+    plan = make_plan(tr, [["tok_embeddings"], ["layers.1"], ["layers.2"], ["layers.3"], ["norm", "output"]])
+    [root] = [f for f in plan_findings(tr, plan) if f.code is Code.ROOT_PARAMS]
+    assert "of layers.0.attention_norm, layers.0.attention.wq, " in root.message
+    assert "(fully_shard(model.layers[0].attention_norm), ...)" in root.fix

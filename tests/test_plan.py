@@ -7,7 +7,13 @@ import pytest
 from conftest import traced
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import application_order, check_plan_matches, make_plan, validate_plan
+from fsdp_planner.fsdp2.claim import (
+    application_order,
+    check_plan_matches,
+    make_plan,
+    validate_plan,
+    with_claimed_params,
+)
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import ExecutionOrderPolicy, SizeBasedPolicy
@@ -126,3 +132,43 @@ def test_containers_without_forward_become_their_children_and_plan_files_naming_
     bad.groups[0].modules = ["layers"]
     with pytest.raises(PlannerError, match=r"containers without forward.*layers"):
         check_plan_matches(bad, tr)
+
+
+HAND_PLAN = Path(__file__).parent.parent / "docs" / "examples" / "hand_plan.json"
+MY_MODEL = f"{HAND_PLAN.parent / 'my_model.py'}:build"
+
+
+def test_a_hand_written_module_list_plan_gets_its_params_by_the_claim_rule():
+    """The documented minimal plan (groups as module lists, no params, no model) passes the plan-vs-model check
+    once each group's params are what its fully_shard call claims: the same groups a policy would make."""
+    tr = traced(MY_MODEL)
+    loaded = Plan.load(HAND_PLAN)
+    assert not any(g.params for g in loaded.groups) and loaded.fingerprint == ""
+    with pytest.raises(PlannerError, match="do not list every param"):
+        check_plan_matches(loaded, tr)
+    plan = with_claimed_params(loaded, tr)
+    check_plan_matches(plan, tr)
+    expected = make_plan(tr, [["embed"], *([f"blocks.{i}"] for i in range(4)), ["norm", "head"]],
+                         reshard=[True] * 5 + [False])
+    assert [(g.modules, g.params, g.reshard_after_forward) for g in plan.groups] == \
+        [(g.modules, g.params, g.reshard_after_forward) for g in expected.groups]
+    assert plan.fingerprint == tr.fingerprint and loaded.groups[0].params == []  # the loaded plan is untouched
+
+
+def test_a_module_list_plan_follows_first_use_and_nested_groups_carve_their_params():
+    """Groups written out of order are put in execution order; a block listed inside a group listing its parent
+    container's owner keeps its own params (FSDP2 applies nested groups first)."""
+    tr = traced(MY_MODEL)
+    plan = with_claimed_params(Plan.from_json(json.dumps(
+        {"version": 1, "groups": [["blocks.1"], ["blocks.0"]]})), tr)
+    assert [g.modules for g in plan.groups] == [["blocks.0"], ["blocks.1"], [""]]
+    assert plan.groups[0].params == [p.fqn for p in tr.params if p.fqn.startswith("blocks.0.")]
+    assert set(plan.root.params) == {p.fqn for p in tr.params} - set(plan.groups[0].params) - set(plan.groups[1].params)
+    check_plan_matches(plan, tr)
+
+
+def test_a_module_list_plan_naming_a_missing_module_is_one_clear_error():
+    tr = traced(MY_MODEL)
+    plan = Plan.from_json(json.dumps({"version": 1, "groups": [["blocks.9"], ["blok.0"]]}))
+    with pytest.raises(PlannerError, match=r"^plan names modules the model does not have: blocks\.9, blok\.0$"):
+        with_claimed_params(plan, tr)

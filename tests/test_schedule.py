@@ -125,3 +125,29 @@ def test_group_that_claims_nothing_does_not_take_part_in_backward_prefetch(seed_
     with_empty = plan_of([*layers[:2], ["dropout1"], *layers[2:]])
     assert with_empty.groups[2].params == []
     assert prefetched(with_empty) == prefetched(plan_of(layers)) != []
+
+
+def test_a_simulated_plan_s_table_columns_are_in_the_simulation_s_dtype():
+    """fp32 params simulated in bf16-mixed: the table's byte columns are the simulation's bf16 bytes (what its
+    memory breakdown counts), not fp32 beside bf16, and the caption under them names the dtype."""
+    import pytest
+
+    from fsdp_planner.cli.render import comparison_table, metrics_dtype
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
+    from fsdp_planner.sim.options import SimOptions
+    from fsdp_planner.sim.simulate import simulate
+
+    tr = traced("toy-llama")
+    options = SimOptions()
+    assert options.precision.gather_bytes == 2 and {p.itemsize for p in tr.params} == {4}
+    plan = make_policy(PolicyRequest(PolicyName.TITAN)).plan(tr, "toy-llama")
+    report = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
+    own, simulated = plan_metrics(tr, plan, 8), plan_metrics(tr, plan, 8, options.precision)
+    assert simulated.all_gather_bytes == report.all_gather_bytes == own.all_gather_bytes // 2
+    assert simulated.peak_unsharded_bytes == own.peak_unsharded_bytes // 2
+    assert simulated.avg_idle_bytes == pytest.approx(own.avg_idle_bytes / 2)
+    assert report.memory_at_peak["unsharded_params"] <= simulated.peak_unsharded_bytes
+    table = comparison_table("t", [(plan, simulated, report)], dtype=metrics_dtype(tr, options.precision))
+    assert str(table.caption).startswith("AG bytes, peak unsharded and idle (avg) in bf16 (the simulated precision")
+    assert metrics_dtype(tr, None) == "fp32"

@@ -13,8 +13,10 @@ import subprocess
 import numpy as np
 import pytest
 from conftest import policy, traced
+from test_host_engine import host_cluster
 
 from fsdp_planner.fsdp2.checkpointing import ACMode
+from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
@@ -80,6 +82,28 @@ def test_lanes_hold_every_collective(views):
     recompute = [b for b in checkpointed.lanes[0].bars if b.kind is BarKind.RECOMPUTE]
     assert sum(b.seconds for b in recompute) == pytest.approx(checkpointed.report.recompute_time, rel=1e-9)
     assert {b.kind for b in views[0].lanes[0].bars} >= {BarKind.FORWARD, BarKind.BACKWARD, BarKind.EXPOSED}
+
+
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_coarse_plans_colour_each_phase_by_the_step_s_own_boundary(groups):
+    """With a few large groups, few collectives stop the clocks, and a run of ops used to cross from the loss into
+    backward, drawn as forward. Every forward bar ends by the step's forward/backward boundary, every backward
+    bar starts at or after it, and both phases are drawn (the lanes are what the PNG and the HTML draw)."""
+    tr = traced("toy-llama")
+    layers = [m for m in tr.modules if m.startswith("layers.") and m.count(".") == 1]
+    plan = make_plan(tr, [[m] for m in layers[:groups - 1]], policy="coarse")
+    assert len(plan.groups) == groups
+    for cluster in (CLUSTER, host_cluster()):
+        v = step_view(tr, plan, cluster)
+        tol = v.report.step_time * 1e-12
+        forward = [b for b in v.lanes[0].bars if b.kind is BarKind.FORWARD]
+        backward = [b for b in v.lanes[0].bars if b.kind is BarKind.BACKWARD]
+        assert forward and backward
+        assert 0 < v.backward_start < v.report.step_time
+        assert all(b.end <= v.backward_start + tol for b in forward), cluster.name
+        assert all(b.start >= v.backward_start - tol for b in backward), cluster.name
+        # the boundary is where the trace's first backward event runs: the memory curve's time for it
+        assert v.backward_start == v.memory_times[tr.index.forward_end]
 
 
 def test_thin_abutting_bars_merge_but_gaps_and_wide_bars_stay():

@@ -1,5 +1,23 @@
 """The one exception type the CLI turns into a single clear line and a non-zero exit."""
 
+from __future__ import annotations
+
+import re
+
+MAX_MESSAGE = 1000  # characters of an error line
+MAX_WORD = 200  # characters of one space-free run in it: a path or name longer than this is cut short
+_LONG_WORD = re.compile(rf"\S{{{MAX_WORD + 1},}}")  # linear: no nested repetition to backtrack over
+
 
 class PlannerError(Exception):
     """A user-facing error: bad model spec, bad plan file, infeasible budget, mismatched world size..."""
+
+
+def one_line(message: str) -> str:
+    """``message`` as the one line the CLI prints: its first line (an error a user's code raised may run to a
+    C++ backtrace), every space-free run of more than ``MAX_WORD`` characters cut short (a 100 KB argument is
+    never echoed whole), at most ``MAX_MESSAGE`` characters in all."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()] or [""]
+    text = lines[0] + (f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else "")
+    text = _LONG_WORD.sub(lambda m: f"{m.group()[:100]}...({len(m.group()):,} characters)", text)
+    return text if len(text) <= MAX_MESSAGE else f"{text[:MAX_MESSAGE - 20]}... (cut short)"

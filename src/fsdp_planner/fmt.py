@@ -70,6 +70,29 @@ def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
     return ", ".join(names[:limit]) + f", +{len(names) - limit}"
 
 
+# C0 and C1 control characters but tab and newline, DEL, and the Unicode line separators and bidirectional
+# overrides: what lets a name from a file move the cursor, retitle or clear the terminal, or reorder the text shown.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` for a terminal: each control character shown as its escape (``\\x1b``, ``\\u202e``), so a name from
+    a plan, cluster or model file reads as written and cannot act on the terminal."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+# The longest number or size a person types (1_000_000_000_000 or 1.5e6GiB are far shorter): a longer one is refused
+# before the patterns below see it (_SIZE backtracks quadratically on a long run of digits: 20,000 took 33 s).
+MAX_NUMBER_TEXT = 100
+MAX_BYTES = 2**60  # 1 EiB: a million times any GPU's memory; beyond it a cost is a typo (and prints 300 digits)
+
+
+def cut_short(text: object) -> str:
+    """A value as typed, cut short when long: a message never echoes an unbounded input."""
+    text = str(text)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} characters)"
+
+
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
@@ -84,8 +107,10 @@ def parse_size(text: str, what: str | None = None) -> int:
 
     Fractions of a byte round to the nearest byte (``0.1GiB``), but a nonzero size under one byte is refused rather
     than read as 0. ``what`` (an option name such as ``--memory-budget``) starts the error messages."""
-    quoted = f"{what} '{text}'" if what else f"the size '{text}'"
-    m = _SIZE.match(str(text))
+    quoted = f"{what} '{cut_short(text)}'" if what else f"the size '{cut_short(text)}'"
+    if len(str(text)) > MAX_NUMBER_TEXT:
+        raise PlannerError(f"{quoted} is {len(str(text)):,} characters long: not a size")
+    m = _SIZE.match(str(text))  # on at most MAX_NUMBER_TEXT characters: its backtracking stays cheap
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise PlannerError(
@@ -93,8 +118,8 @@ def parse_size(text: str, what: str | None = None) -> int:
             "512MB, 64KiB or 1e9"
         )
     value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value):
-        raise PlannerError(f"{quoted} is too large")
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise PlannerError(f"{quoted} is too large: at most 1 EiB (2^60 bytes)")
     if 0 < value < 1:
         raise PlannerError(f"{quoted} is less than one byte: give a whole number of bytes or a unit, e.g. 64MiB")
     return round(value)
@@ -107,7 +132,9 @@ def parse_count(text: str, what: str | None = None) -> int:
     """A whole number written as an integer or in float notation: ``100000000``, ``1e8``, ``1.5e6``, ``1_000``.
 
     Float notation is read exactly (``1.5e6`` is 1500000); a value that is not whole (``1.5``, ``1e-3``) is refused."""
-    quoted = f"{what} '{text}'" if what else f"'{text}'"
+    quoted = f"{what} '{cut_short(text)}'" if what else f"'{cut_short(text)}'"
+    if len(str(text)) > MAX_NUMBER_TEXT:
+        raise PlannerError(f"{quoted} is {len(str(text)):,} characters long: not a number")
     if not _COUNT.match(str(text)):
         raise PlannerError(f"cannot read {quoted}: give a whole number such as 8, 1000 or 1e8")
     try:

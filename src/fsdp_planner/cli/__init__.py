@@ -19,7 +19,8 @@ from collections.abc import Iterator, Sequence
 
 from fsdp_planner.cli.parser import build_parser
 from fsdp_planner.cli.paths import check_paths
-from fsdp_planner.errors import PlannerError
+from fsdp_planner.errors import PlannerError, one_line
+from fsdp_planner.fmt import printable
 from fsdp_planner.runtime.signals import Terminated, signals_raise
 
 __all__ = ["EXIT_BROKEN_PIPE", "build_parser", "main"]
@@ -51,7 +52,7 @@ def _silence_output() -> None:
 def _say(text: str) -> None:
     """One line on stderr; if stderr itself is gone there is nobody to tell."""
     with contextlib.suppress(OSError, ValueError):
-        print(text, file=sys.stderr, flush=True)
+        print(printable(text), file=sys.stderr, flush=True)  # errors quote names from files
 
 
 @contextlib.contextmanager
@@ -95,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_output()
         return EXIT_BROKEN_PIPE
     except PlannerError as e:
-        _say(f"error: {e}")
+        _say(f"error: {one_line(str(e))}")
         return 2
     except KeyboardInterrupt:
         _say("interrupted")
@@ -107,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("FSDP_PLANNER_DEBUG"):
             raise
         if e.filename:
-            _say(f"error: {e.strerror or e}: {e.filename}")
+            _say(one_line(f"error: {e.strerror or e}: {e.filename}"))  # a 100 KB name is cut short
         elif e.errno in WRITE_ERRNOS:  # no file named: stdout itself (`> /dev/full`, a full disk)
             _say(f"error: cannot write the output: {e.strerror}")
             _silence_output()

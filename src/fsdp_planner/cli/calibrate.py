@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         render.note("--nproc has no effect without --backend gloo")
     if not args.logs and not args.overhead:
         raise PlannerError("calibrate needs nccl-tests logs, --overhead, --backend gloo, or logs and --overhead")
-    out = output_file(args.out)
+    out = output_file(args.out, force=args.force)
     assert out is not None
     base = parse_cluster(args.base) if args.base else None
     cluster = calibrate(args.logs, base) if args.logs else base or parse_cluster(DEFAULT_BASE)
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         for n, (alpha, busbw) in sorted(fits.items()):
             render.console.print(f"{kind:15s} {n:5d} ranks: latency {alpha * 1e6:.1f} us, "
                                  f"bus bandwidth {busbw / 1e9:.1f} GB/s")
-    render.console.print(f"cluster written to {out}")
+    render.plain(f"cluster written to {out}")
     return 0
 
 
@@ -73,7 +73,7 @@ def run_gloo(args: argparse.Namespace) -> int:
     if not 2 <= args.nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} with --backend gloo (a collective needs two "
                            f"ranks), got {args.nproc}")
-    out = output_file(args.out)
+    out = output_file(args.out, force=args.force)
     assert out is not None
     cores = os.cpu_count() or 1
     if args.nproc > cores:
@@ -89,13 +89,10 @@ def run_gloo(args: argparse.Namespace) -> int:
     render.console.print(render.gloo_table(measured))
     render.console.print(render.overhead_table(measured))
     render.console.print(escape(f"cluster written to {out}: {cluster.describe()}"))
-    render.console.print(f"predict and measure a plan's step: fsdp-planner verify MODEL --policy auto --nproc "
-                         f"{args.nproc} --cluster {out} --measure")
+    render.plain(f"predict and measure a plan's step: fsdp-planner verify MODEL --policy auto --nproc {args.nproc} "
+                 f"--cluster {out} --measure")
     return 0
 
 
 def _save(cluster: Cluster, out: Path) -> None:
-    try:
-        cluster.save(out)
-    except OSError as e:
-        raise PlannerError(f"cannot write '{out}': {e.strerror}") from None
+    cluster.save(out)

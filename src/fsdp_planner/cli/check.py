@@ -16,6 +16,7 @@ from fsdp_planner.cli.requests import (
     sim_options,
 )
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import with_claimed_params
 from fsdp_planner.fsdp2.pitfalls import Finding, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
@@ -50,7 +51,7 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
           ) -> tuple[Plan | None, str]:
     """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
     if args.plan:
-        return Plan.load(args.plan), f"the plan in {args.plan}"
+        return with_claimed_params(Plan.load(args.plan), tr), f"the plan in {args.plan}"
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from fsdp_planner.choices import DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
 from fsdp_planner.cli.options import (
     CLUSTER_HELP,
+    add_force,
     add_json,
     add_model,
     add_plan_source,
@@ -51,6 +52,7 @@ def plan(sub: Subparsers) -> None:
     add_sim_options(sp, cluster_required=False)
     add_json(sp)
     sp.add_argument("--out", help="write the plan JSON here")
+    add_force(sp)
     sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
 
 
@@ -63,6 +65,7 @@ def simulate(sub: Subparsers) -> None:
                     help="draw the step: stream lanes, exposed communication and the memory curve (matplotlib)")
     sp.add_argument("--html", metavar="FILE.html",
                     help="the same timeline as one self-contained HTML page (hover for group names, scroll to zoom)")
+    add_force(sp)
     sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
                     help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
                          "time axis")
@@ -77,6 +80,15 @@ def verify(sub: Subparsers) -> None:
                                       "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
                                       "and print it beside the measured one (on CPU ranks give the cluster "
                                       "`calibrate --backend gloo --nproc N` wrote on this machine)")
+    sp.add_argument("--plan-for", metavar="CLUSTER",
+                    help="with --policy auto: plan for CLUSTER (e.g. h100:64: its GPUs, links and world size) and "
+                         "run that grouping on the --nproc job, to prove the plan auto makes at scale; an HSDP "
+                         "layout runs as plain FSDP, an int reshard_after_forward the job's ranks cannot hold as "
+                         "true (docs/your-model.md)")
+    sp.add_argument("--plan-model", metavar="MODEL",
+                    help="with --plan-for: plan this model instead, the full-size one of the same code (llama3-8b "
+                         "for toy-llama; its default workload), and keep each group's modules that MODEL has "
+                         "(groups of deeper blocks are left out)")
     sp.add_argument("--time-steps", type=int, default=TIME_STEPS, metavar="T",
                     help=f"after the checked steps, time T more forward + backward steps of the sharded model alone "
                          f"and report their median (default {TIME_STEPS}; 0: none)")
@@ -125,7 +137,11 @@ def export(sub: Subparsers) -> None:
     sp.add_argument("--format", default=ExportFormat.PYTHON.value, choices=[f.value for f in ExportFormat],
                     help="python (default): apply(model, mesh); accelerate: prepare(accelerator, model, ...); "
                          "lightning: configure_model(self); torchtitan: parallelize(model, world_mesh)")
+    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
+                    help=f"the mixed precision apply() sets, the one the plan was made with (default "
+                         f"{DEFAULT_PRECISION}, as for plan; a plan file does not record it)")
     sp.add_argument("--out", help="file to write (default: stdout)")
+    add_force(sp)
     add_json(sp)
 
 
@@ -153,6 +169,7 @@ def calibrate(sub: Subparsers) -> None:
     sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
                                    f"detected from the logs, or {CALIBRATE_BASE} with --overhead alone")
     sp.add_argument("--out", required=True, help="cluster JSON to write")
+    add_force(sp)
     add_json(sp)
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
-from fsdp_planner.fsdp2.claim import check_plan_matches
+from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.validity import check_plan_runs
@@ -43,7 +44,7 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
             lm = load_model(spec, meta=True)
             tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full)
             notes.print(f"[dim]tracing in {str(dtype)[6:]} (the compute dtype) failed ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:120]}); traced in the model's own dtypes, activation sizes "
+                        f"{escape(str(e).splitlines()[0][:120])}); traced in the model's own dtypes, activation sizes "
                         "scaled[/dim]", highlight=False)
     except PlannerError:
         raise
@@ -114,7 +115,8 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
 
 
 def load_plan(path: str, tr: Trace) -> Plan:
-    plan = Plan.load(path)
+    """The plan file for the traced model; a hand-written one (module lists) gets its params derived."""
+    plan = with_claimed_params(Plan.load(path), tr)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     return plan

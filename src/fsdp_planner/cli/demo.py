@@ -79,7 +79,8 @@ def _seed_problem(spec: str, threshold: int) -> dict[str, Any]:
     if spec == "seed-net":
         console.print(render.groups_table(plans[PolicyName.SIZE], tr))
     rows = [(p, plan_metrics(tr, p), None) for p in plans.values()]
-    console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows))
+    console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows,
+                                          dtype=render.metrics_dtype(tr, None)))
     blamed = PolicyName.SIZE if spec == "seed-net" else PolicyName.MODULE
     root = plans[blamed].root
     out = {"model": spec, "plans": [{"policy": p.policy, "metrics": m.to_dict()} for p, m, _ in rows],
@@ -115,12 +116,13 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
             contexts[mesh] = SimContext(tr, cluster, options, mesh=mesh)
         return simulate(tr, p, context=contexts[mesh], timeline=False)
 
-    classic = [(p, plan_metrics(tr, p, cluster.world_size), simulated(p)) for p in plans if p is not None]
-    rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size), auto.report)]
+    precision = options.precision  # the table's bytes in the simulation's dtypes
+    classic = [(p, plan_metrics(tr, p, cluster.world_size, precision), simulated(p)) for p in plans if p is not None]
+    rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size, precision), auto.report)]
     capacity = cluster.gpu.memory_bytes
     console.print(render.comparison_table(escape(f"{model} on {cluster.name}: per training step; reserved memory "
                                                  f"against one {cluster.gpu.name} ({fmt_bytes(capacity)})"), rows,
-                                          capacity))
+                                          capacity, render.metrics_dtype(tr, precision)))
     console.print(render.auto_line(auto), highlight=False)
     out: dict[str, Any] = {
         "model": model, "cluster": cluster.name, "capacity": capacity,
@@ -131,16 +133,15 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
                  "reserved_memory": auto.report.reserved_memory},
         "rival": None, "timelines": []}
     if not auto.fits:
-        console.print(f"auto: {infeasible_message(auto)}", highlight=False)
+        render.plain(f"auto: {infeasible_message(auto)}")
         return out
     fitting = [(p, r) for p, _, r in classic if r.reserved_memory <= capacity]
     rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
     which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
     gain = fmt_gain(auto.report.step_time, rival_report.step_time) or "a tie"
-    console.print(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
-                  f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.report.reserved_memory)} reserved "
-                  f"against {fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has",
-                  highlight=False)
+    render.plain(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
+                 f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.report.reserved_memory)} reserved "
+                 f"against {fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has")
     explanations = explain(auto)
     for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory, collapse=True):
         console.print(part, highlight=False)
@@ -149,8 +150,8 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     png, page = out_dir / "timeline.png", out_dir / "timeline.html"
     write_png(views, png, title)
     write_html(views, page, title)
-    console.print(f"timelines of both on one time axis: {png} and {page} (open the HTML in a browser: hover for "
-                  "group names, scroll to zoom)", highlight=False)
+    render.plain(f"timelines of both on one time axis: {png} and {page} (open the HTML in a browser: hover for "
+                 "group names, scroll to zoom)")
     out["rival"] = {"policy": _label(rival), "fits": bool(fitting), "step_time": rival_report.step_time,
                     "reserved_memory": rival_report.reserved_memory}
     out["timelines"] = [str(png), str(page)]

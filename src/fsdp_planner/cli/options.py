@@ -20,41 +20,58 @@ from fsdp_planner.choices import (
     ZeroGrad,
 )
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import parse_count
+from fsdp_planner.fmt import cut_short, parse_count
 
 CLUSTER_HELP = "preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file"
 
 
-def positive_int(option: str) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least 1 (``1e3`` reads too), one line otherwise."""
-    return _whole_number(option, 1)
+# The workload a model is traced with: beyond these the factory's tensors overflow torch's int64 sizes (a 16-line
+# C++ error once) or no machine could hold one micro-batch. 10M tokens is the longest context any model offers.
+MAX_BATCH = 1_000_000
+MAX_SEQ = 10_000_000
+MAX_TOKENS = 1_000_000_000  # --batch x --seq: a micro-batch per rank
+MAX_NUMEL = 10**15  # --min-nonwrapped-numel: parameters, a thousand times the largest model trained
+MAX_SEARCH_EFFORT = 10**9  # --search-effort: plans; the default is at most a few thousand
+MIN_MFU = 1e-3  # --mfu: below 0.1% of peak no GPU runs, and step times grow past any meaning
 
 
-def non_negative_int(option: str) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least 0 (``1e3`` reads too), one line otherwise."""
-    return _whole_number(option, 0)
+def positive_int(option: str, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least 1 and at most ``maximum`` (``1e3`` reads too), one line
+    otherwise."""
+    return _whole_number(option, 1, maximum)
 
 
-def _whole_number(option: str, minimum: int) -> Callable[[str], int]:
+def non_negative_int(option: str, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least 0 and at most ``maximum`` (``1e3`` reads too), one line
+    otherwise."""
+    return _whole_number(option, 0, maximum)
+
+
+def _whole_number(option: str, minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = parse_count(text, option)
         except PlannerError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"{option} must be at least {minimum}, got {text}")
+            raise argparse.ArgumentTypeError(f"{option} must be at least {minimum}, got {cut_short(text)}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{option} must be at most {maximum:,}, got {cut_short(text)}")
         return value
     return parse
+
 
 
 def add_policy_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--module-classes", help="comma-separated class names (default: the repeated block class)")
     sp.add_argument("--min-nonwrapped-numel", default=None,
-                    help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's)")
+                    help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's; at most "
+                         "1e15)")
     sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
     sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the memory of "
                                             "one of the cluster's GPUs)")
-    sp.add_argument("--search-effort", type=non_negative_int("--search-effort"), default=None, metavar="N",
+    sp.add_argument("--search-effort", type=non_negative_int("--search-effort", MAX_SEARCH_EFFORT), default=None,
+                    metavar="N",
                     help="auto: plans its local refinement may simulate, counted, never timed, so the same command "
                          "gives the same plan on any machine (default: 6,000,000 trace events' worth, at least 24: "
                          "~520 plans of an 8B Llama, ~27 of a 10,000-module model)")
@@ -77,11 +94,12 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
 def add_model(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model", help="built-in name (see fsdp-planner models), path/file.py:fn, package.module:fn, "
                                    "hf:NAME or hf:path/config.json")
-    sp.add_argument("--batch", type=positive_int("--batch"), default=None,
-                    help="micro-batch size per rank: the factory's batch_size argument (default: the factory's; "
-                         "see fsdp-planner models)")
-    sp.add_argument("--seq", type=positive_int("--seq"), default=None,
-                    help="sequence length: the factory's seq_len argument (default: the factory's)")
+    sp.add_argument("--batch", type=positive_int("--batch", MAX_BATCH), default=None,
+                    help="micro-batch size per rank: the factory's batch_size argument, 1 to 1,000,000 (default: "
+                         "the factory's; see fsdp-planner models)")
+    sp.add_argument("--seq", type=positive_int("--seq", MAX_SEQ), default=None,
+                    help="sequence length: the factory's seq_len argument, 1 to 10,000,000 (default: the "
+                         "factory's); --batch x --seq at most 1e9 tokens")
     sp.add_argument("--full-trace", action="store_true",
                     help="trace every module call (slower); by default identical calls of a repeated block are "
                          "traced once, which assumes its forward depends only on its own state and arguments")
@@ -97,7 +115,7 @@ def add_plan_source(sp: argparse.ArgumentParser) -> None:
 def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None:
     sp.add_argument("--cluster", required=cluster_required, help=CLUSTER_HELP)
     sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                    help=f"fraction of peak FLOP/s matmuls reach (default {DEFAULT_MFU})")
+                    help=f"fraction of peak FLOP/s matmuls reach, {MIN_MFU} to 1 (default {DEFAULT_MFU})")
     add_precision_options(sp)
     sp.add_argument("--measure", action="store_true",
                     help="time the model's ops for real on this machine (GPU if present) instead of the roofline "
@@ -112,6 +130,12 @@ def add_precision_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
                     help="how the loop clears grads: none = zero_grad(set_to_none=True), the default; zeros = "
                          "set_to_none=False (sharded grads kept all step)")
+
+
+def add_force(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--force", action="store_true",
+                    help="replace the file an output option names even when it is a file this command reads or "
+                         "one it did not write (refused by default: a typo must not cost a model, config or plan)")
 
 
 def add_json(sp: argparse.ArgumentParser) -> None:

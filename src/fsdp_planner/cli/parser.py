@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from fsdp_planner.cli.commands import COMMANDS
+from fsdp_planner.errors import one_line
+from fsdp_planner.fmt import printable
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -24,7 +26,7 @@ class ArgumentParser(argparse.ArgumentParser):
         negative = next((a for a in ArgumentParser.given if re.fullmatch(r"-[0-9.].*", a)), None)
         if negative and message.startswith("the following arguments are required"):
             message += f" ('{negative}' reads as an option: a size or count cannot be negative)"
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(2, printable(f"error: {one_line(message)} (see {self.prog} --help)") + "\n")  # quotes the input
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
                    ) -> argparse.Namespace:  # type: ignore[override]

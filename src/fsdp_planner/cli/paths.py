@@ -9,23 +9,25 @@ import os
 import stat
 from pathlib import Path
 
+from fsdp_planner.choices import POLICY_NAMES
 from fsdp_planner.errors import PlannerError
 
 
-def output_file(arg: str | None, example: str = "plan.json", code: bool = False) -> Path | None:
+def output_file(arg: str | None, example: str = "plan.json", code: bool = False,
+                force: bool = False) -> Path | None:
     """``--out``: checked before any work, so a bad path fails in one line, not after minutes of planning. An
     existing regular file is overwritten only when it is what the command writes: a .json file, or for ``code``
-    (``export``) code export wrote. A typo such as ``--out model.py`` must not replace the user's code, nor
-    ``export ... --out plan.json`` the plan."""
+    (``export``) code export wrote, or with ``force`` (``--force``). A typo such as ``--out model.py`` must not
+    replace the user's code, nor ``export ... --out plan.json`` the plan."""
     if arg is None:
         return None
     path = _file_to_write(arg, "--out", example)
-    if path.is_file() and not (_generated(path) or (not code and path.suffix.lower() == ".json")):
+    if path.is_file() and not force and not (_generated(path) or (not code and path.suffix.lower() == ".json")):
         what = "not code" if code else "neither a .json file nor code"
         what += " fsdp-planner export wrote"
         other = path.with_suffix(".py").with_stem(path.stem + "_plan") if code else path.with_stem(path.stem + "2")
         raise PlannerError(f"--out '{arg}' already exists and is {what}: refusing to overwrite it (give a new name, "
-                           f"e.g. {other})")
+                           f"e.g. {other}, or add --force to replace it)")
     return path
 
 
@@ -65,28 +67,6 @@ def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...]) -> Pat
     return path
 
 
-def write_output(path: Path, text: str) -> None:
-    """Write ``text`` to an ``--out`` file without losing the old one on failure: a regular file is written beside
-    it and renamed over it (a full disk leaves the previous plan whole); a device or pipe is written directly."""
-    if path.exists() and not path.is_file():
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
-        return
-    target = Path(os.path.realpath(path))  # through a symlink, as a plain write would
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _looks_like_cluster_file(spec: str) -> bool:
     """What ``parse_cluster`` reads as a file rather than a preset name."""
     text = spec.strip()
@@ -114,16 +94,32 @@ def input_file(arg: str, what: str) -> Path:
     return path
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """Before any work: the files a command reads exist and are regular files, and ``--out`` is writable and none
-    of them (``plan m.py:f --out m.py`` once replaced the user's model with a plan)."""
-    inputs: list[tuple[str, str]] = []  # (path, what it is)
-    model = getattr(args, "model", None)
-    if model and _model_file(model):
-        inputs.append((_model_file(model), "the model file"))  # type: ignore[arg-type]
-    if getattr(args, "plan", None):
-        input_file(args.plan, "plan file")
-        inputs.append((args.plan, "the plan file"))
+def _model_inputs(model: str | None) -> list[tuple[str, str]]:
+    """The files a model spec reads: ``path/file.py:fn``'s code, ``hf:path/config.json`` (or a directory's
+    config.json)."""
+    if not model:
+        return []
+    if _model_file(model):
+        return [(_model_file(model), "the model file")]  # type: ignore[list-item]
+    if model.startswith(HF_PREFIX):
+        config = Path(model.removeprefix(HF_PREFIX))
+        config = config / "config.json" if config.is_dir() else config
+        if config.is_file():
+            return [(str(config), "the model's config file")]
+    return []
+
+
+HF_PREFIX = "hf:"  # models/hf.py's PREFIX (not imported: that module imports torch)
+
+
+def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Every file or directory the command reads, (path, what it is); the plain files are checked to be ones."""
+    inputs = _model_inputs(getattr(args, "model", None))
+    for attr in ("plan", "compare"):
+        spec = getattr(args, attr, None)
+        if spec and (attr == "plan" or (spec not in POLICY_NAMES and os.path.lexists(spec))):  # or a policy
+            input_file(spec, "plan file")
+            inputs.append((spec, "the plan file"))
     for attr in ("cluster", "base"):
         spec = getattr(args, attr, None)
         if spec and _looks_like_cluster_file(spec) and os.path.lexists(spec.strip()):
@@ -133,16 +129,34 @@ def check_paths(args: argparse.Namespace) -> None:
         if os.path.lexists(log) and not os.path.isdir(log):  # a directory of logs is read whole
             input_file(log, "nccl-tests log")
         inputs.append((log, "a log"))
-    out_arg = getattr(args, "out", None)
-    if out_arg is None:
-        return
+    if getattr(args, "load_checkpoint", None) is not None:
+        inputs.append((str(args.load_checkpoint), "the checkpoint"))
+    return inputs
+
+
+# (attribute, option, an example of another name) of every option that names a file or directory a command writes
+OUTPUT_OPTIONS = (("out", "--out", ""), ("timeline", "--timeline", "step.png"), ("html", "--html", "step.html"),
+                  ("save_checkpoint", "--save-checkpoint", "a new directory"))
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Before any work: the files a command reads exist and are regular files, and no file it writes is one of
+    them (``plan m.py:f --out m.py`` once replaced the user's model with a plan; ``plan hf:d/config.json --out
+    d/config.json`` the config), unless ``--force`` says so."""
+    inputs = _inputs(args)
+    force = getattr(args, "force", False)
     command = getattr(args, "command", None)
     example = {"calibrate": "cluster.json", "export": "plan_code.py"}.get(command, "plan.json")
-    for path, what in inputs:
-        if out_arg.strip() and _same_file(Path(out_arg), Path(path)):
-            raise PlannerError(f"--out '{out_arg}' is {what} this command reads: write to another file, e.g. "
-                               f"{example}")
-    output_file(out_arg, example, code=command == "export")
+    for attr, option, other in OUTPUT_OPTIONS:
+        arg = getattr(args, attr, None)
+        if arg is None or not str(arg).strip() or force:
+            continue
+        for path, what in inputs:
+            if _same_file(Path(arg), Path(path)):
+                raise PlannerError(f"{option} '{arg}' is {what} this command reads: write to another file, e.g. "
+                                   f"{other or example} (or add --force to replace it)")
+    if getattr(args, "out", None) is not None:
+        output_file(args.out, example, code=command == "export", force=force)
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -10,7 +10,6 @@ from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
-from fsdp_planner.cli.paths import write_output
 from fsdp_planner.cli.requests import PlanRequest, plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
@@ -24,6 +23,7 @@ from fsdp_planner.sim.host_work import host_work
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.userfiles import write_atomic
 
 Row = tuple[Plan, PlanMetrics, StepReport | None]  # a plan, its metrics, its simulated step (with a cluster)
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     plans, auto, no_fit = _plans(tr, request)
     rows = _rows(tr, plans, request)
     if request.out is not None:
-        write_output(request.out, plans[0].to_json() + "\n")
+        write_atomic(request.out, plans[0].to_json() + "\n")
     if request.json:
         doc = {**_json(request.model.name, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
         return 1 if no_fit else 0
     _print(request, tr, rows, auto)
     if request.out is not None:
-        render.console.print(f"plan written to {request.out}")
+        render.plain(f"plan written to {request.out}")
     if no_fit:
-        render.console.print(f"auto: {no_fit}", highlight=False)
+        render.plain(f"auto: {no_fit}")  # it names the budget's source: a cluster file's GPU
         return 1
     return 0
 
@@ -118,7 +118,8 @@ def _rows(tr: Trace, plans: list[Plan], request: PlanRequest) -> list[Row]:
             contexts[mesh] = SimContext(tr, cluster, request.options, mesh=mesh)
         return simulate(tr, p, context=contexts[mesh], timeline=False)
 
-    return [(p, plan_metrics(tr, p, world), simulated(p)) for p in plans]
+    precision = request.options.precision if cluster else None  # the table's bytes in the simulation's dtypes
+    return [(p, plan_metrics(tr, p, world, precision), simulated(p)) for p in plans]
 
 
 def _explanation(r: GroupExplanation) -> dict[str, Any]:
@@ -148,7 +149,8 @@ def _print(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | 
     if len(rows) == 1:
         console.print(render.groups_table(rows[0][0], tr))
     capacity = cluster.gpu.memory_bytes if cluster is not None else None
-    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, capacity))
+    dtype = render.metrics_dtype(tr, request.options.precision if cluster is not None else None)
+    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, capacity, dtype))
     if auto is None:
         return
     console.print(render.auto_line(auto), highlight=False)

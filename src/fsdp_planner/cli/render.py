@@ -6,20 +6,22 @@ import contextlib
 import errno
 import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.segment import Segment
 from rich.table import Table
 
 from fsdp_planner.calibrate.gloo import GlooMeasurement
 from fsdp_planner.calibrate.overhead import OverheadMeasurement
-from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time
+from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation
@@ -57,6 +59,11 @@ class _Console(Console):
                 del self._buffer[:]
             raise
 
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        """Every piece of text through ``printable``, whichever line or table shows it: a name from a file cannot
+        act on the terminal. rich's own cursor moves (control segments) and styles (added after) are kept."""
+        return super()._render_buffer(s if s.control else Segment(printable(s.text), s.style) for s in buffer)
+
 
 # Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
 console = _Console(width=None if _isatty(sys.stdout) else 150, soft_wrap=True)
@@ -82,6 +89,12 @@ def progress(description: str) -> Iterator[None]:
         yield
 
 
+def plain(text: str) -> None:
+    """A line on stdout printed as written, never read as rich markup: for lines that quote a name or a path the
+    user gave (``plan written to p[1].json``)."""
+    console.print(text, highlight=False, markup=False)
+
+
 def note(text: str) -> None:
     """``note: ...`` on stderr, for an option that has no effect or a part of the work left out."""
     notes.print(f"note: {text}", highlight=False, markup=False)
@@ -100,10 +113,24 @@ def fmt_peak(peak: int, capacity: int | None) -> str:
     return f"[red]{fmt_bytes(peak)} > GPU[/red]"
 
 
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+_ITEMSIZE_NAMES = {4: "fp32", 2: "bf16"}  # a simulated precision's unsharded params (``Precision.gather_bytes``)
+
+
+def metrics_dtype(tr: Trace, precision: Precision | None) -> str:
+    """The dtype of a comparison table's byte columns, named in its caption: the simulated precision's
+    unsharded params (``plan_metrics(precision=)``), else the params' own dtype."""
+    if precision is not None:
+        return _ITEMSIZE_NAMES.get(precision.gather_bytes, f"{precision.gather_bytes}-byte")
+    dtypes = {p.dtype for p in tr.params}
+    return _DTYPE_NAMES.get(next(iter(dtypes)), "own dtype") if len(dtypes) == 1 else "own dtypes"
+
+
 def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
-                     capacity: int | None = None) -> Table:
+                     capacity: int | None = None, dtype: str = "own dtypes") -> Table:
     """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
-    marked over ``capacity``, one GPU's memory) when simulated on a cluster."""
+    marked over ``capacity``, one GPU's memory) when simulated on a cluster. The metrics' byte columns are all in
+    one ``dtype`` (``metrics_dtype``), which the caption under them names."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
     for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
@@ -121,9 +148,10 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
                        fmt_peak(report.reserved_memory, capacity)] if report else ["-"] * 4)
         t.add_row(*cells)
-    t.caption = ("AG bytes: what one rank's all-gathers return a step, "
-                 + ("at the simulated precision (compute dtype); peak unsharded and idle at the params' own dtype"
-                    if with_cost else "at the params' own dtype"))
+    t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}"
+                 + (" (the simulated precision, as in the memory breakdown)" if with_cost else "")
+                 + ": what one rank's all-gathers return a step, the most params held unsharded at once, and "
+                   "unsharded bytes not being read, averaged over ops")
     return t
 
 
@@ -295,7 +323,7 @@ def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     if result.loaded is not None:
         loaded, bad_keys = result.loaded, result.loaded["mismatched"]
         rows.append((f"state restored from step {loaded['step']} ({loaded['world']} ranks, "
-                     f"{loaded['policy'] or 'plan'})", f"{loaded['tensors']} entries as saved",
+                     f"{escape(loaded['policy'] or 'plan')})", f"{loaded['tensors']} entries as saved",
                      f"{loaded['tensors'] - len(bad_keys)} equal"
                      + (f" (differ: {escape(', '.join(bad_keys[:3]))})" if bad_keys else ""),
                      OK if result.checkpoint_match else BAD))

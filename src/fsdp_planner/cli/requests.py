@@ -25,9 +25,10 @@ from fsdp_planner.choices import (
     Target,
     ZeroGrad,
 )
+from fsdp_planner.cli.options import MAX_NUMEL, MAX_TOKENS, MIN_MFU
 from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import parse_count, parse_size
+from fsdp_planner.fmt import cut_short, parse_count, parse_size
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, planning_only
@@ -86,6 +87,9 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
     classes = module_classes(args.module_classes)
     numel = parse_count(args.min_nonwrapped_numel, "--min-nonwrapped-numel") \
         if args.min_nonwrapped_numel is not None else None
+    if numel is not None and numel > MAX_NUMEL:
+        raise PlannerError(f"--min-nonwrapped-numel must be at most {MAX_NUMEL:,} parameters, got "
+                           f"{cut_short(args.min_nonwrapped_numel)}")
     target_bytes = size_or_none(args.target_bytes, "--target-bytes")
     budget = size_or_none(args.memory_budget, "--memory-budget")
     return PolicyRequest(
@@ -125,7 +129,11 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The model and the workload (``--batch``, ``--seq``) the command runs."""
-    return ModelSpec(args.model, getattr(args, "batch", None), getattr(args, "seq", None))
+    batch, seq = getattr(args, "batch", None), getattr(args, "seq", None)
+    if batch is not None and seq is not None and batch * seq > MAX_TOKENS:
+        raise PlannerError(f"--batch {batch:,} x --seq {seq:,} is {batch * seq:,} tokens per rank; at most "
+                           f"{MAX_TOKENS:,} are supported")
+    return ModelSpec(args.model, batch, seq)
 
 
 def plan_source(args: argparse.Namespace) -> PlanSource:
@@ -146,6 +154,9 @@ def compare_source(args: argparse.Namespace) -> PlanSource | None:
 
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
+    if not MIN_MFU <= args.mfu <= 1:  # NaN too
+        raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
+                           f"{args.mfu:g}")
     return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad)
 
 
@@ -175,7 +186,7 @@ class PlanRequest:
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
-    out = output_file(args.out)
+    out = output_file(args.out, force=args.force)
     if out is not None and not args.policy:
         raise PlannerError("--out writes one plan: choose it with --policy")
     if args.explain and args.policy != PolicyName.AUTO.value:
@@ -216,6 +227,12 @@ def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool
 
 
 # -- verify ----------------------------------------------------------------------------------------------------------
+# A torchrun job's size: ranks are processes on this one machine (calibrate --backend gloo allows as many), and a
+# job of more steps than this is a typo that would run for days.
+MAX_NPROC = 64
+MAX_STEPS = 100_000
+
+
 @dataclass(frozen=True)
 class VerifyRequest:
     """``verify MODEL``: a torchrun job of ``nproc`` ranks training the plan, checked against the prediction."""
@@ -234,18 +251,21 @@ class VerifyRequest:
     load_checkpoint: Path | None
     json: bool
     notes: tuple[str, ...]
+    plan_for: bool = False  # --plan-for: auto planned for ``plan_cluster``, its grouping carried onto the job
+    plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
     # the job machinery (torchrun, DCP, the fake process group) is imported by the commands that run a job only
     from fsdp_planner.runtime.verify import check_load_dir, check_save_dir
 
-    if args.nproc < 1:
-        raise PlannerError(f"--nproc must be at least 1, got {args.nproc}")
-    if args.steps < 1:
-        raise PlannerError(f"--steps must be at least 1, got {args.steps}")
-    if args.time_steps < 0:
-        raise PlannerError(f"--time-steps must be 0 or more, got {args.time_steps}")
+    if not 1 <= args.nproc <= MAX_NPROC:
+        raise PlannerError(f"--nproc must be from 1 to {MAX_NPROC} (processes on this machine; --fake-world-size "
+                           f"checks larger worlds), got {cut_short(args.nproc)}")
+    if not 1 <= args.steps <= MAX_STEPS:
+        raise PlannerError(f"--steps must be from 1 to {MAX_STEPS:,}, got {cut_short(args.steps)}")
+    if not 0 <= args.time_steps <= MAX_STEPS:
+        raise PlannerError(f"--time-steps must be from 0 to {MAX_STEPS:,}, got {cut_short(args.time_steps)}")
     if args.fsdp1 and (args.save_checkpoint is not None or args.load_checkpoint is not None):
         raise PlannerError("--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1")
     if planning_only(args.model):
@@ -262,12 +282,27 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     source = plan_source(args)
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
-    plan_cluster = (given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto else None
+    plan_for = _plan_for(args, auto)
+    plan_cluster = (plan_for or given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto \
+        else None
     notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
                           plan_file=source.plan_file is not None)
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
-                         args.json, tuple(notes))
+                         args.json, tuple(notes), plan_for is not None,
+                         ModelSpec(args.plan_model) if args.plan_model else None)
+
+
+def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
+    """``--plan-for CLUSTER`` (and ``--plan-model``), checked: what auto plans for when the job is smaller."""
+    if args.plan_model and not args.plan_for:
+        raise PlannerError("--plan-model names the model auto plans for --plan-for CLUSTER: add --plan-for")
+    if not args.plan_for:
+        return None
+    if not auto:
+        raise PlannerError("--plan-for CLUSTER says which cluster --policy auto plans for: add --policy auto (a "
+                           "plan file or another policy does not depend on the cluster)")
+    return parse_cluster(args.plan_for)
 
 
 @dataclass(frozen=True)
@@ -290,6 +325,9 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
 
     if args.fsdp1:
         raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
+    if args.plan_for or args.plan_model:
+        raise PlannerError("--plan-for and --plan-model carry a large cluster's plan onto a small torchrun job; "
+                           "--fake-world-size runs the cluster's own world size: give --cluster instead")
     world = args.fake_world_size
     if not 1 <= world <= MAX_FAKE_WORLD:
         raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD:,}, got {world}")

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             render.console.print(line)
         render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, cluster.gpu))
     for path in filter(None, (png, page)):
-        render.console.print(f"timeline written to {path}", highlight=False)
+        render.plain(f"timeline written to {path}")
     return 0
 
 

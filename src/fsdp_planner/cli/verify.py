@@ -17,9 +17,12 @@ from fsdp_planner.cli.requests import (
     fake_world_request,
     verify_request,
 )
-from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fmt import fmt_bytes, fmt_count
+from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster, Engine
+from fsdp_planner.planners.at_scale import onto_job
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, run_verify
 from fsdp_planner.sim.options import SimOptions
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     tr = load_trace(request.model, render.notes, measure=request.measure and predict_on is not None,
                     full=request.full_trace, precision=FP32.precision if predict_on else None,
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
-    plan = _plan(tr, request.source, request.model.name, request.plan_cluster, SimOptions(), request.nproc)
+    plan = _at_scale(tr, request) if request.plan_for else \
+        _plan(tr, request.source, request.model.name, request.plan_cluster, SimOptions(), request.nproc)
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -76,19 +80,51 @@ def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster | None, op
     return plan
 
 
+def _at_scale(tr: Trace, request: VerifyRequest) -> Plan:
+    """``--plan-for``: auto's plan for the large cluster (of ``--plan-model`` when given), carried onto the job's
+    model and ranks (``planners/at_scale.py``); what did not carry over is noted."""
+    cluster, source = request.plan_cluster, request.source
+    assert cluster is not None and source.policy is not None
+    planned = tr if request.plan_model is None else load_trace(request.plan_model, render.notes)
+    name = request.plan_model.name if request.plan_model else request.model.name
+    at_scale = policy_plan(planned, source.policy, name, cluster, SimOptions())
+    label = f"{at_scale.policy} of {name}" if request.plan_model else at_scale.policy  # (it names the cluster)
+    plan, notes = onto_job(at_scale, planned, tr, request.nproc, label)
+    check_plan_matches(plan, tr)
+    check_plan_runs(tr, plan)
+    check_plan_world_size(plan, request.nproc)
+    render.note(f"auto planned {fmt_count(_sharded(at_scale), 'group')} with params for {name} on {cluster.name}; "
+                f"the job runs {fmt_count(_sharded(plan), 'group')} of them on {request.nproc} ranks")
+    for note in notes:
+        render.note(note)
+    if request.plan_model is None and _sharded(plan) == 1:
+        render.note(f"at {cluster.name} auto gives {name} one group: it is too small for more to pay; "
+                    "--plan-model FULL (the same model code at full size, e.g. llama3-8b for toy-llama) proves the "
+                    "grouping auto makes for that one")
+    return plan
+
+
+def _sharded(plan: Plan) -> int:
+    """The groups that manage params: an empty root issues no collective."""
+    return sum(1 for g in plan.groups if g.params)
+
+
 def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | None) -> None:
     """The job's checks on stdout: a JSON document, or the table, FSDP1's units, the job's notes and the verdict."""
     if request.json:
-        print(json.dumps({**result.to_dict(), "cluster": predict_on.name if predict_on else None}, indent=2))
+        plan_for = request.plan_cluster.name if request.plan_for and request.plan_cluster else None
+        print(json.dumps({**result.to_dict(), "cluster": predict_on.name if predict_on else None,
+                          "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None},
+                         indent=2))
         return
     given = request.cluster.name if request.cluster else None  # only whether one was given is read when not used
     render.console.print(render.verify_table(result, predict_on.name if predict_on else given))
     if result.units is not None:
         differ = sorted(set(result.units) ^ set(result.expected_units or []))
         verdict = "exactly the plan's groups" if result.units_match else f"NOT the plan's groups: {differ}"
-        render.console.print(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")
+        render.plain(f"FSDP1 units: {len(result.units)} wrapped, {verdict}")  # module names
     for note in result.notes:
-        render.console.print(f"note: {note}")
+        render.plain(f"note: {note}")
     render.console.print("[green]PASS[/green]" if result.ok else "[red]FAIL[/red]")
 
 
@@ -146,7 +182,8 @@ def run_fake(request: FakeWorldRequest) -> int:
                           "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
                           "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    title = f"{request.model.label()}: prediction vs real FSDP2 on {world} fake ranks ({measured.seconds:.1f} s)"
+    title = (f"{escape(request.model.label())}: prediction vs real FSDP2 on {world} fake ranks "
+             f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "
                          f"{fmt_bytes(predicted.reserved_memory)} (predicted: the default stream's peak plus the "

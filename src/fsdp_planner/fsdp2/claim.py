@@ -173,6 +173,9 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
                                "each group's 'params' are those its modules own (make the plan again with "
                                "'plan --out' to get them)")
         raise PlannerError(f"plan was made for another model ({'; '.join(parts)})")
+    if plan.numel and plan.numel != trace.numel:  # 0: not recorded; the fingerprint agrees, so an edited file
+        raise PlannerError(f"the plan's 'model.numel' is {plan.numel:,} but this model has {trace.numel:,} parameters "
+                           "(the plan file was edited: make it again with 'plan --out')")
     unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
@@ -190,6 +193,27 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     validate_plan(plan, trace)
     check_uniform_dtypes(plan, trace)
     check_checkpointing(plan, trace)
+
+
+def with_claimed_params(plan: Plan, trace: Trace) -> Plan:
+    """A plan written as lists of modules (no group lists params) made whole for ``trace``: each group's params
+    are what its fully_shard call claims (the root takes the rest), so people write the groups and never the
+    params. The groups then follow first use, as a policy's do, unless a prefetch list names them by position
+    (then they keep the order written). A plan that lists params is returned as it is, for
+    ``check_plan_matches`` to compare."""
+    if any(g.params for g in plan.groups):
+        return plan
+    unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
+    if unknown:
+        raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
+    out = plan.copy(fingerprint=plan.fingerprint or trace.fingerprint, numel=plan.numel or trace.numel)
+    for g, params in zip(out.groups, claimed_params(out, trace), strict=True):
+        g.params = params
+    if not any(g.forward_prefetch or g.backward_prefetch for g in out.groups):
+        first = trace.index.first_use_by_name
+        never = len(trace.events) + 2  # a group claiming nothing goes last
+        out.groups[:-1] = sorted(out.groups[:-1], key=lambda g: min((first[p] for p in g.params), default=never))
+    return out
 
 
 def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],

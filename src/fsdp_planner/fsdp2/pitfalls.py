@@ -66,7 +66,20 @@ def has_errors(findings: Sequence[Finding]) -> bool:
 
 
 def _name(fqn: str) -> str:
-    return "model" if fqn == ROOT else f"model.{fqn}"
+    """The module as Python code reaches it from the user's ``model``, code that runs: ``model.layers[0].attn`` (a
+    ModuleList's child is indexed), ``model.get_submodule("...")`` for a name no attribute can spell."""
+    if fqn == ROOT:
+        return "model"
+    parts = fqn.split(".")
+    if not all(p.isidentifier() or p.isdigit() for p in parts):
+        return f"model.get_submodule({fqn!r})"
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
+
+
+def _path(fqn: str) -> str:
+    """The module as prose names it: its real path (``named_modules``), so an HF model's ``model.norm`` does not
+    read as ``model.model.norm``."""
+    return "the root module" if fqn == ROOT else fqn
 
 
 # -- the model, whatever the plan ----------------------------------------------------------------------------
@@ -78,7 +91,7 @@ def model_findings(trace: Trace, precision: Precision | None = None) -> list[Fin
         dtypes = list(dict.fromkeys(by_name[p].dtype for p in info.params if by_name[p].requires_grad))
         if len(dtypes) > 1:
             out.append(Finding(Severity.ERROR, Code.MIXED_DTYPE_MODULE,
-                               f"{_name(fqn)} registers trainable params of several dtypes ({', '.join(dtypes)}); "
+                               f"{_path(fqn)} registers trainable params of several dtypes ({', '.join(dtypes)}); "
                                f"FSDP2 manages a module's own params in one group and asserts one original dtype "
                                f"per group at its first forward, whatever MixedPrecisionPolicy says",
                                "store them in one dtype (MixedPrecisionPolicy casts for compute) or freeze one", fqn))
@@ -148,16 +161,16 @@ def _structure_findings(trace: Trace, plan: Plan, world_size: int | None) -> lis
         for m in g.modules:
             if m in modules and modules[m].cls in ("ModuleList", "ModuleDict") and not modules[m].shardable:
                 out.append(Finding(Severity.ERROR, Code.CONTAINER_GROUP,
-                                   f"group {i} lists {_name(m)}, a {modules[m].cls} without forward: fully_shard "
+                                   f"group {i} lists {_path(m)}, a {modules[m].cls} without forward: fully_shard "
                                    f"refuses it", "list its children in the group instead", m))
     if all(m in modules for g in plan.groups for m in g.modules):
         group_of = {m: i for i, g in enumerate(plan.groups) for m in g.modules if m != ROOT}
         for p in (trace.params[i] for i in trace.index.tied_params):
             groups = {claiming_group(o, group_of, trace.index.parents) for o in p.owners}
             if len(groups) > 1:
-                names = ", ".join(_name(o) for o in p.owners)
+                names, paths = ", ".join(_name(o) for o in p.owners), ", ".join(_path(o) for o in p.owners)
                 out.append(Finding(Severity.ERROR, Code.TIED_ACROSS_GROUPS,
-                                   f"param '{p.fqn}' is shared by {names}, which are in different groups: FSDP2 2.13 "
+                                   f"param '{p.fqn}' is shared by {paths}, which are in different groups: FSDP2 2.13 "
                                    f"raises ValueError (\"shared with a parameter already managed by another FSDP "
                                    f"group\")", f"shard them in one call: fully_shard([{names}])", p.owners[0]))
     if {p for g in plan.groups for p in g.params} == {p.fqn for p in trace.params}:
@@ -202,7 +215,7 @@ def _method_findings(trace: Trace, plan: Plan) -> list[Finding]:
         call = f"{_name(m)}.{name}()"
         if m in listed and (m, name) not in registered:
             out.append(Finding(Severity.ERROR, Code.FORWARD_METHOD,
-                               f"the step calls {call}, which runs {_name(m)}'s params outside its forward: FSDP2 "
+                               f"the step calls {call}, which runs {_path(m)}'s params outside its forward: FSDP2 "
                                f"leaves them sharded there (\"mixed torch.Tensor and DTensor\")",
                                f"register_fsdp_forward_method({_name(m)}, \"{name}\") after fully_shard, or add "
                                f"{{\"module\": \"{m}\", \"method\": \"{name}\"}} to the plan's forward_methods "
@@ -211,7 +224,7 @@ def _method_findings(trace: Trace, plan: Plan) -> list[Finding]:
             how = "the plan registers it, so apply_plan wraps it with FSDP2's hooks" if m in listed else \
                 "this plan does not shard it on its own, so its params are gathered around the call"
             out.append(Finding(Severity.WARNING, Code.FORWARD_METHOD,
-                               f"the step calls {call}, which runs {_name(m)}'s params outside its forward; {how}",
+                               f"the step calls {call}, which runs {_path(m)}'s params outside its forward; {how}",
                                f"a training script that calls fully_shard({_name(m)}) itself must also call "
                                f"register_fsdp_forward_method({_name(m)}, \"{name}\")", m))
     return out
@@ -234,7 +247,7 @@ def _sharded_read_findings(trace: Trace, plan: Plan, world_size: int | None) -> 
             continue
         seen.add((r.module, r.group))
         g = plan.groups[r.group]
-        caller = f"{_name(method[0])}.{method[1]}()" if method else f"{_name(r.module)}'s forward"
+        caller = f"{_name(method[0])}.{method[1]}()" if method else f"{_path(r.module)}'s forward"
         out.append(Finding(Severity.ERROR, Code.SHARDED_READ,
                            f"{caller} reads '{r.param}' in {'backward' if r.backward else 'forward'} while its group "
                            f"{r.group} ({fmt_modules(g.modules)}) is sharded: FSDP2 unshards a group only in the "
@@ -245,13 +258,13 @@ def _sharded_read_findings(trace: Trace, plan: Plan, world_size: int | None) -> 
 
 def _sharded_read_fix(module: str, group_modules: Sequence[str], method: tuple[str, str] | None) -> str:
     if method is not None:
-        return (f"shard {_name(method[0])} as a group of its own (or with its caller) and register_fsdp_forward_method"
+        return (f"shard {_path(method[0])} as a group of its own (or with its caller) and register_fsdp_forward_method"
                 f"({_name(method[0])}, \"{method[1]}\")")
     owner = next((g for g in group_modules if is_within(module, g)), None)
     if owner is not None:  # a submodule of a group's module called from outside that module's forward
-        return (f"call {_name(module)} through {_name(owner)}'s forward, or shard it as a group of its own "
+        return (f"call {_path(module)} through {_path(owner)}'s forward, or shard it as a group of its own "
                 f"(fully_shard({_name(module)}) before fully_shard({_name(owner)}))")
-    return (f"shard {_name(module)} and {fmt_modules(group_modules)} in one call (fully_shard([...])), or leave those "
+    return (f"shard {_path(module)} and {fmt_modules(group_modules)} in one call (fully_shard([...])), or leave those "
             f"params to the root")
 
 
@@ -268,10 +281,10 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
             if calls > 1:
                 # a warning: the upstream bug does not hit every model (the fixture 'twice' trains with it)
                 out.append(Finding(Severity.WARNING, Code.LIST_GROUP_REUSE,
-                                   f"{_name(m)} runs {calls} times per step inside list group {i} "
+                                   f"{_path(m)} runs {calls} times per step inside list group {i} "
                                    f"({fmt_modules(g.modules)}): a module of a list group reused later in the step "
                                    f"can fail in backward (pytorch#183702; not every model, so verify the plan)",
-                                   f"shard {_name(m)} in a group of its own (fully_shard({_name(m)}))", m))
+                                   f"shard {_path(m)} in a group of its own (fully_shard({_name(m)}))", m))
     return out
 
 
@@ -296,7 +309,7 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                        "root: move them into a submodule to shard them"
     return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
                     f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded) of "
-                    f"{fmt_modules([_name(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
+                    f"{fmt_modules([_path(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
                     f"the root not resharding after forward, keeps them on every rank until the end of backward",
                     fix, owners[0])]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import keyword
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 from fsdp_planner.choices import SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
-from fsdp_planner.userfiles import parse_json, read_text
+from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
@@ -165,10 +166,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     def save(self, path: str | Path) -> None:
-        try:
-            Path(path).write_text(self.to_json() + "\n")
-        except OSError as e:
-            raise PlannerError(f"cannot write the plan to '{path}': {e.strerror}") from None
+        write_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> Plan:
@@ -190,7 +188,8 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlannerError(f"unsupported plan version {_shown(version)}: this fsdp-planner reads plans with "
                            f"\"version\": {PLAN_VERSION}")
     _check_keys(data, PLAN_KEYS, "plan JSON")
-    model, groups = data.get("model"), data.get("groups")
+    check_plan_limits(data)
+    model, groups = data.get("model", {}), data.get("groups")  # no model: a hand-written plan, for any model
     if not isinstance(model, dict) or not isinstance(groups, list) or not groups:
         raise PlannerError("plan JSON needs a 'model' object and a non-empty 'groups' list")
     _check_keys(model, MODEL_KEYS, "plan 'model' object")
@@ -248,6 +247,8 @@ def _mesh_from_dict(m: Any) -> Mesh | None:
 
 
 def _group_from_dict(i: int, g: Any) -> Group:
+    if _str_list(g):  # a hand-written group: just its modules (params derived: ``claim.with_claimed_params``)
+        g = {"modules": g}
     if not isinstance(g, dict) or not _str_list(g.get("modules")) or not _str_list(g.get("params", [])):
         raise PlannerError(f"plan group {i} must be an object with a 'modules' list and a 'params' list of names")
     _check_keys(g, GROUP_KEYS, f"plan group {i}")
@@ -277,9 +278,10 @@ def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> Non
     """Refuse a key the plan format does not have: a misspelled one would otherwise be silently ignored."""
     for key in map(str, d):
         if key not in accepted:
-            close = difflib.get_close_matches(key, accepted, n=1)
+            close = difflib.get_close_matches(key, accepted, n=1) if len(key) <= 100 else []
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            name = key if len(key) <= 40 else f"{key[:30]}...({len(key)} characters)"
+            name = json.dumps(key)[1:-1]  # control characters escaped: the message stays one line
+            name = name if len(name) <= 40 else f"{name[:30]}...({len(key)} characters)"
             raise PlannerError(f"{where} has an unknown key '{name}'{hint}; the accepted keys are "
                                f"{', '.join(accepted)}")
 
@@ -328,10 +330,121 @@ def _check_structure(groups: list[Group]) -> None:
             for name in names:
                 if name in seen:
                     where = "twice in that group" if seen[name] == i else f"also in group {seen[name]}"
-                    raise PlannerError(f"plan group {i} lists {what} '{name}' {where}; each may be listed once")
+                    raise PlannerError(f"plan group {i} lists {what} {_shown(name)} {where}; each may be listed once")
                 seen[name] = i
         for key, targets in (("forward_prefetch", g.forward_prefetch), ("backward_prefetch", g.backward_prefetch)):
             bad = [j for j in targets if not 0 <= j < len(groups) or j == i]
             if bad:
-                raise PlannerError(f"plan group {i}: {key} names {bad[0]}, which is not another group of the plan "
-                                   f"(groups are numbered 0 to {len(groups) - 1})")
+                raise PlannerError(f"plan group {i}: {key} names {_shown(bad[0])}, which is not another group of the "
+                                   f"plan (groups are numbered 0 to {len(groups) - 1})")
+
+
+# -- limits: what a plan file may hold at all, checked on the raw JSON before it is read ------------------------------
+# Far beyond any real plan, yet small enough that no message, loop or number built from a file can blow up: a plan
+# with a 100 KB policy string once hung the terminal output, a 4,000-digit reshard_after_forward filled an error.
+MAX_GROUPS = 100_000  # a 50,000-module model has fewer
+MAX_RANKS = 1_000_000  # hardware.cluster.MAX_WORLD_SIZE (not imported: fsdp2 comes before hardware)
+MAX_NUMEL = 10**15  # parameters: a thousand times the largest model trained
+# what the tool itself writes must read back: 'model.name' is the model spec (a path of up to PATH_MAX, 4,096), and
+# 'policy' names every class --module-classes gave
+MAX_LABEL = 10_000  # characters of 'policy', 'model.name', 'model.fingerprint'
+MAX_NAME = 4096  # characters of a module or param name (a 1,000-deep nn.Sequential's FQN is under 2,000)
+
+
+def check_plan_limits(data: dict[str, Any]) -> None:
+    """Sizes and names of a plan file's raw JSON, one line each: strings of bounded length, counts and numbers in
+    range, module names that are module paths, forward methods that are public method names. What has the wrong
+    type is left to the reader, which names it."""
+    for key, value in (("policy", data.get("policy", "")), ("model.name", _get(data, "model", "name")),
+                       ("model.fingerprint", _get(data, "model", "fingerprint"))):
+        if value is not None and (not isinstance(value, str) or len(value) > MAX_LABEL):
+            raise PlannerError(f"plan '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
+                               f"{_shown(value)}")
+    numel = _get(data, "model", "numel")
+    if isinstance(numel, int) and not isinstance(numel, bool) and numel > MAX_NUMEL:
+        raise PlannerError(f"plan 'model.numel' {_shown(numel)} is more than {MAX_NUMEL:,} parameters: not a "
+                           "model's size")
+    groups = data.get("groups")
+    if isinstance(groups, list):
+        if len(groups) > MAX_GROUPS:
+            raise PlannerError(f"the plan has {len(groups):,} groups; at most {MAX_GROUPS:,} are accepted")
+        for i, g in enumerate(groups):
+            if isinstance(g, dict):
+                _check_group_limits(i, g)
+    _check_names(data.get("activation_checkpointing"), "plan 'activation_checkpointing'", module=True)
+    selective = data.get("selective_checkpointing")
+    if isinstance(selective, dict):
+        _check_names(list(selective), "plan 'selective_checkpointing'", module=True)
+    _check_methods_limits(data.get("forward_methods"))
+    _check_mesh_limits(data.get("mesh"))
+
+
+def _get(data: dict[str, Any], key: str, sub: str) -> Any:
+    inner = data.get(key)
+    return inner.get(sub) if isinstance(inner, dict) else None
+
+
+def _check_group_limits(i: int, g: dict[str, Any]) -> None:
+    raf = g.get("reshard_after_forward")
+    if isinstance(raf, int) and not isinstance(raf, bool) and raf > MAX_RANKS:
+        raise PlannerError(f"plan group {i}: reshard_after_forward {_shown(raf)} is more ranks than the "
+                           f"{MAX_RANKS:,} a cluster may have")
+    _check_names(g.get("modules"), f"plan group {i} 'modules'", module=True)
+    _check_names(g.get("params"), f"plan group {i} 'params'", module=False)
+    for key in ("forward_prefetch", "backward_prefetch"):
+        value = g.get(key)
+        if isinstance(value, list) and len(value) > MAX_GROUPS:
+            raise PlannerError(f"plan group {i}: {key} lists {len(value):,} groups; at most {MAX_GROUPS:,}")
+
+
+def _check_names(names: Any, where: str, module: bool) -> None:
+    """Module paths (``layers.0.attn``; ``""`` the root, for modules only) or param names, each at most
+    ``MAX_NAME`` characters; a list of anything else is left to the reader."""
+    if not isinstance(names, list):
+        return
+    if len(names) > MAX_GROUPS * 10:
+        raise PlannerError(f"{where} lists {len(names):,} names; at most {MAX_GROUPS * 10:,} are accepted")
+    for name in names:
+        if isinstance(name, str) and not (module and name == "") and not is_module_path(name):
+            what = "module path" if module else "param name"
+            raise PlannerError(f"{where}: {_shown(name)} is not a {what} (non-empty names separated by dots, at "
+                               f"most {MAX_NAME:,} characters in all)")
+
+
+def is_module_path(name: str) -> bool:
+    """A dotted name as ``named_modules`` / ``named_parameters`` spell one: non-empty parts. Any other character is
+    legal: ``add_module`` refuses only dots and the empty name, so ``nn.ModuleDict`` keys such as ``"block-1"`` (or a
+    key with a space or a control character) are module names, and a plan written for such a model must read back;
+    every output escapes names for its target instead."""
+    return 0 < len(name) <= MAX_NAME and "" not in name.split(".")
+
+
+def _check_methods_limits(items: Any) -> None:
+    """``forward_methods``: module paths, and method names FSDP2 can register (public, valid identifiers: a dunder
+    such as ``__init__`` or a private ``_helper`` is no forward-like method and used to fail only in the ranks)."""
+    if not isinstance(items, list):
+        return
+    if len(items) > MAX_GROUPS:
+        raise PlannerError(f"plan 'forward_methods' lists {len(items):,} methods; at most {MAX_GROUPS:,}")
+    for x in items:
+        if not isinstance(x, dict):
+            continue
+        module, method = x.get("module"), x.get("method")
+        if isinstance(module, str) and module != "" and not is_module_path(module):
+            raise PlannerError(f"plan 'forward_methods': module {_shown(module)} is not a module path (names "
+                               "separated by dots; \"\" for the root)")
+        if isinstance(method, str) and not _is_public_method(method):
+            raise PlannerError(f"plan 'forward_methods': method {_shown(method)} is not a public method name (a "
+                               "Python identifier, not a keyword, not starting with '_')")
+
+
+def _is_public_method(name: str) -> bool:
+    return len(name) <= MAX_NAME and name.isidentifier() and not keyword.iskeyword(name) and not name.startswith("_")
+
+
+def _check_mesh_limits(m: Any) -> None:
+    if not isinstance(m, dict):
+        return
+    sizes = [v for v in m.values() if isinstance(v, int) and not isinstance(v, bool)]
+    if any(v > MAX_RANKS for v in sizes) or math.prod(min(v, MAX_RANKS + 1) for v in sizes) > MAX_RANKS:
+        raise PlannerError(f"plan 'mesh' {_shown(m)} has more ranks than the {MAX_RANKS:,} a cluster may have")

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the floating dtype of each size the precisions use
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -34,6 +36,19 @@ class Precision:
         ``MixedPrecisionPolicy`` casts params and inputs to; None for fp32 compute and for autocast, which picks
         a dtype per op."""
         return torch.bfloat16 if self.compute_bytes == 2 and not self.autocast else None
+
+    def fsdp_dtypes(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` for params stored in ``param_bytes``: None where FSDP2
+        keeps the dtype it already has. Autocast casts outside FSDP2, which then runs in the params' own dtype."""
+        if self.autocast:
+            return None, None
+        storage, compute, reduce = (_DTYPES[n] for n in (self.param_bytes, self.compute_bytes, self.reduce_bytes))
+        return None if compute == storage else compute, None if reduce == compute else reduce
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype the (sharded) params are stored in."""
+        return _DTYPES[self.param_bytes]
 
     @property
     def gather_bytes(self) -> int:

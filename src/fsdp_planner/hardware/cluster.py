@@ -15,12 +15,12 @@ import re
 from dataclasses import InitVar, asdict, dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.collectives import COLLECTIVES
-from fsdp_planner.userfiles import parse_json, read_text
+from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 CLUSTER_VERSION = 1
 # Sanity bounds on what a cluster may describe: a world far beyond any real job is a typo (and big enough
@@ -130,9 +130,10 @@ class Cluster:
     tables: Tables = field(default_factory=dict, hash=False)
 
     where: InitVar[str | None] = None  # how errors name it, e.g. "cluster file c.json"; default: its name
+    physical: InitVar[bool] = False  # read from a file: its figures are held to the physical ranges too
 
-    def __post_init__(self, where: str | None) -> None:
-        _check_cluster(self, where or f"cluster '{self.name}'")
+    def __post_init__(self, where: str | None, physical: bool) -> None:
+        _check_cluster(self, where or f"cluster '{self.name}'", physical)
 
     @property
     def world_size(self) -> int:
@@ -176,9 +177,10 @@ class Cluster:
     def from_dict(cls, d: Any, where: str = "cluster JSON") -> Cluster:
         if not isinstance(d, dict):
             raise PlannerError(f"the {where} must be a JSON object, got {type(d).__name__}")
+        _check_version(d, where)
         memory = _num(d, "gpu.memory_bytes", where)
         gpu = GPU(
-            name=str(_get(d, "gpu.name", where)),
+            name=_get(d, "gpu.name", where),
             peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
             peak_fp32_flops=_num(d, "gpu.peak_fp32_flops", where),
             hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
@@ -194,15 +196,7 @@ class Cluster:
                 half_bw_bytes=_num(d, f"{lname}.half_bw_bytes", where, 0.0),
                 ring_overhead=_num(d, f"{lname}.ring_overhead", where, 0.0),
             )
-        fits: Fits = {}
-        raw_fits = d.get("fits") or {}
-        if not isinstance(raw_fits, dict):
-            raise PlannerError(f"the {where} field 'fits' must map collective -> ranks -> [alpha, bw]")
-        try:
-            for kind, table in raw_fits.items():
-                fits[str(kind)] = {int(n): (float(v[0]), float(v[1])) for n, v in table.items()}
-        except (TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
-            raise PlannerError(f"the {where} field 'fits' is malformed ({e})") from None
+        fits = _fits_from(d.get("fits") or {}, where)
         overhead = NO_OVERHEAD
         if "overhead" in d:
             source = _get(d, "overhead.source", where, "")
@@ -211,20 +205,14 @@ class Cluster:
                                 copy_bandwidth=_num(d, "overhead.copy_bandwidth", where),
                                 param_seconds=_num(d, "overhead.param_seconds", where, 0.0),
                                 module_seconds=_num(d, "overhead.module_seconds", where, 0.0),
-                                source=str(source))
-        tables: Tables = {}
-        try:
-            for kind, rows in (d.get("tables") or {}).items():
-                tables[str(kind)] = [(int(n), float(t)) for n, t in rows]
-        except (TypeError, ValueError, AttributeError, OverflowError) as e:
-            raise PlannerError(f"the {where} field 'tables' must map collective -> [[bytes, seconds], ...] ({e})"
-                               ) from None
+                                source=source)
+        tables = _tables_from(d.get("tables") or {}, where)
         engine = _get(d, "engine", where, Engine.STREAMS.value)
-        if engine not in {e.value for e in Engine}:
+        if not isinstance(engine, str) or engine not in {e.value for e in Engine}:
             raise PlannerError(f"the {where} field 'engine' must be one of {', '.join(e.value for e in Engine)}, "
-                               f"got {engine!r}")
+                               f"got {_short(engine)}")
         return cls(
-            name=str(_get(d, "name", where)),
+            name=_get(d, "name", where),
             gpu=gpu,
             gpus_per_node=_int(d, "gpus_per_node", where),
             nodes=_int(d, "nodes", where),
@@ -236,6 +224,7 @@ class Cluster:
             engine=Engine(engine),
             tables=tables,
             where=where,
+            physical=True,
         )
 
     @classmethod
@@ -243,7 +232,10 @@ class Cluster:
         return cls.from_dict(parse_json(text, lambda detail: f"the {where} is not valid JSON ({detail})"), where)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+        """Write the cluster JSON; a cluster the file could not be read back as (a figure beyond its physical range,
+        e.g. a calibration on a machine too slow to plan for) is refused here, before the file is written."""
+        _check_cluster(self, f"cluster to write to {path}", physical=True)
+        write_atomic(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
@@ -253,6 +245,58 @@ class Cluster:
 
 
 _MISSING = object()
+
+
+def _check_version(d: dict[str, Any], where: str) -> None:
+    """The format version: the one this code writes (``to_dict``) is the one it reads."""
+    version = d.get("version", _MISSING)
+    if isinstance(version, bool) or not isinstance(version, int) or version != CLUSTER_VERSION:
+        got = "none" if version is _MISSING else _short(version)
+        raise PlannerError(f"the {where} has format version {got}: this fsdp-planner reads cluster files with "
+                           f"\"version\": {CLUSTER_VERSION} (as calibrate and Cluster.save write)")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _as_float(v: int | float) -> float:
+    """A JSON number as a float; an integer beyond any float as infinite (refused by name by the range checks)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def _fits_from(raw: Any, where: str) -> Fits:
+    """``{"all_gather": {"8": [latency, bandwidth]}}``: types checked here, values by ``_check_fits``."""
+    shape = (f"the {where} field 'fits' must map each collective to {{\"RANKS\": [latency, bandwidth]}}, "
+             "e.g. {\"all_gather\": {\"8\": [2e-05, 3e11]}}")
+    if not isinstance(raw, dict) or not all(isinstance(t, dict) for t in raw.values()):
+        raise PlannerError(shape)
+    fits: Fits = {}
+    for kind, table in raw.items():
+        for n, v in table.items():
+            if not (n.isascii() and n.isdigit() and len(n) <= 9) or not isinstance(v, list) or len(v) != 2 \
+                    or not all(map(_is_number, v)):
+                raise PlannerError(f"{shape}; got {_short(n)}: {_short(v)} under {_short(kind)}")
+            fits.setdefault(kind, {})[int(n)] = (_as_float(v[0]), _as_float(v[1]))
+    return fits
+
+
+def _tables_from(raw: Any, where: str) -> Tables:
+    """``{"all_gather": [[bytes, seconds], ...]}``: types checked here, values by ``_check_tables``."""
+    shape = f"the {where} field 'tables' must map each collective to [[bytes, seconds], ...] (whole bytes)"
+    if not isinstance(raw, dict) or not all(isinstance(rows, list) for rows in raw.values()):
+        raise PlannerError(shape)
+    tables: Tables = {}
+    for kind, rows in raw.items():
+        for row in rows:
+            if not isinstance(row, list) or len(row) != 2 or isinstance(row[0], bool) or \
+                    not isinstance(row[0], int) or not _is_number(row[1]):
+                raise PlannerError(f"{shape}; got {_short(row)} under {_short(kind)}")
+        tables[kind] = [(n, _as_float(t)) for n, t in rows]
+    return tables
 
 
 def _get(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> Any:
@@ -268,36 +312,106 @@ def _get(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) ->
 
 def _num(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> float:
     v = _get(d, dotted, where, default)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise PlannerError(f"the {where} field '{dotted}' must be a number, got {v!r}")
-    try:
-        return float(v)
-    except OverflowError:  # an integer beyond any float: as infinite, which _check_cluster refuses by name
-        return math.inf if v > 0 else -math.inf
+    if not _is_number(v):
+        raise PlannerError(f"the {where} field '{dotted}' must be a number, got {_short(v)}")
+    return _as_float(v)
 
 
 def _int(d: dict[str, Any], dotted: str, where: str, default: Any = _MISSING) -> int:
     v = _get(d, dotted, where, default)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise PlannerError(f"the {where} field '{dotted}' must be a whole number, got {v!r}")
+        raise PlannerError(f"the {where} field '{dotted}' must be a whole number, got {_short(v)}")
     return v
 
 
-def _positive(label: str, name: str, v: Any, what: str = "finite number above 0") -> None:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
-        raise PlannerError(f"the {label} field '{name}' must be a {what}, got {v!r}")
+class Range(NamedTuple):
+    """The physically plausible values of one cluster figure: beyond them a file is a typo or a unit slip (1e-9
+    for 1e9), and the cost model would divide by almost nothing and print infinities or NaN as results."""
+
+    low: float
+    high: float
+    unit: str
+    infinite: bool = False  # math.inf allowed: an ideal link, free copies (NO_OVERHEAD)
+    low_open: bool = False  # the value must be above low, not equal to it
+    physical: bool = True  # a plausibility bound, checked on files only; False: what any cluster must satisfy
+
+    def widened(self) -> Range:
+        """What a cluster built in code must satisfy: studies of an ideal machine use 1e30 for 'free'; only files
+        (which a person types, units and all) are held to the physical range."""
+        if not self.physical:
+            return self
+        return self._replace(low=min(self.low, 0.0), high=math.inf, low_open=self.low_open or self.low > 0)
 
 
-def _check_cluster(c: Cluster, label: str) -> None:
-    """Every number of a cluster (preset, JSON file, calibration) in one place: finite, in range, named. The checks
-    run in this order, so a cluster wrong in several ways is refused for the first."""
+# Bounds far wider than any machine sold or measured (a CPU rank on gloo reaches ~1e10 FLOP/s and ~1e9 B/s; a B200
+# 2.25e15 FLOP/s and 8e12 B/s HBM, NVLink 5 ~1e12 B/s), yet narrow enough that no step time overflows. Listed in
+# docs/calibrate.md.
+FLOPS = Range(1e8, 1e17, "FLOP/s")
+MEMORY_BANDWIDTH = Range(1e8, 1e14, "B/s")
+MEMORY = Range(1e8, 1e13, "B")
+BANDWIDTH = Range(1e6, 1e14, "B/s", infinite=True)
+LATENCY = Range(0.0, 1.0, "s")
+HALF_BW = Range(0.0, 1e10, "B")
+RING_OVERHEAD = Range(0.0, 2.0, "", physical=False)
+HOST_SECONDS = Range(0.0, 1.0, "s", physical=False)
+TABLE_BYTES = Range(1, 1e13, "B")
+TABLE_SECONDS = Range(0.0, 1e3, "s", low_open=True)
+MAX_NAME = 1000  # characters of a cluster's or a GPU's name
+MAX_SOURCE = 1000  # characters of overhead.source
+
+
+def _short(v: Any) -> str:
+    """A value for a message, never longer than a line."""
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} characters)"
+
+
+def _fmt(x: float) -> str:
+    """``1e9``, ``1e-9``, ``0.5``: a bound or a value as a person writes it."""
+    mantissa, e, exponent = f"{x:g}".partition("e")
+    return f"{mantissa}e{int(exponent)}" if e else mantissa
+
+
+def _check_range(label: str, name: str, v: Any, r: Range, physical: bool) -> None:
+    """One figure: a number, finite (or infinite where ``r`` allows), within ``r`` (``physical``) or its widened
+    form; one line naming field, value and range otherwise."""
+    r = r if physical else r.widened()
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise PlannerError(f"the {label} field '{name}' must be a number, got {_short(v)}")
+    inside = (v > r.low if r.low_open else v >= r.low) and v <= r.high
+    if (v == math.inf and r.infinite) or (math.isfinite(v) and inside):
+        return
+    unit = f" {r.unit}" if r.unit else ""
+    shown = "infinity" if v == math.inf else "-infinity" if v == -math.inf else "NaN" if math.isnan(v) else \
+        f"{_fmt(v)}{unit}"
+    extra = " (or infinity: an ideal link / free copies)" if r.infinite else ""
+    if r.high == math.inf:
+        raise PlannerError(f"the {label} field '{name}' is {shown}; it must be a finite number "
+                           f"{'above' if r.low_open else 'of at least'} {_fmt(r.low)}{extra}")
+    bounds = f"{_fmt(r.low)}..{_fmt(r.high)}{unit}{f' ({_fmt(r.low)} excluded)' if r.low_open else ''}"
+    raise PlannerError(f"the {label} field '{name}' is {shown}, outside {bounds}{extra}")
+
+
+def _check_text(label: str, name: str, v: Any, limit: int) -> None:
+    if not isinstance(v, str):
+        raise PlannerError(f"the {label} field '{name}' must be a string, got {_short(v)}")
+    if len(v) > limit:
+        raise PlannerError(f"the {label} field '{name}' is {len(v):,} characters long; at most {limit:,} are "
+                           "accepted")
+
+
+def _check_cluster(c: Cluster, label: str, physical: bool = False) -> None:
+    """Every number of a cluster (preset, JSON file, calibration) in one place: finite, in range, named; with
+    ``physical`` (a file read or written) within the physical ranges too. The checks run in this order, so a
+    cluster wrong in several ways is refused for the first."""
+    _check_text(label, "name", c.name, MAX_NAME)
     _check_shape(c, label)
-    _check_gpu(c.gpu, label)
+    _check_gpu(c.gpu, label, physical)
     for lname in ("intra", "inter"):
-        _check_link(getattr(c, lname), label, lname)
-    _check_overhead(c.overhead, c.engine, label)
-    _check_tables(c.tables, label)
-    _check_fits(c.fits, label)
+        _check_link(getattr(c, lname), label, lname, physical)
+    _check_overhead(c.overhead, c.engine, label, physical)
+    _check_tables(c.tables, label, physical)
+    _check_fits(c.fits, label, physical)
 
 
 def _check_shape(c: Cluster, label: str) -> None:
@@ -305,71 +419,69 @@ def _check_shape(c: Cluster, label: str) -> None:
     for attr, top in (("gpus_per_node", MAX_NODE_GPUS), ("nodes", MAX_WORLD_SIZE), ("nics_per_node", MAX_WORLD_SIZE)):
         v = getattr(c, attr)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
-            raise PlannerError(f"the {label} field '{attr}' must be a whole number from 1 to {top:,}, got {v!r}")
+            raise PlannerError(f"the {label} field '{attr}' must be a whole number from 1 to {top:,}, got "
+                               f"{_short(v)}")
     if c.world_size > MAX_WORLD_SIZE:
         raise PlannerError(f"the {label} has {c.world_size:,} GPUs ({c.nodes:,} nodes x {c.gpus_per_node}); "
                            f"at most {MAX_WORLD_SIZE:,} are supported")
 
 
-def _check_gpu(gpu: GPU, label: str) -> None:
-    for attr in ("peak_bf16_flops", "peak_fp32_flops", "hbm_bandwidth"):
-        _positive(label, f"gpu.{attr}", getattr(gpu, attr))
-    _positive(label, "gpu.memory_bytes", gpu.memory_bytes, "whole number of bytes above 0")
+def _check_gpu(gpu: GPU, label: str, physical: bool) -> None:
+    _check_text(label, "gpu.name", gpu.name, MAX_NAME)
+    for attr, r in (("peak_bf16_flops", FLOPS), ("peak_fp32_flops", FLOPS), ("hbm_bandwidth", MEMORY_BANDWIDTH),
+                    ("memory_bytes", MEMORY)):
+        _check_range(label, f"gpu.{attr}", getattr(gpu, attr), r, physical)
+    if not isinstance(gpu.memory_bytes, int):
+        raise PlannerError(f"the {label} field 'gpu.memory_bytes' must be a whole number of bytes, got "
+                           f"{_short(gpu.memory_bytes)}")
 
 
-def _check_link(link: Link, label: str, lname: str) -> None:
-    """One level of the interconnect: a bandwidth above 0 (infinite: an ideal link), finite latencies."""
-    bw = link.bus_bandwidth
-    if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:
-        raise PlannerError(f"the {label} field '{lname}.bus_bandwidth' must be a number above 0, got {bw!r}")
-    for attr in ("base_latency", "hop_latency", "half_bw_bytes"):
-        v = getattr(link, attr)
-        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v >= 0):
-            raise PlannerError(f"the {label} field '{lname}.{attr}' must be a finite number of at least 0, "
-                               f"got {v!r}")
-    if not 0 <= link.ring_overhead < 2:
-        raise PlannerError(f"the {label} field '{lname}.ring_overhead' must be at least 0 and below 2, "
-                           f"got {link.ring_overhead!r}")
+def _check_link(link: Link, label: str, lname: str, physical: bool) -> None:
+    """One level of the interconnect: a bandwidth in range (infinite: an ideal link), latencies in range."""
+    for attr, r in (("bus_bandwidth", BANDWIDTH), ("base_latency", LATENCY), ("hop_latency", LATENCY),
+                    ("half_bw_bytes", HALF_BW)):
+        _check_range(label, f"{lname}.{attr}", getattr(link, attr), r, physical)
+    _check_range(label, f"{lname}.ring_overhead", link.ring_overhead, RING_OVERHEAD, physical)
+    if link.ring_overhead == RING_OVERHEAD.high:  # 1 - c/k must stay above 0 for a 2-rank ring
+        raise PlannerError(f"the {label} field '{lname}.ring_overhead' must be below 2, got 2")
 
 
-def _check_overhead(overhead: Overhead, engine: Engine, label: str) -> None:
-    """FSDP2's host costs in seconds below 1, and a copy bandwidth above 0 (infinite: free copies)."""
+def _check_overhead(overhead: Overhead, engine: Engine, label: str, physical: bool) -> None:
+    """FSDP2's host costs in seconds below 1, and a copy bandwidth in range (infinite: free copies)."""
     for attr in ("hook_seconds", "op_seconds", "param_seconds", "module_seconds"):
-        v = getattr(overhead, attr)
         # on the host engine op_seconds corrects measured op times, and timing each op can add more than the
         # framework's work around it: a negative correction (sim/host_engine.py)
-        low = -1 if attr == "op_seconds" and engine is Engine.HOST else 0
-        if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and low <= v < 1):
-            raise PlannerError(f"the {label} field 'overhead.{attr}' must be a number of seconds from {low} to 1, "
-                               f"got {v!r}")
-    bw = overhead.copy_bandwidth
-    if isinstance(bw, bool) or not isinstance(bw, int | float) or not bw > 0:
-        raise PlannerError(f"the {label} field 'overhead.copy_bandwidth' must be a number above 0, got {bw!r}")
+        low = -1.0 if attr == "op_seconds" and engine is Engine.HOST else 0.0
+        _check_range(label, f"overhead.{attr}", getattr(overhead, attr), HOST_SECONDS._replace(low=low),
+                     physical)
+    _check_range(label, "overhead.copy_bandwidth", overhead.copy_bandwidth, BANDWIDTH, physical)
+    _check_text(label, "overhead.source", overhead.source, MAX_SOURCE)
 
 
-def _check_tables(tables: Tables, label: str) -> None:
-    """Measured collectives: two or more rows of a known collective, sizes ascending, times above 0."""
+def _check_tables(tables: Tables, label: str, physical: bool) -> None:
+    """Measured collectives: two or more rows of a known collective, sizes ascending, sizes and times in range."""
     for kind, rows in tables.items():
         sizes = [n for n, _ in rows]
-        if kind not in COLLECTIVES or len(rows) < 2 or sizes != sorted(set(sizes)) or sizes[0] < 1 or \
-                not all(math.isfinite(t) and t > 0 for _, t in rows):
-            raise PlannerError(f"the {label} field 'tables.{kind}' must be two or more [bytes, seconds] of a known "
-                               "collective, sizes ascending from 1 byte, times above 0")
+        if kind not in COLLECTIVES or len(rows) < 2 or sizes != sorted(set(sizes)):
+            raise PlannerError(f"the {label} field 'tables.{_shown(kind)}' must be two or more [bytes, seconds] of a "
+                               f"known collective ({', '.join(COLLECTIVES)}), sizes ascending")
+        for i, (n, t) in enumerate(rows):
+            _check_range(label, f"tables.{kind}.{i}.bytes", n, TABLE_BYTES, physical)
+            _check_range(label, f"tables.{kind}.{i}.seconds", t, TABLE_SECONDS, physical)
 
 
-def _check_fits(fits: Fits, label: str) -> None:
-    """Calibrated lines: of a known collective, for 2 or more ranks, a finite latency and bandwidth."""
+def _check_fits(fits: Fits, label: str, physical: bool) -> None:
+    """Calibrated lines: of a known collective, for 2 or more ranks, a latency and a bandwidth in range."""
     for kind, table in fits.items():
         if kind not in COLLECTIVES:
-            raise PlannerError(f"the {label} has fits for unknown collective '{kind}' "
+            raise PlannerError(f"the {label} has fits for unknown collective '{_shown(kind)}' "
                                f"(known: {', '.join(COLLECTIVES)})")
         for n, (alpha, bw) in table.items():
             if not 2 <= n <= MAX_WORLD_SIZE:
-                raise PlannerError(f"the {label} field 'fits.{kind}' has a fit for {n} ranks; fits are for 2 to "
-                                   f"{MAX_WORLD_SIZE:,} ranks")
-            if not (math.isfinite(alpha) and alpha >= 0 and math.isfinite(bw) and bw > 0):
-                raise PlannerError(f"the {label} field 'fits.{kind}.{n}' must be [latency, bandwidth] with a finite "
-                                   f"latency of at least 0 and a finite bandwidth above 0, got [{alpha!r}, {bw!r}]")
+                raise PlannerError(f"the {label} field 'fits.{kind}' has a fit for {_short(n)} ranks; fits are for 2 "
+                                   f"to {MAX_WORLD_SIZE:,} ranks")
+            _check_range(label, f"fits.{kind}.{n} latency", alpha, LATENCY, physical)
+            _check_range(label, f"fits.{kind}.{n} bandwidth", bw, BANDWIDTH._replace(infinite=False), physical)
 
 
 # ---- presets ---------------------------------------------------------------------------------------------
@@ -465,6 +577,7 @@ _SPEC = re.compile(r"^([a-z0-9]+)(?::(\d+)(?:x(\d+))?)?$", re.ASCII)
 
 
 def _shown(spec: str) -> str:
+    """A spec or a name from a file for a message: its first 30 characters when long."""
     return spec if len(spec) <= 40 else f"{spec[:30]}...({len(spec)} characters)"
 
 

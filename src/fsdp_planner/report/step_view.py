@@ -108,6 +108,7 @@ class StepView:
     memory_bytes: np.ndarray  # allocated bytes per rank from that time on (the last repeats the one before)
     capacity: int  # one GPU's memory
     gpu: str
+    backward_start: float  # when the step's backward begins: forward bars end by then, backward bars start after
 
     @property
     def exposed(self) -> list[Bar]:
@@ -137,7 +138,7 @@ def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | 
     lanes = [Lane("compute", compute), *(Lane(k.label.split(" (")[0], bars) for k, bars in comm)]
     return StepView(label or plan.policy or "plan", report, lanes,
                     np.append(times, report.step_time), np.append(levels, levels[-1]),
-                    cluster.gpu.memory_bytes, cluster.gpu.name)
+                    cluster.gpu.memory_bytes, cluster.gpu.name, float(times[trace.index.forward_end]))
 
 
 def event_times(timeline: Sequence[TimelineEvent], cum: Sequence[float], n: int) -> np.ndarray:
@@ -180,6 +181,8 @@ def compute_bars(timeline: Sequence[TimelineEvent], forward_end: int, step: floa
 
 
 def _compute_kind(e: TimelineEvent, forward_end: int) -> BarKind:
+    """A run of ops is forward or backward by its first op: the engines end every run at the step's
+    forward/backward boundary (``forward_end``), so no run holds both."""
     if e.work is not Work.OPS:
         return _WORK[e.work]
     return BarKind.FORWARD if e.op < forward_end else BarKind.BACKWARD

@@ -23,12 +23,14 @@
   }
 
   function fmtTime(s) {
+    if (typeof s !== "number" || !isFinite(s)) return "n/a";  // null: a figure that was not finite (NaN)
     if (s >= 0.9995) return three(s) + " s";
     if (s >= 0.9995e-3) return three(s * 1e3) + " ms";
     return three(s * 1e6) + " us";
   }
 
   function fmtBytes(n) {
+    if (typeof n !== "number" || !isFinite(n)) return "n/a";
     const units = ["B", "KiB", "MiB", "GiB", "TiB"];
     if (Math.abs(n) < 1024) return n.toFixed(0) + " B";
     let i = 0;
@@ -170,15 +172,16 @@
     return v.memory.b[lo];
   }
 
-  function showTip(ev, html) {
-    tip.innerHTML = html;
+  // Names come from plan, cluster and model files: every string reaches the page as a text node, never as HTML.
+  function showTip(ev, bold, rest, lines) {
+    tip.textContent = "";
+    const b = document.createElement("b");
+    b.textContent = bold;
+    tip.append(b, rest);
+    for (const line of lines) tip.append(document.createElement("br"), line);
     tip.style.display = "block";
     tip.style.left = Math.min(ev.pageX + 14, window.scrollX + window.innerWidth - tip.offsetWidth - 8) + "px";
     tip.style.top = ev.pageY + 14 + "px";
-  }
-
-  function escape(s) {
-    return s.replace(/[&<>"]/g, (c) => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", "\"": "&quot;"})[c]);
   }
 
   root.addEventListener("mousemove", (ev) => {
@@ -186,12 +189,11 @@
     if (t.classList && t.classList.contains("bar")) {
       const v = data.views[+t.dataset.v], b = v.lanes[+t.dataset.l].bars[+t.dataset.b];
       const kind = data.kinds[b[2]];
-      showTip(ev, `<b>${escape(kind.label)}</b><br>${escape(v.names[b[3]])}<br>${fmtTime(b[1] - b[0])} ` +
-        `(${fmtTime(b[0])} to ${fmtTime(b[1])})`);
+      showTip(ev, kind.label, "", [v.names[b[3]], `${fmtTime(b[1] - b[0])} (${fmtTime(b[0])} to ${fmtTime(b[1])})`]);
     } else if (t.classList && t.classList.contains("memory-hover")) {
       const v = data.views[+t.dataset.v], box = t.getBoundingClientRect();
       const s = view[0] + (ev.clientX - box.left) / box.width * (view[1] - view[0]);
-      showTip(ev, `<b>${fmtBytes(memoryAt(v, s))}</b> allocated at ${fmtTime(Math.max(0, s))}`);
+      showTip(ev, fmtBytes(memoryAt(v, s)), ` allocated at ${fmtTime(Math.max(0, s))}`, []);
     } else {
       tip.style.display = "none";
     }
@@ -231,20 +233,17 @@
   window.addEventListener("resize", draw);
 
   const legend = document.getElementById("legend");
-  for (const k of data.kinds) {
-    if (!data.used.includes(k.key)) continue;
-    const item = document.createElement("span");
+  function legendKey(label, style, line) {
+    const item = document.createElement("span"), swatch = document.createElement("i");
     item.className = "key";
-    item.innerHTML = `<i style="background:${k.color}"></i>${escape(k.label)}`;
+    if (line) swatch.className = "line";
+    swatch.style.cssText = style;
+    item.append(swatch, label);
     legend.appendChild(item);
   }
-  for (const [label, style] of [["allocated memory per rank", "border-top:2px solid #4c78a8"],
-                                ["GPU capacity", "border-top:2px dashed #d62728"],
-                                ["reserved at peak (caching allocator)", "border-top:2px dotted #7f7f7f"]]) {
-    const item = document.createElement("span");
-    item.className = "key";
-    item.innerHTML = `<i class="line" style="${style}"></i>${label}`;
-    legend.appendChild(item);
-  }
+  for (const k of data.kinds) if (data.used.includes(k.key)) legendKey(k.label, `background:${k.color}`, false);
+  legendKey("allocated memory per rank", "border-top:2px solid #4c78a8", true);
+  legendKey("GPU capacity", "border-top:2px dashed #d62728", true);
+  legendKey("reserved at peak (caching allocator)", "border-top:2px dotted #7f7f7f", true);
   draw();
 })();

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.errors import PlannerError
 from fsdp_planner.report.step_view import BarKind, StepView, thin_curve
+from fsdp_planner.userfiles import write_atomic
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en">
@@ -70,14 +71,35 @@ def page_data(views: Sequence[StepView]) -> dict[str, Any]:
             "used": [k.value for k in kinds if k in used]}
 
 
+# What JSON may hold in a string but a <script> element may not: "</script" ends it, "<!--" with "<script" makes
+# the parser skip the real end tag, "&" starts nothing here but is escaped for an HTML reader that thinks it does.
+_SCRIPT_UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"}
+
+
+def script_json(data: Any) -> str:
+    """``data`` as JSON for a ``<script type="application/json">`` element: the one escaping rule for the page's
+    data. ``<``, ``>`` and ``&`` are escaped in strings (the only place JSON has them), U+2028/2029 and everything
+    else outside ASCII by ``ensure_ascii``, and a number that is not finite (a NaN in a cluster file) is null, since
+    JSON has no NaN and ``JSON.parse`` would refuse the page's data."""
+    text = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    return text.translate(str.maketrans(_SCRIPT_UNSAFE))
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None, in nested dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def render_html(views: Sequence[StepView], title: str) -> str:
     script = files("fsdp_planner.report").joinpath("timeline.js").read_text(encoding="utf-8")
-    data = json.dumps(page_data(views), separators=(",", ":")).replace("</", "<\\/")  # cannot close the <script>
-    return _PAGE.format(title=html.escape(title), data=data, script=script)
+    return _PAGE.format(title=html.escape(title), data=script_json(page_data(views)), script=script)
 
 
 def write_html(views: Sequence[StepView], path: Path, title: str) -> None:
-    try:
-        path.write_text(render_html(views, title), encoding="utf-8")
-    except OSError as e:
-        raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
+    write_atomic(path, render_html(views, title))

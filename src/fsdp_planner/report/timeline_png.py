@@ -3,13 +3,15 @@ on one shared time axis so a comparison reads at a glance."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fmt import fmt_bytes, printable
 from fsdp_planner.report.step_view import BarKind, StepView, thin_curve, time_unit
+from fsdp_planner.userfiles import write_atomic
 
 MEMORY_COLOR, CAPACITY_COLOR, RESERVED_COLOR = "#4c78a8", "#d62728", "#7f7f7f"
 WIDTH_IN, DPI = 16.0, 100  # 1600 pixels wide
@@ -27,19 +29,34 @@ def figure_size(views: Sequence[StepView]) -> tuple[float, float]:
     return WIDTH_IN, round(lanes * LANE_IN + len(views) * (MEMORY_IN + TITLE_IN) + 1.4, 2)
 
 
+def plain(text: str) -> str:
+    """``text`` drawn as written: the one escaping rule for the picture's text. matplotlib reads a string with two
+    ``$`` as TeX math (a module named ``a$b$`` would be typeset, one that is not valid TeX stops the picture); an
+    escaped ``\\$`` is drawn as ``$``. ``write_png`` turns usetex off, so nothing else is TeX. Control characters
+    are drawn as their escapes (``printable``): no font has them, and the warning naming them would print them."""
+    return printable(text).replace("$", "\\$")
+
+
 def write_png(views: Sequence[StepView], path: Path, title: str) -> None:
     """Draw ``views`` (one plan, or a plan and the one it is compared with) into ``path`` under ``title``."""
     try:
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib import rc_context
     except ImportError:
         raise PlannerError("--timeline draws with matplotlib, which is not installed: pip install matplotlib "
                            "(or the package's [plot] extra)") from None
+    with rc_context({"text.usetex": False}):  # a user's matplotlibrc may turn it on: names are never TeX
+        _draw(views, path, title)
+
+
+def _draw(views: Sequence[StepView], path: Path, title: str) -> None:
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
+
     end = max(v.report.step_time for v in views)
     unit, scale = time_unit(end)
     fig = Figure(figsize=figure_size(views), dpi=DPI, layout="constrained")
-    fig.suptitle(title, x=0.01, ha="left", fontsize=13)
+    fig.suptitle(plain(title), x=0.01, ha="left", fontsize=13)
     ratios = [r for v in views for r in (len(v.lanes) * LANE_IN, MEMORY_IN)]
     axes = fig.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios})
     px = end / (WIDTH_IN * DPI * PLOT_SHARE)  # seconds per pixel
@@ -48,7 +65,7 @@ def write_png(views: Sequence[StepView], path: Path, title: str) -> None:
     for k, v in enumerate(views):
         lanes_ax, memory_ax = axes[2 * k], axes[2 * k + 1]
         kinds |= _draw_lanes(lanes_ax, v, min_width, px)
-        lanes_ax.set_title(v.summary(), loc="left", fontsize=11, fontweight="bold")
+        lanes_ax.set_title(plain(v.summary()), loc="left", fontsize=11, fontweight="bold")
         _draw_memory(memory_ax, v)
     last = axes[-1]
     last.set_xlim(0, end * 1.005)
@@ -57,10 +74,12 @@ def write_png(views: Sequence[StepView], path: Path, title: str) -> None:
     handles = [Patch(color=kind.color, label=kind.label) for kind in BarKind if kind in kinds]
     handles += [*axes[1].get_legend_handles_labels()[0]]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
+    picture = io.BytesIO()  # drawn in memory, then written whole (write_atomic): a failed write keeps the old file
     try:
-        fig.savefig(path)
-    except (OSError, ValueError) as e:
-        raise PlannerError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+        fig.savefig(picture, format=path.suffix.lstrip(".").lower() or "png")
+    except ValueError as e:  # a format matplotlib cannot write
+        raise PlannerError(f"cannot write {path}: {e}") from None
+    write_atomic(path, picture.getvalue())
 
 
 def _draw_lanes(ax: Any, view: StepView, min_width: float, px: float) -> set[BarKind]:
@@ -85,10 +104,10 @@ def _draw_lanes(ax: Any, view: StepView, min_width: float, px: float) -> set[Bar
             if b.kind in LABELLED and b.seconds >= LABEL_PIXELS * px:
                 chars = int(b.seconds / px / 6.5)
                 text = b.name if len(b.name) <= chars else b.name[:max(1, chars - 1)] + "…"
-                ax.text(b.start + b.seconds / 2, y + 0.5, text, ha="center", va="center", fontsize=8, color="white",
-                        clip_on=True)
+                ax.text(b.start + b.seconds / 2, y + 0.5, plain(text), ha="center", va="center", fontsize=8,
+                        color="white", clip_on=True)
     ax.set_ylim(0, rows)
-    ax.set_yticks([rows - 1 - r + 0.5 for r in range(rows)], [lane.name for lane in view.lanes], fontsize=10)
+    ax.set_yticks([rows - 1 - r + 0.5 for r in range(rows)], [plain(lane.name) for lane in view.lanes], fontsize=10)
     ax.tick_params(axis="y", length=0)
     ax.grid(axis="x", color="#dddddd", linewidth=0.6)
     ax.set_axisbelow(True)
@@ -111,11 +130,11 @@ def _draw_memory(ax: Any, view: StepView) -> None:
                 xytext=(4, -12), textcoords="offset points", fontsize=9, color=MEMORY_COLOR)
     if view.capacity <= CAPACITY_IN_VIEW * top:
         ax.axhline(view.capacity / div, color=CAPACITY_COLOR, linestyle="--", linewidth=1.3, label="GPU capacity")
-        ax.text(0.002, view.capacity / div, f" {view.gpu}: {fmt_bytes(view.capacity)}",
+        ax.text(0.002, view.capacity / div, plain(f" {view.gpu}: {fmt_bytes(view.capacity)}"),
                 transform=ax.get_yaxis_transform(), va="bottom", fontsize=9, color=CAPACITY_COLOR)
         top = max(top, view.capacity)
     else:  # a small model on a large GPU: the curve would be a flat line at the bottom
-        ax.text(0.002, 0.97, f" {view.gpu} capacity {fmt_bytes(view.capacity)}: far above this scale",
+        ax.text(0.002, 0.97, plain(f" {view.gpu} capacity {fmt_bytes(view.capacity)}: far above this scale"),
                 transform=ax.transAxes, va="top", fontsize=9, color=CAPACITY_COLOR)
     ax.set_ylim(0, top / div * 1.15)
     ax.set_ylabel(f"memory ({unit})", fontsize=10)

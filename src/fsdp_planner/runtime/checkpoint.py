@@ -33,7 +33,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.runtime.failures import checkpoint_cause, is_backend_error
+from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 META = "fsdp-planner.json"
 REFERENCE = "reference.pt"
@@ -82,12 +84,58 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     digests = state_digests(model, optimizer)
     if dist.get_rank() == 0:
         torch.save({"model": reference.state_dict(), "optim": ref_optimizer.state_dict()}, directory / REFERENCE)
-        (directory / META).write_text(json.dumps({"version": VERSION, **meta, "digests": digests}, indent=1))
+        write_atomic(directory / META, json.dumps({"version": VERSION, **meta, "digests": digests}, indent=1))
     dist.barrier()
 
 
 def read_meta(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / META).read_text())
+    """The metadata verify wrote beside a checkpoint, checked: a hand-edited or foreign file is one line."""
+    where = f"the checkpoint's {META} in '{directory}'"
+    return parse_meta(read_text(directory / META, where, "the JSON verify --save-checkpoint writes"), where)
+
+
+# What the metadata may hold: far beyond any real run, small enough that nothing built from it overflows.
+MAX_STEP = 10**12
+MAX_WORLD = 1 << 20  # runtime.fake_world.MAX_FAKE_WORLD, the most ranks any job of this tool runs
+MAX_LABEL = 10_000  # characters of the fingerprint, policy (fsdp2.plan.MAX_LABEL), and each digest key and value
+MAX_DIGESTS = 10_000_000
+
+
+def parse_meta(text: str, where: str) -> dict[str, Any]:
+    """``fsdp-planner.json``'s fields, each of the type and range ``save_checkpoint`` writes; nesting, non-finite
+    and over-long numbers are refused by ``parse_json``'s limits and the checks here, one line each."""
+    meta = parse_json(text, lambda detail: f"{where} is not valid JSON: {detail}")
+    if not isinstance(meta, dict):
+        raise PlannerError(f"{where} is not a JSON object: it was not written by verify --save-checkpoint")
+    if meta.get("version") != VERSION or isinstance(meta.get("version"), bool):
+        raise PlannerError(f"{where} has format version {_shown(meta.get('version'))}: this fsdp-planner reads "
+                           f"version {VERSION}")
+    for key, low, high in (("step", 0, MAX_STEP), ("world", 1, MAX_WORLD)):
+        v = meta.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise PlannerError(f"{where}: '{key}' must be a whole number from {low} to {high:,}, got {_shown(v)}")
+    for key in ("fingerprint", "policy"):
+        if not _label(meta.get(key)):
+            raise PlannerError(f"{where}: '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
+                               f"{_shown(meta.get(key))}")
+    digests = meta.get("digests")
+    if not isinstance(digests, dict) or len(digests) > MAX_DIGESTS or \
+            not all(_label(k) and _label(v) for k, v in digests.items()):
+        raise PlannerError(f"{where}: 'digests' must map each tensor's name to its sha256 (strings)")
+    return meta
+
+
+def _label(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_LABEL
+
+
+def _shown(v: Any) -> str:
+    """A value for a message, cut short when long."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} characters)"
 
 
 class CheckpointLoadError(RuntimeError):

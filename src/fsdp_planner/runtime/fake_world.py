@@ -138,16 +138,14 @@ def check_precision(precision: Precision) -> None:
 def mixed_precision(precision: Precision, model: torch.nn.Module) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built."""
     check_precision(precision)
-    dtypes = {2: torch.bfloat16, 4: torch.float32}
-    storage = dtypes[precision.param_bytes]
+    storage = precision.storage_dtype
     built = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if built - {storage}:
         raise PlannerError(f"precision '{precision.name}' stores params in {str(storage)[6:]} but the model builds "
                            f"them in {', '.join(sorted(str(d)[6:] for d in built))}: build the model in that dtype "
                            "or pick a precision that matches it")
-    compute, reduce = dtypes[precision.compute_bytes], dtypes[precision.reduce_bytes]
-    return MixedPrecisionPolicy(param_dtype=None if compute == storage else compute,
-                                reduce_dtype=None if reduce == compute else reduce)
+    param_dtype, reduce_dtype = precision.fsdp_dtypes()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,

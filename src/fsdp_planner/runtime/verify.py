@@ -37,7 +37,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
-from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, read_meta
+from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, read_meta
 from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.signals import signals_raise
@@ -242,19 +242,17 @@ def check_load_dir(directory: Path, fingerprint: str) -> dict[str, Any]:
         step, saved_from = int(meta["step"]), str(meta["fingerprint"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise PlannerError(f"--load-checkpoint '{directory}': its {META} cannot be read ({e})") from None
-    check_checkpoint_format(directory, meta)
+    check_checkpoint_format(directory)
     if fingerprint and saved_from != fingerprint:
         raise PlannerError(f"--load-checkpoint '{directory}' was saved from another model (parameter names, shapes "
                            "or dtypes differ)")
     return {**meta, "step": step}
 
 
-def check_checkpoint_format(directory: Path, meta: dict[str, Any]) -> None:
+def check_checkpoint_format(directory: Path) -> None:
     """Refuse a directory that is plainly not a checkpoint of this format before any rank unpickles its files
-    (DCP's metadata is a pickle): a guard against a wrong or incomplete directory, not against a crafted one."""
-    if meta.get("version") != VERSION:
-        raise PlannerError(f"--load-checkpoint '{directory}' is in checkpoint format {meta.get('version')!r}, not "
-                           f"{VERSION}, the one verify --save-checkpoint writes")
+    (DCP's metadata is a pickle): a guard against a wrong or incomplete directory, not against a crafted one.
+    (``read_meta`` has checked the format version.)"""
     missing = [name for name in (DCP_METADATA, REFERENCE) if not (directory / name).is_file()]
     if missing:
         raise PlannerError(f"--load-checkpoint '{directory}' is incomplete: {' and '.join(missing)} missing")

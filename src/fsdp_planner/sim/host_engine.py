@@ -115,7 +115,8 @@ def simulate_host(ctx: SimContext, plan: Plan, sched: Schedule, gather: list[int
     calls = set(state_hook_calls(ctx.trace, plan)) if ctx.cluster.overhead.module_seconds else set()
     n = len(ctx.trace.events)
     recomputed = 0.0
-    for idx in sorted({*hooks, *issued, *recompute, *calls, n}):
+    # forward_end: no run of ops spans the forward/backward boundary, so each run has one phase (pictures)
+    for idx in sorted({*hooks, *issued, *recompute, *calls, ctx.trace.index.forward_end, n}):
         rank.run_ops(idx)
         if idx in calls:
             rank.state_hooks()

@@ -48,7 +48,7 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
-from fsdp_planner.sim.recompute import Checkpointed, activation_deltas, checkpointed_calls
+from fsdp_planner.sim.recompute import Checkpointed, activation_deltas, checkpointed_calls, loss_region_deltas
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -129,6 +129,7 @@ class MemoryModel:
         )
         self.grad_bytes = precision.grad_bytes
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
+        self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
 
     def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
@@ -141,6 +142,15 @@ class MemoryModel:
         """The step's peak, its breakdown at that moment, and the bytes reserved (module docstring)."""
         n = len(self.trace.events) + 1
         return self._peak_of(self._deltas(plan, schedule), n, self.activations(plan_checkpointing(plan)))
+
+    def loss_at_peak(self, plan: Plan, schedule: Schedule) -> int:
+        """Of the activations at the step's peak, the loss region's bytes (``loss_region_deltas``: the logits and
+        the loss's tensors outside the model, which no sharding shrinks): what a no-fit message must name apart."""
+        at = int(self.levels(plan, schedule).argmax())
+        if self._loss is None:
+            scale = self.precision.compute_bytes / traced_itemsize(self.trace)
+            self._loss = np.cumsum(loss_region_deltas(self.trace, scale))
+        return round(float(self._loss[at]))
 
     def levels(self, plan: Plan, schedule: Schedule) -> np.ndarray:
         """Allocated bytes per rank at each event position (``i``: while event ``i`` runs; the last: after the final

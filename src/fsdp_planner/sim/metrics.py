@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.events import EventKind
@@ -51,8 +52,9 @@ def use_windows(trace: Trace) -> list[tuple[tuple[int, int] | None, tuple[int, i
     return out
 
 
-def idle_byte_ops(trace: Trace, plan: Plan, sched: Schedule) -> int:
-    """Sum over ops of unsharded param bytes that are idle while their group is in use (module docstring)."""
+def idle_byte_ops(trace: Trace, plan: Plan, sched: Schedule, itemsize: int | None = None) -> int:
+    """Sum over ops of unsharded param bytes that are idle while their group is in use (module docstring), at
+    ``itemsize`` bytes per element (None: each param's own)."""
     op_idx = [i for i, e in enumerate(trace.events) if e.kind is EventKind.OP]
 
     def ops_in(lo: int, hi: int) -> int:  # number of op events with lo <= index < hi
@@ -84,7 +86,8 @@ def idle_byte_ops(trace: Trace, plan: Plan, sched: Schedule) -> int:
                 i = index[fqn]
                 w = windows[i][phase]
                 used = ops_in(max(lo, w[0]), min(hi, w[1] + 1)) if w is not None else 0
-                total += (active - used) * trace.params[i].nbytes
+                param = trace.params[i]
+                total += (active - used) * (param.nbytes if itemsize is None else param.numel * itemsize)
     return total
 
 
@@ -103,15 +106,17 @@ def peak_unsharded(plan: Plan, sched: Schedule, sizing: Sizing) -> int:
     return round(peak)
 
 
-def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None) -> PlanMetrics:
-    """Counts and bytes per step at each param's own dtype, padded for ``world_size`` ranks (None: no world
-    known, nothing padded and ``reshard_after_forward`` ints kept as given)."""
+def plan_metrics(trace: Trace, plan: Plan, world_size: int | None = None,
+                 precision: Precision | None = None) -> PlanMetrics:
+    """Counts and bytes per step, padded for ``world_size`` ranks (None: no world known, nothing padded and
+    ``reshard_after_forward`` ints kept as given), at each param's own dtype, or at ``precision``'s when the plan
+    is simulated with it: then the unsharded bytes are those of the simulation's memory breakdown."""
     sched = build_schedule(trace, plan, world_size)
-    sizing = Sizing(trace, world_size or 1)
+    sizing = Sizing(trace, world_size or 1, precision)
     ag = [c for c in sched.collectives if c.kind is CollectiveKind.ALL_GATHER]
     rs = [c for c in sched.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
     gathered = [g.gather_bytes for g in sizing.groups(plan)]
-    idle = idle_byte_ops(trace, plan, sched)
+    idle = idle_byte_ops(trace, plan, sched, precision.gather_bytes if precision is not None else None)
     return PlanMetrics(
         groups=sum(1 for g in plan.groups if g.params),
         root_numel=sum(trace.param(p).numel for p in plan.root.params),

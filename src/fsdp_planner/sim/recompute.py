@@ -82,31 +82,59 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
     return sorted(out, key=lambda c: c.fwd_pre)
 
 
+def loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
+    """Change in the loss region's bytes at each event: outside the model (the loss, and its backward until
+    backward reaches a module's pre-backward) the trace's live bytes are counted, not the saved tensors, which
+    there are a fraction of what is alive (a language model's logits in two dtypes, the loss's gradient;
+    ``recorder.LossRegion``). Part of ``activation_deltas``, and on its own what a no-fit message blames."""
+    deltas = np.zeros(len(trace.events) + 1)
+    outside = 0.0  # the loss region's live bytes (scaled) last counted
+    for i, inside in enumerate(_in_loss_region(trace)):
+        e = trace.events[i]
+        if inside:
+            deltas[i] += e.live * scale - outside
+            outside = e.live * scale
+        elif e.kind is EventKind.BWD_PRE and outside:  # backward reached the model: the loss region is done
+            deltas[i] -= outside
+            outside = 0.0
+    return deltas
+
+
+def _in_loss_region(trace: Trace) -> list[bool]:
+    """Per event: an op of the loss region (a forward op outside every module call, or a backward op before
+    backward reached a module)."""
+    out = []
+    depth, reached = 0, False
+    for e in trace.events:
+        kind = e.kind
+        out.append(kind is EventKind.OP and ((e.backward and not reached) or (not e.backward and not depth)))
+        if kind is EventKind.FWD_PRE:
+            depth += 1
+        elif kind is EventKind.FWD_POST:
+            depth -= 1
+        elif kind is EventKind.BWD_PRE:
+            reached = True
+    return out
+
+
 def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
     """Change in activation bytes at each event (index ``len(events)``: after the final callback): saved in
     forward and freed when the saving module call's backward is done; under a checkpointed call, its inputs held
     instead and its activations re-created at its pre-backward (op-level: with the outputs of its kept ops, held
-    from each until then, ``cache_deltas``). Outside the model (the loss, and its backward
-    until a module's pre-backward) the trace's live bytes are used instead: saved tensors there are a fraction
-    of what is alive."""
-    n = len(trace.events)
-    deltas = np.zeros(n + 1)
+    from each until then, ``cache_deltas``); in the loss region, its live bytes (``loss_region_deltas``)."""
+    deltas = loss_region_deltas(trace, scale)
     start_at = {c.fwd_pre: c for c in calls}
     fwd_pre, fwd_post, bwd_post = EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
     stack: list[tuple[str, int]] = []
     saved_by: dict[tuple[str, int], float] = {}
     inside: CheckpointedCall | None = None  # the checkpointed call whose forward is running
     recreated: dict[int, float] = {}  # pre-backward position -> activations re-created there
-    outside = 0.0  # the loss region's live bytes (scaled) last counted
-    reached = False  # backward has reached a module
-    for i, e in enumerate(trace.events):
+    for i, (e, in_loss) in enumerate(zip(trace.events, _in_loss_region(trace), strict=True)):
         kind = e.kind
         if kind is EventKind.OP:
-            if (e.backward and not reached) or (not e.backward and not stack):
-                # the loss region: its own live count replaces the saved-tensor view (``recorder.LossRegion``)
-                deltas[i] += e.live * scale - outside
-                outside = e.live * scale
-            elif e.saved and not e.backward:
+            if in_loss:
+                continue  # counted by loss_region_deltas
+            if e.saved and not e.backward:
                 key = stack[-1]
                 nbytes = e.saved * scale
                 saved_by[key] = saved_by.get(key, 0.0) + nbytes
@@ -125,10 +153,6 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
             stack.pop()
             if inside is not None and i == inside.fwd_post:
                 inside = None
-        elif kind is EventKind.BWD_PRE and not reached:  # backward reached the model: the loss region is done
-            reached = True
-            deltas[i] -= outside
-            outside = 0.0
         elif kind is bwd_post and (e.module, e.call) in saved_by:
             deltas[i] -= saved_by.pop((e.module, e.call))
     for pos, nbytes in recreated.items():

@@ -174,7 +174,9 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
     host = _host_clock(ctx, plan, sched, groups, recompute)
     streams = Streams(ctx, plan, [g.gather_bytes for g in groups], timeline, host)
     n = len(ctx.trace.events)
-    for idx in sorted({*issued_at, *waits, *recompute, n}):
+    # forward_end: a run of ops never spans the step's forward/backward boundary, so each run has one phase
+    # (pictures colour it by that; the clocks are unchanged, a run's time being the sum of its parts)
+    for idx in sorted({*issued_at, *waits, *recompute, ctx.trace.index.forward_end, n}):
         streams.compute_until(idx)
         for c in issued_at.get(idx, ()):
             streams.issue(c)

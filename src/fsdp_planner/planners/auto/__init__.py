@@ -24,13 +24,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
+from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
 from fsdp_planner.planners.auto.candidates import ModuleTreeCuts, classic_baselines, classic_plans, frugal_and_dp
@@ -332,12 +334,59 @@ def candidate_meshes(cluster: Cluster, target: Target) -> list[Mesh]:
     return [flat] + [Mesh(world // s, s) for s in divisors(world) if s % node == 0 and s < world]
 
 
+class PeakTerm(Enum):
+    """What a no-fit message names in the smallest peak, each with the way out it calls for."""
+
+    LOSS = "logits and loss outside the model"
+    ACTIVATIONS = "activations"
+    SHARDED = "sharded state (params, grads, optimizer)"
+    UNSHARDED_PARAMS = "unsharded params"
+    UNSHARDED_GRADS = "unsharded grads"
+    COPIES = "low-precision weight copies"
+    ALLOCATOR = "all-gather stream's pool beyond the allocated peak"
+
+
+# the memory model's categories, summed into the terms a user can act on
+_CATEGORIES = {PeakTerm.SHARDED: ("params", "grads", "optimizer_state", "buffers"),
+               PeakTerm.UNSHARDED_PARAMS: ("unsharded_params", "all_gather_buffers"),
+               PeakTerm.UNSHARDED_GRADS: ("unsharded_grads", "reduce_scatter_buffers", "gradient_buckets"),
+               PeakTerm.COPIES: ("compute_copies",), PeakTerm.ACTIVATIONS: ("activations",)}
+_WAY_OUT = {
+    PeakTerm.LOSS: "they grow with batch x seq x vocab and no sharding shrinks them: use a smaller --batch or --seq "
+                   "(or a loss computed in chunks)",
+    PeakTerm.ACTIVATIONS: "they grow with batch x seq and FSDP does not shard them: use a smaller --batch or --seq",
+    PeakTerm.SHARDED: "it shrinks with the number of ranks sharding it: use more GPUs",
+}
+
+
+def peak_terms(ev: Evaluator, c: Candidate) -> dict[PeakTerm, int]:
+    """The candidate's reserved peak by term, largest first: the memory model's categories at the peak, the loss
+    region taken out of the activations, and what the all-gather stream's pool reserves beyond them."""
+    at = c.report.memory_at_peak
+    terms = {t: sum(at[k] for k in keys) for t, keys in _CATEGORIES.items()}
+    schedule = build_schedule(ev.trace, c.plan, ev.ctx.world, ev.ctx.sizing.group_params(c.plan))
+    loss = min(ev.ctx.memory.loss_at_peak(c.plan, schedule), terms[PeakTerm.ACTIVATIONS])
+    terms[PeakTerm.ACTIVATIONS] -= loss
+    terms[PeakTerm.LOSS] = loss
+    terms[PeakTerm.ALLOCATOR] = c.report.reserved_memory - c.report.peak_memory
+    return dict(sorted(((t, b) for t, b in terms.items() if b > 0), key=lambda tb: -tb[1]))
+
+
 def infeasible_message(result: AutoResult) -> str:
-    cluster = result.search.ev.cluster
+    """Why no plan fits, from the plan with the smallest peak: its largest terms by name, and the way out the
+    largest calls for."""
+    ev = result.search.ev
+    floor = result.min_peak  # (simulates the frugal plans skipped so far: they may hold the smallest peak)
+    smallest = min(ev.seen, key=lambda c: c.report.reserved_memory)
+    terms = peak_terms(ev, smallest)
+    largest = next(iter(terms))
+    shown = ", ".join(f"{t.value} {fmt_bytes(b)}" for t, b in list(terms.items())[:4])
+    ac = smallest.plan.activation_checkpointing
+    checkpointed = f"; {fmt_count(len(ac), 'module')} checkpointed" if ac else ""
     hint = ", or raise --memory-budget to at least that" if result.budget_source == "--memory-budget" else ""
-    return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {cluster.name}: the smallest "
-            f"peak any plan reaches is {fmt_bytes(result.min_peak)} (most of it fixed: sharded state and "
-            f"activations); use more GPUs or a smaller --batch or --seq{hint}")
+    return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {ev.cluster.name}: the "
+            f"smallest peak any plan reaches is {fmt_bytes(floor)} ({shown}{checkpointed}); the largest part is the "
+            f"{largest.value}: {_WAY_OUT.get(largest, 'use more GPUs or a smaller --batch or --seq')}{hint}")
 
 
-__all__ = ["AutoPolicy", "AutoResult", "Search", "Target", "infeasible_message"]
+__all__ = ["AutoPolicy", "AutoResult", "PeakTerm", "Search", "Target", "infeasible_message", "peak_terms"]

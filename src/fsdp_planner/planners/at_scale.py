@@ -1,0 +1,66 @@
+"""A plan made for a large cluster, run on a small job: what ``verify --plan-for CLUSTER`` proves.
+
+On a small model and a small job auto picks one group (a few microseconds of collectives never pay for the hooks
+of more), so verifying ``--policy auto`` there proves little about the per-block plans the same search makes at
+scale. ``--plan-for`` plans with the large cluster's figures and world size instead, optionally for the full-size
+model of the same family (``--plan-model``), and this module carries that grouping onto the job's model and ranks:
+
+- groups: each keeps the modules the job's model has (same names: the same model code at another size); a group
+  left with none (blocks beyond the small model's depth) is dropped, and the root takes what no group claims;
+- ``reshard_after_forward``: kept, but an int sub-group size that does not divide the job's ranks becomes True
+  (reshard in full: the intra-node sub-group has no counterpart on a few CPU ranks);
+- the HSDP layout: the job runs plain FSDP over its ranks (the replicas' all-reduce is not proven);
+- prefetch lists: kept for the job's own model's plan, left out for another model's (they name groups by position);
+- activation checkpointing: the modules the job's model has.
+What is proven is the grouping's mechanics (claims, collectives and their bytes, training parity), not its speed.
+"""
+
+from __future__ import annotations
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_count
+from fsdp_planner.fsdp2.claim import make_plan
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.trace.records import Trace
+
+
+def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> tuple[Plan, list[str]]:
+    """``plan`` (made for ``planned``'s model) as ``job``'s model runs it on ``nproc`` ranks, and notes saying
+    what did not carry over (module docstring). ``label``: the plan's new policy name."""
+    notes: list[str] = []
+    if plan.mesh is not None and plan.mesh.replicate > 1:
+        notes.append(f"the plan's HSDP layout {plan.mesh.describe()} runs as plain FSDP over {nproc} ranks "
+                     "(its all-reduce across replicas is not proven)")
+    reshard = [_reshard_on(g.reshard_after_forward, nproc, i, notes) for i, g in enumerate(plan.groups)]
+    if planned is job:  # the plan's own groups: only the layout and the sub-group sizes change
+        out = plan.copy(mesh=None, policy=label)
+        for g, r in zip(out.groups, reshard, strict=True):
+            g.reshard_after_forward = r
+        return out, notes
+    kept = [([m for m in g.modules if m in job.modules], r) for g, r in zip(plan.inner_groups, reshard[:-1],
+                                                                            strict=True)]
+    kept = [(ms, r) for ms, r in kept if ms]
+    if not kept:
+        groups = fmt_count(len(plan.inner_groups), "group")
+        raise PlannerError(f"no group of the plan made for the larger model ({groups}) names a module this model "
+                           "has: --plan-model must be the same model code at another size (e.g. llama3-8b for "
+                           "toy-llama)")
+    dropped = len(plan.inner_groups) - len(kept)
+    if dropped:
+        notes.append(f"{dropped} of the plan's {len(plan.inner_groups)} groups hold only modules this model does "
+                     "not have (deeper blocks) and are left out")
+    if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
+        notes.append("the plan's explicit prefetch lists are left out (they name groups by position)")
+    out = make_plan(job, [ms for ms, _ in kept], [r for _, r in kept], policy=label, model=plan.model)
+    out.root.reshard_after_forward = reshard[-1]
+    out.activation_checkpointing = [m for m in plan.activation_checkpointing if m in job.modules]
+    return out, notes
+
+
+def _reshard_on(raf: ReshardAfterForward, nproc: int, group: int, notes: list[str]) -> ReshardAfterForward:
+    """An int sub-group size the job's ranks cannot hold becomes True (reshard in full)."""
+    if isinstance(raf, bool) or (raf <= nproc and nproc % raf == 0):
+        return raf
+    notes.append(f"group {group}'s reshard_after_forward={raf} (a sub-group of the larger cluster) runs as true "
+                 f"on {nproc} ranks")
+    return True

@@ -1,0 +1,69 @@
+"""``verify --plan-for``: a plan made for a large cluster (and a full-size model) carried onto a small job."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import traced
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import check_plan_matches, make_plan
+from fsdp_planner.fsdp2.plan import Mesh, check_plan_world_size
+from fsdp_planner.planners.at_scale import onto_job
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return traced("toy-llama")
+
+
+def test_a_full_size_model_s_groups_carry_onto_the_toy_by_module_name(toy):
+    """Llama 3 8B's per-block plan on 8x8 HSDP, on toy-llama (the same code, 4 blocks) over 2 ranks: the blocks
+    the toy has keep their groups, the deeper ones are left out, the layout is flat and an intra-node
+    reshard_after_forward=8 reshards in full; the result is a valid plan for the toy, each step noted."""
+    big = traced("llama3-8b")
+    plan = make_plan(big, [["tok_embeddings"], *([f"layers.{i}"] for i in range(32)), ["norm", "output"]],
+                     reshard=[True] * 33 + [8])
+    plan.mesh = Mesh(8, 8)
+    out, notes = onto_job(plan, big, toy, 2, "mapped")
+    assert [g.modules for g in out.groups] == [["tok_embeddings"], *([f"layers.{i}"] for i in range(4)),
+                                               ["norm", "output"], [""]]
+    assert [g.reshard_after_forward for g in out.inner_groups] == [True] * 6  # 8 cannot divide 2 ranks
+    assert out.mesh is None and out.policy == "mapped" and not out.root.params
+    check_plan_matches(out, toy)
+    check_plan_world_size(out, 2)
+    assert any("28 of the plan's 34 groups" in n for n in notes)
+    assert any("HSDP layout 8x8 runs as plain FSDP over 2 ranks" in n for n in notes)
+    assert any("reshard_after_forward=8" in n for n in notes)
+
+
+def test_the_job_s_own_plan_keeps_its_groups_prefetch_and_sub_groups_that_fit(toy):
+    plan = make_plan(toy, [[f"layers.{i}"] for i in range(4)], reshard=[True, 2, 4, False])
+    plan.mesh = Mesh(2, 4)
+    plan.groups[0].forward_prefetch = [1]
+    out, notes = onto_job(plan, toy, toy, 2, "same")
+    assert [g.modules for g in out.groups] == [g.modules for g in plan.groups]
+    assert out.groups[0].forward_prefetch == [1] and out.mesh is None
+    assert [g.reshard_after_forward for g in out.inner_groups] == [True, 2, True, False]  # 4 > 2 ranks
+    assert plan.mesh == Mesh(2, 4) and plan.groups[2].reshard_after_forward == 4  # the given plan is untouched
+    assert len(notes) == 2
+
+
+def test_a_plan_of_another_model_code_is_one_clear_error(toy):
+    seed = traced("seed-net")
+    plan = make_plan(seed, [["conv1"], ["fc1"]])
+    with pytest.raises(PlannerError, match=r"^no group of the plan made for the larger model \(2 groups\) names"):
+        onto_job(plan, seed, toy, 2, "x")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "titan", "--plan-for", "h100:64"], "--policy auto plans for: add --policy auto"),
+    (["--policy", "auto", "--plan-model", "llama3-8b"], "--plan-model names the model auto plans for --plan-for"),
+    (["--policy", "auto", "--plan-for", "h100:64", "--fake-world-size", "8"], "give --cluster instead"),
+    (["--policy", "auto", "--plan-for", "h100:0"], "h100:0"),
+])
+def test_plan_for_misuse_is_one_line_before_any_work(args, message, capsys):
+    from fsdp_planner.cli import main
+
+    assert main(["verify", "toy-llama", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
