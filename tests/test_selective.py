@@ -191,6 +191,15 @@ def test_apply_recomputes_only_what_the_policy_drops():
     assert _backward_mm(["layers.0"], {"layers.2": SacPolicy.TITAN}) - base > op
 
 
+def test_ac_op_on_a_model_without_blocks_names_the_plan_key():
+    with pytest.raises(PlannerError, match=r"no repeated module class.*\"selective_checkpointing\" instead"):
+        _titan_on("seed-net", ACMode.OP)
+
+
+def _titan_on(model: str, ac: ACMode) -> Plan:
+    return make_policy(PolicyRequest.named("titan", checkpointing=ac)).plan(traced(model), model)
+
+
 def test_cli_ac_op_and_its_policy(capsys):
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early",
                  "--cluster", "h100:8"]) == 0

@@ -61,9 +61,10 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
     cls = trace.index.container_block_class
     blocks = [f for f, m in trace.modules.items() if cls and m.cls == cls]
     if not blocks:
+        key = "selective_checkpointing" if mode is ACMode.OP else "activation_checkpointing"
         raise PlannerError(f"--ac {mode.value} checkpoints the model's repeated blocks, and this model has none "
                            "(no repeated module class in a ModuleList or Sequential); list the modules to "
-                           "checkpoint in a plan file's \"activation_checkpointing\" instead")
+                           f"checkpoint in a plan file's \"{key}\" instead")
     if mode in (ACMode.FULL, ACMode.OP):
         return blocks
     return [b for k, b in enumerate(blocks, start=1) if k % SELECTIVE_EVERY == 0]
