@@ -71,7 +71,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = device_mesh(plan, device_type, dist.get_world_size())
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
-    apply_checkpointing(model, plan.activation_checkpointing)  # before fully_shard, as torchtitan does
+    # before fully_shard, as torchtitan does
+    apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
                               "offload_policy": offload_policy or OffloadPolicy()}
     parents = module_parents(model)

@@ -17,9 +17,11 @@ from fsdp_planner.choices import (
     DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
+    DEFAULT_SAC_POLICY,
     POLICY_NAMES,
     ACMode,
     PolicyName,
+    SacPolicy,
     Target,
     ZeroGrad,
 )
@@ -72,6 +74,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--search-effort": ("search_effort", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
     "--ac": ("ac", tuple(PolicyName)),
+    "--ac-policy": ("ac_policy", tuple(PolicyName)),
     "--mesh": ("mesh", tuple(PolicyName)),
 }
 
@@ -80,6 +83,8 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
     """The request for one policy, with only the settings that policy reads (the others are checked for syntax
     here and noted as ignored by ``policy_notes``, never rejected by a policy that does not use them)."""
     policy = PolicyName(name)
+    if getattr(args, "ac_policy", None) and getattr(args, "ac", None) != ACMode.OP.value:
+        raise PlannerError("--ac-policy chooses what op-level checkpointing saves: give it with --ac op")
     classes = module_classes(args.module_classes)
     numel = parse_count(args.min_nonwrapped_numel, "--min-nonwrapped-numel") \
         if args.min_nonwrapped_numel is not None else None
@@ -97,6 +102,7 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
         search_effort=args.search_effort if policy is PolicyName.AUTO else None,
         target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
         checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None,
+        sac_policy=SacPolicy(args.ac_policy) if getattr(args, "ac_policy", None) else DEFAULT_SAC_POLICY,
         mesh=Mesh.parse(args.mesh) if getattr(args, "mesh", None) else None)
 
 

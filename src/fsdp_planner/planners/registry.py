@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from fsdp_planner.choices import POLICY_NAMES, PolicyName
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, POLICY_NAMES, PolicyName, SacPolicy
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpointed_blocks
+from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpoint_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.hardware.cluster import Cluster
@@ -46,6 +46,7 @@ class PolicyRequest:
     search_effort: int | None = None  # auto: plans its refinement may simulate; default ``default_search_effort``
     target: Target = Target.FSDP2  # auto
     checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # all, with checkpointing op: what op-level checkpointing saves
     mesh: Mesh | None = None  # all: the data-parallel layout (HSDP); None: pure FSDP (auto: chosen)
 
     def __post_init__(self) -> None:
@@ -74,6 +75,7 @@ class Checkpointed:
 
     policy: Baseline
     mode: ACMode
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # with mode op
 
     @property
     def name(self) -> str:
@@ -84,8 +86,7 @@ class Checkpointed:
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         plan = self.policy.build(trace, model)
-        plan.activation_checkpointing = checkpointed_blocks(trace, self.mode)
-        plan.policy = f"{plan.policy} + ac {self.mode.value}" if self.mode is not ACMode.NONE else plan.policy
+        checkpoint_blocks(plan, trace, self.mode, self.sac_policy)
         check_checkpointing(plan, trace)
         return plan
 
@@ -120,7 +121,8 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
     if cluster is None:
         raise PlannerError("the auto policy plans for a cluster: give one")
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
-                      search_effort=request.search_effort, checkpointing=request.checkpointing, mesh=request.mesh)
+                      search_effort=request.search_effort, checkpointing=request.checkpointing,
+                      sac_policy=request.sac_policy, mesh=request.mesh)
 
 
 def make_baseline(request: PolicyRequest) -> Baseline:
@@ -129,7 +131,8 @@ def make_baseline(request: PolicyRequest) -> Baseline:
     if request.mesh is not None:
         return OnMesh(make_baseline(replace(request, mesh=None)), request.mesh)
     if request.checkpointing is not None:
-        return Checkpointed(make_baseline(replace(request, checkpointing=None)), request.checkpointing)
+        return Checkpointed(make_baseline(replace(request, checkpointing=None)), request.checkpointing,
+                            request.sac_policy)
     name = request.name
     if name is PolicyName.MODULE:
         return ModuleWrapPolicy(request.module_classes)

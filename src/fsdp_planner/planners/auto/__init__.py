@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from fsdp_planner.batch import paused_gc
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
@@ -142,6 +143,8 @@ class AutoPolicy:
     options: SimOptions = field(default_factory=SimOptions)
     search_effort: int | None = None  # plans the local refinement may simulate; None: ``default_search_effort``
     checkpointing: ACMode | None = None  # activation checkpointing fixed for every plan; None: auto chooses
+    # (in full, among none, the fewest leading blocks and all; op-level selective only when fixed, ``--ac op``)
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # with checkpointing op: what op-level checkpointing saves
     mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
     name: str = "auto"
 
@@ -204,13 +207,16 @@ class AutoPolicy:
         """An evaluator on ``mesh`` (``shared``: a search of the same model whose layout-free costs are reused),
         checkpointing what ``checkpointing`` fixes."""
         fixed = checkpointed_blocks(trace, self.checkpointing) if self.checkpointing is not None else []
+        op = self.checkpointing is ACMode.OP
         return Evaluator(trace, self.cluster, self.options, self.target, model, budget, mesh,
-                         shared.ev.ctx if shared else None, checkpointed=fixed)
+                         shared.ev.ctx if shared else None, checkpointed=[] if op else fixed,
+                         selective=dict.fromkeys(fixed, self.sac_policy) if op else None)
 
     def _labelled(self, plan: Plan, ev: Evaluator) -> Plan:
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
+        op = f", ac op {self.sac_policy.value}" if self.checkpointing is ACMode.OP else ""
         return plan.copy(policy=(f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
-                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp})"), model=ev.model)
+                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{op})"), model=ev.model)
 
     def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
                        ) -> tuple[dict[Mesh, Evaluator], dict[str, Candidate]]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fsdp_planner.choices import Target
+from fsdp_planner.choices import SacPolicy, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
@@ -43,12 +43,13 @@ class Candidate:
 
 class Evaluator:
     """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen against ``budget``
-    (bytes per rank). ``checkpointed``: the modules every plan it builds checkpoints, each unless a group lies
-    inside it; ``checkpointing`` gives the same evaluator under another setting, sharing what was simulated."""
+    (bytes per rank). ``checkpointed``: the modules every plan it builds checkpoints in full, each unless a group
+    lies inside it (``selective``: op-level, with their policies); ``checkpointing`` gives the same evaluator
+    under another setting of the full ones, sharing what was simulated."""
 
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str, budget: int,
                  mesh: Mesh | None = None, like: SimContext | None = None,
-                 checkpointed: Sequence[str] = ()) -> None:
+                 checkpointed: Sequence[str] = (), selective: Mapping[str, SacPolicy] | None = None) -> None:
         """``like``: the context of a search of the same model on another layout, whose layout-free parts are
         shared (``SimContext.on_mesh``)."""
         self.trace, self.cluster, self.target, self.model = trace, cluster, target, model
@@ -57,6 +58,7 @@ class Evaluator:
         self.mesh = self.ctx.mesh if self.ctx.mesh.replicate > 1 else None  # what the plans carry
         self.budget = budget
         self.checkpointed = list(checkpointed)
+        self.selective = dict(selective or {})
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
         self.compressed: dict[tuple[str, ...], list[str]] = {}  # a segment's modules -> its group's (``build``)
@@ -91,11 +93,14 @@ class Evaluator:
     def with_checkpointing(self, plan: Plan) -> Plan:
         """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside (FSDP2's hooks on
         an inner group would run again in the recomputation, which the model does not replay)."""
-        if not self.checkpointed and not plan.activation_checkpointing:
+        if not (self.checkpointed or self.selective or plan.activation_checkpointing or plan.selective_checkpointing):
             return plan
         blocked = {a for g in plan.groups for m in g.modules for a in proper_ancestors(m)}
         ac = [m for m in self.checkpointed if m not in blocked]
-        return plan if ac == plan.activation_checkpointing else plan.copy(activation_checkpointing=ac)
+        sac = {m: p for m, p in self.selective.items() if m not in blocked}
+        if ac == plan.activation_checkpointing and sac == plan.selective_checkpointing:
+            return plan
+        return plan.copy(activation_checkpointing=ac, selective_checkpointing=sac)
 
     def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
         """Whether a plan of these groups could be chosen, or start a refinement. FSDP2 all-gathers a group at
