@@ -91,7 +91,8 @@ def main() -> None:
                     print(f"round {round_ + 1}: verify {model} {label} ...", flush=True)
                     runs.setdefault((model, label), []).append(cli(
                         "verify", f"{MODELS}:{model}", *policy, "--nproc", str(NPROC), "--steps", str(STEPS),
-                        "--time-steps", str(TIMED_STEPS), "--cluster", str(cluster_path), "--measure"))
+                        "--time-steps", str(TIMED_STEPS), "--cluster", str(cluster_path), "--measure",
+                        "--precision", "fp32"))  # fp32 jobs: --measure times the ops in the model's own dtypes
     results: dict[str, list[dict]] = {}
     for model, plans in CASES.items():
         results[model] = []
@@ -121,9 +122,9 @@ def write(calibration: dict, results: dict[str, list[dict]], elapsed: float) -> 
         f"Measured by `python benchmarks/fidelity_time.py` on {platform.machine()} ({os.cpu_count()} cores), Python "
         f"{platform.python_version()}, torch {torch.__version__}, in {elapsed:.0f} s. Each row is what `fsdp-planner "
         f"verify benchmarks/fidelity_models.py:MODEL POLICY --nproc {NPROC} --steps {STEPS} --time-steps "
-        f"{TIMED_STEPS} --cluster gloo.json --measure` printed: the simulator's step on the cluster that "
-        f"`fsdp-planner calibrate --backend gloo --nproc {NPROC} --out gloo.json` measured at the start of this run, "
-        f"beside the median of {TIMED_STEPS} steps (forward, loss, backward) of the real {NPROC}-rank FSDP2 job, "
+        f"{TIMED_STEPS} --cluster gloo.json --measure --precision fp32` printed: the simulator's step on the cluster "
+        f"that `fsdp-planner calibrate --backend gloo --nproc {NPROC} --out gloo.json` measured at the start of this "
+        f"run, beside the median of {TIMED_STEPS} steps (forward, loss, backward) of the real {NPROC}-rank FSDP2 job, "
         f"timed back to back after its checked steps. Each plan's job ran {ROUNDS} times, the plans taken in turn; "
         "the table gives the median of the runs' medians (each run's median beside it: the noise between runs).",
         "",

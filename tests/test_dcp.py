@@ -21,7 +21,9 @@ LR, SEED = 0.05, 0
 
 
 def _verify(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", *args, "--json"],
+    # fp32, as the uninterrupted run these jobs are compared with (reference_step without FSDP2's casts)
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", *args, "--precision", "fp32",
+                          "--json"],
                          capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)

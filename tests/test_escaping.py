@@ -243,14 +243,14 @@ def test_commands_print_names_from_files_as_text(files, capsys):
             ("calibrate", str(FIXTURES / "nccl" / "all_gather_perf_8xh100.log"), "--base", cluster, "--out",
              f"{dest}.cluster.json"),
             ("verify", model, "--plan", plan, "--fake-world-size", "2", "--precision", "fp32"),
-            ("plan", f"{MODEL_FILE}:no_bf16", "--policy", "order"),  # the model's own error, quoted in a note
+            ("plan", f"{MODEL_FILE}:no_bf16", "--policy", "order"),  # the model's own error, quoted in the verdict
             ("models",)]
     shown = ""
     for args in runs:
         _, out, err = _clean(capsys, *args)
         shown += out + err
     assert "\\x1b]0;pwned\\x07" in shown and "net[/bold]\\x1b[2J" in shown  # the names printed, as written
-    assert "failed (ValueError: [/bold] no bf16 here \\x1b[2J)" in shown
+    assert "the model's forward raised ValueError: [/bold] no bf16 here \\x1b[2J; cast in forward" in shown
     assert f"plan written to {dest}.json" in shown and f"cluster written to {dest}.cluster.json" in shown
 
 

@@ -163,3 +163,22 @@ def test_export_rewrites_its_own_file_but_never_the_users(tmp_path, capsys) -> N
     assert main(["export", str(plan), "--out", str(mine)]) == 2
     assert mine.read_text() == "print('my training script')\n"
     assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_export_sets_the_precision_the_plan_was_made_in(tmp_path, capsys) -> None:
+    """`plan --out` records its --precision and export sets it; --precision on export wins, with a note."""
+    from fsdp_planner.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--precision", "fp32", "--out", str(plan), "--quiet"]) == 0
+    assert Plan.load(plan).precision == "fp32"
+    capsys.readouterr()
+    assert main(["export", str(plan)]) == 0
+    assert "PRECISION: str = 'fp32'" in capsys.readouterr().out
+    assert main(["export", str(plan), "--precision", "bf16-mixed"]) == 0
+    out, err = capsys.readouterr()
+    assert "PRECISION: str = 'bf16-mixed'" in out and "the plan was simulated in fp32" in err
+    hand = tmp_path / "hand.json"
+    hand.write_text('{"version": 1, "groups": [["layers.0"]]}')
+    assert main(["export", str(hand)]) == 0
+    assert f"PRECISION: str = {DEFAULT_PRECISION!r}" in capsys.readouterr().out

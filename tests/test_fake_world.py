@@ -37,6 +37,20 @@ def test_prediction_matches_real_fsdp2_at_fake_world_size(precision: str, world:
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
 
 
+def test_int_reshard_after_forward_runs_on_fake_ranks() -> None:
+    """An int ``reshard_after_forward`` (reshard to groups of 2 ranks after forward) makes FSDP2 build a sub-mesh
+    from a tensor's values, which a fake tensor cannot give: it used to end in DataDependentOutputException."""
+    options = SimOptions.named("bf16-mixed")
+    tr = _traced("toy-llama", options)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    for g in plan.inner_groups:
+        g.reshard_after_forward = 2
+    predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
+    measured = run_fake_world("toy-llama", plan, 8, options.precision)
+    assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
+
+
 def test_grads_kept_by_zero_grad_set_to_none_false() -> None:
     """``zero_grad(set_to_none=False)`` keeps the sharded grads all step: the prediction follows real FSDP2, and
     the peak grows by at most the sharded grads."""
@@ -82,8 +96,8 @@ def test_live_bytes_equals_torch_mem_tracker() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.fsdp2.precision import mixed_precision
     from fsdp_planner.models import resolve_factory
-    from fsdp_planner.runtime.fake_world import mixed_precision
 
     tr = _traced("toy-llama", SimOptions())
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)

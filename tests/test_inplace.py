@@ -128,11 +128,13 @@ def test_the_tracers_hooks_keep_the_models_grads(fn):
 @pytest.mark.integration
 def test_plan_and_verify_a_resnet_with_inplace_relu_from_the_cli():
     spec = f"{MODELS}:build"
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", spec], capture_output=True, text=True,
-                         timeout=120)
+    # in fp32: under bf16-mixed FSDP2 casts BatchNorm's weight, not its running stats, and the step fails
+    # (test_precision.py)
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", spec, "--precision", "fp32"],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "order", "--nproc", "2"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "order", "--nproc", "2",
+                          "--precision", "fp32"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
 

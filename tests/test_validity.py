@@ -13,7 +13,14 @@ from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import check_plan_runs, sharded_reads
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import BUILTINS, load_model
-from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, PolicyRequest, make_policy
+from fsdp_planner.planners import (
+    CLASSIC_POLICIES,
+    AutoPolicy,
+    PolicyRequest,
+    TorchtitanPolicy,
+    make_baseline,
+    make_policy,
+)
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace import trace
 
@@ -42,9 +49,12 @@ def test_a_parent_calling_a_grandchild_directly_is_found() -> None:
 
 def test_a_param_reused_after_its_group_resharded_is_found_and_auto_avoids_it() -> None:
     tr = traced(f"{FIXTURES}:reuse")
-    titan = make_policy(PolicyRequest.named("titan")).plan(tr)
+    titan = TorchtitanPolicy().build(tr)  # the grouping torchtitan makes
     bad = reads(tr, titan)
     assert bad and bad[0].param == "blocks.0.weight" and bad[0].module == "" and not bad[0].backward
+    with pytest.raises(PlannerError, match=r"this plan cannot run: an op of '\(root\)' in forward .* reads param "
+                                           r"'blocks\.0\.weight'"):
+        make_policy(PolicyRequest.named("titan")).plan(tr)  # the policy refuses it
     result = AutoPolicy(parse_cluster("h100:8")).search(tr)
     assert not reads(tr, result.plan)
     assert any(not c.runs for c in result.search.ev.seen)  # it saw plans that would fail, and ranked none
@@ -65,3 +75,17 @@ def test_cli_refuses_an_explicit_policy_whose_plan_cannot_run_and_leaves_it_out_
     r = subprocess.run(run, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "the titan policy is left out of the comparison: this plan cannot run" in r.stdout + r.stderr
+
+
+def test_a_policy_refuses_a_grouping_that_cannot_run_and_check_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """``plan()`` refuses the grouping, naming the op; ``build()`` gives it, and ``check`` reports the sharded read
+    as an error finding (exit 1) instead of passing the model alone."""
+    from fsdp_planner.cli import main
+
+    tr = traced(f"{FIXTURES}:direct_call")
+    request = PolicyRequest.named("module", module_classes=("Layer",))
+    with pytest.raises(PlannerError, match=r"this plan cannot run: an op of 'layer\.proc' in forward"):
+        make_policy(request).plan(tr)
+    assert [g.modules for g in make_baseline(request).build(tr).groups] == [["layer"], [""]]
+    assert main(["check", f"{FIXTURES}:direct_call", "--policy", "module", "--module-classes", "Layer"]) == 1
+    assert "sharded-read" in capsys.readouterr().out

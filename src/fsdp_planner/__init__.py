@@ -26,7 +26,8 @@ if TYPE_CHECKING:
         TorchtitanPolicy,
     )
     from fsdp_planner.sim import PlanMetrics, SimOptions, StepReport, plan_metrics, simulate
-    from fsdp_planner.trace import Trace, trace
+    from fsdp_planner.sim.tracing import PrecisionError, trace
+    from fsdp_planner.trace import Trace
 
 # Each public name and the module it comes from, imported on first use: importing any part of the package (the
 # command line's parser above all) must not import torch and every subpackage before it is needed.
@@ -37,7 +38,9 @@ _SOURCES = {
     **dict.fromkeys(("AutoPolicy", "ExecutionOrderPolicy", "ModuleWrapPolicy", "SizeBasedPolicy", "TorchtitanPolicy"),
                     "fsdp_planner.planners"),
     **dict.fromkeys(("PlanMetrics", "SimOptions", "StepReport", "plan_metrics", "simulate"), "fsdp_planner.sim"),
-    "Trace": "fsdp_planner.trace", "trace": "fsdp_planner.trace",
+    # ``trace`` at a precision (default the command line's): the API and every command trace alike
+    "PrecisionError": "fsdp_planner.sim.tracing", "trace": "fsdp_planner.sim.tracing",
+    "Trace": "fsdp_planner.trace",
 }
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "Plan",
     "PlanMetrics",
     "PlannerError",
+    "PrecisionError",
     "SimOptions",
     "SizeBasedPolicy",
     "StepReport",
@@ -77,7 +81,7 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """This package's module: importing the ``fsdp_planner.trace`` subpackage sets the package's ``trace`` to that
-    module, but the public name ``trace`` is the function (as the eager import of the old ``__init__`` left it)."""
+    module, but the public name ``trace`` is the function (``sim.tracing.trace``)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "trace" and isinstance(value, types.ModuleType):

@@ -30,9 +30,24 @@ class Target(Enum):
 
 
 class ACMode(Enum):
+    """``--ac``: which blocks are checkpointed, and how (``fsdp2/checkpointing.py``)."""
+
     NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"  # every second block (torchtitan's selective_ac_option = "2")
+    FULL = "full"  # every block in full
+    OP = "op"  # every block with op-level selective checkpointing (torchtitan's selective_ac_option = "op")
+    SELECTIVE = "selective"  # every second block in full: torchtitan's layer-level option "2", which it removed;
+    # kept under its old name so that commands and plans that say it mean what they meant
+
+
+class SacPolicy(Enum):
+    """Which ops' outputs an op-level selective checkpoint keeps (``fsdp2/selective.py`` lists them)."""
+
+    TITAN = "titan"  # torchtitan's llama3 save list of 2025
+    TITAN_EARLY = "titan-early"  # its first save list (2024)
+
+
+SAC_POLICY_NAMES = tuple(p.value for p in SacPolicy)
+DEFAULT_SAC_POLICY = SacPolicy.TITAN
 
 
 class ZeroGrad(Enum):
@@ -78,8 +93,8 @@ DEFAULT_OPTIMIZER = "adamw"
 # max(FLOPs / (peak x MFU), bytes / HBM bandwidth)), the most influential figure of the compute model. 0.5 is the
 # middle of the 40-60% that transformer matmuls reach in published runs (torchtitan docs/performance.md: Llama 3 70B
 # on 64 A100s with full AC, 51.7% MFU; shared/reference/facts.md). Checked against torchtitan's Llama 3 8B table
-# (8 H100s, batch 2, seq 8192, measured 5,762 tokens/s/GPU): `simulate llama3-8b --policy titan --ac selective
-# --batch 2 --seq 8192 --cluster h100:8` predicts 5,801 (+0.7%), but with every-second-block checkpointing where
-# the run used op-level selective checkpointing (issue 27), so the agreement is partly luck. One constant for every
-# op shape is a simplification: measured op times (`--measure`, calibrate) replace it.
+# (8 H100s, batch 2, seq 8192, measured 5,762 tokens/s/GPU, with op-level selective checkpointing): `simulate
+# llama3-8b --policy titan --ac op --batch 2 --seq 8192 --cluster h100:8` predicts 5,941 (+3.1%; every second
+# block in full, `--ac selective`, would give 5,801). One constant for every op shape is a simplification:
+# measured op times (`--measure`, calibrate) replace it.
 DEFAULT_MFU = 0.5

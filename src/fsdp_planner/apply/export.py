@@ -1,6 +1,7 @@
 """A plan as code a training script can use without fsdp-planner: ``fsdp-planner export PLAN --format F``.
 
-``python``: a module with ``apply(model, mesh)`` that checkpoints, calls ``fully_shard`` per group (children
+``python``: a module with ``apply(model, mesh)`` that checkpoints (op-level selective checkpointing with its own
+copy of the policy, only in plans that have it), calls ``fully_shard`` per group (children
 first, lists as lists, each group's ``reshard_after_forward``, the mixed precision the plan was simulated with), the
 root last, then registers the plan's forward methods and sets the prefetch lists.
 The other formats wrap that function the way each framework takes a model-sharding hook: Accelerate (its FSDP2
@@ -23,7 +24,9 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.fsdp2.selective import POLICIES
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
+from fsdp_planner.trace.ops import op_names
 
 APPLY_BODY = '''
 
@@ -145,6 +148,66 @@ def _dtype(dtype: torch.dtype | None) -> str:
     return "None" if dtype is None else str(dtype)
 
 
+CHECKPOINT_LINE = "        checkpoint(modules[name])\n"
+SELECTIVE_LOOP = """    for name, policy in SELECTIVE.items():  # op-level selective activation checkpointing
+        _checkpoint_selective(modules[name], policy)
+"""
+
+SELECTIVE_TAIL = '''
+
+def _checkpoint_selective(module: nn.Module, policy: str) -> None:
+    """Op-level selective activation checkpointing (torchtitan's "op" option): ``module``'s forward runs under
+    non-reentrant checkpoint; the outputs of the ops ``policy`` saves are kept for backward, every other op (and
+    every second op of EVERY_SECOND within one call) runs again. Not the composable ``checkpoint(context_fn=...)``:
+    its recomputation reruns FSDP2's pre-forward inside SAC's replay, which SAC refuses."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint as run_checkpointed
+
+    save, every_second = _ops(SAVED_OPS[policy]), _ops(EVERY_SECOND[policy])
+
+    def context_fn() -> Any:
+        counts = {False: 0, True: 0}  # per call, forward and recomputation apart
+
+        def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if func in every_second:
+                counts[ctx.is_recompute] += 1
+                if counts[ctx.is_recompute] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE if func in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy_fn)
+
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return run_checkpointed(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    module.forward = checkpointed
+
+
+def _ops(names: list[str]) -> set[Any]:
+    """The ops of this torch among ``names`` ("namespace.op.overload"; one this torch lacks never runs)."""
+    found = set()
+    for name in names:
+        namespace, op, overload = name.split(".")
+        packet = getattr(getattr(torch.ops, namespace), op, None)
+        if packet is not None:
+            found.add(getattr(packet, overload))
+    return found
+'''
+
+
+def selective_constants(plan: Plan) -> str:
+    """The plan's op-level checkpointing as Python literals: modules, and each policy's ops by name."""
+    used = dict.fromkeys(plan.selective_checkpointing.values())
+    saved = {p.value: op_names(POLICIES[p].saves) for p in used}
+    every_second = {p.value: op_names(POLICIES[p].every_second) for p in used}
+    modules = {m: p.value for m, p in plan.selective_checkpointing.items()}
+    return "\n".join([f"SELECTIVE: dict[str, str] = {py_literal(modules)}",
+                      f"SAVED_OPS: dict[str, list[str]] = {py_literal(saved)}",
+                      f"EVERY_SECOND: dict[str, list[str]] = {py_literal(every_second)}"])
+
+
 def plan_constants(plan: Plan, precision: Precision) -> str:
     """The plan, and the precision its numbers assumed, as Python literals."""
     fwd = {i: g.forward_prefetch for i, g in enumerate(plan.inner_groups) if g.forward_prefetch}
@@ -233,4 +296,8 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
     # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
     precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
-    return header + plan_constants(plan, precision) + "\n" + APPLY_BODY + TAILS[fmt]
+    if not plan.selective_checkpointing:  # plans without it export as before
+        return header + plan_constants(plan, precision) + "\n" + APPLY_BODY + TAILS[fmt]
+    body = APPLY_BODY.replace(CHECKPOINT_LINE, CHECKPOINT_LINE + SELECTIVE_LOOP)
+    return (header + plan_constants(plan, precision) + "\n" + selective_constants(plan) + "\n" + body
+            + SELECTIVE_TAIL + TAILS[fmt])

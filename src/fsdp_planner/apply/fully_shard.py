@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
-from fsdp_planner.fsdp2.claim import application_order
+from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.trace.walk import model_fingerprint
@@ -110,11 +110,13 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         mesh = device_mesh(plan, device_type, dist.get_world_size())
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, before any wrapping
-    apply_checkpointing(model, plan.activation_checkpointing)  # before fully_shard, as torchtitan does
+    # before fully_shard, as torchtitan does
+    apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload,
                               "shard_placement_fn": placement}
-    for gi in application_order(plan, module_parents(model)):
+    parents = module_parents(model)
+    for gi in application_order(plan, parents):
         g = plan.groups[gi]
         targets = [modules[m] for m in g.modules]
         if g.is_root:
@@ -125,10 +127,11 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     fully_shard(model, reshard_after_forward=reshard_arg(plan.root.reshard_after_forward, world), **kwargs)
     for fqn, name in plan.forward_methods:  # after fully_shard: it wraps with the module's FSDP state's hooks
         register_fsdp_forward_method(modules[fqn], name)
-    for g in plan.groups:
-        first = modules[g.modules[0]]
+    # a group's FSDP module: its first module that fully_shard hooked (a listed module below another gets no state)
+    state = [modules[hooked_modules(g.modules, parents)[0]] for g in plan.groups]
+    for g, first in zip(plan.groups, state, strict=True):
         if g.forward_prefetch:
-            first.set_modules_to_forward_prefetch([modules[plan.groups[j].modules[0]] for j in g.forward_prefetch])
+            first.set_modules_to_forward_prefetch([state[j] for j in g.forward_prefetch])
         if g.backward_prefetch:
-            first.set_modules_to_backward_prefetch([modules[plan.groups[j].modules[0]] for j in g.backward_prefetch])
+            first.set_modules_to_backward_prefetch([state[j] for j in g.backward_prefetch])
     return model

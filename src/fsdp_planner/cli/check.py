@@ -1,6 +1,6 @@
 """``fsdp-planner check MODEL [--plan FILE | --policy NAME]``: FSDP pitfalls in a model and a plan, each with its
-severity and fix. Exit 1 when a finding is an error (the run would fail or be wrong), 0 otherwise, 2 for bad
-input."""
+severity and fix. Exit 1 when a finding is an error (the run would fail or be wrong: a step failing in the
+precision's compute dtype among them, ``sim/tracing.py``), 0 otherwise, 2 for bad input."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from fsdp_planner.cli.requests import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import with_claimed_params
-from fsdp_planner.fsdp2.pitfalls import Finding, has_errors, model_findings, plan_findings
+from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.planners import PolicyName, make_policy
+from fsdp_planner.planners import PolicyName, make_baseline
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.tracing import PrecisionError
 from fsdp_planner.trace.records import Trace
 
 DEFAULT_POLICY = PolicyName.MODULE  # what hand-written FSDP code does most: each block, the root takes the rest
@@ -33,8 +34,7 @@ def run(args: argparse.Namespace) -> int:
         raise PlannerError("give at most one of --plan FILE or --policy NAME")
     args.mfu = args.mfu if args.mfu is not None else 0.5
     options, cluster = sim_options(args), cluster_or_none(args)
-    tr = load_trace(model_spec(args), render.notes, precision=options.precision)
-    findings = model_findings(tr, options.precision)
+    tr, findings = _model(args, options)
     fsdp1 = args.target == Target.FSDP1.value
     world = cluster.world_size if cluster is not None else None
     plan, label = _plan(args, tr, cluster, options)
@@ -45,6 +45,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         _show(args.model, label if plan is not None else None, findings)
     return 1 if has_errors(findings) else 0
+
+
+def _model(args: argparse.Namespace, options: SimOptions) -> tuple[Trace, list[Finding]]:
+    """The model's trace and its findings; a step that fails in the precision's compute dtype is an error finding
+    (the real run crashes), the rest checked on the step in the model's own dtypes."""
+    try:
+        tr = load_trace(model_spec(args), render.notes, precision=options.precision)
+        return tr, model_findings(tr, options.precision)
+    except PrecisionError as e:
+        failed = Finding(Severity.ERROR, Code.PRECISION, e.problem, e.fix, e.module)
+        return e.own_dtypes, [failed, *model_findings(e.own_dtypes, options.precision)]
 
 
 def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options: SimOptions
@@ -61,7 +72,8 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
             if cluster is None:
                 raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
             return run_auto(tr, request, cluster, options, args.model).plan, label
-        return make_policy(request).plan(tr, args.model), label
+        # the grouping unchecked: a param it would read sharded is one of the findings check reports
+        return make_baseline(request).build(tr, args.model), label
     except PlannerError as e:
         if "--cluster" in str(e):
             raise

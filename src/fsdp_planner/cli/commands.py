@@ -101,9 +101,9 @@ def verify(sub: Subparsers) -> None:
     sp.add_argument("--fake-world-size", type=int, metavar="W",
                     help="run real FSDP2 on W fake ranks in this process (fake process group and fake tensors, any "
                          "model, no torchrun) and compare collectives, bytes and peak memory with the prediction")
-    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
-                    help=f"--fake-world-size: the mixed precision to run (default {DEFAULT_PRECISION}; torchrun "
-                         "jobs train in fp32)")
+    sp.add_argument("--precision", default=None, choices=list(PRECISION_NAMES),
+                    help=f"the mixed precision FSDP2 trains in (its MixedPrecisionPolicy; default {DEFAULT_PRECISION}, "
+                         "as plan assumes; the model is traced in it too); --fsdp1 trains in fp32")
     sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
                     help="--fake-world-size: how the loop clears grads (none = set_to_none=True, the default; "
                          "zeros = set_to_none=False)")
@@ -141,9 +141,9 @@ def export(sub: Subparsers) -> None:
     sp.add_argument("--format", default=ExportFormat.PYTHON.value, choices=[f.value for f in ExportFormat],
                     help="python (default): apply(model, mesh); accelerate: prepare(accelerator, model, ...); "
                          "lightning: configure_model(self); torchtitan: parallelize(model, world_mesh)")
-    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
-                    help=f"the mixed precision apply() sets, the one the plan was made with (default "
-                         f"{DEFAULT_PRECISION}, as for plan; a plan file does not record it)")
+    sp.add_argument("--precision", choices=list(PRECISION_NAMES),
+                    help=f"the mixed precision apply() sets (default: the one the plan file records, which `plan "
+                         f"--out` writes; {DEFAULT_PRECISION}, plan's default, for a plan that records none)")
     sp.add_argument("--out", help="file to write (default: stdout)")
     add_force(sp)
     add_json(sp)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import ShardPlacement
@@ -19,7 +18,8 @@ from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_messag
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import with_memory_options
-from fsdp_planner.trace.recorder import trace
+from fsdp_planner.sim.tracing import trace
+from fsdp_planner.trace.failures import failed_at
 from fsdp_planner.trace.records import Trace
 
 
@@ -36,24 +36,15 @@ def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, ful
 def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool, precision: Precision | None,
                 threads: int | None = None, repeats: int = 3) -> Trace:
     lm = load_model(spec, meta=True)
-    dtype = (precision or SimOptions().precision).trace_dtype
     try:
-        try:
-            tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full, compute_dtype=dtype)
-        except (RuntimeError, TypeError, ValueError) as e:
-            if dtype is None:
-                raise
-            lm = load_model(spec, meta=True)
-            tr = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=not full)
-            notes.print(f"[dim]tracing in {str(dtype)[6:]} (the compute dtype) failed ({type(e).__name__}: "
-                        f"{escape(str(e).splitlines()[0][:120])}); traced in the model's own dtypes, activation sizes "
-                        "scaled[/dim]", highlight=False)
-    except PlannerError:
+        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision=precision or SimOptions().precision,
+                   reuse=not full)
+    except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
         raise
     except SystemExit as e:  # the model's forward or loss_fn: an error, never a silent exit with its status
         raise PlannerError(exit_message(e, f"running the forward, backward or loss_fn of '{spec}'")) from e
     except Exception as e:
-        raise PlannerError(f"tracing '{spec}' failed: {type(e).__name__}: {e}{_device_hint(e)}") from e
+        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
     if not measure:
         return tr
     from fsdp_planner.runtime.measure import check_fits, local_device
@@ -70,11 +61,17 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
     except SystemExit as e:
         raise PlannerError(exit_message(e, f"measuring '{spec}' on {device.type}")) from e
     except Exception as e:
-        raise PlannerError(f"measuring '{spec}' on {device.type} failed: {type(e).__name__}: {e}") from e
+        raise PlannerError(f"measuring '{spec}' on {device.type} failed: {model_error(e)}") from e
     notes.print(f"[dim]compute times measured on this machine's {device.type} "
                 f"({sum(measured.op_seconds or ()) * 1e3:.1f} ms of ops per step)"
                 f"{'; CPU times, not the cluster GPUs' if device.type == 'cpu' else ''}[/dim]", highlight=False)
     return measured
+
+
+def model_error(e: Exception) -> str:
+    """What the model raised, led by the op and the module it failed in when an op of the step raised it."""
+    failed = failed_at(e)
+    return f"{failed.describe() + ' raised ' if failed else ''}{type(e).__name__}: {e}"
 
 
 def _device_hint(e: Exception) -> str:
@@ -125,7 +122,6 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     plan = make_policy(request).plan(tr, model)
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
-    check_plan_runs(tr, plan)
     return stamped(plan, tr, cluster.world_size if cluster else None, options)
 
 

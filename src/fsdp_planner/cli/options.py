@@ -10,9 +10,11 @@ from fsdp_planner.choices import (
     DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
+    DEFAULT_SAC_POLICY,
     OPTIMIZER_NAMES,
     POLICY_NAMES,
     PRECISION_NAMES,
+    SAC_POLICY_NAMES,
     ACMode,
     ReduceDtype,
     ShardPlacement,
@@ -78,9 +80,14 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--target", choices=[t.value for t in Target], default=None,
                     help="auto: plans FSDP2 can apply (fsdp2, the default) or only what FSDP1 can express")
     sp.add_argument("--ac", choices=[m.value for m in ACMode], default=None,
-                    help="activation checkpointing of the repeated blocks: none, full (every block) or selective "
-                         "(every second block, torchtitan's selective_ac_option=2); default none, and auto "
-                         "chooses which blocks to checkpoint")
+                    help="activation checkpointing of the repeated blocks: none, full (every block), op (every "
+                         "block with op-level selective checkpointing, torchtitan's selective_ac_option=op; see "
+                         "--ac-policy) or selective (every second block in full, torchtitan's removed "
+                         "selective_ac_option=2); default none, and auto chooses which blocks to checkpoint in full")
+    sp.add_argument("--ac-policy", choices=SAC_POLICY_NAMES, default=None,
+                    help=f"with --ac op: the ops whose outputs are kept, the rest recomputed: titan (torchtitan's "
+                         f"llama3 save list of 2025) or titan-early (its 2024 list); default "
+                         f"{DEFAULT_SAC_POLICY.value}")
     sp.add_argument("--mesh", metavar="RxS",
                     help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
                          "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")

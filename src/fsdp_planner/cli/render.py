@@ -141,7 +141,7 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
             t.add_column(col, justify="right")
     for plan, m, report in rows:
         cells = [escape(plan.policy), str(m.groups), fmt_numel(m.root_numel),
-                 str(len(plan.activation_checkpointing) or "-"), str(m.all_gathers), str(m.reduce_scatters),
+                 ac_cell(plan), str(m.all_gathers), str(m.reduce_scatters),
                  fmt_bytes(report.all_gather_bytes if report else m.all_gather_bytes),
                  fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
@@ -168,7 +168,8 @@ def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
         nbytes = sum(tr.param(p).nbytes for p in g.params)
         raf = "root default (False)" if g.is_root and g.reshard_after_forward is False else str(g.reshard_after_forward)
         ac = checkpointed[i]
-        checkpoint = "full" if ac and ac == g.modules else escape(fmt_modules(ac, 1)) if ac else ""
+        checkpoint = how_checkpointed(plan, ac) if ac and ac == g.modules else escape(fmt_modules(ac, 1)) if ac \
+            else ""
         t.add_row(str(i), escape(fmt_modules(g.modules)), fmt_numel(numel) if g.params else "none",
                   fmt_bytes(nbytes), raf, checkpoint)
         if len(shown) < len(plan.groups) and i == limit - 2:
@@ -188,10 +189,23 @@ def findings_table(findings: Sequence[Finding]) -> Table:
     return t
 
 
+def ac_cell(plan: Plan) -> str:
+    """The comparison table's AC cell: how many modules are checkpointed in full and how many op-level."""
+    full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
+    return " + ".join([*([str(full)] if full else []), *([f"{op} op"] if op else [])]) or "-"
+
+
+def how_checkpointed(plan: Plan, modules: Sequence[str]) -> str:
+    """``full``, or ``op POLICY`` (op-level selective checkpointing), when all of ``modules`` are so; else both."""
+    kinds = {plan.selective_checkpointing[m].value if m in plan.selective_checkpointing else "" for m in modules}
+    return "full" if kinds == {""} else f"op {kinds.pop()}" if len(kinds) == 1 else "full and op"
+
+
 def checkpointed_per_group(plan: Plan) -> list[list[str]]:
-    """The plan's checkpointed modules by the group whose modules hold them (the root: those no other holds)."""
+    """The plan's checkpointed modules (in full or op-level) by the group whose modules hold them (the root: those
+    no other holds)."""
     out: list[list[str]] = [[] for _ in plan.groups]
-    for m in plan.activation_checkpointing:
+    for m in [*plan.activation_checkpointing, *plan.selective_checkpointing]:
         i = next((i for i, g in enumerate(plan.inner_groups) if any(is_within(m, gm) for gm in g.modules)),
                  len(plan.groups) - 1)
         out[i].append(m)
@@ -295,11 +309,18 @@ def _parity_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     losses of both."""
     worst = f" ({escape(result.worst_param)}, {result.param_error:.3g}x its bound)" \
         if not result.params_match and result.worst_param else ""
-    return [("params vs unsharded reference (max abs diff)",
-             f"<= {result.tolerance:g} (training 16-bit params: {LOW_PRECISION_ULPS} steps of their precision)",
+    return [(f"params vs unsharded reference (max abs diff, {result.precision})", parity_bound(result),
              f"{result.max_abs_diff:.3g}{worst}", OK if result.params_match else BAD),
             ("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
              " ".join(f"{x:.5f}" for x in result.losses), "")]
+
+
+def parity_bound(result: VerifyResult) -> str:
+    """What the params may differ by, in the words of what the job trained: fp32's bound, or a few steps of the
+    16-bit dtype its params or its compute were in."""
+    if not result.bound:
+        return f"<= {result.tolerance:g}"
+    return f"<= {LOW_PRECISION_ULPS} steps of {result.bound} at each param's scale"
 
 
 def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
@@ -334,10 +355,11 @@ def auto_line(result: AutoResult) -> str:
     fitting = [c for c in result.baselines.values()
                if c.report.reserved_memory <= result.budget and c.runs and ev.allowed(c.plan)]
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
-    ac = len(result.plan.activation_checkpointing)
+    ac, op = len(result.plan.activation_checkpointing), len(result.plan.selective_checkpointing)
     owning = sum(1 for g in result.plan.groups if g.params)  # as the tables count: the root when it owns params
     groups = fmt_count(owning, "group") if result.plan.inner_groups else "the root alone"
-    checkpointed = f", {fmt_count(ac, 'module')} checkpointed" if ac else ""
+    checkpointed = (f", {fmt_count(ac, 'module')} checkpointed" if ac else "") + \
+        (f", {fmt_count(op, 'module')} with op-level checkpointing" if op else "")
     layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "

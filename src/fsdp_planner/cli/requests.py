@@ -10,16 +10,18 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_planner.choices import (
     DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
+    DEFAULT_SAC_POLICY,
     POLICY_NAMES,
     ACMode,
     PolicyName,
+    SacPolicy,
     ShardPlacement,
     Target,
     ZeroGrad,
@@ -29,6 +31,7 @@ from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
 from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.fsdp2.precision import check_precision
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, planning_only
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
@@ -72,6 +75,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--search-effort": ("search_effort", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
     "--ac": ("ac", tuple(PolicyName)),
+    "--ac-policy": ("ac_policy", tuple(PolicyName)),
     "--mesh": ("mesh", tuple(PolicyName)),
 }
 
@@ -80,6 +84,8 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
     """The request for one policy, with only the settings that policy reads (the others are checked for syntax
     here and noted as ignored by ``policy_notes``, never rejected by a policy that does not use them)."""
     policy = PolicyName(name)
+    if getattr(args, "ac_policy", None) and getattr(args, "ac", None) != ACMode.OP.value:
+        raise PlannerError("--ac-policy chooses what op-level checkpointing saves: give it with --ac op")
     classes = module_classes(args.module_classes)
     numel = parse_count(args.min_nonwrapped_numel, "--min-nonwrapped-numel") \
         if args.min_nonwrapped_numel is not None else None
@@ -97,6 +103,7 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
         search_effort=args.search_effort if policy is PolicyName.AUTO else None,
         target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
         checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None,
+        sac_policy=SacPolicy(args.ac_policy) if getattr(args, "ac_policy", None) else DEFAULT_SAC_POLICY,
         mesh=Mesh.parse(args.mesh) if getattr(args, "mesh", None) else None)
 
 
@@ -256,15 +263,14 @@ class VerifyRequest:
     load_checkpoint: Path | None
     json: bool
     notes: tuple[str, ...]
+    options: SimOptions  # what the job trains in (--precision) and with (SGD with momentum)
     plan_for: bool = False  # --plan-for: auto planned for ``plan_cluster``, its grouping carried onto the job
     plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
-    # --offload, --shard-placement, --reduce-dtype: applied to the job's plan
-    memory: SimOptions = field(default_factory=SimOptions)
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
     # the job machinery (torchrun, DCP, the fake process group) is imported by the commands that run a job only
-    from fsdp_planner.runtime.verify import check_load_dir, check_save_dir
+    from fsdp_planner.runtime.verify import JOB_OPTIMIZER, check_load_dir, check_save_dir, job_precision
 
     if not 1 <= args.nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 1 to {MAX_NPROC} (processes on this machine; --fake-world-size "
@@ -282,10 +288,10 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
         check_save_dir(args.save_checkpoint)
     if args.load_checkpoint is not None:
         check_load_dir(args.load_checkpoint, "")
+    options = SimOptions.named(job_precision(args.precision, args.fsdp1).name, JOB_OPTIMIZER, **memory_options(args))
     notes = []
-    if args.precision != DEFAULT_PRECISION or args.zero_grad != ZeroGrad.NONE.value:
-        notes.append("--precision and --zero-grad apply with --fake-world-size: torchrun jobs train in fp32 with "
-                     "zero_grad()")
+    if args.zero_grad != ZeroGrad.NONE.value:
+        notes.append("--zero-grad applies with --fake-world-size: torchrun jobs clear grads with zero_grad()")
     source = plan_source(args)
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
@@ -296,9 +302,8 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
                           plan_file=source.plan_file is not None)
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
-                         args.json, tuple(notes), plan_for is not None,
-                         ModelSpec(args.plan_model) if args.plan_model else None,
-                         SimOptions.named("fp32", **memory_options(args)))
+                         args.json, tuple(notes), options, plan_for is not None,
+                         ModelSpec(args.plan_model) if args.plan_model else None)
 
 
 def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
@@ -329,7 +334,7 @@ class FakeWorldRequest:
 
 
 def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
-    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, check_precision
+    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD
 
     if args.fsdp1:
         raise PlannerError("--fsdp1 runs on torchrun ranks (--nproc); the fake-world check runs FSDP2 only")
@@ -347,7 +352,8 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
-    options = SimOptions.named(args.precision, zero_grad=args.zero_grad, **memory_options(args))
+    options = SimOptions.named(args.precision or DEFAULT_PRECISION, zero_grad=args.zero_grad,
+                               **memory_options(args))
     check_precision(options.precision)
     source = plan_source(args)
     cluster = parse_cluster(args.cluster or f"h100:{world}")

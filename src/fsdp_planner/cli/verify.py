@@ -29,8 +29,6 @@ from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.records import Trace
 
-FP32 = SimOptions.named("fp32", "sgd-momentum")  # what the torchrun jobs train with (worker.py)
-
 
 def run(args: argparse.Namespace) -> int:
     if args.fake_world_size is not None:
@@ -41,13 +39,18 @@ def run(args: argparse.Namespace) -> int:
     predict_on = _prediction_cluster(request)
     if request.measure and predict_on is None:
         render.note("--measure has no effect without a --cluster of --nproc ranks to predict the step time on")
+    elif request.measure and request.options.precision.trace_dtype is not None:
+        render.note(f"--measure times the model's ops in its own dtypes, but the job trains in "
+                    f"{request.options.precision.name}: add --precision fp32 to predict a job timed like them")
     host = predict_on is not None and predict_on.engine is Engine.HOST
+    options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
     tr = load_trace(request.model, render.notes, measure=request.measure and predict_on is not None,
-                    full=request.full_trace, precision=FP32.precision if predict_on else None,
+                    full=request.full_trace, precision=options.precision,
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
-    plan = _at_scale(tr, request) if request.plan_for else \
-        _plan(tr, request.source, request.model.name, request.plan_cluster, SimOptions(), request.nproc)
-    plan = stamped(plan, tr, request.nproc, request.memory)
+    planning = SimOptions(precision=options.precision)  # auto plans in the job's precision, as plan would
+    plan = _at_scale(tr, request, planning) if request.plan_for else \
+        _plan(tr, request.source, request.model.name, request.plan_cluster, planning, request.nproc)
+    plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -55,13 +58,15 @@ def run(args: argparse.Namespace) -> int:
     if not request.json:
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} with {request.nproc} processes"
-                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps ...")
+                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps in "
+                             f"{options.precision.name} ...")
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
         result = run_verify(request.model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
                             timed_steps=0 if request.fsdp1 else request.time_steps,
-                            save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint)
+                            save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
+                            precision=options.precision)
     if predict_on is not None and not request.fsdp1:
-        predicted = simulate(tr, plan, predict_on, FP32, timeline=False).step_time
+        predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
         result = dataclasses.replace(result, predicted_step=predicted)
     _report(result, request, predict_on)
     return 0 if result.ok else 1
@@ -81,14 +86,15 @@ def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster | None, op
     return plan
 
 
-def _at_scale(tr: Trace, request: VerifyRequest) -> Plan:
+def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:
     """``--plan-for``: auto's plan for the large cluster (of ``--plan-model`` when given), carried onto the job's
     model and ranks (``planners/at_scale.py``); what did not carry over is noted."""
     cluster, source = request.plan_cluster, request.source
     assert cluster is not None and source.policy is not None
-    planned = tr if request.plan_model is None else load_trace(request.plan_model, render.notes)
+    planned = tr if request.plan_model is None else load_trace(request.plan_model, render.notes,
+                                                                 precision=options.precision)
     name = request.plan_model.name if request.plan_model else request.model.name
-    at_scale = policy_plan(planned, source.policy, name, cluster, SimOptions())
+    at_scale = policy_plan(planned, source.policy, name, cluster, options)
     label = f"{at_scale.policy} of {name}" if request.plan_model else at_scale.policy  # (it names the cluster)
     plan, notes = onto_job(at_scale, planned, tr, request.nproc, label)
     check_plan_matches(plan, tr)

@@ -36,14 +36,15 @@ def application_order(plan: Plan, parents: Mapping[str, Sequence[str]]) -> list[
     deps: list[set[int]] = [set() for _ in range(n)]  # deps[i]: groups to apply before group i
     for j, g in enumerate(plan.groups):
         for m in g.modules:
-            for a in _dag_ancestors(m, parents):
+            for a in dag_ancestors(m, parents):
                 i = group_of.get(a)
                 if i is not None and i != j:
                     deps[i].add(j)
     return _topological_order(deps)
 
 
-def _dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
+def dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
+    """Every module holding ``fqn`` below it, by any path (a shared submodule has several parents)."""
     seen: set[str] = set()
     stack = list(parents.get(fqn, ()))
     while stack:
@@ -52,6 +53,16 @@ def _dag_ancestors(fqn: str, parents: Mapping[str, Sequence[str]]) -> set[str]:
             seen.add(a)
             stack.extend(parents.get(a, ()))
     return seen
+
+
+def hooked_modules(modules: Sequence[str], parents: Mapping[str, Sequence[str]]) -> list[str]:
+    """The modules of a group that FSDP2 hooks: ``fully_shard([a, a.b])`` keeps only the modules not below another
+    listed one (``_get_root_modules``), so ``a.b`` gets no hooks and no FSDP state of its own, and a call of it from
+    outside ``a``'s forward unshards nothing (its params are still the group's, claimed through ``a``)."""
+    if len(modules) == 1:
+        return list(modules)
+    listed = set(modules)
+    return [m for m in modules if not dag_ancestors(m, parents) & listed]
 
 
 def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
@@ -232,6 +243,9 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     reshard += [True] * added
     groups = resolve_ties(trace, groups)
     groups, reshard = split_by_dtype(trace, groups, reshard)
+    # the split lists a mixed-dtype module's pieces instead of it (the root's too): a piece may hold one owner of
+    # a tied param whose other owner stays with the root or another group, so the ties are resolved again
+    groups = resolve_ties(trace, groups)
     plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],
                 trace.fingerprint, trace.numel, policy=policy, model=model)
     for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True):
@@ -246,7 +260,8 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
 def methods_to_register(trace: Trace, plan: Plan) -> list[tuple[str, str]]:
     """The non-forward methods the step calls on modules the plan shards (``fully_shard`` targets, the root
     included): FSDP2 runs them inside the module's hooks only once ``register_fsdp_forward_method`` is called."""
-    listed = {m for g in plan.groups for m in g.modules}
+    parents = trace.index.parents  # only a module fully_shard hooked has the state the registration wraps
+    listed = {m for g in plan.groups for m in hooked_modules(g.modules, parents)}
     return [(m, name) for m, name in trace.forward_methods if m in listed]
 
 

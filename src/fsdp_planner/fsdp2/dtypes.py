@@ -104,6 +104,8 @@ class _Splitter:
             if not ds or ds == {keep}:
                 continue
             for piece in shardable_cover(self.trace, c):
+                if piece in self.listed:  # a container's child another group lists already
+                    continue
                 self.listed.add(piece)
                 self.expand(piece, pieces)
 
@@ -118,13 +120,16 @@ class _Splitter:
         pieces.setdefault(keep, []).append(m)  # its own params and what stayed below it
 
     def expand_root(self) -> list[list[str]]:
-        """The root's share: the root keeps its own params' dtype (or the largest dtype it would hold); every
-        other dtype below it becomes a list group."""
+        """The root's share: the root keeps its own params' dtype (else the one dtype of the params read outside
+        their modules, which only the root group holds unsharded there; else the largest dtype it would hold);
+        every other dtype below it becomes a list group."""
         ds = self.below(ROOT)
         if len(ds) <= 1:
             return []
         own = self.own(ROOT)
-        keep = own[0] if own else max(sorted(ds), key=self._numel_of)
+        params = self.trace.params
+        outside = {self.dtype[params[p].fqn] for p in self.trace.index.read_outside if params[p].fqn in self.dtype}
+        keep = own[0] if own else next(iter(outside)) if len(outside) == 1 else max(sorted(ds), key=self._numel_of)
         pieces: dict[str | None, list[str]] = {}
         self.carve(ROOT, keep, pieces)
         pieces.pop(None, None)

@@ -46,6 +46,7 @@ class Code(Enum):
     ROOT_PARAMS = "root-params"
     UPCAST_REDUCE = "upcast-reduce"
     FP64_PARAMS = "fp64-params"
+    PRECISION = "precision"  # the step fails in the precision's compute dtype (found by tracing, not here)
 
 
 @dataclass(frozen=True)

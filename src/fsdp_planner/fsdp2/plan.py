@@ -16,14 +16,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fsdp_planner.choices import PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, write_atomic
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
-PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "mesh", "forward_methods", "offload",
-             "shard_dims", "reduce_dtype")
+PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
+             "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
@@ -104,9 +105,13 @@ class Plan:
     model: str = ""
     activation_checkpointing: list[str] = field(default_factory=list)  # modules checkpointed in full
     # (every call: only its inputs kept after forward, its forward run again in backward; ``checkpointing.py``)
+    selective_checkpointing: dict[str, SacPolicy] = field(default_factory=dict)  # module -> the op-level
+    # selective checkpointing policy of its every call (its inputs and saved ops' outputs kept; ``selective.py``)
     mesh: Mesh | None = None  # None: pure FSDP over whatever world it runs on
     forward_methods: list[tuple[str, str]] = field(default_factory=list)  # (module, method): non-forward methods
     # the step calls on a sharded module, run inside its pre/post-forward hooks (register_fsdp_forward_method)
+    precision: str = ""  # the mixed precision the plan was simulated in (``choices.PRECISION_NAMES``; "": not
+    # recorded, e.g. a hand-written plan): what ``export`` sets, so the code runs as the numbers assumed
     offload: bool = False  # CPUOffloadPolicy: sharded params, grads and optimizer state on the CPU
     shard_dims: dict[str, int] = field(default_factory=dict)  # param -> dim it is sharded on, where not 0
     # (fully_shard(shard_placement_fn=...) returning Shard(dim))
@@ -137,6 +142,7 @@ class Plan:
                                              forward_prefetch=list(g.forward_prefetch),
                                              backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
                        **{"activation_checkpointing": list(self.activation_checkpointing),
+                          "selective_checkpointing": dict(self.selective_checkpointing),
                           "forward_methods": list(self.forward_methods), "shard_dims": dict(self.shard_dims),
                           **changes})
 
@@ -144,8 +150,8 @@ class Plan:
         """What makes two plans behave the same (names and labels aside)."""
         return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
                        tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing),
-                self.mesh, tuple(self.forward_methods), self.offload, tuple(sorted(self.shard_dims.items())),
-                self.reduce_dtype)
+                tuple(self.selective_checkpointing.items()), self.mesh, tuple(self.forward_methods), self.offload,
+                tuple(sorted(self.shard_dims.items())), self.reduce_dtype)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -156,10 +162,14 @@ class Plan:
             "groups": [g.to_dict() for g in self.groups],
             "activation_checkpointing": list(self.activation_checkpointing),
         }
+        if self.selective_checkpointing:  # absent when empty: plans without it read as before
+            d["selective_checkpointing"] = {m: p.value for m, p in self.selective_checkpointing.items()}
         if self.mesh is not None:
             d["mesh"] = self.mesh.to_dict()
         if self.forward_methods:
             d["forward_methods"] = [{"module": m, "method": name} for m, name in self.forward_methods]
+        if self.precision:
+            d["precision"] = self.precision
         # the memory options, written only when set: a plan that uses none reads and writes as before
         if self.offload:
             d["offload"] = True
@@ -213,12 +223,13 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {_shown(numel)}")
     return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
                 model=str(model.get("name", "")), activation_checkpointing=list(checkpointed),
+                selective_checkpointing=_selective_from_dict(data.get("selective_checkpointing", {})),
                 mesh=_mesh_from_dict(data.get("mesh")),
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
-                **_memory_options(data))
+                precision=_precision_from(data.get("precision", "")), **_memory_options(data))
 
 
-REDUCE_DTYPES = ("fp32", "bf16")  # choices.ReduceDtype's values (choices is imported by the CLI without torch)
+REDUCE_DTYPES = ("fp32", "bf16")  # choices.ReduceDtype's values
 
 
 def _memory_options(data: dict[str, Any]) -> dict[str, Any]:
@@ -236,6 +247,24 @@ def _memory_options(data: dict[str, Any]) -> dict[str, Any]:
     if reduce != "" and reduce not in REDUCE_DTYPES:
         raise PlannerError(f"plan 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {_shown(reduce)}")
     return {"offload": offload, "shard_dims": dict(dims), "reduce_dtype": reduce}
+
+
+def _precision_from(value: Any) -> str:
+    if value != "" and value not in PRECISION_NAMES:
+        raise PlannerError(f"plan 'precision' must be one of {', '.join(PRECISION_NAMES)}, got {_shown(value)}")
+    return str(value)
+
+
+def _selective_from_dict(items: Any) -> dict[str, SacPolicy]:
+    """``{"layers.0": "titan", ...}``; absent: none."""
+    if not isinstance(items, dict) or any(not isinstance(p, str) for p in items.values()):
+        raise PlannerError("plan 'selective_checkpointing' must be an object mapping module names to an op-level "
+                           f"checkpointing policy ({', '.join(SAC_POLICY_NAMES)})")
+    bad = next((p for p in items.values() if p not in SAC_POLICY_NAMES), None)
+    if bad is not None:
+        raise PlannerError(f"plan 'selective_checkpointing' names the unknown policy {_shown(bad)}: choose one of "
+                           f"{', '.join(SAC_POLICY_NAMES)}")
+    return {m: SacPolicy(p) for m, p in items.items()}
 
 
 def _methods_from_list(items: Any) -> list[tuple[str, str]]:
@@ -387,6 +416,9 @@ def check_plan_limits(data: dict[str, Any]) -> None:
             if isinstance(g, dict):
                 _check_group_limits(i, g)
     _check_names(data.get("activation_checkpointing"), "plan 'activation_checkpointing'", module=True)
+    selective = data.get("selective_checkpointing")
+    if isinstance(selective, dict):
+        _check_names(list(selective), "plan 'selective_checkpointing'", module=True)
     _check_methods_limits(data.get("forward_methods"))
     dims = data.get("shard_dims")
     if isinstance(dims, dict):

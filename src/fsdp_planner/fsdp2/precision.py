@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from fsdp_planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 _DTYPES = {2: torch.bfloat16, 4: torch.float32}  # the floating dtype of each size the precisions use
 
@@ -54,3 +60,32 @@ class Precision:
     def gather_bytes(self) -> int:
         """Bytes per element of an all-gathered (unsharded) param."""
         return self.param_bytes if self.autocast else self.compute_bytes
+
+
+def check_precision(precision: Precision) -> None:
+    """What ``verify`` can run: FSDP2's own mixed precision, not torch.autocast."""
+    if precision.autocast:
+        raise PlannerError(f"verify runs FSDP2's own mixed precision (MixedPrecisionPolicy); '{precision.name}' uses "
+                           "torch.autocast, which it does not: use fp32, bf16-mixed or pure-bf16")
+
+
+def check_param_dtypes(precision: Precision, built: set[str]) -> None:
+    """FSDP2 keeps sharded params in the dtype they were built in: ``built`` (floating dtype names, as a trace's
+    params give them) must be the precision's param dtype."""
+    check_precision(precision)
+    storage = str(precision.storage_dtype).removeprefix("torch.")
+    if built - {storage}:
+        raise PlannerError(f"precision '{precision.name}' stores params in {storage} but the model builds them in "
+                           f"{', '.join(sorted(built))}: build the model in that dtype or pick a precision that "
+                           "matches it (--precision)")
+
+
+def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecisionPolicy:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built (the
+    precision's param dtype: FSDP2 keeps the sharded params in the dtype they were built in)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # the distributed stack: for a run only
+
+    check_param_dtypes(precision, {str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                                   if p.is_floating_point()})
+    param_dtype, reduce_dtype = precision.fsdp_dtypes()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum, auto
 
+from fsdp_planner.fsdp2.claim import hooked_modules
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, ReshardAfterForward
 from fsdp_planner.trace.events import EventKind
@@ -99,8 +100,9 @@ class GroupReplay:
     """One ``fully_shard`` group through one training step (FSDPParamGroup + its FSDPState's module hooks)."""
 
     def __init__(self, index: int, group: Group, grad_params: list[int], grad_ready_at: list[int],
-                 mesh: Mesh | None, shared: _Shared) -> None:
+                 mesh: Mesh | None, shared: _Shared, hooked: list[str]) -> None:
         self.index, self.group, self.shared = index, group, shared
+        self.hooked = hooked  # the listed modules FSDP2 hooks (``hooked_modules``)
         self.has_params = bool(group.params)
         self.grad_params = grad_params  # params with a grad to reduce (trainable and read in forward)
         self.grad_ready_at = grad_ready_at
@@ -174,7 +176,7 @@ class GroupReplay:
         hook and forward prefetch only for the first module of the pass. ``gated``: through the group's forward
         hook, which resets the modules still to run (not a registered method's wrapper)."""
         if gated and not self.modules_to_run:
-            self.modules_to_run = set(self.group.modules)
+            self.modules_to_run = set(self.hooked)
         first_in_pass = self.training_state is not TrainingState.FORWARD
         if first_in_pass:
             self._host_work(at)
@@ -280,12 +282,13 @@ class Replay:
             group_params = [[index.param_index[p] for p in g.params] for g in plan.groups]
         reducible = index.reducible
         mesh = plan.mesh or (Mesh.flat(world_size) if world_size is not None else None)
-        self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, mesh, self.shared)
+        self.groups = [GroupReplay(i, g, [p for p in ps if reducible[p]], index.grad_ready_at, mesh, self.shared,
+                                   hooked_modules(g.modules, trace.index.parents))
                        for i, (g, ps) in enumerate(zip(plan.groups, group_params, strict=True))]
         for g, replay in zip(plan.groups, self.groups, strict=True):
             replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
             replay.backward_prefetch = [self.groups[j] for j in g.backward_prefetch]
-        self.group_of = {m: self.groups[i] for i, g in enumerate(plan.groups) for m in g.modules}
+        self.group_of = {m: r for r in self.groups for m in r.hooked}
         # FSDP2's all_states: one per fully_shard call, in the registration order of its first module
         registered = trace.index.registration
         self.states = sorted(self.groups, key=lambda r: min(registered[m] for m in r.group.modules))
@@ -295,8 +298,9 @@ class Replay:
         self.method_calls = {call for call, name in trace.method_calls.items() if (call[0], name) in methods}
 
     def hooked_events(self) -> list[int]:
-        """Boundary events of the modules FSDP2 hooks (the groups' modules), in order; a call of a non-forward
-        method (``Trace.method_calls``) only when the plan registers it (``register_fsdp_forward_method``)."""
+        """Boundary events of the modules FSDP2 hooks (``hooked_modules`` of each group), in order; a call of a
+        non-forward method (``Trace.method_calls``) only when the plan registers it
+        (``register_fsdp_forward_method``)."""
         by_module = self.trace.index.boundaries_by_module
         hooked = sorted(i for m in self.group_of for i in by_module.get(m, ()))
         unregistered = set(self.trace.method_calls) - self.method_calls
@@ -350,9 +354,9 @@ def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None,
 
 
 def state_hook_calls(trace: Trace, plan: Plan) -> list[int]:
-    """The forward-call events of modules ``fully_shard`` was applied to (every module of every group, the root
-    too). Each such call runs its ``FSDPState``'s hooks (pre/post-forward, and in backward pre/post-backward) whether
-    or not its group has work there: a list group of k modules pays k of these a pass, single-module groups one
-    each (``Overhead.module_seconds``)."""
-    targets = {m for g in plan.groups for m in g.modules}
+    """The forward-call events of modules ``fully_shard`` was applied to (every module of every group that it
+    hooks, ``hooked_modules``, the root too). Each such call runs its ``FSDPState``'s hooks (pre/post-forward, and
+    in backward pre/post-backward) whether or not its group has work there: a list group of k modules pays k of
+    these a pass, single-module groups one each (``Overhead.module_seconds``)."""
+    targets = {m for g in plan.groups for m in hooked_modules(g.modules, trace.index.parents)}
     return [i for i, e in enumerate(trace.events) if e.kind is EventKind.FWD_PRE and e.module in targets]

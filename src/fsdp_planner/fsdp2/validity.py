@@ -77,6 +77,12 @@ def sharded_reads(trace: Trace, plan: Plan, schedule: Schedule,
                         events[int(ops[i])].backward) for i in bad]
 
 
+def runnable(trace: Trace, plan: Plan) -> Plan:
+    """``plan``, refused like ``check_plan_runs`` does when it reads a sharded param: what a policy returns."""
+    check_plan_runs(trace, plan)
+    return plan
+
+
 def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> None:
     """Refuse, with the first op that would fail and why, a plan that reads a sharded param."""
     index = trace.index.param_index

@@ -1,6 +1,11 @@
 """The wrap policies people use today, with their exact semantics, as baselines: ``ModuleWrapPolicy`` (FSDP's
 class-based wrapping), ``SizeBasedPolicy`` (FSDP1 ``size_based_auto_wrap_policy``) and ``TorchtitanPolicy``
-(torchtitan's ``apply_fsdp``)."""
+(torchtitan's ``apply_fsdp``).
+
+Each policy's ``build`` is its grouping as its semantics give it; ``plan`` returns it only when FSDP2 can run it
+(``fsdp2/validity.py``) and otherwise refuses, naming the first op that would read a sharded param. The grouping
+is not repaired: a repaired plan would no longer be the baseline the policy stands for (auto's search, which
+starts from ``build``, finds the plans that run)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from dataclasses import dataclass
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.planners.blocks import default_block_class, find_class_instances
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, proper_ancestors
@@ -22,6 +28,11 @@ class ModuleWrapPolicy:
     name: str = "module"
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
+        """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
+        return runnable(trace, self.build(trace, model))
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         classes = self.module_classes or tuple(filter(None, [default_block_class(trace)]))
         if not classes:
             raise PlannerError("the model has no repeated block class; pass --module-classes")
@@ -66,6 +77,11 @@ class SizeBasedPolicy:
         return list(wrapped)
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
+        """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
+        return runnable(trace, self.build(trace, model))
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         return make_plan(trace, [[m] for m in self.wrapped_modules(trace)],
                          policy=f"{self.name}({self.min_nonwrapped_numel})", model=model)
 
@@ -82,6 +98,11 @@ class TorchtitanPolicy:
     name: str = "titan"
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
+        """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
+        return runnable(trace, self.build(trace, model))
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         block_cls = self.block_class or default_block_class(trace)
         if block_cls is None:
             raise PlannerError("the model has no repeated block class for the torchtitan policy")

@@ -13,6 +13,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
@@ -65,9 +66,12 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
 
 def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
     """Replace sets of modules that cover a whole subtree's param-owning modules by the subtree's root, so a group
-    reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used."""
+    reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used, nor is a
+    module with a module below it called outside its parent (``not_enclosing``): its hooks would not run around
+    that call, which would read the group's params sharded (and FSDP2 hooks no listed module below another)."""
     mine = set(modules)
     owners_below = trace.index.owners_below
+    not_enclosing = trace.index.not_enclosing
     covered: dict[str, bool] = {}  # module -> every param-owning module below it is ours
     top_of: dict[str, str] = {}  # module -> the outermost module above it (or itself) whose subtree is all ours
     tops: dict[str, None] = {}
@@ -78,7 +82,7 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
             up = parent_of(a)
             if a != ROOT and up != ROOT and up not in covered:
                 covered[up] = owners_below[up] <= mine
-            if a == ROOT or up == ROOT or not covered[up]:
+            if a == ROOT or up == ROOT or not covered[up] or up in not_enclosing:
                 top_of[a] = a
                 break
             a = up
@@ -98,7 +102,8 @@ class ExecutionOrderPolicy:
     Default target: one repeated block's bytes, blocks kept whole (the transformer-block granularity people tune
     by hand; a smaller target splits blocks); a model without a container of repeated blocks (e.g. a CNN) gets one
     group per param-owning module. Groups under 1/16 of the target join their smaller neighbour, so a lone norm
-    does not cost a collective of its own."""
+    does not cost a collective of its own. Like the classic policies, ``plan`` refuses the grouping when FSDP2
+    could not run it (``build`` gives it regardless)."""
 
     target_bytes: int | None = None
     name: str = "order"
@@ -108,6 +113,11 @@ class ExecutionOrderPolicy:
             raise PlannerError(f"the order policy's target group size must be at least 1 byte, got {self.target_bytes}")
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
+        """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
+        return runnable(trace, self.build(trace, model))
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
         blocks = block_instances(trace)
         subtree = trace.index.subtree_params
         block_bytes = max((sum(trace.param(p).nbytes for p in subtree[b]) for b in blocks), default=0)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from fsdp_planner.choices import POLICY_NAMES, PolicyName
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, POLICY_NAMES, PolicyName, SacPolicy
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpointed_blocks
+from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpoint_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
@@ -21,6 +22,13 @@ class Policy(Protocol):
     name: str
 
     def plan(self, trace: Trace, model: str = "") -> Plan: ...
+
+
+class Baseline(Policy, Protocol):
+    """A classic policy (or one of them checkpointed, or on a mesh): ``build`` gives its grouping unchecked, ``plan``
+    only when FSDP2 can run it."""
+
+    def build(self, trace: Trace, model: str = "") -> Plan: ...
 
 
 CLASSIC_POLICIES = (PolicyName.MODULE, PolicyName.SIZE, PolicyName.TITAN, PolicyName.ORDER)
@@ -38,6 +46,7 @@ class PolicyRequest:
     search_effort: int | None = None  # auto: plans its refinement may simulate; default ``default_search_effort``
     target: Target = Target.FSDP2  # auto
     checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # all, with checkpointing op: what op-level checkpointing saves
     mesh: Mesh | None = None  # all: the data-parallel layout (HSDP); None: pure FSDP (auto: chosen)
 
     def __post_init__(self) -> None:
@@ -64,17 +73,20 @@ class PolicyRequest:
 class Checkpointed:
     """A whole-model policy whose plans checkpoint the blocks ``mode`` names (``--ac``), as its users run it."""
 
-    policy: Policy
+    policy: Baseline
     mode: ACMode
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # with mode op
 
     @property
     def name(self) -> str:
         return self.policy.name
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
-        plan = self.policy.plan(trace, model)
-        plan.activation_checkpointing = checkpointed_blocks(trace, self.mode)
-        plan.policy = f"{plan.policy} + ac {self.mode.value}" if self.mode is not ACMode.NONE else plan.policy
+        return runnable(trace, self.build(trace, model))  # checked with the recomputation, which reads params again
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        plan = self.policy.build(trace, model)
+        checkpoint_blocks(plan, trace, self.mode, self.sac_policy)
         check_checkpointing(plan, trace)
         return plan
 
@@ -84,7 +96,7 @@ class OnMesh:
     """A whole-model policy whose plans run on the HSDP layout ``mesh`` (``--mesh``): the same groups, sharded
     over ``mesh.shard`` ranks and replicated ``mesh.replicate`` times."""
 
-    policy: Policy
+    policy: Baseline
     mesh: Mesh
 
     @property
@@ -92,7 +104,10 @@ class OnMesh:
         return self.policy.name
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
-        plan = self.policy.plan(trace, model)
+        return runnable(trace, self.build(trace, model))
+
+    def build(self, trace: Trace, model: str = "") -> Plan:
+        plan = self.policy.build(trace, model)
         plan.mesh = self.mesh
         if self.mesh.replicate > 1:
             plan.policy = f"{plan.policy} on {self.mesh.describe()}"
@@ -101,10 +116,23 @@ class OnMesh:
 
 def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None) -> Policy:
     """The policy a request names; auto needs the cluster it plans for."""
-    if request.name is not PolicyName.AUTO and request.mesh is not None:
-        return OnMesh(make_policy(replace(request, mesh=None)), request.mesh)
-    if request.name is not PolicyName.AUTO and request.checkpointing is not None:
-        return Checkpointed(make_policy(replace(request, checkpointing=None)), request.checkpointing)
+    if request.name is not PolicyName.AUTO:
+        return make_baseline(request)
+    if cluster is None:
+        raise PlannerError("the auto policy plans for a cluster: give one")
+    return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
+                      search_effort=request.search_effort, checkpointing=request.checkpointing,
+                      sac_policy=request.sac_policy, mesh=request.mesh)
+
+
+def make_baseline(request: PolicyRequest) -> Baseline:
+    """The classic policy a request names (not auto): its ``build`` gives the grouping even when FSDP2 could not
+    run it, for ``check`` to report what goes wrong."""
+    if request.mesh is not None:
+        return OnMesh(make_baseline(replace(request, mesh=None)), request.mesh)
+    if request.checkpointing is not None:
+        return Checkpointed(make_baseline(replace(request, checkpointing=None)), request.checkpointing,
+                            request.sac_policy)
     name = request.name
     if name is PolicyName.MODULE:
         return ModuleWrapPolicy(request.module_classes)
@@ -114,7 +142,4 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
         return TorchtitanPolicy(request.module_classes[0] if request.module_classes else None)
     if name is PolicyName.ORDER:
         return ExecutionOrderPolicy(request.target_bytes)
-    if cluster is None:
-        raise PlannerError("the auto policy plans for a cluster: give one")
-    return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
-                      search_effort=request.search_effort, checkpointing=request.checkpointing, mesh=request.mesh)
+    raise ValueError("auto is no baseline: make_policy makes it, for a cluster")

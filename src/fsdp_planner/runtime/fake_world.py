@@ -18,16 +18,18 @@ Measured, on the last step (the first creates the optimizer state):
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
@@ -35,12 +37,14 @@ from torch.utils._pytree import tree_flatten
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, resolve_factory
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import ZeroGrad
 from fsdp_planner.sim.simulate import StepReport
+from fsdp_planner.trace.failures import check_operand_dtypes, failed_at, first_line, mark, op_name
 from fsdp_planner.trace.recorder import default_loss, split_inputs
+from fsdp_planner.trace.tree import ROOT
 
 MAX_FAKE_WORLD = 1 << 20
 
@@ -79,6 +83,7 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
         self._resize: Any = None
+        self.calls: list[str] = []  # the module calls running now (``module_calls``), innermost last
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
@@ -104,7 +109,12 @@ class LiveBytes(TorchDispatchMode):
         self._refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
+        try:
+            check_operand_dtypes(func, args)  # fake kernels let a mixed-dtype matmul through; real ones do not
+            out = func(*args, **(kwargs or {}))
+        except Exception as e:
+            mark(e, op_name(func), self.calls[-1] if self.calls else ROOT)
+            raise
         self.track(tree_flatten(out)[0])
         return out
 
@@ -129,23 +139,43 @@ class LiveBytes(TorchDispatchMode):
         super().__exit__(*exc)
 
 
-def check_precision(precision: Precision) -> None:
-    if precision.autocast:
-        raise PlannerError(f"the fake-world check runs FSDP2's own mixed precision; '{precision.name}' uses "
-                           "torch.autocast, which it does not: use fp32, bf16-mixed or pure-bf16")
+@contextlib.contextmanager
+def module_calls(model: torch.nn.Module, calls: list[str]) -> Iterator[None]:
+    """``calls`` kept as the stack of ``model``'s module calls running now; a call that raises marks its exception
+    with its module (``trace.failures``), so the user's error names where it happened."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        if id(module) in names:
+            calls.append(names[id(module)])
+
+    def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if id(module) not in names:
+            return
+        failure = sys.exc_info()[1]
+        if failure is not None and output is None:  # always_call: torch runs this in its except clause
+            mark(failure, None, names[id(module)], type(module).__name__)
+        if calls:
+            calls.pop()
+
+    handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
-def mixed_precision(precision: Precision, model: torch.nn.Module) -> Any:
-    """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built."""
-    check_precision(precision)
-    storage = precision.storage_dtype
-    built = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if built - {storage}:
-        raise PlannerError(f"precision '{precision.name}' stores params in {str(storage)[6:]} but the model builds "
-                           f"them in {', '.join(sorted(str(d)[6:] for d in built))}: build the model in that dtype "
-                           "or pick a precision that matches it")
-    param_dtype, reduce_dtype = precision.fsdp_dtypes()
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, tracker: LiveBytes, spec: str) -> None:
+    """Forward, loss and backward; what the user's model raises is one line naming the op and the module."""
+    try:
+        with module_calls(model, tracker.calls):
+            loss_fn(model(*args, **kwargs)).backward()
+    except (Exception, SystemExit) as e:
+        failed = failed_at(e)
+        where = f"{failed.describe()} raised " if failed is not None else ""
+        raise PlannerError(f"'{spec}' failed under real FSDP2 on fake ranks: {where}{type(e).__name__}: "
+                           f"{first_line(e)}") from e
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
@@ -173,7 +203,11 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                 raise PlannerError(f"model factory '{spec}' raised {type(e).__name__} under fake tensors: {e}") from e
             model, inputs = built[0], built[1]
             loss_fn = built[2] if len(built) == 3 else default_loss
-            apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
+            with unset_fake_temporarily():
+                # fully_shard outside the fake mode: an int reshard_after_forward's post-forward mesh is built from
+                # a tensor's .tolist(), which a fake tensor cannot answer; the fake params still dispatch to their
+                # mode, so every sharded param and buffer FSDP2 makes from them stays fake
+                apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             counter = CollectiveCounter()
             args, kwargs = split_inputs(inputs)
@@ -184,7 +218,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                          *(p.grad for p in model.parameters() if p.grad is not None)]
                 with tracker, counter:  # a new tracker per step: the last step's peak is kept
                     tracker.track(alive)
-                    loss_fn(model(*args, **kwargs)).backward()
+                    _step(model, args, kwargs, loss_fn, tracker, spec)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=zero_grad is ZeroGrad.NONE)
                 counts, nbytes = counter.take()

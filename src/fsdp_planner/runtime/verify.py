@@ -30,10 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fsdp_planner.choices import DEFAULT_PRECISION, REDUCE_BYTES, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision, check_param_dtypes, check_precision
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
@@ -42,10 +44,13 @@ from fsdp_planner.runtime.failures import explain, launcher_killed, read_failure
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.signals import signals_raise
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
+from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.sim.tracing import resolve_precision
 from fsdp_planner.trace.records import Trace
 
 Counts = dict[str, int]  # collective kind's value -> count or bytes
+JOB_OPTIMIZER = "sgd-momentum"  # what the job's ranks and reference train with (worker.py)
 STOP_GRACE_S = 5.0  # SIGTERM to the job's process group, then SIGKILL after this long
 # CPU ranks keep the memory they free for their next allocations, as PyTorch's caching allocator does on a GPU:
 # glibc would otherwise return every buffer of 32 MiB or more to the OS (mmap) and fault its pages in again on the
@@ -142,7 +147,9 @@ class VerifyResult:
     losses: list[float]
     reference_losses: list[float]
     max_abs_diff: float
-    tolerance: float = FP32_TOLERANCE  # of an fp32 model; a model training 16-bit params: ``worker.allowed_diff``
+    tolerance: float = FP32_TOLERANCE  # of fp32 training; in 16 bits (params or compute): ``worker.allowed_diff``
+    precision: str = "fp32"  # what the job trained in (``PRECISIONS``)
+    bound: str = ""  # the 16-bit dtype the parity bound comes from ("" : fp32's ``tolerance``)
     param_error: float | None = None  # the worst param's difference over what its dtype allows (above 1 fails)
     worst_param: str = ""
     notes: list[str] = field(default_factory=list)
@@ -201,13 +208,17 @@ class VerifyResult:
                 "ok": self.ok}
 
 
-def predict_collectives(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:
-    """Per-step all-gather / reduce-scatter (HSDP: all-reduce) counts, and their bytes as FSDP2 sends them (padded,
-    params' dtypes). FSDP2 issues no all-gather or reduce-scatter over a shard group of one rank."""
+def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Precision | None = None
+                        ) -> tuple[Counts, Counts]:
+    """Per-step all-gather / reduce-scatter (HSDP: all-reduce) counts, and their bytes as FSDP2 sends them (padded;
+    in ``precision``'s dtypes, the params' own without one). FSDP2 issues no all-gather or reduce-scatter over a
+    shard group of one rank."""
     shard = plan.shard_size(world_size)
     # the plan's shard dims (no padding off dim 0) and reduce dtype (what the worker applies: apply_plan)
-    sizing = Sizing(trace, shard, dims=plan.shard_dims,
-                    reduce_itemsize={"fp32": 4, "bf16": 2}.get(plan.reduce_dtype))
+    reduce = ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None
+    own = REDUCE_BYTES[reduce] if reduce and precision is None else None  # over the params' own dtypes
+    sizing = Sizing(trace, shard, with_reduce_dtype(precision, reduce) if precision is not None else None,
+                    dims=plan.shard_dims, reduce_itemsize=own)
     groups = sizing.groups(plan)
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
@@ -345,13 +356,16 @@ def read_result(path: Path) -> dict[str, Any] | None:
 
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
-               load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0) -> VerifyResult:
+               load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0,
+               precision: Precision | str | None = None) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
-    checkpoint (any world size and plan) and save one. ``fsdp1``: run the plan as FSDP1
-    ``FullyShardedDataParallel`` units (``fsdp1_worker.py``; no checkpoints). ``timed_steps``: then time that many
-    steps of the sharded model alone (``worker.time_steps``; FSDP2 only)."""
+    checkpoint (any world size and plan) and save one. ``precision``: what FSDP2 trains in (its
+    ``MixedPrecisionPolicy``; default the command line's, as ``plan`` assumes); ``fsdp1``: run the plan as FSDP1
+    ``FullyShardedDataParallel`` units in fp32 (``fsdp1_worker.py``; no checkpoints). ``timed_steps``: then time
+    that many steps of the sharded model alone (``worker.time_steps``; FSDP2 only)."""
     model = as_spec(model)
     spec = model.name
+    trained = job_precision(precision, fsdp1)
 
     if nproc < 1:
         raise PlannerError("--nproc must be at least 1")
@@ -369,12 +383,14 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
     if plan.forward_methods:  # checked here on meta, not in the ranks once they started
         check_forward_methods(plan, load_model(model, meta=True).model)
-    predicted, predicted_bytes = (predict_fsdp1 if fsdp1 else predict_collectives)(trace, plan, nproc)
+    check_param_dtypes(trained, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
+    predicted, predicted_bytes = predict_fsdp1(trace, plan, nproc) if fsdp1 else \
+        predict_collectives(trace, plan, nproc, trained)
     with signals_raise(), staged(save) as stage:
         data, returncode = run_torchrun(
             f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", nproc, timeout, "verify job",
             {"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr, "seed": seed,
-             "timed_steps": timed_steps,
+             "timed_steps": timed_steps, "precision": trained.name,
              "start_step": start_step, "load": str(load) if load else None, "save": str(stage) if stage else None})
         if save is not None and stage is not None:
             os.replace(stage, save)  # whole or not at all: a failed job leaves no half checkpoint under that name
@@ -385,10 +401,24 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
         world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
-        param_error=data.get("param_error"), worst_param=data.get("worst_param", ""),
+        param_error=data.get("param_error"), worst_param=data.get("worst_param", ""), precision=trained.name,
+        bound=data.get("bound", ""),
         notes=notes, start_step=start_step, loaded=data.get("loaded"), saved=str(save) if save else None,
         units=data.get("units"), step_seconds=data.get("step_seconds", []),
         expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)
+
+
+def job_precision(precision: Precision | str | None, fsdp1: bool) -> Precision:
+    """What the job trains in: FSDP2 under the precision asked for (default the command line's); FSDP1 in fp32
+    only (its own MixedPrecision is not run)."""
+    if fsdp1:
+        if precision is not None and resolve_precision(precision).name != "fp32":
+            raise PlannerError("--fsdp1 trains in fp32 (FSDP1's MixedPrecision is not run): drop --precision or pass "
+                               "--precision fp32")
+        return PRECISIONS["fp32"]
+    resolved = resolve_precision(precision if precision is not None else DEFAULT_PRECISION)
+    check_precision(resolved)
+    return resolved
 
 
 def predict_fsdp1(trace: Trace, plan: Plan, world_size: int) -> tuple[Counts, Counts]:

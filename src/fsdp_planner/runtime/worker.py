@@ -2,9 +2,10 @@
 
 Every rank builds the same model, keeps an unsharded reference copy, applies the plan with FSDP2 and trains K
 steps on its own micro-batch while the reference trains on all ranks' micro-batches (loss divided by the world
-size, as FSDP averages gradients), both with SGD (momentum 0.9); then times the sharded model's steps alone
-(``time_steps``). Collectives are counted by wrapping the ``torch.distributed`` functions FSDP2 calls. Rank 0
-writes the results as JSON; ``rank.run_rank`` starts and ends the rank and reports a failure. Before
+size, as FSDP averages gradients), both with SGD (momentum 0.9) and in the job's precision (FSDP2's
+``MixedPrecisionPolicy``; the unsharded reference casts as FSDP2 does, ``fsdp2_casts``); then times the sharded
+model's steps alone (``time_steps``). Collectives are counted by wrapping the ``torch.distributed`` functions FSDP2
+calls. Rank 0 writes the results as JSON; ``rank.run_rank`` starts and ends the rank and reports a failure. Before
 sharding, the ranks check that they build the same model and apply the same plan (a rank that differs would issue
 other collectives: a hang or garbage, not an error). The job may start from a distributed checkpoint and save one
 (``checkpoint.py``); the data of step s is the same whatever run reaches it.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import inspect
 import json
@@ -27,20 +29,23 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_map_only
 
-from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh, plan_policies
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import mixed_precision
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_planner.runtime.rank import injected_fault, run_rank
+from fsdp_planner.sim.options import precision_named
 from fsdp_planner.trace.recorder import default_loss, split_inputs
 from fsdp_planner.trace.walk import model_fingerprint
 
@@ -55,6 +60,7 @@ _COUNTED = {
 }
 
 Counts = dict[str, int]  # collective kind's value -> count or bytes
+Casts = Callable[[], contextlib.AbstractContextManager[None]]  # a context a reference micro-batch runs in
 
 
 class CollectiveCounter:
@@ -117,14 +123,16 @@ def call_model(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any
 
 
 def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[Any, Any]],
-                   step: int, seed: int, device: torch.device) -> float:
+                   step: int, seed: int, device: torch.device, precision: Casts = contextlib.nullcontext) -> float:
     """One step of unsharded training on every rank's micro-batch (losses over the world size, as FSDP averages
-    grads); the global loss. What a run on one process does, uninterrupted, for the same data."""
+    grads); the global loss. What a run on one process does, uninterrupted, for the same data; each micro-batch
+    inside ``precision`` (``fsdp2_casts``: as FSDP2's mixed precision runs it)."""
     total = 0.0
     for r, (inputs, loss_fn) in enumerate(batches):
         torch.manual_seed(seed + 7 * step + r)
-        loss = loss_fn(call_model(reference, inputs, device)) / len(batches)
-        loss.backward()
+        with precision():
+            loss = loss_fn(call_model(reference, inputs, device)) / len(batches)
+            loss.backward()
         total += loss.item()
     optimizer.step()
     optimizer.zero_grad()
@@ -133,9 +141,11 @@ def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
                 ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int,
-                counting: Callable[[CollectiveCounter], Any] = contextlib.nullcontext) -> dict[str, Any]:
+                counting: Callable[[CollectiveCounter], Any] = contextlib.nullcontext,
+                precision: Casts = contextlib.nullcontext) -> dict[str, Any]:
     """K steps of the sharded model (FSDP2 or FSDP1) and the unsharded reference on the same data: the collectives
-    counted per step (``counting``: more the counter must see) and the global batch's losses of both."""
+    counted per step (``counting``: more the counter must see) and the global batch's losses of both (the
+    reference's micro-batches inside ``precision``)."""
     counted, counted_bytes, losses, ref_losses = [], [], [], []
     counter = CollectiveCounter()
     start = job.get("start_step", 0)
@@ -156,19 +166,58 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
-        ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device))
+        ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device, precision))
     return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses}
 
 
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
-           ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int) -> dict[str, Any]:
-    """K steps of the FSDP2 model beside the reference, then parity; what rank 0 reports."""
-    result = train_steps(job, model, reference, opt, ref_opt, device, rank, world)
+           ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int,
+           policy: MixedPrecisionPolicy, plan: Plan) -> dict[str, Any]:
+    """K steps of the FSDP2 model (under ``policy``) beside the reference, then parity; what rank 0 reports."""
+    result = train_steps(job, model, reference, opt, ref_opt, device, rank, world,
+                         precision=fsdp2_casts(reference, plan, policy))
     ref_params = dict(reference.named_parameters())
     fulls = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters())
-    # grads reduce-scattered in bf16 (the plan's reduce_dtype) carry bf16's rounding into every param
-    reduced = torch.bfloat16 if Plan.from_json(job["plan"]).reduce_dtype == "bf16" else None
-    return {**result, **parity(((name, full, ref_params[name]) for name, full in fulls), reduced)}
+    return {**result, **parity(((name, full, ref_params[name]) for name, full in fulls),
+                                 policy.param_dtype or policy.reduce_dtype)}  # a bf16 reduce bounds it too
+
+
+def fsdp2_casts(reference: torch.nn.Module, plan: Plan, policy: MixedPrecisionPolicy) -> Casts:
+    """How the unsharded reference runs a micro-batch as FSDP2 runs the sharded model under ``policy``: params in
+    the compute dtype, each group's modules casting their floating inputs to it (``cast_forward_inputs``), grads
+    cast to the reduce dtype and accumulated in the params' own. No casts without a compute dtype."""
+    if policy.param_dtype is None:
+        return contextlib.nullcontext
+    modules = list(dict.fromkeys(reference.get_submodule(m) for g in plan.groups for m in g.modules))
+    reduce = policy.reduce_dtype or policy.param_dtype
+    return functools.partial(_in_compute_dtype, reference, modules, policy.param_dtype, reduce)
+
+
+@contextlib.contextmanager
+def _in_compute_dtype(model: torch.nn.Module, modules: list[torch.nn.Module], compute: torch.dtype,
+                      reduce: torch.dtype) -> Iterator[None]:
+    """One micro-batch of ``model`` in ``compute`` (``fsdp2_casts``); its grads then join the params' own. Not
+    mirrored: the casts FSDP2 also makes for a group's registered non-forward methods (``plan.forward_methods``)."""
+    kept = [(p, p.data, p.grad) for p in dict.fromkeys(model.parameters()) if p.is_floating_point()]
+
+    def cast(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tree_map_only(torch.Tensor, lambda t: t.to(compute) if t.is_floating_point() else t, (args, kwargs))
+
+    hooks = [m.register_forward_pre_hook(cast, with_kwargs=True) for m in modules]
+    try:
+        for p, data, _ in kept:
+            p.grad = None  # a grad of the params' dtype cannot sit on a param of the compute dtype
+            p.data = data.to(compute)
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, data, grad in kept:
+            new, p.grad = p.grad, None
+            p.data = data
+            if new is not None:  # FSDP2: reduced in the reduce dtype, accumulated in the sharded param's
+                new = new.to(reduce).to(data.dtype)
+            p.grad = new if grad is None else grad if new is None else grad + new
 
 
 FP32_TOLERANCE = 1e-5  # params of 32 bits or more: a few roundings of fp32 over a few steps
@@ -187,15 +236,17 @@ def allowed_diff(reference: torch.Tensor, eps: float | None) -> float:
     return max(FP32_TOLERANCE, LOW_PRECISION_ULPS * eps * scale)
 
 
-def parity(pairs: Any, reduced: torch.dtype | None = None) -> dict[str, Any]:
+def parity(pairs: Any, compute: torch.dtype | None = None) -> dict[str, Any]:
     """(name, trained param, reference param) triples: the largest absolute difference, and the worst param in
-    units of what it may differ by (``allowed_diff``; above 1 fails). NaN (a diverged run) proves no parity.
-    ``reduced``: a 16-bit dtype the grads were reduce-scattered in, whose precision bounds the params like 16-bit
-    params'."""
+    units of what it may differ by (``allowed_diff``; above 1 fails), and the 16-bit dtype that bound comes from
+    (``bound``: the params' own, or the ``compute`` dtype of a mixed precision; "" for fp32's). NaN (a diverged
+    run) proves no parity."""
     pairs = list(pairs)
-    low = [r.dtype for _, _, r in pairs if r.requires_grad and r.is_floating_point() and r.element_size() < 4]
-    low += [reduced] if reduced is not None else []
-    eps = max((torch.finfo(d).eps for d in low), default=None)
+    low = {r.dtype for _, _, r in pairs if r.requires_grad and r.is_floating_point() and r.element_size() < 4}
+    if compute is not None and compute.itemsize < 4:
+        low.add(compute)  # computing in 16 bits rounds every activation and grad to them
+    coarsest = max(low, key=lambda d: torch.finfo(d).eps, default=None)
+    eps = torch.finfo(coarsest).eps if coarsest is not None else None
     max_diff, error, worst = 0.0, 0.0, ""
     for name, trained, reference in pairs:
         diff = (trained.detach() - reference.detach()).abs().max().item() if trained.numel() else 0.0
@@ -204,7 +255,8 @@ def parity(pairs: Any, reduced: torch.dtype | None = None) -> dict[str, Any]:
         ratio = diff / allowed_diff(reference, eps)
         if ratio > error:
             error, worst = ratio, name
-    return {"max_abs_diff": max_diff, "param_error": error, "worst_param": worst}
+    return {"max_abs_diff": max_diff, "param_error": error, "worst_param": worst,
+            "bound": str(coarsest).removeprefix("torch.") if coarsest is not None else ""}
 
 
 def time_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
@@ -273,11 +325,13 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
         plan = plan.copy()
         plan.groups[0].reshard_after_forward = not plan.groups[0].reshard_after_forward
     fingerprint = _check_same_job(model, plan, world)
-    apply_plan(model, plan, mesh=device_mesh(plan, device.type, world))
+    policy = mixed_precision(precision_named(job.get("precision", "fp32")), model)
+    policy = plan_policies(plan, policy, None)[0]  # with the plan's reduce dtype, which the reference mirrors
+    apply_plan(model, plan, mesh=device_mesh(plan, device.type, world), mp_policy=policy)
     opt = torch.optim.SGD(model.parameters(), lr=job["lr"], momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=job["lr"], momentum=MOMENTUM)
     loaded = load_checkpoint(Path(job["load"]), model, opt, reference, ref_opt) if job.get("load") else None
-    result = _train(job, model, reference, opt, ref_opt, device, rank, world)
+    result = _train(job, model, reference, opt, ref_opt, device, rank, world, policy, plan)
     if job.get("save"):
         step = job.get("start_step", 0) + job["steps"]
         save_checkpoint(Path(job["save"]), model, opt, reference, ref_opt,

@@ -19,7 +19,7 @@ from fsdp_planner.hardware.collectives import Protocol, group_layout, lines, tab
 from fsdp_planner.sim.compute import step_op_times
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.recompute import checkpointed_calls
+from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls
 from fsdp_planner.trace.records import Trace
 
 
@@ -81,7 +81,8 @@ class SimContext:
         self._links: dict[tuple[CollectiveKind, int], tuple[list[LinkCost], str]] = {}
         # measured collectives of a CPU-rank cluster (empty on GPUs: link() then never looks them up)
         self.host_tables = cluster.tables if cluster.engine is Engine.HOST else {}
-        self._recompute: dict[tuple[str, ...], dict[int, Recompute]] = like._recompute if like is not None else {}
+        self._recompute: dict[tuple[Checkpointed, ...], dict[int, Recompute]] = \
+            like._recompute if like is not None else {}
         self.lower_bound = self._lower_bound()
 
     def on_mesh(self, mesh: Mesh) -> SimContext:
@@ -141,16 +142,19 @@ class SimContext:
             best = np.min([alpha + nbytes * per_byte for alpha, per_byte, _ in self.links(kind)], axis=0)
         return np.where(nbytes > 0, best, 0.0)
 
-    def recompute(self, checkpointed: Sequence[str]) -> dict[int, Recompute]:
-        """Pre-backward position -> the checkpointed forward run again there (once per set of modules)."""
+    def recompute(self, checkpointed: Sequence[Checkpointed]) -> dict[int, Recompute]:
+        """Pre-backward position -> the checkpointed forward run again there (once per set of modules); under
+        op-level checkpointing, its ops that the policy does not keep."""
         key = tuple(checkpointed)
         if key not in self._recompute:
             out: dict[int, Recompute] = {}
             events = self.trace.events
             for c in checkpointed_calls(self.trace, key):
+                # the call's params: FSDP2's pre-backward gathers its group before the recomputation, whatever it runs
                 params = {p for e in events[c.fwd_pre:c.fwd_post] for p in e.params}
-                seconds = self.cum[c.fwd_post] - self.cum[c.fwd_pre]
-                ops = int(self.trace.index.ops_through[c.fwd_post] - self.trace.index.ops_through[c.fwd_pre])
+                seconds = self.cum[c.fwd_post] - self.cum[c.fwd_pre] - sum(self.times[i] for i in c.kept)
+                ops = int(self.trace.index.ops_through[c.fwd_post] - self.trace.index.ops_through[c.fwd_pre]) \
+                    - len(c.kept)
                 prev = out.get(c.bwd_pre)
                 out[c.bwd_pre] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
                     Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],

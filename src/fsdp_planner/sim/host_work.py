@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule, state_hook_calls
 from fsdp_planner.sim.context import SimContext
@@ -24,7 +25,7 @@ class HostWork:
 def host_work(ctx: SimContext, plan: Plan) -> HostWork:
     groups = ctx.sizing.groups(plan)
     sched = build_schedule(ctx.trace, plan, ctx.world, [g.params for g in groups])
-    recompute = ctx.recompute(plan.activation_checkpointing)
+    recompute = ctx.recompute(plan_checkpointing(plan))
     return HostWork(hooks=len(sched.hooks), params=sum(len(groups[g].params) for _, g in sched.hooks) / 4,
                     module_calls=len(state_hook_calls(ctx.trace, plan)),
                     ops=ctx.trace.index.op_count + sum(r.ops for r in recompute.values()))

@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
@@ -55,7 +56,7 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
-from fsdp_planner.sim.recompute import activation_deltas, checkpointed_calls, loss_region_deltas
+from fsdp_planner.sim.recompute import Checkpointed, activation_deltas, checkpointed_calls, loss_region_deltas
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -97,7 +98,7 @@ class Peak:
         return self.at.total
 
 
-def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[str] = ()) -> np.ndarray:
+def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[Checkpointed] = ()) -> np.ndarray:
     """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
     calls hold their inputs instead and re-create their activations in backward (``recompute.py``)."""
@@ -137,10 +138,10 @@ class MemoryModel:
             compute_copies=compute_copies(trace, precision, sharded=True),
         )
         self.grad_bytes = precision.grad_bytes
-        self._activations: dict[tuple[str, ...], np.ndarray] = like._activations if like is not None else {}
+        self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
 
-    def activations(self, checkpointed: Sequence[str]) -> np.ndarray:
+    def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
         key = tuple(checkpointed)
         if key not in self._activations:
@@ -150,7 +151,7 @@ class MemoryModel:
     def peak(self, plan: Plan, schedule: Schedule) -> Peak:
         """The step's peak, its breakdown at that moment, and the bytes reserved (module docstring)."""
         n = len(self.trace.events) + 1
-        return self._peak_of(self._deltas(plan, schedule), n, self.activations(plan.activation_checkpointing))
+        return self._peak_of(self._deltas(plan, schedule), n, self.activations(plan_checkpointing(plan)))
 
     def loss_at_peak(self, plan: Plan, schedule: Schedule) -> int:
         """Of the activations at the step's peak, the loss region's bytes (``loss_region_deltas``: the logits and
@@ -168,7 +169,7 @@ class MemoryModel:
         dense = np.zeros(n + 1)
         for pos, d in self._deltas(plan, schedule).items():
             dense[pos] += sum(d)
-        return self.static.total + np.cumsum(dense)[:n] + self.activations(plan.activation_checkpointing)
+        return self.static.total + np.cumsum(dense)[:n] + self.activations(plan_checkpointing(plan))
 
     def _deltas(self, plan: Plan, schedule: Schedule) -> dict[int, list[float]]:
         """Event position -> change of each dynamic category (``_DYNAMIC``) there."""

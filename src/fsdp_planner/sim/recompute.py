@@ -6,6 +6,12 @@ running its forward again (with ``early_stop``, stopping once the saved tensors 
 are then re-created at its pre-backward boundary and freed as before, when the backward of the module call that
 saved each is done; the recomputation costs the call's forward op time there, after its group's params are
 gathered (FSDP2's pre-backward unshards the group before autograd reaches the checkpoint).
+
+Under op-level selective checkpointing (``fsdp2/selective.py``) the call keeps, besides its inputs, the outputs
+of the forward ops its policy saves (``kept``), in SAC's cache from each such op until the recomputation at its
+pre-backward takes them; the recomputation runs only the other forward ops, so its time is theirs. The saved
+activations are re-created there as under full checkpointing: the cached outputs become the ones autograd saves
+(the same storages, not a second copy) or are freed.
 """
 
 from __future__ import annotations
@@ -15,8 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fsdp_planner.choices import SacPolicy
+from fsdp_planner.fsdp2.selective import saved_flags
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
+
+# A checkpointed module: its name (checkpointed in full), or (name, None for full or its op-level policy).
+Checkpointed = str | tuple[str, SacPolicy | None]
 
 
 @dataclass(frozen=True)
@@ -30,13 +41,30 @@ class CheckpointedCall:
     bwd_pre: int
     bwd_post: int
     inputs_nbytes: int  # traced bytes of the inputs the checkpoint keeps alive
+    policy: SacPolicy | None = None  # op-level selective checkpointing's policy; None: full
+    kept: tuple[int, ...] = ()  # op-level: the positions of the forward ops whose outputs SAC's cache keeps
+
+    def recomputed(self, trace: Trace) -> list[int]:
+        """The positions of the forward ops its recomputation runs: all of them, less the kept ones."""
+        kept = set(self.kept)
+        return [i for i in range(self.fwd_pre, self.fwd_post) if trace.events[i].kind is EventKind.OP
+                and not trace.events[i].backward and i not in kept]
 
 
-def checkpointed_calls(trace: Trace, modules: Iterable[str]) -> list[CheckpointedCall]:
+def kept_ops(trace: Trace, fwd_pre: int, fwd_post: int, policy: SacPolicy) -> tuple[int, ...]:
+    """The forward ops of one call (between its boundaries) whose outputs ``policy`` keeps."""
+    ops = [i for i in range(fwd_pre, fwd_post) if trace.events[i].kind is EventKind.OP
+           and not trace.events[i].backward]
+    flags = saved_flags(policy, [trace.events[i].op_class for i in ops])
+    return tuple(i for i, saved in zip(ops, flags, strict=True) if saved)
+
+
+def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[CheckpointedCall]:
     """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute)."""
     out = []
     by_module = trace.index.boundaries_by_module
-    for m in modules:
+    for item in modules:
+        m, policy = (item, None) if isinstance(item, str) else item
         pos: dict[tuple[EventKind, int], int] = {}
         for i in by_module.get(m, ()):
             e = trace.events[i]
@@ -47,8 +75,10 @@ def checkpointed_calls(trace: Trace, modules: Iterable[str]) -> list[Checkpointe
             bwd_pre, bwd_post = pos.get((EventKind.BWD_PRE, call)), pos.get((EventKind.BWD_POST, call))
             if bwd_pre is None or bwd_post is None or bwd_post < bwd_pre:
                 continue
-            out.append(CheckpointedCall(m, call, fwd_pre, pos[(EventKind.FWD_POST, call)], bwd_pre, bwd_post,
-                                        trace.events[fwd_pre].inputs_nbytes))
+            fwd_post = pos[(EventKind.FWD_POST, call)]
+            kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
+            out.append(CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post,
+                                        trace.events[fwd_pre].inputs_nbytes, policy, kept))
     return sorted(out, key=lambda c: c.fwd_pre)
 
 
@@ -90,8 +120,8 @@ def _in_loss_region(trace: Trace) -> list[bool]:
 def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
     """Change in activation bytes at each event (index ``len(events)``: after the final callback): saved in
     forward and freed when the saving module call's backward is done; under a checkpointed call, its inputs held
-    instead and its activations re-created at its pre-backward; in the loss region, its live bytes
-    (``loss_region_deltas``)."""
+    instead and its activations re-created at its pre-backward (op-level: with the outputs of its kept ops, held
+    from each until then, ``cache_deltas``); in the loss region, its live bytes (``loss_region_deltas``)."""
     deltas = loss_region_deltas(trace, scale)
     start_at = {c.fwd_pre: c for c in calls}
     fwd_pre, fwd_post, bwd_post = EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
@@ -127,4 +157,16 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
             deltas[i] -= saved_by.pop((e.module, e.call))
     for pos, nbytes in recreated.items():
         deltas[pos] += nbytes
+    return deltas + cache_deltas(trace, calls, scale)
+
+
+def cache_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
+    """What SAC's cache holds (``activation_deltas``' indexing): each kept op's outputs, from the op until its
+    call's pre-backward, where the recomputation takes them."""
+    deltas = np.zeros(len(trace.events) + 1)
+    for c in calls:
+        for i in c.kept:
+            nbytes = trace.events[i].out_nbytes * scale
+            deltas[i] += nbytes
+            deltas[c.bwd_pre] -= nbytes
     return deltas

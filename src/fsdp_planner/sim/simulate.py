@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
@@ -65,7 +66,7 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     groups = ctx.sizing.groups(plan)
     sched = schedule or build_schedule(trace, plan, ctx.world, [g.params for g in groups])
     gather = [g.gather_bytes for g in groups]
-    recompute = ctx.recompute(plan.activation_checkpointing)
+    recompute = ctx.recompute(plan_checkpointing(plan))
     if ctx.cluster.engine is Engine.HOST:
         times = simulate_host(ctx, plan, sched, gather, [len(g.params) for g in groups], recompute, timeline)
     else:

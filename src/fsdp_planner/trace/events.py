@@ -16,6 +16,18 @@ class EventKind(Enum):
     OP = "op"  # one aten op
 
 
+class OpClass(Enum):
+    """What an op-level selective checkpointing policy tells apart in an aten op (``trace/ops.op_class``): the
+    op classes of torchtitan's save lists, everything else OTHER."""
+
+    OTHER = 0
+    MM = 1  # aten.mm: what nn.Linear runs without a bias (every second one is recomputed)
+    SDPA = 2  # fused attention: flash or memory-efficient (attention.py runs them on planned tensors)
+    SDPA_MORE = 3  # cuDNN, math and "overrideable" SDPA: in torchtitan's later list only
+    REDUCE_SCATTER = 4  # _c10d_functional.reduce_scatter_tensor (tensor parallelism inside a block)
+    MAX = 5  # aten.max: float8's amax
+
+
 class Event(NamedTuple):
     """One step of the timeline: a module boundary or an op. (A NamedTuple: a trace holds hundreds of thousands.)"""
 
@@ -32,6 +44,8 @@ class Event(NamedTuple):
     # after it (the model's outputs, what the loss ops made and have not freed; ``recorder.LossRegion``)
     inputs_nbytes: int = 0  # FWD_PRE: bytes of the call's tensor inputs first seen here (what a checkpoint of
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
+    op_class: OpClass = OpClass.OTHER  # forward op: what a selective checkpointing policy sees (``OpClass``)
+    out_nbytes: int = 0  # forward op: bytes of its outputs' storages (what such a policy keeps when it saves it)
 
     @property
     def is_op(self) -> bool:

@@ -5,6 +5,7 @@ hook on every module, an identity autograd function on each call's grad-requirin
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.fsdp._common_utils import collect_grad_tensors, replace_grad_tensors
 
 from fsdp_planner.trace.bookkeeping import bookkeeping
+from fsdp_planner.trace.failures import mark
 from fsdp_planner.trace.leaves import ATOMS, flat_leaves
 from fsdp_planner.trace.step import Slot
 from fsdp_planner.trace.walk import ModuleWalk
@@ -103,6 +105,9 @@ class ModuleHooks:
         """FSDP2's pre-backward hook goes on the call's grad-requiring outputs (``collect_grad_tensors``)."""
         fqn = self.name[module]
         recorder = self.slot.recorder
+        failure = sys.exc_info()[1]
+        if failure is not None and output is None:  # always_call: the call raised (torch runs this in its except)
+            mark(failure, None, fqn, type(module).__name__)
         watched = self.watched.pop() if self.watched else None
         if watched is not None and any(t._version != v for t, v in zip(*watched, strict=True)):
             # an in-place op wrote the call's input (an alias sharing its version counter); with FSDP2's

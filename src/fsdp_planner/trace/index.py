@@ -13,10 +13,11 @@ import numpy as np
 
 from fsdp_planner.trace.events import Event, EventKind
 from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
-from fsdp_planner.trace.tree import ROOT, is_within
+from fsdp_planner.trace.tree import ROOT, is_within, proper_ancestors
 
 Call = tuple[str, int]  # (module, call number)
 CONTAINERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})
+NO_FORWARD = frozenset({"ModuleList", "ModuleDict"})  # containers nn.Module gives no forward
 
 
 class _Scan:
@@ -182,6 +183,30 @@ class TraceIndex:
             for p in params:
                 if p not in out and not any(is_within(module, o) for o in owners[p]):
                     out.add(p)
+        return frozenset(out)
+
+    @cached_property
+    def not_enclosing(self) -> frozenset[str]:
+        """Modules whose calls do not enclose every call below them: the ancestors of a module called outside its
+        parent (``called_outside_parent``). Hooks on such a module do not run around every use of its subtree."""
+        return frozenset(a for m in self.called_outside_parent for a in proper_ancestors(m))
+
+    @cached_property
+    def called_outside_parent(self) -> frozenset[str]:
+        """Modules called (forward, or a non-forward method) at least once while their parent module is not
+        running: a parent calling a grandchild directly (``self.layer.proc(x)``), or a shared module called through
+        its other parent. Hooks on an ancestor do not run around such a call."""
+        running: dict[str, int] = {}  # module -> its calls open now
+        out: set[str] = set()
+        for e in self._events:
+            if e.kind is EventKind.FWD_PRE:
+                # the nearest ancestor with a forward: a ModuleList/ModuleDict is never called, its parent calls
+                up = next((a for a in proper_ancestors(e.module) if self._modules[a].cls not in NO_FORWARD), ROOT)
+                if up != ROOT and not running.get(up):
+                    out.add(e.module)
+                running[e.module] = running.get(e.module, 0) + 1
+            elif e.kind is EventKind.FWD_POST:
+                running[e.module] -= 1
         return frozenset(out)
 
     # -- modules -----------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_planner.trace.events import OpClass
+from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.step import NullRecorder, Slot
 
@@ -27,6 +30,42 @@ _NO_TRAFFIC_OPS = {
     torch.ops.aten.empty_like.default,
     torch.ops.aten.empty_strided.default,
 }
+
+_aten = torch.ops.aten
+# The ops each ``OpClass`` stands for: torchtitan's save lists (``fsdp2/selective.py``) name them. The fused SDPA
+# kernels are what a GPU runs and what the trace sees (``attention.py`` runs them on planned tensors);
+# ``_scaled_dot_product_flash_attention_for_cpu`` is the same flash kernel on a CPU, where the runtime checks run:
+# classed with it so that a CPU run keeps what the GPU run keeps (torchtitan's list does not name it).
+_OP_CLASSES: dict[object, OpClass] = {
+    _aten.mm.default: OpClass.MM,
+    _aten._scaled_dot_product_flash_attention.default: OpClass.SDPA,
+    _aten._scaled_dot_product_efficient_attention.default: OpClass.SDPA,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default: OpClass.SDPA,
+    _aten._scaled_dot_product_cudnn_attention.default: OpClass.SDPA_MORE,
+    _aten._scaled_dot_product_attention_math.default: OpClass.SDPA_MORE,
+    _aten._scaled_dot_product_fused_attention_overrideable.default: OpClass.SDPA_MORE,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default: OpClass.REDUCE_SCATTER,
+    _aten.max.default: OpClass.MAX,
+}
+
+
+def op_class(func: object) -> OpClass:
+    """The class a selective checkpointing policy sees ``func`` (an aten OpOverload) as."""
+    return _OP_CLASSES.get(func, OpClass.OTHER)
+
+
+def op_names(classes: frozenset[OpClass]) -> list[str]:
+    """The aten ops (``namespace.name.overload``) of ``classes``, sorted: what exported code saves by name."""
+    return sorted(str(op) for op, cls in _OP_CLASSES.items() if cls in classes)
+
+
+def outputs_nbytes(flat_out: list) -> int:
+    """Bytes of the distinct storages of an op's tensor outputs: what keeping its outputs holds."""
+    seen: dict[StorageWeakRef, int] = {}
+    for t in flat_out:
+        if isinstance(t, torch.Tensor):
+            seen[StorageWeakRef(t.untyped_storage())] = t.untyped_storage().nbytes()
+    return sum(seen.values())
 
 
 class OpRecorder(TorchDispatchMode):
@@ -51,14 +90,11 @@ class OpRecorder(TorchDispatchMode):
         if type(self.slot.recorder) is NullRecorder or func.namespace == "prim":
             # the tracer's own tensors (replayed calls), or a metadata query (prim.device on a fake tensor): no op
             return func(*args, **kwargs)
-        if self.sync is None:
-            out = func(*args, **kwargs)
-        else:
-            self.sync()
-            start = time.perf_counter()
-            out = func(*args, **kwargs)
-            self.sync()
-            self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
+        try:
+            out = self._run(func, args, kwargs)
+        except Exception as e:
+            mark(e, op_name(func), self.slot.recorder.current_module())
+            raise
         flat_in = flat_leaves(args, kwargs)
         flat_out = flat_leaves((out,))
         if self.slot.produced is not None:
@@ -86,7 +122,24 @@ class OpRecorder(TorchDispatchMode):
         if recorder.outside_modules():
             recorder.loss.track(flat_out)
             live = recorder.loss.current
-        recorder.op(tuple(sorted(used)), flops, nbytes, live)
+        if recorder.backward:
+            recorder.op(tuple(sorted(used)), flops, nbytes, live)
+        else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out))
+        return out
+
+    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """The op itself (timed when measuring), refused first where a real kernel would refuse it and a meta
+        kernel would not (``failures.check_operand_dtypes``; forward only: backward follows what forward did)."""
+        if not self.slot.recorder.backward:
+            check_operand_dtypes(func, args)
+        if self.sync is None:
+            return func(*args, **kwargs)
+        self.sync()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
         return out
 
 

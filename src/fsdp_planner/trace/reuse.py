@@ -37,6 +37,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from fsdp_planner.trace.bookkeeping import bookkeeping
+from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
 from fsdp_planner.trace.walk import ModuleWalk
 
@@ -132,6 +133,10 @@ class ActionLog(StepRecorder):
         self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
         self.inner_outputs: list[torch.Tensor] = []  # grad-requiring outputs of the calls inside
 
+    def current_module(self) -> str:
+        """The innermost module call running inside this one, else this one's module: where a failing op ran."""
+        return self.fwd_stack[-1] if self.fwd_stack else self.prefix[:-1]
+
     def _rel(self, fqn: str) -> str:
         if not fqn.startswith(self.prefix):
             self.template.reusable = False  # a module held outside the subtree
@@ -144,6 +149,7 @@ class ActionLog(StepRecorder):
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         self._log(("fwd_pre", self._rel(fqn), grad_inputs, inputs_nbytes))
+        self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         return call
 
     def modified_input(self, fqn: str) -> None:
@@ -151,6 +157,7 @@ class ActionLog(StepRecorder):
 
     def exit_forward(self, fqn: str) -> int:
         self._log(("fwd_post", self._rel(fqn)))
+        self.fwd_stack.pop()
         return self.calls[fqn] - 1
 
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -165,7 +172,8 @@ class ActionLog(StepRecorder):
     def outside_modules(self) -> bool:
         return False  # a template is one module call: nothing in it is outside the model
 
-    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0) -> None:
+    def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0) -> None:
         slots = []
         for p in params:
             if p not in self.param_name:
@@ -175,7 +183,7 @@ class ActionLog(StepRecorder):
                 self.slots[p] = len(self.template.params)
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
-        self._log(("op", tuple(slots), flops, nbytes))
+        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
@@ -512,7 +520,8 @@ class BlockReuse:
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
-    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes), ...]) action, their param slots
+    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes), ...])
+    action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""
     rank = [r.params[n] for n in template.params]
@@ -522,7 +531,7 @@ def _compile_ops(template: Template, r: _Repeated) -> None:
             if a[0] != "op":
                 merged.append(a)
                 continue
-            op = (tuple(sorted(a[1], key=rank.__getitem__)), a[2], a[3])
+            op = (tuple(sorted(a[1], key=rank.__getitem__)), *a[2:])
             if merged and merged[-1][0] == "ops":
                 merged[-1][1].append(op)
             else:
@@ -535,7 +544,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
     for action in actions:
         kind = action[0]
         if kind == "ops":
-            main.ops([(tuple([params[i] for i in slots]), flops, nbytes) for slots, flops, nbytes in action[1]])
+            main.ops([(tuple([params[i] for i in slots]), *rest) for slots, *rest in action[1]])
         elif kind == "fwd_pre":
             main.enter_forward(prefix + action[1], action[2], action[3])
         elif kind == "fwd_post":

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from fsdp_planner.batch import paused_gc
-from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
@@ -38,8 +38,14 @@ from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
-from fsdp_planner.planners.auto.candidates import ModuleTreeCuts, classic_baselines, classic_plans, frugal_and_dp
-from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator, Target
+from fsdp_planner.planners.auto.candidates import (
+    ModuleTreeCuts,
+    classic_baselines,
+    classic_plans,
+    frugal_and_dp,
+    root_plan,
+)
+from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.options import SimOptions
@@ -68,10 +74,12 @@ class Search:
         self.deferred: list[Callable[[], None]] = []  # frugal plans not simulated (they could not rank)
 
     def min_peak(self) -> int:
-        """The lowest peak memory any candidate reaches, the frugal plans included (simulated now if skipped)."""
+        """The lowest peak memory any candidate that runs and the target can express reaches, the frugal plans
+        included (simulated now if skipped). A plan that cannot run is no floor: a budget between its peak and the
+        real floor would be refused as reachable."""
         while self.deferred:
             self.deferred.pop()()
-        return min(c.report.reserved_memory for c in self.ev.seen)
+        return min(c.report.reserved_memory for c in self.ev.ranked())
 
     def granularities(self) -> list[list[Atom]]:
         """The atom lists to search over: whole blocks and single modules (one list when the model has no blocks)."""
@@ -139,6 +147,8 @@ class AutoPolicy:
     options: SimOptions = field(default_factory=SimOptions)
     search_effort: int | None = None  # plans the local refinement may simulate; None: ``default_search_effort``
     checkpointing: ACMode | None = None  # activation checkpointing fixed for every plan; None: auto chooses
+    # (in full, among none, the fewest leading blocks and all; op-level selective only when fixed, ``--ac op``)
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # with checkpointing op: what op-level checkpointing saves
     mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
     name: str = "auto"
     choose_memory_options: bool = True  # when nothing fits: try dim-1 sharding and CPU offload (module docstring)
@@ -219,17 +229,21 @@ class AutoPolicy:
         """An evaluator on ``mesh`` (``shared``: a search of the same model whose layout-free costs are reused),
         checkpointing what ``checkpointing`` fixes."""
         fixed = checkpointed_blocks(trace, self.checkpointing) if self.checkpointing is not None else []
+        op = self.checkpointing is ACMode.OP
         return Evaluator(trace, self.cluster, self.options, self.target, model, budget, mesh,
-                         shared.ev.ctx if shared else None, checkpointed=fixed)
+                         shared.ev.ctx if shared else None, checkpointed=[] if op else fixed,
+                         selective=dict.fromkeys(fixed, self.sac_policy) if op else None)
 
     def _labelled(self, plan: Plan, ev: Evaluator) -> Plan:
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
+        op = f", ac op {self.sac_policy.value}" if self.checkpointing is ACMode.OP else ""
         opts = self.options
         plan = with_memory_options(plan, ev.trace, ev.ctx.shard, opts.offload, opts.shard_placement,
                                    opts.reduce_dtype.value if opts.reduce_dtype else "")
         memory = (", offload" if plan.offload else "") + (", shard dim 1" if plan.shard_dims else "")
         return plan.copy(policy=(f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
-                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{memory})"), model=ev.model)
+                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{op}{memory})"),
+                         model=ev.model)
 
     def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
                        ) -> tuple[dict[Mesh, Evaluator], dict[str, Candidate]]:
@@ -249,10 +263,17 @@ class AutoPolicy:
             # each layout's search chooses its own checkpointing: the screening's setting stays on a view
             base = first.ev if flat else self._evaluator(trace, model, budget, mesh, first)
             ev, baselines = self._fitting_baselines(base, trace, plans)
+            if flat and not baselines:  # no classic plan runs: screen with the root's plan, which does
+                plans = {ROOT_ONLY: root_plan(trace, model)}
+                ev, baselines = self._fitting_baselines(base, trace, plans)
             if flat:
-                best = min(baselines, key=lambda k: ev.key(baselines[k]))
-                plans = {best: plans[best]}
-            screen.append((ev.key(ev.best()), base, ev.best()))
+                best = min(baselines, key=lambda k: ev.key(baselines[k]), default=None)
+                plans = {best: plans[best]} if best is not None else {}
+            ranked = ev.ranked()  # empty: not even the root's plan runs (the flat layout's search says why)
+            if ranked:
+                screen.append((ev.key(ranked[0]), base, ranked[0]))
+        if not screen:
+            return {first.ev.ctx.mesh: first.ev}, {}
         screen.sort(key=lambda x: x[0])
         fastest = screen[0][2].report.step_time
         searched = [ev for i, (key, ev, c) in enumerate(screen[:MESH_SEARCHES])
@@ -266,7 +287,7 @@ class AutoPolicy:
         does and auto chooses the checkpointing; the evaluator they were simulated with."""
         baselines = classic_baselines(ev, plans)
         blocks = block_instances(trace)
-        if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
+        if self.checkpointing is None and blocks and baselines and ev.best().report.reserved_memory > ev.budget:
             ev = ev.checkpointing(blocks[:self._fewest_checkpointed(ev, blocks, baselines)])
             baselines = classic_baselines(ev, plans)
         return ev, baselines
@@ -308,6 +329,9 @@ class AutoPolicy:
         ``could_rank`` skip the cuts with thousands of groups (a per-leaf cut of a 10,000-module model costs more
         than all DP plans together)."""
         classics = classic_baselines(ev, search.classics)
+        if self.target is Target.FSDP2 and len(ev.trace.index.trainable_dtypes) > 1:
+            # the size cuts hold the root-only plan, but with several dtypes it has groups that must not reshard
+            ev.evaluate(root_plan(ev.trace, ev.model), ROOT_ONLY)
         if self.target is Target.FSDP2:
             for atoms in granularities:
                 deferred = frugal_and_dp(ev, atoms)

@@ -14,7 +14,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.auto.atoms import Atom, Pin, coarsen
-from fsdp_planner.planners.auto.evaluator import Candidate, Evaluator
+from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.planners.order import ExecutionOrderPolicy
 from fsdp_planner.sim.compute import traced_itemsize
@@ -27,19 +27,33 @@ DP_ATOM_LIMIT = 512  # atoms the DP works on at most (finer models are coarsened
 
 def classic_plans(trace: Trace, model: str) -> dict[str, Plan]:
     """The four classic policies' plans with their defaults (they do not depend on the layout: built once per
-    search and evaluated on every mesh); a policy the model cannot use (no repeated block) is left out."""
+    search and evaluated on every mesh); a policy the model cannot use (no repeated block) is left out. Built
+    unchecked: the evaluator finds those that cannot run (``classic_baselines`` leaves them out), with the schedule
+    it simulates anyway."""
     out = {}
     for policy in (ModuleWrapPolicy(), SizeBasedPolicy(), TorchtitanPolicy(), ExecutionOrderPolicy()):
         try:
-            out[policy.name] = policy.plan(trace, model)
+            out[policy.name] = policy.build(trace, model)
         except PlannerError:
             continue
     return out
 
 
+def root_plan(trace: Trace, model: str) -> Plan:
+    """Every param on the root group but those FSDP2 needs in groups of another dtype (``split_by_dtype``), which
+    stay unsharded after forward like the root: the plan holding params unsharded the longest, so the one a model
+    reading params outside their modules' forward is likeliest to run with."""
+    plan = make_plan(trace, [], policy=ROOT_ONLY, model=model)
+    for g in plan.inner_groups:
+        g.reshard_after_forward = False
+    return plan
+
+
 def classic_baselines(ev: Evaluator, plans: dict[str, Plan]) -> dict[str, Candidate]:
-    """The classic plans simulated on ``ev``'s mesh."""
-    return {name: ev.evaluate(plan, plan.policy or name) for name, plan in plans.items()}
+    """The classic plans simulated on ``ev``'s mesh, but those FSDP2 could not run (``validity.py``): no baseline,
+    as in the CLI's comparison (the evaluator keeps them, never ranked)."""
+    tried = {name: ev.evaluate(plan, plan.policy or name) for name, plan in plans.items()}
+    return {name: c for name, c in tried.items() if c.runs}
 
 
 class ModuleTreeCuts:

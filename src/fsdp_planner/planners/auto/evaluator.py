@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fsdp_planner.choices import Target
+from fsdp_planner.choices import SacPolicy, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
@@ -23,6 +23,9 @@ from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import proper_ancestors
 
+# the plan keeping every param on the root group (unsharded from the root's forward to the end of backward) but
+# those FSDP2 needs in groups of another dtype, kept unsharded after forward (``candidates.root_plan``)
+ROOT_ONLY = "root only"
 REFINE_STARTS = 3  # refinement starts from this many of the best plans
 ROOT_SLACK = 1e-3  # a plan whose root manages nothing is preferred within this fraction of the best step time
 GROUP_SLACK = 5e-3  # then the plan with the fewest groups within this fraction (``Refiner.prefer_fewer_groups``)
@@ -35,16 +38,18 @@ class Candidate:
     report: StepReport
     origin: str  # where it came from: a classic policy, "dp(cap)", "frugal", a refinement
     runs: bool = True  # False: some op would read a param while its group is sharded (``validity.py``)
+    why: str = ""  # when it does not run: the first such read, described
 
 
 class Evaluator:
     """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen against ``budget``
-    (bytes per rank). ``checkpointed``: the modules every plan it builds checkpoints, each unless a group lies
-    inside it; ``checkpointing`` gives the same evaluator under another setting, sharing what was simulated."""
+    (bytes per rank). ``checkpointed``: the modules every plan it builds checkpoints in full, each unless a group
+    lies inside it (``selective``: op-level, with their policies); ``checkpointing`` gives the same evaluator
+    under another setting of the full ones, sharing what was simulated."""
 
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str, budget: int,
                  mesh: Mesh | None = None, like: SimContext | None = None,
-                 checkpointed: Sequence[str] = ()) -> None:
+                 checkpointed: Sequence[str] = (), selective: Mapping[str, SacPolicy] | None = None) -> None:
         """``like``: the context of a search of the same model on another layout, whose layout-free parts are
         shared (``SimContext.on_mesh``)."""
         self.trace, self.cluster, self.target, self.model = trace, cluster, target, model
@@ -53,6 +58,7 @@ class Evaluator:
         self.mesh = self.ctx.mesh if self.ctx.mesh.replicate > 1 else None  # what the plans carry
         self.budget = budget
         self.checkpointed = list(checkpointed)
+        self.selective = dict(selective or {})
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
         self.compressed: dict[tuple[str, ...], list[str]] = {}  # a segment's modules -> its group's (``build``)
@@ -77,9 +83,9 @@ class Evaluator:
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             group_params = self.ctx.sizing.group_params(plan)
             schedule = build_schedule(self.trace, plan, self.ctx.world, group_params)
-            runs = not sharded_reads(self.trace, plan, schedule, group_params)
+            bad = sharded_reads(self.trace, plan, schedule, group_params)
             c = Candidate(plan, simulate(self.trace, plan, context=self.ctx, schedule=schedule, timeline=False),
-                          origin, runs)
+                          origin, not bad, bad[0].describe(plan) if bad else "")
             self.seen.append(c)
             self.cache[key] = c
         return self.cache[key]
@@ -87,11 +93,14 @@ class Evaluator:
     def with_checkpointing(self, plan: Plan) -> Plan:
         """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside (FSDP2's hooks on
         an inner group would run again in the recomputation, which the model does not replay)."""
-        if not self.checkpointed and not plan.activation_checkpointing:
+        if not (self.checkpointed or self.selective or plan.activation_checkpointing or plan.selective_checkpointing):
             return plan
         blocked = {a for g in plan.groups for m in g.modules for a in proper_ancestors(m)}
         ac = [m for m in self.checkpointed if m not in blocked]
-        return plan if ac == plan.activation_checkpointing else plan.copy(activation_checkpointing=ac)
+        sac = {m: p for m, p in self.selective.items() if m not in blocked}
+        if ac == plan.activation_checkpointing and sac == plan.selective_checkpointing:
+            return plan
+        return plan.copy(activation_checkpointing=ac, selective_checkpointing=sac)
 
     def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
         """Whether a plan of these groups could be chosen, or start a refinement. FSDP2 all-gathers a group at
@@ -164,8 +173,10 @@ class Evaluator:
             raise PlannerError("no plan FSDP1 can express: every candidate unit mixes dtypes or requires_grad in one "
                                "flat parameter; use target fsdp2")
         if not valid:
-            raise PlannerError("no candidate plan runs: every one reads a param while its group is sharded (the "
-                               "model calls modules outside their parents' forward); report this model")
+            held = next((c for c in self.seen if c.origin == ROOT_ONLY), None)  # params unsharded the longest
+            why = f": even keeping its params on the root (and the groups FSDP2 needs for another dtype unsharded " \
+                  f"after forward), {held.why}" if held else ""
+            raise PlannerError(f"no candidate plan runs: every one reads a param while its group is sharded{why}")
         return min(valid, key=self.key)
 
     def ranked(self) -> list[Candidate]:

@@ -1,0 +1,75 @@
+"""The step traced at a precision: the package's public ``trace``, which every command calls too, so the Python
+API and the command line share one default (the CLI's ``--precision``) and give the same figures.
+
+The simulator sizes activations and traffic from the trace at the precision's compute dtype: a step traced in
+fp32 and simulated under bf16-mixed would scale every activation by half, upcasts included, and give another step
+time and peak than the command line. A model that cannot run in the compute dtype (a float32 tensor built in the
+forward and multiplied with bfloat16 activations) is a verdict, not a detail: the real mixed-precision run crashes
+the same way, so it is a ``PrecisionError`` that names the op, the module and the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_planner.choices import DEFAULT_PRECISION
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.sim.options import precision_named
+from fsdp_planner.trace.failures import failed_at, first_line
+from fsdp_planner.trace.recorder import trace as record
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT
+
+
+class PrecisionError(PlannerError):
+    """The step runs in the model's own dtypes but fails in the precision's compute dtype. ``own_dtypes`` is the
+    step traced in the model's own dtypes (``check`` reports its other findings on it)."""
+
+    def __init__(self, precision: Precision, cause: Exception, own_dtypes: Trace) -> None:
+        self.precision, self.own_dtypes = precision, own_dtypes
+        self.failed = failed_at(cause)
+        self.module = self.failed.module if self.failed is not None else ROOT
+        dtype = str(precision.trace_dtype).removeprefix("torch.")
+        where = f"{self.failed.describe()} raised " if self.failed is not None else ""
+        self.problem = (f"the step fails in {dtype}, the compute dtype of precision '{precision.name}': "
+                        f"{where}{type(cause).__name__}: {first_line(cause)}")
+        self.fix = ("cast in forward, so the op's operands share a dtype (build tensors with dtype=x.dtype, or "
+                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), or plan with "
+                    "--precision fp32")
+        super().__init__(f"{self.problem}; {self.fix}")
+
+
+def resolve_precision(precision: Precision | str) -> Precision:
+    """A precision given by name (``PRECISIONS``) or as itself."""
+    return precision_named(precision) if isinstance(precision, str) else precision
+
+
+def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+          precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True) -> Trace:
+    """One training step of ``model`` traced on meta/fake tensors as FSDP2 runs it under ``precision`` (a name
+    such as ``'bf16-mixed'`` or ``'fp32'``, or a ``Precision``; the default is the command line's).
+
+    Params and floating inputs are cast to the precision's compute dtype, as ``MixedPrecisionPolicy`` casts them,
+    so what the model upcasts is recorded at its real size and ``simulate`` with the same precision gives the
+    command line's figures. A step that fails in that dtype but runs in the model's own dtypes raises
+    ``PrecisionError`` (the real run would crash); one that fails in both raises what the model raised.
+    ``fsdp_planner.trace.trace`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
+    real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
+    no memory.
+    """
+    precision = resolve_precision(precision)
+    dtype = precision.trace_dtype
+    try:
+        return record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype)
+    except Exception as e:
+        if dtype is None:
+            raise
+        cause = e
+    # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
+    own = record(model, example_inputs, loss_fn, reuse=reuse)
+    raise PrecisionError(precision, cause, own) from cause
