@@ -131,7 +131,8 @@ class SimOptions:
 def plan_options(plan: Plan, options: SimOptions) -> SimOptions:
     """The options a plan runs under: what it records (offload, dims other than 0, the reduce dtype) added to
     ``options``. A plan's ``shard_dims`` are simulated as ``ShardPlacement.AUTO``'s rule (``check_shard_dims``)."""
-    reduce = ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else options.reduce_dtype
+    # the user's --reduce-dtype (already in ``options.precision``) wins over the one the plan recorded
+    reduce = options.reduce_dtype or (ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
     return replace(options, offload=options.offload or plan.offload,
                    shard_placement=ShardPlacement.AUTO if plan.shard_dims else options.shard_placement,
                    precision=with_reduce_dtype(options.precision, reduce), reduce_dtype=reduce)
