@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if request.out is not None:
         write_atomic(request.out, plans[0].to_json() + "\n")
     if request.json:
-        doc = {**_json(request.model.name, tr, rows, auto),
+        doc = {**_json(request, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
         if request.explain and auto is not None and not no_fit:
             doc["auto"]["explanation"] = [_explanation(r) for r in explain(auto)]
@@ -130,11 +130,17 @@ def _explanation(r: GroupExplanation) -> dict[str, Any]:
             "alternative_step": r.alternative_step, "alternative_reserved": r.alternative_peak}
 
 
-def _json(model: str, tr: Trace, rows: list[Row], auto: AutoResult | None) -> dict[str, Any]:
+def _json(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | None) -> dict[str, Any]:
+    budget = request.budget
+
+    def simulation(r: StepReport | None) -> dict[str, Any]:
+        if r is None:
+            return {}
+        return {"simulation": r.summary(), **({"budget": budget.to_dict(r.reserved_memory)} if budget else {})}
+
     out: dict[str, Any] = {
-        "model": {"name": model, "fingerprint": tr.fingerprint, "numel": tr.numel},
-        "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **({"simulation": r.summary()} if r else {})}
-                  for p, m, r in rows],
+        "model": {"name": request.model.name, "fingerprint": tr.fingerprint, "numel": tr.numel},
+        "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **simulation(r)} for p, m, r in rows],
     }
     if auto is not None:
         out["auto"] = {"budget": auto.budget, "budget_source": auto.budget_source, "fits": auto.fits,
@@ -148,9 +154,11 @@ def _print(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | 
     console.print(render.model_line(request.model.label(), tr))
     if len(rows) == 1:
         console.print(render.groups_table(rows[0][0], tr))
-    capacity = cluster.gpu.memory_bytes if cluster is not None else None
     dtype = render.metrics_dtype(tr, request.options.precision if cluster is not None else None)
-    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, capacity, dtype))
+    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, request.budget, dtype))
+    report = rows[0][2]
+    if len(rows) == 1 and report is not None and request.budget is not None:
+        console.print(render.margin_line(report.reserved_memory, request.budget), highlight=False)
     if auto is None:
         return
     console.print(render.auto_line(auto), highlight=False)

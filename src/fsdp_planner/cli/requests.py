@@ -31,6 +31,7 @@ from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, planning_only
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
+from fsdp_planner.sim.budget import Headroom, MemoryBudget, parse_headroom
 from fsdp_planner.sim.options import SimOptions
 
 DEFAULT_AUTO_CLUSTER = "h100:8"  # plan --policy auto without --cluster (or h100 with --mesh's rank count)
@@ -68,6 +69,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--min-nonwrapped-numel": ("min_nonwrapped_numel", (PolicyName.SIZE,)),
     "--target-bytes": ("target_bytes", (PolicyName.ORDER,)),
     "--memory-budget": ("memory_budget", (PolicyName.AUTO,)),
+    "--headroom": ("headroom", (PolicyName.AUTO,)),
     "--search-effort": ("search_effort", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
     "--ac": ("ac", tuple(PolicyName)),
@@ -87,26 +89,52 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
                            f"{cut_short(args.min_nonwrapped_numel)}")
     target_bytes = size_or_none(args.target_bytes, "--target-bytes")
     budget = size_or_none(args.memory_budget, "--memory-budget")
+    headroom = headroom_or_none(args)
     return PolicyRequest(
         policy,
         module_classes=classes if policy in (PolicyName.MODULE, PolicyName.TITAN) else (),
         min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
         target_bytes=target_bytes if policy is PolicyName.ORDER else None,
         memory_budget=budget if policy is PolicyName.AUTO else None,
+        headroom=headroom if policy is PolicyName.AUTO else None,
         search_effort=args.search_effort if policy is PolicyName.AUTO else None,
         target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
         checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None,
         mesh=Mesh.parse(args.mesh) if getattr(args, "mesh", None) else None)
 
 
+def headroom_or_none(args: argparse.Namespace) -> Headroom | None:
+    """``--headroom``, read; refused beside ``--memory-budget``, which is a budget taken as given."""
+    text = getattr(args, "headroom", None)
+    if text is None:
+        return None
+    if getattr(args, "memory_budget", None) is not None:
+        raise PlannerError("give --memory-budget or --headroom, not both: an explicit budget is taken as given, "
+                           "no headroom taken off it")
+    return parse_headroom(text)
+
+
+def memory_budget(args: argparse.Namespace, cluster: Cluster) -> MemoryBudget:
+    """What every fits verdict of the command compares a plan's reserved peak with: ``--memory-budget`` as given,
+    else one GPU of ``cluster`` less ``--headroom``."""
+    gpu = cluster.gpu
+    given = size_or_none(getattr(args, "memory_budget", None), "--memory-budget")
+    if given is not None:
+        return MemoryBudget.explicit(given, gpu.memory_bytes, gpu.name)
+    return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, headroom_or_none(args))
+
+
 def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: str = "",
-                 plan_file: bool = False) -> list[str]:
+                 plan_file: bool = False, budgeted: bool = False) -> list[str]:
     """One ``note:`` line per policy option the user gave that none of ``policies`` reads (all of them with
-    ``plan_file``); ``why`` says what the command runs instead, e.g. 'with --policy order'."""
+    ``plan_file``); ``why`` says what the command runs instead, e.g. 'with --policy order'. ``budgeted``: the
+    command judges its plans against ``--memory-budget`` whatever the policy (plan and simulate on a cluster)."""
     ran = set(policies)
     notes = []
     for option, (attr, readers) in POLICY_OPTIONS.items():
         if getattr(args, attr, None) is None or (ran & set(readers) and not plan_file):
+            continue
+        if option in ("--memory-budget", "--headroom") and budgeted:
             continue
         if plan_file:
             fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else "the groups"
@@ -177,6 +205,7 @@ class PlanRequest:
     full_trace: bool
     default_cluster: str | None  # auto's cluster when none was given (said on stderr)
     notes: tuple[str, ...]  # what the user asked for that this run does not use, one note each
+    budget: MemoryBudget | None = None  # what the plans' fits verdicts and margins are against (with a cluster)
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
@@ -198,14 +227,15 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
     notes = _plan_notes(args, [p.name for p in policies], cluster is not None)
     measure = args.measure and not any(n.startswith("--measure") for n in notes)
     return PlanRequest(model_spec(args), PolicyName(args.policy) if args.policy else None, tuple(policies), cluster,
-                       options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes))
+                       options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes),
+                       memory_budget(args, cluster) if cluster is not None else None)
 
 
 def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:
     """What the user asked for that this ``plan`` does not use, one note each."""
     why = (f"with --policy {args.policy}" if args.policy
            else "without --cluster (the comparison includes auto only when a cluster is given)")
-    notes = policy_notes(args, ran, why)
+    notes = policy_notes(args, ran, why, budgeted=simulated)
     if not simulated:
         # (--precision is read without a cluster too: the model is traced in its compute dtype)
         given = [opt for opt, value, default in (("--mfu", args.mfu, DEFAULT_MFU),
