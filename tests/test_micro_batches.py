@@ -4,14 +4,17 @@ reduce-scatters only in the last, the accumulated unsharded grads in memory."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
+from fsdp_planner.cli import main
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
-from fsdp_planner.sim.accumulation import simulate_micro_batches
-from fsdp_planner.sim.memory import GradSync
+from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
@@ -37,7 +40,7 @@ def test_collectives_and_peak_match_real_fsdp2(model, policy, precision, micro_b
     plan = make_policy(PolicyRequest(PolicyName(policy))).plan(tr, model)
     cluster = parse_cluster(f"h100:{WORLD}")
     one = simulate(tr, plan, cluster, options, timeline=False)
-    predicted = simulate_micro_batches(tr, plan, micro_batches, cluster, options)
+    predicted = simulate(tr, plan, cluster, replace(options, micro_batches=micro_batches), timeline=False)
     measured = run_fake_world(spec, plan, WORLD, options.precision, micro_batches=micro_batches)
     assert predicted.all_gathers == measured.counts["all_gather"] == micro_batches * one.all_gathers
     assert predicted.reduce_scatters == measured.counts["reduce_scatter"] == one.reduce_scatters
@@ -55,18 +58,43 @@ def test_time_is_the_micro_batches_with_one_set_of_reduce_scatters():
     plan = make_policy(PolicyRequest(PolicyName.TITAN)).plan(tr, "toy-llama")
     cluster = parse_cluster("h100:64")
     one = simulate(tr, plan, cluster, options, timeline=False)
-    four = simulate_micro_batches(tr, plan, 4, cluster, options)
+    four = simulate(tr, plan, cluster, replace(options, micro_batches=4), timeline=False)
     assert four.compute_time == pytest.approx(4 * one.compute_time)
     assert four.comm_time["reduce_scatter"] == pytest.approx(one.comm_time["reduce_scatter"])
     assert four.comm_time["all_gather"] == pytest.approx(4 * one.comm_time["all_gather"])
     assert 3 * one.compute_time < four.step_time <= 4 * one.step_time * (1 + 1e-9)
 
 
-def test_one_micro_batch_is_the_plain_step():
-    options = SimOptions()
-    tr = _traced(ModelSpec("seed-net", None, None), options)
-    plan = make_policy(PolicyRequest(PolicyName.ORDER)).plan(tr, "seed-net")
-    cluster = parse_cluster("h100:8")
-    assert simulate_micro_batches(tr, plan, 1, cluster, options) == simulate(tr, plan, cluster, options,
-                                                                             timeline=False)
-    assert [p.value for p in (GradSync.FIRST, GradSync.LAST)] == ["first", "last"]
+def test_the_micro_batches_whose_memory_differs():
+    assert micro_batch_phases(1) == (GradSync.ONLY,)
+    assert micro_batch_phases(2) == (GradSync.FIRST, GradSync.LAST)
+    assert micro_batch_phases(8) == (GradSync.FIRST, GradSync.MIDDLE, GradSync.LAST)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--micro-batches", "2"), "give --batch, a multiple of 2"),
+    (("--batch", "4", "--micro-batches", "3"), "--micro-batches 3 must divide --batch 4"),
+    (("--batch", "4", "--micro-batches", "0"), "--micro-batches must be from 1"),
+    (("--batch", "4", "--micro-batches", "two"), "--micro-batches"),
+])
+def test_bad_micro_batches_are_one_sentence(capsys, args, message):
+    assert main(["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_micro_batches_simulate_and_fake_world_check(capsys):
+    """--batch is the step's per-GPU batch: 2 micro-batches of 2 all-gather twice as often as one step of 2, and
+    the fake-world check runs them with real FSDP2 and passes."""
+    base = ["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--json"]
+    assert main([*base, "--batch", "2"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*base, "--batch", "4", "--micro-batches", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["micro_batches"] == 2 and two["all_gathers"] == 2 * one["all_gathers"]
+    assert two["reduce_scatters"] == one["reduce_scatters"] and two["peak_memory"] > one["peak_memory"]
+    assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "8", "--batch", "4",
+                 "--micro-batches", "2", "--json"]) == 0
+    check = json.loads(capsys.readouterr().out)
+    assert check["ok"] and check["micro_batches"] == 2
+    assert check["measured"]["all_gathers"] == two["all_gathers"]

@@ -103,6 +103,14 @@ def add_model(sp: argparse.ArgumentParser) -> None:
                          "traced once, which assumes its forward depends only on its own state and arguments")
 
 
+def add_micro_batches(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--micro-batches", metavar="N",
+                    help="gradient accumulation: split --batch (then the per-GPU batch of the optimizer step) into N "
+                         "micro-batches of --batch/N, each a forward + backward, with "
+                         "set_requires_gradient_sync(False) on all but the last (reduce-scatters in its backward "
+                         "only); default 1")
+
+
 def add_plan_source(sp: argparse.ArgumentParser) -> None:
     add_model(sp)
     sp.add_argument("--plan", help="plan JSON file (from plan --out)")

@@ -101,6 +101,12 @@ def note(text: str) -> None:
     notes.print(f"note: {text}", highlight=False, markup=False)
 
 
+def workload_label(label: str, micro_batches: int) -> str:
+    """A model's label with its workload, and the micro-batches of its step when more than one (the label's batch
+    is then one micro-batch's)."""
+    return f"{label} per micro-batch, {micro_batches} micro-batches a step" if micro_batches > 1 else label
+
+
 def model_line(name: str, tr: Trace) -> str:
     return (f"[bold]{escape(name)}[/bold]: {fmt_count(tr.numel, 'param')} ({fmt_bytes(tr.nbytes)}), "
             f"{fmt_count(len(tr.modules), 'module')}, "
@@ -154,7 +160,9 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
             t.add_column(col, justify="right")
     for plan, m, report in rows:
         cells = [escape(plan.policy), str(m.groups), fmt_numel(m.root_numel),
-                 str(len(plan.activation_checkpointing) or "-"), str(m.all_gathers), str(m.reduce_scatters),
+                 str(len(plan.activation_checkpointing) or "-"),
+                 str(report.all_gathers if report else m.all_gathers),  # the step's: every micro-batch gathers
+                 str(report.reduce_scatters if report else m.reduce_scatters),
                  fmt_bytes(report.all_gather_bytes if report else m.all_gather_bytes),
                  fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:

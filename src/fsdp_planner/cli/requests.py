@@ -23,7 +23,7 @@ from fsdp_planner.choices import (
     Target,
     ZeroGrad,
 )
-from fsdp_planner.cli.options import MAX_NUMEL, MAX_TOKENS, MIN_MFU
+from fsdp_planner.cli.options import MAX_BATCH, MAX_NUMEL, MAX_TOKENS, MIN_MFU
 from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
@@ -150,12 +150,31 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """The model and the workload (``--batch``, ``--seq``) the command runs."""
+    """The model and the workload (``--batch``, ``--seq``) the command runs: with ``--micro-batches N``, one
+    micro-batch's (``--batch`` / N)."""
     batch, seq = getattr(args, "batch", None), getattr(args, "seq", None)
     if batch is not None and seq is not None and batch * seq > MAX_TOKENS:
         raise PlannerError(f"--batch {batch:,} x --seq {seq:,} is {batch * seq:,} tokens per rank; at most "
                            f"{MAX_TOKENS:,} are supported")
-    return ModelSpec(args.model, batch, seq)
+    n = micro_batches(args)
+    return ModelSpec(args.model, batch // n if batch is not None else None, seq)
+
+
+def micro_batches(args: argparse.Namespace) -> int:
+    """``--micro-batches N``, checked: a whole number dividing ``--batch``, which it needs (1 when not given)."""
+    text = getattr(args, "micro_batches", None)
+    if text is None:
+        return 1
+    n = parse_count(text, "--micro-batches")
+    if not 1 <= n <= MAX_BATCH:
+        raise PlannerError(f"--micro-batches must be from 1 to {MAX_BATCH:,}, got {cut_short(text)}")
+    batch = getattr(args, "batch", None)
+    if n > 1 and batch is None:
+        raise PlannerError(f"--micro-batches {n} splits --batch, the per-GPU batch of the step: give --batch, a "
+                           f"multiple of {n}")
+    if n > 1 and batch % n:
+        raise PlannerError(f"--micro-batches {n} must divide --batch {batch:,} (each micro-batch is --batch / N)")
+    return n
 
 
 def plan_source(args: argparse.Namespace) -> PlanSource:
@@ -179,7 +198,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     if not MIN_MFU <= args.mfu <= 1:  # NaN too
         raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
                            f"{args.mfu:g}")
-    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad)
+    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args))
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
@@ -363,7 +382,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
-    options = SimOptions.named(args.precision, zero_grad=args.zero_grad)
+    options = SimOptions.named(args.precision, zero_grad=args.zero_grad, micro_batches=micro_batches(args))
     check_precision(options.precision)
     source = plan_source(args)
     cluster = parse_cluster(args.cluster or f"h100:{world}")

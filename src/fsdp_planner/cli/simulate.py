@@ -14,11 +14,13 @@ from fsdp_planner.cli.requests import (
     PlanSource,
     compare_source,
     memory_budget,
+    micro_batches,
     model_spec,
     plan_source,
     policy_notes,
     sim_options,
 )
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.report.step_view import StepView, step_view
@@ -35,6 +37,8 @@ HTML_SUFFIXES = (".html", ".htm")
 def run(args: argparse.Namespace) -> int:
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES)
     page = picture_file(args.html, "--html", HTML_SUFFIXES)
+    if (png or page) and micro_batches(args) > 1:
+        raise PlannerError("--timeline and --html draw a step of one micro-batch: drop --micro-batches to draw it")
     sources = [plan_source(args), *filter(None, [compare_source(args)])]
     cluster, options = parse_cluster(args.cluster), sim_options(args)
     policies = [s.policy.name for s in sources if s.policy]
@@ -53,11 +57,13 @@ def run(args: argparse.Namespace) -> int:
         _draw(views, png, page, f"{model_spec(args).label()} on {cluster.describe()}")
         reports = [(v.label, v.report) for v in views]
     if args.json:
-        summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory)} for _, r in reports]
+        summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
+                      "micro_batches": options.micro_batches} for _, r in reports]
         print(json.dumps(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
         return 0
     for label, r in reports:
-        for line in render.step_lines(model_spec(args).label(), label, cluster, r):
+        for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches), label,
+                                      cluster, r):
             render.console.print(line)
         render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, budget))
     for path in filter(None, (png, page)):

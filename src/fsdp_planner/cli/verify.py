@@ -168,13 +168,15 @@ def run_fake(request: FakeWorldRequest) -> int:
                              f"with real FSDP2 on {world} fake ranks ({precision}) ...")
     predicted = simulate(tr, plan, request.cluster, options, timeline=False)
     with render.progress(f"real FSDP2 on {world} fake ranks"):
-        measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad)
+        measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad,
+                                  micro_batches=options.micro_batches)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
     ok = exact and abs(error) <= request.memory_tolerance
     if request.json:
         print(json.dumps({"world_size": world, "precision": precision, "plan": plan.policy,
+                          "micro_batches": options.micro_batches,
                           "predicted": {k: p for k, (p, _) in rows.items()},
                           "measured": {k: m for k, (_, m) in rows.items()},
                           "predicted_memory_at_peak": predicted.memory_at_peak,
@@ -182,7 +184,8 @@ def run_fake(request: FakeWorldRequest) -> int:
                           "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
                           "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    title = (f"{escape(request.model.label())}: prediction vs real FSDP2 on {world} fake ranks "
+    split = f", {options.micro_batches} micro-batches a step" if options.micro_batches > 1 else ""
+    title = (f"{escape(request.model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "
              f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "

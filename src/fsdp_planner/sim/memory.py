@@ -99,6 +99,13 @@ class GradSync(Enum):
     LAST = "last"  # sync on: the accumulated grads reduce-scattered with its own
 
 
+def micro_batch_phases(micro_batches: int) -> tuple[GradSync, ...]:
+    """The distinct micro-batches of a step of ``micro_batches`` (memory differs between these only)."""
+    if micro_batches == 1:
+        return (GradSync.ONLY,)
+    return (GradSync.FIRST, *((GradSync.MIDDLE,) if micro_batches > 2 else ()), GradSync.LAST)
+
+
 def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[str] = ()) -> np.ndarray:
     """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'

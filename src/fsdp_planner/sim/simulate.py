@@ -1,17 +1,27 @@
 """One training step of a plan on a cluster: time, exposed communication, per-rank memory, and its timeline when
 asked. The replay (``fsdp2/replay.py``) says what FSDP2 does; the cluster's engine puts times on it: overlapping
 streams on GPUs (``streams.py``), one blocking thread on CPU ranks (``host_engine.py``); the memory model gives the
-peak (``memory.py``). This module chooses the engine and puts the report together."""
+peak (``memory.py``). This module chooses the engine and puts the report together.
+
+Gradient accumulation (``SimOptions.micro_batches`` = N > 1; the trace is of one micro-batch): N forward +
+backward passes, ``model.set_requires_gradient_sync(False)`` on all but the last, one optimizer step. Without sync
+FSDP2's post-backward reduce-scatters nothing (nor does HSDP all-reduce) and keeps each group's unsharded grads
+(upcast to the reduce dtype, ``FSDPParam.to_accumulated_grad_if_needed``); the last micro-batch adds its grads in
+and reduce-scatters the sums (``FSDPParamGroup.post_backward``). ``reshard_after_backward`` stays True, so each
+micro-batch all-gathers as a step does. The step is the ordinary step (the last micro-batch) plus N - 1 runs of
+its schedule without gradient collectives; its memory the largest of the micro-batches' peaks
+(``memory.GradSync``). The timeline, when recorded, is the last micro-batch's."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.host_engine import simulate_host
+from fsdp_planner.sim.memory import micro_batch_phases
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.streams import simulate_streams
 from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
@@ -60,12 +70,44 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     groups = ctx.sizing.groups(plan)
     sched = schedule or build_schedule(trace, plan, ctx.world, [g.params for g in groups])
     gather = [g.gather_bytes for g in groups]
+    last = report(ReportInput(ctx, plan, sched, gather, _engine(ctx, plan, sched, timeline)))
+    if ctx.options.micro_batches == 1:
+        return last
+    # the other micro-batches: the same hooks and all-gathers, no gradient collective
+    quiet = Schedule([c for c in sched.collectives if c.kind is AG], sched.residency, sched.num_events, sched.hooks)
+    return accumulated(ctx, plan, sched, last, _engine(ctx, plan, quiet, False))
+
+
+def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> StepTimes:
+    """The cluster's engine's times for one pass of ``sched``."""
+    groups = ctx.sizing.groups(plan)
     recompute = ctx.recompute(plan.activation_checkpointing)
     if ctx.cluster.engine is Engine.HOST:
-        times = simulate_host(ctx, plan, sched, gather, [len(g.params) for g in groups], recompute, timeline)
-    else:
-        times = simulate_streams(ctx, plan, sched, groups, recompute, timeline)
-    return report(ReportInput(ctx, plan, sched, gather, times))
+        return simulate_host(ctx, plan, sched, [g.gather_bytes for g in groups], [len(g.params) for g in groups],
+                             recompute, timeline)
+    return simulate_streams(ctx, plan, sched, groups, recompute, timeline)
+
+
+def accumulated(ctx: SimContext, plan: Plan, sched: Schedule, last: StepReport, other: StepTimes) -> StepReport:
+    """The step of ``ctx.options.micro_batches``: the last micro-batch's report, ``other``'s times for each of
+    the others, every micro-batch's all-gathers, and the largest of their peaks (module docstring)."""
+    k = ctx.options.micro_batches - 1
+    peaks = [ctx.memory.peak(plan, sched, phase) for phase in micro_batch_phases(k + 1)]
+    top = max(peaks, key=lambda p: p.allocated)
+    breakdown = top.at.to_dict()
+    breakdown.pop("total")
+    compute = ctx.compute_total + other.recompute if other.compute is None else other.compute
+    busy = {stream.value: seconds for stream, seconds in other.busy.items()}  # all-gathers only
+    return replace(
+        last, step_time=last.step_time + k * other.step, compute_time=last.compute_time + k * compute,
+        exposed_comm=last.exposed_comm + k * max(0.0, other.exposed),
+        recompute_time=last.recompute_time + k * other.recompute, host_wait=last.host_wait + k * other.host_wait,
+        copy_time=last.copy_time + k * other.copy_time, host_time=last.host_time + k * other.host_time,
+        hooks=last.hooks * (k + 1), all_gathers=last.all_gathers * (k + 1),
+        all_gather_bytes=last.all_gather_bytes * (k + 1),
+        lower_bound=last.lower_bound + k * compute,  # the last's bound, then the others' compute at least
+        comm_time={s: t + k * busy.get(s, 0.0) for s, t in last.comm_time.items()},
+        peak_memory=top.allocated, reserved_memory=max(p.reserved for p in peaks), memory_at_peak=breakdown)
 
 
 def _context(trace: Trace, plan: Plan, cluster: Cluster | None, options: SimOptions | None,
