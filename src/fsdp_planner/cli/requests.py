@@ -296,6 +296,7 @@ class VerifyRequest:
     notes: tuple[str, ...]
     plan_for: bool = False  # --plan-for: auto planned for ``plan_cluster``, its grouping carried onto the job
     plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
+    micro_batches: int = 1  # forward + backward passes a step (``model`` is one micro-batch's workload)
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
@@ -309,6 +310,8 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
         raise PlannerError(f"--steps must be from 1 to {MAX_STEPS:,}, got {cut_short(args.steps)}")
     if not 0 <= args.time_steps <= MAX_STEPS:
         raise PlannerError(f"--time-steps must be from 0 to {MAX_STEPS:,}, got {cut_short(args.time_steps)}")
+    if args.fsdp1 and micro_batches(args) > 1:
+        raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
     if args.fsdp1 and (args.save_checkpoint is not None or args.load_checkpoint is not None):
         raise PlannerError("--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1")
     if planning_only(args.model):
@@ -333,7 +336,7 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
                          args.json, tuple(notes), plan_for is not None,
-                         ModelSpec(args.plan_model) if args.plan_model else None)
+                         ModelSpec(args.plan_model) if args.plan_model else None, micro_batches(args))
 
 
 def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:

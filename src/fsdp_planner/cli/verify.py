@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
                     full=request.full_trace, precision=FP32.precision if predict_on else None,
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
     plan = _at_scale(tr, request) if request.plan_for else \
-        _plan(tr, request.source, request.model.name, request.plan_cluster, SimOptions(), request.nproc)
+        _plan(tr, request.source, request.model.name, request.plan_cluster,
+              SimOptions(micro_batches=request.micro_batches), request.nproc)
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -54,13 +55,17 @@ def run(args: argparse.Namespace) -> int:
     if not request.json:
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} with {request.nproc} processes"
-                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps ...")
+                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps"
+                             f"{f' of {request.micro_batches} micro-batches' if request.micro_batches > 1 else ''}"
+                             " ...")
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
         result = run_verify(request.model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
                             timed_steps=0 if request.fsdp1 else request.time_steps,
-                            save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint)
+                            save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
+                            micro_batches=request.micro_batches)
     if predict_on is not None and not request.fsdp1:
-        predicted = simulate(tr, plan, predict_on, FP32, timeline=False).step_time
+        options = dataclasses.replace(FP32, micro_batches=request.micro_batches)
+        predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
         result = dataclasses.replace(result, predicted_step=predicted)
     _report(result, request, predict_on)
     return 0 if result.ok else 1

@@ -343,11 +343,15 @@ def read_result(path: Path) -> dict[str, Any] | None:
 
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
-               load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0) -> VerifyResult:
+               load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0,
+               micro_batches: int = 1) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
     checkpoint (any world size and plan) and save one. ``fsdp1``: run the plan as FSDP1
     ``FullyShardedDataParallel`` units (``fsdp1_worker.py``; no checkpoints). ``timed_steps``: then time that many
-    steps of the sharded model alone (``worker.time_steps``; FSDP2 only)."""
+    steps of the sharded model alone (``worker.time_steps``; FSDP2 only). ``micro_batches``: each step that many
+    forward + backward passes of ``model``'s batch, gradient sync on the last only (FSDP2 only)."""
+    if micro_batches > 1 and fsdp1:
+        raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
     model = as_spec(model)
     spec = model.name
 
@@ -368,11 +372,14 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     if plan.forward_methods:  # checked here on meta, not in the ranks once they started
         check_forward_methods(plan, load_model(model, meta=True).model)
     predicted, predicted_bytes = (predict_fsdp1 if fsdp1 else predict_collectives)(trace, plan, nproc)
+    # every micro-batch all-gathers; the gradient collectives run in the last one's backward only
+    predicted[CollectiveKind.ALL_GATHER.value] *= micro_batches
+    predicted_bytes[CollectiveKind.ALL_GATHER.value] *= micro_batches
     with signals_raise(), staged(save) as stage:
         data, returncode = run_torchrun(
             f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", nproc, timeout, "verify job",
             {"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr, "seed": seed,
-             "timed_steps": timed_steps,
+             "timed_steps": timed_steps, "micro_batches": micro_batches,
              "start_step": start_step, "load": str(load) if load else None, "save": str(stage) if stage else None})
         if save is not None and stage is not None:
             os.replace(stage, save)  # whole or not at all: a failed job leaves no half checkpoint under that name
