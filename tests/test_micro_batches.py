@@ -12,6 +12,8 @@ import pytest
 from fsdp_planner.cli import main
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.planners.auto import AutoPolicy
+from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
@@ -113,3 +115,40 @@ def test_verify_runs_micro_batches_with_parity(capsys):
                  "--time-steps", "0", "--json"]) == 0
     whole = json.loads(capsys.readouterr().out)
     assert all(c["all_gather"] == 11 and c["reduce_scatter"] == 6 for c in whole["counted"])
+
+
+def test_candidate_splits_are_the_smallest_divisors():
+    assert candidate_splits(48) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert candidate_splits(7) == [1, 7]
+    assert candidate_splits(1) == [1]
+
+
+def test_auto_chooses_the_fastest_split_that_fits():
+    """Each split traced at its micro-batch and searched: the chosen one is the fastest that fits, its plan the one
+    auto makes for that split, and the choice the same on a second run."""
+    cluster, options = parse_cluster("h100:8"), SimOptions()
+
+    def search(n: int):
+        tr = _traced(ModelSpec("toy-llama", 8 // n, None), options)
+        return AutoPolicy(cluster, options=replace(options, micro_batches=n)).search(tr, "toy-llama")
+
+    best, tried = choose_split(8, search)
+    assert [s.micro_batches for s in tried] == [1, 2, 4, 8]
+    assert best.result.fits and all(best.result.report.step_time <= s.result.report.step_time
+                                    for s in tried if s.result.fits)
+    again, _ = choose_split(8, search)
+    assert again.micro_batches == best.micro_batches and again.result.plan.to_json() == best.result.plan.to_json()
+
+
+def test_plan_micro_batches_auto_reports_its_split(capsys):
+    assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "4",
+                 "--micro-batches", "auto", "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert doc["micro_batches"] in (1, 2, 4) and "--micro-batches auto:" in captured.err
+    assert main(["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--batch", "4",
+                 "--micro-batches", "auto"]) == 2
+    assert "--micro-batches auto is plan --policy auto's choice" in capsys.readouterr().err
+    assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--batch", "4",
+                 "--micro-batches", "auto"]) == 2
+    assert "add --policy auto and --batch" in capsys.readouterr().err

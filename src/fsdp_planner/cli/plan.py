@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -12,10 +13,13 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import PlanRequest, plan_request
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_time
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_plan_runs
+from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import GroupExplanation, explain
+from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.context import SimContext
@@ -34,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         render.notes.print(f"auto: no --cluster given, planning for {request.default_cluster}", highlight=False)
     for note in request.notes:
         render.note(note)
+    if request.split:
+        request = _split(request)
     tr = load_trace(request.model, render.notes, request.measure, full=request.full_trace,
                     precision=request.options.precision)
     plans, auto, no_fit = _plans(tr, request)
@@ -54,6 +60,29 @@ def run(args: argparse.Namespace) -> int:
         render.plain(f"auto: {no_fit}")  # it names the budget's source: a cluster file's GPU
         return 1
     return 0
+
+
+def _split(request: PlanRequest) -> PlanRequest:
+    """``--micro-batches auto``: the request for the split of ``--batch`` whose auto plan is fastest within the
+    budget (``planners/auto/split.py``), each split traced at its micro-batch and searched."""
+    model, (policy,), cluster = request.model, request.policies, request.cluster
+    assert model.batch_size is not None and cluster is not None
+
+    def spec(n: int) -> ModelSpec:
+        return dataclasses.replace(model, batch_size=model.batch_size // n)
+
+    def search(n: int) -> AutoResult:
+        options = dataclasses.replace(request.options, micro_batches=n)
+        tr = load_trace(spec(n), render.notes, request.measure, full=request.full_trace, precision=options.precision)
+        return run_auto(tr, policy, cluster, options, model.name, must_fit=False)
+
+    best, tried = choose_split(model.batch_size, search)
+    shown = ", ".join(f"{s.micro_batches}: {fmt_time(s.result.report.step_time)}"
+                      f"{'' if s.result.fits else ' (does not fit)'}" for s in tried)
+    render.note(f"--micro-batches auto: {best.micro_batches} micro-batches of {model.batch_size // best.micro_batches}"
+                f" (step time of each split's auto plan: {shown})")
+    return dataclasses.replace(request, model=spec(best.micro_batches),
+                               options=dataclasses.replace(request.options, micro_batches=best.micro_batches))
 
 
 def _compared(tr: Trace, request: PlanRequest) -> tuple[PolicyRequest, ...]:

@@ -34,6 +34,7 @@ from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
 from fsdp_planner.sim.budget import Headroom, MemoryBudget, parse_headroom
 from fsdp_planner.sim.options import SimOptions
 
+SPLIT_AUTO = "auto"  # --micro-batches auto: plan --policy auto chooses the split of --batch
 DEFAULT_AUTO_CLUSTER = "h100:8"  # plan --policy auto without --cluster (or h100 with --mesh's rank count)
 
 
@@ -156,14 +157,19 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     if batch is not None and seq is not None and batch * seq > MAX_TOKENS:
         raise PlannerError(f"--batch {batch:,} x --seq {seq:,} is {batch * seq:,} tokens per rank; at most "
                            f"{MAX_TOKENS:,} are supported")
-    n = micro_batches(args)
+    n = micro_batches(args, auto=True)
     return ModelSpec(args.model, batch // n if batch is not None else None, seq)
 
 
-def micro_batches(args: argparse.Namespace) -> int:
-    """``--micro-batches N``, checked: a whole number dividing ``--batch``, which it needs (1 when not given)."""
+def micro_batches(args: argparse.Namespace, auto: bool = False) -> int:
+    """``--micro-batches N``, checked: a whole number dividing ``--batch``, which it needs (1 when not given).
+    ``auto``: 1 for ``--micro-batches auto`` (the whole batch, before auto splits it), else that is refused."""
     text = getattr(args, "micro_batches", None)
     if text is None:
+        return 1
+    if str(text).strip().lower() == SPLIT_AUTO:
+        if not auto:
+            raise PlannerError("--micro-batches auto is plan --policy auto's choice of the split: give a number here")
         return 1
     n = parse_count(text, "--micro-batches")
     if not 1 <= n <= MAX_BATCH:
@@ -198,7 +204,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     if not MIN_MFU <= args.mfu <= 1:  # NaN too
         raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
                            f"{args.mfu:g}")
-    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args))
+    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True))
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
@@ -225,6 +231,7 @@ class PlanRequest:
     default_cluster: str | None  # auto's cluster when none was given (said on stderr)
     notes: tuple[str, ...]  # what the user asked for that this run does not use, one note each
     budget: MemoryBudget | None = None  # what the plans' fits verdicts and margins are against (with a cluster)
+    split: bool = False  # --micro-batches auto: auto chooses how many micro-batches --batch is split into
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
@@ -233,6 +240,10 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         raise PlannerError("--out writes one plan: choose it with --policy")
     if args.explain and args.policy != PolicyName.AUTO.value:
         raise PlannerError("--explain explains an auto plan: add --policy auto")
+    split = str(args.micro_batches).strip().lower() == SPLIT_AUTO
+    if split and (args.policy != PolicyName.AUTO.value or args.batch is None):
+        raise PlannerError("--micro-batches auto lets --policy auto split --batch, the per-GPU batch of the step: "
+                           "add --policy auto and --batch")
     names = [PolicyName(args.policy)] if args.policy else list(CLASSIC_POLICIES)
     policies = [policy_request(args, n.value) for n in names]
     cluster, options = cluster_or_none(args), sim_options(args)
@@ -247,7 +258,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
     measure = args.measure and not any(n.startswith("--measure") for n in notes)
     return PlanRequest(model_spec(args), PolicyName(args.policy) if args.policy else None, tuple(policies), cluster,
                        options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes),
-                       memory_budget(args, cluster) if cluster is not None else None)
+                       memory_budget(args, cluster) if cluster is not None else None, split)
 
 
 def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:

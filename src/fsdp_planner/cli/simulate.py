@@ -37,7 +37,7 @@ HTML_SUFFIXES = (".html", ".htm")
 def run(args: argparse.Namespace) -> int:
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES)
     page = picture_file(args.html, "--html", HTML_SUFFIXES)
-    if (png or page) and micro_batches(args) > 1:
+    if micro_batches(args) > 1 and (png or page):  # (refuses --micro-batches auto too)
         raise PlannerError("--timeline and --html draw a step of one micro-batch: drop --micro-batches to draw it")
     sources = [plan_source(args), *filter(None, [compare_source(args)])]
     cluster, options = parse_cluster(args.cluster), sim_options(args)
