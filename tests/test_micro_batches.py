@@ -53,6 +53,29 @@ def test_collectives_and_peak_match_real_fsdp2(model, policy, precision, micro_b
     assert predicted.peak_memory > one.peak_memory  # the accumulated unsharded grads
 
 
+@pytest.mark.parametrize(("model", "policy", "precision"), [
+    ("toy-llama", "titan", "bf16-mixed"), ("toy-llama", "module", "fp32"), ("seed-net", "size", "bf16-mixed")])
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_params_kept_gathered_between_micro_batches_match_real_fsdp2(model, policy, precision, micro_batches):
+    """``set_reshard_after_backward(False)`` on all but the last micro-batch: groups stay gathered from one
+    micro-batch's backward into the next one's forward, so those all-gathers are skipped (a group resharding after
+    forward is gathered again for backward)."""
+    options = SimOptions.named(precision)
+    spec = ModelSpec(model, 2 if model == "toy-llama" else None, None)
+    tr = _traced(spec, options)
+    plan = make_policy(PolicyRequest(PolicyName(policy))).plan(tr, model)
+    cluster = parse_cluster(f"h100:{WORLD}")
+    resharding = simulate(tr, plan, cluster, replace(options, micro_batches=micro_batches), timeline=False)
+    kept = simulate(tr, plan, cluster, replace(options, micro_batches=micro_batches, reshard_after_backward=False),
+                    timeline=False)
+    measured = run_fake_world(spec, plan, WORLD, options.precision, micro_batches=micro_batches,
+                              reshard_after_backward=False)
+    assert kept.all_gathers == measured.counts["all_gather"] < resharding.all_gathers
+    assert kept.all_gather_bytes == measured.nbytes["all_gather"]
+    assert kept.reduce_scatters == measured.counts["reduce_scatter"] == resharding.reduce_scatters
+    assert kept.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
+
+
 def test_time_is_the_micro_batches_with_one_set_of_reduce_scatters():
     """N micro-batches take N forward + backward passes, the reduce-scatters' stream busy once."""
     options = SimOptions()
@@ -115,6 +138,10 @@ def test_verify_runs_micro_batches_with_parity(capsys):
                  "--time-steps", "0", "--json"]) == 0
     whole = json.loads(capsys.readouterr().out)
     assert all(c["all_gather"] == 11 and c["reduce_scatter"] == 6 for c in whole["counted"])
+    assert main(["verify", "toy-llama", "--policy", "titan", "--nproc", "2", "--batch", "6", "--micro-batches", "3",
+                 "--no-reshard-after-backward", "--steps", "2", "--time-steps", "0", "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)  # the forward all-gathers of micro-batches 2 and 3 skipped
+    assert kept["ok"] and kept["params_match"] and all(c["all_gather"] == 21 for c in kept["counted"])
 
 
 def test_candidate_splits_are_the_smallest_divisors():
@@ -152,3 +179,6 @@ def test_plan_micro_batches_auto_reports_its_split(capsys):
     assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--batch", "4",
                  "--micro-batches", "auto"]) == 2
     assert "add --policy auto and --batch" in capsys.readouterr().err
+    assert main(["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8",
+                 "--no-reshard-after-backward"]) == 2
+    assert "add --micro-batches N" in capsys.readouterr().err

@@ -109,6 +109,10 @@ def add_micro_batches(sp: argparse.ArgumentParser) -> None:
                          "micro-batches of --batch/N, each a forward + backward, with "
                          "set_requires_gradient_sync(False) on all but the last (reduce-scatters in its backward "
                          "only); default 1")
+    sp.add_argument("--no-reshard-after-backward", dest="reshard_after_backward", action="store_false",
+                    help="with --micro-batches: also set_reshard_after_backward(False) on all but the last "
+                         "micro-batch, keeping the params gathered between micro-batches (no all-gather before "
+                         "their next forward use; more memory)")
 
 
 def add_plan_source(sp: argparse.ArgumentParser) -> None:

@@ -161,6 +161,15 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(args.model, batch // n if batch is not None else None, seq)
 
 
+def reshard_after_backward(args: argparse.Namespace) -> bool:
+    """``--no-reshard-after-backward`` (False), which needs micro-batches to keep the params gathered between."""
+    keep = not getattr(args, "reshard_after_backward", True)
+    if keep and getattr(args, "micro_batches", None) is None:
+        raise PlannerError("--no-reshard-after-backward keeps params gathered between micro-batches: add "
+                           "--micro-batches N")
+    return not keep
+
+
 def micro_batches(args: argparse.Namespace, auto: bool = False) -> int:
     """``--micro-batches N``, checked: a whole number dividing ``--batch``, which it needs (1 when not given).
     ``auto``: 1 for ``--micro-batches auto`` (the whole batch, before auto splits it), else that is refused."""
@@ -204,7 +213,8 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     if not MIN_MFU <= args.mfu <= 1:  # NaN too
         raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
                            f"{args.mfu:g}")
-    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True))
+    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True),
+                            reshard_after_backward(args))
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
@@ -308,6 +318,7 @@ class VerifyRequest:
     plan_for: bool = False  # --plan-for: auto planned for ``plan_cluster``, its grouping carried onto the job
     plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
     micro_batches: int = 1  # forward + backward passes a step (``model`` is one micro-batch's workload)
+    reshard_after_backward: bool = True  # False: set_reshard_after_backward(False) on all but the last micro-batch
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
@@ -347,7 +358,8 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
                          args.json, tuple(notes), plan_for is not None,
-                         ModelSpec(args.plan_model) if args.plan_model else None, micro_batches(args))
+                         ModelSpec(args.plan_model) if args.plan_model else None, micro_batches(args),
+                         reshard_after_backward(args))
 
 
 def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
@@ -396,7 +408,8 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
-    options = SimOptions.named(args.precision, zero_grad=args.zero_grad, micro_batches=micro_batches(args))
+    options = SimOptions.named(args.precision, zero_grad=args.zero_grad, micro_batches=micro_batches(args),
+                               reshard_after_backward=reshard_after_backward(args))
     check_precision(options.precision)
     source = plan_source(args)
     cluster = parse_cluster(args.cluster or f"h100:{world}")

@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
     plan = _at_scale(tr, request) if request.plan_for else \
         _plan(tr, request.source, request.model.name, request.plan_cluster,
-              SimOptions(micro_batches=request.micro_batches), request.nproc)
+              SimOptions(micro_batches=request.micro_batches, reshard_after_backward=request.reshard_after_backward),
+              request.nproc)
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -62,9 +63,11 @@ def run(args: argparse.Namespace) -> int:
         result = run_verify(request.model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
                             timed_steps=0 if request.fsdp1 else request.time_steps,
                             save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
-                            micro_batches=request.micro_batches)
+                            micro_batches=request.micro_batches,
+                            reshard_after_backward=request.reshard_after_backward)
     if predict_on is not None and not request.fsdp1:
-        options = dataclasses.replace(FP32, micro_batches=request.micro_batches)
+        options = dataclasses.replace(FP32, micro_batches=request.micro_batches,
+                                      reshard_after_backward=request.reshard_after_backward)
         predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
         result = dataclasses.replace(result, predicted_step=predicted)
     _report(result, request, predict_on)
@@ -174,7 +177,8 @@ def run_fake(request: FakeWorldRequest) -> int:
     predicted = simulate(tr, plan, request.cluster, options, timeline=False)
     with render.progress(f"real FSDP2 on {world} fake ranks"):
         measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad,
-                                  micro_batches=options.micro_batches)
+                                  micro_batches=options.micro_batches,
+                                  reshard_after_backward=options.reshard_after_backward)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0

@@ -152,7 +152,8 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
         batches = [[batch(ModelSpec.from_json(job["model"]), step, r, job["seed"], m) for m in range(micro)]
                    for r in range(world)]
         with counter, counting(counter):
-            loss = accumulate(model, batches[rank], job["seed"] + 7 * step + rank, device)
+            loss = accumulate(model, batches[rank], job["seed"] + 7 * step + rank, device,
+                              job.get("reshard_after_backward", True))
         c, b = counter.take()
         counted.append(c)
         counted_bytes.append(b)
@@ -165,15 +166,18 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
     return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses}
 
 
-def accumulate(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], seed: int, device: torch.device
-               ) -> torch.Tensor:
+def accumulate(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], seed: int, device: torch.device,
+               reshard_after_backward: bool = True) -> torch.Tensor:
     """Forward + backward of each micro-batch, losses scaled by their count; with more than one, FSDP2's gradient
-    sync only on the last (``set_requires_gradient_sync``: the reduce-scatters run in its backward). The mean
+    sync only on the last (``set_requires_gradient_sync``: the reduce-scatters run in its backward), and with
+    ``reshard_after_backward`` False the params kept gathered until it (``set_reshard_after_backward``). The mean
     loss."""
     total = torch.zeros((), device=device)
     for m, (inputs, loss_fn) in enumerate(micro_batches):
         if len(micro_batches) > 1:
             model.set_requires_gradient_sync(m == len(micro_batches) - 1)  # type: ignore[operator]
+            if not reshard_after_backward:
+                model.set_reshard_after_backward(m == len(micro_batches) - 1)  # type: ignore[operator]
         torch.manual_seed(seed)
         loss = loss_fn(call_model(model, inputs, device)) / len(micro_batches)
         loss.backward()
@@ -224,7 +228,7 @@ def parity(pairs: Any) -> dict[str, Any]:
 
 
 def time_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
-               steps: int) -> list[float]:
+               steps: int, reshard_after_backward: bool = True) -> list[float]:
     """Seconds of ``steps`` forward + loss + backward steps (of each micro-batch, ``accumulate``) of the sharded
     model alone, back to back on one batch
     (grads set to None between them, as ``zero_grad()`` does), in PyTorch's default (not deterministic) mode: a
@@ -235,19 +239,19 @@ def time_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], dev
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
     try:
-        return _timed_steps(model, micro_batches, device, steps)
+        return _timed_steps(model, micro_batches, device, steps, reshard_after_backward)
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
 def _timed_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
-                 steps: int) -> list[float]:
+                 steps: int, reshard_after_backward: bool) -> list[float]:
     seconds = []
     for _ in range(steps + 1 if steps else 0):  # the first one untimed: it follows other work (warm-up)
         dist.barrier()
         _synchronize(device)
         start = time.perf_counter()
-        accumulate(model, micro_batches, 0, device)
+        accumulate(model, micro_batches, 0, device, reshard_after_backward)
         _synchronize(device)
         seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
@@ -305,7 +309,8 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     gc.collect()
     micro = [batch(ModelSpec.from_json(job["model"]), job.get("start_step", 0), rank, job["seed"], m)
              for m in range(job.get("micro_batches", 1))]
-    result["step_seconds"] = time_steps(model, micro, device, job.get("timed_steps", 0))
+    result["step_seconds"] = time_steps(model, micro, device, job.get("timed_steps", 0),
+                                        job.get("reshard_after_backward", True))
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({**result, "backend": dist.get_backend(), "world": world,
                                                    "loaded": loaded}))

@@ -17,11 +17,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.replay import Schedule, build_schedule
+from fsdp_planner.fsdp2.replay import Kept, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.host_engine import simulate_host
-from fsdp_planner.sim.memory import micro_batch_phases
+from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.streams import simulate_streams
 from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
@@ -70,12 +70,26 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     groups = ctx.sizing.groups(plan)
     sched = schedule or build_schedule(trace, plan, ctx.world, [g.params for g in groups])
     gather = [g.gather_bytes for g in groups]
-    last = report(ReportInput(ctx, plan, sched, gather, _engine(ctx, plan, sched, timeline)))
     if ctx.options.micro_batches == 1:
-        return last
-    # the other micro-batches: the same hooks and all-gathers, no gradient collective
-    quiet = Schedule([c for c in sched.collectives if c.kind is AG], sched.residency, sched.num_events, sched.hooks)
-    return accumulated(ctx, plan, sched, last, _engine(ctx, plan, quiet, False))
+        return report(ReportInput(ctx, plan, sched, gather, _engine(ctx, plan, sched, timeline)))
+    runs = {}
+    for phase in micro_batch_phases(ctx.options.micro_batches):
+        ph_sched = _micro_batch_schedule(ctx, plan, sched, phase)
+        times = _engine(ctx, plan, ph_sched, timeline and phase is GradSync.LAST)
+        runs[phase] = (ph_sched, report(ReportInput(ctx, plan, ph_sched, gather, times)))
+    return accumulated(ctx, plan, runs)
+
+
+def _micro_batch_schedule(ctx: SimContext, plan: Plan, sched: Schedule, phase: GradSync) -> Schedule:
+    """What FSDP2 does in one micro-batch: ``sched`` (the step's own), or with ``set_reshard_after_backward(False)``
+    (``SimOptions.reshard_after_backward`` False) the replay of groups kept unsharded across micro-batches; without
+    gradient sync (all but the last) without its reduce-scatters and all-reduces."""
+    if not ctx.options.reshard_after_backward:
+        kept = {GradSync.FIRST: Kept.FIRST, GradSync.MIDDLE: Kept.MIDDLE, GradSync.LAST: Kept.LAST}[phase]
+        sched = build_schedule(ctx.trace, plan, ctx.world, [g.params for g in ctx.sizing.groups(plan)], kept)
+    if phase is GradSync.LAST:
+        return sched
+    return Schedule([c for c in sched.collectives if c.kind is AG], sched.residency, sched.num_events, sched.hooks)
 
 
 def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> StepTimes:
@@ -88,26 +102,29 @@ def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> Ste
     return simulate_streams(ctx, plan, sched, groups, recompute, timeline)
 
 
-def accumulated(ctx: SimContext, plan: Plan, sched: Schedule, last: StepReport, other: StepTimes) -> StepReport:
-    """The step of ``ctx.options.micro_batches``: the last micro-batch's report, ``other``'s times for each of
-    the others, every micro-batch's all-gathers, and the largest of their peaks (module docstring)."""
-    k = ctx.options.micro_batches - 1
-    peaks = [ctx.memory.peak(plan, sched, phase) for phase in micro_batch_phases(k + 1)]
+# what a step of micro-batches sums over them (``accumulated``); the rest is the last micro-batch's or a peak
+_SUMMED = ("step_time", "compute_time", "exposed_comm", "recompute_time", "host_wait", "copy_time", "host_time",
+           "hooks", "all_gathers", "reduce_scatters", "all_reduces", "all_gather_bytes", "reduce_scatter_bytes",
+           "all_reduce_bytes")
+
+
+def accumulated(ctx: SimContext, plan: Plan, runs: dict[GradSync, tuple[Schedule, StepReport]]) -> StepReport:
+    """The step of ``ctx.options.micro_batches`` from one run of each distinct micro-batch (a middle one stands
+    for all N - 2): their times, counts and bytes summed, the largest of their memory peaks (module docstring)."""
+    n = ctx.options.micro_batches
+    times = {GradSync.FIRST: 1, GradSync.MIDDLE: n - 2, GradSync.LAST: 1}
+    peaks = [ctx.memory.peak(plan, sched, phase) for phase, (sched, _) in runs.items()]
     top = max(peaks, key=lambda p: p.allocated)
     breakdown = top.at.to_dict()
     breakdown.pop("total")
-    compute = ctx.compute_total + other.recompute if other.compute is None else other.compute
-    busy = {stream.value: seconds for stream, seconds in other.busy.items()}  # all-gathers only
-    return replace(
-        last, step_time=last.step_time + k * other.step, compute_time=last.compute_time + k * compute,
-        exposed_comm=last.exposed_comm + k * max(0.0, other.exposed),
-        recompute_time=last.recompute_time + k * other.recompute, host_wait=last.host_wait + k * other.host_wait,
-        copy_time=last.copy_time + k * other.copy_time, host_time=last.host_time + k * other.host_time,
-        hooks=last.hooks * (k + 1), all_gathers=last.all_gathers * (k + 1),
-        all_gather_bytes=last.all_gather_bytes * (k + 1),
-        lower_bound=last.lower_bound + k * compute,  # the last's bound, then the others' compute at least
-        comm_time={s: t + k * busy.get(s, 0.0) for s, t in last.comm_time.items()},
-        peak_memory=top.allocated, reserved_memory=max(p.reserved for p in peaks), memory_at_peak=breakdown)
+    last = runs[GradSync.LAST][1]
+    others = [(times[phase], r) for phase, (_, r) in runs.items() if phase is not GradSync.LAST]
+    summed = {name: getattr(last, name) + sum(k * getattr(r, name) for k, r in others) for name in _SUMMED}
+    comm = {s: t + sum(k * r.comm_time.get(s, 0.0) for k, r in others) for s, t in last.comm_time.items()}
+    return replace(last, **summed, comm_time=comm, peak_memory=top.allocated,
+                   reserved_memory=max(p.reserved for p in peaks), memory_at_peak=breakdown,
+                   # the last's bound, then the other micro-batches' compute at least
+                   lower_bound=last.lower_bound + sum(k * r.compute_time for k, r in others))
 
 
 def _context(trace: Trace, plan: Plan, cluster: Cluster | None, options: SimOptions | None,
