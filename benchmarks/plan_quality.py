@@ -3,8 +3,9 @@ memory, all judged by the same simulator.
 
 Run: python benchmarks/plan_quality.py   (writes benchmarks/plan_quality.md and plan_quality.json; ~3 min on 2 cores)
 
-One row per (model, cluster), with the budget every real job has: the memory of one GPU (80e9 bytes on an H100,
-auto's default). Classic policies over it are marked: they are not runnable jobs. Besides the four classic
+One row per (model, cluster), with the budget every real job has: the memory of one GPU (80e9 bytes on an H100)
+less the default headroom (5%, ``sim/budget.py``), auto's default.
+Classic policies over it are marked: they are not runnable jobs. Besides the four classic
 policies with their defaults (pure FSDP over every GPU), the configurations people run at scale: torchtitan's
 per-block grouping and module wrapping of the blocks, each with full activation checkpointing of every block
 (``--ac full``), and torchtitan's grouping on HSDP layouts (shard over one node or over eight, replicate across;
@@ -154,7 +155,8 @@ def main() -> None:
         "",
         "Cells: step time / exposed communication / memory reserved per rank (the allocated peak plus the caching "
         "allocator's separate all-gather stream pool, sim/memory.py) / collectives per step. Budget: the memory "
-        "of one H100 (80e9 bytes); **over budget** marks a plan that does not fit, i.e. is not a job anyone "
+        "of one H100 (80e9 bytes) less the default 5% headroom for the memory model's error (sim/budget.py); "
+        "**over budget** marks a plan that does not fit, i.e. is not a job anyone "
         "can run. The classic policies run with their defaults (module and titan: the repeated block class; size: "
         "FSDP1's 1e8 threshold; order: one block per group), all pure FSDP over every GPU; titan+ac and module+ac "
         "checkpoint every block; titan/hsdpS is torchtitan's grouping on HSDP with shard groups of S GPUs "

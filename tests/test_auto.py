@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from fsdp_planner.planners.auto.atoms import Pin, plan_atoms
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, ROOT_SLACK, Evaluator
 from fsdp_planner.planners.auto.explain import Reason, explain
 from fsdp_planner.planners.auto.refine import Move
+from fsdp_planner.sim.budget import DEFAULT_HEADROOM
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import trace
@@ -35,10 +37,11 @@ def near_minimum(spec: str, factor: float, target: str = "fsdp2"):
 
 @pytest.mark.parametrize("spec", ["seed-net", "toy-llama", "toy-gpt2-tied", "llama3-8b", "t5-3b"])
 @pytest.mark.parametrize("cluster", ["h100:8", "h100:512"])
-def test_default_budget_is_the_gpu_and_auto_beats_every_classic_plan_that_fits(spec, cluster):
+def test_default_budget_is_the_gpu_less_headroom_and_auto_beats_every_classic_plan_that_fits(spec, cluster):
     tr = traced(spec)
     result = AutoPolicy(parse_cluster(cluster), search_effort=100).search(tr, spec)
-    gpu = parse_cluster(cluster).gpu.memory_bytes
+    capacity = parse_cluster(cluster).gpu.memory_bytes
+    gpu = capacity - math.ceil(capacity * DEFAULT_HEADROOM)
     assert result.budget == gpu and result.fits == (result.min_peak <= gpu)
     fitting = [c for c in result.baselines.values() if c.report.reserved_memory <= gpu]
     if not result.fits:

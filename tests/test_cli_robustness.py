@@ -353,10 +353,12 @@ def test_policy_options_with_a_plan_file_are_noted(capsys, tmp_path):
     plan = tmp_path / "plan.json"
     assert cli.main(["plan", "seed-net", "--policy", "order", "--out", str(plan)]) == 0
     capsys.readouterr()
-    code, _, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8",
-                            "--memory-budget", "1GiB")
+    code, out, err = run_main(capsys, "simulate", "seed-net", "--plan", str(plan), "--cluster", "h100:8",
+                              "--memory-budget", "1GiB", "--search-effort", "5")
     assert code == 0, err
-    assert notes(err) == ["note: --memory-budget has no effect with --plan: the plan file already fixes the groups"]
+    # the budget judges the plan file's plan (its margin); only auto's search setting has no effect
+    assert notes(err) == ["note: --search-effort has no effect with --plan: the plan file already fixes the groups"]
+    assert "below the 1 GiB budget (--memory-budget)" in out
 
 
 def test_verify_notes_a_cluster_it_does_not_use(capsys, tmp_path, monkeypatch):

@@ -58,7 +58,7 @@ def _uninterrupted_losses(worlds: list[int]) -> list[float]:
     model = load_model("toy-llama", meta=False, seed=SEED).model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     spec = ModelSpec("toy-llama")
-    return [reference_step(model, optimizer, [batch(spec, step, r, SEED) for r in range(world)], step, SEED,
+    return [reference_step(model, optimizer, [[batch(spec, step, r, SEED)] for r in range(world)], step, SEED,
                            torch.device("cpu")) for step, world in enumerate(worlds)]
 
 

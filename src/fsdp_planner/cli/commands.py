@@ -13,6 +13,7 @@ from fsdp_planner.cli.options import (
     add_force,
     add_json,
     add_memory_options,
+    add_micro_batches,
     add_model,
     add_plan_source,
     add_policy_options,
@@ -51,6 +52,7 @@ def plan(sub: Subparsers) -> None:
     sp.add_argument("--policy", choices=POLICY_NAMES)
     add_policy_options(sp)
     add_sim_options(sp, cluster_required=False)
+    add_micro_batches(sp)
     add_memory_options(sp)
     add_json(sp)
     sp.add_argument("--out", help="write the plan JSON here")
@@ -62,6 +64,7 @@ def simulate(sub: Subparsers) -> None:
     sp = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
     add_plan_source(sp)
     add_sim_options(sp, cluster_required=True)
+    add_micro_batches(sp)
     add_memory_options(sp)
     add_json(sp)
     sp.add_argument("--timeline", metavar="FILE.png",
@@ -78,6 +81,7 @@ def verify(sub: Subparsers) -> None:
     sp = sub.add_parser("verify", help="train with the plan under torchrun and check it against the prediction")
     add_plan_source(sp)
     sp.add_argument("--nproc", type=int, default=2, help="processes (ranks) to run (default 2)")
+    add_micro_batches(sp)
     sp.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
     sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs, or with "
                                       "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "

@@ -25,6 +25,7 @@ from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, PolicyR
 from fsdp_planner.report.step_view import step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
+from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import SimOptions
@@ -118,15 +119,16 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     precision = options.precision  # the table's bytes in the simulation's dtypes
     classic = [(p, plan_metrics(tr, p, cluster.world_size, precision), simulated(p)) for p in plans if p is not None]
     rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size, precision), auto.report)]
-    capacity = cluster.gpu.memory_bytes
+    budget = MemoryBudget.of_gpu(cluster.gpu.memory_bytes, cluster.gpu.name)  # auto's: the GPU less the headroom
     console.print(render.comparison_table(escape(f"{model} on {cluster.name}: per training step; reserved memory "
-                                                 f"against one {cluster.gpu.name} ({fmt_bytes(capacity)})"), rows,
-                                          capacity, render.metrics_dtype(tr, precision)))
+                                                 f"against {fmt_bytes(budget.limit)} ({budget.source})"), rows,
+                                          budget, render.metrics_dtype(tr, precision)))
     console.print(render.auto_line(auto), highlight=False)
     out: dict[str, Any] = {
-        "model": model, "cluster": cluster.name, "capacity": capacity,
+        "model": model, "cluster": cluster.name, "capacity": budget.capacity,
         "plans": [{"policy": _label(p), "groups": len(p.inner_groups), "simulation": r.summary(),
-                   "fits": r.reserved_memory <= capacity} for p, _, r in rows],
+                   "fits": budget.fits(r.reserved_memory), "budget": budget.to_dict(r.reserved_memory)}
+                  for p, _, r in rows],
         "auto": {"fits": auto.fits, "layout": auto.report.mesh, "groups": len(auto.plan.inner_groups),
                  "checkpointed": len(auto.plan.activation_checkpointing), "step_time": auto.report.step_time,
                  "reserved_memory": auto.report.reserved_memory},
@@ -134,17 +136,18 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     if not auto.fits:
         render.plain(f"auto: {infeasible_message(auto)}")
         return out
-    fitting = [(p, r) for p, _, r in classic if r.reserved_memory <= capacity]
+    fitting = [(p, r) for p, _, r in classic if budget.fits(r.reserved_memory)]
     rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
     which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
     gain = fmt_gain(auto.report.step_time, rival_report.step_time) or "a tie"
     render.plain(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
                  f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.report.reserved_memory)} reserved "
-                 f"against {fmt_bytes(rival_report.reserved_memory)} of the {fmt_bytes(capacity)} a GPU has")
+                 f"against {fmt_bytes(rival_report.reserved_memory)}; auto's peak is "
+                 f"{budget.margin(auto.report.reserved_memory)}")
     explanations = explain(auto)
     for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory, collapse=True):
         console.print(part, highlight=False)
-    views = [step_view(tr, p, cluster, options, _label(p)) for p in (auto.plan, rival)]
+    views = [step_view(tr, p, cluster, options, _label(p), budget) for p in (auto.plan, rival)]
     title = f"{model} on {cluster.describe()}"
     png, page = out_dir / "timeline.png", out_dir / "timeline.html"
     write_png(views, png, title)

@@ -70,8 +70,13 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
                     help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's; at most "
                          "1e15)")
     sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
-    sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB (default: the memory of "
-                                            "one of the cluster's GPUs)")
+    sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB, taken as given (default: "
+                                            "the memory of one of the cluster's GPUs less --headroom)")
+    sp.add_argument("--headroom", metavar="FRACTION_OR_SIZE",
+                    help="memory held back below the GPU's capacity for what the memory model does not know "
+                         "(allocator fragmentation, its error against real FSDP2): a fraction (0.05 or 5%%) or a "
+                         "size (4GiB); auto's budget and every fits verdict use capacity less headroom (default "
+                         "5%%; 0: the whole GPU). Not with --memory-budget, which is taken as given")
     sp.add_argument("--search-effort", type=non_negative_int("--search-effort", MAX_SEARCH_EFFORT), default=None,
                     metavar="N",
                     help="auto: plans its local refinement may simulate, counted, never timed, so the same command "
@@ -105,6 +110,18 @@ def add_model(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--full-trace", action="store_true",
                     help="trace every module call (slower); by default identical calls of a repeated block are "
                          "traced once, which assumes its forward depends only on its own state and arguments")
+
+
+def add_micro_batches(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--micro-batches", metavar="N",
+                    help="gradient accumulation: split --batch (then the per-GPU batch of the optimizer step) into N "
+                         "micro-batches of --batch/N, each a forward + backward, with "
+                         "set_requires_gradient_sync(False) on all but the last (reduce-scatters in its backward "
+                         "only); default 1")
+    sp.add_argument("--no-reshard-after-backward", dest="reshard_after_backward", action="store_false",
+                    help="with --micro-batches: also set_reshard_after_backward(False) on all but the last "
+                         "micro-batch, keeping the params gathered between micro-batches (no all-gather before "
+                         "their next forward use; more memory)")
 
 
 def add_plan_source(sp: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -12,9 +13,12 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto, stamped
 from fsdp_planner.cli.requests import PlanRequest, plan_request
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_time
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
+from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.auto.explain import GroupExplanation, explain
+from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.context import SimContext
@@ -34,6 +38,8 @@ def run(args: argparse.Namespace) -> int:
         render.notes.print(f"auto: no --cluster given, planning for {request.default_cluster}", highlight=False)
     for note in request.notes:
         render.note(note)
+    if request.split:
+        request = _split(request)
     tr = load_trace(request.model, render.notes, request.measure, full=request.full_trace,
                     precision=request.options.precision)
     plans, auto, no_fit = _plans(tr, request)
@@ -42,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         # the precision goes with the plan: export sets it, so the code runs as the numbers assumed
         write_atomic(request.out, plans[0].copy(precision=request.options.precision.name).to_json() + "\n")
     if request.json:
-        doc = {**_json(request.model.name, tr, rows, auto),
+        doc = {**_json(request, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
         if request.explain and auto is not None and not no_fit:
             doc["auto"]["explanation"] = [_explanation(r) for r in explain(auto)]
@@ -55,6 +61,29 @@ def run(args: argparse.Namespace) -> int:
         render.plain(f"auto: {no_fit}")  # it names the budget's source: a cluster file's GPU
         return 1
     return 0
+
+
+def _split(request: PlanRequest) -> PlanRequest:
+    """``--micro-batches auto``: the request for the split of ``--batch`` whose auto plan is fastest within the
+    budget (``planners/auto/split.py``), each split traced at its micro-batch and searched."""
+    model, (policy,), cluster = request.model, request.policies, request.cluster
+    assert model.batch_size is not None and cluster is not None
+
+    def spec(n: int) -> ModelSpec:
+        return dataclasses.replace(model, batch_size=model.batch_size // n)
+
+    def search(n: int) -> AutoResult:
+        options = dataclasses.replace(request.options, micro_batches=n)
+        tr = load_trace(spec(n), render.notes, request.measure, full=request.full_trace, precision=options.precision)
+        return run_auto(tr, policy, cluster, options, model.name, must_fit=False)
+
+    best, tried = choose_split(model.batch_size, search)
+    shown = ", ".join(f"{s.micro_batches}: {fmt_time(s.result.report.step_time)}"
+                      f"{'' if s.result.fits else ' (does not fit)'}" for s in tried)
+    render.note(f"--micro-batches auto: {best.micro_batches} micro-batches of {model.batch_size // best.micro_batches}"
+                f" (step time of each split's auto plan: {shown})")
+    return dataclasses.replace(request, model=spec(best.micro_batches),
+                               options=dataclasses.replace(request.options, micro_batches=best.micro_batches))
 
 
 def _compared(tr: Trace, request: PlanRequest) -> tuple[PolicyRequest, ...]:
@@ -131,11 +160,18 @@ def _explanation(r: GroupExplanation) -> dict[str, Any]:
             "alternative_step": r.alternative_step, "alternative_reserved": r.alternative_peak}
 
 
-def _json(model: str, tr: Trace, rows: list[Row], auto: AutoResult | None) -> dict[str, Any]:
+def _json(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | None) -> dict[str, Any]:
+    budget = request.budget
+
+    def simulation(r: StepReport | None) -> dict[str, Any]:
+        if r is None:
+            return {}
+        return {"simulation": r.summary(), **({"budget": budget.to_dict(r.reserved_memory)} if budget else {})}
+
     out: dict[str, Any] = {
-        "model": {"name": model, "fingerprint": tr.fingerprint, "numel": tr.numel},
-        "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **({"simulation": r.summary()} if r else {})}
-                  for p, m, r in rows],
+        "model": {"name": request.model.name, "fingerprint": tr.fingerprint, "numel": tr.numel},
+        "micro_batches": request.options.micro_batches,
+        "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **simulation(r)} for p, m, r in rows],
     }
     if auto is not None:
         out["auto"] = {"budget": auto.budget, "budget_source": auto.budget_source, "fits": auto.fits,
@@ -146,12 +182,14 @@ def _json(model: str, tr: Trace, rows: list[Row], auto: AutoResult | None) -> di
 
 def _print(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | None) -> None:
     console, cluster = render.console, request.cluster
-    console.print(render.model_line(request.model.label(), tr))
+    console.print(render.model_line(render.workload_label(request.model.label(), request.options.micro_batches), tr))
     if len(rows) == 1:
         console.print(render.groups_table(rows[0][0], tr))
-    capacity = cluster.gpu.memory_bytes if cluster is not None else None
     dtype = render.metrics_dtype(tr, request.options.precision if cluster is not None else None)
-    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, capacity, dtype))
+    console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, request.budget, dtype))
+    report = rows[0][2]
+    if len(rows) == 1 and report is not None and request.budget is not None:
+        console.print(render.margin_line(report.reserved_memory, request.budget), highlight=False)
     if auto is None:
         return
     console.print(render.auto_line(auto), highlight=False)

@@ -22,11 +22,12 @@ from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_nu
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.hardware.cluster import GPU, Cluster, Engine
+from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
+from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.host_work import HostWork
 from fsdp_planner.sim.memory import MemoryBreakdown
 from fsdp_planner.sim.metrics import PlanMetrics
@@ -100,17 +101,35 @@ def note(text: str) -> None:
     notes.print(f"note: {text}", highlight=False, markup=False)
 
 
+def workload_label(label: str, micro_batches: int) -> str:
+    """A model's label with its workload, and the micro-batches of its step when more than one (the label's batch
+    is then one micro-batch's)."""
+    return f"{label} per micro-batch, {micro_batches} micro-batches a step" if micro_batches > 1 else label
+
+
 def model_line(name: str, tr: Trace) -> str:
     return (f"[bold]{escape(name)}[/bold]: {fmt_count(tr.numel, 'param')} ({fmt_bytes(tr.nbytes)}), "
             f"{fmt_count(len(tr.modules), 'module')}, "
             f"{tr.fwd_flops / 1e9:.3g} GFLOP forward, {tr.bwd_flops / 1e9:.3g} GFLOP backward")
 
 
-def fmt_peak(peak: int, capacity: int | None) -> str:
-    """A per-rank peak, marked when it exceeds one GPU's memory (such a plan is not a job anyone can run)."""
-    if capacity is None or peak <= capacity:
+def fmt_peak(peak: int, budget: MemoryBudget | None) -> str:
+    """A per-rank reserved peak, marked when it exceeds the budget (such a plan is not a job anyone can run)."""
+    if budget is None or budget.fits(peak):
         return fmt_bytes(peak)
-    return f"[red]{fmt_bytes(peak)} > GPU[/red]"
+    return f"[red]{fmt_bytes(peak)} > budget[/red]"
+
+
+def fmt_margin(peak: int, budget: MemoryBudget) -> str:
+    """A reserved peak's distance below the budget (``4.4 GiB (5.9%)``), or how far over it is, in red."""
+    gap = budget.limit - peak
+    shown = f"{fmt_bytes(abs(gap))} ({abs(gap) / budget.limit:.1%})"
+    return shown if gap >= 0 else f"[red]{shown} over[/red]"
+
+
+def margin_line(peak: int, budget: MemoryBudget) -> str:
+    """``peak 70.1 GiB reserved, 4.4 GiB (5.9%) below the 74.5 GiB budget (80 GB H100 less 5% headroom)``."""
+    return escape(f"peak {fmt_bytes(peak)} reserved, {budget.margin(peak)}")
 
 
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
@@ -127,31 +146,37 @@ def metrics_dtype(tr: Trace, precision: Precision | None) -> str:
 
 
 def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
-                     capacity: int | None = None, dtype: str = "own dtypes") -> Table:
+                     budget: MemoryBudget | None = None, dtype: str = "own dtypes") -> Table:
     """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
-    marked over ``capacity``, one GPU's memory) when simulated on a cluster. The metrics' byte columns are all in
-    one ``dtype`` (``metrics_dtype``), which the caption under them names."""
+    marked over the ``budget``) and the margin below the budget when simulated on a cluster. The metrics' byte
+    columns are all in one ``dtype`` (``metrics_dtype``), which the caption under them names."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
     for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
         # a policy's name is its settings (size(100000000)): folded onto two lines, never cut
         t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold" if col == "policy" else None)
     if with_cost:
-        for col in ("step time", "exposed comm", "peak allocated", "reserved"):
+        for col in ("step time", "exposed comm", "peak allocated", "reserved", "margin")[:5 if budget else 4]:
             t.add_column(col, justify="right")
     for plan, m, report in rows:
         cells = [escape(plan.policy), str(m.groups), fmt_numel(m.root_numel),
-                 ac_cell(plan), str(m.all_gathers), str(m.reduce_scatters),
+                 ac_cell(plan),
+                 str(report.all_gathers if report else m.all_gathers),  # the step's: every micro-batch gathers
+                 str(report.reduce_scatters if report else m.reduce_scatters),
                  fmt_bytes(report.all_gather_bytes if report else m.all_gather_bytes),
                  fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
-                       fmt_peak(report.reserved_memory, capacity)] if report else ["-"] * 4)
+                       fmt_peak(report.reserved_memory, budget)] if report else ["-"] * 4)
+            if budget is not None:
+                cells.append(fmt_margin(report.reserved_memory, budget) if report else "-")
         t.add_row(*cells)
     t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}"
                  + (" (the simulated precision, as in the memory breakdown)" if with_cost else "")
                  + ": what one rank's all-gathers return a step, the most params held unsharded at once, and "
                    "unsharded bytes not being read, averaged over ops")
+    if with_cost and budget is not None:
+        t.caption += escape(f"; margin: below the {fmt_bytes(budget.limit)} budget per rank ({budget.source})")
     return t
 
 
@@ -244,11 +269,15 @@ def fake_world_table(title: str, rows: Mapping[str, tuple[int, int]]) -> Table:
     return t
 
 
-def memory_table(peak: int, reserved: int, breakdown: Mapping[str, int], gpu: GPU | None = None) -> Table:
-    """The allocated peak by category, and what the caching allocator reserves (marked over one GPU)."""
-    over = (f": [red]over the {fmt_bytes(gpu.memory_bytes)} of one {escape(gpu.name)}[/red]"
-            if gpu is not None and reserved > gpu.memory_bytes else "")
-    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)} allocated, {fmt_bytes(reserved)} reserved{over}",
+def memory_table(peak: int, reserved: int, breakdown: Mapping[str, int], budget: MemoryBudget | None = None
+                 ) -> Table:
+    """The allocated peak by category, and what the caching allocator reserves with its margin below the budget
+    (marked when over it)."""
+    margin = ""
+    if budget is not None:
+        margin = escape(f", {budget.margin(reserved)}")
+        margin = margin if budget.fits(reserved) else f"[red]{margin}[/red]"
+    t = Table(title=f"per-rank peak memory {fmt_bytes(peak)} allocated, {fmt_bytes(reserved)} reserved{margin}",
               title_justify="left")
     t.add_column("part")
     t.add_column("bytes at peak", justify="right")

@@ -26,7 +26,7 @@ from fsdp_planner.choices import (
     Target,
     ZeroGrad,
 )
-from fsdp_planner.cli.options import MAX_NUMEL, MAX_TOKENS, MIN_MFU
+from fsdp_planner.cli.options import MAX_BATCH, MAX_NUMEL, MAX_TOKENS, MIN_MFU
 from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
@@ -35,8 +35,10 @@ from fsdp_planner.fsdp2.precision import check_precision
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, planning_only
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
+from fsdp_planner.sim.budget import Headroom, MemoryBudget, parse_headroom
 from fsdp_planner.sim.options import SimOptions
 
+SPLIT_AUTO = "auto"  # --micro-batches auto: plan --policy auto chooses the split of --batch
 DEFAULT_AUTO_CLUSTER = "h100:8"  # plan --policy auto without --cluster (or h100 with --mesh's rank count)
 
 
@@ -72,6 +74,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--min-nonwrapped-numel": ("min_nonwrapped_numel", (PolicyName.SIZE,)),
     "--target-bytes": ("target_bytes", (PolicyName.ORDER,)),
     "--memory-budget": ("memory_budget", (PolicyName.AUTO,)),
+    "--headroom": ("headroom", (PolicyName.AUTO,)),
     "--search-effort": ("search_effort", (PolicyName.AUTO,)),
     "--target": ("target", (PolicyName.AUTO,)),
     "--ac": ("ac", tuple(PolicyName)),
@@ -94,12 +97,14 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
                            f"{cut_short(args.min_nonwrapped_numel)}")
     target_bytes = size_or_none(args.target_bytes, "--target-bytes")
     budget = size_or_none(args.memory_budget, "--memory-budget")
+    headroom = headroom_or_none(args)
     return PolicyRequest(
         policy,
         module_classes=classes if policy in (PolicyName.MODULE, PolicyName.TITAN) else (),
         min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
         target_bytes=target_bytes if policy is PolicyName.ORDER else None,
         memory_budget=budget if policy is PolicyName.AUTO else None,
+        headroom=headroom if policy is PolicyName.AUTO else None,
         search_effort=args.search_effort if policy is PolicyName.AUTO else None,
         target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
         checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None,
@@ -107,14 +112,38 @@ def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
         mesh=Mesh.parse(args.mesh) if getattr(args, "mesh", None) else None)
 
 
+def headroom_or_none(args: argparse.Namespace) -> Headroom | None:
+    """``--headroom``, read; refused beside ``--memory-budget``, which is a budget taken as given."""
+    text = getattr(args, "headroom", None)
+    if text is None:
+        return None
+    if getattr(args, "memory_budget", None) is not None:
+        raise PlannerError("give --memory-budget or --headroom, not both: an explicit budget is taken as given, "
+                           "no headroom taken off it")
+    return parse_headroom(text)
+
+
+def memory_budget(args: argparse.Namespace, cluster: Cluster) -> MemoryBudget:
+    """What every fits verdict of the command compares a plan's reserved peak with: ``--memory-budget`` as given,
+    else one GPU of ``cluster`` less ``--headroom``."""
+    gpu = cluster.gpu
+    given = size_or_none(getattr(args, "memory_budget", None), "--memory-budget")
+    if given is not None:
+        return MemoryBudget.explicit(given, gpu.memory_bytes, gpu.name)
+    return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, headroom_or_none(args))
+
+
 def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: str = "",
-                 plan_file: bool = False) -> list[str]:
+                 plan_file: bool = False, budgeted: bool = False) -> list[str]:
     """One ``note:`` line per policy option the user gave that none of ``policies`` reads (all of them with
-    ``plan_file``); ``why`` says what the command runs instead, e.g. 'with --policy order'."""
+    ``plan_file``); ``why`` says what the command runs instead, e.g. 'with --policy order'. ``budgeted``: the
+    command judges its plans against ``--memory-budget`` whatever the policy (plan and simulate on a cluster)."""
     ran = set(policies)
     notes = []
     for option, (attr, readers) in POLICY_OPTIONS.items():
         if getattr(args, attr, None) is None or (ran & set(readers) and not plan_file):
+            continue
+        if option in ("--memory-budget", "--headroom") and budgeted:
             continue
         if plan_file:
             fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else "the groups"
@@ -130,12 +159,45 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """The model and the workload (``--batch``, ``--seq``) the command runs."""
+    """The model and the workload (``--batch``, ``--seq``) the command runs: with ``--micro-batches N``, one
+    micro-batch's (``--batch`` / N)."""
     batch, seq = getattr(args, "batch", None), getattr(args, "seq", None)
     if batch is not None and seq is not None and batch * seq > MAX_TOKENS:
         raise PlannerError(f"--batch {batch:,} x --seq {seq:,} is {batch * seq:,} tokens per rank; at most "
                            f"{MAX_TOKENS:,} are supported")
-    return ModelSpec(args.model, batch, seq)
+    n = micro_batches(args, auto=True)
+    return ModelSpec(args.model, batch // n if batch is not None else None, seq)
+
+
+def reshard_after_backward(args: argparse.Namespace) -> bool:
+    """``--no-reshard-after-backward`` (False), which needs micro-batches to keep the params gathered between."""
+    keep = not getattr(args, "reshard_after_backward", True)
+    if keep and getattr(args, "micro_batches", None) is None:
+        raise PlannerError("--no-reshard-after-backward keeps params gathered between micro-batches: add "
+                           "--micro-batches N")
+    return not keep
+
+
+def micro_batches(args: argparse.Namespace, auto: bool = False) -> int:
+    """``--micro-batches N``, checked: a whole number dividing ``--batch``, which it needs (1 when not given).
+    ``auto``: 1 for ``--micro-batches auto`` (the whole batch, before auto splits it), else that is refused."""
+    text = getattr(args, "micro_batches", None)
+    if text is None:
+        return 1
+    if str(text).strip().lower() == SPLIT_AUTO:
+        if not auto:
+            raise PlannerError("--micro-batches auto is plan --policy auto's choice of the split: give a number here")
+        return 1
+    n = parse_count(text, "--micro-batches")
+    if not 1 <= n <= MAX_BATCH:
+        raise PlannerError(f"--micro-batches must be from 1 to {MAX_BATCH:,}, got {cut_short(text)}")
+    batch = getattr(args, "batch", None)
+    if n > 1 and batch is None:
+        raise PlannerError(f"--micro-batches {n} splits --batch, the per-GPU batch of the step: give --batch, a "
+                           f"multiple of {n}")
+    if n > 1 and batch % n:
+        raise PlannerError(f"--micro-batches {n} must divide --batch {batch:,} (each micro-batch is --batch / N)")
+    return n
 
 
 def plan_source(args: argparse.Namespace) -> PlanSource:
@@ -159,7 +221,8 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     if not MIN_MFU <= args.mfu <= 1:  # NaN too
         raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
                            f"{args.mfu:g}")
-    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, **memory_options(args))
+    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True),
+                            reshard_after_backward(args), **memory_options(args))
 
 
 def memory_options(args: argparse.Namespace) -> dict:
@@ -192,6 +255,8 @@ class PlanRequest:
     full_trace: bool
     default_cluster: str | None  # auto's cluster when none was given (said on stderr)
     notes: tuple[str, ...]  # what the user asked for that this run does not use, one note each
+    budget: MemoryBudget | None = None  # what the plans' fits verdicts and margins are against (with a cluster)
+    split: bool = False  # --micro-batches auto: auto chooses how many micro-batches --batch is split into
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
@@ -200,6 +265,10 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         raise PlannerError("--out writes one plan: choose it with --policy")
     if args.explain and args.policy != PolicyName.AUTO.value:
         raise PlannerError("--explain explains an auto plan: add --policy auto")
+    split = str(args.micro_batches).strip().lower() == SPLIT_AUTO
+    if split and (args.policy != PolicyName.AUTO.value or args.batch is None):
+        raise PlannerError("--micro-batches auto lets --policy auto split --batch, the per-GPU batch of the step: "
+                           "add --policy auto and --batch")
     names = [PolicyName(args.policy)] if args.policy else list(CLASSIC_POLICIES)
     policies = [policy_request(args, n.value) for n in names]
     cluster, options = cluster_or_none(args), sim_options(args)
@@ -213,14 +282,15 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
     notes = _plan_notes(args, [p.name for p in policies], cluster is not None)
     measure = args.measure and not any(n.startswith("--measure") for n in notes)
     return PlanRequest(model_spec(args), PolicyName(args.policy) if args.policy else None, tuple(policies), cluster,
-                       options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes))
+                       options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes),
+                       memory_budget(args, cluster) if cluster is not None else None, split)
 
 
 def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:
     """What the user asked for that this ``plan`` does not use, one note each."""
     why = (f"with --policy {args.policy}" if args.policy
            else "without --cluster (the comparison includes auto only when a cluster is given)")
-    notes = policy_notes(args, ran, why)
+    notes = policy_notes(args, ran, why, budgeted=simulated)
     if not simulated:
         # (--precision is read without a cluster too: the model is traced in its compute dtype)
         given = [opt for opt, value, default in (("--mfu", args.mfu, DEFAULT_MFU),
@@ -266,6 +336,8 @@ class VerifyRequest:
     options: SimOptions  # what the job trains in (--precision) and with (SGD with momentum)
     plan_for: bool = False  # --plan-for: auto planned for ``plan_cluster``, its grouping carried onto the job
     plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
+    micro_batches: int = 1  # forward + backward passes a step (``model`` is one micro-batch's workload)
+    reshard_after_backward: bool = True  # False: set_reshard_after_backward(False) on all but the last micro-batch
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
@@ -279,6 +351,8 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
         raise PlannerError(f"--steps must be from 1 to {MAX_STEPS:,}, got {cut_short(args.steps)}")
     if not 0 <= args.time_steps <= MAX_STEPS:
         raise PlannerError(f"--time-steps must be from 0 to {MAX_STEPS:,}, got {cut_short(args.time_steps)}")
+    if args.fsdp1 and micro_batches(args) > 1:
+        raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
     if args.fsdp1 and (args.save_checkpoint is not None or args.load_checkpoint is not None):
         raise PlannerError("--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1")
     if planning_only(args.model):
@@ -288,7 +362,9 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
         check_save_dir(args.save_checkpoint)
     if args.load_checkpoint is not None:
         check_load_dir(args.load_checkpoint, "")
-    options = SimOptions.named(job_precision(args.precision, args.fsdp1).name, JOB_OPTIMIZER, **memory_options(args))
+    options = SimOptions.named(job_precision(args.precision, args.fsdp1).name, JOB_OPTIMIZER,
+                               micro_batches=micro_batches(args), reshard_after_backward=reshard_after_backward(args),
+                               **memory_options(args))
     notes = []
     if args.zero_grad != ZeroGrad.NONE.value:
         notes.append("--zero-grad applies with --fake-world-size: torchrun jobs clear grads with zero_grad()")
@@ -303,7 +379,8 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
                          args.json, tuple(notes), options, plan_for is not None,
-                         ModelSpec(args.plan_model) if args.plan_model else None)
+                         ModelSpec(args.plan_model) if args.plan_model else None, micro_batches(args),
+                         reshard_after_backward(args))
 
 
 def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
@@ -353,6 +430,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
     options = SimOptions.named(args.precision or DEFAULT_PRECISION, zero_grad=args.zero_grad,
+                               micro_batches=micro_batches(args), reshard_after_backward=reshard_after_backward(args),
                                **memory_options(args))
     check_precision(options.precision)
     source = plan_source(args)

@@ -13,11 +13,14 @@ from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import (
     PlanSource,
     compare_source,
+    memory_budget,
+    micro_batches,
     model_spec,
     plan_source,
     policy_notes,
     sim_options,
 )
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.report.step_view import StepView, step_view
@@ -34,12 +37,15 @@ HTML_SUFFIXES = (".html", ".htm")
 def run(args: argparse.Namespace) -> int:
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES)
     page = picture_file(args.html, "--html", HTML_SUFFIXES)
+    if micro_batches(args) > 1 and (png or page):  # (refuses --micro-batches auto too)
+        raise PlannerError("--timeline and --html draw a step of one micro-batch: drop --micro-batches to draw it")
     sources = [plan_source(args), *filter(None, [compare_source(args)])]
     cluster, options = parse_cluster(args.cluster), sim_options(args)
     policies = [s.policy.name for s in sources if s.policy]
     ran = " and ".join(f"{o} {v}" for o, v in (("--policy", args.policy), ("--compare", args.compare))
                        if v in {p.value for p in policies})
-    for note in policy_notes(args, policies, f"with {ran}", plan_file=not policies):
+    budget = memory_budget(args, cluster)
+    for note in policy_notes(args, policies, f"with {ran}", plan_file=not policies, budgeted=True):
         render.note(note)
     tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
@@ -47,17 +53,19 @@ def run(args: argparse.Namespace) -> int:
     if png is None and page is None:  # no picture: the step's numbers alone, without recording its timeline
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]
     else:
-        views = [step_view(tr, p, cluster, options, label) for label, p in plans]
+        views = [step_view(tr, p, cluster, options, label, budget) for label, p in plans]
         _draw(views, png, page, f"{model_spec(args).label()} on {cluster.describe()}")
         reports = [(v.label, v.report) for v in views]
     if args.json:
-        summaries = [r.summary() for _, r in reports]
+        summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
+                      "micro_batches": options.micro_batches} for _, r in reports]
         print(json.dumps(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
         return 0
     for label, r in reports:
-        for line in render.step_lines(model_spec(args).label(), label, cluster, r):
+        for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches), label,
+                                      cluster, r):
             render.console.print(line)
-        render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, cluster.gpu))
+        render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, budget))
     for path in filter(None, (png, page)):
         render.plain(f"timeline written to {path}")
     return 0

@@ -47,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     tr = load_trace(request.model, render.notes, measure=request.measure and predict_on is not None,
                     full=request.full_trace, precision=options.precision,
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
-    planning = SimOptions(precision=options.precision)  # auto plans in the job's precision, as plan would
+    # auto plans in the job's precision and micro-batches, as plan would
+    planning = SimOptions(precision=options.precision, micro_batches=request.micro_batches,
+                          reshard_after_backward=request.reshard_after_backward)
     plan = _at_scale(tr, request, planning) if request.plan_for else \
         _plan(tr, request.source, request.model.name, request.plan_cluster, planning, request.nproc)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
@@ -58,13 +60,15 @@ def run(args: argparse.Namespace) -> int:
     if not request.json:
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} with {request.nproc} processes"
-                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps in "
-                             f"{options.precision.name} ...")
+                             f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps"
+                             f"{f' of {request.micro_batches} micro-batches' if request.micro_batches > 1 else ''}"
+                             f" in {options.precision.name} ...")
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
         result = run_verify(request.model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
                             timed_steps=0 if request.fsdp1 else request.time_steps,
                             save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
-                            precision=options.precision)
+                            precision=options.precision, micro_batches=request.micro_batches,
+                            reshard_after_backward=request.reshard_after_backward)
     if predict_on is not None and not request.fsdp1:
         predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
         result = dataclasses.replace(result, predicted_step=predicted)
@@ -175,13 +179,16 @@ def run_fake(request: FakeWorldRequest) -> int:
                              f"with real FSDP2 on {world} fake ranks ({precision}) ...")
     predicted = simulate(tr, plan, request.cluster, options, timeline=False)
     with render.progress(f"real FSDP2 on {world} fake ranks"):
-        measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad)
+        measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad,
+                                  micro_batches=options.micro_batches,
+                                  reshard_after_backward=options.reshard_after_backward)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
     ok = exact and abs(error) <= request.memory_tolerance
     if request.json:
         print(json.dumps({"world_size": world, "precision": precision, "plan": plan.policy,
+                          "micro_batches": options.micro_batches,
                           "predicted": {k: p for k, (p, _) in rows.items()},
                           "measured": {k: m for k, (_, m) in rows.items()},
                           "predicted_memory_at_peak": predicted.memory_at_peak,
@@ -189,7 +196,8 @@ def run_fake(request: FakeWorldRequest) -> int:
                           "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
                           "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    title = (f"{escape(request.model.label())}: prediction vs real FSDP2 on {world} fake ranks "
+    split = f", {options.micro_batches} micro-batches a step" if options.micro_batches > 1 else ""
+    title = (f"{escape(request.model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "
              f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "

@@ -86,6 +86,7 @@ class _Shared:
     pre_backward_at: dict[Call, list[GroupReplay]] = field(default_factory=dict)  # output grads -> pre_backward
     post_backward_at: dict[Call, GroupReplay] = field(default_factory=dict)  # input grads -> post_backward
     all_gather_state: int | None = None  # FSDPCommContext.all_gather_state: a forward all-gather kept alive
+    reshard_after_backward: bool = True  # FSDPParamGroup.reshard_after_backward (``set_reshard_after_backward``)
 
     def free_output(self, collective: int, end: int) -> None:
         self.schedule.collectives[collective] = replace(self.schedule.collectives[collective], output_freed=end)
@@ -94,6 +95,25 @@ class _Shared:
         if self.all_gather_state is not None:
             self.free_output(self.all_gather_state, at)
             self.all_gather_state = None
+
+
+class Kept(Enum):
+    """A micro-batch of gradient accumulation under ``set_reshard_after_backward(False)`` on all but the last:
+    whether the groups start it unsharded (kept from the previous micro-batch's backward: their first forward
+    all-gather is skipped) and whether they stay unsharded after its backward."""
+
+    NONE = (False, False)  # a step of its own, or any micro-batch with reshard_after_backward True
+    FIRST = (False, True)
+    MIDDLE = (True, True)
+    LAST = (True, False)
+
+    @property
+    def before(self) -> bool:
+        return self.value[0]
+
+    @property
+    def after(self) -> bool:
+        return self.value[1]
 
 
 class GroupReplay:
@@ -233,7 +253,8 @@ class GroupReplay:
         if not self.has_params:
             return
         self._host_work(at)
-        self.reshard(at)
+        if self.shared.reshard_after_backward:  # set_reshard_after_backward(False): kept for the next micro-batch
+            self.reshard(at)
         if not self.gathered:
             return
         reduced = self.shared.reduced
@@ -274,10 +295,10 @@ class Replay:
     """Drives the groups' hooks over the trace's boundary events, as autograd and ``nn.Module`` would."""
 
     def __init__(self, trace: Trace, plan: Plan, world_size: int | None = None,
-                 group_params: Sequence[Sequence[int]] | None = None) -> None:
+                 group_params: Sequence[Sequence[int]] | None = None, kept: Kept = Kept.NONE) -> None:
         self.trace, self.plan = trace, plan
         index = trace.index
-        self.shared = _Shared(Schedule(num_events=len(trace.events)))
+        self.shared = _Shared(Schedule(num_events=len(trace.events)), reshard_after_backward=not kept.after)
         if group_params is None:
             group_params = [[index.param_index[p] for p in g.params] for g in plan.groups]
         reducible = index.reducible
@@ -286,6 +307,8 @@ class Replay:
                                    hooked_modules(g.modules, trace.index.parents))
                        for i, (g, ps) in enumerate(zip(plan.groups, group_params, strict=True))]
         for g, replay in zip(plan.groups, self.groups, strict=True):
+            if kept.before and replay.has_params:  # unsharded since the previous micro-batch's backward
+                replay.sharded_state, replay.since, replay.gathered = ShardedState.UNSHARDED, 0, True
             replay.forward_prefetch = [self.groups[j] for j in g.forward_prefetch]
             replay.backward_prefetch = [self.groups[j] for j in g.backward_prefetch]
         self.group_of = {m: r for r in self.groups for m in r.hooked}
@@ -346,11 +369,11 @@ class Replay:
 
 
 def build_schedule(trace: Trace, plan: Plan, world_size: int | None = None,
-                   group_params: Sequence[Sequence[int]] | None = None) -> Schedule:
+                   group_params: Sequence[Sequence[int]] | None = None, kept: Kept = Kept.NONE) -> Schedule:
     """Replay FSDP2 over ``trace`` with ``plan``'s groups (``group_params``: their params' indices, if known) on
     ``world_size`` ranks laid out as the plan's mesh says (None: any world, ``reshard_after_forward`` ints as
-    given)."""
-    return Replay(trace, plan, world_size, group_params).run()
+    given); ``kept``: a micro-batch under ``set_reshard_after_backward(False)``."""
+    return Replay(trace, plan, world_size, group_params, kept).run()
 
 
 def state_hook_calls(trace: Trace, plan: Plan) -> list[int]:

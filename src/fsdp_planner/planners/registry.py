@@ -14,6 +14,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.planners.order import ExecutionOrderPolicy
+from fsdp_planner.sim.budget import Headroom
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
 
@@ -42,7 +43,8 @@ class PolicyRequest:
     module_classes: tuple[str, ...] = ()  # module, titan (first class): default the repeated block class
     min_nonwrapped_numel: int | None = None  # size: default FSDP1's 1e8
     target_bytes: int | None = None  # order: default one block
-    memory_budget: int | None = None  # auto: default the memory of one of the cluster's GPUs
+    memory_budget: int | None = None  # auto: default the memory of one of the cluster's GPUs less ``headroom``
+    headroom: Headroom | None = None  # auto without memory_budget: default ``sim.budget.DEFAULT_HEADROOM``
     search_effort: int | None = None  # auto: plans its refinement may simulate; default ``default_search_effort``
     target: Target = Target.FSDP2  # auto
     checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
@@ -122,7 +124,7 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
         raise PlannerError("the auto policy plans for a cluster: give one")
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
                       search_effort=request.search_effort, checkpointing=request.checkpointing,
-                      sac_policy=request.sac_policy, mesh=request.mesh)
+                      sac_policy=request.sac_policy, mesh=request.mesh, headroom=request.headroom)
 
 
 def make_baseline(request: PolicyRequest) -> Baseline:

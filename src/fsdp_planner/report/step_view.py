@@ -18,6 +18,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -109,6 +110,7 @@ class StepView:
     capacity: int  # one GPU's memory
     gpu: str
     backward_start: float  # when the step's backward begins: forward bars end by then, backward bars start after
+    budget: MemoryBudget  # what the reserved peak must fit (the GPU less its headroom, or --memory-budget)
 
     @property
     def exposed(self) -> list[Bar]:
@@ -120,13 +122,15 @@ class StepView:
         host = f", waiting for the host {fmt_time(r.host_wait)}" if r.host_wait else ""
         return (f"{self.label}: step {fmt_time(r.step_time)}, exposed comm {fmt_time(r.exposed_comm)} ({share:.1%})"
                 f"{host}, "
-                f"peak {fmt_bytes(r.peak_memory)} allocated, {fmt_bytes(r.reserved_memory)} reserved of "
-                f"{fmt_bytes(self.capacity)}{': does not fit' if r.reserved_memory > self.capacity else ''}")
+                f"peak {fmt_bytes(r.peak_memory)} allocated, {fmt_bytes(r.reserved_memory)} reserved, "
+                f"{self.budget.margin(r.reserved_memory)}"
+                f"{'' if self.budget.fits(r.reserved_memory) else ': does not fit'}")
 
 
 def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | None = None,
-              label: str | None = None) -> StepView:
-    """Simulate ``plan`` with its timeline and turn it into lanes and a memory curve."""
+              label: str | None = None, budget: MemoryBudget | None = None) -> StepView:
+    """Simulate ``plan`` with its timeline and turn it into lanes and a memory curve; its margin is below ``budget``
+    (default: one GPU of ``cluster`` less the default headroom)."""
     ctx = SimContext(trace, cluster, plan_options(plan, options or SimOptions()), mesh=plan.layout(cluster.world_size))
     groups = ctx.sizing.groups(plan)
     schedule = build_schedule(trace, plan, ctx.world, [g.params for g in groups])
@@ -138,7 +142,8 @@ def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | 
     lanes = [Lane("compute", compute), *(Lane(k.label.split(" (")[0], bars) for k, bars in comm)]
     return StepView(label or plan.policy or "plan", report, lanes,
                     np.append(times, report.step_time), np.append(levels, levels[-1]),
-                    cluster.gpu.memory_bytes, cluster.gpu.name, float(times[trace.index.forward_end]))
+                    cluster.gpu.memory_bytes, cluster.gpu.name, float(times[trace.index.forward_end]),
+                    budget or MemoryBudget.of_gpu(cluster.gpu.memory_bytes, cluster.gpu.name))
 
 
 def event_times(timeline: Sequence[TimelineEvent], cum: Sequence[float], n: int) -> np.ndarray:

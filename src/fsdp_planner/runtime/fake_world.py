@@ -179,9 +179,12 @@ def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, track
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
-                   steps: int = 2, zero_grad: ZeroGrad = ZeroGrad.NONE) -> FakeWorldResult:
+                   steps: int = 2, zero_grad: ZeroGrad = ZeroGrad.NONE, micro_batches: int = 1,
+                   reshard_after_backward: bool = True) -> FakeWorldResult:
     """Apply ``plan`` to the model ``spec`` names with real FSDP2 on ``world_size`` fake ranks and train
-    ``steps`` steps (at least 2); counts, bytes and memory are the last step's."""
+    ``steps`` steps (at least 2) of ``micro_batches`` forward + backward passes each (of the batch ``spec`` names;
+    gradient sync off on all but the last, ``set_requires_gradient_sync``; with ``reshard_after_backward`` False
+    also ``set_reshard_after_backward(False)`` on all but the last); counts, bytes and memory are the last step's."""
     if not 1 <= world_size <= MAX_FAKE_WORLD:
         raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD}, got {world_size}")
     if steps < 2:
@@ -218,7 +221,11 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                          *(p.grad for p in model.parameters() if p.grad is not None)]
                 with tracker, counter:  # a new tracker per step: the last step's peak is kept
                     tracker.track(alive)
-                    _step(model, args, kwargs, loss_fn, tracker, spec)
+                    for k in range(micro_batches):  # the reduce-scatters run in the last backward only
+                        model.set_requires_gradient_sync(k == micro_batches - 1)
+                        if not reshard_after_backward:
+                            model.set_reshard_after_backward(k == micro_batches - 1)
+                        _step(model, args, kwargs, loss_fn, tracker, spec)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=zero_grad is ZeroGrad.NONE)
                 counts, nbytes = counter.take()

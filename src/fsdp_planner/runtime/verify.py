@@ -36,7 +36,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, check_param_dtypes, check_precision
-from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.replay import Kept, build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
 from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, read_meta
@@ -208,11 +208,23 @@ class VerifyResult:
                 "ok": self.ok}
 
 
-def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Precision | None = None
-                        ) -> tuple[Counts, Counts]:
+def micro_batch_all_gathers(trace: Trace, plan: Plan, world_size: int, micro_batches: int,
+                            reshard_after_backward: bool, precision: Precision | None = None) -> tuple[int, int]:
+    """The all-gathers (and their bytes) of a step of ``micro_batches``: each micro-batch's, fewer where
+    ``set_reshard_after_backward(False)`` keeps the groups gathered from one micro-batch into the next."""
+    ag = CollectiveKind.ALL_GATHER.value
+    runs = [(Kept.NONE, micro_batches)] if reshard_after_backward else \
+        [(Kept.FIRST, 1), (Kept.MIDDLE, micro_batches - 2), (Kept.LAST, 1)]
+    counted = [(k, predict_collectives(trace, plan, world_size, precision, kept)) for kept, k in runs]
+    return sum(k * c[ag] for k, (c, _) in counted), sum(k * b[ag] for k, (_, b) in counted)
+
+
+def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Precision | None = None,
+                        kept: Kept = Kept.NONE) -> tuple[Counts, Counts]:
     """Per-step all-gather / reduce-scatter (HSDP: all-reduce) counts, and their bytes as FSDP2 sends them (padded;
-    in ``precision``'s dtypes, the params' own without one). FSDP2 issues no all-gather or reduce-scatter over a
-    shard group of one rank."""
+    in ``precision``'s dtypes, the params' own without one); ``kept``: of a micro-batch under
+    ``set_reshard_after_backward(False)``. FSDP2 issues no all-gather or reduce-scatter over a shard group of one
+    rank."""
     shard = plan.shard_size(world_size)
     # the plan's shard dims (no padding off dim 0) and reduce dtype (what the worker applies: apply_plan)
     reduce = ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None
@@ -222,7 +234,7 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Pr
     groups = sizing.groups(plan)
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
-    for c in build_schedule(trace, plan, world_size).collectives:
+    for c in build_schedule(trace, plan, world_size, kept=kept).collectives:
         if c.kind is not CollectiveKind.ALL_REDUCE and shard == 1:
             continue
         counts[c.kind.value] += 1
@@ -357,12 +369,17 @@ def read_result(path: Path) -> dict[str, Any] | None:
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
                load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0,
-               precision: Precision | str | None = None) -> VerifyResult:
+               precision: Precision | str | None = None, micro_batches: int = 1,
+               reshard_after_backward: bool = True) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
     checkpoint (any world size and plan) and save one. ``precision``: what FSDP2 trains in (its
     ``MixedPrecisionPolicy``; default the command line's, as ``plan`` assumes); ``fsdp1``: run the plan as FSDP1
     ``FullyShardedDataParallel`` units in fp32 (``fsdp1_worker.py``; no checkpoints). ``timed_steps``: then time
-    that many steps of the sharded model alone (``worker.time_steps``; FSDP2 only)."""
+    that many steps of the sharded model alone (``worker.time_steps``; FSDP2 only). ``micro_batches``: each step
+    that many forward + backward passes of ``model``'s batch, gradient sync on the last only (FSDP2 only);
+    ``reshard_after_backward`` False: params kept gathered between them (``set_reshard_after_backward``)."""
+    if micro_batches > 1 and fsdp1:
+        raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
     model = as_spec(model)
     spec = model.name
     trained = job_precision(precision, fsdp1)
@@ -386,11 +403,16 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     check_param_dtypes(trained, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
     predicted, predicted_bytes = predict_fsdp1(trace, plan, nproc) if fsdp1 else \
         predict_collectives(trace, plan, nproc, trained)
+    if micro_batches > 1 and not fsdp1:  # the gradient collectives run in the last backward only
+        ag = CollectiveKind.ALL_GATHER.value
+        predicted[ag], predicted_bytes[ag] = micro_batch_all_gathers(trace, plan, nproc, micro_batches,
+                                                                     reshard_after_backward, trained)
     with signals_raise(), staged(save) as stage:
         data, returncode = run_torchrun(
             f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", nproc, timeout, "verify job",
             {"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr, "seed": seed,
-             "timed_steps": timed_steps, "precision": trained.name,
+             "timed_steps": timed_steps, "precision": trained.name, "micro_batches": micro_batches,
+             "reshard_after_backward": reshard_after_backward,
              "start_step": start_step, "load": str(load) if load else None, "save": str(stage) if stage else None})
         if save is not None and stage is not None:
             os.replace(stage, save)  # whole or not at all: a failed job leaves no half checkpoint under that name

@@ -109,11 +109,15 @@ class CollectiveCounter:
         return out
 
 
-def batch(spec: ModelSpec, step: int, rank: int, base_seed: int) -> tuple[Any, Callable[[Any], torch.Tensor]]:
-    """Micro-batch for (step, rank): the factory's example inputs and loss, drawn under a fixed seed (the same in
-    every run that reaches that step)."""
-    lm = load_model(spec, meta=False, seed=base_seed + 1000 * (step + 1) + rank)
+def batch(spec: ModelSpec, step: int, rank: int, base_seed: int, micro: int = 0
+          ) -> tuple[Any, Callable[[Any], torch.Tensor]]:
+    """Micro-batch ``micro`` for (step, rank): the factory's example inputs and loss, drawn under a fixed seed (the
+    same in every run that reaches that step)."""
+    lm = load_model(spec, meta=False, seed=base_seed + 1000 * (step + 1) + rank + MICRO_SEED_STRIDE * micro)
     return lm.example_inputs, lm.loss_fn or default_loss
+
+
+MICRO_SEED_STRIDE = 7919  # a prime: micro-batch m of a step draws from its own seed, micro-batch 0 as without them
 
 
 def call_model(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any:
@@ -122,18 +126,21 @@ def call_model(model: torch.nn.Module, inputs: Any, device: torch.device) -> Any
     return model(*args, **kwargs)
 
 
-def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[Any, Any]],
-                   step: int, seed: int, device: torch.device, precision: Casts = contextlib.nullcontext) -> float:
-    """One step of unsharded training on every rank's micro-batch (losses over the world size, as FSDP averages
-    grads); the global loss. What a run on one process does, uninterrupted, for the same data; each micro-batch
-    inside ``precision`` (``fsdp2_casts``: as FSDP2's mixed precision runs it)."""
+def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   batches: list[list[tuple[Any, Any]]], step: int, seed: int, device: torch.device,
+                   precision: Casts = contextlib.nullcontext) -> float:
+    """One step of unsharded training on every rank's micro-batches (``batches[rank][micro]``; losses over the
+    world size, as FSDP averages grads, and over the micro-batches, as the sharded loop scales them); the global
+    loss. What a run on one process does, uninterrupted, for the same data; each micro-batch inside ``precision``
+    (``fsdp2_casts``: as FSDP2's mixed precision runs it)."""
     total = 0.0
-    for r, (inputs, loss_fn) in enumerate(batches):
-        torch.manual_seed(seed + 7 * step + r)
-        with precision():
-            loss = loss_fn(call_model(reference, inputs, device)) / len(batches)
-            loss.backward()
-        total += loss.item()
+    for r, micro_batches in enumerate(batches):
+        for inputs, loss_fn in micro_batches:
+            torch.manual_seed(seed + 7 * step + r)
+            with precision():
+                loss = loss_fn(call_model(reference, inputs, device)) / (len(batches) * len(micro_batches))
+                loss.backward()
+            total += loss.item()
     optimizer.step()
     optimizer.zero_grad()
     return total
@@ -152,12 +159,12 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
     for step in range(start, start + job["steps"]):
         if injected_fault(rank) == "kill" and step == start + 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        batches = [batch(ModelSpec.from_json(job["model"]), step, r, job["seed"]) for r in range(world)]
-        inputs, loss_fn = batches[rank]
+        micro = job.get("micro_batches", 1)
+        batches = [[batch(ModelSpec.from_json(job["model"]), step, r, job["seed"], m) for m in range(micro)]
+                   for r in range(world)]
         with counter, counting(counter):
-            torch.manual_seed(job["seed"] + 7 * step + rank)
-            loss = loss_fn(call_model(model, inputs, device))
-            loss.backward()
+            loss = accumulate(model, batches[rank], job["seed"] + 7 * step + rank, device,
+                              job.get("reshard_after_backward", True))
         c, b = counter.take()
         counted.append(c)
         counted_bytes.append(b)
@@ -168,6 +175,25 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
         losses.append(mean_loss.item() / world)
         ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device, precision))
     return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses}
+
+
+def accumulate(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], seed: int, device: torch.device,
+               reshard_after_backward: bool = True) -> torch.Tensor:
+    """Forward + backward of each micro-batch, losses scaled by their count; with more than one, FSDP2's gradient
+    sync only on the last (``set_requires_gradient_sync``: the reduce-scatters run in its backward), and with
+    ``reshard_after_backward`` False the params kept gathered until it (``set_reshard_after_backward``). The mean
+    loss."""
+    total = torch.zeros((), device=device)
+    for m, (inputs, loss_fn) in enumerate(micro_batches):
+        if len(micro_batches) > 1:
+            model.set_requires_gradient_sync(m == len(micro_batches) - 1)  # type: ignore[operator]
+            if not reshard_after_backward:
+                model.set_reshard_after_backward(m == len(micro_batches) - 1)  # type: ignore[operator]
+        torch.manual_seed(seed)
+        loss = loss_fn(call_model(model, inputs, device)) / len(micro_batches)
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -259,9 +285,10 @@ def parity(pairs: Any, compute: torch.dtype | None = None) -> dict[str, Any]:
             "bound": str(coarsest).removeprefix("torch.") if coarsest is not None else ""}
 
 
-def time_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
-               steps: int) -> list[float]:
-    """Seconds of ``steps`` forward + loss + backward steps of the sharded model alone, back to back on one batch
+def time_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
+               steps: int, reshard_after_backward: bool = True) -> list[float]:
+    """Seconds of ``steps`` forward + loss + backward steps (of each micro-batch, ``accumulate``) of the sharded
+    model alone, back to back on one batch
     (grads set to None between them, as ``zero_grad()`` does), in PyTorch's default (not deterministic) mode: a
     training loop's steps, without the reference's training or the next batch's making in between. The ranks start
     each step together (a barrier), so its time is the step's, not a wait for a peer."""
@@ -270,19 +297,19 @@ def time_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], tor
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
     try:
-        return _timed_steps(model, inputs, loss_fn, device, steps)
+        return _timed_steps(model, micro_batches, device, steps, reshard_after_backward)
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
-def _timed_steps(model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
-                 steps: int) -> list[float]:
+def _timed_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
+                 steps: int, reshard_after_backward: bool) -> list[float]:
     seconds = []
     for _ in range(steps + 1 if steps else 0):  # the first one untimed: it follows other work (warm-up)
         dist.barrier()
         _synchronize(device)
         start = time.perf_counter()
-        loss_fn(call_model(model, inputs, device)).backward()
+        accumulate(model, micro_batches, 0, device, reshard_after_backward)
         _synchronize(device)
         seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
@@ -340,8 +367,10 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     # timed last, with the reference and the optimizers gone: what stays in memory is what a training job keeps
     del reference, opt, ref_opt
     gc.collect()
-    inputs, loss_fn = batch(ModelSpec.from_json(job["model"]), job.get("start_step", 0), rank, job["seed"])
-    result["step_seconds"] = time_steps(model, inputs, loss_fn, device, job.get("timed_steps", 0))
+    micro = [batch(ModelSpec.from_json(job["model"]), job.get("start_step", 0), rank, job["seed"], m)
+             for m in range(job.get("micro_batches", 1))]
+    result["step_seconds"] = time_steps(model, micro, device, job.get("timed_steps", 0),
+                                        job.get("reshard_after_backward", True))
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({**result, "backend": dist.get_backend(), "world": world,
                                                    "loaded": loaded}))

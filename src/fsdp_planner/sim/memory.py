@@ -42,8 +42,9 @@ of allocations and is not modelled. Plans are fitted to the GPU by ``reserved``.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
+from enum import Enum
 
 import numpy as np
 
@@ -53,7 +54,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.replay import Schedule, build_schedule
+from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
 from fsdp_planner.sim.recompute import Checkpointed, activation_deltas, checkpointed_calls, loss_region_deltas
@@ -96,6 +97,22 @@ class Peak:
     @property
     def allocated(self) -> int:
         return self.at.total
+
+
+class GradSync(Enum):
+    """Which micro-batch of a step with gradient accumulation (``set_requires_gradient_sync``) the memory is of."""
+
+    ONLY = "only"  # the step's one micro-batch: grads reduce-scattered in its backward
+    FIRST = "first"  # sync off, nothing accumulated before it
+    MIDDLE = "middle"  # sync off, the grads of the micro-batches before it accumulated
+    LAST = "last"  # sync on: the accumulated grads reduce-scattered with its own
+
+
+def micro_batch_phases(micro_batches: int) -> tuple[GradSync, ...]:
+    """The distinct micro-batches of a step of ``micro_batches`` (memory differs between these only)."""
+    if micro_batches == 1:
+        return (GradSync.ONLY,)
+    return (GradSync.FIRST, *((GradSync.MIDDLE,) if micro_batches > 2 else ()), GradSync.LAST)
 
 
 def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[Checkpointed] = ()) -> np.ndarray:
@@ -148,10 +165,11 @@ class MemoryModel:
             self._activations[key] = activation_levels(self.trace, self.precision, key)
         return self._activations[key]
 
-    def peak(self, plan: Plan, schedule: Schedule) -> Peak:
-        """The step's peak, its breakdown at that moment, and the bytes reserved (module docstring)."""
+    def peak(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY) -> Peak:
+        """The step's peak (of its micro-batch ``phase``), its breakdown at that moment, and the bytes reserved
+        (module docstring)."""
         n = len(self.trace.events) + 1
-        return self._peak_of(self._deltas(plan, schedule), n, self.activations(plan_checkpointing(plan)))
+        return self._peak_of(self._deltas(plan, schedule, phase), n, self.activations(plan_checkpointing(plan)))
 
     def loss_at_peak(self, plan: Plan, schedule: Schedule) -> int:
         """Of the activations at the step's peak, the loss region's bytes (``loss_region_deltas``: the logits and
@@ -171,8 +189,8 @@ class MemoryModel:
             dense[pos] += sum(d)
         return self.static.total + np.cumsum(dense)[:n] + self.activations(plan_checkpointing(plan))
 
-    def _deltas(self, plan: Plan, schedule: Schedule) -> dict[int, list[float]]:
-        """Event position -> change of each dynamic category (``_DYNAMIC``) there."""
+    def _deltas(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY) -> dict[int, list[float]]:
+        """Event position -> change of each dynamic category (``_DYNAMIC``) there, in the micro-batch ``phase``."""
         n = len(self.trace.events) + 1
         groups = self.sizing.groups(plan)
         deltas: dict[int, list[float]] = {}  # position -> change per dynamic category (``_DYNAMIC``)
@@ -191,8 +209,15 @@ class MemoryModel:
                 # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
                 # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
                 add(1, c.event + c.prefetch, c.output_freed, groups[c.group].gather_bytes)
+        if phase in (GradSync.FIRST, GradSync.MIDDLE):
+            for c in reduces:
+                self._accumulate(add, c, min(groups[c.group].first_backward, c.event), n, phase)
+            return deltas
         for k, c in enumerate(reduces):
-            add(2, min(groups[c.group].first_backward, c.event), c.event + 1, self.sizing.grad_bytes(c.params))
+            first = min(groups[c.group].first_backward, c.event)
+            add(2, first, c.event + 1, self.sizing.grad_bytes(c.params))
+            if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
+                add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(c.params))
             add(2, c.event, c.event + 1, self.sizing.shard1_grad_bytes(c.params))  # dim-1 grads re-laid out
             # the next post-backward frees this input buffer before it allocates its own
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
@@ -205,6 +230,30 @@ class MemoryModel:
             else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
                 add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
         return deltas
+
+    @property
+    def _separate_accumulation(self) -> bool:
+        """Whether FSDP2 accumulates unsharded grads in a tensor of their own: when the reduce dtype is not the
+        dtype autograd makes them in (``FSDPParam.to_accumulated_grad_if_needed`` upcasts them); else autograd
+        accumulates into ``param.grad`` itself."""
+        return self.precision.reduce_bytes != self.precision.compute_bytes
+
+    def _accumulated(self, params: tuple[int, ...]) -> int:
+        """Bytes of these params' unsharded grads while sync is off: unpadded, in the reduce dtype."""
+        return self.sizing.grad_bytes(params) * self.precision.reduce_bytes // self.precision.compute_bytes
+
+    def _accumulate(self, add: Callable[[int, int, int, float], None], c: Collective, first: int, n: int,
+                    phase: GradSync) -> None:
+        """A micro-batch without gradient sync (``set_requires_gradient_sync(False)``): FSDP2's post-backward
+        reduce-scatters nothing; the group's unsharded grads stay to the step's end (in FIRST from its
+        post-backward, upcast there when ``_separate_accumulation``; in MIDDLE from before the micro-batch), and
+        each new grad lives from its backward until the post-backward adds it in."""
+        acc = self._accumulated(c.params)
+        if not self._separate_accumulation:  # autograd adds into param.grad: one tensor, kept
+            add(2, first if phase is GradSync.FIRST else 0, n, acc)
+            return
+        add(2, first, c.event + 1, self.sizing.grad_bytes(c.params))
+        add(2, c.event if phase is GradSync.FIRST else 0, n, acc)
 
     def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray) -> Peak:
         starts = sorted(p for p in deltas if p < n)

@@ -106,6 +106,12 @@ class SimOptions:
     precision: Precision = field(default_factory=lambda: PRECISIONS[DEFAULT_PRECISION])
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS[DEFAULT_OPTIMIZER])
     zero_grad: ZeroGrad = ZeroGrad.NONE
+    # forward + backward passes per optimizer step (gradient accumulation, sync on the last only: simulate.py);
+    # the trace is of one micro-batch
+    micro_batches: int = 1
+    # with micro_batches > 1: False is set_reshard_after_backward(False) on all but the last micro-batch, groups
+    # kept unsharded between them (no re-all-gather before their first forward use)
+    reshard_after_backward: bool = True
     offload: bool = False
     shard_placement: ShardPlacement = ShardPlacement.DIM0
     reduce_dtype: ReduceDtype | None = None  # the user's MixedPrecisionPolicy.reduce_dtype, applied to ``precision``
@@ -113,14 +119,18 @@ class SimOptions:
     def __post_init__(self) -> None:
         if isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float) or not 0 < self.mfu <= 1:
             raise PlannerError(f"the MFU must be in (0, 1], got {self.mfu!r}")
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise PlannerError(f"a step has at least one micro-batch, got {self.micro_batches!r}")
 
     @classmethod
     def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER,
-              mfu: float = DEFAULT_MFU, zero_grad: str = ZeroGrad.NONE.value, offload: bool = False,
+              mfu: float = DEFAULT_MFU, zero_grad: str = ZeroGrad.NONE.value, micro_batches: int = 1,
+              reshard_after_backward: bool = True, offload: bool = False,
               shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None) -> SimOptions:
         reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None
         return cls(mfu=mfu, precision=with_reduce_dtype(precision_named(precision), reduce),
-                   optimizer=optimizer_named(optimizer), zero_grad=ZeroGrad(zero_grad), offload=offload,
+                   optimizer=optimizer_named(optimizer), zero_grad=ZeroGrad(zero_grad), micro_batches=micro_batches,
+                   reshard_after_backward=reshard_after_backward, offload=offload,
                    shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce)
 
     def with_memory_options(self, offload: bool, placement: ShardPlacement) -> SimOptions:

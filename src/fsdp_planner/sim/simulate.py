@@ -1,18 +1,28 @@
 """One training step of a plan on a cluster: time, exposed communication, per-rank memory, and its timeline when
 asked. The replay (``fsdp2/replay.py``) says what FSDP2 does; the cluster's engine puts times on it: overlapping
 streams on GPUs (``streams.py``), one blocking thread on CPU ranks (``host_engine.py``); the memory model gives the
-peak (``memory.py``). This module chooses the engine and puts the report together."""
+peak (``memory.py``). This module chooses the engine and puts the report together.
+
+Gradient accumulation (``SimOptions.micro_batches`` = N > 1; the trace is of one micro-batch): N forward +
+backward passes, ``model.set_requires_gradient_sync(False)`` on all but the last, one optimizer step. Without sync
+FSDP2's post-backward reduce-scatters nothing (nor does HSDP all-reduce) and keeps each group's unsharded grads
+(upcast to the reduce dtype, ``FSDPParam.to_accumulated_grad_if_needed``); the last micro-batch adds its grads in
+and reduce-scatters the sums (``FSDPParamGroup.post_backward``). ``reshard_after_backward`` stays True, so each
+micro-batch all-gathers as a step does. The step is the ordinary step (the last micro-batch) plus N - 1 runs of
+its schedule without gradient collectives; its memory the largest of the micro-batches' peaks
+(``memory.GradSync``). The timeline, when recorded, is the last micro-batch's."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.replay import Schedule, build_schedule
+from fsdp_planner.fsdp2.replay import Kept, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.host_engine import simulate_host
+from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
@@ -66,12 +76,61 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     groups = ctx.sizing.groups(plan)
     sched = schedule or build_schedule(trace, plan, ctx.world, [g.params for g in groups])
     gather = [g.gather_bytes for g in groups]
+    if ctx.options.micro_batches == 1:
+        return report(ReportInput(ctx, plan, sched, gather, _engine(ctx, plan, sched, timeline)))
+    runs = {}
+    for phase in micro_batch_phases(ctx.options.micro_batches):
+        ph_sched = _micro_batch_schedule(ctx, plan, sched, phase)
+        times = _engine(ctx, plan, ph_sched, timeline and phase is GradSync.LAST)
+        runs[phase] = (ph_sched, report(ReportInput(ctx, plan, ph_sched, gather, times)))
+    return accumulated(ctx, plan, runs)
+
+
+def _micro_batch_schedule(ctx: SimContext, plan: Plan, sched: Schedule, phase: GradSync) -> Schedule:
+    """What FSDP2 does in one micro-batch: ``sched`` (the step's own), or with ``set_reshard_after_backward(False)``
+    (``SimOptions.reshard_after_backward`` False) the replay of groups kept unsharded across micro-batches; without
+    gradient sync (all but the last) without its reduce-scatters and all-reduces."""
+    if not ctx.options.reshard_after_backward:
+        kept = {GradSync.FIRST: Kept.FIRST, GradSync.MIDDLE: Kept.MIDDLE, GradSync.LAST: Kept.LAST}[phase]
+        sched = build_schedule(ctx.trace, plan, ctx.world, [g.params for g in ctx.sizing.groups(plan)], kept)
+    if phase is GradSync.LAST:
+        return sched
+    return Schedule([c for c in sched.collectives if c.kind is AG], sched.residency, sched.num_events, sched.hooks)
+
+
+def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> StepTimes:
+    """The cluster's engine's times for one pass of ``sched``."""
+    groups = ctx.sizing.groups(plan)
     recompute = ctx.recompute(plan_checkpointing(plan))
     if ctx.cluster.engine is Engine.HOST:
-        times = simulate_host(ctx, plan, sched, gather, [len(g.params) for g in groups], recompute, timeline)
-    else:
-        times = simulate_streams(ctx, plan, sched, groups, recompute, timeline)
-    return report(ReportInput(ctx, plan, sched, gather, times))
+        return simulate_host(ctx, plan, sched, [g.gather_bytes for g in groups], [len(g.params) for g in groups],
+                             recompute, timeline)
+    return simulate_streams(ctx, plan, sched, groups, recompute, timeline)
+
+
+# what a step of micro-batches sums over them (``accumulated``); the rest is the last micro-batch's or a peak
+_SUMMED = ("step_time", "compute_time", "exposed_comm", "recompute_time", "host_wait", "copy_time", "host_time",
+           "hooks", "all_gathers", "reduce_scatters", "all_reduces", "all_gather_bytes", "reduce_scatter_bytes",
+           "all_reduce_bytes")
+
+
+def accumulated(ctx: SimContext, plan: Plan, runs: dict[GradSync, tuple[Schedule, StepReport]]) -> StepReport:
+    """The step of ``ctx.options.micro_batches`` from one run of each distinct micro-batch (a middle one stands
+    for all N - 2): their times, counts and bytes summed, the largest of their memory peaks (module docstring)."""
+    n = ctx.options.micro_batches
+    times = {GradSync.FIRST: 1, GradSync.MIDDLE: n - 2, GradSync.LAST: 1}
+    peaks = [ctx.memory.peak(plan, sched, phase) for phase, (sched, _) in runs.items()]
+    top = max(peaks, key=lambda p: p.allocated)
+    breakdown = top.at.to_dict()
+    breakdown.pop("total")
+    last = runs[GradSync.LAST][1]
+    others = [(times[phase], r) for phase, (_, r) in runs.items() if phase is not GradSync.LAST]
+    summed = {name: getattr(last, name) + sum(k * getattr(r, name) for k, r in others) for name in _SUMMED}
+    comm = {s: t + sum(k * r.comm_time.get(s, 0.0) for k, r in others) for s, t in last.comm_time.items()}
+    return replace(last, **summed, comm_time=comm, peak_memory=top.allocated,
+                   reserved_memory=max(p.reserved for p in peaks), memory_at_peak=breakdown,
+                   # the last's bound, then the other micro-batches' compute at least
+                   lower_bound=last.lower_bound + sum(k * r.compute_time for k, r in others))
 
 
 def _context(trace: Trace, plan: Plan, cluster: Cluster | None, options: SimOptions | None,

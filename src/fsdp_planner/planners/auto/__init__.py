@@ -11,8 +11,9 @@ The search, one concern per module:
 it does.
 
 Without a budget, the budget is the GPU's memory (``GPU.memory_bytes``, the spec sheet's decimal capacity: 80e9
-bytes = 74.5 GiB on an H100, which leaves ~4.5 GiB of the 79.1 GiB CUDA reports for the CUDA context, NCCL's
-buffers and fragmentation beyond the allocator's inter-stream pools, none of which the prediction counts). A plan
+bytes = 74.5 GiB on an H100, which leaves ~4.5 GiB of the 79.1 GiB CUDA reports for the CUDA context and NCCL's
+buffers) less a headroom for the memory model's error and the allocator's fragmentation (``sim/budget.py``,
+``DEFAULT_HEADROOM``: 5%, 70.8 GiB on an H100); an explicit ``memory_budget`` is taken as given. A plan
 fits when its *reserved* memory (``sim/memory.py``: allocated plus the all-gather stream's own pool) is within it.
 Every classic plan is a candidate, so auto is never slower than a classic policy that fits.
 When no plan fits, auto searches again with FSDP2's memory options, in order: params sharded on dim 1 where dim 0 is
@@ -48,6 +49,7 @@ from fsdp_planner.planners.auto.candidates import (
 from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.sim.budget import Headroom, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.sizing import shard_dims, with_memory_options
@@ -101,7 +103,7 @@ class AutoResult:
     plan: Plan
     report: StepReport
     budget: int
-    budget_source: str  # "--memory-budget" or the GPU whose memory it is
+    budget_source: str  # "--memory-budget" or the GPU whose memory it is, less the headroom
     fits: bool
     baselines: dict[str, Candidate]
     evaluated: int  # plans simulated during the search
@@ -112,6 +114,7 @@ class AutoResult:
     search: Search = field(repr=False)
     meshes: dict[str, Candidate] = field(default_factory=dict)  # layout -> its best plan (every layout tried)
     chosen: Candidate | None = field(default=None, repr=False)  # the candidate behind ``plan`` and ``report``
+    memory: MemoryBudget | None = None  # the budget with its capacity and headroom (``budget`` is its limit)
 
     @property
     def min_peak(self) -> int:
@@ -150,6 +153,7 @@ class AutoPolicy:
     # (in full, among none, the fewest leading blocks and all; op-level selective only when fixed, ``--ac op``)
     sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # with checkpointing op: what op-level checkpointing saves
     mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
+    headroom: Headroom | None = None  # below the GPU's memory when no memory_budget; None: ``DEFAULT_HEADROOM``
     name: str = "auto"
     choose_memory_options: bool = True  # when nothing fits: try dim-1 sharding and CPU offload (module docstring)
 
@@ -199,7 +203,8 @@ class AutoPolicy:
     def _search(self, trace: Trace, model: str) -> AutoResult:
         """The best plan on each layout worth a full search, the fastest that fits overall (``_choose_meshes``)."""
         started = time.perf_counter()
-        budget, source = self._budget()
+        memory = self._budget()
+        budget, source = memory.limit, memory.source
         first = Search(self._evaluator(trace, model, budget, self.mesh), trace, model)
         screened: dict[str, Candidate] = {}
         evaluators = {first.ev.ctx.mesh: first.ev}
@@ -222,7 +227,7 @@ class AutoPolicy:
             evaluated=sum(o.search.ev.simulated for o in outcomes) + len(screened), effort=effort,
             refined=effort - left, cut=best.cut, seconds=time.perf_counter() - started, search=best.search,
             meshes={**{o.search.ev.ctx.mesh.describe(): o.chosen for o in outcomes}, **screened},
-            chosen=best.chosen)
+            chosen=best.chosen, memory=memory)
 
     def _evaluator(self, trace: Trace, model: str, budget: int, mesh: Mesh | None,
                    shared: Search | None = None) -> Evaluator:
@@ -357,10 +362,11 @@ class AutoPolicy:
                 lo = mid + 1
         return lo
 
-    def _budget(self) -> tuple[int, str]:
+    def _budget(self) -> MemoryBudget:
+        gpu = self.cluster.gpu
         if self.memory_budget is not None:
-            return self.memory_budget, "--memory-budget"
-        return self.cluster.gpu.memory_bytes, f"the memory of one {self.cluster.gpu.name}"
+            return MemoryBudget.explicit(self.memory_budget, gpu.memory_bytes, gpu.name)
+        return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, self.headroom)
 
 
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
@@ -428,10 +434,22 @@ def infeasible_message(result: AutoResult) -> str:
     shown = ", ".join(f"{t.value} {fmt_bytes(b)}" for t, b in list(terms.items())[:4])
     ac = smallest.plan.activation_checkpointing
     checkpointed = f"; {fmt_count(len(ac), 'module')} checkpointed" if ac else ""
-    hint = ", or raise --memory-budget to at least that" if result.budget_source == "--memory-budget" else ""
+    hint = _budget_hint(result, floor)
     return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {ev.cluster.name}: the "
             f"smallest peak any plan reaches is {fmt_bytes(floor)} ({shown}{checkpointed}); the largest part is the "
             f"{largest.value}: {_WAY_OUT.get(largest, 'use more GPUs or a smaller --batch or --seq')}{hint}")
+
+
+def _budget_hint(result: AutoResult, floor: int) -> str:
+    """What budget option would let the smallest peak fit: a larger --memory-budget, or a smaller --headroom when
+    the peak is within the GPU's capacity."""
+    if result.budget_source == "--memory-budget":
+        return ", or raise --memory-budget to at least that"
+    memory = result.memory
+    if memory is not None and memory.headroom is not None and floor <= memory.capacity:
+        return (f", or lower --headroom (it fits the {fmt_bytes(memory.capacity)} of the GPU with "
+                f"{fmt_bytes(memory.capacity - floor)} to spare, under the {memory.headroom.describe()})")
+    return ""
 
 
 __all__ = ["AutoPolicy", "AutoResult", "PeakTerm", "Search", "Target", "infeasible_message", "peak_terms"]
