@@ -205,3 +205,9 @@ def test_auto_turns_to_offload_only_when_nothing_fits() -> None:
     assert found.report.cpu_optimizer_time > 0 and "offload" in found.plan.policy
     fitting = AutoPolicy(cluster, free.report.reserved_memory).search(tr).plan
     assert fitting.copy(policy="").to_json() == free.plan.copy(policy="").to_json()  # (the label names the budget)
+
+
+def test_no_fit_says_the_memory_options_were_tried_too() -> None:
+    tr = _traced("toy-llama", SimOptions())
+    with pytest.raises(PlannerError, match=r"\(CPU offload did not fit either\)$"):
+        AutoPolicy(parse_cluster("h100:8"), 1000).plan(tr)

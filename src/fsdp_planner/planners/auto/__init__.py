@@ -115,6 +115,7 @@ class AutoResult:
     meshes: dict[str, Candidate] = field(default_factory=dict)  # layout -> its best plan (every layout tried)
     chosen: Candidate | None = field(default=None, repr=False)  # the candidate behind ``plan`` and ``report``
     memory: MemoryBudget | None = None  # the budget with its capacity and headroom (``budget`` is its limit)
+    also_tried: tuple[str, ...] = ()  # FSDP2 memory options searched too, none of which fit (``AutoPolicy.search``)
 
     @property
     def min_peak(self) -> int:
@@ -182,12 +183,17 @@ class AutoPolicy:
     def search(self, trace: Trace, model: str = "") -> AutoResult:
         with paused_gc():
             result = self._search(trace, model)
-            for offload, placement in self._ways_out(trace, result):
+            ways = self._ways_out(trace, result)
+            for offload, placement in ways:
                 tried = replace(self, options=self.options.with_memory_options(offload, placement),
                                 choose_memory_options=False)._search(trace, model)
                 if tried.fits:
                     return tried
-            return result
+            # none fits: the message speaks of the plans without them, and says they were tried
+            names = {False: "", True: "CPU offload"}
+            tried_names = {" and ".join(filter(None, (names[o], "dim-1 sharding" if p is ShardPlacement.AUTO else "")))
+                           for o, p in ways}
+            return replace(result, also_tried=tuple(sorted(tried_names)))
 
     def _ways_out(self, trace: Trace, result: AutoResult) -> list[tuple[bool, ShardPlacement]]:
         """FSDP2's memory options to search with when ``result`` does not fit, cheapest first: dim-1 sharding (no
@@ -435,6 +441,8 @@ def infeasible_message(result: AutoResult) -> str:
     ac = smallest.plan.activation_checkpointing
     checkpointed = f"; {fmt_count(len(ac), 'module')} checkpointed" if ac else ""
     hint = _budget_hint(result, floor)
+    if result.also_tried:
+        hint += f" ({', '.join(result.also_tried)} did not fit either)"
     return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {ev.cluster.name}: the "
             f"smallest peak any plan reaches is {fmt_bytes(floor)} ({shown}{checkpointed}); the largest part is the "
             f"{largest.value}: {_WAY_OUT.get(largest, 'use more GPUs or a smaller --batch or --seq')}{hint}")
