@@ -211,3 +211,17 @@ def test_no_fit_says_the_memory_options_were_tried_too() -> None:
     tr = _traced("toy-llama", SimOptions())
     with pytest.raises(PlannerError, match=r"\(CPU offload did not fit either\)$"):
         AutoPolicy(parse_cluster("h100:8"), 1000).plan(tr)
+
+
+def test_fake_world_command_runs_an_offload_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    """verify --fake-world-size with --offload: FSDP2 runs with CPUOffloadPolicy on the fake ranks; on this CPU the
+    offloaded state sits beside the rest, so the comparison is with the plan's prediction without offload (noted),
+    and it passes; the GPU's figure is in the note."""
+    import json
+
+    from fsdp_planner.cli import main
+
+    assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "8", "--offload", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["counts_and_bytes_exact"] is True
+    assert "compared with the plan's prediction without offload" in out.err

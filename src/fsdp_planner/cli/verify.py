@@ -26,7 +26,7 @@ from fsdp_planner.planners.at_scale import onto_job
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, run_verify
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 
 
@@ -163,6 +163,21 @@ def _prediction_cluster(request: VerifyRequest) -> Cluster | None:
     return given
 
 
+def _fake_world_prediction(tr: Trace, plan: Plan, request: FakeWorldRequest) -> StepReport:
+    """What the fake ranks are compared with: the plan's prediction; with CPU offload, the same plan's without it,
+    since the fake ranks run on this CPU, where the offloaded state sits beside everything else (noted, with the
+    GPU's figure)."""
+    predicted = simulate(tr, plan, request.cluster, request.options, timeline=False)
+    if not plan.offload:
+        return predicted
+    render.note(f"offload: the fake ranks run on the CPU, which holds the offloaded sharded params, grads and "
+                f"optimizer state beside the rest, so they are compared with the plan's prediction without offload "
+                f"(on the GPU the plan predicts {fmt_bytes(predicted.peak_memory)} allocated, "
+                f"{fmt_bytes(predicted.reserved_memory)} reserved)")
+    return simulate(tr, plan.copy(offload=False), request.cluster,
+                    dataclasses.replace(request.options, offload=False), timeline=False)
+
+
 def run_fake(request: FakeWorldRequest) -> int:
     """Real FSDP2 on ``--fake-world-size`` fake ranks beside the simulator's prediction for that world size."""
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
@@ -177,7 +192,7 @@ def run_fake(request: FakeWorldRequest) -> int:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} "
                              f"with real FSDP2 on {world} fake ranks ({precision}) ...")
-    predicted = simulate(tr, plan, request.cluster, options, timeline=False)
+    predicted = _fake_world_prediction(tr, plan, request)
     with render.progress(f"real FSDP2 on {world} fake ranks"):
         measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad,
                                   micro_batches=options.micro_batches,
