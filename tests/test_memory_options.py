@@ -225,3 +225,15 @@ def test_fake_world_command_runs_an_offload_plan(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr()
     assert json.loads(out.out)["counts_and_bytes_exact"] is True
     assert "compared with the plan's prediction without offload" in out.err
+
+
+def test_offload_optimizer_step_is_once_per_step_of_micro_batches() -> None:
+    options, cluster = SimOptions.named(), parse_cluster("h100:8")
+    tr = _traced("toy-llama", options)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr).copy(offload=True)
+    one = simulate(tr, plan, cluster, options, timeline=False)
+    three = simulate(tr, plan, cluster, SimOptions.named(micro_batches=3), timeline=False)
+    assert three.cpu_optimizer_time == one.cpu_optimizer_time > 0
+    kept = simulate(tr, plan.copy(offload=False), cluster, SimOptions.named(micro_batches=3), timeline=False)
+    # the three micro-batches' copies, then one optimizer step
+    assert three.step_time - three.cpu_optimizer_time > kept.step_time

@@ -82,7 +82,7 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     for phase in micro_batch_phases(ctx.options.micro_batches):
         ph_sched = _micro_batch_schedule(ctx, plan, sched, phase)
         times = _engine(ctx, plan, ph_sched, timeline and phase is GradSync.LAST)
-        runs[phase] = (ph_sched, report(ReportInput(ctx, plan, ph_sched, gather, times)))
+        runs[phase] = (ph_sched, report(ReportInput(ctx, plan, ph_sched, gather, times, phase is GradSync.LAST)))
     return accumulated(ctx, plan, runs)
 
 
@@ -156,6 +156,7 @@ class ReportInput:
     sched: Schedule
     gather: list[int]
     times: StepTimes
+    steps_optimizer: bool = True  # the optimizer steps after it (of micro-batches, the last only)
 
 
 def report(given: ReportInput) -> StepReport:
@@ -168,7 +169,7 @@ def report(given: ReportInput) -> StepReport:
     memory = ctx.memory.peak(given.plan, given.sched)
     breakdown = memory.at.to_dict()
     breakdown.pop("total")
-    optimizer = ctx.optimizer_seconds()
+    optimizer = ctx.optimizer_seconds() if given.steps_optimizer else 0.0
     return StepReport(
         step_time=times.step + optimizer, cpu_optimizer_time=optimizer,
         compute_time=ctx.compute_total + times.recompute if times.compute is None else times.compute,
