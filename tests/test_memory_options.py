@@ -237,3 +237,22 @@ def test_offload_optimizer_step_is_once_per_step_of_micro_batches() -> None:
     kept = simulate(tr, plan.copy(offload=False), cluster, SimOptions.named(micro_batches=3), timeline=False)
     # the three micro-batches' copies, then one optimizer step
     assert three.step_time - three.cpu_optimizer_time > kept.step_time
+
+
+def test_int_reshard_after_forward_is_dim0_only() -> None:
+    """Real FSDP2 (torch 2.13) fails a Shard(1) param's all-gather after an int reshard_after_forward (IndexError in
+    foreach_all_gather_copy_out: the post-forward shard is flat), seen on hf:mixtral-8x7b's auto plan for h100:64:
+    such a plan is refused in one line before any fully_shard, and auto never makes one."""
+    options = SimOptions.named("fp32")
+    tr = _traced(EXPERTS, options)
+    plan = with_memory_options(make_plan(tr, [["layers.0"], ["layers.1"]]), tr, 64, False, ShardPlacement.AUTO, "")
+    plan.groups[0].reshard_after_forward = 8
+    with pytest.raises(PlannerError, match="int reshard_after_forward for dim-0 sharding only"):
+        Plan.from_json(plan.to_json())
+    with pytest.raises(PlannerError, match="int reshard_after_forward for dim-0 sharding only"):
+        run_fake_world(EXPERTS, plan, 64, options.precision)
+    plan.groups[0].reshard_after_forward = True
+    Plan.from_json(plan.to_json())  # a bool is fine
+    auto = AutoPolicy(parse_cluster("h100:64"), memory_budget=10**12, options=SimOptions.named(
+        "fp32", shard_placement=ShardPlacement.AUTO.value)).plan(tr)
+    assert auto.shard_dims and all(isinstance(g.reshard_after_forward, bool) for g in auto.groups)

@@ -11,7 +11,7 @@ import torch.nn as nn
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.claim import application_order, hooked_modules
-from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_plan_world_size
+from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_int_reshard_on_dim0, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.trace.walk import model_fingerprint
 
@@ -103,6 +103,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
+    check_int_reshard_on_dim0(plan)
     if mesh is None:
         import torch.distributed as dist
 

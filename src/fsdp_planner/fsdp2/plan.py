@@ -221,12 +221,29 @@ def _plan_from_dict(data: Any) -> Plan:
     numel = model.get("numel", 0)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {_shown(numel)}")
-    return Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
+    plan = Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
                 model=str(model.get("name", "")), activation_checkpointing=list(checkpointed),
                 selective_checkpointing=_selective_from_dict(data.get("selective_checkpointing", {})),
                 mesh=_mesh_from_dict(data.get("mesh")),
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
                 precision=_precision_from(data.get("precision", "")), **_memory_options(data))
+    check_int_reshard_on_dim0(plan)
+    return plan
+
+
+def check_int_reshard_on_dim0(plan: Plan) -> None:
+    """An int ``reshard_after_forward`` only for groups whose params are all sharded on dim 0: FSDP2 keeps the
+    post-forward shard flat (``FSDPParam.to_sharded_post_forward`` narrows a 1-D view) and its all-gather copy-out
+    then indexes the shard dim of that 1-D size, an IndexError for dim 1 (torch 2.13,
+    ``_fsdp_collectives.foreach_all_gather_copy_out``)."""
+    if not plan.shard_dims:
+        return
+    for i, g in enumerate(plan.groups):
+        on_dim1 = next((p for p in g.params if plan.shard_dims.get(p, 0) != 0), None)
+        if not isinstance(g.reshard_after_forward, bool) and on_dim1 is not None:
+            raise PlannerError(f"plan group {i} reshards to {g.reshard_after_forward} ranks after forward but holds "
+                               f"'{on_dim1}', sharded on dim {plan.shard_dims[on_dim1]}: FSDP2 supports an int "
+                               "reshard_after_forward for dim-0 sharding only; use true or false for this group")
 
 
 REDUCE_DTYPES = ("fp32", "bf16")  # choices.ReduceDtype's values

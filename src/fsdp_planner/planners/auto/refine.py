@@ -14,6 +14,7 @@ from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
 from fsdp_planner.planners.auto.atoms import Atom, Pin
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK, REFINE_STARTS, ROOT_SLACK, Candidate, Evaluator, Target
 from fsdp_planner.planners.order import compress_modules
+from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.trace.tree import proper_ancestors
 
 
@@ -70,7 +71,9 @@ class Refiner:
         inner = [i for i, g in enumerate(best.plan.groups) if not g.is_root and g.params]
         values: list[ReshardAfterForward] = [False]
         k, shard = self.ev.cluster.gpus_per_node, self.ev.ctx.shard
-        if self.ev.target is Target.FSDP2 and 1 < k < shard and shard % k == 0:
+        # an int needs dim-0 sharding (``check_int_reshard_on_dim0``): not with a placement putting params on dim 1
+        on_dim1 = shard_dims(self.ev.trace, shard, self.ev.ctx.options.shard_placement)
+        if self.ev.target is Target.FSDP2 and 1 < k < shard and shard % k == 0 and not on_dim1:
             values.append(k)
         for value in values:
             lo, hi = 0, len(inner)
