@@ -102,7 +102,8 @@ def _set(dotted: str, value: Any) -> Callable[[dict[str, Any]], None]:
     ("gpus_per_node", 1000, "field 'gpus_per_node' must be a whole number from 1 to 72, got 1000"),
     ("nodes", 0, "field 'nodes' must be a whole number from 1 to 1,000,000, got 0"),
     ("nodes", 200_000, "has 1,600,000 GPUs (200,000 nodes x 8); at most 1,000,000 are supported"),
-    ("nics_per_node", 0, "field 'nics_per_node' must be a whole number from 1 to 1,000,000, got 0"),
+    ("nics_per_node", 0, "field 'nics_per_node' must be a whole number from 1 to 64, got 0"),
+    ("nics_per_node", 1_000_000, "field 'nics_per_node' must be a whole number from 1 to 64, got 1000000"),
     ("fits", {"all_gather": {"8": [math.nan, 3e11]}}, "field 'fits.all_gather.8 latency' is NaN, outside 0..1 s"),
     ("fits", {"all_gather": {"8": [1e-5, math.inf]}}, "field 'fits.all_gather.8 bandwidth' is infinity, outside "
                                                       "1e6..1e14 B/s"),
@@ -111,6 +112,9 @@ def _set(dotted: str, value: Any) -> Callable[[dict[str, Any]], None]:
     ("tables", {"all_gather": [[1, 1e-4], [2, 1e9]]}, "field 'tables.all_gather.1.seconds' is 1e9 s, outside "
                                                        "0..1000 s (0 excluded)"),
     ("fits", {"all_gather": {"1": [1e-5, 3e11]}}, "has a fit for 1 ranks; fits are for 2 to 1,000,000 ranks"),
+    # a typo leaves a default in place silently unless unknown fields are refused
+    ("ring_overhed", 1.9, "has an unknown field 'ring_overhed' (a typo?)"),
+    ("inter.ring_overhed", 1.9, "has an unknown field 'inter.ring_overhed' (a typo?)"),
 ])
 def test_every_cluster_number_is_checked_and_named(capsys, tmp_path: Path, field: str, value: Any,
                                                     message: str) -> None:
@@ -449,3 +453,9 @@ def test_one_line_keeps_the_first_line_of_a_multi_line_error() -> None:
     assert one_line(backtrace) == "randn(): Overflow when unpacking long long (+2 more lines)"
     assert one_line("a short line") == "a short line"
     assert len(one_line(" ".join(["word"] * 1000))) <= 1000
+
+
+def test_memory_world_size_is_bounded(capsys) -> None:
+    """`memory --world-size 2**63` ended in 'internal error: OverflowError', 1e15 printed PiB figures."""
+    for world in ("9223372036854775808", "1000000000000000", "0"):
+        _fails(capsys, ["memory", "seed-net", "--world-size", world], "--world-size must be from 1 to 1,000,000")

@@ -11,13 +11,15 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace
 from fsdp_planner.cli.requests import model_spec
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import cut_short
+from fsdp_planner.hardware.cluster import MAX_WORLD_SIZE
 from fsdp_planner.sim.memory import strategy_table
 from fsdp_planner.sim.options import SimOptions
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world_size < 1:
-        raise PlannerError("--world-size must be at least 1")
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        raise PlannerError(f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, got {cut_short(args.world_size)}")
     options = SimOptions.named(args.precision, args.optimizer, zero_grad=args.zero_grad)
     rows = strategy_table(load_trace(model_spec(args), render.notes, full=args.full_trace,
                                    precision=options.precision), args.world_size, options)

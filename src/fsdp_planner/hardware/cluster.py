@@ -13,6 +13,7 @@ import json
 import math
 import re
 from dataclasses import InitVar, asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,6 +29,7 @@ CLUSTER_VERSION = 1
 # NVLink domain sold today.
 MAX_WORLD_SIZE = 1_000_000
 MAX_NODE_GPUS = 72
+MAX_NODE_NICS = 64  # NICs (rails) per node: 8 on DGX H100 / GB200 NVL72 trays, 64 leaves room for any design
 
 # CPUOffloadPolicy's copies between host and GPU: one direction of a PCIe Gen5 x16 link, 64 GB/s (NVIDIA's H100 SXM,
 # H200 and HGX B200 data sheets give "PCIe Gen5: 128 GB/s", both directions); A100 SXM4: Gen4, 64 GB/s both ways.
@@ -191,6 +193,7 @@ class Cluster:
         if not isinstance(d, dict):
             raise PlannerError(f"the {where} must be a JSON object, got {type(d).__name__}")
         _check_version(d, where)
+        _check_known_keys(d, where)
         memory = _num(d, "gpu.memory_bytes", where)
         gpu = GPU(
             name=_get(d, "gpu.name", where),
@@ -432,9 +435,27 @@ def _check_cluster(c: Cluster, label: str, physical: bool = False) -> None:
     _check_fits(c.fits, label, physical)
 
 
+def _check_known_keys(d: dict, where: str) -> None:
+    """Every key is one a cluster file has (what ``to_dict`` writes): a typo such as ``ring_overhed`` would
+    otherwise leave the default in place without a word."""
+    sections = {"gpu": GPU, "intra": Link, "inter": Link, "overhead": Overhead}
+    known = {"version", "name", "gpus_per_node", "nodes", "nics_per_node", "fits", "engine", "tables",
+             "host_copy_bandwidth", "cpu_optimizer_rate", *sections}
+    for key in d:
+        if key not in known:
+            raise PlannerError(f"the {where} has an unknown field {_short(key)} (a typo?); the fields are listed in "
+                               "docs/calibrate.md")
+    for section, cls in sections.items():
+        fields = {f.name for f in dataclass_fields(cls)}
+        for key in d.get(section) or {} if isinstance(d.get(section), dict) else ():
+            if key not in fields:
+                raise PlannerError(f"the {where} has an unknown field {_short(f'{section}.{key}')} (a typo?): "
+                                   f"'{section}' has {', '.join(sorted(fields))}")
+
+
 def _check_shape(c: Cluster, label: str) -> None:
     """Nodes, GPUs and NICs per node: whole numbers in range, and a world size the planner supports."""
-    for attr, top in (("gpus_per_node", MAX_NODE_GPUS), ("nodes", MAX_WORLD_SIZE), ("nics_per_node", MAX_WORLD_SIZE)):
+    for attr, top in (("gpus_per_node", MAX_NODE_GPUS), ("nodes", MAX_WORLD_SIZE), ("nics_per_node", MAX_NODE_NICS)):
         v = getattr(c, attr)
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
             raise PlannerError(f"the {label} field '{attr}' must be a whole number from 1 to {top:,}, got "
