@@ -280,7 +280,8 @@ class AutoPolicy:
             # the first blocks that lets a plan fit (``checkpointing.py``), the fewest in full alone, and all in
             # full; each setting's groupings are searched.
             choice = self._checkpoint_choice(ev, blocks, baselines)
-            settings = list(dict.fromkeys([choice.setting, choice.full_only, Setting(len(blocks), 0)]))
+            first = [choice.setting, choice.full_only] if choice else []
+            settings = list(dict.fromkeys([*first, Setting(len(blocks), 0)]))
             for n, s in enumerate(settings):
                 setting = setting_view(ev, blocks, s, self.sac_policy)
                 self._explore(search, setting, [search.atoms])  # groups inside a block would forbid checkpointing it
@@ -292,13 +293,14 @@ class AutoPolicy:
         chosen = self._preferred(search, ev.best(), baselines)
         return MeshOutcome(search, chosen, baselines, cut, choice), used
 
-    def _checkpoint_choice(self, ev: Evaluator, blocks: list[str], baselines: dict[str, Candidate]) -> Choice:
+    def _checkpoint_choice(self, ev: Evaluator, blocks: list[str], baselines: dict[str, Candidate]
+                           ) -> Choice | None:
         """The fastest setting of full and op-level checkpointing of the first blocks for the per-block plan
-        (torchtitan's grouping, or the best classic plan) to fit."""
-        fewest = self._fewest_checkpointed(ev, blocks, baselines)
+        (torchtitan's grouping, or the best classic plan) to fit; None when no classic plan runs to judge on."""
         start = baselines.get("titan") or min(baselines.values(), key=ev.key, default=None)
         if start is None:
-            return Choice(Setting(fewest, 0), self.sac_policy, {}, Setting(fewest, 0), None)
+            return None
+        fewest = self._fewest_checkpointed(ev, blocks, baselines)
         return CheckpointSearch(ev, blocks, start, self.sac_policy).choose(fewest)
 
     def _preferred(self, search: Search, best: Candidate, baselines: dict[str, Candidate]) -> Candidate:

@@ -46,6 +46,7 @@ class Choice:
 
     setting: Setting
     policy: SacPolicy
+    start: str  # the plan the settings were judged on (its origin: torchtitan's grouping, or a classic policy)
     tried: dict[Setting, Candidate]  # every setting simulated on the start plan
     full_only: Setting  # the fewest leading blocks in full alone that fit (the plan an expert writes by hand)
     op_only: Setting | None  # the fewest leading blocks op-level alone that fit (None: op-level alone cannot)
@@ -55,7 +56,7 @@ class Choice:
         would cost there (the plan's own may differ: each setting's groupings were searched, the fastest kept)."""
         ours = Setting(len(plan.activation_checkpointing), len(plan.selective_checkpointing))
         best = self.tried[self.setting]
-        parts = [f"checkpointing: {ours.describe(self.policy)} of the first blocks; on {best.origin.split(' + ')[0]}'s "
+        parts = [f"checkpointing: {ours.describe(self.policy)} of the first blocks; on {self.start}'s "
                  f"grouping the fastest that fits of {len(self.tried)} settings simulated is "
                  f"{self.setting.describe(self.policy)}"]
         for label, s in (("full alone", self.full_only), ("op-level alone", self.op_only)):
@@ -87,14 +88,16 @@ class CheckpointSearch:
         chosen = self._least_op(best[-1]) if best is not None else None
         if chosen is None or self._key(full_only) <= self._key(chosen):
             chosen = full_only
-        return Choice(chosen, self.policy, self.tried, full_only, self._least_op(0))
+        return Choice(chosen, self.policy, self.start.origin, self.tried, full_only, self._least_op(0))
 
     def _rank(self, full: int) -> tuple | None:
-        """The ranking key of the fastest setting with ``full`` blocks in full (None: none fits), then ``full``."""
+        """The ranking key of the fastest setting with ``full`` blocks in full (None: none fits); it ends in
+        ``full``."""
         s = self._least_op(full)
-        return None if s is None else (*self._key(s), full)
+        return None if s is None else self._key(s)
 
     def _key(self, s: Setting) -> tuple:
+        """Over the budget last, then faster (equal up to float noise), less memory, fewer blocks in full."""
         r = self.tried[s].report
         return (r.reserved_memory > self.ev.budget, float(f"{r.step_time:.9g}"), r.reserved_memory, s.full)
 
