@@ -48,6 +48,12 @@ HSDP_CASES = [("toy-llama", Mesh(128, 8)), ("llama3-8b", Mesh(8, 8)), ("llama3-8
 TOLERANCE = 0.05
 
 
+def checkpointed(r: dict) -> str:
+    """The row's checkpointed modules: in full, op-level."""
+    full, op = r["checkpointed"], r.get("op_checkpointed", 0)
+    return " + ".join([f"{full} full"] * bool(full) + [f"{op} op"] * bool(op)) or "-"
+
+
 def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool = False,
              ac: ACMode | None = None, mesh: Mesh | None = None) -> list[dict]:
     lm = load_model(model)
@@ -71,6 +77,7 @@ def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool
             row = {"model": model, "world": world if mesh is None else mesh.describe(), "plan": name,
                    "groups": len(plan.inner_groups),
                    "checkpointed": len(plan.activation_checkpointing),
+                   "op_checkpointed": len(plan.selective_checkpointing),
                    "predicted": {k: p for k, (p, _) in pairs.items()},
                    "measured": {k: m for k, (_, m) in pairs.items()}, "seconds": measured.seconds}
             p, m = row["predicted"], row["measured"]
@@ -113,7 +120,7 @@ def main() -> None:
     for r in rows:
         p, m = r["predicted"], r["measured"]
         lines.append(
-            f"| {r['model']} | {r['world']} | {r['plan']} | {r['groups']} | {r['checkpointed'] or '-'} "
+            f"| {r['model']} | {r['world']} | {r['plan']} | {r['groups']} | {checkpointed(r)} "
             f"| {p['all_gathers']} / {m['all_gathers']} "
             f"| {p['reduce_scatters']} / {m['reduce_scatters']} "
             f"| {str(p['all_reduces']) + ' / ' + str(m['all_reduces']) if 'all_reduces' in p else '-'} | "

@@ -198,6 +198,8 @@ def _print(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | 
         for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory,
                                        collapse=True):
             console.print(part, highlight=False)
+        if auto.checkpointing is not None:
+            console.print(escape(auto.checkpointing.describe(auto.plan)), highlight=False)
         ev = auto.search.ev
         console.print(render.host_line(auto.report, ev.cluster, host_work(ev.ctx, auto.plan)), highlight=False)
         if ev.cluster.overhead.source:  # a preset's citation, or the machine a calibration measured (from a file)

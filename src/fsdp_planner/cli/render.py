@@ -217,7 +217,7 @@ def findings_table(findings: Sequence[Finding]) -> Table:
 def ac_cell(plan: Plan) -> str:
     """The comparison table's AC cell: how many modules are checkpointed in full and how many op-level."""
     full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
-    return " + ".join([*([str(full)] if full else []), *([f"{op} op"] if op else [])]) or "-"
+    return " + ".join([*([f"{full} full"] if full else []), *([f"{op} op"] if op else [])]) or "-"
 
 
 def how_checkpointed(plan: Plan, modules: Sequence[str]) -> str:

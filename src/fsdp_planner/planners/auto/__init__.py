@@ -46,6 +46,7 @@ from fsdp_planner.planners.auto.candidates import (
     frugal_and_dp,
     root_plan,
 )
+from fsdp_planner.planners.auto.checkpointing import CheckpointSearch, Choice, Setting, setting_view
 from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
@@ -96,6 +97,7 @@ class MeshOutcome:
     chosen: Candidate
     baselines: dict[str, Candidate]
     cut: bool  # the effort stopped its refinement before it converged
+    checkpointing: Choice | None = None  # the checkpointing auto chose when nothing fit without (None: not needed)
 
 
 @dataclass
@@ -116,6 +118,7 @@ class AutoResult:
     chosen: Candidate | None = field(default=None, repr=False)  # the candidate behind ``plan`` and ``report``
     memory: MemoryBudget | None = None  # the budget with its capacity and headroom (``budget`` is its limit)
     also_tried: tuple[str, ...] = ()  # FSDP2 memory options searched too, none of which fit (``AutoPolicy.search``)
+    checkpointing: Choice | None = None  # the chosen layout's checkpointing choice (None: none was needed)
 
     @property
     def min_peak(self) -> int:
@@ -151,8 +154,8 @@ class AutoPolicy:
     options: SimOptions = field(default_factory=SimOptions)
     search_effort: int | None = None  # plans the local refinement may simulate; None: ``default_search_effort``
     checkpointing: ACMode | None = None  # activation checkpointing fixed for every plan; None: auto chooses
-    # (in full, among none, the fewest leading blocks and all; op-level selective only when fixed, ``--ac op``)
-    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # with checkpointing op: what op-level checkpointing saves
+    # (when nothing fits without: the fastest mix of full and op-level on the first blocks, ``checkpointing.py``)
+    sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # what op-level checkpointing saves (fixed ``--ac op`` or chosen)
     mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
     headroom: Headroom | None = None  # below the GPU's memory when no memory_budget; None: ``DEFAULT_HEADROOM``
     name: str = "auto"
@@ -233,7 +236,7 @@ class AutoPolicy:
             evaluated=sum(o.search.ev.simulated for o in outcomes) + len(screened), effort=effort,
             refined=effort - left, cut=best.cut, seconds=time.perf_counter() - started, search=best.search,
             meshes={**{o.search.ev.ctx.mesh.describe(): o.chosen for o in outcomes}, **screened},
-            chosen=best.chosen, memory=memory)
+            chosen=best.chosen, memory=memory, checkpointing=best.checkpointing)
 
     def _evaluator(self, trace: Trace, model: str, budget: int, mesh: Mesh | None,
                    shared: Search | None = None) -> Evaluator:
@@ -309,20 +312,34 @@ class AutoPolicy:
         blocks = block_instances(trace)
         baselines = self._explore(search, ev, search.granularities())
         used, cut = 0, False
-        if self.checkpointing is None and blocks and ev.best().report.reserved_memory > ev.budget:
-            # Nothing fits without activation checkpointing: checkpoint the fewest blocks that let a plan fit
-            # (the first ones: their activations live longest), and all of them; each costs a recomputation.
-            fewest = self._fewest_checkpointed(ev, blocks, baselines)
-            counts = list(dict.fromkeys([fewest, len(blocks)]))
-            for n, count in enumerate(counts):
-                setting = ev.checkpointing(blocks[:count])
+        choice = None
+        if self.checkpointing is None and blocks and not fits_unchecked(ev):
+            # Nothing fits without activation checkpointing: the fastest mix of full and op-level checkpointing of
+            # the first blocks that lets a plan fit (``checkpointing.py``), the fewest in full alone, and all in
+            # full; each setting's groupings are searched.
+            choice = self._checkpoint_choice(ev, blocks, baselines)
+            first = [choice.setting, choice.full_only] if choice else []
+            settings = list(dict.fromkeys([*first, Setting(len(blocks), 0)]))
+            for n, s in enumerate(settings):
+                setting = setting_view(ev, blocks, s, self.sac_policy)
                 self._explore(search, setting, [search.atoms])  # groups inside a block would forbid checkpointing it
                 refiner = Refiner(setting, search.atoms, search.fine_atoms)
-                used += refiner.refine((effort - used) // (len(counts) - n))
+                used += refiner.refine((effort - used) // (len(settings) - n))
                 cut = cut or refiner.cut
         else:
             used, cut = search.refiner.refine(effort), search.refiner.cut
-        return MeshOutcome(search, self._preferred(search, ev.best(), baselines), baselines, cut), used
+        chosen = self._preferred(search, ev.best(), baselines)
+        return MeshOutcome(search, chosen, baselines, cut, choice), used
+
+    def _checkpoint_choice(self, ev: Evaluator, blocks: list[str], baselines: dict[str, Candidate]
+                           ) -> Choice | None:
+        """The fastest setting of full and op-level checkpointing of the first blocks for the per-block plan
+        (torchtitan's grouping, or the best classic plan) to fit; None when no classic plan runs to judge on."""
+        start = baselines.get("titan") or min(baselines.values(), key=ev.key, default=None)
+        if start is None:
+            return None
+        fewest = self._fewest_checkpointed(ev, blocks, baselines)
+        return CheckpointSearch(ev, blocks, start, self.sac_policy).choose(fewest)
 
     def _preferred(self, search: Search, best: Candidate, baselines: dict[str, Candidate]) -> Candidate:
         """Among the plans as fast as ``best`` (within a slack), one whose root manages only what it must, then one
@@ -373,6 +390,13 @@ class AutoPolicy:
         if self.memory_budget is not None:
             return MemoryBudget.explicit(self.memory_budget, gpu.memory_bytes, gpu.name)
         return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, self.headroom)
+
+
+def fits_unchecked(ev: Evaluator) -> bool:
+    """Whether a plan that checkpoints nothing fits (the layout screening's checkpointed plans, shared with ``ev``,
+    do not count: the search must choose its own checkpointing)."""
+    return any(c.report.reserved_memory <= ev.budget for c in ev.ranked()
+               if not (c.plan.activation_checkpointing or c.plan.selective_checkpointing))
 
 
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'

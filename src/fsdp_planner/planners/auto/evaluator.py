@@ -63,11 +63,14 @@ class Evaluator:
         self.cache: dict[tuple, Candidate] = {}
         self.compressed: dict[tuple[str, ...], list[str]] = {}  # a segment's modules -> its group's (``build``)
 
-    def checkpointing(self, modules: Sequence[str]) -> Evaluator:
-        """This evaluator with every plan checkpointing ``modules``; the plans simulated (``seen``, the cache) are
-        shared, so a plan is simulated once whichever setting asked for it."""
+    def checkpointing(self, modules: Sequence[str], selective: Mapping[str, SacPolicy] | None = None) -> Evaluator:
+        """This evaluator with every plan checkpointing ``modules`` in full (and ``selective`` op-level; None: the
+        op-level ones as they are); the plans simulated (``seen``, the cache) are shared, so a plan is simulated
+        once whichever setting asked for it."""
         view = copy.copy(self)
         view.checkpointed = list(modules)
+        if selective is not None:
+            view.selective = dict(selective)
         return view
 
     @property

@@ -65,7 +65,7 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
     it does, and what the best one-step alternative (boundary moved, groups merged) would cost."""
     plan = result.plan
     # alternatives checkpoint what the plan does (the search may have ended on another setting)
-    ev = result.search.ev.checkpointing(plan.activation_checkpointing)
+    ev = result.search.ev.checkpointing(plan.activation_checkpointing, plan.selective_checkpointing)
     refiner = Refiner(ev, result.search.atoms, result.search.fine_atoms)
     trace, ctx = ev.trace, ev.ctx
     fwd_end = trace.index.forward_end
