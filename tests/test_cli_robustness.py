@@ -242,7 +242,7 @@ def test_calibrate_out_is_not_one_of_its_logs(capsys, tmp_path):
 @pytest.mark.parametrize("command", [("plan", "seed-net", "--policy", "order"), ("calibrate", str(LOG))])
 def test_empty_out(capsys, command):
     code, _, err = run_main(capsys, *command, "--out", "")
-    assert_one_line_error(code, err, "--out is empty: give the file to write")
+    assert_one_line_error(code, err, "--out is empty")
 
 
 def test_out_overwrites_a_json_file_and_keeps_it_when_writing_fails(capsys, tmp_path, monkeypatch):
@@ -501,3 +501,25 @@ def test_names_from_files_print_as_text_never_markup(tmp_path, capsys, name):
         code, out, err = run_main(capsys, *args, "--cluster", str(path))
         assert code == 0 and "internal error" not in err
         assert f"8 {name} (8 GPUs)" in out  # the brackets kept, not taken as style
+
+
+@pytest.mark.parametrize("args", [["check", "toy-llama", "--plan", ""], ["plan", "toy-llama", "--cluster", " "],
+                                  ["plan", "toy-llama", "--mesh", ""], ["demo", "--out-dir", ""],
+                                  ["verify", "toy-llama", "--policy", "auto", "--plan-for", ""]])
+def test_an_empty_option_is_refused_not_ignored(capsys, args):
+    code, _, err = run_main(capsys, *args)
+    assert_one_line_error(code, err, "is empty: give a value")
+
+
+def test_out_through_a_symlink_is_judged_by_what_it_replaces(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mycode.py").write_text("print(1)\n")
+    (tmp_path / "notes.txt").write_text("notes\n")
+    (tmp_path / "out.json").symlink_to("mycode.py")
+    (tmp_path / "out2.png").symlink_to("notes.txt")
+    code, _, err = run_main(capsys, "plan", "toy-llama", "--policy", "titan", "--out", "out.json")
+    assert_one_line_error(code, err, "is a link to")
+    code, _, err = run_main(capsys, "simulate", "toy-llama", "--cluster", "h100:8", "--policy", "titan",
+                            "--timeline", "out2.png")
+    assert_one_line_error(code, err, "is a link to")
+    assert (tmp_path / "mycode.py").read_text() == "print(1)\n" and (tmp_path / "notes.txt").read_text() == "notes\n"
