@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -523,3 +524,30 @@ def test_out_through_a_symlink_is_judged_by_what_it_replaces(capsys, tmp_path, m
                             "--timeline", "out2.png")
     assert_one_line_error(code, err, "is a link to")
     assert (tmp_path / "mycode.py").read_text() == "print(1)\n" and (tmp_path / "notes.txt").read_text() == "notes\n"
+
+
+def test_every_json_document_is_strict_json():
+    """A diverged verify (NaN losses, an infinite max_abs_diff) once printed NaN/Infinity, which JSON parsers
+    refuse: every --json goes through json_text, which writes them as null."""
+    from fsdp_planner.fmt import json_text
+
+    doc = json.loads(json_text({"losses": [float("nan"), 1.0], "max_abs_diff": float("inf"), "t": (2, -math.inf)}))
+    assert doc == {"losses": [None, 1.0], "max_abs_diff": None, "t": [2, None]}
+    cli_dir = Path(cli.__file__).parent
+    assert not [p.name for p in cli_dir.glob("*.py") if "json.dumps(" in p.read_text()]
+
+
+def test_verify_table_says_a_diverged_run_is_nan():
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import verify_table
+    from fsdp_planner.runtime.verify import VerifyResult
+
+    counts = {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 0}
+    nan = float("nan")
+    result = VerifyResult(2, 1, "gloo", counts, [counts], [counts], counts, [nan], [nan], math.inf,
+                          param_error=math.inf, worst_param="w")
+    console = Console(file=io.StringIO(), width=400)
+    console.print(verify_table(result))
+    shown = console.file.getvalue()
+    assert "training diverged" in shown and "its bound" not in shown, shown

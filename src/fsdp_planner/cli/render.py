@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -338,8 +339,12 @@ def _parity_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     losses of both."""
     worst = f" ({escape(result.worst_param)}, {result.param_error:.3g}x its bound)" \
         if not result.params_match and result.worst_param else ""
+    measured = f"{result.max_abs_diff:.3g}{worst}"
+    if not math.isfinite(result.max_abs_diff) and not all(map(math.isfinite, [*result.losses,
+                                                                             *result.reference_losses])):
+        measured = "NaN: training diverged (a loss is not finite), so the params are NaN"  # not 'inf x its bound'
     return [(f"params vs unsharded reference (max abs diff, {result.precision})", parity_bound(result),
-             f"{result.max_abs_diff:.3g}{worst}", OK if result.params_match else BAD),
+             measured, OK if result.params_match else BAD),
             ("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
              " ".join(f"{x:.5f}" for x in result.losses), "")]
 
