@@ -551,3 +551,11 @@ def test_verify_table_says_a_diverged_run_is_nan():
     console.print(verify_table(result))
     shown = console.file.getvalue()
     assert "training diverged" in shown and "its bound" not in shown, shown
+
+
+def test_a_newline_in_a_module_name_is_escaped_in_tables():
+    """A ModuleDict key "nl\\nline" split a plan table's row in two; tables show it as nl\\nline."""
+    from fsdp_planner.fmt import cell_text, fmt_modules
+
+    assert cell_text("d.nl\nline\tx\x1b") == "d.nl\\nline\\tx\\x1b"
+    assert fmt_modules(["", "a\nb"]) == "(root), a\\nb"

@@ -65,7 +65,7 @@ def fmt_gain(time: float, rival: float) -> str | None:
 def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
     """A group's modules for a table cell: ``layers.0, layers.1, +6``; the root module is ``(root)``. One name
     more than ``limit`` is shown rather than counted (``+1`` would hide it in no less room)."""
-    names = ["(root)" if m == "" else m for m in modules]
+    names = ["(root)" if m == "" else cell_text(m) for m in modules]
     if len(names) <= limit + 1:
         return ", ".join(names)
     return ", ".join(names[:limit]) + f", +{len(names) - limit}"
@@ -97,6 +97,12 @@ def finite(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [finite(v) for v in value]
     return value
+
+
+def cell_text(name: str) -> str:
+    """A name from a model or file for one table cell or line: ``printable``, and a newline or tab escaped too
+    (``printable`` keeps them for layout, but an ``nn.ModuleDict`` key ``"a\\nb"`` split a table row in two)."""
+    return printable(name).replace("\n", "\\n").replace("\t", "\\t")
 
 
 # The longest number or size a person types (1_000_000_000_000 or 1.5e6GiB are far shorter): a longer one is refused
