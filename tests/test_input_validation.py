@@ -483,3 +483,31 @@ def test_the_plan_writer_writes_only_what_reads_back(capsys, tmp_path: Path) -> 
                  "--out", str(out), "-q"]) == 0
     capsys.readouterr()
     assert Plan.load(out).policy == "module(Linear)"
+
+
+@pytest.mark.parametrize("method", ["nosuch", "training"])
+def test_check_and_simulate_refuse_a_forward_method_the_module_lacks(capsys, tmp_path: Path, method: str) -> None:
+    """verify refused it; check and simulate accepted it (the trace records only the methods the step called)."""
+    out = tmp_path / "t.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(out), "-q"]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text())
+    d["forward_methods"] = [{"module": "layers.0", "method": method}]
+    out.write_text(json.dumps(d))
+    message = f"registers 'layers.0.{method}' but TransformerBlock 'layers.0' has no method '{method}'"
+    _fails(capsys, ["check", "toy-llama", "--plan", str(out)], message)
+    _fails(capsys, ["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8"], message)
+
+
+def test_check_warns_of_a_method_registered_on_a_module_no_group_lists(capsys, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(out), "-q"]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text())
+    d["forward_methods"] = [{"module": "layers.0.attention", "method": "extra_repr"}]
+    out.write_text(json.dumps(d))
+    assert main(["check", "toy-llama", "--plan", str(out), "--json"]) == 0
+    findings = json.loads(capsys.readouterr().out)
+    assert [(f["severity"], f["module"]) for f in findings if f["code"] == "forward-method"] == \
+        [("warning", "layers.0.attention")]
+    assert "no group lists layers.0.attention" in findings[-1]["message"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.common import check_plan_methods, load_trace, run_auto
 from fsdp_planner.cli.requests import (
     cluster_or_none,
     model_spec,
@@ -62,7 +62,9 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
           ) -> tuple[Plan | None, str]:
     """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
     if args.plan:
-        return with_claimed_params(Plan.load(args.plan), tr), f"the plan in {args.plan}"
+        plan = with_claimed_params(Plan.load(args.plan), tr)
+        check_plan_methods(plan, model_spec(args))
+        return plan, f"the plan in {args.plan}"
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")

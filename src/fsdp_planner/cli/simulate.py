@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster, options: SimOptions) -> Plan:
     if source.plan_file is not None:
-        plan = load_plan(str(source.plan_file), tr)
+        plan = load_plan(str(source.plan_file), tr, model)
         check_plan_world_size(plan, cluster.world_size)
         return plan
     assert source.policy is not None

@@ -80,7 +80,7 @@ def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster | None, op
     """The plan to run: the plan file's, checked against the model, or the policy's (auto's for ``cluster``);
     checked against ``world`` ranks when given."""
     if source.plan_file is not None:
-        plan = load_plan(str(source.plan_file), tr)
+        plan = load_plan(str(source.plan_file), tr, model)
     else:
         assert source.policy is not None
         plan = policy_plan(tr, source.policy, model, cluster, options)
