@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -242,7 +243,7 @@ def test_calibrate_out_is_not_one_of_its_logs(capsys, tmp_path):
 @pytest.mark.parametrize("command", [("plan", "seed-net", "--policy", "order"), ("calibrate", str(LOG))])
 def test_empty_out(capsys, command):
     code, _, err = run_main(capsys, *command, "--out", "")
-    assert_one_line_error(code, err, "--out is empty: give the file to write")
+    assert_one_line_error(code, err, "--out is empty")
 
 
 def test_out_overwrites_a_json_file_and_keeps_it_when_writing_fails(capsys, tmp_path, monkeypatch):
@@ -501,3 +502,60 @@ def test_names_from_files_print_as_text_never_markup(tmp_path, capsys, name):
         code, out, err = run_main(capsys, *args, "--cluster", str(path))
         assert code == 0 and "internal error" not in err
         assert f"8 {name} (8 GPUs)" in out  # the brackets kept, not taken as style
+
+
+@pytest.mark.parametrize("args", [["check", "toy-llama", "--plan", ""], ["plan", "toy-llama", "--cluster", " "],
+                                  ["plan", "toy-llama", "--mesh", ""], ["demo", "--out-dir", ""],
+                                  ["verify", "toy-llama", "--policy", "auto", "--plan-for", ""]])
+def test_an_empty_option_is_refused_not_ignored(capsys, args):
+    code, _, err = run_main(capsys, *args)
+    assert_one_line_error(code, err, "is empty: give a value")
+
+
+def test_out_through_a_symlink_is_judged_by_what_it_replaces(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mycode.py").write_text("print(1)\n")
+    (tmp_path / "notes.txt").write_text("notes\n")
+    (tmp_path / "out.json").symlink_to("mycode.py")
+    (tmp_path / "out2.png").symlink_to("notes.txt")
+    code, _, err = run_main(capsys, "plan", "toy-llama", "--policy", "titan", "--out", "out.json")
+    assert_one_line_error(code, err, "is a link to")
+    code, _, err = run_main(capsys, "simulate", "toy-llama", "--cluster", "h100:8", "--policy", "titan",
+                            "--timeline", "out2.png")
+    assert_one_line_error(code, err, "is a link to")
+    assert (tmp_path / "mycode.py").read_text() == "print(1)\n" and (tmp_path / "notes.txt").read_text() == "notes\n"
+
+
+def test_every_json_document_is_strict_json():
+    """A diverged verify (NaN losses, an infinite max_abs_diff) once printed NaN/Infinity, which JSON parsers
+    refuse: every --json goes through json_text, which writes them as null."""
+    from fsdp_planner.fmt import json_text
+
+    doc = json.loads(json_text({"losses": [float("nan"), 1.0], "max_abs_diff": float("inf"), "t": (2, -math.inf)}))
+    assert doc == {"losses": [None, 1.0], "max_abs_diff": None, "t": [2, None]}
+    cli_dir = Path(cli.__file__).parent
+    assert not [p.name for p in cli_dir.glob("*.py") if "json.dumps(" in p.read_text()]
+
+
+def test_verify_table_says_a_diverged_run_is_nan():
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import verify_table
+    from fsdp_planner.runtime.verify import VerifyResult
+
+    counts = {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 0}
+    nan = float("nan")
+    result = VerifyResult(2, 1, "gloo", counts, [counts], [counts], counts, [nan], [nan], math.inf,
+                          param_error=math.inf, worst_param="w")
+    console = Console(file=io.StringIO(), width=400)
+    console.print(verify_table(result))
+    shown = console.file.getvalue()
+    assert "training diverged" in shown and "its bound" not in shown, shown
+
+
+def test_a_newline_in_a_module_name_is_escaped_in_tables():
+    """A ModuleDict key "nl\\nline" split a plan table's row in two; tables show it as nl\\nline."""
+    from fsdp_planner.fmt import cell_text, fmt_modules
+
+    assert cell_text("d.nl\nline\tx\x1b") == "d.nl\\nline\\tx\\x1b"
+    assert fmt_modules(["", "a\nb"]) == "(root), a\\nb"

@@ -285,7 +285,7 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
     (lambda d: d["model"].update(numel=-1), "plan 'model.numel' must be a whole number of 0 or more, got -1"),
     # sizes and names: bounded, and never echoed whole
     (lambda d: d["model"].update(numel=10**40), "plan 'model.numel' 100000000000000000000000000000...(41 characters) "
-                                                "is more than 1,000,000,000,000,000 parameters"),
+                                                "is more than 9,223,372,036,854,775,807 parameters"),
     (lambda d: d["groups"][0].update(reshard_after_forward=int("9" * 4000)),
      "reshard_after_forward 999999999999999999999999999999...(4000 characters) is more ranks than the 1,000,000"),
     (lambda d: d.update(policy="a" * 100_000), "plan 'policy' must be a string of at most 10,000 characters, got "
@@ -294,6 +294,9 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
                                           "[\"size\"]"),
     (lambda d: d["model"].update(name={"a": 1}), "plan 'model.name' must be a string"),
     (lambda d: d["model"].update(fingerprint=7), "plan 'model.fingerprint' must be a string"),
+    (lambda d: d.update(policy=None), "plan 'policy' must be a string of at most 10,000 characters, got null"),
+    (lambda d: d["model"].update(name=None), "plan 'model.name' must be a string of at most 10,000 characters, got "
+                                             "null"),
     (lambda d: d.update(groups=[{"modules": [f"m{i}"]} for i in range(100_001)]),
      "the plan has 100,001 groups; at most 100,000 are accepted"),
     (lambda d: d.update(mesh={"replicate": 10**30, "shard": 2}), "has more ranks than the 1,000,000 a cluster may"),
@@ -301,7 +304,7 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
     # names: module paths and public method names, refused at load time rather than inside the ranks
     (lambda d: d["groups"][0].update(modules=["a..b"]), "plan group 0 'modules': \"a..b\" is not a module path"),
     (lambda d: d["groups"][0].update(modules=["a."]), "plan group 0 'modules': \"a.\" is not a module path"),
-    (lambda d: d["groups"][0].update(params=["x" * 5000]), "plan group 0 'params': \"xxxxxxxxxxxxxx"),
+    (lambda d: d["groups"][0].update(params=["x" * 100_001]), "plan group 0 'params': \"xxxxxxxxxxxxxx"),
     (lambda d: d.update(activation_checkpointing=[".x"]), "plan 'activation_checkpointing': \".x\" is not a module"),
     (lambda d: d.update(forward_methods=[{"module": "", "method": "__init__"}]),
      "plan 'forward_methods': method \"__init__\" is not a public method name"),
@@ -459,3 +462,52 @@ def test_memory_world_size_is_bounded(capsys) -> None:
     """`memory --world-size 2**63` ended in 'internal error: OverflowError', 1e15 printed PiB figures."""
     for world in ("9223372036854775808", "1000000000000000", "0"):
         _fails(capsys, ["memory", "seed-net", "--world-size", world], "--world-size must be from 1 to 1,000,000")
+
+
+def test_the_plan_writer_writes_only_what_reads_back(capsys, tmp_path: Path) -> None:
+    """A plan the reader would refuse is one line at write time (a module name beyond MAX_NAME), and what the tool
+    produces for real models reads back: a 2e15-element model's numel, a 5,000-character ModuleDict key, a policy
+    of a class named 3,000 times (each named once)."""
+    from fsdp_planner.fsdp2.plan import MAX_NAME
+
+    d = _plan_dict()
+    d["groups"][0]["modules"] = ["k" * 5000]
+    plan = Plan.from_json(json.dumps(d))
+    assert Plan.from_json(plan.copy(numel=2 * 10**15).checked_json()).numel == 2 * 10**15
+    assert Plan.from_json(plan.checked_json()).groups[0].modules == ["k" * 5000]
+    plan.groups[0].modules = ["k" * (MAX_NAME + 1)]
+    with pytest.raises(PlannerError, match="cannot write this plan: it would not read back"):
+        plan.checked_json()
+    out = tmp_path / "mc.json"
+    assert main(["plan", "toy-llama", "--policy", "module", "--module-classes", ",".join(["Linear"] * 3000),
+                 "--out", str(out), "-q"]) == 0
+    capsys.readouterr()
+    assert Plan.load(out).policy == "module(Linear)"
+
+
+@pytest.mark.parametrize("method", ["nosuch", "training"])
+def test_check_and_simulate_refuse_a_forward_method_the_module_lacks(capsys, tmp_path: Path, method: str) -> None:
+    """verify refused it; check and simulate accepted it (the trace records only the methods the step called)."""
+    out = tmp_path / "t.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(out), "-q"]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text())
+    d["forward_methods"] = [{"module": "layers.0", "method": method}]
+    out.write_text(json.dumps(d))
+    message = f"registers 'layers.0.{method}' but TransformerBlock 'layers.0' has no method '{method}'"
+    _fails(capsys, ["check", "toy-llama", "--plan", str(out)], message)
+    _fails(capsys, ["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8"], message)
+
+
+def test_check_warns_of_a_method_registered_on_a_module_no_group_lists(capsys, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(out), "-q"]) == 0
+    capsys.readouterr()
+    d = json.loads(out.read_text())
+    d["forward_methods"] = [{"module": "layers.0.attention", "method": "extra_repr"}]
+    out.write_text(json.dumps(d))
+    assert main(["check", "toy-llama", "--plan", str(out), "--json"]) == 0
+    findings = json.loads(capsys.readouterr().out)
+    assert [(f["severity"], f["module"]) for f in findings if f["code"] == "forward-method"] == \
+        [("warning", "layers.0.attention")]
+    assert "no group lists layers.0.attention" in findings[-1]["message"]

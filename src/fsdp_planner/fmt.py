@@ -6,6 +6,7 @@ times in s / ms / us; element counts with K / M / B suffixes.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -64,7 +65,7 @@ def fmt_gain(time: float, rival: float) -> str | None:
 def fmt_modules(modules: Sequence[str], limit: int = 3) -> str:
     """A group's modules for a table cell: ``layers.0, layers.1, +6``; the root module is ``(root)``. One name
     more than ``limit`` is shown rather than counted (``+1`` would hide it in no less room)."""
-    names = ["(root)" if m == "" else m for m in modules]
+    names = ["(root)" if m == "" else cell_text(m) for m in modules]
     if len(names) <= limit + 1:
         return ", ".join(names)
     return ", ".join(names[:limit]) + f", +{len(names) - limit}"
@@ -79,6 +80,29 @@ def printable(text: str) -> str:
     """``text`` for a terminal: each control character shown as its escape (``\\x1b``, ``\\u202e``), so a name from
     a plan, cluster or model file reads as written and cannot act on the terminal."""
     return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
+
+
+def json_text(doc: object, indent: int | None = 2) -> str:
+    """A ``--json`` document as strict JSON: a NaN or infinite float (a diverged loss, an unbounded ratio) is
+    null, since ``json.dumps`` would print ``NaN``/``Infinity``, which no JSON parser but Python's accepts."""
+    return json.dumps(finite(doc), indent=indent, allow_nan=False)
+
+
+def finite(value: object) -> object:
+    """``value`` with every non-finite float replaced by None, in nested dicts and lists (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def cell_text(name: str) -> str:
+    """A name from a model or file for one table cell or line: ``printable``, and a newline or tab escaped too
+    (``printable`` keeps them for layout, but an ``nn.ModuleDict`` key ``"a\\nb"`` split a table row in two)."""
+    return printable(name).replace("\n", "\\n").replace("\t", "\\t")
 
 
 # The longest number or size a person types (1_000_000_000_000 or 1.5e6GiB are far shorter): a longer one is refused

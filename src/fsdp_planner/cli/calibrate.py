@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -20,6 +19,7 @@ from fsdp_planner.calibrate.overhead import OverheadMeasurement, measure_overhea
 from fsdp_planner.cli.commands import CALIBRATE_BASE as DEFAULT_BASE
 from fsdp_planner.cli.paths import output_file
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import json_text
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 
 
@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
             render.console.print(render.overhead_table(measured))
     _save(cluster, out)
     if args.json:
-        print(json.dumps({"out": str(out), "cluster": cluster.to_dict(),
-                          "overhead_measurement": None if measured is None else render.json_ready(asdict(measured))},
-                         indent=2))
+        print(json_text({"out": str(out), "cluster": cluster.to_dict(),
+                         "overhead_measurement": None if measured is None else render.json_ready(asdict(measured))},
+                        indent=2))
         return 0
     for kind, fits in cluster.fits.items():
         for n, (alpha, busbw) in sorted(fits.items()):
@@ -83,8 +83,8 @@ def run_gloo(args: argparse.Namespace) -> int:
         cluster, measured = calibrate_gloo(args.nproc)
     _save(cluster, out)
     if args.json:
-        print(json.dumps({"out": str(out), "cluster": cluster.to_dict(),
-                          "gloo_measurement": render.json_ready(asdict(measured))}, indent=2))
+        print(json_text({"out": str(out), "cluster": cluster.to_dict(),
+                         "gloo_measurement": render.json_ready(asdict(measured))}, indent=2))
         return 0
     render.console.print(render.gloo_table(measured))
     render.console.print(render.overhead_table(measured))

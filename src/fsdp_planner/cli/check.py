@@ -5,10 +5,9 @@ precision's compute dtype among them, ``sim/tracing.py``), 0 otherwise, 2 for ba
 from __future__ import annotations
 
 import argparse
-import json
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.common import check_plan_methods, load_trace, run_auto
 from fsdp_planner.cli.requests import (
     cluster_or_none,
     model_spec,
@@ -16,6 +15,7 @@ from fsdp_planner.cli.requests import (
     sim_options,
 )
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.claim import with_claimed_params
 from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Plan
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if plan is not None:
         findings += plan_findings(tr, plan, world, fsdp1=fsdp1)
     if args.json:
-        print(json.dumps([f.to_dict() for f in findings], indent=2))
+        print(json_text([f.to_dict() for f in findings], indent=2))
     else:
         _show(args.model, label if plan is not None else None, findings)
     return 1 if has_errors(findings) else 0
@@ -62,7 +62,9 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
           ) -> tuple[Plan | None, str]:
     """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
     if args.plan:
-        return with_claimed_params(Plan.load(args.plan), tr), f"the plan in {args.plan}"
+        plan = with_claimed_params(Plan.load(args.plan), tr)
+        check_plan_methods(plan, model_spec(args))
+        return plan, f"the plan in {args.plan}"
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")

@@ -11,7 +11,7 @@ from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.validity import check_plan_runs
+from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
@@ -125,9 +125,17 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     return stamped(plan, tr, cluster.world_size if cluster else None, options)
 
 
-def load_plan(path: str, tr: Trace) -> Plan:
-    """The plan file for the traced model; a hand-written one (module lists) gets its params derived."""
+def load_plan(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
+    """The plan file for the traced ``model``; a hand-written one (module lists) gets its params derived."""
     plan = with_claimed_params(Plan.load(path), tr)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
+    check_plan_methods(plan, model)
     return plan
+
+
+def check_plan_methods(plan: Plan, model: ModelSpec | str) -> None:
+    """The plan's ``forward_methods`` are methods of their modules, checked on the model built on meta (as verify
+    does): the trace records only the methods the step called, and apply_plan would fail on the ranks."""
+    if plan.forward_methods:
+        check_forward_methods(plan, load_model(model, meta=True).model)

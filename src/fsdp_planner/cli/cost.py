@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.fmt import parse_size
+from fsdp_planner.fmt import json_text, parse_size
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.hardware.collectives import collective_time
@@ -19,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = collective_time(cluster, kind, nbytes, ranks=args.ranks)
     ranks = args.ranks or cluster.world_size
     if args.json:
-        print(json.dumps({"collective": kind.value, "bytes": nbytes, "ranks": ranks, "seconds": seconds}))
+        print(json_text({"collective": kind.value, "bytes": nbytes, "ranks": ranks, "seconds": seconds}, indent=None))
     else:
         render.console.print(render.cost_line(args.collective, nbytes, ranks, cluster, seconds))
     return 0

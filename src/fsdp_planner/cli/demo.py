@@ -5,7 +5,6 @@ boundary sits where it does, and the timelines drawn."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ from rich.markup import escape
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, fmt_gain, fmt_time
+from fsdp_planner.fmt import fmt_bytes, fmt_gain, fmt_time, json_text
 from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
@@ -54,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         render.console.quiet = quiet
     if args.json:
-        print(json.dumps({"seed": seed, "main": main}, indent=2))
+        print(json_text({"seed": seed, "main": main}, indent=2))
     return 0
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.choices import DEFAULT_PRECISION
+from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.userfiles import write_atomic
@@ -21,8 +21,8 @@ def run(args: argparse.Namespace) -> int:
         write_atomic(args.out, source)  # export_plan writes ASCII only
         render.note(f"{args.format} code for the plan ({precision}) written to {args.out}")
     if args.json:
-        print(json.dumps({"format": args.format, "precision": precision, "out": args.out, "source": source},
-                         indent=2))
+        print(json_text({"format": args.format, "precision": precision, "out": args.out, "source": source},
+                        indent=2))
     elif args.out is None:
         print(source, end="")
     return 0

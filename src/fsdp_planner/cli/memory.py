@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from rich.markup import escape
 
@@ -11,7 +10,7 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace
 from fsdp_planner.cli.requests import model_spec
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import cut_short
+from fsdp_planner.fmt import cut_short, json_text
 from fsdp_planner.hardware.cluster import MAX_WORLD_SIZE
 from fsdp_planner.sim.memory import strategy_table
 from fsdp_planner.sim.options import SimOptions
@@ -24,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     rows = strategy_table(load_trace(model_spec(args), render.notes, full=args.full_trace,
                                    precision=options.precision), args.world_size, options)
     if args.json:
-        print(json.dumps({k: v.to_dict() for k, v in rows.items()}, indent=2))
+        print(json_text({k: v.to_dict() for k, v in rows.items()}, indent=2))
     else:
         render.console.print(render.strategy_table(rows, f"{escape(args.model)}: per-rank peak memory at world size "
                                                          f"{args.world_size} ({args.precision}, {args.optimizer})"))

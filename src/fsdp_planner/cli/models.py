@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fmt import fmt_bytes, json_text
 from fsdp_planner.hardware.cluster import PRESETS, preset_cluster
 from fsdp_planner.models import BUILTINS, hf, workload_defaults
 
@@ -36,7 +35,7 @@ def presets() -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     rows = listing()
     if args.json:
-        print(json.dumps({"models": rows, "cluster_presets": presets()}, indent=2))
+        print(json_text({"models": rows, "cluster_presets": presets()}, indent=2))
         return 0
     words = {"batch_size": "batch", "seq_len": "seq"}
     for r in rows:

@@ -39,6 +39,7 @@ class ArgumentParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(extras[0].partition("=")[0], known, n=1) if extras[0][:1] == "-" else []
             hint = f"; did you mean {close[0]}?" if close else ""
             sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        _refuse_empty(self._commands().get(getattr(ns, "command", None) or "", self), ns)
         return ns
 
     def _commands(self) -> dict[str, argparse.ArgumentParser]:
@@ -46,6 +47,17 @@ class ArgumentParser(argparse.ArgumentParser):
             if isinstance(a, argparse._SubParsersAction):
                 return dict(a.choices)
         return {}
+
+
+def _refuse_empty(sub: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """A string option given as empty or blank is an error, not ignored: ``check m --plan ""`` once checked
+    the module policy instead of the plan, ``plan --cluster ""`` planned for the default cluster."""
+    for action in sub._actions:
+        value = getattr(ns, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and not v.strip() for v in values):
+            name = action.option_strings[-1] if action.option_strings else action.metavar or action.dest
+            sub.error(f"{name} is empty: give a value")
 
 
 class _VersionAction(argparse.Action):

@@ -22,13 +22,21 @@ def output_file(arg: str | None, example: str = "plan.json", code: bool = False,
     if arg is None:
         return None
     path = _file_to_write(arg, "--out", example)
-    if path.is_file() and not force and not (_generated(path) or (not code and path.suffix.lower() == ".json")):
+    real = _replaced(path)
+    if real.is_file() and not force and not (_generated(real) or (not code and real.suffix.lower() == ".json")):
         what = "not code" if code else "neither a .json file nor code"
+        what = f"a link to '{real}', {what}" if path.is_symlink() else what
         what += " fsdp-planner export wrote"
         other = path.with_suffix(".py").with_stem(path.stem + "_plan") if code else path.with_stem(path.stem + "2")
         raise PlannerError(f"--out '{arg}' already exists and is {what}: refusing to overwrite it (give a new name, "
                            f"e.g. {other}, or add --force to replace it)")
     return path
+
+
+def _replaced(path: Path) -> Path:
+    """The file a write to ``path`` replaces: the atomic writer follows a symlink, so ``out.json -> mycode.py``
+    is judged by mycode.py, not by the link's name."""
+    return Path(os.path.realpath(path))
 
 
 def _generated(path: Path) -> bool:
@@ -64,6 +72,10 @@ def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...]) -> Pat
     if path.suffix.lower() not in suffixes:
         raise PlannerError(f"{option} '{arg}' must end in {' or '.join(suffixes)} (the format it writes), "
                            f"e.g. {path.with_suffix(suffixes[0])}")
+    real = _replaced(path)
+    if real.suffix.lower() not in suffixes and real.exists():
+        raise PlannerError(f"{option} '{arg}' is a link to '{real}', which is not a {'/'.join(suffixes)} file: "
+                           f"refusing to overwrite it (give a new name)")
     return path
 
 

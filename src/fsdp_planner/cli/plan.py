@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from typing import Any
 
 from rich.markup import escape
@@ -13,7 +12,7 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace, run_auto, stamped
 from fsdp_planner.cli.requests import PlanRequest, plan_request
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_time
+from fsdp_planner.fmt import fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
@@ -46,13 +45,13 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(tr, plans, request)
     if request.out is not None:
         # the precision goes with the plan: export sets it, so the code runs as the numbers assumed
-        write_atomic(request.out, plans[0].copy(precision=request.options.precision.name).to_json() + "\n")
+        write_atomic(request.out, plans[0].copy(precision=request.options.precision.name).checked_json() + "\n")
     if request.json:
         doc = {**_json(request, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
         if request.explain and auto is not None and not no_fit:
             doc["auto"]["explanation"] = [_explanation(r) for r in explain(auto)]
-        print(json.dumps(doc, indent=2))
+        print(json_text(doc, indent=2))
         return 1 if no_fit else 0
     _print(request, tr, rows, auto)
     if request.out is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -18,7 +19,7 @@ from rich.table import Table
 
 from fsdp_planner.calibrate.gloo import GlooMeasurement
 from fsdp_planner.calibrate.overhead import OverheadMeasurement
-from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
+from fsdp_planner.fmt import cell_text, fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
@@ -159,7 +160,7 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
         for col in ("step time", "exposed comm", "peak allocated", "reserved", "margin")[:5 if budget else 4]:
             t.add_column(col, justify="right")
     for plan, m, report in rows:
-        cells = [escape(plan.policy), str(m.groups), fmt_numel(m.root_numel),
+        cells = [escape(cell_text(plan.policy)), str(m.groups), fmt_numel(m.root_numel),
                  ac_cell(plan),
                  str(report.all_gathers if report else m.all_gathers),  # the step's: every micro-batch gathers
                  str(report.reduce_scatters if report else m.reduce_scatters),
@@ -209,8 +210,8 @@ def findings_table(findings: Sequence[Finding]) -> Table:
         t.add_column(col, justify="left", overflow="fold")
     for f in sorted(findings, key=lambda f: f.severity is not Severity.ERROR):
         style = "red" if f.severity is Severity.ERROR else "yellow"
-        t.add_row(f"[{style}]{f.severity.value}[/{style}]", f.code.value, escape(f.module or "(root)"),
-                  escape(f.message), escape(f.fix))
+        module = escape(cell_text(f.module)) if f.module else "(root)"
+        t.add_row(f"[{style}]{f.severity.value}[/{style}]", f.code.value, module, escape(f.message), escape(f.fix))
     return t
 
 
@@ -336,10 +337,14 @@ def _collective_rows(result: VerifyResult) -> list[tuple[str, ...]]:
 def _parity_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     """The trained params against the unsharded reference's (the worst one named when over its bound), and the
     losses of both."""
-    worst = f" ({escape(result.worst_param)}, {result.param_error:.3g}x its bound)" \
+    worst = f" ({escape(cell_text(result.worst_param))}, {result.param_error:.3g}x its bound)" \
         if not result.params_match and result.worst_param else ""
+    measured = f"{result.max_abs_diff:.3g}{worst}"
+    if not math.isfinite(result.max_abs_diff) and not all(map(math.isfinite, [*result.losses,
+                                                                             *result.reference_losses])):
+        measured = "NaN: training diverged (a loss is not finite), so the params are NaN"  # not 'inf x its bound'
     return [(f"params vs unsharded reference (max abs diff, {result.precision})", parity_bound(result),
-             f"{result.max_abs_diff:.3g}{worst}", OK if result.params_match else BAD),
+             measured, OK if result.params_match else BAD),
             ("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
              " ".join(f"{x:.5f}" for x in result.losses), "")]
 
@@ -361,7 +366,7 @@ def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
         rows.append((f"state restored from step {loaded['step']} ({loaded['world']} ranks, "
                      f"{escape(loaded['policy'] or 'plan')})", f"{loaded['tensors']} entries as saved",
                      f"{loaded['tensors'] - len(bad_keys)} equal"
-                     + (f" (differ: {escape(', '.join(bad_keys[:3]))})" if bad_keys else ""),
+                     + (f" (differ: {escape(', '.join(map(cell_text, bad_keys[:3])))})" if bad_keys else ""),
                      OK if result.checkpoint_match else BAD))
     if result.saved is not None:
         rows.append(("checkpoint saved", f"step {result.start_step + result.steps}", escape(result.saved), ""))

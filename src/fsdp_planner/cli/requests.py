@@ -57,7 +57,7 @@ class PlanSource:
 def module_classes(arg: str | None) -> tuple[str, ...]:
     if arg is None:
         return ()
-    names = tuple(c.strip() for c in arg.split(",") if c.strip())
+    names = tuple(dict.fromkeys(c.strip() for c in arg.split(",") if c.strip()))  # each once: the policy's label
     if not names:
         raise PlannerError(f"--module-classes '{arg}' names no class: give comma-separated class names such as "
                            "TransformerBlock,Embedding")

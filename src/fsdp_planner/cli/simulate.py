@@ -4,7 +4,6 @@ timeline (``--timeline`` PNG, ``--html`` page) beside a second plan (``--compare
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import fsdp_planner.cli.render as render
@@ -21,6 +20,7 @@ from fsdp_planner.cli.requests import (
     sim_options,
 )
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.report.step_view import StepView, step_view
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
                       "micro_batches": options.micro_batches} for _, r in reports]
-        print(json.dumps(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
+        print(json_text(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
         return 0
     for label, r in reports:
         for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches), label,
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster, options: SimOptions) -> Plan:
     if source.plan_file is not None:
-        plan = load_plan(str(source.plan_file), tr)
+        plan = load_plan(str(source.plan_file), tr, model)
         check_plan_world_size(plan, cluster.world_size)
         return plan
     assert source.policy is not None

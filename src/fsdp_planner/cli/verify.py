@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 from rich.markup import escape
 
@@ -17,7 +16,7 @@ from fsdp_planner.cli.requests import (
     fake_world_request,
     verify_request,
 )
-from fsdp_planner.fmt import fmt_bytes, fmt_count
+from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_plan_runs
@@ -81,7 +80,7 @@ def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster | None, op
     """The plan to run: the plan file's, checked against the model, or the policy's (auto's for ``cluster``);
     checked against ``world`` ranks when given."""
     if source.plan_file is not None:
-        plan = load_plan(str(source.plan_file), tr)
+        plan = load_plan(str(source.plan_file), tr, model)
     else:
         assert source.policy is not None
         plan = policy_plan(tr, source.policy, model, cluster, options)
@@ -124,9 +123,9 @@ def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | 
     """The job's checks on stdout: a JSON document, or the table, FSDP1's units, the job's notes and the verdict."""
     if request.json:
         plan_for = request.plan_cluster.name if request.plan_for and request.plan_cluster else None
-        print(json.dumps({**result.to_dict(), "cluster": predict_on.name if predict_on else None,
-                          "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None},
-                         indent=2))
+        print(json_text({**result.to_dict(), "cluster": predict_on.name if predict_on else None,
+                         "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None},
+                        indent=2))
         return
     given = request.cluster.name if request.cluster else None  # only whether one was given is read when not used
     render.console.print(render.verify_table(result, predict_on.name if predict_on else given))
@@ -202,14 +201,14 @@ def run_fake(request: FakeWorldRequest) -> int:
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
     ok = exact and abs(error) <= request.memory_tolerance
     if request.json:
-        print(json.dumps({"world_size": world, "precision": precision, "plan": plan.policy,
-                          "micro_batches": options.micro_batches,
-                          "predicted": {k: p for k, (p, _) in rows.items()},
-                          "measured": {k: m for k, (_, m) in rows.items()},
-                          "predicted_memory_at_peak": predicted.memory_at_peak,
-                          "predicted_reserved": predicted.reserved_memory, "counts_and_bytes_exact": exact,
-                          "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
-                          "seconds": measured.seconds}, indent=2))
+        print(json_text({"world_size": world, "precision": precision, "plan": plan.policy,
+                         "micro_batches": options.micro_batches,
+                         "predicted": {k: p for k, (p, _) in rows.items()},
+                         "measured": {k: m for k, (_, m) in rows.items()},
+                         "predicted_memory_at_peak": predicted.memory_at_peak,
+                         "predicted_reserved": predicted.reserved_memory, "counts_and_bytes_exact": exact,
+                         "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
+                         "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
     split = f", {options.micro_batches} micro-batches a step" if options.micro_batches > 1 else ""
     title = (f"{escape(request.model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "

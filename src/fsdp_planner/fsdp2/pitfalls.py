@@ -146,7 +146,7 @@ def plan_findings(trace: Trace, plan: Plan, world_size: int | None = None, fsdp1
             check_plan_matches(plan, trace)
         return out
     check_plan_matches(plan, trace)
-    out += _method_findings(trace, plan)
+    out += _method_findings(trace, plan) + _idle_method_findings(plan)
     out += _sharded_read_findings(trace, plan, world_size)
     out += _reuse_findings(trace, plan)
     out += _root_findings(trace, plan)
@@ -229,6 +229,18 @@ def _method_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                f"a training script that calls fully_shard({_name(m)}) itself must also call "
                                f"register_fsdp_forward_method({_name(m)}, \"{name}\")", m))
     return out
+
+
+def _idle_method_findings(plan: Plan) -> list[Finding]:
+    """A method the plan registers on a module no group lists: FSDP2's register_fsdp_forward_method does nothing
+    on a module fully_shard was not called on, so the entry only looks as if it mattered."""
+    listed = {m for g in plan.groups for m in g.modules}
+    return [Finding(Severity.WARNING, Code.FORWARD_METHOD,
+                    f"the plan registers {_name(m)}.{name}() but no group lists {_path(m)}: FSDP2 does nothing with "
+                    f"a method of a module fully_shard was not called on",
+                    f"remove {{\"module\": \"{m}\", \"method\": \"{name}\"}} from the plan's forward_methods, or "
+                    f"list {_path(m)} as a group's module", m)
+            for m, name in plan.forward_methods if m not in listed]
 
 
 def _sharded_read_findings(trace: Trace, plan: Plan, world_size: int | None) -> list[Finding]:

@@ -182,8 +182,18 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    def checked_json(self) -> str:
+        """``to_json``, checked to read back: no file the tool writes is one it then refuses (a model whose
+        names or size the reader's limits refuse is one line at write time, not a plan no command can read)."""
+        text = self.to_json()
+        try:
+            Plan.from_json(text)
+        except PlannerError as e:
+            raise PlannerError(f"cannot write this plan: it would not read back ({e})") from None
+        return text
+
     def save(self, path: str | Path) -> None:
-        write_atomic(path, self.to_json() + "\n")
+        write_atomic(path, self.checked_json() + "\n")
 
     @classmethod
     def from_json(cls, text: str, where: str = "plan") -> Plan:
@@ -405,26 +415,26 @@ def _check_structure(groups: list[Group]) -> None:
 # with a 100 KB policy string once hung the terminal output, a 4,000-digit reshard_after_forward filled an error.
 MAX_GROUPS = 100_000  # a 50,000-module model has fewer
 MAX_RANKS = 1_000_000  # hardware.cluster.MAX_WORLD_SIZE (not imported: fsdp2 comes before hardware)
-MAX_NUMEL = 10**15  # parameters: a thousand times the largest model trained
+MAX_NUMEL = 2**63 - 1  # parameters: any count torch holds (a plan is compared with its model, which says the rest)
 # what the tool itself writes must read back: 'model.name' is the model spec (a path of up to PATH_MAX, 4,096), and
 # 'policy' names every class --module-classes gave
 MAX_LABEL = 10_000  # characters of 'policy', 'model.name', 'model.fingerprint'
-MAX_NAME = 4096  # characters of a module or param name (a 1,000-deep nn.Sequential's FQN is under 2,000)
+MAX_NAME = 100_000  # characters of a module or param name (a 1,000-deep nn.Sequential's FQN is under 2,000)
 
 
 def check_plan_limits(data: dict[str, Any]) -> None:
     """Sizes and names of a plan file's raw JSON, one line each: strings of bounded length, counts and numbers in
     range, module names that are module paths, forward methods that are public method names. What has the wrong
     type is left to the reader, which names it."""
-    for key, value in (("policy", data.get("policy", "")), ("model.name", _get(data, "model", "name")),
-                       ("model.fingerprint", _get(data, "model", "fingerprint"))):
-        if value is not None and (not isinstance(value, str) or len(value) > MAX_LABEL):
+    for key, value in (("policy", data.get("policy", "")), ("model.name", _get(data, "model", "name", "")),
+                       ("model.fingerprint", _get(data, "model", "fingerprint", ""))):
+        if not isinstance(value, str) or len(value) > MAX_LABEL:  # null too: it once read as the label 'None'
             raise PlannerError(f"plan '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
                                f"{_shown(value)}")
     numel = _get(data, "model", "numel")
     if isinstance(numel, int) and not isinstance(numel, bool) and numel > MAX_NUMEL:
-        raise PlannerError(f"plan 'model.numel' {_shown(numel)} is more than {MAX_NUMEL:,} parameters: not a "
-                           "model's size")
+        raise PlannerError(f"plan 'model.numel' {_shown(numel)} is more than {MAX_NUMEL:,} parameters (2**63 - "
+                           "1): not a model's size")
     groups = data.get("groups")
     if isinstance(groups, list):
         if len(groups) > MAX_GROUPS:
@@ -443,9 +453,9 @@ def check_plan_limits(data: dict[str, Any]) -> None:
     _check_mesh_limits(data.get("mesh"))
 
 
-def _get(data: dict[str, Any], key: str, sub: str) -> Any:
+def _get(data: dict[str, Any], key: str, sub: str, default: Any = None) -> Any:
     inner = data.get(key)
-    return inner.get(sub) if isinstance(inner, dict) else None
+    return inner.get(sub, default) if isinstance(inner, dict) else default
 
 
 def _check_group_limits(i: int, g: dict[str, Any]) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import html
 import json
-import math
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
+from fsdp_planner.fmt import finite
 from fsdp_planner.report.step_view import BarKind, StepView, thin_curve
 from fsdp_planner.userfiles import write_atomic
 
@@ -81,19 +81,8 @@ def script_json(data: Any) -> str:
     data. ``<``, ``>`` and ``&`` are escaped in strings (the only place JSON has them), U+2028/2029 and everything
     else outside ASCII by ``ensure_ascii``, and a number that is not finite (a NaN in a cluster file) is null, since
     JSON has no NaN and ``JSON.parse`` would refuse the page's data."""
-    text = json.dumps(_finite(data), separators=(",", ":"), allow_nan=False, ensure_ascii=True)
+    text = json.dumps(finite(data), separators=(",", ":"), allow_nan=False, ensure_ascii=True)
     return text.translate(str.maketrans(_SCRIPT_UNSAFE))
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None, in nested dicts and lists."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 def render_html(views: Sequence[StepView], title: str) -> str:
