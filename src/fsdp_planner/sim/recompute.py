@@ -89,7 +89,7 @@ def loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
     ``recorder.LossRegion``). Part of ``activation_deltas``, and on its own what a no-fit message blames."""
     deltas = np.zeros(len(trace.events) + 1)
     outside = 0.0  # the loss region's live bytes (scaled) last counted
-    for i, inside in enumerate(_in_loss_region(trace)):
+    for i, inside in enumerate(trace.index.loss_region):
         e = trace.events[i]
         if inside:
             deltas[i] += e.live * scale - outside
@@ -98,23 +98,6 @@ def loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
             deltas[i] -= outside
             outside = 0.0
     return deltas
-
-
-def _in_loss_region(trace: Trace) -> list[bool]:
-    """Per event: an op of the loss region (a forward op outside every module call, or a backward op before
-    backward reached a module)."""
-    out = []
-    depth, reached = 0, False
-    for e in trace.events:
-        kind = e.kind
-        out.append(kind is EventKind.OP and ((e.backward and not reached) or (not e.backward and not depth)))
-        if kind is EventKind.FWD_PRE:
-            depth += 1
-        elif kind is EventKind.FWD_POST:
-            depth -= 1
-        elif kind is EventKind.BWD_PRE:
-            reached = True
-    return out
 
 
 def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
@@ -129,7 +112,7 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     saved_by: dict[tuple[str, int], float] = {}
     inside: CheckpointedCall | None = None  # the checkpointed call whose forward is running
     recreated: dict[int, float] = {}  # pre-backward position -> activations re-created there
-    for i, (e, in_loss) in enumerate(zip(trace.events, _in_loss_region(trace), strict=True)):
+    for i, (e, in_loss) in enumerate(zip(trace.events, trace.index.loss_region, strict=True)):
         kind = e.kind
         if kind is EventKind.OP:
             if in_loss:

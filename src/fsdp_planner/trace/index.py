@@ -67,6 +67,23 @@ class TraceIndex:
         """Module name -> its position in registration order (``named_modules``), which FSDP2's orders follow."""
         return {m: i for i, m in enumerate(self._modules)}
 
+    @cached_property
+    def loss_region(self) -> list[bool]:
+        """Per event: an op of the loss region (a forward op outside every module call, or a backward op before
+        backward reached a module), where the memory model counts live bytes instead of saved ones."""
+        out = []
+        depth, reached = 0, False
+        for e in self._events:
+            kind = e.kind
+            out.append(kind is EventKind.OP and ((e.backward and not reached) or (not e.backward and not depth)))
+            if kind is EventKind.FWD_PRE:
+                depth += 1
+            elif kind is EventKind.FWD_POST:
+                depth -= 1
+            elif kind is EventKind.BWD_PRE:
+                reached = True
+        return out
+
     # -- params ------------------------------------------------------------------------------------------
     @cached_property
     def param_index(self) -> dict[str, int]:
