@@ -158,7 +158,7 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
         t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold" if col == "policy" else None)
     if with_cost:
         for col in ("step time", "exposed comm", "peak allocated", "reserved", "margin")[:5 if budget else 4]:
-            t.add_column(col, justify="right")
+            t.add_column(col, justify="right", min_width=len(col))  # a header on one line: the policy folds
     for plan, m, report in rows:
         cells = [escape(cell_text(plan.policy)), str(m.groups), fmt_numel(m.root_numel),
                  ac_cell(plan),
@@ -168,7 +168,10 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
                  fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
-                       fmt_peak(report.reserved_memory, budget)] if report else ["-"] * 4)
+                       # with a margin column, an over-budget peak is just red: the margin says by how much
+                       f"[red]{fmt_bytes(report.reserved_memory)}[/red]"
+                       if budget is not None and not budget.fits(report.reserved_memory)
+                       else fmt_peak(report.reserved_memory, budget)] if report else ["-"] * 4)
             if budget is not None:
                 cells.append(fmt_margin(report.reserved_memory, budget) if report else "-")
         t.add_row(*cells)
