@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import cut_short
 
 # The largest file read: a plan of 100,000 groups over a million params is tens of MiB; cluster files, configs and
 # checkpoint metadata are far smaller.
@@ -79,3 +80,13 @@ def _keep_mode(target: Path, tmp: Path) -> None:
     """A file written again keeps its permissions (the temporary file has the umask's)."""
     with contextlib.suppress(FileNotFoundError):  # a new file: the umask's mode, as a plain write gives
         os.chmod(tmp, os.stat(target).st_mode & 0o7777)
+
+
+def shown_json(value: Any) -> str:
+    """A value from a file as the file spells it (true, 1.0, "1", null), cut short when long: a message never
+    echoes an unbounded input."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return cut_short(text)

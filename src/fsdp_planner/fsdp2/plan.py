@@ -19,7 +19,7 @@ from typing import Any
 from fsdp_planner.choices import PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
-from fsdp_planner.userfiles import parse_json, read_text, write_atomic
+from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
 
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
@@ -212,7 +212,7 @@ def _plan_from_dict(data: Any) -> Plan:
                            "'groups', as `plan --out` writes")
     version = data["version"]
     if isinstance(version, bool) or not isinstance(version, int) or version != PLAN_VERSION:
-        raise PlannerError(f"unsupported plan version {_shown(version)}: this fsdp-planner reads plans with "
+        raise PlannerError(f"unsupported plan version {shown_json(version)}: this fsdp-planner reads plans with "
                            f"\"version\": {PLAN_VERSION}")
     _check_keys(data, PLAN_KEYS, "plan JSON")
     check_plan_limits(data)
@@ -230,7 +230,7 @@ def _plan_from_dict(data: Any) -> Plan:
                            "(the modules checkpointed in full)")
     numel = model.get("numel", 0)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {_shown(numel)}")
+        raise PlannerError(f"plan 'model.numel' must be a whole number of 0 or more, got {shown_json(numel)}")
     plan = Plan(parsed, str(model.get("fingerprint", "")), numel, policy=str(data.get("policy", "")),
                 model=str(model.get("name", "")), activation_checkpointing=list(checkpointed),
                 selective_checkpointing=_selective_from_dict(data.get("selective_checkpointing", {})),
@@ -264,21 +264,21 @@ def _memory_options(data: dict[str, Any]) -> dict[str, Any]:
     FSDP2's defaults."""
     offload = data.get("offload", False)
     if not isinstance(offload, bool):
-        raise PlannerError(f"plan 'offload' must be true or false (CPUOffloadPolicy), got {_shown(offload)}")
+        raise PlannerError(f"plan 'offload' must be true or false (CPUOffloadPolicy), got {shown_json(offload)}")
     dims = data.get("shard_dims", {})
     if not isinstance(dims, dict) or any(isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64
                                          for v in dims.values()):
         raise PlannerError(f"plan 'shard_dims' must map param names to the dim they are sharded on (a whole number "
-                           f"from 1 to 64; dim 0 is the default and not listed), got {_shown(dims)}")
+                           f"from 1 to 64; dim 0 is the default and not listed), got {shown_json(dims)}")
     reduce = data.get("reduce_dtype", "")
     if reduce != "" and reduce not in REDUCE_DTYPES:
-        raise PlannerError(f"plan 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {_shown(reduce)}")
+        raise PlannerError(f"plan 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {shown_json(reduce)}")
     return {"offload": offload, "shard_dims": dict(dims), "reduce_dtype": reduce}
 
 
 def _precision_from(value: Any) -> str:
     if value != "" and value not in PRECISION_NAMES:
-        raise PlannerError(f"plan 'precision' must be one of {', '.join(PRECISION_NAMES)}, got {_shown(value)}")
+        raise PlannerError(f"plan 'precision' must be one of {', '.join(PRECISION_NAMES)}, got {shown_json(value)}")
     return str(value)
 
 
@@ -289,7 +289,7 @@ def _selective_from_dict(items: Any) -> dict[str, SacPolicy]:
                            f"checkpointing policy ({', '.join(SAC_POLICY_NAMES)})")
     bad = next((p for p in items.values() if p not in SAC_POLICY_NAMES), None)
     if bad is not None:
-        raise PlannerError(f"plan 'selective_checkpointing' names the unknown policy {_shown(bad)}: choose one of "
+        raise PlannerError(f"plan 'selective_checkpointing' names the unknown policy {shown_json(bad)}: choose one of "
                            f"{', '.join(SAC_POLICY_NAMES)}")
     return {m: SacPolicy(p) for m, p in items.items()}
 
@@ -300,7 +300,7 @@ def _methods_from_list(items: Any) -> list[tuple[str, str]]:
             not isinstance(x, dict) or set(x) != {"module", "method"} or not isinstance(x["module"], str)
             or not isinstance(x["method"], str) or not x["method"].isidentifier() for x in items):
         raise PlannerError(f"plan 'forward_methods' must be a list of {{\"module\": NAME, \"method\": NAME}} objects "
-                           f"(methods registered with register_fsdp_forward_method), got {_shown(items)}")
+                           f"(methods registered with register_fsdp_forward_method), got {shown_json(items)}")
     pairs = [(x["module"], x["method"]) for x in items]
     if len(set(pairs)) != len(pairs):
         raise PlannerError("plan 'forward_methods' lists a method twice; list each once")
@@ -313,7 +313,7 @@ def _mesh_from_dict(m: Any) -> Mesh | None:
     if not isinstance(m, dict) or set(m) != {"replicate", "shard"} or any(
             isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in m.values()):
         raise PlannerError(f"plan 'mesh' must be {{\"replicate\": R, \"shard\": S}} with two positive whole numbers "
-                           f"(R x S ranks, shard innermost), got {_shown(m)}")
+                           f"(R x S ranks, shard innermost), got {shown_json(m)}")
     return Mesh(m["replicate"], m["shard"])
 
 
@@ -326,7 +326,7 @@ def _group_from_dict(i: int, g: Any) -> Group:
     raf = g.get("reshard_after_forward", True)
     if not isinstance(raf, (bool, int)) or (not isinstance(raf, bool) and raf < 1):
         raise PlannerError(f"plan group {i}: reshard_after_forward must be true, false or a positive whole number "
-                           f"(the size of the group that keeps a shard after forward), got {_shown(raf)}")
+                           f"(the size of the group that keeps a shard after forward), got {shown_json(raf)}")
     prefetch = {}
     for key in ("forward_prefetch", "backward_prefetch"):
         value = g.get(key, [])
@@ -336,13 +336,6 @@ def _group_from_dict(i: int, g: Any) -> Group:
     return Group(modules=list(g["modules"]), params=list(g.get("params", [])), reshard_after_forward=raf, **prefetch)
 
 
-def _shown(value: Any) -> str:
-    """A value as the JSON file spells it (true, 1.0, "1"), cut short if long."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} characters)"
 
 
 def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> None:
@@ -401,13 +394,14 @@ def _check_structure(groups: list[Group]) -> None:
             for name in names:
                 if name in seen:
                     where = "twice in that group" if seen[name] == i else f"also in group {seen[name]}"
-                    raise PlannerError(f"plan group {i} lists {what} {_shown(name)} {where}; each may be listed once")
+                    raise PlannerError(f"plan group {i} lists {what} {shown_json(name)} {where}; each may be "
+                                       "listed once")
                 seen[name] = i
         for key, targets in (("forward_prefetch", g.forward_prefetch), ("backward_prefetch", g.backward_prefetch)):
             bad = [j for j in targets if not 0 <= j < len(groups) or j == i]
             if bad:
-                raise PlannerError(f"plan group {i}: {key} names {_shown(bad[0])}, which is not another group of the "
-                                   f"plan (groups are numbered 0 to {len(groups) - 1})")
+                raise PlannerError(f"plan group {i}: {key} names {shown_json(bad[0])}, which is not another group of "
+                                   f"the plan (groups are numbered 0 to {len(groups) - 1})")
 
 
 # -- limits: what a plan file may hold at all, checked on the raw JSON before it is read ------------------------------
@@ -430,10 +424,10 @@ def check_plan_limits(data: dict[str, Any]) -> None:
                        ("model.fingerprint", _get(data, "model", "fingerprint", ""))):
         if not isinstance(value, str) or len(value) > MAX_LABEL:  # null too: it once read as the label 'None'
             raise PlannerError(f"plan '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
-                               f"{_shown(value)}")
+                               f"{shown_json(value)}")
     numel = _get(data, "model", "numel")
     if isinstance(numel, int) and not isinstance(numel, bool) and numel > MAX_NUMEL:
-        raise PlannerError(f"plan 'model.numel' {_shown(numel)} is more than {MAX_NUMEL:,} parameters (2**63 - "
+        raise PlannerError(f"plan 'model.numel' {shown_json(numel)} is more than {MAX_NUMEL:,} parameters (2**63 - "
                            "1): not a model's size")
     groups = data.get("groups")
     if isinstance(groups, list):
@@ -461,7 +455,7 @@ def _get(data: dict[str, Any], key: str, sub: str, default: Any = None) -> Any:
 def _check_group_limits(i: int, g: dict[str, Any]) -> None:
     raf = g.get("reshard_after_forward")
     if isinstance(raf, int) and not isinstance(raf, bool) and raf > MAX_RANKS:
-        raise PlannerError(f"plan group {i}: reshard_after_forward {_shown(raf)} is more ranks than the "
+        raise PlannerError(f"plan group {i}: reshard_after_forward {shown_json(raf)} is more ranks than the "
                            f"{MAX_RANKS:,} a cluster may have")
     _check_names(g.get("modules"), f"plan group {i} 'modules'", module=True)
     _check_names(g.get("params"), f"plan group {i} 'params'", module=False)
@@ -481,7 +475,7 @@ def _check_names(names: Any, where: str, module: bool) -> None:
     for name in names:
         if isinstance(name, str) and not (module and name == "") and not is_module_path(name):
             what = "module path" if module else "param name"
-            raise PlannerError(f"{where}: {_shown(name)} is not a {what} (non-empty names separated by dots, at "
+            raise PlannerError(f"{where}: {shown_json(name)} is not a {what} (non-empty names separated by dots, at "
                                f"most {MAX_NAME:,} characters in all)")
 
 
@@ -505,10 +499,10 @@ def _check_methods_limits(items: Any) -> None:
             continue
         module, method = x.get("module"), x.get("method")
         if isinstance(module, str) and module != "" and not is_module_path(module):
-            raise PlannerError(f"plan 'forward_methods': module {_shown(module)} is not a module path (names "
+            raise PlannerError(f"plan 'forward_methods': module {shown_json(module)} is not a module path (names "
                                "separated by dots; \"\" for the root)")
         if isinstance(method, str) and not _is_public_method(method):
-            raise PlannerError(f"plan 'forward_methods': method {_shown(method)} is not a public method name (a "
+            raise PlannerError(f"plan 'forward_methods': method {shown_json(method)} is not a public method name (a "
                                "Python identifier, not a keyword, not starting with '_')")
 
 
@@ -521,4 +515,4 @@ def _check_mesh_limits(m: Any) -> None:
         return
     sizes = [v for v in m.values() if isinstance(v, int) and not isinstance(v, bool)]
     if any(v > MAX_RANKS for v in sizes) or math.prod(min(v, MAX_RANKS + 1) for v in sizes) > MAX_RANKS:
-        raise PlannerError(f"plan 'mesh' {_shown(m)} has more ranks than the {MAX_RANKS:,} a cluster may have")
+        raise PlannerError(f"plan 'mesh' {shown_json(m)} has more ranks than the {MAX_RANKS:,} a cluster may have")

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.runtime.failures import checkpoint_cause, is_backend_error
-from fsdp_planner.userfiles import parse_json, read_text, write_atomic
+from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
 
 META = "fsdp-planner.json"
 REFERENCE = "reference.pt"
@@ -108,16 +108,16 @@ def parse_meta(text: str, where: str) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise PlannerError(f"{where} is not a JSON object: it was not written by verify --save-checkpoint")
     if meta.get("version") != VERSION or isinstance(meta.get("version"), bool):
-        raise PlannerError(f"{where} has format version {_shown(meta.get('version'))}: this fsdp-planner reads "
+        raise PlannerError(f"{where} has format version {shown_json(meta.get('version'))}: this fsdp-planner reads "
                            f"version {VERSION}")
     for key, low, high in (("step", 0, MAX_STEP), ("world", 1, MAX_WORLD)):
         v = meta.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
-            raise PlannerError(f"{where}: '{key}' must be a whole number from {low} to {high:,}, got {_shown(v)}")
+            raise PlannerError(f"{where}: '{key}' must be a whole number from {low} to {high:,}, got {shown_json(v)}")
     for key in ("fingerprint", "policy"):
         if not _label(meta.get(key)):
             raise PlannerError(f"{where}: '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
-                               f"{_shown(meta.get(key))}")
+                               f"{shown_json(meta.get(key))}")
     digests = meta.get("digests")
     if not isinstance(digests, dict) or len(digests) > MAX_DIGESTS or \
             not all(_label(k) and _label(v) for k, v in digests.items()):
@@ -129,13 +129,6 @@ def _label(v: Any) -> bool:
     return isinstance(v, str) and len(v) <= MAX_LABEL
 
 
-def _shown(v: Any) -> str:
-    """A value for a message, cut short when long."""
-    try:
-        text = json.dumps(v)
-    except (TypeError, ValueError):
-        text = repr(v)
-    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} characters)"
 
 
 class CheckpointLoadError(RuntimeError):
