@@ -251,6 +251,7 @@ def test_the_plan_does_not_depend_on_the_clock(monkeypatch):
     assert loaded.refined > 0
 
 
+@pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it
 def test_search_effort_bounds_the_refinement():
     tr = traced("llama3-70b")
     cluster = parse_cluster("h100:64")

@@ -113,6 +113,7 @@ def test_apply_checkpointing_recomputes_the_forward_and_keeps_names():
     assert calls == {"layers.0": 2, "layers.1": 1, "layers.2": 2, "layers.3": 1}
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 @pytest.mark.parametrize(("world", "ac"), [(8, ACMode.FULL), (64, ACMode.SELECTIVE)])
 def test_real_fsdp2_with_checkpointing_matches_the_prediction(world, ac):
     options = SimOptions()

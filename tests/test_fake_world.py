@@ -22,6 +22,7 @@ def _traced(spec: str, options: SimOptions):
     return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
 @pytest.mark.parametrize("world", [8, 64])
 def test_prediction_matches_real_fsdp2_at_fake_world_size(precision: str, world: int) -> None:
@@ -37,6 +38,7 @@ def test_prediction_matches_real_fsdp2_at_fake_world_size(precision: str, world:
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_int_reshard_after_forward_runs_on_fake_ranks() -> None:
     """An int ``reshard_after_forward`` (reshard to groups of 2 ranks after forward) makes FSDP2 build a sub-mesh
     from a tensor's values, which a fake tensor cannot give: it used to end in DataDependentOutputException."""
@@ -51,6 +53,7 @@ def test_int_reshard_after_forward_runs_on_fake_ranks() -> None:
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_grads_kept_by_zero_grad_set_to_none_false() -> None:
     """``zero_grad(set_to_none=False)`` keeps the sharded grads all step: the prediction follows real FSDP2, and
     the peak grows by at most the sharded grads."""
@@ -130,6 +133,7 @@ def test_live_bytes_equals_torch_mem_tracker() -> None:
     assert ours_peak == pytest.approx(theirs, rel=0.01)
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_verify_fake_world_size_command(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 

@@ -76,6 +76,7 @@ def test_hf_llama3_8b_traces_as_the_builtin_llama3_8b():
     assert max(e.live for e in ours.events) == pytest.approx(max(e.live for e in theirs.events), rel=1e-3)
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_hf_mixtral_traces_with_token_balanced_routing():
     """The router runs, experts get an even share: the built-in Mixtral's FLOPs, every expert weight gets a grad."""
     ours, theirs = traced("hf:mixtral-8x7b"), traced("mixtral-8x7b")

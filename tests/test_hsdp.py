@@ -130,6 +130,7 @@ def test_verify_predicts_all_reduces(toy) -> None:
     assert counts["all_gather"] == counts["reduce_scatter"] == 0 and counts["all_reduce"] > 0
 
 
+@pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it
 @pytest.mark.parametrize("mesh", [Mesh(128, 8), Mesh(2, 4)])
 def test_fake_world_hsdp_matches_prediction(toy, mesh: Mesh) -> None:
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world

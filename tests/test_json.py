@@ -62,6 +62,7 @@ def test_plan_simulate_cost_memory_models(capsys):
     assert all("2-core x86 host" in p["host_figures"] for p in d["cluster_presets"])  # where they were measured
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_check_and_fake_world_verify(capsys):
     findings = run_json(capsys, "check", "toy-llama")
     assert isinstance(findings, list)

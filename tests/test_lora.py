@@ -82,6 +82,7 @@ def test_frozen_params_sharded_but_no_grads_or_optimizer_state() -> None:
     assert real["grads"] < real["params"] / 10  # the test means something: the frozen base is most of the model
 
 
+@pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it
 @pytest.mark.parametrize("policy", ["titan", "auto"])
 def test_collectives_and_peak_match_real_fsdp2(policy: str) -> None:
     """Reduce-scatters only for groups holding adapters, of the adapters' bytes; all-gathers of everything."""

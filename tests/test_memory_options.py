@@ -46,6 +46,7 @@ def test_dim1_sharding_is_not_padded() -> None:
     assert shard_dims(tr, 128, ShardPlacement.AUTO) == {}  # 64 rows of dim 1 do not divide by 128
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 @pytest.mark.parametrize("placement", list(ShardPlacement))
 def test_shard_placement_matches_real_fsdp2(placement: ShardPlacement) -> None:
     """Bytes exact and the peak within 1% of real FSDP2 on 64 fake ranks, with Shard(0) and with Shard(1)."""
@@ -72,6 +73,7 @@ def test_dim1_saves_the_padding_and_pays_a_copy() -> None:
     assert dim1.peak_memory < dim0.peak_memory
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_bf16_reduce_halves_the_reduce_scatter_like_real_fsdp2() -> None:
     options = SimOptions.named("bf16-mixed", reduce_dtype="bf16")
     tr = _traced("toy-llama", options)
@@ -83,6 +85,7 @@ def test_bf16_reduce_halves_the_reduce_scatter_like_real_fsdp2() -> None:
     assert measured.nbytes["reduce_scatter"] == bf16.reduce_scatter_bytes
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_offload_moves_the_sharded_state_off_the_gpu_and_costs_host_time() -> None:
     """Offload: sharded params, grads and optimizer state leave the GPU peak; the step pays the H2D/D2H copies and
     the CPU optimizer step at the cluster's figures. Real FSDP2 runs the plan on fake ranks (on a CPU-only machine
@@ -213,6 +216,7 @@ def test_no_fit_says_the_memory_options_were_tried_too() -> None:
         AutoPolicy(parse_cluster("h100:8"), 1000).plan(tr)
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_fake_world_command_runs_an_offload_plan(capsys: pytest.CaptureFixture[str]) -> None:
     """verify --fake-world-size with --offload: FSDP2 runs with CPUOffloadPolicy on the fake ranks; on this CPU the
     offloaded state sits beside the rest, so the comparison is with the plan's prediction without offload (noted),

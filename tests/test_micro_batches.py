@@ -29,6 +29,7 @@ def _traced(spec: ModelSpec, options: SimOptions):
     return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
+@pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it
 @pytest.mark.parametrize(("model", "policy", "precision"), [
     ("toy-llama", "titan", "bf16-mixed"),  # accumulated grads upcast to fp32 beside the bf16 ones
     ("toy-llama", "module", "fp32"),  # autograd accumulates into param.grad itself
@@ -53,6 +54,7 @@ def test_collectives_and_peak_match_real_fsdp2(model, policy, precision, micro_b
     assert predicted.peak_memory > one.peak_memory  # the accumulated unsharded grads
 
 
+@pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it
 @pytest.mark.parametrize(("model", "policy", "precision"), [
     ("toy-llama", "titan", "bf16-mixed"), ("toy-llama", "module", "fp32"), ("seed-net", "size", "bf16-mixed")])
 @pytest.mark.parametrize("micro_batches", [2, 3])

@@ -99,6 +99,7 @@ def test_a_model_failing_in_every_precision_is_its_own_error_with_op_and_module(
         assert "compute dtype" not in err
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_fake_world_names_the_op_and_module_of_the_model_failure():
     lm = load_model(MATMUL)
     plan = ExecutionOrderPolicy().plan(record(lm.model, lm.example_inputs, lm.loss_fn))

@@ -45,6 +45,7 @@ def same_both_ways(model, inputs, loss_fn=None):
     return fast
 
 
+@pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it
 @pytest.mark.parametrize("spec", [n for n in BUILTINS if n not in ("llama3-70b", "llama3-405b")])
 def test_builtins_trace_the_same_with_reuse(spec, replays):
     lm = load_model(spec)

@@ -222,6 +222,7 @@ def test_trace_events_carry_op_classes_for_forward_ops_only():
     assert Counter(e.op_class for e in ops if not e.backward and e.module.startswith("layers."))[OpClass.SDPA] == 4
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 @pytest.mark.parametrize("world", [8, 64])
 def test_real_fsdp2_with_op_sac_matches_the_prediction(world):
     """Real FSDP2 on the fake process group, the plan applied with apply_plan (so with torch's SAC): the same

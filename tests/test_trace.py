@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 from conftest import traced
@@ -114,6 +115,7 @@ print(imported, max(e.live for e in trace(lm.model, lm.example_inputs, lm.loss_f
 """
 
 
+@pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it
 def test_a_trace_does_not_depend_on_what_ran_before_it():
     """Building on meta imports nothing of torch._dynamo; were its first import made by a decomposition inside the
     traced step, the frames it keeps in reference cycles would hold the model's output alive through the loss (the

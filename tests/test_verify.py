@@ -466,6 +466,7 @@ def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkey
     assert not list(tmpdir.glob("fsdp-planner-verify-*")) and not list(tmpdir.glob("torchelastic_*"))
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_stop_process_group_ends_children_that_ignore_sigterm(tmp_path):
     """Everything in the job's session goes: SIGTERM first, SIGKILL for what ignores it."""
     marker = f"stop-group-{os.getpid()}-{time.monotonic_ns()}"
@@ -505,6 +506,7 @@ class ModelGaveUp(BaseException):
     """A model's own BaseException (not an Exception), as DCP's CheckpointException is one."""
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 @pytest.mark.parametrize(("raised", "written"), [
     (ModelGaveUp("the model gave up"), "ModelGaveUp: the model gave up"),
     (SystemExit("bad config"), "SystemExit: the model's code called sys.exit('bad config')"),
@@ -632,6 +634,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="reads /proc")
 @pytest.mark.parametrize("how", ["follow_parent", "watch_parent"])  # prctl, and the fallback where it is missing
 def test_a_process_following_its_parent_dies_with_it(how):

@@ -77,6 +77,7 @@ def test_plan_prints_the_workload_it_planned(capsys: pytest.CaptureFixture[str])
     assert "toy-llama, batch 2, seq 16" in capsys.readouterr().out
 
 
+@pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_fake_world_check_runs_the_users_workload(capsys: pytest.CaptureFixture[str]):
     """Real FSDP2 on fake ranks builds the model with the same --seq as the prediction: they agree."""
     code = main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "8", "--seq", "64", "--json"])
