@@ -19,6 +19,7 @@ from fsdp_planner.cli.options import (
     add_policy_options,
     add_precision_options,
     add_sim_options,
+    positive_int,
 )
 
 Subparsers = argparse._SubParsersAction
@@ -34,6 +35,8 @@ TIME_STEPS = 5
 # demo: one 8-GPU H100 node training Llama 3 8B on 8,192-token sequences: a job people run, where the classic plans
 # do not fit 80 GB without checkpointing every block, and the search takes seconds.
 DEMO_MODEL, DEMO_CLUSTER, DEMO_OUT_DIR = "llama3-8b", "h100:8", "fsdp-planner-demo"
+# fit --gpus auto: the most GPUs tried by default (512 nodes of 8), and at most the largest cluster supported
+DEFAULT_MAX_FIT_GPUS, MAX_FIT_GPUS = 4096, 1_000_000
 CALIBRATE_BASE = "h100:8"  # calibrate: the cluster to start from with --overhead alone
 
 
@@ -58,6 +61,29 @@ def plan(sub: Subparsers) -> None:
     sp.add_argument("--out", help="write the plan JSON here")
     add_force(sp)
     sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
+
+
+def fit(sub: Subparsers) -> None:
+    sp = sub.add_parser("fit", help="the largest batch and longest sequence that fit a cluster with auto's plan, "
+                                    "their tokens/s and MFU; --gpus auto: the fewest nodes that fit a workload")
+    add_model(sp)
+    add_policy_options(sp)
+    add_sim_options(sp, cluster_required=True)
+    add_memory_options(sp)
+    sp.add_argument("--find", choices=["batch", "seq", "both"], default="both",
+                    help="what to search: the largest batch at --seq, the longest sequence at --batch, or both "
+                         "(the default; each point is a trace and an auto search)")
+    sp.add_argument("--gpus", choices=["auto"], default=None,
+                    help="auto: the fewest whole nodes of --cluster's GPU (a preset without a count, e.g. h100, or "
+                         "a cluster file) on which the workload (--batch, --seq) fits, and the tokens/s at each "
+                         "count tried")
+    sp.add_argument("--max-gpus", type=positive_int("--max-gpus", MAX_FIT_GPUS), default=DEFAULT_MAX_FIT_GPUS,
+                    help=f"--gpus auto: the most GPUs to try (default {DEFAULT_MAX_FIT_GPUS:,})")
+    sp.add_argument("--picture", metavar="FILE.png",
+                    help="draw tokens/s per GPU and the reserved peak against the batch (--gpus auto: the GPU "
+                         "count), the budget and the GPU's capacity drawn (matplotlib; .png, .svg or .pdf)")
+    add_force(sp)
+    add_json(sp)
 
 
 def simulate(sub: Subparsers) -> None:
@@ -196,5 +222,5 @@ def models(sub: Subparsers) -> None:
 
 
 # In the order ``fsdp-planner --help`` lists them; each is also the module under cli/ whose ``run`` executes it.
-COMMANDS: tuple[Callable[[Subparsers], None], ...] = (demo, plan, simulate, verify, check, export, cost, calibrate,
+COMMANDS: tuple[Callable[[Subparsers], None], ...] = (demo, plan, fit, simulate, verify, check, export, cost, calibrate,
                                                       memory, models)

@@ -148,6 +148,7 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 # (attribute, option, an example of another name) of every option that names a file or directory a command writes
 OUTPUT_OPTIONS = (("out", "--out", ""), ("timeline", "--timeline", "step.png"), ("html", "--html", "step.html"),
+                  ("picture", "--picture", "fit.png"),
                   ("save_checkpoint", "--save-checkpoint", "a new directory"))
 
 

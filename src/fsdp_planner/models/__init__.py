@@ -89,12 +89,17 @@ class ModelSpec:
     def label(self) -> str:
         """The name with its workload: what the user set, and a built-in's defaults ("llama3-8b, batch 1, seq
         8192"); a user factory's defaults are its own business and not read here (that would import it again)."""
+        words = {"batch_size": "batch", "seq_len": "seq"}
+        return ", ".join([self.name, *(f"{words[k]} {v:,}" for k, v in self.workload().items())])
+
+    def workload(self) -> dict[str, Any]:
+        """``batch_size`` and ``seq_len`` as the step runs them: what the user set over a built-in's or a shipped
+        config's defaults (a user factory's are not read: that would import it again)."""
         values = workload_defaults(BUILTINS[self.name].factory) if self.name in BUILTINS else {}
         if hf.is_hf(self.name):
             values = _hf_workload(self.name)
         values.update(self.kwargs())
-        words = {"batch_size": "batch", "seq_len": "seq"}
-        return ", ".join([self.name, *(f"{words[k]} {v:,}" for k, v in values.items())])
+        return values
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, **self.kwargs()}

@@ -1,0 +1,110 @@
+"""The searches behind ``fit``: the largest workload, or the fewest nodes, for which auto's best plan fits.
+
+Both rely on one fact instead of trying every value: the reserved peak of the best plan is monotone. It grows with
+the per-GPU batch and the sequence length (activations, and the logits and loss buffers, grow with the tokens a
+rank holds; the sharded state does not change), and it falls as nodes are added (params, grads and optimizer state
+divide by the world size; the activations of a rank do not change). So when a value fits every smaller workload
+(every larger node count) fits too, and doubling then bisection finds the boundary in about 2 log2(answer)
+evaluations, each a trace and an auto search. Each function takes ``fits``, which evaluates one value (the caller
+caches and reports every evaluation), and returns the boundary or None when not even the smallest value fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FitPoint:
+    """One evaluated workload and world: auto's best plan for it, simulated (the plan's own figures, as ``plan
+    --policy auto`` prints them for the same ``--batch``, ``--seq`` and ``--cluster``)."""
+
+    batch: int  # per GPU
+    seq: int
+    gpus: int
+    nodes: int
+    fits: bool  # auto found a plan within the budget
+    step_time: float  # seconds (of the plan auto chose; when nothing fits, of the plan closest to fitting)
+    reserved_memory: int  # bytes per rank
+    budget: int
+    model_flops: int  # FLOPs of one rank's step without recomputation (forward + backward as traced)
+    peak_flops: float  # one GPU's dense peak in the compute dtype
+    layout: str  # REPLICATExSHARD
+    checkpointed: int  # modules auto checkpoints in full
+
+    @property
+    def tokens_per_gpu(self) -> float:
+        """Tokens per second per GPU: the rank's batch x seq over the step time."""
+        return self.batch * self.seq / self.step_time if self.step_time > 0 else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: the step's model FLOPs over the GPU's peak for the step time (recomputed
+        forwards are not model FLOPs, so checkpointing lowers it)."""
+        return self.model_flops / (self.step_time * self.peak_flops) if self.step_time > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch": self.batch, "seq": self.seq, "gpus": self.gpus, "nodes": self.nodes, "fits": self.fits,
+                "step_time": self.step_time, "reserved_memory": self.reserved_memory, "budget": self.budget,
+                "margin": self.budget - self.reserved_memory, "tokens_per_second_per_gpu": self.tokens_per_gpu,
+                "tokens_per_second": self.tokens_per_gpu * self.gpus, "mfu": self.mfu, "layout": self.layout,
+                "checkpointed": self.checkpointed}
+
+
+def largest_fitting(fits: Callable[[int], bool], start: int, cap: int, step: int = 1, parts: int = 0) -> int | None:
+    """The largest multiple of ``step`` (or ``start`` itself) up to ``cap`` that fits: from ``start``, doubling
+    while it fits (halving while it does not, down to ``step``), then bisection between the last value that fits
+    and the first that does not, to ``step`` or (``parts``) to that value / ``parts``, whichever is coarser.
+    None: not even the smallest value tried fits."""
+    lo, hi = _bracket_up(fits, start, cap, step)
+    if lo is None or hi is None:
+        return lo
+    resolution = max(step, lo // parts if parts else 0)
+    while hi - lo > resolution:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _bracket_up(fits: Callable[[int], bool], start: int, cap: int, step: int) -> tuple[int | None, int | None]:
+    """(a value that fits, a larger one that does not) around the boundary; (the cap, None) when the cap fits,
+    (None, None) when nothing from ``step`` up fits."""
+    value = min(start, cap)
+    if fits(value):
+        while value < cap:
+            nxt = min(value * 2, cap)
+            if not fits(nxt):
+                return value, nxt
+            value = nxt
+        return value, None
+    miss = value
+    while value > step:
+        value = max(step, value // 2 // step * step)
+        if fits(value):
+            return value, miss
+        miss = value
+    return None, None
+
+
+def smallest_fitting(fits: Callable[[int], bool], cap: int) -> int | None:
+    """The smallest count from 1 to ``cap`` that fits: doubling from 1 until it fits, then bisection between the
+    last count that did not fit and the first that did. None: not even ``cap`` fits."""
+    miss, value = 0, 1
+    while not fits(value):
+        if value >= cap:
+            return None
+        miss, value = value, min(value * 2, cap)
+    while value - miss > 1:
+        mid = (miss + value) // 2
+        if fits(mid):
+            value = mid
+        else:
+            miss = mid
+    return value
