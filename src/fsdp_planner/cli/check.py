@@ -1,6 +1,8 @@
 """``fsdp-planner check MODEL [--plan FILE | --policy NAME]``: FSDP pitfalls in a model and a plan, each with its
 severity and fix. Exit 1 when a finding is an error (the run would fail or be wrong: a step failing in the
-precision's compute dtype among them, ``sim/tracing.py``), 0 otherwise, 2 for bad input."""
+precision's compute dtype among them, ``sim/tracing.py``), 0 otherwise, 2 for bad input. With ``--cluster``, a
+plan without errors also gets ``info`` answers (``planners/answers.py``): the step with grads reduced in the other
+dtype, on the best HSDP layout, and with a node-sized ``reshard_after_forward``."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import check_plan_methods, load_trace, run_auto
 from fsdp_planner.cli.requests import (
     cluster_or_none,
+    memory_budget,
     model_spec,
     policy_request,
     sim_options,
@@ -21,6 +24,7 @@ from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, mod
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners import PolicyName, make_baseline
+from fsdp_planner.planners.answers import answers
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import PrecisionError
@@ -40,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     plan, label = _plan(args, tr, cluster, options)
     if plan is not None:
         findings += plan_findings(tr, plan, world, fsdp1=fsdp1)
+    if plan is not None and cluster is not None and not has_errors(findings):
+        with render.progress(f"check: simulating the plan's alternatives on {cluster.name}"):
+            findings += answers(tr, plan, cluster, options, memory_budget(args, cluster))
     if args.json:
         print(json_text([f.to_dict() for f in findings], indent=2))
     else:
@@ -92,5 +99,8 @@ def _show(model: str, label: str | None, findings: list[Finding]) -> None:
                              if label else "no findings in the model", highlight=False)
         return
     render.console.print(render.findings_table(findings))
-    errors = sum(f.severity.value == "error" for f in findings)
-    render.console.print(f"{errors} error(s), {len(findings) - errors} warning(s)", highlight=False)
+    errors = sum(f.severity is Severity.ERROR for f in findings)
+    infos = sum(f.severity is Severity.INFO for f in findings)
+    answered = f", {infos} answer(s) (info: the simulator's figures for a change to the plan)" if infos else ""
+    render.console.print(f"{errors} error(s), {len(findings) - errors - infos} warning(s){answered}",
+                         highlight=False)

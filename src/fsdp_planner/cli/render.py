@@ -211,8 +211,9 @@ def findings_table(findings: Sequence[Finding]) -> Table:
     t = Table(title="findings", title_justify="left", show_lines=True)
     for col in ("severity", "code", "module", "finding", "fix"):
         t.add_column(col, justify="left", overflow="fold")
-    for f in sorted(findings, key=lambda f: f.severity is not Severity.ERROR):
-        style = "red" if f.severity is Severity.ERROR else "yellow"
+    order = {Severity.ERROR: 0, Severity.WARNING: 1, Severity.INFO: 2}
+    for f in sorted(findings, key=lambda f: order[f.severity]):
+        style = {Severity.ERROR: "red", Severity.WARNING: "yellow"}.get(f.severity, "cyan")
         module = escape(cell_text(f.module)) if f.module else "(root)"
         t.add_row(f"[{style}]{f.severity.value}[/{style}]", f.code.value, module, escape(f.message), escape(f.fix))
     return t

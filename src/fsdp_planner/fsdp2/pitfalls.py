@@ -30,6 +30,7 @@ from fsdp_planner.trace.tree import ROOT, is_within
 class Severity(Enum):
     ERROR = "error"  # the run fails or trains wrong
     WARNING = "warning"  # the run is slow or wasteful
+    INFO = "info"  # nothing wrong: a question about the plan answered with numbers (check --cluster)
 
 
 class Code(Enum):
@@ -46,6 +47,9 @@ class Code(Enum):
     ROOT_PARAMS = "root-params"
     UPCAST_REDUCE = "upcast-reduce"
     FP64_PARAMS = "fp64-params"
+    REDUCE_DTYPE_COST = "reduce-dtype-cost"  # info: the step with grads reduced in bf16 vs fp32
+    HSDP_PAYS = "hsdp"  # info: the plan on the best HSDP layout vs pure FSDP
+    RESHARD_TO_NODE = "reshard-to-node"  # info: int reshard_after_forward (the node) vs True
     PRECISION = "precision"  # the step fails in the precision's compute dtype (found by tracing, not here)
 
 

@@ -33,6 +33,7 @@ class FitPoint:
     peak_flops: float  # one GPU's dense peak in the compute dtype
     layout: str  # REPLICATExSHARD
     checkpointed: int  # modules auto checkpoints in full
+    offload: bool = False  # auto turned CPUOffloadPolicy on (nothing fit without it)
 
     @property
     def tokens_per_gpu(self) -> float:
@@ -50,7 +51,7 @@ class FitPoint:
                 "step_time": self.step_time, "reserved_memory": self.reserved_memory, "budget": self.budget,
                 "margin": self.budget - self.reserved_memory, "tokens_per_second_per_gpu": self.tokens_per_gpu,
                 "tokens_per_second": self.tokens_per_gpu * self.gpus, "mfu": self.mfu, "layout": self.layout,
-                "checkpointed": self.checkpointed}
+                "checkpointed": self.checkpointed, "offload": self.offload}
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int, cap: int, step: int = 1, parts: int = 0) -> int | None:

@@ -1,0 +1,132 @@
+"""``check --cluster``'s answers: three questions people ask about a plan that the simulator answers without a new
+model, each as an ``info`` finding with the step time (and reserved peak) both ways.
+
+- Reduce in bf16 or fp32? ``MixedPrecisionPolicy.reduce_dtype`` sets the reduce-scatter's bytes (and HSDP's
+  all-reduce): bf16 halves them and rounds the sums to bf16, which changes numerics, so only the user chooses it.
+- Does HSDP pay on this cluster? The plan's grouping on each HSDP layout auto considers (shard groups of whole
+  nodes, ``auto.candidate_meshes``) against pure FSDP over every GPU.
+- Does resharding to the node pay? ``reshard_after_forward=<GPUs per node>`` on the groups that reshard fully:
+  after forward each keeps its params sharded within the node only, so backward's all-gathers stay on NVLink, for
+  more memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp_planner.choices import ReduceDtype, Target
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity
+from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.planners.auto import candidate_meshes
+from fsdp_planner.sim.budget import MemoryBudget
+from fsdp_planner.sim.options import SimOptions, plan_options, with_reduce_dtype
+from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.trace.records import Trace
+
+NEGLIGIBLE = 0.01  # a step time difference below this fraction is reported as not worth a change
+
+
+def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget: MemoryBudget) -> list[Finding]:
+    """The three answers for ``plan`` on ``cluster`` (a question that does not arise there is left out: HSDP and
+    a node-sized reshard on one node)."""
+    base = _step(tr, plan, cluster, options)
+    if base is None:
+        return []
+    found = [_reduce_dtype(tr, plan, cluster, options, base, budget)]
+    if cluster.world_size > cluster.gpus_per_node:
+        found += [_hsdp(tr, plan, cluster, options, base, budget), _reshard_to_node(tr, plan, cluster, options,
+                                                                                    base, budget)]
+    return [f for f in found if f is not None]
+
+
+def _step(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions) -> StepReport | None:
+    """The plan's simulated step; None when it cannot run there (the other findings say why)."""
+    try:
+        return simulate(tr, plan, cluster, options, timeline=False)
+    except PlannerError:
+        return None
+
+
+def _versus(base: StepReport, other: StepReport, budget: MemoryBudget) -> str:
+    """``other`` against ``base``: step time and reserved peak, and whether it fits the budget."""
+    gain = 1 - other.step_time / base.step_time if base.step_time > 0 else 0.0
+    speed = f"{abs(gain):.1%} {'faster' if gain >= 0 else 'slower'}"
+    over = [name for name, r in (("the change's", other), ("the plan's", base)) if not budget.fits(r.reserved_memory)]
+    fits = f"; {' and '.join(over)} over the {fmt_bytes(budget.limit)} budget" if over else ""
+    return (f"{fmt_time(other.step_time)} a step against {fmt_time(base.step_time)} ({speed}), reserved "
+            f"{fmt_bytes(other.reserved_memory)} against {fmt_bytes(base.reserved_memory)}{fits}")
+
+
+def _pays(base: StepReport, other: StepReport, budget: MemoryBudget) -> bool:
+    return other.step_time < base.step_time * (1 - NEGLIGIBLE) and budget.fits(other.reserved_memory)
+
+
+def _reduce_dtype(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+                  budget: MemoryBudget) -> Finding | None:
+    """The step with grads reduced in the other dtype (fp32 <-> bf16); none for a precision that computes in
+    fp32 or casts with autocast (no MixedPrecisionPolicy reduce dtype to choose)."""
+    run = plan_options(plan, options)
+    precision = run.precision
+    if precision.compute_bytes > 2 or precision.autocast:
+        return None
+    now = ReduceDtype.BF16 if precision.reduce_bytes == 2 else ReduceDtype.FP32
+    other = ReduceDtype.FP32 if now is ReduceDtype.BF16 else ReduceDtype.BF16
+    swapped = dataclasses.replace(run, precision=with_reduce_dtype(precision, other), reduce_dtype=other)
+    alt = _step(tr, plan.copy(reduce_dtype=other.value), cluster, swapped)
+    if alt is None:
+        return None
+    what = f"reducing grads in {other.value} instead of {now.value}: {_versus(base, alt, budget)}"
+    if other is ReduceDtype.BF16:
+        fix = ("MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) (--reduce-dtype bf16) saves that, and rounds the "
+               "summed grads to bf16: check the loss curve" if _pays(base, alt, budget)
+               else "keep fp32: bf16 saves too little here to be worth its rounding")
+    else:
+        fix = ("consider fp32 (--reduce-dtype fp32): exact sums for that cost" if alt.step_time <= base.step_time
+               * (1 + NEGLIGIBLE) else "bf16 is faster here; keep it if the loss curve matches fp32's")
+    return Finding(Severity.INFO, Code.REDUCE_DTYPE_COST, what, fix)
+
+
+def _hsdp(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+          budget: MemoryBudget) -> Finding | None:
+    """The plan's grouping on the best HSDP layout against pure FSDP (or, for an HSDP plan, the reverse)."""
+    world = cluster.world_size
+    layouts = [m for m in candidate_meshes(cluster, Target.FSDP2) if m != plan.layout(world)]
+    tried = [(m, r) for m in layouts if (r := _step(tr, plan.copy(mesh=None if m == Mesh.flat(world) else m),
+                                                    cluster, options)) is not None]
+    if not tried:
+        return None
+    mesh, best = min(tried, key=lambda t: (not budget.fits(t[1].reserved_memory), t[1].step_time))
+    now = plan.layout(world).describe()
+    what = f"this grouping as HSDP {mesh.describe()} instead of {now}: {_versus(base, best, budget)}"
+    if mesh.replicate == 1:
+        what = f"this grouping as pure FSDP ({mesh.describe()}) instead of HSDP {now}: {_versus(base, best, budget)}"
+    fix = (f"use the {mesh.describe()} layout (--mesh {mesh.describe()}, init_device_mesh(..., "
+           f"({mesh.replicate}, {mesh.shard}))) " if _pays(base, best, budget)
+           else f"keep {now}: no other layout pays on {cluster.name}")
+    return Finding(Severity.INFO, Code.HSDP_PAYS, what, fix.strip())
+
+
+def _reshard_to_node(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+                     budget: MemoryBudget) -> Finding | None:
+    """The groups that reshard fully after forward resharding to the node instead (an int
+    ``reshard_after_forward``); only where the node divides the shard group and is smaller than it."""
+    node, shard = cluster.gpus_per_node, plan.shard_size(cluster.world_size)
+    if shard <= node or shard % node:
+        return None
+    changed = plan.copy()
+    for g in changed.groups[:-1]:  # the root's params are resharded after backward only (FSDP2 keeps them)
+        if g.reshard_after_forward is True:
+            g.reshard_after_forward = node
+    if changed.signature() == plan.signature():
+        return None
+    alt = _step(tr, changed, cluster, options)
+    if alt is None:
+        return None
+    what = f"reshard_after_forward={node} (the node) on the fully resharding groups: {_versus(base, alt, budget)}"
+    fix = (f"set reshard_after_forward={node} on those groups: backward's all-gathers stay within the node"
+           if _pays(base, alt, budget) else "keep reshard_after_forward=True: resharding to the node does not pay "
+                                              "here")
+    return Finding(Severity.INFO, Code.RESHARD_TO_NODE, what, fix)
