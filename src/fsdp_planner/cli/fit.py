@@ -226,7 +226,9 @@ def _figures(p: FitPoint) -> str:
 
 
 def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
-    """The fewest nodes that fit the workload, and the next doubling (what adding nodes buys)."""
+    """The fewest nodes that fit the workload, the fewest that fit without CPU offload when those needed it (auto
+    turns offload on only when nothing fits without it, so that too is monotone in the node count), and the next
+    doubling (what adding nodes buys)."""
     b, seq = request.batch, request.seq
     per_node = request.cluster.gpus_per_node
     cap = max(1, request.max_gpus // per_node)
@@ -234,15 +236,30 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
     if fewest is None:
         raise PlannerError(f"nothing fits on up to {cap * per_node:,} GPUs (--max-gpus {request.max_gpus:,}): "
                            f"{infeasible_message(points.result(b, seq, cap))}")
-    if fewest * 2 <= cap:
-        points.at(b, seq, fewest * 2)
     p = points.at(b, seq, fewest)
     workload = f"batch {b:,}{f' x seq {seq:,}' if seq else ''} per GPU"
-    line = (f"fewest GPUs that fit {workload}: {p.gpus:,} ({p.nodes:,} node{'s' if p.nodes > 1 else ''} of "
-            f"{per_node}): {p.tokens_per_gpu * p.gpus:,.0f} tokens/s in all, {_figures(p)}")
-    doc = {**_header(request), "gpus": {"batch": b, "seq": seq, "fewest": p.gpus, "nodes": p.nodes},
-           "points": [q.to_dict() for q in points.sorted()]}
-    return doc, [line]
+    lines = [f"fewest GPUs that fit {workload}: {_count(p, per_node)}{' with CPU offload' if p.offload else ''}: "
+             f"{p.tokens_per_gpu * p.gpus:,.0f} tokens/s in all, {_figures(p)}"]
+    doc: dict[str, Any] = {**_header(request), "gpus": {"batch": b, "seq": seq, "fewest": p.gpus, "nodes": p.nodes,
+                                                        "offload": p.offload, "fewest_without_offload": None}}
+    if p.offload:
+        plain = smallest_fitting(lambda n: points.at(b, seq, n).fits and not points.at(b, seq, n).offload, cap)
+        if plain is None:
+            lines.append(f"without CPU offload nothing fits on up to {cap * per_node:,} GPUs")
+        else:
+            q = points.at(b, seq, plain)
+            doc["gpus"]["fewest_without_offload"] = q.gpus
+            lines.append(f"fewest GPUs that fit it without CPU offload: {_count(q, per_node)}: "
+                         f"{q.tokens_per_gpu * q.gpus:,.0f} tokens/s in all, {_figures(q)}")
+            fewest = plain
+    if fewest * 2 <= cap:
+        points.at(b, seq, fewest * 2)
+    doc["points"] = [q.to_dict() for q in points.sorted()]
+    return doc, lines
+
+
+def _count(p: FitPoint, per_node: int) -> str:
+    return f"{p.gpus:,} ({p.nodes:,} node{'s' if p.nodes > 1 else ''} of {per_node})"
 
 
 def _header(request: FitRequest) -> dict[str, Any]:

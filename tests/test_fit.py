@@ -1,0 +1,141 @@
+"""``fit``: the searches find the boundary of what fits, and each answer is what ``plan --policy auto`` says at that
+workload or GPU count (the same trace, search and budget); ``check --cluster``'s answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_planner.cli import main
+from fsdp_planner.hardware.cluster import preset_cluster
+from fsdp_planner.planners.fit import largest_fitting, smallest_fitting
+
+# toy-llama on 2 H100s at seq 256: batch 1 to ~11 fit, so the search takes 8 points (~0.3 s of CPU each)
+BUDGET, SEQ = "12MiB", "256"
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str, status: int = 0) -> dict:
+    assert main([*argv, "--json", "--quiet"]) == status
+    return json.loads(capsys.readouterr().out)
+
+
+def test_largest_fitting_doubles_then_bisects():
+    calls: list[int] = []
+
+    def fits(v: int) -> bool:
+        calls.append(v)
+        return v <= 37
+
+    assert largest_fitting(fits, 1, 10**6) == 37
+    assert calls[:7] == [1, 2, 4, 8, 16, 32, 64] and len(calls) <= 13
+    assert largest_fitting(lambda v: v <= 37, 1, 20) == 20  # the cap fits: the search stops there
+    assert largest_fitting(lambda v: False, 1, 100) is None
+    # from a start that does not fit: halving to a multiple of the step, then bisection to it
+    assert largest_fitting(lambda v: v <= 5000, 8192, 10**6, step=128) == 4992
+    assert largest_fitting(lambda v: v <= 50, 8192, 10**6, step=128) is None
+    # to 1/16 of the answer's power of two: a few points, not log2(range / step)
+    coarse = largest_fitting(lambda v: v <= 40000, 8192, 10**6, step=128, parts=16)
+    assert coarse is not None and 40000 - 32768 // 16 <= coarse <= 40000
+
+
+def test_smallest_fitting_doubles_then_bisects():
+    assert smallest_fitting(lambda n: n >= 5, 512) == 5
+    assert smallest_fitting(lambda n: n >= 1, 512) == 1
+    assert smallest_fitting(lambda n: n >= 600, 512) is None
+
+
+@pytest.mark.integration
+def test_fit_batch_is_plans_boundary(capsys):
+    """The largest batch fit finds fits with plan --policy auto, the next does not, and each row's figures are
+    plan's at that batch (3.5 s)."""
+    doc = run_json(capsys, "fit", "toy-llama", "--cluster", "h100:2", "--memory-budget", BUDGET, "--seq", SEQ,
+                   "--find", "batch")
+    assert set(doc) >= {"model", "cluster", "budget", "batch", "points"} and "seq" not in doc
+    largest = doc["batch"]["largest"]
+    rows = {p["batch"]: p for p in doc["points"]}
+    assert rows[largest]["fits"] and not rows[largest + 1]["fits"]
+    assert all(p["fits"] == (p["batch"] <= largest) for p in doc["points"])  # monotone, as the search assumes
+    assert doc["batch"]["next"]["batch"] == largest + 1
+    plan = ("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:2", "--memory-budget", BUDGET, "--seq", SEQ)
+    at = run_json(capsys, *plan, "--batch", str(largest))
+    step = at["plans"][0]["simulation"]
+    assert step["step_time"] == pytest.approx(rows[largest]["step_time"], rel=1e-9)
+    assert step["reserved_memory"] == rows[largest]["reserved_memory"]
+    assert rows[largest]["tokens_per_second_per_gpu"] == pytest.approx(largest * int(SEQ) / step["step_time"])
+    assert main([*plan, "--batch", str(largest + 1), "--quiet"]) == 2
+    assert capsys.readouterr().err.startswith("error: no plan fits the memory budget")
+    for p in doc["points"]:
+        assert set(p) >= {"batch", "seq", "gpus", "fits", "step_time", "reserved_memory", "budget", "margin",
+                          "tokens_per_second_per_gpu", "tokens_per_second", "mfu", "layout", "checkpointed"}
+        assert 0 <= p["mfu"] < 1
+
+
+@pytest.mark.integration
+def test_fit_seq_and_picture(capsys, tmp_path):
+    """The longest sequence at --batch: it fits and the next sequence tried does not; the picture is written
+    (3 s)."""
+    picture = tmp_path / "fit.png"
+    doc = run_json(capsys, "fit", "toy-llama", "--cluster", "h100:2", "--memory-budget", BUDGET, "--find", "seq",
+                   "--batch", "2", "--seq", SEQ, "--picture", str(picture))
+    longest = doc["seq"]["longest"]
+    assert doc["seq"]["batch"] == 2 and "batch" not in doc
+    seqs = {p["seq"]: p["fits"] for p in doc["points"]}
+    assert seqs[longest] and all(fits == (s <= longest) for s, fits in seqs.items())
+    assert any(not fits for fits in seqs.values())
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.integration
+def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
+    """--gpus auto on a cluster of 1-GPU nodes: one node fits only with CPU offload (auto's last resort), and the
+    fewest nodes that fit without it are where plan --policy auto stops offloading (3 s)."""
+    cluster = tmp_path / "one_gpu_nodes.json"
+    preset_cluster("h100", nodes=1, gpus_per_node=1).save(cluster)
+    budget = "2.6MB"
+    doc = run_json(capsys, "fit", "toy-llama", "--cluster", str(cluster), "--gpus", "auto", "--batch", "1", "--seq",
+                   "32", "--memory-budget", budget, "--max-gpus", "16")
+    assert doc["gpus"]["fewest"] == 1 and doc["gpus"]["offload"] is True
+    fewest = doc["gpus"]["fewest_without_offload"]
+    rows = {p["gpus"]: p for p in doc["points"]}
+    assert fewest > 1 and rows[fewest]["fits"] and not rows[fewest]["offload"] and rows[fewest - 1]["offload"]
+    assert all(p["offload"] == (p["gpus"] < fewest) for p in doc["points"])  # monotone, as the search assumes
+    plan = ("plan", "toy-llama", "--policy", "auto", "--batch", "1", "--seq", "32", "--memory-budget", budget)
+    at = run_json(capsys, *plan, "--cluster", f"h100:{fewest}x1")
+    assert at["plans"][0]["simulation"]["step_time"] == pytest.approx(rows[fewest]["step_time"], rel=1e-9)
+    assert not at["plans"][0]["plan"].get("offload")
+    below = run_json(capsys, *plan, "--cluster", f"h100:{fewest - 1}x1")
+    assert below["plans"][0]["plan"]["offload"] is True
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--cluster", "h100:16", "--gpus", "auto"], "--gpus auto chooses the GPU count"),
+    (["--cluster", "h100:2", "--picture", "fit.txt"], "--picture 'fit.txt' must end in"),
+    (["--cluster", "h100:2", "--measure"], "drop it"),
+    (["--cluster", "h100:2", "--max-gpus", "0"], "--max-gpus must be at least 1"),
+])
+def test_fit_bad_input_is_one_line(capsys, argv, says):
+    assert main(["fit", "toy-llama", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.integration
+def test_fit_nothing_fits_names_the_breakdown(capsys):
+    """Not even batch 1 fits (CPU offload tried too): auto's breakdown of the smallest peak, in one line (1 s)."""
+    assert main(["fit", "toy-llama", "--cluster", "h100:2", "--memory-budget", "100KiB", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: nothing fits even at batch 1: no plan fits the memory budget of 100 KiB")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_check_answers_on_a_cluster(capsys):
+    """check --cluster answers the reduce dtype, HSDP and node-sized reshard questions with the simulator."""
+    findings = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "h100:16")
+    info = {f["code"]: f for f in findings if f["severity"] == "info"}
+    assert set(info) == {"reduce-dtype-cost", "hsdp", "reshard-to-node"}
+    assert "bf16 instead of fp32" in info["reduce-dtype-cost"]["message"]
+    assert "HSDP 2x8 instead of 1x16" in info["hsdp"]["message"]
+    assert "reshard_after_forward=8" in info["reshard-to-node"]["message"]
+    one_node = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "h100:8")
+    assert {f["code"] for f in one_node if f["severity"] == "info"} == {"reduce-dtype-cost"}
