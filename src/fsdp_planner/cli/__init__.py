@@ -1,4 +1,5 @@
-"""Command line: ``fsdp-planner demo | plan | simulate | verify | check | export | cost | calibrate | memory | models``.
+"""Command line: ``fsdp-planner demo | plan | fit | simulate | verify | check | export | cost | calibrate | memory |
+models``.
 
 Every user error is one line on stderr and exit code 2; never a traceback (set FSDP_PLANNER_DEBUG=1 to see one).
 Bad arguments are one line too: ``error: MESSAGE (see fsdp-planner COMMAND --help)``. When the reader of stdout goes
