@@ -113,11 +113,17 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
     (["--cluster", "h100:2", "--picture", "fit.txt"], "--picture 'fit.txt' must end in"),
     (["--cluster", "h100:2", "--measure"], "drop it"),
     (["--cluster", "h100:2", "--max-gpus", "0"], "--max-gpus must be at least 1"),
+    (["--cluster", "h100:2", "--gpus", "2"], "argument --gpus: invalid choice"),
 ])
 def test_fit_bad_input_is_one_line(capsys, argv, says):
-    assert main(["fit", "toy-llama", *argv]) == 2
+    assert main(["fit", "toy-llama", *argv]) == 2  # before anything is traced
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_fit_seq_of_a_model_without_one(capsys):
+    assert main(["fit", "seed-net", "--cluster", "h100:2", "--find", "seq"]) == 2
+    assert "--find seq searches the sequence length, and 'seed-net' takes none" in capsys.readouterr().err
 
 
 @pytest.mark.integration

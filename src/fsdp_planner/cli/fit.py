@@ -21,6 +21,7 @@ from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import PolicyName
+from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 from fsdp_planner.cli.paths import picture_file
@@ -77,9 +78,16 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
         raise PlannerError(f"the per-GPU batch of '{args.model}' is not known: give --batch")
     seq = workload.get("seq_len")
     seq = seq if isinstance(seq, int) else None  # None: no seq_len (or a user factory's, not read): batch only
+    if args.find == "seq" and seq is None and not args.gpus:
+        raise PlannerError(f"--find seq searches the sequence length, and '{args.model}' takes none (or its default "
+                           "is not known): give --seq, or search the batch")
+    if args.gpus and args.find != "both":
+        render.note("--find has no effect with --gpus auto: the workload is --batch x --seq as given")
     cluster = parse_cluster(args.cluster)
     if args.gpus:
         cluster = _with_nodes(cluster, 1)
+    elif args.max_gpus != DEFAULT_MAX_FIT_GPUS:
+        render.note("--max-gpus has no effect without --gpus auto: the batch and sequence are searched on --cluster")
     for note in policy_notes(args, [PolicyName.AUTO], "in fit, which runs auto", budgeted=True):
         render.note(note)
     return FitRequest(spec, batch, seq, policy_request(args, PolicyName.AUTO.value), cluster, bool(args.gpus),
