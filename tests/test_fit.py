@@ -57,6 +57,8 @@ def test_fit_batch_is_plans_boundary(capsys):
     assert rows[largest]["fits"] and not rows[largest + 1]["fits"]
     assert all(p["fits"] == (p["batch"] <= largest) for p in doc["points"])  # monotone, as the search assumes
     assert doc["batch"]["next"]["batch"] == largest + 1
+    plain = doc["batch"]["largest_without_offload"]  # auto offloads only when nothing else fits
+    assert not rows[plain]["offload"] and all(p["offload"] for p in doc["points"] if plain < p["batch"] <= largest)
     plan = ("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:2", "--memory-budget", BUDGET, "--seq", SEQ)
     at = run_json(capsys, *plan, "--batch", str(largest))
     step = at["plans"][0]["simulation"]

@@ -149,9 +149,13 @@ class Points:
                     f"step {fmt_time(report.step_time)})")
         return point, found
 
-    def fits(self, at: Callable[[int], tuple[int, int | None, int]]) -> Callable[[int], bool]:
-        """``fits`` for a search over one coordinate, the others fixed by ``at``."""
-        return lambda value: self.at(*at(value)).fits
+    def fits(self, at: Callable[[int], tuple[int, int | None, int]], plain: bool = False) -> Callable[[int], bool]:
+        """``fits`` for a search over one coordinate, the others fixed by ``at``; ``plain``: fits without CPU
+        offload (auto turns it on only when nothing fits without it, so this too is monotone)."""
+        def fits(value: int) -> bool:
+            p = self.at(*at(value))
+            return p.fits and not (plain and p.offload)
+        return fits
 
     def sorted(self) -> list[FitPoint]:
         return sorted((p for p, _ in self.seen.values()), key=lambda p: (p.gpus, p.seq, p.batch))
@@ -182,8 +186,13 @@ def _workload(request: FitRequest, points: Points) -> tuple[dict[str, Any], list
         cap = min(MAX_SEQ, MAX_TOKENS // b)
         step = min(SEQ_STEP, 1 << (seq.bit_length() - 1))
         longest = largest_fitting(points.fits(lambda s: (b, s, 1)), seq, cap, step, SEQ_PARTS)
-        doc["seq"] = {"batch": b, "longest": longest}
-        lines.append(_seq_line(points, b, longest, cap))
+        lines.append(_seq_line(points, b, longest, cap, step))
+        plain = longest
+        if longest is not None and points.at(b, longest).offload:
+            plain = largest_fitting(points.fits(lambda s: (b, s, 1), plain=True), seq, longest, step, SEQ_PARTS)
+            answer = f"{plain:,}: {_figures(points.at(b, plain))}" if plain else f"none (not even {step:,} tokens)"
+            lines.append(f"longest without CPU offload at batch {b:,}: {answer}")
+        doc["seq"] = {"batch": b, "longest": longest, "longest_without_offload": plain}
     doc["points"] = [p.to_dict() for p in points.sorted()]
     return doc, lines
 
@@ -198,10 +207,15 @@ def _largest_batch(request: FitRequest, points: Points) -> tuple[dict[str, Any],
         raise PlannerError(f"nothing fits even at batch 1: {infeasible_message(points.result(1, seq))}")
     where = f" at seq {seq:,}" if seq else ""
     lines = [_largest_line(points, largest, points.at(largest, seq), cap, where)]
+    plain: int | None = largest
+    if points.at(largest, seq).offload:  # auto's last resort: how far the batch goes without it
+        plain = largest_fitting(points.fits(lambda b: (b, seq, 1), plain=True), 1, largest)
+        lines.append(f"largest batch without CPU offload{where}: "
+                     + (f"{plain:,}: {_figures(points.at(plain, seq))}" if plain else "none (not even 1)"))
     fastest = max((p for p in points.sorted() if p.fits and p.seq == (seq or 1)), key=lambda p: p.tokens_per_gpu)
     if fastest.batch != largest:
         lines.append(f"most tokens/s per GPU{where}: batch {fastest.batch:,}: {_figures(fastest)}")
-    return {"seq": seq, "largest": largest, "fastest": fastest.batch,
+    return {"seq": seq, "largest": largest, "largest_without_offload": plain, "fastest": fastest.batch,
             "next": _next(points, largest + 1, seq)}, lines
 
 
@@ -218,9 +232,9 @@ def _largest_line(points: Points, value: int, p: FitPoint, cap: int, where: str)
             f"{_figures(p)}{after}")
 
 
-def _seq_line(points: Points, batch: int, longest: int | None, cap: int) -> str:
+def _seq_line(points: Points, batch: int, longest: int | None, cap: int, step: int) -> str:
     if longest is None:
-        return f"longest sequence at batch {batch:,}: none fits (not even {SEQ_STEP:,} tokens)"
+        return f"longest sequence at batch {batch:,}: none fits (not even {step:,} tokens)"
     p = points.at(batch, longest)
     bound = " (the largest tried: the search stops there)" if longest >= cap else ""
     tried = [q.seq for q in points.sorted() if q.batch == batch and not q.fits and q.seq > longest]
@@ -251,7 +265,7 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
     doc: dict[str, Any] = {**_header(request), "gpus": {"batch": b, "seq": seq, "fewest": p.gpus, "nodes": p.nodes,
                                                         "offload": p.offload, "fewest_without_offload": None}}
     if p.offload:
-        plain = smallest_fitting(lambda n: points.at(b, seq, n).fits and not points.at(b, seq, n).offload, cap)
+        plain = smallest_fitting(points.fits(lambda n: (b, seq, n), plain=True), cap)
         if plain is None:
             lines.append(f"without CPU offload nothing fits on up to {cap * per_node:,} GPUs")
         else:
