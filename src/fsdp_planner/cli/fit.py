@@ -335,5 +335,6 @@ def _draw(request: FitRequest, points: Points) -> None:
     else:
         rows = [p for p in points.sorted() if p.seq == (request.seq or 1)]
         x, label = [p.batch for p in rows], "per-GPU batch"
-    title = f"{request.model.name} on {request.cluster.gpu.name}: auto's plan at each {label.split()[-1]} tried"
+    what = "GPU count" if request.gpus_auto else "batch"
+    title = f"{request.model.name} on {request.cluster.gpu.name}: auto's plan at each {what} tried"
     write_fit_png(rows, x, label, request.budget.capacity, request.picture, title)

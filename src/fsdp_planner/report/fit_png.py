@@ -47,7 +47,8 @@ def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: i
         top.plot([xi for xi, _ in fit], [p.tokens_per_gpu for _, p in fit], "o-", color=THROUGHPUT_COLOR)
         best = max(fit, key=lambda f: f[1].tokens_per_gpu)
         for xi, p in fit if len(fit) <= ANNOTATED else dict.fromkeys([best, fit[-1]]):
-            top.annotate(f"MFU {p.mfu:.1%}", (xi, p.tokens_per_gpu), xytext=(0, 6), textcoords="offset points",
+            text = f"MFU {p.mfu:.1%}{' (offload)' if p.offload else ''}"
+            top.annotate(text, (xi, p.tokens_per_gpu), xytext=(0, 6), textcoords="offset points",
                          ha="center", fontsize=8)
     top.set_ylabel("tokens/s per GPU")
     top.set_ylim(bottom=0, top=max((p.tokens_per_gpu for _, p in fit), default=1.0) * 1.2)
