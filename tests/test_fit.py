@@ -116,6 +116,7 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
     (["--cluster", "h100:2", "--measure"], "drop it"),
     (["--cluster", "h100:2", "--max-gpus", "0"], "--max-gpus must be at least 1"),
     (["--cluster", "h100:2", "--gpus", "2"], "argument --gpus: invalid choice"),
+    (["--cluster", "h100", "--gpus", "auto", "--mesh", "2x4"], "--mesh fixes the GPU count"),
 ])
 def test_fit_bad_input_is_one_line(capsys, argv, says):
     assert main(["fit", "toy-llama", *argv]) == 2  # before anything is traced

@@ -68,6 +68,9 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
         raise PlannerError(f"--gpus auto chooses the GPU count: give --cluster without one (e.g. "
                            f"{args.cluster.split(':')[0].strip()}), or drop --gpus auto to search the batch on "
                            f"{args.cluster}")
+    if args.gpus and args.mesh:
+        raise PlannerError("--mesh fixes the GPU count, which --gpus auto chooses: drop --mesh (auto chooses the "
+                           "layout at each count) or --gpus auto")
     if args.measure:
         raise PlannerError("fit traces the model at many workloads: --measure (one workload timed here) does not "
                            "apply; drop it")
