@@ -148,3 +148,18 @@ def test_check_answers_on_a_cluster(capsys):
     assert "reshard_after_forward=8" in info["reshard-to-node"]["message"]
     one_node = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "h100:8")
     assert {f["code"] for f in one_node if f["severity"] == "info"} == {"reduce-dtype-cost"}
+
+
+@pytest.mark.integration
+def test_check_answers_are_simulates_figures(capsys):
+    """The reduce-dtype and HSDP answers quote the step times simulate gives for the changed plan (1 s)."""
+    from fsdp_planner.fmt import fmt_time
+
+    findings = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "h100:16")
+    info = {f["code"]: f["message"] for f in findings if f["severity"] == "info"}
+    sim = ("simulate", "toy-llama", "--policy", "module", "--cluster", "h100:16")
+    fp32 = run_json(capsys, *sim)["step_time"]
+    bf16 = run_json(capsys, *sim, "--reduce-dtype", "bf16")["step_time"]
+    hsdp = run_json(capsys, *sim, "--mesh", "2x8")["step_time"]
+    assert f"{fmt_time(bf16)} a step against {fmt_time(fp32)}" in info["reduce-dtype-cost"]
+    assert f"{fmt_time(hsdp)} a step against {fmt_time(fp32)}" in info["hsdp"]
