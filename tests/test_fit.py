@@ -113,7 +113,7 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
 @pytest.mark.parametrize(("argv", "says"), [
     (["--cluster", "h100:16", "--gpus", "auto"], "--gpus auto chooses the GPU count"),
     (["--cluster", "h100:2", "--picture", "fit.txt"], "--picture 'fit.txt' must end in"),
-    (["--cluster", "h100:2", "--measure"], "drop it"),
+    (["--cluster", "h100:2", "--module-classes", "Block"], "unrecognized arguments: --module-classes"),
     (["--cluster", "h100:2", "--max-gpus", "0"], "--max-gpus must be at least 1"),
     (["--cluster", "h100:2", "--gpus", "2"], "argument --gpus: invalid choice"),
     (["--cluster", "h100", "--gpus", "auto", "--mesh", "2x4"], "--mesh fixes the GPU count"),

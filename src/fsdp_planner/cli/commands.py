@@ -7,9 +7,11 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_planner.choices import DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
+from fsdp_planner.choices import DEFAULT_MFU, DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
 from fsdp_planner.cli.options import (
     CLUSTER_HELP,
+    MIN_MFU,
+    add_auto_options,
     add_force,
     add_json,
     add_memory_options,
@@ -67,8 +69,12 @@ def fit(sub: Subparsers) -> None:
     sp = sub.add_parser("fit", help="the largest batch and longest sequence that fit a cluster with auto's plan, "
                                     "their tokens/s and MFU; --gpus auto: the fewest nodes that fit a workload")
     add_model(sp)
-    add_policy_options(sp)
-    add_sim_options(sp, cluster_required=True)
+    add_auto_options(sp)
+    sp.add_argument("--cluster", required=True, help=CLUSTER_HELP + "; with --gpus auto, without a count")
+    sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                    help=f"fraction of peak FLOP/s matmuls reach, {MIN_MFU} to 1 (default {DEFAULT_MFU})")
+    add_precision_options(sp)
+    sp.set_defaults(measure=False)
     add_memory_options(sp)
     sp.add_argument("--find", choices=["batch", "seq", "both"], default="both",
                     help="what to search: the largest batch at --seq, the longest sequence at --batch, or both "

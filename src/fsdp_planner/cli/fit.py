@@ -71,9 +71,6 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
     if args.gpus and args.mesh:
         raise PlannerError("--mesh fixes the GPU count, which --gpus auto chooses: drop --mesh (auto chooses the "
                            "layout at each count) or --gpus auto")
-    if args.measure:
-        raise PlannerError("fit traces the model at many workloads: --measure (one workload timed here) does not "
-                           "apply; drop it")
     spec = model_spec(args)
     workload = spec.workload()
     batch = workload.get("batch_size")

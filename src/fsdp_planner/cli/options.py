@@ -70,6 +70,12 @@ def add_policy_options(sp: argparse.ArgumentParser) -> None:
                     help="size policy threshold in elements, e.g. 100000000 or 1e8 (default 1e8, FSDP1's; at most "
                          "1e15)")
     sp.add_argument("--target-bytes", help="order policy group size, e.g. 64MiB (default: one block)")
+    add_auto_options(sp)
+
+
+def add_auto_options(sp: argparse.ArgumentParser) -> None:
+    """The options auto reads (a command that runs auto alone, ``fit``, takes these and no classic policy's)."""
+    sp.set_defaults(module_classes=None, min_nonwrapped_numel=None, target_bytes=None)
     sp.add_argument("--memory-budget", help="auto: per-rank peak memory budget, e.g. 60GiB, taken as given (default: "
                                             "the memory of one of the cluster's GPUs less --headroom)")
     sp.add_argument("--headroom", metavar="FRACTION_OR_SIZE",
