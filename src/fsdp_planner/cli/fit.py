@@ -25,7 +25,7 @@ from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 from fsdp_planner.cli.paths import picture_file
-from fsdp_planner.cli.requests import memory_budget, model_spec, policy_notes, policy_request, sim_options
+from fsdp_planner.cli.requests import memory_budget, model_spec, policy_request, sim_options
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
@@ -38,8 +38,8 @@ from fsdp_planner.sim.options import SimOptions
 
 PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
 SEQ_STEP = 128  # the longest sequence is found to a multiple of this (or of the --seq it starts from, if smaller)
-BAR = 20  # characters of the fastest row's throughput bar
 SEQ_PARTS = 16  # ... and to 1/16 of the longest power-of-two multiple that fits: a few traces, not a dozen
+BAR = 20  # characters of the fastest row's throughput bar
 _COUNTED_CLUSTER = re.compile(r"^\s*[a-z0-9]+:\d", re.IGNORECASE)
 
 
@@ -88,8 +88,6 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
         cluster = _with_nodes(cluster, 1)
     elif args.max_gpus != DEFAULT_MAX_FIT_GPUS:
         render.note("--max-gpus has no effect without --gpus auto: the batch and sequence are searched on --cluster")
-    for note in policy_notes(args, [PolicyName.AUTO], "in fit, which runs auto", budgeted=True):
-        render.note(note)
     return FitRequest(spec, batch, seq, policy_request(args, PolicyName.AUTO.value), cluster, bool(args.gpus),
                       args.max_gpus, sim_options(args), memory_budget(args, cluster), picture, args.json,
                       args.full_trace, args.find)
