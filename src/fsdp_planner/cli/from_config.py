@@ -5,22 +5,17 @@ would change with the step before and after (``run_plan``)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 from typing import Any
 
-from rich.markup import escape
-from rich.table import Table
-
 import fsdp_planner.cli.render as render
-from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, PolicyName
+from fsdp_planner.choices import DEFAULT_PRECISION, ACMode
 from fsdp_planner.cli.job_config import ACCELERATE, TORCHTITAN, JobConfig, read_config, world_of
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import BUILTINS
-from fsdp_planner.userfiles import shown_json, write_atomic
+from fsdp_planner.userfiles import shown_json
 
 _PRESET = re.compile(r"^\s*([a-z0-9]+)\s*$", re.I)
 DEFAULT_GPU = "h100"

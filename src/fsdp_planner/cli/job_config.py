@@ -9,9 +9,7 @@ pass ``shown_json``. Torch-free: the reading is checked before anything is trace
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
@@ -97,10 +95,13 @@ def read_config(kind: str, path: str) -> JobConfig:
 
 def _load(kind: str, text: str, label: str) -> Any:
     if kind == TORCHTITAN:
+        toml = _toml_reader()
         try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
+            return toml.loads(text)
+        except toml.TOMLDecodeError as e:
             raise PlannerError(f"{label} is not valid TOML: {e}") from None
+        except RecursionError:
+            raise PlannerError(f"{label} nests too deeply to read") from None
     import yaml  # PyYAML: safe_load only, which builds plain values and never runs anything from the file
 
     try:
@@ -111,6 +112,19 @@ def _load(kind: str, text: str, label: str) -> Any:
         raise PlannerError(f"{label} is not valid YAML{at}: {getattr(e, 'problem', None) or 'cannot parse'}") from None
     except RecursionError:
         raise PlannerError(f"{label} nests too deeply to read") from None
+
+
+def _toml_reader() -> Any:
+    """Python 3.11's ``tomllib``, or on 3.10 the ``tomli`` package it came from."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise PlannerError("reading a torchtitan TOML needs Python 3.11 or newer, or the tomli package "
+                               "(pip install tomli)") from None
+    return tomllib
 
 
 def _bad(cfg: JobConfig, key: str, value: Any, expected: str) -> PlannerError:
