@@ -102,7 +102,10 @@ def _load(kind: str, text: str, label: str) -> Any:
             raise PlannerError(f"{label} is not valid TOML: {e}") from None
         except RecursionError:
             raise PlannerError(f"{label} nests too deeply to read") from None
-    import yaml  # PyYAML: safe_load only, which builds plain values and never runs anything from the file
+    try:
+        import yaml  # PyYAML: safe_load only, which builds plain values and never runs anything from the file
+    except ImportError:
+        raise PlannerError("reading an Accelerate YAML needs PyYAML (pip install pyyaml)") from None
 
     try:
         return yaml.safe_load(text)
