@@ -65,7 +65,8 @@ def test_torchtitan_activation_checkpoint(tmp_path, section, ac):
 
 
 def test_torchtitan_older_keys_and_defaults(tmp_path):
-    cfg = read_config(TORCHTITAN, str(titan(tmp_path, '[training]\nbatch_size = 3\nmixed_precision_param = "float32"\n')))
+    job = titan(tmp_path, '[training]\nbatch_size = 3\nmixed_precision_param = "float32"\n')
+    cfg = read_config(TORCHTITAN, str(job))
     assert (cfg.batch, cfg.precision, cfg.reduce_dtype, cfg.shard, cfg.replicate, cfg.reshard) == \
         (3, "fp32", None, None, 1, "default")  # dp_shard -1: every GPU --cluster has
 
@@ -73,7 +74,7 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
 @pytest.mark.parametrize(("text", "note"), [
     ("[compile]\nenable = true\n", "compile.enable = true is left out"),
     ("[training]\ncompile = true\n", "training.compile = true is left out"),
-    ('[float8]\nenable_fsdp_float8_all_gather = true\n', "float8 training ([float8] / [quantize.linear.float8]) is left out"),
+    ("[float8]\nenable_fsdp_float8_all_gather = true\n", "float8 training ([float8] / [quantize.linear.float8]) is"),
     ('[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n', "float8 training"),
     ('[model]\nconverters = ["float8"]\n', "model.converters float8 is left out"),
     ("[parallelism]\ntensor_parallel_degree = 2\n", "parallelism.tensor_parallel_degree = 2 is left out"),
@@ -237,8 +238,8 @@ def test_missing_model_and_cluster_are_argument_errors(capsys, tmp_path):
 @pytest.mark.integration  # (about 2 s: three toy-llama runs)
 def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, capsys):
     """The config's job and the options it stands for give one simulation, and plan --from-... starts from it."""
-    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\nseq_len = 32\n[parallelism]\ndata_parallel_shard_degree = 4\n"
-                          '[activation_checkpoint]\nmode = "full"\n')
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\nseq_len = 32\n"
+                          '[parallelism]\ndata_parallel_shard_degree = 4\n[activation_checkpoint]\nmode = "full"\n')
     assert main(["simulate", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     from_config = json.loads(capsys.readouterr().out)
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--batch", "2", "--seq", "32",
