@@ -92,3 +92,22 @@ def test_the_example_plans_and_trains_on_two_gloo_ranks(tmp_path):
     assert "plan: auto(h100:2" in out.stdout
     losses = [float(line.rsplit(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # it trained
+
+
+class _DeviceBound(torch.nn.Module):
+    """A forward that makes a tensor on an explicit device: it cannot run on meta, only under fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) + torch.ones(8, device="cpu"))
+
+
+def test_a_model_that_cannot_run_on_meta_is_traced_under_fake_tensors():
+    model = _DeviceBound()
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    plan = fp.plan(model, (torch.randn(4, 8),), cluster="h100:2", precision="fp32")
+    assert plan.groups and all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert all(p.grad is None and p.dtype == torch.float32 for p in model.parameters())

@@ -281,3 +281,18 @@ def test_the_example_configs_plan(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "fsdp_config.fsdp_auto_wrap_policy" in text and "export plan.json --format accelerate" in text
     assert json.loads(out.read_text())["precision"] == "bf16-mixed"
+
+
+def test_no_gpu_count_plans_for_the_preset_node(tmp_path, capsys):
+    a = args_of("simulate", "toy-llama", "--from-accelerate", str(accel(tmp_path, "mixed_precision: bf16\n")),
+                "--cluster", "a100")
+    assert a.cluster == "a100:8"
+    assert "gives no GPU count (no num_processes): planning for 8 GPUs" in capsys.readouterr().err
+
+
+def test_plan_from_a_config_refuses_what_it_does_not_take(tmp_path, capsys):
+    job = str(titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"))
+    for extra in (["--policy", "titan"], ["--explain"]):
+        assert main(["plan", "toy-llama", "--from-torchtitan", job, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1

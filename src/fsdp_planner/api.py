@@ -60,6 +60,11 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     ``batch`` and ``seq`` reach, as ``--batch`` and ``--seq`` do. ``cluster``: a preset such as ``"h100:64"``, a
     cluster JSON path, or a ``Cluster``. Raises ``PlannerError`` with one sentence for a bad argument, and when
     auto finds no plan within the memory budget.
+
+    A real model is traced as its meta twin (params and buffers as meta tensors, ties kept, nothing copied) with
+    its inputs on meta and the real tensors its ``loss_fn`` reads moved to meta, as the command line traces a
+    factory's model; a step that cannot run on meta (a tensor made on an explicit device in forward) is traced on
+    the real model under fake tensors instead, its params' values, dtypes and grads restored.
     """
     the_cluster = cluster if isinstance(cluster, Cluster) else parse_cluster(_text(cluster, "cluster"))
     request = _policy_request(policy, ac, ac_policy, mesh, memory_budget, headroom, module_classes, search_effort,
@@ -161,31 +166,32 @@ def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.T
     if not any(p.requires_grad for p in model.parameters()):
         raise PlannerError("the model has no trainable parameters: FSDP plans are for training")
     name = type(model).__name__
-    if all(p.is_meta for p in model.parameters()):
-        return trace(model, inputs, loss_fn, precision=options.precision), name
     copy, meta_inputs = _on_meta(model, inputs)
     try:  # the command line traces on meta: a real model's meta twin gives its figures, and leaves it untouched
         return trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision=options.precision), name
-    except Exception:  # (a loss_fn holding real tensors, say): the real model under fake tensors, grads kept
-        pass
+    except PlannerError:  # the verdict of the step in the precision (PrecisionError): the model's, not meta's
+        raise
+    except Exception:
+        if copy is model:
+            raise
+    # a step that cannot run on meta (a tensor made on an explicit device in forward): the real model under fake
+    # tensors, its grads kept
     with _grads_kept(model):
         return trace(model, inputs, loss_fn, precision=options.precision), name
 
 
 def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
     """A copy of ``model`` whose params and buffers are meta tensors of the same shapes, dtypes and ties (no
-    storage copied), and ``inputs`` on meta."""
+    storage copied; a model on meta already is itself), and ``inputs`` on meta."""
+    moved = tree_map_only(torch.Tensor, _meta, inputs)
+    if all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers()):
+        return model, moved
     memo: dict[int, Any] = {}
     for t in (*model.parameters(), *model.buffers()):
         if id(t) not in memo:
             empty = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    copy = deepcopy(model, memo)
-
-    def to_meta(t: torch.Tensor) -> torch.Tensor:
-        return t if t.is_meta else t.detach().to("meta").requires_grad_(t.requires_grad)
-
-    return copy, tree_map_only(torch.Tensor, to_meta, inputs)
+    return deepcopy(model, memo), moved
 
 
 class _RealToMeta(TorchDispatchMode):
@@ -199,7 +205,7 @@ class _RealToMeta(TorchDispatchMode):
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_meta else t.detach().to("meta")
+    return t if t.is_meta else t.detach().to("meta").requires_grad_(t.requires_grad)
 
 
 def _on_meta_loss(loss_fn: Callable[[Any], torch.Tensor] | None) -> Callable[[Any], torch.Tensor] | None:

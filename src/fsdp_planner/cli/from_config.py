@@ -99,9 +99,10 @@ def _layout(cfg: JobConfig, args: argparse.Namespace) -> None:
     preset = _PRESET.match(spec) if not spec.endswith(".json") else None
     given = None if preset else parse_cluster(spec).world_size
     world = world_of(cfg, given)
-    if world is None:
-        raise PlannerError(f"{cfg.key('shard')} takes every GPU (-1): give the GPU count with --cluster, e.g. "
-                           f"--cluster {spec.strip()}:8")
+    if world is None:  # the config leaves the count to the cluster: a bare preset's one node
+        world = parse_cluster(spec).world_size
+        render.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, "
+                    f"{spec.strip()}'s one node (give --cluster {spec.strip()}:N for another count)")
     if given is not None and given != world:
         raise PlannerError(f"--cluster {shown_json(spec)} has {given:,} GPUs but the {cfg.kind} job runs on "
                            f"{world:,} ({_world_keys(cfg)}): give the GPU alone (--cluster {DEFAULT_GPU}) or agree")
@@ -117,6 +118,10 @@ def _layout(cfg: JobConfig, args: argparse.Namespace) -> None:
         _micro_batches(cfg, args, world)
 
 
+def _count_key(cfg: JobConfig) -> str:
+    return "no num_processes" if cfg.kind == ACCELERATE else "data_parallel_shard_degree = -1"
+
+
 def _world_keys(cfg: JobConfig) -> str:
     if cfg.kind == ACCELERATE:
         return f"num_processes = {cfg.world}"
@@ -130,8 +135,9 @@ def _micro_batches(cfg: JobConfig, args: argparse.Namespace, world: int) -> None
         raise PlannerError(f"training.global_batch_size = {cfg.global_batch} is not a multiple of "
                            f"training.local_batch_size ({local}) x the {world} data-parallel GPUs")
     n = cfg.global_batch // (local * world)
-    if n > 1:
-        args.batch, args.micro_batches = local * n, str(n)  # --batch: the step's per-GPU batch, split in n
+    if n > 1:  # --batch: the step's per-GPU batch, split in n
+        _given(args, "micro_batches", "--micro-batches", str(n), "training.global_batch_size", cfg)
+        args.batch = local * n
 
 
 def _policy(cfg: JobConfig, args: argparse.Namespace) -> None:

@@ -73,6 +73,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.policy not in (None, PolicyName.AUTO.value):
         raise PlannerError("plan --from-torchtitan / --from-accelerate compares the config's job with auto's plan: "
                            "drop --policy (simulate --from-... simulates the config's own grouping)")
+    if args.explain or str(args.micro_batches).strip().lower() == "auto":
+        raise PlannerError("--explain and --micro-batches auto go with plan MODEL --policy auto, not with "
+                           "--from-torchtitan / --from-accelerate")
     cfg = configured(args)
     assert cfg is not None
     result = plan_from_config(args, cfg)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
+from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import read_text, shown_json
 
@@ -134,9 +135,9 @@ def _bad(cfg: JobConfig, key: str, value: Any, expected: str) -> PlannerError:
     return PlannerError(f"{cfg.kind} config '{cfg.path}': {key} = {shown_json(value)} is not {expected}")
 
 
-def _int(cfg: JobConfig, key: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= 10**9:
-        raise _bad(cfg, key, value, f"a whole number from {minimum} to 1,000,000,000")
+def _int(cfg: JobConfig, key: str, value: Any, minimum: int = 1, maximum: int = 10**9) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise _bad(cfg, key, value, f"a whole number from {minimum} to {maximum:,}")
     return value
 
 
@@ -196,9 +197,9 @@ def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:
 def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
     key = "local_batch_size" if "local_batch_size" in training else "batch_size"
     if key in training:
-        cfg.batch = cfg.keys[f"training.{key}"] = _int(cfg, f"training.{key}", training[key])
+        cfg.batch = cfg.keys[f"training.{key}"] = _int(cfg, f"training.{key}", training[key], maximum=MAX_BATCH)
     if "seq_len" in training:
-        cfg.seq = cfg.keys["training.seq_len"] = _int(cfg, "training.seq_len", training["seq_len"])
+        cfg.seq = cfg.keys["training.seq_len"] = _int(cfg, "training.seq_len", training["seq_len"], maximum=MAX_SEQ)
     if "global_batch_size" in training and training["global_batch_size"] not in (-1, None):
         cfg.global_batch = _int(cfg, "training.global_batch_size", training["global_batch_size"])
         cfg.keys["training.global_batch_size"] = cfg.global_batch
