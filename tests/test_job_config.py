@@ -276,6 +276,9 @@ def test_the_example_configs_plan(capsys, tmp_path):
     assert plan["model"] == "llama3-8b" and plan["cluster"] == "h100:8"
     assert plan["fits"] and plan["auto_step"]["step_time"] < plan["config_step"]["step_time"]
     assert all(set(c) == {"key", "config", "auto", "expressible"} for c in plan["changes"])
+    edit = plan["best_edit"]
+    assert edit is None or (edit["step"]["budget"]["fits"]
+                            and edit["step"]["step_time"] < plan["config_step"]["step_time"])
     out = tmp_path / "plan.json"
     assert main(["plan", "llama3-8b", "--from-accelerate", accelerate, "--cluster", "h100", "--out", str(out)]) == 0
     text = capsys.readouterr().out

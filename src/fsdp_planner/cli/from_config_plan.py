@@ -1,12 +1,14 @@
 """``plan --from-torchtitan JOB.toml`` / ``--from-accelerate CONFIG.yaml``: the config's job beside auto's plan for
 the same model, workload, precision and cluster, the config keys auto would set otherwise (old -> new), and the
-step with those keys alone (the config's grouping kept): what changing the config buys before the grouping,
-which no key expresses, is exported as code."""
+best edit of the config's keys alone (its grouping kept, every checkpointing mode and reshard rule the format has,
+on its mesh or auto's): what changing the config buys before the grouping, which no key expresses, is exported as
+code."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 from typing import Any
 
 from rich.markup import escape
@@ -60,7 +62,7 @@ class Result:
     auto: Plan
     before: StepReport
     after: StepReport
-    keys_only: StepReport | None
+    edit: tuple[list[Change], StepReport] | None  # the best config edit alone (its own grouping), and its step
     changes: list[Change]
     budget: MemoryBudget
     precision: str
@@ -99,8 +101,9 @@ def plan_from_config(args: argparse.Namespace, cfg: JobConfig) -> Result:
                      must_fit=False)
     old, new = _config_setting(cfg, cluster), _plan_setting(found.plan, tr, cluster)
     changes = _changes(cfg, old, new, config_plan, found.plan)
-    keys_only = _keys_only(args, cfg, tr, cluster, old, new) if any(c.expressible for c in changes) else None
-    return Result(config_plan, found.plan, before, found.report, keys_only, changes, budget,
+    best = _best_edit(args, cfg, tr, cluster, old, new, budget, before)
+    edit = (_changes(cfg, old, best[0], config_plan, None), best[1]) if best else None
+    return Result(config_plan, found.plan, before, found.report, edit, changes, budget,
                   options.precision.name, found.fits, None if found.fits else infeasible_message(found))
 
 
@@ -145,8 +148,9 @@ def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None) -
     return {"always": "true", "never": "false"}.get(str(value), f"{value} (the wrap policy's own)")
 
 
-def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan) -> list[Change]:
-    """The keys whose value differs, each old -> new; a value no key can say is marked not expressible."""
+def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:
+    """The keys whose value differs, each old -> new; a value no key can say is marked not expressible. With
+    ``auto``, its grouping last."""
     out = []
     if new.ac != old.ac:
         ok = new.ac is not None and (cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
@@ -160,26 +164,46 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
     if new.offload != old.offload:
         out.append(Change(cfg.key("offload"), str(old.offload).lower(), str(new.offload).lower()))
-    out.append(Change(cfg.key("policy"), f"{config_plan.policy}: {len(config_plan.groups)} groups",
-                      f"{len(auto.groups)} groups", False))
+    if auto is not None:
+        out.append(Change(cfg.key("policy"), f"{config_plan.policy}: {len(config_plan.groups)} groups",
+                          f"{len(auto.groups)} groups", False))
     return out
 
 
-def _keys_only(args: argparse.Namespace, cfg: JobConfig, tr: Trace, cluster: Cluster, old: Setting,
-               new: Setting) -> StepReport | None:
-    """The config's own grouping with auto's expressible settings: the step a config edit alone gives."""
-    ac = new.ac if new.ac is not None and (cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL)) else old.ac
-    mesh = new.mesh
+def _edited(args: argparse.Namespace, cfg: JobConfig, tr: Trace, cluster: Cluster,
+            setting: Setting) -> StepReport | None:
+    """The config's own grouping with ``setting``'s keys: the step a config edit alone gives (None: the config's
+    policy cannot take them)."""
+    ac, mesh = setting.ac or ACMode.NONE, setting.mesh
     edited = argparse.Namespace(**{**vars(args), "ac": ac.value if ac is not ACMode.NONE else None,
+                                   "ac_policy": None if ac is not ACMode.OP else args.ac_policy,
                                    "mesh": f"{mesh.replicate}x{mesh.shard}" if mesh.replicate > 1 else None,
-                                   "offload": new.offload})
-    reshard = new.reshard if new.reshard is not None and (cfg.kind == TORCHTITAN or new.reshard != "default") \
-        else old.reshard
+                                   "offload": setting.offload})
     try:
         plan = policy_plan(tr, policy_request(edited, cfg.policy.value), args.model, cluster, sim_options(edited))
-    except PlannerError:  # the config's policy cannot take these settings
+    except PlannerError:
         return None
-    return _simulated(tr, adjusted(plan, dataclasses.replace(cfg, reshard=reshard)), cluster, edited)
+    return _simulated(tr, adjusted(plan, dataclasses.replace(cfg, reshard=setting.reshard or cfg.reshard)), cluster,
+                      edited)
+
+
+def _best_edit(args: argparse.Namespace, cfg: JobConfig, tr: Trace, cluster: Cluster, old: Setting, new: Setting,
+               budget: MemoryBudget, before: StepReport) -> tuple[Setting, StepReport] | None:
+    """The fastest setting config keys can express (checkpointing x reshard rule x the config's or auto's mesh) on
+    the config's grouping that fits the budget and beats the config's step; None when no edit does."""
+    modes = list(ACMode) if cfg.kind == TORCHTITAN else [ACMode.NONE, ACMode.FULL]
+    rules = ["default", "always", "never"] if cfg.kind == TORCHTITAN else ["always", "never"]
+    best: tuple[Setting, StepReport] | None = None
+    for mode, rule, mesh in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
+                                              dict.fromkeys([old.mesh, new.mesh])):
+        setting = Setting(mode, rule, mesh, old.offload)
+        if setting == old:
+            continue
+        r = _edited(args, cfg, tr, cluster, setting)
+        bar = best[1].step_time if best else before.step_time
+        if r is not None and budget.fits(r.reserved_memory) and r.step_time < bar:
+            best = (setting, r)
+    return best
 
 
 def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -188,7 +212,9 @@ def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str,
 
     return {"config": {"format": cfg.kind, "path": cfg.path, "notes": cfg.notes}, "model": args.model,
             "cluster": args.cluster, "config_step": step(result.before), "auto_step": step(result.after),
-            "keys_only_step": step(result.keys_only), "changes": [c.to_dict() for c in result.changes],
+            "changes": [c.to_dict() for c in result.changes],
+            "best_edit": None if result.edit is None else {"changes": [c.to_dict() for c in result.edit[0]],
+                                                           "step": step(result.edit[1])},
             "fits": result.fits, **({"message": result.no_fit} if result.no_fit else {}),
             "plan": result.auto.to_dict()}
 
@@ -202,13 +228,18 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace) -> None:
         t.add_row(escape(c.key), escape(c.old), escape(c.new) + ("" if c.expressible else " (not expressible)"))
     render.console.print(t)
     base = result.before.step_time
+    edit = result.edit[1] if result.edit else None
     for label, r in (("config's job", result.before), ("auto's plan", result.after),
-                     ("config with auto's expressible keys (its own grouping)", result.keys_only)):
+                     ("best config edit alone (its own grouping)", edit)):
         if r is None:
             continue
         gain = "" if r is result.before else f" ({(r.step_time - base) / base:+.1%} against the config's)"
         over = "" if result.budget.fits(r.reserved_memory) else " (over the budget)"
         render.plain(f"{label}: step {fmt_time(r.step_time)}{gain}, reserved {fmt_bytes(r.reserved_memory)}{over}")
+    if result.edit is not None:
+        render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
+    else:
+        render.plain("no edit of the config's keys alone (its own grouping) is faster within the budget")
     fmt = "torchtitan" if cfg.kind == TORCHTITAN else "accelerate"
     render.plain(f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} config keys: "
                  f"write it with --out plan.json, then `fsdp-planner export plan.json --format {fmt}`")
