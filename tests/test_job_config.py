@@ -131,6 +131,14 @@ num_processes: 16
     assert cfg.notes == []
 
 
+def test_accelerate_hsdp_from_its_parallelism_config(tmp_path):
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nnum_processes: 16\n"
+                                                      "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")))
+    assert (cfg.replicate, cfg.world, cfg.notes) == (2, 16, [])
+    a = args_of("simulate", "toy-llama", "--from-accelerate", cfg.path)
+    assert (a.cluster, a.mesh) == ("h100:16", "2x8")
+
+
 @pytest.mark.parametrize(("strategy", "reshard", "replicate"), [
     ("FULL_SHARD", "always", 1), ("SHARD_GRAD_OP", "never", 1), ("HYBRID_SHARD", "always", 2),
     ("_HYBRID_SHARD_ZERO2", "never", 2),
@@ -268,7 +276,7 @@ def test_reshard_after_forward_rules(rule):
     assert adjusted(plan, JobConfig(TORCHTITAN, "job.toml")) is plan  # "default": the policy's own
 
 
-@pytest.mark.integration  # (about 8 s: the Llama 3 8B examples traced and searched)
+@pytest.mark.integration  # (about 6 s: the Llama 3 8B job traced, searched and its config edits simulated)
 def test_the_example_configs_plan(capsys, tmp_path):
     titan_job, accelerate = str(EXAMPLES / "llama3_8b.toml"), str(EXAMPLES / "accelerate_fsdp.yaml")
     assert main(["plan", "--from-torchtitan", titan_job, "--cluster", "h100", "--json"]) == 0
@@ -280,7 +288,8 @@ def test_the_example_configs_plan(capsys, tmp_path):
     assert edit is None or (edit["step"]["budget"]["fits"]
                             and edit["step"]["step_time"] < plan["config_step"]["step_time"])
     out = tmp_path / "plan.json"
-    assert main(["plan", "llama3-8b", "--from-accelerate", accelerate, "--cluster", "h100", "--out", str(out)]) == 0
+    # (the YAML's block class, TransformerBlock, is toy-llama's too: the same file, a model that plans in a second)
+    assert main(["plan", "toy-llama", "--from-accelerate", accelerate, "--cluster", "h100", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "fsdp_config.fsdp_auto_wrap_policy" in text and "export plan.json --format accelerate" in text
     assert json.loads(out.read_text())["precision"] == "bf16-mixed"

@@ -74,7 +74,8 @@ KEY_NAMES = {
                  "policy": "(the grouping)"},
     ACCELERATE: {"ac": "fsdp_config.fsdp_activation_checkpointing",
                  "reshard": "fsdp_config.fsdp_reshard_after_forward",
-                 "replicate": "parallelism_config.dp_replicate_size", "shard": "parallelism_config.dp_shard_size",
+                 "replicate": "parallelism_config.parallelism_config_dp_replicate_size",
+                 "shard": "parallelism_config.parallelism_config_dp_shard_size",
                  "offload": "fsdp_config.fsdp_offload_params", "policy": "fsdp_config.fsdp_auto_wrap_policy"},
 }
 
