@@ -132,8 +132,9 @@ num_processes: 16
 
 
 def test_accelerate_hsdp_from_its_parallelism_config(tmp_path):
-    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nnum_processes: 16\n"
-                                                      "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")))
+    path = accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nnum_processes: 16\n"
+                           "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
+    cfg = read_config(ACCELERATE, str(path))
     assert (cfg.replicate, cfg.world, cfg.notes) == (2, 16, [])
     a = args_of("simulate", "toy-llama", "--from-accelerate", cfg.path)
     assert (a.cluster, a.mesh) == ("h100:16", "2x8")
