@@ -309,3 +309,11 @@ def test_plan_from_a_config_refuses_what_it_does_not_take(tmp_path, capsys):
         assert main(["plan", "toy-llama", "--from-torchtitan", job, *extra]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_a_job_without_a_model_needs_model(tmp_path, capsys):
+    job = str(titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"))
+    with pytest.raises(PlannerError, match=r"names no model \(\[model\] name and flavor\): give MODEL"):
+        args_of("simulate", "--from-torchtitan", job)
+    assert args_of("simulate", "toy-llama", "--from-torchtitan", job).model == "toy-llama"
+    assert "stands for" not in capsys.readouterr().err

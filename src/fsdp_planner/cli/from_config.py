@@ -62,9 +62,12 @@ def _model(cfg: JobConfig, args: argparse.Namespace) -> None:
         if cfg.model is not None and args.model != cfg.model:
             raise PlannerError(f"MODEL '{args.model}' is not the torchtitan job's model ({cfg.model_label} is "
                                f"{cfg.model}): leave MODEL out, or give the config's model")
-        if cfg.model is None:
+        if cfg.model is None and (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
             render.note(f"MODEL {shown_json(args.model)} stands for the torchtitan job's model {cfg.model_label}")
         return
+    if cfg.model is None and not (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
+        raise PlannerError(f"the torchtitan config {shown_json(cfg.path)} names no model ([model] name and flavor): "
+                           "give MODEL")
     if cfg.model is None:
         known = ", ".join(f"{n} {f.upper()}" for n, f in _titan_models())
         raise PlannerError(f"the torchtitan job's model {cfg.model_label} is not one fsdp-planner builds (known: "
