@@ -61,7 +61,9 @@ mode = "full"
     ('mode = "selective"\nselective_ac_option = "2"', ACMode.SELECTIVE), ("", ACMode.OP),  # torchtitan's default
 ])
 def test_torchtitan_activation_checkpoint(tmp_path, section, ac):
-    assert read_config(TORCHTITAN, str(titan(tmp_path, f"[activation_checkpoint]\n{section}\n"))).ac is ac
+    cfg = read_config(TORCHTITAN, str(titan(tmp_path, f"[activation_checkpoint]\n{section}\n")))
+    assert cfg.ac is ac
+    assert [n for n in cfg.notes if "selective_ac_option is not given" in n] == ([] if section else [cfg.notes[0]])
 
 
 def test_torchtitan_older_keys_and_defaults(tmp_path):
@@ -83,7 +85,7 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
     ("[mystery]\nx = 1\n", "[mystery] is not read"),
 ])
 def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
-    notes = read_config(TORCHTITAN, str(titan(tmp_path, text))).notes
+    notes = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n'))).notes
     assert len(notes) == 1 and notes[0].startswith(note) and "\n" not in notes[0]
 
 
@@ -93,6 +95,7 @@ def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
     ('[parallelism]\nfsdp_reshard_after_forward = "sometimes"\n', "is not one of default, always, never"),
     ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "3"\n', "'op' or 2"),
     ('[training]\nmixed_precision_param = "float16"\n', "is not one of bfloat16, float32"),
+    ('[activation_checkpoint]\nmode = "memory_budget"\n', "memory_budget is torch.compile's checkpointing"),
     ("[training\n", "is not valid TOML"),
     ("training = 3\n", "[training] = 3 is not a table"),
 ])

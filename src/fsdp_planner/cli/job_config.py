@@ -235,11 +235,18 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
 
 
 def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
+    if isinstance(ac.get("mode"), str) and ac["mode"].strip().lower() == "memory_budget":
+        raise _bad(cfg, "activation_checkpoint.mode", ac["mode"], "none, full or selective (memory_budget is "
+                   "torch.compile's checkpointing, which fsdp-planner does not model)")
     mode = _str(cfg, "activation_checkpoint.mode", ac.get("mode", "selective"), ("none", "full", "selective"))
     cfg.keys["activation_checkpoint.mode"] = mode
     if mode != "selective":
         cfg.ac = ACMode(mode)
         return
+    if "selective_ac_option" not in ac:
+        cfg.notes.append('activation_checkpoint.selective_ac_option is not given: taken as "op", torchtitan\'s '
+                         'selective mode since its every-k-th-layer option was removed (older torchtitan defaulted '
+                         'to "2": give it to simulate that)')
     option = ac.get("selective_ac_option", "op")
     cfg.keys["activation_checkpoint.selective_ac_option"] = option
     if option == "op":
