@@ -163,7 +163,7 @@ def adjusted(plan: Plan, cfg: JobConfig | None) -> Plan:
     policy's own)."""
     if cfg is None or cfg.reshard == "default":
         return plan
-    out = plan.copy()
+    out = plan.copy(policy=f"{plan.policy}, reshard_after_forward {cfg.reshard}")
     for g in out.groups:
         g.reshard_after_forward = cfg.reshard == "always"
     return out
