@@ -166,9 +166,13 @@ def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.T
     if not any(p.requires_grad for p in model.parameters()):
         raise PlannerError("the model has no trainable parameters: FSDP plans are for training")
     name = type(model).__name__
-    copy, meta_inputs = _on_meta(model, inputs)
+    try:
+        copy, meta_inputs = _on_meta(model, inputs)
+    except Exception:  # a module deepcopy cannot copy (a lock, a handle): the real model under fake tensors
+        copy = None
     try:  # the command line traces on meta: a real model's meta twin gives its figures, and leaves it untouched
-        return trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision=options.precision), name
+        if copy is not None:
+            return trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision=options.precision), name
     except PlannerError:  # the verdict of the step in the precision (PrecisionError): the model's, not meta's
         raise
     except Exception:
