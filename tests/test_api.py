@@ -111,3 +111,12 @@ def test_a_model_that_cannot_run_on_meta_is_traced_under_fake_tensors():
     plan = fp.plan(model, (torch.randn(4, 8),), cluster="h100:2", precision="fp32")
     assert plan.groups and all(torch.equal(before[n], t) for n, t in model.state_dict().items())
     assert all(p.grad is None and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_real_model_with_tied_weights_plans_as_its_spec():
+    """The meta twin keeps ties (one meta tensor per shared param): the tied embedding and head stay one group."""
+    real = load_model("toy-gpt2-tied", meta=False)
+    got = fp.plan(real.model, real.example_inputs, real.loss_fn, cluster="h100:2").to_dict()
+    want = fp.plan("toy-gpt2-tied", cluster="h100:2").to_dict()
+    assert {**got, "model": None} == {**want, "model": None}
+    assert real.model.lm_head.weight is real.model.wte.weight and not real.model.wte.weight.is_meta
