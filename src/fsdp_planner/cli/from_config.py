@@ -1,6 +1,6 @@
 """``--from-torchtitan JOB.toml`` / ``--from-accelerate CONFIG.yaml`` on ``simulate`` and ``plan``: the job the
-config describes, run as the command line's own options (``configured``), and for ``plan`` the config keys auto
-would change with the step before and after (``run_plan``)."""
+config describes, run as the command line's own options (``configured``), its ``reshard_after_forward`` rule on
+the plan (``adjusted``); ``from_config_plan.py`` is ``plan --from-...``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import DEFAULT_PRECISION, ACMode
-from fsdp_planner.cli.job_config import ACCELERATE, TORCHTITAN, JobConfig, read_config, world_of
+from fsdp_planner.cli.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, read_config, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster
@@ -76,8 +76,6 @@ def _model(cfg: JobConfig, args: argparse.Namespace) -> None:
 
 
 def _titan_models() -> list[tuple[str, str]]:
-    from fsdp_planner.cli.job_config import TITAN_MODELS
-
     return [k for k, v in TITAN_MODELS.items() if v in BUILTINS]
 
 
