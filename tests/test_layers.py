@@ -26,6 +26,7 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"sim": ("sim",)},
     {"planners": ("planners",)},
     {"report": ("report",), "apply": ("apply",)},
+    {"api": ("api",)},  # fsdp_planner.plan: trace, policy and auto's search in one call
     {"runtime": ("runtime",)},
     {"calibrate": ("calibrate",)},
     {"cli": ("cli",)},

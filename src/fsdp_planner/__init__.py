@@ -14,6 +14,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fsdp_planner.api import plan
     from fsdp_planner.apply import apply_plan
     from fsdp_planner.errors import PlannerError
     from fsdp_planner.fsdp2 import Group, Plan
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 # command line's parser above all) must not import torch and every subpackage before it is needed.
 _SOURCES = {
     "PlannerError": "fsdp_planner.errors",
+    "plan": "fsdp_planner.api",  # the one call a training script makes: the CLI's plan --policy auto
     "Group": "fsdp_planner.fsdp2", "Plan": "fsdp_planner.fsdp2", "apply_plan": "fsdp_planner.apply",
     "Cluster": "fsdp_planner.hardware", "parse_cluster": "fsdp_planner.hardware",
     **dict.fromkeys(("AutoPolicy", "ExecutionOrderPolicy", "ModuleWrapPolicy", "SizeBasedPolicy", "TorchtitanPolicy"),
@@ -60,6 +62,7 @@ __all__ = [
     "Trace",
     "apply_plan",
     "parse_cluster",
+    "plan",
     "plan_metrics",
     "simulate",
     "trace",

@@ -13,6 +13,7 @@ from fsdp_planner.cli.options import (
     MIN_MFU,
     add_auto_options,
     add_force,
+    add_job_config,
     add_json,
     add_memory_options,
     add_micro_batches,
@@ -53,7 +54,7 @@ def demo(sub: Subparsers) -> None:
 
 def plan(sub: Subparsers) -> None:
     sp = sub.add_parser("plan", help="plan FSDP groups for a model; without --policy compare all policies")
-    add_model(sp)
+    add_model(sp, optional=True)
     sp.add_argument("--policy", choices=POLICY_NAMES)
     add_policy_options(sp)
     add_sim_options(sp, cluster_required=False)
@@ -63,6 +64,7 @@ def plan(sub: Subparsers) -> None:
     sp.add_argument("--out", help="write the plan JSON here")
     add_force(sp)
     sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
+    add_job_config(sp, "plan auto for, and list the config keys auto would change in,")
 
 
 def fit(sub: Subparsers) -> None:
@@ -94,7 +96,7 @@ def fit(sub: Subparsers) -> None:
 
 def simulate(sub: Subparsers) -> None:
     sp = sub.add_parser("simulate", help="simulate one step of a plan on a cluster")
-    add_plan_source(sp)
+    add_plan_source(sp, optional_model=True)
     add_sim_options(sp, cluster_required=True)
     add_micro_batches(sp)
     add_memory_options(sp)
@@ -107,6 +109,7 @@ def simulate(sub: Subparsers) -> None:
     sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
                     help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
                          "time axis")
+    add_job_config(sp, "simulate")
 
 
 def verify(sub: Subparsers) -> None:

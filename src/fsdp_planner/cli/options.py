@@ -104,9 +104,12 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")
 
 
-def add_model(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("model", help="built-in name (see fsdp-planner models), path/file.py:fn, package.module:fn, "
-                                   "hf:NAME or hf:path/config.json")
+def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
+    """MODEL and its workload; ``optional``: a job config may name the model instead (checked by the parser)."""
+    sp.add_argument("model", nargs="?" if optional else None,
+                    help="built-in name (see fsdp-planner models), path/file.py:fn, package.module:fn, "
+                         "hf:NAME or hf:path/config.json" + ("; with --from-torchtitan, the job's model" if optional
+                                                            else ""))
     sp.add_argument("--batch", type=positive_int("--batch", MAX_BATCH), default=None,
                     help="micro-batch size per rank: the factory's batch_size argument, 1 to 1,000,000 (default: "
                          "the factory's; see fsdp-planner models)")
@@ -130,15 +133,19 @@ def add_micro_batches(sp: argparse.ArgumentParser) -> None:
                          "their next forward use; more memory)")
 
 
-def add_plan_source(sp: argparse.ArgumentParser) -> None:
-    add_model(sp)
+def add_plan_source(sp: argparse.ArgumentParser, optional_model: bool = False) -> None:
+    add_model(sp, optional_model)
     sp.add_argument("--plan", help="plan JSON file (from plan --out)")
     sp.add_argument("--policy", choices=POLICY_NAMES)
     add_policy_options(sp)
 
 
 def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None:
-    sp.add_argument("--cluster", required=cluster_required, help=CLUSTER_HELP)
+    """``cluster_required``: the command needs ``--cluster`` (unless a job config gives the GPU count: the parser
+    checks it, as argparse would)."""
+    sp.add_argument("--cluster", help=CLUSTER_HELP + (" (required; with --from-torchtitan or --from-accelerate a "
+                                                      "preset name alone: the config gives the GPU count)"
+                                                      if cluster_required else ""))
     sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                     help=f"fraction of peak FLOP/s matmuls reach, {MIN_MFU} to 1 (default {DEFAULT_MFU})")
     add_precision_options(sp)
@@ -179,3 +186,16 @@ def add_force(sp: argparse.ArgumentParser) -> None:
 
 def add_json(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+
+
+def add_job_config(sp: argparse.ArgumentParser, what: str) -> None:
+    """``--from-torchtitan`` / ``--from-accelerate``: the job a training config describes (``cli/job_config.py``)."""
+    group = sp.add_mutually_exclusive_group()
+    group.add_argument("--from-torchtitan", metavar="JOB.toml",
+                       help=f"{what} the job a torchtitan job config describes: its model, local batch, seq_len, "
+                            "data-parallel degrees, fsdp_reshard_after_forward, activation checkpointing and mixed "
+                            "precision (--cluster names the GPU; the GPU count comes from the config)")
+    group.add_argument("--from-accelerate", metavar="CONFIG.yaml",
+                       help=f"{what} the job an Accelerate FSDP config describes for MODEL: its wrap policy, "
+                            "fsdp_reshard_after_forward, activation checkpointing, offload, mixed precision and "
+                            "num_processes")

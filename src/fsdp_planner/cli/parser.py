@@ -39,7 +39,9 @@ class ArgumentParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(extras[0].partition("=")[0], known, n=1) if extras[0][:1] == "-" else []
             hint = f"; did you mean {close[0]}?" if close else ""
             sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
-        _refuse_empty(self._commands().get(getattr(ns, "command", None) or "", self), ns)
+        sub = self._commands().get(getattr(ns, "command", None) or "", self)
+        _refuse_empty(sub, ns)
+        _require(sub, ns)
         return ns
 
     def _commands(self) -> dict[str, argparse.ArgumentParser]:
@@ -58,6 +60,19 @@ def _refuse_empty(sub: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
         if any(isinstance(v, str) and not v.strip() for v in values):
             name = action.option_strings[-1] if action.option_strings else action.metavar or action.dest
             sub.error(f"{name} is empty: give a value")
+
+
+def _require(sub: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """What argparse would require but a job config can give: MODEL (``--from-torchtitan`` names it) and simulate's
+    ``--cluster`` (either config gives the GPU count)."""
+    titan, accelerate = getattr(ns, "from_torchtitan", None), getattr(ns, "from_accelerate", None)
+    missing = []
+    if "model" in ns and ns.model is None and not titan:
+        missing.append("model")
+    if getattr(ns, "command", None) == "simulate" and ns.cluster is None and not (titan or accelerate):
+        missing.append("--cluster")
+    if missing:
+        sub.error(f"the following arguments are required: {', '.join(missing)}")
 
 
 class _VersionAction(argparse.Action):

@@ -137,6 +137,10 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
         if spec and _looks_like_cluster_file(spec) and os.path.lexists(spec.strip()):
             input_file(spec.strip(), "cluster file")
             inputs.append((spec.strip(), "the cluster file"))
+    for attr, what in (("from_torchtitan", "torchtitan config"), ("from_accelerate", "accelerate config")):
+        if getattr(args, attr, None):
+            input_file(getattr(args, attr), what)
+            inputs.append((getattr(args, attr), f"the {what}"))
     for log in getattr(args, "logs", None) or ():
         if os.path.lexists(log) and not os.path.isdir(log):  # a directory of logs is read whole
             input_file(log, "nccl-tests log")

@@ -32,6 +32,10 @@ Row = tuple[Plan, PlanMetrics, StepReport | None]  # a plan, its metrics, its si
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_torchtitan or args.from_accelerate:  # the config's job beside auto's, and the keys that differ
+        from fsdp_planner.cli.from_config_plan import run_plan
+
+        return run_plan(args)
     request = plan_request(args)
     if request.default_cluster is not None:
         render.notes.print(f"auto: no --cluster given, planning for {request.default_cluster}", highlight=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
+from fsdp_planner.cli.from_config import adjusted, configured
 from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import (
     PlanSource,
@@ -35,6 +36,7 @@ HTML_SUFFIXES = (".html", ".htm")
 
 
 def run(args: argparse.Namespace) -> int:
+    config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job as these options
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES)
     page = picture_file(args.html, "--html", HTML_SUFFIXES)
     if micro_batches(args) > 1 and (png or page):  # (refuses --micro-batches auto too)
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         render.note(note)
     tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
-    plans = [(_label(s, p), p) for s in sources for p in [_plan(tr, s, args.model, cluster, options)]]
+    plans = [(_label(s, p), adjusted(p, config) if i == 0 else p)  # the config's reshard_after_forward
+             for i, s in enumerate(sources) for p in [_plan(tr, s, args.model, cluster, options)]]
     if png is None and page is None:  # no picture: the step's numbers alone, without recording its timeline
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]
     else:

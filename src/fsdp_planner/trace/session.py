@@ -73,6 +73,8 @@ class TraceSession:
         self.request, self.model, self.methods = request, model, methods
         self.args, self.kwargs = step_inputs(request)
         self.fake_mode = self._fake_mode()
+        self.fakes: list[torch.Tensor] = []  # the fake copies ``_refs`` names: kept alive, or their storages
+        # (weakly referenced) die and a param read under the fake mode gets a fresh fake whose storage is no param's
         self.param_by_storage = {ref: i for i, p in enumerate(model.param_objs) for ref in self._refs(p)}
         self.buffers = list({id(b): b for m in model.walk.modules.values() for b in m._buffers.values()
                              if b is not None}.values())
@@ -101,7 +103,8 @@ class TraceSession:
         """The storages a param or buffer is read through: its own, and its fake copy's under a fake mode."""
         refs = [StorageWeakRef(t.untyped_storage())]
         if self.fake_mode is not None:
-            refs.append(StorageWeakRef(self.fake_mode.from_tensor(t).untyped_storage()))
+            self.fakes.append(self.fake_mode.from_tensor(t))
+            refs.append(StorageWeakRef(self.fakes[-1].untyped_storage()))
         return refs
 
     def run(self) -> Trace:

@@ -1,0 +1,376 @@
+"""The training job a torchtitan TOML or an Accelerate FSDP YAML describes, read into the settings the command line
+has (``--from-torchtitan``, ``--from-accelerate``): the model (torchtitan), the workload, the data-parallel layout,
+the grouping policy, activation checkpointing, ``reshard_after_forward``, mixed precision and offload.
+
+What the file asks for that fsdp-planner does not model (torch.compile, float8, tensor/pipeline/context parallel)
+is one note each, naming the key; a value it cannot read is one error naming the key. Values quoted from the file
+pass ``shown_json``. Torch-free: the reading is checked before anything is traced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_planner.choices import ACMode, PolicyName
+from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.userfiles import read_text, shown_json
+
+TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
+NO_WRAP_NUMEL = 10**15  # NO_WRAP: no module reaches it, so the size policy leaves every param to the root
+ACCELERATE_MIN_NUM_PARAMS = 100_000_000  # Accelerate's fsdp_min_num_params default (FSDP1's)
+
+# torchtitan's llama3 flavours that are built-in models (same architecture numbers).
+TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b"}
+# Sections of a torchtitan job that do not change one training step's time or memory.
+TITAN_IGNORED = {"job", "profiling", "metrics", "logging", "checkpoint", "lr_scheduler", "validation", "comm",
+                 "fault_tolerance", "experimental", "memory_estimation", "optimizer"}
+# Accelerate keys that do not change one step (loading, saving, launching).
+ACCELERATE_IGNORED = {"compute_environment", "debug", "machine_rank", "main_training_function", "rdzv_backend",
+                      "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "enable_cpu_affinity",
+                      "main_process_ip", "main_process_port", "gpu_ids", "downcast_bf16", "distributed_type",
+                      "fsdp_cpu_ram_efficient_loading", "fsdp_state_dict_type", "fsdp_sync_module_states",
+                      "fsdp_use_orig_params", "fsdp_backward_prefetch", "fsdp_forward_prefetch"}
+TITAN_RESHARD = ("default", "always", "never")
+
+
+@dataclass
+class JobConfig:
+    """A job's settings in the command line's terms (None: the file leaves it to the default)."""
+
+    kind: str  # TORCHTITAN or ACCELERATE
+    path: str
+    model: str | None = None  # a built-in name (torchtitan only)
+    model_label: str = ""  # the model as the file names it, for messages
+    batch: int | None = None  # per-GPU batch of the optimizer step
+    seq: int | None = None
+    micro_batches: int = 1
+    global_batch: int | None = None  # torchtitan's global_batch_size: the split is known once the world is
+    replicate: int = 1
+    shard: int | None = None  # None: every GPU left (torchtitan's -1)
+    world: int | None = None  # Accelerate's num_processes
+    nodes: int | None = None  # Accelerate's num_machines
+    ac: ACMode | None = None
+    reshard: str = "default"  # TITAN_RESHARD; "default": the policy's own choice
+    precision: str | None = None
+    reduce_dtype: str | None = None
+    offload: bool = False
+    policy: PolicyName = PolicyName.TITAN
+    module_classes: tuple[str, ...] = ()
+    min_numel: int | None = None
+    keys: dict[str, Any] = field(default_factory=dict)  # dotted key -> value, each key read
+    notes: list[str] = field(default_factory=list)  # what is left out, one line each
+
+    def key(self, name: str) -> str:
+        """How the file spells the setting ``name`` (``ac``, ``reshard``, ``mesh``, ``offload``, ``policy``)."""
+        return KEY_NAMES[self.kind][name]
+
+
+KEY_NAMES = {
+    TORCHTITAN: {"ac": "activation_checkpoint.mode", "reshard": "parallelism.fsdp_reshard_after_forward",
+                 "replicate": "parallelism.data_parallel_replicate_degree",
+                 "shard": "parallelism.data_parallel_shard_degree", "offload": "training.enable_cpu_offload",
+                 "policy": "(the grouping)"},
+    ACCELERATE: {"ac": "fsdp_config.fsdp_activation_checkpointing",
+                 "reshard": "fsdp_config.fsdp_reshard_after_forward",
+                 "replicate": "parallelism_config.parallelism_config_dp_replicate_size",
+                 "shard": "parallelism_config.parallelism_config_dp_shard_size",
+                 "offload": "fsdp_config.fsdp_offload_params", "policy": "fsdp_config.fsdp_auto_wrap_policy"},
+}
+
+
+def read_config(kind: str, path: str) -> JobConfig:
+    """The job ``path`` describes, as ``kind`` (TORCHTITAN or ACCELERATE) reads it."""
+    label = f"{kind} config '{path}'"
+    text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML")
+    data = _load(kind, text, label)
+    if not isinstance(data, dict):
+        raise PlannerError(f"{label} holds {type(data).__name__}, not a table of settings")
+    cfg = JobConfig(kind, path)
+    if kind == TORCHTITAN:
+        _titan(cfg, data)
+    else:
+        _accelerate(cfg, data)
+    return cfg
+
+
+def _load(kind: str, text: str, label: str) -> Any:
+    if kind == TORCHTITAN:
+        toml = _toml_reader()
+        try:
+            return toml.loads(text)
+        except toml.TOMLDecodeError as e:
+            raise PlannerError(f"{label} is not valid TOML: {e}") from None
+        except RecursionError:
+            raise PlannerError(f"{label} nests too deeply to read") from None
+    try:
+        import yaml  # PyYAML: safe_load only, which builds plain values and never runs anything from the file
+    except ImportError:
+        raise PlannerError("reading an Accelerate YAML needs PyYAML (pip install pyyaml)") from None
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise PlannerError(f"{label} is not valid YAML{at}: {getattr(e, 'problem', None) or 'cannot parse'}") from None
+    except RecursionError:
+        raise PlannerError(f"{label} nests too deeply to read") from None
+
+
+def _toml_reader() -> Any:
+    """Python 3.11's ``tomllib``, or on 3.10 the ``tomli`` package it came from."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise PlannerError("reading a torchtitan TOML needs Python 3.11 or newer, or the tomli package "
+                               "(pip install tomli)") from None
+    return tomllib
+
+
+def _bad(cfg: JobConfig, key: str, value: Any, expected: str) -> PlannerError:
+    return PlannerError(f"{cfg.kind} config '{cfg.path}': {key} = {shown_json(value)} is not {expected}")
+
+
+def _int(cfg: JobConfig, key: str, value: Any, minimum: int = 1, maximum: int = 10**9) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise _bad(cfg, key, value, f"a whole number from {minimum} to {maximum:,}")
+    return value
+
+
+def _str(cfg: JobConfig, key: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise _bad(cfg, key, value, f"one of {', '.join(choices)}")
+    return value.strip().lower()
+
+
+def _bool(cfg: JobConfig, key: str, value: Any) -> bool:
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise _bad(cfg, key, value, "true or false")
+    return value
+
+
+def _table(cfg: JobConfig, data: dict[str, Any], name: str) -> dict[str, Any]:
+    section = data.get(name, {})
+    if not isinstance(section, dict):
+        raise _bad(cfg, f"[{name}]", section, "a table")
+    return section
+
+
+# -- torchtitan ------------------------------------------------------------------------------------------------------
+def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
+    for name in data:
+        if name not in TITAN_IGNORED and name not in ("model", "training", "parallelism", "activation_checkpoint",
+                                                      "compile", "float8", "quantize", "mx"):
+            cfg.notes.append(f"[{shown_json(name)[1:-1]}] is not read: fsdp-planner does not know that section")
+    _titan_model(cfg, _table(cfg, data, "model"))
+    _titan_training(cfg, _table(cfg, data, "training"))
+    _titan_parallelism(cfg, _table(cfg, data, "parallelism"))
+    _titan_ac(cfg, _table(cfg, data, "activation_checkpoint"))
+    compile_on = _table(cfg, data, "compile").get("enable") or _table(cfg, data, "training").get("compile")
+    if compile_on:
+        key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
+        cfg.notes.append(f"{key} = true is left out: fsdp-planner simulates eager FSDP2 (no torch.compile)")
+    if any(_table(cfg, data, s) for s in ("float8", "mx")) or "float8" in _table(cfg, data, "quantize").get(
+            "linear", {}):
+        cfg.notes.append("float8 training ([float8] / [quantize.linear.float8]) is left out: fsdp-planner "
+                         "simulates the matmuls and all-gathers in the mixed precision's dtype")
+
+
+def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:
+    name, flavor = model.get("name"), model.get("flavor")
+    cfg.model_label = f"{shown_json(name)} flavor {shown_json(flavor)}"
+    cfg.keys["model.name"], cfg.keys["model.flavor"] = name, flavor
+    if isinstance(name, str) and isinstance(flavor, str):
+        cfg.model = TITAN_MODELS.get((name.strip().lower(), flavor.strip().lower()))
+    converters = model.get("converters") or []
+    if isinstance(converters, list) and any(isinstance(c, str) and "float8" in c for c in converters):
+        cfg.notes.append("model.converters float8 is left out: fsdp-planner simulates the matmuls and all-gathers "
+                         "in the mixed precision's dtype")
+
+
+def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
+    key = "local_batch_size" if "local_batch_size" in training else "batch_size"
+    if key in training:
+        cfg.batch = cfg.keys[f"training.{key}"] = _int(cfg, f"training.{key}", training[key], maximum=MAX_BATCH)
+    if "seq_len" in training:
+        cfg.seq = cfg.keys["training.seq_len"] = _int(cfg, "training.seq_len", training["seq_len"], maximum=MAX_SEQ)
+    if "global_batch_size" in training and training["global_batch_size"] not in (-1, None):
+        cfg.global_batch = _int(cfg, "training.global_batch_size", training["global_batch_size"])
+        cfg.keys["training.global_batch_size"] = cfg.global_batch
+    dtypes = ("bfloat16", "float32")
+    param = _str(cfg, "training.mixed_precision_param", training.get("mixed_precision_param", "bfloat16"), dtypes)
+    reduce = _str(cfg, "training.mixed_precision_reduce", training.get("mixed_precision_reduce", "float32"), dtypes)
+    cfg.keys["training.mixed_precision_param"], cfg.keys["training.mixed_precision_reduce"] = param, reduce
+    cfg.precision = "bf16-mixed" if param == "bfloat16" else "fp32"
+    cfg.reduce_dtype = "bf16" if reduce == "bfloat16" and param == "bfloat16" else None
+    if "enable_cpu_offload" in training:
+        cfg.offload = cfg.keys["training.enable_cpu_offload"] = _bool(cfg, "training.enable_cpu_offload",
+                                                                      training["enable_cpu_offload"])
+
+
+def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
+    replicate = par.get("data_parallel_replicate_degree", 1)
+    cfg.replicate = cfg.keys["parallelism.data_parallel_replicate_degree"] = _int(
+        cfg, "parallelism.data_parallel_replicate_degree", replicate)
+    shard = par.get("data_parallel_shard_degree", -1)
+    cfg.keys["parallelism.data_parallel_shard_degree"] = shard
+    cfg.shard = None if shard == -1 else _int(cfg, "parallelism.data_parallel_shard_degree", shard)
+    if "fsdp_reshard_after_forward" in par:
+        cfg.reshard = cfg.keys["parallelism.fsdp_reshard_after_forward"] = _str(
+            cfg, "parallelism.fsdp_reshard_after_forward", par["fsdp_reshard_after_forward"], TITAN_RESHARD)
+    for key, what in (("tensor_parallel_degree", "tensor parallelism"), ("pipeline_parallel_degree", "pipeline "
+                      "parallelism"), ("context_parallel_degree", "context parallelism"),
+                      ("expert_parallel_degree", "expert parallelism")):
+        degree = par.get(key, 1)
+        if degree not in (1, -1, None):
+            cfg.notes.append(f"parallelism.{key} = {shown_json(degree)} is left out: fsdp-planner simulates "
+                             f"data parallelism (FSDP2/HSDP) only, without {what}")
+
+
+def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
+    if isinstance(ac.get("mode"), str) and ac["mode"].strip().lower() == "memory_budget":
+        raise _bad(cfg, "activation_checkpoint.mode", ac["mode"], "none, full or selective (memory_budget is "
+                   "torch.compile's checkpointing, which fsdp-planner does not model)")
+    mode = _str(cfg, "activation_checkpoint.mode", ac.get("mode", "selective"), ("none", "full", "selective"))
+    cfg.keys["activation_checkpoint.mode"] = mode
+    if mode != "selective":
+        cfg.ac = ACMode(mode)
+        return
+    if "selective_ac_option" not in ac:
+        cfg.notes.append('activation_checkpoint.selective_ac_option is not given: taken as "op", torchtitan\'s '
+                         'selective mode since its every-k-th-layer option was removed (older torchtitan defaulted '
+                         'to "2": give it to simulate that)')
+    option = ac.get("selective_ac_option", "op")
+    cfg.keys["activation_checkpoint.selective_ac_option"] = option
+    if option == "op":
+        cfg.ac = ACMode.OP
+    elif str(option) == "2":
+        cfg.ac = ACMode.SELECTIVE  # every second block in full (torchtitan's removed layer-level option)
+    else:
+        raise _bad(cfg, "activation_checkpoint.selective_ac_option", option,
+                   "'op' or 2 (every second block; fsdp-planner models no other layer interval)")
+
+
+# -- Accelerate ------------------------------------------------------------------------------------------------------
+def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
+    fsdp = _table(cfg, data, "fsdp_config")
+    kind = data.get("distributed_type", "FSDP")
+    if kind != "FSDP":
+        raise _bad(cfg, "distributed_type", kind, "FSDP (fsdp-planner plans FSDP jobs)")
+    for name in data:
+        if name not in ACCELERATE_IGNORED and name not in ("fsdp_config", "mixed_precision", "num_processes",
+                                                           "num_machines", "dynamo_config", "parallelism_config"):
+            cfg.notes.append(f"{shown_json(name)[1:-1]} is not read: it does not change a training step here")
+    for name in fsdp:
+        if name not in ACCELERATE_IGNORED and name not in ACCELERATE_FSDP_KEYS:
+            cfg.notes.append(f"fsdp_config.{shown_json(name)[1:-1]} is not read: fsdp-planner does not know it")
+    _accelerate_world(cfg, data)
+    _accelerate_wrap(cfg, fsdp)
+    _accelerate_sharding(cfg, fsdp)
+    if "fsdp_activation_checkpointing" in fsdp:
+        on = _bool(cfg, "fsdp_config.fsdp_activation_checkpointing", fsdp["fsdp_activation_checkpointing"])
+        cfg.keys["fsdp_config.fsdp_activation_checkpointing"] = on
+        cfg.ac = ACMode.FULL if on else ACMode.NONE
+    if "fsdp_offload_params" in fsdp:
+        cfg.offload = cfg.keys["fsdp_config.fsdp_offload_params"] = _bool(
+            cfg, "fsdp_config.fsdp_offload_params", fsdp["fsdp_offload_params"])
+    _accelerate_precision(cfg, data)
+    backend = _table(cfg, data, "dynamo_config").get("dynamo_backend", "NO")
+    if isinstance(backend, str) and backend.upper() != "NO":
+        cfg.notes.append(f"dynamo_config.dynamo_backend = {shown_json(backend)} is left out: fsdp-planner simulates "
+                         "eager FSDP2 (no torch.compile)")
+
+
+ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
+                        "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
+                        "fsdp_activation_checkpointing", "fsdp_offload_params"}
+V1_STRATEGIES = {"FULL_SHARD": ("always", False), "SHARD_GRAD_OP": ("never", False),
+                 "HYBRID_SHARD": ("always", True), "_HYBRID_SHARD_ZERO2": ("never", True)}
+
+
+def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
+    if "num_processes" in data:
+        cfg.world = cfg.keys["num_processes"] = _int(cfg, "num_processes", data["num_processes"])
+    if "num_machines" in data:
+        cfg.nodes = cfg.keys["num_machines"] = _int(cfg, "num_machines", data["num_machines"])
+    if cfg.world and cfg.nodes and cfg.world % cfg.nodes:
+        raise PlannerError(f"accelerate config '{cfg.path}': num_processes {cfg.world} is not a multiple of "
+                           f"num_machines {cfg.nodes} (the GPUs of each machine)")
+    par = _table(cfg, data, "parallelism_config")
+    for key in ("parallelism_config_tp_size", "parallelism_config_cp_size"):
+        if par.get(key, 1) not in (1, None):
+            cfg.notes.append(f"parallelism_config.{key} = {shown_json(par[key])} is left out: fsdp-planner "
+                             "simulates data parallelism (FSDP2/HSDP) only")
+    if par.get("parallelism_config_dp_replicate_size", 1) not in (1, None):
+        cfg.replicate = _int(cfg, "parallelism_config.parallelism_config_dp_replicate_size",
+                             par["parallelism_config_dp_replicate_size"])
+
+
+def _accelerate_wrap(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
+    policy = _str(cfg, "fsdp_config.fsdp_auto_wrap_policy", fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP"),
+                  ("transformer_based_wrap", "size_based_wrap", "no_wrap"))
+    cfg.keys["fsdp_config.fsdp_auto_wrap_policy"] = policy.upper()
+    if policy == "transformer_based_wrap":
+        cfg.policy = PolicyName.MODULE
+        classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+        names = classes.split(",") if isinstance(classes, str) else classes or []
+        if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
+            raise _bad(cfg, "fsdp_config.fsdp_transformer_layer_cls_to_wrap", classes, "class names")
+        cfg.module_classes = tuple(n.strip() for n in names)
+        cfg.keys["fsdp_config.fsdp_transformer_layer_cls_to_wrap"] = ",".join(cfg.module_classes)
+    elif policy == "size_based_wrap":
+        cfg.policy = PolicyName.SIZE
+        cfg.min_numel = _int(cfg, "fsdp_config.fsdp_min_num_params",
+                             fsdp.get("fsdp_min_num_params", ACCELERATE_MIN_NUM_PARAMS))
+        cfg.keys["fsdp_config.fsdp_min_num_params"] = cfg.min_numel
+    else:  # NO_WRAP: one fully_shard, on the root
+        cfg.policy, cfg.min_numel = PolicyName.SIZE, NO_WRAP_NUMEL
+
+
+def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
+    version = fsdp.get("fsdp_version", 1)
+    cfg.keys["fsdp_config.fsdp_version"] = version
+    if version not in (1, 2):
+        raise _bad(cfg, "fsdp_config.fsdp_version", version, "1 or 2")
+    if version == 1:
+        cfg.notes.append("fsdp_config.fsdp_version = 1 is simulated with FSDP2's semantics (fully_shard): FSDP1's "
+                         "flat parameters gather the same bytes per unit")
+    value = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy"))
+    if value is None:
+        return
+    if isinstance(value, str) and value.strip().upper() in V1_STRATEGIES:
+        cfg.reshard, hybrid = V1_STRATEGIES[value.strip().upper()]
+        if hybrid and (cfg.nodes or 1) > 1:
+            cfg.replicate = cfg.nodes or 1  # HYBRID_SHARD: shard within a machine, replicate across machines
+    elif isinstance(value, str) and value.strip().upper() == "NO_SHARD":
+        raise _bad(cfg, "fsdp_config.fsdp_sharding_strategy", value, "a sharded strategy (NO_SHARD is DDP)")
+    else:
+        cfg.reshard = "always" if _bool(cfg, "fsdp_config.fsdp_reshard_after_forward", value) else "never"
+    cfg.keys["fsdp_config.fsdp_reshard_after_forward"] = value
+
+
+def _accelerate_precision(cfg: JobConfig, data: dict[str, Any]) -> None:
+    mp = _str(cfg, "mixed_precision", str(data.get("mixed_precision", "no")), ("no", "bf16", "fp16", "fp8"))
+    cfg.keys["mixed_precision"] = mp
+    cfg.precision = "fp32" if mp == "no" else "bf16-mixed"
+    if mp == "fp16":
+        cfg.notes.append("mixed_precision = fp16 is simulated as bf16-mixed: the same bytes and FLOPs (no loss "
+                         "scaling modelled)")
+    if mp == "fp8":
+        cfg.notes.append("mixed_precision = fp8 is left out: simulated as bf16-mixed, the dtype of its all-gathers")
+
+
+def world_of(cfg: JobConfig, cluster_world: int | None) -> int | None:
+    """The job's GPU count: the config's (dp_replicate x dp_shard, num_processes), else the cluster's."""
+    if cfg.kind == ACCELERATE:
+        return cfg.world or cluster_world
+    if cfg.shard is not None:
+        return cfg.replicate * cfg.shard
+    return cluster_world

@@ -1,0 +1,122 @@
+"""``fsdp_planner.plan``: the command line's plan in one call, for a model on meta or real, and the example script
+that plans and trains under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdp_planner as fp
+from fsdp_planner import cli
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.integration  # (about 2.5 s: two auto searches and a command)
+def test_plan_is_the_cli_plan_for_a_spec_a_meta_module_and_a_real_one(capsys, tmp_path):
+    """The API gives the plan ``plan --policy auto --out`` writes; a real model gets the same plan as its meta
+    build, and its params (values, dtypes, grads, device) are left as they were."""
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--out", str(out)]) == 0
+    capsys.readouterr()
+    written = json.loads(out.read_text())
+    assert fp.plan("toy-llama", cluster="h100:8").to_dict() == written
+    meta = load_model("toy-llama", meta=True)
+    real = load_model("toy-llama", meta=False)
+    before = {n: t.detach().clone() for n, t in real.model.state_dict().items()}
+    for lm in (meta, real):
+        got = fp.plan(lm.model, lm.example_inputs, lm.loss_fn, cluster="h100:8").to_dict()
+        assert {**got, "model": None} == {**written, "model": None}
+    after = dict(real.model.state_dict())
+    assert all(torch.equal(before[n], after[n]) and after[n].dtype == before[n].dtype for n in before)
+    assert all(p.grad is None and not p.is_meta for p in real.model.parameters())
+
+
+def test_a_classic_policy_and_its_options():
+    plan = fp.plan("toy-llama", policy="titan", ac="full", cluster="h100:8", precision="fp32")
+    assert plan.policy.startswith("titan") and plan.precision == "fp32"
+    assert plan.activation_checkpointing  # every block
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"policy": "fastest"}, "unknown policy 'fastest'"),
+    ({"ac": "half"}, "ac must be one of none, full, op, selective"),
+    ({"ac_policy": "titan"}, "give it with ac='op'"),
+    ({"memory_budget": "60GiB", "headroom": 0.1}, "give memory_budget or headroom, not both"),
+    ({"micro_batches": 0}, "micro_batches must be a whole number of at least 1"),
+    ({"cluster": ""}, "cluster must be a non-empty string"),
+    ({"cluster": "h100:x"}, "h100:x"),
+    ({"precision": "fp8"}, "fp8"),
+])
+def test_bad_arguments_are_one_sentence(kwargs, message):
+    with pytest.raises(PlannerError, match=message.replace("(", r"\(")):
+        fp.plan("toy-llama", **kwargs)
+
+
+def test_module_arguments_are_checked():
+    lm = load_model("toy-llama", meta=True)
+    with pytest.raises(PlannerError, match="give the model's example inputs"):
+        fp.plan(lm.model)
+    with pytest.raises(PlannerError, match="batch and seq reach a MODEL spec's factory"):
+        fp.plan(lm.model, lm.example_inputs, batch=2)
+    with pytest.raises(PlannerError, match="brings its own inputs"):
+        fp.plan("toy-llama", lm.example_inputs)
+    with pytest.raises(PlannerError, match=r"nn\.Module or a MODEL spec string"):
+        fp.plan(42)  # type: ignore[arg-type]
+
+
+def test_importing_the_package_does_not_import_torch():
+    code = ("import sys, fsdp_planner; assert 'torch' not in sys.modules; "
+            "print('plan' in dir(fsdp_planner))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+@pytest.mark.integration
+def test_the_example_plans_and_trains_on_two_gloo_ranks(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "examples" / "plan_and_train.py"), "--steps", "3"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "plan: auto(h100:2" in out.stdout
+    losses = [float(line.rsplit(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0]  # it trained
+
+
+class _DeviceBound(torch.nn.Module):
+    """A forward that makes a tensor on an explicit device: it cannot run on meta, only under fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) + torch.ones(8, device="cpu"))
+
+
+def test_a_model_that_cannot_run_on_meta_is_traced_under_fake_tensors():
+    model = _DeviceBound()
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    plan = fp.plan(model, (torch.randn(4, 8),), cluster="h100:2", precision="fp32")
+    assert plan.groups and all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+    assert all(p.grad is None and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_real_model_with_tied_weights_plans_as_its_spec():
+    """The meta twin keeps ties (one meta tensor per shared param): the tied embedding and head stay one group."""
+    real = load_model("toy-gpt2-tied", meta=False)
+    got = fp.plan(real.model, real.example_inputs, real.loss_fn, cluster="h100:2").to_dict()
+    want = fp.plan("toy-gpt2-tied", cluster="h100:2").to_dict()
+    assert {**got, "model": None} == {**want, "model": None}
+    assert real.model.lm_head.weight is real.model.wte.weight and not real.model.wte.weight.is_meta

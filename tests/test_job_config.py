@@ -1,0 +1,322 @@
+"""``--from-torchtitan`` and ``--from-accelerate``: each key the readers take, the one-line notes for what is left
+out, the one-line errors for what cannot be read, and the commands run from the files."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from fsdp_planner.choices import ACMode, PolicyName
+from fsdp_planner.cli import build_parser, main
+from fsdp_planner.cli.from_config import configured
+from fsdp_planner.cli.job_config import ACCELERATE, NO_WRAP_NUMEL, TORCHTITAN, read_config
+from fsdp_planner.errors import PlannerError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+
+
+def titan(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def accel(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("distributed_type: FSDP\n" + text)
+    return path
+
+
+# -- torchtitan keys -------------------------------------------------------------------------------------------------
+def test_torchtitan_keys(tmp_path):
+    cfg = read_config(TORCHTITAN, str(titan(tmp_path, """
+[model]
+name = "llama3"
+flavor = "70B"
+[training]
+local_batch_size = 2
+seq_len = 4096
+global_batch_size = 64
+mixed_precision_param = "bfloat16"
+mixed_precision_reduce = "bfloat16"
+enable_cpu_offload = true
+[parallelism]
+data_parallel_replicate_degree = 2
+data_parallel_shard_degree = 8
+fsdp_reshard_after_forward = "never"
+[activation_checkpoint]
+mode = "full"
+""")))
+    assert (cfg.model, cfg.batch, cfg.seq, cfg.global_batch) == ("llama3-70b", 2, 4096, 64)
+    assert (cfg.precision, cfg.reduce_dtype, cfg.offload) == ("bf16-mixed", "bf16", True)
+    assert (cfg.replicate, cfg.shard, cfg.reshard, cfg.ac, cfg.policy) == (2, 8, "never", ACMode.FULL, PolicyName.TITAN)
+    assert cfg.notes == []
+
+
+@pytest.mark.parametrize(("section", "ac"), [
+    ('mode = "none"', ACMode.NONE), ('mode = "selective"\nselective_ac_option = "op"', ACMode.OP),
+    ('mode = "selective"\nselective_ac_option = "2"', ACMode.SELECTIVE), ("", ACMode.OP),  # torchtitan's default
+])
+def test_torchtitan_activation_checkpoint(tmp_path, section, ac):
+    cfg = read_config(TORCHTITAN, str(titan(tmp_path, f"[activation_checkpoint]\n{section}\n")))
+    assert cfg.ac is ac
+    assert [n for n in cfg.notes if "selective_ac_option is not given" in n] == ([] if section else [cfg.notes[0]])
+
+
+def test_torchtitan_older_keys_and_defaults(tmp_path):
+    job = titan(tmp_path, '[training]\nbatch_size = 3\nmixed_precision_param = "float32"\n')
+    cfg = read_config(TORCHTITAN, str(job))
+    assert (cfg.batch, cfg.precision, cfg.reduce_dtype, cfg.shard, cfg.replicate, cfg.reshard) == \
+        (3, "fp32", None, None, 1, "default")  # dp_shard -1: every GPU --cluster has
+
+
+@pytest.mark.parametrize(("text", "note"), [
+    ("[compile]\nenable = true\n", "compile.enable = true is left out"),
+    ("[training]\ncompile = true\n", "training.compile = true is left out"),
+    ("[float8]\nenable_fsdp_float8_all_gather = true\n", "float8 training ([float8] / [quantize.linear.float8]) is"),
+    ('[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n', "float8 training"),
+    ('[model]\nconverters = ["float8"]\n', "model.converters float8 is left out"),
+    ("[parallelism]\ntensor_parallel_degree = 2\n", "parallelism.tensor_parallel_degree = 2 is left out"),
+    ("[parallelism]\npipeline_parallel_degree = 4\n", "parallelism.pipeline_parallel_degree = 4 is left out"),
+    ("[parallelism]\ncontext_parallel_degree = 2\n", "parallelism.context_parallel_degree = 2 is left out"),
+    ("[mystery]\nx = 1\n", "[mystery] is not read"),
+])
+def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
+    notes = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n'))).notes
+    assert len(notes) == 1 and notes[0].startswith(note) and "\n" not in notes[0]
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("[training]\nseq_len = 0\n", "training.seq_len = 0 is not a whole number"),
+    ('[training]\nlocal_batch_size = "two"\n', 'training.local_batch_size = "two" is not a whole number'),
+    ('[parallelism]\nfsdp_reshard_after_forward = "sometimes"\n', "is not one of default, always, never"),
+    ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "3"\n', "'op' or 2"),
+    ('[training]\nmixed_precision_param = "float16"\n', "is not one of bfloat16, float32"),
+    ('[activation_checkpoint]\nmode = "memory_budget"\n', "memory_budget is torch.compile's checkpointing"),
+    ("[training\n", "is not valid TOML"),
+    ("training = 3\n", "[training] = 3 is not a table"),
+])
+def test_torchtitan_errors_are_one_line(tmp_path, text, error):
+    with pytest.raises(PlannerError, match=re.escape(error)) as e:
+        read_config(TORCHTITAN, str(titan(tmp_path, text)))
+    assert "\n" not in str(e.value)
+
+
+# -- Accelerate keys -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fsdp", "policy", "classes", "numel"), [
+    ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_transformer_layer_cls_to_wrap: A,B",
+     PolicyName.MODULE, ("A", "B"), None),
+    ("fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 1000", PolicyName.SIZE, (), 1000),
+    ("fsdp_auto_wrap_policy: SIZE_BASED_WRAP", PolicyName.SIZE, (), 100_000_000),
+    ("fsdp_auto_wrap_policy: NO_WRAP", PolicyName.SIZE, (), NO_WRAP_NUMEL),
+])
+def test_accelerate_wrap_policies(tmp_path, fsdp, policy, classes, numel):
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, f"fsdp_config:\n  {fsdp}\n")))
+    assert (cfg.policy, cfg.module_classes, cfg.min_numel) == (policy, classes, numel)
+
+
+def test_accelerate_keys(tmp_path):
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, """fsdp_config:
+  fsdp_version: 2
+  fsdp_reshard_after_forward: false
+  fsdp_activation_checkpointing: true
+  fsdp_offload_params: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+mixed_precision: 'no'
+num_machines: 2
+num_processes: 16
+""")))
+    assert (cfg.reshard, cfg.ac, cfg.offload, cfg.precision, cfg.world, cfg.nodes) == \
+        ("never", ACMode.FULL, True, "fp32", 16, 2)
+    assert cfg.notes == []
+
+
+def test_accelerate_hsdp_from_its_parallelism_config(tmp_path):
+    path = accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nnum_processes: 16\n"
+                           "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
+    cfg = read_config(ACCELERATE, str(path))
+    assert (cfg.replicate, cfg.world, cfg.notes) == (2, 16, [])
+    a = args_of("simulate", "toy-llama", "--from-accelerate", cfg.path)
+    assert (a.cluster, a.mesh) == ("h100:16", "2x8")
+
+
+@pytest.mark.parametrize(("strategy", "reshard", "replicate"), [
+    ("FULL_SHARD", "always", 1), ("SHARD_GRAD_OP", "never", 1), ("HYBRID_SHARD", "always", 2),
+    ("_HYBRID_SHARD_ZERO2", "never", 2),
+])
+def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicate):
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, f"fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n"
+                                                      "num_machines: 2\nnum_processes: 16\n")))
+    assert (cfg.reshard, cfg.replicate) == (reshard, replicate)
+    assert any("fsdp_version = 1" in n for n in cfg.notes)
+
+
+@pytest.mark.parametrize(("text", "note"), [
+    ("mixed_precision: fp16\n", "mixed_precision = fp16 is simulated as bf16-mixed"),
+    ("mixed_precision: fp8\n", "mixed_precision = fp8 is left out"),
+    ("dynamo_config:\n  dynamo_backend: INDUCTOR\n", 'dynamo_config.dynamo_backend = "INDUCTOR" is left out'),
+    ("parallelism_config:\n  parallelism_config_tp_size: 2\n", "parallelism_config.parallelism_config_tp_size = 2 is"),
+    ("  fsdp_mystery: 1\n", "fsdp_config.fsdp_mystery is not read"),
+    ("mystery: 1\n", "mystery is not read"),
+])
+def test_accelerate_left_out_is_one_line(tmp_path, text, note):
+    """(fsdp_version 2: version 1's own note aside)"""
+    notes = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n" + text))).notes
+    assert len(notes) == 1 and notes[0].startswith(note) and "\n" not in notes[0], notes
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("fsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n", "NO_SHARD is DDP"),
+    ("fsdp_config:\n  fsdp_activation_checkpointing: maybe\n", 'fsdp_activation_checkpointing = "maybe" is not true'),
+    ("fsdp_config:\n  fsdp_auto_wrap_policy: LAYER_WRAP\n", "is not one of transformer_based_wrap"),
+    ("num_processes: 12\nnum_machines: 5\n", "num_processes 12 is not a multiple of num_machines 5"),
+    ("fsdp_config: [1\n", "is not valid YAML at line"),
+    ("fsdp_config: !!python/object/apply:os.system ['true']\n", "is not valid YAML"),  # safe_load: never run
+])
+def test_accelerate_errors_are_one_line(tmp_path, text, error):
+    with pytest.raises(PlannerError, match=re.escape(error)) as e:
+        read_config(ACCELERATE, str(accel(tmp_path, text)))
+    assert "\n" not in str(e.value)
+
+
+def test_accelerate_refuses_another_distributed_type(tmp_path):
+    path = tmp_path / "ddp.yaml"
+    path.write_text("distributed_type: MULTI_GPU\n")
+    with pytest.raises(PlannerError, match='distributed_type = "MULTI_GPU" is not FSDP'):
+        read_config(ACCELERATE, str(path))
+
+
+# -- the command line's options from a config ------------------------------------------------------------------------
+def args_of(*argv: str):  # type: ignore[no-untyped-def]
+    args = build_parser().parse_args(list(argv))
+    configured(args)
+    return args
+
+
+def test_torchtitan_job_as_options(tmp_path):
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\nseq_len = 64\nglobal_batch_size = 64\n"
+                          "[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 8\n"
+                          "[activation_checkpoint]\nmode = \"full\"\n")
+    a = args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "a100")
+    assert (a.cluster, a.mesh, a.batch, a.micro_batches, a.seq, a.ac, a.policy) == \
+        ("a100:16", "2x8", 4, "2", 64, "full", "titan")  # 64 = 2 x 16 GPUs x 2 micro-batches
+
+
+def test_accelerate_job_as_options(tmp_path):
+    cfg = accel(tmp_path, "fsdp_config:\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 5000\n"
+                          "  fsdp_offload_params: true\nmixed_precision: bf16\nnum_machines: 2\nnum_processes: 16\n")
+    a = args_of("simulate", "toy-llama", "--from-accelerate", str(cfg))
+    assert (a.cluster, a.policy, a.min_nonwrapped_numel, a.offload, a.precision) == \
+        ("h100:2x8", "size", "5000", True, "bf16-mixed")
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--batch", "4"], "--batch 4 contradicts training.local_batch_size in torchtitan config"),
+    (["--cluster", "h100:16"], "--cluster \"h100:16\" has 16 GPUs but the torchtitan job runs on 8"),
+    (["--policy", "order"], '--policy "order" contradicts (the grouping)'),
+])
+def test_a_contradicting_option_is_one_error(tmp_path, argv, error):
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\n[parallelism]\ndata_parallel_shard_degree = 8\n")
+    with pytest.raises(PlannerError, match=re.escape(error)):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job), *argv)
+
+
+def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):
+    job = titan(tmp_path, '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n')
+    assert args_of("simulate", "--from-torchtitan", str(job)).model == "llama3-8b"
+    with pytest.raises(PlannerError, match="MODEL 'toy-llama' is not the torchtitan job's model"):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
+    unknown = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "16B"\n')
+    with pytest.raises(PlannerError, match=r"model \"deepseek_v3\" flavor \"16B\" is not one fsdp-planner builds "
+                                           r"\(known: llama3 8B, llama3 70B, llama3 405B\)"):
+        args_of("simulate", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
+    capsys.readouterr()
+    args_of("simulate", "toy-llama", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
+    assert 'MODEL "toy-llama" stands for the torchtitan job\'s model' in capsys.readouterr().err
+
+
+def test_missing_model_and_cluster_are_argument_errors(capsys, tmp_path):
+    assert main(["simulate", "toy-llama"]) == 2
+    assert "the following arguments are required: --cluster" in capsys.readouterr().err
+    assert main(["simulate", "--from-accelerate", str(accel(tmp_path, ""))]) == 2
+    assert "the following arguments are required: model" in capsys.readouterr().err
+    assert main(["simulate", "toy-llama", "--from-accelerate", str(tmp_path / "none.yaml")]) == 2
+    assert "accelerate config" in capsys.readouterr().err
+
+
+@pytest.mark.integration  # (about 2 s: three toy-llama runs)
+def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, capsys):
+    """The config's job and the options it stands for give one simulation, and plan --from-... starts from it."""
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\nseq_len = 32\n"
+                          '[parallelism]\ndata_parallel_shard_degree = 4\n[activation_checkpoint]\nmode = "full"\n')
+    assert main(["simulate", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
+    from_config = json.loads(capsys.readouterr().out)
+    assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--batch", "2", "--seq", "32",
+                 "--cluster", "h100:4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == from_config
+    assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {**plan["config_step"], "micro_batches": 1} == from_config
+    assert plan["fits"] and plan["auto_step"]["step_time"] <= plan["config_step"]["step_time"]
+    assert plan["changes"][-1] == {"key": "(the grouping)", "config": plan["changes"][-1]["config"],
+                                   "auto": f"{len(plan['plan']['groups'])} groups", "expressible": False}
+
+
+@pytest.mark.parametrize("rule", ["always", "never"])
+def test_reshard_after_forward_rules(rule):
+    from fsdp_planner.cli.from_config import adjusted
+    from fsdp_planner.cli.job_config import JobConfig
+    from fsdp_planner.fsdp2.plan import Group, Plan
+
+    plan = Plan(fingerprint="", numel=2, groups=[Group(modules=["a"], params=["a.w"], reshard_after_forward=False),
+                        Group(modules=["b"], params=["b.w"], reshard_after_forward=True),
+                        Group(modules=[""], params=[], reshard_after_forward=True)])
+    out = adjusted(plan, JobConfig(TORCHTITAN, "job.toml", reshard=rule))
+    assert [g.reshard_after_forward for g in out.groups] == [rule == "always"] * 3
+    assert [g.reshard_after_forward for g in plan.groups] == [False, True, True]  # a copy
+    assert adjusted(plan, JobConfig(TORCHTITAN, "job.toml")) is plan  # "default": the policy's own
+
+
+@pytest.mark.integration  # (about 6 s: the Llama 3 8B job traced, searched and its config edits simulated)
+def test_the_example_configs_plan(capsys, tmp_path):
+    titan_job, accelerate = str(EXAMPLES / "llama3_8b.toml"), str(EXAMPLES / "accelerate_fsdp.yaml")
+    assert main(["plan", "--from-torchtitan", titan_job, "--cluster", "h100", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"] == "llama3-8b" and plan["cluster"] == "h100:8"
+    assert plan["fits"] and plan["auto_step"]["step_time"] < plan["config_step"]["step_time"]
+    assert all(set(c) == {"key", "config", "auto", "expressible"} for c in plan["changes"])
+    edit = plan["best_edit"]
+    assert edit is None or (edit["step"]["budget"]["fits"]
+                            and edit["step"]["step_time"] < plan["config_step"]["step_time"])
+    out = tmp_path / "plan.json"
+    # (the YAML's block class, TransformerBlock, is toy-llama's too: the same file, a model that plans in a second)
+    assert main(["plan", "toy-llama", "--from-accelerate", accelerate, "--cluster", "h100", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fsdp_config.fsdp_auto_wrap_policy" in text and "export plan.json --format accelerate" in text
+    assert json.loads(out.read_text())["precision"] == "bf16-mixed"
+
+
+def test_no_gpu_count_plans_for_the_preset_node(tmp_path, capsys):
+    a = args_of("simulate", "toy-llama", "--from-accelerate", str(accel(tmp_path, "mixed_precision: bf16\n")),
+                "--cluster", "a100")
+    assert a.cluster == "a100:8"
+    assert "gives no GPU count (no num_processes): planning for 8 GPUs" in capsys.readouterr().err
+
+
+def test_plan_from_a_config_refuses_what_it_does_not_take(tmp_path, capsys):
+    job = str(titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"))
+    for extra in (["--policy", "titan"], ["--explain"]):
+        assert main(["plan", "toy-llama", "--from-torchtitan", job, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_a_job_without_a_model_needs_model(tmp_path, capsys):
+    job = str(titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\n"))
+    with pytest.raises(PlannerError, match=r"names no model \(\[model\] name and flavor\): give MODEL"):
+        args_of("simulate", "--from-torchtitan", job)
+    assert args_of("simulate", "toy-llama", "--from-torchtitan", job).model == "toy-llama"
+    assert "stands for" not in capsys.readouterr().err
