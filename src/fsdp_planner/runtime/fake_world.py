@@ -121,9 +121,12 @@ class LiveBytes(TorchDispatchMode):
             if is_traceable_wrapper_subclass(t):
                 self.mark_host(getattr(t, name) for name in t.__tensor_flatten__()[0])
                 continue
-            self.track([t])
             key = id(t.untyped_storage())
-            if key not in self.host:
+            if key not in self._sizes:  # new: host memory from the start, never on the device
+                on_host, self.on_host = self.on_host, True
+                self.track([t])
+                self.on_host = on_host
+            elif key not in self.host:
                 self.host.add(key)
                 self.host_current += self._sizes[key]
 
@@ -259,10 +262,10 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                 state = [t for s in optimizer.state.values() for t in s.values()]
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 with tracker, counter:  # a new tracker per step: the last step's peak is kept
-                    tracker.track([*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0], *state,
-                                   *grads])
                     if plan.offload:
                         tracker.mark_host([*model.parameters(), *state, *grads])
+                    tracker.track([*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0], *state,
+                                   *grads])
                     for k in range(micro_batches):  # the reduce-scatters run in the last backward only
                         model.set_requires_gradient_sync(k == micro_batches - 1)
                         if not reshard_after_backward:
