@@ -355,13 +355,14 @@ def main() -> None:
         for spec in [f"h100:{n}" for n in gpus]:
             result = AutoPolicy(parse_cluster(spec)).search(tr, model)
             rows.append(row(model, spec, tr, tokens, result))
-            print(f"{model} {spec}: {verdict(rows[-1])}", file=sys.stderr)
+            print(f"{model} {spec}: {verdict(rows[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     micro = []
     for model, (batches, gpus) in MICRO_ROWS.items():
         for batch in batches:
             for n in gpus:
                 micro.append(micro_row(model, batch, f"h100:{n}"))
-                print(f"{model} batch {batch} h100:{n}: {verdict(micro[-1])}", file=sys.stderr)
+                print(f"{model} batch {batch} h100:{n}: {verdict(micro[-1])} ({time.perf_counter() - started:.0f} s)",
+                      file=sys.stderr)
     elapsed = time.perf_counter() - started
     out = Path(__file__).parent
     (out / "plan_quality.json").write_text(
