@@ -33,6 +33,7 @@ Mixtral 8x7B): each expert column at its fastest of none, dim-1 sharding (``--sh
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -364,6 +365,7 @@ def main() -> None:
                 print(f"{model} batch {batch} h100:{n}: {verdict(micro[-1])} ({time.perf_counter() - started:.0f} s)",
                       file=sys.stderr)
     elapsed = time.perf_counter() - started
+    load = os.getloadavg()[0]  # the time above is this machine's under that load
     out = Path(__file__).parent
     (out / "plan_quality.json").write_text(
         json.dumps({"rows": rows, "micro_batch_rows": micro, "seconds": elapsed}, indent=1) + "\n")
@@ -371,7 +373,8 @@ def main() -> None:
         "# Plan quality: auto vs the classic policies and the expert's best hand configurations",
         "",
         f"Measured by `python benchmarks/plan_quality.py` ({elapsed:.0f} s on {platform.machine()}, Python "
-        f"{platform.python_version()}); every number is the step simulator's (bf16 mixed precision, AdamW, "
+        f"{platform.python_version()}, load average {load:.1f} on {os.cpu_count()} cores at its end); every number "
+        "is the step simulator's (bf16 mixed precision, AdamW, "
         "MFU 0.5, roofline op times, activations at their traced dtypes), for the built-in models' example batches "
         "(one sequence of 8192 tokens per GPU for the Llamas).",
         "",
