@@ -21,11 +21,19 @@ with ``reshard_after_forward_policy = "default"`` and no pipeline reshards every
 unsharded (``int(layer_id) < len(model.layers) - 1``). The titan policy plans the current one.
 
 Auto chooses its layout and checkpointing too. A row's verdict compares auto with the best baseline that fits.
+
+Two kinds of rows give the expert more to choose from, as auto has. Gradient accumulation (``MICRO_ROWS``: Llama 3
+8B at a per-GPU batch of 4 and 8): auto with ``--micro-batches auto`` (``planners/auto/split.py``), each expert
+column at its fastest split of the batch into 1, 2, 4 or 8 micro-batches that fits, each split traced at its
+micro-batch. FSDP2's memory options, on the rows where no baseline fits without them (Llama 3 405B on 512,
+Mixtral 8x7B): each expert column at its fastest of none, dim-1 sharding (``--shard-placement auto``), CPU offload
+(``--offload``) and both that fits, the hand grid over all of them.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -33,18 +41,21 @@ from pathlib import Path
 
 import torch
 
+from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.models import load_model
+from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.planners.auto import Target, candidate_meshes
+from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.trace import Trace, trace
 
 POLICY_NAMES = [p.value for p in CLASSIC_POLICIES]
@@ -74,6 +85,12 @@ MODELS = {
     "vit-h14": ("ViT-H/14", [8, 64, 512]),
     "mixtral-8x7b": ("Mixtral 8x7B, mixture of experts", [64, 512]),
 }
+# Gradient accumulation rows: model -> (per-GPU batches, GPUs); the sequence is the model's default (8192).
+MICRO_ROWS = {"llama3-8b": ((4, 8), (8, 64))}
+# The expert's columns on those rows and on the memory-option rows, each at its best split or memory option.
+EXPERT_COLUMNS = [*WITH_AC, FEWEST, BEST_HAND]
+# FSDP2's memory options in auto's order (``AutoPolicy._ways_out``): dim-1 sharding, offload, both.
+MEMORY_WAYS = [(False, ShardPlacement.AUTO), (True, ShardPlacement.DIM0), (True, ShardPlacement.AUTO)]
 
 
 def summary(r: StepReport) -> dict:
@@ -85,13 +102,16 @@ def summary(r: StepReport) -> dict:
 class Simulator:
     """Simulates plans on one model and cluster, one context per layout."""
 
-    def __init__(self, tr: Trace, model: str, cluster: Cluster) -> None:
+    def __init__(self, tr: Trace, model: str, cluster: Cluster, options: SimOptions | None = None) -> None:
         self.tr, self.model, self.cluster = tr, model, cluster
+        self.options = options or SimOptions()
         self.contexts: dict[Mesh, SimContext] = {}
 
     def run(self, plan: Plan) -> dict:
         mesh = plan.layout(self.cluster.world_size)
-        ctx = self.contexts.setdefault(mesh, SimContext(self.tr, self.cluster, SimOptions(), mesh=mesh))
+        if mesh not in self.contexts:
+            self.contexts[mesh] = SimContext(self.tr, self.cluster, self.options, mesh=mesh)
+        ctx = self.contexts[mesh]
         return {**summary(simulate(self.tr, plan, context=ctx, timeline=False)), "plan": plan.policy}
 
     def request(self, request: PolicyRequest) -> dict | None:
@@ -158,6 +178,56 @@ def best_hand(sim: Simulator, budget: int) -> dict | None:
                                      else r["reserved_memory"]), default=None)
 
 
+def fastest(tried: list[dict], budget: int) -> dict | None:
+    """The fastest that fits (the smallest reserved memory when none does)."""
+    return min(tried, key=lambda r: (r["reserved_memory"] > budget, r["step_time"] if r["reserved_memory"] <= budget
+                                     else r["reserved_memory"]), default=None)
+
+
+def expert_baselines(variants: list[tuple[str, Simulator]], budget: int) -> dict[str, dict]:
+    """``EXPERT_COLUMNS``, each at its fastest variant (a split into micro-batches, a memory option) that fits;
+    each result's plan names the variant."""
+    def tagged(r: dict | None, variant: str) -> list[dict]:
+        return [] if r is None else [{**r, "plan": f"{r['plan']}, {variant}" if variant else r["plan"]}]
+
+    out = {}
+    for name, (p, mode) in WITH_AC.items():
+        tried = [t for v, sim in variants for t in tagged(sim.request(PolicyRequest(p, checkpointing=mode)), v)]
+        if (best := fastest(tried, budget)) is not None:
+            out[name] = best
+    for name, pick in ((FEWEST, fewest_full), (BEST_HAND, best_hand)):
+        tried = [t for v, sim in variants for t in tagged(pick(sim, budget), v)]
+        if (best := fastest(tried, budget)) is not None:
+            out[name] = best
+    return out
+
+
+def memory_variants(tr: Trace, model: str, cluster: Cluster) -> list[tuple[str, Simulator]]:
+    """The expert's memory options: none, and each of ``MEMORY_WAYS`` (dim-1 sharding where the model has params
+    it applies to)."""
+    dim1 = bool(shard_dims(tr, cluster.world_size, ShardPlacement.AUTO))
+    names = {(False, ShardPlacement.AUTO): "shard dim 1", (True, ShardPlacement.DIM0): "offload",
+             (True, ShardPlacement.AUTO): "offload + shard dim 1"}
+    return [("", Simulator(tr, model, cluster))] + [
+        (names[(o, p)], Simulator(tr, model, cluster, SimOptions().with_memory_options(o, p)))
+        for o, p in MEMORY_WAYS if dim1 or p is ShardPlacement.DIM0]
+
+
+def judge(r: dict, result: AutoResult, extra: dict[str, dict]) -> dict:
+    """``r`` with its verdict: the best baseline that fits (its columns and ``extra``'s, named with a '*') and
+    whether auto is at least as fast."""
+    candidates = {**{n: p for n, p in r["policies"].items() if n != "auto"}, **{f"{n}*": p for n, p in extra.items()}}
+    fitting = {n: p for n, p in candidates.items() if p["reserved_memory"] <= result.budget}
+    best = min(fitting, key=lambda n: (fitting[n]["step_time"], fitting[n]["reserved_memory"]), default=None)
+    auto = r["policies"]["auto"]
+    ok = result.fits and (best is None or (auto["step_time"] <= fitting[best]["step_time"] * (1 + 1e-9)
+                                           and auto["reserved_memory"] <= max(fitting[best]["reserved_memory"],
+                                                                              result.budget)))
+    return {**r, "expert": extra, "best_other": best, "best_step": fitting[best]["step_time"] if best else None,
+            "best_plan": fitting[best]["plan"] if best else None,
+            "gain": 1 - auto["step_time"] / fitting[best]["step_time"] if best else None, "auto_ok": ok}
+
+
 def throughput(tr: Trace, tokens: int, report: StepReport, gpu_peak: float) -> dict:
     """Tokens/s per GPU (each rank runs the example batch) and MFU (model FLOPs, recomputation not counted)."""
     return {"tokens_per_s_per_gpu": tokens / report.step_time if tokens else None,
@@ -172,16 +242,36 @@ def row(model: str, cluster: str, tr: Trace, tokens: int, result: AutoResult) ->
                         "checkpointed": len(plan.activation_checkpointing),
                         "op_checkpointed": len(plan.selective_checkpointing),
                         **throughput(tr, tokens, result.report, result.search.ev.cluster.gpu.peak_bf16_flops)}
-    fitting = {n: p for n, p in policies.items() if n != "auto" and p["reserved_memory"] <= result.budget}
-    best = min(fitting, key=lambda n: (fitting[n]["step_time"], fitting[n]["reserved_memory"]), default=None)
-    auto = policies["auto"]
-    ok = result.fits and (best is None or (auto["step_time"] <= fitting[best]["step_time"] * (1 + 1e-9)
-                                           and auto["reserved_memory"] <= max(fitting[best]["reserved_memory"],
-                                                                              result.budget)))
-    return {"model": model, "cluster": cluster, "budget": result.budget,
-            "budget_source": result.budget_source, "min_peak": result.min_peak, "fits": result.fits,
-            "lower_bound": result.report.lower_bound, "policies": policies, "best_other": best,
-            "gain": 1 - auto["step_time"] / fitting[best]["step_time"] if best else None, "auto_ok": ok}
+    r = {"model": model, "cluster": cluster, "budget": result.budget,
+         "budget_source": result.budget_source, "min_peak": result.min_peak, "fits": result.fits,
+         "lower_bound": result.report.lower_bound, "policies": policies}
+    r = judge(r, result, {})
+    if r["best_other"] is None:  # nothing fits without FSDP2's memory options: the expert gets them too
+        r = judge(r, result, expert_baselines(memory_variants(tr, model, result.search.ev.cluster), result.budget))
+    return r
+
+
+def auto_summary(result: AutoResult) -> dict:
+    plan = result.plan
+    return {**summary(result.report), "plan": plan.policy, "mesh": result.report.mesh,
+            "groups": len(plan.inner_groups), "seconds": result.seconds,
+            "checkpointed": len(plan.activation_checkpointing), "op_checkpointed": len(plan.selective_checkpointing)}
+
+
+def micro_row(model: str, batch: int, cluster: str) -> dict:
+    """A gradient accumulation row: auto choosing the split of the per-GPU ``batch`` (``--micro-batches auto``),
+    the expert columns each at its fastest split that fits."""
+    c = parse_cluster(cluster)
+    traces = {n: planning_trace(ModelSpec(model, batch_size=batch // n))[0] for n in candidate_splits(batch)}
+    options = {n: SimOptions(micro_batches=n) for n in traces}
+    best, _ = choose_split(batch, lambda n: AutoPolicy(c, options=options[n]).search(traces[n], model))
+    result = best.result
+    variants = [(f"{n} micro-batch{'es' * (n > 1)}", Simulator(traces[n], model, c, options[n])) for n in traces]
+    policies = {"auto": {**auto_summary(result), "micro_batches": best.micro_batches}}
+    r = {"model": model, "batch": batch, "cluster": cluster, "budget": result.budget,
+         "budget_source": result.budget_source, "min_peak": result.min_peak, "fits": result.fits,
+         "lower_bound": result.report.lower_bound, "policies": policies}
+    return judge(r, result, expert_baselines(variants, result.budget))
 
 
 def cell(p: dict, budget: float) -> str:
@@ -191,8 +281,15 @@ def cell(p: dict, budget: float) -> str:
 
 
 def baseline_name(r: dict, name: str) -> str:
-    """A baseline's column, with what it was where the column does not say (the hand config, k)."""
+    """A baseline's column, with what it was where the column does not say (the hand config, k; an expert
+    column's split or memory option, marked '*')."""
+    if name.endswith("*"):
+        return f"{name} ({r['best_plan']})"
     return f"{name} ({r['policies'][name]['plan']})" if name in (BEST_HAND, FEWEST) else name
+
+
+def row_name(r: dict) -> str:
+    return f"{r['model']}, batch {r['batch']}" if "batch" in r else r["model"]
 
 
 def verdict(r: dict) -> str:
@@ -215,7 +312,7 @@ def summary_line(rows: list[dict]) -> str:
     """How many rows auto fits and beats the best fitting baseline; the rows >= ``AHEAD`` ahead, the ties, any
     loss."""
     def names(pick) -> str:
-        return ", ".join(f"{r['model']} x{r['cluster'].split(':')[1]}" for r in rows if pick(r)) or "none"
+        return ", ".join(f"{row_name(r)} x{r['cluster'].split(':')[1]}" for r in rows if pick(r)) or "none"
 
     fits = [r for r in rows if r["fits"]]
     judged = [r for r in fits if r["gain"] is not None]
@@ -227,7 +324,22 @@ def summary_line(rows: list[dict]) -> str:
             f"{names(lambda r: r in fits and r['gain'] is None)}.**")
 
 
-def planning_trace(model: str) -> tuple[Trace, int]:
+def expert_table(title: str, rows: list[dict], text: str) -> list[str]:
+    """A section: per row, the expert columns (each with the split or memory option it took) and auto."""
+    out = ["", f"## {title}", "", text, "",
+           "| model | GPUs | " + " | ".join(EXPERT_COLUMNS) + " | auto | auto plan | verdict |",
+           "|---|---|" + "---|" * (len(EXPERT_COLUMNS) + 3)]
+    for r in rows:
+        cells = [f"{cell(r['expert'][n], r['budget'])} ({r['expert'][n]['plan']})" if n in r["expert"] else "n/a"
+                 for n in EXPERT_COLUMNS]
+        auto = r["policies"]["auto"]
+        split = f", {auto['micro_batches']} micro-batches" if "micro_batches" in auto else ""
+        out.append(f"| {row_name(r)} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)
+                   + f" | {cell(auto, r['budget'])} | {auto['plan']}{split}, {ac_text(auto)} | {verdict(r)} |")
+    return out
+
+
+def planning_trace(model: str | ModelSpec) -> tuple[Trace, int]:
     """The model traced as the CLI plans it (bf16 compute), and the tokens of its batch (0: not a token model)."""
     lm = load_model(model)
     tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
@@ -244,15 +356,25 @@ def main() -> None:
         for spec in [f"h100:{n}" for n in gpus]:
             result = AutoPolicy(parse_cluster(spec)).search(tr, model)
             rows.append(row(model, spec, tr, tokens, result))
-            print(f"{model} {spec}: {verdict(rows[-1])}", file=sys.stderr)
+            print(f"{model} {spec}: {verdict(rows[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    micro = []
+    for model, (batches, gpus) in MICRO_ROWS.items():
+        for batch in batches:
+            for n in gpus:
+                micro.append(micro_row(model, batch, f"h100:{n}"))
+                print(f"{model} batch {batch} h100:{n}: {verdict(micro[-1])} ({time.perf_counter() - started:.0f} s)",
+                      file=sys.stderr)
     elapsed = time.perf_counter() - started
+    load = os.getloadavg()[0]  # the time above is this machine's under that load
     out = Path(__file__).parent
-    (out / "plan_quality.json").write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1) + "\n")
+    (out / "plan_quality.json").write_text(
+        json.dumps({"rows": rows, "micro_batch_rows": micro, "seconds": elapsed}, indent=1) + "\n")
     lines = [
         "# Plan quality: auto vs the classic policies and the expert's best hand configurations",
         "",
         f"Measured by `python benchmarks/plan_quality.py` ({elapsed:.0f} s on {platform.machine()}, Python "
-        f"{platform.python_version()}); every number is the step simulator's (bf16 mixed precision, AdamW, "
+        f"{platform.python_version()}, load average {load:.1f} on {os.cpu_count()} cores at its end); every number "
+        "is the step simulator's (bf16 mixed precision, AdamW, "
         "MFU 0.5, roofline op times, activations at their traced dtypes), for the built-in models' example batches "
         "(one sequence of 8192 tokens per GPU for the Llamas).",
         "",
@@ -273,7 +395,7 @@ def main() -> None:
         "('auto AC'). Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense peak; recomputation is not "
         "model FLOPs).",
         "",
-        summary_line(rows),
+        summary_line(rows + micro),
         "",
         "| model | GPUs | lower bound | " + " | ".join([*COLUMNS, "auto"])
         + " | auto mesh | auto AC | tokens/s/GPU | MFU | winner |",
@@ -287,15 +409,28 @@ def main() -> None:
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {fmt_time(r['lower_bound'])} | "
                      + " | ".join(cells) + f" | {auto['mesh']} | {ac_text(auto)} | {tps} | {mfu} "
                      f"| {verdict(r)} |")
+    lines += expert_table(
+        "Gradient accumulation: Llama 3 8B at a per-GPU batch of 4 and 8", micro,
+        "Sequences of 8192 tokens. Auto runs with `--micro-batches auto` (the split of the batch whose auto plan is "
+        "fastest within the budget, `planners/auto/split.py`); each expert column at its fastest split into 1, 2, 4 "
+        "(and 8) micro-batches that fits, each split traced at its micro-batch (`set_requires_gradient_sync(False)` "
+        "on all but the last, `reshard_after_backward` left True). Cells as above, for the whole step.")
+    lines += expert_table(
+        "FSDP2's memory options for the expert: the rows where no baseline fits without them", [
+            r for r in rows if r["expert"]],
+        "On these rows no column of the table above fits. Each expert column here is at its fastest of: nothing "
+        "more, dim-1 sharding (`--shard-placement auto`: `Shard(1)` where dim 0 would be padded), CPU offload "
+        "(`--offload`, `CPUOffloadPolicy`) and both, that fits; the hand grid over all of them. Marked '*' in the "
+        "verdicts.")
     lines += ["", "## Summary (the table the README shows)", "",
               "| model | GPUs | best baseline that fits (step time) | auto: step / reserved / layout / "
               "checkpointed / groups | verdict |", "|---|---|---|---|---|"]
-    for r in rows:
+    for r in rows + micro:
         auto, best = r["policies"]["auto"], r["best_other"]
-        base = f"{baseline_name(r, best)} {fmt_time(r['policies'][best]['step_time'])}" if best else "none"
+        base = f"{baseline_name(r, best)} {fmt_time(r['best_step'])}" if best else "none"
         mine = (f"**{fmt_time(auto['step_time'])}** / {fmt_bytes(auto['reserved_memory'])} / {auto['mesh']} / "
                 f"{ac_text(auto)} / {auto['groups']}" if r["fits"] else "-")
-        lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {base} | {mine} | {verdict(r)} |")
+        lines.append(f"| {row_name(r)} | {r['cluster'].split(':')[1]} | {base} | {mine} | {verdict(r)} |")
     (out / "plan_quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -78,9 +78,17 @@ def test_checkpointing_trades_memory_for_recomputed_forward():
     none, full, selective = reports[ACMode.NONE], reports[ACMode.FULL], reports[ACMode.SELECTIVE]
     assert full.memory_at_peak["activations"] < selective.memory_at_peak["activations"] \
         < none.memory_at_peak["activations"]
-    # the recomputation is each checkpointed block's forward op time, computed here from the events
+    # the recomputation is each checkpointed block's forward op time up to its early stop (after its last pack),
+    # computed here from the events
     pos = {(e.kind, e.module): i for i, e in enumerate(tr.events) if e.kind is not EventKind.OP}
-    forward = {b: ctx.cum[pos[(EventKind.FWD_POST, b)]] - ctx.cum[pos[(EventKind.FWD_PRE, b)]] for b in BLOCKS}
+
+    def stop(b: str) -> int:
+        return max(i for i in range(pos[(EventKind.FWD_PRE, b)], pos[(EventKind.FWD_POST, b)])
+                   if tr.events[i].packs) + 1
+
+    forward = {b: ctx.cum[stop(b)] - ctx.cum[pos[(EventKind.FWD_PRE, b)]] for b in BLOCKS}
+    whole = {b: ctx.cum[pos[(EventKind.FWD_POST, b)]] - ctx.cum[pos[(EventKind.FWD_PRE, b)]] for b in BLOCKS}
+    assert all(forward[b] < whole[b] for b in BLOCKS)
     assert none.recompute_time == 0
     assert full.recompute_time == pytest.approx(sum(forward.values()))
     assert selective.recompute_time == pytest.approx(forward["layers.1"] + forward["layers.3"])

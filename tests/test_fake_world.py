@@ -145,3 +145,24 @@ def test_verify_fake_world_size_command(capsys: pytest.CaptureFixture[str]) -> N
     assert out["predicted"]["all_gathers"] == out["measured"]["all_gathers"] > 0
     assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", "0"]) == 2
     assert "--fake-world-size must be between 1" in capsys.readouterr().err
+
+
+def test_host_storages_are_counted_apart_from_the_device():
+    """Under CPU offload the fake world counts what a GPU rank keeps on the host apart: the device's peak is the
+    rest's, marking a storage host frees it from the device's running total, freeing it leaves the host's."""
+    tracker = LiveBytes()
+    state = torch.empty(100, dtype=torch.uint8)  # offloaded state, on the host from the start
+    tracker.mark_host([state])
+    tracker.track([state])  # already counted
+    grad = torch.empty(40, dtype=torch.uint8)  # a reduce-scatter output on the device ...
+    tracker.track([grad])
+    assert (tracker.current, tracker.host_current, tracker.device_peak) == (140, 100, 40)
+    tracker.mark_host([grad])  # ... copied to the host
+    activation = torch.empty(30, dtype=torch.uint8)
+    tracker.track([activation])
+    assert (tracker.current, tracker.host_current, tracker.device_peak, tracker.peak) == (170, 140, 40, 170)
+    tracker.on_host = True  # the optimizer step's temporaries
+    tracker.track([torch.empty(500, dtype=torch.uint8)])  # freed at once
+    assert (tracker.current, tracker.host_current, tracker.device_peak) == (170, 140, 40)
+    del grad
+    assert (tracker.current, tracker.host_current) == (130, 100)

@@ -14,6 +14,13 @@ Measured, on the last step (the first creates the optimizer state):
   every op (100 s of a 140 s llama3-8b step), so this running total does the same in O(1) per tensor. This is
   the allocator's *allocated* bytes, compared with the prediction's allocated peak; what the allocator reserves
   on a GPU (``sim/memory.py``) needs a GPU to measure.
+- with CPU offload (``CPUOffloadPolicy``), the device's share of that: the fake ranks run on this CPU, where the
+  offloaded state sits beside everything else, so the storages that a GPU rank keeps in host memory are told apart
+  by what they are and counted apart (``LiveBytes.mark_host``): the sharded params, the optimizer state and every
+  tensor the optimizer step makes (it runs on the CPU), and each sharded grad once FSDP2 has made it (its
+  ``post_accumulate_grad`` hooks, which it runs after assigning the grad: on a GPU the reduce-scatter output is
+  copied to the host there and its device copy freed). Not seen: the transient device copy of each offloaded shard
+  before its all-gather (on this CPU ``.to(device)`` makes none), a shard's size per group.
 """
 
 from __future__ import annotations
@@ -56,8 +63,9 @@ class FakeWorldResult:
     world_size: int
     counts: Counts  # per step, by collective kind
     nbytes: Counts
-    peak_memory: int  # bytes allocated per rank at the step's peak
+    peak_memory: int  # bytes allocated per rank at the step's peak (with offload: on the device, module docstring)
     seconds: float
+    total_peak_memory: int = 0  # with offload: device and host bytes together at their peak (else peak_memory)
 
 
 def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
@@ -84,6 +92,10 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self._resize: Any = None
         self.calls: list[str] = []  # the module calls running now (``module_calls``), innermost last
+        # CPU offload: storages a GPU rank keeps in host memory, their bytes, and the peak of the rest (the device's)
+        self.host: set[int] = set()
+        self.host_current = self.device_peak = 0
+        self.on_host = False  # storages made now are host memory (the optimizer step under offload)
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
@@ -97,15 +109,42 @@ class LiveBytes(TorchDispatchMode):
             if key not in self._sizes:
                 self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
                 self._sizes[key] = 0
+                if self.on_host:
+                    self.host.add(key)
                 self._resized(key, storage.nbytes())
 
+    def mark_host(self, tensors: Iterable[Any]) -> None:
+        """These tensors' storages are host memory from now on (tracked first when they are not yet)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if is_traceable_wrapper_subclass(t):
+                self.mark_host(getattr(t, name) for name in t.__tensor_flatten__()[0])
+                continue
+            key = id(t.untyped_storage())
+            if key not in self._sizes:  # new: host memory from the start, never on the device
+                on_host, self.on_host = self.on_host, True
+                self.track([t])
+                self.on_host = on_host
+            elif key not in self.host:
+                self.host.add(key)
+                self.host_current += self._sizes[key]
+
     def _resized(self, key: int, nbytes: int) -> None:
-        self.current += nbytes - self._sizes[key]
+        delta = nbytes - self._sizes[key]
+        self.current += delta
         self._sizes[key] = nbytes
         self.peak = max(self.peak, self.current)
+        if key in self.host:
+            self.host_current += delta
+        self.device_peak = max(self.device_peak, self.current - self.host_current)
 
     def _free(self, key: int) -> None:
-        self.current -= self._sizes.pop(key, 0)
+        nbytes = self._sizes.pop(key, 0)
+        self.current -= nbytes
+        if key in self.host:
+            self.host.discard(key)
+            self.host_current -= nbytes
         self._refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -214,21 +253,29 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             counter = CollectiveCounter()
             args, kwargs = split_inputs(inputs)
+            tracker = LiveBytes()
+            if plan.offload:  # each sharded grad is host memory once FSDP2 has made it (module docstring)
+                for p in model.parameters():
+                    p.register_post_accumulate_grad_hook(lambda p: tracker.mark_host([p.grad]))
             for _ in range(steps):
                 tracker = LiveBytes()
-                alive = [*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0],
-                         *(t for state in optimizer.state.values() for t in state.values()),
-                         *(p.grad for p in model.parameters() if p.grad is not None)]
+                state = [t for s in optimizer.state.values() for t in s.values()]
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
                 with tracker, counter:  # a new tracker per step: the last step's peak is kept
-                    tracker.track(alive)
+                    if plan.offload:
+                        tracker.mark_host([*model.parameters(), *state, *grads])
+                    tracker.track([*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0], *state,
+                                   *grads])
                     for k in range(micro_batches):  # the reduce-scatters run in the last backward only
                         model.set_requires_gradient_sync(k == micro_batches - 1)
                         if not reshard_after_backward:
                             model.set_reshard_after_backward(k == micro_batches - 1)
                         _step(model, args, kwargs, loss_fn, tracker, spec)
+                    tracker.on_host = plan.offload  # the optimizer step runs where the state is
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=zero_grad is ZeroGrad.NONE)
                 counts, nbytes = counter.take()
     finally:
         dist.destroy_process_group()
-    return FakeWorldResult(world_size, counts, nbytes, tracker.peak, time.perf_counter() - started)
+    peak = tracker.device_peak if plan.offload else tracker.peak
+    return FakeWorldResult(world_size, counts, nbytes, peak, time.perf_counter() - started, tracker.peak)

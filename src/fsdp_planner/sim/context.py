@@ -152,9 +152,9 @@ class SimContext:
             for c in checkpointed_calls(self.trace, key):
                 # the call's params: FSDP2's pre-backward gathers its group before the recomputation, whatever it runs
                 params = {p for e in events[c.fwd_pre:c.fwd_post] for p in e.params}
-                seconds = self.cum[c.fwd_post] - self.cum[c.fwd_pre] - sum(self.times[i] for i in c.kept)
-                ops = int(self.trace.index.ops_through[c.fwd_post] - self.trace.index.ops_through[c.fwd_pre]) \
-                    - len(c.kept)
+                kept = [i for i in c.kept if i < c.end]  # up to the early stop (``CheckpointedCall.stop``)
+                seconds = self.cum[c.end] - self.cum[c.fwd_pre] - sum(self.times[i] for i in kept)
+                ops = int(self.trace.index.ops_through[c.end - 1] - self.trace.index.ops_through[c.fwd_pre]) - len(kept)
                 prev = out.get(c.bwd_pre)
                 out[c.bwd_pre] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
                     Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],

@@ -2,14 +2,18 @@
 
 A checkpointed module call (non-reentrant ``torch.utils.checkpoint``, ``fsdp2/checkpointing.py``) keeps its inputs
 alive from its forward until its backward is done instead of the activations its ops save. Its backward starts by
-running its forward again (with ``early_stop``, stopping once the saved tensors are back): the saved activations
+running its forward again, up to the last tensor its forward packed for backward (``early_stop``, torch's default
+``set_checkpoint_early_stop(True)``: the ops after it, such as a Llama block's residual add and, since autograd
+saves an op's inputs before running it, a last matmul whose only saves are its inputs, are not run again;
+``CheckpointedCall.stop``): the saved activations
 are then re-created at its pre-backward boundary and freed as before, when the backward of the module call that
 saved each is done; the recomputation costs the call's forward op time there, after its group's params are
 gathered (FSDP2's pre-backward unshards the group before autograd reaches the checkpoint).
 
 Under op-level selective checkpointing (``fsdp2/selective.py``) the call keeps, besides its inputs, the outputs
 of the forward ops its policy saves (``kept``), in SAC's cache from each such op until the recomputation at its
-pre-backward takes them; the recomputation runs only the other forward ops, so its time is theirs. The saved
+pre-backward takes them; the recomputation runs only the other forward ops (up to the early stop), so its time is
+theirs. The saved
 activations are re-created there as under full checkpointing: the cached outputs become the ones autograd saves
 (the same storages, not a second copy) or are freed.
 """
@@ -43,12 +47,28 @@ class CheckpointedCall:
     inputs_nbytes: int  # traced bytes of the inputs the checkpoint keeps alive
     policy: SacPolicy | None = None  # op-level selective checkpointing's policy; None: full
     kept: tuple[int, ...] = ()  # op-level: the positions of the forward ops whose outputs SAC's cache keeps
+    stop: int = -1  # the recomputation runs the events before this one (early stop); -1: up to ``fwd_post``
+
+    @property
+    def end(self) -> int:
+        """The position the recomputation stops at: after the call's last pack, else its forward's end."""
+        return self.fwd_post if self.stop < 0 else self.stop
 
     def recomputed(self, trace: Trace) -> list[int]:
-        """The positions of the forward ops its recomputation runs: all of them, less the kept ones."""
+        """The positions of the forward ops its recomputation runs: all of them up to the early stop, less the
+        kept ones."""
         kept = set(self.kept)
-        return [i for i in range(self.fwd_pre, self.fwd_post) if trace.events[i].kind is EventKind.OP
+        return [i for i in range(self.fwd_pre, self.end) if trace.events[i].kind is EventKind.OP
                 and not trace.events[i].backward and i not in kept]
+
+
+def early_stop(trace: Trace, fwd_pre: int, fwd_post: int) -> int:
+    """Where the recomputation of a checkpointed call stops: just after the last event of its forward after which
+    a tensor was packed for backward (non-reentrant checkpoint counts the tensors its forward packed and stops the
+    recomputation once it has packed as many: torch's ``_StopRecomputationError``); its pre-forward when nothing
+    was."""
+    events = trace.events
+    return next((i + 1 for i in range(fwd_post - 1, fwd_pre - 1, -1) if events[i].packs), fwd_pre)
 
 
 def kept_ops(trace: Trace, fwd_pre: int, fwd_post: int, policy: SacPolicy) -> tuple[int, ...]:
@@ -78,7 +98,8 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
             fwd_post = pos[(EventKind.FWD_POST, call)]
             kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
             out.append(CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post,
-                                        trace.events[fwd_pre].inputs_nbytes, policy, kept))
+                                        trace.events[fwd_pre].inputs_nbytes, policy, kept,
+                                        early_stop(trace, fwd_pre, fwd_post)))
     return sorted(out, key=lambda c: c.fwd_pre)
 
 

@@ -46,6 +46,9 @@ class Event(NamedTuple):
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
     op_class: OpClass = OpClass.OTHER  # forward op: what a selective checkpointing policy sees (``OpClass``)
     out_nbytes: int = 0  # forward op: bytes of its outputs' storages (what such a policy keeps when it saves it)
+    packs: bool = False  # forward: a tensor (any, a param or a storage saved before too) was packed for backward
+    # after this event and before the next (an op's outputs, or the next op's inputs, which autograd saves before
+    # running it): a checkpoint's recomputation stops after the last such pack (``CheckpointedCall.stop``)
 
     @property
     def is_op(self) -> bool:

@@ -185,7 +185,14 @@ class ActionLog(StepRecorder):
             slots.append(self.slots[p])
         self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes))
 
+    def pack(self) -> None:
+        if not self.backward:
+            forward = self.template.forward
+            if not (forward and forward[-1] == ("pack",)):
+                forward.append(("pack",))  # replayed where it was (``Event.packs``)
+
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
         self.saved_storages.add(ref)
@@ -553,6 +560,8 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.enter_backward((prefix + action[1], action[2]))
         elif kind == "bwd_post":
             main.exit_backward((prefix + action[1], action[2]))
+        elif kind == "pack":
+            main.pack()
         elif kind == "modified_input":
             main.modified_input(prefix + action[1])
         else:  # save

@@ -67,7 +67,9 @@ class StepRecorder:
         self.last_op = len(self.events) - 1
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
-        """Activation bytes saved for backward, once per storage, charged to the op that saved them."""
+        """Activation bytes saved for backward, once per storage, charged to the op that saved them; every pack is
+        marked (``pack``)."""
+        self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
         self.saved_storages.add(ref)
@@ -75,6 +77,12 @@ class StepRecorder:
             return
         e = self.events[self.last_op]
         self.events[self.last_op] = e._replace(saved=e.saved + nbytes)
+
+    def pack(self) -> None:
+        """A tensor packed for backward in forward: marks the last event (``Event.packs``), not the last op, so that
+        a pack after a module call's pre-forward (its first op's inputs) is not charged to the call before."""
+        if not self.backward and self.events and not self.events[-1].packs:
+            self.events[-1] = self.events[-1]._replace(packs=True)
 
     def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
         """Bytes of the storages of a call's tensor inputs that no earlier call counted (params excluded)."""
