@@ -55,3 +55,17 @@ def test_real_tensors_are_left_to_sdpa():
     with GpuAttention():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_value_heads_of_another_size_give_the_value_s_head_size(mask: str | None):
+    """Multi-head latent attention (DeepSeek-V3): query/key heads of 96, value heads of 64."""
+    with torch.device("meta"):
+        q = torch.randn(1, 4, 128, 96, requires_grad=True)
+        k, v = torch.randn(1, 4, 128, 96), torch.randn(1, 4, 128, 64)
+        m = torch.ones(128, 128, dtype=torch.bool).tril() if mask else None
+        with GpuAttention():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None)
+    assert out.shape == (1, 4, 128, 64)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape

@@ -32,8 +32,12 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    if attn_mask is None:
+    if attn_mask is None and v.shape[-1] == q.shape[-1]:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    if attn_mask is None:  # the value's head size differs (MLA): SDPA's flash kernel takes one head size, the
+        # memory-efficient one gives the output the value's (and saves as little)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                                      scale=scale)[0]
     if attn_mask.dtype == torch.bool:  # SDPA's boolean mask: True takes part
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask,
                                                                                             float("-inf"))

@@ -59,6 +59,8 @@ SHIPPED: dict[str, ShippedConfig] = {
     "qwen2.5-3b": ShippedConfig("Qwen2.5 3B, tied embeddings (Qwen/Qwen2.5-3B)", 1, 4096),
     "gpt2": ShippedConfig("GPT-2 124M, tied embeddings (openai-community/gpt2)", 8, 1024),
     "mixtral-8x7b": ShippedConfig("Mixtral 8x7B MoE, 8 experts top-2 (mistralai/Mixtral-8x7B-v0.1)", 1, 4096),
+    "deepseek-v3": ShippedConfig("DeepSeek-V3 671B MoE, multi-head latent attention, 256 experts top-8 "
+                                 "(deepseek-ai/DeepSeek-V3)", 1, 4096),
     "t5-3b": ShippedConfig("T5 3B, tied embeddings (google-t5/t5-3b); decoder reads seq_len / 4", 1, 1024),
     "vit-h14": ShippedConfig("ViT-H/14 at 224px, 1000 classes (google/vit-huge-patch14-224-in21k)", 32),
 }
