@@ -8,16 +8,53 @@ tensors without data (meta while tracing, fake in the fake-world check), so the 
 process group both see the GPU's program. ``GpuAttention`` does the same for a user's model while it is traced
 (its SDPA calls are redirected); the fake-world check cannot redirect them (a checkpointed recomputation runs
 outside torch function modes), so there a user's model runs SDPA's CPU choice.
+
+``kernel`` sets which kernel a planned step assumes (``--attention``): ``sdpa`` (the default) and ``flash`` run the
+fused kernels above (flash-attn saves the same output and log-sum-exp; its soft-capping and sliding windows change
+neither the memory nor, to first order, the time, so a model asking for them runs SDPA's fused kernel while
+planned), ``eager`` the math path, which saves the score matrices. ``calls`` counts the attention calls that took
+the kernel, for the trace's note.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
+
+
+@dataclass
+class Kernel:
+    """The kernel a planned step's attention runs, and how many calls ran it."""
+
+    name: str = "sdpa"
+    calls: int = 0
+
+
+_KERNEL: contextvars.ContextVar[Kernel | None] = contextvars.ContextVar("fsdp_planner_attention", default=None)
+
+
+@contextlib.contextmanager
+def kernel(name: str | None) -> Iterator[Kernel]:
+    """Planned attention inside runs ``name``'s kernel (None: sdpa); yields the count of calls that did."""
+    k = Kernel(name or "sdpa")
+    token = _KERNEL.set(k)
+    try:
+        yield k
+    finally:
+        _KERNEL.reset(token)
+
+
+def current_kernel() -> str:
+    k = _KERNEL.get()
+    return k.name if k is not None else "sdpa"
 
 
 def planned(t: torch.Tensor) -> bool:
@@ -28,7 +65,14 @@ def planned(t: torch.Tensor) -> bool:
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                     enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one."""
+    """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one (or
+    the math path, under ``kernel("eager")``)."""
+    chosen = _KERNEL.get()
+    if chosen is not None:
+        chosen.calls += 1
+    if chosen is not None and chosen.name == "eager":
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                 scale=scale, enable_gqa=enable_gqa)[0]
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)

@@ -153,18 +153,33 @@ def _auto_class(task: HfTask) -> Any:
 _LOSS_TYPES = {HfTask.CAUSAL_LM: "ForCausalLM", HfTask.IMAGE_CLASSIFICATION: "ForImageClassification"}
 
 
-def build_model(data: dict[str, Any]) -> nn.Module:
+# --attention -> transformers' attn_implementation. flash-attn cannot be loaded without its package (none on a CPU):
+# "flash" builds with SDPA, whose calls run the fused stand-in while planned (attention.py), the same O(seq) memory;
+# soft-capping (Gemma 2), which transformers' SDPA path does not apply, changes neither memory nor shapes.
+ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "flash": "sdpa", "eager": "eager"}
+
+
+def build_model(data: dict[str, Any], attention: str | None = None) -> nn.Module:
     """The model of a config (on the current default device: meta while planning), fp32 params, training mode.
-    Experts layers take the token-balanced routing while planned (``hf_experts``)."""
+    Experts layers take the token-balanced routing while planned (``hf_experts``). ``attention`` (``--attention``)
+    sets the attention implementation; None leaves transformers' own choice."""
     config = _config(data)
+    chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
     task = task_of(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
-    model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register())
+    model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register(),
+                                          **chosen)
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     return model.train()
+
+
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation transformers built ``model`` with (None: not a transformers model)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
 
 
 def model_loss(output: Any) -> torch.Tensor:
@@ -198,25 +213,28 @@ def check_positions(model: nn.Module, seq_len: int) -> None:
                                f"positions ({name}): give --seq {module.num_embeddings} or less")
 
 
-def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Any]:
-    model = build_model(data)
+def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int,
+                    attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    model = build_model(data, attention)
     check_positions(model, seq_len)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len))
     return model, {"input_ids": ids}, causal_lm_loss(model, ids)
 
 
-def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Any]:
+def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int,
+                     attention: str | None = None) -> tuple[nn.Module, Any, Any]:
     """Encoder ids of ``seq_len`` and a quarter as many target ids (T5's span-corruption ratio); the decoder's
     inputs are the targets shifted right, made by the model."""
-    model = build_model(data)
+    model = build_model(data, attention)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     labels = torch.randint(0, vocab, (batch_size, max(1, seq_len // 4)))
     return model, {"input_ids": ids, "labels": labels}, model_loss
 
 
-def build_image_classifier(data: dict[str, Any], batch_size: int) -> tuple[nn.Module, Any, Any]:
-    model = build_model(data)
+def build_image_classifier(data: dict[str, Any], batch_size: int,
+                           attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    model = build_model(data, attention)
     cfg = model.config
     pixels = torch.randn(batch_size, cfg.num_channels, cfg.image_size, cfg.image_size)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))
