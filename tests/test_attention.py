@@ -69,3 +69,36 @@ def test_value_heads_of_another_size_give_the_value_s_head_size(mask: str | None
     assert out.shape == (1, 4, 128, 64)
     out.sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_eager_keeps_the_score_matrices_that_flash_does_not():
+    """--attention eager against flash on a user's SDPA model: the extra saved bytes are of the order of the
+    score matrices (per head, seq x seq: the math path keeps its scores and softmax), the sign always more."""
+    from fsdp_planner.attention import kernel
+
+    with torch.device("meta"):
+        model, x = SelfAttention(), torch.randn(1, SEQ, HEADS * HEAD_DIM)
+    saved = {}
+    for name in ("flash", "eager"):
+        with kernel(name) as k:
+            saved[name] = sum(e.saved for e in trace(model, (x,)).events)
+        assert k.calls == 1
+    scores = HEADS * SEQ * SEQ * 4
+    assert scores <= saved["eager"] - saved["flash"] <= 3 * scores
+
+
+def test_the_plan_records_its_attention_kernel(tmp_path):
+    import json
+
+    from fsdp_planner.cli import main
+    from fsdp_planner.fsdp2.plan import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "module", "--attention", "eager", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["attention"] == "eager" and Plan.from_json(out.read_text()).attention == "eager"
+    del data["attention"]  # a plan written before the field: the default kernel
+    assert Plan.from_json(json.dumps(data)).attention == ""
+    data["attention"] = "math"
+    with pytest.raises(Exception, match="plan 'attention' must be one of sdpa, flash, eager"):
+        Plan.from_json(json.dumps(data))
