@@ -34,6 +34,11 @@ TINY = {
                          "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "v_head_dim": 32,
                          "qk_nope_head_dim": 32, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
                          "first_k_dense_replace": 1, "max_position_embeddings": 64},
+    # soft-capping and sliding windows: transformers builds it eager and refuses sdpa
+    "tiny-gemma2": {"model_type": "gemma2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "max_position_embeddings": 256, "sliding_window": 64, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
 }
 
 
@@ -235,3 +240,17 @@ def test_tiny_deepseek_v3_traces_its_latent_attention(tmp_path):
     tr = traced(tiny(tmp_path, "tiny-deepseek-v3"))
     assert tr.numel == sum(p.numel() for p in load_model(tiny(tmp_path, "tiny-deepseek-v3")).model.parameters())
 
+
+
+def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path):
+    """Gemma 2 (soft-capping): transformers builds it eager and refuses sdpa; --attention flash takes the fused
+    stand-in, which keeps no score matrices."""
+    spec = tiny(tmp_path, "tiny-gemma2")
+    saved = {}
+    for attention in ("eager", "flash"):
+        lm = load_model(ModelSpec(spec, seq_len=256, attention=attention))
+        assert hf.attention_of(lm.model) == ("eager" if attention == "eager" else "fsdp_planner_fused")
+        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+        saved[attention] = sum(e.saved for e in tr.events)
+    scores = 2 * 4 * 256 * 256 * 2  # layers x heads x seq^2, one bf16 score matrix each
+    assert saved["eager"] - saved["flash"] >= scores

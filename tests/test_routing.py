@@ -77,3 +77,12 @@ def test_routing_out_of_range_is_one_line(capsys):
     assert main(["plan", "toy-llama", "--policy", "module", "--routing", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--routing" in err[0], err
+
+
+@pytest.mark.integration  # building transformers' LLaVA and CLIP modules: seconds
+def test_a_transformers_llava_traces_past_its_placeholder_check():
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model, inputs = rm.llava()
+    tr = trace(model, inputs)
+    assert "aten._local_scalar_dense" in tr.notes[0] and tr.numel == sum(p.numel() for p in model.parameters())

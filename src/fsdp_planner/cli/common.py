@@ -89,6 +89,7 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
     if built is not None:
         kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
         saved = "score matrices saved, O(seq^2)" if built == "eager" else "fused kernel, O(seq) saved"
+        built = "flash stand-in" if built == hf.hf_attention.FUSED else built
         return (f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; "
                 "--attention sdpa|flash|eager plans for another)")
     if attention.calls == 0:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import parse_json, read_text
@@ -154,9 +155,9 @@ _LOSS_TYPES = {HfTask.CAUSAL_LM: "ForCausalLM", HfTask.IMAGE_CLASSIFICATION: "Fo
 
 
 # --attention -> transformers' attn_implementation. flash-attn cannot be loaded without its package (none on a CPU):
-# "flash" builds with SDPA, whose calls run the fused stand-in while planned (attention.py), the same O(seq) memory;
-# soft-capping (Gemma 2), which transformers' SDPA path does not apply, changes neither memory nor shapes.
-ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "flash": "sdpa", "eager": "eager"}
+# "flash" builds with ``hf_attention``'s implementation, which runs the fused stand-in while planned (the same O(seq)
+# memory) for any model, soft-capping ones (Gemma 2) included.
+ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "flash": hf_attention.FUSED, "eager": "eager"}
 
 
 def build_model(data: dict[str, Any], attention: str | None = None) -> nn.Module:
@@ -164,6 +165,8 @@ def build_model(data: dict[str, Any], attention: str | None = None) -> nn.Module
     Experts layers take the token-balanced routing while planned (``hf_experts``). ``attention`` (``--attention``)
     sets the attention implementation; None leaves transformers' own choice."""
     config = _config(data)
+    if attention == "flash":
+        hf_attention.register()
     chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
     task = task_of(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
