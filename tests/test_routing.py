@@ -13,7 +13,7 @@ from fsdp_planner.cli import main
 from fsdp_planner.trace import trace
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
-import routing_models as rm  # noqa: E402
+import routing_models as rm
 
 FIXTURE = Path(__file__).parent / "fixtures" / "routing_models.py"
 
