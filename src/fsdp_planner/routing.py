@@ -73,6 +73,21 @@ class StandIn:
             return n
         return min(n, max(1, math.ceil(n / self.experts * self.capacity)))
 
+    def call(self, func: Any, args: tuple, kwargs: dict, module: str) -> Any:
+        """``func`` itself; where PyTorch refuses it as data-dependent on planned tensors, its stand-in (a fake
+        tensor that knows its value, such as an optimizer's step count, answers for itself)."""
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            if not refused(e):
+                raise
+            out = self.run(func, args, kwargs, module)
+            if out is NOT_HANDLED:
+                raise
+            return out
+        self.saw(func, args, kwargs)
+        return out
+
     def run(self, func: Any, args: tuple, kwargs: dict, module: str) -> Any:
         """``func``'s stand-in output on planned tensors, or ``NOT_HANDLED``."""
         packet = func._overloadpacket

@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fsdp_planner.routing import NOT_HANDLED, StandIn
+from fsdp_planner.routing import StandIn
 from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
@@ -138,11 +138,7 @@ class OpRecorder(TorchDispatchMode):
         if not self.slot.recorder.backward:
             check_operand_dtypes(func, args)
         if self.sync is None:
-            out = self.stand_in.run(func, args, kwargs, self.slot.recorder.current_module())
-            if out is NOT_HANDLED:
-                out = func(*args, **kwargs)
-                self.stand_in.saw(func, args, kwargs)
-            return out
+            return self.stand_in.call(func, args, kwargs, self.slot.recorder.current_module())
         self.sync()
         start = time.perf_counter()
         out = func(*args, **kwargs)
