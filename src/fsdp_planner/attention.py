@@ -99,12 +99,35 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> to
     return fused_attention(q, k, v, **kwargs) if planned(q) else F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def _planned_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+    """SDPA's positional signature, as ``F.multi_head_attention_forward`` calls it."""
+    return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+
+@contextlib.contextmanager
+def _fused_inside_mha() -> Iterator[None]:
+    """``F.multi_head_attention_forward`` calls SDPA by its module-level name, and a torch function mode runs the
+    function it intercepts with itself switched off, so ``GpuAttention`` never sees that call: the name is bound to
+    ``sdpa`` for the one call, and put back after."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _planned_sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
 class GpuAttention(TorchFunctionMode):
-    """Inside it, SDPA on planned tensors runs ``fused_attention``; real tensors are left to SDPA."""
+    """Inside it, SDPA on planned tensors runs ``fused_attention``, ``nn.MultiheadAttention``'s included (when it is
+    asked for no weights, the call that takes SDPA); real tensors are left to SDPA."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and isinstance(args[0], torch.Tensor) \
-                and planned(args[0]) and args[0].dim() == 4:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is F.scaled_dot_product_attention and first is not None and planned(first) and first.dim() == 4:
             return fused_attention(*args, **kwargs)
+        if func is F.multi_head_attention_forward and first is not None and planned(first):
+            with _fused_inside_mha():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
