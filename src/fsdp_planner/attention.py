@@ -6,8 +6,9 @@ it takes the math path, which saves the O(seq^2) attention scores: at seq 8192 t
 no GPU run allocates. The built-in models call ``sdpa``, which runs the fused kernels on
 tensors without data (meta while tracing, fake in the fake-world check), so the trace and real FSDP2 on the fake
 process group both see the GPU's program. ``GpuAttention`` does the same for a user's model while it is traced
-(its SDPA calls are redirected); the fake-world check cannot redirect them (a checkpointed recomputation runs
-outside torch function modes), so there a user's model runs SDPA's CPU choice.
+(its SDPA calls are redirected, ``nn.MultiheadAttention``'s included); the fake-world check cannot use a torch
+function mode (a checkpointed recomputation runs outside them), so it binds ``F.scaled_dot_product_attention`` to
+``sdpa`` for the run (``fused_sdpa_everywhere``).
 
 ``kernel`` sets which kernel a planned step assumes (``--attention``): ``sdpa`` (the default) and ``flash`` run the
 fused kernels above (flash-attn saves the same output and log-sum-exp; its soft-capping and sliding windows change
@@ -116,6 +117,16 @@ def _fused_inside_mha() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def fused_sdpa_everywhere() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` bound to ``sdpa`` while inside, for every caller, a checkpointed call's
+    recomputation and ``nn.MultiheadAttention`` included: what the fake-world check runs, so that a user's model
+    takes there the kernel a GPU picks (and the trace assumed), not the CPU's (the math path, where query/key and
+    value heads differ). Put back on exit."""
+    with _fused_inside_mha():
+        yield
 
 
 class GpuAttention(TorchFunctionMode):

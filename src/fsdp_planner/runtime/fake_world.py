@@ -7,6 +7,8 @@ at once, with their real shapes), and real training steps run: forward, loss, ba
 
 Measured, on the last step (the first creates the optimizer state):
 - collectives and their bytes, by wrapping the ``torch.distributed`` functions FSDP2 calls (``worker.py``);
+- attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed;
+  the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
   unsharded params are storages resized between 0 and their size), uncounted when Python frees it; plus what was
   alive when the step began (sharded params, optimizer state, inputs). ``FSDPMemTracker`` would re-register
@@ -35,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
-from fsdp_planner.attention import kernel
+from fsdp_planner.attention import fused_sdpa_everywhere, kernel
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, mixed_precision
@@ -248,7 +250,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                          *(t for state in optimizer.state.values() for t in state.values()),
                          *(p.grad for p in model.parameters() if p.grad is not None)]
                 # a new tracker per step: the last step's peak is kept
-                with tracker, counter, kernel(model_spec.attention):
+                with tracker, counter, kernel(model_spec.attention), fused_sdpa_everywhere():
                     tracker.track(alive)
                     for k in range(micro_batches):  # the reduce-scatters run in the last backward only
                         model.set_requires_gradient_sync(k == micro_batches - 1)
