@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec, as_spec, exit_message, hf, load_model
+from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, refused
@@ -84,7 +84,8 @@ def model_error(e: Exception) -> str:
 
 def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | None:
     """Which attention kernel the trace assumed: transformers' implementation for an ``hf:`` model, else the
-    kernel its SDPA calls ran (none: the model calls no SDPA)."""
+    kernel its SDPA calls ran. None for a built-in without ``--attention`` (they call the fused kernels, as the
+    README says) and for a model that calls no SDPA."""
     built = hf.attention_of(model) if hf.is_hf(spec.name) else None  # type: ignore[arg-type]
     if built is not None:
         kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
@@ -92,7 +93,7 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
         built = "flash stand-in" if built == hf.hf_attention.FUSED else built
         return (f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; "
                 "--attention sdpa|flash|eager plans for another)")
-    if attention.calls == 0:
+    if attention.calls == 0 or (spec.name in BUILTINS and spec.attention is None):
         return None
     saved = "score matrices saved, O(seq^2)" if attention.name == "eager" else "fused kernel, O(seq) saved"
     return f"attention traced as {attention.name} ({saved}; --attention changes it)"
