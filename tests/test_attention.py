@@ -87,7 +87,7 @@ def test_eager_keeps_the_score_matrices_that_flash_does_not():
     assert scores <= saved["eager"] - saved["flash"] <= 3 * scores
 
 
-def test_the_plan_records_its_attention_kernel(tmp_path):
+def test_the_plan_records_its_attention_kernel(tmp_path, capsys):
     import json
 
     from fsdp_planner.cli import main
@@ -97,6 +97,9 @@ def test_the_plan_records_its_attention_kernel(tmp_path):
     assert main(["plan", "toy-llama", "--policy", "module", "--attention", "eager", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["attention"] == "eager" and Plan.from_json(out.read_text()).attention == "eager"
+    capsys.readouterr()
+    assert main(["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8"]) == 0
+    assert "the plan was made for --attention eager" in capsys.readouterr().err
     del data["attention"]  # a plan written before the field: the default kernel
     assert Plan.from_json(json.dumps(data)).attention == ""
     data["attention"] = "math"

@@ -161,6 +161,11 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_methods(plan, model)
+    asked = as_spec(model).attention or ""
+    if plan.attention and plan.attention != asked:
+        render.note(f"the plan was made for --attention {plan.attention} and this command traced "
+                    f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
+                    "planned with")
     return plan
 
 
