@@ -62,6 +62,8 @@ SHIPPED: dict[str, ShippedConfig] = {
     "mixtral-8x7b": ShippedConfig("Mixtral 8x7B MoE, 8 experts top-2 (mistralai/Mixtral-8x7B-v0.1)", 1, 4096),
     "deepseek-v3": ShippedConfig("DeepSeek-V3 671B MoE, multi-head latent attention, 256 experts top-8 "
                                  "(deepseek-ai/DeepSeek-V3)", 1, 4096),
+    "gemma2-9b": ShippedConfig("Gemma 2 9B, soft-capping, sliding windows, tied embeddings (google/gemma-2-9b)", 1,
+                               2048),
     "t5-3b": ShippedConfig("T5 3B, tied embeddings (google-t5/t5-3b); decoder reads seq_len / 4", 1, 1024),
     "vit-h14": ShippedConfig("ViT-H/14 at 224px, 1000 classes (google/vit-huge-patch14-224-in21k)", 32),
 }
