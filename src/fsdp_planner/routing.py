@@ -171,6 +171,15 @@ def refused(e: BaseException) -> bool:
     return type(e).__name__ in _REFUSALS or any(s in text for s in _REFUSAL_TEXTS)
 
 
-WAY_OUT = ("its output depends on tensor values, which a planned step does not have: write the router with a fixed "
-           "capacity (tokens x top_k / experts rows per expert, e.g. topk then index_select on sorted indices), or "
-           "compute the value in the factory rather than in forward")
+# Ops whose output's size or value depends on the data: what a refusal of one of them means.
+DATA_DEPENDENT_OPS = frozenset({"aten.nonzero", "aten.masked_select", "aten.index", "aten._local_scalar_dense",
+                                "aten._to_copy", "aten._unique2", "aten.unique_dim", "aten.unique_consecutive",
+                                "aten.bincount", "aten.histc", "aten.repeat_interleave", "aten.argwhere"})
+WAY_OUT = ("depends on tensor values, which a planned step does not have, and the balanced-routing stand-in does not "
+           "cover it: write the router with a fixed capacity (tokens x top_k / experts rows per expert, e.g. topk "
+           "then index_select on sorted indices), or compute the value in the factory rather than in forward")
+
+
+def data_dependent(e: BaseException, op: str | None) -> bool:
+    """``e`` is PyTorch refusing a data-dependent op (``op``, as ``failures.op_name`` names it) on planned tensors."""
+    return refused(e) and (type(e).__name__ in _REFUSALS or op in DATA_DEPENDENT_OPS)

@@ -18,7 +18,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
-from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, refused
+from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, data_dependent
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import with_memory_options
 from fsdp_planner.sim.tracing import trace
@@ -49,7 +49,10 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
     except SystemExit as e:  # the model's forward or loss_fn: an error, never a silent exit with its status
         raise PlannerError(exit_message(e, f"running the forward, backward or loss_fn of '{spec}'")) from e
     except Exception as e:
-        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}{_data_hint(e)}") from e
+        failed = failed_at(e)
+        if data_dependent(e, failed.op if failed else None):
+            raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
+        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
     for line in (*tr.notes, attention_note(spec, lm.model, attention)):
         if line:
             notes.print(f"[dim]note: {escape(line)}[/dim]", highlight=False)
@@ -97,11 +100,6 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
         return None
     saved = "score matrices saved, O(seq^2)" if attention.name == "eager" else "fused kernel, O(seq) saved"
     return f"attention traced as {attention.name} ({saved}; --attention changes it)"
-
-
-def _data_hint(e: Exception) -> str:
-    """The way out when an op that depends on tensor values failed where the routing stand-in does not reach."""
-    return f"; {WAY_OUT}" if refused(e) else ""
 
 
 def _device_hint(e: Exception) -> str:
