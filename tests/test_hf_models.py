@@ -60,7 +60,8 @@ def traced(spec: str):  # type: ignore[no-untyped-def]
 # The public checkpoints' parameter counts (their config.json numbers built by transformers).
 SHIPPED_PARAMS = {
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "qwen2.5-3b": 3_085_938_688, "gpt2": 124_439_808,
-    "mixtral-8x7b": 46_702_792_704, "deepseek-v3": 671_026_404_352, "gemma2-9b": 9_241_705_984, "t5-3b": 2_851_598_336, "vit-h14": 632_045_800,
+    "mixtral-8x7b": 46_702_792_704, "deepseek-v3": 671_026_404_352,
+    "gemma2-9b": 9_241_705_984, "t5-3b": 2_851_598_336, "vit-h14": 632_045_800,
 }
 
 

@@ -86,3 +86,16 @@ def test_a_transformers_llava_traces_past_its_placeholder_check():
         model, inputs = rm.llava()
     tr = trace(model, inputs)
     assert "aten._local_scalar_dense" in tr.notes[0] and tr.numel == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("on_meta", [True, False])
+def test_a_sorted_router_reads_balanced_counts(on_meta: bool):
+    """``.tolist()`` of per-expert counts: each expert's balanced row count, so the split covers every token."""
+    if on_meta:
+        with torch.device("meta"):
+            model, inputs = rm.sorted_moe()
+    else:
+        model, inputs = rm.sorted_moe()
+    tr = trace(model, inputs)
+    assert "(.tolist()" in tr.notes[0] or "_local_scalar_dense" in tr.notes[0]
+    assert _expert_rows(tr) >= 2 * 2 * 64 * rm.TOP_K
