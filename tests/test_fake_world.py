@@ -168,6 +168,7 @@ def test_a_factory_that_converts_dtypes_runs_on_fake_ranks(factory: str, precisi
     assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes
 
 
+@pytest.mark.integration  # traces the model twice before refusing it
 def test_params_mixed_in_dtype_on_purpose_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from fsdp_planner.cli import main
 

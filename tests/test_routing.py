@@ -24,7 +24,7 @@ def _expert_rows(tr) -> int:  # type: ignore[no-untyped-def]
     return sum(e.flops for e in tr.events if not e.backward) // (2 * first)
 
 
-@pytest.mark.parametrize("on_meta", [True, False])
+@pytest.mark.parametrize("on_meta", [True, pytest.param(False, marks=pytest.mark.integration)])  # fake: seconds
 def test_a_where_router_traces_with_an_equal_share_per_expert(on_meta: bool):
     if on_meta:
         with torch.device("meta"):
@@ -88,7 +88,7 @@ def test_a_transformers_llava_traces_past_its_placeholder_check():
     assert "aten._local_scalar_dense" in tr.notes[0] and tr.numel == sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("on_meta", [True, False])
+@pytest.mark.parametrize("on_meta", [True, pytest.param(False, marks=pytest.mark.integration)])  # fake: seconds
 def test_a_sorted_router_reads_balanced_counts(on_meta: bool):
     """``.tolist()`` of per-expert counts: each expert's balanced row count, so the split covers every token."""
     if on_meta:
