@@ -255,3 +255,10 @@ def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path
         saved[attention] = sum(e.saved for e in tr.events)
     scores = 2 * 4 * 256 * 256 * 2  # layers x heads x seq^2, one bf16 score matrix each
     assert saved["eager"] - saved["flash"] >= scores
+
+
+def test_the_routing_capacity_factor_reaches_hugging_face_experts(tmp_path):
+    lm = load_model(tiny(tmp_path, "tiny-mixtral"))
+    base = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    wide = trace(lm.model, lm.example_inputs, lm.loss_fn, routing=1.5)
+    assert flops(wide) > flops(base)
