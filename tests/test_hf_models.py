@@ -257,6 +257,7 @@ def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path
     assert saved["eager"] - saved["flash"] >= scores
 
 
+@pytest.mark.integration  # two traces of an MoE: a second
 def test_the_routing_capacity_factor_reaches_hugging_face_experts(tmp_path):
     lm = load_model(tiny(tmp_path, "tiny-mixtral"))
     base = trace(lm.model, lm.example_inputs, lm.loss_fn)
