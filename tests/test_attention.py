@@ -87,6 +87,7 @@ def test_eager_keeps_the_score_matrices_that_flash_does_not():
     assert scores <= saved["eager"] - saved["flash"] <= 3 * scores
 
 
+@pytest.mark.integration  # whole commands or two model builds: kept out of the fast subset
 def test_the_plan_records_its_attention_kernel(tmp_path, capsys):
     import json
 

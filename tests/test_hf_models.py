@@ -242,7 +242,7 @@ def test_tiny_deepseek_v3_traces_its_latent_attention(tmp_path):
     assert tr.numel == sum(p.numel() for p in load_model(tiny(tmp_path, "tiny-deepseek-v3")).model.parameters())
 
 
-
+@pytest.mark.integration  # whole commands or two model builds: kept out of the fast subset
 def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path):
     """Gemma 2 (soft-capping): transformers builds it eager and refuses sdpa; --attention flash takes the fused
     stand-in, which keeps no score matrices."""

@@ -54,6 +54,7 @@ def test_a_placeholder_check_passes_and_is_noted():
     assert "aten._local_scalar_dense" in tr.notes[0] and "every element of a mask" in tr.notes[0]
 
 
+@pytest.mark.integration  # whole commands or two model builds: kept out of the fast subset
 def test_plan_prints_the_note_and_a_refused_op_names_the_way_out(tmp_path, capsys):
     assert main(["plan", f"{FIXTURE}:where_moe", "--policy", "module", "--module-classes", "WhereMoE",
                  "--routing", "1.25"]) == 0
