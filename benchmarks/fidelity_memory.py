@@ -47,6 +47,26 @@ HSDP_CASES = [("toy-llama", Mesh(128, 8)), ("llama3-8b", Mesh(8, 8)), ("llama3-8
 # and auto on the 2-D mesh (replicate x shard), all-reduces counted too
 TOLERANCE = 0.05
 
+# --- Attention variants and data-dependent routing (issue 26) ------------------------------------------------------
+# ``python benchmarks/fidelity_memory.py --patterns`` runs only these rows and writes fidelity_memory_patterns.md/json
+# (the full run includes them). The models are in fidelity_models.py's section of the same name.
+PATTERN_MODELS = str(Path(__file__).with_name("fidelity_models.py"))
+PATTERN_CASES = {f"{PATTERN_MODELS}:{fn}": [8, 64] for fn in ("mla", "mha_encoder", "where_moe")}
+
+
+def pattern_rows(options: SimOptions) -> list[dict]:
+    rows = [r for model, worlds in PATTERN_CASES.items() for r in rows_for(model, worlds, options)]
+    for r in rows:  # the table names the model, not the file it is in
+        r["model"] = r["model"].rsplit(":", 1)[-1]
+    return rows
+
+
+PATTERN_NOTES = """These rows check FSDP2's behaviour and the memory accounting on models written with each pattern; the
+kernel and routing are assumptions the two sides share: SDPA takes the fused kernel a GPU picks in both (the trace
+and the fake-world run, ``attention.py``), and the torch.where router the balanced stand-in in both (``routing.py``).
+A real router's imbalance is what ``--routing`` (a capacity factor) plans for."""
+# --- end of issue 26's section -------------------------------------------------------------------------------------
+
 
 def checkpointed(r: dict) -> str:
     """The row's checkpointed modules: in full, op-level."""
@@ -92,20 +112,28 @@ def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool
 def main() -> None:
     started = time.perf_counter()
     options = SimOptions()
+    if "--patterns" in sys.argv[1:]:
+        write_table(pattern_rows(options), time.perf_counter() - started, "fidelity_memory_patterns",
+                    "python benchmarks/fidelity_memory.py --patterns", PATTERN_NOTES)
+        return
     rows = [r for model, worlds in CASES.items() for r in rows_for(model, worlds, options)]
     rows += rows_for(TIMED[0], [TIMED[1]], options, only_auto=True)
     rows += [r for model, world, ac in AC_CASES for r in rows_for(model, [world], options, ac=ac)]
     rows += rows_for(AUTO_AC[0], [AUTO_AC[1]], options, only_auto=True)
     rows += [r for model, mesh in HSDP_CASES for r in rows_for(model, [mesh.size], options, mesh=mesh)]
-    elapsed = time.perf_counter() - started
+    rows += pattern_rows(options)
+    write_table(rows, time.perf_counter() - started, "fidelity_memory", "python benchmarks/fidelity_memory.py")
+
+
+def write_table(rows: list[dict], elapsed: float, name: str, command: str, notes: str = "") -> None:
     out = Path(__file__).parent
-    (out / "fidelity_memory.json").write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1) + "\n")
+    (out / f"{name}.json").write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1) + "\n")
     exact = sum(r["exact"] for r in rows)
     within = sum(abs(r["peak_error"]) <= TOLERANCE for r in rows)
     lines = [
         "# Memory and collective fidelity: prediction vs real FSDP2 (fake process group)",
         "",
-        f"Measured by `python benchmarks/fidelity_memory.py` on {platform.machine()}, torch {torch.__version__}, "
+        f"Measured by `{command}` on {platform.machine()}, torch {torch.__version__}, "
         f"in {elapsed / 60:.1f} min. bf16-mixed precision (bf16 compute and all-gather, fp32 reduce-scatter), "
         "AdamW, `zero_grad()` (set_to_none); the second of two steps. Peak: bytes allocated per rank (live tensor "
         "storages, `runtime/fake_world.py`), the CUDA caching allocator's reserve not included.",
@@ -127,8 +155,8 @@ def main() -> None:
             f"{'yes' if r['exact'] else '**no**'} | {fmt_bytes(p['peak_memory'])} | {fmt_bytes(m['peak_memory'])} | "
             f"{'**' if abs(r['peak_error']) > TOLERANCE else ''}{r['peak_error']:+.1%}"
             f"{'**' if abs(r['peak_error']) > TOLERANCE else ''} | {r['seconds']:.1f} s |")
-    lines += ["", NOTES]
-    (out / "fidelity_memory.md").write_text("\n".join(lines) + "\n")
+    lines += ["", NOTES] + (["", notes] if notes else [])
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -55,3 +55,83 @@ def test_real_tensors_are_left_to_sdpa():
     with GpuAttention():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_value_heads_of_another_size_give_the_value_s_head_size(mask: str | None):
+    """Multi-head latent attention (DeepSeek-V3): query/key heads of 96, value heads of 64."""
+    with torch.device("meta"):
+        q = torch.randn(1, 4, 128, 96, requires_grad=True)
+        k, v = torch.randn(1, 4, 128, 96), torch.randn(1, 4, 128, 64)
+        m = torch.ones(128, 128, dtype=torch.bool).tril() if mask else None
+        with GpuAttention():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None)
+    assert out.shape == (1, 4, 128, 64)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_eager_keeps_the_score_matrices_that_flash_does_not():
+    """--attention eager against flash on a user's SDPA model: the extra saved bytes are of the order of the
+    score matrices (per head, seq x seq: the math path keeps its scores and softmax), the sign always more."""
+    from fsdp_planner.attention import kernel
+
+    with torch.device("meta"):
+        model, x = SelfAttention(), torch.randn(1, SEQ, HEADS * HEAD_DIM)
+    saved = {}
+    for name in ("flash", "eager"):
+        with kernel(name) as k:
+            saved[name] = sum(e.saved for e in trace(model, (x,)).events)
+        assert k.calls == 1
+    scores = HEADS * SEQ * SEQ * 4
+    assert scores <= saved["eager"] - saved["flash"] <= 3 * scores
+
+
+@pytest.mark.integration  # whole commands or two model builds: kept out of the fast subset
+def test_the_plan_records_its_attention_kernel(tmp_path, capsys):
+    import json
+
+    from fsdp_planner.cli import main
+    from fsdp_planner.fsdp2.plan import Plan
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "module", "--attention", "eager", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["attention"] == "eager" and Plan.from_json(out.read_text()).attention == "eager"
+    capsys.readouterr()
+    assert main(["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8"]) == 0
+    assert "the plan was made for --attention eager" in capsys.readouterr().err
+    del data["attention"]  # a plan written before the field: the default kernel
+    assert Plan.from_json(json.dumps(data)).attention == ""
+    data["attention"] = "math"
+    with pytest.raises(Exception, match="plan 'attention' must be one of sdpa, flash, eager"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_a_module_given_one_tensor_twice_still_sees_one():
+    """nn.MultiheadAttention(y, y, y) projects once, packed, when query is key is value; the tracer's hook on its
+    inputs once gave each argument an alias of its own, and the trace took three projections (+12% of peak)."""
+    seen = []
+
+    class Same(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(8, 8)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            seen.append(a is b)
+            return self.w(a) + b
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pre, self.same = nn.Linear(8, 8), Same()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.pre(x)
+            return self.same(y, y)
+
+    with torch.device("meta"):
+        model, x = Outer(), torch.randn(2, 8)
+    trace(model, (x,), reuse=False)
+    assert seen == [True]

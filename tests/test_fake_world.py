@@ -3,6 +3,8 @@ live-bytes counter equal to torch's own MemTracker."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -166,3 +168,45 @@ def test_host_storages_are_counted_apart_from_the_device():
     assert (tracker.current, tracker.host_current, tracker.device_peak) == (170, 140, 40)
     del grad
     assert (tracker.current, tracker.host_current) == (130, 100)
+
+
+DTYPE_MODELS = str(Path(__file__).parent / "fixtures" / "dtype_models.py")
+
+
+@pytest.mark.integration  # real FSDP2 on fake ranks: the full suite runs it
+@pytest.mark.parametrize(("factory", "precision"), [("to_bf16", "pure-bf16"), ("double_then_float", "bf16-mixed")])
+def test_a_factory_that_converts_dtypes_runs_on_fake_ranks(factory: str, precision: str) -> None:
+    """``.to(dtype)`` / ``.float()`` on fake params swapped them with copies, which torch refused
+    (``_apply(): Couldn't swap Linear.weight``): the fake mode's memo held a weak reference to each."""
+    spec = f"{DTYPE_MODELS}:{factory}"
+    options = SimOptions.named(precision)
+    lm = load_model(spec)
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    plan = make_plan(tr, [["blocks.0"], ["blocks.1"]])
+    predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
+    measured = run_fake_world(spec, plan, 8, options.precision)
+    assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
+    assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes
+
+
+@pytest.mark.integration  # traces the model twice before refusing it
+def test_params_mixed_in_dtype_on_purpose_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from fsdp_planner.cli import main
+
+    assert main(["verify", f"{DTYPE_MODELS}:mixed", "--policy", "module", "--module-classes", "Block",
+                 "--fake-world-size", "8", "--precision", "pure-bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bfloat16 and float32" in err[0] and "uniform original parameter dtype" in err[0]
+
+
+@pytest.mark.integration  # real FSDP2 on fake ranks: the full suite runs it
+def test_an_mha_encoder_s_peak_matches_real_fsdp2() -> None:
+    """nn.MultiheadAttention(need_weights=False) takes SDPA's fused kernel on a GPU and in the fake world: the trace
+    must too (its math path saved the score matrices: +186% before)."""
+    spec = str(Path(__file__).parent / "fixtures" / "routing_models.py") + ":mha_encoder"
+    options = SimOptions.named("bf16-mixed")
+    tr = _traced(spec, options)
+    plan = TorchtitanPolicy("EncoderBlock").plan(tr)
+    predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
+    measured = run_fake_world(spec, plan, 8, options.precision)
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)

@@ -27,6 +27,18 @@ TINY = {
     "tiny-mixtral": {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
                      "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 32},
+    # multi-head latent attention: query/key heads of 48 (32 + 16 rotary), value heads of 32
+    "tiny-deepseek-v3": {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                         "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
+                         "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 16, "v_head_dim": 32,
+                         "qk_nope_head_dim": 32, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+                         "first_k_dense_replace": 1, "max_position_embeddings": 64},
+    # soft-capping and sliding windows: transformers builds it eager and refuses sdpa
+    "tiny-gemma2": {"model_type": "gemma2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "max_position_embeddings": 256, "sliding_window": 64, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
 }
 
 
@@ -48,7 +60,8 @@ def traced(spec: str):  # type: ignore[no-untyped-def]
 # The public checkpoints' parameter counts (their config.json numbers built by transformers).
 SHIPPED_PARAMS = {
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "qwen2.5-3b": 3_085_938_688, "gpt2": 124_439_808,
-    "mixtral-8x7b": 46_702_792_704, "t5-3b": 2_851_598_336, "vit-h14": 632_045_800,
+    "mixtral-8x7b": 46_702_792_704, "deepseek-v3": 671_026_404_352,
+    "gemma2-9b": 9_241_705_984, "t5-3b": 2_851_598_336, "vit-h14": 632_045_800,
 }
 
 
@@ -221,3 +234,32 @@ def test_check_names_an_hf_model_s_modules_by_their_real_path(tmp_path):
     assert "of model.embed_tokens, model.norm, lm_head:" in root.message and "model.model." not in root.message
     assert root.fix.startswith("give model.embed_tokens, model.norm, lm_head groups of their own")
     assert "fully_shard(model.model.embed_tokens)" in root.fix  # code: the user's variable, then the path
+
+
+def test_tiny_deepseek_v3_traces_its_latent_attention(tmp_path):
+    """Query/key heads of 48, value heads of 32: the fused stand-in gives the output the value's head size."""
+    tr = traced(tiny(tmp_path, "tiny-deepseek-v3"))
+    assert tr.numel == sum(p.numel() for p in load_model(tiny(tmp_path, "tiny-deepseek-v3")).model.parameters())
+
+
+@pytest.mark.integration  # whole commands or two model builds: kept out of the fast subset
+def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path):
+    """Gemma 2 (soft-capping): transformers builds it eager and refuses sdpa; --attention flash takes the fused
+    stand-in, which keeps no score matrices."""
+    spec = tiny(tmp_path, "tiny-gemma2")
+    saved = {}
+    for attention in ("eager", "flash"):
+        lm = load_model(ModelSpec(spec, seq_len=256, attention=attention))
+        assert hf.attention_of(lm.model) == ("eager" if attention == "eager" else "fsdp_planner_fused")
+        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+        saved[attention] = sum(e.saved for e in tr.events)
+    scores = 2 * 4 * 256 * 256 * 2  # layers x heads x seq^2, one bf16 score matrix each
+    assert saved["eager"] - saved["flash"] >= scores
+
+
+@pytest.mark.integration  # two traces of an MoE: a second
+def test_the_routing_capacity_factor_reaches_hugging_face_experts(tmp_path):
+    lm = load_model(tiny(tmp_path, "tiny-mixtral"))
+    base = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    wide = trace(lm.model, lm.example_inputs, lm.loss_fn, routing=1.5)
+    assert flops(wide) > flops(base)

@@ -6,18 +6,56 @@ it takes the math path, which saves the O(seq^2) attention scores: at seq 8192 t
 no GPU run allocates. The built-in models call ``sdpa``, which runs the fused kernels on
 tensors without data (meta while tracing, fake in the fake-world check), so the trace and real FSDP2 on the fake
 process group both see the GPU's program. ``GpuAttention`` does the same for a user's model while it is traced
-(its SDPA calls are redirected); the fake-world check cannot redirect them (a checkpointed recomputation runs
-outside torch function modes), so there a user's model runs SDPA's CPU choice.
+(its SDPA calls are redirected, ``nn.MultiheadAttention``'s included); the fake-world check cannot use a torch
+function mode (a checkpointed recomputation runs outside them), so it binds ``F.scaled_dot_product_attention`` to
+``sdpa`` for the run (``fused_sdpa_everywhere``).
+
+``kernel`` sets which kernel a planned step assumes (``--attention``): ``sdpa`` (the default) and ``flash`` run the
+fused kernels above (flash-attn saves the same output and log-sum-exp; its soft-capping and sliding windows change
+neither the memory nor, to first order, the time, so a model asking for them runs SDPA's fused kernel while
+planned), ``eager`` the math path, which saves the score matrices. ``calls`` counts the attention calls that took
+the kernel, for the trace's note.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
+
+
+@dataclass
+class Kernel:
+    """The kernel a planned step's attention runs, and how many calls ran it."""
+
+    name: str = "sdpa"
+    calls: int = 0
+
+
+_KERNEL: contextvars.ContextVar[Kernel | None] = contextvars.ContextVar("fsdp_planner_attention", default=None)
+
+
+@contextlib.contextmanager
+def kernel(name: str | None) -> Iterator[Kernel]:
+    """Planned attention inside runs ``name``'s kernel (None: sdpa); yields the count of calls that did."""
+    k = Kernel(name or "sdpa")
+    token = _KERNEL.set(k)
+    try:
+        yield k
+    finally:
+        _KERNEL.reset(token)
+
+
+def current_kernel() -> str:
+    k = _KERNEL.get()
+    return k.name if k is not None else "sdpa"
 
 
 def planned(t: torch.Tensor) -> bool:
@@ -28,12 +66,23 @@ def planned(t: torch.Tensor) -> bool:
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                     enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one."""
+    """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one (or
+    the math path, under ``kernel("eager")``)."""
+    chosen = _KERNEL.get()
+    if chosen is not None:
+        chosen.calls += 1
+    if chosen is not None and chosen.name == "eager":
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
+                                                                 scale=scale, enable_gqa=enable_gqa)[0]
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    if attn_mask is None:
+    if attn_mask is None and v.shape[-1] == q.shape[-1]:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    if attn_mask is None:  # the value's head size differs (MLA): SDPA's flash kernel takes one head size, the
+        # memory-efficient one gives the output the value's (and saves as little)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
+                                                                      scale=scale)[0]
     if attn_mask.dtype == torch.bool:  # SDPA's boolean mask: True takes part
         attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask,
                                                                                             float("-inf"))
@@ -51,12 +100,45 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> to
     return fused_attention(q, k, v, **kwargs) if planned(q) else F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def _planned_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, **kwargs: Any) -> torch.Tensor:
+    """SDPA's positional signature, as ``F.multi_head_attention_forward`` calls it."""
+    return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+
+@contextlib.contextmanager
+def _fused_inside_mha() -> Iterator[None]:
+    """``F.multi_head_attention_forward`` calls SDPA by its module-level name, and a torch function mode runs the
+    function it intercepts with itself switched off, so ``GpuAttention`` never sees that call: the name is bound to
+    ``sdpa`` for the one call, and put back after."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _planned_sdpa  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def fused_sdpa_everywhere() -> Iterator[None]:
+    """``F.scaled_dot_product_attention`` bound to ``sdpa`` while inside, for every caller, a checkpointed call's
+    recomputation and ``nn.MultiheadAttention`` included: what the fake-world check runs, so that a user's model
+    takes there the kernel a GPU picks (and the trace assumed), not the CPU's (the math path, where query/key and
+    value heads differ). Put back on exit."""
+    with _fused_inside_mha():
+        yield
+
+
 class GpuAttention(TorchFunctionMode):
-    """Inside it, SDPA on planned tensors runs ``fused_attention``; real tensors are left to SDPA."""
+    """Inside it, SDPA on planned tensors runs ``fused_attention``, ``nn.MultiheadAttention``'s included (when it is
+    asked for no weights, the call that takes SDPA); real tensors are left to SDPA."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and args and isinstance(args[0], torch.Tensor) \
-                and planned(args[0]) and args[0].dim() == 4:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func is F.scaled_dot_product_attention and first is not None and planned(first) and first.dim() == 4:
             return fused_attention(*args, **kwargs)
+        if func is F.multi_head_attention_forward and first is not None and planned(first):
+            with _fused_inside_mha():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)

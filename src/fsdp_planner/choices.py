@@ -83,6 +83,17 @@ class ExportFormat(str, Enum):
     TORCHTITAN = "torchtitan"
 
 
+class AttentionKernel(Enum):
+    """``--attention``: the attention kernel the user's GPU run uses (``attention.py``)."""
+
+    SDPA = "sdpa"  # what F.scaled_dot_product_attention picks on a GPU: flash, or memory-efficient with a mask
+    FLASH = "flash"  # flash-attn: the same O(seq) memory; soft-capping and sliding windows too
+    EAGER = "eager"  # the math path: the O(seq^2) score matrices saved for backward
+
+
+ATTENTION_NAMES = tuple(k.value for k in AttentionKernel)
+
+
 # The keys of ``sim.options.PRECISIONS`` and ``OPTIMIZERS``, in their order (tests/test_cli_start.py keeps them equal).
 PRECISION_NAMES = ("fp32", "bf16-mixed", "pure-bf16", "autocast", "autocast-nocache")
 OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw")

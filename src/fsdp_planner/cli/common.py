@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 import fsdp_planner.cli.render as render
+from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
@@ -13,9 +15,10 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec, exit_message, load_model
+from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
+from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, data_dependent
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import with_memory_options
 from fsdp_planner.sim.tracing import trace
@@ -35,16 +38,24 @@ def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, ful
 
 def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool, precision: Precision | None,
                 threads: int | None = None, repeats: int = 3) -> Trace:
+    spec = as_spec(spec)
     lm = load_model(spec, meta=True)
     try:
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision=precision or SimOptions().precision,
-                   reuse=not full)
+        with kernel(spec.attention) as attention:
+            tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision=precision or SimOptions().precision,
+                       reuse=not full, routing=spec.routing or DEFAULT_CAPACITY)
     except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
         raise
     except SystemExit as e:  # the model's forward or loss_fn: an error, never a silent exit with its status
         raise PlannerError(exit_message(e, f"running the forward, backward or loss_fn of '{spec}'")) from e
     except Exception as e:
+        failed = failed_at(e)
+        if data_dependent(e, failed.op if failed else None):
+            raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
         raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
+    for line in (*tr.notes, attention_note(spec, lm.model, attention)):
+        if line:
+            notes.print(f"[dim]note: {escape(line)}[/dim]", highlight=False)
     if not measure:
         return tr
     from fsdp_planner.runtime.measure import check_fits, local_device
@@ -72,6 +83,23 @@ def model_error(e: Exception) -> str:
     """What the model raised, led by the op and the module it failed in when an op of the step raised it."""
     failed = failed_at(e)
     return f"{failed.describe() + ' raised ' if failed else ''}{type(e).__name__}: {e}"
+
+
+def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | None:
+    """Which attention kernel the trace assumed: transformers' implementation for an ``hf:`` model, else the
+    kernel its SDPA calls ran. None for a built-in without ``--attention`` (they call the fused kernels, as the
+    README says) and for a model that calls no SDPA."""
+    built = hf.attention_of(model) if hf.is_hf(spec.name) else None  # type: ignore[arg-type]
+    if built is not None:
+        kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
+        saved = "score matrices saved, O(seq^2)" if built == "eager" else "fused kernel, O(seq) saved"
+        built = "flash stand-in" if built == hf.hf_attention.FUSED else built
+        return (f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; "
+                "--attention sdpa|flash|eager plans for another)")
+    if attention.calls == 0 or (spec.name in BUILTINS and spec.attention is None):
+        return None
+    saved = "score matrices saved, O(seq^2)" if attention.name == "eager" else "fused kernel, O(seq) saved"
+    return f"attention traced as {attention.name} ({saved}; --attention changes it)"
 
 
 def _device_hint(e: Exception) -> str:
@@ -131,6 +159,11 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_methods(plan, model)
+    asked = as_spec(model).attention or ""
+    if plan.attention and plan.attention != asked:
+        render.note(f"the plan was made for --attention {plan.attention} and this command traced "
+                    f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
+                    "planned with")
     return plan
 
 

@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable
 
 from fsdp_planner.choices import (
+    ATTENTION_NAMES,
     DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
@@ -116,6 +117,15 @@ def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
     sp.add_argument("--seq", type=positive_int("--seq", MAX_SEQ), default=None,
                     help="sequence length: the factory's seq_len argument, 1 to 10,000,000 (default: the "
                          "factory's); --batch x --seq at most 1e9 tokens")
+    sp.add_argument("--attention", choices=ATTENTION_NAMES, default=None,
+                    help="the attention kernel the real run uses: sdpa (what F.scaled_dot_product_attention runs on "
+                         "a GPU: flash or memory-efficient, O(seq) saved), flash (flash-attn: the same memory, "
+                         "soft-capping too) or eager (the math path: O(seq^2) scores saved); default: sdpa, and a "
+                         "Hugging Face model's own choice (recorded in the plan)")
+    sp.add_argument("--routing", type=float, default=None, metavar="CAPACITY",
+                    help="capacity factor of the balanced-routing stand-in that data-dependent ops (a torch.where "
+                         "or nonzero router, .item() checks) run while planned: each expert gets tokens x top_k / "
+                         "experts x CAPACITY rows (default 1; 0.1 to 64)")
     sp.add_argument("--full-trace", action="store_true",
                     help="trace every module call (slower); by default identical calls of a repeated block are "
                          "traced once, which assumes its forward depends only on its own state and arguments")

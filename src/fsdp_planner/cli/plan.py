@@ -49,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(tr, plans, request)
     if request.out is not None:
         # the precision goes with the plan: export sets it, so the code runs as the numbers assumed
-        write_atomic(request.out, plans[0].copy(precision=request.options.precision.name).checked_json() + "\n")
+        # and the attention kernel it was planned for (--attention; absent: the default)
+        write_atomic(request.out, plans[0].copy(precision=request.options.precision.name,
+                                                attention=request.model.attention or "").checked_json() + "\n")
     if request.json:
         doc = {**_json(request, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
@@ -174,7 +176,8 @@ def _json(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | N
     out: dict[str, Any] = {
         "model": {"name": request.model.name, "fingerprint": tr.fingerprint, "numel": tr.numel},
         "micro_batches": request.options.micro_batches,
-        "plans": [{"plan": p.to_dict(), "metrics": m.to_dict(), **simulation(r)} for p, m, r in rows],
+        "plans": [{"plan": p.copy(attention=request.model.attention or "").to_dict(), "metrics": m.to_dict(),
+                   **simulation(r)} for p, m, r in rows],
     }
     if auto is not None:
         out["auto"] = {"budget": auto.budget, "budget_source": auto.budget_source, "fits": auto.fits,

@@ -166,7 +166,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         raise PlannerError(f"--batch {batch:,} x --seq {seq:,} is {batch * seq:,} tokens per rank; at most "
                            f"{MAX_TOKENS:,} are supported")
     n = micro_batches(args, auto=True)
-    return ModelSpec(args.model, batch // n if batch is not None else None, seq)
+    return ModelSpec(args.model, batch // n if batch is not None else None, seq, getattr(args, "attention", None),
+                     getattr(args, "routing", None))
 
 
 def reshard_after_backward(args: argparse.Namespace) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.choices import PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
+from fsdp_planner.choices import ATTENTION_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
@@ -24,7 +24,7 @@ from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atom
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
-             "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype")
+             "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
@@ -116,6 +116,8 @@ class Plan:
     shard_dims: dict[str, int] = field(default_factory=dict)  # param -> dim it is sharded on, where not 0
     # (fully_shard(shard_placement_fn=...) returning Shard(dim))
     reduce_dtype: str = ""  # MixedPrecisionPolicy.reduce_dtype the user chose ("fp32", "bf16"); "": the precision's
+    attention: str = ""  # the attention kernel the plan was made for (--attention: choices.ATTENTION_NAMES); "": the
+    # default (sdpa, or a Hugging Face model's own implementation)
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -177,6 +179,8 @@ class Plan:
             d["shard_dims"] = dict(self.shard_dims)
         if self.reduce_dtype:
             d["reduce_dtype"] = self.reduce_dtype
+        if self.attention:  # absent: the default kernel, as plans written before it was recorded
+            d["attention"] = self.attention
         return d
 
     def to_json(self) -> str:
@@ -236,7 +240,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 selective_checkpointing=_selective_from_dict(data.get("selective_checkpointing", {})),
                 mesh=_mesh_from_dict(data.get("mesh")),
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
-                precision=_precision_from(data.get("precision", "")), **_memory_options(data))
+                precision=_precision_from(data.get("precision", "")),
+                attention=_attention_from(data.get("attention", "")), **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
 
@@ -274,6 +279,12 @@ def _memory_options(data: dict[str, Any]) -> dict[str, Any]:
     if reduce != "" and reduce not in REDUCE_DTYPES:
         raise PlannerError(f"plan 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {shown_json(reduce)}")
     return {"offload": offload, "shard_dims": dict(dims), "reduce_dtype": reduce}
+
+
+def _attention_from(value: Any) -> str:
+    if value != "" and value not in ATTENTION_NAMES:
+        raise PlannerError(f"plan 'attention' must be one of {', '.join(ATTENTION_NAMES)}, got {shown_json(value)}")
+    return str(value)
 
 
 def _precision_from(value: Any) -> str:

@@ -74,6 +74,11 @@ def check_param_dtypes(precision: Precision, built: set[str]) -> None:
     params give them) must be the precision's param dtype."""
     check_precision(precision)
     storage = str(precision.storage_dtype).removeprefix("torch.")
+    if len(built) > 1:
+        raise PlannerError(f"the model builds its params in {' and '.join(sorted(built))}: the planner models one "
+                           "stored dtype for every param (FSDP2 itself needs one per group: 'FSDP expects uniform "
+                           "original parameter dtype'), so no --precision checks it; build the params in one dtype "
+                           "and let the precision's MixedPrecisionPolicy cast them for compute")
     if built - {storage}:
         raise PlannerError(f"precision '{precision.name}' stores params in {storage} but the model builds them in "
                            f"{', '.join(sorted(built))}: build the model in that dtype or pick a precision that "

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from fsdp_planner.choices import ATTENTION_NAMES
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 from fsdp_planner.models.on_meta import meta_init
@@ -61,6 +62,8 @@ BUILTINS: dict[str, Builtin] = {
     "mixtral-8x7b": Builtin(moe.mixtral_8x7b, "Mixtral 8x7B MoE, 8 experts top-2", False),
 }
 
+MIN_ROUTING, MAX_ROUTING = 0.1, 64.0  # --routing: below, an expert gets almost nothing; above, more than all tokens
+
 # The workload options and the factory keyword each one sets.
 WORKLOAD_OPTIONS = {"batch_size": "--batch", "seq_len": "--seq"}
 
@@ -72,8 +75,16 @@ class ModelSpec:
     name: str
     batch_size: int | None = None
     seq_len: int | None = None
+    attention: str | None = None  # --attention (choices.ATTENTION_NAMES); None: sdpa, or an hf: model's own
+    routing: float | None = None  # --routing: the stand-in's capacity factor (routing.py); None: 1
 
     def __post_init__(self) -> None:
+        if self.attention is not None and self.attention not in ATTENTION_NAMES:
+            raise PlannerError(f"--attention must be one of {', '.join(ATTENTION_NAMES)}, got {self.attention!r}")
+        if self.routing is not None and not (isinstance(self.routing, (int, float)) and not isinstance(
+                self.routing, bool) and MIN_ROUTING <= self.routing <= MAX_ROUTING):
+            raise PlannerError(f"--routing must be a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}, got "
+                               f"{self.routing!r}")
         for key, option in WORKLOAD_OPTIONS.items():
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -102,7 +113,8 @@ class ModelSpec:
         return values
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, **self.kwargs()}
+        extra = {k: getattr(self, k) for k in ("attention", "routing") if getattr(self, k) is not None}
+        return {"name": self.name, **self.kwargs(), **extra}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelSpec:
@@ -264,6 +276,8 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     spec = model_spec.name
     factory = resolve_factory(spec)
     kwargs = factory_kwargs(factory, model_spec)
+    if hf.is_hf(spec) and model_spec.attention is not None:
+        kwargs["attention"] = model_spec.attention  # transformers' attn_implementation (hf.build_model)
     torch.manual_seed(seed)
     try:
         if meta:

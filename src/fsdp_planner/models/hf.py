@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import parse_json, read_text
@@ -59,6 +60,10 @@ SHIPPED: dict[str, ShippedConfig] = {
     "qwen2.5-3b": ShippedConfig("Qwen2.5 3B, tied embeddings (Qwen/Qwen2.5-3B)", 1, 4096),
     "gpt2": ShippedConfig("GPT-2 124M, tied embeddings (openai-community/gpt2)", 8, 1024),
     "mixtral-8x7b": ShippedConfig("Mixtral 8x7B MoE, 8 experts top-2 (mistralai/Mixtral-8x7B-v0.1)", 1, 4096),
+    "deepseek-v3": ShippedConfig("DeepSeek-V3 671B MoE, multi-head latent attention, 256 experts top-8 "
+                                 "(deepseek-ai/DeepSeek-V3)", 1, 4096),
+    "gemma2-9b": ShippedConfig("Gemma 2 9B, soft-capping, sliding windows, tied embeddings (google/gemma-2-9b)", 1,
+                               2048),
     "t5-3b": ShippedConfig("T5 3B, tied embeddings (google-t5/t5-3b); decoder reads seq_len / 4", 1, 1024),
     "vit-h14": ShippedConfig("ViT-H/14 at 224px, 1000 classes (google/vit-huge-patch14-224-in21k)", 32),
 }
@@ -151,18 +156,35 @@ def _auto_class(task: HfTask) -> Any:
 _LOSS_TYPES = {HfTask.CAUSAL_LM: "ForCausalLM", HfTask.IMAGE_CLASSIFICATION: "ForImageClassification"}
 
 
-def build_model(data: dict[str, Any]) -> nn.Module:
+# --attention -> transformers' attn_implementation. flash-attn cannot be loaded without its package (none on a CPU):
+# "flash" builds with ``hf_attention``'s implementation, which runs the fused stand-in while planned (the same O(seq)
+# memory) for any model, soft-capping ones (Gemma 2) included.
+ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "flash": hf_attention.FUSED, "eager": "eager"}
+
+
+def build_model(data: dict[str, Any], attention: str | None = None) -> nn.Module:
     """The model of a config (on the current default device: meta while planning), fp32 params, training mode.
-    Experts layers take the token-balanced routing while planned (``hf_experts``)."""
+    Experts layers take the token-balanced routing while planned (``hf_experts``). ``attention`` (``--attention``)
+    sets the attention implementation; None leaves transformers' own choice."""
     config = _config(data)
+    if attention == "flash":
+        hf_attention.register()
+    chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
     task = task_of(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
-    model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register())
+    model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register(),
+                                          **chosen)
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     return model.train()
+
+
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation transformers built ``model`` with (None: not a transformers model)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
 
 
 def model_loss(output: Any) -> torch.Tensor:
@@ -196,25 +218,28 @@ def check_positions(model: nn.Module, seq_len: int) -> None:
                                f"positions ({name}): give --seq {module.num_embeddings} or less")
 
 
-def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Any]:
-    model = build_model(data)
+def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int,
+                    attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    model = build_model(data, attention)
     check_positions(model, seq_len)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len))
     return model, {"input_ids": ids}, causal_lm_loss(model, ids)
 
 
-def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int) -> tuple[nn.Module, Any, Any]:
+def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int,
+                     attention: str | None = None) -> tuple[nn.Module, Any, Any]:
     """Encoder ids of ``seq_len`` and a quarter as many target ids (T5's span-corruption ratio); the decoder's
     inputs are the targets shifted right, made by the model."""
-    model = build_model(data)
+    model = build_model(data, attention)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     labels = torch.randint(0, vocab, (batch_size, max(1, seq_len // 4)))
     return model, {"input_ids": ids, "labels": labels}, model_loss
 
 
-def build_image_classifier(data: dict[str, Any], batch_size: int) -> tuple[nn.Module, Any, Any]:
-    model = build_model(data)
+def build_image_classifier(data: dict[str, Any], batch_size: int,
+                           attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    model = build_model(data, attention)
     cfg = model.config
     pixels = torch.randn(batch_size, cfg.num_channels, cfg.image_size, cfg.image_size)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))

@@ -7,17 +7,21 @@ groups from the routing (data-dependent offsets; its kernel on meta takes bf16 o
 is registered as one more implementation: while the step is planned (meta or fake tensors) the router still runs
 (its FLOPs and gradient are real) but tokens are dispatched as if the load were perfectly even, ``top_k`` copies
 of every token spread over the experts, so the expert matmuls cost exactly the real top-k compute and every
-expert's weights are read, as in the built-in ``mixtral-8x7b``. On real tensors (``verify``, ``--measure``) it is
-transformers' own ``grouped_mm`` path, routing and all.
+expert's weights are read, as in the built-in ``mixtral-8x7b``. The capacity factor of ``--routing``
+(``routing.py``) scales each expert's rows, as it does for a user's router. On real tensors (``verify``,
+``--measure``) it is transformers' own ``grouped_mm`` path, routing and all.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_planner.attention import planned
+from fsdp_planner.routing import current_capacity
 
 BALANCED = "fsdp_planner_balanced"
 
@@ -38,10 +42,14 @@ def balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     tokens, dim = hidden_states.shape
     top_k, n_experts = top_k_index.shape[-1], self.num_experts
     n = tokens * top_k
-    per_expert = -(-n // n_experts)
+    # an equal share each, times the capacity factor (--routing: room for an uneven load, as a capacity-bound
+    # dispatch pads it), as the stand-in for users' routers (routing.py)
+    per_expert = math.ceil(n / n_experts * current_capacity())
     routed = hidden_states.repeat_interleave(top_k, dim=0)  # (tokens * top_k, dim), as a real dispatch copies
-    if per_expert * n_experts != n:
+    if per_expert * n_experts > n:
         routed = F.pad(routed, (0, 0, 0, per_expert * n_experts - n))
+    elif per_expert * n_experts < n:  # a capacity factor under 1: tokens beyond it dropped
+        routed = routed[:per_expert * n_experts]
     x = routed.view(n_experts, per_expert, dim)
     if self.has_gate:
         up = _project(x, self.gate_up_proj, self.gate_up_proj_bias if self.has_bias else None, self.is_transposed)
@@ -52,7 +60,10 @@ def balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
     out = _project(h, self.down_proj, self.down_proj_bias if self.has_bias else None, self.is_transposed)
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)
-    out = out.reshape(-1, dim)[:n] * top_k_weights.reshape(-1, 1).to(out.dtype)
+    out = out.reshape(-1, dim)[:n]
+    if out.shape[0] < n:
+        out = F.pad(out, (0, 0, 0, n - out.shape[0]))
+    out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
     return out.view(tokens, top_k, dim).sum(dim=1).to(hidden_states.dtype)
 
 

@@ -7,6 +7,8 @@ at once, with their real shapes), and real training steps run: forward, loss, ba
 
 Measured, on the last step (the first creates the optimizer state):
 - collectives and their bytes, by wrapping the ``torch.distributed`` functions FSDP2 calls (``worker.py``);
+- attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed;
+  the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
   unsharded params are storages resized between 0 and their size), uncounted when Python frees it; plus what was
   alive when the step began (sharded params, optimizer state, inputs). ``FSDPMemTracker`` would re-register
@@ -42,10 +44,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
+from fsdp_planner.attention import fused_sdpa_everywhere, kernel
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, mixed_precision
-from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, resolve_factory
+from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
+from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import ZeroGrad
 from fsdp_planner.sim.simulate import StepReport
@@ -85,8 +89,9 @@ def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[
 class LiveBytes(TorchDispatchMode):
     """Bytes of live tensor storages: a running total and its peak (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: float = DEFAULT_CAPACITY) -> None:
         super().__init__()
+        self.stand_in = StandIn(capacity)  # data-dependent ops run the trace's stand-in (routing.py)
         self.current = self.peak = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
@@ -150,7 +155,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         try:
             check_operand_dtypes(func, args)  # fake kernels let a mixed-dtype matmul through; real ones do not
-            out = func(*args, **(kwargs or {}))
+            out = self.stand_in.call(func, args, kwargs or {}, self.calls[-1] if self.calls else ROOT)
         except Exception as e:
             mark(e, op_name(func), self.calls[-1] if self.calls else ROOT)
             raise
@@ -205,6 +210,27 @@ def module_calls(model: torch.nn.Module, calls: list[str]) -> Iterator[None]:
             h.remove()
 
 
+@contextlib.contextmanager
+def swappable_params(mode: FakeTensorMode) -> Iterator[None]:
+    """A factory's ``.to(dtype)``, ``.float()`` or ``.half()`` under the fake mode: ``Module._apply`` swaps a fake
+    param with its converted copy (``torch.utils.swap_tensors``), which refuses a tensor with a weak reference, and
+    the fake mode's converter memo holds one to every tensor it made. The memo is a cache: the two tensors' entries
+    are dropped before each swap, only while the factory runs."""
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+    original = torch.utils.swap_tensors
+
+    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
+            del memo[key]
+        original(t1, t2)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
 def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, tracker: LiveBytes, spec: str) -> None:
     """Forward, loss and backward; what the user's model raises is one line naming the op and the module."""
     try:
@@ -234,13 +260,17 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     spec = model_spec.name
     factory = resolve_factory(spec)
     kwargs = factory_kwargs(factory, model_spec)
+    if hf.is_hf(spec) and model_spec.attention is not None:
+        kwargs["attention"] = model_spec.attention
+    capacity = model_spec.routing or DEFAULT_CAPACITY
     started = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         mesh = device_mesh(plan, "cpu", world_size)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             try:
-                built = factory(**kwargs)
+                with swappable_params(mode):
+                    built = factory(**kwargs)
             except (Exception, SystemExit) as e:
                 raise PlannerError(f"model factory '{spec}' raised {type(e).__name__} under fake tensors: {e}") from e
             model, inputs = built[0], built[1]
@@ -253,15 +283,16 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
             counter = CollectiveCounter()
             args, kwargs = split_inputs(inputs)
-            tracker = LiveBytes()
+            tracker = LiveBytes(capacity)
             if plan.offload:  # each sharded grad is host memory once FSDP2 has made it (module docstring)
                 for p in model.parameters():
                     p.register_post_accumulate_grad_hook(lambda p: tracker.mark_host([p.grad]))
             for _ in range(steps):
-                tracker = LiveBytes()
+                tracker = LiveBytes(capacity)
                 state = [t for s in optimizer.state.values() for t in s.values()]
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
-                with tracker, counter:  # a new tracker per step: the last step's peak is kept
+                # a new tracker per step: the last step's peak is kept
+                with tracker, counter, kernel(model_spec.attention), fused_sdpa_everywhere():
                     if plan.offload:
                         tracker.mark_host([*model.parameters(), *state, *grads])
                     tracker.track([*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0], *state,

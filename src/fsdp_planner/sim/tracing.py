@@ -19,6 +19,7 @@ import torch.nn as nn
 from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.trace.failures import failed_at, first_line
 from fsdp_planner.trace.recorder import trace as record
@@ -50,7 +51,8 @@ def resolve_precision(precision: Precision | str) -> Precision:
 
 
 def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-          precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True) -> Trace:
+          precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True,
+          routing: float = DEFAULT_CAPACITY) -> Trace:
     """One training step of ``model`` traced on meta/fake tensors as FSDP2 runs it under ``precision`` (a name
     such as ``'bf16-mixed'`` or ``'fp32'``, or a ``Precision``; the default is the command line's).
 
@@ -58,6 +60,7 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     so what the model upcasts is recorded at its real size and ``simulate`` with the same precision gives the
     command line's figures. A step that fails in that dtype but runs in the model's own dtypes raises
     ``PrecisionError`` (the real run would crash); one that fails in both raises what the model raised.
+    ``routing`` is the capacity factor of data-dependent ops' stand-in (``routing.py``).
     ``fsdp_planner.trace.trace`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
     real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
     no memory.
@@ -65,11 +68,11 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     precision = resolve_precision(precision)
     dtype = precision.trace_dtype
     try:
-        return record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype)
+        return record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype, routing=routing)
     except Exception as e:
         if dtype is None:
             raise
         cause = e
     # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
-    own = record(model, example_inputs, loss_fn, reuse=reuse)
+    own = record(model, example_inputs, loss_fn, reuse=reuse, routing=routing)
     raise PrecisionError(precision, cause, own) from cause

@@ -91,9 +91,14 @@ class ModuleHooks:
             self.watched.append(None)
         else:
             key = (fqn, call)
-            marked = PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *inputs)
+            # one alias per distinct tensor: a module given one tensor twice or more (nn.MultiheadAttention's
+            # self-attention, query is key is value) must still see one, or it takes another path (three
+            # projections instead of one packed)
+            distinct = list({id(t): t for t in inputs}.values())
+            marked = PostBackwardMarker.apply(lambda: recorder.exit_backward(key), *distinct)
             self.watched.append((marked, tuple(t._version for t in marked)))
-            outs = iter(marked)
+            alias = {id(t): m for t, m in zip(distinct, marked, strict=True)}
+            outs = iter([alias[id(t)] for t in inputs])
             if flat:
                 args = tuple(next(outs) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args)
             else:

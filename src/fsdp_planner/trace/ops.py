@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_planner.routing import StandIn
 from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
@@ -78,8 +79,10 @@ class OpRecorder(TorchDispatchMode):
         return False
 
     def __init__(self, slot: Slot, param_by_id: dict[int, int],
-                 param_by_storage: dict[StorageWeakRef, int], sync: Callable[[], None] | None) -> None:
+                 param_by_storage: dict[StorageWeakRef, int], sync: Callable[[], None] | None,
+                 stand_in: StandIn | None = None) -> None:
         super().__init__()
+        self.stand_in = stand_in or StandIn()  # data-dependent ops on planned tensors (routing.py)
         self.slot = slot
         self.param_by_id, self.param_by_storage = param_by_id, param_by_storage
         self.sync = sync  # set when timing ops: waits for the device
@@ -130,11 +133,12 @@ class OpRecorder(TorchDispatchMode):
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The op itself (timed when measuring), refused first where a real kernel would refuse it and a meta
-        kernel would not (``failures.check_operand_dtypes``; forward only: backward follows what forward did)."""
+        kernel would not (``failures.check_operand_dtypes``; forward only: backward follows what forward did).
+        A data-dependent op on planned tensors runs its stand-in (``routing.py``)."""
         if not self.slot.recorder.backward:
             check_operand_dtypes(func, args)
         if self.sync is None:
-            return func(*args, **kwargs)
+            return self.stand_in.call(func, args, kwargs, self.slot.recorder.current_module())
         self.sync()
         start = time.perf_counter()
         out = func(*args, **kwargs)

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.batch import paused_gc
+from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.session import TraceRequest, TraceSession
 from fsdp_planner.trace.walk import TracedModel
@@ -44,6 +45,7 @@ def trace(
     measure: bool = False,
     reuse: bool = True,
     compute_dtype: torch.dtype | None = None,
+    routing: float = DEFAULT_CAPACITY,
 ) -> Trace:
     """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
 
@@ -57,11 +59,14 @@ def trace(
     params (not buffers) and the floating inputs cast to it, so what the model upcasts (a norm computing in fp32,
     a loss on ``.float()`` logits) is recorded at its real size. Params are recorded with their own dtypes and
     restored after.
+
+    ``routing`` is the capacity factor of the stand-in that data-dependent ops (a ``torch.where`` router, an
+    ``.item()`` check) run while planned (``routing.py``); the trace's ``notes`` say where it stood in.
     """
     if measure and compute_dtype is not None:
         raise ValueError("a measured trace runs the model as it is: no compute_dtype")
     args, kwargs = split_inputs(example_inputs)
-    request = TraceRequest(model, args, kwargs, loss_fn or default_loss, measure, reuse, compute_dtype)
+    request = TraceRequest(model, args, kwargs, loss_fn or default_loss, measure, reuse, compute_dtype, routing)
     with paused_gc():
         return _trace(request)
 

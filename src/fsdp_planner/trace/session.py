@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_planner.attention import GpuAttention
+from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, capacity
 from fsdp_planner.trace.hooks import ModuleHooks
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.methods import MethodFinder, forward_methods
@@ -53,6 +54,7 @@ class TraceRequest:
     measure: bool = False
     reuse: bool = True
     compute_dtype: torch.dtype | None = None
+    routing: float = DEFAULT_CAPACITY  # the capacity factor of data-dependent ops' stand-in (routing.py)
 
 
 def step_inputs(request: TraceRequest) -> tuple[tuple, dict]:
@@ -85,7 +87,8 @@ class TraceSession:
         self.slot = Slot(self.recorder)
         self.param_by_id = {id(p): i for i, p in enumerate(model.param_objs)}
         sync = device_sync(model.param_objs) if request.measure else None
-        self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync)
+        self.stand_in = StandIn(request.routing)
+        self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync, self.stand_in)
         self.hooks = ModuleHooks(model.walk, self.slot)
 
     def _fake_mode(self) -> FakeTensorMode | None:
@@ -131,7 +134,8 @@ class TraceSession:
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:
         """Step 4 of the module docstring."""
-        with self.fake_mode or contextlib.nullcontext(), GpuAttention(), self.ops, saved_tensor_hooks(self.slot):
+        with self.fake_mode or contextlib.nullcontext(), GpuAttention(), self.ops, saved_tensor_hooks(self.slot), \
+                capacity(self.request.routing):
             yield
 
     def _step(self) -> set[int]:
@@ -153,7 +157,8 @@ class TraceSession:
         return Trace(params=tuple(params), modules=modules, events=tuple(events), fingerprint=model.fingerprint,
                      method_calls=dict(recorder.method_calls),
                      compute_itemsize=None if dtype is None else dtype.itemsize,
-                     buffers_nbytes=sum(b.numel() * b.element_size() for b in self.buffers), op_seconds=seconds)
+                     buffers_nbytes=sum(b.numel() * b.element_size() for b in self.buffers), op_seconds=seconds,
+                     notes=tuple(n for n in (self.stand_in.note(),) if n))
 
 
 def _clear_grads(tensors: list[torch.Tensor]) -> None:

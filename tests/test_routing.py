@@ -1,0 +1,102 @@
+"""Data-dependent ops in a planned step (routing.py): a user's torch.where router and a vision-language model's
+placeholder check trace with the balanced stand-in, say so, and a refused op names the way out."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_planner.cli import main
+from fsdp_planner.trace import trace
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+import routing_models as rm
+
+FIXTURE = Path(__file__).parent / "fixtures" / "routing_models.py"
+
+
+def _expert_rows(tr) -> int:  # type: ignore[no-untyped-def]
+    """Rows the experts' first projections ran on: their forward FLOPs over 2 x in x out."""
+    first = rm.DIM * 4 * rm.DIM
+    return sum(e.flops for e in tr.events if not e.backward) // (2 * first)
+
+
+@pytest.mark.parametrize("on_meta", [True, pytest.param(False, marks=pytest.mark.integration)])  # fake: seconds
+def test_a_where_router_traces_with_an_equal_share_per_expert(on_meta: bool):
+    if on_meta:
+        with torch.device("meta"):
+            model, inputs = rm.where_moe()
+    else:
+        model, inputs = rm.where_moe()
+    tr = trace(model, inputs)
+    assert len(tr.notes) == 1 and "aten.nonzero" in tr.notes[0] and "'layers.1'" in tr.notes[0]
+    assert all(p.gets_grad for p in tr.params)  # every expert ran
+    tokens = 2 * 64
+    # each layer: 2 x tokens x top_k rows through the experts' two projections (4 x DIM wide), plus gate and head
+    assert _expert_rows(tr) >= 2 * tokens * rm.TOP_K
+
+
+def test_the_capacity_factor_scales_each_expert_s_rows():
+    with torch.device("meta"):
+        model, inputs = rm.where_moe()
+    base, wide = trace(model, inputs), trace(model, inputs, routing=1.5)
+    assert "capacity factor 1.5" in wide.notes[0]
+    assert _expert_rows(wide) > _expert_rows(base)
+
+
+def test_a_placeholder_check_passes_and_is_noted():
+    with torch.device("meta"):
+        model, inputs = rm.placeholders()
+    tr = trace(model, inputs)
+    assert "aten._local_scalar_dense" in tr.notes[0] and "every element of a mask" in tr.notes[0]
+
+
+@pytest.mark.integration  # whole commands or two model builds: kept out of the fast subset
+def test_plan_prints_the_note_and_a_refused_op_names_the_way_out(tmp_path, capsys):
+    assert main(["plan", f"{FIXTURE}:where_moe", "--policy", "module", "--module-classes", "WhereMoE",
+                 "--routing", "1.25"]) == 0
+    assert "balanced-routing stand-in" in capsys.readouterr().err
+    factory = tmp_path / "bincount.py"
+    factory.write_text("import torch\n"
+                       "class M(torch.nn.Module):\n"
+                       "    def __init__(self):\n"
+                       "        super().__init__(); self.w = torch.nn.Linear(4, 4)\n"
+                       "    def forward(self, x):\n"
+                       "        counts = torch.unique(x.argmax(-1))\n"
+                       "        return self.w(x) * counts.numel()\n"
+                       "def make():\n"
+                       "    return M(), (torch.randn(8, 4),)\n")
+    assert main(["plan", f"{factory}:make", "--policy", "module"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fixed capacity" in err[0], err
+
+
+def test_routing_out_of_range_is_one_line(capsys):
+    assert main(["plan", "toy-llama", "--policy", "module", "--routing", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--routing" in err[0], err
+
+
+@pytest.mark.integration  # building transformers' LLaVA and CLIP modules: seconds
+def test_a_transformers_llava_traces_past_its_placeholder_check():
+    pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model, inputs = rm.llava()
+    tr = trace(model, inputs)
+    assert "aten._local_scalar_dense" in tr.notes[0] and tr.numel == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("on_meta", [True, pytest.param(False, marks=pytest.mark.integration)])  # fake: seconds
+def test_a_sorted_router_reads_balanced_counts(on_meta: bool):
+    """``.tolist()`` of per-expert counts: each expert's balanced row count, so the split covers every token."""
+    if on_meta:
+        with torch.device("meta"):
+            model, inputs = rm.sorted_moe()
+    else:
+        model, inputs = rm.sorted_moe()
+    tr = trace(model, inputs)
+    assert "(.tolist()" in tr.notes[0] or "_local_scalar_dense" in tr.notes[0]
+    assert _expert_rows(tr) >= 2 * 2 * 64 * rm.TOP_K
