@@ -7,7 +7,6 @@ import argparse
 from collections.abc import Callable
 
 from fsdp_planner.choices import (
-    DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
@@ -133,8 +132,9 @@ def add_plan_source(sp: argparse.ArgumentParser) -> None:
 
 def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None:
     sp.add_argument("--cluster", required=cluster_required, help=CLUSTER_HELP)
-    sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                    help=f"fraction of peak FLOP/s matmuls reach, {MIN_MFU} to 1 (default {DEFAULT_MFU})")
+    sp.add_argument("--mfu", type=float, default=None,
+                    help=f"run every op's FLOPs at this one fraction of the peak FLOP/s, {MIN_MFU} to 1, instead of "
+                         "the cluster's roofline (per-kernel efficiencies: docs/model.md#compute)")
     add_precision_options(sp)
     sp.add_argument("--measure", action="store_true",
                     help="time the model's ops for real on this machine (GPU if present) instead of the roofline "

@@ -28,6 +28,10 @@ class OpClass(Enum):
     MAX = 5  # aten.max: float8's amax
 
 
+KERNEL_OTHER = 0
+KERNEL_ATTENTION = -1
+
+
 class Event(NamedTuple):
     """One step of the timeline: a module boundary or an op. (A NamedTuple: a trace holds hundreds of thousands.)"""
 
@@ -46,6 +50,9 @@ class Event(NamedTuple):
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
     op_class: OpClass = OpClass.OTHER  # forward op: what a selective checkpointing policy sees (``OpClass``)
     out_nbytes: int = 0  # forward op: bytes of its outputs' storages (what such a policy keeps when it saves it)
+    kernel: int = 0  # op: which kind of GPU kernel runs it, for the compute model (``sim/compute.py``): k > 0 a
+    # matmul whose smallest dim (of M, N, K) is k; ``KERNEL_ATTENTION`` a fused attention kernel (forward or
+    # backward); ``KERNEL_OTHER`` anything else (its FLOPs, if any, at the matmul rate; its bytes at HBM's)
 
     @property
     def is_op(self) -> bool:
