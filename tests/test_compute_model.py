@@ -4,6 +4,7 @@ a cluster file, and the kernel each traced op records."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -117,3 +118,31 @@ def test_compute_fields_have_defaults_for_partial_sections(tmp_path) -> None:
     c = Cluster.from_dict(d)
     assert c.compute.attention_efficiency == 0.7 and c.compute.matmul_efficiency == H100.matmul_efficiency
     assert isinstance(c.compute, Compute)
+
+
+def test_calibrate_compute_fit_round_trip(tmp_path) -> None:
+    """Op times made by a known roofline are fitted back to its factors, and the cluster file keeps them."""
+    from fsdp_planner.calibrate.compute import MATMUL_DIMS, ComputeSample, fit_compute
+
+    gpu, truth = GPUS["h100"], Compute(0.7, 200.0, 0.4, 0.9, 0.01)
+    peak = gpu.peak_bf16_flops
+    samples = [ComputeSample("matmul", d, 2.0 * d * 8192 ** 2, 0.0,
+                             2.0 * d * 8192 ** 2 / (peak * truth.matmul_fraction(d))) for d in MATMUL_DIMS]
+    samples += [ComputeSample("attention", 0, 1e12, 0.0, 1e12 / (peak * 0.4)),
+                ComputeSample("memory", 0, 0.0, 1e9, 1e9 / (gpu.hbm_bandwidth * 0.9))]
+    fitted = fit_compute(samples, gpu, COMPUTE["h100"], "test")
+    assert fitted.matmul_efficiency == pytest.approx(0.7) and fitted.matmul_half_dim == pytest.approx(200.0)
+    assert fitted.attention_efficiency == pytest.approx(0.4) and fitted.memory_efficiency == pytest.approx(0.9)
+    assert fitted.variation == COMPUTE["h100"].variation  # one GPU cannot see the spread across a cluster
+    replace(parse_cluster("h100:8"), compute=fitted).save(tmp_path / "c.json")
+    assert Cluster.load(tmp_path / "c.json").compute == fitted
+
+
+def test_calibrate_compute_needs_a_gpu(tmp_path, capsys) -> None:
+    from fsdp_planner.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert main(["calibrate", "--compute", "--out", str(tmp_path / "c.json")]) != 0
+    err = capsys.readouterr().err
+    assert "on a CUDA GPU" in err and "Traceback" not in err and not (tmp_path / "c.json").exists()

@@ -169,6 +169,9 @@ def calibrate(sub: Subparsers) -> None:
     sp.add_argument("--overhead", action="store_true",
                     help="time real FSDP2 (fake process group, tiny layers) on this machine's GPU, or CPU when it "
                          "has none, and fit its per-hook, per-param and per-op host cost and its copy bandwidth")
+    sp.add_argument("--compute", action="store_true",
+                    help="time matmuls, fused attention and an elementwise op on this machine's CUDA GPU and fit the "
+                         "roofline's efficiencies (the cluster file's compute section) against --base's peaks")
     sp.add_argument("--backend", choices=["gloo"],
                     help="measure this machine's CPU ranks in a torchrun job instead: gloo collectives over a sweep "
                          "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "
