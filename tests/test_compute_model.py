@@ -146,3 +146,10 @@ def test_calibrate_compute_needs_a_gpu(tmp_path, capsys) -> None:
     assert main(["calibrate", "--compute", "--out", str(tmp_path / "c.json")]) != 0
     err = capsys.readouterr().err
     assert "on a CUDA GPU" in err and "Traceback" not in err and not (tmp_path / "c.json").exists()
+
+
+def test_no_shape_term_is_the_cap() -> None:
+    flat = replace(H100, matmul_half_dim=0.0)
+    with np.errstate(all="raise"):
+        eff = flop_efficiency(np.array([KERNEL_OTHER, 8, 4096]), flat)
+    assert list(eff) == [flat.matmul_efficiency] * 3

@@ -27,7 +27,7 @@ def traced_itemsize(trace: Trace) -> int:
 
 def flop_efficiency(kernel: np.ndarray, compute: Compute) -> np.ndarray:
     """Per event: the fraction of the dense peak its FLOPs run at (``Event.kernel`` says which kernel)."""
-    dims = np.maximum(kernel, 0).astype(np.float64)
+    dims = np.maximum(kernel, 1).astype(np.float64)  # non-matmuls' 1 only keeps the division defined
     matmul = compute.matmul_efficiency * dims / (dims + compute.matmul_half_dim)
     out = np.where(kernel > 0, matmul, compute.matmul_efficiency)
     return np.where(kernel == KERNEL_ATTENTION, compute.attention_efficiency, out)
