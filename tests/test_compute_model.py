@@ -86,7 +86,7 @@ def test_published_hardware_presets() -> None:
     assert (e.nodes, e.gpus_per_node, e.name) == (16, 8, "h100e:128")
     assert e.gpu.hbm_bandwidth == 2.4e12 and e.gpu.memory_bytes == 96_000_000_000  # torchtitan's table
     assert 835e12 < e.gpu.peak_bf16_flops < 989e12  # between H100 NVL and SXM, as torchtitan's footnote says
-    assert GPUS["a100"].peak_bf16_flops == 312e12 and GPUS["a100"].hbm_bandwidth == 2.0e12
+    assert GPUS["a100"].peak_bf16_flops == 312e12 and GPUS["a100"].hbm_bandwidth == 2.039e12  # A100 80GB SXM data sheet
     assert GPUS["h200"].hbm_bandwidth == 4.8e12 and GPUS["h200"].peak_bf16_flops == 989e12
     # FlashAttention-2 reaches more of an A100 than of an H100 (its paper, and FlashAttention-3's)
     assert COMPUTE["a100"].attention_efficiency > COMPUTE["h100"].attention_efficiency

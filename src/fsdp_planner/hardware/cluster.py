@@ -582,7 +582,7 @@ def _check_fits(fits: Fits, label: str, physical: bool) -> None:
 # ---- presets ----------------------------------------------------------------------------------------------
 # Dense (no sparsity) bf16 tensor-core peak, fp32 peak, HBM bandwidth and capacity, from NVIDIA's data sheets:
 # H100 SXM5 and H200 SXM (1,979 TFLOP/s bf16 with sparsity = 989 dense; 67 TFLOP/s fp32; 3.35 / 4.8 TB/s),
-# A100 SXM4 80GB (312 TFLOP/s bf16; 19.5 fp32; 2.0 TB/s), HGX B200 (36 PFLOP/s sparse bf16 and 600 TFLOP/s fp32
+# A100 SXM4 80GB (312 TFLOP/s bf16; 19.5 fp32; 2,039 GB/s), HGX B200 (36 PFLOP/s sparse bf16 and 600 TFLOP/s fp32
 # per 8 GPUs; 8 TB/s). fp32 uses the non-tensor peak: PyTorch's default matmul precision is "highest"
 # (torch.backends.cuda.matmul.allow_tf32 is False), so fp32 matmuls do not run on TF32 tensor cores.
 # h100e: the H100 of Meta's Grand Teton hosts that torchtitan's published Llama 3 runs used (pytorch/torchtitan
@@ -594,7 +594,7 @@ GPUS: dict[str, GPU] = {
     "h100": GPU("H100-SXM-80GB", 989e12, 67e12, 3.35e12, 80_000_000_000),
     "h100e": GPU("H100-SXM-96GB-HBM2e-500W", 912e12, 61.8e12, 2.4e12, 96_000_000_000),
     "h200": GPU("H200-SXM-141GB", 989e12, 67e12, 4.8e12, 141_000_000_000),
-    "a100": GPU("A100-SXM4-80GB", 312e12, 19.5e12, 2.0e12, 80_000_000_000),
+    "a100": GPU("A100-SXM4-80GB", 312e12, 19.5e12, 2.039e12, 80_000_000_000),
     "b200": GPU("B200-180GB", 2250e12, 75e12, 8.0e12, 192_000_000_000),
 }
 
