@@ -153,3 +153,18 @@ def test_no_shape_term_is_the_cap() -> None:
     with np.errstate(all="raise"):
         eff = flop_efficiency(np.array([KERNEL_OTHER, 8, 4096]), flat)
     assert list(eff) == [flat.matmul_efficiency] * 3
+
+
+@pytest.mark.integration  # two traces of Llama 3 8B (~8 s): the full suite runs it
+def test_published_h100_runs_within_ten_percent(capsys) -> None:
+    """torchtitan's published Llama 3 8B rows (benchmarks/fidelity_published.md): 5,762 tokens/s/GPU on 8 H100s,
+    5,605 on 128; the prediction stays within 10% and 128 GPUs are slower per GPU than 8, as published."""
+    from fsdp_planner.cli import main
+
+    tps = {}
+    for gpus in (8, 128):
+        assert main(["simulate", "llama3-8b", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early",
+                     "--batch", "2", "--seq", "8192", "--cluster", f"h100e:{gpus}", "--json"]) == 0
+        tps[gpus] = 2 * 8192 / json.loads(capsys.readouterr().out)["step_time"]
+    assert tps[8] == pytest.approx(5762, rel=0.10) and tps[128] == pytest.approx(5605, rel=0.10)
+    assert tps[128] < tps[8]

@@ -23,7 +23,7 @@ from fsdp_planner.choices import (
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count
 
-CLUSTER_HELP = "preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file"
+CLUSTER_HELP = "preset and GPU count (h100:64, h100e:128, a100:16, b200:8, h200:512) or a cluster JSON file"
 
 
 # The workload a model is traced with: beyond these the factory's tensors overflow torch's int64 sizes (a 16-line
