@@ -77,7 +77,9 @@ NOTES = [
     "shows where the terms pull: the matmul cap alone is 7-22% fast, fused attention at FlashAttention-2's "
     "published rates brings every row within 3%, and the memory-bound term (80% of HBM bandwidth) and the "
     "slowest rank then take 4-9% off. The old constant (--mfu 0.5) was 31-33% slow on the A100 rows. No factor was "
-    "fitted to these rows; each is the cited figure.",
+    "fitted to these rows; each is the cited figure, except the A100's matmul cap (0.85), an estimate that the "
+    "A100 runs' published 57-58% MFU informed (no cuBLAS sweep was found): the A100 rows are not an independent "
+    "check of it.",
     "- 8 -> 128 GPUs: the published run loses 2.7% tokens/s/GPU and the prediction about half of that, from the "
     "slowest-rank term (the expected slowest of 128 GPUs against that of 8, at the SC22 spread); the collectives "
     "add ~0.1% (they stay hidden behind an 8B block's compute even across nodes). The rest is not modelled: NCCL's "

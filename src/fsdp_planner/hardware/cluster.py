@@ -602,9 +602,10 @@ GPUS: dict[str, GPU] = {
 # - Attention: PyTorch's flash SDPA kernel is FlashAttention-2. Its paper (Dao, arXiv:2307.08691) reports 50-73% of
 #   the A100's peak (forward; backward lower) -> 0.6; the FlashAttention-3 paper (Shah et al., arXiv:2407.08608)
 #   reports FlashAttention-2 at 35% of the H100's -> 0.35 on Hopper (H100, H200), and B200 assumed alike.
-# - Matmul cap: large bf16 cuBLAS GEMMs; published runs reach ~75% of the dense peak on Hopper and Blackwell (B200
-#   cuBLAS 8192^3: 1,610 of 2,250 TFLOP/s, 72%, pyptx.dev/performance) and more on Ampere, whose tensor cores are
-#   easier to feed -> 0.75 on H100/H200/B200, 0.85 on A100 (estimates within those reports).
+# - Matmul cap: large bf16 cuBLAS GEMMs reach ~72-75% of the dense peak on Blackwell and Hopper (B200 cuBLAS
+#   8192^3: 1,610 of 2,250 TFLOP/s, 72%, pyptx.dev/performance) -> 0.75 on H100/H200/B200. A100: 0.85, an estimate
+#   (no published cuBLAS sweep was found; torchtitan's A100 runs reach 57-58% MFU end to end, docs/performance.md,
+#   which with attention and memory-bound time needs matmuls well above 0.75). calibrate --compute measures it.
 # - Matmul shape: efficiency x d / (d + 128) in the smallest dim d: half the cap at d = 128, one cuBLAS tile (the
 #   guide's 128x128 / 256x128 tiles), 89% of it at d = 1,024 (tile and wave quantization, NVIDIA's Matrix
 #   Multiplication Background User's Guide, DU-09799-001).
