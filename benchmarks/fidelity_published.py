@@ -73,7 +73,7 @@ NOTES = [
     "parts, and the preset takes the midpoint, 912: an estimate, worth about +-8% on compute-bound rows. The A100 "
     "rows' interconnect is not stated in docs/performance.md; the `a100` preset's 200 Gb/s per GPU is assumed (the "
     "8B and 70B rows hide their communication either way: exposed communication under 1% of the step).",
-    "- Tokens/s/GPU: every in-scope row is predicted within 10%, all on the slow side (-4% to -9%). The ablation "
+    "- Tokens/s/GPU: every in-scope row is predicted within 10%, all on the slow side (-3% to -8%). The ablation "
     "shows where the terms pull: the matmul cap alone is 7-22% fast, fused attention at FlashAttention-2's "
     "published rates brings every row within 3%, and the memory-bound term (80% of HBM bandwidth) and the "
     "slowest rank then take 4-9% off. The old constant (--mfu 0.5) was 31-33% slow on the A100 rows. No factor was "
