@@ -609,8 +609,9 @@ GPUS: dict[str, GPU] = {
 # - Matmul shape: efficiency x d / (d + 128) in the smallest dim d: half the cap at d = 128, one cuBLAS tile (the
 #   guide's 128x128 / 256x128 tiles), 89% of it at d = 1,024 (tile and wave quantization, NVIDIA's Matrix
 #   Multiplication Background User's Guide, DU-09799-001).
-# - Memory-bound ops: copy and triad kernels sustain ~90-92% of the data-sheet HBM bandwidth on H100 (~3.0-3.1 of
-#   3.35 TB/s measured); eager PyTorch elementwise ops (several inputs, strided reads) less -> 0.8 everywhere.
+# - Memory-bound ops: copy and triad kernels sustain ~90-92% of the data-sheet HBM bandwidth on H100 (published
+#   STREAM-style runs: a device-to-device copy at ~3.1 of 3.35 TB/s); eager PyTorch elementwise ops (several inputs,
+#   strided reads, small tensors) reach less -> 0.8 everywhere, an estimate below that ceiling.
 # - Variation: Sinha et al., "Not All GPUs Are Created Equal" (SC22, arXiv:2208.11035): 8% average performance
 #   variation across the same SKU's GPUs of a cluster (max 22%; outliers 1.5x slower). Read as the range of
 #   thousands of GPUs, about 6.5 standard deviations: 0.08 / 6.5 = 1.2% standard deviation -> 0.012.
