@@ -86,7 +86,7 @@ NOTES = [
     "kernels compete with overlapped compute: on A100s a GEMM took 2.08 ms beside an all-gather against 1.18 ms "
     "alone (NVIDIA/nccl#1428; the maintainer: they compete for HBM bandwidth, 2-3 bytes of HBM traffic per byte "
     "sent). That cost follows the bytes moved, which are the same at 8 and 128 GPUs, so it would slow both rows "
-    "(about 60-70 ms a step at 2.5 HBM bytes per collective byte over 2.4 TB/s) rather than explain the trend; "
+    "(about 60 ms a step: ~55 GB sent per rank, 2.5 HBM bytes each, at 2.4 TB/s) rather than explain the trend; "
     "it is not modelled for want of a figure for FSDP2's own overlap.",
     "- Memory (missed, the issue stays open on it): the predicted reserved peak is 17% low at 8 GPUs and 14% low at "
     "128. The predicted drop from 8 to 128 (-10.5 GiB) is the sharded state (fp32 params and AdamW's two states, "
