@@ -375,7 +375,7 @@ def main() -> None:
         f"Measured by `python benchmarks/plan_quality.py` ({elapsed:.0f} s on {platform.machine()}, Python "
         f"{platform.python_version()}, load average {load:.1f} on {os.cpu_count()} cores at its end); every number "
         "is the step simulator's (bf16 mixed precision, AdamW, "
-        "MFU 0.5, roofline op times, activations at their traced dtypes), for the built-in models' example batches "
+        "the cluster's compute roofline, activations at their traced dtypes), for the built-in models' example batches "
         "(one sequence of 8192 tokens per GPU for the Llamas).",
         "",
         "Cells: step time / exposed communication / memory reserved per rank (the allocated peak plus the caching "

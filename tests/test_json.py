@@ -58,7 +58,7 @@ def test_plan_simulate_cost_memory_models(capsys):
     d = run_json(capsys, "models")
     assert {"toy-llama", "llama3-8b", "hf:llama3-8b"} <= {m["name"] for m in d["models"]}
     assert all(set(m) == {"name", "description", "workload", "trainable", "needs"} for m in d["models"])
-    assert {p["name"] for p in d["cluster_presets"]} == {"h100", "h200", "a100", "b200"}
+    assert {p["name"] for p in d["cluster_presets"]} == {"h100", "h100e", "h200", "a100", "b200"}
     assert all("2-core x86 host" in p["host_figures"] for p in d["cluster_presets"])  # where they were measured
 
 

@@ -135,7 +135,7 @@ def test_presets() -> None:
     assert PRECISIONS["autocast"].weight_cache and not PRECISIONS["autocast-nocache"].weight_cache
     assert OPTIMIZERS["sgd"].state_bytes_per_element(4) == 0
     assert OPTIMIZERS["sgd-momentum"].state_bytes_per_element(2) == 2
-    assert SimOptions() == SimOptions.named("bf16-mixed", "adamw", 0.5)  # the one set of defaults
+    assert SimOptions() == SimOptions.named("bf16-mixed", "adamw", None)  # the one set of defaults: the roofline
 
 
 @pytest.mark.parametrize("call", [lambda: precision_named("fp8"), lambda: optimizer_named("lion"),

@@ -100,12 +100,3 @@ OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw")
 
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"
-# The fraction of the GPU's dense peak FLOP/s that every op's FLOPs run at in the roofline estimate (sim/compute.py:
-# max(FLOPs / (peak x MFU), bytes / HBM bandwidth)), the most influential figure of the compute model. 0.5 is the
-# middle of the 40-60% that transformer matmuls reach in published runs (torchtitan docs/performance.md: Llama 3 70B
-# on 64 A100s with full AC, 51.7% MFU; shared/reference/facts.md). Checked against torchtitan's Llama 3 8B table
-# (8 H100s, batch 2, seq 8192, measured 5,762 tokens/s/GPU, with op-level selective checkpointing): `simulate
-# llama3-8b --policy titan --ac op --batch 2 --seq 8192 --cluster h100:8` predicts 5,941 (+3.1%; every second
-# block in full, `--ac selective`, would give 5,801). One constant for every op shape is a simplification:
-# measured op times (`--measure`, calibrate) replace it.
-DEFAULT_MFU = 0.5

@@ -13,13 +13,14 @@ from pathlib import Path
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
+from fsdp_planner.calibrate.compute import fit_compute, measure_compute
 from fsdp_planner.calibrate.gloo import MAX_NPROC, calibrate_gloo
 from fsdp_planner.calibrate.nccl_logs import calibrate
 from fsdp_planner.calibrate.overhead import OverheadMeasurement, measure_overhead
 from fsdp_planner.cli.commands import CALIBRATE_BASE as DEFAULT_BASE
 from fsdp_planner.cli.paths import output_file
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import json_text
+from fsdp_planner.fmt import json_text, printable
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 
 
@@ -28,13 +29,23 @@ def run(args: argparse.Namespace) -> int:
         return run_gloo(args)
     if args.nproc != 2:
         render.note("--nproc has no effect without --backend gloo")
-    if not args.logs and not args.overhead:
-        raise PlannerError("calibrate needs nccl-tests logs, --overhead, --backend gloo, or logs and --overhead")
+    if not args.logs and not args.overhead and not args.compute:
+        raise PlannerError("calibrate needs nccl-tests logs, --overhead, --compute or --backend gloo (logs, "
+                           "--overhead and --compute combine)")
     out = output_file(args.out, force=args.force)
     assert out is not None
     base = parse_cluster(args.base) if args.base else None
     cluster = calibrate(args.logs, base) if args.logs else base or parse_cluster(DEFAULT_BASE)
     measured = None
+    if args.compute:
+        samples = measure_compute()
+        cluster = dataclasses.replace(cluster, compute=fit_compute(
+            samples, cluster.gpu, cluster.compute, f"calibrate --compute on {_gpu_name()}"))
+        if not args.json:
+            c = cluster.compute
+            render.console.print(f"compute: matmul {c.matmul_efficiency:.0%} of peak (half at dim "
+                                 f"{c.matmul_half_dim:.0f}), attention {c.attention_efficiency:.0%}, memory-bound "
+                                 f"{c.memory_efficiency:.0%} of HBM bandwidth")
     if args.overhead:
         cluster, measured = _with_measured_overhead(cluster)
         if not args.json:
@@ -53,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_name() -> str:
+    import torch
+
+    return printable(torch.cuda.get_device_name())[:200]
+
+
 def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurement]:
     with render.progress("timing real FSDP2 (fake process group) with 1 to 256 groups"):
         m = measure_overhead()
@@ -67,9 +84,9 @@ def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurem
 
 def run_gloo(args: argparse.Namespace) -> int:
     """``--backend gloo --nproc N``: the cluster of N CPU ranks, measured in a torchrun job."""
-    if args.logs or args.overhead or args.base:
+    if args.logs or args.overhead or args.base or args.compute:
         raise PlannerError("--backend gloo measures this machine's CPU ranks on its own: give no nccl-tests logs, "
-                           "--overhead or --base with it")
+                           "--overhead, --compute or --base with it")
     if not 2 <= args.nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} with --backend gloo (a collective needs two "
                            f"ranks), got {args.nproc}")

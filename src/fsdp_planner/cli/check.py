@@ -36,7 +36,6 @@ DEFAULT_POLICY = PolicyName.MODULE  # what hand-written FSDP code does most: eac
 def run(args: argparse.Namespace) -> int:
     if args.plan and args.policy:
         raise PlannerError("give at most one of --plan FILE or --policy NAME")
-    args.mfu = args.mfu if args.mfu is not None else 0.5
     options, cluster = sim_options(args), cluster_or_none(args)
     tr, findings = _model(args, options)
     fsdp1 = args.target == Target.FSDP1.value

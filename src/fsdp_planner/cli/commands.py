@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_planner.choices import DEFAULT_MFU, DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
+from fsdp_planner.choices import DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
 from fsdp_planner.cli.options import (
     CLUSTER_HELP,
     MIN_MFU,
@@ -73,8 +73,9 @@ def fit(sub: Subparsers) -> None:
     add_model(sp)
     add_auto_options(sp)
     sp.add_argument("--cluster", required=True, help=CLUSTER_HELP + "; with --gpus auto, without a count")
-    sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                    help=f"fraction of peak FLOP/s matmuls reach, {MIN_MFU} to 1 (default {DEFAULT_MFU})")
+    sp.add_argument("--mfu", type=float, default=None,
+                    help=f"run every op's FLOPs at this one fraction of the peak FLOP/s, {MIN_MFU} to 1, instead of "
+                         "the cluster's roofline (per-kernel efficiencies: docs/model.md#compute)")
     add_precision_options(sp)
     sp.set_defaults(measure=False)
     add_memory_options(sp)
@@ -204,6 +205,9 @@ def calibrate(sub: Subparsers) -> None:
     sp.add_argument("--overhead", action="store_true",
                     help="time real FSDP2 (fake process group, tiny layers) on this machine's GPU, or CPU when it "
                          "has none, and fit its per-hook, per-param and per-op host cost and its copy bandwidth")
+    sp.add_argument("--compute", action="store_true",
+                    help="time matmuls, fused attention and an elementwise op on this machine's CUDA GPU and fit the "
+                         "roofline's efficiencies (the cluster file's compute section) against --base's peaks")
     sp.add_argument("--backend", choices=["gloo"],
                     help="measure this machine's CPU ranks in a torchrun job instead: gloo collectives over a sweep "
                          "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "

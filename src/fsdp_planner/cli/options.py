@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from fsdp_planner.choices import (
     ATTENTION_NAMES,
-    DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
@@ -25,7 +24,7 @@ from fsdp_planner.choices import (
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count
 
-CLUSTER_HELP = "preset and GPU count (h100:64, a100:16, b200:8, h200:512) or a cluster JSON file"
+CLUSTER_HELP = "preset and GPU count (h100:64, h100e:128, a100:16, b200:8, h200:512) or a cluster JSON file"
 
 
 # The workload a model is traced with: beyond these the factory's tensors overflow torch's int64 sizes (a 16-line
@@ -156,8 +155,9 @@ def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None
     sp.add_argument("--cluster", help=CLUSTER_HELP + (" (required; with --from-torchtitan or --from-accelerate a "
                                                       "preset name alone: the config gives the GPU count)"
                                                       if cluster_required else ""))
-    sp.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                    help=f"fraction of peak FLOP/s matmuls reach, {MIN_MFU} to 1 (default {DEFAULT_MFU})")
+    sp.add_argument("--mfu", type=float, default=None,
+                    help=f"run every op's FLOPs at this one fraction of the peak FLOP/s, {MIN_MFU} to 1, instead of "
+                         "the cluster's roofline (per-kernel efficiencies: docs/model.md#compute)")
     add_precision_options(sp)
     sp.add_argument("--measure", action="store_true",
                     help="time the model's ops for real on this machine (GPU if present) instead of the roofline "

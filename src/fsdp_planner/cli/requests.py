@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_planner.choices import (
-    DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
@@ -219,7 +218,7 @@ def compare_source(args: argparse.Namespace) -> PlanSource | None:
 
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
-    if not MIN_MFU <= args.mfu <= 1:  # NaN too
+    if args.mfu is not None and not MIN_MFU <= args.mfu <= 1:  # NaN too
         raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
                            f"{args.mfu:g}")
     return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True),
@@ -294,7 +293,7 @@ def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool
     notes = policy_notes(args, ran, why, budgeted=simulated)
     if not simulated:
         # (--precision is read without a cluster too: the model is traced in its compute dtype)
-        given = [opt for opt, value, default in (("--mfu", args.mfu, DEFAULT_MFU),
+        given = [opt for opt, value, default in (("--mfu", args.mfu, None),
                                                   ("--optimizer", args.optimizer, DEFAULT_OPTIMIZER))
                  if value != default]
         if given:

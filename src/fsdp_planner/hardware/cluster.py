@@ -16,6 +16,7 @@ from dataclasses import InitVar, asdict, dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from enum import Enum
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any, NamedTuple
 
 from fsdp_planner.errors import PlannerError
@@ -104,6 +105,39 @@ class Overhead:
 NO_OVERHEAD = Overhead(0.0, 0.0, math.inf, source="none: an ideal host and free copies")
 
 
+@dataclass(frozen=True)
+class Compute:
+    """How close each kind of GPU kernel comes to the data-sheet peaks: the roofline's factors (``sim/compute.py``).
+
+    An op takes ``max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x memory_efficiency))``. A matmul's
+    efficiency rises with its smallest dim d (of M, N, K) and saturates: ``matmul_efficiency x d / (d +
+    matmul_half_dim)`` (small tiles and partial waves leave the tensor cores idle: NVIDIA's Matrix Multiplication
+    Background User's Guide); a fused attention kernel runs at ``attention_efficiency``. ``variation`` is the
+    relative standard deviation of one GPU's speed across a cluster: a synchronous step waits for its slowest rank,
+    which grows with the world size (``slowest_rank_factor``). The presets cite their sources (below); ``calibrate
+    --compute`` fits the first four from op times measured on a GPU.
+    """
+
+    matmul_efficiency: float  # a large matmul's fraction of the dense peak
+    matmul_half_dim: float  # the smallest dim at which a matmul reaches half of matmul_efficiency
+    attention_efficiency: float  # fused attention (flash / memory-efficient SDPA, forward and backward)
+    memory_efficiency: float  # memory-bound ops' fraction of the HBM bandwidth
+    variation: float = 0.0  # relative standard deviation of per-GPU speed across the cluster
+    source: str = ""
+
+    def matmul_fraction(self, dim: float) -> float:
+        """The fraction of the dense peak a matmul whose smallest dim is ``dim`` reaches."""
+        return self.matmul_efficiency * dim / (dim + self.matmul_half_dim)
+
+
+def slowest_rank_factor(variation: float, ranks: int) -> float:
+    """How much longer a step synchronised over ``ranks`` GPUs takes than one GPU of median speed: 1 + variation x
+    the expected largest of ``ranks`` standard normal draws (Blom's approximation; 0 for one rank)."""
+    if ranks <= 1 or variation <= 0:
+        return 1.0
+    return 1.0 + variation * NormalDist().inv_cdf((ranks - 0.375) / (ranks + 0.25))
+
+
 class Engine(Enum):
     """How a rank runs its step, which decides what can overlap (``sim/streams.py``, ``sim/host_engine.py``).
 
@@ -141,6 +175,8 @@ class Cluster:
     tables: Tables = field(default_factory=dict, hash=False)
     host_copy_bandwidth: float = PCIE5_ONE_WAY  # bytes/s each way between a GPU and its host (CPUOffloadPolicy)
     cpu_optimizer_rate: float = CPU_ADAMW_RATE  # elements/s of the optimizer step on the host (CPUOffloadPolicy)
+    # how close kernels come to the GPU's peaks (the roofline's factors); a file without it: the H100's
+    compute: Compute = field(default_factory=lambda: COMPUTE["h100"])
 
     where: InitVar[str | None] = None  # how errors name it, e.g. "cluster file c.json"; default: its name
     physical: InitVar[bool] = False  # read from a file: its figures are held to the physical ranges too
@@ -183,6 +219,7 @@ class Cluster:
             "tables": {k: [[n, t] for n, t in rows] for k, rows in self.tables.items()},
             "host_copy_bandwidth": self.host_copy_bandwidth,
             "cpu_optimizer_rate": self.cpu_optimizer_rate,
+            "compute": asdict(self.compute),
         }
 
     def to_json(self) -> str:
@@ -223,6 +260,11 @@ class Cluster:
                                 module_seconds=_num(d, "overhead.module_seconds", where, 0.0),
                                 source=source)
         tables = _tables_from(d.get("tables") or {}, where)
+        compute = COMPUTE["h100"]
+        if "compute" in d:
+            compute = Compute(**{f.name: _get(d, f"compute.{f.name}", where, "") if f.name == "source"
+                                 else _num(d, f"compute.{f.name}", where, getattr(compute, f.name))
+                                 for f in dataclass_fields(Compute)})
         engine = _get(d, "engine", where, Engine.STREAMS.value)
         if not isinstance(engine, str) or engine not in {e.value for e in Engine}:
             raise PlannerError(f"the {where} field 'engine' must be one of {', '.join(e.value for e in Engine)}, "
@@ -241,6 +283,7 @@ class Cluster:
             tables=tables,
             host_copy_bandwidth=_num(d, "host_copy_bandwidth", where, PCIE5_ONE_WAY),
             cpu_optimizer_rate=_num(d, "cpu_optimizer_rate", where, CPU_ADAMW_RATE),
+            compute=compute,
             where=where,
             physical=True,
         )
@@ -373,6 +416,9 @@ ELEMENT_RATE = Range(1e3, 1e13, "elements/s")  # a CPU optimizer step: from a sl
 HALF_BW = Range(0.0, 1e10, "B")
 RING_OVERHEAD = Range(0.0, 2.0, "", physical=False)
 HOST_SECONDS = Range(0.0, 1.0, "s", physical=False)
+EFFICIENCY = Range(0.0, 1.0, "", low_open=True)  # a fraction of a peak: above 0, at most all of it
+HALF_DIM = Range(0.0, 1e6, "")  # elements of a matmul dim
+VARIATION = Range(0.0, 0.5, "")  # relative standard deviation of GPU speed: half the median is far beyond any cluster
 TABLE_BYTES = Range(1, 1e13, "B")
 TABLE_SECONDS = Range(0.0, 1e3, "s", low_open=True)
 MAX_NAME = 1000  # characters of a cluster's or a GPU's name
@@ -433,12 +479,13 @@ def _check_cluster(c: Cluster, label: str, physical: bool = False) -> None:
     _check_range(label, "cpu_optimizer_rate", c.cpu_optimizer_rate, ELEMENT_RATE, physical)
     _check_tables(c.tables, label, physical)
     _check_fits(c.fits, label, physical)
+    _check_compute(c.compute, label)
 
 
 def _check_known_keys(d: dict, where: str) -> None:
     """Every key is one a cluster file has (what ``to_dict`` writes): a typo such as ``ring_overhed`` would
     otherwise leave the default in place without a word."""
-    sections = {"gpu": GPU, "intra": Link, "inter": Link, "overhead": Overhead}
+    sections = {"gpu": GPU, "intra": Link, "inter": Link, "overhead": Overhead, "compute": Compute}
     known = {"version", "name", "gpus_per_node", "nodes", "nics_per_node", "fits", "engine", "tables",
              "host_copy_bandwidth", "cpu_optimizer_rate", *sections}
     for key in d:
@@ -497,6 +544,15 @@ def _check_overhead(overhead: Overhead, engine: Engine, label: str, physical: bo
     _check_text(label, "overhead.source", overhead.source, MAX_SOURCE)
 
 
+def _check_compute(compute: Compute, label: str) -> None:
+    """The roofline's factors: efficiencies in (0, 1], a half-efficiency dim and a speed variation in range."""
+    for attr in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        _check_range(label, f"compute.{attr}", getattr(compute, attr), EFFICIENCY, True)
+    _check_range(label, "compute.matmul_half_dim", compute.matmul_half_dim, HALF_DIM, True)
+    _check_range(label, "compute.variation", compute.variation, VARIATION, True)
+    _check_text(label, "compute.source", compute.source, MAX_SOURCE)
+
+
 def _check_tables(tables: Tables, label: str, physical: bool) -> None:
     """Measured collectives: two or more rows of a known collective, sizes ascending, sizes and times in range."""
     for kind, rows in tables.items():
@@ -523,17 +579,54 @@ def _check_fits(fits: Fits, label: str, physical: bool) -> None:
             _check_range(label, f"fits.{kind}.{n} bandwidth", bw, BANDWIDTH._replace(infinite=False), physical)
 
 
-# ---- presets ---------------------------------------------------------------------------------------------
+# ---- presets ----------------------------------------------------------------------------------------------
 # Dense (no sparsity) bf16 tensor-core peak, fp32 peak, HBM bandwidth and capacity, from NVIDIA's data sheets:
 # H100 SXM5 and H200 SXM (1,979 TFLOP/s bf16 with sparsity = 989 dense; 67 TFLOP/s fp32; 3.35 / 4.8 TB/s),
-# A100 SXM4 80GB (312 TFLOP/s bf16; 19.5 fp32; 2.0 TB/s), HGX B200 (36 PFLOP/s sparse bf16 and 600 TFLOP/s fp32
+# A100 SXM4 80GB (312 TFLOP/s bf16; 19.5 fp32; 2,039 GB/s), HGX B200 (36 PFLOP/s sparse bf16 and 600 TFLOP/s fp32
 # per 8 GPUs; 8 TB/s). fp32 uses the non-tensor peak: PyTorch's default matmul precision is "highest"
 # (torch.backends.cuda.matmul.allow_tf32 is False), so fp32 matmuls do not run on TF32 tensor cores.
+# h100e: the H100 of Meta's Grand Teton hosts that torchtitan's published Llama 3 runs used (pytorch/torchtitan
+# benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "the default
+# 500W power limit"; its footnote: "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
+# value". NVIDIA's H100 data sheet gives H100 NVL 1,671 TFLOP/s sparse bf16 = 835 dense: the peak here, 912, is the
+# midpoint of 835 and 989, an estimate; fp32 scaled by the same ratio.
 GPUS: dict[str, GPU] = {
     "h100": GPU("H100-SXM-80GB", 989e12, 67e12, 3.35e12, 80_000_000_000),
+    "h100e": GPU("H100-SXM-96GB-HBM2e-500W", 912e12, 61.8e12, 2.4e12, 96_000_000_000),
     "h200": GPU("H200-SXM-141GB", 989e12, 67e12, 4.8e12, 141_000_000_000),
-    "a100": GPU("A100-SXM4-80GB", 312e12, 19.5e12, 2.0e12, 80_000_000_000),
+    "a100": GPU("A100-SXM4-80GB", 312e12, 19.5e12, 2.039e12, 80_000_000_000),
     "b200": GPU("B200-180GB", 2250e12, 75e12, 8.0e12, 192_000_000_000),
+}
+
+# The roofline's factors (``Compute``; docs/model.md "Compute" shows how far each moves the published runs).
+# - Attention: PyTorch's flash SDPA kernel is FlashAttention-2. Its paper (Dao, arXiv:2307.08691) reports 50-73% of
+#   the A100's peak (forward; backward lower) -> 0.6; the FlashAttention-3 paper (Shah et al., arXiv:2407.08608)
+#   reports FlashAttention-2 at 35% of the H100's -> 0.35 on Hopper (H100, H200), and B200 assumed alike.
+# - Matmul cap: large bf16 cuBLAS GEMMs reach ~72-75% of the dense peak on Blackwell and Hopper (B200 cuBLAS
+#   8192^3: 1,610 of 2,250 TFLOP/s, 72%, pyptx.dev/performance) -> 0.75 on H100/H200/B200. A100: 0.85, an estimate
+#   (no published cuBLAS sweep was found; torchtitan's A100 runs reach 57-58% MFU end to end, docs/performance.md,
+#   which with attention and memory-bound time needs matmuls well above 0.75). calibrate --compute measures it.
+# - Matmul shape: efficiency x d / (d + 128) in the smallest dim d: half the cap at d = 128, one cuBLAS tile (the
+#   guide's 128x128 / 256x128 tiles), 89% of it at d = 1,024 (tile and wave quantization, NVIDIA's Matrix
+#   Multiplication Background User's Guide, DU-09799-001).
+# - Memory-bound ops: copy and triad kernels sustain ~90-92% of the data-sheet HBM bandwidth on H100 (published
+#   STREAM-style runs: a device-to-device copy at ~3.1 of 3.35 TB/s); eager PyTorch elementwise ops (several inputs,
+#   strided reads, small tensors) reach less -> 0.8 everywhere, an estimate below that ceiling.
+# - Variation: Sinha et al., "Not All GPUs Are Created Equal" (SC22, arXiv:2208.11035): 8% average performance
+#   variation across the same SKU's GPUs of a cluster (max 22%; outliers 1.5x slower). Read as the range of
+#   thousands of GPUs, about 6.5 standard deviations: 0.08 / 6.5 = 1.2% standard deviation -> 0.012.
+_MATMUL_HALF_DIM = 128.0
+_MEMORY_EFFICIENCY = 0.8
+_VARIATION = 0.012
+_HOPPER = Compute(0.75, _MATMUL_HALF_DIM, 0.35, _MEMORY_EFFICIENCY, _VARIATION,
+                  source="preset: docs/model.md#compute (FlashAttention-2/3 papers, NVIDIA matmul guide, SC22 "
+                         "variability study)")
+COMPUTE: dict[str, Compute] = {
+    "h100": _HOPPER,
+    "h100e": _HOPPER,
+    "h200": _HOPPER,
+    "a100": replace(_HOPPER, matmul_efficiency=0.85, attention_efficiency=0.6),
+    "b200": _HOPPER,
 }
 
 # Latency: NCCL's own tuning model (src/graph/tuning.cc, ncclTunerConstantsDefaults, unchanged from 2.19 to
@@ -566,6 +659,7 @@ def _infiniband(busbw_per_node: float) -> Link:
 # NVLink: H100/H200 370 GB/s (above); A100 NVLink 3 nccl-tests busbw 230-240 GB/s; B200 NVLink 5 ~720 GB/s.
 LINKS: dict[str, tuple[Link, Link]] = {
     "h100": (_nvlink(370e9), _infiniband(380e9)),
+    "h100e": (_nvlink(370e9), _infiniband(380e9)),  # torchtitan: "400 Gb/s per GPU" RDMA network
     "h200": (_nvlink(370e9), _infiniband(380e9)),
     "a100": (_nvlink(235e9), _infiniband(190e9)),
     "b200": (_nvlink(720e9), _infiniband(380e9)),
@@ -594,7 +688,7 @@ MAX_GPUS_PER_NODE = 8
 
 
 def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster:
-    """A preset cluster (h100, h200, a100, b200) of ``nodes`` x ``gpus_per_node`` GPUs."""
+    """A preset cluster (h100, h100e, h200, a100, b200) of ``nodes`` x ``gpus_per_node`` GPUs."""
     key = name.lower()
     if key not in GPUS:
         raise PlannerError(f"unknown cluster preset '{name}': use one of {', '.join(PRESETS)}")
@@ -609,6 +703,7 @@ def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster
         inter=inter,
         nics_per_node=8,
         overhead=_overhead(GPUS[key]),
+        compute=COMPUTE[key],
         host_copy_bandwidth=PCIE4_ONE_WAY if key == "a100" else PCIE5_ONE_WAY,
     )
 

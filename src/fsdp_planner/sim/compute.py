@@ -1,11 +1,21 @@
-"""Compute time per op: the roofline estimate, unless the trace carries measured times (``runtime/measure.py``)."""
+"""Compute time per op: a roofline with per-kernel efficiencies, unless the trace carries measured times
+(``runtime/measure.py``).
+
+Each op takes ``max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x memory efficiency))``, the efficiency by
+kernel (``hardware.cluster.Compute``): a matmul by its smallest dim, a fused attention kernel its own, other FLOPs
+(convolutions) at the matmul cap. The step waits for its slowest rank: every op is stretched by
+``slowest_rank_factor`` of the world size. ``--mfu`` (``SimOptions.mfu``) instead runs every op's FLOPs at that one
+fraction of the peak and its bytes at the full HBM bandwidth, with no rank variation: the model before the roofline,
+kept to reproduce figures made with it.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.hardware.cluster import GPU
+from fsdp_planner.hardware.cluster import GPU, Compute, slowest_rank_factor
+from fsdp_planner.trace.events import KERNEL_ATTENTION
 from fsdp_planner.trace.records import Trace
 
 
@@ -15,8 +25,17 @@ def traced_itemsize(trace: Trace) -> int:
     return trace.compute_itemsize or max((p.itemsize for p in trace.params), default=4)
 
 
-def op_times(trace: Trace, gpu: GPU, precision: Precision, mfu: float) -> list[float]:
-    """Seconds per event (0 for boundaries): ``max(flops / (peak * mfu), bytes / HBM bandwidth)``.
+def flop_efficiency(kernel: np.ndarray, compute: Compute) -> np.ndarray:
+    """Per event: the fraction of the dense peak its FLOPs run at (``Event.kernel`` says which kernel)."""
+    dims = np.maximum(kernel, 1).astype(np.float64)  # non-matmuls' 1 only keeps the division defined
+    matmul = compute.matmul_efficiency * dims / (dims + compute.matmul_half_dim)
+    out = np.where(kernel > 0, matmul, compute.matmul_efficiency)
+    return np.where(kernel == KERNEL_ATTENTION, compute.attention_efficiency, out)
+
+
+def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ranks: int = 1,
+             mfu: float | None = None) -> list[float]:
+    """Seconds per event (0 for boundaries) on ``gpu``, in a step synchronised over ``ranks`` GPUs.
 
     The peak is the dense bf16 one for 16-bit compute, else fp32. Bytes are scaled from the traced dtype to the
     compute dtype (a model traced in fp32 but run in bf16 moves half).
@@ -24,9 +43,16 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, mfu: float) -> list[f
     peak = gpu.peak_bf16_flops if precision.compute_bytes <= 2 else gpu.peak_fp32_flops
     scale = precision.compute_bytes / traced_itemsize(trace)
     index = trace.index  # boundaries have no FLOPs and no bytes: they take 0 s
-    return np.maximum(index.op_flops / (peak * mfu), index.op_nbytes * (scale / gpu.hbm_bandwidth)).tolist()
+    if mfu is not None:
+        return np.maximum(index.op_flops / (peak * mfu), index.op_nbytes * (scale / gpu.hbm_bandwidth)).tolist()
+    flops_time = index.op_flops / (peak * flop_efficiency(index.op_kernel, compute))
+    bytes_time = index.op_nbytes * (scale / (gpu.hbm_bandwidth * compute.memory_efficiency))
+    return (np.maximum(flops_time, bytes_time) * slowest_rank_factor(compute.variation, ranks)).tolist()
 
 
-def step_op_times(trace: Trace, gpu: GPU, precision: Precision, mfu: float) -> list[float]:
+def step_op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ranks: int = 1,
+                  mfu: float | None = None) -> list[float]:
     """The trace's measured op times when it has them, else the roofline estimate."""
-    return list(trace.op_seconds) if trace.op_seconds is not None else op_times(trace, gpu, precision, mfu)
+    if trace.op_seconds is not None:
+        return list(trace.op_seconds)
+    return op_times(trace, gpu, precision, compute, ranks, mfu)

@@ -67,7 +67,8 @@ class SimContext:
             self.compute_total = like.compute_total
         else:
             if times is None:
-                times = step_op_times(trace, cluster.gpu, self.precision, self.options.mfu)
+                times = step_op_times(trace, cluster.gpu, self.precision, cluster.compute, self.world,
+                                      self.options.mfu)
             if len(times) != len(trace.events):
                 raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
             self.times = list(times)

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from fsdp_planner.choices import (
-    DEFAULT_MFU,
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     REDUCE_BYTES,
@@ -102,7 +101,9 @@ class SimOptions:
     """The training step being costed: precision, optimizer, how grads are cleared and how fast matmuls run, and
     FSDP2's memory options: ``offload`` (``CPUOffloadPolicy``) and where params are sharded (``shard_placement``)."""
 
-    mfu: float = DEFAULT_MFU  # fraction of the GPU's dense peak FLOP/s that matmul-like ops reach
+    # None: the cluster's roofline (``hardware.cluster.Compute``); a number: every op's FLOPs at that fraction of the
+    # dense peak, bytes at the full HBM bandwidth (``--mfu``, the single-constant model kept for old figures)
+    mfu: float | None = None
     precision: Precision = field(default_factory=lambda: PRECISIONS[DEFAULT_PRECISION])
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS[DEFAULT_OPTIMIZER])
     zero_grad: ZeroGrad = ZeroGrad.NONE
@@ -117,14 +118,15 @@ class SimOptions:
     reduce_dtype: ReduceDtype | None = None  # the user's MixedPrecisionPolicy.reduce_dtype, applied to ``precision``
 
     def __post_init__(self) -> None:
-        if isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float) or not 0 < self.mfu <= 1:
+        if self.mfu is not None and (isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float)
+                                     or not 0 < self.mfu <= 1):
             raise PlannerError(f"the MFU must be in (0, 1], got {self.mfu!r}")
         if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
             raise PlannerError(f"a step has at least one micro-batch, got {self.micro_batches!r}")
 
     @classmethod
     def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER,
-              mfu: float = DEFAULT_MFU, zero_grad: str = ZeroGrad.NONE.value, micro_batches: int = 1,
+              mfu: float | None = None, zero_grad: str = ZeroGrad.NONE.value, micro_batches: int = 1,
               reshard_after_backward: bool = True, offload: bool = False,
               shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None) -> SimOptions:
         reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None

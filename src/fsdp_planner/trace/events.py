@@ -28,6 +28,10 @@ class OpClass(Enum):
     MAX = 5  # aten.max: float8's amax
 
 
+KERNEL_OTHER = 0
+KERNEL_ATTENTION = -1
+
+
 class Event(NamedTuple):
     """One step of the timeline: a module boundary or an op. (A NamedTuple: a trace holds hundreds of thousands.)"""
 
@@ -49,6 +53,9 @@ class Event(NamedTuple):
     packs: bool = False  # forward: a tensor (any, a param or a storage saved before too) was packed for backward
     # after this event and before the next (an op's outputs, or the next op's inputs, which autograd saves before
     # running it): a checkpoint's recomputation stops after the last such pack (``CheckpointedCall.stop``)
+    kernel: int = 0  # op: which kind of GPU kernel runs it, for the compute model (``sim/compute.py``): k > 0 a
+    # matmul whose smallest dim (of M, N, K) is k; ``KERNEL_ATTENTION`` a fused attention kernel (forward or
+    # backward); ``KERNEL_OTHER`` anything else (its FLOPs, if any, at the matmul rate; its bytes at HBM's)
 
     @property
     def is_op(self) -> bool:

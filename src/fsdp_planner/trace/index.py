@@ -192,6 +192,11 @@ class TraceIndex:
         return np.fromiter((e.nbytes for e in self._events), dtype=np.float64, count=len(self._events))
 
     @cached_property
+    def op_kernel(self) -> np.ndarray:
+        """Per event: its ``Event.kernel`` (a matmul's smallest dim, attention, other; 0 for boundaries)."""
+        return np.fromiter((e.kernel for e in self._events), dtype=np.int64, count=len(self._events))
+
+    @cached_property
     def read_outside(self) -> frozenset[int]:
         """Params a forward op reads outside the modules that own them (only the root is unsharded around it)."""
         owners = [p.owners for p in self._params]

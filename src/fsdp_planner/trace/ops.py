@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_planner.routing import StandIn
-from fsdp_planner.trace.events import OpClass
+from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER, OpClass
 from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.step import NullRecorder, Slot
@@ -58,6 +58,44 @@ def op_class(func: object) -> OpClass:
 def op_names(classes: frozenset[OpClass]) -> list[str]:
     """The aten ops (``namespace.name.overload``) of ``classes``, sorted: what exported code saves by name."""
     return sorted(str(op) for op, cls in _OP_CLASSES.items() if cls in classes)
+
+
+# Matmuls, by where their two matrices sit in the arguments (``mm(a, b)``, ``addmm(bias, a, b)``; the batched
+# forms multiply the last two dims): what ``kernel_of`` reads M, N and K from.
+_MATMULS: dict[object, int] = {
+    _aten.mm.default: 0, _aten.bmm.default: 0, _aten.addmm.default: 1, _aten.baddbmm.default: 1,
+}
+_ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
+_ATTENTION = -1  # _kernel_kinds' mark of an attention op
+_kernel_kinds: dict[object, int | None] = {}  # func -> its first matrix's argument index, _ATTENTION, or None
+
+
+def _kind(func: Any) -> int | None:
+    """How ``kernel_of`` reads ``func``, found once per op overload (tracing speed: benchmarks/trace_speed.md)."""
+    try:
+        return _kernel_kinds[func]
+    except KeyError:
+        name = str(getattr(func, "__name__", func))
+        kind = _MATMULS.get(func, _ATTENTION if any(w in name for w in _ATTENTION_WORDS) else None)
+        _kernel_kinds[func] = kind
+        return kind
+
+
+def kernel_of(func: Any, args: tuple) -> int:
+    """The ``Event.kernel`` of an op: a matmul's smallest dim, ``KERNEL_ATTENTION`` for a fused attention kernel
+    (forward or backward), else ``KERNEL_OTHER``."""
+    kind = _kind(func)
+    if kind is None:
+        return KERNEL_OTHER
+    if kind == _ATTENTION:
+        return KERNEL_ATTENTION
+    a, b = args[kind], args[kind + 1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+        return KERNEL_OTHER
+    try:
+        return max(1, min(int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])))
+    except Exception:  # a symbolic size with no value (an unbacked SymInt): shape unknown
+        return KERNEL_OTHER
 
 
 def outputs_nbytes(flat_out: list) -> int:
@@ -125,10 +163,11 @@ class OpRecorder(TorchDispatchMode):
         if recorder.outside_modules():
             recorder.loss.track(flat_out)
             live = recorder.loss.current
+        kernel = kernel_of(func, args)
         if recorder.backward:
-            recorder.op(tuple(sorted(used)), flops, nbytes, live)
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, kernel=kernel)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
-            recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out))
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out), kernel)
         return out
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:

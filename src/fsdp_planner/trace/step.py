@@ -48,22 +48,23 @@ class StepRecorder:
         return self.fwd_stack[-1] if self.fwd_stack else ROOT
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0) -> None:
         self.last_op = len(self.events)
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
-                                 backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes))
+                                 backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
+                                 kernel=kernel))
 
     def outside_modules(self) -> bool:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
         return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
-    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int]]) -> None:
-        """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes)
-        each."""
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int]]) -> None:
+        """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
+        kernel) each."""
         module, backward = self.current_module(), self.backward
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
-                                  op_class=op_class, out_nbytes=out_nbytes)
-                            for params, flops, nbytes, op_class, out_nbytes in batch])
+                                  op_class=op_class, out_nbytes=out_nbytes, kernel=kernel)
+                            for params, flops, nbytes, op_class, out_nbytes, kernel in batch])
         self.last_op = len(self.events) - 1
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
@@ -174,7 +175,7 @@ class NullRecorder(StepRecorder):
         super().__init__(set())
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0) -> None:
         pass
 
     def outside_modules(self) -> bool:

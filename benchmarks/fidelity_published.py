@@ -1,0 +1,210 @@
+"""Published GPU runs beside fsdp-planner's prediction: torchtitan's Llama 3 tables, every row FSDP2 alone expresses.
+
+Run: python benchmarks/fidelity_published.py   (writes benchmarks/fidelity_published.md and .json; ~5 min on 2 cores)
+     python benchmarks/fidelity_published.py --rows 1 --no-ablation   (the first row only: a quick check)
+
+Each published configuration is run as the ``fsdp-planner simulate`` command printed beside it; its tokens/s/GPU is
+local batch x sequence / predicted step time, its memory the predicted reserved peak (torchtitan reports
+``torch.cuda`` max reserved). The ablation reruns every row with the compute model's terms added one at a time,
+through cluster JSON files whose ``compute`` section differs (the format ``calibrate --compute`` writes).
+Published figures are quoted from the source named in each row, never from memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from fsdp_planner.hardware.cluster import COMPUTE, Compute, parse_cluster  # noqa: E402
+
+H100_TABLE = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md "
+              "@31a17bfdb70bab6f62a13d21816a5339b911d6e3")
+A100_TABLE = "pytorch/torchtitan docs/performance.md @041336434916bdc0f88c1f89fda176fd3c2092e4"
+GIB = 2 ** 30
+
+# (label, simulate arguments, cluster preset, local batch, seq, published tokens/s/GPU, published GiB or None, source)
+# torchtitan's "selective" AC of Dec 2024 is op-level with its first save list (--ac op --ac-policy titan-early);
+# its "selective layer" is every second block in full (--ac selective).
+ROWS = [
+    ("Llama 3.1 8B, 8 H100, batch 2, op-SAC (Table 1, FSDP)",
+     ["llama3-8b", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early"], "h100e:8", 2, 8192,
+     5762, 82.4, H100_TABLE),
+    ("Llama 3.1 8B, 128 H100, batch 2, op-SAC (Table 3, FSDP)",
+     ["llama3-8b", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early"], "h100e:128", 2, 8192,
+     5605, 67.0, H100_TABLE),
+    ("Llama 3 8B, 64 A100, batch 1, layer-SAC",
+     ["llama3-8b", "--policy", "titan", "--ac", "selective"], "a100:64", 1, 8192, 2904, None, A100_TABLE),
+    ("Llama 3 8B, 64 A100, batch 1, op-SAC",
+     ["llama3-8b", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early"], "a100:64", 1, 8192,
+     2973, None, A100_TABLE),
+    ("Llama 3 70B, 64 A100, batch 1, full AC",
+     ["llama3-70b", "--policy", "titan", "--ac", "full"], "a100:64", 1, 8192, 331, None, A100_TABLE),
+]
+
+OUT_OF_SCOPE = [
+    ("H100 Table 1/3: FSDP + torch.compile (6,667 / 6,514 tok/s/GPU), + Float8 (8,532 / 8,380)",
+     "torch.compile and float8 are not modelled"),
+    ("H100 Table 2: FSDP 8 CP 1 at seq 32,768, full AC (3,890 tok/s/GPU, 83.9 GiB) and its CP 2/4/8 rows",
+     "the table's title says every row runs torch.compile + Float8 (the CP 2-8 rows need context parallelism too): "
+     "not FSDP2 alone, so not the in-scope row the issue took it for"),
+    ("H100 Tables 4-6: 70B / 405B with TP, PP, CP, AsyncTP, Float8", "tensor/pipeline/context parallelism"),
+    ("A100 Llama 2 13B / 70B rows (docs/performance.md)", "no built-in Llama 2 model; the issue names Llama 3 rows"),
+]
+
+
+NOTES = [
+    "- Configurations: torchtitan's Llama 3 8B config of the time (train_configs/llama3_8b.toml "
+    "@0011fb905e9561a51af0f265e35d989f7448b1d8, \"a preset for 64 A100 GPUs\") trains with AdamW at seq_len 8192 "
+    "and `selective_ac_option = 'op'`: the H100 table's \"selective activation checkpointing\" and the A100 "
+    "table's \"selective op\" are op-level SAC with the save list of that time (`--ac-policy titan-early`); "
+    "\"selective layer\" is every second block in full (`--ac selective`).",
+    "- Hardware: the H100 rows run on `h100e` (96 GB HBM2e, 2.4 TB/s, 500 W: the table's own description). Its "
+    "dense bf16 peak is not published; torchtitan's footnote puts it between the SXM (989 TFLOP/s) and NVL (835) "
+    "parts, and the preset takes the midpoint, 912: an estimate, worth about +-8% on compute-bound rows. The A100 "
+    "rows' interconnect is not stated in docs/performance.md; the `a100` preset's 200 Gb/s per GPU is assumed (the "
+    "8B and 70B rows hide their communication either way: exposed communication under 1% of the step).",
+    "- Tokens/s/GPU: every in-scope row is predicted within 10%, all on the slow side (-3% to -8%). The ablation "
+    "shows where the terms pull: the matmul cap alone is 7-22% fast, fused attention at FlashAttention-2's "
+    "published rates brings every row within 3%, and the memory-bound term (80% of HBM bandwidth) and the "
+    "slowest rank then take 4-9% off. The old constant (--mfu 0.5) was 31-33% slow on the A100 rows. No factor was "
+    "fitted to these rows; each is the cited figure, except the A100's matmul cap (0.85), an estimate that the "
+    "A100 runs' published 57-58% MFU informed (no cuBLAS sweep was found): the A100 rows are not an independent "
+    "check of it.",
+    "- 8 -> 128 GPUs: the published run loses 2.7% tokens/s/GPU and the prediction about half of that, from the "
+    "slowest-rank term (the expected slowest of 128 GPUs against that of 8, at the SC22 spread); the collectives "
+    "add ~0.1% (they stay hidden behind an 8B block's compute even across nodes). The rest is not modelled. NCCL's "
+    "kernels compete with overlapped compute: on A100s a GEMM took 2.08 ms beside an all-gather against 1.18 ms "
+    "alone (NVIDIA/nccl#1428; the maintainer: they compete for HBM bandwidth, 2-3 bytes of HBM traffic per byte "
+    "sent). That cost follows the bytes moved, which are the same at 8 and 128 GPUs, so it would slow both rows "
+    "(about 60 ms a step: ~55 GB sent per rank, 2.5 HBM bytes each, at 2.4 TB/s) rather than explain the trend; "
+    "it is not modelled for want of a figure for FSDP2's own overlap.",
+    "- Memory (missed, the issue stays open on it): the predicted reserved peak is 17% low at 8 GPUs and 14% low at "
+    "128. The predicted drop from 8 to 128 (-10.5 GiB) is the sharded state (fp32 params and AdamW's two states, "
+    "12 bytes/param over the ranks); the published drop is 15.4 GiB, ~5 GiB more, about what 4-5 more bytes/param "
+    "of sharded state would give (3.5 GiB for the fp32 sharded grads, 4 bytes/param). That suggests the measured "
+    "peak holds the sharded grads too (e.g. blocks the caching allocator keeps reserved after `zero_grad()` frees "
+    "them: reserved, not allocated), and the remaining ~10 GiB, present at both sizes, is allocator "
+    "fragmentation or transient workspace the model does not have. Neither is modelled without evidence; "
+    "torchtitan's allocator settings for these runs are not stated in the table.",
+]
+
+
+def ablation_steps(preset: str) -> list[tuple[str, Compute | None, float | None]]:
+    """(name, compute section, --mfu): the old constant, then the roofline's terms added one at a time."""
+    full = COMPUTE[preset.split(":")[0]]
+    cap_only = replace(full, matmul_half_dim=0.0, attention_efficiency=full.matmul_efficiency, memory_efficiency=1.0,
+                       variation=0.0)
+    return [
+        ("old: --mfu 0.5", None, 0.5),
+        ("matmul cap", cap_only, None),
+        ("+ matmul shape", replace(cap_only, matmul_half_dim=full.matmul_half_dim), None),
+        ("+ attention", replace(cap_only, matmul_half_dim=full.matmul_half_dim,
+                                attention_efficiency=full.attention_efficiency), None),
+        ("+ memory-bound", replace(full, variation=0.0), None),
+        ("+ slowest rank (all)", full, None),
+    ]
+
+
+def simulate(args: list[str], cluster: str, batch: int, seq: int, mfu: float | None = None) -> dict:
+    cmd = [sys.executable, "-m", "fsdp_planner", "simulate", *args, "--batch", str(batch), "--seq", str(seq),
+           "--cluster", cluster, "--json", *(["--mfu", str(mfu)] if mfu is not None else [])]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout)
+
+
+def shown(args: list[str], cluster: str, batch: int, seq: int) -> str:
+    return f"fsdp-planner simulate {' '.join(args)} --batch {batch} --seq {seq} --cluster {cluster}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=len(ROWS), help="run the first N rows only")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the ablation (the compute terms one by one)")
+    ap.add_argument("--out", default=str(HERE / "fidelity_published"), help="output path without suffix")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the .md from the .json, running nothing")
+    opts = ap.parse_args()
+    if opts.report_only:
+        saved = json.loads(Path(opts.out + ".json").read_text())
+        Path(opts.out + ".md").write_text(report(saved["rows"], saved["seconds"]))
+        return
+    start = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, args, cluster, batch, seq, tps, gib, source in ROWS[:opts.rows]:
+            d = simulate(args, cluster, batch, seq)
+            row = {"label": label, "command": shown(args, cluster, batch, seq), "source": source,
+                   "published_tps": tps, "published_gib": gib, "predicted_tps": batch * seq / d["step_time"],
+                   "predicted_gib": d["reserved_memory"] / GIB, "step_time": d["step_time"],
+                   "exposed_comm": d["exposed_comm"], "ablation": {}}
+            if not opts.no_ablation:
+                base = parse_cluster(cluster)
+                for i, (name, compute, mfu) in enumerate(ablation_steps(cluster)):
+                    path = Path(tmp) / f"{cluster.replace(':', '_')}_{i}.json"
+                    replace(base, compute=compute or base.compute).save(path)
+                    a = simulate(args, str(path), batch, seq, mfu)
+                    row["ablation"][name] = batch * seq / a["step_time"]
+                old = simulate(args, cluster.replace("h100e", "h100"), batch, seq, 0.5)  # the issue's baseline
+                row["ablation"]["old preset h100, --mfu 0.5"] = batch * seq / old["step_time"]
+            results.append(row)
+            print(f"{label}: {row['predicted_tps']:,.0f} tok/s/GPU (published {tps:,}), "
+                  f"{row['predicted_gib']:.1f} GiB", flush=True)
+    elapsed = time.perf_counter() - start
+    Path(opts.out + ".json").write_text(json.dumps({"rows": results, "seconds": elapsed}, indent=2) + "\n")
+    Path(opts.out + ".md").write_text(report(results, elapsed))
+    print(f"wrote {opts.out}.md and .json ({elapsed:.0f} s)")
+
+
+def err(pred: float, pub: float) -> str:
+    return f"{(pred - pub) / pub * 100:+.1f}%"
+
+
+def report(results: list[dict], elapsed: float) -> str:
+    lines = ["# Published GPU runs beside the prediction", "",
+             "`python benchmarks/fidelity_published.py` (this file; "
+             f"{elapsed:.0f} s on the project's 2-core CPU host). No GPU ran: every figure on the left is a "
+             "prediction, every figure on the right is quoted from its source.", "",
+             "| published run | tok/s/GPU predicted | published | error | memory predicted (reserved) | published "
+             "(max reserved) | error |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        gib = r["published_gib"]
+        lines.append(f"| {r['label']} | {r['predicted_tps']:,.0f} | {r['published_tps']:,} | "
+                     f"{err(r['predicted_tps'], r['published_tps'])} | {r['predicted_gib']:.1f} GiB | "
+                     + (f"{gib} GiB | {err(r['predicted_gib'], gib)} |" if gib else "not published | - |"))
+    lines += ["", "Commands (fsdp-planner's flags for each published configuration) and sources:", ""]
+    for r in results:
+        lines.append(f"- {r['label']}: `{r['command']}` -- {r['source']}")
+    by = {r["label"]: r for r in results}
+    trend = [r for r in results if "128 H100" in r["label"]], [r for r in results if "8 H100" in r["label"]]
+    if trend[0] and trend[1]:
+        big, small = trend[0][0], trend[1][0]
+        lines += ["", "## 8 -> 128 GPUs", "",
+                  f"- tokens/s/GPU: published {err(big['published_tps'], small['published_tps'])}, predicted "
+                  f"{err(big['predicted_tps'], small['predicted_tps'])}",
+                  f"- memory: published {big['published_gib'] - small['published_gib']:+.1f} GiB, predicted "
+                  f"{big['predicted_gib'] - small['predicted_gib']:+.1f} GiB"]
+    if all(r["ablation"] for r in results):
+        names = list(results[0]["ablation"])
+        lines += ["", "## Ablation: tokens/s/GPU as the compute model's terms are added (error vs published)", "",
+                  "| run | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for label, r in by.items():
+            lines.append(f"| {label} | " + " | ".join(f"{v:,.0f} ({err(v, r['published_tps'])})"
+                                                    for v in r["ablation"].values()) + " |")
+    lines += ["", "## What misses, and why", "", *NOTES]
+    lines += ["", "## Out of scope (features fsdp-planner does not model)", ""]
+    lines += [f"- {what}: {why}" for what, why in OUT_OF_SCOPE]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
