@@ -135,8 +135,11 @@ def _run(argv: Sequence[str] | None) -> int:
         from fsdp_planner.cli import render
 
         render.set_quiet(args.quiet)
-        status = int(command.run(args))
-        sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's flush at exit
+        try:
+            status = int(command.run(args))
+            sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's flush at exit
+        finally:  # one call's --quiet is not the next one's (main() called again in one process: the API, tests)
+            render.set_quiet(False)
         return status
 
 
