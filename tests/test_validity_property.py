@@ -33,7 +33,8 @@ from fsdp_planner.trace import Trace, trace
 
 CLASSIC_NAMES = {p.value for p in CLASSIC_POLICIES}
 ISSUE_MODEL = "tests/fixtures/invalid_models.py:direct_call_first"  # the reported model
-SEEDS = range(160)  # the fast part: ~160 models, ~1,100 plans from policies and ~640 random ones
+SEEDS = range(160)  # ~160 models, ~1,100 plans from policies and ~640 random ones
+FAST_SEEDS = range(40)  # the fast subset's share of them; the full suite runs the rest too
 SAMPLE = range(0, 160, 12)  # the integration part: 14 of them, each plan trained on fake ranks
 REFUSAL = re.compile(r"^this plan cannot run: an op of '(?P<module>[^']+)' in (?P<phase>forward|backward) "
                      r"\(trace event (?P<event>\d+)\) reads param '(?P<param>[^']+)' while its group "
@@ -124,26 +125,39 @@ def assert_names_the_op(tr: Trace, plan: Plan, message: str) -> None:
     assert "\n" not in message
 
 
-def test_every_policy_returns_a_plan_that_runs_and_refuses_in_one_line() -> None:
+@functools.cache
+def policy_outcomes_seen(seed: int) -> Counter[str]:
+    """Every policy on the model of ``seed``: each returned plan runs, each refusal is one line (naming the op
+    when a grouping cannot run); what was seen, counted (cached: the fast test's models are not checked twice)."""
     seen: Counter[str] = Counter()
-    for seed in SEEDS:
-        tr, features = traced(seed)
-        seen.update(set(features))
-        for o in policy_outcomes(tr, seed):
-            if o.plan is not None:
-                assert refusal(tr, o.plan) is None, (seed, o.policy, refusal(tr, o.plan))
-                seen["plans returned"] += 1
-                continue
-            assert o.refusal and "\n" not in o.refusal and "internal" not in o.refusal, (seed, o.policy)
-            if o.policy.startswith("auto"):  # no plan runs (naming the op), or none fits a budget near the floor
-                assert ("no candidate plan runs" in o.refusal and "reads param" in o.refusal) or \
-                    (o.policy == "auto budget" and "no plan fits" in o.refusal), (seed, o.policy, o.refusal)
-                seen["auto refused"] += 1
-            elif o.refusal.startswith("this plan cannot run"):
-                if o.policy in CLASSIC_NAMES:  # the op, in the grouping the policy's rules make
-                    assert_names_the_op(tr, make_policy(PolicyRequest.named(o.policy)).build(tr), o.refusal)
-                assert REFUSAL.match(o.refusal), o.refusal
-                seen["classic refused: cannot run"] += 1
+    tr, features = traced(seed)
+    seen.update(set(features))
+    for o in policy_outcomes(tr, seed):
+        if o.plan is not None:
+            assert refusal(tr, o.plan) is None, (seed, o.policy, refusal(tr, o.plan))
+            seen["plans returned"] += 1
+            continue
+        assert o.refusal and "\n" not in o.refusal and "internal" not in o.refusal, (seed, o.policy)
+        if o.policy.startswith("auto"):  # no plan runs (naming the op), or none fits a budget near the floor
+            assert ("no candidate plan runs" in o.refusal and "reads param" in o.refusal) or \
+                (o.policy == "auto budget" and "no plan fits" in o.refusal), (seed, o.policy, o.refusal)
+            seen["auto refused"] += 1
+        elif o.refusal.startswith("this plan cannot run"):
+            if o.policy in CLASSIC_NAMES:  # the op, in the grouping the policy's rules make
+                assert_names_the_op(tr, make_policy(PolicyRequest.named(o.policy)).build(tr), o.refusal)
+            assert REFUSAL.match(o.refusal), o.refusal
+            seen["classic refused: cannot run"] += 1
+    return seen
+
+
+def test_every_policy_returns_a_plan_that_runs_and_refuses_in_one_line() -> None:
+    seen = sum((policy_outcomes_seen(seed) for seed in FAST_SEEDS), Counter())
+    assert seen["plans returned"] >= 150 and seen["classic refused: cannot run"] >= 10, seen
+
+
+@pytest.mark.integration  # the other 120 models: ~15 s
+def test_every_policy_on_every_model_and_the_models_draw_every_feature() -> None:
+    seen = sum((policy_outcomes_seen(seed) for seed in SEEDS), Counter())
     # the models drew every feature, and the classic policies did meet groupings that cannot run
     for feature in ("blocks", "direct call", "reuse", "tied", "frozen", "mixed dtypes", "weight read", "unused",
                     "depth 1", "depth 2", "depth 3", "torch.bfloat16"):
