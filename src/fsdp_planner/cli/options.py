@@ -107,6 +107,10 @@ def add_model(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--seq", type=positive_int("--seq", MAX_SEQ), default=None,
                     help="sequence length: the factory's seq_len argument, 1 to 10,000,000 (default: the "
                          "factory's); --batch x --seq at most 1e9 tokens")
+    sp.add_argument("--hf-config", action="append", metavar="KEY=VALUE", default=None,
+                    help="hf: models: set a config field over the file's (repeatable; VALUE a JSON scalar, e.g. "
+                         "use_cache=true, num_hidden_layers=4); training builds the model with use_cache=false "
+                         "unless set here")
     sp.add_argument("--full-trace", action="store_true",
                     help="trace every module call (slower); by default identical calls of a repeated block are "
                          "traced once, which assumes its forward depends only on its own state and arguments")
