@@ -45,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(tr, plans, request)
     if request.out is not None:
         # the precision goes with the plan: export sets it, so the code runs as the numbers assumed
-        write_atomic(request.out, plans[0].copy(precision=request.options.precision.name).checked_json() + "\n")
+        # and the --hf-config fields: verify and check rebuild the model the plan was made for
+        kept = plans[0].copy(precision=request.options.precision.name, hf_config=dict(request.model.hf_config))
+        write_atomic(request.out, kept.checked_json() + "\n")
     if request.json:
         doc = {**_json(request, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
