@@ -47,6 +47,31 @@ HSDP_CASES = [("toy-llama", Mesh(128, 8)), ("llama3-8b", Mesh(8, 8)), ("llama3-8
 # and auto on the 2-D mesh (replicate x shard), all-reduces counted too
 TOLERANCE = 0.05
 
+# --- Issue 26: models it was not tuned on (factories in fidelity_models.py's issue-26 section) -------------------
+ISSUE26 = "benchmarks/fidelity_models.py:"
+ISSUE26_CASES = [  # (factory, worlds, checkpointing of the titan plan or None: auto and the classic policies,
+    # precision name or None: bf16-mixed)
+    ("conv_bn", [8, 64], None, "fp32"),  # BatchNorm in bf16 is refused by the trace's dtype check: fp32 here
+    ("qwen3_small", [8, 64], None, None),  # transformers' RMSNorm (fp32 inside), no KV cache
+    *(("qwen3_small", [8, 64], ac, None) for ac in (ACMode.FULL, ACMode.SELECTIVE, ACMode.OP)),
+    ("qwen3_cache", [8, 64], None, None),  # --hf-config use_cache=true: every layer's keys and values kept
+    ("qwen3_cache", [8], ACMode.FULL, None),  # checkpointed layers write no cache (as transformers does)
+    ("whisper_small", [8, 64], None, None),  # encoder-decoder: --policy module among the baselines
+]
+
+
+def issue26_rows(options: SimOptions) -> list[dict]:
+    """The rows of ``ISSUE26_CASES``."""
+    from fsdp_planner.sim.options import PRECISIONS
+
+    rows = []
+    for name, worlds, ac, precision in ISSUE26_CASES:
+        opts = SimOptions(precision=PRECISIONS[precision]) if precision else options
+        for r in rows_for(ISSUE26 + name, worlds, opts, ac=ac):
+            rows.append({**r, "model": name + (f" ({precision})" if precision else "")})
+    return rows
+# --- end of issue 26's section ----------------------------------------------------------------------------------
+
 
 def checkpointed(r: dict) -> str:
     """The row's checkpointed modules: in full, op-level."""
@@ -97,6 +122,7 @@ def main() -> None:
     rows += [r for model, world, ac in AC_CASES for r in rows_for(model, [world], options, ac=ac)]
     rows += rows_for(AUTO_AC[0], [AUTO_AC[1]], options, only_auto=True)
     rows += [r for model, mesh in HSDP_CASES for r in rows_for(model, [mesh.size], options, mesh=mesh)]
+    rows += issue26_rows(options)
     elapsed = time.perf_counter() - started
     out = Path(__file__).parent
     (out / "fidelity_memory.json").write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1) + "\n")

@@ -115,9 +115,13 @@ def qwen3_cache(batch_size: int = 2, seq_len: int = 512) -> tuple:
 
 def whisper_small(batch_size: int = 2) -> tuple:
     """Whisper's architecture at a small size: 128 mel frames (64 after the encoder's stride-2 conv), 32 target
-    tokens; the model's own loss, no KV cache (a training step)."""
+    tokens; the model's own loss, no KV cache (a training step), transformers' packed-sequence check answered as
+    for ``hf:`` models (``hf.unpacked_inputs``)."""
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
+    from fsdp_planner.models import hf
+
+    hf.unpacked_inputs()
     cfg = WhisperConfig(vocab_size=4096, d_model=256, encoder_layers=4, decoder_layers=4, encoder_attention_heads=8,
                         decoder_attention_heads=8, encoder_ffn_dim=1024, decoder_ffn_dim=1024, num_mel_bins=80,
                         max_source_positions=64, max_target_positions=64, pad_token_id=0, bos_token_id=1,

@@ -217,7 +217,7 @@ def _fixed_sequences(find: Callable[[torch.Tensor], Any]) -> Callable[[torch.Ten
     return checked
 
 
-def _unpacked_inputs() -> None:
+def unpacked_inputs() -> None:
     """Install ``_fixed_sequences`` once (transformers versions without the check are left alone)."""
     try:
         from transformers import masking_utils
@@ -233,7 +233,7 @@ def build_model(data: dict[str, Any], overrides: Overrides = ()) -> nn.Module:
     no KV cache unless ``overrides`` ask for one. Experts layers take the token-balanced routing while planned
     (``hf_experts``)."""
     config = _config(with_overrides(data, overrides))
-    _unpacked_inputs()
+    unpacked_inputs()
     task = task_of(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
