@@ -57,7 +57,13 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
-from fsdp_planner.sim.recompute import Checkpointed, activation_deltas, checkpointed_calls, loss_region_deltas
+from fsdp_planner.sim.recompute import (
+    Checkpointed,
+    activation_deltas,
+    checkpointed_calls,
+    gradient_flow,
+    loss_region_deltas,
+)
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -120,7 +126,8 @@ def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
     calls hold their inputs instead and re-create their activations in backward (``recompute.py``)."""
     scale = precision.compute_bytes / traced_itemsize(trace)
-    return np.cumsum(activation_deltas(trace, checkpointed_calls(trace, checkpointed), scale))
+    return np.cumsum(activation_deltas(trace, checkpointed_calls(trace, checkpointed), scale)) \
+        + gradient_flow(trace, scale)
 
 
 def compute_copies(trace: Trace, precision: Precision, sharded: bool) -> int:

@@ -46,6 +46,8 @@ class Event(NamedTuple):
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
     op_class: OpClass = OpClass.OTHER  # forward op: what a selective checkpointing policy sees (``OpClass``)
     out_nbytes: int = 0  # forward op: bytes of its outputs' storages (what such a policy keeps when it saves it)
+    grad_live: int = 0  # backward op inside the model: bytes of the gradients it reads and makes (the gradient
+    # flowing in and the one flowing out, alive together while it runs; ``trace/ops.py``)
 
     @property
     def is_op(self) -> bool:

@@ -119,11 +119,13 @@ class OpRecorder(TorchDispatchMode):
         if used and recorder.check_methods is not None and not recorder.backward:
             recorder.check_methods(tuple(used), recorder.fwd_stack)
         live = 0
-        if recorder.outside_modules():
+        outside = recorder.outside_modules()
+        if outside:
             recorder.loss.track(flat_out)
             live = recorder.loss.current
         if recorder.backward:
-            recorder.op(tuple(sorted(used)), flops, nbytes, live)
+            grad_live = _gradient_bytes(recorder.grad_storages, flat_in, flat_out, inside=not outside)
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, grad_live=grad_live)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out))
         return out
@@ -141,6 +143,28 @@ class OpRecorder(TorchDispatchMode):
         self.sync()
         self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
         return out
+
+
+def _gradient_bytes(grads: set[StorageWeakRef], flat_in: list, flat_out: list, inside: bool) -> int:
+    """A backward op's gradient bytes: the gradients it reads (storages earlier backward ops made) and the new
+    storages it makes, alive together while it runs: the gradient flowing into a layer and the one flowing out,
+    which saved-activation accounting never sees (two activations' worth in a conv net). Its outputs become
+    gradients later ops read. Outside the model (``inside`` False) the loss region's live bytes count them."""
+    read: dict[StorageWeakRef, int] = {}
+    for a in flat_in:
+        if isinstance(a, torch.Tensor):
+            read[StorageWeakRef(a.untyped_storage())] = a.untyped_storage().nbytes()
+    made = 0
+    for t in flat_out:
+        if isinstance(t, torch.Tensor):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in read and ref not in grads:  # a view or in-place result is its input (a saved
+                # activation that backward detaches is no gradient)
+                made += t.untyped_storage().nbytes()
+                grads.add(ref)
+    if not inside:
+        return 0
+    return made + sum(n for ref, n in read.items() if ref in grads)
 
 
 def device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:

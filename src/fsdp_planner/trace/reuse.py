@@ -173,7 +173,7 @@ class ActionLog(StepRecorder):
         return False  # a template is one module call: nothing in it is outside the model
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, grad_live: int = 0) -> None:
         slots = []
         for p in params:
             if p not in self.param_name:
@@ -183,7 +183,7 @@ class ActionLog(StepRecorder):
                 self.slots[p] = len(self.template.params)
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
-        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes))
+        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, grad_live))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
@@ -520,7 +520,8 @@ class BlockReuse:
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
-    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes), ...])
+    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, gradient
+    bytes), ...])
     action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""

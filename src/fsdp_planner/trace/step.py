@@ -37,6 +37,7 @@ class StepRecorder:
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion()
+        self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
@@ -48,22 +49,23 @@ class StepRecorder:
         return self.fwd_stack[-1] if self.fwd_stack else ROOT
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, grad_live: int = 0) -> None:
         self.last_op = len(self.events)
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
-                                 backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes))
+                                 backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
+                                 grad_live=grad_live))
 
     def outside_modules(self) -> bool:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
         return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
-    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int]]) -> None:
-        """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes)
-        each."""
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int]]) -> None:
+        """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
+        gradient bytes) each."""
         module, backward = self.current_module(), self.backward
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
-                                  op_class=op_class, out_nbytes=out_nbytes)
-                            for params, flops, nbytes, op_class, out_nbytes in batch])
+                                  op_class=op_class, out_nbytes=out_nbytes, grad_live=grad_live)
+                            for params, flops, nbytes, op_class, out_nbytes, grad_live in batch])
         self.last_op = len(self.events) - 1
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
@@ -166,7 +168,7 @@ class NullRecorder(StepRecorder):
         super().__init__(set())
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, grad_live: int = 0) -> None:
         pass
 
     def outside_modules(self) -> bool:
