@@ -124,8 +124,9 @@ class OpRecorder(TorchDispatchMode):
             recorder.loss.track(flat_out)
             live = recorder.loss.current
         if recorder.backward:
-            grad_live = _gradient_bytes(recorder.grad_storages, flat_in, flat_out, inside=not outside)
+            grad_live, made = _gradient_bytes(recorder.grad_storages, flat_in, flat_out, inside=not outside)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, grad_live=grad_live)
+            recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out))
         return out
@@ -145,26 +146,28 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-def _gradient_bytes(grads: set[StorageWeakRef], flat_in: list, flat_out: list, inside: bool) -> int:
+def _gradient_bytes(grads: set[StorageWeakRef], flat_in: list, flat_out: list, inside: bool
+                    ) -> tuple[int, list[tuple[StorageWeakRef, int]]]:
     """A backward op's gradient bytes: the gradients it reads (storages earlier backward ops made) and the new
     storages it makes, alive together while it runs: the gradient flowing into a layer and the one flowing out,
     which saved-activation accounting never sees (two activations' worth in a conv net). Its outputs become
-    gradients later ops read. Outside the model (``inside`` False) the loss region's live bytes count them."""
+    gradients later ops read. Outside the model (``inside`` False) the loss region's live bytes count them. With
+    the storages it made: one that becomes a param's grad leaves the count (``StepRecorder.param_grad``)."""
     read: dict[StorageWeakRef, int] = {}
     for a in flat_in:
         if isinstance(a, torch.Tensor):
             read[StorageWeakRef(a.untyped_storage())] = a.untyped_storage().nbytes()
-    made = 0
+    made: list[tuple[StorageWeakRef, int]] = []
     for t in flat_out:
         if isinstance(t, torch.Tensor):
             ref = StorageWeakRef(t.untyped_storage())
             if ref not in read and ref not in grads:  # a view or in-place result is its input (a saved
                 # activation that backward detaches is no gradient)
-                made += t.untyped_storage().nbytes()
+                made.append((ref, t.untyped_storage().nbytes()))
                 grads.add(ref)
-    if not inside:
-        return 0
-    return made + sum(n for ref, n in read.items() if ref in grads)
+    if not inside or not made:  # a view, an in-place op or a detach allocates nothing
+        return 0, made
+    return sum(n for _, n in made) + sum(n for ref, n in read.items() if ref in grads), made
 
 
 def device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:

@@ -184,6 +184,18 @@ class ActionLog(StepRecorder):
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
         self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, grad_live))
+        self.last_op = len(self.template.backward) - 1 if self.backward else -1
+
+    def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
+        if self.backward and self.last_op >= 0:  # positions in the template's backward log
+            super().made_grads(made)
+
+    def param_grad(self, ref: StorageWeakRef) -> None:
+        made = self.grads_made.pop(ref, None)
+        if made is not None:
+            i, nbytes = made
+            a = self.template.backward[i]
+            self.template.backward[i] = (*a[:-1], max(0, a[-1] - nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         if self.backward or ref in self.static_storages or ref in self.saved_storages:

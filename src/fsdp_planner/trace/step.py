@@ -38,6 +38,7 @@ class StepRecorder:
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion()
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
+        self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
@@ -67,6 +68,20 @@ class StepRecorder:
                                   op_class=op_class, out_nbytes=out_nbytes, grad_live=grad_live)
                             for params, flops, nbytes, op_class, out_nbytes, grad_live in batch])
         self.last_op = len(self.events) - 1
+
+    def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
+        """The storages (and bytes) the op just recorded made in backward, in case one becomes a param's grad."""
+        for ref, nbytes in made:
+            self.grads_made[ref] = (self.last_op, nbytes)
+
+    def param_grad(self, ref: StorageWeakRef) -> None:
+        """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
+        so it leaves the ``grad_live`` of the op that made it."""
+        made = self.grads_made.pop(ref, None)
+        if made is not None:
+            i, nbytes = made
+            e = self.events[i]
+            self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them."""
@@ -175,6 +190,12 @@ class NullRecorder(StepRecorder):
         return False
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        pass
+
+    def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
+        pass
+
+    def param_grad(self, ref: StorageWeakRef) -> None:
         pass
 
     def modified_input(self, fqn: str) -> None:
