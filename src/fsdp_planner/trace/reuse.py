@@ -191,6 +191,7 @@ class ActionLog(StepRecorder):
             super().made_grads(made)
 
     def param_grad(self, ref: StorageWeakRef) -> None:
+        self.param_grads.add(ref)
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made
@@ -487,6 +488,7 @@ class BlockReuse:
         with self.own_tensors():
             grads = [torch.empty_like(t) for t in tensors]
         log.backward = True
+        log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
         self.slot.recorder = log
         torch.autograd.backward(tensors, grads)
 

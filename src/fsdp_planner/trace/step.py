@@ -38,6 +38,7 @@ class StepRecorder:
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion()
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
+        self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
@@ -77,6 +78,7 @@ class StepRecorder:
     def param_grad(self, ref: StorageWeakRef) -> None:
         """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
         so it leaves the ``grad_live`` of the op that made it."""
+        self.param_grads.add(ref)
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made
