@@ -19,9 +19,7 @@ FACTORIES = ["twice", "reads_outside", "root_param", "shared_submodule", "param_
 
 
 def fingerprint(tr):
-    # grad_live (the gradient bytes a backward op reads and makes) is compared by its peak (same_both_ways): where
-    # a repeated block's incoming gradient reaches it differs between a replay and a traced call by a few bytes
-    events = [tuple(e._replace(grad_live=0)) for e in tr.events]
+    events = [tuple(e) for e in tr.events]
     modules = {m: (i.calls, i.fwd_flops, i.bwd_flops, i.first_use, i.params, i.children) for m, i in tr.modules.items()}
     return events, modules, tr.params
 
@@ -44,7 +42,6 @@ def same_both_ways(model, inputs, loss_fn=None):
     full = trace(model, inputs, loss_fn, reuse=False)
     fast = trace(model, inputs, loss_fn, reuse=True)
     assert fingerprint(fast) == fingerprint(full)
-    assert max(e.grad_live for e in fast.events) == pytest.approx(max(e.grad_live for e in full.events), rel=0.02)
     return fast
 
 

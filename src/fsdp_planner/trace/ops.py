@@ -156,9 +156,10 @@ def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, insid
     that becomes a param's grad leaves the count (``StepRecorder.param_grad``)."""
     grads, param_grads = recorder.grad_storages, recorder.param_grads
     read: dict[StorageWeakRef, int] = {}
-    for a in flat_in:
+    for a in flat_in:  # by the tensor's own bytes: a gradient may reach an op as a view of a larger one
         if isinstance(a, torch.Tensor):
-            read[StorageWeakRef(a.untyped_storage())] = a.untyped_storage().nbytes()
+            ref = StorageWeakRef(a.untyped_storage())
+            read[ref] = max(read.get(ref, 0), a.numel() * a.element_size())
     made: list[tuple[StorageWeakRef, int]] = []
     for t in flat_out:
         if isinstance(t, torch.Tensor):

@@ -512,7 +512,10 @@ class BlockReuse:
                 _replay_actions(main, template.backward, prefix, params, {})
                 main.grads.update(r.params[n] for n in template.grads)
                 with self.own_tensors():
-                    return [m.make() if m.requires_grad else None for m in inputs.values()]
+                    made = [m.make() if m.requires_grad else None for m in inputs.values()]
+                # the input grads a replayed call returns are gradients, as its own backward's outputs would be
+                main.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in made if g is not None)
+                return made
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]
             sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(leaves[i].untyped_storage())
