@@ -165,8 +165,9 @@ checkpointed call's inputs instead, its activations re-created at its pre-backwa
 and its backward until the first module) the live bytes the trace counted, where the fp32 logits and the loss's
 gradient make the peak of a language model. At a reduce-scatter FSDP2 frees the unsharded grads after their copy-in
 and only then allocates the output, which the model follows (counting both at once put seed-net's one-group plans
-at +6.4%). Inside the model activations are freed per module call, not per autograd node, and backward transients
-there are not counted; on these models that stays within 5%. HSDP rows (replicate x shard): the same groups
+at +6.4%). Inside the model activations are freed per module call, not per autograd node; backward's transients
+there are the gradients of activations each op reads and makes (``Event.grad_live``; a param's grad excluded),
+which a conv net with BatchNorm needs (-9.7% without them). HSDP rows (replicate x shard): the same groups
 sharded over the shard dimension, each reduce-scatter's output all-reduced across the replicas (counted, with
 its bytes, beside the prediction)."""
 
