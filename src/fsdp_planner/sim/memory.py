@@ -164,6 +164,7 @@ class MemoryModel:
         self.grad_bytes = precision.grad_bytes
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
+        self._grad_starts: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}  # ``_grads_from``
 
     def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
@@ -222,7 +223,8 @@ class MemoryModel:
             return deltas
         for k, c in enumerate(reduces):
             first = min(groups[c.group].first_backward, c.event)
-            add(2, first, c.event + 1, self.sizing.grad_bytes(c.params))
+            for start, nbytes in self._grads_from(c.params, first):
+                add(2, min(start, c.event), c.event + 1, nbytes)
             if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
                 add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(c.params))
             add(2, c.event, c.event + 1, self.sizing.shard1_grad_bytes(c.params))  # dim-1 grads re-laid out
@@ -237,6 +239,21 @@ class MemoryModel:
             else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
                 add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
         return deltas
+
+    def _grads_from(self, params: tuple[int, ...], first: int) -> list[tuple[int, int]]:
+        """(event, bytes): each param's unsharded grad from its own first backward op (``first``, the group's,
+        for a param backward never reads, such as a bias). Autograd makes a group's grads one layer at a time: a
+        group spanning a whole encoder (the root of a Whisper-style model under ``--policy module``) holds at
+        its first backward op only the grads made so far, not all of them (counted at once there, +18% on it)."""
+        key = (params, first)
+        if key not in self._grad_starts:
+            uses, never = self.trace.index.first_backward_use, len(self.trace.events) + 1
+            starts: dict[int, int] = {}
+            for p in params:
+                at = uses[p] if uses[p] != never else first
+                starts[at] = starts.get(at, 0) + self.sizing.grad_bytes((p,))
+            self._grad_starts[key] = sorted(starts.items())
+        return self._grad_starts[key]
 
     @property
     def _separate_accumulation(self) -> bool:
