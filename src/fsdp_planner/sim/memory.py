@@ -3,7 +3,8 @@
 Static (all step): sharded params and optimizer state (padded, divided by the shard world size), and the model's
 buffers (replicated). Over the step, from the FSDP2 replay: the groups' unsharded params while they are gathered
 (``Residency``), the all-gather output beside them while it is copied out (just before the group's first use
-after each all-gather), each group's unsharded grads from its first backward op until its reduce-scatter, the
+after each all-gather), each param's unsharded grad from its own first backward op until its group's
+reduce-scatter (``_grads_from``), the
 reduce-scatter input (padded, reduce dtype; FSDP2's ``foreach_reduce``) from its reduce-scatter until the next
 group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the default) or the step ends, the sharded
 grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default; with
