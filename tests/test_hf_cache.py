@@ -59,6 +59,7 @@ def test_bad_hf_config_is_one_line(text, message):
         parse_override(text)
 
 
+@pytest.mark.integration  # builds and traces transformers models: about a second or more
 def test_training_builds_without_a_cache_unless_asked(tmp_path):
     spec = tiny(tmp_path, "qwen3")  # its file says use_cache: true, as every Hub checkpoint does
     assert load_model(spec).model.config.use_cache is False
@@ -70,6 +71,7 @@ def test_training_builds_without_a_cache_unless_asked(tmp_path):
         ModelSpec("toy-llama", hf_config=(("use_cache", False),))
 
 
+@pytest.mark.integration  # builds and traces transformers models: about a second or more
 def test_hf_config_round_trips_through_the_job_and_the_plan(tmp_path, capsys):
     spec = ModelSpec(tiny(tmp_path, "qwen3"), 2, 16, (("use_cache", True),))
     assert ModelSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
@@ -124,6 +126,7 @@ def test_a_checkpointed_layer_writes_no_cache(selective):
     assert model[1].seen == [(cache, True)]
 
 
+@pytest.mark.integration  # builds and traces transformers models: about a second or more
 def test_check_warns_when_a_sub_model_that_records_outputs_is_sharded(tmp_path, capsys):
     spec = tiny(tmp_path, "qwen3")
     plan = tmp_path / "plan.json"
