@@ -169,7 +169,16 @@ at +6.4%). Inside the model activations are freed per module call, not per autog
 there are the gradients of activations each op reads and makes (``Event.grad_live``; a param's grad excluded),
 which a conv net with BatchNorm needs (-9.7% without them). HSDP rows (replicate x shard): the same groups
 sharded over the shard dimension, each reduce-scatter's output all-reduced across the replicas (counted, with
-its bytes, beside the prediction)."""
+its bytes, beside the prediction).
+
+Issue 26's rows (the models of `fidelity_models.py`'s issue-26 section): `conv_bn` is a conv net with BatchNorm,
+run in fp32 (in bf16 the trace refuses BatchNorm's bf16 input beside its fp32 running stats); without the gradients
+of activations in backward it was 9.7% low. `qwen3_small` is a Qwen3-style transformers decoder (transformers'
+RMSNorm) with no KV cache, under each `--ac` of the titan plan; `qwen3_cache` the same with `use_cache=true` (the
+cache's keys and values are the storages attention saves; under `--ac full` checkpointed layers write none).
+`whisper_small` is a Whisper-style encoder-decoder: `--policy module` wraps only the decoder layers, so the root
+group spans the encoder, whose grads were counted all at once from its first backward op (+18.9%) before each
+param's grad was counted from its own."""
 
 
 
