@@ -142,7 +142,7 @@ def test_check_warns_when_a_sub_model_that_records_outputs_is_sharded(tmp_path, 
 
 @pytest.mark.integration  # real FSDP2 on fake ranks, about 2 s each
 @pytest.mark.parametrize(("name", "ac", "config"), [
-    ("gemma2", "full", []), ("gemma2", "full", ["--hf-config", "use_cache=true"]),
+    ("gemma2", "full", []), ("gemma2", "op", []), ("gemma2", "full", ["--hf-config", "use_cache=true"]),
     ("t5", "op", ["--hf-config", "use_cache=true"]),
 ])
 def test_checkpointed_hf_models_pass_the_fake_world_check(tmp_path, capsys, name, ac, config):
