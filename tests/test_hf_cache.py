@@ -87,6 +87,9 @@ def test_hf_config_round_trips_through_the_job_and_the_plan(tmp_path, capsys):
     assert err == (f"error: plan file '{out}' was made with --hf-config use_cache=true; give the same to run it on "
                    "the same model")
     assert main(["check", *common, "--plan", str(out), "--hf-config", "use_cache=true"]) == 0
+    code = tmp_path / "plan.py"
+    assert main(["export", str(out), "--out", str(code)]) == 0
+    assert "HF_CONFIG: dict[str, object] = {'use_cache': True}" in code.read_text()
 
 
 def test_a_plan_file_s_hf_config_is_checked(tmp_path):
