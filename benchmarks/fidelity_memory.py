@@ -68,6 +68,32 @@ A real router's imbalance is what ``--routing`` (a capacity factor) plans for.""
 # --- end of issue 26's section -------------------------------------------------------------------------------------
 
 
+# --- Issue 26: models it was not tuned on (factories in fidelity_models.py's issue-26 section) -------------------
+ISSUE26 = "benchmarks/fidelity_models.py:"
+ISSUE26_CASES = [  # (factory, worlds, checkpointing of the titan plan or None: auto and the classic policies,
+    # precision name or None: bf16-mixed)
+    ("conv_bn", [8, 64], None, "fp32"),  # BatchNorm in bf16 is refused by the trace's dtype check: fp32 here
+    ("qwen3_small", [8, 64], None, None),  # transformers' RMSNorm (fp32 inside), no KV cache
+    *(("qwen3_small", [8, 64], ac, None) for ac in (ACMode.FULL, ACMode.SELECTIVE, ACMode.OP)),
+    ("qwen3_cache", [8, 64], None, None),  # --hf-config use_cache=true: every layer's keys and values kept
+    ("qwen3_cache", [8], ACMode.FULL, None),  # checkpointed layers write no cache (as transformers does)
+    ("whisper_small", [8, 64], None, None),  # encoder-decoder: --policy module among the baselines
+]
+
+
+def issue26_rows(options: SimOptions) -> list[dict]:
+    """The rows of ``ISSUE26_CASES``."""
+    from fsdp_planner.sim.options import PRECISIONS
+
+    rows = []
+    for name, worlds, ac, precision in ISSUE26_CASES:
+        opts = SimOptions(precision=PRECISIONS[precision]) if precision else options
+        for r in rows_for(ISSUE26 + name, worlds, opts, ac=ac):
+            rows.append({**r, "model": name + (f" ({precision})" if precision else "")})
+    return rows
+# --- end of issue 26's section ----------------------------------------------------------------------------------
+
+
 def checkpointed(r: dict) -> str:
     """The row's checkpointed modules: in full, op-level."""
     full, op = r["checkpointed"], r.get("op_checkpointed", 0)
@@ -122,6 +148,7 @@ def main() -> None:
     rows += rows_for(AUTO_AC[0], [AUTO_AC[1]], options, only_auto=True)
     rows += [r for model, mesh in HSDP_CASES for r in rows_for(model, [mesh.size], options, mesh=mesh)]
     rows += pattern_rows(options)
+    rows += issue26_rows(options)
     write_table(rows, time.perf_counter() - started, "fidelity_memory", "python benchmarks/fidelity_memory.py")
 
 
@@ -167,10 +194,20 @@ checkpointed call's inputs instead, its activations re-created at its pre-backwa
 and its backward until the first module) the live bytes the trace counted, where the fp32 logits and the loss's
 gradient make the peak of a language model. At a reduce-scatter FSDP2 frees the unsharded grads after their copy-in
 and only then allocates the output, which the model follows (counting both at once put seed-net's one-group plans
-at +6.4%). Inside the model activations are freed per module call, not per autograd node, and backward transients
-there are not counted; on these models that stays within 5%. HSDP rows (replicate x shard): the same groups
+at +6.4%). Inside the model activations are freed per module call, not per autograd node; backward's transients
+there are the gradients of activations each op reads and makes (``Event.grad_live``; a param's grad excluded),
+which a conv net with BatchNorm needs (-9.7% without them). HSDP rows (replicate x shard): the same groups
 sharded over the shard dimension, each reduce-scatter's output all-reduced across the replicas (counted, with
-its bytes, beside the prediction)."""
+its bytes, beside the prediction).
+
+Issue 26's rows (the models of `fidelity_models.py`'s issue-26 section): `conv_bn` is a conv net with BatchNorm,
+run in fp32 (in bf16 the trace refuses BatchNorm's bf16 input beside its fp32 running stats); without the gradients
+of activations in backward it was 9.7% low. `qwen3_small` is a Qwen3-style transformers decoder (transformers'
+RMSNorm) with no KV cache, under each `--ac` of the titan plan; `qwen3_cache` the same with `use_cache=true` (the
+cache's keys and values are the storages attention saves; under `--ac full` checkpointed layers write none).
+`whisper_small` is a Whisper-style encoder-decoder: `--policy module` wraps only the decoder layers, so the root
+group spans the encoder, whose grads were counted all at once from its first backward op (+18.9%) before each
+param's grad was counted from its own."""
 
 
 

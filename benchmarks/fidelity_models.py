@@ -155,3 +155,79 @@ def mha_encoder() -> tuple[nn.Module, tuple[torch.Tensor], object]:
 
 def where_moe() -> tuple[nn.Module, tuple[torch.Tensor], object]:
     return PatternNet("mha", moe=True), _ids(), _loss
+
+
+# --- Issue 26: memory on models it was not tuned on (fidelity_memory.py's ISSUE26_CASES) ------------------------
+# conv_bn: a ResNet-style conv net with BatchNorm; qwen3_small / qwen3_cache: a Qwen3-style Hugging Face decoder
+# (transformers' RMSNorm, which computes in fp32), without and with the KV cache; whisper_small: a Whisper-style
+# encoder-decoder. Sizes keep a fake-world run around a second on 2 cores.
+
+QWEN3_SMALL = {"model_type": "qwen3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768,
+               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+               "max_position_embeddings": 1024, "tie_word_embeddings": False}
+
+
+class ConvBlock(nn.Module):
+    """conv-BN-ReLU-conv-BN plus the input: BatchNorm keeps fp32 running stats as buffers."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+class ConvBN(nn.Module):
+    def __init__(self, channels: int = 64, blocks: int = 4, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                                  nn.ReLU())
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(blocks))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def conv_bn(batch_size: int = 16) -> tuple[nn.Module, tuple[torch.Tensor], object]:
+    return ConvBN(), (torch.randn(batch_size, 3, 32, 32),), _loss
+
+
+def qwen3_small(batch_size: int = 2, seq_len: int = 512) -> tuple:
+    from fsdp_planner.models import hf
+
+    return hf.build_causal_lm(QWEN3_SMALL, batch_size, seq_len)
+
+
+def qwen3_cache(batch_size: int = 2, seq_len: int = 512) -> tuple:
+    """qwen3_small with ``--hf-config use_cache=true``: every layer's keys and values stay in the cache."""
+    from fsdp_planner.models import hf
+
+    return hf.build_causal_lm(QWEN3_SMALL, batch_size, seq_len, (("use_cache", True),))
+
+
+def whisper_small(batch_size: int = 2) -> tuple:
+    """Whisper's architecture at a small size: 128 mel frames (64 after the encoder's stride-2 conv), 32 target
+    tokens; the model's own loss, no KV cache (a training step), transformers' packed-sequence check answered as
+    for ``hf:`` models (``hf.unpacked_inputs``)."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    from fsdp_planner.models import hf
+
+    hf.unpacked_inputs()
+    cfg = WhisperConfig(vocab_size=4096, d_model=256, encoder_layers=4, decoder_layers=4, encoder_attention_heads=8,
+                        decoder_attention_heads=8, encoder_ffn_dim=1024, decoder_ffn_dim=1024, num_mel_bins=80,
+                        max_source_positions=64, max_target_positions=64, pad_token_id=0, bos_token_id=1,
+                        eos_token_id=2, decoder_start_token_id=1, use_cache=False)
+    model = WhisperForConditionalGeneration(cfg).train()
+    features = torch.randn(batch_size, 80, 128)
+    labels = torch.randint(3, 4096, (batch_size, 32))
+    return model, {"input_features": features, "labels": labels}, lambda out: out.loss
+# --- end of issue 26's section ----------------------------------------------------------------------------------

@@ -219,6 +219,12 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
              f"PRECISION: str = {py_literal(precision.name)}",
              f"PARAM_DTYPE: torch.dtype | None = {_dtype(param_dtype)}",
              f"REDUCE_DTYPE: torch.dtype | None = {_dtype(reduce_dtype)}"]
+    if plan.hf_config:  # the --hf-config fields the plan was made with: the same model needs them
+        lines.append(f"HF_CONFIG: dict[str, object] = {py_literal(dict(plan.hf_config))}  # set on the model's "
+                     "config before building it")
+    if plan.model.startswith("hf:") and (plan.activation_checkpointing or plan.selective_checkpointing):
+        lines.append("# a transformers model trains with config.use_cache = False under CHECKPOINTED (whatever "
+                     "HF_CONFIG says): a checkpointed layer must not write its KV cache twice")
     if precision.autocast:
         lines.append("# PRECISION casts with torch.autocast in the training loop; FSDP2 runs in the params' dtype")
     if precision.storage_dtype != torch.float32:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import check_plan_methods, load_trace, run_auto
+from fsdp_planner.cli.common import check_hf_config, check_plan_methods, load_trace, run_auto
 from fsdp_planner.cli.requests import (
     cluster_or_none,
     memory_budget,
@@ -69,6 +69,7 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
     """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
     if args.plan:
         plan = with_claimed_params(Plan.load(args.plan), tr)
+        check_hf_config(plan, model_spec(args), args.plan)
         check_plan_methods(plan, model_spec(args))
         return plan, f"the plan in {args.plan}"
     name = args.policy or DEFAULT_POLICY.value

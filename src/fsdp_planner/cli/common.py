@@ -24,6 +24,7 @@ from fsdp_planner.sim.sizing import with_memory_options
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.failures import failed_at
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.userfiles import shown_json
 
 
 def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, full: bool = False,
@@ -156,6 +157,7 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     """The plan file for the traced ``model``; a hand-written one (module lists) gets its params derived."""
     plan = with_claimed_params(Plan.load(path), tr)
+    check_hf_config(plan, as_spec(model), path)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_methods(plan, model)
@@ -165,6 +167,16 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
                     f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
                     "planned with")
     return plan
+
+
+def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:
+    """The plan was made for the model with the same ``--hf-config`` fields (use_cache changes the step's
+    memory, a layer count its groups): else one line with the options that rebuild that model. A hand-written
+    plan (no fingerprint) is for any model."""
+    if not plan.fingerprint or plan.hf_config == dict(model.hf_config):
+        return
+    planned = " ".join(f"--hf-config {k}={shown_json(v)}" for k, v in plan.hf_config.items()) or "no --hf-config"
+    raise PlannerError(f"plan file '{path}' was made with {planned}; give the same to run it on the same model")
 
 
 def check_plan_methods(plan: Plan, model: ModelSpec | str) -> None:

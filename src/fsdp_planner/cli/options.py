@@ -125,6 +125,10 @@ def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
                     help="capacity factor of the balanced-routing stand-in that data-dependent ops (a torch.where "
                          "or nonzero router, .item() checks) run while planned: each expert gets tokens x top_k / "
                          "experts x CAPACITY rows (default 1; 0.1 to 64)")
+    sp.add_argument("--hf-config", action="append", metavar="KEY=VALUE", default=None,
+                    help="hf: models: set a config field over the file's (repeatable; VALUE a JSON scalar, e.g. "
+                         "use_cache=true, num_hidden_layers=4); training builds the model with use_cache=false "
+                         "unless set here")
     sp.add_argument("--full-trace", action="store_true",
                     help="trace every module call (slower); by default identical calls of a repeated block are "
                          "traced once, which assumes its forward depends only on its own state and arguments")

@@ -49,9 +49,11 @@ def run(args: argparse.Namespace) -> int:
     rows = _rows(tr, plans, request)
     if request.out is not None:
         # the precision goes with the plan: export sets it, so the code runs as the numbers assumed
-        # and the attention kernel it was planned for (--attention; absent: the default)
-        write_atomic(request.out, plans[0].copy(precision=request.options.precision.name,
-                                                attention=request.model.attention or "").checked_json() + "\n")
+        # and the attention kernel it was planned for (--attention; absent: the default), and the --hf-config
+        # fields: verify and check rebuild the model the plan was made for
+        kept = plans[0].copy(precision=request.options.precision.name, attention=request.model.attention or "",
+                             hf_config=dict(request.model.hf_config))
+        write_atomic(request.out, kept.checked_json() + "\n")
     if request.json:
         doc = {**_json(request, tr, rows, auto),
                **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}

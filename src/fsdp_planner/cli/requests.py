@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
@@ -33,6 +34,7 @@ from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.precision import check_precision
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, planning_only
+from fsdp_planner.models.hf import MAX_OVERRIDES, parse_override
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
 from fsdp_planner.sim.budget import Headroom, MemoryBudget, parse_headroom
 from fsdp_planner.sim.options import SimOptions
@@ -166,7 +168,15 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
                            f"{MAX_TOKENS:,} are supported")
     n = micro_batches(args, auto=True)
     return ModelSpec(args.model, batch // n if batch is not None else None, seq, getattr(args, "attention", None),
-                     getattr(args, "routing", None))
+                     getattr(args, "routing", None), hf_config(args))
+
+
+def hf_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """``--hf-config KEY=VALUE`` options, parsed (a key given twice: the last wins, as on a config file)."""
+    given = getattr(args, "hf_config", None) or []
+    if len(given) > MAX_OVERRIDES:
+        raise PlannerError(f"--hf-config: at most {MAX_OVERRIDES} fields, got {len(given)}")
+    return tuple(dict(parse_override(text) for text in given).items())
 
 
 def reshard_after_backward(args: argparse.Namespace) -> bool:

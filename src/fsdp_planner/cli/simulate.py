@@ -24,6 +24,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
     plans = [(_label(s, p), adjusted(p, config) if i == 0 else p)  # the config's reshard_after_forward
-             for i, s in enumerate(sources) for p in [_plan(tr, s, args.model, cluster, options)]]
+             for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
     if png is None and page is None:  # no picture: the step's numbers alone, without recording its timeline
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]
     else:
@@ -74,13 +75,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster, options: SimOptions) -> Plan:
+def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, options: SimOptions) -> Plan:
     if source.plan_file is not None:
         plan = load_plan(str(source.plan_file), tr, model)
         check_plan_world_size(plan, cluster.world_size)
         return plan
     assert source.policy is not None
-    return policy_plan(tr, source.policy, model, cluster, options)  # checked against the cluster
+    return policy_plan(tr, source.policy, model.name, cluster, options)  # checked against the cluster
 
 
 def _label(source: PlanSource, plan: Plan) -> str:

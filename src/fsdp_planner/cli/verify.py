@@ -21,6 +21,7 @@ from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster, Engine
+from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.at_scale import onto_job
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, run_verify
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     planning = SimOptions(precision=options.precision, micro_batches=request.micro_batches,
                           reshard_after_backward=request.reshard_after_backward)
     plan = _at_scale(tr, request, planning) if request.plan_for else \
-        _plan(tr, request.source, request.model.name, request.plan_cluster, planning, request.nproc)
+        _plan(tr, request.source, request.model, request.plan_cluster, planning, request.nproc)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster | None, options: SimOptions,
+def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster | None, options: SimOptions,
           world: int | None) -> Plan:
     """The plan to run: the plan file's, checked against the model, or the policy's (auto's for ``cluster``);
     checked against ``world`` ranks when given."""
@@ -83,7 +84,7 @@ def _plan(tr: Trace, source: PlanSource, model: str, cluster: Cluster | None, op
         plan = load_plan(str(source.plan_file), tr, model)
     else:
         assert source.policy is not None
-        plan = policy_plan(tr, source.policy, model, cluster, options)
+        plan = policy_plan(tr, source.policy, model.name, cluster, options)
     if world is not None:
         check_plan_world_size(plan, world)
     return plan
@@ -180,7 +181,7 @@ def run_fake(request: FakeWorldRequest) -> int:
         render.note(note)
     world, options, precision = request.world, request.options, request.options.precision.name
     tr = load_trace(request.model, render.notes, full=request.full_trace, precision=options.precision)
-    plan = stamped(_plan(tr, request.source, request.model.name, request.cluster, options,
+    plan = stamped(_plan(tr, request.source, request.model, request.cluster, options,
                          world if request.source.plan_file is not None else None), tr, world, options)
     if not request.json:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "

@@ -18,8 +18,9 @@ second block in full, counting from the first (blocks 1, 3, 5, ... 0-based).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.nn as nn
 
 from fsdp_planner.choices import ACMode, SacPolicy
@@ -112,10 +113,32 @@ def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[s
         if name not in modules:
             key = "activation_checkpointing" if policy is None else "selective_checkpointing"
             raise PlannerError(f"{key} names a module the model does not have: '{name}'")
+        modules[name].register_forward_pre_hook(_without_cache, with_kwargs=True)  # before checkpoint's hooks
         if policy is None:
             checkpoint(modules[name])
         else:
             _checkpoint_forward(modules[name], policy)
+
+
+# The keyword arguments through which a Hugging Face layer writes its KV cache (names differ by model and version).
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+    """A checkpointed layer writes no KV cache: the recomputed forward would write it a second time (Gemma 2's
+    mask then disagrees with the keys, T5's checkpoint saves a different number of tensors). What transformers'
+    own ``GradientCheckpointingLayer`` does: ``use_cache=False`` and no cache for this call, unless the layer only
+    reads the cache (``_can_checkpoint_with_cache``). Other modules' calls are left as they are."""
+    if not kwargs or not torch.is_grad_enabled():
+        return None
+    changed = dict(kwargs)
+    if changed.get("use_cache"):
+        changed["use_cache"] = False
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for key in CACHE_KWARGS:
+            if changed.get(key) is not None:
+                changed[key] = None
+    return (args, changed) if changed != kwargs else None
 
 
 def _checkpoint_forward(module: nn.Module, policy: SacPolicy) -> None:

@@ -50,6 +50,7 @@ class Code(Enum):
     REDUCE_DTYPE_COST = "reduce-dtype-cost"  # info: the step with grads reduced in bf16 vs fp32
     HSDP_PAYS = "hsdp"  # info: the plan on the best HSDP layout vs pure FSDP
     RESHARD_TO_NODE = "reshard-to-node"  # info: int reshard_after_forward (the node) vs True
+    RECORDED_OUTPUTS = "recorded-outputs"
     PRECISION = "precision"  # the step fails in the precision's compute dtype (found by tracing, not here)
 
 
@@ -154,6 +155,7 @@ def plan_findings(trace: Trace, plan: Plan, world_size: int | None = None, fsdp1
     out += _sharded_read_findings(trace, plan, world_size)
     out += _reuse_findings(trace, plan)
     out += _root_findings(trace, plan)
+    out += _recorded_outputs_findings(trace, plan)
     if fsdp1:
         out += _fsdp1_findings(trace, plan)
     return out
@@ -302,6 +304,30 @@ def _reuse_findings(trace: Trace, plan: Plan) -> list[Finding]:
                                    f"({fmt_modules(g.modules)}): a module of a list group reused later in the step "
                                    f"can fail in backward (pytorch#183702; not every model, so verify the plan)",
                                    f"shard {_path(m)} in a group of its own (fully_shard({_name(m)}))", m))
+    return out
+
+
+def _recorded_outputs_findings(trace: Trace, plan: Plan) -> list[Finding]:
+    """A sharded transformers sub-model that records outputs. transformers finds which outputs a model records
+    (``_can_record_outputs``) by ``str(model.__class__)`` (``utils/output_capturing.py``), and ``fully_shard``
+    swaps the class for ``FSDP<class>``: the lookup finds nothing, so its hidden states and attentions come back
+    None even when asked for. A caller that reads them (LLaVA reads its vision tower's hidden states) fails with
+    "'NoneType' object is not subscriptable". The root is left out: a causal LM's root passes the request on to
+    its inner model, which records them."""
+    out = []
+    for g in plan.inner_groups:
+        for m in g.modules:
+            info = trace.modules.get(m)
+            if info is None or m == ROOT or not info.records_outputs:
+                continue
+            out.append(Finding(
+                Severity.WARNING, Code.RECORDED_OUTPUTS,
+                f"{_path(m)} ({info.cls}) is sharded on its own: transformers looks up the outputs it records by "
+                f"its class name, which fully_shard changes to FSDP{info.cls}, so its hidden states and attentions "
+                "come back None; a caller that reads them fails (\"'NoneType' object is not subscriptable\")",
+                f"shard its children (e.g. its layers) and leave {_name(m)} to an outer group; or, after "
+                "fully_shard, register the new class: transformers.utils.output_capturing._CAN_RECORD_REGISTRY"
+                f"[{_name(m)}] = {_name(m)}._can_record_outputs", m))
     return out
 
 

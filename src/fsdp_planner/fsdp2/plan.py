@@ -25,7 +25,9 @@ PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention")
-MODEL_KEYS = ("fingerprint", "numel", "name")
+MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
+MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
+MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
 ReshardAfterForward = bool | int  # True, False, or the size of the sub-group that keeps a shard after forward
@@ -118,6 +120,8 @@ class Plan:
     reduce_dtype: str = ""  # MixedPrecisionPolicy.reduce_dtype the user chose ("fp32", "bf16"); "": the precision's
     attention: str = ""  # the attention kernel the plan was made for (--attention: choices.ATTENTION_NAMES); "": the
     # default (sdpa, or a Hugging Face model's own implementation)
+    hf_config: dict[str, Any] = field(default_factory=dict)  # the --hf-config fields the model was planned with
+    # (an hf: model's config fields set over its file's, e.g. use_cache): verify and check rebuild the same model
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -159,7 +163,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = {
             "version": PLAN_VERSION,
-            "model": {"fingerprint": self.fingerprint, "numel": self.numel, "name": self.model},
+            "model": {"fingerprint": self.fingerprint, "numel": self.numel, "name": self.model,
+                      **({"hf_config": dict(self.hf_config)} if self.hf_config else {})},
             "policy": self.policy,
             "groups": [g.to_dict() for g in self.groups],
             "activation_checkpointing": list(self.activation_checkpointing),
@@ -241,9 +246,25 @@ def _plan_from_dict(data: Any) -> Plan:
                 mesh=_mesh_from_dict(data.get("mesh")),
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
                 precision=_precision_from(data.get("precision", "")),
-                attention=_attention_from(data.get("attention", "")), **_memory_options(data))
+                attention=_attention_from(data.get("attention", "")), hf_config=_hf_config_from(model),
+                **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
+
+
+def _hf_config_from(model: dict[str, Any]) -> dict[str, Any]:
+    """``model.hf_config``: config field names to JSON scalars, bounded (what ``--hf-config`` gives)."""
+    config = model.get("hf_config", {})
+    if not isinstance(config, dict) or len(config) > MAX_HF_CONFIG:
+        raise PlannerError(f"plan 'model.hf_config' must be an object of at most {MAX_HF_CONFIG} config fields, got "
+                           f"{shown_json(config)}")
+    for key, value in config.items():
+        scalar = isinstance(value, bool | int | float | str) or value is None
+        if not key.isidentifier() or len(key) > MAX_HF_CONFIG_CHARS or not scalar \
+                or (isinstance(value, str) and len(value) > MAX_HF_CONFIG_CHARS):
+            raise PlannerError(f"plan 'model.hf_config' field {shown_json(key)} must be a config field name with "
+                               f"a true/false, number, string or null value, got {shown_json(value)}")
+    return dict(config)
 
 
 def check_int_reshard_on_dim0(plan: Plan) -> None:

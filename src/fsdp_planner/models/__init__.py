@@ -17,6 +17,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -77,6 +78,7 @@ class ModelSpec:
     seq_len: int | None = None
     attention: str | None = None  # --attention (choices.ATTENTION_NAMES); None: sdpa, or an hf: model's own
     routing: float | None = None  # --routing: the stand-in's capacity factor (routing.py); None: 1
+    hf_config: hf.Overrides = ()  # ``--hf-config KEY=VALUE``: config fields of an ``hf:`` model, set over its file's
 
     def __post_init__(self) -> None:
         if self.attention is not None and self.attention not in ATTENTION_NAMES:
@@ -89,19 +91,29 @@ class ModelSpec:
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise PlannerError(f"{option} must be a positive whole number, got {value!r}")
+        if self.hf_config and not hf.is_hf(self.name):
+            raise PlannerError(f"--hf-config sets fields of a Hugging Face config: it applies to hf: models, not "
+                               f"'{self.name}'")
+        if len(self.hf_config) > hf.MAX_OVERRIDES:
+            raise PlannerError(f"--hf-config: at most {hf.MAX_OVERRIDES} fields, got {len(self.hf_config)}")
 
     def __str__(self) -> str:
         return self.name
 
     def kwargs(self) -> dict[str, int]:
-        """The factory keyword arguments the user set."""
+        """The workload keyword arguments the user set."""
         return {k: getattr(self, k) for k in WORKLOAD_OPTIONS if getattr(self, k) is not None}
+
+    def config_text(self) -> str:
+        """The ``--hf-config`` fields as the user writes them (``use_cache=true``); "" when none."""
+        return " ".join(f"{k}={json.dumps(v)}" for k, v in self.hf_config)
 
     def label(self) -> str:
         """The name with its workload: what the user set, and a built-in's defaults ("llama3-8b, batch 1, seq
         8192"); a user factory's defaults are its own business and not read here (that would import it again)."""
         words = {"batch_size": "batch", "seq_len": "seq"}
-        return ", ".join([self.name, *(f"{words[k]} {v:,}" for k, v in self.workload().items())])
+        config = [self.config_text()] if self.hf_config else []
+        return ", ".join([self.name, *(f"{words[k]} {v:,}" for k, v in self.workload().items()), *config])
 
     def workload(self) -> dict[str, Any]:
         """``batch_size`` and ``seq_len`` as the step runs them: what the user set over a built-in's or a shipped
@@ -114,11 +126,14 @@ class ModelSpec:
 
     def to_json(self) -> dict[str, Any]:
         extra = {k: getattr(self, k) for k in ("attention", "routing") if getattr(self, k) is not None}
-        return {"name": self.name, **self.kwargs(), **extra}
+        config = {"hf_config": dict(self.hf_config)} if self.hf_config else {}
+        return {"name": self.name, **self.kwargs(), **extra, **config}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelSpec:
-        return cls(**data)
+        fields = dict(data)
+        fields["hf_config"] = tuple(fields.get("hf_config", {}).items())
+        return cls(**fields)
 
 
 def _hf_workload(spec: str) -> dict[str, Any]:
@@ -152,12 +167,13 @@ def workload_defaults(factory: Callable[..., tuple]) -> dict[str, Any]:
     return {k: params[k].default for k in WORKLOAD_OPTIONS if k in params}
 
 
-def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, int]:
+def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, Any]:
     """The keyword arguments ``factory`` gets for ``spec``; a workload option it cannot take is an error, never
     silently ignored (the plan would be for another step)."""
-    wanted = spec.kwargs()
+    wanted: dict[str, Any] = spec.kwargs()
+    config = {"hf_config": spec.hf_config} if spec.hf_config else {}  # the hf factories take it (hf.py)
     if not wanted:
-        return {}
+        return config
     try:
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD
                         for p in inspect.signature(factory).parameters.values())
@@ -177,7 +193,7 @@ def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, 
         raise PlannerError(f"{option} does not apply to '{spec.name}': its factory takes no '{key}' keyword "
                            f"argument (add one, e.g. def {spec.name.rpartition(':')[2]}({key}=...), to set it "
                            f"from the command line)")
-    return wanted
+    return {**wanted, **config}
 
 
 @dataclass

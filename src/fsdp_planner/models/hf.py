@@ -9,12 +9,19 @@ target ids (as the built-in ``t5-3b``), image classifiers pixel values at the co
 per image; the loss is the model's own. Params are fp32 (the precision option casts them as FSDP2 would) and
 initialised by transformers under the seed ``load_model`` sets, so every verify rank builds the same weights.
 
+A training step needs no KV cache, and a cache breaks activation checkpointing (the recomputed forward writes it a
+second time: Gemma 2's masks then disagree, T5's checkpoint saves a different number of tensors), so the model is
+built with ``use_cache=False``, as transformers' own gradient checkpointing does, unless ``--hf-config
+use_cache=true`` asks for it. ``--hf-config KEY=VALUE`` (``overrides``) sets any field the config has.
+
 transformers is the optional extra ``fsdp-planner[hf]``: it is imported only when an ``hf:`` model is asked for.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -33,6 +40,13 @@ PREFIX = "hf:"
 CONFIG_DIR = Path(__file__).with_name("hf_configs")
 INSTALL_HINT = "hf: models need Hugging Face transformers: pip install 'fsdp-planner[hf]'"
 DEFAULT_SEQ_CAP = 2048  # a user config's default sequence: its maximum position count, at most this
+TRAINING_FIELDS = {"use_cache": False}  # what a training step sets unless --hf-config says otherwise
+MAX_OVERRIDES = 32  # --hf-config options on one command
+MAX_OVERRIDE_CHARS = 200  # a key's or a value's length
+
+# --hf-config values: JSON scalars (true, 3, 0.5, "text"); a value that is no JSON is the string itself.
+Scalar = bool | int | float | str | None
+Overrides = tuple[tuple[str, Scalar], ...]
 
 
 class HfTask(Enum):
@@ -162,11 +176,76 @@ _LOSS_TYPES = {HfTask.CAUSAL_LM: "ForCausalLM", HfTask.IMAGE_CLASSIFICATION: "Fo
 ATTN_IMPLEMENTATIONS = {"sdpa": "sdpa", "flash": hf_attention.FUSED, "eager": "eager"}
 
 
-def build_model(data: dict[str, Any], attention: str | None = None) -> nn.Module:
-    """The model of a config (on the current default device: meta while planning), fp32 params, training mode.
-    Experts layers take the token-balanced routing while planned (``hf_experts``). ``attention`` (``--attention``)
-    sets the attention implementation; None leaves transformers' own choice."""
-    config = _config(data)
+def parse_override(text: str) -> tuple[str, Scalar]:
+    """One ``--hf-config KEY=VALUE``: the value read as a JSON scalar (``false``, ``8``, ``1e-5``, ``"x"``), or
+    as the text itself when it is none (``silu``)."""
+    key, eq, raw = text.partition("=")
+    key = key.strip()
+    if not eq or not key.isidentifier():
+        raise PlannerError(f"--hf-config takes KEY=VALUE with a config field name as KEY (e.g. use_cache=false), "
+                           f"got {text[:MAX_OVERRIDE_CHARS]!r}")
+    if len(key) > MAX_OVERRIDE_CHARS or len(raw) > MAX_OVERRIDE_CHARS:
+        raise PlannerError(f"--hf-config: a key or value longer than {MAX_OVERRIDE_CHARS} characters")
+    if key == "model_type":
+        raise PlannerError("--hf-config cannot change model_type: give another config file instead")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    if not isinstance(value, bool | int | float | str | None) or (isinstance(value, float) and not
+                                                                   math.isfinite(value)):
+        raise PlannerError(f"--hf-config {key}: the value must be true/false, a number or a string "
+                           f"(lists and objects belong in a config file), got {raw[:MAX_OVERRIDE_CHARS]!r}")
+    return key, value
+
+
+def with_overrides(data: dict[str, Any], overrides: Overrides) -> dict[str, Any]:
+    """The config's fields with a training step's on top (no KV cache, whatever the file says: checkpoints ship
+    ``use_cache: true`` for generation), then the user's ``--hf-config``; a key the config does not have is an
+    error (a typo would otherwise be a silent no-op)."""
+    if overrides:
+        known = _config(data)
+        for key, _ in overrides:
+            if not hasattr(known, key):
+                raise PlannerError(f"--hf-config {key}: the '{data['model_type']}' config has no field '{key}'")
+    return {**data, **TRAINING_FIELDS, **dict(overrides)}
+
+
+def _fixed_sequences(find: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """transformers' packed-sequence check (``masking_utils.find_packed_sequence_indices``, reached when there is
+    no cache and no attention mask, i.e. training) ends in a data-dependent ``.all()``: on meta tensors a crash,
+    on fake ones a mask tensor a GPU run would not have. The planner's inputs hold one sequence per row, so the
+    check's answer is known: None (not packed), what the real step takes. Real tensors are asked as before."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    @functools.wraps(find)
+    def checked(position_ids: torch.Tensor) -> Any:
+        if position_ids.is_meta or is_fake(position_ids):
+            return None
+        return find(position_ids)
+
+    checked.__wrapped_by_fsdp_planner__ = True  # type: ignore[attr-defined]
+    return checked
+
+
+def unpacked_inputs() -> None:
+    """Install ``_fixed_sequences`` once (transformers versions without the check are left alone)."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return
+    find = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if find is not None and not getattr(find, "__wrapped_by_fsdp_planner__", False):
+        masking_utils.find_packed_sequence_indices = _fixed_sequences(find)
+
+
+def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str | None = None) -> nn.Module:
+    """The model of a config (on the current default device: meta while planning), fp32 params, training mode,
+    no KV cache unless ``overrides`` ask for one. Experts layers take the token-balanced routing while planned
+    (``hf_experts``). ``attention`` (``--attention``) sets the attention implementation; None leaves
+    transformers' own choice."""
+    config = _config(with_overrides(data, overrides))
+    unpacked_inputs()
     if attention == "flash":
         hf_attention.register()
     chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
@@ -218,28 +297,28 @@ def check_positions(model: nn.Module, seq_len: int) -> None:
                                f"positions ({name}): give --seq {module.num_embeddings} or less")
 
 
-def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int,
+def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int, hf_config: Overrides = (),
                     attention: str | None = None) -> tuple[nn.Module, Any, Any]:
-    model = build_model(data, attention)
+    model = build_model(data, hf_config, attention)
     check_positions(model, seq_len)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len))
     return model, {"input_ids": ids}, causal_lm_loss(model, ids)
 
 
-def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int,
+def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int, hf_config: Overrides = (),
                      attention: str | None = None) -> tuple[nn.Module, Any, Any]:
     """Encoder ids of ``seq_len`` and a quarter as many target ids (T5's span-corruption ratio); the decoder's
     inputs are the targets shifted right, made by the model."""
-    model = build_model(data, attention)
+    model = build_model(data, hf_config, attention)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     labels = torch.randint(0, vocab, (batch_size, max(1, seq_len // 4)))
     return model, {"input_ids": ids, "labels": labels}, model_loss
 
 
-def build_image_classifier(data: dict[str, Any], batch_size: int,
+def build_image_classifier(data: dict[str, Any], batch_size: int, hf_config: Overrides = (),
                            attention: str | None = None) -> tuple[nn.Module, Any, Any]:
-    model = build_model(data, attention)
+    model = build_model(data, hf_config, attention)
     cfg = model.config
     pixels = torch.randn(batch_size, cfg.num_channels, cfg.image_size, cfg.image_size)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))

@@ -3,7 +3,8 @@
 Static (all step): sharded params and optimizer state (padded, divided by the shard world size), and the model's
 buffers (replicated). Over the step, from the FSDP2 replay: the groups' unsharded params while they are gathered
 (``Residency``), the all-gather output beside them while it is copied out (just before the group's first use
-after each all-gather), each group's unsharded grads from its first backward op until its reduce-scatter, the
+after each all-gather), each param's unsharded grad from its own first backward op until its group's
+reduce-scatter (``_grads_from``), the
 reduce-scatter input (padded, reduce dtype; FSDP2's ``foreach_reduce``) from its reduce-scatter until the next
 group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the default) or the step ends, the sharded
 grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default; with
@@ -57,7 +58,13 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
-from fsdp_planner.sim.recompute import Checkpointed, activation_deltas, checkpointed_calls, loss_region_deltas
+from fsdp_planner.sim.recompute import (
+    Checkpointed,
+    activation_deltas,
+    checkpointed_calls,
+    gradient_flow,
+    loss_region_deltas,
+)
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -120,7 +127,8 @@ def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
     calls hold their inputs instead and re-create their activations in backward (``recompute.py``)."""
     scale = precision.compute_bytes / traced_itemsize(trace)
-    return np.cumsum(activation_deltas(trace, checkpointed_calls(trace, checkpointed), scale))
+    return np.cumsum(activation_deltas(trace, checkpointed_calls(trace, checkpointed), scale)) \
+        + gradient_flow(trace, scale)
 
 
 def compute_copies(trace: Trace, precision: Precision, sharded: bool) -> int:
@@ -157,6 +165,7 @@ class MemoryModel:
         self.grad_bytes = precision.grad_bytes
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
+        self._grad_starts: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}  # ``_grads_from``
 
     def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
@@ -215,7 +224,8 @@ class MemoryModel:
             return deltas
         for k, c in enumerate(reduces):
             first = min(groups[c.group].first_backward, c.event)
-            add(2, first, c.event + 1, self.sizing.grad_bytes(c.params))
+            for start, nbytes in self._grads_from(c.params, first):
+                add(2, min(start, c.event), c.event + 1, nbytes)
             if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
                 add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(c.params))
             add(2, c.event, c.event + 1, self.sizing.shard1_grad_bytes(c.params))  # dim-1 grads re-laid out
@@ -230,6 +240,21 @@ class MemoryModel:
             else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
                 add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
         return deltas
+
+    def _grads_from(self, params: tuple[int, ...], first: int) -> list[tuple[int, int]]:
+        """(event, bytes): each param's unsharded grad from its own first backward op (``first``, the group's,
+        for a param backward never reads, such as a bias). Autograd makes a group's grads one layer at a time: a
+        group spanning a whole encoder (the root of a Whisper-style model under ``--policy module``) holds at
+        its first backward op only the grads made so far, not all of them (counted at once there, +18% on it)."""
+        key = (params, first)
+        if key not in self._grad_starts:
+            uses, never = self.trace.index.first_backward_use, len(self.trace.events) + 1
+            starts: dict[int, int] = {}
+            for p in params:
+                at = uses[p] if uses[p] != never else first
+                starts[at] = starts.get(at, 0) + self.sizing.grad_bytes((p,))
+            self._grad_starts[key] = sorted(starts.items())
+        return self._grad_starts[key]
 
     @property
     def _separate_accumulation(self) -> bool:

@@ -56,6 +56,8 @@ class Event(NamedTuple):
     kernel: int = 0  # op: which kind of GPU kernel runs it, for the compute model (``sim/compute.py``): k > 0 a
     # matmul whose smallest dim (of M, N, K) is k; ``KERNEL_ATTENTION`` a fused attention kernel (forward or
     # backward); ``KERNEL_OTHER`` anything else (its FLOPs, if any, at the matmul rate; its bytes at HBM's)
+    grad_live: int = 0  # backward op inside the model: bytes of the gradients it reads and makes (the gradient
+    # flowing in and the one flowing out, alive together while it runs; ``trace/ops.py``)
 
     @property
     def is_op(self) -> bool:

@@ -21,7 +21,7 @@ from fsdp_planner.routing import StandIn
 from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER, OpClass
 from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
-from fsdp_planner.trace.step import NullRecorder, Slot
+from fsdp_planner.trace.step import NullRecorder, Slot, StepRecorder
 
 # Ops that move no data: their inputs and outputs are not counted as traffic.
 _NO_TRAFFIC_OPS = {
@@ -160,12 +160,15 @@ class OpRecorder(TorchDispatchMode):
         if used and recorder.check_methods is not None and not recorder.backward:
             recorder.check_methods(tuple(used), recorder.fwd_stack)
         live = 0
-        if recorder.outside_modules():
+        outside = recorder.outside_modules()
+        if outside:
             recorder.loss.track(flat_out)
             live = recorder.loss.current
         kernel = kernel_of(func, args)
         if recorder.backward:
-            recorder.op(tuple(sorted(used)), flops, nbytes, live, kernel=kernel)
+            grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, inside=not outside)
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, kernel=kernel, grad_live=grad_live)
+            recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out), kernel)
         return out
@@ -184,6 +187,34 @@ class OpRecorder(TorchDispatchMode):
         self.sync()
         self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
         return out
+
+
+def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, inside: bool
+                    ) -> tuple[int, list[tuple[StorageWeakRef, int]]]:
+    """A backward op's gradient bytes: the gradients it reads and the new storages it makes, alive together
+    while it runs: the gradient flowing into a layer and the one flowing out, which saved-activation accounting
+    never sees (two activations' worth in a conv net). A gradient read is a storage an earlier backward op made
+    (or, in a repeated block's template, the gradient the tracer feeds it, ``reuse.py``) that is no param's grad.
+    Outside the model (``inside`` False) the loss region's live bytes count them. With the storages it made: one
+    that becomes a param's grad leaves the count (``StepRecorder.param_grad``)."""
+    grads, param_grads = recorder.grad_storages, recorder.param_grads
+    read: dict[StorageWeakRef, int] = {}
+    for a in flat_in:  # by the tensor's own bytes: a gradient may reach an op as a view of a larger one
+        if isinstance(a, torch.Tensor):
+            ref = StorageWeakRef(a.untyped_storage())
+            read[ref] = max(read.get(ref, 0), a.numel() * a.element_size())
+    made: list[tuple[StorageWeakRef, int]] = []
+    for t in flat_out:
+        if isinstance(t, torch.Tensor):
+            ref = StorageWeakRef(t.untyped_storage())
+            if ref not in read:  # a view or in-place result is its input's storage (a saved activation that
+                # backward detaches is no gradient)
+                made.append((ref, t.untyped_storage().nbytes()))
+                grads.add(ref)
+    if not inside or not made:  # a view, an in-place op or a detach allocates nothing
+        return 0, made
+    return sum(n for _, n in made) + sum(n for ref, n in read.items() if ref in grads and ref not in param_grads), \
+        made
 
 
 def device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:

@@ -173,7 +173,7 @@ class ActionLog(StepRecorder):
         return False  # a template is one module call: nothing in it is outside the model
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0) -> None:
         slots = []
         for p in params:
             if p not in self.param_name:
@@ -183,13 +183,26 @@ class ActionLog(StepRecorder):
                 self.slots[p] = len(self.template.params)
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
-        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel))
+        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, grad_live))
+        self.last_op = len(self.template.backward) - 1 if self.backward else -1
 
     def pack(self) -> None:
         if not self.backward:
             forward = self.template.forward
             if not (forward and forward[-1] == ("pack",)):
                 forward.append(("pack",))  # replayed where it was (``Event.packs``)
+
+    def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
+        if self.backward and self.last_op >= 0:  # positions in the template's backward log
+            super().made_grads(made)
+
+    def param_grad(self, ref: StorageWeakRef) -> None:
+        self.param_grads.add(ref)
+        made = self.grads_made.pop(ref, None)
+        if made is not None:
+            i, nbytes = made
+            a = self.template.backward[i]
+            self.template.backward[i] = (*a[:-1], max(0, a[-1] - nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         self.pack()
@@ -482,6 +495,7 @@ class BlockReuse:
         with self.own_tensors():
             grads = [torch.empty_like(t) for t in tensors]
         log.backward = True
+        log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
         self.slot.recorder = log
         torch.autograd.backward(tensors, grads)
 
@@ -505,7 +519,10 @@ class BlockReuse:
                 _replay_actions(main, template.backward, prefix, params, {})
                 main.grads.update(r.params[n] for n in template.grads)
                 with self.own_tensors():
-                    return [m.make() if m.requires_grad else None for m in inputs.values()]
+                    made = [m.make() if m.requires_grad else None for m in inputs.values()]
+                # the input grads a replayed call returns are gradients, as its own backward's outputs would be
+                main.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in made if g is not None)
+                return made
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]
             sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(leaves[i].untyped_storage())
@@ -527,7 +544,8 @@ class BlockReuse:
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
-    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel), ...])
+    """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel,
+    gradient bytes), ...])
     action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""

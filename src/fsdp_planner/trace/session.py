@@ -129,7 +129,14 @@ class TraceSession:
                                    set(self.param_by_storage))
                 stack.callback(reuse.remove)
             stack.enter_context(self.hooks.installed())
+            for p in self.model.param_objs:  # a param's grad is no gradient of an activation (ops.py)
+                if p.requires_grad:
+                    stack.callback(p.register_post_accumulate_grad_hook(self._param_grad).remove)
             yield
+
+    def _param_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self.slot.recorder.param_grad(StorageWeakRef(param.grad.untyped_storage()))
 
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:

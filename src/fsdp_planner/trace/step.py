@@ -37,6 +37,9 @@ class StepRecorder:
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion()
+        self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
+        self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
+        self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
@@ -48,11 +51,11 @@ class StepRecorder:
         return self.fwd_stack[-1] if self.fwd_stack else ROOT
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0) -> None:
         self.last_op = len(self.events)
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
                                  backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
-                                 kernel=kernel))
+                                 kernel=kernel, grad_live=grad_live))
 
     def outside_modules(self) -> bool:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
@@ -60,12 +63,27 @@ class StepRecorder:
 
     def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel) each."""
+        kernel, gradient bytes) each."""
         module, backward = self.current_module(), self.backward
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
-                                  op_class=op_class, out_nbytes=out_nbytes, kernel=kernel)
-                            for params, flops, nbytes, op_class, out_nbytes, kernel in batch])
+                                  op_class=op_class, out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live)
+                            for params, flops, nbytes, op_class, out_nbytes, kernel, grad_live in batch])
         self.last_op = len(self.events) - 1
+
+    def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
+        """The storages (and bytes) the op just recorded made in backward, in case one becomes a param's grad."""
+        for ref, nbytes in made:
+            self.grads_made[ref] = (self.last_op, nbytes)
+
+    def param_grad(self, ref: StorageWeakRef) -> None:
+        """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
+        so it leaves the ``grad_live`` of the op that made it."""
+        self.param_grads.add(ref)
+        made = self.grads_made.pop(ref, None)
+        if made is not None:
+            i, nbytes = made
+            e = self.events[i]
+            self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them; every pack is
@@ -175,13 +193,19 @@ class NullRecorder(StepRecorder):
         super().__init__(set())
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0) -> None:
         pass
 
     def outside_modules(self) -> bool:
         return False
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        pass
+
+    def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
+        pass
+
+    def param_grad(self, ref: StorageWeakRef) -> None:
         pass
 
     def modified_input(self, fqn: str) -> None:
