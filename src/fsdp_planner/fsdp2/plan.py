@@ -24,7 +24,7 @@ from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atom
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
-             "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype")
+             "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "activation_offloading")
 MODEL_KEYS = ("fingerprint", "numel", "name")
 GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
 
@@ -116,6 +116,8 @@ class Plan:
     shard_dims: dict[str, int] = field(default_factory=dict)  # param -> dim it is sharded on, where not 0
     # (fully_shard(shard_placement_fn=...) returning Shard(dim))
     reduce_dtype: str = ""  # MixedPrecisionPolicy.reduce_dtype the user chose ("fp32", "bf16"); "": the precision's
+    activation_offloading: list[str] = field(default_factory=list)  # modules whose every call's saved tensors go
+    # to the host (``torch.autograd.graph.save_on_cpu`` around its forward; ``checkpointing.py``)
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -143,6 +145,7 @@ class Plan:
                                              backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
                        **{"activation_checkpointing": list(self.activation_checkpointing),
                           "selective_checkpointing": dict(self.selective_checkpointing),
+                          "activation_offloading": list(self.activation_offloading),
                           "forward_methods": list(self.forward_methods), "shard_dims": dict(self.shard_dims),
                           **changes})
 
@@ -151,7 +154,7 @@ class Plan:
         return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
                        tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing),
                 tuple(self.selective_checkpointing.items()), self.mesh, tuple(self.forward_methods), self.offload,
-                tuple(sorted(self.shard_dims.items())), self.reduce_dtype)
+                tuple(sorted(self.shard_dims.items())), self.reduce_dtype, tuple(self.activation_offloading))
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -177,6 +180,8 @@ class Plan:
             d["shard_dims"] = dict(self.shard_dims)
         if self.reduce_dtype:
             d["reduce_dtype"] = self.reduce_dtype
+        if self.activation_offloading:
+            d["activation_offloading"] = list(self.activation_offloading)
         return d
 
     def to_json(self) -> str:
@@ -236,7 +241,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 selective_checkpointing=_selective_from_dict(data.get("selective_checkpointing", {})),
                 mesh=_mesh_from_dict(data.get("mesh")),
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
-                precision=_precision_from(data.get("precision", "")), **_memory_options(data))
+                precision=_precision_from(data.get("precision", "")),
+                activation_offloading=_offloaded_from(data.get("activation_offloading", [])), **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
 
@@ -274,6 +280,14 @@ def _memory_options(data: dict[str, Any]) -> dict[str, Any]:
     if reduce != "" and reduce not in REDUCE_DTYPES:
         raise PlannerError(f"plan 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {shown_json(reduce)}")
     return {"offload": offload, "shard_dims": dict(dims), "reduce_dtype": reduce}
+
+
+def _offloaded_from(items: Any) -> list[str]:
+    """``["layers.0", ...]``: the modules whose saved activations go to the host; absent: none."""
+    if not _str_list(items) or len(set(items)) != len(items):
+        raise PlannerError("plan 'activation_offloading' must be a list of module names, each listed once (the "
+                           "modules whose saved activations are offloaded to the host)")
+    return list(items)
 
 
 def _precision_from(value: Any) -> str:
@@ -437,6 +451,7 @@ def check_plan_limits(data: dict[str, Any]) -> None:
             if isinstance(g, dict):
                 _check_group_limits(i, g)
     _check_names(data.get("activation_checkpointing"), "plan 'activation_checkpointing'", module=True)
+    _check_names(data.get("activation_offloading"), "plan 'activation_offloading'", module=True)
     selective = data.get("selective_checkpointing")
     if isinstance(selective, dict):
         _check_names(list(selective), "plan 'selective_checkpointing'", module=True)
