@@ -144,3 +144,28 @@ def test_verify_passes_with_offloading_on_real_gloo_ranks():
     result = run_verify("toy-llama", traced("toy-llama"), _titan(ACMode.OFFLOAD), nproc=2, steps=2)
     assert result.ok and result.max_abs_diff <= 1e-5
     assert result.counted == [result.predicted] * 2
+
+
+@pytest.mark.integration  # real FSDP2 on 8 fake ranks, twice: about two seconds
+def test_real_fsdp2_device_peak_drops_with_offloading_as_predicted():
+    """The fake world counts the host copies ``save_on_cpu`` makes as host memory (``fake_world._HostCopies``):
+    the device peak drops with offloading, measured and predicted. The prediction is below the measurement by
+    what backward holds beside the unpacked copies (activation grads in flight: not modelled), about 13% here."""
+    from fsdp_planner.runtime.fake_world import run_fake_world
+    from fsdp_planner.trace import trace
+
+    options = SimOptions()
+    lm = load_model("toy-llama")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    peaks = {}
+    for ac in (ACMode.NONE, ACMode.OFFLOAD):
+        plan = make_policy(PolicyRequest.named("titan", checkpointing=ac)).plan(tr, "toy-llama")
+        predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
+        measured = run_fake_world("toy-llama", plan, 8, options.precision)
+        assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
+                                   "all_reduce": 0}
+        peaks[ac] = (predicted.peak_memory, measured.peak_memory, measured.total_peak_memory)
+    (p_none, m_none, _), (p_off, m_off, total_off) = peaks[ACMode.NONE], peaks[ACMode.OFFLOAD]
+    assert m_off < m_none and p_off < p_none
+    assert total_off > m_off  # the saved tensors went to the host, not away
+    assert p_off == pytest.approx(m_off, rel=0.15)
