@@ -19,7 +19,7 @@ from fsdp_planner.fsdp2.checkpointing import ACMode, apply_offloading, check_che
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import NO_OVERHEAD, parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.planners import PolicyRequest, make_policy
+from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.memory import activation_levels
 from fsdp_planner.sim.options import SimOptions
@@ -125,16 +125,32 @@ def test_export_writes_the_offloaded_modules_as_literals():
     assert "OFFLOADED_ACTIVATIONS" not in export_plan(_titan(ACMode.NONE), ExportFormat.PYTHON)
 
 
-def test_cli_ac_offload_and_auto_refuses_it(tmp_path, capsys):
+@pytest.mark.integration  # three auto searches of toy-llama: about a second
+def test_auto_offloads_activations_only_when_nothing_fits_otherwise():
+    tr = traced("toy-llama")
+    cluster = parse_cluster("h100:8")
+    free = AutoPolicy(cluster, 2**30).search(tr)
+    assert free.fits and not free.plan.activation_offloading  # fits: the plan it always got
+    # below what CPU offload with every block checkpointed in full reaches, above it with activation offloading
+    tight = AutoPolicy(cluster, 650_000).search(tr)
+    assert tight.fits and tight.plan.activation_offloading == BLOCKS and tight.plan.offload
+    assert not tight.plan.activation_checkpointing and "ac offload" in tight.plan.policy
+    none = AutoPolicy(cluster, 100_000).search(tr)
+    assert not none.fits and "activation offloading with CPU offload" in none.also_tried
+    fixed = AutoPolicy(cluster, 2**30, checkpointing=ACMode.OFFLOAD).search(tr)
+    assert fixed.fits and fixed.plan.activation_offloading == BLOCKS and not fixed.plan.offload
+
+
+def test_cli_ac_offload_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "toy-llama", "--policy", "titan", "--ac", "offload", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["activation_offloading"] == BLOCKS
     capsys.readouterr()
     assert main(["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["copy_time"] > 0
-    assert main(["plan", "toy-llama", "--policy", "auto", "--ac", "offload", "--cluster", "h100:8"]) == 2
+    assert main(["plan", "seed-net", "--policy", "titan", "--module-classes", "Conv2d", "--ac", "offload"]) == 2
     err = capsys.readouterr().err
-    assert "auto does not plan with activation offloading" in err and "Traceback" not in err
+    assert "activation_offloading" in err and "Traceback" not in err
 
 
 @pytest.mark.integration

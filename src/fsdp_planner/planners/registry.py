@@ -122,9 +122,6 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
         return make_baseline(request)
     if cluster is None:
         raise PlannerError("the auto policy plans for a cluster: give one")
-    if request.checkpointing is ACMode.OFFLOAD:
-        raise PlannerError("auto does not plan with activation offloading (--ac offload); give a whole-model policy "
-                           "(e.g. --policy titan --ac offload), or --ac none, full, op or selective with auto")
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
                       search_effort=request.search_effort, checkpointing=request.checkpointing,
                       sac_policy=request.sac_policy, mesh=request.mesh, headroom=request.headroom)
