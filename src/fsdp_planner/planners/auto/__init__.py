@@ -194,8 +194,8 @@ class AutoPolicy:
                     return tried
             # none fits: the message speaks of the plans without them, and says they were tried
             names = {False: "", True: "CPU offload"}
-            label = {(o, p): " and ".join(filter(None, (names[o], "dim-1 sharding" if p is ShardPlacement.AUTO else "")))
-                     for o, p in ways}
+            label = {(o, p): " and ".join(filter(None, (names[o], "dim-1 sharding" if p is ShardPlacement.AUTO
+                                                         else ""))) for o, p in ways}
             tried_names = set(label.values())
             if self._offloads_activations(trace, result):  # the last resort, the most frugal options with it
                 last = ways[-1] if ways else (self.options.offload, self.options.shard_placement)
