@@ -1,7 +1,8 @@
 """A plan as code a training script can use without fsdp-planner: ``fsdp-planner export PLAN --format F``.
 
 ``python``: a module with ``apply(model, mesh)`` that checkpoints (op-level selective checkpointing with its own
-copy of the policy, only in plans that have it), calls ``fully_shard`` per group (children
+copy of the policy, only in plans that have it), runs the offloaded modules' forward under ``save_on_cpu`` (only in
+plans that offload activations), calls ``fully_shard`` per group (children
 first, lists as lists, each group's ``reshard_after_forward``, the mixed precision the plan was simulated with), the
 root last, then registers the plan's forward methods and sets the prefetch lists.
 The other formats wrap that function the way each framework takes a model-sharding hook: Accelerate (its FSDP2
