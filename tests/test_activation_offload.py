@@ -166,7 +166,7 @@ def test_verify_passes_with_offloading_on_real_gloo_ranks():
 def test_real_fsdp2_device_peak_drops_with_offloading_as_predicted():
     """The fake world counts the host copies ``save_on_cpu`` makes as host memory (``fake_world._HostCopies``):
     the device peak drops with offloading, measured and predicted. The prediction is below the measurement by
-    what backward holds beside the unpacked copies (activation grads in flight: not modelled), about 13% here."""
+    the activation grads backward holds beyond one node's (not modelled): 9.1% here, outside verify's 5%."""
     from fsdp_planner.runtime.fake_world import run_fake_world
     from fsdp_planner.trace import trace
 
@@ -184,4 +184,4 @@ def test_real_fsdp2_device_peak_drops_with_offloading_as_predicted():
     (p_none, m_none, _), (p_off, m_off, total_off) = peaks[ACMode.NONE], peaks[ACMode.OFFLOAD]
     assert m_off < m_none and p_off < p_none
     assert total_off > m_off  # the saved tensors went to the host, not away
-    assert p_off == pytest.approx(m_off, rel=0.15)
+    assert p_off < m_off and p_off == pytest.approx(m_off, rel=0.1)

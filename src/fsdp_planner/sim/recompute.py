@@ -32,7 +32,6 @@ import numpy as np
 
 from fsdp_planner.choices import Offloaded, SacPolicy
 from fsdp_planner.fsdp2.selective import saved_flags
-from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 
@@ -189,16 +188,14 @@ def offload_bytes(trace: Trace, c: CheckpointedCall, scale: float, param_bytes: 
 def unpack_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
     """Under activation offloading, the device copies backward unpacks (``activation_deltas``' indexing): each
     backward node copies its saved tensors back and frees them when it is done, so an offloaded call's backward
-    holds about one op's worth at a time: the largest of its forward ops' packs (what it saved and the params it
-    read, ``offload_bytes``' terms), from its pre-backward to its post-backward."""
+    holds about one op's worth at a time: the largest of its forward ops' bytes read and written (``Event.nbytes``:
+    the inputs it unpacks, and the size of its outputs' grads), from its pre-backward to its post-backward."""
     deltas = np.zeros(len(trace.events) + 1)
-    itemsize = traced_itemsize(trace)
     for c in calls:
         if not c.offload:
             continue
         ops = [e for e in trace.events[c.fwd_pre:c.fwd_post] if e.kind is EventKind.OP and not e.backward]
-        largest = max(((e.saved + sum(trace.params[p].numel for p in e.params) * itemsize) * scale for e in ops),
-                      default=0.0)
+        largest = max((e.nbytes * scale for e in ops), default=0.0)
         deltas[c.bwd_pre] += largest
         deltas[c.bwd_post] -= largest
     return deltas
