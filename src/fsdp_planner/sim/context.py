@@ -160,10 +160,12 @@ class SimContext:
                     # each pack and unpack is a copy the host launches: at least one per op that saves a tensor
                     packs = sum(1 for e in events[c.fwd_pre:c.fwd_post]
                                 if e.is_op and not e.backward and (e.saved or e.params))
-                    for at in (c.fwd_post, c.bwd_pre):
+                    # the unpacks run in the call's backward nodes, after FSDP2's pre-backward waited for its group
+                    read = frozenset(p for e in events[c.fwd_pre:c.fwd_post] for p in e.params)
+                    for at, params in ((c.fwd_post, frozenset()), (c.bwd_pre, read)):
                         prev = out.get(at, Recompute(0.0, frozenset(), [], 0))
-                        out[at] = replace(prev, modules=[*prev.modules, c.module], ops=prev.ops + packs,
-                                          copy_seconds=prev.copy_seconds + seconds)
+                        out[at] = replace(prev, params=prev.params | params, modules=[*prev.modules, c.module],
+                                          ops=prev.ops + packs, copy_seconds=prev.copy_seconds + seconds)
                     continue
                 # the call's params: FSDP2's pre-backward gathers its group before the recomputation, whatever it runs
                 params = {p for e in events[c.fwd_pre:c.fwd_post] for p in e.params}

@@ -19,8 +19,8 @@ activations are re-created there as under full checkpointing: the cached outputs
 
 Under activation offloading (``Offloaded.HOST``, ``save_on_cpu``) a call is not checkpointed: nothing of what
 its ops save stays on the device after the op (``save_on_cpu`` packs a host copy and autograd holds only that);
-the copies are time, charged by the engines on the compute stream (``offload_bytes``). Not modelled: the device
-copy each backward op unpacks, alive while that op runs.
+the copies are time, charged by the engines on the compute stream (``offload_bytes``); in its backward, the
+device copies one backward node unpacks at a time (``unpack_deltas``).
 """
 
 from __future__ import annotations
