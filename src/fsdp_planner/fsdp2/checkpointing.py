@@ -87,7 +87,8 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
 def check_checkpointing(plan: Plan, trace: Trace) -> None:
     """PlannerError when the plan's checkpointed modules are not something this planner models and FSDP2 runs:
     each must be a module of the model, called in the step, not inside another checkpointed module, and hold no
-    FSDP group inside it (an inner group's hooks would run again during the recomputation)."""
+    FSDP group inside it (an inner group's hooks would run again during the recomputation). Its offloaded modules
+    likewise, except that a group may lie inside one (nothing runs again), and none may be checkpointed too."""
     names = [*plan.activation_checkpointing, *plan.selective_checkpointing]
     twice = next((m for m in plan.selective_checkpointing if m in plan.activation_checkpointing), None)
     if twice is not None:
@@ -115,8 +116,8 @@ def check_checkpointing(plan: Plan, trace: Trace) -> None:
             raise PlannerError(f"{field(m)} names '{m}', which the step never calls")
         outer = next((o for o in names if o != m and is_within(m, o)), None)
         if outer is not None:
-            which = "is checkpointed too" if field(outer) == field(m) or not plan.activation_offloading \
-                else f"{field(outer)} names"
+            offloaded = {m, outer} & set(plan.activation_offloading)
+            which = f"{field(outer)} names too" if offloaded else "is checkpointed too"
             raise PlannerError(f"{field(m)} names '{m}' inside '{outer}', which {which}; name one of them")
         inner = next((g for grp in plan.groups for g in grp.modules if g != m and is_within(g, m)), None)
         if inner is not None and m not in plan.activation_offloading:
