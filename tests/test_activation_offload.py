@@ -28,6 +28,7 @@ from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.events import EventKind
 
 BLOCKS = [f"layers.{i}" for i in range(4)]
+PACKS_OUTSIDE_BLOCKS = 30  # tensors toy-llama's step saves outside its blocks: fewer than this
 
 
 def _titan(ac: ACMode) -> Plan:
@@ -185,3 +186,24 @@ def test_real_fsdp2_device_peak_drops_with_offloading_as_predicted():
     assert m_off < m_none and p_off < p_none
     assert total_off > m_off  # the saved tensors went to the host, not away
     assert p_off < m_off and p_off == pytest.approx(m_off, rel=0.1)
+
+
+@pytest.mark.integration  # real FSDP2 on 2 fake ranks: about a second
+def test_exported_apply_offloads_under_real_fsdp2():
+    """The exported ``apply`` shards toy-llama and wraps its blocks' forward in ``save_on_cpu``: a step runs, and
+    hooks around it see only what is saved outside the blocks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    scope: dict = {}
+    exec(compile(export_plan(_titan(ACMode.OFFLOAD), ExportFormat.PYTHON), "exported.py", "exec"), scope)
+    lm = load_model("toy-llama", meta=False)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        scope["apply"](lm.model, init_device_mesh("cpu", (2,)))
+        # outside the blocks toy-llama saves a handful of tensors (embedding, final norm, output, loss); each
+        # block alone saves more than that
+        assert 0 < _outer_packs(lm.model, lm.example_inputs) < PACKS_OUTSIDE_BLOCKS
+    finally:
+        dist.destroy_process_group()
