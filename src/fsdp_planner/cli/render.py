@@ -228,16 +228,19 @@ def ac_cell(plan: Plan) -> str:
 
 
 def how_checkpointed(plan: Plan, modules: Sequence[str]) -> str:
-    """``full``, or ``op POLICY`` (op-level selective checkpointing), when all of ``modules`` are so; else both."""
+    """``full``, or ``op POLICY`` (op-level selective checkpointing), when all of ``modules`` are so; else both;
+    ``offload`` when all are offloaded instead."""
+    if all(m in plan.activation_offloading for m in modules):
+        return "offload"  # not checkpointed: its saved activations on the host
     kinds = {plan.selective_checkpointing[m].value if m in plan.selective_checkpointing else "" for m in modules}
     return "full" if kinds == {""} else f"op {kinds.pop()}" if len(kinds) == 1 else "full and op"
 
 
 def checkpointed_per_group(plan: Plan) -> list[list[str]]:
-    """The plan's checkpointed modules (in full or op-level) by the group whose modules hold them (the root: those
-    no other holds)."""
+    """The plan's checkpointed modules (in full or op-level) and offloaded ones by the group whose modules hold them
+    (the root: those no other holds)."""
     out: list[list[str]] = [[] for _ in plan.groups]
-    for m in [*plan.activation_checkpointing, *plan.selective_checkpointing]:
+    for m in [*plan.activation_checkpointing, *plan.selective_checkpointing, *plan.activation_offloading]:
         i = next((i for i, g in enumerate(plan.inner_groups) if any(is_within(m, gm) for gm in g.modules)),
                  len(plan.groups) - 1)
         out[i].append(m)
