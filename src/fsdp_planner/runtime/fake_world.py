@@ -24,7 +24,7 @@ Measured, on the last step (the first creates the optimizer state):
 - with activation offloading (a plan's ``activation_offloading``), likewise: on this CPU ``save_on_cpu`` packs a
   tensor as itself (``tensor.cpu()``), so the fake world runs it as it runs on a GPU: its pack copies each saved
   tensor into a storage counted as host memory, its unpack copies it back into a new device storage
-  (``_HostCopies``); the rest of what apply_plan set up (the blocks' forward under the hooks) is unchanged.
+  (``HostCopies``); the rest of what apply_plan set up (the blocks' forward under the hooks) is unchanged.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[
     return {**rows, "peak_memory": (predicted.peak_memory, measured.peak_memory)}
 
 
-class _HostCopies:
+class HostCopies:
     """``save_on_cpu`` as a GPU runs it, for the fake ranks on this CPU (module docstring): installed while
     ``apply_plan`` wraps the offloaded modules' forward, it stands in for ``torch.autograd.graph.save_on_cpu``."""
 
@@ -288,7 +288,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                 raise PlannerError(f"model factory '{spec}' raised {type(e).__name__} under fake tensors: {e}") from e
             model, inputs = built[0], built[1]
             loss_fn = built[2] if len(built) == 3 else default_loss
-            host_copies = _HostCopies()
+            host_copies = HostCopies()
             with unset_fake_temporarily(), host_copies.installed(bool(plan.activation_offloading)):
                 # fully_shard outside the fake mode: an int reshard_after_forward's post-forward mesh is built from
                 # a tensor's .tolist(), which a fake tensor cannot answer; the fake params still dispatch to their
