@@ -214,7 +214,8 @@ def test_auto_turns_to_offload_only_when_nothing_fits() -> None:
 
 def test_no_fit_says_the_memory_options_were_tried_too() -> None:
     tr = _traced("toy-llama", SimOptions())
-    with pytest.raises(PlannerError, match=r"\(CPU offload did not fit either\)$"):
+    tried = r"\(CPU offload, activation offloading with CPU offload did not fit either\)$"
+    with pytest.raises(PlannerError, match=tried):
         AutoPolicy(parse_cluster("h100:8"), 1000).plan(tr)
 
 

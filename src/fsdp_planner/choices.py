@@ -37,6 +37,14 @@ class ACMode(Enum):
     OP = "op"  # every block with op-level selective checkpointing (torchtitan's selective_ac_option = "op")
     SELECTIVE = "selective"  # every second block in full: torchtitan's layer-level option "2", which it removed;
     # kept under its old name so that commands and plans that say it mean what they meant
+    OFFLOAD = "offload"  # no checkpointing: every block's saved activations go to the host (save_on_cpu)
+
+
+class Offloaded(Enum):
+    """Beside a checkpointing policy in the simulator's per-module list (``checkpointing.plan_checkpointing``):
+    the module is not checkpointed, its saved activations are offloaded to the host."""
+
+    HOST = "host"
 
 
 class SacPolicy(Enum):

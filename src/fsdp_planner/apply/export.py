@@ -1,7 +1,8 @@
 """A plan as code a training script can use without fsdp-planner: ``fsdp-planner export PLAN --format F``.
 
 ``python``: a module with ``apply(model, mesh)`` that checkpoints (op-level selective checkpointing with its own
-copy of the policy, only in plans that have it), calls ``fully_shard`` per group (children
+copy of the policy, only in plans that have it), runs the offloaded modules' forward under ``save_on_cpu`` (only in
+plans that offload activations), calls ``fully_shard`` per group (children
 first, lists as lists, each group's ``reshard_after_forward``, the mixed precision the plan was simulated with), the
 root last, then registers the plan's forward methods and sets the prefetch lists.
 The other formats wrap that function the way each framework takes a model-sharding hook: Accelerate (its FSDP2
@@ -153,6 +154,27 @@ SELECTIVE_LOOP = """    for name, policy in SELECTIVE.items():  # op-level selec
         _checkpoint_selective(modules[name], policy)
 """
 
+OFFLOAD_LOOP = """    for name in OFFLOADED_ACTIVATIONS:  # saved activations copied to the host, not overlapped
+        _offload_activations(modules[name])
+"""
+
+OFFLOAD_TAIL = '''
+
+def _offload_activations(module: nn.Module) -> None:
+    """``module``'s forward runs under ``torch.autograd.graph.save_on_cpu``: each tensor it saves for backward is
+    copied to pinned host memory and copied back when backward needs it, both on the current stream."""
+    from torch.autograd.graph import save_on_cpu
+
+    forward = module.forward
+    pin = torch.cuda.is_available()
+
+    def offloaded(*args: Any, **kwargs: Any) -> Any:
+        with save_on_cpu(pin_memory=pin):
+            return forward(*args, **kwargs)
+
+    module.forward = offloaded
+'''
+
 SELECTIVE_TAIL = '''
 
 def _checkpoint_selective(module: nn.Module, policy: str) -> None:
@@ -302,8 +324,15 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
     # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
     precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
-    if not plan.selective_checkpointing:  # plans without it export as before
-        return header + plan_constants(plan, precision) + "\n" + APPLY_BODY + TAILS[fmt]
-    body = APPLY_BODY.replace(CHECKPOINT_LINE, CHECKPOINT_LINE + SELECTIVE_LOOP)
-    return (header + plan_constants(plan, precision) + "\n" + selective_constants(plan) + "\n" + body
-            + SELECTIVE_TAIL + TAILS[fmt])
+    constants, body, tails = plan_constants(plan, precision) + "\n", APPLY_BODY, ""
+    # plans without op-level checkpointing or activation offloading export as before
+    if plan.selective_checkpointing:
+        constants += selective_constants(plan) + "\n"
+        body = body.replace(CHECKPOINT_LINE, CHECKPOINT_LINE + SELECTIVE_LOOP)
+        tails += SELECTIVE_TAIL
+    if plan.activation_offloading:
+        constants += f"OFFLOADED_ACTIVATIONS: list[str] = {py_literal(list(plan.activation_offloading))}\n"
+        loop = SELECTIVE_LOOP if plan.selective_checkpointing else ""
+        body = body.replace(CHECKPOINT_LINE + loop, CHECKPOINT_LINE + loop + OFFLOAD_LOOP)
+        tails += OFFLOAD_TAIL
+    return header + constants + body + tails + TAILS[fmt]

@@ -9,7 +9,7 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
+from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloading
 from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_int_reshard_on_dim0, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods
@@ -113,6 +113,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, before any wrapping
     # before fully_shard, as torchtitan does
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
+    apply_offloading(model, plan.activation_offloading)
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload,
                               "shard_placement_fn": placement}

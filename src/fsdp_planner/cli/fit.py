@@ -141,7 +141,8 @@ class Points:
         point = FitPoint(batch, seq or 1, cluster.world_size, cluster.nodes, found.fits, report.step_time,
                          report.reserved_memory, found.budget, tr.fwd_flops + tr.bwd_flops,
                          _peak_flops(cluster, r.options), report.mesh,
-                         len(found.plan.activation_checkpointing), found.plan.offload)
+                         len(found.plan.activation_checkpointing), found.plan.offload,
+                         len(found.plan.activation_offloading))
         render.note(f"fit: batch {batch:,}{f', seq {seq:,}' if seq else ''} on {cluster.name}: "
                     f"{'fits' if found.fits else 'does not fit'} (reserved {fmt_bytes(report.reserved_memory)}, "
                     f"step {fmt_time(report.step_time)})")
@@ -319,7 +320,7 @@ def _table(title: str, rows: list[FitPoint], with_seq: bool) -> Any:
                       f"{p.tokens_per_gpu:,.0f}" if p.fits else "does not fit", bar,
                       f"{p.mfu:.1%}" if p.fits else "", reserved,
                       f"{p.layout}{f', {p.checkpointed} AC' if p.checkpointed else ''}"
-                      f"{', offload' if p.offload else ''}")
+                      f"{', offload' if p.offload else ''}{f', {p.offloaded} act. offload' if p.offloaded else ''}")
     return table
 
 

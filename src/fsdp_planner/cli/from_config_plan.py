@@ -191,7 +191,8 @@ def _best_edit(args: argparse.Namespace, cfg: JobConfig, tr: Trace, cluster: Clu
                budget: MemoryBudget, before: StepReport) -> tuple[Setting, StepReport] | None:
     """The fastest setting config keys can express (checkpointing x reshard rule x the config's or auto's mesh) on
     the config's grouping that fits the budget and beats the config's step; None when no edit does."""
-    modes = list(ACMode) if cfg.kind == TORCHTITAN else [ACMode.NONE, ACMode.FULL]
+    # activation offloading is no option of these configs' activation checkpointing
+    modes = [m for m in ACMode if m is not ACMode.OFFLOAD] if cfg.kind == TORCHTITAN else [ACMode.NONE, ACMode.FULL]
     rules = ["default", "always", "never"] if cfg.kind == TORCHTITAN else ["always", "never"]
     best: tuple[Setting, StepReport] | None = None
     for mode, rule, mesh in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),

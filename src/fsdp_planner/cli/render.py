@@ -221,33 +221,40 @@ def findings_table(findings: Sequence[Finding]) -> Table:
 
 def ac_cell(plan: Plan) -> str:
     """The comparison table's AC cell: how many modules are checkpointed in full and how many op-level."""
-    full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
-    return " + ".join([*([f"{full} full"] if full else []), *([f"{op} op"] if op else [])]) or "-"
+    full, op, off = len(plan.activation_checkpointing), len(plan.selective_checkpointing), \
+        len(plan.activation_offloading)
+    return " + ".join([*([f"{full} full"] if full else []), *([f"{op} op"] if op else []),
+                       *([f"{off} offloaded"] if off else [])]) or "-"
 
 
 def how_checkpointed(plan: Plan, modules: Sequence[str]) -> str:
-    """``full``, or ``op POLICY`` (op-level selective checkpointing), when all of ``modules`` are so; else both."""
+    """``full``, or ``op POLICY`` (op-level selective checkpointing), when all of ``modules`` are so; else both;
+    ``offload`` when all are offloaded instead."""
+    if all(m in plan.activation_offloading for m in modules):
+        return "offload"  # not checkpointed: its saved activations on the host
     kinds = {plan.selective_checkpointing[m].value if m in plan.selective_checkpointing else "" for m in modules}
     return "full" if kinds == {""} else f"op {kinds.pop()}" if len(kinds) == 1 else "full and op"
 
 
 def checkpointed_per_group(plan: Plan) -> list[list[str]]:
-    """The plan's checkpointed modules (in full or op-level) by the group whose modules hold them (the root: those
-    no other holds)."""
+    """The plan's checkpointed modules (in full or op-level) and offloaded ones by the group whose modules hold them
+    (the root: those no other holds)."""
     out: list[list[str]] = [[] for _ in plan.groups]
-    for m in [*plan.activation_checkpointing, *plan.selective_checkpointing]:
+    for m in [*plan.activation_checkpointing, *plan.selective_checkpointing, *plan.activation_offloading]:
         i = next((i for i, g in enumerate(plan.inner_groups) if any(is_within(m, gm) for gm in g.modules)),
                  len(plan.groups) - 1)
         out[i].append(m)
     return out
 
 
-def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport) -> list[str]:
+def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offloaded: bool = False) -> list[str]:
+    """``offloaded``: the plan offloads activations, whose host copies the copy time includes."""
+    copies = "FSDP2 copy-outs and activation copies" if offloaded else "FSDP2 copy-outs"
     return [
         f"[bold]{escape(name)}[/bold] with [bold]{escape(plan_label)}[/bold] on {escape(cluster.describe())}",
         f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
         f"{f' (recompute {fmt_time(r.recompute_time)})' if r.recompute_time else ''}  exposed comm "
-        f"{fmt_time(r.exposed_comm)}  FSDP2 copy-outs {fmt_time(r.copy_time)}  waiting for the host "
+        f"{fmt_time(r.exposed_comm)}  {copies} {fmt_time(r.copy_time)}  waiting for the host "
         f"{fmt_time(r.host_wait)} (host busy {fmt_time(r.host_time)}, {r.hooks} hooks)  lower bound "
         f"{fmt_time(r.lower_bound)}",
         f"{fmt_count(r.all_gathers, 'all-gather')} ({fmt_bytes(r.all_gather_bytes)}), "
@@ -397,7 +404,9 @@ def auto_line(result: AutoResult) -> str:
     owning = sum(1 for g in result.plan.groups if g.params)  # as the tables count: the root when it owns params
     groups = fmt_count(owning, "group") if result.plan.inner_groups else "the root alone"
     checkpointed = (f", {fmt_count(ac, 'module')} checkpointed" if ac else "") + \
-        (f", {fmt_count(op, 'module')} with op-level checkpointing" if op else "")
+        (f", {fmt_count(op, 'module')} with op-level checkpointing" if op else "") + \
+        (f", activations of {fmt_count(len(result.plan.activation_offloading), 'module')} offloaded"
+         if result.plan.activation_offloading else "")
     layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "

@@ -65,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
                       "micro_batches": options.micro_batches} for _, r in reports]
         print(json_text(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
         return 0
-    for label, r in reports:
+    for (label, r), (_, p) in zip(reports, plans, strict=True):
         for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches), label,
-                                      cluster, r):
+                                      cluster, r, bool(p.activation_offloading)):
             render.console.print(line)
         render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, budget))
     for path in filter(None, (png, page)):

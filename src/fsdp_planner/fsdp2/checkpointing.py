@@ -13,6 +13,13 @@ checkpoints every block; ``op`` checkpoints every block with op-level selective 
 ``mode = "selective"``, ``selective_ac_option = "op"``, its default), the policy chosen by ``--ac-policy``;
 ``selective`` is torchtitan's removed layer-level option with frequency 2 (``selective_ac_option = "2"``): every
 second block in full, counting from the first (blocks 1, 3, 5, ... 0-based).
+
+Activation offloading (``--ac offload``, a plan's ``activation_offloading``): a listed module is not checkpointed;
+its every call runs its forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, so each tensor its
+ops save for backward is copied into pinned host memory as it is packed, and copied back to the device when its
+backward unpacks it. Torch's ``save_on_cpu`` copies on the current stream (``copy_(non_blocking=True)`` in pack,
+``.to(device, non_blocking=True)`` in unpack): the copies are stream-ordered with the compute, not overlapped with
+it, and there is no prefetch; the simulator charges them on the compute stream (``sim/recompute.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from fsdp_planner.choices import ACMode, SacPolicy
+from fsdp_planner.choices import ACMode, Offloaded, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.selective import sac_context_fn
 from fsdp_planner.trace.tree import ROOT, is_within
@@ -35,13 +42,15 @@ if TYPE_CHECKING:
 
 SELECTIVE_EVERY = 2  # torchtitan's layer-level selective frequency this mode reproduces
 
-# What a plan checkpoints, as the simulator keys it: (module, None for full or its op-level policy), full first.
-Checkpointing = tuple[tuple[str, SacPolicy | None], ...]
+# What a plan checkpoints, as the simulator keys it: (module, None for full, its op-level policy, or
+# ``Offloaded.HOST`` for a module whose saved activations are offloaded), full first, offloaded last.
+Checkpointing = tuple[tuple[str, SacPolicy | Offloaded | None], ...]
 
 
 def plan_checkpointing(plan: Plan) -> Checkpointing:
-    """The plan's checkpointed modules and how each is checkpointed."""
-    return (*((m, None) for m in plan.activation_checkpointing), *plan.selective_checkpointing.items())
+    """The plan's checkpointed modules and how each is checkpointed, then its offloaded ones."""
+    return (*((m, None) for m in plan.activation_checkpointing), *plan.selective_checkpointing.items(),
+            *((m, Offloaded.HOST) for m in plan.activation_offloading))
 
 
 def checkpoint_blocks(plan: Plan, trace: Trace, mode: ACMode, policy: SacPolicy) -> None:
@@ -50,6 +59,10 @@ def checkpoint_blocks(plan: Plan, trace: Trace, mode: ACMode, policy: SacPolicy)
     if mode is ACMode.OP:
         plan.activation_checkpointing, plan.selective_checkpointing = [], dict.fromkeys(blocks, policy)
         plan.policy = f"{plan.policy} + ac op {policy.value}"
+    elif mode is ACMode.OFFLOAD:
+        plan.activation_checkpointing, plan.selective_checkpointing = [], {}
+        plan.activation_offloading = blocks
+        plan.policy = f"{plan.policy} + ac offload"
     else:
         plan.activation_checkpointing, plan.selective_checkpointing = blocks, {}
         plan.policy = f"{plan.policy} + ac {mode.value}" if mode is not ACMode.NONE else plan.policy
@@ -62,11 +75,12 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
     cls = trace.index.container_block_class
     blocks = [f for f, m in trace.modules.items() if cls and m.cls == cls]
     if not blocks:
-        key = "selective_checkpointing" if mode is ACMode.OP else "activation_checkpointing"
-        raise PlannerError(f"--ac {mode.value} checkpoints the model's repeated blocks, and this model has none "
-                           "(no repeated module class in a ModuleList or Sequential); list the modules to "
-                           f"checkpoint in a plan file's \"{key}\" instead")
-    if mode in (ACMode.FULL, ACMode.OP):
+        key = {ACMode.OP: "selective_checkpointing", ACMode.OFFLOAD: "activation_offloading"}.get(
+            mode, "activation_checkpointing")
+        raise PlannerError(f"--ac {mode.value} applies to the model's repeated blocks, and this model has none "
+                           "(no repeated module class in a ModuleList or Sequential); list the modules in a plan "
+                           f"file's \"{key}\" instead")
+    if mode in (ACMode.FULL, ACMode.OP, ACMode.OFFLOAD):
         return blocks
     return [b for k, b in enumerate(blocks, start=1) if k % SELECTIVE_EVERY == 0]
 
@@ -74,14 +88,23 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
 def check_checkpointing(plan: Plan, trace: Trace) -> None:
     """PlannerError when the plan's checkpointed modules are not something this planner models and FSDP2 runs:
     each must be a module of the model, called in the step, not inside another checkpointed module, and hold no
-    FSDP group inside it (an inner group's hooks would run again during the recomputation)."""
-    names = [m for m, _ in plan_checkpointing(plan)]
+    FSDP group inside it (an inner group's hooks would run again during the recomputation). Its offloaded modules
+    likewise, except that a group may lie inside one (nothing runs again), and none may be checkpointed too."""
+    names = [*plan.activation_checkpointing, *plan.selective_checkpointing]
     twice = next((m for m in plan.selective_checkpointing if m in plan.activation_checkpointing), None)
     if twice is not None:
         raise PlannerError(f"'{twice}' is in both activation_checkpointing and selective_checkpointing; a module is "
                            "checkpointed one way")
 
+    both = next((m for m in plan.activation_offloading if m in names), None)
+    if both is not None:
+        raise PlannerError(f"'{both}' is both checkpointed and in activation_offloading; a module's saved activations "
+                           "are either recomputed or offloaded")
+    names = [*names, *plan.activation_offloading]
+
     def field(m: str) -> str:  # the plan key that names ``m``, for the message
+        if m in plan.activation_offloading:
+            return "activation_offloading"
         return "selective_checkpointing" if m in plan.selective_checkpointing else "activation_checkpointing"
 
     unknown = [m for m in names if m not in trace.modules]
@@ -94,9 +117,11 @@ def check_checkpointing(plan: Plan, trace: Trace) -> None:
             raise PlannerError(f"{field(m)} names '{m}', which the step never calls")
         outer = next((o for o in names if o != m and is_within(m, o)), None)
         if outer is not None:
-            raise PlannerError(f"{field(m)} names '{m}' inside '{outer}', which is checkpointed too; name one of them")
+            offloaded = {m, outer} & set(plan.activation_offloading)
+            which = f"{field(outer)} names too" if offloaded else "is checkpointed too"
+            raise PlannerError(f"{field(m)} names '{m}' inside '{outer}', which {which}; name one of them")
         inner = next((g for grp in plan.groups for g in grp.modules if g != m and is_within(g, m)), None)
-        if inner is not None:
+        if inner is not None and m not in plan.activation_offloading:
             raise PlannerError(f"checkpointed module '{m}' holds the FSDP group module '{inner}'; checkpoint a "
                                f"module that no group lies inside (e.g. make '{m}' the group)")
 
@@ -139,6 +164,32 @@ def _without_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tu
             if changed.get(key) is not None:
                 changed[key] = None
     return (args, changed) if changed != kwargs else None
+
+
+def apply_offloading(model: nn.Module, names: list[str]) -> None:
+    """Run each named module's forward under ``save_on_cpu`` (module docstring), names unchanged; before
+    ``fully_shard``, so FSDP2's hooks stay outside it. Pinned host memory where CUDA is there to pin it for."""
+    modules = dict(model.named_modules())
+    unknown = next((n for n in names if n not in modules), None)
+    if unknown is not None:
+        raise PlannerError(f"activation_offloading names a module the model does not have: '{unknown}'")
+    for name in names:
+        _offload_forward(modules[name])
+
+
+def _offload_forward(module: nn.Module) -> None:
+    """Set the instance's ``forward`` to run the original one under ``save_on_cpu``."""
+    import torch
+    from torch.autograd.graph import save_on_cpu
+
+    forward = module.forward
+    pin = torch.cuda.is_available()
+
+    def offloaded(*args: object, **kwargs: object) -> object:
+        with save_on_cpu(pin_memory=pin):
+            return forward(*args, **kwargs)
+
+    module.forward = offloaded  # type: ignore[method-assign]
 
 
 def _checkpoint_forward(module: nn.Module, policy: SacPolicy) -> None:

@@ -24,7 +24,8 @@ from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atom
 PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
-             "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention")
+             "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
+             "activation_offloading")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -122,6 +123,8 @@ class Plan:
     # default (sdpa, or a Hugging Face model's own implementation)
     hf_config: dict[str, Any] = field(default_factory=dict)  # the --hf-config fields the model was planned with
     # (an hf: model's config fields set over its file's, e.g. use_cache): verify and check rebuild the same model
+    activation_offloading: list[str] = field(default_factory=list)  # modules whose every call's saved tensors go
+    # to the host (``torch.autograd.graph.save_on_cpu`` around its forward; ``checkpointing.py``)
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -149,6 +152,7 @@ class Plan:
                                              backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
                        **{"activation_checkpointing": list(self.activation_checkpointing),
                           "selective_checkpointing": dict(self.selective_checkpointing),
+                          "activation_offloading": list(self.activation_offloading),
                           "forward_methods": list(self.forward_methods), "shard_dims": dict(self.shard_dims),
                           **changes})
 
@@ -157,7 +161,7 @@ class Plan:
         return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
                        tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing),
                 tuple(self.selective_checkpointing.items()), self.mesh, tuple(self.forward_methods), self.offload,
-                tuple(sorted(self.shard_dims.items())), self.reduce_dtype)
+                tuple(sorted(self.shard_dims.items())), self.reduce_dtype, tuple(self.activation_offloading))
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +190,8 @@ class Plan:
             d["reduce_dtype"] = self.reduce_dtype
         if self.attention:  # absent: the default kernel, as plans written before it was recorded
             d["attention"] = self.attention
+        if self.activation_offloading:
+            d["activation_offloading"] = list(self.activation_offloading)
         return d
 
     def to_json(self) -> str:
@@ -247,7 +253,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
                 precision=_precision_from(data.get("precision", "")),
                 attention=_attention_from(data.get("attention", "")), hf_config=_hf_config_from(model),
-                **_memory_options(data))
+                activation_offloading=_offloaded_from(data.get("activation_offloading", [])), **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
 
@@ -306,6 +312,14 @@ def _attention_from(value: Any) -> str:
     if value != "" and value not in ATTENTION_NAMES:
         raise PlannerError(f"plan 'attention' must be one of {', '.join(ATTENTION_NAMES)}, got {shown_json(value)}")
     return str(value)
+
+
+def _offloaded_from(items: Any) -> list[str]:
+    """``["layers.0", ...]``: the modules whose saved activations go to the host; absent: none."""
+    if not _str_list(items) or len(set(items)) != len(items):
+        raise PlannerError("plan 'activation_offloading' must be a list of module names, each listed once (the "
+                           "modules whose saved activations are offloaded to the host)")
+    return list(items)
 
 
 def _precision_from(value: Any) -> str:
@@ -469,6 +483,7 @@ def check_plan_limits(data: dict[str, Any]) -> None:
             if isinstance(g, dict):
                 _check_group_limits(i, g)
     _check_names(data.get("activation_checkpointing"), "plan 'activation_checkpointing'", module=True)
+    _check_names(data.get("activation_offloading"), "plan 'activation_offloading'", module=True)
     selective = data.get("selective_checkpointing")
     if isinstance(selective, dict):
         _check_names(list(selective), "plan 'selective_checkpointing'", module=True)

@@ -34,6 +34,7 @@ class FitPoint:
     layout: str  # REPLICATExSHARD
     checkpointed: int  # modules auto checkpoints in full
     offload: bool = False  # auto turned CPUOffloadPolicy on (nothing fit without it)
+    offloaded: int = 0  # modules whose saved activations auto offloads (its very last resort)
 
     @property
     def tokens_per_gpu(self) -> float:
@@ -51,7 +52,7 @@ class FitPoint:
                 "step_time": self.step_time, "reserved_memory": self.reserved_memory, "budget": self.budget,
                 "margin": self.budget - self.reserved_memory, "tokens_per_second_per_gpu": self.tokens_per_gpu,
                 "tokens_per_second": self.tokens_per_gpu * self.gpus, "mfu": self.mfu, "layout": self.layout,
-                "checkpointed": self.checkpointed, "offload": self.offload}
+                "checkpointed": self.checkpointed, "offload": self.offload, "activations_offloaded": self.offloaded}
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int, cap: int, step: int = 1, parts: int = 0) -> int | None:

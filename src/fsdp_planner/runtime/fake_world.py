@@ -23,6 +23,10 @@ Measured, on the last step (the first creates the optimizer state):
   ``post_accumulate_grad`` hooks, which it runs after assigning the grad: on a GPU the reduce-scatter output is
   copied to the host there and its device copy freed). Not seen: the transient device copy of each offloaded shard
   before its all-gather (on this CPU ``.to(device)`` makes none), a shard's size per group.
+- with activation offloading (a plan's ``activation_offloading``), likewise: on this CPU ``save_on_cpu`` packs a
+  tensor as itself (``tensor.cpu()``), so the fake world runs it as it runs on a GPU: its pack copies each saved
+  tensor into a storage counted as host memory, its unpack copies it back into a new device storage
+  (``HostCopies``); the rest of what apply_plan set up (the blocks' forward under the hooks) is unchanged.
 """
 
 from __future__ import annotations
@@ -84,6 +88,45 @@ def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[
         rows["all_reduces"] = (predicted.all_reduces, measured.counts["all_reduce"])
         rows["all_reduce_bytes"] = (predicted.all_reduce_bytes, measured.nbytes["all_reduce"])
     return {**rows, "peak_memory": (predicted.peak_memory, measured.peak_memory)}
+
+
+class HostCopies:
+    """``save_on_cpu`` as a GPU runs it, for the fake ranks on this CPU (module docstring): installed while
+    ``apply_plan`` wraps the offloaded modules' forward, it stands in for ``torch.autograd.graph.save_on_cpu``."""
+
+    def __init__(self) -> None:
+        self.tracker: LiveBytes | None = None  # the step's tracker (a new one each step)
+
+    @contextlib.contextmanager
+    def installed(self, on: bool) -> Iterator[None]:
+        if not on:
+            yield
+            return
+        graph = torch.autograd.graph
+        original = graph.save_on_cpu
+        graph.save_on_cpu = self.hooks  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            graph.save_on_cpu = original  # type: ignore[assignment]
+
+    def hooks(self, pin_memory: bool = False) -> torch.autograd.graph.saved_tensors_hooks:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            tracker = self.tracker
+            with torch.no_grad():
+                if tracker is None:
+                    return t.clone()
+                on_host, tracker.on_host = tracker.on_host, True
+                try:
+                    return t.clone()  # the pinned host copy
+                finally:
+                    tracker.on_host = on_host
+
+        def unpack(host: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return host.clone()  # the device copy backward uses
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -275,7 +318,8 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                 raise PlannerError(f"model factory '{spec}' raised {type(e).__name__} under fake tensors: {e}") from e
             model, inputs = built[0], built[1]
             loss_fn = built[2] if len(built) == 3 else default_loss
-            with unset_fake_temporarily():
+            host_copies = HostCopies()
+            with unset_fake_temporarily(), host_copies.installed(bool(plan.activation_offloading)):
                 # fully_shard outside the fake mode: an int reshard_after_forward's post-forward mesh is built from
                 # a tensor's .tolist(), which a fake tensor cannot answer; the fake params still dispatch to their
                 # mode, so every sharded param and buffer FSDP2 makes from them stays fake
@@ -288,7 +332,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                 for p in model.parameters():
                     p.register_post_accumulate_grad_hook(lambda p: tracker.mark_host([p.grad]))
             for _ in range(steps):
-                tracker = LiveBytes(capacity)
+                tracker = host_copies.tracker = LiveBytes(capacity)
                 state = [t for s in optimizer.state.values() for t in s.values()]
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 # a new tracker per step: the last step's peak is kept
@@ -308,5 +352,5 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                 counts, nbytes = counter.take()
     finally:
         dist.destroy_process_group()
-    peak = tracker.device_peak if plan.offload else tracker.peak
+    peak = tracker.device_peak if plan.offload or plan.activation_offloading else tracker.peak
     return FakeWorldResult(world_size, counts, nbytes, peak, time.perf_counter() - started, tracker.peak)

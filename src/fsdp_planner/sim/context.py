@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -16,22 +16,25 @@ from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.replay import Collective
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.hardware.collectives import Protocol, group_layout, lines, table_seconds
-from fsdp_planner.sim.compute import step_op_times
+from fsdp_planner.sim.compute import step_op_times, traced_itemsize
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls
+from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls, offload_bytes
 from fsdp_planner.trace.records import Trace
 
 
 @dataclass(frozen=True)
 class Recompute:
     """Forward run again at one pre-backward boundary: its op seconds, the params it reads, whose calls, and how
-    many ops the host launches again for it."""
+    many ops the host launches again for it. Under activation offloading, the host copies at a boundary instead:
+    ``copy_seconds`` on the compute stream (device-to-host after an offloaded call's forward, host-to-device at its
+    pre-backward; ``save_on_cpu`` copies on the current stream, ``fsdp2/checkpointing.py``)."""
 
     seconds: float
     params: frozenset[int]
     modules: list[str]
     ops: int
+    copy_seconds: float = 0.0
 
 
 class LinkCost(NamedTuple):
@@ -150,7 +153,21 @@ class SimContext:
         if key not in self._recompute:
             out: dict[int, Recompute] = {}
             events = self.trace.events
+            scale = self.precision.compute_bytes / traced_itemsize(self.trace)
             for c in checkpointed_calls(self.trace, key):
+                if c.offload:  # its saved tensors copied out after its forward, back at its pre-backward
+                    seconds = offload_bytes(self.trace, c, scale, self.precision.compute_bytes) \
+                        / self.cluster.host_copy_bandwidth
+                    # each pack and unpack is a copy the host launches: at least one per op that saves a tensor
+                    packs = sum(1 for e in events[c.fwd_pre:c.fwd_post]
+                                if e.is_op and not e.backward and (e.saved or e.params))
+                    # the unpacks run in the call's backward nodes, after FSDP2's pre-backward waited for its group
+                    read = frozenset(p for e in events[c.fwd_pre:c.fwd_post] for p in e.params)
+                    for at, params in ((c.fwd_post, frozenset()), (c.bwd_pre, read)):
+                        prev = out.get(at, Recompute(0.0, frozenset(), [], 0))
+                        out[at] = replace(prev, params=prev.params | params, modules=[*prev.modules, c.module],
+                                          ops=prev.ops + packs, copy_seconds=prev.copy_seconds + seconds)
+                    continue
                 # the call's params: FSDP2's pre-backward gathers its group before the recomputation, whatever it runs
                 params = {p for e in events[c.fwd_pre:c.fwd_post] for p in e.params}
                 kept = [i for i in c.kept if i < c.end]  # up to the early stop (``CheckpointedCall.stop``)
@@ -159,7 +176,7 @@ class SimContext:
                 prev = out.get(c.bwd_pre)
                 out[c.bwd_pre] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
                     Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],
-                              prev.ops + ops)
+                              prev.ops + ops, prev.copy_seconds)
             self._recompute[key] = out
         return self._recompute[key]
 

@@ -99,6 +99,7 @@ class HostRank:
         """A checkpointed forward run again; its seconds."""
         seconds = max(0.0, r.seconds + r.ops * self.overhead.op_seconds)
         self._spend(seconds, Stream.COMPUTE, f"recompute {fmt_modules(r.modules, 1)}", Work.RECOMPUTE)
+        # no ``copy_seconds``: on CPU ranks ``save_on_cpu`` packs a CPU tensor as itself (``tensor.cpu()``), no copy
         return seconds
 
 

@@ -16,6 +16,11 @@ pre-backward takes them; the recomputation runs only the other forward ops (up t
 theirs. The saved
 activations are re-created there as under full checkpointing: the cached outputs become the ones autograd saves
 (the same storages, not a second copy) or are freed.
+
+Under activation offloading (``Offloaded.HOST``, ``save_on_cpu``) a call is not checkpointed: nothing of what
+its ops save stays on the device after the op (``save_on_cpu`` packs a host copy and autograd holds only that);
+the copies are time, charged by the engines on the compute stream (``offload_bytes``); in its backward, the
+device copies one backward node unpacks at a time (``unpack_deltas``).
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fsdp_planner.choices import SacPolicy
+from fsdp_planner.choices import Offloaded, SacPolicy
 from fsdp_planner.fsdp2.selective import saved_flags
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 
-# A checkpointed module: its name (checkpointed in full), or (name, None for full or its op-level policy).
-Checkpointed = str | tuple[str, SacPolicy | None]
+# A checkpointed module: its name (checkpointed in full), or (name, None for full, its op-level policy, or
+# ``Offloaded.HOST``: not checkpointed, its saved activations offloaded).
+Checkpointed = str | tuple[str, SacPolicy | Offloaded | None]
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class CheckpointedCall:
     policy: SacPolicy | None = None  # op-level selective checkpointing's policy; None: full
     kept: tuple[int, ...] = ()  # op-level: the positions of the forward ops whose outputs SAC's cache keeps
     stop: int = -1  # the recomputation runs the events before this one (early stop); -1: up to ``fwd_post``
+    offload: bool = False  # not checkpointed: its saved activations offloaded to the host (``save_on_cpu``)
 
     @property
     def end(self) -> int:
@@ -84,7 +91,8 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
     out = []
     by_module = trace.index.boundaries_by_module
     for item in modules:
-        m, policy = (item, None) if isinstance(item, str) else item
+        m, how = (item, None) if isinstance(item, str) else item
+        policy = how if isinstance(how, SacPolicy) else None
         pos: dict[tuple[EventKind, int], int] = {}
         for i in by_module.get(m, ()):
             e = trace.events[i]
@@ -99,7 +107,7 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
             kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
             out.append(CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post,
                                         trace.events[fwd_pre].inputs_nbytes, policy, kept,
-                                        early_stop(trace, fwd_pre, fwd_post)))
+                                        early_stop(trace, fwd_pre, fwd_post), how is Offloaded.HOST))
     return sorted(out, key=lambda c: c.fwd_pre)
 
 
@@ -138,7 +146,7 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
         if kind is EventKind.OP:
             if in_loss:
                 continue  # counted by loss_region_deltas
-            if e.saved and not e.backward:
+            if e.saved and not e.backward and not (inside is not None and inside.offload):
                 key = stack[-1]
                 nbytes = e.saved * scale
                 saved_by[key] = saved_by.get(key, 0.0) + nbytes
@@ -151,6 +159,8 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
             c = start_at.get(i)
             if c is not None and inside is None:
                 inside = c
+                if c.offload:  # nothing kept on the device: no inputs held, no activations re-created
+                    continue
                 deltas[i] += c.inputs_nbytes * scale
                 deltas[c.bwd_post] -= c.inputs_nbytes * scale
         elif kind is fwd_post:
@@ -161,7 +171,34 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
             deltas[i] -= saved_by.pop((e.module, e.call))
     for pos, nbytes in recreated.items():
         deltas[pos] += nbytes
-    return deltas + cache_deltas(trace, calls, scale)
+    return deltas + cache_deltas(trace, calls, scale) + unpack_deltas(trace, calls, scale)
+
+
+def offload_bytes(trace: Trace, c: CheckpointedCall, scale: float, param_bytes: int) -> float:
+    """Bytes ``save_on_cpu`` copies to the host in an offloaded call's forward (and back in its backward): the
+    activations its ops save (each storage once, at the compute dtype: ``scale``), and each param its forward
+    reads, at ``param_bytes`` each (a matmul saves its weight: FSDP2's unsharded param, copied whole). A tensor
+    packed twice is copied twice by ``save_on_cpu``; the trace counts its storage once, so this is a floor."""
+    events = trace.events[c.fwd_pre:c.fwd_post]
+    params = {p for e in events if not e.backward for p in e.params}
+    saved = sum(e.saved for e in events if e.kind is EventKind.OP and not e.backward)
+    return saved * scale + sum(trace.params[p].numel for p in params) * param_bytes
+
+
+def unpack_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
+    """Under activation offloading, the device copies backward unpacks (``activation_deltas``' indexing): each
+    backward node copies its saved tensors back and frees them when it is done, so an offloaded call's backward
+    holds about one op's worth at a time: the largest of its forward ops' bytes read and written (``Event.nbytes``:
+    the inputs it unpacks, and the size of its outputs' grads), from its pre-backward to its post-backward."""
+    deltas = np.zeros(len(trace.events) + 1)
+    for c in calls:
+        if not c.offload:
+            continue
+        ops = [e for e in trace.events[c.fwd_pre:c.fwd_post] if e.kind is EventKind.OP and not e.backward]
+        largest = max((e.nbytes * scale for e in ops), default=0.0)
+        deltas[c.bwd_pre] += largest
+        deltas[c.bwd_post] -= largest
+    return deltas
 
 
 def gradient_flow(trace: Trace, scale: float) -> np.ndarray:

@@ -12,6 +12,8 @@ module puts times on them with three streams, as FSDP2 runs them:
   prefetch), so a group's all-gather may start once compute reached the previously gathered group. Backward and
   explicit prefetches start when compute reaches the boundary that issues them. Each pays a copy-in (FSDP2's
   copy-in stream) at ``Overhead.copy_bandwidth``;
+- activation offloading (``save_on_cpu``): an offloaded call's saved tensors are copied to the host after its
+  forward and back at its pre-backward, on the compute stream (``SimContext.recompute``), counted as copies;
 - reduce-scatter: starts when compute finished the group's backward (its post-backward boundary), after the
   copy of the grads into its input;
 - all-reduce (HSDP): FSDP2's ``all_reduce_stream`` all-reduces each reduce-scatter's output across the replicas
@@ -126,6 +128,13 @@ class Streams:
         self.t += seconds
         self.wait_for_host(launched)
 
+    def run_copy(self, seconds: float, name: str) -> None:
+        """Activation offloading's host copies, on the compute stream (``save_on_cpu`` does not overlap them)."""
+        if seconds > 0:
+            self.timeline.add(Stream.COMPUTE, name, self.t, self.t + seconds, work=Work.COPY_OUT)
+        self.t += seconds
+        self.copy_time += seconds
+
     def wait_for(self, groups: list[int]) -> None:
         """Compute waits for each group's all-gather, then copies it out (once per all-gather)."""
         for g in groups:
@@ -191,6 +200,7 @@ def simulate_streams(ctx: SimContext, plan: Plan, sched: Schedule, groups: list[
             r = recompute[idx]
             streams.wait_for(sorted({group_of[p] for p in r.params if p in group_of}))
             streams.run_extra(r.seconds, f"recompute {fmt_modules(r.modules, 1)}", host.at(idx) if host else 0.0)
+            streams.run_copy(r.copy_seconds, f"activation copies {fmt_modules(r.modules, 1)}")
         if idx < n and idx in waits:
             streams.wait_for(waits[idx])
     if host is not None:  # the step is not over before the host ran the final callback's hooks

@@ -194,9 +194,28 @@ class AutoPolicy:
                     return tried
             # none fits: the message speaks of the plans without them, and says they were tried
             names = {False: "", True: "CPU offload"}
-            tried_names = {" and ".join(filter(None, (names[o], "dim-1 sharding" if p is ShardPlacement.AUTO else "")))
-                           for o, p in ways}
+            label = {(o, p): " and ".join(filter(None, (names[o], "dim-1 sharding" if p is ShardPlacement.AUTO
+                                                         else ""))) for o, p in ways}
+            tried_names = set(label.values())
+            if self._offloads_activations(trace, result):  # the last resort, the most frugal options with it
+                last = ways[-1] if ways else (self.options.offload, self.options.shard_placement)
+                tried = replace(self, options=self.options.with_memory_options(*last), choose_memory_options=False,
+                                checkpointing=ACMode.OFFLOAD)._search(trace, model)
+                if tried.fits:
+                    return tried
+                tried_names.add("activation offloading" + (f" with {label[ways[-1]]}" if ways else ""))
             return replace(result, also_tried=tuple(sorted(tried_names)))
+
+    def _offloads_activations(self, trace: Trace, result: AutoResult) -> bool:
+        """Whether to search once more with every block's saved activations offloaded (``--ac offload``): only
+        when nothing fits otherwise, auto chose the checkpointing, and the model has blocks."""
+        if result.fits or not self.choose_memory_options or self.checkpointing is not None \
+                or self.target is not Target.FSDP2:
+            return False
+        try:
+            return bool(checkpointed_blocks(trace, ACMode.OFFLOAD))
+        except PlannerError:  # no repeated blocks
+            return False
 
     def _ways_out(self, trace: Trace, result: AutoResult) -> list[tuple[bool, ShardPlacement]]:
         """FSDP2's memory options to search with when ``result`` does not fit, cheapest first: dim-1 sharding (no
@@ -243,14 +262,16 @@ class AutoPolicy:
         """An evaluator on ``mesh`` (``shared``: a search of the same model whose layout-free costs are reused),
         checkpointing what ``checkpointing`` fixes."""
         fixed = checkpointed_blocks(trace, self.checkpointing) if self.checkpointing is not None else []
-        op = self.checkpointing is ACMode.OP
+        op, off = self.checkpointing is ACMode.OP, self.checkpointing is ACMode.OFFLOAD
         return Evaluator(trace, self.cluster, self.options, self.target, model, budget, mesh,
-                         shared.ev.ctx if shared else None, checkpointed=[] if op else fixed,
-                         selective=dict.fromkeys(fixed, self.sac_policy) if op else None)
+                         shared.ev.ctx if shared else None, checkpointed=[] if op or off else fixed,
+                         selective=dict.fromkeys(fixed, self.sac_policy) if op else None,
+                         offloaded=fixed if off else ())
 
     def _labelled(self, plan: Plan, ev: Evaluator) -> Plan:
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
-        op = f", ac op {self.sac_policy.value}" if self.checkpointing is ACMode.OP else ""
+        op = f", ac op {self.sac_policy.value}" if self.checkpointing is ACMode.OP else \
+            ", ac offload" if self.checkpointing is ACMode.OFFLOAD else ""
         opts = self.options
         plan = with_memory_options(plan, ev.trace, ev.ctx.shard, opts.offload, opts.shard_placement,
                                    opts.reduce_dtype.value if opts.reduce_dtype else "")

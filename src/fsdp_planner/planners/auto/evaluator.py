@@ -49,7 +49,8 @@ class Evaluator:
 
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str, budget: int,
                  mesh: Mesh | None = None, like: SimContext | None = None,
-                 checkpointed: Sequence[str] = (), selective: Mapping[str, SacPolicy] | None = None) -> None:
+                 checkpointed: Sequence[str] = (), selective: Mapping[str, SacPolicy] | None = None,
+                 offloaded: Sequence[str] = ()) -> None:
         """``like``: the context of a search of the same model on another layout, whose layout-free parts are
         shared (``SimContext.on_mesh``)."""
         self.trace, self.cluster, self.target, self.model = trace, cluster, target, model
@@ -59,6 +60,7 @@ class Evaluator:
         self.budget = budget
         self.checkpointed = list(checkpointed)
         self.selective = dict(selective or {})
+        self.offloaded = list(offloaded)  # modules every plan offloads the saved activations of (``--ac offload``)
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
         self.compressed: dict[tuple[str, ...], list[str]] = {}  # a segment's modules -> its group's (``build``)
@@ -96,6 +98,8 @@ class Evaluator:
     def with_checkpointing(self, plan: Plan) -> Plan:
         """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside (FSDP2's hooks on
         an inner group would run again in the recomputation, which the model does not replay)."""
+        if self.offloaded and plan.activation_offloading != self.offloaded:
+            plan = plan.copy(activation_offloading=list(self.offloaded))  # groups inside them do not matter
         if not (self.checkpointed or self.selective or plan.activation_checkpointing or plan.selective_checkpointing):
             return plan
         blocked = {a for g in plan.groups for m in g.modules for a in proper_ancestors(m)}
