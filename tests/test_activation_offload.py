@@ -169,8 +169,8 @@ def test_verify_passes_with_offloading_on_real_gloo_ranks():
 @pytest.mark.integration  # real FSDP2 on 8 fake ranks, twice: about two seconds
 def test_real_fsdp2_device_peak_drops_with_offloading_as_predicted():
     """The fake world counts the host copies ``save_on_cpu`` makes as host memory (``fake_world.HostCopies``):
-    the device peak drops with offloading, measured and predicted. The prediction is below the measurement by
-    the activation grads backward holds beyond one node's (not modelled): 9.1% here, outside verify's 5%."""
+    the device peak drops with offloading, measured and predicted, within verify's 5% (it was 9.1% low before the
+    gradients of activations in backward were counted)."""
     from fsdp_planner.runtime.fake_world import run_fake_world
     from fsdp_planner.trace import trace
 
@@ -188,7 +188,8 @@ def test_real_fsdp2_device_peak_drops_with_offloading_as_predicted():
     (p_none, m_none, _), (p_off, m_off, total_off) = peaks[ACMode.NONE], peaks[ACMode.OFFLOAD]
     assert m_off < m_none and p_off < p_none
     assert total_off > m_off  # the saved tensors went to the host, not away
-    assert p_off < m_off and p_off == pytest.approx(m_off, rel=0.1)
+    # within the fake-world check's 5% (the gradients of activations in backward, Event.grad_live, counted)
+    assert p_off == pytest.approx(m_off, rel=0.05)
 
 
 @pytest.mark.integration  # real FSDP2 on 2 fake ranks: about a second
