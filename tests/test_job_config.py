@@ -83,6 +83,8 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
     ("[parallelism]\npipeline_parallel_degree = 4\n", "parallelism.pipeline_parallel_degree = 4 is left out"),
     ("[parallelism]\ncontext_parallel_degree = 2\n", "parallelism.context_parallel_degree = 2 is left out"),
     ("[mystery]\nx = 1\n", "[mystery] is not read"),
+    ("[training]\nlocal_batch_sise = 4\n", "training.local_batch_sise is not read"),  # a typo: never silent
+    ("[parallelism]\ndata_parallel_shard = 8\n", "parallelism.data_parallel_shard is not read"),
 ])
 def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
     notes = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n'))).notes
@@ -161,6 +163,7 @@ def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicat
     ("parallelism_config:\n  parallelism_config_tp_size: 2\n", "parallelism_config.parallelism_config_tp_size = 2 is"),
     ("  fsdp_mystery: 1\n", "fsdp_config.fsdp_mystery is not read"),
     ("mystery: 1\n", "mystery is not read"),
+    ("dynamo_backend: INDUCTOR\n", 'dynamo_backend = "INDUCTOR" is left out'),  # older files: at the top level
 ])
 def test_accelerate_left_out_is_one_line(tmp_path, text, note):
     """(fsdp_version 2: version 1's own note aside)"""
@@ -320,3 +323,21 @@ def test_a_job_without_a_model_needs_model(tmp_path, capsys):
         args_of("simulate", "--from-torchtitan", job)
     assert args_of("simulate", "toy-llama", "--from-torchtitan", job).model == "toy-llama"
     assert "stands for" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kind", "text", "error"), [
+    (ACCELERATE, "", "is empty: expected an Accelerate config YAML"),
+    (ACCELERATE, "- a\n- b\n", "holds a list, not a table of settings"),
+    (ACCELERATE, "just words\n", "holds a single value, not a table of settings"),
+])
+def test_a_config_that_is_not_a_table_is_one_line(tmp_path, kind, text, error):
+    """An empty file or a list is named as such (not as Python's NoneType or list)."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(PlannerError, match=re.escape(error)):
+        read_config(kind, str(path))
+
+
+def test_every_key_of_the_example_torchtitan_job_is_known():
+    """The documented example (torchtitan's own keys) gets no 'is not read' note."""
+    assert not [n for n in read_config(TORCHTITAN, str(EXAMPLES / "llama3_8b.toml")).notes if "is not read" in n]
