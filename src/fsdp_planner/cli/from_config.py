@@ -145,6 +145,11 @@ def _policy(cfg: JobConfig, args: argparse.Namespace) -> None:
     if getattr(args, "plan", None):
         raise PlannerError(f"--plan and --from-{cfg.kind} both give the grouping: drop one")
     if args.command == "simulate":
+        if cfg.kind == TORCHTITAN and getattr(args, "policy", None) not in (None, cfg.policy.value):
+            # torchtitan has no key for its grouping: name it, and where auto's plan for the job is
+            raise PlannerError(f"--policy {args.policy} contradicts the torchtitan job {shown_json(cfg.path)}, "
+                               f"which groups as torchtitan does (--policy {cfg.policy.value}): drop --policy, "
+                               "or run `plan --from-torchtitan` for auto's plan beside the job's")
         _given(args, "policy", "--policy", cfg.policy.value, cfg.key("policy"), cfg)
     if cfg.module_classes:
         _given(args, "module_classes", "--module-classes", ",".join(cfg.module_classes),
