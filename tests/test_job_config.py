@@ -208,6 +208,14 @@ def test_torchtitan_job_as_options(tmp_path):
         ("a100:16", "2x8", 4, "2", 64, "full", "titan")  # 64 = 2 x 16 GPUs x 2 micro-batches
 
 
+def test_torchtitan_gradient_accumulation_says_what_is_simulated(tmp_path, capsys):
+    """torchtitan reduce-scatters in every micro-batch; --micro-batches models sync in the last only: a note."""
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 1\nglobal_batch_size = 16\n"
+                          "[parallelism]\ndata_parallel_shard_degree = 8\n")
+    args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100")
+    assert "which torchtitan does not call: it reduce-scatters in every micro-batch" in capsys.readouterr().err
+
+
 def test_accelerate_job_as_options(tmp_path):
     cfg = accel(tmp_path, "fsdp_config:\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 5000\n"
                           "  fsdp_offload_params: true\nmixed_precision: bf16\nnum_machines: 2\nnum_processes: 16\n")

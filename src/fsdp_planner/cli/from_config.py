@@ -139,6 +139,13 @@ def _micro_batches(cfg: JobConfig, args: argparse.Namespace, world: int) -> None
     if n > 1:  # --batch: the step's per-GPU batch, split in n
         _given(args, "micro_batches", "--micro-batches", str(n), "training.global_batch_size", cfg)
         args.batch = local * n
+        # torchtitan's train_step runs the micro-batches' backwards without set_requires_gradient_sync(False):
+        # what --micro-batches models is the other accumulation; said, until the simulator has torchtitan's
+        render.note(f"training.global_batch_size gives {n} micro-batches, simulated as --micro-batches {n}: "
+                    "gradient sync only in the last (set_requires_gradient_sync(False) before it), which "
+                    "torchtitan does not call: it reduce-scatters in every micro-batch and keeps only sharded "
+                    "grads, so its memory is lower than this prediction by the unsharded grads and it runs "
+                    f"{n}x the reduce-scatters")
 
 
 def _policy(cfg: JobConfig, args: argparse.Namespace) -> None:
