@@ -148,6 +148,7 @@ def test_accelerate_hsdp_from_its_parallelism_config(tmp_path):
 @pytest.mark.parametrize(("strategy", "reshard", "replicate"), [
     ("FULL_SHARD", "always", 1), ("SHARD_GRAD_OP", "never", 1), ("HYBRID_SHARD", "always", 2),
     ("_HYBRID_SHARD_ZERO2", "never", 2),
+    (1, "always", 1), (2, "never", 1), ("4", "always", 2),  # Accelerate takes FSDP1's ShardingStrategy numbers
 ])
 def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicate):
     cfg = read_config(ACCELERATE, str(accel(tmp_path, f"fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n"
@@ -174,6 +175,8 @@ def test_accelerate_left_out_is_one_line(tmp_path, text, note):
 @pytest.mark.parametrize(("text", "error"), [
     ("fsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n", "NO_SHARD is DDP"),
     ("fsdp_config:\n  fsdp_activation_checkpointing: maybe\n", 'fsdp_activation_checkpointing = "maybe" is not true'),
+    ("fsdp_config:\n  fsdp_sharding_strategy: 9\n", "fsdp_sharding_strategy = 9 is not one of FULL_SHARD"),  # not
+    # fsdp_reshard_after_forward, the key it once named
     ("fsdp_config:\n  fsdp_auto_wrap_policy: LAYER_WRAP\n", "is not one of transformer_based_wrap"),
     ("num_processes: 12\nnum_machines: 5\n", "num_processes 12 is not a multiple of num_machines 5"),
     ("fsdp_config: [1\n", "is not valid YAML at line"),

@@ -326,6 +326,8 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
 ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
                         "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
                         "fsdp_activation_checkpointing", "fsdp_offload_params"}
+V1_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",
+                       5: "_HYBRID_SHARD_ZERO2"}  # torch's FSDP1 ShardingStrategy values
 V1_STRATEGIES = {"FULL_SHARD": ("always", False), "SHARD_GRAD_OP": ("never", False),
                  "HYBRID_SHARD": ("always", True), "_HYBRID_SHARD_ZERO2": ("never", True)}
 
@@ -377,9 +379,19 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
     if version == 1:
         cfg.notes.append("fsdp_config.fsdp_version = 1 is simulated with FSDP2's semantics (fully_shard): FSDP1's "
                          "flat parameters gather the same bytes per unit")
-    value = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy"))
+    key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in fsdp else "fsdp_sharding_strategy"
+    value = fsdp.get(key)
     if value is None:
         return
+    if key == "fsdp_sharding_strategy":
+        # Accelerate also takes FSDP1's ShardingStrategy by number (1 FULL_SHARD ... 5 _HYBRID_SHARD_ZERO2)
+        number = value if isinstance(value, int) and not isinstance(value, bool) else \
+            int(value) if isinstance(value, str) and value.strip().isdigit() else None
+        if number is not None:
+            value = V1_STRATEGY_NUMBERS.get(number, value)
+        if not (isinstance(value, str) and value.strip().upper() in (*V1_STRATEGIES, "NO_SHARD")):
+            raise _bad(cfg, f"fsdp_config.{key}", value, "one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
+                       "_HYBRID_SHARD_ZERO2 (or their numbers 1, 2, 4, 5)")
     if isinstance(value, str) and value.strip().upper() in V1_STRATEGIES:
         cfg.reshard, hybrid = V1_STRATEGIES[value.strip().upper()]
         if hybrid and (cfg.nodes or 1) > 1:
