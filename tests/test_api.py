@@ -55,6 +55,8 @@ def test_a_classic_policy_and_its_options():
     ({"cluster": ""}, "cluster must be a non-empty string"),
     ({"cluster": "h100:x"}, "h100:x"),
     ({"precision": "fp8"}, "fp8"),
+    ({"batch": "4"}, "batch must be a whole number, got '4'"),  # was a TypeError from inside the trace
+    ({"seq": 2.5}, "seq must be a whole number, got 2.5"),
 ])
 def test_bad_arguments_are_one_sentence(kwargs, message):
     with pytest.raises(PlannerError, match=message.replace("(", r"\(")):

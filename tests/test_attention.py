@@ -135,3 +135,11 @@ def test_a_module_given_one_tensor_twice_still_sees_one():
         model, x = Outer(), torch.randn(2, 8)
     trace(model, (x,), reuse=False)
     assert seen == [True]
+
+
+def test_attention_option_on_a_model_without_attention_is_said(capsys):
+    """--attention on a model whose step calls no SDPA changes nothing: a note says so instead of silence."""
+    from fsdp_planner.cli import main
+
+    assert main(["plan", "seed-net", "--policy", "titan", "--attention", "eager"]) == 0
+    assert "--attention eager changes nothing here" in capsys.readouterr().err

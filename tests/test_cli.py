@@ -261,3 +261,10 @@ def test_full_trace_plans_the_same_model_without_replaying_blocks():
     full = run("plan", "toy-llama", "--policy", "order", "--json", "--full-trace")
     assert fast.returncode == 0 and full.returncode == 0, fast.stderr + full.stderr
     assert json.loads(fast.stdout) == json.loads(full.stdout)
+
+
+def test_auto_line_says_cpu_offload(capsys) -> None:
+    """An offload plan's step is mostly the CPU optimizer's: auto's summary line says offload, beside the step."""
+    assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--offload"]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("auto:"))
+    assert ", CPU offload, step " in line

@@ -168,3 +168,16 @@ def test_published_h100_runs_within_ten_percent(capsys) -> None:
         tps[gpus] = 2 * 8192 / json.loads(capsys.readouterr().out)["step_time"]
     assert tps[8] == pytest.approx(5762, rel=0.10) and tps[128] == pytest.approx(5605, rel=0.10)
     assert tps[128] < tps[8]
+
+
+@pytest.mark.parametrize("section", ["compute", "overhead", "gpu"])
+@pytest.mark.parametrize("value", [[1, 2], None, 5])
+def test_cluster_section_not_an_object_is_refused(tmp_path, section: str, value: object) -> None:
+    """A list or null where a section belongs read as an absent section (the preset's factors, unsaid)."""
+    path = tmp_path / "c.json"
+    parse_cluster("h100:8").save(path)
+    d = json.loads(path.read_text())
+    d[section] = value
+    path.write_text(json.dumps(d))
+    with pytest.raises(PlannerError, match=rf"field '{section}' must be a JSON object of "):
+        Cluster.load(path)

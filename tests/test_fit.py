@@ -163,3 +163,13 @@ def test_check_answers_are_simulates_figures(capsys):
     hsdp = run_json(capsys, *sim, "--mesh", "2x8")["step_time"]
     assert f"{fmt_time(bf16)} a step against {fmt_time(fp32)}" in info["reduce-dtype-cost"]
     assert f"{fmt_time(hsdp)} a step against {fmt_time(fp32)}" in info["hsdp"]
+
+
+def test_batch_with_find_batch_is_said_to_have_no_effect(capsys) -> None:
+    """--find batch searches the batch from 1: a --batch given beside it is said, never silently ignored."""
+    from fsdp_planner.cli import build_parser
+    from fsdp_planner.cli.fit import fit_request
+
+    fit_request(build_parser().parse_args(["fit", "toy-llama", "--cluster", "h100:8", "--find", "batch",
+                                           "--batch", "3"]))
+    assert "--batch 3 has no effect with --find batch" in capsys.readouterr().err

@@ -83,6 +83,8 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
     ("[parallelism]\npipeline_parallel_degree = 4\n", "parallelism.pipeline_parallel_degree = 4 is left out"),
     ("[parallelism]\ncontext_parallel_degree = 2\n", "parallelism.context_parallel_degree = 2 is left out"),
     ("[mystery]\nx = 1\n", "[mystery] is not read"),
+    ("[training]\nlocal_batch_sise = 4\n", "training.local_batch_sise is not read"),  # a typo: never silent
+    ("[parallelism]\ndata_parallel_shard = 8\n", "parallelism.data_parallel_shard is not read"),
 ])
 def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
     notes = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n'))).notes
@@ -146,6 +148,7 @@ def test_accelerate_hsdp_from_its_parallelism_config(tmp_path):
 @pytest.mark.parametrize(("strategy", "reshard", "replicate"), [
     ("FULL_SHARD", "always", 1), ("SHARD_GRAD_OP", "never", 1), ("HYBRID_SHARD", "always", 2),
     ("_HYBRID_SHARD_ZERO2", "never", 2),
+    (1, "always", 1), (2, "never", 1), ("4", "always", 2),  # Accelerate takes FSDP1's ShardingStrategy numbers
 ])
 def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicate):
     cfg = read_config(ACCELERATE, str(accel(tmp_path, f"fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n"
@@ -161,6 +164,7 @@ def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicat
     ("parallelism_config:\n  parallelism_config_tp_size: 2\n", "parallelism_config.parallelism_config_tp_size = 2 is"),
     ("  fsdp_mystery: 1\n", "fsdp_config.fsdp_mystery is not read"),
     ("mystery: 1\n", "mystery is not read"),
+    ("dynamo_backend: INDUCTOR\n", 'dynamo_backend = "INDUCTOR" is left out'),  # older files: at the top level
 ])
 def test_accelerate_left_out_is_one_line(tmp_path, text, note):
     """(fsdp_version 2: version 1's own note aside)"""
@@ -171,6 +175,8 @@ def test_accelerate_left_out_is_one_line(tmp_path, text, note):
 @pytest.mark.parametrize(("text", "error"), [
     ("fsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n", "NO_SHARD is DDP"),
     ("fsdp_config:\n  fsdp_activation_checkpointing: maybe\n", 'fsdp_activation_checkpointing = "maybe" is not true'),
+    ("fsdp_config:\n  fsdp_sharding_strategy: 9\n", "fsdp_sharding_strategy = 9 is not one of FULL_SHARD"),  # not
+    # fsdp_reshard_after_forward, the key it once named
     ("fsdp_config:\n  fsdp_auto_wrap_policy: LAYER_WRAP\n", "is not one of transformer_based_wrap"),
     ("num_processes: 12\nnum_machines: 5\n", "num_processes 12 is not a multiple of num_machines 5"),
     ("fsdp_config: [1\n", "is not valid YAML at line"),
@@ -205,6 +211,14 @@ def test_torchtitan_job_as_options(tmp_path):
         ("a100:16", "2x8", 4, "2", 64, "full", "titan")  # 64 = 2 x 16 GPUs x 2 micro-batches
 
 
+def test_torchtitan_gradient_accumulation_says_what_is_simulated(tmp_path, capsys):
+    """torchtitan reduce-scatters in every micro-batch; --micro-batches models sync in the last only: a note."""
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 1\nglobal_batch_size = 16\n"
+                          "[parallelism]\ndata_parallel_shard_degree = 8\n")
+    args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100")
+    assert "which torchtitan does not call: it reduce-scatters in every micro-batch" in capsys.readouterr().err
+
+
 def test_accelerate_job_as_options(tmp_path):
     cfg = accel(tmp_path, "fsdp_config:\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 5000\n"
                           "  fsdp_offload_params: true\nmixed_precision: bf16\nnum_machines: 2\nnum_processes: 16\n")
@@ -216,7 +230,7 @@ def test_accelerate_job_as_options(tmp_path):
 @pytest.mark.parametrize(("argv", "error"), [
     (["--batch", "4"], "--batch 4 contradicts training.local_batch_size in torchtitan config"),
     (["--cluster", "h100:16"], "--cluster \"h100:16\" has 16 GPUs but the torchtitan job runs on 8"),
-    (["--policy", "order"], '--policy "order" contradicts (the grouping)'),
+    (["--policy", "order"], "--policy order contradicts the torchtitan job"),  # once "contradicts (the grouping)"
 ])
 def test_a_contradicting_option_is_one_error(tmp_path, argv, error):
     job = titan(tmp_path, "[training]\nlocal_batch_size = 2\n[parallelism]\ndata_parallel_shard_degree = 8\n")
@@ -320,3 +334,21 @@ def test_a_job_without_a_model_needs_model(tmp_path, capsys):
         args_of("simulate", "--from-torchtitan", job)
     assert args_of("simulate", "toy-llama", "--from-torchtitan", job).model == "toy-llama"
     assert "stands for" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kind", "text", "error"), [
+    (ACCELERATE, "", "is empty: expected an Accelerate config YAML"),
+    (ACCELERATE, "- a\n- b\n", "holds a list, not a table of settings"),
+    (ACCELERATE, "just words\n", "holds a single value, not a table of settings"),
+])
+def test_a_config_that_is_not_a_table_is_one_line(tmp_path, kind, text, error):
+    """An empty file or a list is named as such (not as Python's NoneType or list)."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(PlannerError, match=re.escape(error)):
+        read_config(kind, str(path))
+
+
+def test_every_key_of_the_example_torchtitan_job_is_known():
+    """The documented example (torchtitan's own keys) gets no 'is not read' note."""
+    assert not [n for n in read_config(TORCHTITAN, str(EXAMPLES / "llama3_8b.toml")).notes if "is not read" in n]

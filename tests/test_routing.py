@@ -100,3 +100,29 @@ def test_a_sorted_router_reads_balanced_counts(on_meta: bool):
     tr = trace(model, inputs)
     assert "(.tolist()" in tr.notes[0] or "_local_scalar_dense" in tr.notes[0]
     assert _expert_rows(tr) >= 2 * 2 * 64 * rm.TOP_K
+
+
+class _SwitchMoE(torch.nn.Module):
+    """A top-1 router written with argmax (Switch Transformer's), each expert's tokens picked by torch.where."""
+
+    def __init__(self, dim: int = 16, experts: int = 4) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim, bias=False) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            idx = torch.where(top == i)[0]
+            out = out.index_add(0, idx, expert(x[idx]))
+        return out
+
+
+def test_an_argmax_router_gives_each_expert_its_share():
+    """Each expert of a top-1 argmax router gets tokens / experts rows, not every token (4x the expert FLOPs)."""
+    with torch.device("meta"):
+        model, x = _SwitchMoE(), torch.randn(64, 16)
+    tr = trace(model, (x,))
+    expert_flops = sum(e.flops for e in tr.events if not e.backward and e.module.startswith("experts."))
+    assert expert_flops == 2 * 64 * 16 * 16  # 64 tokens through one 16 x 16 expert each, shared out

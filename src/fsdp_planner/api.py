@@ -153,6 +153,9 @@ def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.T
         if inputs is not None or loss_fn is not None:
             raise PlannerError("a MODEL spec string brings its own inputs and loss_fn (its factory's): give inputs "
                                "and loss_fn with an nn.Module only")
+        for value, what in ((batch, "batch"), (seq, "seq")):  # types here; ranges where the CLI checks them
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise PlannerError(f"{what} must be a whole number, got {cut_short(repr(value))}")
         per_micro = batch // micro_batches if batch is not None else None
         lm = load_model(ModelSpec(_text(model, "model"), per_micro, seq), meta=True)
         return trace(lm.model, lm.example_inputs, lm.loss_fn, precision=options.precision), lm.name

@@ -7,7 +7,8 @@ that meta and fake tensors do not have, so PyTorch refuses them there. While a s
 as a balanced router would have them:
 
 - a selection (``nonzero``, ``torch.where(cond)``, boolean indexing, ``masked_select``) takes ``ceil(n / E x
-  capacity)`` of a mask's ``n`` elements, where ``E`` is the choice count of the last ``topk`` the step ran (the
+  capacity)`` of a mask's ``n`` elements, where ``E`` is the choice count of the last ``topk`` (or top-1
+  ``argmax`` over a dim) the step ran (the
   experts; each expert gets ``tokens x top_k / E`` rows, as ``models/hf_experts.py`` dispatches Hugging Face
   experts), or all ``n`` when no ``topk`` ran (a placeholder mask: the most memory);
 - a Python value read from a tensor (``.item()``, ``bool()``, ``.tolist()``): ``True`` for a boolean (a check
@@ -56,11 +57,22 @@ class StandIn:
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, module) -> times
 
     def saw(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Note a ``topk``'s expert count and per-expert rows (its input is (tokens, experts) scores)."""
-        if func._overloadpacket is not _aten.topk or not args or not isinstance(args[0], torch.Tensor):
+        """Note a ``topk``'s expert count and per-expert rows (its input is (tokens, experts) scores); an
+        ``argmax`` over a dim is a top-1 router's (Switch Transformer's), k = 1 (not ``max``: a hand-written softmax
+        takes one over the keys, and would make a later placeholder mask look routed)."""
+        packet = getattr(func, "_overloadpacket", None)
+        if not args or not isinstance(args[0], torch.Tensor):
             return
-        scores, k = args[0], int(args[1]) if len(args) > 1 else int(kwargs.get("k", 1))
-        dim = int(args[2]) if len(args) > 2 else int(kwargs.get("dim", -1))
+        if packet is _aten.topk:
+            scores, k = args[0], int(args[1]) if len(args) > 1 else int(kwargs.get("k", 1))
+            dim = int(args[2]) if len(args) > 2 else int(kwargs.get("dim", -1))
+        elif packet is _aten.argmax and (len(args) > 1 or kwargs.get("dim") is not None):
+            found = args[1] if len(args) > 1 else kwargs["dim"]
+            if not isinstance(found, int):  # argmax() over every element: no routing
+                return
+            scores, k, dim = args[0], 1, found
+        else:
+            return
         if scores.dim() == 0 or scores.shape[dim] == 0:
             return
         self.experts = int(scores.shape[dim])

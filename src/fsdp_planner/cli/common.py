@@ -89,7 +89,8 @@ def model_error(e: Exception) -> str:
 def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | None:
     """Which attention kernel the trace assumed: transformers' implementation for an ``hf:`` model, else the
     kernel its SDPA calls ran. None for a built-in without ``--attention`` (they call the fused kernels, as the
-    README says) and for a model that calls no SDPA."""
+    README says) and for a model that calls no SDPA, unless ``--attention`` was given: then it says the option
+    changes nothing."""
     built = hf.attention_of(model) if hf.is_hf(spec.name) else None  # type: ignore[arg-type]
     if built is not None:
         kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
@@ -97,6 +98,10 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
         built = "flash stand-in" if built == hf.hf_attention.FUSED else built
         return (f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; "
                 "--attention sdpa|flash|eager plans for another)")
+    if attention.calls == 0 and spec.attention is not None:
+        # said rather than ignored: the option changes nothing for a model whose step calls no SDPA
+        return (f"--attention {spec.attention} changes nothing here: the step calls no scaled_dot_product_attention "
+                "(the kernel --attention picks)")
     if attention.calls == 0 or (spec.name in BUILTINS and spec.attention is None):
         return None
     saved = "score matrices saved, O(seq^2)" if attention.name == "eager" else "fused kernel, O(seq) saved"

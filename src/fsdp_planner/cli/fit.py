@@ -81,6 +81,8 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
     if args.find == "seq" and seq is None and not args.gpus:
         raise PlannerError(f"--find seq searches the sequence length, and '{args.model}' takes none (or its default "
                            "is not known): give --seq, or search the batch")
+    if args.find == "batch" and args.batch is not None and not args.gpus:  # said, never silently ignored
+        render.note(f"--batch {args.batch} has no effect with --find batch: the batch is what it searches (from 1)")
     if args.gpus and args.find != "both":
         render.note("--find has no effect with --gpus auto: the workload is --batch x --seq as given")
     cluster = parse_cluster(args.cluster)

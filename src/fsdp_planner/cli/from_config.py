@@ -139,12 +139,24 @@ def _micro_batches(cfg: JobConfig, args: argparse.Namespace, world: int) -> None
     if n > 1:  # --batch: the step's per-GPU batch, split in n
         _given(args, "micro_batches", "--micro-batches", str(n), "training.global_batch_size", cfg)
         args.batch = local * n
+        # torchtitan's train_step runs the micro-batches' backwards without set_requires_gradient_sync(False):
+        # what --micro-batches models is the other accumulation; said, until the simulator has torchtitan's
+        render.note(f"training.global_batch_size gives {n} micro-batches, simulated as --micro-batches {n}: "
+                    "gradient sync only in the last (set_requires_gradient_sync(False) before it), which "
+                    "torchtitan does not call: it reduce-scatters in every micro-batch and keeps only sharded "
+                    "grads, so its memory is lower than this prediction by the unsharded grads and it runs "
+                    f"{n}x the reduce-scatters")
 
 
 def _policy(cfg: JobConfig, args: argparse.Namespace) -> None:
     if getattr(args, "plan", None):
         raise PlannerError(f"--plan and --from-{cfg.kind} both give the grouping: drop one")
     if args.command == "simulate":
+        if cfg.kind == TORCHTITAN and getattr(args, "policy", None) not in (None, cfg.policy.value):
+            # torchtitan has no key for its grouping: name it, and where auto's plan for the job is
+            raise PlannerError(f"--policy {args.policy} contradicts the torchtitan job {shown_json(cfg.path)}, "
+                               f"which groups as torchtitan does (--policy {cfg.policy.value}): drop --policy, "
+                               "or run `plan --from-torchtitan` for auto's plan beside the job's")
         _given(args, "policy", "--policy", cfg.policy.value, cfg.key("policy"), cfg)
     if cfg.module_classes:
         _given(args, "module_classes", "--module-classes", ",".join(cfg.module_classes),

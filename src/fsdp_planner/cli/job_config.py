@@ -33,6 +33,30 @@ ACCELERATE_IGNORED = {"compute_environment", "debug", "machine_rank", "main_trai
                       "fsdp_cpu_ram_efficient_loading", "fsdp_state_dict_type", "fsdp_sync_module_states",
                       "fsdp_use_orig_params", "fsdp_backward_prefetch", "fsdp_forward_prefetch"}
 TITAN_RESHARD = ("default", "always", "never")
+# The keys torchtitan's JobConfig has in the sections read here: those not read change nothing a step's time or
+# memory depends on here (or are noted where read); a key outside them is one note (a typo would otherwise be
+# silently left at its default).
+TITAN_SECTION_KEYS = {
+    "model": {"name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion",
+              "print_model_summary"},
+    "training": {"dataset", "dataset_path", "local_batch_size", "batch_size", "global_batch_size", "seq_len",
+                 "max_norm", "steps", "enable_cpu_offload", "dtype", "mixed_precision_param",
+                 "mixed_precision_reduce", "compile", "gc_freq", "gc_debug", "seed", "deterministic",
+                 "debug_moe_force_load_balance", "warmup_steps", "tensor_parallel_degree",
+                 "data_parallel_degree", "data_parallel_replicate_degree", "data_parallel_shard_degree",
+                 "enable_async_tensor_parallel", "pipeline_parallel_degree", "context_parallel_degree"},
+    "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                    "enable_compiled_autograd", "tensor_parallel_degree", "disable_loss_parallel",
+                    "enable_async_tensor_parallel", "pipeline_parallel_degree", "pipeline_parallel_split_points",
+                    "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+                    "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
+                    "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
+                    "pipeline_parallel_microbatch_size", "context_parallel_degree",
+                    "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree"},
+    "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+                              "early_stop", "memory_budget", "visualize_memory_budget_pareto",
+                              "preserve_rng_state", "determinism_check", "debug"},
+}
 
 
 @dataclass
@@ -85,8 +109,12 @@ def read_config(kind: str, path: str) -> JobConfig:
     label = f"{kind} config '{path}'"
     text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML")
     data = _load(kind, text, label)
+    if data is None or data == "":
+        raise PlannerError(f"{label} is empty: expected "
+                           f"{'a torchtitan job TOML' if kind == TORCHTITAN else 'an Accelerate config YAML'}")
     if not isinstance(data, dict):
-        raise PlannerError(f"{label} holds {type(data).__name__}, not a table of settings")
+        shape = "a list" if isinstance(data, list) else "a single value"
+        raise PlannerError(f"{label} holds {shape}, not a table of settings (key: value lines)")
     cfg = JobConfig(kind, path)
     if kind == TORCHTITAN:
         _titan(cfg, data)
@@ -169,6 +197,10 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         if name not in TITAN_IGNORED and name not in ("model", "training", "parallelism", "activation_checkpoint",
                                                       "compile", "float8", "quantize", "mx"):
             cfg.notes.append(f"[{shown_json(name)[1:-1]}] is not read: fsdp-planner does not know that section")
+    for section, known in TITAN_SECTION_KEYS.items():
+        for key in _table(cfg, data, section):
+            if key not in known:
+                cfg.notes.append(f"{section}.{shown_json(key)[1:-1]} is not read: fsdp-planner does not know it")
     _titan_model(cfg, _table(cfg, data, "model"))
     _titan_training(cfg, _table(cfg, data, "training"))
     _titan_parallelism(cfg, _table(cfg, data, "parallelism"))
@@ -266,7 +298,8 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
         raise _bad(cfg, "distributed_type", kind, "FSDP (fsdp-planner plans FSDP jobs)")
     for name in data:
         if name not in ACCELERATE_IGNORED and name not in ("fsdp_config", "mixed_precision", "num_processes",
-                                                           "num_machines", "dynamo_config", "parallelism_config"):
+                                                           "num_machines", "dynamo_config", "dynamo_backend",
+                                                           "parallelism_config"):
             cfg.notes.append(f"{shown_json(name)[1:-1]} is not read: it does not change a training step here")
     for name in fsdp:
         if name not in ACCELERATE_IGNORED and name not in ACCELERATE_FSDP_KEYS:
@@ -282,15 +315,19 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.offload = cfg.keys["fsdp_config.fsdp_offload_params"] = _bool(
             cfg, "fsdp_config.fsdp_offload_params", fsdp["fsdp_offload_params"])
     _accelerate_precision(cfg, data)
-    backend = _table(cfg, data, "dynamo_config").get("dynamo_backend", "NO")
+    where, backend = "dynamo_config.dynamo_backend", _table(cfg, data, "dynamo_config").get("dynamo_backend", "NO")
+    if "dynamo_backend" in data:  # older accelerate config files keep it at the top level
+        where, backend = "dynamo_backend", data["dynamo_backend"]
     if isinstance(backend, str) and backend.upper() != "NO":
-        cfg.notes.append(f"dynamo_config.dynamo_backend = {shown_json(backend)} is left out: fsdp-planner simulates "
+        cfg.notes.append(f"{where} = {shown_json(backend)} is left out: fsdp-planner simulates "
                          "eager FSDP2 (no torch.compile)")
 
 
 ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
                         "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
                         "fsdp_activation_checkpointing", "fsdp_offload_params"}
+V1_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",
+                       5: "_HYBRID_SHARD_ZERO2"}  # torch's FSDP1 ShardingStrategy values
 V1_STRATEGIES = {"FULL_SHARD": ("always", False), "SHARD_GRAD_OP": ("never", False),
                  "HYBRID_SHARD": ("always", True), "_HYBRID_SHARD_ZERO2": ("never", True)}
 
@@ -342,9 +379,19 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
     if version == 1:
         cfg.notes.append("fsdp_config.fsdp_version = 1 is simulated with FSDP2's semantics (fully_shard): FSDP1's "
                          "flat parameters gather the same bytes per unit")
-    value = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy"))
+    key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in fsdp else "fsdp_sharding_strategy"
+    value = fsdp.get(key)
     if value is None:
         return
+    if key == "fsdp_sharding_strategy":
+        # Accelerate also takes FSDP1's ShardingStrategy by number (1 FULL_SHARD ... 5 _HYBRID_SHARD_ZERO2)
+        number = value if isinstance(value, int) and not isinstance(value, bool) else \
+            int(value) if isinstance(value, str) and value.strip().isdigit() else None
+        if number is not None:
+            value = V1_STRATEGY_NUMBERS.get(number, value)
+        if not (isinstance(value, str) and value.strip().upper() in (*V1_STRATEGIES, "NO_SHARD")):
+            raise _bad(cfg, f"fsdp_config.{key}", value, "one of FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, "
+                       "_HYBRID_SHARD_ZERO2 (or their numbers 1, 2, 4, 5)")
     if isinstance(value, str) and value.strip().upper() in V1_STRATEGIES:
         cfg.reshard, hybrid = V1_STRATEGIES[value.strip().upper()]
         if hybrid and (cfg.nodes or 1) > 1:

@@ -408,6 +408,10 @@ def auto_line(result: AutoResult) -> str:
         (f", activations of {fmt_count(len(result.plan.activation_offloading), 'module')} offloaded"
          if result.plan.activation_offloading else "")
     layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
+    # auto's last resorts, said where the step time is: an offload plan's step is mostly the CPU optimizer's
+    dims = "/".join(str(d) for d in sorted(set(result.plan.shard_dims.values())))
+    layout += (f", {fmt_count(len(result.plan.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
+        (", CPU offload" if result.plan.offload else "")
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "

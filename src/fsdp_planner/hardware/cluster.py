@@ -493,6 +493,10 @@ def _check_known_keys(d: dict, where: str) -> None:
             raise PlannerError(f"the {where} has an unknown field {_short(key)} (a typo?); the fields are listed in "
                                "docs/calibrate.md")
     for section, cls in sections.items():
+        if section in d and not isinstance(d[section], dict):
+            # a list or null in place of a section would otherwise read as absent: the preset's figures, unsaid
+            raise PlannerError(f"the {where} field '{section}' must be a JSON object of "
+                               f"{', '.join(f.name for f in dataclass_fields(cls))}, got {_short(d[section])}")
         fields = {f.name for f in dataclass_fields(cls)}
         for key in d.get(section) or {} if isinstance(d.get(section), dict) else ():
             if key not in fields:

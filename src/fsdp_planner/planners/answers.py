@@ -64,6 +64,11 @@ def _pays(base: StepReport, other: StepReport, budget: MemoryBudget) -> bool:
     return other.step_time < base.step_time * (1 - NEGLIGIBLE) and budget.fits(other.reserved_memory)
 
 
+def _over_budget(base: StepReport, other: StepReport, budget: MemoryBudget) -> bool:
+    """Faster enough to pay, but its peak is over the budget: the reason a fix keeps the plan is then memory."""
+    return other.step_time < base.step_time * (1 - NEGLIGIBLE) and not budget.fits(other.reserved_memory)
+
+
 def _reduce_dtype(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
                   budget: MemoryBudget) -> Finding | None:
     """The step with grads reduced in the other dtype (fp32 <-> bf16); none for a precision that computes in
@@ -82,7 +87,8 @@ def _reduce_dtype(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
     if other is ReduceDtype.BF16:
         fix = ("MixedPrecisionPolicy(reduce_dtype=torch.bfloat16) (--reduce-dtype bf16) saves that, and rounds the "
                "summed grads to bf16: check the loss curve" if _pays(base, alt, budget)
-               else "keep fp32: bf16 saves too little here to be worth its rounding")
+               else f"keep fp32: bf16 is faster, but over the {fmt_bytes(budget.limit)} budget"
+               if _over_budget(base, alt, budget) else "keep fp32: bf16 saves too little here to be worth its rounding")
     else:
         fix = ("consider fp32 (--reduce-dtype fp32): exact sums for that cost" if alt.step_time <= base.step_time
                * (1 + NEGLIGIBLE) else "bf16 is faster here; keep it if the loss curve matches fp32's")
@@ -105,7 +111,8 @@ def _hsdp(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: St
         what = f"this grouping as pure FSDP ({mesh.describe()}) instead of HSDP {now}: {_versus(base, best, budget)}"
     fix = (f"use the {mesh.describe()} layout (--mesh {mesh.describe()}, init_device_mesh(..., "
            f"({mesh.replicate}, {mesh.shard}))) " if _pays(base, best, budget)
-           else f"keep {now}: no other layout pays on {cluster.name}")
+           else f"keep {now}: {mesh.describe()} is faster, but over the {fmt_bytes(budget.limit)} budget"
+           if _over_budget(base, best, budget) else f"keep {now}: no other layout pays on {cluster.name}")
     return Finding(Severity.INFO, Code.HSDP_PAYS, what, fix.strip())
 
 
@@ -127,6 +134,7 @@ def _reshard_to_node(tr: Trace, plan: Plan, cluster: Cluster, options: SimOption
         return None
     what = f"reshard_after_forward={node} (the node) on the fully resharding groups: {_versus(base, alt, budget)}"
     fix = (f"set reshard_after_forward={node} on those groups: backward's all-gathers stay within the node"
-           if _pays(base, alt, budget) else "keep reshard_after_forward=True: resharding to the node does not pay "
-                                              "here")
+           if _pays(base, alt, budget) else f"keep reshard_after_forward=True: resharding to the node is faster, "
+           f"but over the {fmt_bytes(budget.limit)} budget" if _over_budget(base, alt, budget)
+           else "keep reshard_after_forward=True: resharding to the node does not pay here")
     return Finding(Severity.INFO, Code.RESHARD_TO_NODE, what, fix)
