@@ -40,6 +40,27 @@ def test_plan_is_the_cli_plan_for_a_spec_a_meta_module_and_a_real_one(capsys, tm
     assert all(p.grad is None and not p.is_meta for p in real.model.parameters())
 
 
+@pytest.mark.integration  # (about 4.5 s: the split's searches and a titan plan, each also by the command)
+def test_the_cli_options_the_api_takes_give_the_cli_plan(capsys, tmp_path):
+    """micro_batches='auto', reduce_dtype, shard_placement, attention, routing and hf_config give the plan the
+    command line writes with the same options."""
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "4", "--micro-batches",
+                     "auto", "--reduce-dtype", "bf16", "--shard-placement", "auto", "--attention", "eager",
+                     "--routing", "2", "--out", str(out)]) == 0
+    got = fp.plan("toy-llama", cluster="h100:8", batch=4, micro_batches="auto", reduce_dtype="bf16",
+                  shard_placement="auto", attention="eager", routing=2)
+    assert got.to_dict() == json.loads(out.read_text())
+    assert got.reduce_dtype == "bf16" and got.attention == "eager"
+    hf = ["--hf-config", "n_layer=2", "--hf-config", "n_embd=64", "--hf-config", "n_head=2"]
+    assert cli.main(["plan", "hf:gpt2", "--policy", "titan", "--cluster", "h100:8", "--batch", "2", "--seq", "32",
+                     *hf, "--reduce-dtype", "bf16", "--out", str(out), "--force"]) == 0
+    capsys.readouterr()
+    got = fp.plan("hf:gpt2", policy="titan", cluster="h100:8", batch=2, seq=32, reduce_dtype="bf16",
+                  hf_config={"n_layer": 2, "n_embd": 64, "n_head": 2})
+    assert got.to_dict() == json.loads(out.read_text()) and got.hf_config["n_layer"] == 2
+
+
 def test_a_classic_policy_and_its_options():
     plan = fp.plan("toy-llama", policy="titan", ac="full", cluster="h100:8", precision="fp32")
     assert plan.policy.startswith("titan") and plan.precision == "fp32"
@@ -57,6 +78,14 @@ def test_a_classic_policy_and_its_options():
     ({"precision": "fp8"}, "fp8"),
     ({"batch": "4"}, "batch must be a whole number, got '4'"),  # was a TypeError from inside the trace
     ({"seq": 2.5}, "seq must be a whole number, got 2.5"),
+    ({"reduce_dtype": "fp16"}, "reduce_dtype must be one of fp32, bf16"),
+    ({"shard_placement": "dim1"}, "shard_placement must be one of dim0, auto"),
+    ({"attention": "paged"}, "attention must be one of"),
+    ({"routing": 0.0}, "routing must be a capacity factor"),
+    ({"hf_config": ["n_layer=2"]}, "hf_config must be a dict of config fields"),
+    ({"hf_config": {"n_layer": 2}}, "applies to hf: models"),
+    ({"micro_batches": "auto"}, "micro_batches='auto' lets policy='auto' split batch"),
+    ({"micro_batches": "auto", "batch": 4, "policy": "titan"}, "micro_batches='auto' lets policy='auto'"),
 ])
 def test_bad_arguments_are_one_sentence(kwargs, message):
     with pytest.raises(PlannerError, match=message.replace("(", r"\(")):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from copy import deepcopy
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,12 +19,15 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+from fsdp_planner.attention import kernel
 from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
     ACMode,
+    AttentionKernel,
     PolicyName,
+    ReduceDtype,
     SacPolicy,
     ShardPlacement,
     Target,
@@ -32,9 +36,11 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_size
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.planners.auto import AutoPolicy, infeasible_message
+from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, ModelSpec, load_model
+from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
+from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.registry import PolicyRequest, make_policy
+from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.budget import Headroom, parse_headroom
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import with_memory_options
@@ -49,10 +55,15 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER, batch: int | None = None,
          seq: int | None = None, ac: str | None = None, ac_policy: str | None = None, mesh: str | None = None,
          memory_budget: int | str | None = None, headroom: float | str | None = None,
-         micro_batches: int = 1, offload: bool = False, module_classes: tuple[str, ...] = (),
-         search_effort: int | None = None, target: str = Target.FSDP2.value) -> Plan:
+         micro_batches: int | str = 1, offload: bool = False, module_classes: tuple[str, ...] = (),
+         search_effort: int | None = None, target: str = Target.FSDP2.value, reduce_dtype: str | None = None,
+         shard_placement: str = ShardPlacement.DIM0.value, attention: str | None = None,
+         routing: float | None = None, hf_config: dict[str, Any] | None = None) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
-    for the same model and options (the keyword names are the command line's option names).
+    for the same model and options (each keyword is the option of the same name, ``-`` as ``_``; the README's
+    Python API section lists them). ``micro_batches="auto"`` is ``--micro-batches auto``: auto's choice of the
+    split of ``batch`` (a MODEL spec string with ``batch`` and ``policy="auto"``). ``hf_config``: a dict of
+    ``--hf-config`` fields, for an ``hf:`` MODEL spec.
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
     a dict of kwargs: one micro-batch of one rank) and optional ``loss_fn`` (default: the mean of squares of the
@@ -69,21 +80,94 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     the_cluster = cluster if isinstance(cluster, Cluster) else parse_cluster(_text(cluster, "cluster"))
     request = _policy_request(policy, ac, ac_policy, mesh, memory_budget, headroom, module_classes, search_effort,
                               target)
-    options = _options(precision, optimizer, micro_batches, offload, batch)
-    tr, name = _trace(model, inputs, loss_fn, batch, seq, micro_batches, options)
-    if request.name is PolicyName.AUTO:
-        policy_obj = make_policy(request, the_cluster, options)
-        assert isinstance(policy_obj, AutoPolicy)
-        found = policy_obj.search(tr, name)
-        if not found.fits:
-            raise PlannerError(infeasible_message(found))
-        chosen = found.plan
-    else:
-        chosen = make_policy(request).plan(tr, name)
-        check_plan_world_size(chosen, the_cluster.world_size)
-        chosen = with_memory_options(chosen, tr, chosen.shard_size(the_cluster.world_size), offload,
-                                     ShardPlacement.DIM0, chosen.reduce_dtype)
-    return chosen.copy(precision=options.precision.name)  # as ``plan --out``: export and apply train in it
+    split = _is_auto_split(micro_batches)
+    if split and (request.name is not PolicyName.AUTO or not isinstance(model, str) or batch is None):
+        raise PlannerError("micro_batches='auto' lets policy='auto' split batch, the per-GPU batch of a MODEL spec: "
+                           "give a MODEL spec string, policy='auto' and batch")
+    workload = _workload(attention, routing, hf_config, model)
+    options = _options(precision, optimizer, 1 if split else micro_batches, offload, batch, shard_placement,
+                       reduce_dtype)
+
+    def planned(opts: SimOptions) -> tuple[Plan, bool, str]:
+        tr, name = _trace(model, inputs, loss_fn, batch, seq, opts.micro_batches, opts, workload)
+        if request.name is not PolicyName.AUTO:
+            return _classic(request, tr, name, the_cluster, opts), True, ""
+        found = _search(request, the_cluster, opts, tr, name)
+        return found.plan, found.fits, infeasible_message(found) if not found.fits else ""
+
+    if split:
+        assert isinstance(batch, int)
+        best, _ = choose_split(batch, lambda n: _searched(request, the_cluster, replace(options, micro_batches=n),
+                                                         model, batch, seq, workload))
+        options = replace(options, micro_batches=best.micro_batches)
+    chosen, fits, why = planned(options)
+    if not fits:
+        raise PlannerError(why)
+    # as ``plan --out``: export and apply train in the precision, verify rebuilds with the attention and hf_config
+    return chosen.copy(precision=options.precision.name, attention=workload.attention or "",
+                       hf_config=dict(workload.hf_config))
+
+
+@dataclass(frozen=True)
+class _Workload:
+    """The step's settings beside batch and seq: ``--attention``, ``--routing``, ``--hf-config``."""
+
+    attention: str | None
+    routing: float | None
+    hf_config: tuple[tuple[str, Any], ...]
+
+
+def _workload(attention: object, routing: object, hf_config: object, model: object) -> _Workload:
+    """``attention``, ``routing`` and ``hf_config`` checked as the command line checks its options."""
+    if attention is not None:
+        attention = _choice(AttentionKernel, attention, "attention").value
+    if routing is not None and (isinstance(routing, bool) or not isinstance(routing, int | float)
+                                or not MIN_ROUTING <= routing <= MAX_ROUTING):
+        raise PlannerError(f"routing must be a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}, got "
+                           f"{cut_short(repr(routing))}")
+    return _Workload(attention, routing, _hf_config(hf_config, model))  # type: ignore[arg-type]
+
+
+def _is_auto_split(micro_batches: object) -> bool:
+    return isinstance(micro_batches, str) and micro_batches.strip().lower() == "auto"
+
+
+def _hf_config(fields: object, model: object) -> tuple[tuple[str, Any], ...]:
+    """``hf_config`` checked: a dict of JSON scalars keyed by field name, for an ``hf:`` MODEL spec."""
+    if fields is None:
+        return ()
+    if not isinstance(fields, dict) or not all(isinstance(k, str) and k for k in fields):
+        raise PlannerError(f"hf_config must be a dict of config fields by name, got {cut_short(repr(fields))}")
+    if not isinstance(model, str):
+        raise PlannerError("hf_config sets fields of an hf: MODEL spec's config: build the nn.Module with them "
+                           "instead")
+    bad = [k for k, v in fields.items() if v is not None and not isinstance(v, bool | int | float | str)]
+    if bad:
+        raise PlannerError(f"hf_config values must be JSON scalars (bool, number, string or None): "
+                           f"{cut_short(repr(bad[0]))} is not")
+    return tuple(fields.items())
+
+
+def _classic(request: PolicyRequest, tr: Trace, name: str, cluster: Cluster, options: SimOptions) -> Plan:
+    """A classic policy's plan with the memory options recorded, as ``plan --policy P --cluster C --out``."""
+    chosen = make_policy(request).plan(tr, name)
+    check_plan_world_size(chosen, cluster.world_size)
+    reduce = options.reduce_dtype.value if options.reduce_dtype else chosen.reduce_dtype
+    return with_memory_options(chosen, tr, chosen.shard_size(cluster.world_size), options.offload,
+                               options.shard_placement, reduce)
+
+
+def _search(request: PolicyRequest, cluster: Cluster, options: SimOptions, tr: Trace, name: str) -> AutoResult:
+    policy_obj = make_policy(request, cluster, options)
+    assert isinstance(policy_obj, AutoPolicy)
+    return policy_obj.search(tr, name)
+
+
+def _searched(request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str, batch: int,
+              seq: int | None, workload: _Workload) -> AutoResult:
+    """Auto's search for one split of ``batch`` (``micro_batches="auto"``), traced at its micro-batch."""
+    tr, name = _trace(model, None, None, batch, seq, options.micro_batches, options, workload)
+    return _search(request, cluster, options, tr, name)
 
 
 def _text(value: object, what: str) -> str:
@@ -137,18 +221,32 @@ def _headroom(value: float | str | None) -> Headroom | None:
     return parse_headroom(str(value), "headroom")
 
 
-def _options(precision: str, optimizer: str, micro_batches: int, offload: bool, batch: int | None) -> SimOptions:
+def _options(precision: str, optimizer: str, micro_batches: int | str, offload: bool, batch: int | None,
+             shard_placement: str, reduce_dtype: str | None) -> SimOptions:
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise PlannerError(f"micro_batches must be a whole number of at least 1, got {cut_short(repr(micro_batches))}")
     if micro_batches > 1 and batch is not None and batch % micro_batches:
         raise PlannerError(f"micro_batches {micro_batches} must divide batch {batch} (each micro-batch is batch / N)")
     return SimOptions.named(_text(precision, "precision"), _text(optimizer, "optimizer"),
-                            micro_batches=micro_batches, offload=bool(offload))
+                            micro_batches=micro_batches, offload=bool(offload),
+                            shard_placement=_choice(ShardPlacement, shard_placement, "shard_placement").value,
+                            reduce_dtype=_choice(ReduceDtype, reduce_dtype, "reduce_dtype").value
+                            if reduce_dtype is not None else None)
 
 
 def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-           batch: int | None, seq: int | None, micro_batches: int, options: SimOptions) -> tuple[Trace, str]:
-    """The step traced as the command line traces it, and the model's name in the plan."""
+           batch: int | None, seq: int | None, micro_batches: int, options: SimOptions,
+           workload: _Workload) -> tuple[Trace, str]:
+    """The step traced as the command line traces it (under ``workload``'s attention kernel and routing capacity),
+    and the model's name in the plan."""
+    with kernel(workload.attention):
+        return _traced(model, inputs, loss_fn, batch, seq, micro_batches, options, workload)
+
+
+def _traced(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+            batch: int | None, seq: int | None, micro_batches: int, options: SimOptions,
+            workload: _Workload) -> tuple[Trace, str]:
+    routing = workload.routing or DEFAULT_CAPACITY
     if isinstance(model, str):
         if inputs is not None or loss_fn is not None:
             raise PlannerError("a MODEL spec string brings its own inputs and loss_fn (its factory's): give inputs "
@@ -157,8 +255,9 @@ def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.T
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise PlannerError(f"{what} must be a whole number, got {cut_short(repr(value))}")
         per_micro = batch // micro_batches if batch is not None else None
-        lm = load_model(ModelSpec(_text(model, "model"), per_micro, seq), meta=True)
-        return trace(lm.model, lm.example_inputs, lm.loss_fn, precision=options.precision), lm.name
+        lm = load_model(ModelSpec(_text(model, "model"), per_micro, seq, workload.attention, workload.routing,
+                                  workload.hf_config), meta=True)
+        return trace(lm.model, lm.example_inputs, lm.loss_fn, precision=options.precision, routing=routing), lm.name
     if not isinstance(model, nn.Module):
         raise PlannerError(f"model must be an nn.Module or a MODEL spec string, got {type(model).__name__}")
     if batch is not None or seq is not None:
@@ -175,7 +274,8 @@ def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.T
         copy = None
     try:  # the command line traces on meta: a real model's meta twin gives its figures, and leaves it untouched
         if copy is not None:
-            return trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision=options.precision), name
+            return trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision=options.precision,
+                         routing=routing), name
     except PlannerError:  # the verdict of the step in the precision (PrecisionError): the model's, not meta's
         raise
     except Exception:
@@ -184,7 +284,7 @@ def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.T
     # a step that cannot run on meta (a tensor made on an explicit device in forward): the real model under fake
     # tensors, its grads kept
     with _grads_kept(model):
-        return trace(model, inputs, loss_fn, precision=options.precision), name
+        return trace(model, inputs, loss_fn, precision=options.precision, routing=routing), name
 
 
 def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:
