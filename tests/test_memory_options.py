@@ -263,3 +263,19 @@ def test_int_reshard_after_forward_is_dim0_only() -> None:
     auto = AutoPolicy(parse_cluster("h100:64"), memory_budget=10**12, options=SimOptions.named(
         "fp32", shard_placement=ShardPlacement.AUTO.value)).plan(tr)
     assert auto.shard_dims and all(isinstance(g.reshard_after_forward, bool) for g in auto.groups)
+
+
+def test_the_step_line_shows_the_cpu_optimizer_step_under_offload() -> None:
+    """``simulate``'s breakdown names the optimizer step on the host (part of the step time under offload), and
+    says nothing of it without offload."""
+    from fsdp_planner.cli.render import step_lines
+
+    options, cluster = SimOptions.named(), parse_cluster("h100:8")
+    tr = _traced("toy-llama", options)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    kept = simulate(tr, plan, cluster, options, timeline=False)
+    off = simulate(tr, plan.copy(offload=True), cluster, options, timeline=False)
+    shown = " ".join(step_lines("toy-llama", "titan", cluster, off))
+    assert off.cpu_optimizer_time > 0 and "optimizer step on the CPU" in shown
+    assert "optimizer step on the CPU" not in " ".join(step_lines("toy-llama", "titan", cluster, kept))
+    assert off.summary()["cpu_optimizer_time"] == off.cpu_optimizer_time  # --json
