@@ -173,3 +173,14 @@ def test_batch_with_find_batch_is_said_to_have_no_effect(capsys) -> None:
     fit_request(build_parser().parse_args(["fit", "toy-llama", "--cluster", "h100:8", "--find", "batch",
                                            "--batch", "3"]))
     assert "--batch 3 has no effect with --find batch" in capsys.readouterr().err
+
+
+def test_a_model_without_a_sequence_counts_samples(capsys, tmp_path) -> None:
+    """seed-net takes no sequence length: its throughput is samples/s (the JSON keeps its tokens_ names), and a
+    directory given to --picture gets fit.png suggested."""
+    assert main(["fit", "seed-net", "--cluster", "h100:2", "--memory-budget", "24MiB", "--find", "batch",
+                 "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "samples/s per GPU" in out and "samples/s/GPU" in out and "tokens" not in out
+    assert main(["fit", "seed-net", "--cluster", "h100:2", "--picture", str(tmp_path)]) == 2
+    assert f"e.g. {tmp_path / 'fit.png'}" in capsys.readouterr().err

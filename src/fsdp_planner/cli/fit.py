@@ -63,7 +63,7 @@ class FitRequest:
 
 
 def fit_request(args: argparse.Namespace) -> FitRequest:
-    picture = picture_file(args.picture, "--picture", PICTURE_SUFFIXES)
+    picture = picture_file(args.picture, "--picture", PICTURE_SUFFIXES, stem="fit")
     if args.gpus and _COUNTED_CLUSTER.match(args.cluster):
         raise PlannerError(f"--gpus auto chooses the GPU count: give --cluster without one (e.g. "
                            f"{args.cluster.split(':')[0].strip()}), or drop --gpus auto to search the batch on "
@@ -191,7 +191,8 @@ def _workload(request: FitRequest, points: Points) -> tuple[dict[str, Any], list
         plain = longest
         if longest is not None and points.at(b, longest).offload:
             plain = largest_fitting(points.fits(lambda s: (b, s, 1), plain=True), seq, longest, step, SEQ_PARTS)
-            answer = f"{plain:,}: {_figures(points.at(b, plain))}" if plain else f"none (not even {step:,} tokens)"
+            answer = (f"{plain:,}: {_figures(points.at(b, plain), 'tokens')}" if plain
+                      else f"none (not even {step:,} tokens)")
             lines.append(f"longest without CPU offload at batch {b:,}: {answer}")
         doc["seq"] = {"batch": b, "longest": longest, "longest_without_offload": plain}
     doc["points"] = [p.to_dict() for p in points.sorted()]
@@ -212,10 +213,12 @@ def _largest_batch(request: FitRequest, points: Points) -> tuple[dict[str, Any],
     if points.at(largest, seq).offload:  # auto's last resort: how far the batch goes without it
         plain = largest_fitting(points.fits(lambda b: (b, seq, 1), plain=True), 1, largest)
         lines.append(f"largest batch without CPU offload{where}: "
-                     + (f"{plain:,}: {_figures(points.at(plain, seq))}" if plain else "none (not even 1)"))
+                     + (f"{plain:,}: {_figures(points.at(plain, seq), _per(request))}" if plain
+                        else "none (not even 1)"))
     fastest = max((p for p in points.sorted() if p.fits and p.seq == (seq or 1)), key=lambda p: p.tokens_per_gpu)
     if fastest.batch != largest:
-        lines.append(f"most tokens/s per GPU{where}: batch {fastest.batch:,}: {_figures(fastest)}")
+        lines.append(f"most {_per(request)}/s per GPU{where}: batch {fastest.batch:,}: "
+                     f"{_figures(fastest, _per(request))}")
     return {"seq": seq, "largest": largest, "largest_without_offload": plain, "fastest": fastest.batch,
             "next": _next(points, largest + 1, seq)}, lines
 
@@ -230,7 +233,7 @@ def _largest_line(points: Points, value: int, p: FitPoint, cap: int, where: str)
     capped = " (the largest tried: the search stops there)" if value >= cap else ""
     after = "" if value >= cap else f"; batch {value + 1:,} does not fit"
     return (f"largest batch that fits{where} on {points.request.cluster.name}: {value:,}{capped}: "
-            f"{_figures(p)}{after}")
+            f"{_figures(p, _per(points.request))}{after}")
 
 
 def _seq_line(points: Points, batch: int, longest: int | None, cap: int, step: int) -> str:
@@ -240,11 +243,17 @@ def _seq_line(points: Points, batch: int, longest: int | None, cap: int, step: i
     bound = " (the largest tried: the search stops there)" if longest >= cap else ""
     tried = [q.seq for q in points.sorted() if q.batch == batch and not q.fits and q.seq > longest]
     after = f"; {min(tried):,} does not fit" if tried else ""
-    return f"longest sequence that fits at batch {batch:,}: {longest:,}{bound}: {_figures(p)}{after}"
+    return f"longest sequence that fits at batch {batch:,}: {longest:,}{bound}: {_figures(p, 'tokens')}{after}"
 
 
-def _figures(p: FitPoint) -> str:
-    return (f"{p.tokens_per_gpu:,.0f} tokens/s per GPU, MFU {p.mfu:.1%}, step {fmt_time(p.step_time)}, reserved "
+def _per(request: FitRequest) -> str:
+    """What throughput counts: tokens, or samples for a model that takes no sequence length (a CNN: its JSON
+    fields keep their ``tokens_`` names, each token one sample)."""
+    return "tokens" if request.seq is not None else "samples"
+
+
+def _figures(p: FitPoint, per: str) -> str:
+    return (f"{p.tokens_per_gpu:,.0f} {per}/s per GPU, MFU {p.mfu:.1%}, step {fmt_time(p.step_time)}, reserved "
             f"{fmt_bytes(p.reserved_memory)} of the {fmt_bytes(p.budget)} budget")
 
 
@@ -262,7 +271,7 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
     p = points.at(b, seq, fewest)
     workload = f"batch {b:,}{f' x seq {seq:,}' if seq else ''} per GPU"
     lines = [f"fewest GPUs that fit {workload}: {_count(p, per_node)}{' with CPU offload' if p.offload else ''}: "
-             f"{p.tokens_per_gpu * p.gpus:,.0f} tokens/s in all, {_figures(p)}"]
+             f"{p.tokens_per_gpu * p.gpus:,.0f} {_per(request)}/s in all, {_figures(p, _per(request))}"]
     doc: dict[str, Any] = {**_header(request), "gpus": {"batch": b, "seq": seq, "fewest": p.gpus, "nodes": p.nodes,
                                                         "offload": p.offload, "fewest_without_offload": None}}
     if p.offload:
@@ -273,7 +282,7 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
             q = points.at(b, seq, plain)
             doc["gpus"]["fewest_without_offload"] = q.gpus
             lines.append(f"fewest GPUs that fit it without CPU offload: {_count(q, per_node)}: "
-                         f"{q.tokens_per_gpu * q.gpus:,.0f} tokens/s in all, {_figures(q)}")
+                         f"{q.tokens_per_gpu * q.gpus:,.0f} {_per(request)}/s in all, {_figures(q, _per(request))}")
             fewest = plain
     if fewest * 2 <= cap:
         points.at(b, seq, fewest * 2)
@@ -313,7 +322,8 @@ def _table(title: str, rows: list[FitPoint], with_seq: bool) -> Any:
 
     best = max((p.tokens_per_gpu for p in rows if p.fits), default=0.0)
     table = Table(title=escape(title), title_justify="left")  # a cluster file's name
-    for name in ("GPUs", "batch", "seq", "step", "tokens/s/GPU", "", "MFU", "reserved peak", "layout"):
+    per = "tokens" if with_seq else "samples"
+    for name in ("GPUs", "batch", "seq", "step", f"{per}/s/GPU", "", "MFU", "reserved peak", "layout"):
         table.add_column(name, justify="left" if name in ("", "layout") else "right")
     for p in rows:
         bar = "█" * max(1, round(BAR * p.tokens_per_gpu / best)) if p.fits and best else ""
@@ -338,4 +348,4 @@ def _draw(request: FitRequest, points: Points) -> None:
         x, label = [p.batch for p in rows], "per-GPU batch"
     what = "GPU count" if request.gpus_auto else "batch"
     title = f"{request.model.name} on {request.cluster.gpu.name}: auto's plan at each {what} tried"
-    write_fit_png(rows, x, label, request.budget.capacity, request.picture, title)
+    write_fit_png(rows, x, label, request.budget.capacity, request.picture, title, _per(request))

@@ -63,12 +63,13 @@ def _file_to_write(arg: str, option: str, example: str) -> Path:
     return path
 
 
-def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...]) -> Path | None:
-    """``--timeline`` / ``--html``: checked before any work (as ``--out``); the suffix says the format, and an
-    existing file is replaced only when it has one of ``suffixes`` (a picture this command writes)."""
+def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...], stem: str = "step") -> Path | None:
+    """``--timeline`` / ``--html`` / ``--picture``: checked before any work (as ``--out``); the suffix says the
+    format, and an existing file is replaced only when it has one of ``suffixes`` (a picture this command writes).
+    ``stem``: the name suggested for a directory given instead of a file (``fit.png`` for fit's picture)."""
     if arg is None:
         return None
-    path = _file_to_write(arg, option, f"step{suffixes[0]}")
+    path = _file_to_write(arg, option, f"{stem}{suffixes[0]}")
     if path.suffix.lower() not in suffixes:
         raise PlannerError(f"{option} '{arg}' must end in {' or '.join(suffixes)} (the format it writes), "
                            f"e.g. {path.with_suffix(suffixes[0])}")

@@ -1,5 +1,6 @@
-"""``fit --picture``: tokens/s per GPU and the reserved peak against the batch (or the GPU count), one point per
-plan auto found, with the budget and the GPU's capacity drawn, so where the curve stops reads at a glance."""
+"""``fit --picture``: tokens/s (samples/s for a model without a sequence) per GPU and the reserved peak against
+the batch (or the GPU count), one point per plan auto found, with the budget and the GPU's capacity drawn, so
+where the curve stops reads at a glance."""
 
 from __future__ import annotations
 
@@ -21,20 +22,21 @@ CAPACITY_IN_VIEW = 8  # the capacity line is drawn when within this factor of th
 
 
 def write_fit_png(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: int, path: Path,
-                  title: str) -> None:
+                  title: str, per: str = "tokens") -> None:
     """Draw ``points`` (at ``x``: their batches or GPU counts) into ``path``; a point that does not fit is a red
-    cross on the memory panel only (it has no throughput that runs)."""
+    cross on the memory panel only (it has no throughput that runs). ``per``: what throughput counts, tokens or
+    samples (a model without a sequence)."""
     try:
         from matplotlib import rc_context
     except ImportError:
         raise PlannerError("--picture draws with matplotlib, which is not installed: pip install matplotlib "
                            "(or the package's [plot] extra)") from None
     with rc_context({"text.usetex": False}):  # names are never TeX
-        _draw(points, x, xlabel, capacity, path, title)
+        _draw(points, x, xlabel, capacity, path, title, per)
 
 
 def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: int, path: Path,
-          title: str) -> None:
+          title: str, per: str) -> None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
@@ -50,7 +52,7 @@ def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: i
             text = f"MFU {p.mfu:.1%}{' (offload)' if p.offload else ''}"
             top.annotate(text, (xi, p.tokens_per_gpu), xytext=(0, 6), textcoords="offset points",
                          ha="center", fontsize=8)
-    top.set_ylabel("tokens/s per GPU")
+    top.set_ylabel(f"{per}/s per GPU")
     top.set_ylim(bottom=0, top=max((p.tokens_per_gpu for _, p in fit), default=1.0) * 1.2)
     _draw_memory(bottom, fit, miss, capacity, points[0].budget if points else capacity)
     bottom.set_xlabel(plain(xlabel))
