@@ -173,6 +173,8 @@ def test_real_closed_stdout_and_broken_pipe():
     (("verify", "seed-net", "--nproc", "x"), "invalid int value: 'x' (see fsdp-planner verify --help)"),
     (("plan", "seed-net", "--policy", "fastest"), "invalid choice: 'fastest'"),
     ((), "required: COMMAND (see fsdp-planner --help)"),
+    (("simulate", "seed-net", "--policy", "order", "--cluster", "h100:8", "--measure", "--mfu", "0.5"),
+     "--mfu and --measure both set the op times"),
 ])
 def test_argument_errors_are_one_line(capsys, args, message):
     code, out, err = run_main(capsys, *args)

@@ -163,7 +163,7 @@ def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None
                                                       if cluster_required else ""))
     sp.add_argument("--mfu", type=float, default=None,
                     help=f"run every op's FLOPs at this one fraction of the peak FLOP/s, {MIN_MFU} to 1, instead of "
-                         "the cluster's roofline (per-kernel efficiencies: docs/model.md#compute)")
+                         "the cluster's roofline (per-kernel efficiencies: docs/model.md#compute); not with --measure")
     add_precision_options(sp)
     sp.add_argument("--measure", action="store_true",
                     help="time the model's ops for real on this machine (GPU if present) instead of the roofline "

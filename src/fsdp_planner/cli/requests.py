@@ -231,6 +231,9 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
     if args.mfu is not None and not MIN_MFU <= args.mfu <= 1:  # NaN too
         raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
                            f"{args.mfu:g}")
+    if args.mfu is not None and getattr(args, "measure", False):  # measured op times replace the roofline whole
+        raise PlannerError("--mfu and --measure both set the op times: give --mfu (every op at that fraction of "
+                           "peak) or --measure (the ops timed on this machine), not both")
     return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True),
                             reshard_after_backward(args), **memory_options(args))
 
