@@ -45,7 +45,10 @@ class TinyLM(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
+        """Logits of shape (batch x seq, vocab). The tokens go in flattened: on 3-D activations nn.Embedding and
+        nn.Linear return views of 2-D results, and FSDP2 warns about a wrapped module returning a view (an in-place
+        op on it would skip its pre-backward hook); on 2-D ones they return fresh tensors."""
+        x = self.embed(tokens.flatten())
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
@@ -53,7 +56,8 @@ class TinyLM(nn.Module):
 
 def next_token_loss(tokens: torch.Tensor):  # type: ignore[no-untyped-def]
     def loss(logits: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        per_sequence = logits.unflatten(0, tokens.shape)
+        return F.cross_entropy(per_sequence[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
     return loss
 
 

@@ -123,6 +123,25 @@ def test_the_example_plans_and_trains_on_two_gloo_ranks(tmp_path):
     assert "plan: auto(h100:2" in out.stdout
     losses = [float(line.rsplit(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0]  # it trained
+    assert "returned a view tensor" not in out.stderr  # FSDP2's warning for a wrapped module's view output
+
+
+def test_the_examples_modules_return_no_views():
+    """FSDP2 warns when a wrapped module returns a view (an in-place op on it skips the pre-backward hook): every
+    module of the example's model, any of which a plan may wrap, returns a fresh tensor."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_and_train", ROOT / "examples" / "plan_and_train.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.TinyLM()
+    views: list[str] = []
+    for name, module in model.named_modules():
+        module.register_forward_hook(lambda m, i, out, name=name: views.append(name) if out._is_view() else None)
+    tokens = torch.randint(0, 256, (2, 8))
+    example.next_token_loss(tokens)(model(tokens)).backward()
+    assert views == []
 
 
 class _DeviceBound(torch.nn.Module):
