@@ -87,22 +87,15 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     workload = _workload(attention, routing, hf_config, model)
     options = _options(precision, optimizer, 1 if split else micro_batches, offload, batch, shard_placement,
                        reduce_dtype)
-
-    def planned(opts: SimOptions) -> tuple[Plan, bool, str]:
-        tr, name = _trace(model, inputs, loss_fn, batch, seq, opts.micro_batches, opts, workload)
-        if request.name is not PolicyName.AUTO:
-            return _classic(request, tr, name, the_cluster, opts), True, ""
-        found = _search(request, the_cluster, opts, tr, name)
-        return found.plan, found.fits, infeasible_message(found) if not found.fits else ""
-
-    if split:
-        assert isinstance(batch, int)
-        best, _ = choose_split(batch, lambda n: _searched(request, the_cluster, replace(options, micro_batches=n),
-                                                         model, batch, seq, workload))
+    if split:  # auto's search at each split of the batch, traced at its micro-batch (as plan --micro-batches auto)
+        best, _ = choose_split(_whole(batch, "batch"), lambda n: _searched(
+            request, the_cluster, replace(options, micro_batches=n), model, batch, seq, workload))
         options = replace(options, micro_batches=best.micro_batches)
-    chosen, fits, why = planned(options)
-    if not fits:
-        raise PlannerError(why)
+        chosen = _fitting(best.result)
+    else:
+        tr, name = _trace(model, inputs, loss_fn, batch, seq, options.micro_batches, options, workload)
+        chosen = (_fitting(_search(request, the_cluster, options, tr, name)) if request.name is PolicyName.AUTO
+                  else _classic(request, tr, name, the_cluster, options))
     # as ``plan --out``: export and apply train in the precision, verify rebuilds with the attention and hf_config
     return chosen.copy(precision=options.precision.name, attention=workload.attention or "",
                        hf_config=dict(workload.hf_config))
@@ -126,6 +119,19 @@ def _workload(attention: object, routing: object, hf_config: object, model: obje
         raise PlannerError(f"routing must be a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}, got "
                            f"{cut_short(repr(routing))}")
     return _Workload(attention, routing, _hf_config(hf_config, model))  # type: ignore[arg-type]
+
+
+def _whole(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlannerError(f"{what} must be a whole number, got {cut_short(repr(value))}")
+    return value
+
+
+def _fitting(found: AutoResult) -> Plan:
+    """Auto's plan, or the one sentence saying why none fits the budget."""
+    if not found.fits:
+        raise PlannerError(infeasible_message(found))
+    return found.plan
 
 
 def _is_auto_split(micro_batches: object) -> bool:
@@ -225,7 +231,7 @@ def _options(precision: str, optimizer: str, micro_batches: int | str, offload: 
              shard_placement: str, reduce_dtype: str | None) -> SimOptions:
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise PlannerError(f"micro_batches must be a whole number of at least 1, got {cut_short(repr(micro_batches))}")
-    if micro_batches > 1 and batch is not None and batch % micro_batches:
+    if micro_batches > 1 and batch is not None and _whole(batch, "batch") % micro_batches:
         raise PlannerError(f"micro_batches {micro_batches} must divide batch {batch} (each micro-batch is batch / N)")
     return SimOptions.named(_text(precision, "precision"), _text(optimizer, "optimizer"),
                             micro_batches=micro_batches, offload=bool(offload),
@@ -252,8 +258,8 @@ def _traced(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.
             raise PlannerError("a MODEL spec string brings its own inputs and loss_fn (its factory's): give inputs "
                                "and loss_fn with an nn.Module only")
         for value, what in ((batch, "batch"), (seq, "seq")):  # types here; ranges where the CLI checks them
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise PlannerError(f"{what} must be a whole number, got {cut_short(repr(value))}")
+            if value is not None:
+                _whole(value, what)
         per_micro = batch // micro_batches if batch is not None else None
         lm = load_model(ModelSpec(_text(model, "model"), per_micro, seq, workload.attention, workload.routing,
                                   workload.hf_config), meta=True)
