@@ -211,12 +211,24 @@ def test_torchtitan_job_as_options(tmp_path):
         ("a100:16", "2x8", 4, "2", 64, "full", "titan")  # 64 = 2 x 16 GPUs x 2 micro-batches
 
 
-def test_torchtitan_gradient_accumulation_says_what_is_simulated(tmp_path, capsys):
-    """torchtitan reduce-scatters in every micro-batch; --micro-batches models sync in the last only: a note."""
+def test_torchtitan_gradient_accumulation_reduce_scatters_in_every_micro_batch(tmp_path, capsys):
+    """torchtitan's train_step never disables gradient sync: its micro-batches run as --gradient-sync every, each
+    reduce-scattering (x N the one-pass step's), fewer bytes than --micro-batches' default (no unsharded grads kept)."""
     job = titan(tmp_path, "[training]\nlocal_batch_size = 1\nglobal_batch_size = 16\n"
                           "[parallelism]\ndata_parallel_shard_degree = 8\n")
-    args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100")
-    assert "which torchtitan does not call: it reduce-scatters in every micro-batch" in capsys.readouterr().err
+    a = args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100")
+    assert (a.micro_batches, a.gradient_sync, a.batch) == ("2", "every", 2)
+    assert "set_requires_gradient_sync" not in capsys.readouterr().err  # QA's interim note is gone
+    with pytest.raises(PlannerError, match="--gradient-sync \"last\" contradicts training.global_batch_size"):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--gradient-sync", "last")
+    base = ["simulate", "toy-llama", "--cluster", "h100:8", "--json"]
+    assert main([*base, "--from-torchtitan", str(job)]) == 0
+    titan_step = json.loads(capsys.readouterr().out)
+    assert main([*base, "--policy", "titan", "--batch", "2", "--micro-batches", "2"]) == 0
+    last = json.loads(capsys.readouterr().out)
+    assert titan_step["gradient_sync"] == "every" and last["gradient_sync"] == "last"
+    assert titan_step["reduce_scatters"] == 2 * last["reduce_scatters"]
+    assert titan_step["peak_memory"] < last["peak_memory"]
 
 
 def test_accelerate_job_as_options(tmp_path):
