@@ -22,7 +22,9 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
+    GRADIENT_SYNC_NAMES,
     ACMode,
+    GradientSync,
     PolicyName,
     SacPolicy,
     ShardPlacement,
@@ -50,7 +52,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          seq: int | None = None, ac: str | None = None, ac_policy: str | None = None, mesh: str | None = None,
          memory_budget: int | str | None = None, headroom: float | str | None = None,
          micro_batches: int = 1, offload: bool = False, module_classes: tuple[str, ...] = (),
-         search_effort: int | None = None, target: str = Target.FSDP2.value) -> Plan:
+         search_effort: int | None = None, target: str = Target.FSDP2.value,
+         gradient_sync: str = GradientSync.LAST.value) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
     for the same model and options (the keyword names are the command line's option names).
 
@@ -69,7 +72,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     the_cluster = cluster if isinstance(cluster, Cluster) else parse_cluster(_text(cluster, "cluster"))
     request = _policy_request(policy, ac, ac_policy, mesh, memory_budget, headroom, module_classes, search_effort,
                               target)
-    options = _options(precision, optimizer, micro_batches, offload, batch)
+    options = _options(precision, optimizer, micro_batches, offload, batch, gradient_sync)
     tr, name = _trace(model, inputs, loss_fn, batch, seq, micro_batches, options)
     if request.name is PolicyName.AUTO:
         policy_obj = make_policy(request, the_cluster, options)
@@ -137,13 +140,17 @@ def _headroom(value: float | str | None) -> Headroom | None:
     return parse_headroom(str(value), "headroom")
 
 
-def _options(precision: str, optimizer: str, micro_batches: int, offload: bool, batch: int | None) -> SimOptions:
+def _options(precision: str, optimizer: str, micro_batches: int, offload: bool, batch: int | None,
+             gradient_sync: str = GradientSync.LAST.value) -> SimOptions:
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise PlannerError(f"micro_batches must be a whole number of at least 1, got {cut_short(repr(micro_batches))}")
     if micro_batches > 1 and batch is not None and batch % micro_batches:
         raise PlannerError(f"micro_batches {micro_batches} must divide batch {batch} (each micro-batch is batch / N)")
+    if gradient_sync not in GRADIENT_SYNC_NAMES:
+        raise PlannerError(f"gradient_sync must be one of {', '.join(GRADIENT_SYNC_NAMES)}, got "
+                           f"{cut_short(repr(gradient_sync))}")
     return SimOptions.named(_text(precision, "precision"), _text(optimizer, "optimizer"),
-                            micro_batches=micro_batches, offload=bool(offload))
+                            micro_batches=micro_batches, offload=bool(offload), gradient_sync=gradient_sync)
 
 
 def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
