@@ -285,7 +285,8 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
     assert json.loads(capsys.readouterr().out) == from_config
     assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert {**plan["config_step"], "micro_batches": 1} == from_config
+    assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last"} == from_config
+    assert (plan["micro_batches"], plan["gradient_sync"]) == (1, "last")
     assert plan["fits"] and plan["auto_step"]["step_time"] <= plan["config_step"]["step_time"]
     assert plan["changes"][-1] == {"key": "(the grouping)", "config": plan["changes"][-1]["config"],
                                    "auto": f"{len(plan['plan']['groups'])} groups", "expressible": False}
