@@ -211,12 +211,24 @@ def test_torchtitan_job_as_options(tmp_path):
         ("a100:16", "2x8", 4, "2", 64, "full", "titan")  # 64 = 2 x 16 GPUs x 2 micro-batches
 
 
-def test_torchtitan_gradient_accumulation_says_what_is_simulated(tmp_path, capsys):
-    """torchtitan reduce-scatters in every micro-batch; --micro-batches models sync in the last only: a note."""
+def test_torchtitan_gradient_accumulation_reduce_scatters_in_every_micro_batch(tmp_path, capsys):
+    """torchtitan's train_step never disables gradient sync: its micro-batches run as --gradient-sync every, each
+    reduce-scattering (x N the one-pass step's), fewer bytes than --micro-batches' default (no unsharded grads kept)."""
     job = titan(tmp_path, "[training]\nlocal_batch_size = 1\nglobal_batch_size = 16\n"
                           "[parallelism]\ndata_parallel_shard_degree = 8\n")
-    args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100")
-    assert "which torchtitan does not call: it reduce-scatters in every micro-batch" in capsys.readouterr().err
+    a = args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100")
+    assert (a.micro_batches, a.gradient_sync, a.batch) == ("2", "every", 2)
+    assert "set_requires_gradient_sync" not in capsys.readouterr().err  # QA's interim note is gone
+    with pytest.raises(PlannerError, match=re.escape("--gradient-sync \"last\" contradicts training.global_batch")):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--gradient-sync", "last")
+    base = ["simulate", "toy-llama", "--cluster", "h100:8", "--json"]
+    assert main([*base, "--from-torchtitan", str(job)]) == 0
+    titan_step = json.loads(capsys.readouterr().out)
+    assert main([*base, "--policy", "titan", "--batch", "2", "--micro-batches", "2"]) == 0
+    last = json.loads(capsys.readouterr().out)
+    assert titan_step["gradient_sync"] == "every" and last["gradient_sync"] == "last"
+    assert titan_step["reduce_scatters"] == 2 * last["reduce_scatters"]
+    assert titan_step["peak_memory"] < last["peak_memory"]
 
 
 def test_accelerate_job_as_options(tmp_path):
@@ -273,7 +285,8 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
     assert json.loads(capsys.readouterr().out) == from_config
     assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert {**plan["config_step"], "micro_batches": 1} == from_config
+    assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last"} == from_config
+    assert (plan["micro_batches"], plan["gradient_sync"]) == (1, "last")
     assert plan["fits"] and plan["auto_step"]["step_time"] <= plan["config_step"]["step_time"]
     assert plan["changes"][-1] == {"key": "(the grouping)", "config": plan["changes"][-1]["config"],
                                    "auto": f"{len(plan['plan']['groups'])} groups", "expressible": False}

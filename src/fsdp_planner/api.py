@@ -24,8 +24,10 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
+    GRADIENT_SYNC_NAMES,
     ACMode,
     AttentionKernel,
+    GradientSync,
     PolicyName,
     ReduceDtype,
     SacPolicy,
@@ -58,7 +60,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          micro_batches: int | str = 1, offload: bool = False, module_classes: tuple[str, ...] = (),
          search_effort: int | None = None, target: str = Target.FSDP2.value, reduce_dtype: str | None = None,
          shard_placement: str = ShardPlacement.DIM0.value, attention: str | None = None,
-         routing: float | None = None, hf_config: dict[str, Any] | None = None) -> Plan:
+         routing: float | None = None, hf_config: dict[str, Any] | None = None,
+         gradient_sync: str = GradientSync.LAST.value) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
     for the same model and options (each keyword is the option of the same name, ``-`` as ``_``; the README's
     Python API section lists them). ``micro_batches="auto"`` is ``--micro-batches auto``: auto's choice of the
@@ -86,7 +89,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
                            "give a MODEL spec string, policy='auto' and batch")
     workload = _workload(attention, routing, hf_config, model)
     options = _options(precision, optimizer, 1 if split else micro_batches, offload, batch, shard_placement,
-                       reduce_dtype)
+                       reduce_dtype, gradient_sync)
     if split:  # auto's search at each split of the batch, traced at its micro-batch (as plan --micro-batches auto)
         best, _ = choose_split(_whole(batch, "batch"), lambda n: _searched(
             request, the_cluster, replace(options, micro_batches=n), model, batch, seq, workload))
@@ -228,16 +231,20 @@ def _headroom(value: float | str | None) -> Headroom | None:
 
 
 def _options(precision: str, optimizer: str, micro_batches: int | str, offload: bool, batch: int | None,
-             shard_placement: str, reduce_dtype: str | None) -> SimOptions:
+             shard_placement: str, reduce_dtype: str | None,
+             gradient_sync: str = GradientSync.LAST.value) -> SimOptions:
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise PlannerError(f"micro_batches must be a whole number of at least 1, got {cut_short(repr(micro_batches))}")
     if micro_batches > 1 and batch is not None and _whole(batch, "batch") % micro_batches:
         raise PlannerError(f"micro_batches {micro_batches} must divide batch {batch} (each micro-batch is batch / N)")
+    if gradient_sync not in GRADIENT_SYNC_NAMES:
+        raise PlannerError(f"gradient_sync must be one of {', '.join(GRADIENT_SYNC_NAMES)}, got "
+                           f"{cut_short(repr(gradient_sync))}")
     return SimOptions.named(_text(precision, "precision"), _text(optimizer, "optimizer"),
                             micro_batches=micro_batches, offload=bool(offload),
                             shard_placement=_choice(ShardPlacement, shard_placement, "shard_placement").value,
                             reduce_dtype=_choice(ReduceDtype, reduce_dtype, "reduce_dtype").value
-                            if reduce_dtype is not None else None)
+                            if reduce_dtype is not None else None, gradient_sync=gradient_sync)
 
 
 def _trace(model: nn.Module | str, inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,

@@ -65,6 +65,17 @@ class ZeroGrad(Enum):
     ZEROS = "zeros"  # set_to_none=False: sharded grads live all step, each reduce-scatter output is added in
 
 
+class GradientSync(Enum):
+    """Which micro-batches of a gradient-accumulation step reduce-scatter their grads (``--gradient-sync``;
+    FSDP2's ``set_requires_gradient_sync``)."""
+
+    LAST = "last"  # set_requires_gradient_sync(False) on all but the last: unsharded grads kept between them
+    EVERY = "every"  # never disabled (torchtitan's train_step): each backward reduce-scatters into the sharded grads
+
+
+GRADIENT_SYNC_NAMES = tuple(g.value for g in GradientSync)
+
+
 class ShardPlacement(Enum):
     """Which dim ``fully_shard(shard_placement_fn=...)`` shards a param on."""
 

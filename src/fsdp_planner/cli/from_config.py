@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.choices import DEFAULT_PRECISION, ACMode
+from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync
 from fsdp_planner.cli.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, read_config, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
@@ -139,13 +139,8 @@ def _micro_batches(cfg: JobConfig, args: argparse.Namespace, world: int) -> None
     if n > 1:  # --batch: the step's per-GPU batch, split in n
         _given(args, "micro_batches", "--micro-batches", str(n), "training.global_batch_size", cfg)
         args.batch = local * n
-        # torchtitan's train_step runs the micro-batches' backwards without set_requires_gradient_sync(False):
-        # what --micro-batches models is the other accumulation; said, until the simulator has torchtitan's
-        render.note(f"training.global_batch_size gives {n} micro-batches, simulated as --micro-batches {n}: "
-                    "gradient sync only in the last (set_requires_gradient_sync(False) before it), which "
-                    "torchtitan does not call: it reduce-scatters in every micro-batch and keeps only sharded "
-                    "grads, so its memory is lower than this prediction by the unsharded grads and it runs "
-                    f"{n}x the reduce-scatters")
+        # torchtitan's train_step never calls set_requires_gradient_sync(False): each backward reduce-scatters
+        _given(args, "gradient_sync", "--gradient-sync", GradientSync.EVERY.value, "training.global_batch_size", cfg)
 
 
 def _policy(cfg: JobConfig, args: argparse.Namespace) -> None:

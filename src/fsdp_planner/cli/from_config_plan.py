@@ -19,7 +19,14 @@ from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.common import load_trace, policy_plan, run_auto
 from fsdp_planner.cli.from_config import adjusted, configured
 from fsdp_planner.cli.job_config import TORCHTITAN, JobConfig
-from fsdp_planner.cli.requests import memory_budget, model_spec, policy_request, sim_options
+from fsdp_planner.cli.requests import (
+    gradient_sync,
+    memory_budget,
+    micro_batches,
+    model_spec,
+    policy_request,
+    sim_options,
+)
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Mesh, Plan
@@ -212,7 +219,8 @@ def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str,
         return None if r is None else {**r.summary(), "budget": result.budget.to_dict(r.reserved_memory)}
 
     return {"config": {"format": cfg.kind, "path": cfg.path, "notes": cfg.notes}, "model": args.model,
-            "cluster": args.cluster, "config_step": step(result.before), "auto_step": step(result.after),
+            "cluster": args.cluster, "micro_batches": micro_batches(args),
+            "gradient_sync": gradient_sync(args), "config_step": step(result.before), "auto_step": step(result.after),
             "changes": [c.to_dict() for c in result.changes],
             "best_edit": None if result.edit is None else {"changes": [c.to_dict() for c in result.edit[0]],
                                                            "step": step(result.edit[1])},

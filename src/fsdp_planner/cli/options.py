@@ -11,6 +11,7 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
+    GRADIENT_SYNC_NAMES,
     OPTIMIZER_NAMES,
     POLICY_NAMES,
     PRECISION_NAMES,
@@ -141,11 +142,16 @@ def add_micro_batches(sp: argparse.ArgumentParser) -> None:
                     help="gradient accumulation: split --batch (then the per-GPU batch of the optimizer step) into N "
                          "micro-batches of --batch/N, each a forward + backward, with "
                          "set_requires_gradient_sync(False) on all but the last (reduce-scatters in its backward "
-                         "only); default 1")
+                         "only; see --gradient-sync); default 1")
     sp.add_argument("--no-reshard-after-backward", dest="reshard_after_backward", action="store_false",
                     help="with --micro-batches: also set_reshard_after_backward(False) on all but the last "
                          "micro-batch, keeping the params gathered between micro-batches (no all-gather before "
                          "their next forward use; more memory)")
+    sp.add_argument("--gradient-sync", choices=GRADIENT_SYNC_NAMES,
+                    help="with --micro-batches: which micro-batches' backwards reduce-scatter. last (default): "
+                         "set_requires_gradient_sync(False) on the others, their unsharded grads kept until the "
+                         "last; every: gradient sync never disabled (as torchtitan's train_step), each backward "
+                         "reduce-scatters and adds into the sharded grads")
 
 
 def add_plan_source(sp: argparse.ArgumentParser, optional_model: bool = False) -> None:

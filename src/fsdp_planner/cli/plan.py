@@ -177,7 +177,7 @@ def _json(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | N
 
     out: dict[str, Any] = {
         "model": {"name": request.model.name, "fingerprint": tr.fingerprint, "numel": tr.numel},
-        "micro_batches": request.options.micro_batches,
+        "micro_batches": request.options.micro_batches, "gradient_sync": request.options.gradient_sync.value,
         "plans": [{"plan": p.copy(attention=request.model.attention or "").to_dict(), "metrics": m.to_dict(),
                    **simulation(r)} for p, m, r in rows],
     }
@@ -190,7 +190,8 @@ def _json(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | N
 
 def _print(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | None) -> None:
     console, cluster = render.console, request.cluster
-    console.print(render.model_line(render.workload_label(request.model.label(), request.options.micro_batches), tr))
+    console.print(render.model_line(render.workload_label(request.model.label(), request.options.micro_batches,
+                                                           request.options.gradient_sync), tr))
     if len(rows) == 1:
         console.print(render.groups_table(rows[0][0], tr))
     dtype = render.metrics_dtype(tr, request.options.precision if cluster is not None else None)

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from fsdp_planner.calibrate.gloo import GlooMeasurement
 from fsdp_planner.calibrate.overhead import OverheadMeasurement
+from fsdp_planner.choices import GradientSync
 from fsdp_planner.fmt import cell_text, fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
@@ -102,10 +103,17 @@ def note(text: str) -> None:
     notes.print(f"note: {text}", highlight=False, markup=False)
 
 
-def workload_label(label: str, micro_batches: int) -> str:
+def workload_label(label: str, micro_batches: int, gradient_sync: GradientSync = GradientSync.LAST) -> str:
     """A model's label with its workload, and the micro-batches of its step when more than one (the label's batch
-    is then one micro-batch's)."""
-    return f"{label} per micro-batch, {micro_batches} micro-batches a step" if micro_batches > 1 else label
+    is then one micro-batch's), saying which of them reduce-scatter."""
+    if micro_batches == 1:
+        return label
+    return f"{label} per micro-batch, {micro_batches} micro-batches a step{sync_label(gradient_sync)}"
+
+
+def sync_label(gradient_sync: GradientSync) -> str:
+    """Which micro-batches reduce-scatter, for a label (``--gradient-sync``)."""
+    return ", each reduce-scattering" if gradient_sync is GradientSync.EVERY else ", reduce-scattering in the last"
 
 
 def model_line(name: str, tr: Trace) -> str:

@@ -20,6 +20,7 @@ from fsdp_planner.choices import (
     DEFAULT_SAC_POLICY,
     POLICY_NAMES,
     ACMode,
+    GradientSync,
     PolicyName,
     SacPolicy,
     ShardPlacement,
@@ -188,6 +189,14 @@ def reshard_after_backward(args: argparse.Namespace) -> bool:
     return not keep
 
 
+def gradient_sync(args: argparse.Namespace) -> str:
+    """``--gradient-sync last|every`` (default last), which says how micro-batches sync: it needs them."""
+    given = getattr(args, "gradient_sync", None)
+    if given is not None and getattr(args, "micro_batches", None) is None:
+        raise PlannerError(f"--gradient-sync {given} says which micro-batches reduce-scatter: add --micro-batches N")
+    return given or GradientSync.LAST.value
+
+
 def micro_batches(args: argparse.Namespace, auto: bool = False) -> int:
     """``--micro-batches N``, checked: a whole number dividing ``--batch``, which it needs (1 when not given).
     ``auto``: 1 for ``--micro-batches auto`` (the whole batch, before auto splits it), else that is refused."""
@@ -235,7 +244,7 @@ def sim_options(args: argparse.Namespace) -> SimOptions:
         raise PlannerError("--mfu and --measure both set the op times: give --mfu (every op at that fraction of "
                            "peak) or --measure (the ops timed on this machine), not both")
     return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True),
-                            reshard_after_backward(args), **memory_options(args))
+                            reshard_after_backward(args), gradient_sync=gradient_sync(args), **memory_options(args))
 
 
 def memory_options(args: argparse.Namespace) -> dict:
@@ -377,7 +386,7 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
         check_load_dir(args.load_checkpoint, "")
     options = SimOptions.named(job_precision(args.precision, args.fsdp1).name, JOB_OPTIMIZER,
                                micro_batches=micro_batches(args), reshard_after_backward=reshard_after_backward(args),
-                               **memory_options(args))
+                               gradient_sync=gradient_sync(args), **memory_options(args))
     notes = []
     if args.zero_grad != ZeroGrad.NONE.value:
         notes.append("--zero-grad applies with --fake-world-size: torchrun jobs clear grads with zero_grad()")
@@ -444,7 +453,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
                      "hold no values)")
     options = SimOptions.named(args.precision or DEFAULT_PRECISION, zero_grad=args.zero_grad,
                                micro_batches=micro_batches(args), reshard_after_backward=reshard_after_backward(args),
-                               **memory_options(args))
+                               gradient_sync=gradient_sync(args), **memory_options(args))
     check_precision(options.precision)
     source = plan_source(args)
     cluster = parse_cluster(args.cluster or f"h100:{world}")

@@ -62,11 +62,13 @@ def run(args: argparse.Namespace) -> int:
         reports = [(v.label, v.report) for v in views]
     if args.json:
         summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
-                      "micro_batches": options.micro_batches} for _, r in reports]
+                      "micro_batches": options.micro_batches, "gradient_sync": options.gradient_sync.value}
+                     for _, r in reports]
         print(json_text(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
         return 0
     for (label, r), (_, p) in zip(reports, plans, strict=True):
-        for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches), label,
+        for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches,
+                                                            options.gradient_sync), label,
                                       cluster, r, bool(p.activation_offloading)):
             render.console.print(line)
         render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, budget))

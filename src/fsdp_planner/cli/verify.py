@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
     # auto plans in the job's precision and micro-batches, as plan would
     planning = SimOptions(precision=options.precision, micro_batches=request.micro_batches,
-                          reshard_after_backward=request.reshard_after_backward)
+                          reshard_after_backward=request.reshard_after_backward, gradient_sync=options.gradient_sync)
     plan = _at_scale(tr, request, planning) if request.plan_for else \
         _plan(tr, request.source, request.model, request.plan_cluster, planning, request.nproc)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
                             timed_steps=0 if request.fsdp1 else request.time_steps,
                             save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
                             precision=options.precision, micro_batches=request.micro_batches,
-                            reshard_after_backward=request.reshard_after_backward)
+                            reshard_after_backward=request.reshard_after_backward,
+                            gradient_sync=options.gradient_sync)
     if predict_on is not None and not request.fsdp1:
         predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
         result = dataclasses.replace(result, predicted_step=predicted)
@@ -191,14 +192,15 @@ def run_fake(request: FakeWorldRequest) -> int:
     with render.progress(f"real FSDP2 on {world} fake ranks"):
         measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad,
                                   micro_batches=options.micro_batches,
-                                  reshard_after_backward=options.reshard_after_backward)
+                                  reshard_after_backward=options.reshard_after_backward,
+                                  gradient_sync=options.gradient_sync)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0
     ok = exact and abs(error) <= request.memory_tolerance
     if request.json:
         print(json_text({"world_size": world, "precision": precision, "plan": plan.policy,
-                         "micro_batches": options.micro_batches,
+                         "micro_batches": options.micro_batches, "gradient_sync": options.gradient_sync.value,
                          "predicted": {k: p for k, (p, _) in rows.items()},
                          "measured": {k: m for k, (_, m) in rows.items()},
                          "predicted_memory_at_peak": predicted.memory_at_peak,
@@ -206,7 +208,8 @@ def run_fake(request: FakeWorldRequest) -> int:
                          "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
                          "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
-    split = f", {options.micro_batches} micro-batches a step" if options.micro_batches > 1 else ""
+    sync = render.sync_label(options.gradient_sync)
+    split = f", {options.micro_batches} micro-batches a step{sync}" if options.micro_batches > 1 else ""
     title = (f"{escape(request.model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "
              f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))

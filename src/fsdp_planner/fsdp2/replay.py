@@ -277,7 +277,9 @@ class GroupReplay:
             self.shared.free_output(self.pending, end)
             self.pending = None
         if self.sharded_state is ShardedState.UNSHARDED:
-            self._hold_until(end)
+            # kept for the next micro-batch (set_reshard_after_backward(False)): still held through the final
+            # callback, where a root's own reduce-scatter runs
+            self._hold_until(end if self.shared.reshard_after_backward else end + 1)
         elif self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             self._hold_until(end, divisor=int(self.reshard_after_forward))
 

@@ -55,7 +55,7 @@ from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
-from fsdp_planner.sim.options import ZeroGrad
+from fsdp_planner.sim.options import GradientSync, ZeroGrad
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.failures import check_operand_dtypes, failed_at, first_line, mark, op_name
 from fsdp_planner.trace.recorder import default_loss, split_inputs
@@ -288,10 +288,12 @@ def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, track
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
                    steps: int = 2, zero_grad: ZeroGrad = ZeroGrad.NONE, micro_batches: int = 1,
-                   reshard_after_backward: bool = True) -> FakeWorldResult:
+                   reshard_after_backward: bool = True,
+                   gradient_sync: GradientSync = GradientSync.LAST) -> FakeWorldResult:
     """Apply ``plan`` to the model ``spec`` names with real FSDP2 on ``world_size`` fake ranks and train
     ``steps`` steps (at least 2) of ``micro_batches`` forward + backward passes each (of the batch ``spec`` names;
-    gradient sync off on all but the last, ``set_requires_gradient_sync``; with ``reshard_after_backward`` False
+    gradient sync off on all but the last, ``set_requires_gradient_sync``, unless ``gradient_sync`` is EVERY;
+    with ``reshard_after_backward`` False
     also ``set_reshard_after_backward(False)`` on all but the last); counts, bytes and memory are the last step's."""
     if not 1 <= world_size <= MAX_FAKE_WORLD:
         raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD}, got {world_size}")
@@ -341,8 +343,9 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
                         tracker.mark_host([*model.parameters(), *state, *grads])
                     tracker.track([*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0], *state,
                                    *grads])
-                    for k in range(micro_batches):  # the reduce-scatters run in the last backward only
-                        model.set_requires_gradient_sync(k == micro_batches - 1)
+                    for k in range(micro_batches):  # LAST: the reduce-scatters run in the last backward only
+                        model.set_requires_gradient_sync(gradient_sync is GradientSync.EVERY
+                                                         or k == micro_batches - 1)
                         if not reshard_after_backward:
                             model.set_reshard_after_backward(k == micro_batches - 1)
                         _step(model, args, kwargs, loss_fn, tracker, spec)

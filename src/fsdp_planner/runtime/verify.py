@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.choices import DEFAULT_PRECISION, REDUCE_BYTES, ReduceDtype
+from fsdp_planner.choices import DEFAULT_PRECISION, REDUCE_BYTES, GradientSync, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
@@ -370,13 +370,15 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
                seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
                load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0,
                precision: Precision | str | None = None, micro_batches: int = 1,
-               reshard_after_backward: bool = True) -> VerifyResult:
+               reshard_after_backward: bool = True,
+               gradient_sync: GradientSync = GradientSync.LAST) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
     checkpoint (any world size and plan) and save one. ``precision``: what FSDP2 trains in (its
     ``MixedPrecisionPolicy``; default the command line's, as ``plan`` assumes); ``fsdp1``: run the plan as FSDP1
     ``FullyShardedDataParallel`` units in fp32 (``fsdp1_worker.py``; no checkpoints). ``timed_steps``: then time
     that many steps of the sharded model alone (``worker.time_steps``; FSDP2 only). ``micro_batches``: each step
-    that many forward + backward passes of ``model``'s batch, gradient sync on the last only (FSDP2 only);
+    that many forward + backward passes of ``model``'s batch, gradient sync on the last only (FSDP2 only), or on
+    each with ``gradient_sync`` EVERY;
     ``reshard_after_backward`` False: params kept gathered between them (``set_reshard_after_backward``)."""
     if micro_batches > 1 and fsdp1:
         raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
@@ -403,8 +405,11 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     check_param_dtypes(trained, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
     predicted, predicted_bytes = predict_fsdp1(trace, plan, nproc) if fsdp1 else \
         predict_collectives(trace, plan, nproc, trained)
-    if micro_batches > 1 and not fsdp1:  # the gradient collectives run in the last backward only
+    if micro_batches > 1 and not fsdp1:  # the gradient collectives run in the last backward only, or in each
         ag = CollectiveKind.ALL_GATHER.value
+        if gradient_sync is GradientSync.EVERY:
+            predicted = {k: v * micro_batches for k, v in predicted.items()}
+            predicted_bytes = {k: v * micro_batches for k, v in predicted_bytes.items()}
         predicted[ag], predicted_bytes[ag] = micro_batch_all_gathers(trace, plan, nproc, micro_batches,
                                                                      reshard_after_backward, trained)
     with signals_raise(), staged(save) as stage:
@@ -412,7 +417,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
             f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", nproc, timeout, "verify job",
             {"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr, "seed": seed,
              "timed_steps": timed_steps, "precision": trained.name, "micro_batches": micro_batches,
-             "reshard_after_backward": reshard_after_backward,
+             "reshard_after_backward": reshard_after_backward, "gradient_sync": gradient_sync.value,
              "start_step": start_step, "load": str(load) if load else None, "save": str(stage) if stage else None})
         if save is not None and stage is not None:
             os.replace(stage, save)  # whole or not at all: a failed job leaves no half checkpoint under that name

@@ -164,7 +164,7 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
                    for r in range(world)]
         with counter, counting(counter):
             loss = accumulate(model, batches[rank], job["seed"] + 7 * step + rank, device,
-                              job.get("reshard_after_backward", True))
+                              job.get("reshard_after_backward", True), job.get("gradient_sync", "last") == "every")
         c, b = counter.take()
         counted.append(c)
         counted_bytes.append(b)
@@ -178,15 +178,16 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
 
 
 def accumulate(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], seed: int, device: torch.device,
-               reshard_after_backward: bool = True) -> torch.Tensor:
+               reshard_after_backward: bool = True, sync_every: bool = False) -> torch.Tensor:
     """Forward + backward of each micro-batch, losses scaled by their count; with more than one, FSDP2's gradient
-    sync only on the last (``set_requires_gradient_sync``: the reduce-scatters run in its backward), and with
+    sync only on the last (``set_requires_gradient_sync``: the reduce-scatters run in its backward) unless
+    ``sync_every`` (each backward reduce-scatters into the sharded grads, as torchtitan's train_step), and with
     ``reshard_after_backward`` False the params kept gathered until it (``set_reshard_after_backward``). The mean
     loss."""
     total = torch.zeros((), device=device)
     for m, (inputs, loss_fn) in enumerate(micro_batches):
         if len(micro_batches) > 1:
-            model.set_requires_gradient_sync(m == len(micro_batches) - 1)  # type: ignore[operator]
+            model.set_requires_gradient_sync(sync_every or m == len(micro_batches) - 1)  # type: ignore[operator]
             if not reshard_after_backward:
                 model.set_reshard_after_backward(m == len(micro_batches) - 1)  # type: ignore[operator]
         torch.manual_seed(seed)
@@ -286,7 +287,7 @@ def parity(pairs: Any, compute: torch.dtype | None = None) -> dict[str, Any]:
 
 
 def time_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
-               steps: int, reshard_after_backward: bool = True) -> list[float]:
+               steps: int, reshard_after_backward: bool = True, sync_every: bool = False) -> list[float]:
     """Seconds of ``steps`` forward + loss + backward steps (of each micro-batch, ``accumulate``) of the sharded
     model alone, back to back on one batch
     (grads set to None between them, as ``zero_grad()`` does), in PyTorch's default (not deterministic) mode: a
@@ -297,19 +298,19 @@ def time_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], dev
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
     try:
-        return _timed_steps(model, micro_batches, device, steps, reshard_after_backward)
+        return _timed_steps(model, micro_batches, device, steps, reshard_after_backward, sync_every)
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
 def _timed_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
-                 steps: int, reshard_after_backward: bool) -> list[float]:
+                 steps: int, reshard_after_backward: bool, sync_every: bool) -> list[float]:
     seconds = []
     for _ in range(steps + 1 if steps else 0):  # the first one untimed: it follows other work (warm-up)
         dist.barrier()
         _synchronize(device)
         start = time.perf_counter()
-        accumulate(model, micro_batches, 0, device, reshard_after_backward)
+        accumulate(model, micro_batches, 0, device, reshard_after_backward, sync_every)
         _synchronize(device)
         seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
@@ -370,7 +371,8 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     micro = [batch(ModelSpec.from_json(job["model"]), job.get("start_step", 0), rank, job["seed"], m)
              for m in range(job.get("micro_batches", 1))]
     result["step_seconds"] = time_steps(model, micro, device, job.get("timed_steps", 0),
-                                        job.get("reshard_after_backward", True))
+                                        job.get("reshard_after_backward", True),
+                                        job.get("gradient_sync", "last") == "every")
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({**result, "backend": dist.get_backend(), "world": world,
                                                    "loaded": loaded}))

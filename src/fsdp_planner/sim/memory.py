@@ -174,11 +174,14 @@ class MemoryModel:
             self._activations[key] = activation_levels(self.trace, self.precision, key)
         return self._activations[key]
 
-    def peak(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY) -> Peak:
+    def peak(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY, sync_every: bool = False) -> Peak:
         """The step's peak (of its micro-batch ``phase``), its breakdown at that moment, and the bytes reserved
-        (module docstring)."""
+        (module docstring). ``sync_every``: every micro-batch reduce-scatters (``GradientSync.EVERY``); after the
+        first, the sharded grads it made are held all micro-batch and each reduce-scatter output is added in."""
         n = len(self.trace.events) + 1
-        return self._peak_of(self._deltas(plan, schedule, phase), n, self.activations(plan_checkpointing(plan)))
+        deltas = self._deltas(plan, schedule, GradSync.ONLY if sync_every else phase,
+                              sharded_held=sync_every and phase is not GradSync.FIRST)
+        return self._peak_of(deltas, n, self.activations(plan_checkpointing(plan)))
 
     def loss_at_peak(self, plan: Plan, schedule: Schedule) -> int:
         """Of the activations at the step's peak, the loss region's bytes (``loss_region_deltas``: the logits and
@@ -198,8 +201,10 @@ class MemoryModel:
             dense[pos] += sum(d)
         return self.static.total + np.cumsum(dense)[:n] + self.activations(plan_checkpointing(plan))
 
-    def _deltas(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY) -> dict[int, list[float]]:
-        """Event position -> change of each dynamic category (``_DYNAMIC``) there, in the micro-batch ``phase``."""
+    def _deltas(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY,
+                sharded_held: bool = False) -> dict[int, list[float]]:
+        """Event position -> change of each dynamic category (``_DYNAMIC``) there, in the micro-batch ``phase``;
+        ``sharded_held``: the sharded grads exist from before the micro-batch (an earlier one's reduce-scatters)."""
         n = len(self.trace.events) + 1
         groups = self.sizing.groups(plan)
         deltas: dict[int, list[float]] = {}  # position -> change per dynamic category (``_DYNAMIC``)
@@ -234,6 +239,10 @@ class MemoryModel:
             shard = self.sizing.shard_numel(c.params)
             if self.offload:  # the output is copied to the CPU, where the sharded grads live
                 add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
+            elif sharded_held and self.zero_grad is ZeroGrad.NONE:  # added into the grad an earlier one made
+                add(4, 0, n, shard * self.grad_bytes)
+                # its output, allocated once the unsharded grads are freed (as above), freed once added in
+                add(4, c.event + 1, c.event + 2, shard * self.precision.reduce_bytes)
             elif self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
                 # FSDP2 frees the unsharded grads after the copy-in, before it allocates the output
                 add(4, c.event + 1, n, shard * self.grad_bytes)

@@ -16,6 +16,7 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     REDUCE_BYTES,
+    GradientSync,
     ReduceDtype,
     ShardPlacement,
     ZeroGrad,
@@ -107,12 +108,14 @@ class SimOptions:
     precision: Precision = field(default_factory=lambda: PRECISIONS[DEFAULT_PRECISION])
     optimizer: Optimizer = field(default_factory=lambda: OPTIMIZERS[DEFAULT_OPTIMIZER])
     zero_grad: ZeroGrad = ZeroGrad.NONE
-    # forward + backward passes per optimizer step (gradient accumulation, sync on the last only: simulate.py);
+    # forward + backward passes per optimizer step (gradient accumulation, ``gradient_sync``: simulate.py);
     # the trace is of one micro-batch
     micro_batches: int = 1
     # with micro_batches > 1: False is set_reshard_after_backward(False) on all but the last micro-batch, groups
     # kept unsharded between them (no re-all-gather before their first forward use)
     reshard_after_backward: bool = True
+    # with micro_batches > 1: which micro-batches' backwards reduce-scatter (``GradientSync``)
+    gradient_sync: GradientSync = GradientSync.LAST
     offload: bool = False
     shard_placement: ShardPlacement = ShardPlacement.DIM0
     reduce_dtype: ReduceDtype | None = None  # the user's MixedPrecisionPolicy.reduce_dtype, applied to ``precision``
@@ -128,12 +131,14 @@ class SimOptions:
     def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER,
               mfu: float | None = None, zero_grad: str = ZeroGrad.NONE.value, micro_batches: int = 1,
               reshard_after_backward: bool = True, offload: bool = False,
-              shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None) -> SimOptions:
+              shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None,
+              gradient_sync: str = GradientSync.LAST.value) -> SimOptions:
         reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None
         return cls(mfu=mfu, precision=with_reduce_dtype(precision_named(precision), reduce),
                    optimizer=optimizer_named(optimizer), zero_grad=ZeroGrad(zero_grad), micro_batches=micro_batches,
                    reshard_after_backward=reshard_after_backward, offload=offload,
-                   shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce)
+                   shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce,
+                   gradient_sync=GradientSync(gradient_sync))
 
     def with_memory_options(self, offload: bool, placement: ShardPlacement) -> SimOptions:
         """These options with FSDP2's offload and shard placement set (auto's way out when nothing fits)."""

@@ -10,12 +10,19 @@ FSDP2's post-backward reduce-scatters nothing (nor does HSDP all-reduce) and kee
 and reduce-scatters the sums (``FSDPParamGroup.post_backward``). ``reshard_after_backward`` stays True, so each
 micro-batch all-gathers as a step does. The step is the ordinary step (the last micro-batch) plus N - 1 runs of
 its schedule without gradient collectives; its memory the largest of the micro-batches' peaks
-(``memory.GradSync``). The timeline, when recorded, is the last micro-batch's."""
+(``memory.GradSync``). The timeline, when recorded, is the last micro-batch's.
+
+With ``SimOptions.gradient_sync`` EVERY (torchtitan's ``train_step``, which never disables sync) each micro-batch
+is the ordinary step's schedule, reduce-scatters and all-reduces included (counts and bytes x N); no unsharded grads
+are kept between micro-batches: from the second on, FSDP2's post-backward adds each reduce-scatter output into the
+sharded grad made by the first (``foreach_reduce``: ``sharded_param.grad._local_tensor += new_sharded_grad``), so
+the sharded grads are held all through those micro-batches (``MemoryModel.peak``'s ``sync_every``)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from fsdp_planner.choices import GradientSync
 from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Kept, Schedule, build_schedule
@@ -89,11 +96,11 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
 def _micro_batch_schedule(ctx: SimContext, plan: Plan, sched: Schedule, phase: GradSync) -> Schedule:
     """What FSDP2 does in one micro-batch: ``sched`` (the step's own), or with ``set_reshard_after_backward(False)``
     (``SimOptions.reshard_after_backward`` False) the replay of groups kept unsharded across micro-batches; without
-    gradient sync (all but the last) without its reduce-scatters and all-reduces."""
+    gradient sync (all but the last, under ``GradientSync.LAST``) without its reduce-scatters and all-reduces."""
     if not ctx.options.reshard_after_backward:
         kept = {GradSync.FIRST: Kept.FIRST, GradSync.MIDDLE: Kept.MIDDLE, GradSync.LAST: Kept.LAST}[phase]
         sched = build_schedule(ctx.trace, plan, ctx.world, [g.params for g in ctx.sizing.groups(plan)], kept)
-    if phase is GradSync.LAST:
+    if phase is GradSync.LAST or ctx.options.gradient_sync is GradientSync.EVERY:
         return sched
     return Schedule([c for c in sched.collectives if c.kind is AG], sched.residency, sched.num_events, sched.hooks)
 
@@ -119,7 +126,8 @@ def accumulated(ctx: SimContext, plan: Plan, runs: dict[GradSync, tuple[Schedule
     for all N - 2): their times, counts and bytes summed, the largest of their memory peaks (module docstring)."""
     n = ctx.options.micro_batches
     times = {GradSync.FIRST: 1, GradSync.MIDDLE: n - 2, GradSync.LAST: 1}
-    peaks = [ctx.memory.peak(plan, sched, phase) for phase, (sched, _) in runs.items()]
+    every = ctx.options.gradient_sync is GradientSync.EVERY
+    peaks = [ctx.memory.peak(plan, sched, phase, sync_every=every) for phase, (sched, _) in runs.items()]
     top = max(peaks, key=lambda p: p.allocated)
     breakdown = top.at.to_dict()
     breakdown.pop("total")
