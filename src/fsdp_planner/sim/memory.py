@@ -62,6 +62,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
+from fsdp_planner.sim.allocator import loss_region_slack
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
 from fsdp_planner.sim.recompute import Checkpointed, activation_deltas, checkpointed_calls, loss_region_deltas
@@ -164,6 +165,7 @@ class MemoryModel:
         self.grad_bytes = precision.grad_bytes
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
+        self._slack: np.ndarray | None = like._slack if like is not None else None  # ``loss_slack``
 
     def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
@@ -177,7 +179,15 @@ class MemoryModel:
         (module docstring)."""
         n = len(self.trace.events) + 1
         return self._peak_of(self._deltas(plan, schedule, phase), n, self.activations(plan_checkpointing(plan)),
-                             self.kept_grads(plan))
+                             self.kept_grads(plan), self.loss_slack)
+
+    @property
+    def loss_slack(self) -> np.ndarray:
+        """Per event, what the caching allocator reserves for the loss region's blocks beyond their live bytes
+        (``allocator.loss_region_slack``), computed once."""
+        if self._slack is None:
+            self._slack = loss_region_slack(self.trace, self.precision.compute_bytes / traced_itemsize(self.trace))
+        return self._slack
 
     def kept_grads(self, plan: Plan) -> int:
         """Bytes of the sharded grads the step ends with, each group's reduce-scatter output (``zero_grad()``'s
@@ -273,11 +283,14 @@ class MemoryModel:
         add(2, first, c.event + 1, self.sizing.grad_bytes(c.params))
         add(2, c.event if phase is GradSync.FIRST else 0, n, acc)
 
-    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray, kept_grads: int = 0) -> Peak:
+    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray, kept_grads: int = 0,
+                 slack: np.ndarray | None = None) -> Peak:
         starts = sorted(p for p in deltas if p < n)
         if not starts or starts[0] != 0:
             starts.insert(0, 0)
         seg_max = np.maximum.reduceat(activations, starts)  # activations peak within each segment
+        # what the default stream reserves for them: the loss region's blocks as the allocator packs them
+        seg_reserved = seg_max if slack is None else np.maximum.reduceat(activations + slack, starts)
         level = [0.0] * len(_DYNAMIC)
         static_total = self.static.total
         best, best_at = -1.0, (0.0,) * (len(_DYNAMIC) + 1)
@@ -290,7 +303,7 @@ class MemoryModel:
             total = static_total + sum(level) + seg_max[k]
             if total > best:
                 best, best_at = total, (*level, float(seg_max[k]))
-            default_pool = max(default_pool, total - level[_GATHER] - level[_REDUCED])
+            default_pool = max(default_pool, total - seg_max[k] + seg_reserved[k] - level[_GATHER] - level[_REDUCED])
             gather_pool = max(gather_pool, level[_GATHER])
             reduce_pool = max(reduce_pool, level[_REDUCED])
         static = asdict(self.static)  # a dynamic category adds to its static part (grads kept by zero_grad)
