@@ -173,8 +173,9 @@ def test_reserved_adds_the_collective_streams_own_pools(spec: str) -> None:
     grads = _sharded_grads(tr, 16, SimOptions().precision.grad_bytes)
     at = report.memory_at_peak
     pools = report.peak_memory + largest + grads
-    assert pools - at["all_gather_buffers"] - at["grads"] <= report.reserved_memory <= pools
-    if at["all_gather_buffers"] == at["grads"] == 0:  # the peak holds neither: the pools add up
+    slack = round(MemoryModel(tr, 16, SimOptions().precision, SimOptions().optimizer).loss_slack.max())  # allocator.py
+    assert pools - at["all_gather_buffers"] - at["grads"] <= report.reserved_memory <= pools + slack
+    if at["all_gather_buffers"] == at["grads"] == slack == 0:  # the peak holds neither: the pools add up
         assert report.reserved_memory == pools
 
 
