@@ -43,7 +43,8 @@ on verl#3020: with expandable segments, FSDP2's remaining fragmentation is this 
 is that sum; it assumes ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's and the FSDP2 authors'
 recommendation). Without it, block splitting adds fragmentation that depends on the order of allocations and is
 not modelled; with it, fragmentation inside the default stream's pool (a large tensor that no free block fits
-grows the segment) is not modelled either. Plans are fitted to the GPU by ``reserved``.
+grows the segment) is modelled for the loss region's few large blocks only (``allocator.py``, ``loss_slack``): the
+rest of the step is taken as packed. Plans are fitted to the GPU by ``reserved``.
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ class MemoryModel:
         if self.offload or self.zero_grad is not ZeroGrad.NONE:
             return 0
         reducible = self.trace.index.reducible
-        return sum(self.sizing.shard_numel(tuple(i for i in g.params if reducible[i])) for g in self.sizing.groups(plan)
-                   ) * self.grad_bytes
+        shards = (self.sizing.shard_numel(tuple(i for i in g.params if reducible[i])) for g in self.sizing.groups(plan))
+        return sum(shards) * self.grad_bytes
 
     def loss_at_peak(self, plan: Plan, schedule: Schedule) -> int:
         """Of the activations at the step's peak, the loss region's bytes (``loss_region_deltas``: the logits and
