@@ -73,7 +73,9 @@ def test_never_slower_and_never_more_memory_than_the_fastest_classic_policy(spec
 def test_latency_bound_small_model_becomes_one_group_and_large_model_keeps_blocks_apart():
     small = AutoPolicy(parse_cluster("h100:4096")).search(traced("seed-net"))
     assert len(small.plan.inner_groups) == 1
-    big = AutoPolicy(parse_cluster("h100:8"), search_effort=100).search(traced("llama3-8b"))
+    # (an 80 GiB budget: under the 5% headroom of an H100 torchtitan's grouping does not fit, its sharded grads
+    # cached in the reduce-scatter stream's pool on top of the peak, and auto must be slower to fit)
+    big = AutoPolicy(parse_cluster("h100:8"), 80 * 2**30, search_effort=100).search(traced("llama3-8b"))
     # compute hides every block's all-gather: splitting blocks buys next to nothing, so auto never makes more
     # groups than one per block (+ embedding and head), and is no slower than torchtitan's grouping
     assert len(big.plan.inner_groups) <= 34

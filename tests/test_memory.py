@@ -3,6 +3,8 @@ table's FSDP row being the simulator's peak."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from rich.console import Console
 
@@ -11,8 +13,8 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, activation_levels, strategy_table
-from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, SimOptions, optimizer_named, precision_named
+from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, MemoryModel, activation_levels, strategy_table
+from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, SimOptions, ZeroGrad, optimizer_named, precision_named
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace import ModuleInfo, ParamInfo, Trace, trace
@@ -158,15 +160,45 @@ def test_strategy_table_renders_every_strategy(seed_trace: Trace) -> None:
 
 
 @pytest.mark.parametrize("spec", ["toy-llama", "seed-linear10", "toy-gpt2-tied"])
-def test_reserved_adds_the_all_gather_streams_own_pool(spec: str) -> None:
-    """The caching allocator's pools are per stream: FSDP2's all-gather buffers (their own stream) cannot reuse
-    the default stream's free blocks, so what is reserved is the default stream's peak plus the largest
-    all-gather buffer, which the allocated peak counts only while a copy-out runs."""
+def test_reserved_adds_the_collective_streams_own_pools(spec: str) -> None:
+    """The caching allocator's pools are per stream: FSDP2's all-gather buffers and reduce-scatter outputs (their
+    own streams) cannot reuse the default stream's free blocks, so what is reserved is the default stream's peak
+    plus the largest all-gather buffer plus the sharded grads (the reduce-scatter outputs, kept cached in their
+    pool after ``zero_grad()`` frees them), which the allocated peak counts only where they are live."""
     lm = load_model(spec)
     tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
     plan = make_plan(tr, [[m] for m in tr.index.owning_modules if m])
     report = simulate(tr, plan, parse_cluster("h100:16"), SimOptions(), timeline=False)
     largest = max(g.gather_bytes for g in Sizing(tr, 16, SimOptions().precision).groups(plan))
-    assert report.peak_memory <= report.reserved_memory <= report.peak_memory + largest
-    if report.memory_at_peak["all_gather_buffers"] == 0:  # the peak is not during a copy-out: the pools add up
-        assert report.reserved_memory == report.peak_memory + largest
+    grads = _sharded_grads(tr, 16, SimOptions().precision.grad_bytes)
+    at = report.memory_at_peak
+    pools = report.peak_memory + largest + grads
+    slack = round(MemoryModel(tr, 16, SimOptions().precision, SimOptions().optimizer).loss_slack.max())  # allocator.py
+    assert pools - at["all_gather_buffers"] - at["grads"] <= report.reserved_memory <= pools + slack
+    if at["all_gather_buffers"] == at["grads"] == slack == 0:  # the peak holds neither: the pools add up
+        assert report.reserved_memory == pools
+
+
+def _sharded_grads(tr: Trace, world: int, grad_bytes: int) -> int:
+    """The formula: each param's dim 0 padded to a multiple of the world size, one shard per rank."""
+    return sum(-(-p.shape[0] // world) * (p.numel // p.shape[0]) for p in tr.params if p.requires_grad) * grad_bytes
+
+
+def test_reserved_keeps_the_sharded_grads_in_the_reduce_scatter_pool() -> None:
+    """The reduce-scatter stream's pool: with ``zero_grad()``'s default (set_to_none) the next step finds the
+    sharded grads' blocks cached there, the formula's bytes on top of the default and all-gather pools; with
+    ``set_to_none=False`` the grads are allocated all step (counted in the peak) and with offload on the CPU, so
+    neither adds them again."""
+    lm = load_model("toy-llama")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    plan = make_plan(tr, [[m] for m in tr.index.owning_modules if m])
+    cluster, base = parse_cluster("h100:16"), SimOptions()
+    none = simulate(tr, plan, cluster, base, timeline=False)
+    zeros = simulate(tr, plan, cluster, replace(base, zero_grad=ZeroGrad.ZEROS), timeline=False)
+    grads = _sharded_grads(tr, 16, base.precision.grad_bytes)
+    assert none.memory_at_peak["grads"] == 0 and zeros.memory_at_peak["grads"] == grads
+    assert zeros.peak_memory == none.peak_memory + grads  # set_to_none=False: allocated, so no longer only reserved
+    assert zeros.reserved_memory - zeros.peak_memory < none.reserved_memory - none.peak_memory - grads // 2
+    model = MemoryModel(tr, 16, base.precision, base.optimizer)
+    assert model.kept_grads(plan) == grads
+    assert MemoryModel(tr, 16, base.precision, base.optimizer, offload=True).kept_grads(plan) == 0

@@ -215,6 +215,6 @@ def run_fake(request: FakeWorldRequest) -> int:
     render.console.print(render.fake_world_table(title, rows))
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "
                          f"{fmt_bytes(predicted.reserved_memory)} (predicted: the default stream's peak plus the "
-                         "all-gather stream's)")
+                         "all-gather and reduce-scatter streams')")
     render.console.print("[green]PASS[/green]" if ok else "[red]FAIL[/red]")
     return 0 if ok else 1

@@ -117,10 +117,15 @@ class Transformer(nn.Module):
 
 
 def lm_loss(tokens: torch.Tensor):  # type: ignore[no-untyped-def]
-    """Next-token cross-entropy on ``tokens``."""
+    """Next-token cross-entropy on ``tokens``, as torchtitan computes it (``train.py`` of its published runs,
+    commit 9dec370: ``cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``): its data loader gives
+    the labels already shifted by one, so the loss reads every position of the logits and makes no copy of them
+    (slicing ``logits[:, :-1]`` first would, and that bf16 copy changes how the allocator packs the loss's blocks,
+    ``sim/allocator.py``). The labels are made here, outside the step."""
+    labels = tokens.roll(-1, dims=1)
 
     def loss(logits: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
     return loss
 

@@ -1,10 +1,11 @@
 """The per-rank memory budget a plan must fit, and the margin each plan keeps below it.
 
-The memory model predicts the reserved peak from what FSDP2 and autograd allocate; it does not know the CUDA
-caching allocator's fragmentation beyond its inter-stream pools, and it is off by up to a few percent against
-real FSDP2 (``benchmarks/fidelity_memory.md``). A plan predicted to sit a few MB under the GPU's capacity can
-therefore run out of memory. The budget is the GPU's capacity less a headroom for that (``DEFAULT_HEADROOM``), or
-an explicit ``--memory-budget``, taken as given: whoever names a budget has chosen their own margin.
+The memory model predicts the reserved peak from what FSDP2 and autograd allocate; it does not know the CUDA caching
+allocator's fragmentation beyond its per-stream pools and the loss region's packing, and it is off by up to a few
+percent against real FSDP2 (``benchmarks/fidelity_memory.md``). A plan predicted to sit a few MB under the GPU's
+capacity can therefore run out of memory. The budget is the GPU's capacity less a headroom for that
+(``DEFAULT_HEADROOM``), or an explicit ``--memory-budget``, taken as given: whoever names a budget has chosen their
+own margin.
 """
 
 from __future__ import annotations

@@ -32,12 +32,20 @@ of its unsharded grad at its reduce-scatter (counted with the unsharded grads).
 Allocated vs reserved. The peak above is of *allocated* bytes, what real FSDP2 allocates (checked on the fake
 process group). A GPU must hold what the CUDA caching allocator *reserves*, and its pools are per stream: a block
 freed on one stream is reused only by allocations on that stream (PyTorch's CUDA semantics notes). FSDP2
-allocates the all-gather buffers on its all-gather copy-in stream and everything else on the default stream, so
-reserved = the default stream's own peak + the all-gather buffers' own peak, two peaks that need not coincide
-(FSDP2's author on verl#3020: with expandable segments, FSDP2's remaining fragmentation is this inter-stream one).
-``Peak.reserved`` is that sum; it assumes ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's
-and the FSDP2 authors' recommendation). Without it, block splitting adds fragmentation that depends on the order
-of allocations and is not modelled. Plans are fitted to the GPU by ``reserved``.
+allocates the all-gather buffers on its all-gather copy-in stream, the reduce-scatter outputs on its
+reduce-scatter stream (``foreach_reduce``: ``with stream(reduce_scatter_stream): reduce_output = ...``; FSDP2's
+2024 comment: "The RS output is allocated in the RS stream and used in the default stream (for optimizer)") and
+everything else on the default stream. Under ``zero_grad()``'s default ``set_to_none=True`` the reduce-scatter
+output *is* the sharded grads (they are views of it): when ``zero_grad()`` frees them their blocks stay cached in
+that stream's pool, which the next step's activations cannot take. So reserved = the default stream's own peak +
+the all-gather buffers' own peak + the reduce-scatter outputs' own peak (the whole sharded grads: 4 bytes per param
+over the ranks under fp32 reduce, 3.7 GiB on Llama 3 8B at 8 ranks), peaks that need not coincide (FSDP2's author
+on verl#3020: with expandable segments, FSDP2's remaining fragmentation is this inter-stream one). ``Peak.reserved``
+is that sum; it assumes ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (torchtitan's and the FSDP2 authors'
+recommendation). Without it, block splitting adds fragmentation that depends on the order of allocations and is
+not modelled; with it, fragmentation inside the default stream's pool (a large tensor that no free block fits
+grows the segment) is modelled for the loss region's few large blocks only (``allocator.py``, ``loss_slack``): the
+rest of the step is taken as packed. Plans are fitted to the GPU by ``reserved``.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
+from fsdp_planner.sim.allocator import loss_region_slack
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
 from fsdp_planner.sim.recompute import (
@@ -166,6 +175,7 @@ class MemoryModel:
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
         self._grad_starts: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}  # ``_grads_from``
+        self._slack: np.ndarray | None = like._slack if like is not None else None  # ``loss_slack``
 
     def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
@@ -181,7 +191,26 @@ class MemoryModel:
         n = len(self.trace.events) + 1
         deltas = self._deltas(plan, schedule, GradSync.ONLY if sync_every else phase,
                               sharded_held=sync_every and phase is not GradSync.FIRST)
-        return self._peak_of(deltas, n, self.activations(plan_checkpointing(plan)))
+        return self._peak_of(deltas, n, self.activations(plan_checkpointing(plan)), self.kept_grads(plan),
+                             self.loss_slack)
+
+    @property
+    def loss_slack(self) -> np.ndarray:
+        """Per event, what the caching allocator reserves for the loss region's blocks beyond their live bytes
+        (``allocator.loss_region_slack``), computed once."""
+        if self._slack is None:
+            self._slack = loss_region_slack(self.trace, self.precision.compute_bytes / traced_itemsize(self.trace))
+        return self._slack
+
+    def kept_grads(self, plan: Plan) -> int:
+        """Bytes of the sharded grads the step ends with, each group's reduce-scatter output (``zero_grad()``'s
+        default ``set_to_none=True``; none on the GPU with offload): what the reduce-scatter stream's pool keeps
+        cached into the next step after ``zero_grad()`` frees them (module docstring: allocated vs reserved)."""
+        if self.offload or self.zero_grad is not ZeroGrad.NONE:
+            return 0
+        reducible = self.trace.index.reducible
+        shards = (self.sizing.shard_numel(tuple(i for i in g.params if reducible[i])) for g in self.sizing.groups(plan))
+        return sum(shards) * self.grad_bytes
 
     def loss_at_peak(self, plan: Plan, schedule: Schedule) -> int:
         """Of the activations at the step's peak, the loss region's bytes (``loss_region_deltas``: the logits and
@@ -289,30 +318,38 @@ class MemoryModel:
         add(2, first, c.event + 1, self.sizing.grad_bytes(c.params))
         add(2, c.event if phase is GradSync.FIRST else 0, n, acc)
 
-    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray) -> Peak:
+    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray, kept_grads: int = 0,
+                 slack: np.ndarray | None = None) -> Peak:
         starts = sorted(p for p in deltas if p < n)
         if not starts or starts[0] != 0:
             starts.insert(0, 0)
         seg_max = np.maximum.reduceat(activations, starts)  # activations peak within each segment
+        # what the default stream reserves for them: the loss region's blocks as the allocator packs them
+        seg_reserved = seg_max if slack is None else np.maximum.reduceat(activations + slack, starts)
         level = [0.0] * len(_DYNAMIC)
         static_total = self.static.total
         best, best_at = -1.0, (0.0,) * (len(_DYNAMIC) + 1)
-        default_pool = gather_pool = 0.0  # the two streams' own peaks (module docstring: allocated vs reserved)
+        # the three streams' own peaks (module docstring: allocated vs reserved)
+        default_pool = gather_pool = 0.0
+        reduce_pool = float(kept_grads)  # the previous step's sharded grads stay cached in that pool
         for k, s in enumerate(starts):
             for cat, d in enumerate(deltas.get(s, ())):
                 level[cat] += d
             total = static_total + sum(level) + seg_max[k]
             if total > best:
                 best, best_at = total, (*level, float(seg_max[k]))
-            default_pool = max(default_pool, total - level[_GATHER])
+            default_pool = max(default_pool, total - seg_max[k] + seg_reserved[k] - level[_GATHER] - level[_REDUCED])
             gather_pool = max(gather_pool, level[_GATHER])
+            reduce_pool = max(reduce_pool, level[_REDUCED])
         static = asdict(self.static)  # a dynamic category adds to its static part (grads kept by zero_grad)
         at = {k: static[k] + round(x) for k, x in zip((*_DYNAMIC, "activations"), best_at, strict=True)}
-        return Peak(_replace(self.static, **at), round(default_pool + gather_pool))
+        return Peak(_replace(self.static, **at), round(default_pool + gather_pool + reduce_pool))
 
 
 _DYNAMIC = ("unsharded_params", "all_gather_buffers", "unsharded_grads", "reduce_scatter_buffers", "grads")
 _GATHER = _DYNAMIC.index("all_gather_buffers")  # the one category on FSDP2's all-gather stream
+# the reduce-scatter outputs, which become the sharded grads: allocated on FSDP2's reduce-scatter stream
+_REDUCED = _DYNAMIC.index("grads")
 
 
 def first_at_or_after(uses: list[int], event: int, default: int) -> int:

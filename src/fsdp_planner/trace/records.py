@@ -26,6 +26,8 @@ class Trace:
     method_calls: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (module, call) -> method name: calls
     # of a non-forward method that reads the module's params outside its forward (trace/methods.py); recorded as calls
     # of the module, which FSDP2 hooks only when the plan registers the method (Plan.forward_methods)
+    loss_blocks: tuple[tuple[int, int, int], ...] = ()  # the loss region's storages: (made at, freed before or -1,
+    # bytes), ``step.LossRegion.blocks``
     notes: tuple[str, ...] = ()  # what the trace assumed where the model could not tell it (a stand-in, a kernel),
     # one line each, for the commands to print
 

@@ -162,7 +162,7 @@ class TraceSession:
         params = [p if i in got_grad else replace(p, gets_grad=False) for i, p in enumerate(model.params)]
         modules = module_infos(model.walk, params, model.param_objs, events, recorder.calls, recorder.modified_inputs)
         return Trace(params=tuple(params), modules=modules, events=tuple(events), fingerprint=model.fingerprint,
-                     method_calls=dict(recorder.method_calls),
+                     method_calls=dict(recorder.method_calls), loss_blocks=recorder.loss.blocks,
                      compute_itemsize=None if dtype is None else dtype.itemsize,
                      buffers_nbytes=sum(b.numel() * b.element_size() for b in self.buffers), op_seconds=seconds,
                      notes=tuple(n for n in (self.stand_in.note(),) if n))

@@ -36,7 +36,7 @@ class StepRecorder:
         self.last_op = -1
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
-        self.loss = LossRegion()
+        self.loss = LossRegion(lambda: len(self.events))
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
@@ -164,12 +164,16 @@ class LossRegion:
     their backward make, counted from the model's last output until backward reaches a module. A saved-tensor
     view misses most of it (a language model's logits in bf16 and fp32, the loss's gradient), and at the loss
     it is often the step's peak. Freed storages are seen through weak references, as ``fake_world.LiveBytes``
-    counts."""
+    counts. Each storage's lifetime is kept too (``blocks``): the order of these few large blocks decides how
+    the caching allocator packs them (``sim/allocator.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = lambda: 0) -> None:
         self.current = 0
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._clock = clock  # the position the next event will take
+        self._born: dict[int, int] = {}
+        self._ended: list[tuple[int, int, int]] = []
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
@@ -179,11 +183,22 @@ class LossRegion:
                 if key not in self._sizes:
                     self._sizes[key] = storage.nbytes()
                     self.current += self._sizes[key]
+                    self._born[key] = self._clock()
                     self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
 
     def _free(self, key: int) -> None:
-        self.current -= self._sizes.pop(key, 0)
+        size = self._sizes.pop(key, 0)
+        self.current -= size
         self._refs.pop(key, None)
+        if key in self._born:
+            self._ended.append((self._born.pop(key), self._clock(), size))
+
+    @property
+    def blocks(self) -> tuple[tuple[int, int, int], ...]:
+        """(position of the event that made it, position before whose allocations it was freed or -1 if it was
+        not, bytes) of each storage tracked, in the order they were freed (the still live ones last)."""
+        alive = [(born, -1, self._sizes[key]) for key, born in self._born.items()]
+        return tuple(self._ended + alive)
 
 
 class NullRecorder(StepRecorder):

@@ -14,7 +14,7 @@ Without a budget, the budget is the GPU's memory (``GPU.memory_bytes``, the spec
 bytes = 74.5 GiB on an H100, which leaves ~4.5 GiB of the 79.1 GiB CUDA reports for the CUDA context and NCCL's
 buffers) less a headroom for the memory model's error and the allocator's fragmentation (``sim/budget.py``,
 ``DEFAULT_HEADROOM``: 5%, 70.8 GiB on an H100); an explicit ``memory_budget`` is taken as given. A plan
-fits when its *reserved* memory (``sim/memory.py``: allocated plus the all-gather stream's own pool) is within it.
+fits when its *reserved* memory (``sim/memory.py``: allocated plus the collective streams' own pools) is within it.
 Every classic plan is a candidate, so auto is never slower than a classic policy that fits.
 When no plan fits, auto searches again with FSDP2's memory options, in order: params sharded on dim 1 where dim 0 is
 smaller than the shard size (``ShardPlacement.AUTO``, when the model has such params), CPU offload, both; the first
@@ -445,7 +445,7 @@ class PeakTerm(Enum):
     UNSHARDED_PARAMS = "unsharded params"
     UNSHARDED_GRADS = "unsharded grads"
     COPIES = "low-precision weight copies"
-    ALLOCATOR = "all-gather stream's pool beyond the allocated peak"
+    ALLOCATOR = "collective streams' pools beyond the allocated peak"
 
 
 # the memory model's categories, summed into the terms a user can act on
@@ -463,7 +463,8 @@ _WAY_OUT = {
 
 def peak_terms(ev: Evaluator, c: Candidate) -> dict[PeakTerm, int]:
     """The candidate's reserved peak by term, largest first: the memory model's categories at the peak, the loss
-    region taken out of the activations, and what the all-gather stream's pool reserves beyond them."""
+    region taken out of the activations, and what the all-gather and reduce-scatter streams' pools reserve beyond
+    them (``sim/memory.py``: allocated vs reserved)."""
     at = c.report.memory_at_peak
     terms = {t: sum(at[k] for k in keys) for t, keys in _CATEGORIES.items()}
     schedule = build_schedule(ev.trace, c.plan, ev.ctx.world, ev.ctx.sizing.group_params(c.plan))
