@@ -190,8 +190,7 @@ def test_hf_mixtral_gets_every_plan():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("name", "policy"), [("tiny-llama", "auto"), ("tiny-gpt2", "auto"),
-                                              ("tiny-mixtral", "auto"), ("tiny-mixtral", "titan")])
+@pytest.mark.parametrize(("name", "policy"), [("tiny-llama", "auto"), ("tiny-gpt2", "auto"), ("tiny-mixtral", "titan")])
 def test_tiny_hf_models_train_on_two_gloo_ranks(tmp_path, name, policy):
     r = _cli("verify", tiny(tmp_path, name), "--policy", policy, "--nproc", "2", "--steps", "2")
     assert r.returncode == 0, r.stdout + r.stderr

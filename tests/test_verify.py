@@ -27,9 +27,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 THRESHOLDS = {"seed-net": 2000, "toy-llama": 20_000, "toy-gpt2-tied": 2000}
 
 
-# every policy's plan on each model, each distinct plan once (titan's per-block groups on toy-llama are order's)
-POLICY_RUNS = [(spec, name) for spec in ["seed-net", "toy-llama", "toy-gpt2-tied"]
-               for name in ["module", "size", "titan", "order"] if (spec, name) != ("toy-llama", "titan")]
+# each policy on real gloo ranks, each model under two: a torchrun job costs seconds, and every policy x model's
+# counts, bytes and peak are checked against real FSDP2 on fake ranks (test_fake_world.py, fidelity_memory)
+POLICY_RUNS = [("seed-net", "size"), ("seed-net", "order"), ("toy-llama", "module"), ("toy-llama", "order"),
+               ("toy-gpt2-tied", "titan"), ("toy-gpt2-tied", "size")]
 
 
 @pytest.mark.integration
@@ -133,8 +134,8 @@ def test_byte_mismatch_fails_the_verdict():
 @pytest.mark.integration
 # auto's plans for root_param and shared_submodule are the root alone, run by other tests
 @pytest.mark.parametrize("spec,name", [(spec, "order") for spec in
-                                       ["root_param", "shared_submodule", "dataclass_outputs", "unused_outputs"]]
-                         + [("dataclass_outputs", "auto"), ("unused_outputs", "auto")])
+                                       ["root_param", "shared_submodule", "dataclass_outputs"]]
+                         + [("unused_outputs", "auto")])
 def test_unusual_models_train_on_real_runs_with_predicted_collectives(spec, name):
     """A param on the root, a shared submodule, blocks returning dataclasses, outputs autograd never reaches: the
     real FSDP2 run's collective counts and bytes equal the prediction, and params match a single-process run."""
@@ -223,7 +224,7 @@ def _wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int = 2, limit: f
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])  # SIGHUP takes SIGTERM's handler
 def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
     """SIGTERM (a job scheduler, `kill`), Ctrl-C or SIGHUP (the terminal closed) while the ranks run: the torchrun
     launcher and every rank end with the command, and the job directory and the half-written checkpoint are
