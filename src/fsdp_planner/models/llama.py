@@ -121,8 +121,12 @@ def lm_loss(tokens: torch.Tensor):  # type: ignore[no-untyped-def]
     commit 9dec370: ``cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))``): its data loader gives
     the labels already shifted by one, so the loss reads every position of the logits and makes no copy of them
     (slicing ``logits[:, :-1]`` first would, and that bf16 copy changes how the allocator packs the loss's blocks,
-    ``sim/allocator.py``). The labels are made here, outside the step."""
-    labels = tokens.roll(-1, dims=1)
+    ``sim/allocator.py``). The labels are made here, outside the step: ``tokens.roll(-1, dims=1)``, written as two
+    copies because on meta tensors ``roll``'s and ``cat``'s decompositions import torch._dynamo, whose frames then
+    hold the step's tensors alive (tests/test_trace.py)."""
+    labels = torch.empty_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    labels[:, -1] = tokens[:, 0]
 
     def loss(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
