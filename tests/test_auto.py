@@ -233,6 +233,7 @@ def test_could_rank_bound_counts_only_groups_that_surely_all_gather():
     assert ev.could_rank([["used"], ["unused"], ["act"], ["head"], ["embed"]])
 
 
+@pytest.mark.integration  # over a second: the full suite runs it, the fast subset does not
 def test_the_plan_does_not_depend_on_the_clock(monkeypatch):
     """The search is bounded by plans simulated, not seconds: on a machine so loaded that every clock read is 10 s
     later than the last, auto still returns the plan it returns on an idle one."""

@@ -90,6 +90,7 @@ def test_no_checkpointing_when_the_plan_fits_without(tr):
     assert not result.plan.activation_checkpointing and not result.plan.selective_checkpointing
 
 
+@pytest.mark.integration  # about a second: the full suite runs it, the fast subset does not
 def test_explain_and_the_table_show_the_choice(tr, capsys):
     budget = budget_between(tr, 0.5)
     plan = AutoPolicy(CLUSTER, budget).search(tr, "").plan

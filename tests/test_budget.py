@@ -42,6 +42,7 @@ def test_budget_is_capacity_less_headroom_and_a_headroom_of_everything_is_refuse
         MemoryBudget.of_gpu(1 << 30, "tiny", Headroom(nbytes=2 << 30))
 
 
+@pytest.mark.integration  # over a second: the full suite runs it, the fast subset does not
 def test_auto_on_a_tight_row_stays_within_capacity_less_headroom():
     """llama3-8b on 8 H100s: with the whole GPU as budget auto's plan sits within 0.1% of it; under the default
     headroom it must keep the headroom free, and a size headroom the same."""

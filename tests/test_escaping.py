@@ -230,6 +230,7 @@ def _clean(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.integration  # over a second: the full suite runs it, the fast subset does not
 def test_commands_print_names_from_files_as_text(files, capsys):
     model, cluster, plan = files["model"], str(files["cluster"]), str(files["plan"])
     dest = files["out"]

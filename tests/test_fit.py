@@ -175,6 +175,7 @@ def test_batch_with_find_batch_is_said_to_have_no_effect(capsys) -> None:
     assert "--batch 3 has no effect with --find batch" in capsys.readouterr().err
 
 
+@pytest.mark.integration  # about a second: the full suite runs it, the fast subset does not
 def test_a_model_without_a_sequence_counts_samples(capsys, tmp_path) -> None:
     """seed-net takes no sequence length: its throughput is samples/s (the JSON keeps its tokens_ names), and a
     directory given to --picture gets fit.png suggested."""

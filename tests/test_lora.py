@@ -71,6 +71,7 @@ def _real_state_bytes(world: int) -> dict[str, int]:
         dist.destroy_process_group()
 
 
+@pytest.mark.integration  # about a second: the full suite runs it, the fast subset does not
 def test_frozen_params_sharded_but_no_grads_or_optimizer_state() -> None:
     """Each static term against real FSDP2: every param sharded, grads and AdamW state for adapters only."""
     options = SimOptions.named("fp32", optimizer="adamw", zero_grad="zeros")

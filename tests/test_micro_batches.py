@@ -175,6 +175,7 @@ def test_bad_micro_batches_are_one_sentence(capsys, args, message):
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.integration  # over a second: the full suite runs it, the fast subset does not
 def test_cli_micro_batches_simulate_and_fake_world_check(capsys):
     """--batch is the step's per-GPU batch: 2 micro-batches of 2 all-gather twice as often as one step of 2, and
     the fake-world check runs them with real FSDP2 and passes."""
@@ -222,6 +223,7 @@ def test_candidate_splits_are_the_smallest_divisors():
     assert candidate_splits(1) == [1]
 
 
+@pytest.mark.integration  # over a second: the full suite runs it, the fast subset does not
 def test_auto_chooses_the_fastest_split_that_fits():
     """Each split traced at its micro-batch and searched: the chosen one is the fastest that fits, its plan the one
     auto makes for that split, and the choice the same on a second run."""
