@@ -274,7 +274,7 @@ def test_search_effort_bounds_the_refinement():
 
 @pytest.mark.integration
 def test_same_command_same_plan_bytes_under_other_hash_seeds(tmp_path):
-    """Three processes (different string-hash seeds, one beside a CPU-bound process) write the same plan file."""
+    """Two processes (different string-hash seeds, one beside a CPU-bound process) write the same plan file."""
     import os
     import subprocess
     import sys
@@ -290,7 +290,7 @@ def test_same_command_same_plan_bytes_under_other_hash_seeds(tmp_path):
         loaded = plan(1, tmp_path / "b.json")
     finally:
         busy.kill()
-    assert plan(0, tmp_path / "a.json") == loaded == plan(2, tmp_path / "c.json")
+    assert plan(0, tmp_path / "a.json") == loaded
 
 
 @pytest.mark.parametrize("spec", [f"{FIXTURES / 'factories.py'}:big_vocab", "toy-llama"])

@@ -74,7 +74,7 @@ def test_mismatch_is_reported_not_hidden():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("spec", ["toy-llama", "seed-net", "toy-gpt2-tied"])
+@pytest.mark.parametrize("spec", ["toy-llama", "toy-gpt2-tied"])  # two models: a torchrun job costs seconds
 def test_auto_plans_train_on_real_runs(spec):
     """The issue's command, as a user types it."""
     import subprocess
@@ -460,8 +460,8 @@ def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkey
     lm = load_model(spec)
     tr = trace(lm.model, lm.example_inputs)
     plan = policy("order").plan(tr, spec)
-    with pytest.raises(PlannerError, match="did not finish within 30 s"):
-        run_verify(spec, tr, plan, nproc=2, steps=1, timeout=30)
+    with pytest.raises(PlannerError, match="did not finish within 15 s"):
+        run_verify(spec, tr, plan, nproc=2, steps=1, timeout=15)
     assert len(list(tmp_path.glob("started.*"))) == 2  # the ranks were running when it timed out
     assert _processes_mentioning(str(tmpdir)) == []
     assert not list(tmpdir.glob("fsdp-planner-verify-*")) and not list(tmpdir.glob("torchelastic_*"))
