@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
+from fsdp_planner.patching import patched
+
 
 @dataclass
 class Kernel:
@@ -111,12 +113,8 @@ def _fused_inside_mha() -> Iterator[None]:
     """``F.multi_head_attention_forward`` calls SDPA by its module-level name, and a torch function mode runs the
     function it intercepts with itself switched off, so ``GpuAttention`` never sees that call: the name is bound to
     ``sdpa`` for the one call, and put back after."""
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = _planned_sdpa  # type: ignore[assignment]
-    try:
+    with patched(F, "scaled_dot_product_attention", _planned_sdpa):
         yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ import torch
 import torch.nn.init as nn_init
 
 from fsdp_planner.batch import paused_gc
+from fsdp_planner.patching import patched
 
 # The public in-place initialisers (``*_``: uniform_, kaiming_uniform_, orthogonal_, ...), looked up when the
 # module is imported: each takes the tensor to fill first and returns it.
@@ -31,15 +32,12 @@ _INITS = tuple(name for name, fn in vars(nn_init).items()
 @contextlib.contextmanager
 def meta_init() -> Iterator[None]:
     """Build modules on the meta device, their ``torch.nn.init`` fills of meta tensors skipped."""
-    originals = {name: getattr(nn_init, name) for name in _INITS}
-    try:
-        for name, fn in originals.items():
-            setattr(nn_init, name, _skipping_meta(fn))
-        with torch.device("meta"), paused_gc():
-            yield
-    finally:
-        for name, fn in originals.items():
-            setattr(nn_init, name, fn)
+    with contextlib.ExitStack() as stack:
+        for name in _INITS:
+            stack.enter_context(patched(nn_init, name, _skipping_meta(getattr(nn_init, name))))
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(paused_gc())
+        yield
 
 
 def _skipping_meta(init: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

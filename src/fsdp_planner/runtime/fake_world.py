@@ -35,7 +35,7 @@ import contextlib
 import sys
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
+from fsdp_planner.patching import patched
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import GradientSync, ZeroGrad
@@ -102,13 +103,8 @@ class HostCopies:
         if not on:
             yield
             return
-        graph = torch.autograd.graph
-        original = graph.save_on_cpu
-        graph.save_on_cpu = self.hooks  # type: ignore[assignment]
-        try:
+        with patched(torch.autograd.graph, "save_on_cpu", self.hooks):
             yield
-        finally:
-            graph.save_on_cpu = original  # type: ignore[assignment]
 
     def hooks(self, pin_memory: bool = False) -> torch.autograd.graph.saved_tensors_hooks:
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +134,7 @@ class LiveBytes(TorchDispatchMode):
         self.current = self.peak = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
-        self._resize: Any = None
+        self._undo = contextlib.ExitStack()  # what __enter__ set up, undone by __exit__
         self.calls: list[str] = []  # the module calls running now (``module_calls``), innermost last
         # CPU offload: storages a GPU rank keeps in host memory, their bytes, and the peak of the rest (the device's)
         self.host: set[int] = set()
@@ -206,24 +202,32 @@ class LiveBytes(TorchDispatchMode):
         return out
 
     def __enter__(self) -> LiveBytes:
-        original = self._resize = torch.UntypedStorage.resize_
-        tracker = self
+        # FSDP2 frees and refills its unsharded params by resizing their storages: counted as they happen. The patch
+        # is undone however entering or leaving ends (``patching.py``).
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched(torch.UntypedStorage, "resize_", self._counting_resize()))
+            super().__enter__()
+            stack.push(lambda *exc: super(LiveBytes, self).__exit__(*exc))
+            self._undo = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._undo.__exit__(*exc)
+
+    def _counting_resize(self) -> Callable[[torch.UntypedStorage, int], Any]:
+        """``UntypedStorage.resize_`` that tells this tracker the storage's new size."""
+        original = torch.UntypedStorage.resize_
 
         def resize_(storage: torch.UntypedStorage, nbytes: int) -> Any:
             result = original(storage, nbytes)
             key = id(storage)
-            if key in tracker._sizes:
-                tracker._resized(key, storage.nbytes())
+            if key in self._sizes:
+                self._resized(key, storage.nbytes())
             else:
-                tracker.track([torch.empty(0, device=storage.device).set_(storage)])
+                self.track([torch.empty(0, device=storage.device).set_(storage)])
             return result
 
-        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
-        super().__exit__(*exc)
+        return resize_
 
 
 @contextlib.contextmanager
@@ -267,11 +271,8 @@ def swappable_params(mode: FakeTensorMode) -> Iterator[None]:
             del memo[key]
         original(t1, t2)
 
-    torch.utils.swap_tensors = swap
-    try:
+    with patched(torch.utils, "swap_tensors", swap):
         yield
-    finally:
-        torch.utils.swap_tensors = original
 
 
 def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, tracker: LiveBytes, spec: str) -> None:

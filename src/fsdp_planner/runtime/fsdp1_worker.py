@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from fsdp_planner.apply.fsdp1 import clean_name, fsdp1_kwargs, wrapped_units
 from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.patching import patched
 from fsdp_planner.runtime.rank import run_rank
 from fsdp_planner.runtime.worker import MOMENTUM, CollectiveCounter, build_job, parity, train_steps
 
@@ -37,11 +38,8 @@ def counting_list_all_gather(counter: CollectiveCounter) -> Iterator[None]:
         counter.nbytes[CollectiveKind.ALL_GATHER.value] += sum(t.numel() * t.element_size() for t in tensor_list)
         return original(tensor_list, *args, **kwargs)
 
-    dist.all_gather = wrapper
-    try:
+    with patched(dist, "all_gather", wrapper):
         yield
-    finally:
-        dist.all_gather = original
 
 
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,

@@ -43,6 +43,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import mixed_precision
 from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.patching import patched
 from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_planner.runtime.rank import injected_fault, run_rank
 from fsdp_planner.sim.options import precision_named
@@ -69,7 +70,7 @@ class CollectiveCounter:
     def __init__(self) -> None:
         self.counts: Counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
         self.nbytes: Counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
-        self._orig: dict[str, Callable[..., Any]] = {}
+        self._undo = contextlib.ExitStack()  # the wrapped functions, put back by __exit__
         self._local = threading.local()
 
     def _wrap(self, kind: CollectiveKind, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,15 +93,16 @@ class CollectiveCounter:
         return wrapper
 
     def __enter__(self) -> CollectiveCounter:
-        for name, kind in _COUNTED.items():
-            if hasattr(dist, name):
-                self._orig[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(kind, self._orig[name]))
+        # every function wrapped or none: a failure half-way puts back the ones already wrapped (``patching.py``)
+        with contextlib.ExitStack() as stack:
+            for name, kind in _COUNTED.items():
+                if hasattr(dist, name):
+                    stack.enter_context(patched(dist, name, self._wrap(kind, getattr(dist, name))))
+            self._undo = stack.pop_all()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name, fn in self._orig.items():
-            setattr(dist, name, fn)
+        self._undo.close()
 
     def take(self) -> tuple[Counts, Counts]:
         out = dict(self.counts), dict(self.nbytes)
