@@ -51,10 +51,10 @@ class _RefusedLiveBytes(LiveBytes, _RefusingMode):
 
 
 def test_live_bytes_restores_resize_when_entering_fails() -> None:
-    original = torch.UntypedStorage.resize_
+    original, own = torch.UntypedStorage.resize_, vars(torch.UntypedStorage).get("resize_")
     with pytest.raises(RuntimeError, match="refused"), _RefusedLiveBytes():
         pass
-    assert torch.UntypedStorage.resize_ is original and "resize_" not in vars(torch.UntypedStorage)
+    assert torch.UntypedStorage.resize_ is original and vars(torch.UntypedStorage).get("resize_") is own
     assert not _get_current_dispatch_mode_stack()
 
 

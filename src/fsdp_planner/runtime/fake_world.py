@@ -1,6 +1,7 @@
 """Real FSDP2 at any world size, in this one process: the ground truth for counts, bytes and memory.
 
-The model is built by its factory under ``FakeTensorMode`` (no real memory), the plan applied with real
+The model is built by its factory under ``FakeTensorMode`` (no real memory; where its constructor reads a tensor
+value, on meta as ``plan`` builds it, then made fake: ``fake_build.py``), the plan applied with real
 ``fully_shard`` over a mesh of the fake process group (``dist.init_process_group("fake")``: collectives return
 at once, with their real shapes), and real training steps run: forward, loss, backward, ``AdamW.step``,
 ``zero_grad()`` (``set_to_none`` as asked). What FSDP2 does is what it would do on W GPUs; only the values are missing.
@@ -32,6 +33,7 @@ Measured, on the last step (the first creates the optimizer state):
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 import weakref
@@ -55,11 +57,12 @@ from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
 from fsdp_planner.patching import patched
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
+from fsdp_planner.runtime.fake_build import FakeModel, build_fake
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
 from fsdp_planner.sim.options import GradientSync, ZeroGrad
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.failures import check_operand_dtypes, failed_at, first_line, mark, op_name
-from fsdp_planner.trace.recorder import default_loss, split_inputs
+from fsdp_planner.trace.recorder import split_inputs
 from fsdp_planner.trace.tree import ROOT
 
 MAX_FAKE_WORLD = 1 << 20
@@ -257,34 +260,116 @@ def module_calls(model: torch.nn.Module, calls: list[str]) -> Iterator[None]:
             h.remove()
 
 
+@dataclass(frozen=True)
+class FakeSteps:
+    """How the fake ranks train (``run_fake_world``'s arguments)."""
+
+    steps: int = 2
+    zero_grad: ZeroGrad = ZeroGrad.NONE
+    micro_batches: int = 1
+    reshard_after_backward: bool = True
+    gradient_sync: GradientSync = GradientSync.LAST
+
+
+class FakeTraining:
+    """The sharded model on the fake ranks with its optimizer, trained one step at a time (``step``); each step
+    gets a new tracker, so the last one holds the last step's peak."""
+
+    def __init__(self, built: FakeModel, plan: Plan, how: FakeSteps, spec: ModelSpec, host_copies: HostCopies
+                 ) -> None:
+        """``built``'s model already sharded (``shard``): the optimizer holds the sharded params."""
+        self.model, self.loss_fn, self.plan, self.how, self.spec = built.model, built.loss_fn, plan, how, spec
+        self.args, self.kwargs = split_inputs(built.inputs)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.counter = CollectiveCounter()
+        self.host_copies = host_copies
+        self.capacity = spec.routing or DEFAULT_CAPACITY
+        self.tracker = LiveBytes(self.capacity)
+        if plan.offload:  # each sharded grad is host memory once FSDP2 has made it (module docstring)
+            for p in self.model.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: self.tracker.mark_host([p.grad]))
+
+    def step(self) -> tuple[Counts, Counts]:
+        """One step (its micro-batches, the optimizer step, ``zero_grad``); its collectives' counts and bytes."""
+        self.tracker = self.host_copies.tracker = LiveBytes(self.capacity)
+        with self.tracker, self.counter, kernel(self.spec.attention), fused_sdpa_everywhere():
+            self._track_what_the_step_starts_with()
+            for k in range(self.how.micro_batches):
+                self._micro_batch(k)
+            self.tracker.on_host = self.plan.offload  # the optimizer step runs where the state is
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=self.how.zero_grad is ZeroGrad.NONE)
+        return self.counter.take()
+
+    def _track_what_the_step_starts_with(self) -> None:
+        """Sharded params, buffers, inputs, optimizer state and kept grads: alive before the step's first op."""
+        state = [t for s in self.optimizer.state.values() for t in s.values()]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.plan.offload:
+            self.tracker.mark_host([*self.model.parameters(), *state, *grads])
+        self.tracker.track([*self.model.parameters(), *self.model.buffers(),
+                            *tree_flatten((self.args, self.kwargs))[0], *state, *grads])
+
+    def _micro_batch(self, k: int) -> None:
+        """Forward, loss and backward of micro-batch ``k``; gradients synced in the last only (LAST: the
+        reduce-scatters run in the last backward only) or in each (EVERY)."""
+        last = k == self.how.micro_batches - 1
+        self.model.set_requires_gradient_sync(self.how.gradient_sync is GradientSync.EVERY or last)
+        if not self.how.reshard_after_backward:
+            self.model.set_reshard_after_backward(last)
+        try:
+            with module_calls(self.model, self.tracker.calls):
+                self.loss_fn(self.model(*self.args, **self.kwargs)).backward()
+        except (Exception, SystemExit) as e:  # what the user's model raises is one line naming the op and module
+            failed = failed_at(e)
+            where = f"{failed.describe()} raised " if failed is not None else ""
+            raise PlannerError(f"'{self.spec.name}' failed under real FSDP2 on fake ranks: {where}"
+                               f"{type(e).__name__}: {first_line(e)}") from e
+
+    def result(self, world_size: int, counts: Counts, nbytes: Counts, seconds: float) -> FakeWorldResult:
+        """The last step's figures; with offload (of params or activations) the device's share is the peak."""
+        offloaded = self.plan.offload or self.plan.activation_offloading
+        tracker = self.tracker
+        return FakeWorldResult(world_size, counts, nbytes, tracker.device_peak if offloaded else tracker.peak,
+                               seconds, tracker.peak)
+
+
+def shard(model: torch.nn.Module, plan: Plan, mesh: Any, precision: Precision, host_copies: HostCopies) -> None:
+    """``fully_shard`` as the plan says, outside the fake mode: an int reshard_after_forward's post-forward mesh is
+    built from a tensor's .tolist(), which a fake tensor cannot answer; the fake params still dispatch to their
+    mode, so every sharded param and buffer FSDP2 makes from them stays fake."""
+    with unset_fake_temporarily(), host_copies.installed(bool(plan.activation_offloading)):
+        apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
+
+
+def check_fake_world(world_size: int, steps: int) -> None:
+    """Refuse what the fake-world check cannot run, before any process group exists."""
+    if not 1 <= world_size <= MAX_FAKE_WORLD:
+        raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD}, got {world_size}")
+    if steps < 2:
+        raise PlannerError("the fake-world check needs at least 2 steps (the first creates the optimizer state)")
+    if dist.is_initialized():
+        raise PlannerError("the fake-world check needs a process without a torch.distributed process group")
+
+
+def factory_call(spec: ModelSpec) -> Callable[[], tuple]:
+    """The spec's factory with its workload's arguments (``--attention`` reaches a Hugging Face model's)."""
+    factory = resolve_factory(spec.name)
+    kwargs = factory_kwargs(factory, spec)
+    if hf.is_hf(spec.name) and spec.attention is not None:
+        kwargs["attention"] = spec.attention
+    return functools.partial(factory, **kwargs)
+
+
 @contextlib.contextmanager
-def swappable_params(mode: FakeTensorMode) -> Iterator[None]:
-    """A factory's ``.to(dtype)``, ``.float()`` or ``.half()`` under the fake mode: ``Module._apply`` swaps a fake
-    param with its converted copy (``torch.utils.swap_tensors``), which refuses a tensor with a weak reference, and
-    the fake mode's converter memo holds one to every tensor it made. The memo is a cache: the two tensors' entries
-    are dropped before each swap, only while the factory runs."""
-    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
-    original = torch.utils.swap_tensors
-
-    def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        for key in [k for k, v in list(memo.items()) if v is t1 or v is t2]:
-            del memo[key]
-        original(t1, t2)
-
-    with patched(torch.utils, "swap_tensors", swap):
-        yield
-
-
-def _step(model: torch.nn.Module, args: tuple, kwargs: dict, loss_fn: Any, tracker: LiveBytes, spec: str) -> None:
-    """Forward, loss and backward; what the user's model raises is one line naming the op and the module."""
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """This process as rank 0 of ``world_size`` on the fake backend (collectives return at once), destroyed on
+    every way out."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with module_calls(model, tracker.calls):
-            loss_fn(model(*args, **kwargs)).backward()
-    except (Exception, SystemExit) as e:
-        failed = failed_at(e)
-        where = f"{failed.describe()} raised " if failed is not None else ""
-        raise PlannerError(f"'{spec}' failed under real FSDP2 on fake ranks: {where}{type(e).__name__}: "
-                           f"{first_line(e)}") from e
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
@@ -296,65 +381,17 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     gradient sync off on all but the last, ``set_requires_gradient_sync``, unless ``gradient_sync`` is EVERY;
     with ``reshard_after_backward`` False
     also ``set_reshard_after_backward(False)`` on all but the last); counts, bytes and memory are the last step's."""
-    if not 1 <= world_size <= MAX_FAKE_WORLD:
-        raise PlannerError(f"--fake-world-size must be between 1 and {MAX_FAKE_WORLD}, got {world_size}")
-    if steps < 2:
-        raise PlannerError("the fake-world check needs at least 2 steps (the first creates the optimizer state)")
-    if dist.is_initialized():
-        raise PlannerError("the fake-world check needs a process without a torch.distributed process group")
-    model_spec = as_spec(model_spec)
-    spec = model_spec.name
-    factory = resolve_factory(spec)
-    kwargs = factory_kwargs(factory, model_spec)
-    if hf.is_hf(spec) and model_spec.attention is not None:
-        kwargs["attention"] = model_spec.attention
-    capacity = model_spec.routing or DEFAULT_CAPACITY
+    check_fake_world(world_size, steps)
+    spec = as_spec(model_spec)
+    factory = factory_call(spec)
+    how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync)
     started = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
+    with fake_process_group(world_size):
         mesh = device_mesh(plan, "cpu", world_size)
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            try:
-                with swappable_params(mode):
-                    built = factory(**kwargs)
-            except (Exception, SystemExit) as e:
-                raise PlannerError(f"model factory '{spec}' raised {type(e).__name__} under fake tensors: {e}") from e
-            model, inputs = built[0], built[1]
-            loss_fn = built[2] if len(built) == 3 else default_loss
-            host_copies = HostCopies()
-            with unset_fake_temporarily(), host_copies.installed(bool(plan.activation_offloading)):
-                # fully_shard outside the fake mode: an int reshard_after_forward's post-forward mesh is built from
-                # a tensor's .tolist(), which a fake tensor cannot answer; the fake params still dispatch to their
-                # mode, so every sharded param and buffer FSDP2 makes from them stays fake
-                apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            counter = CollectiveCounter()
-            args, kwargs = split_inputs(inputs)
-            tracker = LiveBytes(capacity)
-            if plan.offload:  # each sharded grad is host memory once FSDP2 has made it (module docstring)
-                for p in model.parameters():
-                    p.register_post_accumulate_grad_hook(lambda p: tracker.mark_host([p.grad]))
+            built, host_copies = build_fake(factory, spec.name, mode), HostCopies()
+            shard(built.model, plan, mesh, precision, host_copies)
+            training = FakeTraining(built, plan, how, spec, host_copies)
             for _ in range(steps):
-                tracker = host_copies.tracker = LiveBytes(capacity)
-                state = [t for s in optimizer.state.values() for t in s.values()]
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                # a new tracker per step: the last step's peak is kept
-                with tracker, counter, kernel(model_spec.attention), fused_sdpa_everywhere():
-                    if plan.offload:
-                        tracker.mark_host([*model.parameters(), *state, *grads])
-                    tracker.track([*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0], *state,
-                                   *grads])
-                    for k in range(micro_batches):  # LAST: the reduce-scatters run in the last backward only
-                        model.set_requires_gradient_sync(gradient_sync is GradientSync.EVERY
-                                                         or k == micro_batches - 1)
-                        if not reshard_after_backward:
-                            model.set_reshard_after_backward(k == micro_batches - 1)
-                        _step(model, args, kwargs, loss_fn, tracker, spec)
-                    tracker.on_host = plan.offload  # the optimizer step runs where the state is
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=zero_grad is ZeroGrad.NONE)
-                counts, nbytes = counter.take()
-    finally:
-        dist.destroy_process_group()
-    peak = tracker.device_peak if plan.offload or plan.activation_offloading else tracker.peak
-    return FakeWorldResult(world_size, counts, nbytes, peak, time.perf_counter() - started, tracker.peak)
+                counts, nbytes = training.step()
+    return training.result(world_size, counts, nbytes, time.perf_counter() - started)
