@@ -252,8 +252,8 @@ def test_a_model_whose_constructor_reads_tensor_values_runs_on_fake_ranks() -> N
 
 
 def test_a_value_reading_constructor_is_built_on_meta_then_made_fake() -> None:
-    """Ties, a buffer made on the CPU and the inputs all become fake CPU tensors; what cannot be built without
-    values is one line."""
+    """Ties, a buffer made on the CPU, the inputs and what the loss reads (the model, targets in its closure) are all
+    fake CPU tensors; what cannot be built without values is one line."""
     from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
     from fsdp_planner.runtime.fake_build import build_fake
@@ -267,6 +267,7 @@ def test_a_value_reading_constructor_is_built_on_meta_then_made_fake() -> None:
         assert all(is_fake(t) and t.device.type == "cpu" for t in tensors)
         assert [tuple(t.shape) for t in tensors] == [(32, 12), (12,), (2, 5)]
         assert built.inputs[0].dtype == torch.int64 and model.embed.weight.requires_grad
-        assert model(*built.inputs).shape == (2, 5, 32)
+        loss = built.loss_fn(model(*built.inputs))
+        assert is_fake(loss) and loss.shape == () and loss.device.type == "cpu"
         with pytest.raises(PlannerError, match=r"reads a tensor value.*on meta raised RuntimeError: Tensor.item\(\)"):
             build_fake(factory_call(as_spec(f"{VALUE_READING}:reads_a_meta_value")), "reads_a_meta_value", mode)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from torch._subclasses.fake_tensor import (
     is_fake,
     unset_fake_temporarily,
 )
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from fsdp_planner.errors import PlannerError
@@ -70,23 +70,49 @@ def _as_fake_model(built: tuple) -> FakeModel:
 
 def _made_fake(built: FakeModel, mode: FakeTensorMode) -> FakeModel:
     """``built`` with every param, buffer and input tensor that is not fake replaced by a fake CPU tensor of the
-    same shape, dtype and ``requires_grad``; a param or buffer shared by several modules stays shared."""
-    model = built.model
-    memo: dict[int, Any] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in memo and not is_fake(t):
-            fake = _fake(t, mode)
-            memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
-    copy = deepcopy(model, memo) if memo else model  # the rest of the module tree as it is
+    same shape, dtype and ``requires_grad``; in place, so a param shared by several modules stays shared and a
+    ``loss_fn`` that reads the model reads the fake one. What the loss reads from the factory's closure (labels
+    made on meta beside the model) is read as fake too (``_MetaReadAsFake``)."""
+    fakes: dict[int, torch.Tensor] = {}
+    for module in built.model.modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if is_fake(t):
+                continue
+            if id(t) not in fakes:
+                fake = _fake(t, mode)
+                fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+            setattr(module, name, fakes[id(t)])  # a buffer stays a buffer, persistent or not
     inputs = tree_map_only(torch.Tensor, lambda t: t if is_fake(t) else _fake(t, mode).requires_grad_(t.requires_grad),
                            built.inputs)
-    return FakeModel(copy, inputs, built.loss_fn, on_meta=True)
+    return FakeModel(built.model, inputs, _reading_meta_as_fake(built.loss_fn), on_meta=True)
 
 
 def _fake(t: torch.Tensor, mode: FakeTensorMode) -> torch.Tensor:
     """A fake CPU tensor like ``t`` (meta or real; no values are copied: the fake ranks have none)."""
     with mode:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        return _empty_like(t)
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+class _MetaReadAsFake(TorchFunctionMode):
+    """Each meta tensor a torch function reads is read as a new fake CPU tensor like it, the step's tracker counting
+    it as a real step counts labels moved to the device. A function mode, above autograd: what an op saves for
+    backward (``nll_loss``'s target) is the fake tensor."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: _empty_like(t) if t.is_meta else t, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _reading_meta_as_fake(loss_fn: Callable[[Any], torch.Tensor]) -> Callable[[Any], torch.Tensor]:
+    def loss(out: Any) -> torch.Tensor:
+        with _MetaReadAsFake():
+            return loss_fn(out)
+
+    return loss
 
 
 @contextlib.contextmanager
