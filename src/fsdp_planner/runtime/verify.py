@@ -366,6 +366,49 @@ def read_result(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+@dataclass(frozen=True)
+class JobSteps:
+    """How the job's ranks train: ``run_verify``'s arguments of that name."""
+
+    steps: int = 3
+    lr: float = 0.05
+    seed: int = 0
+    timed_steps: int = 0
+    micro_batches: int = 1
+    reshard_after_backward: bool = True
+    gradient_sync: GradientSync = GradientSync.LAST
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    """What the torchrun job runs, checked and resolved (``prepare_job``): the model (a file's path made absolute,
+    for ranks that start elsewhere), the plan, how it trains and its checkpoints."""
+
+    model: ModelSpec
+    plan: Plan
+    nproc: int
+    precision: Precision  # what it trains in (``job_precision``)
+    fsdp1: bool
+    timeout: float
+    train: JobSteps
+    save: Path | None = None  # resolved --save-checkpoint, checked to be new or empty
+    load: Path | None = None  # resolved --load-checkpoint, checked to be one of this model
+    start_step: int = 0  # the loaded checkpoint's step
+
+    @property
+    def worker(self) -> str:
+        return f"fsdp_planner.runtime.{'fsdp1_worker' if self.fsdp1 else 'worker'}"
+
+    def to_json(self, stage: Path | None) -> dict[str, Any]:
+        """The job file the ranks read (``worker.build_job``); a checkpoint is written into ``stage``."""
+        train = self.train
+        return {"model": self.model.to_json(), "plan": self.plan.to_json(), "steps": train.steps, "lr": train.lr,
+                "seed": train.seed, "timed_steps": train.timed_steps, "precision": self.precision.name,
+                "micro_batches": train.micro_batches, "reshard_after_backward": train.reshard_after_backward,
+                "gradient_sync": train.gradient_sync.value, "start_step": self.start_step,
+                "load": str(self.load) if self.load else None, "save": str(stage) if stage else None}
+
+
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
                seed: int = 0, timeout: float = 600.0, save_checkpoint: Path | None = None,
                load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0,
@@ -382,16 +425,26 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     ``reshard_after_backward`` False: params kept gathered between them (``set_reshard_after_backward``)."""
     if micro_batches > 1 and fsdp1:
         raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
-    model = as_spec(model)
-    spec = model.name
-    trained = job_precision(precision, fsdp1)
+    job = VerifyJob(as_spec(model), plan, nproc, job_precision(precision, fsdp1), fsdp1, timeout,
+                    JobSteps(steps, lr, seed, timed_steps, micro_batches, reshard_after_backward, gradient_sync))
+    job = prepare_job(job, save_checkpoint, load_checkpoint)
+    check_on_meta(job, trace)
+    predicted, predicted_bytes = predict_job(job, trace)
+    data, returncode = launch_job(job)
+    return job_result(job, data, returncode, predicted, predicted_bytes)
 
-    if nproc < 1:
+
+def prepare_job(job: VerifyJob, save_checkpoint: Path | None, load_checkpoint: Path | None) -> VerifyJob:
+    """``job`` checked (its sizes, a trainable model) with its model file's path made absolute and its checkpoint
+    directories resolved and checked."""
+    spec = job.model.name
+    if job.nproc < 1:
         raise PlannerError("--nproc must be at least 1")
-    if steps < 1:
+    if job.train.steps < 1:
         raise PlannerError("--steps must be at least 1")
     if planning_only(spec):
         raise PlannerError(f"'{spec}' is for planning only (too large to train here); verify a trainable model")
+    model = job.model
     if ":" in spec and spec.rpartition(":")[0].endswith(".py"):
         path, _, fn = spec.rpartition(":")
         model = dataclasses.replace(model, name=f"{Path(path).resolve()}:{fn}")
@@ -399,40 +452,61 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     load = load_checkpoint.resolve() if load_checkpoint is not None else None
     if save is not None:
         check_save_dir(save)
-    start_step = check_load_dir(load, plan.fingerprint)["step"] if load is not None else 0
-    if plan.forward_methods:  # checked here on meta, not in the ranks once they started
-        check_forward_methods(plan, load_model(model, meta=True).model)
-    check_param_dtypes(trained, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
-    predicted, predicted_bytes = predict_fsdp1(trace, plan, nproc) if fsdp1 else \
-        predict_collectives(trace, plan, nproc, trained)
-    if micro_batches > 1 and not fsdp1:  # the gradient collectives run in the last backward only, or in each
+    start_step = check_load_dir(load, job.plan.fingerprint)["step"] if load is not None else 0
+    return dataclasses.replace(job, model=model, save=save, load=load, start_step=start_step)
+
+
+def check_on_meta(job: VerifyJob, trace: Trace) -> None:
+    """What can be refused before any rank starts: forward methods the plan names, params' dtypes the precision
+    cannot train."""
+    if job.plan.forward_methods:
+        check_forward_methods(job.plan, load_model(job.model, meta=True).model)
+    check_param_dtypes(job.precision, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
+
+
+def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:
+    """The collectives (counts, bytes) each step of the job should issue: FSDP1's or FSDP2's; with micro-batches,
+    the gradient collectives in the last backward only (or in each, EVERY) and the all-gathers of each."""
+    plan, nproc, trained = job.plan, job.nproc, job.precision
+    if job.fsdp1:
+        return predict_fsdp1(trace, plan, nproc)
+    predicted, predicted_bytes = predict_collectives(trace, plan, nproc, trained)
+    micro = job.train.micro_batches
+    if micro > 1:
+        if job.train.gradient_sync is GradientSync.EVERY:
+            predicted = {k: v * micro for k, v in predicted.items()}
+            predicted_bytes = {k: v * micro for k, v in predicted_bytes.items()}
         ag = CollectiveKind.ALL_GATHER.value
-        if gradient_sync is GradientSync.EVERY:
-            predicted = {k: v * micro_batches for k, v in predicted.items()}
-            predicted_bytes = {k: v * micro_batches for k, v in predicted_bytes.items()}
-        predicted[ag], predicted_bytes[ag] = micro_batch_all_gathers(trace, plan, nproc, micro_batches,
-                                                                     reshard_after_backward, trained)
-    with signals_raise(), staged(save) as stage:
-        data, returncode = run_torchrun(
-            f"fsdp_planner.runtime.{'fsdp1_worker' if fsdp1 else 'worker'}", nproc, timeout, "verify job",
-            {"model": model.to_json(), "plan": plan.to_json(), "steps": steps, "lr": lr, "seed": seed,
-             "timed_steps": timed_steps, "precision": trained.name, "micro_batches": micro_batches,
-             "reshard_after_backward": reshard_after_backward, "gradient_sync": gradient_sync.value,
-             "start_step": start_step, "load": str(load) if load else None, "save": str(stage) if stage else None})
-        if save is not None and stage is not None:
-            os.replace(stage, save)  # whole or not at all: a failed job leaves no half checkpoint under that name
+        predicted[ag], predicted_bytes[ag] = micro_batch_all_gathers(trace, plan, nproc, micro,
+                                                                     job.train.reshard_after_backward, trained)
+    return predicted, predicted_bytes
+
+
+def launch_job(job: VerifyJob) -> tuple[dict[str, Any], int]:
+    """Run the job under torchrun (``run_torchrun``); its checkpoint, when asked for, renamed into place only once
+    the job succeeded. What rank 0 wrote and torchrun's exit status."""
+    with signals_raise(), staged(job.save) as stage:
+        data, returncode = run_torchrun(job.worker, job.nproc, job.timeout, "verify job", job.to_json(stage))
+        if job.save is not None and stage is not None:
+            os.replace(stage, job.save)  # whole or not at all: a failed job leaves no half checkpoint under that name
+    return data, returncode
+
+
+def job_result(job: VerifyJob, data: dict[str, Any], returncode: int, predicted: Counts,
+               predicted_bytes: Counts) -> VerifyResult:
+    """What the ranks measured beside what was predicted."""
     notes = []
     if returncode != 0:
         notes.append(f"torchrun exited {returncode} after the results were written (exit noise ignored)")
     return VerifyResult(
-        world_size=data["world"], steps=steps, backend=data["backend"], predicted=predicted,
+        world_size=data["world"], steps=job.train.steps, backend=data["backend"], predicted=predicted,
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
-        param_error=data.get("param_error"), worst_param=data.get("worst_param", ""), precision=trained.name,
+        param_error=data.get("param_error"), worst_param=data.get("worst_param", ""), precision=job.precision.name,
         bound=data.get("bound", ""),
-        notes=notes, start_step=start_step, loaded=data.get("loaded"), saved=str(save) if save else None,
+        notes=notes, start_step=job.start_step, loaded=data.get("loaded"), saved=str(job.save) if job.save else None,
         units=data.get("units"), step_seconds=data.get("step_seconds", []),
-        expected_units=[g.modules[0] for g in plan.inner_groups] + [""] if fsdp1 else None)
+        expected_units=[g.modules[0] for g in job.plan.inner_groups] + [""] if job.fsdp1 else None)
 
 
 def job_precision(precision: Precision | str | None, fsdp1: bool) -> Precision:
