@@ -16,7 +16,9 @@ its arguments are the same, so calls are grouped by
   autocast off.
 Inside one call of such a module autograd runs its backward nodes contiguously (outside nodes created later have
 higher sequence numbers and depend on nothing inside; nodes created earlier wait for the call's input grads), so
-its backward callbacks are replayed where the stand-in's backward runs. A template is not used (the call is traced
+its backward callbacks are replayed where the stand-in's backward runs, except the pre-backwards of inner calls
+whose output the call returns as its own (a Sequential's last child's): their hooks are on that tensor, before the
+module's, so a replay fires them from a hook it puts on its output first. A template is not used (the call is traced
 normally) when its module or one below it was called before, when it reads a param outside its subtree or a module
 held elsewhere, modifies an input in place, returns a view, an alias or a non-constant non-tensor, or saves for
 backward a tensor that is neither an input, a buffer, nor made by its own ops. ``trace(reuse=False)`` turns it off;
@@ -114,6 +116,9 @@ class Template:
 
     forward: list[tuple] = field(default_factory=list)
     backward: list[tuple] = field(default_factory=list)
+    # the pre-backwards of inner calls whose output is the call's own: they hook that tensor before the module's
+    # own hook does, so a replay fires them from a hook on its output, registered before the module's
+    on_output: list[tuple] = field(default_factory=list)
     params: list[str] = field(default_factory=list)  # relative names of the params its ops read
     grads: list[str] = field(default_factory=list)  # relative names of the params autograd gave a grad
     out_spec: TreeSpec | None = None
@@ -131,13 +136,15 @@ class ActionLog(StepRecorder):
         self.template = Template()
         self.slots: dict[int, int] = {}  # global param index -> index into template.params
         self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
-        self.inner_outputs: list[torch.Tensor] = []  # grad-requiring outputs of the calls inside
+        self.inner_outputs: list[tuple[torch.Tensor, Call]] = []  # grad-requiring outputs of the calls inside
+        self.hooked: list[Call] = []  # the inner calls that hooked the call's own output, in hook order
+        self.last_exit: Call = ("", 0)
 
     def current_module(self) -> str:
         """The innermost module call running inside this one, else this one's module: where a failing op ran."""
         return self.fwd_stack[-1] if self.fwd_stack else self.prefix[:-1]
 
-    def _rel(self, fqn: str) -> str:
+    def relative(self, fqn: str) -> str:
         if not fqn.startswith(self.prefix):
             self.template.reusable = False  # a module held outside the subtree
         return fqn[len(self.prefix):]
@@ -148,26 +155,27 @@ class ActionLog(StepRecorder):
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        self._log(("fwd_pre", self._rel(fqn), grad_inputs, inputs_nbytes))
+        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         return call
 
     def modified_input(self, fqn: str) -> None:
-        self._log(("modified_input", self._rel(fqn)))
+        self._log(("modified_input", self.relative(fqn)))
 
     def exit_forward(self, fqn: str) -> int:
-        self._log(("fwd_post", self._rel(fqn)))
+        self._log(("fwd_post", self.relative(fqn)))
         self.fwd_stack.pop()
-        return self.calls[fqn] - 1
+        self.last_exit = (fqn, self.calls[fqn] - 1)
+        return self.last_exit[1]
 
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.inner_outputs.extend(tensors)
+        self.inner_outputs.extend((t, self.last_exit) for t in tensors)  # the hooks' post_forward: the call ended
 
     def enter_backward(self, key: Call) -> None:
-        self._log(("bwd_pre", self._rel(key[0]), key[1]))
+        self._log(("bwd_pre", self.relative(key[0]), key[1]))
 
     def exit_backward(self, key: Call) -> None:
-        self._log(("bwd_post", self._rel(key[0]), key[1]))
+        self._log(("bwd_post", self.relative(key[0]), key[1]))
 
     def outside_modules(self) -> bool:
         return False  # a template is one module call: nothing in it is outside the model
@@ -444,9 +452,10 @@ class BlockReuse:
 
     def _describe_outputs(self, log: ActionLog, out: Any, produced: set[StorageWeakRef]) -> None:
         """The outputs a stand-in must return. Refused: views, aliases of inputs or params, outputs sharing memory,
-        non-constant non-tensors, more than one output needing a grad (which of them gets one depends on the
-        caller), and an output that is an inner call's own output (its pre-backward hook would fire before the
-        module's in a real run, after it in a replay)."""
+        non-constant non-tensors and more than one output needing a grad (which of them gets one depends on the
+        caller). An output that is an inner call's own output (a Sequential's last child's) carries that call's
+        pre-backward hook, registered before the module's: noted (``ActionLog.hooked``), for the replay to keep
+        the order."""
         flat, log.template.out_spec = tree_flatten(out)
         seen: set[StorageWeakRef] = set()
         for t in flat:
@@ -454,9 +463,9 @@ class BlockReuse:
                 ref = StorageWeakRef(t.untyped_storage())
                 fresh = ref in produced and ref not in seen and t._base is None
                 meta = _Input.of(t)
-                if not fresh or meta.storage_nbytes != t.numel() * t.element_size() \
-                        or any(t is inner for inner in log.inner_outputs):
+                if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
+                log.hooked += [key for inner, key in log.inner_outputs if inner is t]
                 seen.add(ref)
                 log.template.outputs.append(meta)
             elif isinstance(t, _CONSTANTS):
@@ -498,6 +507,11 @@ class BlockReuse:
         log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
         self.slot.recorder = log
         torch.autograd.backward(tensors, grads)
+        # the output's own hooks fire first, before any op of the call's backward: split them off, or refuse
+        backward, n = log.template.backward, len(log.hooked)
+        if backward[:n] != [("bwd_pre", log.relative(fqn), call) for fqn, call in log.hooked]:
+            log.template.reusable = False
+        log.template.on_output, backward[:n] = backward[:n], []
 
     # -- replaying it ---------------------------------------------------------------------------------------
     def _anchor(self) -> torch.Tensor:
@@ -536,11 +550,30 @@ class BlockReuse:
                      if isinstance(m, _Input) and not m.requires_grad])
 
         result = _StandIn.apply(replay, self._anchor(), *tensors)
+        if template.on_output:
+            self._hook_output(main, template.on_output, prefix, params, result)
         assert template.out_spec is not None
         if template.out_spec.is_leaf():  # one tensor: the common case
             return result[0]
         it = iter(result)
         return template.out_spec.unflatten([next(it) if isinstance(m, _Input) else m[1] for m in template.outputs])
+
+
+    @staticmethod
+    def _hook_output(main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
+                     result: tuple[torch.Tensor, ...]) -> None:
+        """Fire the inner calls' pre-backwards from a hook on the output that needs a grad (one at most),
+        registered now, before the module's own hook: the order a real call's hooks fire in."""
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                _replay_actions(main, actions, prefix, params, {})
+
+        for t in result:
+            if t.requires_grad:
+                t.register_hook(hook)
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
