@@ -305,3 +305,44 @@ def test_replayed_block_returning_its_childs_output_to_a_parent_that_returns_it(
     fast = same_both_ways(wrapped, (torch.randn(8, 16, device="meta"),))
     pres = [e.module for e in fast.events if e.kind.name == "BWD_PRE"]
     assert pres[:3] == ["0.4.1", "0.4", "0"]  # the last block's LayerNorm, the block, the model
+
+
+class Selector(nn.Module):
+    """A data-dependent path: the rows it projects are the routing stand-in's share (routing.py), which depends on
+    the last topk the step ran, outside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(1)
+        return x.index_add(0, rows, self.lin(x[rows]))
+
+
+class Routed(nn.Module):
+    """Selectors after a 4-expert topk, then after an 8-expert one: the same block calls, different shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.ModuleList(Selector() for _ in range(4))
+        self.second = nn.ModuleList(Selector() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for experts, blocks in ((4, self.first), (8, self.second)):
+            x = x + x[:, :experts].topk(2, dim=-1).values.sum(-1, keepdim=True)
+            for block in blocks:
+                x = block(x)
+        return x
+
+
+def test_data_dependent_blocks_replay_what_the_stand_in_did(replays):
+    """A replayed call tells the stand-in what its ops did (the note names every module), and a call after other
+    routing is keyed apart (its selection is another share)."""
+    with torch.device("meta"):
+        model = Routed()
+        x = torch.randn(64, 16, requires_grad=True)
+    fast = same_both_ways(model, (x,))
+    assert fast.notes == trace(model, (x,), reuse=False).notes
+    assert "'first.0', 'first.1', 'first.2' and 5 more modules" in fast.notes[0]
+    assert sum(m is b for m in replays["modules"] for b in model.second) >= 2

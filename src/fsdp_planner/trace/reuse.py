@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from fsdp_planner.routing import StandIn as Routing
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
@@ -123,6 +124,10 @@ class Template:
     grads: list[str] = field(default_factory=list)  # relative names of the params autograd gave a grad
     out_spec: TreeSpec | None = None
     outputs: list[Any] = field(default_factory=list)  # per output leaf: tensor metadata, or ("const", value)
+    # what the call told the data-dependent ops' stand-in (routing.py): (op, relative module) it stood in for,
+    # and the routing it left (its experts, per-expert rows), which a later call's stand-in reads
+    routed: list[tuple[str, str, int]] = field(default_factory=list)  # (op, relative module, times)
+    routing: tuple[int | None, int] = (None, 1)
     reusable: bool = True
     confirmed: bool = field(default=False, compare=False)  # a second identical call recorded the same
 
@@ -336,8 +341,9 @@ class BlockReuse:
     """Installs a forward wrapper on every module whose static signature repeats, and replays templates."""
 
     def __init__(self, model: nn.Module, walk: ModuleWalk, slot: Slot, param_index: dict[int, int],
-                 param_storages: set[StorageWeakRef]) -> None:
+                 param_storages: set[StorageWeakRef], routing: Routing) -> None:
         self.slot, self.param_index, self.param_storages = slot, param_index, param_storages
+        self.routing = routing  # the step's data-dependent ops' stand-in: its state is part of a call's key
         self.templates: dict[tuple, Template] = {}
         self.active = True  # off while a template is being recorded (no nesting)
         self.anchor: torch.Tensor | None = None
@@ -413,7 +419,7 @@ class BlockReuse:
                 key.append(freeze(a))
             else:
                 return None
-        return (r.signature, structure, tuple(key))
+        return (r.signature, structure, tuple(key), self.routing.experts, self.routing.per_expert)
 
     # -- recording a template -------------------------------------------------------------------------------
     def _record(self, r: _Repeated, forward: Callable[..., Any], leaves: list, inputs: dict[int, _Input],
@@ -421,6 +427,7 @@ class BlockReuse:
         main = self.slot.recorder
         log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, main.static_storages)
         self.active, self.slot.recorder = False, NULL
+        before = dict(self.routing.used), self.routing.experts, self.routing.per_expert
         try:
             clones = {i: m.make().requires_grad_(m.requires_grad) for i, m in inputs.items()}
             grad_idx = [i for i in clones if clones[i].requires_grad]
@@ -436,6 +443,7 @@ class BlockReuse:
             self.slot.recorder, self.slot.produced = log, set()
             out = forward(*iso_args, **iso_kwargs)
             produced, self.slot.produced = self.slot.produced, None
+            self._routed(log, r, before[0])
             self._describe_outputs(log, out, produced)
             self._classify_saves(log, r, clones, out, produced)
             if any(t._version != versions[i] for i, t in clones.items()):
@@ -444,11 +452,26 @@ class BlockReuse:
                 self._record_backward(log, out)
                 _compile_ops(log.template, r)
                 log.template.grads = [n for n, p in r.module.named_parameters() if p.grad is not None]
+                if self.routing.used != _added(before[0], log.template.routed, r.fqn):
+                    log.template.reusable = False  # a stand-in in backward: replayed in forward, out of order
         finally:
             self.active, self.slot.recorder, self.slot.produced = True, main, None
+            # the replay (or the full call, for a template not used) tells the stand-in, not the recording
+            self.routing.used, self.routing.experts, self.routing.per_expert = before
             for p in r.module.parameters():
                 p.grad = None
         return log.template
+
+    def _routed(self, log: ActionLog, r: _Repeated, before: dict[tuple[str, str], int]) -> None:
+        """What the call's forward told the stand-in, relative to the module, for a replay to tell it again."""
+        after = self.routing.used
+        for (op, module), n in after.items():
+            if n == before.get((op, module), 0):
+                continue
+            if (op, module) in before or not (module == r.fqn or module.startswith(r.fqn + ".")):
+                log.template.reusable = False  # in a module outside the call: not one a replay can name
+            log.template.routed.append((op, module[len(r.fqn):], n))
+        log.template.routing = (self.routing.experts, self.routing.per_expert)
 
     def _describe_outputs(self, log: ActionLog, out: Any, produced: set[StorageWeakRef]) -> None:
         """The outputs a stand-in must return. Refused: views, aliases of inputs or params, outputs sharing memory,
@@ -545,6 +568,8 @@ class BlockReuse:
                             if isinstance(t, torch.Tensor)})
             sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
             _replay_actions(main, template.forward, prefix, params, sources)
+            self.routing.used = _added(self.routing.used, template.routed, r.fqn)
+            self.routing.experts, self.routing.per_expert = template.routing
             return ([t for t in outs if isinstance(t, torch.Tensor)],
                     [t for t, m in zip(outs, template.outputs, strict=True)
                      if isinstance(m, _Input) and not m.requires_grad])
@@ -574,6 +599,16 @@ class BlockReuse:
         for t in result:
             if t.requires_grad:
                 t.register_hook(hook)
+
+
+def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]], fqn: str
+           ) -> dict[tuple[str, str], int]:
+    """``used`` (the stand-in's count per op and module) after a call of ``fqn`` that stood in for ``routed``."""
+    out = dict(used)
+    for op, rel, n in routed:
+        key = (op, fqn + rel)
+        out[key] = out.get(key, 0) + n
+    return out
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
