@@ -27,11 +27,12 @@ def fingerprint(tr):
 @pytest.fixture
 def replays(monkeypatch):
     """Counts the module calls replayed from a template."""
-    counted = {"n": 0}
+    counted = {"n": 0, "modules": []}
     original = reuse_module.BlockReuse._replay
 
     def counting(self, *args, **kwargs):
         counted["n"] += 1
+        counted["modules"].append(args[0].module)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(reuse_module.BlockReuse, "_replay", counting)
@@ -236,3 +237,112 @@ def test_forward_reading_global_state_needs_a_full_trace():
 
     assert extra_reads(reuse=False) == {"2.extra.weight", "5.extra.weight"}
     assert extra_reads(reuse=True) != extra_reads(reuse=False)
+
+
+# Models of other shapes (issue 34): every repeated block class whose calls trace alike is replayed, whatever the
+# model's shape, and the trace is the full trace's.
+class NineLinearBlock(nn.Module):
+    """The issue's block: nine Linear + ReLU and a LayerNorm, returning the LayerNorm's output."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(9))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = torch.relu(lin(x))
+        return self.norm(x)
+
+
+class Stages(nn.Module):
+    """Nested ModuleLists: stages of blocks, each a ModuleList of its own."""
+
+    def __init__(self, stages: int, blocks: int, d: int = 16) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(nn.ModuleList(NineLinearBlock(d) for _ in range(blocks)) for _ in range(stages))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in self.stages:
+            for block in stage:
+                x = block(x)
+        return x
+
+
+def shaped(shape: str) -> nn.Module:
+    if shape == "blocks":
+        return nn.Sequential(*(NineLinearBlock() for _ in range(6)))
+    if shape == "narrow-deep":  # many tiny layers, each a Sequential ending in its last child's output
+        return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(40)))
+    if shape == "flat":
+        return nn.Sequential(*(m for _ in range(30) for m in (nn.Linear(16, 16), nn.ReLU(), nn.LayerNorm(16))))
+    if shape == "nested-sequential":  # the output is three nested calls' own
+        return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.ReLU(), nn.Sequential(
+            nn.Linear(16, 16)))) for _ in range(5)))
+    return Stages(3, 4)
+
+
+@pytest.mark.parametrize("shape", ["blocks", "narrow-deep", "flat", "nested-sequential", "nested-lists"])
+@pytest.mark.parametrize("grad_input", [False, True])
+def test_models_of_any_shape_replay_their_blocks(shape, grad_input, replays):
+    with torch.device("meta"):
+        model = shaped(shape)
+        x = torch.randn(8, 16, requires_grad=grad_input)
+    same_both_ways(model, (x,))
+    # every block call replayed but a signature's first two (recorded, then confirmed) and the first block's,
+    # whose input alone may not need a grad
+    blocks = [m for m in model.modules() if m is not model and m not in replays["modules"]
+              and (m in model._modules.values() or isinstance(m, NineLinearBlock))]
+    signatures = 3 if shape == "flat" else 1
+    assert len(blocks) <= 3 * signatures
+
+
+def test_replayed_block_returning_its_childs_output_to_a_parent_that_returns_it():
+    """Three hooks on one tensor (the child's, the block's, the parent's): a replay keeps their order."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), *(nn.Sequential(nn.ReLU(), nn.LayerNorm(16)) for _ in range(4)))
+        wrapped = nn.Sequential(model)
+    fast = same_both_ways(wrapped, (torch.randn(8, 16, device="meta"),))
+    pres = [e.module for e in fast.events if e.kind.name == "BWD_PRE"]
+    assert pres[:3] == ["0.4.1", "0.4", "0"]  # the last block's LayerNorm, the block, the model
+
+
+class Selector(nn.Module):
+    """A data-dependent path: the rows it projects are the routing stand-in's share (routing.py), which depends on
+    the last topk the step ran, outside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(1)
+        return x.index_add(0, rows, self.lin(x[rows]))
+
+
+class Routed(nn.Module):
+    """Selectors after a 4-expert topk, then after an 8-expert one: the same block calls, different shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.ModuleList(Selector() for _ in range(4))
+        self.second = nn.ModuleList(Selector() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for experts, blocks in ((4, self.first), (8, self.second)):
+            x = x + x[:, :experts].topk(2, dim=-1).values.sum(-1, keepdim=True)
+            for block in blocks:
+                x = block(x)
+        return x
+
+
+def test_data_dependent_blocks_replay_what_the_stand_in_did(replays):
+    """A replayed call tells the stand-in what its ops did (the note names every module), and a call after other
+    routing is keyed apart (its selection is another share)."""
+    with torch.device("meta"):
+        model = Routed()
+        x = torch.randn(64, 16, requires_grad=True)
+    fast = same_both_ways(model, (x,))
+    assert fast.notes == trace(model, (x,), reuse=False).notes
+    assert "'first.0', 'first.1', 'first.2' and 5 more modules" in fast.notes[0]
+    assert sum(m is b for m in replays["modules"] for b in model.second) >= 2

@@ -41,6 +41,11 @@ _SPELLED = {
     "aten._local_scalar_dense": "aten._local_scalar_dense (.item(), bool(), int())",
     "aten._to_copy": "aten._to_copy (.tolist(), .cpu() of a meta tensor)",
 }
+# The only ops the stand-in acts on: those it stands in for (``StandIn.run``) and the routing it notes
+# (``StandIn.saw``). Every other op (a ReLU's backward, ``where``, a matmul) reads no values: the op recorder runs
+# it directly, without the stand-in's Python (``intercepts``).
+_INTERCEPTED = frozenset({_aten.nonzero, _aten.index, _aten.masked_select, _aten._local_scalar_dense, _aten._to_copy,
+                          _aten.topk, _aten.argmax})
 # The errors PyTorch raises for a data-dependent op on tensors without data (meta, or fake without a shape env).
 _REFUSALS = ("DynamicOutputShapeException", "DataDependentOutputException")
 _REFUSAL_TEXTS = ("register_meta function for torch.nonzero", "cannot be called on meta tensors",
@@ -84,6 +89,11 @@ class StandIn:
         if self.experts is None:
             return n
         return min(n, max(1, math.ceil(n / self.experts * self.capacity)))
+
+    @staticmethod
+    def intercepts(func: Any) -> bool:
+        """Whether ``call`` can do anything but run ``func`` (an aten OpOverload): only then is it worth calling."""
+        return getattr(func, "_overloadpacket", None) in _INTERCEPTED
 
     def call(self, func: Any, args: tuple, kwargs: dict, module: str) -> Any:
         """``func`` itself; where PyTorch refuses it as data-dependent on planned tensors, its stand-in (a fake

@@ -153,6 +153,10 @@ class Sizing:
             self._grads[params] = _sum(self._grad_per, params)
         return self._grads[params]
 
+    def grad_bytes_each(self, params: tuple[int, ...]) -> list[int]:
+        """``grad_bytes((p,))`` of each of ``params``, in one array lookup."""
+        return self._grad_per[np.fromiter(params, dtype=np.intp, count=len(params))].tolist()
+
     def shard1_gather_bytes(self, params: Iterable[int]) -> int:
         """The copy-out temporary of these params' all-gather: the unsharded bytes of those sharded on dim > 0."""
         return _sum(self._gather1, params) if self._any_dim1 else 0

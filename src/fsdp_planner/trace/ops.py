@@ -180,6 +180,8 @@ class OpRecorder(TorchDispatchMode):
         if not self.slot.recorder.backward:
             check_operand_dtypes(func, args)
         if self.sync is None:
+            if not self.stand_in.intercepts(func):
+                return func(*args, **kwargs)
             return self.stand_in.call(func, args, kwargs, self.slot.recorder.current_module())
         self.sync()
         start = time.perf_counter()

@@ -16,7 +16,9 @@ its arguments are the same, so calls are grouped by
   autocast off.
 Inside one call of such a module autograd runs its backward nodes contiguously (outside nodes created later have
 higher sequence numbers and depend on nothing inside; nodes created earlier wait for the call's input grads), so
-its backward callbacks are replayed where the stand-in's backward runs. A template is not used (the call is traced
+its backward callbacks are replayed where the stand-in's backward runs, except the pre-backwards of inner calls
+whose output the call returns as its own (a Sequential's last child's): their hooks are on that tensor, before the
+module's, so a replay fires them from a hook it puts on its output first. A template is not used (the call is traced
 normally) when its module or one below it was called before, when it reads a param outside its subtree or a module
 held elsewhere, modifies an input in place, returns a view, an alias or a non-constant non-tensor, or saves for
 backward a tensor that is neither an input, a buffer, nor made by its own ops. ``trace(reuse=False)`` turns it off;
@@ -36,6 +38,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from fsdp_planner.routing import StandIn as Routing
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
@@ -114,10 +117,17 @@ class Template:
 
     forward: list[tuple] = field(default_factory=list)
     backward: list[tuple] = field(default_factory=list)
+    # the pre-backwards of inner calls whose output is the call's own: they hook that tensor before the module's
+    # own hook does, so a replay fires them from a hook on its output, registered before the module's
+    on_output: list[tuple] = field(default_factory=list)
     params: list[str] = field(default_factory=list)  # relative names of the params its ops read
     grads: list[str] = field(default_factory=list)  # relative names of the params autograd gave a grad
     out_spec: TreeSpec | None = None
     outputs: list[Any] = field(default_factory=list)  # per output leaf: tensor metadata, or ("const", value)
+    # what the call told the data-dependent ops' stand-in (routing.py): (op, relative module) it stood in for,
+    # and the routing it left (its experts, per-expert rows), which a later call's stand-in reads
+    routed: list[tuple[str, str, int]] = field(default_factory=list)  # (op, relative module, times)
+    routing: tuple[int | None, int] = (None, 1)
     reusable: bool = True
     confirmed: bool = field(default=False, compare=False)  # a second identical call recorded the same
 
@@ -131,13 +141,15 @@ class ActionLog(StepRecorder):
         self.template = Template()
         self.slots: dict[int, int] = {}  # global param index -> index into template.params
         self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
-        self.inner_outputs: list[torch.Tensor] = []  # grad-requiring outputs of the calls inside
+        self.inner_outputs: list[tuple[torch.Tensor, Call]] = []  # grad-requiring outputs of the calls inside
+        self.hooked: list[Call] = []  # the inner calls that hooked the call's own output, in hook order
+        self.last_exit: Call = ("", 0)
 
     def current_module(self) -> str:
         """The innermost module call running inside this one, else this one's module: where a failing op ran."""
         return self.fwd_stack[-1] if self.fwd_stack else self.prefix[:-1]
 
-    def _rel(self, fqn: str) -> str:
+    def relative(self, fqn: str) -> str:
         if not fqn.startswith(self.prefix):
             self.template.reusable = False  # a module held outside the subtree
         return fqn[len(self.prefix):]
@@ -148,26 +160,27 @@ class ActionLog(StepRecorder):
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        self._log(("fwd_pre", self._rel(fqn), grad_inputs, inputs_nbytes))
+        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         return call
 
     def modified_input(self, fqn: str) -> None:
-        self._log(("modified_input", self._rel(fqn)))
+        self._log(("modified_input", self.relative(fqn)))
 
     def exit_forward(self, fqn: str) -> int:
-        self._log(("fwd_post", self._rel(fqn)))
+        self._log(("fwd_post", self.relative(fqn)))
         self.fwd_stack.pop()
-        return self.calls[fqn] - 1
+        self.last_exit = (fqn, self.calls[fqn] - 1)
+        return self.last_exit[1]
 
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.inner_outputs.extend(tensors)
+        self.inner_outputs.extend((t, self.last_exit) for t in tensors)  # the hooks' post_forward: the call ended
 
     def enter_backward(self, key: Call) -> None:
-        self._log(("bwd_pre", self._rel(key[0]), key[1]))
+        self._log(("bwd_pre", self.relative(key[0]), key[1]))
 
     def exit_backward(self, key: Call) -> None:
-        self._log(("bwd_post", self._rel(key[0]), key[1]))
+        self._log(("bwd_post", self.relative(key[0]), key[1]))
 
     def outside_modules(self) -> bool:
         return False  # a template is one module call: nothing in it is outside the model
@@ -328,8 +341,9 @@ class BlockReuse:
     """Installs a forward wrapper on every module whose static signature repeats, and replays templates."""
 
     def __init__(self, model: nn.Module, walk: ModuleWalk, slot: Slot, param_index: dict[int, int],
-                 param_storages: set[StorageWeakRef]) -> None:
+                 param_storages: set[StorageWeakRef], routing: Routing) -> None:
         self.slot, self.param_index, self.param_storages = slot, param_index, param_storages
+        self.routing = routing  # the step's data-dependent ops' stand-in: its state is part of a call's key
         self.templates: dict[tuple, Template] = {}
         self.active = True  # off while a template is being recorded (no nesting)
         self.anchor: torch.Tensor | None = None
@@ -405,7 +419,7 @@ class BlockReuse:
                 key.append(freeze(a))
             else:
                 return None
-        return (r.signature, structure, tuple(key))
+        return (r.signature, structure, tuple(key), self.routing.experts, self.routing.per_expert)
 
     # -- recording a template -------------------------------------------------------------------------------
     def _record(self, r: _Repeated, forward: Callable[..., Any], leaves: list, inputs: dict[int, _Input],
@@ -413,6 +427,7 @@ class BlockReuse:
         main = self.slot.recorder
         log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, main.static_storages)
         self.active, self.slot.recorder = False, NULL
+        before = dict(self.routing.used), self.routing.experts, self.routing.per_expert
         try:
             clones = {i: m.make().requires_grad_(m.requires_grad) for i, m in inputs.items()}
             grad_idx = [i for i in clones if clones[i].requires_grad]
@@ -428,6 +443,7 @@ class BlockReuse:
             self.slot.recorder, self.slot.produced = log, set()
             out = forward(*iso_args, **iso_kwargs)
             produced, self.slot.produced = self.slot.produced, None
+            self._routed(log, r, before[0])
             self._describe_outputs(log, out, produced)
             self._classify_saves(log, r, clones, out, produced)
             if any(t._version != versions[i] for i, t in clones.items()):
@@ -436,17 +452,33 @@ class BlockReuse:
                 self._record_backward(log, out)
                 _compile_ops(log.template, r)
                 log.template.grads = [n for n, p in r.module.named_parameters() if p.grad is not None]
+                if self.routing.used != _added(before[0], log.template.routed, r.fqn):
+                    log.template.reusable = False  # a stand-in in backward: replayed in forward, out of order
         finally:
             self.active, self.slot.recorder, self.slot.produced = True, main, None
+            # the replay (or the full call, for a template not used) tells the stand-in, not the recording
+            self.routing.used, self.routing.experts, self.routing.per_expert = before
             for p in r.module.parameters():
                 p.grad = None
         return log.template
 
+    def _routed(self, log: ActionLog, r: _Repeated, before: dict[tuple[str, str], int]) -> None:
+        """What the call's forward told the stand-in, relative to the module, for a replay to tell it again."""
+        after = self.routing.used
+        for (op, module), n in after.items():
+            if n == before.get((op, module), 0):
+                continue
+            if (op, module) in before or not (module == r.fqn or module.startswith(r.fqn + ".")):
+                log.template.reusable = False  # in a module outside the call: not one a replay can name
+            log.template.routed.append((op, module[len(r.fqn):], n))
+        log.template.routing = (self.routing.experts, self.routing.per_expert)
+
     def _describe_outputs(self, log: ActionLog, out: Any, produced: set[StorageWeakRef]) -> None:
         """The outputs a stand-in must return. Refused: views, aliases of inputs or params, outputs sharing memory,
-        non-constant non-tensors, more than one output needing a grad (which of them gets one depends on the
-        caller), and an output that is an inner call's own output (its pre-backward hook would fire before the
-        module's in a real run, after it in a replay)."""
+        non-constant non-tensors and more than one output needing a grad (which of them gets one depends on the
+        caller). An output that is an inner call's own output (a Sequential's last child's) carries that call's
+        pre-backward hook, registered before the module's: noted (``ActionLog.hooked``), for the replay to keep
+        the order."""
         flat, log.template.out_spec = tree_flatten(out)
         seen: set[StorageWeakRef] = set()
         for t in flat:
@@ -454,9 +486,9 @@ class BlockReuse:
                 ref = StorageWeakRef(t.untyped_storage())
                 fresh = ref in produced and ref not in seen and t._base is None
                 meta = _Input.of(t)
-                if not fresh or meta.storage_nbytes != t.numel() * t.element_size() \
-                        or any(t is inner for inner in log.inner_outputs):
+                if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
+                log.hooked += [key for inner, key in log.inner_outputs if inner is t]
                 seen.add(ref)
                 log.template.outputs.append(meta)
             elif isinstance(t, _CONSTANTS):
@@ -498,6 +530,11 @@ class BlockReuse:
         log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
         self.slot.recorder = log
         torch.autograd.backward(tensors, grads)
+        # the output's own hooks fire first, before any op of the call's backward: split them off, or refuse
+        backward, n = log.template.backward, len(log.hooked)
+        if backward[:n] != [("bwd_pre", log.relative(fqn), call) for fqn, call in log.hooked]:
+            log.template.reusable = False
+        log.template.on_output, backward[:n] = backward[:n], []
 
     # -- replaying it ---------------------------------------------------------------------------------------
     def _anchor(self) -> torch.Tensor:
@@ -531,16 +568,47 @@ class BlockReuse:
                             if isinstance(t, torch.Tensor)})
             sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
             _replay_actions(main, template.forward, prefix, params, sources)
+            self.routing.used = _added(self.routing.used, template.routed, r.fqn)
+            self.routing.experts, self.routing.per_expert = template.routing
             return ([t for t in outs if isinstance(t, torch.Tensor)],
                     [t for t, m in zip(outs, template.outputs, strict=True)
                      if isinstance(m, _Input) and not m.requires_grad])
 
         result = _StandIn.apply(replay, self._anchor(), *tensors)
+        if template.on_output:
+            self._hook_output(main, template.on_output, prefix, params, result)
         assert template.out_spec is not None
         if template.out_spec.is_leaf():  # one tensor: the common case
             return result[0]
         it = iter(result)
         return template.out_spec.unflatten([next(it) if isinstance(m, _Input) else m[1] for m in template.outputs])
+
+
+    @staticmethod
+    def _hook_output(main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
+                     result: tuple[torch.Tensor, ...]) -> None:
+        """Fire the inner calls' pre-backwards from a hook on the output that needs a grad (one at most),
+        registered now, before the module's own hook: the order a real call's hooks fire in."""
+        fired = [False]
+
+        def hook(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                _replay_actions(main, actions, prefix, params, {})
+
+        for t in result:
+            if t.requires_grad:
+                t.register_hook(hook)
+
+
+def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]], fqn: str
+           ) -> dict[tuple[str, str], int]:
+    """``used`` (the stand-in's count per op and module) after a call of ``fqn`` that stood in for ``routed``."""
+    out = dict(used)
+    for op, rel, n in routed:
+        key = (op, fqn + rel)
+        out[key] = out.get(key, 0) + n
+    return out
 
 
 def _compile_ops(template: Template, r: _Repeated) -> None:

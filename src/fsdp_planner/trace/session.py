@@ -126,7 +126,7 @@ class TraceSession:
             stack.enter_context(forward_methods(self.model.walk.modules, self.methods, self.hooks, self.slot))
             if request.reuse and not request.measure:
                 reuse = BlockReuse(request.model, self.model.walk, self.slot, self.param_by_id,
-                                   set(self.param_by_storage))
+                                   set(self.param_by_storage), self.stand_in)
                 stack.callback(reuse.remove)
             stack.enter_context(self.hooks.installed())
             for p in self.model.param_objs:  # a param's grad is no gradient of an activation (ops.py)
