@@ -27,7 +27,7 @@ from fsdp_planner.planners import AutoPolicy, PolicyName, PolicyRequest, make_po
 from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 CASES = {  # model -> world sizes
     "seed-net": [8, 64, 1024],
@@ -103,7 +103,7 @@ def checkpointed(r: dict) -> str:
 def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool = False,
              ac: ACMode | None = None, mesh: Mesh | None = None) -> list[dict]:
     lm = load_model(model)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
     rows = []
     for world in worlds:
         cluster = parse_cluster(f"h100:{world}")
