@@ -109,13 +109,14 @@ def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool
         cluster = parse_cluster(f"h100:{world}")
         if mesh is not None:
             plans = {"titan": make_policy(PolicyRequest(PolicyName.TITAN, mesh=mesh)).plan(tr, model),
-                     "auto": AutoPolicy(cluster, options=options, mesh=mesh).search(tr, model).plan}
+                     "auto": AutoPolicy(cluster, options=options, mesh=mesh).search(tr, model).written_plan}
         elif ac is not None:
             plans = {f"titan + ac {ac.value}": make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=ac))
                      .plan(tr, model)}
         else:
             result = AutoPolicy(cluster, options=options).search(tr, model)
-            plans = {"auto": result.plan, **({} if only_auto else {n: c.plan for n, c in result.baselines.items()})}
+            plans = {"auto": result.written_plan,
+                     **({} if only_auto else {n: c.plan for n, c in result.baselines.items()})}
         for name, plan in plans.items():
             predicted = simulate(tr, plan, cluster, options, timeline=False)
             measured = run_fake_world(model, plan, world, options.precision)

@@ -154,7 +154,7 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     if request.name is PolicyName.AUTO:
         if cluster is None:
             raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
-        return run_auto(tr, request, cluster, options or SimOptions(), model).plan
+        return run_auto(tr, request, cluster, options or SimOptions(), model).written_plan
     plan = make_policy(request).plan(tr, model)
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
