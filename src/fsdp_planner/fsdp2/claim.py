@@ -248,7 +248,9 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     groups = resolve_ties(trace, groups)
     plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],
                 trace.fingerprint, trace.numel, policy=policy, model=model)
-    claimed = [replace(g, params=params) for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True)]
+    # (built, not ``replace``d: auto builds thousands of groups per plan)
+    claimed = [Group(g.modules, params, g.reshard_after_forward)
+               for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True)]
     plan = replace(plan, groups=[g for g in claimed if g.params or g.is_root])
     first = trace.index.first_use_by_name.__getitem__
     inner = sorted(plan.inner_groups, key=lambda g: min(map(first, g.params)))
