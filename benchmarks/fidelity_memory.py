@@ -27,7 +27,7 @@ from fsdp_planner.planners import AutoPolicy, PolicyName, PolicyRequest, make_po
 from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 CASES = {  # model -> world sizes
     "seed-net": [8, 64, 1024],
@@ -103,19 +103,20 @@ def checkpointed(r: dict) -> str:
 def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool = False,
              ac: ACMode | None = None, mesh: Mesh | None = None) -> list[dict]:
     lm = load_model(model)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
     rows = []
     for world in worlds:
         cluster = parse_cluster(f"h100:{world}")
         if mesh is not None:
             plans = {"titan": make_policy(PolicyRequest(PolicyName.TITAN, mesh=mesh)).plan(tr, model),
-                     "auto": AutoPolicy(cluster, options=options, mesh=mesh).search(tr, model).plan}
+                     "auto": AutoPolicy(cluster, options=options, mesh=mesh).search(tr, model).written_plan}
         elif ac is not None:
             plans = {f"titan + ac {ac.value}": make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=ac))
                      .plan(tr, model)}
         else:
             result = AutoPolicy(cluster, options=options).search(tr, model)
-            plans = {"auto": result.plan, **({} if only_auto else {n: c.plan for n, c in result.baselines.items()})}
+            plans = {"auto": result.written_plan,
+                     **({} if only_auto else {n: c.plan for n, c in result.baselines.items()})}
         for name, plan in plans.items():
             predicted = simulate(tr, plan, cluster, options, timeline=False)
             measured = run_fake_world(model, plan, world, options.precision)

@@ -32,7 +32,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.planners import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 MODELS = ("toy-llama", "toy-gpt2-tied", "seed-net")
 TOLERANCE = 0.25
@@ -62,7 +62,7 @@ def main() -> None:
     rows = []
     for model in MODELS:
         lm = load_model(model)
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+        tr = record(lm.model, lm.example_inputs, lm.loss_fn)
         plans = plans_for(tr, model)
         plain, *measured = time_plans(lambda m=model: load_model(m, meta=False), [None, *plans.values()], device)
         ops = sum(e.is_op for e in tr.events)

@@ -56,7 +56,7 @@ from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
-from fsdp_planner.trace import Trace, trace
+from fsdp_planner.trace import Trace, record
 
 POLICY_NAMES = [p.value for p in CLASSIC_POLICIES]
 WITH_AC = {"titan+op": (PolicyName.TITAN, ACMode.OP),  # torchtitan's defaults
@@ -342,7 +342,7 @@ def expert_table(title: str, rows: list[dict], text: str) -> list[str]:
 def planning_trace(model: str | ModelSpec) -> tuple[Trace, int]:
     """The model traced as the CLI plans it (bf16 compute), and the tokens of its batch (0: not a token model)."""
     lm = load_model(model)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=SimOptions().precision.trace_dtype)
     first = lm.example_inputs[0] if isinstance(lm.example_inputs, tuple) else lm.example_inputs
     tokens = first.numel() if isinstance(first, torch.Tensor) and not first.is_floating_point() else 0
     return tr, tokens

@@ -131,12 +131,12 @@ def child(case: str) -> None:
     from fsdp_planner.hardware.cluster import parse_cluster
     from fsdp_planner.planners import AutoPolicy
     from fsdp_planner.sim.options import SimOptions
-    from fsdp_planner.trace import trace
+    from fsdp_planner.trace import record
 
     marks = [(time.perf_counter(), time.process_time())]
     model, inputs, loss_fn = build(case)
     marks.append((time.perf_counter(), time.process_time()))
-    tr = trace(model, inputs, loss_fn, compute_dtype=SimOptions().precision.trace_dtype)  # as the CLI traces
+    tr = record(model, inputs, loss_fn, compute_dtype=SimOptions().precision.trace_dtype)  # as the CLI traces
     marks.append((time.perf_counter(), time.process_time()))
     result = AutoPolicy(parse_cluster(CLUSTER)).search(tr, case)
     marks.append((time.perf_counter(), time.process_time()))

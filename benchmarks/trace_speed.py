@@ -19,11 +19,11 @@ import json, resource, sys, time
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import ExecutionOrderPolicy
 from fsdp_planner.sim.metrics import plan_metrics
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 t0 = time.perf_counter()
 lm = load_model(sys.argv[1])
 t1 = time.perf_counter()
-tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+tr = record(lm.model, lm.example_inputs, lm.loss_fn)
 t2 = time.perf_counter()
 plan = ExecutionOrderPolicy().plan(tr)
 plan_metrics(tr, plan)

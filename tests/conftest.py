@@ -7,13 +7,13 @@ import functools
 import pytest
 
 from fsdp_planner.models import load_model
-from fsdp_planner.trace import Trace, trace
+from fsdp_planner.trace import Trace, record
 
 
 @functools.cache
 def traced(spec: str) -> Trace:
     lm = load_model(spec, meta=True)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 @pytest.fixture

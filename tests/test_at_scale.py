@@ -23,9 +23,9 @@ def test_a_full_size_model_s_groups_carry_onto_the_toy_by_module_name(toy):
     big = traced("llama3-8b")
     plan = make_plan(big, [["tok_embeddings"], *([f"layers.{i}"] for i in range(32)), ["norm", "output"]],
                      reshard=[True] * 33 + [8])
-    plan.mesh = Mesh(8, 8)
+    plan = plan.replace(mesh=Mesh(8, 8))
     out, notes = onto_job(plan, big, toy, 2, "mapped")
-    assert [g.modules for g in out.groups] == [["tok_embeddings"], *([f"layers.{i}"] for i in range(4)),
+    assert [list(g.modules) for g in out.groups] == [["tok_embeddings"], *([f"layers.{i}"] for i in range(4)),
                                                ["norm", "output"], [""]]
     assert [g.reshard_after_forward for g in out.inner_groups] == [True] * 6  # 8 cannot divide 2 ranks
     assert out.mesh is None and out.policy == "mapped" and not out.root.params
@@ -38,11 +38,11 @@ def test_a_full_size_model_s_groups_carry_onto_the_toy_by_module_name(toy):
 
 def test_the_job_s_own_plan_keeps_its_groups_prefetch_and_sub_groups_that_fit(toy):
     plan = make_plan(toy, [[f"layers.{i}"] for i in range(4)], reshard=[True, 2, 4, False])
-    plan.mesh = Mesh(2, 4)
-    plan.groups[0].forward_prefetch = [1]
+    plan = plan.replace(mesh=Mesh(2, 4))
+    plan = plan.with_group(0, forward_prefetch=[1])
     out, notes = onto_job(plan, toy, toy, 2, "same")
-    assert [g.modules for g in out.groups] == [g.modules for g in plan.groups]
-    assert out.groups[0].forward_prefetch == [1] and out.mesh is None
+    assert [list(g.modules) for g in out.groups] == [list(g.modules) for g in plan.groups]
+    assert list(out.groups[0].forward_prefetch) == [1] and out.mesh is None
     assert [g.reshard_after_forward for g in out.inner_groups] == [True, 2, True, False]  # 4 > 2 ranks
     assert plan.mesh == Mesh(2, 4) and plan.groups[2].reshard_after_forward == 4  # the given plan is untouched
     assert len(notes) == 2

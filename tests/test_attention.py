@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_planner.attention import GpuAttention
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 HEADS, SEQ, HEAD_DIM = 4, 512, 16
 
@@ -30,7 +30,7 @@ class SelfAttention(nn.Module):
 def test_a_users_sdpa_saves_what_a_gpu_saves():
     with torch.device("meta"):
         model, x = SelfAttention(), torch.randn(1, SEQ, HEADS * HEAD_DIM)
-    tr = trace(model, (x,))
+    tr = record(model, (x,))
     saved = sum(e.saved for e in tr.events)
     scores = HEADS * SEQ * SEQ * 4  # one fp32 score matrix per head: what the math path would save
     assert saved < scores / 4, saved  # inputs, projections, output and log-sum-exp: ~0.66 MB
@@ -81,7 +81,7 @@ def test_eager_keeps_the_score_matrices_that_flash_does_not():
     saved = {}
     for name in ("flash", "eager"):
         with kernel(name) as k:
-            saved[name] = sum(e.saved for e in trace(model, (x,)).events)
+            saved[name] = sum(e.saved for e in record(model, (x,)).events)
         assert k.calls == 1
     scores = HEADS * SEQ * SEQ * 4
     assert scores <= saved["eager"] - saved["flash"] <= 3 * scores
@@ -133,7 +133,7 @@ def test_a_module_given_one_tensor_twice_still_sees_one():
 
     with torch.device("meta"):
         model, x = Outer(), torch.randn(2, 8)
-    trace(model, (x,), reuse=False)
+    record(model, (x,), reuse=False)
     assert seen == [True]
 
 

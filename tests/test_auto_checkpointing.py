@@ -34,7 +34,7 @@ def first_k_full(tr, budget: int) -> StepReport | None:
     plan = make_policy(PolicyRequest(PolicyName.TITAN)).plan(tr, "")
     blocks = block_instances(tr)
     for k in range(1, len(blocks) + 1):
-        r = simulate(tr, plan.copy(activation_checkpointing=blocks[:k]), CLUSTER)
+        r = simulate(tr, plan.replace(activation_checkpointing=blocks[:k]), CLUSTER)
         if r.reserved_memory <= budget:
             return r
     return None
@@ -70,7 +70,7 @@ def test_mixes_op_and_full_where_that_is_fastest(tr):
     assert plan.activation_checkpointing and plan.selective_checkpointing
     blocks = block_instances(tr)
     full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
-    assert plan.activation_checkpointing == blocks[:full]
+    assert list(plan.activation_checkpointing) == blocks[:full]
     assert list(plan.selective_checkpointing) == blocks[full:full + op]
     assert result.report.step_time < first_k_full(tr, budget).step_time * 0.99
     assert result.checkpointing is not None and result.checkpointing.setting.full and result.checkpointing.setting.op

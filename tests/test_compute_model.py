@@ -15,7 +15,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.cluster import COMPUTE, GPUS, Cluster, Compute, parse_cluster, slowest_rank_factor
 from fsdp_planner.sim.compute import flop_efficiency, op_times
 from fsdp_planner.sim.options import PRECISIONS
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER
 
 H100 = COMPUTE["h100"]
@@ -37,7 +37,7 @@ def scale_trace():
     with torch.device("meta"):
         model = _Scale()
         x = torch.randn(4096, 512)
-    return trace(model, (x,), lambda out: out.sum())
+    return record(model, (x,), lambda out: out.sum())
 
 
 def test_matmul_efficiency_by_shape() -> None:

@@ -18,7 +18,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import checkpointed_calls
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 from fsdp_planner.trace.events import EventKind, OpClass
 from fsdp_planner.trace.ops import op_class
 
@@ -97,6 +97,6 @@ def test_recompute_time_is_the_ops_before_the_stop():
 def test_packs_are_the_same_with_and_without_reuse():
     """A block replayed from its first call's template marks the same packs as one traced op by op."""
     lm = load_model("toy-llama")
-    fresh = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=False)
-    reused = trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=True)
+    fresh = record(lm.model, lm.example_inputs, lm.loss_fn, reuse=False)
+    reused = record(lm.model, lm.example_inputs, lm.loss_fn, reuse=True)
     assert [e.packs for e in fresh.events] == [e.packs for e in reused.events]

@@ -34,7 +34,7 @@ from fsdp_planner.planners import PolicyRequest, make_policy
 from fsdp_planner.report.step_view import Bar, BarKind, Lane, StepView, step_view
 from fsdp_planner.report.timeline_html import render_html, script_json
 from fsdp_planner.report.timeline_png import plain, write_png
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MODEL_FILE = FIXTURES / "hostile_names.py"
@@ -106,9 +106,9 @@ def hostile_view() -> StepView:
     """The hostile model's step on a cluster whose GPU is a payload, with a payload policy; its all-gather lane
     replaced by one bar per name, each wide enough (1/22 of the step) for both pictures to write the name in it."""
     lm = load_model(f"{MODEL_FILE}:build")
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     plan = make_policy(PolicyRequest.named("order", min_nonwrapped_numel=1000)).plan(tr)
-    plan.policy = "<script>alert(1)</script> $x$ [/bold] \x1b[2J"
+    plan = plan.replace(policy="<script>alert(1)</script> $x$ [/bold] \x1b[2J")
     base = parse_cluster("h100:8")
     cluster = dataclasses.replace(base, gpu=dataclasses.replace(base.gpu, name="</script><!--$y$"))
     view = step_view(tr, plan, cluster)
@@ -206,8 +206,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (d / "cluster2.json").write_text(json.dumps({**cluster, "gpus_per_node": 2}))  # for verify's 2 ranks
     lm = load_model(f"{MODEL_FILE}:build")
     plan = make_policy(PolicyRequest.named("order", min_nonwrapped_numel=1000)).plan(
-        trace(lm.model, lm.example_inputs, lm.loss_fn))
-    plan.policy, plan.model = "order[/bold]\x1b]0;pwned\x07" + CODE[0], "net[/b]\x1b[2J"
+        record(lm.model, lm.example_inputs, lm.loss_fn))
+    plan = plan.replace(policy="order[/bold]\x1b]0;pwned\x07" + CODE[0], model="net[/b]\x1b[2J")
     (d / "plan.json").write_text(plan.to_json())
     model_dir = d / "net[/bold]\x1b[2J"  # the model's own name (its path) a payload too
     model_dir.mkdir(parents=True)  # ("net[" holding "bold]...")

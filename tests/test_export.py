@@ -19,7 +19,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.sim.options import PRECISIONS
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FACTORIES = str(Path(__file__).resolve().parent / "fixtures" / "factories.py")
@@ -29,11 +29,9 @@ ENTRY = {ExportFormat.PYTHON: "apply", ExportFormat.ACCELERATE: "prepare", Expor
 
 def _plan() -> Plan:
     lm = load_model("toy-llama")
-    plan = TorchtitanPolicy("TransformerBlock").plan(trace(lm.model, lm.example_inputs, lm.loss_fn))
-    plan.groups[1].reshard_after_forward = 2
-    plan.groups[1].forward_prefetch = [2]
-    plan.activation_checkpointing = ["layers.3"]
-    return plan
+    plan = TorchtitanPolicy("TransformerBlock").plan(record(lm.model, lm.example_inputs, lm.loss_fn))
+    return plan.with_group(1, reshard_after_forward=2, forward_prefetch=[2]).replace(
+        activation_checkpointing=["layers.3"])
 
 
 @pytest.mark.parametrize("fmt", list(ExportFormat))
@@ -58,9 +56,9 @@ def _apply_exported(precision: str, methods: bool = True, **fsdp_kwargs) -> tupl
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     lm = load_model(f"{FACTORIES}:head_loss", meta=False)
-    plan = make_plan(trace(lm.model, lm.example_inputs, lm.loss_fn), [["inp"], ["block"], ["head"]])
+    plan = make_plan(record(lm.model, lm.example_inputs, lm.loss_fn), [["inp"], ["block"], ["head"]])
     scope: dict = {}
-    exec(compile(export_plan(plan if methods else plan.copy(forward_methods=[]), ExportFormat.PYTHON,
+    exec(compile(export_plan(plan if methods else plan.replace(forward_methods=[]), ExportFormat.PYTHON,
                              PRECISIONS[precision]), "exported.py", "exec"), scope)
     model, seen = load_model(f"{FACTORIES}:head_loss", meta=False).model, set()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -120,10 +118,10 @@ def test_exported_code_registers_the_plans_forward_methods(tmp_path: Path) -> No
     sharded DTensor params), so the registration is what makes it run."""
     factory = f"{FACTORIES}:head_loss"
     lm = load_model(factory)
-    plan = make_plan(trace(lm.model, lm.example_inputs, lm.loss_fn), [["inp"], ["block"], ["head"]])
-    assert plan.forward_methods == [("head", "loss")]
+    plan = make_plan(record(lm.model, lm.example_inputs, lm.loss_fn), [["inp"], ["block"], ["head"]])
+    assert list(plan.forward_methods) == [("head", "loss")]
     runs = {}
-    for name, p in (("registered", plan), ("unregistered", plan.copy(forward_methods=[]))):
+    for name, p in (("registered", plan), ("unregistered", plan.replace(forward_methods=[]))):
         code = tmp_path / f"{name}.py"
         code.write_text(export_plan(p, ExportFormat.PYTHON, PRECISIONS["fp32"]))  # fp32: as the reference
         runs[name] = _launch(tmp_path, [str(EXAMPLES / "torchrun_fsdp2.py"), str(code), factory])

@@ -3,6 +3,7 @@ live-bytes counter equal to torch's own MemTracker."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,12 @@ from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import LiveBytes, run_fake_world
 from fsdp_planner.sim.options import PRECISIONS, SimOptions, ZeroGrad
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 
 def _traced(spec: str, options: SimOptions):
     lm = load_model(spec)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
 @pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
@@ -47,8 +48,8 @@ def test_int_reshard_after_forward_runs_on_fake_ranks() -> None:
     options = SimOptions.named("bf16-mixed")
     tr = _traced("toy-llama", options)
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)
-    for g in plan.inner_groups:
-        g.reshard_after_forward = 2
+    plan = plan.replace(groups=[*(dataclasses.replace(g, reshard_after_forward=2) for g in plan.inner_groups),
+                                plan.root])
     predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
     measured = run_fake_world("toy-llama", plan, 8, options.precision)
     assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
@@ -74,8 +75,8 @@ def test_grads_kept_by_zero_grad_set_to_none_false() -> None:
 def test_tracing_in_the_compute_dtype_sees_fp32_upcasts() -> None:
     """toy-llama's RMSNorm and loss compute in fp32: traced in bf16 they save more than half the fp32 bytes."""
     lm = load_model("toy-llama")
-    fp32 = trace(lm.model, lm.example_inputs, lm.loss_fn)
-    bf16 = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    fp32 = record(lm.model, lm.example_inputs, lm.loss_fn)
+    bf16 = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
     saved = [sum(e.saved for e in t.events) for t in (fp32, bf16)]
     assert saved[0] / 2 < saved[1] < saved[0]
     assert bf16.fingerprint == fp32.fingerprint and bf16.compute_itemsize == 2
@@ -181,7 +182,7 @@ def test_a_factory_that_converts_dtypes_runs_on_fake_ranks(factory: str, precisi
     spec = f"{DTYPE_MODELS}:{factory}"
     options = SimOptions.named(precision)
     lm = load_model(spec)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
     plan = make_plan(tr, [["blocks.0"], ["blocks.1"]])
     predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
     measured = run_fake_world(spec, plan, 8, options.precision)

@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import CLASSIC_POLICIES, PolicyRequest, make_policy
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.session import TraceSession
 
@@ -24,7 +24,7 @@ FACTORIES = "tests/fixtures/factories.py"
 
 def traced(fn: str):
     lm = load_model(f"{FACTORIES}:{fn}")
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 @pytest.mark.parametrize("fn", ["head_loss", "head_loss_in_loss_fn"])
@@ -50,7 +50,7 @@ def test_a_model_without_such_methods_is_traced_once(monkeypatch):
 
 def test_a_parent_calling_a_grandchild_is_no_method():
     lm = load_model("tests/fixtures/invalid_models.py:direct_call")
-    assert trace(lm.model, lm.example_inputs).method_calls == {}
+    assert record(lm.model, lm.example_inputs).method_calls == {}
 
 
 @pytest.mark.parametrize("name", [*CLASSIC_POLICIES, "order"])
@@ -58,17 +58,17 @@ def test_every_policy_registers_the_method_of_a_module_it_shards(name):
     tr = traced("head_loss")
     plan = make_policy(PolicyRequest.named(name, min_nonwrapped_numel=50)).plan(tr)
     listed = {m for g in plan.groups for m in g.modules}
-    assert plan.forward_methods == ([("head", "loss")] if "head" in listed else [])
+    assert list(plan.forward_methods) == ([("head", "loss")] if "head" in listed else [])
     check_plan_runs(tr, plan)
 
 
 def test_an_unregistered_method_of_a_sharded_module_is_refused_and_registering_it_runs():
     tr = traced("head_loss")
     plan = make_plan(tr, [["inp"], ["block"], ["head"]])
-    assert plan.forward_methods == [("head", "loss")]
+    assert list(plan.forward_methods) == [("head", "loss")]
     check_plan_runs(tr, plan)
     with pytest.raises(PlannerError, match=r"'head\.weight' while its group 2 .* is sharded"):
-        check_plan_runs(tr, plan.copy(forward_methods=[]))
+        check_plan_runs(tr, plan.replace(forward_methods=[]))
 
 
 def test_forward_methods_round_trip_and_absent_means_none():
@@ -76,9 +76,9 @@ def test_forward_methods_round_trip_and_absent_means_none():
     plan = make_plan(tr, [["inp"], ["block"], ["head"]])
     data = json.loads(plan.to_json())
     assert data["forward_methods"] == [{"module": "head", "method": "loss"}]
-    assert Plan.from_json(plan.to_json()).forward_methods == [("head", "loss")]
+    assert list(Plan.from_json(plan.to_json()).forward_methods) == [("head", "loss")]
     del data["forward_methods"]
-    assert Plan.from_json(json.dumps(data)).forward_methods == []
+    assert list(Plan.from_json(json.dumps(data)).forward_methods) == []
     for bad in ([["head", "loss"]], [{"module": "head"}], [{"module": "head", "method": "no such"}]):
         with pytest.raises(PlannerError, match="forward_methods"):
             Plan.from_json(json.dumps({**data, "forward_methods": bad}))
@@ -110,7 +110,7 @@ def test_verify_refuses_a_method_the_model_lacks_before_torchrun_starts(method, 
 
     tr = traced("head_loss")
     plan = make_plan(tr, [["inp"], ["block"], ["head"]])
-    bad = plan.copy(forward_methods=[*plan.forward_methods, ("head", method)])
+    bad = plan.replace(forward_methods=[*plan.forward_methods, ("head", method)])
     with pytest.raises(PlannerError) as info:
         run_verify(f"{FACTORIES}:head_loss", tr, bad, nproc=2, steps=1)
     assert str(info.value).startswith(message)
@@ -123,5 +123,5 @@ def test_apply_plan_refuses_a_method_the_model_lacks_and_leaves_the_model_unshar
     plan = make_plan(tr, [["inp"], ["block"], ["head"]])
     model = load_model(f"{FACTORIES}:head_loss").model
     with pytest.raises(PlannerError, match="has no method 'nope'"):
-        apply_plan(model, plan.copy(forward_methods=[("head", "nope")]))  # before it asks for a process group
+        apply_plan(model, plan.replace(forward_methods=[("head", "nope")]))  # before it asks for a process group
     assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())

@@ -13,19 +13,18 @@ from fsdp_planner.apply.fsdp1 import check_fsdp1, fsdp1_policy, fsdp1_refusal
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import SizeBasedPolicy, TorchtitanPolicy
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 
 def _trace():
     lm = load_model("toy-llama")
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def test_policy_wraps_exactly_the_plans_modules_with_their_strategy() -> None:
     from torch.distributed.fsdp import ShardingStrategy
 
-    plan = SizeBasedPolicy(20000).plan(_trace())
-    plan.groups[1].reshard_after_forward = False
+    plan = SizeBasedPolicy(20000).plan(_trace()).with_group(1, reshard_after_forward=False)
     model = load_model("toy-llama", meta=False).model
     policy = fsdp1_policy(plan, model)
     modules = dict(model.named_modules())
@@ -44,8 +43,8 @@ def test_plans_fsdp1_cannot_express_are_refused_in_one_sentence() -> None:
 
 @pytest.mark.integration
 def test_verify_fsdp1_on_two_gloo_ranks(tmp_path: Path) -> None:
-    plan = SizeBasedPolicy(20000).plan(_trace())
-    plan.groups[1].reshard_after_forward = False  # SHARD_GRAD_OP: no re-gather in backward
+    # SHARD_GRAD_OP: no re-gather in backward
+    plan = SizeBasedPolicy(20000).plan(_trace()).with_group(1, reshard_after_forward=False)
     path = tmp_path / "plan.json"
     plan.save(path)
     out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", "--plan", str(path), "--fsdp1",
@@ -65,7 +64,7 @@ def _lora_fsdp1_plan():
     from fsdp_planner.planners.auto.evaluator import Target
 
     lm = load_model("toy-llama-lora")
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     return tr, AutoPolicy(parse_cluster("h100:2"), target=Target.FSDP1).plan(tr)
 
 
@@ -81,7 +80,7 @@ def test_fsdp1_issues_no_backward_all_gather_for_a_unit_whose_outputs_need_no_gr
     fsdp2 = build_schedule(tr, plan, 2).collectives
     fsdp1 = fsdp1_collectives(tr, plan, 2)
     dropped = [c for c in fsdp2 if c not in fsdp1]
-    wv = next(i for i, g in enumerate(plan.groups) if g.modules == ["layers.0.attention.wv.base_layer"])
+    wv = next(i for i, g in enumerate(plan.groups) if list(g.modules) == ["layers.0.attention.wv.base_layer"])
     assert [(c.kind, c.group, c.backward, c.prefetch) for c in dropped] == [(CollectiveKind.ALL_GATHER, wv, True, True)]
 
 

@@ -103,8 +103,7 @@ def _documents(base: dict[str, Any], seed: int) -> list[str]:
 
 def _plan_doc() -> dict[str, Any]:
     plan = SizeBasedPolicy(2000).plan(traced("seed-net"), "seed-net")
-    plan.forward_methods = [("", "loss")]
-    return plan.to_dict()
+    return plan.replace(forward_methods=[("", "loss")]).to_dict()
 
 
 def _cluster_doc() -> dict[str, Any]:

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from fsdp_planner.cli import main
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.models import ModelSpec, hf, load_model
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 TINY = {
     "tiny-llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
@@ -54,7 +54,7 @@ def flops(tr) -> int:  # type: ignore[no-untyped-def]
 
 def traced(spec: str):  # type: ignore[no-untyped-def]
     lm = load_model(spec)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
 
 
 # The public checkpoints' parameter counts (their config.json numbers built by transformers).
@@ -250,7 +250,7 @@ def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path
     for attention in ("eager", "flash"):
         lm = load_model(ModelSpec(spec, seq_len=256, attention=attention))
         assert hf.attention_of(lm.model) == ("eager" if attention == "eager" else "fsdp_planner_fused")
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+        tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
         saved[attention] = sum(e.saved for e in tr.events)
     scores = 2 * 4 * 256 * 256 * 2  # layers x heads x seq^2, one bf16 score matrix each
     assert saved["eager"] - saved["flash"] >= scores
@@ -259,6 +259,6 @@ def test_flash_attention_plans_a_soft_capping_model_for_less_than_eager(tmp_path
 @pytest.mark.integration  # two traces of an MoE: a second
 def test_the_routing_capacity_factor_reaches_hugging_face_experts(tmp_path):
     lm = load_model(tiny(tmp_path, "tiny-mixtral"))
-    base = trace(lm.model, lm.example_inputs, lm.loss_fn)
-    wide = trace(lm.model, lm.example_inputs, lm.loss_fn, routing=1.5)
+    base = record(lm.model, lm.example_inputs, lm.loss_fn)
+    wide = record(lm.model, lm.example_inputs, lm.loss_fn, routing=1.5)
     assert flops(wide) > flops(base)

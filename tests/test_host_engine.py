@@ -158,8 +158,8 @@ def test_the_host_line_is_a_sum_that_adds_up(engine: Engine) -> None:
     from fsdp_planner.sim.host_work import host_work
 
     tr = traced("toy-llama")
-    plan = make_plan(tr, [["layers.0", "layers.1"], ["layers.2"], ["layers.3"]])
-    plan.activation_checkpointing = ["layers.3"]
+    plan = make_plan(tr, [["layers.0", "layers.1"], ["layers.2"], ["layers.3"]]).replace(
+        activation_checkpointing=["layers.3"])
     overhead = dataclasses.replace(OVERHEAD, op_seconds=2e-6)
     cluster = dataclasses.replace(host_cluster(overhead=overhead), engine=engine)
     ctx = SimContext(tr, cluster)

@@ -21,7 +21,7 @@ from fsdp_planner.runtime.verify import predict_collectives
 from fsdp_planner.sim.context import SimContext, replica_ranks_per_node
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 AR, RS = CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER
 
@@ -29,7 +29,7 @@ AR, RS = CollectiveKind.ALL_REDUCE, CollectiveKind.REDUCE_SCATTER
 @pytest.fixture(scope="module")
 def toy():
     lm = load_model("toy-llama")
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def titan(tr, mesh: Mesh | None = None) -> Plan:
@@ -56,7 +56,7 @@ def test_mesh_must_match_the_world(toy) -> None:
     check_plan_world_size(plan, 8)
     with pytest.raises(PlannerError, match="mesh 2x4 has 8 ranks but it is run on 16"):
         check_plan_world_size(plan, 16)
-    plan.groups[0].reshard_after_forward = 8  # divides the world (8) but not the shard size (4)
+    plan = plan.with_group(0, reshard_after_forward=8)  # divides the world (8) but not the shard size (4)
     with pytest.raises(PlannerError, match="divide the shard size of 4 ranks"):
         check_plan_world_size(plan, 8)
 
@@ -99,7 +99,7 @@ def test_replica_groups_are_strided() -> None:
 
 def load_trace_small():
     lm = load_model("seed-net")
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def test_candidate_meshes_are_whole_node_shard_groups() -> None:
@@ -152,7 +152,7 @@ def test_fake_world_hsdp_matches_prediction(toy, mesh: Mesh) -> None:
 
 def load_traced(name: str, options: SimOptions):
     lm = load_model(name)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
 @pytest.mark.integration  # CLI subprocesses

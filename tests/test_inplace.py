@@ -15,7 +15,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, make_plan
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.models import load_model
-from fsdp_planner.trace import EventKind, Trace, trace
+from fsdp_planner.trace import EventKind, Trace, record
 from fsdp_planner.trace import reuse as reuse_mod
 from fsdp_planner.trace.hooks import ModuleHooks
 from fsdp_planner.trace.step import Slot, StepRecorder
@@ -27,7 +27,7 @@ MODELS = FIXTURES / "inplace_models.py"
 
 def _trace(fn: str, reuse: bool = True, meta: bool = True) -> Trace:
     lm = load_model(f"{MODELS}:{fn}", meta=meta)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn, reuse=reuse)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, reuse=reuse)
 
 
 def _same_but_inputs(a: Trace, b: Trace) -> set[str]:
@@ -93,7 +93,7 @@ def test_a_module_modifying_its_own_input_is_not_a_group_of_its_own(monkeypatch)
     assert tr.events == _trace("modifies_inputs", reuse=False).events
     assert tr.modules == _trace("modifies_inputs", reuse=False).modules
     plan = make_plan(tr, [["a"], ["b"], ["wraps.0"], ["wraps.1.pre"]])
-    assert [g.modules for g in plan.groups] == [["a.fc"], ["b.fc"], ["wraps.0"], ["wraps.1.pre.fc"], [""]]
+    assert [list(g.modules) for g in plan.groups] == [["a.fc"], ["b.fc"], ["wraps.0"], ["wraps.1.pre.fc"], [""]]
     by_hand = Plan([Group(["a"], [p.fqn for p in tr.params if p.fqn.startswith("a.")]),
                     Group([""], [p.fqn for p in tr.params if not p.fqn.startswith("a.")], False)],
                    tr.fingerprint, tr.numel)
@@ -147,7 +147,7 @@ def test_modules_modifying_their_inputs_train_on_a_real_run():
 
     spec = f"{MODELS}:modifies_inputs"
     lm = load_model(spec)
-    tr = trace(lm.model, lm.example_inputs)
+    tr = record(lm.model, lm.example_inputs)
     plan = make_plan(tr, [["inp"], ["a"], ["b"], ["wraps.0"], ["wraps.1"], ["wraps.2.pre"], ["out"]])
     result = run_verify(spec, tr, plan, nproc=2, steps=2)
     assert result.ok, (result.counted, result.predicted, result.max_abs_diff)

@@ -332,12 +332,12 @@ def test_plan_numel_is_compared_with_the_model(capsys, tmp_path: Path) -> None:
 def test_module_dict_keys_that_are_not_identifiers_read_back(tmp_path: Path) -> None:
     """torch allows any key without a dot in an nn.ModuleDict: a plan written for such a model must load."""
     plan = Plan.from_json(json.dumps(_plan_dict()))
-    plan.groups[0].modules = ["blocks.block-1", "blocks.2"]
-    plan.forward_methods = [("blocks.block-1", "loss")]
+    plan = plan.with_group(0, modules=["blocks.block-1", "blocks.2"]).replace(
+        forward_methods=[("blocks.block-1", "loss")])
     plan.save(tmp_path / "p.json")
     again = Plan.load(tmp_path / "p.json")
-    assert again.groups[0].modules == ["blocks.block-1", "blocks.2"]
-    assert again.forward_methods == [("blocks.block-1", "loss")]
+    assert list(again.groups[0].modules) == ["blocks.block-1", "blocks.2"]
+    assert list(again.forward_methods) == [("blocks.block-1", "loss")]
 
 
 def test_plan_as_written_still_loads(tmp_path: Path) -> None:
@@ -361,16 +361,14 @@ def test_unreadable_plan_json(capsys, tmp_path: Path, text: str, message: str) -
 def test_check_plan_world_size() -> None:
     plan = Plan.from_json(json.dumps(_plan_dict()))
     for ok, world in ((True, 3), (False, 3), (1, 3), (4, 8), (8, 8), (2, 64)):
-        plan.groups[0].reshard_after_forward = ok
-        check_plan_world_size(plan, world)
+        check_plan_world_size(plan.with_group(0, reshard_after_forward=ok), world)
     for bad, world in ((3, 8), (16, 8), (5, 64)):
-        plan.groups[0].reshard_after_forward = bad
+        bad_plan = plan.with_group(0, reshard_after_forward=bad)
         with pytest.raises(PlannerError, match=f"plan group 0 has reshard_after_forward={bad}, which FSDP2 needs to "
                                                f"divide the world size of {world} ranks"):
-            check_plan_world_size(plan, world)
-    plan.groups[0].reshard_after_forward = 7
+            check_plan_world_size(bad_plan, world)
     with pytest.raises(PlannerError, match=r"use true, false or one of 1, 2, 3, 4, 5, 6, 8, 9, \.\.\., 720"):
-        check_plan_world_size(plan, 720)
+        check_plan_world_size(plan.with_group(0, reshard_after_forward=7), 720)
 
 
 @pytest.mark.parametrize(("argv", "world"), [
@@ -473,9 +471,9 @@ def test_the_plan_writer_writes_only_what_reads_back(capsys, tmp_path: Path) -> 
     d = _plan_dict()
     d["groups"][0]["modules"] = ["k" * 5000]
     plan = Plan.from_json(json.dumps(d))
-    assert Plan.from_json(plan.copy(numel=2 * 10**15).checked_json()).numel == 2 * 10**15
-    assert Plan.from_json(plan.checked_json()).groups[0].modules == ["k" * 5000]
-    plan.groups[0].modules = ["k" * (MAX_NAME + 1)]
+    assert Plan.from_json(plan.replace(numel=2 * 10**15).checked_json()).numel == 2 * 10**15
+    assert list(Plan.from_json(plan.checked_json()).groups[0].modules) == ["k" * 5000]
+    plan = plan.with_group(0, modules=["k" * (MAX_NAME + 1)])
     with pytest.raises(PlannerError, match="cannot write this plan: it would not read back"):
         plan.checked_json()
     out = tmp_path / "mc.json"

@@ -20,7 +20,7 @@ from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 MODEL = "toy-llama-lora"
 WORLD = 8
@@ -28,7 +28,7 @@ WORLD = 8
 
 def _traced(options: SimOptions):
     lm = load_model(MODEL)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
 def test_only_adapters_are_trainable() -> None:

@@ -17,7 +17,7 @@ from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, MemoryModel, ac
 from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, SimOptions, ZeroGrad, optimizer_named, precision_named
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.sizing import Sizing
-from fsdp_planner.trace import ModuleInfo, ParamInfo, Trace, trace
+from fsdp_planner.trace import ModuleInfo, ParamInfo, Trace, record
 
 GB = 1e9  # seed 002 prints memory / 1e9
 # Seed 002 (10 x Linear(10000, 10000), SGD momentum, one input vector), torch.cuda.max_memory_allocated on rank 0
@@ -27,7 +27,7 @@ SEED_002_GB = {"fp32": 12.035, "autocast": 14.035, "autocast-nocache": 12.235, "
 @pytest.fixture(scope="module")
 def seed_trace() -> Trace:
     lm = load_model("seed-linear10")
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def seed_options(precision: str) -> SimOptions:
@@ -61,7 +61,7 @@ def test_each_strategy_at_its_peak_moment() -> None:
     """Activations peak as forward ends, grads (set to None by zero_grad) once backward is done: a row holds
     one or the other at its peak, never both maxima."""
     lm = load_model("toy-llama")
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     acts = activation_levels(tr, SimOptions().precision)
     assert acts[-1] < acts.max()
     single = strategy_table(tr, 1, SimOptions())["single"]
@@ -83,7 +83,7 @@ def test_seed_ddp(seed_trace: Trace, precision: str) -> None:
 def test_fsdp_row_is_the_simulators_peak_for_one_group_per_module(spec: str) -> None:
     """One memory model: the memory command's FSDP row and simulate agree on the same plan."""
     lm = load_model(spec)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     options = SimOptions()
     row = strategy_table(tr, 16, options)["fsdp"]
     plan = make_plan(tr, [[m] for m in tr.index.owning_modules if m])
@@ -166,7 +166,7 @@ def test_reserved_adds_the_collective_streams_own_pools(spec: str) -> None:
     plus the largest all-gather buffer plus the sharded grads (the reduce-scatter outputs, kept cached in their
     pool after ``zero_grad()`` frees them), which the allocated peak counts only where they are live."""
     lm = load_model(spec)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     plan = make_plan(tr, [[m] for m in tr.index.owning_modules if m])
     report = simulate(tr, plan, parse_cluster("h100:16"), SimOptions(), timeline=False)
     largest = max(g.gather_bytes for g in Sizing(tr, 16, SimOptions().precision).groups(plan))
@@ -190,7 +190,7 @@ def test_reserved_keeps_the_sharded_grads_in_the_reduce_scatter_pool() -> None:
     ``set_to_none=False`` the grads are allocated all step (counted in the peak) and with offload on the CPU, so
     neither adds them again."""
     lm = load_model("toy-llama")
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     plan = make_plan(tr, [[m] for m in tr.index.owning_modules if m])
     cluster, base = parse_cluster("h100:16"), SimOptions()
     none = simulate(tr, plan, cluster, base, timeline=False)

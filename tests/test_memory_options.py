@@ -19,14 +19,14 @@ from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.sizing import Sizing, shard_dims, with_memory_options
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 EXPERTS = str(Path(__file__).parent / "fixtures" / "experts.py") + ":experts"
 
 
 def _traced(spec: str, options: SimOptions):
     lm = load_model(spec)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
 def test_dim1_sharding_is_not_padded() -> None:
@@ -77,8 +77,8 @@ def test_dim1_saves_the_padding_and_pays_a_copy() -> None:
 def test_bf16_reduce_halves_the_reduce_scatter_like_real_fsdp2() -> None:
     options = SimOptions.named("bf16-mixed", reduce_dtype="bf16")
     tr = _traced("toy-llama", options)
-    plan = TorchtitanPolicy("TransformerBlock").plan(tr).copy(reduce_dtype="bf16")
-    fp32 = simulate(tr, plan.copy(reduce_dtype=""), parse_cluster("h100:8"), SimOptions.named(), timeline=False)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr).replace(reduce_dtype="bf16")
+    fp32 = simulate(tr, plan.replace(reduce_dtype=""), parse_cluster("h100:8"), SimOptions.named(), timeline=False)
     bf16 = simulate(tr, plan, parse_cluster("h100:8"), SimOptions.named(), timeline=False)  # the plan's dtype
     measured = run_fake_world("toy-llama", plan, 8, options.precision)
     assert bf16.reduce_scatter_bytes * 2 == fp32.reduce_scatter_bytes
@@ -95,14 +95,14 @@ def test_offload_moves_the_sharded_state_off_the_gpu_and_costs_host_time() -> No
     tr = _traced("toy-llama", options)
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)
     kept = simulate(tr, plan, cluster, options, timeline=False)
-    off = simulate(tr, plan.copy(offload=True), cluster, options, timeline=False)
+    off = simulate(tr, plan.replace(offload=True), cluster, options, timeline=False)
     state = kept.memory_at_peak["params"] + kept.memory_at_peak["optimizer_state"]
     assert off.memory_at_peak["params"] == off.memory_at_peak["optimizer_state"] == 0
     assert off.peak_memory == kept.peak_memory - state
     trainable = sum(p.numel for p in tr.params if p.requires_grad)
     assert off.cpu_optimizer_time == pytest.approx(trainable / 8 / cluster.cpu_optimizer_rate, rel=0.01)
     assert off.step_time > kept.step_time + off.cpu_optimizer_time * 0.99
-    measured = run_fake_world("toy-llama", plan.copy(offload=True), 8, options.precision)
+    measured = run_fake_world("toy-llama", plan.replace(offload=True), 8, options.precision)
     assert measured.nbytes["all_gather"] == off.all_gather_bytes
     assert off.peak_memory == pytest.approx(measured.peak_memory, rel=0.01)
     assert measured.total_peak_memory == pytest.approx(measured.peak_memory + state, rel=0.05)
@@ -134,7 +134,7 @@ def test_bad_memory_options_in_a_plan_file_are_one_line(field: str, value: objec
 def test_shard_dims_the_simulator_does_not_model_are_refused() -> None:
     options = SimOptions.named("fp32")
     tr = _traced(EXPERTS, options)
-    plan = make_plan(tr, [["layers.0"]]).copy(shard_dims={"inp.weight": 1})
+    plan = make_plan(tr, [["layers.0"]]).replace(shard_dims={"inp.weight": 1})
     with pytest.raises(PlannerError, match="shard_dims"):
         simulate(tr, plan, parse_cluster("h100:64"), options, timeline=False)
 
@@ -143,8 +143,8 @@ def _gloo_job(plan_changes: dict) -> object:
     from fsdp_planner.runtime.verify import run_verify
 
     lm = load_model("toy-llama")
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
-    plan = TorchtitanPolicy("TransformerBlock").plan(tr, "toy-llama").copy(**plan_changes)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr, "toy-llama").replace(**plan_changes)
     return run_verify("toy-llama", tr, plan, 2)
 
 
@@ -201,16 +201,17 @@ def test_auto_turns_to_offload_only_when_nothing_fits() -> None:
     tr = _traced("toy-llama", SimOptions())
     cluster = parse_cluster("h100:8")
     free = AutoPolicy(cluster).search(tr)
-    assert not free.plan.offload and not free.plan.shard_dims
+    assert not free.run.offload and not free.run.shard_dims
     # just below the smallest reserved peak without memory options (the most checkpointed plan's)
     budget = AutoPolicy(cluster, 1, choose_memory_options=False).search(tr).report.reserved_memory - 1
     without = AutoPolicy(cluster, budget, choose_memory_options=False).search(tr)
     assert not without.fits
     found = AutoPolicy(cluster, budget).search(tr)
-    assert found.fits and found.plan.offload and found.report.reserved_memory <= budget
+    assert found.fits and found.run.offload and found.report.reserved_memory <= budget
     assert found.report.cpu_optimizer_time > 0 and "offload" in found.plan.policy
     fitting = AutoPolicy(cluster, free.report.reserved_memory).search(tr).plan
-    assert fitting.copy(policy="").to_json() == free.plan.copy(policy="").to_json()  # (the label names the budget)
+    # (the label names the budget)
+    assert fitting.replace(policy="").to_json() == free.plan.replace(policy="").to_json()
 
 
 def test_no_fit_says_the_memory_options_were_tried_too() -> None:
@@ -238,11 +239,11 @@ def test_fake_world_command_runs_an_offload_plan(capsys: pytest.CaptureFixture[s
 def test_offload_optimizer_step_is_once_per_step_of_micro_batches() -> None:
     options, cluster = SimOptions.named(), parse_cluster("h100:8")
     tr = _traced("toy-llama", options)
-    plan = TorchtitanPolicy("TransformerBlock").plan(tr).copy(offload=True)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr).replace(offload=True)
     one = simulate(tr, plan, cluster, options, timeline=False)
     three = simulate(tr, plan, cluster, SimOptions.named(micro_batches=3), timeline=False)
     assert three.cpu_optimizer_time == one.cpu_optimizer_time > 0
-    kept = simulate(tr, plan.copy(offload=False), cluster, SimOptions.named(micro_batches=3), timeline=False)
+    kept = simulate(tr, plan.replace(offload=False), cluster, SimOptions.named(micro_batches=3), timeline=False)
     # the three micro-batches' copies, then one optimizer step
     assert three.step_time - three.cpu_optimizer_time > kept.step_time
 
@@ -254,12 +255,12 @@ def test_int_reshard_after_forward_is_dim0_only() -> None:
     options = SimOptions.named("fp32")
     tr = _traced(EXPERTS, options)
     plan = with_memory_options(make_plan(tr, [["layers.0"], ["layers.1"]]), tr, 64, False, ShardPlacement.AUTO, "")
-    plan.groups[0].reshard_after_forward = 8
+    plan = plan.with_group(0, reshard_after_forward=8)
     with pytest.raises(PlannerError, match="int reshard_after_forward for dim-0 sharding only"):
         Plan.from_json(plan.to_json())
     with pytest.raises(PlannerError, match="int reshard_after_forward for dim-0 sharding only"):
         run_fake_world(EXPERTS, plan, 64, options.precision)
-    plan.groups[0].reshard_after_forward = True
+    plan = plan.with_group(0, reshard_after_forward=True)
     Plan.from_json(plan.to_json())  # a bool is fine
     auto = AutoPolicy(parse_cluster("h100:64"), memory_budget=10**12, options=SimOptions.named(
         "fp32", shard_placement=ShardPlacement.AUTO.value)).plan(tr)
@@ -275,7 +276,7 @@ def test_the_step_line_shows_the_cpu_optimizer_step_under_offload() -> None:
     tr = _traced("toy-llama", options)
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)
     kept = simulate(tr, plan, cluster, options, timeline=False)
-    off = simulate(tr, plan.copy(offload=True), cluster, options, timeline=False)
+    off = simulate(tr, plan.replace(offload=True), cluster, options, timeline=False)
     shown = " ".join(step_lines("toy-llama", "titan", cluster, off))
     assert off.cpu_optimizer_time > 0 and "optimizer step on the CPU" in shown
     assert "optimizer step on the CPU" not in " ".join(step_lines("toy-llama", "titan", cluster, kept))

@@ -19,14 +19,14 @@ from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import GradientSync, SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 WORLD = 8
 
 
 def _traced(spec: ModelSpec, options: SimOptions):
     lm = load_model(spec, meta=True)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
 
 
 @pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it

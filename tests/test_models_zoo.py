@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_planner.models import BUILTINS, encdec, llama, load_model, moe, vit
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 TINY_LLAMA_TIED = dataclasses.replace(llama.TOY_LLAMA, tie_embeddings=True)
 TINY_T5 = encdec.T5Config(d_model=32, d_kv=8, d_ff=48, n_layers=2, n_decoder_layers=2, n_heads=4,
@@ -46,7 +46,7 @@ def test_full_config_param_count(name: str) -> None:
 def test_tiny_config_trace_uses_every_param(name: str) -> None:
     with torch.device("meta"):
         model, inputs, loss_fn = ZOO[name][0]()
-    tr = trace(model, inputs, loss_fn)
+    tr = record(model, inputs, loss_fn)
     assert tr.fwd_flops > 0 and tr.bwd_flops > 0
     unused = set(range(len(tr.params))) - set(tr.index.first_use)
     assert not unused, [tr.params[i].fqn for i in unused]
@@ -66,7 +66,7 @@ def test_tiny_config_runs_on_cpu(name: str) -> None:
 def test_t5_shared_embedding_called_for_encoder_and_decoder() -> None:
     with torch.device("meta"):
         model, inputs, loss_fn = ZOO["t5-3b"][0]()
-    tr = trace(model, inputs, loss_fn)
+    tr = record(model, inputs, loss_fn)
     assert tr.modules["shared"].calls == 2
     bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias"
     assert tr.modules[bias].calls == 1 and "encoder.block.1.layer.0.SelfAttention.relative_attention_bias" \
@@ -79,7 +79,7 @@ def test_moe_expert_flops_equal_top_k_compute() -> None:
                         ffn_dim=48)
     with torch.device("meta"):
         model, inputs, loss_fn = moe.build(cfg, 2, 16)
-    tr = trace(model, inputs, loss_fn)
+    tr = record(model, inputs, loss_fn)
     tokens = 2 * 16
     assert tr.modules["layers.0.moe.experts"].fwd_flops == 3 * 2 * tokens * cfg.top_k * cfg.dim * cfg.ffn_dim
 
@@ -87,6 +87,6 @@ def test_moe_expert_flops_equal_top_k_compute() -> None:
 def test_full_mixtral_traces_every_param() -> None:
     """(Its trace time is in benchmarks/trace_speed.md.)"""
     lm = load_model("mixtral-8x7b", meta=True)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     assert tr.fwd_flops > 0 and tr.bwd_flops > 0
     assert len(tr.index.first_use) == len(tr.params)

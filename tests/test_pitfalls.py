@@ -14,7 +14,7 @@ from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import ExecutionOrderPolicy
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 FACTORIES = "tests/fixtures/factories.py"
 BF16_MIXED = SimOptions().precision
@@ -22,7 +22,7 @@ BF16_MIXED = SimOptions().precision
 
 def traced(spec: str):
     lm = load_model(spec if ":" in spec or "-" in spec else f"{FACTORIES}:{spec}")  # a bare name: a factory
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def codes(findings, severity: Severity | None = None) -> list[str]:
@@ -58,7 +58,7 @@ def test_sharded_read_names_the_module_and_the_fix():
 def test_an_unregistered_forward_method_is_an_error_and_a_registered_one_a_warning():
     tr = traced("head_loss")
     plan = make_plan(tr, [["inp"], ["block"], ["head"]])
-    [f] = plan_findings(tr, plan.copy(forward_methods=[]))  # its sharded reads are this finding, not another
+    [f] = plan_findings(tr, plan.replace(forward_methods=[]))  # its sharded reads are this finding, not another
     assert (f.severity, f.code, f.module) == (Severity.ERROR, Code.FORWARD_METHOD, "head")
     assert 'register_fsdp_forward_method(model.head, "loss")' in f.fix
     assert codes(plan_findings(tr, plan)) == ["forward-method"]
@@ -133,7 +133,7 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert clean.returncode == 0 and "no findings" in clean.stdout, clean.stdout + clean.stderr
     tr = traced("head_loss")
     path = tmp_path / "plan.json"
-    make_plan(tr, [["inp"], ["block"], ["head"]]).copy(forward_methods=[]).save(path)
+    make_plan(tr, [["inp"], ["block"], ["head"]]).replace(forward_methods=[]).save(path)
     bad = run_check(f"{FACTORIES}:head_loss", "--plan", str(path), "--json")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     findings = json.loads(bad.stdout)

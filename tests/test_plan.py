@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.claim import (
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import ExecutionOrderPolicy, SizeBasedPolicy
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 
 def test_json_round_trip_has_the_documented_shape(seed_trace):
@@ -46,7 +46,7 @@ def test_corrupt_plans_fail_clearly(text):
 
 def test_group_params_must_be_what_fully_shard_claims(seed_trace):
     plan = SizeBasedPolicy(2000).plan(seed_trace)
-    plan.groups[0].params.append("fc2.weight")  # fc2 is not under conv2
+    plan = plan.with_group(0, params=[*plan.groups[0].params, "fc2.weight"])  # fc2 is not under conv2
     with pytest.raises(PlannerError, match="differ from what fully_shard would claim"):
         validate_plan(plan, seed_trace)
 
@@ -54,7 +54,7 @@ def test_group_params_must_be_what_fully_shard_claims(seed_trace):
 def test_nested_groups_apply_children_first():
     tr = traced("toy-llama")
     plan = make_plan(tr, [["layers.0"], ["layers.0.attention"], ["layers.0.feed_forward.w1", "layers.1"]])
-    order = [plan.groups[i].modules for i in application_order(plan, tr.index.parents)]
+    order = [list(plan.groups[i].modules) for i in application_order(plan, tr.index.parents)]
     assert order.index(["layers.0.attention"]) < order.index(["layers.0"])
     assert order[-1] == [""]
     claimed = {tuple(g.modules): set(g.params) for g in plan.groups}
@@ -114,7 +114,7 @@ def test_groups_nested_in_each_other_are_refused(case):
         groups = [["layers.0", "layers.1.attention"], ["layers.1", "layers.0.attention"]]
     else:
         lm = load_model(f"{Path(__file__).parent / 'fixtures' / 'factories.py'}:shared_submodule", meta=True)
-        tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+        tr = record(lm.model, lm.example_inputs, lm.loss_fn)
         assert tr.index.shared_modules  # the DAG walk, not the tree fast path
         groups = [["blocks.0", "blocks.1.ff"], ["blocks.1", "blocks.0.ff"]]
     with pytest.raises(PlannerError, match="cycle"):
@@ -126,10 +126,9 @@ def test_containers_without_forward_become_their_children_and_plan_files_naming_
     tr = traced("toy-llama")
     assert not tr.modules["layers"].shardable and tr.modules["layers.0"].shardable
     plan = make_plan(tr, [["layers"]])
-    assert plan.groups[0].modules == [m for m in tr.modules["layers"].children]
+    assert list(plan.groups[0].modules) == [m for m in tr.modules["layers"].children]
     assert set(plan.groups[0].params) == set(tr.index.subtree_params["layers"])
-    bad = Plan.from_json(plan.to_json())
-    bad.groups[0].modules = ["layers"]
+    bad = Plan.from_json(plan.to_json()).with_group(0, modules=["layers"])
     with pytest.raises(PlannerError, match=r"containers without forward.*layers"):
         check_plan_matches(bad, tr)
 
@@ -152,7 +151,7 @@ def test_a_hand_written_module_list_plan_gets_its_params_by_the_claim_rule():
                          reshard=[True] * 5 + [False])
     assert [(g.modules, g.params, g.reshard_after_forward) for g in plan.groups] == \
         [(g.modules, g.params, g.reshard_after_forward) for g in expected.groups]
-    assert plan.fingerprint == tr.fingerprint and loaded.groups[0].params == []  # the loaded plan is untouched
+    assert plan.fingerprint == tr.fingerprint and list(loaded.groups[0].params) == []  # the loaded plan is untouched
 
 
 def test_a_module_list_plan_follows_first_use_and_nested_groups_carve_their_params():
@@ -161,8 +160,8 @@ def test_a_module_list_plan_follows_first_use_and_nested_groups_carve_their_para
     tr = traced(MY_MODEL)
     plan = with_claimed_params(Plan.from_json(json.dumps(
         {"version": 1, "groups": [["blocks.1"], ["blocks.0"]]})), tr)
-    assert [g.modules for g in plan.groups] == [["blocks.0"], ["blocks.1"], [""]]
-    assert plan.groups[0].params == [p.fqn for p in tr.params if p.fqn.startswith("blocks.0.")]
+    assert [list(g.modules) for g in plan.groups] == [["blocks.0"], ["blocks.1"], [""]]
+    assert list(plan.groups[0].params) == [p.fqn for p in tr.params if p.fqn.startswith("blocks.0.")]
     assert set(plan.root.params) == {p.fqn for p in tr.params} - set(plan.groups[0].params) - set(plan.groups[1].params)
     check_plan_matches(plan, tr)
 

@@ -21,7 +21,7 @@ from fsdp_planner.planners import ExecutionOrderPolicy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.runtime.verify import VerifyResult
 from fsdp_planner.sim.options import PRECISIONS
-from fsdp_planner.trace import trace as record
+from fsdp_planner.trace import record
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = str(ROOT / "tests" / "fixtures" / "precision_models.py")

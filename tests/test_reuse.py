@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_planner.models import BUILTINS, load_model
+from fsdp_planner.trace import record
 from fsdp_planner.trace import reuse as reuse_module
-from fsdp_planner.trace import trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FACTORIES = ["twice", "reads_outside", "root_param", "shared_submodule", "param_free_prologue"]
@@ -40,8 +40,8 @@ def replays(monkeypatch):
 
 
 def same_both_ways(model, inputs, loss_fn=None):
-    full = trace(model, inputs, loss_fn, reuse=False)
-    fast = trace(model, inputs, loss_fn, reuse=True)
+    full = record(model, inputs, loss_fn, reuse=False)
+    fast = record(model, inputs, loss_fn, reuse=True)
     assert fingerprint(fast) == fingerprint(full)
     return fast
 
@@ -201,9 +201,9 @@ def test_review_counterexamples_trace_the_same(make):
     with torch.device("meta"):
         model = Stack(make)
         x = torch.randn(16, 16, requires_grad=True)
-    full = trace(model, (x,), reuse=False)
+    full = record(model, (x,), reuse=False)
     causal_mask.cache_clear()
-    assert fingerprint(trace(model, (x,), reuse=True)) == fingerprint(full)
+    assert fingerprint(record(model, (x,), reuse=True)) == fingerprint(full)
 
 
 _CALLS = [0]
@@ -231,7 +231,7 @@ def test_forward_reading_global_state_needs_a_full_trace():
 
     def extra_reads(reuse: bool) -> set[str]:
         _CALLS[0] = 0
-        tr = trace(model, (torch.randn(2, 8, device="meta"),), reuse=reuse)
+        tr = record(model, (torch.randn(2, 8, device="meta"),), reuse=reuse)
         return {tr.params[p].fqn for e in tr.events if e.is_op and not e.backward for p in e.params
                 if tr.params[p].fqn.endswith("extra.weight")}
 

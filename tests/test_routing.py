@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fsdp_planner.cli import main
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import routing_models as rm
@@ -31,7 +31,7 @@ def test_a_where_router_traces_with_an_equal_share_per_expert(on_meta: bool):
             model, inputs = rm.where_moe()
     else:
         model, inputs = rm.where_moe()
-    tr = trace(model, inputs)
+    tr = record(model, inputs)
     assert len(tr.notes) == 1 and "aten.nonzero" in tr.notes[0] and "'layers.1'" in tr.notes[0]
     assert all(p.gets_grad for p in tr.params)  # every expert ran
     tokens = 2 * 64
@@ -42,7 +42,7 @@ def test_a_where_router_traces_with_an_equal_share_per_expert(on_meta: bool):
 def test_the_capacity_factor_scales_each_expert_s_rows():
     with torch.device("meta"):
         model, inputs = rm.where_moe()
-    base, wide = trace(model, inputs), trace(model, inputs, routing=1.5)
+    base, wide = record(model, inputs), record(model, inputs, routing=1.5)
     assert "capacity factor 1.5" in wide.notes[0]
     assert _expert_rows(wide) > _expert_rows(base)
 
@@ -50,7 +50,7 @@ def test_the_capacity_factor_scales_each_expert_s_rows():
 def test_a_placeholder_check_passes_and_is_noted():
     with torch.device("meta"):
         model, inputs = rm.placeholders()
-    tr = trace(model, inputs)
+    tr = record(model, inputs)
     assert "aten._local_scalar_dense" in tr.notes[0] and "every element of a mask" in tr.notes[0]
 
 
@@ -85,7 +85,7 @@ def test_a_transformers_llava_traces_past_its_placeholder_check():
     pytest.importorskip("transformers")
     with torch.device("meta"):
         model, inputs = rm.llava()
-    tr = trace(model, inputs)
+    tr = record(model, inputs)
     assert "aten._local_scalar_dense" in tr.notes[0] and tr.numel == sum(p.numel() for p in model.parameters())
 
 
@@ -97,7 +97,7 @@ def test_a_sorted_router_reads_balanced_counts(on_meta: bool):
             model, inputs = rm.sorted_moe()
     else:
         model, inputs = rm.sorted_moe()
-    tr = trace(model, inputs)
+    tr = record(model, inputs)
     assert "(.tolist()" in tr.notes[0] or "_local_scalar_dense" in tr.notes[0]
     assert _expert_rows(tr) >= 2 * 2 * 64 * rm.TOP_K
 
@@ -123,7 +123,7 @@ def test_an_argmax_router_gives_each_expert_its_share():
     """Each expert of a top-1 argmax router gets tokens / experts rows, not every token (4x the expert FLOPs)."""
     with torch.device("meta"):
         model, x = _SwitchMoE(), torch.randn(64, 16)
-    tr = trace(model, (x,))
+    tr = record(model, (x,))
     expert_flops = sum(e.flops for e in tr.events if not e.backward and e.module.startswith("experts."))
     assert expert_flops == 2 * 64 * 16 * 16  # 64 tokens through one 16 x 16 expert each, shared out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from conftest import traced
@@ -11,7 +12,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.metrics import plan_metrics
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 ALL_GATHER, REDUCE_SCATTER = CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER
 
@@ -53,7 +54,7 @@ def test_tied_group_gathered_once_per_pass():
 
 def test_module_called_twice_gathers_twice():
     lm = load_model(f"{FIXTURES / 'factories.py'}:twice")
-    tr = trace(lm.model, lm.example_inputs)
+    tr = record(lm.model, lm.example_inputs)
     plan = make_plan(tr, [["inp"], ["block"], ["out"]], [True, True, True])
     sched = build_schedule(tr, plan)
     block = [(c.kind, c.backward) for c in sched.collectives if c.group == 1]
@@ -66,7 +67,7 @@ def test_backward_prefetch_is_one_group_ahead():
     tr = traced("toy-llama")
     plan = make_plan(tr, [["tok_embeddings"]] + [[f"layers.{i}"] for i in range(4)] + [["norm", "output"]])
     sched = build_schedule(tr, plan)
-    prefetched = [plan.groups[c.group].modules for c in sched.collectives if c.prefetch]
+    prefetched = [list(plan.groups[c.group].modules) for c in sched.collectives if c.prefetch]
     assert prefetched == [["layers.3"], ["layers.2"], ["layers.1"], ["layers.0"], ["tok_embeddings"]]
 
 
@@ -81,7 +82,7 @@ def test_int_reshard_keeps_a_partial_shard():
 
 def fixture_trace(name):
     lm = load_model(f"{FIXTURES / 'factories.py'}:{name}")
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def test_params_without_a_gradient_are_not_reduce_scattered():
@@ -113,9 +114,8 @@ def test_group_that_claims_nothing_does_not_take_part_in_backward_prefetch(seed_
     def plan_of(groups):
         plan = Plan([*(Group(list(g)) for g in groups), Group([""], [], False)], seed_trace.fingerprint,
                     seed_trace.numel)
-        for g, ps in zip(plan.groups, claimed_params(plan, seed_trace), strict=True):
-            g.params = ps
-        return plan
+        return plan.replace(groups=[dataclasses.replace(g, params=ps) for g, ps in
+                                    zip(plan.groups, claimed_params(plan, seed_trace), strict=True)])
 
     def prefetched(plan):
         return [(plan.groups[c.group].modules[0], c.event) for c in build_schedule(seed_trace, plan).collectives
@@ -123,7 +123,7 @@ def test_group_that_claims_nothing_does_not_take_part_in_backward_prefetch(seed_
 
     layers = [["conv1"], ["conv2"], ["fc1"], ["fc2"]]
     with_empty = plan_of([*layers[:2], ["dropout1"], *layers[2:]])
-    assert with_empty.groups[2].params == []
+    assert list(with_empty.groups[2].params) == []
     assert prefetched(with_empty) == prefetched(plan_of(layers)) != []
 
 

@@ -33,7 +33,7 @@ from fsdp_planner.sim.memory import activation_levels
 from fsdp_planner.sim.options import PRECISIONS, SimOptions
 from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 from fsdp_planner.trace.events import EventKind, OpClass
 from fsdp_planner.trace.ops import op_class
 
@@ -132,7 +132,7 @@ def test_recompute_runs_only_the_ops_not_kept():
 
 def test_plan_json_round_trip_old_files_and_bad_values():
     plan = _titan(ACMode.OP, SacPolicy.TITAN_EARLY)
-    assert plan.activation_checkpointing == [] and plan.policy.endswith("+ ac op titan-early")
+    assert list(plan.activation_checkpointing) == [] and plan.policy.endswith("+ ac op titan-early")
     assert plan.selective_checkpointing == dict.fromkeys(BLOCKS, SacPolicy.TITAN_EARLY)
     data = json.loads(plan.to_json())
     assert data["selective_checkpointing"] == dict.fromkeys(BLOCKS, "titan-early")
@@ -140,19 +140,19 @@ def test_plan_json_round_trip_old_files_and_bad_values():
     assert again.selective_checkpointing == plan.selective_checkpointing and again.signature() == plan.signature()
     old = json.loads(_titan(ACMode.SELECTIVE).to_json())
     assert "selective_checkpointing" not in old  # a plan without op-level checkpointing is written as before
-    assert Plan.from_json(json.dumps(old)).activation_checkpointing == ["layers.1", "layers.3"]
+    assert list(Plan.from_json(json.dumps(old)).activation_checkpointing) == ["layers.1", "layers.3"]
     for bad, message in (([], "must be an object"), ({"layers.0": "sometimes"}, "unknown policy \"sometimes\""),
                          ({"layers..0": "titan"}, "is not a module path")):
         with pytest.raises(PlannerError, match=message):
             Plan.from_json(json.dumps({**data, "selective_checkpointing": bad}))
-    both = plan.copy(activation_checkpointing=["layers.0"])
+    both = plan.replace(activation_checkpointing=["layers.0"])
     with pytest.raises(PlannerError, match=r"'layers\.0' is in both"):
         check_checkpointing(both, traced("toy-llama"))
     for names, message in ((["layers.9"], "selective_checkpointing names modules the model does not have"),
                            (["layers.0", "layers.0.attention"], "selective_checkpointing names 'layers.0.attention' "
                                                                 "inside 'layers.0'")):
         with pytest.raises(PlannerError, match=message):
-            check_checkpointing(plan.copy(selective_checkpointing=dict.fromkeys(names, SacPolicy.TITAN)),
+            check_checkpointing(plan.replace(selective_checkpointing=dict.fromkeys(names, SacPolicy.TITAN)),
                                 traced("toy-llama"))
 
 
@@ -229,7 +229,7 @@ def test_real_fsdp2_with_op_sac_matches_the_prediction(world):
     collectives, and the peak within 5% of the prediction."""
     options = SimOptions()
     lm = load_model("toy-llama")
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
     plan = make_policy(PolicyRequest.named("titan", checkpointing=ACMode.OP)).plan(tr, "toy-llama")
     predicted = simulate(tr, plan, parse_cluster(f"h100:{world}"), options, timeline=False)
     measured = run_fake_world("toy-llama", plan, world, options.precision)
@@ -302,7 +302,7 @@ def test_auto_with_ac_op_checkpoints_every_block_it_can_op_level():
     auto = make_policy(PolicyRequest.named("auto", checkpointing=ACMode.OP, sac_policy=SacPolicy.TITAN_EARLY), cluster)
     plan = auto.plan(tr, "toy-llama")
     inside = {b for b in BLOCKS for g in plan.groups for m in g.modules if m != b and m.startswith(b + ".")}
-    assert plan.activation_checkpointing == [] and plan.policy.endswith("ac op titan-early)")
+    assert list(plan.activation_checkpointing) == [] and plan.policy.endswith("ac op titan-early)")
     assert plan.selective_checkpointing == {b: SacPolicy.TITAN_EARLY for b in BLOCKS if b not in inside}
     assert len(plan.selective_checkpointing) == 4  # on this model auto's plan holds no group inside a block
     report = simulate(tr, plan, cluster, timeline=False)

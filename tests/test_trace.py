@@ -14,7 +14,7 @@ from conftest import traced
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_planner.models import load_model
-from fsdp_planner.trace import EventKind, trace
+from fsdp_planner.trace import EventKind, record
 
 trace_package = importlib.import_module("fsdp_planner.trace")  # the package (its ``trace`` attribute is the function)
 
@@ -39,7 +39,7 @@ def test_seed_net_order_params_and_flops(seed_trace):
 
 def test_flops_match_flop_counter_mode():
     lm = load_model("toy-llama", meta=True)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     lm2 = load_model("toy-llama", meta=True)
     with FlopCounterMode(display=False) as fc:
         lm2.loss_fn(lm2.model(*lm2.example_inputs)).backward()
@@ -78,18 +78,18 @@ def test_param_used_outside_its_module_and_module_called_twice():
         shared_block = nn.Linear(4, 4)
         twice = nn.Sequential(shared_block, nn.ReLU(), shared_block)
         x = torch.randn(2, 4)
-    tr = trace(m, (x,))
+    tr = record(m, (x,))
     b = tr.index.param_index["0.b.weight"]
     users = {e.module for e in tr.events if e.is_op and not e.backward and b in e.params}
     assert users == {"0"}
-    tr2 = trace(twice, (x,))
+    tr2 = record(twice, (x,))
     assert tr2.modules["0"].calls == 2
     assert "2" not in tr2.modules  # the same module object keeps its first FQN
 
 
 def test_real_model_traced_under_fake_tensors():
     lm = load_model("seed-net", meta=False)
-    tr = trace(lm.model, lm.example_inputs, lm.loss_fn)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
     assert tr.fwd_flops == traced("seed-net").fwd_flops
     assert all(p.grad is None for p in lm.model.parameters())
 
@@ -108,10 +108,10 @@ _LIVE_BYTES = """
 import sys
 {first}
 from fsdp_planner.models import load_model
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 lm = load_model("toy-llama")
 imported = "torch._dynamo" in sys.modules  # before the trace
-print(imported, max(e.live for e in trace(lm.model, lm.example_inputs, lm.loss_fn).events))
+print(imported, max(e.live for e in record(lm.model, lm.example_inputs, lm.loss_fn).events))
 """
 
 

@@ -22,14 +22,14 @@ from fsdp_planner.planners import (
     make_policy,
 )
 from fsdp_planner.sim.sizing import Sizing
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 FIXTURES = "tests/fixtures/invalid_models.py"
 
 
 def traced(spec: str):
     lm = load_model(spec)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def reads(tr, plan):
@@ -86,6 +86,6 @@ def test_a_policy_refuses_a_grouping_that_cannot_run_and_check_reports_it(capsys
     request = PolicyRequest.named("module", module_classes=("Layer",))
     with pytest.raises(PlannerError, match=r"this plan cannot run: an op of 'layer\.proc' in forward"):
         make_policy(request).plan(tr)
-    assert [g.modules for g in make_baseline(request).build(tr).groups] == [["layer"], [""]]
+    assert [list(g.modules) for g in make_baseline(request).build(tr).groups] == [["layer"], [""]]
     assert main(["check", f"{FIXTURES}:direct_call", "--policy", "module", "--module-classes", "Layer"]) == 1
     assert "sharded-read" in capsys.readouterr().out

@@ -29,7 +29,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.validity import check_plan_runs
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, PolicyName, PolicyRequest, make_policy
-from fsdp_planner.trace import Trace, trace
+from fsdp_planner.trace import Trace, record
 
 CLASSIC_NAMES = {p.value for p in CLASSIC_POLICIES}
 ISSUE_MODEL = "tests/fixtures/invalid_models.py:direct_call_first"  # the reported model
@@ -46,7 +46,7 @@ def traced(seed: int) -> tuple[Trace, tuple[str, ...]]:
     """The trace of the model of ``seed`` (built on meta tensors) and the features it drew."""
     with torch.device("meta"):
         model, inputs, drawn = build(seed)
-    return trace(model, inputs, loss), (*drawn.features, f"depth {drawn.depth}", str(drawn.dtype))
+    return record(model, inputs, loss), (*drawn.features, f"depth {drawn.depth}", str(drawn.dtype))
 
 
 @dataclass
@@ -101,8 +101,9 @@ def random_plans(tr: Trace, seed: int, count: int) -> list[Plan]:
         if len(inner) >= 2 and rng.random() < 0.4:
             for i in inner:
                 others = [j for j in inner if j != i]
-                plan.groups[i].forward_prefetch = [rng.choice(others)] if rng.random() < 0.5 else []
-                plan.groups[i].backward_prefetch = [rng.choice(others)] if rng.random() < 0.5 else []
+                fwd = [rng.choice(others)] if rng.random() < 0.5 else []
+                bwd = [rng.choice(others)] if rng.random() < 0.5 else []
+                plan = plan.with_group(i, forward_prefetch=fwd, backward_prefetch=bwd)
         plans.append(plan)
     return plans
 
@@ -201,7 +202,7 @@ def test_the_issue_model_at_a_small_width_under_every_budget_auto_can_meet() -> 
 
     with torch.device("meta"):
         model, inputs = resolve_factory(ISSUE_MODEL)(width=64)
-    tr = trace(model, inputs)
+    tr = record(model, inputs)
     cluster = parse_cluster("h100:8")
     free = AutoPolicy(cluster).search(tr)
     low, high = free.min_peak, free.report.reserved_memory

@@ -3,6 +3,7 @@ predicted collectives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from fsdp_planner.models import load_model
 from fsdp_planner.runtime import signals
 from fsdp_planner.runtime import verify as v
 from fsdp_planner.runtime.verify import run_verify
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 FIXTURES = Path(__file__).parent / "fixtures"
 THRESHOLDS = {"seed-net": 2000, "toy-llama": 20_000, "toy-gpt2-tied": 2000}
@@ -50,7 +51,7 @@ def test_every_policy_matches_reference_and_prediction(spec, name):
 def test_module_called_twice_on_a_real_run():
     spec = f"{FIXTURES / 'factories.py'}:twice"
     lm = load_model(spec)
-    tr = trace(lm.model, lm.example_inputs)
+    tr = record(lm.model, lm.example_inputs)
     plan = make_plan(tr, [["inp"], ["block"], ["out"]])
     result = run_verify(spec, tr, plan, nproc=2, steps=2)
     assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
@@ -65,8 +66,8 @@ def test_mismatch_is_reported_not_hidden():
     tr = traced("seed-net")
     plan = policy("order").plan(tr, "seed-net")
     predicted, _ = v.predict_collectives(tr, plan, 2)
-    for g in plan.groups[:-1]:
-        g.reshard_after_forward = False
+    plan = plan.replace(groups=[*(dataclasses.replace(g, reshard_after_forward=False) for g in plan.inner_groups),
+                                plan.root])
     result = v.run_verify("seed-net", tr, plan, nproc=2, steps=1)
     assert result.counted[0] != predicted
     result.predicted = predicted
@@ -99,8 +100,8 @@ def test_auto_under_a_tight_budget_with_prefetch_trains_on_a_real_run():
     inner = [i for i, g in enumerate(plan.groups) if not g.is_root]
     assert len(inner) >= 4 and any(len(g.modules) > 1 for g in plan.groups)
     for pos, i in enumerate(inner):
-        plan.groups[i].forward_prefetch = inner[pos + 1:pos + 3]
-        plan.groups[i].backward_prefetch = inner[max(0, pos - 2):pos][::-1]
+        plan = plan.with_group(i, forward_prefetch=inner[pos + 1:pos + 3],
+                               backward_prefetch=inner[max(0, pos - 2):pos][::-1])
     result = run_verify("toy-llama", tr, plan, nproc=2, steps=2)
     assert result.max_abs_diff <= 1e-5 and result.counts_match, (result.counted, result.predicted)
     assert result.ok
@@ -112,8 +113,9 @@ def test_int_reshard_after_forward_on_four_ranks():
     backward all-gathers run on 2-rank sub-groups of a 4-rank world."""
     tr = traced("toy-llama")
     plan = policy("order").plan(tr, "toy-llama")
-    for g in plan.groups[1:-2]:
-        g.reshard_after_forward = 2
+    inner = range(1, len(plan.groups) - 2)
+    plan = plan.replace(groups=[dataclasses.replace(g, reshard_after_forward=2) if i in inner else g
+                                for i, g in enumerate(plan.groups)])
     result = run_verify("toy-llama", tr, plan, nproc=4, steps=2)
     assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
     assert result.max_abs_diff <= 1e-5 and result.ok
@@ -441,8 +443,8 @@ def test_a_byte_mismatch_fails_a_real_run(tmp_path):
     (tmp_path / "grows.py").write_text(GROWS_MODEL)
     spec = f"{tmp_path / 'grows.py'}:grows"
     lm = load_model(spec)
-    tr = trace(lm.model, lm.example_inputs)
-    plan = policy("order").plan(tr, spec).copy(fingerprint="")
+    tr = record(lm.model, lm.example_inputs)
+    plan = policy("order").plan(tr, spec).replace(fingerprint="")
     result = run_verify(spec, tr, plan, nproc=2, steps=1)
     assert result.counts_match and result.params_match
     assert not result.bytes_match and not result.ok
@@ -458,7 +460,7 @@ def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkey
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     spec = f"{tmp_path / 'slow.py'}:slow"
     lm = load_model(spec)
-    tr = trace(lm.model, lm.example_inputs)
+    tr = record(lm.model, lm.example_inputs)
     plan = policy("order").plan(tr, spec)
     with pytest.raises(PlannerError, match="did not finish within 15 s"):
         run_verify(spec, tr, plan, nproc=2, steps=1, timeout=15)

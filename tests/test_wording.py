@@ -18,7 +18,7 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 
 ROOT_ONLY = """import torch
 
@@ -39,7 +39,7 @@ def build():
 
 def _traced(spec: str):
     lm = load_model(spec)
-    return trace(lm.model, lm.example_inputs, lm.loss_fn)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
 
 
 def _shown(renderable) -> str:

@@ -100,8 +100,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         chosen = (_fitting(_search(request, the_cluster, options, tr, name)) if request.name is PolicyName.AUTO
                   else _classic(request, tr, name, the_cluster, options))
     # as ``plan --out``: export and apply train in the precision, verify rebuilds with the attention and hf_config
-    return chosen.copy(precision=options.precision.name, attention=workload.attention or "",
-                       hf_config=dict(workload.hf_config))
+    return replace(chosen, precision=options.precision.name, attention=workload.attention or "",
+                   hf_config=workload.hf_config)
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _fitting(found: AutoResult) -> Plan:
     """Auto's plan, or the one sentence saying why none fits the budget."""
     if not found.fits:
         raise PlannerError(infeasible_message(found))
-    return found.plan
+    return found.written_plan
 
 
 def _is_auto_split(micro_batches: object) -> bool:

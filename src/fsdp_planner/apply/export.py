@@ -232,8 +232,8 @@ def selective_constants(plan: Plan) -> str:
 
 def plan_constants(plan: Plan, precision: Precision) -> str:
     """The plan, and the precision its numbers assumed, as Python literals."""
-    fwd = {i: g.forward_prefetch for i, g in enumerate(plan.inner_groups) if g.forward_prefetch}
-    bwd = {i: g.backward_prefetch for i, g in enumerate(plan.inner_groups) if g.backward_prefetch}
+    fwd = {i: list(g.forward_prefetch) for i, g in enumerate(plan.inner_groups) if g.forward_prefetch}
+    bwd = {i: list(g.backward_prefetch) for i, g in enumerate(plan.inner_groups) if g.backward_prefetch}
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh is not None else None
     param_dtype, reduce_dtype = precision.fsdp_dtypes()
     lines = [f"POLICY: str = {py_literal(plan.policy)}",

@@ -39,7 +39,7 @@ from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Overhead
 from fsdp_planner.models import LoadedModel
 from fsdp_planner.runtime.measure import local_device
-from fsdp_planner.trace import trace
+from fsdp_planner.trace import record
 from fsdp_planner.trace.recorder import default_loss, split_inputs
 from fsdp_planner.trace.records import Trace
 
@@ -107,7 +107,7 @@ def chain_trace() -> Trace:
     """The chain's trace, on meta tensors."""
     with torch.device("meta"):
         meta = _Chain()
-    return trace(meta, (_inputs("meta"),), _sum)
+    return record(meta, (_inputs("meta"),), _sum)
 
 
 def fastest_steps(steps: list[Callable[[], None]], device: torch.device, rounds: int) -> list[float]:

@@ -80,7 +80,7 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
         if request.name is PolicyName.AUTO:
             if cluster is None:
                 raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
-            return run_auto(tr, request, cluster, options, args.model).plan, label
+            return run_auto(tr, request, cluster, options, args.model).written_plan, label
         # the grouping unchecked: a param it would read sharded is one of the findings check reports
         return make_baseline(request).build(tr, args.model), label
     except PlannerError as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from rich.console import Console
 from rich.markup import escape
 
@@ -143,7 +145,7 @@ def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None
     shard = plan.shard_size(world) if world is not None else 1
     reduce = options.reduce_dtype.value if options.reduce_dtype else plan.reduce_dtype
     out = with_memory_options(plan, tr, shard, plan.offload or options.offload, placement, reduce)
-    return out if not plan.shard_dims else out.copy(shard_dims=dict(plan.shard_dims))
+    return out if not plan.shard_dims else replace(out, shard_dims=plan.shard_dims)
 
 
 def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
@@ -152,7 +154,7 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     if request.name is PolicyName.AUTO:
         if cluster is None:
             raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
-        return run_auto(tr, request, cluster, options or SimOptions(), model).plan
+        return run_auto(tr, request, cluster, options or SimOptions(), model).written_plan
     plan = make_policy(request).plan(tr, model)
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)

@@ -117,7 +117,7 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
 
     precision = options.precision  # the table's bytes in the simulation's dtypes
     classic = [(p, plan_metrics(tr, p, cluster.world_size, precision), simulated(p)) for p in plans if p is not None]
-    rows = [*classic, (auto.plan, plan_metrics(tr, auto.plan, cluster.world_size, precision), auto.report)]
+    rows = [*classic, (p := auto.written_plan, plan_metrics(tr, p, cluster.world_size, precision), auto.report)]
     budget = MemoryBudget.of_gpu(cluster.gpu.memory_bytes, cluster.gpu.name)  # auto's: the GPU less the headroom
     console.print(render.comparison_table(escape(f"{model} on {cluster.name}: per training step; reserved memory "
                                                  f"against {fmt_bytes(budget.limit)} ({budget.source})"), rows,
@@ -146,7 +146,7 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     explanations = explain(auto)
     for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory, collapse=True):
         console.print(part, highlight=False)
-    views = [step_view(tr, p, cluster, options, _label(p), budget) for p in (auto.plan, rival)]
+    views = [step_view(tr, p, cluster, options, _label(p), budget) for p in (auto.written_plan, rival)]
     title = f"{model} on {cluster.describe()}"
     png, page = out_dir / "timeline.png", out_dir / "timeline.html"
     write_png(views, png, title)

@@ -143,7 +143,7 @@ class Points:
         point = FitPoint(batch, seq or 1, cluster.world_size, cluster.nodes, found.fits, report.step_time,
                          report.reserved_memory, found.budget, tr.fwd_flops + tr.bwd_flops,
                          _peak_flops(cluster, r.options), report.mesh,
-                         len(found.plan.activation_checkpointing), found.plan.offload,
+                         len(found.plan.activation_checkpointing), found.run.offload,
                          len(found.plan.activation_offloading))
         render.note(f"fit: batch {batch:,}{f', seq {seq:,}' if seq else ''} on {cluster.name}: "
                     f"{'fits' if found.fits else 'does not fit'} (reserved {fmt_bytes(report.reserved_memory)}, "

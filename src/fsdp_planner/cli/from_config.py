@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import replace
 from typing import Any
 
 import fsdp_planner.cli.render as render
@@ -168,7 +169,5 @@ def adjusted(plan: Plan, cfg: JobConfig | None) -> Plan:
     policy's own)."""
     if cfg is None or cfg.reshard == "default":
         return plan
-    out = plan.copy(policy=f"{plan.policy}, reshard_after_forward {cfg.reshard}")
-    for g in out.groups:
-        g.reshard_after_forward = cfg.reshard == "always"
-    return out
+    return replace(plan, policy=f"{plan.policy}, reshard_after_forward {cfg.reshard}",
+                   groups=[replace(g, reshard_after_forward=cfg.reshard == "always") for g in plan.groups])

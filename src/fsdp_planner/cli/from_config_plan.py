@@ -89,7 +89,7 @@ def run_plan(args: argparse.Namespace) -> int:
     assert cfg is not None
     result = plan_from_config(args, cfg)
     if args.out is not None:
-        write_atomic(args.out, result.auto.copy(precision=result.precision).checked_json() + "\n")
+        write_atomic(args.out, dataclasses.replace(result.auto, precision=result.precision).checked_json() + "\n")
     if args.json:
         print(json_text(_json(result, cfg, args), indent=2))
     else:
@@ -106,11 +106,12 @@ def plan_from_config(args: argparse.Namespace, cfg: JobConfig) -> Result:
     free = argparse.Namespace(**{**vars(args), "ac": None, "ac_policy": None, "mesh": None, "offload": False})
     found = run_auto(tr, policy_request(free, PolicyName.AUTO.value), cluster, sim_options(free), args.model,
                      must_fit=False)
-    old, new = _config_setting(cfg, cluster), _plan_setting(found.plan, tr, cluster)
-    changes = _changes(cfg, old, new, config_plan, found.plan)
+    auto = found.written_plan
+    old, new = _config_setting(cfg, cluster), _plan_setting(auto, tr, cluster)
+    changes = _changes(cfg, old, new, config_plan, auto)
     best = _best_edit(args, cfg, tr, cluster, old, new, budget, before)
     edit = (_changes(cfg, old, best[0], config_plan, None), best[1]) if best else None
-    return Result(config_plan, found.plan, before, found.report, edit, changes, budget,
+    return Result(config_plan, auto, before, found.report, edit, changes, budget,
                   options.precision.name, found.fits, None if found.fits else infeasible_message(found))
 
 

@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
         # the precision goes with the plan: export sets it, so the code runs as the numbers assumed
         # and the attention kernel it was planned for (--attention; absent: the default), and the --hf-config
         # fields: verify and check rebuild the model the plan was made for
-        kept = plans[0].copy(precision=request.options.precision.name, attention=request.model.attention or "",
-                             hf_config=dict(request.model.hf_config))
+        kept = dataclasses.replace(rows[0][0], precision=request.options.precision.name,
+                                   attention=request.model.attention or "", hf_config=request.model.hf_config)
         write_atomic(request.out, kept.checked_json() + "\n")
     if request.json:
         doc = {**_json(request, tr, rows, auto),
@@ -104,15 +104,18 @@ def _compared(tr: Trace, request: PlanRequest) -> tuple[PolicyRequest, ...]:
     return tuple(p for p in request.policies if p.name not in (PolicyName.MODULE, PolicyName.TITAN))
 
 
-def _plans(tr: Trace, request: PlanRequest) -> tuple[list[Plan], AutoResult | None, str | None]:
+Found = tuple[Plan, StepReport | None]  # a plan and, when its search simulated it, its step (not simulated again)
+
+
+def _plans(tr: Trace, request: PlanRequest) -> tuple[list[Found], AutoResult | None, str | None]:
     """Each policy's plan, auto's search result, and why auto found no plan within the budget (in a comparison
     that is a result, not an error)."""
     auto: AutoResult | None = None
-    plans: list[Plan] = []
+    plans: list[Found] = []
     no_fit: str | None = None
     for policy in _compared(tr, request):
         if policy.name is not PolicyName.AUTO:
-            plans += _classic(tr, policy, request)
+            plans += [(p, None) for p in _classic(tr, policy, request)]
             continue
         assert request.cluster is not None
         found = run_auto(tr, policy, request.cluster, request.options, request.model.name,
@@ -121,7 +124,7 @@ def _plans(tr: Trace, request: PlanRequest) -> tuple[list[Plan], AutoResult | No
             no_fit = infeasible_message(found)
             continue
         auto = found
-        plans.append(auto.plan)
+        plans.append((auto.written_plan, auto.report))  # as the command writes it: auto's run options in
     return plans, auto, no_fit
 
 
@@ -139,24 +142,26 @@ def _classic(tr: Trace, policy: PolicyRequest, request: PlanRequest) -> list[Pla
         return []
 
 
-def _rows(tr: Trace, plans: list[Plan], request: PlanRequest) -> list[Row]:
+def _rows(tr: Trace, plans: list[Found], request: PlanRequest) -> list[Row]:
     """Each plan's metrics and, with a cluster, its simulated step (one context per layout: the comparison may mix
-    auto's HSDP with pure FSDP)."""
+    auto's HSDP with pure FSDP); auto's plan keeps the step its search simulated."""
     cluster = request.cluster
     world = cluster.world_size if cluster else None
     contexts: dict[tuple[Mesh, SimOptions], SimContext] = {}
 
-    def simulated(p: Plan) -> StepReport | None:
+    def simulated(p: Plan, report: StepReport | None) -> StepReport | None:
         if cluster is None:
             return None
         check_plan_world_size(p, cluster.world_size)
-        key = (p.layout(cluster.world_size), plan_options(p, request.options))  # auto may have chosen offload
+        if report is not None:
+            return report
+        key = (p.layout(cluster.world_size), plan_options(p, request.options))
         if key not in contexts:
             contexts[key] = SimContext(tr, cluster, key[1], mesh=key[0])
         return simulate(tr, p, context=contexts[key], timeline=False)
 
     precision = request.options.precision if cluster else None  # the table's bytes in the simulation's dtypes
-    return [(p, plan_metrics(tr, p, world, precision), simulated(p)) for p in plans]
+    return [(p, plan_metrics(tr, p, world, precision), simulated(p, r)) for p, r in plans]
 
 
 def _explanation(r: GroupExplanation) -> dict[str, Any]:
@@ -178,8 +183,8 @@ def _json(request: PlanRequest, tr: Trace, rows: list[Row], auto: AutoResult | N
     out: dict[str, Any] = {
         "model": {"name": request.model.name, "fingerprint": tr.fingerprint, "numel": tr.numel},
         "micro_batches": request.options.micro_batches, "gradient_sync": request.options.gradient_sync.value,
-        "plans": [{"plan": p.copy(attention=request.model.attention or "").to_dict(), "metrics": m.to_dict(),
-                   **simulation(r)} for p, m, r in rows],
+        "plans": [{"plan": dataclasses.replace(p, attention=request.model.attention or "").to_dict(),
+                   "metrics": m.to_dict(), **simulation(r)} for p, m, r in rows],
     }
     if auto is not None:
         out["auto"] = {"budget": auto.budget, "budget_source": auto.budget_source, "fits": auto.fits,

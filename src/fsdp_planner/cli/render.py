@@ -205,7 +205,7 @@ def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
         nbytes = sum(tr.param(p).nbytes for p in g.params)
         raf = "root default (False)" if g.is_root and g.reshard_after_forward is False else str(g.reshard_after_forward)
         ac = checkpointed[i]
-        checkpoint = how_checkpointed(plan, ac) if ac and ac == g.modules else escape(fmt_modules(ac, 1)) if ac \
+        checkpoint = how_checkpointed(plan, ac) if ac and ac == list(g.modules) else escape(fmt_modules(ac, 1)) if ac \
             else ""
         t.add_row(str(i), escape(fmt_modules(g.modules)), fmt_numel(numel) if g.params else "none",
                   fmt_bytes(nbytes), raf, checkpoint)
@@ -409,7 +409,7 @@ def _step_time_rows(result: VerifyResult, cluster: str | None) -> list[tuple[str
 def auto_line(result: AutoResult) -> str:
     ev = result.search.ev  # a classic plan the target cannot express (FSDP1) or that cannot run is no rival
     fitting = [c for c in result.baselines.values()
-               if c.report.reserved_memory <= result.budget and c.runs and ev.allowed(c.plan)]
+               if ev.fits(c) and c.runs and ev.allowed(c.plan)]
     best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
     ac, op = len(result.plan.activation_checkpointing), len(result.plan.selective_checkpointing)
     owning = sum(1 for g in result.plan.groups if g.params)  # as the tables count: the root when it owns params
@@ -420,9 +420,9 @@ def auto_line(result: AutoResult) -> str:
          if result.plan.activation_offloading else "")
     layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
     # auto's last resorts, said where the step time is: an offload plan's step is mostly the CPU optimizer's
-    dims = "/".join(str(d) for d in sorted(set(result.plan.shard_dims.values())))
-    layout += (f", {fmt_count(len(result.plan.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
-        (", CPU offload" if result.plan.offload else "")
+    dims = "/".join(str(d) for d in sorted(set(result.run.shard_dims.values())))
+    layout += (f", {fmt_count(len(result.run.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
+        (", CPU offload" if result.run.offload else "")
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
@@ -443,7 +443,7 @@ def mesh_line(result: AutoResult) -> str:
     """The layouts auto compared (replicate x shard), each with its best plan's step time and reserved memory."""
     parts = []
     for name, c in sorted(result.meshes.items(), key=lambda kv: -int(kv[0].partition("x")[2])):
-        fits = c.report.reserved_memory <= result.budget
+        fits = result.memory.fits(c.report.reserved_memory)
         parts.append(f"{name} {fmt_time(c.report.step_time)}"
                      f"{'' if fits else ' (' + fmt_bytes(c.report.reserved_memory) + ', does not fit)'}")
     return f"  layouts (replicate x shard): {', '.join(parts)}"

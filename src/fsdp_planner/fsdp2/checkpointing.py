@@ -25,6 +25,7 @@ it, and there is no prefetch; the simulator charges them on the compute stream (
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,19 +54,17 @@ def plan_checkpointing(plan: Plan) -> Checkpointing:
             *((m, Offloaded.HOST) for m in plan.activation_offloading))
 
 
-def checkpoint_blocks(plan: Plan, trace: Trace, mode: ACMode, policy: SacPolicy) -> None:
-    """Set ``plan``'s checkpointing to what ``mode`` checkpoints (``op``: with ``policy``), and label it."""
+def checkpoint_blocks(plan: Plan, trace: Trace, mode: ACMode, policy: SacPolicy) -> Plan:
+    """``plan`` with its checkpointing set to what ``mode`` checkpoints (``op``: with ``policy``), and labelled."""
     blocks = checkpointed_blocks(trace, mode)
     if mode is ACMode.OP:
-        plan.activation_checkpointing, plan.selective_checkpointing = [], dict.fromkeys(blocks, policy)
-        plan.policy = f"{plan.policy} + ac op {policy.value}"
-    elif mode is ACMode.OFFLOAD:
-        plan.activation_checkpointing, plan.selective_checkpointing = [], {}
-        plan.activation_offloading = blocks
-        plan.policy = f"{plan.policy} + ac offload"
-    else:
-        plan.activation_checkpointing, plan.selective_checkpointing = blocks, {}
-        plan.policy = f"{plan.policy} + ac {mode.value}" if mode is not ACMode.NONE else plan.policy
+        return replace(plan, activation_checkpointing=(), selective_checkpointing=dict.fromkeys(blocks, policy),
+                       policy=f"{plan.policy} + ac op {policy.value}")
+    if mode is ACMode.OFFLOAD:
+        return replace(plan, activation_checkpointing=(), selective_checkpointing={}, activation_offloading=blocks,
+                       policy=f"{plan.policy} + ac offload")
+    return replace(plan, activation_checkpointing=blocks, selective_checkpointing={},
+                   policy=f"{plan.policy} + ac {mode.value}" if mode is not ACMode.NONE else plan.policy)
 
 
 def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import check_checkpointing
@@ -217,14 +218,13 @@ def with_claimed_params(plan: Plan, trace: Trace) -> Plan:
     unknown = {m for g in plan.groups for m in g.modules} - set(trace.modules)
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {short_list(unknown)}")
-    out = plan.copy(fingerprint=plan.fingerprint or trace.fingerprint, numel=plan.numel or trace.numel)
-    for g, params in zip(out.groups, claimed_params(out, trace), strict=True):
-        g.params = params
-    if not any(g.forward_prefetch or g.backward_prefetch for g in out.groups):
+    groups = [replace(g, params=params) for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True)]
+    if not any(g.forward_prefetch or g.backward_prefetch for g in groups):
         first = trace.index.first_use_by_name
         never = len(trace.events) + 2  # a group claiming nothing goes last
-        out.groups[:-1] = sorted(out.groups[:-1], key=lambda g: min((first[p] for p in g.params), default=never))
-    return out
+        groups[:-1] = sorted(groups[:-1], key=lambda g: min((first[p] for p in g.params), default=never))
+    return replace(plan, groups=groups, fingerprint=plan.fingerprint or trace.fingerprint,
+                   numel=plan.numel or trace.numel)
 
 
 def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
@@ -248,13 +248,13 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     groups = resolve_ties(trace, groups)
     plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],
                 trace.fingerprint, trace.numel, policy=policy, model=model)
-    for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True):
-        g.params = params
-    plan.groups = [g for g in plan.groups if g.params or g.is_root]
-    plan.forward_methods = methods_to_register(trace, plan)
+    # (built, not ``replace``d: auto builds thousands of groups per plan)
+    claimed = [Group(g.modules, params, g.reshard_after_forward)
+               for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True)]
+    plan = replace(plan, groups=[g for g in claimed if g.params or g.is_root])
     first = trace.index.first_use_by_name.__getitem__
-    plan.groups[:-1] = sorted(plan.groups[:-1], key=lambda g: min(map(first, g.params)))
-    return plan
+    inner = sorted(plan.inner_groups, key=lambda g: min(map(first, g.params)))
+    return replace(plan, groups=[*inner, plan.root], forward_methods=methods_to_register(trace, plan))
 
 
 def methods_to_register(trace: Trace, plan: Plan) -> list[tuple[str, str]]:

@@ -12,6 +12,7 @@ import difflib
 import json
 import keyword
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -71,19 +72,61 @@ class Mesh:
         return {"replicate": self.replicate, "shard": self.shard}
 
 
-@dataclass
-class Group:
-    """One FSDP parameter group: ``fully_shard(modules, reshard_after_forward=...)``."""
+class FrozenDict(dict):  # type: ignore[type-arg]
+    """A dict that refuses changes: a plan's mappings (checkpointing policies, shard dims, config fields) cannot be
+    changed under the plans that share them. It pickles (plans cross process boundaries) and hashes by its items."""
 
-    modules: list[str]
-    params: list[str] = field(default_factory=list)
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a plan's mappings cannot be changed: build a new plan with dataclasses.replace")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(self.items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenDict, (dict(self),))
+
+    def __copy__(self) -> FrozenDict:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FrozenDict:
+        return self
+
+
+def _tuples(obj: Any, names: tuple[str, ...]) -> None:
+    """Lists given to a frozen dataclass kept as tuples (a policy builds its groups as lists)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, tuple):
+            object.__setattr__(obj, name, tuple(value))
+
+
+def _frozen_dicts(obj: Any, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, FrozenDict):
+            object.__setattr__(obj, name, FrozenDict(value))
+
+
+@dataclass(frozen=True)
+class Group:
+    """One FSDP parameter group: ``fully_shard(modules, reshard_after_forward=...)``. Immutable: a plan shares its
+    groups with the plans made from it (``dataclasses.replace``)."""
+
+    modules: tuple[str, ...]
+    params: tuple[str, ...] = ()
     reshard_after_forward: ReshardAfterForward = True
-    forward_prefetch: list[int] = field(default_factory=list)  # group indices to unshard at this one's forward
-    backward_prefetch: list[int] = field(default_factory=list)  # ... at this one's pre-backward
+    forward_prefetch: tuple[int, ...] = ()  # group indices to unshard at this one's forward
+    backward_prefetch: tuple[int, ...] = ()  # ... at this one's pre-backward
+
+    def __post_init__(self) -> None:
+        _tuples(self, ("modules", "params", "forward_prefetch", "backward_prefetch"))
 
     @property
     def is_root(self) -> bool:
-        return self.modules == [ROOT]
+        return self.modules == (ROOT,)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"modules": list(self.modules), "params": list(self.params),
@@ -95,36 +138,76 @@ class Group:
         return d
 
 
-@dataclass
+@dataclass(frozen=True)
+class RunOptions:
+    """FSDP2's memory options a plan runs with, beside its grouping: what auto chooses when nothing fits without
+    them, and what a plan file records (``offload``, ``shard_dims``, ``reduce_dtype``). A search keeps them apart
+    from its plans; they are written into the plan where it leaves the program (``Plan.running``)."""
+
+    offload: bool = False  # CPUOffloadPolicy: sharded params, grads and optimizer state on the CPU
+    shard_dims: Mapping[str, int] = field(default_factory=FrozenDict)  # param -> dim it is sharded on, where not 0
+    reduce_dtype: str = ""  # MixedPrecisionPolicy.reduce_dtype the user chose ("fp32", "bf16"); "": the precision's
+
+    def __post_init__(self) -> None:
+        _frozen_dicts(self, ("shard_dims",))
+
+
+@dataclass(frozen=True)
 class Plan:
     """A grouping of a model's params into FSDP2 groups, with their settings: what ``apply_plan`` applies and
     ``plan --out`` writes (``save`` / ``load``; ``fingerprint`` ties it to one model's param names, shapes and
-    dtypes)."""
+    dtypes). Immutable: changes make a new plan (``dataclasses.replace``), sharing the groups it keeps."""
 
-    groups: list[Group]  # execution order, root group last
+    groups: tuple[Group, ...]  # execution order, root group last
     fingerprint: str
     numel: int
     policy: str = ""
     model: str = ""
-    activation_checkpointing: list[str] = field(default_factory=list)  # modules checkpointed in full
+    activation_checkpointing: tuple[str, ...] = ()  # modules checkpointed in full
     # (every call: only its inputs kept after forward, its forward run again in backward; ``checkpointing.py``)
-    selective_checkpointing: dict[str, SacPolicy] = field(default_factory=dict)  # module -> the op-level
+    selective_checkpointing: Mapping[str, SacPolicy] = field(default_factory=FrozenDict)  # module -> the op-level
     # selective checkpointing policy of its every call (its inputs and saved ops' outputs kept; ``selective.py``)
     mesh: Mesh | None = None  # None: pure FSDP over whatever world it runs on
-    forward_methods: list[tuple[str, str]] = field(default_factory=list)  # (module, method): non-forward methods
+    forward_methods: tuple[tuple[str, str], ...] = ()  # (module, method): non-forward methods
     # the step calls on a sharded module, run inside its pre/post-forward hooks (register_fsdp_forward_method)
     precision: str = ""  # the mixed precision the plan was simulated in (``choices.PRECISION_NAMES``; "": not
     # recorded, e.g. a hand-written plan): what ``export`` sets, so the code runs as the numbers assumed
-    offload: bool = False  # CPUOffloadPolicy: sharded params, grads and optimizer state on the CPU
-    shard_dims: dict[str, int] = field(default_factory=dict)  # param -> dim it is sharded on, where not 0
+    offload: bool = False  # the run options (``RunOptions``): CPUOffloadPolicy
+    shard_dims: Mapping[str, int] = field(default_factory=FrozenDict)  # param -> dim it is sharded on, where not 0
     # (fully_shard(shard_placement_fn=...) returning Shard(dim))
     reduce_dtype: str = ""  # MixedPrecisionPolicy.reduce_dtype the user chose ("fp32", "bf16"); "": the precision's
     attention: str = ""  # the attention kernel the plan was made for (--attention: choices.ATTENTION_NAMES); "": the
     # default (sdpa, or a Hugging Face model's own implementation)
-    hf_config: dict[str, Any] = field(default_factory=dict)  # the --hf-config fields the model was planned with
-    # (an hf: model's config fields set over its file's, e.g. use_cache): verify and check rebuild the same model
-    activation_offloading: list[str] = field(default_factory=list)  # modules whose every call's saved tensors go
+    hf_config: Mapping[str, Any] = field(default_factory=FrozenDict)  # the --hf-config fields the model was
+    # planned with (an hf: model's config fields set over its file's, e.g. use_cache): verify and check rebuild it
+    activation_offloading: tuple[str, ...] = ()  # modules whose every call's saved tensors go
     # to the host (``torch.autograd.graph.save_on_cpu`` around its forward; ``checkpointing.py``)
+
+    def __post_init__(self) -> None:
+        _tuples(self, ("groups", "activation_checkpointing", "activation_offloading"))
+        methods = self.forward_methods
+        if not (isinstance(methods, tuple) and all(isinstance(m, tuple) for m in methods)):
+            object.__setattr__(self, "forward_methods", tuple(tuple(m) for m in methods))
+        _frozen_dicts(self, ("selective_checkpointing", "shard_dims", "hf_config"))
+
+    def replace(self, **changes: Any) -> Plan:
+        """``dataclasses.replace``: this plan with ``changes``, sharing the rest (nothing of it can change)."""
+        return replace(self, **changes)
+
+    def with_group(self, i: int, **changes: Any) -> Plan:
+        """This plan with group ``i`` replaced by a copy with ``changes`` (the other groups shared)."""
+        groups = list(self.groups)
+        groups[i] = replace(groups[i], **changes)
+        return replace(self, groups=groups)
+
+    @property
+    def run(self) -> RunOptions:
+        """The run options the plan records."""
+        return RunOptions(self.offload, self.shard_dims, self.reduce_dtype)
+
+    def running(self, run: RunOptions) -> Plan:
+        """This plan recording ``run``: what a plan leaving the program carries (``--out``, export, the API)."""
+        return replace(self, offload=run.offload, shard_dims=run.shard_dims, reduce_dtype=run.reduce_dtype)
 
     def layout(self, world_size: int) -> Mesh:
         """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
@@ -139,29 +222,18 @@ class Plan:
         return self.groups[-1]
 
     @property
-    def inner_groups(self) -> list[Group]:
+    def inner_groups(self) -> tuple[Group, ...]:
         return self.groups[:-1]
 
     def group_of_param(self) -> dict[str, int]:
         return {p: i for i, g in enumerate(self.groups) for p in g.params}
 
-    def copy(self, **changes: Any) -> Plan:
-        """A copy whose groups can be changed without touching this plan's."""
-        return replace(self, groups=[replace(g, modules=list(g.modules), params=list(g.params),
-                                             forward_prefetch=list(g.forward_prefetch),
-                                             backward_prefetch=list(g.backward_prefetch)) for g in self.groups],
-                       **{"activation_checkpointing": list(self.activation_checkpointing),
-                          "selective_checkpointing": dict(self.selective_checkpointing),
-                          "activation_offloading": list(self.activation_offloading),
-                          "forward_methods": list(self.forward_methods), "shard_dims": dict(self.shard_dims),
-                          **changes})
-
     def signature(self) -> tuple:
         """What makes two plans behave the same (names and labels aside)."""
-        return (tuple((tuple(g.modules), g.reshard_after_forward, tuple(g.forward_prefetch),
-                       tuple(g.backward_prefetch)) for g in self.groups), tuple(self.activation_checkpointing),
-                tuple(self.selective_checkpointing.items()), self.mesh, tuple(self.forward_methods), self.offload,
-                tuple(sorted(self.shard_dims.items())), self.reduce_dtype, tuple(self.activation_offloading))
+        return (tuple((g.modules, g.reshard_after_forward, g.forward_prefetch, g.backward_prefetch)
+                      for g in self.groups), self.activation_checkpointing,
+                tuple(self.selective_checkpointing.items()), self.mesh, self.forward_methods, self.offload,
+                tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -365,7 +365,7 @@ class Replay:
         did not all run complete their forward (their pre-backward hook goes on the root's output), visited in
         reverse order of FSDP2's all_states."""
         for group in reversed(self.states):
-            if group.group.modules != [ROOT] and group.modules_to_run:
+            if not group.group.is_root and group.modules_to_run:
                 group.modules_to_run.clear()
                 group.complete_forward(at, (ROOT, call[1]))
 

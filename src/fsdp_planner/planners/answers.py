@@ -80,7 +80,7 @@ def _reduce_dtype(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
     now = ReduceDtype.BF16 if precision.reduce_bytes == 2 else ReduceDtype.FP32
     other = ReduceDtype.FP32 if now is ReduceDtype.BF16 else ReduceDtype.BF16
     swapped = dataclasses.replace(run, precision=with_reduce_dtype(precision, other), reduce_dtype=other)
-    alt = _step(tr, plan.copy(reduce_dtype=other.value), cluster, swapped)
+    alt = _step(tr, dataclasses.replace(plan, reduce_dtype=other.value), cluster, swapped)
     if alt is None:
         return None
     what = f"reducing grads in {other.value} instead of {now.value}: {_versus(base, alt, budget)}"
@@ -100,8 +100,8 @@ def _hsdp(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: St
     """The plan's grouping on the best HSDP layout against pure FSDP (or, for an HSDP plan, the reverse)."""
     world = cluster.world_size
     layouts = [m for m in candidate_meshes(cluster, Target.FSDP2) if m != plan.layout(world)]
-    tried = [(m, r) for m in layouts if (r := _step(tr, plan.copy(mesh=None if m == Mesh.flat(world) else m),
-                                                    cluster, options)) is not None]
+    on = {m: dataclasses.replace(plan, mesh=None if m == Mesh.flat(world) else m) for m in layouts}
+    tried = [(m, r) for m in layouts if (r := _step(tr, on[m], cluster, options)) is not None]
     if not tried:
         return None
     mesh, best = min(tried, key=lambda t: (not budget.fits(t[1].reserved_memory), t[1].step_time))
@@ -123,10 +123,10 @@ def _reshard_to_node(tr: Trace, plan: Plan, cluster: Cluster, options: SimOption
     node, shard = cluster.gpus_per_node, plan.shard_size(cluster.world_size)
     if shard <= node or shard % node:
         return None
-    changed = plan.copy()
-    for g in changed.groups[:-1]:  # the root's params are resharded after backward only (FSDP2 keeps them)
-        if g.reshard_after_forward is True:
-            g.reshard_after_forward = node
+    # the root's params are resharded after backward only (FSDP2 keeps them)
+    groups = [dataclasses.replace(g, reshard_after_forward=node) if g.reshard_after_forward is True else g
+              for g in plan.inner_groups]
+    changed = dataclasses.replace(plan, groups=[*groups, plan.root])
     if changed.signature() == plan.signature():
         return None
     alt = _step(tr, changed, cluster, options)

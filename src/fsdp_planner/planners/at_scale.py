@@ -17,6 +17,8 @@ What is proven is the grouping's mechanics (claims, collectives and their bytes,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.claim import make_plan
@@ -33,10 +35,8 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
                      "(its all-reduce across replicas is not proven)")
     reshard = [_reshard_on(g.reshard_after_forward, nproc, i, notes) for i, g in enumerate(plan.groups)]
     if planned is job:  # the plan's own groups: only the layout and the sub-group sizes change
-        out = plan.copy(mesh=None, policy=label)
-        for g, r in zip(out.groups, reshard, strict=True):
-            g.reshard_after_forward = r
-        return out, notes
+        groups = [replace(g, reshard_after_forward=r) for g, r in zip(plan.groups, reshard, strict=True)]
+        return replace(plan, groups=groups, mesh=None, policy=label), notes
     kept = [([m for m in g.modules if m in job.modules], r) for g, r in zip(plan.inner_groups, reshard[:-1],
                                                                             strict=True)]
     kept = [(ms, r) for ms, r in kept if ms]
@@ -52,8 +52,8 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
     if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
         notes.append("the plan's explicit prefetch lists are left out (they name groups by position)")
     out = make_plan(job, [ms for ms, _ in kept], [r for _, r in kept], policy=label, model=plan.model)
-    out.root.reshard_after_forward = reshard[-1]
-    out.activation_checkpointing = [m for m in plan.activation_checkpointing if m in job.modules]
+    out = replace(out, groups=[*out.inner_groups, replace(out.root, reshard_after_forward=reshard[-1])],
+                  activation_checkpointing=[m for m in plan.activation_checkpointing if m in job.modules])
     return out, notes
 
 

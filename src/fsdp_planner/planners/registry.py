@@ -88,7 +88,7 @@ class Checkpointed:
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         plan = self.policy.build(trace, model)
-        checkpoint_blocks(plan, trace, self.mode, self.sac_policy)
+        plan = checkpoint_blocks(plan, trace, self.mode, self.sac_policy)
         check_checkpointing(plan, trace)
         return plan
 
@@ -110,10 +110,8 @@ class OnMesh:
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         plan = self.policy.build(trace, model)
-        plan.mesh = self.mesh
-        if self.mesh.replicate > 1:
-            plan.policy = f"{plan.policy} on {self.mesh.describe()}"
-        return plan
+        label = f"{plan.policy} on {self.mesh.describe()}" if self.mesh.replicate > 1 else plan.policy
+        return replace(plan, mesh=self.mesh, policy=label)
 
 
 def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None) -> Policy:

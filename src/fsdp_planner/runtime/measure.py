@@ -1,7 +1,7 @@
 """Measured compute: run the model's forward + backward for real on the local device and time every op.
 
 The roofline estimate (``sim/compute.py``) is a guess; on the GPU type the job will run on, measured times
-are the accurate mode. The timed run is a normal ``trace(..., measure=True)``, so the measured trace has the
+are the accurate mode. The timed run is a normal ``record(..., measure=True)``, so the measured trace has the
 same events as the planning trace and the simulator uses its ``op_seconds`` in place of the estimate.
 Measured on a CPU, the times are the CPU's, not the cluster GPUs': useful to check the machinery, not to
 predict a GPU step.
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.events import EventKind
-from fsdp_planner.trace.recorder import trace
+from fsdp_planner.trace.recorder import record
 from fsdp_planner.trace.records import Trace
 
 # repeats when timing ops for a CPU rank (calibrate --backend gloo, verify --measure on its cluster): the host
@@ -101,7 +101,7 @@ def measure(
     if loss_fn is not None and device.type != "cpu":
         def loss(out: Any) -> torch.Tensor:  # a factory's loss closes over CPU labels
             return loss_fn(tree_map(lambda t: t.to("cpu") if isinstance(t, torch.Tensor) else t, out))
-    runs = [trace(model, inputs, loss, measure=True) for _ in range(repeats + 1)]
+    runs = [record(model, inputs, loss, measure=True) for _ in range(repeats + 1)]
     first, timed = runs[0], runs[1:]
     shape = [(e.kind, e.module, e.backward) for e in first.events]
     for r in timed:

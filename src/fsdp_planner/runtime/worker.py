@@ -352,8 +352,7 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     """The job on this rank: train beside the reference, check, checkpoint, time; rank 0 writes the result."""
     model, reference, plan = build_job(job, device)
     if injected_fault(rank) == "plan":
-        plan = plan.copy()
-        plan.groups[0].reshard_after_forward = not plan.groups[0].reshard_after_forward
+        plan = plan.with_group(0, reshard_after_forward=not plan.groups[0].reshard_after_forward)
     fingerprint = _check_same_job(model, plan, world)
     policy = mixed_precision(precision_named(job.get("precision", "fp32")), model)
     policy = plan_policies(plan, policy, None)[0]  # with the plan's reduce dtype, which the reference mirrors

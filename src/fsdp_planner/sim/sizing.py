@@ -18,7 +18,7 @@ re-laid out by ``torch.cat(torch.chunk(grad, world_size, dim), dim=0)`` before t
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,7 +48,7 @@ def shard_dims(trace: Trace, shard: int, placement: ShardPlacement) -> dict[str,
 def with_memory_options(plan: Plan, trace: Trace, shard: int, offload: bool, placement: ShardPlacement,
                         reduce_dtype: str) -> Plan:
     """``plan`` recording FSDP2's memory options it was made with: what ``apply_plan`` and export then apply."""
-    return plan.copy(offload=offload, shard_dims=shard_dims(trace, shard, placement), reduce_dtype=reduce_dtype)
+    return replace(plan, offload=offload, shard_dims=shard_dims(trace, shard, placement), reduce_dtype=reduce_dtype)
 
 
 def check_shard_dims(plan: Plan, trace: Trace, shard: int) -> None:

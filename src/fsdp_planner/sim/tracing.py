@@ -22,7 +22,7 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.trace.failures import failed_at, first_line
-from fsdp_planner.trace.recorder import trace as record
+from fsdp_planner.trace.recorder import record
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -61,7 +61,7 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     command line's figures. A step that fails in that dtype but runs in the model's own dtypes raises
     ``PrecisionError`` (the real run would crash); one that fails in both raises what the model raised.
     ``routing`` is the capacity factor of data-dependent ops' stand-in (``routing.py``).
-    ``fsdp_planner.trace.trace`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
+    ``fsdp_planner.trace.record`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
     real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
     no memory.
     """

@@ -38,7 +38,7 @@ from fsdp_planner.trace.session import TraceRequest, TraceSession
 from fsdp_planner.trace.walk import TracedModel
 
 
-def trace(
+def record(
     model: nn.Module,
     example_inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,

@@ -44,7 +44,7 @@ from fsdp_planner.trace.walk import TracedModel
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """What ``recorder.trace`` was asked to trace, and how (see its docstring): the step is
+    """What ``recorder.record`` was asked to trace, and how (see its docstring): the step is
     ``loss_fn(model(*args, **kwargs)).backward()``."""
 
     model: torch.nn.Module

@@ -35,7 +35,7 @@ from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
-from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
+from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
@@ -53,7 +53,7 @@ from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.budget import Headroom, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
-from fsdp_planner.sim.sizing import shard_dims, with_memory_options
+from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.trace.records import Trace
 
 
@@ -102,10 +102,12 @@ class MeshOutcome:
 
 @dataclass
 class AutoResult:
-    plan: Plan
+    plan: Plan  # the grouping (its run options apart, in ``run``)
     report: StepReport
     budget: int
     budget_source: str  # "--memory-budget" or the GPU whose memory it is, less the headroom
+    memory: MemoryBudget  # the budget with its capacity and headroom (``budget`` is its limit): its ``fits`` is the
+    # one fit test
     fits: bool
     baselines: dict[str, Candidate]
     evaluated: int  # plans simulated during the search
@@ -116,9 +118,15 @@ class AutoResult:
     search: Search = field(repr=False)
     meshes: dict[str, Candidate] = field(default_factory=dict)  # layout -> its best plan (every layout tried)
     chosen: Candidate | None = field(default=None, repr=False)  # the candidate behind ``plan`` and ``report``
-    memory: MemoryBudget | None = None  # the budget with its capacity and headroom (``budget`` is its limit)
     also_tried: tuple[str, ...] = ()  # FSDP2 memory options searched too, none of which fit (``AutoPolicy.search``)
     checkpointing: Choice | None = None  # the chosen layout's checkpointing choice (None: none was needed)
+    run: RunOptions = field(default_factory=RunOptions)  # the memory options the plan was searched with (auto's
+    # way out when nothing fits without them): written into the plan only where it leaves the program
+
+    @property
+    def written_plan(self) -> Plan:
+        """``plan`` recording its run options: what ``--out``, export and the Python API give."""
+        return self.plan.running(self.run)
 
     @property
     def min_peak(self) -> int:
@@ -181,7 +189,7 @@ class AutoPolicy:
         result = self.search(trace, model)
         if not result.fits:
             raise PlannerError(infeasible_message(result))
-        return result.plan
+        return result.written_plan
 
     def search(self, trace: Trace, model: str = "") -> AutoResult:
         with paused_gc():
@@ -233,11 +241,11 @@ class AutoPolicy:
         started = time.perf_counter()
         memory = self._budget()
         budget, source = memory.limit, memory.source
-        first = Search(self._evaluator(trace, model, budget, self.mesh), trace, model)
+        first = Search(self._evaluator(trace, model, memory, self.mesh), trace, model)
         screened: dict[str, Candidate] = {}
         evaluators = {first.ev.ctx.mesh: first.ev}
         if self.mesh is None:
-            evaluators, screened = self._choose_meshes(trace, model, first, budget)
+            evaluators, screened = self._choose_meshes(trace, model, first, memory)
         # a layout searched in full goes on with what its screening simulated
         searches = [first if ev is first.ev else Search(ev, trace, model, shared=first) for ev in evaluators.values()]
         effort = self.search_effort if self.search_effort is not None else default_search_effort(trace)
@@ -249,15 +257,18 @@ class AutoPolicy:
         best = min(outcomes, key=lambda o: (max(0, o.chosen.report.reserved_memory - budget),
                                             o.chosen.report.step_time))
         ev = best.search.ev
+        opts = self.options
+        run = RunOptions(opts.offload, shard_dims(ev.trace, ev.ctx.shard, opts.shard_placement),
+                         opts.reduce_dtype.value if opts.reduce_dtype else "")
         return AutoResult(
-            plan=self._labelled(best.chosen.plan, ev), report=best.chosen.report, budget=budget,
-            budget_source=source, fits=best.chosen.report.reserved_memory <= budget, baselines=best.baselines,
+            plan=self._labelled(best.chosen.plan, ev, run), report=best.chosen.report, budget=budget,
+            budget_source=source, fits=ev.fits(best.chosen), baselines=best.baselines,
             evaluated=sum(o.search.ev.simulated for o in outcomes) + len(screened), effort=effort,
             refined=effort - left, cut=best.cut, seconds=time.perf_counter() - started, search=best.search,
             meshes={**{o.search.ev.ctx.mesh.describe(): o.chosen for o in outcomes}, **screened},
-            chosen=best.chosen, memory=memory, checkpointing=best.checkpointing)
+            chosen=best.chosen, memory=memory, checkpointing=best.checkpointing, run=run)
 
-    def _evaluator(self, trace: Trace, model: str, budget: int, mesh: Mesh | None,
+    def _evaluator(self, trace: Trace, model: str, budget: MemoryBudget, mesh: Mesh | None,
                    shared: Search | None = None) -> Evaluator:
         """An evaluator on ``mesh`` (``shared``: a search of the same model whose layout-free costs are reused),
         checkpointing what ``checkpointing`` fixes."""
@@ -268,19 +279,16 @@ class AutoPolicy:
                          selective=dict.fromkeys(fixed, self.sac_policy) if op else None,
                          offloaded=fixed if off else ())
 
-    def _labelled(self, plan: Plan, ev: Evaluator) -> Plan:
+    def _labelled(self, plan: Plan, ev: Evaluator, run: RunOptions) -> Plan:
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
         op = f", ac op {self.sac_policy.value}" if self.checkpointing is ACMode.OP else \
             ", ac offload" if self.checkpointing is ACMode.OFFLOAD else ""
-        opts = self.options
-        plan = with_memory_options(plan, ev.trace, ev.ctx.shard, opts.offload, opts.shard_placement,
-                                   opts.reduce_dtype.value if opts.reduce_dtype else "")
-        memory = (", offload" if plan.offload else "") + (", shard dim 1" if plan.shard_dims else "")
-        return plan.copy(policy=(f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
-                                 f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{op}{memory})"),
-                         model=ev.model)
+        memory = (", offload" if run.offload else "") + (", shard dim 1" if run.shard_dims else "")
+        return replace(plan, policy=(f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
+                                     f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{op}{memory})"),
+                       model=ev.model)
 
-    def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: int
+    def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: MemoryBudget
                        ) -> tuple[dict[Mesh, Evaluator], dict[str, Candidate]]:
         """Screen every candidate layout by the best classic plan of the first (pure FSDP) on it, with the fewest
         checkpointed blocks that make it fit when it does not (as a user would run it). The best is searched in
@@ -322,7 +330,7 @@ class AutoPolicy:
         does and auto chooses the checkpointing; the evaluator they were simulated with."""
         baselines = classic_baselines(ev, plans)
         blocks = block_instances(trace)
-        if self.checkpointing is None and blocks and baselines and ev.best().report.reserved_memory > ev.budget:
+        if self.checkpointing is None and blocks and baselines and not ev.fits(ev.best()):
             ev = ev.checkpointing(blocks[:self._fewest_checkpointed(ev, blocks, baselines)])
             baselines = classic_baselines(ev, plans)
         return ev, baselines
@@ -368,7 +376,7 @@ class AutoPolicy:
         classic_step = min((c.report.step_time for c in baselines.values()), default=float("inf"))
         if self.target is Target.FSDP2 and best.plan.root.params:
             best = search.refiner.prefer_empty_root(best, classic_step)
-        if best.report.reserved_memory <= search.ev.budget:
+        if search.ev.fits(best):
             best = search.refiner.prefer_fewer_groups(best, classic_step)
         return best
 
@@ -400,7 +408,7 @@ class AutoPolicy:
         while lo < hi:
             mid = (lo + hi) // 2
             tried = ev.checkpointing(blocks[:mid]).evaluate(start.plan, f"titan + checkpoint {mid} blocks")
-            if tried.report.reserved_memory <= ev.budget:
+            if ev.fits(tried):
                 hi = mid
             else:
                 lo = mid + 1
@@ -416,7 +424,7 @@ class AutoPolicy:
 def fits_unchecked(ev: Evaluator) -> bool:
     """Whether a plan that checkpoints nothing fits (the layout screening's checkpointed plans, shared with ``ev``,
     do not count: the search must choose its own checkpointing)."""
-    return any(c.report.reserved_memory <= ev.budget for c in ev.ranked()
+    return any(ev.fits(c) for c in ev.ranked()
                if not (c.plan.activation_checkpointing or c.plan.selective_checkpointing))
 
 
@@ -500,7 +508,7 @@ def _budget_hint(result: AutoResult, floor: int) -> str:
     if result.budget_source == "--memory-budget":
         return ", or raise --memory-budget to at least that"
     memory = result.memory
-    if memory is not None and memory.headroom is not None and floor <= memory.capacity:
+    if memory.headroom is not None and floor <= memory.capacity:
         return (f", or lower --headroom (it fits the {fmt_bytes(memory.capacity)} of the GPU with "
                 f"{fmt_bytes(memory.capacity - floor)} to spare, under the {memory.headroom.describe()})")
     return ""

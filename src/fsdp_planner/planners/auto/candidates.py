@@ -4,6 +4,7 @@ frugal plan, and a dynamic program over group boundaries driven by a per-group s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import cached_property
 
 import numpy as np
@@ -44,9 +45,7 @@ def root_plan(trace: Trace, model: str) -> Plan:
     stay unsharded after forward like the root: the plan holding params unsharded the longest, so the one a model
     reading params outside their modules' forward is likeliest to run with."""
     plan = make_plan(trace, [], policy=ROOT_ONLY, model=model)
-    for g in plan.inner_groups:
-        g.reshard_after_forward = False
-    return plan
+    return replace(plan, groups=[*(replace(g, reshard_after_forward=False) for g in plan.inner_groups), plan.root])
 
 
 def classic_baselines(ev: Evaluator, plans: dict[str, Plan]) -> dict[str, Candidate]:
@@ -122,7 +121,7 @@ def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> Callable[[], None] | None
         if rank >= 4 and fitting >= 3:
             break
         plan = ev.build(segments(atoms, [free[i:j] for i, j in zip((0, *cuts), (*cuts, len(free)), strict=True)]))
-        fitting += ev.evaluate(plan, f"dp({fmt_bytes(cap)})").report.reserved_memory <= ev.budget
+        fitting += ev.fits(ev.evaluate(plan, f"dp({fmt_bytes(cap)})"))
     return deferred
 
 

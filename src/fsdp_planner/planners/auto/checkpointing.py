@@ -99,7 +99,7 @@ class CheckpointSearch:
     def _key(self, s: Setting) -> tuple:
         """Over the budget last, then faster (equal up to float noise), less memory, fewer blocks in full."""
         r = self.tried[s].report
-        return (r.reserved_memory > self.ev.budget, float(f"{r.step_time:.9g}"), r.reserved_memory, s.full)
+        return (not self.ev.fits(self.tried[s]), float(f"{r.step_time:.9g}"), r.reserved_memory, s.full)
 
     def _least_op(self, full: int) -> Setting | None:
         """The fewest op-level blocks after the first ``full`` in full that fit; None when even all do not."""
@@ -115,7 +115,7 @@ class CheckpointSearch:
         return Setting(full, lo)
 
     def _fits(self, s: Setting) -> bool:
-        return self._try(s).report.reserved_memory <= self.ev.budget
+        return self.ev.fits(self._try(s))
 
     def _try(self, s: Setting) -> Candidate:
         if s not in self.tried:

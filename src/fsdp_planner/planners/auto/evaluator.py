@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fsdp_planner.choices import SacPolicy, Target
 from fsdp_planner.errors import PlannerError
@@ -17,6 +17,7 @@ from fsdp_planner.fsdp2.validity import sharded_reads
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.planners.auto.atoms import Atom
 from fsdp_planner.planners.order import compress_modules
+from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -42,13 +43,14 @@ class Candidate:
 
 
 class Evaluator:
-    """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen against ``budget``
-    (bytes per rank). ``checkpointed``: the modules every plan it builds checkpoints in full, each unless a group
-    lies inside it (``selective``: op-level, with their policies); ``checkpointing`` gives the same evaluator
-    under another setting of the full ones, sharing what was simulated."""
+    """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen against ``memory``
+    (the per-rank budget; ``budget`` is its limit in bytes). ``checkpointed``: the modules every plan it builds
+    checkpoints in full, each unless a group lies inside it (``selective``: op-level, with their policies);
+    ``checkpointing`` gives the same evaluator under another setting of the full ones, sharing what was
+    simulated."""
 
-    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str, budget: int,
-                 mesh: Mesh | None = None, like: SimContext | None = None,
+    def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str,
+                 budget: MemoryBudget, mesh: Mesh | None = None, like: SimContext | None = None,
                  checkpointed: Sequence[str] = (), selective: Mapping[str, SacPolicy] | None = None,
                  offloaded: Sequence[str] = ()) -> None:
         """``like``: the context of a search of the same model on another layout, whose layout-free parts are
@@ -57,10 +59,11 @@ class Evaluator:
         self.ctx = like.on_mesh(mesh or Mesh.flat(cluster.world_size)) if like is not None else \
             SimContext(trace, cluster, options, mesh=mesh)
         self.mesh = self.ctx.mesh if self.ctx.mesh.replicate > 1 else None  # what the plans carry
-        self.budget = budget
-        self.checkpointed = list(checkpointed)
+        self.memory = budget
+        self.budget = budget.limit  # bytes: how far over it a plan is ranks it (``key``)
+        self.checkpointed = tuple(checkpointed)
         self.selective = dict(selective or {})
-        self.offloaded = list(offloaded)  # modules every plan offloads the saved activations of (``--ac offload``)
+        self.offloaded = tuple(offloaded)  # modules every plan offloads the saved activations of (``--ac offload``)
         self.seen: list[Candidate] = []
         self.cache: dict[tuple, Candidate] = {}
         self.compressed: dict[tuple[str, ...], list[str]] = {}  # a segment's modules -> its group's (``build``)
@@ -70,10 +73,14 @@ class Evaluator:
         op-level ones as they are); the plans simulated (``seen``, the cache) are shared, so a plan is simulated
         once whichever setting asked for it."""
         view = copy.copy(self)
-        view.checkpointed = list(modules)
+        view.checkpointed = tuple(modules)
         if selective is not None:
             view.selective = dict(selective)
         return view
+
+    def fits(self, c: Candidate) -> bool:
+        """Whether ``c``'s reserved peak is within the budget (``MemoryBudget.fits``, the one fit test)."""
+        return self.memory.fits(c.report.reserved_memory)
 
     @property
     def simulated(self) -> int:
@@ -83,7 +90,7 @@ class Evaluator:
     def evaluate(self, plan: Plan, origin: str) -> Candidate:
         plan = self.with_checkpointing(plan)
         if plan.mesh != self.mesh:
-            plan = plan.copy(mesh=self.mesh)
+            plan = replace(plan, mesh=self.mesh)
         key = plan.signature()
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             group_params = self.ctx.sizing.group_params(plan)
@@ -99,15 +106,15 @@ class Evaluator:
         """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside (FSDP2's hooks on
         an inner group would run again in the recomputation, which the model does not replay)."""
         if self.offloaded and plan.activation_offloading != self.offloaded:
-            plan = plan.copy(activation_offloading=list(self.offloaded))  # groups inside them do not matter
+            plan = replace(plan, activation_offloading=self.offloaded)  # groups inside them do not matter
         if not (self.checkpointed or self.selective or plan.activation_checkpointing or plan.selective_checkpointing):
             return plan
         blocked = {a for g in plan.groups for m in g.modules for a in proper_ancestors(m)}
-        ac = [m for m in self.checkpointed if m not in blocked]
+        ac = tuple(m for m in self.checkpointed if m not in blocked)
         sac = {m: p for m, p in self.selective.items() if m not in blocked}
         if ac == plan.activation_checkpointing and sac == plan.selective_checkpointing:
             return plan
-        return plan.copy(activation_checkpointing=ac, selective_checkpointing=sac)
+        return replace(plan, activation_checkpointing=ac, selective_checkpointing=sac)
 
     def could_rank(self, module_groups: Sequence[Sequence[str]]) -> bool:
         """Whether a plan of these groups could be chosen, or start a refinement. FSDP2 all-gathers a group at
@@ -116,7 +123,7 @@ class Evaluator:
         express and that fit are already faster than that (with the empty-root preference's slack), simulating it
         changes nothing."""
         fitting = sorted(c.report.step_time for c in self.seen
-                         if c.report.reserved_memory <= self.budget and c.runs and self.allowed(c.plan))
+                         if self.fits(c) and c.runs and self.allowed(c.plan))
         if len(fitting) < REFINE_STARTS:
             return True
         bar = fitting[REFINE_STARTS - 1] * (1 + ROOT_SLACK)
@@ -170,7 +177,7 @@ class Evaluator:
         per step, and cannot catch up.)"""
         if not self.better(c, than):
             return False
-        if self.key(c) <= self.key(self.best()) or than.report.reserved_memory > self.budget:
+        if self.key(c) <= self.key(self.best()) or not self.fits(than):
             return True
         return c.report.step_time <= than.report.step_time * (1 - MIN_GAIN)
 

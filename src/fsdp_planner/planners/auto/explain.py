@@ -96,7 +96,7 @@ def _reason(ag: float, alpha: float, prev: float, best: tuple[Move, Candidate] |
     move, c = best
     step = result.report.step_time
     faster = c.report.step_time < step * (1 - 1e-9)
-    if faster and c.report.reserved_memory > result.budget:
+    if faster and not result.memory.fits(c.report.reserved_memory):
         return Reason.MEMORY
     if faster and len(c.plan.inner_groups) > len(result.plan.inner_groups) \
             and c.report.step_time >= step * (1 - GROUP_SLACK):

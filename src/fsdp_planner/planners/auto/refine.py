@@ -6,7 +6,8 @@ under any load (``Refiner.refine``'s ``plans``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from enum import Enum
 
 from fsdp_planner.fsdp2.claim import make_plan
@@ -59,7 +60,7 @@ class Refiner:
         return self.ev.simulated - first
 
     @staticmethod
-    def _intended(start: Candidate, setting: list[str]) -> list[str]:
+    def _intended(start: Candidate, setting: Sequence[str]) -> list[str]:
         own = start.plan.activation_checkpointing
         blocked = {a for g in start.plan.groups for m in g.modules for a in proper_ancestors(m)}
         return [*own, *(m for m in setting if m in blocked and m not in own)]
@@ -79,14 +80,14 @@ class Refiner:
             lo, hi = 0, len(inner)
             while lo < hi and self._within(stop):
                 m = (lo + hi + 1) // 2
-                plan = best.plan.copy()
-                for i in inner[len(inner) - m:]:
-                    if plan.groups[i].reshard_after_forward is True:
-                        plan.groups[i].reshard_after_forward = value
+                last = set(inner[len(inner) - m:])
+                plan = replace(best.plan, groups=[
+                    replace(g, reshard_after_forward=value) if i in last and g.reshard_after_forward is True else g
+                    for i, g in enumerate(best.plan.groups)])
                 c = self.ev.evaluate(plan, f"{best.origin} + last {m} reshard={value}")
                 if self.ev.better(c, best):
                     best, lo = c, m
-                elif c.report.reserved_memory > self.ev.budget:
+                elif not self.ev.fits(c):
                     hi = m - 1
                 else:
                     break  # fits but does not pay: more of the same will not either
@@ -101,12 +102,13 @@ class Refiner:
         for direction in ("forward", "backward"):
             if not self._within(stop):
                 break
-            plan = best.plan.copy()
+            groups = list(best.plan.groups)
             for pos, i in enumerate(inner):
                 if direction == "forward":
-                    plan.groups[i].forward_prefetch = inner[pos + 1:pos + 3]
+                    groups[i] = replace(groups[i], forward_prefetch=inner[pos + 1:pos + 3])
                 else:
-                    plan.groups[i].backward_prefetch = inner[max(0, pos - 2):pos][::-1]
+                    groups[i] = replace(groups[i], backward_prefetch=inner[max(0, pos - 2):pos][::-1])
+            plan = replace(best.plan, groups=groups)
             c = self.ev.evaluate(plan, f"{best.origin} + {direction} prefetch 2")
             if self.ev.better(c, best):
                 best = c
@@ -192,7 +194,7 @@ class Refiner:
         microseconds each, so more groups must win clearly to be worth them (llama32-3b on 8 H100s: 253
         single-Linear groups were 0.1% faster than 28 blocks in the model)."""
         ok = [c for c in self.ev.seen
-              if c.runs and self.ev.allowed(c.plan) and c.report.reserved_memory <= self.ev.budget
+              if c.runs and self.ev.allowed(c.plan) and self.ev.fits(c)
               and len(c.plan.root.params) <= len(best.plan.root.params)
               and c.report.step_time <= min(best.report.step_time * (1 + slack), classic_step * (1 + 1e-9))]
         return min(ok, key=lambda c: (len(c.plan.inner_groups), self.ev.key(c)), default=best)
