@@ -34,6 +34,7 @@ import torch.nn as nn
 import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.model_ranges import check_config, check_field
 from fsdp_planner.userfiles import parse_json, read_text
 
 PREFIX = "hf:"
@@ -122,6 +123,7 @@ def read_config(source: str) -> dict[str, Any]:
     if not isinstance(data.get("model_type"), str):
         raise PlannerError(f"{label} has no \"model_type\" (e.g. \"llama\"): transformers needs it to pick the "
                            "architecture")
+    check_config(data, label)
     return data
 
 
@@ -196,6 +198,7 @@ def parse_override(text: str) -> tuple[str, Scalar]:
                                                                    math.isfinite(value)):
         raise PlannerError(f"--hf-config {key}: the value must be true/false, a number or a string "
                            f"(lists and objects belong in a config file), got {raw[:MAX_OVERRIDE_CHARS]!r}")
+    check_field(key, value, "--hf-config")
     return key, value
 
 
