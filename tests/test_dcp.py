@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner import cli
-from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, digests, read_meta
+from fsdp_planner.runtime.checkpoint import META, REFERENCE, VERSION, digests, read_meta
+from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA
 from fsdp_planner.runtime.verify import check_load_dir
 
 LR, SEED = 0.05, 0
