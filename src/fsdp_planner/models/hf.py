@@ -269,6 +269,13 @@ def attention_of(model: nn.Module) -> str | None:
     return getattr(config, "_attn_implementation", None) if config is not None else None
 
 
+def has_attention(model: nn.Module) -> bool:
+    """Whether ``model``'s class takes an attention implementation other than eager: a CNN (ResNet, ConvNeXt) or
+    a state-space model (Mamba) takes none, having no attention; an attention model without SDPA support is rare."""
+    return any(getattr(type(model), flag, False) for flag in ("_supports_sdpa", "_supports_flash_attn",
+                                                              "_supports_flex_attn", "_supports_attention_backend"))
+
+
 def model_loss(output: Any) -> torch.Tensor:
     """The model's own loss (it was given labels); a model that returns none: the sum of its logits."""
     if getattr(output, "loss", None) is not None:
