@@ -35,7 +35,7 @@ import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.model_ranges import check_config, check_field
-from fsdp_planner.userfiles import parse_json, read_text
+from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text
 
 PREFIX = "hf:"
 CONFIG_DIR = Path(__file__).with_name("hf_configs")
@@ -116,7 +116,7 @@ def read_config(source: str) -> dict[str, Any]:
     """The config's JSON object; it must name its ``model_type`` (what ``AutoConfig.for_model`` dispatches on)."""
     path = config_file(source)
     label = f"config file '{path}'"
-    data = parse_json(read_text(path, label, "a Hugging Face config.json"),
+    data = parse_json(read_text(path, label, "a Hugging Face config.json", MAX_SOURCE_BYTES),
                       lambda detail: f"{label} is not valid JSON: {detail}")
     if not isinstance(data, dict):
         raise PlannerError(f"{label} must hold a JSON object, got {type(data).__name__}")
