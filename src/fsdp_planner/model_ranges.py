@@ -38,13 +38,15 @@ def check_field(name: str, value: Any, where: str) -> None:
     in its range, or null (the architecture's default); any other whole number is at most ``MAX_INT`` in size.
     ``where`` names the source in the message ("--hf-config", "config file 'c.json'")."""
     known = _BY_NAME.get(name.rpartition(".")[2])
+    # a field name from a file is shown as typed when it is a plain name, else quoted and escaped
+    shown = name if len(name) <= 100 and name.replace(".", "_").isidentifier() else shown_json(name)
     if known is not None and value is not None:
         low, high, what = known
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise PlannerError(f"{where}: {name} = {shown_json(value)} is out of range: a whole number from {low:,} "
+            raise PlannerError(f"{where}: {shown} = {shown_json(value)} is out of range: a whole number from {low:,} "
                                f"to {high:,} ({what})")
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-        raise PlannerError(f"{where}: {name} = {shown_json(value)} is out of range: at most 2^53 in size")
+        raise PlannerError(f"{where}: {shown} = {shown_json(value)} is out of range: at most 2^53 in size")
 
 
 def check_config(data: dict[str, Any], where: str) -> None:
