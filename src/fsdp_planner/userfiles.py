@@ -193,6 +193,8 @@ def _keep_mode(target: Path, tmp: Path) -> None:
 def shown_json(value: Any) -> str:
     """A value from a file as the file spells it (true, 1.0, "1", null), cut short when long: a message never
     echoes an unbounded input, and no more of it is serialised than the message can show."""
+    if isinstance(value, str):  # one chunk however long: its length is known, and said
+        return cut_short(json.dumps(value))
     try:
         return cut_short_stream(json.JSONEncoder(default=_not_json).iterencode(value))  # lazy: chunk by chunk
     except (TypeError, ValueError):  # not JSON (a YAML date, a set), a cycle, or an integer too long to print
