@@ -294,10 +294,17 @@ def test_a_value_is_shortened_while_it_is_serialised() -> None:
 
 
 # huge files: a 40 MB YAML of a million unknown keys took minutes, a 60 MB TOML 69 s
+def _unique_keys(thousands: int, prefix: str, value: str) -> str:
+    """``thousands`` x 1,000 lines ``<prefix><number><value>``, every key distinct (joined in C: a million
+    f-strings took seconds)."""
+    ends = [f"{i:03d}" for i in range(1000)]
+    return "".join(f"{prefix}{j:023d}_" + f"{value}{prefix}{j:023d}_".join(ends) + value for j in range(thousands))
+
+
 def test_huge_config_files_are_refused_by_size(capsys, tmp_path: Path) -> None:
     big_yaml, big_toml = tmp_path / "big.yaml", tmp_path / "big.toml"
-    big_yaml.write_text("distributed_type: FSDP\n" + "".join(f"unknown_key_{i:026d}: 1\n" for i in range(1_000_000)))
-    big_toml.write_text("[training]\n" + "".join(f"k{i:034d} = 1\n" for i in range(1_500_000)))
+    big_yaml.write_text("distributed_type: FSDP\n" + _unique_keys(1000, "unknown_key_", ": 1\n"))  # a million keys
+    big_toml.write_text("[training]\n" + _unique_keys(1500, "training_key_", " = 1\n"))
     assert big_yaml.stat().st_size > 40e6 and big_toml.stat().st_size > 60e6
     assert re.fullmatch(rf"error: accelerate config '{re.escape(str(big_yaml))}' is \d\d MiB: at most 256 KiB is "
                         r"read \(expected an Accelerate config YAML\)",
