@@ -44,16 +44,16 @@ def read_bytes(path: Path, label: str, expected: str, limit: int = MAX_FILE_BYTE
         if size <= limit:
             with open(path, "rb") as f:
                 data = f.read(limit + 1)
-            size = max(size, len(data))
     except OSError as e:
         raise PlannerError(f"cannot read {label}: {e.strerror}") from None
-    if size > limit:
-        raise PlannerError(f"{label} is {_size(size)}: at most {_size(limit)} is read (expected {expected})")
+    if size > limit or len(data) > limit:  # the second: a file that grew, or one whose size reads 0 (/proc)
+        shown = _size(size) if size > limit else f"over {_size(limit)}"
+        raise PlannerError(f"{label} is {shown}: at most {_size(limit)} is read (expected {expected})")
     return data
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB" if n >= 2**10 else f"{n:,} bytes"
 
 
 def parse_json(text: str, message: Callable[[str], str]) -> Any:
