@@ -3,6 +3,8 @@ F.scaled_dot_product_attention saves O(seq), not the math path's O(seq^2) scores
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -143,3 +145,21 @@ def test_attention_option_on_a_model_without_attention_is_said(capsys):
 
     assert main(["plan", "seed-net", "--policy", "titan", "--attention", "eager"]) == 0
     assert "--attention eager changes nothing here" in capsys.readouterr().err
+
+
+@pytest.mark.integration  # a Hugging Face model built and planned: a second or more
+def test_attention_option_on_a_hugging_face_cnn_is_said(capsys, tmp_path):
+    """transformers records an attention implementation for a ResNet too: the note says the option changes
+    nothing, not that attention was traced as flash."""
+    pytest.importorskip("transformers")
+    from fsdp_planner.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "resnet", "embedding_size": 8, "hidden_sizes": [8, 16],
+                                  "depths": [1, 1], "num_labels": 10, "image_size": 32}))
+    common = ["plan", f"hf:{config}", "--policy", "size", "--precision", "fp32", "--batch", "2"]
+    assert main([*common, "--attention", "flash"]) == 0
+    err = capsys.readouterr().err
+    assert "--attention flash changes nothing here" in err and "attention traced as" not in err
+    assert main(common) == 0
+    assert "attention" not in capsys.readouterr().err

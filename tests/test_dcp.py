@@ -5,16 +5,21 @@ on as one uninterrupted run on the same data would."""
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fsdp_planner import cli
-from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, VERSION, digests, read_meta
+from fsdp_planner.runtime.checkpoint import META, REFERENCE, VERSION, CheckpointLoadError, digests, read_meta, reading
+from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA
 from fsdp_planner.runtime.verify import check_load_dir
 
 LR, SEED = 0.05, 0
@@ -208,3 +213,107 @@ def test_save_checkpoint_under_a_file_is_refused_in_one_line(capsys, tmp_path):
 def test_save_checkpoint_where_nothing_can_be_written_is_refused_before_any_rank_starts(capsys):
     assert cli.main(["verify", "seed-net", "--policy", "order", "--save-checkpoint", "/proc/ck"]) == 2
     assert capsys.readouterr().err.startswith("error: --save-checkpoint '/proc/ck': cannot write in /proc (")
+
+
+# -- a checkpoint is data: pickles that would run code are refused before anything of them is built ------------------
+class _System:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+class _Creates:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return open, (str(self.marker), "w")
+
+
+def _real_metadata(directory: Path) -> Any:
+    """A DCP checkpoint of a small model and its SGD state, saved in this process (no process group: DCP writes
+    one rank's files), and its metadata as DCP's own reader gives it (``saved``: the state saved)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+    metadata = dcp.FileSystemReader(directory).read_metadata()
+    metadata.saved = {k: v.detach().clone() for k, v in model_sd.items()}
+    return metadata
+
+
+def _malicious(marker: Path, directory: Path) -> dict[str, bytes]:
+    """``.metadata`` files that run code on unpickling: a global, and one hidden inside DCP's own Metadata."""
+    hidden = _real_metadata(directory)
+    del hidden.saved
+    hidden.storage_meta.modules = [_Creates(marker)]
+    return {"os.system": pickle.dumps(_System(marker)), "open": pickle.dumps(_Creates(marker)),
+            "inside Metadata": pickle.dumps(hidden)}
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_real_checkpoints_metadata_and_values_load_through_the_allow_list(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_planner.runtime.checkpoint_pickle import SafeLoadPlanner, SafeReader, check_metadata, read_metadata
+
+    saved = _real_metadata(tmp_path)
+    read = read_metadata(tmp_path / DCP_METADATA)
+    assert (read.state_dict_metadata, read.storage_data) == (saved.state_dict_metadata, saved.storage_data)
+    check_metadata(tmp_path, "ck")
+    state = {"model": {"weight": torch.zeros(4, 3), "bias": torch.zeros(4)},
+             "optim": {"param_groups": [{"lr": 0.0}]}}
+    dcp.load(state, storage_reader=SafeReader(tmp_path), planner=SafeLoadPlanner())
+    assert all(torch.equal(state["model"][k], v) for k, v in saved.saved.items())
+    assert state["optim"]["param_groups"][0]["lr"] == LR  # a non-tensor value, read with weights_only
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("kind", ["os.system", "open", "inside Metadata"])
+def test_a_malicious_metadata_runs_nothing_and_verify_refuses_it_in_one_line(capsys, tmp_path, kind):
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_planner.runtime.checkpoint_pickle import SafeLoadPlanner, SafeReader
+
+    marker, directory = tmp_path / "ran", tmp_path / "ck"
+    payload = _malicious(marker, tmp_path / "real")[kind]
+    directory.mkdir()
+    _checkpoint_files(directory)
+    (directory / DCP_METADATA).write_bytes(payload)
+    assert cli.main(["verify", "seed-net", "--policy", "order", "--load-checkpoint", str(directory)]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: --load-checkpoint '{re.escape(str(directory))}': \.metadata names '[\w.]+', which "
+                        r"is not one of DCP's metadata classes: refusing to unpickle it \(a checkpoint is data, never "
+                        r"code\)\n", err), err
+    with pytest.raises(CheckpointLoadError, match="not one of DCP's metadata classes"), reading(directory):
+        dcp.load({}, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())  # a rank, had the file changed
+    assert not marker.exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        pickle.loads(payload)  # what plain unpickling, as dcp.load does it, would have done
+    assert marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_a_malicious_value_in_a_shard_runs_nothing(tmp_path):
+    """A non-tensor value is read with weights_only, as DCP reads the tensors: DCP's own planner reads it with a
+    plain unpickler."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_planner.runtime.checkpoint_pickle import SafeLoadPlanner, SafeReader
+
+    marker = tmp_path / "ran"
+    dcp.save({"lr": _System(marker)}, checkpoint_id=tmp_path / "ck")
+    with pytest.raises(CheckpointLoadError, match="Weights only load failed"), reading(tmp_path / "ck"):
+        dcp.load({"lr": 0.1}, storage_reader=SafeReader(tmp_path / "ck"), planner=SafeLoadPlanner())
+    assert not marker.exists()

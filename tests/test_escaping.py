@@ -96,7 +96,13 @@ def test_py_literal_writes_plain_values_and_refuses_others():
     assert py_literal(Sneaky("a")) == "'a'"  # the str's value, not its class's repr
     assert py_literal([("é\u2028\x00", True, None, 3)]) == "[('\\xe9\\u2028\\x00', True, None, 3)]"
     assert ast.literal_eval(py_literal({1: ["\\N", '"""']})) == {1: ["\\N", '"""']}
-    for value in (1.5, object(), {"a"}):
+
+    class SneakyFloat(float):
+        def __repr__(self) -> str:
+            return "__import__('os').system('true')"
+
+    assert py_literal(SneakyFloat(1.5)) == "1.5"  # a float as its value (issue 40: floats export exactly)
+    for value in (math.nan, math.inf, object(), {"a"}):
         with pytest.raises(PlannerError, match="cannot export a plan holding"):
             py_literal(value)
 

@@ -8,10 +8,15 @@ file)."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
 import math
+import os
 import random
+import re
+import socket
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +26,7 @@ import pytest
 from conftest import traced
 
 from fsdp_planner import cli
+from fsdp_planner.cli.paths import GENERATED_MARK
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
@@ -211,3 +217,223 @@ def test_mutated_files_through_the_cli(capsys, tmp_path: Path) -> None:
             assert len(lines) == 1 and lines[0].startswith("error: "), err[:300]
             assert "internal error" not in err and len(lines[0]) <= MAX_MESSAGE + 100, err[:300]
     assert 0 < succeeded < len(cases)  # some mutations are harmless, some are refused
+
+
+# -- issue 40: inputs that hung it or were silently misread, each a one-line refusal (or a working export) in 5 s -----
+LIMIT_S = 5.0
+
+
+def _one_line(capsys, argv: list[str], code: int = 2) -> str:
+    """Run ``argv`` in-process: exit ``code`` within ``LIMIT_S``; for a refusal, stderr is one ``error:`` line."""
+    start = time.perf_counter()
+    got = cli.main(argv)
+    seconds = time.perf_counter() - start
+    captured = capsys.readouterr()
+    assert got == code, (argv, captured.err[:500])
+    assert seconds < LIMIT_S, (argv, seconds)
+    if code == 0:
+        return captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err[:500]
+    assert "internal error" not in lines[0] and len(lines[0]) <= MAX_MESSAGE + 100, lines[0]
+    return lines[0]
+
+
+# alias bombs: a 1 KB YAML whose aliases expand to 9^9 = 387,420,489 strings hung --from-accelerate (the bad-value
+# message serialised the whole value before shortening it)
+def _alias_bomb(tail: str) -> str:
+    lines = ["bomb:", f"  a: &a [{', '.join(['lol'] * 9)}]"]
+    pairs = zip("abcdefgh", "bcdefghi", strict=True)
+    lines += [f"  {name}: &{name} [{', '.join(['*' + prev] * 9)}]" for prev, name in pairs]
+    return "\n".join(lines) + "\ndistributed_type: FSDP\n" + tail
+
+
+BOMBED = {
+    "num_processes": "num_processes: *i\n",
+    "fsdp_transformer_layer_cls_to_wrap": "fsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                                          "  fsdp_transformer_layer_cls_to_wrap: *i\n",
+    "mixed_precision": "mixed_precision: *i\n",
+    "an unknown key": "mystery: *i\n",
+    "itself": "num_processes: &self [*self]\n",  # an alias inside its own anchor: a list that holds itself
+}
+
+
+@pytest.mark.parametrize("place", list(BOMBED))
+def test_a_yaml_alias_bomb_is_one_line(capsys, tmp_path: Path, place: str) -> None:
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(BOMBED[place]))
+    assert path.stat().st_size < 1100
+    line = _one_line(capsys, ["plan", "--from-accelerate", str(path), "seed-net"])
+    assert line == f"error: accelerate config '{path}': its aliases (*name) repeat more than 10,000 values (an " \
+                   "Accelerate config repeats nothing)"
+
+
+def test_a_few_aliases_are_read_and_a_bad_value_shown_short(capsys, tmp_path: Path) -> None:
+    path = tmp_path / "a.yaml"
+    path.write_text(f'x: &x ["a", "b"]\nd: &d [{", ".join(["*x"] * 9)}]\ndistributed_type: FSDP\nnum_processes: *d\n')
+    line = _one_line(capsys, ["plan", "--from-accelerate", str(path), "seed-net"])
+    shown = json.dumps([["a", "b"]] * 9)
+    assert line == f"error: accelerate config '{path}': num_processes = {shown[:30]}...({len(shown)} characters) " \
+                   "is not a whole number from 1 to 1,000,000,000"
+
+
+def test_a_value_is_shortened_while_it_is_serialised() -> None:
+    from fsdp_planner.userfiles import shown_json
+
+    bomb: Any = ["lol"] * 9
+    for _ in range(8):
+        bomb = [bomb] * 9  # 387 million strings, as the YAML above builds them
+    start = time.perf_counter()
+    shown = shown_json(bomb)
+    assert time.perf_counter() - start < 0.5
+    assert shown == '[[[[[[[[["lol", "lol", "lol", ...(over 10,000 characters)'
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    assert shown_json(cycle) == "[[[[[[[...]]]]]]]" and shown_json(10**5000) == "<an integer of 16,610 bits>"
+
+
+# huge files: a 40 MB YAML of a million unknown keys took minutes, a 60 MB TOML 69 s
+def _unique_keys(thousands: int, prefix: str, value: str) -> str:
+    """``thousands`` x 1,000 lines ``<prefix><number><value>``, every key distinct (joined in C: a million
+    f-strings took seconds)."""
+    ends = [f"{i:03d}" for i in range(1000)]
+    return "".join(f"{prefix}{j:023d}_" + f"{value}{prefix}{j:023d}_".join(ends) + value for j in range(thousands))
+
+
+def test_huge_config_files_are_refused_by_size(capsys, tmp_path: Path) -> None:
+    big_yaml, big_toml = tmp_path / "big.yaml", tmp_path / "big.toml"
+    big_yaml.write_text("distributed_type: FSDP\n" + _unique_keys(1000, "unknown_key_", ": 1\n"))  # a million keys
+    big_toml.write_text("[training]\n" + _unique_keys(1500, "training_key_", " = 1\n"))
+    assert big_yaml.stat().st_size > 40e6 and big_toml.stat().st_size > 60e6
+    assert re.fullmatch(rf"error: accelerate config '{re.escape(str(big_yaml))}' is \d\d MiB: at most 256 KiB is "
+                        r"read \(expected an Accelerate config YAML\)",
+                        _one_line(capsys, ["plan", "--from-accelerate", str(big_yaml), "seed-net"]))
+    assert re.fullmatch(rf"error: torchtitan config '{re.escape(str(big_toml))}' is \d\d MiB: at most 256 KiB is read "
+                        r"\(expected a torchtitan job TOML\)", _one_line(capsys, ["plan", "--from-torchtitan",
+                                                                                  str(big_toml)]))
+
+
+def test_a_config_of_many_unknown_keys_is_said_in_a_few_lines(tmp_path: Path) -> None:
+    from fsdp_planner.cli.job_config import ACCELERATE, MAX_NOTES, read_config
+
+    path = tmp_path / "keys.yaml"
+    path.write_text("distributed_type: FSDP\n" + "".join(f"unknown_{i}: 1\n" for i in range(2000)))
+    notes = read_config(ACCELERATE, str(path)).notes
+    assert len(notes) == MAX_NOTES + 1 and notes[0] == "unknown_0 is not read: it does not change a training step here"
+    assert re.fullmatch(r"\.\.\. and 1,98\d more notes like these \(keys not read or left out\)", notes[-1])
+
+
+def test_a_huge_hugging_face_config_is_refused_by_size(capsys, tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama"' + " " * (17 << 20) + "}")  # valid JSON: whitespace
+    assert _one_line(capsys, ["plan", f"hf:{path}"]) == \
+        f"error: config file '{path}' is 17 MiB: at most 16 MiB is read (expected a Hugging Face config.json)"
+
+
+# huge numbers: num_hidden_layers=99999999999999999999 hung (a config built a per-layer list), -1 planned no layers
+HF_NUMBERS = [
+    ("num_hidden_layers=99999999999999999999", "num_hidden_layers = 99999999999999999999", "1 to 10,000 (layers)"),
+    ("num_hidden_layers=-1", "num_hidden_layers = -1", "1 to 10,000 (layers)"),
+    ("n_layer=0", "n_layer = 0", "1 to 10,000 (layers)"),
+    ("hidden_size=1e30", "hidden_size = 1e+30", "1 to 1,048,576 (a hidden size)"),
+    ("num_attention_heads=true", "num_attention_heads = true", "1 to 65,536 (attention heads)"),
+    ("vocab_size=4294967296", "vocab_size = 4294967296", "1 to 16,777,216 (a vocabulary)"),
+]
+
+
+@pytest.mark.parametrize(("option", "shown", "allowed"), HF_NUMBERS, ids=[c[0] for c in HF_NUMBERS])
+def test_a_huge_or_impossible_number_in_hf_config_is_one_line(capsys, option: str, shown: str, allowed: str) -> None:
+    assert _one_line(capsys, ["plan", "hf:gpt2", "--hf-config", option]) == \
+        f"error: --hf-config: {shown} is out of range: a whole number from {allowed}"
+
+
+def test_any_other_number_of_a_config_is_bounded(capsys) -> None:
+    assert _one_line(capsys, ["plan", "hf:gpt2", "--hf-config", "bos_token_id=99999999999999999999"]) == \
+        "error: --hf-config: bos_token_id = 99999999999999999999 is out of range: at most 2^53 in size"
+
+
+def test_numbers_in_config_files_and_plans_are_checked_too(capsys, tmp_path: Path) -> None:
+    from fsdp_planner.models.hf import SHIPPED
+
+    for name in SHIPPED:  # every shipped config is within the ranges
+        read_config(name)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_hf_doc(), "text_config": {"num_hidden_layers": 10**20}}))
+    assert _one_line(capsys, ["plan", f"hf:{path}"]) == f"error: config file '{path}': text_config.num_hidden_layers " \
+        "= 100000000000000000000 is out of range: a whole number from 1 to 10,000 (layers)"
+    doc = _plan_doc()
+    for value, expected in ((-1, "plan 'model.hf_config': num_hidden_layers = -1 is out of range"),
+                            (math.nan, "must be a config field name with a true/false, finite number")):
+        doc["model"]["hf_config"] = {"num_hidden_layers": value}
+        with pytest.raises(PlannerError, match=re.escape(expected)):
+            Plan.from_json(json.dumps(doc))
+
+
+# special files as outputs: a FIFO no process reads blocked plan --out, export --out and simulate --html in open()
+def _plan_file(tmp_path: Path) -> Path:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(_plan_doc()))
+    return path
+
+
+OUTPUTS = {
+    "plan --out": (["plan", "seed-net", "--policy", "size", "--out"], "out.json"),
+    "export --out": (["export", "{plan}", "--out"], "out.py"),
+    "simulate --html": (["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", "--html"], "out.html"),
+}
+
+
+def _output_argv(tmp_path: Path, command: str, target: Path) -> list[str]:
+    argv, _ = OUTPUTS[command]
+    plan = str(_plan_file(tmp_path))
+    return [plan if a == "{plan}" else a for a in argv] + [str(target)]
+
+
+@pytest.mark.parametrize("command", list(OUTPUTS))
+def test_a_fifo_no_one_reads_as_output_is_one_line(capsys, tmp_path: Path, command: str) -> None:
+    fifo = tmp_path / OUTPUTS[command][1]
+    os.mkfifo(fifo)
+    assert _one_line(capsys, _output_argv(tmp_path, command, fifo)) == \
+        f"error: cannot write {fifo}: it is a named pipe (FIFO) that no process is reading (give a file name, or " \
+        "start the reader first)"
+
+
+def test_a_fifo_with_a_reader_gets_the_whole_output(capsys, tmp_path: Path) -> None:
+    fifo, plain = tmp_path / "fifo.py", tmp_path / "plain.py"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader there before the command writes
+    try:
+        _one_line(capsys, _output_argv(tmp_path, "export --out", fifo), code=0)
+        received = b"".join(iter(lambda: os.read(reader, 1 << 16), b""))
+    finally:
+        os.close(reader)
+    _one_line(capsys, _output_argv(tmp_path, "export --out", plain), code=0)
+    assert received == plain.read_bytes() and GENERATED_MARK.encode() in received
+
+
+def test_a_socket_as_output_is_one_line_and_a_device_is_written(capsys, tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        assert _one_line(capsys, _output_argv(tmp_path, "plan --out", path)) == \
+            f"error: cannot write {path}: it is a socket, not a file (give a file name)"
+    _one_line(capsys, _output_argv(tmp_path, "plan --out", Path(os.devnull)), code=0)
+
+
+# float export: a plan made with --hf-config rms_norm_eps=1e-06 loaded, but export refused it
+def test_a_plan_holding_floats_exports_them_as_exact_literals(capsys, tmp_path: Path) -> None:
+    floats = {"rms_norm_eps": 1e-06, "rope_theta": 500000.0, "initializer_range": 0.1 + 0.2, "tiny": 5e-324,
+              "largest": 1.7976931348623157e308, "minus_zero": -0.0, "num_hidden_layers": 2}
+    doc = _plan_doc()
+    doc["model"]["hf_config"] = floats
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    out = tmp_path / "p_plan.py"
+    _one_line(capsys, ["export", str(tmp_path / "p.json"), "--format", "python", "--out", str(out)], code=0)
+    assigned = {node.targets[0].id if isinstance(node, ast.Assign) else node.target.id: node.value
+                for node in ast.parse(out.read_text()).body if isinstance(node, ast.Assign | ast.AnnAssign)}
+    exported = ast.literal_eval(assigned["HF_CONFIG"])
+    assert exported == floats
+    assert all(struct.pack("<d", exported[k]) == struct.pack("<d", v) for k, v in floats.items())  # bit for bit
+    doc["model"]["hf_config"] = {"rms_norm_eps": math.inf}
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    assert "finite number" in _one_line(capsys, ["export", str(tmp_path / "p.json"), "--out", str(out)])

@@ -58,7 +58,8 @@ def test_a_placeholder_check_passes_and_is_noted():
 def test_plan_prints_the_note_and_a_refused_op_names_the_way_out(tmp_path, capsys):
     assert main(["plan", f"{FIXTURE}:where_moe", "--policy", "module", "--module-classes", "WhereMoE",
                  "--routing", "1.25"]) == 0
-    assert "balanced-routing stand-in" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "balanced-routing stand-in" in err and "changes nothing" not in err
     factory = tmp_path / "bincount.py"
     factory.write_text("import torch\n"
                        "class M(torch.nn.Module):\n"
@@ -148,3 +149,10 @@ def test_only_ops_that_read_values_pass_through_the_stand_in(monkeypatch):
     assert {"topk", "nonzero"} <= set(seen) <= {"topk", "argmax", "nonzero", "index", "masked_select",
                                                 "_local_scalar_dense", "_to_copy"}
     assert len(seen) < len([e for e in tr.events if e.is_op]) / 4
+
+
+def test_routing_on_a_dense_model_is_said(capsys):
+    """--routing on a step that routes nothing by data changes nothing: a note says so instead of silence."""
+    assert main(["plan", "seed-net", "--policy", "titan", "--routing", "4"]) == 0
+    assert "note: --routing 4 changes nothing here: nothing in the step routes tokens by their values" in \
+        capsys.readouterr().err

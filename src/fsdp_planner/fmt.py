@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from decimal import Decimal, InvalidOperation
 
 from fsdp_planner.errors import PlannerError
@@ -111,10 +111,28 @@ MAX_NUMBER_TEXT = 100
 MAX_BYTES = 2**60  # 1 EiB: a million times any GPU's memory; beyond it a cost is a typo (and prints 300 digits)
 
 
+SHORT, SHOWN = 40, 30  # a value longer than SHORT characters is shown as its first SHOWN
+MAX_MEASURED = 10_000  # characters of a value serialised to count its length: beyond, "over 10,000 characters"
+
+
 def cut_short(text: object) -> str:
     """A value as typed, cut short when long: a message never echoes an unbounded input."""
     text = str(text)
-    return text if len(text) <= 40 else f"{text[:30]}...({len(text)} characters)"
+    return text if len(text) <= SHORT else f"{text[:SHOWN]}...({len(text)} characters)"
+
+
+def cut_short_stream(chunks: Iterable[str]) -> str:
+    """``cut_short`` of the text ``chunks`` make up, reading no more of them than ``MAX_MEASURED`` characters: a
+    value from a file is shortened while it is serialised, never serialised whole first (a 1 KB YAML of nested
+    aliases is a list of 387 million strings)."""
+    taken: list[str] = []
+    length = 0
+    for chunk in chunks:
+        taken.append(chunk)
+        length += len(chunk)
+        if length > MAX_MEASURED:
+            return f"{''.join(taken)[:SHOWN]}...(over {MAX_MEASURED:,} characters)"
+    return cut_short("".join(taken))
 
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)

@@ -134,6 +134,7 @@ class StandIn:
         if out is not NOT_HANDLED:
             key = (_SPELLED.get(f"aten.{packet.__name__}", f"aten.{packet.__name__}"), module)
             self.used[key] = self.used.get(key, 0) + 1
+            _consult()
         return out
 
     def _nonzero(self, mask: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,30 @@ def capacity(factor: float) -> Iterator[None]:
 
 
 def current_capacity() -> float:
+    _consult()
     return _CAPACITY.get()
+
+
+_CONSULTED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("fsdp_planner_routing_consulted",
+                                                                               default=None)
+
+
+@contextlib.contextmanager
+def consulted() -> Iterator[list[int]]:
+    """Counts, in the one-item list it yields, the times a stand-in or an experts layer used the capacity factor
+    inside: zero, and ``--routing`` changed nothing (a dense model routes no tokens)."""
+    count = [0]
+    token = _CONSULTED.set(count)
+    try:
+        yield count
+    finally:
+        _CONSULTED.reset(token)
+
+
+def _consult() -> None:
+    count = _CONSULTED.get()
+    if count is not None:
+        count[0] += 1
 
 
 def refused(e: BaseException) -> bool:

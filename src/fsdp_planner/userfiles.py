@@ -4,36 +4,56 @@ wrong is one PlannerError line, and no write can leave a file half written."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
+import reprlib
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import cut_short
+from fsdp_planner.fmt import cut_short, cut_short_stream
 
 # The largest file read: a plan of 100,000 groups over a million params is tens of MiB; cluster files, configs and
 # checkpoint metadata are far smaller.
 MAX_FILE_BYTES = 256 << 20
+MAX_CONFIG_BYTES = 256 << 10  # a torchtitan TOML or an Accelerate YAML: a few KiB (a 40 MB YAML took minutes)
+MAX_SOURCE_BYTES = 16 << 20  # a model's Python file or a Hugging Face config.json (ImageNet-21k labels: ~1 MiB)
 
 
-def read_text(path: str | Path, label: str, expected: str) -> str:
-    """The UTF-8 text of ``path``; ``label`` names it in messages ("plan file 'p.json'"), ``expected`` says what
-    it should hold."""
+def read_text(path: str | Path, label: str, expected: str, limit: int = MAX_FILE_BYTES) -> str:
+    """The UTF-8 text of ``path``, at most ``limit`` bytes; ``label`` names it in messages ("plan file 'p.json'"),
+    ``expected`` says what it should hold."""
     p = Path(path)
     if not p.is_file():
         raise PlannerError(f"{label} does not exist")
     try:
-        size = p.stat().st_size
-        if size > MAX_FILE_BYTES:  # read whole, parsed whole: a file this large would take minutes and gigabytes
-            raise PlannerError(f"{label} is {size / 2**20:,.0f} MiB: at most {MAX_FILE_BYTES >> 20} MiB is read "
-                               f"(expected {expected})")
-        return p.read_text(encoding="utf-8")
+        return read_bytes(p, label, expected, limit).decode("utf-8")
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected {expected}") from None
+
+
+def read_bytes(path: Path, label: str, expected: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """``path``'s bytes, refused in one line past ``limit``: read whole and parsed whole, a larger file would take
+    minutes and gigabytes. At most ``limit + 1`` bytes are read, whatever the size the file system reports."""
+    try:
+        size = path.stat().st_size
+        if size <= limit:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
     except OSError as e:
         raise PlannerError(f"cannot read {label}: {e.strerror}") from None
+    if size > limit or len(data) > limit:  # the second: a file that grew, or one whose size reads 0 (/proc)
+        shown = _size(size) if size > limit else f"over {_size(limit)}"
+        raise PlannerError(f"{label} is {shown}: at most {_size(limit)} is read (expected {expected})")
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB" if n >= 2**10 else f"{n:,} bytes"
 
 
 def parse_json(text: str, message: Callable[[str], str]) -> Any:
@@ -49,19 +69,84 @@ def parse_json(text: str, message: Callable[[str], str]) -> Any:
     raise PlannerError(message(detail)) from None
 
 
+# Values a YAML document's aliases may add once expanded: an Accelerate config repeats none. Nine anchors of nine
+# aliases each (1 KB) expand to 387 million strings.
+MAX_YAML_VALUES = 10_000
+
+
+def parse_yaml(text: str, label: str) -> Any:
+    """PyYAML's ``safe_load`` (plain values only, nothing from the file runs), refusing a document whose aliases
+    (``*name``) expand it past ``MAX_YAML_VALUES`` values or into itself, before any value is built."""
+    try:
+        import yaml
+    except ImportError:
+        raise PlannerError("reading an Accelerate YAML needs PyYAML (pip install pyyaml)") from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and _repeated(node) > MAX_YAML_VALUES:
+            raise PlannerError(f"{label}: its aliases (*name) repeat more than {MAX_YAML_VALUES:,} values (an "
+                               "Accelerate config repeats nothing)")
+        return loader.construct_document(node) if node is not None else None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise PlannerError(f"{label} is not valid YAML{at}: {getattr(e, 'problem', None) or 'cannot parse'}") from None
+    except RecursionError:
+        raise PlannerError(f"{label} nests too deeply to read") from None
+    except ValueError:  # Python refuses integers of more than 4300 digits
+        raise PlannerError(f"{label} holds a number too long to read, over 4300 digits") from None
+    finally:
+        loader.dispose()
+
+
+def _repeated(root: Any) -> float:
+    """How many values the document's aliases add once expanded: its size with every alias expanded, less its
+    distinct nodes (the values it spells out)."""
+    distinct, stack = {id(root)}, [root]
+    while stack:
+        for child in _yaml_children(stack.pop()):
+            if id(child) not in distinct:
+                distinct.add(id(child))
+                stack.append(child)
+    return _expanded(root, {}, set(), len(distinct) + MAX_YAML_VALUES) - len(distinct)
+
+
+def _expanded(node: Any, counted: dict[int, float], open_: set[int], cap: float) -> float:
+    """The values ``node`` holds with every alias expanded, counted no further than ``cap``; each shared node is
+    counted once (memo ``counted``), and a node holding an alias to itself (``&a [*a]``) holds infinitely many."""
+    if id(node) in counted:
+        return counted[id(node)]
+    if id(node) in open_:
+        return math.inf
+    open_.add(id(node))
+    total: float = 1
+    for child in _yaml_children(node):
+        total += _expanded(child, counted, open_, cap)
+        if total > cap:
+            break  # enough to refuse: the rest need not be counted
+    open_.discard(id(node))
+    counted[id(node)] = total
+    return total
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return node.value if isinstance(node, yaml.SequenceNode) else []
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` without ever leaving it half written: a regular file is written
-    beside it and renamed over it, so a full disk or a kill leaves the previous file whole; a device or a pipe
-    (``/dev/stdout``) cannot be renamed over and is written directly. Every file the tool writes goes through
-    here; a failure is one line naming the file."""
+    beside it and renamed over it, so a full disk or a kill leaves the previous file whole; a character device or a
+    pipe (``/dev/stdout``) cannot be renamed over and is written directly (``_write_special``). Every file the tool
+    writes goes through here; a failure is one line naming the file."""
     path = Path(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
     if path.exists() and not path.is_file():
-        try:
-            with open(path, "wb") as f:
-                f.write(raw)
-        except OSError as e:
-            raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
+        _write_special(path, raw)
         return
     target = Path(os.path.realpath(path))  # through a symlink, as a plain write would
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
@@ -76,6 +161,29 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _write_special(path: Path, raw: bytes) -> None:
+    """Write to a FIFO or a character device (``/dev/stdout``, ``/dev/null``), never waiting for a reader: the
+    open does not block (a FIFO no one reads is refused in one line, where a plain ``open`` waited forever), and
+    the writes do once it is open. A socket or a block device is no file to write a plan or a picture to."""
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISSOCK(mode) or stat.S_ISBLK(mode):
+            raise PlannerError(f"cannot write {path}: it is a {'socket' if stat.S_ISSOCK(mode) else 'block device'}, "
+                               "not a file (give a file name)")
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO opened for writing with no process reading it
+            raise PlannerError(f"cannot write {path}: it is a named pipe (FIFO) that no process is reading (give a "
+                               "file name, or start the reader first)") from None
+        raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        os.set_blocking(fd, True)  # open: a reader is there, and a full pipe waits for it as a plain write would
+        with open(fd, "wb") as f:
+            f.write(raw)
+    except OSError as e:
+        raise PlannerError(f"cannot write {path}: {e.strerror or e}") from None
+
+
 def _keep_mode(target: Path, tmp: Path) -> None:
     """A file written again keeps its permissions (the temporary file has the umask's)."""
     with contextlib.suppress(FileNotFoundError):  # a new file: the umask's mode, as a plain write gives
@@ -84,9 +192,25 @@ def _keep_mode(target: Path, tmp: Path) -> None:
 
 def shown_json(value: Any) -> str:
     """A value from a file as the file spells it (true, 1.0, "1", null), cut short when long: a message never
-    echoes an unbounded input."""
+    echoes an unbounded input, and no more of it is serialised than the message can show."""
+    if isinstance(value, str):  # one chunk however long: its length is known, and said
+        return cut_short(json.dumps(value))
     try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return cut_short(text)
+        return cut_short_stream(json.JSONEncoder(default=_not_json).iterencode(value))  # lazy: chunk by chunk
+    except (TypeError, ValueError):  # not JSON (a YAML date, a set), a cycle, or an integer too long to print
+        return cut_short(_BOUNDED.repr(value))
+
+
+def _not_json(value: Any) -> Any:
+    raise TypeError(type(value).__name__)
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` that looks at no more than a few levels and items (``reprlib``'s bounds), and names an integer too
+    long to print by its size."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        return int.__repr__(x) if x.bit_length() < 10_000 else f"<an integer of {x.bit_length():,} bits>"
+
+
+_BOUNDED = _BoundedRepr()

@@ -16,6 +16,7 @@ Names in a plan file are data, never code: every value from the plan is written 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -131,6 +132,10 @@ def py_literal(value: Any) -> str:
         return "True" if value else "False"
     if isinstance(value, int):
         return int.__repr__(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):  # no literal spells it, and no plan holds one (--hf-config refuses it)
+            raise PlannerError(f"cannot export a plan holding {value}: a value must be a finite number")
+        return float.__repr__(value)  # the shortest text that reads back to the same float, bit for bit
     if isinstance(value, str):
         # str's repr quotes and escapes quotes, backslashes and control characters; ascii escapes the rest
         return str.__repr__(value).encode("ascii", "backslashreplace").decode("ascii")

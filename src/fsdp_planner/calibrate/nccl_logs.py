@@ -37,6 +37,7 @@ from fsdp_planner.hardware.cluster import (
     preset_cluster,
     with_fits,
 )
+from fsdp_planner.userfiles import read_bytes
 
 # nccl-tests type names -> bytes per element
 _WORD = {
@@ -290,10 +291,7 @@ def read_nccl_tests(
     p = Path(path)
     if not p.is_file():
         raise PlannerError(f"nccl-tests log {p} does not exist")
-    try:
-        text = p.read_text(errors="replace")
-    except OSError as e:
-        raise PlannerError(f"cannot read nccl-tests log {p} ({e.strerror})") from None
+    text = read_bytes(p, f"nccl-tests log {p}", "the output of an nccl-tests binary").decode(errors="replace")
     tables = parse_nccl_tests(text, kind=kind, ranks=ranks, source=str(p))
     if not tables:
         raise PlannerError(

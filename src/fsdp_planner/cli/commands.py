@@ -156,8 +156,8 @@ def verify(sub: Subparsers) -> None:
                          "in the new directory DIR")
     sp.add_argument("--load-checkpoint", type=Path, metavar="DIR",
                     help="start from a checkpoint that --save-checkpoint wrote, at any --nproc and with any plan "
-                         "(resharded on load), and check the restored state is the saved one. Loading unpickles "
-                         "DCP's metadata, which can run code: load only checkpoints from someone you trust")
+                         "(resharded on load), and check the restored state is the saved one. Its files are read as "
+                         "data: DCP's metadata with an allow-list of DCP's classes, values with weights_only")
     sp.add_argument("--fsdp1", action="store_true",
                     help="run the plan with FSDP1 FullyShardedDataParallel (its auto_wrap_policy, one unit per "
                          "group) instead of FSDP2; checks parity, the wrapped units and the collectives")

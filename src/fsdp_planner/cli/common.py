@@ -20,7 +20,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
-from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, data_dependent
+from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import with_memory_options
 from fsdp_planner.sim.tracing import trace
@@ -44,7 +44,7 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
     spec = as_spec(spec)
     lm = load_model(spec, meta=True)
     try:
-        with kernel(spec.attention) as attention:
+        with kernel(spec.attention) as attention, consulted() as routed:
             tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision=precision or SimOptions().precision,
                        reuse=not full, routing=spec.routing or DEFAULT_CAPACITY)
     except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
@@ -56,7 +56,7 @@ def _load_trace(spec: ModelSpec | str, notes: Console, measure: bool, full: bool
         if data_dependent(e, failed.op if failed else None):
             raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
         raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
-    for line in (*tr.notes, attention_note(spec, lm.model, attention)):
+    for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0])):
         if line:
             notes.print(f"[dim]note: {escape(line)}[/dim]", highlight=False)
     if not measure:
@@ -94,6 +94,8 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
     README says) and for a model that calls no SDPA, unless ``--attention`` was given: then it says the option
     changes nothing."""
     built = hf.attention_of(model) if hf.is_hf(spec.name) else None  # type: ignore[arg-type]
+    if attention.calls == 0 and built is not None and (built != "eager" or not hf.has_attention(model)):  # type: ignore[arg-type]
+        built = None  # a model without attention (a CNN): transformers records an implementation all the same
     if built is not None:
         kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
         saved = "score matrices saved, O(seq^2)" if built == "eager" else "fused kernel, O(seq) saved"
@@ -108,6 +110,14 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
         return None
     saved = "score matrices saved, O(seq^2)" if attention.name == "eager" else "fused kernel, O(seq) saved"
     return f"attention traced as {attention.name} ({saved}; --attention changes it)"
+
+
+def routing_note(spec: ModelSpec, consulted: int) -> str | None:
+    """Said rather than ignored: ``--routing`` on a step that routes nothing (a dense model) changes nothing."""
+    if spec.routing is None or consulted:
+        return None
+    return (f"--routing {spec.routing:g} changes nothing here: nothing in the step routes tokens by their values (no "
+            "data-dependent op or Hugging Face experts layer, what the balanced-routing stand-in sizes)")
 
 
 def _device_hint(e: Exception) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.userfiles import read_text, shown_json
+from fsdp_planner.userfiles import MAX_CONFIG_BYTES, parse_yaml, read_text, shown_json
 
 TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
 NO_WRAP_NUMEL = 10**15  # NO_WRAP: no module reaches it, so the size policy leaves every param to the root
@@ -107,7 +107,8 @@ KEY_NAMES = {
 def read_config(kind: str, path: str) -> JobConfig:
     """The job ``path`` describes, as ``kind`` (TORCHTITAN or ACCELERATE) reads it."""
     label = f"{kind} config '{path}'"
-    text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML")
+    text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML",
+                     MAX_CONFIG_BYTES)
     data = _load(kind, text, label)
     if data is None or data == "":
         raise PlannerError(f"{label} is empty: expected "
@@ -120,7 +121,18 @@ def read_config(kind: str, path: str) -> JobConfig:
         _titan(cfg, data)
     else:
         _accelerate(cfg, data)
+    cfg.notes = capped(cfg.notes)
     return cfg
+
+
+MAX_NOTES = 20  # a file of a thousand unknown keys is said in 21 lines, not a thousand
+
+
+def capped(notes: list[str]) -> list[str]:
+    """The first ``MAX_NOTES`` notes, then one line counting the rest."""
+    if len(notes) <= MAX_NOTES:
+        return notes
+    return [*notes[:MAX_NOTES], f"... and {len(notes) - MAX_NOTES:,} more notes like these (keys not read or left out)"]
 
 
 def _load(kind: str, text: str, label: str) -> Any:
@@ -132,19 +144,9 @@ def _load(kind: str, text: str, label: str) -> Any:
             raise PlannerError(f"{label} is not valid TOML: {e}") from None
         except RecursionError:
             raise PlannerError(f"{label} nests too deeply to read") from None
-    try:
-        import yaml  # PyYAML: safe_load only, which builds plain values and never runs anything from the file
-    except ImportError:
-        raise PlannerError("reading an Accelerate YAML needs PyYAML (pip install pyyaml)") from None
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise PlannerError(f"{label} is not valid YAML{at}: {getattr(e, 'problem', None) or 'cannot parse'}") from None
-    except RecursionError:
-        raise PlannerError(f"{label} nests too deeply to read") from None
+        except ValueError:  # Python refuses integers of more than 4300 digits
+            raise PlannerError(f"{label} holds a number too long to read, over 4300 digits") from None
+    return parse_yaml(text, label)  # safe_load: plain values only, nothing from the file runs; aliases bounded
 
 
 def _toml_reader() -> Any:
@@ -404,7 +406,8 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
 
 
 def _accelerate_precision(cfg: JobConfig, data: dict[str, Any]) -> None:
-    mp = _str(cfg, "mixed_precision", str(data.get("mixed_precision", "no")), ("no", "bf16", "fp16", "fp8"))
+    mp = data.get("mixed_precision", "no")
+    mp = _str(cfg, "mixed_precision", mp if isinstance(mp, list | dict) else str(mp), ("no", "bf16", "fp16", "fp8"))
     cfg.keys["mixed_precision"] = mp
     cfg.precision = "fp32" if mp == "no" else "bf16-mixed"
     if mp == "fp16":

@@ -96,8 +96,9 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "block with op-level selective checkpointing, torchtitan's selective_ac_option=op; see "
                          "--ac-policy) or selective (every second block in full, torchtitan's removed "
                          "selective_ac_option=2), or offload (no checkpointing: every block's saved activations "
-                         "copied to the host with save_on_cpu, not overlapped; not with auto); default none, and "
-                         "auto chooses which blocks to checkpoint in full")
+                         "copied to the host with save_on_cpu, not overlapped); default none. With auto, a mode "
+                         "given is fixed for every plan it tries (offload included); without --ac, auto chooses "
+                         "which blocks to checkpoint in full, and offload as a last resort when nothing fits")
     sp.add_argument("--ac-policy", choices=SAC_POLICY_NAMES, default=None,
                     help=f"with --ac op: the ops whose outputs are kept, the rest recomputed: titan (torchtitan's "
                          f"llama3 save list of 2025) or titan-early (its 2024 list); default "

@@ -19,6 +19,7 @@ from typing import Any
 
 from fsdp_planner.choices import ATTENTION_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.model_ranges import check_field
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
 
@@ -337,11 +338,13 @@ def _hf_config_from(model: dict[str, Any]) -> dict[str, Any]:
         raise PlannerError(f"plan 'model.hf_config' must be an object of at most {MAX_HF_CONFIG} config fields, got "
                            f"{shown_json(config)}")
     for key, value in config.items():
-        scalar = isinstance(value, bool | int | float | str) or value is None
+        scalar = isinstance(value, bool | int | str) or value is None or (isinstance(value, float) and
+                                                                           math.isfinite(value))
         if not key.isidentifier() or len(key) > MAX_HF_CONFIG_CHARS or not scalar \
                 or (isinstance(value, str) and len(value) > MAX_HF_CONFIG_CHARS):
             raise PlannerError(f"plan 'model.hf_config' field {shown_json(key)} must be a config field name with "
-                               f"a true/false, number, string or null value, got {shown_json(value)}")
+                               f"a true/false, finite number, string or null value, got {shown_json(value)}")
+        check_field(key, value, "plan 'model.hf_config'")
     return dict(config)
 
 

@@ -32,6 +32,7 @@ from fsdp_planner.choices import ATTENTION_NAMES
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 from fsdp_planner.models.on_meta import meta_init
+from fsdp_planner.userfiles import MAX_SOURCE_BYTES
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,9 @@ def exit_message(e: SystemExit, while_doing: str) -> str:
 def _check_model_file(target: str) -> Path:
     path = Path(target)
     if path.is_file():
+        if path.stat().st_size > MAX_SOURCE_BYTES:  # imported whole: a model's code is kilobytes
+            raise PlannerError(f"model file '{target}' is {path.stat().st_size / 2**20:,.0f} MiB: at most "
+                               f"{MAX_SOURCE_BYTES >> 20} MiB of Python is read")
         return path
     if path.is_dir():
         raise PlannerError(f"model file '{target}' is a directory: give path/to/file.py:fn")

@@ -34,7 +34,8 @@ import torch.nn as nn
 import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.userfiles import parse_json, read_text
+from fsdp_planner.model_ranges import check_config, check_field
+from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text
 
 PREFIX = "hf:"
 CONFIG_DIR = Path(__file__).with_name("hf_configs")
@@ -115,13 +116,14 @@ def read_config(source: str) -> dict[str, Any]:
     """The config's JSON object; it must name its ``model_type`` (what ``AutoConfig.for_model`` dispatches on)."""
     path = config_file(source)
     label = f"config file '{path}'"
-    data = parse_json(read_text(path, label, "a Hugging Face config.json"),
+    data = parse_json(read_text(path, label, "a Hugging Face config.json", MAX_SOURCE_BYTES),
                       lambda detail: f"{label} is not valid JSON: {detail}")
     if not isinstance(data, dict):
         raise PlannerError(f"{label} must hold a JSON object, got {type(data).__name__}")
     if not isinstance(data.get("model_type"), str):
         raise PlannerError(f"{label} has no \"model_type\" (e.g. \"llama\"): transformers needs it to pick the "
                            "architecture")
+    check_config(data, label)
     return data
 
 
@@ -196,6 +198,7 @@ def parse_override(text: str) -> tuple[str, Scalar]:
                                                                    math.isfinite(value)):
         raise PlannerError(f"--hf-config {key}: the value must be true/false, a number or a string "
                            f"(lists and objects belong in a config file), got {raw[:MAX_OVERRIDE_CHARS]!r}")
+    check_field(key, value, "--hf-config")
     return key, value
 
 
@@ -264,6 +267,13 @@ def attention_of(model: nn.Module) -> str | None:
     """The attention implementation transformers built ``model`` with (None: not a transformers model)."""
     config = getattr(model, "config", None)
     return getattr(config, "_attn_implementation", None) if config is not None else None
+
+
+def has_attention(model: nn.Module) -> bool:
+    """Whether ``model``'s class takes an attention implementation other than eager: a CNN (ResNet, ConvNeXt) or
+    a state-space model (Mamba) takes none, having no attention; an attention model without SDPA support is rare."""
+    return any(getattr(type(model), flag, False) for flag in ("_supports_sdpa", "_supports_flash_attn",
+                                                              "_supports_flex_attn", "_supports_attention_backend"))
 
 
 def model_loss(output: Any) -> torch.Tensor:

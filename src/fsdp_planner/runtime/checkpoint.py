@@ -10,10 +10,11 @@ format a training script reads with the same two calls. Beside it:
 - ``reference.pt``: the unsharded reference model and optimizer of the run, so verify's parity check spans the
   whole chain of runs (the reference never stops: it is one uninterrupted single-process training).
 
-Loading unpickles: DCP's ``.metadata`` is a pickle, so a checkpoint runs code when loaded and must come from
-someone trusted (``verify`` refuses a directory without ``fsdp-planner.json`` of this format before any rank starts,
-which keeps out foreign directories, not crafted ones). A file that cannot be read (missing, truncated, not DCP's)
-fails the ranks that read it with ``CheckpointLoadError``, naming the directory and the underlying error.
+Loading reads data only: DCP's ``.metadata`` is a pickle, read with an allow-list of DCP's own classes, and every
+value with ``weights_only`` (``checkpoint_pickle.py``), so a crafted checkpoint runs nothing; ``verify`` refuses a
+directory without ``fsdp-planner.json`` of this format, or whose metadata names anything else, before any rank
+starts. A file that cannot be read (missing, truncated, not DCP's) fails the ranks that read it with
+``CheckpointLoadError``, naming the directory and the underlying error.
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.runtime.checkpoint_pickle import SafeLoadPlanner, SafeReader
 from fsdp_planner.runtime.failures import checkpoint_cause, is_backend_error
 from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
 
 META = "fsdp-planner.json"
 REFERENCE = "reference.pt"
-DCP_METADATA = ".metadata"  # the pickle dcp.save writes beside its shards (FileSystemWriter's name)
 VERSION = 1
 
 
@@ -160,7 +161,7 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     model_sd, optim_sd = get_state_dict(model, optimizer)  # this plan's shards: DCP fills them in place
     state = {"model": model_sd, "optim": optim_sd}
     with reading(directory):
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())  # data, never code
         meta = read_meta(directory)
         saved = meta["digests"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -39,7 +39,8 @@ from fsdp_planner.fsdp2.precision import Precision, check_param_dtypes, check_pr
 from fsdp_planner.fsdp2.replay import Kept, build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
-from fsdp_planner.runtime.checkpoint import DCP_METADATA, META, REFERENCE, read_meta
+from fsdp_planner.runtime.checkpoint import META, REFERENCE, read_meta
+from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA, check_metadata
 from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.signals import signals_raise
@@ -275,12 +276,12 @@ def check_load_dir(directory: Path, fingerprint: str) -> dict[str, Any]:
 
 
 def check_checkpoint_format(directory: Path) -> None:
-    """Refuse a directory that is plainly not a checkpoint of this format before any rank unpickles its files
-    (DCP's metadata is a pickle): a guard against a wrong or incomplete directory, not against a crafted one.
-    (``read_meta`` has checked the format version.)"""
+    """Refuse a directory that is plainly not a checkpoint of this format, or whose DCP metadata names anything
+    but DCP's classes, before any rank starts. (``read_meta`` has checked the format version.)"""
     missing = [name for name in (DCP_METADATA, REFERENCE) if not (directory / name).is_file()]
     if missing:
         raise PlannerError(f"--load-checkpoint '{directory}' is incomplete: {' and '.join(missing)} missing")
+    check_metadata(directory, f"--load-checkpoint '{directory}'")
 
 
 @contextmanager
