@@ -511,13 +511,16 @@ def _delta_bytes(alt: int | None, base: int) -> str:
     return "-" if alt is None else f"{fmt_bytes(alt)} ({(alt - base) / base:+.1%})"
 
 
-def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, seconds: float) -> str:
+def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, seconds: float,
+              bus_bandwidth: float) -> str:
     where = (f"{collective} of {fmt_bytes(nbytes)} over {ranks} rank{'s' if ranks != 1 else ''} on "
              f"{escape(cluster.describe())}")
     if seconds == 0:
         why = "nothing to move" if nbytes == 0 else "one rank holds everything"
         return f"{where}: 0 s ({why})"
-    return f"{where}: {fmt_time(seconds)} (bus bandwidth {(ranks - 1) / ranks * nbytes / seconds / 1e9:.0f} GB/s)"
+    gbps = bus_bandwidth / 1e9  # whole GB/s on GPUs; a host's fraction of one keeps three digits
+    return f"{where}: {fmt_time(seconds)} (bus bandwidth {gbps:.0f} GB/s)" if gbps >= 9.5 else \
+        f"{where}: {fmt_time(seconds)} (bus bandwidth {gbps:.3g} GB/s)"
 
 
 def json_ready(value: Any) -> Any:
