@@ -231,55 +231,22 @@ class Cluster:
             raise PlannerError(f"the {where} must be a JSON object, got {type(d).__name__}")
         _check_version(d, where)
         _check_known_keys(d, where)
-        memory = _num(d, "gpu.memory_bytes", where)
-        gpu = GPU(
-            name=_get(d, "gpu.name", where),
-            peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
-            peak_fp32_flops=_num(d, "gpu.peak_fp32_flops", where),
-            hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
-            # a whole byte count; NaN / infinity are kept as read so that _check_cluster names them
-            memory_bytes=int(memory) if math.isfinite(memory) else memory,  # type: ignore[arg-type]
-        )
-        links = {}
-        for lname in ("intra", "inter"):
-            links[lname] = Link(
-                bus_bandwidth=_num(d, f"{lname}.bus_bandwidth", where),
-                base_latency=_num(d, f"{lname}.base_latency", where),
-                hop_latency=_num(d, f"{lname}.hop_latency", where),
-                half_bw_bytes=_num(d, f"{lname}.half_bw_bytes", where, 0.0),
-                ring_overhead=_num(d, f"{lname}.ring_overhead", where, 0.0),
-            )
-        fits = _fits_from(d.get("fits") or {}, where)
-        overhead = NO_OVERHEAD
-        if "overhead" in d:
-            source = _get(d, "overhead.source", where, "")
-            overhead = Overhead(hook_seconds=_num(d, "overhead.hook_seconds", where),
-                                op_seconds=_num(d, "overhead.op_seconds", where),
-                                copy_bandwidth=_num(d, "overhead.copy_bandwidth", where),
-                                param_seconds=_num(d, "overhead.param_seconds", where, 0.0),
-                                module_seconds=_num(d, "overhead.module_seconds", where, 0.0),
-                                source=source)
-        tables = _tables_from(d.get("tables") or {}, where)
-        compute = COMPUTE["h100"]
-        if "compute" in d:
-            compute = Compute(**{f.name: _get(d, f"compute.{f.name}", where, "") if f.name == "source"
-                                 else _num(d, f"compute.{f.name}", where, getattr(compute, f.name))
-                                 for f in dataclass_fields(Compute)})
-        engine = _get(d, "engine", where, Engine.STREAMS.value)
-        if not isinstance(engine, str) or engine not in {e.value for e in Engine}:
-            raise PlannerError(f"the {where} field 'engine' must be one of {', '.join(e.value for e in Engine)}, "
-                               f"got {_short(engine)}")
+        # the sections read in this order, so that a file with several faults is told the same first one
+        gpu, intra, inter = _gpu_from(d, where), _link_from(d, "intra", where), _link_from(d, "inter", where)
+        fits, overhead = _fits_from(d.get("fits") or {}, where), _overhead_from(d, where)
+        tables, compute, engine = _tables_from(d.get("tables") or {}, where), _compute_from(d, where), \
+            _engine_from(d, where)
         return cls(
             name=_get(d, "name", where),
             gpu=gpu,
             gpus_per_node=_int(d, "gpus_per_node", where),
             nodes=_int(d, "nodes", where),
-            intra=links["intra"],
-            inter=links["inter"],
+            intra=intra,
+            inter=inter,
             nics_per_node=_int(d, "nics_per_node", where, 8),
             fits=fits,
             overhead=overhead,
-            engine=Engine(engine),
+            engine=engine,
             tables=tables,
             host_copy_bandwidth=_num(d, "host_copy_bandwidth", where, PCIE5_ONE_WAY),
             cpu_optimizer_rate=_num(d, "cpu_optimizer_rate", where, CPU_ADAMW_RATE),
@@ -306,6 +273,58 @@ class Cluster:
 
 
 _MISSING = object()
+
+
+def _gpu_from(d: dict[str, Any], where: str) -> GPU:
+    memory = _num(d, "gpu.memory_bytes", where)
+    return GPU(
+        name=_get(d, "gpu.name", where),
+        peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
+        peak_fp32_flops=_num(d, "gpu.peak_fp32_flops", where),
+        hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
+        # a whole byte count; NaN / infinity are kept as read so that _check_cluster names them
+        memory_bytes=int(memory) if math.isfinite(memory) else memory,  # type: ignore[arg-type]
+    )
+
+
+def _link_from(d: dict[str, Any], lname: str, where: str) -> Link:
+    return Link(
+        bus_bandwidth=_num(d, f"{lname}.bus_bandwidth", where),
+        base_latency=_num(d, f"{lname}.base_latency", where),
+        hop_latency=_num(d, f"{lname}.hop_latency", where),
+        half_bw_bytes=_num(d, f"{lname}.half_bw_bytes", where, 0.0),
+        ring_overhead=_num(d, f"{lname}.ring_overhead", where, 0.0),
+    )
+
+
+def _overhead_from(d: dict[str, Any], where: str) -> Overhead:
+    """The file's ``overhead`` section; none: an ideal host."""
+    if "overhead" not in d:
+        return NO_OVERHEAD
+    return Overhead(hook_seconds=_num(d, "overhead.hook_seconds", where),
+                    op_seconds=_num(d, "overhead.op_seconds", where),
+                    copy_bandwidth=_num(d, "overhead.copy_bandwidth", where),
+                    param_seconds=_num(d, "overhead.param_seconds", where, 0.0),
+                    module_seconds=_num(d, "overhead.module_seconds", where, 0.0),
+                    source=_get(d, "overhead.source", where, ""))
+
+
+def _compute_from(d: dict[str, Any], where: str) -> Compute:
+    """The file's ``compute`` section, each figure missing from it the H100's."""
+    compute = COMPUTE["h100"]
+    if "compute" not in d:
+        return compute
+    return Compute(**{f.name: _get(d, f"compute.{f.name}", where, "") if f.name == "source"
+                      else _num(d, f"compute.{f.name}", where, getattr(compute, f.name))
+                      for f in dataclass_fields(Compute)})
+
+
+def _engine_from(d: dict[str, Any], where: str) -> Engine:
+    engine = _get(d, "engine", where, Engine.STREAMS.value)
+    if not isinstance(engine, str) or engine not in {e.value for e in Engine}:
+        raise PlannerError(f"the {where} field 'engine' must be one of {', '.join(e.value for e in Engine)}, "
+                           f"got {_short(engine)}")
+    return Engine(engine)
 
 
 def _check_version(d: dict[str, Any], where: str) -> None:
