@@ -258,6 +258,11 @@ def checkpointed_per_group(plan: Plan) -> list[list[str]]:
 def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offloaded: bool = False) -> list[str]:
     """``offloaded``: the plan offloads activations, whose host copies the copy time includes."""
     copies = "FSDP2 copy-outs and activation copies" if offloaded else "FSDP2 copy-outs"
+    # the host figure an offload plan's step depends on, and where it comes from
+    given = "--cpu-optimizer-rate" in cluster.cpu_optimizer_source
+    host = [f"optimizer step on the CPU at {cluster.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank "
+            f"({escape(cluster.cpu_optimizer_source)}{'' if given else '; --cpu-optimizer-rate to give yours'})"] \
+        if r.cpu_optimizer_time else []
     return [
         f"[bold]{escape(name)}[/bold] with [bold]{escape(plan_label)}[/bold] on {escape(cluster.describe())}",
         f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
@@ -275,6 +280,7 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offl
         + f" per step on mesh {r.mesh}; comm busy: all-gather {fmt_time(r.comm_time['all_gather'])}, reduce-scatter "
         f"{fmt_time(r.comm_time['reduce_scatter'])}"
         + (f", all-reduce {fmt_time(r.comm_time['all_reduce'])}" if r.all_reduces else ""),
+        *host,
     ]
 
 
@@ -422,7 +428,9 @@ def auto_line(result: AutoResult) -> str:
     # auto's last resorts, said where the step time is: an offload plan's step is mostly the CPU optimizer's
     dims = "/".join(str(d) for d in sorted(set(result.plan.shard_dims.values())))
     layout += (f", {fmt_count(len(result.plan.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
-        (", CPU offload" if result.plan.offload else "")
+        (f", CPU offload (optimizer step on the CPU {fmt_time(result.report.cpu_optimizer_time)} at "
+         f"{ev.cluster.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank: {ev.cluster.cpu_optimizer_source})"
+         if result.plan.offload else "")
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "

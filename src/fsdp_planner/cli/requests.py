@@ -33,7 +33,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.precision import check_precision
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster, with_cpu_optimizer_rate
 from fsdp_planner.models import ModelSpec, planning_only
 from fsdp_planner.models.hf import MAX_OVERRIDES, parse_override
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
@@ -255,7 +255,13 @@ def memory_options(args: argparse.Namespace) -> dict:
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
-    return parse_cluster(args.cluster) if args.cluster else None
+    return named_cluster(args, args.cluster) if args.cluster else None
+
+
+def named_cluster(args: argparse.Namespace, spec: str) -> Cluster:
+    """The cluster ``spec`` names, with the host figures given on the command line (``--cpu-optimizer-rate``)."""
+    return with_cpu_optimizer_rate(parse_cluster(spec), getattr(args, "cpu_optimizer_rate", None),
+                                   "given with --cpu-optimizer-rate")
 
 
 
@@ -298,7 +304,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
     if args.policy == PolicyName.AUTO.value and cluster is None:
         # as many H100s as a given --mesh has ranks
         default = f"h100:{Mesh.parse(args.mesh).size}" if getattr(args, "mesh", None) else DEFAULT_AUTO_CLUSTER
-        cluster = parse_cluster(default)
+        cluster = named_cluster(args, default)
     if not args.policy and cluster is not None:
         policies.append(policy_request(args, PolicyName.AUTO.value))
     notes = _plan_notes(args, [p.name for p in policies], cluster is not None)
