@@ -54,3 +54,14 @@ def test_the_rate_given_on_the_command_line_sets_the_offload_step() -> None:
 def test_a_bad_rate_is_one_clear_error(value: str) -> None:
     r = run_here(*SIMULATE, "--cpu-optimizer-rate", value)
     assert r.returncode != 0 and "cpu_optimizer_rate" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.integration
+def test_calibrate_writes_the_measured_rate_with_its_source(tmp_path) -> None:
+    out = tmp_path / "host.json"
+    r = run_here("calibrate", "--cpu-optimizer", "--base", "h100:2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    c = Cluster.load(out)
+    assert c.cpu_optimizer_source.startswith("calibrate --cpu-optimizer") and "of 2 ranks" in c.cpu_optimizer_source
+    assert c.cpu_optimizer_rate != parse_cluster("h100:2").cpu_optimizer_rate
+    assert f"{c.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank" in r.stdout
