@@ -400,7 +400,7 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
     plan_for = _plan_for(args, auto)
-    plan_cluster = (plan_for or given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto \
+    plan_cluster = (plan_for or given or named_cluster(args, f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto \
         else None
     notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
                           plan_file=source.plan_file is not None)
@@ -420,7 +420,7 @@ def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
     if not auto:
         raise PlannerError("--plan-for CLUSTER says which cluster --policy auto plans for: add --policy auto (a "
                            "plan file or another policy does not depend on the cluster)")
-    return parse_cluster(args.plan_for)
+    return named_cluster(args, args.plan_for)
 
 
 @dataclass(frozen=True)
@@ -462,7 +462,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
                                gradient_sync=gradient_sync(args), **memory_options(args))
     check_precision(options.precision)
     source = plan_source(args)
-    cluster = parse_cluster(args.cluster or f"h100:{world}")
+    cluster = named_cluster(args, args.cluster or f"h100:{world}")
     if cluster.world_size != world:
         raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")
     return FakeWorldRequest(model_spec(args), source, world, cluster, options, args.memory_tolerance,
