@@ -2,28 +2,17 @@
 
 Usage: python benchmarks/cpu_adamw.py [--tensors 3] [--numel 100000000] [--steps 3]
 Prints elements per second and fp32 param bytes per second; benchmarks/cpu_adamw.md records the figure that
-hardware/cluster.py uses as the preset's CPU optimizer rate.
+hardware/cluster.py derives the presets' CPU optimizer rate from. ``calibrate --cpu-optimizer`` times the same step
+(``calibrate/cpu_optimizer.py``) on one rank's share of the cores and writes it into a cluster file.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-
-def measure(tensors: int, numel: int, steps: int) -> float:
-    """Seconds per AdamW step over ``tensors`` fp32 params of ``numel`` elements (state already allocated)."""
-    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
-    for p in params:
-        p.grad = torch.randn(numel)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    opt.step()  # the first step allocates exp_avg / exp_avg_sq: not timed
-    start = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    return (time.perf_counter() - start) / steps
+from fsdp_planner.calibrate.cpu_optimizer import adamw_seconds
 
 
 def main() -> None:
@@ -32,7 +21,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=100_000_000)
     ap.add_argument("--steps", type=int, default=3)
     a = ap.parse_args()
-    seconds = measure(a.tensors, a.numel, a.steps)
+    seconds = adamw_seconds(a.tensors, a.numel, a.steps)
     elements = a.tensors * a.numel
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}: {elements:,} elements, "
           f"{seconds:.3f} s/step, {elements / seconds / 1e6:.1f} M elements/s, "

@@ -10,7 +10,8 @@ import pytest
 from fsdp_planner.calibrate.nccl_logs import calibrate, fit_logs, fit_samples, parse_nccl_tests, read_nccl_tests
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.hardware.collectives import alpha_beta, collective_time
+from fsdp_planner.hardware.collectives import alpha_beta
+from fsdp_planner.hardware.cost import collective_time
 
 NCCL = Path(__file__).parent / "fixtures" / "nccl"
 AG8 = NCCL / "all_gather_perf_8xh100.log"

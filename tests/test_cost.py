@@ -16,12 +16,10 @@ from fsdp_planner.hardware.collectives import (
     Protocol,
     alpha_beta,
     bandwidth_saturation_bytes,
-    bus_bandwidth_at,
-    collective_time,
     lines,
     model_alpha_beta,
-    protocol_for,
 )
+from fsdp_planner.hardware.cost import bus_bandwidth_at, collective_time, protocol_for
 
 GiB = 1024**3
 US = 1e-6

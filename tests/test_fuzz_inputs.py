@@ -31,7 +31,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.hardware.collectives import collective_time
+from fsdp_planner.hardware.cost import collective_time
 from fsdp_planner.models.hf import read_config
 from fsdp_planner.planners import SizeBasedPolicy
 from fsdp_planner.runtime.checkpoint import parse_meta

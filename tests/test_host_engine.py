@@ -15,7 +15,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import GPU, Cluster, Engine, Link, Overhead
-from fsdp_planner.hardware.collectives import table_seconds
+from fsdp_planner.hardware.cost import table_seconds
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.events import EventKind

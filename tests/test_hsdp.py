@@ -94,7 +94,7 @@ def test_replica_groups_are_strided() -> None:
     assert replica_ranks_per_node(cluster, Mesh(16, 4)) == 2
     assert replica_ranks_per_node(cluster, Mesh(2, 32)) == 1
     ctx = SimContext(load_trace_small(), cluster, mesh=Mesh(8, 8))
-    assert ctx.link(AR)[2] == "inter" and ctx.link(RS)[2] == "intra"
+    assert ctx.cost(AR).link == "inter" and ctx.cost(RS).link == "intra"
 
 
 def load_trace_small():

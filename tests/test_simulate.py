@@ -10,7 +10,8 @@ from conftest import policy, traced
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import NO_OVERHEAD, Link, Overhead, parse_cluster
-from fsdp_planner.hardware.collectives import alpha_beta, collective_time
+from fsdp_planner.hardware.collectives import alpha_beta
+from fsdp_planner.hardware.cost import collective_time
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import SimOptions

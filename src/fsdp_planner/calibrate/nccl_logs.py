@@ -451,7 +451,7 @@ def calibrate(
 ) -> Cluster:
     """``base`` (or a preset matching the logs' GPUs and hosts) plus fitted (alpha, busbw) per (kind, N).
 
-    Fits are merged over any ``base.fits``; ``collectives.collective_time`` uses them for matching
+    Fits are merged over any ``base.fits``; ``hardware.cost.collective_cost`` uses them for matching
     group sizes and scales the model by them for other sizes of the same one-node/multi-node regime.
     """
     tables, fits = fit_logs(paths, kind=kind, ranks=ranks)

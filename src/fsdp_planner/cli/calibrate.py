@@ -14,6 +14,7 @@ from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.calibrate.compute import fit_compute, measure_compute
+from fsdp_planner.calibrate.cpu_optimizer import measure_cpu_optimizer
 from fsdp_planner.calibrate.gloo import MAX_NPROC, calibrate_gloo
 from fsdp_planner.calibrate.nccl_logs import calibrate
 from fsdp_planner.calibrate.overhead import OverheadMeasurement, measure_overhead
@@ -21,7 +22,7 @@ from fsdp_planner.cli.commands import CALIBRATE_BASE as DEFAULT_BASE
 from fsdp_planner.cli.paths import output_file
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text, printable
-from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,9 +30,9 @@ def run(args: argparse.Namespace) -> int:
         return run_gloo(args)
     if args.nproc != 2:
         render.note("--nproc has no effect without --backend gloo")
-    if not args.logs and not args.overhead and not args.compute:
-        raise PlannerError("calibrate needs nccl-tests logs, --overhead, --compute or --backend gloo (logs, "
-                           "--overhead and --compute combine)")
+    if not args.logs and not args.overhead and not args.compute and not args.cpu_optimizer:
+        raise PlannerError("calibrate needs nccl-tests logs, --overhead, --compute, --cpu-optimizer or --backend gloo "
+                           "(all but --backend combine)")
     out = output_file(args.out, force=args.force)
     assert out is not None
     base = parse_cluster(args.base) if args.base else None
@@ -46,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
             render.console.print(f"compute: matmul {c.matmul_efficiency:.0%} of peak (half at dim "
                                  f"{c.matmul_half_dim:.0f}), attention {c.attention_efficiency:.0%}, memory-bound "
                                  f"{c.memory_efficiency:.0%} of HBM bandwidth")
+    if args.cpu_optimizer:
+        with render.progress("timing torch's AdamW on one rank's share of this host's cores"):
+            rate, source = measure_cpu_optimizer(cluster.gpus_per_node)
+        cluster = with_cpu_optimizer_rate(cluster, rate, source)
+        if not args.json:
+            render.console.print(escape(f"CPU optimizer: {rate / 1e6:,.1f} M elements/s per rank ({source})"))
     if args.overhead:
         cluster, measured = _with_measured_overhead(cluster)
         if not args.json:
@@ -84,9 +91,9 @@ def _with_measured_overhead(cluster: Cluster) -> tuple[Cluster, OverheadMeasurem
 
 def run_gloo(args: argparse.Namespace) -> int:
     """``--backend gloo --nproc N``: the cluster of N CPU ranks, measured in a torchrun job."""
-    if args.logs or args.overhead or args.base or args.compute:
+    if args.logs or args.overhead or args.base or args.compute or args.cpu_optimizer:
         raise PlannerError("--backend gloo measures this machine's CPU ranks on its own: give no nccl-tests logs, "
-                           "--overhead, --compute or --base with it")
+                           "--overhead, --compute, --cpu-optimizer or --base with it")
     if not 2 <= args.nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} with --backend gloo (a collective needs two "
                            f"ranks), got {args.nproc}")

@@ -208,6 +208,9 @@ def calibrate(sub: Subparsers) -> None:
     sp.add_argument("--compute", action="store_true",
                     help="time matmuls, fused attention and an elementwise op on this machine's CUDA GPU and fit the "
                          "roofline's efficiencies (the cluster file's compute section) against --base's peaks")
+    sp.add_argument("--cpu-optimizer", action="store_true",
+                    help="time torch's AdamW on one rank's share of this host's cores and write it as the cluster's "
+                         "cpu_optimizer_rate (the optimizer step of --offload plans)")
     sp.add_argument("--backend", choices=["gloo"],
                     help="measure this machine's CPU ranks in a torchrun job instead: gloo collectives over a sweep "
                          "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "

@@ -25,10 +25,10 @@ from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
 from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 from fsdp_planner.cli.paths import picture_file
-from fsdp_planner.cli.requests import memory_budget, model_spec, policy_request, sim_options
+from fsdp_planner.cli.requests import memory_budget, model_spec, named_cluster, policy_request, sim_options
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.fit import FitPoint, largest_fitting, smallest_fitting
@@ -85,7 +85,7 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
         render.note(f"--batch {args.batch} has no effect with --find batch: the batch is what it searches (from 1)")
     if args.gpus and args.find != "both":
         render.note("--find has no effect with --gpus auto: the workload is --batch x --seq as given")
-    cluster = parse_cluster(args.cluster)
+    cluster = named_cluster(args, args.cluster)
     if args.gpus:
         cluster = _with_nodes(cluster, 1)
     elif args.max_gpus != DEFAULT_MAX_FIT_GPUS:

@@ -24,13 +24,14 @@ from fsdp_planner.cli.requests import (
     memory_budget,
     micro_batches,
     model_spec,
+    named_cluster,
     policy_request,
     sim_options,
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Mesh, Plan
-from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import infeasible_message
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.budget import MemoryBudget
@@ -98,7 +99,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def plan_from_config(args: argparse.Namespace, cfg: JobConfig) -> Result:
-    cluster, options = parse_cluster(args.cluster), sim_options(args)
+    cluster, options = named_cluster(args, args.cluster), sim_options(args)
     budget = memory_budget(args, cluster)
     tr = load_trace(model_spec(args), render.notes, full=args.full_trace, precision=options.precision)
     config_plan = adjusted(policy_plan(tr, policy_request(args, cfg.policy.value), args.model, cluster, options), cfg)

@@ -192,6 +192,10 @@ def add_memory_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--offload", action="store_true",
                     help="CPUOffloadPolicy: sharded params, grads and optimizer state on the CPU, the optimizer step "
                          "on the CPU (default off; auto turns it on only when nothing fits without it)")
+    sp.add_argument("--cpu-optimizer-rate", type=float, default=None, metavar="ELEMENTS_PER_S",
+                    help="with offload: the host's optimizer step rate per rank, elements/s (e.g. 615e6; default: "
+                         "the cluster's cpu_optimizer_rate, a preset's derived in hardware/cluster.py; measure yours "
+                         "with benchmarks/cpu_adamw.py)")
     sp.add_argument("--shard-placement", choices=[p.value for p in ShardPlacement], default=None,
                     help="dim0: FSDP2's Shard(0) for every param (default); auto: Shard(1) where dim 0 has fewer rows "
                          "than the shard size and dim 1 divides evenly (MoE experts); auto policy: tried when "

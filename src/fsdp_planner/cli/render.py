@@ -258,6 +258,11 @@ def checkpointed_per_group(plan: Plan) -> list[list[str]]:
 def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offloaded: bool = False) -> list[str]:
     """``offloaded``: the plan offloads activations, whose host copies the copy time includes."""
     copies = "FSDP2 copy-outs and activation copies" if offloaded else "FSDP2 copy-outs"
+    # the host figure an offload plan's step depends on, and where it comes from
+    given = "--cpu-optimizer-rate" in cluster.cpu_optimizer_source
+    host = [f"optimizer step on the CPU at {cluster.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank "
+            f"({escape(cluster.cpu_optimizer_source)}{'' if given else '; --cpu-optimizer-rate to give yours'})"] \
+        if r.cpu_optimizer_time else []
     return [
         f"[bold]{escape(name)}[/bold] with [bold]{escape(plan_label)}[/bold] on {escape(cluster.describe())}",
         f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
@@ -275,6 +280,7 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offl
         + f" per step on mesh {r.mesh}; comm busy: all-gather {fmt_time(r.comm_time['all_gather'])}, reduce-scatter "
         f"{fmt_time(r.comm_time['reduce_scatter'])}"
         + (f", all-reduce {fmt_time(r.comm_time['all_reduce'])}" if r.all_reduces else ""),
+        *host,
     ]
 
 
@@ -422,7 +428,9 @@ def auto_line(result: AutoResult) -> str:
     # auto's last resorts, said where the step time is: an offload plan's step is mostly the CPU optimizer's
     dims = "/".join(str(d) for d in sorted(set(result.run.shard_dims.values())))
     layout += (f", {fmt_count(len(result.run.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
-        (", CPU offload" if result.run.offload else "")
+        (f", CPU offload (optimizer step on the CPU {fmt_time(result.report.cpu_optimizer_time)} at "
+         f"{ev.cluster.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank: {ev.cluster.cpu_optimizer_source})"
+         if result.run.offload else "")
     line = (f"auto: {groups}{checkpointed}{layout}, "
             f"step {fmt_time(result.report.step_time)}, "
             f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
@@ -511,13 +519,16 @@ def _delta_bytes(alt: int | None, base: int) -> str:
     return "-" if alt is None else f"{fmt_bytes(alt)} ({(alt - base) / base:+.1%})"
 
 
-def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, seconds: float) -> str:
+def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, seconds: float,
+              bus_bandwidth: float) -> str:
     where = (f"{collective} of {fmt_bytes(nbytes)} over {ranks} rank{'s' if ranks != 1 else ''} on "
              f"{escape(cluster.describe())}")
     if seconds == 0:
         why = "nothing to move" if nbytes == 0 else "one rank holds everything"
         return f"{where}: 0 s ({why})"
-    return f"{where}: {fmt_time(seconds)} (bus bandwidth {(ranks - 1) / ranks * nbytes / seconds / 1e9:.0f} GB/s)"
+    gbps = bus_bandwidth / 1e9  # whole GB/s on GPUs; a host's fraction of one keeps three digits
+    return f"{where}: {fmt_time(seconds)} (bus bandwidth {gbps:.0f} GB/s)" if gbps >= 9.5 else \
+        f"{where}: {fmt_time(seconds)} (bus bandwidth {gbps:.3g} GB/s)"
 
 
 def json_ready(value: Any) -> Any:

@@ -33,7 +33,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.precision import check_precision
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster, with_cpu_optimizer_rate
 from fsdp_planner.models import ModelSpec, planning_only
 from fsdp_planner.models.hf import MAX_OVERRIDES, parse_override
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
@@ -255,7 +255,13 @@ def memory_options(args: argparse.Namespace) -> dict:
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
-    return parse_cluster(args.cluster) if args.cluster else None
+    return named_cluster(args, args.cluster) if args.cluster else None
+
+
+def named_cluster(args: argparse.Namespace, spec: str) -> Cluster:
+    """The cluster ``spec`` names, with the host figures given on the command line (``--cpu-optimizer-rate``)."""
+    return with_cpu_optimizer_rate(parse_cluster(spec), getattr(args, "cpu_optimizer_rate", None),
+                                   "given with --cpu-optimizer-rate")
 
 
 
@@ -298,7 +304,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
     if args.policy == PolicyName.AUTO.value and cluster is None:
         # as many H100s as a given --mesh has ranks
         default = f"h100:{Mesh.parse(args.mesh).size}" if getattr(args, "mesh", None) else DEFAULT_AUTO_CLUSTER
-        cluster = parse_cluster(default)
+        cluster = named_cluster(args, default)
     if not args.policy and cluster is not None:
         policies.append(policy_request(args, PolicyName.AUTO.value))
     notes = _plan_notes(args, [p.name for p in policies], cluster is not None)
@@ -394,7 +400,7 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
     plan_for = _plan_for(args, auto)
-    plan_cluster = (plan_for or given or parse_cluster(f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto \
+    plan_cluster = (plan_for or given or named_cluster(args, f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto \
         else None
     notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
                           plan_file=source.plan_file is not None)
@@ -414,7 +420,7 @@ def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:
     if not auto:
         raise PlannerError("--plan-for CLUSTER says which cluster --policy auto plans for: add --policy auto (a "
                            "plan file or another policy does not depend on the cluster)")
-    return parse_cluster(args.plan_for)
+    return named_cluster(args, args.plan_for)
 
 
 @dataclass(frozen=True)
@@ -456,7 +462,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
                                gradient_sync=gradient_sync(args), **memory_options(args))
     check_precision(options.precision)
     source = plan_source(args)
-    cluster = parse_cluster(args.cluster or f"h100:{world}")
+    cluster = named_cluster(args, args.cluster or f"h100:{world}")
     if cluster.world_size != world:
         raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")
     return FakeWorldRequest(model_spec(args), source, world, cluster, options, args.memory_tolerance,

@@ -16,6 +16,7 @@ from fsdp_planner.cli.requests import (
     memory_budget,
     micro_batches,
     model_spec,
+    named_cluster,
     plan_source,
     policy_notes,
     sim_options,
@@ -23,7 +24,7 @@ from fsdp_planner.cli.requests import (
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.hardware.cluster import Cluster, parse_cluster
+from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if micro_batches(args) > 1 and (png or page):  # (refuses --micro-batches auto too)
         raise PlannerError("--timeline and --html draw a step of one micro-batch: drop --micro-batches to draw it")
     sources = [plan_source(args), *filter(None, [compare_source(args)])]
-    cluster, options = parse_cluster(args.cluster), sim_options(args)
+    cluster, options = named_cluster(args, args.cluster), sim_options(args)
     policies = [s.policy.name for s in sources if s.policy]
     ran = " and ".join(f"{o} {v}" for o, v in (("--policy", args.policy), ("--compare", args.compare))
                        if v in {p.value for p in policies})

@@ -37,9 +37,19 @@ MAX_NODE_NICS = 64  # NICs (rails) per node: 8 on DGX H100 / GB200 NVL72 trays, 
 # A ceiling: pinned copies reach ~80-90% of it in practice.
 PCIE5_ONE_WAY = 64e9
 PCIE4_ONE_WAY = 32e9
-# The CPU optimizer step under CPUOffloadPolicy: torch.optim.AdamW(foreach=True) on fp32 CPU params, elements/s,
-# measured on this project's 2-core x86 host (benchmarks/cpu_adamw.md: 87.8 M elements/s). Calibrate on yours.
+# The CPU optimizer step under CPUOffloadPolicy: torch.optim.AdamW(foreach=True) on fp32 CPU params, elements/s of
+# one rank. Measured on this project's 2-core x86 host: 87.8 M elements/s on 2 threads (benchmarks/cpu_adamw.md;
+# a rerun while the host was shared gave 30.9 M), so 43.9 M per core. A cluster built without the figure (a file
+# without the field) has that host's rate.
 CPU_ADAMW_RATE = 87.8e6
+CPU_ADAMW_SOURCE = "measured on a 2-core x86 host (benchmarks/cpu_adamw.md)"
+CPU_ADAMW_RATE_PER_CORE = CPU_ADAMW_RATE / 2
+# A GPU server's host: its cores shared by its 8 ranks. DGX H100, H200 and B200 have two 56-core Xeons (112 cores;
+# NVIDIA's DGX H100/H200 and DGX B200 data sheets), DGX A100 two 64-core AMD EPYC 7742 (128; DGX A100 data sheet).
+# The presets' rate is derived, not measured: the per-core rate above x the cores per GPU (14: 615 M elements/s; 16:
+# 702 M), assuming foreach AdamW scales with cores (it streams ~28 bytes per element: 17 GB/s per rank, 138 GB/s a
+# node, within the hosts' 8-channel DDR memory bandwidth). Give yours with --cpu-optimizer-rate or calibrate it.
+SERVER_HOST_CORES = {"h100": 112, "h100e": 112, "h200": 112, "a100": 128, "b200": 112}
 
 # Per-kind fitted (latency seconds, bus bandwidth bytes/s), keyed by group size N.
 Fits = dict[str, dict[int, tuple[float, float]]]
@@ -175,6 +185,7 @@ class Cluster:
     tables: Tables = field(default_factory=dict, hash=False)
     host_copy_bandwidth: float = PCIE5_ONE_WAY  # bytes/s each way between a GPU and its host (CPUOffloadPolicy)
     cpu_optimizer_rate: float = CPU_ADAMW_RATE  # elements/s of the optimizer step on the host (CPUOffloadPolicy)
+    cpu_optimizer_source: str = CPU_ADAMW_SOURCE  # where that figure comes from (shown with offload plans' steps)
     # how close kernels come to the GPU's peaks (the roofline's factors); a file without it: the H100's
     compute: Compute = field(default_factory=lambda: COMPUTE["h100"])
 
@@ -219,6 +230,7 @@ class Cluster:
             "tables": {k: [[n, t] for n, t in rows] for k, rows in self.tables.items()},
             "host_copy_bandwidth": self.host_copy_bandwidth,
             "cpu_optimizer_rate": self.cpu_optimizer_rate,
+            "cpu_optimizer_source": self.cpu_optimizer_source,
             "compute": asdict(self.compute),
         }
 
@@ -231,58 +243,27 @@ class Cluster:
             raise PlannerError(f"the {where} must be a JSON object, got {type(d).__name__}")
         _check_version(d, where)
         _check_known_keys(d, where)
-        memory = _num(d, "gpu.memory_bytes", where)
-        gpu = GPU(
-            name=_get(d, "gpu.name", where),
-            peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
-            peak_fp32_flops=_num(d, "gpu.peak_fp32_flops", where),
-            hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
-            # a whole byte count; NaN / infinity are kept as read so that _check_cluster names them
-            memory_bytes=int(memory) if math.isfinite(memory) else memory,  # type: ignore[arg-type]
-        )
-        links = {}
-        for lname in ("intra", "inter"):
-            links[lname] = Link(
-                bus_bandwidth=_num(d, f"{lname}.bus_bandwidth", where),
-                base_latency=_num(d, f"{lname}.base_latency", where),
-                hop_latency=_num(d, f"{lname}.hop_latency", where),
-                half_bw_bytes=_num(d, f"{lname}.half_bw_bytes", where, 0.0),
-                ring_overhead=_num(d, f"{lname}.ring_overhead", where, 0.0),
-            )
-        fits = _fits_from(d.get("fits") or {}, where)
-        overhead = NO_OVERHEAD
-        if "overhead" in d:
-            source = _get(d, "overhead.source", where, "")
-            overhead = Overhead(hook_seconds=_num(d, "overhead.hook_seconds", where),
-                                op_seconds=_num(d, "overhead.op_seconds", where),
-                                copy_bandwidth=_num(d, "overhead.copy_bandwidth", where),
-                                param_seconds=_num(d, "overhead.param_seconds", where, 0.0),
-                                module_seconds=_num(d, "overhead.module_seconds", where, 0.0),
-                                source=source)
-        tables = _tables_from(d.get("tables") or {}, where)
-        compute = COMPUTE["h100"]
-        if "compute" in d:
-            compute = Compute(**{f.name: _get(d, f"compute.{f.name}", where, "") if f.name == "source"
-                                 else _num(d, f"compute.{f.name}", where, getattr(compute, f.name))
-                                 for f in dataclass_fields(Compute)})
-        engine = _get(d, "engine", where, Engine.STREAMS.value)
-        if not isinstance(engine, str) or engine not in {e.value for e in Engine}:
-            raise PlannerError(f"the {where} field 'engine' must be one of {', '.join(e.value for e in Engine)}, "
-                               f"got {_short(engine)}")
+        # the sections read in this order, so that a file with several faults is told the same first one
+        gpu, intra, inter = _gpu_from(d, where), _link_from(d, "intra", where), _link_from(d, "inter", where)
+        fits, overhead = _fits_from(d.get("fits") or {}, where), _overhead_from(d, where)
+        tables, compute, engine = _tables_from(d.get("tables") or {}, where), _compute_from(d, where), \
+            _engine_from(d, where)
         return cls(
             name=_get(d, "name", where),
             gpu=gpu,
             gpus_per_node=_int(d, "gpus_per_node", where),
             nodes=_int(d, "nodes", where),
-            intra=links["intra"],
-            inter=links["inter"],
+            intra=intra,
+            inter=inter,
             nics_per_node=_int(d, "nics_per_node", where, 8),
             fits=fits,
             overhead=overhead,
-            engine=Engine(engine),
+            engine=engine,
             tables=tables,
             host_copy_bandwidth=_num(d, "host_copy_bandwidth", where, PCIE5_ONE_WAY),
             cpu_optimizer_rate=_num(d, "cpu_optimizer_rate", where, CPU_ADAMW_RATE),
+            cpu_optimizer_source=_get(d, "cpu_optimizer_source", where,
+                                      CPU_ADAMW_SOURCE if "cpu_optimizer_rate" not in d else where),
             compute=compute,
             where=where,
             physical=True,
@@ -306,6 +287,58 @@ class Cluster:
 
 
 _MISSING = object()
+
+
+def _gpu_from(d: dict[str, Any], where: str) -> GPU:
+    memory = _num(d, "gpu.memory_bytes", where)
+    return GPU(
+        name=_get(d, "gpu.name", where),
+        peak_bf16_flops=_num(d, "gpu.peak_bf16_flops", where),
+        peak_fp32_flops=_num(d, "gpu.peak_fp32_flops", where),
+        hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
+        # a whole byte count; NaN / infinity are kept as read so that _check_cluster names them
+        memory_bytes=int(memory) if math.isfinite(memory) else memory,  # type: ignore[arg-type]
+    )
+
+
+def _link_from(d: dict[str, Any], lname: str, where: str) -> Link:
+    return Link(
+        bus_bandwidth=_num(d, f"{lname}.bus_bandwidth", where),
+        base_latency=_num(d, f"{lname}.base_latency", where),
+        hop_latency=_num(d, f"{lname}.hop_latency", where),
+        half_bw_bytes=_num(d, f"{lname}.half_bw_bytes", where, 0.0),
+        ring_overhead=_num(d, f"{lname}.ring_overhead", where, 0.0),
+    )
+
+
+def _overhead_from(d: dict[str, Any], where: str) -> Overhead:
+    """The file's ``overhead`` section; none: an ideal host."""
+    if "overhead" not in d:
+        return NO_OVERHEAD
+    return Overhead(hook_seconds=_num(d, "overhead.hook_seconds", where),
+                    op_seconds=_num(d, "overhead.op_seconds", where),
+                    copy_bandwidth=_num(d, "overhead.copy_bandwidth", where),
+                    param_seconds=_num(d, "overhead.param_seconds", where, 0.0),
+                    module_seconds=_num(d, "overhead.module_seconds", where, 0.0),
+                    source=_get(d, "overhead.source", where, ""))
+
+
+def _compute_from(d: dict[str, Any], where: str) -> Compute:
+    """The file's ``compute`` section, each figure missing from it the H100's."""
+    compute = COMPUTE["h100"]
+    if "compute" not in d:
+        return compute
+    return Compute(**{f.name: _get(d, f"compute.{f.name}", where, "") if f.name == "source"
+                      else _num(d, f"compute.{f.name}", where, getattr(compute, f.name))
+                      for f in dataclass_fields(Compute)})
+
+
+def _engine_from(d: dict[str, Any], where: str) -> Engine:
+    engine = _get(d, "engine", where, Engine.STREAMS.value)
+    if not isinstance(engine, str) or engine not in {e.value for e in Engine}:
+        raise PlannerError(f"the {where} field 'engine' must be one of {', '.join(e.value for e in Engine)}, "
+                           f"got {_short(engine)}")
+    return Engine(engine)
 
 
 def _check_version(d: dict[str, Any], where: str) -> None:
@@ -477,6 +510,7 @@ def _check_cluster(c: Cluster, label: str, physical: bool = False) -> None:
     _check_overhead(c.overhead, c.engine, label, physical)
     _check_range(label, "host_copy_bandwidth", c.host_copy_bandwidth, BANDWIDTH._replace(infinite=False), physical)
     _check_range(label, "cpu_optimizer_rate", c.cpu_optimizer_rate, ELEMENT_RATE, physical)
+    _check_text(label, "cpu_optimizer_source", c.cpu_optimizer_source, MAX_SOURCE)
     _check_tables(c.tables, label, physical)
     _check_fits(c.fits, label, physical)
     _check_compute(c.compute, label)
@@ -487,7 +521,7 @@ def _check_known_keys(d: dict, where: str) -> None:
     otherwise leave the default in place without a word."""
     sections = {"gpu": GPU, "intra": Link, "inter": Link, "overhead": Overhead, "compute": Compute}
     known = {"version", "name", "gpus_per_node", "nodes", "nics_per_node", "fits", "engine", "tables",
-             "host_copy_bandwidth", "cpu_optimizer_rate", *sections}
+             "host_copy_bandwidth", "cpu_optimizer_rate", "cpu_optimizer_source", *sections}
     for key in d:
         if key not in known:
             raise PlannerError(f"the {where} has an unknown field {_short(key)} (a typo?); the fields are listed in "
@@ -709,7 +743,23 @@ def preset_cluster(name: str, nodes: int = 1, gpus_per_node: int = 8) -> Cluster
         overhead=_overhead(GPUS[key]),
         compute=COMPUTE[key],
         host_copy_bandwidth=PCIE4_ONE_WAY if key == "a100" else PCIE5_ONE_WAY,
+        **preset_cpu_optimizer(key),
     )
+
+
+def preset_cpu_optimizer(key: str) -> dict[str, Any]:
+    """A preset's host optimizer rate and its source (derived: see ``SERVER_HOST_CORES``)."""
+    cores = SERVER_HOST_CORES[key] // MAX_GPUS_PER_NODE
+    return {"cpu_optimizer_rate": CPU_ADAMW_RATE_PER_CORE * cores,
+            "cpu_optimizer_source": f"preset: {cores} host cores per GPU x {CPU_ADAMW_RATE_PER_CORE / 1e6:.1f} M "
+                                    "elements/s per core measured on a 2-core host (benchmarks/cpu_adamw.md)"}
+
+
+def with_cpu_optimizer_rate(cluster: Cluster, rate: float | None, source: str) -> Cluster:
+    """``cluster`` with the host's optimizer rate the user gave (``--cpu-optimizer-rate``); None: as it is."""
+    if rate is None:
+        return cluster
+    return replace(cluster, cpu_optimizer_rate=rate, cpu_optimizer_source=source)
 
 
 _SPEC = re.compile(r"^([a-z0-9]+)(?::(\d+)(?:x(\d+))?)?$", re.ASCII)

@@ -1,4 +1,5 @@
-"""Time of one FSDP collective (ring all-gather / reduce-scatter / all-reduce) on a ``Cluster``.
+"""NCCL's model of one FSDP collective (ring all-gather / reduce-scatter / all-reduce) on a ``Cluster``: the
+fitted and modelled lines behind ``cost.py``'s ``CollectiveCost`` (which also reads measured tables first).
 
 ``nbytes`` is always the FULL unsharded size S of the group, as nccl-tests reports it; N ranks take part.
 NCCL's ring model (src/graph/tuning.cc) gives each protocol p (LL, LL128, SIMPLE) a line::
@@ -7,7 +8,7 @@ NCCL's ring model (src/graph/tuning.cc) gives each protocol p (LL, LL128, SIMPLE
 
 with X = nodes spanned - 1 the ring steps that cross nodes (NCCL counts one network step per extra node), k = 1
 for all-gather and reduce-scatter and 2 for all-reduce (a reduce-scatter then an all-gather: twice the steps and
-twice the bytes per rank), and NCCL runs the protocol whose line is lowest at that size (``collective_time``).
+twice the bytes per rank), and NCCL runs the protocol whose line is lowest at that size (``cost.py`` picks it).
 
 SIMPLE reads the cluster's links: B the bus bandwidth of the slowest link the ring uses (NVLink on one node;
 min(NVLink, network share) across nodes, where a group with r ranks per node gets min(r, NICs)/NICs of a node's
@@ -31,7 +32,6 @@ the ratios of the nearest fitted sizes (same one-node/multi-node regime only), i
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -146,18 +146,6 @@ def model_lines(cluster: Cluster, ranks: int | None = None, ranks_per_node: int 
     return lines
 
 
-def table_seconds(rows: list[tuple[int, float]], nbytes: float) -> float:
-    """A measured collective's seconds at ``nbytes``: linear between the measured sizes, the smallest size's time
-    below them, the last two sizes' slope beyond."""
-    if nbytes <= rows[0][0]:
-        return rows[0][1]
-    for (s0, t0), (s1, t1) in itertools.pairwise(rows):
-        if nbytes <= s1:
-            return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
-    (s0, t0), (s1, t1) = rows[-2], rows[-1]
-    return t1 + max(0.0, (t1 - t0) / (s1 - s0)) * (nbytes - s1)
-
-
 def _ll_cap(cluster: Cluster, nodes: int) -> float:
     caps = next((c for name, c in LL_MAX_BUS_BANDWIDTH.items() if cluster.gpu.name.upper().startswith(name)),
                 LL_MAX_BUS_BANDWIDTH["H100"])
@@ -236,37 +224,6 @@ def _fit_ratio(cluster: Cluster, fits: dict[int, tuple[float, float]], n: int) -
         return (1 - t) * a + t * b
 
     return mix(ratios[lo][0], ratios[hi][0]), mix(ratios[lo][1], ratios[hi][1])
-
-
-def collective_time(cluster: Cluster, kind: str | CollectiveKind, nbytes: float, ranks: int | None = None,
-                    ranks_per_node: int | None = None) -> float:
-    """Seconds for one ``kind`` collective of ``nbytes`` (full unsharded size) over ``ranks`` ranks, with the
-    protocol NCCL would pick (``protocol_for``).
-
-    ``ranks`` defaults to the world; ``ranks_per_node`` to a packed group (see ``group_layout``). Zero bytes or
-    a single rank cost nothing (NCCL returns at once).
-    """
-    return protocol_for(cluster, kind, nbytes, ranks, ranks_per_node)[1]
-
-
-def protocol_for(cluster: Cluster, kind: str | CollectiveKind, nbytes: float, ranks: int | None = None,
-                 ranks_per_node: int | None = None) -> tuple[Protocol, float]:
-    """The protocol NCCL runs for this collective (the fastest line at this size) and its seconds."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int | float) or not nbytes >= 0:
-        raise PlannerError(f"a collective needs a non-negative byte count, got {nbytes!r}")
-    n = cluster.world_size if ranks is None else ranks
-    options = lines(cluster, kind, ranks, ranks_per_node)
-    if nbytes == 0 or n == 1:
-        return Protocol.SIMPLE, 0.0
-    return min(((p, alpha + (n - 1) / n * nbytes / bw) for p, alpha, bw in options), key=lambda pt: pt[1])
-
-
-def bus_bandwidth_at(cluster: Cluster, kind: str | CollectiveKind, nbytes: float, ranks: int | None = None,
-                     ranks_per_node: int | None = None) -> float:
-    """The nccl-tests "busbw" the model predicts at this size, (N-1)/N * S / T (0 when nothing moves)."""
-    n = cluster.world_size if ranks is None else ranks
-    t = collective_time(cluster, kind, nbytes, ranks, ranks_per_node)
-    return (n - 1) / n * nbytes / t if t > 0 else 0.0
 
 
 def bandwidth_saturation_bytes(cluster: Cluster, ranks: int | None = None, ranks_per_node: int | None = None,

@@ -3,10 +3,8 @@ planner can simulate many plans cheaply."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import numpy as np
 
@@ -14,8 +12,8 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.replay import Collective
-from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.hardware.collectives import Protocol, group_layout, lines, table_seconds
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.cost import CollectiveCost, collective_cost
 from fsdp_planner.sim.compute import step_op_times, traced_itemsize
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
@@ -35,14 +33,6 @@ class Recompute:
     modules: list[str]
     ops: int
     copy_seconds: float = 0.0
-
-
-class LinkCost(NamedTuple):
-    """How one collective is costed on the links: T = alpha + bytes * per_byte, its bytes queued on ``link``."""
-
-    alpha: float  # seconds
-    per_byte: float  # seconds per byte of data
-    link: str  # "intra" (NVLink, or a measured host collective) | "inter" (the network)
 
 
 class SimContext:
@@ -82,9 +72,7 @@ class SimContext:
                                   self.options.zero_grad, like.memory if like is not None else None,
                                   self.options.offload, self.options.shard_placement)
         self.sizing = self.memory.sizing
-        self._links: dict[tuple[CollectiveKind, int], tuple[list[LinkCost], str]] = {}
-        # measured collectives of a CPU-rank cluster (empty on GPUs: link() then never looks them up)
-        self.host_tables = cluster.tables if cluster.engine is Engine.HOST else {}
+        self._costs: dict[tuple[CollectiveKind, int], CollectiveCost] = {}
         self._recompute: dict[tuple[Checkpointed, ...], dict[int, Recompute]] = \
             like._recompute if like is not None else {}
         self.lower_bound = self._lower_bound()
@@ -93,58 +81,33 @@ class SimContext:
         """This model, cluster and options on another layout, sharing what does not depend on the layout."""
         return SimContext(self.trace, self.cluster, self.options, mesh=mesh, like=self)
 
-    def link(self, kind: CollectiveKind, ranks: int = 0, nbytes: float = math.inf) -> LinkCost:
-        """How a ``kind`` collective of ``nbytes`` on ``ranks`` ranks is costed: the line of the protocol NCCL runs
-        at that size (default: a large message, SIMPLE). ``ranks`` 0: its whole group, the ``shard`` consecutive
-        ranks of the mesh (packed onto nodes), or for an all-reduce the ``replicate`` ranks ``shard`` apart."""
-        rows = self.table(kind, ranks) if self.host_tables else None
-        if rows is not None and nbytes != math.inf:  # measured: its time at this size, as a latency
-            return LinkCost(table_seconds(rows, nbytes), 0.0, "intra")
-        options = self.links(kind, ranks)
-        if len(options) == 1 or nbytes == math.inf:
-            return options[-1]
-        return min(options, key=lambda line: line.alpha + nbytes * line.per_byte)
-
-    def table(self, kind: CollectiveKind, ranks: int = 0) -> list[tuple[int, float]] | None:
-        """The measured (bytes, seconds) of ``kind`` when the cluster has them for this group: a host-engine
-        cluster measured over all its ranks (``calibrate --backend gloo``)."""
-        if not self.host_tables or (ranks or self.shard) != self.world:
-            return None
-        return self.host_tables.get(kind.value)
-
-    def latency(self, kind: CollectiveKind, ranks: int = 0) -> float:
-        """The least a ``kind`` collective can cost (the lowest-latency protocol, no bytes)."""
-        rows = self.table(kind, ranks)
-        if rows is not None:
-            return rows[0][1]
-        return min(line.alpha for line in self.links(kind, ranks))
-
-    def links(self, kind: CollectiveKind, ranks: int = 0) -> list[LinkCost]:
-        """Every protocol's line for ``kind`` (SIMPLE last)."""
+    def cost(self, kind: CollectiveKind, ranks: int = 0) -> CollectiveCost:
+        """What a ``kind`` collective costs on ``ranks`` ranks (``hardware/cost.py``: measured, fitted or modelled).
+        ``ranks`` 0: its whole group, the ``shard`` consecutive ranks of the mesh (packed onto nodes), or for an
+        all-reduce the ``replicate`` ranks ``shard`` apart."""
         key = (kind, ranks)
-        if key not in self._links:
+        if key not in self._costs:
             n, per_node = ranks or self.shard, None
             if kind is CollectiveKind.ALL_REDUCE:
                 n = ranks or self.mesh.replicate
                 per_node = replica_ranks_per_node(self.cluster, self.mesh)
-            where = "inter" if group_layout(self.cluster, n, per_node)[2] > 1 else "intra"
-            if n == 1:
-                self._links[key] = ([LinkCost(0.0, 0.0, where)], where)
-            else:
-                ordered = sorted(lines(self.cluster, kind, n, per_node),
-                                 key=lambda line: line.protocol is Protocol.SIMPLE)
-                self._links[key] = ([LinkCost(alpha, (n - 1) / n / bw, where) for _, alpha, bw in ordered], where)
-        return self._links[key][0]
+            self._costs[key] = collective_cost(self.cluster, kind, n, per_node)
+        return self._costs[key]
 
     def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:
         """Seconds of ``kind`` collectives of each size in ``nbytes`` on the whole group, the fastest protocol
         each (zero bytes: nothing)."""
-        rows = self.table(kind)
-        if rows is not None:
-            best = np.array([table_seconds(rows, float(b)) for b in np.ravel(nbytes)]).reshape(np.shape(nbytes))
-        else:
-            best = np.min([alpha + nbytes * per_byte for alpha, per_byte, _ in self.links(kind)], axis=0)
-        return np.where(nbytes > 0, best, 0.0)
+        return self.cost(kind).seconds_each(nbytes)
+
+    def copy_in_seconds(self, kind: CollectiveKind, nbytes: float | np.ndarray) -> float | np.ndarray:
+        """FSDP2's copy-in before a collective of ``nbytes`` (the full size): an all-gather copies this rank's shard
+        into its input buffer, a reduce-scatter the unsharded grads into its input (``copy_bandwidth``); an
+        all-reduce reads the reduce-scatter's output in place."""
+        if kind is CollectiveKind.ALL_GATHER:
+            return nbytes / self.shard / self.cluster.overhead.copy_bandwidth
+        if kind is CollectiveKind.REDUCE_SCATTER:
+            return nbytes / self.cluster.overhead.copy_bandwidth
+        return 0.0
 
     def recompute(self, checkpointed: Sequence[Checkpointed]) -> dict[int, Recompute]:
         """Pre-backward position -> the checkpointed forward run again there (once per set of modules); under
@@ -209,8 +172,8 @@ class SimContext:
         times = [float(self.comm_time(kind, np.array([nbytes]))[0]) for kind, nbytes in messages if nbytes]
         by_link: dict[str, float] = {}
         for kind, nbytes in messages:  # the bytes at the best bandwidth any protocol reaches
-            where = self.link(kind).link
-            by_link[where] = by_link.get(where, 0.0) + nbytes * min(line.per_byte for line in self.links(kind))
+            cost = self.cost(kind)
+            by_link[cost.link] = by_link.get(cost.link, 0.0) + nbytes * cost.per_byte
         return max(self.compute_total, *times, *by_link.values())
 
 

@@ -10,9 +10,9 @@ for the network. So the step is a sum, in the order the replay issues things:
   module calls) less what timing each op adds to its measured time (negative on this project's host: -2 us);
 - each FSDP2 hook: ``hook_seconds`` plus ``param_seconds`` / 4 per param its group manages (as on a GPU host),
   and each call of a module ``fully_shard`` was applied to ``module_seconds`` (its FSDPState's hooks);
-- each collective: its copy-in and the gloo line ``alpha + (N-1)/N * bytes / busbw``, or where the cluster
-  measured it (``Cluster.tables``) its measured time at that size, copy-in included; an all-gather's copy-out into
-  the params at ``copy_bandwidth``;
+- each collective: its copy-in and its cost (``hardware/cost.py``: the gloo line, or where the cluster measured
+  it, ``Cluster.tables``, its measured time at that size, copy-in included); an all-gather's copy-out into the
+  params at ``copy_bandwidth``;
 - a checkpointed forward run again at its pre-backward boundary.
 A shard group of one rank issues no collective (as ``verify`` predicts). Memory is the same model as on a GPU.
 """
@@ -82,13 +82,12 @@ class HostRank:
             return  # FSDP2 issues no all-gather or reduce-scatter over one rank
         bandwidth = self.overhead.copy_bandwidth
         name = fmt_modules(self.plan.groups[c.group].modules, 1)
-        copy_in = nbytes / ctx.shard / bandwidth if c.kind is AG else nbytes / bandwidth if c.kind is RS else 0.0
-        if ctx.table(c.kind, c.ranks) is not None:
-            copy_in = 0.0  # measured as FSDP2 runs it, copy-in included (calibrate/worker.py: sweep)
+        cost = ctx.cost(c.kind, c.ranks)
+        # a measured table timed it as FSDP2 runs it, copy-in included (calibrate/worker.py: sweep)
+        copy_in = 0.0 if cost.table is not None else ctx.copy_in_seconds(c.kind, nbytes)
         self.copy += copy_in
         self._spend(copy_in, Stream.COMPUTE, f"copy-in {name}", Work.COPY_OUT, c.group)
-        alpha, per_byte, _ = ctx.link(c.kind, c.ranks, nbytes)
-        seconds = (alpha + nbytes * per_byte) if nbytes else 0.0
+        seconds = cost.seconds(nbytes)
         self.busy[c.kind] += seconds
         self._spend(seconds, Stream(c.kind.value), name, group=c.group)
         if c.kind is AG:

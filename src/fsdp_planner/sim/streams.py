@@ -25,7 +25,7 @@ Only two kinds of event can change the clocks: a collective being issued, and an
 for the first time after that group's all-gather (later reads find it ready). The simulation stops only there
 and adds up the op times in between (the host's lead over such a stretch is one running maximum), so a plan
 costs time in its collectives, not in the trace's length. Each collective is costed with the protocol NCCL
-would run at its size (``hardware/collectives.py``).
+would run at its size, or as measured (``hardware/cost.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 from fsdp_planner.fmt import fmt_modules
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Collective, Schedule, state_hook_calls
+from fsdp_planner.hardware.cost import LinkCost
 from fsdp_planner.sim.context import Recompute, SimContext, collective_bytes
 from fsdp_planner.sim.memory import first_at_or_after
 from fsdp_planner.sim.sizing import GroupFacts
@@ -90,24 +91,25 @@ class Streams:
         one_rank = self.ctx.shard == 1 and c.kind is not AR
         params = self.group_params[c.group] if c.kind is AG else c.params
         if c.kind is AG:
-            copy_in = 0.0 if one_rank else nbytes / self.ctx.shard / copy
+            copy_in = 0.0 if one_rank else self.ctx.copy_in_seconds(c.kind, nbytes)
             issued = self.t if (c.backward or c.prefetch) else self.last_forward_gather
         elif c.kind is AR:  # the reduce-scatter just issued for the same grads must be done
             copy_in, issued = 0.0, self.free[RS]
         else:  # the unsharded grads copied into the reduce-scatter's input (dim-1 ones re-laid out first)
-            copy_in, issued = (nbytes + self.ctx.sizing.shard1_grad_bytes(params)) / copy, self.t
+            copy_in = self.ctx.copy_in_seconds(c.kind, nbytes + self.ctx.sizing.shard1_grad_bytes(params))
+            issued = self.t
         # offload: the shards come from the host first (not for a backward all-gather from a post-forward shard,
         # ``ranks``, kept on the GPU); the reduced shard goes back (counted before the collective: the same time on
         # its stream)
         copy_in += 0.0 if c.ranks else self.ctx.host_copy_seconds(c.kind, params)
         if self.host is not None:  # launched by the hook at this boundary
             issued = max(issued, self.host.at(c.event))
-        alpha, per_byte, link = (0.0, 0.0, "intra") if one_rank else self.ctx.link(c.kind, c.ranks, nbytes)
+        line = LinkCost(0.0, 0.0, "intra") if one_rank else self.ctx.cost(c.kind, c.ranks).line(nbytes)
         start = max(self.free[c.kind], issued) + copy_in
-        end = start + (alpha if nbytes else 0.0)
-        if nbytes * per_byte > 0:  # the bytes queue behind the other stream's on the same link
-            end = max(end, self.link_free[link]) + nbytes * per_byte
-            self.link_free[link] = end
+        end = start + (line.alpha if nbytes else 0.0)
+        if line.transfer(nbytes) > 0:  # the bytes queue behind the other stream's on the same link
+            end = max(end, self.link_free[line.link]) + line.transfer(nbytes)
+            self.link_free[line.link] = end
         self.free[c.kind] = end
         self.busy[c.kind] += end - start + copy_in
         if c.kind is AG:

@@ -141,10 +141,10 @@ MIN_SEARCH_EFFORT = 24  # plans it may simulate at least, however large the trac
 def default_search_effort(trace: Trace) -> int:
     """Plans the local refinement may simulate by default: ``SEARCH_EVENTS`` worth of traced events, so the
     refinement's work, like the rest of the search's, grows with the model no faster than linearly. A simulation
-    costs about 0.1-0.3 us per trace event on a 2-core x86 host (~3 ms for llama3-8b's 11,541 events, ~20 ms for
-    the 217,003 of a 10,000-module model): 1-2 s of refinement at most. llama3-8b gets 519 plans and uses 208-516 of
+    costs about 0.1-0.3 us per trace event on a 2-core x86 host (~3 ms for llama3-8b's 11,538 events, ~20 ms for
+    the 217,003 of a 10,000-module model): 1-2 s of refinement at most. llama3-8b gets 520 plans and uses 249-443 of
     them; on every row of benchmarks/plan_quality.md the default gives the plan an unbounded search gives, which
-    simulates up to 965 (benchmarks/search_effort.md)."""
+    simulates up to 1,398 (benchmarks/search_effort.md)."""
     return max(MIN_SEARCH_EFFORT, SEARCH_EVENTS // max(len(trace.events), 1))
 
 

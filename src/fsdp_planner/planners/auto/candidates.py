@@ -194,8 +194,9 @@ class Surrogate:
         i, j = np.triu_indices(len(self.P), k=1)
         gather, reduce = self.P[j] - self.P[i], self.R[j] - self.R[i]
         ctx, shard = self.ctx, self.ctx.shard
-        ag = ctx.comm_time(CollectiveKind.ALL_GATHER, gather) + gather / shard * self.copy  # with its copy-in
-        rs = ctx.comm_time(CollectiveKind.REDUCE_SCATTER, reduce) + reduce * self.copy
+        ag = ctx.comm_time(CollectiveKind.ALL_GATHER, gather) + ctx.copy_in_seconds(CollectiveKind.ALL_GATHER, gather)
+        rs = ctx.comm_time(CollectiveKind.REDUCE_SCATTER, reduce) \
+            + ctx.copy_in_seconds(CollectiveKind.REDUCE_SCATTER, reduce)
         if ctx.mesh.replicate > 1:  # HSDP: each reduce-scatter's output (1/shard of it) is all-reduced after it
             rs = rs + ctx.comm_time(CollectiveKind.ALL_REDUCE, reduce / shard)
         copy_out = gather * self.copy  # on the compute stream, in forward and again in backward

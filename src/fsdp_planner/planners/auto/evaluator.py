@@ -144,7 +144,7 @@ class Evaluator:
         launch: the hooks alone count there.)"""
         overhead = self.cluster.overhead
         launches = self.trace.index.op_count * overhead.op_seconds if self.cluster.engine is Engine.STREAMS else 0.0
-        return max(gathered * self.ctx.latency(CollectiveKind.ALL_GATHER),
+        return max(gathered * self.ctx.cost(CollectiveKind.ALL_GATHER).latency,
                    launches + gathered * 2 * overhead.hook_seconds)
 
     def _surely_claims(self, fqn: str, group: int, group_of: dict[str, int]) -> bool:

@@ -75,8 +75,8 @@ def explain(result: AutoResult) -> list[GroupExplanation]:
     out = []
     for k, g in enumerate(plan.inner_groups):
         nbytes = groups[k].gather_bytes
-        alpha, per_byte, _ = ctx.link(CollectiveKind.ALL_GATHER, 0, nbytes)  # the protocol NCCL picks at this size
-        ag = alpha + nbytes * per_byte if nbytes else 0.0
+        cost = ctx.cost(CollectiveKind.ALL_GATHER)
+        ag, alpha = cost.seconds(nbytes), cost.line(nbytes).alpha  # the protocol NCCL picks at this size
         prev = ctx.cum[starts[k]] - ctx.cum[starts[k - 1]] if k > 0 else 0.0
         alternatives = [] if k + 1 >= len(plan.inner_groups) else [
             (move, ev.evaluate(p, "explain")) for move, p in refiner.moves(plan, only=k) if ev.allowed(p)]
