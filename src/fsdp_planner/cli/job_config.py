@@ -9,11 +9,19 @@ pass ``shown_json``. Torch-free: the reading is checked before anything is trace
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ
+from fsdp_planner.configs.torchtitan_registry import (
+    TITAN_MODELS,
+    is_registry_spec,
+    parse_flags,
+    read_registry,
+    with_overrides,
+)
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import read_text, shown_json
 
@@ -21,8 +29,6 @@ TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
 NO_WRAP_NUMEL = 10**15  # NO_WRAP: no module reaches it, so the size policy leaves every param to the root
 ACCELERATE_MIN_NUM_PARAMS = 100_000_000  # Accelerate's fsdp_min_num_params default (FSDP1's)
 
-# torchtitan's llama3 flavours that are built-in models (same architecture numbers).
-TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b"}
 # Sections of a torchtitan job that do not change one training step's time or memory.
 TITAN_IGNORED = {"job", "profiling", "metrics", "logging", "checkpoint", "lr_scheduler", "validation", "comm",
                  "fault_tolerance", "experimental", "memory_estimation", "optimizer"}
@@ -104,8 +110,14 @@ KEY_NAMES = {
 }
 
 
-def read_config(kind: str, path: str) -> JobConfig:
-    """The job ``path`` describes, as ``kind`` (TORCHTITAN or ACCELERATE) reads it."""
+def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
+    """The job ``path`` describes, as ``kind`` (TORCHTITAN or ACCELERATE) reads it; torchtitan's ``path`` is a TOML
+    or a registry job (``FILE.py:FUNCTION``, ``configs/torchtitan_registry.py``), ``flags`` its dotted overrides."""
+    if kind == TORCHTITAN and is_registry_spec(path):
+        data, notes = read_registry(path, parse_flags(flags))
+        cfg = JobConfig(kind, path, notes=notes)
+        _titan(cfg, data)
+        return cfg
     label = f"{kind} config '{path}'"
     text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML")
     data = _load(kind, text, label)
@@ -117,7 +129,7 @@ def read_config(kind: str, path: str) -> JobConfig:
         raise PlannerError(f"{label} holds {shape}, not a table of settings (key: value lines)")
     cfg = JobConfig(kind, path)
     if kind == TORCHTITAN:
-        _titan(cfg, data)
+        _titan(cfg, with_overrides(data, parse_flags(flags)))
     else:
         _accelerate(cfg, data)
     return cfg
