@@ -24,7 +24,7 @@ DEFAULT_GPU = "h100"
 def job_config(args: argparse.Namespace) -> JobConfig | None:
     """The config ``--from-torchtitan`` / ``--from-accelerate`` names, read (None: neither given)."""
     if getattr(args, "from_torchtitan", None):
-        return read_config(TORCHTITAN, args.from_torchtitan)
+        return read_config(TORCHTITAN, args.from_torchtitan, getattr(args, "torchtitan_flags", ()))
     if getattr(args, "from_accelerate", None):
         return read_config(ACCELERATE, args.from_accelerate)
     return None

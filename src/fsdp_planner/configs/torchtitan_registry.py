@@ -258,7 +258,8 @@ def _model_name(path: Path, tree: ast.Module) -> str:
             if node.level == 0 and node.module:
                 return node.module.split(".")[-1]
             return path.resolve().parent.name
-    return path.resolve().parent.name if path.name == "config_registry.py" else ""
+    where = path.resolve().parent
+    return where.name if where.parent.name == "models" else ""
 
 
 SKIPPED = (ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assert, ast.Pass)
