@@ -12,11 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_planner.apply.export import export_plan
+from fsdp_planner.choices import ACMode, ExportFormat
 from fsdp_planner.cli import build_parser, main
 from fsdp_planner.cli.from_config import configured
 from fsdp_planner.cli.job_config import TORCHTITAN, JobConfig, read_config
 from fsdp_planner.configs.torchtitan_registry import Call, Override, is_registry_spec, parse_flags
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Group, Mesh, Plan
+from fsdp_planner.sim.options import PRECISIONS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "torchtitan"
 REGISTRY = FIXTURES / "llama3" / "config_registry.py"
@@ -198,3 +202,38 @@ def test_a_file_over_the_size_limit_is_refused(monkeypatch):
 def test_toml_paths_are_not_registry_specs():
     assert not is_registry_spec("job.toml") and not is_registry_spec("dir/job.toml")
     assert is_registry_spec("a/b.py:f") and is_registry_spec("torchtitan.models.llama3:llama3_8b")
+
+
+# -- export --format torchtitan: the same form, read back ------------------------------------------------------------
+def exported(tmp_path: Path, plan: Plan) -> tuple[Path, list[str]]:
+    path = tmp_path / "titan_plan.py"
+    path.write_text(export_plan(plan, ExportFormat.TORCHTITAN, PRECISIONS["bf16-mixed"]))
+    tree = ast.parse(path.read_text())
+    flags = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.AnnAssign)
+                 and getattr(n.target, "id", "") == "TORCHTITAN_FLAGS")
+    return path, flags
+
+
+@pytest.mark.parametrize(("mesh", "reshard", "offload", "checkpointed", "reduce"), [
+    (Mesh(2, 4), [False, False], True, ["layers.0"], ""),
+    (None, [True, True], False, [], "bf16"),
+    (Mesh(1, 8), [True, False], False, ["layers.0", "layers.1"], ""),
+])
+def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, reshard, offload, checkpointed, reduce):
+    """The exported fsdp_planner_job() reads as the plan's job; its flags on the shipped 8B job give the same."""
+    groups = [Group(modules=[f"layers.{i}"], params=[f"layers.{i}.w"], reshard_after_forward=r)
+              for i, r in enumerate(reshard)]
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", mesh=mesh, offload=offload, reduce_dtype=reduce,
+                activation_checkpointing=checkpointed, groups=[*groups, Group(modules=[""], params=[])])
+    path, flags = exported(tmp_path, plan)
+    cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
+    rule = "always" if all(reshard) else "never" if not any(reshard) else "default"
+    assert (cfg.model, cfg.replicate, cfg.shard, cfg.reshard, cfg.offload) == (
+        "llama3-8b", mesh.replicate if mesh else 1, mesh.shard if mesh else None, rule, offload)
+    assert (cfg.ac, cfg.precision, cfg.reduce_dtype) == (
+        ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", "bf16" if reduce else None)
+    assert cfg.notes == [] and (cfg.batch, cfg.seq) == (None, None)  # the workload is the command line's
+    on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
+    keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype")
+    assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
+    assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
