@@ -5,6 +5,7 @@ torchtitan's dotted flags after ``--``; non-literal values; and ``export --forma
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import sys
@@ -237,3 +238,23 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
     keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype")
     assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
     assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
+
+
+def test_an_option_that_contradicts_a_registry_job_names_its_key():
+    with pytest.raises(PlannerError, match=r"--seq 4096 contradicts training.max_context_length in torchtitan config"):
+        options(job("llama3_8b"), "--seq", "4096")
+    with pytest.raises(PlannerError, match=r"--batch 4 contradicts training.num_tokens_per_microbatch_per_dp_rank"):
+        options(job("llama3_8b"), "--batch", "4")
+
+
+@pytest.mark.integration  # (two plans of the Llama 3 8B job: about 10 s idle)
+def test_the_8b_registry_job_plans_as_its_toml(capsys):
+    """`plan --json` of the registry job and of its TOML: the same document but for the config's path."""
+    out = []
+    for spec in (job("llama3_8b"), str(FIXTURES / "llama3_8b.toml")):
+        assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100", "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["config"].pop("path") == spec
+        out.append(document)
+    assert out[0] == out[1]
+    assert out[0]["model"] == "llama3-8b" and out[0]["cluster"] == "h100:8"

@@ -11,6 +11,7 @@ from typing import Any
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync
 from fsdp_planner.cli.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, read_config, world_of
+from fsdp_planner.configs.torchtitan_registry import is_registry_spec
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster
@@ -80,11 +81,13 @@ def _titan_models() -> list[tuple[str, str]]:
 
 
 def _workload(cfg: JobConfig, args: argparse.Namespace) -> None:
-    batch_key = "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
+    registry = cfg.kind == TORCHTITAN and is_registry_spec(cfg.path)  # torchtitan's current keys
+    batch_key = "training.num_tokens_per_microbatch_per_dp_rank" if registry else \
+        "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
     if cfg.batch is not None:
         _given(args, "batch", "--batch", cfg.batch, batch_key, cfg)
     if cfg.seq is not None:
-        _given(args, "seq", "--seq", cfg.seq, "training.seq_len", cfg)
+        _given(args, "seq", "--seq", cfg.seq, "training.max_context_length" if registry else "training.seq_len", cfg)
     if cfg.precision is not None:
         _given(args, "precision", "--precision", cfg.precision, "the mixed precision", cfg, DEFAULT_PRECISION)
     if cfg.reduce_dtype is not None:
