@@ -258,3 +258,26 @@ def test_the_8b_registry_job_plans_as_its_toml(capsys):
         out.append(document)
     assert out[0] == out[1]
     assert out[0]["model"] == "llama3-8b" and out[0]["cluster"] == "h100:8"
+
+
+def test_full_bf16_training_is_pure_bf16(tmp_path):
+    """training.dtype = "bfloat16" (no fp32 copy of anything), from the registry and from a TOML alike."""
+    registry = read_config(TORCHTITAN, job("llama3_8b"), ["--training.dtype", "bfloat16"])
+    toml = read_config(TORCHTITAN, str(FIXTURES / "llama3_8b.toml"), ["--training.dtype", "bfloat16"])
+    same_job(registry, toml)
+    assert registry.precision == "pure-bf16" and registry.notes[0].startswith("training.dtype = bfloat16")
+    assert read_config(TORCHTITAN, job("llama3_8b"), ["--training.dtype", "float32"]).precision == "bf16-mixed"
+
+
+def test_a_value_nested_too_deeply_is_one_line(tmp_path):
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD + "        training=TrainingConfig(steps=" + "1 + " * 5000 + "1),\n    )\n")
+    with pytest.raises(PlannerError, match=r"^torchtitan job '.*:job': .*nests? too deeply to (parse|read)$"):
+        read_config(TORCHTITAN, f"{path}:job")
+
+
+def test_the_export_of_a_pure_bf16_plan_reads_back_as_pure_bf16(tmp_path):
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])])
+    path = tmp_path / "titan_plan.py"
+    path.write_text(export_plan(plan, ExportFormat.TORCHTITAN, PRECISIONS["pure-bf16"]))
+    assert read_config(TORCHTITAN, f"{path}:fsdp_planner_job").precision == "pure-bf16"

@@ -47,7 +47,8 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, -1)
     ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
     return {
-        "training": {"mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
+        "training": {"dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
+                     "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
                      "mixed_precision_reduce": "bfloat16" if precision.reduce_bytes == 2 else "float32",
                      "enable_cpu_offload": plan.offload},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],

@@ -254,6 +254,11 @@ def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
     cfg.keys["training.mixed_precision_param"], cfg.keys["training.mixed_precision_reduce"] = param, reduce
     cfg.precision = "bf16-mixed" if param == "bfloat16" else "fp32"
     cfg.reduce_dtype = "bf16" if reduce == "bfloat16" and param == "bfloat16" else None
+    if "dtype" in training and _str(cfg, "training.dtype", training["dtype"], dtypes) == "bfloat16":
+        cfg.precision, cfg.reduce_dtype = "pure-bf16", None  # no fp32 copy of anything
+        cfg.keys["training.dtype"] = "bfloat16"
+        cfg.notes.append("training.dtype = bfloat16 is simulated as pure-bf16: params, grads, optimizer state and "
+                         "the gradient reduction in bf16")
     if "enable_cpu_offload" in training:
         cfg.offload = cfg.keys["training.enable_cpu_offload"] = _bool(cfg, "training.enable_cpu_offload",
                                                                       training["enable_cpu_offload"])

@@ -194,10 +194,13 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
     label = f"torchtitan job '{path}:{function}'"
     tree = _parse(read_text(path, f"torchtitan config_registry '{path}'", "a torchtitan config_registry.py"), label)
     notes: list[str] = []
-    config = _job(_functions(tree), function, label, 0, notes)
-    for o in overrides:
-        config = _set(config, o.key.split("."), o.value)
-    return toml_tables(config, _model_name(path, tree), label, notes), notes
+    try:
+        config = _job(_functions(tree), function, label, 0, notes)
+        for o in overrides:
+            config = _set(config, o.key.split("."), o.value)
+        return toml_tables(config, _model_name(path, tree), label, notes), notes
+    except RecursionError:  # an expression nested thousands deep (ast.parse takes more than literal_eval does)
+        raise PlannerError(f"{label}: its values nest too deeply to read") from None
 
 
 def _source(where: str) -> Path:
@@ -242,7 +245,9 @@ def _parse(text: str, label: str) -> ast.Module:
         return ast.parse(text)
     except SyntaxError as e:
         raise PlannerError(f"{label}: the file is not valid Python (line {e.lineno}: {e.msg})") from None
-    except (ValueError, RecursionError, MemoryError):
+    except (RecursionError, MemoryError):
+        raise PlannerError(f"{label}: the file nests too deeply to parse") from None
+    except ValueError:  # a null byte
         raise PlannerError(f"{label}: the file cannot be parsed as Python") from None
 
 
