@@ -249,13 +249,21 @@ def test_an_option_that_contradicts_a_registry_job_names_its_key():
 
 @pytest.mark.integration  # (two plans of the Llama 3 8B job: about 10 s idle)
 def test_the_8b_registry_job_plans_as_its_toml(capsys):
-    """`plan --json` of the registry job and of its TOML: the same document but for the config's path."""
+    """`plan --json` of the registry job and of its TOML: the same document but for the config's path and how each
+    form spells the checkpointing (a class, a mode)."""
     out = []
     for spec in (job("llama3_8b"), str(FIXTURES / "llama3_8b.toml")):
         assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100", "--json"]) == 0
         document = json.loads(capsys.readouterr().out)
         assert document["config"].pop("path") == spec
         out.append(document)
+    ac = [c for c in out[0]["changes"] if c["key"].startswith("activation_checkpoint")]
+    assert [(c["key"], c["config"]) for c in ac] == [("activation_checkpoint", "SelectiveAC.Config()")]
+    for document in out:
+        for changes in (document["changes"], (document["best_edit"] or {}).get("changes", [])):
+            for c in changes:
+                if c["key"].startswith("activation_checkpoint"):
+                    c.update(key="activation_checkpoint", config="", auto=c["auto"] if "per block" in c["auto"] else "")
     assert out[0] == out[1]
     assert out[0]["model"] == "llama3-8b" and out[0]["cluster"] == "h100:8"
 

@@ -11,7 +11,6 @@ from typing import Any
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync
 from fsdp_planner.cli.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, read_config, world_of
-from fsdp_planner.configs.torchtitan_registry import is_registry_spec
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster
@@ -81,7 +80,7 @@ def _titan_models() -> list[tuple[str, str]]:
 
 
 def _workload(cfg: JobConfig, args: argparse.Namespace) -> None:
-    registry = cfg.kind == TORCHTITAN and is_registry_spec(cfg.path)  # torchtitan's current keys
+    registry = cfg.registry  # torchtitan's current keys
     batch_key = "training.num_tokens_per_microbatch_per_dp_rank" if registry else \
         "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
     if cfg.batch is not None:

@@ -92,8 +92,15 @@ class JobConfig:
     keys: dict[str, Any] = field(default_factory=dict)  # dotted key -> value, each key read
     notes: list[str] = field(default_factory=list)  # what is left out, one line each
 
+    @property
+    def registry(self) -> bool:
+        """A torchtitan config_registry job (``FILE.py:FUNCTION``), not a TOML."""
+        return self.kind == TORCHTITAN and is_registry_spec(self.path)
+
     def key(self, name: str) -> str:
         """How the file spells the setting ``name`` (``ac``, ``reshard``, ``mesh``, ``offload``, ``policy``)."""
+        if name == "ac" and self.registry:
+            return "activation_checkpoint"  # a dataclass of its own in the registry form
         return KEY_NAMES[self.kind][name]
 
 
