@@ -118,13 +118,16 @@ def test_flags_as_torchtitan_spells_them():
 
 
 def test_flags_on_the_command_line(capsys):
-    """After ``--`` every word is torchtitan's: ``--json`` there is named; flags need --from-torchtitan."""
+    """With --from-torchtitan every word after ``--`` is torchtitan's (``--json`` there is named); without it the
+    ``--`` is argparse's, before positionals."""
     assert main(["simulate", "--from-torchtitan", job("llama3_8b"), "--", "--json"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and '"--json" is not --section.key VALUE' in err
     with pytest.raises(SystemExit):
         build_parser().parse_args(["simulate", "toy-llama", "--cluster", "h100", "--", "--training.steps", "3"])
     assert "give --from-torchtitan too" in capsys.readouterr().err
+    args = build_parser().parse_args(["simulate", "--cluster", "h100", "--", "-model.py"])
+    assert (args.model, args.torchtitan_flags) == ("-model.py", ())
 
 
 REGISTRY_HEAD = """from torchtitan.config import TrainingConfig

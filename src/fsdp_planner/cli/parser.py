@@ -34,6 +34,12 @@ class ArgumentParser(argparse.ArgumentParser):
         ArgumentParser.given = tuple(sys.argv[1:] if args is None else args)
         given, flags = _torchtitan_flags(list(ArgumentParser.given))
         ns, extras = self.parse_known_args(given, namespace)
+        if flags is not None and not getattr(ns, "from_torchtitan", None):  # argparse's own "--": positionals follow
+            ns, extras = self.parse_known_args(ArgumentParser.given, namespace)
+            if extras and any(f.startswith("--") and "." in f for f in flags):
+                self._commands().get(getattr(ns, "command", None) or "", self).error(
+                    "the flags after -- are torchtitan's (--section.key VALUE): give --from-torchtitan too")
+            flags = None
         if extras:
             sub = self._commands().get(getattr(ns, "command", None) or "", self)
             known = [o for a in sub._actions for o in a.option_strings]
@@ -41,8 +47,6 @@ class ArgumentParser(argparse.ArgumentParser):
             hint = f"; did you mean {close[0]}?" if close else ""
             sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         sub = self._commands().get(getattr(ns, "command", None) or "", self)
-        if flags is not None and not getattr(ns, "from_torchtitan", None):
-            sub.error("the flags after -- are torchtitan's (--section.key VALUE): give --from-torchtitan too")
         ns.torchtitan_flags = tuple(flags or ())
         _refuse_empty(sub, ns)
         _require(sub, ns)
@@ -57,7 +61,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def _torchtitan_flags(given: list[str]) -> tuple[list[str], list[str] | None]:
     """The command line before ``--``, and after it torchtitan's own overrides of a ``--from-torchtitan`` job
-    (``-- --parallelism.tensor_parallel_degree 8``) as torchtitan spells them (None: no ``--``)."""
+    (``-- --parallelism.tensor_parallel_degree 8``) as torchtitan spells them (None: no ``--``; without
+    ``--from-torchtitan`` the ``--`` is argparse's)."""
     if "--" not in given:
         return given, None
     i = given.index("--")
