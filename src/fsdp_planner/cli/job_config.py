@@ -1,4 +1,5 @@
-"""The training job a torchtitan TOML or an Accelerate FSDP YAML describes, read into the settings the command line
+"""The training job a torchtitan TOML (or a torchtitan config_registry job, read into the TOML's tables by
+``configs/torchtitan_registry.py``) or an Accelerate FSDP YAML describes, read into the settings the command line
 has (``--from-torchtitan``, ``--from-accelerate``): the model (torchtitan), the workload, the data-parallel layout,
 the grouping policy, activation checkpointing, ``reshard_after_forward``, mixed precision and offload.
 
