@@ -292,3 +292,15 @@ def test_the_export_of_a_pure_bf16_plan_reads_back_as_pure_bf16(tmp_path):
     path = tmp_path / "titan_plan.py"
     path.write_text(export_plan(plan, ExportFormat.TORCHTITAN, PRECISIONS["pure-bf16"]))
     assert read_config(TORCHTITAN, f"{path}:fsdp_planner_job").precision == "pure-bf16"
+
+
+def test_keys_of_the_current_dataclasses(tmp_path):
+    """A key the TOML never had: read past (an option of a parallelism whose degree is noted) or one note; a key
+    torchtitan does not have: the TOML reader's note."""
+    cfg = read_config(TORCHTITAN, job("llama3_8b"), [
+        "--parallelism.enable_fsdp_symm_mem", "--parallelism.spmd_backend", "partial_dtensor",
+        "--parallelism.num_pp_microbatches", "4", "--training.disable_cuda_graphs", "--parallelism.typo_degree", "2"])
+    assert cfg.notes == [
+        "parallelism.enable_fsdp_symm_mem = true is left out: fsdp-planner models FSDP2's NCCL collectives, not "
+        "symmetric-memory ones",
+        "parallelism.typo_degree is not read: fsdp-planner does not know it"]

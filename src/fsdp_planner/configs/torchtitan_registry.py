@@ -55,7 +55,7 @@ NEW_KEYS: dict[str, dict[str, str | None]] = {
     "training": {"disable_cuda_graphs": None},
     "parallelism": {"enable_sequence_parallel": None, "spmd_backend": None, "num_pp_microbatches": None,
                     "context_parallel_load_balancer": None, "context_parallel_ptrr_mask_key": None,
-                    "enable_fsdp_symm_mem": "symmetric-memory collectives are not modelled: FSDP2's NCCL ones are"},
+                    "enable_fsdp_symm_mem": "fsdp-planner models FSDP2's NCCL collectives, not symmetric-memory ones"},
     "compile": {"components": None, "backend": None},
     "activation_checkpoint": {},
 }
@@ -435,11 +435,10 @@ def _section(name: str, value: Any, label: str, notes: list[str]) -> dict[str, A
             notes.append(f"{name}.{key} = {_shown(v)} is not read (not a literal; it does not change a step "
                          "here)")
             continue
-        what = NEW_KEYS[name].get(key, "") if key in NEW_KEYS[name] else "keep"
-        if what == "keep":
+        if key not in NEW_KEYS[name]:  # the TOML's key (or one it names as unknown)
             table[AC_RENAMED.get(key, key)] = v
-        elif what and v:
-            notes.append(f"{name}.{key} = {shown_json(v)} is left out: {what}")
+        elif NEW_KEYS[name][key] and v:
+            notes.append(f"{name}.{key} = {shown_json(v)} is left out: {NEW_KEYS[name][key]}")
     return table
 
 
