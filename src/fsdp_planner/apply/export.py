@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
@@ -340,4 +341,6 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         loop = SELECTIVE_LOOP if plan.selective_checkpointing else ""
         body = body.replace(CHECKPOINT_LINE + loop, CHECKPOINT_LINE + loop + OFFLOAD_LOOP)
         tails += OFFLOAD_TAIL
-    return header + constants + body + tails + TAILS[fmt]
+    # torchtitan: and the job in its config_registry form
+    job = torchtitan_job(plan, precision, py_literal) if fmt is ExportFormat.TORCHTITAN else ""
+    return header + constants + body + tails + TAILS[fmt] + job

@@ -25,7 +25,7 @@ DEFAULT_GPU = "h100"
 def job_config(args: argparse.Namespace) -> JobConfig | None:
     """The config ``--from-torchtitan`` / ``--from-accelerate`` names, read (None: neither given)."""
     if getattr(args, "from_torchtitan", None):
-        return read_config(TORCHTITAN, args.from_torchtitan)
+        return read_config(TORCHTITAN, args.from_torchtitan, getattr(args, "torchtitan_flags", ()))
     if getattr(args, "from_accelerate", None):
         return read_config(ACCELERATE, args.from_accelerate)
     return None
@@ -81,11 +81,13 @@ def _titan_models() -> list[tuple[str, str]]:
 
 
 def _workload(cfg: JobConfig, args: argparse.Namespace) -> None:
-    batch_key = "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
+    registry = cfg.registry  # torchtitan's current keys
+    batch_key = "training.num_tokens_per_microbatch_per_dp_rank" if registry else \
+        "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
     if cfg.batch is not None:
         _given(args, "batch", "--batch", cfg.batch, batch_key, cfg)
     if cfg.seq is not None:
-        _given(args, "seq", "--seq", cfg.seq, "training.seq_len", cfg)
+        _given(args, "seq", "--seq", cfg.seq, "training.max_context_length" if registry else "training.seq_len", cfg)
     if cfg.precision is not None:
         _given(args, "precision", "--precision", cfg.precision, "the mixed precision", cfg, DEFAULT_PRECISION)
     if cfg.reduce_dtype is not None:

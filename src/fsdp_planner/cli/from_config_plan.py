@@ -137,10 +137,16 @@ def _plan_setting(plan: Plan, tr: Trace, cluster: Cluster) -> Setting:
     return Setting(ac, reshard, plan.layout(cluster.world_size), plan.offload)
 
 
+# torchtitan's current checkpointing classes (its every-k-th-block option is gone)
+REGISTRY_AC = {ACMode.NONE: "None", ACMode.FULL: "FullAC.Config()", ACMode.OP: "SelectiveAC.Config()"}
+
+
 def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None) -> str:
     if mode is None and plan is not None:
         full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
         return "per block: " + " + ".join([*([f"{full} full"] if full else []), *([f"{op} op-level"] if op else [])])
+    if cfg.registry:
+        return REGISTRY_AC.get(mode or ACMode.NONE, f"{(mode or ACMode.NONE).value} (no torchtitan class)")
     if cfg.kind == TORCHTITAN:
         return {ACMode.NONE: "none", ACMode.FULL: "full", ACMode.OP: 'selective, selective_ac_option = "op"',
                 ACMode.SELECTIVE: 'selective, selective_ac_option = "2"'}[mode or ACMode.NONE]
@@ -162,7 +168,8 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     ``auto``, its grouping last."""
     out = []
     if new.ac != old.ac:
-        ok = new.ac is not None and (cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
+        ok = new.ac is not None and (new.ac in REGISTRY_AC if cfg.registry else
+                                     cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
         out.append(Change(cfg.key("ac"), _ac_text(cfg, old.ac), _ac_text(cfg, new.ac, auto), ok))
     if new.reshard != old.reshard:
         ok = new.reshard is not None and (cfg.kind == TORCHTITAN or new.reshard != "default")
@@ -201,7 +208,8 @@ def _best_edit(args: argparse.Namespace, cfg: JobConfig, tr: Trace, cluster: Clu
     """The fastest setting config keys can express (checkpointing x reshard rule x the config's or auto's mesh) on
     the config's grouping that fits the budget and beats the config's step; None when no edit does."""
     # activation offloading is no option of these configs' activation checkpointing
-    modes = [m for m in ACMode if m is not ACMode.OFFLOAD] if cfg.kind == TORCHTITAN else [ACMode.NONE, ACMode.FULL]
+    modes = list(REGISTRY_AC) if cfg.registry else [m for m in ACMode if m is not ACMode.OFFLOAD] \
+        if cfg.kind == TORCHTITAN else [ACMode.NONE, ACMode.FULL]
     rules = ["default", "always", "never"] if cfg.kind == TORCHTITAN else ["always", "never"]
     best: tuple[Setting, StepReport] | None = None
     for mode, rule, mesh in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),

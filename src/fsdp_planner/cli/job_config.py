@@ -1,4 +1,5 @@
-"""The training job a torchtitan TOML or an Accelerate FSDP YAML describes, read into the settings the command line
+"""The training job a torchtitan TOML (or a torchtitan config_registry job, read into the TOML's tables by
+``configs/torchtitan_registry.py``) or an Accelerate FSDP YAML describes, read into the settings the command line
 has (``--from-torchtitan``, ``--from-accelerate``): the model (torchtitan), the workload, the data-parallel layout,
 the grouping policy, activation checkpointing, ``reshard_after_forward``, mixed precision and offload.
 
@@ -9,11 +10,19 @@ pass ``shown_json``. Torch-free: the reading is checked before anything is trace
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ
+from fsdp_planner.configs.torchtitan_registry import (
+    TITAN_MODELS,
+    is_registry_spec,
+    parse_flags,
+    read_registry,
+    with_overrides,
+)
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import MAX_CONFIG_BYTES, parse_yaml, read_text, shown_json
 
@@ -21,8 +30,6 @@ TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
 NO_WRAP_NUMEL = 10**15  # NO_WRAP: no module reaches it, so the size policy leaves every param to the root
 ACCELERATE_MIN_NUM_PARAMS = 100_000_000  # Accelerate's fsdp_min_num_params default (FSDP1's)
 
-# torchtitan's llama3 flavours that are built-in models (same architecture numbers).
-TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b"}
 # Sections of a torchtitan job that do not change one training step's time or memory.
 TITAN_IGNORED = {"job", "profiling", "metrics", "logging", "checkpoint", "lr_scheduler", "validation", "comm",
                  "fault_tolerance", "experimental", "memory_estimation", "optimizer"}
@@ -86,8 +93,15 @@ class JobConfig:
     keys: dict[str, Any] = field(default_factory=dict)  # dotted key -> value, each key read
     notes: list[str] = field(default_factory=list)  # what is left out, one line each
 
+    @property
+    def registry(self) -> bool:
+        """A torchtitan config_registry job (``FILE.py:FUNCTION``), not a TOML."""
+        return self.kind == TORCHTITAN and is_registry_spec(self.path)
+
     def key(self, name: str) -> str:
         """How the file spells the setting ``name`` (``ac``, ``reshard``, ``mesh``, ``offload``, ``policy``)."""
+        if name == "ac" and self.registry:
+            return "activation_checkpoint"  # a dataclass of its own in the registry form
         return KEY_NAMES[self.kind][name]
 
 
@@ -104,8 +118,14 @@ KEY_NAMES = {
 }
 
 
-def read_config(kind: str, path: str) -> JobConfig:
-    """The job ``path`` describes, as ``kind`` (TORCHTITAN or ACCELERATE) reads it."""
+def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
+    """The job ``path`` describes, as ``kind`` (TORCHTITAN or ACCELERATE) reads it; torchtitan's ``path`` is a TOML
+    or a registry job (``FILE.py:FUNCTION``, ``configs/torchtitan_registry.py``), ``flags`` its dotted overrides."""
+    if kind == TORCHTITAN and is_registry_spec(path):
+        data, notes = read_registry(path, parse_flags(flags))
+        cfg = JobConfig(kind, path, notes=notes)
+        _titan(cfg, data)
+        return cfg
     label = f"{kind} config '{path}'"
     text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML",
                      MAX_CONFIG_BYTES)
@@ -118,7 +138,7 @@ def read_config(kind: str, path: str) -> JobConfig:
         raise PlannerError(f"{label} holds {shape}, not a table of settings (key: value lines)")
     cfg = JobConfig(kind, path)
     if kind == TORCHTITAN:
-        _titan(cfg, data)
+        _titan(cfg, with_overrides(data, parse_flags(flags)))
     else:
         _accelerate(cfg, data)
     cfg.notes = capped(cfg.notes)
@@ -244,6 +264,11 @@ def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
     cfg.keys["training.mixed_precision_param"], cfg.keys["training.mixed_precision_reduce"] = param, reduce
     cfg.precision = "bf16-mixed" if param == "bfloat16" else "fp32"
     cfg.reduce_dtype = "bf16" if reduce == "bfloat16" and param == "bfloat16" else None
+    if "dtype" in training and _str(cfg, "training.dtype", training["dtype"], dtypes) == "bfloat16":
+        cfg.precision, cfg.reduce_dtype = "pure-bf16", None  # no fp32 copy of anything
+        cfg.keys["training.dtype"] = "bfloat16"
+        cfg.notes.append("training.dtype = bfloat16 is simulated as pure-bf16: params, grads, optimizer state and "
+                         "the gradient reduction in bf16")
     if "enable_cpu_offload" in training:
         cfg.offload = cfg.keys["training.enable_cpu_offload"] = _bool(cfg, "training.enable_cpu_offload",
                                                                       training["enable_cpu_offload"])

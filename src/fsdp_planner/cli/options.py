@@ -218,10 +218,13 @@ def add_json(sp: argparse.ArgumentParser) -> None:
 def add_job_config(sp: argparse.ArgumentParser, what: str) -> None:
     """``--from-torchtitan`` / ``--from-accelerate``: the job a training config describes (``cli/job_config.py``)."""
     group = sp.add_mutually_exclusive_group()
-    group.add_argument("--from-torchtitan", metavar="JOB.toml",
-                       help=f"{what} the job a torchtitan job config describes: its model, local batch, seq_len, "
-                            "data-parallel degrees, fsdp_reshard_after_forward, activation checkpointing and mixed "
-                            "precision (--cluster names the GPU; the GPU count comes from the config)")
+    group.add_argument("--from-torchtitan", metavar="FILE.py:FUNCTION|JOB.toml",
+                       help=f"{what} the job a torchtitan config describes: a config_registry function "
+                            "(FILE.py:FUNCTION or MODULE:FUNCTION, read without running it; torchtitan's flags after "
+                            "--, e.g. -- --training.max_context_length 4096) or an older job TOML: its model, tokens "
+                            "per GPU, context length, data-parallel degrees, fsdp_reshard_after_forward, activation "
+                            "checkpointing and mixed precision (--cluster names the GPU; the GPU count comes from the "
+                            "config)")
     group.add_argument("--from-accelerate", metavar="CONFIG.yaml",
                        help=f"{what} the job an Accelerate FSDP config describes for MODEL: its wrap policy, "
                             "fsdp_reshard_after_forward, activation checkpointing, offload, mixed precision and "

@@ -32,7 +32,14 @@ class ArgumentParser(argparse.ArgumentParser):
                    ) -> argparse.Namespace:  # type: ignore[override]
         """Unknown options are reported by the top-level parser: name the command's help, and the option meant."""
         ArgumentParser.given = tuple(sys.argv[1:] if args is None else args)
-        ns, extras = self.parse_known_args(args, namespace)
+        given, flags = _torchtitan_flags(list(ArgumentParser.given))
+        ns, extras = self.parse_known_args(given, namespace)
+        if flags is not None and not getattr(ns, "from_torchtitan", None):  # argparse's own "--": positionals follow
+            ns, extras = self.parse_known_args(ArgumentParser.given, namespace)
+            if extras and any(f.startswith("--") and "." in f for f in flags):
+                self._commands().get(getattr(ns, "command", None) or "", self).error(
+                    "the flags after -- are torchtitan's (--section.key VALUE): give --from-torchtitan too")
+            flags = None
         if extras:
             sub = self._commands().get(getattr(ns, "command", None) or "", self)
             known = [o for a in sub._actions for o in a.option_strings]
@@ -40,6 +47,7 @@ class ArgumentParser(argparse.ArgumentParser):
             hint = f"; did you mean {close[0]}?" if close else ""
             sub.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         sub = self._commands().get(getattr(ns, "command", None) or "", self)
+        ns.torchtitan_flags = tuple(flags or ())
         _refuse_empty(sub, ns)
         _require(sub, ns)
         return ns
@@ -49,6 +57,16 @@ class ArgumentParser(argparse.ArgumentParser):
             if isinstance(a, argparse._SubParsersAction):
                 return dict(a.choices)
         return {}
+
+
+def _torchtitan_flags(given: list[str]) -> tuple[list[str], list[str] | None]:
+    """The command line before ``--``, and after it torchtitan's own overrides of a ``--from-torchtitan`` job
+    (``-- --parallelism.tensor_parallel_degree 8``) as torchtitan spells them (None: no ``--``; without
+    ``--from-torchtitan`` the ``--`` is argparse's)."""
+    if "--" not in given:
+        return given, None
+    i = given.index("--")
+    return given[:i], given[i + 1:]
 
 
 def _refuse_empty(sub: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 from fsdp_planner.choices import POLICY_NAMES
+from fsdp_planner.configs.torchtitan_registry import is_registry_spec, registry_file
 from fsdp_planner.errors import PlannerError
 
 
@@ -139,9 +140,12 @@ def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
             input_file(spec.strip(), "cluster file")
             inputs.append((spec.strip(), "the cluster file"))
     for attr, what in (("from_torchtitan", "torchtitan config"), ("from_accelerate", "accelerate config")):
-        if getattr(args, attr, None):
-            input_file(getattr(args, attr), what)
-            inputs.append((getattr(args, attr), f"the {what}"))
+        spec = getattr(args, attr, None)
+        if spec and attr == "from_torchtitan" and is_registry_spec(spec):
+            spec = registry_file(spec)  # FILE.py:FUNCTION's file; a MODULE:FUNCTION is found when read
+        if spec:
+            input_file(spec, what)
+            inputs.append((spec, f"the {what}"))
     for log in getattr(args, "logs", None) or ():
         if os.path.lexists(log) and not os.path.isdir(log):  # a directory of logs is read whole
             input_file(log, "nccl-tests log")

@@ -1,0 +1,107 @@
+"""A plan's job in torchtitan's own form, for ``export --format torchtitan``: a config_registry function returning
+``Trainer.Config(...)`` of literals (torchtitan #2386), and the same settings as torchtitan's command-line flags.
+
+What a ``Trainer.Config`` can say of a plan: the data-parallel degrees, one ``fsdp_reshard_after_forward`` rule,
+full or per-op checkpointing, the mixed precision and CPU offload. The exact groups are the export's
+``parallelize``. ``--from-torchtitan FILE.py:fsdp_planner_job`` reads the function back
+(``configs/torchtitan_registry.py``). Values enter the source only through ``py_literal``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import Precision
+
+FUNCTION = "fsdp_planner_job"
+FLAVORS = {builtin: (name, flavor.upper()) for (name, flavor), builtin in TITAN_MODELS.items()}
+
+JOB = '''
+
+def {function}() -> Any:
+    """This plan's job in torchtitan's config_registry form: its data-parallel degrees, reshard_after_forward,
+    activation checkpointing, mixed precision and offload (the groups themselves are ``parallelize``). Add it to
+    ``torchtitan/models/<model>/config_registry.py``, or give TORCHTITAN_FLAGS after an existing job's
+    ``--module M --config F``. fsdp-planner reads it back without running it:
+    ``fsdp-planner simulate --from-torchtitan THIS_FILE.py:{function}``."""
+{imports}
+
+    return Trainer.Config(
+{keywords}
+    )
+
+
+# The same settings as torchtitan's command-line flags, on top of any registry job.
+TORCHTITAN_FLAGS: list[str] = [
+{flags}
+]
+'''
+
+
+def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
+    """The plan as Trainer.Config sections (``activation_checkpoint``: the class, or None)."""
+    rule = reshard_rule(plan)
+    mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, -1)
+    ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
+    return {
+        "training": {"dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
+                     "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
+                     "mixed_precision_reduce": "bfloat16" if precision.reduce_bytes == 2 else "float32",
+                     "enable_cpu_offload": plan.offload},
+        "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
+                        "fsdp_reshard_after_forward": rule},
+        "activation_checkpoint": {"class": ac},
+    }
+
+
+def reshard_rule(plan: Plan) -> str:
+    """torchtitan's one ``fsdp_reshard_after_forward`` for the plan's groups: "always" or "never" where every group
+    agrees, else "default" (a size to reshard to has no torchtitan key)."""
+    values = [g.reshard_after_forward for g in plan.inner_groups]
+    if values and all(v is True for v in values):
+        return "always"
+    if values and all(v is False for v in values):
+        return "never"
+    return "default"
+
+
+def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], str]) -> str:
+    """The source of ``fsdp_planner_job()`` and ``TORCHTITAN_FLAGS`` for ``plan`` (``literal``: the export's
+    ``py_literal``)."""
+    settings = job_settings(plan, precision)
+    ac = settings["activation_checkpoint"]["class"]
+    imports = ["from torchtitan.config import ParallelismConfig, TrainingConfig"]
+    keywords = []
+    if plan.model in FLAVORS:
+        name, flavor = FLAVORS[plan.model]
+        imports.append(f"from torchtitan.models.{name} import model_registry")
+        keywords.append(f"model_spec=model_registry({literal(flavor)}),")
+    for section, cls in (("training", "TrainingConfig"), ("parallelism", "ParallelismConfig")):
+        fields = "".join(f"\n            {k}={literal(v)}," for k, v in settings[section].items())
+        keywords.append(f"{section}={cls}({fields}\n        ),")
+    if ac:
+        imports.append(f"from torchtitan.distributed.activation_checkpoint import {ac}")
+    keywords.append(f"activation_checkpoint={ac + '.Config()' if ac else 'None'},")
+    imports.append("from torchtitan.trainer import Trainer")
+    return JOB.format(function=FUNCTION, imports="\n".join(f"    {i}" for i in imports),
+                      keywords="\n".join(f"        {k}" for k in keywords),
+                      flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings)))
+
+
+def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
+    """torchtitan's ``--section.key VALUE`` flags, each with its value (a true flag alone, a false one left at
+    torchtitan's default; the checkpointing as tyro's subcommand)."""
+    out: list[tuple[str, ...]] = []
+    for section in ("training", "parallelism"):
+        for key, value in settings[section].items():
+            if value is True:
+                out.append((f"--{section}.{key}",))
+            elif value is not False:
+                out.append((f"--{section}.{key}", str(value)))
+    ac = settings["activation_checkpoint"]["class"]
+    out.append(({"SelectiveAC": "activation-checkpoint:selective", "FullAC": "activation-checkpoint:full",
+                 None: "activation-checkpoint:none"}[ac],))
+    return out

@@ -1,0 +1,472 @@
+"""torchtitan's current job configs, read without running them: a function of a ``config_registry.py`` that returns
+``Trainer.Config(...)`` (torchtitan #2386 replaced the TOML jobs with these), and torchtitan's dotted command-line
+overrides (``--parallelism.data_parallel_shard_degree 8``).
+
+The file is parsed with ``ast``: the keywords of the ``Trainer.Config(...)`` call, of the dataclass calls inside it
+and of the locals they name are read with ``ast.literal_eval`` (and whole-number arithmetic such as ``8 * 8192``);
+nothing of the file is imported or run. A job built on another of the file (``config = llama3_debugmodel()``, then
+``config.training.steps = 5``) is read through it. The result has the old TOML job's shape (sections ``model``,
+``training``, ``parallelism``, ``activation_checkpoint``, ``compile``), so the TOML reader's mapping, notes and
+refusals apply to both. Torch-free.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import cut_short
+from fsdp_planner.userfiles import read_text, shown_json
+
+# torchtitan's model flavours that are fsdp-planner's built-in models (the same architecture numbers).
+TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b"}
+
+SPEC = re.compile(r"^(?P<where>.+):(?P<function>[A-Za-z_]\w*)$", re.S)
+MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+MAX_DEPTH = 8  # jobs built on jobs, and locals naming locals: deeper is refused, not followed
+MAX_NUMBER = 10**18  # whole-number arithmetic in the file stays below this
+MAX_FLAGS = 1000
+
+# Trainer.Config keys that change nothing a step's time or memory depends on here: read past.
+IGNORED = frozenset({"hf_assets_path", "dump_folder", "profiler", "metrics", "tokenizer", "dataloader", "optimizer",
+                     "lr_scheduler", "checkpoint", "comm", "validator", "debug", "override", "loss"})
+SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig",
+                   "activation_checkpoint": "SelectiveAC.Config"}  # each section's dataclass, for an override
+# TrainingConfig: the token counts become the TOML's local_batch_size / seq_len / global_batch_size; the rest keep
+# their names. READ: a key whose value the job's simulation depends on (not a literal there: an error).
+TOKENS = ("num_tokens_per_microbatch_per_dp_rank", "max_context_length", "num_tokens_per_train_step")
+TOKEN_DEFAULTS = {"num_tokens_per_microbatch_per_dp_rank": 16384, "max_context_length": 2048,
+                  "num_tokens_per_train_step": -1}  # TrainingConfig's defaults
+READ = {"training": {*TOKENS, "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce"},
+        "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+                        "tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                        "expert_parallel_degree"},
+        "compile": {"enable"}, "activation_checkpoint": set()}
+# Keys of the current dataclasses the TOML reader does not know, and what becomes of them: None, read past (an
+# option of tensor/pipeline/context parallelism, whose degree is noted, or of a CUDA-graph replay fsdp-planner's eager
+# step does not have); a string, a note.
+NEW_KEYS: dict[str, dict[str, str | None]] = {
+    "training": {"disable_cuda_graphs": None},
+    "parallelism": {"enable_sequence_parallel": None, "spmd_backend": None, "num_pp_microbatches": None,
+                    "context_parallel_load_balancer": None, "context_parallel_ptrr_mask_key": None,
+                    "enable_fsdp_symm_mem": "fsdp-planner models FSDP2's NCCL collectives, not symmetric-memory ones"},
+    "compile": {"components": None, "backend": None},
+    "activation_checkpoint": {},
+}
+# activation_checkpoint's dataclass, as the TOML's mode (SelectiveAC is per-op: torchtitan's "op")
+AC_CLASSES = {"SelectiveAC": {"mode": "selective", "selective_ac_option": "op"}, "FullAC": {"mode": "full"},
+              "MemoryBudgetAC": {"mode": "memory_budget"}}
+MODEL_REGISTRY_DEFAULTS = {"attn_backend": "flex", "tp_gemm_backend": "default"}  # model_registry's own defaults
+AC_RENAMED = {"force_recompute_mm_shapes_by_fqns": "per_op_sac_force_recompute_mm_shapes_by_fqns"}
+AC_SUBCOMMANDS = {"selective": "SelectiveAC", "full": "FullAC", "memory-budget": "MemoryBudgetAC", "none": None}
+FLAG = re.compile(r"^--(?P<key>[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)+)(?:=(?P<value>.*))?$", re.S)
+SUBCOMMAND = re.compile(r"^activation[-_]checkpoint:(?P<kind>selective|full|memory[-_]budget|none)$")
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call read from the file: ``model_registry("8B")``, ``TrainingConfig(steps=10)``."""
+
+    name: str  # the callee as written ("SelectiveAC.Config")
+    args: tuple[Any, ...] = ()
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """The class a ``X.Config`` call configures (``SelectiveAC``), else the callee's last name."""
+        parts = self.name.split(".")
+        return parts[-2] if len(parts) > 1 and parts[-1] == "Config" else parts[-1]
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A value that is not a literal, as the file spells it (cut short)."""
+
+    source: str
+
+
+@dataclass(frozen=True)
+class Override:
+    """One torchtitan command-line flag: ``--training.steps 5`` is ``("training.steps", 5)``."""
+
+    key: str
+    value: Any
+
+
+def is_registry_spec(spec: str) -> bool:
+    """Whether ``--from-torchtitan`` names a registry job (``FILE.py:FUNCTION``, ``MODULE:FUNCTION``), not a TOML."""
+    m = SPEC.match(spec.strip())
+    return bool(m) and (m["where"].endswith(".py") or (MODULE.match(m["where"]) is not None
+                                                       and not m["where"].endswith(".toml")))
+
+
+def registry_file(spec: str) -> str | None:
+    """The file ``FILE.py:FUNCTION`` names (None for ``MODULE:FUNCTION`` or a TOML)."""
+    m = SPEC.match(spec.strip())
+    return m["where"] if m and is_registry_spec(spec) and m["where"].endswith(".py") else None
+
+
+# -- the command line's flags ----------------------------------------------------------------------------------------
+def parse_flags(tokens: Sequence[str]) -> tuple[Override, ...]:
+    """torchtitan's flags (``--section.key VALUE``, ``--section.key=VALUE``, a bare ``--section.flag`` for true,
+    ``--section.no_flag`` / ``no-flag`` for false, several values for a list, ``activation_checkpoint:full``)."""
+    if len(tokens) > MAX_FLAGS:
+        raise PlannerError(f"{len(tokens):,} torchtitan flags: at most {MAX_FLAGS:,} are read")
+    out, i = [], 0
+    while i < len(tokens):
+        token, i = tokens[i], i + 1
+        sub = SUBCOMMAND.match(token)
+        if sub:
+            kind = AC_SUBCOMMANDS[sub["kind"].replace("_", "-")]
+            out.append(Override("activation_checkpoint", Call(f"{kind}.Config") if kind else None))
+            continue
+        m = FLAG.match(token)
+        if m is None:
+            raise PlannerError(_flag_error(token))
+        values = [] if m["value"] is None else [m["value"]]
+        while m["value"] is None and i < len(tokens) and not tokens[i].startswith("--") \
+                and not SUBCOMMAND.match(tokens[i]):
+            values.append(tokens[i])
+            i += 1
+        *section, last = m["key"].replace("-", "_").split(".")
+        if not values and last.startswith("no_"):  # tyro's --section.no-flag
+            out.append(Override(".".join([*section, last[3:]]), False))
+        elif not values:
+            out.append(Override(".".join([*section, last]), True))
+        else:
+            parsed = [_flag_value(v) for v in values]
+            out.append(Override(".".join([*section, last]), parsed[0] if len(parsed) == 1 else parsed))
+    return tuple(out)
+
+
+def _flag_error(token: str) -> str:
+    if token in ("--module", "--config") or token.startswith(("--module=", "--config=")):
+        return (f"torchtitan flag {shown_json(token)}: give the job as --from-torchtitan MODULE:FUNCTION (torchtitan's "
+                "--module/--config), e.g. torchtitan.models.llama3:llama3_8b")
+    return (f"torchtitan flag {shown_json(token)} is not --section.key VALUE (e.g. "
+            "--parallelism.data_parallel_shard_degree 8)")
+
+
+def _flag_value(text: str) -> Any:
+    """A flag's value as torchtitan's parser takes it: true/false, None, a number, else the string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    if re.fullmatch(r"[+-]?\d{1,18}", text.strip()):
+        return int(text)
+    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d{1,3})?", low) and len(low) <= 40:
+        return float(low)
+    return text
+
+
+def with_overrides(data: dict[str, Any], overrides: Sequence[Override]) -> dict[str, Any]:
+    """A TOML job's tables with the flags set (``activation_checkpoint:full`` sets ``activation_checkpoint.mode``)."""
+    for o in overrides:
+        if o.key == "activation_checkpoint":
+            data["activation_checkpoint"] = dict(AC_CLASSES[o.value.kind]) if o.value else {"mode": "none"}
+            continue
+        *path, last = o.key.split(".")
+        table = data
+        for part in path:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise PlannerError(f"torchtitan flag --{o.key}: {part} is not a table of the job")
+        table[last] = o.value
+    return data
+
+
+# -- the file --------------------------------------------------------------------------------------------------------
+def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[str, Any], list[str]]:
+    """The job ``FILE.py:FUNCTION`` / ``MODULE:FUNCTION`` returns, with ``overrides`` set, as a TOML job's tables,
+    and the notes on what is left out."""
+    m = SPEC.match(spec.strip())
+    if m is None or not is_registry_spec(spec):
+        raise PlannerError(f"torchtitan job {shown_json(spec)} is not FILE.py:FUNCTION or MODULE:FUNCTION")
+    path, function = _source(m["where"]), m["function"]
+    label = f"torchtitan job '{path}:{function}'"
+    tree = _parse(read_text(path, f"torchtitan config_registry '{path}'", "a torchtitan config_registry.py"), label)
+    notes: list[str] = []
+    try:
+        config = _job(_functions(tree), function, label, 0, notes)
+        for o in overrides:
+            config = _set(config, o.key.split("."), o.value)
+        return toml_tables(config, _model_name(path, tree), label, notes), notes
+    except RecursionError:  # an expression nested thousands deep (ast.parse takes more than literal_eval does)
+        raise PlannerError(f"{label}: its values nest too deeply to read") from None
+
+
+def _source(where: str) -> Path:
+    """The file a ``FILE.py`` or a module names; a module is found on ``sys.path`` without importing anything
+    (``find_spec`` of a dotted name would import its parents: only the top package is looked up)."""
+    if where.endswith(".py"):
+        return Path(where)
+    names = [where] if "." in where else [where, f"torchtitan.models.{where}", f"torchtitan.experiments.{where}"]
+    for name in names:
+        found = _module_file(name)
+        if found is not None:
+            return found / "config_registry.py" if found.is_dir() else found
+    raise PlannerError(f"module {shown_json(where)} is not found here (is torchtitan installed?): give the file "
+                       "instead, e.g. path/to/config_registry.py:FUNCTION")
+
+
+def _module_file(name: str) -> Path | None:
+    """A module's file, or a package's directory, from its top package's location."""
+    top, *rest = name.split(".")
+    try:
+        found = importlib.util.find_spec(top)  # a top-level name: located, not imported
+    except (ImportError, ValueError):
+        return None
+    if found is None:
+        return None
+    dirs = [Path(d) for d in (found.submodule_search_locations or [])]
+    if not rest:
+        return dirs[0] if dirs else Path(found.origin) if found.origin else None
+    for i, part in enumerate(rest):
+        last = i == len(rest) - 1
+        package = next((d / part for d in dirs if (d / part / "__init__.py").is_file()), None)
+        if package is None and last:
+            return next((d / f"{part}.py" for d in dirs if (d / f"{part}.py").is_file()), None)
+        if package is None:
+            return None
+        dirs = [package]
+    return dirs[0]
+
+
+def _parse(text: str, label: str) -> ast.Module:
+    try:
+        return ast.parse(text)
+    except SyntaxError as e:
+        raise PlannerError(f"{label}: the file is not valid Python (line {e.lineno}: {e.msg})") from None
+    except (RecursionError, MemoryError):
+        raise PlannerError(f"{label}: the file nests too deeply to parse") from None
+    except ValueError:  # a null byte
+        raise PlannerError(f"{label}: the file cannot be parsed as Python") from None
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def _model_name(path: Path, tree: ast.Module) -> str:
+    """The torchtitan model the file's ``model_registry`` belongs to: ``from torchtitan.models.llama3 import
+    model_registry``, or ``from . import model_registry`` in ``models/llama3/``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "model_registry" for a in node.names):
+            if node.level == 0 and node.module:
+                return node.module.split(".")[-1]
+            return path.resolve().parent.name
+    where = path.resolve().parent
+    return where.name if where.parent.name == "models" else ""
+
+
+SKIPPED = (ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assert, ast.Pass)
+
+
+def _job(functions: dict[str, ast.FunctionDef], name: str, label: str, depth: int,
+         notes: list[str]) -> dict[str, Any]:
+    """``Trainer.Config``'s keywords as ``name`` returns them: its call, or another job of the file then the
+    attributes the function sets on it."""
+    fn = functions.get(name)
+    if fn is None:
+        known = ", ".join(sorted(functions)[:12]) or "none"
+        raise PlannerError(f"{label}: the file has no function {shown_json(name)[1:-1]} (its functions: {known})")
+    if depth > MAX_DEPTH:
+        raise PlannerError(f"{label}: its jobs build on each other more than {MAX_DEPTH} deep")
+    scope: dict[str, ast.expr] = {}
+    edits: list[tuple[list[str], ast.expr]] = []
+    returned: ast.expr | None = None
+    for stmt in fn.body:
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else \
+            stmt.target if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else None
+        if isinstance(target, ast.Name):
+            scope[target.id] = stmt.value  # type: ignore[union-attr]
+        elif isinstance(target, ast.Attribute) and _dotted(target):
+            edits.append((_dotted(target).split("."), stmt.value))  # type: ignore[union-attr]
+        elif isinstance(stmt, ast.Return):
+            returned = stmt.value
+            break
+        elif not isinstance(stmt, SKIPPED):
+            notes.append(f"line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) is not read: "
+                         "only assignments and the return are read, without running the function")
+    variable = returned.id if isinstance(returned, ast.Name) else ""
+    node = scope.get(variable, returned)
+    if isinstance(node, ast.Call) and _dotted(node.func).endswith("Trainer.Config"):
+        config = {k.arg: _value(k.value, scope, 0) for k in node.keywords if k.arg}
+    elif isinstance(node, ast.Call) and _dotted(node.func) in functions and not node.args and not node.keywords:
+        config = _job(functions, _dotted(node.func), label, depth + 1, notes)
+    else:
+        shown = cut_short(ast.unparse(node)) if node is not None else "nothing"
+        raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
+    for path, value in edits:
+        if path[0] != variable:
+            notes.append(f"{'.'.join(path)} is not read: it sets no attribute of the returned config")
+            continue
+        config = _set(config, path[1:], _value(value, scope, 0))
+    return config
+
+
+def _dotted(node: ast.expr) -> str:
+    """``a.b.c`` of a name or attribute chain ("" for anything else)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def _value(node: ast.expr, scope: dict[str, ast.expr], depth: int) -> Any:
+    """A literal, a ``Call`` of literals, a list of them, or ``Unread``."""
+    if isinstance(node, ast.Name) and node.id in scope and depth < MAX_DEPTH:
+        return _value(scope[node.id], scope, depth + 1)
+    if isinstance(node, ast.Call) and _dotted(node.func):
+        return Call(_dotted(node.func), tuple(_value(a, scope, depth + 1) for a in node.args),
+                    {k.arg: _value(k.value, scope, depth + 1) for k in node.keywords if k.arg})
+    if isinstance(node, (ast.List, ast.Tuple)) and any(isinstance(e, (ast.Call, ast.Name)) for e in node.elts):
+        return [_value(e, scope, depth + 1) for e in node.elts]
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        pass
+    number = _arithmetic(node)
+    return Unread(cut_short(ast.unparse(node))) if number is None else number
+
+
+ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+              ast.FloorDiv: lambda a, b: a // b if b else None}
+
+
+def _arithmetic(node: ast.expr) -> int | None:
+    """Whole-number arithmetic of literals (``8 * 8192``), bounded; None for anything else."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value if abs(node.value) < MAX_NUMBER else None
+    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
+        a, b = _arithmetic(node.left), _arithmetic(node.right)
+        if a is None or b is None:
+            return None
+        out = ARITHMETIC[type(node.op)](a, b)
+        return out if out is not None and abs(out) < MAX_NUMBER else None
+    return None
+
+
+def _set(config: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
+    """``config`` with the dotted ``path`` set (a section not given is its dataclass's defaults)."""
+    head, rest = path[0], path[1:]
+    out = dict(config)
+    if not rest:
+        out[head] = value
+        return out
+    section = out.get(head)
+    if not isinstance(section, Call):
+        section = Call(SECTION_CLASSES.get(head, head))
+    out[head] = replace(section, fields=_set(section.fields, rest, value))
+    return out
+
+
+# -- into the TOML job's tables --------------------------------------------------------------------------------------
+def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]) -> dict[str, Any]:
+    """``Trainer.Config``'s keywords as the tables of the old TOML job; what has no place there, a note."""
+    data: dict[str, Any] = {}
+    config.setdefault("activation_checkpoint", Call("SelectiveAC.Config"))  # Trainer.Config's default
+    for key, value in config.items():
+        if key in IGNORED:
+            continue
+        if key == "model_spec":
+            _model(data, value, model, label, notes)
+        elif key == "activation_checkpoint":
+            data[key] = _ac(value, label, notes)
+        elif key in READ:
+            data[key] = _section(key, value, label, notes)
+        else:
+            data[key] = {}  # the TOML reader names a section it does not know
+    if "training" in data:
+        data["training"] = _tokens(data["training"], label)
+    return data
+
+
+def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[str]) -> None:
+    if spec is None:
+        return
+    if not (isinstance(spec, Call) and spec.kind == "model_registry" and spec.args and isinstance(spec.args[0], str)):
+        shown = spec.source if isinstance(spec, Unread) else spec.name if isinstance(spec, Call) else shown_json(spec)
+        notes.append(f"model_spec = {shown} is not read (not model_registry(FLAVOR)): give MODEL")
+        return
+    table: dict[str, Any] = {"flavor": spec.args[0], **({"name": model} if model else {})}
+    for key, value in spec.fields.items():
+        if key != "converters" and MODEL_REGISTRY_DEFAULTS.get(key, Unread("")) != value:
+            notes.append(f"model_registry's {key} = {_shown(value)} is left out: fsdp-planner builds the "
+                         "flavour's own model")
+    for conv in spec.fields.get("converters") or []:
+        if isinstance(conv, Call) and conv.kind == "Float8LinearConverter":
+            table["converters"] = ["float8"]  # the TOML reader's float8 note
+        else:
+            notes.append(f"model_registry's converter {_shown(conv)} is left out: fsdp-planner simulates "
+                         "the model without converters, in the mixed precision's dtype")
+    data["model"] = table
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, Unread):
+        return value.source
+    if isinstance(value, Call):
+        return f"{value.name}(...)"
+    return shown_json(value)
+
+
+def _section(name: str, value: Any, label: str, notes: list[str]) -> dict[str, Any]:
+    """A dataclass call's literal keywords; one the job depends on that is not a literal is an error."""
+    if not isinstance(value, Call):
+        raise PlannerError(f"{label}: {name} = {_shown(value)} is not read: give {SECTION_CLASSES[name]}(...) of "
+                           "literals")
+    table = {}
+    for key, v in value.fields.items():
+        if isinstance(v, (Unread, Call)) or (isinstance(v, list) and any(isinstance(e, (Unread, Call)) for e in v)):
+            if key in READ[name]:
+                raise PlannerError(f"{label}: {name}.{key} = {_shown(v)} is not a literal: fsdp-planner reads the job "
+                                   f"without running it (give the value, or the flag -- --{name}.{key} VALUE)")
+            notes.append(f"{name}.{key} = {_shown(v)} is not read (not a literal; it does not change a step "
+                         "here)")
+            continue
+        if key not in NEW_KEYS[name]:  # the TOML's key (or one it names as unknown)
+            table[AC_RENAMED.get(key, key)] = v
+        elif NEW_KEYS[name][key] and v:
+            notes.append(f"{name}.{key} = {shown_json(v)} is left out: {NEW_KEYS[name][key]}")
+    return table
+
+
+def _ac(value: Any, label: str, notes: list[str]) -> dict[str, Any]:
+    if value is None:
+        return {"mode": "none"}
+    if not isinstance(value, Call) or value.kind not in AC_CLASSES:
+        raise PlannerError(f"{label}: activation_checkpoint = {_shown(value)} is not SelectiveAC.Config(), "
+                           "FullAC.Config(), MemoryBudgetAC.Config() or None")
+    return {**_section("activation_checkpoint", value, label, notes), **AC_CLASSES[value.kind]}
+
+
+def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:
+    """The token counts as sequences: per GPU (local_batch_size), their length (seq_len) and per step
+    (global_batch_size); a job that gives neither count leaves the workload to --batch and --seq."""
+    given = {k: training.pop(k) for k in TOKENS if k in training}
+    if not {"num_tokens_per_microbatch_per_dp_rank", "max_context_length"} & set(given):
+        return training
+    n = {k: given.get(k, TOKEN_DEFAULTS[k]) for k in TOKENS}
+    for key, v in n.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not (v >= 1 or (v == -1 and key == TOKENS[2])):
+            raise PlannerError(f"{label}: training.{key} = {shown_json(v)} is not a whole number from 1")
+    seq = n["max_context_length"]
+    for key in (TOKENS[0], TOKENS[2]):
+        if n[key] != -1 and n[key] % seq:
+            raise PlannerError(f"{label}: training.{key} = {n[key]:,} is not a multiple of training.max_context_length "
+                               f"= {seq:,}: fsdp-planner simulates whole sequences")
+    training.update(local_batch_size=n[TOKENS[0]] // seq, seq_len=seq)
+    if n[TOKENS[2]] != -1:
+        training["global_batch_size"] = n[TOKENS[2]] // seq
+    return training

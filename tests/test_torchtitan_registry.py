@@ -1,0 +1,306 @@
+"""``--from-torchtitan FILE.py:FUNCTION``: torchtitan's current config_registry jobs (a fetched copy of its llama3
+registry under tests/fixtures/torchtitan) read without running them, into the same job as the equivalent TOML;
+torchtitan's dotted flags after ``--``; non-literal values; and ``export --format torchtitan`` read back."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_planner.apply.export import export_plan
+from fsdp_planner.choices import ACMode, ExportFormat
+from fsdp_planner.cli import build_parser, main
+from fsdp_planner.cli.from_config import configured
+from fsdp_planner.cli.job_config import TORCHTITAN, JobConfig, read_config
+from fsdp_planner.configs.torchtitan_registry import Call, Override, is_registry_spec, parse_flags
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Group, Mesh, Plan
+from fsdp_planner.sim.options import PRECISIONS
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "torchtitan"
+REGISTRY = FIXTURES / "llama3" / "config_registry.py"
+DEBUG_JOBS = [f for f in (n.name for n in ast.parse(REGISTRY.read_text()).body if isinstance(n, ast.FunctionDef))
+              if "debugmodel" in f]
+
+
+def job(function: str) -> str:
+    return f"{REGISTRY}:{function}"
+
+
+def options(spec: str, *extra: str, flags: tuple[str, ...] = ()) -> tuple[dict[str, object], JobConfig]:
+    """The command line's options for ``simulate --from-torchtitan spec``, and the job read; without the spec."""
+    args = build_parser().parse_args(["simulate", *extra, "--from-torchtitan", spec, "--cluster", "h100",
+                                      *(["--", *flags] if flags else [])])
+    cfg = configured(args)
+    assert cfg is not None
+    shown = {k: v for k, v in vars(args).items() if k not in ("from_torchtitan", "torchtitan_flags")}
+    return shown, cfg
+
+
+def same_job(a: JobConfig, b: JobConfig) -> None:
+    mine = {k: v for k, v in vars(a).items() if k != "path"}
+    theirs = {k: v for k, v in vars(b).items() if k != "path"}
+    assert mine == theirs
+
+
+@pytest.mark.parametrize("function", ["llama3_8b", "llama3_70b", "llama3_405b"])
+def test_the_shipped_jobs_are_their_tomls(function):
+    """Model, tokens as sequences, parallelism, checkpointing, compile and float8: the same options and notes."""
+    registry, toml = options(job(function)), options(str(FIXTURES / f"{function}.toml"))
+    assert registry[0] == toml[0]
+    same_job(registry[1], toml[1])
+    assert registry[0]["model"] == function.replace("_", "-")
+
+
+def test_the_shipped_jobs_as_expected():
+    """The numbers the registry holds, so the TOMLs above cannot both be wrong the same way."""
+    jobs = {f: read_config(TORCHTITAN, job(f)) for f in ("llama3_8b", "llama3_70b", "llama3_405b")}
+    assert [(c.model, c.batch, c.seq, c.ac.value) for c in jobs.values()] == [
+        ("llama3-8b", 1, 8192, "op"), ("llama3-70b", 8, 8192, "full"), ("llama3-405b", 2, 8192, "full")]
+    notes = " | ".join(jobs["llama3_405b"].notes)
+    assert "tensor_parallel_degree = 8" in notes and "float8" in notes and "compile.enable" in notes
+
+
+@pytest.mark.parametrize("function", DEBUG_JOBS)
+def test_the_debug_jobs_read(function):
+    """Each debug job (built on llama3_debugmodel and its attribute edits) reads; with MODEL it is the debug TOML's
+    job, its converters and model_registry options each a note."""
+    registry, toml = options(job(function), "toy-llama"), options(str(FIXTURES / "llama3_debugmodel.toml"),
+                                                                   "toy-llama")
+    assert registry[0] == toml[0]
+    assert (registry[1].model_label, registry[1].batch, registry[1].seq) == ('"llama3" flavor "debugmodel"', 8, 2048)
+    assert all(n.count("\n") == 0 for n in registry[1].notes)
+    assert len(DEBUG_JOBS) >= 8
+
+
+def test_a_debug_job_without_model_asks_for_it():
+    with pytest.raises(PlannerError, match='"llama3" flavor "debugmodel" is not one fsdp-planner builds'):
+        options(job("llama3_debugmodel"))
+
+
+FLAGS = ("--parallelism.data_parallel_shard_degree", "16", "--parallelism.fsdp_reshard_after_forward=never",
+         "activation_checkpoint:selective", "--training.enable-cpu-offload")
+
+
+def test_a_job_with_overrides_is_its_toml_with_the_same_edits(tmp_path):
+    """torchtitan's flags on a registry job, and on the TOML (its keys), give the same job as a TOML that says so."""
+    text = (FIXTURES / "llama3_70b.toml").read_text().replace("local_batch_size = 8", "local_batch_size = 1")
+    text = text.replace('mode = "full"', 'mode = "selective"\nselective_ac_option = "op"')
+    edited = tmp_path / "edited.toml"
+    edited.write_text(text.replace("tensor_parallel_degree = 8", "tensor_parallel_degree = 8\n"
+                                   "data_parallel_shard_degree = 16\nfsdp_reshard_after_forward = \"never\"")
+                      .replace("steps = 1000", "steps = 1000\nenable_cpu_offload = true"))
+    registry = options(job("llama3_70b"), flags=(*FLAGS, "--training.num_tokens_per_microbatch_per_dp_rank", "8192"))
+    toml = options(str(FIXTURES / "llama3_70b.toml"), flags=(*FLAGS, "--training.local_batch_size", "1"))
+    written = options(str(edited))
+    assert registry[0] == toml[0] == written[0]
+    same_job(registry[1], written[1])
+    assert (registry[1].shard, registry[1].reshard, registry[1].offload, registry[1].batch) == (16, "never", True, 1)
+    assert registry[0]["cluster"] == "h100:16"
+
+
+def test_flags_as_torchtitan_spells_them():
+    assert parse_flags(["--a.b", "1", "--a.c=x", "--a.d", "--a.no-e", "--a.f", "-1", "2.5", "--a.g", "None"]) == (
+        Override("a.b", 1), Override("a.c", "x"), Override("a.d", True), Override("a.e", False),
+        Override("a.f", [-1, 2.5]), Override("a.g", None))
+    assert parse_flags(["activation-checkpoint:none", "activation_checkpoint:full"]) == (
+        Override("activation_checkpoint", None), Override("activation_checkpoint", Call("FullAC.Config")))
+    for bad, says in ((["--steps", "3"], "is not --section.key VALUE"), (["--module", "llama3"], "MODULE:FUNCTION"),
+                      (["8"], "is not --section.key VALUE")):
+        with pytest.raises(PlannerError, match=says):
+            parse_flags(bad)
+
+
+def test_flags_on_the_command_line(capsys):
+    """With --from-torchtitan every word after ``--`` is torchtitan's (``--json`` there is named); without it the
+    ``--`` is argparse's, before positionals."""
+    assert main(["simulate", "--from-torchtitan", job("llama3_8b"), "--", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and '"--json" is not --section.key VALUE' in err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["simulate", "toy-llama", "--cluster", "h100", "--", "--training.steps", "3"])
+    assert "give --from-torchtitan too" in capsys.readouterr().err
+    args = build_parser().parse_args(["simulate", "--cluster", "h100", "--", "-model.py"])
+    assert (args.model, args.torchtitan_flags) == ("-model.py", ())
+
+
+REGISTRY_HEAD = """from torchtitan.config import TrainingConfig
+from torchtitan.trainer import Trainer
+raise SystemExit("this file is read, never run")
+
+
+def steps() -> int:
+    return 5
+
+
+def job() -> Trainer.Config:
+    model_spec = model_registry("8B")
+    return Trainer.Config(
+        model_spec=model_spec,
+"""
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ("training=TrainingConfig(max_context_length=steps() * 1024),",
+     "training.max_context_length = steps() * 1024 is not a literal"),
+    ("parallelism=ParallelismConfig(data_parallel_shard_degree=len([1])),",
+     "parallelism.data_parallel_shard_degree = len(...) is not a literal"),
+    ("training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=3000, max_context_length=2048),",
+     "num_tokens_per_microbatch_per_dp_rank = 3,000 is not a multiple of training.max_context_length"),
+    ("activation_checkpoint=MyAC.Config(),", "activation_checkpoint = MyAC.Config(...) is not SelectiveAC"),
+])
+def test_a_value_it_cannot_read_is_one_line_naming_the_key(tmp_path, body, says):
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD + f"        {body}\n    )\n")
+    with pytest.raises(PlannerError, match=r"^torchtitan job '.*:job': .*" + re.escape(says)) as e:
+        read_config(TORCHTITAN, f"{path}:job")
+    assert "\n" not in str(e.value)
+
+
+def test_a_value_it_ignores_is_a_note_and_a_flag_gives_what_the_file_does_not(tmp_path):
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD + "        training=TrainingConfig(steps=steps(), max_context_length=steps()),\n"
+                                    "        optimizer=build_optimizer(),\n    )\n")
+    cfg = read_config(TORCHTITAN, f"{path}:job", ["--training.max_context_length", "4096"])
+    assert cfg.notes == ["training.steps = steps(...) is not read (not a literal; it does not change a step here)"]
+    assert (cfg.seq, cfg.batch, cfg.model_label) == (4096, 4, 'null flavor "8B"')  # 16384 default tokens
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("{dir}/config_registry.py:nope", "has no function nope (its functions: job, steps)"),
+    ("{dir}/missing.py:job", "does not exist"),
+    ("no_such_module_here.models:job", "is not found here (is torchtitan installed?)"),
+])
+def test_a_job_it_cannot_find_is_one_line(tmp_path, spec, says):
+    (tmp_path / "config_registry.py").write_text(REGISTRY_HEAD + "    )\n")
+    with pytest.raises(PlannerError, match=re.escape(says)):
+        read_config(TORCHTITAN, spec.format(dir=tmp_path))
+
+
+def test_module_function_finds_the_file_without_importing(tmp_path, monkeypatch):
+    """MODULE:FUNCTION locates the package from its top-level entry on sys.path; no __init__ runs."""
+    package = tmp_path / "mytitan" / "models" / "llama3"
+    package.mkdir(parents=True)
+    for d in (package, package.parent, package.parent.parent):
+        (d / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    shutil.copy(REGISTRY, package / "config_registry.py")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec in ("mytitan.models.llama3:llama3_8b", "mytitan.models.llama3.config_registry:llama3_8b"):
+        assert is_registry_spec(spec)
+        same_job(read_config(TORCHTITAN, spec), read_config(TORCHTITAN, job("llama3_8b")))
+    assert "mytitan" not in sys.modules
+
+
+def test_a_file_over_the_size_limit_is_refused(monkeypatch):
+    monkeypatch.setattr("fsdp_planner.userfiles.MAX_FILE_BYTES", 1000)
+    with pytest.raises(PlannerError, match=r"is \d+ MiB: at most 0 MiB is read"):
+        read_config(TORCHTITAN, job("llama3_8b"))
+
+
+def test_toml_paths_are_not_registry_specs():
+    assert not is_registry_spec("job.toml") and not is_registry_spec("dir/job.toml")
+    assert is_registry_spec("a/b.py:f") and is_registry_spec("torchtitan.models.llama3:llama3_8b")
+
+
+# -- export --format torchtitan: the same form, read back ------------------------------------------------------------
+def exported(tmp_path: Path, plan: Plan) -> tuple[Path, list[str]]:
+    path = tmp_path / "titan_plan.py"
+    path.write_text(export_plan(plan, ExportFormat.TORCHTITAN, PRECISIONS["bf16-mixed"]))
+    tree = ast.parse(path.read_text())
+    flags = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.AnnAssign)
+                 and getattr(n.target, "id", "") == "TORCHTITAN_FLAGS")
+    return path, flags
+
+
+@pytest.mark.parametrize(("mesh", "reshard", "offload", "checkpointed", "reduce"), [
+    (Mesh(2, 4), [False, False], True, ["layers.0"], ""),
+    (None, [True, True], False, [], "bf16"),
+    (Mesh(1, 8), [True, False], False, ["layers.0", "layers.1"], ""),
+])
+def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, reshard, offload, checkpointed, reduce):
+    """The exported fsdp_planner_job() reads as the plan's job; its flags on the shipped 8B job give the same."""
+    groups = [Group(modules=[f"layers.{i}"], params=[f"layers.{i}.w"], reshard_after_forward=r)
+              for i, r in enumerate(reshard)]
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", mesh=mesh, offload=offload, reduce_dtype=reduce,
+                activation_checkpointing=checkpointed, groups=[*groups, Group(modules=[""], params=[])])
+    path, flags = exported(tmp_path, plan)
+    cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
+    rule = "always" if all(reshard) else "never" if not any(reshard) else "default"
+    assert (cfg.model, cfg.replicate, cfg.shard, cfg.reshard, cfg.offload) == (
+        "llama3-8b", mesh.replicate if mesh else 1, mesh.shard if mesh else None, rule, offload)
+    assert (cfg.ac, cfg.precision, cfg.reduce_dtype) == (
+        ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", "bf16" if reduce else None)
+    assert cfg.notes == [] and (cfg.batch, cfg.seq) == (None, None)  # the workload is the command line's
+    on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
+    keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype")
+    assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
+    assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
+
+
+def test_an_option_that_contradicts_a_registry_job_names_its_key():
+    with pytest.raises(PlannerError, match=r"--seq 4096 contradicts training.max_context_length in torchtitan config"):
+        options(job("llama3_8b"), "--seq", "4096")
+    with pytest.raises(PlannerError, match=r"--batch 4 contradicts training.num_tokens_per_microbatch_per_dp_rank"):
+        options(job("llama3_8b"), "--batch", "4")
+
+
+@pytest.mark.integration  # (two plans of the Llama 3 8B job: about 10 s idle)
+def test_the_8b_registry_job_plans_as_its_toml(capsys):
+    """`plan --json` of the registry job and of its TOML: the same document but for the config's path and how each
+    form spells the checkpointing (a class, a mode)."""
+    out = []
+    for spec in (job("llama3_8b"), str(FIXTURES / "llama3_8b.toml")):
+        assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100", "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["config"].pop("path") == spec
+        out.append(document)
+    ac = [c for c in out[0]["changes"] if c["key"].startswith("activation_checkpoint")]
+    assert [(c["key"], c["config"]) for c in ac] == [("activation_checkpoint", "SelectiveAC.Config()")]
+    for document in out:
+        for changes in (document["changes"], (document["best_edit"] or {}).get("changes", [])):
+            for c in changes:
+                if c["key"].startswith("activation_checkpoint"):
+                    c.update(key="activation_checkpoint", config="", auto=c["auto"] if "per block" in c["auto"] else "")
+    assert out[0] == out[1]
+    assert out[0]["model"] == "llama3-8b" and out[0]["cluster"] == "h100:8"
+
+
+def test_full_bf16_training_is_pure_bf16(tmp_path):
+    """training.dtype = "bfloat16" (no fp32 copy of anything), from the registry and from a TOML alike."""
+    registry = read_config(TORCHTITAN, job("llama3_8b"), ["--training.dtype", "bfloat16"])
+    toml = read_config(TORCHTITAN, str(FIXTURES / "llama3_8b.toml"), ["--training.dtype", "bfloat16"])
+    same_job(registry, toml)
+    assert registry.precision == "pure-bf16" and registry.notes[0].startswith("training.dtype = bfloat16")
+    assert read_config(TORCHTITAN, job("llama3_8b"), ["--training.dtype", "float32"]).precision == "bf16-mixed"
+
+
+def test_a_value_nested_too_deeply_is_one_line(tmp_path):
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD + "        training=TrainingConfig(steps=" + "1 + " * 5000 + "1),\n    )\n")
+    with pytest.raises(PlannerError, match=r"^torchtitan job '.*:job': .*nests? too deeply to (parse|read)$"):
+        read_config(TORCHTITAN, f"{path}:job")
+
+
+def test_the_export_of_a_pure_bf16_plan_reads_back_as_pure_bf16(tmp_path):
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])])
+    path = tmp_path / "titan_plan.py"
+    path.write_text(export_plan(plan, ExportFormat.TORCHTITAN, PRECISIONS["pure-bf16"]))
+    assert read_config(TORCHTITAN, f"{path}:fsdp_planner_job").precision == "pure-bf16"
+
+
+def test_keys_of_the_current_dataclasses(tmp_path):
+    """A key the TOML never had: read past (an option of a parallelism whose degree is noted) or one note; a key
+    torchtitan does not have: the TOML reader's note."""
+    cfg = read_config(TORCHTITAN, job("llama3_8b"), [
+        "--parallelism.enable_fsdp_symm_mem", "--parallelism.spmd_backend", "partial_dtensor",
+        "--parallelism.num_pp_microbatches", "4", "--training.disable_cuda_graphs", "--parallelism.typo_degree", "2"])
+    assert cfg.notes == [
+        "parallelism.enable_fsdp_symm_mem = true is left out: fsdp-planner models FSDP2's NCCL collectives, not "
+        "symmetric-memory ones",
+        "parallelism.typo_degree is not read: fsdp-planner does not know it"]
