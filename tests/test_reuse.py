@@ -343,6 +343,6 @@ def test_data_dependent_blocks_replay_what_the_stand_in_did(replays):
         model = Routed()
         x = torch.randn(64, 16, requires_grad=True)
     fast = same_both_ways(model, (x,))
-    assert fast.notes == trace(model, (x,), reuse=False).notes
+    assert fast.notes == record(model, (x,), reuse=False).notes
     assert "'first.0', 'first.1', 'first.2' and 5 more modules" in fast.notes[0]
     assert sum(m is b for m in replays["modules"] for b in model.second) >= 2

@@ -144,7 +144,7 @@ def test_only_ops_that_read_values_pass_through_the_stand_in(monkeypatch):
     monkeypatch.setattr(StandIn, "call", counting)
     with torch.device("meta"):
         model, inputs = rm.where_moe()
-    tr = trace(model, inputs, reuse=False)
+    tr = record(model, inputs, reuse=False)
     assert "aten.nonzero" in tr.notes[0]
     assert {"topk", "nonzero"} <= set(seen) <= {"topk", "argmax", "nonzero", "index", "masked_select",
                                                 "_local_scalar_dense", "_to_copy"}
