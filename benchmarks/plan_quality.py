@@ -150,7 +150,7 @@ def fewest_full(sim: Simulator, budget: int) -> dict | None:
         return None
 
     def with_k(k: int) -> dict:
-        return {**sim.run(plan.copy(activation_checkpointing=blocks[:k])), "plan": f"titan + {k} full"}
+        return {**sim.run(plan.replace(activation_checkpointing=blocks[:k])), "plan": f"titan + {k} full"}
 
     lo, hi = 0, len(blocks)
     while lo < hi:
