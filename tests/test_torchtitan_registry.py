@@ -197,10 +197,11 @@ def test_module_function_finds_the_file_without_importing(tmp_path, monkeypatch)
     assert "mytitan" not in sys.modules
 
 
-def test_a_file_over_the_size_limit_is_refused(monkeypatch):
-    monkeypatch.setattr("fsdp_planner.userfiles.MAX_FILE_BYTES", 1000)
-    with pytest.raises(PlannerError, match=r"is \d+ MiB: at most 0 MiB is read"):
-        read_config(TORCHTITAN, job("llama3_8b"))
+def test_a_file_over_the_size_limit_is_refused(tmp_path):
+    big = tmp_path / "config_registry.py"
+    big.write_text(REGISTRY.read_text() + "#" * (300 << 10))  # a config file, read to 256 KiB
+    with pytest.raises(PlannerError, match=r"is \d+ KiB: at most 256 KiB is read"):
+        read_config(TORCHTITAN, f"{big}:llama3_8b")
 
 
 def test_toml_paths_are_not_registry_specs():

@@ -22,7 +22,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short
-from fsdp_planner.userfiles import read_text, shown_json
+from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json
 
 # torchtitan's model flavours that are fsdp-planner's built-in models (the same architecture numbers).
 TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b"}
@@ -192,7 +192,8 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
         raise PlannerError(f"torchtitan job {shown_json(spec)} is not FILE.py:FUNCTION or MODULE:FUNCTION")
     path, function = _source(m["where"]), m["function"]
     label = f"torchtitan job '{path}:{function}'"
-    tree = _parse(read_text(path, f"torchtitan config_registry '{path}'", "a torchtitan config_registry.py"), label)
+    tree = _parse(read_text(path, f"torchtitan config_registry '{path}'", "a torchtitan config_registry.py",
+                       MAX_CONFIG_BYTES), label)
     notes: list[str] = []
     try:
         config = _job(_functions(tree), function, label, 0, notes)
