@@ -12,7 +12,7 @@ import pytest
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli import build_parser, main
 from fsdp_planner.cli.from_config import configured
-from fsdp_planner.cli.job_config import ACCELERATE, NO_WRAP_NUMEL, TORCHTITAN, read_config
+from fsdp_planner.configs.job_config import ACCELERATE, NO_WRAP_NUMEL, TORCHTITAN, read_config
 from fsdp_planner.errors import PlannerError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
@@ -295,7 +295,7 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
 @pytest.mark.parametrize("rule", ["always", "never"])
 def test_reshard_after_forward_rules(rule):
     from fsdp_planner.cli.from_config import adjusted
-    from fsdp_planner.cli.job_config import JobConfig
+    from fsdp_planner.configs.job_config import JobConfig
     from fsdp_planner.fsdp2.plan import Group, Plan
 
     plan = Plan(fingerprint="", numel=2, groups=[Group(modules=["a"], params=["a.w"], reshard_after_forward=False),

@@ -23,12 +23,12 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.choices import PolicyName
 from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
 from fsdp_planner.cli.common import load_trace, run_auto
-from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import memory_budget, model_spec, policy_request, sim_options
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster
+from fsdp_planner.limits import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.fit import FitPoint, largest_fitting, smallest_fitting

@@ -10,7 +10,7 @@ from typing import Any
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync
-from fsdp_planner.cli.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, read_config, world_of
+from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, read_config, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster

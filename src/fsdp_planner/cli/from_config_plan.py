@@ -18,7 +18,6 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.common import load_trace, policy_plan, run_auto
 from fsdp_planner.cli.from_config import adjusted, configured
-from fsdp_planner.cli.job_config import TORCHTITAN, JobConfig
 from fsdp_planner.cli.requests import (
     gradient_sync,
     memory_budget,
@@ -27,6 +26,7 @@ from fsdp_planner.cli.requests import (
     policy_request,
     sim_options,
 )
+from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Mesh, Plan

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
-from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.limits import MAX_BATCH, MAX_SEQ
 from fsdp_planner.userfiles import read_text, shown_json
 
 TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
@@ -109,6 +109,13 @@ def read_config(kind: str, path: str) -> JobConfig:
     label = f"{kind} config '{path}'"
     text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML")
     data = _load(kind, text, label)
+    return from_data(kind, path, data)
+
+
+def from_data(kind: str, path: str, data: Any) -> JobConfig:
+    """The job a parsed config describes: ``data`` as a TOML or YAML parse of the file at ``path`` gives it (a
+    reader of another source of the same settings hands its dict here too)."""
+    label = f"{kind} config '{path}'"
     if data is None or data == "":
         raise PlannerError(f"{label} is empty: expected "
                            f"{'a torchtitan job TOML' if kind == TORCHTITAN else 'an Accelerate config YAML'}")
