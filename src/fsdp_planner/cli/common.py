@@ -16,7 +16,6 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.registry import PolicyRequest
-from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.planning import Reporter, Tracer, fitting, search
 from fsdp_planner.service.tracing import model_error, trace_spec
 from fsdp_planner.sim.options import SimOptions
@@ -38,10 +37,10 @@ def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, ful
         return _measured(as_spec(spec), tr, notes, threads, repeats) if measure else tr
 
 
-def tracer(job: PlanJob) -> Tracer:
-    """How the command line traces a job's model: on meta, the ops timed on this machine with ``--measure``."""
-    return lambda spec, options: load_trace(spec, render.notes, job.measure, full=job.full_trace,
-                                            precision=options.precision)
+def tracer(measure: bool, full: bool) -> Tracer:
+    """How the command line traces a job's model: on meta (``full``: every module call), the ops timed on this
+    machine with ``measure``."""
+    return lambda spec, options: load_trace(spec, render.notes, measure, full=full, precision=options.precision)
 
 
 def _measured(spec: ModelSpec, tr: Trace, notes: Console, threads: int | None, repeats: int) -> Trace:

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         render.notes.print(f"auto: no --cluster given, planning for {job.default_cluster}", highlight=False)
     for note in request.notes:
         render.note(note)
-    outcome = plan(job, tracer(job), REPORTER)
+    outcome = plan(job, tracer(job.measure, job.full_trace), REPORTER)
     if outcome.splits:
         _split_note(outcome)
     no_fit = outcome.no_fit
@@ -83,7 +83,7 @@ def _json(outcome: PlanOutcome) -> dict[str, Any]:
                    **simulation(r)} for p, m, r in outcome.rows],
     }
     search = outcome.search
-    if search is not None:
+    if search is not None and outcome.fits:
         out["auto"] = {"budget": search.budget, "budget_source": search.budget_source, "fits": search.fits,
                        "plans_simulated": search.evaluated, "plans_refined": search.refined,
                        "search_effort": search.effort, "seconds": search.seconds}
@@ -102,7 +102,7 @@ def _print(request: PlanRequest, outcome: PlanOutcome) -> None:
     if len(rows) == 1 and report is not None and job.budget is not None:
         console.print(render.margin_line(report.reserved_memory, job.budget), highlight=False)
     auto = outcome.auto
-    if auto is None or outcome.search is None:
+    if auto is None or outcome.search is None or not outcome.fits:
         return
     console.print(render.auto_line(outcome.search), highlight=False)
     if request.explain:

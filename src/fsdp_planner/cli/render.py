@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -17,17 +17,12 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.segment import Segment
 from rich.table import Table
 
-from fsdp_planner.calibrate.gloo import GlooMeasurement
-from fsdp_planner.calibrate.overhead import OverheadMeasurement
 from fsdp_planner.choices import GradientSync
 from fsdp_planner.fmt import cell_text, fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.planners.auto.explain import GroupExplanation
-from fsdp_planner.runtime.verify import VerifyResult
-from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
 from fsdp_planner.service.outcome import SearchSummary
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.host_work import HostWork
@@ -36,6 +31,12 @@ from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within
+
+if TYPE_CHECKING:  # what the job and calibration commands print: their modules load only with those commands
+    from fsdp_planner.calibrate.gloo import GlooMeasurement
+    from fsdp_planner.calibrate.overhead import OverheadMeasurement
+    from fsdp_planner.planners.auto.explain import GroupExplanation
+    from fsdp_planner.runtime.verify import VerifyResult
 
 
 def _isatty(stream: TextIO | None) -> bool:
@@ -376,6 +377,8 @@ def parity_bound(result: VerifyResult) -> str:
     16-bit dtype its params or its compute were in."""
     if not result.bound:
         return f"<= {result.tolerance:g}"
+    from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
+
     return f"<= {LOW_PRECISION_ULPS} steps of {result.bound} at each param's scale"
 
 

@@ -28,7 +28,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
-from fsdp_planner.service.configured import adjusted
+from fsdp_planner.service.planning import with_reshard
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.records import Trace
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
     # the config's reshard_after_forward on the first plan
-    plans = [(_label(s, p), adjusted(p, config.reshard) if i == 0 and config else p)
+    plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)
              for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
     if png is None and page is None:  # no picture: the step's numbers alone, without recording its timeline
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]

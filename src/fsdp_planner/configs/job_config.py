@@ -428,3 +428,11 @@ def world_of(cfg: JobConfig, cluster_world: int | None) -> int | None:
     if cfg.shard is not None:
         return cfg.replicate * cfg.shard
     return cluster_world
+
+
+def edit_choices(cfg: JobConfig) -> tuple[tuple[ACMode, ...], tuple[str, ...]]:
+    """The checkpointing modes and ``reshard_after_forward`` rules the config's format can say (activation
+    offloading is no option of these configs' checkpointing; Accelerate's rule is a bool)."""
+    if cfg.kind == TORCHTITAN:
+        return tuple(m for m in ACMode if m is not ACMode.OFFLOAD), TITAN_RESHARD
+    return (ACMode.NONE, ACMode.FULL), ("always", "never")

@@ -7,15 +7,22 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync
-from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, world_of
+from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
+from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, edit_choices, world_of
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import parse_cluster
-from fsdp_planner.models import BUILTINS
-from fsdp_planner.service.validate import Keywords, Spelling
+from fsdp_planner.models import BUILTINS, ModelSpec
+from fsdp_planner.planners.config_edit import Setting, best_edit, plan_setting
+from fsdp_planner.service.outcome import PlanOutcome
+from fsdp_planner.service.planning import Reporter, Tracer, plan
+from fsdp_planner.service.validate import Keywords, Spelling, plan_job
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import StepReport
+from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
 
 _PRESET = re.compile(r"^\s*([a-z0-9]+)\s*$", re.I)
@@ -164,10 +171,50 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("ac", cfg.ac.value, cfg.key("ac"))
 
 
-def adjusted(plan: Plan, reshard: str) -> Plan:
-    """The config's plan with its ``reshard_after_forward`` rule ("always": every group; "never": none; "default":
-    the policy's own)."""
-    if reshard == "default":
-        return plan
-    groups = [dataclasses.replace(g, reshard_after_forward=reshard == "always") for g in plan.groups]
-    return dataclasses.replace(plan, policy=f"{plan.policy}, reshard_after_forward {reshard}", groups=groups)
+
+@dataclass(frozen=True)
+class ConfigOutcome:
+    """``plan --from-X``: the config's job, auto's plan for the same model, workload, precision and cluster, the
+    settings config keys say of each, and the best edit of the config's keys alone (its grouping kept)."""
+
+    config: PlanOutcome  # the config's own grouping, with its reshard rule
+    auto: PlanOutcome  # auto's, free to choose checkpointing, layout and offload
+    old: Setting
+    new: Setting
+    edit: tuple[Setting, StepReport] | None
+
+
+def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> ConfigOutcome:
+    """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
+    by the config's policy on the one trace)."""
+    own = plan_job(dataclasses.replace(kw, policy=cfg.policy.value), _CLI)
+    job = dataclasses.replace(own, reshard=cfg.reshard)
+    traced = plan(job, tracer, reporter)
+    tr = traced.trace
+
+    def same_trace(spec: ModelSpec, options: SimOptions) -> Trace:
+        return tr  # every job here traces the same model, workload and precision
+
+    free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
+    auto = plan(dataclasses.replace(plan_job(free, _CLI), must_fit=False), same_trace, reporter)
+    assert job.cluster is not None and job.budget is not None and auto.search is not None
+    world, before = job.cluster.world_size, traced.report
+    assert before is not None
+    old = Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, world // cfg.replicate), cfg.offload)
+    new = plan_setting(auto.search.plan, tr, world)
+
+    def step(setting: Setting) -> StepReport | None:
+        ac = setting.ac or ACMode.NONE
+        edited = dataclasses.replace(
+            kw, policy=cfg.policy.value, ac=ac.value if ac is not ACMode.NONE else None,
+            ac_policy=None if ac is not ACMode.OP else kw.ac_policy, offload=setting.offload,
+            mesh=f"{setting.mesh.replicate}x{setting.mesh.shard}" if setting.mesh.replicate > 1 else None)
+        try:
+            one = dataclasses.replace(plan_job(edited, _CLI), reshard=setting.reshard or cfg.reshard)
+            return plan(one, same_trace).report
+        except PlannerError:  # the config's policy cannot take the setting
+            return None
+
+    modes, rules = edit_choices(cfg)
+    edit = best_edit(modes, rules, old, new, step, job.budget.fits, before)
+    return ConfigOutcome(traced, auto, old, new, edit)

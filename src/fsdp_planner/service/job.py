@@ -34,6 +34,8 @@ class PlanJob:
     full_trace: bool = False  # every module call traced (no replay of repeated blocks)
     measure: bool = False  # the ops timed on this machine (the front end's tracer does it)
     default_cluster: str | None = None  # the cluster chosen for auto because none was given
+    must_fit: bool = True  # one auto policy: finding nothing within the budget is an error (else ``no_fit``)
+    reshard: str = "default"  # a job config's reshard_after_forward rule on classic plans ("default": their own)
 
     @property
     def auto(self) -> PolicyRequest | None:

@@ -67,7 +67,7 @@ class PlanOutcome:
     """The job as run (after ``split``, at its chosen micro-batches), its trace, each plan's row (the job's
     policies in order; a comparison leaves out what cannot run), ``plan``: the first row's plan as it leaves the
     program (precision, attention kernel and hf_config recorded, as ``--out`` writes it), auto's search (None when
-    auto did not run or found nothing within the budget: ``no_fit`` says why)."""
+    auto did not run) and, when it found nothing within the budget, ``no_fit``: why (its plan is no row then)."""
 
     job: PlanJob
     trace: Trace
@@ -77,6 +77,10 @@ class PlanOutcome:
     search: SearchSummary | None
     no_fit: str | None
     splits: tuple[Split, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.no_fit is None
 
     @property
     def report(self) -> StepReport | None:

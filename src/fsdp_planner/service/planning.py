@@ -60,13 +60,16 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     tr = tracer(job.model, job.options)
     plans, auto, no_fit = _plans(tr, job, reporter)
     rows = _rows(tr, plans, job)
-    kept = None
-    if plans:
-        # the precision goes with the plan (export sets it, so the code runs as the numbers assumed), the attention
-        # kernel it was planned for (absent: the default) and the hf_config fields (verify rebuilds that model)
-        kept = plans[0].copy(precision=job.options.precision.name, attention=job.model.attention or "",
-                             hf_config=dict(job.model.hf_config))
+    kept = as_written(plans[0], job) if plans else None
     return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits)
+
+
+def as_written(plan: Plan, job: PlanJob) -> Plan:
+    """``plan`` as it leaves the program (``--out``, the API's return): with the precision (export sets it, so the
+    code runs as the numbers assumed), the attention kernel it was planned for (absent: the default) and the
+    hf_config fields (verify rebuilds that model)."""
+    return plan.copy(precision=job.options.precision.name, attention=job.model.attention or "",
+                     hf_config=dict(job.model.hf_config))
 
 
 def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, tuple[Split, ...]]:
@@ -120,6 +123,15 @@ def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None
     return out if not plan.shard_dims else out.copy(shard_dims=dict(plan.shard_dims))
 
 
+def with_reshard(plan: Plan, rule: str) -> Plan:
+    """``plan`` with a job config's ``reshard_after_forward`` rule ("always": every group; "never": none;
+    "default": the policy's own)."""
+    if rule == "default":
+        return plan
+    groups = [dataclasses.replace(g, reshard_after_forward=rule == "always") for g in plan.groups]
+    return dataclasses.replace(plan, policy=f"{plan.policy}, reshard_after_forward {rule}", groups=groups)
+
+
 def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
                 options: SimOptions | None = None, reporter: Reporter = SILENT) -> Plan:
     """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget)."""
@@ -155,13 +167,12 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], Aut
             plans += _classic(tr, policy, job, reporter)
             continue
         assert job.cluster is not None
-        found = search(tr, policy, job.cluster, job.options, job.model.name, reporter)
-        if not job.compare:
-            fitting(found)
-        if not found.fits:
-            no_fit = infeasible_message(found)
+        auto = search(tr, policy, job.cluster, job.options, job.model.name, reporter)
+        if not job.compare and job.must_fit:
+            fitting(auto)
+        if not auto.fits:
+            no_fit = infeasible_message(auto)
             continue
-        auto = found
         plans.append(auto.plan)
     return plans, auto, no_fit
 
@@ -171,7 +182,8 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
     requested settings or FSDP2 would fail on its plan: that is no baseline."""
     try:
         plan = make_policy(policy).plan(tr, job.model.name)  # its world size is checked where it is simulated
-        return [stamped(plan, tr, job.cluster.world_size if job.cluster else None, job.options)]
+        return [with_reshard(stamped(plan, tr, job.cluster.world_size if job.cluster else None, job.options),
+                             job.reshard)]
     except PlannerError as e:
         if not job.compare:
             raise

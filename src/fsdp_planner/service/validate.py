@@ -47,9 +47,12 @@ class Spelling(Enum):
     def name_of(self, key: str) -> str:
         return "--" + key.replace("_", "-") if self is Spelling.CLI else key
 
-    def given(self, key: str, value: str) -> str:
-        """The setting with a value, as the user writes it: ``--ac op`` or ``ac='op'``."""
-        return f"{self.name_of(key)} {value}" if self is Spelling.CLI else f"{key}={value!r}"
+    def given(self, key: str, value: object) -> str:
+        """The setting with a value, as the user writes it: ``--ac op`` or ``ac='op'``, ``--batch 1,024`` or
+        ``batch=1024``."""
+        if self is Spelling.API:
+            return f"{key}={value!r}"
+        return f"{self.name_of(key)} {value:,}" if isinstance(value, int) else f"{self.name_of(key)} {value}"
 
 
 @dataclass(frozen=True)
@@ -240,10 +243,10 @@ def micro_batches(kw: Keywords, spell: Spelling, auto: bool = False) -> int:
     n = whole(n, "micro_batches", spell, 1, MAX_BATCH)
     batch = workload_int(kw.batch, "batch", spell, MAX_BATCH)
     if n > 1 and batch is None:
-        raise PlannerError(f"{spell.given('micro_batches', str(n))} splits {spell.name_of('batch')}, the per-GPU "
+        raise PlannerError(f"{spell.given('micro_batches', n)} splits {spell.name_of('batch')}, the per-GPU "
                            f"batch of the step: give {spell.name_of('batch')}, a multiple of {n}")
     if n > 1 and batch is not None and batch % n:
-        raise PlannerError(f"{spell.given('micro_batches', str(n))} must divide {spell.given('batch', f'{batch:,}')} "
+        raise PlannerError(f"{spell.given('micro_batches', n)} must divide {spell.given('batch', batch)} "
                            f"(each micro-batch is {spell.name_of('batch')} / N)")
     return n
 
