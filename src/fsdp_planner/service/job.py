@@ -39,4 +39,5 @@ class PlanJob:
 
     @property
     def auto(self) -> PolicyRequest | None:
+        """Auto's request among the job's policies (None: auto does not run)."""
         return next((p for p in self.policies if p.name is PolicyName.AUTO), None)

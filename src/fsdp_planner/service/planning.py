@@ -40,11 +40,15 @@ def _quietly(description: str) -> Iterator[None]:
     yield
 
 
+def _ignore(text: str) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Reporter:
     """Where a run's notes and progress go (default: nowhere)."""
 
-    note: Callable[[str], None] = lambda text: None
+    note: Callable[[str], None] = _ignore
     progress: Callable[[str], AbstractContextManager[None]] = _quietly
 
 

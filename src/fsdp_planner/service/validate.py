@@ -338,7 +338,8 @@ def cluster(value: object, spell: Spelling) -> Cluster | None:
 
 def plan_job(kw: Keywords, spell: Spelling, name: str | None = None) -> PlanJob:
     """The job ``plan`` runs: ``kw.policy``'s plan (None: the classic policies side by side, and auto's with a
-    cluster). Auto without a cluster plans for the default one. ``name``: see ``model_spec``."""
+    cluster). Auto without a cluster plans for the default one. ``name``: the model's name when ``kw.model`` is no
+    MODEL spec (an ``nn.Module``)."""
     for key in ("offload", "full_trace", "measure"):
         flag(getattr(kw, key), key, spell)
     if kw.policy is not None:
