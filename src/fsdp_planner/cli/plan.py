@@ -9,12 +9,11 @@ from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import REPORTER, tracer
-from fsdp_planner.cli.requests import PlanRequest, plan_request
+from fsdp_planner.cli.requests import plan_request
 from fsdp_planner.fmt import fmt_time, json_text
-from fsdp_planner.planners.auto.explain import GroupExplanation, explain
+from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.planning import plan
-from fsdp_planner.sim.host_work import host_work
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.userfiles import write_atomic
 
@@ -39,11 +38,11 @@ def run(args: argparse.Namespace) -> int:
         write_atomic(request.out, outcome.plan.checked_json() + "\n")
     if request.json:
         doc = {**_json(outcome), **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
-        if request.explain and outcome.auto is not None and not no_fit:
-            doc["auto"]["explanation"] = [_explanation(r) for r in explain(outcome.auto)]
+        if outcome.explanation is not None:
+            doc["auto"]["explanation"] = [_explanation(r) for r in outcome.explanation.groups]
         print(json_text(doc, indent=2))
         return 1 if no_fit else 0
-    _print(request, outcome)
+    _print(outcome)
     if request.out is not None:
         render.plain(f"plan written to {request.out}")
     if no_fit:
@@ -90,7 +89,7 @@ def _json(outcome: PlanOutcome) -> dict[str, Any]:
     return out
 
 
-def _print(request: PlanRequest, outcome: PlanOutcome) -> None:
+def _print(outcome: PlanOutcome) -> None:
     console, job, tr, rows = render.console, outcome.job, outcome.trace, outcome.rows
     console.print(render.model_line(render.workload_label(job.model.label(), job.options.micro_batches,
                                                            job.options.gradient_sync), tr))
@@ -101,18 +100,16 @@ def _print(request: PlanRequest, outcome: PlanOutcome) -> None:
     report = rows[0][2]
     if len(rows) == 1 and report is not None and job.budget is not None:
         console.print(render.margin_line(report.reserved_memory, job.budget), highlight=False)
-    auto = outcome.auto
-    if auto is None or outcome.search is None or not outcome.fits:
+    search, why = outcome.search, outcome.explanation
+    if search is None or not outcome.fits:
         return
-    console.print(render.auto_line(outcome.search), highlight=False)
-    if request.explain:
-        explanations = explain(auto)
-        for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory,
-                                       collapse=True):
-            console.print(part, highlight=False)
-        if auto.checkpointing is not None:
-            console.print(escape(auto.checkpointing.describe(auto.plan)), highlight=False)
-        ev = auto.search.ev
-        console.print(render.host_line(auto.report, ev.cluster, host_work(ev.ctx, auto.plan)), highlight=False)
-        if ev.cluster.overhead.source:  # a preset's citation, or the machine a calibration measured (from a file)
-            console.print(escape(f"host figures: {ev.cluster.overhead.source}"), highlight=False)
+    console.print(render.auto_line(search), highlight=False)
+    if why is None:
+        return
+    for part in render.explanation(why.groups, search.report.step_time, search.report.reserved_memory, collapse=True):
+        console.print(part, highlight=False)
+    if why.checkpointing is not None:
+        console.print(escape(why.checkpointing), highlight=False)
+    console.print(render.host_line(search.report, why.cluster, why.host), highlight=False)
+    if why.cluster.overhead.source:  # a preset's citation, or the machine a calibration measured (from a file)
+        console.print(escape(f"host figures: {why.cluster.overhead.source}"), highlight=False)

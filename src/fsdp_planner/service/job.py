@@ -36,6 +36,7 @@ class PlanJob:
     default_cluster: str | None = None  # the cluster chosen for auto because none was given
     must_fit: bool = True  # one auto policy: finding nothing within the budget is an error (else ``no_fit``)
     reshard: str = "default"  # a job config's reshard_after_forward rule on classic plans ("default": their own)
+    explain: bool = False  # say why auto's plan is what it is (``PlanOutcome.explanation``)
 
     @property
     def auto(self) -> PolicyRequest | None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoResult, best_fitting_baseline
+from fsdp_planner.planners.auto.explain import GroupExplanation, explain
 from fsdp_planner.service.job import PlanJob
+from fsdp_planner.sim.host_work import HostWork, host_work
 from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.records import Trace
@@ -54,6 +57,24 @@ def summarize(result: AutoResult) -> SearchSummary:
 
 
 @dataclass(frozen=True)
+class Explanation:
+    """Why auto's plan is what it is (``plan --explain``): per group what holds its boundary and the best one-step
+    alternative, the checkpointing choice in words, and FSDP2's host work on the cluster it was planned for."""
+
+    groups: tuple[GroupExplanation, ...]
+    checkpointing: str | None
+    host: HostWork
+    cluster: Cluster
+
+
+def explained(result: AutoResult) -> Explanation:
+    ev = result.search.ev
+    return Explanation(tuple(explain(result)),
+                       result.checkpointing.describe(result.plan) if result.checkpointing is not None else None,
+                       host_work(ev.ctx, result.plan), ev.cluster)
+
+
+@dataclass(frozen=True)
 class Split:
     """One split of the batch tried for ``micro_batches='auto'``: its auto plan's step and whether it fits."""
 
@@ -77,6 +98,7 @@ class PlanOutcome:
     search: SearchSummary | None
     no_fit: str | None
     splits: tuple[Split, ...] = ()
+    explanation: Explanation | None = None  # with ``PlanJob.explain`` and a plan auto found within the budget
 
     @property
     def fits(self) -> bool:

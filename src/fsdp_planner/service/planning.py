@@ -24,7 +24,7 @@ from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
 from fsdp_planner.service.job import PlanJob
-from fsdp_planner.service.outcome import PlanOutcome, Row, Split, summarize
+from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
@@ -65,7 +65,8 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     plans, auto, no_fit = _plans(tr, job, reporter)
     rows = _rows(tr, plans, job)
     kept = as_written(plans[0], job) if plans else None
-    return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits)
+    why = explained(auto) if job.explain and auto is not None and no_fit is None else None
+    return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits, why)
 
 
 def as_written(plan: Plan, job: PlanJob) -> Plan:

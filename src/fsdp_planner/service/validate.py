@@ -336,7 +336,7 @@ def cluster(value: object, spell: Spelling) -> Cluster | None:
     return parse_cluster(text(value, "cluster", spell))
 
 
-def plan_job(kw: Keywords, spell: Spelling, name: str | None = None) -> PlanJob:
+def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bool = False) -> PlanJob:
     """The job ``plan`` runs: ``kw.policy``'s plan (None: the classic policies side by side, and auto's with a
     cluster). Auto without a cluster plans for the default one. ``name``: the model's name when ``kw.model`` is no
     MODEL spec (an ``nn.Module``)."""
@@ -362,5 +362,6 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None) -> PlanJob:
     return PlanJob(model, tuple(policies), the_cluster, options,
                    memory_budget(kw, the_cluster, spell) if the_cluster is not None else None,
                    compare=kw.policy is None, split=split, whole_batch=kw.batch if split else None,  # type: ignore[arg-type]
-                   full_trace=bool(kw.full_trace), measure=bool(kw.measure), default_cluster=default)
+                   full_trace=bool(kw.full_trace), measure=bool(kw.measure), default_cluster=default,
+                   explain=explain)
 
