@@ -6,12 +6,11 @@ from rich.console import Console
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
+import fsdp_planner.service.plan_files as plan_files
 import fsdp_planner.service.planning as planning
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec, exit_message, load_model
 from fsdp_planner.planners.auto import AutoResult
@@ -20,7 +19,6 @@ from fsdp_planner.service.planning import Reporter, Tracer, fitting, search
 from fsdp_planner.service.tracing import model_error, trace_spec
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.userfiles import shown_json
 
 REPORTER = Reporter(render.note, render.progress)  # the service's notes and progress, on stderr
 
@@ -79,32 +77,5 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
-    """The plan file for the traced ``model``; a hand-written one (module lists) gets its params derived."""
-    plan = with_claimed_params(Plan.load(path), tr)
-    check_hf_config(plan, as_spec(model), path)
-    check_plan_matches(plan, tr)
-    check_plan_runs(tr, plan)
-    check_plan_methods(plan, model)
-    asked = as_spec(model).attention or ""
-    if plan.attention and plan.attention != asked:
-        render.note(f"the plan was made for --attention {plan.attention} and this command traced "
-                    f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
-                    "planned with")
-    return plan
-
-
-def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:
-    """The plan was made for the model with the same ``--hf-config`` fields (use_cache changes the step's
-    memory, a layer count its groups): else one line with the options that rebuild that model. A hand-written
-    plan (no fingerprint) is for any model."""
-    if not plan.fingerprint or plan.hf_config == dict(model.hf_config):
-        return
-    planned = " ".join(f"--hf-config {k}={shown_json(v)}" for k, v in plan.hf_config.items()) or "no --hf-config"
-    raise PlannerError(f"plan file '{path}' was made with {planned}; give the same to run it on the same model")
-
-
-def check_plan_methods(plan: Plan, model: ModelSpec | str) -> None:
-    """The plan's ``forward_methods`` are methods of their modules, checked on the model built on meta (as verify
-    does): the trace records only the methods the step called, and apply_plan would fail on the ranks."""
-    if plan.forward_methods:
-        check_forward_methods(plan, load_model(model, meta=True).model)
+    """The plan file for the traced ``model``, checked (``service/plan_files.py``), its notes on stderr."""
+    return plan_files.load_plan(path, tr, model, render.note)
