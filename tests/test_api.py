@@ -72,7 +72,7 @@ def test_a_classic_policy_and_its_options():
     ({"ac": "half"}, "ac must be one of none, full, op, selective"),
     ({"ac_policy": "titan"}, "give it with ac='op'"),
     ({"memory_budget": "60GiB", "headroom": 0.1}, "give memory_budget or headroom, not both"),
-    ({"micro_batches": 0}, "micro_batches must be a whole number of at least 1"),
+    ({"micro_batches": 0}, "micro_batches must be from 1 to 1,000,000, got 0"),
     ({"cluster": ""}, "cluster must be a non-empty string"),
     ({"cluster": "h100:x"}, "h100:x"),
     ({"precision": "fp8"}, "fp8"),

@@ -11,8 +11,8 @@ import pytest
 
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli import build_parser, main
-from fsdp_planner.cli.from_config import configured
-from fsdp_planner.cli.job_config import ACCELERATE, NO_WRAP_NUMEL, TORCHTITAN, read_config
+from fsdp_planner.cli.requests import configured
+from fsdp_planner.configs.job_config import ACCELERATE, NO_WRAP_NUMEL, TORCHTITAN, read_config
 from fsdp_planner.errors import PlannerError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
@@ -197,8 +197,7 @@ def test_accelerate_refuses_another_distributed_type(tmp_path):
 
 # -- the command line's options from a config ------------------------------------------------------------------------
 def args_of(*argv: str):  # type: ignore[no-untyped-def]
-    args = build_parser().parse_args(list(argv))
-    configured(args)
+    args, _ = configured(build_parser().parse_args(list(argv)))
     return args
 
 
@@ -294,17 +293,16 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
 
 @pytest.mark.parametrize("rule", ["always", "never"])
 def test_reshard_after_forward_rules(rule):
-    from fsdp_planner.cli.from_config import adjusted
-    from fsdp_planner.cli.job_config import JobConfig
     from fsdp_planner.fsdp2.plan import Group, Plan
+    from fsdp_planner.service.planning import with_reshard
 
     plan = Plan(fingerprint="", numel=2, groups=[Group(modules=["a"], params=["a.w"], reshard_after_forward=False),
                         Group(modules=["b"], params=["b.w"], reshard_after_forward=True),
                         Group(modules=[""], params=[], reshard_after_forward=True)])
-    out = adjusted(plan, JobConfig(TORCHTITAN, "job.toml", reshard=rule))
+    out = with_reshard(plan, rule)
     assert [g.reshard_after_forward for g in out.groups] == [rule == "always"] * 3
     assert [g.reshard_after_forward for g in plan.groups] == [False, True, True]  # a copy
-    assert adjusted(plan, JobConfig(TORCHTITAN, "job.toml")) is plan  # "default": the policy's own
+    assert with_reshard(plan, "default") is plan  # "default": the policy's own
 
 
 @pytest.mark.integration  # (about 6 s: the Llama 3 8B job traced, searched and its config edits simulated)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import policy, traced
 
+from fsdp_planner import signals
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.models import load_model
-from fsdp_planner.runtime import signals
 from fsdp_planner.runtime import verify as v
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.trace import record
@@ -622,7 +622,7 @@ def test_parity_bounds_follow_the_dtypes_the_model_trains():
 
 FOLLOWER = '''
 import os, signal, sys, time
-from fsdp_planner.runtime import signals
+from fsdp_planner import signals
 getattr(signals, sys.argv[1])(os.getppid(), signal.SIGKILL)
 print(os.getpid(), flush=True)
 time.sleep(60)

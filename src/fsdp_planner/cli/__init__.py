@@ -22,7 +22,7 @@ from fsdp_planner.cli.parser import build_parser
 from fsdp_planner.cli.paths import check_paths
 from fsdp_planner.errors import PlannerError, one_line
 from fsdp_planner.fmt import printable
-from fsdp_planner.runtime.signals import Terminated, signals_raise
+from fsdp_planner.signals import Terminated, signals_raise
 
 __all__ = ["EXIT_BROKEN_PIPE", "build_parser", "main"]
 

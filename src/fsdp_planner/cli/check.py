@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import check_hf_config, check_plan_methods, load_trace, run_auto
+from fsdp_planner.cli.common import load_trace, run_auto
 from fsdp_planner.cli.requests import (
     cluster_or_none,
     memory_budget,
@@ -26,6 +26,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners import PolicyName, make_baseline
 from fsdp_planner.planners.answers import answers
 from fsdp_planner.planners.auto import Target
+from fsdp_planner.service.plan_files import check_hf_config, check_plan_methods
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import PrecisionError
 from fsdp_planner.trace.records import Trace

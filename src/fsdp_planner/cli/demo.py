@@ -24,6 +24,7 @@ from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, PolicyR
 from fsdp_planner.report.step_view import step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
+from fsdp_planner.service.outcome import summarize
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
@@ -122,7 +123,7 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     console.print(render.comparison_table(escape(f"{model} on {cluster.name}: per training step; reserved memory "
                                                  f"against {fmt_bytes(budget.limit)} ({budget.source})"), rows,
                                           budget, render.metrics_dtype(tr, precision)))
-    console.print(render.auto_line(auto), highlight=False)
+    console.print(render.auto_line(summarize(auto)), highlight=False)
     out: dict[str, Any] = {
         "model": model, "cluster": cluster.name, "capacity": budget.capacity,
         "plans": [{"policy": _label(p), "groups": len(p.inner_groups), "simulation": r.summary(),

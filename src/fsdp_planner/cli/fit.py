@@ -10,9 +10,7 @@ the sequence and the node count."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,17 +20,18 @@ from rich.markup import escape
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import PolicyName
 from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
-from fsdp_planner.cli.common import load_trace, run_auto
-from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ, MAX_TOKENS
+from fsdp_planner.cli.common import REPORTER, tracer
 from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import memory_budget, model_spec, named_cluster, policy_request, sim_options
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster
+from fsdp_planner.hardware.cluster import Cluster, with_nodes
+from fsdp_planner.limits import MAX_BATCH, MAX_SEQ, MAX_TOKENS
 from fsdp_planner.models import ModelSpec
-from fsdp_planner.planners.auto import AutoResult, infeasible_message
 from fsdp_planner.planners.fit import FitPoint, largest_fitting, smallest_fitting
 from fsdp_planner.planners.registry import PolicyRequest
+from fsdp_planner.service.fit import Points
+from fsdp_planner.service.job import PlanJob
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 
@@ -87,7 +86,7 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
         render.note("--find has no effect with --gpus auto: the workload is --batch x --seq as given")
     cluster = named_cluster(args, args.cluster)
     if args.gpus:
-        cluster = _with_nodes(cluster, 1)
+        cluster = with_nodes(cluster, 1)
     elif args.max_gpus != DEFAULT_MAX_FIT_GPUS:
         render.note("--max-gpus has no effect without --gpus auto: the batch and sequence are searched on --cluster")
     return FitRequest(spec, batch, seq, policy_request(args, PolicyName.AUTO.value), cluster, bool(args.gpus),
@@ -97,7 +96,7 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
 
 def run(args: argparse.Namespace) -> int:
     request = fit_request(args)
-    points = Points(request)
+    points = _points(request)
     if request.gpus_auto:
         doc, lines = _gpus(request, points)
     else:
@@ -116,64 +115,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class Points:
-    """Every point evaluated, each once: a trace of the workload and auto's search on the cluster."""
-
-    def __init__(self, request: FitRequest) -> None:
-        self.request = request
-        self.seen: dict[tuple[int, int | None, int], tuple[FitPoint, AutoResult]] = {}
-
-    def at(self, batch: int, seq: int | None, nodes: int = 1) -> FitPoint:
-        key = (batch, seq, nodes)
-        if key not in self.seen:
-            self.seen[key] = self._evaluate(batch, seq, nodes)
-        return self.seen[key][0]
-
-    def result(self, batch: int, seq: int | None, nodes: int = 1) -> AutoResult:
-        self.at(batch, seq, nodes)
-        return self.seen[(batch, seq, nodes)][1]
-
-    def _evaluate(self, batch: int, seq: int | None, nodes: int) -> tuple[FitPoint, AutoResult]:
-        r = self.request
-        cluster = _with_nodes(r.cluster, nodes) if r.gpus_auto else r.cluster
-        spec = dataclasses.replace(r.model, batch_size=batch, seq_len=seq if seq is not None else r.model.seq_len)
-        tr = load_trace(spec, render.notes, full=r.full_trace, precision=r.options.precision)
-        found = run_auto(tr, r.policy, cluster, r.options, r.model.name, must_fit=False)
-        report = found.report
-        point = FitPoint(batch, seq or 1, cluster.world_size, cluster.nodes, found.fits, report.step_time,
-                         report.reserved_memory, found.budget, tr.fwd_flops + tr.bwd_flops,
-                         _peak_flops(cluster, r.options), report.mesh,
-                         len(found.plan.activation_checkpointing), found.run.offload,
-                         len(found.plan.activation_offloading))
-        render.note(f"fit: batch {batch:,}{f', seq {seq:,}' if seq else ''} on {cluster.name}: "
-                    f"{'fits' if found.fits else 'does not fit'} (reserved {fmt_bytes(report.reserved_memory)}, "
-                    f"step {fmt_time(report.step_time)})")
-        return point, found
-
-    def fits(self, at: Callable[[int], tuple[int, int | None, int]], plain: bool = False) -> Callable[[int], bool]:
-        """``fits`` for a search over one coordinate, the others fixed by ``at``; ``plain``: fits without CPU
-        offload (auto turns it on only when nothing fits without it, so this too is monotone)."""
-        def fits(value: int) -> bool:
-            p = self.at(*at(value))
-            return p.fits and not (plain and p.offload)
-        return fits
-
-    def sorted(self) -> list[FitPoint]:
-        return sorted((p for p, _ in self.seen.values()), key=lambda p: (p.gpus, p.seq, p.batch))
-
-
-def _peak_flops(cluster: Cluster, options: SimOptions) -> float:
-    """The GPU's dense peak in the compute dtype, as the compute model divides by (``sim/compute.py``)."""
-    gpu = cluster.gpu
-    return gpu.peak_bf16_flops if options.precision.compute_bytes <= 2 else gpu.peak_fp32_flops
-
-
-def _with_nodes(cluster: Cluster, nodes: int) -> Cluster:
-    """``cluster`` with ``nodes`` nodes of its GPUs (a bare preset is one node of 8), named as the preset would be."""
-    base = cluster.name.split(":")[0]
-    gpus = cluster.gpus_per_node
-    name = f"{base}:{nodes * gpus}" if gpus == MAX_GPUS_PER_NODE or nodes == 1 else f"{base}:{nodes}x{gpus}"
-    return dataclasses.replace(cluster, nodes=nodes, name=name)
+def _points(request: FitRequest) -> Points:
+    """The evaluations of ``plan MODEL --policy auto`` at each point the searches ask for."""
+    job = PlanJob(request.model, (request.policy,), request.cluster, request.options, request.budget,
+                  full_trace=request.full_trace, must_fit=False)
+    return Points(job, tracer(False, request.full_trace), request.gpus_auto, REPORTER)
 
 
 def _workload(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
@@ -206,9 +152,9 @@ def _largest_batch(request: FitRequest, points: Points) -> tuple[dict[str, Any],
     cap = min(MAX_BATCH, MAX_TOKENS // (seq or 1))
     largest = largest_fitting(points.fits(lambda b: (b, seq, 1)), 1, cap)
     if largest is None:
-        raise PlannerError(f"nothing fits even at batch 1: {infeasible_message(points.result(1, seq))}")
+        raise PlannerError(f"nothing fits even at batch 1: {points.no_fit(1, seq)}")
     where = f" at seq {seq:,}" if seq else ""
-    lines = [_largest_line(points, largest, points.at(largest, seq), cap, where)]
+    lines = [_largest_line(request, points, largest, points.at(largest, seq), cap, where)]
     plain: int | None = largest
     if points.at(largest, seq).offload:  # auto's last resort: how far the batch goes without it
         plain = largest_fitting(points.fits(lambda b: (b, seq, 1), plain=True), 1, largest)
@@ -229,11 +175,11 @@ def _next(points: Points, batch: int, seq: int | None) -> dict[str, Any] | None:
     return seen[0].to_dict() if seen else None
 
 
-def _largest_line(points: Points, value: int, p: FitPoint, cap: int, where: str) -> str:
+def _largest_line(request: FitRequest, points: Points, value: int, p: FitPoint, cap: int, where: str) -> str:
     capped = " (the largest tried: the search stops there)" if value >= cap else ""
     after = "" if value >= cap else f"; batch {value + 1:,} does not fit"
-    return (f"largest batch that fits{where} on {points.request.cluster.name}: {value:,}{capped}: "
-            f"{_figures(p, _per(points.request))}{after}")
+    return (f"largest batch that fits{where} on {request.cluster.name}: {value:,}{capped}: "
+            f"{_figures(p, _per(request))}{after}")
 
 
 def _seq_line(points: Points, batch: int, longest: int | None, cap: int, step: int) -> str:
@@ -267,7 +213,7 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
     fewest = smallest_fitting(points.fits(lambda n: (b, seq, n)), cap)
     if fewest is None:
         raise PlannerError(f"nothing fits on up to {cap * per_node:,} GPUs (--max-gpus {request.max_gpus:,}): "
-                           f"{infeasible_message(points.result(b, seq, cap))}")
+                           f"{points.no_fit(b, seq, cap)}")
     p = points.at(b, seq, fewest)
     workload = f"batch {b:,}{f' x seq {seq:,}' if seq else ''} per GPU"
     lines = [f"fewest GPUs that fit {workload}: {_count(p, per_node)}{' with CPU offload' if p.offload else ''}: "

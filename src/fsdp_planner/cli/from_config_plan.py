@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 from typing import Any
 
 from rich.markup import escape
@@ -16,28 +15,17 @@ from rich.table import Table
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import ACMode, PolicyName
-from fsdp_planner.cli.common import load_trace, policy_plan, run_auto
-from fsdp_planner.cli.from_config import adjusted, configured
-from fsdp_planner.cli.job_config import TORCHTITAN, JobConfig
-from fsdp_planner.cli.requests import (
-    gradient_sync,
-    memory_budget,
-    micro_batches,
-    model_spec,
-    named_cluster,
-    policy_request,
-    sim_options,
-)
+from fsdp_planner.cli.common import REPORTER, tracer
+from fsdp_planner.cli.requests import configured, keywords
+from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
-from fsdp_planner.fsdp2.plan import Mesh, Plan
-from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.planners.auto import infeasible_message
-from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.planners.config_edit import Setting
+from fsdp_planner.service.configured import ConfigOutcome, compare_config
+from fsdp_planner.service.planning import as_written
 from fsdp_planner.sim.budget import MemoryBudget
-from fsdp_planner.sim.options import plan_options
-from fsdp_planner.sim.simulate import StepReport, simulate
-from fsdp_planner.trace.records import Trace
+from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.userfiles import write_atomic
 
 
@@ -54,28 +42,42 @@ class Change:
         return {"key": self.key, "config": self.old, "auto": self.new, "expressible": self.expressible}
 
 
-@dataclasses.dataclass
-class Setting:
-    """A job's settings that config keys express, as auto's plan or the config has them (None: not expressible)."""
-
-    ac: ACMode | None
-    reshard: str | None  # "default", "always", "never"
-    mesh: Mesh
-    offload: bool
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Result:
-    config_plan: Plan
-    auto: Plan
-    before: StepReport
-    after: StepReport
-    edit: tuple[list[Change], StepReport] | None  # the best config edit alone (its own grouping), and its step
+    """The comparison as printed: the config's job and auto's plan, the keys that differ, the best edit alone."""
+
+    outcome: ConfigOutcome
     changes: list[Change]
-    budget: MemoryBudget
-    precision: str
-    fits: bool
-    no_fit: str | None
+    edit: tuple[list[Change], StepReport] | None  # the best config edit alone (its own grouping), and its step
+
+    @property
+    def before(self) -> StepReport:
+        report = self.outcome.config.report
+        assert report is not None
+        return report
+
+    @property
+    def after(self) -> StepReport:
+        assert self.outcome.auto.search is not None
+        return self.outcome.auto.search.report
+
+    @property
+    def auto(self) -> Plan:
+        assert self.outcome.auto.search is not None
+        return self.outcome.auto.search.plan
+
+    @property
+    def budget(self) -> MemoryBudget:
+        assert self.outcome.config.job.budget is not None
+        return self.outcome.config.job.budget
+
+    @property
+    def fits(self) -> bool:
+        return self.outcome.auto.fits
+
+    @property
+    def no_fit(self) -> str | None:
+        return self.outcome.auto.no_fit
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -86,55 +88,27 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.explain or str(args.micro_batches).strip().lower() == "auto":
         raise PlannerError("--explain and --micro-batches auto go with plan MODEL --policy auto, not with "
                            "--from-torchtitan / --from-accelerate")
-    cfg = configured(args)
+    given, cfg = configured(args)
     assert cfg is not None
-    result = plan_from_config(args, cfg)
-    if args.out is not None:
-        write_atomic(args.out, dataclasses.replace(result.auto, precision=result.precision).checked_json() + "\n")
+    kw = keywords(given)
+    outcome = compare_config(kw, cfg, tracer(False, bool(args.full_trace)), REPORTER)
+    result = _result(outcome, cfg)
+    if args.out is not None:  # as plan --out writes it (even over the budget: the exit status says so)
+        write_atomic(args.out, as_written(result.auto, outcome.auto.job).checked_json() + "\n")
     if args.json:
-        print(json_text(_json(result, cfg, args), indent=2))
+        print(json_text(_json(result, cfg, given), indent=2))
     else:
-        _print(result, cfg, args)
+        _print(result, cfg, given)
     return 0 if result.fits else 1
 
 
-def plan_from_config(args: argparse.Namespace, cfg: JobConfig) -> Result:
-    cluster, options = named_cluster(args, args.cluster), sim_options(args)
-    budget = memory_budget(args, cluster)
-    tr = load_trace(model_spec(args), render.notes, full=args.full_trace, precision=options.precision)
-    config_plan = adjusted(policy_plan(tr, policy_request(args, cfg.policy.value), args.model, cluster, options), cfg)
-    before = _simulated(tr, config_plan, cluster, args)
-    free = argparse.Namespace(**{**vars(args), "ac": None, "ac_policy": None, "mesh": None, "offload": False})
-    found = run_auto(tr, policy_request(free, PolicyName.AUTO.value), cluster, sim_options(free), args.model,
-                     must_fit=False)
-    auto = found.written_plan
-    old, new = _config_setting(cfg, cluster), _plan_setting(auto, tr, cluster)
-    changes = _changes(cfg, old, new, config_plan, auto)
-    best = _best_edit(args, cfg, tr, cluster, old, new, budget, before)
-    edit = (_changes(cfg, old, best[0], config_plan, None), best[1]) if best else None
-    return Result(config_plan, auto, before, found.report, edit, changes, budget,
-                  options.precision.name, found.fits, None if found.fits else infeasible_message(found))
-
-
-def _simulated(tr: Trace, plan: Plan, cluster: Cluster, args: argparse.Namespace) -> StepReport:
-    return simulate(tr, plan, cluster, plan_options(plan, sim_options(args)), timeline=False)
-
-
-def _config_setting(cfg: JobConfig, cluster: Cluster) -> Setting:
-    world = cluster.world_size
-    return Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, world // cfg.replicate), cfg.offload)
-
-
-def _plan_setting(plan: Plan, tr: Trace, cluster: Cluster) -> Setting:
-    """What config keys would say of ``plan``: uniform checkpointing of the blocks, one reshard rule."""
-    blocks = set(block_instances(tr))
-    full, op = set(plan.activation_checkpointing), set(plan.selective_checkpointing)
-    ac = (ACMode.NONE if not full and not op else ACMode.FULL if full == blocks and not op
-          else ACMode.OP if op == blocks and not full else None)
-    flags = [g.reshard_after_forward for g in plan.inner_groups]
-    reshard = ("always" if all(f is True for f in flags) else "never" if all(f is False for f in flags)
-               else "default" if flags and all(f is True for f in flags[:-1]) and flags[-1] is False else None)
-    return Setting(ac, reshard, plan.layout(cluster.world_size), plan.offload)
+def _result(outcome: ConfigOutcome, cfg: JobConfig) -> Result:
+    config_plan = outcome.config.rows[0][0]
+    changes = _changes(cfg, outcome.old, outcome.new, config_plan, outcome.auto.search.plan
+                       if outcome.auto.search else None)
+    edit = (_changes(cfg, outcome.old, outcome.edit[0], config_plan, None), outcome.edit[1]) if outcome.edit \
+        else None
+    return Result(outcome, changes, edit)
 
 
 # torchtitan's current checkpointing classes (its every-k-th-block option is gone)
@@ -186,51 +160,15 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     return out
 
 
-def _edited(args: argparse.Namespace, cfg: JobConfig, tr: Trace, cluster: Cluster,
-            setting: Setting) -> StepReport | None:
-    """The config's own grouping with ``setting``'s keys: the step a config edit alone gives (None: the config's
-    policy cannot take them)."""
-    ac, mesh = setting.ac or ACMode.NONE, setting.mesh
-    edited = argparse.Namespace(**{**vars(args), "ac": ac.value if ac is not ACMode.NONE else None,
-                                   "ac_policy": None if ac is not ACMode.OP else args.ac_policy,
-                                   "mesh": f"{mesh.replicate}x{mesh.shard}" if mesh.replicate > 1 else None,
-                                   "offload": setting.offload})
-    try:
-        plan = policy_plan(tr, policy_request(edited, cfg.policy.value), args.model, cluster, sim_options(edited))
-    except PlannerError:
-        return None
-    return _simulated(tr, adjusted(plan, dataclasses.replace(cfg, reshard=setting.reshard or cfg.reshard)), cluster,
-                      edited)
-
-
-def _best_edit(args: argparse.Namespace, cfg: JobConfig, tr: Trace, cluster: Cluster, old: Setting, new: Setting,
-               budget: MemoryBudget, before: StepReport) -> tuple[Setting, StepReport] | None:
-    """The fastest setting config keys can express (checkpointing x reshard rule x the config's or auto's mesh) on
-    the config's grouping that fits the budget and beats the config's step; None when no edit does."""
-    # activation offloading is no option of these configs' activation checkpointing
-    modes = list(REGISTRY_AC) if cfg.registry else [m for m in ACMode if m is not ACMode.OFFLOAD] \
-        if cfg.kind == TORCHTITAN else [ACMode.NONE, ACMode.FULL]
-    rules = ["default", "always", "never"] if cfg.kind == TORCHTITAN else ["always", "never"]
-    best: tuple[Setting, StepReport] | None = None
-    for mode, rule, mesh in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
-                                              dict.fromkeys([old.mesh, new.mesh])):
-        setting = Setting(mode, rule, mesh, old.offload)
-        if setting == old:
-            continue
-        r = _edited(args, cfg, tr, cluster, setting)
-        bar = best[1].step_time if best else before.step_time
-        if r is not None and budget.fits(r.reserved_memory) and r.step_time < bar:
-            best = (setting, r)
-    return best
-
-
 def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str, Any]:
     def step(r: StepReport | None) -> dict[str, Any] | None:
         return None if r is None else {**r.summary(), "budget": result.budget.to_dict(r.reserved_memory)}
 
+    options = result.outcome.config.job.options
     return {"config": {"format": cfg.kind, "path": cfg.path, "notes": cfg.notes}, "model": args.model,
-            "cluster": args.cluster, "micro_batches": micro_batches(args),
-            "gradient_sync": gradient_sync(args), "config_step": step(result.before), "auto_step": step(result.after),
+            "cluster": args.cluster, "micro_batches": options.micro_batches,
+            "gradient_sync": options.gradient_sync.value, "config_step": step(result.before),
+            "auto_step": step(result.after),
             "changes": [c.to_dict() for c in result.changes],
             "best_edit": None if result.edit is None else {"changes": [c.to_dict() for c in result.edit[0]],
                                                            "step": step(result.edit[1])},

@@ -24,18 +24,11 @@ from fsdp_planner.choices import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count
+from fsdp_planner.limits import MAX_BATCH, MAX_SEARCH_EFFORT, MAX_SEQ, MIN_MFU
 
 CLUSTER_HELP = "preset and GPU count (h100:64, h100e:128, a100:16, b200:8, h200:512) or a cluster JSON file"
 
 
-# The workload a model is traced with: beyond these the factory's tensors overflow torch's int64 sizes (a 16-line
-# C++ error once) or no machine could hold one micro-batch. 10M tokens is the longest context any model offers.
-MAX_BATCH = 1_000_000
-MAX_SEQ = 10_000_000
-MAX_TOKENS = 1_000_000_000  # --batch x --seq: a micro-batch per rank
-MAX_NUMEL = 10**15  # --min-nonwrapped-numel: parameters, a thousand times the largest model trained
-MAX_SEARCH_EFFORT = 10**9  # --search-effort: plans; the default is at most a few thousand
-MIN_MFU = 1e-3  # --mfu: below 0.1% of peak no GPU runs, and step times grow past any meaning
 
 
 def positive_int(option: str, maximum: int | None = None) -> Callable[[str], int]:
@@ -216,7 +209,7 @@ def add_json(sp: argparse.ArgumentParser) -> None:
 
 
 def add_job_config(sp: argparse.ArgumentParser, what: str) -> None:
-    """``--from-torchtitan`` / ``--from-accelerate``: the job a training config describes (``cli/job_config.py``)."""
+    """``--from-torchtitan`` / ``--from-accelerate``: the job a training config describes (``configs/``)."""
     group = sp.add_mutually_exclusive_group()
     group.add_argument("--from-torchtitan", metavar="FILE.py:FUNCTION|JOB.toml",
                        help=f"{what} the job a torchtitan config describes: a config_registry function "

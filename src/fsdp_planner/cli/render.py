@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import Enum
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -17,18 +17,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.segment import Segment
 from rich.table import Table
 
-from fsdp_planner.calibrate.gloo import GlooMeasurement
-from fsdp_planner.calibrate.overhead import OverheadMeasurement
 from fsdp_planner.choices import GradientSync
 from fsdp_planner.fmt import cell_text, fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.planners.auto import AutoResult
-from fsdp_planner.planners.auto.explain import GroupExplanation
-from fsdp_planner.runtime.verify import VerifyResult
-from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
+from fsdp_planner.service.outcome import SearchSummary
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.host_work import HostWork
 from fsdp_planner.sim.memory import MemoryBreakdown
@@ -36,6 +31,12 @@ from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within
+
+if TYPE_CHECKING:  # what the job and calibration commands print: their modules load only with those commands
+    from fsdp_planner.calibrate.gloo import GlooMeasurement
+    from fsdp_planner.calibrate.overhead import OverheadMeasurement
+    from fsdp_planner.planners.auto.explain import GroupExplanation
+    from fsdp_planner.runtime.verify import VerifyResult
 
 
 def _isatty(stream: TextIO | None) -> bool:
@@ -382,6 +383,8 @@ def parity_bound(result: VerifyResult) -> str:
     16-bit dtype its params or its compute were in."""
     if not result.bound:
         return f"<= {result.tolerance:g}"
+    from fsdp_planner.runtime.worker import LOW_PRECISION_ULPS
+
     return f"<= {LOW_PRECISION_ULPS} steps of {result.bound} at each param's scale"
 
 
@@ -412,48 +415,44 @@ def _step_time_rows(result: VerifyResult, cluster: str | None) -> list[tuple[str
              fmt_time(result.measured_step), f"{error:+.1%}" if error is not None else "")]
 
 
-def auto_line(result: AutoResult) -> str:
-    ev = result.search.ev  # a classic plan the target cannot express (FSDP1) or that cannot run is no rival
-    fitting = [c for c in result.baselines.values()
-               if ev.fits(c) and c.runs and ev.allowed(c.plan)]
-    best_other = min(fitting, key=lambda c: c.report.step_time, default=None)
-    ac, op = len(result.plan.activation_checkpointing), len(result.plan.selective_checkpointing)
-    owning = sum(1 for g in result.plan.groups if g.params)  # as the tables count: the root when it owns params
-    groups = fmt_count(owning, "group") if result.plan.inner_groups else "the root alone"
+def auto_line(search: SearchSummary) -> str:
+    plan = search.plan
+    ac, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
+    owning = sum(1 for g in plan.groups if g.params)  # as the tables count: the root when it owns params
+    groups = fmt_count(owning, "group") if plan.inner_groups else "the root alone"
     checkpointed = (f", {fmt_count(ac, 'module')} checkpointed" if ac else "") + \
         (f", {fmt_count(op, 'module')} with op-level checkpointing" if op else "") + \
-        (f", activations of {fmt_count(len(result.plan.activation_offloading), 'module')} offloaded"
-         if result.plan.activation_offloading else "")
-    layout = f", HSDP {result.plan.mesh.describe()}" if result.plan.mesh and result.plan.mesh.replicate > 1 else ""
+        (f", activations of {fmt_count(len(plan.activation_offloading), 'module')} offloaded"
+         if plan.activation_offloading else "")
+    layout = f", HSDP {plan.mesh.describe()}" if plan.mesh and plan.mesh.replicate > 1 else ""
     # auto's last resorts, said where the step time is: an offload plan's step is mostly the CPU optimizer's
-    dims = "/".join(str(d) for d in sorted(set(result.run.shard_dims.values())))
-    layout += (f", {fmt_count(len(result.run.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
-        (f", CPU offload (optimizer step on the CPU {fmt_time(result.report.cpu_optimizer_time)} at "
-         f"{ev.cluster.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank: {ev.cluster.cpu_optimizer_source})"
-         if result.run.offload else "")
+    dims = "/".join(str(d) for d in sorted(set(plan.shard_dims.values())))
+    layout += (f", {fmt_count(len(plan.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
+        (f", CPU offload (optimizer step on the CPU {fmt_time(search.report.cpu_optimizer_time)} at "
+         f"{search.cluster.cpu_optimizer_rate / 1e6:,.1f} M elements/s per rank: {search.cluster.cpu_optimizer_source})"
+         if plan.offload else "")
     line = (f"auto: {groups}{checkpointed}{layout}, "
-            f"step {fmt_time(result.report.step_time)}, "
-            f"{fmt_bytes(result.report.reserved_memory)} reserved within the budget {fmt_bytes(result.budget)} "
-            f"({result.budget_source}); {fmt_count(result.evaluated, 'plan')} simulated ({result.refined} "
-            f"refining, of at most {result.effort}: --search-effort) in {result.seconds:.1f} s")
-    if best_other is None:
+            f"step {fmt_time(search.report.step_time)}, "
+            f"{fmt_bytes(search.report.reserved_memory)} reserved within the budget {fmt_bytes(search.budget)} "
+            f"({search.budget_source}); {fmt_count(search.evaluated, 'plan')} simulated ({search.refined} "
+            f"refining, of at most {search.effort}: --search-effort) in {search.seconds:.1f} s")
+    if search.best_baseline is None or search.best_baseline_step is None:
         line += "; no classic policy with its defaults (no checkpointing) fits this budget"
     else:
-        gain = fmt_gain(result.report.step_time, best_other.report.step_time)
+        gain = fmt_gain(search.report.step_time, search.best_baseline_step)
         line += (f"; {f'{gain} than' if gain else 'ties with'} the best classic policy that fits on this layout, "
-                 f"{best_other.origin}")
-    if len(result.meshes) > 1:
-        line += "\n" + mesh_line(result)
+                 f"{search.best_baseline}")
+    if len(search.layouts) > 1:
+        line += "\n" + mesh_line(search)
     return escape(line)  # the budget's source names the GPU a cluster file gives: plain text, never markup
 
 
-def mesh_line(result: AutoResult) -> str:
+def mesh_line(search: SearchSummary) -> str:
     """The layouts auto compared (replicate x shard), each with its best plan's step time and reserved memory."""
     parts = []
-    for name, c in sorted(result.meshes.items(), key=lambda kv: -int(kv[0].partition("x")[2])):
-        fits = result.memory.fits(c.report.reserved_memory)
-        parts.append(f"{name} {fmt_time(c.report.step_time)}"
-                     f"{'' if fits else ' (' + fmt_bytes(c.report.reserved_memory) + ', does not fit)'}")
+    for layout in sorted(search.layouts, key=lambda m: -int(m.name.partition("x")[2])):
+        parts.append(f"{layout.name} {fmt_time(layout.step_time)}"
+                     f"{'' if layout.fits else ' (' + fmt_bytes(layout.reserved) + ', does not fit)'}")
     return f"  layouts (replicate x shard): {', '.join(parts)}"
 
 

@@ -8,40 +8,39 @@ module reads them into the values the commands run with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fsdp_planner.cli.render as render
+import fsdp_planner.service.validate as validate
 from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
-    DEFAULT_SAC_POLICY,
     POLICY_NAMES,
-    ACMode,
-    GradientSync,
     PolicyName,
-    SacPolicy,
     ShardPlacement,
-    Target,
     ZeroGrad,
 )
-from fsdp_planner.cli.options import MAX_BATCH, MAX_NUMEL, MAX_TOKENS, MIN_MFU
 from fsdp_planner.cli.paths import input_file, output_file
+from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, JobConfig, read_config
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import cut_short, parse_count, parse_size
-from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.fmt import cut_short
 from fsdp_planner.fsdp2.precision import check_precision
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, parse_cluster, with_cpu_optimizer_rate
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster
 from fsdp_planner.models import ModelSpec, planning_only
 from fsdp_planner.models.hf import MAX_OVERRIDES, parse_override
-from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
-from fsdp_planner.sim.budget import Headroom, MemoryBudget, parse_headroom
+from fsdp_planner.planners.registry import PolicyRequest
+from fsdp_planner.service.configured import configured as from_config
+from fsdp_planner.service.job import PlanJob
+from fsdp_planner.service.validate import Keywords, Spelling
+from fsdp_planner.sim.budget import Headroom, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 
-SPLIT_AUTO = "auto"  # --micro-batches auto: plan --policy auto chooses the split of --batch
-DEFAULT_AUTO_CLUSTER = "h100:8"  # plan --policy auto without --cluster (or h100 with --mesh's rank count)
+CLI = Spelling.CLI  # errors name the options as the command line spells them
 
 
 @dataclass(frozen=True)
@@ -56,18 +55,47 @@ class PlanSource:
             raise PlannerError("give exactly one of --plan FILE or --policy NAME")
 
 
+class Configured:
+    """The command line's options with a job config's settings merged in (``service/configured.py``), read-only:
+    the validator's keywords from the merge, every other option as parsed."""
+
+    def __init__(self, args: argparse.Namespace, merged: Keywords) -> None:
+        self._args, self.keywords = args, merged
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.keywords if name in KEYWORD_NAMES else self._args, name)
+
+
+KEYWORD_NAMES = frozenset(f.name for f in dataclasses.fields(Keywords))
+
+
+def configured(args: argparse.Namespace) -> tuple[argparse.Namespace | Configured, JobConfig | None]:
+    """The options with the job ``--from-torchtitan`` / ``--from-accelerate`` describes (none given: as they are),
+    and that config."""
+    if getattr(args, "from_torchtitan", None):
+        cfg = read_config(TORCHTITAN, args.from_torchtitan, getattr(args, "torchtitan_flags", ()))
+    elif getattr(args, "from_accelerate", None):
+        cfg = read_config(ACCELERATE, args.from_accelerate)
+    else:
+        return args, None
+    merged = from_config(keywords(args), cfg, args.command, render.note, bool(getattr(args, "plan", None)))
+    return Configured(args, merged), cfg
+
+
+def keywords(args: argparse.Namespace | Configured) -> Keywords:
+    """The options as the validator reads them (``service/validate.py``, which checks the API's keywords too):
+    argparse's values, the repeated ``--hf-config KEY=VALUE`` read into a dict (the last of a key wins)."""
+    if isinstance(args, Configured):
+        return args.keywords
+    given = getattr(args, "hf_config", None)
+    if given is not None and len(given) > MAX_OVERRIDES:
+        raise PlannerError(f"--hf-config: at most {MAX_OVERRIDES} fields, got {len(given)}")
+    fields = dict(parse_override(text) for text in given) if given is not None else None
+    return dataclasses.replace(Keywords.of(args), hf_config=fields)
+
+
 def module_classes(arg: str | None) -> tuple[str, ...]:
-    if arg is None:
-        return ()
-    names = tuple(dict.fromkeys(c.strip() for c in arg.split(",") if c.strip()))  # each once: the policy's label
-    if not names:
-        raise PlannerError(f"--module-classes '{arg}' names no class: give comma-separated class names such as "
-                           "TransformerBlock,Embedding")
-    return names
-
-
-def size_or_none(arg: str | None, what: str | None = None) -> int | None:
-    return None if arg is None else parse_size(arg, what)
+    return validate.module_classes(arg, CLI)
 
 
 # What each policy reads (planners/registry.py, PolicyRequest): an option no policy of the command reads is noted.
@@ -88,51 +116,18 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
 def policy_request(args: argparse.Namespace, name: str) -> PolicyRequest:
     """The request for one policy, with only the settings that policy reads (the others are checked for syntax
     here and noted as ignored by ``policy_notes``, never rejected by a policy that does not use them)."""
-    policy = PolicyName(name)
-    if getattr(args, "ac_policy", None) and getattr(args, "ac", None) != ACMode.OP.value:
-        raise PlannerError("--ac-policy chooses what op-level checkpointing saves: give it with --ac op")
-    classes = module_classes(args.module_classes)
-    numel = parse_count(args.min_nonwrapped_numel, "--min-nonwrapped-numel") \
-        if args.min_nonwrapped_numel is not None else None
-    if numel is not None and numel > MAX_NUMEL:
-        raise PlannerError(f"--min-nonwrapped-numel must be at most {MAX_NUMEL:,} parameters, got "
-                           f"{cut_short(args.min_nonwrapped_numel)}")
-    target_bytes = size_or_none(args.target_bytes, "--target-bytes")
-    budget = size_or_none(args.memory_budget, "--memory-budget")
-    headroom = headroom_or_none(args)
-    return PolicyRequest(
-        policy,
-        module_classes=classes if policy in (PolicyName.MODULE, PolicyName.TITAN) else (),
-        min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
-        target_bytes=target_bytes if policy is PolicyName.ORDER else None,
-        memory_budget=budget if policy is PolicyName.AUTO else None,
-        headroom=headroom if policy is PolicyName.AUTO else None,
-        search_effort=args.search_effort if policy is PolicyName.AUTO else None,
-        target=Target(args.target) if args.target and policy is PolicyName.AUTO else Target.FSDP2,
-        checkpointing=ACMode(args.ac) if getattr(args, "ac", None) else None,
-        sac_policy=SacPolicy(args.ac_policy) if getattr(args, "ac_policy", None) else DEFAULT_SAC_POLICY,
-        mesh=Mesh.parse(args.mesh) if getattr(args, "mesh", None) else None)
+    return validate.policy_request(keywords(args), name, CLI)
 
 
 def headroom_or_none(args: argparse.Namespace) -> Headroom | None:
     """``--headroom``, read; refused beside ``--memory-budget``, which is a budget taken as given."""
-    text = getattr(args, "headroom", None)
-    if text is None:
-        return None
-    if getattr(args, "memory_budget", None) is not None:
-        raise PlannerError("give --memory-budget or --headroom, not both: an explicit budget is taken as given, "
-                           "no headroom taken off it")
-    return parse_headroom(text)
+    return validate.headroom(keywords(args), CLI)
 
 
 def memory_budget(args: argparse.Namespace, cluster: Cluster) -> MemoryBudget:
     """What every fits verdict of the command compares a plan's reserved peak with: ``--memory-budget`` as given,
     else one GPU of ``cluster`` less ``--headroom``."""
-    gpu = cluster.gpu
-    given = size_or_none(getattr(args, "memory_budget", None), "--memory-budget")
-    if given is not None:
-        return MemoryBudget.explicit(given, gpu.memory_bytes, gpu.name)
-    return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, headroom_or_none(args))
+    return validate.memory_budget(keywords(args), cluster, CLI)
 
 
 def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: str = "",
@@ -163,60 +158,30 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
     """The model and the workload (``--batch``, ``--seq``) the command runs: with ``--micro-batches N``, one
     micro-batch's (``--batch`` / N)."""
-    batch, seq = getattr(args, "batch", None), getattr(args, "seq", None)
-    if batch is not None and seq is not None and batch * seq > MAX_TOKENS:
-        raise PlannerError(f"--batch {batch:,} x --seq {seq:,} is {batch * seq:,} tokens per rank; at most "
-                           f"{MAX_TOKENS:,} are supported")
-    n = micro_batches(args, auto=True)
-    return ModelSpec(args.model, batch // n if batch is not None else None, seq, getattr(args, "attention", None),
-                     getattr(args, "routing", None), hf_config(args))
+    return validate.model_spec(keywords(args), CLI)
 
 
 def hf_config(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     """``--hf-config KEY=VALUE`` options, parsed (a key given twice: the last wins, as on a config file)."""
-    given = getattr(args, "hf_config", None) or []
-    if len(given) > MAX_OVERRIDES:
-        raise PlannerError(f"--hf-config: at most {MAX_OVERRIDES} fields, got {len(given)}")
-    return tuple(dict(parse_override(text) for text in given).items())
+    return validate.hf_config(keywords(args).hf_config, CLI)
 
 
 def reshard_after_backward(args: argparse.Namespace) -> bool:
     """``--no-reshard-after-backward`` (False), which needs micro-batches to keep the params gathered between."""
-    keep = not getattr(args, "reshard_after_backward", True)
-    if keep and getattr(args, "micro_batches", None) is None:
-        raise PlannerError("--no-reshard-after-backward keeps params gathered between micro-batches: add "
-                           "--micro-batches N")
-    return not keep
+    kw = keywords(args)
+    validate.gradient_sync(kw, CLI)
+    return bool(kw.reshard_after_backward)
 
 
 def gradient_sync(args: argparse.Namespace) -> str:
     """``--gradient-sync last|every`` (default last), which says how micro-batches sync: it needs them."""
-    given = getattr(args, "gradient_sync", None)
-    if given is not None and getattr(args, "micro_batches", None) is None:
-        raise PlannerError(f"--gradient-sync {given} says which micro-batches reduce-scatter: add --micro-batches N")
-    return given or GradientSync.LAST.value
+    return validate.gradient_sync(keywords(args), CLI).value
 
 
 def micro_batches(args: argparse.Namespace, auto: bool = False) -> int:
     """``--micro-batches N``, checked: a whole number dividing ``--batch``, which it needs (1 when not given).
     ``auto``: 1 for ``--micro-batches auto`` (the whole batch, before auto splits it), else that is refused."""
-    text = getattr(args, "micro_batches", None)
-    if text is None:
-        return 1
-    if str(text).strip().lower() == SPLIT_AUTO:
-        if not auto:
-            raise PlannerError("--micro-batches auto is plan --policy auto's choice of the split: give a number here")
-        return 1
-    n = parse_count(text, "--micro-batches")
-    if not 1 <= n <= MAX_BATCH:
-        raise PlannerError(f"--micro-batches must be from 1 to {MAX_BATCH:,}, got {cut_short(text)}")
-    batch = getattr(args, "batch", None)
-    if n > 1 and batch is None:
-        raise PlannerError(f"--micro-batches {n} splits --batch, the per-GPU batch of the step: give --batch, a "
-                           f"multiple of {n}")
-    if n > 1 and batch % n:
-        raise PlannerError(f"--micro-batches {n} must divide --batch {batch:,} (each micro-batch is --batch / N)")
-    return n
+    return validate.micro_batches(keywords(args), CLI, auto)
 
 
 def plan_source(args: argparse.Namespace) -> PlanSource:
@@ -237,21 +202,12 @@ def compare_source(args: argparse.Namespace) -> PlanSource | None:
 
 
 def sim_options(args: argparse.Namespace) -> SimOptions:
-    if args.mfu is not None and not MIN_MFU <= args.mfu <= 1:  # NaN too
-        raise PlannerError(f"--mfu must be from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach), got "
-                           f"{args.mfu:g}")
-    if args.mfu is not None and getattr(args, "measure", False):  # measured op times replace the roofline whole
-        raise PlannerError("--mfu and --measure both set the op times: give --mfu (every op at that fraction of "
-                           "peak) or --measure (the ops timed on this machine), not both")
-    return SimOptions.named(args.precision, args.optimizer, args.mfu, args.zero_grad, micro_batches(args, auto=True),
-                            reshard_after_backward(args), gradient_sync=gradient_sync(args), **memory_options(args))
+    return validate.sim_options(keywords(args), CLI)
 
 
 def memory_options(args: argparse.Namespace) -> dict:
     """``SimOptions.named``'s memory options from the flags of commands that have them (``add_memory_options``)."""
-    return {"offload": getattr(args, "offload", False),
-            "shard_placement": getattr(args, "shard_placement", None) or "dim0",
-            "reduce_dtype": getattr(args, "reduce_dtype", None)}
+    return validate.memory_options(keywords(args), CLI)
 
 
 def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
@@ -260,8 +216,7 @@ def cluster_or_none(args: argparse.Namespace) -> Cluster | None:
 
 def named_cluster(args: argparse.Namespace, spec: str) -> Cluster:
     """The cluster ``spec`` names, with the host figures given on the command line (``--cpu-optimizer-rate``)."""
-    return with_cpu_optimizer_rate(parse_cluster(spec), getattr(args, "cpu_optimizer_rate", None),
-                                   "given with --cpu-optimizer-rate")
+    return validate.named(spec, getattr(args, "cpu_optimizer_rate", None), Spelling.CLI)
 
 
 
@@ -269,22 +224,15 @@ def named_cluster(args: argparse.Namespace, spec: str) -> Cluster:
 # -- plan ------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PlanRequest:
-    """``plan MODEL``: one policy's plan (``--policy``), or the policies side by side."""
+    """``plan MODEL``: the job (one policy's plan with ``--policy``, or the policies side by side) and what to do
+    with its outcome."""
 
-    model: ModelSpec
+    job: PlanJob
     policy: PolicyName | None  # --policy: one plan, and its errors are errors; None: a comparison
-    policies: tuple[PolicyRequest, ...]  # in the order they run (in a comparison with a cluster, auto last)
-    cluster: Cluster | None  # what the plans are simulated on; None: no simulation
-    options: SimOptions
     out: Path | None
     json: bool
     explain: bool
-    measure: bool  # --measure, when it has a simulation to feed
-    full_trace: bool
-    default_cluster: str | None  # auto's cluster when none was given (said on stderr)
     notes: tuple[str, ...]  # what the user asked for that this run does not use, one note each
-    budget: MemoryBudget | None = None  # what the plans' fits verdicts and margins are against (with a cluster)
-    split: bool = False  # --micro-batches auto: auto chooses how many micro-batches --batch is split into
 
 
 def plan_request(args: argparse.Namespace) -> PlanRequest:
@@ -293,25 +241,11 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         raise PlannerError("--out writes one plan: choose it with --policy")
     if args.explain and args.policy != PolicyName.AUTO.value:
         raise PlannerError("--explain explains an auto plan: add --policy auto")
-    split = str(args.micro_batches).strip().lower() == SPLIT_AUTO
-    if split and (args.policy != PolicyName.AUTO.value or args.batch is None):
-        raise PlannerError("--micro-batches auto lets --policy auto split --batch, the per-GPU batch of the step: "
-                           "add --policy auto and --batch")
-    names = [PolicyName(args.policy)] if args.policy else list(CLASSIC_POLICIES)
-    policies = [policy_request(args, n.value) for n in names]
-    cluster, options = cluster_or_none(args), sim_options(args)
-    default = None
-    if args.policy == PolicyName.AUTO.value and cluster is None:
-        # as many H100s as a given --mesh has ranks
-        default = f"h100:{Mesh.parse(args.mesh).size}" if getattr(args, "mesh", None) else DEFAULT_AUTO_CLUSTER
-        cluster = named_cluster(args, default)
-    if not args.policy and cluster is not None:
-        policies.append(policy_request(args, PolicyName.AUTO.value))
-    notes = _plan_notes(args, [p.name for p in policies], cluster is not None)
+    job = validate.plan_job(keywords(args), CLI, explain=args.explain)
+    notes = _plan_notes(args, [p.name for p in job.policies], job.cluster is not None)
     measure = args.measure and not any(n.startswith("--measure") for n in notes)
-    return PlanRequest(model_spec(args), PolicyName(args.policy) if args.policy else None, tuple(policies), cluster,
-                       options, out, args.json, args.explain, measure, args.full_trace, default, tuple(notes),
-                       memory_budget(args, cluster) if cluster is not None else None, split)
+    return PlanRequest(dataclasses.replace(job, measure=measure), PolicyName(args.policy) if args.policy else None,
+                       out, args.json, args.explain, tuple(notes))
 
 
 def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool) -> list[str]:

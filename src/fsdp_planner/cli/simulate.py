@@ -8,11 +8,11 @@ from pathlib import Path
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
-from fsdp_planner.cli.from_config import adjusted, configured
 from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import (
     PlanSource,
     compare_source,
+    configured,
     memory_budget,
     micro_batches,
     model_spec,
@@ -29,6 +29,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
+from fsdp_planner.service.planning import with_reshard
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace.records import Trace
@@ -38,7 +39,7 @@ HTML_SUFFIXES = (".html", ".htm")
 
 
 def run(args: argparse.Namespace) -> int:
-    config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job as these options
+    args, config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job over these options
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES)
     page = picture_file(args.html, "--html", HTML_SUFFIXES)
     if micro_batches(args) > 1 and (png or page):  # (refuses --micro-batches auto too)
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         render.note(note)
     tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
                     precision=options.precision)
-    plans = [(_label(s, p), adjusted(p, config) if i == 0 else p)  # the config's reshard_after_forward
+    # the config's reshard_after_forward on the first plan
+    plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)
              for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
     if png is None and page is None:  # no picture: the step's numbers alone, without recording its timeline
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]

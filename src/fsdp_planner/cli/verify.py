@@ -8,7 +8,7 @@ import dataclasses
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_plan, load_trace, policy_plan, stamped
+from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
 from fsdp_planner.cli.requests import (
     FakeWorldRequest,
     PlanSource,
@@ -25,6 +25,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.at_scale import onto_job
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, run_verify
+from fsdp_planner.service.planning import stamped
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace

@@ -819,3 +819,11 @@ def with_fits(cluster: Cluster, fits: Fits, name: str | None = None) -> Cluster:
     for kind, table in fits.items():
         merged.setdefault(kind, {}).update(table)
     return replace(cluster, fits=merged, name=name or cluster.name)
+
+
+def with_nodes(cluster: Cluster, nodes: int) -> Cluster:
+    """``cluster`` with ``nodes`` nodes of its GPUs (a bare preset is one node of 8), named as the preset would be."""
+    base = cluster.name.split(":")[0]
+    gpus = cluster.gpus_per_node
+    name = f"{base}:{nodes * gpus}" if gpus == MAX_GPUS_PER_NODE or nodes == 1 else f"{base}:{nodes}x{gpus}"
+    return replace(cluster, nodes=nodes, name=name)

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from fsdp_planner.runtime.signals import follow_parent
+from fsdp_planner.signals import follow_parent
 
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
 LAUNCHER_ENV = "FSDP_PLANNER_LAUNCHER"  # this launcher's pid, which its ranks follow (rank.follow_launcher)

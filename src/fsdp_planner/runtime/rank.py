@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from fsdp_planner.runtime.failures import write_failure
 from fsdp_planner.runtime.launch import LAUNCHER_ENV
-from fsdp_planner.runtime.signals import follow_parent
+from fsdp_planner.signals import follow_parent
 
 # A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
 # rank does the same work between collectives, so a healthy job never waits near this.

@@ -43,8 +43,8 @@ from fsdp_planner.runtime.checkpoint import META, REFERENCE, read_meta
 from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA, check_metadata
 from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
 from fsdp_planner.runtime.launch import PARENT_ENV
-from fsdp_planner.runtime.signals import signals_raise
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
+from fsdp_planner.signals import signals_raise
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.sim.tracing import resolve_precision

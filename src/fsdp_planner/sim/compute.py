@@ -33,6 +33,11 @@ def flop_efficiency(kernel: np.ndarray, compute: Compute) -> np.ndarray:
     return np.where(kernel == KERNEL_ATTENTION, compute.attention_efficiency, out)
 
 
+def peak_flops(gpu: GPU, precision: Precision) -> float:
+    """The GPU's dense peak FLOP/s in the precision's compute dtype: bf16's for 16-bit compute, else fp32's."""
+    return gpu.peak_bf16_flops if precision.compute_bytes <= 2 else gpu.peak_fp32_flops
+
+
 def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ranks: int = 1,
              mfu: float | None = None) -> list[float]:
     """Seconds per event (0 for boundaries) on ``gpu``, in a step synchronised over ``ranks`` GPUs.
@@ -40,7 +45,7 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ran
     The peak is the dense bf16 one for 16-bit compute, else fp32. Bytes are scaled from the traced dtype to the
     compute dtype (a model traced in fp32 but run in bf16 moves half).
     """
-    peak = gpu.peak_bf16_flops if precision.compute_bytes <= 2 else gpu.peak_fp32_flops
+    peak = peak_flops(gpu, precision)
     scale = precision.compute_bytes / traced_itemsize(trace)
     index = trace.index  # boundaries have no FLOPs and no bytes: they take 0 s
     if mfu is not None:

@@ -515,3 +515,12 @@ def _budget_hint(result: AutoResult, floor: int) -> str:
 
 
 __all__ = ["AutoPolicy", "AutoResult", "PeakTerm", "Search", "Target", "infeasible_message", "peak_terms"]
+
+
+def best_fitting_baseline(result: AutoResult) -> Candidate | None:
+    """The fastest classic policy's plan (with its defaults) that fits the budget on the chosen layout, runs, and
+    the target can express (a plan FSDP1 cannot express is no rival): what auto's plan is measured against."""
+    ev = result.search.ev
+    fitting = [c for c in result.baselines.values()
+               if ev.fits(c) and c.runs and ev.allowed(c.plan)]
+    return min(fitting, key=lambda c: c.report.step_time, default=None)

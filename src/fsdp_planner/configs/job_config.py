@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
-from fsdp_planner.cli.options import MAX_BATCH, MAX_SEQ
 from fsdp_planner.configs.torchtitan_registry import (
     TITAN_MODELS,
     is_registry_spec,
@@ -24,6 +23,7 @@ from fsdp_planner.configs.torchtitan_registry import (
     with_overrides,
 )
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.limits import MAX_BATCH, MAX_SEQ
 from fsdp_planner.userfiles import MAX_CONFIG_BYTES, parse_yaml, read_text, shown_json
 
 TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
@@ -130,6 +130,13 @@ def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
     text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML",
                      MAX_CONFIG_BYTES)
     data = _load(kind, text, label)
+    return from_data(kind, path, data, flags)
+
+
+def from_data(kind: str, path: str, data: Any, flags: Sequence[str] = ()) -> JobConfig:
+    """The job a parsed config describes: ``data`` as a TOML or YAML parse of the file at ``path`` gives it, with
+    torchtitan's dotted ``flags`` over it (a reader of another source of the same settings hands its dict here too)."""
+    label = f"{kind} config '{path}'"
     if data is None or data == "":
         raise PlannerError(f"{label} is empty: expected "
                            f"{'a torchtitan job TOML' if kind == TORCHTITAN else 'an Accelerate config YAML'}")
@@ -449,3 +456,16 @@ def world_of(cfg: JobConfig, cluster_world: int | None) -> int | None:
     if cfg.shard is not None:
         return cfg.replicate * cfg.shard
     return cluster_world
+
+
+REGISTRY_AC_MODES = (ACMode.NONE, ACMode.FULL, ACMode.OP)
+
+
+def edit_choices(cfg: JobConfig) -> tuple[tuple[ACMode, ...], tuple[str, ...]]:
+    """The checkpointing modes and ``reshard_after_forward`` rules the config's format can say (activation
+    offloading is no option of these configs' checkpointing; Accelerate's rule is a bool)."""
+    if cfg.registry:  # torchtitan's current checkpointing classes (None, FullAC, SelectiveAC): no every-k-th block
+        return REGISTRY_AC_MODES, TITAN_RESHARD
+    if cfg.kind == TORCHTITAN:
+        return tuple(m for m in ACMode if m is not ACMode.OFFLOAD), TITAN_RESHARD
+    return (ACMode.NONE, ACMode.FULL), ("always", "never")

@@ -1,0 +1,55 @@
+"""The best edit of a job config's keys alone: its grouping kept, every checkpointing mode and
+``reshard_after_forward`` rule the format can say, on the config's mesh or auto's. A grid of a few dozen settings,
+each simulated by the caller; what a plan says in those keys' terms is ``plan_setting`` (FSDP2 semantics)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fsdp_planner.choices import ACMode
+from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.sim.simulate import StepReport
+from fsdp_planner.trace.records import Trace
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A job's settings that config keys express, as a plan or a config has them (None: no key can say it)."""
+
+    ac: ACMode | None
+    reshard: str | None  # "default", "always", "never"
+    mesh: Mesh
+    offload: bool
+
+
+def plan_setting(plan: Plan, tr: Trace, world: int) -> Setting:
+    """What config keys would say of ``plan``: uniform checkpointing of the blocks, one reshard rule."""
+    blocks = set(block_instances(tr))
+    full, op = set(plan.activation_checkpointing), set(plan.selective_checkpointing)
+    ac = (ACMode.NONE if not full and not op else ACMode.FULL if full == blocks and not op
+          else ACMode.OP if op == blocks and not full else None)
+    flags = [g.reshard_after_forward for g in plan.inner_groups]
+    reshard = ("always" if all(f is True for f in flags) else "never" if all(f is False for f in flags)
+               else "default" if flags and all(f is True for f in flags[:-1]) and flags[-1] is False else None)
+    return Setting(ac, reshard, plan.layout(world), plan.offload)
+
+
+def best_edit(modes: Sequence[ACMode], rules: Sequence[str], old: Setting, new: Setting,
+              step: Callable[[Setting], StepReport | None], fits: Callable[[int], bool],
+              before: StepReport) -> tuple[Setting, StepReport] | None:
+    """The fastest setting (checkpointing ``modes`` x reshard ``rules`` x the config's or auto's mesh) whose step
+    (``step``: None when the config's policy cannot take it) fits and beats ``before``; None when none does."""
+    best: tuple[Setting, StepReport] | None = None
+    for mode, rule, mesh in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
+                                              dict.fromkeys([old.mesh, new.mesh])):
+        setting = Setting(mode, rule, mesh, old.offload)
+        if setting == old:
+            continue
+        r = step(setting)
+        bar = best[1].step_time if best else before.step_time
+        if r is not None and fits(r.reserved_memory) and r.step_time < bar:
+            best = (setting, r)
+    return best

@@ -1,0 +1,222 @@
+"""``--from-torchtitan JOB.toml`` / ``--from-accelerate CONFIG.yaml``: the job a config describes (``configs/``), as
+the keywords the validator reads (``configured``) merged with what the user gave, and its ``reshard_after_forward``
+rule on the plan (``adjusted``). A keyword the user gave that contradicts the config is one error naming both."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
+from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, edit_choices, world_of
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import BUILTINS, ModelSpec
+from fsdp_planner.planners.config_edit import Setting, best_edit, plan_setting
+from fsdp_planner.service.outcome import PlanOutcome
+from fsdp_planner.service.planning import Reporter, Tracer, plan
+from fsdp_planner.service.validate import Keywords, Spelling, plan_job
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import StepReport
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.userfiles import shown_json
+
+_PRESET = re.compile(r"^\s*([a-z0-9]+)\s*$", re.I)
+DEFAULT_GPU = "h100"
+_CLI = Spelling.CLI  # a config is given on the command line: its errors name the options
+
+
+class _Merge:
+    """The keywords being built: the user's, with the config's settings added one at a time."""
+
+    def __init__(self, kw: Keywords, cfg: JobConfig, note: Callable[[str], None]) -> None:
+        self.values: dict[str, Any] = {f.name: getattr(kw, f.name) for f in dataclasses.fields(kw)}
+        self.cfg, self.note = cfg, note
+
+    def given(self, key: str, value: Any, config_key: str, default: Any = None) -> None:
+        """The config's ``value`` for ``key`` unless the user gave another (an error)."""
+        mine = self.values[key]
+        if mine not in (default, value):
+            raise PlannerError(f"{_CLI.name_of(key)} {shown_json(mine)} contradicts {config_key} in {self.cfg.kind} "
+                               f"config {shown_json(self.cfg.path)} ({shown_json(value)}): drop one of them")
+        self.values[key] = value
+
+
+def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str], None],
+               plan_file: bool = False) -> Keywords:
+    """``kw`` with the job the config describes, each of its notes said once. ``command``: the command it runs for
+    (``simulate`` runs the config's own grouping); ``plan_file``: a plan file was given (it groups too)."""
+    for line in cfg.notes:
+        note(line)
+    merge = _Merge(kw, cfg, note)
+    _model(merge)
+    _workload(merge)
+    _layout(merge)
+    _policy(merge, command, plan_file)
+    return Keywords(**merge.values)
+
+
+def _model(m: _Merge) -> None:
+    cfg, model = m.cfg, m.values["model"]
+    if cfg.kind != TORCHTITAN:
+        return
+    if model is not None:
+        if cfg.model is not None and model != cfg.model:
+            raise PlannerError(f"MODEL '{model}' is not the torchtitan job's model ({cfg.model_label} is "
+                               f"{cfg.model}): leave MODEL out, or give the config's model")
+        if cfg.model is None and (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
+            m.note(f"MODEL {shown_json(model)} stands for the torchtitan job's model {cfg.model_label}")
+        return
+    if cfg.model is None and not (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
+        raise PlannerError(f"the torchtitan config {shown_json(cfg.path)} names no model ([model] name and flavor): "
+                           "give MODEL")
+    if cfg.model is None:
+        known = ", ".join(f"{n} {f.upper()}" for n, f in _titan_models())
+        raise PlannerError(f"the torchtitan job's model {cfg.model_label} is not one fsdp-planner builds (known: "
+                           f"{known}); give your model as MODEL, e.g. hf:path/config.json or path/model.py:build")
+    m.values["model"] = cfg.model
+
+
+def _titan_models() -> list[tuple[str, str]]:
+    return [k for k, v in TITAN_MODELS.items() if v in BUILTINS]
+
+
+def _workload(m: _Merge) -> None:
+    cfg = m.cfg
+    registry = cfg.registry  # torchtitan's current keys
+    batch_key = "training.num_tokens_per_microbatch_per_dp_rank" if registry else \
+        "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
+    if cfg.batch is not None:
+        m.given("batch", cfg.batch, batch_key)
+    if cfg.seq is not None:
+        m.given("seq", cfg.seq, "training.max_context_length" if registry else "training.seq_len")
+    if cfg.precision is not None:
+        m.given("precision", cfg.precision, "the mixed precision", DEFAULT_PRECISION)
+    if cfg.reduce_dtype is not None:
+        m.given("reduce_dtype", cfg.reduce_dtype, "training.mixed_precision_reduce")
+    if cfg.offload:
+        m.given("offload", True, cfg.key("offload"), False)
+
+
+def _layout(m: _Merge) -> None:
+    """The cluster with the config's GPU count (the user's cluster names the GPU: a preset alone, default h100),
+    the HSDP mesh and the micro-batches of a global batch."""
+    cfg = m.cfg
+    spec = m.values["cluster"] or DEFAULT_GPU
+    preset = _PRESET.match(spec) if not spec.endswith(".json") else None
+    given = None if preset else parse_cluster(spec).world_size
+    world = world_of(cfg, given)
+    if world is None:  # the config leaves the count to the cluster: a bare preset's one node
+        world = parse_cluster(spec).world_size
+        m.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, "
+               f"{spec.strip()}'s one node (give --cluster {spec.strip()}:N for another count)")
+    if given is not None and given != world:
+        raise PlannerError(f"--cluster {shown_json(spec)} has {given:,} GPUs but the {cfg.kind} job runs on "
+                           f"{world:,} ({_world_keys(cfg)}): give the GPU alone (--cluster {DEFAULT_GPU}) or agree")
+    if preset:
+        per_node = world // cfg.nodes if cfg.nodes else None
+        m.values["cluster"] = f"{preset.group(1)}:{cfg.nodes}x{per_node}" \
+            if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
+    if world % cfg.replicate:
+        raise PlannerError(f"{cfg.key('replicate')} = {cfg.replicate} does not divide the job's {world} GPUs")
+    if cfg.replicate > 1:
+        m.given("mesh", f"{cfg.replicate}x{world // cfg.replicate}", cfg.key("replicate"))
+    if cfg.global_batch is not None:
+        _micro_batches(m, world)
+
+
+def _count_key(cfg: JobConfig) -> str:
+    return "no num_processes" if cfg.kind == ACCELERATE else "data_parallel_shard_degree = -1"
+
+
+def _world_keys(cfg: JobConfig) -> str:
+    if cfg.kind == ACCELERATE:
+        return f"num_processes = {cfg.world}"
+    return f"data_parallel_replicate_degree {cfg.replicate} x data_parallel_shard_degree {cfg.shard}"
+
+
+def _micro_batches(m: _Merge, world: int) -> None:
+    """torchtitan's gradient accumulation: global_batch_size / (local_batch_size x data-parallel ranks) passes."""
+    cfg = m.cfg
+    local = cfg.batch or m.values["batch"]
+    if local is None or cfg.global_batch is None or cfg.global_batch % (local * world):
+        raise PlannerError(f"training.global_batch_size = {cfg.global_batch} is not a multiple of "
+                           f"training.local_batch_size ({local}) x the {world} data-parallel GPUs")
+    n = cfg.global_batch // (local * world)
+    if n > 1:  # the batch: the step's per-GPU batch, split in n
+        m.given("micro_batches", str(n), "training.global_batch_size")
+        m.values["batch"] = local * n
+        # torchtitan's train_step never calls set_requires_gradient_sync(False): each backward reduce-scatters
+        m.given("gradient_sync", GradientSync.EVERY.value, "training.global_batch_size")
+
+
+def _policy(m: _Merge, command: str, plan_file: bool) -> None:
+    cfg, policy = m.cfg, m.values["policy"]
+    if plan_file:
+        raise PlannerError(f"--plan and --from-{cfg.kind} both give the grouping: drop one")
+    if command == "simulate":
+        if cfg.kind == TORCHTITAN and policy not in (None, cfg.policy.value):
+            # torchtitan has no key for its grouping: name it, and where auto's plan for the job is
+            raise PlannerError(f"--policy {policy} contradicts the torchtitan job {shown_json(cfg.path)}, "
+                               f"which groups as torchtitan does (--policy {cfg.policy.value}): drop --policy, "
+                               "or run `plan --from-torchtitan` for auto's plan beside the job's")
+        m.given("policy", cfg.policy.value, cfg.key("policy"))
+    if cfg.module_classes:
+        m.given("module_classes", ",".join(cfg.module_classes), "fsdp_config.fsdp_transformer_layer_cls_to_wrap")
+    if cfg.min_numel is not None:
+        m.given("min_nonwrapped_numel", str(cfg.min_numel), "fsdp_config.fsdp_min_num_params")
+    if cfg.ac is not None and cfg.ac is not ACMode.NONE:
+        m.given("ac", cfg.ac.value, cfg.key("ac"))
+
+
+
+@dataclass(frozen=True)
+class ConfigOutcome:
+    """``plan --from-X``: the config's job, auto's plan for the same model, workload, precision and cluster, the
+    settings config keys say of each, and the best edit of the config's keys alone (its grouping kept)."""
+
+    config: PlanOutcome  # the config's own grouping, with its reshard rule
+    auto: PlanOutcome  # auto's, free to choose checkpointing, layout and offload
+    old: Setting
+    new: Setting
+    edit: tuple[Setting, StepReport] | None
+
+
+def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> ConfigOutcome:
+    """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
+    by the config's policy on the one trace)."""
+    own = plan_job(dataclasses.replace(kw, policy=cfg.policy.value), _CLI)
+    job = dataclasses.replace(own, reshard=cfg.reshard)
+    traced = plan(job, tracer, reporter)
+    tr = traced.trace
+
+    def same_trace(spec: ModelSpec, options: SimOptions) -> Trace:
+        return tr  # every job here traces the same model, workload and precision
+
+    free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
+    auto = plan(dataclasses.replace(plan_job(free, _CLI), must_fit=False), same_trace, reporter)
+    assert job.cluster is not None and job.budget is not None and auto.search is not None
+    world, before = job.cluster.world_size, traced.report
+    assert before is not None
+    old = Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, world // cfg.replicate), cfg.offload)
+    new = plan_setting(auto.search.plan, tr, world)
+
+    def step(setting: Setting) -> StepReport | None:
+        ac = setting.ac or ACMode.NONE
+        edited = dataclasses.replace(
+            kw, policy=cfg.policy.value, ac=ac.value if ac is not ACMode.NONE else None,
+            ac_policy=None if ac is not ACMode.OP else kw.ac_policy, offload=setting.offload,
+            mesh=f"{setting.mesh.replicate}x{setting.mesh.shard}" if setting.mesh.replicate > 1 else None)
+        try:
+            one = dataclasses.replace(plan_job(edited, _CLI), reshard=setting.reshard or cfg.reshard)
+            return plan(one, same_trace).report
+        except PlannerError:  # the config's policy cannot take the setting
+            return None
+
+    modes, rules = edit_choices(cfg)
+    edit = best_edit(modes, rules, old, new, step, job.budget.fits, before)
+    return ConfigOutcome(traced, auto, old, new, edit)

@@ -1,0 +1,47 @@
+"""A plan file run on a model: read, its params derived for a hand-written one, and checked against the model the
+command traced (the same hf_config fields, params that match, a plan FSDP2 can run, forward methods that exist)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
+from fsdp_planner.models import ModelSpec, as_spec, load_model
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.userfiles import shown_json
+
+
+def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None]) -> Plan:
+    """The plan file for the traced ``model``; a hand-written one (module lists) gets its params derived. A plan
+    made for another attention kernel is a ``note``."""
+    plan = with_claimed_params(Plan.load(path), tr)
+    check_hf_config(plan, as_spec(model), path)
+    check_plan_matches(plan, tr)
+    check_plan_runs(tr, plan)
+    check_plan_methods(plan, model)
+    asked = as_spec(model).attention or ""
+    if plan.attention and plan.attention != asked:
+        note(f"the plan was made for --attention {plan.attention} and this command traced "
+                    f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
+                    "planned with")
+    return plan
+
+
+def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:
+    """The plan was made for the model with the same ``--hf-config`` fields (use_cache changes the step's
+    memory, a layer count its groups): else one line with the options that rebuild that model. A hand-written
+    plan (no fingerprint) is for any model."""
+    if not plan.fingerprint or plan.hf_config == dict(model.hf_config):
+        return
+    planned = " ".join(f"--hf-config {k}={shown_json(v)}" for k, v in plan.hf_config.items()) or "no --hf-config"
+    raise PlannerError(f"plan file '{path}' was made with {planned}; give the same to run it on the same model")
+
+
+def check_plan_methods(plan: Plan, model: ModelSpec | str) -> None:
+    """The plan's ``forward_methods`` are methods of their modules, checked on the model built on meta (as verify
+    does): the trace records only the methods the step called, and apply_plan would fail on the ranks."""
+    if plan.forward_methods:
+        check_forward_methods(plan, load_model(model, meta=True).model)

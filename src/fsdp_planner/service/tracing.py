@@ -1,0 +1,88 @@
+"""The model a spec names, built on meta and traced as every front end traces it: in the precision's compute dtype,
+under the spec's attention kernel and routing capacity, each failure one sentence naming what failed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fsdp_planner.attention import Kernel, kernel
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, exit_message, hf, load_model
+from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.tracing import trace
+from fsdp_planner.trace.failures import failed_at
+from fsdp_planner.trace.records import Trace
+
+
+def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: bool = False,
+               note: Callable[[str], None] = lambda line: None) -> Trace:
+    """The step of the model ``spec`` names, traced on meta tensors (``full``: every module call, no replay of
+    repeated blocks); what the trace notes (and which attention kernel it assumed) goes to ``note``."""
+    spec = as_spec(spec)
+    lm = load_model(spec, meta=True)
+    try:
+        with kernel(spec.attention) as attention, consulted() as routed:
+            tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision=precision or SimOptions().precision,
+                       reuse=not full, routing=spec.routing or DEFAULT_CAPACITY)
+    except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
+        raise
+    except SystemExit as e:  # the model's forward or loss_fn: an error, never a silent exit with its status
+        raise PlannerError(exit_message(e, f"running the forward, backward or loss_fn of '{spec}'")) from e
+    except Exception as e:
+        failed = failed_at(e)
+        if data_dependent(e, failed.op if failed else None):
+            raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
+        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
+    for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0])):
+        if line:
+            note(line)
+    return tr
+
+
+def model_error(e: Exception) -> str:
+    """What the model raised, led by the op and the module it failed in when an op of the step raised it."""
+    failed = failed_at(e)
+    return f"{failed.describe() + ' raised ' if failed else ''}{type(e).__name__}: {e}"
+
+
+def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | None:
+    """Which attention kernel the trace assumed: transformers' implementation for an ``hf:`` model, else the
+    kernel its SDPA calls ran. None for a built-in without ``--attention`` (they call the fused kernels, as the
+    README says) and for a model that calls no SDPA, unless ``--attention`` was given: then it says the option
+    changes nothing."""
+    built = hf.attention_of(model) if hf.is_hf(spec.name) else None  # type: ignore[arg-type]
+    if attention.calls == 0 and built is not None and (built != "eager" or not hf.has_attention(model)):  # type: ignore[arg-type]
+        built = None  # a model without attention (a CNN): transformers records an implementation all the same
+    if built is not None:
+        kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
+        saved = "score matrices saved, O(seq^2)" if built == "eager" else "fused kernel, O(seq) saved"
+        built = "flash stand-in" if built == hf.hf_attention.FUSED else built
+        return (f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; "
+                "--attention sdpa|flash|eager plans for another)")
+    if attention.calls == 0 and spec.attention is not None:
+        # said rather than ignored: the option changes nothing for a model whose step calls no SDPA
+        return (f"--attention {spec.attention} changes nothing here: the step calls no scaled_dot_product_attention "
+                "(the kernel --attention picks)")
+    if attention.calls == 0 or (spec.name in BUILTINS and spec.attention is None):
+        return None
+    saved = "score matrices saved, O(seq^2)" if attention.name == "eager" else "fused kernel, O(seq) saved"
+    return f"attention traced as {attention.name} ({saved}; --attention changes it)"
+
+
+def routing_note(spec: ModelSpec, consulted: int) -> str | None:
+    """Said rather than ignored: ``--routing`` on a step that routes nothing (a dense model) changes nothing."""
+    if spec.routing is None or consulted:
+        return None
+    return (f"--routing {spec.routing:g} changes nothing here: nothing in the step routes tokens by their values (no "
+            "data-dependent op or Hugging Face experts layer, what the balanced-routing stand-in sizes)")
+
+
+def _device_hint(e: Exception) -> str:
+    """Why a device mismatch happens while planning, and what to change."""
+    text = f"{type(e).__name__} {e}"
+    if "meta" not in text or "device" not in text.lower():
+        return ""
+    return ("; the model is built on the meta device for planning, so every tensor the forward or loss_fn uses "
+            "must be made inside the factory (not at module level, and without an explicit device='cpu'/'cuda')")

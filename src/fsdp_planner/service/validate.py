@@ -1,0 +1,377 @@
+"""The one validator of what a user asks the planner for: the API's keywords and the command line's options (once
+argparse has read their text) are checked here, by the same code with the same types and ranges, before anything
+is traced. A bool is a bool (``offload='false'`` is refused, not read as true); each error is one sentence that
+names the setting as its user spells it (``--micro-batches`` on the command line, ``micro_batches`` in Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
+
+from fsdp_planner.choices import (
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    DEFAULT_SAC_POLICY,
+    ACMode,
+    AttentionKernel,
+    GradientSync,
+    PolicyName,
+    ReduceDtype,
+    SacPolicy,
+    ShardPlacement,
+    Target,
+    ZeroGrad,
+)
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import cut_short, parse_count, parse_size
+from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
+from fsdp_planner.limits import MAX_BATCH, MAX_NUMEL, MAX_SEARCH_EFFORT, MAX_SEQ, MAX_TOKENS, MIN_MFU
+from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, ModelSpec
+from fsdp_planner.models.hf import MAX_OVERRIDES
+from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
+from fsdp_planner.service.job import PlanJob, default_cluster
+from fsdp_planner.sim.budget import Headroom, MemoryBudget, parse_headroom
+from fsdp_planner.sim.options import SimOptions
+
+SPLIT_AUTO = "auto"  # micro_batches 'auto': auto chooses the split of the batch
+
+
+class Spelling(Enum):
+    """How the user wrote a setting: as a command-line option or as a keyword of ``fsdp_planner.plan``."""
+
+    CLI = "cli"
+    API = "api"
+
+    def name_of(self, key: str) -> str:
+        return "--" + key.replace("_", "-") if self is Spelling.CLI else key
+
+    def given(self, key: str, value: object) -> str:
+        """The setting with a value, as the user writes it: ``--ac op`` or ``ac='op'``, ``--batch 1,024`` or
+        ``batch=1024``."""
+        if self is Spelling.API:
+            return f"{key}={value!r}"
+        return f"{self.name_of(key)} {value:,}" if isinstance(value, int) else f"{self.name_of(key)} {value}"
+
+
+@dataclass(frozen=True)
+class Keywords:
+    """What the user asked for, unchecked: the API's keywords, or the command line's options as argparse read them
+    (the same names; None: not given)."""
+
+    model: object = None
+    cluster: object = None
+    policy: object = None
+    precision: object = DEFAULT_PRECISION
+    optimizer: object = DEFAULT_OPTIMIZER
+    batch: object = None
+    seq: object = None
+    ac: object = None
+    ac_policy: object = None
+    mesh: object = None
+    memory_budget: object = None
+    headroom: object = None
+    micro_batches: object = None
+    offload: object = False
+    module_classes: object = None
+    min_nonwrapped_numel: object = None
+    target_bytes: object = None
+    search_effort: object = None
+    target: object = None
+    reduce_dtype: object = None
+    shard_placement: object = None
+    attention: object = None
+    routing: object = None
+    hf_config: object = None
+    gradient_sync: object = None
+    mfu: object = None
+    zero_grad: object = ZeroGrad.NONE.value
+    reshard_after_backward: object = True
+    full_trace: object = False
+    measure: object = False
+    cpu_optimizer_rate: object = None  # the host's optimizer rate (command line: --cpu-optimizer-rate)
+
+    @classmethod
+    def of(cls, values: Any) -> Keywords:
+        """The keywords an object carries as attributes of the same names (an argparse Namespace; read only)."""
+        return cls(**{f.name: getattr(values, f.name, f.default) for f in fields(cls)})
+
+
+def _bad(spell: Spelling, key: str, expected: str, value: object) -> PlannerError:
+    return PlannerError(f"{spell.name_of(key)} must be {expected}, got {cut_short(repr(value))}")
+
+
+def flag(value: object, key: str, spell: Spelling) -> bool:
+    """A bool, and only a bool: ``'false'`` and ``2`` are no answers to a yes-or-no setting."""
+    if not isinstance(value, bool):
+        raise _bad(spell, key, "True or False (a bool)", value)
+    return value
+
+
+def whole(value: object, key: str, spell: Spelling, low: int = 1, high: int | None = None) -> int:
+    """A whole number (an int, never a bool) from ``low`` to ``high``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(spell, key, "a whole number", value)
+    if value < low or (high is not None and value > high):
+        upper = f" to {high:,}" if high is not None else " or more"
+        raise PlannerError(f"{spell.name_of(key)} must be from {low}{upper}, got {cut_short(repr(value))}")
+    return value
+
+
+def text(value: object, key: str, spell: Spelling) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(spell, key, "a non-empty string", value)
+    return value
+
+
+def choice(kind: type[Enum], value: object, key: str, spell: Spelling) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        names = ", ".join(str(m.value) for m in kind)
+        raise _bad(spell, key, f"one of {names}", value) from None
+
+
+def number(value: object, key: str, spell: Spelling, low: float, high: float, expected: str) -> float:
+    """A real number (int or float, never a bool) from ``low`` to ``high`` (NaN is none); ``expected`` says so."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise _bad(spell, key, expected, value)
+    return value
+
+
+def _count(value: object, key: str, spell: Spelling) -> int:
+    """A whole number given as an int or written as text (``1e8``)."""
+    if isinstance(value, str):
+        return parse_count(value, spell.name_of(key))
+    return whole(value, key, spell, 0)
+
+
+def _size(value: object, key: str, spell: Spelling) -> int:
+    """Bytes given as an int or written as a size (``60GiB``)."""
+    if isinstance(value, str):
+        return parse_size(value, spell.name_of(key))
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(spell, key, "bytes (an int) or a size such as '60GiB'", value)
+    return value
+
+
+def module_classes(value: object, spell: Spelling) -> tuple[str, ...]:
+    """Class names, comma-separated text or a sequence of names, each once (the policy's label names them)."""
+    if value is None:
+        return ()
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise _bad(spell, "module_classes", "class names (a string or a tuple of strings)", value)
+    out = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
+    if not out:
+        raise PlannerError(f"{spell.name_of('module_classes')} {cut_short(repr(value))} names no class: give "
+                           "comma-separated class names such as TransformerBlock,Embedding")
+    return out
+
+
+def headroom(kw: Keywords, spell: Spelling) -> Headroom | None:
+    """The headroom, read; refused beside a memory budget, which is a budget taken as given."""
+    if kw.headroom is None:
+        return None
+    if kw.memory_budget is not None:
+        raise PlannerError(f"give {spell.name_of('memory_budget')} or {spell.name_of('headroom')}, not both: an "
+                           "explicit budget is taken as given, no headroom taken off it")
+    if isinstance(kw.headroom, bool) or not isinstance(kw.headroom, int | float | str):
+        raise _bad(spell, "headroom", "a fraction (0.05, '5%') or a size ('4GiB')", kw.headroom)
+    return parse_headroom(str(kw.headroom), spell.name_of("headroom"))
+
+
+def policy_request(kw: Keywords, name: object, spell: Spelling) -> PolicyRequest:
+    """The request for one policy, with only the settings that policy reads (the others are checked all the same,
+    and the command line notes them as ignored)."""
+    policy = PolicyRequest.named(text(name, "policy", spell)).name
+    if kw.ac_policy is not None and kw.ac != ACMode.OP.value:
+        raise PlannerError(f"{spell.name_of('ac_policy')} chooses what op-level checkpointing saves: give it with "
+                           f"{spell.given('ac', ACMode.OP.value)}")
+    classes = module_classes(kw.module_classes, spell)
+    numel = _count(kw.min_nonwrapped_numel, "min_nonwrapped_numel", spell) \
+        if kw.min_nonwrapped_numel is not None else None
+    if numel is not None and numel > MAX_NUMEL:
+        raise PlannerError(f"{spell.name_of('min_nonwrapped_numel')} must be at most {MAX_NUMEL:,} parameters, got "
+                           f"{cut_short(str(kw.min_nonwrapped_numel))}")
+    target_bytes = _size(kw.target_bytes, "target_bytes", spell) if kw.target_bytes is not None else None
+    budget = _size(kw.memory_budget, "memory_budget", spell) if kw.memory_budget is not None else None
+    room = headroom(kw, spell)
+    effort = whole(kw.search_effort, "search_effort", spell, 0, MAX_SEARCH_EFFORT) \
+        if kw.search_effort is not None else None
+    auto = policy is PolicyName.AUTO
+    return PolicyRequest(
+        policy,
+        module_classes=classes if policy in (PolicyName.MODULE, PolicyName.TITAN) else (),
+        min_nonwrapped_numel=numel if policy is PolicyName.SIZE else None,
+        target_bytes=target_bytes if policy is PolicyName.ORDER else None,
+        memory_budget=budget if auto else None, headroom=room if auto else None,
+        search_effort=effort if auto else None,
+        target=choice(Target, kw.target, "target", spell) if kw.target is not None and auto else Target.FSDP2,
+        checkpointing=choice(ACMode, kw.ac, "ac", spell) if kw.ac is not None else None,
+        sac_policy=choice(SacPolicy, kw.ac_policy, "ac_policy", spell) if kw.ac_policy is not None
+        else DEFAULT_SAC_POLICY,
+        mesh=Mesh.parse(text(kw.mesh, "mesh", spell)) if kw.mesh is not None else None)
+
+
+def memory_budget(kw: Keywords, cluster: Cluster, spell: Spelling) -> MemoryBudget:
+    """What every fits verdict compares a plan's reserved peak with: the memory budget as given, else one GPU of
+    ``cluster`` less the headroom."""
+    gpu = cluster.gpu
+    if kw.memory_budget is not None:
+        return MemoryBudget.explicit(_size(kw.memory_budget, "memory_budget", spell), gpu.memory_bytes, gpu.name)
+    return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, headroom(kw, spell))
+
+
+def is_split(kw: Keywords) -> bool:
+    """``micro_batches='auto'``: auto's choice of the split of the batch."""
+    return isinstance(kw.micro_batches, str) and kw.micro_batches.strip().lower() == SPLIT_AUTO
+
+
+def micro_batches(kw: Keywords, spell: Spelling, auto: bool = False) -> int:
+    """The micro-batches a step is split into: a whole number dividing the batch, which it needs (1 when not
+    given). ``auto``: 1 for 'auto' (the whole batch, before auto splits it), else that is refused."""
+    given = kw.micro_batches
+    if given is None:
+        return 1
+    if is_split(kw):
+        if not auto:
+            raise PlannerError(f"{spell.given('micro_batches', SPLIT_AUTO)} is plan {spell.given('policy', 'auto')}'s "
+                               "choice of the split: give a number here")
+        return 1
+    n = parse_count(given, spell.name_of("micro_batches")) if isinstance(given, str) else given
+    n = whole(n, "micro_batches", spell, 1, MAX_BATCH)
+    batch = workload_int(kw.batch, "batch", spell, MAX_BATCH)
+    if n > 1 and batch is None:
+        raise PlannerError(f"{spell.given('micro_batches', n)} splits {spell.name_of('batch')}, the per-GPU "
+                           f"batch of the step: give {spell.name_of('batch')}, a multiple of {n}")
+    if n > 1 and batch is not None and batch % n:
+        raise PlannerError(f"{spell.given('micro_batches', n)} must divide {spell.given('batch', batch)} "
+                           f"(each micro-batch is {spell.name_of('batch')} / N)")
+    return n
+
+
+def workload_int(value: object, key: str, spell: Spelling, high: int) -> int | None:
+    return None if value is None else whole(value, key, spell, 1, high)
+
+
+def hf_config(value: object, spell: Spelling) -> tuple[tuple[str, Any], ...]:
+    """Config fields of an ``hf:`` model: a dict of JSON scalars keyed by field name."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        raise _bad(spell, "hf_config", "a dict of config fields by name", value)
+    if len(value) > MAX_OVERRIDES:
+        raise PlannerError(f"{spell.name_of('hf_config')}: at most {MAX_OVERRIDES} fields, got {len(value)}")
+    bad = [k for k, v in value.items() if v is not None and not isinstance(v, bool | int | float | str)]
+    if bad:
+        raise PlannerError(f"{spell.name_of('hf_config')} values must be JSON scalars (bool, number, string or "
+                           f"None): {cut_short(repr(bad[0]))} is not")
+    return tuple(value.items())
+
+
+def model_spec(kw: Keywords, spell: Spelling, name: str | None = None) -> ModelSpec:
+    """The model and the workload the job runs: with N micro-batches, one micro-batch's (batch / N). ``name``: the
+    model's name when ``kw.model`` is no MODEL spec (an ``nn.Module``)."""
+    batch = workload_int(kw.batch, "batch", spell, MAX_BATCH)
+    seq = workload_int(kw.seq, "seq", spell, MAX_SEQ)
+    if batch is not None and seq is not None and batch * seq > MAX_TOKENS:
+        raise PlannerError(f"{spell.name_of('batch')} {batch:,} x {spell.name_of('seq')} {seq:,} is {batch * seq:,} "
+                           f"tokens per rank; at most {MAX_TOKENS:,} are supported")
+    n = micro_batches(kw, spell, auto=True)
+    attention = choice(AttentionKernel, kw.attention, "attention", spell).value if kw.attention is not None else None
+    routing = number(kw.routing, "routing", spell, MIN_ROUTING, MAX_ROUTING,
+                     f"a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}") \
+        if kw.routing is not None else None
+    return ModelSpec(name or text(kw.model, "model", spell), batch // n if batch is not None else None, seq,
+                     attention, routing, hf_config(kw.hf_config, spell))
+
+
+def _needs_micro_batches(kw: Keywords, spell: Spelling) -> None:
+    """Settings of how micro-batches run need micro-batches."""
+    if not flag(kw.reshard_after_backward, "reshard_after_backward", spell) and kw.micro_batches is None:
+        kept = "--no-reshard-after-backward" if spell is Spelling.CLI else "reshard_after_backward=False"
+        raise PlannerError(f"{kept} keeps params gathered between micro-batches: add "
+                           f"{spell.name_of('micro_batches')} N")
+    if kw.gradient_sync is not None and kw.micro_batches is None:
+        raise PlannerError(f"{spell.given('gradient_sync', str(kw.gradient_sync))} says which micro-batches "
+                           f"reduce-scatter: add {spell.name_of('micro_batches')} N")
+
+
+def gradient_sync(kw: Keywords, spell: Spelling) -> GradientSync:
+    """How micro-batches sync (default: the last one reduce-scatters), and that the job has micro-batches when a
+    setting of how they run is given."""
+    _needs_micro_batches(kw, spell)
+    return choice(GradientSync, kw.gradient_sync, "gradient_sync", spell) if kw.gradient_sync is not None \
+        else GradientSync.LAST
+
+
+def memory_options(kw: Keywords, spell: Spelling) -> dict[str, Any]:
+    """FSDP2's memory options (``SimOptions.named``'s keywords): CPU offload, shard placement, reduce dtype."""
+    return {"offload": flag(kw.offload, "offload", spell),
+            "shard_placement": choice(ShardPlacement, kw.shard_placement or ShardPlacement.DIM0.value,
+                                      "shard_placement", spell).value,
+            "reduce_dtype": choice(ReduceDtype, kw.reduce_dtype, "reduce_dtype", spell).value
+            if kw.reduce_dtype is not None else None}
+
+
+def sim_options(kw: Keywords, spell: Spelling) -> SimOptions:
+    """The step's options: precision, optimizer, op times, micro-batches and FSDP2's memory options."""
+    mfu = number(kw.mfu, "mfu", spell, MIN_MFU, 1,
+                 f"from {MIN_MFU} to 1 (the fraction of peak FLOP/s matmuls reach)") if kw.mfu is not None else None
+    if mfu is not None and flag(kw.measure, "measure", spell):  # measured op times replace the roofline whole
+        raise PlannerError(f"{spell.name_of('mfu')} and {spell.name_of('measure')} both set the op times: give "
+                           f"{spell.name_of('mfu')} (every op at that fraction of peak) or "
+                           f"{spell.name_of('measure')} (the ops timed on this machine), not both")
+    sync = gradient_sync(kw, spell)
+    return SimOptions.named(text(kw.precision, "precision", spell), text(kw.optimizer, "optimizer", spell), mfu,
+                            choice(ZeroGrad, kw.zero_grad, "zero_grad", spell).value,
+                            micro_batches(kw, spell, auto=True), kw.reshard_after_backward,  # type: ignore[arg-type]
+                            gradient_sync=sync.value, **memory_options(kw, spell))
+
+
+def cluster(value: object, spell: Spelling, rate: object = None) -> Cluster | None:
+    """The cluster ``value`` names, with the host's CPU optimizer rate when one is given."""
+    if value is None or isinstance(value, Cluster):
+        return value
+    return named(text(value, "cluster", spell), rate, spell)
+
+
+def named(spec: str, rate: object, spell: Spelling) -> Cluster:
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0):
+        raise PlannerError(f"{spell.name_of('cpu_optimizer_rate')} must be a positive number of elements a second, "
+                           f"got {cut_short(repr(rate))}")
+    return with_cpu_optimizer_rate(parse_cluster(spec), rate, f"given with {spell.name_of('cpu_optimizer_rate')}")
+
+
+def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bool = False) -> PlanJob:
+    """The job ``plan`` runs: ``kw.policy``'s plan (None: the classic policies side by side, and auto's with a
+    cluster). Auto without a cluster plans for the default one. ``name``: the model's name when ``kw.model`` is no
+    MODEL spec (an ``nn.Module``)."""
+    for key in ("offload", "full_trace", "measure"):
+        flag(getattr(kw, key), key, spell)
+    if kw.policy is not None:
+        text(kw.policy, "policy", spell)
+    split = is_split(kw)
+    if split and (kw.policy != PolicyName.AUTO.value or kw.batch is None):
+        workload_int(kw.batch, "batch", spell, MAX_BATCH)
+        raise PlannerError(f"{spell.given('micro_batches', SPLIT_AUTO)} lets {spell.given('policy', 'auto')} split "
+                           f"{spell.name_of('batch')}, the per-GPU batch of the step: add "
+                           f"{spell.given('policy', 'auto')} and {spell.name_of('batch')}")
+    names = [PolicyRequest.named(kw.policy).name] if kw.policy is not None else list(CLASSIC_POLICIES)
+    policies = [policy_request(kw, n.value, spell) for n in names]
+    the_cluster = cluster(kw.cluster, spell, kw.cpu_optimizer_rate)
+    options, model = sim_options(kw, spell), model_spec(kw, spell, name)
+    default = None
+    if names == [PolicyName.AUTO] and the_cluster is None:
+        default = default_cluster(policies[0].mesh.size if policies[0].mesh else None)
+        the_cluster = named(default, kw.cpu_optimizer_rate, spell)
+    if kw.policy is None and the_cluster is not None:
+        policies.append(policy_request(kw, PolicyName.AUTO.value, spell))
+    return PlanJob(model, tuple(policies), the_cluster, options,
+                   memory_budget(kw, the_cluster, spell) if the_cluster is not None else None,
+                   compare=kw.policy is None, split=split, whole_batch=kw.batch if split else None,  # type: ignore[arg-type]
+                   full_trace=bool(kw.full_trace), measure=bool(kw.measure), default_cluster=default,
+                   explain=explain)
+

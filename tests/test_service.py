@@ -1,0 +1,93 @@
+"""The planning service: the command line, ``fsdp_planner.plan`` and a job config's plan are one use case (the same
+plan, byte for byte, for the same job), checked by one validator (the API's keywords and the CLI's options take the
+same types and ranges: a bool is a bool), and ``plan`` loads none of the job machinery."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fsdp_planner as fp
+from fsdp_planner import cli
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.service.validate import Keywords, Spelling, plan_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.integration  # (about 3 s: three auto searches of toy-llama)
+def test_the_api_the_command_and_a_torchtitan_job_give_one_plan(tmp_path, capsys):
+    """``fsdp_planner.plan``, ``plan --policy auto --out`` and ``plan --from-torchtitan --out`` for the same model,
+    workload and cluster write the same bytes."""
+    by_cli, by_config = tmp_path / "cli.json", tmp_path / "config.json"
+    assert cli.main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "2", "--seq", "64",
+                     "--out", str(by_cli)]) == 0
+    job = tmp_path / "job.toml"
+    job.write_text("[training]\nlocal_batch_size = 2\nseq_len = 64\n"
+                   "[parallelism]\ndata_parallel_shard_degree = 8\n")
+    assert cli.main(["plan", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--out",
+                     str(by_config)]) == 0
+    capsys.readouterr()
+    by_api = fp.plan("toy-llama", cluster="h100:8", batch=2, seq=64).checked_json() + "\n"
+    assert by_cli.read_bytes() == by_config.read_bytes() == by_api.encode()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"offload": "false"}, "offload must be True or False (a bool), got 'false'"),
+    ({"offload": 2}, "offload must be True or False (a bool), got 2"),
+    ({"batch": True}, "batch must be a whole number, got True"),
+    ({"batch": 0}, "batch must be from 1 to 1,000,000, got 0"),
+    ({"seq": 10**12}, "seq must be from 1 to 10,000,000, got 1000000000000"),
+    ({"micro_batches": True}, "micro_batches must be a whole number, got True"),
+    ({"search_effort": -1}, "search_effort must be from 0 to 1,000,000,000, got -1"),
+    ({"search_effort": 2.0}, "search_effort must be a whole number, got 2.0"),
+    ({"memory_budget": True}, "memory_budget must be bytes (an int) or a size such as '60GiB', got True"),
+    ({"headroom": False}, "headroom must be a fraction (0.05, '5%') or a size ('4GiB'), got False"),
+    ({"routing": True}, "routing must be a capacity factor from 0.1 to 64, got True"),
+    ({"module_classes": 3, "policy": "module"}, "module_classes must be class names"),
+    ({"gradient_sync": "each", "micro_batches": 2, "batch": 4}, "gradient_sync must be one of last, every"),
+])
+def test_api_arguments_are_typed_and_bounded_in_one_sentence(kwargs, message):
+    with pytest.raises(PlannerError) as e:
+        fp.plan("toy-llama", **kwargs)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("given", [{"offload": "false"}, {"micro_batches": 0}, {"batch": 4, "micro_batches": 3},
+                                   {"seq": 0}, {"memory_budget": "60GiB", "headroom": "5%"},
+                                   {"ac_policy": "titan"}, {"mfu": 2.0}, {"search_effort": -1}])
+def test_the_api_and_the_command_line_are_checked_by_one_validator(given):
+    """The same values refused with the same sentence, each setting named as its user spells it."""
+    errors = []
+    for spell in Spelling:
+        with pytest.raises(PlannerError) as e:
+            plan_job(Keywords(model="toy-llama", policy="auto", **given), spell)
+        errors.append(str(e.value))
+    cli_error, api_error = errors
+    for key in [*given, "ac"]:
+        cli_error = cli_error.replace("--" + key.replace("_", "-"), key)
+        api_error = api_error.replace(f"{key}=", f"{key} ")
+    assert cli_error.replace("'", "") == api_error.replace("'", "")
+
+
+def test_the_command_line_refuses_what_the_validator_refuses(capsys):
+    """An option argparse lets through (any text) meets the same check as the keyword."""
+    assert cli.main(["plan", "toy-llama", "--policy", "auto", "--batch", "4", "--micro-batches", "3"]) == 2
+    assert "--micro-batches 3 must divide --batch 4" in capsys.readouterr().err
+    with pytest.raises(PlannerError, match=r"micro_batches=3 must divide batch=4"):
+        fp.plan("toy-llama", batch=4, micro_batches=3)
+
+
+def test_plan_loads_no_job_machinery():
+    """``plan toy-llama`` imports no module of apply/, calibrate/ or runtime/ (torchrun, DCP, the fake world)."""
+    code = ("import sys; from fsdp_planner import cli; code = cli.main(['plan', 'toy-llama', '--json']); "
+            "loaded = sorted(m for m in sys.modules if m.split('.')[1:2] in (['apply'], ['calibrate'], ['runtime']) "
+            "and m.startswith('fsdp_planner.')); print(code, loaded, file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == "0 []", out.stderr[-2000:]
