@@ -314,7 +314,7 @@ def test_huge_config_files_are_refused_by_size(capsys, tmp_path: Path) -> None:
 
 
 def test_a_config_of_many_unknown_keys_is_said_in_a_few_lines(tmp_path: Path) -> None:
-    from fsdp_planner.cli.job_config import ACCELERATE, MAX_NOTES, read_config
+    from fsdp_planner.configs.job_config import ACCELERATE, MAX_NOTES, read_config
 
     path = tmp_path / "keys.yaml"
     path.write_text("distributed_type: FSDP\n" + "".join(f"unknown_{i}: 1\n" for i in range(2000)))

@@ -16,8 +16,8 @@ import pytest
 from fsdp_planner.apply.export import export_plan
 from fsdp_planner.choices import ACMode, ExportFormat
 from fsdp_planner.cli import build_parser, main
-from fsdp_planner.cli.from_config import configured
-from fsdp_planner.cli.job_config import TORCHTITAN, JobConfig, read_config
+from fsdp_planner.cli.requests import configured
+from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig, read_config
 from fsdp_planner.configs.torchtitan_registry import Call, Override, is_registry_spec, parse_flags
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan
@@ -37,9 +37,9 @@ def options(spec: str, *extra: str, flags: tuple[str, ...] = ()) -> tuple[dict[s
     """The command line's options for ``simulate --from-torchtitan spec``, and the job read; without the spec."""
     args = build_parser().parse_args(["simulate", *extra, "--from-torchtitan", spec, "--cluster", "h100",
                                       *(["--", *flags] if flags else [])])
-    cfg = configured(args)
+    merged, cfg = configured(args)
     assert cfg is not None
-    shown = {k: v for k, v in vars(args).items() if k not in ("from_torchtitan", "torchtitan_flags")}
+    shown = {k: getattr(merged, k) for k in vars(args) if k not in ("from_torchtitan", "torchtitan_flags")}
     return shown, cfg
 
 
