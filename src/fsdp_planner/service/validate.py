@@ -339,9 +339,7 @@ def cluster(value: object, spell: Spelling, rate: object = None) -> Cluster | No
 
 
 def named(spec: str, rate: object, spell: Spelling) -> Cluster:
-    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int | float) or not rate > 0):
-        raise PlannerError(f"{spell.name_of('cpu_optimizer_rate')} must be a positive number of elements a second, "
-                           f"got {cut_short(repr(rate))}")
+    """The cluster ``spec`` names; ``rate`` is checked where every cluster figure is (``hardware/cluster.py``)."""
     return with_cpu_optimizer_rate(parse_cluster(spec), rate, f"given with {spell.name_of('cpu_optimizer_rate')}")
 
 
