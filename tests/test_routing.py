@@ -131,7 +131,8 @@ def test_an_argmax_router_gives_each_expert_its_share():
 
 def test_only_ops_that_read_values_pass_through_the_stand_in(monkeypatch):
     """A ReLU's backward (``where``), a matmul, a norm never reach the stand-in's Python (issue 34: 38,000 such
-    calls were most of a 10,000-module trace); the router's topk and nonzero still do, and stand in as before."""
+    calls were most of a 10,000-module trace); the router's topk and nonzero still do, and stand in as before, and
+    comparisons (whose scalar verdicts a later boolean read answers with)."""
     from fsdp_planner.routing import StandIn
 
     seen: list[str] = []
@@ -147,7 +148,8 @@ def test_only_ops_that_read_values_pass_through_the_stand_in(monkeypatch):
     tr = record(model, inputs, reuse=False)
     assert "aten.nonzero" in tr.notes[0]
     assert {"topk", "nonzero"} <= set(seen) <= {"topk", "argmax", "nonzero", "index", "masked_select",
-                                                "_local_scalar_dense", "_to_copy"}
+                                                "_local_scalar_dense", "_to_copy",
+                                                "eq", "ne", "lt", "le", "gt", "ge"}  # a check's verdict
     assert len(seen) < len([e for e in tr.events if e.is_op]) / 4
 
 
