@@ -73,7 +73,7 @@ class StandIn:
     per_expert: int = 1  # an expert's balanced row count at that topk
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, module) -> times
     # the values the stand-in gives tensors it can place: storage -> value of the element at a storage offset
-    values: dict[StorageWeakRef, Callable[[int], int | bool]] = field(default_factory=dict)
+    values: dict[StorageWeakRef, tuple[StorageWeakRef, Callable[[int], int | bool]]] = field(default_factory=dict)
 
     def saw(self, func: Any, args: tuple, kwargs: dict, out: Any = None) -> None:
         """Note a ``topk``'s expert count and per-expert rows (its input is (tokens, experts) scores); an
@@ -103,7 +103,7 @@ class StandIn:
         index = out[1] if packet is _aten.topk else out
         if isinstance(index, torch.Tensor) and _planned(index):  # contiguous (..., k): element o is (t x k + j)
             experts = self.experts
-            self.values[StorageWeakRef(index.untyped_storage())] = lambda o: o % experts
+            self._remember(index, lambda o: o % experts)
 
     def _compared(self, packet: Any, args: tuple, out: Any) -> None:
         """A scalar comparison's verdict, for the boolean read that follows (the module docstring's rule)."""
@@ -119,7 +119,7 @@ class StandIn:
                 b = a + 1 if a >= 0 else a - 1
         verdict = bool(_COMPARISONS[packet](a, b)) if a is not None and b is not None else None
         if verdict is not None:
-            self.values[StorageWeakRef(out.untyped_storage())] = lambda o, v=verdict: v
+            self._remember(out, lambda o, v=verdict: v)
 
     def _known(self, x: Any) -> int | float | None:
         """A Python number, or the value the stand-in gave a one-element tensor; None when it has none."""
@@ -131,8 +131,20 @@ class StandIn:
             return None
         if not _planned(x):
             return x.item()
-        found = self.values.get(StorageWeakRef(x.untyped_storage()))
+        found = self._recalled(x)
         return None if found is None else found(x.storage_offset())
+
+    def _remember(self, t: torch.Tensor, value: Callable[[int], int | bool]) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        self.values[ref] = (ref, value)
+
+    def _recalled(self, t: torch.Tensor) -> Callable[[int], int | bool] | None:
+        """The value the stand-in gave ``t``'s storage; None for another storage (one that died and whose address
+        a new one took: its weak reference has expired)."""
+        found = self.values.get(StorageWeakRef(t.untyped_storage()))
+        if found is None or found[0].expired():
+            return None
+        return found[1]
 
     def selected(self, n: int) -> int:
         """Of a mask's ``n`` elements, how many the stand-in takes."""
@@ -194,13 +206,12 @@ class StandIn:
         rows = self.selected(n)
         out = torch.zeros((rows, mask.dim()), dtype=torch.long, device=mask.device)
         if mask.dim():
-            self.values[StorageWeakRef(out.untyped_storage())] = lambda o: _unravel(o // len(shape) * n // rows,
-                                                                                    shape)[o % len(shape)]
+            self._remember(out, lambda o: _unravel(o // len(shape) * n // rows, shape)[o % len(shape)])
         return out
 
     def _copied(self, t: torch.Tensor, dtype: torch.dtype, device: Any) -> torch.Tensor:
         """``t`` copied off the meta device (``.tolist()``), each element its known value or ``_value``'s."""
-        found = self.values.get(StorageWeakRef(t.untyped_storage()))
+        found = self._recalled(t)
         if found is None or t.numel() == 0:
             return torch.full(t.shape, self._value(t), dtype=dtype, device=device)
         offsets = torch.as_strided(torch.arange(t.untyped_storage().nbytes() // t.element_size() + 1),
@@ -209,7 +220,7 @@ class StandIn:
                             device=device).view(t.shape)
 
     def _value(self, t: torch.Tensor) -> bool | int | float:
-        found = self.values.get(StorageWeakRef(t.untyped_storage())) if t.numel() == 1 else None
+        found = self._recalled(t) if t.numel() == 1 else None
         if found is not None and not t.is_floating_point() and not t.is_complex():
             return found(t.storage_offset())
         if t.dtype == torch.bool:
