@@ -11,8 +11,17 @@ as a balanced router would have them:
   ``argmax`` over a dim) the step ran (the
   experts; each expert gets ``tokens x top_k / E`` rows, as ``models/hf_experts.py`` dispatches Hugging Face
   experts), or all ``n`` when no ``topk`` ran (a placeholder mask: the most memory);
-- a Python value read from a tensor (``.item()``, ``bool()``, ``.tolist()``): ``True`` for a boolean (a check
-  passes, a branch is taken), an expert's balanced row count for an integer, ``0.0`` for a float.
+- a Python value read from a tensor (``.item()``, ``bool()``, ``.tolist()``) answers as a valid input would:
+  - an integer read from an index the stand-in can place (a ``topk``/``argmax`` index over ``E`` choices, a row of
+    its own ``nonzero``) is that index's value in a balanced routing (token ``t``'s slot ``j`` picks expert
+    ``(t x k + j) mod E``; ``nonzero`` picks evenly spread elements of the mask), so it is in range of the dim it
+    came from and a DBRX-style ``for e in hit.nonzero(): w[e.item()]`` visits every expert once; any other integer
+    is an expert's balanced row count (a size: the sorted router's ``.tolist()`` counts);
+  - a boolean read of a scalar comparison (``labels.max() >= vocab``, ``mask.sum() > 0``) compares a value that lies
+    just inside the bound it is compared with (one below a positive bound, one above a bound <= 0) unless the
+    stand-in knows the value; ``==`` holds and ``!=`` does not (counts that must match do): a valid input never
+    trips a check that raises. Any other boolean is ``True`` (``if mask.any()``: the branch with work is taken);
+  - ``0.0`` for a float.
 
 ``capacity`` is the capacity factor (``--routing``, default 1: perfectly balanced). Each op that stood in is
 recorded with the module it ran in, for the note the commands print. Real tensors never stand in.
@@ -23,11 +32,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 DEFAULT_CAPACITY = 1.0
 NOT_HANDLED = object()
@@ -44,8 +54,10 @@ _SPELLED = {
 # The only ops the stand-in acts on: those it stands in for (``StandIn.run``) and the routing it notes
 # (``StandIn.saw``). Every other op (a ReLU's backward, ``where``, a matmul) reads no values: the op recorder runs
 # it directly, without the stand-in's Python (``intercepts``).
+_COMPARISONS = {_aten.eq: lambda a, b: a == b, _aten.ne: lambda a, b: a != b, _aten.lt: lambda a, b: a < b,
+                _aten.le: lambda a, b: a <= b, _aten.gt: lambda a, b: a > b, _aten.ge: lambda a, b: a >= b}
 _INTERCEPTED = frozenset({_aten.nonzero, _aten.index, _aten.masked_select, _aten._local_scalar_dense, _aten._to_copy,
-                          _aten.topk, _aten.argmax})
+                          _aten.topk, _aten.argmax, *_COMPARISONS})
 # The errors PyTorch raises for a data-dependent op on tensors without data (meta, or fake without a shape env).
 _REFUSALS = ("DynamicOutputShapeException", "DataDependentOutputException")
 _REFUSAL_TEXTS = ("register_meta function for torch.nonzero", "cannot be called on meta tensors",
@@ -60,13 +72,18 @@ class StandIn:
     experts: int | None = None  # choices of the last topk: the experts
     per_expert: int = 1  # an expert's balanced row count at that topk
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, module) -> times
+    # the values the stand-in gives tensors it can place: storage -> value of the element at a storage offset
+    values: dict[StorageWeakRef, tuple[StorageWeakRef, Callable[[int], int | bool]]] = field(default_factory=dict)
 
-    def saw(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def saw(self, func: Any, args: tuple, kwargs: dict, out: Any = None) -> None:
         """Note a ``topk``'s expert count and per-expert rows (its input is (tokens, experts) scores); an
         ``argmax`` over a dim is a top-1 router's (Switch Transformer's), k = 1 (not ``max``: a hand-written softmax
         takes one over the keys, and would make a later placeholder mask look routed)."""
         packet = getattr(func, "_overloadpacket", None)
         if not args or not isinstance(args[0], torch.Tensor):
+            return
+        if packet in _COMPARISONS:
+            self._compared(packet, args, out)
             return
         if packet is _aten.topk:
             scores, k = args[0], int(args[1]) if len(args) > 1 else int(kwargs.get("k", 1))
@@ -83,10 +100,55 @@ class StandIn:
         self.experts = int(scores.shape[dim])
         tokens = scores.numel() // self.experts
         self.per_expert = max(1, math.ceil(tokens * k / self.experts * self.capacity))
+        index = out[1] if packet is _aten.topk else out
+        if isinstance(index, torch.Tensor) and _planned(index):  # contiguous (..., k): element o is (t x k + j)
+            experts = self.experts
+            self._remember(index, lambda o: o % experts)
+
+    def _compared(self, packet: Any, args: tuple, out: Any) -> None:
+        """A scalar comparison's verdict, for the boolean read that follows (the module docstring's rule)."""
+        if not (isinstance(out, torch.Tensor) and out.dim() == 0 and _planned(out)) or len(args) < 2:
+            return
+        a, b = (self._known(x) for x in args[:2])
+        if a is None or b is None:
+            if packet in (_aten.eq, _aten.ne):  # counts that must match do
+                a, b = 0, 0
+            elif a is None and b is not None:  # just inside the bound it is compared with
+                a = b - 1 if b > 0 else b + 1
+            elif b is None and a is not None:
+                b = a + 1 if a >= 0 else a - 1
+        verdict = bool(_COMPARISONS[packet](a, b)) if a is not None and b is not None else None
+        if verdict is not None:
+            self._remember(out, lambda o, v=verdict: v)
+
+    def _known(self, x: Any) -> int | float | None:
+        """A Python number, or the value the stand-in gave a one-element tensor; None when it has none."""
+        if isinstance(x, bool) or not isinstance(x, (int, float, torch.Tensor)):
+            return None
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.numel() != 1:
+            return None
+        if not _planned(x):
+            return x.item()
+        found = self._recalled(x)
+        return None if found is None else found(x.storage_offset())
+
+    def _remember(self, t: torch.Tensor, value: Callable[[int], int | bool]) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        self.values[ref] = (ref, value)
+
+    def _recalled(self, t: torch.Tensor) -> Callable[[int], int | bool] | None:
+        """The value the stand-in gave ``t``'s storage; None for another storage (one that died and whose address
+        a new one took: its weak reference has expired)."""
+        found = self.values.get(StorageWeakRef(t.untyped_storage()))
+        if found is None or found[0].expired():
+            return None
+        return found[1]
 
     def selected(self, n: int) -> int:
         """Of a mask's ``n`` elements, how many the stand-in takes."""
-        if self.experts is None:
+        if self.experts is None or n == self.experts:  # no routing, or a per-expert mask: each expert is hit
             return n
         return min(n, max(1, math.ceil(n / self.experts * self.capacity)))
 
@@ -107,7 +169,7 @@ class StandIn:
             if out is NOT_HANDLED:
                 raise
             return out
-        self.saw(func, args, kwargs)
+        self.saw(func, args, kwargs, out)
         return out
 
     def run(self, func: Any, args: tuple, kwargs: dict, module: str) -> Any:
@@ -130,7 +192,7 @@ class StandIn:
                 and not args[0].is_floating_point():
             t = args[0]
             dtype = kwargs.get("dtype") or t.dtype
-            out = torch.full(t.shape, self._value(t), dtype=dtype, device=kwargs["device"])
+            out = self._copied(t, dtype, kwargs["device"])
         if out is not NOT_HANDLED:
             key = (_SPELLED.get(f"aten.{packet.__name__}", f"aten.{packet.__name__}"), module)
             self.used[key] = self.used.get(key, 0) + 1
@@ -138,9 +200,29 @@ class StandIn:
         return out
 
     def _nonzero(self, mask: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((self.selected(mask.numel()), mask.dim()), dtype=torch.long, device=mask.device)
+        """Rows of evenly spread elements of the mask (row ``r`` of ``m`` is flat element ``r x n // m``), each
+        coordinate in range of its dim: their values are known (``values``) for a later read."""
+        n, shape = mask.numel(), tuple(mask.shape)
+        rows = self.selected(n)
+        out = torch.zeros((rows, mask.dim()), dtype=torch.long, device=mask.device)
+        if mask.dim():
+            self._remember(out, lambda o: _unravel(o // len(shape) * n // rows, shape)[o % len(shape)])
+        return out
+
+    def _copied(self, t: torch.Tensor, dtype: torch.dtype, device: Any) -> torch.Tensor:
+        """``t`` copied off the meta device (``.tolist()``), each element its known value or ``_value``'s."""
+        found = self._recalled(t)
+        if found is None or t.numel() == 0:
+            return torch.full(t.shape, self._value(t), dtype=dtype, device=device)
+        offsets = torch.as_strided(torch.arange(t.untyped_storage().nbytes() // t.element_size() + 1),
+                                   t.shape, t.stride(), t.storage_offset())
+        return torch.tensor([found(int(o)) for o in offsets.flatten().tolist()], dtype=dtype,
+                            device=device).view(t.shape)
 
     def _value(self, t: torch.Tensor) -> bool | int | float:
+        found = self._recalled(t) if t.numel() == 1 else None
+        if found is not None and not t.is_floating_point() and not t.is_complex():
+            return found(t.storage_offset())
         if t.dtype == torch.bool:
             return True
         if not t.is_floating_point() and not t.is_complex():
@@ -159,6 +241,15 @@ class StandIn:
         share = "an equal share per expert" if self.experts is not None else "every element of a mask"
         return (f"data-dependent ops traced with the balanced-routing stand-in ({share}, capacity factor "
                 f"{self.capacity:g}; --routing sets it): {places}")
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The coordinates of element ``flat`` of a contiguous tensor of ``shape``."""
+    coords = []
+    for size in reversed(shape):
+        coords.append(flat % size)
+        flat //= size
+    return tuple(reversed(coords))
 
 
 def _planned(t: Any) -> bool:
