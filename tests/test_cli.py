@@ -267,4 +267,5 @@ def test_auto_line_says_cpu_offload(capsys) -> None:
     """An offload plan's step is mostly the CPU optimizer's: auto's summary line says offload, beside the step."""
     assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--offload"]) == 0
     line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("auto:"))
-    assert ", CPU offload, step " in line
+    assert ", CPU offload (optimizer step on the CPU " in line and "M elements/s per rank: preset" in line
+    assert "), step " in line  # the host's rate and its source, then the step
