@@ -131,6 +131,7 @@ class GroupReplay:
         self.forward_prefetch: list[GroupReplay] = []
         self.backward_prefetch: list[GroupReplay] = []
         self.training_state = TrainingState.IDLE
+        self.state_in_backward = False  # FSDPState._training_state is PRE_BACKWARD: set once backward reaches it
         self.sharded_state = ShardedState.SHARDED
         self.since = -1  # event from which the current (un)sharded-post-forward state holds
         self.gathered = False  # all-gathered at least once this step, so its params can have grads
@@ -194,7 +195,12 @@ class GroupReplay:
     def pre_forward(self, at: int, call: Call, grad_inputs: bool, gated: bool = True) -> None:
         """FSDPState._pre_forward + FSDPParamGroup.pre_forward: runs for every listed module; the post-backward
         hook and forward prefetch only for the first module of the pass. ``gated``: through the group's forward
-        hook, which resets the modules still to run (not a registered method's wrapper)."""
+        hook, which resets the modules still to run (not a registered method's wrapper). A call in backward (the
+        recomputation of the user's own ``torch.utils.checkpoint``) after its state's pre-backward only unshards."""
+        if self.state_in_backward:
+            self.unshard(at, backward=True)
+            self.wait_for_unshard(at)
+            return
         if gated and not self.modules_to_run:
             self.modules_to_run = set(self.hooked)
         first_in_pass = self.training_state is not TrainingState.FORWARD
@@ -213,7 +219,7 @@ class GroupReplay:
         """FSDPParamGroup.post_forward once every listed module has run (a list group reshards after its last
         module), then FSDPState._register_pre_backward_hook on the completing call's outputs."""
         module = call[0]
-        if module not in self.modules_to_run:
+        if self.state_in_backward or module not in self.modules_to_run:  # a recomputation: post-backward reshards
             return
         self.modules_to_run.discard(module)
         if not self.modules_to_run:
@@ -235,6 +241,7 @@ class GroupReplay:
             return
         self._host_work(at)
         self.training_state = TrainingState.PRE_BACKWARD
+        self.state_in_backward = True
         self.unshard(at, backward=True)
         self.wait_for_unshard(at)
         if self.backward_prefetch:

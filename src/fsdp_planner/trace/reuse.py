@@ -41,6 +41,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 from fsdp_planner.routing import StandIn as Routing
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import OpClass
+from fsdp_planner.trace.saved import foreign_saved_hooks
 from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
 from fsdp_planner.trace.walk import ModuleWalk
 
@@ -405,8 +406,8 @@ class BlockReuse:
     @bookkeeping
     def _call_key(self, r: _Repeated, leaves: list, inputs: dict[int, _Input], structure: Structure) -> tuple | None:
         """What a call must match to reuse a template, or None when it cannot reuse one."""
-        if not torch.is_grad_enabled() or torch.is_autocast_enabled():
-            return None
+        if not torch.is_grad_enabled() or torch.is_autocast_enabled() or foreign_saved_hooks():
+            return None  # inside the user's own checkpoint region: its recomputation must see the same saves
         calls = self.slot.recorder.calls
         if calls.get(r.fqn) != 1 or any(calls.get(n) for n in r.below):
             return None  # called before (its pre-forward hook has counted this call): its call numbers would differ
