@@ -437,3 +437,27 @@ def test_a_plan_holding_floats_exports_them_as_exact_literals(capsys, tmp_path: 
     doc["model"]["hf_config"] = {"rms_norm_eps": math.inf}
     (tmp_path / "p.json").write_text(json.dumps(doc))
     assert "finite number" in _one_line(capsys, ["export", str(tmp_path / "p.json"), "--out", str(out)])
+
+
+# Wrong API types (issue 40): every keyword of ``fsdp_planner.plan`` given a value of the wrong type or out of range
+# is one sentence naming that keyword, raised before anything is traced (so within a second), never a silent
+# coercion ('false' turning offload on) or a TypeError from inside.
+_WRONG_TYPES: list[Any] = ["false", "0", 2, 1.5, [], {}, -1, float("nan"), object()]
+
+
+@pytest.mark.parametrize("keyword", ["offload", "batch", "seq", "micro_batches", "memory_budget", "headroom",
+                                     "search_effort", "routing", "precision", "ac", "mesh", "cluster"])
+def test_wrong_api_types_are_one_sentence_naming_the_keyword(keyword: str) -> None:
+    import fsdp_planner as fp
+
+    rng = random.Random(keyword)
+    for value in rng.sample(_WRONG_TYPES, 5):
+        started = time.perf_counter()
+        try:
+            fp.plan("toy-llama", policy="titan", **{keyword: value})
+        except PlannerError as e:
+            assert keyword in str(e) and "\n" not in str(e) and len(str(e)) < 400, (keyword, value, str(e))
+        else:
+            # a value the option legally takes (e.g. 2 for batch) plans: not a wrong type for this keyword
+            assert not (keyword == "offload" and not isinstance(value, bool)), value
+        assert time.perf_counter() - started < 5

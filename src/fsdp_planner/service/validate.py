@@ -220,7 +220,10 @@ def memory_budget(kw: Keywords, cluster: Cluster, spell: Spelling) -> MemoryBudg
     ``cluster`` less the headroom."""
     gpu = cluster.gpu
     if kw.memory_budget is not None:
-        return MemoryBudget.explicit(_size(kw.memory_budget, "memory_budget", spell), gpu.memory_bytes, gpu.name)
+        budget = _size(kw.memory_budget, "memory_budget", spell)
+        if budget < 1:  # where a budget is used (an ignored one is only noted)
+            raise _bad(spell, "memory_budget", "positive", kw.memory_budget)
+        return MemoryBudget.explicit(budget, gpu.memory_bytes, gpu.name)
     return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, headroom(kw, spell))
 
 
