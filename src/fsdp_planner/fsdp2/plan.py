@@ -19,7 +19,7 @@ from typing import Any
 
 from fsdp_planner.choices import ATTENTION_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.model_ranges import check_field
+from fsdp_planner.limits import check_field
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
 

@@ -34,7 +34,7 @@ import torch.nn as nn
 import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.model_ranges import check_config, check_field
+from fsdp_planner.limits import check_config, check_field
 from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text
 
 PREFIX = "hf:"
