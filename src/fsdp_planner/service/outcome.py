@@ -91,7 +91,8 @@ class PlanOutcome:
     """The job as run (after ``split``, at its chosen micro-batches), its trace, each plan's row (the job's
     policies in order; a comparison leaves out what cannot run), ``plan``: the first row's plan as it leaves the
     program (precision, attention kernel and hf_config recorded, as ``--out`` writes it), auto's search (None when
-    auto did not run) and, when it found nothing within the budget, ``no_fit``: why (its plan is no row then)."""
+    auto did not run) and, when it found nothing within the budget, ``no_fit``: why (its plan is no row then,
+    unless a comparison's ``must_fit`` is False)."""
 
     job: PlanJob
     trace: Trace

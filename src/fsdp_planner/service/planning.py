@@ -177,7 +177,8 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], Aut
             fitting(auto)
         if not auto.fits:
             no_fit = infeasible_message(auto)
-            continue
+            if job.must_fit or not job.compare:
+                continue
         plans.append(auto.written_plan)  # with auto's run options (offload, shard dims, reduce dtype)
     return plans, auto, no_fit
 
@@ -206,7 +207,7 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
     def simulated(p: Plan) -> StepReport | None:
         if cluster is None:
             return None
-        if auto is not None and auto.fits and p == auto.written_plan:
+        if auto is not None and (auto.fits or not job.must_fit) and p == auto.written_plan:
             return auto.report
         check_plan_world_size(p, cluster.world_size)
         key = (p.layout(cluster.world_size), plan_options(p, job.options))  # auto may have chosen offload
