@@ -116,5 +116,7 @@ def test_a_comparison_shows_autos_plan_over_the_budget_only_when_it_need_not_fit
     assert shown.rows[0][0].policy.startswith("order")
     auto_plan, _, auto_report = shown.rows[-1]
     assert len(shown.rows) == 2 and auto_plan == shown.search.plan and auto_report is shown.search.report
+    order_plan, _, order_report = shown.rows[0]
+    assert shown.baselines == shown.rows[:1] and shown.fastest_baseline() == (order_plan, order_report, False)
     left_out = plan(dataclasses.replace(job, must_fit=True), lambda spec, options: traced)
     assert left_out.no_fit == shown.no_fit and len(left_out.rows) == 1

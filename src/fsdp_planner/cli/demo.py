@@ -23,7 +23,7 @@ from fsdp_planner.report.step_view import step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
 from fsdp_planner.service.job import PlanJob
-from fsdp_planner.service.outcome import PlanOutcome, Row
+from fsdp_planner.service.outcome import Row
 from fsdp_planner.service.planning import Reporter, plan
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.metrics import PlanMetrics
@@ -139,7 +139,9 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
     if outcome.no_fit is not None:
         render.plain(f"auto: {outcome.no_fit}")
         return out
-    (rival, rival_report), fits = _rival(outcome)
+    fastest = outcome.fastest_baseline()
+    assert fastest is not None  # (a comparison on a cluster: every row simulated)
+    rival, rival_report, fits = fastest
     which = "the fastest classic plan that fits" if fits else "the fastest classic plan (none fits)"
     auto = search.report
     gain = fmt_gain(auto.step_time, rival_report.step_time) or "a tie"
@@ -166,16 +168,6 @@ def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
 def _simulated(rows: tuple[Row, ...]) -> list[tuple[Plan, PlanMetrics, StepReport]]:
     """The rows of a job with a cluster: every one simulated."""
     return [(p, m, r) for p, m, r in rows if r is not None]
-
-
-def _rival(outcome: PlanOutcome) -> tuple[tuple[Plan, StepReport], bool]:
-    """The fastest classic plan that fits the budget (else the fastest), and whether it fits: what auto is shown
-    against. Auto's row is the last (it is the job's last policy)."""
-    budget = outcome.job.budget
-    assert budget is not None
-    classic = [(p, r) for p, _, r in _simulated(outcome.rows[:-1])]
-    fitting = [(p, r) for p, r in classic if budget.fits(r.reserved_memory)]
-    return min(fitting or classic, key=lambda pr: pr[1].step_time), bool(fitting)
 
 
 def _label(plan: Plan) -> str:
