@@ -22,7 +22,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
-from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
+from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
 from fsdp_planner.sim.context import SimContext
@@ -148,6 +148,15 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
     return stamped(plan, tr, cluster.world_size if cluster else None, options)
+
+
+def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
+                      options: SimOptions | None = None, reporter: Reporter = SILENT) -> Plan:
+    """The plan ``check`` looks for faults in: auto's for ``cluster`` (as ``policy_plan``), a classic policy's
+    grouping unchecked (a param it would read sharded is one of check's findings, not an error)."""
+    if request.name is PolicyName.AUTO:
+        return policy_plan(tr, request, model, cluster, options, reporter)
+    return make_baseline(request).build(tr, model)
 
 
 def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyRequest, ...]:
