@@ -4,6 +4,7 @@ same types and ranges: a bool is a bool), and ``plan`` loads none of the job mac
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +15,15 @@ import pytest
 import fsdp_planner as fp
 from fsdp_planner import cli
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import ModelSpec
+from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+from fsdp_planner.service.job import PlanJob
+from fsdp_planner.service.planning import plan
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.service.validate import Keywords, Spelling, plan_job
+from fsdp_planner.sim.budget import MemoryBudget
+from fsdp_planner.sim.options import SimOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,3 +100,23 @@ def test_plan_loads_no_job_machinery():
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1] == "0 []", out.stderr[-2000:]
+
+
+def test_a_comparison_shows_autos_plan_over_the_budget_only_when_it_need_not_fit():
+    """A comparison (the demo's) with ``must_fit=False`` keeps auto's best plan as its last row, simulated as the
+    search did, beside ``no_fit``; with ``must_fit`` that plan is left out."""
+    cluster = parse_cluster("h100:2")
+    budget = 1 << 10  # 1 KiB: nothing fits
+    policies = (PolicyRequest(PolicyName.ORDER), PolicyRequest(PolicyName.AUTO, memory_budget=budget))
+    within = MemoryBudget(budget, cluster.gpu.memory_bytes, cluster.gpu.name, None)
+    job = PlanJob(ModelSpec("toy-llama"), policies, cluster, SimOptions(), within, compare=True, must_fit=False)
+    traced = trace_spec("toy-llama")
+    shown = plan(job, lambda spec, options: traced)
+    assert shown.no_fit is not None and shown.search is not None and not shown.search.fits
+    assert shown.rows[0][0].policy.startswith("order")
+    auto_plan, _, auto_report = shown.rows[-1]
+    assert len(shown.rows) == 2 and auto_plan == shown.search.plan and auto_report is shown.search.report
+    order_plan, _, order_report = shown.rows[0]
+    assert shown.baselines == shown.rows[:1] and shown.fastest_baseline() == (order_plan, order_report, False)
+    left_out = plan(dataclasses.replace(job, must_fit=True), lambda spec, options: traced)
+    assert left_out.no_fit == shown.no_fit and len(left_out.rows) == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.common import REPORTER, load_trace
 from fsdp_planner.cli.requests import (
     cluster_or_none,
     memory_budget,
@@ -19,14 +19,14 @@ from fsdp_planner.cli.requests import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
-from fsdp_planner.fsdp2.claim import with_claimed_params
 from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.planners import PolicyName, make_baseline
+from fsdp_planner.planners import PolicyName
 from fsdp_planner.planners.answers import answers
 from fsdp_planner.planners.auto import Target
-from fsdp_planner.service.plan_files import check_hf_config, check_plan_methods
+from fsdp_planner.service.plan_files import plan_to_check
+from fsdp_planner.service.planning import grouping_to_check
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import PrecisionError
 from fsdp_planner.trace.records import Trace
@@ -69,21 +69,13 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
           ) -> tuple[Plan | None, str]:
     """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
     if args.plan:
-        plan = with_claimed_params(Plan.load(args.plan), tr)
-        check_hf_config(plan, model_spec(args), args.plan)
-        check_plan_methods(plan, model_spec(args))
-        return plan, f"the plan in {args.plan}"
+        return plan_to_check(args.plan, tr, model_spec(args)), f"the plan in {args.plan}"
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")
     request = policy_request(args, name)
     try:
-        if request.name is PolicyName.AUTO:
-            if cluster is None:
-                raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
-            return run_auto(tr, request, cluster, options, args.model).written_plan, label
-        # the grouping unchecked: a param it would read sharded is one of the findings check reports
-        return make_baseline(request).build(tr, args.model), label
+        return grouping_to_check(tr, request, args.model, cluster, options, REPORTER), label
     except PlannerError as e:
         if "--cluster" in str(e):
             raise

@@ -13,9 +13,8 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec, exit_message, load_model
-from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.planners.registry import PolicyRequest
-from fsdp_planner.service.planning import Reporter, Tracer, fitting, search
+from fsdp_planner.service.planning import Reporter, Tracer
 from fsdp_planner.service.tracing import model_error, trace_spec
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
@@ -61,13 +60,6 @@ def _measured(spec: ModelSpec, tr: Trace, notes: Console, threads: int | None, r
                 f"({sum(measured.op_seconds or ()) * 1e3:.1f} ms of ops per step)"
                 f"{'; CPU times, not the cluster GPUs' if device.type == 'cpu' else ''}[/dim]", highlight=False)
     return measured
-
-
-def run_auto(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str,
-             must_fit: bool = True) -> AutoResult:
-    """Auto's search; a result over the budget is an error unless ``must_fit`` is False (the caller reports it)."""
-    result = search(tr, request, cluster, options, model, REPORTER)
-    return fitting(result) if must_fit else result
 
 
 def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,

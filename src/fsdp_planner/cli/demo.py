@@ -11,26 +11,24 @@ from typing import Any
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_trace, run_auto
+from fsdp_planner.cli.common import REPORTER, tracer
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_gain, fmt_time, json_text
 from fsdp_planner.fsdp2.checkpointing import ACMode
-from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
-from fsdp_planner.models import resolve_factory
-from fsdp_planner.planners.auto import infeasible_message
-from fsdp_planner.planners.auto.explain import explain
-from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, PolicyRequest, make_policy
+from fsdp_planner.models import ModelSpec, resolve_factory
+from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyName, PolicyRequest
 from fsdp_planner.report.step_view import step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
-from fsdp_planner.service.outcome import summarize
+from fsdp_planner.service.job import PlanJob
+from fsdp_planner.service.outcome import Row
+from fsdp_planner.service.planning import Reporter, plan
 from fsdp_planner.sim.budget import MemoryBudget
-from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.sim.metrics import PlanMetrics
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.simulate import StepReport, simulate
-from fsdp_planner.trace.records import Trace
+from fsdp_planner.sim.simulate import StepReport
 
 # Size thresholds: 2000 for the CNN (what its forum question used); for the toy decoder one that wraps inside blocks,
 # as size-based wrapping does on real transformers.
@@ -69,26 +67,41 @@ def _out_dir(arg: str) -> Path:
     return path
 
 
+def seed_job(spec: str, threshold: int) -> PlanJob:
+    """The classic policies on a small model, without a cluster (size-based wrapping at ``threshold``)."""
+    policies = tuple(PolicyRequest(name, min_nonwrapped_numel=threshold) for name in CLASSIC_POLICIES)
+    return PlanJob(ModelSpec(spec), policies, None, SimOptions())
+
+
+def main_job(model: str, cluster: Cluster) -> PlanJob:
+    """Auto against the classic policies (as run plain, and torchtitan's with every block checkpointed) on
+    ``cluster``: a comparison, auto's plan shown over the budget too."""
+    policies = (*(PolicyRequest(name) for name in CLASSIC_POLICIES),
+                PolicyRequest(PolicyName.TITAN, checkpointing=ACMode.FULL), PolicyRequest(PolicyName.AUTO))
+    budget = MemoryBudget.of_gpu(cluster.gpu.memory_bytes, cluster.gpu.name)  # auto's: the GPU less the headroom
+    return PlanJob(ModelSpec(model), policies, cluster, SimOptions(), budget, compare=True, must_fit=False,
+                   explain=True)
+
+
 def _seed_problem(spec: str, threshold: int) -> dict[str, Any]:
     """The classic policies on a small model, and the one sentence that says what goes wrong."""
     console = render.console
-    tr = load_trace(spec, render.notes)
-    plans = {name: make_policy(PolicyRequest(name, min_nonwrapped_numel=threshold)).plan(tr, spec)
-             for name in CLASSIC_POLICIES}
+    outcome = plan(seed_job(spec, threshold), tracer(False, False), REPORTER)
+    tr, rows = outcome.trace, outcome.rows
+    plans = {p.name: row for p, row in zip(outcome.job.policies, rows, strict=True)}
     console.print(render.model_line(spec, tr))
     if spec == "seed-net":
-        console.print(render.groups_table(plans[PolicyName.SIZE], tr))
-    rows = [(p, plan_metrics(tr, p), None) for p in plans.values()]
+        console.print(render.groups_table(plans[PolicyName.SIZE][0], tr))
     console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows,
                                           dtype=render.metrics_dtype(tr, None)))
     blamed = PolicyName.SIZE if spec == "seed-net" else PolicyName.MODULE
-    root = plans[blamed].root
+    root = plans[blamed][0].root
     out = {"model": spec, "plans": [{"policy": p.policy, "metrics": m.to_dict()} for p, m, _ in rows],
-           "root_holds": {"policy": plans[blamed].policy, "modules": []}}
+           "root_holds": {"policy": plans[blamed][0].policy, "modules": []}}
     if not root.params:
         return out
     mods = sorted({m for p in root.params for m in tr.param(p).owners})
-    idle = {name: plan_metrics(tr, plans[name]).avg_idle_bytes for name in (blamed, PolicyName.ORDER)}
+    idle = {name: plans[name][1].avg_idle_bytes for name in (blamed, PolicyName.ORDER)}
     how = "size-based wrapping" if blamed is PolicyName.SIZE else "per-block wrapping (ModuleWrapPolicy)"
     console.print(f"{how}: the root unit holds {', '.join(mods)} together and keeps them gathered from the first op "
                   f"of forward to the end of backward ({fmt_bytes(idle[blamed])} idle on average); the "
@@ -99,75 +112,62 @@ def _seed_problem(spec: str, threshold: int) -> dict[str, Any]:
 
 
 def _main_job(model: str, cluster: Cluster, out_dir: Path) -> dict[str, Any]:
-    """Auto against the classic policies (as run plain, and torchtitan's with every block checkpointed)."""
-    console, options = render.console, SimOptions()
-    tr = load_trace(model, render.notes)
+    """Auto against the classic policies, the fastest classic plan beside it, and both timelines drawn."""
+    console = render.console
+    job = main_job(model, cluster)
+    held: list[str] = []  # the run's notes (a policy left out), said under the model and cluster they are about
+    outcome = plan(job, tracer(False, False), Reporter(held.append, render.progress))
+    tr, rows, budget, search = outcome.trace, outcome.rows, job.budget, outcome.search
+    assert budget is not None and search is not None
     console.print(render.model_line(model, tr))
     console.print(escape(f"cluster {cluster.describe()}"), highlight=False)
-    requests = [PolicyRequest(n) for n in CLASSIC_POLICIES]
-    requests.append(PolicyRequest(PolicyName.TITAN, checkpointing=ACMode.FULL))
-    plans = [_classic(tr, r, model) for r in requests]
-    auto = run_auto(tr, PolicyRequest(PolicyName.AUTO), cluster, options, model, must_fit=False)
-    contexts: dict[Mesh, SimContext] = {}
-
-    def simulated(p: Plan) -> StepReport:
-        mesh = p.layout(cluster.world_size)
-        if mesh not in contexts:
-            contexts[mesh] = SimContext(tr, cluster, options, mesh=mesh)
-        return simulate(tr, p, context=contexts[mesh], timeline=False)
-
-    precision = options.precision  # the table's bytes in the simulation's dtypes
-    classic = [(p, plan_metrics(tr, p, cluster.world_size, precision), simulated(p)) for p in plans if p is not None]
-    rows = [*classic, (p := auto.written_plan, plan_metrics(tr, p, cluster.world_size, precision), auto.report)]
-    budget = MemoryBudget.of_gpu(cluster.gpu.memory_bytes, cluster.gpu.name)  # auto's: the GPU less the headroom
+    for line in held:
+        render.note(line)
     console.print(render.comparison_table(escape(f"{model} on {cluster.name}: per training step; reserved memory "
                                                  f"against {fmt_bytes(budget.limit)} ({budget.source})"), rows,
-                                          budget, render.metrics_dtype(tr, precision)))
-    console.print(render.auto_line(summarize(auto)), highlight=False)
+                                          budget, render.metrics_dtype(tr, job.options.precision)))
+    console.print(render.auto_line(search), highlight=False)
     out: dict[str, Any] = {
         "model": model, "cluster": cluster.name, "capacity": budget.capacity,
         "plans": [{"policy": _label(p), "groups": len(p.inner_groups), "simulation": r.summary(),
                    "fits": budget.fits(r.reserved_memory), "budget": budget.to_dict(r.reserved_memory)}
-                  for p, _, r in rows],
-        "auto": {"fits": auto.fits, "layout": auto.report.mesh, "groups": len(auto.plan.inner_groups),
-                 "checkpointed": len(auto.plan.activation_checkpointing), "step_time": auto.report.step_time,
-                 "reserved_memory": auto.report.reserved_memory},
+                  for p, _, r in _simulated(rows)],
+        "auto": {"fits": search.fits, "layout": search.report.mesh, "groups": len(search.plan.inner_groups),
+                 "checkpointed": len(search.plan.activation_checkpointing), "step_time": search.report.step_time,
+                 "reserved_memory": search.report.reserved_memory},
         "rival": None, "timelines": []}
-    if not auto.fits:
-        render.plain(f"auto: {infeasible_message(auto)}")
+    if outcome.no_fit is not None:
+        render.plain(f"auto: {outcome.no_fit}")
         return out
-    fitting = [(p, r) for p, _, r in classic if budget.fits(r.reserved_memory)]
-    rival, rival_report = min(fitting or [(p, r) for p, _, r in classic], key=lambda pr: pr[1].step_time)
-    which = "the fastest classic plan that fits" if fitting else "the fastest classic plan (none fits)"
-    gain = fmt_gain(auto.report.step_time, rival_report.step_time) or "a tie"
-    render.plain(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.report.step_time)} against "
-                 f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.report.reserved_memory)} reserved "
+    fastest = outcome.fastest_baseline()
+    assert fastest is not None  # (a comparison on a cluster: every row simulated)
+    rival, rival_report, fits = fastest
+    which = "the fastest classic plan that fits" if fits else "the fastest classic plan (none fits)"
+    auto = search.report
+    gain = fmt_gain(auto.step_time, rival_report.step_time) or "a tie"
+    render.plain(f"auto against {_label(rival)}, {which}: step {fmt_time(auto.step_time)} against "
+                 f"{fmt_time(rival_report.step_time)} ({gain}), {fmt_bytes(auto.reserved_memory)} reserved "
                  f"against {fmt_bytes(rival_report.reserved_memory)}; auto's peak is "
-                 f"{budget.margin(auto.report.reserved_memory)}")
-    explanations = explain(auto)
-    for part in render.explanation(explanations, auto.report.step_time, auto.report.reserved_memory, collapse=True):
+                 f"{budget.margin(auto.reserved_memory)}")
+    assert outcome.explanation is not None
+    for part in render.explanation(outcome.explanation.groups, auto.step_time, auto.reserved_memory, collapse=True):
         console.print(part, highlight=False)
-    views = [step_view(tr, p, cluster, options, _label(p), budget) for p in (auto.written_plan, rival)]
+    views = [step_view(tr, p, cluster, job.options, _label(p), budget) for p in (search.plan, rival)]
     title = f"{model} on {cluster.describe()}"
     png, page = out_dir / "timeline.png", out_dir / "timeline.html"
     write_png(views, png, title)
     write_html(views, page, title)
     render.plain(f"timelines of both on one time axis: {png} and {page} (open the HTML in a browser: hover for "
                  "group names, scroll to zoom)")
-    out["rival"] = {"policy": _label(rival), "fits": bool(fitting), "step_time": rival_report.step_time,
+    out["rival"] = {"policy": _label(rival), "fits": fits, "step_time": rival_report.step_time,
                     "reserved_memory": rival_report.reserved_memory}
     out["timelines"] = [str(png), str(page)]
     return out
 
 
-def _classic(tr: Trace, request: PolicyRequest, model: str) -> Plan | None:
-    """A classic policy's plan, or None (with a note saying why) when FSDP2 could not run it on this model."""
-    try:
-        plan = make_policy(request).plan(tr, model)
-        return plan
-    except PlannerError as e:
-        render.note(f"the {request.name.value} policy is left out: {e}")
-        return None
+def _simulated(rows: tuple[Row, ...]) -> list[tuple[Plan, PlanMetrics, StepReport]]:
+    """The rows of a job with a cluster: every one simulated."""
+    return [(p, m, r) for p, m, r in rows if r is not None]
 
 
 def _label(plan: Plan) -> str:

@@ -8,23 +8,19 @@ import dataclasses
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
+from fsdp_planner.cli.common import REPORTER, load_trace
 from fsdp_planner.cli.requests import (
     FakeWorldRequest,
-    PlanSource,
     VerifyRequest,
     fake_world_request,
     verify_request,
 )
 from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
-from fsdp_planner.fsdp2.claim import check_plan_matches
-from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.fsdp2.validity import check_plan_runs
+from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.models import ModelSpec
-from fsdp_planner.planners.at_scale import onto_job
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, run_verify
+from fsdp_planner.service.job_plan import carried_plan, job_plan
 from fsdp_planner.service.planning import stamped
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -52,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     planning = SimOptions(precision=options.precision, micro_batches=request.micro_batches,
                           reshard_after_backward=request.reshard_after_backward, gradient_sync=options.gradient_sync)
     plan = _at_scale(tr, request, planning) if request.plan_for else \
-        _plan(tr, request.source, request.model, request.plan_cluster, planning, request.nproc)
+        job_plan(tr, request.source.plan_file, request.source.policy, request.model, request.plan_cluster, planning,
+                 request.nproc, REPORTER)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
@@ -78,20 +75,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster | None, options: SimOptions,
-          world: int | None) -> Plan:
-    """The plan to run: the plan file's, checked against the model, or the policy's (auto's for ``cluster``);
-    checked against ``world`` ranks when given."""
-    if source.plan_file is not None:
-        plan = load_plan(str(source.plan_file), tr, model)
-    else:
-        assert source.policy is not None
-        plan = policy_plan(tr, source.policy, model.name, cluster, options)
-    if world is not None:
-        check_plan_world_size(plan, world)
-    return plan
-
-
 def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:
     """``--plan-for``: auto's plan for the large cluster (of ``--plan-model`` when given), carried onto the job's
     model and ranks (``planners/at_scale.py``); what did not carry over is noted."""
@@ -100,12 +83,8 @@ def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:
     planned = tr if request.plan_model is None else load_trace(request.plan_model, render.notes,
                                                                  precision=options.precision)
     name = request.plan_model.name if request.plan_model else request.model.name
-    at_scale = policy_plan(planned, source.policy, name, cluster, options)
-    label = f"{at_scale.policy} of {name}" if request.plan_model else at_scale.policy  # (it names the cluster)
-    plan, notes = onto_job(at_scale, planned, tr, request.nproc, label)
-    check_plan_matches(plan, tr)
-    check_plan_runs(tr, plan)
-    check_plan_world_size(plan, request.nproc)
+    at_scale, plan, notes = carried_plan(planned, tr, source.policy, name, cluster, request.nproc, options,
+                                         request.plan_model is not None, REPORTER)
     render.note(f"auto planned {fmt_count(_sharded(at_scale), 'group')} with params for {name} on {cluster.name}; "
                 f"the job runs {fmt_count(_sharded(plan), 'group')} of them on {request.nproc} ranks")
     for note in notes:
@@ -183,8 +162,9 @@ def run_fake(request: FakeWorldRequest) -> int:
         render.note(note)
     world, options, precision = request.world, request.options, request.options.precision.name
     tr = load_trace(request.model, render.notes, full=request.full_trace, precision=options.precision)
-    plan = stamped(_plan(tr, request.source, request.model, request.cluster, options,
-                         world if request.source.plan_file is not None else None), tr, world, options)
+    source = request.source
+    plan = stamped(job_plan(tr, source.plan_file, source.policy, request.model, request.cluster, options,
+                            world if source.plan_file is not None else None, REPORTER), tr, world, options)
     if not request.json:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} "

@@ -34,7 +34,9 @@ class PlanJob:
     full_trace: bool = False  # every module call traced (no replay of repeated blocks)
     measure: bool = False  # the ops timed on this machine (the front end's tracer does it)
     default_cluster: str | None = None  # the cluster chosen for auto because none was given
-    must_fit: bool = True  # one auto policy: finding nothing within the budget is an error (else ``no_fit``)
+    # auto's plan must fit the budget: alone, finding nothing within it is an error (else ``no_fit``); in a
+    # comparison, a plan over it is left out (else it is a row, over the budget, and ``no_fit`` says why)
+    must_fit: bool = True
     reshard: str = "default"  # a job config's reshard_after_forward rule on classic plans ("default": their own)
     explain: bool = False  # say why auto's plan is what it is (``PlanOutcome.explanation``)
 

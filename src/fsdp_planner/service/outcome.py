@@ -91,7 +91,8 @@ class PlanOutcome:
     """The job as run (after ``split``, at its chosen micro-batches), its trace, each plan's row (the job's
     policies in order; a comparison leaves out what cannot run), ``plan``: the first row's plan as it leaves the
     program (precision, attention kernel and hf_config recorded, as ``--out`` writes it), auto's search (None when
-    auto did not run) and, when it found nothing within the budget, ``no_fit``: why (its plan is no row then)."""
+    auto did not run) and, when it found nothing within the budget, ``no_fit``: why (its plan is no row then,
+    unless a comparison's ``must_fit`` is False)."""
 
     job: PlanJob
     trace: Trace
@@ -111,3 +112,20 @@ class PlanOutcome:
     def report(self) -> StepReport | None:
         """The first plan's simulated step (None without a cluster)."""
         return self.rows[0][2] if self.rows else None
+
+    @property
+    def baselines(self) -> tuple[Row, ...]:
+        """The rows of the policies other than auto (auto's, when a row, is the last: it is the job's last policy)."""
+        shown = self.auto is not None and (self.fits or (self.job.compare and not self.job.must_fit))
+        return self.rows[:-1] if shown else self.rows
+
+    def fastest_baseline(self) -> tuple[Plan, StepReport, bool] | None:
+        """The fastest simulated baseline within the job's budget, else the fastest (None: none simulated), and
+        whether it fits: what a comparison sets auto's plan against."""
+        budget = self.job.budget
+        simulated = [(p, r) for p, _, r in self.baselines if r is not None]
+        if budget is None or not simulated:
+            return None
+        fitting = [(p, r) for p, r in simulated if budget.fits(r.reserved_memory)]
+        plan, report = min(fitting or simulated, key=lambda pr: pr[1].step_time)
+        return plan, report, bool(fitting)

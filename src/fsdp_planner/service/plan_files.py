@@ -30,6 +30,15 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     return plan
 
 
+def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
+    """The plan file as ``check`` reads it: params derived for a hand-written one and made for this model (the
+    same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings."""
+    plan = with_claimed_params(Plan.load(path), tr)
+    check_hf_config(plan, as_spec(model), path)
+    check_plan_methods(plan, model)
+    return plan
+
+
 def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:
     """The plan was made for the model with the same ``--hf-config`` fields (use_cache changes the step's
     memory, a layer count its groups): else one line with the options that rebuild that model. A hand-written

@@ -22,7 +22,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
-from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_policy
+from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
 from fsdp_planner.sim.context import SimContext
@@ -150,6 +150,15 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     return stamped(plan, tr, cluster.world_size if cluster else None, options)
 
 
+def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
+                      options: SimOptions | None = None, reporter: Reporter = SILENT) -> Plan:
+    """The plan ``check`` looks for faults in: auto's for ``cluster`` (as ``policy_plan``), a classic policy's
+    grouping unchecked (a param it would read sharded is one of check's findings, not an error)."""
+    if request.name is PolicyName.AUTO:
+        return policy_plan(tr, request, model, cluster, options, reporter)
+    return make_baseline(request).build(tr, model)
+
+
 def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyRequest, ...]:
     """The policies to run: in a comparison, module and titan only when the model has a block class to wrap (the
     module classes asked for, or a repeated one)."""
@@ -177,7 +186,8 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], Aut
             fitting(auto)
         if not auto.fits:
             no_fit = infeasible_message(auto)
-            continue
+            if job.must_fit or not job.compare:
+                continue
         plans.append(auto.written_plan)  # with auto's run options (offload, shard dims, reduce dtype)
     return plans, auto, no_fit
 
@@ -206,7 +216,7 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
     def simulated(p: Plan) -> StepReport | None:
         if cluster is None:
             return None
-        if auto is not None and auto.fits and p == auto.written_plan:
+        if auto is not None and (auto.fits or not job.must_fit) and p == auto.written_plan:
             return auto.report
         check_plan_world_size(p, cluster.world_size)
         key = (p.layout(cluster.world_size), plan_options(p, job.options))  # auto may have chosen offload
