@@ -18,8 +18,8 @@ from pathlib import Path
 SECTIONS: list[tuple[str, list[str] | None, str]] = [
     ("fsdp_planner", None, "The package's public API (`fsdp_planner.__all__`)."),
     ("fsdp_planner.trace", ["record"],
-     "The recorder the public `fsdp_planner.trace` calls: the step in an explicit `compute_dtype` (None: the model's own dtypes), "
-     "or timed for real (`measure=True`)."),
+     "The recorder the public `fsdp_planner.trace` calls: the step in an explicit `compute_dtype` (None: the model's "
+     "own dtypes), or timed for real (`measure=True`)."),
     ("fsdp_planner.models", ["load_model", "LoadedModel", "ModelSpec"],
      "Building a model from a MODEL spec (built-in name, `path/file.py:fn`, `package.module:fn`, `hf:...`)."),
     ("fsdp_planner.planners", ["Target", "PolicyName", "PolicyRequest", "make_policy", "AutoResult"],
