@@ -202,6 +202,8 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     unknown = sorted({m for m, _ in plan.forward_methods} - set(trace.modules))
     if unknown:
         raise PlannerError(f"plan 'forward_methods' names modules the model does not have: {short_list(unknown)}")
+    if plan.tensor_parallel is not None:
+        plan.tensor_parallel.styles(trace.modules)  # every pattern names modules of this model
     validate_plan(plan, trace)
     check_uniform_dtypes(plan, trace)
     check_checkpointing(plan, trace)

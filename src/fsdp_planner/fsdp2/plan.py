@@ -19,6 +19,8 @@ from typing import Any
 
 from fsdp_planner.choices import ATTENTION_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.frozen import FrozenDict
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, tensor_parallel_from_dict
 from fsdp_planner.limits import check_field
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
@@ -27,7 +29,7 @@ PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
-             "activation_offloading")
+             "activation_offloading", "tensor_parallel")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -71,29 +73,6 @@ class Mesh:
 
     def to_dict(self) -> dict[str, int]:
         return {"replicate": self.replicate, "shard": self.shard}
-
-
-class FrozenDict(dict):  # type: ignore[type-arg]
-    """A dict that refuses changes: a plan's mappings (checkpointing policies, shard dims, config fields) cannot be
-    changed under the plans that share them. It pickles (plans cross process boundaries) and hashes by its items."""
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("a plan's mappings cannot be changed: build a new plan with dataclasses.replace")
-
-    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
-    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(tuple(self.items()))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (FrozenDict, (dict(self),))
-
-    def __copy__(self) -> FrozenDict:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> FrozenDict:
-        return self
 
 
 def _tuples(obj: Any, names: tuple[str, ...]) -> None:
@@ -183,6 +162,8 @@ class Plan:
     # planned with (an hf: model's config fields set over its file's, e.g. use_cache): verify and check rebuild it
     activation_offloading: tuple[str, ...] = ()  # modules whose every call's saved tensors go
     # to the host (``torch.autograd.graph.save_on_cpu`` around its forward; ``checkpointing.py``)
+    tensor_parallel: TensorParallel | None = None  # TP over the innermost mesh dim, applied before the groups
+    # are sharded over the data-parallel dims (``tensor_parallel.py``); None: no TP
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading"))
@@ -210,9 +191,21 @@ class Plan:
         """This plan recording ``run``: what a plan leaving the program carries (``--out``, export, the API)."""
         return replace(self, offload=run.offload, shard_dims=run.shard_dims, reduce_dtype=run.reduce_dtype)
 
+    @property
+    def tp_degree(self) -> int:
+        return self.tensor_parallel.degree if self.tensor_parallel is not None else 1
+
     def layout(self, world_size: int) -> Mesh:
-        """The plan's mesh on ``world_size`` ranks (``check_plan_world_size`` has checked they agree)."""
-        return self.mesh or Mesh.flat(world_size)
+        """The plan's data-parallel mesh on ``world_size`` ranks in all (``check_plan_world_size`` has checked they
+        agree): its mesh, or pure FSDP over the ranks TP leaves (``world_size`` / the TP degree)."""
+        return self.mesh or Mesh.flat(world_size // self.tp_degree)
+
+    def mesh_dims(self, world_size: int) -> dict[str, int]:
+        """The device mesh by named dim, outermost first, as torchtitan names them (``dp_replicate``, ``dp_shard``,
+        ``tp``); a dim of size 1 is left out, but a mesh always has ``dp_shard``."""
+        dp = self.layout(world_size)
+        dims = {"dp_replicate": dp.replicate, "dp_shard": dp.shard, "tp": self.tp_degree}
+        return {k: v for k, v in dims.items() if v > 1 or k == "dp_shard"}
 
     def shard_size(self, world_size: int) -> int:
         """Ranks each group is sharded over: the world, or the mesh's shard dimension."""
@@ -234,7 +227,8 @@ class Plan:
         return (tuple((g.modules, g.reshard_after_forward, g.forward_prefetch, g.backward_prefetch)
                       for g in self.groups), self.activation_checkpointing,
                 tuple(self.selective_checkpointing.items()), self.mesh, self.forward_methods, self.offload,
-                tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading)
+                tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading,
+                self.tensor_parallel.signature() if self.tensor_parallel is not None else None)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -265,6 +259,8 @@ class Plan:
             d["attention"] = self.attention
         if self.activation_offloading:
             d["activation_offloading"] = list(self.activation_offloading)
+        if self.tensor_parallel is not None:
+            d["tensor_parallel"] = self.tensor_parallel.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -326,7 +322,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 forward_methods=_methods_from_list(data.get("forward_methods", [])),
                 precision=_precision_from(data.get("precision", "")),
                 attention=_attention_from(data.get("attention", "")), hf_config=_hf_config_from(model),
-                activation_offloading=_offloaded_from(data.get("activation_offloading", [])), **_memory_options(data))
+                activation_offloading=_offloaded_from(data.get("activation_offloading", [])),
+                tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")), **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
 
@@ -480,10 +477,15 @@ def check_plan_world_size(plan: Plan, world_size: int) -> None:
     """Refuse a plan that FSDP2 cannot apply on ``world_size`` ranks: its mesh must have that many ranks, and an
     int ``reshard_after_forward`` is the size of the post-forward sub-mesh, so it must divide the shard size and
     not exceed it (``fully_shard`` raises otherwise). Called where a plan meets a cluster or a process count."""
-    if plan.mesh is not None and plan.mesh.size != world_size:
-        raise PlannerError(f"the plan's mesh {plan.mesh.describe()} has {plan.mesh.size} ranks but it is run on "
+    tp = plan.tp_degree
+    if world_size % tp:
+        raise PlannerError(f"the plan's tensor-parallel degree {tp} does not divide the {world_size} ranks it is run "
+                           "on: give a world size that is a multiple of it, or plan again for this one")
+    if plan.mesh is not None and plan.mesh.size * tp != world_size:
+        ranks = f"{plan.mesh.size} ranks" + (f" (x TP {tp})" if tp > 1 else "")
+        raise PlannerError(f"the plan's mesh {plan.mesh.describe()} has {ranks} but it is run on "
                            f"{world_size}: a plan file keeps the mesh it was made for (make it again for "
-                           f"{world_size} ranks), a --mesh REPLICATExSHARD needs a product of {world_size}")
+                           f"{world_size} ranks), a --mesh REPLICATExSHARD needs a product of {world_size // tp}")
     shard = plan.shard_size(world_size)
     where = "world size" if plan.mesh is None or plan.mesh.replicate == 1 else "shard size"
     for i, g in enumerate(plan.groups):

@@ -1,0 +1,145 @@
+"""Tensor parallelism in a plan: the TP degree and, per module, the style ``parallelize_module`` applies to it.
+
+FSDP2 composes with TP the way torchtitan's ``parallelize`` does: the model is first parallelized over the ``tp``
+dim of a 2-D (or 3-D, with HSDP) device mesh, its params becoming DTensors sharded over ``tp``, then each FSDP group
+is ``fully_shard``-ed over the data-parallel dims, which shards those local shards again (dim 0 of a colwise weight:
+FSDP2's strided sharding). This module holds the layout and its JSON form, in torch's vocabulary; what the layout
+does to a step is ``sim/tensor_parallel.py``, how it is applied ``apply/``.
+
+Layout keys are module-name patterns as ``parallelize_module`` takes them: dotted names whose parts may hold
+``fnmatch`` wildcards (``layers.*.attention.wq``). A pattern that matches no module of the model is refused where a
+plan meets its model, as ``parallelize_module`` only warns there.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.frozen import FrozenDict
+from fsdp_planner.userfiles import shown_json
+
+MAX_TP_DEGREE = 1024
+MAX_LAYOUT_ENTRIES = 100_000
+TP_KEYS = ("degree", "layout", "loss_parallel", "async_tp")
+
+
+class TPStyle(Enum):
+    """How one module is parallelized: each value names the ``torch.distributed.tensor.parallel`` style it stands
+    for. "SP" is sequence parallelism: activations between the TP regions sharded on the sequence dim (dim 1)."""
+
+    COLWISE = "colwise"  # ColwiseParallel(): weight rows sharded; Replicate in, Shard(-1) out
+    ROWWISE = "rowwise"  # RowwiseParallel(): weight columns sharded; Shard(-1) in, output all-reduced (Replicate)
+    ROWWISE_SEQUENCE = "rowwise_sequence"  # RowwiseParallel(output_layouts=Shard(1)): output reduce-scattered onto
+    # the sequence dim (SP: torchtitan's attention.wo and feed_forward.w2)
+    SEQUENCE_COLWISE = "sequence_colwise"  # ColwiseParallel(input_layouts=Shard(1)): the sequence-sharded input
+    # all-gathered first (SP: torchtitan's output head); output Shard(-1) under loss parallel, else Replicate
+    EMBEDDING = "embedding"  # RowwiseParallel(input_layouts=Replicate()): a vocab-sharded embedding, output
+    # all-reduced
+    EMBEDDING_SEQUENCE = "embedding_sequence"  # RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)):
+    # ... output reduce-scattered onto the sequence dim (SP: torchtitan's tok_embeddings)
+    SEQUENCE_PARALLEL = "sequence_parallel"  # SequenceParallel(): a norm run on its sequence shard, params replicated
+    GATHER_INPUT = "gather_input"  # PrepareModuleInput(input_layouts=(Shard(1), None...), desired_input_layouts=
+    # (Replicate(), None...)): the module's first input all-gathered from its sequence shard (SP: the attention and
+    # feed-forward modules, before their colwise Linears)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the style keeps activations sharded on the sequence dim around it."""
+        return self in (TPStyle.ROWWISE_SEQUENCE, TPStyle.SEQUENCE_COLWISE, TPStyle.EMBEDDING_SEQUENCE,
+                        TPStyle.SEQUENCE_PARALLEL, TPStyle.GATHER_INPUT)
+
+
+TP_STYLE_NAMES = tuple(s.value for s in TPStyle)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The TP part of a plan: ``degree`` ranks in a TP group (innermost in the mesh: consecutive ranks, within a
+    node) and the style of each module pattern. ``loss_parallel``: the output head keeps its vocab-sharded logits
+    and the loss runs under ``torch.distributed.tensor.parallel.loss_parallel()``. ``async_tp``: torchtitan's async
+    TP (the all-gather / reduce-scatter overlapped with the matmuls they feed; it needs compile)."""
+
+    degree: int
+    layout: Mapping[str, TPStyle] = field(default_factory=dict)
+    loss_parallel: bool = False
+    async_tp: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, FrozenDict):
+            object.__setattr__(self, "layout", FrozenDict(self.layout))
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return any(s.sequence_parallel for s in self.layout.values())
+
+    def styles(self, module_names: Iterable[str]) -> dict[str, TPStyle]:
+        """Each module of ``module_names`` the layout parallelizes, with its style (a later pattern wins, as a
+        later ``parallelize_module`` call would); a pattern that matches none is refused."""
+        names = list(module_names)
+        out: dict[str, TPStyle] = {}
+        for pattern, style in self.layout.items():
+            hits = [n for n in names if matches(pattern, n)]
+            if not hits:
+                raise PlannerError(f"the tensor-parallel layout names {shown_json(pattern)}, which matches no module "
+                                   "of this model: give module names as `named_modules()` spells them ('*' for "
+                                   "one part, e.g. layers.*.attention.wq)")
+            out.update(dict.fromkeys(hits, style))
+        return out
+
+    def describe(self) -> str:
+        extras = [x for x, on in (("SP", self.sequence_parallel), ("loss parallel", self.loss_parallel),
+                                  ("async", self.async_tp)) if on]
+        return f"TP {self.degree}" + (f" ({', '.join(extras)})" if extras else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"degree": self.degree, "layout": {k: s.value for k, s in self.layout.items()}}
+        if self.loss_parallel:
+            d["loss_parallel"] = True
+        if self.async_tp:
+            d["async_tp"] = True
+        return d
+
+    def signature(self) -> tuple:
+        return self.degree, tuple(self.layout.items()), self.loss_parallel, self.async_tp
+
+
+def matches(pattern: str, name: str) -> bool:
+    """``parallelize_module``'s matching: as many dotted parts, each matched with ``fnmatch``."""
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms, strict=True))
+
+
+def tensor_parallel_from_dict(data: Any) -> TensorParallel | None:
+    """A plan's ``tensor_parallel`` object; absent (None): no TP."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or any(k not in TP_KEYS for k in data):
+        raise PlannerError(f"plan 'tensor_parallel' must be an object with the keys {', '.join(TP_KEYS)} (degree "
+                           f"and layout required), got {shown_json(data)}")
+    degree, layout = data.get("degree"), data.get("layout")
+    if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= MAX_TP_DEGREE:
+        raise PlannerError(f"plan 'tensor_parallel.degree' must be a whole number from 1 to {MAX_TP_DEGREE}, got "
+                           f"{shown_json(degree)}")
+    if not isinstance(layout, dict) or len(layout) > MAX_LAYOUT_ENTRIES:
+        raise PlannerError("plan 'tensor_parallel.layout' must be an object mapping module names (or patterns "
+                           f"with '*') to a style ({', '.join(TP_STYLE_NAMES)}), at most {MAX_LAYOUT_ENTRIES:,}")
+    for key, value in layout.items():
+        if not isinstance(key, str) or not 0 < len(key) <= 10_000 or "" in key.split("."):
+            raise PlannerError(f"plan 'tensor_parallel.layout' key {shown_json(key)} is not a module name or pattern "
+                               "(non-empty parts separated by dots)")
+        if value not in TP_STYLE_NAMES:
+            raise PlannerError(f"plan 'tensor_parallel.layout' gives {shown_json(key)} the unknown style "
+                               f"{shown_json(value)}: choose one of {', '.join(TP_STYLE_NAMES)}")
+    flags = {k: data.get(k, False) for k in ("loss_parallel", "async_tp")}
+    bad = next((k for k, v in flags.items() if not isinstance(v, bool)), None)
+    if bad is not None:
+        raise PlannerError(f"plan 'tensor_parallel.{bad}' must be true or false, got {shown_json(flags[bad])}")
+    if degree > 1 and not layout:
+        raise PlannerError(f"plan 'tensor_parallel' has degree {degree} but an empty layout: name the modules to "
+                           "parallelize and their styles")
+    return TensorParallel(degree, {k: TPStyle(v) for k, v in layout.items()}, **flags)
