@@ -204,3 +204,21 @@ def test_tp_refused_across_nodes() -> None:
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)
     with pytest.raises(PlannerError, match="inside a node"):
         simulate(tr, plan.replace(tensor_parallel=titan_llama_layout(16)), parse_cluster("h100:32"), BF16)
+
+
+def test_a_search_on_the_view_simulates_what_simulate_does() -> None:
+    """Planners build the view once per TP layout and simulate plans without TP on its context (auto's
+    evaluator): the same step as ``simulate`` of the plan with TP on the whole trace."""
+    from fsdp_planner.sim.context import SimContext
+    from fsdp_planner.sim.options import plan_options
+
+    tr = _traced(SHAPED)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    cluster = parse_cluster("h100:16")
+    tp = titan_llama_layout(4)
+    whole = simulate(tr, plan.replace(tensor_parallel=tp), cluster, BF16, timeline=False)
+    view = tp_view(tr, tp, cluster)
+    ctx = SimContext(view.trace, view.cluster, plan_options(plan, BF16), mesh=view.plan(plan).layout(4))
+    for p in (plan, plan.replace(tensor_parallel=tp)):  # the search's plans, and the plan as written
+        on_view = simulate(view.trace, p, context=ctx, timeline=False)
+        assert on_view.summary() == whole.summary()
