@@ -204,6 +204,8 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
         raise PlannerError(f"plan 'forward_methods' names modules the model does not have: {short_list(unknown)}")
     if plan.tensor_parallel is not None:
         plan.tensor_parallel.styles(trace.modules)  # every pattern names modules of this model
+    if plan.expert_parallel is not None:
+        plan.expert_parallel.experts(trace.modules)  # ... and every expert pattern
     validate_plan(plan, trace)
     check_uniform_dtypes(plan, trace)
     check_checkpointing(plan, trace)

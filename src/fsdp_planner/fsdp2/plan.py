@@ -19,6 +19,7 @@ from typing import Any
 
 from fsdp_planner.choices import ATTENTION_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
 from fsdp_planner.fsdp2.frozen import FrozenDict
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, tensor_parallel_from_dict
 from fsdp_planner.limits import check_field
@@ -29,7 +30,7 @@ PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
-             "activation_offloading", "tensor_parallel")
+             "activation_offloading", "tensor_parallel", "expert_parallel")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -164,6 +165,8 @@ class Plan:
     # to the host (``torch.autograd.graph.save_on_cpu`` around its forward; ``checkpointing.py``)
     tensor_parallel: TensorParallel | None = None  # TP over the innermost mesh dim, applied before the groups
     # are sharded over the data-parallel dims (``tensor_parallel.py``); None: no TP
+    expert_parallel: ExpertParallel | None = None  # EP of the expert modules over ``ep`` ranks taken from
+    # ``dp_shard``, each expert module its own group sharded over the EP-reduced mesh (``expert_parallel.py``)
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading"))
@@ -195,6 +198,10 @@ class Plan:
     def tp_degree(self) -> int:
         return self.tensor_parallel.degree if self.tensor_parallel is not None else 1
 
+    @property
+    def ep_degree(self) -> int:
+        return self.expert_parallel.degree if self.expert_parallel is not None else 1
+
     def layout(self, world_size: int) -> Mesh:
         """The plan's data-parallel mesh on ``world_size`` ranks in all (``check_plan_world_size`` has checked they
         agree): its mesh, or pure FSDP over the ranks TP leaves (``world_size`` / the TP degree)."""
@@ -205,6 +212,11 @@ class Plan:
         ``tp``); a dim of size 1 is left out, but a mesh always has ``dp_shard``."""
         dp = self.layout(world_size)
         dims = {"dp_replicate": dp.replicate, "dp_shard": dp.shard, "tp": self.tp_degree}
+        if self.ep_degree > 1:  # torchtitan's split of dp_shard: the experts' FSDP mesh, then EP's ranks
+            ep = self.ep_degree
+            dims = {"dp_replicate": dp.replicate, "dp_shard_mod_ep": dp.shard // ep, "dp_shard_in_ep": ep,
+                    "tp": self.tp_degree}
+            return {k: v for k, v in dims.items() if v > 1 or k.startswith("dp_shard")}
         return {k: v for k, v in dims.items() if v > 1 or k == "dp_shard"}
 
     def shard_size(self, world_size: int) -> int:
@@ -228,7 +240,8 @@ class Plan:
                       for g in self.groups), self.activation_checkpointing,
                 tuple(self.selective_checkpointing.items()), self.mesh, self.forward_methods, self.offload,
                 tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading,
-                self.tensor_parallel.signature() if self.tensor_parallel is not None else None)
+                self.tensor_parallel.signature() if self.tensor_parallel is not None else None,
+                self.expert_parallel.signature() if self.expert_parallel is not None else None)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -261,6 +274,8 @@ class Plan:
             d["activation_offloading"] = list(self.activation_offloading)
         if self.tensor_parallel is not None:
             d["tensor_parallel"] = self.tensor_parallel.to_dict()
+        if self.expert_parallel is not None:
+            d["expert_parallel"] = self.expert_parallel.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -323,7 +338,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 precision=_precision_from(data.get("precision", "")),
                 attention=_attention_from(data.get("attention", "")), hf_config=_hf_config_from(model),
                 activation_offloading=_offloaded_from(data.get("activation_offloading", [])),
-                tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")), **_memory_options(data))
+                tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")),
+                expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")), **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
 
@@ -487,6 +503,10 @@ def check_plan_world_size(plan: Plan, world_size: int) -> None:
                            f"{world_size}: a plan file keeps the mesh it was made for (make it again for "
                            f"{world_size} ranks), a --mesh REPLICATExSHARD needs a product of {world_size // tp}")
     shard = plan.shard_size(world_size)
+    if shard % plan.ep_degree:
+        raise PlannerError(f"the plan's expert-parallel degree {plan.ep_degree} does not divide its {shard} "
+                           "data-parallel shard ranks (EP's ranks come out of dp_shard): choose an EP degree that "
+                           "divides them")
     where = "world size" if plan.mesh is None or plan.mesh.replicate == 1 else "shard size"
     for i, g in enumerate(plan.groups):
         raf = g.reshard_after_forward

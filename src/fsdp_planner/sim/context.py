@@ -15,6 +15,7 @@ from fsdp_planner.fsdp2.replay import Collective
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import CollectiveCost, collective_cost
 from fsdp_planner.sim.compute import step_op_times, traced_itemsize
+from fsdp_planner.sim.expert_parallel import ep_seconds, expert_ranks
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls, offload_bytes
@@ -54,6 +55,7 @@ class SimContext:
             raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster {cluster.name} has "
                                f"{self.world} GPUs")
         self.shard = self.mesh.shard
+        self._experts = frozenset(trace.expert_params)  # an EP view's expert params: sharded over shard / EP ranks
         if like is not None:
             if times is not None or like.trace is not trace or like.options != self.options:
                 raise ValueError("a context shares op times only with one of the same trace and options")
@@ -67,6 +69,8 @@ class SimContext:
                 raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
             if trace.tensor_parallel:  # TP's collectives on their TP group (sim/tensor_parallel.py)
                 times = tp_seconds(trace, cluster, list(times), self.precision.compute_bytes / traced_itemsize(trace))
+            if trace.expert_parallel:  # EP's all-to-alls on their EP group (sim/expert_parallel.py)
+                times = ep_seconds(trace, cluster, list(times), self.precision.compute_bytes / traced_itemsize(trace))
             self.times = list(times)
             self.cum_array = np.concatenate([[0.0], np.cumsum(self.times)])  # for vector work on every plan
             self.cum = self.cum_array.tolist()  # for the engines' scalar reads
@@ -95,6 +99,24 @@ class SimContext:
                 n = ranks or self.mesh.replicate
                 per_node = replica_ranks_per_node(self.cluster, self.mesh)
             self._costs[key] = collective_cost(self.cluster, kind, n, per_node)
+        return self._costs[key]
+
+    def shard_of(self, params: Sequence[int]) -> int:
+        """Ranks a group's params are sharded over: the mesh's shard dim, or for an EP view's expert group the
+        EP-reduced mesh (``expert_parallel.expert_ranks``; a group holds experts only or none)."""
+        if self._experts and params and params[0] in self._experts:
+            return expert_ranks(self.cluster, self.shard, self.trace.ep_degree)[0]
+        return self.shard
+
+    def group_cost(self, kind: CollectiveKind, ranks: int, params: Sequence[int]) -> CollectiveCost:
+        """``cost`` of a collective of a group of ``params``: an expert group's all-gather and reduce-scatter on the
+        EP-reduced mesh (its ranks EP apart), the rest as ``cost``."""
+        if kind is CollectiveKind.ALL_REDUCE or not self._experts or not params or params[0] not in self._experts:
+            return self.cost(kind, ranks)
+        key = (kind, -1)
+        if key not in self._costs:
+            self._costs[key] = collective_cost(self.cluster, kind,
+                                               *expert_ranks(self.cluster, self.shard, self.trace.ep_degree))
         return self._costs[key]
 
     def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:
@@ -192,4 +214,4 @@ def collective_bytes(ctx: SimContext, c: Collective, gather: list[int]) -> int:
     if c.kind is CollectiveKind.ALL_GATHER:
         return gather[c.group]
     reduced = ctx.sizing.reduce_bytes(c.params)
-    return reduced if c.kind is CollectiveKind.REDUCE_SCATTER else reduced // ctx.shard
+    return reduced if c.kind is CollectiveKind.REDUCE_SCATTER else reduced // ctx.shard_of(c.params)

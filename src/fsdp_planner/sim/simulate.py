@@ -29,6 +29,7 @@ from fsdp_planner.fsdp2.replay import Kept, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext, collective_bytes
+from fsdp_planner.sim.expert_parallel import ep_collectives, ep_positions, ep_view
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options
@@ -74,6 +75,12 @@ class StepReport:
     tp_reduce_scatter_bytes: int = 0
     tp_all_reduce_bytes: int = 0
     tp_time: float = 0.0
+    # expert parallelism's all-to-alls on one rank (dispatch, combine, their gradients; recomputed ones included),
+    # their send buffers' bytes and their seconds on the compute stream (of compute_time; ``expert_parallel.py``)
+    ep_degree: int = 1
+    ep_all_to_alls: int = 0
+    ep_all_to_all_bytes: int = 0
+    ep_time: float = 0.0
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -83,11 +90,15 @@ class StepReport:
         if self.tp_degree == 1:  # and one without TP
             for name in _TP_FIELDS:
                 d.pop(name)
+        if self.ep_degree == 1:
+            for name in _EP_FIELDS:
+                d.pop(name)
         return d
 
 
 _TP_FIELDS = ("tp_degree", "tp_all_gathers", "tp_reduce_scatters", "tp_all_reduces", "tp_all_gather_bytes",
               "tp_reduce_scatter_bytes", "tp_all_reduce_bytes", "tp_time")
+_EP_FIELDS = ("ep_degree", "ep_all_to_alls", "ep_all_to_all_bytes", "ep_time")
 
 
 def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: SimOptions | None = None,
@@ -101,6 +112,7 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     (what planners build once per layout), with ``cluster`` or ``context`` of that view.
     """
     trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context)
+    trace = _expert_parallel(trace, plan, context)
     ctx = _context(trace, plan, cluster, options, context)
     check_shard_dims(plan, trace, ctx.shard)
     groups = ctx.sizing.groups(plan)
@@ -134,6 +146,21 @@ def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context:
     return view.trace, view.plan(plan), view.cluster
 
 
+def _expert_parallel(trace: Trace, plan: Plan, context: SimContext | None) -> Trace:
+    """The trace of one EP rank's step (``expert_parallel.ep_view``): ``trace`` itself when it is one already (a
+    planner's, built once per EP layout), or has no EP to model."""
+    ep = plan.expert_parallel
+    if trace.expert_parallel:
+        if ep is not None and trace.expert_parallel != ep.signature():
+            raise ValueError(f"the trace is a view of another expert-parallel layout than the plan's {ep.describe()}")
+        return trace
+    if ep is None or ep.degree == 1:
+        return trace
+    if context is not None:
+        raise ValueError("a plan with expert parallelism needs the cluster (or a context of its EP view)")
+    return ep_view(trace, plan).trace
+
+
 def _micro_batch_schedule(ctx: SimContext, plan: Plan, sched: Schedule, phase: GradSync) -> Schedule:
     """What FSDP2 does in one micro-batch: ``sched`` (the step's own), or with ``set_reshard_after_backward(False)``
     (``SimOptions.reshard_after_backward`` False) the replay of groups kept unsharded across micro-batches; without
@@ -159,7 +186,7 @@ def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> Ste
 # what a step of micro-batches sums over them (``accumulated``); the rest is the last micro-batch's or a peak
 _SUMMED = ("step_time", "compute_time", "exposed_comm", "recompute_time", "host_wait", "copy_time", "host_time",
            "hooks", "all_gathers", "reduce_scatters", "all_reduces", "all_gather_bytes", "reduce_scatter_bytes",
-           "all_reduce_bytes", *_TP_FIELDS[1:])
+           "all_reduce_bytes", *_TP_FIELDS[1:], *_EP_FIELDS[1:])
 
 
 def accumulated(ctx: SimContext, plan: Plan, runs: dict[GradSync, tuple[Schedule, StepReport]]) -> StepReport:
@@ -211,7 +238,9 @@ class ReportInput:
 def report(given: ReportInput) -> StepReport:
     """The step's report: the engine's times, the schedule's collectives and the memory model's peak."""
     ctx, times, gather = given.ctx, given.times, given.gather
-    issued = [c for c in given.sched.collectives if ctx.shard > 1 or c.kind is AR]  # none over one rank
+    group_params = ctx.sizing.group_params(given.plan)
+    issued = [c for c in given.sched.collectives  # none over one rank
+              if c.kind is AR or ctx.shard_of(group_params[c.group] if c.kind is AG else c.params) > 1]
     ag = [c for c in issued if c.kind is AG]
     rs = [c for c in issued if c.kind is RS]
     ar = [c for c in issued if c.kind is AR]
@@ -231,7 +260,7 @@ def report(given: ReportInput) -> StepReport:
         comm_time={k.value: v for k, v in times.busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
         mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=times.events,
-        **_tp_fields(ctx, given.plan))
+        **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan))
 
 
 def _tp_fields(ctx: SimContext, plan: Plan) -> dict:
@@ -248,3 +277,17 @@ def _tp_fields(ctx: SimContext, plan: Plan) -> dict:
     return {"tp_degree": trace.tp_degree, "tp_all_gathers": tp.counts[AG], "tp_reduce_scatters": tp.counts[RS],
             "tp_all_reduces": tp.counts[AR], "tp_all_gather_bytes": tp.nbytes[AG],
             "tp_reduce_scatter_bytes": tp.nbytes[RS], "tp_all_reduce_bytes": tp.nbytes[AR], "tp_time": seconds}
+
+
+def _ep_fields(ctx: SimContext, plan: Plan) -> dict:
+    """The report's EP figures: its all-to-alls (``expert_parallel.ep_collectives``) and their seconds."""
+    trace = ctx.trace
+    if not trace.expert_parallel:
+        return {}
+    recomputed = [c for c in checkpointed_calls(trace, plan_checkpointing(plan)) if not c.offload]
+    a2a = ep_collectives(trace, recomputed, ctx.precision.compute_bytes / traced_itemsize(trace))
+    positions = ep_positions(trace).tolist()
+    seconds = sum(ctx.times[p] for p in positions)
+    seconds += sum(ctx.times[p] for c in recomputed for p in positions if c.fwd_pre <= p < c.end and p not in c.kept)
+    return {"ep_degree": trace.ep_degree, "ep_all_to_alls": a2a.count, "ep_all_to_all_bytes": a2a.nbytes,
+            "ep_time": seconds}

@@ -13,6 +13,9 @@ a param is not padded; instead its all-gather is copied out through a temporary 
 (``foreach_all_gather_copy_out``: ``torch.empty_like`` then ``torch.cat(chunks, dim)``), and its unsharded grad is
 re-laid out by ``torch.cat(torch.chunk(grad, world_size, dim), dim=0)`` before the reduce-scatter copy-in
 (``foreach_reduce``): one extra copy each way (``shard1_gather_bytes``, ``shard1_grad_bytes``).
+
+Under expert parallelism (an EP view's ``Trace.expert_params``) the expert params are sharded over the EP-reduced
+mesh, world size / EP ranks (``param_shards``), the rest over the world size.
 """
 
 from __future__ import annotations
@@ -39,9 +42,17 @@ def shard_dim(param: ParamInfo, shard: int, placement: ShardPlacement) -> int:
     return 0
 
 
+def param_shards(trace: Trace, shard: int) -> list[int]:
+    """Ranks each param is sharded over: ``shard``, and for an EP view's expert params ``shard`` / EP."""
+    out = [shard] * len(trace.params)
+    for i in trace.expert_params:
+        out[i] = max(1, shard // trace.ep_degree)
+    return out
+
+
 def shard_dims(trace: Trace, shard: int, placement: ShardPlacement) -> dict[str, int]:
     """The params ``placement`` shards on a dim other than 0, by name (what a plan's ``shard_dims`` records)."""
-    dims = {p.fqn: shard_dim(p, shard, placement) for p in trace.params}
+    dims = {p.fqn: shard_dim(p, n, placement) for p, n in zip(trace.params, param_shards(trace, shard), strict=True)}
     return {name: d for name, d in dims.items() if d}
 
 
@@ -96,9 +107,12 @@ class Sizing:
         def itemsize(field: str) -> np.ndarray:  # the precision's dtype for these bytes, else each param's own
             return own if precision is None else np.full_like(own, getattr(precision, field))
 
-        on = [dims.get(p.fqn, 0) if dims is not None else shard_dim(p, world_size, placement) for p in trace.params]
-        self._padded = np.array([sharded_numel(p, world_size, d) for p, d in zip(trace.params, on, strict=True)],
+        shards = param_shards(trace, world_size)
+        on = [dims.get(p.fqn, 0) if dims is not None else shard_dim(p, n, placement)
+              for p, n in zip(trace.params, shards, strict=True)]
+        self._padded = np.array([sharded_numel(p, n, d) for p, n, d in zip(trace.params, shards, on, strict=True)],
                                 dtype=np.int64)
+        self._shard_numel = self._padded // np.array(shards, dtype=np.int64)  # each rank's elements
         self._dim1 = np.array([d != 0 for d in on], dtype=bool)  # the params copied once more each way
         self._gather = self._padded * itemsize("gather_bytes")
         self._reduce_per = self._padded * (itemsize("reduce_bytes") if reduce_itemsize is None else reduce_itemsize)
@@ -167,7 +181,7 @@ class Sizing:
 
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""
-        return _sum(self._padded, params) // self.world_size
+        return _sum(self._shard_numel, params)
 
 
 def _sum(per_param: np.ndarray, params: Iterable[int]) -> int:

@@ -88,8 +88,8 @@ class Streams:
         # a shard group of one rank: FSDP2 issues no all-gather or reduce-scatter, yet copies the params out of
         # their shards on the compute stream and the grads into the reduce-scatter buffer (wait_for_unshard and
         # foreach_reduce at world size 1)
-        one_rank = self.ctx.shard == 1 and c.kind is not AR
         params = self.group_params[c.group] if c.kind is AG else c.params
+        one_rank = self.ctx.shard_of(params) == 1 and c.kind is not AR
         if c.kind is AG:
             copy_in = 0.0 if one_rank else self.ctx.copy_in_seconds(c.kind, nbytes)
             issued = self.t if (c.backward or c.prefetch) else self.last_forward_gather
@@ -104,7 +104,7 @@ class Streams:
         copy_in += 0.0 if c.ranks else self.ctx.host_copy_seconds(c.kind, params)
         if self.host is not None:  # launched by the hook at this boundary
             issued = max(issued, self.host.at(c.event))
-        line = LinkCost(0.0, 0.0, "intra") if one_rank else self.ctx.cost(c.kind, c.ranks).line(nbytes)
+        line = LinkCost(0.0, 0.0, "intra") if one_rank else self.ctx.group_cost(c.kind, c.ranks, params).line(nbytes)
         start = max(self.free[c.kind], issued) + copy_in
         end = start + (line.alpha if nbytes else 0.0)
         if line.transfer(nbytes) > 0:  # the bytes queue behind the other stream's on the same link

@@ -368,6 +368,18 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
     counts = dict.fromkeys(KIND_OF.values(), 0)
     nbytes = dict.fromkeys(KIND_OF.values(), 0)
     positions = tp_positions(trace)
+    runs = collective_runs(positions, recomputed)
+    for p, n in zip(positions.tolist(), runs.tolist(), strict=True):
+        e = trace.events[p]
+        kind = KIND_OF[e.kernel]
+        counts[kind] += n
+        nbytes[kind] += n * int(e.nbytes * scale)
+    return TPCollectives(counts, nbytes)
+
+
+def collective_runs(positions: np.ndarray, recomputed: Sequence[CheckpointedCall]) -> np.ndarray:
+    """How many times each collective op at ``positions`` runs: once, and again where a checkpointed call's forward
+    runs again (not the ops an op-level policy keeps; nothing under activation offloading)."""
     runs = np.ones(len(positions), dtype=np.int64)
     for c in recomputed:
         if c.offload:  # its saved tensors copied out and back: nothing runs again
@@ -375,9 +387,4 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
         kept = set(c.kept)
         inside = (positions >= c.fwd_pre) & (positions < c.end)
         runs += inside & np.array([p not in kept for p in positions.tolist()], dtype=bool)
-    for p, n in zip(positions.tolist(), runs.tolist(), strict=True):
-        e = trace.events[p]
-        kind = KIND_OF[e.kernel]
-        counts[kind] += n
-        nbytes[kind] += n * int(e.nbytes * scale)
-    return TPCollectives(counts, nbytes)
+    return runs

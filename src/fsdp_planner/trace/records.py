@@ -32,6 +32,14 @@ class Trace:
     # one line each, for the commands to print
     tensor_parallel: tuple = ()  # a per-TP-rank view (``sim/tensor_parallel.py``): the TP layout's signature
     # (degree, layout, loss parallel, async TP); empty: the whole model on one rank
+    expert_parallel: tuple = ()  # a per-EP-rank view (``sim/expert_parallel.py``): the EP signature (degree,
+    # modules, skew); empty: every expert on every rank
+    expert_params: tuple[int, ...] = ()  # in an EP view: the params of the expert modules (sharded by FSDP over
+    # the EP-reduced mesh, dp_shard / EP ranks)
+
+    @property
+    def ep_degree(self) -> int:
+        return self.expert_parallel[0] if self.expert_parallel else 1
 
     @property
     def tp_degree(self) -> int:

@@ -1,0 +1,186 @@
+"""A step of a plan with expert parallelism, as one EP rank runs it: the data-parallel simulation of a per-rank view.
+
+As for tensor parallelism (``tensor_parallel.py``), ``ep_view`` turns the traced step of the whole model into one
+rank's step (``EPView``), and the rest of the simulator runs FSDP2 on it:
+
+- params: each expert module's grouped params hold E / EP experts (dim 0 / EP: ``Shard(0)`` over ``ep``); FSDP2
+  shards them again over the EP-reduced mesh (dp_shard / EP ranks, EP apart: ``Trace.expert_params``, which
+  ``sizing.py`` divides by that many ranks and ``SimContext.cost`` prices on that group); the other params as
+  without EP, over the whole data-parallel mesh;
+- ops: with balanced routing (the routing stand-in's, ``routing.py``) each rank's E / EP experts process the tokens
+  all EP ranks route to them: E / EP x EP x (routed rows / E), the same rows as the whole model's trace gives one
+  rank, so the expert ops keep their FLOPs and activations; under a ``skew`` the busiest rank's experts process
+  ``skew`` times that, and the step is that rank's;
+- EP's all-to-alls, as ops of the compute stream (the experts wait for their tokens; ``KERNEL_EP_ALL_TO_ALL``): the
+  dispatch after the expert module's pre-forward (FSDP2's hook is prepended to ``ExpertParallel``'s input hook) and
+  the combine before its post-forward; in backward the combine's gradient after the pre-backward and the
+  dispatch's before the post-backward. Each moves one rank's routed rows x dim (``Event.nbytes``: its send buffer,
+  as nccl-tests sizes an all-to-all), costed on the EP group (consecutive ranks: ``hardware/all_to_all.py``) at
+  ``skew`` times the bytes (the busiest rank receives that much). Under activation checkpointing the forward ones
+  run again with the recomputation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.expert_groups import check_expert_groups, expert_param_indices
+from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.all_to_all import all_to_all_cost
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.sim.recompute import CheckpointedCall
+from fsdp_planner.sim.tensor_parallel import collective_runs
+from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, Event, EventKind
+from fsdp_planner.trace.infos import ParamInfo
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within
+
+A2A_PER_LAYER = 4  # dispatch and combine in forward, their gradients in backward
+
+
+@dataclass(frozen=True)
+class EPView:
+    """What one EP rank holds and runs (``trace``); the cluster is the whole one (EP takes no ranks from FSDP's
+    other params)."""
+
+    trace: Trace
+    expert_parallel: ExpertParallel
+
+
+def ep_view(trace: Trace, plan: Plan) -> EPView:
+    """One EP rank's step of ``trace`` (the whole model) under ``plan``'s EP (module docstring); its groups must
+    hold each expert module alone (``expert_groups.with_expert_groups`` makes them so)."""
+    ep = plan.expert_parallel
+    if ep is None or ep.degree == 1:
+        raise ValueError("ep_view needs a plan with expert parallelism")
+    if trace.expert_parallel:
+        raise ValueError("the trace is already an expert-parallel view")
+    if trace.tensor_parallel:
+        raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: plan with one of them")
+    check_expert_groups(plan, trace)
+    experts = ep.experts(trace.modules)
+    chosen = expert_param_indices(plan, trace)
+    params = list(trace.params)
+    for i in chosen:
+        params[i] = _local_param(params[i], ep.degree)
+    events, where = _rank_events(trace, experts, ep.skew, set(chosen))
+    view = replace(trace, params=tuple(params), events=tuple(events), op_seconds=None,
+                   modules=_moved_modules(trace, where), expert_parallel=ep.signature(), expert_params=chosen,
+                   fingerprint=f"{trace.fingerprint}/ep{ep.degree}")
+    return EPView(view, ep)
+
+
+def _local_param(p: ParamInfo, degree: int) -> ParamInfo:
+    """The expert param's EP-local shard: E / EP experts on dim 0."""
+    if len(p.shape) < 2 or p.shape[0] % degree:
+        raise PlannerError(f"expert parallelism of degree {degree} cannot shard {p.fqn} {list(p.shape)} on its expert "
+                           "dim 0: choose a degree that divides the number of experts")
+    return replace(p, shape=(p.shape[0] // degree, *p.shape[1:]), numel=p.numel // degree)
+
+
+def _dispatch_bytes(trace: Trace, ops: list[Event], chosen: set[int]) -> int:
+    """One rank's routed rows x dim, from the first expert matmul of a call: its input (bytes read and written
+    less the weight's and the output's)."""
+    for e in ops:
+        hit = [p for p in e.params if p in chosen]
+        if e.flops and hit:
+            weight = trace.params[hit[0]]
+            itemsize = trace.compute_itemsize or weight.itemsize
+            return max(0, e.nbytes - e.out_nbytes - weight.numel * itemsize)
+    return 0
+
+
+def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int]) -> dict[tuple[str, int], int]:
+    """(expert module, call) -> its all-to-all's send buffer."""
+    out: dict[tuple[str, int], int] = {}
+    open_calls: dict[str, tuple[int, int]] = {}
+    names = set(experts)
+    for i, e in enumerate(trace.events):
+        if e.backward:
+            break
+        if e.kind is EventKind.FWD_PRE and e.module in names:
+            open_calls[e.module] = (e.call, i)
+        elif e.kind is EventKind.FWD_POST and e.module in open_calls:
+            call, start = open_calls.pop(e.module)
+            ops = [x for x in trace.events[start:i] if x.is_op]
+            out[(e.module, call)] = _dispatch_bytes(trace, ops, chosen)
+    return out
+
+
+def _a2a(module: str, nbytes: int, backward: bool) -> Event:
+    return Event(EventKind.OP, module, nbytes=nbytes, backward=backward, kernel=KERNEL_EP_ALL_TO_ALL)
+
+
+def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[int]) -> tuple[list[Event], list[int]]:
+    """The EP rank's events, the all-to-alls around each expert call and the expert ops at ``skew`` x their work;
+    and where each of the trace's events went (old position -> new)."""
+    sizes = _call_bytes(trace, experts, chosen)
+    names = set(experts)
+    out: list[Event] = []
+    where: list[int] = []
+    for e in trace.events:
+        if e.is_op and skew != 1.0 and any(is_within(e.module, m) for m in names):
+            e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
+                           out_nbytes=int(e.out_nbytes * skew), grad_live=int(e.grad_live * skew))
+        if e.module not in names or e.is_op:
+            where.append(len(out))
+            out.append(e)
+            continue
+        nbytes = sizes.get((e.module, e.call), next((n for (m, _), n in sizes.items() if m == e.module), 0))
+        a2a = _a2a(e.module, nbytes, e.backward)
+        opening = e.kind in (EventKind.FWD_PRE, EventKind.BWD_PRE)
+        where.append(len(out) + (0 if opening else 1))
+        out.extend([e, a2a] if opening else [a2a, e])
+    return out, where
+
+
+def _moved_modules(trace: Trace, where: list[int]) -> dict:
+    """The modules with their first use at its new position (the all-to-alls inserted)."""
+    return {name: replace(info, first_use=where[info.first_use] if info.first_use >= 0 else -1)
+            for name, info in trace.modules.items()}
+
+
+def ep_positions(trace: Trace) -> np.ndarray:
+    """Positions of EP's all-to-alls in an EP rank's trace."""
+    return np.flatnonzero(trace.index.op_kernel == KERNEL_EP_ALL_TO_ALL)
+
+
+def ep_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float) -> list[float]:
+    """``times`` with each all-to-all's seconds on its EP group (consecutive ranks) at the busiest rank's bytes.
+    ``scale``: traced to compute bytes."""
+    degree, skew = trace.ep_degree, float(trace.expert_parallel[2])
+    cost = all_to_all_cost(cluster, degree, min(degree, cluster.gpus_per_node))
+    out = list(times)
+    for i in ep_positions(trace).tolist():
+        nbytes = trace.events[i].nbytes * scale * skew
+        out[i] = float(cost.seconds(nbytes)) if nbytes > 0 else 0.0
+    return out
+
+
+def expert_ranks(cluster: Cluster, shard: int, degree: int) -> tuple[int, int]:
+    """(ranks, ranks per node) of the experts' FSDP group: dp_shard / EP ranks, EP apart."""
+    ranks = shard // degree
+    per_node = max(1, min(ranks, cluster.gpus_per_node // degree))
+    return ranks, per_node
+
+
+@dataclass(frozen=True)
+class EPCollectives:
+    """EP's all-to-alls in a step: count and bytes (send buffers), recomputations included."""
+
+    count: int
+    nbytes: int
+
+
+def ep_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: float) -> EPCollectives:
+    """EP's all-to-alls of an EP rank's step: each once, and again where a checkpointed call's forward runs again."""
+    positions = ep_positions(trace)
+    runs = collective_runs(positions, recomputed)
+    nbytes = sum(n * int(trace.events[p].nbytes * scale) for p, n in zip(positions.tolist(), runs.tolist(),
+                                                                          strict=True))
+    return EPCollectives(int(runs.sum()), nbytes)
