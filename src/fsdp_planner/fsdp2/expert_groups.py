@@ -46,7 +46,7 @@ def with_expert_groups(plan: Plan, trace: Trace) -> Plan:
     subtree = trace.index.subtree_params
     groups: list[list[str]] = []
     reshard = []
-    for g in plan.inner_groups + (plan.root,):
+    for g in (*plan.inner_groups, plan.root):
         owned = set(g.params)
         mine = [e for e in experts if e not in alone and subtree[e] & owned]
         groups.extend([e] for e in mine)

@@ -1,0 +1,96 @@
+"""Apply a plan with expert parallelism as torchtitan's ``parallelize`` does for its MoE models: the expert modules
+distributed over ``ep`` (their grouped params ``Shard(0)``: E / EP experts a rank, the routed tokens sent to their
+experts' ranks by an all-to-all and back by another: ``distribute_module`` with input and output functions, as
+torchtitan's ``ExpertParallel`` style), then each expert module ``fully_shard``-ed alone over the EP-reduced mesh
+(``dp_shard_mod_ep``) and the rest of the plan over the whole data-parallel mesh (``apply_plan``).
+
+The expert modules take (E, tokens per expert, dim) and give the same shape (``models/moe.py``'s
+``GroupedExperts``): the dispatch turns one rank's (E, n, dim) into its local experts' (E / EP, EP x n, dim), the
+tokens every EP rank routed to them, wrapped as a DTensor sharded on the expert dim so the module's batched
+matmuls with its ``Shard(0)`` params run locally; the combine reverses it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
+
+
+def _dispatch(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+    """(E, n, dim) routed rows on this rank -> its E / EP experts' rows from every EP rank, Shard(0) on ``ep``."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed.tensor import DTensor, Shard
+
+    x, *rest = inputs
+    ep = mesh.size()
+    e, n, dim = x.shape
+    got = all_to_all_single_autograd(x.contiguous().view(e * n, dim), None, None, mesh)
+    local = got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim)
+    return (DTensor.from_local(local, mesh, [Shard(0)], run_check=False), *rest)
+
+
+def _combine(module: nn.Module, out: Any, mesh: Any) -> torch.Tensor:
+    """The experts' (E / EP, EP x n, dim) rows back to the ranks that routed them: (E, n, dim)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    local = out.to_local()
+    ep = mesh.size()
+    e_local, rows, dim = local.shape
+    n = rows // ep
+    sent = local.view(e_local, ep, n, dim).transpose(0, 1).reshape(ep * e_local * n, dim)
+    back = all_to_all_single_autograd(sent, None, None, mesh)
+    return back.view(ep * e_local, n, dim)
+
+
+def _shard_experts(name: str, module: nn.Module, mesh: Any) -> None:
+    """Each of the module's own params sharded on its expert dim 0 over ``ep``."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for pname, p in list(module.named_parameters(recurse=False)):
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)]),
+                                                      requires_grad=p.requires_grad))
+
+
+def expert_parallel_meshes(plan: Plan, device_type: str, world: int) -> tuple[Any, Any, Any]:
+    """(dp, dp_shard_mod_ep, ep) meshes of one world mesh: FSDP's for the rest, FSDP's for the experts, EP's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ep = plan.ep_degree
+    if plan.tp_degree > 1 or (plan.mesh is not None and plan.mesh.replicate > 1):
+        raise PlannerError("applying expert parallelism with TP or HSDP is not supported yet: plan pure FSDP x EP")
+    if world % ep:
+        raise PlannerError(f"the plan's expert-parallel degree {ep} does not divide the {world} ranks")
+    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    return mesh["dp_shard_mod_ep", "ep"]._flatten("dp"), mesh["dp_shard_mod_ep"], mesh["ep"]
+
+
+def apply_expert_parallel(model: nn.Module, plan: Plan, world: int, mp_policy: Any = None,
+                          device_type: str = "cpu") -> nn.Module:
+    """``model`` with ``plan``'s EP and FSDP applied (module docstring); its expert modules must be groups alone."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_module
+
+    from fsdp_planner.apply.fully_shard import apply_plan, plan_policies, reshard_arg
+
+    if plan.expert_parallel is None:
+        return apply_plan(model, plan, mp_policy=mp_policy)
+    dp, dp_mod_ep, ep = expert_parallel_meshes(plan, device_type, world)
+    modules = dict(model.named_modules())
+    experts = plan.expert_parallel.experts(modules)
+    mp, offload = plan_policies(plan, mp_policy, None)
+    alone = {g.modules[0]: g for g in plan.groups if len(g.modules) == 1}
+    for name in experts:
+        if name not in alone:
+            raise PlannerError(f"expert module {name} is not a group of its own: expert parallelism shards it over "
+                               "the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups makes such a plan)")
+        distribute_module(modules[name], ep, _shard_experts, _dispatch, _combine)
+        fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
+                    reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, dp_mod_ep.size()))
+    rest = plan.replace(groups=[g for g in plan.groups if g.modules[0] not in experts or len(g.modules) > 1],
+                        expert_parallel=None)
+    return apply_plan(model, rest, mesh=dp, mp_policy=mp_policy)
