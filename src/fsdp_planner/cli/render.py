@@ -282,6 +282,7 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offl
         f"{fmt_time(r.comm_time['reduce_scatter'])}"
         + (f", all-reduce {fmt_time(r.comm_time['all_reduce'])}" if r.all_reduces else ""),
         *_tp_line(r),
+        *_ep_line(r),
         *host,
     ]
 
@@ -581,3 +582,11 @@ def overhead_table(m: OverheadMeasurement | GlooMeasurement) -> Table:
                  f"{fmt_time(o.op_seconds)}, copy-out measured at {fmt_bytes(o.copy_bandwidth)}/s on {where}; "
                  f"worst error of the line {m.worst_residual:.1%}")
     return t
+
+
+def _ep_line(r: StepReport) -> list[str]:
+    """EP's all-to-alls of the step, when the plan has EP."""
+    if r.ep_degree == 1:
+        return []
+    return [f"EP {r.ep_degree}: {fmt_count(r.ep_all_to_alls, 'all-to-all')} ({fmt_bytes(r.ep_all_to_all_bytes)} sent) "
+            f"per step, {fmt_time(r.ep_time)} of the compute stream; experts FSDP-sharded over the EP-reduced mesh"]
