@@ -163,3 +163,14 @@ def test_all_to_all_cost_inside_a_node_and_across() -> None:
     assert one.seconds(size) == pytest.approx(one.alpha + size * 7 / 8 / 370e9)
     assert two.seconds(size) > one.seconds(size)
     assert all_to_all_cost(parse_cluster("h100:8"), 1).seconds(size) == 0.0
+
+
+def test_expert_modules_found_and_degrees_divide_experts_and_shard() -> None:
+    from fsdp_planner.planners.expert_parallel import ep_degrees, expert_modules, with_expert_parallel
+
+    tr = _traced()
+    assert expert_modules(tr) == ["layers.0.moe.experts", "layers.1.moe.experts"]
+    assert ep_degrees(tr, 8) == [1, 2, 4, 8] and ep_degrees(tr, 12) == [1, 2, 4]
+    plan = with_expert_parallel(TorchtitanPolicy("MoEBlock").plan(tr), tr, 4)
+    assert plan.groups == _ep_plan(tr, 4).groups and plan.ep_degree == 4
+    assert ep_degrees(_traced("toy-llama"), 8) == [1]

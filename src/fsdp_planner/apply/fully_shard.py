@@ -98,6 +98,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
+    if plan.expert_parallel is not None:  # its experts go on another mesh: apply/expert_parallel.py
+        raise PlannerError("the plan has expert parallelism, which apply_plan does not apply: use "
+                           "fsdp_planner.apply.expert_parallel.apply_expert_parallel")
     modules = dict(model.named_modules())
     unknown = [m for g in plan.groups for m in g.modules if m not in modules]
     if unknown:

@@ -1,0 +1,57 @@
+"""Where a plan's expert parallelism comes from: the model's grouped experts modules (each param stacked on a
+leading expert dim, as ``models/moe.py``'s ``GroupedExperts`` and transformers' experts layers hold them), the EP
+degrees that divide both their expert count and the data-parallel shard ranks, and a plan with EP applied to a
+plan without it (the experts in their own groups: ``fsdp2/expert_groups.py``)."""
+
+from __future__ import annotations
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.expert_groups import with_expert_groups
+from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
+from fsdp_planner.fsdp2.plan import Plan, divisors
+from fsdp_planner.trace.records import Trace
+
+EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
+
+
+def expert_modules(trace: Trace) -> list[str]:
+    """Modules that hold grouped experts: their own params all at least 3-D with one leading dim (the experts)
+    above 1, and a class named ``...Experts``."""
+    out = []
+    for name, info in trace.modules.items():
+        params = [trace.param(p) for p in info.params]
+        lead = {p.shape[0] for p in params if len(p.shape) >= 3}
+        if params and info.cls.endswith("Experts") and len(lead) == 1 and lead.pop() > 1 \
+                and all(len(p.shape) >= 3 for p in params):
+            out.append(name)
+    return out
+
+
+def expert_count(trace: Trace, experts: list[str]) -> int:
+    """The number of experts each expert module holds (their common leading dim)."""
+    counts = {trace.param(p).shape[0] for m in experts for p in trace.modules[m].params}
+    if len(counts) != 1:
+        raise PlannerError(f"the expert modules hold different expert counts {sorted(counts)}: name one kind of "
+                           "expert module for expert parallelism")
+    return counts.pop()
+
+
+def ep_degrees(trace: Trace, shard: int) -> list[int]:
+    """EP degrees a model allows on ``shard`` data-parallel shard ranks: divisors of the expert count that divide
+    the shard ranks (EP's ranks come out of dp_shard); [1] for a model without grouped experts."""
+    experts = expert_modules(trace)
+    if not experts:
+        return [1]
+    n = expert_count(trace, experts)
+    return [d for d in divisors(n) if shard % d == 0]
+
+
+def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0) -> Plan:
+    """``plan`` with EP of ``degree`` over the model's expert modules, each in a group of its own; degree 1: no EP."""
+    if degree == 1:
+        return plan.replace(expert_parallel=None)
+    experts = expert_modules(trace)
+    if not experts:
+        raise PlannerError("expert parallelism needs grouped experts modules (params stacked on an expert dim, a "
+                           "class named ...Experts); this model has none")
+    return with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
