@@ -174,3 +174,19 @@ def test_expert_modules_found_and_degrees_divide_experts_and_shard() -> None:
     plan = with_expert_parallel(TorchtitanPolicy("MoEBlock").plan(tr), tr, 4)
     assert plan.groups == _ep_plan(tr, 4).groups and plan.ep_degree == 4
     assert ep_degrees(_traced("toy-llama"), 8) == [1]
+
+
+def test_ep_screen_simulates_each_degree_and_picks_the_fastest_that_fits() -> None:
+    from fsdp_planner.planners.expert_parallel import best_ep_option, ep_options
+
+    tr = _traced()
+    cluster = parse_cluster("h100:8")
+    plan = TorchtitanPolicy("MoEBlock").plan(tr)
+    found = ep_options(tr, plan, cluster, BF16)
+    assert [(o.degree, o.keep_experts) for o in found] == [(1, False), (2, False), (2, True), (4, False), (4, True),
+                                                           (8, False), (8, True)]
+    again = simulate(tr, found[3].plan, cluster, BF16, timeline=False)  # on the view as on the whole trace
+    assert again.summary() == found[3].step.summary()
+    best = best_ep_option(found, 2**40)
+    assert best is not None and best.step.step_time == min(o.step.step_time for o in found)
+    assert best_ep_option(found, 1) is None

@@ -5,10 +5,18 @@ plan without it (the experts in their own groups: ``fsdp2/expert_groups.py``).""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
+from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Plan, divisors
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.sim.expert_parallel import ep_view
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.trace.records import Trace
 
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
@@ -55,3 +63,43 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
         raise PlannerError("expert parallelism needs grouped experts modules (params stacked on an expert dim, a "
                            "class named ...Experts); this model has none")
     return with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
+
+
+@dataclass(frozen=True)
+class EPOption:
+    """One EP layout of a plan, simulated: its degree, whether the expert groups stay unsharded after forward
+    (their backward all-gathers saved for E / EP experts' memory), the plan and its step."""
+
+    degree: int
+    keep_experts: bool
+    plan: Plan
+    step: StepReport
+
+    def describe(self) -> str:
+        return (f"EP {self.degree}" + (" (experts kept after forward)" if self.keep_experts else "")
+                if self.degree > 1 else "no EP")
+
+
+def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0) -> list[EPOption]:
+    """``plan`` (without EP) under every EP degree the model and its shard ranks allow, its expert groups resharded
+    after forward or kept: each simulated (the EP view built once per degree). The EP screen a search runs after
+    choosing its groups; deterministic, 2 simulations a degree."""
+    shard = plan.shard_size(cluster.world_size)
+    out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))]
+    for degree in ep_degrees(trace, shard)[1:]:
+        ep_plan = with_expert_parallel(plan, trace, degree, skew=min(skew, degree))
+        view = ep_view(trace, ep_plan).trace
+        if plan.shard_dims:  # the placement rule at the experts' own shard ranks
+            ep_plan = ep_plan.replace(shard_dims=shard_dims(view, shard, ShardPlacement.AUTO))
+        for keep in (False, True):
+            p = ep_plan if not keep else ep_plan.replace(groups=[
+                replace(g, reshard_after_forward=False) if g.modules[0] in ep_plan.expert_parallel.modules else g
+                for g in ep_plan.groups])
+            out.append(EPOption(degree, keep, p, simulate(view, p, cluster, options, timeline=False)))
+    return out
+
+
+def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
+    """The fastest of ``found`` whose reserved memory fits ``budget`` bytes (None: none fits)."""
+    fitting = [o for o in found if o.step.reserved_memory <= budget]
+    return min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else None
