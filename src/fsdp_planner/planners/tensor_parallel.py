@@ -215,8 +215,9 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
     if d == 1:
         return
     if cluster is not None and (cluster.gpus_per_node % d or cluster.world_size % d):
+        world = f" and its {cluster.world_size} GPUs" if cluster.world_size % d else ""
         raise PlannerError(f"--tp {d} must divide the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (TP "
-                           f"stays inside a node, on NVLink){f' and its {cluster.world_size} GPUs' if cluster.world_size % d else ''}")
+                           f"stays inside a node, on NVLink){world}")
     if layout.heads is not None and any(h % d for h in layout.heads):
         raise PlannerError(f"--tp {d} must divide the model's {layout.heads[0]} attention heads and "
                            f"{layout.heads[1]} kv heads: choose a degree that divides both")
