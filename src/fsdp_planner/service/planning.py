@@ -17,12 +17,14 @@ from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec
+from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
+from fsdp_planner.planners.tensor_parallel import check_layout, tp_layout
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
 from fsdp_planner.sim.context import SimContext
@@ -89,24 +91,37 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
 
     def searched(n: int) -> AutoResult:
         one = at(n)
-        return search(tracer(one.model, one.options), policy, cluster, one.options, job.model.name, reporter)
+        return search(tracer(one.model, one.options), policy, cluster, one.options, job.model, reporter)
 
     best, tried = choose_split(batch, searched)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
                                          for s in tried)
 
 
-def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str,
+def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: ModelSpec | str,
            reporter: Reporter = SILENT) -> AutoResult:
     """Auto's search on ``cluster`` (a result over the budget is the caller's to report)."""
     capacity = cluster.gpu.memory_bytes
     if request.memory_budget is not None and request.memory_budget > capacity:
         reporter.note(f"--memory-budget {fmt_bytes(request.memory_budget)} is more than one {cluster.gpu.name} "
                       f"holds ({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
+    layouts = auto_layouts(tr, request, as_spec(model), cluster, reporter)
     with reporter.progress(f"auto: searching plans for {cluster.name}"):
-        policy = make_policy(request, cluster, options)
+        policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
-        return policy.search(tr, model)
+        return policy.search(tr, str(model))
+
+
+def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: Cluster,
+                 reporter: Reporter = SILENT) -> tuple[TensorParallel, ...]:
+    """The TP layouts auto searches: the one ``--tp`` asks for (checked; what it assumed noted), else none."""
+    if request.tp is None or request.tp == 1:
+        return ()
+    layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp)
+    check_layout(tr, layout, cluster, model.workload().get("seq_len"))
+    for line in layout.notes:
+        reporter.note(line)
+    return (layout.tp,)
 
 
 def fitting(result: AutoResult) -> AutoResult:
@@ -137,14 +152,30 @@ def with_reshard(plan: Plan, rule: str) -> Plan:
     return dataclasses.replace(plan, policy=f"{plan.policy}, reshard_after_forward {rule}", groups=groups)
 
 
-def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
+def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None,
+            reporter: Reporter = SILENT) -> Plan:
+    """``plan`` with the tensor parallelism ``request.tp`` asks for: the layout of the first source that has one
+    for this model (``planners/tensor_parallel.py``), checked against the model and ``cluster``; what it assumed
+    goes to the reporter. A plan that has TP already (a plan file's) keeps its own."""
+    if plan.tensor_parallel is not None or request.tp is None or request.tp == 1:
+        return plan
+    spec = as_spec(model)
+    layout = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp)
+    check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
+    for line in layout.notes:
+        reporter.note(line)
+    return plan.replace(tensor_parallel=layout.tp)
+
+
+def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None = None,
                 options: SimOptions | None = None, reporter: Reporter = SILENT) -> Plan:
     """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget)."""
+    name = str(model)
     if request.name is PolicyName.AUTO:
         if cluster is None:
             raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
         return fitting(search(tr, request, cluster, options or SimOptions(), model, reporter)).written_plan
-    plan = make_policy(request).plan(tr, model)
+    plan = with_tp(make_policy(request).plan(tr, name), tr, request, model, cluster, reporter)
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
     return stamped(plan, tr, cluster.world_size if cluster else None, options)
@@ -156,7 +187,7 @@ def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cl
     grouping unchecked (a param it would read sharded is one of check's findings, not an error)."""
     if request.name is PolicyName.AUTO:
         return policy_plan(tr, request, model, cluster, options, reporter)
-    return make_baseline(request).build(tr, model)
+    return with_tp(make_baseline(request).build(tr, model), tr, request, model, cluster, reporter)
 
 
 def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyRequest, ...]:
@@ -181,7 +212,7 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], Aut
             plans += _classic(tr, policy, job, reporter)
             continue
         assert job.cluster is not None
-        auto = search(tr, policy, job.cluster, job.options, job.model.name, reporter)
+        auto = search(tr, policy, job.cluster, job.options, job.model, reporter)
         if not job.compare and job.must_fit:
             fitting(auto)
         if not auto.fits:
@@ -196,7 +227,8 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
     """A classic policy's plan; in a comparison, none (with a note saying why) when the policy cannot take the
     requested settings or FSDP2 would fail on its plan: that is no baseline."""
     try:
-        plan = make_policy(policy).plan(tr, job.model.name)  # its world size is checked where it is simulated
+        plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter)
+        # (its world size is checked where it is simulated)
         return [with_reshard(stamped(plan, tr, job.cluster.world_size if job.cluster else None, job.options),
                              job.reshard)]
     except PlannerError as e:

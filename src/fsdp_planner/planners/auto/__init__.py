@@ -37,6 +37,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
 from fsdp_planner.planners.auto.candidates import (
@@ -168,6 +169,7 @@ class AutoPolicy:
     headroom: Headroom | None = None  # below the GPU's memory when no memory_budget; None: ``DEFAULT_HEADROOM``
     name: str = "auto"
     choose_memory_options: bool = True  # when nothing fits: try dim-1 sharding and CPU offload (module docstring)
+    tensor_parallel: tuple[TensorParallel, ...] = ()  # the TP layouts to search (none: no TP)
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, Target):
