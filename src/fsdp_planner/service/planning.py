@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
-from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
@@ -24,14 +24,15 @@ from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_messag
 from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
-from fsdp_planner.planners.tensor_parallel import check_layout, tp_layout
+from fsdp_planner.planners.tensor_parallel import check_layout, tp_degrees, tp_layout
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import with_memory_options
+from fsdp_planner.sim.tensor_parallel import TPView, data_parallel_plan, tp_view
 from fsdp_planner.trace.records import Trace
 
 Tracer = Callable[[ModelSpec, SimOptions], Trace]  # the step of one micro-batch of the model, in the options' dtypes
@@ -114,7 +115,12 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
 
 def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: Cluster,
                  reporter: Reporter = SILENT) -> tuple[TensorParallel, ...]:
-    """The TP layouts auto searches: the one ``--tp`` asks for (checked; what it assumed noted), else none."""
+    """The TP layouts auto searches: the one ``--tp`` asks for (checked; what it assumed noted); without ``--tp``
+    (and without ``--mesh``, which fixes the data-parallel ranks), no TP and each degree of ``TP_DEGREES`` that
+    divides the node and the model (``tp_degrees``), when there are any."""
+    if request.tp is None and request.mesh is None and request.target is Target.FSDP2:
+        layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp)
+        return tuple(x.tp for x in layouts) if len(layouts) > 1 else ()
     if request.tp is None or request.tp == 1:
         return ()
     layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp)
@@ -243,7 +249,17 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
     auto's HSDP with pure FSDP); auto's step is the one its search simulated."""
     cluster = job.cluster
     world = cluster.world_size if cluster else None
-    contexts: dict[tuple[Mesh, SimOptions], SimContext] = {}
+    contexts: dict[tuple, SimContext] = {}
+    views: dict[tuple, TPView] = {}
+
+    def view(p: Plan) -> tuple[Trace, Cluster | None]:
+        """The trace and cluster ``p`` runs on: one TP rank's view under its TP (built once per layout)."""
+        tp = p.tensor_parallel
+        if tp is None or tp.degree == 1 or cluster is None:
+            return tr, cluster
+        if tp.signature() not in views:
+            views[tp.signature()] = tp_view(tr, tp, cluster)
+        return views[tp.signature()].trace, views[tp.signature()].cluster
 
     def simulated(p: Plan) -> StepReport | None:
         if cluster is None:
@@ -251,10 +267,18 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         if auto is not None and (auto.fits or not job.must_fit) and p == auto.written_plan:
             return auto.report
         check_plan_world_size(p, cluster.world_size)
-        key = (p.layout(cluster.world_size), plan_options(p, job.options))  # auto may have chosen offload
+        on, dp = view(p)
+        assert dp is not None
+        # one context per layout (auto may have chosen offload)
+        key = (p.layout(cluster.world_size), plan_options(p, job.options), p.tensor_parallel)
         if key not in contexts:
-            contexts[key] = SimContext(tr, cluster, key[1], mesh=key[0])
-        return simulate(tr, p, context=contexts[key], timeline=False)
+            contexts[key] = SimContext(on, dp, key[1], mesh=key[0])
+        return simulate(on, p, context=contexts[key], timeline=False)
+
+    def metrics(p: Plan) -> PlanMetrics:
+        on, dp = view(p)  # a TP plan's figures are one TP rank's: its local params on its data-parallel ranks
+        plain = p if on is tr else data_parallel_plan(p, dp.world_size * p.tp_degree) if dp else p
+        return plan_metrics(on, plain, dp.world_size if dp else world, precision)
 
     precision = job.options.precision if cluster else None  # the table's bytes in the simulation's dtypes
-    return [(p, plan_metrics(tr, p, world, precision), simulated(p)) for p in plans]
+    return [(p, metrics(p), simulated(p)) for p in plans]

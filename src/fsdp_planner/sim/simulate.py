@@ -27,15 +27,15 @@ from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Kept, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
+from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options
+from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
 from fsdp_planner.sim.tensor_parallel import data_parallel_plan, tp_collectives, tp_positions, tp_view
-from fsdp_planner.sim.recompute import checkpointed_calls
-from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
 from fsdp_planner.trace.records import Trace
 
