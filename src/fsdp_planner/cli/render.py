@@ -20,7 +20,7 @@ from rich.table import Table
 from fsdp_planner.choices import GradientSync
 from fsdp_planner.fmt import cell_text, fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.service.outcome import SearchSummary
@@ -426,7 +426,7 @@ def auto_line(search: SearchSummary) -> str:
          if plan.activation_offloading else "")
     layout = f", HSDP {plan.mesh.describe()}" if plan.mesh and plan.mesh.replicate > 1 else ""
     if plan.tensor_parallel is not None and plan.tp_degree > 1:
-        dp = plan.layout(search.cluster.world_size)
+        dp = plan.mesh or Mesh.flat(search.cluster.world_size)  # (the search's cluster: the data-parallel view)
         layout = (f", FSDP {dp.shard}" if dp.replicate == 1 else f", HSDP {dp.describe()}") + \
             f" x {plan.tensor_parallel.describe()}"
     # auto's last resorts, said where the step time is: an offload plan's step is mostly the CPU optimizer's

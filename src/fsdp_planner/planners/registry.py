@@ -9,12 +9,12 @@ from fsdp_planner.choices import DEFAULT_SAC_POLICY, POLICY_NAMES, PolicyName, S
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, check_checkpointing, checkpoint_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.planners.order import ExecutionOrderPolicy
+from fsdp_planner.planners.tensor_parallel import TPChoice
 from fsdp_planner.sim.budget import Headroom
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
@@ -120,7 +120,7 @@ class OnMesh:
 
 
 def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None,
-                tensor_parallel: tuple[TensorParallel, ...] = ()) -> Policy:
+                tensor_parallel: tuple[TPChoice, ...] = ()) -> Policy:
     """The policy a request names; auto needs the cluster it plans for, and takes the TP layouts to search
     (``planners/tensor_parallel.py`` makes them for the traced model; none: no TP)."""
     if request.name is not PolicyName.AUTO:

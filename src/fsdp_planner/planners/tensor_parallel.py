@@ -54,6 +54,15 @@ def titan_llama_layout(degree: int, loss_parallel: bool = True) -> TensorParalle
 
 
 @dataclass(frozen=True)
+class TPChoice:
+    """A TP layout auto may choose, and the step it is judged on: ``trace``, the model at the batch each of its
+    data-parallel ranks runs (None: the search's own trace)."""
+
+    tp: TensorParallel
+    trace: Trace | None = None
+
+
+@dataclass(frozen=True)
 class Layout:
     """A TP layout, where it came from, and what it assumed or left out (one line each, for the commands)."""
 

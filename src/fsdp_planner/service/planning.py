@@ -17,16 +17,16 @@ from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
-from fsdp_planner.planners.tensor_parallel import check_layout, tp_degrees, tp_layout
+from fsdp_planner.planners.tensor_parallel import TPChoice, check_layout, tp_degrees, tp_layout
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
@@ -65,7 +65,7 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     if job.split:
         job, splits = _split(job, tracer, reporter)
     tr = tracer(job.model, job.options)
-    plans, auto, no_fit = _plans(tr, job, reporter)
+    plans, auto, no_fit = _plans(tr, job, reporter, tracer)
     rows = _rows(tr, plans, job, auto)
     kept = as_written(plans[0], job) if plans else None
     why = explained(auto) if job.explain and auto is not None and no_fit is None else None
@@ -92,7 +92,7 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
 
     def searched(n: int) -> AutoResult:
         one = at(n)
-        return search(tracer(one.model, one.options), policy, cluster, one.options, job.model, reporter)
+        return search(tracer(one.model, one.options), policy, cluster, one.options, one.model, reporter, tracer)
 
     best, tried = choose_split(batch, searched)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
@@ -100,34 +100,52 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
 
 
 def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: ModelSpec | str,
-           reporter: Reporter = SILENT) -> AutoResult:
-    """Auto's search on ``cluster`` (a result over the budget is the caller's to report)."""
+           reporter: Reporter = SILENT, tracer: Tracer | None = None) -> AutoResult:
+    """Auto's search on ``cluster`` (a result over the budget is the caller's to report). ``tracer``: how the model
+    is traced at another batch, for auto's choice of the TP degree (default: the spec's meta trace)."""
     capacity = cluster.gpu.memory_bytes
     if request.memory_budget is not None and request.memory_budget > capacity:
         reporter.note(f"--memory-budget {fmt_bytes(request.memory_budget)} is more than one {cluster.gpu.name} "
                       f"holds ({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
-    layouts = auto_layouts(tr, request, as_spec(model), cluster, reporter)
+    spec = as_spec(model)
+    layouts = auto_layouts(tr, request, spec, cluster, options, reporter, tracer or _spec_tracer)
     with reporter.progress(f"auto: searching plans for {cluster.name}"):
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
-        return policy.search(tr, str(model))
+        result = policy.search(tr, str(model))
+    degree = result.plan.tp_degree
+    if request.tp is None and degree > 1:
+        batch = spec.workload()["batch_size"]
+        reporter.note(f"auto's layout has TP {degree}: each data-parallel rank runs batch {batch * degree:,} (the "
+                      f"step's {batch * cluster.world_size:,} sequences of batch {batch:,} per GPU kept); "
+                      f"with --tp {degree} give --batch {batch * degree:,} for the same job")
+    return result
 
 
-def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: Cluster,
-                 reporter: Reporter = SILENT) -> tuple[TensorParallel, ...]:
-    """The TP layouts auto searches: the one ``--tp`` asks for (checked; what it assumed noted); without ``--tp``
-    (and without ``--mesh``, which fixes the data-parallel ranks), no TP and each degree of ``TP_DEGREES`` that
-    divides the node and the model (``tp_degrees``), when there are any."""
+def _spec_tracer(spec: ModelSpec, options: SimOptions) -> Trace:
+    return trace_spec(spec, options.precision)
+
+
+def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: Cluster, options: SimOptions,
+                 reporter: Reporter, tracer: Tracer) -> tuple[TPChoice, ...]:
+    """The TP layouts auto searches: the one ``--tp`` asks for (checked; what it assumed noted; ``--batch`` per
+    data-parallel rank, as torchtitan's local batch); without ``--tp`` (and without ``--mesh``, which fixes the
+    data-parallel ranks), no TP and each degree of ``TP_DEGREES`` that divides the node and the model
+    (``tp_degrees``), each judged at the same step: TP d runs d times the batch per data-parallel rank (traced at
+    it), so every layout trains the batch of the GPU count a step."""
     if request.tp is None and request.mesh is None and request.target is Target.FSDP2:
-        layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp)
-        return tuple(x.tp for x in layouts) if len(layouts) > 1 else ()
+        batch = model.workload().get("batch_size")
+        layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp) if batch else []
+        return tuple(TPChoice(x.tp, None if x.tp.degree == 1 else
+                              tracer(dataclasses.replace(model, batch_size=batch * x.tp.degree), options))
+                     for x in layouts) if len(layouts) > 1 else ()
     if request.tp is None or request.tp == 1:
         return ()
     layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp)
     check_layout(tr, layout, cluster, model.workload().get("seq_len"))
     for line in layout.notes:
         reporter.note(line)
-    return (layout.tp,)
+    return (TPChoice(layout.tp),)
 
 
 def fitting(result: AutoResult) -> AutoResult:
@@ -207,7 +225,8 @@ def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyReques
     return tuple(p for p in job.policies if p.name not in (PolicyName.MODULE, PolicyName.TITAN))
 
 
-def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], AutoResult | None, str | None]:
+def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer
+           ) -> tuple[list[Plan], AutoResult | None, str | None]:
     """Each policy's plan, auto's search result, and why auto found no plan within the budget (in a comparison
     that is a result, not an error)."""
     auto: AutoResult | None = None
@@ -218,7 +237,7 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], Aut
             plans += _classic(tr, policy, job, reporter)
             continue
         assert job.cluster is not None
-        auto = search(tr, policy, job.cluster, job.options, job.model, reporter)
+        auto = search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
         if not job.compare and job.must_fit:
             fitting(auto)
         if not auto.fits:

@@ -51,6 +51,7 @@ from fsdp_planner.planners.auto.checkpointing import CheckpointSearch, Choice, S
 from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.planners.tensor_parallel import TPChoice
 from fsdp_planner.sim.budget import Headroom, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
@@ -170,8 +171,8 @@ class AutoPolicy:
     headroom: Headroom | None = None  # below the GPU's memory when no memory_budget; None: ``DEFAULT_HEADROOM``
     name: str = "auto"
     choose_memory_options: bool = True  # when nothing fits: try dim-1 sharding and CPU offload (module docstring)
-    tensor_parallel: tuple[TensorParallel, ...] = ()  # the TP layouts to choose among (none: no TP; degree 1 among
-    # them: no TP as one of the choices), ``_choose_tp``
+    tensor_parallel: tuple[TPChoice, ...] = ()  # the TP layouts to choose among (none: no TP; degree 1 among
+    # them: no TP as one of the choices), each with the trace it is judged on, ``_choose_tp``
     on_layout: TensorParallel | None = None  # the TP of the view this search runs on: its trace and ``cluster`` are
     # one TP rank's (``sim/tensor_parallel.tp_view``), every plan carries it
 
@@ -185,7 +186,7 @@ class AutoPolicy:
             raise PlannerError("the memory budget must be positive")
         if self.search_effort is not None and (isinstance(self.search_effort, bool) or self.search_effort < 0):
             raise PlannerError("the search effort is a number of plans: 0 or more")
-        tp = self.tensor_parallel[0].degree if len(self.tensor_parallel) == 1 else 1
+        tp = self.tensor_parallel[0].tp.degree if len(self.tensor_parallel) == 1 else 1
         if self.mesh is not None and self.mesh.size * tp != self.cluster.world_size:
             with_tp = f" x TP {tp}" if tp > 1 else ""
             raise PlannerError(f"mesh {self.mesh.describe()}{with_tp} has {self.mesh.size * tp} ranks but cluster "
@@ -231,7 +232,7 @@ class AutoPolicy:
         searched in full, and the next ones up to ``TP_SEARCHES`` whose screening plan fits within ``MESH_SLACK``
         of the best's. Each layout's line keeps its best plan, searched or screened."""
         started = time.perf_counter()
-        views = [self._on_tp(trace, tp) for tp in self.tensor_parallel]
+        views = [self._on_tp(choice.trace or trace, choice.tp) for choice in self.tensor_parallel]
         if len(views) == 1:
             policy, view = views[0]
             return policy.search(view, model)
