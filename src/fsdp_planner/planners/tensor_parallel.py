@@ -19,6 +19,7 @@ from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
 
 TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
+PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
 
 _LLAMA_BLOCK = {
     "attention_norm": TPStyle.SEQUENCE_PARALLEL,
@@ -174,7 +175,7 @@ def _pairs_layout(trace: Trace, degree: int) -> Layout:
             f"{', '.join(classes)} (assumed: the ops between each pair's Linears are element-wise or per head, and "
             "a reshape into heads infers the head count, e.g. view(b, s, -1, head_dim); embeddings, norms and the "
             "output head stay whole over TP)")
-    return Layout(TensorParallel(degree, layout), "column-then-row Linear pairs", (note,))
+    return Layout(TensorParallel(degree, layout), PAIRS, (note,))
 
 
 def _pair(trace: Trace, parent: ModuleInfo) -> _Pair | None:
@@ -257,7 +258,8 @@ def _check_module(trace: Trace, module: str, style: TPStyle, degree: int) -> Non
 def tp_degrees(trace: Trace, model: ModelSpec | None, cluster: Cluster, loss_parallel: bool | None = None,
                async_tp: bool = False) -> list[Layout]:
     """The layouts auto tries: each degree of ``TP_DEGREES`` (no TP among them) whose layout exists and passes
-    ``check_layout`` on ``cluster``; none beyond no TP for a model with no sound layout."""
+    ``check_layout`` on ``cluster``; none beyond no TP for a model with no sound layout, or whose layout is only
+    detected (its assumptions are the user's to accept, with ``--tp``)."""
     seq = model.workload().get("seq_len") if model is not None else None
     out = [Layout(TensorParallel(1), "no TP")]
     for degree in TP_DEGREES[1:]:
@@ -266,5 +268,7 @@ def tp_degrees(trace: Trace, model: ModelSpec | None, cluster: Cluster, loss_par
             check_layout(trace, layout, cluster, seq)
         except PlannerError:
             continue
+        if layout.source == PAIRS:
+            break
         out.append(layout)
     return out

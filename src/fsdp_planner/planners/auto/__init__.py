@@ -229,8 +229,8 @@ class AutoPolicy:
         """The fastest plan that fits over the TP layouts ``tensor_parallel``, each searched on one TP rank's view
         of the trace and cluster. With several, each is screened first by its best classic plan (with the fewest
         checkpointed blocks that let it fit, as ``_choose_meshes`` screens the data-parallel layouts); the best is
-        searched in full, and the next ones up to ``TP_SEARCHES`` whose screening plan fits within ``MESH_SLACK``
-        of the best's. Each layout's line keeps its best plan, searched or screened."""
+        searched in full, and the next ones up to ``TP_SEARCHES`` whose screening plan fits within ``TP_SLACK`` of
+        the best's. Each layout's line keeps its best plan, searched or screened."""
         started = time.perf_counter()
         views = [self._on_tp(choice.trace or trace, choice.tp) for choice in self.tensor_parallel]
         if len(views) == 1:
@@ -247,7 +247,7 @@ class AutoPolicy:
         screened.sort(key=lambda s: s[0])
         fastest = screened[0][1].report.step_time
         chosen = [s for i, s in enumerate(screened[:TP_SEARCHES])
-                  if i == 0 or (s[0][0] == 0 and s[1].report.step_time <= fastest * (1 + MESH_SLACK))]
+                  if i == 0 or (s[0][0] == 0 and s[1].report.step_time <= fastest * (1 + TP_SLACK))]
         results = [policy.search(view, model) for _, _, policy, view in chosen]
         best = min(results, key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
         lines = {name: c for r in results for name, c in r.meshes.items()}
@@ -492,6 +492,8 @@ def fits_unchecked(ev: Evaluator) -> bool:
 
 
 TP_SEARCHES = 2  # TP layouts searched in full at most, the best by their screening (``_choose_tp``)
+TP_SLACK = 0.03  # ... the second when its screening plan is within this of the best's: each full search costs
+# as much as a search without TP, and the layouts' screenings rank as their searches do within a few percent
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
 MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
 
