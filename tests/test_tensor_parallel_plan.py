@@ -4,7 +4,6 @@ auto's choice of the degree."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,8 @@ from fsdp_planner.service.configured import configured
 from fsdp_planner.service.planning import plan as plan_job
 from fsdp_planner.service.planning import search
 from fsdp_planner.service.tracing import trace_spec
-from fsdp_planner.service.validate import Keywords, Spelling, plan_job as checked_job
+from fsdp_planner.service.validate import Keywords, Spelling
+from fsdp_planner.service.validate import plan_job as checked_job
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 
@@ -144,7 +144,7 @@ def test_a_classic_plan_carries_the_layout():
     assert report is not None and report.tp_degree == 2 and report.tp_all_gathers > 0
 
 
-# -- job configs --------------------------------------------------------------------------------------------------------
+# -- job configs ----------------------------------------------------------------------------------------------------
 def test_torchtitan_70b_keeps_its_tp():
     cfg = read_config(TORCHTITAN, f"{FIXTURES / 'llama3' / 'config_registry.py'}:llama3_70b")
     kw = configured(Keywords(cluster="h100:64"), cfg, "plan", lambda line: None)
@@ -192,15 +192,11 @@ def test_auto_chooses_the_degree_deterministically():
     assert first.report.step_time == min(fitting)
 
 
-def test_auto_takes_tp_when_nothing_fits_without():
-    """A budget below every plan without TP (TP 2 shards the activations of SP and the params once more)."""
+def test_auto_takes_tp_under_a_tight_budget():
+    """Under a budget well below what the free search's plans reserve, TP 2 (which shards the params once more and
+    the activations between the blocks) is the fastest layout that fits, and auto takes it."""
     free = _auto()
-    without = free.meshes["1x8"].report.reserved_memory
-    with_tp = free.meshes["1x4 x TP 2"].report.reserved_memory
-    assert with_tp < without
-    tight = _auto(budget=(with_tp + without) // 2)
-    if tight.plan.tp_degree == 1:  # auto's search may reach below the screening's peak without TP
-        assert tight.report.reserved_memory <= (with_tp + without) // 2
-    else:
-        assert tight.plan.tensor_parallel is not None and tight.fits
-    assert dataclasses.replace(tight.plan).tp_degree in (1, 2)
+    tight = _auto(budget=int(free.meshes["1x4 x TP 2"].report.reserved_memory * 0.6))
+    assert tight.fits and tight.plan.tp_degree == 2 and tight.plan.tensor_parallel == titan_llama_layout(2)
+    fitting = [c.report.step_time for c in tight.meshes.values() if tight.memory.fits(c.report.reserved_memory)]
+    assert tight.report.step_time == min(fitting)
