@@ -188,7 +188,7 @@ def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | st
     check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
     for line in layout.notes:
         reporter.note(line)
-    return plan.replace(tensor_parallel=layout.tp)
+    return plan.replace(tensor_parallel=layout.tp, policy=f"{plan.policy}, {layout.tp.describe()}")
 
 
 def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None = None,
