@@ -281,13 +281,19 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offl
         + f" per step on mesh {r.mesh}; comm busy: all-gather {fmt_time(r.comm_time['all_gather'])}, reduce-scatter "
         f"{fmt_time(r.comm_time['reduce_scatter'])}"
         + (f", all-reduce {fmt_time(r.comm_time['all_reduce'])}" if r.all_reduces else ""),
-        *([f"TP {r.tp_degree} inside each node: {fmt_count(r.tp_all_gathers, 'all-gather')} "
-           f"({fmt_bytes(r.tp_all_gather_bytes)}), {fmt_count(r.tp_reduce_scatters, 'reduce-scatter')} "
-           f"({fmt_bytes(r.tp_reduce_scatter_bytes)}), {fmt_count(r.tp_all_reduces, 'all-reduce')} "
-           f"({fmt_bytes(r.tp_all_reduce_bytes)}) per step, {fmt_time(r.tp_time)} of the compute stream"]
-          if r.tp_degree > 1 else []),
+        *_tp_line(r),
         *host,
     ]
+
+
+def _tp_line(r: StepReport) -> list[str]:
+    """TP's collectives of one rank's step (on the compute stream: part of its compute time), with TP only."""
+    if r.tp_degree == 1:
+        return []
+    return [f"TP {r.tp_degree}: {fmt_count(r.tp_all_gathers, 'all-gather')} ({fmt_bytes(r.tp_all_gather_bytes)}), "
+            f"{fmt_count(r.tp_reduce_scatters, 'reduce-scatter')} ({fmt_bytes(r.tp_reduce_scatter_bytes)}), "
+            f"{fmt_count(r.tp_all_reduces, 'all-reduce')} ({fmt_bytes(r.tp_all_reduce_bytes)}) per step in a node, "
+            f"{fmt_time(r.tp_time)} of the compute stream"]
 
 
 def fake_world_table(title: str, rows: Mapping[str, tuple[int, int]]) -> Table:

@@ -120,9 +120,8 @@ def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context:
                      ) -> tuple[Trace, Plan, Cluster | None]:
     """The trace, plan and cluster of one TP rank's step: the one place a plan's TP is dispatched."""
     tp = plan.tensor_parallel
-    if tp is None or tp.degree == 1:
-        if trace.tensor_parallel:
-            raise ValueError("a tensor-parallel view of the trace needs the plan with its tensor parallelism")
+    if tp is None or tp.degree == 1:  # on a TP rank's view, a plan without TP is its data-parallel part (a search
+        # on the view builds such plans)
         return trace, plan.replace(tensor_parallel=None) if tp is not None else plan, cluster
     if trace.tensor_parallel:
         if trace.tensor_parallel != tp.signature():

@@ -72,8 +72,10 @@ class TPView:
     tensor_parallel: TensorParallel
 
     def plan(self, plan: Plan) -> Plan:
-        """``plan`` without its TP, on its data-parallel mesh: what FSDP2 does on this view."""
-        return data_parallel_plan(plan, self.cluster.world_size * self.tensor_parallel.degree)
+        """``plan`` (with this view's TP, or its data-parallel part already) without its TP, on its data-parallel
+        mesh: what FSDP2 does on this view."""
+        return data_parallel_plan(plan.replace(tensor_parallel=self.tensor_parallel),
+                                  self.cluster.world_size * self.tensor_parallel.degree)
 
 
 def data_parallel_plan(plan: Plan, world: int) -> Plan:
