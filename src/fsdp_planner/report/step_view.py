@@ -22,6 +22,7 @@ from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.sim.timeline import Stream, TimelineEvent, Work
 from fsdp_planner.trace.records import Trace
 
@@ -132,7 +133,10 @@ class StepView:
 def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | None = None,
               label: str | None = None, budget: MemoryBudget | None = None) -> StepView:
     """Simulate ``plan`` with its timeline and turn it into lanes and a memory curve; its margin is below ``budget``
-    (default: one GPU of ``cluster`` less the default headroom)."""
+    (default: one GPU of ``cluster`` less the default headroom). A plan with TP: one TP rank's step."""
+    if plan.tensor_parallel is not None and plan.tp_degree > 1 and not trace.tensor_parallel:
+        view = tp_view(trace, plan.tensor_parallel, cluster)
+        trace, plan, cluster = view.trace, view.plan(plan), view.cluster
     ctx = SimContext(trace, cluster, plan_options(plan, options or SimOptions()), mesh=plan.layout(cluster.world_size))
     groups = ctx.sizing.groups(plan)
     schedule = build_schedule(trace, plan, ctx.world, [g.params for g in groups])

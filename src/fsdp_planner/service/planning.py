@@ -17,6 +17,7 @@ from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
@@ -30,6 +31,7 @@ from fsdp_planner.sim.metrics import plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import with_memory_options
+from fsdp_planner.sim.tensor_parallel import TPView, tp_view
 from fsdp_planner.trace.records import Trace
 
 Tracer = Callable[[ModelSpec, SimOptions], Trace]  # the step of one micro-batch of the model, in the options' dtypes
@@ -206,12 +208,22 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
         return []
 
 
+def _tp_view(tr: Trace, p: Plan, cluster: Cluster, views: dict[tuple, TPView]) -> TPView:
+    """The TP rank's view that ``p`` is simulated on (``sim/tensor_parallel.py``), made once per layout; the trace
+    itself for a plan without TP."""
+    tp = p.tensor_parallel or TensorParallel(1)
+    if tp.signature() not in views:
+        views[tp.signature()] = tp_view(tr, tp, cluster)
+    return views[tp.signature()]
+
+
 def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -> list[Row]:
     """Each plan's metrics and, with a cluster, its simulated step (one context per layout: the comparison may mix
     auto's HSDP with pure FSDP); auto's step is the one its search simulated."""
     cluster = job.cluster
     world = cluster.world_size if cluster else None
-    contexts: dict[tuple[Mesh, SimOptions], SimContext] = {}
+    contexts: dict[tuple[Mesh, SimOptions, tuple], SimContext] = {}
+    views: dict[tuple, TPView] = {}  # one rank's view per TP layout, made once (the trace is not traced again)
 
     def simulated(p: Plan) -> StepReport | None:
         if cluster is None:
@@ -219,10 +231,11 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         if auto is not None and (auto.fits or not job.must_fit) and p == auto.written_plan:
             return auto.report
         check_plan_world_size(p, cluster.world_size)
-        key = (p.layout(cluster.world_size), plan_options(p, job.options))  # auto may have chosen offload
+        view = _tp_view(tr, p, cluster, views)
+        key = (p.layout(cluster.world_size), plan_options(p, job.options), view.trace.tensor_parallel)  # auto: offload
         if key not in contexts:
-            contexts[key] = SimContext(tr, cluster, key[1], mesh=key[0])
-        return simulate(tr, p, context=contexts[key], timeline=False)
+            contexts[key] = SimContext(view.trace, view.cluster, key[1], mesh=key[0])
+        return simulate(view.trace, p, context=contexts[key], timeline=False)
 
     precision = job.options.precision if cluster else None  # the table's bytes in the simulation's dtypes
     return [(p, plan_metrics(tr, p, world, precision), simulated(p)) for p in plans]

@@ -18,6 +18,7 @@ from fsdp_planner.sim.compute import step_op_times, traced_itemsize
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls, offload_bytes
+from fsdp_planner.sim.tensor_parallel import tp_seconds
 from fsdp_planner.trace.records import Trace
 
 
@@ -64,6 +65,8 @@ class SimContext:
                                       self.options.mfu)
             if len(times) != len(trace.events):
                 raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
+            if trace.tensor_parallel:  # TP's collectives on their TP group (sim/tensor_parallel.py)
+                times = tp_seconds(trace, cluster, list(times), self.precision.compute_bytes / traced_itemsize(trace))
             self.times = list(times)
             self.cum_array = np.concatenate([[0.0], np.cumsum(self.times)])  # for vector work on every plan
             self.cum = self.cum_array.tolist()  # for the engines' scalar reads

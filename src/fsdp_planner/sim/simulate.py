@@ -27,12 +27,15 @@ from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Kept, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
+from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options
+from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
+from fsdp_planner.sim.tensor_parallel import data_parallel_plan, tp_collectives, tp_positions, tp_view
 from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
 from fsdp_planner.trace.records import Trace
 
@@ -61,13 +64,30 @@ class StepReport:
     hooks: int = 0  # FSDP2 lifecycle calls doing work in the step (pre/post-forward, pre/post-backward per group)
     timeline: list[TimelineEvent] = field(default_factory=list)
     cpu_optimizer_time: float = 0.0  # of step_time: CPUOffloadPolicy's optimizer step on the host, after backward
+    # tensor parallelism's collectives on one rank (recomputed ones included) and their seconds on the compute
+    # stream (of compute_time: eager DTensor waits on each; ``tensor_parallel.py``)
+    tp_degree: int = 1
+    tp_all_gathers: int = 0
+    tp_reduce_scatters: int = 0
+    tp_all_reduces: int = 0
+    tp_all_gather_bytes: int = 0
+    tp_reduce_scatter_bytes: int = 0
+    tp_all_reduce_bytes: int = 0
+    tp_time: float = 0.0
 
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("timeline")
         if not d["cpu_optimizer_time"]:  # a step without offload reports as it always did
             d.pop("cpu_optimizer_time")
+        if self.tp_degree == 1:  # and one without TP
+            for name in _TP_FIELDS:
+                d.pop(name)
         return d
+
+
+_TP_FIELDS = ("tp_degree", "tp_all_gathers", "tp_reduce_scatters", "tp_all_reduces", "tp_all_gather_bytes",
+              "tp_reduce_scatter_bytes", "tp_all_reduce_bytes", "tp_time")
 
 
 def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: SimOptions | None = None,
@@ -76,8 +96,11 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     """Simulate one step of ``plan`` on ``cluster`` (world size = the cluster's GPU count).
 
     Pass a ``context`` (built once for the trace and cluster) to simulate many plans fast; ``timeline=False``
-    skips the timeline, which only pictures need.
+    skips the timeline, which only pictures need. A plan with tensor parallelism is simulated on one TP rank's view
+    (``tensor_parallel.tp_view``): of ``trace`` and ``cluster`` as given, or, when ``trace`` is already such a view
+    (what planners build once per layout), with ``cluster`` or ``context`` of that view.
     """
+    trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context)
     ctx = _context(trace, plan, cluster, options, context)
     check_shard_dims(plan, trace, ctx.shard)
     groups = ctx.sizing.groups(plan)
@@ -91,6 +114,24 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
         times = _engine(ctx, plan, ph_sched, timeline and phase is GradSync.LAST)
         runs[phase] = (ph_sched, report(ReportInput(ctx, plan, ph_sched, gather, times, phase is GradSync.LAST)))
     return accumulated(ctx, plan, runs)
+
+
+def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimContext | None
+                     ) -> tuple[Trace, Plan, Cluster | None]:
+    """The trace, plan and cluster of one TP rank's step: the one place a plan's TP is dispatched."""
+    tp = plan.tensor_parallel
+    if tp is None or tp.degree == 1:  # on a TP rank's view, a plan without TP is its data-parallel part (a search
+        # on the view builds such plans)
+        return trace, plan.replace(tensor_parallel=None) if tp is not None else plan, cluster
+    if trace.tensor_parallel:
+        if trace.tensor_parallel != tp.signature():
+            raise ValueError(f"the trace is a view of another tensor-parallel layout than the plan's {tp.describe()}")
+        dp_world = context.world if context is not None else cluster.world_size if cluster is not None else 0
+        return trace, data_parallel_plan(plan, dp_world * tp.degree), cluster
+    if cluster is None or context is not None:
+        raise ValueError("a plan with tensor parallelism needs the cluster (or a context of its TP view)")
+    view = tp_view(trace, tp, cluster)
+    return view.trace, view.plan(plan), view.cluster
 
 
 def _micro_batch_schedule(ctx: SimContext, plan: Plan, sched: Schedule, phase: GradSync) -> Schedule:
@@ -118,7 +159,7 @@ def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> Ste
 # what a step of micro-batches sums over them (``accumulated``); the rest is the last micro-batch's or a peak
 _SUMMED = ("step_time", "compute_time", "exposed_comm", "recompute_time", "host_wait", "copy_time", "host_time",
            "hooks", "all_gathers", "reduce_scatters", "all_reduces", "all_gather_bytes", "reduce_scatter_bytes",
-           "all_reduce_bytes")
+           "all_reduce_bytes", *_TP_FIELDS[1:])
 
 
 def accumulated(ctx: SimContext, plan: Plan, runs: dict[GradSync, tuple[Schedule, StepReport]]) -> StepReport:
@@ -189,4 +230,21 @@ def report(given: ReportInput) -> StepReport:
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),
         comm_time={k.value: v for k, v in times.busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
-        mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=times.events)
+        mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=times.events,
+        **_tp_fields(ctx, given.plan))
+
+
+def _tp_fields(ctx: SimContext, plan: Plan) -> dict:
+    """The report's TP figures: its collectives (``tensor_parallel.tp_collectives``) and their seconds."""
+    trace = ctx.trace
+    if not trace.tensor_parallel:
+        return {}
+    recomputed = checkpointed_calls(trace, plan_checkpointing(plan))
+    tp = tp_collectives(trace, recomputed, ctx.precision.compute_bytes / traced_itemsize(trace))
+    runs = ctx.recompute(plan_checkpointing(plan))
+    seconds = sum(ctx.times[p] for p in tp_positions(trace).tolist())
+    seconds += sum(ctx.times[p] for c in recomputed if not c.offload for p in tp_positions(trace).tolist()
+                   if c.fwd_pre <= p < c.end) if runs else 0.0
+    return {"tp_degree": trace.tp_degree, "tp_all_gathers": tp.counts[AG], "tp_reduce_scatters": tp.counts[RS],
+            "tp_all_reduces": tp.counts[AR], "tp_all_gather_bytes": tp.nbytes[AG],
+            "tp_reduce_scatter_bytes": tp.nbytes[RS], "tp_all_reduce_bytes": tp.nbytes[AR], "tp_time": seconds}

@@ -30,6 +30,12 @@ class OpClass(Enum):
 
 KERNEL_OTHER = 0
 KERNEL_ATTENTION = -1
+# tensor parallelism's collectives, put into the step by ``sim/tensor_parallel.py`` as ops on the compute stream
+# (eager DTensor waits on them): ``Event.nbytes`` is the collective's size as nccl-tests counts it
+KERNEL_TP_ALL_GATHER = -2
+KERNEL_TP_REDUCE_SCATTER = -3
+KERNEL_TP_ALL_REDUCE = -4
+TP_KERNELS = (KERNEL_TP_ALL_GATHER, KERNEL_TP_REDUCE_SCATTER, KERNEL_TP_ALL_REDUCE)
 
 
 class Event(NamedTuple):

@@ -30,6 +30,12 @@ class Trace:
     # bytes), ``step.LossRegion.blocks``
     notes: tuple[str, ...] = ()  # what the trace assumed where the model could not tell it (a stand-in, a kernel),
     # one line each, for the commands to print
+    tensor_parallel: tuple = ()  # a per-TP-rank view (``sim/tensor_parallel.py``): the TP layout's signature
+    # (degree, layout, loss parallel, async TP); empty: the whole model on one rank
+
+    @property
+    def tp_degree(self) -> int:
+        return self.tensor_parallel[0] if self.tensor_parallel else 1
 
     @property
     def forward_methods(self) -> list[tuple[str, str]]:

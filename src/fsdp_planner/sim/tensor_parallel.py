@@ -1,0 +1,381 @@
+"""A step of a plan with tensor parallelism, as one TP rank runs it: the data-parallel simulation of a per-rank view.
+
+torchtitan's ``parallelize`` first parallelizes the model over the ``tp`` mesh dim, then ``fully_shard``s it over the
+data-parallel dims, which shards each TP-local param again (FSDP2's strided sharding: dim 0 of the local shard).
+So one TP rank is an FSDP2 rank of a smaller model on the data-parallel mesh, and ``tp_view`` turns the traced step
+of the whole model into that rank's step (``TPView``):
+
+- params: their TP-local shapes (colwise: dim 0 / TP, bias too; rowwise: weight dim 1 / TP, bias replicated;
+  a vocab-parallel embedding: dim 0 / TP; sequence-parallel norms and the rest replicated);
+- ops: those of the modules the layout parallelizes (and of the lowest module holding a colwise then a rowwise
+  Linear: heads or hidden units local) run on 1/TP of the work; with sequence parallelism so do the ops between
+  those regions (norms, residual adds: a sequence shard); an embedding's lookup makes its whole (partial) output;
+  under loss parallel the loss runs on vocab-sharded logits. What a region's first Linear saves for backward is
+  its input as the region sees it: all-gathered from the sequence shard (``PrepareModuleInput``), or replicated,
+  the whole activation (real DTensor saves the all-gathered local tensor, checked on the fake process group);
+- TP's own collectives, as ops of the compute stream (eager DTensor waits on each; ``KERNEL_TP_*``): the all-gather
+  of a region's sequence-sharded input and its reduce-scatter in backward; the reduce-scatter of a rowwise output
+  onto the sequence dim (an all-reduce without sequence parallelism) and its all-gather in backward; a colwise
+  Linear's input gradient all-reduced without sequence parallelism; the sequence-parallel norms' weight gradients
+  all-reduced (DTensor's partial gradients of replicated params); loss parallel's three all-reduces of one value
+  per token (max, sum of exponentials, target logit). Under activation checkpointing the forward ones run again
+  with the recomputation, as they do for real.
+
+The cluster of that view is the data-parallel one: world / TP ranks, gpus_per_node / TP a node, the same links per
+rank (each TP rank's data-parallel collectives run beside the others', on its own NIC). TP's collectives are
+costed on the real cluster's TP group (consecutive ranks in a node: ``hardware/cost.py``), or with async TP
+overlapped with the matmuls they feed or follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.cost import collective_cost
+from fsdp_planner.sim.compute import traced_itemsize
+from fsdp_planner.sim.recompute import CheckpointedCall
+from fsdp_planner.trace.events import (
+    KERNEL_TP_ALL_GATHER,
+    KERNEL_TP_ALL_REDUCE,
+    KERNEL_TP_REDUCE_SCATTER,
+    TP_KERNELS,
+    Event,
+    EventKind,
+)
+from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
+
+_COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)
+_ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
+_EMBEDDING = (TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
+_GATHERED = (TPStyle.GATHER_INPUT, TPStyle.SEQUENCE_COLWISE)  # input all-gathered from its sequence shard
+LOSS_PARALLEL_ALL_REDUCES = 3  # max, sum of exponentials, target logit: one fp32 value per token each
+KIND_OF = {KERNEL_TP_ALL_GATHER: CollectiveKind.ALL_GATHER, KERNEL_TP_REDUCE_SCATTER: CollectiveKind.REDUCE_SCATTER,
+           KERNEL_TP_ALL_REDUCE: CollectiveKind.ALL_REDUCE}
+
+
+@dataclass(frozen=True)
+class TPView:
+    """What one TP rank holds and runs (``trace``) on the data-parallel view of the cluster (``cluster``)."""
+
+    trace: Trace
+    cluster: Cluster
+    tensor_parallel: TensorParallel
+
+    def plan(self, plan: Plan) -> Plan:
+        """``plan`` without its TP, on its data-parallel mesh: what FSDP2 does on this view."""
+        return data_parallel_plan(plan, self.cluster.world_size * self.tensor_parallel.degree)
+
+
+def data_parallel_plan(plan: Plan, world: int) -> Plan:
+    """The FSDP2 part of a plan with TP on ``world`` ranks: its groups on its data-parallel mesh."""
+    return plan.replace(tensor_parallel=None, mesh=plan.layout(world))
+
+
+def dp_cluster(cluster: Cluster, degree: int) -> Cluster:
+    """The cluster as the data-parallel groups of one TP rank see it; TP stays inside a node."""
+    if cluster.gpus_per_node % degree:
+        raise PlannerError(f"tensor parallelism of degree {degree} needs the {cluster.gpus_per_node} GPUs of a node of "
+                           f"cluster {cluster.name} to split into TP groups of {degree} (TP stays inside a node)")
+    return replace(cluster, gpus_per_node=cluster.gpus_per_node // degree,
+                   nics_per_node=max(1, cluster.nics_per_node // degree))
+
+
+def node_cluster(cluster: Cluster, degree: int) -> Cluster:
+    """The whole cluster back from its data-parallel view (``dp_cluster``): where TP's groups are costed."""
+    return replace(cluster, gpus_per_node=cluster.gpus_per_node * degree, nics_per_node=cluster.nics_per_node * degree)
+
+
+class _Layout:
+    """The layout on this model: each module's style, the regions whose ops run on TP shards, and the modules
+    whose input enters such a region whole (saved whole by their first Linear)."""
+
+    def __init__(self, trace: Trace, tp: TensorParallel) -> None:
+        self.tp, self.t, self.sp = tp, tp.degree, tp.sequence_parallel
+        self.styles = tp.styles(trace.modules)
+        colwise = [m for m, s in self.styles.items() if s in _COLWISE]
+        rowwise = {m for m, s in self.styles.items() if s in _ROWWISE}
+        pairs = {parent_of(m) for m in colwise if any(parent_of(r) == parent_of(m) for r in rowwise)}
+        self.regions = pairs | {m for m, s in self.styles.items() if s in (*_COLWISE, *_ROWWISE, *_GATHERED)}
+        self.embeddings = [m for m, s in self.styles.items() if s in _EMBEDDING]
+        gathered = {m for m, s in self.styles.items() if s in _GATHERED}
+        roots = gathered | {m for m in pairs if not self._inside(m, gathered)}
+        roots |= {m for m in colwise if not self._inside(m, roots)}
+        self.roots = roots
+        self.gathered = gathered
+        self._scale: dict[str, float] = {}
+
+    @staticmethod
+    def _inside(m: str, modules: set[str]) -> bool:
+        return any(a in modules for a in proper_ancestors(m))
+
+    def scale(self, module: str) -> float:
+        """The share of the whole step's work that an op of ``module`` does on one TP rank."""
+        if module not in self._scale:
+            chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
+            if any(m in self.embeddings for m in chain):
+                self._scale[module] = 1.0
+            elif any(m in self.regions for m in chain) or self.sp:
+                self._scale[module] = 1.0 / self.t
+            else:
+                self._scale[module] = 1.0
+        return self._scale[module]
+
+    def input_scale(self, module: str) -> float:
+        """The share of a call's inputs one TP rank holds: as its caller's ops see them."""
+        return 1.0 if module == ROOT else self.scale(parent_of(module))
+
+
+def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster) -> TPView:
+    """One TP rank's step of ``trace`` (the whole model) under ``tp`` on ``cluster``, and the cluster its
+    data-parallel groups see (module docstring). Deterministic; build it once per TP layout."""
+    if trace.tensor_parallel:
+        raise ValueError("the trace is already a tensor-parallel view")
+    if tp.degree == 1:
+        return TPView(trace, cluster, tp)
+    if cluster.world_size % tp.degree:
+        raise PlannerError(f"tensor parallelism of degree {tp.degree} does not divide the {cluster.world_size} GPUs of "
+                           f"cluster {cluster.name}")
+    lay = _Layout(trace, tp)
+    params = tuple(_local_param(p, _param_style(p, lay.styles), tp.degree) for p in trace.params)
+    events, where = _rank_events(trace, lay)
+    view = replace(trace, params=params, events=tuple(events), op_seconds=None,
+                   modules=_modules(trace.modules, events, where),
+                   loss_blocks=_loss_blocks(trace, lay, where), tensor_parallel=tp.signature(),
+                   fingerprint=f"{trace.fingerprint}/tp{tp.degree}")
+    return TPView(view, dp_cluster(cluster, tp.degree), tp)
+
+
+def _param_style(p: ParamInfo, styles: dict[str, TPStyle]) -> TPStyle | None:
+    return next((styles[o] for o in p.owners if o in styles), None)
+
+
+def _local_param(p: ParamInfo, style: TPStyle | None, t: int) -> ParamInfo:
+    """The param's TP-local shard: the dim its style shards, divided by the degree."""
+    if style in (*_COLWISE, *_EMBEDDING):
+        dim = 0
+    elif style in _ROWWISE and len(p.shape) >= 2:
+        dim = 1
+    else:
+        return p
+    if not p.shape or p.shape[dim] % t:
+        raise PlannerError(f"tensor parallelism of degree {t} cannot shard {p.fqn} {list(p.shape)} on dim {dim} "
+                           f"({style.value}): choose a degree that divides it")
+    shape = (*p.shape[:dim], p.shape[dim] // t, *p.shape[dim + 1:])
+    return replace(p, shape=shape, numel=p.numel // t)
+
+
+def _call_bytes(trace: Trace, lay: _Layout) -> dict[tuple[str, int], tuple[int, int]]:
+    """(module, call) -> (bytes of its input as the whole step has it, of its output) for the styled modules: the
+    sizes of TP's collectives on them (traced dtype)."""
+    out: dict[tuple[str, int], tuple[int, int]] = {}
+    stack: list[tuple[str, int, int, int]] = []  # (module, call, input bytes, FWD_PRE position)
+    events = trace.events
+    for i, e in enumerate(events):
+        if e.backward:
+            break
+        if e.kind is EventKind.FWD_PRE and e.module in lay.styles:
+            stack.append((e.module, e.call, e.inputs_nbytes, i))
+        elif e.kind is EventKind.FWD_POST and stack and stack[-1][0] == e.module:
+            m, call, inputs, start = stack.pop()
+            ops = [x for x in events[start:i] if x.is_op]
+            out[(m, call)] = (_linear_input(trace, ops) or inputs, ops[-1].out_nbytes if ops else 0)
+    return out
+
+
+def _linear_input(trace: Trace, ops: list[Event]) -> int:
+    """Bytes of a Linear's input from its matmul: tokens (FLOPs / 2 / weight numel) x in-features; 0 if none."""
+    for e in ops:
+        for p in e.params:
+            info = trace.params[p]
+            if e.flops and len(info.shape) == 2:
+                return e.flops // (2 * info.numel) * info.shape[1] * traced_itemsize(trace)
+    return 0
+
+
+def _tp_op(kernel: int, module: str, nbytes: int, backward: bool) -> Event:
+    return Event(EventKind.OP, module, nbytes=nbytes, backward=backward, kernel=kernel)
+
+
+def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[list[Event], list[Event]]:
+    """TP's collectives just before and just after boundary ``e`` (module docstring)."""
+    style = lay.styles.get(e.module)
+    if style is None or e.is_op:
+        return [], []
+    inputs, output = sizes.get((e.module, e.call), (0, 0))
+    m, kind = e.module, e.kind
+    if kind is EventKind.FWD_PRE and style in _GATHERED:
+        return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs, False)]
+    if kind is EventKind.FWD_POST:
+        if style in (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE):
+            return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False)], []
+        if style in (TPStyle.ROWWISE, TPStyle.EMBEDDING):
+            return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, False)], []
+        if style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel:  # the logits made whole
+            return [_tp_op(KERNEL_TP_ALL_GATHER, m, output, False)], []
+    if kind is EventKind.BWD_PRE and style in (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE):
+        return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, output, True)]
+    if kind is EventKind.BWD_POST:
+        if style in _GATHERED:
+            return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, inputs, True)], []
+        if style is TPStyle.COLWISE and not _Layout._inside(m, lay.gathered):  # a replicated input's partial grad
+            return [_tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
+        if style is TPStyle.SEQUENCE_PARALLEL:
+            # unsharded grads in the compute dtype, as the trace's activations
+            grads = sum(p.numel for p in trace.params if m in p.owners and p.requires_grad) * traced_itemsize(trace)
+            return ([_tp_op(KERNEL_TP_ALL_REDUCE, m, grads, True)] if grads else []), []
+    return [], []
+
+
+def _loss_all_reduces(trace: Trace, lay: _Layout) -> list[Event]:
+    """Loss parallel's all-reduces of one fp32 value per token: tokens from the vocab-sharded head's matmul."""
+    if not lay.tp.loss_parallel:
+        return []
+    heads = [m for m, s in lay.styles.items() if s in _COLWISE]
+    head = next((e for e in reversed(trace.events) if e.is_op and not e.backward and e.flops and e.params
+                 and e.module in heads), None)
+    if head is None:
+        return []
+    weight = trace.params[head.params[0]]
+    tokens = head.flops // (2 * weight.numel)
+    return [_tp_op(KERNEL_TP_ALL_REDUCE, ROOT, tokens * 4, False)] * LOSS_PARALLEL_ALL_REDUCES
+
+
+def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
+    """The TP rank's events, and where each of the trace's events went (old position -> new)."""
+    sizes = _call_bytes(trace, lay)
+    loss_ars, loss = _loss_all_reduces(trace, lay), trace.index.loss_region
+    saved_whole = _saved_whole(trace, lay)
+    t, out, where = lay.t, [], []
+    for i, e in enumerate(trace.events):
+        before, after = _collectives(e, lay, sizes, trace)
+        out.extend(before)
+        where.append(len(out))
+        if e.is_op:
+            s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else lay.scale(e.module)
+            e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
+                           + saved_whole.get(i, 0), out_nbytes=int(e.out_nbytes * s), live=int(e.live * s),
+                           grad_live=int(e.grad_live * s))
+            if loss[i] and not e.backward and loss_ars:
+                after, loss_ars = loss_ars, []
+        elif e.kind is EventKind.FWD_PRE:
+            e = e._replace(inputs_nbytes=int(e.inputs_nbytes * lay.input_scale(e.module)))
+        out.append(e)
+        out.extend(after)
+    return out, where
+
+
+def _saved_whole(trace: Trace, lay: _Layout) -> dict[int, int]:
+    """Op position -> bytes it saves beyond its scaled share: the first saving op of each call of a region root
+    saves the root's input whole (all-gathered or replicated), which the scaling counted at 1/TP."""
+    out: dict[int, int] = {}
+    events, open_calls = trace.events, {}
+    for i, e in enumerate(events):
+        if e.backward:
+            break
+        if e.kind is EventKind.FWD_PRE and e.module in lay.roots:
+            open_calls[e.module] = e.inputs_nbytes
+        elif e.kind is EventKind.FWD_POST:
+            open_calls.pop(e.module, None)
+        elif e.is_op and e.saved and open_calls:
+            for m in [m for m in open_calls if is_within(e.module, m)]:
+                whole = min(open_calls.pop(m), e.saved)
+                out[i] = out.get(i, 0) + whole - int(whole * lay.scale(e.module))
+    return out
+
+
+def _modules(modules: dict[str, ModuleInfo], events: Sequence[Event], where: list[int]) -> dict[str, ModuleInfo]:
+    """The modules with their FLOPs on one TP rank and their first use at its new position."""
+    fwd = dict.fromkeys(modules, 0)
+    bwd = dict.fromkeys(modules, 0)
+    for e in events:
+        if e.is_op and e.flops and e.module in modules:
+            for m in (e.module, *proper_ancestors(e.module)):
+                if m in fwd:
+                    (bwd if e.backward else fwd)[m] += e.flops
+    return {name: replace(info, fwd_flops=fwd[name], bwd_flops=bwd[name],
+                          first_use=where[info.first_use] if info.first_use >= 0 else -1)
+            for name, info in modules.items()}
+
+
+def _loss_blocks(trace: Trace, lay: _Layout, where: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """The loss region's blocks at their new positions, vocab-sharded under loss parallel."""
+    s = 1.0 / lay.t if lay.tp.loss_parallel else 1.0
+    return tuple((where[made], where[freed] if 0 <= freed < len(where) else freed, int(n * s))
+                 for made, freed, n in trace.loss_blocks)
+
+
+def tp_positions(trace: Trace) -> np.ndarray:
+    """Positions of TP's collectives in a TP rank's trace."""
+    return np.flatnonzero(np.isin(trace.index.op_kernel, TP_KERNELS))
+
+
+def tp_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float) -> list[float]:
+    """``times`` with each TP collective's seconds on its TP group of the whole cluster (``cluster`` is the
+    data-parallel view); under async TP less the matmuls it overlaps. ``scale``: traced to compute bytes."""
+    t = trace.tp_degree
+    node = node_cluster(cluster, t)
+    costs = {k: collective_cost(node, kind, t, min(t, node.gpus_per_node)) for k, kind in KIND_OF.items()}
+    async_tp = bool(trace.tensor_parallel[3])
+    out = list(times)
+    for i in tp_positions(trace).tolist():
+        e = trace.events[i]
+        seconds = costs[e.kernel].seconds(e.nbytes * scale)
+        if async_tp and e.kernel != KERNEL_TP_ALL_REDUCE:
+            seconds = max(0.0, seconds - _overlapped(trace, times, i))
+        out[i] = seconds
+    return out
+
+
+def _overlapped(trace: Trace, times: list[float], i: int) -> float:
+    """Seconds of the matmuls an async-TP collective at ``i`` overlaps: those of its module's call after it (an
+    all-gather feeding them) or before it (a reduce-scatter of their output)."""
+    events, module = trace.events, trace.events[i].module
+    opening = events[i - 1].kind in (EventKind.FWD_PRE, EventKind.BWD_PRE) and events[i - 1].module == module
+    step, j, total = (1 if opening else -1), i, 0.0
+    ends = (EventKind.FWD_POST, EventKind.BWD_POST) if opening else (EventKind.FWD_PRE, EventKind.BWD_PRE)
+    while 0 <= j + step < len(events):
+        j += step
+        e = events[j]
+        if e.kind in ends and e.module == module:
+            break
+        if e.is_op and e.kernel > 0:
+            total += times[j]
+    return total
+
+
+@dataclass(frozen=True)
+class TPCollectives:
+    """TP's collectives in a step: counts and bytes (nccl-tests' sizes) by kind, recomputations included."""
+
+    counts: dict[CollectiveKind, int]
+    nbytes: dict[CollectiveKind, int]
+
+
+def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: float) -> TPCollectives:
+    """TP's collectives of a TP rank's step: each once, and again where a checkpointed call's forward runs again."""
+    counts = dict.fromkeys(KIND_OF.values(), 0)
+    nbytes = dict.fromkeys(KIND_OF.values(), 0)
+    positions = tp_positions(trace)
+    runs = np.ones(len(positions), dtype=np.int64)
+    for c in recomputed:
+        if c.offload:  # its saved tensors copied out and back: nothing runs again
+            continue
+        kept = set(c.kept)
+        inside = (positions >= c.fwd_pre) & (positions < c.end)
+        runs += inside & np.array([p not in kept for p in positions.tolist()], dtype=bool)
+    for p, n in zip(positions.tolist(), runs.tolist(), strict=True):
+        e = trace.events[p]
+        kind = KIND_OF[e.kernel]
+        counts[kind] += n
+        nbytes[kind] += n * int(e.nbytes * scale)
+    return TPCollectives(counts, nbytes)

@@ -1,0 +1,206 @@
+"""The simulator's step of a plan with tensor parallelism (``sim/tensor_parallel.py``) against real DTensor TP +
+FSDP2 on torch's fake process group: a 2-D ``(dp, tp)`` mesh, ``parallelize_module`` with the torch styles the
+layout names, ``fully_shard`` over ``dp``, real training steps. FSDP2's and TP's collectives counted exactly, the
+peak within 5%."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.planners.classic import TorchtitanPolicy
+from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.sim.tensor_parallel import tp_view
+from fsdp_planner.trace import record
+
+SHAPED = "tests/fixtures/tp_llama.py:llama3_8b_shaped"
+BF16 = SimOptions.named("bf16-mixed")
+
+
+def _traced(spec: str):
+    lm = load_model(spec)
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
+
+
+def _torch_styles(tp: TensorParallel) -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    lp = tp.loss_parallel
+    make = {
+        TPStyle.COLWISE: ColwiseParallel,
+        TPStyle.ROWWISE: RowwiseParallel,
+        TPStyle.ROWWISE_SEQUENCE: lambda: RowwiseParallel(output_layouts=Shard(1)),
+        TPStyle.SEQUENCE_COLWISE: lambda: ColwiseParallel(input_layouts=Shard(1), use_local_output=not lp,
+                                                          output_layouts=Shard(-1) if lp else Replicate()),
+        TPStyle.EMBEDDING: lambda: RowwiseParallel(input_layouts=Replicate()),
+        TPStyle.EMBEDDING_SEQUENCE: lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        TPStyle.SEQUENCE_PARALLEL: SequenceParallel,
+        TPStyle.GATHER_INPUT: lambda: PrepareModuleInput(input_layouts=(Shard(1),),
+                                                         desired_input_layouts=(Replicate(),)),
+    }
+    return {pattern: make[style]() for pattern, style in tp.layout.items()}
+
+
+class TPCounter:
+    """TP's collectives as DTensor issues them: the all-gathers and reduce-scatters of its redistributions seen
+    as ``_c10d_functional`` ops, the all-reduces by wrapping ``funcol.all_reduce`` (loss parallel calls it inside
+    DTensor's own dispatch, below any dispatch mode)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.nbytes: collections.Counter = collections.Counter()
+
+    def count(self, kind: str, t: torch.Tensor) -> None:
+        self.counts[kind] += 1
+        self.nbytes[kind] += t.numel() * t.element_size()
+
+    @contextlib.contextmanager
+    def counting(self):  # type: ignore[no-untyped-def]
+        import torch.distributed._functional_collectives as funcol
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                out = func(*args, **(kwargs or {}))
+                if func.namespace == "_c10d_functional":
+                    if func._opname == "all_gather_into_tensor":
+                        counter.count("all_gather", out)
+                    elif func._opname == "reduce_scatter_tensor":
+                        counter.count("reduce_scatter", args[0])
+                return out
+
+        all_reduce = funcol.all_reduce
+
+        def counted(t, *args, **kwargs):  # type: ignore[no-untyped-def]
+            counter.count("all_reduce", t)
+            return all_reduce(t, *args, **kwargs)
+
+        funcol.all_reduce = counted
+        try:
+            with Ops():
+                yield
+        finally:
+            funcol.all_reduce = all_reduce
+
+
+def run_tp_fake_world(spec: str, plan, dp: int, tp: TensorParallel, steps: int = 2) -> dict:  # type: ignore[no-untyped-def]
+    """Real TP + FSDP2 on dp x tp fake ranks; the last step's FSDP2 and TP collectives and peak."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.fsdp2.precision import mixed_precision
+    from fsdp_planner.runtime.fake_build import build_fake
+    from fsdp_planner.runtime.fake_world import FakeSteps, FakeTraining, HostCopies, factory_call, fake_process_group
+
+    model_spec = ModelSpec(spec)
+    with fake_process_group(dp * tp.degree):
+        mesh = init_device_mesh("cpu", (dp, tp.degree), mesh_dim_names=("dp", "tp"))
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            built = build_fake(factory_call(model_spec), spec, mode)
+            with unset_fake_temporarily():
+                parallelize_module(built.model, mesh["tp"], _torch_styles(tp))
+                apply_plan(built.model, plan, mesh=mesh["dp"],
+                           mp_policy=mixed_precision(BF16.precision, built.model))
+            training = FakeTraining(built, plan, FakeSteps(steps), model_spec, HostCopies())
+            for _ in range(steps):
+                tp_counter = TPCounter()
+                with loss_parallel() if tp.loss_parallel else contextlib.nullcontext(), tp_counter.counting():
+                    counts, nbytes = training.step()
+    return {"counts": counts, "nbytes": nbytes, "tp_counts": dict(tp_counter.counts),
+            "tp_nbytes": dict(tp_counter.nbytes), "peak": training.tracker.peak}
+
+
+def _check(spec: str, dp: int, degree: int, loss_parallel: bool = True, checkpointing: bool = False) -> tuple:
+    tr = _traced(spec)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    if checkpointing:  # every block's forward run again in backward
+        plan = plan.replace(activation_checkpointing=[m for m in tr.modules if m.count(".") == 1])
+    tp = titan_llama_layout(degree, loss_parallel=loss_parallel)
+    predicted = simulate(tr, plan.replace(tensor_parallel=tp), parse_cluster(f"h100:{dp * degree}"), BF16,
+                         timeline=False)
+    measured = run_tp_fake_world(spec, plan, dp, tp)
+    assert measured["counts"] == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
+                                  "all_reduce": 0}
+    assert measured["nbytes"]["all_gather"] == predicted.all_gather_bytes
+    assert measured["nbytes"]["reduce_scatter"] == predicted.reduce_scatter_bytes
+    assert measured["tp_counts"] == {"all_gather": predicted.tp_all_gathers,
+                                     "reduce_scatter": predicted.tp_reduce_scatters,
+                                     "all_reduce": predicted.tp_all_reduces}
+    assert measured["tp_nbytes"] == {"all_gather": predicted.tp_all_gather_bytes,
+                                     "reduce_scatter": predicted.tp_reduce_scatter_bytes,
+                                     "all_reduce": predicted.tp_all_reduce_bytes}
+    return predicted.peak_memory, measured["peak"]
+
+
+@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: seconds each
+@pytest.mark.parametrize(("spec", "dp", "degree"), [
+    ("toy-llama", 2, 2), ("toy-llama", 4, 2), ("toy-llama", 32, 2),  # 2 key/value heads: TP 2 at most
+    (SHAPED, 4, 2), (SHAPED, 2, 4), (SHAPED, 1, 8), (SHAPED, 8, 8),
+])
+def test_tp_step_matches_real_dtensor_and_fsdp2(spec: str, dp: int, degree: int) -> None:
+    predicted, measured = _check(spec, dp, degree)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: seconds each
+def test_tp_without_loss_parallel_and_with_full_checkpointing() -> None:
+    """Without loss parallel the logits are all-gathered whole; under full checkpointing each block's forward
+    collectives run again in backward, counted as real DTensor issues them."""
+    predicted, measured = _check(SHAPED, 2, 4, loss_parallel=False)
+    assert predicted == pytest.approx(measured, rel=0.05)
+    predicted, measured = _check(SHAPED, 2, 4, checkpointing=True)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_tp_view_shards_params_and_keeps_the_step_deterministic() -> None:
+    tr = _traced("toy-llama")
+    tp = titan_llama_layout(2)
+    view = tp_view(tr, tp, parse_cluster("h100:8"))
+    again = tp_view(tr, tp, parse_cluster("h100:8"))
+    assert view.trace.events == again.trace.events
+    local = {p.fqn: p.shape for p in view.trace.params}
+    assert local["layers.0.attention.wq.weight"] == (32, 64)  # colwise: dim 0 / 2
+    assert local["layers.0.attention.wo.weight"] == (64, 32)  # rowwise: dim 1 / 2
+    assert local["tok_embeddings.weight"] == (128, 64)  # vocab-parallel
+    assert local["layers.0.attention_norm.weight"] == (64,)  # sequence parallel: replicated
+    assert view.cluster.world_size == 4 and view.cluster.gpus_per_node == 4
+    assert view.trace.fwd_flops < tr.fwd_flops
+
+
+def test_tp_halves_activations_and_step_of_a_large_model() -> None:
+    """llama3-8b-shaped on 8 GPUs: TP 2 with SP holds less than pure FSDP; the step reports TP's collectives."""
+    tr = _traced(SHAPED)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    cluster = parse_cluster("h100:8")
+    fsdp = simulate(tr, plan, cluster, BF16, timeline=False)
+    tp = simulate(tr, plan.replace(tensor_parallel=titan_llama_layout(2)), cluster, BF16, timeline=False)
+    assert tp.memory_at_peak["activations"] < fsdp.memory_at_peak["activations"]
+    assert tp.tp_all_gathers > 0 and tp.tp_time > 0
+    assert "tp_degree" not in fsdp.summary() and tp.summary()["tp_degree"] == 2
+
+
+def test_tp_refused_across_nodes() -> None:
+    tr = _traced("toy-llama")
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    with pytest.raises(PlannerError, match="inside a node"):
+        simulate(tr, plan.replace(tensor_parallel=titan_llama_layout(16)), parse_cluster("h100:32"), BF16)
