@@ -434,12 +434,26 @@ def factory_call(spec: ModelSpec) -> Callable[[], tuple]:
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """This process as rank 0 of ``world_size`` on the fake backend (collectives return at once), destroyed on
-    every way out."""
+    every way out, with DTensor's caches of its meshes (``forget_meshes``)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation and redistribute-planner caches. Their keys hold device meshes, which
+    compare equal by shape and dim names, not by process group: a later world's equal mesh (the ``tp`` dim of
+    another layout) would get this world's cached mesh back, whose groups are destroyed ("Could not resolve the
+    process group") or, worse, other groups of the new world under the same names. torch offers no public call
+    for it; this is what its own debug module does."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
