@@ -5,10 +5,18 @@ process group with FSDP2's and DTensor's collectives counted apart, beside the s
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
 
+from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.apply.fully_shard import apply_plan
 from fsdp_planner.apply.tensor_parallel import apply_tp, positional_inputs, torch_plan, torch_style
 from fsdp_planner.errors import PlannerError
@@ -20,11 +28,12 @@ from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout
 from fsdp_planner.runtime.fake_world import beside_prediction, fake_process_group, run_fake_world
 from fsdp_planner.runtime.verify import predict_collectives, run_verify
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import PRECISIONS, SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import record
 
 BF16 = SimOptions.named("bf16-mixed")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,6 @@ class _Block(nn.Module):
 
 
 def test_each_style_is_the_torch_style_its_comment_names() -> None:
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
     linear = nn.Linear(4, 4)
@@ -106,7 +114,7 @@ def test_gather_input_passes_other_args_and_kwargs_through() -> None:
 
     layout = {"norm": TPStyle.SEQUENCE_PARALLEL, "attention": TPStyle.GATHER_INPUT,
               "attention.wq": TPStyle.COLWISE, "attention.wo": TPStyle.ROWWISE_SEQUENCE}
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     model = _Block()
     with fake_process_group(4):
@@ -175,3 +183,62 @@ def test_fake_world_without_tp_has_no_tp_rows(toy) -> None:
     assert measured.tp_counts is None
     assert not any(k.startswith("tp_") for k in beside_prediction(
         simulate(toy, plan, parse_cluster("h100:4"), BF16, timeline=False), measured))
+
+
+HOSTILE = ["x'];PWNED = 1;y = ['", 'a"""\nPWNED = 1\n"""', "b\nPWNED = 1 #"]  # a layout key closing its literal
+
+
+@pytest.mark.parametrize("fmt", list(ExportFormat))
+def test_export_carries_the_layout_as_literals(toy, fmt: ExportFormat) -> None:
+    """Every format's module holds the plan's TP as data (hostile pattern names round-trip, run nothing) and its
+    entry point; torchtitan's job gains tensor_parallel_degree and loss parallel / async TP."""
+    layout = {**{k: s.value for k, s in titan_llama_layout(2).layout.items()}, **dict.fromkeys(HOSTILE, "colwise")}
+    tp = TensorParallel(2, {k: TPStyle(v) for k, v in layout.items()}, loss_parallel=False, async_tp=True)
+    source = export_plan(tp_plan(toy).replace(tensor_parallel=tp), fmt)
+    assert source.isascii()
+    scope: dict = {"__name__": "exported"}
+    exec(compile(ast.parse(source), "exported.py", "exec"), scope)
+    assert "PWNED" not in scope and scope["TP_LAYOUT"] == layout and scope["TP_DEGREE"] == 2
+    assert scope["LOSS_PARALLEL"] is False and scope["ASYNC_TP"] is True
+    assert callable(scope["tensor_parallel"]) and callable(scope["make_mesh"])
+    if fmt is ExportFormat.TORCHTITAN:
+        assert "tensor_parallel_degree=2," in source and "disable_loss_parallel=True," in source
+        assert "'--parallelism.tensor_parallel_degree', '2'," in source
+        assert "'--parallelism.enable_async_tensor_parallel'," in source
+    assert "TP_DEGREE" not in export_plan(tp_plan(toy).replace(tensor_parallel=None), fmt)  # as before without TP
+
+
+@pytest.mark.integration  # the fake process group: a few seconds
+def test_exported_parallelize_shards_as_apply_plan_does(toy) -> None:
+    """torchtitan's ``parallelize(model, world_mesh)`` of the export on 8 fake ranks (2 x 2 x TP 2) leaves every
+    param with the placements and local shape ``apply_plan`` gives it."""
+    plan = tp_plan(toy, mesh=Mesh(2, 2))
+    scope: dict = {"__name__": "exported"}
+    exec(compile(export_plan(plan, ExportFormat.TORCHTITAN), "exported.py", "exec"), scope)
+    shards = []
+    with fake_process_group(8):
+        for shard in (lambda m: scope["parallelize"](m, scope["make_mesh"]("cpu")), lambda m: apply_plan(m, plan)):
+            model = load_model("toy-llama", meta=False).model
+            shard(model)
+            shards.append({n: (p.placements, p.to_local().shape, p.device_mesh.mesh_dim_names)
+                           for n, p in model.named_parameters()})
+    assert shards[0] == shards[1]
+    placements, local, dims = shards[0]["layers.0.attention.wq.weight"]  # 64 x 64: rows / TP 2 / dp_shard 2
+    assert placements[0] == Replicate() and placements[2] == Shard(0) and tuple(local) == (16, 64)
+    assert dims == ("dp_replicate", "dp_shard", "tp")
+
+
+@pytest.mark.integration  # 4 gloo ranks under torchrun: ~25 s
+def test_exported_python_trains_with_parity_on_gloo(tmp_path: Path) -> None:
+    """The exported module on 2 x TP 2 gloo ranks (examples/torchrun_fsdp2.py: one batch per TP group, the loss
+    under its loss_context()) trains as one process does, in fp32."""
+    lm = load_model("toy-llama")
+    plan = tp_plan(record(lm.model, lm.example_inputs, lm.loss_fn))
+    code = tmp_path / "tp_plan.py"
+    code.write_text(export_plan(plan, ExportFormat.PYTHON, PRECISIONS["fp32"]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                          str(ROOT / "examples" / "torchrun_fsdp2.py"), str(code)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
