@@ -200,3 +200,11 @@ def test_auto_takes_tp_under_a_tight_budget():
     assert tight.fits and tight.plan.tp_degree == 2 and tight.plan.tensor_parallel == titan_llama_layout(2)
     fitting = [c.report.step_time for c in tight.meshes.values() if tight.memory.fits(c.report.reserved_memory)]
     assert tight.report.step_time == min(fitting)
+
+
+def test_the_api_takes_tp():
+    import fsdp_planner
+
+    plan = fsdp_planner.plan("toy-llama", policy="titan", cluster="h100:8", tp=2, loss_parallel=False)
+    assert plan.tensor_parallel is not None and plan.tp_degree == 2 and not plan.tensor_parallel.loss_parallel
+    assert plan.mesh_dims(8) == {"dp_shard": 4, "tp": 2}
