@@ -2,6 +2,8 @@
 architectures, 8 to 4096 H100s, within the GPU's memory, all judged by the same simulator.
 
 Run: python benchmarks/plan_quality.py   (writes benchmarks/plan_quality.md and plan_quality.json)
+     python benchmarks/plan_quality.py --two-d   (only the 2-D rows, FSDP2 with TP: their section of the .md and
+     plan_quality_2d.json)
 
 One row per (model, cluster), with the budget every real job has: the memory of one GPU (80e9 bytes on an H100) less
 the default headroom (5%, ``sim/budget.py``), auto's default. Baselines over it are marked: they are not runnable
@@ -52,6 +54,8 @@ from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult, Poli
 from fsdp_planner.planners.auto import Target, candidate_meshes
 from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+from fsdp_planner.service.planning import search
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -431,9 +435,87 @@ def main() -> None:
         mine = (f"**{fmt_time(auto['step_time'])}** / {fmt_bytes(auto['reserved_memory'])} / {auto['mesh']} / "
                 f"{ac_text(auto)} / {auto['groups']}" if r["fits"] else "-")
         lines.append(f"| {row_name(r)} | {r['cluster'].split(':')[1]} | {base} | {mine} | {verdict(r)} |")
-    (out / "plan_quality.md").write_text("\n".join(lines) + "\n")
+    (out / "plan_quality.md").write_text("\n".join(lines) + "\n" + two_d_section(out / "plan_quality.md"))
+    print("\n".join(lines))
+
+
+# -- 2-D rows: FSDP2 with tensor parallelism ------------------------------------------------------------------------
+# The jobs people run with TP: (model, GPUs). Every layout trains the same step as the rows above, one sequence of
+# 8192 tokens per GPU: TP d runs d sequences per data-parallel rank (torchtitan's 70B job: local batch 8, TP 8).
+TWO_D_ROWS = (("llama3-70b", 64), ("llama3-70b", 256), ("llama3-405b", 512))
+EXPERT_TP = 8  # torchtitan's TP degree for its 70B and 405B jobs: one node, FSDP across the nodes
+EXPERT_2D = {"titan TP8+ac": ACMode.FULL, "titan TP8+op": ACMode.OP}  # its 70B/405B jobs: full AC
+TWO_D_START = "<!-- 2-D rows: python benchmarks/plan_quality.py --two-d -->"
+
+
+def two_d_section(md: Path) -> str:
+    """The 2-D rows' section of ``md`` as last written (``--two-d``), kept when the rows above are regenerated."""
+    text = md.read_text() if md.exists() else ""
+    return text[text.index(TWO_D_START):] if TWO_D_START in text else ""
+
+
+def two_d_row(model: str, gpus: int) -> dict:
+    """Auto choosing its TP degree (``service/planning.search``, each degree traced at its batch) against
+    torchtitan's 2-D configuration: its grouping with TP 8 inside each node (``titan_llama_layout``: SP, loss
+    parallel), FSDP over the nodes, every block checkpointed in full (its jobs) or op-level."""
+    cluster, spec = parse_cluster(f"h100:{gpus}"), ModelSpec(model)
+    tr, tokens = planning_trace(spec)
+    result = search(tr, PolicyRequest(PolicyName.AUTO), cluster, SimOptions(), spec,
+                    tracer=lambda s, options: planning_trace(s)[0])
+    wide, _ = planning_trace(ModelSpec(model, batch_size=EXPERT_TP))
+    policies = {}
+    for name, mode in EXPERT_2D.items():
+        plan = make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=mode)).plan(wide, model)
+        plan = plan.replace(tensor_parallel=titan_llama_layout(EXPERT_TP))
+        policies[name] = {**summary(simulate(wide, plan, cluster, timeline=False)), "plan": plan.policy}
+    degree = result.plan.tp_degree
+    policies["auto"] = {**auto_summary(result), "tp": degree,
+                        **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
+    r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
+         "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,
+         "policies": policies}
+    return judge(r, result, {})
+
+
+def two_d_main() -> None:
+    started = time.perf_counter()
+    rows = []
+    for model, gpus in TWO_D_ROWS:
+        rows.append(two_d_row(model, gpus))
+        print(f"{model} h100:{gpus}: {verdict(rows[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    elapsed = time.perf_counter() - started
+    out = Path(__file__).parent
+    (out / "plan_quality_2d.json").write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1) + "\n")
+    lines = [
+        TWO_D_START, "", "## 2-D layouts: FSDP2 with tensor parallelism", "",
+        f"Measured by `python benchmarks/plan_quality.py --two-d` ({elapsed:.0f} s on {platform.machine()}, load "
+        f"average {os.getloadavg()[0]:.1f}), the same simulator, budget and step as the rows above: one sequence of "
+        "8192 tokens per GPU, so a layout with TP d runs d sequences per data-parallel rank (the same global batch; "
+        "torchtitan's 70B job runs local batch 8 with TP 8). The expert's 2-D configuration is torchtitan's: TP 8 "
+        "inside each node with sequence parallelism and loss parallel (its Llama layout), FSDP over the nodes with "
+        "its grouping, every block checkpointed in full (titan TP8+ac, its 70B and 405B jobs) or op-level (titan "
+        "TP8+op), eager (no compile, no float8, no async TP). Auto chooses the TP degree among 1, 2, 4, 8 (each "
+        "screened by its best classic plan, the best searched in full), the data-parallel layout and the "
+        "checkpointing. Cells as above.",
+        "",
+        "| model | GPUs | " + " | ".join([*EXPERT_2D, "auto"]) + " | auto layout | auto AC | tokens/s/GPU | MFU "
+        "| winner |",
+        "|---|---|" + "---|" * (len(EXPERT_2D) + 1) + "---|---|---|---|---|",
+    ]
+    for r in rows:
+        auto = r["policies"]["auto"]
+        cells = [cell(r["policies"][n], r["budget"]) for n in [*EXPERT_2D, "auto"]]
+        layout = auto["mesh"] + (f" x TP {auto['tp']}" if auto["tp"] > 1 else "")
+        tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if r["fits"] else "-"
+        mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
+        lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)
+                     + f" | {layout} | {ac_text(auto)} | {tps} | {mfu} | {verdict(r)} |")
+    md = out / "plan_quality.md"
+    text = md.read_text()
+    kept = text[:text.index(TWO_D_START)] if TWO_D_START in text else text + "\n"
+    md.write_text(kept + "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main()
+    two_d_main() if "--two-d" in sys.argv[1:] else main()

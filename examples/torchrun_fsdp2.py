@@ -5,12 +5,15 @@
     torchrun --nproc_per_node 2 examples/torchrun_fsdp2.py toy_plan.py
 
 Builds the model, applies the exported ``apply(model, mesh)``, trains three SGD steps beside an unsharded copy on
-the same data and prints the largest parameter difference (gloo on CPU, NCCL on GPUs). The reference trains in
+the same data and prints the largest parameter difference (gloo on CPU, NCCL on GPUs). A plan with tensor
+parallelism (``TP_DEGREE``) gives each TP group of consecutive ranks one batch and runs the loss under the
+export's ``loss_context()`` (loss parallel). The reference trains in
 fp32, hence fp32 for the plan too (``apply`` sets the precision the plan was exported with, bf16-mixed by default).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib.util
@@ -42,16 +45,21 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     lm = load_model(model_name, meta=False, seed=0)
     model, reference = lm.model, copy.deepcopy(lm.model)
-    load_plan_module(plan_code).apply(model)  # the plan's fully_shard calls, root last
+    plan = load_plan_module(plan_code)
+    plan.apply(model)  # the plan's fully_shard calls, root last (after parallelize_module, with TP)
+    tp = getattr(plan, "TP_DEGREE", 1)  # a TP group's ranks train on one batch
+    loss_context = getattr(plan, "loss_context", contextlib.nullcontext)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
     for step in range(3):
-        batches = [load_model(model_name, meta=False, seed=100 + 10 * step + r) for r in range(world)]
-        loss_of(batches[rank])(model(*batches[rank].example_inputs)).backward()
+        batches = [load_model(model_name, meta=False, seed=100 + 10 * step + r) for r in range(world // tp)]
+        mine = batches[rank // tp]
+        with loss_context():
+            loss_of(mine)(model(*mine.example_inputs)).backward()
         opt.step()
         opt.zero_grad()
-        for b in batches:  # the same global batch, unsharded: mean of the ranks' losses
-            (loss_of(b)(reference(*b.example_inputs)) / world).backward()
+        for b in batches:  # the same global batch, unsharded: mean of the data-parallel ranks' losses
+            (loss_of(b)(reference(*b.example_inputs)) / len(batches)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     ref = dict(reference.named_parameters())

@@ -79,9 +79,6 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
     ("[float8]\nenable_fsdp_float8_all_gather = true\n", "float8 training ([float8] / [quantize.linear.float8]) is"),
     ('[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n', "float8 training"),
     ('[model]\nconverters = ["float8"]\n', "model.converters float8 is left out"),
-    ("[parallelism]\ntensor_parallel_degree = 2\n", "parallelism.tensor_parallel_degree = 2 is left out"),
-    ("[parallelism]\npipeline_parallel_degree = 4\n", "parallelism.pipeline_parallel_degree = 4 is left out"),
-    ("[parallelism]\ncontext_parallel_degree = 2\n", "parallelism.context_parallel_degree = 2 is left out"),
     ("[mystery]\nx = 1\n", "[mystery] is not read"),
     ("[training]\nlocal_batch_sise = 4\n", "training.local_batch_sise is not read"),  # a typo: never silent
     ("[parallelism]\ndata_parallel_shard = 8\n", "parallelism.data_parallel_shard is not read"),
@@ -161,7 +158,6 @@ def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicat
     ("mixed_precision: fp16\n", "mixed_precision = fp16 is simulated as bf16-mixed"),
     ("mixed_precision: fp8\n", "mixed_precision = fp8 is left out"),
     ("dynamo_config:\n  dynamo_backend: INDUCTOR\n", 'dynamo_config.dynamo_backend = "INDUCTOR" is left out'),
-    ("parallelism_config:\n  parallelism_config_tp_size: 2\n", "parallelism_config.parallelism_config_tp_size = 2 is"),
     ("  fsdp_mystery: 1\n", "fsdp_config.fsdp_mystery is not read"),
     ("mystery: 1\n", "mystery is not read"),
     ("dynamo_backend: INDUCTOR\n", 'dynamo_backend = "INDUCTOR" is left out'),  # older files: at the top level

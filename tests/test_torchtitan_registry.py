@@ -63,8 +63,9 @@ def test_the_shipped_jobs_as_expected():
     jobs = {f: read_config(TORCHTITAN, job(f)) for f in ("llama3_8b", "llama3_70b", "llama3_405b")}
     assert [(c.model, c.batch, c.seq, c.ac.value) for c in jobs.values()] == [
         ("llama3-8b", 1, 8192, "op"), ("llama3-70b", 8, 8192, "full"), ("llama3-405b", 2, 8192, "full")]
+    assert [(c.tp, c.async_tp) for c in jobs.values()] == [(1, False), (8, False), (8, True)]  # TP kept
     notes = " | ".join(jobs["llama3_405b"].notes)
-    assert "tensor_parallel_degree = 8" in notes and "float8" in notes and "compile.enable" in notes
+    assert "float8" in notes and "compile.enable" in notes
 
 
 @pytest.mark.parametrize("function", DEBUG_JOBS)
@@ -102,7 +103,7 @@ def test_a_job_with_overrides_is_its_toml_with_the_same_edits(tmp_path):
     assert registry[0] == toml[0] == written[0]
     same_job(registry[1], written[1])
     assert (registry[1].shard, registry[1].reshard, registry[1].offload, registry[1].batch) == (16, "never", True, 1)
-    assert registry[0]["cluster"] == "h100:16"
+    assert registry[0]["cluster"] == "h100:128" and registry[0]["tp"] == 8  # dp_shard 16 x TP 8
 
 
 def test_flags_as_torchtitan_spells_them():

@@ -28,6 +28,7 @@ from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.selective import POLICIES
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.trace.ops import op_names
 
@@ -318,10 +319,142 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) ->
 
 TAILS = {ExportFormat.PYTHON: "", ExportFormat.ACCELERATE: ACCELERATE_TAIL, ExportFormat.LIGHTNING: LIGHTNING_TAIL,
          ExportFormat.TORCHTITAN: TORCHTITAN_TAIL}
+# with TP, ``apply`` takes the whole mesh (its dp and tp dims): torchtitan's world mesh, Lightning's device mesh
+TP_TAILS = {ExportFormat.LIGHTNING: '''
+
+def configure_model(module: Any) -> None:
+    """Call from a ``LightningModule.configure_model``: ``configure_model(self)`` parallelizes ``self.model`` over
+    the ``tensor_parallel`` dim of ``ModelParallelStrategy``'s mesh and shards it over its ``data_parallel`` dim
+    (``Trainer(strategy=ModelParallelStrategy(tensor_parallel_size=TP_DEGREE))``)."""
+    apply(module.model, module.device_mesh)
+''',
+            ExportFormat.TORCHTITAN: '''
+
+def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) -> nn.Module:
+    """A torchtitan-style ``parallelize`` (in place of ``apply_tp`` and ``apply_fsdp``): TP_LAYOUT over the ``tp``
+    dim of ``world_mesh``, then the plan's groups sharded on its ``dp_shard`` (and ``dp_replicate``) dims."""
+    return apply(model, world_mesh, **fsdp_kwargs)
+'''}
 TITLES = {ExportFormat.PYTHON: "An FSDP2 plan as code: apply(model, mesh).",
           ExportFormat.ACCELERATE: "An FSDP2 plan for Hugging Face Accelerate: prepare(accelerator, model, ...).",
           ExportFormat.LIGHTNING: "An FSDP2 plan for Lightning's ModelParallelStrategy: configure_model(self).",
           ExportFormat.TORCHTITAN: "An FSDP2 plan for a torchtitan-style trainer: parallelize(model, world_mesh)."}
+
+
+TP_APPLY_LINE = "    mesh = mesh or make_mesh()\n"
+TP_SPLIT = """    mesh, tp_mesh = split_mesh(mesh)  # TP: parallelize_module over tp first, then FSDP over the dp dims
+    tensor_parallel(model, tp_mesh)
+"""
+TP_CONSTANTS = """TP_DEGREE: int = {degree}  # tensor parallelism over the innermost mesh dim (consecutive ranks)
+TP_LAYOUT: dict[str, str] = {layout}  # module name or pattern ('*': one part) -> style
+LOSS_PARALLEL: bool = {loss_parallel}  # the output head keeps vocab-sharded logits: the loss under loss_context()
+ASYNC_TP: bool = {async_tp}  # torchtitan's async TP (takes effect under torch.compile)
+"""
+
+TP_TAIL = '''
+
+def make_mesh(device_type: str | None = None) -> DeviceMesh:
+    """The plan's device mesh over the default process group, with named dims: (dp_replicate,) dp_shard, tp."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    world = dist.get_world_size()
+    replicate, shard = MESH if MESH is not None else (1, world // TP_DEGREE)
+    if replicate * shard * TP_DEGREE != world:
+        raise ValueError(f"this plan was made for {replicate * shard} data-parallel ranks x TP {TP_DEGREE} and the "
+                         f"job has {world} ranks: make the plan again for {world} ranks")
+    dims = {"dp_replicate": replicate, "dp_shard": shard, "tp": TP_DEGREE}
+    dims = {k: v for k, v in dims.items() if v > 1 or k == "dp_shard"}
+    return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """(data-parallel mesh, TP mesh) of a mesh with named dims: torchtitan's and Accelerate's (dp_replicate,
+    dp_shard, tp) or Lightning's (data_parallel, tensor_parallel)."""
+    names = mesh.mesh_dim_names or ()
+    tp = next((n for n in ("tp", "tensor_parallel") if n in names), None)
+    dp = tuple(n for n in ("dp_replicate", "dp_shard", "data_parallel") if n in names)
+    if tp is None or not dp:
+        raise ValueError(f"this plan has tensor parallelism: give a mesh with data-parallel and 'tp' dims, got {names}")
+    return mesh[dp if len(dp) > 1 else dp[0]], mesh[tp]
+
+
+def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """``parallelize_module`` over ``tp_mesh`` with each TP_LAYOUT style as torch names it."""
+    modules = dict(model.named_modules())
+    plan = {}
+    for pattern, style in TP_LAYOUT.items():
+        hits = [n for n in modules if _matches(pattern, n)]
+        if not hits:
+            raise ValueError(f"TP_LAYOUT names {pattern!r}, which matches no module of this model")
+        plan.update({n: _tp_style(style, modules[n]) for n in hits})
+    parallelize_module(model, tp_mesh, plan)
+    if ASYNC_TP:  # torchtitan's switch: the all-gathers and reduce-scatters fused with their matmuls by compile
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        torch._inductor.config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def _tp_style(style: str, module: nn.Module) -> Any:
+    """The torch style a TP_LAYOUT style names; gather_input redistributes the module's first input only."""
+    if style == "gather_input":  # one layout per required positional input; the rest and keywords pass through
+        params = inspect.signature(module.forward).parameters.values()
+        others = (None,) * (max(1, sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                                       and p.default is p.empty for p in params)) - 1)
+        return PrepareModuleInput(input_layouts=(Shard(1), *others), desired_input_layouts=(Replicate(), *others),
+                                  input_kwarg_layouts={}, desired_input_kwarg_layouts={})
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "rowwise_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
+        "sequence_colwise": lambda: ColwiseParallel(input_layouts=Shard(1), use_local_output=not LOSS_PARALLEL,
+                                                    output_layouts=Shard(-1) if LOSS_PARALLEL else Replicate()),
+        "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_sequence": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "sequence_parallel": lambda: SequenceParallel(),
+    }[style]()
+
+
+def _matches(pattern: str, name: str) -> bool:
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
+
+
+def loss_context() -> Any:
+    """What the training step's loss and its backward run under: loss_parallel() where LOSS_PARALLEL."""
+    return loss_parallel() if LOSS_PARALLEL else contextlib.nullcontext()
+'''
+
+TP_IMPORTS = """import contextlib
+import fnmatch
+import inspect
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+"""
+
+
+def tp_constants(tp: TensorParallel) -> str:
+    """The plan's tensor parallelism as Python literals (module names and patterns through ``py_literal``)."""
+    return TP_CONSTANTS.format(degree=py_literal(tp.degree),
+                               layout=py_literal({k: s.value for k, s in tp.layout.items()}),
+                               loss_parallel=py_literal(tp.loss_parallel), async_tp=py_literal(tp.async_tp))
+
+
+def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParallel) -> tuple[str, str, str]:
+    """The export's header, constants and ``apply`` body for a plan with TP: the mesh split into its dp and tp
+    dims, ``parallelize_module`` before checkpointing and ``fully_shard``; ``make_mesh`` of the TP tail in place
+    of the data-parallel one."""
+    body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + TP_SPLIT)
+    start, end = body.index("\n\ndef make_mesh("), body.index("\n\ndef _depth(")
+    return header + TP_IMPORTS, constants + tp_constants(tp), body[:start] + body[end:] + TP_TAIL
 
 
 def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> str:
@@ -341,6 +474,11 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         loop = SELECTIVE_LOOP if plan.selective_checkpointing else ""
         body = body.replace(CHECKPOINT_LINE + loop, CHECKPOINT_LINE + loop + OFFLOAD_LOOP)
         tails += OFFLOAD_TAIL
+    if plan.tensor_parallel is not None:
+        header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel)
+        tail = TP_TAILS.get(fmt, TAILS[fmt])
+    else:
+        tail = TAILS[fmt]
     # torchtitan: and the job in its config_registry form
     job = torchtitan_job(plan, precision, py_literal) if fmt is ExportFormat.TORCHTITAN else ""
-    return header + constants + body + tails + TAILS[fmt] + job
+    return header + constants + body + tails + tail + job

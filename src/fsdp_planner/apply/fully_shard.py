@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from fsdp_planner.apply.tensor_parallel import apply_tp, split_mesh
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloading
 from fsdp_planner.fsdp2.claim import application_order, hooked_modules
@@ -43,10 +44,14 @@ def module_parents(model: nn.Module) -> dict[str, list[str]]:
 def device_mesh(plan: Plan, device_type: str, world_size: int) -> Any:
     """The ``DeviceMesh`` the plan's layout needs on ``world_size`` ranks: 1-D for pure FSDP, 2-D
     ``(dp_replicate, dp_shard)`` for HSDP (torchtitan's names; ``fully_shard`` shards on the last dimension and
-    all-reduces grads over the first)."""
+    all-reduces grads over the first); with TP, the named dims of ``plan.mesh_dims`` with ``tp`` innermost
+    (consecutive ranks), which ``apply_plan`` splits into its data-parallel and TP meshes."""
     from torch.distributed.device_mesh import init_device_mesh
 
     check_plan_world_size(plan, world_size)
+    if plan.tensor_parallel is not None:
+        dims = plan.mesh_dims(world_size)
+        return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     mesh = plan.layout(world_size)
     if mesh.replicate == 1:
         return init_device_mesh(device_type, (world_size,))
@@ -67,7 +72,8 @@ def shard_placement_fn(model: nn.Module, plan: Plan, world: int) -> Any:
         p = params.get(name)
         if p is None:
             raise PlannerError(f"plan 'shard_dims' names {name!r}, which is not a parameter of the model")
-        if dim >= p.dim() or p.shape[dim] % world:
+        local = p.to_local() if hasattr(p, "to_local") else p  # a TP param: FSDP2 shards its TP-local shard
+        if dim >= p.dim() or local.shape[dim] % world:
             raise PlannerError(f"plan 'shard_dims' shards {name} {tuple(p.shape)} on dim {dim}, which FSDP2 needs to "
                                f"exist and divide evenly by the shard size {world}")
         placed[id(p)] = dim
@@ -92,8 +98,11 @@ def plan_policies(plan: Plan, mp_policy: Any, offload_policy: Any) -> tuple[Any,
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
                offload_policy: Any = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
-    plan's layout over the default process group (``device_mesh``). The plan's memory options (offload, shard dims,
-    reduce dtype) apply unless ``mp_policy`` / ``offload_policy`` say otherwise (``plan_policies``)."""
+    plan's layout over the default process group (``device_mesh``). With tensor parallelism, ``mesh`` has named
+    dims with ``tp`` among them: ``parallelize_module`` over it first (``apply_tp``), then checkpointing, then
+    ``fully_shard`` over the data-parallel dims, as torchtitan's ``parallelize`` orders them. The plan's memory
+    options (offload, shard dims, reduce dtype) apply unless ``mp_policy`` / ``offload_policy`` say otherwise
+    (``plan_policies``)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
@@ -112,8 +121,11 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = device_mesh(plan, device_type, dist.get_world_size())
+    mesh, tp_mesh = split_mesh(mesh, plan)
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
-    placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, before any wrapping
+    if plan.tensor_parallel is not None:
+        apply_tp(model, plan.tensor_parallel, tp_mesh)
+    placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
     # before fully_shard, as torchtitan does
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
     apply_offloading(model, plan.activation_offloading)

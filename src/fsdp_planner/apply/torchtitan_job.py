@@ -42,9 +42,16 @@ TORCHTITAN_FLAGS: list[str] = [
 
 
 def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
-    """The plan as Trainer.Config sections (``activation_checkpoint``: the class, or None)."""
+    """The plan as Trainer.Config sections (``activation_checkpoint``: the class, or None). With tensor
+    parallelism, torchtitan's ``tensor_parallel_degree`` and, where they differ from its defaults,
+    ``disable_loss_parallel`` and ``enable_async_tensor_parallel`` (which torchtitan runs under compile)."""
     rule = reshard_rule(plan)
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, -1)
+    tp = plan.tensor_parallel
+    tp_keys: dict[str, Any] = {}
+    if tp is not None:
+        tp_keys = {"tensor_parallel_degree": tp.degree, "disable_loss_parallel": not tp.loss_parallel,
+                   "enable_async_tensor_parallel": tp.async_tp}
     ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
     return {
         "training": {"dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
@@ -52,7 +59,7 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
                      "mixed_precision_reduce": "bfloat16" if precision.reduce_bytes == 2 else "float32",
                      "enable_cpu_offload": plan.offload},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
-                        "fsdp_reshard_after_forward": rule},
+                        "fsdp_reshard_after_forward": rule, **tp_keys},
         "activation_checkpoint": {"class": ac},
     }
 

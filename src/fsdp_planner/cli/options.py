@@ -24,6 +24,7 @@ from fsdp_planner.choices import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count
+from fsdp_planner.fsdp2.tensor_parallel import MAX_TP_DEGREE
 from fsdp_planner.limits import MAX_BATCH, MAX_SEARCH_EFFORT, MAX_SEQ, MIN_MFU
 
 CLUSTER_HELP = "preset and GPU count (h100:64, h100e:128, a100:16, b200:8, h200:512) or a cluster JSON file"
@@ -99,6 +100,17 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--mesh", metavar="RxS",
                     help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
                          "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")
+    sp.add_argument("--tp", type=positive_int("--tp", MAX_TP_DEGREE), default=None, metavar="N",
+                    help="tensor parallelism of degree N inside each node (the innermost mesh dim), FSDP over the "
+                         "rest: the layout from the plan file, transformers' tp plan for hf: models, torchtitan's "
+                         "for the built-in Llamas, else the column-then-row Linear pairs found; default none, and "
+                         "auto chooses among 1, 2, 4, 8")
+    sp.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None,
+                    help="with TP: keep the output head's logits sharded on the vocab and run the loss under "
+                         "loss_parallel() (default on where the layout shards the output head, as torchtitan)")
+    sp.add_argument("--async-tp", action="store_true", default=False,
+                    help="with TP: torchtitan's async TP (the TP collectives overlapped with their matmuls; needs "
+                         "compile)")
 
 
 def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:

@@ -20,7 +20,7 @@ from rich.table import Table
 from fsdp_planner.choices import GradientSync
 from fsdp_planner.fmt import cell_text, fmt_bytes, fmt_count, fmt_gain, fmt_modules, fmt_numel, fmt_time, printable
 from fsdp_planner.fsdp2.pitfalls import Finding, Severity
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.service.outcome import SearchSummary
@@ -437,6 +437,10 @@ def auto_line(search: SearchSummary) -> str:
         (f", activations of {fmt_count(len(plan.activation_offloading), 'module')} offloaded"
          if plan.activation_offloading else "")
     layout = f", HSDP {plan.mesh.describe()}" if plan.mesh and plan.mesh.replicate > 1 else ""
+    if plan.tensor_parallel is not None and plan.tp_degree > 1:
+        dp = plan.mesh or Mesh.flat(search.cluster.world_size)  # (the search's cluster: the data-parallel view)
+        layout = (f", FSDP {dp.shard}" if dp.replicate == 1 else f", HSDP {dp.describe()}") + \
+            f" x {plan.tensor_parallel.describe()}"
     # auto's last resorts, said where the step time is: an offload plan's step is mostly the CPU optimizer's
     dims = "/".join(str(d) for d in sorted(set(plan.shard_dims.values())))
     layout += (f", {fmt_count(len(plan.shard_dims), 'param')} sharded on dim {dims}" if dims else "") + \
@@ -460,12 +464,18 @@ def auto_line(search: SearchSummary) -> str:
 
 
 def mesh_line(search: SearchSummary) -> str:
-    """The layouts auto compared (replicate x shard), each with its best plan's step time and reserved memory."""
+    """The layouts auto compared (replicate x shard, and the TP degree), each with its best plan's step time and
+    reserved memory: by TP degree, then the widest shard groups first."""
+    def order(name: str) -> tuple[int, int]:
+        mesh, _, tp = name.partition(" x TP ")
+        return int(tp or 1), -int(mesh.partition("x")[2])
+
     parts = []
-    for layout in sorted(search.layouts, key=lambda m: -int(m.name.partition("x")[2])):
+    for layout in sorted(search.layouts, key=lambda m: order(m.name)):
         parts.append(f"{layout.name} {fmt_time(layout.step_time)}"
                      f"{'' if layout.fits else ' (' + fmt_bytes(layout.reserved) + ', does not fit)'}")
-    return f"  layouts (replicate x shard): {', '.join(parts)}"
+    tp = " x TP" if any(" x TP " in x.name for x in search.layouts) else ""
+    return f"  layouts (replicate x shard{tp}): {', '.join(parts)}"
 
 
 def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int, collapse: bool = False) -> Table:

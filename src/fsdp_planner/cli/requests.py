@@ -110,6 +110,8 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--ac": ("ac", tuple(PolicyName)),
     "--ac-policy": ("ac_policy", tuple(PolicyName)),
     "--mesh": ("mesh", tuple(PolicyName)),
+    "--tp": ("tp", tuple(PolicyName)),
+    "--loss-parallel": ("loss_parallel", tuple(PolicyName)),
 }
 
 
@@ -143,7 +145,8 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
         if option in ("--memory-budget", "--headroom") and budgeted:
             continue
         if plan_file:
-            fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else "the groups"
+            fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else \
+                "its tensor parallelism" if option in ("--tp", "--loss-parallel") else "the groups"
             notes.append(f"{option} has no effect with --plan: the plan file already fixes {fixed}")
             continue
         users = " and ".join(f"--policy {r.value}" for r in readers)

@@ -80,6 +80,9 @@ class JobConfig:
     global_batch: int | None = None  # torchtitan's global_batch_size: the split is known once the world is
     replicate: int = 1
     shard: int | None = None  # None: every GPU left (torchtitan's -1)
+    tp: int = 1  # the tensor-parallel degree (torchtitan's tensor_parallel_degree, Accelerate's tp_size)
+    loss_parallel: bool | None = None  # None: the layout's default (torchtitan's: on)
+    async_tp: bool = False
     world: int | None = None  # Accelerate's num_processes
     nodes: int | None = None  # Accelerate's num_machines
     ac: ACMode | None = None
@@ -234,6 +237,9 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     _titan_training(cfg, _table(cfg, data, "training"))
     _titan_parallelism(cfg, _table(cfg, data, "parallelism"))
     _titan_ac(cfg, _table(cfg, data, "activation_checkpoint"))
+    if "enable_async_tensor_parallel" in _table(cfg, data, "compile"):  # where torchtitan's registry keeps it
+        cfg.async_tp = _bool(cfg, "compile.enable_async_tensor_parallel",
+                             _table(cfg, data, "compile")["enable_async_tensor_parallel"])
     compile_on = _table(cfg, data, "compile").get("enable") or _table(cfg, data, "training").get("compile")
     if compile_on:
         key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
@@ -291,13 +297,27 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
     if "fsdp_reshard_after_forward" in par:
         cfg.reshard = cfg.keys["parallelism.fsdp_reshard_after_forward"] = _str(
             cfg, "parallelism.fsdp_reshard_after_forward", par["fsdp_reshard_after_forward"], TITAN_RESHARD)
-    for key, what in (("tensor_parallel_degree", "tensor parallelism"), ("pipeline_parallel_degree", "pipeline "
-                      "parallelism"), ("context_parallel_degree", "context parallelism"),
-                      ("expert_parallel_degree", "expert parallelism")):
-        degree = par.get(key, 1)
-        if degree not in (1, -1, None):
-            cfg.notes.append(f"parallelism.{key} = {shown_json(degree)} is left out: fsdp-planner simulates "
-                             f"data parallelism (FSDP2/HSDP) only, without {what}")
+    cfg.tp = cfg.keys["parallelism.tensor_parallel_degree"] = _int(
+        cfg, "parallelism.tensor_parallel_degree", par.get("tensor_parallel_degree", 1))
+    if "disable_loss_parallel" in par:
+        cfg.loss_parallel = not _bool(cfg, "parallelism.disable_loss_parallel", par["disable_loss_parallel"])
+    if "enable_async_tensor_parallel" in par:
+        cfg.async_tp = _bool(cfg, "parallelism.enable_async_tensor_parallel", par["enable_async_tensor_parallel"])
+    for key, what in (("pipeline_parallel_degree", "pipeline parallelism"),
+                      ("context_parallel_degree", "context parallelism")):
+        refuse_other_job(cfg, f"parallelism.{key}", par.get(key, 1), what)
+    degree = par.get("expert_parallel_degree", 1)
+    if degree not in (1, -1, None):
+        cfg.notes.append(f"parallelism.expert_parallel_degree = {shown_json(degree)} is left out: fsdp-planner "
+                         "simulates FSDP2/HSDP with tensor parallelism, without expert parallelism")
+
+
+def refuse_other_job(cfg: JobConfig, key: str, degree: Any, what: str) -> None:
+    """Context or pipeline parallelism above 1: not modelled, so any verdict would be about another job."""
+    if degree not in (1, -1, None):
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets {key} = {shown_json(degree)}: fsdp-planner does "
+                           f"not model {what} yet, so its verdict would be about another job (set it to 1 to plan "
+                           "the job without it)")
 
 
 def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
@@ -375,10 +395,11 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
         raise PlannerError(f"accelerate config '{cfg.path}': num_processes {cfg.world} is not a multiple of "
                            f"num_machines {cfg.nodes} (the GPUs of each machine)")
     par = _table(cfg, data, "parallelism_config")
-    for key in ("parallelism_config_tp_size", "parallelism_config_cp_size"):
-        if par.get(key, 1) not in (1, None):
-            cfg.notes.append(f"parallelism_config.{key} = {shown_json(par[key])} is left out: fsdp-planner "
-                             "simulates data parallelism (FSDP2/HSDP) only")
+    if par.get("parallelism_config_tp_size") is not None:
+        cfg.tp = cfg.keys["parallelism_config.parallelism_config_tp_size"] = _int(
+            cfg, "parallelism_config.parallelism_config_tp_size", par["parallelism_config_tp_size"])
+    refuse_other_job(cfg, "parallelism_config.parallelism_config_cp_size", par.get("parallelism_config_cp_size", 1),
+                     "context parallelism")
     if par.get("parallelism_config_dp_replicate_size", 1) not in (1, None):
         cfg.replicate = _int(cfg, "parallelism_config.parallelism_config_dp_replicate_size",
                              par["parallelism_config_dp_replicate_size"])
@@ -454,7 +475,7 @@ def world_of(cfg: JobConfig, cluster_world: int | None) -> int | None:
     if cfg.kind == ACCELERATE:
         return cfg.world or cluster_world
     if cfg.shard is not None:
-        return cfg.replicate * cfg.shard
+        return cfg.replicate * cfg.shard * cfg.tp
     return cluster_world
 
 

@@ -46,8 +46,8 @@ TOKEN_DEFAULTS = {"num_tokens_per_microbatch_per_dp_rank": 16384, "max_context_l
 READ = {"training": {*TOKENS, "enable_cpu_offload", "mixed_precision_param", "mixed_precision_reduce"},
         "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                         "tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                        "expert_parallel_degree"},
-        "compile": {"enable"}, "activation_checkpoint": set()}
+                        "expert_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel"},
+        "compile": {"enable", "enable_async_tensor_parallel"}, "activation_checkpoint": set()}
 # Keys of the current dataclasses the TOML reader does not know, and what becomes of them: None, read past (an
 # option of tensor/pipeline/context parallelism, whose degree is noted, or of a CUDA-graph replay fsdp-planner's eager
 # step does not have); a string, a note.

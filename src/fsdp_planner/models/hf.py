@@ -355,3 +355,46 @@ def factory(source: str) -> Callable[..., tuple]:
     build = {HfTask.CAUSAL_LM: build_causal_lm, HfTask.SEQ2SEQ_LM: build_seq2seq_lm,
              HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
     return functools.partial(build, data, **_default_workload(source, task, config))
+
+
+@dataclass(frozen=True)
+class HfParallelPlan:
+    """What transformers itself would tensor-parallelize in an ``hf:`` model (``from_pretrained(tp_plan="auto")``):
+    its style name per module pattern, named from the model's root as ``named_modules()`` spells them, and the
+    config's head counts (None where the config has none), which the layout's divisibility is checked against."""
+
+    styles: dict[str, str]
+    heads: int | None
+    kv_heads: int | None
+
+
+def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
+    """The tensor-parallel plan transformers keeps for the config's model class: the config class's
+    ``base_model_tp_plan`` under the base model's prefix (``model.``), the input embedding sharded on the vocab as
+    transformers' ``init_parallel_plans`` adds it, and the task class's own ``_tp_plan`` (the LM head)."""
+    config = _config(with_overrides(read_config(source), overrides))
+    model_class = _model_class(config)
+    prefix = getattr(model_class, "base_model_prefix", "") or ""
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    styles: dict[str, str] = {}
+    if base:
+        styles["embed_tokens"] = "embedding_rowwise"
+    styles.update(base)
+    named = {f"{prefix}.{k}" if prefix else k: v for k, v in styles.items()}
+    named.update(dict(getattr(model_class, "_tp_plan", None) or {}))
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return HfParallelPlan(named, heads if isinstance(heads, int) else None, kv if isinstance(kv, int) else None)
+
+
+def _model_class(config: Any) -> Any:
+    """The class ``from_config`` builds for the config's task, looked up by name in transformers' Auto mappings
+    (no model is made)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    task = task_of(config)
+    names = {HfTask.CAUSAL_LM: auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+             HfTask.SEQ2SEQ_LM: auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+             HfTask.IMAGE_CLASSIFICATION: auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[task]
+    name = names.get(config.model_type)
+    return getattr(_transformers(), name, None) if isinstance(name, str) else None

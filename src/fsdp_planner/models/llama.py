@@ -35,6 +35,8 @@ LLAMA3_405B = LlamaConfig(dim=16_384, n_layers=126, n_heads=128, n_kv_heads=8, v
 LLAMA32_3B = LlamaConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128_256, ffn_dim=8192,
                          tie_embeddings=True)
 TOY_LLAMA = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=160)
+CONFIGS = (LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LLAMA32_3B, TOY_LLAMA)  # the built-ins, for what a trace cannot say
+# (the head counts behind a traced wq's rows)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.planners.order import ExecutionOrderPolicy
+from fsdp_planner.planners.tensor_parallel import TPChoice
 from fsdp_planner.sim.budget import Headroom
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
@@ -50,6 +51,10 @@ class PolicyRequest:
     checkpointing: ACMode | None = None  # all: activation checkpointing of the blocks; None: none (auto: chosen)
     sac_policy: SacPolicy = DEFAULT_SAC_POLICY  # all, with checkpointing op: what op-level checkpointing saves
     mesh: Mesh | None = None  # all: the data-parallel layout (HSDP); None: pure FSDP (auto: chosen)
+    tp: int | None = None  # all: the tensor-parallel degree (``planners/tensor_parallel.py``'s layout); None: no TP
+    # (auto: chosen among ``TP_DEGREES``)
+    loss_parallel: bool | None = None  # all, with TP: None: the layout's default (on where the output is sharded)
+    async_tp: bool = False  # all, with TP
 
     def __post_init__(self) -> None:
         if any(not c for c in self.module_classes):
@@ -114,15 +119,18 @@ class OnMesh:
         return replace(plan, mesh=self.mesh, policy=label)
 
 
-def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None) -> Policy:
-    """The policy a request names; auto needs the cluster it plans for."""
+def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options: SimOptions | None = None,
+                tensor_parallel: tuple[TPChoice, ...] = ()) -> Policy:
+    """The policy a request names; auto needs the cluster it plans for, and takes the TP layouts to search
+    (``planners/tensor_parallel.py`` makes them for the traced model; none: no TP)."""
     if request.name is not PolicyName.AUTO:
         return make_baseline(request)
     if cluster is None:
         raise PlannerError("the auto policy plans for a cluster: give one")
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
                       search_effort=request.search_effort, checkpointing=request.checkpointing,
-                      sac_policy=request.sac_policy, mesh=request.mesh, headroom=request.headroom)
+                      sac_policy=request.sac_policy, mesh=request.mesh, headroom=request.headroom,
+                      tensor_parallel=tensor_parallel)
 
 
 def make_baseline(request: PolicyRequest) -> Baseline:

@@ -1,10 +1,25 @@
-"""Where a plan's tensor-parallel layout comes from: torchtitan's Llama convention for the built-in Llama models
-(``torchtitan/models/llama3/parallelize.py``'s ``apply_tp``: sequence parallelism around the norms, colwise then
-rowwise Linears in attention and the feed-forward, a vocab-sharded embedding and output)."""
+"""Where a plan's tensor-parallel layout comes from, in order: the user's plan file (read with the plan, not here);
+transformers' own ``base_model_tp_plan`` for ``hf:`` models; torchtitan's Llama convention for a model with the
+built-in Llama's structure (``torchtitan/models/llama3/parallelize.py``'s ``apply_tp``: sequence parallelism around
+the norms, colwise then rowwise Linears in attention and the feed-forward, a vocab-sharded embedding and output);
+for any other model, the column-then-row Linear pairs found in its trace, with a note naming what that assumes.
+Where none gives a sound layout, a ``PlannerError`` says so. ``check_layout`` refuses a degree the model's heads,
+dims, vocab or sequence, or the cluster's nodes, do not divide."""
 
 from __future__ import annotations
 
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
+from dataclasses import dataclass
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_count
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, matches
+from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.models import ModelSpec, hf, llama
+from fsdp_planner.trace.infos import ModuleInfo
+from fsdp_planner.trace.records import Trace
+
+TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
+PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
 
 _LLAMA_BLOCK = {
     "attention_norm": TPStyle.SEQUENCE_PARALLEL,
@@ -19,12 +34,241 @@ _LLAMA_BLOCK = {
     "feed_forward.w2": TPStyle.ROWWISE_SEQUENCE,
     "feed_forward.w3": TPStyle.COLWISE,
 }
+_LLAMA_TOP = {"tok_embeddings": TPStyle.EMBEDDING_SEQUENCE, "norm": TPStyle.SEQUENCE_PARALLEL,
+              "output": TPStyle.SEQUENCE_COLWISE}
+_LLAMA_CLASSES = {"tok_embeddings": "Embedding", "output": "Linear", "attention.wq": "Linear",
+                  "attention.wk": "Linear", "attention.wv": "Linear", "attention.wo": "Linear",
+                  "feed_forward.w1": "Linear", "feed_forward.w2": "Linear", "feed_forward.w3": "Linear"}
+
+# transformers' style names (``ALL_PARALLEL_STYLES``) that are one of torch's styles as a ``TPStyle`` has it; the
+# others (packed, MoE, gathered-output, MLA) have no TPStyle yet and leave their module whole over TP
+HF_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_rowwise": TPStyle.EMBEDDING,
+             "sequence_parallel": TPStyle.SEQUENCE_PARALLEL}
 
 
 def titan_llama_layout(degree: int, loss_parallel: bool = True) -> TensorParallel:
     """torchtitan's TP of a Llama (``models/llama.py``'s module names), with sequence parallelism; loss parallel is
     torchtitan's default (``parallelism.disable_loss_parallel`` false)."""
-    layout = {"tok_embeddings": TPStyle.EMBEDDING_SEQUENCE, "norm": TPStyle.SEQUENCE_PARALLEL,
-              "output": TPStyle.SEQUENCE_COLWISE}
+    layout = dict(_LLAMA_TOP)
     layout.update({f"layers.*.{name}": style for name, style in _LLAMA_BLOCK.items()})
     return TensorParallel(degree, layout, loss_parallel=loss_parallel)
+
+
+@dataclass(frozen=True)
+class TPChoice:
+    """A TP layout auto may choose, and the step it is judged on: ``trace``, the model at the batch each of its
+    data-parallel ranks runs (None: the search's own trace)."""
+
+    tp: TensorParallel
+    trace: Trace | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A TP layout, where it came from, and what it assumed or left out (one line each, for the commands)."""
+
+    tp: TensorParallel
+    source: str
+    notes: tuple[str, ...] = ()
+    heads: tuple[int, int] | None = None  # (attention heads, kv heads) where known: what the degree must divide
+
+
+def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_parallel: bool | None = None,
+              async_tp: bool = False) -> Layout:
+    """The layout of ``degree``-way TP for the traced model, from the first source that has one (module
+    docstring). ``loss_parallel``: None takes the source's default (torchtitan's on, where the output head is
+    vocab-sharded)."""
+    if model is not None and hf.is_hf(model.name):
+        found = _hf_layout(trace, degree, model)
+    elif is_titan_llama(trace):
+        found = _titan_layout(trace, degree, loss_parallel is not False)
+    else:
+        found = _pairs_layout(trace, degree)
+    found = _without_split_ties(trace, found)
+    if loss_parallel and not found.tp.loss_parallel:
+        found = _note(found, "loss parallel is left off: this layout does not shard the output head on the vocab")
+    tp = TensorParallel(degree, found.tp.layout, found.tp.loss_parallel, async_tp)
+    return Layout(tp, found.source, found.notes, found.heads)
+
+
+def is_titan_llama(trace: Trace) -> bool:
+    """Whether the model has the built-in Llama's structure (torchtitan's names and module classes): its blocks
+    ``layers.N`` each with ``attention.{wq,wk,wv,wo}``, ``feed_forward.{w1,w2,w3}`` and the two norms, under a
+    ``tok_embeddings`` Embedding, a final ``norm`` and an ``output`` Linear."""
+    modules = trace.modules
+    blocks = [n for n in modules if n.startswith("layers.") and n.count(".") == 1]
+    names = [*(f"{b}.{name}" for b in blocks for name in _LLAMA_BLOCK), *_LLAMA_TOP]
+    if not blocks or any(n not in modules for n in names):
+        return False
+    return all(modules[n].cls == _LLAMA_CLASSES.get(n.split(".", 2)[-1] if n.startswith("layers.") else n,
+                                                    modules[n].cls) for n in names)
+
+
+def _titan_layout(trace: Trace, degree: int, loss_parallel: bool) -> Layout:
+    heads = _llama_heads(trace)
+    notes = () if heads else ("the head counts are not known for this Llama: the degree is assumed to divide its "
+                              "attention and kv heads",)
+    return Layout(titan_llama_layout(degree, loss_parallel), "torchtitan's Llama layout", notes, heads)
+
+
+def _llama_heads(trace: Trace) -> tuple[int, int] | None:
+    """(heads, kv heads) of the built-in Llama whose shapes the trace has (a trace holds no head count)."""
+    wq, wk = trace.param("layers.0.attention.wq.weight").shape, trace.param("layers.0.attention.wk.weight").shape
+    blocks = sum(1 for n in trace.modules if n.startswith("layers.") and n.count(".") == 1)
+    for cfg in llama.CONFIGS:
+        head_dim = cfg.dim // cfg.n_heads
+        if (cfg.dim, cfg.n_layers, cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim) == (wq[1], blocks, wq[0], wk[0]):
+            return cfg.n_heads, cfg.n_kv_heads
+    return None
+
+
+def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
+    """transformers' plan for the model's class, in ``TPStyle``s: the patterns that match a module of this model,
+    the styles without a ``TPStyle`` named in one note (their modules stay whole over TP, sharded by FSDP alone)."""
+    plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
+    names = list(trace.modules)
+    layout: dict[str, TPStyle] = {}
+    left: dict[str, str] = {}
+    for pattern, style in plan.styles.items():
+        if not any(matches(pattern, n) for n in names):
+            continue
+        if style in HF_STYLES:
+            layout[pattern] = HF_STYLES[style]
+        else:
+            left[pattern] = style
+    if not any(s in (TPStyle.COLWISE, TPStyle.ROWWISE) for s in layout.values()):
+        raise PlannerError(f"transformers has no tensor-parallel plan for {model.name} that the planner models "
+                           f"({_listed(left) or 'its config class has no base_model_tp_plan'}): plan it without "
+                           "tensor parallelism, or give a layout in a plan file's 'tensor_parallel'")
+    notes = (f"left whole over TP (transformers' styles the planner does not model yet): {_listed(left)}",) \
+        if left else ()
+    heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
+    return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", notes, heads)
+
+
+def _listed(styles: dict[str, str]) -> str:
+    return ", ".join(f"{p} ({s})" for p, s in styles.items())
+
+
+@dataclass(frozen=True)
+class _Pair:
+    parent: str
+    cols: tuple[str, ...]
+    row: str
+
+
+def _pairs_layout(trace: Trace, degree: int) -> Layout:
+    """Column-then-row Linear pairs: in a module whose Linear children are all called from the hidden size in, the
+    last of them back to it (rowwise) after the others (colwise), one of which makes the rowwise one's input size."""
+    pairs = [p for p in (_pair(trace, m) for m in trace.modules.values()) if p is not None]
+    if not pairs:
+        raise PlannerError("no sound tensor-parallel layout for this model: no module holds Linears called as a "
+                           "column-then-row pair (Linears from the hidden size, then one Linear back to it, and "
+                           "nothing else with params): plan it without --tp, or give a layout in a plan file's "
+                           "'tensor_parallel'")
+    layout: dict[str, TPStyle] = {}
+    for p in pairs:
+        layout.update({c: TPStyle.COLWISE for c in p.cols})
+        layout[p.row] = TPStyle.ROWWISE
+    classes = sorted({trace.modules[p.parent].cls for p in pairs})
+    note = (f"tensor-parallel layout detected: {fmt_count(len(pairs), 'column-then-row Linear pair')} in "
+            f"{', '.join(classes)} (assumed: the ops between each pair's Linears are element-wise or per head, and "
+            "a reshape into heads infers the head count, e.g. view(b, s, -1, head_dim); embeddings, norms and the "
+            "output head stay whole over TP)")
+    return Layout(TensorParallel(degree, layout), PAIRS, (note,))
+
+
+def _pair(trace: Trace, parent: ModuleInfo) -> _Pair | None:
+    """The module's column-then-row pair, if its children make one (``_pairs_layout``)."""
+    children = [trace.modules[c] for c in parent.children if c in trace.modules]
+    linears = sorted((c for c in children if c.cls == "Linear" and c.first_use >= 0), key=lambda c: c.first_use)
+    others = [c for c in children if c.cls != "Linear" and trace.index.subtree_numel.get(c.fqn, 0)]
+    if len(linears) < 2 or others or parent.params:
+        return None
+    shapes = {m.fqn: trace.param(f"{m.fqn}.weight").shape for m in linears if f"{m.fqn}.weight" in
+              trace.index.param_index}
+    if len(shapes) != len(linears) or any(len(s) != 2 for s in shapes.values()):
+        return None
+    hidden = shapes[linears[0].fqn][1]
+    row = linears[-1].fqn
+    cols = tuple(m.fqn for m in linears[:-1])
+    if shapes[row][0] != hidden or any(shapes[c][1] != hidden for c in cols) \
+            or not any(shapes[c][0] == shapes[row][1] for c in cols):
+        return None
+    return _Pair(parent.fqn, cols, row)
+
+
+def _without_split_ties(trace: Trace, found: Layout) -> Layout:
+    """A param shared by several modules (tied embeddings) is sharded one way or left whole: when the layout would
+    give its owners different styles, all of them stay whole over TP (said in a note)."""
+    styles = found.tp.styles(trace.modules)
+    split = sorted({o for p in trace.params if p.is_shared
+                    for o in p.owners if len({styles.get(x) for x in p.owners}) > 1})
+    if not split:
+        return found
+    layout = {k: s for k, s in found.tp.layout.items() if not any(matches(k, o) for o in split)}
+    tp = TensorParallel(found.tp.degree, layout, found.tp.loss_parallel and "output" not in split)
+    return Layout(tp, found.source, (*found.notes, f"{' and '.join(split)} share a weight: left whole over TP"),
+                  found.heads)
+
+
+def _note(found: Layout, line: str) -> Layout:
+    return Layout(found.tp, found.source, (*found.notes, line), found.heads)
+
+
+def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, seq_len: int | None = None) -> None:
+    """Refuse a degree that does not divide what TP splits: the heads, each sharded param's dim (hidden and
+    feed-forward sizes, the vocab of an embedding or output head), the sequence under sequence parallelism, and
+    the GPUs of a node (TP stays inside one) and the world."""
+    tp = layout.tp
+    d = tp.degree
+    if d == 1:
+        return
+    if cluster is not None and (cluster.gpus_per_node % d or cluster.world_size % d):
+        world = f" and its {cluster.world_size} GPUs" if cluster.world_size % d else ""
+        raise PlannerError(f"--tp {d} must divide the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (TP "
+                           f"stays inside a node, on NVLink){world}")
+    if layout.heads is not None and any(h % d for h in layout.heads):
+        raise PlannerError(f"--tp {d} must divide the model's {layout.heads[0]} attention heads and "
+                           f"{layout.heads[1]} kv heads: choose a degree that divides both")
+    if seq_len is not None and tp.sequence_parallel and seq_len % d:
+        raise PlannerError(f"--tp {d} shards the sequence between the blocks (sequence parallelism): --seq "
+                           f"{seq_len:,} must be a multiple of {d}")
+    for module, style in tp.styles(trace.modules).items():
+        _check_module(trace, module, style, d)
+
+
+_SHARDED_DIM = {TPStyle.COLWISE: 0, TPStyle.SEQUENCE_COLWISE: 0, TPStyle.EMBEDDING: 0,
+                TPStyle.EMBEDDING_SEQUENCE: 0, TPStyle.ROWWISE: 1, TPStyle.ROWWISE_SEQUENCE: 1}
+
+
+def _check_module(trace: Trace, module: str, style: TPStyle, degree: int) -> None:
+    dim = _SHARDED_DIM.get(style)
+    weight = f"{module}.weight"
+    if dim is None or weight not in trace.index.param_index:
+        return
+    shape = trace.param(weight).shape
+    if len(shape) > dim and shape[dim] % degree:
+        what = "vocab" if style in (TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE, TPStyle.SEQUENCE_COLWISE) \
+            else ("output features" if dim == 0 else "input features")
+        raise PlannerError(f"--tp {degree} must divide the {shape[dim]:,} {what} of {module} ({style.value}): "
+                           "choose a degree that divides it")
+
+
+def tp_degrees(trace: Trace, model: ModelSpec | None, cluster: Cluster, loss_parallel: bool | None = None,
+               async_tp: bool = False) -> list[Layout]:
+    """The layouts auto tries: each degree of ``TP_DEGREES`` (no TP among them) whose layout exists and passes
+    ``check_layout`` on ``cluster``; none beyond no TP for a model with no sound layout, or whose layout is only
+    detected (its assumptions are the user's to accept, with ``--tp``)."""
+    seq = model.workload().get("seq_len") if model is not None else None
+    out = [Layout(TensorParallel(1), "no TP")]
+    for degree in TP_DEGREES[1:]:
+        try:
+            layout = tp_layout(trace, degree, model, loss_parallel, async_tp)
+            check_layout(trace, layout, cluster, seq)
+        except PlannerError:
+            continue
+        if layout.source == PAIRS:
+            break
+        out.append(layout)
+    return out

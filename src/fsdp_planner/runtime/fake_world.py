@@ -7,7 +7,10 @@ at once, with their real shapes), and real training steps run: forward, loss, ba
 ``zero_grad()`` (``set_to_none`` as asked). What FSDP2 does is what it would do on W GPUs; only the values are missing.
 
 Measured, on the last step (the first creates the optimizer state):
-- collectives and their bytes, by wrapping the ``torch.distributed`` functions FSDP2 calls (``worker.py``);
+- collectives and their bytes, by wrapping the ``torch.distributed`` functions FSDP2 calls (``worker.py``): those
+  over the data-parallel dims; with tensor parallelism (the plan's ``tensor_parallel``, applied by ``apply_plan``
+  over the ``tp`` dim of the mesh) also DTensor's own over ``tp``, apart (``TPCounter``), the loss under
+  ``loss_parallel()`` when the plan asks for it;
 - attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed;
   the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
@@ -50,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
+from fsdp_planner.apply.tensor_parallel import loss_context
 from fsdp_planner.attention import fused_sdpa_everywhere, kernel
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
@@ -78,6 +82,8 @@ class FakeWorldResult:
     peak_memory: int  # bytes allocated per rank at the step's peak (with offload: on the device, module docstring)
     seconds: float
     total_peak_memory: int = 0  # with offload: device and host bytes together at their peak (else peak_memory)
+    tp_counts: Counts | None = None  # with TP: DTensor's collectives over the tp dim, by kind (else None)
+    tp_nbytes: Counts | None = None
 
 
 def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
@@ -91,7 +97,65 @@ def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[
     if predicted.all_reduces or measured.counts["all_reduce"]:  # HSDP
         rows["all_reduces"] = (predicted.all_reduces, measured.counts["all_reduce"])
         rows["all_reduce_bytes"] = (predicted.all_reduce_bytes, measured.nbytes["all_reduce"])
+    if measured.tp_counts is not None and measured.tp_nbytes is not None:
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            rows[f"tp_{kind}s"] = (getattr(predicted, f"tp_{kind}s"), measured.tp_counts[kind])
+            rows[f"tp_{kind}_bytes"] = (getattr(predicted, f"tp_{kind}_bytes"), measured.tp_nbytes[kind])
     return {**rows, "peak_memory": (predicted.peak_memory, measured.peak_memory)}
+
+
+class TPCounter:
+    """DTensor's collectives over the ``tp`` dim and their bytes (nccl-tests' size, as ``CollectiveCounter``):
+    redistributions issue ``_c10d_functional`` ops, seen by a dispatch mode (all-gathers, reduce-scatters); an
+    all-reduce (a partial value made whole: sequence-parallel norms' weight grads, loss parallel's reductions) is
+    also issued from inside DTensor's own dispatch, below any mode, so ``funcol.all_reduce`` is wrapped instead.
+    FSDP2's collectives go through ``torch.distributed``'s functions, never these: the two counts stay apart."""
+
+    def __init__(self) -> None:
+        self.counts: Counts = dict.fromkeys(TP_KINDS, 0)
+        self.nbytes: Counts = dict.fromkeys(TP_KINDS, 0)
+
+    def add(self, kind: str, t: torch.Tensor) -> None:
+        self.counts[kind] += 1
+        self.nbytes[kind] += t.numel() * t.element_size()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        import torch.distributed._functional_collectives as funcol
+
+        all_reduce = funcol.all_reduce
+
+        def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.add("all_reduce", t)
+            return all_reduce(t, *args, **kwargs)
+
+        with patched(funcol, "all_reduce", counted), _FunctionalOps(self):
+            yield
+
+    def take(self) -> tuple[Counts, Counts]:
+        out = dict(self.counts), dict(self.nbytes)
+        self.counts, self.nbytes = dict.fromkeys(TP_KINDS, 0), dict.fromkeys(TP_KINDS, 0)
+        return out
+
+
+TP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+class _FunctionalOps(TorchDispatchMode):
+    """``TPCounter``'s view of the functional all-gathers (their output) and reduce-scatters (their input)."""
+
+    def __init__(self, counter: TPCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = func.name()
+        if name == "_c10d_functional::all_gather_into_tensor":
+            self.counter.add("all_gather", out)
+        elif name == "_c10d_functional::reduce_scatter_tensor":
+            self.counter.add("reduce_scatter", args[0])
+        return out
 
 
 class HostCopies:
@@ -282,6 +346,8 @@ class FakeTraining:
         self.args, self.kwargs = split_inputs(built.inputs)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.counter = CollectiveCounter()
+        self.tp_counter = TPCounter()
+        self.tp_figures = self.tp_counter.take()  # the last step's TP collectives (counts, bytes)
         self.host_copies = host_copies
         self.capacity = spec.routing or DEFAULT_CAPACITY
         self.tracker = LiveBytes(self.capacity)
@@ -290,15 +356,18 @@ class FakeTraining:
                 p.register_post_accumulate_grad_hook(lambda p: self.tracker.mark_host([p.grad]))
 
     def step(self) -> tuple[Counts, Counts]:
-        """One step (its micro-batches, the optimizer step, ``zero_grad``); its collectives' counts and bytes."""
+        """One step (its micro-batches, the optimizer step, ``zero_grad``); its FSDP2 collectives' counts and bytes
+        (TP's: ``tp_figures``)."""
         self.tracker = self.host_copies.tracker = LiveBytes(self.capacity)
-        with self.tracker, self.counter, kernel(self.spec.attention), fused_sdpa_everywhere():
+        with self.tracker, self.counter, self.tp_counter.counting(), kernel(self.spec.attention), \
+                fused_sdpa_everywhere():
             self._track_what_the_step_starts_with()
             for k in range(self.how.micro_batches):
                 self._micro_batch(k)
             self.tracker.on_host = self.plan.offload  # the optimizer step runs where the state is
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=self.how.zero_grad is ZeroGrad.NONE)
+        self.tp_figures = self.tp_counter.take()
         return self.counter.take()
 
     def _track_what_the_step_starts_with(self) -> None:
@@ -318,7 +387,7 @@ class FakeTraining:
         if not self.how.reshard_after_backward:
             self.model.set_reshard_after_backward(last)
         try:
-            with module_calls(self.model, self.tracker.calls):
+            with module_calls(self.model, self.tracker.calls), loss_context(self.plan):
                 self.loss_fn(self.model(*self.args, **self.kwargs)).backward()
         except (Exception, SystemExit) as e:  # what the user's model raises is one line naming the op and module
             failed = failed_at(e)
@@ -330,8 +399,9 @@ class FakeTraining:
         """The last step's figures; with offload (of params or activations) the device's share is the peak."""
         offloaded = self.plan.offload or self.plan.activation_offloading
         tracker = self.tracker
+        tp_counts, tp_nbytes = self.tp_figures if self.plan.tensor_parallel is not None else (None, None)
         return FakeWorldResult(world_size, counts, nbytes, tracker.device_peak if offloaded else tracker.peak,
-                               seconds, tracker.peak)
+                               seconds, tracker.peak, tp_counts, tp_nbytes)
 
 
 def shard(model: torch.nn.Module, plan: Plan, mesh: Any, precision: Precision, host_copies: HostCopies) -> None:
@@ -364,12 +434,26 @@ def factory_call(spec: ModelSpec) -> Callable[[], tuple]:
 @contextlib.contextmanager
 def fake_process_group(world_size: int) -> Iterator[None]:
     """This process as rank 0 of ``world_size`` on the fake backend (collectives return at once), destroyed on
-    every way out."""
+    every way out, with DTensor's caches of its meshes (``forget_meshes``)."""
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        forget_meshes()
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's sharding-propagation and redistribute-planner caches. Their keys hold device meshes, which
+    compare equal by shape and dim names, not by process group: a later world's equal mesh (the ``tp`` dim of
+    another layout) would get this world's cached mesh back, whose groups are destroyed ("Could not resolve the
+    process group") or, worse, other groups of the new world under the same names. torch offers no public call
+    for it; this is what its own debug module does."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
 
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,

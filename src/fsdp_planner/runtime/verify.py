@@ -34,10 +34,11 @@ from fsdp_planner.choices import DEFAULT_PRECISION, REDUCE_BYTES, GradientSync, 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision, check_param_dtypes, check_precision
 from fsdp_planner.fsdp2.replay import Kept, build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
+from fsdp_planner.hardware.cluster import preset_cluster
 from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
 from fsdp_planner.runtime.checkpoint import META, REFERENCE, read_meta
 from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA, check_metadata
@@ -47,6 +48,7 @@ from fsdp_planner.runtime.worker import FP32_TOLERANCE
 from fsdp_planner.signals import signals_raise
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.sim.tracing import resolve_precision
 from fsdp_planner.trace.records import Trace
 
@@ -471,6 +473,7 @@ def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:
     plan, nproc, trained = job.plan, job.nproc, job.precision
     if job.fsdp1:
         return predict_fsdp1(trace, plan, nproc)
+    trace, plan, nproc = data_parallel_view(trace, plan, nproc)
     predicted, predicted_bytes = predict_collectives(trace, plan, nproc, trained)
     micro = job.train.micro_batches
     if micro > 1:
@@ -481,6 +484,17 @@ def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:
         predicted[ag], predicted_bytes[ag] = micro_batch_all_gathers(trace, plan, nproc, micro,
                                                                      job.train.reshard_after_backward, trained)
     return predicted, predicted_bytes
+
+
+def data_parallel_view(trace: Trace, plan: Plan, nproc: int) -> tuple[Trace, Plan, int]:
+    """What FSDP2 shards on ``nproc`` ranks: the plan's TP-local params (one TP rank's view, ``tp_view``) on its
+    data-parallel mesh of ``nproc`` / TP ranks; without TP, the trace and plan as given."""
+    if plan.tensor_parallel is None:
+        return trace, plan, nproc
+    check_plan_world_size(plan, nproc)
+    # the job's ranks as one node: the view's sizes do not depend on the cluster, only its checks that TP fits in one
+    view = tp_view(trace, plan.tensor_parallel, preset_cluster("h100", gpus_per_node=nproc))
+    return view.trace, view.plan(plan), nproc // plan.tp_degree
 
 
 def launch_job(job: VerifyJob) -> tuple[dict[str, Any], int]:

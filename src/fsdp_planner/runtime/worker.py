@@ -36,9 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh, plan_policies
+from fsdp_planner.apply.tensor_parallel import data_rank, loss_context
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import mixed_precision
@@ -151,10 +153,13 @@ def reference_step(reference: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
                 ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int,
                 counting: Callable[[CollectiveCounter], Any] = contextlib.nullcontext,
-                precision: Casts = contextlib.nullcontext) -> dict[str, Any]:
+                precision: Casts = contextlib.nullcontext, tp: int = 1,
+                loss_context: Casts = contextlib.nullcontext) -> dict[str, Any]:
     """K steps of the sharded model (FSDP2 or FSDP1) and the unsharded reference on the same data: the collectives
     counted per step (``counting``: more the counter must see) and the global batch's losses of both (the
-    reference's micro-batches inside ``precision``)."""
+    reference's micro-batches inside ``precision``). With ``tp`` ranks in a tensor-parallel group (consecutive
+    ranks) the group shares one batch: the data-parallel ranks are ``world / tp``; each loss and its backward run
+    inside ``loss_context`` (loss parallel)."""
     counted, counted_bytes, losses, ref_losses = [], [], [], []
     counter = CollectiveCounter()
     start = job.get("start_step", 0)
@@ -163,10 +168,11 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
             os.kill(os.getpid(), signal.SIGKILL)
         micro = job.get("micro_batches", 1)
         batches = [[batch(ModelSpec.from_json(job["model"]), step, r, job["seed"], m) for m in range(micro)]
-                   for r in range(world)]
+                   for r in range(world // tp)]
         with counter, counting(counter):
-            loss = accumulate(model, batches[rank], job["seed"] + 7 * step + rank, device,
-                              job.get("reshard_after_backward", True), job.get("gradient_sync", "last") == "every")
+            loss = accumulate(model, batches[rank // tp], job["seed"] + 7 * step + rank // tp, device,
+                              job.get("reshard_after_backward", True), job.get("gradient_sync", "last") == "every",
+                              loss_context)
         c, b = counter.take()
         counted.append(c)
         counted_bytes.append(b)
@@ -180,11 +186,13 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
 
 
 def accumulate(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], seed: int, device: torch.device,
-               reshard_after_backward: bool = True, sync_every: bool = False) -> torch.Tensor:
+               reshard_after_backward: bool = True, sync_every: bool = False,
+               loss_context: Casts = contextlib.nullcontext) -> torch.Tensor:
     """Forward + backward of each micro-batch, losses scaled by their count; with more than one, FSDP2's gradient
     sync only on the last (``set_requires_gradient_sync``: the reduce-scatters run in its backward) unless
     ``sync_every`` (each backward reduce-scatters into the sharded grads, as torchtitan's train_step), and with
-    ``reshard_after_backward`` False the params kept gathered until it (``set_reshard_after_backward``). The mean
+    ``reshard_after_backward`` False the params kept gathered until it (``set_reshard_after_backward``). Each loss
+    and its backward inside ``loss_context`` (loss parallel: the loss is then a replicated DTensor). The mean
     loss."""
     total = torch.zeros((), device=device)
     for m, (inputs, loss_fn) in enumerate(micro_batches):
@@ -193,9 +201,10 @@ def accumulate(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], see
             if not reshard_after_backward:
                 model.set_reshard_after_backward(m == len(micro_batches) - 1)  # type: ignore[operator]
         torch.manual_seed(seed)
-        loss = loss_fn(call_model(model, inputs, device)) / len(micro_batches)
-        loss.backward()
-        total += loss.detach()
+        with loss_context():
+            loss = loss_fn(call_model(model, inputs, device)) / len(micro_batches)
+            loss.backward()
+        total += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
     return total
 
 
@@ -204,7 +213,8 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
            policy: MixedPrecisionPolicy, plan: Plan) -> dict[str, Any]:
     """K steps of the FSDP2 model (under ``policy``) beside the reference, then parity; what rank 0 reports."""
     result = train_steps(job, model, reference, opt, ref_opt, device, rank, world,
-                         precision=fsdp2_casts(reference, plan, policy))
+                         precision=fsdp2_casts(reference, plan, policy), tp=plan.tp_degree,
+                         loss_context=functools.partial(loss_context, plan))
     ref_params = dict(reference.named_parameters())
     fulls = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters())
     return {**result, **parity(((name, full, ref_params[name]) for name, full in fulls),
@@ -289,7 +299,8 @@ def parity(pairs: Any, compute: torch.dtype | None = None) -> dict[str, Any]:
 
 
 def time_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
-               steps: int, reshard_after_backward: bool = True, sync_every: bool = False) -> list[float]:
+               steps: int, reshard_after_backward: bool = True, sync_every: bool = False,
+               loss_context: Casts = contextlib.nullcontext) -> list[float]:
     """Seconds of ``steps`` forward + loss + backward steps (of each micro-batch, ``accumulate``) of the sharded
     model alone, back to back on one batch
     (grads set to None between them, as ``zero_grad()`` does), in PyTorch's default (not deterministic) mode: a
@@ -300,19 +311,19 @@ def time_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], dev
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
     try:
-        return _timed_steps(model, micro_batches, device, steps, reshard_after_backward, sync_every)
+        return _timed_steps(model, micro_batches, device, steps, reshard_after_backward, sync_every, loss_context)
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
 def _timed_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device,
-                 steps: int, reshard_after_backward: bool, sync_every: bool) -> list[float]:
+                 steps: int, reshard_after_backward: bool, sync_every: bool, loss_context: Casts) -> list[float]:
     seconds = []
     for _ in range(steps + 1 if steps else 0):  # the first one untimed: it follows other work (warm-up)
         dist.barrier()
         _synchronize(device)
         start = time.perf_counter()
-        accumulate(model, micro_batches, 0, device, reshard_after_backward, sync_every)
+        accumulate(model, micro_batches, 0, device, reshard_after_backward, sync_every, loss_context)
         _synchronize(device)
         seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
@@ -369,11 +380,12 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     # timed last, with the reference and the optimizers gone: what stays in memory is what a training job keeps
     del reference, opt, ref_opt
     gc.collect()
-    micro = [batch(ModelSpec.from_json(job["model"]), job.get("start_step", 0), rank, job["seed"], m)
-             for m in range(job.get("micro_batches", 1))]
+    micro = [batch(ModelSpec.from_json(job["model"]), job.get("start_step", 0), data_rank(plan, rank), job["seed"],
+                   m) for m in range(job.get("micro_batches", 1))]
     result["step_seconds"] = time_steps(model, micro, device, job.get("timed_steps", 0),
                                         job.get("reshard_after_backward", True),
-                                        job.get("gradient_sync", "last") == "every")
+                                        job.get("gradient_sync", "last") == "every",
+                                        functools.partial(loss_context, plan))
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({**result, "backend": dist.get_backend(), "world": world,
                                                    "loaded": loaded}))

@@ -121,12 +121,31 @@ def _layout(m: _Merge) -> None:
         per_node = world // cfg.nodes if cfg.nodes else None
         m.values["cluster"] = f"{preset.group(1)}:{cfg.nodes}x{per_node}" \
             if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
-    if world % cfg.replicate:
-        raise PlannerError(f"{cfg.key('replicate')} = {cfg.replicate} does not divide the job's {world} GPUs")
+    _tensor_parallel(m, world)
+    dp = world // cfg.tp
+    if dp % cfg.replicate:
+        raise PlannerError(f"{cfg.key('replicate')} = {cfg.replicate} does not divide the job's {dp} data-parallel "
+                           f"GPUs")
     if cfg.replicate > 1:
-        m.given("mesh", f"{cfg.replicate}x{world // cfg.replicate}", cfg.key("replicate"))
+        m.given("mesh", f"{cfg.replicate}x{dp // cfg.replicate}", cfg.key("replicate"))
     if cfg.global_batch is not None:
-        _micro_batches(m, world)
+        _micro_batches(m, dp)
+
+
+def _tensor_parallel(m: _Merge, world: int) -> None:
+    """The config's TP degree (its loss parallel and async TP with it), kept: the job runs with it."""
+    cfg = m.cfg
+    if cfg.tp == 1:
+        return
+    key = "parallelism.tensor_parallel_degree" if cfg.kind == TORCHTITAN else \
+        "parallelism_config.parallelism_config_tp_size"
+    if world % cfg.tp:
+        raise PlannerError(f"{key} = {cfg.tp} does not divide the job's {world} GPUs")
+    m.given("tp", cfg.tp, key)
+    if cfg.loss_parallel is not None:
+        m.given("loss_parallel", cfg.loss_parallel, "parallelism.disable_loss_parallel")
+    if cfg.async_tp:
+        m.given("async_tp", True, "enable_async_tensor_parallel", False)
 
 
 def _count_key(cfg: JobConfig) -> str:
@@ -136,7 +155,8 @@ def _count_key(cfg: JobConfig) -> str:
 def _world_keys(cfg: JobConfig) -> str:
     if cfg.kind == ACCELERATE:
         return f"num_processes = {cfg.world}"
-    return f"data_parallel_replicate_degree {cfg.replicate} x data_parallel_shard_degree {cfg.shard}"
+    tp = f" x tensor_parallel_degree {cfg.tp}" if cfg.tp > 1 else ""
+    return f"data_parallel_replicate_degree {cfg.replicate} x data_parallel_shard_degree {cfg.shard}{tp}"
 
 
 def _micro_batches(m: _Merge, world: int) -> None:
@@ -202,7 +222,8 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     assert job.cluster is not None and job.budget is not None and auto.search is not None
     world, before = job.cluster.world_size, traced.report
     assert before is not None
-    old = Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, world // cfg.replicate), cfg.offload)
+    dp = world // cfg.tp
+    old = Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, dp // cfg.replicate), cfg.offload)
     new = plan_setting(auto.search.plan, tr, world)
 
     def step(setting: Setting) -> StepReport | None:

@@ -26,7 +26,7 @@ def job_plan(tr: Trace, plan_file: Path | None, policy: PolicyRequest | None, mo
         plan = load_plan(str(plan_file), tr, model, reporter.note)
     else:
         assert policy is not None
-        plan = policy_plan(tr, policy, model.name, cluster, options, reporter)
+        plan = policy_plan(tr, policy, model, cluster, options, reporter)
     if world is not None:
         check_plan_world_size(plan, world)
     return plan

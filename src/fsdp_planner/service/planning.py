@@ -13,25 +13,26 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
-from fsdp_planner.fsdp2.plan import Mesh, Plan, check_plan_world_size
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec
+from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
+from fsdp_planner.planners.tensor_parallel import TPChoice, check_layout, tp_degrees, tp_layout
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import with_memory_options
-from fsdp_planner.sim.tensor_parallel import TPView, tp_view
+from fsdp_planner.sim.tensor_parallel import TPView, data_parallel_plan, tp_view
 from fsdp_planner.trace.records import Trace
 
 Tracer = Callable[[ModelSpec, SimOptions], Trace]  # the step of one micro-batch of the model, in the options' dtypes
@@ -64,7 +65,7 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     if job.split:
         job, splits = _split(job, tracer, reporter)
     tr = tracer(job.model, job.options)
-    plans, auto, no_fit = _plans(tr, job, reporter)
+    plans, auto, no_fit = _plans(tr, job, reporter, tracer)
     rows = _rows(tr, plans, job, auto)
     kept = as_written(plans[0], job) if plans else None
     why = explained(auto) if job.explain and auto is not None and no_fit is None else None
@@ -91,24 +92,60 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
 
     def searched(n: int) -> AutoResult:
         one = at(n)
-        return search(tracer(one.model, one.options), policy, cluster, one.options, job.model.name, reporter)
+        return search(tracer(one.model, one.options), policy, cluster, one.options, one.model, reporter, tracer)
 
     best, tried = choose_split(batch, searched)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
                                          for s in tried)
 
 
-def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: str,
-           reporter: Reporter = SILENT) -> AutoResult:
-    """Auto's search on ``cluster`` (a result over the budget is the caller's to report)."""
+def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: ModelSpec | str,
+           reporter: Reporter = SILENT, tracer: Tracer | None = None) -> AutoResult:
+    """Auto's search on ``cluster`` (a result over the budget is the caller's to report). ``tracer``: how the model
+    is traced at another batch, for auto's choice of the TP degree (default: the spec's meta trace)."""
     capacity = cluster.gpu.memory_bytes
     if request.memory_budget is not None and request.memory_budget > capacity:
         reporter.note(f"--memory-budget {fmt_bytes(request.memory_budget)} is more than one {cluster.gpu.name} "
                       f"holds ({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
+    spec = as_spec(model)
+    layouts = auto_layouts(tr, request, spec, cluster, options, reporter, tracer or _spec_tracer)
     with reporter.progress(f"auto: searching plans for {cluster.name}"):
-        policy = make_policy(request, cluster, options)
+        policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
-        return policy.search(tr, model)
+        result = policy.search(tr, str(model))
+    degree = result.plan.tp_degree
+    if request.tp is None and degree > 1:
+        batch = spec.workload()["batch_size"]
+        reporter.note(f"auto's layout has TP {degree}: each data-parallel rank runs batch {batch * degree:,} (the "
+                      f"step's {batch * cluster.world_size:,} sequences of batch {batch:,} per GPU kept); "
+                      f"with --tp {degree} give --batch {batch * degree:,} for the same job")
+    return result
+
+
+def _spec_tracer(spec: ModelSpec, options: SimOptions) -> Trace:
+    return trace_spec(spec, options.precision)
+
+
+def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: Cluster, options: SimOptions,
+                 reporter: Reporter, tracer: Tracer) -> tuple[TPChoice, ...]:
+    """The TP layouts auto searches: the one ``--tp`` asks for (checked; what it assumed noted; ``--batch`` per
+    data-parallel rank, as torchtitan's local batch); without ``--tp`` (and without ``--mesh``, which fixes the
+    data-parallel ranks), no TP and each degree of ``TP_DEGREES`` that divides the node and the model
+    (``tp_degrees``), each judged at the same step: TP d runs d times the batch per data-parallel rank (traced at
+    it), so every layout trains the batch of the GPU count a step."""
+    if request.tp is None and request.mesh is None and request.target is Target.FSDP2:
+        batch = model.workload().get("batch_size")
+        layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp) if batch else []
+        return tuple(TPChoice(x.tp, None if x.tp.degree == 1 else
+                              tracer(dataclasses.replace(model, batch_size=batch * x.tp.degree), options))
+                     for x in layouts) if len(layouts) > 1 else ()
+    if request.tp is None or request.tp == 1:
+        return ()
+    layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp)
+    check_layout(tr, layout, cluster, model.workload().get("seq_len"))
+    for line in layout.notes:
+        reporter.note(line)
+    return (TPChoice(layout.tp),)
 
 
 def fitting(result: AutoResult) -> AutoResult:
@@ -139,14 +176,30 @@ def with_reshard(plan: Plan, rule: str) -> Plan:
     return dataclasses.replace(plan, policy=f"{plan.policy}, reshard_after_forward {rule}", groups=groups)
 
 
-def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
+def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None,
+            reporter: Reporter = SILENT) -> Plan:
+    """``plan`` with the tensor parallelism ``request.tp`` asks for: the layout of the first source that has one
+    for this model (``planners/tensor_parallel.py``), checked against the model and ``cluster``; what it assumed
+    goes to the reporter. A plan that has TP already (a plan file's) keeps its own."""
+    if plan.tensor_parallel is not None or request.tp is None or request.tp == 1:
+        return plan
+    spec = as_spec(model)
+    layout = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp)
+    check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
+    for line in layout.notes:
+        reporter.note(line)
+    return plan.replace(tensor_parallel=layout.tp, policy=f"{plan.policy}, {layout.tp.describe()}")
+
+
+def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None = None,
                 options: SimOptions | None = None, reporter: Reporter = SILENT) -> Plan:
     """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget)."""
+    name = str(model)
     if request.name is PolicyName.AUTO:
         if cluster is None:
             raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
         return fitting(search(tr, request, cluster, options or SimOptions(), model, reporter)).written_plan
-    plan = make_policy(request).plan(tr, model)
+    plan = with_tp(make_policy(request).plan(tr, name), tr, request, model, cluster, reporter)
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
     return stamped(plan, tr, cluster.world_size if cluster else None, options)
@@ -158,7 +211,7 @@ def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cl
     grouping unchecked (a param it would read sharded is one of check's findings, not an error)."""
     if request.name is PolicyName.AUTO:
         return policy_plan(tr, request, model, cluster, options, reporter)
-    return make_baseline(request).build(tr, model)
+    return with_tp(make_baseline(request).build(tr, model), tr, request, model, cluster, reporter)
 
 
 def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyRequest, ...]:
@@ -172,7 +225,8 @@ def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyReques
     return tuple(p for p in job.policies if p.name not in (PolicyName.MODULE, PolicyName.TITAN))
 
 
-def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], AutoResult | None, str | None]:
+def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer
+           ) -> tuple[list[Plan], AutoResult | None, str | None]:
     """Each policy's plan, auto's search result, and why auto found no plan within the budget (in a comparison
     that is a result, not an error)."""
     auto: AutoResult | None = None
@@ -183,7 +237,7 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[list[Plan], Aut
             plans += _classic(tr, policy, job, reporter)
             continue
         assert job.cluster is not None
-        auto = search(tr, policy, job.cluster, job.options, job.model.name, reporter)
+        auto = search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
         if not job.compare and job.must_fit:
             fitting(auto)
         if not auto.fits:
@@ -198,7 +252,8 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
     """A classic policy's plan; in a comparison, none (with a note saying why) when the policy cannot take the
     requested settings or FSDP2 would fail on its plan: that is no baseline."""
     try:
-        plan = make_policy(policy).plan(tr, job.model.name)  # its world size is checked where it is simulated
+        plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter)
+        # (its world size is checked where it is simulated)
         return [with_reshard(stamped(plan, tr, job.cluster.world_size if job.cluster else None, job.options),
                              job.reshard)]
     except PlannerError as e:
@@ -208,22 +263,22 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
         return []
 
 
-def _tp_view(tr: Trace, p: Plan, cluster: Cluster, views: dict[tuple, TPView]) -> TPView:
-    """The TP rank's view that ``p`` is simulated on (``sim/tensor_parallel.py``), made once per layout; the trace
-    itself for a plan without TP."""
-    tp = p.tensor_parallel or TensorParallel(1)
-    if tp.signature() not in views:
-        views[tp.signature()] = tp_view(tr, tp, cluster)
-    return views[tp.signature()]
-
-
 def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -> list[Row]:
     """Each plan's metrics and, with a cluster, its simulated step (one context per layout: the comparison may mix
     auto's HSDP with pure FSDP); auto's step is the one its search simulated."""
     cluster = job.cluster
     world = cluster.world_size if cluster else None
-    contexts: dict[tuple[Mesh, SimOptions, tuple], SimContext] = {}
-    views: dict[tuple, TPView] = {}  # one rank's view per TP layout, made once (the trace is not traced again)
+    contexts: dict[tuple, SimContext] = {}
+    views: dict[tuple, TPView] = {}
+
+    def view(p: Plan) -> tuple[Trace, Cluster | None]:
+        """The trace and cluster ``p`` runs on: one TP rank's view under its TP (built once per layout)."""
+        tp = p.tensor_parallel
+        if tp is None or tp.degree == 1 or cluster is None:
+            return tr, cluster
+        if tp.signature() not in views:
+            views[tp.signature()] = tp_view(tr, tp, cluster)
+        return views[tp.signature()].trace, views[tp.signature()].cluster
 
     def simulated(p: Plan) -> StepReport | None:
         if cluster is None:
@@ -231,11 +286,18 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         if auto is not None and (auto.fits or not job.must_fit) and p == auto.written_plan:
             return auto.report
         check_plan_world_size(p, cluster.world_size)
-        view = _tp_view(tr, p, cluster, views)
-        key = (p.layout(cluster.world_size), plan_options(p, job.options), view.trace.tensor_parallel)  # auto: offload
+        on, dp = view(p)
+        assert dp is not None
+        # one context per layout (auto may have chosen offload)
+        key = (p.layout(cluster.world_size), plan_options(p, job.options), p.tensor_parallel)
         if key not in contexts:
-            contexts[key] = SimContext(view.trace, view.cluster, key[1], mesh=key[0])
-        return simulate(view.trace, p, context=contexts[key], timeline=False)
+            contexts[key] = SimContext(on, dp, key[1], mesh=key[0])
+        return simulate(on, p, context=contexts[key], timeline=False)
+
+    def metrics(p: Plan) -> PlanMetrics:
+        on, dp = view(p)  # a TP plan's figures are one TP rank's: its local params on its data-parallel ranks
+        plain = p if on is tr else data_parallel_plan(p, dp.world_size * p.tp_degree) if dp else p
+        return plan_metrics(on, plain, dp.world_size if dp else world, precision)
 
     precision = job.options.precision if cluster else None  # the table's bytes in the simulation's dtypes
-    return [(p, plan_metrics(tr, p, world, precision), simulated(p)) for p in plans]
+    return [(p, metrics(p), simulated(p)) for p in plans]

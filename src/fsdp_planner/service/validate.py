@@ -26,6 +26,7 @@ from fsdp_planner.choices import (
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
 from fsdp_planner.fsdp2.plan import Mesh
+from fsdp_planner.fsdp2.tensor_parallel import MAX_TP_DEGREE
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
 from fsdp_planner.limits import MAX_BATCH, MAX_NUMEL, MAX_SEARCH_EFFORT, MAX_SEQ, MAX_TOKENS, MIN_MFU
 from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, ModelSpec
@@ -70,6 +71,9 @@ class Keywords:
     ac: object = None
     ac_policy: object = None
     mesh: object = None
+    tp: object = None  # the TP degree; None: none (auto: chosen)
+    loss_parallel: object = None  # None: the layout's default
+    async_tp: object = False
     memory_budget: object = None
     headroom: object = None
     micro_batches: object = None
@@ -212,7 +216,19 @@ def policy_request(kw: Keywords, name: object, spell: Spelling) -> PolicyRequest
         checkpointing=choice(ACMode, kw.ac, "ac", spell) if kw.ac is not None else None,
         sac_policy=choice(SacPolicy, kw.ac_policy, "ac_policy", spell) if kw.ac_policy is not None
         else DEFAULT_SAC_POLICY,
-        mesh=Mesh.parse(text(kw.mesh, "mesh", spell)) if kw.mesh is not None else None)
+        mesh=Mesh.parse(text(kw.mesh, "mesh", spell)) if kw.mesh is not None else None, **tensor_parallel(kw, spell))
+
+
+def tensor_parallel(kw: Keywords, spell: Spelling) -> dict[str, Any]:
+    """``PolicyRequest``'s TP settings: the degree (None: none, or auto's choice), loss parallel (None: the layout's
+    default) and async TP; the last two only where TP may run (a degree given, or auto to choose one)."""
+    degree = whole(kw.tp, "tp", spell, 1, MAX_TP_DEGREE) if kw.tp is not None else None
+    loss = flag(kw.loss_parallel, "loss_parallel", spell) if kw.loss_parallel is not None else None
+    async_tp = flag(kw.async_tp, "async_tp", spell)
+    if degree == 1 and (loss or async_tp):
+        on = spell.name_of("async_tp" if async_tp else "loss_parallel")
+        raise PlannerError(f"{on} is a setting of tensor parallelism: give {spell.name_of('tp')} 2 or more")
+    return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp}
 
 
 def memory_budget(kw: Keywords, cluster: Cluster, spell: Spelling) -> MemoryBudget:
@@ -366,7 +382,7 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bo
     options, model = sim_options(kw, spell), model_spec(kw, spell, name)
     default = None
     if names == [PolicyName.AUTO] and the_cluster is None:
-        default = default_cluster(policies[0].mesh.size if policies[0].mesh else None)
+        default = default_cluster(policies[0].mesh.size * (policies[0].tp or 1) if policies[0].mesh else None)
         the_cluster = named(default, kw.cpu_optimizer_rate, spell)
     if kw.policy is None and the_cluster is not None:
         policies.append(policy_request(kw, PolicyName.AUTO.value, spell))

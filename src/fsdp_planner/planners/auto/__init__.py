@@ -37,6 +37,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto.atoms import Atom, plan_atoms
 from fsdp_planner.planners.auto.candidates import (
@@ -50,10 +51,12 @@ from fsdp_planner.planners.auto.checkpointing import CheckpointSearch, Choice, S
 from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator, Target
 from fsdp_planner.planners.auto.refine import Refiner
 from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.planners.tensor_parallel import TPChoice
 from fsdp_planner.sim.budget import Headroom, MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.sizing import shard_dims
+from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace.records import Trace
 
 
@@ -168,6 +171,10 @@ class AutoPolicy:
     headroom: Headroom | None = None  # below the GPU's memory when no memory_budget; None: ``DEFAULT_HEADROOM``
     name: str = "auto"
     choose_memory_options: bool = True  # when nothing fits: try dim-1 sharding and CPU offload (module docstring)
+    tensor_parallel: tuple[TPChoice, ...] = ()  # the TP layouts to choose among (none: no TP; degree 1 among
+    # them: no TP as one of the choices), each with the trace it is judged on, ``_choose_tp``
+    on_layout: TensorParallel | None = None  # the TP of the view this search runs on: its trace and ``cluster`` are
+    # one TP rank's (``sim/tensor_parallel.tp_view``), every plan carries it
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, Target):
@@ -179,8 +186,10 @@ class AutoPolicy:
             raise PlannerError("the memory budget must be positive")
         if self.search_effort is not None and (isinstance(self.search_effort, bool) or self.search_effort < 0):
             raise PlannerError("the search effort is a number of plans: 0 or more")
-        if self.mesh is not None and self.mesh.size != self.cluster.world_size:
-            raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster "
+        tp = self.tensor_parallel[0].tp.degree if len(self.tensor_parallel) == 1 else 1
+        if self.mesh is not None and self.mesh.size * tp != self.cluster.world_size:
+            with_tp = f" x TP {tp}" if tp > 1 else ""
+            raise PlannerError(f"mesh {self.mesh.describe()}{with_tp} has {self.mesh.size * tp} ranks but cluster "
                                f"{self.cluster.name} has {self.cluster.world_size} GPUs")
         if self.mesh is not None and self.mesh.replicate > 1 and self.target is Target.FSDP1:
             raise PlannerError("the fsdp1 target plans pure FSDP: FSDP1's HYBRID_SHARD is not modelled")
@@ -192,6 +201,8 @@ class AutoPolicy:
         return result.written_plan
 
     def search(self, trace: Trace, model: str = "") -> AutoResult:
+        if self.tensor_parallel:
+            return self._choose_tp(trace, model)
         with paused_gc():
             result = self._search(trace, model)
             ways = self._ways_out(trace, result)
@@ -213,6 +224,56 @@ class AutoPolicy:
                     return tried
                 tried_names.add("activation offloading" + (f" with {label[ways[-1]]}" if ways else ""))
             return replace(result, also_tried=tuple(sorted(tried_names)))
+
+    def _choose_tp(self, trace: Trace, model: str) -> AutoResult:
+        """The fastest plan that fits over the TP layouts ``tensor_parallel``, each searched on one TP rank's view
+        of the trace and cluster. With several, each is screened first by its best classic plan (with the fewest
+        checkpointed blocks that let it fit, as ``_choose_meshes`` screens the data-parallel layouts); the best is
+        searched in full, and the next ones up to ``TP_SEARCHES`` whose screening plan fits within ``TP_SLACK`` of
+        the best's. Each layout's line keeps its best plan, searched or screened."""
+        started = time.perf_counter()
+        views = [self._on_tp(choice.trace or trace, choice.tp) for choice in self.tensor_parallel]
+        if len(views) == 1:
+            policy, view = views[0]
+            return policy.search(view, model)
+        screened = []
+        for policy, view in views:
+            found = policy._screen(view, model)
+            if found is not None:
+                screened.append((found[0], found[1], policy, view))
+        if not screened:  # no classic plan runs on any layout: the no-TP search says why
+            policy, view = views[0]
+            return policy.search(view, model)
+        screened.sort(key=lambda s: s[0])
+        fastest = screened[0][1].report.step_time
+        chosen = [s for i, s in enumerate(screened[:TP_SEARCHES])
+                  if i == 0 or (s[0][0] == 0 and s[1].report.step_time <= fastest * (1 + TP_SLACK))]
+        results = [policy.search(view, model) for _, _, policy, view in chosen]
+        best = min(results, key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
+        lines = {name: c for r in results for name, c in r.meshes.items()}
+        lines.update({s[2].layout_name(s[1].plan.mesh or Mesh.flat(s[2].cluster.world_size)): s[1]
+                      for s in screened if s not in chosen})
+        evaluated = sum(r.evaluated for r in results) + len(screened) - len(chosen)
+        return replace(best, meshes=lines, evaluated=evaluated, seconds=time.perf_counter() - started)
+
+    def _on_tp(self, trace: Trace, tp: TensorParallel) -> tuple[AutoPolicy, Trace]:
+        """This search on the view of one TP rank under ``tp`` (degree 1: the whole trace, no TP)."""
+        if tp.degree == 1:
+            return replace(self, tensor_parallel=()), trace
+        view = tp_view(trace, tp, self.cluster)
+        return replace(self, cluster=view.cluster, tensor_parallel=(), on_layout=tp), view.trace
+
+    def _screen(self, trace: Trace, model: str) -> tuple[tuple, Candidate] | None:
+        """The best classic plan on this search's layout (pure FSDP, or the fixed mesh), with the fewest
+        checkpointed blocks that let it fit: its rank key and candidate; None when no classic plan runs."""
+        ev = self._evaluator(trace, model, self._budget(), self.mesh)
+        ev, _ = self._fitting_baselines(ev, trace, classic_plans(trace, model))
+        ranked = ev.ranked()
+        return (ev.key(ranked[0]), ranked[0]) if ranked else None
+
+    def layout_name(self, mesh: Mesh) -> str:
+        """A layout as the search's lines name it: replicate x shard, and its TP degree."""
+        return mesh.describe() + (f" x TP {self.on_layout.degree}" if self.on_layout is not None else "")
 
     def _offloads_activations(self, trace: Trace, result: AutoResult) -> bool:
         """Whether to search once more with every block's saved activations offloaded (``--ac offload``): only
@@ -265,7 +326,7 @@ class AutoPolicy:
             budget_source=source, fits=ev.fits(best.chosen), baselines=best.baselines,
             evaluated=sum(o.search.ev.simulated for o in outcomes) + len(screened), effort=effort,
             refined=effort - left, cut=best.cut, seconds=time.perf_counter() - started, search=best.search,
-            meshes={**{o.search.ev.ctx.mesh.describe(): o.chosen for o in outcomes}, **screened},
+            meshes={**{self.layout_name(o.search.ev.ctx.mesh): o.chosen for o in outcomes}, **screened},
             chosen=best.chosen, memory=memory, checkpointing=best.checkpointing, run=run)
 
     def _evaluator(self, trace: Trace, model: str, budget: MemoryBudget, mesh: Mesh | None,
@@ -277,15 +338,17 @@ class AutoPolicy:
         return Evaluator(trace, self.cluster, self.options, self.target, model, budget, mesh,
                          shared.ev.ctx if shared else None, checkpointed=[] if op or off else fixed,
                          selective=dict.fromkeys(fixed, self.sac_policy) if op else None,
-                         offloaded=fixed if off else ())
+                         offloaded=fixed if off else (), tensor_parallel=self.on_layout)
 
     def _labelled(self, plan: Plan, ev: Evaluator, run: RunOptions) -> Plan:
         hsdp = f", hsdp {ev.ctx.mesh.describe()}" if ev.ctx.mesh.replicate > 1 else ""
         op = f", ac op {self.sac_policy.value}" if self.checkpointing is ACMode.OP else \
             ", ac offload" if self.checkpointing is ACMode.OFFLOAD else ""
         memory = (", offload" if run.offload else "") + (", shard dim 1" if run.shard_dims else "")
-        return replace(plan, policy=(f"auto({self.cluster.name}, {fmt_bytes(ev.budget)}"
-                                     f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{op}{memory})"),
+        tp = f", {self.on_layout.describe()}" if self.on_layout is not None else ""
+        cluster = self.cluster.name  # (a TP view keeps the cluster's name)
+        return replace(plan, policy=(f"auto({cluster}, {fmt_bytes(ev.budget)}"
+                                     f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{tp}{op}{memory})"),
                        model=ev.model)
 
     def _choose_meshes(self, trace: Trace, model: str, first: Search, budget: MemoryBudget
@@ -322,7 +385,7 @@ class AutoPolicy:
         searched = [ev for i, (key, ev, c) in enumerate(screen[:MESH_SEARCHES])
                     if i == 0 or (key[0] == 0 and c.report.step_time <= fastest * (1 + MESH_SLACK))]
         return ({ev.ctx.mesh: ev for ev in searched},
-                {ev.ctx.mesh.describe(): c for _, ev, c in screen if ev not in searched})
+                {self.layout_name(ev.ctx.mesh): c for _, ev, c in screen if ev not in searched})
 
     def _fitting_baselines(self, ev: Evaluator, trace: Trace, plans: dict[str, Plan]
                            ) -> tuple[Evaluator, dict[str, Candidate]]:
@@ -428,6 +491,9 @@ def fits_unchecked(ev: Evaluator) -> bool:
                if not (c.plan.activation_checkpointing or c.plan.selective_checkpointing))
 
 
+TP_SEARCHES = 2  # TP layouts searched in full at most, the best by their screening (``_choose_tp``)
+TP_SLACK = 0.03  # ... the second when its screening plan is within this of the best's: each full search costs
+# as much as a search without TP, and the layouts' screenings rank as their searches do within a few percent
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
 MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
 

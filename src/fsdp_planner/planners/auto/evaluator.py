@@ -13,6 +13,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.targets import shardable_cover
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.fsdp2.validity import sharded_reads
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.planners.auto.atoms import Atom
@@ -52,10 +53,12 @@ class Evaluator:
     def __init__(self, trace: Trace, cluster: Cluster, options: SimOptions, target: Target, model: str,
                  budget: MemoryBudget, mesh: Mesh | None = None, like: SimContext | None = None,
                  checkpointed: Sequence[str] = (), selective: Mapping[str, SacPolicy] | None = None,
-                 offloaded: Sequence[str] = ()) -> None:
+                 offloaded: Sequence[str] = (), tensor_parallel: TensorParallel | None = None) -> None:
         """``like``: the context of a search of the same model on another layout, whose layout-free parts are
-        shared (``SimContext.on_mesh``)."""
+        shared (``SimContext.on_mesh``). ``tensor_parallel``: the TP every plan carries, ``trace`` and ``cluster``
+        being one TP rank's view (``sim/tensor_parallel.py``)."""
         self.trace, self.cluster, self.target, self.model = trace, cluster, target, model
+        self.tensor_parallel = tensor_parallel
         self.ctx = like.on_mesh(mesh or Mesh.flat(cluster.world_size)) if like is not None else \
             SimContext(trace, cluster, options, mesh=mesh)
         self.mesh = self.ctx.mesh if self.ctx.mesh.replicate > 1 else None  # what the plans carry
@@ -89,8 +92,8 @@ class Evaluator:
 
     def evaluate(self, plan: Plan, origin: str) -> Candidate:
         plan = self.with_checkpointing(plan)
-        if plan.mesh != self.mesh:
-            plan = replace(plan, mesh=self.mesh)
+        if plan.mesh != self.mesh or plan.tensor_parallel != self.tensor_parallel:
+            plan = replace(plan, mesh=self.mesh, tensor_parallel=self.tensor_parallel)
         key = plan.signature()
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             group_params = self.ctx.sizing.group_params(plan)

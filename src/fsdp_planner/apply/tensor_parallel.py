@@ -1,0 +1,105 @@
+"""Apply a plan's tensor parallelism: ``parallelize_module`` over the mesh's ``tp`` dim with the torch style each
+``TPStyle`` names, before activation checkpointing and ``fully_shard`` (torchtitan's ``parallelize`` order: TP,
+then AC, then FSDP over the data-parallel dims). The loss of a loss-parallel plan runs under
+``torch.distributed.tensor.parallel.loss_parallel()`` (``loss_context``)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any
+
+import torch.nn as nn
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
+
+DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims of the mesh, outermost first
+TP_DIM = "tp"
+
+
+def positional_inputs(module: nn.Module) -> int:
+    """How many positional inputs a call of ``module`` passes: ``PrepareModuleInput`` wants one layout per
+    positional input, so the inputs its forward requires (those without a default; the optional ones are taken to
+    come as keywords). A forward taking ``*args`` has no fixed count and is refused."""
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        raise PlannerError(f"the tensor-parallel style gather_input needs a module whose forward names its inputs; "
+                           f"{type(module).__name__}.forward takes *args")
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return max(1, sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params))
+
+
+def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module) -> Any:
+    """The ``torch.distributed.tensor.parallel`` style ``style`` stands for (its comment in
+    ``fsdp2/tensor_parallel.py``). ``SEQUENCE_COLWISE`` (the output head) keeps its vocab-sharded logits as a
+    DTensor under loss parallel, for the loss to run on them; ``GATHER_INPUT`` redistributes the first positional
+    input only, every other input (positional or keyword) passing through as it came."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    if style is TPStyle.COLWISE:
+        return ColwiseParallel()
+    if style is TPStyle.ROWWISE:
+        return RowwiseParallel()
+    if style is TPStyle.ROWWISE_SEQUENCE:
+        return RowwiseParallel(output_layouts=Shard(1))
+    if style is TPStyle.SEQUENCE_COLWISE:
+        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    if style is TPStyle.EMBEDDING:
+        return RowwiseParallel(input_layouts=Replicate())
+    if style is TPStyle.EMBEDDING_SEQUENCE:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if style is TPStyle.SEQUENCE_PARALLEL:
+        return SequenceParallel()
+    others = (None,) * (positional_inputs(module) - 1)
+    # input_kwarg_layouts={}: keyword inputs reach the module untouched (a hook with kwargs, no layouts for them)
+    return PrepareModuleInput(input_layouts=(Shard(1), *others), desired_input_layouts=(Replicate(), *others),
+                              input_kwarg_layouts={}, desired_input_kwarg_layouts={})
+
+
+def torch_plan(model: nn.Module, tp: TensorParallel) -> dict[str, Any]:
+    """``parallelize_module``'s plan: each module the layout matches (by canonical name) -> its torch style."""
+    modules = dict(model.named_modules())
+    return {name: torch_style(style, tp.loss_parallel, modules[name])
+            for name, style in tp.styles(modules).items()}
+
+
+def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None:
+    """``parallelize_module`` over ``tp_mesh`` (1-D, the TP degree ranks): params become DTensors sharded over it."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if tp_mesh.size() != tp.degree:
+        raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
+    parallelize_module(model, tp_mesh, torch_plan(model, tp))
+
+
+def split_mesh(mesh: Any, plan: Plan) -> tuple[Any, Any]:
+    """(data-parallel mesh, TP mesh or None) of a device mesh: without TP, ``mesh`` is the data-parallel mesh as
+    given; with TP, a mesh with named dims (``device_mesh``), its dp dims (1-D ``dp_shard`` or the 2-D HSDP mesh)
+    for ``fully_shard`` and its ``tp`` dim for ``parallelize_module``."""
+    if plan.tensor_parallel is None:
+        return mesh, None
+    names = tuple(mesh.mesh_dim_names or ())
+    if TP_DIM not in names:
+        raise PlannerError("the plan has tensor parallelism but the device mesh has no 'tp' dim: give a mesh with "
+                           "named dims (dp_replicate, dp_shard, tp) or none")
+    dp = tuple(n for n in DP_DIMS if n in names)
+    return mesh[dp if len(dp) > 1 else dp[0]], mesh[TP_DIM]
+
+
+def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
+    """What a plan's loss and its backward run under: ``loss_parallel()`` when the plan keeps the logits
+    vocab-sharded (the cross-entropy then reduces across the TP ranks without gathering them)."""
+    if plan.tensor_parallel is None or not plan.tensor_parallel.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def data_rank(plan: Plan, rank: int) -> int:
+    """Which data-parallel rank ``rank`` is: the TP ranks of a group (consecutive, TP innermost) see one batch."""
+    return rank // plan.tp_degree

@@ -1,0 +1,244 @@
+"""A plan with tensor parallelism applied for real (issue 35): ``apply_plan`` builds the named (dp_replicate,
+dp_shard, tp) mesh, ``parallelize_module``s over tp with the torch styles the layout names, then ``fully_shard``s
+over the data-parallel dims. Checked by training on gloo with parameter parity against one process, and on the fake
+process group with FSDP2's and DTensor's collectives counted apart, beside the simulator's prediction."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+from fsdp_planner.apply.export import ExportFormat, export_plan
+from fsdp_planner.apply.fully_shard import apply_plan
+from fsdp_planner.apply.tensor_parallel import apply_tp, positional_inputs, torch_plan, torch_style
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Mesh, Plan
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import load_model
+from fsdp_planner.planners.classic import TorchtitanPolicy
+from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+from fsdp_planner.runtime.fake_world import beside_prediction, fake_process_group, run_fake_world
+from fsdp_planner.runtime.verify import predict_collectives, run_verify
+from fsdp_planner.sim.options import PRECISIONS, SimOptions
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.trace import record
+
+BF16 = SimOptions.named("bf16-mixed")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    lm = load_model("toy-llama")
+    return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
+
+
+def tp_plan(trace, degree: int = 2, mesh: Mesh | None = None) -> Plan:
+    return TorchtitanPolicy("TransformerBlock").plan(trace).replace(tensor_parallel=titan_llama_layout(degree),
+                                                                    mesh=mesh)
+
+
+class _Attention(nn.Module):
+    """Takes a second positional input and an optional keyword, as torchtitan's attention takes freqs_cis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(8, 8, bias=False)
+        self.wo = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.wq(x) * scale
+        return self.wo(h if mask is None else h * mask)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.attention = _Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(0.5)
+        return x + self.attention(self.norm(x), scale, mask=torch.ones(1))
+
+
+def test_each_style_is_the_torch_style_its_comment_names() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    linear = nn.Linear(4, 4)
+    style = {s: torch_style(s, False, linear) for s in TPStyle if s is not TPStyle.GATHER_INPUT}
+    assert type(style[TPStyle.COLWISE]) is ColwiseParallel and type(style[TPStyle.ROWWISE]) is RowwiseParallel
+    assert style[TPStyle.ROWWISE_SEQUENCE].output_layouts == (Shard(1),)
+    assert style[TPStyle.EMBEDDING].input_layouts == (Replicate(),)
+    assert style[TPStyle.EMBEDDING_SEQUENCE].output_layouts == (Shard(1),)
+    assert type(style[TPStyle.SEQUENCE_PARALLEL]) is SequenceParallel
+    head = style[TPStyle.SEQUENCE_COLWISE]
+    assert head.input_layouts == (Shard(1),) and head.output_layouts == (Replicate(),) and head.use_local_output
+    head = torch_style(TPStyle.SEQUENCE_COLWISE, True, linear)  # loss parallel: vocab-sharded DTensor logits
+    assert head.output_layouts == (Shard(-1),) and not head.use_local_output
+    gather = torch_style(TPStyle.GATHER_INPUT, False, _Attention())
+    assert type(gather) is PrepareModuleInput
+    assert gather.input_layouts == (Shard(1), None) and gather.desired_input_layouts == (Replicate(), None)
+
+
+def test_gather_input_counts_required_positional_inputs_and_refuses_star_args() -> None:
+    class Star(nn.Module):
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return args[0]
+
+    assert positional_inputs(_Attention()) == 2 and positional_inputs(nn.LayerNorm(4)) == 1
+    with pytest.raises(PlannerError, match=r"Star.forward takes \*args"):
+        positional_inputs(Star())
+
+
+def test_torch_plan_expands_the_layout_patterns(toy) -> None:
+    model = load_model("toy-llama", meta=True).model
+    styles = torch_plan(model, titan_llama_layout(2))
+    assert len(styles) == 3 + 4 * 11  # embedding, norm, output + 11 per block
+    assert "layers.3.feed_forward.w2" in styles and "layers.*.attention" not in styles
+
+
+@pytest.mark.integration  # the fake process group: a few seconds
+def test_gather_input_passes_other_args_and_kwargs_through() -> None:
+    """A module taking more inputs than the one gathered runs forward and backward under TP + FSDP2."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = {"norm": TPStyle.SEQUENCE_PARALLEL, "attention": TPStyle.GATHER_INPUT,
+              "attention.wq": TPStyle.COLWISE, "attention.wo": TPStyle.ROWWISE_SEQUENCE}
+    from torch.distributed.tensor import DTensor
+
+    model = _Block()
+    with fake_process_group(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        apply_tp(model, TensorParallel(2, layout), mesh["tp"])
+        out = model(torch.randn(2, 3, 8, requires_grad=True))  # this rank's sequence shard, as SP passes it on
+        out.sum().backward()
+    assert out.shape == (2, 3, 8) and isinstance(model.attention.wq.weight, DTensor)
+    assert model.attention.wq.weight.grad.placements == (Shard(0),)
+
+
+def test_apply_plan_refuses_a_mesh_without_tp_and_an_unknown_pattern(toy) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = load_model("toy-llama", meta=False).model
+    with fake_process_group(4):
+        flat = init_device_mesh("cpu", (4,))
+        with pytest.raises(PlannerError, match="no 'tp' dim"):
+            apply_plan(model, tp_plan(toy), mesh=flat)
+        bad = tp_plan(toy).replace(tensor_parallel=TensorParallel(2, {"layers.*.attn": TPStyle.COLWISE}))
+        with pytest.raises(PlannerError, match="matches no module"):
+            apply_plan(model, bad)
+    assert not any(hasattr(p, "placements") for p in model.parameters())  # refused before any change
+
+
+@pytest.mark.integration  # 4 gloo ranks under torchrun: ~20 s
+def test_verify_dp2_tp2_trains_with_parity_on_gloo(toy) -> None:
+    """2 x 2 ranks, bf16-mixed: the params (gathered whole, full_tensor) match one process's training, FSDP2's
+    all-gathers and reduce-scatters (of the TP-local shards) are those predicted."""
+    result = run_verify("toy-llama", toy, tp_plan(toy), 4)
+    assert result.ok, result.to_dict()
+    assert result.world_size == 4 and result.params_match and result.param_error is not None
+    assert result.counted[0]["all_gather"] == result.predicted["all_gather"] > 0
+    plain = predict_collectives(toy, tp_plan(toy).replace(tensor_parallel=None), 2)[1]
+    assert result.counted_bytes[0]["all_gather"] < plain["all_gather"]  # TP-local shards: fewer bytes gathered
+
+
+@pytest.mark.integration  # 8 gloo ranks under torchrun: ~30 s
+def test_verify_hsdp_by_tp_trains_with_parity_on_gloo(toy) -> None:
+    """2 replicas x 2 shards x TP 2, fp32: parity and HSDP's all-reduces across replicas as predicted."""
+    result = run_verify("toy-llama", toy, tp_plan(toy, mesh=Mesh(2, 2)), 8, precision="fp32")
+    assert result.ok, result.to_dict()
+    assert result.max_abs_diff <= 1e-5 and result.counted[-1]["all_reduce"] > 0
+
+
+@pytest.mark.integration  # the fake process group: a few seconds each
+@pytest.mark.parametrize(("world", "mesh"), [(8, None), (8, Mesh(2, 2)), (64, None)])
+def test_fake_world_counts_fsdp_and_tp_collectives_apart(toy, world: int, mesh: Mesh | None) -> None:
+    """Real TP + FSDP2 on fake ranks beside the simulator: every count and byte of both process groups exact, the
+    peak within 5%."""
+    plan = tp_plan(toy, mesh=mesh)
+    measured = run_fake_world("toy-llama", plan, world, BF16.precision)
+    predicted = simulate(toy, plan, parse_cluster(f"h100:{world}"), BF16, timeline=False)
+    rows = beside_prediction(predicted, measured)
+    assert {"tp_all_gathers", "tp_reduce_scatter_bytes", "tp_all_reduces"} <= set(rows)
+    assert measured.tp_counts is not None and min(measured.tp_counts.values()) > 0
+    assert all(p == m for k, (p, m) in rows.items() if k != "peak_memory"), rows
+    assert rows["peak_memory"][0] == pytest.approx(rows["peak_memory"][1], rel=0.05)
+    assert ("all_reduces" in rows) == (mesh is not None)  # HSDP's all-reduces counted as FSDP2's, not TP's
+
+
+@pytest.mark.integration
+def test_fake_world_without_tp_has_no_tp_rows(toy) -> None:
+    plan = TorchtitanPolicy("TransformerBlock").plan(toy)
+    measured = run_fake_world("toy-llama", plan, 4, BF16.precision)
+    assert measured.tp_counts is None
+    assert not any(k.startswith("tp_") for k in beside_prediction(
+        simulate(toy, plan, parse_cluster("h100:4"), BF16, timeline=False), measured))
+
+
+HOSTILE = ["x'];PWNED = 1;y = ['", 'a"""\nPWNED = 1\n"""', "b\nPWNED = 1 #"]  # a layout key closing its literal
+
+
+@pytest.mark.parametrize("fmt", list(ExportFormat))
+def test_export_carries_the_layout_as_literals(toy, fmt: ExportFormat) -> None:
+    """Every format's module holds the plan's TP as data (hostile pattern names round-trip, run nothing) and its
+    entry point; torchtitan's job gains tensor_parallel_degree and loss parallel / async TP."""
+    layout = {**{k: s.value for k, s in titan_llama_layout(2).layout.items()}, **dict.fromkeys(HOSTILE, "colwise")}
+    tp = TensorParallel(2, {k: TPStyle(v) for k, v in layout.items()}, loss_parallel=False, async_tp=True)
+    source = export_plan(tp_plan(toy).replace(tensor_parallel=tp), fmt)
+    assert source.isascii()
+    scope: dict = {"__name__": "exported"}
+    exec(compile(ast.parse(source), "exported.py", "exec"), scope)
+    assert "PWNED" not in scope and scope["TP_LAYOUT"] == layout and scope["TP_DEGREE"] == 2
+    assert scope["LOSS_PARALLEL"] is False and scope["ASYNC_TP"] is True
+    assert callable(scope["tensor_parallel"]) and callable(scope["make_mesh"])
+    if fmt is ExportFormat.TORCHTITAN:
+        assert "tensor_parallel_degree=2," in source and "disable_loss_parallel=True," in source
+        assert "'--parallelism.tensor_parallel_degree', '2'," in source
+        assert "'--parallelism.enable_async_tensor_parallel'," in source
+    assert "TP_DEGREE" not in export_plan(tp_plan(toy).replace(tensor_parallel=None), fmt)  # as before without TP
+
+
+@pytest.mark.integration  # the fake process group: a few seconds
+def test_exported_parallelize_shards_as_apply_plan_does(toy) -> None:
+    """torchtitan's ``parallelize(model, world_mesh)`` of the export on 8 fake ranks (2 x 2 x TP 2) leaves every
+    param with the placements and local shape ``apply_plan`` gives it."""
+    plan = tp_plan(toy, mesh=Mesh(2, 2))
+    scope: dict = {"__name__": "exported"}
+    exec(compile(export_plan(plan, ExportFormat.TORCHTITAN), "exported.py", "exec"), scope)
+    shards = []
+    with fake_process_group(8):
+        for shard in (lambda m: scope["parallelize"](m, scope["make_mesh"]("cpu")), lambda m: apply_plan(m, plan)):
+            model = load_model("toy-llama", meta=False).model
+            shard(model)
+            shards.append({n: (p.placements, p.to_local().shape, p.device_mesh.mesh_dim_names)
+                           for n, p in model.named_parameters()})
+    assert shards[0] == shards[1]
+    placements, local, dims = shards[0]["layers.0.attention.wq.weight"]  # 64 x 64: rows / TP 2 / dp_shard 2
+    assert placements[0] == Replicate() and placements[2] == Shard(0) and tuple(local) == (16, 64)
+    assert dims == ("dp_replicate", "dp_shard", "tp")
+
+
+@pytest.mark.integration  # 4 gloo ranks under torchrun: ~25 s
+def test_exported_python_trains_with_parity_on_gloo(tmp_path: Path) -> None:
+    """The exported module on 2 x TP 2 gloo ranks (examples/torchrun_fsdp2.py: one batch per TP group, the loss
+    under its loss_context()) trains as one process does, in fp32."""
+    lm = load_model("toy-llama")
+    plan = tp_plan(record(lm.model, lm.example_inputs, lm.loss_fn))
+    code = tmp_path / "tp_plan.py"
+    code.write_text(export_plan(plan, ExportFormat.PYTHON, PRECISIONS["fp32"]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                          str(ROOT / "examples" / "torchrun_fsdp2.py"), str(code)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5

@@ -1,0 +1,210 @@
+"""Tensor parallelism in planning: where a layout comes from (transformers' plan, torchtitan's Llama, detected
+column-then-row pairs), the degrees refused, ``--tp`` through the validator, job configs that keep their TP, and
+auto's choice of the degree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch.nn as nn
+
+from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, read_config
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.tensor_parallel import TPStyle
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import ModelSpec
+from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+from fsdp_planner.planners.tensor_parallel import PAIRS, check_layout, titan_llama_layout, tp_degrees, tp_layout
+from fsdp_planner.service.configured import configured
+from fsdp_planner.service.planning import plan as plan_job
+from fsdp_planner.service.planning import search
+from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.service.validate import Keywords, Spelling
+from fsdp_planner.service.validate import plan_job as checked_job
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.tracing import trace
+
+FIXTURES = Path(__file__).parent / "fixtures" / "torchtitan"
+H100_8 = parse_cluster("h100:8")
+
+
+class Pair(nn.Module):
+    """A column-then-row pair: hidden -> inner -> hidden, with an element-wise op between."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, inner), nn.Linear(inner, hidden)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.down(self.up(x).relu())
+
+
+def traced(module: nn.Module, hidden: int):  # type: ignore[no-untyped-def]
+    import torch
+
+    return trace(module, (torch.randn(2, 4, hidden),))
+
+
+# -- where a layout comes from ----------------------------------------------------------------------------------------
+def test_transformers_plan_for_hf_models():
+    """transformers' own plan of the config class, under the base model's prefix, with the vocab-sharded input
+    embedding; the LM head's gathered-output style has no TPStyle and is named."""
+    from transformers import LlamaConfig
+
+    spec = ModelSpec("hf:llama3-8b", seq_len=64, hf_config=(("num_hidden_layers", 2),))
+    layout = tp_layout(trace_spec(spec), 4, spec)
+    expected = {f"model.{k}": v for k, v in LlamaConfig.base_model_tp_plan.items()}
+    assert {k: s.value for k, s in layout.tp.layout.items() if k != "model.embed_tokens"} == expected
+    assert layout.tp.layout["model.embed_tokens"] is TPStyle.EMBEDDING
+    assert layout.heads == (32, 8) and not layout.tp.loss_parallel
+    assert any("lm_head (colwise_gather_output)" in n for n in layout.notes)
+
+
+def test_torchtitan_layout_found_by_the_trace_not_the_name():
+    """The built-in Llama gets torchtitan's layout from its module names and classes, whatever it is called."""
+    tr = trace_spec("toy-llama")
+    layout = tp_layout(tr, 2, ModelSpec("my-own-name"))
+    assert layout.tp.layout == titan_llama_layout(2).layout and layout.tp.loss_parallel
+    assert layout.heads == (4, 2)
+    assert not tp_layout(tr, 2, None, loss_parallel=False).tp.loss_parallel
+
+
+def test_tied_embeddings_stay_whole():
+    layout = tp_layout(trace_spec(ModelSpec("llama32-3b", seq_len=64)), 8)
+    assert "tok_embeddings" not in layout.tp.layout and "output" not in layout.tp.layout
+    assert not layout.tp.loss_parallel and any("share a weight" in n for n in layout.notes)
+
+
+def test_detected_pairs_with_a_note():
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Pair(16, 64) for _ in range(2))
+            self.head = nn.Linear(16, 16)
+
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            for b in self.blocks:
+                x = x + b(x)
+            return self.head(x)
+
+    layout = tp_layout(traced(Model(), 16), 4)
+    assert layout.source == PAIRS
+    assert dict(layout.tp.layout) == {"blocks.0.up": TPStyle.COLWISE, "blocks.0.down": TPStyle.ROWWISE,
+                                      "blocks.1.up": TPStyle.COLWISE, "blocks.1.down": TPStyle.ROWWISE}
+    assert "2 column-then-row Linear pairs in Pair" in layout.notes[0] and "assumed" in layout.notes[0]
+
+
+def test_no_sound_layout_is_refused():
+    with pytest.raises(PlannerError, match="no sound tensor-parallel layout"):
+        tp_layout(trace_spec("seed-net"), 2)
+    with pytest.raises(PlannerError, match="transformers has no tensor-parallel plan"):
+        spec = ModelSpec("hf:gpt2", seq_len=32, hf_config=(("n_layer", 1),))
+        tp_layout(trace_spec(spec), 2, spec)
+
+
+# -- divisibility -----------------------------------------------------------------------------------------------------
+def test_degrees_refused():
+    tr = trace_spec("toy-llama")
+    with pytest.raises(PlannerError, match="4 attention heads and 2 kv heads"):
+        check_layout(tr, tp_layout(tr, 4), H100_8)
+    with pytest.raises(PlannerError, match="GPUs of a node"):
+        check_layout(tr, tp_layout(tr, 2), parse_cluster("h100:2x1"))
+    with pytest.raises(PlannerError, match="--seq 31 must be a multiple of 2"):
+        check_layout(tr, tp_layout(tr, 2), H100_8, seq_len=31)
+    check_layout(tr, tp_layout(tr, 2), H100_8, seq_len=32)  # all divide
+    pairs = traced(Pair(8, 6), 8)
+    with pytest.raises(PlannerError, match="6 output features of up"):
+        check_layout(pairs, tp_layout(pairs, 4), H100_8)
+
+
+def test_auto_tries_the_degrees_that_divide():
+    tr = trace_spec("toy-llama")
+    assert [x.tp.degree for x in tp_degrees(tr, ModelSpec("toy-llama"), H100_8)] == [1, 2]  # 2 kv heads
+    assert [x.tp.degree for x in tp_degrees(traced(Pair(8, 16), 8), None, H100_8)] == [1]  # detected: only --tp
+
+
+# -- options --------------------------------------------------------------------------------------------------------
+def test_tp_through_the_validator():
+    job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True), Spelling.API)
+    (request,) = job.policies
+    assert (request.tp, request.async_tp, request.loss_parallel) == (2, True, None)
+    for bad, message in (({"tp": 0}, "tp must be from 1"), ({"tp": True}, "tp must be a whole number"),
+                         ({"tp": 1, "async_tp": True}, "async_tp is a setting of tensor parallelism"),
+                         ({"loss_parallel": "yes"}, "loss_parallel must be True or False")):
+        with pytest.raises(PlannerError, match=message):
+            checked_job(Keywords(model="toy-llama", policy="titan", **bad), Spelling.API)
+
+
+def test_a_classic_plan_carries_the_layout():
+    job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, cluster="h100:8"), Spelling.CLI)
+    outcome = plan_job(job, lambda spec, options: trace_spec(spec, options.precision))
+    plan, _, report = outcome.rows[0]
+    assert plan.tensor_parallel == titan_llama_layout(2) and plan.layout(8).shard == 4
+    assert report is not None and report.tp_degree == 2 and report.tp_all_gathers > 0
+
+
+# -- job configs ----------------------------------------------------------------------------------------------------
+def test_torchtitan_70b_keeps_its_tp():
+    cfg = read_config(TORCHTITAN, f"{FIXTURES / 'llama3' / 'config_registry.py'}:llama3_70b")
+    kw = configured(Keywords(cluster="h100:64"), cfg, "plan", lambda line: None)
+    assert (kw.model, kw.tp, kw.batch, kw.cluster) == ("llama3-70b", 8, 8, "h100:64")
+    job = checked_job(kw, Spelling.CLI)
+    assert {p.tp for p in job.policies} == {8}
+
+
+def test_torchtitan_405b_keeps_async_tp():
+    cfg = read_config(TORCHTITAN, str(FIXTURES / "llama3_405b.toml"))
+    assert (cfg.tp, cfg.async_tp) == (8, True)
+
+
+@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "context_parallel_degree"])
+def test_pipeline_and_context_parallel_refused(tmp_path, key):
+    path = tmp_path / "job.toml"
+    path.write_text(f'[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\n{key} = 2\n')
+    with pytest.raises(PlannerError, match=f"{key} = 2: .* about another job"):
+        read_config(TORCHTITAN, str(path))
+
+
+def test_accelerate_tp_hsdp(tmp_path):
+    """Accelerate's tp_hsdp.yaml: dp_replicate 2 x dp_shard 2 x tp 2 on 8 processes."""
+    path = tmp_path / "tp_hsdp.yaml"
+    path.write_text("distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n"
+                    "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+                    "  parallelism_config_dp_shard_size: 2\n  parallelism_config_tp_size: 2\n")
+    kw = configured(Keywords(model="toy-llama", cluster="h100"), read_config(ACCELERATE, str(path)), "plan",
+                    lambda line: None)
+    assert (kw.tp, kw.mesh, kw.cluster) == (2, "2x2", "h100:8")
+
+
+# -- auto's choice ---------------------------------------------------------------------------------------------------
+def _auto(budget: int | None = None):  # type: ignore[no-untyped-def]
+    request = PolicyRequest(PolicyName.AUTO, memory_budget=budget)
+    spec = ModelSpec("toy-llama")
+    return search(trace_spec(spec), request, H100_8, SimOptions(), spec)
+
+
+def test_auto_chooses_the_degree_deterministically():
+    first, second = _auto(), _auto()
+    assert first.written_plan == second.written_plan and first.meshes.keys() == second.meshes.keys()
+    assert "1x4 x TP 2" in first.meshes and "1x8" in first.meshes
+    fitting = [c.report.step_time for c in first.meshes.values() if first.memory.fits(c.report.reserved_memory)]
+    assert first.report.step_time == min(fitting)
+
+
+def test_auto_takes_tp_under_a_tight_budget():
+    """Under a budget well below what the free search's plans reserve, TP 2 (which shards the params once more and
+    the activations between the blocks) is the fastest layout that fits, and auto takes it."""
+    free = _auto()
+    tight = _auto(budget=int(free.meshes["1x4 x TP 2"].report.reserved_memory * 0.6))
+    assert tight.fits and tight.plan.tp_degree == 2 and tight.plan.tensor_parallel == titan_llama_layout(2)
+    fitting = [c.report.step_time for c in tight.meshes.values() if tight.memory.fits(c.report.reserved_memory)]
+    assert tight.report.step_time == min(fitting)
+
+
+def test_the_api_takes_tp():
+    import fsdp_planner
+
+    plan = fsdp_planner.plan("toy-llama", policy="titan", cluster="h100:8", tp=2, loss_parallel=False)
+    assert plan.tensor_parallel is not None and plan.tp_degree == 2 and not plan.tensor_parallel.loss_parallel
+    assert plan.mesh_dims(8) == {"dp_shard": 4, "tp": 2}
