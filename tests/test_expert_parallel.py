@@ -190,3 +190,20 @@ def test_ep_screen_simulates_each_degree_and_picks_the_fastest_that_fits() -> No
     best = best_ep_option(found, 2**40)
     assert best is not None and best.step.step_time == min(o.step.step_time for o in found)
     assert best_ep_option(found, 1) is None
+
+
+def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
+    """``ep=`` (``--ep``): auto's groups under EP (experts alone, resharded or kept, the faster that fits), a classic
+    policy's too; a model without grouped experts, or a degree 0, is refused in one sentence."""
+    from fsdp_planner import api
+
+    auto = api.plan(TINY, cluster="h100:8", policy="auto", ep=4)
+    titan = api.plan(TINY, cluster="h100:8", policy="titan", ep=2)
+    for plan, degree in ((auto, 4), (titan, 2)):
+        assert plan.ep_degree == degree and "EP" in plan.policy
+        assert {("layers.0.moe.experts",), ("layers.1.moe.experts",)} <= {g.modules for g in plan.groups}
+        assert Plan.from_json(plan.to_json()).expert_parallel == plan.expert_parallel
+    with pytest.raises(PlannerError, match="grouped experts"):
+        api.plan("toy-llama", cluster="h100:8", policy="titan", ep=2)
+    with pytest.raises(PlannerError, match="ep"):
+        api.plan(TINY, cluster="h100:8", policy="titan", ep=0)

@@ -46,14 +46,15 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          shard_placement: str = ShardPlacement.DIM0.value, attention: str | None = None,
          routing: float | None = None, hf_config: dict[str, Any] | None = None,
          gradient_sync: str = GradientSync.LAST.value, tp: int | None = None, loss_parallel: bool | None = None,
-         async_tp: bool = False) -> Plan:
+         async_tp: bool = False, ep: int | None = None) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
     for the same model and options (each keyword is the option of the same name, ``-`` as ``_``, checked by the
     same validator with the same types and ranges: a bool is a bool; the README's Python API section lists them).
     ``micro_batches="auto"`` is ``--micro-batches auto``: auto's choice of the split of ``batch`` (a MODEL spec
     string with ``batch`` and ``policy="auto"``). ``hf_config``: a dict of ``--hf-config`` fields, for an ``hf:``
     MODEL spec. ``tp``: tensor parallelism of that degree inside each node (``--tp``; default none, and auto
-    chooses among 1, 2, 4 and 8), with ``loss_parallel`` and ``async_tp``.
+    chooses among 1, 2, 4 and 8), with ``loss_parallel`` and ``async_tp``. ``ep``: expert parallelism of that degree
+    over the model's grouped experts (``--ep``; default none).
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
     a dict of kwargs: one micro-batch of one rank) and optional ``loss_fn`` (default: the mean of squares of the
@@ -81,7 +82,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         memory_budget=memory_budget, headroom=headroom, micro_batches=micro_batches, offload=offload,
         module_classes=module_classes or None, search_effort=search_effort, target=target,
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,
-        hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp)
+        hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp,
+        ep=ep)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__)
     tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)
                       else lambda spec, options: _traced_module(model, inputs, loss_fn, spec, options))

@@ -24,6 +24,7 @@ from fsdp_planner.choices import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count
+from fsdp_planner.fsdp2.expert_parallel import MAX_EP_DEGREE
 from fsdp_planner.fsdp2.tensor_parallel import MAX_TP_DEGREE
 from fsdp_planner.limits import MAX_BATCH, MAX_SEARCH_EFFORT, MAX_SEQ, MIN_MFU
 
@@ -105,6 +106,10 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "rest: the layout from the plan file, transformers' tp plan for hf: models, torchtitan's "
                          "for the built-in Llamas, else the column-then-row Linear pairs found; default none, and "
                          "auto chooses among 1, 2, 4, 8")
+    sp.add_argument("--ep", type=positive_int("--ep", MAX_EP_DEGREE), default=None, metavar="N",
+                    help="expert parallelism of degree N over the model's grouped experts (E / N experts a rank, "
+                         "the tokens sent to them by all-to-all), each experts module FSDP-sharded over the "
+                         "data-parallel shard ranks / N, as torchtitan; default none")
     sp.add_argument("--loss-parallel", action=argparse.BooleanOptionalAction, default=None,
                     help="with TP: keep the output head's logits sharded on the vocab and run the loss under "
                          "loss_parallel() (default on where the layout shards the output head, as torchtitan)")

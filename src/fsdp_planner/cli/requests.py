@@ -111,6 +111,7 @@ POLICY_OPTIONS: dict[str, tuple[str, tuple[PolicyName, ...]]] = {
     "--ac-policy": ("ac_policy", tuple(PolicyName)),
     "--mesh": ("mesh", tuple(PolicyName)),
     "--tp": ("tp", tuple(PolicyName)),
+    "--ep": ("ep", tuple(PolicyName)),
     "--loss-parallel": ("loss_parallel", tuple(PolicyName)),
 }
 

@@ -480,8 +480,7 @@ def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> Non
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             name = json.dumps(key)[1:-1]  # control characters escaped: the message stays one line
             name = name if len(name) <= 40 else f"{name[:30]}...({len(key)} characters)"
-            raise PlannerError(f"{where} has an unknown key '{name}'{hint}; the accepted keys are "
-                               f"{', '.join(accepted)}")
+            raise PlannerError(f"{where} has an unknown key '{name}'{hint}; accepted: {', '.join(accepted)}")
 
 
 def divisors(n: int) -> list[int]:

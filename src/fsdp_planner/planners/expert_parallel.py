@@ -13,8 +13,9 @@ from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.planners.auto import AutoResult
 from fsdp_planner.sim.expert_parallel import ep_view
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.trace.records import Trace
@@ -54,15 +55,24 @@ def ep_degrees(trace: Trace, shard: int) -> list[int]:
     return [d for d in divisors(n) if shard % d == 0]
 
 
-def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0) -> Plan:
-    """``plan`` with EP of ``degree`` over the model's expert modules, each in a group of its own; degree 1: no EP."""
+def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0) -> Plan:
+    """``plan`` with EP of ``degree`` over the model's expert modules, each in a group of its own; degree 1: no EP.
+    A plan with shard dims gets them again at the experts' own shard ranks (``shard``: the data-parallel shard
+    ranks; the placement rule of ``ShardPlacement.AUTO``)."""
     if degree == 1:
         return plan.replace(expert_parallel=None)
     experts = expert_modules(trace)
     if not experts:
         raise PlannerError("expert parallelism needs grouped experts modules (params stacked on an expert dim, a "
                            "class named ...Experts); this model has none")
-    return with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
+    if shard and shard % degree:
+        raise PlannerError(f"expert parallelism of degree {degree} does not divide the {shard} data-parallel shard "
+                           f"ranks (EP's ranks come out of dp_shard): choose one of "
+                           f"{', '.join(map(str, ep_degrees(trace, shard)))}")
+    out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
+    if plan.shard_dims and shard:
+        out = out.replace(shard_dims=shard_dims(ep_view(trace, out).trace, shard, ShardPlacement.AUTO))
+    return out
 
 
 @dataclass(frozen=True)
@@ -80,17 +90,16 @@ class EPOption:
                 if self.degree > 1 else "no EP")
 
 
-def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0) -> list[EPOption]:
-    """``plan`` (without EP) under every EP degree the model and its shard ranks allow, its expert groups resharded
-    after forward or kept: each simulated (the EP view built once per degree). The EP screen a search runs after
-    choosing its groups; deterministic, 2 simulations a degree."""
+def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0,
+               degrees: tuple[int, ...] = ()) -> list[EPOption]:
+    """``plan`` (without EP) under ``degrees`` (default every EP degree the model and its shard ranks allow), its
+    expert groups resharded after forward or kept: each simulated (the EP view built once per degree). The EP
+    screen a search runs after choosing its groups; deterministic, 2 simulations a degree."""
     shard = plan.shard_size(cluster.world_size)
     out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))]
-    for degree in ep_degrees(trace, shard)[1:]:
-        ep_plan = with_expert_parallel(plan, trace, degree, skew=min(skew, degree))
+    for degree in degrees or ep_degrees(trace, shard)[1:]:
+        ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard)
         view = ep_view(trace, ep_plan).trace
-        if plan.shard_dims:  # the placement rule at the experts' own shard ranks
-            ep_plan = ep_plan.replace(shard_dims=shard_dims(view, shard, ShardPlacement.AUTO))
         for keep in (False, True):
             p = ep_plan if not keep else ep_plan.replace(groups=[
                 replace(g, reshard_after_forward=False) if g.modules[0] in ep_plan.expert_parallel.modules else g
@@ -103,3 +112,18 @@ def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
     """The fastest of ``found`` whose reserved memory fits ``budget`` bytes (None: none fits)."""
     fitting = [o for o in found if o.step.reserved_memory <= budget]
     return min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else None
+
+
+def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degree: int) -> AutoResult:
+    """Auto's ``result`` with the EP of ``degree`` the user asked for: its plan's groups under that EP, the expert
+    groups resharded after forward or kept, the faster that fits (else the one holding less, over the budget)."""
+    if result.plan.tp_degree > 1:
+        raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
+    written = result.written_plan
+    found = ep_options(trace, written, cluster, plan_options(written, options), degrees=(degree,))[1:]
+    fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
+    best = min(fitting, key=lambda o: o.step.step_time) if fitting else \
+        min(found, key=lambda o: o.step.reserved_memory)
+    label = f"{result.plan.policy}, {best.describe()}"
+    return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
+                   fits=bool(fitting))

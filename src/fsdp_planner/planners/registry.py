@@ -55,6 +55,8 @@ class PolicyRequest:
     # (auto: chosen among ``TP_DEGREES``)
     loss_parallel: bool | None = None  # all, with TP: None: the layout's default (on where the output is sharded)
     async_tp: bool = False  # all, with TP
+    ep: int | None = None  # all: the expert-parallel degree over the model's grouped experts
+    # (``planners/expert_parallel.py``); None: no EP
 
     def __post_init__(self) -> None:
         if any(not c for c in self.module_classes):

@@ -22,12 +22,14 @@ from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.split import choose_split
 from fsdp_planner.planners.blocks import default_block_class
+from fsdp_planner.planners.expert_parallel import with_auto_ep, with_expert_parallel
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.planners.tensor_parallel import TPChoice, check_layout, tp_degrees, tp_layout
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
 from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.context import SimContext
+from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -68,7 +70,8 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     plans, auto, no_fit = _plans(tr, job, reporter, tracer)
     rows = _rows(tr, plans, job, auto)
     kept = as_written(plans[0], job) if plans else None
-    why = explained(auto) if job.explain and auto is not None and no_fit is None else None
+    why = explained(auto) if job.explain and auto is not None and no_fit is None and \
+        auto.plan.expert_parallel is None else None  # (the explanation reads the whole model's search, not EP's)
     return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits, why)
 
 
@@ -108,11 +111,16 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
         reporter.note(f"--memory-budget {fmt_bytes(request.memory_budget)} is more than one {cluster.gpu.name} "
                       f"holds ({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
     spec = as_spec(model)
+    ep = request.ep or 1
+    if ep > 1 and request.tp is None:  # EP with TP is not modelled: auto's TP choice stays out
+        request = dataclasses.replace(request, tp=1)
     layouts = auto_layouts(tr, request, spec, cluster, options, reporter, tracer or _spec_tracer)
     with reporter.progress(f"auto: searching plans for {cluster.name}"):
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
         result = policy.search(tr, str(model))
+        if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
+            result = with_auto_ep(result, tr, cluster, options, ep)
     degree = result.plan.tp_degree
     if request.tp is None and degree > 1:
         batch = spec.workload()["batch_size"]
@@ -191,6 +199,17 @@ def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | st
     return plan.replace(tensor_parallel=layout.tp, policy=f"{plan.policy}, {layout.tp.describe()}")
 
 
+def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None) -> Plan:
+    """``plan`` with the expert parallelism ``request.ep`` asks for (each expert module its own group); a plan that
+    has EP already keeps its own."""
+    if plan.expert_parallel is not None or request.ep is None or request.ep == 1:
+        return plan
+    if plan.tensor_parallel is not None:
+        raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
+    out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0)
+    return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
+
+
 def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None = None,
                 options: SimOptions | None = None, reporter: Reporter = SILENT) -> Plan:
     """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget)."""
@@ -202,7 +221,8 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, clust
     plan = with_tp(make_policy(request).plan(tr, name), tr, request, model, cluster, reporter)
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
-    return stamped(plan, tr, cluster.world_size if cluster else None, options)
+    world = cluster.world_size if cluster else None
+    return with_ep(stamped(plan, tr, world, options), tr, request, world)
 
 
 def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
@@ -254,8 +274,8 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
     try:
         plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter)
         # (its world size is checked where it is simulated)
-        return [with_reshard(stamped(plan, tr, job.cluster.world_size if job.cluster else None, job.options),
-                             job.reshard)]
+        world = job.cluster.world_size if job.cluster else None
+        return [with_ep(with_reshard(stamped(plan, tr, world, job.options), job.reshard), tr, policy, world)]
     except PlannerError as e:
         if not job.compare:
             raise
@@ -270,10 +290,16 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
     world = cluster.world_size if cluster else None
     contexts: dict[tuple, SimContext] = {}
     views: dict[tuple, TPView] = {}
+    ep_views: dict[tuple, Trace] = {}
 
     def view(p: Plan) -> tuple[Trace, Cluster | None]:
-        """The trace and cluster ``p`` runs on: one TP rank's view under its TP (built once per layout)."""
-        tp = p.tensor_parallel
+        """The trace and cluster ``p`` runs on: one TP rank's view under its TP, or one EP rank's under its EP
+        (built once per layout)."""
+        tp, ep = p.tensor_parallel, p.expert_parallel
+        if ep is not None and ep.degree > 1:
+            if ep.signature() not in ep_views:
+                ep_views[ep.signature()] = ep_view(tr, p).trace
+            return ep_views[ep.signature()], cluster
         if tp is None or tp.degree == 1 or cluster is None:
             return tr, cluster
         if tp.signature() not in views:
@@ -289,7 +315,7 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         on, dp = view(p)
         assert dp is not None
         # one context per layout (auto may have chosen offload)
-        key = (p.layout(cluster.world_size), plan_options(p, job.options), p.tensor_parallel)
+        key = (p.layout(cluster.world_size), plan_options(p, job.options), p.tensor_parallel, p.expert_parallel)
         if key not in contexts:
             contexts[key] = SimContext(on, dp, key[1], mesh=key[0])
         return simulate(on, p, context=contexts[key], timeline=False)

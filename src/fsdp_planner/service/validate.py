@@ -25,6 +25,7 @@ from fsdp_planner.choices import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
+from fsdp_planner.fsdp2.expert_parallel import MAX_EP_DEGREE
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.tensor_parallel import MAX_TP_DEGREE
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
@@ -74,6 +75,7 @@ class Keywords:
     tp: object = None  # the TP degree; None: none (auto: chosen)
     loss_parallel: object = None  # None: the layout's default
     async_tp: object = False
+    ep: object = None  # the expert-parallel degree; None: none
     memory_budget: object = None
     headroom: object = None
     micro_batches: object = None
@@ -228,7 +230,8 @@ def tensor_parallel(kw: Keywords, spell: Spelling) -> dict[str, Any]:
     if degree == 1 and (loss or async_tp):
         on = spell.name_of("async_tp" if async_tp else "loss_parallel")
         raise PlannerError(f"{on} is a setting of tensor parallelism: give {spell.name_of('tp')} 2 or more")
-    return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp}
+    ep = whole(kw.ep, "ep", spell, 1, MAX_EP_DEGREE) if kw.ep is not None else None
+    return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp, "ep": ep}
 
 
 def memory_budget(kw: Keywords, cluster: Cluster, spell: Spelling) -> MemoryBudget:
