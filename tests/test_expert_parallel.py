@@ -207,3 +207,31 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
         api.plan("toy-llama", cluster="h100:8", policy="titan", ep=2)
     with pytest.raises(PlannerError, match="ep"):
         api.plan(TINY, cluster="h100:8", policy="titan", ep=0)
+
+
+def test_transformers_experts_send_tokens_x_top_k_rows() -> None:
+    """transformers' experts layer (dispatch inside it): each all-to-all is one rank's tokens x top_k rows x dim."""
+    from fsdp_planner.planners.expert_parallel import expert_modules, with_expert_parallel
+
+    small = (("num_hidden_layers", 2), ("hidden_size", 128), ("intermediate_size", 256), ("num_attention_heads", 4),
+             ("num_key_value_heads", 2), ("vocab_size", 512))
+    lm = load_model(ModelSpec("hf:mixtral-8x7b", hf_config=small, seq_len=256))
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
+    assert expert_modules(tr) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    r = simulate(tr, with_expert_parallel(TorchtitanPolicy().plan(tr), tr, 4), parse_cluster("h100:8"), BF16,
+                 timeline=False)
+    assert r.ep_all_to_alls == 2 * 4 and r.ep_all_to_all_bytes == 8 * 256 * 2 * 128 * 2  # tokens x top_k x dim x bf16
+
+
+def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
+    """HSDP 2 x 4 with EP 2: the experts' reduce-scatter over 4 / 2 ranks, their all-reduce of that shard."""
+    from fsdp_planner.fsdp2.plan import Mesh, check_plan_world_size
+
+    tr = _traced()
+    plan = _ep_plan(tr, 2).replace(mesh=Mesh(2, 4))
+    r = simulate(tr, plan, parse_cluster("h100:8"), BF16, timeline=False)
+    flat = simulate(tr, _ep_plan(tr, 2).replace(mesh=Mesh(1, 8)), parse_cluster("h100:8"), BF16, timeline=False)
+    assert r.all_reduces == r.reduce_scatters and r.all_reduce_bytes > 0
+    assert r.peak_memory > flat.peak_memory  # each replica holds twice the shard
+    with pytest.raises(PlannerError, match="does not divide"):
+        check_plan_world_size(_ep_plan(tr, 8).replace(mesh=Mesh(2, 4)), 8)
