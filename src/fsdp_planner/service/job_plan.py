@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_plan_runs
@@ -29,7 +30,17 @@ def job_plan(tr: Trace, plan_file: Path | None, policy: PolicyRequest | None, mo
         plan = policy_plan(tr, policy, model, cluster, options, reporter)
     if world is not None:
         check_plan_world_size(plan, world)
+    check_runs_here(plan)
     return plan
+
+
+def check_runs_here(plan: Plan) -> None:
+    """Refuse what the training jobs do not run yet: expert parallelism (simulated by ``plan`` and ``simulate``;
+    real EP + FSDP2 is ``apply/expert_parallel.py``, checked on the fake process group by its tests)."""
+    if plan.expert_parallel is not None:
+        raise PlannerError(f"verify does not run expert parallelism yet: {plan.expert_parallel.describe()} is "
+                           "modelled by plan and simulate; verify the same groups without --ep (or without the "
+                           "plan's expert_parallel)")
 
 
 def carried_plan(planned: Trace, tr: Trace, policy: PolicyRequest, name: str, cluster: Cluster, nproc: int,
@@ -43,4 +54,5 @@ def carried_plan(planned: Trace, tr: Trace, policy: PolicyRequest, name: str, cl
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_world_size(plan, nproc)
+    check_runs_here(plan)
     return at_scale, plan, notes
