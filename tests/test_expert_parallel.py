@@ -105,11 +105,12 @@ def _check(degree: int, world: int = 8, checkpointing: bool = False) -> tuple[in
 
 
 @pytest.mark.integration  # real EP + FSDP2 on fake ranks: seconds each
-@pytest.mark.parametrize(("degree", "checkpointing"), [(2, False), (4, False), (8, False), (4, True)])
-def test_ep_step_matches_real_ep_and_fsdp2(degree: int, checkpointing: bool) -> None:
-    """EP 2 / 4 / 8 on 8 fake ranks (the experts' FSDP mesh 4 / 2 / 1 ranks), and under full checkpointing, whose
-    recomputed forwards run their all-to-alls again."""
-    predicted, measured = _check(degree, checkpointing=checkpointing)
+@pytest.mark.parametrize(("degree", "world", "checkpointing"), [
+    (2, 8, False), (4, 8, False), (8, 8, False), (4, 8, True), (8, 64, False), (4, 32, True)])
+def test_ep_step_matches_real_ep_and_fsdp2(degree: int, world: int, checkpointing: bool) -> None:
+    """EP 2 / 4 / 8 on 8 fake ranks (the experts' FSDP mesh 4 / 2 / 1 ranks), EP 8 on 64, and under full
+    checkpointing, whose recomputed forwards run their all-to-alls again."""
+    predicted, measured = _check(degree, world, checkpointing=checkpointing)
     assert predicted == pytest.approx(measured, rel=0.05)
 
 
