@@ -231,7 +231,8 @@ def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cl
     grouping unchecked (a param it would read sharded is one of check's findings, not an error)."""
     if request.name is PolicyName.AUTO:
         return policy_plan(tr, request, model, cluster, options, reporter)
-    return with_tp(make_baseline(request).build(tr, model), tr, request, model, cluster, reporter)
+    plan = with_tp(make_baseline(request).build(tr, model), tr, request, model, cluster, reporter)
+    return with_ep(plan, tr, request, cluster.world_size if cluster else None)
 
 
 def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyRequest, ...]:
