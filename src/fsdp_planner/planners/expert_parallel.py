@@ -119,7 +119,9 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     groups resharded after forward or kept, the faster that fits (else the one holding less, over the budget)."""
     if result.plan.tp_degree > 1:
         raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
-    written = result.written_plan
+    written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
+    # groups move: FSDP2's implicit prefetching instead
+    written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
     found = ep_options(trace, written, cluster, plan_options(written, options), degrees=(degree,))[1:]
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=lambda o: o.step.step_time) if fitting else \
