@@ -460,6 +460,9 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
 def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> str:
     """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
     plan's numbers were simulated with: a plan file does not record it)."""
+    if plan.expert_parallel is not None:  # the experts go on another mesh: apply/expert_parallel.py
+        raise PlannerError("export does not write expert parallelism yet: apply a plan with EP with "
+                           "fsdp_planner.apply.expert_parallel.apply_expert_parallel")
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
     # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
     precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
