@@ -242,3 +242,21 @@ def test_exported_python_trains_with_parity_on_gloo(tmp_path: Path) -> None:
                          timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+
+
+@pytest.mark.integration  # two torchrun jobs: ~60 s
+def test_checkpoint_saved_under_tp_loads_into_pure_fsdp(toy, tmp_path: Path) -> None:
+    """DCP reshards the DTensor state of a dp 2 x TP 2 job into FSDP alone on 2 ranks: the restored state is the
+    saved one, and training on from it keeps parity."""
+    saved = run_verify("toy-llama", toy, tp_plan(toy), 4, steps=2, save_checkpoint=tmp_path / "ck", precision="fp32")
+    assert saved.ok, saved.to_dict()
+    plain = TorchtitanPolicy("TransformerBlock").plan(toy)
+    loaded = run_verify("toy-llama", toy, plain, 2, steps=1, load_checkpoint=tmp_path / "ck", precision="fp32")
+    assert loaded.ok and loaded.checkpoint_match and loaded.start_step == 2, loaded.to_dict()
+
+
+def test_fsdp1_refuses_a_plan_with_tp(toy) -> None:
+    from fsdp_planner.apply.fsdp1 import check_fsdp1
+
+    with pytest.raises(PlannerError, match=r"tensor parallelism \(TP 2 \(SP, loss parallel\)\) composes with FSDP2"):
+        check_fsdp1(tp_plan(toy))
