@@ -175,6 +175,8 @@ class AutoPolicy:
     # them: no TP as one of the choices), each with the trace it is judged on, ``_choose_tp``
     on_layout: TensorParallel | None = None  # the TP of the view this search runs on: its trace and ``cluster`` are
     # one TP rank's (``sim/tensor_parallel.tp_view``), every plan carries it
+    whole_model: tuple[str, int] | None = None  # on a TP view: the whole model's fingerprint and numel, which the
+    # plan leaving the search carries (it is checked against the model, not the view)
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, Target):
@@ -265,7 +267,8 @@ class AutoPolicy:
         if tp.degree == 1:
             return replace(self, tensor_parallel=()), trace
         view = tp_view(trace, tp, self.cluster)
-        return replace(self, cluster=view.cluster, tensor_parallel=(), on_layout=tp), view.trace
+        return replace(self, cluster=view.cluster, tensor_parallel=(), on_layout=tp,
+                       whole_model=(trace.fingerprint, trace.numel)), view.trace
 
     def _screen(self, trace: Trace, model: str) -> tuple[tuple, Candidate] | None:
         """The best classic plan on this search's layout (pure FSDP, or the fixed mesh), with the fewest
@@ -351,6 +354,8 @@ class AutoPolicy:
         memory = (", offload" if run.offload else "") + (", shard dim 1" if run.shard_dims else "")
         tp = f", {self.on_layout.describe()}" if self.on_layout is not None else ""
         cluster = self.cluster.name  # (a TP view keeps the cluster's name)
+        if self.whole_model is not None:
+            plan = replace(plan, fingerprint=self.whole_model[0], numel=self.whole_model[1])
         return replace(plan, policy=(f"auto({cluster}, {fmt_bytes(ev.budget)}"
                                      f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{tp}{op}{memory})"),
                        model=ev.model)
