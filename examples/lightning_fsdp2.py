@@ -1,9 +1,12 @@
 """Lightning with a plan: ``fsdp-planner export plan.json --format lightning --out pl_plan.py``, then
 ``python examples/lightning_fsdp2.py pl_plan.py`` (Lightning launches its own processes). The exported
-``configure_model`` applies the plan on ``ModelParallelStrategy``'s data-parallel mesh."""
+``configure_model`` applies the plan on ``ModelParallelStrategy``'s data-parallel mesh; a plan with tensor
+parallelism (``TP_DEGREE``) gets ``tensor_parallel_size=TP_DEGREE`` and its loss's backward under the export's
+``loss_context()``."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import sys
@@ -19,6 +22,8 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
     spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
     plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan)
+    tp = getattr(plan, "TP_DEGREE", 1)
+    loss_context = getattr(plan, "loss_context", contextlib.nullcontext)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -30,13 +35,18 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             lm = load_model(model_name, meta=False, seed=100 + batch_idx)
-            return lm.loss_fn(self.model(*lm.example_inputs))
+            with loss_context():
+                return lm.loss_fn(self.model(*lm.example_inputs))
+
+        def backward(self, loss: torch.Tensor, *args: object, **kwargs: object) -> None:
+            with loss_context():  # loss parallel: the loss's backward too
+                loss.backward(*args, **kwargs)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     data = torch.utils.data.DataLoader(torch.zeros(3, 1), batch_size=1)
-    strategy = ModelParallelStrategy(data_parallel_size=int(devices), tensor_parallel_size=1)  # all ranks shard
+    strategy = ModelParallelStrategy(data_parallel_size=int(devices) // tp, tensor_parallel_size=tp)
     trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy,
                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     module = Module()

@@ -21,6 +21,9 @@ from fsdp_planner.fsdp2.plan import Plan
 
 def fsdp1_refusal(plan: Plan) -> str | None:
     """Why FSDP1 cannot run ``plan`` (one sentence), or None when it can."""
+    if plan.tensor_parallel is not None:
+        return (f"the plan's tensor parallelism ({plan.tensor_parallel.describe()}) composes with FSDP2 only "
+                "(FSDP2 shards the DTensor params TP makes); drop --fsdp1")
     if plan.mesh is not None and plan.mesh.replicate > 1:
         return (f"the plan's HSDP mesh {plan.mesh.describe()} has no FSDP1 form here (HYBRID_SHARD is not "
                 "modelled); plan with --target fsdp1")

@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if not request.json:
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} with {request.nproc} processes"
+                             f"{_tp_label(plan, request.nproc)}"
                              f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps"
                              f"{f' of {request.micro_batches} micro-batches' if request.micro_batches > 1 else ''}"
                              f" in {options.precision.name} ...")
@@ -154,6 +155,15 @@ def _fake_world_prediction(tr: Trace, plan: Plan, request: FakeWorldRequest) -> 
     return simulate(tr, plan, request.cluster, request.options, timeline=False)
 
 
+def _tp_label(plan: Plan, world: int) -> str:
+    """How a plan with tensor parallelism lays out the ranks: " (FSDP 2 x TP 2 (SP, loss parallel))"; else ""."""
+    if plan.tensor_parallel is None:
+        return ""
+    dp = plan.layout(world)
+    fsdp = f"HSDP {dp.describe()}" if dp.replicate > 1 else f"FSDP {dp.shard}"
+    return escape(f" ({fsdp} x {plan.tensor_parallel.describe()})")
+
+
 def run_fake(request: FakeWorldRequest) -> int:
     """Real FSDP2 on ``--fake-world-size`` fake ranks beside the simulator's prediction for that world size."""
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
@@ -168,7 +178,7 @@ def run_fake(request: FakeWorldRequest) -> int:
     if not request.json:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(request.model.name)} "
-                             f"with real FSDP2 on {world} fake ranks ({precision}) ...")
+                             f"with real FSDP2 on {world} fake ranks{_tp_label(plan, world)} ({precision}) ...")
     predicted = _fake_world_prediction(tr, plan, request)
     with render.progress(f"real FSDP2 on {world} fake ranks"):
         measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad,

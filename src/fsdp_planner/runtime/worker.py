@@ -4,8 +4,11 @@ Every rank builds the same model, keeps an unsharded reference copy, applies the
 steps on its own micro-batch while the reference trains on all ranks' micro-batches (loss divided by the world
 size, as FSDP averages gradients), both with SGD (momentum 0.9) and in the job's precision (FSDP2's
 ``MixedPrecisionPolicy``; the unsharded reference casts as FSDP2 does, ``fsdp2_casts``); then times the sharded
-model's steps alone (``time_steps``). Collectives are counted by wrapping the ``torch.distributed`` functions FSDP2
-calls. Rank 0 writes the results as JSON; ``rank.run_rank`` starts and ends the rank and reports a failure. Before
+model's steps alone (``time_steps``). With tensor parallelism the ranks of a TP group (consecutive) share one
+micro-batch, the data-parallel ranks are world / TP, and each loss runs under ``loss_parallel()`` when the plan
+asks for it; the params are compared whole (``full_tensor``). Collectives are counted by wrapping the
+``torch.distributed`` functions FSDP2 calls (TP's own, through DTensor's functional collectives, are not among
+them). Rank 0 writes the results as JSON; ``rank.run_rank`` starts and ends the rank and reports a failure. Before
 sharding, the ranks check that they build the same model and apply the same plan (a rank that differs would issue
 other collectives: a hang or garbage, not an error). The job may start from a distributed checkpoint and save one
 (``checkpoint.py``); the data of step s is the same whatever run reaches it.
