@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, read_config
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import check_plan_matches
 from fsdp_planner.fsdp2.tensor_parallel import TPStyle
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec
@@ -198,6 +199,7 @@ def test_auto_takes_tp_under_a_tight_budget():
     free = _auto()
     tight = _auto(budget=int(free.meshes["1x4 x TP 2"].report.reserved_memory * 0.6))
     assert tight.fits and tight.plan.tp_degree == 2 and tight.plan.tensor_parallel == titan_llama_layout(2)
+    check_plan_matches(tight.written_plan, trace_spec("toy-llama"))  # the whole model's plan, not the view's
     fitting = [c.report.step_time for c in tight.meshes.values() if tight.memory.fits(c.report.reserved_memory)]
     assert tight.report.step_time == min(fitting)
 

@@ -122,7 +122,7 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
             result = with_auto_ep(result, tr, cluster, options, ep)
     degree = result.plan.tp_degree
-    if request.tp is None and degree > 1:
+    if request.tp is None and degree > 1 and result.fits:  # (a result over the budget is an error)
         batch = spec.workload()["batch_size"]
         reporter.note(f"auto's layout has TP {degree}: each data-parallel rank runs batch {batch * degree:,} (the "
                       f"step's {batch * cluster.world_size:,} sequences of batch {batch:,} per GPU kept); "

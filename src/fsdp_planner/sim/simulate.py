@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+import numpy as np
+
 from fsdp_planner.choices import GradientSync
 from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
@@ -269,11 +271,17 @@ def _tp_fields(ctx: SimContext, plan: Plan) -> dict:
     if not trace.tensor_parallel:
         return {}
     recomputed = checkpointed_calls(trace, plan_checkpointing(plan))
-    tp = tp_collectives(trace, recomputed, ctx.precision.compute_bytes / traced_itemsize(trace))
+    positions = tp_positions(trace)
+    tp = tp_collectives(trace, recomputed, ctx.precision.compute_bytes / traced_itemsize(trace), positions)
     runs = ctx.recompute(plan_checkpointing(plan))
-    seconds = sum(ctx.times[p] for p in tp_positions(trace).tolist())
-    seconds += sum(ctx.times[p] for c in recomputed if not c.offload for p in tp_positions(trace).tolist()
-                   if c.fwd_pre <= p < c.end) if runs else 0.0
+    at = ctx.cum_array[positions + 1] - ctx.cum_array[positions]  # each collective's seconds
+    cum = np.concatenate([[0.0], np.cumsum(at)])  # of the first k
+    seconds = float(cum[-1])
+    if runs:  # each checkpointed call's forward again: the collectives of its slice of the positions
+        for c in recomputed:
+            if not c.offload:
+                lo, hi = np.searchsorted(positions, (c.fwd_pre, c.end))
+                seconds += float(cum[hi] - cum[lo])
     return {"tp_degree": trace.tp_degree, "tp_all_gathers": tp.counts[AG], "tp_reduce_scatters": tp.counts[RS],
             "tp_all_reduces": tp.counts[AR], "tp_all_gather_bytes": tp.nbytes[AG],
             "tp_reduce_scatter_bytes": tp.nbytes[RS], "tp_all_reduce_bytes": tp.nbytes[AR], "tp_time": seconds}

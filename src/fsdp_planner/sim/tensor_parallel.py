@@ -363,11 +363,13 @@ class TPCollectives:
     nbytes: dict[CollectiveKind, int]
 
 
-def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: float) -> TPCollectives:
-    """TP's collectives of a TP rank's step: each once, and again where a checkpointed call's forward runs again."""
+def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: float,
+                   positions: np.ndarray | None = None) -> TPCollectives:
+    """TP's collectives of a TP rank's step: each once, and again where a checkpointed call's forward runs again.
+    ``positions``: ``tp_positions(trace)``, when the caller has them."""
     counts = dict.fromkeys(KIND_OF.values(), 0)
     nbytes = dict.fromkeys(KIND_OF.values(), 0)
-    positions = tp_positions(trace)
+    positions = tp_positions(trace) if positions is None else positions
     runs = collective_runs(positions, recomputed)
     for p, n in zip(positions.tolist(), runs.tolist(), strict=True):
         e = trace.events[p]
@@ -378,13 +380,13 @@ def tp_collectives(trace: Trace, recomputed: Sequence[CheckpointedCall], scale: 
 
 
 def collective_runs(positions: np.ndarray, recomputed: Sequence[CheckpointedCall]) -> np.ndarray:
-    """How many times each collective op at ``positions`` runs: once, and again where a checkpointed call's forward
-    runs again (not the ops an op-level policy keeps; nothing under activation offloading)."""
+    """How many times each collective op at ``positions`` (sorted) runs: once, and again where a checkpointed call's
+    forward runs again (not the ops an op-level policy keeps; nothing under activation offloading)."""
     runs = np.ones(len(positions), dtype=np.int64)
     for c in recomputed:
         if c.offload:  # its saved tensors copied out and back: nothing runs again
             continue
+        lo, hi = np.searchsorted(positions, (c.fwd_pre, c.end))  # (positions are sorted: a call's are a slice)
         kept = set(c.kept)
-        inside = (positions >= c.fwd_pre) & (positions < c.end)
-        runs += inside & np.array([p not in kept for p in positions.tolist()], dtype=bool)
+        runs[lo:hi] += np.array([p not in kept for p in positions[lo:hi].tolist()], dtype=np.int64)
     return runs

@@ -175,6 +175,8 @@ class AutoPolicy:
     # them: no TP as one of the choices), each with the trace it is judged on, ``_choose_tp``
     on_layout: TensorParallel | None = None  # the TP of the view this search runs on: its trace and ``cluster`` are
     # one TP rank's (``sim/tensor_parallel.tp_view``), every plan carries it
+    whole_model: tuple[str, int] | None = None  # on a TP view: the whole model's fingerprint and numel, which the
+    # plan leaving the search carries (it is checked against the model, not the view)
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, Target):
@@ -230,7 +232,8 @@ class AutoPolicy:
         of the trace and cluster. With several, each is screened first by its best classic plan (with the fewest
         checkpointed blocks that let it fit, as ``_choose_meshes`` screens the data-parallel layouts); the best is
         searched in full, and the next ones up to ``TP_SEARCHES`` whose screening plan fits within ``TP_SLACK`` of
-        the best's. Each layout's line keeps its best plan, searched or screened."""
+        the best's; when none fits, the layout without TP too. Each layout's line keeps its best plan, searched or
+        screened."""
         started = time.perf_counter()
         views = [self._on_tp(choice.trace or trace, choice.tp) for choice in self.tensor_parallel]
         if len(views) == 1:
@@ -248,6 +251,9 @@ class AutoPolicy:
         fastest = screened[0][1].report.step_time
         chosen = [s for i, s in enumerate(screened[:TP_SEARCHES])
                   if i == 0 or (s[0][0] == 0 and s[1].report.step_time <= fastest * (1 + TP_SLACK))]
+        if screened[0][0][0] > 0:  # nothing fits as screened: FSDP2's memory options will decide, which the
+            # screening does not try; the layout without TP is searched too, so auto never does worse than without
+            chosen += [s for s in screened if s[2].on_layout is None and s not in chosen]
         results = [policy.search(view, model) for _, _, policy, view in chosen]
         best = min(results, key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
         lines = {name: c for r in results for name, c in r.meshes.items()}
@@ -261,7 +267,8 @@ class AutoPolicy:
         if tp.degree == 1:
             return replace(self, tensor_parallel=()), trace
         view = tp_view(trace, tp, self.cluster)
-        return replace(self, cluster=view.cluster, tensor_parallel=(), on_layout=tp), view.trace
+        return replace(self, cluster=view.cluster, tensor_parallel=(), on_layout=tp,
+                       whole_model=(trace.fingerprint, trace.numel)), view.trace
 
     def _screen(self, trace: Trace, model: str) -> tuple[tuple, Candidate] | None:
         """The best classic plan on this search's layout (pure FSDP, or the fixed mesh), with the fewest
@@ -347,6 +354,8 @@ class AutoPolicy:
         memory = (", offload" if run.offload else "") + (", shard dim 1" if run.shard_dims else "")
         tp = f", {self.on_layout.describe()}" if self.on_layout is not None else ""
         cluster = self.cluster.name  # (a TP view keeps the cluster's name)
+        if self.whole_model is not None:
+            plan = replace(plan, fingerprint=self.whole_model[0], numel=self.whole_model[1])
         return replace(plan, policy=(f"auto({cluster}, {fmt_bytes(ev.budget)}"
                                      f"{', fsdp1' if self.target is Target.FSDP1 else ''}{hsdp}{tp}{op}{memory})"),
                        model=ev.model)
