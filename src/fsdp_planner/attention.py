@@ -61,8 +61,9 @@ def current_kernel() -> str:
 
 
 def planned(t: torch.Tensor) -> bool:
-    """A tensor with no data: the step is being planned, not run."""
-    return t.is_meta or is_fake(t)
+    """A tensor with no data: the step is being planned, not run. Under ``torch.compile`` (dynamo's fake tensors
+    stand for the real ones it compiles for) only a meta tensor is: the compiled block runs SDPA as eager does."""
+    return t.is_meta or (not torch.compiler.is_compiling() and is_fake(t))
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
