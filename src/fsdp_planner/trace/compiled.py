@@ -40,7 +40,7 @@ def block_arguments(model: nn.Module, example_args: tuple, example_kwargs: dict,
     wanted = {signatures[modules[n]]: n for n in reversed(names)}  # the first name of each signature
     captured: dict[str, tuple[tuple, dict]] = {}
 
-    def hook(name: str):  # noqa: ANN202 - a forward pre-hook
+    def hook(name: str):
         def capture(_m: nn.Module, args: tuple, kwargs: dict) -> None:
             captured[name] = (args, kwargs)
             if len(captured) == len(wanted):
@@ -66,7 +66,8 @@ def saved_nbytes(module: nn.Module, args: tuple, kwargs: dict) -> int:
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    state = {**dict(module.named_parameters(remove_duplicate=False)),
+             **dict(module.named_buffers(remove_duplicate=False))}
     leaves, spec = tree_flatten((args, kwargs))
     at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     names = list(state)
@@ -80,7 +81,7 @@ def saved_nbytes(module: nn.Module, args: tuple, kwargs: dict) -> int:
 
     graphs: dict[str, torch.fx.GraphModule] = {}
 
-    def keep(kind: str):  # noqa: ANN202 - an AOTAutograd compiler that records its graph and runs it as it is
+    def keep(kind: str):
         def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
             graphs[kind] = gm
             return make_boxed_func(gm)

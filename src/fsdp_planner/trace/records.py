@@ -30,6 +30,8 @@ class Trace:
     # bytes), ``step.LossRegion.blocks``
     notes: tuple[str, ...] = ()  # what the trace assumed where the model could not tell it (a stand-in, a kernel),
     # one line each, for the commands to print
+    compiled_saved: Mapping[str, int] = field(default_factory=dict)  # module -> bytes its call saves for backward
+    # when torch.compile'd (``compiled.py``): the modules the step runs compiled; empty: an eager step
 
     @property
     def forward_methods(self) -> list[tuple[str, str]]:
@@ -58,6 +60,10 @@ class Trace:
     @property
     def bwd_flops(self) -> int:
         return sum(e.flops for e in self.events if e.kind is EventKind.OP and e.backward)
+
+    def with_compiled(self, saved: Mapping[str, int]) -> Trace:
+        """This step with ``saved``'s modules compiled (``compiled_saved``)."""
+        return replace(self, compiled_saved=dict(saved))
 
     def with_op_seconds(self, seconds: tuple[float, ...]) -> Trace:
         if len(seconds) != len(self.events):
