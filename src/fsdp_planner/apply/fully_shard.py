@@ -1,5 +1,5 @@
-"""Apply a Plan to a model with FSDP2 ``fully_shard``: activation checkpointing and compile first, then one call per group
-(lists allowed), children first, the root last, then the plan's forward methods and explicit prefetch lists."""
+"""Apply a Plan to a model with FSDP2 ``fully_shard``: activation checkpointing and compile first, then one call per
+group (lists allowed), children first, the root last, then the plan's forward methods and explicit prefetch lists."""
 
 from __future__ import annotations
 
