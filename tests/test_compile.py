@@ -18,16 +18,20 @@ from fsdp_planner.apply.compile import apply_compile
 from fsdp_planner.attention import kernel
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.llama import LLAMA3_8B, TransformerBlock
 from fsdp_planner.planners import PolicyRequest, make_policy
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.sim.compute import fused_nbytes
 from fsdp_planner.sim.memory import activation_levels
-from fsdp_planner.sim.options import precision_named
-from fsdp_planner.trace.compiled import saved_nbytes
-from fsdp_planner.trace.events import EventKind
+from fsdp_planner.sim.options import SimOptions, precision_named
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.trace.compiled import compiled_block
+from fsdp_planner.trace.events import KERNEL_OTHER, EventKind
 from fsdp_planner.trace.recorder import record_compiled
+from fsdp_planner.trace.records import CompiledBlock
 
 BLOCKS = [f"layers.{i}" for i in range(4)]
 
@@ -69,21 +73,53 @@ def test_compiled_blocks_hold_the_partitioned_bytes_instead_of_their_ops_saves()
     precision = precision_named("fp32")
     eager = trace_spec("toy-llama", precision)
     compiled = trace_spec(ModelSpec("toy-llama", compile=True), precision)
-    assert list(compiled.compiled_saved) == BLOCKS and len(set(compiled.compiled_saved.values())) == 1
+    assert list(compiled.compiled) == BLOCKS and len(set(b.saved for b in compiled.compiled.values())) == 1
     # eager: each block's ops save their own inputs and outputs; compiled, the partitioner recomputes the norms'
     # and SiLU's outputs in backward instead
     boundary = eager.index.boundaries_by_module
     fwd = {m: [i for i in boundary[m] if eager.events[i].kind in (EventKind.FWD_PRE, EventKind.FWD_POST)]
            for m in BLOCKS}
     eager_saved = {m: sum(e.saved for e in eager.events[fwd[m][0]:fwd[m][1]] if e.is_op) for m in BLOCKS}
-    assert all(compiled.compiled_saved[m] < eager_saved[m] for m in BLOCKS)
+    assert all(compiled.compiled[m].saved < eager_saved[m] for m in BLOCKS)
     # at the end of the last block's forward every block holds its partitioned bytes, not its ops' saves
     end = fwd[BLOCKS[-1]][1] + 1
     lower = activation_levels(eager, precision)[end] - activation_levels(compiled, precision)[end]
-    assert lower == sum(eager_saved.values()) - sum(compiled.compiled_saved.values())
+    assert lower == sum(eager_saved.values()) - sum(b.saved for b in compiled.compiled.values())
     # checkpointed blocks are modelled as checkpointed, compiled or not
     both = activation_levels(compiled, precision, [(m, None) for m in BLOCKS])
     assert np.array_equal(both, activation_levels(eager, precision, [(m, None) for m in BLOCKS]))
+
+
+class _Pointwise(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * 2 + 1
+
+
+def test_a_pointwise_chain_is_one_fused_kernel_reading_and_writing_once():
+    x = torch.empty(64, 32, device="meta", requires_grad=True)
+    block = compiled_block(_Pointwise(), (x,), {})
+    size = 64 * 32 * 4
+    # forward: reads x, writes y (x itself is saved: an input, no write); backward: reads the grad and x, writes
+    # x's grad; one kernel each
+    assert block == CompiledBlock(saved=size, fused_nbytes=(2 * size, 3 * size), launches=(1, 1))
+
+
+def test_compiled_calls_move_their_fused_bytes_and_run_faster():
+    precision = precision_named("bf16-mixed")
+    eager = trace_spec("llama3-8b", precision)
+    compiled = trace_spec(ModelSpec("llama3-8b", compile=True), precision)
+    nbytes, block = fused_nbytes(compiled), compiled.compiled["layers.3"]
+    kinds = [EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_PRE, EventKind.BWD_POST]
+    at = {compiled.events[i].kind: i for i in compiled.index.boundaries_by_module["layers.3"]}
+    other = compiled.index.op_kernel == KERNEL_OTHER
+    for (start, end), fused in zip(((at[kinds[0]], at[kinds[1]]), (at[kinds[2]], at[kinds[3]])),
+                                   block.fused_nbytes, strict=True):
+        assert nbytes[start:end][other[start:end]].sum() == pytest.approx(fused)
+        assert fused < eager.index.op_nbytes[start:end][other[start:end]].sum()  # the same events, eager
+    cluster = parse_cluster("h100:8")
+    options = SimOptions(precision=precision)
+    plan = make_policy(PolicyRequest.named("titan")).plan(eager, "llama3-8b")
+    assert simulate(compiled, plan, cluster, options).step_time < simulate(eager, plan, cluster, options).step_time
 
 
 @pytest.mark.integration
@@ -101,7 +137,7 @@ def test_predicted_saved_bytes_equal_what_the_inductor_compiled_toy_block_saves(
     x = real.model.tok_embeddings(*real.example_inputs)
     with sdpa_kernel(SDPBackend.MATH):
         measured = _real_saved(block(x), block)
-    assert predicted["layers.0"] == measured > 0
+    assert predicted["layers.0"].saved == measured > 0
 
 
 @pytest.mark.integration
@@ -111,7 +147,7 @@ def test_predicted_saved_bytes_equal_what_an_inductor_compiled_llama3_8b_block_s
         meta = TransformerBlock(LLAMA3_8B)
     shape = (1, 16, LLAMA3_8B.dim)
     with kernel("eager"):
-        predicted = saved_nbytes(meta, (torch.empty(shape, device="meta", requires_grad=True),), {})
+        predicted = compiled_block(meta, (torch.empty(shape, device="meta", requires_grad=True),), {}).saved
     torch.manual_seed(0)
     block = TransformerBlock(LLAMA3_8B)
     apply_compile(block, [""])
@@ -145,7 +181,7 @@ def test_apply_plan_runs_the_blocks_compiled(tmp_path):
 def test_compiled_blocks_train_like_the_reference_on_real_ranks():
     spec = ModelSpec("toy-llama", compile=True)
     tr = trace_spec(spec)
-    plan = make_policy(PolicyRequest.named("titan")).plan(tr, "toy-llama").replace(compiled=tuple(tr.compiled_saved))
+    plan = make_policy(PolicyRequest.named("titan")).plan(tr, "toy-llama").replace(compiled=tuple(tr.compiled))
     result = run_verify(spec, tr, plan, nproc=2, steps=2)
     assert result.counted_bytes == [result.predicted_bytes] * 2
     assert result.losses == pytest.approx(result.reference_losses, rel=1e-4)

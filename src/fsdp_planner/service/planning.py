@@ -74,7 +74,7 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     code runs as the numbers assumed), the attention kernel it was planned for (absent: the default), the
     hf_config fields (verify rebuilds that model) and the modules it compiles (the trace's, ``--compile``)."""
     return dataclasses.replace(plan, precision=job.options.precision.name, attention=job.model.attention or "",
-                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled_saved))
+                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled))
 
 
 def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, tuple[Split, ...]]:

@@ -17,7 +17,7 @@ theirs. The saved
 activations are re-created there as under full checkpointing: the cached outputs become the ones autograd saves
 (the same storages, not a second copy) or are freed.
 
-A compiled module call (``Trace.compiled_saved``: torch.compile'd blocks) is one autograd node: what its ops save
+A compiled module call (``Trace.compiled``: torch.compile'd blocks) is one autograd node: what its ops save
 one by one is replaced by what AOTAutograd's partitioner saves for the whole call, held from the end of its forward
 until its backward is done (``compiled_calls``). A checkpointed block is modelled as checkpointed, compiled or not:
 under full checkpointing the compiled call keeps its inputs, as eager's; under op-level or offloading the eager
@@ -133,7 +133,7 @@ def compiled_calls(trace: Trace, checkpointed: Iterable[str]) -> list[CompiledCa
     ckpt = list(checkpointed)
     out = []
     by_module = trace.index.boundaries_by_module
-    for m, saved in trace.compiled_saved.items():
+    for m, block in trace.compiled.items():
         if any(c == m or m.startswith(c + ".") or c.startswith(m + ".") or not c for c in ckpt):
             continue
         pos: dict[tuple[EventKind, int], int] = {}
@@ -143,7 +143,7 @@ def compiled_calls(trace: Trace, checkpointed: Iterable[str]) -> list[CompiledCa
         for (kind, call), fwd_pre in pos.items():
             bwd_post = pos.get((EventKind.BWD_POST, call))
             if kind is EventKind.FWD_PRE and bwd_post is not None:
-                out.append(CompiledCall(fwd_pre, pos[(EventKind.FWD_POST, call)], bwd_post, saved))
+                out.append(CompiledCall(fwd_pre, pos[(EventKind.FWD_POST, call)], bwd_post, block.saved))
     return sorted(out, key=lambda c: c.fwd_pre)
 
 

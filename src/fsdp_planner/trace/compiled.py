@@ -10,11 +10,22 @@ decompositions, on the block as the step calls it (its first call's arguments, o
 distinct block (``reuse.static_signatures``, what the trace's block reuse compares), and counts the storages of
 the backward graph's inputs that are neither its tangents nor the block's params and buffers (FSDP2's, not
 activations), each storage once, as the tracer counts eager's saved tensors (``step.StepRecorder.save``).
+
+Time: inductor fuses the memory-bound ops of each graph (pointwise ops and reductions) into kernels that read their
+inputs and write their outputs once, and leaves matmuls and fused attention to their libraries (extern kernels).
+The model here, from the partitioned graphs themselves: every memory-bound op between extern kernels is fused, so
+a graph's memory-bound kernels move each tensor that crosses into a fused region once (a graph input or an extern
+kernel's output that a memory-bound op reads) and each tensor one writes that leaves it once (read by an extern
+kernel, or an output of the graph: a saved activation, a gradient); views move nothing. It assumes inductor fuses
+whatever lies between two extern kernels (its scheduler may split a region at a reduction it cannot fuse, which
+moves more), so it is a floor on the bytes. The kernels launched are the extern ones plus one per fused region
+(memory-bound ops joined by their edges).
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +34,11 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fsdp_planner.trace.records import CompiledBlock
 from fsdp_planner.trace.reuse import static_signatures
+
+# what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention
+_EXTERN = ("mm", "convolution", "attention")
 
 
 class _Captured(Exception):
@@ -59,9 +74,10 @@ def block_arguments(model: nn.Module, example_args: tuple, example_kwargs: dict,
     return captured
 
 
-def saved_nbytes(module: nn.Module, args: tuple, kwargs: dict) -> int:
-    """Bytes of the activations ``module``'s compiled call saves for backward: the partitioned backward graph's
-    inputs less its tangents and the module's params and buffers, each storage once (module docstring)."""
+def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBlock:
+    """``module``'s call compiled: the activations it saves for backward (the partitioned backward graph's inputs
+    less its tangents and the module's params and buffers, each storage once) and its graphs' fused bytes and
+    launches (module docstring)."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -95,7 +111,62 @@ def saved_nbytes(module: nn.Module, args: tuple, kwargs: dict) -> int:
     out = run(*inputs, *state.values())
     grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.autograd.backward([t.sum() for t in grads])
-    return _backward_inputs_nbytes(graphs["fw"], graphs["bw"], len(at))
+    fused = (_fused(graphs["fw"]), _fused(graphs["bw"]))
+    return CompiledBlock(_backward_inputs_nbytes(graphs["fw"], graphs["bw"], len(at)),
+                         (fused[0][0], fused[1][0]), (fused[0][1], fused[1][1]))
+
+
+def _kind(n: torch.fx.Node) -> str:
+    """``view`` (moves nothing), ``extern`` (a library kernel), ``fused`` (a memory-bound op), or the node's op
+    (``placeholder``, ``output``)."""
+    if n.op != "call_function":
+        return n.op
+    name = str(n.target).split(".")[-2 if str(n.target).count(".") > 1 else -1]
+    if getattr(n.target, "is_view", False) or n.target is operator.getitem:
+        return "view"
+    return "extern" if any(word in name for word in _EXTERN) else "fused"
+
+
+def _fused(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """Bytes the graph's memory-bound kernels move and the kernels it launches (module docstring)."""
+    kind = {n: _kind(n) for n in gm.graph.nodes}
+
+    def root(n: torch.fx.Node) -> torch.fx.Node:  # the node whose output a view's storage is
+        while kind[n] == "view" and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        return n
+
+    def users(n: torch.fx.Node) -> list[torch.fx.Node]:  # its readers, through views
+        out: list[torch.fx.Node] = []
+        for u in n.users:
+            out.extend(users(u) if kind[u] == "view" else [u])
+        return out
+
+    read: set[torch.fx.Node] = set()
+    written = 0
+    parent = {n: n for n in gm.graph.nodes if kind[n] == "fused"}
+
+    def find(n: torch.fx.Node) -> torch.fx.Node:
+        while parent[n] is not n:
+            n = parent[n]
+        return n
+
+    for n in parent:
+        for i in n.all_input_nodes:
+            r = root(i)
+            if kind[r] == "fused":
+                parent[find(r)] = find(n)
+            else:
+                read.add(r)
+        if any(kind[u] != "fused" for u in users(n)):
+            written += _nbytes(n)
+    return sum(_nbytes(r) for r in read) + written, \
+        sum(1 for k in kind.values() if k == "extern") + len({find(n) for n in parent})
+
+
+def _nbytes(n: torch.fx.Node) -> int:
+    vals = n.meta.get("val")
+    return sum(v.numel() * v.element_size() for v in tree_flatten(vals)[0] if isinstance(v, torch.Tensor))
 
 
 def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, n_inputs: int) -> int:
@@ -117,12 +188,12 @@ def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, 
     return nbytes
 
 
-def compiled_saved(model: nn.Module, example_args: tuple, example_kwargs: dict,
-                   names: Sequence[str]) -> dict[str, int]:
-    """Name -> bytes its compiled call saves for backward, for every module in ``names`` (the model on meta, in
-    the step's compute dtype); the partitioner runs once per distinct module."""
+def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict,
+                    names: Sequence[str]) -> dict[str, CompiledBlock]:
+    """Name -> its call compiled (``compiled_block``), for every module in ``names`` (the model on meta, in the
+    step's compute dtype); the partitioner runs once per distinct module."""
     modules = dict(model.named_modules())
     signatures = static_signatures(model)
-    by_signature = {signatures[modules[n]]: saved_nbytes(modules[n], *call)
+    by_signature = {signatures[modules[n]]: compiled_block(modules[n], *call)
                     for n, call in block_arguments(model, example_args, example_kwargs, names).items()}
     return {n: by_signature[signatures[modules[n]]] for n in names if signatures[modules[n]] in by_signature}

@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.routing import DEFAULT_CAPACITY
-from fsdp_planner.trace.compiled import compiled_saved
-from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.compiled import compiled_blocks
+from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.session import TraceRequest, TraceSession, step_inputs
 from fsdp_planner.trace.walk import TracedModel
 
@@ -114,13 +114,13 @@ _METHOD_PASSES = 4
 
 
 def record_compiled(model: nn.Module, example_inputs: Any, names: list[str],
-                    compute_dtype: torch.dtype | None = None) -> dict[str, int]:
-    """Bytes each of ``names`` saves for backward when compiled (``compiled.py``), in the step's compute dtype
-    as ``record`` runs it; the model on meta."""
+                    compute_dtype: torch.dtype | None = None) -> dict[str, CompiledBlock]:
+    """Each of ``names`` compiled (``compiled.py``: what it saves for backward, the bytes and kernels of its
+    fused graphs), in the step's compute dtype as ``record`` runs it; the model on meta."""
     args, kwargs = split_inputs(example_inputs)
     request = TraceRequest(model, args, kwargs, default_loss, compute_dtype=compute_dtype)
     with _params_cast(model, compute_dtype):
-        return compiled_saved(model, *step_inputs(request), names)
+        return compiled_blocks(model, *step_inputs(request), names)
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -12,6 +12,17 @@ from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 
 
 @dataclass(frozen=True)
+class CompiledBlock:
+    """One torch.compile'd module call as AOTAutograd's partitioner and inductor's fusion make it
+    (``compiled.py``): the activations it saves for backward, and per pass (forward, backward) the bytes its
+    memory-bound kernels move and the kernels it launches."""
+
+    saved: int
+    fused_nbytes: tuple[int, int]
+    launches: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class Trace:
     """One traced training step. Immutable: derived views live in ``index``; measured op times make a new
     Trace (``with_op_seconds``)."""
@@ -30,7 +41,7 @@ class Trace:
     # bytes), ``step.LossRegion.blocks``
     notes: tuple[str, ...] = ()  # what the trace assumed where the model could not tell it (a stand-in, a kernel),
     # one line each, for the commands to print
-    compiled_saved: Mapping[str, int] = field(default_factory=dict)  # module -> bytes its call saves for backward
+    compiled: Mapping[str, CompiledBlock] = field(default_factory=dict)  # module -> what its call saves and moves
     # when torch.compile'd (``compiled.py``): the modules the step runs compiled; empty: an eager step
 
     @property
@@ -61,9 +72,9 @@ class Trace:
     def bwd_flops(self) -> int:
         return sum(e.flops for e in self.events if e.kind is EventKind.OP and e.backward)
 
-    def with_compiled(self, saved: Mapping[str, int]) -> Trace:
-        """This step with ``saved``'s modules compiled (``compiled_saved``)."""
-        return replace(self, compiled_saved=dict(saved))
+    def with_compiled(self, blocks: Mapping[str, CompiledBlock]) -> Trace:
+        """This step with ``blocks``' modules compiled (``compiled``)."""
+        return replace(self, compiled=dict(blocks))
 
     def with_op_seconds(self, seconds: tuple[float, ...]) -> Trace:
         if len(seconds) != len(self.events):
