@@ -24,7 +24,7 @@ from fsdp_planner.models.llama import LLAMA3_8B, TransformerBlock
 from fsdp_planner.planners import PolicyRequest, make_policy
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.service.tracing import trace_spec
-from fsdp_planner.sim.compute import fused_nbytes
+from fsdp_planner.sim.compute import fused_nbytes, launches_through
 from fsdp_planner.sim.memory import activation_levels
 from fsdp_planner.sim.options import SimOptions, precision_named
 from fsdp_planner.sim.simulate import simulate
@@ -120,6 +120,12 @@ def test_compiled_calls_move_their_fused_bytes_and_run_faster():
     options = SimOptions(precision=precision)
     plan = make_policy(PolicyRequest.named("titan")).plan(eager, "llama3-8b")
     assert simulate(compiled, plan, cluster, options).step_time < simulate(eager, plan, cluster, options).step_time
+    # the host launches each compiled call's kernels, not one per op
+    blocks = len(compiled.compiled)
+    ops_in_blocks = sum(int(eager.index.ops_through[at[k1]] - eager.index.ops_through[at[k0]])
+                        for k0, k1 in ((kinds[0], kinds[1]), (kinds[2], kinds[3])))
+    assert launches_through(compiled)[-1] == pytest.approx(
+        eager.index.op_count - blocks * (ops_in_blocks - sum(block.launches)))
 
 
 @pytest.mark.integration

@@ -11,7 +11,8 @@ kept to reproduce figures made with it.
 In a torch.compile'd module call (``Trace.compiled``) inductor fuses the memory-bound ops (``KERNEL_OTHER``): their
 bytes in its forward, and in its backward, are scaled to the bytes its fused kernels move (``trace/compiled.py``:
 each tensor crossing into or out of a fused region once), each op keeping its share; matmuls and attention are
-library kernels, timed as in eager.
+library kernels, timed as in eager. The host launches a compiled call's kernels (its graphs' ``launches``) rather
+than one per op: ``launches_through``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,26 @@ def fused_nbytes(trace: Trace) -> np.ndarray:
             if eager > 0:
                 out[sel] *= fused / eager
     return out
+
+
+def launches_through(trace: Trace) -> np.ndarray:
+    """``TraceIndex.ops_through`` counting launches: a compiled call's forward and backward each launch their
+    graph's kernels, spread over their ops (a fraction each), where eager launches one per op."""
+    through = trace.index.ops_through
+    if not trace.compiled:
+        return through
+    is_op = np.diff(through, prepend=0).astype(np.float64)
+    events = trace.events
+    for m, block in trace.compiled.items():
+        at = {(events[i].kind, events[i].call): i for i in trace.index.boundaries_by_module.get(m, ())}
+        for (kind, call), start in at.items():
+            end = at.get((EventKind.FWD_POST if kind is EventKind.FWD_PRE else EventKind.BWD_POST, call))
+            if kind not in (EventKind.FWD_PRE, EventKind.BWD_PRE) or end is None:
+                continue
+            ops = is_op[start:end].sum()
+            if ops:
+                is_op[start:end] *= block.launches[kind is EventKind.BWD_PRE] / ops
+    return np.cumsum(is_op)
 
 
 def peak_flops(gpu: GPU, precision: Precision) -> float:
