@@ -203,8 +203,8 @@ def compile_ratios(results: list[dict]) -> list[str]:
     """Each compile row against its eager row (the same label less ", compile"): what compiling changes, published
     and predicted."""
     by = {r["label"]: r for r in results}
-    pairs = [(by[r["label"].replace(", compile", "").split(" (")[0] + " (" + r["label"].split(" (")[1]
-                  .replace(", FSDP + torch.compile", ", FSDP")], r)
+    pairs = [(by.get(r["label"].replace(", compile", "").split(" (")[0] + " (" + r["label"].split(" (")[1]
+                     .replace(", FSDP + torch.compile", ", FSDP")), r)
              for r in results if ", compile" in r["label"]]
     pairs = [(e, c) for e, c in pairs if e is not None]
     if not pairs:

@@ -71,7 +71,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
                     enable_gqa: bool = False) -> torch.Tensor:
     """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one (or
     the math path, under ``kernel("eager")``)."""
-    chosen = _KERNEL.get()
+    chosen = None if torch.compiler.is_compiling() else _KERNEL.get()  # dynamo cannot read a ContextVar
     if chosen is not None:
         chosen.calls += 1
     if chosen is not None and chosen.name == "eager":

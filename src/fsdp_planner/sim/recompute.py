@@ -127,15 +127,18 @@ class CompiledCall:
     saved: int  # bytes (at the trace's dtype) the partitioned forward saves for backward
 
 
-def compiled_calls(trace: Trace, checkpointed: Iterable[str]) -> list[CompiledCall]:
+def compiled_calls(trace: Trace, checkpointed: Sequence[CheckpointedCall]) -> list[CompiledCall]:
     """The calls of the trace's compiled modules that ran a backward, less those of modules that a checkpointed
-    module holds, is, or lies inside (modelled as checkpointed: module docstring)."""
-    ckpt = list(checkpointed)
+    module holds, is, or lies inside (modelled as checkpointed: module docstring), except a compiled module under
+    op-level checkpointing whose compiled saves under that policy were measured (``compiled_under_sac``)."""
+    sac = compiled_under_sac(trace, checkpointed)
+    ckpt = [c.module for c in checkpointed if c.module not in sac]
     out = []
     by_module = trace.index.boundaries_by_module
     for m, block in trace.compiled.items():
         if any(c == m or m.startswith(c + ".") or c.startswith(m + ".") or not c for c in ckpt):
             continue
+        saved = sac.get(m, block.saved)
         pos: dict[tuple[EventKind, int], int] = {}
         for i in by_module.get(m, ()):
             e = trace.events[i]
@@ -143,8 +146,20 @@ def compiled_calls(trace: Trace, checkpointed: Iterable[str]) -> list[CompiledCa
         for (kind, call), fwd_pre in pos.items():
             bwd_post = pos.get((EventKind.BWD_POST, call))
             if kind is EventKind.FWD_PRE and bwd_post is not None:
-                out.append(CompiledCall(fwd_pre, pos[(EventKind.FWD_POST, call)], bwd_post, block.saved))
+                out.append(CompiledCall(fwd_pre, pos[(EventKind.FWD_POST, call)], bwd_post, saved))
     return sorted(out, key=lambda c: c.fwd_pre)
+
+
+def compiled_under_sac(trace: Trace, checkpointed: Sequence[CheckpointedCall]) -> dict[str, int]:
+    """Compiled module -> what it saves compiled under its op-level checkpointing policy, where measured: the
+    partitioner applies the policy inside the compiled graph, so the call holds that instead of SAC's eager
+    inputs, cache and recomputed activations."""
+    out = {}
+    for c in checkpointed:
+        block = trace.compiled.get(c.module)
+        if c.policy is not None and block is not None and c.policy.value in block.variants:
+            out[c.module] = block.variants[c.policy.value]
+    return out
 
 
 def loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
@@ -171,8 +186,10 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     instead and its activations re-created at its pre-backward (op-level: with the outputs of its kept ops, held
     from each until then, ``cache_deltas``); in the loss region, its live bytes (``loss_region_deltas``)."""
     deltas = loss_region_deltas(trace, scale)
+    compiled, inside_compiled = compiled_deltas(trace, compiled_calls(trace, calls), scale)
+    sac = compiled_under_sac(trace, calls)
+    calls = [c for c in calls if c.module not in sac]  # held as compiled calls
     start_at = {c.fwd_pre: c for c in calls}
-    compiled, inside_compiled = compiled_deltas(trace, compiled_calls(trace, (c.module for c in calls)), scale)
     fwd_pre, fwd_post, bwd_post = EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
     stack: list[tuple[str, int]] = []
     saved_by: dict[tuple[str, int], float] = {}

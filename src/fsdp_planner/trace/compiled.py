@@ -24,9 +24,11 @@ moves more), so it is a floor on the bytes. The kernels launched are the extern 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -112,8 +114,55 @@ def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBloc
     grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.autograd.backward([t.sum() for t in grads])
     fused = (_fused(graphs["fw"]), _fused(graphs["bw"]))
-    return CompiledBlock(_backward_inputs_nbytes(graphs["fw"], graphs["bw"], len(at)),
+    return CompiledBlock(_backward_inputs_nbytes(graphs["fw"], graphs["bw"], set(range(len(at), len(at) + len(names)))),
                          (fused[0][0], fused[1][0]), (fused[0][1], fused[1][1]))
+
+
+def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes ``module``'s call saves for backward when ``torch.compile`` traces it (dynamo, then AOTAutograd with
+    the same partitioner): for a forward AOTAutograd alone cannot trace, such as one under selective
+    checkpointing, whose policy the partitioner applies (dynamo turns the checkpoint into a tagged region). Resets
+    dynamo's caches: each distinct block is a new compile."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+    params: set[int] = set()
+
+    def keep(kind: str):
+        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
+            graphs[kind] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    aot = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), decompositions=select_decomp_table(),
+                       partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> Any:
+        # dynamo names the inputs it lifts from the module's state after it: ..._parameters_... / _buffers_
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        params.update(i for i, name in enumerate(names) if "_parameters_" in name or "_buffers_" in name)
+        return aot(gm, inputs)
+
+    torch._dynamo.reset()
+    quiet = logging.getLogger("torch")  # dynamo's advice on checkpoints under compile is for the user's own code
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        out = torch.compile(module, backend=backend, fullgraph=True)(*_grad_leaves(args), **kwargs)
+        grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward([t.sum() for t in grads])
+    finally:
+        quiet.setLevel(level)
+        torch._dynamo.reset()
+    return _backward_inputs_nbytes(graphs["fw"], graphs["bw"], params)
+
+
+def _grad_leaves(args: tuple) -> list:
+    return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 def _kind(n: torch.fx.Node) -> str:
@@ -169,12 +218,12 @@ def _nbytes(n: torch.fx.Node) -> int:
     return sum(v.numel() * v.element_size() for v in tree_flatten(vals)[0] if isinstance(v, torch.Tensor))
 
 
-def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, n_inputs: int) -> int:
-    """Storage bytes of ``bw``'s saved inputs (not tangents), less the storages of ``fw``'s inputs past the first
-    ``n_inputs`` (the params and buffers)."""
+def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, params: set[int]) -> int:
+    """Storage bytes of ``bw``'s saved inputs (not tangents), less the storages of ``fw``'s inputs at positions
+    ``params`` (the params and buffers)."""
     placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    static = {StorageWeakRef(n.meta["val"].untyped_storage()) for n in placeholders[n_inputs:]
-              if isinstance(n.meta.get("val"), torch.Tensor)}
+    static = {StorageWeakRef(n.meta["val"].untyped_storage()) for i, n in enumerate(placeholders)
+              if i in params and isinstance(n.meta.get("val"), torch.Tensor)}
     seen: set[StorageWeakRef] = set()
     nbytes = 0
     for n in bw.graph.nodes:
@@ -188,12 +237,17 @@ def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, 
     return nbytes
 
 
-def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict,
-                    names: Sequence[str]) -> dict[str, CompiledBlock]:
+def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict, names: Sequence[str],
+                    variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None) -> dict[str, CompiledBlock]:
     """Name -> its call compiled (``compiled_block``), for every module in ``names`` (the model on meta, in the
-    step's compute dtype); the partitioner runs once per distinct module."""
+    step's compute dtype); the partitioner runs once per distinct module. ``variants``: name -> a function making
+    another module of a block (a copy under selective checkpointing), whose compiled saved bytes go to
+    ``CompiledBlock.variants`` (``saved_under_dynamo``)."""
     modules = dict(model.named_modules())
     signatures = static_signatures(model)
-    by_signature = {signatures[modules[n]]: compiled_block(modules[n], *call)
-                    for n, call in block_arguments(model, example_args, example_kwargs, names).items()}
+    by_signature = {}
+    for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, names).items():
+        block = compiled_block(modules[n], args, kwargs)
+        other = {v: saved_under_dynamo(make(modules[n]), args, kwargs) for v, make in (variants or {}).items()}
+        by_signature[signatures[modules[n]]] = dataclasses.replace(block, variants=other)
     return {n: by_signature[signatures[modules[n]]] for n in names if signatures[modules[n]] in by_signature}

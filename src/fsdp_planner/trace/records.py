@@ -20,6 +20,8 @@ class CompiledBlock:
     saved: int
     fused_nbytes: tuple[int, int]
     launches: tuple[int, int]
+    variants: Mapping[str, int] = field(default_factory=dict)  # what it saves compiled under selective
+    # checkpointing: the policy's name -> bytes (the partitioner applying the policy)
 
 
 @dataclass(frozen=True)
