@@ -4,6 +4,7 @@ apply_plan compiling the blocks and real FSDP2 training them."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -16,7 +17,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from fsdp_planner.apply import apply_plan
 from fsdp_planner.apply.compile import apply_compile
 from fsdp_planner.attention import kernel
+from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
@@ -34,6 +37,12 @@ from fsdp_planner.trace.recorder import record_compiled
 from fsdp_planner.trace.records import CompiledBlock
 
 BLOCKS = [f"layers.{i}" for i in range(4)]
+
+
+def _selective(block: torch.nn.Module, policy: SacPolicy) -> torch.nn.Module:
+    copy = __import__("copy").deepcopy(block)
+    apply_checkpointing(copy, [], {"": policy})
+    return copy
 
 
 def _real_saved(out: torch.Tensor, module: torch.nn.Module) -> int:
@@ -88,6 +97,12 @@ def test_compiled_blocks_hold_the_partitioned_bytes_instead_of_their_ops_saves()
     # checkpointed blocks are modelled as checkpointed, compiled or not
     both = activation_levels(compiled, precision, [(m, None) for m in BLOCKS])
     assert np.array_equal(both, activation_levels(eager, precision, [(m, None) for m in BLOCKS]))
+    # under op-level SAC a compiled block holds what the partitioner saves with the policy applied
+    block = compiled.compiled["layers.0"]
+    assert set(block.variants) == {p.value for p in SacPolicy} and 0 < block.variants["titan"] < block.saved
+    sac = activation_levels(compiled, precision, [(m, SacPolicy.TITAN) for m in BLOCKS])
+    assert activation_levels(compiled, precision)[end] - sac[end] == len(BLOCKS) * (
+        block.saved - block.variants["titan"])
 
 
 class _Pointwise(torch.nn.Module):
@@ -136,14 +151,16 @@ def test_predicted_saved_bytes_equal_what_the_inductor_compiled_toy_block_saves(
     spec = ModelSpec("toy-llama")
     meta = load_model(spec, meta=True)
     with kernel("eager"):
-        predicted = record_compiled(meta.model, meta.example_inputs, BLOCKS)
+        predicted = record_compiled(meta.model, meta.example_inputs, BLOCKS,
+                                    variants={"titan": functools.partial(_selective, policy=SacPolicy.TITAN)})
     real = load_model(spec, meta=False)
-    apply_compile(real.model, ["layers.0"])
-    block = real.model.layers[0]
+    apply_checkpointing(real.model, [], {"layers.1": SacPolicy.TITAN})  # checkpointing first, as apply_plan does
+    apply_compile(real.model, ["layers.0", "layers.1"])
     x = real.model.tok_embeddings(*real.example_inputs)
     with sdpa_kernel(SDPBackend.MATH):
-        measured = _real_saved(block(x), block)
-    assert predicted["layers.0"].saved == measured > 0
+        measured = [_real_saved(real.model.layers[i](x), real.model.layers[i]) for i in (0, 1)]
+    assert [predicted["layers.0"].saved, predicted["layers.1"].variants["titan"]] == measured
+    assert all(measured)
 
 
 @pytest.mark.integration
