@@ -477,7 +477,17 @@ def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> Non
             name = json.dumps(key)[1:-1]  # control characters escaped: the message stays one line
             name = name if len(name) <= 40 else f"{name[:30]}...({len(key)} characters)"
             raise PlannerError(f"{where} has an unknown key '{name}'{hint}; the accepted keys are "
-                               f"{', '.join(accepted)}")
+                               f"{_listed(accepted)}")
+
+
+def _listed(keys: tuple[str, ...], width: int = 160) -> str:
+    """``keys`` comma-separated, the ones past ``width`` characters counted (the message stays one short line)."""
+    shown: list[str] = []
+    for k in keys:
+        if sum(len(s) + 2 for s in shown) + len(k) > width:
+            return f"{', '.join(shown)} and {len(keys) - len(shown)} more (docs/json.md)"
+        shown.append(k)
+    return ", ".join(shown)
 
 
 def divisors(n: int) -> list[int]:
