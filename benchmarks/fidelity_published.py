@@ -121,7 +121,7 @@ NOTES = [
     "measured through dynamo on meta tensors: 0.91 GB a block at batch 2 x 8192 against eager SAC's ~1.04 GB, so "
     "the peak falls 4.0 GiB (published 5.4 / 5.0 GiB; the rest is eager's transients that the eager rows miss too, "
     "below). Time: the ratio is the check, and it is off: compile / eager tokens/s is 1.157 (8 GPUs) and 1.162 "
-    "(128) published, 1.295 and 1.295 predicted. The term: memory-bound ops. Summed over the step's ops, matmuls "
+    "(128) published, 1.296 and 1.295 predicted. The term: memory-bound ops. Summed over the step's ops, matmuls "
     "and attention take 1.92 s both ways, memory-bound ops 0.708 s eager and 0.185 s compiled (8 GPUs), plus the "
     "op-SAC recomputation 354 -> 179 ms; the model fuses every memory-bound op between two library kernels and "
     "counts each tensor into or out of a fused region once, a floor on inductor's traffic. The published step "
