@@ -74,8 +74,6 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "note"), [
-    ("[compile]\nenable = true\n", "compile.enable = true is left out"),
-    ("[training]\ncompile = true\n", "training.compile = true is left out"),
     ("[float8]\nenable_fsdp_float8_all_gather = true\n", "float8 training ([float8] / [quantize.linear.float8]) is"),
     ('[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n', "float8 training"),
     ('[model]\nconverters = ["float8"]\n', "model.converters float8 is left out"),
@@ -86,6 +84,13 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
 def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
     notes = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n'))).notes
     assert len(notes) == 1 and notes[0].startswith(note) and "\n" not in notes[0]
+
+
+@pytest.mark.parametrize(("text", "key"), [("[compile]\nenable = true\n", "compile.enable"),
+                                         ("[training]\ncompile = true\n", "training.compile")])
+def test_torchtitan_compile_is_read_not_left_out(tmp_path, text, key):
+    cfg = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n')))
+    assert cfg.compile and cfg.keys[key] is True and not cfg.notes
 
 
 @pytest.mark.parametrize(("text", "error"), [
@@ -195,6 +200,13 @@ def test_accelerate_refuses_another_distributed_type(tmp_path):
 def args_of(*argv: str):  # type: ignore[no-untyped-def]
     args, _ = configured(build_parser().parse_args(list(argv)))
     return args
+
+
+def test_torchtitan_compile_as_the_compile_option(tmp_path):
+    job = titan(tmp_path, '[compile]\nenable = true\n[activation_checkpoint]\nmode = "none"\n')
+    assert args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "a100").compile is True
+    plain = titan(tmp_path, '[activation_checkpoint]\nmode = "none"\n')
+    assert args_of("simulate", "toy-llama", "--from-torchtitan", str(plain), "--cluster", "a100").compile is False
 
 
 def test_torchtitan_job_as_options(tmp_path):

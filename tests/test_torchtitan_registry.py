@@ -65,7 +65,8 @@ def test_the_shipped_jobs_as_expected():
         ("llama3-8b", 1, 8192, "op"), ("llama3-70b", 8, 8192, "full"), ("llama3-405b", 2, 8192, "full")]
     assert [(c.tp, c.async_tp) for c in jobs.values()] == [(1, False), (8, False), (8, True)]  # TP kept
     notes = " | ".join(jobs["llama3_405b"].notes)
-    assert "float8" in notes and "compile.enable" in notes
+    assert "float8" in notes and "compile.enable" not in notes
+    assert jobs["llama3_405b"].compile and not jobs["llama3_8b"].compile
 
 
 @pytest.mark.parametrize("function", DEBUG_JOBS)
@@ -220,27 +221,29 @@ def exported(tmp_path: Path, plan: Plan) -> tuple[Path, list[str]]:
     return path, flags
 
 
-@pytest.mark.parametrize(("mesh", "reshard", "offload", "checkpointed", "reduce"), [
-    (Mesh(2, 4), [False, False], True, ["layers.0"], ""),
-    (None, [True, True], False, [], "bf16"),
-    (Mesh(1, 8), [True, False], False, ["layers.0", "layers.1"], ""),
+@pytest.mark.parametrize(("mesh", "reshard", "offload", "checkpointed", "reduce", "compiled"), [
+    (Mesh(2, 4), [False, False], True, ["layers.0"], "", []),
+    (None, [True, True], False, [], "bf16", ["layers.0", "layers.1"]),
+    (Mesh(1, 8), [True, False], False, ["layers.0", "layers.1"], "", ["layers.0", "layers.1"]),
 ])
-def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, reshard, offload, checkpointed, reduce):
+def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, reshard, offload, checkpointed, reduce,
+                                                           compiled):
     """The exported fsdp_planner_job() reads as the plan's job; its flags on the shipped 8B job give the same."""
     groups = [Group(modules=[f"layers.{i}"], params=[f"layers.{i}.w"], reshard_after_forward=r)
               for i, r in enumerate(reshard)]
     plan = Plan(fingerprint="", numel=2, model="llama3-8b", mesh=mesh, offload=offload, reduce_dtype=reduce,
-                activation_checkpointing=checkpointed, groups=[*groups, Group(modules=[""], params=[])])
+                activation_checkpointing=checkpointed, groups=[*groups, Group(modules=[""], params=[])],
+                compiled=compiled)
     path, flags = exported(tmp_path, plan)
     cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
     rule = "always" if all(reshard) else "never" if not any(reshard) else "default"
     assert (cfg.model, cfg.replicate, cfg.shard, cfg.reshard, cfg.offload) == (
         "llama3-8b", mesh.replicate if mesh else 1, mesh.shard if mesh else None, rule, offload)
-    assert (cfg.ac, cfg.precision, cfg.reduce_dtype) == (
-        ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", "bf16" if reduce else None)
+    assert (cfg.ac, cfg.precision, cfg.reduce_dtype, cfg.compile) == (
+        ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", "bf16" if reduce else None, bool(compiled))
     assert cfg.notes == [] and (cfg.batch, cfg.seq) == (None, None)  # the workload is the command line's
     on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
-    keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype")
+    keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype", "compile")
     assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
     assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
 

@@ -61,8 +61,16 @@ def current_kernel() -> str:
 
 
 def planned(t: torch.Tensor) -> bool:
-    """A tensor with no data: the step is being planned, not run."""
-    return t.is_meta or is_fake(t)
+    """A tensor with no data: the step is being planned, not run. Under ``torch.compile`` (dynamo's fake tensors
+    stand for the real ones it compiles for) only a meta tensor is: the compiled block runs SDPA as eager does."""
+    return t.is_meta or (not torch.compiler.is_compiling() and is_fake(t))
+
+
+@torch.compiler.assume_constant_result
+def _kernel_name() -> str:
+    """``current_kernel``, which dynamo takes as a constant when it traces a planned block (a ContextVar it cannot
+    read)."""
+    return current_kernel()
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -70,10 +78,11 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
                     enable_gqa: bool = False) -> torch.Tensor:
     """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one (or
     the math path, under ``kernel("eager")``)."""
-    chosen = _KERNEL.get()
-    if chosen is not None:
-        chosen.calls += 1
-    if chosen is not None and chosen.name == "eager":
+    if not torch.compiler.is_compiling():  # dynamo (measuring a compiled block) neither reads nor counts here
+        chosen = _KERNEL.get()
+        if chosen is not None:
+            chosen.calls += 1
+    if _kernel_name() == "eager":
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
     if enable_gqa and k.shape[-3] != q.shape[-3]:

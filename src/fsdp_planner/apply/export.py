@@ -46,6 +46,8 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
     modules = dict(model.named_modules())
     for name in CHECKPOINTED:  # activation checkpointing before sharding, as torchtitan does
         checkpoint(modules[name])
+    for name in COMPILED:  # then torch.compile, each module on its own, as torchtitan compiles its blocks
+        modules[name].forward = torch.compile(modules[name].forward, fullgraph=True)
     # children first: a group nested in another's module must be sharded before its parent claims the params
     for i in sorted(range(len(GROUPS)), key=lambda i: -max(_depth(n) for n in GROUPS[i][0])):
         names, reshard = GROUPS[i]
@@ -263,6 +265,7 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     lines.append("]")
     lines.append(f"ROOT_RESHARD_AFTER_FORWARD: bool | int = {py_literal(plan.root.reshard_after_forward)}")
     lines.append(f"CHECKPOINTED: list[str] = {py_literal(list(plan.activation_checkpointing))}")
+    lines.append(f"COMPILED: list[str] = {py_literal(list(plan.compiled))}")
     lines.append(f"FORWARD_METHODS: list[tuple[str, str]] = {py_literal([tuple(m) for m in plan.forward_methods])}")
     lines.append(f"FORWARD_PREFETCH: dict[int, list[int]] = {py_literal(fwd)}")
     lines.append(f"BACKWARD_PREFETCH: dict[int, list[int]] = {py_literal(bwd)}")

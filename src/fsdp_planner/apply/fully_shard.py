@@ -1,5 +1,5 @@
-"""Apply a Plan to a model with FSDP2 ``fully_shard``: activation checkpointing first, then one call per group
-(lists allowed), children first, the root last, then the plan's forward methods and explicit prefetch lists."""
+"""Apply a Plan to a model with FSDP2 ``fully_shard``: activation checkpointing and compile first, then one call per
+group (lists allowed), children first, the root last, then the plan's forward methods and explicit prefetch lists."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from fsdp_planner.apply.compile import apply_compile
 from fsdp_planner.apply.tensor_parallel import apply_tp, split_mesh
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloading
@@ -129,6 +130,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     # before fully_shard, as torchtitan does
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
     apply_offloading(model, plan.activation_offloading)
+    apply_compile(model, plan.compiled)  # after checkpointing, before fully_shard, as torchtitan does
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload,
                               "shard_placement_fn": placement}

@@ -61,6 +61,7 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
                         "fsdp_reshard_after_forward": rule, **tp_keys},
         "activation_checkpoint": {"class": ac},
+        "compile": {"enable": bool(plan.compiled)},  # torchtitan compiles every block; the plan, the ones it names
     }
 
 
@@ -92,6 +93,9 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     if ac:
         imports.append(f"from torchtitan.distributed.activation_checkpoint import {ac}")
     keywords.append(f"activation_checkpoint={ac + '.Config()' if ac else 'None'},")
+    if settings["compile"]["enable"]:
+        imports.append("from torchtitan.config import CompileConfig")
+        keywords.append("compile=CompileConfig(enable=True),")
     imports.append("from torchtitan.trainer import Trainer")
     return JOB.format(function=FUNCTION, imports="\n".join(f"    {i}" for i in imports),
                       keywords="\n".join(f"        {k}" for k in keywords),
@@ -102,7 +106,7 @@ def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
     """torchtitan's ``--section.key VALUE`` flags, each with its value (a true flag alone, a false one left at
     torchtitan's default; the checkpointing as tyro's subcommand)."""
     out: list[tuple[str, ...]] = []
-    for section in ("training", "parallelism"):
+    for section in ("training", "parallelism", "compile"):
         for key, value in settings[section].items():
             if value is True:
                 out.append((f"--{section}.{key}",))

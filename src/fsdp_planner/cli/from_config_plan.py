@@ -94,7 +94,7 @@ def run_plan(args: argparse.Namespace) -> int:
     outcome = compare_config(kw, cfg, tracer(False, bool(args.full_trace)), REPORTER)
     result = _result(outcome, cfg)
     if args.out is not None:  # as plan --out writes it (even over the budget: the exit status says so)
-        write_atomic(args.out, as_written(result.auto, outcome.auto.job).checked_json() + "\n")
+        write_atomic(args.out, as_written(result.auto, outcome.auto.job, outcome.auto.trace).checked_json() + "\n")
     if args.json:
         print(json_text(_json(result, cfg, given), indent=2))
     else:

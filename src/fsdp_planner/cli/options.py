@@ -135,6 +135,9 @@ def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
                          "a GPU: flash or memory-efficient, O(seq) saved), flash (flash-attn: the same memory, "
                          "soft-capping too) or eager (the math path: O(seq^2) scores saved); default: sdpa, and a "
                          "Hugging Face model's own choice (recorded in the plan)")
+    sp.add_argument("--compile", action="store_true",
+                    help="the repeated blocks run torch.compile'd (fullgraph), as torchtitan's compile.enable: what "
+                         "each saves for backward is what AOTAutograd's partitioner saves (recorded in the plan)")
     sp.add_argument("--routing", type=float, default=None, metavar="CAPACITY",
                     help="capacity factor of the balanced-routing stand-in that data-dependent ops (a torch.where "
                          "or nonzero router, .item() checks) run while planned: each expert gets tokens x top_k / "

@@ -1,9 +1,10 @@
 """The training job a torchtitan TOML (or a torchtitan config_registry job, read into the TOML's tables by
 ``configs/torchtitan_registry.py``) or an Accelerate FSDP YAML describes, read into the settings the command line
 has (``--from-torchtitan``, ``--from-accelerate``): the model (torchtitan), the workload, the data-parallel layout,
-the grouping policy, activation checkpointing, ``reshard_after_forward``, mixed precision and offload.
+the grouping policy, activation checkpointing, ``reshard_after_forward``, mixed precision, offload and torchtitan's
+``compile.enable`` (``--compile``).
 
-What the file asks for that fsdp-planner does not model (torch.compile, float8, tensor/pipeline/context parallel)
+What the file asks for that fsdp-planner does not model (float8, tensor/pipeline/context parallel)
 is one note each, naming the key; a value it cannot read is one error naming the key. Values quoted from the file
 pass ``shown_json``. Torch-free: the reading is checked before anything is traced.
 """
@@ -90,6 +91,7 @@ class JobConfig:
     precision: str | None = None
     reduce_dtype: str | None = None
     offload: bool = False
+    compile: bool = False  # torchtitan's compile.enable (or training.compile): every block torch.compile'd
     policy: PolicyName = PolicyName.TITAN
     module_classes: tuple[str, ...] = ()
     min_numel: int | None = None
@@ -241,9 +243,9 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.async_tp = _bool(cfg, "compile.enable_async_tensor_parallel",
                              _table(cfg, data, "compile")["enable_async_tensor_parallel"])
     compile_on = _table(cfg, data, "compile").get("enable") or _table(cfg, data, "training").get("compile")
-    if compile_on:
+    if compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
         key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
-        cfg.notes.append(f"{key} = true is left out: fsdp-planner simulates eager FSDP2 (no torch.compile)")
+        cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
     if any(_table(cfg, data, s) for s in ("float8", "mx")) or "float8" in _table(cfg, data, "quantize").get(
             "linear", {}):
         cfg.notes.append("float8 training ([float8] / [quantize.linear.float8]) is left out: fsdp-planner "

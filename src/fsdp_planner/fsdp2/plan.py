@@ -30,7 +30,7 @@ PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
-             "activation_offloading", "tensor_parallel", "expert_parallel")
+             "activation_offloading", "tensor_parallel", "expert_parallel", "compiled")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -167,9 +167,11 @@ class Plan:
     # are sharded over the data-parallel dims (``tensor_parallel.py``); None: no TP
     expert_parallel: ExpertParallel | None = None  # EP of the expert modules over ``ep`` ranks taken from
     # ``dp_shard``, each expert module its own group sharded over the EP-reduced mesh (``expert_parallel.py``)
+    compiled: tuple[str, ...] = ()  # modules torch.compile'd one by one (fullgraph), after TP and checkpointing and
+    # before fully_shard, as torchtitan compiles its blocks (--compile; ``apply/fully_shard.py``)
 
     def __post_init__(self) -> None:
-        _tuples(self, ("groups", "activation_checkpointing", "activation_offloading"))
+        _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
         methods = self.forward_methods
         if not (isinstance(methods, tuple) and all(isinstance(m, tuple) for m in methods)):
             object.__setattr__(self, "forward_methods", tuple(tuple(m) for m in methods))
@@ -241,7 +243,7 @@ class Plan:
                 tuple(self.selective_checkpointing.items()), self.mesh, self.forward_methods, self.offload,
                 tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading,
                 self.tensor_parallel.signature() if self.tensor_parallel is not None else None,
-                self.expert_parallel.signature() if self.expert_parallel is not None else None)
+                self.expert_parallel.signature() if self.expert_parallel is not None else None, self.compiled)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -276,6 +278,8 @@ class Plan:
             d["tensor_parallel"] = self.tensor_parallel.to_dict()
         if self.expert_parallel is not None:
             d["expert_parallel"] = self.expert_parallel.to_dict()
+        if self.compiled:
+            d["compiled"] = list(self.compiled)
         return d
 
     def to_json(self) -> str:
@@ -339,7 +343,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 attention=_attention_from(data.get("attention", "")), hf_config=_hf_config_from(model),
                 activation_offloading=_offloaded_from(data.get("activation_offloading", [])),
                 tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")),
-                expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")), **_memory_options(data))
+                expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")),
+                compiled=_compiled_from(data.get("compiled", [])), **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
 
@@ -407,6 +412,13 @@ def _offloaded_from(items: Any) -> list[str]:
     if not _str_list(items) or len(set(items)) != len(items):
         raise PlannerError("plan 'activation_offloading' must be a list of module names, each listed once (the "
                            "modules whose saved activations are offloaded to the host)")
+    return list(items)
+
+
+def _compiled_from(items: Any) -> list[str]:
+    if not _str_list(items) or len(set(items)) != len(items):
+        raise PlannerError("plan 'compiled' must be a list of module names, each listed once (the modules "
+                           "torch.compile'd)")
     return list(items)
 
 
@@ -480,7 +492,18 @@ def _check_keys(d: dict[str, Any], accepted: tuple[str, ...], where: str) -> Non
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             name = json.dumps(key)[1:-1]  # control characters escaped: the message stays one line
             name = name if len(name) <= 40 else f"{name[:30]}...({len(key)} characters)"
-            raise PlannerError(f"{where} has an unknown key '{name}'{hint}; accepted: {', '.join(accepted)}")
+            raise PlannerError(f"{where} has an unknown key '{name}'{hint}; the accepted keys are "
+                               f"{_listed(accepted)}")
+
+
+def _listed(keys: tuple[str, ...], width: int = 160) -> str:
+    """``keys`` comma-separated, the ones past ``width`` characters counted (the message stays one short line)."""
+    shown: list[str] = []
+    for k in keys:
+        if sum(len(s) + 2 for s in shown) + len(k) > width:
+            return f"{', '.join(shown)} and {len(keys) - len(shown)} more (docs/json.md)"
+        shown.append(k)
+    return ", ".join(shown)
 
 
 def divisors(n: int) -> list[int]:
@@ -580,6 +603,7 @@ def check_plan_limits(data: dict[str, Any]) -> None:
                 _check_group_limits(i, g)
     _check_names(data.get("activation_checkpointing"), "plan 'activation_checkpointing'", module=True)
     _check_names(data.get("activation_offloading"), "plan 'activation_offloading'", module=True)
+    _check_names(data.get("compiled"), "plan 'compiled'", module=True)
     selective = data.get("selective_checkpointing")
     if isinstance(selective, dict):
         _check_names(list(selective), "plan 'selective_checkpointing'", module=True)

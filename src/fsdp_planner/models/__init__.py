@@ -80,6 +80,7 @@ class ModelSpec:
     attention: str | None = None  # --attention (choices.ATTENTION_NAMES); None: sdpa, or an hf: model's own
     routing: float | None = None  # --routing: the stand-in's capacity factor (routing.py); None: 1
     hf_config: hf.Overrides = ()  # ``--hf-config KEY=VALUE``: config fields of an ``hf:`` model, set over its file's
+    compile: bool = False  # --compile: the repeated blocks run torch.compile'd (what they save: trace/compiled.py)
 
     def __post_init__(self) -> None:
         if self.attention is not None and self.attention not in ATTENTION_NAMES:
@@ -128,7 +129,8 @@ class ModelSpec:
     def to_json(self) -> dict[str, Any]:
         extra = {k: getattr(self, k) for k in ("attention", "routing") if getattr(self, k) is not None}
         config = {"hf_config": dict(self.hf_config)} if self.hf_config else {}
-        return {"name": self.name, **self.kwargs(), **extra, **config}
+        compiled = {"compile": True} if self.compile else {}
+        return {"name": self.name, **self.kwargs(), **extra, **config, **compiled}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelSpec:

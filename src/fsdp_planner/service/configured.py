@@ -191,6 +191,8 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("min_nonwrapped_numel", str(cfg.min_numel), "fsdp_config.fsdp_min_num_params")
     if cfg.ac is not None and cfg.ac is not ACMode.NONE:
         m.given("ac", cfg.ac.value, cfg.key("ac"))
+    if cfg.compile:
+        m.given("compile", True, "compile.enable", default=False)
 
 
 

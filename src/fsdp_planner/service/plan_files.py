@@ -27,6 +27,9 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note(f"the plan was made for --attention {plan.attention} and this command traced "
                     f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
                     "planned with")
+    if plan.compiled and not tr.compiled:
+        note(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add --compile for "
+             "the figures it was planned with")
     return plan
 
 

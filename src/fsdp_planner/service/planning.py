@@ -69,18 +69,18 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     tr = tracer(job.model, job.options)
     plans, auto, no_fit = _plans(tr, job, reporter, tracer)
     rows = _rows(tr, plans, job, auto)
-    kept = as_written(plans[0], job) if plans else None
+    kept = as_written(plans[0], job, tr) if plans else None
     why = explained(auto) if job.explain and auto is not None and no_fit is None and \
         auto.plan.expert_parallel is None else None  # (the explanation reads the whole model's search, not EP's)
     return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits, why)
 
 
-def as_written(plan: Plan, job: PlanJob) -> Plan:
+def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     """``plan`` as it leaves the program (``--out``, the API's return): with the precision (export sets it, so the
-    code runs as the numbers assumed), the attention kernel it was planned for (absent: the default) and the
-    hf_config fields (verify rebuilds that model)."""
+    code runs as the numbers assumed), the attention kernel it was planned for (absent: the default), the
+    hf_config fields (verify rebuilds that model) and the modules it compiles (the trace's, ``--compile``)."""
     return dataclasses.replace(plan, precision=job.options.precision.name, attention=job.model.attention or "",
-                               hf_config=dict(job.model.hf_config))
+                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled))
 
 
 def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, tuple[Split, ...]]:

@@ -3,16 +3,23 @@ under the spec's attention kernel and routing capacity, each failure one sentenc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from copy import deepcopy
+
+import torch.nn as nn
 
 from fsdp_planner.attention import Kernel, kernel
+from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, exit_message, hf, load_model
+from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.failures import failed_at
+from fsdp_planner.trace.recorder import record_compiled
 from fsdp_planner.trace.records import Trace
 
 
@@ -38,7 +45,33 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0])):
         if line:
             note(line)
-    return tr
+    return compiled_step(tr, lm, spec, precision or SimOptions().precision) if spec.compile else tr
+
+
+def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision) -> Trace:
+    """The step with the model's repeated blocks compiled, as torchtitan compiles them (``--compile``): what each
+    saves for backward measured from AOTAutograd's partitioner (``trace/compiled.py``)."""
+    cls = tr.index.container_block_class
+    blocks = [f for f, m in tr.modules.items() if cls and m.cls == cls and m.calls]
+    if not blocks:
+        raise PlannerError("--compile compiles the model's repeated blocks, as torchtitan does, and this model has "
+                           "none (no repeated module class in a ModuleList or Sequential)")
+    try:
+        with kernel(spec.attention):
+            saved = record_compiled(lm.model, lm.example_inputs, blocks, precision.trace_dtype,
+                                    {p.value: functools.partial(_selective_copy, policy=p) for p in SacPolicy})
+    except Exception as e:
+        raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({model_error(e)}); the "
+                           "block does not compile with fullgraph=True as the step calls it") from e
+    return tr.with_compiled(saved)
+
+
+def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:
+    """A copy of ``block`` (on meta) under op-level selective checkpointing with ``policy``, as ``apply_plan``
+    checkpoints it: what the partitioner is measured on for compiled blocks under SAC."""
+    copy = deepcopy(block)
+    apply_checkpointing(copy, [], {"": policy})
+    return copy
 
 
 def model_error(e: Exception) -> str:

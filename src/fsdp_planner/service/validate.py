@@ -90,6 +90,7 @@ class Keywords:
     attention: object = None
     routing: object = None
     hf_config: object = None
+    compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
     gradient_sync: object = None
     mfu: object = None
     zero_grad: object = ZeroGrad.NONE.value
@@ -307,7 +308,7 @@ def model_spec(kw: Keywords, spell: Spelling, name: str | None = None) -> ModelS
                      f"a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}") \
         if kw.routing is not None else None
     return ModelSpec(name or text(kw.model, "model", spell), batch // n if batch is not None else None, seq,
-                     attention, routing, hf_config(kw.hf_config, spell))
+                     attention, routing, hf_config(kw.hf_config, spell), flag(kw.compile, "compile", spell))
 
 
 def _needs_micro_batches(kw: Keywords, spell: Spelling) -> None:

@@ -7,6 +7,12 @@ kernel (``hardware.cluster.Compute``): a matmul by its smallest dim, a fused att
 ``slowest_rank_factor`` of the world size. ``--mfu`` (``SimOptions.mfu``) instead runs every op's FLOPs at that one
 fraction of the peak and its bytes at the full HBM bandwidth, with no rank variation: the model before the roofline,
 kept to reproduce figures made with it.
+
+In a torch.compile'd module call (``Trace.compiled``) inductor fuses the memory-bound ops (``KERNEL_OTHER``): their
+bytes in its forward, and in its backward, are scaled to the bytes its fused kernels move (``trace/compiled.py``:
+each tensor crossing into or out of a fused region once), each op keeping its share; matmuls and attention are
+library kernels, timed as in eager. The host launches a compiled call's kernels (its graphs' ``launches``) rather
+than one per op: ``launches_through``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy as np
 
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU, Compute, slowest_rank_factor
-from fsdp_planner.trace.events import KERNEL_ATTENTION
+from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER, EventKind
 from fsdp_planner.trace.records import Trace
 
 
@@ -33,6 +39,49 @@ def flop_efficiency(kernel: np.ndarray, compute: Compute) -> np.ndarray:
     return np.where(kernel == KERNEL_ATTENTION, compute.attention_efficiency, out)
 
 
+def fused_nbytes(trace: Trace) -> np.ndarray:
+    """Per event: the bytes it moves, the memory-bound ops of compiled calls scaled to their fused kernels' bytes
+    (module docstring); the trace's own when nothing is compiled."""
+    nbytes = trace.index.op_nbytes
+    if not trace.compiled:
+        return nbytes
+    out = nbytes.copy()
+    memory_bound = trace.index.op_kernel == KERNEL_OTHER  # boundaries move nothing: unchanged
+    events = trace.events
+    for m, block in trace.compiled.items():
+        at = {(events[i].kind, events[i].call): i for i in trace.index.boundaries_by_module.get(m, ())}
+        for (kind, call), start in at.items():
+            if kind not in (EventKind.FWD_PRE, EventKind.BWD_PRE):
+                continue
+            end = at.get((EventKind.FWD_POST if kind is EventKind.FWD_PRE else EventKind.BWD_POST, call))
+            fused = block.fused_nbytes[kind is EventKind.BWD_PRE]
+            sel = np.flatnonzero(memory_bound[start:end]) + start if end is not None else []
+            eager = out[sel].sum()
+            if eager > 0:
+                out[sel] *= fused / eager
+    return out
+
+
+def launches_through(trace: Trace) -> np.ndarray:
+    """``TraceIndex.ops_through`` counting launches: a compiled call's forward and backward each launch their
+    graph's kernels, spread over their ops (a fraction each), where eager launches one per op."""
+    through = trace.index.ops_through
+    if not trace.compiled:
+        return through
+    is_op = np.diff(through, prepend=0).astype(np.float64)
+    events = trace.events
+    for m, block in trace.compiled.items():
+        at = {(events[i].kind, events[i].call): i for i in trace.index.boundaries_by_module.get(m, ())}
+        for (kind, call), start in at.items():
+            end = at.get((EventKind.FWD_POST if kind is EventKind.FWD_PRE else EventKind.BWD_POST, call))
+            if kind not in (EventKind.FWD_PRE, EventKind.BWD_PRE) or end is None:
+                continue
+            ops = is_op[start:end].sum()
+            if ops:
+                is_op[start:end] *= block.launches[kind is EventKind.BWD_PRE] / ops
+    return np.cumsum(is_op)
+
+
 def peak_flops(gpu: GPU, precision: Precision) -> float:
     """The GPU's dense peak FLOP/s in the precision's compute dtype: bf16's for 16-bit compute, else fp32's."""
     return gpu.peak_bf16_flops if precision.compute_bytes <= 2 else gpu.peak_fp32_flops
@@ -48,10 +97,11 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ran
     peak = peak_flops(gpu, precision)
     scale = precision.compute_bytes / traced_itemsize(trace)
     index = trace.index  # boundaries have no FLOPs and no bytes: they take 0 s
+    nbytes = fused_nbytes(trace)
     if mfu is not None:
-        return np.maximum(index.op_flops / (peak * mfu), index.op_nbytes * (scale / gpu.hbm_bandwidth)).tolist()
+        return np.maximum(index.op_flops / (peak * mfu), nbytes * (scale / gpu.hbm_bandwidth)).tolist()
     flops_time = index.op_flops / (peak * flop_efficiency(index.op_kernel, compute))
-    bytes_time = index.op_nbytes * (scale / (gpu.hbm_bandwidth * compute.memory_efficiency))
+    bytes_time = nbytes * (scale / (gpu.hbm_bandwidth * compute.memory_efficiency))
     return (np.maximum(flops_time, bytes_time) * slowest_rank_factor(compute.variation, ranks)).tolist()
 
 

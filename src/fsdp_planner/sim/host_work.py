@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule, state_hook_calls
+from fsdp_planner.sim.compute import launches_through
 from fsdp_planner.sim.context import SimContext
 
 
@@ -28,4 +29,4 @@ def host_work(ctx: SimContext, plan: Plan) -> HostWork:
     recompute = ctx.recompute(plan_checkpointing(plan))
     return HostWork(hooks=len(sched.hooks), params=sum(len(groups[g].params) for _, g in sched.hooks) / 4,
                     module_calls=len(state_hook_calls(ctx.trace, plan)),
-                    ops=ctx.trace.index.op_count + sum(r.ops for r in recompute.values()))
+                    ops=round(launches_through(ctx.trace)[-1]) + sum(r.ops for r in recompute.values()))

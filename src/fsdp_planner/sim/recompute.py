@@ -17,6 +17,12 @@ theirs. The saved
 activations are re-created there as under full checkpointing: the cached outputs become the ones autograd saves
 (the same storages, not a second copy) or are freed.
 
+A compiled module call (``Trace.compiled``: torch.compile'd blocks) is one autograd node: what its ops save
+one by one is replaced by what AOTAutograd's partitioner saves for the whole call, held from the end of its forward
+until its backward is done (``compiled_calls``). A checkpointed block is modelled as checkpointed, compiled or not:
+under full checkpointing the compiled call keeps its inputs, as eager's; under op-level or offloading the eager
+figures stand (what the partitioner makes of SAC's policy is not measured).
+
 Under activation offloading (``Offloaded.HOST``, ``save_on_cpu``) a call is not checkpointed: nothing of what
 its ops save stays on the device after the op (``save_on_cpu`` packs a host copy and autograd holds only that);
 the copies are time, charged by the engines on the compute stream (``offload_bytes``); in its backward, the
@@ -111,6 +117,51 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
     return sorted(out, key=lambda c: c.fwd_pre)
 
 
+@dataclass(frozen=True)
+class CompiledCall:
+    """One call of a compiled module: where its forward ends and its backward is done, and what it saves."""
+
+    fwd_pre: int
+    fwd_post: int
+    bwd_post: int
+    saved: int  # bytes (at the trace's dtype) the partitioned forward saves for backward
+
+
+def compiled_calls(trace: Trace, checkpointed: Sequence[CheckpointedCall]) -> list[CompiledCall]:
+    """The calls of the trace's compiled modules that ran a backward, less those of modules that a checkpointed
+    module holds, is, or lies inside (modelled as checkpointed: module docstring), except a compiled module under
+    op-level checkpointing whose compiled saves under that policy were measured (``compiled_under_sac``)."""
+    sac = compiled_under_sac(trace, checkpointed)
+    ckpt = [c.module for c in checkpointed if c.module not in sac]
+    out = []
+    by_module = trace.index.boundaries_by_module
+    for m, block in trace.compiled.items():
+        if any(c == m or m.startswith(c + ".") or c.startswith(m + ".") or not c for c in ckpt):
+            continue
+        saved = sac.get(m, block.saved)
+        pos: dict[tuple[EventKind, int], int] = {}
+        for i in by_module.get(m, ()):
+            e = trace.events[i]
+            pos.setdefault((e.kind, e.call), i)
+        for (kind, call), fwd_pre in pos.items():
+            bwd_post = pos.get((EventKind.BWD_POST, call))
+            if kind is EventKind.FWD_PRE and bwd_post is not None:
+                out.append(CompiledCall(fwd_pre, pos[(EventKind.FWD_POST, call)], bwd_post, saved))
+    return sorted(out, key=lambda c: c.fwd_pre)
+
+
+def compiled_under_sac(trace: Trace, checkpointed: Sequence[CheckpointedCall]) -> dict[str, int]:
+    """Compiled module -> what it saves compiled under its op-level checkpointing policy, where measured: the
+    partitioner applies the policy inside the compiled graph, so the call holds that instead of SAC's eager
+    inputs, cache and recomputed activations."""
+    out = {}
+    for c in checkpointed:
+        block = trace.compiled.get(c.module)
+        if c.policy is not None and block is not None and c.policy.value in block.variants:
+            out[c.module] = block.variants[c.policy.value]
+    return out
+
+
 def loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
     """Change in the loss region's bytes at each event: outside the model (the loss, and its backward until
     backward reaches a module's pre-backward) the trace's live bytes are counted, not the saved tensors, which
@@ -135,6 +186,9 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     instead and its activations re-created at its pre-backward (op-level: with the outputs of its kept ops, held
     from each until then, ``cache_deltas``); in the loss region, its live bytes (``loss_region_deltas``)."""
     deltas = loss_region_deltas(trace, scale)
+    compiled, inside_compiled = compiled_deltas(trace, compiled_calls(trace, calls), scale)
+    sac = compiled_under_sac(trace, calls)
+    calls = [c for c in calls if c.module not in sac]  # held as compiled calls
     start_at = {c.fwd_pre: c for c in calls}
     fwd_pre, fwd_post, bwd_post = EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
     stack: list[tuple[str, int]] = []
@@ -146,7 +200,7 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
         if kind is EventKind.OP:
             if in_loss:
                 continue  # counted by loss_region_deltas
-            if e.saved and not e.backward and not (inside is not None and inside.offload):
+            if e.saved and not e.backward and not inside_compiled[i] and not (inside is not None and inside.offload):
                 key = stack[-1]
                 nbytes = e.saved * scale
                 saved_by[key] = saved_by.get(key, 0.0) + nbytes
@@ -171,7 +225,19 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
             deltas[i] -= saved_by.pop((e.module, e.call))
     for pos, nbytes in recreated.items():
         deltas[pos] += nbytes
-    return deltas + cache_deltas(trace, calls, scale) + unpack_deltas(trace, calls, scale)
+    return deltas + compiled + cache_deltas(trace, calls, scale) + unpack_deltas(trace, calls, scale)
+
+
+def compiled_deltas(trace: Trace, calls: Sequence[CompiledCall], scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """What compiled calls hold (``activation_deltas``' indexing): each call's saved bytes from the end of its
+    forward until its backward is done; and which events lie inside one's forward (their own saves not held)."""
+    deltas = np.zeros(len(trace.events) + 1)
+    inside = np.zeros(len(trace.events), dtype=bool)
+    for c in calls:
+        deltas[c.fwd_post] += c.saved * scale
+        deltas[c.bwd_post] -= c.saved * scale
+        inside[c.fwd_pre:c.fwd_post] = True
+    return deltas, inside
 
 
 def offload_bytes(trace: Trace, c: CheckpointedCall, scale: float, param_bytes: int) -> float:

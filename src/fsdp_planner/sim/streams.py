@@ -38,6 +38,7 @@ from fsdp_planner.fmt import fmt_modules
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Collective, Schedule, state_hook_calls
 from fsdp_planner.hardware.cost import LinkCost
+from fsdp_planner.sim.compute import launches_through
 from fsdp_planner.sim.context import Recompute, SimContext, collective_bytes
 from fsdp_planner.sim.memory import first_at_or_after
 from fsdp_planner.sim.sizing import GroupFacts
@@ -170,7 +171,7 @@ class HostClock:
         for at, r in recompute.items():
             host[at] += r.ops * overhead.op_seconds
         # launched[i]: the host's time once event i is done (an op launched, a boundary's hooks run)
-        self.launched = ctx.trace.index.ops_through * overhead.op_seconds + np.cumsum(host)
+        self.launched = launches_through(ctx.trace) * overhead.op_seconds + np.cumsum(host)
         self.cum = ctx.cum
         self.lead = self.launched[:n] - ctx.cum_array[:n]  # launch of op j less the ops before it
 

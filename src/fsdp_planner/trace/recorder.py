@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -33,8 +33,9 @@ from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.routing import DEFAULT_CAPACITY
-from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.session import TraceRequest, TraceSession
+from fsdp_planner.trace.compiled import compiled_blocks
+from fsdp_planner.trace.records import CompiledBlock, Trace
+from fsdp_planner.trace.session import TraceRequest, TraceSession, step_inputs
 from fsdp_planner.trace.walk import TracedModel
 
 
@@ -110,6 +111,17 @@ def _trace(request: TraceRequest) -> Trace:
 
 
 _METHOD_PASSES = 4
+
+
+def record_compiled(model: nn.Module, example_inputs: Any, names: list[str], compute_dtype: torch.dtype | None = None,
+                    variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None
+                    ) -> dict[str, CompiledBlock]:
+    """Each of ``names`` compiled (``compiled.py``: what it saves for backward, the bytes and kernels of its
+    fused graphs), in the step's compute dtype as ``record`` runs it; the model on meta."""
+    args, kwargs = split_inputs(example_inputs)
+    request = TraceRequest(model, args, kwargs, default_loss, compute_dtype=compute_dtype)
+    with _params_cast(model, compute_dtype):
+        return compiled_blocks(model, *step_inputs(request), names, variants)
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -12,6 +12,19 @@ from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 
 
 @dataclass(frozen=True)
+class CompiledBlock:
+    """One torch.compile'd module call as AOTAutograd's partitioner and inductor's fusion make it
+    (``compiled.py``): the activations it saves for backward, and per pass (forward, backward) the bytes its
+    memory-bound kernels move and the kernels it launches."""
+
+    saved: int
+    fused_nbytes: tuple[int, int]
+    launches: tuple[int, int]
+    variants: Mapping[str, int] = field(default_factory=dict)  # what it saves compiled under selective
+    # checkpointing: the policy's name -> bytes (the partitioner applying the policy)
+
+
+@dataclass(frozen=True)
 class Trace:
     """One traced training step. Immutable: derived views live in ``index``; measured op times make a new
     Trace (``with_op_seconds``)."""
@@ -30,6 +43,8 @@ class Trace:
     # bytes), ``step.LossRegion.blocks``
     notes: tuple[str, ...] = ()  # what the trace assumed where the model could not tell it (a stand-in, a kernel),
     # one line each, for the commands to print
+    compiled: Mapping[str, CompiledBlock] = field(default_factory=dict)  # module -> what its call saves and moves
+    # when torch.compile'd (``compiled.py``): the modules the step runs compiled; empty: an eager step
     tensor_parallel: tuple = ()  # a per-TP-rank view (``sim/tensor_parallel.py``): the TP layout's signature
     # (degree, layout, loss parallel, async TP); empty: the whole model on one rank
     expert_parallel: tuple = ()  # a per-EP-rank view (``sim/expert_parallel.py``): the EP signature (degree,
@@ -72,6 +87,10 @@ class Trace:
     @property
     def bwd_flops(self) -> int:
         return sum(e.flops for e in self.events if e.kind is EventKind.OP and e.backward)
+
+    def with_compiled(self, blocks: Mapping[str, CompiledBlock]) -> Trace:
+        """This step with ``blocks``' modules compiled (``compiled``)."""
+        return replace(self, compiled=dict(blocks))
 
     def with_op_seconds(self, seconds: tuple[float, ...]) -> Trace:
         if len(seconds) != len(self.events):

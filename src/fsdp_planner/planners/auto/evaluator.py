@@ -19,6 +19,7 @@ from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.planners.auto.atoms import Atom
 from fsdp_planner.planners.order import compress_modules
 from fsdp_planner.sim.budget import MemoryBudget
+from fsdp_planner.sim.compute import launches_through
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -146,7 +147,8 @@ class Evaluator:
         group's pre- and post-forward hooks. (On CPU ranks the op figure is a correction to measured op times, not a
         launch: the hooks alone count there.)"""
         overhead = self.cluster.overhead
-        launches = self.trace.index.op_count * overhead.op_seconds if self.cluster.engine is Engine.STREAMS else 0.0
+        launches = float(launches_through(self.trace)[-1]) * overhead.op_seconds \
+            if self.cluster.engine is Engine.STREAMS else 0.0
         return max(gathered * self.ctx.cost(CollectiveKind.ALL_GATHER).latency,
                    launches + gathered * 2 * overhead.hook_seconds)
 

@@ -1,0 +1,253 @@
+"""What a ``torch.compile``'d block saves for backward, from AOTAutograd's own partitioner on tensors without data.
+
+torchtitan compiles each transformer block on its own (``torch.compile(block, fullgraph=True)``). The compiled
+block is one autograd node: AOTAutograd traces its forward and backward into one joint graph, and inductor's
+partitioner (``min_cut_rematerialization_partition``, ``compiler="inductor"``) cuts it in two, saving for backward
+the tensors of a minimum cut and recomputing cheap pointwise ops in backward instead of saving their outputs (a
+norm's output, SiLU's). What eager saves op by op (the trace's ``Event.saved``) is therefore not what a compiled
+block holds between its forward and its backward: this module runs the real partitioner, with inductor's
+decompositions, on the block as the step calls it (its first call's arguments, on meta tensors), once per
+distinct block (``reuse.static_signatures``, what the trace's block reuse compares), and counts the storages of
+the backward graph's inputs that are neither its tangents nor the block's params and buffers (FSDP2's, not
+activations), each storage once, as the tracer counts eager's saved tensors (``step.StepRecorder.save``).
+
+Time: inductor fuses the memory-bound ops of each graph (pointwise ops and reductions) into kernels that read their
+inputs and write their outputs once, and leaves matmuls and fused attention to their libraries (extern kernels).
+The model here, from the partitioned graphs themselves: every memory-bound op between extern kernels is fused, so
+a graph's memory-bound kernels move each tensor that crosses into a fused region once (a graph input or an extern
+kernel's output that a memory-bound op reads) and each tensor one writes that leaves it once (read by an extern
+kernel, or an output of the graph: a saved activation, a gradient); views move nothing. It assumes inductor fuses
+whatever lies between two extern kernels (its scheduler may split a region at a reduction it cannot fuse, which
+moves more), so it is a floor on the bytes. The kernels launched are the extern ones plus one per fused region
+(memory-bound ops joined by their edges).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fsdp_planner.trace.records import CompiledBlock
+from fsdp_planner.trace.reuse import static_signatures
+
+# what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention
+_EXTERN = ("mm", "convolution", "attention")
+
+
+class _Captured(Exception):
+    """Raised by the capture hook once every distinct block's arguments are held: the rest of the forward is
+    not needed."""
+
+
+def block_arguments(model: nn.Module, example_args: tuple, example_kwargs: dict,
+                    names: Sequence[str]) -> dict[str, tuple[tuple, dict]]:
+    """The arguments of the first call of each distinct module among ``names`` (by static signature), captured by
+    running the model's forward on its (meta) inputs up to the last such first call; name -> (args, kwargs)."""
+    modules = dict(model.named_modules())
+    signatures = static_signatures(model)
+    wanted = {signatures[modules[n]]: n for n in reversed(names)}  # the first name of each signature
+    captured: dict[str, tuple[tuple, dict]] = {}
+
+    def hook(name: str):
+        def capture(_m: nn.Module, args: tuple, kwargs: dict) -> None:
+            captured[name] = (args, kwargs)
+            if len(captured) == len(wanted):
+                raise _Captured
+
+        return capture
+
+    handles = [modules[n].register_forward_pre_hook(hook(n), with_kwargs=True) for n in wanted.values()]
+    try:
+        model(*example_args, **example_kwargs)
+    except _Captured:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBlock:
+    """``module``'s call compiled: the activations it saves for backward (the partitioned backward graph's inputs
+    less its tangents and the module's params and buffers, each storage once) and its graphs' fused bytes and
+    launches (module docstring)."""
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    state = {**dict(module.named_parameters(remove_duplicate=False)),
+             **dict(module.named_buffers(remove_duplicate=False))}
+    leaves, spec = tree_flatten((args, kwargs))
+    at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    names = list(state)
+
+    def step(*flat: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for i, t in zip(at, flat[:len(at)], strict=True):
+            filled[i] = t
+        a, k = tree_unflatten(filled, spec)
+        return torch.func.functional_call(module, dict(zip(names, flat[len(at):], strict=True)), a, k)
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def keep(kind: str):
+        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
+            graphs[kind] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    run = aot_function(step, fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=partition,
+                       decompositions=select_decomp_table())
+    inputs = [leaves[i].detach().requires_grad_(leaves[i].requires_grad) for i in at]
+    out = run(*inputs, *state.values())
+    grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    torch.autograd.backward([t.sum() for t in grads])
+    fused = (_fused(graphs["fw"]), _fused(graphs["bw"]))
+    return CompiledBlock(_backward_inputs_nbytes(graphs["fw"], graphs["bw"], set(range(len(at), len(at) + len(names)))),
+                         (fused[0][0], fused[1][0]), (fused[0][1], fused[1][1]))
+
+
+def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
+    """Bytes ``module``'s call saves for backward when ``torch.compile`` traces it (dynamo, then AOTAutograd with
+    the same partitioner): for a forward AOTAutograd alone cannot trace, such as one under selective
+    checkpointing, whose policy the partitioner applies (dynamo turns the checkpoint into a tagged region). Resets
+    dynamo's caches: each distinct block is a new compile."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs: dict[str, torch.fx.GraphModule] = {}
+    params: set[int] = set()
+
+    def keep(kind: str):
+        def compiler(gm: torch.fx.GraphModule, _inputs: list) -> Any:
+            graphs[kind] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    aot = aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), decompositions=select_decomp_table(),
+                       partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+    def backend(gm: torch.fx.GraphModule, inputs: list) -> Any:
+        # dynamo names the inputs it lifts from the module's state after it: ..._parameters_... / _buffers_
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        params.update(i for i, name in enumerate(names) if "_parameters_" in name or "_buffers_" in name)
+        return aot(gm, inputs)
+
+    torch._dynamo.reset()
+    quiet = logging.getLogger("torch")  # dynamo's advice on checkpoints under compile is for the user's own code
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        out = torch.compile(module, backend=backend, fullgraph=True)(*_grad_leaves(args), **kwargs)
+        grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward([t.sum() for t in grads])
+    finally:
+        quiet.setLevel(level)
+        torch._dynamo.reset()
+    return _backward_inputs_nbytes(graphs["fw"], graphs["bw"], params)
+
+
+def _grad_leaves(args: tuple) -> list:
+    return [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _kind(n: torch.fx.Node) -> str:
+    """``view`` (moves nothing), ``extern`` (a library kernel), ``fused`` (a memory-bound op), or the node's op
+    (``placeholder``, ``output``)."""
+    if n.op != "call_function":
+        return n.op
+    name = str(n.target).split(".")[-2 if str(n.target).count(".") > 1 else -1]
+    if getattr(n.target, "is_view", False) or n.target is operator.getitem:
+        return "view"
+    return "extern" if any(word in name for word in _EXTERN) else "fused"
+
+
+def _fused(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    """Bytes the graph's memory-bound kernels move and the kernels it launches (module docstring)."""
+    kind = {n: _kind(n) for n in gm.graph.nodes}
+
+    def root(n: torch.fx.Node) -> torch.fx.Node:  # the node whose output a view's storage is
+        while kind[n] == "view" and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        return n
+
+    def users(n: torch.fx.Node) -> list[torch.fx.Node]:  # its readers, through views
+        out: list[torch.fx.Node] = []
+        for u in n.users:
+            out.extend(users(u) if kind[u] == "view" else [u])
+        return out
+
+    read: set[torch.fx.Node] = set()
+    written = 0
+    parent = {n: n for n in gm.graph.nodes if kind[n] == "fused"}
+
+    def find(n: torch.fx.Node) -> torch.fx.Node:
+        while parent[n] is not n:
+            n = parent[n]
+        return n
+
+    for n in parent:
+        for i in n.all_input_nodes:
+            r = root(i)
+            if kind[r] == "fused":
+                parent[find(r)] = find(n)
+            else:
+                read.add(r)
+        if any(kind[u] != "fused" for u in users(n)):
+            written += _nbytes(n)
+    return sum(_nbytes(r) for r in read) + written, \
+        sum(1 for k in kind.values() if k == "extern") + len({find(n) for n in parent})
+
+
+def _nbytes(n: torch.fx.Node) -> int:
+    vals = n.meta.get("val")
+    return sum(v.numel() * v.element_size() for v in tree_flatten(vals)[0] if isinstance(v, torch.Tensor))
+
+
+def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, params: set[int]) -> int:
+    """Storage bytes of ``bw``'s saved inputs (not tangents), less the storages of ``fw``'s inputs at positions
+    ``params`` (the params and buffers)."""
+    placeholders = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    static = {StorageWeakRef(n.meta["val"].untyped_storage()) for i, n in enumerate(placeholders)
+              if i in params and isinstance(n.meta.get("val"), torch.Tensor)}
+    seen: set[StorageWeakRef] = set()
+    nbytes = 0
+    for n in bw.graph.nodes:
+        val = n.meta.get("val")
+        if n.op != "placeholder" or n.name.startswith("tangents") or not isinstance(val, torch.Tensor):
+            continue
+        ref = StorageWeakRef(val.untyped_storage())
+        if ref not in static and ref not in seen:
+            seen.add(ref)
+            nbytes += val.untyped_storage().nbytes()
+    return nbytes
+
+
+def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict, names: Sequence[str],
+                    variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None) -> dict[str, CompiledBlock]:
+    """Name -> its call compiled (``compiled_block``), for every module in ``names`` (the model on meta, in the
+    step's compute dtype); the partitioner runs once per distinct module. ``variants``: name -> a function making
+    another module of a block (a copy under selective checkpointing), whose compiled saved bytes go to
+    ``CompiledBlock.variants`` (``saved_under_dynamo``)."""
+    modules = dict(model.named_modules())
+    signatures = static_signatures(model)
+    by_signature = {}
+    for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, names).items():
+        block = compiled_block(modules[n], args, kwargs)
+        other = {v: saved_under_dynamo(make(modules[n]), args, kwargs) for v, make in (variants or {}).items()}
+        by_signature[signatures[modules[n]]] = dataclasses.replace(block, variants=other)
+    return {n: by_signature[signatures[modules[n]]] for n in names if signatures[modules[n]] in by_signature}

@@ -1,0 +1,211 @@
+"""torch.compile'd blocks (--compile): what the partitioner saves for backward, measured on meta tensors and checked
+against what a block compiled by inductor on the CPU really saves; the simulator holding it; plans recording it;
+apply_plan compiling the blocks and real FSDP2 training them."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fsdp_planner.apply import apply_plan
+from fsdp_planner.apply.compile import apply_compile
+from fsdp_planner.attention import kernel
+from fsdp_planner.choices import SacPolicy
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import ModelSpec, load_model
+from fsdp_planner.models.llama import LLAMA3_8B, TransformerBlock
+from fsdp_planner.planners import PolicyRequest, make_policy
+from fsdp_planner.runtime.verify import run_verify
+from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.sim.compute import fused_nbytes, launches_through
+from fsdp_planner.sim.memory import activation_levels
+from fsdp_planner.sim.options import SimOptions, precision_named
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.trace.compiled import compiled_block
+from fsdp_planner.trace.events import KERNEL_OTHER, EventKind
+from fsdp_planner.trace.recorder import record_compiled
+from fsdp_planner.trace.records import CompiledBlock
+
+BLOCKS = [f"layers.{i}" for i in range(4)]
+
+
+def _selective(block: torch.nn.Module, policy: SacPolicy) -> torch.nn.Module:
+    copy = __import__("copy").deepcopy(block)
+    apply_checkpointing(copy, [], {"": policy})
+    return copy
+
+
+def _real_saved(out: torch.Tensor, module: torch.nn.Module) -> int:
+    """Bytes of the activations the compiled node behind ``out`` saved (its saved tensors less the module's
+    params, each storage once): what the compiled graph holds for backward."""
+    node = out.grad_fn
+    while type(node).__name__ != "CompiledFunctionBackward":
+        node = node.next_functions[0][0]
+    params = {StorageWeakRef(p.untyped_storage()) for p in module.parameters()}
+    seen: set[StorageWeakRef] = set()
+    nbytes = 0
+    for t in node.saved_tensors:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in params and ref not in seen:
+            seen.add(ref)
+            nbytes += t.untyped_storage().nbytes()
+    return nbytes
+
+
+def test_plan_records_its_compiled_modules():
+    plan = make_policy(PolicyRequest.named("titan")).plan(trace_spec("toy-llama"), "toy-llama")
+    compiled = plan.replace(compiled=BLOCKS)
+    assert "compiled" not in plan.to_dict()  # plans without it read and write as before
+    back = Plan.from_json(compiled.to_json())
+    assert back.compiled == tuple(BLOCKS) and back.signature() == compiled.signature() != plan.signature()
+    data = compiled.to_dict() | {"compiled": "layers.0"}
+    with pytest.raises(PlannerError, match="'compiled' must be a list of module names"):
+        Plan.from_json(__import__("json").dumps(data))
+
+
+def test_compile_needs_repeated_blocks():
+    with pytest.raises(PlannerError, match="--compile compiles the model's repeated blocks"):
+        trace_spec(ModelSpec("seed-net", compile=True))
+
+
+def test_compiled_blocks_hold_the_partitioned_bytes_instead_of_their_ops_saves():
+    precision = precision_named("fp32")
+    eager = trace_spec("toy-llama", precision)
+    compiled = trace_spec(ModelSpec("toy-llama", compile=True), precision)
+    assert list(compiled.compiled) == BLOCKS and len(set(b.saved for b in compiled.compiled.values())) == 1
+    # eager: each block's ops save their own inputs and outputs; compiled, the partitioner recomputes the norms'
+    # and SiLU's outputs in backward instead
+    boundary = eager.index.boundaries_by_module
+    fwd = {m: [i for i in boundary[m] if eager.events[i].kind in (EventKind.FWD_PRE, EventKind.FWD_POST)]
+           for m in BLOCKS}
+    eager_saved = {m: sum(e.saved for e in eager.events[fwd[m][0]:fwd[m][1]] if e.is_op) for m in BLOCKS}
+    assert all(compiled.compiled[m].saved < eager_saved[m] for m in BLOCKS)
+    # at the end of the last block's forward every block holds its partitioned bytes, not its ops' saves
+    end = fwd[BLOCKS[-1]][1] + 1
+    lower = activation_levels(eager, precision)[end] - activation_levels(compiled, precision)[end]
+    assert lower == sum(eager_saved.values()) - sum(b.saved for b in compiled.compiled.values())
+    # checkpointed blocks are modelled as checkpointed, compiled or not
+    both = activation_levels(compiled, precision, [(m, None) for m in BLOCKS])
+    assert np.array_equal(both, activation_levels(eager, precision, [(m, None) for m in BLOCKS]))
+    # under op-level SAC a compiled block holds what the partitioner saves with the policy applied
+    block = compiled.compiled["layers.0"]
+    assert set(block.variants) == {p.value for p in SacPolicy} and 0 < block.variants["titan"] < block.saved
+    sac = activation_levels(compiled, precision, [(m, SacPolicy.TITAN) for m in BLOCKS])
+    assert activation_levels(compiled, precision)[end] - sac[end] == len(BLOCKS) * (
+        block.saved - block.variants["titan"])
+
+
+class _Pointwise(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sin() * 2 + 1
+
+
+def test_a_pointwise_chain_is_one_fused_kernel_reading_and_writing_once():
+    x = torch.empty(64, 32, device="meta", requires_grad=True)
+    block = compiled_block(_Pointwise(), (x,), {})
+    size = 64 * 32 * 4
+    # forward: reads x, writes y (x itself is saved: an input, no write); backward: reads the grad and x, writes
+    # x's grad; one kernel each
+    assert block == CompiledBlock(saved=size, fused_nbytes=(2 * size, 3 * size), launches=(1, 1))
+
+
+def test_compiled_calls_move_their_fused_bytes_and_run_faster():
+    precision = precision_named("bf16-mixed")
+    eager = trace_spec("llama3-8b", precision)
+    compiled = trace_spec(ModelSpec("llama3-8b", compile=True), precision)
+    nbytes, block = fused_nbytes(compiled), compiled.compiled["layers.3"]
+    kinds = [EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_PRE, EventKind.BWD_POST]
+    at = {compiled.events[i].kind: i for i in compiled.index.boundaries_by_module["layers.3"]}
+    other = compiled.index.op_kernel == KERNEL_OTHER
+    for (start, end), fused in zip(((at[kinds[0]], at[kinds[1]]), (at[kinds[2]], at[kinds[3]])),
+                                   block.fused_nbytes, strict=True):
+        assert nbytes[start:end][other[start:end]].sum() == pytest.approx(fused)
+        assert fused < eager.index.op_nbytes[start:end][other[start:end]].sum()  # the same events, eager
+    cluster = parse_cluster("h100:8")
+    options = SimOptions(precision=precision)
+    plan = make_policy(PolicyRequest.named("titan")).plan(eager, "llama3-8b")
+    assert simulate(compiled, plan, cluster, options).step_time < simulate(eager, plan, cluster, options).step_time
+    # the host launches each compiled call's kernels, not one per op
+    blocks = len(compiled.compiled)
+    ops_in_blocks = sum(int(eager.index.ops_through[at[k1]] - eager.index.ops_through[at[k0]])
+                        for k0, k1 in ((kinds[0], kinds[1]), (kinds[2], kinds[3])))
+    assert launches_through(compiled)[-1] == pytest.approx(
+        eager.index.op_count - blocks * (ops_in_blocks - sum(block.launches)))
+
+
+@pytest.mark.integration
+def test_predicted_saved_bytes_equal_what_the_inductor_compiled_toy_block_saves():
+    """The planner's figure (the whole meta model, the block's input from the step) against ``apply_compile``'s
+    block compiled by inductor on the CPU. Attention takes the math path on both sides (the CPU's fused kernel is
+    not the GPU's that plans assume)."""
+    spec = ModelSpec("toy-llama")
+    meta = load_model(spec, meta=True)
+    with kernel("eager"):
+        predicted = record_compiled(meta.model, meta.example_inputs, BLOCKS,
+                                    variants={"titan": functools.partial(_selective, policy=SacPolicy.TITAN)})
+    real = load_model(spec, meta=False)
+    apply_checkpointing(real.model, [], {"layers.1": SacPolicy.TITAN})  # checkpointing first, as apply_plan does
+    apply_compile(real.model, ["layers.0", "layers.1"])
+    x = real.model.tok_embeddings(*real.example_inputs)
+    with sdpa_kernel(SDPBackend.MATH):
+        measured = [_real_saved(real.model.layers[i](x), real.model.layers[i]) for i in (0, 1)]
+    assert [predicted["layers.0"].saved, predicted["layers.1"].variants["titan"]] == measured
+    assert all(measured)
+
+
+@pytest.mark.integration
+def test_predicted_saved_bytes_equal_what_an_inductor_compiled_llama3_8b_block_saves():
+    """A Llama 3 8B block at its full width (a short sequence, so that it runs on a CPU)."""
+    with torch.device("meta"):
+        meta = TransformerBlock(LLAMA3_8B)
+    shape = (1, 16, LLAMA3_8B.dim)
+    with kernel("eager"):
+        predicted = compiled_block(meta, (torch.empty(shape, device="meta", requires_grad=True),), {}).saved
+    torch.manual_seed(0)
+    block = TransformerBlock(LLAMA3_8B)
+    apply_compile(block, [""])
+    with sdpa_kernel(SDPBackend.MATH):
+        measured = _real_saved(block(torch.randn(shape, requires_grad=True)), block)
+    assert predicted == measured > 0
+
+
+@pytest.mark.integration
+def test_apply_plan_runs_the_blocks_compiled(tmp_path):
+    plan = make_policy(PolicyRequest.named("titan")).plan(trace_spec("toy-llama"), "toy-llama").replace(
+        compiled=BLOCKS)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29571")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'pg'}")
+    try:
+        lm = load_model("toy-llama", meta=False)
+        apply_plan(lm.model, plan)
+        out = lm.model(*lm.example_inputs)
+        nodes, stack = set(), [out.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None and node not in nodes:
+                nodes.add(node)
+                stack.extend(f for f, _ in node.next_functions)
+        assert sum(type(n).__name__ == "CompiledFunctionBackward" for n in nodes) == len(BLOCKS)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_compiled_blocks_train_like_the_reference_on_real_ranks():
+    spec = ModelSpec("toy-llama", compile=True)
+    tr = trace_spec(spec)
+    plan = make_policy(PolicyRequest.named("titan")).plan(tr, "toy-llama").replace(compiled=tuple(tr.compiled))
+    result = run_verify(spec, tr, plan, nproc=2, steps=2)
+    assert result.counted_bytes == [result.predicted_bytes] * 2
+    assert result.losses == pytest.approx(result.reference_losses, rel=1e-4)
+    assert result.ok
