@@ -266,11 +266,12 @@ def _plan_file(tmp_path: Path, change: Callable[[dict[str, Any]], None] | None =
 
 @pytest.mark.parametrize(("change", "message"), [
     (lambda d: d.update(grups=[]),
-     "plan JSON has an unknown key 'grups' (did you mean 'groups'?); accepted: version, model, policy, groups"),
+     "plan JSON has an unknown key 'grups' (did you mean 'groups'?); the accepted keys are version, model, policy, "
+     "groups"),
     (lambda d: d["groups"][0].update(reshard_after_foward=False),
-     "plan group 0 has an unknown key 'reshard_after_foward' (did you mean 'reshard_after_forward'?); accepted: "
-     "modules, params, reshard_after_forward, forward_prefetch, backward_prefetch"),
-    (lambda d: d["groups"][-1].update(comment="root"), "plan group 2 has an unknown key 'comment'; accepted:"),
+     "plan group 0 has an unknown key 'reshard_after_foward' (did you mean 'reshard_after_forward'?); the accepted "
+     "keys are modules, params, reshard_after_forward, forward_prefetch, backward_prefetch"),
+    (lambda d: d["groups"][-1].update(comment="root"), "plan group 2 has an unknown key 'comment'; the accepted keys"),
     (lambda d: d["model"].update(fingerprnt="x"), "plan 'model' object has an unknown key 'fingerprnt' (did you mean"),
     (lambda d: d.update(version=True),
      'unsupported plan version true: this fsdp-planner reads plans with "version": 1'),

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.hardware.cluster import parse_cluster
@@ -130,11 +131,15 @@ def run_tp_fake_world(spec: str, plan, dp: int, tp: TensorParallel, steps: int =
             "tp_nbytes": dict(tp_counter.nbytes), "peak": training.tracker.peak}
 
 
-def _check(spec: str, dp: int, degree: int, loss_parallel: bool = True, checkpointing: bool = False) -> tuple:
+def _check(spec: str, dp: int, degree: int, loss_parallel: bool = True, checkpointing: bool = False,
+           selective: bool = False) -> tuple:
     tr = _traced(spec)
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    blocks = [m for m in tr.modules if m.count(".") == 1]
     if checkpointing:  # every block's forward run again in backward
-        plan = plan.replace(activation_checkpointing=[m for m in tr.modules if m.count(".") == 1])
+        plan = plan.replace(activation_checkpointing=blocks)
+    if selective:  # torchtitan's op-level policy: it keeps the reduce-scatters' outputs, so they do not run again
+        plan = plan.replace(selective_checkpointing=dict.fromkeys(blocks, SacPolicy.TITAN))
     tp = titan_llama_layout(degree, loss_parallel=loss_parallel)
     predicted = simulate(tr, plan.replace(tensor_parallel=tp), parse_cluster(f"h100:{dp * degree}"), BF16,
                          timeline=False)
@@ -163,12 +168,15 @@ def test_tp_step_matches_real_dtensor_and_fsdp2(spec: str, dp: int, degree: int)
 
 
 @pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: seconds each
-def test_tp_without_loss_parallel_and_with_full_checkpointing() -> None:
+def test_tp_without_loss_parallel_and_with_full_or_op_level_checkpointing() -> None:
     """Without loss parallel the logits are all-gathered whole; under full checkpointing each block's forward
-    collectives run again in backward, counted as real DTensor issues them."""
+    collectives run again in backward, counted as real DTensor issues them; under op-level checkpointing all but
+    the reduce-scatters the policy keeps."""
     predicted, measured = _check(SHAPED, 2, 4, loss_parallel=False)
     assert predicted == pytest.approx(measured, rel=0.05)
     predicted, measured = _check(SHAPED, 2, 4, checkpointing=True)
+    assert predicted == pytest.approx(measured, rel=0.05)
+    predicted, measured = _check(SHAPED, 2, 4, selective=True)
     assert predicted == pytest.approx(measured, rel=0.05)
 
 

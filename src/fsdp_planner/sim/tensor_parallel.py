@@ -49,6 +49,7 @@ from fsdp_planner.trace.events import (
     TP_KERNELS,
     Event,
     EventKind,
+    OpClass,
 )
 from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 from fsdp_planner.trace.records import Trace
@@ -205,7 +206,12 @@ def _linear_input(trace: Trace, ops: list[Event]) -> int:
 
 
 def _tp_op(kernel: int, module: str, nbytes: int, backward: bool) -> Event:
-    return Event(EventKind.OP, module, nbytes=nbytes, backward=backward, kernel=kernel)
+    # a forward reduce-scatter is what an op-level policy sees as _c10d_functional.reduce_scatter_tensor (torchtitan's
+    # save list keeps its output: not run again in a recomputation)
+    forward_rs = kernel == KERNEL_TP_REDUCE_SCATTER and not backward
+    return Event(EventKind.OP, module, nbytes=nbytes, backward=backward, kernel=kernel,
+                 op_class=OpClass.REDUCE_SCATTER if forward_rs else OpClass.OTHER,
+                 out_nbytes=nbytes if forward_rs else 0)
 
 
 def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[list[Event], list[Event]]:
