@@ -55,10 +55,13 @@ def test_fit_batch_is_plans_boundary(capsys):
     largest = doc["batch"]["largest"]
     rows = {p["batch"]: p for p in doc["points"]}
     assert rows[largest]["fits"] and not rows[largest + 1]["fits"]
-    assert all(p["fits"] == (p["batch"] <= largest) for p in doc["points"])  # monotone, as the search assumes
+    tried = [p for p in doc["points"] if p["offload_tried"]]  # searched as plan searches (offload included)
+    assert all(p["fits"] == (p["batch"] <= largest) for p in tried)  # monotone, as the search assumes
     assert doc["batch"]["next"]["batch"] == largest + 1
     plain = doc["batch"]["largest_without_offload"]  # auto offloads only when nothing else fits
-    assert not rows[plain]["offload"] and all(p["offload"] for p in doc["points"] if plain < p["batch"] <= largest)
+    assert not rows[plain]["offload"] and all(p["offload"] for p in tried if plain < p["batch"] <= largest)
+    # a point searched without offload only is past the answer without it
+    assert all(not p["fits"] and p["batch"] > plain for p in doc["points"] if not p["offload_tried"])
     plan = ("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:2", "--memory-budget", BUDGET, "--seq", SEQ)
     at = run_json(capsys, *plan, "--batch", str(largest))
     step = at["plans"][0]["simulation"]
@@ -82,7 +85,7 @@ def test_fit_seq_and_picture(capsys, tmp_path):
                    "--batch", "2", "--seq", SEQ, "--picture", str(picture))
     longest = doc["seq"]["longest"]
     assert doc["seq"]["batch"] == 2 and "batch" not in doc
-    seqs = {p["seq"]: p["fits"] for p in doc["points"]}
+    seqs = {p["seq"]: p["fits"] for p in doc["points"] if p["offload_tried"]}
     assert seqs[longest] and all(fits == (s <= longest) for s, fits in seqs.items())
     assert any(not fits for fits in seqs.values())
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -100,8 +103,11 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
     assert doc["gpus"]["fewest"] == 1 and doc["gpus"]["offload"] is True
     fewest = doc["gpus"]["fewest_without_offload"]
     rows = {p["gpus"]: p for p in doc["points"]}
-    assert fewest > 1 and rows[fewest]["fits"] and not rows[fewest]["offload"] and rows[fewest - 1]["offload"]
-    assert all(p["offload"] == (p["gpus"] < fewest) for p in doc["points"])  # monotone, as the search assumes
+    assert fewest > 1 and rows[fewest]["fits"] and not rows[fewest]["offload"]
+    below = rows[fewest - 1]
+    assert not below["fits"] or below["offload"]
+    tried = [p for p in doc["points"] if p["offload_tried"]]  # searched as plan searches (offload included)
+    assert all(p["offload"] == (p["gpus"] < fewest) for p in tried)  # monotone, as the search assumes
     plan = ("plan", "toy-llama", "--policy", "auto", "--batch", "1", "--seq", "32", "--memory-budget", budget)
     at = run_json(capsys, *plan, "--cluster", f"h100:{fewest}x1")
     assert at["plans"][0]["simulation"]["step_time"] == pytest.approx(rows[fewest]["step_time"], rel=1e-9)

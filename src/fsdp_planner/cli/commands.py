@@ -88,6 +88,12 @@ def fit(sub: Subparsers) -> None:
                          "count tried")
     sp.add_argument("--max-gpus", type=positive_int("--max-gpus", MAX_FIT_GPUS), default=DEFAULT_MAX_FIT_GPUS,
                     help=f"--gpus auto: the most GPUs to try (default {DEFAULT_MAX_FIT_GPUS:,})")
+    sp.add_argument("--no-offload", action="store_true",
+                    help="answer without CPU offload only (auto's last resort when nothing fits without it); when "
+                         "nothing fits without it, say the fewest GPUs that do and exit 2")
+    sp.add_argument("--time-limit", type=positive_int("--time-limit", 86_400), default=None, metavar="SECONDS",
+                    help="start no search after SECONDS and print what was found so far, marked partial (exit 3; "
+                         "Ctrl-C does the same, exit 130)")
     sp.add_argument("--picture", metavar="FILE.png",
                     help="draw tokens/s per GPU and the reserved peak against the batch (--gpus auto: the GPU "
                          "count), the budget and the GPU's capacity drawn (matplotlib; .png, .svg or .pdf)")
