@@ -26,7 +26,7 @@ from rich.markup import escape
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import PolicyName
 from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
-from fsdp_planner.cli.common import REPORTER, tracer
+from fsdp_planner.cli.common import REPORTER
 from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import memory_budget, model_spec, named_cluster, policy_request, sim_options
 from fsdp_planner.errors import PlannerError
@@ -38,6 +38,8 @@ from fsdp_planner.planners.fit import FitPoint, largest_confirmed, smallest_conf
 from fsdp_planner.planners.registry import PolicyRequest
 from fsdp_planner.service.fit import Points, Stopped, fewest_without_offload
 from fsdp_planner.service.job import PlanJob
+from fsdp_planner.service.planning import Tracer
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.signals import Terminated
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.options import SimOptions
@@ -167,8 +169,20 @@ def _points(request: FitRequest) -> Points:
                   full_trace=request.full_trace, must_fit=False)
     cluster = request.cluster
     deadline = time.monotonic() + request.time_limit if request.time_limit else None
-    return Points(job, tracer(False, request.full_trace), (lambda n: with_nodes(cluster, n)) if request.gpus_auto
+    return Points(job, _tracer(request.full_trace), (lambda n: with_nodes(cluster, n)) if request.gpus_auto
                   else None, REPORTER, deadline)
+
+
+def _tracer(full: bool) -> Tracer:
+    """The command line's meta trace, each note said once (every workload is traced, and says the same)."""
+    said: set[str] = set()
+
+    def note(line: str) -> None:
+        if line not in said:
+            said.add(line)
+            render.note(line)
+
+    return lambda spec, options: trace_spec(spec, options.precision, full, note)
 
 
 def _workload(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
