@@ -18,6 +18,7 @@ from fsdp_planner.cli.options import (
     add_memory_options,
     add_micro_batches,
     add_model,
+    add_no_offload,
     add_plan_source,
     add_policy_options,
     add_precision_options,
@@ -64,6 +65,7 @@ def plan(sub: Subparsers) -> None:
     sp.add_argument("--out", help="write the plan JSON here")
     add_force(sp)
     sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
+    add_no_offload(sp)
     add_job_config(sp, "plan auto for, and list the config keys auto would change in,")
 
 
@@ -88,9 +90,7 @@ def fit(sub: Subparsers) -> None:
                          "count tried")
     sp.add_argument("--max-gpus", type=positive_int("--max-gpus", MAX_FIT_GPUS), default=DEFAULT_MAX_FIT_GPUS,
                     help=f"--gpus auto: the most GPUs to try (default {DEFAULT_MAX_FIT_GPUS:,})")
-    sp.add_argument("--no-offload", action="store_true",
-                    help="answer without CPU offload only (auto's last resort when nothing fits without it); when "
-                         "nothing fits without it, say the fewest GPUs that do and exit 2")
+    add_no_offload(sp)
     sp.add_argument("--time-limit", type=positive_int("--time-limit", 86_400), default=None, metavar="SECONDS",
                     help="start no search after SECONDS and print what was found so far, marked partial (exit 3; "
                          "Ctrl-C does the same, exit 130)")

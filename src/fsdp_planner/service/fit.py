@@ -30,6 +30,7 @@ from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_messag
 from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
+from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.planning import SILENT, Reporter, Tracer
 from fsdp_planner.sim.compute import peak_flops
 from fsdp_planner.sim.sizing import shard_dims
@@ -208,7 +209,8 @@ class Points:
         batch, seq, _ = key
         verdict = ("fits" + (" with CPU offload" if offloads(result) else "") if result.fits
                    else "does not fit" + (" (CPU offload tried too)" if ways_out else " without CPU offload"))
-        self.reporter.note(f"fit: batch {batch:,}{f', seq {seq:,}' if seq else ''} on {self._cluster(key).name}: "
+        workload = f"batch {batch:,}{f', seq {seq:,}' if seq else ''}" if batch else "the job"
+        self.reporter.note(f"fit: {workload} on {self._cluster(key).name}: "
                            f"{verdict} (reserved {fmt_bytes(result.report.reserved_memory)}, "
                            f"step {fmt_time(result.report.step_time)})")
 
@@ -246,7 +248,7 @@ class Fewest:
     def line(self, cluster: str, offload_step: float | None = None) -> str:
         """The verdict, one line: nothing fits without offload, the fewest GPUs that fit without, and (given) what
         auto's plan with CPU offload takes a step."""
-        cost = f"; auto's plan with CPU offload there takes {fmt_time(offload_step)} a step" \
+        cost = f"; with CPU offload on {cluster.split(' ')[0]} auto's plan takes {fmt_time(offload_step)} a step" \
             if offload_step is not None else ""
         if self.point is None:
             return f"nothing fits {cluster} without CPU offload, nor on up to {self.most:,} {self.gpu}{cost}"
@@ -269,3 +271,17 @@ def fewest_without_offload(job: PlanJob, tracer: Tracer, most: int, reporter: Re
     found = smallest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), len(clusters)) \
         if clusters else None
     return Fewest(points.plain_at(0, 0, found) if found else None, most, job.cluster.gpu.name)
+
+
+DEFAULT_MOST_GPUS = 1024  # the verdict's search for the fewest GPUs without offload stops there
+
+
+def offload_verdict(outcome: PlanOutcome, tracer: Tracer, reporter: Reporter = SILENT,
+                    most: int = DEFAULT_MOST_GPUS) -> str | None:
+    """When auto's plan for the job needs CPU offload (its last resort, not asked for): the verdict for the first
+    line, the fewest GPUs that fit without it and what offload costs here (``Fewest.line``); None otherwise."""
+    search, job = outcome.auto, outcome.job
+    if search is None or not search.fits or not offloads(search) or job.options.offload or job.cluster is None:
+        return None
+    fewest = fewest_without_offload(job, tracer, most, reporter, trace=outcome.trace)
+    return fewest.line(job.cluster.name, search.report.step_time)
