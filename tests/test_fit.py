@@ -264,3 +264,14 @@ def test_fit_time_limit_prints_partial_results(capsys):
     """--time-limit: no search starts after it; what was found is printed, marked partial, exit 3 (2 s)."""
     assert main(["fit", "toy-llama", "--cluster", "h100:2", "--time-limit", "1", "--quiet"]) == 3
     assert capsys.readouterr().out.startswith("stopped by --time-limit after")
+
+
+def test_memory_takes_cluster_like_every_command(capsys):
+    """memory --cluster h100:2 is memory --world-size 2 (the same rows), and says what its figure is against plan's."""
+    by_cluster = run_json(capsys, "memory", "toy-llama", "--cluster", "h100:2")
+    assert by_cluster == run_json(capsys, "memory", "toy-llama", "--world-size", "2")
+    assert main(["memory", "toy-llama", "--cluster", "h100:2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "on h100:2" in out and "allocated peaks without activation checkpointing" in out
+    assert main(["memory", "toy-llama"]) == 2  # one of the two is required
+    assert "one of the arguments --cluster --world-size is required" in capsys.readouterr().err

@@ -232,8 +232,11 @@ def calibrate(sub: Subparsers) -> None:
 def memory(sub: Subparsers) -> None:
     sp = sub.add_parser("memory", help="per-rank memory: one device, DDP, ZeRO-1/2, FSDP (ZeRO-3)")
     add_model(sp)
-    sp.add_argument("--world-size", type=int, required=True,
-                    help="ranks sharing the model (DDP, ZeRO and FSDP divide by it)")
+    where = sp.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help=CLUSTER_HELP + " (its GPU count is the world size; its GPU's memory the "
+                                                        "capacity the rows are held against)")
+    where.add_argument("--world-size", type=int,
+                       help="ranks sharing the model (DDP, ZeRO and FSDP divide by it), without a cluster")
     add_precision_options(sp)
     add_json(sp)
 

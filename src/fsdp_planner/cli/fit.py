@@ -433,5 +433,7 @@ def _draw(request: FitRequest, points: Points) -> None:
         rows = [p for p in points.sorted() if p.seq == (request.seq or 1)]
         x, label = [p.batch for p in rows], "per-GPU batch"
     what = "GPU count" if request.gpus_auto else "batch"
-    title = f"{request.model.name} on {request.cluster.gpu.name}: auto's plan at each {what} tried"
+    name = request.model.name  # a model file's name without its folders: titles stay short
+    name = Path(name.split(":")[0]).name + ":" + name.rsplit(":", 1)[1] if ".py:" in name else name
+    title = f"{name} on {request.cluster.name}: auto's plan at each {what} tried"
     write_fit_png(rows, x, label, request.budget.capacity, request.picture, title, _per(request))
