@@ -275,3 +275,20 @@ def test_memory_takes_cluster_like_every_command(capsys):
     assert "on h100:2" in out and "allocated peaks without activation checkpointing" in out
     assert main(["memory", "toy-llama"]) == 2  # one of the two is required
     assert "one of the arguments --cluster --world-size is required" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_accelerate_fsdp_yaml_leads_with_the_no_offload_verdict(capsys):
+    """Accelerate's fsdp.yaml (8B on 2 GPUs): auto's plan needs CPU offload, so plan --from-accelerate and simulate
+    --from-accelerate say first that nothing fits without it and that 4 GPUs do; --no-offload exits 2 (40 s)."""
+    from pathlib import Path
+
+    config = str(Path(__file__).parent / "fixtures" / "accelerate" / "fsdp_2gpu.yaml")
+    verdict = "nothing fits h100:2 without CPU offload: the fewest H100-SXM-80GB that fit it without: 4 ("
+    for command in ("plan", "simulate"):
+        assert main([command, "llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--quiet"]) == 0
+        assert capsys.readouterr().out.startswith(verdict)
+    assert main(["plan", "llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--no-offload",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {verdict}") and len(err.splitlines()) == 1

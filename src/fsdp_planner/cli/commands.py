@@ -113,6 +113,7 @@ def simulate(sub: Subparsers) -> None:
     sp.add_argument("--html", metavar="FILE.html",
                     help="the same timeline as one self-contained HTML page (hover for group names, scroll to zoom)")
     add_force(sp)
+    add_no_offload(sp)
     sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
                     help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
                          "time axis")

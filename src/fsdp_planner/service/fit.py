@@ -285,3 +285,16 @@ def offload_verdict(outcome: PlanOutcome, tracer: Tracer, reporter: Reporter = S
         return None
     fewest = fewest_without_offload(job, tracer, most, reporter, trace=outcome.trace)
     return fewest.line(job.cluster.name, search.report.step_time)
+
+
+def config_verdict(job: PlanJob, tracer: Tracer, trace: Trace, offload_step: float | None,
+                   reporter: Reporter = SILENT, most: int = DEFAULT_MOST_GPUS) -> str | None:
+    """``simulate --from-*`` of a config job that offloads or is over the budget: when auto fits nothing without
+    CPU offload on the job's cluster either, the verdict (``Fewest.line``, ``offload_step``: the config's own step
+    when it offloads); None when auto's plan fits without it (``plan --from-...`` shows it)."""
+    assert job.cluster is not None
+    points = Points(job, tracer, None, reporter)
+    points.traces[(0, 0)] = trace
+    if points.fits(lambda _: (0, 0, 1), plain=True)(0):
+        return None
+    return fewest_without_offload(job, tracer, most, reporter, trace=trace).line(job.cluster.name, offload_step)
