@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]
     else:
         views = [step_view(tr, p, cluster, options, label, budget) for label, p in plans]
-        _draw(views, png, page, f"{model_spec(args).label()} on {cluster.describe()}")
+        _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
     verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
     if args.json:
@@ -105,6 +105,15 @@ def _verdict(args: argparse.Namespace, from_config: bool, tr: Trace, plan: Plan,
     if verdict is not None and args.no_offload:
         raise PlannerError(f"{verdict} (--no-offload)")
     return verdict
+
+
+def short_label(label: str) -> str:
+    """A model's label for a title: a model file named without its folders (an absolute path is no title)."""
+    name, sep, rest = label.partition(", ")
+    if ".py:" in name:
+        path, _, fn = name.rpartition(":")
+        name = f"{Path(path).name}:{fn}"
+    return name + sep + rest
 
 
 def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, options: SimOptions) -> Plan:
