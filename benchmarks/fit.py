@@ -1,4 +1,5 @@
-"""`fit`'s two workloads of issue 28, as a user runs them: the answers, the table, and how long the search takes.
+"""`fit`'s workloads of issues 28 and 38, as a user runs them: the answers, the table, and how long the search
+takes.
 
 Run: ``python benchmarks/fit.py`` (writes benchmarks/fit.md). Wall time depends on the machine's load; the CPU time
 (user + system of the command) is the figure to compare between runs.
@@ -19,6 +20,7 @@ import torch
 COMMANDS = (
     ["fit", "llama3-8b", "--cluster", "h100:8", "--seq", "8192"],
     ["fit", "llama3-70b", "--cluster", "h100", "--gpus", "auto", "--batch", "1", "--seq", "8192"],
+    ["fit", "hf:gpt2", "--cluster", "h100:8", "--seq", "1024"],
 )
 
 
@@ -27,7 +29,7 @@ def run(args: list[str]) -> tuple[str, float, float]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True, check=True,
-                         env={**os.environ, "COLUMNS": "150"})
+                         env={**os.environ, "COLUMNS": "120"})
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -40,13 +42,15 @@ def main() -> None:
         "",
         f"Measured by `python benchmarks/fit.py` on {platform.machine()} ({os.cpu_count()} cores), Python "
         f"{platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f} at the "
-        "start. Each point is a trace of the model at that workload and auto's search (default `--search-effort`); "
-        "the figures are the simulator's (bf16-mixed, the cluster's compute roofline, reserved memory against the "
-        "GPU less the default 5% headroom).",
+        "start. Each row is a trace of the model at that workload and auto's search as `plan` runs it (default "
+        "`--search-effort`); the boundaries are located with auto's search without refinement and confirmed with "
+        "the full one on both sides (`service/fit.py`). The figures are the simulator's (bf16-mixed, the cluster's "
+        "compute roofline, reserved memory against the GPU less the default 5% headroom).",
     ]
     for args in COMMANDS:
         stdout, wall, cpu = run(args)
-        lines += ["", f"## `fsdp-planner {' '.join(args)}`", "", f"Wall {wall:.1f} s, CPU {cpu:.1f} s.", "",
+        lines += ["", f"## `fsdp-planner {' '.join(args)}`", "", f"CPU {cpu:.1f} s (user + system), wall {wall:.1f} s.",
+                  "",
                   "```", stdout.rstrip(), "```"]
         print(f"{' '.join(args)}: {wall:.1f} s wall, {cpu:.1f} s CPU", file=sys.stderr)
     Path(__file__).with_name("fit.md").write_text("\n".join(lines) + "\n")

@@ -9,7 +9,7 @@ import pytest
 
 from fsdp_planner.cli import main
 from fsdp_planner.hardware.cluster import preset_cluster
-from fsdp_planner.planners.fit import largest_fitting, smallest_fitting
+from fsdp_planner.planners.fit import largest_confirmed, largest_fitting, smallest_confirmed, smallest_fitting
 
 # toy-llama on 2 H100s at seq 256: batch 1 to ~11 fit, so the search takes 8 points (~0.3 s of CPU each)
 BUDGET, SEQ = "12MiB", "256"
@@ -55,10 +55,13 @@ def test_fit_batch_is_plans_boundary(capsys):
     largest = doc["batch"]["largest"]
     rows = {p["batch"]: p for p in doc["points"]}
     assert rows[largest]["fits"] and not rows[largest + 1]["fits"]
-    assert all(p["fits"] == (p["batch"] <= largest) for p in doc["points"])  # monotone, as the search assumes
+    tried = [p for p in doc["points"] if p["offload_tried"]]  # searched as plan searches (offload included)
+    assert all(p["fits"] == (p["batch"] <= largest) for p in tried)  # monotone, as the search assumes
     assert doc["batch"]["next"]["batch"] == largest + 1
     plain = doc["batch"]["largest_without_offload"]  # auto offloads only when nothing else fits
-    assert not rows[plain]["offload"] and all(p["offload"] for p in doc["points"] if plain < p["batch"] <= largest)
+    assert not rows[plain]["offload"] and all(p["offload"] for p in tried if plain < p["batch"] <= largest)
+    # a point searched without offload only is past the answer without it
+    assert all(not p["fits"] and p["batch"] > plain for p in doc["points"] if not p["offload_tried"])
     plan = ("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:2", "--memory-budget", BUDGET, "--seq", SEQ)
     at = run_json(capsys, *plan, "--batch", str(largest))
     step = at["plans"][0]["simulation"]
@@ -82,7 +85,7 @@ def test_fit_seq_and_picture(capsys, tmp_path):
                    "--batch", "2", "--seq", SEQ, "--picture", str(picture))
     longest = doc["seq"]["longest"]
     assert doc["seq"]["batch"] == 2 and "batch" not in doc
-    seqs = {p["seq"]: p["fits"] for p in doc["points"]}
+    seqs = {p["seq"]: p["fits"] for p in doc["points"] if p["offload_tried"]}
     assert seqs[longest] and all(fits == (s <= longest) for s, fits in seqs.items())
     assert any(not fits for fits in seqs.values())
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -100,8 +103,11 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
     assert doc["gpus"]["fewest"] == 1 and doc["gpus"]["offload"] is True
     fewest = doc["gpus"]["fewest_without_offload"]
     rows = {p["gpus"]: p for p in doc["points"]}
-    assert fewest > 1 and rows[fewest]["fits"] and not rows[fewest]["offload"] and rows[fewest - 1]["offload"]
-    assert all(p["offload"] == (p["gpus"] < fewest) for p in doc["points"])  # monotone, as the search assumes
+    assert fewest > 1 and rows[fewest]["fits"] and not rows[fewest]["offload"]
+    below = rows[fewest - 1]
+    assert not below["fits"] or below["offload"]
+    tried = [p for p in doc["points"] if p["offload_tried"]]  # searched as plan searches (offload included)
+    assert all(p["offload"] == (p["gpus"] < fewest) for p in tried)  # monotone, as the search assumes
     plan = ("plan", "toy-llama", "--policy", "auto", "--batch", "1", "--seq", "32", "--memory-budget", budget)
     at = run_json(capsys, *plan, "--cluster", f"h100:{fewest}x1")
     assert at["plans"][0]["simulation"]["step_time"] == pytest.approx(rows[fewest]["step_time"], rel=1e-9)
@@ -185,3 +191,104 @@ def test_a_model_without_a_sequence_counts_samples(capsys, tmp_path) -> None:
     assert "samples/s per GPU" in out and "samples/s/GPU" in out and "tokens" not in out
     assert main(["fit", "seed-net", "--cluster", "h100:2", "--picture", str(tmp_path)]) == 2
     assert f"e.g. {tmp_path / 'fit.png'}" in capsys.readouterr().err
+
+
+def test_confirmed_searches_trust_the_screen_only_where_it_says_fits():
+    """The screen (never True where the real test is False) locates the boundary; the real test confirms it on
+    both sides: two real calls when the screen is right, a real search on where it was pessimistic."""
+    real: list[int] = []
+
+    def fits(v: int) -> bool:
+        real.append(v)
+        return v <= 37
+
+    assert largest_confirmed(lambda v: v <= 37, fits, 1, 1000) == 37 and real == [37, 38]
+    real.clear()
+    assert largest_confirmed(lambda v: v <= 30, fits, 1, 1000) == 37  # pessimistic screen: searched on for real
+    assert 31 in real and 38 in real
+    assert largest_confirmed(lambda v: False, lambda v: False, 1, 100) is None
+    assert largest_confirmed(lambda v: v <= 5000, lambda v: v <= 5000, 8192, 10**6, step=128) == 4992
+    assert smallest_confirmed(lambda n: n >= 9, lambda n: n >= 5, 64) == 5
+    assert smallest_confirmed(lambda n: n >= 5, lambda n: n >= 5, 64) == 5
+    assert smallest_confirmed(lambda n: False, lambda n: n >= 70, 64) is None
+
+
+def test_fit_names_unknown_models_and_reads_a_factorys_batch(capsys, tmp_path):
+    """'gpt2' is no model (hf:gpt2 is): said before anything is traced; a factory declaring batch_size=2 is not
+    asked for --batch."""
+    assert main(["fit", "gpt2", "--cluster", "h100:8"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'gpt2' (a shipped Hugging Face config: hf:gpt2)" in err and len(err.splitlines()) == 1
+    from fsdp_planner.cli import build_parser
+    from fsdp_planner.cli.fit import fit_request
+
+    factory = tmp_path / "factory.py"
+    factory.write_text("from fsdp_planner.models import llama\n\n\ndef make(batch_size=2, seq_len=64):\n"
+                       "    return llama.build(llama.TOY_LLAMA, batch_size=batch_size, seq_len=seq_len)\n")
+    request = fit_request(build_parser().parse_args(["fit", f"{factory}:make", "--cluster", "h100:2"]))
+    assert (request.batch, request.seq) == (2, 64)
+
+
+@pytest.mark.integration
+def test_fit_sequence_stops_at_learned_positions(capsys):
+    """toy-gpt2-tied has 64 learned positions: the sequence search answers at them instead of failing past them
+    (2 s)."""
+    doc = run_json(capsys, "fit", "toy-gpt2-tied", "--cluster", "h100:2", "--find", "seq", "--seq", "16")
+    assert doc["seq"]["longest_without_offload"] == doc["seq"]["cap"] == 64
+    assert max(p["seq"] for p in doc["points"]) == 64
+    assert main(["fit", "toy-gpt2-tied", "--cluster", "h100:2", "--find", "seq", "--seq", "16", "--quiet"]) == 0
+    assert "the model's 64 learned positions (wpe)" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_offload_verdict_comes_first(capsys, tmp_path):
+    """plan and fit lead with the verdict when nothing fits without CPU offload: the fewest GPUs that fit without it
+    (where plan stops offloading) and what offload costs; --no-offload makes it an error of one line (4 s)."""
+    argv = ["--batch", "1", "--seq", "32", "--memory-budget", "2.6MB", "--cluster", "h100:1"]
+    assert main(["plan", "toy-llama", "--policy", "auto", *argv, "--quiet"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("nothing fits h100:1 without CPU offload: the fewest H100-SXM-80GB that fit it without: ")
+    fewest = int(first.split("fit it without: ")[1].split(" ")[0])
+    assert "with CPU offload on h100:1 auto's plan takes" in first
+    plain = run_json(capsys, "plan", "toy-llama", "--policy", "auto", *argv[:-1], f"h100:{fewest}")
+    assert not plain["plans"][0]["plan"].get("offload")
+    assert main(["plan", "toy-llama", "--policy", "auto", *argv, "--no-offload", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: nothing fits h100:1 without CPU offload") and len(err.splitlines()) == 1
+    assert main(["fit", "toy-llama", *argv, "--find", "batch", "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith("nothing fits h100:1 at batch 1 at seq 32 without CPU offload")
+
+
+@pytest.mark.integration
+def test_fit_time_limit_prints_partial_results(capsys):
+    """--time-limit: no search starts after it; what was found is printed, marked partial, exit 3 (2 s)."""
+    assert main(["fit", "toy-llama", "--cluster", "h100:2", "--time-limit", "1", "--quiet"]) == 3
+    assert capsys.readouterr().out.startswith("stopped by --time-limit after")
+
+
+def test_memory_takes_cluster_like_every_command(capsys):
+    """memory --cluster h100:2 is memory --world-size 2 (the same rows), and says what its figure is against plan's."""
+    by_cluster = run_json(capsys, "memory", "toy-llama", "--cluster", "h100:2")
+    assert by_cluster == run_json(capsys, "memory", "toy-llama", "--world-size", "2")
+    assert main(["memory", "toy-llama", "--cluster", "h100:2", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "on h100:2" in out and "allocated peaks without activation checkpointing" in out
+    assert main(["memory", "toy-llama"]) == 2  # one of the two is required
+    assert "one of the arguments --cluster --world-size is required" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_accelerate_fsdp_yaml_leads_with_the_no_offload_verdict(capsys):
+    """Accelerate's fsdp.yaml (8B on 2 GPUs): auto's plan needs CPU offload, so plan --from-accelerate and simulate
+    --from-accelerate say first that nothing fits without it and that 4 GPUs do; --no-offload exits 2 (40 s)."""
+    from pathlib import Path
+
+    config = str(Path(__file__).parent / "fixtures" / "accelerate" / "fsdp_2gpu.yaml")
+    verdict = "nothing fits h100:2 without CPU offload: the fewest H100-SXM-80GB that fit it without: 4 ("
+    for command in ("plan", "simulate"):
+        assert main([command, "llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--quiet"]) == 0
+        assert capsys.readouterr().out.startswith(verdict)
+    assert main(["plan", "llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--no-offload",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {verdict}") and len(err.splitlines()) == 1

@@ -18,6 +18,7 @@ from fsdp_planner.cli.options import (
     add_memory_options,
     add_micro_batches,
     add_model,
+    add_no_offload,
     add_plan_source,
     add_policy_options,
     add_precision_options,
@@ -64,6 +65,7 @@ def plan(sub: Subparsers) -> None:
     sp.add_argument("--out", help="write the plan JSON here")
     add_force(sp)
     sp.add_argument("--explain", action="store_true", help="auto: why each group boundary sits where it does")
+    add_no_offload(sp)
     add_job_config(sp, "plan auto for, and list the config keys auto would change in,")
 
 
@@ -88,6 +90,10 @@ def fit(sub: Subparsers) -> None:
                          "count tried")
     sp.add_argument("--max-gpus", type=positive_int("--max-gpus", MAX_FIT_GPUS), default=DEFAULT_MAX_FIT_GPUS,
                     help=f"--gpus auto: the most GPUs to try (default {DEFAULT_MAX_FIT_GPUS:,})")
+    add_no_offload(sp)
+    sp.add_argument("--time-limit", type=positive_int("--time-limit", 86_400), default=None, metavar="SECONDS",
+                    help="start no search after SECONDS and print what was found so far, marked partial (exit 3; "
+                         "Ctrl-C does the same, exit 130)")
     sp.add_argument("--picture", metavar="FILE.png",
                     help="draw tokens/s per GPU and the reserved peak against the batch (--gpus auto: the GPU "
                          "count), the budget and the GPU's capacity drawn (matplotlib; .png, .svg or .pdf)")
@@ -107,6 +113,7 @@ def simulate(sub: Subparsers) -> None:
     sp.add_argument("--html", metavar="FILE.html",
                     help="the same timeline as one self-contained HTML page (hover for group names, scroll to zoom)")
     add_force(sp)
+    add_no_offload(sp)
     sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
                     help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
                          "time axis")
@@ -226,8 +233,11 @@ def calibrate(sub: Subparsers) -> None:
 def memory(sub: Subparsers) -> None:
     sp = sub.add_parser("memory", help="per-rank memory: one device, DDP, ZeRO-1/2, FSDP (ZeRO-3)")
     add_model(sp)
-    sp.add_argument("--world-size", type=int, required=True,
-                    help="ranks sharing the model (DDP, ZeRO and FSDP divide by it)")
+    where = sp.add_mutually_exclusive_group(required=True)
+    where.add_argument("--cluster", help=CLUSTER_HELP + " (its GPU count is the world size; its GPU's memory the "
+                                                        "capacity the rows are held against)")
+    where.add_argument("--world-size", type=int,
+                       help="ranks sharing the model (DDP, ZeRO and FSDP divide by it), without a cluster")
     add_precision_options(sp)
     add_json(sp)
 

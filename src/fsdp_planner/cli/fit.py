@@ -2,15 +2,21 @@
 ``--seq`` and the longest sequence at ``--batch``, with tokens/s per GPU and MFU at each batch that fits; with
 ``--gpus auto``, the fewest whole nodes that fit ``--batch`` x ``--seq`` and the tokens/s at each count tried.
 
-Every point is ``plan MODEL --policy auto --cluster C --batch B --seq S`` run the same way (the same trace, the
-same deterministic search within ``--search-effort``, the same budget with ``--headroom``), so each row is what
-``plan`` prints for that workload; the searches (``planners/fit.py``) rely on memory being monotone in the batch,
-the sequence and the node count."""
+The answer without CPU offload comes first; the one with it (auto's last resort) is named as such and priced
+against it. Every row is ``plan MODEL --policy auto --cluster C --batch B --seq S`` run the same way (the same
+trace, the same deterministic search within ``--search-effort``, the same budget with ``--headroom``), so each row
+is what ``plan`` prints for that workload; the boundaries are located with searches without refinement and
+confirmed with plan's search on both sides (``service/fit.py``). The searches (``planners/fit.py``) rely on memory
+being monotone in the batch, the sequence and the node count. Ctrl-C or ``--time-limit`` prints what was found so
+far."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,25 +26,28 @@ from rich.markup import escape
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import PolicyName
 from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
-from fsdp_planner.cli.common import REPORTER, tracer
+from fsdp_planner.cli.common import REPORTER
 from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import memory_budget, model_spec, named_cluster, policy_request, sim_options
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.hardware.cluster import Cluster, with_nodes
 from fsdp_planner.limits import MAX_BATCH, MAX_SEQ, MAX_TOKENS
-from fsdp_planner.models import ModelSpec
-from fsdp_planner.planners.fit import FitPoint, largest_fitting, smallest_fitting
+from fsdp_planner.models import BUILTINS, ModelSpec, hf, resolve_factory, workload_defaults
+from fsdp_planner.planners.fit import FitPoint, largest_confirmed, smallest_confirmed
 from fsdp_planner.planners.registry import PolicyRequest
-from fsdp_planner.service.fit import Points
+from fsdp_planner.service.fit import Points, Stopped, fewest_without_offload
 from fsdp_planner.service.job import PlanJob
+from fsdp_planner.service.planning import Tracer
+from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.signals import Terminated
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.options import SimOptions
 
 PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
 SEQ_STEP = 128  # the longest sequence is found to a multiple of this (or of the --seq it starts from, if smaller)
 SEQ_PARTS = 16  # ... and to 1/16 of the longest power-of-two multiple that fits: a few traces, not a dozen
-BAR = 20  # characters of the fastest row's throughput bar
+BAR = 10  # characters of the fastest row's throughput bar
 _COUNTED_CLUSTER = re.compile(r"^\s*[a-z0-9]+:\d", re.IGNORECASE)
 
 
@@ -59,6 +68,8 @@ class FitRequest:
     json: bool
     full_trace: bool
     find: str = "both"  # --find: batch, seq or both
+    no_offload: bool = False  # --no-offload: answers without CPU offload only; none at all is an error
+    time_limit: float | None = None  # --time-limit: seconds after which no search starts (partial results)
 
 
 def fit_request(args: argparse.Namespace) -> FitRequest:
@@ -71,12 +82,12 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
         raise PlannerError("--mesh fixes the GPU count, which --gpus auto chooses: drop --mesh (auto chooses the "
                            "layout at each count) or --gpus auto")
     spec = model_spec(args)
-    workload = spec.workload()
+    workload = _workload_of(spec)
     batch = workload.get("batch_size")
     if not isinstance(batch, int):
         raise PlannerError(f"the per-GPU batch of '{args.model}' is not known: give --batch")
     seq = workload.get("seq_len")
-    seq = seq if isinstance(seq, int) else None  # None: no seq_len (or a user factory's, not read): batch only
+    seq = seq if isinstance(seq, int) else None  # None: no seq_len (or a required one): batch only
     if args.find == "seq" and seq is None and not args.gpus:
         raise PlannerError(f"--find seq searches the sequence length, and '{args.model}' takes none (or its default "
                            "is not known): give --seq, or search the batch")
@@ -91,35 +102,87 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
         render.note("--max-gpus has no effect without --gpus auto: the batch and sequence are searched on --cluster")
     return FitRequest(spec, batch, seq, policy_request(args, PolicyName.AUTO.value), cluster, bool(args.gpus),
                       args.max_gpus, sim_options(args), memory_budget(args, cluster), picture, args.json,
-                      args.full_trace, args.find)
+                      args.full_trace, args.find, args.no_offload, args.time_limit)
+
+
+def _workload_of(spec: ModelSpec) -> dict[str, Any]:
+    """The workload the model's factory runs by default, with --batch / --seq over it: a user factory's own
+    defaults too (a wrong name is "unknown model" here, before anything else is asked)."""
+    factory = resolve_factory(spec.name)
+    if spec.name in BUILTINS or hf.is_hf(spec.name):
+        return spec.workload()
+    own = {k: v for k, v in workload_defaults(factory).items() if isinstance(v, int) and not isinstance(v, bool)}
+    return {**own, **spec.kwargs()}
 
 
 def run(args: argparse.Namespace) -> int:
     request = fit_request(args)
     points = _points(request)
-    if request.gpus_auto:
-        doc, lines = _gpus(request, points)
-    else:
-        doc, lines = _workload(request, points)
+    started = time.monotonic()
+    try:
+        doc, lines = _gpus(request, points) if request.gpus_auto else _workload(request, points)
+    except (KeyboardInterrupt, Terminated, Stopped) as e:
+        return _partial(request, points, e, time.monotonic() - started)
     if request.picture is not None:
         _draw(request, points)
     if request.json:
         print(json_text(doc, indent=2))
         return 0
-    for title, rows in _sections(request, points):
-        render.console.print(_table(title, rows, request.seq is not None))
-    for line in lines:
+    for line in lines:  # the answers first, then the points behind them
         render.plain(line)
+    _print_tables(request, points)
     if request.picture is not None:
         render.plain(f"picture written to {request.picture}")
     return 0
+
+
+def _print_tables(request: FitRequest, points: Points) -> None:
+    for title, rows in _sections(request, points):
+        render.console.print(_table(title, rows, request.seq is not None))
+    render.plain(f"{points.searches:,} searches ({len(points.staged):,} workloads searched as plan searches them, "
+                 f"{len(points.screens):,} screened without refinement; the tables list the first)")
+
+
+def _partial(request: FitRequest, points: Points, why: BaseException, seconds: float) -> int:
+    """Ctrl-C, a terminating signal or --time-limit during the searches: the points found so far and what they
+    show, marked partial."""
+    reason = ("--time-limit" if isinstance(why, Stopped) else
+              why.name if isinstance(why, Terminated) else "Ctrl-C")
+    fitting = [p for p in points.sorted() if p.fits]
+    plain = [p for p in fitting if not p.offload]
+    best = max(plain or fitting, key=lambda p: p.batch * p.seq * 1e9 - p.gpus, default=None)
+    so_far = (f"; so far the largest workload that fits{'' if plain else ' with CPU offload'}: batch {best.batch:,}"
+              f"{f' x seq {best.seq:,}' if request.seq else ''} on {best.gpus:,} GPUs" if best else "")
+    status = 3 if isinstance(why, Stopped) else 128 + why.signum if isinstance(why, Terminated) else 130
+    if request.json:
+        print(json_text({**_header(request), "partial": reason, "status": status,
+                         "points": [p.to_dict() for p in points.sorted()]}, indent=2))
+        return status
+    render.plain(f"stopped by {reason} after {seconds:.0f} s: partial results{so_far}")
+    _print_tables(request, points)
+    return status
 
 
 def _points(request: FitRequest) -> Points:
     """The evaluations of ``plan MODEL --policy auto`` at each point the searches ask for."""
     job = PlanJob(request.model, (request.policy,), request.cluster, request.options, request.budget,
                   full_trace=request.full_trace, must_fit=False)
-    return Points(job, tracer(False, request.full_trace), request.gpus_auto, REPORTER)
+    cluster = request.cluster
+    deadline = time.monotonic() + request.time_limit if request.time_limit else None
+    return Points(job, _tracer(request.full_trace), (lambda n: with_nodes(cluster, n)) if request.gpus_auto
+                  else None, REPORTER, deadline)
+
+
+def _tracer(full: bool) -> Tracer:
+    """The command line's meta trace, each note said once (every workload is traced, and says the same)."""
+    said: set[str] = set()
+
+    def note(line: str) -> None:
+        if line not in said:
+            said.add(line)
+            render.note(line)
+
+    return lambda spec, options: trace_spec(spec, options.precision, full, note)
 
 
 def _workload(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
@@ -129,50 +192,112 @@ def _workload(request: FitRequest, points: Points) -> tuple[dict[str, Any], list
     if request.find in ("batch", "both"):
         doc["batch"], lines = _largest_batch(request, points)
     if request.seq is not None and request.find in ("seq", "both"):
-        b, seq = request.batch, request.seq
-        cap = min(MAX_SEQ, MAX_TOKENS // b)
-        step = min(SEQ_STEP, 1 << (seq.bit_length() - 1))
-        longest = largest_fitting(points.fits(lambda s: (b, s, 1)), seq, cap, step, SEQ_PARTS)
-        lines.append(_seq_line(points, b, longest, cap, step))
-        plain = longest
-        if longest is not None and points.at(b, longest).offload:
-            plain = largest_fitting(points.fits(lambda s: (b, s, 1), plain=True), seq, longest, step, SEQ_PARTS)
-            answer = (f"{plain:,}: {_figures(points.at(b, plain), 'tokens')}" if plain
-                      else f"none (not even {step:,} tokens)")
-            lines.append(f"longest without CPU offload at batch {b:,}: {answer}")
-        doc["seq"] = {"batch": b, "longest": longest, "longest_without_offload": plain}
+        doc["seq"], more = _longest_seq(request, points)
+        lines += more
     doc["points"] = [p.to_dict() for p in points.sorted()]
     return doc, lines
 
 
 def _largest_batch(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
-    """The largest batch that fits at the sequence, and the fastest per GPU of the batches tried (checkpointing
-    may make the largest slower than a smaller one)."""
+    """The largest batch that fits at the sequence without CPU offload, then with it (auto's last resort), and the
+    fastest per GPU of the batches searched (checkpointing may make the largest slower than a smaller one)."""
     seq = request.seq
     cap = min(MAX_BATCH, MAX_TOKENS // (seq or 1))
-    largest = largest_fitting(points.fits(lambda b: (b, seq, 1)), 1, cap)
+    where = f" at seq {seq:,}" if seq else ""
+    at = lambda b: (b, seq, 1)  # noqa: E731
+    plain = largest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), 1, cap)
+    largest = plain
+    if not request.no_offload and (plain is None or plain < cap):
+        largest = largest_confirmed(points.screen(at), points.fits(at, past_plain=True), (plain or 0) + 1, cap) or plain
     if largest is None:
         raise PlannerError(f"nothing fits even at batch 1: {points.no_fit(1, seq)}")
-    where = f" at seq {seq:,}" if seq else ""
-    lines = [_largest_line(request, points, largest, points.at(largest, seq), cap, where)]
-    plain: int | None = largest
-    if points.at(largest, seq).offload:  # auto's last resort: how far the batch goes without it
-        plain = largest_fitting(points.fits(lambda b: (b, seq, 1), plain=True), 1, largest)
-        lines.append(f"largest batch without CPU offload{where}: "
-                     + (f"{plain:,}: {_figures(points.at(plain, seq), _per(request))}" if plain
-                        else "none (not even 1)"))
-    fastest = max((p for p in points.sorted() if p.fits and p.seq == (seq or 1)), key=lambda p: p.tokens_per_gpu)
-    if fastest.batch != largest:
-        lines.append(f"most {_per(request)}/s per GPU{where}: batch {fastest.batch:,}: "
-                     f"{_figures(fastest, _per(request))}")
+    per = _per(request)
+    if plain is None:
+        lines = [_verdict(request, points, 1, seq, f"batch 1{where}")]
+    else:
+        capped = " (the largest tried: the search stops there)" if plain >= cap else ""
+        after = "" if plain >= cap else f"; batch {plain + 1:,} does not fit without it"
+        lines = [f"largest batch without CPU offload{where} on {request.cluster.name}: {plain:,}{capped}: "
+                 f"{_figures(points.at(plain, seq), per)}{after}"]
+    lines += _offload_line("batch", plain, largest, cap, lambda b: points.at(b, seq), per, where, request)
+    fitting = [p for p in points.sorted() if p.fits and p.seq == (seq or 1)]
+    fastest = max(fitting, key=lambda p: p.tokens_per_gpu)
+    if fastest.batch != (plain or largest):
+        lines.append(f"most {per}/s per GPU of the batches searched{where}: {fastest.batch:,}"
+                     f"{' (with CPU offload)' if fastest.offload else ''}: {_figures(fastest, per)}")
     return {"seq": seq, "largest": largest, "largest_without_offload": plain, "fastest": fastest.batch,
             "next": _next(points, largest + 1, seq)}, lines
+
+
+def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
+    """The longest sequence that fits at --batch without CPU offload, then with it; bounded by the model's
+    learned positions."""
+    b, seq = request.batch, request.seq
+    assert seq is not None
+    cap = min(MAX_SEQ, MAX_TOKENS // b)
+    limit = points.seq_limit()
+    if limit is not None and limit[1] < cap:
+        cap = limit[1]
+    step = min(SEQ_STEP, 1 << (seq.bit_length() - 1))
+    at = lambda s: (b, s, 1)  # noqa: E731
+    start = min(seq, cap)
+    plain = largest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), start, cap, step,
+                              SEQ_PARTS)
+    longest = plain
+    if not request.no_offload and (plain is None or plain < cap):
+        after = plain + _resolution(plain, step) if plain else start
+        longest = largest_confirmed(points.screen(at), points.fits(at, past_plain=True), min(after, cap), cap, step,
+                                    SEQ_PARTS) or plain
+    bound = (f" (the model's {cap:,} learned positions ({limit[0]}): the longest it takes)" if limit and
+             limit[1] == cap else " (the largest tried: the search stops there)")
+    if longest is None:
+        lines = [f"longest sequence at batch {b:,}: none fits (not even {min(step, cap):,} tokens)"]
+    elif plain is None:
+        lines = [_verdict(request, points, b, min(step, cap), f"batch {b:,} x seq {min(step, cap):,}")]
+    else:
+        tried = [q.seq for q in points.sorted() if q.batch == b and q.seq > plain and not (q.fits and not q.offload)]
+        after_text = f"; {min(tried):,} does not fit without it" if tried else ""
+        lines = [f"longest sequence without CPU offload at batch {b:,}: {plain:,}{bound if plain >= cap else ''}: "
+                 f"{_figures(points.at(b, plain), 'tokens')}{after_text}"]
+    lines += _offload_line("sequence", plain, longest, cap, lambda s: points.at(b, s), "tokens", f" at batch {b:,}",
+                           request)
+    return {"batch": b, "longest": longest, "longest_without_offload": plain, "cap": cap}, lines
+
+
+def _resolution(value: int, step: int) -> int:
+    return max(step, (value // SEQ_PARTS) // step * step)
+
+
+def _offload_line(what: str, plain: int | None, largest: int | None, cap: int, at: Callable[[int], FitPoint],
+                  per: str, where: str, request: FitRequest) -> list[str]:
+    """The answer with CPU offload, named as such and priced against the answer without it."""
+    if request.no_offload or request.options.offload or largest is None or (largest == cap and plain == cap):
+        return []
+    if plain is not None and largest == plain:
+        return [f"CPU offload fits no larger {what}{where}"]
+    p = at(largest)
+    cost = ""
+    if plain is not None:
+        q = at(plain)
+        cost = f"; {p.tokens_per_gpu / q.tokens_per_gpu:.0%} of the {per}/s per GPU of {plain:,} without it"
+    most = "longest" if what == "sequence" else "largest"
+    return [f"{most} {what} with CPU offload (auto's last resort){where}: {largest:,}: {_figures(p, per)}{cost}"]
+
+
+def _verdict(request: FitRequest, points: Points, batch: int, seq: int | None, workload: str) -> str:
+    """Nothing fits without CPU offload even at the smallest workload: the fewest GPUs that fit it without, and
+    what offload costs here; with --no-offload that ends the command (an error)."""
+    job = dataclasses.replace(points.job, model=dataclasses.replace(request.model, batch_size=batch, seq_len=seq))
+    fewest = fewest_without_offload(job, points.tracer, request.max_gpus, REPORTER, points.traces.get((batch, seq)))
+    if request.no_offload:
+        raise PlannerError(f"{fewest.line(f'{request.cluster.name} at {workload}')} (--no-offload)")
+    return fewest.line(f"{request.cluster.name} at {workload}", points.at(batch, seq).step_time)
 
 
 def _next(points: Points, batch: int, seq: int | None) -> dict[str, Any] | None:
     """The point just past the largest, when the search evaluated it (it always does below the cap)."""
     seen = points.seen.get((batch, seq, 1))
-    return seen[0].to_dict() if seen else None
+    return seen.to_dict() if seen else None
 
 
 def _largest_line(request: FitRequest, points: Points, value: int, p: FitPoint, cap: int, where: str) -> str:
@@ -204,34 +329,42 @@ def _figures(p: FitPoint, per: str) -> str:
 
 
 def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:
-    """The fewest nodes that fit the workload, the fewest that fit without CPU offload when those needed it (auto
-    turns offload on only when nothing fits without it, so that too is monotone in the node count), and the next
-    doubling (what adding nodes buys)."""
+    """The fewest nodes that fit the workload without CPU offload, then with it (auto turns offload on only when
+    nothing fits without it, so both are monotone in the node count), and the next doubling (what adding nodes
+    buys)."""
     b, seq = request.batch, request.seq
     per_node = request.cluster.gpus_per_node
     cap = max(1, request.max_gpus // per_node)
-    fewest = smallest_fitting(points.fits(lambda n: (b, seq, n)), cap)
-    if fewest is None:
-        raise PlannerError(f"nothing fits on up to {cap * per_node:,} GPUs (--max-gpus {request.max_gpus:,}): "
-                           f"{points.no_fit(b, seq, cap)}")
-    p = points.at(b, seq, fewest)
+    at = lambda n: (b, seq, n)  # noqa: E731
+    plain = smallest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), cap)
+    fewest = plain
+    if not request.no_offload and plain != 1:
+        below = plain - 1 if plain else cap
+        fewest = smallest_confirmed(points.screen(at), points.fits(at, past_plain=True), below) or plain
     workload = f"batch {b:,}{f' x seq {seq:,}' if seq else ''} per GPU"
-    lines = [f"fewest GPUs that fit {workload}: {_count(p, per_node)}{' with CPU offload' if p.offload else ''}: "
-             f"{p.tokens_per_gpu * p.gpus:,.0f} {_per(request)}/s in all, {_figures(p, _per(request))}"]
+    if fewest is None or (request.no_offload and plain is None):
+        raise PlannerError(f"nothing fits {workload} on up to {cap * per_node:,} GPUs"
+                           f"{' without CPU offload' if request.no_offload else ''} (--max-gpus "
+                           f"{request.max_gpus:,}): {points.no_fit(b, seq, cap) if not request.no_offload else ''}"
+                           .rstrip(": "))
+    per = _per(request)
+    lines = []
+    if plain is None:
+        lines.append(f"without CPU offload nothing fits {workload} on up to {cap * per_node:,} GPUs")
+    else:
+        q = points.at(b, seq, plain)
+        lines.append(f"fewest GPUs that fit {workload} without CPU offload: {_count(q, per_node)}: "
+                     f"{q.tokens_per_gpu * q.gpus:,.0f} {per}/s in all, {_figures(q, per)}")
+    if fewest != plain:
+        p = points.at(b, seq, fewest)
+        lines.append(f"fewest with CPU offload (auto's last resort): {_count(p, per_node)}: "
+                     f"{p.tokens_per_gpu * p.gpus:,.0f} {per}/s in all, {_figures(p, per)}")
+    p = points.at(b, seq, fewest)
     doc: dict[str, Any] = {**_header(request), "gpus": {"batch": b, "seq": seq, "fewest": p.gpus, "nodes": p.nodes,
-                                                        "offload": p.offload, "fewest_without_offload": None}}
-    if p.offload:
-        plain = smallest_fitting(points.fits(lambda n: (b, seq, n), plain=True), cap)
-        if plain is None:
-            lines.append(f"without CPU offload nothing fits on up to {cap * per_node:,} GPUs")
-        else:
-            q = points.at(b, seq, plain)
-            doc["gpus"]["fewest_without_offload"] = q.gpus
-            lines.append(f"fewest GPUs that fit it without CPU offload: {_count(q, per_node)}: "
-                         f"{q.tokens_per_gpu * q.gpus:,.0f} {_per(request)}/s in all, {_figures(q, _per(request))}")
-            fewest = plain
-    if fewest * 2 <= cap:
-        points.at(b, seq, fewest * 2)
+                                                        "offload": p.offload, "fewest_without_offload":
+                                                        plain * per_node if plain else None}}
+    if plain and plain * 2 <= cap:
+        points.at(b, seq, plain * 2)
     doc["points"] = [q.to_dict() for q in points.sorted()]
     return doc, lines
 
@@ -269,17 +402,24 @@ def _table(title: str, rows: list[FitPoint], with_seq: bool) -> Any:
     best = max((p.tokens_per_gpu for p in rows if p.fits), default=0.0)
     table = Table(title=escape(title), title_justify="left")  # a cluster file's name
     per = "tokens" if with_seq else "samples"
-    for name in ("GPUs", "batch", "seq", "step", f"{per}/s/GPU", "", "MFU", "reserved peak", "layout"):
-        table.add_column(name, justify="left" if name in ("", "layout") else "right")
+    for name in ("GPUs", "batch", "seq", "step", f"{per}/s/GPU", "", "MFU", "reserved", "plan"):
+        table.add_column(name, justify="left" if name in ("", "plan") else "right")
     for p in rows:
         bar = "█" * max(1, round(BAR * p.tokens_per_gpu / best)) if p.fits and best else ""
         reserved = fmt_bytes(p.reserved_memory) if p.fits else f"[red]{fmt_bytes(p.reserved_memory)} > budget[/red]"
         table.add_row(f"{p.gpus:,}", f"{p.batch:,}", f"{p.seq:,}" if with_seq else "-", fmt_time(p.step_time),
-                      f"{p.tokens_per_gpu:,.0f}" if p.fits else "does not fit", bar,
-                      f"{p.mfu:.1%}" if p.fits else "", reserved,
-                      f"{p.layout}{f', {p.checkpointed} AC' if p.checkpointed else ''}"
-                      f"{', offload' if p.offload else ''}{f', {p.offloaded} act. offload' if p.offloaded else ''}")
+                      f"{p.tokens_per_gpu:,.0f}" if p.fits else "no fit", bar,
+                      f"{p.mfu:.1%}" if p.fits else "", reserved, _described(p))
     return table
+
+
+def _described(p: FitPoint) -> str:
+    """The plan in a few words: its layout, checkpointing (full and op-level blocks), offloads; a point searched
+    without CPU offload only says so."""
+    words = [p.layout, f"{p.checkpointed} AC" if p.checkpointed else "", f"{p.op_level} op AC" if p.op_level else "",
+             "offload" if p.offload else "", f"{p.offloaded} act. offload" if p.offloaded else "",
+             "" if p.complete or p.fits else "offload not tried"]
+    return ", ".join(w for w in words if w)
 
 
 def _draw(request: FitRequest, points: Points) -> None:
@@ -293,5 +433,7 @@ def _draw(request: FitRequest, points: Points) -> None:
         rows = [p for p in points.sorted() if p.seq == (request.seq or 1)]
         x, label = [p.batch for p in rows], "per-GPU batch"
     what = "GPU count" if request.gpus_auto else "batch"
-    title = f"{request.model.name} on {request.cluster.gpu.name}: auto's plan at each {what} tried"
+    name = request.model.name  # a model file's name without its folders: titles stay short
+    name = Path(name.split(":")[0]).name + ":" + name.rsplit(":", 1)[1] if ".py:" in name else name
+    title = f"{name} on {request.cluster.name}: auto's plan at each {what} tried"
     write_fit_png(rows, x, label, request.budget.capacity, request.picture, title, _per(request))

@@ -23,6 +23,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.config_edit import Setting
 from fsdp_planner.service.configured import ConfigOutcome, compare_config
+from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.planning import as_written
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.simulate import StepReport
@@ -92,12 +93,17 @@ def run_plan(args: argparse.Namespace) -> int:
     assert cfg is not None
     kw = keywords(given)
     outcome = compare_config(kw, cfg, tracer(False, bool(args.full_trace)), REPORTER)
+    verdict = offload_verdict(outcome.auto, tracer(False, bool(args.full_trace)), REPORTER)
+    if verdict is not None and args.no_offload:
+        raise PlannerError(f"{verdict} (--no-offload)")
     result = _result(outcome, cfg)
     if args.out is not None:  # as plan --out writes it (even over the budget: the exit status says so)
         write_atomic(args.out, as_written(result.auto, outcome.auto.job, outcome.auto.trace).checked_json() + "\n")
     if args.json:
-        print(json_text(_json(result, cfg, given), indent=2))
+        print(json_text({**_json(result, cfg, given), **({"verdict": verdict} if verdict else {})}, indent=2))
     else:
+        if verdict is not None:  # the first line: auto's plan below is its last resort
+            render.plain(verdict)
         _print(result, cfg, given)
     return 0 if result.fits else 1
 

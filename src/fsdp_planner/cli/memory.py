@@ -1,4 +1,8 @@
-"""``fsdp-planner memory MODEL --world-size N``: per-rank memory of one device, DDP, ZeRO-1/2 and FSDP."""
+"""``fsdp-planner memory MODEL --cluster C`` (or ``--world-size N``): per-rank memory of one device, DDP, ZeRO-1/2
+and FSDP. Its figures are the memory model's *allocated* peaks of each strategy without activation checkpointing
+(FSDP: one group per param-owning module); ``plan`` simulates a plan and prints its allocated peak and what the
+caching allocator reserves beyond it (the collective streams' pools), which is what auto holds to the budget. The
+command says so under its table."""
 
 from __future__ import annotations
 
@@ -8,15 +12,18 @@ from rich.markup import escape
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import load_trace
-from fsdp_planner.cli.requests import model_spec
+from fsdp_planner.cli.requests import model_spec, named_cluster
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fmt import cut_short, json_text
+from fsdp_planner.fmt import cut_short, fmt_bytes, json_text
 from fsdp_planner.hardware.cluster import MAX_WORLD_SIZE
 from fsdp_planner.sim.memory import strategy_table
 from fsdp_planner.sim.options import SimOptions
 
 
 def run(args: argparse.Namespace) -> int:
+    cluster = named_cluster(args, args.cluster) if args.cluster else None
+    if cluster is not None:
+        args.world_size = cluster.world_size
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise PlannerError(f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, got {cut_short(args.world_size)}")
     options = SimOptions.named(args.precision, args.optimizer, zero_grad=args.zero_grad)
@@ -25,6 +32,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json_text({k: v.to_dict() for k, v in rows.items()}, indent=2))
     else:
-        render.console.print(render.strategy_table(rows, f"{escape(args.model)}: per-rank peak memory at world size "
-                                                         f"{args.world_size} ({args.precision}, {args.optimizer})"))
+        where = cluster.name if cluster is not None else f"world size {args.world_size}"
+        render.console.print(render.strategy_table(rows, f"{escape(args.model)}: per-rank peak memory on "
+                                                         f"{escape(where)} ({args.precision}, {args.optimizer})"))
+        render.plain(f"allocated peaks without activation checkpointing (FSDP: one group per module owning params)"
+                     f"{f'; one {cluster.gpu.name} holds {fmt_bytes(cluster.gpu.memory_bytes)}' if cluster else ''}. "
+                     "plan simulates a plan and prints its allocated peak and what the allocator reserves beyond it "
+                     f"(the figure auto holds to its budget): plan {escape(args.model)} --policy module --cluster "
+                     f"{escape(where if cluster else f'h100:{args.world_size}')} for this FSDP row's plan")
     return 0

@@ -218,6 +218,12 @@ def add_memory_options(sp: argparse.ArgumentParser) -> None:
                          "precision's, fp32 for bf16-mixed; bf16 halves the bytes and changes numerics)")
 
 
+def add_no_offload(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--no-offload", action="store_true",
+                    help="auto: CPU offload is no answer: when nothing fits without it, say the fewest GPUs that fit "
+                         "without it and exit 2 (by default auto offloads as its last resort and says so first)")
+
+
 def add_force(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--force", action="store_true",
                     help="replace the file an output option names even when it is a file this command reads or "

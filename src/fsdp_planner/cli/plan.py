@@ -11,8 +11,10 @@ from rich.markup import escape
 import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import REPORTER, tracer
 from fsdp_planner.cli.requests import plan_request
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_time, json_text
 from fsdp_planner.planners.auto.explain import GroupExplanation
+from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.planning import plan
 from fsdp_planner.sim.simulate import StepReport
@@ -33,16 +35,22 @@ def run(args: argparse.Namespace) -> int:
     outcome = plan(job, tracer(job.measure, job.full_trace), REPORTER)
     if outcome.splits:
         _split_note(outcome)
+    verdict = offload_verdict(outcome, tracer(False, job.full_trace), REPORTER)
+    if verdict is not None and args.no_offload:
+        raise PlannerError(f"{verdict} (--no-offload)")
     no_fit = outcome.no_fit
     if request.out is not None:
         assert outcome.plan is not None
         write_atomic(request.out, outcome.plan.checked_json() + "\n")
     if request.json:
-        doc = {**_json(outcome), **({"auto": {"fits": False, "message": no_fit}} if no_fit else {})}
+        doc = {**_json(outcome), **({"auto": {"fits": False, "message": no_fit}} if no_fit else {}),
+               **({"verdict": verdict} if verdict else {})}
         if outcome.explanation is not None:
             doc["auto"]["explanation"] = [_explanation(r) for r in outcome.explanation.groups]
         print(json_text(doc, indent=2))
         return 1 if no_fit else 0
+    if verdict is not None:  # the first line: the plan below is auto's last resort
+        render.plain(verdict)
     _print(outcome)
     if request.out is not None:
         render.plain(f"plan written to {request.out}")

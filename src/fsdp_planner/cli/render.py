@@ -69,9 +69,10 @@ class _Console(Console):
         return super()._render_buffer(s if s.control else Segment(printable(s.text), s.style) for s in buffer)
 
 
-# Wide enough for the comparison tables when piped (rich falls back to 80 columns otherwise).
-console = _Console(width=None if _isatty(sys.stdout) else 150, soft_wrap=True)
-notes = _Console(stderr=True, width=None if _isatty(sys.stderr) else 150, soft_wrap=True)  # keeps --json clean
+# Piped, the tables keep to 120 columns (rich falls back to 80 otherwise), the width every table is laid out for.
+PIPED_WIDTH = 120
+console = _Console(width=None if _isatty(sys.stdout) else PIPED_WIDTH, soft_wrap=True)
+notes = _Console(stderr=True, width=None if _isatty(sys.stderr) else PIPED_WIDTH, soft_wrap=True)  # --json clean
 
 
 def set_quiet(quiet: bool) -> None:
@@ -159,22 +160,27 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
                      budget: MemoryBudget | None = None, dtype: str = "own dtypes") -> Table:
     """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
     marked over the ``budget``) and the margin below the budget when simulated on a cluster. The metrics' byte
-    columns are all in one ``dtype`` (``metrics_dtype``), which the caption under them names."""
+    columns are all in one ``dtype`` (``metrics_dtype``), which the caption under them names. Simulated, the table
+    keeps to 120 columns: the root's params, the collective counts and the idle bytes are left to ``simulate``."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
-    for col in ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)"):
+    shape = ("policy", "groups", "AC", "AG bytes", "unsharded") if with_cost else \
+        ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)")
+    for col in shape:
         # a policy's name is its settings (size(100000000)): folded onto two lines, never cut
         t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold" if col == "policy" else None)
     if with_cost:
-        for col in ("step time", "exposed comm", "peak allocated", "reserved", "margin")[:5 if budget else 4]:
+        for col in ("step time", "exposed comm", "allocated", "reserved", "margin")[:5 if budget else 4]:
             t.add_column(col, justify="right", min_width=len(col))  # a header on one line: the policy folds
     for plan, m, report in rows:
-        cells = [escape(cell_text(plan.policy)), str(m.groups), fmt_numel(m.root_numel),
-                 ac_cell(plan),
-                 str(report.all_gathers if report else m.all_gathers),  # the step's: every micro-batch gathers
-                 str(report.reduce_scatters if report else m.reduce_scatters),
-                 fmt_bytes(report.all_gather_bytes if report else m.all_gather_bytes),
-                 fmt_bytes(m.peak_unsharded_bytes), fmt_bytes(m.avg_idle_bytes)]
+        ag_bytes = fmt_bytes(report.all_gather_bytes if report else m.all_gather_bytes)
+        if with_cost:
+            cells = [escape(cell_text(plan.policy)), str(m.groups), ac_cell(plan), ag_bytes,
+                     fmt_bytes(m.peak_unsharded_bytes)]
+        else:
+            cells = [escape(cell_text(plan.policy)), str(m.groups), fmt_numel(m.root_numel), ac_cell(plan),
+                     str(m.all_gathers), str(m.reduce_scatters), ag_bytes, fmt_bytes(m.peak_unsharded_bytes),
+                     fmt_bytes(m.avg_idle_bytes)]
         if with_cost:
             cells += ([fmt_time(report.step_time), fmt_time(report.exposed_comm), fmt_bytes(report.peak_memory),
                        # with a margin column, an over-budget peak is just red: the margin says by how much
@@ -184,10 +190,14 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
             if budget is not None:
                 cells.append(fmt_margin(report.reserved_memory, budget) if report else "-")
         t.add_row(*cells)
-    t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}"
-                 + (" (the simulated precision, as in the memory breakdown)" if with_cost else "")
-                 + ": what one rank's all-gathers return a step, the most params held unsharded at once, and "
-                   "unsharded bytes not being read, averaged over ops")
+    if with_cost:
+        t.caption = (f"AG bytes and unsharded in {dtype} (the simulated precision, as in the memory breakdown): what "
+                     "one rank's all-gathers return a step and the most params held unsharded at once; allocated: the "
+                     "peak of live tensors, reserved: what the caching allocator holds at it")
+    else:
+        t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}: what one rank's all-gathers return a "
+                     "step, the most params held unsharded at once, and unsharded bytes not being read, averaged "
+                     "over ops")
     if with_cost and budget is not None:
         t.caption += escape(f"; margin: below the {fmt_bytes(budget.limit)} budget per rank ({budget.source})")
     return t

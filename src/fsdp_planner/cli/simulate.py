@@ -4,10 +4,12 @@ timeline (``--timeline`` PNG, ``--html`` page) beside a second plan (``--compare
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.cli.common import load_plan, load_trace, policy_plan
+from fsdp_planner.choices import PolicyName
+from fsdp_planner.cli.common import REPORTER, load_plan, load_trace, policy_plan, tracer
 from fsdp_planner.cli.paths import picture_file
 from fsdp_planner.cli.requests import (
     PlanSource,
@@ -19,6 +21,7 @@ from fsdp_planner.cli.requests import (
     named_cluster,
     plan_source,
     policy_notes,
+    policy_request,
     sim_options,
 )
 from fsdp_planner.errors import PlannerError
@@ -29,9 +32,12 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
+from fsdp_planner.service.fit import config_verdict
+from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.planning import with_reshard
+from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 
 PNG_SUFFIXES = (".png", ".svg", ".pdf")
@@ -61,14 +67,18 @@ def run(args: argparse.Namespace) -> int:
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]
     else:
         views = [step_view(tr, p, cluster, options, label, budget) for label, p in plans]
-        _draw(views, png, page, f"{model_spec(args).label()} on {cluster.describe()}")
+        _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
+    verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
     if args.json:
         summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
                       "micro_batches": options.micro_batches, "gradient_sync": options.gradient_sync.value}
                      for _, r in reports]
-        print(json_text(summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}, indent=2))
+        doc = summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}
+        print(json_text({**doc, **({"verdict": verdict} if verdict else {})}, indent=2))
         return 0
+    if verdict is not None:  # the first line: nothing this cluster runs without CPU offload fits
+        render.plain(verdict)
     for (label, r), (_, p) in zip(reports, plans, strict=True):
         for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches,
                                                             options.gradient_sync), label,
@@ -78,6 +88,32 @@ def run(args: argparse.Namespace) -> int:
     for path in filter(None, (png, page)):
         render.plain(f"timeline written to {path}")
     return 0
+
+
+def _verdict(args: argparse.Namespace, from_config: bool, tr: Trace, plan: Plan, report: StepReport,
+             cluster: Cluster, options: SimOptions, budget: MemoryBudget) -> str | None:
+    """A config's job that offloads or is over the budget: the verdict when auto fits nothing on the cluster
+    without CPU offload either (``--no-offload``: an error)."""
+    if not from_config or not (plan.offload or not budget.fits(report.reserved_memory)):
+        return None
+    # auto as plan --from-... runs it: its own checkpointing, layout and memory options, not the config's
+    auto = dataclasses.replace(policy_request(args, PolicyName.AUTO.value), checkpointing=None, mesh=None)
+    plain = options.with_memory_options(False, options.shard_placement)
+    job = PlanJob(model_spec(args), (auto,), cluster, plain, budget)
+    verdict = config_verdict(job, tracer(False, args.full_trace), tr, report.step_time if plan.offload else None,
+                             REPORTER)
+    if verdict is not None and args.no_offload:
+        raise PlannerError(f"{verdict} (--no-offload)")
+    return verdict
+
+
+def short_label(label: str) -> str:
+    """A model's label for a title: a model file named without its folders (an absolute path is no title)."""
+    name, sep, rest = label.partition(", ")
+    if ".py:" in name:
+        path, _, fn = name.rpartition(":")
+        name = f"{Path(path).name}:{fn}"
+    return name + sep + rest
 
 
 def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, options: SimOptions) -> Plan:

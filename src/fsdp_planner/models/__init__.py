@@ -254,8 +254,9 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
                            + _factories_hint(Path(spec)))
     if ":" not in spec:
         known = ", ".join(BUILTINS)
-        raise PlannerError(f"unknown model '{spec}': use a built-in ({known}), 'file.py:fn' / 'module:fn' or "
-                           "'hf:NAME' / 'hf:path/config.json'")
+        shipped = f" (a shipped Hugging Face config: hf:{spec})" if spec in hf.SHIPPED else ""
+        raise PlannerError(f"unknown model '{spec}'{shipped}: use a built-in ({known}), 'file.py:fn' / 'module:fn' "
+                           "or 'hf:NAME' / 'hf:path/config.json'")
     target, _, fn_name = spec.rpartition(":")
     if not target.endswith(".py") and ("/" in target or Path(target).is_dir()):
         kind = "a directory" if Path(target).is_dir() else "not a .py file"

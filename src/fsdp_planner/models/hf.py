@@ -297,14 +297,23 @@ def causal_lm_loss(model: nn.Module, ids: torch.Tensor) -> Callable[[Any], torch
 _POSITION_TABLES = ("wpe", "position_embeddings")  # learned absolute positions (GPT-2, BERT): a hard length limit
 
 
+def learned_positions(model: nn.Module) -> tuple[str, int] | None:
+    """The model's learned absolute position table and its length (the longest sequence it takes); None for a
+    model without one (rotary positions, as Llama's, have no such limit)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(module, nn.Embedding):
+            return name, module.num_embeddings
+    return None
+
+
 def check_positions(model: nn.Module, seq_len: int) -> None:
     """A sequence longer than a learned position table fails inside the model's forward (an IndexError in the
-    embedding): say so before planning. Rotary positions (Llama) have no such limit."""
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(module, nn.Embedding) \
-                and seq_len > module.num_embeddings:
-            raise PlannerError(f"--seq {seq_len} is longer than the model's {module.num_embeddings} learned "
-                               f"positions ({name}): give --seq {module.num_embeddings} or less")
+    embedding): say so before planning."""
+    table = learned_positions(model)
+    if table is not None and seq_len > table[1]:
+        name, positions = table
+        raise PlannerError(f"--seq {seq_len} is longer than the model's {positions} learned positions ({name}): "
+                           f"give --seq {positions} or less")
 
 
 def build_causal_lm(data: dict[str, Any], batch_size: int, seq_len: int, hf_config: Overrides = (),

@@ -35,6 +35,9 @@ class FitPoint:
     checkpointed: int  # modules auto checkpoints in full
     offload: bool = False  # auto turned CPUOffloadPolicy on (nothing fit without it)
     offloaded: int = 0  # modules whose saved activations auto offloads (its very last resort)
+    complete: bool = True  # False: searched without CPU offload only, which did not fit (whether offload would
+    # was not asked: the answer sought was the largest workload without it)
+    op_level: int = 0  # modules auto checkpoints op by op (selective)
 
     @property
     def tokens_per_gpu(self) -> float:
@@ -52,7 +55,8 @@ class FitPoint:
                 "step_time": self.step_time, "reserved_memory": self.reserved_memory, "budget": self.budget,
                 "margin": self.budget - self.reserved_memory, "tokens_per_second_per_gpu": self.tokens_per_gpu,
                 "tokens_per_second": self.tokens_per_gpu * self.gpus, "mfu": self.mfu, "layout": self.layout,
-                "checkpointed": self.checkpointed, "offload": self.offload, "activations_offloaded": self.offloaded}
+                "checkpointed": self.checkpointed, "op_level_checkpointed": self.op_level, "offload": self.offload,
+                "activations_offloaded": self.offloaded, "offload_tried": self.complete or self.fits}
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int, cap: int, step: int = 1, parts: int = 0) -> int | None:
@@ -110,3 +114,32 @@ def smallest_fitting(fits: Callable[[int], bool], cap: int) -> int | None:
         else:
             miss = mid
     return value
+
+
+def largest_confirmed(screen: Callable[[int], bool], fits: Callable[[int], bool], start: int, cap: int,
+                      step: int = 1, parts: int = 0) -> int | None:
+    """``largest_fitting`` by ``fits``, found with ``screen`` (a cheaper test that never says a value fits where
+    ``fits`` does not) and confirmed with ``fits`` on both sides: the screen's answer fits, and the next value at
+    the search's resolution does not. Where the screen was pessimistic, ``fits`` searches on from there (each
+    ``fits`` call is the expensive one: two of them in the usual case)."""
+    guess = largest_fitting(screen, start, cap, step, parts)
+    if guess is None:
+        low = min(step, cap)  # the smallest value the screen tried
+        return largest_fitting(fits, low, cap, step, parts) if fits(low) else None
+    if not fits(guess):  # the screen was wrong (it should not be): search with the real test
+        return largest_fitting(fits, start, guess, step, parts)
+    if guess >= cap:
+        return guess
+    nxt = min(cap, guess + max(step, (guess // parts) // step * step if parts else step))
+    return guess if not fits(nxt) else largest_fitting(fits, nxt, cap, step, parts)
+
+
+def smallest_confirmed(screen: Callable[[int], bool], fits: Callable[[int], bool], cap: int) -> int | None:
+    """``smallest_fitting`` by ``fits``, found with ``screen`` (never True where ``fits`` is False) and confirmed
+    with ``fits``: the answer fits and the count below it does not."""
+    guess = smallest_fitting(screen, cap)
+    if guess is None or not fits(guess):
+        return smallest_fitting(fits, cap)
+    if guess == 1 or not fits(guess - 1):
+        return guess
+    return smallest_fitting(fits, guess - 1)

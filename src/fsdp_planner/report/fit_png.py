@@ -12,7 +12,7 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.planners.fit import FitPoint
-from fsdp_planner.report.timeline_png import CAPACITY_COLOR, MEMORY_COLOR, RESERVED_COLOR, byte_unit, plain
+from fsdp_planner.report.timeline_png import CAPACITY_COLOR, MEMORY_COLOR, RESERVED_COLOR, byte_unit, plain, wrapped
 from fsdp_planner.userfiles import write_atomic
 
 THROUGHPUT_COLOR, MISS_COLOR = "#2ca02c", "#d62728"
@@ -41,7 +41,7 @@ def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: i
     from matplotlib.ticker import FuncFormatter
 
     fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
-    fig.suptitle(plain(title), x=0.01, ha="left", fontsize=12)
+    fig.suptitle(wrapped(title, 95), x=0.01, ha="left", fontsize=12)
     top, bottom = fig.subplots(2, 1, sharex=True)
     fit = [(xi, p) for xi, p in zip(x, points, strict=True) if p.fits]
     miss = [(xi, p) for xi, p in zip(x, points, strict=True) if not p.fits]

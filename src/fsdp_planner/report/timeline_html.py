@@ -21,7 +21,7 @@ _PAGE = """<!DOCTYPE html>
 <title>{title}</title>
 <style>
 body {{ font-family: sans-serif; margin: 16px 20px; color: #222; }}
-h1 {{ font-size: 17px; margin: 0 0 4px; }}
+h1 {{ font-size: 17px; margin: 0 0 4px; overflow-wrap: anywhere; }}
 p.hint {{ color: #666; font-size: 12px; margin: 0 0 8px; }}
 #legend {{ font-size: 12px; margin: 6px 0 10px; }}
 #legend .key {{ margin-right: 16px; white-space: nowrap; display: inline-block; }}

@@ -29,12 +29,25 @@ def figure_size(views: Sequence[StepView]) -> tuple[float, float]:
     return WIDTH_IN, round(lanes * LANE_IN + len(views) * (MEMORY_IN + TITLE_IN) + 1.4, 2)
 
 
+BUDGET_COLOR = "#9467bd"  # what auto holds the reserved peak to
+
+
 def plain(text: str) -> str:
     """``text`` drawn as written: the one escaping rule for the picture's text. matplotlib reads a string with two
     ``$`` as TeX math (a module named ``a$b$`` would be typeset, one that is not valid TeX stops the picture); an
     escaped ``\\$`` is drawn as ``$``. ``write_png`` turns usetex off, so nothing else is TeX. Control characters
     are drawn as their escapes (``printable``): no font has them, and the warning naming them would print them."""
     return printable(text).replace("$", "\\$")
+
+
+TITLE_CHARS = 110  # a title wider than this wraps: at 13 pt it would run past the figure's right edge
+
+
+def wrapped(text: str, width: int = TITLE_CHARS) -> str:
+    """``text`` drawn as written (``plain``), broken into lines of at most ``width`` characters: never clipped."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(plain(text), width, break_long_words=True)) or plain(text)
 
 
 def write_png(views: Sequence[StepView], path: Path, title: str) -> None:
@@ -56,7 +69,7 @@ def _draw(views: Sequence[StepView], path: Path, title: str) -> None:
     end = max(v.report.step_time for v in views)
     unit, scale = time_unit(end)
     fig = Figure(figsize=figure_size(views), dpi=DPI, layout="constrained")
-    fig.suptitle(plain(title), x=0.01, ha="left", fontsize=13)
+    fig.suptitle(wrapped(title), x=0.01, ha="left", fontsize=13)
     ratios = [r for v in views for r in (len(v.lanes) * LANE_IN, MEMORY_IN)]
     axes = fig.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios})
     px = end / (WIDTH_IN * DPI * PLOT_SHARE)  # seconds per pixel
@@ -65,7 +78,7 @@ def _draw(views: Sequence[StepView], path: Path, title: str) -> None:
     for k, v in enumerate(views):
         lanes_ax, memory_ax = axes[2 * k], axes[2 * k + 1]
         kinds |= _draw_lanes(lanes_ax, v, min_width, px)
-        lanes_ax.set_title(plain(v.summary()), loc="left", fontsize=11, fontweight="bold")
+        lanes_ax.set_title(wrapped(v.summary(), TITLE_CHARS + 10), loc="left", fontsize=11, fontweight="bold")
         _draw_memory(memory_ax, v)
     last = axes[-1]
     last.set_xlim(0, end * 1.005)
@@ -125,6 +138,9 @@ def _draw_memory(ax: Any, view: StepView) -> None:
     ax.step(times, levels / div, where="post", color=MEMORY_COLOR, linewidth=1.2, label="allocated memory per rank")
     ax.axhline(view.report.reserved_memory / div, color=RESERVED_COLOR, linestyle=":", linewidth=1.2,
                label="reserved at peak (caching allocator)")
+    budget = view.budget.limit
+    ax.axhline(budget / div, color=BUDGET_COLOR, linestyle="-.", linewidth=1.1, label=f"budget {fmt_bytes(budget)}")
+    top = max(top, budget)
     peak_at = float(times[int(levels.argmax())])
     ax.annotate(f"peak {fmt_bytes(view.report.peak_memory)}", (peak_at, view.report.peak_memory / div),
                 xytext=(4, -12), textcoords="offset points", fontsize=9, color=MEMORY_COLOR)

@@ -1,69 +1,300 @@
 """``fit``'s evaluations: auto's plan for one workload (batch, sequence) on one world (node count), each point the
-job ``plan MODEL --policy auto`` runs for it, run once and kept, so a search over the batch, the sequence or the
-node count (``planners/fit.py``) asks for a point as often as it likes."""
+search ``plan MODEL --policy auto`` runs for it (the same trace, policy, options and budget), run once and kept, so a
+search over the batch, the sequence or the node count (``planners/fit.py``) asks for a point as often as it likes.
+
+Three things make a sweep take seconds instead of minutes (each search of an 8B model is seconds; a workload that
+does not fit costs auto a search with every memory option it has):
+- the search runs in auto's own stages, and each is asked for only when needed: without FSDP2's memory options
+  first (fit's main question: does the workload fit without CPU offload?), then on with them, reusing the first
+  stage (``AutoPolicy.search(first=...)``); the result is the one ``plan`` prints either way;
+- a screen: the same search without local refinement (``search_effort=0``), several times cheaper. Refinement only
+  adds plans to the structured candidates, so where the screen finds a plan within the budget the full search does
+  too (the converse may fail); the searches locate a boundary with the screen and confirm it with the full search
+  on both sides;
+- one trace per workload, shared by every node count and stage.
+A deadline (``--time-limit``) is checked before each search; ``Stopped`` says it passed."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.fmt import fmt_bytes, fmt_time
-from fsdp_planner.hardware.cluster import with_nodes
-from fsdp_planner.planners.fit import FitPoint
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
+from fsdp_planner.models import load_model
+from fsdp_planner.models.hf import learned_positions
+from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
+from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
+from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.planning import SILENT, Reporter, Tracer, plan
+from fsdp_planner.service.planning import SILENT, Reporter, Tracer
 from fsdp_planner.sim.compute import peak_flops
+from fsdp_planner.sim.sizing import shard_dims
+from fsdp_planner.trace.records import Trace
 
-Key = tuple[int, int | None, int]  # batch, seq (None: the model takes none), nodes
+Key = tuple[int, int | None, int]  # batch, seq (None: the model takes none), world (``Points.cluster_at``'s count)
+
+
+class Stopped(Exception):
+    """The deadline passed before the next search: what was evaluated stands, the answer is partial."""
+
+
+@dataclass
+class Staged:
+    """One workload's search in auto's stages: ``plain`` without FSDP2's memory options, ``full`` with them (auto's
+    ways out) when ``plain`` found nothing within the budget; None: not asked yet."""
+
+    plain: AutoResult
+    full: AutoResult | None = None
+
+    @property
+    def result(self) -> AutoResult:
+        """What ``plan`` prints: the first stage when it fits, else the second (the first when not asked yet)."""
+        return self.plain if self.plain.fits or self.full is None else self.full
+
+    @property
+    def complete(self) -> bool:
+        return self.plain.fits or self.full is not None
+
+
+def offloads(result: AutoResult) -> bool:
+    """Whether the plan runs with CPUOffloadPolicy (auto's way out, or asked for with ``--offload``)."""
+    return result.run.offload or result.plan.offload
 
 
 class Points:
-    """Every point evaluated, each once: ``job`` (auto on one node, or on the cluster) at the point's workload and
-    node count (``nodes_vary``: the cluster grows by whole nodes)."""
+    """Every point evaluated, each stage once: ``job`` at the point's workload and world (``cluster_at``: the
+    cluster for a key's third coordinate, e.g. a node count; None: the job's cluster for every key).
+    ``deadline``: ``time.monotonic()`` after which no search starts (``Stopped``)."""
 
-    def __init__(self, job: PlanJob, tracer: Tracer, nodes_vary: bool, reporter: Reporter = SILENT) -> None:
-        self.job, self.tracer, self.nodes_vary, self.reporter = job, tracer, nodes_vary, reporter
-        self.seen: dict[Key, tuple[FitPoint, PlanOutcome]] = {}
+    def __init__(self, job: PlanJob, tracer: Tracer, cluster_at: Callable[[int], Cluster] | None = None,
+                 reporter: Reporter = SILENT, deadline: float | None = None) -> None:
+        self.job, self.tracer, self.cluster_at, self.reporter = job, tracer, cluster_at, reporter
+        self.deadline = deadline
+        self.traces: dict[tuple[int, int | None], Trace] = {}
+        self.staged: dict[Key, Staged] = {}  # the full searches: what plan runs
+        self.screens: dict[Key, Staged] = {}  # the searches without refinement
+        self.searches = 0  # searches run (either kind, each stage one)
+
+    @property
+    def seen(self) -> dict[Key, FitPoint]:
+        """The points searched in full, as plan reports them (a point whose second stage was not asked for is
+        one that does not fit without CPU offload, ``FitPoint.complete`` False)."""
+        return {key: self._point(key, staged) for key, staged in self.staged.items()}
 
     def at(self, batch: int, seq: int | None, nodes: int = 1) -> FitPoint:
+        """The point as ``plan`` gives it: every stage its search needs."""
         key = (batch, seq, nodes)
-        if key not in self.seen:
-            self.seen[key] = self._evaluate(batch, seq, nodes)
-        return self.seen[key][0]
+        return self._point(key, self._stages(key, full=True, screen=False))
+
+    def plain_at(self, batch: int, seq: int | None, nodes: int = 1) -> FitPoint:
+        """The point searched without CPU offload only (its second stage when the first fits is never needed)."""
+        key = (batch, seq, nodes)
+        return self._point(key, self._stages(key, full=self._dim1(key), screen=False))
 
     def no_fit(self, batch: int, seq: int | None, nodes: int = 1) -> str:
         """Why nothing fits at the point (auto's one sentence); "" when something does."""
         self.at(batch, seq, nodes)
-        return self.seen[(batch, seq, nodes)][1].no_fit or ""
+        result = self.staged[(batch, seq, nodes)].result
+        return "" if result.fits else infeasible_message(result)
 
-    def _evaluate(self, batch: int, seq: int | None, nodes: int) -> tuple[FitPoint, PlanOutcome]:
-        job = self.job
-        assert job.cluster is not None
-        cluster = with_nodes(job.cluster, nodes) if self.nodes_vary else job.cluster
-        spec = dataclasses.replace(job.model, batch_size=batch, seq_len=seq if seq is not None else job.model.seq_len)
-        outcome = plan(dataclasses.replace(job, model=spec, cluster=cluster, must_fit=False), self.tracer,
-                       self.reporter)
-        found, tr = outcome.search, outcome.trace
-        assert found is not None
-        report = found.report
-        point = FitPoint(batch, seq or 1, cluster.world_size, cluster.nodes, found.fits, report.step_time,
-                         report.reserved_memory, found.budget, tr.fwd_flops + tr.bwd_flops,
-                         peak_flops(cluster.gpu, job.options.precision), report.mesh,
-                         len(found.plan.activation_checkpointing), found.plan.offload,
-                         len(found.plan.activation_offloading))
-        self.reporter.note(f"fit: batch {batch:,}{f', seq {seq:,}' if seq else ''} on {cluster.name}: "
-                           f"{'fits' if found.fits else 'does not fit'} (reserved {fmt_bytes(report.reserved_memory)}, "
-                           f"step {fmt_time(report.step_time)})")
-        return point, outcome
+    def result(self, batch: int, seq: int | None, nodes: int = 1) -> AutoResult:
+        """Auto's result at the point, every stage run (the plan ``plan`` prints)."""
+        self.at(batch, seq, nodes)
+        return self.staged[(batch, seq, nodes)].result
 
-    def fits(self, at: Callable[[int], Key], plain: bool = False) -> Callable[[int], bool]:
+    def fits(self, at: Callable[[int], Key], plain: bool = False, past_plain: bool = False) -> Callable[[int], bool]:
         """``fits`` for a search over one coordinate, the others fixed by ``at``; ``plain``: fits without CPU
-        offload (auto turns it on only when nothing fits without it, so this too is monotone)."""
+        offload (auto turns it on only when nothing fits without it, so this too is monotone). ``past_plain``: the
+        values asked lie past the boundary without offload, where the first stage fails: a point not searched yet
+        starts its second stage from the screen's first (the second stage's plans do not depend on the first's;
+        only a point that fits with neither shows the screen's closest plan instead of plan's)."""
         def fits(value: int) -> bool:
-            p = self.at(*at(value))
-            return p.fits and not (plain and p.offload)
+            key = at(value)
+            if past_plain and not plain and key not in self.staged:
+                first = self._stages(key, full=False, screen=True).plain
+                if not first.fits:
+                    self.staged[key] = Staged(first, self._search(key, False, first))
+            staged = self._stages(key, full=not plain or self._dim1(key), screen=False)
+            return _fits(staged, plain)
+        return fits
+
+    def screen(self, at: Callable[[int], Key], plain: bool = False) -> Callable[[int], bool]:
+        """As ``fits``, by the search without refinement (never True where ``fits`` is False); a point searched in
+        full already answers from that search."""
+        def fits(value: int) -> bool:
+            key = at(value)
+            known = self.staged.get(key)
+            if known is not None and (known.complete or plain):
+                return _fits(known, plain)
+            return _fits(self._stages(key, full=not plain or self._dim1(key), screen=True), plain)
         return fits
 
     def sorted(self) -> list[FitPoint]:
-        return sorted((p for p, _ in self.seen.values()), key=lambda p: (p.gpus, p.seq, p.batch))
+        return sorted(self.seen.values(), key=lambda p: (p.gpus, p.seq, p.batch))
+
+    def seq_limit(self) -> tuple[str, int] | None:
+        """The model's learned position table and its length: the longest sequence it takes (None: no limit)."""
+        return learned_positions(load_model(self.job.model, meta=True).model)
+
+    def _stages(self, key: Key, full: bool, screen: bool) -> Staged:
+        store = self.screens if screen else self.staged
+        staged = store.get(key)
+        if staged is None:
+            staged = Staged(self._search(key, screen, None))
+            store[key] = staged
+        if full and staged.full is None and not staged.plain.fits:
+            staged.full = self._search(key, screen, staged.plain)
+        return staged
+
+    def _search(self, key: Key, screen: bool, first: AutoResult | None) -> AutoResult:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise Stopped
+        tr = self._trace(key)
+        policy = self._policy(key)
+        if screen:
+            policy = dataclasses.replace(policy, search_effort=0)
+        self.searches += 1
+        if first is None:
+            result = dataclasses.replace(policy, choose_memory_options=False).search(tr, self.job.model.name)
+        else:
+            result = policy.search(tr, self.job.model.name, first=first)
+        if not screen:
+            self._note(key, result, first is not None)
+        return result
+
+    def _policy(self, key: Key) -> AutoPolicy:
+        request = self.job.auto
+        assert request is not None and self.job.cluster is not None
+        policy = make_policy(request, self._cluster(key), self.job.options)
+        assert isinstance(policy, AutoPolicy)
+        return policy
+
+    def _cluster(self, key: Key) -> Cluster:
+        assert self.job.cluster is not None
+        return self.cluster_at(key[2]) if self.cluster_at is not None else self.job.cluster
+
+    def _trace(self, key: Key) -> Trace:
+        batch, seq, _ = key
+        if (batch, seq) not in self.traces:
+            spec = dataclasses.replace(self.job.model, batch_size=batch or self.job.model.batch_size,
+                                       seq_len=seq or self.job.model.seq_len)
+            self.traces[(batch, seq)] = self.tracer(spec, self.job.options)
+        return self.traces[(batch, seq)]
+
+    def _dim1(self, key: Key) -> bool:
+        """Whether auto may try dim-1 sharding without CPU offload at the point: then whether it fits without
+        offload needs the second stage too."""
+        options = self.job.options
+        if options.offload or options.shard_placement is not ShardPlacement.DIM0:
+            return False
+        return bool(shard_dims(self._trace(key), self._cluster(key).world_size, ShardPlacement.AUTO))
+
+    def _point(self, key: Key, staged: Staged) -> FitPoint:
+        found, tr = staged.result, self._trace(key)
+        cluster = self._cluster(key)
+        report = found.report
+        return FitPoint(key[0], key[1] or 1, cluster.world_size, cluster.nodes, found.fits, report.step_time,
+                        report.reserved_memory, found.budget, tr.fwd_flops + tr.bwd_flops,
+                        peak_flops(cluster.gpu, self.job.options.precision), report.mesh,
+                        len(found.plan.activation_checkpointing), offloads(found),
+                        len(found.plan.activation_offloading), staged.complete,
+                        len(found.plan.selective_checkpointing))
+
+    def _note(self, key: Key, result: AutoResult, ways_out: bool) -> None:
+        batch, seq, _ = key
+        verdict = ("fits" + (" with CPU offload" if offloads(result) else "") if result.fits
+                   else "does not fit" + (" (CPU offload tried too)" if ways_out else " without CPU offload"))
+        workload = f"batch {batch:,}{f', seq {seq:,}' if seq else ''}" if batch else "the job"
+        self.reporter.note(f"fit: {workload} on {self._cluster(key).name}: "
+                           f"{verdict} (reserved {fmt_bytes(result.report.reserved_memory)}, "
+                           f"step {fmt_time(result.report.step_time)})")
+
+
+def _fits(staged: Staged, plain: bool) -> bool:
+    result = staged.result
+    return result.fits and not (plain and offloads(result))
+
+
+def larger_clusters(cluster: Cluster, most: int) -> list[Cluster]:
+    """Clusters of ``cluster``'s GPU with more GPUs, smallest first, up to ``most`` GPUs: a partial node doubled up
+    to a whole one, then whole nodes, one more at a time."""
+    out: list[Cluster] = []
+    base = cluster.name.split(":")[0]
+    gpus = cluster.world_size
+    if cluster.nodes == 1 and gpus < MAX_GPUS_PER_NODE:
+        while gpus * 2 <= MAX_GPUS_PER_NODE and gpus * 2 <= most:
+            gpus *= 2
+            out.append(dataclasses.replace(cluster, gpus_per_node=gpus, name=f"{base}:{gpus}"))
+        cluster = dataclasses.replace(cluster, gpus_per_node=MAX_GPUS_PER_NODE)
+    node = cluster.gpus_per_node
+    out += [with_nodes(cluster, n) for n in range(gpus // node + 1, most // node + 1)]
+    return out
+
+
+@dataclass(frozen=True)
+class Fewest:
+    """Where a workload that needs CPU offload on its cluster fits without it: auto's plan on the fewest GPUs of the
+    same kind (None: not on up to ``most``)."""
+
+    point: FitPoint | None
+    most: int
+    gpu: str
+
+    def line(self, cluster: str, offload_step: float | None = None) -> str:
+        """The verdict, one line: nothing fits without offload, the fewest GPUs that fit without, and (given) what
+        auto's plan with CPU offload takes a step."""
+        cost = f"; with CPU offload on {cluster.split(' ')[0]} auto's plan takes {fmt_time(offload_step)} a step" \
+            if offload_step is not None else ""
+        if self.point is None:
+            return f"nothing fits {cluster} without CPU offload, nor on up to {self.most:,} {self.gpu}{cost}"
+        p = self.point
+        times = f" ({offload_step / p.step_time:.1f}x as long)" if offload_step is not None else ""
+        return (f"nothing fits {cluster} without CPU offload: the fewest {self.gpu} that fit it without: "
+                f"{p.gpus:,} ({fmt_time(p.step_time)} a step){cost}{times}")
+
+
+def fewest_without_offload(job: PlanJob, tracer: Tracer, most: int, reporter: Reporter = SILENT,
+                           trace: Trace | None = None) -> Fewest:
+    """The fewest GPUs of the job's kind (more than its cluster's) on which auto fits the job's workload without
+    CPU offload: a search over ``larger_clusters`` (``trace``: the workload's, when the caller has it)."""
+    assert job.cluster is not None
+    clusters = larger_clusters(job.cluster, most)
+    points = Points(job, tracer, lambda i: clusters[i - 1], reporter)
+    if trace is not None:
+        points.traces[(0, 0)] = trace
+    at = lambda i: (0, 0, i)  # noqa: E731  (the job's own workload)
+    found = smallest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), len(clusters)) \
+        if clusters else None
+    return Fewest(points.plain_at(0, 0, found) if found else None, most, job.cluster.gpu.name)
+
+
+DEFAULT_MOST_GPUS = 1024  # the verdict's search for the fewest GPUs without offload stops there
+
+
+def offload_verdict(outcome: PlanOutcome, tracer: Tracer, reporter: Reporter = SILENT,
+                    most: int = DEFAULT_MOST_GPUS) -> str | None:
+    """When auto's plan for the job needs CPU offload (its last resort, not asked for): the verdict for the first
+    line, the fewest GPUs that fit without it and what offload costs here (``Fewest.line``); None otherwise."""
+    search, job = outcome.auto, outcome.job
+    if search is None or not search.fits or not offloads(search) or job.options.offload or job.cluster is None:
+        return None
+    fewest = fewest_without_offload(job, tracer, most, reporter, trace=outcome.trace)
+    return fewest.line(job.cluster.name, search.report.step_time)
+
+
+def config_verdict(job: PlanJob, tracer: Tracer, trace: Trace, offload_step: float | None,
+                   reporter: Reporter = SILENT, most: int = DEFAULT_MOST_GPUS) -> str | None:
+    """``simulate --from-*`` of a config job that offloads or is over the budget: when auto fits nothing without
+    CPU offload on the job's cluster either, the verdict (``Fewest.line``, ``offload_step``: the config's own step
+    when it offloads); None when auto's plan fits without it (``plan --from-...`` shows it)."""
+    assert job.cluster is not None
+    points = Points(job, tracer, None, reporter)
+    points.traces[(0, 0)] = trace
+    if points.fits(lambda _: (0, 0, 1), plain=True)(0):
+        return None
+    return fewest_without_offload(job, tracer, most, reporter, trace=trace).line(job.cluster.name, offload_step)

@@ -202,11 +202,14 @@ class AutoPolicy:
             raise PlannerError(infeasible_message(result))
         return result.written_plan
 
-    def search(self, trace: Trace, model: str = "") -> AutoResult:
-        if self.tensor_parallel:
+    def search(self, trace: Trace, model: str = "", first: AutoResult | None = None) -> AutoResult:
+        """The best plan within the budget, FSDP2's memory options tried when nothing fits without them. ``first``:
+        this policy's search without them (``choose_memory_options=False``) on ``trace``, when the caller ran it
+        already (``fit`` asks whether a workload fits without CPU offload before whether it fits at all)."""
+        if self.tensor_parallel:  # each layout searched on its own view (``first`` is of one trace: not reused)
             return self._choose_tp(trace, model)
         with paused_gc():
-            result = self._search(trace, model)
+            result = first if first is not None else self._search(trace, model)
             ways = self._ways_out(trace, result)
             for offload, placement in ways:
                 tried = replace(self, options=self.options.with_memory_options(offload, placement),
