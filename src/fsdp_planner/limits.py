@@ -70,3 +70,8 @@ def check_config(data: dict[str, Any], where: str) -> None:
                 check_field(f"{key}.{sub_key}", sub_value, where)
         else:
             check_field(str(key), value, where)
+
+# parallel degrees a plan or an option may give (a TP group inside a node, an EP group of experts): far beyond any
+# cluster's, small enough that no loop or message built from them can blow up
+MAX_TP_DEGREE = 1024
+MAX_EP_DEGREE = 1024

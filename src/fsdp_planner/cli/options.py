@@ -24,9 +24,7 @@ from fsdp_planner.choices import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count
-from fsdp_planner.fsdp2.expert_parallel import MAX_EP_DEGREE
-from fsdp_planner.fsdp2.tensor_parallel import MAX_TP_DEGREE
-from fsdp_planner.limits import MAX_BATCH, MAX_SEARCH_EFFORT, MAX_SEQ, MIN_MFU
+from fsdp_planner.limits import MAX_BATCH, MAX_EP_DEGREE, MAX_SEARCH_EFFORT, MAX_SEQ, MAX_TP_DEGREE, MIN_MFU
 
 CLUSTER_HELP = "preset and GPU count (h100:64, h100e:128, a100:16, b200:8, h200:512) or a cluster JSON file"
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.tensor_parallel import matches
+from fsdp_planner.limits import MAX_EP_DEGREE
 from fsdp_planner.userfiles import shown_json
 
-MAX_EP_DEGREE = 1024
 MAX_EXPERT_PATTERNS = 10_000
 MAX_SKEW = 1024.0
 EP_KEYS = ("degree", "modules", "skew")

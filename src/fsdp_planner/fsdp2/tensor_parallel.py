@@ -21,9 +21,9 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.frozen import FrozenDict
+from fsdp_planner.limits import MAX_TP_DEGREE
 from fsdp_planner.userfiles import shown_json
 
-MAX_TP_DEGREE = 1024
 MAX_LAYOUT_ENTRIES = 100_000
 TP_KEYS = ("degree", "layout", "loss_parallel", "async_tp")
 

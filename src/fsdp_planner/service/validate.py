@@ -25,11 +25,18 @@ from fsdp_planner.choices import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
-from fsdp_planner.fsdp2.expert_parallel import MAX_EP_DEGREE
 from fsdp_planner.fsdp2.plan import Mesh
-from fsdp_planner.fsdp2.tensor_parallel import MAX_TP_DEGREE
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
-from fsdp_planner.limits import MAX_BATCH, MAX_NUMEL, MAX_SEARCH_EFFORT, MAX_SEQ, MAX_TOKENS, MIN_MFU
+from fsdp_planner.limits import (
+    MAX_BATCH,
+    MAX_EP_DEGREE,
+    MAX_NUMEL,
+    MAX_SEARCH_EFFORT,
+    MAX_SEQ,
+    MAX_TOKENS,
+    MAX_TP_DEGREE,
+    MIN_MFU,
+)
 from fsdp_planner.models import MAX_ROUTING, MIN_ROUTING, ModelSpec
 from fsdp_planner.models.hf import MAX_OVERRIDES
 from fsdp_planner.planners.registry import CLASSIC_POLICIES, PolicyRequest
