@@ -219,6 +219,16 @@ def calibrate(sub: Subparsers) -> None:
                          "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "
                          "step-time predictions verify --cluster checks")
     sp.add_argument("--nproc", type=int, default=2, help="--backend gloo: ranks (processes) to run (default 2)")
+    sp.add_argument("--trace", action="append", metavar="TRACE.json",
+                    help="fit the cluster to torch.profiler Chrome traces of a job (repeat for more ranks or runs; "
+                         "verify --profile writes them): with --model and --plan or --policy, the job's")
+    sp.add_argument("--model", help="--trace: the traced job's model")
+    sp.add_argument("--plan", help="--trace: the traced job's plan JSON file")
+    sp.add_argument("--policy", choices=POLICY_NAMES, help="--trace: the traced job's policy (instead of --plan; "
+                                                            "auto's plan depends on its cluster: give its --plan)")
+    add_policy_options(sp)
+    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
+                    help=f"--trace: what the job trained in (default {DEFAULT_PRECISION})")
     sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
                                    f"detected from the logs, or {CALIBRATE_BASE} with --overhead alone")
     sp.add_argument("--out", required=True, help="cluster JSON to write")
