@@ -146,8 +146,8 @@ class _Event:
 
 def read_trace(path: str | Path) -> MeasuredTrace:
     """The trace at ``path`` (``.json`` or ``.json.gz``), read and checked (module docstring)."""
-    label = f"trace file '{printable(cut_short(path))}'"
     p = Path(path)
+    label = f"trace file '{printable(cut_short(Path(p.parent.name, p.name)))}'"  # the end of a long path names it
     if not p.is_file():
         raise PlannerError(f"{label} does not exist")
     raw = read_bytes(p, label, "a torch.profiler Chrome trace (JSON)", MAX_TRACE_BYTES)

@@ -1,0 +1,131 @@
+"""calibrate --trace: torch.profiler traces read with bounds and read back exactly (``calibrate/kineto.py``), a
+cluster fitted to them (``calibrate/trace_fit.py``), and real CPU traces of a verify job."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_planner.calibrate.kineto import OpClass, parse_trace, read_trace
+from fsdp_planner.errors import PlannerError
+from tests.kineto_fixture import gpu_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _read(data: object, tmp_path: Path, name: str = "t.json") -> object:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return read_trace(path)
+
+
+def test_gpu_fixture_read_back_exactly(tmp_path: Path) -> None:
+    data, expected = gpu_trace(steps=3)
+    tr = _read(data, tmp_path)
+    assert tr.device == "cuda" and tr.world == 8 and len(tr.steps) == 3
+    assert [s.seconds for s in tr.steps] == pytest.approx(expected.steps, rel=1e-12)
+    for step in tr.steps:
+        assert {c.value: v for c, v in step.op_seconds.items()} == pytest.approx(expected.classes, rel=1e-12)
+        assert {c.value: n for c, n in step.op_counts.items()} == expected.counts
+        got = sorted((c.kind.value, c.nbytes, c.ranks, c.seconds) for c in step.collectives)
+        assert got == pytest.approx(sorted(expected.collectives))
+        assert step.forward > 0 and step.backward > 0
+
+
+def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
+    data, expected = gpu_trace(steps=2)
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(data).encode()))
+    assert [s.seconds for s in read_trace(path).steps] == pytest.approx(expected.steps, rel=1e-12)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1, "dur"', "truncated"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1e999, "dur": 1}]}', "no profiler writes"),
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": ' + "9" * 5000 + ', "dur": 1}]}',
+     "no profiler writes"),
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": NaN, "dur": 1}]}', "no profiler writes"),
+    ('{"nodes": []}', "not a Chrome trace"),
+    ('{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 1}]}', "no ProfilerStep#"),
+    ("\x80\x04\x95pickle", "not text"),
+])
+def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_bytes(text.encode("latin-1") if text.startswith("\x80") else text.encode())
+    with pytest.raises(PlannerError, match=words) as e:
+        read_trace(path)
+    assert "\n" not in str(e.value) and "bad.json" in str(e.value)
+
+
+def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
+    data, _ = gpu_trace(steps=1)
+    data["traceEvents"] += [{"ph": "X", "name": 5, "ts": 1, "dur": 1}, {"ph": "X", "name": "x", "ts": "1"},
+                            {"ph": "X", "name": "y", "ts": 1e20, "dur": 1}, "junk", None]
+    assert len(_read(data, tmp_path).steps) == 1  # events no profiler writes are not read
+    comm = next(e for e in data["traceEvents"] if e.get("name") == "record_param_comms")
+    comm["args"]["dtype"] = "Mystery"
+    with pytest.raises(PlannerError, match="record_param_comms"):
+        _read(data, tmp_path)
+    data["distributedInfo"]["world_size"] = -3
+    with pytest.raises(PlannerError, match="world_size"):
+        _read(data, tmp_path)
+
+
+def test_missing_file_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(PlannerError, match="does not exist"):
+        read_trace(tmp_path / "nope.json")
+
+
+def test_cpu_trace_shape() -> None:
+    """A CPU step: outermost aten ops by name, gloo collectives sized from their c10d op."""
+    data = {"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "tid": 1, "ts": 10, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "tid": 1, "ts": 20, "dur": 80},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "tid": 1, "ts": 200, "dur": 50},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::all_gather (layers.0)", "tid": 1, "ts": 300,
+         "dur": 300},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 1, "ts": 310, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::_allgather_base_", "tid": 1, "ts": 340, "dur": 10,
+         "args": {"Input Dims": [[2048], [1024]], "Input type": ["c10::BFloat16", "c10::BFloat16"]}},
+        {"ph": "X", "cat": "user_annotation", "name": "gloo:all_gather", "tid": 2, "ts": 345, "dur": 200},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_scaled_dot_product_flash_attention_for_cpu", "tid": 1,
+         "ts": 700, "dur": 90}]}
+    step = parse_trace(json.dumps(data).encode(), "t").steps[0]
+    assert step.op_seconds == {OpClass.MATMUL: 100e-6, OpClass.ATTENTION: 90e-6, OpClass.MEMORY: 50e-6}
+    (c,) = step.collectives
+    assert (c.kind.value, c.nbytes, c.ranks) == ("all_gather", 4096, 2) and c.seconds == pytest.approx(205e-6)
+    assert step.exposed_comm == pytest.approx(205e-6)
+
+
+@pytest.mark.integration
+def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
+    """A real 2-rank gloo job's traces: its collectives are what verify counted, and calibrate fits a cluster that
+    reproduces the traced step."""
+    env = {"PYTHONPATH": str(ROOT / "src")}
+    run = [sys.executable, "-m", "fsdp_planner"]
+    done = subprocess.run([*run, "verify", "toy-llama", "--policy", "titan", "--nproc", "2", "--time-steps", "0",
+                           "--profile", str(tmp_path / "p"), "--json"], capture_output=True, text=True,
+                          env={**__import__("os").environ, **env}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    counted = json.loads(done.stdout)
+    tr = read_trace(tmp_path / "p" / "rank0.json")
+    assert tr.device == "cpu" and tr.world == 2 and len(tr.steps) == 3
+    for step in tr.steps:
+        gathered = sum(c.nbytes for c in step.collectives if c.kind.value == "all_gather")
+        assert gathered == counted["counted_bytes"][0]["all_gather"]
+        assert step.op_seconds[OpClass.MATMUL] > 0 and step.seconds > step.compute_seconds
+    out = tmp_path / "c.json"
+    done = subprocess.run([*run, "calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--model", "toy-llama",
+                           "--policy", "titan", "--out", str(out), "--json"], capture_output=True, text=True,
+                          env={**__import__("os").environ, **env}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    fit = json.loads(done.stdout)["fit"]
+    assert fit["after"]["step_time"] == pytest.approx(fit["measured_step"], rel=0.02)
+    assert json.loads(out.read_text())["engine"] == "host"
