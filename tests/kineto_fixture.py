@@ -92,7 +92,7 @@ def gpu_trace(steps: int = 3, blocks: int = 4, world: int = 8, gap_us: int = 500
     t = 1_000_000
     for s in range(steps):
         start, gpu = t, t + 20
-        w.x(f"ProfilerStep#{s + 1}", "user_annotation", start, 0)  # its duration set at the step's end
+        mark = w.x(f"ProfilerStep#{s + 1}", "user_annotation", start, 0)  # its duration set at the step's end
         for b in range(blocks):
             w.x(f"FSDP::pre_forward (layers.{b})", "user_annotation", t + 5, 12)
             gpu = _collective(w, t + 6, gpu, "all_gather", GATHER_BYTES, world, ALL_GATHER_US)
@@ -118,8 +118,7 @@ def gpu_trace(steps: int = 3, blocks: int = 4, world: int = 8, gap_us: int = 500
             gpu = _collective(w, t + 1, gpu, "reduce_scatter", GATHER_BYTES * 2, world, REDUCE_SCATTER_US)
             t += 20
         end = max(t, gpu)
-        w.events[[i for i, e in enumerate(w.events) if e.get("name") == f"ProfilerStep#{s + 1}"][0]]["dur"] = \
-            t - start
+        mark["dur"] = t - start
         expected.steps.append((end - start) / 1e6)
         t = end + gap_us
     per = {"matmul": 0.0, "attention": 0.0, "memory-bound": 0.0}

@@ -26,7 +26,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field

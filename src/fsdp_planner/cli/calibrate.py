@@ -26,12 +26,10 @@ from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optim
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.trace:
+    if any((args.trace, args.model, args.plan, args.policy)):
         from fsdp_planner.cli.calibrate_trace import run_trace
 
         return run_trace(args)
-    if args.model or args.plan or args.policy:
-        raise PlannerError("--model, --plan and --policy name the job of --trace: give its traces with --trace")
     if args.backend is not None:
         return run_gloo(args)
     if args.nproc != 2:

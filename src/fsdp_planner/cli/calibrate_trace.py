@@ -26,6 +26,8 @@ MAX_TRACES = 64  # one per rank of a job of 64 ranks, or a few runs of fewer
 
 
 def run_trace(args: argparse.Namespace) -> int:
+    if not args.trace:
+        raise PlannerError("--model, --plan and --policy name the job of --trace: give its traces with --trace")
     if args.logs or args.overhead or args.compute or args.cpu_optimizer or args.backend:
         raise PlannerError("--trace fits a cluster from traces alone: give no nccl-tests logs, --overhead, "
                            "--compute, --cpu-optimizer or --backend with it")
@@ -44,7 +46,8 @@ def run_trace(args: argparse.Namespace) -> int:
     cluster, fit = fit_trace(tr, plan, traces, base, options)
     cluster.save(out)
     if args.json:
-        print(json_text({"out": str(out), "cluster": cluster.to_dict(), "fit": render.json_ready(asdict(fit))}, indent=2))
+        print(json_text({"out": str(out), "cluster": cluster.to_dict(), "fit": render.json_ready(asdict(fit))},
+                        indent=2))
         return 0
     for table in fit_tables(fit):
         render.console.print(table)
@@ -78,7 +81,7 @@ def fit_tables(fit: TraceFit) -> list[Table]:
     for r in fit.classes:
         ops.add_row(r.op_class, str(r.ops_measured), str(r.ops_simulated), _ms(r.measured), _ms(r.before),
                     _ms(r.after))
-    comms = Table(title="collectives: one call, measured (median) vs charged")
+    comms = Table(title="collectives: one call, measured (mean) vs charged")
     for col in ("collective", "size", "ranks", "a step", "measured", "before fit", "after fit"):
         comms.add_column(col, justify="left" if col == "collective" else "right")
     for c in fit.collectives:

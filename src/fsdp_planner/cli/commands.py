@@ -110,6 +110,9 @@ def simulate(sub: Subparsers) -> None:
     sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
                     help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
                          "time axis")
+    sp.add_argument("--against", metavar="TRACE.json",
+                    help="a torch.profiler trace of this plan's job (verify --profile writes them): its median step "
+                         "beside the simulated one on one time axis (--timeline, --html), phase by phase")
     add_job_config(sp, "simulate")
 
 
