@@ -4,7 +4,8 @@ Run: python benchmarks/trace_holdout.py [WORKDIR]   (writes benchmarks/trace_hol
 cores; WORKDIR keeps the plans, traces and cluster, and a rerun reuses the traces found there)
 
 What a user runs, command for command, on toy-llama with 2 gloo ranks of this machine:
-1. ``fsdp-planner plan toy-llama --policy P --cluster h100:2 --out P.json`` for titan, order and auto (auto's plan
+1. ``fsdp-planner plan toy-llama --policy P --cluster h100:2 --out P.json`` for titan, order (``--target-bytes
+   256KiB``: three blocks a group) and auto (auto's plan
    depends on the cluster it plans for: the file pins it, so the job and the prediction run the same plan);
 2. ``fsdp-planner verify toy-llama --plan P.json --nproc 2 --profile DIR`` three times per plan: each rank writes a
    torch.profiler trace of 3 steps (``runtime/worker.profile_steps``);
@@ -30,6 +31,7 @@ from fsdp_planner.calibrate.kineto import read_trace
 HERE = Path(__file__).resolve().parent
 PLANS = ("titan", "order", "auto")
 RUNS = 3
+POLICY_OPTIONS = {"order": ("--target-bytes", "256KiB")}  # three blocks a group: not titan's one-block groups
 TARGET = 0.15
 
 
@@ -60,7 +62,8 @@ def measure(work: Path) -> None:
     runs: dict[str, list[float]] = {}
     for plan in PLANS:
         if not (work / f"{plan}.json").exists():
-            cli("plan", "toy-llama", "--policy", plan, "--cluster", "h100:2", "--out", str(work / f"{plan}.json"))
+            cli("plan", "toy-llama", "--policy", plan, "--cluster", "h100:2", "--out", str(work / f"{plan}.json"),
+                *POLICY_OPTIONS.get(plan, ()))
         runs[plan] = []
         for i in range(RUNS):
             out = work / f"{plan}{i}"

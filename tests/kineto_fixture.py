@@ -133,3 +133,63 @@ def gpu_trace(steps: int = 3, blocks: int = 4, world: int = 8, gap_us: int = 500
             "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": world}, "traceEvents": w.events,
             "displayTimeUnit": "ms"}
     return data, expected
+
+
+def simulated_gpu_trace(trace: object, plan: object, cluster: object, options: object, steps: int = 2) -> dict:
+    """A GPU trace of ``plan`` on ``cluster`` as the simulator runs it, written to the schema above: each op a kernel
+    of its class (its roofline time on ``cluster``), laid out in the simulated compute runs, each collective an NCCL
+    kernel sized by a ``record_param_comms`` op. What ``calibrate --trace`` must recover ``cluster``'s figures from.
+    (Typed loosely: the fixture module stays importable without the planner's layers.)"""
+    from fsdp_planner.sim.compute import op_times
+    from fsdp_planner.sim.simulate import simulate
+    from fsdp_planner.sim.sizing import Sizing
+    from fsdp_planner.sim.timeline import Stream, Work
+    from fsdp_planner.trace.events import KERNEL_ATTENTION
+
+    report = simulate(trace, plan, cluster, options, timeline=True)
+    seconds = op_times(trace, cluster.gpu, options.precision, cluster.compute, cluster.world_size)
+    sizing = Sizing(trace, cluster.world_size, options.precision)
+    params = sizing.group_params(plan)
+    runs = sorted((e for e in report.timeline if e.stream is Stream.COMPUTE and e.work is Work.OPS and e.op >= 0),
+                  key=lambda e: e.start)
+    w, t0 = _Writer(), 1_000_000.0
+    for s in range(steps):
+        mark = w.x(f"ProfilerStep#{s + 1}", "user_annotation", round(t0, 3), round(report.step_time * 1e6, 3))
+        for k, run in enumerate(runs):
+            stop = runs[k + 1].op if k + 1 < len(runs) and runs[k + 1].op > run.op else len(trace.events)
+            at = t0 + run.start * 1e6
+            for i in range(run.op, stop):
+                ev = trace.events[i]
+                if not ev.is_op or seconds[i] <= 0:
+                    continue
+                kernel = ev.kernel
+                name = ("sm90_xmma_gemm_bf16bf16_bf16f32" if kernel > 0 else
+                        ("flash_bwd_kernel" if ev.backward else "flash_fwd_kernel") if kernel == KERNEL_ATTENTION
+                        else "vectorized_elementwise_kernel")
+                w.ids += 1
+                w.launch(round(max(mark["ts"], at - 5), 3), 90_000 + w.ids, name, round(at, 3),
+                         round(seconds[i] * 1e6, 3), COMPUTE_STREAM)
+                at += seconds[i] * 1e6
+        for e in report.timeline:
+            if e.stream in (Stream.ALL_GATHER, Stream.REDUCE_SCATTER):
+                gather = e.stream is Stream.ALL_GATHER
+                nbytes = (sizing.gather_bytes(params[e.group]) if gather else sizing.reduce_bytes(params[e.group]))
+                itemsize = options.precision.compute_bytes if gather else options.precision.reduce_bytes
+                _nccl(w, t0 + e.start * 1e6, (e.end - e.start) * 1e6, gather, nbytes // itemsize, itemsize,
+                      cluster.world_size, mark["ts"])
+        t0 += report.step_time * 1e6 + 200
+    return {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": cluster.world_size},
+            "traceEvents": w.events}
+
+
+def _nccl(w: _Writer, start: float, dur: float, gather: bool, numel: int, itemsize: int, world: int,
+          step_start: float) -> None:
+    w.ids += 1
+    external = 70_000 + w.ids
+    dtype = {2: "BFloat16", 4: "Float"}[itemsize]
+    w.x("record_param_comms", "cpu_op", round(max(step_start, start - 10), 3), 5,
+        **{"Collective name": "_allgather_base" if gather else "_reduce_scatter_base",
+           "In msg nelems": numel // world if gather else numel, "Out msg nelems": numel if gather else numel // world,
+           "Group size": world, "dtype": dtype, "External id": external})
+    kernel = "ncclDevKernel_AllGather_RING_LL" if gather else "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"
+    w.launch(round(max(step_start, start - 8), 3), external, kernel, round(start, 3), round(dur, 3), NCCL_STREAM)

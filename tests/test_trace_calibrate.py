@@ -129,3 +129,35 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
     fit = json.loads(done.stdout)["fit"]
     assert fit["after"]["step_time"] == pytest.approx(fit["measured_step"], rel=0.02)
     assert json.loads(out.read_text())["engine"] == "host"
+
+
+def test_gpu_trace_calibrates_its_cluster(tmp_path: Path) -> None:
+    """A GPU trace of toy-llama's titan plan on an H100 node whose kernels run at other efficiencies than the
+    preset's (written to the Kineto schema from the simulator's run on that truth): calibrating from the preset
+    recovers the truth's efficiencies, and predicts the trace's step within 5%."""
+    import dataclasses
+
+    from fsdp_planner.calibrate.trace_fit import fit_trace
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+    from fsdp_planner.service.planning import policy_plan
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+    from fsdp_planner.sim.simulate import simulate
+    from tests.kineto_fixture import simulated_gpu_trace
+
+    options = SimOptions.named("bf16-mixed")
+    tr = trace_spec("toy-llama", options.precision, False, lambda line: None)
+    base = parse_cluster("h100:8")
+    truth = dataclasses.replace(base, compute=dataclasses.replace(
+        base.compute, matmul_efficiency=0.45, attention_efficiency=0.3, memory_efficiency=0.55))
+    plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "toy-llama", truth, options)
+    data = simulated_gpu_trace(tr, plan, truth, options)
+    measured = _read(data, tmp_path)
+    step = simulate(tr, plan, truth, options, timeline=False).step_time
+    assert measured.step_seconds == pytest.approx(step, rel=1e-6)
+    cluster, fit = fit_trace(tr, plan, [measured], base, options)
+    for attr in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        assert getattr(cluster.compute, attr) == pytest.approx(getattr(truth.compute, attr), rel=0.02), attr
+    assert fit.before.step_time != pytest.approx(step, rel=0.05)  # the preset alone is off
+    assert simulate(tr, plan, cluster, options, timeline=False).step_time == pytest.approx(step, rel=0.05)

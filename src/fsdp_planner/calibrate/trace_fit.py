@@ -38,7 +38,10 @@ from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.events import KERNEL_ATTENTION
 from fsdp_planner.trace.records import Trace
 
-PASSES = 6  # fixed-point passes of the efficiencies: the roofline's max moves a class's ops between its two terms
+# fixed-point passes of the efficiencies, at most: a class's ops bound by the other term (a small matmul moving its
+# bytes) answer to its efficiency only in part, so the passes converge geometrically, not at once
+PASSES = 200
+CONVERGED = 1e-6  # every class's predicted seconds within this relative distance of the measured
 CPU_START = 1e10  # a CPU "GPU"'s starting peak FLOP/s and bandwidth; the fit moves them to what was measured
 
 
@@ -102,6 +105,8 @@ def fit_compute(trace: Trace, cluster: Cluster, measured: dict[OpClass, float], 
         predicted = class_seconds(trace, cluster, options)
         c = cluster.compute
         scale = {k: predicted[k] / measured[k] if measured[k] > 0 and predicted[k] > 0 else 1.0 for k in OpClass}
+        if all(abs(v - 1) <= CONVERGED for v in scale.values()):
+            break
         matmul = c.matmul_efficiency * scale[OpClass.MATMUL]
         attention = c.attention_efficiency * scale[OpClass.ATTENTION]
         memory = c.memory_efficiency * scale[OpClass.MEMORY]
