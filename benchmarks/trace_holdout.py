@@ -9,8 +9,9 @@ What a user runs, command for command, on toy-llama with 2 gloo ranks of this ma
    depends on the cluster it plans for: the file pins it, so the job and the prediction run the same plan);
 2. ``fsdp-planner verify toy-llama --plan P.json --nproc 2 --profile DIR`` three times per plan: each rank writes a
    torch.profiler trace of 3 steps (``runtime/worker.profile_steps``);
-3. ``fsdp-planner calibrate --trace DIR/rank0.json --trace DIR/rank1.json --model toy-llama --plan titan.json``
-   from titan's first run only;
+3. ``fsdp-planner calibrate --trace DIR/rank0.json --trace DIR/rank1.json ... --model toy-llama --plan titan.json``
+   from titan's runs (both ranks of each: 18 steps; the host is shared with other jobs, and one run's steps vary
+   by 2x);
 4. ``fsdp-planner simulate toy-llama --plan P.json --cluster cluster.json --json``: the predicted step of each plan,
    against the measured one: per run the median step of both ranks' traces (``calibrate/kineto.py``), then the
    median of the three runs. Target (issue 37): order and auto within 15%.
@@ -72,8 +73,9 @@ def measure(work: Path) -> None:
                     str(out), "--time-steps", "0")
             runs[plan].append(measured_step(out))
     cluster = work / "cluster.json"
-    cli("calibrate", "--trace", str(work / "titan0/rank0.json"), "--trace", str(work / "titan0/rank1.json"),
-        "--model", "toy-llama", "--plan", str(work / "titan.json"), "--out", str(cluster), "--force")
+    traces = [arg for i in range(RUNS) for r in (0, 1) for arg in ("--trace", str(work / f"titan{i}/rank{r}.json"))]
+    cli("calibrate", *traces, "--model", "toy-llama", "--plan", str(work / "titan.json"), "--out", str(cluster),
+        "--force")
     for plan in PLANS:
         report = json.loads(cli("simulate", "toy-llama", "--plan", str(work / f"{plan}.json"), "--cluster",
                                 str(cluster), "--json"))
@@ -82,7 +84,7 @@ def measure(work: Path) -> None:
                      "runs_ms": [round(t * 1e3, 2) for t in runs[plan]], "measured_ms": round(measured * 1e3, 2),
                      "predicted_ms": round(report["step_time"] * 1e3, 2),
                      "error": round(report["step_time"] / measured - 1, 4),
-                     "role": "calibrated on (run 1)" if plan == "titan" else "held out"})
+                     "role": "calibrated on" if plan == "titan" else "held out"})
     write(rows)
 
 
@@ -90,7 +92,7 @@ def write(rows: list[dict]) -> None:
     (HERE / "trace_holdout.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["# Calibrated from one plan's profiler trace, checked on other plans' traces (issue 37)", "",
              "Command: `python benchmarks/trace_holdout.py` (toy-llama, 2 gloo ranks of this machine, bf16-mixed; "
-             f"{os.cpu_count()} cores). The cluster comes from `calibrate --trace` on titan's first run; each plan's "
+             f"{os.cpu_count()} cores). The cluster comes from `calibrate --trace` on titan's runs' traces; each plan's "
              "measured step is the median of its three runs' medians (3 profiled steps on each of 2 ranks). "
              f"Target: held-out plans within {TARGET:.0%}.", "",
              "| plan | groups | runs (ms) | measured (ms) | predicted (ms) | error | role |",

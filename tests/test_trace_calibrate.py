@@ -132,7 +132,7 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
 
 
 def test_gpu_trace_calibrates_its_cluster(tmp_path: Path) -> None:
-    """A GPU trace of toy-llama's titan plan on an H100 node whose kernels run at other efficiencies than the
+    """A GPU trace of Llama 3.2 3B's titan plan on an H100 node whose kernels run at other efficiencies than the
     preset's (written to the Kineto schema from the simulator's run on that truth): calibrating from the preset
     recovers the truth's efficiencies, and predicts the trace's step within 5%."""
     import dataclasses
@@ -147,11 +147,14 @@ def test_gpu_trace_calibrates_its_cluster(tmp_path: Path) -> None:
     from tests.kineto_fixture import simulated_gpu_trace
 
     options = SimOptions.named("bf16-mixed")
-    tr = trace_spec("toy-llama", options.precision, False, lambda line: None)
+    from fsdp_planner.models import ModelSpec
+
+    spec = ModelSpec("llama32-3b", seq_len=2048)  # large enough that its matmuls are compute-bound on an H100
+    tr = trace_spec(spec, options.precision, False, lambda line: None)
     base = parse_cluster("h100:8")
     truth = dataclasses.replace(base, compute=dataclasses.replace(
         base.compute, matmul_efficiency=0.45, attention_efficiency=0.3, memory_efficiency=0.55))
-    plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "toy-llama", truth, options)
+    plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), spec.name, truth, options)
     data = simulated_gpu_trace(tr, plan, truth, options)
     measured = _read(data, tmp_path)
     step = simulate(tr, plan, truth, options, timeline=False).step_time
