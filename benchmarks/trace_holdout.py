@@ -92,8 +92,8 @@ def write(rows: list[dict]) -> None:
     (HERE / "trace_holdout.json").write_text(json.dumps(rows, indent=2) + "\n")
     lines = ["# Calibrated from one plan's profiler trace, checked on other plans' traces (issue 37)", "",
              "Command: `python benchmarks/trace_holdout.py` (toy-llama, 2 gloo ranks of this machine, bf16-mixed; "
-             f"{os.cpu_count()} cores). The cluster comes from `calibrate --trace` on titan's runs' traces; each plan's "
-             "measured step is the median of its three runs' medians (3 profiled steps on each of 2 ranks). "
+             f"{os.cpu_count()} cores). The cluster comes from `calibrate --trace` on titan's runs' traces; each "
+             "plan's measured step is the median of its three runs' medians (3 profiled steps on each of 2 ranks). "
              f"Target: held-out plans within {TARGET:.0%}.", "",
              "| plan | groups | runs (ms) | measured (ms) | predicted (ms) | error | role |",
              "|---|---:|---|---:|---:|---:|---|"]

@@ -167,8 +167,10 @@ def simulated_gpu_trace(trace: object, plan: object, cluster: object, options: o
                         ("flash_bwd_kernel" if ev.backward else "flash_fwd_kernel") if kernel == KERNEL_ATTENTION
                         else "vectorized_elementwise_kernel")
                 w.ids += 1
-                w.launch(round(max(mark["ts"], at - 5), 3), 90_000 + w.ids, name, round(at, 3),
-                         round(seconds[i] * 1e6, 3), COMPUTE_STREAM)
+                launch = round(max(mark["ts"], at - 5), 3)
+                if ev.backward:  # launched by autograd's engine, as a real backward kernel is
+                    w.x("autograd::engine::evaluate_function: MmBackward0", "cpu_op", launch, 4)
+                w.launch(launch, 90_000 + w.ids, name, round(at, 3), round(seconds[i] * 1e6, 3), COMPUTE_STREAM)
                 at += seconds[i] * 1e6
         for e in report.timeline:
             if e.stream in (Stream.ALL_GATHER, Stream.REDUCE_SCATTER):

@@ -164,3 +164,33 @@ def test_gpu_trace_calibrates_its_cluster(tmp_path: Path) -> None:
         assert getattr(cluster.compute, attr) == pytest.approx(getattr(truth.compute, attr), rel=0.02), attr
     assert fit.before.step_time != pytest.approx(step, rel=0.05)  # the preset alone is off
     assert simulate(tr, plan, cluster, options, timeline=False).step_time == pytest.approx(step, rel=0.05)
+
+
+def test_simulate_against_its_own_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate --against`` a GPU trace the simulator wrote of the same plan on the same cluster: both steps on one
+    axis in the PNG and the page, and phase by phase they agree (the measured side read from the trace, the
+    simulated from the timeline)."""
+    from fsdp_planner.cli import main
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+    from fsdp_planner.service.planning import policy_plan
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+    from tests.kineto_fixture import simulated_gpu_trace
+
+    options = SimOptions.named("bf16-mixed")
+    tr = trace_spec("toy-llama", options.precision)
+    cluster = parse_cluster("h100:8")
+    plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "toy-llama", cluster, options)
+    (tmp_path / "t.json").write_text(json.dumps(simulated_gpu_trace(tr, plan, cluster, options)))
+    args = ["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--against",
+            str(tmp_path / "t.json")]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for phase in ("step", "forward", "backward", "compute"):
+        assert out["measured"][phase] == pytest.approx(out["simulated"][phase], rel=0.01, abs=1e-6), phase
+    assert len(out["gaps"]) == 3
+    assert main([*args, "--html", str(tmp_path / "a.html"), "--timeline", str(tmp_path / "a.png")]) == 0
+    page = (tmp_path / "a.html").read_text()
+    assert "largest gaps" in page and "measured (rank 0): compute" in page and "simulated titan" in page
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -23,11 +23,12 @@ pickle); numbers beyond ``MAX_MICROSECONDS``, non-finite ones (``NaN``, ``1e999`
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -195,12 +196,12 @@ def parse_json_trace(raw: bytes, label: str) -> Any:
         return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         end = " (truncated?)" if e.pos >= len(text.rstrip()) else ""
-        detail = f"not valid JSON{end}: {e.msg} at line {e.lineno} column {e.colno}"
+        detail = f"is not valid JSON{end}: {e.msg} at line {e.lineno} column {e.colno}"
     except RecursionError:
-        detail = "nested too deeply to be a profiler's trace"
+        detail = "is nested too deeply to be a profiler's trace"
     except ValueError as e:
         detail = f"holds a value no profiler writes ({e})"
-    raise PlannerError(f"{label} is {detail}" if detail.startswith("not") else f"{label} {detail}") from None
+    raise PlannerError(f"{label} {detail}") from None
 
 
 def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
@@ -292,14 +293,19 @@ def covered(intervals: Iterable[Interval]) -> float:
     return total
 
 
+BACKWARD_RANGES = ("autograd::engine::evaluate_function", "FSDP::pre_backward", "FSDP::post_backward",
+                   "FSDP::root_post_backward")
+
+
 def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bool, label: str) -> Step:
     """Step ``i`` of the trace: its ProfilerStep range ``marks[i]``, its ops or kernels and its collectives."""
     mark = marks[i]
     start, end = mark.ts, mark.end
     main = [e for e in _within(events, start, end) if e.tid == mark.tid and e is not mark]
     fsdp = _outermost([e for e in main if e.name.startswith("FSDP::")])
+    backward = [(e.ts, e.end) for e in main if e.name.startswith(BACKWARD_RANGES)]
     if gpu:
-        ops, comms, end = _gpu_work(events, start, end, world, label)
+        ops, comms, end, backward = _gpu_work(events, (start, end), world, label, backward)
     else:
         ops = [(e, op_class(e.name, False)) for e in _outermost([e for e in main
                                                                  if e.name.startswith(("aten::", "FSDP::"))])
@@ -310,12 +316,16 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
              + [Span(c.kind.value, a, b, "communication") for c, a, b in comms]
              + [Span(e.name, e.ts, e.end, "host") for e in fsdp])
     spans = [Span(sp.name, (sp.start - start) / 1e6, (sp.end - start) / 1e6, sp.lane) for sp in spans]
-    return _measured_step(spans, ops, [c for c, _, _ in comms], main, (start, end), gpu)
+    optimizer = covered((e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#"))
+    return _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
 
 
 def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: list[Collective],
-                   main: list[_Event], bounds: Interval, gpu: bool) -> Step:
+                   bounds: Interval, gpu: bool, phases: tuple[list[Interval], float]) -> Step:
+    """The step from its parts; ``phases``: backward's intervals (CPU ranges, or on a GPU the kernels they
+    launched) and the optimizer's time."""
     start, end = bounds
+    backward, optimizer = phases
     seconds: dict[OpClass, float] = dict.fromkeys(OpClass, 0.0)
     counts: dict[OpClass, int] = dict.fromkeys(OpClass, 0)
     for e, kind in ops:
@@ -326,21 +336,19 @@ def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: 
     compute = covered(lanes["compute"])
     busy = covered(lanes["compute"] + lanes["communication"])
     everything = covered(lanes["compute"] + lanes["communication"] + lanes["host"])
-    backward = [e for e in main if e.name.startswith(("autograd::engine::evaluate_function", "FSDP::pre_backward",
-                                                      "FSDP::post_backward", "FSDP::root_post_backward"))]
-    bwd_start = min((e.ts for e in backward), default=end)
-    bwd_end = max((e.end for e in backward), default=end)
-    optimizer = covered((e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#"))
+    bwd_start = min((a for a, _ in backward), default=end)
+    bwd_end = max((b for _, b in backward), default=end)
     step = (end - start) / 1e6
     return Step(step, seconds, counts, tuple(comms), covered(lanes["host"]) if gpu else everything - busy,
                 (bwd_start - start) / 1e6, (bwd_end - bwd_start) / 1e6, optimizer / 1e6, busy - compute,
                 max(0.0, step - (busy if gpu else everything)), tuple(spans))
 
 
-def _gpu_work(events: list[_Event], start: float, end: float, world: int, label: str
-              ) -> tuple[list[tuple[_Event, OpClass]], list[tuple[Collective, float, float]], float]:
-    """The step's kernels (those launched inside it) as ops and collectives, and the step's end: its CPU range's,
-    or its last kernel's."""
+def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str, backward: list[Interval]
+              ) -> tuple[list[tuple[_Event, OpClass]], list[tuple[Collective, float, float]], float, list[Interval]]:
+    """The step's kernels (those launched inside it) as ops and collectives, the step's end (its CPU range's, or
+    its last kernel's) and the kernels launched inside ``backward``'s CPU ranges."""
+    start, end = bounds
     launches = {e.args.get("correlation"): e.ts for e in events
                 if e.cat in ("cuda_runtime", "cuda_driver") and isinstance(e.args.get("correlation"), int)}
     kernels = sorted((e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")
@@ -352,11 +360,30 @@ def _gpu_work(events: list[_Event], start: float, end: float, world: int, label:
     for k, kernel in enumerate(comms):
         record = by_id.get(kernel.args.get("External id")) or (sizes[k] if k < len(sizes) else None)
         if record is None:
-            raise PlannerError(f"{label}: NCCL kernel '{printable(cut_short(kernel.name))}' has no record_param_comms "
-                               "op to size it (profile with record_shapes=True)")
+            raise PlannerError(f"{label}: NCCL kernel '{printable(cut_short(kernel.name))}' has no "
+                               "record_param_comms op to size it (profile with record_shapes=True)")
         collectives.append((_nccl_collective(record, kernel, world, label), kernel.ts, kernel.end))
     ops = [(e, op_class(e.name, True)) for e in kernels if "nccl" not in e.name.lower()]
-    return ops, collectives, max([end, *(e.end for e in kernels)])
+    inside = _inside(backward)
+    launched_in = [(e.ts, e.end) for e, _ in ops if inside(launches.get(e.args.get("correlation"), -1.0))]
+    return ops, collectives, max([end, *(e.end for e in kernels)]), launched_in
+
+
+def _inside(intervals: list[Interval]) -> Callable[[float], bool]:
+    """Whether a time falls in any of ``intervals`` (merged, then bisected: a trace has 100,000s of kernels)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [a for a, _ in merged]
+
+    def test(t: float) -> bool:
+        k = bisect.bisect_right(starts, t) - 1
+        return k >= 0 and t <= merged[k][1]
+
+    return test
 
 
 NCCL_NAMES = (("reduce_scatter", CollectiveKind.REDUCE_SCATTER), ("reducescatter", CollectiveKind.REDUCE_SCATTER),
