@@ -7,8 +7,9 @@ What a user runs, command for command, on toy-llama with 2 gloo ranks of this ma
 1. ``fsdp-planner plan toy-llama --policy P --cluster h100:2 --out P.json`` for titan, order (``--target-bytes
    256KiB``: three blocks a group) and auto (auto's plan
    depends on the cluster it plans for: the file pins it, so the job and the prediction run the same plan);
-2. ``fsdp-planner verify toy-llama --plan P.json --nproc 2 --profile DIR`` three times per plan: each rank writes a
-   torch.profiler trace of 3 steps (``runtime/worker.profile_steps``);
+2. ``fsdp-planner verify toy-llama --plan P.json --nproc 2 --profile DIR`` three times per plan, the plans taking
+   turns (titan, order, auto, titan, ...): each rank writes a torch.profiler trace of 3 steps
+   (``runtime/worker.profile_steps``);
 3. ``fsdp-planner calibrate --trace DIR/rank0.json --trace DIR/rank1.json ... --model toy-llama --plan titan.json``
    from titan's runs (both ranks of each: 18 steps; the host is shared with other jobs, and one run's steps vary
    by 2x);
@@ -68,7 +69,8 @@ def measure(work: Path) -> None:
             cli("plan", "toy-llama", "--policy", plan, "--cluster", "h100:2", "--out", str(work / f"{plan}.json"),
                 *POLICY_OPTIONS.get(plan, ()))
         runs[plan] = []
-        for i in range(RUNS):
+    for i in range(RUNS):  # the plans take turns: a change in the host's load falls on all of them alike
+        for plan in PLANS:
             out = work / f"{plan}{i}"
             if not (out / "rank1.json").exists():
                 load = [*(load or []), os.getloadavg()[0]]

@@ -37,9 +37,10 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, printable
 from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.report.against import covered
 from fsdp_planner.userfiles import read_bytes
 
-MAX_TRACE_BYTES = 1 << 30  # a few steps of a large job's GPU trace are hundreds of MiB
+MAX_TRACE_BYTES = 512 << 20  # a few steps of a large job's GPU trace are 100-500 MiB; parsed, ~10x that in memory
 MAX_EVENTS = 20_000_000
 MAX_INT_DIGITS = 20  # ids, sizes and nanosecond timestamps fit; a longer integer is not a profiler's
 MAX_MICROSECONDS = 1e15  # about 30 years of timestamps: anything beyond is not a clock
@@ -98,7 +99,8 @@ class Step:
     op_seconds: dict[OpClass, float]
     op_counts: dict[OpClass, int]
     collectives: tuple[Collective, ...]
-    fsdp_seconds: float  # FSDP2's host ranges, less the collectives and compute inside them
+    fsdp_seconds: float  # FSDP2's host ranges: on a CPU rank less the collectives and ops inside them; on a GPU
+    # all of them (the host runs ahead of the kernels: its time shows only where the GPU then waits)
     forward: float  # step start to backward's start
     backward: float  # to backward's last op
     optimizer: float
@@ -281,16 +283,6 @@ def _outermost(events: list[_Event]) -> list[_Event]:
 
 
 Interval = tuple[float, float]
-
-
-def covered(intervals: Iterable[Interval]) -> float:
-    """The length of the union of ``intervals``."""
-    total, reach = 0.0, -math.inf
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 BACKWARD_RANGES = ("autograd::engine::evaluate_function", "FSDP::pre_backward", "FSDP::post_backward",

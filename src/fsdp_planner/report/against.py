@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 import io
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
@@ -58,7 +58,8 @@ class Side:
     phases: Phases
 
 
-def covered(intervals: Sequence[tuple[float, float]]) -> float:
+def covered(intervals: Iterable[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals``."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
         if end > reach:
