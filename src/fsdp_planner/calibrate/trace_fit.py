@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fsdp_planner.calibrate.gloo import monotone
 from fsdp_planner.calibrate.kineto import MeasuredTrace, OpClass, Step
 from fsdp_planner.calibrate.nccl_logs import fit_samples
 from fsdp_planner.errors import PlannerError
@@ -187,7 +186,7 @@ def fit_collectives(cluster: Cluster, steps: list[Step]) -> Cluster:
             if len(rows) < 2:
                 continue
             if cluster.engine is Engine.HOST and ranks == cluster.world_size:
-                tables[kind] = monotone(rows)
+                tables[kind] = rows  # as measured: a job pays each size its own mean, tails included
             try:
                 alpha, busbw, _, _ = fit_samples(rows, ranks, f"the trace's {kind.replace('_', '-')}s")
             except PlannerError:  # too few or too noisy sizes for a line: the cluster's latency, the bytes' rate

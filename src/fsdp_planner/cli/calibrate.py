@@ -26,7 +26,7 @@ from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optim
 
 
 def run(args: argparse.Namespace) -> int:
-    if any((args.trace, args.model, args.plan, args.policy)):
+    if any((args.trace, args.trace_model, args.plan, args.policy)):
         from fsdp_planner.cli.calibrate_trace import run_trace
 
         return run_trace(args)

@@ -33,13 +33,13 @@ def run_trace(args: argparse.Namespace) -> int:
                            "--compute, --cpu-optimizer or --backend with it")
     if len(args.trace) > MAX_TRACES:
         raise PlannerError(f"at most {MAX_TRACES} --trace files, got {len(args.trace)}")
-    if not args.model or bool(args.plan) == bool(args.policy):
+    if not args.trace_model or bool(args.plan) == bool(args.policy):
         raise PlannerError("--trace needs the traced job: --model M and one of --plan P or --policy NAME")
     out = output_file(args.out, force=args.force)
     assert out is not None
     traces = [read_trace(path) for path in args.trace]
     options = SimOptions.named(args.precision)
-    spec = ModelSpec(args.model)
+    spec = ModelSpec(args.trace_model)
     tr = load_trace(spec, render.notes, precision=options.precision)
     base = parse_cluster(args.base) if args.base else None
     plan = _plan(args, tr, spec, traces)
@@ -52,7 +52,7 @@ def run_trace(args: argparse.Namespace) -> int:
     for table in fit_tables(fit):
         render.console.print(table)
     render.plain(f"cluster written to {out}: {cluster.describe()}")
-    render.plain(f"predict another plan's step with it: fsdp-planner simulate {args.model} --plan PLAN.json "
+    render.plain(f"predict another plan's step with it: fsdp-planner simulate {args.trace_model} --plan PLAN.json "
                  f"--cluster {out} --against TRACE.json")
     return 0
 

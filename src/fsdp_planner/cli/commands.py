@@ -225,7 +225,7 @@ def calibrate(sub: Subparsers) -> None:
     sp.add_argument("--trace", action="append", metavar="TRACE.json",
                     help="fit the cluster to torch.profiler Chrome traces of a job (repeat for more ranks or runs; "
                          "verify --profile writes them): with --model and --plan or --policy, the job's")
-    sp.add_argument("--model", help="--trace: the traced job's model")
+    sp.add_argument("--model", dest="trace_model", metavar="MODEL", help="--trace: the traced job's model")
     sp.add_argument("--plan", help="--trace: the traced job's plan JSON file")
     sp.add_argument("--policy", choices=POLICY_NAMES, help="--trace: the traced job's policy (instead of --plan; "
                                                             "auto's plan depends on its cluster: give its --plan)")
