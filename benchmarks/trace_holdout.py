@@ -124,7 +124,7 @@ def render(history: list[dict]) -> None:
         lines.append(f"| {run['when']} | {schedule} | {shown} | {cells} | {'yes' if ok else 'no'} |")
     lines += ["", "The host is shared with other jobs: one plan's runs differ by up to 3x (the runs column), a "
               "rank's collectives wait on a busy peer, and the verdict moves from run to run with the load. In the "
-              "18:11 run the ops alone (matmul, attention, memory-bound: the same ops in every plan) took 12.1 ms a "
+              "18:08 run the ops alone (matmul, attention, memory-bound: the same ops in every plan) took 12.1 ms a "
               "step in titan's typical steps and 26.1 ms in auto's: the host, not the plan, made auto slower there; "
               "the same 84 KiB all-gather took 1.14 ms in titan's runs and 2.72 ms in order's. The model predicts "
               "the plan's cost on the host as it was while the calibrating plan ran."]
