@@ -26,6 +26,10 @@ from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optim
 
 
 def run(args: argparse.Namespace) -> int:
+    if any((args.trace, args.trace_model, args.plan, args.policy)):
+        from fsdp_planner.cli.calibrate_trace import run_trace
+
+        return run_trace(args)
     if args.backend is not None:
         return run_gloo(args)
     if args.nproc != 2:

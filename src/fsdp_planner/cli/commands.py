@@ -117,6 +117,9 @@ def simulate(sub: Subparsers) -> None:
     sp.add_argument("--compare", metavar="POLICY_OR_PLAN",
                     help="a second plan (policy name or plan JSON) simulated beside the first, drawn on the same "
                          "time axis")
+    sp.add_argument("--against", metavar="TRACE.json",
+                    help="a torch.profiler trace of this plan's job (verify --profile writes them): its median step "
+                         "beside the simulated one on one time axis (--timeline, --html), phase by phase")
     add_job_config(sp, "simulate")
 
 
@@ -142,6 +145,9 @@ def verify(sub: Subparsers) -> None:
     sp.add_argument("--time-steps", type=int, default=TIME_STEPS, metavar="T",
                     help=f"after the checked steps, time T more forward + backward steps of the sharded model alone "
                          f"and report their median (default {TIME_STEPS}; 0: none)")
+    sp.add_argument("--profile", type=Path, metavar="DIR",
+                    help="write a torch.profiler trace of a few more steps of each rank to DIR/rankR.json (the input "
+                         "of calibrate --trace and simulate --against)")
     sp.add_argument("--measure", action="store_true",
                     help="with --cluster: time the model's ops on this machine for the step-time prediction (one "
                          "thread, as each gloo rank runs) instead of the roofline estimate")
@@ -223,6 +229,16 @@ def calibrate(sub: Subparsers) -> None:
                          "of sizes and FSDP2's per-group, per-param and per-op cost, fitted into a cluster whose "
                          "step-time predictions verify --cluster checks")
     sp.add_argument("--nproc", type=int, default=2, help="--backend gloo: ranks (processes) to run (default 2)")
+    sp.add_argument("--trace", action="append", metavar="TRACE.json",
+                    help="fit the cluster to torch.profiler Chrome traces of a job (repeat for more ranks or runs; "
+                         "verify --profile writes them): with --model and --plan or --policy, the job's")
+    sp.add_argument("--model", dest="trace_model", metavar="MODEL", help="--trace: the traced job's model")
+    sp.add_argument("--plan", help="--trace: the traced job's plan JSON file")
+    sp.add_argument("--policy", choices=POLICY_NAMES, help="--trace: the traced job's policy (instead of --plan; "
+                                                            "auto's plan depends on its cluster: give its --plan)")
+    add_policy_options(sp)
+    sp.add_argument("--precision", default=DEFAULT_PRECISION, choices=list(PRECISION_NAMES),
+                    help=f"--trace: what the job trained in (default {DEFAULT_PRECISION})")
     sp.add_argument("--base", help="cluster to start from: a preset (e.g. h100:16) or a cluster JSON; default: "
                                    f"detected from the logs, or {CALIBRATE_BASE} with --overhead alone")
     sp.add_argument("--out", required=True, help="cluster JSON to write")

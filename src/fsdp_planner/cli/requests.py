@@ -304,6 +304,7 @@ class VerifyRequest:
     plan_model: ModelSpec | None = None  # --plan-model: the model auto plans (None: the job's own)
     micro_batches: int = 1  # forward + backward passes a step (``model`` is one micro-batch's workload)
     reshard_after_backward: bool = True  # False: set_reshard_after_backward(False) on all but the last micro-batch
+    profile: Path | None = None  # --profile DIR: each rank's torch.profiler trace of a few more steps
 
 
 def verify_request(args: argparse.Namespace) -> VerifyRequest:
@@ -346,7 +347,7 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
                          args.json, tuple(notes), options, plan_for is not None,
                          ModelSpec(args.plan_model) if args.plan_model else None, micro_batches(args),
-                         reshard_after_backward(args))
+                         reshard_after_backward(args), args.profile)
 
 
 def _plan_for(args: argparse.Namespace, auto: bool) -> Cluster | None:

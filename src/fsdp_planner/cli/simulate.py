@@ -63,6 +63,12 @@ def run(args: argparse.Namespace) -> int:
     # the config's reshard_after_forward on the first plan
     plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)
              for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
+    if args.against is not None:
+        if len(plans) > 1:
+            raise PlannerError("--against draws one plan beside its measured trace: drop --compare")
+        from fsdp_planner.cli.simulate_against import against
+
+        return against(tr, plans[0], cluster, options, args.against, (png, page), args.json)
     if png is None and page is None:  # no picture: the step's numbers alone, without recording its timeline
         reports = [(label, simulate(tr, p, cluster, options, timeline=False)) for label, p in plans]
     else:

@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> int:
                             save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
                             precision=options.precision, micro_batches=request.micro_batches,
                             reshard_after_backward=request.reshard_after_backward,
-                            gradient_sync=options.gradient_sync)
+                            gradient_sync=options.gradient_sync, profile=request.profile)
+    if request.profile is not None:
+        render.note(f"torch.profiler traces of each rank written to {request.profile}/rankR.json")
     if predict_on is not None and not request.fsdp1:
         predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
         result = dataclasses.replace(result, predicted_step=predicted)

@@ -397,6 +397,7 @@ class VerifyJob:
     save: Path | None = None  # resolved --save-checkpoint, checked to be new or empty
     load: Path | None = None  # resolved --load-checkpoint, checked to be one of this model
     start_step: int = 0  # the loaded checkpoint's step
+    profile: Path | None = None  # --profile: each rank writes a torch.profiler trace of its steps here
 
     @property
     def worker(self) -> str:
@@ -409,7 +410,8 @@ class VerifyJob:
                 "seed": train.seed, "timed_steps": train.timed_steps, "precision": self.precision.name,
                 "micro_batches": train.micro_batches, "reshard_after_backward": train.reshard_after_backward,
                 "gradient_sync": train.gradient_sync.value, "start_step": self.start_step,
-                "load": str(self.load) if self.load else None, "save": str(stage) if stage else None}
+                "load": str(self.load) if self.load else None, "save": str(stage) if stage else None,
+                "profile": str(self.profile) if self.profile else None}
 
 
 def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, steps: int = 3, lr: float = 0.05,
@@ -417,7 +419,7 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
                load_checkpoint: Path | None = None, fsdp1: bool = False, timed_steps: int = 0,
                precision: Precision | str | None = None, micro_batches: int = 1,
                reshard_after_backward: bool = True,
-               gradient_sync: GradientSync = GradientSync.LAST) -> VerifyResult:
+               gradient_sync: GradientSync = GradientSync.LAST, profile: Path | None = None) -> VerifyResult:
     """Launch the torchrun job and compare its results with the plan's predictions; optionally start from a
     checkpoint (any world size and plan) and save one. ``precision``: what FSDP2 trains in (its
     ``MixedPrecisionPolicy``; default the command line's, as ``plan`` assumes); ``fsdp1``: run the plan as FSDP1
@@ -425,16 +427,33 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     that many steps of the sharded model alone (``worker.time_steps``; FSDP2 only). ``micro_batches``: each step
     that many forward + backward passes of ``model``'s batch, gradient sync on the last only (FSDP2 only), or on
     each with ``gradient_sync`` EVERY;
-    ``reshard_after_backward`` False: params kept gathered between them (``set_reshard_after_backward``)."""
+    ``reshard_after_backward`` False: params kept gathered between them (``set_reshard_after_backward``).
+    ``profile``: a directory each rank writes ``rankR.json`` into, a torch.profiler trace of a few more steps
+    (``worker.profile_steps``; FSDP2 only), which ``calibrate --trace`` reads."""
     if micro_batches > 1 and fsdp1:
         raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
     job = VerifyJob(as_spec(model), plan, nproc, job_precision(precision, fsdp1), fsdp1, timeout,
-                    JobSteps(steps, lr, seed, timed_steps, micro_batches, reshard_after_backward, gradient_sync))
+                    JobSteps(steps, lr, seed, timed_steps, micro_batches, reshard_after_backward, gradient_sync),
+                    profile=_profile_dir(profile, fsdp1))
     job = prepare_job(job, save_checkpoint, load_checkpoint)
     check_on_meta(job, trace)
     predicted, predicted_bytes = predict_job(job, trace)
     data, returncode = launch_job(job)
     return job_result(job, data, returncode, predicted, predicted_bytes)
+
+
+def _profile_dir(directory: Path | None, fsdp1: bool) -> Path | None:
+    """``--profile DIR`` made absolute (ranks may start elsewhere) and created; FSDP2 jobs only."""
+    if directory is None:
+        return None
+    if fsdp1:
+        raise PlannerError("--profile traces FSDP2's steps: not with --fsdp1")
+    directory = directory.resolve()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PlannerError(f"--profile: cannot make the directory {directory}: {e.strerror}") from None
+    return directory
 
 
 def prepare_job(job: VerifyJob, save_checkpoint: Path | None, load_checkpoint: Path | None) -> VerifyJob:

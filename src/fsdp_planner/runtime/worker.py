@@ -333,6 +333,34 @@ def _timed_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], d
     return seconds[1:]
 
 
+PROFILED_STEPS = 3  # steps a --profile trace holds (after one warm-up step the profiler records nothing of)
+
+
+def profile_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], device: torch.device, out: Path,
+                  reshard_after_backward: bool = True, sync_every: bool = False,
+                  loss_context: Casts = contextlib.nullcontext) -> None:
+    """``PROFILED_STEPS`` steps as ``time_steps`` runs them, under torch.profiler (CPU ops, and CUDA kernels on a
+    GPU; shapes for the ops' sizes), each in its ``ProfilerStep#`` range, written as a Chrome trace to ``out``:
+    what ``calibrate --trace`` reads. Apart from the timed steps: the profiler slows every op it records."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        with profile(activities=activities, record_shapes=True,
+                     schedule=schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)) as prof:
+            for _ in range(PROFILED_STEPS + 1):
+                dist.barrier()
+                accumulate(model, micro_batches, 0, device, reshard_after_backward, sync_every, loss_context)
+                _synchronize(device)
+                model.zero_grad(set_to_none=True)
+                prof.step()
+        prof.export_chrome_trace(str(out))
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -389,6 +417,10 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
                                         job.get("reshard_after_backward", True),
                                         job.get("gradient_sync", "last") == "every",
                                         functools.partial(loss_context, plan))
+    if job.get("profile"):
+        profile_steps(model, micro, device, Path(job["profile"]) / f"rank{rank}.json",
+                      job.get("reshard_after_backward", True), job.get("gradient_sync", "last") == "every",
+                      functools.partial(loss_context, plan))
     if rank == 0:
         Path(job["result"]).write_text(json.dumps({**result, "backend": dist.get_backend(), "world": world,
                                                    "loaded": loaded}))

@@ -1,0 +1,434 @@
+"""torch.profiler's Chrome (Kineto) JSON traces, read as data: each ``ProfilerStep#`` range's time, its ops and
+kernels by class, its collectives by kind and size, FSDP2's ``FSDP::`` ranges, and its phases.
+
+What a trace holds, and what is read of it (the schema ``tests/kineto_fixture.py`` writes to):
+- ``traceEvents``: complete events (``"ph": "X"``) with ``name``, ``cat``, ``ts`` and ``dur`` in microseconds,
+  ``pid``/``tid`` and ``args``; everything else (metadata, flow arrows, instants) is skipped.
+- ``ProfilerStep#N`` (``cat`` ``user_annotation``, on the training thread): one step each; ``prof.step()`` marks them.
+- CPU ops (``cpu_op``): on a CPU rank the outermost ``aten::`` op is one op of the step, classed by name
+  (``op_class``); on a GPU the kernels (``kernel``) are, classed by kernel name, and a CPU trace's ops are ignored.
+- Collectives: on GPUs NCCL kernels (a name with ``nccl``), sized by the ``record_param_comms`` CPU op whose
+  ``External id`` the kernel carries (its ``args``: ``Collective name``, ``In msg nelems``, ``Out msg nelems``,
+  ``Group size``, ``dtype``); on gloo the training thread's ``c10d::`` op (its ``Input Dims`` and ``Input type``)
+  runs as the next ``gloo:`` range on a gloo thread: the collective lasts from the first's start to the second's end.
+  Sizes are nccl-tests': an all-gather's output, a reduce-scatter's input, an all-reduce's buffer.
+- ``FSDP::`` ranges (FSDP2's ``record_function``s): its host work; ``FSDP::pre_backward`` starts backward;
+  ``Optimizer.step#`` ranges are the optimizer.
+
+Bounds: the file at most ``MAX_TRACE_BYTES`` (gzip too, inflated), ``MAX_EVENTS`` events, JSON only (never
+pickle); numbers beyond ``MAX_MICROSECONDS``, non-finite ones (``NaN``, ``1e999``) and integers of more than
+``MAX_INT_DIGITS`` digits are refused, as is nesting deeper than Python's parser goes. Every refusal is one
+``PlannerError`` line that names the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import cut_short, printable
+from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.report.against import covered
+from fsdp_planner.userfiles import read_bytes
+
+MAX_TRACE_BYTES = 512 << 20  # a few steps of a large job's GPU trace are 100-500 MiB; parsed, ~10x that in memory
+MAX_EVENTS = 20_000_000
+MAX_INT_DIGITS = 20  # ids, sizes and nanosecond timestamps fit; a longer integer is not a profiler's
+MAX_MICROSECONDS = 1e15  # about 30 years of timestamps: anything beyond is not a clock
+MAX_NAME = 1000  # characters of a name kept
+MAX_STEPS = 10_000
+
+
+class OpClass(Enum):
+    """What a measured op or kernel is, as the simulator's compute model tells them apart (``sim/compute.py``)."""
+
+    MATMUL = "matmul"
+    ATTENTION = "attention"
+    MEMORY = "memory-bound"
+
+
+# the outermost aten op of a CPU step, by name (composites included: aten::linear runs a matmul)
+CPU_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+              "aten::addbmm", "aten::einsum", "aten::_scaled_mm", "aten::conv2d", "aten::convolution"}
+ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "fmha", "attn", "efficient_attention")
+GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "matmul", "gemv", "sm90_", "sm80_", "ampere_", "hopper_",
+                    "wgmma", "conv")
+GLOO_KINDS = {"c10d::_allgather_base_": CollectiveKind.ALL_GATHER, "c10d::allgather_": CollectiveKind.ALL_GATHER,
+              "c10d::allgather_into_tensor_coalesced_": CollectiveKind.ALL_GATHER,
+              "c10d::_reduce_scatter_base_": CollectiveKind.REDUCE_SCATTER,
+              "c10d::reduce_scatter_": CollectiveKind.REDUCE_SCATTER,
+              "c10d::reduce_scatter_tensor_coalesced_": CollectiveKind.REDUCE_SCATTER,
+              "c10d::allreduce_": CollectiveKind.ALL_REDUCE}
+ITEMSIZE = {"float": 4, "c10::bfloat16": 2, "c10::half": 2, "double": 8, "bfloat16": 2, "half": 2, "float16": 2,
+            "float32": 4, "float64": 8, "int": 4, "long int": 8, "int64": 8, "int32": 4, "c10::float8_e4m3fn": 1,
+            "float8_e4m3fn": 1, "unsigned char": 1, "signed char": 1, "bool": 1, "byte": 1}
+
+
+@dataclass(frozen=True)
+class Span:
+    """One complete event: seconds from the start of its step."""
+
+    name: str
+    start: float
+    end: float
+    lane: str  # "compute", "communication" or "host" (FSDP2's ranges)
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: CollectiveKind
+    nbytes: int  # nccl-tests' size (module docstring)
+    ranks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ``ProfilerStep#`` of a trace, everything in seconds."""
+
+    seconds: float
+    op_seconds: dict[OpClass, float]
+    op_counts: dict[OpClass, int]
+    collectives: tuple[Collective, ...]
+    fsdp_seconds: float  # FSDP2's host ranges: on a CPU rank less the collectives and ops inside them; on a GPU
+    # all of them (the host runs ahead of the kernels: its time shows only where the GPU then waits)
+    forward: float  # step start to backward's start
+    backward: float  # to backward's last op
+    optimizer: float
+    exposed_comm: float  # collectives while no compute runs
+    idle: float  # nothing of the above runs
+    spans: tuple[Span, ...] = field(default=(), repr=False)
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(self.op_seconds.values())
+
+
+@dataclass(frozen=True)
+class MeasuredTrace:
+    path: str
+    device: str  # "cuda" or "cpu": where its ops ran
+    rank: int
+    world: int
+    steps: tuple[Step, ...]
+
+    @property
+    def step_seconds(self) -> float:
+        """The median step."""
+        return statistics.median(s.seconds for s in self.steps)
+
+    def median_step(self) -> Step:
+        """The step of median time (the lower middle of an even count): one real step, its spans whole."""
+        ordered = sorted(self.steps, key=lambda s: s.seconds)
+        return ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass(frozen=True)
+class _Event:
+    name: str
+    cat: str
+    ts: float  # microseconds
+    dur: float
+    tid: str
+    args: dict
+
+    @property
+    def end(self) -> float:
+        return self.ts + self.dur
+
+
+def read_trace(path: str | Path) -> MeasuredTrace:
+    """The trace at ``path`` (``.json`` or ``.json.gz``), read and checked (module docstring)."""
+    p = Path(path)
+    label = f"trace file '{printable(cut_short(Path(p.parent.name, p.name)))}'"  # the end of a long path names it
+    if not p.is_file():
+        raise PlannerError(f"{label} does not exist")
+    raw = read_bytes(p, label, "a torch.profiler Chrome trace (JSON)", MAX_TRACE_BYTES)
+    if raw[:2] == b"\x1f\x8b":
+        raw = _gunzip(raw, label)
+    return parse_trace(raw, label, str(path))
+
+
+def _gunzip(raw: bytes, label: str) -> bytes:
+    import io
+
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+            out = f.read(MAX_TRACE_BYTES + 1)
+    except (OSError, EOFError) as e:
+        raise PlannerError(f"{label} is not a whole gzip file ({e}): a truncated trace?") from None
+    if len(out) > MAX_TRACE_BYTES:
+        raise PlannerError(f"{label} inflates past {MAX_TRACE_BYTES >> 20:,} MiB: not read")
+    return out
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError("integer too long")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("number out of range")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise ValueError(f"{text} is not a number a profiler writes")
+
+
+def parse_json_trace(raw: bytes, label: str) -> Any:
+    """JSON with bounded numbers (module docstring); one line for anything else."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlannerError(f"{label} is not text: expected a torch.profiler Chrome trace (JSON)") from None
+    try:
+        return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        end = " (truncated?)" if e.pos >= len(text.rstrip()) else ""
+        detail = f"is not valid JSON{end}: {e.msg} at line {e.lineno} column {e.colno}"
+    except RecursionError:
+        detail = "is nested too deeply to be a profiler's trace"
+    except ValueError as e:
+        detail = f"holds a value no profiler writes ({e})"
+    raise PlannerError(f"{label} {detail}") from None
+
+
+def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
+    """A trace from its bytes (``read_trace``)."""
+    data = parse_json_trace(raw, label)
+    if isinstance(data, list):
+        data = {"traceEvents": data}
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise PlannerError(f"{label} is not a Chrome trace: expected a JSON object with a 'traceEvents' list "
+                           "(torch.profiler's export_chrome_trace)")
+    raw_events = data["traceEvents"]
+    if len(raw_events) > MAX_EVENTS:
+        raise PlannerError(f"{label} has {len(raw_events):,} events, over the {MAX_EVENTS:,} read: profile fewer "
+                           "steps")
+    events = [e for e in map(_event, raw_events) if e is not None]
+    marks = sorted((e for e in events if e.name.startswith("ProfilerStep#")), key=lambda e: e.ts)
+    if not marks:
+        raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
+                           "(profile with a schedule and call prof.step() once a step)")
+    if len(marks) > MAX_STEPS:
+        raise PlannerError(f"{label} has {len(marks):,} steps, over the {MAX_STEPS:,} read")
+    info = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
+    world = _int_field(info, "world_size", 1, label)
+    rank = _int_field(info, "rank", 0, label)
+    gpu = any(e.cat == "kernel" for e in events)
+    steps = tuple(_step(events, marks, i, world, gpu, label) for i in range(len(marks)))
+    return MeasuredTrace(path, "cuda" if gpu else "cpu", rank, world, steps)
+
+
+def _int_field(info: dict, key: str, default: int, label: str) -> int:
+    value = info.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1_000_000:
+        raise PlannerError(f"{label}: distributedInfo.{key} must be a whole number from 0 to 1,000,000")
+    return value
+
+
+def _event(e: Any) -> _Event | None:
+    """A complete event with a finite, bounded time; anything else is skipped (metadata, flows, instants)."""
+    if not isinstance(e, dict) or e.get("ph") != "X":
+        return None
+    ts, dur, name = e.get("ts"), e.get("dur", 0), e.get("name")
+    if not isinstance(name, str) or not _time(ts) or not _time(dur) or dur < 0:
+        return None
+    args = e.get("args")
+    cat = e.get("cat")
+    return _Event(name[:MAX_NAME], cat if isinstance(cat, str) else "", float(ts), float(dur),
+                  str(e.get("tid", ""))[:100], args if isinstance(args, dict) else {})
+
+
+def _time(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_MICROSECONDS
+
+
+def op_class(name: str, gpu: bool) -> OpClass:
+    """A CPU op's or a GPU kernel's class, by its name."""
+    low = name.lower()
+    if any(w in low for w in ATTENTION_WORDS):
+        return OpClass.ATTENTION
+    if (gpu and any(w in low for w in GPU_MATMUL_WORDS)) or (not gpu and name in CPU_MATMUL):
+        return OpClass.MATMUL
+    return OpClass.MEMORY
+
+
+def _within(events: Iterable[_Event], start: float, end: float) -> list[_Event]:
+    return [e for e in events if start <= e.ts and e.end <= end + 1e-3]
+
+
+def _outermost(events: list[_Event]) -> list[_Event]:
+    """The events no other of ``events`` contains (one thread's, sorted by start)."""
+    out: list[_Event] = []
+    reach = -math.inf
+    for e in sorted(events, key=lambda e: (e.ts, -e.dur)):
+        if e.ts >= reach - 1e-3:  # (a partial overlap is a clock's rounding: counted once, in the first)
+            out.append(e)
+            reach = e.end
+    return out
+
+
+Interval = tuple[float, float]
+
+
+BACKWARD_RANGES = ("autograd::engine::evaluate_function", "FSDP::pre_backward", "FSDP::post_backward",
+                   "FSDP::root_post_backward")
+
+
+def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bool, label: str) -> Step:
+    """Step ``i`` of the trace: its ProfilerStep range ``marks[i]``, its ops or kernels and its collectives."""
+    mark = marks[i]
+    start, end = mark.ts, mark.end
+    main = [e for e in _within(events, start, end) if e.tid == mark.tid and e is not mark]
+    fsdp = _outermost([e for e in main if e.name.startswith("FSDP::")])
+    backward = [(e.ts, e.end) for e in main if e.name.startswith(BACKWARD_RANGES)]
+    if gpu:
+        ops, comms, end, backward = _gpu_work(events, (start, end), world, label, backward)
+    else:
+        ops = [(e, op_class(e.name, False)) for e in _outermost([e for e in main
+                                                                 if e.name.startswith(("aten::", "FSDP::"))])
+               if e.name.startswith("aten::")]
+        comms = _gloo_collectives(main, events, start, end + (marks[i + 1].ts - end if i + 1 < len(marks) else 0),
+                                  world, label)
+    spans = ([Span(e.name, e.ts, e.end, "compute") for e, _ in ops]
+             + [Span(c.kind.value, a, b, "communication") for c, a, b in comms]
+             + [Span(e.name, e.ts, e.end, "host") for e in fsdp])
+    spans = [Span(sp.name, (sp.start - start) / 1e6, (sp.end - start) / 1e6, sp.lane) for sp in spans]
+    optimizer = covered((e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#"))
+    return _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
+
+
+def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: list[Collective],
+                   bounds: Interval, gpu: bool, phases: tuple[list[Interval], float]) -> Step:
+    """The step from its parts; ``phases``: backward's intervals (CPU ranges, or on a GPU the kernels they
+    launched) and the optimizer's time."""
+    start, end = bounds
+    backward, optimizer = phases
+    seconds: dict[OpClass, float] = dict.fromkeys(OpClass, 0.0)
+    counts: dict[OpClass, int] = dict.fromkeys(OpClass, 0)
+    for e, kind in ops:
+        seconds[kind] += e.dur / 1e6
+        counts[kind] += 1
+    lanes = {lane: [(s.start, s.end) for s in spans if s.lane == lane] for lane in ("compute", "communication",
+                                                                                    "host")}
+    compute = covered(lanes["compute"])
+    busy = covered(lanes["compute"] + lanes["communication"])
+    everything = covered(lanes["compute"] + lanes["communication"] + lanes["host"])
+    bwd_start = min((a for a, _ in backward), default=end)
+    bwd_end = max((b for _, b in backward), default=end)
+    step = (end - start) / 1e6
+    return Step(step, seconds, counts, tuple(comms), covered(lanes["host"]) if gpu else everything - busy,
+                (bwd_start - start) / 1e6, (bwd_end - bwd_start) / 1e6, optimizer / 1e6, busy - compute,
+                max(0.0, step - (busy if gpu else everything)), tuple(spans))
+
+
+def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str, backward: list[Interval]
+              ) -> tuple[list[tuple[_Event, OpClass]], list[tuple[Collective, float, float]], float, list[Interval]]:
+    """The step's kernels (those launched inside it) as ops and collectives, the step's end (its CPU range's, or
+    its last kernel's) and the kernels launched inside ``backward``'s CPU ranges."""
+    start, end = bounds
+    launches = {e.args.get("correlation"): e.ts for e in events
+                if e.cat in ("cuda_runtime", "cuda_driver") and isinstance(e.args.get("correlation"), int)}
+    kernels = sorted((e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")
+                      and start <= launches.get(e.args.get("correlation"), e.ts) <= end), key=lambda e: e.ts)
+    comms = [e for e in kernels if "nccl" in e.name.lower()]
+    sizes = [e for e in events if e.name == "record_param_comms" and start <= e.ts <= end]
+    by_id = {e.args.get("External id"): e for e in sizes}
+    collectives = []
+    for k, kernel in enumerate(comms):
+        record = by_id.get(kernel.args.get("External id")) or (sizes[k] if k < len(sizes) else None)
+        if record is None:
+            raise PlannerError(f"{label}: NCCL kernel '{printable(cut_short(kernel.name))}' has no "
+                               "record_param_comms op to size it (profile with record_shapes=True)")
+        collectives.append((_nccl_collective(record, kernel, world, label), kernel.ts, kernel.end))
+    ops = [(e, op_class(e.name, True)) for e in kernels if "nccl" not in e.name.lower()]
+    inside = _inside(backward)
+    launched_in = [(e.ts, e.end) for e, _ in ops if inside(launches.get(e.args.get("correlation"), -1.0))]
+    return ops, collectives, max([end, *(e.end for e in kernels)]), launched_in
+
+
+def _inside(intervals: list[Interval]) -> Callable[[float], bool]:
+    """Whether a time falls in any of ``intervals`` (merged, then bisected: a trace has 100,000s of kernels)."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [a for a, _ in merged]
+
+    def test(t: float) -> bool:
+        k = bisect.bisect_right(starts, t) - 1
+        return k >= 0 and t <= merged[k][1]
+
+    return test
+
+
+NCCL_NAMES = (("reduce_scatter", CollectiveKind.REDUCE_SCATTER), ("reducescatter", CollectiveKind.REDUCE_SCATTER),
+              ("allgather", CollectiveKind.ALL_GATHER), ("all_gather", CollectiveKind.ALL_GATHER),
+              ("allreduce", CollectiveKind.ALL_REDUCE), ("all_reduce", CollectiveKind.ALL_REDUCE))
+
+
+def _nccl_collective(record: _Event, kernel: _Event, world: int, label: str) -> Collective:
+    args = record.args
+    name = str(args.get("Collective name", "")).lower()
+    kind = next((k for word, k in NCCL_NAMES if word in name), None)
+    nelems = [args.get("In msg nelems"), args.get("Out msg nelems")]
+    ranks = args.get("Group size", world)
+    itemsize = ITEMSIZE.get(str(args.get("dtype", "")).lower())
+    if kind is None or itemsize is None or not all(_count(v) for v in (*nelems, ranks)):
+        raise PlannerError(f"{label}: a record_param_comms op ({printable(cut_short(name))}) lacks a known "
+                           "collective, dtype, message size or group size")
+    full = nelems[1] if kind is CollectiveKind.ALL_GATHER else nelems[0]
+    return Collective(kind, int(full) * itemsize, int(ranks), kernel.dur / 1e6)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 50
+
+
+def _gloo_collectives(main: list[_Event], events: list[_Event], start: float, end: float, world: int,
+                      label: str) -> list[tuple[Collective, float, float]]:
+    """The training thread's c10d collectives, each lasting until the gloo range that ran it ends (the next one of
+    its kind to start on a gloo thread: gloo runs them in order)."""
+    calls = sorted((e for e in main if e.name in GLOO_KINDS), key=lambda e: e.ts)
+    runs = sorted((e for e in events if e.name.startswith("gloo:") and e.name != "gloo:barrier"
+                   and start <= e.ts <= end), key=lambda e: e.ts)
+    out, used = [], 0
+    for call in calls:
+        while used < len(runs) and runs[used].ts < call.ts - 1e-3:
+            used += 1
+        finish = runs[used].end if used < len(runs) else call.end
+        used += 1
+        kind = GLOO_KINDS[call.name]
+        out.append((Collective(kind, _gloo_bytes(call, kind, world, label), world, (finish - call.ts) / 1e6),
+                    call.ts, finish))
+    return out
+
+
+def _gloo_bytes(call: _Event, kind: CollectiveKind, world: int, label: str) -> int:
+    """nccl-tests' size of a c10d op from its ``Input Dims`` (output first) and ``Input type``."""
+    dims, types = call.args.get("Input Dims"), call.args.get("Input type")
+    if not isinstance(dims, list) or not isinstance(types, list) or not dims or not types:
+        raise PlannerError(f"{label}: collective {call.name} has no Input Dims (profile with record_shapes=True)")
+    sizes = [math.prod(d) for d in dims[:2] if isinstance(d, list) and all(_count(x) for x in d)]
+    itemsize = ITEMSIZE.get(str(types[0]).lower())
+    if not sizes or itemsize is None:
+        raise PlannerError(f"{label}: collective {call.name} has sizes or a dtype no profiler writes")
+    if kind is CollectiveKind.ALL_REDUCE:
+        return sizes[0] * itemsize
+    return max(sizes) * itemsize  # the unsharded side: an all-gather's output, a reduce-scatter's input

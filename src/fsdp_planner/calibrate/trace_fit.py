@@ -1,0 +1,287 @@
+"""``calibrate --trace``: a cluster fitted to a user's own profiler traces of one plan of one model.
+
+The traces (``kineto.py``) are matched to the simulator's step of the same model and plan by op class and by
+collective: the simulator's ops of each class (``sim/compute.py``'s kernels: matmul, fused attention, memory-bound)
+against the measured ones' mean time a step over the typical steps (``typical_steps``), and each measured
+collective (kind, size, group) against what the cost model charges it. Fitted, in this order, each with the
+earlier ones in place:
+1. the roofline's three efficiencies (matmul, attention, memory), so each class's predicted seconds equal the
+   measured: per class, its ops' seconds bound by each efficiency form a 3 x 3 linear system in the efficiencies'
+   inverses (``bound_terms``), solved again until no op changes its binding term; an efficiency beyond 1 raises
+   the peak instead (a CPU's "peak" is what it reached);
+2. each collective's line ``alpha + (N-1)/N x bytes / busbw`` over the measured sizes (``nccl_logs.fit_samples``,
+   the fitted-line path of ``hardware/cost.py``; with fewer than three sizes, or sizes too noisy for a line, the
+   cluster's latency and the bandwidth of the measured bytes) and, on CPU ranks, the measured times themselves
+   (``tables``);
+3. the host's overhead: on CPU ranks (``Engine.HOST``: nothing overlaps) FSDP2's measured host ranges (``FSDP::``,
+   less the collectives and ops in them) over the step's hooks, and what is left of the measured step over its
+   ops; on GPUs the per-op launch cost that makes the simulated step the measured one (the host falls behind).
+Not fitted: per-block or per-shape matmul rates (one rate a class), the slowest-rank spread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from fsdp_planner.calibrate.kineto import MeasuredTrace, OpClass, Step
+from fsdp_planner.calibrate.nccl_logs import fit_samples
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.hardware.cluster import GPU, Cluster, Compute, Engine, Link, Overhead, slowest_rank_factor
+from fsdp_planner.hardware.cost import collective_time
+from fsdp_planner.runtime.measure import host_memory
+from fsdp_planner.sim.compute import flop_efficiency, op_times, peak_flops, traced_itemsize
+from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.trace.events import KERNEL_ATTENTION
+from fsdp_planner.trace.records import Trace
+
+# passes of the efficiencies' fit, at most: each solves the class sums for the ops' binding terms of the pass before
+# (a small matmul moving more bytes than it computes is bound by the memory efficiency, not the matmul one)
+PASSES = 20
+CONVERGED = 1e-9  # the efficiencies move less than this (relative) in a pass
+CPU_START = 1e10  # a CPU "GPU"'s starting peak FLOP/s and bandwidth; the fit moves them to what was measured
+
+
+@dataclass(frozen=True)
+class ClassRow:
+    op_class: str
+    ops_measured: int
+    ops_simulated: int
+    measured: float  # seconds a step (mean over the typical steps)
+    before: float  # predicted on the base cluster
+    after: float  # predicted on the fitted one
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    kind: str
+    nbytes: int
+    ranks: int
+    count: int  # a step
+    measured: float  # mean seconds of one (a step pays every call: a slow peer's waits too)
+    before: float
+    after: float
+
+
+@dataclass(frozen=True)
+class TraceFit:
+    """What ``fit_trace`` matched and fitted, for the report."""
+
+    steps: int  # typical steps fitted on (``typical_steps``)
+    measured_step: float  # their mean
+    before: StepReport
+    after: StepReport
+    classes: list[ClassRow]
+    collectives: list[CollectiveRow]
+    measured_host: float  # FSDP2's host ranges a step (mean)
+    measured_exposed: float
+    measured_idle: float
+
+
+def simulated_classes(trace: Trace) -> np.ndarray:
+    """Per event, its ``OpClass`` index in ``list(OpClass)`` (boundaries: memory-bound, with no time)."""
+    kernel = trace.index.op_kernel
+    return np.where(kernel > 0, 0, np.where(kernel == KERNEL_ATTENTION, 1, 2))
+
+
+def class_seconds(trace: Trace, cluster: Cluster, options: SimOptions) -> dict[OpClass, float]:
+    """The simulator's seconds of each class's ops a step on ``cluster``."""
+    times = np.asarray(op_times(trace, cluster.gpu, options.precision, cluster.compute, cluster.world_size))
+    classes = simulated_classes(trace)
+    return {c: float(times[classes == i].sum()) for i, c in enumerate(OpClass)}
+
+
+def typical_steps(traces: list[MeasuredTrace]) -> list[Step]:
+    """The middle third of the traces' steps by time (at least one): every figure is fitted on the same steps, so
+    the parts add up to the step; a step that waited on a busy peer (on a shared host, twice the others) or ran
+    alone on an idle one leaves out."""
+    steps = sorted((s for t in traces for s in t.steps), key=lambda s: s.seconds)
+    third = len(steps) // 3
+    return steps[third:len(steps) - third] or steps
+
+
+def measured_classes(steps: list[Step]) -> dict[OpClass, float]:
+    return {c: statistics.fmean(s.op_seconds[c] for s in steps) for c in OpClass}
+
+
+def bound_terms(trace: Trace, cluster: Cluster, options: SimOptions) -> np.ndarray:
+    """``A[class, factor]``: seconds of each class's ops bound by each roofline factor (matmul, attention, memory
+    efficiency), at that factor 1: a class's predicted seconds are ``A @ (1 / efficiencies)`` while no op changes
+    which of its two terms binds (``sim/compute.py``'s max)."""
+    index, c, gpu = trace.index, cluster.compute, cluster.gpu
+    stretch = slowest_rank_factor(c.variation, cluster.world_size)
+    kernel = index.op_kernel
+    flops_time = index.op_flops / (peak_flops(gpu, options.precision) * flop_efficiency(kernel, c)) * stretch
+    scale = options.precision.compute_bytes / traced_itemsize(trace)
+    bytes_time = index.op_nbytes * (scale / (gpu.hbm_bandwidth * c.memory_efficiency)) * stretch
+    factor = np.where(bytes_time > flops_time, 2, np.where(kernel == KERNEL_ATTENTION, 1, 0))
+    efficiency = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
+    unit = np.maximum(flops_time, bytes_time) * efficiency[factor]
+    classes = simulated_classes(trace)
+    out = np.zeros((3, 3))
+    np.add.at(out, (classes, factor), unit)
+    return out
+
+
+def fit_compute(trace: Trace, cluster: Cluster, measured: dict[OpClass, float], options: SimOptions) -> Cluster:
+    """Efficiencies (and where one passes 1, the peaks) so each class's simulated seconds equal the measured: the
+    linear system of ``bound_terms`` solved for the efficiencies' inverses, again until no op changes its binding
+    term. A factor no op is bound by keeps its value."""
+    target = np.array([measured[k] for k in OpClass])
+    for _ in range(PASSES):
+        terms = bound_terms(trace, cluster, options)
+        c = cluster.compute
+        old = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
+        used = terms.sum(axis=0) > 0
+        rows = target > 0
+        if not used.any() or not rows.any():
+            return cluster
+        inverse, *_ = np.linalg.lstsq(terms[np.ix_(rows, used)], target[rows], rcond=None)
+        new = old.copy()
+        new[used] = np.where(inverse > 0, 1 / np.maximum(inverse, 1e-30), old[used])
+        cluster = _with_efficiencies(cluster, new)
+        if np.allclose(new, old, rtol=CONVERGED, atol=0):
+            break
+    return cluster
+
+
+def _with_efficiencies(cluster: Cluster, eff: np.ndarray) -> Cluster:
+    """The cluster with these matmul, attention and memory efficiencies; one past 1 raises the peak instead."""
+    flops_up, bytes_up = max(1.0, float(eff[0]), float(eff[1])), max(1.0, float(eff[2]))
+    g = cluster.gpu
+    gpu = dataclasses.replace(g, peak_bf16_flops=g.peak_bf16_flops * flops_up,
+                              peak_fp32_flops=g.peak_fp32_flops * flops_up, hbm_bandwidth=g.hbm_bandwidth * bytes_up)
+    compute = dataclasses.replace(cluster.compute, matmul_efficiency=max(1e-6, float(eff[0]) / flops_up),
+                                  attention_efficiency=max(1e-6, float(eff[1]) / flops_up),
+                                  memory_efficiency=max(1e-6, float(eff[2]) / bytes_up))
+    return dataclasses.replace(cluster, gpu=gpu, compute=compute)
+
+
+def by_size(steps: list[Step]) -> dict[tuple[str, int, int], list[float]]:
+    """Every measured collective's seconds, by (kind, bytes, ranks)."""
+    out: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for s in steps:
+        for c in s.collectives:
+            out[(c.kind.value, c.nbytes, c.ranks)].append(c.seconds)
+    return out
+
+
+def fit_collectives(cluster: Cluster, steps: list[Step]) -> Cluster:
+    """The collectives' lines (and on CPU ranks their measured times) from the traces: a kind needs two sizes."""
+    samples: dict[str, dict[int, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    for (kind, nbytes, ranks), seconds in sorted(by_size(steps).items()):
+        if ranks >= 2 and nbytes > 0:
+            samples[kind][ranks].append((nbytes, statistics.fmean(seconds)))  # a step pays every call, tails too
+    fits = {k: dict(v) for k, v in cluster.fits.items()}
+    tables = dict(cluster.tables)
+    for kind, groups in samples.items():
+        for ranks, rows in groups.items():
+            if len(rows) < 2:
+                continue
+            if cluster.engine is Engine.HOST and ranks == cluster.world_size:
+                tables[kind] = rows  # as measured: a job pays each size its own mean, tails included
+            try:
+                alpha, busbw, _, _ = fit_samples(rows, ranks, f"the trace's {kind.replace('_', '-')}s")
+            except PlannerError:  # too few or too noisy sizes for a line: the cluster's latency, the bytes' rate
+                alpha = _charged(cluster, kind, 1, ranks)
+                moved = sum((ranks - 1) / ranks * n for n, _ in rows)
+                spent = sum(t - alpha for _, t in rows)
+                if spent <= 0:
+                    continue
+                busbw = moved / spent
+            fits.setdefault(kind, {})[ranks] = (alpha, busbw)
+    return dataclasses.replace(cluster, fits=fits, tables=tables)
+
+
+def fit_overhead(trace: Trace, plan: Plan, cluster: Cluster, steps: list[Step], options: SimOptions) -> Cluster:
+    """The host's costs (module docstring, 3.), the compute and collectives already fitted."""
+    step = statistics.fmean(s.seconds for s in steps)
+    bare = dataclasses.replace(cluster, overhead=dataclasses.replace(
+        cluster.overhead, hook_seconds=0.0, op_seconds=0.0, param_seconds=0.0, module_seconds=0.0))
+    report = simulate(trace, plan, bare, options, timeline=False)
+    ops = int(trace.index.ops_through[-1])
+    source = f"calibrate --trace: {len(steps)} profiled step(s) of {plan.policy or 'a plan'}"
+    if cluster.engine is Engine.HOST:
+        host = statistics.fmean(s.fsdp_seconds for s in steps)
+        hook = host / max(1, report.hooks)
+        rest = step - report.step_time - host
+        overhead = dataclasses.replace(bare.overhead, hook_seconds=hook, op_seconds=max(-1e-3, rest / max(1, ops)),
+                                       source=source)
+        return dataclasses.replace(cluster, overhead=overhead)
+    low, high = 0.0, 1e-3  # the launch cost per op, bisected: the step grows with it once the host falls behind
+    for _ in range(40):
+        mid = (low + high) / 2
+        trial = dataclasses.replace(bare, overhead=dataclasses.replace(bare.overhead, op_seconds=mid))
+        if simulate(trace, plan, trial, options, timeline=False).step_time < step:
+            low = mid
+        else:
+            high = mid
+    return dataclasses.replace(cluster, overhead=dataclasses.replace(bare.overhead, op_seconds=low, source=source))
+
+
+def cpu_base(world: int) -> Cluster:
+    """A cluster of ``world`` CPU ranks on gloo of this machine, before the fit (its figures are placeholders)."""
+    cpu = GPU(f"CPU ({os.cpu_count()} cores)", CPU_START, CPU_START, CPU_START, max(1 << 30, host_memory() // world))
+    link = Link(1e9, 1e-5, 0.0)
+    return Cluster(name=f"gloo:{world}+trace", gpu=cpu, gpus_per_node=world, nodes=1, intra=link, inter=link,
+                   nics_per_node=1, overhead=Overhead(0.0, 0.0, float("inf")), engine=Engine.HOST,
+                   compute=Compute(1.0, 0.0, 1.0, 1.0, 0.0, "calibrate --trace"))
+
+
+def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Cluster | None,
+              options: SimOptions) -> tuple[Cluster, TraceFit]:
+    """The cluster fitted to ``traces`` of ``plan`` on ``trace``'s model, and how it matches them."""
+    devices = {t.device for t in traces}
+    if len(devices) > 1:
+        raise PlannerError("the traces mix CPU and GPU runs: give the traces of one job")
+    world = max(t.world for t in traces)
+    if base is None:
+        if devices != {"cpu"}:
+            raise PlannerError("a GPU trace needs --base: the cluster it ran on (e.g. h100:8), whose peaks the "
+                               "efficiencies are fitted against")
+        base = cpu_base(world)
+    if base.world_size != world:
+        raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
+                           f"{base.world_size}: give a --base of the traced job's size")
+    steps = typical_steps(traces)
+    cluster = fit_compute(trace, base, measured_classes(steps), options)
+    cluster = fit_collectives(cluster, steps)
+    cluster = fit_overhead(trace, plan, cluster, steps, options)
+    name = base.name if base.name.endswith("+trace") else f"{base.name}+trace"
+    cluster = dataclasses.replace(cluster, name=name, compute=dataclasses.replace(
+        cluster.compute, source=f"calibrate --trace ({len(traces)} trace(s))"))
+    return cluster, describe_fit(trace, plan, steps, base, cluster, options)
+
+
+def describe_fit(trace: Trace, plan: Plan, steps: list[Step], base: Cluster, cluster: Cluster,
+                 options: SimOptions) -> TraceFit:
+    """Measured beside predicted, before and after the fit, on the typical steps: per class, per collective size,
+    the step."""
+    measured = measured_classes(steps)
+    before, after = class_seconds(trace, base, options), class_seconds(trace, cluster, options)
+    classes_sim = simulated_classes(trace)[np.asarray([e.is_op for e in trace.events])]
+    counts = steps[len(steps) // 2].op_counts
+    classes = [ClassRow(c.value, counts[c], int((classes_sim == i).sum()), measured[c], before[c], after[c])
+               for i, c in enumerate(OpClass)]
+    per_step = max(1, len(steps))
+    rows = [CollectiveRow(kind, nbytes, ranks, round(len(seconds) / per_step), statistics.fmean(seconds),
+                          _charged(base, kind, nbytes, ranks), _charged(cluster, kind, nbytes, ranks))
+            for (kind, nbytes, ranks), seconds in sorted(by_size(steps).items())]
+    return TraceFit(len(steps), statistics.fmean(s.seconds for s in steps),
+                    simulate(trace, plan, base, options, timeline=False),
+                    simulate(trace, plan, cluster, options, timeline=False), classes, rows,
+                    statistics.fmean(s.fsdp_seconds for s in steps),
+                    statistics.fmean(s.exposed_comm for s in steps), statistics.fmean(s.idle for s in steps))
+
+
+def _charged(cluster: Cluster, kind: str, nbytes: int, ranks: int) -> float:
+    ranks = min(ranks, cluster.world_size)
+    return collective_time(cluster, kind, nbytes, ranks) if ranks >= 2 else 0.0
+

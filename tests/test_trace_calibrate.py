@@ -1,0 +1,196 @@
+"""calibrate --trace: torch.profiler traces read with bounds and read back exactly (``calibrate/kineto.py``), a
+cluster fitted to them (``calibrate/trace_fit.py``), and real CPU traces of a verify job."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_planner.calibrate.kineto import OpClass, parse_trace, read_trace
+from fsdp_planner.errors import PlannerError
+from tests.kineto_fixture import gpu_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _read(data: object, tmp_path: Path, name: str = "t.json") -> object:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return read_trace(path)
+
+
+def test_gpu_fixture_read_back_exactly(tmp_path: Path) -> None:
+    data, expected = gpu_trace(steps=3)
+    tr = _read(data, tmp_path)
+    assert tr.device == "cuda" and tr.world == 8 and len(tr.steps) == 3
+    assert [s.seconds for s in tr.steps] == pytest.approx(expected.steps, rel=1e-12)
+    for step in tr.steps:
+        assert {c.value: v for c, v in step.op_seconds.items()} == pytest.approx(expected.classes, rel=1e-12)
+        assert {c.value: n for c, n in step.op_counts.items()} == expected.counts
+        got = sorted((c.kind.value, c.nbytes, c.ranks, c.seconds) for c in step.collectives)
+        assert got == pytest.approx(sorted(expected.collectives))
+        assert step.forward > 0 and step.backward > 0
+
+
+def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
+    data, expected = gpu_trace(steps=2)
+    path = tmp_path / "t.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(data).encode()))
+    assert [s.seconds for s in read_trace(path).steps] == pytest.approx(expected.steps, rel=1e-12)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1, "dur"', "truncated"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1e999, "dur": 1}]}', "no profiler writes"),
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": ' + "9" * 5000 + ', "dur": 1}]}',
+     "no profiler writes"),
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": NaN, "dur": 1}]}', "no profiler writes"),
+    ('{"nodes": []}', "not a Chrome trace"),
+    ('{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 1}]}', "no ProfilerStep#"),
+    ("\x80\x04\x95pickle", "not text"),
+])
+def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_bytes(text.encode("latin-1") if text.startswith("\x80") else text.encode())
+    with pytest.raises(PlannerError, match=words) as e:
+        read_trace(path)
+    assert "\n" not in str(e.value) and "bad.json" in str(e.value)
+
+
+def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
+    data, _ = gpu_trace(steps=1)
+    data["traceEvents"] += [{"ph": "X", "name": 5, "ts": 1, "dur": 1}, {"ph": "X", "name": "x", "ts": "1"},
+                            {"ph": "X", "name": "y", "ts": 1e20, "dur": 1}, "junk", None]
+    assert len(_read(data, tmp_path).steps) == 1  # events no profiler writes are not read
+    comm = next(e for e in data["traceEvents"] if e.get("name") == "record_param_comms")
+    comm["args"]["dtype"] = "Mystery"
+    with pytest.raises(PlannerError, match="record_param_comms"):
+        _read(data, tmp_path)
+    data["distributedInfo"]["world_size"] = -3
+    with pytest.raises(PlannerError, match="world_size"):
+        _read(data, tmp_path)
+
+
+def test_missing_file_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(PlannerError, match="does not exist"):
+        read_trace(tmp_path / "nope.json")
+
+
+def test_cpu_trace_shape() -> None:
+    """A CPU step: outermost aten ops by name, gloo collectives sized from their c10d op."""
+    data = {"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "tid": 1, "ts": 10, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "tid": 1, "ts": 20, "dur": 80},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "tid": 1, "ts": 200, "dur": 50},
+        {"ph": "X", "cat": "user_annotation", "name": "FSDP::all_gather (layers.0)", "tid": 1, "ts": 300,
+         "dur": 300},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 1, "ts": 310, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::_allgather_base_", "tid": 1, "ts": 340, "dur": 10,
+         "args": {"Input Dims": [[2048], [1024]], "Input type": ["c10::BFloat16", "c10::BFloat16"]}},
+        {"ph": "X", "cat": "user_annotation", "name": "gloo:all_gather", "tid": 2, "ts": 345, "dur": 200},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_scaled_dot_product_flash_attention_for_cpu", "tid": 1,
+         "ts": 700, "dur": 90}]}
+    step = parse_trace(json.dumps(data).encode(), "t").steps[0]
+    assert step.op_seconds == {OpClass.MATMUL: 100e-6, OpClass.ATTENTION: 90e-6, OpClass.MEMORY: 50e-6}
+    (c,) = step.collectives
+    assert (c.kind.value, c.nbytes, c.ranks) == ("all_gather", 4096, 2) and c.seconds == pytest.approx(205e-6)
+    assert step.exposed_comm == pytest.approx(205e-6)
+
+
+@pytest.mark.integration
+def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
+    """A real 2-rank gloo job's traces: its collectives are what verify counted, and calibrate fits a cluster that
+    reproduces the traced step."""
+    env = {"PYTHONPATH": str(ROOT / "src")}
+    run = [sys.executable, "-m", "fsdp_planner"]
+    done = subprocess.run([*run, "verify", "toy-llama", "--policy", "titan", "--nproc", "2", "--time-steps", "0",
+                           "--profile", str(tmp_path / "p"), "--json"], capture_output=True, text=True,
+                          env={**__import__("os").environ, **env}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    counted = json.loads(done.stdout)
+    tr = read_trace(tmp_path / "p" / "rank0.json")
+    assert tr.device == "cpu" and tr.world == 2 and len(tr.steps) == 3
+    for step in tr.steps:
+        gathered = sum(c.nbytes for c in step.collectives if c.kind.value == "all_gather")
+        assert gathered == counted["counted_bytes"][0]["all_gather"]
+        assert step.op_seconds[OpClass.MATMUL] > 0 and step.seconds > step.compute_seconds
+    out = tmp_path / "c.json"
+    done = subprocess.run([*run, "calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--model", "toy-llama",
+                           "--policy", "titan", "--out", str(out), "--json"], capture_output=True, text=True,
+                          env={**__import__("os").environ, **env}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    fit = json.loads(done.stdout)["fit"]
+    assert fit["after"]["step_time"] == pytest.approx(fit["measured_step"], rel=0.02)
+    assert json.loads(out.read_text())["engine"] == "host"
+
+
+def test_gpu_trace_calibrates_its_cluster(tmp_path: Path) -> None:
+    """A GPU trace of Llama 3.2 3B's titan plan on an H100 node whose kernels run at other efficiencies than the
+    preset's (written to the Kineto schema from the simulator's run on that truth): calibrating from the preset
+    recovers the truth's efficiencies, and predicts the trace's step within 5%."""
+    import dataclasses
+
+    from fsdp_planner.calibrate.trace_fit import fit_trace
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+    from fsdp_planner.service.planning import policy_plan
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+    from fsdp_planner.sim.simulate import simulate
+    from tests.kineto_fixture import simulated_gpu_trace
+
+    options = SimOptions.named("bf16-mixed")
+    from fsdp_planner.models import ModelSpec
+
+    spec = ModelSpec("llama32-3b", seq_len=2048)  # large enough that its matmuls are compute-bound on an H100
+    tr = trace_spec(spec, options.precision, False, lambda line: None)
+    base = parse_cluster("h100:8")
+    truth = dataclasses.replace(base, compute=dataclasses.replace(
+        base.compute, matmul_efficiency=0.45, attention_efficiency=0.3, memory_efficiency=0.55))
+    plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), spec.name, truth, options)
+    data = simulated_gpu_trace(tr, plan, truth, options)
+    measured = _read(data, tmp_path)
+    step = simulate(tr, plan, truth, options, timeline=False).step_time
+    assert measured.step_seconds == pytest.approx(step, rel=1e-6)
+    cluster, fit = fit_trace(tr, plan, [measured], base, options)
+    for attr in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+        assert getattr(cluster.compute, attr) == pytest.approx(getattr(truth.compute, attr), rel=0.02), attr
+    assert fit.before.step_time != pytest.approx(step, rel=0.05)  # the preset alone is off
+    assert simulate(tr, plan, cluster, options, timeline=False).step_time == pytest.approx(step, rel=0.05)
+
+
+def test_simulate_against_its_own_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate --against`` a GPU trace the simulator wrote of the same plan on the same cluster: both steps on one
+    axis in the PNG and the page, and phase by phase they agree (the measured side read from the trace, the
+    simulated from the timeline)."""
+    from fsdp_planner.cli import main
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+    from fsdp_planner.service.planning import policy_plan
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+    from tests.kineto_fixture import simulated_gpu_trace
+
+    options = SimOptions.named("bf16-mixed")
+    tr = trace_spec("toy-llama", options.precision)
+    cluster = parse_cluster("h100:8")
+    plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "toy-llama", cluster, options)
+    (tmp_path / "t.json").write_text(json.dumps(simulated_gpu_trace(tr, plan, cluster, options)))
+    args = ["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--against",
+            str(tmp_path / "t.json")]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for phase in ("step", "forward", "backward", "compute"):
+        assert out["measured"][phase] == pytest.approx(out["simulated"][phase], rel=0.01, abs=1e-6), phase
+    assert len(out["gaps"]) == 3
+    assert main([*args, "--html", str(tmp_path / "a.html"), "--timeline", str(tmp_path / "a.png")]) == 0
+    page = (tmp_path / "a.html").read_text()
+    assert "largest gaps" in page and "measured (rank 0): compute" in page and "simulated titan" in page
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
