@@ -76,13 +76,22 @@ def run(args: argparse.Namespace) -> int:
         _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
     verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
+    _show(args, reports, plans, verdict, cluster, options, budget)
+    for path in filter(None, (png, page)) if not args.json else ():  # (the JSON document stays alone on stdout)
+        render.plain(f"timeline written to {path}")
+    return 0
+
+
+def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans: list[tuple[str, Plan]],
+          verdict: str | None, cluster: Cluster, options: SimOptions, budget: MemoryBudget) -> None:
+    """The steps' figures: one JSON document, or the verdict first, then each step's lines and memory table."""
     if args.json:
         summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
                       "micro_batches": options.micro_batches, "gradient_sync": options.gradient_sync.value}
                      for _, r in reports]
         doc = summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}
         print(json_text({**doc, **({"verdict": verdict} if verdict else {})}, indent=2))
-        return 0
+        return
     if verdict is not None:  # the first line: nothing this cluster runs without CPU offload fits
         render.plain(verdict)
     for (label, r), (_, p) in zip(reports, plans, strict=True):
@@ -91,9 +100,6 @@ def run(args: argparse.Namespace) -> int:
                                       cluster, r, bool(p.activation_offloading)):
             render.console.print(line)
         render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, budget))
-    for path in filter(None, (png, page)):
-        render.plain(f"timeline written to {path}")
-    return 0
 
 
 def _verdict(args: argparse.Namespace, from_config: bool, tr: Trace, plan: Plan, report: StepReport,
