@@ -279,16 +279,20 @@ def test_memory_takes_cluster_like_every_command(capsys):
 
 @pytest.mark.integration
 def test_accelerate_fsdp_yaml_leads_with_the_no_offload_verdict(capsys):
-    """Accelerate's fsdp.yaml (8B on 2 GPUs): auto's plan needs CPU offload, so plan --from-accelerate and simulate
-    --from-accelerate say first that nothing fits without it and that 4 GPUs do; --no-offload exits 2 (40 s)."""
+    """Accelerate's fsdp.yaml (8B on 2 GPUs) without TP (--tp 1): auto's plan needs CPU offload, so plan
+    --from-accelerate and simulate --from-accelerate say first that nothing fits without it and that 4 GPUs do;
+    --no-offload exits 2. With TP left to auto, TP 2 (its loss parallel halves the logits) fits without (40 s)."""
     from pathlib import Path
 
     config = str(Path(__file__).parent / "fixtures" / "accelerate" / "fsdp_2gpu.yaml")
+    job = ["llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--quiet"]
     verdict = "nothing fits h100:2 without CPU offload: the fewest H100-SXM-80GB that fit it without: 4 ("
     for command in ("plan", "simulate"):
-        assert main([command, "llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--quiet"]) == 0
+        assert main([command, *job, "--tp", "1"]) == 0
         assert capsys.readouterr().out.startswith(verdict)
-    assert main(["plan", "llama3-8b", "--from-accelerate", config, "--cluster", "h100", "--no-offload",
-                 "--quiet"]) == 2
+    assert main(["plan", *job, "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["fits"] and auto["plan"]["tensor_parallel"]["degree"] == 2 and not auto["plan"].get("offload")
+    assert main(["plan", *job, "--tp", "1", "--no-offload"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {verdict}") and len(err.splitlines()) == 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +66,16 @@ def planned(t: torch.Tensor) -> bool:
     return t.is_meta or (not torch.compiler.is_compiling() and is_fake(t))
 
 
-@torch.compiler.assume_constant_result
-def _kernel_name() -> str:
-    """``current_kernel``, which dynamo takes as a constant when it traces a planned block (a ContextVar it cannot
-    read)."""
-    return current_kernel()
+_kernel_name: Callable[[], str] = current_kernel  # what ``fused_attention`` reads: ``compilable`` makes it dynamo's
+
+
+def compilable() -> None:
+    """Before ``torch.compile`` of a model whose attention is ``fused_attention``: dynamo cannot read the ContextVar
+    ``current_kernel`` reads, so it takes the kernel's name as a constant (``assume_constant_result``). Not done at
+    import: that imports torch._dynamo, whose frames, made inside a planned step, would hold its tensors alive
+    (tests/test_trace.py)."""
+    global _kernel_name
+    _kernel_name = torch.compiler.assume_constant_result(current_kernel)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

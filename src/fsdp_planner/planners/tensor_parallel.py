@@ -100,8 +100,11 @@ def is_titan_llama(trace: Trace) -> bool:
     names = [*(f"{b}.{name}" for b in blocks for name in _LLAMA_BLOCK), *_LLAMA_TOP]
     if not blocks or any(n not in modules for n in names):
         return False
-    return all(modules[n].cls == _LLAMA_CLASSES.get(n.split(".", 2)[-1] if n.startswith("layers.") else n,
-                                                    modules[n].cls) for n in names)
+    classes = {n: _LLAMA_CLASSES.get(n.split(".", 2)[-1] if n.startswith("layers.") else n) for n in names}
+    # each Linear / Embedding holds its own weight: a wrapped one (peft's LoRA ``Linear`` keeps it in its
+    # ``base_layer``) is no module torch's styles parallelize
+    return all(modules[n].cls == cls and f"{n}.weight" in modules[n].params for n, cls in classes.items()
+               if cls is not None)
 
 
 def _titan_layout(trace: Trace, degree: int, loss_parallel: bool) -> Layout:
