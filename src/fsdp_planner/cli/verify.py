@@ -20,7 +20,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, run_verify
-from fsdp_planner.service.job_plan import carried_plan, job_plan
+from fsdp_planner.service.job_plan import carried_plan, check_runs_here, job_plan
 from fsdp_planner.service.planning import stamped
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _at_scale(tr, request, planning) if request.plan_for else \
         job_plan(tr, request.source.plan_file, request.source.policy, request.model, request.plan_cluster, planning,
                  request.nproc, REPORTER)
+    check_runs_here(plan)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
@@ -158,7 +159,11 @@ def _fake_world_prediction(tr: Trace, plan: Plan, request: FakeWorldRequest) -> 
 
 
 def _tp_label(plan: Plan, world: int) -> str:
-    """How a plan with tensor parallelism lays out the ranks: " (FSDP 2 x TP 2 (SP, loss parallel))"; else ""."""
+    """How a plan with tensor or expert parallelism lays out the ranks: " (FSDP 2 x TP 2 (SP, loss parallel))",
+    " (FSDP 8, experts FSDP 2 x EP 4)"; else ""."""
+    if plan.expert_parallel is not None and plan.tensor_parallel is None:
+        ep = plan.expert_parallel.degree
+        return escape(f" (FSDP {world}, experts FSDP {world // ep} x {plan.expert_parallel.describe()})")
     if plan.tensor_parallel is None:
         return ""
     dp = plan.layout(world)

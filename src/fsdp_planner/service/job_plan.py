@@ -22,7 +22,8 @@ from fsdp_planner.trace.records import Trace
 def job_plan(tr: Trace, plan_file: Path | None, policy: PolicyRequest | None, model: ModelSpec,
              cluster: Cluster | None, options: SimOptions, world: int | None, reporter: Reporter = SILENT) -> Plan:
     """The plan to run: the plan file's, checked against the model, or the policy's (auto's for ``cluster``);
-    checked against ``world`` ranks when given."""
+    checked against ``world`` ranks when given. What the torchrun job cannot run is its caller's to refuse
+    (``check_runs_here``): the fake world runs expert parallelism."""
     if plan_file is not None:
         plan = load_plan(str(plan_file), tr, model, reporter.note)
     else:
@@ -30,17 +31,17 @@ def job_plan(tr: Trace, plan_file: Path | None, policy: PolicyRequest | None, mo
         plan = policy_plan(tr, policy, model, cluster, options, reporter)
     if world is not None:
         check_plan_world_size(plan, world)
-    check_runs_here(plan)
     return plan
 
 
 def check_runs_here(plan: Plan) -> None:
-    """Refuse what the training jobs do not run yet: expert parallelism (simulated by ``plan`` and ``simulate``;
-    real EP + FSDP2 is ``apply/expert_parallel.py``, checked on the fake process group by its tests)."""
+    """Refuse what the torchrun training jobs do not run yet: expert parallelism (real EP + FSDP2 is
+    ``apply/expert_parallel.py``, which the fake-world check runs: ``--fake-world-size``)."""
     if plan.expert_parallel is not None:
-        raise PlannerError(f"verify does not run expert parallelism yet: {plan.expert_parallel.describe()} is "
-                           "modelled by plan and simulate; verify the same groups without --ep (or without the "
-                           "plan's expert_parallel)")
+        ep = plan.expert_parallel.describe()
+        raise PlannerError(f"verify on torchrun ranks does not run expert parallelism yet: {ep} runs on fake ranks "
+                           "(--fake-world-size W instead of --nproc), or verify the "
+                           "same groups without --ep (or without the plan's expert_parallel)")
 
 
 def carried_plan(planned: Trace, tr: Trace, policy: PolicyRequest, name: str, cluster: Cluster, nproc: int,
