@@ -20,7 +20,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, run_verify
-from fsdp_planner.service.job_plan import carried_plan, check_runs_here, job_plan
+from fsdp_planner.service.job_plan import carried_plan, job_plan
 from fsdp_planner.service.planning import stamped
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
     plan = _at_scale(tr, request, planning) if request.plan_for else \
         job_plan(tr, request.source.plan_file, request.source.policy, request.model, request.plan_cluster, planning,
                  request.nproc, REPORTER)
-    check_runs_here(plan)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
