@@ -211,3 +211,20 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
+
+
+@pytest.mark.integration  # a CLI subprocess (a few seconds)
+def test_fit_gpus_auto_with_ep() -> None:
+    """``fit --gpus auto --ep N``: each GPU count's plan is auto's under EP N (as ``plan --ep`` gives it); without
+    ``--ep``, none."""
+    import json
+    import subprocess
+    import sys
+
+    fit = [sys.executable, "-m", "fsdp_planner", "fit", TINY, "--cluster", "h100", "--gpus", "auto", "--json"]
+    r = subprocess.run([*fit, "--ep", "4"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["gpus"]["fewest"] == 8 and result["points"][0]["layout"] == "1x8 EP 4"
+    r = subprocess.run(fit, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and json.loads(r.stdout)["points"][0]["layout"] == "1x8", r.stderr[-2000:]
