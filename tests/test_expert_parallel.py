@@ -216,7 +216,7 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
 @pytest.mark.integration  # a CLI subprocess (a few seconds)
 def test_fit_gpus_auto_with_ep() -> None:
     """``fit --gpus auto --ep N``: each GPU count's plan is auto's under EP N (as ``plan --ep`` gives it); without
-    ``--ep``, none."""
+    ``--ep``, none where auto's plan fits, and the EP degrees the model allows where it does not."""
     import json
     import subprocess
     import sys
@@ -228,3 +228,9 @@ def test_fit_gpus_auto_with_ep() -> None:
     assert result["gpus"]["fewest"] == 8 and result["points"][0]["layout"] == "1x8 EP 4"
     r = subprocess.run(fit, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and json.loads(r.stdout)["points"][0]["layout"] == "1x8", r.stderr[-2000:]
+    # a budget auto's plan without EP exceeds (its 12 MiB above): the EP degrees the model allows are tried
+    r = subprocess.run([*fit, "--memory-budget", "9.5MiB"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    point = json.loads(r.stdout)["points"][0]
+    assert " EP " in point["layout"] and point["fits"] and not point["offload"]
+    assert point["reserved_memory"] <= 9.5 * 2**20

@@ -22,12 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
 from fsdp_planner.models import load_model
 from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
-from fsdp_planner.planners.expert_parallel import with_auto_ep
+from fsdp_planner.planners.expert_parallel import ep_degrees, with_auto_ep
 from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
@@ -184,7 +185,9 @@ class Points:
         ``plan --ep`` gives them); not fitting where the degree does not divide the plan's shard ranks (fewer GPUs
         than EP, or HSDP replicas of fewer)."""
         ep = self.job.auto.ep if self.job.auto is not None else None
-        if ep is None or ep == 1:
+        if ep is None:
+            return self._auto_ep(key, result)
+        if ep == 1:
             return result
         cluster = self._cluster(key)
         shard = result.plan.shard_size(cluster.world_size)
@@ -195,6 +198,24 @@ class Points:
         else:
             out = with_auto_ep(result, self._trace(key), cluster, self.job.options, ep)
         self._before_ep[id(out)] = (out, result)  # (out kept alive: its id stays its own)
+        return out
+
+    def _auto_ep(self, key: Key, result: AutoResult) -> AutoResult:
+        """Without ``--ep``, where auto's plan does not fit and the model has grouped experts: the EP degrees the
+        model and the plan's shard ranks allow (``ep_degrees``), the fastest that fits (else ``result``)."""
+        cluster, tr = self._cluster(key), self._trace(key)
+        if result.fits or result.plan.tp_degree > 1:
+            return result
+        try:
+            degrees = ep_degrees(tr, result.plan.shard_size(cluster.world_size))[1:]
+        except PlannerError:  # experts of several counts: EP only as the user names it (``--ep``, a plan file)
+            return result
+        tried = [with_auto_ep(result, tr, cluster, self.job.options, d) for d in degrees]
+        fitting = [t for t in tried if t.fits]
+        if not fitting:
+            return result
+        out = min(fitting, key=lambda t: (t.report.step_time, t.plan.ep_degree))
+        self._before_ep[id(out)] = (out, result)
         return out
 
     def _cluster(self, key: Key) -> Cluster:
