@@ -202,7 +202,8 @@ class Points:
 
     def _auto_ep(self, key: Key, result: AutoResult) -> AutoResult:
         """Without ``--ep``, where auto's plan does not fit and the model has grouped experts: the EP degrees the
-        model and the plan's shard ranks allow (``ep_degrees``), the fastest that fits (else ``result``)."""
+        model and the plan's shard ranks allow (``ep_degrees``), the fastest that fits (else the one holding least,
+        ``result`` among them)."""
         cluster, tr = self._cluster(key), self._trace(key)
         if result.fits or result.plan.tp_degree > 1:
             return result
@@ -212,9 +213,11 @@ class Points:
             return result
         tried = [with_auto_ep(result, tr, cluster, self.job.options, d) for d in degrees]
         fitting = [t for t in tried if t.fits]
-        if not fitting:
+        if not tried:
             return result
-        out = min(fitting, key=lambda t: (t.report.step_time, t.plan.ep_degree))
+        # none fits: the closest to fitting, with or without EP, is what the row and auto's sentence show
+        out = min(fitting, key=lambda t: (t.report.step_time, t.plan.ep_degree)) if fitting else \
+            min([result, *tried], key=lambda t: t.report.reserved_memory)
         self._before_ep[id(out)] = (out, result)
         return out
 
