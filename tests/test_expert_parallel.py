@@ -6,9 +6,6 @@ exactly, the peak within 5%."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
-
 import pytest
 
 from fsdp_planner.errors import PlannerError
@@ -40,68 +37,23 @@ def _ep_plan(tr, degree: int, checkpointing: bool = False) -> Plan:  # type: ign
     return with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, EXPERTS)), tr)
 
 
-class A2ACounter:
-    """EP's all-to-alls as the functional collectives issue them (``_c10d_functional.all_to_all_single``)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.nbytes = 0
-        self.others: collections.Counter = collections.Counter()
-
-    @contextlib.contextmanager
-    def counting(self):  # type: ignore[no-untyped-def]
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if func.namespace == "_c10d_functional" and func._opname == "all_to_all_single":
-                    counter.count += 1
-                    counter.nbytes += args[0].numel() * args[0].element_size()
-                elif func.namespace == "_c10d_functional" and not func._opname.startswith("wait"):
-                    counter.others[func._opname] += 1
-                return func(*args, **(kwargs or {}))
-
-        with Ops():
-            yield
-
-
-def run_ep_fake_world(spec: str, plan: Plan, world: int, steps: int = 2) -> dict:
-    """Real EP + FSDP2 on ``world`` fake ranks; the last step's FSDP2 collectives, all-to-alls and peak."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-
-    from fsdp_planner.apply.expert_parallel import apply_expert_parallel
-    from fsdp_planner.fsdp2.precision import mixed_precision
-    from fsdp_planner.runtime.fake_build import build_fake
-    from fsdp_planner.runtime.fake_world import FakeSteps, FakeTraining, HostCopies, factory_call, fake_process_group
-
-    model_spec = ModelSpec(spec)
-    with fake_process_group(world), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        built = build_fake(factory_call(model_spec), spec, mode)
-        with unset_fake_temporarily():
-            apply_expert_parallel(built.model, plan, world, mixed_precision(BF16.precision, built.model))
-        training = FakeTraining(built, plan, FakeSteps(steps), model_spec, HostCopies())
-        for _ in range(steps):
-            a2a = A2ACounter()
-            with a2a.counting():
-                counts, nbytes = training.step()
-    return {"counts": counts, "nbytes": nbytes, "a2a": a2a.count, "a2a_bytes": a2a.nbytes, "others": a2a.others,
-            "peak": training.tracker.peak}
-
-
 def _check(degree: int, world: int = 8, checkpointing: bool = False) -> tuple[int, int]:
+    """The fake-world check (``run_fake_world``, which applies the plan with ``apply_expert_parallel``) beside the
+    prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows)."""
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+
     tr = _traced()
     plan = _ep_plan(tr, degree, checkpointing)
     predicted = simulate(tr, plan, parse_cluster(f"h100:{world}"), BF16, timeline=False)
-    measured = run_ep_fake_world(TINY, plan, world)
-    assert measured["counts"] == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
-                                  "all_reduce": 0}
-    assert measured["nbytes"]["all_gather"] == predicted.all_gather_bytes
-    assert measured["nbytes"]["reduce_scatter"] == predicted.reduce_scatter_bytes
-    assert (measured["a2a"], measured["a2a_bytes"]) == (predicted.ep_all_to_alls, predicted.ep_all_to_all_bytes)
-    assert not measured["others"]  # EP adds no collective but its all-to-alls
-    return predicted.peak_memory, measured["peak"]
+    measured = run_fake_world(TINY, plan, world, BF16.precision)
+    rows = beside_prediction(predicted, measured)
+    assert measured.counts["all_reduce"] == 0 and measured.tp_counts is None  # EP adds no collective but all-to-alls
+    # 2 blocks, each a dispatch and a combine in forward and their grads' in backward; recomputed: forward's again
+    assert rows["ep_all_to_alls"][1] == 2 * (6 if checkpointing else 4)
+    for key, (p, m) in rows.items():
+        if key != "peak_memory":
+            assert p == m, key
+    return rows["peak_memory"]
 
 
 @pytest.mark.integration  # real EP + FSDP2 on fake ranks: seconds each
@@ -236,3 +188,49 @@ def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
     assert r.peak_memory > flat.peak_memory  # each replica holds twice the shard
     with pytest.raises(PlannerError, match="does not divide"):
         check_plan_world_size(_ep_plan(tr, 8).replace(mesh=Mesh(2, 4)), 8)
+
+
+@pytest.mark.integration  # CLI subprocesses: the fake-world check of an EP plan, and EP + FSDP2 on 4 gloo ranks
+def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
+    """``verify --ep 4 --fake-world-size 8``: every count and byte exact (EP's all-to-alls among them), the peak
+    within 5%; ``verify --ep 2 --nproc 4`` (torchrun, gloo's all-to-all): FSDP2's collectives as predicted (the
+    experts' over 2 ranks) and the params equal to the unsharded reference's."""
+    import json
+    import subprocess
+    import sys
+
+    verify = [sys.executable, "-m", "fsdp_planner", "verify", TINY, "--policy", "titan", "--json"]
+    r = subprocess.run([*verify, "--ep", "4", "--fake-world-size", "8"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
+    assert result["measured"]["ep_all_to_alls"] == result["predicted"]["ep_all_to_alls"] == 8
+    assert result["measured"]["ep_all_to_all_bytes"] == result["predicted"]["ep_all_to_all_bytes"] > 0
+    r = subprocess.run([*verify, "--ep", "2", "--nproc", "4", "--steps", "2"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
+
+
+@pytest.mark.integration  # a CLI subprocess (a few seconds)
+def test_fit_gpus_auto_with_ep() -> None:
+    """``fit --gpus auto --ep N``: each GPU count's plan is auto's under EP N (as ``plan --ep`` gives it); without
+    ``--ep``, none where auto's plan fits, and the EP degrees the model allows where it does not."""
+    import json
+    import subprocess
+    import sys
+
+    fit = [sys.executable, "-m", "fsdp_planner", "fit", TINY, "--cluster", "h100", "--gpus", "auto", "--json"]
+    r = subprocess.run([*fit, "--ep", "4"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["gpus"]["fewest"] == 8 and result["points"][0]["layout"] == "1x8 EP 4"
+    r = subprocess.run(fit, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and json.loads(r.stdout)["points"][0]["layout"] == "1x8", r.stderr[-2000:]
+    # a budget auto's plan without EP exceeds (its 12 MiB above): the EP degrees the model allows are tried
+    r = subprocess.run([*fit, "--memory-budget", "9.5MiB"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    point = json.loads(r.stdout)["points"][0]
+    assert " EP " in point["layout"] and point["fits"] and not point["offload"]
+    assert point["reserved_memory"] <= 9.5 * 2**20

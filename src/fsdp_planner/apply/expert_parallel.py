@@ -28,6 +28,10 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
 
     x, *rest = inputs
     ep = mesh.size()
+    if x.dim() != 3:  # transformers' experts take (tokens, dim) with the routing and dispatch inside them
+        raise PlannerError(f"{type(module).__name__} takes a {x.dim()}-D input, and expert parallelism is applied "
+                           "to experts taking (experts, tokens per expert, dim) only (models/moe.py's "
+                           "GroupedExperts, torchtitan's); this model's experts are simulated with EP, not run")
     e, n, dim = x.shape
     got = all_to_all_single_autograd(x.contiguous().view(e * n, dim), None, None, mesh)
     local = got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim)

@@ -158,7 +158,11 @@ def _fake_world_prediction(tr: Trace, plan: Plan, request: FakeWorldRequest) -> 
 
 
 def _tp_label(plan: Plan, world: int) -> str:
-    """How a plan with tensor parallelism lays out the ranks: " (FSDP 2 x TP 2 (SP, loss parallel))"; else ""."""
+    """How a plan with tensor or expert parallelism lays out the ranks: " (FSDP 2 x TP 2 (SP, loss parallel))",
+    " (FSDP 8, experts FSDP 2 x EP 4)"; else ""."""
+    if plan.expert_parallel is not None and plan.tensor_parallel is None:
+        ep = plan.expert_parallel.degree
+        return escape(f" (FSDP {world}, experts FSDP {world // ep} x {plan.expert_parallel.describe()})")
     if plan.tensor_parallel is None:
         return ""
     dp = plan.layout(world)

@@ -31,7 +31,7 @@ class FitPoint:
     budget: int
     model_flops: int  # FLOPs of one rank's step without recomputation (forward + backward as traced)
     peak_flops: float  # one GPU's dense peak in the compute dtype
-    layout: str  # REPLICATExSHARD
+    layout: str  # REPLICATExSHARD, with " EP N" under expert parallelism
     checkpointed: int  # modules auto checkpoints in full
     offload: bool = False  # auto turned CPUOffloadPolicy on (nothing fit without it)
     offloaded: int = 0  # modules whose saved activations auto offloads (its very last resort)

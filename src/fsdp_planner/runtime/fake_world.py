@@ -9,8 +9,9 @@ at once, with their real shapes), and real training steps run: forward, loss, ba
 Measured, on the last step (the first creates the optimizer state):
 - collectives and their bytes, by wrapping the ``torch.distributed`` functions FSDP2 calls (``worker.py``): those
   over the data-parallel dims; with tensor parallelism (the plan's ``tensor_parallel``, applied by ``apply_plan``
-  over the ``tp`` dim of the mesh) also DTensor's own over ``tp``, apart (``TPCounter``), the loss under
-  ``loss_parallel()`` when the plan asks for it;
+  over the ``tp`` dim of the mesh) also DTensor's own over ``tp``, apart (``FunctionalCounter``), the loss under
+  ``loss_parallel()`` when the plan asks for it; with expert parallelism (the plan's ``expert_parallel``, applied
+  by ``apply_expert_parallel``: the experts over ``ep`` and their EP-reduced FSDP mesh) EP's all-to-alls, apart;
 - attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed;
   the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
@@ -52,6 +53,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from fsdp_planner.apply.expert_parallel import apply_expert_parallel
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.tensor_parallel import loss_context
 from fsdp_planner.attention import fused_sdpa_everywhere, kernel
@@ -84,6 +86,8 @@ class FakeWorldResult:
     total_peak_memory: int = 0  # with offload: device and host bytes together at their peak (else peak_memory)
     tp_counts: Counts | None = None  # with TP: DTensor's collectives over the tp dim, by kind (else None)
     tp_nbytes: Counts | None = None
+    ep_all_to_alls: int | None = None  # with EP: the dispatch and combine all-to-alls (else None)
+    ep_all_to_all_bytes: int | None = None
 
 
 def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
@@ -101,19 +105,23 @@ def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             rows[f"tp_{kind}s"] = (getattr(predicted, f"tp_{kind}s"), measured.tp_counts[kind])
             rows[f"tp_{kind}_bytes"] = (getattr(predicted, f"tp_{kind}_bytes"), measured.tp_nbytes[kind])
+    if measured.ep_all_to_alls is not None and measured.ep_all_to_all_bytes is not None:
+        rows["ep_all_to_alls"] = (predicted.ep_all_to_alls, measured.ep_all_to_alls)
+        rows["ep_all_to_all_bytes"] = (predicted.ep_all_to_all_bytes, measured.ep_all_to_all_bytes)
     return {**rows, "peak_memory": (predicted.peak_memory, measured.peak_memory)}
 
 
-class TPCounter:
-    """DTensor's collectives over the ``tp`` dim and their bytes (nccl-tests' size, as ``CollectiveCounter``):
-    redistributions issue ``_c10d_functional`` ops, seen by a dispatch mode (all-gathers, reduce-scatters); an
+class FunctionalCounter:
+    """DTensor's collectives over the ``tp`` dim and EP's all-to-alls, and their bytes (nccl-tests' size, as
+    ``CollectiveCounter``): redistributions and EP's dispatch and combine issue ``_c10d_functional`` ops, seen by a
+    dispatch mode (all-gathers, reduce-scatters, all-to-alls: the input buffer, what each rank sends); an
     all-reduce (a partial value made whole: sequence-parallel norms' weight grads, loss parallel's reductions) is
     also issued from inside DTensor's own dispatch, below any mode, so ``funcol.all_reduce`` is wrapped instead.
     FSDP2's collectives go through ``torch.distributed``'s functions, never these: the two counts stay apart."""
 
     def __init__(self) -> None:
-        self.counts: Counts = dict.fromkeys(TP_KINDS, 0)
-        self.nbytes: Counts = dict.fromkeys(TP_KINDS, 0)
+        self.counts: Counts = dict.fromkeys(FUNCTIONAL_KINDS, 0)
+        self.nbytes: Counts = dict.fromkeys(FUNCTIONAL_KINDS, 0)
 
     def add(self, kind: str, t: torch.Tensor) -> None:
         self.counts[kind] += 1
@@ -134,17 +142,19 @@ class TPCounter:
 
     def take(self) -> tuple[Counts, Counts]:
         out = dict(self.counts), dict(self.nbytes)
-        self.counts, self.nbytes = dict.fromkeys(TP_KINDS, 0), dict.fromkeys(TP_KINDS, 0)
+        self.counts, self.nbytes = dict.fromkeys(FUNCTIONAL_KINDS, 0), dict.fromkeys(FUNCTIONAL_KINDS, 0)
         return out
 
 
 TP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+FUNCTIONAL_KINDS = (*TP_KINDS, "all_to_all")
 
 
 class _FunctionalOps(TorchDispatchMode):
-    """``TPCounter``'s view of the functional all-gathers (their output) and reduce-scatters (their input)."""
+    """``FunctionalCounter``'s view of the functional all-gathers (their output), reduce-scatters and all-to-alls
+    (their input)."""
 
-    def __init__(self, counter: TPCounter) -> None:
+    def __init__(self, counter: FunctionalCounter) -> None:
         super().__init__()
         self.counter = counter
 
@@ -155,6 +165,8 @@ class _FunctionalOps(TorchDispatchMode):
             self.counter.add("all_gather", out)
         elif name == "_c10d_functional::reduce_scatter_tensor":
             self.counter.add("reduce_scatter", args[0])
+        elif name == "_c10d_functional::all_to_all_single":
+            self.counter.add("all_to_all", args[0])
         return out
 
 
@@ -346,7 +358,7 @@ class FakeTraining:
         self.args, self.kwargs = split_inputs(built.inputs)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.counter = CollectiveCounter()
-        self.tp_counter = TPCounter()
+        self.tp_counter = FunctionalCounter()
         self.tp_figures = self.tp_counter.take()  # the last step's TP collectives (counts, bytes)
         self.host_copies = host_copies
         self.capacity = spec.routing or DEFAULT_CAPACITY
@@ -396,20 +408,35 @@ class FakeTraining:
                                f"{type(e).__name__}: {first_line(e)}") from e
 
     def result(self, world_size: int, counts: Counts, nbytes: Counts, seconds: float) -> FakeWorldResult:
-        """The last step's figures; with offload (of params or activations) the device's share is the peak."""
+        """The last step's figures; with offload (of params or activations) the device's share is the peak. TP's
+        collectives are shown with TP, or where any ran without it (a layout that redistributes what it should
+        not: compared with the prediction's none); EP's all-to-alls with EP."""
         offloaded = self.plan.offload or self.plan.activation_offloading
         tracker = self.tracker
-        tp_counts, tp_nbytes = self.tp_figures if self.plan.tensor_parallel is not None else (None, None)
+        counted, counted_bytes = self.tp_figures
+        functional = {k: counted[k] for k in TP_KINDS}
+        functional_bytes = {k: counted_bytes[k] for k in TP_KINDS}
+        a2a, a2a_bytes = counted["all_to_all"], counted_bytes["all_to_all"]
+        shown = self.plan.tensor_parallel is not None or any(functional.values())
+        tp_counts, tp_nbytes = (functional, functional_bytes) if shown else (None, None)
+        ep = self.plan.expert_parallel is not None or a2a > 0
         return FakeWorldResult(world_size, counts, nbytes, tracker.device_peak if offloaded else tracker.peak,
-                               seconds, tracker.peak, tp_counts, tp_nbytes)
+                               seconds, tracker.peak, tp_counts, tp_nbytes, a2a if ep else None,
+                               a2a_bytes if ep else None)
 
 
-def shard(model: torch.nn.Module, plan: Plan, mesh: Any, precision: Precision, host_copies: HostCopies) -> None:
-    """``fully_shard`` as the plan says, outside the fake mode: an int reshard_after_forward's post-forward mesh is
-    built from a tensor's .tolist(), which a fake tensor cannot answer; the fake params still dispatch to their
-    mode, so every sharded param and buffer FSDP2 makes from them stays fake."""
+def shard(model: torch.nn.Module, plan: Plan, world_size: int, precision: Precision, host_copies: HostCopies
+          ) -> None:
+    """``fully_shard`` as the plan says (with EP, ``apply_expert_parallel``, which builds its own meshes), outside
+    the fake mode: an int reshard_after_forward's post-forward mesh is built from a tensor's .tolist(), which a fake
+    tensor cannot answer; the fake params still dispatch to their mode, so every sharded param and buffer FSDP2
+    makes from them stays fake."""
     with unset_fake_temporarily(), host_copies.installed(bool(plan.activation_offloading)):
-        apply_plan(model, plan, mesh=mesh, mp_policy=mixed_precision(precision, model))
+        mp = mixed_precision(precision, model)
+        if plan.expert_parallel is not None:
+            apply_expert_parallel(model, plan, world_size, mp)
+        else:
+            apply_plan(model, plan, mesh=device_mesh(plan, "cpu", world_size), mp_policy=mp)
 
 
 def check_fake_world(world_size: int, steps: int) -> None:
@@ -470,12 +497,10 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     factory = factory_call(spec)
     how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync)
     started = time.perf_counter()
-    with fake_process_group(world_size):
-        mesh = device_mesh(plan, "cpu", world_size)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            built, host_copies = build_fake(factory, spec.name, mode), HostCopies()
-            shard(built.model, plan, mesh, precision, host_copies)
-            training = FakeTraining(built, plan, how, spec, host_copies)
-            for _ in range(steps):
-                counts, nbytes = training.step()
+    with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        built, host_copies = build_fake(factory, spec.name, mode), HostCopies()
+        shard(built.model, plan, world_size, precision, host_copies)
+        training = FakeTraining(built, plan, how, spec, host_copies)
+        for _ in range(steps):
+            counts, nbytes = training.step()
     return training.result(world_size, counts, nbytes, time.perf_counter() - started)

@@ -46,8 +46,9 @@ from fsdp_planner.runtime.failures import explain, launcher_killed, read_failure
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
 from fsdp_planner.signals import signals_raise
+from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
-from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.sim.sizing import Sizing, param_shards
 from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.sim.tracing import resolve_precision
 from fsdp_planner.trace.records import Trace
@@ -227,18 +228,20 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Pr
     """Per-step all-gather / reduce-scatter (HSDP: all-reduce) counts, and their bytes as FSDP2 sends them (padded;
     in ``precision``'s dtypes, the params' own without one); ``kept``: of a micro-batch under
     ``set_reshard_after_backward(False)``. FSDP2 issues no all-gather or reduce-scatter over a shard group of one
-    rank."""
+    rank (with EP, the experts' groups are over shard / EP ranks)."""
     shard = plan.shard_size(world_size)
     # the plan's shard dims (no padding off dim 0) and reduce dtype (what the worker applies: apply_plan)
     reduce = ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None
     own = REDUCE_BYTES[reduce] if reduce and precision is None else None  # over the params' own dtypes
     sizing = Sizing(trace, shard, with_reduce_dtype(precision, reduce) if precision is not None else None,
                     dims=plan.shard_dims, reduce_itemsize=own)
-    groups = sizing.groups(plan)
+    groups, group_params = sizing.groups(plan), sizing.group_params(plan)
+    ranks = param_shards(trace, shard)  # an EP view's experts: over shard / EP ranks
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)
     nbytes = dict.fromkeys((k.value for k in CollectiveKind), 0)
     for c in build_schedule(trace, plan, world_size, kept=kept).collectives:
-        if c.kind is not CollectiveKind.ALL_REDUCE and shard == 1:
+        params = group_params[c.group] if c.kind is CollectiveKind.ALL_GATHER else c.params
+        if c.kind is not CollectiveKind.ALL_REDUCE and max((ranks[i] for i in params), default=shard) == 1:
             continue
         counts[c.kind.value] += 1
         if c.kind is CollectiveKind.ALL_GATHER:
@@ -507,7 +510,10 @@ def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:
 
 def data_parallel_view(trace: Trace, plan: Plan, nproc: int) -> tuple[Trace, Plan, int]:
     """What FSDP2 shards on ``nproc`` ranks: the plan's TP-local params (one TP rank's view, ``tp_view``) on its
-    data-parallel mesh of ``nproc`` / TP ranks; without TP, the trace and plan as given."""
+    data-parallel mesh of ``nproc`` / TP ranks; with EP, one EP rank's view (``ep_view``: its E / EP experts,
+    FSDP-sharded over nproc / EP ranks); else the trace and plan as given."""
+    if plan.expert_parallel is not None:
+        return ep_view(trace, plan).trace, plan, nproc
     if plan.tensor_parallel is None:
         return trace, plan, nproc
     check_plan_world_size(plan, nproc)

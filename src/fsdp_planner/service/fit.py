@@ -22,11 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
 from fsdp_planner.models import load_model
 from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
+from fsdp_planner.planners.expert_parallel import ep_degrees, with_auto_ep
 from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
@@ -79,6 +81,8 @@ class Points:
         self.staged: dict[Key, Staged] = {}  # the full searches: what plan runs
         self.screens: dict[Key, Staged] = {}  # the searches without refinement
         self.searches = 0  # searches run (either kind, each stage one)
+        # with --ep: each result under EP -> (it, auto's result before EP), which the next stage starts from
+        self._before_ep: dict[int, tuple[AutoResult, AutoResult]] = {}
 
     @property
     def seen(self) -> dict[Key, FitPoint]:
@@ -162,7 +166,9 @@ class Points:
         if first is None:
             result = dataclasses.replace(policy, choose_memory_options=False).search(tr, self.job.model.name)
         else:
+            first = self._before_ep.get(id(first), (first, first))[1]
             result = policy.search(tr, self.job.model.name, first=first)
+        result = self._with_ep(key, result)
         if not screen:
             self._note(key, result, first is not None)
         return result
@@ -173,6 +179,47 @@ class Points:
         policy = make_policy(request, self._cluster(key), self.job.options)
         assert isinstance(policy, AutoPolicy)
         return policy
+
+    def _with_ep(self, key: Key, result: AutoResult) -> AutoResult:
+        """``result`` under the EP degree asked for (``--ep``: auto's groups with each expert module alone, as
+        ``plan --ep`` gives them); not fitting where the degree does not divide the plan's shard ranks (fewer GPUs
+        than EP, or HSDP replicas of fewer)."""
+        ep = self.job.auto.ep if self.job.auto is not None else None
+        if ep is None:
+            return self._auto_ep(key, result)
+        if ep == 1:
+            return result
+        cluster = self._cluster(key)
+        shard = result.plan.shard_size(cluster.world_size)
+        if shard % ep:
+            self.reporter.note(f"fit: EP {ep} does not divide the {shard:,} shard ranks on {cluster.name}: no plan "
+                               "there (the figures shown are auto's without EP)")
+            out = dataclasses.replace(result, fits=False)
+        else:
+            out = with_auto_ep(result, self._trace(key), cluster, self.job.options, ep)
+        self._before_ep[id(out)] = (out, result)  # (out kept alive: its id stays its own)
+        return out
+
+    def _auto_ep(self, key: Key, result: AutoResult) -> AutoResult:
+        """Without ``--ep``, where auto's plan does not fit and the model has grouped experts: the EP degrees the
+        model and the plan's shard ranks allow (``ep_degrees``), the fastest that fits (else the one holding least,
+        ``result`` among them)."""
+        cluster, tr = self._cluster(key), self._trace(key)
+        if result.fits or result.plan.tp_degree > 1:
+            return result
+        try:
+            degrees = ep_degrees(tr, result.plan.shard_size(cluster.world_size))[1:]
+        except PlannerError:  # experts of several counts: EP only as the user names it (``--ep``, a plan file)
+            return result
+        tried = [with_auto_ep(result, tr, cluster, self.job.options, d) for d in degrees]
+        fitting = [t for t in tried if t.fits]
+        if not tried:
+            return result
+        # none fits: the closest to fitting, with or without EP, is what the row and auto's sentence show
+        out = min(fitting, key=lambda t: (t.report.step_time, t.plan.ep_degree)) if fitting else \
+            min([result, *tried], key=lambda t: t.report.reserved_memory)
+        self._before_ep[id(out)] = (out, result)
+        return out
 
     def _cluster(self, key: Key) -> Cluster:
         assert self.job.cluster is not None
@@ -200,7 +247,7 @@ class Points:
         report = found.report
         return FitPoint(key[0], key[1] or 1, cluster.world_size, cluster.nodes, found.fits, report.step_time,
                         report.reserved_memory, found.budget, tr.fwd_flops + tr.bwd_flops,
-                        peak_flops(cluster.gpu, self.job.options.precision), report.mesh,
+                        peak_flops(cluster.gpu, self.job.options.precision), _layout(found),
                         len(found.plan.activation_checkpointing), offloads(found),
                         len(found.plan.activation_offloading), staged.complete,
                         len(found.plan.selective_checkpointing))
@@ -213,6 +260,12 @@ class Points:
         self.reporter.note(f"fit: {workload} on {self._cluster(key).name}: "
                            f"{verdict} (reserved {fmt_bytes(result.report.reserved_memory)}, "
                            f"step {fmt_time(result.report.step_time)})")
+
+
+def _layout(result: AutoResult) -> str:
+    """The plan's data-parallel layout (REPLICATExSHARD), with its EP degree: "1x256 EP 64"."""
+    ep = result.plan.ep_degree
+    return f"{result.report.mesh} EP {ep}" if ep > 1 else result.report.mesh
 
 
 def _fits(staged: Staged, plain: bool) -> bool:

@@ -30,17 +30,16 @@ def job_plan(tr: Trace, plan_file: Path | None, policy: PolicyRequest | None, mo
         plan = policy_plan(tr, policy, model, cluster, options, reporter)
     if world is not None:
         check_plan_world_size(plan, world)
-    check_runs_here(plan)
     return plan
 
 
-def check_runs_here(plan: Plan) -> None:
-    """Refuse what the training jobs do not run yet: expert parallelism (simulated by ``plan`` and ``simulate``;
-    real EP + FSDP2 is ``apply/expert_parallel.py``, checked on the fake process group by its tests)."""
+def check_carries(plan: Plan) -> None:
+    """Refuse carrying a plan with expert parallelism onto a small job (``--plan-for``): its expert groups and EP
+    degree are the large cluster's, which ``onto_job`` does not rescale; verify an EP plan on its own ranks."""
     if plan.expert_parallel is not None:
-        raise PlannerError(f"verify does not run expert parallelism yet: {plan.expert_parallel.describe()} is "
-                           "modelled by plan and simulate; verify the same groups without --ep (or without the "
-                           "plan's expert_parallel)")
+        ep = plan.expert_parallel.describe()
+        raise PlannerError(f"--plan-for does not carry expert parallelism ({ep}) onto a smaller job yet: verify with "
+                           "--ep on --nproc ranks, or on the cluster's own world size with --fake-world-size")
 
 
 def carried_plan(planned: Trace, tr: Trace, policy: PolicyRequest, name: str, cluster: Cluster, nproc: int,
@@ -49,10 +48,10 @@ def carried_plan(planned: Trace, tr: Trace, policy: PolicyRequest, name: str, cl
     ``other_model``, ``--plan-model``'s), carried onto the job's model ``tr`` and ``nproc`` ranks and checked there:
     the plan at scale, the job's, and notes saying what did not carry over."""
     at_scale = policy_plan(planned, policy, name, cluster, options, reporter)
+    check_carries(at_scale)
     label = f"{at_scale.policy} of {name}" if other_model else at_scale.policy  # (it names the cluster)
     plan, notes = onto_job(at_scale, planned, tr, nproc, label)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_world_size(plan, nproc)
-    check_runs_here(plan)
     return at_scale, plan, notes
