@@ -101,10 +101,11 @@ def is_titan_llama(trace: Trace) -> bool:
     if not blocks or any(n not in modules for n in names):
         return False
     classes = {n: _LLAMA_CLASSES.get(n.split(".", 2)[-1] if n.startswith("layers.") else n) for n in names}
-    # each Linear / Embedding holds its own weight: a wrapped one (peft's LoRA ``Linear`` keeps it in its
-    # ``base_layer``) is no module torch's styles parallelize
-    return all(modules[n].cls == cls and f"{n}.weight" in modules[n].params for n, cls in classes.items()
-               if cls is not None)
+    # each Linear / Embedding holds its weight itself (a tied output head shares the embedding's): a wrapped one
+    # (peft's LoRA ``Linear`` keeps it in its ``base_layer``) is no module torch's styles parallelize
+    tied = {o for p in trace.params if p.is_shared for o in p.owners}
+    return all(modules[n].cls == cls and (f"{n}.weight" in modules[n].params or n in tied)
+               for n, cls in classes.items() if cls is not None)
 
 
 def _titan_layout(trace: Trace, degree: int, loss_parallel: bool) -> Layout:
