@@ -121,7 +121,7 @@ def test_every_cluster_number_is_checked_and_named(capsys, tmp_path: Path, field
     path = _cluster_file(tmp_path, _set(field, value))
     line = _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(path)], message)
     assert f"the cluster file {path} field" in line or f"the cluster file {path} has" in line
-    assert len(line) < 300  # a long value is not echoed whole
+    assert len(line) - len(str(path)) < 250  # a long value is not echoed whole (the path is the test's own)
     with pytest.raises(PlannerError, match="cluster file"):
         Cluster.load(path)
 
