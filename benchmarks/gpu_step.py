@@ -1,0 +1,283 @@
+"""Real FSDP2 steps on one GPU beside the planner's prediction for it: step time, peak memory, profiler traces.
+
+The planner's time and memory figures for Hopper come from data sheets, papers and published training runs; this
+benchmark checks them against a GPU it measured itself. Three phases, so that the GPU runs only the steps:
+
+1. ``python benchmarks/gpu_step.py prepare`` (here, any CPU): ``fsdp-planner plan MODEL --policy titan [--ac full]
+   [--compile] --cluster h200:1 --out benchmarks/gpu/NAME.plan.json --json`` for each workload below; the
+   predictions go to ``benchmarks/gpu/predicted.json``.
+2. ``python benchmarks/gpu_step.py run OUTDIR`` (on the GPU machine): ``fsdp-planner calibrate --compute --base
+   h200:1`` (the roofline's efficiencies from timed matmuls, attention and an elementwise op), then each workload in
+   its own process: the model built on the GPU, the plan applied with ``apply_plan`` (bf16-mixed, as planned), AdamW;
+   3 warm-up steps, 10 timed steps (CUDA events: forward + backward, and the optimizer step apart, which the
+   simulator does not model), the peak allocated / reserved bytes of 2 more whole steps, and a torch.profiler trace of
+   3 forward + backward steps (``OUTDIR/NAME.trace.json.gz``: what ``calibrate --trace`` reads).
+3. Here: ``calibrate --trace`` on one workload's trace, the others predicted with that cluster (``simulate
+   --against``), predicted beside measured.
+
+Status: prepared and tried on CPU (``one`` runs each workload with gloo when no GPU is there, under torch 2.11 as
+on the GPU image); not yet run on a GPU: the session that wrote it was not lent one (no results are committed).
+
+FSDP2 runs on one rank (NCCL, world size 1): no collective moves bytes, so this checks compute, host overhead and
+memory, not the network (published multi-GPU runs check that: ``benchmarks/fidelity_published.md``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PLANS = HERE / "gpu"
+CLUSTER = "h200:1"
+WARMUP, TIMED, PEAK_STEPS, PROFILED = 3, 10, 2, 3
+WORKLOAD_TIMEOUT_S = 150  # one workload's process, at most
+DEADLINE_S = 500  # the run's whole time, inside the machine's 600 s command limit
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str
+    options: tuple[str, ...] = ()
+
+
+WORKLOADS = (
+    Workload("llama-1b", "benchmarks/gpu_models.py:llama_1b"),
+    Workload("llama-1b-ac", "benchmarks/gpu_models.py:llama_1b", ("--ac", "full")),
+    Workload("llama32-3b", "llama32-3b"),
+    Workload("llama32-3b-ac", "llama32-3b", ("--ac", "full")),
+    Workload("llama-1b-compile", "benchmarks/gpu_models.py:llama_1b", ("--compile",)),
+)
+CALIBRATED_ON = "llama-1b"  # the trace calibrate --trace fits; the other workloads are predicted with its cluster
+
+
+def cli(*args: str, timeout: float = 900) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"fsdp-planner {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def prediction(out: str) -> dict[str, Any]:
+    sim = json.loads(out)["plans"][0]["simulation"]
+    return {k: sim[k] for k in ("step_time", "compute_time", "recompute_time", "host_time", "peak_memory",
+                                "reserved_memory")}
+
+
+def prepare() -> None:
+    """The plans and their predictions, made here (the product's torch; the GPU machine's may be older)."""
+    PLANS.mkdir(exist_ok=True)
+    predicted = {}
+    for w in WORKLOADS:
+        out = cli("plan", w.model, "--policy", "titan", *w.options, "--cluster", CLUSTER,
+                  "--out", str(PLANS / f"{w.name}.plan.json"), "--json")
+        predicted[w.name] = prediction(out)
+    (PLANS / "predicted.json").write_text(json.dumps(predicted, indent=1) + "\n")
+
+
+# --- on the GPU machine -------------------------------------------------------------------------------------------
+
+def _older_torch_shims() -> None:
+    """The GPU image may carry a torch older than the product's (2.13): give it the two FSDP helpers the tracer
+    imports (added in 2.13), over torch's pytree, so the same code runs there. Nothing else is patched."""
+    from torch.distributed.fsdp import _common_utils as common
+    from torch.utils import _pytree as pytree
+
+    if hasattr(common, "collect_grad_tensors"):
+        return
+    import torch
+
+    def wanted(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x.requires_grad
+
+    def collect(output: Any) -> tuple[Any, ...]:
+        return tuple(x for x in pytree.tree_leaves(output) if wanted(x))
+
+    def replace(output: Any, tensors: Any) -> Any:
+        return pytree.tree_map(lambda x: next(tensors) if wanted(x) else x, output)
+
+    common.collect_grad_tensors, common.replace_grad_tensors = collect, replace
+
+
+def run(out: Path) -> None:
+    """Each workload in its own process (a failure or an out-of-memory ends that one only), ``calibrate --compute``
+    before the compiled one (whose compile takes longest); each step skipped where it could overrun the machine's
+    command limit, and what ran written after each."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"device": _device_line()}
+    started = time.perf_counter()
+    steps = [(w.name, True) for w in WORKLOADS]
+    steps.insert(len(steps) - 1, ("calibrate-compute", True))
+    for name, _ in steps:
+        if time.perf_counter() - started + WORKLOAD_TIMEOUT_S > DEADLINE_S:
+            results[name] = {"error": "skipped: the machine's time was short"}
+            continue
+        begun = time.perf_counter()
+        results[name] = _calibrate_compute(out) if name == "calibrate-compute" else _workload(name, out)
+        results[name]["wall_s"] = round(time.perf_counter() - begun, 1)
+        (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+        print(name, json.dumps(results[name])[:600], flush=True)
+
+
+def _workload(name: str, out: Path) -> dict[str, Any]:
+    try:
+        done = subprocess.run([sys.executable, __file__, "one", name, str(out)], capture_output=True, text=True,
+                              timeout=WORKLOAD_TIMEOUT_S, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {WORKLOAD_TIMEOUT_S} s"}
+    if done.returncode != 0:
+        return {"error": (done.stdout + done.stderr)[-3000:]}
+    scratch = out / f"{name}.json"  # the machine returns 8 files: the results hold it
+    result = json.loads(scratch.read_text())
+    scratch.unlink()
+    return result
+
+
+def _calibrate_compute(out: Path) -> dict[str, Any]:
+    try:
+        _in_process_cli(["calibrate", "--compute", "--base", CLUSTER, "--out", str(out / "h200_compute.json")],
+                        timeout=WORKLOAD_TIMEOUT_S)
+        return {"cluster": "h200_compute.json"}
+    except Exception as e:
+        return {"error": str(e)[-2000:]}
+
+
+def _device_line() -> str:
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{name}, torch {torch.__version__}"
+
+
+def _in_process_cli(argv: list[str], timeout: float) -> None:
+    """``python -m fsdp_planner ARGV`` with the shims in place (a child process, so a hang ends at ``timeout``)."""
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(HERE)!r}]; import gpu_step; "
+            f"gpu_step._older_torch_shims(); from fsdp_planner.cli import main; sys.exit(main({argv!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    print(done.stdout[-3000:], done.stderr[-3000:], flush=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"exit {done.returncode}: {done.stderr[-1500:]}")
+
+
+def one(name: str, out: Path) -> None:
+    """One workload on this process's GPU (or CPU with gloo when none, to try the script anywhere)."""
+    sys.path[:0] = [str(ROOT / "src")]
+    _older_torch_shims()
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_planner.apply.fully_shard import apply_plan, device_mesh, plan_policies
+    from fsdp_planner.fsdp2.plan import Plan
+    from fsdp_planner.fsdp2.precision import mixed_precision
+    from fsdp_planner.models import ModelSpec, load_model
+    from fsdp_planner.sim.options import precision_named
+
+    w = next(w for w in WORKLOADS if w.name == name)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+    plan = Plan.from_json((PLANS / f"{name}.plan.json").read_text())
+    with device:
+        loaded = load_model(ModelSpec(w.model), meta=False)
+    model, inputs, loss_fn = loaded.model, loaded.example_inputs, loaded.loss_fn
+    policy = plan_policies(plan, mixed_precision(precision_named("bf16-mixed"), model), None)[0]
+    apply_plan(model, plan, mesh=device_mesh(plan, device.type, 1), mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def forward_backward() -> None:
+        loss_fn(model(*inputs)).backward()
+
+    def step() -> None:
+        forward_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(WARMUP):
+        step()
+    fb, opt_s = _timed(device, forward_backward, opt, TIMED)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(PEAK_STEPS):
+        step()
+    sync()
+    result = {"forward_backward_s": fb, "optimizer_s": opt_s, "timed_steps": TIMED,
+              "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+              "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+              "numel": sum(p.numel() for p in model.parameters())}
+    _profile(device, forward_backward, opt, out / f"{name}.trace.json")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    dist.destroy_process_group()
+
+
+def _timed(device: Any, forward_backward: Any, opt: Any, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each step's forward + backward and of its optimizer step (CUDA events on a GPU)."""
+    import torch
+
+    fb, os_ = [], []
+    for _ in range(steps):
+        if device.type == "cuda":
+            a, b, c = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            a.record()
+            forward_backward()
+            b.record()
+            opt.step()
+            c.record()
+            torch.cuda.synchronize()
+            fb.append(a.elapsed_time(b) / 1e3)
+            os_.append(b.elapsed_time(c) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            forward_backward()
+            t1 = time.perf_counter()
+            opt.step()
+            fb.append(t1 - t0)
+            os_.append(time.perf_counter() - t1)
+        opt.zero_grad(set_to_none=True)
+    return fb, os_
+
+
+def _profile(device: Any, forward_backward: Any, opt: Any, path: Path) -> None:
+    """PROFILED forward + backward steps as ``verify --profile`` records them, gzipped (the machine's files come
+    back at most 16 MiB each)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True,
+                 schedule=schedule(wait=0, warmup=1, active=PROFILED, repeat=1)) as prof:
+        for _ in range(PROFILED + 1):
+            forward_backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    prof.export_chrome_trace(str(path))
+    with path.open("rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    if what == "prepare":
+        prepare()
+    elif what == "run" and len(sys.argv) == 3:
+        run(Path(sys.argv[2]))
+    elif what == "one" and len(sys.argv) == 4:
+        one(sys.argv[2], Path(sys.argv[3]))
+    else:
+        raise SystemExit(__doc__)
