@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map_only
 
 from fsdp_planner.attention import kernel
-from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, GradientSync, PolicyName, ShardPlacement, Target
+from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
@@ -41,11 +41,11 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER, batch: int | None = None,
          seq: int | None = None, ac: str | None = None, ac_policy: str | None = None, mesh: str | None = None,
          memory_budget: int | str | None = None, headroom: float | str | None = None,
-         micro_batches: int | str = 1, offload: bool = False, module_classes: tuple[str, ...] = (),
+         micro_batches: int | str | None = None, offload: bool = False, module_classes: tuple[str, ...] = (),
          search_effort: int | None = None, target: str = Target.FSDP2.value, reduce_dtype: str | None = None,
          shard_placement: str = ShardPlacement.DIM0.value, attention: str | None = None,
          routing: float | None = None, hf_config: dict[str, Any] | None = None,
-         gradient_sync: str = GradientSync.LAST.value, tp: int | None = None, loss_parallel: bool | None = None,
+         gradient_sync: str | None = None, tp: int | None = None, loss_parallel: bool | None = None,
          async_tp: bool = False, ep: int | None = None) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
     for the same model and options (each keyword is the option of the same name, ``-`` as ``_``, checked by the
@@ -84,7 +84,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,
         hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp,
         ep=ep)
-    job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__)
+    job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
+                      split_by_default=True)
     tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)
                       else lambda spec, options: _traced_module(model, inputs, loss_fn, spec, options))
     outcome = plan_job(job, tracer)

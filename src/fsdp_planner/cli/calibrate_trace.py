@@ -40,7 +40,7 @@ def run_trace(args: argparse.Namespace) -> int:
     traces = [read_trace(path) for path in args.trace]
     options = SimOptions.named(args.precision)
     spec = ModelSpec(args.trace_model)
-    tr = load_trace(spec, render.notes, precision=options.precision)
+    tr = load_trace(spec, precision=options.precision)
     base = parse_cluster(args.base) if args.base else None
     plan = _plan(args, tr, spec, traces)
     cluster, fit = fit_trace(tr, plan, traces, base, options)

@@ -58,7 +58,7 @@ def _model(args: argparse.Namespace, options: SimOptions) -> tuple[Trace, list[F
     """The model's trace and its findings; a step that fails in the precision's compute dtype is an error finding
     (the real run crashes), the rest checked on the step in the model's own dtypes."""
     try:
-        tr = load_trace(model_spec(args), render.notes, precision=options.precision)
+        tr = load_trace(model_spec(args), precision=options.precision)
         return tr, model_findings(tr, options.precision)
     except PrecisionError as e:
         failed = Finding(Severity.ERROR, Code.PRECISION, e.problem, e.fix, e.module)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from rich.console import Console
-from rich.markup import escape
-
 import fsdp_planner.cli.render as render
 import fsdp_planner.service.plan_files as plan_files
 import fsdp_planner.service.planning as planning
@@ -22,25 +19,24 @@ from fsdp_planner.trace.records import Trace
 REPORTER = Reporter(render.note, render.progress)  # the service's notes and progress, on stderr
 
 
-def load_trace(spec: ModelSpec | str, notes: Console, measure: bool = False, full: bool = False,
+def load_trace(spec: ModelSpec | str, measure: bool = False, full: bool = False,
                precision: Precision | None = None, threads: int | None = None, repeats: int = 3) -> Trace:
     """The model's trace on meta tensors, in ``precision``'s compute dtype (default: the default precision's);
     with ``measure``, then timed for real on the local device (median of ``repeats`` steps, with ``threads`` CPU
     threads when given).
     ``full``: every module call traced (no replay of repeated blocks)."""
     with render.progress(f"tracing {spec}"):
-        tr = trace_spec(spec, precision, full, lambda line: notes.print(f"[dim]note: {escape(line)}[/dim]",
-                                                                        highlight=False))
-        return _measured(as_spec(spec), tr, notes, threads, repeats) if measure else tr
+        tr = trace_spec(spec, precision, full, render.trace_note)
+        return _measured(as_spec(spec), tr, threads, repeats) if measure else tr
 
 
 def tracer(measure: bool, full: bool) -> Tracer:
     """How the command line traces a job's model: on meta (``full``: every module call), the ops timed on this
     machine with ``measure``."""
-    return lambda spec, options: load_trace(spec, render.notes, measure, full=full, precision=options.precision)
+    return lambda spec, options: load_trace(spec, measure, full=full, precision=options.precision)
 
 
-def _measured(spec: ModelSpec, tr: Trace, notes: Console, threads: int | None, repeats: int) -> Trace:
+def _measured(spec: ModelSpec, tr: Trace, threads: int | None, repeats: int) -> Trace:
     from fsdp_planner.runtime.measure import check_fits, local_device
     from fsdp_planner.runtime.measure import measure as measure_ops
 
@@ -56,7 +52,7 @@ def _measured(spec: ModelSpec, tr: Trace, notes: Console, threads: int | None, r
         raise PlannerError(exit_message(e, f"measuring '{spec}' on {device.type}")) from e
     except Exception as e:
         raise PlannerError(f"measuring '{spec}' on {device.type} failed: {model_error(e)}") from e
-    notes.print(f"[dim]compute times measured on this machine's {device.type} "
+    render.notes.print(f"[dim]compute times measured on this machine's {device.type} "
                 f"({sum(measured.op_seconds or ()) * 1e3:.1f} ms of ops per step)"
                 f"{'; CPU times, not the cluster GPUs' if device.type == 'cpu' else ''}[/dim]", highlight=False)
     return measured

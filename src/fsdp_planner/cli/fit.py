@@ -174,15 +174,8 @@ def _points(request: FitRequest) -> Points:
 
 
 def _tracer(full: bool) -> Tracer:
-    """The command line's meta trace, each note said once (every workload is traced, and says the same)."""
-    said: set[str] = set()
-
-    def note(line: str) -> None:
-        if line not in said:
-            said.add(line)
-            render.note(line)
-
-    return lambda spec, options: trace_spec(spec, options.precision, full, note)
+    """The command line's meta trace (every workload is traced, and says the same notes: render says each once)."""
+    return lambda spec, options: trace_spec(spec, options.precision, full, render.note)
 
 
 def _workload(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str]]:

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise PlannerError(f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, got {cut_short(args.world_size)}")
     options = SimOptions.named(args.precision, args.optimizer, zero_grad=args.zero_grad)
-    rows = strategy_table(load_trace(model_spec(args), render.notes, full=args.full_trace,
+    rows = strategy_table(load_trace(model_spec(args), full=args.full_trace,
                                    precision=options.precision), args.world_size, options)
     if args.json:
         print(json_text({k: v.to_dict() for k, v in rows.items()}, indent=2))

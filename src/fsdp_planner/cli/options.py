@@ -154,7 +154,9 @@ def add_micro_batches(sp: argparse.ArgumentParser) -> None:
                     help="gradient accumulation: split --batch (then the per-GPU batch of the optimizer step) into N "
                          "micro-batches of --batch/N, each a forward + backward, with "
                          "set_requires_gradient_sync(False) on all but the last (reduce-scatters in its backward "
-                         "only; see --gradient-sync); default 1")
+                         "only; see --gradient-sync); default 1, except that plan --policy auto with a --batch "
+                         "above 1 compares its three smallest splits (auto: up to eight) and keeps the fastest "
+                         "that fits")
     sp.add_argument("--no-reshard-after-backward", dest="reshard_after_backward", action="store_false",
                     help="with --micro-batches: also set_reshard_after_backward(False) on all but the last "
                          "micro-batch, keeping the params gathered between micro-batches (no all-gather before "

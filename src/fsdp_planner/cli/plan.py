@@ -61,11 +61,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _split_note(outcome: PlanOutcome) -> None:
-    """``--micro-batches auto``: the split chosen, and each split's auto plan."""
+    """``--micro-batches auto``, or auto's default comparison of splits: the split chosen, each split's plan."""
     shown = ", ".join(f"{s.micro_batches}: {fmt_time(s.step_time)}{'' if s.fits else ' (does not fit)'}"
                       for s in outcome.splits)
     n, batch = outcome.job.options.micro_batches, outcome.job.model.batch_size
-    render.note(f"--micro-batches auto: {n} micro-batches of {batch} (step time of each split's auto plan: {shown})")
+    if not outcome.job.split_by_default:
+        render.note(f"--micro-batches auto: {n} micro-batches of {batch} (step time of each split's auto plan: "
+                    f"{shown})")
+    elif n > 1:  # the whole batch, as given, needs no word
+        render.note(f"auto splits --batch {n * batch} into {n} micro-batches of {batch}, the fastest split that fits "
+                    f"(step time of each split's auto plan: {shown}; --micro-batches 1 keeps the batch whole)")
 
 
 def _explanation(r: GroupExplanation) -> dict[str, Any]:

@@ -100,9 +100,29 @@ def plain(text: str) -> None:
     console.print(text, highlight=False, markup=False)
 
 
+_said: set[str] = set()  # the notes one command printed: a model traced again (each split, each TP degree
+# auto compares) says its notes once
+
+
 def note(text: str) -> None:
-    """``note: ...`` on stderr, for an option that has no effect or a part of the work left out."""
+    """``note: ...`` on stderr, for an option that has no effect or a part of the work left out; once a command."""
+    if text in _said:
+        return
+    _said.add(text)
     notes.print(f"note: {text}", highlight=False, markup=False)
+
+
+def trace_note(text: str) -> None:
+    """What a trace notes about the model (dim, once a command: auto traces the model again at each split)."""
+    if text in _said:
+        return
+    _said.add(text)
+    notes.print(f"[dim]note: {escape(text)}[/dim]", highlight=False)
+
+
+def new_command() -> None:
+    """Forget the notes said: the next command (``main`` again, in one process) says its own."""
+    _said.clear()
 
 
 def workload_label(label: str, micro_batches: int, gradient_sync: GradientSync = GradientSync.LAST) -> str:

@@ -245,7 +245,7 @@ def plan_request(args: argparse.Namespace) -> PlanRequest:
         raise PlannerError("--out writes one plan: choose it with --policy")
     if args.explain and args.policy != PolicyName.AUTO.value:
         raise PlannerError("--explain explains an auto plan: add --policy auto")
-    job = validate.plan_job(keywords(args), CLI, explain=args.explain)
+    job = validate.plan_job(keywords(args), CLI, explain=args.explain, split_by_default=True)
     notes = _plan_notes(args, [p.name for p in job.policies], job.cluster is not None)
     measure = args.measure and not any(n.startswith("--measure") for n in notes)
     return PlanRequest(dataclasses.replace(job, measure=measure), PolicyName(args.policy) if args.policy else None,

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     budget = memory_budget(args, cluster)
     for note in policy_notes(args, policies, f"with {ran}", plan_file=not policies, budgeted=True):
         render.note(note)
-    tr = load_trace(model_spec(args), render.notes, args.measure, full=args.full_trace,
+    tr = load_trace(model_spec(args), args.measure, full=args.full_trace,
                     precision=options.precision)
     # the config's reshard_after_forward on the first plan
     plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)

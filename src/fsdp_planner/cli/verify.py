@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{request.options.precision.name}: add --precision fp32 to predict a job timed like them")
     host = predict_on is not None and predict_on.engine is Engine.HOST
     options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
-    tr = load_trace(request.model, render.notes, measure=request.measure and predict_on is not None,
+    tr = load_trace(request.model, measure=request.measure and predict_on is not None,
                     full=request.full_trace, precision=options.precision,
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
     # auto plans in the job's precision and micro-batches, as plan would
@@ -83,7 +83,7 @@ def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:
     model and ranks (``planners/at_scale.py``); what did not carry over is noted."""
     cluster, source = request.plan_cluster, request.source
     assert cluster is not None and source.policy is not None
-    planned = tr if request.plan_model is None else load_trace(request.plan_model, render.notes,
+    planned = tr if request.plan_model is None else load_trace(request.plan_model,
                                                                  precision=options.precision)
     name = request.plan_model.name if request.plan_model else request.model.name
     at_scale, plan, notes = carried_plan(planned, tr, source.policy, name, cluster, request.nproc, options,
@@ -177,7 +177,7 @@ def run_fake(request: FakeWorldRequest) -> int:
     for note in request.notes:
         render.note(note)
     world, options, precision = request.world, request.options, request.options.precision.name
-    tr = load_trace(request.model, render.notes, full=request.full_trace, precision=options.precision)
+    tr = load_trace(request.model, full=request.full_trace, precision=options.precision)
     source = request.source
     plan = stamped(job_plan(tr, source.plan_file, source.policy, request.model, request.cluster, options,
                             world if source.plan_file is not None else None, REPORTER), tr, world, options)

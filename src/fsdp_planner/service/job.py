@@ -31,6 +31,7 @@ class PlanJob:
     compare: bool = False  # a comparison: a policy that cannot take the settings is left out, not an error
     split: bool = False  # auto chooses how many micro-batches the batch is split into
     whole_batch: int | None = None  # with ``split``: the per-GPU batch of the optimizer step
+    split_by_default: bool = False  # ``split`` without ``--micro-batches auto``: the few smallest splits only
     full_trace: bool = False  # every module call traced (no replay of repeated blocks)
     measure: bool = False  # the ops timed on this machine (the front end's tracer does it)
     default_cluster: str | None = None  # the cluster chosen for auto because none was given

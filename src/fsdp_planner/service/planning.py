@@ -20,7 +20,7 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
-from fsdp_planner.planners.auto.split import choose_split
+from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.expert_parallel import with_auto_ep, with_expert_parallel
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
@@ -97,7 +97,7 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
         one = at(n)
         return search(tracer(one.model, one.options), policy, cluster, one.options, one.model, reporter, tracer)
 
-    best, tried = choose_split(batch, searched)
+    best, tried = choose_split(batch, searched, DEFAULT_SPLITS if job.split_by_default else MAX_SPLITS)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
                                          for s in tried)
 

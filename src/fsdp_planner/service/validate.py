@@ -373,15 +373,28 @@ def named(spec: str, rate: object, spell: Spelling) -> Cluster:
     return with_cpu_optimizer_rate(parse_cluster(spec), rate, f"given with {spell.name_of('cpu_optimizer_rate')}")
 
 
-def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bool = False) -> PlanJob:
+def _splits_by_default(kw: Keywords, spell: Spelling) -> bool:
+    """Auto alone, a whole batch of more than one and no split given: auto compares splits of the batch too."""
+    if kw.policy != PolicyName.AUTO.value or kw.micro_batches is not None:
+        return False
+    batch = workload_int(kw.batch, "batch", spell, MAX_BATCH)
+    return batch is not None and batch > 1
+
+
+def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bool = False,
+             split_by_default: bool = False) -> PlanJob:
     """The job ``plan`` runs: ``kw.policy``'s plan (None: the classic policies side by side, and auto's with a
     cluster). Auto without a cluster plans for the default one. ``name``: the model's name when ``kw.model`` is no
-    MODEL spec (an ``nn.Module``)."""
+    MODEL spec (an ``nn.Module``). ``split_by_default``: auto alone with a ``batch`` of more than one and no
+    ``micro_batches`` also compares splits of it (the few smallest: ``DEFAULT_SPLITS``), as ``plan`` and the API
+    do; a job from a config keeps the config's split."""
     for key in ("offload", "full_trace", "measure"):
         flag(getattr(kw, key), key, spell)
     if kw.policy is not None:
         text(kw.policy, "policy", spell)
     split = is_split(kw)
+    by_default = split_by_default and not split and _splits_by_default(kw, spell)
+    split = split or by_default
     if split and (kw.policy != PolicyName.AUTO.value or kw.batch is None):
         workload_int(kw.batch, "batch", spell, MAX_BATCH)
         raise PlannerError(f"{spell.given('micro_batches', SPLIT_AUTO)} lets {spell.given('policy', 'auto')} split "
@@ -400,6 +413,7 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bo
     return PlanJob(model, tuple(policies), the_cluster, options,
                    memory_budget(kw, the_cluster, spell) if the_cluster is not None else None,
                    compare=kw.policy is None, split=split, whole_batch=kw.batch if split else None,  # type: ignore[arg-type]
+                   split_by_default=by_default,
                    full_trace=bool(kw.full_trace), measure=bool(kw.measure), default_cluster=default,
                    explain=explain)
 
