@@ -90,9 +90,9 @@ def _exit_code(code: object) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     _open_missing_streams()
-    said = sys.modules.get("fsdp_planner.cli.render")  # (not imported here: --help stays fast without rich)
-    if said is not None:
-        said.new_command()
+    render = sys.modules.get("fsdp_planner.cli.render")  # (not imported here: --help stays fast without rich)
+    if render is not None:  # an earlier command in this process said its notes
+        render.new_command()
     try:
         with signals_raise():  # from the start: Ctrl-C or SIGTERM while torch is imported is one line too
             return _run(argv)

@@ -53,8 +53,8 @@ def _measured(spec: ModelSpec, tr: Trace, threads: int | None, repeats: int) -> 
     except Exception as e:
         raise PlannerError(f"measuring '{spec}' on {device.type} failed: {model_error(e)}") from e
     render.notes.print(f"[dim]compute times measured on this machine's {device.type} "
-                f"({sum(measured.op_seconds or ()) * 1e3:.1f} ms of ops per step)"
-                f"{'; CPU times, not the cluster GPUs' if device.type == 'cpu' else ''}[/dim]", highlight=False)
+                       f"({sum(measured.op_seconds or ()) * 1e3:.1f} ms of ops per step)"
+                       f"{'; CPU times, not the cluster GPUs' if device.type == 'cpu' else ''}[/dim]", highlight=False)
     return measured
 
 

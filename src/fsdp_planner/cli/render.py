@@ -104,20 +104,23 @@ _said: set[str] = set()  # the notes one command printed: a model traced again (
 # auto compares) says its notes once
 
 
+def _first_time(text: str) -> bool:
+    """Whether this command has not said ``text`` yet (and it now has)."""
+    new = text not in _said
+    _said.add(text)
+    return new
+
+
 def note(text: str) -> None:
     """``note: ...`` on stderr, for an option that has no effect or a part of the work left out; once a command."""
-    if text in _said:
-        return
-    _said.add(text)
-    notes.print(f"note: {text}", highlight=False, markup=False)
+    if _first_time(text):
+        notes.print(f"note: {text}", highlight=False, markup=False)
 
 
 def trace_note(text: str) -> None:
     """What a trace notes about the model (dim, once a command: auto traces the model again at each split)."""
-    if text in _said:
-        return
-    _said.add(text)
-    notes.print(f"[dim]note: {escape(text)}[/dim]", highlight=False)
+    if _first_time(text):
+        notes.print(f"[dim]note: {escape(text)}[/dim]", highlight=False)
 
 
 def new_command() -> None:
