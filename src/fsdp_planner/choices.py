@@ -55,6 +55,16 @@ class SacPolicy(Enum):
 
 
 SAC_POLICY_NAMES = tuple(p.value for p in SacPolicy)
+
+
+class Float8Recipe(Enum):
+    """``--float8``: torchao's float8 training recipe for the converted Linears (``fsdp2/float8.py``)."""
+
+    TENSORWISE = "tensorwise"  # one dynamic scale per tensor (torchao's default; FSDP2's float8 all-gather needs it)
+    ROWWISE = "rowwise"  # one scale per row (axiswise), power-of-2 scales; the weights all-gathered in bf16
+
+
+FLOAT8_RECIPES = tuple(r.value for r in Float8Recipe)
 DEFAULT_SAC_POLICY = SacPolicy.TITAN
 
 

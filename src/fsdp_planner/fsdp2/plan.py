@@ -20,6 +20,7 @@ from typing import Any
 from fsdp_planner.choices import ATTENTION_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
+from fsdp_planner.fsdp2.float8 import Float8, float8_from_dict
 from fsdp_planner.fsdp2.frozen import FrozenDict
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, tensor_parallel_from_dict
 from fsdp_planner.limits import check_field
@@ -30,7 +31,7 @@ PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
-             "activation_offloading", "tensor_parallel", "expert_parallel", "compiled")
+             "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -169,6 +170,8 @@ class Plan:
     # ``dp_shard``, each expert module its own group sharded over the EP-reduced mesh (``expert_parallel.py``)
     compiled: tuple[str, ...] = ()  # modules torch.compile'd one by one (fullgraph), after TP and checkpointing and
     # before fully_shard, as torchtitan compiles its blocks (--compile; ``apply/fully_shard.py``)
+    float8: Float8 | None = None  # float8 training of the Linears torchao converts, before TP and fully_shard
+    # (--float8; ``float8.py``); None: none
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -243,7 +246,8 @@ class Plan:
                 tuple(self.selective_checkpointing.items()), self.mesh, self.forward_methods, self.offload,
                 tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading,
                 self.tensor_parallel.signature() if self.tensor_parallel is not None else None,
-                self.expert_parallel.signature() if self.expert_parallel is not None else None, self.compiled)
+                self.expert_parallel.signature() if self.expert_parallel is not None else None, self.compiled,
+                self.float8.signature() if self.float8 is not None else None)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -280,6 +284,8 @@ class Plan:
             d["expert_parallel"] = self.expert_parallel.to_dict()
         if self.compiled:
             d["compiled"] = list(self.compiled)
+        if self.float8 is not None:
+            d["float8"] = self.float8.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -344,7 +350,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 activation_offloading=_offloaded_from(data.get("activation_offloading", [])),
                 tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")),
                 expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")),
-                compiled=_compiled_from(data.get("compiled", [])), **_memory_options(data))
+                compiled=_compiled_from(data.get("compiled", [])), float8=float8_from_dict(data.get("float8")),
+                **_memory_options(data))
     check_int_reshard_on_dim0(plan)
     return plan
 

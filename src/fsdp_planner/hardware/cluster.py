@@ -66,6 +66,7 @@ class GPU:
     peak_fp32_flops: float  # dense fp32 as PyTorch runs it by default (see the presets), FLOP/s
     hbm_bandwidth: float  # bytes/s
     memory_bytes: int  # spec-sheet capacity (decimal GB); the usable total is a little lower
+    peak_fp8_flops: float = 0.0  # dense float8 tensor-core peak, FLOP/s (float8 training); 0: none (A100)
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ class Cluster:
         return {
             "version": CLUSTER_VERSION,
             "name": self.name,
-            "gpu": asdict(self.gpu),
+            "gpu": {k: v for k, v in asdict(self.gpu).items() if k != "peak_fp8_flops" or v},  # none: as before
             "gpus_per_node": self.gpus_per_node,
             "nodes": self.nodes,
             "nics_per_node": self.nics_per_node,
@@ -298,6 +299,7 @@ def _gpu_from(d: dict[str, Any], where: str) -> GPU:
         hbm_bandwidth=_num(d, "gpu.hbm_bandwidth", where),
         # a whole byte count; NaN / infinity are kept as read so that _check_cluster names them
         memory_bytes=int(memory) if math.isfinite(memory) else memory,  # type: ignore[arg-type]
+        peak_fp8_flops=_num(d, "gpu.peak_fp8_flops", where, 0.0),
     )
 
 
@@ -555,6 +557,8 @@ def _check_gpu(gpu: GPU, label: str, physical: bool) -> None:
     for attr, r in (("peak_bf16_flops", FLOPS), ("peak_fp32_flops", FLOPS), ("hbm_bandwidth", MEMORY_BANDWIDTH),
                     ("memory_bytes", MEMORY)):
         _check_range(label, f"gpu.{attr}", getattr(gpu, attr), r, physical)
+    if gpu.peak_fp8_flops:  # 0: no float8 tensor cores
+        _check_range(label, "gpu.peak_fp8_flops", gpu.peak_fp8_flops, FLOPS, physical)
     if not isinstance(gpu.memory_bytes, int):
         raise PlannerError(f"the {label} field 'gpu.memory_bytes' must be a whole number of bytes, got "
                            f"{_short(gpu.memory_bytes)}")
@@ -621,19 +625,22 @@ def _check_fits(fits: Fits, label: str, physical: bool) -> None:
 # Dense (no sparsity) bf16 tensor-core peak, fp32 peak, HBM bandwidth and capacity, from NVIDIA's data sheets:
 # H100 SXM5 and H200 SXM (1,979 TFLOP/s bf16 with sparsity = 989 dense; 67 TFLOP/s fp32; 3.35 / 4.8 TB/s),
 # A100 SXM4 80GB (312 TFLOP/s bf16; 19.5 fp32; 2,039 GB/s), HGX B200 (36 PFLOP/s sparse bf16 and 600 TFLOP/s fp32
-# per 8 GPUs; 8 TB/s). fp32 uses the non-tensor peak: PyTorch's default matmul precision is "highest"
-# (torch.backends.cuda.matmul.allow_tf32 is False), so fp32 matmuls do not run on TF32 tensor cores.
+# per 8 GPUs; 8 TB/s). Dense float8 (e4m3) tensor-core peaks from the same data sheets: H100 SXM and H200 SXM
+# 3,958 TFLOP/s with sparsity = 1,979 dense, HGX B200 72 PFLOP/s sparse per 8 GPUs = 4,500 dense each; the A100
+# has no float8 tensor cores (0: float8 training refused). fp32 uses the non-tensor peak: PyTorch's default matmul
+# precision is "highest" (torch.backends.cuda.matmul.allow_tf32 is False), so fp32 matmuls do not run on TF32
+# tensor cores.
 # h100e: the H100 of Meta's Grand Teton hosts that torchtitan's published Llama 3 runs used (pytorch/torchtitan
 # benchmarks/llama3_h100_202412_torchtitan.md): "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "the default
 # 500W power limit"; its footnote: "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
 # value". NVIDIA's H100 data sheet gives H100 NVL 1,671 TFLOP/s sparse bf16 = 835 dense: the peak here, 912, is the
-# midpoint of 835 and 989, an estimate; fp32 scaled by the same ratio.
+# midpoint of 835 and 989, an estimate; fp32 and float8 (twice bf16, as on every Hopper part) scaled alike.
 GPUS: dict[str, GPU] = {
-    "h100": GPU("H100-SXM-80GB", 989e12, 67e12, 3.35e12, 80_000_000_000),
-    "h100e": GPU("H100-SXM-96GB-HBM2e-500W", 912e12, 61.8e12, 2.4e12, 96_000_000_000),
-    "h200": GPU("H200-SXM-141GB", 989e12, 67e12, 4.8e12, 141_000_000_000),
+    "h100": GPU("H100-SXM-80GB", 989e12, 67e12, 3.35e12, 80_000_000_000, 1979e12),
+    "h100e": GPU("H100-SXM-96GB-HBM2e-500W", 912e12, 61.8e12, 2.4e12, 96_000_000_000, 1824e12),
+    "h200": GPU("H200-SXM-141GB", 989e12, 67e12, 4.8e12, 141_000_000_000, 1979e12),
     "a100": GPU("A100-SXM4-80GB", 312e12, 19.5e12, 2.039e12, 80_000_000_000),
-    "b200": GPU("B200-180GB", 2250e12, 75e12, 8.0e12, 192_000_000_000),
+    "b200": GPU("B200-180GB", 2250e12, 75e12, 8.0e12, 192_000_000_000, 4500e12),
 }
 
 # The roofline's factors (``Compute``; docs/model.md "Compute" shows how far each moves the published runs).

@@ -21,6 +21,7 @@ import numpy as np
 
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU, Compute, slowest_rank_factor
+from fsdp_planner.sim.float8 import Float8Step, fp8_peak
 from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER, EventKind
 from fsdp_planner.trace.records import Trace
 
@@ -88,26 +89,38 @@ def peak_flops(gpu: GPU, precision: Precision) -> float:
 
 
 def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ranks: int = 1,
-             mfu: float | None = None) -> list[float]:
+             mfu: float | None = None, float8: Float8Step | None = None) -> list[float]:
     """Seconds per event (0 for boundaries) on ``gpu``, in a step synchronised over ``ranks`` GPUs.
 
-    The peak is the dense bf16 one for 16-bit compute, else fp32. Bytes are scaled from the traced dtype to the
-    compute dtype (a model traced in fp32 but run in bf16 moves half).
+    The peak is the dense bf16 one for 16-bit compute, else fp32; float8 training's converted matmuls run at the
+    float8 peak, after their casts (``float8.py``). Bytes are scaled from the traced dtype to the compute dtype (a
+    model traced in fp32 but run in bf16 moves half).
     """
-    peak = peak_flops(gpu, precision)
+    peak = np.full(len(trace.events), peak_flops(gpu, precision))
+    if float8 is not None:
+        peak[float8.matmuls] = fp8_peak(gpu)
     scale = precision.compute_bytes / traced_itemsize(trace)
     index = trace.index  # boundaries have no FLOPs and no bytes: they take 0 s
     nbytes = fused_nbytes(trace)
     if mfu is not None:
-        return np.maximum(index.op_flops / (peak * mfu), nbytes * (scale / gpu.hbm_bandwidth)).tolist()
+        times = np.maximum(index.op_flops / (peak * mfu), nbytes * (scale / gpu.hbm_bandwidth))
+        return _with_casts(times, float8, gpu.hbm_bandwidth).tolist()
     flops_time = index.op_flops / (peak * flop_efficiency(index.op_kernel, compute))
     bytes_time = nbytes * (scale / (gpu.hbm_bandwidth * compute.memory_efficiency))
-    return (np.maximum(flops_time, bytes_time) * slowest_rank_factor(compute.variation, ranks)).tolist()
+    times = _with_casts(np.maximum(flops_time, bytes_time), float8, gpu.hbm_bandwidth * compute.memory_efficiency)
+    return (times * slowest_rank_factor(compute.variation, ranks)).tolist()
+
+
+def _with_casts(times: np.ndarray, float8: Float8Step | None, bandwidth: float) -> np.ndarray:
+    """``times`` with each converted matmul's casts (memory-bound kernels before it) added to it."""
+    if float8 is not None:
+        times[float8.matmuls] += float8.cast_nbytes / bandwidth
+    return times
 
 
 def step_op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ranks: int = 1,
-                  mfu: float | None = None) -> list[float]:
+                  mfu: float | None = None, float8: Float8Step | None = None) -> list[float]:
     """The trace's measured op times when it has them, else the roofline estimate."""
     if trace.op_seconds is not None:
         return list(trace.op_seconds)
-    return op_times(trace, gpu, precision, compute, ranks, mfu)
+    return op_times(trace, gpu, precision, compute, ranks, mfu, float8)

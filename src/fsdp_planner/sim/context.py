@@ -16,6 +16,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import CollectiveCost, collective_cost
 from fsdp_planner.sim.compute import step_op_times, traced_itemsize
 from fsdp_planner.sim.expert_parallel import ep_seconds, expert_ranks
+from fsdp_planner.sim.float8 import float8_step
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls, offload_bytes
@@ -60,11 +61,13 @@ class SimContext:
             if times is not None or like.trace is not trace or like.options != self.options:
                 raise ValueError("a context shares op times only with one of the same trace and options")
             self.times, self.cum_array, self.cum = like.times, like.cum_array, like.cum
-            self.compute_total = like.compute_total
+            self.compute_total, self.float8 = like.compute_total, like.float8
         else:
+            f8 = self.options.float8  # float8 training's matmuls, casts and all-gathers (sim/float8.py)
+            self.float8 = float8_step(trace, f8, self.precision.compute_bytes) if f8 is not None else None
             if times is None:
                 times = step_op_times(trace, cluster.gpu, self.precision, cluster.compute, self.world,
-                                      self.options.mfu)
+                                      self.options.mfu, self.float8)
             if len(times) != len(trace.events):
                 raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
             if trace.tensor_parallel:  # TP's collectives on their TP group (sim/tensor_parallel.py)
@@ -77,7 +80,8 @@ class SimContext:
             self.compute_total = float(sum(self.times))
         self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
                                   self.options.zero_grad, like.memory if like is not None else None,
-                                  self.options.offload, self.options.shard_placement)
+                                  self.options.offload, self.options.shard_placement,
+                                  self.float8.gathered if self.float8 is not None else frozenset())
         self.sizing = self.memory.sizing
         self._costs: dict[tuple[CollectiveKind, int], CollectiveCost] = {}
         self._recompute: dict[tuple[Checkpointed, ...], dict[int, Recompute]] = \

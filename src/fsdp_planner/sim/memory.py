@@ -156,12 +156,14 @@ class MemoryModel:
 
     def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer,
                  zero_grad: ZeroGrad = ZeroGrad.NONE, like: MemoryModel | None = None,
-                 offload: bool = False, placement: ShardPlacement = ShardPlacement.DIM0) -> None:
+                 offload: bool = False, placement: ShardPlacement = ShardPlacement.DIM0,
+                 float8_gathered: frozenset[int] = frozenset()) -> None:
         """``like``: the model of the same trace and precision at another world size, whose activation levels (they
         do not depend on the world size) are shared. ``offload``, ``placement``: FSDP2's memory options (module
-        docstring)."""
+        docstring); ``float8_gathered``: the params all-gathered in float8 (``sim/float8.py``)."""
         self.trace, self.precision, self.zero_grad, self.offload = trace, precision, zero_grad, offload
-        self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None, placement)
+        self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None, placement,
+                             float8_gathered=float8_gathered)
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
         shard = 0 if offload else self.sizing.shard_numel(trainable)  # offloaded: on the CPU
         self.static = MemoryBreakdown(

@@ -22,6 +22,7 @@ from fsdp_planner.choices import (
     ZeroGrad,
 )
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 
@@ -119,6 +120,7 @@ class SimOptions:
     offload: bool = False
     shard_placement: ShardPlacement = ShardPlacement.DIM0
     reduce_dtype: ReduceDtype | None = None  # the user's MixedPrecisionPolicy.reduce_dtype, applied to ``precision``
+    float8: Float8 | None = None  # float8 training of the converted Linears (--float8; ``sim/float8.py``)
 
     def __post_init__(self) -> None:
         if self.mfu is not None and (isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float)
@@ -132,13 +134,13 @@ class SimOptions:
               mfu: float | None = None, zero_grad: str = ZeroGrad.NONE.value, micro_batches: int = 1,
               reshard_after_backward: bool = True, offload: bool = False,
               shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None,
-              gradient_sync: str = GradientSync.LAST.value) -> SimOptions:
+              gradient_sync: str = GradientSync.LAST.value, float8: Float8 | None = None) -> SimOptions:
         reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None
         return cls(mfu=mfu, precision=with_reduce_dtype(precision_named(precision), reduce),
                    optimizer=optimizer_named(optimizer), zero_grad=ZeroGrad(zero_grad), micro_batches=micro_batches,
                    reshard_after_backward=reshard_after_backward, offload=offload,
                    shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce,
-                   gradient_sync=GradientSync(gradient_sync))
+                   gradient_sync=GradientSync(gradient_sync), float8=float8)
 
     def with_memory_options(self, offload: bool, placement: ShardPlacement) -> SimOptions:
         """These options with FSDP2's offload and shard placement set (auto's way out when nothing fits)."""
@@ -146,10 +148,12 @@ class SimOptions:
 
 
 def plan_options(plan: Plan, options: SimOptions) -> SimOptions:
-    """The options a plan runs under: what it records (offload, dims other than 0, the reduce dtype) added to
-    ``options``. A plan's ``shard_dims`` are simulated as ``ShardPlacement.AUTO``'s rule (``check_shard_dims``)."""
+    """The options a plan runs under: what it records (offload, dims other than 0, the reduce dtype, float8)
+    added to ``options``. A plan's ``shard_dims`` are simulated as ``ShardPlacement.AUTO``'s rule
+    (``check_shard_dims``)."""
     # the user's --reduce-dtype (already in ``options.precision``) wins over the one the plan recorded
     reduce = options.reduce_dtype or (ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)
     return replace(options, offload=options.offload or plan.offload,
                    shard_placement=ShardPlacement.AUTO if plan.shard_dims else options.shard_placement,
-                   precision=with_reduce_dtype(options.precision, reduce), reduce_dtype=reduce)
+                   precision=with_reduce_dtype(options.precision, reduce), reduce_dtype=reduce,
+                   float8=options.float8 or plan.float8)

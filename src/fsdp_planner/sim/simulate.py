@@ -32,6 +32,7 @@ from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.expert_parallel import ep_collectives, ep_positions, ep_view
+from fsdp_planner.sim.float8 import scale_all_reduces
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options
@@ -83,6 +84,9 @@ class StepReport:
     ep_all_to_alls: int = 0
     ep_all_to_all_bytes: int = 0
     ep_time: float = 0.0
+    # float8 training's amax all-reduces of the weights FSDP2 all-gathers in float8 (``float8.py``)
+    float8_all_reduces: int = 0
+    float8_all_reduce_bytes: int = 0
 
     def summary(self) -> dict:
         d = asdict(self)
@@ -95,12 +99,16 @@ class StepReport:
         if self.ep_degree == 1:
             for name in _EP_FIELDS:
                 d.pop(name)
+        if not self.float8_all_reduces:
+            for name in _FLOAT8_FIELDS:
+                d.pop(name)
         return d
 
 
 _TP_FIELDS = ("tp_degree", "tp_all_gathers", "tp_reduce_scatters", "tp_all_reduces", "tp_all_gather_bytes",
               "tp_reduce_scatter_bytes", "tp_all_reduce_bytes", "tp_time")
 _EP_FIELDS = ("ep_degree", "ep_all_to_alls", "ep_all_to_all_bytes", "ep_time")
+_FLOAT8_FIELDS = ("float8_all_reduces", "float8_all_reduce_bytes")
 
 
 def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: SimOptions | None = None,
@@ -188,7 +196,7 @@ def _engine(ctx: SimContext, plan: Plan, sched: Schedule, timeline: bool) -> Ste
 # what a step of micro-batches sums over them (``accumulated``); the rest is the last micro-batch's or a peak
 _SUMMED = ("step_time", "compute_time", "exposed_comm", "recompute_time", "host_wait", "copy_time", "host_time",
            "hooks", "all_gathers", "reduce_scatters", "all_reduces", "all_gather_bytes", "reduce_scatter_bytes",
-           "all_reduce_bytes", *_TP_FIELDS[1:], *_EP_FIELDS[1:])
+           "all_reduce_bytes", *_TP_FIELDS[1:], *_EP_FIELDS[1:], *_FLOAT8_FIELDS)
 
 
 def accumulated(ctx: SimContext, plan: Plan, runs: dict[GradSync, tuple[Schedule, StepReport]]) -> StepReport:
@@ -262,7 +270,16 @@ def report(given: ReportInput) -> StepReport:
         comm_time={k.value: v for k, v in times.busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
         mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=times.events,
-        **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan))
+        **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan), **_float8_fields(ctx, ag, group_params, given.steps_optimizer))
+
+
+def _float8_fields(ctx: SimContext, ag: list, group_params: list[tuple[int, ...]], steps_optimizer: bool) -> dict:
+    """The report's float8 amax all-reduces (``float8.scale_all_reduces``); precomputed scales' one after the
+    optimizer step only (of micro-batches, the last's)."""
+    if ctx.float8 is None or (ctx.float8.precompute_scale and not steps_optimizer):
+        return {}
+    count, nbytes = scale_all_reduces(ctx.float8, ag, group_params, ctx.precision.param_bytes)
+    return {"float8_all_reduces": count, "float8_all_reduce_bytes": nbytes}
 
 
 def _tp_fields(ctx: SimContext, plan: Plan) -> dict:

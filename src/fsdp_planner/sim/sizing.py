@@ -94,11 +94,13 @@ class Sizing:
 
     def __init__(self, trace: Trace, world_size: int = 1, precision: Precision | None = None,
                  like: Sizing | None = None, placement: ShardPlacement = ShardPlacement.DIM0,
-                 dims: dict[str, int] | None = None, reduce_itemsize: int | None = None) -> None:
+                 dims: dict[str, int] | None = None, reduce_itemsize: int | None = None,
+                 float8_gathered: frozenset[int] = frozenset()) -> None:
         """``like``: the sizing of the same trace at another world size, whose per-group uses (they do not depend on
         the world size) are shared. ``placement``: the dim each param is sharded on (module docstring); ``dims``:
         a plan's own ``shard_dims`` instead. ``reduce_itemsize``: the reduce dtype's bytes when ``precision`` is
-        None (a plan's ``reduce_dtype`` over the params' own dtypes)."""
+        None (a plan's ``reduce_dtype`` over the params' own dtypes). ``float8_gathered``: the params FSDP2
+        all-gathers in float8, one byte an element (``float8.py``)."""
         self.trace, self.world_size = trace, world_size
         # bytes per param (padded to the world size, at the precision's dtypes or each param's own), for sums over
         # thousands of params at C speed (a plan's root or large groups)
@@ -115,6 +117,9 @@ class Sizing:
         self._shard_numel = self._padded // np.array(shards, dtype=np.int64)  # each rank's elements
         self._dim1 = np.array([d != 0 for d in on], dtype=bool)  # the params copied once more each way
         self._gather = self._padded * itemsize("gather_bytes")
+        if float8_gathered:
+            at = np.fromiter(float8_gathered, dtype=np.intp)
+            self._gather[at] = self._padded[at]
         self._reduce_per = self._padded * (itemsize("reduce_bytes") if reduce_itemsize is None else reduce_itemsize)
         self._grad_per = np.array([p.numel for p in trace.params], dtype=np.int64) * \
             itemsize("compute_bytes")

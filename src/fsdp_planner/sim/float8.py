@@ -1,0 +1,117 @@
+"""What float8 training (a plan's ``float8``: torchao's ``Float8Linear``, ``fsdp2/float8.py``) changes in a step.
+
+- Matmuls: the three of each converted Linear call (forward; input grad and weight grad in backward) run at the
+  GPU's dense float8 peak (``GPU.peak_fp8_flops``) with the matmul efficiency of the cluster's roofline; their
+  operands are cast first, memory-bound work timed at HBM bandwidth before the matmul it feeds (``Float8Step``).
+- The casts, as torchao 0.18 runs them (``hp_tensor_to_float8_dynamic``): eager, the amax is ``abs`` then ``max``
+  and the cast upcasts to fp32, scales, clamps and converts (``_ToFloat8ConstrFunc``, ``to_fp8_saturated``): 2h +
+  h + (h + 4 unless already fp32) + 8 + 8 + 5 bytes an element for an h-byte input, in 6 or 7 kernels. Inside a
+  torch.compile'd block inductor fuses them into a reduction reading the input and one kernel reading it and writing
+  float8: 2h + 1 bytes, 2 kernels. Forward casts the input (and the weight, unless FSDP2 all-gathered it in
+  float8); backward casts the output grad for each of its two matmuls (one cast compiled: the same scale and data,
+  tensorwise) and recasts the saved input (torchao saves the bf16 input and weight, not their float8 casts, so what
+  a call saves for backward is unchanged), and the weight again unless it was gathered in float8.
+- FSDP2's float8 all-gather: one byte an element for the converted weights (``gathered``), the rest as before;
+  the unsharded weights it leaves are float8 too (the memory model's unsharded params). With precomputed scales
+  one all-reduce a step of one fp32 amax per converted weight; without, each all-gather all-reduces one amax per
+  converted weight it holds (``scale_all_reduces``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fsdp_planner.choices import Float8Recipe
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.float8 import Float8
+from fsdp_planner.fsdp2.replay import Collective
+from fsdp_planner.hardware.cluster import GPU
+from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Float8Step:
+    """Per converted matmul (event index) the bytes and kernels of the casts before it; the params FSDP2
+    all-gathers in float8; the converted weights (param indices), in trace order."""
+
+    matmuls: np.ndarray  # event indices
+    cast_nbytes: np.ndarray  # bytes the casts before each move, in the compute dtype
+    cast_kernels: np.ndarray  # kernels they launch
+    gathered: frozenset[int]
+    weights: tuple[int, ...]
+    precompute_scale: bool
+
+
+def cast_bytes(itemsize: int, compiled: bool) -> tuple[int, int]:
+    """Bytes an element and kernels of one float8 cast of an ``itemsize``-byte tensor (module docstring)."""
+    if compiled:
+        return 2 * itemsize + 1, 2
+    upcast = 0 if itemsize == FP32_BYTES else itemsize + FP32_BYTES
+    return 3 * itemsize + upcast + 2 * FP32_BYTES * 2 + FP32_BYTES + 1, 6 + (upcast > 0)
+
+
+def converted_linears(trace: Trace, f8: Float8) -> dict[str, int]:
+    """The Linears torchtitan's filter converts, by name, each with its weight's param index."""
+    index = trace.index.param_index
+    out = {}
+    for name, m in trace.modules.items():
+        weight = f"{name}.weight" if name else "weight"
+        if m.cls == "Linear" and weight in index and f8.converts(name, trace.params[index[weight]].shape):
+            out[name] = index[weight]
+    return out
+
+
+def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
+    """The step's float8 work (module docstring); ``itemsize``: the compute dtype's bytes."""
+    linears = converted_linears(trace, f8)
+    compiled = tuple(trace.compiled)
+    gathered = f8.fsdp_float8_all_gather
+    matmuls, nbytes, kernels = [], [], []
+    for i, e in enumerate(trace.events):
+        if e.kind is not EventKind.OP or e.kernel <= 0 or e.module not in linears:
+            continue
+        out_features, in_features = trace.params[linears[e.module]].shape
+        rows = e.flops // (2 * in_features * out_features)
+        fused = any(is_within(e.module, m) for m in compiled)
+        per, launches = cast_bytes(itemsize, fused)
+        weight = 0 if gathered else in_features * out_features
+        if not e.backward:
+            elements, casts = rows * in_features + weight, 1 + (weight > 0)
+        else:  # the backward's casts shared between its two matmuls (module docstring)
+            grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2
+            elements = (grads * rows * out_features + rows * in_features + weight) / 2
+            casts = (grads + 1 + (weight > 0)) / 2
+        matmuls.append(i)
+        nbytes.append(elements * per)
+        kernels.append(casts * launches)
+    return Float8Step(np.array(matmuls, dtype=np.intp), np.array(nbytes, dtype=np.float64),
+                      np.array(kernels, dtype=np.float64),
+                      frozenset(linears.values()) if gathered else frozenset(), tuple(sorted(linears.values())),
+                      f8.precompute_scale)
+
+
+def fp8_peak(gpu: GPU) -> float:
+    """The GPU's dense float8 peak; a GPU without float8 tensor cores is refused."""
+    if gpu.peak_fp8_flops <= 0:
+        raise PlannerError(f"the {gpu.name} has no float8 tensor cores (its cluster gives no peak_fp8_flops): float8 "
+                           "training needs an H100, H200, B200 or a cluster file with gpu.peak_fp8_flops")
+    return gpu.peak_fp8_flops
+
+
+def scale_all_reduces(step: Float8Step, all_gathers: list[Collective], group_params: list[tuple[int, ...]],
+                      amax_bytes: int) -> tuple[int, int]:
+    """The amax all-reduces of a step and their bytes: one of every converted weight's amax with precomputed
+    scales, else one per converted weight of each all-gather (torchao's ``fsdp_pre_all_gather``)."""
+    if not step.gathered:
+        return 0, 0
+    if step.precompute_scale:
+        return 1, amax_bytes * len(step.weights)
+    held = [sum(p in step.gathered for p in params) for params in group_params]
+    count = sum(held[c.group] for c in all_gathers)
+    return count, amax_bytes * count
