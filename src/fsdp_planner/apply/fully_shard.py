@@ -9,6 +9,7 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_planner.apply.compile import apply_compile
+from fsdp_planner.apply.float8 import apply_float8
 from fsdp_planner.apply.tensor_parallel import apply_tp, split_mesh
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloading
@@ -124,6 +125,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         mesh = device_mesh(plan, device_type, dist.get_world_size())
     mesh, tp_mesh = split_mesh(mesh, plan)
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
+    apply_float8(model, plan.float8)  # before TP and fully_shard, as torchtitan's converter
     if plan.tensor_parallel is not None:
         apply_tp(model, plan.tensor_parallel, tp_mesh)
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params

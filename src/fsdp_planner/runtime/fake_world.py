@@ -47,13 +47,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from fsdp_planner.apply.expert_parallel import apply_expert_parallel
+from fsdp_planner.apply.float8 import after_optimizer_step
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.tensor_parallel import loss_context
 from fsdp_planner.attention import fused_sdpa_everywhere, kernel
@@ -88,6 +89,8 @@ class FakeWorldResult:
     tp_nbytes: Counts | None = None
     ep_all_to_alls: int | None = None  # with EP: the dispatch and combine all-to-alls (else None)
     ep_all_to_all_bytes: int | None = None
+    float8_all_reduces: int | None = None  # with float8 all-gather: the amax all-reduces (else None)
+    float8_all_reduce_bytes: int | None = None
 
 
 def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
@@ -105,6 +108,9 @@ def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             rows[f"tp_{kind}s"] = (getattr(predicted, f"tp_{kind}s"), measured.tp_counts[kind])
             rows[f"tp_{kind}_bytes"] = (getattr(predicted, f"tp_{kind}_bytes"), measured.tp_nbytes[kind])
+    if measured.float8_all_reduces is not None and measured.float8_all_reduce_bytes is not None:
+        rows["float8_all_reduces"] = (predicted.float8_all_reduces, measured.float8_all_reduces)
+        rows["float8_all_reduce_bytes"] = (predicted.float8_all_reduce_bytes, measured.float8_all_reduce_bytes)
     if measured.ep_all_to_alls is not None and measured.ep_all_to_all_bytes is not None:
         rows["ep_all_to_alls"] = (predicted.ep_all_to_alls, measured.ep_all_to_alls)
         rows["ep_all_to_all_bytes"] = (predicted.ep_all_to_all_bytes, measured.ep_all_to_all_bytes)
@@ -170,6 +176,44 @@ class _FunctionalOps(TorchDispatchMode):
         return out
 
 
+class Float8Counter:
+    """float8 training's amax all-reduces (``sim/float8.py``) and their bytes: those torchao issues before each
+    float8 all-gather (``float8_utils.all_reduce``, wrapped while the step runs) and the one of the precomputed
+    scales after the optimizer step (DTensor's, counted by a ``FunctionalCounter`` of its own)."""
+
+    def __init__(self) -> None:
+        self.count = self.nbytes = 0
+
+    @contextlib.contextmanager
+    def counting(self, on: bool) -> Iterator[None]:
+        if not on:
+            yield
+            return
+        from torchao.float8 import float8_utils
+
+        all_reduce = float8_utils.all_reduce
+
+        def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.count, self.nbytes = self.count + 1, self.nbytes + t.numel() * t.element_size()
+            return all_reduce(t, *args, **kwargs)
+
+        with patched(float8_utils, "all_reduce", counted):
+            yield
+
+    def precompute(self, model: torch.nn.Module, plan: Plan) -> None:
+        """``after_optimizer_step``, its all-reduce counted."""
+        functional = FunctionalCounter()
+        with functional.counting():
+            after_optimizer_step(model, plan.float8)
+        counts, nbytes = functional.take()
+        self.count, self.nbytes = self.count + counts["all_reduce"], self.nbytes + nbytes["all_reduce"]
+
+    def take(self) -> tuple[int, int]:
+        out = self.count, self.nbytes
+        self.count = self.nbytes = 0
+        return out
+
+
 class HostCopies:
     """``save_on_cpu`` as a GPU runs it, for the fake ranks on this CPU (module docstring): installed while
     ``apply_plan`` wraps the offloaded modules' forward, it stands in for ``torch.autograd.graph.save_on_cpu``."""
@@ -204,6 +248,16 @@ class HostCopies:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def inner_tensors(t: torch.Tensor) -> list[Any]:
+    """The tensors a wrapper subclass (a DTensor, torchao's float8 weight) holds. torchao 0.18's float8 weight asks
+    in ``__tensor_flatten__`` whether its precomputed scale is true, a value a fake tensor does not have: its
+    tensors are then its tensor attributes (its data and that one-value scale)."""
+    try:
+        return [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    except DataDependentOutputException:
+        return [v for v in vars(t).values() if isinstance(v, torch.Tensor)]
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of live tensor storages: a running total and its peak (module docstring)."""
 
@@ -225,7 +279,7 @@ class LiveBytes(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             if is_traceable_wrapper_subclass(t):  # a DTensor: its local shard holds the bytes
-                self.track(getattr(t, name) for name in t.__tensor_flatten__()[0])
+                self.track(inner_tensors(t))
                 continue
             storage = t.untyped_storage()
             key = id(storage)
@@ -242,7 +296,7 @@ class LiveBytes(TorchDispatchMode):
             if not isinstance(t, torch.Tensor):
                 continue
             if is_traceable_wrapper_subclass(t):
-                self.mark_host(getattr(t, name) for name in t.__tensor_flatten__()[0])
+                self.mark_host(inner_tensors(t))
                 continue
             key = id(t.untyped_storage())
             if key not in self._sizes:  # new: host memory from the start, never on the device
@@ -360,6 +414,8 @@ class FakeTraining:
         self.counter = CollectiveCounter()
         self.tp_counter = FunctionalCounter()
         self.tp_figures = self.tp_counter.take()  # the last step's TP collectives (counts, bytes)
+        self.float8_counter = Float8Counter()
+        self.float8_figures = self.float8_counter.take()  # the last step's amax all-reduces (count, bytes)
         self.host_copies = host_copies
         self.capacity = spec.routing or DEFAULT_CAPACITY
         self.tracker = LiveBytes(self.capacity)
@@ -372,14 +428,15 @@ class FakeTraining:
         (TP's: ``tp_figures``)."""
         self.tracker = self.host_copies.tracker = LiveBytes(self.capacity)
         with self.tracker, self.counter, self.tp_counter.counting(), kernel(self.spec.attention), \
-                fused_sdpa_everywhere():
+                fused_sdpa_everywhere(), self.float8_counter.counting(self.plan.float8 is not None):
             self._track_what_the_step_starts_with()
             for k in range(self.how.micro_batches):
                 self._micro_batch(k)
             self.tracker.on_host = self.plan.offload  # the optimizer step runs where the state is
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=self.how.zero_grad is ZeroGrad.NONE)
-        self.tp_figures = self.tp_counter.take()
+        self.float8_counter.precompute(self.model, self.plan)  # its all-reduce apart from TP's
+        self.tp_figures, self.float8_figures = self.tp_counter.take(), self.float8_counter.take()
         return self.counter.take()
 
     def _track_what_the_step_starts_with(self) -> None:
@@ -420,9 +477,11 @@ class FakeTraining:
         shown = self.plan.tensor_parallel is not None or any(functional.values())
         tp_counts, tp_nbytes = (functional, functional_bytes) if shown else (None, None)
         ep = self.plan.expert_parallel is not None or a2a > 0
+        f8 = self.plan.float8 is not None
         return FakeWorldResult(world_size, counts, nbytes, tracker.device_peak if offloaded else tracker.peak,
                                seconds, tracker.peak, tp_counts, tp_nbytes, a2a if ep else None,
-                               a2a_bytes if ep else None)
+                               a2a_bytes if ep else None, self.float8_figures[0] if f8 else None,
+                               self.float8_figures[1] if f8 else None)
 
 
 def shard(model: torch.nn.Module, plan: Plan, world_size: int, precision: Precision, host_copies: HostCopies
