@@ -11,6 +11,7 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
+    FLOAT8_RECIPES,
     GRADIENT_SYNC_NAMES,
     OPTIMIZER_NAMES,
     POLICY_NAMES,
@@ -216,6 +217,19 @@ def add_memory_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--reduce-dtype", choices=[d.value for d in ReduceDtype], default=None,
                     help="MixedPrecisionPolicy.reduce_dtype: the dtype grads are reduce-scattered in (default: the "
                          "precision's, fp32 for bf16-mixed; bf16 halves the bytes and changes numerics)")
+    add_float8_options(sp)
+
+
+def add_float8_options(sp: argparse.ArgumentParser) -> None:
+    """Float8 training (torchao's Float8Linear), recorded in the plan and simulated with FSDP2's options."""
+    sp.add_argument("--float8", choices=FLOAT8_RECIPES, default=None, metavar="RECIPE",
+                    help="float8 training as torchtitan's float8 converter: each Linear with dims that are multiples "
+                         "of 16, the output head left out, runs its matmuls in float8 with torchao's tensorwise or "
+                         "rowwise scaling; tensorwise all-gathers the converted weights in float8 (1 byte a param) "
+                         "with scales precomputed after each optimizer step (default: none)")
+    sp.add_argument("--no-float8-all-gather", dest="float8_all_gather", action="store_false", default=None,
+                    help="with --float8 tensorwise: all-gather the converted weights in bf16 and cast them in "
+                         "forward (torchtitan's enable_fsdp_float8_all_gather false)")
 
 
 def add_no_offload(sp: argparse.ArgumentParser) -> None:

@@ -78,9 +78,11 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
 def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     """``plan`` as it leaves the program (``--out``, the API's return): with the precision (export sets it, so the
     code runs as the numbers assumed), the attention kernel it was planned for (absent: the default), the
-    hf_config fields (verify rebuilds that model) and the modules it compiles (the trace's, ``--compile``)."""
+    hf_config fields (verify rebuilds that model), the modules it compiles (the trace's, ``--compile``) and its
+    float8 training (``--float8``)."""
     return dataclasses.replace(plan, precision=job.options.precision.name, attention=job.model.attention or "",
-                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled))
+                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled),
+                               float8=job.options.float8 or plan.float8)
 
 
 def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, tuple[Split, ...]]:
@@ -165,13 +167,14 @@ def fitting(result: AutoResult) -> AutoResult:
 
 def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None) -> Plan:
     """``plan`` recording the memory options asked for beside those it has (a plan file's offload or shard dims are
-    kept; a reduce dtype asked for replaces its own). Shard dims need the shard size: none without ``world``."""
+    kept; a reduce dtype or float8 training asked for replaces its own). Shard dims need the shard size: none without ``world``."""
     if options is None:
         return plan
     placement = options.shard_placement if world is not None and not plan.shard_dims else ShardPlacement.DIM0
     shard = plan.shard_size(world) if world is not None else 1
     reduce = options.reduce_dtype.value if options.reduce_dtype else plan.reduce_dtype
     out = with_memory_options(plan, tr, shard, plan.offload or options.offload, placement, reduce)
+    out = out.replace(float8=options.float8 or plan.float8)  # float8 training asked for, or the plan's own
     return out if not plan.shard_dims else dataclasses.replace(out, shard_dims=plan.shard_dims)
 
 

@@ -13,6 +13,7 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
+    Float8Recipe,
     ACMode,
     AttentionKernel,
     GradientSync,
@@ -25,6 +26,7 @@ from fsdp_planner.choices import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, parse_count, parse_size
+from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster, with_cpu_optimizer_rate
 from fsdp_planner.limits import (
@@ -98,6 +100,8 @@ class Keywords:
     routing: object = None
     hf_config: object = None
     compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
+    float8: object = None  # float8 training's recipe (command line: --float8); None: none
+    float8_all_gather: object = None  # with float8: FSDP2's float8 all-gather (None: the recipe's default)
     gradient_sync: object = None
     mfu: object = None
     zero_grad: object = ZeroGrad.NONE.value
@@ -337,9 +341,25 @@ def gradient_sync(kw: Keywords, spell: Spelling) -> GradientSync:
         else GradientSync.LAST
 
 
+def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
+    """Float8 training: the recipe, and FSDP2's float8 all-gather where the recipe allows it (``Float8.named``)."""
+    gather = flag(kw.float8_all_gather, "float8_all_gather", spell) if kw.float8_all_gather is not None else None
+    if kw.float8 is None:
+        if gather is not None:
+            raise PlannerError(f"{spell.name_of('float8_all_gather')} is a setting of float8 training: give "
+                               f"{spell.name_of('float8')} tensorwise")
+        return None
+    recipe = choice(Float8Recipe, kw.float8, "float8", spell)
+    if gather and recipe is not Float8Recipe.TENSORWISE:
+        raise PlannerError(f"{spell.given('float8', recipe.value)} all-gathers its weights in bf16: torchao's FSDP2 "
+                           "float8 all-gather is for tensorwise scaling only")
+    return Float8.named(recipe.value, gather)
+
+
 def memory_options(kw: Keywords, spell: Spelling) -> dict[str, Any]:
-    """FSDP2's memory options (``SimOptions.named``'s keywords): CPU offload, shard placement, reduce dtype."""
-    return {"offload": flag(kw.offload, "offload", spell),
+    """FSDP2's memory options (``SimOptions.named``'s keywords): CPU offload, shard placement, reduce dtype; and
+    float8 training, whose all-gather is FSDP2's."""
+    return {"float8": float8(kw, spell), "offload": flag(kw.offload, "offload", spell),
             "shard_placement": choice(ShardPlacement, kw.shard_placement or ShardPlacement.DIM0.value,
                                       "shard_placement", spell).value,
             "reduce_dtype": choice(ReduceDtype, kw.reduce_dtype, "reduce_dtype", spell).value
