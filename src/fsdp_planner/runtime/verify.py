@@ -47,6 +47,7 @@ from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
 from fsdp_planner.signals import signals_raise
 from fsdp_planner.sim.expert_parallel import ep_view
+from fsdp_planner.sim.float8 import converted_linears
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.sim.sizing import Sizing, param_shards
 from fsdp_planner.sim.tensor_parallel import tp_view
@@ -233,8 +234,11 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Pr
     # the plan's shard dims (no padding off dim 0) and reduce dtype (what the worker applies: apply_plan)
     reduce = ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None
     own = REDUCE_BYTES[reduce] if reduce and precision is None else None  # over the params' own dtypes
+    f8 = plan.float8  # the weights FSDP2 all-gathers in float8 (sim/float8.py)
+    gathered = frozenset(converted_linears(trace, f8).values()) if f8 is not None and f8.fsdp_float8_all_gather \
+        else frozenset()
     sizing = Sizing(trace, shard, with_reduce_dtype(precision, reduce) if precision is not None else None,
-                    dims=plan.shard_dims, reduce_itemsize=own)
+                    dims=plan.shard_dims, reduce_itemsize=own, float8_gathered=gathered)
     groups, group_params = sizing.groups(plan), sizing.group_params(plan)
     ranks = param_shards(trace, shard)  # an EP view's experts: over shard / EP ranks
     counts = dict.fromkeys((k.value for k in CollectiveKind), 0)

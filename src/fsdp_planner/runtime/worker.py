@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import gc
 import inspect
@@ -45,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from fsdp_planner.apply.expert_parallel import apply_expert_parallel
+from fsdp_planner.apply.float8 import after_optimizer_step, apply_float8
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh, plan_policies
 from fsdp_planner.apply.tensor_parallel import data_rank, loss_context
 from fsdp_planner.fsdp2.collectives import CollectiveKind
@@ -160,12 +162,14 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
                 ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int,
                 counting: Callable[[CollectiveCounter], Any] = contextlib.nullcontext,
                 precision: Casts = contextlib.nullcontext, tp: int = 1,
-                loss_context: Casts = contextlib.nullcontext) -> dict[str, Any]:
+                loss_context: Casts = contextlib.nullcontext,
+                after_step: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """K steps of the sharded model (FSDP2 or FSDP1) and the unsharded reference on the same data: the collectives
     counted per step (``counting``: more the counter must see) and the global batch's losses of both (the
     reference's micro-batches inside ``precision``). With ``tp`` ranks in a tensor-parallel group (consecutive
     ranks) the group shares one batch: the data-parallel ranks are ``world / tp``; each loss and its backward run
-    inside ``loss_context`` (loss parallel)."""
+    inside ``loss_context`` (loss parallel). ``after_step``: what runs after each optimizer step of the sharded
+    model (float8's precomputed scales)."""
     counted, counted_bytes, losses, ref_losses = [], [], [], []
     counter = CollectiveCounter()
     start = job.get("start_step", 0)
@@ -184,6 +188,7 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
         counted_bytes.append(b)
         opt.step()
         opt.zero_grad()
+        after_step()
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
@@ -220,7 +225,8 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
     """K steps of the FSDP2 model (under ``policy``) beside the reference, then parity; what rank 0 reports."""
     result = train_steps(job, model, reference, opt, ref_opt, device, rank, world,
                          precision=fsdp2_casts(reference, plan, policy), tp=plan.tp_degree,
-                         loss_context=functools.partial(loss_context, plan))
+                         loss_context=functools.partial(loss_context, plan),
+                         after_step=functools.partial(after_optimizer_step, model, plan.float8))
     ref_params = dict(reference.named_parameters())
     fulls = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters())
     return {**result, **parity(((name, full, ref_params[name]) for name, full in fulls),
@@ -396,6 +402,9 @@ def build_job(job: dict, device: torch.device) -> tuple[torch.nn.Module, torch.n
 def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     """The job on this rank: train beside the reference, check, checkpoint, time; rank 0 writes the result."""
     model, reference, plan = build_job(job, device)
+    if plan.float8 is not None:  # a float8 reference: the same Linears in float8, no FSDP2 to all-gather them
+        apply_float8(reference, dataclasses.replace(plan.float8, fsdp_float8_all_gather=False,
+                                                    precompute_scale=False))
     if injected_fault(rank) == "plan":
         plan = plan.with_group(0, reshard_after_forward=not plan.groups[0].reshard_after_forward)
     fingerprint = _check_same_job(model, plan, world)
