@@ -167,7 +167,8 @@ def fitting(result: AutoResult) -> AutoResult:
 
 def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None) -> Plan:
     """``plan`` recording the memory options asked for beside those it has (a plan file's offload or shard dims are
-    kept; a reduce dtype or float8 training asked for replaces its own). Shard dims need the shard size: none without ``world``."""
+    kept; a reduce dtype or float8 training asked for replaces its own). Shard dims need the shard size: none
+    without ``world``."""
     if options is None:
         return plan
     placement = options.shard_placement if world is not None and not plan.shard_dims else ShardPlacement.DIM0

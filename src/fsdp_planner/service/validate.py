@@ -13,9 +13,9 @@ from fsdp_planner.choices import (
     DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
-    Float8Recipe,
     ACMode,
     AttentionKernel,
+    Float8Recipe,
     GradientSync,
     PolicyName,
     ReduceDtype,
@@ -346,8 +346,9 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
     gather = flag(kw.float8_all_gather, "float8_all_gather", spell) if kw.float8_all_gather is not None else None
     if kw.float8 is None:
         if gather is not None:
-            raise PlannerError(f"{spell.name_of('float8_all_gather')} is a setting of float8 training: give "
-                               f"{spell.name_of('float8')} tensorwise")
+            given = "--no-float8-all-gather" if spell is Spelling.CLI else spell.given("float8_all_gather", gather)
+            raise PlannerError(f"{given} is a setting of float8 training: give {spell.name_of('float8')} tensorwise "
+                               "too")
         return None
     recipe = choice(Float8Recipe, kw.float8, "float8", spell)
     if gather and recipe is not Float8Recipe.TENSORWISE:

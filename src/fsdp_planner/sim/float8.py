@@ -67,18 +67,38 @@ def converted_linears(trace: Trace, f8: Float8) -> dict[str, int]:
     return out
 
 
+def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, int]]:
+    """(event, weight) of each matmul of a converted Linear: its forward and input-grad matmuls read the weight
+    (``Event.params``); its weight-grad matmul reads none and runs just before the input-grad one in backward,
+    with the same FLOPs (autograd attributes these two to whichever module's backward runs them)."""
+    out: list[tuple[int, int]] = []
+    last = -1  # the latest backward matmul that read no param
+    for i, e in enumerate(trace.events):
+        if e.kind is not EventKind.OP or e.kernel <= 0:
+            continue
+        weight = next((p for p in e.params if p in weights), None)
+        if weight is None:
+            last = i if e.backward and not e.params else -1
+            continue
+        if e.backward and last >= 0 and trace.events[last].flops == e.flops:
+            out.append((last, weight))
+        out.append((i, weight))
+        last = -1
+    return out
+
+
 def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
     """The step's float8 work (module docstring); ``itemsize``: the compute dtype's bytes."""
     linears = converted_linears(trace, f8)
+    weights = {w: name for name, w in linears.items()}
     compiled = tuple(trace.compiled)
     gathered = f8.fsdp_float8_all_gather
     matmuls, nbytes, kernels = [], [], []
-    for i, e in enumerate(trace.events):
-        if e.kind is not EventKind.OP or e.kernel <= 0 or e.module not in linears:
-            continue
-        out_features, in_features = trace.params[linears[e.module]].shape
+    for i, w in converted_matmuls(trace, weights):
+        e = trace.events[i]
+        out_features, in_features = trace.params[w].shape
         rows = e.flops // (2 * in_features * out_features)
-        fused = any(is_within(e.module, m) for m in compiled)
+        fused = any(is_within(weights[w], m) for m in compiled)
         per, launches = cast_bytes(itemsize, fused)
         weight = 0 if gathered else in_features * out_features
         if not e.backward:

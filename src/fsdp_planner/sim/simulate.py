@@ -273,7 +273,8 @@ def report(given: ReportInput) -> StepReport:
         **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan), **_float8_fields(ctx, ag, group_params, given.steps_optimizer))
 
 
-def _float8_fields(ctx: SimContext, ag: list, group_params: list[tuple[int, ...]], steps_optimizer: bool) -> dict:
+def _float8_fields(ctx: SimContext, ag: list, group_params: list[tuple[int, ...]], steps_optimizer: bool
+                   ) -> dict:
     """The report's float8 amax all-reduces (``float8.scale_all_reduces``); precomputed scales' one after the
     optimizer step only (of micro-batches, the last's)."""
     if ctx.float8 is None or (ctx.float8.precompute_scale and not steps_optimizer):
