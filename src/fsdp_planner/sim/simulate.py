@@ -270,7 +270,8 @@ def report(given: ReportInput) -> StepReport:
         comm_time={k.value: v for k, v in times.busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
         mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=times.events,
-        **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan), **_float8_fields(ctx, ag, group_params, given.steps_optimizer))
+        **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan),
+        **_float8_fields(ctx, ag, group_params, given.steps_optimizer))
 
 
 def _float8_fields(ctx: SimContext, ag: list, group_params: list[tuple[int, ...]], steps_optimizer: bool

@@ -43,6 +43,7 @@ from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.recompute import CheckpointedCall
 from fsdp_planner.trace.events import (
+    KERNEL_OTHER,
     KERNEL_TP_ALL_GATHER,
     KERNEL_TP_ALL_REDUCE,
     KERNEL_TP_REDUCE_SCATTER,
@@ -52,7 +53,7 @@ from fsdp_planner.trace.events import (
     OpClass,
 )
 from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
-from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
 
 _COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)
@@ -155,7 +156,43 @@ def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster) -> TPView:
                    modules=_modules(trace.modules, events, where),
                    loss_blocks=_loss_blocks(trace, lay, where), tensor_parallel=tp.signature(),
                    fingerprint=f"{trace.fingerprint}/tp{tp.degree}")
+    view = view.with_compiled(_local_compiled(trace, view))
     return TPView(view, dp_cluster(cluster, tp.degree), tp)
+
+
+def _local_compiled(trace: Trace, view: Trace) -> dict[str, CompiledBlock]:
+    """Each compiled block as one TP rank runs it: the whole block's fused bytes and saved bytes scaled by the
+    share of its eager memory-bound bytes and saved bytes the rank keeps (its first call). The compile ran on the
+    whole block; inductor fuses the local shards the same way, so the fused/eager ratio carries over, where the
+    whole block's figures would charge each rank TP times the bytes."""
+    out = {}
+    for m, block in trace.compiled.items():
+        whole, local = _block_bytes(trace, m), _block_bytes(view, m)
+        fused = tuple(_share(n, local[k], whole[k]) for k, n in enumerate(block.fused_nbytes))
+        out[m] = replace(block, saved=_share(block.saved, local[2], whole[2]), fused_nbytes=fused,
+                         variants={k: _share(v, local[2], whole[2]) for k, v in block.variants.items()})
+    return out
+
+
+def _share(n: int, local: int, whole: int) -> int:
+    return int(n * local / whole) if whole else n
+
+
+def _block_bytes(trace: Trace, module: str) -> tuple[int, int, int]:
+    """The memory-bound bytes of ``module``'s first call, forward then backward, and what its forward saves."""
+    at = {(trace.events[i].kind, trace.events[i].call): i for i in trace.index.boundaries_by_module.get(module, ())}
+    call = min((c for k, c in at if k is EventKind.FWD_PRE), default=None)
+    memory_bound = trace.index.op_kernel == KERNEL_OTHER
+    totals = []
+    for pre, post in ((EventKind.FWD_PRE, EventKind.FWD_POST), (EventKind.BWD_PRE, EventKind.BWD_POST)):
+        start, end = at.get((pre, call)), at.get((post, call))
+        if start is None or end is None:
+            totals.append(0)
+            continue
+        totals.append(int(trace.index.op_nbytes[start:end][memory_bound[start:end]].sum()))
+    start, end = at.get((EventKind.FWD_PRE, call)), at.get((EventKind.FWD_POST, call))
+    saved = sum(e.saved for e in trace.events[start:end] if e.is_op) if start is not None and end is not None else 0
+    return totals[0], totals[1], saved
 
 
 def _param_style(p: ParamInfo, styles: dict[str, TPStyle]) -> TPStyle | None:
