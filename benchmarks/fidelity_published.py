@@ -33,6 +33,9 @@ A100_TABLE = "pytorch/torchtitan docs/performance.md @041336434916bdc0f88c1f89fd
 GIB = 2 ** 30
 
 # (label, simulate arguments, cluster preset, local batch, seq, published tokens/s/GPU, published GiB or None, source)
+# The local batch is a data-parallel rank's (a TP group's): tokens/s/GPU divides by the TP degree. The float8 rows
+# take torchtitan's float8 all-gather with precomputed scales (``--float8 tensorwise``), as its float8 docs advise;
+# the table does not say which float8 flags ran.
 # torchtitan's "selective" AC of Dec 2024 is op-level with its first save list (--ac op --ac-policy titan-early);
 # its "selective layer" is every second block in full (--ac selective).
 ROWS = [
@@ -48,6 +51,18 @@ ROWS = [
     ("Llama 3.1 8B, 128 H100, batch 2, op-SAC, compile (Table 3, FSDP + torch.compile)",
      ["llama3-8b", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early", "--compile"], "h100e:128", 2,
      8192, 6514, 62.0, H100_TABLE),
+    ("Llama 3.1 8B, 8 H100, batch 2, op-SAC, compile, float8 (Table 1, FSDP + torch.compile + Float8)",
+     ["llama3-8b", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early", "--compile", "--float8",
+      "tensorwise"], "h100e:8", 2, 8192, 8532, 76.8, H100_TABLE),
+    ("Llama 3.1 8B, 128 H100, batch 2, op-SAC, compile, float8 (Table 3, FSDP + torch.compile + Float8)",
+     ["llama3-8b", "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early", "--compile", "--float8",
+      "tensorwise"], "h100e:128", 2, 8192, 8380, 61.8, H100_TABLE),
+    ("Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, batch 16, full AC, compile, float8 (Table 4, 2D)",
+     ["llama3-70b", "--tp", "8", "--policy", "titan", "--ac", "full", "--compile", "--float8", "tensorwise"],
+     "h100e:256", 16, 8192, 829, 71.9, H100_TABLE),
+    ("Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, batch 16, full AC, compile, float8, async TP (Table 4, 2D + AsyncTP)",
+     ["llama3-70b", "--tp", "8", "--async-tp", "--policy", "titan", "--ac", "full", "--compile", "--float8",
+      "tensorwise"], "h100e:256", 16, 8192, 876, 67.6, H100_TABLE),
     ("Llama 3 8B, 64 A100, batch 1, layer-SAC",
      ["llama3-8b", "--policy", "titan", "--ac", "selective"], "a100:64", 1, 8192, 2904, None, A100_TABLE),
     ("Llama 3 8B, 64 A100, batch 1, op-SAC",
@@ -58,12 +73,10 @@ ROWS = [
 ]
 
 OUT_OF_SCOPE = [
-    ("H100 Table 1/3: FSDP + torch.compile + Float8 (8,532 / 8,380 tok/s/GPU, 76.8 / 61.8 GiB)",
-     "float8 training is not modelled yet"),
     ("H100 Table 2: FSDP 8 CP 1 at seq 32,768, full AC (3,890 tok/s/GPU, 83.9 GiB) and its CP 2/4/8 rows",
      "the table's title says every row runs torch.compile + Float8 (the CP 2-8 rows need context parallelism too): "
      "not FSDP2 alone, so not the in-scope row the issue took it for"),
-    ("H100 Tables 4-6: 70B / 405B with TP, PP, CP, AsyncTP, Float8", "tensor/pipeline/context parallelism"),
+    ("H100 Tables 5-6: 405B with PP (and CP)", "pipeline and context parallelism"),
     ("A100 Llama 2 13B / 70B rows (docs/performance.md)", "no built-in Llama 2 model; the issue names Llama 3 rows"),
 ]
 
@@ -164,6 +177,10 @@ def simulate(args: list[str], cluster: str, batch: int, seq: int, mfu: float | N
     return json.loads(out.stdout)
 
 
+def tp_degree(args: list[str]) -> int:
+    return int(args[args.index("--tp") + 1]) if "--tp" in args else 1
+
+
 def shown(args: list[str], cluster: str, batch: int, seq: int) -> str:
     return f"fsdp-planner simulate {' '.join(args)} --batch {batch} --seq {seq} --cluster {cluster}"
 
@@ -184,8 +201,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, args, cluster, batch, seq, tps, gib, source in ROWS[:opts.rows]:
             d = simulate(args, cluster, batch, seq)
+            per_gpu = batch * seq / tp_degree(args)  # a TP group shares its batch
             row = {"label": label, "command": shown(args, cluster, batch, seq), "source": source,
-                   "published_tps": tps, "published_gib": gib, "predicted_tps": batch * seq / d["step_time"],
+                   "published_tps": tps, "published_gib": gib, "predicted_tps": per_gpu / d["step_time"],
                    "predicted_gib": d["reserved_memory"] / GIB,
                    "predicted_alloc_gib": d["peak_memory"] / GIB, "step_time": d["step_time"],
                    "exposed_comm": d["exposed_comm"], "ablation": {}}
@@ -195,9 +213,9 @@ def main() -> None:
                     path = Path(tmp) / f"{cluster.replace(':', '_')}_{i}.json"
                     replace(base, compute=compute or base.compute).save(path)
                     a = simulate(args, str(path), batch, seq, mfu)
-                    row["ablation"][name] = batch * seq / a["step_time"]
+                    row["ablation"][name] = per_gpu / a["step_time"]
                 old = simulate(args, cluster.replace("h100e", "h100"), batch, seq, 0.5)  # the issue's baseline
-                row["ablation"]["old preset h100, --mfu 0.5"] = batch * seq / old["step_time"]
+                row["ablation"]["old preset h100, --mfu 0.5"] = per_gpu / old["step_time"]
             results.append(row)
             print(f"{label}: {row['predicted_tps']:,.0f} tok/s/GPU (published {tps:,}), "
                   f"{row['predicted_gib']:.1f} GiB", flush=True)
@@ -211,17 +229,16 @@ def err(pred: float, pub: float) -> str:
     return f"{(pred - pub) / pub * 100:+.1f}%"
 
 
-def compile_ratios(results: list[dict]) -> list[str]:
-    """Each compile row against its eager row (the same label less ", compile"): what compiling changes, published
-    and predicted."""
+def ratios(results: list[dict], feature: str, table: str, title: str) -> list[str]:
+    """Each row with ``feature`` against the same row without it (the label less ``feature`` and ``table``): what
+    the feature changes, published and predicted."""
     by = {r["label"]: r for r in results}
-    pairs = [(by.get(r["label"].replace(", compile", "").split(" (")[0] + " (" + r["label"].split(" (")[1]
-                     .replace(", FSDP + torch.compile", ", FSDP")), r)
-             for r in results if ", compile" in r["label"]]
+    pairs = [(by.get(r["label"].replace(feature, "").replace(table, "")), r) for r in results
+             if feature in r["label"]]
     pairs = [(e, c) for e, c in pairs if e is not None]
     if not pairs:
         return []
-    lines = ["", "## torch.compile against eager (ratios)", "",
+    lines = ["", f"## {title} (ratios)", "",
              "| run | tok/s/GPU published | predicted | memory published | predicted |", "|---|---:|---:|---:|---:|"]
     for e, c in pairs:
         lines.append(f"| {c['label']} | {c['published_tps'] / e['published_tps']:.3f} | "
@@ -256,7 +273,8 @@ def report(results: list[dict], elapsed: float) -> str:
                   f"{err(big['predicted_tps'], small['predicted_tps'])}",
                   f"- memory: published {big['published_gib'] - small['published_gib']:+.1f} GiB, predicted "
                   f"{big['predicted_gib'] - small['predicted_gib']:+.1f} GiB"]
-    lines += compile_ratios(results)
+    lines += ratios(results, ", compile", " + torch.compile", "torch.compile against eager")
+    lines += ratios(results, ", float8", " + Float8", "float8 against bf16 (both compiled)")
     if all(r["ablation"] for r in results):
         names = list(results[0]["ablation"])
         lines += ["", "## Ablation: tokens/s/GPU as the compute model's terms are added (error vs published)", "",

@@ -74,9 +74,10 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "note"), [
-    ("[float8]\nenable_fsdp_float8_all_gather = true\n", "float8 training ([float8] / [quantize.linear.float8]) is"),
-    ('[quantize.linear.float8]\nenable_fsdp_float8_all_gather = true\n', "float8 training"),
-    ('[model]\nconverters = ["float8"]\n', "model.converters float8 is left out"),
+    ('[model]\nconverters = ["float8"]\n[float8]\nfilter_fqns = ["output", "w2"]\n', "float8.filter_fqns = ["),
+    ('[model]\nconverters = ["float8"]\n[float8]\nenable_fsdp_float8_all_gather = true\n',
+     "float8.precompute_float8_dynamic_scale_for_fsdp off is read as on"),
+    ("[mx]\nx = 1\n", "[mx] (MX formats) is left out"),
     ("[mystery]\nx = 1\n", "[mystery] is not read"),
     ("[training]\nlocal_batch_sise = 4\n", "training.local_batch_sise is not read"),  # a typo: never silent
     ("[parallelism]\ndata_parallel_shard = 8\n", "parallelism.data_parallel_shard is not read"),
@@ -84,6 +85,19 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
 def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
     notes = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n'))).notes
     assert len(notes) == 1 and notes[0].startswith(note) and "\n" not in notes[0]
+
+
+@pytest.mark.parametrize(("text", "float8"), [
+    ('[model]\nconverters = ["float8"]\n', ("tensorwise", False)),  # torchtitan's default: bf16 all-gather
+    ('[float8]\nenable_float8_linear = true\nenable_fsdp_float8_all_gather = true\n'
+     'precompute_float8_dynamic_scale_for_fsdp = true\n', ("tensorwise", True)),  # the Dec 2024 form
+    ('[model]\nconverters = ["quantize.linear.float8"]\n[quantize.linear.float8]\nrecipe_name = "rowwise"\n',
+     ("rowwise", False)),
+    ("[float8]\nenable_fsdp_float8_all_gather = true\n", (None, False)),  # settings without the converter: off
+])
+def test_torchtitan_float8_is_read_in_each_of_its_forms(tmp_path, text, float8):
+    cfg = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n')))
+    assert (cfg.float8, cfg.float8_all_gather) == float8 and not cfg.notes
 
 
 @pytest.mark.parametrize(("text", "key"), [("[compile]\nenable = true\n", "compile.enable"),

@@ -64,8 +64,9 @@ def test_the_shipped_jobs_as_expected():
     assert [(c.model, c.batch, c.seq, c.ac.value) for c in jobs.values()] == [
         ("llama3-8b", 1, 8192, "op"), ("llama3-70b", 8, 8192, "full"), ("llama3-405b", 2, 8192, "full")]
     assert [(c.tp, c.async_tp) for c in jobs.values()] == [(1, False), (8, False), (8, True)]  # TP kept
-    notes = " | ".join(jobs["llama3_405b"].notes)
-    assert "float8" in notes and "compile.enable" not in notes
+    assert not jobs["llama3_405b"].notes  # float8 (its lm_head filter is the output head) and compile both read
+    assert [(c.float8, c.float8_all_gather) for c in jobs.values()] == [(None, False), (None, False),
+                                                                        ("tensorwise", False)]
     assert jobs["llama3_405b"].compile and not jobs["llama3_8b"].compile
 
 
@@ -75,7 +76,8 @@ def test_the_debug_jobs_read(function):
     job, its converters and model_registry options each a note."""
     registry, toml = options(job(function), "toy-llama"), options(str(FIXTURES / "llama3_debugmodel.toml"),
                                                                    "toy-llama")
-    assert registry[0] == toml[0]
+    float8 = "tensorwise" if "float8" in function else None  # its converter read: --float8, the all-gather off
+    assert registry[0] == {**toml[0], **({"float8": float8, "float8_all_gather": False} if float8 else {})}
     assert (registry[1].model_label, registry[1].batch, registry[1].seq) == ('"llama3" flavor "debugmodel"', 8, 2048)
     assert all(n.count("\n") == 0 for n in registry[1].notes)
     assert len(DEBUG_JOBS) >= 8

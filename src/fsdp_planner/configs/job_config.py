@@ -92,6 +92,8 @@ class JobConfig:
     reduce_dtype: str | None = None
     offload: bool = False
     compile: bool = False  # torchtitan's compile.enable (or training.compile): every block torch.compile'd
+    float8: str | None = None  # torchtitan's float8 converter: its recipe (--float8), None: bf16 matmuls
+    float8_all_gather: bool = False  # its enable_fsdp_float8_all_gather (torchtitan's default: off)
     policy: PolicyName = PolicyName.TITAN
     module_classes: tuple[str, ...] = ()
     min_numel: int | None = None
@@ -246,10 +248,48 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     if compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
         key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
         cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
-    if any(_table(cfg, data, s) for s in ("float8", "mx")) or "float8" in _table(cfg, data, "quantize").get(
-            "linear", {}):
-        cfg.notes.append("float8 training ([float8] / [quantize.linear.float8]) is left out: fsdp-planner "
-                         "simulates the matmuls and all-gathers in the mixed precision's dtype")
+    _titan_float8(cfg, data)
+    if _table(cfg, data, "mx"):
+        cfg.notes.append("[mx] (MX formats) is left out: fsdp-planner simulates those matmuls in the mixed "
+                         "precision's dtype")
+
+
+HEAD_NAMES = {"output", "lm_head"}  # torchtitan's Llama output head, as its float8 filter names it
+FLOAT8_KEYS = {"enable_float8_linear", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+               "recipe_name", "filter_fqns", "emulate", "model_compile_enabled", "force_recompute_fp8_weight_in_bwd"}
+
+
+def _titan_float8(cfg: JobConfig, data: dict[str, Any]) -> None:
+    """torchtitan's float8 training, in each of its forms: ``model.converters`` naming float8 (or the old
+    ``float8.enable_float8_linear``) with the settings in ``[float8]`` or ``[quantize.linear.float8]``, or the
+    registry's ``Float8LinearConverter.Config(...)`` (read into ``[float8]``): ``--float8`` and its all-gather."""
+    section, table = "float8", _table(cfg, data, "float8")
+    quantize = _table(cfg, data, "quantize").get("linear", {})
+    if isinstance(quantize, dict) and isinstance(quantize.get("float8"), dict):
+        section, table = "quantize.linear.float8", quantize["float8"]
+    converters = _table(cfg, data, "model").get("converters") or []
+    named = isinstance(converters, list) and any(isinstance(c, str) and "float8" in c for c in converters)
+    if not (named or table.get("enable_float8_linear")):
+        return
+    for key in table:
+        if key not in FLOAT8_KEYS:
+            cfg.notes.append(f"{section}.{shown_json(key)[1:-1]} is not read: fsdp-planner does not know it")
+    recipe = table.get("recipe_name") or "tensorwise"
+    if recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        raise _bad(cfg, f"{section}.recipe_name", recipe, "tensorwise or rowwise")
+    cfg.float8 = cfg.keys[f"{section}.recipe_name"] = "rowwise" if recipe.startswith("rowwise") else recipe
+    if recipe == "rowwise_with_gw_hp":
+        cfg.notes.append(f"{section}.recipe_name rowwise_with_gw_hp is read as rowwise: its weight-gradient matmul in "
+                         "bf16 is not modelled")
+    key = f"{section}.enable_fsdp_float8_all_gather"
+    cfg.float8_all_gather = cfg.keys[key] = _bool(cfg, key, table.get("enable_fsdp_float8_all_gather", False))
+    if cfg.float8_all_gather and not table.get("precompute_float8_dynamic_scale_for_fsdp", False):
+        cfg.notes.append(f"{section}.precompute_float8_dynamic_scale_for_fsdp off is read as on: fsdp-planner "
+                         "counts one amax all-reduce a step for the float8 all-gather")
+    fqns = table.get("filter_fqns", ["output"])
+    if not isinstance(fqns, list) or set(fqns) - HEAD_NAMES:  # the head: "output", "lm_head" in newer torchtitan
+        cfg.notes.append(f"{section}.filter_fqns = {shown_json(fqns)} is read as the output head alone: "
+                         "fsdp-planner keeps it in bf16 and converts every other Linear with float8-sized dims")
 
 
 def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:
@@ -258,10 +298,6 @@ def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:
     cfg.keys["model.name"], cfg.keys["model.flavor"] = name, flavor
     if isinstance(name, str) and isinstance(flavor, str):
         cfg.model = TITAN_MODELS.get((name.strip().lower(), flavor.strip().lower()))
-    converters = model.get("converters") or []
-    if isinstance(converters, list) and any(isinstance(c, str) and "float8" in c for c in converters):
-        cfg.notes.append("model.converters float8 is left out: fsdp-planner simulates the matmuls and all-gathers "
-                         "in the mixed precision's dtype")
 
 
 def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:

@@ -407,7 +407,8 @@ def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[
                          "flavour's own model")
     for conv in spec.fields.get("converters") or []:
         if isinstance(conv, Call) and conv.kind == "Float8LinearConverter":
-            table["converters"] = ["float8"]  # the TOML reader's float8 note
+            table["converters"] = ["float8"]  # the TOML reader's form: model.converters and a [float8] table
+            data["float8"] = _literals(conv, label, notes)
         else:
             notes.append(f"model_registry's converter {_shown(conv)} is left out: fsdp-planner simulates "
                          "the model without converters, in the mixed precision's dtype")
@@ -440,6 +441,25 @@ def _section(name: str, value: Any, label: str, notes: list[str]) -> dict[str, A
             table[AC_RENAMED.get(key, key)] = v
         elif NEW_KEYS[name][key] and v:
             notes.append(f"{name}.{key} = {shown_json(v)} is left out: {NEW_KEYS[name][key]}")
+    return table
+
+
+FLOAT8_READ = ("enable_fsdp_float8_all_gather", "recipe_name")  # what changes the step: literals only
+
+
+def _literals(conv: Call, label: str, notes: list[str]) -> dict[str, Any]:
+    """``Float8LinearConverter.Config(...)``'s literal keywords, as the TOML's ``[float8]`` table; a setting the
+    step depends on that is not a literal is an error. ``model_compile_enabled`` follows ``compile`` (read there)."""
+    table = {}
+    for key, v in conv.fields.items():
+        if isinstance(v, (Unread, Call)) or (isinstance(v, list) and any(isinstance(e, (Unread, Call)) for e in v)):
+            if key in FLOAT8_READ:
+                raise PlannerError(f"{label}: Float8LinearConverter's {key} = {_shown(v)} is not a literal: "
+                                   "fsdp-planner reads the job without running it (give the value)")
+            if key != "model_compile_enabled":
+                notes.append(f"Float8LinearConverter's {key} = {_shown(v)} is not read (not a literal)")
+            continue
+        table[key] = v
     return table
 
 

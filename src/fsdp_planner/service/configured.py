@@ -193,6 +193,9 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("ac", cfg.ac.value, cfg.key("ac"))
     if cfg.compile:
         m.given("compile", True, "compile.enable", default=False)
+    if cfg.float8:
+        m.given("float8", cfg.float8, "the float8 converter's recipe_name")
+        m.given("float8_all_gather", cfg.float8_all_gather, "enable_fsdp_float8_all_gather")
 
 
 
