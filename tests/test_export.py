@@ -180,3 +180,35 @@ def test_export_sets_the_precision_the_plan_was_made_in(tmp_path, capsys) -> Non
     hand.write_text('{"version": 1, "groups": [["layers.0"]]}')
     assert main(["export", str(hand)]) == 0
     assert f"PRECISION: str = {DEFAULT_PRECISION!r}" in capsys.readouterr().out
+
+
+def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_path) -> None:
+    """The exported apply() converts the Linears apply_plan converts (torchao, emulated here) before fully_shard
+    and a step runs on 2 fake ranks; the torchtitan job carries the converter and reads back as the same float8."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_planner.apply.float8 import apply_float8
+    from fsdp_planner.configs.job_config import TORCHTITAN, read_config
+    from fsdp_planner.fsdp2.float8 import Float8
+
+    f8 = Float8.named("tensorwise")
+    plan = _plan().replace(float8=f8)
+    scope: dict = {}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON), "exported.py", "exec"), scope)
+    lm, expected = load_model("toy-llama", meta=False), load_model("toy-llama", meta=False).model
+    wanted = apply_float8(expected, f8)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = scope["apply"](lm.model, init_device_mesh("cpu", (2,)))
+        lm.loss_fn(model(*lm.example_inputs)).backward()
+        scope["after_optimizer_step"](model)
+    finally:
+        dist.destroy_process_group()
+    converted = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+    assert converted == sorted(wanted) and "output" not in converted
+    job = tmp_path / "job.py"
+    job.write_text(export_plan(plan.replace(model="llama3-8b"), ExportFormat.TORCHTITAN))
+    cfg = read_config(TORCHTITAN, f"{job}:fsdp_planner_job")
+    assert (cfg.float8, cfg.float8_all_gather) == ("tensorwise", True) and not cfg.notes

@@ -27,6 +27,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.selective import POLICIES
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
@@ -344,6 +345,46 @@ TITLES = {ExportFormat.PYTHON: "An FSDP2 plan as code: apply(model, mesh).",
           ExportFormat.TORCHTITAN: "An FSDP2 plan for a torchtitan-style trainer: parallelize(model, world_mesh)."}
 
 
+FLOAT8_LINE = "    convert_float8(model)  # float8 training: torchao swaps the Linears first, before TP and fully_shard\n"
+FLOAT8_TAIL = '''
+
+def convert_float8(model: nn.Module) -> None:
+    """torchao's float8 training on the Linears torchtitan's filter keeps (both weight dims multiples of
+    FLOAT8["dim_multiple"], no FLOAT8["filter_fqns"] entry in the name); emulated where the device has no float8
+    matmul (a CPU, a GPU before sm89). torchao is needed: pip install torchao."""
+    import dataclasses
+
+    import torchao.float8 as float8
+    from torchao.float8.float8_linear import Float8Linear
+
+    if any(isinstance(m, Float8Linear) for m in model.modules()):
+        return  # converted already: torchtitan's Float8LinearConverter ran at the model's build
+    cuda = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(FLOAT8["recipe"]), emulate=not cuda,
+                                 enable_fsdp_float8_all_gather=FLOAT8["fsdp_float8_all_gather"])
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and all(d % FLOAT8["dim_multiple"] == 0 for d in module.weight.shape) \\
+            and not any(f in fqn for f in FLOAT8["filter_fqns"])
+
+    float8.convert_to_float8_training(model, module_filter_fn=keep, config=config)
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Call after each optimizer.step(): with precomputed scales, the converted weights' one amax all-reduce for
+    the next step's float8 all-gathers."""
+    if FLOAT8["precompute_scale"]:
+        import torchao.float8 as float8
+
+        float8.precompute_float8_dynamic_scale_for_fsdp(model)
+'''
+
+
+def float8_constants(f8: Float8) -> str:
+    settings = {**f8.to_dict(), "dim_multiple": FLOAT8_DIM_MULTIPLE}
+    return f"FLOAT8: dict[str, Any] = {py_literal(settings)}  # float8 training (torchao), as the plan was simulated\n"
+
+
 TP_APPLY_LINE = "    mesh = mesh or make_mesh()\n"
 TP_SPLIT = """    mesh, tp_mesh = split_mesh(mesh)  # TP: parallelize_module over tp first, then FSDP over the dp dims
     tensor_parallel(model, tp_mesh)
@@ -485,6 +526,10 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         tail = TP_TAILS.get(fmt, TAILS[fmt])
     else:
         tail = TAILS[fmt]
+    if plan.float8 is not None:  # after TP's mesh split: the conversion runs before parallelize_module
+        constants += float8_constants(plan.float8)
+        body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + FLOAT8_LINE)
+        tails += FLOAT8_TAIL
     # torchtitan: and the job in its config_registry form
     job = torchtitan_job(plan, precision, py_literal) if fmt is ExportFormat.TORCHTITAN else ""
     return header + constants + body + tails + tail + job

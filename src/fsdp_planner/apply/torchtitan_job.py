@@ -86,7 +86,9 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     if plan.model in FLAVORS:
         name, flavor = FLAVORS[plan.model]
         imports.append(f"from torchtitan.models.{name} import model_registry")
-        keywords.append(f"model_spec=model_registry({literal(flavor)}),")
+        keywords.append(f"model_spec=model_registry({literal(flavor)}{_converters(plan, literal)}),")
+        if plan.float8 is not None:
+            imports.append("from torchtitan.components.quantization import Float8LinearConverter")
     for section, cls in (("training", "TrainingConfig"), ("parallelism", "ParallelismConfig")):
         fields = "".join(f"\n            {k}={literal(v)}," for k, v in settings[section].items())
         keywords.append(f"{section}={cls}({fields}\n        ),")
@@ -100,6 +102,17 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     return JOB.format(function=FUNCTION, imports="\n".join(f"    {i}" for i in imports),
                       keywords="\n".join(f"        {k}" for k in keywords),
                       flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings)))
+
+
+def _converters(plan: Plan, literal: Callable[[Any], str]) -> str:
+    """torchtitan's float8 converter for a plan with float8 training (its recipe, all-gather and filter)."""
+    f8 = plan.float8
+    if f8 is None:
+        return ""
+    return (f", converters=[Float8LinearConverter.Config(recipe_name={literal(f8.recipe.value)}, "
+            f"enable_fsdp_float8_all_gather={literal(f8.fsdp_float8_all_gather)}, "
+            f"precompute_float8_dynamic_scale_for_fsdp={literal(f8.precompute_scale)}, "
+            f"filter_fqns={literal(list(f8.filter_fqns))})]")
 
 
 def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
