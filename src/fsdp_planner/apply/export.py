@@ -25,9 +25,9 @@ from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
+from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.selective import POLICIES
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
@@ -345,7 +345,7 @@ TITLES = {ExportFormat.PYTHON: "An FSDP2 plan as code: apply(model, mesh).",
           ExportFormat.TORCHTITAN: "An FSDP2 plan for a torchtitan-style trainer: parallelize(model, world_mesh)."}
 
 
-FLOAT8_LINE = "    convert_float8(model)  # float8 training: torchao swaps the Linears first, before TP and fully_shard\n"
+FLOAT8_LINE = "    convert_float8(model)  # float8 training: torchao swaps the Linears before TP and fully_shard\n"
 FLOAT8_TAIL = '''
 
 def convert_float8(model: nn.Module) -> None:
