@@ -150,12 +150,17 @@ def test_check_answers_on_a_cluster(capsys):
     """check --cluster answers the reduce dtype, HSDP and node-sized reshard questions with the simulator."""
     findings = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "h100:16")
     info = {f["code"]: f for f in findings if f["severity"] == "info"}
-    assert set(info) == {"reduce-dtype-cost", "hsdp", "reshard-to-node"}
+    assert set(info) == {"reduce-dtype-cost", "hsdp", "reshard-to-node", "float8"}
     assert "bf16 instead of fp32" in info["reduce-dtype-cost"]["message"]
     assert "HSDP 2x8 instead of 1x16" in info["hsdp"]["message"]
     assert "reshard_after_forward=8" in info["reshard-to-node"]["message"]
-    one_node = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "h100:8")
-    assert {f["code"] for f in one_node if f["severity"] == "info"} == {"reduce-dtype-cost"}
+    assert info["float8"]["message"].startswith("float8 training (--float8 tensorwise")
+    one_node = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "h100:8", "--float8",
+                        "tensorwise")
+    info = {f["code"]: f for f in one_node if f["severity"] == "info"}
+    assert set(info) == {"reduce-dtype-cost", "float8"} and "without float8" in info["float8"]["message"]
+    a100 = run_json(capsys, "check", "toy-llama", "--policy", "module", "--cluster", "a100:8")  # no float8 cores
+    assert {f["code"] for f in a100 if f["severity"] == "info"} == {"reduce-dtype-cost"}
 
 
 @pytest.mark.integration

@@ -12,6 +12,7 @@ from fsdp_planner.cli.options import (
     CLUSTER_HELP,
     MIN_MFU,
     add_auto_options,
+    add_float8_options,
     add_force,
     add_job_config,
     add_json,
@@ -184,6 +185,7 @@ def check(sub: Subparsers) -> None:
                                       "checked against its GPU count)")
     sp.add_argument("--mfu", type=float, default=None, help=argparse.SUPPRESS)
     add_precision_options(sp)
+    add_float8_options(sp)
     add_json(sp)
 
 

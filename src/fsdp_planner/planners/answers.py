@@ -1,4 +1,4 @@
-"""``check --cluster``'s answers: three questions people ask about a plan that the simulator answers without a new
+"""``check --cluster``'s answers: four questions people ask about a plan that the simulator answers without a new
 model, each as an ``info`` finding with the step time (and reserved peak) both ways.
 
 - Reduce in bf16 or fp32? ``MixedPrecisionPolicy.reduce_dtype`` sets the reduce-scatter's bytes (and HSDP's
@@ -8,15 +8,19 @@ model, each as an ``info`` finding with the step time (and reserved peak) both w
 - Does resharding to the node pay? ``reshard_after_forward=<GPUs per node>`` on the groups that reshard fully:
   after forward each keeps its params sharded within the node only, so backward's all-gathers stay on NVLink, for
   more memory.
+- Does float8 training pay? torchao's tensorwise float8 Linears with FSDP2's float8 all-gather (``--float8``) on a
+  GPU with float8 tensor cores, against bf16 matmuls (or, for a plan that has it, the reverse): faster matmuls and
+  half the converted weights' all-gather bytes, for float8's numerics, so only the user chooses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from fsdp_planner.choices import ReduceDtype, Target
+from fsdp_planner.choices import Float8Recipe, ReduceDtype, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
+from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster
@@ -35,7 +39,8 @@ def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget
     base = _step(tr, plan, cluster, options)
     if base is None:
         return []
-    found = [_reduce_dtype(tr, plan, cluster, options, base, budget)]
+    found = [_reduce_dtype(tr, plan, cluster, options, base, budget), float8_answer(tr, plan, cluster, options,
+                                                                                    base, budget)]
     if cluster.world_size > cluster.gpus_per_node:
         found += [_hsdp(tr, plan, cluster, options, base, budget), _reshard_to_node(tr, plan, cluster, options,
                                                                                     base, budget)]
@@ -138,3 +143,29 @@ def _reshard_to_node(tr: Trace, plan: Plan, cluster: Cluster, options: SimOption
            f"but over the {fmt_bytes(budget.limit)} budget" if _over_budget(base, alt, budget)
            else "keep reshard_after_forward=True: resharding to the node does not pay here")
     return Finding(Severity.INFO, Code.RESHARD_TO_NODE, what, fix)
+
+
+def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+                  budget: MemoryBudget) -> Finding | None:
+    """The step with float8 training against the plan's bf16 matmuls, or without it for a float8 plan; none on
+    a GPU without float8 tensor cores or a precision that computes in fp32."""
+    run = plan_options(plan, options)
+    if cluster.gpu.peak_fp8_flops <= 0 or run.precision.compute_bytes > 2:
+        return None
+    f8 = None if run.float8 is not None else Float8.named(Float8Recipe.TENSORWISE.value)
+    alt = _step(tr, plan.replace(float8=f8), cluster, dataclasses.replace(run, float8=f8))
+    if alt is None:
+        return None
+    if f8 is not None:
+        what = f"float8 training (--float8 tensorwise, torchao, float8 all-gather): {_versus(base, alt, budget)}"
+        fix = ("torchao's convert_to_float8_training (--float8 tensorwise) saves that, with float8's numerics: "
+               "check the loss curve" if _pays(base, alt, budget)
+               else f"keep bf16: float8 is faster, but over the {fmt_bytes(budget.limit)} budget"
+               if _over_budget(base, alt, budget) else "keep bf16: float8 saves too little here"
+               if alt.step_time < base.step_time else "keep bf16: float8 is slower here"
+               + ("" if tr.compiled else " (its casts run unfused in eager: compare it with --compile)"))
+    else:
+        what = f"the same plan without float8 training (bf16 matmuls): {_versus(base, alt, budget)}"
+        fix = ("keep float8: bf16 costs that much" if alt.step_time >= base.step_time * (1 - NEGLIGIBLE)
+               else "bf16 is as fast here: float8 buys nothing on this job")
+    return Finding(Severity.INFO, Code.FLOAT8_PAYS, what, fix)
