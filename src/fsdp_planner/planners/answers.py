@@ -26,6 +26,7 @@ from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import candidate_meshes
 from fsdp_planner.sim.budget import MemoryBudget
+from fsdp_planner.sim.float8 import converted_linears
 from fsdp_planner.sim.options import SimOptions, plan_options, with_reduce_dtype
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
@@ -153,6 +154,8 @@ def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
     if cluster.gpu.peak_fp8_flops <= 0 or run.precision.compute_bytes > 2:
         return None
     f8 = None if run.float8 is not None else Float8.named(Float8Recipe.TENSORWISE.value)
+    if f8 is not None and not converted_linears(tr, f8):
+        return None  # no Linear float8 can convert (dims multiples of 16): nothing to ask
     alt = _step(tr, plan.replace(float8=f8), cluster, dataclasses.replace(run, float8=f8))
     if alt is None:
         return None
@@ -162,7 +165,7 @@ def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
                "check the loss curve" if _pays(base, alt, budget)
                else f"keep bf16: float8 is faster, but over the {fmt_bytes(budget.limit)} budget"
                if _over_budget(base, alt, budget) else "keep bf16: float8 saves too little here"
-               if alt.step_time < base.step_time else "keep bf16: float8 is slower here"
+               if alt.step_time <= base.step_time * (1 + NEGLIGIBLE) else "keep bf16: float8 is slower here"
                + ("" if tr.compiled else " (its casts run unfused in eager: compare it with --compile)"))
     else:
         what = f"the same plan without float8 training (bf16 matmuls): {_versus(base, alt, budget)}"
