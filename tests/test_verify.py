@@ -47,6 +47,22 @@ def test_every_policy_matches_reference_and_prediction(spec, name):
     assert result.ok
 
 
+@pytest.mark.integration  # ~10 s: torchao's float8 (emulated on CPU) under FSDP2 on 2 gloo ranks
+def test_float8_plan_trains_like_its_float8_reference_with_the_predicted_bytes():
+    """The plan's Linears converted with torchao, the float8 all-gather with precomputed scales: the all-gather
+    bytes are the float8 weights' (1 byte a param), and the params stay within bf16 steps of an unsharded float8
+    reference."""
+    from fsdp_planner.fsdp2.float8 import Float8
+
+    tr = traced("toy-llama")
+    plan = policy("titan").plan(tr, "toy-llama").replace(float8=Float8.named("tensorwise"))
+    result = run_verify("toy-llama", tr, plan, nproc=2, steps=2, precision="bf16-mixed")
+    bf16 = run_verify("toy-llama", tr, plan.replace(float8=None), nproc=2, steps=1, precision="bf16-mixed")
+    assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
+    assert result.counted_bytes == [result.predicted_bytes] * 2
+    assert result.predicted_bytes["all_gather"] < bf16.predicted_bytes["all_gather"]
+
+
 @pytest.mark.integration
 def test_module_called_twice_on_a_real_run():
     spec = f"{FIXTURES / 'factories.py'}:twice"
