@@ -37,7 +37,7 @@ def accelerate_config(plan: Plan, precision: Precision) -> str:
              "machine_rank: 0",
              "main_training_function: main",
              # Accelerate's autocast on top of the hook's MixedPrecisionPolicy: off for fp32, bf16 otherwise
-             f"mixed_precision: {'no' if precision.name == 'fp32' else 'bf16'}",
+             "mixed_precision: " + ("'no'" if precision.name == "fp32" else "bf16"),  # quoted: YAML's no is false
              "num_machines: 1  # more machines: num_machines, machine_rank and main_process_ip, as accelerate "
              "config asks"]
     if world:
