@@ -208,7 +208,7 @@ def test_accelerate_export_is_a_launch_config_with_its_hook_beside_it(tmp_path: 
     from fsdp_planner.cli import main
     from fsdp_planner.configs.job_config import ACCELERATE, read_config
 
-    plan, config = _tiny_export(tmp_path, ExportFormat.ACCELERATE, "plan.yaml")
+    _, config = _tiny_export(tmp_path, ExportFormat.ACCELERATE, "plan.yaml")
     loaded = load_config_from_file(str(config))
     assert loaded.distributed_type.value == "FSDP" and loaded.mixed_precision == "no"  # fp32: 'no', not false
     assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.fsdp_config["fsdp_activation_checkpointing"] is False
@@ -241,10 +241,10 @@ def test_exports_use_public_torch_apis_and_never_make_a_process_group() -> None:
         assert not [m for m in modules if m != "__future__" and any(p.startswith("_") for p in m.split("."))], fmt
     scope: dict = {}
     exec(compile(export_plan(_plan(), ExportFormat.ACCELERATE), "exported.py", "exec"), scope)
-    with pytest.raises(RuntimeError, match="^no default process group: launch with torchrun"):
+    with pytest.raises(RuntimeError, match=r"^no default process group: launch with torchrun"):
         scope["make_mesh"]()
     try:
-        with pytest.raises(RuntimeError, match="distributed_type NO.*accelerate launch --config_file"):
+        with pytest.raises(RuntimeError, match=r"distributed_type NO.*accelerate launch --config_file"):
             scope["shard"](Accelerator(cpu=True), torch.nn.Linear(2, 2))
     finally:
         AcceleratorState._reset_state(True)

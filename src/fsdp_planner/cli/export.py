@@ -9,8 +9,8 @@ from pathlib import Path
 import fsdp_planner.cli.render as render
 from fsdp_planner.apply.accelerate_config import accelerate_config
 from fsdp_planner.apply.export import ExportFormat, export_plan
-from fsdp_planner.cli.paths import export_files
 from fsdp_planner.choices import DEFAULT_PRECISION
+from fsdp_planner.cli.paths import export_files
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.sim.options import precision_named
