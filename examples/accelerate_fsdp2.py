@@ -39,7 +39,8 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
             accelerator.backward(batch.loss_fn(model(*batch.example_inputs)))
         optimizer.step()
         optimizer.zero_grad()
-    accelerator.print(f"trained 3 steps on {accelerator.num_processes} processes ({accelerator.distributed_type})")
+    kind = accelerator.distributed_type.value
+    accelerator.print(f"trained 3 steps on {accelerator.num_processes} processes ({kind})")
     # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
     # rank when they outlive it)
     accelerator.free_memory()

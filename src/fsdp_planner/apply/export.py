@@ -88,7 +88,8 @@ def shard_placement(model: nn.Module) -> Callable[[nn.Parameter], Shard | None] 
 def _checkpoint(module: nn.Module) -> None:
     """Full activation checkpointing of ``module``'s every call (``torch.utils.checkpoint``, non-reentrant): only
     its inputs are kept after forward, and backward runs its forward again. The forward is wrapped in place, so
-    FSDP2's hooks stay on the module itself and gather its params once for the recomputation."""
+    FSDP2's hooks stay outside the checkpointed region: the recomputation runs in backward, after FSDP2 has
+    gathered the params for it, as under torchtitan's ``checkpoint_wrapper``."""
     forward = module.forward
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
@@ -331,7 +332,8 @@ def shard(accelerator: Any, model: nn.Module) -> nn.Module:
     kind = str(accelerator.distributed_type.value)
     if kind == "NO" or not dist.is_initialized():
         raise RuntimeError(f"Accelerate runs no distributed job here (distributed_type {kind}): launch the script "
-                           "with accelerate launch --config_file and the YAML written beside this file")
+                           "with accelerate launch --config_file and the YAML written beside this file (on a machine "
+                           "without GPUs, with ACCELERATE_USE_CPU=true)")
     return apply(model, make_mesh(accelerator.device.type))
 
 
