@@ -5,6 +5,7 @@ unchanged in their frameworks (``accelerate launch --config_file``, a Lightning 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -203,12 +204,15 @@ def test_accelerate_export_is_a_launch_config_with_its_hook_beside_it(tmp_path: 
     the code as NAME.py beside it, both written again over themselves; a suffix that is not what a format writes
     is refused in one line."""
     pytest.importorskip("accelerate")
+    import yaml
     from accelerate.commands.config.config_args import load_config_from_file
 
+    from fsdp_planner.apply import accelerate_config
     from fsdp_planner.cli import main
     from fsdp_planner.configs.job_config import ACCELERATE, read_config
+    from fsdp_planner.fsdp2.plan import Mesh
 
-    _, config = _tiny_export(tmp_path, ExportFormat.ACCELERATE, "plan.yaml")
+    plan, config = _tiny_export(tmp_path, ExportFormat.ACCELERATE, "plan.yaml")
     loaded = load_config_from_file(str(config))
     assert loaded.distributed_type.value == "FSDP" and loaded.mixed_precision == "no"  # fp32: 'no', not false
     assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.fsdp_config["fsdp_activation_checkpointing"] is False
@@ -217,6 +221,11 @@ def test_accelerate_export_is_a_launch_config_with_its_hook_beside_it(tmp_path: 
     hook = config.with_suffix(".py")
     assert {"shard", "prepare"} <= {n.name for n in ast.parse(hook.read_text()).body if isinstance(n, ast.FunctionDef)}
     assert "MODEL: str = '../tiny.py:tiny'" in hook.read_text()  # relative to the export, not absolute
+    hsdp = plan.replace(mesh=Mesh(2, 2), groups=[dataclasses.replace(g, reshard_after_forward=False)
+                                                 for g in plan.groups])
+    settings = yaml.safe_load(accelerate_config(hsdp, PRECISIONS["bf16-mixed"]))
+    assert (settings["num_processes"], settings["mixed_precision"]) == (4, "bf16")  # the mesh's ranks
+    assert settings["fsdp_config"]["fsdp_reshard_after_forward"] is False  # every group keeps its params
     plan_file = str(tmp_path / "plan.json")
     assert main(["export", plan_file, "--format", "accelerate", "--out", str(config)]) == 0  # its own files
     capsys.readouterr()
