@@ -1,8 +1,13 @@
-"""Hugging Face Accelerate with a plan: ``fsdp-planner export plan.json --format accelerate --out acc_plan.py``,
-then ``accelerate launch examples/accelerate_fsdp2.py acc_plan.py`` (or torchrun). The exported ``prepare`` shards
-the model with the plan's groups and then calls ``accelerator.prepare`` (which keeps an FSDP2 model as it is). A plan
-with tensor parallelism (``TP_DEGREE``) builds its own (dp_shard, tp) mesh: one batch per TP group, the loss and its
-backward under the export's ``loss_context()``."""
+"""Hugging Face Accelerate with a plan: ``fsdp-planner export plan.json --format accelerate --out acc_plan.yaml``
+writes the launch config (acc_plan.yaml) and the hook beside it (acc_plan.py), then
+
+    accelerate launch --config_file acc_plan.yaml --num_processes 2 examples/accelerate_fsdp2.py acc_plan.py
+
+Accelerate starts the processes and their process group; the hook's ``shard`` applies the plan's groups on it, the
+optimizer is made on the sharded params, and ``prepare`` hands both to Accelerate (whose FSDP2 keeps the sharded
+model as it is). On a machine without GPUs, ``ACCELERATE_USE_CPU=true accelerate launch ...`` runs the processes on
+CPU (gloo; Accelerate calls that MULTI_CPU). A plan with tensor parallelism (``TP_DEGREE``) builds its own (dp_shard,
+tp) mesh: one batch per TP group, the loss and its backward under the export's ``loss_context()``."""
 
 from __future__ import annotations
 
@@ -23,17 +28,19 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     spec.loader.exec_module(plan)
     tp = getattr(plan, "TP_DEGREE", 1)
     loss_context = getattr(plan, "loss_context", contextlib.nullcontext)
-    accelerator = Accelerator(fsdp_plugin=plan.fsdp_plugin())
+    accelerator = Accelerator()  # the FSDP2 plugin comes from the launch config
     lm = load_model(model_name, meta=False, seed=0)
-    model = plan.prepare(accelerator, lm.model)  # accelerate returns a single object unpacked
-    optimizer = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.05))
+    model = plan.shard(accelerator, lm.model)  # the plan's fully_shard calls, root last
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # on the sharded params
+    model, optimizer = plan.prepare(accelerator, model, optimizer)
     for step in range(3):
         batch = load_model(model_name, meta=False, seed=100 + 10 * step + accelerator.process_index // tp)
         with loss_context():
             accelerator.backward(batch.loss_fn(model(*batch.example_inputs)))
         optimizer.step()
         optimizer.zero_grad()
-    accelerator.print("trained 3 steps")
+    kind = accelerator.distributed_type.value
+    accelerator.print(f"trained 3 steps on {accelerator.num_processes} processes ({kind})")
     # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
     # rank when they outlive it)
     accelerator.free_memory()

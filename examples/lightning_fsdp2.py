@@ -1,8 +1,8 @@
 """Lightning with a plan: ``fsdp-planner export plan.json --format lightning --out pl_plan.py``, then
-``python examples/lightning_fsdp2.py pl_plan.py`` (Lightning launches its own processes). The exported
-``configure_model`` applies the plan on ``ModelParallelStrategy``'s data-parallel mesh; a plan with tensor
-parallelism (``TP_DEGREE``) gets ``tensor_parallel_size=TP_DEGREE`` and its loss's backward under the export's
-``loss_context()``."""
+``python examples/lightning_fsdp2.py pl_plan.py`` (Lightning launches its own processes). The export's
+``strategy(devices)`` is the Trainer's ``ModelParallelStrategy`` (``tensor_parallel_size=TP_DEGREE`` for a plan with
+tensor parallelism), and its ``configure_model(module, device_mesh)`` applies the plan to the module it is given, on
+the strategy's mesh; with TP the loss's backward runs under the export's ``loss_context()``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import sys
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from fsdp_planner.models import load_model
 
@@ -22,7 +21,6 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
     spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
     plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan)
-    tp = getattr(plan, "TP_DEGREE", 1)
     loss_context = getattr(plan, "loss_context", contextlib.nullcontext)
 
     class Module(L.LightningModule):
@@ -31,7 +29,7 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
             self.model = load_model(model_name, meta=False, seed=0).model
 
         def configure_model(self) -> None:
-            plan.configure_model(self)  # the plan's fully_shard calls, root last
+            plan.configure_model(self.model, self.device_mesh)  # the plan's fully_shard calls, root last
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             lm = load_model(model_name, meta=False, seed=100 + batch_idx)
@@ -46,8 +44,7 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     data = torch.utils.data.DataLoader(torch.zeros(3, 1), batch_size=1)
-    strategy = ModelParallelStrategy(data_parallel_size=int(devices) // tp, tensor_parallel_size=tp)
-    trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=strategy,
+    trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=plan.strategy(devices=int(devices)),
                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     module = Module()
     trainer.fit(module, data)

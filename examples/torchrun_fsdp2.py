@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from fsdp_planner.models import LoadedModel, load_model
 from fsdp_planner.trace import default_loss
@@ -64,6 +65,8 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
         ref_opt.zero_grad()
     ref = dict(reference.named_parameters())
     diff = max((p.full_tensor() - ref[n]).abs().max().item() for n, p in model.named_parameters())
+    shards = [p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor)]
+    print(f"rank {rank} of {world}: {len(shards)} of {len(ref)} params DTensors, local numel {sum(shards)}", flush=True)
     if rank == 0:
         print(f"fsdp modules: {sum(1 for m in model.modules() if type(m).__name__.startswith('FSDP'))}")
         print(f"max_abs_diff {diff:.3g}")

@@ -1,9 +1,13 @@
 """``fsdp-planner export``: the generated code compiles, has each framework's entry point, and trains with the
-plan's groups on real gloo ranks (plain torchrun, torchtitan-style, Accelerate and Lightning where installed)."""
+plan's groups on real gloo ranks (plain torchrun, torchtitan-style); the accelerate and lightning exports launch
+unchanged in their frameworks (``accelerate launch --config_file``, a Lightning Trainer) where installed."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
+import math
 import os
 import subprocess
 import sys
@@ -23,8 +27,9 @@ from fsdp_planner.trace import record
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FACTORIES = str(Path(__file__).resolve().parent / "fixtures" / "factories.py")
-ENTRY = {ExportFormat.PYTHON: "apply", ExportFormat.ACCELERATE: "prepare", ExportFormat.LIGHTNING: "configure_model",
-         ExportFormat.TORCHTITAN: "parallelize"}
+LAUNCHED = str(Path(__file__).resolve().parent / "launched.py")
+ENTRY = {ExportFormat.PYTHON: {"apply"}, ExportFormat.ACCELERATE: {"shard", "prepare"},
+         ExportFormat.LIGHTNING: {"strategy", "configure_model"}, ExportFormat.TORCHTITAN: {"parallelize"}}
 
 
 def _plan() -> Plan:
@@ -40,7 +45,7 @@ def test_export_compiles_with_its_entry_point(fmt: ExportFormat) -> None:
     tree = ast.parse(source)
     compile(tree, "exported.py", "exec")
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    assert {"apply", "make_mesh", ENTRY[fmt]} <= functions
+    assert {"apply", "make_mesh", *ENTRY[fmt]} <= functions
     scope: dict = {}
     exec(compile(source, "exported.py", "exec"), scope)
     assert scope["GROUPS"][1] == (["layers.0"], 2)
@@ -109,6 +114,10 @@ def test_torchrun_example_matches_unsharded_training(tmp_path: Path) -> None:
     out = _run_example(tmp_path, ExportFormat.PYTHON, "torchrun_fsdp2.py", precision="fp32")  # as the reference
     assert "max_abs_diff 0" in out or float(out.split("max_abs_diff")[1].split()[0]) <= 1e-5
     assert "fsdp modules: 8" in out  # 6 groups, [norm, output] two modules, the root
+    params = list(load_model("toy-llama").model.parameters())
+    for rank in range(2):  # every param a DTensor holding its dim-0 shard on each of the 2 ranks torchrun started
+        local = sum(_local_numel(p.shape, rank, 2) for p in params)
+        assert f"rank {rank} of 2: {len(params)} of {len(params)} params DTensors, local numel {local}" in out
 
 
 @pytest.mark.integration
@@ -136,16 +145,153 @@ def test_torchtitan_example_trains(tmp_path: Path) -> None:
     assert "trained 3 steps" in _run_example(tmp_path, ExportFormat.TORCHTITAN, "torchtitan_parallelize.py")
 
 
-@pytest.mark.integration
-def test_accelerate_example_trains(tmp_path: Path) -> None:
+TINY = """import torch
+import torch.nn as nn
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 9), nn.ReLU(), nn.Linear(9, 5), nn.ReLU(), nn.Linear(5, 3))
+    return model, (torch.randn(4, 7),)
+"""
+
+
+def _tiny_export(tmp_path: Path, fmt: ExportFormat, out: str) -> tuple[Plan, Path]:
+    """A plan of a tiny model in its own file (groups 0 and 2, 4 left to the root, 2 checkpointed), exported with
+    the CLI into a directory beside the model's: the plan and the file ``--out`` names."""
+    from fsdp_planner.cli import main
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    lm = load_model(f"{tmp_path / 'tiny.py'}:tiny", meta=False)
+    plan = make_plan(record(lm.model, lm.example_inputs, lm.loss_fn), [["0"], ["2"]], reshard=[True, False],
+                     model=f"{tmp_path / 'tiny.py'}:tiny").replace(activation_checkpointing=["2"])
+    plan.save(tmp_path / "plan.json")
+    (tmp_path / "export").mkdir()
+    target = tmp_path / "export" / out
+    assert main(["export", str(tmp_path / "plan.json"), "--format", fmt.value, "--precision", "fp32",
+                 "--out", str(target)]) == 0
+    return plan, target
+
+
+def _launched(out: subprocess.CompletedProcess) -> list[dict]:
+    """The ``LAUNCHED`` line of each rank of a tests/launched.py run, by rank."""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ranks = [json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("LAUNCHED ")]
+    return sorted(ranks, key=lambda r: r["index"])
+
+
+def _assert_plans_shards(plan: Plan, ranks: list[dict], world: int = 2) -> None:
+    """Each of ``world`` ranks saw ``world`` processes, its own index; FSDP2 made the plan's groups and the root
+    into FSDP modules and nothing else, and holds every param as a DTensor with its dim-0 shard
+    (ceil(rows / world) rows a rank, the last rank the rest)."""
+    assert [r["index"] for r in ranks] == list(range(world)) and all(r["processes"] == world for r in ranks)
+    assert {r["fsdp"] and tuple(r["fsdp"]) for r in ranks} == {tuple(sorted({"", *(m for g in plan.inner_groups
+                                                                                    for m in g.modules)}))}
+    model = load_model(plan.model, meta=True).model
+    for rank, seen in enumerate(ranks):
+        for name, param in model.named_parameters():
+            assert seen["params"][name] == ["DTensor", _local_numel(param.shape, rank, world)], name
+
+
+def _local_numel(shape: torch.Size, rank: int, world: int) -> int:
+    """What FSDP2's dim-0 sharding leaves ``rank`` of a param: ceil(rows / world) rows, the last ranks the rest."""
+    chunk = math.ceil(shape[0] / world)
+    return max(0, min(chunk, shape[0] - rank * chunk)) * math.prod(shape[1:])
+
+
+def test_accelerate_export_is_a_launch_config_with_its_hook_beside_it(tmp_path: Path, capsys) -> None:
+    """--out NAME.yaml: the YAML Accelerate's own loader reads as an FSDP2 job (and --from-accelerate reads back),
+    the code as NAME.py beside it, both written again over themselves; a suffix that is not what a format writes
+    is refused in one line."""
     pytest.importorskip("accelerate")
-    assert "trained 3 steps" in _run_example(tmp_path, ExportFormat.ACCELERATE, "accelerate_fsdp2.py")
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from fsdp_planner.apply import accelerate_config
+    from fsdp_planner.cli import main
+    from fsdp_planner.configs.job_config import ACCELERATE, read_config
+    from fsdp_planner.fsdp2.plan import Mesh
+
+    plan, config = _tiny_export(tmp_path, ExportFormat.ACCELERATE, "plan.yaml")
+    loaded = load_config_from_file(str(config))
+    assert loaded.distributed_type.value == "FSDP" and loaded.mixed_precision == "no"  # fp32: 'no', not false
+    assert loaded.fsdp_config["fsdp_version"] == 2 and loaded.fsdp_config["fsdp_activation_checkpointing"] is False
+    job = read_config(ACCELERATE, str(config))
+    assert (job.precision, job.reshard, job.offload, job.notes) == ("fp32", "always", False, [])
+    hook = config.with_suffix(".py")
+    assert {"shard", "prepare"} <= {n.name for n in ast.parse(hook.read_text()).body if isinstance(n, ast.FunctionDef)}
+    assert "MODEL: str = '../tiny.py:tiny'" in hook.read_text()  # relative to the export, not absolute
+    hsdp = plan.replace(mesh=Mesh(2, 2), groups=[dataclasses.replace(g, reshard_after_forward=False)
+                                                 for g in plan.groups])
+    settings = yaml.safe_load(accelerate_config(hsdp, PRECISIONS["bf16-mixed"]))
+    assert (settings["num_processes"], settings["mixed_precision"]) == (4, "bf16")  # the mesh's ranks
+    assert settings["fsdp_config"]["fsdp_reshard_after_forward"] is False  # every group keeps its params
+    plan_file = str(tmp_path / "plan.json")
+    assert main(["export", plan_file, "--format", "accelerate", "--out", str(config)]) == 0  # its own files
+    capsys.readouterr()
+    for fmt, out, says in (("accelerate", "x.py", "give a .yaml file"), ("python", "x.yaml", "give a .py file"),
+                           ("lightning", "x.json", "give a .py file")):
+        assert main(["export", plan_file, "--format", fmt, "--out", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1 and not (tmp_path / out).exists()
+
+
+def test_exports_use_public_torch_apis_and_never_make_a_process_group() -> None:
+    """No import of a private module (``torch.distributed._composable`` once checkpointed); ``make_mesh`` and the
+    accelerate hook refuse in one line where no launcher made a process group, rather than making one."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    for fmt in ExportFormat:
+        tree = ast.parse(export_plan(_plan(), fmt))
+        modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        modules += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        assert not [m for m in modules if m != "__future__" and any(p.startswith("_") for p in m.split("."))], fmt
+    scope: dict = {}
+    exec(compile(export_plan(_plan(), ExportFormat.ACCELERATE), "exported.py", "exec"), scope)
+    with pytest.raises(RuntimeError, match=r"^no default process group: launch with torchrun"):
+        scope["make_mesh"]()
+    try:
+        with pytest.raises(RuntimeError, match=r"distributed_type NO.*accelerate launch --config_file"):
+            scope["shard"](Accelerator(cpu=True), torch.nn.Linear(2, 2))
+    finally:
+        AcceleratorState._reset_state(True)
+    with pytest.raises(RuntimeError, match="call shard first"):
+        scope["prepare"](None, torch.nn.Linear(2, 2))
 
 
 @pytest.mark.integration
-def test_lightning_example_trains(tmp_path: Path) -> None:
+def test_accelerate_export_launches_with_accelerate_launch(tmp_path: Path) -> None:
+    """``accelerate launch --config_file`` with the exported YAML starts 2 processes, and the hook beside it shards
+    the model as the plan says on Accelerate's process group. On CPU Accelerate has no FSDP type (its launcher
+    runs 2 processes only through the GPU path; ACCELERATE_USE_CPU makes them MULTI_CPU, gloo), so the hook keeps
+    the sharded model from Accelerate's DDP there."""
+    pytest.importorskip("accelerate")
+    plan, config = _tiny_export(tmp_path, ExportFormat.ACCELERATE, "plan_accelerate.yaml")
+    hook = config.with_suffix(".py")
+    assert str(tmp_path) not in config.read_text() + hook.read_text()  # the model is named relative to the export
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ""}  # no fsdp-planner
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                          "--num_processes", "2", "--main_process_port", "0", LAUNCHED, "accelerate", str(hook)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    ranks = _launched(out)
+    assert {r["distributed_type"] for r in ranks} == {"MULTI_CPU"}
+    _assert_plans_shards(plan, ranks)
+
+
+@pytest.mark.integration
+def test_lightning_export_launches_in_a_trainer(tmp_path: Path) -> None:
+    """A Lightning Trainer on 2 CPU devices with the exported strategy runs the exported configure_model on the
+    module it is given: 2 processes, the plan's groups."""
     pytest.importorskip("lightning")
-    _run_example(tmp_path, ExportFormat.LIGHTNING, "lightning_fsdp2.py", torchrun=False)
+    plan, hook = _tiny_export(tmp_path, ExportFormat.LIGHTNING, "plan_lightning.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    out = subprocess.run([sys.executable, LAUNCHED, "lightning", str(hook)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    ranks = _launched(out)
+    assert {r["distributed_type"] for r in ranks} == {"ModelParallelStrategy"}
+    _assert_plans_shards(plan, ranks)
 
 
 def test_export_rewrites_its_own_file_but_never_the_users(tmp_path, capsys) -> None:

@@ -276,6 +276,8 @@ def test_framework_exports_train_with_tp(toy, tmp_path: Path, fmt: ExportFormat,
     code = tmp_path / "tp_plan.py"
     code.write_text(export_plan(tp_plan(toy), fmt, PRECISIONS["fp32"]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    if fmt is ExportFormat.ACCELERATE:  # Accelerate's own gloo process group on CPU under torchrun (MULTI_CPU)
+        env["ACCELERATE_USE_CPU"] = "true"
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"] \
         if launcher == "torchrun" else [sys.executable]
     args = [str(ROOT / "examples" / script), str(code), *(["toy-llama", "4"] if launcher == "lightning" else [])]

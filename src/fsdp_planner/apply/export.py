@@ -1,22 +1,27 @@
 """A plan as code a training script can use without fsdp-planner: ``fsdp-planner export PLAN --format F``.
 
-``python``: a module with ``apply(model, mesh)`` that checkpoints (op-level selective checkpointing with its own
-copy of the policy, only in plans that have it), runs the offloaded modules' forward under ``save_on_cpu`` (only in
-plans that offload activations), calls ``fully_shard`` per group (children
+``python``: a module with ``apply(model, mesh)`` that checkpoints (``torch.utils.checkpoint``; op-level selective
+checkpointing with its own copy of the policy, only in plans that have it), runs the offloaded modules' forward under
+``save_on_cpu`` (only in plans that offload activations), calls ``fully_shard`` per group (children
 first, lists as lists, each group's ``reshard_after_forward``, the mixed precision the plan was simulated with), the
-root last, then registers the plan's forward methods and sets the prefetch lists.
-The other formats wrap that function the way each framework takes a model-sharding hook: Accelerate (its FSDP2
-plugin wraps only by class or size, and leaves a model that is already an ``FSDPModule`` alone, so the plan is
-applied before ``accelerator.prepare``), Lightning (``configure_model`` under ``ModelParallelStrategy``) and
-torchtitan (a ``parallelize``-style function taking the model and its ``world_mesh``).
+root last, then registers the plan's forward methods and sets the prefetch lists. It never makes a process group:
+the launcher's or the framework's is used, and without one ``make_mesh`` refuses in one line.
+The other formats wrap that function the way each framework takes a model-sharding hook: Accelerate (``shard`` on
+the processes ``accelerate launch`` started, before ``accelerator.prepare``, which keeps an ``FSDPModule`` as it
+is; the launch config itself is ``accelerate_config.py``'s YAML), Lightning (a ``ModelParallelStrategy`` and
+``configure_model(module, device_mesh)``) and torchtitan (a ``parallelize``-style function taking the model and its
+``world_mesh``).
 
 Names in a plan file are data, never code: every value from the plan is written as an ASCII Python literal by
-``py_literal`` (the one way a plan's value enters the source), never into a docstring or a comment.
+``py_literal`` (the one way a plan's value enters the source), never into a docstring or a comment. A model file
+is named relative to the export (``portable_model``), never by an absolute path.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +51,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
     fsdp_kwargs.setdefault("shard_placement_fn", shard_placement(model))
     modules = dict(model.named_modules())
     for name in CHECKPOINTED:  # activation checkpointing before sharding, as torchtitan does
-        checkpoint(modules[name])
+        _checkpoint(modules[name])
     for name in COMPILED:  # then torch.compile, each module on its own, as torchtitan compiles its blocks
         modules[name].forward = torch.compile(modules[name].forward, fullgraph=True)
     # children first: a group nested in another's module must be sharded before its parent claims the params
@@ -81,10 +86,31 @@ def shard_placement(model: nn.Module) -> Callable[[nn.Parameter], Shard | None] 
     return lambda param: Shard(dims[id(param)]) if id(param) in dims else None
 
 
+def _checkpoint(module: nn.Module) -> None:
+    """Full activation checkpointing of ``module``'s every call (``torch.utils.checkpoint``, non-reentrant): only
+    its inputs are kept after forward, and backward runs its forward again. The forward is wrapped in place, so
+    FSDP2's hooks stay outside the checkpointed region: the recomputation runs in backward, after FSDP2 has
+    gathered the params for it, as under torchtitan's ``checkpoint_wrapper``."""
+    forward = module.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+def _world_size() -> int:
+    if not dist.is_initialized():
+        raise RuntimeError("no default process group: launch with torchrun (and call "
+                           "torch.distributed.init_process_group()) or with your framework's launcher")
+    return dist.get_world_size()
+
+
 def make_mesh(device_type: str | None = None) -> DeviceMesh:
-    """The plan's data-parallel mesh over the default process group: 1-D, or (replicate, shard) for HSDP."""
+    """The plan's data-parallel mesh over the default process group (never made here: the launcher's or the
+    framework's): 1-D, or (replicate, shard) for HSDP."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    world = dist.get_world_size()
+    world = _world_size()
     if MESH is not None and MESH[0] * MESH[1] != world:
         raise ValueError(f"this plan was made for a {MESH[0]}x{MESH[1]} mesh ({MESH[0] * MESH[1]} ranks) and the job "
                          f"has {world}: make the plan again for {world} ranks")
@@ -99,9 +125,9 @@ def _depth(name: str) -> int:
 
 HEADER = '''"""{title}
 
-Generated by fsdp-planner from a plan file ({groups}). POLICY and MODEL name the plan and its model,
-PRECISION the mixed precision its step time and memory were simulated with (apply() sets it unless given an
-mp_policy).
+Generated by fsdp-planner from a plan file ({groups}). POLICY and MODEL name the plan and its model (a
+model file relative to this file), PRECISION the mixed precision its step time and memory were simulated with
+(apply() sets it unless given an mp_policy).
 Each entry of GROUPS is one ``fully_shard`` call: (module names, reshard_after_forward); the root is sharded last.
 """
 
@@ -113,16 +139,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
     register_fsdp_forward_method,
 )
 from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import checkpoint
 
 '''
 
@@ -154,12 +181,29 @@ def py_literal(value: Any) -> str:
     raise PlannerError(f"cannot export a plan holding a {type(value).__name__}: plans hold names, numbers and lists")
 
 
+def portable_model(name: str, where: str | os.PathLike[str] | None = None) -> str:
+    """The model as an export names it: a model file (``path/file.py:fn``, ``hf:path``) relative to ``where`` (the
+    export's directory; None: this one), so the export holds no absolute path and moves with its model; a built-in,
+    a module or a Hub name as it is."""
+    if name.startswith("hf:"):
+        prefix, target, rest = "hf:", name[3:], ""
+        if not os.path.exists(target):  # a Hub id, or a shipped config's name
+            return name
+    else:
+        target, colon, function = name.rpartition(":")
+        if not target.endswith(".py"):
+            return name
+        prefix, rest = "", colon + function
+    relative = os.path.relpath(os.path.abspath(target), os.path.abspath(where or os.curdir))
+    return prefix + Path(relative).as_posix() + rest
+
+
 def _dtype(dtype: torch.dtype | None) -> str:
     """A torch dtype as source (``torch.bfloat16``); only the precisions' own dtypes reach here."""
     return "None" if dtype is None else str(dtype)
 
 
-CHECKPOINT_LINE = "        checkpoint(modules[name])\n"
+CHECKPOINT_LINE = "        _checkpoint(modules[name])\n"
 SELECTIVE_LOOP = """    for name, policy in SELECTIVE.items():  # op-level selective activation checkpointing
         _checkpoint_selective(modules[name], policy)
 """
@@ -281,29 +325,50 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
 
 ACCELERATE_TAIL = '''
 
+def shard(accelerator: Any, model: nn.Module) -> nn.Module:
+    """Shard ``model`` as the plan says over the processes ``accelerate launch --config_file`` started (the YAML
+    written beside this file) and return it; make the optimizer after this, on its params, then ``prepare`` both.
+    Uses Accelerate's process group and never makes one: without one (``distributed_type`` NO, e.g. a plain
+    ``python`` run) it refuses."""
+    kind = str(accelerator.distributed_type.value)
+    if kind == "NO" or not dist.is_initialized():
+        raise RuntimeError(f"Accelerate runs no distributed job here (distributed_type {kind}): launch the script "
+                           "with accelerate launch --config_file and the YAML written beside this file (on a machine "
+                           "without GPUs, with ACCELERATE_USE_CPU=true)")
+    return apply(model, make_mesh(accelerator.device.type))
+
+
 def prepare(accelerator: Any, model: nn.Module, *objects: Any) -> Any:
-    """Shard ``model`` as the plan says, then hand it to ``accelerator.prepare`` (Accelerate's FSDP2 plugin only
-    wraps by class or size; it leaves a model that is already sharded as it is). Make the accelerator with
-    ``Accelerator(fsdp_plugin=fsdp_plugin())`` and create the optimizer after this call or pass it here."""
-    apply(model, make_mesh(accelerator.device.type))
-    return accelerator.prepare(model, *objects)
-
-
-def fsdp_plugin() -> Any:
-    """Accelerate's FSDP2 plugin; the grouping itself is ``apply`` (no auto_wrap_policy)."""
-    from accelerate import FullyShardedDataParallelPlugin
-
-    return FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    """``accelerator.prepare(model, *objects)`` for a model ``shard`` sharded, returned as Accelerate returns them.
+    Accelerate's FSDP2 (``distributed_type`` FSDP) keeps a model that is already sharded as it is; where Accelerate
+    has no FSDP (it runs FSDP on accelerators only: on CPU it is MULTI_CPU, whose DDP refuses DTensor params) the
+    model is returned as sharded and only ``objects`` are prepared."""
+    if not isinstance(model, FSDPModule):
+        raise RuntimeError("prepare takes the model shard(accelerator, model) returned: call shard first")
+    if str(accelerator.distributed_type.value) == "FSDP":
+        return accelerator.prepare(model, *objects)
+    prepared = accelerator.prepare(*objects) if objects else ()
+    return (model, *(prepared if isinstance(prepared, tuple) else (prepared,))) if objects else model
 '''
 
 LIGHTNING_TAIL = '''
 
-def configure_model(module: Any) -> None:
-    """Call from a ``LightningModule.configure_model``: ``configure_model(self)`` shards ``self.model`` on the
-    data-parallel mesh of ``ModelParallelStrategy`` (``Trainer(strategy=ModelParallelStrategy(...))``)."""
-    mesh = module.device_mesh
-    dp = mesh["data_parallel"] if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names else mesh
-    apply(module.model, dp)
+def strategy(devices: int, num_nodes: int = 1, **kwargs: Any) -> Any:
+    """Lightning's ``ModelParallelStrategy`` for the plan on ``devices`` per node x ``num_nodes`` (give the Trainer
+    the same): FSDP2 over every rank, no tensor parallelism; ``kwargs`` go to the strategy."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=devices * num_nodes, tensor_parallel_size=1, **kwargs)
+
+
+def configure_model(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` as the plan says: call ``configure_model(self.model, self.device_mesh)`` (or the module
+    to shard) from ``LightningModule.configure_model``. The groups go on the mesh's ``data_parallel`` dim; an
+    HSDP plan (MESH) builds its (replicate, shard) mesh over Lightning's process group."""
+    if MESH is not None and MESH[0] > 1:
+        return apply(model, make_mesh(device_mesh.device_type))
+    names = device_mesh.mesh_dim_names or ()
+    return apply(model, device_mesh["data_parallel"] if "data_parallel" in names else device_mesh)
 '''
 
 TORCHTITAN_TAIL = '''
@@ -326,11 +391,20 @@ TAILS = {ExportFormat.PYTHON: "", ExportFormat.ACCELERATE: ACCELERATE_TAIL, Expo
 # with TP, ``apply`` takes the whole mesh (its dp and tp dims): torchtitan's world mesh, Lightning's device mesh
 TP_TAILS = {ExportFormat.LIGHTNING: '''
 
-def configure_model(module: Any) -> None:
-    """Call from a ``LightningModule.configure_model``: ``configure_model(self)`` parallelizes ``self.model`` over
-    the ``tensor_parallel`` dim of ``ModelParallelStrategy``'s mesh and shards it over its ``data_parallel`` dim
-    (``Trainer(strategy=ModelParallelStrategy(tensor_parallel_size=TP_DEGREE))``)."""
-    apply(module.model, module.device_mesh)
+def strategy(devices: int, num_nodes: int = 1, **kwargs: Any) -> Any:
+    """Lightning's ``ModelParallelStrategy`` for the plan on ``devices`` per node x ``num_nodes`` (give the Trainer
+    the same): TP over TP_DEGREE consecutive ranks, FSDP2 over the rest; ``kwargs`` go to the strategy."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=devices * num_nodes // TP_DEGREE, tensor_parallel_size=TP_DEGREE,
+                                 **kwargs)
+
+
+def configure_model(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """TP and FSDP2 as the plan says: call ``configure_model(self.model, self.device_mesh)`` (or the module to
+    shard) from ``LightningModule.configure_model``; TP_LAYOUT goes over the mesh's ``tensor_parallel`` dim, the
+    groups over its ``data_parallel`` dim."""
+    return apply(model, device_mesh)
 ''',
             ExportFormat.TORCHTITAN: '''
 
@@ -340,8 +414,10 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) ->
     return apply(model, world_mesh, **fsdp_kwargs)
 '''}
 TITLES = {ExportFormat.PYTHON: "An FSDP2 plan as code: apply(model, mesh).",
-          ExportFormat.ACCELERATE: "An FSDP2 plan for Hugging Face Accelerate: prepare(accelerator, model, ...).",
-          ExportFormat.LIGHTNING: "An FSDP2 plan for Lightning's ModelParallelStrategy: configure_model(self).",
+          ExportFormat.ACCELERATE: "An FSDP2 plan for Hugging Face Accelerate: shard(accelerator, model), then "
+                                   "prepare(accelerator, model, ...).",
+          ExportFormat.LIGHTNING: "An FSDP2 plan for Lightning: Trainer(strategy=strategy(devices)) and "
+                                  "configure_model(self.model, self.device_mesh).",
           ExportFormat.TORCHTITAN: "An FSDP2 plan for a torchtitan-style trainer: parallelize(model, world_mesh)."}
 
 
@@ -398,9 +474,10 @@ ASYNC_TP: bool = {async_tp}  # torchtitan's async TP (takes effect under torch.c
 TP_TAIL = '''
 
 def make_mesh(device_type: str | None = None) -> DeviceMesh:
-    """The plan's device mesh over the default process group, with named dims: (dp_replicate,) dp_shard, tp."""
+    """The plan's device mesh over the default process group (never made here), with named dims: (dp_replicate,)
+    dp_shard, tp."""
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    world = dist.get_world_size()
+    world = _world_size()
     replicate, shard = MESH if MESH is not None else (1, world // TP_DEGREE)
     if replicate * shard * TP_DEGREE != world:
         raise ValueError(f"this plan was made for {replicate * shard} data-parallel ranks x TP {TP_DEGREE} and the "
@@ -501,12 +578,15 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
     return header + TP_IMPORTS, constants + tp_constants(tp), body[:start] + body[end:] + TP_TAIL
 
 
-def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION]) -> str:
+def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],
+                where: str | os.PathLike[str] | None = None) -> str:
     """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
-    plan's numbers were simulated with: a plan file does not record it)."""
+    plan's numbers were simulated with: a plan file does not record it); ``where``: the directory it is written to
+    (None: this one), which a model file is named relative to."""
     if plan.expert_parallel is not None:  # the experts go on another mesh: apply/expert_parallel.py
         raise PlannerError("export does not write expert parallelism yet: apply a plan with EP with "
                            "fsdp_planner.apply.expert_parallel.apply_expert_parallel")
+    plan = plan.replace(model=portable_model(plan.model, where))
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
     # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
     precision = with_reduce_dtype(precision, ReduceDtype(plan.reduce_dtype) if plan.reduce_dtype else None)

@@ -194,12 +194,15 @@ def export(sub: Subparsers) -> None:
                                        "Accelerate, Lightning or torchtitan")
     sp.add_argument("plan", help="plan JSON (from `plan --out`)")
     sp.add_argument("--format", default=ExportFormat.PYTHON.value, choices=[f.value for f in ExportFormat],
-                    help="python (default): apply(model, mesh); accelerate: prepare(accelerator, model, ...); "
-                         "lightning: configure_model(self); torchtitan: parallelize(model, world_mesh)")
+                    help="python (default): apply(model, mesh); accelerate: the YAML accelerate launch "
+                         "--config_file takes (--out NAME.yaml) and beside it NAME.py with shard(accelerator, model) "
+                         "and prepare(accelerator, model, ...); lightning: strategy(devices) and "
+                         "configure_model(model, device_mesh); torchtitan: parallelize(model, world_mesh)")
     sp.add_argument("--precision", choices=list(PRECISION_NAMES),
                     help=f"the mixed precision apply() sets (default: the one the plan file records, which `plan "
                          f"--out` writes; {DEFAULT_PRECISION}, plan's default, for a plan that records none)")
-    sp.add_argument("--out", help="file to write (default: stdout)")
+    sp.add_argument("--out", help="file to write (default: stdout): a .py file, or for accelerate a .yaml file "
+                                   "(its .py hook is written beside it)")
     add_force(sp)
     add_json(sp)
 

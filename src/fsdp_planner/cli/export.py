@@ -1,12 +1,16 @@
-"""``fsdp-planner export PLAN.json --format python|accelerate|lightning|torchtitan``: the plan as code."""
+"""``fsdp-planner export PLAN.json --format python|accelerate|lightning|torchtitan``: the plan as code (and, for
+accelerate, the YAML ``accelerate launch --config_file`` takes, with the code beside it)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import fsdp_planner.cli.render as render
+from fsdp_planner.apply.accelerate_config import accelerate_config
 from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.choices import DEFAULT_PRECISION
+from fsdp_planner.cli.paths import export_files
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.sim.options import precision_named
@@ -16,13 +20,24 @@ from fsdp_planner.userfiles import write_atomic
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     precision = _precision(args.precision, plan)
-    source = export_plan(plan, ExportFormat(args.format), precision_named(precision))
-    if args.out is not None:
-        write_atomic(args.out, source)  # export_plan writes ASCII only
-        render.note(f"{args.format} code for the plan ({precision}) written to {args.out}")
+    fmt = ExportFormat(args.format)
+    # accelerate: --out is the launch config, the code goes beside it (checked before any work by check_paths)
+    hook = export_files(args.out, fmt.value, args.force) if args.out is not None else None
+    code_file = hook or (Path(args.out) if args.out is not None else None)
+    source = export_plan(plan, fmt, precision_named(precision), where=code_file.parent if code_file else None)
+    config = accelerate_config(plan, precision_named(precision)) if fmt is ExportFormat.ACCELERATE else None
+    if code_file is not None:
+        write_atomic(code_file, source)  # export_plan writes ASCII only
+        if hook is not None and config is not None:
+            write_atomic(args.out, config)
+            render.note(f"accelerate launch config written to {args.out}, its hook ({precision}) to {hook}")
+        else:
+            render.note(f"{args.format} code for the plan ({precision}) written to {args.out}")
+    elif config is not None:
+        render.note("--out NAME.yaml writes the accelerate launch config too, with this code beside it as NAME.py")
     if args.json:
-        print(json_text({"format": args.format, "precision": precision, "out": args.out, "source": source},
-                        indent=2))
+        print(json_text({"format": args.format, "precision": precision, "out": args.out, "source": source,
+                         **({"config": config, "hook": str(hook) if hook else None} if config else {})}, indent=2))
     elif args.out is None:
         print(source, end="")
     return 0

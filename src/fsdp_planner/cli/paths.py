@@ -179,6 +179,32 @@ def check_paths(args: argparse.Namespace) -> None:
                                    f"{other or example} (or add --force to replace it)")
     if getattr(args, "out", None) is not None:
         output_file(args.out, example, code=command == "export", force=force)
+        if command == "export":
+            export_files(args.out, args.format, force)
+
+
+CONFIG_SUFFIXES = (".yaml", ".yml")  # what ``export --format accelerate --out`` takes: Accelerate's config files
+NOT_CODE_SUFFIXES = (*CONFIG_SUFFIXES, ".json", ".toml")  # config or plan files: never where code is written
+
+
+def export_files(out: str, fmt: str, force: bool = False) -> Path | None:
+    """``export --out``: the suffix says what is written, and it must be what the format writes (``--out x.yaml``
+    once got Python). The accelerate export is a launch config (.yaml) with its Python hook beside it (same name,
+    .py): that file is checked as ``--out`` is, and returned; None for the other formats."""
+    path = Path(out)
+    if path.exists() and not path.is_file():  # a FIFO or /dev/stdout: no suffix to judge
+        return None
+    suffix = path.suffix.lower()
+    if fmt == "accelerate":
+        if suffix not in CONFIG_SUFFIXES:
+            raise PlannerError(f"--out '{out}': the accelerate export is the YAML accelerate launch --config_file "
+                               f"takes: give a .yaml file, e.g. {path.with_suffix('.yaml')} (its Python hook is "
+                               f"written beside it as {path.with_suffix('.py')})")
+        return output_file(str(path.with_suffix(".py")), "plan_accelerate.py", code=True, force=force)
+    if suffix in NOT_CODE_SUFFIXES:
+        raise PlannerError(f"--out '{out}': the {fmt} export is Python code: give a .py file, e.g. "
+                           f"{path.with_suffix('.py')}")
+    return None
 
 
 def _same_file(a: Path, b: Path) -> bool:
