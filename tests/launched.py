@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -43,8 +44,13 @@ def report(model: nn.Module, processes: int, index: int, kind: str) -> None:
     fsdp = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule))
     params = {n: [type(p).__name__, p.to_local().numel() if hasattr(p, "to_local") else p.numel()]
               for n, p in model.named_parameters()}
-    print("LAUNCHED " + json.dumps({"processes": processes, "index": index, "distributed_type": kind,
-                                    "fsdp": fsdp, "params": params}), flush=True)
+    line = "LAUNCHED " + json.dumps({"processes": processes, "index": index, "distributed_type": kind,
+                                     "fsdp": fsdp, "params": params}) + "\n"
+    for rank in range(processes):  # one rank at a time: the ranks share one stdout pipe, and lines would interleave
+        if rank == index:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        dist.barrier()
 
 
 def accelerate(hook: ModuleType) -> None:
