@@ -13,7 +13,7 @@ from fsdp_planner.cli.common import REPORTER, tracer
 from fsdp_planner.cli.requests import plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_time, json_text
-from fsdp_planner.planners.answers import float8_answer
+from fsdp_planner.planners.answers import compile_answer, float8_answer
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.outcome import PlanOutcome
@@ -119,7 +119,7 @@ def _print(outcome: PlanOutcome) -> None:
     if search is None or not outcome.fits:
         return
     console.print(render.auto_line(search), highlight=False)
-    _float8_line(outcome)
+    _what_ifs(outcome)
     if why is None:
         return
     for part in render.explanation(why.groups, search.report.step_time, search.report.reserved_memory, collapse=True):
@@ -131,12 +131,21 @@ def _print(outcome: PlanOutcome) -> None:
         console.print(escape(f"host figures: {why.cluster.overhead.source}"), highlight=False)
 
 
-def _float8_line(outcome: PlanOutcome) -> None:
-    """What float8 training would change for auto's plan (or, for a float8 job, what bf16 would), step and memory:
-    the user's choice (its numerics), so said, not planned."""
+def _what_ifs(outcome: PlanOutcome) -> None:
+    """What torch.compile and float8 training would change for auto's plan (or, for a job that has them, what
+    going without would), step and memory: the user's choices (numerics, compile time), so said, not planned."""
     job, plan = outcome.job, outcome.plan
     if plan is None or job.cluster is None or job.budget is None or outcome.search is None:
         return
-    found = float8_answer(outcome.trace, plan, job.cluster, job.options, outcome.search.report, job.budget)
-    if found is not None:
-        render.console.print(escape(f"{found.message}: {found.fix}"), highlight=False)
+    base = outcome.search.report
+    found = [float8_answer(outcome.trace, plan, job.cluster, job.options, base, job.budget)]
+    try:  # the model traced the other way; a model without repeated blocks does not compile as torchtitan does
+        other = tracer(job.measure, job.full_trace)(dataclasses.replace(job.model, compile=not job.model.compile),
+                                                    job.options)
+    except PlannerError:
+        other = None
+    if other is not None:
+        found.append(compile_answer(other, plan, job.cluster, job.options, base, job.budget))
+    for f in found:
+        if f is not None:
+            render.console.print(escape(f"{f.message}: {f.fix}"), highlight=False)

@@ -8,6 +8,9 @@ model, each as an ``info`` finding with the step time (and reserved peak) both w
 - Does resharding to the node pay? ``reshard_after_forward=<GPUs per node>`` on the groups that reshard fully:
   after forward each keeps its params sharded within the node only, so backward's all-gathers stay on NVLink, for
   more memory.
+- Does torch.compile pay? The plan on the step with its repeated blocks compiled as torchtitan compiles them
+  (``--compile``), against eager (or the reverse): fused memory-bound kernels and what AOTAutograd saves. Needs
+  the other trace, which the caller makes (``compile_answer``).
 - Does float8 training pay? torchao's tensorwise float8 Linears with FSDP2's float8 all-gather (``--float8``) on a
   GPU with float8 tensor cores, against bf16 matmuls (or, for a plan that has it, the reverse): faster matmuls and
   half the converted weights' all-gather bytes, for float8's numerics, so only the user chooses it.
@@ -172,3 +175,23 @@ def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
         fix = ("keep float8: bf16 costs that much" if alt.step_time >= base.step_time * (1 - NEGLIGIBLE)
                else "bf16 is as fast here: float8 buys nothing on this job")
     return Finding(Severity.INFO, Code.FLOAT8_PAYS, what, fix)
+
+
+def compile_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
+                   budget: MemoryBudget) -> Finding | None:
+    """The plan's step on ``other``, the same model traced with its blocks compiled (or eager, for a trace that
+    compiles them), against ``base``."""
+    alt = _step(other, plan, cluster, options)
+    if alt is None:
+        return None
+    if other.compiled:
+        what = f"torch.compile of the repeated blocks (--compile, fullgraph): {_versus(base, alt, budget)}"
+        fix = ("compile each block as torchtitan does (torch.compile(block, fullgraph=True); --compile records it)"
+               if _pays(base, alt, budget) else f"eager is as good here: compiling is faster, but over the "
+               f"{fmt_bytes(budget.limit)} budget" if _over_budget(base, alt, budget)
+               else "eager is as good here: compiling saves too little")
+    else:
+        what = f"the same plan in eager mode (no torch.compile): {_versus(base, alt, budget)}"
+        fix = ("keep compiling: eager costs that much" if alt.step_time >= base.step_time * (1 - NEGLIGIBLE)
+               else "eager is as fast here: compiling buys nothing on this job")
+    return Finding(Severity.INFO, Code.COMPILE_PAYS, what, fix)
