@@ -162,6 +162,29 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
         api.plan(TINY, cluster="h100:8", policy="titan", ep=0)
 
 
+@pytest.mark.integration  # ~10 s: two auto searches with their EP screens and a command
+def test_auto_screens_ep_by_default_and_takes_the_fastest_that_fits(capsys, tmp_path) -> None:
+    """Without ``--ep`` auto tries no EP and each degree the experts and shard ranks allow, notes each one's step,
+    and keeps the fastest that fits; ``--ep 1`` keeps it off (issue 35: mixtral-8x7b on h100:64, 1.52 -> 1.04 s)."""
+    import re
+
+    from fsdp_planner import api, cli
+
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", TINY, "--policy", "auto", "--cluster", "h100:8", "--out", str(out)]) == 0
+    screen = next(line for line in capsys.readouterr().err.splitlines() if "auto's EP screen" in line)
+    unit = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+    options = {m[1]: (float(m[2]) * unit[m[3]], not m[4]) for m in re.finditer(
+        r"(no EP|EP \d+(?: \(experts kept after forward\))?) ([\d.]+) (us|ms|s)( \([^)]*does not fit\))?", screen)}
+    assert {"no EP", "EP 2", "EP 4", "EP 8"} <= set(options)  # 8 experts on 8 shard ranks
+    fastest = min((t, k) for k, (t, fits) in options.items() if fits)[1]
+    chosen = Plan.from_json(out.read_text())
+    assert (chosen.ep_degree, chosen.policy.endswith(fastest)) == (int(fastest.split()[1]), True) \
+        if fastest != "no EP" else chosen.ep_degree == 1
+    off = api.plan(TINY, cluster="h100:8", policy="auto", ep=1)
+    assert off.ep_degree == 1 and "EP" not in off.policy
+
+
 def test_transformers_experts_send_tokens_x_top_k_rows() -> None:
     """transformers' experts layer (dispatch inside it): each all-to-all is one rank's tokens x top_k rows x dim."""
     from fsdp_planner.planners.expert_parallel import expert_modules, with_expert_parallel
@@ -216,7 +239,8 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
 @pytest.mark.integration  # a CLI subprocess (a few seconds)
 def test_fit_gpus_auto_with_ep() -> None:
     """``fit --gpus auto --ep N``: each GPU count's plan is auto's under EP N (as ``plan --ep`` gives it); without
-    ``--ep``, none where auto's plan fits, and the EP degrees the model allows where it does not."""
+    ``--ep``, auto's EP screen as ``plan`` runs it: no EP where that is fastest (here), an EP degree where only it
+    fits."""
     import json
     import subprocess
     import sys

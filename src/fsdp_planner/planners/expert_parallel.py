@@ -5,10 +5,12 @@ plan without it (the experts in their own groups: ``fsdp2/expert_groups.py``).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Plan, divisors
@@ -114,18 +116,31 @@ def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
     return min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else None
 
 
-def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degree: int) -> AutoResult:
-    """Auto's ``result`` with the EP of ``degree`` the user asked for: its plan's groups under that EP, the expert
-    groups resharded after forward or kept, the faster that fits (else the one holding less, over the budget)."""
+def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
+                 note: Callable[[str], None] | None = None) -> AutoResult:
+    """Auto's ``result`` under expert parallelism: its plan's groups under each of ``degrees`` (the user's; none
+    given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), the expert
+    groups resharded after forward or kept, the fastest that fits (else the one holding least, over the budget)."""
     if result.plan.tp_degree > 1:
         raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
     written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
     # groups move: FSDP2's implicit prefetching instead
     written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
-    found = ep_options(trace, written, cluster, plan_options(written, options), degrees=(degree,))[1:]
+    found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees)
+    if degrees:
+        found = found[1:]  # the user's EP, not the plan without it
+    else:
+        found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
-    best = min(fitting, key=lambda o: o.step.step_time) if fitting else \
+    best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
+    if note is not None and len(found) > 1:
+        note("auto's EP screen (its groups, the experts in their own): " + ", ".join(
+            f"{o.describe()} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
+                                                               else f" ({fmt_bytes(o.step.reserved_memory)}, "
+                                                                    "does not fit)") for o in found))
+    if best.degree == 1:
+        return result if best.plan is result.plan else replace(result, plan=best.plan, report=best.step)
     label = f"{result.plan.policy}, {best.describe()}"
     return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
                    fits=bool(fitting))

@@ -28,7 +28,7 @@ from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
 from fsdp_planner.models import load_model
 from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
-from fsdp_planner.planners.expert_parallel import ep_degrees, with_auto_ep
+from fsdp_planner.planners.expert_parallel import expert_modules, with_auto_ep
 from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
@@ -196,28 +196,20 @@ class Points:
                                "there (the figures shown are auto's without EP)")
             out = dataclasses.replace(result, fits=False)
         else:
-            out = with_auto_ep(result, self._trace(key), cluster, self.job.options, ep)
+            out = with_auto_ep(result, self._trace(key), cluster, self.job.options, (ep,))
         self._before_ep[id(out)] = (out, result)  # (out kept alive: its id stays its own)
         return out
 
     def _auto_ep(self, key: Key, result: AutoResult) -> AutoResult:
-        """Without ``--ep``, where auto's plan does not fit and the model has grouped experts: the EP degrees the
-        model and the plan's shard ranks allow (``ep_degrees``), the fastest that fits (else the one holding least,
-        ``result`` among them)."""
+        """Without ``--ep``, for a model with grouped experts: auto's EP screen as ``plan`` runs it (no EP and each
+        degree the model and the plan's shard ranks allow, the fastest that fits: ``with_auto_ep``)."""
         cluster, tr = self._cluster(key), self._trace(key)
-        if result.fits or result.plan.tp_degree > 1:
+        if result.plan.tp_degree > 1 or not expert_modules(tr):
             return result
         try:
-            degrees = ep_degrees(tr, result.plan.shard_size(cluster.world_size))[1:]
+            out = with_auto_ep(result, tr, cluster, self.job.options, ())
         except PlannerError:  # experts of several counts: EP only as the user names it (``--ep``, a plan file)
             return result
-        tried = [with_auto_ep(result, tr, cluster, self.job.options, d) for d in degrees]
-        fitting = [t for t in tried if t.fits]
-        if not tried:
-            return result
-        # none fits: the closest to fitting, with or without EP, is what the row and auto's sentence show
-        out = min(fitting, key=lambda t: (t.report.step_time, t.plan.ep_degree)) if fitting else \
-            min([result, *tried], key=lambda t: t.report.reserved_memory)
         self._before_ep[id(out)] = (out, result)
         return out
 

@@ -22,7 +22,7 @@ from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
 from fsdp_planner.planners.blocks import default_block_class
-from fsdp_planner.planners.expert_parallel import with_auto_ep, with_expert_parallel
+from fsdp_planner.planners.expert_parallel import expert_modules, with_auto_ep, with_expert_parallel
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.planners.tensor_parallel import TPChoice, check_layout, tp_degrees, tp_layout
 from fsdp_planner.service.job import PlanJob
@@ -122,7 +122,9 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
         assert isinstance(policy, AutoPolicy)
         result = policy.search(tr, str(model))
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
-            result = with_auto_ep(result, tr, cluster, options, ep)
+            result = with_auto_ep(result, tr, cluster, options, (ep,))
+        elif request.ep is None and result.plan.tp_degree == 1 and expert_modules(tr):  # auto's own EP screen
+            result = with_auto_ep(result, tr, cluster, options, (), reporter.note)
     degree = result.plan.tp_degree
     if request.tp is None and degree > 1 and result.fits:  # (a result over the budget is an error)
         batch = spec.workload()["batch_size"]
