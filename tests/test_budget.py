@@ -84,7 +84,9 @@ def test_plan_prints_and_reports_the_margin_of_the_simulated_peak(capsys):
     assert (f"peak {fmt_bytes(reserved)} reserved, {fmt_bytes(gap)} ({gap / budget['budget']:.1%}) below the "
             f"{fmt_bytes(budget['budget'])} budget (one H100-SXM-80GB (80 GB) less 4 GiB headroom)") in out
     assert "\nfloat8 training (--float8 tensorwise, torchao, float8 all-gather): " in out  # an H100: the what-ifs
-    assert "\ntorch.compile of the repeated blocks (--compile, fullgraph): " in out
+    assert "torch.compile of the repeated blocks" not in out  # it compiles the blocks: with --explain
+    assert main([*base, "--explain"]) == 0
+    assert "\ntorch.compile of the repeated blocks (--compile, fullgraph): " in capsys.readouterr().out
 
 
 def test_simulate_judges_a_classic_plan_against_the_budget(capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -262,3 +263,22 @@ def test_the_routing_capacity_factor_reaches_hugging_face_experts(tmp_path):
     base = record(lm.model, lm.example_inputs, lm.loss_fn)
     wide = record(lm.model, lm.example_inputs, lm.loss_fn, routing=1.5)
     assert flops(wide) > flops(base)
+
+
+@pytest.mark.integration  # ~6 s: two traces, one compiled
+def test_a_compiled_transformers_block_keeps_the_gpu_s_attention_kernel(tmp_path):
+    """transformers calls F.scaled_dot_product_attention: compiled, the block takes the fused kernel a GPU picks,
+    as its eager trace does, not the math path that saves the heads x seq x seq probabilities (HF llama3-8b's block
+    saved 9.6 GiB compiled against 1.7 eager before; 1.2 GiB now)."""
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({**TINY["tiny-llama"], "max_position_embeddings": 512}))
+    spec = ModelSpec(f"hf:{path}", seq_len=512)
+    precision = SimOptions.named("bf16-mixed").precision
+    eager = trace_spec(spec, precision)
+    compiled = trace_spec(dataclasses.replace(spec, compile=True), precision)
+    block = "model.layers.0"
+    saved_eager = sum(e.saved for e in eager.events if e.is_op and not e.backward and e.module.startswith(block + "."))
+    assert 0 < compiled.compiled[block].saved <= saved_eager  # 4 heads x 512 x 512 fp32 would be 4 MiB alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -139,11 +140,13 @@ def _what_ifs(outcome: PlanOutcome) -> None:
         return
     base = outcome.search.report
     found = [float8_answer(outcome.trace, plan, job.cluster, job.options, base, job.budget)]
-    try:  # the model traced the other way; a model without repeated blocks does not compile as torchtitan does
-        other = tracer(job.measure, job.full_trace)(dataclasses.replace(job.model, compile=not job.model.compile),
-                                                    job.options)
-    except PlannerError:
-        other = None
+    other = None
+    # compiling the blocks to see what compile changes takes AOTAutograd seconds to a minute (a transformers model):
+    # asked for with --explain; a --compile job's eager step is a plain trace
+    if job.model.compile or job.explain:
+        with contextlib.suppress(PlannerError):  # a model without repeated blocks does not compile: no line
+            other = tracer(job.measure, job.full_trace)(dataclasses.replace(job.model, compile=not job.model.compile),
+                                                        job.options)
     if other is not None:
         found.append(compile_answer(other, plan, job.cluster, job.options, base, job.budget))
     for f in found:

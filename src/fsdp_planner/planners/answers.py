@@ -187,9 +187,10 @@ def compile_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptio
     if other.compiled:
         what = f"torch.compile of the repeated blocks (--compile, fullgraph): {_versus(base, alt, budget)}"
         fix = ("compile each block as torchtitan does (torch.compile(block, fullgraph=True); --compile records it)"
-               if _pays(base, alt, budget) else f"eager is as good here: compiling is faster, but over the "
+               if _pays(base, alt, budget) else f"keep eager: compiling is faster, but over the "
                f"{fmt_bytes(budget.limit)} budget" if _over_budget(base, alt, budget)
-               else "eager is as good here: compiling saves too little")
+               else "keep eager: compiling saves too little here"
+               if alt.step_time <= base.step_time * (1 + NEGLIGIBLE) else "keep eager: compiling is slower here")
     else:
         what = f"the same plan in eager mode (no torch.compile): {_versus(base, alt, budget)}"
         fix = ("keep compiling: eager costs that much" if alt.step_time >= base.step_time * (1 - NEGLIGIBLE)

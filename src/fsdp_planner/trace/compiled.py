@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fsdp_planner.attention import compilable
+from fsdp_planner.attention import GpuAttention, compilable
 from fsdp_planner.trace.records import CompiledBlock
 from fsdp_planner.trace.reuse import static_signatures
 
@@ -249,7 +249,8 @@ def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict,
     signatures = static_signatures(model)
     by_signature = {}
     for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, names).items():
-        block = compiled_block(modules[n], args, kwargs)
+        with GpuAttention():  # a model calling F.scaled_dot_product_attention (transformers') gets the kernel a
+            block = compiled_block(modules[n], args, kwargs)  # GPU picks, as its eager trace did, not the math path
         other = {v: saved_under_dynamo(make(modules[n]), args, kwargs) for v, make in (variants or {}).items()}
         by_signature[signatures[modules[n]]] = dataclasses.replace(block, variants=other)
     return {n: by_signature[signatures[modules[n]]] for n in names if signatures[modules[n]] in by_signature}
