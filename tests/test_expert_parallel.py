@@ -38,7 +38,7 @@ def _ep_plan(tr, degree: int, checkpointing: bool = False) -> Plan:  # type: ign
 
 
 def _check(degree: int, world: int = 8, checkpointing: bool = False) -> tuple[int, int]:
-    """The fake-world check (``run_fake_world``, which applies the plan with ``apply_expert_parallel``) beside the
+    """The fake-world check (``run_fake_world``, which applies the plan with ``apply_plan``) beside the
     prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows)."""
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 
