@@ -234,3 +234,67 @@ def test_fit_gpus_auto_with_ep() -> None:
     point = json.loads(r.stdout)["points"][0]
     assert " EP " in point["layout"] and point["fits"] and not point["offload"]
     assert point["reserved_memory"] <= 9.5 * 2**20
+
+
+@pytest.mark.parametrize("fmt", ["python", "torchtitan"])
+def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
+    """The export carries EP as literals (EP_DEGREE, the expert groups), its own mesh split and dispatch code (no
+    import of fsdp_planner); torchtitan's job sets expert_parallel_degree."""
+    import ast
+
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+
+    source = export_plan(_ep_plan(_traced(), 2), ExportFormat(fmt))
+    compile(ast.parse(source), "exported.py", "exec")
+    assert "fsdp_planner" not in source.replace("fsdp_planner_job", "")
+    scope: dict = {"__name__": "exported"}
+    exec(compile(source.split("\n\ndef fsdp_planner_job(")[0], "exported.py", "exec"), scope)
+    assert scope["EP_DEGREE"] == 2 and scope["EXPERTS"] == ["layers.0.moe.experts", "layers.1.moe.experts"]
+    if fmt == "torchtitan":
+        assert "expert_parallel_degree=2," in source and "'--parallelism.expert_parallel_degree', '2'" in source
+
+
+@pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
+def test_exported_apply_shards_as_apply_plan_does() -> None:
+    """The exported ``apply`` on 4 fake ranks (EP 2) leaves every param with the placements, local shape and mesh
+    ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced mesh), and a step runs."""
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+    from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.runtime.fake_world import fake_process_group
+
+    plan = _ep_plan(_traced(), 2)
+    scope: dict = {"__name__": "exported"}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
+    shards = []
+    with fake_process_group(4):
+        for shard in (lambda m: scope["apply"](m), lambda m: apply_plan(m, plan)):
+            lm = load_model(TINY, meta=False)
+            shard(lm.model)
+            shards.append({n: (p.placements, tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+                           for n, p in lm.model.named_parameters()})
+            lm.loss_fn(lm.model(*lm.example_inputs)).backward()
+    assert shards[0] == shards[1]
+    placements, local, dims = shards[0]["layers.0.moe.experts.w1"]
+    assert len(placements) == 2 and dims == ("dp_shard_mod_ep", "ep")  # FSDP's Shard(0) over 2, EP's over 2
+    assert local[0] == 8 // 2 // 2
+
+
+def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
+    """torchtitan's expert_parallel_degree becomes --ep (bounded and checked as --ep is), and the plan has it."""
+    from fsdp_planner.cli import build_parser
+    from fsdp_planner.cli.requests import configured
+
+    job = tmp_path / "job.toml"
+    job.write_text("[parallelism]\nexpert_parallel_degree = 2\n[activation_checkpoint]\nmode = \"none\"\n")
+    args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                    "h100:8", "--policy", "titan"]))
+    assert args.ep == 2
+    from fsdp_planner import api
+
+    assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
+    job.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
+    with pytest.raises(PlannerError, match="expert_parallel_degree = 3 does not divide"):
+        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
+    job.write_text("[parallelism]\nexpert_parallel_degree = 0\n")
+    with pytest.raises(PlannerError, match="expert_parallel_degree"):
+        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
