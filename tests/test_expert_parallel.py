@@ -206,11 +206,12 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
     assert result["measured"]["ep_all_to_alls"] == result["predicted"]["ep_all_to_alls"] == 8
     assert result["measured"]["ep_all_to_all_bytes"] == result["predicted"]["ep_all_to_all_bytes"] > 0
-    r = subprocess.run([*verify, "--ep", "2", "--nproc", "4", "--steps", "2"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([*verify, "--ep", "2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
+    assert result["max_abs_diff"] <= 1e-5  # fp32: the experts' grads averaged over all 4 ranks, not EP x that
 
 
 @pytest.mark.integration  # a CLI subprocess (a few seconds)
@@ -298,3 +299,27 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     job.write_text("[parallelism]\nexpert_parallel_degree = 0\n")
     with pytest.raises(PlannerError, match="expert_parallel_degree"):
         configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
+
+
+@pytest.mark.integration  # 2 gloo ranks under torchrun: ~13 s
+def test_exported_ep_plan_trains_with_parity_on_gloo(tmp_path) -> None:
+    """The exported module (EP 2 on 2 gloo ranks, fp32; examples/torchrun_fsdp2.py: one batch a rank) trains as
+    one process does: the experts' all-to-alls and their grads averaged over both ranks, as apply_plan does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+    from fsdp_planner.sim.options import PRECISIONS
+
+    root = Path(__file__).resolve().parents[1]
+    code = tmp_path / "ep_plan.py"
+    code.write_text(export_plan(_ep_plan(_traced(), 2), ExportFormat.PYTHON, PRECISIONS["fp32"]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(root / "examples" / "torchrun_fsdp2.py"), str(code), str(root / TINY)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "fsdp modules: 8" in out.stdout  # every module of the plan's groups (the 2 experts among them), the root
+    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5

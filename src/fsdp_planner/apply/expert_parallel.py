@@ -97,6 +97,9 @@ def shard_experts(model: nn.Module, plan: Plan, world: int, mp_policy: Any = Non
         distribute_module(modules[name], ep, _shard_experts, _dispatch, _combine)
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, dp_mod_ep.size()))
+        # an expert's grad sums the tokens of every EP rank too: averaged over all data-parallel ranks, not only
+        # the EP-reduced mesh FSDP2 reduce-scatters over (else it is EP x the unsharded run's)
+        modules[name].set_gradient_divide_factor(float(dp.size()))
     rest = plan.replace(groups=[g for g in plan.groups if g.modules[0] not in experts or len(g.modules) > 1],
                         expert_parallel=None)
     return rest, dp

@@ -533,6 +533,8 @@ EP_SPLIT = """    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: th
         if names[0] in EXPERTS:  # over ep, then sharded over the ranks that hold the same experts
             expert_parallel(modules[names[0]], ep_mesh)
             fully_shard(modules[names[0]], mesh=expert_mesh, reshard_after_forward=reshard, **expert_kwargs)
+            # its grad sums every EP rank's tokens: averaged over all data-parallel ranks, as the other groups'
+            modules[names[0]].set_gradient_divide_factor(float(mesh.size()))
 """
 GROUP_LINE = "        names, reshard = GROUPS[i]\n"
 EP_SKIP = """        if names[0] in EXPERTS:  # sharded above
