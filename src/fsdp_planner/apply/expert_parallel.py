@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
@@ -100,6 +101,8 @@ def shard_experts(model: nn.Module, plan: Plan, world: int, mp_policy: Any = Non
         # an expert's grad sums the tokens of every EP rank too: averaged over all data-parallel ranks, not only
         # the EP-reduced mesh FSDP2 reduce-scatters over (else it is EP x the unsharded run's)
         modules[name].set_gradient_divide_factor(float(dp.size()))
+        if dp_mod_ep.size() > 1 and dist.get_backend(dp_mod_ep.get_group()) == "gloo":  # the factor's PREMUL_SUM
+            modules[name].set_force_sum_reduction_for_comms(True)  # is not in gloo: SUM, then a local divide
     rest = plan.replace(groups=[g for g in plan.groups if g.modules[0] not in experts or len(g.modules) > 1],
                         expert_parallel=None)
     return rest, dp

@@ -535,6 +535,8 @@ EP_SPLIT = """    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: th
             fully_shard(modules[names[0]], mesh=expert_mesh, reshard_after_forward=reshard, **expert_kwargs)
             # its grad sums every EP rank's tokens: averaged over all data-parallel ranks, as the other groups'
             modules[names[0]].set_gradient_divide_factor(float(mesh.size()))
+            if expert_mesh.size() > 1 and dist.get_backend(expert_mesh.get_group()) == "gloo":  # no PREMUL_SUM
+                modules[names[0]].set_force_sum_reduction_for_comms(True)  # in gloo: SUM, then divide
 """
 GROUP_LINE = "        names, reshard = GROUPS[i]\n"
 EP_SKIP = """        if names[0] in EXPERTS:  # sharded above
