@@ -237,10 +237,11 @@ def test_fit_gpus_auto_with_ep() -> None:
     assert point["reserved_memory"] <= 9.5 * 2**20
 
 
-@pytest.mark.parametrize("fmt", ["python", "torchtitan"])
+@pytest.mark.parametrize("fmt", ["python", "torchtitan", "accelerate", "lightning"])
 def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
     """The export carries EP as literals (EP_DEGREE, the expert groups), its own mesh split and dispatch code (no
-    import of fsdp_planner); torchtitan's job sets expert_parallel_degree."""
+    import of fsdp_planner); torchtitan's job sets expert_parallel_degree. Prefetch lists with EP are refused, as
+    apply_plan refuses them."""
     import ast
 
     from fsdp_planner.apply.export import ExportFormat, export_plan
@@ -253,6 +254,9 @@ def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
     assert scope["EP_DEGREE"] == 2 and scope["EXPERTS"] == ["layers.0.moe.experts", "layers.1.moe.experts"]
     if fmt == "torchtitan":
         assert "expert_parallel_degree=2," in source and "'--parallelism.expert_parallel_degree', '2'" in source
+    plan = _ep_plan(_traced(), 2)
+    with pytest.raises(PlannerError, match="prefetch"):
+        export_plan(plan.with_group(1, forward_prefetch=[3]), ExportFormat(fmt))
 
 
 @pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds

@@ -76,6 +76,15 @@ def expert_parallel_meshes(plan: Plan, device_type: str, world: int) -> tuple[An
     return mesh["dp_shard_mod_ep", "ep"]._flatten("dp"), mesh["dp_shard_mod_ep"], mesh["ep"]
 
 
+def check_no_prefetch(plan: Plan) -> None:
+    """An EP plan's expert groups are sharded apart from the rest, whose explicit prefetch lists name groups by
+    position: refused rather than prefetching the wrong groups."""
+    if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
+        raise PlannerError("a plan with expert parallelism cannot have explicit prefetch lists yet (they name groups "
+                           "by position, and the expert groups are sharded apart): drop forward_prefetch and "
+                           "backward_prefetch")
+
+
 def shard_experts(model: nn.Module, plan: Plan, world: int, mp_policy: Any = None, offload_policy: Any = None,
                   device_type: str = "cpu") -> tuple[Plan, Any]:
     """``plan``'s expert modules distributed over ``ep`` and each ``fully_shard``-ed alone over the EP-reduced mesh
@@ -85,6 +94,7 @@ def shard_experts(model: nn.Module, plan: Plan, world: int, mp_policy: Any = Non
     from torch.distributed.tensor import distribute_module
 
     assert plan.expert_parallel is not None
+    check_no_prefetch(plan)
     modules = dict(model.named_modules())
     experts = plan.expert_parallel.experts(modules)
     alone = {g.modules[0]: g for g in plan.groups if len(g.modules) == 1}

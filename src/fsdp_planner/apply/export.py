@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from fsdp_planner.apply.expert_parallel import check_no_prefetch
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
@@ -553,6 +554,7 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
     mesh before checkpointing, the other groups over the whole data-parallel mesh."""
     ep = plan.expert_parallel
     assert ep is not None
+    check_no_prefetch(plan)
     if plan.mesh is not None and plan.mesh.replicate > 1:
         raise PlannerError("export writes expert parallelism with pure FSDP only, as apply_plan applies it: plan "
                            "FSDP x EP without HSDP")
