@@ -7,7 +7,8 @@
 Builds the model, applies the exported ``apply(model, mesh)``, trains three SGD steps beside an unsharded copy on
 the same data and prints the largest parameter difference (gloo on CPU, NCCL on GPUs). A plan with tensor
 parallelism (``TP_DEGREE``) gives each TP group of consecutive ranks one batch and runs the loss under the
-export's ``loss_context()`` (loss parallel). The reference trains in
+export's ``loss_context()`` (loss parallel). A plan with expert parallelism (``EP_DEGREE``) gives each rank its own
+batch, as without it: the experts' tokens travel by all-to-all inside ``apply``'s dispatch. The reference trains in
 fp32, hence fp32 for the plan too (``apply`` sets the precision the plan was exported with, bf16-mixed by default).
 """
 

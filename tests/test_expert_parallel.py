@@ -38,7 +38,7 @@ def _ep_plan(tr, degree: int, checkpointing: bool = False) -> Plan:  # type: ign
 
 
 def _check(degree: int, world: int = 8, checkpointing: bool = False) -> tuple[int, int]:
-    """The fake-world check (``run_fake_world``, which applies the plan with ``apply_expert_parallel``) beside the
+    """The fake-world check (``run_fake_world``, which applies the plan with ``apply_plan``) beside the
     prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows)."""
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 
@@ -229,11 +229,12 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
     assert result["measured"]["ep_all_to_alls"] == result["predicted"]["ep_all_to_alls"] == 8
     assert result["measured"]["ep_all_to_all_bytes"] == result["predicted"]["ep_all_to_all_bytes"] > 0
-    r = subprocess.run([*verify, "--ep", "2", "--nproc", "4", "--steps", "2"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run([*verify, "--ep", "2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
+    assert result["max_abs_diff"] <= 1e-5  # fp32: the experts' grads averaged over all 4 ranks, not EP x that
 
 
 @pytest.mark.integration  # a CLI subprocess (a few seconds)
@@ -258,3 +259,95 @@ def test_fit_gpus_auto_with_ep() -> None:
     point = json.loads(r.stdout)["points"][0]
     assert " EP " in point["layout"] and point["fits"] and not point["offload"]
     assert point["reserved_memory"] <= 9.5 * 2**20
+
+
+@pytest.mark.parametrize("fmt", ["python", "torchtitan", "accelerate", "lightning"])
+def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
+    """The export carries EP as literals (EP_DEGREE, the expert groups), its own mesh split and dispatch code (no
+    import of fsdp_planner); torchtitan's job sets expert_parallel_degree. Prefetch lists with EP are refused, as
+    apply_plan refuses them."""
+    import ast
+
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+
+    source = export_plan(_ep_plan(_traced(), 2), ExportFormat(fmt))
+    compile(ast.parse(source), "exported.py", "exec")
+    assert "fsdp_planner" not in source.replace("fsdp_planner_job", "")
+    scope: dict = {"__name__": "exported"}
+    exec(compile(source.split("\n\ndef fsdp_planner_job(")[0], "exported.py", "exec"), scope)
+    assert scope["EP_DEGREE"] == 2 and scope["EXPERTS"] == ["layers.0.moe.experts", "layers.1.moe.experts"]
+    if fmt == "torchtitan":
+        assert "expert_parallel_degree=2," in source and "'--parallelism.expert_parallel_degree', '2'" in source
+    plan = _ep_plan(_traced(), 2)
+    with pytest.raises(PlannerError, match="prefetch"):
+        export_plan(plan.with_group(1, forward_prefetch=[3]), ExportFormat(fmt))
+
+
+@pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
+def test_exported_apply_shards_as_apply_plan_does() -> None:
+    """The exported ``apply`` on 4 fake ranks (EP 2) leaves every param with the placements, local shape and mesh
+    ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced mesh), and a step runs."""
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+    from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.runtime.fake_world import fake_process_group
+
+    plan = _ep_plan(_traced(), 2)
+    scope: dict = {"__name__": "exported"}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
+    shards = []
+    with fake_process_group(4):
+        for shard in (lambda m: scope["apply"](m), lambda m: apply_plan(m, plan)):
+            lm = load_model(TINY, meta=False)
+            shard(lm.model)
+            shards.append({n: (p.placements, tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
+                           for n, p in lm.model.named_parameters()})
+            lm.loss_fn(lm.model(*lm.example_inputs)).backward()
+    assert shards[0] == shards[1]
+    placements, local, dims = shards[0]["layers.0.moe.experts.w1"]
+    assert len(placements) == 2 and dims == ("dp_shard_mod_ep", "ep")  # FSDP's Shard(0) over 2, EP's over 2
+    assert local[0] == 8 // 2 // 2
+
+
+def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
+    """torchtitan's expert_parallel_degree becomes --ep (bounded and checked as --ep is), and the plan has it."""
+    from fsdp_planner.cli import build_parser
+    from fsdp_planner.cli.requests import configured
+
+    job = tmp_path / "job.toml"
+    job.write_text("[parallelism]\nexpert_parallel_degree = 2\n[activation_checkpoint]\nmode = \"none\"\n")
+    args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                    "h100:8", "--policy", "titan"]))
+    assert args.ep == 2
+    from fsdp_planner import api
+
+    assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
+    job.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
+    with pytest.raises(PlannerError, match="expert_parallel_degree = 3 does not divide"):
+        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
+    job.write_text("[parallelism]\nexpert_parallel_degree = 0\n")
+    with pytest.raises(PlannerError, match="expert_parallel_degree"):
+        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
+
+
+@pytest.mark.integration  # 2 gloo ranks under torchrun: ~13 s
+def test_exported_ep_plan_trains_with_parity_on_gloo(tmp_path) -> None:
+    """The exported module (EP 2 on 2 gloo ranks, fp32; examples/torchrun_fsdp2.py: one batch a rank) trains as
+    one process does: the experts' all-to-alls and their grads averaged over both ranks, as apply_plan does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+    from fsdp_planner.sim.options import PRECISIONS
+
+    root = Path(__file__).resolve().parents[1]
+    code = tmp_path / "ep_plan.py"
+    code.write_text(export_plan(_ep_plan(_traced(), 2), ExportFormat.PYTHON, PRECISIONS["fp32"]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(root / "examples" / "torchrun_fsdp2.py"), str(code), str(root / TINY)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "fsdp modules: 8" in out.stdout  # every module of the plan's groups (the 2 experts among them), the root
+    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5

@@ -2,7 +2,8 @@
 distributed over ``ep`` (their grouped params ``Shard(0)``: E / EP experts a rank, the routed tokens sent to their
 experts' ranks by an all-to-all and back by another: ``distribute_module`` with input and output functions, as
 torchtitan's ``ExpertParallel`` style), then each expert module ``fully_shard``-ed alone over the EP-reduced mesh
-(``dp_shard_mod_ep``) and the rest of the plan over the whole data-parallel mesh (``apply_plan``).
+(``dp_shard_mod_ep``) and the rest of the plan over the whole data-parallel mesh: ``apply_plan`` calls
+``shard_experts`` for a plan with EP, so verify, the fake world and a user's script share one path.
 
 The expert modules take (E, tokens per expert, dim) and give the same shape (``models/moe.py``'s
 ``GroupedExperts``): the dispatch turns one rank's (E, n, dim) into its local experts' (E / EP, EP x n, dim), the
@@ -15,8 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 
@@ -73,28 +76,43 @@ def expert_parallel_meshes(plan: Plan, device_type: str, world: int) -> tuple[An
     return mesh["dp_shard_mod_ep", "ep"]._flatten("dp"), mesh["dp_shard_mod_ep"], mesh["ep"]
 
 
-def apply_expert_parallel(model: nn.Module, plan: Plan, world: int, mp_policy: Any = None,
-                          device_type: str = "cpu") -> nn.Module:
-    """``model`` with ``plan``'s EP and FSDP applied (module docstring); its expert modules must be groups alone."""
+def check_no_prefetch(plan: Plan) -> None:
+    """An EP plan's expert groups are sharded apart from the rest, whose explicit prefetch lists name groups by
+    position: refused rather than prefetching the wrong groups."""
+    if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
+        raise PlannerError("a plan with expert parallelism cannot have explicit prefetch lists yet (they name groups "
+                           "by position, and the expert groups are sharded apart): drop forward_prefetch and "
+                           "backward_prefetch")
+
+
+def shard_experts(model: nn.Module, plan: Plan, world: int, mp_policy: Any = None, offload_policy: Any = None,
+                  device_type: str = "cpu") -> tuple[Plan, Any]:
+    """``plan``'s expert modules distributed over ``ep`` and each ``fully_shard``-ed alone over the EP-reduced mesh
+    (module docstring); returns the rest of the plan (no EP, no expert groups) and the data-parallel mesh
+    ``apply_plan`` shards it over. The expert modules must be groups alone."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_module
 
-    from fsdp_planner.apply.fully_shard import apply_plan, plan_policies, reshard_arg
-
-    if plan.expert_parallel is None:
-        return apply_plan(model, plan, mp_policy=mp_policy)
-    dp, dp_mod_ep, ep = expert_parallel_meshes(plan, device_type, world)
+    assert plan.expert_parallel is not None
+    check_no_prefetch(plan)
     modules = dict(model.named_modules())
     experts = plan.expert_parallel.experts(modules)
-    mp, offload = plan_policies(plan, mp_policy, None)
     alone = {g.modules[0]: g for g in plan.groups if len(g.modules) == 1}
+    missing = [name for name in experts if name not in alone]
+    if missing:
+        raise PlannerError(f"expert module {missing[0]} is not a group of its own: expert parallelism shards it over "
+                           "the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups makes such a plan)")
+    dp, dp_mod_ep, ep = expert_parallel_meshes(plan, device_type, world)
+    mp, offload = plan_policies(plan, mp_policy, offload_policy)
     for name in experts:
-        if name not in alone:
-            raise PlannerError(f"expert module {name} is not a group of its own: expert parallelism shards it over "
-                               "the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups makes such a plan)")
         distribute_module(modules[name], ep, _shard_experts, _dispatch, _combine)
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, dp_mod_ep.size()))
+        # an expert's grad sums the tokens of every EP rank too: averaged over all data-parallel ranks, not only
+        # the EP-reduced mesh FSDP2 reduce-scatters over (else it is EP x the unsharded run's)
+        modules[name].set_gradient_divide_factor(float(dp.size()))
+        if dp_mod_ep.size() > 1 and dist.get_backend(dp_mod_ep.get_group()) == "gloo":  # the factor's PREMUL_SUM
+            modules[name].set_force_sum_reduction_for_comms(True)  # is not in gloo: SUM, then a local divide
     rest = plan.replace(groups=[g for g in plan.groups if g.modules[0] not in experts or len(g.modules) > 1],
                         expert_parallel=None)
-    return apply_plan(model, rest, mesh=dp, mp_policy=mp_policy)
+    return rest, dp

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fsdp_planner.apply.expert_parallel import check_no_prefetch
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
 from fsdp_planner.errors import PlannerError
@@ -34,7 +35,7 @@ from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.selective import POLICIES
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, matches
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.trace.ops import op_names
 
@@ -578,14 +579,118 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
     return header + TP_IMPORTS, constants + tp_constants(tp), body[:start] + body[end:] + TP_TAIL
 
 
+EP_TAIL = '''
+
+def split_expert_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+    """(dp, dp_shard_mod_ep, ep) meshes over the ranks of the 1-D ``mesh``: FSDP's for the other groups, FSDP's for
+    the experts (the ranks holding the same experts, EP_DEGREE apart), EP's (consecutive ranks)."""
+    world = mesh.size()
+    if mesh.ndim != 1 or world % EP_DEGREE:
+        raise ValueError(f"this plan has expert parallelism of degree {EP_DEGREE}: give a 1-D mesh of every rank "
+                         f"whose size it divides, got {mesh.ndim} dims of {world} ranks")
+    world_mesh = init_device_mesh(mesh.device_type, (world // EP_DEGREE, EP_DEGREE),
+                                  mesh_dim_names=("dp_shard_mod_ep", "ep"))
+    return world_mesh["dp_shard_mod_ep", "ep"]._flatten("dp"), world_mesh["dp_shard_mod_ep"], world_mesh["ep"]
+
+
+def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """``module``'s params sharded on their expert dim 0 over ``ep_mesh`` (E / EP_DEGREE experts a rank), the routed
+    tokens sent to their experts' ranks by an all-to-all before it runs and back by another after. The module takes
+    (experts, tokens per expert, dim) and gives the same shape."""
+    from torch.distributed.tensor import distribute_module, distribute_tensor
+
+    def shard(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, device_mesh, [Shard(0)]),
+                                                       requires_grad=p.requires_grad))
+
+    distribute_module(module, ep_mesh, shard, _dispatch, _combine)
+
+
+def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """(E, n, dim) rows on this rank -> its local experts' (E / EP, EP x n, dim) rows from every EP rank."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed.tensor import DTensor
+
+    x, *rest = inputs
+    if x.dim() != 3:
+        raise ValueError(f"{type(module).__name__} takes a {x.dim()}-D input: expert parallelism here needs experts "
+                         "taking (experts, tokens per expert, dim)")
+    ep = mesh.size()
+    e, n, dim = x.shape
+    got = all_to_all_single_autograd(x.contiguous().view(e * n, dim), None, None, mesh)
+    local = got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim)
+    return (DTensor.from_local(local, mesh, [Shard(0)], run_check=False), *rest)
+
+
+def _combine(module: nn.Module, out: Any, mesh: DeviceMesh) -> torch.Tensor:
+    """The local experts' (E / EP, EP x n, dim) rows back to the ranks that routed them: (E, n, dim)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    local = out.to_local()
+    ep = mesh.size()
+    e_local, rows, dim = local.shape
+    n = rows // ep
+    sent = local.view(e_local, ep, n, dim).transpose(0, 1).reshape(ep * e_local * n, dim)
+    return all_to_all_single_autograd(sent, None, None, mesh).view(ep * e_local, n, dim)
+'''
+# with EP, torchtitan's world mesh is taken whole: the plan's own (dp, dp_shard_mod_ep, ep) meshes are built from
+# its ranks, as apply_plan builds them
+EP_TAILS = {ExportFormat.TORCHTITAN: '''
+
+def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) -> nn.Module:
+    """A torchtitan-style ``parallelize`` (in place of ``apply_moe_ep_tp`` and ``apply_fsdp``): the EXPERTS over
+    an ``ep`` mesh of EP_DEGREE consecutive ranks of ``world_mesh``, each sharded over the ranks holding the same
+    experts, and the plan's other groups over every rank."""
+    return apply(model, make_mesh(world_mesh.device_type), **fsdp_kwargs)
+'''}
+
+
+EP_SPLIT = """    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: the experts first, on meshes of their own
+    expert_kwargs = {k: v for k, v in fsdp_kwargs.items() if k != "shard_placement_fn"}
+    for names, reshard in GROUPS:
+        if names[0] in EXPERTS:  # over ep, then sharded over the ranks that hold the same experts
+            expert_parallel(modules[names[0]], ep_mesh)
+            fully_shard(modules[names[0]], mesh=expert_mesh, reshard_after_forward=reshard, **expert_kwargs)
+            # its grad sums every EP rank's tokens: averaged over all data-parallel ranks, as the other groups'
+            modules[names[0]].set_gradient_divide_factor(float(mesh.size()))
+            if expert_mesh.size() > 1 and dist.get_backend(expert_mesh.get_group()) == "gloo":  # no PREMUL_SUM
+                modules[names[0]].set_force_sum_reduction_for_comms(True)  # in gloo: SUM, then divide
+"""
+GROUP_LINE = "        names, reshard = GROUPS[i]\n"
+EP_SKIP = """        if names[0] in EXPERTS:  # sharded above
+            continue
+"""
+EP_CONSTANTS = """EP_DEGREE: int = {degree}  # expert parallelism: EP ranks out of dp_shard (consecutive ranks)
+EXPERTS: list[str] = {experts}  # grouped experts modules, each a group of its own: params Shard(0) over ep
+"""
+
+
+def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, str]:
+    """The export's constants and ``apply`` body for a plan with EP, as ``apply_plan`` applies it: each expert
+    module distributed over ``ep`` (all-to-all dispatch and combine) and ``fully_shard``-ed over the EP-reduced
+    mesh before checkpointing, the other groups over the whole data-parallel mesh."""
+    ep = plan.expert_parallel
+    assert ep is not None
+    check_no_prefetch(plan)
+    if plan.mesh is not None and plan.mesh.replicate > 1:
+        raise PlannerError("export writes expert parallelism with pure FSDP only, as apply_plan applies it: plan "
+                           "FSDP x EP without HSDP")
+    experts = [g.modules[0] for g in plan.inner_groups if len(g.modules) == 1
+               and any(matches(p, g.modules[0]) for p in ep.modules)]
+    if not experts:
+        raise PlannerError("the plan's expert-parallel modules are not groups of their own: expert parallelism "
+                           "shards each over the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups)")
+    modules_line = "    modules = dict(model.named_modules())\n"
+    body = body.replace(modules_line, modules_line + EP_SPLIT, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
+    return constants + EP_CONSTANTS.format(degree=py_literal(ep.degree), experts=py_literal(experts)), body + EP_TAIL
+
+
 def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],
                 where: str | os.PathLike[str] | None = None) -> str:
     """The source of a module that applies ``plan`` in the ``fmt`` framework's way, in ``precision`` (what the
     plan's numbers were simulated with: a plan file does not record it); ``where``: the directory it is written to
     (None: this one), which a model file is named relative to."""
-    if plan.expert_parallel is not None:  # the experts go on another mesh: apply/expert_parallel.py
-        raise PlannerError("export does not write expert parallelism yet: apply a plan with EP with "
-                           "fsdp_planner.apply.expert_parallel.apply_expert_parallel")
     plan = plan.replace(model=portable_model(plan.model, where))
     header = HEADER.format(title=TITLES[fmt], groups=f"{fmt_count(len(plan.inner_groups), 'group')} and the root")
     # a plan made with --reduce-dtype records it: the reduce dtype is part of the precision the plan runs in
@@ -604,6 +709,9 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
     if plan.tensor_parallel is not None:
         header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel)
         tail = TP_TAILS.get(fmt, TAILS[fmt])
+    elif plan.expert_parallel is not None:
+        constants, body = with_expert_parallel(plan, constants, body)
+        tail = EP_TAILS.get(fmt, TAILS[fmt])
     else:
         tail = TAILS[fmt]
     if plan.float8 is not None:  # after TP's mesh split: the conversion runs before parallelize_module

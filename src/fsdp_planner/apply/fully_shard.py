@@ -3,34 +3,21 @@ group (lists allowed), children first, the root last, then the plan's forward me
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch.nn as nn
 
 from fsdp_planner.apply.compile import apply_compile
+from fsdp_planner.apply.expert_parallel import shard_experts
 from fsdp_planner.apply.float8 import apply_float8
+from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.apply.tensor_parallel import apply_tp, split_mesh
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloading
 from fsdp_planner.fsdp2.claim import application_order, hooked_modules
-from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward, check_int_reshard_on_dim0, check_plan_world_size
+from fsdp_planner.fsdp2.plan import Plan, check_int_reshard_on_dim0, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.trace.walk import model_fingerprint
-
-
-def reshard_arg(value: ReshardAfterForward, world_size: int) -> ReshardAfterForward:
-    """FSDP2 wants an int that divides the shard size (``world_size`` here); 1 means False and the shard size
-    means True."""
-    if isinstance(value, bool):
-        return value
-    if value <= 1:
-        return False
-    if value >= world_size:
-        return True
-    if world_size % value:
-        raise PlannerError(f"reshard_after_forward={value} does not divide the world size {world_size}")
-    return value
 
 
 def module_parents(model: nn.Module) -> dict[str, list[str]]:
@@ -82,42 +69,27 @@ def shard_placement_fn(model: nn.Module, plan: Plan, world: int) -> Any:
     return lambda param: Shard(placed[id(param)]) if id(param) in placed else None
 
 
-def plan_policies(plan: Plan, mp_policy: Any, offload_policy: Any) -> tuple[Any, Any]:
-    """The mixed-precision and offload policies to apply: the given ones, else what the plan records (its
-    ``reduce_dtype`` over the given or default ``MixedPrecisionPolicy``; ``CPUOffloadPolicy`` when ``offload``,
-    pinned where CUDA can pin)."""
-    import torch
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
-    mp = mp_policy or MixedPrecisionPolicy()
-    if plan.reduce_dtype:
-        mp = dataclasses.replace(mp, reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[plan.reduce_dtype])
-    if offload_policy is None:
-        offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if plan.offload else OffloadPolicy()
-    return mp, offload_policy
-
-
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
                offload_policy: Any = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
     plan's layout over the default process group (``device_mesh``). With tensor parallelism, ``mesh`` has named
     dims with ``tp`` among them: ``parallelize_module`` over it first (``apply_tp``), then checkpointing, then
-    ``fully_shard`` over the data-parallel dims, as torchtitan's ``parallelize`` orders them. The plan's memory
+    ``fully_shard`` over the data-parallel dims, as torchtitan's ``parallelize`` orders them. With expert
+    parallelism, the expert modules over ``ep`` and the EP-reduced mesh first (``shard_experts``). The plan's memory
     options (offload, shard dims, reduce dtype) apply unless ``mp_policy`` / ``offload_policy`` say otherwise
     (``plan_policies``)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
-    if plan.expert_parallel is not None:  # its experts go on another mesh: apply/expert_parallel.py
-        raise PlannerError("the plan has expert parallelism, which apply_plan does not apply: use "
-                           "fsdp_planner.apply.expert_parallel.apply_expert_parallel")
     modules = dict(model.named_modules())
     unknown = [m for g in plan.groups for m in g.modules if m not in modules]
     if unknown:
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
     check_int_reshard_on_dim0(plan)
+    if plan.expert_parallel is not None:  # the experts first, on meshes of their own; the rest as without EP
+        plan, mesh = _experts_first(model, plan, mesh, mp_policy, offload_policy)
     if mesh is None:
         import torch.distributed as dist
 
@@ -156,3 +128,19 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         if g.backward_prefetch:
             first.set_modules_to_backward_prefetch([state[j] for j in g.backward_prefetch])
     return model
+
+
+def _experts_first(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any, offload_policy: Any) -> tuple[Plan, Any]:
+    """``shard_experts`` over the world ``mesh`` (1-D; None: the default process group's): the plan without EP
+    and the data-parallel mesh its other groups are sharded over."""
+    if mesh is not None and mesh.ndim != 1:
+        raise PlannerError("a plan with expert parallelism is applied over a 1-D mesh of every rank (or none: the "
+                           "default process group's): apply_plan builds its dp, EP-reduced and ep meshes from it")
+    if mesh is None:
+        import torch.distributed as dist
+
+        world, device_type = dist.get_world_size(), next((p.device.type for p in model.parameters()), "cpu")
+    else:
+        world, device_type = mesh.size(), mesh.device_type
+    return shard_experts(model, plan, world, mp_policy, offload_policy, device_type)
+

@@ -44,7 +44,8 @@ TORCHTITAN_FLAGS: list[str] = [
 def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     """The plan as Trainer.Config sections (``activation_checkpoint``: the class, or None). With tensor
     parallelism, torchtitan's ``tensor_parallel_degree`` and, where they differ from its defaults,
-    ``disable_loss_parallel`` and ``enable_async_tensor_parallel`` (which torchtitan runs under compile)."""
+    ``disable_loss_parallel`` and ``enable_async_tensor_parallel`` (which torchtitan runs under compile); with expert
+    parallelism, its ``expert_parallel_degree``."""
     rule = reshard_rule(plan)
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, -1)
     tp = plan.tensor_parallel
@@ -52,6 +53,8 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     if tp is not None:
         tp_keys = {"tensor_parallel_degree": tp.degree, "disable_loss_parallel": not tp.loss_parallel,
                    "enable_async_tensor_parallel": tp.async_tp}
+    if plan.expert_parallel is not None:  # EP's ranks out of dp_shard, as torchtitan takes them
+        tp_keys["expert_parallel_degree"] = plan.expert_parallel.degree
     ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
     return {
         "training": {"dtype": "bfloat16" if precision.param_bytes == 2 else "float32",

@@ -24,7 +24,7 @@ from fsdp_planner.configs.torchtitan_registry import (
     with_overrides,
 )
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.limits import MAX_BATCH, MAX_SEQ
+from fsdp_planner.limits import MAX_BATCH, MAX_EP_DEGREE, MAX_SEQ
 from fsdp_planner.userfiles import MAX_CONFIG_BYTES, parse_yaml, read_text, shown_json
 
 TORCHTITAN, ACCELERATE = "torchtitan", "accelerate"
@@ -84,6 +84,7 @@ class JobConfig:
     tp: int = 1  # the tensor-parallel degree (torchtitan's tensor_parallel_degree, Accelerate's tp_size)
     loss_parallel: bool | None = None  # None: the layout's default (torchtitan's: on)
     async_tp: bool = False
+    ep: int = 1  # torchtitan's expert_parallel_degree: EP's ranks taken from dp_shard (the --ep option)
     world: int | None = None  # Accelerate's num_processes
     nodes: int | None = None  # Accelerate's num_machines
     ac: ACMode | None = None
@@ -344,10 +345,8 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
     for key, what in (("pipeline_parallel_degree", "pipeline parallelism"),
                       ("context_parallel_degree", "context parallelism")):
         refuse_other_job(cfg, f"parallelism.{key}", par.get(key, 1), what)
-    degree = par.get("expert_parallel_degree", 1)
-    if degree not in (1, -1, None):
-        cfg.notes.append(f"parallelism.expert_parallel_degree = {shown_json(degree)} is left out: fsdp-planner "
-                         "simulates FSDP2/HSDP with tensor parallelism, without expert parallelism")
+    cfg.ep = cfg.keys["parallelism.expert_parallel_degree"] = _int(
+        cfg, "parallelism.expert_parallel_degree", par.get("expert_parallel_degree", 1), maximum=MAX_EP_DEGREE)
 
 
 def refuse_other_job(cfg: JobConfig, key: str, degree: Any, what: str) -> None:

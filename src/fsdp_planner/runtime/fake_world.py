@@ -11,7 +11,7 @@ Measured, on the last step (the first creates the optimizer state):
   over the data-parallel dims; with tensor parallelism (the plan's ``tensor_parallel``, applied by ``apply_plan``
   over the ``tp`` dim of the mesh) also DTensor's own over ``tp``, apart (``FunctionalCounter``), the loss under
   ``loss_parallel()`` when the plan asks for it; with expert parallelism (the plan's ``expert_parallel``, applied
-  by ``apply_expert_parallel``: the experts over ``ep`` and their EP-reduced FSDP mesh) EP's all-to-alls, apart;
+  by ``apply_plan``: the experts over ``ep`` and their EP-reduced FSDP mesh) EP's all-to-alls, apart;
 - attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed;
   the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
@@ -53,7 +53,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from fsdp_planner.apply.expert_parallel import apply_expert_parallel
 from fsdp_planner.apply.float8 import after_optimizer_step
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.tensor_parallel import loss_context
@@ -486,16 +485,13 @@ class FakeTraining:
 
 def shard(model: torch.nn.Module, plan: Plan, world_size: int, precision: Precision, host_copies: HostCopies
           ) -> None:
-    """``fully_shard`` as the plan says (with EP, ``apply_expert_parallel``, which builds its own meshes), outside
+    """``fully_shard`` as the plan says (with EP, ``apply_plan``, which builds its own meshes), outside
     the fake mode: an int reshard_after_forward's post-forward mesh is built from a tensor's .tolist(), which a fake
     tensor cannot answer; the fake params still dispatch to their mode, so every sharded param and buffer FSDP2
     makes from them stays fake."""
     with unset_fake_temporarily(), host_copies.installed(bool(plan.activation_offloading)):
         mp = mixed_precision(precision, model)
-        if plan.expert_parallel is not None:
-            apply_expert_parallel(model, plan, world_size, mp)
-        else:
-            apply_plan(model, plan, mesh=device_mesh(plan, "cpu", world_size), mp_policy=mp)
+        apply_plan(model, plan, mesh=device_mesh(plan, "cpu", world_size), mp_policy=mp)
 
 
 def check_fake_world(world_size: int, steps: int) -> None:

@@ -7,7 +7,7 @@ size, as FSDP averages gradients), both with SGD (momentum 0.9) and in the job's
 model's steps alone (``time_steps``). With tensor parallelism the ranks of a TP group (consecutive) share one
 micro-batch, the data-parallel ranks are world / TP, and each loss runs under ``loss_parallel()`` when the plan
 asks for it; the params are compared whole (``full_tensor``). With expert parallelism the plan is applied by
-``apply_expert_parallel`` (the experts over ``ep`` with gloo's all-to-all, FSDP over the EP-reduced mesh); each rank
+``apply_plan`` (the experts over ``ep`` with gloo's all-to-all, FSDP over the EP-reduced mesh); each rank
 keeps its own micro-batch. Collectives are counted by wrapping the
 ``torch.distributed`` functions FSDP2 calls (TP's own, through DTensor's functional collectives, are not among
 them). Rank 0 writes the results as JSON; ``rank.run_rank`` starts and ends the rank and reports a failure. Before
@@ -45,9 +45,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from fsdp_planner.apply.expert_parallel import apply_expert_parallel
 from fsdp_planner.apply.float8 import after_optimizer_step, apply_float8
-from fsdp_planner.apply.fully_shard import apply_plan, device_mesh, plan_policies
+from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
+from fsdp_planner.apply.policies import plan_policies
 from fsdp_planner.apply.tensor_parallel import data_rank, loss_context
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
@@ -410,10 +410,8 @@ def _run(job: dict, device: torch.device, rank: int, world: int) -> None:
     fingerprint = _check_same_job(model, plan, world)
     policy = mixed_precision(precision_named(job.get("precision", "fp32")), model)
     policy = plan_policies(plan, policy, None)[0]  # with the plan's reduce dtype, which the reference mirrors
-    if plan.expert_parallel is not None:  # the experts over ep and their EP-reduced FSDP mesh, the rest over all
-        apply_expert_parallel(model, plan, world, policy, device.type)
-    else:
-        apply_plan(model, plan, mesh=device_mesh(plan, device.type, world), mp_policy=policy)
+    # with EP, apply_plan puts the experts over ep and their EP-reduced FSDP mesh, the rest over all
+    apply_plan(model, plan, mesh=device_mesh(plan, device.type, world), mp_policy=policy)
     opt = torch.optim.SGD(model.parameters(), lr=job["lr"], momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=job["lr"], momentum=MOMENTUM)
     loaded = load_checkpoint(Path(job["load"]), model, opt, reference, ref_opt) if job.get("load") else None

@@ -123,6 +123,11 @@ def _layout(m: _Merge) -> None:
             if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
     _tensor_parallel(m, world)
     dp = world // cfg.tp
+    if cfg.ep > 1:  # EP's ranks come out of dp_shard, as torchtitan's; the degree bounded as --ep is
+        if dp % cfg.ep:
+            raise PlannerError(f"parallelism.expert_parallel_degree = {cfg.ep} does not divide the job's {dp} "
+                               "data-parallel GPUs")
+        m.given("ep", cfg.ep, "parallelism.expert_parallel_degree")
     if dp % cfg.replicate:
         raise PlannerError(f"{cfg.key('replicate')} = {cfg.replicate} does not divide the job's {dp} data-parallel "
                            f"GPUs")
