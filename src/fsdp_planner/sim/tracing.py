@@ -11,6 +11,7 @@ the same way, so it is a ``PrecisionError`` that names the op, the module and th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
-from fsdp_planner.trace.failures import failed_at, first_line
+from fsdp_planner.trace.failures import FailedOp, failed_at, first_line
 from fsdp_planner.trace.recorder import record
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -75,4 +76,46 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
         cause = e
     # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
     own = record(model, example_inputs, loss_fn, reuse=reuse, routing=routing)
+    kept: tuple[str, ...] = ()
+    for _ in range(MAX_KEPT_CLASSES):
+        more = kept_in_fp32(model, failed_at(cause))
+        if not more or set(more) <= set(kept):
+            break
+        kept = (*kept, *(m for m in more if m not in kept))
+        try:
+            tr = record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype, routing=routing,
+                        full_precision=kept)
+        except Exception as e:
+            cause = e
+            continue
+        return replace(tr, notes=(*tr.notes, kept_note(model, kept, precision)))
     raise PrecisionError(precision, cause, own) from cause
+
+
+MAX_KEPT_CLASSES = 4  # module classes kept in fp32 before the step is refused (a ResNet has one: BatchNorm2d)
+
+
+def _needs_fp32(module: nn.Module) -> bool:
+    """A module FSDP2 can keep in fp32 with a group of its own: it registers trainable params (the group's) and
+    floating buffers (what FSDP2 never casts, e.g. BatchNorm's running stats)."""
+    return any(p.requires_grad and p.is_floating_point() for p in module.parameters(recurse=False)) and \
+        any(b.is_floating_point() for b in module.buffers(recurse=False))
+
+
+def kept_in_fp32(model: nn.Module, failed: FailedOp | None) -> tuple[str, ...]:
+    """The modules to run in fp32 after ``failed``: every module of the failing module's class that holds trainable
+    params and floating buffers; none when the failing module is not such a module (its failure has another cause,
+    e.g. a float32 tensor built in its forward, which an fp32 group would only hide)."""
+    if failed is None or failed.module == ROOT:
+        return ()
+    module = model.get_submodule(failed.module)
+    if not _needs_fp32(module):
+        return ()
+    return tuple(name for name, m in model.named_modules() if type(m) is type(module) and _needs_fp32(m))
+
+
+def kept_note(model: nn.Module, kept: tuple[str, ...], precision: Precision) -> str:
+    """One line saying which modules run in fp32 and why."""
+    classes = ", ".join(dict.fromkeys(type(model.get_submodule(m)).__name__ for m in kept))
+    return (f"{len(kept)} module(s) ({classes}) fail in the compute dtype of '{precision.name}' (floating buffers "
+            "FSDP2 does not cast): they run in fp32 groups of their own (MixedPrecisionPolicy(param_dtype=float32))")
