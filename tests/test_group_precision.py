@@ -1,0 +1,116 @@
+"""Per-group mixed precision (issue 39, item 5): a model whose BatchNorms fail in bf16 (FSDP2 casts their weights,
+not their fp32 running stats) is planned under bf16-mixed with those modules in fp32 groups of their own
+(``Group.param_dtype``), sized, applied, exported and verified so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import policy
+
+from fsdp_planner.apply.export import export_plan
+from fsdp_planner.choices import ExportFormat
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import check_plan_matches
+from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import load_model
+from fsdp_planner.planners import AutoPolicy
+from fsdp_planner.runtime.verify import run_verify
+from fsdp_planner.sim.options import PRECISIONS
+from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.sim.tracing import trace
+
+RESNET = str(Path(__file__).parent / "fixtures" / "resnet_models.py") + ":build"
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    lm = load_model(RESNET)
+    return trace(lm.model, lm.example_inputs, lm.loss_fn, precision="bf16-mixed")
+
+
+def batchnorms(tr) -> set[str]:
+    return {name for name, info in tr.modules.items() if info.cls == "BatchNorm2d"}
+
+
+def test_group_param_dtype_round_trips_and_old_plans_read_unchanged():
+    plan = Plan([Group(["a"], ["a.w"], param_dtype="fp32"), Group(["b"], ["b.w"]), Group([""], [], False)], "f", 2)
+    data = json.loads(plan.to_json())
+    assert data["groups"][0]["param_dtype"] == "fp32" and "param_dtype" not in data["groups"][1]
+    assert Plan.from_json(plan.to_json()) == plan
+    old = {**data, "groups": [{k: v for k, v in g.items() if k != "param_dtype"} for g in data["groups"]]}
+    assert [g.param_dtype for g in Plan.from_json(json.dumps(old)).groups] == ["", "", ""]
+    assert plan.signature() != plan.with_group(0, param_dtype="").signature()
+
+
+@pytest.mark.parametrize("bad", ["bf16", "float32", 32, None])
+def test_a_bad_group_param_dtype_is_one_clear_error(bad):
+    text = json.dumps({"version": 1, "model": {}, "groups": [{"modules": ["a"], "param_dtype": bad}]})
+    with pytest.raises(PlannerError, match=r"plan group 0: param_dtype must be fp32 .* or absent"):
+        Plan.from_json(text)
+
+
+def test_batchnorms_are_traced_in_fp32_and_gathered_in_fp32(resnet):
+    assert set(resnet.full_precision) == batchnorms(resnet) and len(resnet.full_precision) == 15
+    assert any("fp32 groups of their own" in n for n in resnet.notes)
+    fp32 = resnet.full_precision_params
+    assert {resnet.params[i].fqn.rsplit(".", 1)[0] for i in fp32} == batchnorms(resnet)
+    sizing = Sizing(resnet, 2, PRECISIONS["bf16-mixed"])
+    for i, p in enumerate(resnet.params):  # BatchNorm's all-gather in fp32, the convs' and fc's in bf16
+        assert sizing.gather_bytes([i]) == p.padded_numel(2) * (4 if i in fp32 else 2)
+        assert sizing.grad_bytes((i,)) == p.numel * (4 if i in fp32 else 2)
+
+
+def test_fp32_trace_keeps_nothing_apart():
+    lm = load_model(RESNET)
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision="fp32")
+    assert tr.full_precision == () and not tr.full_precision_params
+
+
+@pytest.mark.parametrize("name", ["titan", "order", "module", "size"])
+def test_classic_policies_put_every_batchnorm_in_an_fp32_group_of_its_own(resnet, name):
+    plan = policy(name, min_nonwrapped_numel=500).plan(resnet, RESNET)
+    fp32 = [g for g in plan.groups if g.param_dtype == "fp32"]
+    assert fp32 and not plan.root.param_dtype
+    index = resnet.index.param_index
+    assert {p for g in fp32 for p in g.params} == {resnet.params[i].fqn for i in resnet.full_precision_params}
+    assert all(index[p] not in resnet.full_precision_params for g in plan.groups if not g.param_dtype
+               for p in g.params)
+    check_plan_matches(plan, resnet)
+
+
+def test_a_plan_mixing_batchnorm_into_a_compute_dtype_group_is_refused(resnet):
+    plan = policy("order").plan(resnet, RESNET)
+    i = next(i for i, g in enumerate(plan.groups) if g.param_dtype == "fp32")
+    with pytest.raises(PlannerError, match=rf"group {i} .* must run in fp32: give them groups of their own"):
+        check_plan_matches(plan.with_group(i, param_dtype=""), resnet)
+    j = next(i for i, g in enumerate(plan.inner_groups) if not g.param_dtype)
+    with pytest.raises(PlannerError, match=rf"group {j} .* has param_dtype fp32 but holds params of modules that "):
+        check_plan_matches(plan.with_group(j, param_dtype="fp32"), resnet)
+
+
+def test_auto_plans_batchnorm_in_fp32_groups_and_export_writes_their_policy(resnet):
+    plan = AutoPolicy(parse_cluster("h100:8")).plan(resnet, RESNET)
+    fp32 = [g for g in plan.inner_groups if g.param_dtype == "fp32"]
+    assert {p for g in fp32 for p in g.params} == {resnet.params[i].fqn for i in resnet.full_precision_params}
+    source = export_plan(plan, ExportFormat.PYTHON, PRECISIONS["bf16-mixed"])
+    listed = [i for i, g in enumerate(plan.inner_groups) if g.param_dtype == "fp32"]
+    assert f"FP32_GROUPS: list[int] = {listed}" in source and "def full_precision(" in source
+    compile(source, "export.py", "exec")
+    plain = export_plan(plan.replace(groups=[Group(g.modules, g.params, g.reshard_after_forward) for g in plan.groups]),
+                        ExportFormat.PYTHON, PRECISIONS["bf16-mixed"])
+    assert "FP32_GROUPS" not in plain and "full_precision" not in plain
+
+
+@pytest.mark.integration  # ~10 s: a torchrun job of 2 gloo ranks
+def test_resnet_plan_with_fp32_batchnorm_groups_trains_on_2_gloo_ranks_with_parity(resnet):
+    """Under bf16-mixed: the BatchNorms' groups all-gather in fp32 (the bytes as predicted), and the params stay
+    within bf16 steps of an unsharded reference that runs those modules in fp32 too."""
+    plan = policy("titan").plan(resnet, RESNET)
+    result = run_verify(RESNET, resnet, plan, nproc=2, steps=2, precision="bf16-mixed")
+    assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
+    assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
+    assert result.losses == pytest.approx(result.reference_losses, rel=1e-2)
