@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
 from conftest import policy
 
 from fsdp_planner.apply.export import export_plan
@@ -114,3 +116,27 @@ def test_resnet_plan_with_fp32_batchnorm_groups_trains_on_2_gloo_ranks_with_pari
     assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
     assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
     assert result.losses == pytest.approx(result.reference_losses, rel=1e-2)
+
+
+def test_a_module_the_user_keeps_in_fp32_gets_an_fp32_group_and_is_gathered_in_fp32():
+    """A router kept in fp32, as torchtitan keeps MoE routers: traced in fp32 (its output back in bf16 for the next
+    Linear), its own fp32 group in every plan, its all-gather 4 bytes a param."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)).to("meta")
+    x = torch.randn(4, 16, device="meta")
+    tr = trace(model, (x,), precision="bf16-mixed", fp32_modules=["1"])
+    assert tr.full_precision == ("1",)
+    plan = policy("module", module_classes=("Linear",)).plan(tr)
+    assert [g.modules for g in plan.groups if g.param_dtype == "fp32"] == [("1",)]
+    sizing = Sizing(tr, 1, PRECISIONS["bf16-mixed"])
+    assert [sizing.gather_bytes([tr.index.param_index[p]]) for p in ("0.weight", "1.weight")] == [512 * 2, 1024 * 4]
+    assert trace(model, (x,), precision="fp32", fp32_modules=["1"]).full_precision == ()  # nothing to keep apart
+
+
+@pytest.mark.parametrize(("names", "match"), [(["9"], "'9' is not a submodule"), ([""], "'' is not a submodule"),
+                                              (["2", "missing.x"], "'missing.x' is not a submodule")])
+def test_fp32_modules_must_be_submodules_with_params(names, match):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).to("meta")
+    with pytest.raises(PlannerError, match=match):
+        trace(model, (torch.randn(2, 4, device="meta"),), fp32_modules=names)
+    with pytest.raises(PlannerError, match="module '1' registers no trainable params of its own"):
+        trace(model, (torch.randn(2, 4, device="meta"),), fp32_modules=["1"])

@@ -22,7 +22,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT
+from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
 FP32_GROUP = " (fp32 group)"  # a param's split key: its dtype, and this when its module runs in fp32
 
@@ -94,6 +94,17 @@ def check_uniform_dtypes(plan: Plan, trace: Trace) -> None:
                                f"group of their own")
 
 
+def fp32_targets(trace: Trace, modules: list[str]) -> list[str]:
+    """An fp32 piece's ``fully_shard`` targets: exactly the modules traced in fp32 (whose calls FSDP2's hooks must
+    cast as the trace did), each once: a module inside one is replaced by it, a parent of some by them."""
+    kept = trace.full_precision
+    out: list[str] = []
+    for m in modules:
+        above = next((a for a in (m, *proper_ancestors(m)) if a in kept), None)
+        out.extend([above] if above is not None else [f for f in kept if m == ROOT or f.startswith(m + ".")])
+    return list(dict.fromkeys(out))
+
+
 def split_by_dtype(trace: Trace, groups: list[list[str]], reshard: list[ReshardAfterForward]
                    ) -> tuple[list[list[str]], list[ReshardAfterForward]]:
     """``groups`` (the non-root groups, root implied) with every group, the root's share included, made of one
@@ -108,7 +119,7 @@ def split_by_dtype(trace: Trace, groups: list[list[str]], reshard: list[ReshardA
         for m in ms:
             splitter.expand(m, pieces)
         frozen = pieces.pop(None, [])
-        split = list(pieces.values()) or [[]]
+        split = [fp32_targets(trace, ms) if k.endswith(FP32_GROUP) else ms for k, ms in pieces.items()] or [[]]
         # pieces without trainable params join any group but an fp32 one (whose hooks would cast their inputs)
         first = next((i for i, k in enumerate(pieces) if not k.endswith(FP32_GROUP)), 0)
         split[first] = [*split[first], *frozen]
@@ -189,7 +200,7 @@ class _Splitter:
         pieces: dict[str | None, list[str]] = {}
         self.carve(ROOT, keep, pieces)
         pieces.pop(None, None)
-        return [ms for ms in pieces.values() if ms]
+        return [fp32_targets(self.trace, ms) if k.endswith(FP32_GROUP) else ms for k, ms in pieces.items() if ms]
 
     def _numel_of(self, dtype: str) -> int:
         return sum(self.numel[p] for p, d in self.dtype.items() if d == dtype)

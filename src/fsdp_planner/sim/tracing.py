@@ -10,7 +10,7 @@ the same way, so it is a ``PrecisionError`` that names the op, the module and th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -53,14 +53,18 @@ def resolve_precision(precision: Precision | str) -> Precision:
 
 def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
           precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True,
-          routing: float = DEFAULT_CAPACITY) -> Trace:
+          routing: float = DEFAULT_CAPACITY, fp32_modules: Sequence[str] = ()) -> Trace:
     """One training step of ``model`` traced on meta/fake tensors as FSDP2 runs it under ``precision`` (a name
     such as ``'bf16-mixed'`` or ``'fp32'``, or a ``Precision``; the default is the command line's).
 
     Params and floating inputs are cast to the precision's compute dtype, as ``MixedPrecisionPolicy`` casts them,
     so what the model upcasts is recorded at its real size and ``simulate`` with the same precision gives the
-    command line's figures. A step that fails in that dtype but runs in the model's own dtypes raises
-    ``PrecisionError`` (the real run would crash); one that fails in both raises what the model raised.
+    command line's figures. A step that fails in that dtype at a module holding trainable params and floating
+    buffers (BatchNorm and its running stats, which FSDP2 does not cast) is traced again with every module of that
+    class in fp32, as fp32 groups of their own run them (``Trace.full_precision``; the policies then give them such
+    groups); ``fp32_modules`` are kept in fp32 so from the start (a router the user keeps in fp32, as torchtitan
+    does). A step that still fails in that dtype but runs in the model's own dtypes raises ``PrecisionError`` (the
+    real run would crash); one that fails in both raises what the model raised.
     ``routing`` is the capacity factor of data-dependent ops' stand-in (``routing.py``).
     ``fsdp_planner.trace.record`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
     real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
@@ -68,15 +72,16 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     """
     precision = resolve_precision(precision)
     dtype = precision.trace_dtype
+    kept = checked_fp32_modules(model, fp32_modules)
     try:
-        return record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype, routing=routing)
+        return record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype, routing=routing,
+                      full_precision=kept)
     except Exception as e:
         if dtype is None:
             raise
         cause = e
     # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
     own = record(model, example_inputs, loss_fn, reuse=reuse, routing=routing)
-    kept: tuple[str, ...] = ()
     for _ in range(MAX_KEPT_CLASSES):
         more = kept_in_fp32(model, failed_at(cause))
         if not more or set(more) <= set(kept):
@@ -90,6 +95,20 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
             continue
         return replace(tr, notes=(*tr.notes, kept_note(model, kept, precision)))
     raise PrecisionError(precision, cause, own) from cause
+
+
+def checked_fp32_modules(model: nn.Module, names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` as modules an fp32 group can hold: modules of ``model`` that register trainable params."""
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules.get(name) if isinstance(name, str) else None
+        if module is None or name == ROOT:
+            raise PlannerError(f"fp32_modules: {str(name)[:80]!r} is not a submodule of the model (the root computes "
+                               "in the precision's dtype)")
+        if not any(p.requires_grad and p.is_floating_point() for p in module.parameters(recurse=False)):
+            raise PlannerError(f"fp32_modules: module '{name}' registers no trainable params of its own, so no "
+                               "group of its own can keep it in fp32")
+    return tuple(dict.fromkeys(names))
 
 
 MAX_KEPT_CLASSES = 4  # module classes kept in fp32 before the step is refused (a ResNet has one: BatchNorm2d)
