@@ -138,5 +138,40 @@ def test_fp32_modules_must_be_submodules_with_params(names, match):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).to("meta")
     with pytest.raises(PlannerError, match=match):
         trace(model, (torch.randn(2, 4, device="meta"),), fp32_modules=names)
-    with pytest.raises(PlannerError, match="module '1' registers no trainable params of its own"):
+    with pytest.raises(PlannerError, match="module '1' holds no trainable params"):
         trace(model, (torch.randn(2, 4, device="meta"),), fp32_modules=["1"])
+
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.gate(x).float(), dim=-1).to(x.dtype) @ torch.ones(4, 16, dtype=x.dtype,
+                                                                                     device=x.device)
+
+
+def test_an_fp32_group_shards_exactly_the_modules_traced_in_fp32_whatever_the_policy_lists():
+    """The hooks that cast must sit where the trace cast: a policy listing the gate (inside the kept router) or the
+    block (above it) gets the router itself as its fp32 group's target."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(Router(), nn.Linear(16, 16))).to("meta")
+    tr = trace(model, (torch.randn(4, 16, device="meta"),), precision="bf16-mixed", fp32_modules=("1.0",))
+    for classes in (("Linear",), ("Sequential",)):
+        plan = policy("module", module_classes=classes).plan(tr)
+        assert [g.modules for g in plan.groups if g.param_dtype == "fp32"] == [("1.0",)], classes
+        check_plan_matches(plan, tr)
+
+
+def test_fp32_modules_as_the_cli_and_the_api_give_them():
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.service.validate import Spelling, fp32_modules
+
+    assert fp32_modules("a.router, b.router,a.router", Spelling.CLI) == ("a.router", "b.router")
+    assert fp32_modules(["x"], Spelling.API) == ("x",) and fp32_modules(None, Spelling.API) == ()
+    with pytest.raises(PlannerError, match="--fp32-modules ' , ' names no module"):
+        fp32_modules(" , ", Spelling.CLI)
+    with pytest.raises(PlannerError, match="fp32_modules"):
+        fp32_modules(3, Spelling.API)
+    spec = ModelSpec("toy-llama", fp32_modules=("layers.0.attention.wq",))
+    assert ModelSpec.from_json(spec.to_json()) == spec and "fp32_modules" not in ModelSpec("toy-llama").to_json()

@@ -98,16 +98,16 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
 
 
 def checked_fp32_modules(model: nn.Module, names: Sequence[str]) -> tuple[str, ...]:
-    """``names`` as modules an fp32 group can hold: modules of ``model`` that register trainable params."""
+    """``names`` as modules an fp32 group can hold: modules of ``model`` with trainable params."""
     modules = dict(model.named_modules())
     for name in names:
         module = modules.get(name) if isinstance(name, str) else None
         if module is None or name == ROOT:
             raise PlannerError(f"fp32_modules: {str(name)[:80]!r} is not a submodule of the model (the root computes "
                                "in the precision's dtype)")
-        if not any(p.requires_grad and p.is_floating_point() for p in module.parameters(recurse=False)):
-            raise PlannerError(f"fp32_modules: module '{name}' registers no trainable params of its own, so no "
-                               "group of its own can keep it in fp32")
+        if not any(p.requires_grad and p.is_floating_point() for p in module.parameters()):
+            raise PlannerError(f"fp32_modules: module '{name}' holds no trainable params, so no group of its own "
+                               "can keep it in fp32")
     return tuple(dict.fromkeys(names))
 
 
