@@ -80,8 +80,6 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
         if dtype is None:
             raise
         cause = e
-    # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
-    own = record(model, example_inputs, loss_fn, reuse=reuse, routing=routing)
     for _ in range(MAX_KEPT_CLASSES):
         more = kept_in_fp32(model, failed_at(cause))
         if not more or set(more) <= set(kept):
@@ -94,6 +92,8 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
             cause = e
             continue
         return replace(tr, notes=(*tr.notes, kept_note(model, kept, precision)))
+    # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
+    own = record(model, example_inputs, loss_fn, reuse=reuse, routing=routing)
     raise PrecisionError(precision, cause, own) from cause
 
 
