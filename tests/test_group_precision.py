@@ -4,6 +4,7 @@ not their fp32 running stats) is planned under bf16-mixed with those modules in 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import AutoPolicy
+from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.runtime.verify import run_verify
-from fsdp_planner.sim.options import PRECISIONS
+from fsdp_planner.sim.options import PRECISIONS, SimOptions
+from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.sim.tracing import trace
 
@@ -107,15 +110,26 @@ def test_auto_plans_batchnorm_in_fp32_groups_and_export_writes_their_policy(resn
     assert "FP32_GROUPS" not in plain and "full_precision" not in plain
 
 
-@pytest.mark.integration  # ~10 s: a torchrun job of 2 gloo ranks
+@pytest.mark.integration  # ~8 s: a torchrun job of 2 gloo ranks, then real FSDP2 on 8 fake ranks
 def test_resnet_plan_with_fp32_batchnorm_groups_trains_on_2_gloo_ranks_with_parity(resnet):
     """Under bf16-mixed: the BatchNorms' groups all-gather in fp32 (the bytes as predicted), and the params stay
-    within bf16 steps of an unsharded reference that runs those modules in fp32 too."""
+    within bf16 steps of an unsharded reference that runs those modules in fp32 too; on 8 fake ranks the simulator's
+    counts and bytes are real FSDP2's."""
     plan = policy("titan").plan(resnet, RESNET)
     result = run_verify(RESNET, resnet, plan, nproc=2, steps=2, precision="bf16-mixed")
     assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
     assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
     assert result.losses == pytest.approx(result.reference_losses, rel=1e-2)
+    options = SimOptions.named("bf16-mixed")
+    predicted = simulate(resnet, plan, parse_cluster("h100:8"), options, timeline=False)
+    measured = run_fake_world(RESNET, plan, 8, options.precision)
+    assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
+                               "all_reduce": 0}
+    assert (measured.nbytes["all_gather"], measured.nbytes["reduce_scatter"]) == \
+        (predicted.all_gather_bytes, predicted.reduce_scatter_bytes)
+    as_bf16 = simulate(dataclasses.replace(resnet, full_precision=()), plan, parse_cluster("h100:8"), options,
+                       timeline=False)  # the BatchNorms counted in bf16: what the fp32 bytes correct
+    assert as_bf16.all_gather_bytes < measured.nbytes["all_gather"]
 
 
 def test_a_module_the_user_keeps_in_fp32_gets_an_fp32_group_and_is_gathered_in_fp32():
