@@ -189,3 +189,15 @@ def test_fp32_modules_as_the_cli_and_the_api_give_them():
         fp32_modules(3, Spelling.API)
     spec = ModelSpec("toy-llama", fp32_modules=("layers.0.attention.wq",))
     assert ModelSpec.from_json(spec.to_json()) == spec and "fp32_modules" not in ModelSpec("toy-llama").to_json()
+
+
+def test_a_module_adding_an_fp32_buffer_to_activations_gets_fp32_groups():
+    """The step fails in the Linear after ``Shift`` (its fp32 sum reaches a bf16 weight); the module before it that
+    holds a floating buffer is kept in fp32 instead, its output cast back, and the step runs."""
+    lm = load_model(str(Path(__file__).parent / "fixtures" / "fp32_buffer_models.py") + ":build")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision="bf16-mixed")
+    assert tr.full_precision == ("blocks.0.1", "blocks.1.1", "blocks.2.1")
+    assert any("(Shift) fail in the compute dtype" in n for n in tr.notes)
+    plan = policy("order").plan(tr)
+    assert sorted(g.modules for g in plan.groups if g.param_dtype == "fp32") == [
+        ("blocks.0.1",), ("blocks.1.1",), ("blocks.2.1",)]

@@ -10,6 +10,7 @@ the same way, so it is a ``PrecisionError`` that names the op, the module and th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -62,7 +63,8 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     command line's figures. A step that fails in that dtype at a module holding trainable params and floating
     buffers (BatchNorm and its running stats, which FSDP2 does not cast) is traced again with every module of that
     class in fp32, as fp32 groups of their own run them (``Trace.full_precision``; the policies then give them such
-    groups); ``fp32_modules`` are kept in fp32 so from the start (a router the user keeps in fp32, as torchtitan
+    groups); a step failing in a module after one that adds an fp32 buffer to activations keeps that one so
+    (``kept_before``); ``fp32_modules`` are kept in fp32 so from the start (a router the user keeps in fp32, as torchtitan
     does). A step that still fails in that dtype but runs in the model's own dtypes raises ``PrecisionError`` (the
     real run would crash); one that fails in both raises what the model raised.
     ``routing`` is the capacity factor of data-dependent ops' stand-in (``routing.py``).
@@ -73,28 +75,30 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     precision = resolve_precision(precision)
     dtype = precision.trace_dtype
     kept = checked_fp32_modules(model, fp32_modules)
+    step = functools.partial(record, model, example_inputs, loss_fn, reuse=reuse, routing=routing)
     try:
-        return record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype, routing=routing,
-                      full_precision=kept)
+        return step(compute_dtype=dtype, full_precision=kept)
     except Exception as e:
         if dtype is None:
             raise
         cause = e
+    own: Trace | None = None  # the step in the model's own dtypes, traced when needed
     for _ in range(MAX_KEPT_CLASSES):
         more = kept_in_fp32(model, failed_at(cause))
+        if not more:  # an fp32 buffer added to activations fails a module after the one that added it
+            own = own or step()
+            more = kept_before(model, own, failed_at(cause))
         if not more or set(more) <= set(kept):
             break
         kept = (*kept, *(m for m in more if m not in kept))
         try:
-            tr = record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype, routing=routing,
-                        full_precision=kept)
+            tr = step(compute_dtype=dtype, full_precision=kept)
         except Exception as e:
             cause = e
             continue
         return replace(tr, notes=(*tr.notes, kept_note(model, kept, precision)))
     # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
-    own = record(model, example_inputs, loss_fn, reuse=reuse, routing=routing)
-    raise PrecisionError(precision, cause, own) from cause
+    raise PrecisionError(precision, cause, own or step()) from cause
 
 
 def checked_fp32_modules(model: nn.Module, names: Sequence[str]) -> tuple[str, ...]:
@@ -131,6 +135,22 @@ def kept_in_fp32(model: nn.Module, failed: FailedOp | None) -> tuple[str, ...]:
     if not _needs_fp32(module):
         return ()
     return tuple(name for name, m in model.named_modules() if type(m) is type(module) and _needs_fp32(m))
+
+
+def kept_before(model: nn.Module, own: Trace, failed: FailedOp | None) -> tuple[str, ...]:
+    """The modules to run in fp32 when ``failed`` names a module that holds no floating buffer: the step's latest
+    module before it (by first param read, in the model's own dtypes) that holds trainable params and floating
+    buffers, with every module of its class: an fp32 buffer added to activations there makes what the failing
+    module gets fp32, and that module's fp32 group casts its output back."""
+    if failed is None or failed.module not in own.modules or own.modules[failed.module].first_use < 0:
+        return ()
+    at, named = own.modules[failed.module].first_use, dict(model.named_modules())
+    before = [(info.first_use, name) for name, info in own.modules.items()
+              if 0 <= info.first_use < at and name in named and _needs_fp32(named[name])]
+    if not before:
+        return ()
+    source = type(named[max(before)[1]])
+    return tuple(name for name, m in model.named_modules() if type(m) is source and _needs_fp32(m))
 
 
 def kept_note(model: nn.Module, kept: tuple[str, ...], precision: Precision) -> str:
