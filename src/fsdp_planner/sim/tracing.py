@@ -64,8 +64,9 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     buffers (BatchNorm and its running stats, which FSDP2 does not cast) is traced again with every module of that
     class in fp32, as fp32 groups of their own run them (``Trace.full_precision``; the policies then give them such
     groups); a step failing in a module after one that adds an fp32 buffer to activations keeps that one so
-    (``kept_before``); ``fp32_modules`` are kept in fp32 from the start (a router, as torchtitan keeps them). A step that still fails in that dtype but runs in the model's own dtypes raises ``PrecisionError`` (the
-    real run would crash); one that fails in both raises what the model raised.
+    (``kept_before``); ``fp32_modules`` are kept in fp32 from the start (a router, as torchtitan keeps them). A
+    step that still fails in that dtype but runs in the model's own dtypes raises ``PrecisionError`` (the real run
+    would crash); one that fails in both raises what the model raised.
     ``routing`` is the capacity factor of data-dependent ops' stand-in (``routing.py``).
     ``fsdp_planner.trace.record`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
     real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
