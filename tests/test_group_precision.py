@@ -201,3 +201,14 @@ def test_a_module_adding_an_fp32_buffer_to_activations_gets_fp32_groups():
     plan = policy("order").plan(tr)
     assert sorted(g.modules for g in plan.groups if g.param_dtype == "fp32") == [
         ("blocks.0.1",), ("blocks.1.1",), ("blocks.2.1",)]
+
+
+@pytest.mark.parametrize("name", ["order", "size", "module"])
+def test_a_kept_parent_whose_pieces_several_groups_list_is_sharded_once(name):
+    """A U-Net whose decoder stages build an fp32 tensor in forward, run in fp32 as the refusal suggests: the
+    policies list the stages' convs in several groups, and each stage is one fp32 group all the same."""
+    lm = load_model(str(Path(__file__).parent / "fixtures" / "precision_models.py") + ":unet_conv")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision="bf16-mixed", fp32_modules=("up2", "up1"))
+    plan = policy(name, min_nonwrapped_numel=2000, module_classes=("Conv2d",)).plan(tr)
+    assert sorted(g.modules for g in plan.groups if g.param_dtype == "fp32") == [("up1",), ("up2",)]
+    check_plan_matches(plan, tr)

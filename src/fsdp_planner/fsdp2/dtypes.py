@@ -128,6 +128,22 @@ def split_by_dtype(trace: Trace, groups: list[list[str]], reshard: list[ReshardA
     root_pieces = splitter.expand_root()
     out.extend(root_pieces)
     out_reshard.extend([True] * len(root_pieces))
+    return _listed_once(out, out_reshard) if trace.full_precision else (out, out_reshard)
+
+
+def _listed_once(groups: list[list[str]], reshard: list[ReshardAfterForward]
+                 ) -> tuple[list[list[str]], list[ReshardAfterForward]]:
+    """Each module in its first group only: the pieces of one module kept in fp32 that several groups listed all
+    name that module (``fp32_targets``); a group left with none is dropped."""
+    seen: set[str] = set()
+    out: list[list[str]] = []
+    out_reshard: list[ReshardAfterForward] = []
+    for ms, r in zip(groups, reshard, strict=True):
+        kept = [m for m in ms if m not in seen]
+        seen.update(kept)
+        if kept or not ms:  # a group the policy gave empty stays as it was
+            out.append(kept)
+            out_reshard.append(r)
     return out, out_reshard
 
 

@@ -42,8 +42,8 @@ class PrecisionError(PlannerError):
         self.problem = (f"the step fails in {dtype}, the compute dtype of precision '{precision.name}': "
                         f"{where}{type(cause).__name__}: {first_line(cause)}")
         self.fix = ("cast in forward, so the op's operands share a dtype (build tensors with dtype=x.dtype, or "
-                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), or plan with "
-                    "--precision fp32")
+                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), keep the "
+                    "module in an fp32 group of its own (--fp32-modules NAME), or plan with --precision fp32")
         super().__init__(f"{self.problem}; {self.fix}")
 
 
