@@ -58,8 +58,8 @@ def check_full_precision(plan: Plan, trace: Trace) -> None:
         name = ", ".join(g.modules[:3]) or "(root)"
         if g.param_dtype:
             raise PlannerError(f"group {i} ({name}) has param_dtype {g.param_dtype} but holds params of modules that "
-                               "run in the compute dtype; only modules that fail in it are kept in fp32 groups: "
-                               "remove its param_dtype or make the plan again")
+                               "run in the compute dtype; fp32 groups hold the modules that fail in it and those "
+                               "--fp32-modules names: remove its param_dtype, name its modules, or make the plan again")
         if any(trace.index.param_index[p] in trace.full_precision_params for p in g.params):
             raise PlannerError(f"group {i} ({name}) holds params of modules that fail in the compute dtype "
                                f"({', '.join(trace.full_precision[:3])}...) and must run in fp32: give them groups "
