@@ -110,24 +110,25 @@ def test_auto_plans_batchnorm_in_fp32_groups_and_export_writes_their_policy(resn
     assert "FP32_GROUPS" not in plain and "full_precision" not in plain
 
 
-@pytest.mark.integration  # ~8 s: a torchrun job of 2 gloo ranks, then real FSDP2 on 8 fake ranks
+@pytest.mark.integration  # ~8 s (unloaded): a torchrun job of 2 gloo ranks, then real FSDP2 on 4 fake ranks
 def test_resnet_plan_with_fp32_batchnorm_groups_trains_on_2_gloo_ranks_with_parity(resnet):
-    """Under bf16-mixed: the BatchNorms' groups all-gather in fp32 (the bytes as predicted), and the params stay
-    within bf16 steps of an unsharded reference that runs those modules in fp32 too; on 8 fake ranks the simulator's
-    counts and bytes are real FSDP2's."""
-    plan = policy("titan").plan(resnet, RESNET)
+    """Under bf16-mixed: auto's plan (its BatchNorms in an fp32 group) all-gathers them in fp32, the bytes as
+    predicted, and its params stay within bf16 steps of an unsharded reference that runs those modules in fp32 too;
+    on 4 fake ranks titan's plan (an fp32 group beside each block's) has real FSDP2's counts and bytes."""
+    plan = AutoPolicy(parse_cluster("h100:8")).plan(resnet, RESNET)
+    assert any(g.param_dtype == "fp32" for g in plan.groups)
     result = run_verify(RESNET, resnet, plan, nproc=2, steps=2, precision="bf16-mixed")
     assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
     assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
     assert result.losses == pytest.approx(result.reference_losses, rel=1e-2)
-    options = SimOptions.named("bf16-mixed")
-    predicted = simulate(resnet, plan, parse_cluster("h100:8"), options, timeline=False)
-    measured = run_fake_world(RESNET, plan, 8, options.precision)
+    options, plan = SimOptions.named("bf16-mixed"), policy("titan").plan(resnet, RESNET)
+    predicted = simulate(resnet, plan, parse_cluster("h100:4"), options, timeline=False)
+    measured = run_fake_world(RESNET, plan, 4, options.precision)
     assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
                                "all_reduce": 0}
     assert (measured.nbytes["all_gather"], measured.nbytes["reduce_scatter"]) == \
         (predicted.all_gather_bytes, predicted.reduce_scatter_bytes)
-    as_bf16 = simulate(dataclasses.replace(resnet, full_precision=()), plan, parse_cluster("h100:8"), options,
+    as_bf16 = simulate(dataclasses.replace(resnet, full_precision=()), plan, parse_cluster("h100:4"), options,
                        timeline=False)  # the BatchNorms counted in bf16: what the fp32 bytes correct
     assert as_bf16.all_gather_bytes < measured.nbytes["all_gather"]
 
