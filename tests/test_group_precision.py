@@ -213,3 +213,12 @@ def test_a_kept_parent_whose_pieces_several_groups_list_is_sharded_once(name):
     plan = policy(name, min_nonwrapped_numel=2000, module_classes=("Conv2d",)).plan(tr)
     assert sorted(g.modules for g in plan.groups if g.param_dtype == "fp32") == [("up1",), ("up2",)]
     check_plan_matches(plan, tr)
+
+
+def test_the_python_api_plans_the_modules_it_is_told_to_keep_in_fp32():
+    import fsdp_planner
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    plan = fsdp_planner.plan(model, (torch.randn(4, 16),), policy="order", fp32_modules=("1",))
+    assert [g.modules for g in plan.groups if g.param_dtype == "fp32"] == [("1",)]
+    assert not any(g.param_dtype for g in fsdp_planner.plan(model, (torch.randn(4, 16),), policy="order").groups)
