@@ -128,8 +128,7 @@ def test_the_tracers_hooks_keep_the_models_grads(fn):
 @pytest.mark.integration
 def test_plan_and_verify_a_resnet_with_inplace_relu_from_the_cli():
     spec = f"{MODELS}:build"
-    # in fp32: under bf16-mixed FSDP2 casts BatchNorm's weight, not its running stats, and the step fails
-    # (test_precision.py)
+    # in fp32 (under bf16-mixed the BatchNorms get fp32 groups of their own: test_group_precision.py)
     out = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", spec, "--precision", "fp32"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr

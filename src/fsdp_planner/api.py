@@ -46,7 +46,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          shard_placement: str = ShardPlacement.DIM0.value, attention: str | None = None,
          routing: float | None = None, hf_config: dict[str, Any] | None = None,
          gradient_sync: str | None = None, tp: int | None = None, loss_parallel: bool | None = None,
-         async_tp: bool = False, ep: int | None = None) -> Plan:
+         async_tp: bool = False, ep: int | None = None, fp32_modules: tuple[str, ...] = ()) -> Plan:
     """The FSDP2 plan for ``model`` on ``cluster``: the plan ``fsdp-planner plan ... --policy POLICY --out`` writes
     for the same model and options (each keyword is the option of the same name, ``-`` as ``_``, checked by the
     same validator with the same types and ranges: a bool is a bool; the README's Python API section lists them).
@@ -54,7 +54,8 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
     string with ``batch`` and ``policy="auto"``). ``hf_config``: a dict of ``--hf-config`` fields, for an ``hf:``
     MODEL spec. ``tp``: tensor parallelism of that degree inside each node (``--tp``; default none, and auto
     chooses among 1, 2, 4 and 8), with ``loss_parallel`` and ``async_tp``. ``ep``: expert parallelism of that degree
-    over the model's grouped experts (``--ep``; default none).
+    over the model's grouped experts (``--ep``; default none). ``fp32_modules``: modules kept in fp32 groups of their
+    own under a mixed precision (``--fp32-modules``, e.g. MoE routers; BatchNorm with running stats needs no asking).
 
     ``model`` is an ``nn.Module`` (on meta or real) with its ``inputs`` (a tuple of positional args, one tensor or
     a dict of kwargs: one micro-batch of one rank) and optional ``loss_fn`` (default: the mean of squares of the
@@ -83,7 +84,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         module_classes=module_classes or None, search_effort=search_effort, target=target,
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,
         hf_config=hf_config, gradient_sync=gradient_sync, tp=tp, loss_parallel=loss_parallel, async_tp=async_tp,
-        ep=ep)
+        ep=ep, fp32_modules=fp32_modules or None)
     job = checked_job(keywords, Spelling.API, None if isinstance(model, str) else type(model).__name__,
                       split_by_default=True)
     tracer: Tracer = ((lambda spec, options: trace_spec(spec, options.precision)) if isinstance(model, str)
@@ -120,7 +121,7 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
         try:  # the command line traces on meta: a real model's meta twin gives its figures, and leaves it untouched
             if copy is not None:
                 return trace(copy, meta_inputs, _on_meta_loss(loss_fn), precision=options.precision,
-                             routing=routing)
+                             routing=routing, fp32_modules=spec.fp32_modules)
         except PlannerError:  # the verdict of the step in the precision (PrecisionError): the model's, not meta's
             raise
         except Exception:
@@ -129,7 +130,8 @@ def _traced_module(model: nn.Module, inputs: Any, loss_fn: Callable[[Any], torch
         # a step that cannot run on meta (a tensor made on an explicit device in forward): the real model under
         # fake tensors, its grads kept
         with _grads_kept(model):
-            return trace(model, inputs, loss_fn, precision=options.precision, routing=routing)
+            return trace(model, inputs, loss_fn, precision=options.precision, routing=routing,
+                         fp32_modules=spec.fp32_modules)
 
 
 def _on_meta(model: nn.Module, inputs: Any) -> tuple[nn.Module, Any]:

@@ -204,6 +204,28 @@ def _dtype(dtype: torch.dtype | None) -> str:
     return "None" if dtype is None else str(dtype)
 
 
+GROUP_SHARD = ("        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, "
+               "reshard_after_forward=reshard,\n                    **fsdp_kwargs)\n")
+# plans with fp32 groups only (Group.param_dtype): those groups get their own policy
+FP32_GROUP_SHARD = ("        kwargs = {**fsdp_kwargs, \"mp_policy\": full_precision(fsdp_kwargs[\"mp_policy\"])} "
+                    "if i in FP32_GROUPS \\\n            else fsdp_kwargs\n"
+                    "        fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, "
+                    "reshard_after_forward=reshard, **kwargs)\n")
+GROUP_ORDER = "key=lambda i: -max(_depth(n) for n in GROUPS[i][0])):\n"
+# the fp32 groups hold whole subtrees of modules no other group lists: sharded first, before a parent claims them
+FP32_GROUP_ORDER = "key=lambda i: (i not in FP32_GROUPS, -max(_depth(n) for n in GROUPS[i][0]))):\n"
+FP32_TAIL = """
+
+def full_precision(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    \"\"\"The policy of the FP32_GROUPS beside ``policy``: params all-gathered and computed in fp32, the group's
+    inputs cast to fp32 and its outputs back to ``policy``'s compute dtype for the modules after it (BatchNorm's
+    running stats are fp32 buffers, which FSDP2 does not cast).\"\"\"
+    if policy.param_dtype is None:
+        return policy
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=policy.reduce_dtype,
+                                output_dtype=policy.param_dtype, cast_forward_inputs=True)
+"""
+
 CHECKPOINT_LINE = "        _checkpoint(modules[name])\n"
 SELECTIVE_LOOP = """    for name, policy in SELECTIVE.items():  # op-level selective activation checkpointing
         _checkpoint_selective(modules[name], policy)
@@ -706,6 +728,11 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         loop = SELECTIVE_LOOP if plan.selective_checkpointing else ""
         body = body.replace(CHECKPOINT_LINE + loop, CHECKPOINT_LINE + loop + OFFLOAD_LOOP)
         tails += OFFLOAD_TAIL
+    fp32 = [i for i, g in enumerate(plan.inner_groups) if g.param_dtype == "fp32"]
+    if fp32:
+        constants += f"FP32_GROUPS: list[int] = {py_literal(fp32)}  # groups computing in fp32 (full_precision)\n"
+        body = body.replace(GROUP_SHARD, FP32_GROUP_SHARD).replace(GROUP_ORDER, FP32_GROUP_ORDER)
+        tails += FP32_TAIL
     if plan.tensor_parallel is not None:
         header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel)
         tail = TP_TAILS.get(fmt, TAILS[fmt])

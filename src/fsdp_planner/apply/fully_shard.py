@@ -16,6 +16,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloading
 from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, check_int_reshard_on_dim0, check_plan_world_size
+from fsdp_planner.fsdp2.precision import full_precision_policy
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.trace.walk import model_fingerprint
 
@@ -114,8 +115,9 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         targets = [modules[m] for m in g.modules]
         if g.is_root:
             continue
+        own = {**kwargs, "mp_policy": full_precision_policy(mp)} if g.param_dtype == "fp32" else kwargs
         fully_shard(targets[0] if len(targets) == 1 else targets,
-                    reshard_after_forward=reshard_arg(g.reshard_after_forward, world), **kwargs)
+                    reshard_after_forward=reshard_arg(g.reshard_after_forward, world), **own)
     # the root's reshard_after_forward is given explicitly (False by default, what FSDP2 2.8+ infers from None)
     fully_shard(model, reshard_after_forward=reshard_arg(plan.root.reshard_after_forward, world), **kwargs)
     for fqn, name in plan.forward_methods:  # after fully_shard: it wraps with the module's FSDP state's hooks

@@ -141,6 +141,10 @@ def add_model(sp: argparse.ArgumentParser, optional: bool = False) -> None:
                     help="capacity factor of the balanced-routing stand-in that data-dependent ops (a torch.where "
                          "or nonzero router, .item() checks) run while planned: each expert gets tokens x top_k / "
                          "experts x CAPACITY rows (default 1; 0.1 to 64)")
+    sp.add_argument("--fp32-modules", default=None, metavar="NAME[,NAME...]",
+                    help="modules kept in fp32 under a mixed precision, each in an fp32 group of its own "
+                         "(MixedPrecisionPolicy(param_dtype=float32)), e.g. MoE routers; BatchNorm with running "
+                         "stats gets one without asking")
     sp.add_argument("--hf-config", action="append", metavar="KEY=VALUE", default=None,
                     help="hf: models: set a config field over the file's (repeatable; VALUE a JSON scalar, e.g. "
                          "use_cache=true, num_hidden_layers=4); training builds the model with use_cache=false "

@@ -172,9 +172,10 @@ _ITEMSIZE_NAMES = {4: "fp32", 2: "bf16"}  # a simulated precision's unsharded pa
 
 def metrics_dtype(tr: Trace, precision: Precision | None) -> str:
     """The dtype of a comparison table's byte columns, named in its caption: the simulated precision's
-    unsharded params (``plan_metrics(precision=)``), else the params' own dtype."""
+    unsharded params (``plan_metrics(precision=)``; the fp32 groups' in fp32), else the params' own dtype."""
     if precision is not None:
-        return _ITEMSIZE_NAMES.get(precision.gather_bytes, f"{precision.gather_bytes}-byte")
+        name = _ITEMSIZE_NAMES.get(precision.gather_bytes, f"{precision.gather_bytes}-byte")
+        return f"{name}, fp32 groups in fp32" if tr.full_precision and precision.gather_bytes != 4 else name
     dtypes = {p.dtype for p in tr.params}
     return _DTYPE_NAMES.get(next(iter(dtypes)), "own dtype") if len(dtypes) == 1 else "own dtypes"
 
@@ -241,7 +242,8 @@ def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
         ac = checkpointed[i]
         checkpoint = how_checkpointed(plan, ac) if ac and ac == list(g.modules) else escape(fmt_modules(ac, 1)) if ac \
             else ""
-        t.add_row(str(i), escape(fmt_modules(g.modules)), fmt_numel(numel) if g.params else "none",
+        fp32 = f" (computes in {g.param_dtype})" if g.param_dtype else ""  # its own MixedPrecisionPolicy
+        t.add_row(str(i), escape(fmt_modules(g.modules) + fp32), fmt_numel(numel) if g.params else "none",
                   fmt_bytes(nbytes), raf, checkpoint)
         if len(shown) < len(plan.groups) and i == limit - 2:
             t.add_row("...", f"({len(plan.groups) - limit} more groups)", "", "", "", "")

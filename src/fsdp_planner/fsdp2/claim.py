@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import check_checkpointing
-from fsdp_planner.fsdp2.dtypes import check_uniform_dtypes, split_by_dtype
+from fsdp_planner.fsdp2.dtypes import check_full_precision, check_uniform_dtypes, split_by_dtype, with_param_dtypes
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.trace.records import Trace
@@ -208,6 +208,7 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
         plan.expert_parallel.experts(trace.modules)  # ... and every expert pattern
     validate_plan(plan, trace)
     check_uniform_dtypes(plan, trace)
+    check_full_precision(plan, trace)
     check_checkpointing(plan, trace)
 
 
@@ -255,7 +256,7 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     # (built, not ``replace``d: auto builds thousands of groups per plan)
     claimed = [Group(g.modules, params, g.reshard_after_forward)
                for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True)]
-    plan = replace(plan, groups=[g for g in claimed if g.params or g.is_root])
+    plan = replace(plan, groups=with_param_dtypes(trace, [g for g in claimed if g.params or g.is_root]))
     first = trace.index.first_use_by_name.__getitem__
     inner = sorted(plan.inner_groups, key=lambda g: min(map(first, g.params)))
     return replace(plan, groups=[*inner, plan.root], forward_methods=methods_to_register(trace, plan))

@@ -9,15 +9,68 @@ A policy's grouping is made uniform here by splitting: a module whose claimed pa
 pieces (its children, recursively) each of one dtype, and the pieces of each dtype form one list group. The module
 itself stays listed for its own params. A module that registers trainable params of several dtypes itself cannot
 be split (``fully_shard`` manages a module's own params together): that is an error naming it.
+
+The same split keeps apart the modules traced in fp32 (``Trace.full_precision``: BatchNorm under bf16-mixed): FSDP2
+applies one ``MixedPrecisionPolicy`` per group, so theirs are groups of their own, marked ``param_dtype="fp32"``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
+from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT
+from fsdp_planner.trace.tree import ROOT, proper_ancestors
+
+FP32_GROUP = " (fp32 group)"  # a param's split key: its dtype, and this when its module runs in fp32
+
+
+def param_kinds(trace: Trace) -> dict[str, str]:
+    """Trainable param -> what the params of one group share: their dtype, and whether their module runs in fp32."""
+    fp32 = trace.full_precision_params
+    return {p.fqn: p.dtype + (FP32_GROUP if i in fp32 else "") for i, p in enumerate(trace.params) if p.requires_grad}
+
+
+def several_kinds(trace: Trace) -> bool:
+    """Whether some groups must be split: the model trains several dtypes, or keeps modules in fp32."""
+    return len(trace.index.trainable_dtypes) > 1 or bool(trace.full_precision)
+
+
+def group_param_dtype(trace: Trace, params: tuple[str, ...] | list[str]) -> str:
+    """``Group.param_dtype`` of a group holding ``params``: "fp32" when they all belong to modules traced in fp32."""
+    if not params or not trace.full_precision:
+        return ""
+    index, fp32 = trace.index.param_index, trace.full_precision_params
+    return "fp32" if all(index[p] in fp32 for p in params) else ""
+
+
+def check_full_precision(plan: Plan, trace: Trace) -> None:
+    """Refuse a plan whose fp32 groups differ from the modules the step needs in fp32: a group mixing them with
+    others would run one of the two in the wrong dtype (FSDP2 applies one policy per group)."""
+    if trace.compute_itemsize is None:  # traced in fp32: an fp32 group changes nothing
+        return
+    for i, g in enumerate(plan.groups):
+        want = group_param_dtype(trace, g.params)
+        if want == g.param_dtype:
+            continue
+        name = ", ".join(g.modules[:3]) or "(root)"
+        if g.param_dtype:
+            raise PlannerError(f"group {i} ({name}) has param_dtype {g.param_dtype} but holds params of modules that "
+                               "run in the compute dtype; fp32 groups hold the modules that fail in it and those "
+                               "--fp32-modules names: remove its param_dtype, name its modules, or make the plan again")
+        if any(trace.index.param_index[p] in trace.full_precision_params for p in g.params):
+            raise PlannerError(f"group {i} ({name}) holds params of modules that fail in the compute dtype "
+                               f"({', '.join(trace.full_precision[:3])}...) and must run in fp32: give them groups "
+                               "of their own with \"param_dtype\": \"fp32\" (or make the plan again)")
+
+
+def with_param_dtypes(trace: Trace, groups: list[Group]) -> list[Group]:
+    """``groups`` with the fp32 groups marked (the root never: it holds what the split left in the compute dtype)."""
+    if not trace.full_precision:
+        return groups
+    return [replace(g, param_dtype=group_param_dtype(trace, g.params)) if not g.is_root else g for g in groups]
 
 
 def group_dtypes(plan: Plan, trace: Trace) -> list[list[str]]:
@@ -41,11 +94,22 @@ def check_uniform_dtypes(plan: Plan, trace: Trace) -> None:
                                f"group of their own")
 
 
+def fp32_targets(trace: Trace, modules: list[str]) -> list[str]:
+    """An fp32 piece's ``fully_shard`` targets: exactly the modules traced in fp32 (whose calls FSDP2's hooks must
+    cast as the trace did), each once: a module inside one is replaced by it, a parent of some by them."""
+    kept = trace.full_precision
+    out: list[str] = []
+    for m in modules:
+        above = next((a for a in (m, *proper_ancestors(m)) if a in kept), None)
+        out.extend([above] if above is not None else [f for f in kept if m == ROOT or f.startswith(m + ".")])
+    return list(dict.fromkeys(out))
+
+
 def split_by_dtype(trace: Trace, groups: list[list[str]], reshard: list[ReshardAfterForward]
                    ) -> tuple[list[list[str]], list[ReshardAfterForward]]:
     """``groups`` (the non-root groups, root implied) with every group, the root's share included, made of one
     trainable dtype; added groups reshard after forward. Unchanged when the model has one trainable dtype."""
-    if len(trace.index.trainable_dtypes) <= 1:
+    if not several_kinds(trace):
         return groups, reshard
     splitter = _Splitter(trace, {m for ms in groups for m in ms})
     out: list[list[str]] = []
@@ -55,20 +119,38 @@ def split_by_dtype(trace: Trace, groups: list[list[str]], reshard: list[ReshardA
         for m in ms:
             splitter.expand(m, pieces)
         frozen = pieces.pop(None, [])
-        split = list(pieces.values()) or [[]]
-        split[0] = [*split[0], *frozen]  # pieces without trainable params join any group
+        split = [fp32_targets(trace, ms) if k.endswith(FP32_GROUP) else ms for k, ms in pieces.items()] or [[]]
+        # pieces without trainable params join any group but an fp32 one (whose hooks would cast their inputs)
+        first = next((i for i, k in enumerate(pieces) if not k.endswith(FP32_GROUP)), 0)
+        split[first] = [*split[first], *frozen]
         out.extend(split)
         out_reshard.extend([r] * len(split))
     root_pieces = splitter.expand_root()
     out.extend(root_pieces)
     out_reshard.extend([True] * len(root_pieces))
+    return _listed_once(out, out_reshard) if trace.full_precision else (out, out_reshard)
+
+
+def _listed_once(groups: list[list[str]], reshard: list[ReshardAfterForward]
+                 ) -> tuple[list[list[str]], list[ReshardAfterForward]]:
+    """Each module in its first group only: the pieces of one module kept in fp32 that several groups listed all
+    name that module (``fp32_targets``); a group left with none is dropped."""
+    seen: set[str] = set()
+    out: list[list[str]] = []
+    out_reshard: list[ReshardAfterForward] = []
+    for ms, r in zip(groups, reshard, strict=True):
+        kept = [m for m in ms if m not in seen]
+        seen.update(kept)
+        if kept or not ms:  # a group the policy gave empty stays as it was
+            out.append(kept)
+            out_reshard.append(r)
     return out, out_reshard
 
 
 class _Splitter:
     def __init__(self, trace: Trace, listed: set[str]) -> None:
         self.trace, self.modules = trace, trace.modules
-        self.dtype = {p.fqn: p.dtype for p in trace.params if p.requires_grad}
+        self.dtype = param_kinds(trace)
         self.numel = {p.fqn: p.numel for p in trace.params}
         self.listed = listed
         self.owners_below = trace.index.owners_below
@@ -129,11 +211,12 @@ class _Splitter:
         own = self.own(ROOT)
         params = self.trace.params
         outside = {self.dtype[params[p].fqn] for p in self.trace.index.read_outside if params[p].fqn in self.dtype}
-        keep = own[0] if own else next(iter(outside)) if len(outside) == 1 else max(sorted(ds), key=self._numel_of)
+        plain = sorted(d for d in ds if not d.endswith(FP32_GROUP)) or sorted(ds)  # the root computes as the plan
+        keep = own[0] if own else next(iter(outside)) if len(outside) == 1 else max(plain, key=self._numel_of)
         pieces: dict[str | None, list[str]] = {}
         self.carve(ROOT, keep, pieces)
         pieces.pop(None, None)
-        return [ms for ms in pieces.values() if ms]
+        return [fp32_targets(self.trace, ms) if k.endswith(FP32_GROUP) else ms for k, ms in pieces.items() if ms]
 
     def _numel_of(self, dtype: str) -> int:
         return sum(self.numel[p] for p, d in self.dtype.items() if d == dtype)

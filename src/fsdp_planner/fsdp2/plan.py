@@ -35,7 +35,10 @@ PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing",
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
-GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch")
+GROUP_KEYS = ("modules", "params", "reshard_after_forward", "forward_prefetch", "backward_prefetch", "param_dtype")
+# a group's own MixedPrecisionPolicy.param_dtype: "fp32" keeps its modules in full precision under a mixed
+# precision (BatchNorm's running stats, which FSDP2 does not cast, need fp32 activations); absent: the plan's
+GROUP_PARAM_DTYPES = ("fp32",)
 
 ReshardAfterForward = bool | int  # True, False, or the size of the sub-group that keeps a shard after forward
 
@@ -102,6 +105,8 @@ class Group:
     reshard_after_forward: ReshardAfterForward = True
     forward_prefetch: tuple[int, ...] = ()  # group indices to unshard at this one's forward
     backward_prefetch: tuple[int, ...] = ()  # ... at this one's pre-backward
+    param_dtype: str = ""  # "fp32": its own MixedPrecisionPolicy computing in fp32 (inputs cast to it, outputs back
+    # to the plan's compute dtype); "": the plan's precision
 
     def __post_init__(self) -> None:
         _tuples(self, ("modules", "params", "forward_prefetch", "backward_prefetch"))
@@ -117,6 +122,8 @@ class Group:
             d["forward_prefetch"] = list(self.forward_prefetch)
         if self.backward_prefetch:
             d["backward_prefetch"] = list(self.backward_prefetch)
+        if self.param_dtype:  # absent: the plan's precision, as plans written before it was recorded
+            d["param_dtype"] = self.param_dtype
         return d
 
 
@@ -241,7 +248,7 @@ class Plan:
 
     def signature(self) -> tuple:
         """What makes two plans behave the same (names and labels aside)."""
-        return (tuple((g.modules, g.reshard_after_forward, g.forward_prefetch, g.backward_prefetch)
+        return (tuple((g.modules, g.reshard_after_forward, g.forward_prefetch, g.backward_prefetch, g.param_dtype)
                       for g in self.groups), self.activation_checkpointing,
                 tuple(self.selective_checkpointing.items()), self.mesh, self.forward_methods, self.offload,
                 tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading,
@@ -486,7 +493,12 @@ def _group_from_dict(i: int, g: Any) -> Group:
         if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in value):
             raise PlannerError(f"plan group {i}: {key} must be a list of group indices")
         prefetch[key] = list(value)
-    return Group(modules=list(g["modules"]), params=list(g.get("params", [])), reshard_after_forward=raf, **prefetch)
+    param_dtype = g.get("param_dtype", "")
+    if param_dtype != "" and param_dtype not in GROUP_PARAM_DTYPES:
+        raise PlannerError(f"plan group {i}: param_dtype must be {', '.join(GROUP_PARAM_DTYPES)} (the group computes "
+                           f"in full precision) or absent (the plan's precision), got {shown_json(param_dtype)}")
+    return Group(modules=list(g["modules"]), params=list(g.get("params", [])), reshard_after_forward=raf,
+                 param_dtype=param_dtype, **prefetch)
 
 
 

@@ -94,3 +94,16 @@ def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecis
                                    if p.is_floating_point()})
     param_dtype, reduce_dtype = precision.fsdp_dtypes()
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def full_precision_policy(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """The policy of a group with ``param_dtype="fp32"`` beside the plan's ``policy``: params all-gathered and computed
+    in fp32, the group's inputs cast to fp32 (``cast_forward_inputs``) and its outputs back to the plan's compute
+    dtype (``output_dtype``) for the modules after it, grads reduced as the plan's. ``policy`` itself when the plan
+    computes in its params' dtype."""
+    import torch.distributed.fsdp as fsdp  # the distributed stack: for a run only
+
+    if policy.param_dtype is None:
+        return policy
+    return fsdp.MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=policy.reduce_dtype,
+                                     output_dtype=policy.param_dtype, cast_forward_inputs=True)

@@ -69,6 +69,9 @@ MIN_ROUTING, MAX_ROUTING = 0.1, 64.0  # --routing: below, an expert gets almost 
 # The workload options and the factory keyword each one sets.
 WORKLOAD_OPTIONS = {"batch_size": "--batch", "seq_len": "--seq"}
 
+MAX_FP32_MODULES = 10_000  # --fp32-modules names (a model's modules are far fewer that need it)
+MAX_FP32_NAME = 100_000  # characters of one (a plan's module-name limit, fsdp2/plan.py's MAX_NAME)
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -81,6 +84,8 @@ class ModelSpec:
     routing: float | None = None  # --routing: the stand-in's capacity factor (routing.py); None: 1
     hf_config: hf.Overrides = ()  # ``--hf-config KEY=VALUE``: config fields of an ``hf:`` model, set over its file's
     compile: bool = False  # --compile: the repeated blocks run torch.compile'd (what they save: trace/compiled.py)
+    fp32_modules: tuple[str, ...] = ()  # --fp32-modules: modules kept in fp32 groups under a mixed precision (a
+    # router, as torchtitan keeps MoE routers; sim/tracing.py)
 
     def __post_init__(self) -> None:
         if self.attention is not None and self.attention not in ATTENTION_NAMES:
@@ -98,6 +103,10 @@ class ModelSpec:
                                f"'{self.name}'")
         if len(self.hf_config) > hf.MAX_OVERRIDES:
             raise PlannerError(f"--hf-config: at most {hf.MAX_OVERRIDES} fields, got {len(self.hf_config)}")
+        if not isinstance(self.fp32_modules, tuple) or len(self.fp32_modules) > MAX_FP32_MODULES or not all(
+                isinstance(m, str) and 0 < len(m) <= MAX_FP32_NAME for m in self.fp32_modules):
+            raise PlannerError(f"--fp32-modules: at most {MAX_FP32_MODULES:,} module names of at most "
+                               f"{MAX_FP32_NAME:,} characters each")
 
     def __str__(self) -> str:
         return self.name
@@ -130,12 +139,14 @@ class ModelSpec:
         extra = {k: getattr(self, k) for k in ("attention", "routing") if getattr(self, k) is not None}
         config = {"hf_config": dict(self.hf_config)} if self.hf_config else {}
         compiled = {"compile": True} if self.compile else {}
-        return {"name": self.name, **self.kwargs(), **extra, **config, **compiled}
+        fp32 = {"fp32_modules": list(self.fp32_modules)} if self.fp32_modules else {}
+        return {"name": self.name, **self.kwargs(), **extra, **config, **compiled, **fp32}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelSpec:
         fields = dict(data)
         fields["hf_config"] = tuple(fields.get("hf_config", {}).items())
+        fields["fp32_modules"] = tuple(fields.get("fp32_modules", ()))
         return cls(**fields)
 
 

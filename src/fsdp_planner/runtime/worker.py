@@ -57,6 +57,7 @@ from fsdp_planner.patching import patched
 from fsdp_planner.runtime.checkpoint import load_checkpoint, save_checkpoint
 from fsdp_planner.runtime.rank import injected_fault, run_rank
 from fsdp_planner.sim.options import precision_named
+from fsdp_planner.trace.full_precision import full_precision_casts, subtree_params
 from fsdp_planner.trace.recorder import default_loss, split_inputs
 from fsdp_planner.trace.walk import model_fingerprint
 
@@ -239,17 +240,21 @@ def fsdp2_casts(reference: torch.nn.Module, plan: Plan, policy: MixedPrecisionPo
     cast to the reduce dtype and accumulated in the params' own. No casts without a compute dtype."""
     if policy.param_dtype is None:
         return contextlib.nullcontext
-    modules = list(dict.fromkeys(reference.get_submodule(m) for g in plan.groups for m in g.modules))
+    modules = list(dict.fromkeys(reference.get_submodule(m) for g in plan.groups for m in g.modules
+                                 if g.param_dtype != "fp32"))
+    full = tuple(m for g in plan.groups if g.param_dtype == "fp32" for m in g.modules)  # fp32 groups' modules
     reduce = policy.reduce_dtype or policy.param_dtype
-    return functools.partial(_in_compute_dtype, reference, modules, policy.param_dtype, reduce)
+    return functools.partial(_in_compute_dtype, reference, modules, policy.param_dtype, reduce, full)
 
 
 @contextlib.contextmanager
 def _in_compute_dtype(model: torch.nn.Module, modules: list[torch.nn.Module], compute: torch.dtype,
-                      reduce: torch.dtype) -> Iterator[None]:
-    """One micro-batch of ``model`` in ``compute`` (``fsdp2_casts``); its grads then join the params' own. Not
-    mirrored: the casts FSDP2 also makes for a group's registered non-forward methods (``plan.forward_methods``)."""
+                      reduce: torch.dtype, full: tuple[str, ...] = ()) -> Iterator[None]:
+    """One micro-batch of ``model`` in ``compute`` (``fsdp2_casts``), the ``full`` modules in fp32 as their fp32
+    groups run them (``full_precision_casts``); its grads then join the params' own. Not mirrored: the casts FSDP2
+    also makes for a group's registered non-forward methods (``plan.forward_methods``)."""
     kept = [(p, p.data, p.grad) for p in dict.fromkeys(model.parameters()) if p.is_floating_point()]
+    in_fp32 = subtree_params(dict(model.named_modules()), full)
 
     def cast(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tree_map_only(torch.Tensor, lambda t: t.to(compute) if t.is_floating_point() else t, (args, kwargs))
@@ -258,8 +263,9 @@ def _in_compute_dtype(model: torch.nn.Module, modules: list[torch.nn.Module], co
     try:
         for p, data, _ in kept:
             p.grad = None  # a grad of the params' dtype cannot sit on a param of the compute dtype
-            p.data = data.to(compute)
-        yield
+            p.data = data if id(p) in in_fp32 else data.to(compute)
+        with full_precision_casts(dict(model.named_modules()), full, compute):
+            yield
     finally:
         for h in hooks:
             h.remove()

@@ -32,7 +32,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     try:
         with kernel(spec.attention) as attention, consulted() as routed:
             tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision=precision or SimOptions().precision,
-                       reuse=not full, routing=spec.routing or DEFAULT_CAPACITY)
+                       reuse=not full, routing=spec.routing or DEFAULT_CAPACITY, fp32_modules=spec.fp32_modules)
     except PlannerError:  # a PrecisionError among them: the model fails in the compute dtype only
         raise
     except SystemExit as e:  # the model's forward or loss_fn: an error, never a silent exit with its status

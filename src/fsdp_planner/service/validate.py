@@ -98,6 +98,7 @@ class Keywords:
     shard_placement: object = None
     attention: object = None
     routing: object = None
+    fp32_modules: object = None  # modules kept in fp32 groups (command line: --fp32-modules A,B); None: none
     hf_config: object = None
     compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
     float8: object = None  # float8 training's recipe (command line: --float8); None: none
@@ -185,6 +186,21 @@ def module_classes(value: object, spell: Spelling) -> tuple[str, ...]:
     if not out:
         raise PlannerError(f"{spell.name_of('module_classes')} {cut_short(repr(value))} names no class: give "
                            "comma-separated class names such as TransformerBlock,Embedding")
+    return out
+
+
+def fp32_modules(value: object, spell: Spelling) -> tuple[str, ...]:
+    """Module names, comma-separated text or a sequence of names, each once (which modules exist is the trace's
+    to check)."""
+    if value is None:
+        return ()
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+        raise _bad(spell, "fp32_modules", "module names (a string or a tuple of strings)", value)
+    out = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
+    if not out:
+        raise PlannerError(f"{spell.name_of('fp32_modules')} {cut_short(repr(value))} names no module: give "
+                           "comma-separated module names such as layers.0.moe.router")
     return out
 
 
@@ -319,7 +335,8 @@ def model_spec(kw: Keywords, spell: Spelling, name: str | None = None) -> ModelS
                      f"a capacity factor from {MIN_ROUTING} to {MAX_ROUTING:g}") \
         if kw.routing is not None else None
     return ModelSpec(name or text(kw.model, "model", spell), batch // n if batch is not None else None, seq,
-                     attention, routing, hf_config(kw.hf_config, spell), flag(kw.compile, "compile", spell))
+                     attention, routing, hf_config(kw.hf_config, spell), flag(kw.compile, "compile", spell),
+                     fp32_modules(kw.fp32_modules, spell))
 
 
 def _needs_micro_batches(kw: Keywords, spell: Spelling) -> None:

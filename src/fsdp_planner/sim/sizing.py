@@ -14,6 +14,9 @@ a param is not padded; instead its all-gather is copied out through a temporary 
 re-laid out by ``torch.cat(torch.chunk(grad, world_size, dim), dim=0)`` before the reduce-scatter copy-in
 (``foreach_reduce``): one extra copy each way (``shard1_gather_bytes``, ``shard1_grad_bytes``).
 
+Params of modules traced in fp32 (``Trace.full_precision``: an fp32 group's) are all-gathered and get grads in fp32
+whatever the precision's compute dtype.
+
 Under expert parallelism (an EP view's ``Trace.expert_params``) the expert params are sharded over the EP-reduced
 mesh, world size / EP ranks (``param_shards``), the rest over the world size.
 """
@@ -77,6 +80,9 @@ def sharded_numel(param: ParamInfo, shard: int, dim: int) -> int:
     return param.padded_numel(shard) if dim == 0 else param.numel
 
 
+FULL_PRECISION_BYTES = 4  # an fp32 group's all-gather and grads (``Group.param_dtype``)
+
+
 @dataclass(frozen=True)
 class GroupFacts:
     """What a group's params are, wherever the group appears: computed once per distinct set of params."""
@@ -123,6 +129,10 @@ class Sizing:
         self._reduce_per = self._padded * (itemsize("reduce_bytes") if reduce_itemsize is None else reduce_itemsize)
         self._grad_per = np.array([p.numel for p in trace.params], dtype=np.int64) * \
             itemsize("compute_bytes")
+        if precision is not None and trace.full_precision_params:  # fp32 groups: gathered and computed in fp32
+            at = np.fromiter(trace.full_precision_params, dtype=np.intp)
+            self._gather[at] = self._padded[at] * FULL_PRECISION_BYTES
+            self._grad_per[at] = np.array([trace.params[i].numel for i in at], dtype=np.int64) * FULL_PRECISION_BYTES
         self._any_dim1 = bool(self._dim1.any())  # checked per collective: most models have none
         self._gather1 = np.where(self._dim1, self._gather, 0)
         self._grad1 = np.where(self._dim1, self._grad_per, 0)

@@ -10,7 +10,9 @@ the same way, so it is a ``PrecisionError`` that names the op, the module and th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
-from fsdp_planner.trace.failures import failed_at, first_line
+from fsdp_planner.trace.failures import FailedOp, failed_at, first_line
 from fsdp_planner.trace.recorder import record
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -40,8 +42,8 @@ class PrecisionError(PlannerError):
         self.problem = (f"the step fails in {dtype}, the compute dtype of precision '{precision.name}': "
                         f"{where}{type(cause).__name__}: {first_line(cause)}")
         self.fix = ("cast in forward, so the op's operands share a dtype (build tensors with dtype=x.dtype, or "
-                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), or plan with "
-                    "--precision fp32")
+                    "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), keep the "
+                    "module in an fp32 group of its own (--fp32-modules NAME), or plan with --precision fp32")
         super().__init__(f"{self.problem}; {self.fix}")
 
 
@@ -52,14 +54,19 @@ def resolve_precision(precision: Precision | str) -> Precision:
 
 def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
           precision: Precision | str = DEFAULT_PRECISION, reuse: bool = True,
-          routing: float = DEFAULT_CAPACITY) -> Trace:
+          routing: float = DEFAULT_CAPACITY, fp32_modules: Sequence[str] = ()) -> Trace:
     """One training step of ``model`` traced on meta/fake tensors as FSDP2 runs it under ``precision`` (a name
     such as ``'bf16-mixed'`` or ``'fp32'``, or a ``Precision``; the default is the command line's).
 
     Params and floating inputs are cast to the precision's compute dtype, as ``MixedPrecisionPolicy`` casts them,
     so what the model upcasts is recorded at its real size and ``simulate`` with the same precision gives the
-    command line's figures. A step that fails in that dtype but runs in the model's own dtypes raises
-    ``PrecisionError`` (the real run would crash); one that fails in both raises what the model raised.
+    command line's figures. A step that fails in that dtype at a module holding trainable params and floating
+    buffers (BatchNorm and its running stats, which FSDP2 does not cast) is traced again with every module of that
+    class in fp32, as fp32 groups of their own run them (``Trace.full_precision``; the policies then give them such
+    groups); a step failing in a module after one that adds an fp32 buffer to activations keeps that one so
+    (``kept_before``); ``fp32_modules`` are kept in fp32 from the start (a router, as torchtitan keeps them). A
+    step that still fails in that dtype but runs in the model's own dtypes raises ``PrecisionError`` (the real run
+    would crash); one that fails in both raises what the model raised.
     ``routing`` is the capacity factor of data-dependent ops' stand-in (``routing.py``).
     ``fsdp_planner.trace.record`` is the recorder underneath, with an explicit ``compute_dtype``. A model with
     real params gets a compute-dtype copy of them while it is traced: build it on meta (``load_model``) to spend
@@ -67,12 +74,87 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     """
     precision = resolve_precision(precision)
     dtype = precision.trace_dtype
+    kept = checked_fp32_modules(model, fp32_modules)
+    step = functools.partial(record, model, example_inputs, loss_fn, reuse=reuse, routing=routing)
     try:
-        return record(model, example_inputs, loss_fn, reuse=reuse, compute_dtype=dtype, routing=routing)
+        return step(compute_dtype=dtype, full_precision=kept)
     except Exception as e:
         if dtype is None:
             raise
         cause = e
+    own: Trace | None = None  # the step in the model's own dtypes, traced when needed
+    for _ in range(MAX_KEPT_CLASSES):
+        more = kept_in_fp32(model, failed_at(cause))
+        if not more:  # an fp32 buffer added to activations fails a module after the one that added it
+            own = own or step()
+            more = kept_before(model, own, failed_at(cause))
+        if not more or set(more) <= set(kept):
+            break
+        kept = (*kept, *(m for m in more if m not in kept))
+        try:
+            tr = step(compute_dtype=dtype, full_precision=kept)
+        except Exception as e:
+            cause = e
+            continue
+        return replace(tr, notes=(*tr.notes, kept_note(model, kept, precision)))
     # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
-    own = record(model, example_inputs, loss_fn, reuse=reuse, routing=routing)
-    raise PrecisionError(precision, cause, own) from cause
+    raise PrecisionError(precision, cause, own or step()) from cause
+
+
+def checked_fp32_modules(model: nn.Module, names: Sequence[str]) -> tuple[str, ...]:
+    """``names`` as modules an fp32 group can hold: modules of ``model`` with trainable params."""
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules.get(name) if isinstance(name, str) else None
+        if module is None or name == ROOT:
+            raise PlannerError(f"fp32_modules: {str(name)[:80]!r} is not a submodule of the model (the root computes "
+                               "in the precision's dtype)")
+        if not any(p.requires_grad and p.is_floating_point() for p in module.parameters()):
+            raise PlannerError(f"fp32_modules: module '{name}' holds no trainable params, so no group of its own "
+                               "can keep it in fp32")
+    return tuple(dict.fromkeys(names))
+
+
+MAX_KEPT_CLASSES = 4  # module classes kept in fp32 before the step is refused (a ResNet has one: BatchNorm2d)
+
+
+def _needs_fp32(module: nn.Module) -> bool:
+    """A module FSDP2 can keep in fp32 with a group of its own: it registers trainable params (the group's) and
+    floating buffers (what FSDP2 never casts, e.g. BatchNorm's running stats)."""
+    return any(p.requires_grad and p.is_floating_point() for p in module.parameters(recurse=False)) and \
+        any(b.is_floating_point() for b in module.buffers(recurse=False))
+
+
+def kept_in_fp32(model: nn.Module, failed: FailedOp | None) -> tuple[str, ...]:
+    """The modules to run in fp32 after ``failed``: every module of the failing module's class that holds trainable
+    params and floating buffers; none when the failing module is not such a module (its failure has another cause,
+    e.g. a float32 tensor built in its forward, which an fp32 group would only hide)."""
+    if failed is None or failed.module == ROOT:
+        return ()
+    module = model.get_submodule(failed.module)
+    if not _needs_fp32(module):
+        return ()
+    return tuple(name for name, m in model.named_modules() if type(m) is type(module) and _needs_fp32(m))
+
+
+def kept_before(model: nn.Module, own: Trace, failed: FailedOp | None) -> tuple[str, ...]:
+    """The modules to run in fp32 when ``failed`` names a module that holds no floating buffer: the step's latest
+    module before it (by first param read, in the model's own dtypes) that holds trainable params and floating
+    buffers, with every module of its class: an fp32 buffer added to activations there makes what the failing
+    module gets fp32, and that module's fp32 group casts its output back."""
+    if failed is None or failed.module not in own.modules or own.modules[failed.module].first_use < 0:
+        return ()
+    at, named = own.modules[failed.module].first_use, dict(model.named_modules())
+    before = [(info.first_use, name) for name, info in own.modules.items()
+              if 0 <= info.first_use < at and name in named and _needs_fp32(named[name])]
+    if not before:
+        return ()
+    source = type(named[max(before)[1]])
+    return tuple(name for name, m in model.named_modules() if type(m) is source and _needs_fp32(m))
+
+
+def kept_note(model: nn.Module, kept: tuple[str, ...], precision: Precision) -> str:
+    """One line saying which modules run in fp32 and why."""
+    classes = ", ".join(dict.fromkeys(type(model.get_submodule(m)).__name__ for m in kept))
+    return (f"{len(kept)} module(s) ({classes}) fail in the compute dtype of '{precision.name}' (floating buffers "
+            "FSDP2 does not cast): they run in fp32 groups of their own (MixedPrecisionPolicy(param_dtype=float32))")

@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from fsdp_planner.batch import paused_gc
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.trace.compiled import compiled_blocks
+from fsdp_planner.trace.full_precision import subtree_params
 from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.session import TraceRequest, TraceSession, step_inputs
 from fsdp_planner.trace.walk import TracedModel
@@ -47,6 +48,7 @@ def record(
     reuse: bool = True,
     compute_dtype: torch.dtype | None = None,
     routing: float = DEFAULT_CAPACITY,
+    full_precision: tuple[str, ...] = (),
 ) -> Trace:
     """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
 
@@ -63,23 +65,29 @@ def record(
 
     ``routing`` is the capacity factor of the stand-in that data-dependent ops (a ``torch.where`` router, an
     ``.item()`` check) run while planned (``routing.py``); the trace's ``notes`` say where it stood in.
+
+    ``full_precision``: modules that keep fp32 under ``compute_dtype``, as an fp32 group of their own runs them
+    (``full_precision.py``): their params are not cast, their calls' inputs are cast to fp32 and outputs back.
     """
     if measure and compute_dtype is not None:
         raise ValueError("a measured trace runs the model as it is: no compute_dtype")
     args, kwargs = split_inputs(example_inputs)
-    request = TraceRequest(model, args, kwargs, loss_fn or default_loss, measure, reuse, compute_dtype, routing)
+    request = TraceRequest(model, args, kwargs, loss_fn or default_loss, measure, reuse, compute_dtype, routing,
+                           tuple(full_precision))
     with paused_gc():
         return _trace(request)
 
 
 @contextlib.contextmanager
-def _params_cast(model: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
-    """Floating params' data cast to ``dtype`` (same Parameter objects), put back on exit."""
+def _params_cast(model: nn.Module, dtype: torch.dtype | None, full_precision: tuple[str, ...] = ()) -> Iterator[None]:
+    """Floating params' data cast to ``dtype`` (same Parameter objects), put back on exit; those of the
+    ``full_precision`` modules kept."""
     if dtype is None:
         yield
         return
+    kept = subtree_params(dict(model.named_modules()), full_precision)
     originals = [(p, p.data) for p in dict.fromkeys(model.parameters())
-                 if p.is_floating_point() and p.dtype != dtype]
+                 if p.is_floating_point() and p.dtype != dtype and id(p) not in kept]
     try:
         for p, data in originals:
             p.data = data.to(dtype)
@@ -97,7 +105,7 @@ def _trace(request: TraceRequest) -> Trace:
     model = request.model
     traced = TracedModel.of(model)  # the params' own dtypes, before the cast
     methods: dict[str, str] = {}
-    with _params_cast(model, request.compute_dtype):
+    with _params_cast(model, request.compute_dtype, request.full_precision):
         # a non-forward method found reading params is wrapped and the step traced again (methods.py); a wrapped
         # method may reveal another (one it calls on a child), so up to a few passes
         for _ in range(_METHOD_PASSES):

@@ -51,6 +51,8 @@ class Trace:
     # modules, skew); empty: every expert on every rank
     expert_params: tuple[int, ...] = ()  # in an EP view: the params of the expert modules (sharded by FSDP over
     # the EP-reduced mesh, dp_shard / EP ranks)
+    full_precision: tuple[str, ...] = ()  # modules traced in fp32 under the compute dtype (``full_precision.py``):
+    # each needs an fp32 group (``Group.param_dtype``); empty: every module in the compute dtype
 
     @property
     def ep_degree(self) -> int:
@@ -68,6 +70,19 @@ class Trace:
     @cached_property
     def index(self) -> TraceIndex:
         return TraceIndex(self.params, self.modules, self.events)
+
+    @cached_property
+    def full_precision_params(self) -> frozenset[int]:
+        """Indices of the params of ``full_precision`` modules and their submodules: all-gathered and computed in
+        fp32 (their grads too) while the rest run in the compute dtype."""
+        out: set[int] = set()
+        stack = list(self.full_precision)
+        index = self.index.param_index
+        while stack:
+            info = self.modules[stack.pop()]
+            out.update(index[p] for p in info.params)
+            stack.extend(info.children)
+        return frozenset(out)
 
     @cached_property
     def numel(self) -> int:

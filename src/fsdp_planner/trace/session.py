@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_planner.attention import GpuAttention
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, capacity
+from fsdp_planner.trace.full_precision import full_precision_casts
 from fsdp_planner.trace.hooks import ModuleHooks
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.methods import MethodFinder, forward_methods
@@ -55,6 +56,7 @@ class TraceRequest:
     reuse: bool = True
     compute_dtype: torch.dtype | None = None
     routing: float = DEFAULT_CAPACITY  # the capacity factor of data-dependent ops' stand-in (routing.py)
+    full_precision: tuple[str, ...] = ()  # modules run in fp32 under the compute dtype (full_precision.py)
 
 
 def step_inputs(request: TraceRequest) -> tuple[tuple, dict]:
@@ -129,6 +131,9 @@ class TraceSession:
                                    set(self.param_by_storage), self.stand_in)
                 stack.callback(reuse.remove)
             stack.enter_context(self.hooks.installed())
+            # after the recorder's hooks, but the input cast prepended: FSDP2 casts before anything else it does
+            stack.enter_context(full_precision_casts(self.model.walk.modules, request.full_precision,
+                                                     request.compute_dtype))
             for p in self.model.param_objs:  # a param's grad is no gradient of an activation (ops.py)
                 if p.requires_grad:
                     stack.callback(p.register_post_accumulate_grad_hook(self._param_grad).remove)
@@ -165,7 +170,8 @@ class TraceSession:
                      method_calls=dict(recorder.method_calls), loss_blocks=recorder.loss.blocks,
                      compute_itemsize=None if dtype is None else dtype.itemsize,
                      buffers_nbytes=sum(b.numel() * b.element_size() for b in self.buffers), op_seconds=seconds,
-                     notes=tuple(n for n in (self.stand_in.note(),) if n))
+                     notes=tuple(n for n in (self.stand_in.note(),) if n),
+                     full_precision=self.request.full_precision if dtype is not None else ())
 
 
 def _clear_grads(tensors: list[torch.Tensor]) -> None:

@@ -35,6 +35,7 @@ from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
+from fsdp_planner.fsdp2.dtypes import several_kinds
 from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
@@ -462,7 +463,7 @@ class AutoPolicy:
         ``could_rank`` skip the cuts with thousands of groups (a per-leaf cut of a 10,000-module model costs more
         than all DP plans together)."""
         classics = classic_baselines(ev, search.classics)
-        if self.target is Target.FSDP2 and len(ev.trace.index.trainable_dtypes) > 1:
+        if self.target is Target.FSDP2 and several_kinds(ev.trace):
             # the size cuts hold the root-only plan, but with several dtypes it has groups that must not reshard
             ev.evaluate(root_plan(ev.trace, ev.model), ROOT_ONLY)
         if self.target is Target.FSDP2:

@@ -1,0 +1,224 @@
+"""Per-group mixed precision (issue 39, item 5): a model whose BatchNorms fail in bf16 (FSDP2 casts their weights,
+not their fp32 running stats) is planned under bf16-mixed with those modules in fp32 groups of their own
+(``Group.param_dtype``), sized, applied, exported and verified so."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import policy
+
+from fsdp_planner.apply.export import export_plan
+from fsdp_planner.choices import ExportFormat
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import check_plan_matches
+from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.models import load_model
+from fsdp_planner.planners import AutoPolicy
+from fsdp_planner.runtime.fake_world import run_fake_world
+from fsdp_planner.runtime.verify import run_verify
+from fsdp_planner.sim.options import PRECISIONS, SimOptions
+from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.sim.tracing import trace
+
+RESNET = str(Path(__file__).parent / "fixtures" / "resnet_models.py") + ":build"
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    lm = load_model(RESNET)
+    return trace(lm.model, lm.example_inputs, lm.loss_fn, precision="bf16-mixed")
+
+
+def batchnorms(tr) -> set[str]:
+    return {name for name, info in tr.modules.items() if info.cls == "BatchNorm2d"}
+
+
+def test_group_param_dtype_round_trips_and_old_plans_read_unchanged():
+    plan = Plan([Group(["a"], ["a.w"], param_dtype="fp32"), Group(["b"], ["b.w"]), Group([""], [], False)], "f", 2)
+    data = json.loads(plan.to_json())
+    assert data["groups"][0]["param_dtype"] == "fp32" and "param_dtype" not in data["groups"][1]
+    assert Plan.from_json(plan.to_json()) == plan
+    old = {**data, "groups": [{k: v for k, v in g.items() if k != "param_dtype"} for g in data["groups"]]}
+    assert [g.param_dtype for g in Plan.from_json(json.dumps(old)).groups] == ["", "", ""]
+    assert plan.signature() != plan.with_group(0, param_dtype="").signature()
+
+
+@pytest.mark.parametrize("bad", ["bf16", "float32", 32, None])
+def test_a_bad_group_param_dtype_is_one_clear_error(bad):
+    text = json.dumps({"version": 1, "model": {}, "groups": [{"modules": ["a"], "param_dtype": bad}]})
+    with pytest.raises(PlannerError, match=r"plan group 0: param_dtype must be fp32 .* or absent"):
+        Plan.from_json(text)
+
+
+def test_batchnorms_are_traced_in_fp32_and_gathered_in_fp32(resnet):
+    assert set(resnet.full_precision) == batchnorms(resnet) and len(resnet.full_precision) == 15
+    assert any("fp32 groups of their own" in n for n in resnet.notes)
+    fp32 = resnet.full_precision_params
+    assert {resnet.params[i].fqn.rsplit(".", 1)[0] for i in fp32} == batchnorms(resnet)
+    sizing = Sizing(resnet, 2, PRECISIONS["bf16-mixed"])
+    for i, p in enumerate(resnet.params):  # BatchNorm's all-gather in fp32, the convs' and fc's in bf16
+        assert sizing.gather_bytes([i]) == p.padded_numel(2) * (4 if i in fp32 else 2)
+        assert sizing.grad_bytes((i,)) == p.numel * (4 if i in fp32 else 2)
+
+
+def test_fp32_trace_keeps_nothing_apart():
+    lm = load_model(RESNET)
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision="fp32")
+    assert tr.full_precision == () and not tr.full_precision_params
+
+
+@pytest.mark.parametrize("name", ["titan", "order", "module", "size"])
+def test_classic_policies_put_every_batchnorm_in_an_fp32_group_of_its_own(resnet, name):
+    plan = policy(name, min_nonwrapped_numel=500).plan(resnet, RESNET)
+    fp32 = [g for g in plan.groups if g.param_dtype == "fp32"]
+    assert fp32 and not plan.root.param_dtype
+    index = resnet.index.param_index
+    assert {p for g in fp32 for p in g.params} == {resnet.params[i].fqn for i in resnet.full_precision_params}
+    assert all(index[p] not in resnet.full_precision_params for g in plan.groups if not g.param_dtype
+               for p in g.params)
+    check_plan_matches(plan, resnet)
+
+
+def test_a_plan_mixing_batchnorm_into_a_compute_dtype_group_is_refused(resnet):
+    plan = policy("order").plan(resnet, RESNET)
+    i = next(i for i, g in enumerate(plan.groups) if g.param_dtype == "fp32")
+    with pytest.raises(PlannerError, match=rf"group {i} .* must run in fp32: give them groups of their own"):
+        check_plan_matches(plan.with_group(i, param_dtype=""), resnet)
+    j = next(i for i, g in enumerate(plan.inner_groups) if not g.param_dtype)
+    with pytest.raises(PlannerError, match=rf"group {j} .* has param_dtype fp32 but holds params of modules that "):
+        check_plan_matches(plan.with_group(j, param_dtype="fp32"), resnet)
+
+
+def test_auto_plans_batchnorm_in_fp32_groups_and_export_writes_their_policy(resnet):
+    plan = AutoPolicy(parse_cluster("h100:8")).plan(resnet, RESNET)
+    fp32 = [g for g in plan.inner_groups if g.param_dtype == "fp32"]
+    assert {p for g in fp32 for p in g.params} == {resnet.params[i].fqn for i in resnet.full_precision_params}
+    source = export_plan(plan, ExportFormat.PYTHON, PRECISIONS["bf16-mixed"])
+    listed = [i for i, g in enumerate(plan.inner_groups) if g.param_dtype == "fp32"]
+    assert f"FP32_GROUPS: list[int] = {listed}" in source and "def full_precision(" in source
+    compile(source, "export.py", "exec")
+    plain = export_plan(plan.replace(groups=[Group(g.modules, g.params, g.reshard_after_forward) for g in plan.groups]),
+                        ExportFormat.PYTHON, PRECISIONS["bf16-mixed"])
+    assert "FP32_GROUPS" not in plain and "full_precision" not in plain
+
+
+@pytest.mark.integration  # ~8 s (unloaded): a torchrun job of 2 gloo ranks, then real FSDP2 on 4 fake ranks
+def test_resnet_plan_with_fp32_batchnorm_groups_trains_on_2_gloo_ranks_with_parity(resnet):
+    """Under bf16-mixed: auto's plan (its BatchNorms in an fp32 group) all-gathers them in fp32, the bytes as
+    predicted, and its params stay within bf16 steps of an unsharded reference that runs those modules in fp32 too;
+    on 4 fake ranks titan's plan (an fp32 group beside each block's) has real FSDP2's counts and bytes."""
+    plan = AutoPolicy(parse_cluster("h100:8")).plan(resnet, RESNET)
+    assert any(g.param_dtype == "fp32" for g in plan.groups)
+    result = run_verify(RESNET, resnet, plan, nproc=2, steps=2, precision="bf16-mixed")
+    assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
+    assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
+    assert result.losses == pytest.approx(result.reference_losses, rel=1e-2)
+    options, plan = SimOptions.named("bf16-mixed"), policy("titan").plan(resnet, RESNET)
+    predicted = simulate(resnet, plan, parse_cluster("h100:4"), options, timeline=False)
+    measured = run_fake_world(RESNET, plan, 4, options.precision)
+    assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
+                               "all_reduce": 0}
+    assert (measured.nbytes["all_gather"], measured.nbytes["reduce_scatter"]) == \
+        (predicted.all_gather_bytes, predicted.reduce_scatter_bytes)
+    as_bf16 = simulate(dataclasses.replace(resnet, full_precision=()), plan, parse_cluster("h100:4"), options,
+                       timeline=False)  # the BatchNorms counted in bf16: what the fp32 bytes correct
+    assert as_bf16.all_gather_bytes < measured.nbytes["all_gather"]
+
+
+def test_a_module_the_user_keeps_in_fp32_gets_an_fp32_group_and_is_gathered_in_fp32():
+    """A router kept in fp32, as torchtitan keeps MoE routers: traced in fp32 (its output back in bf16 for the next
+    Linear), its own fp32 group in every plan, its all-gather 4 bytes a param."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)).to("meta")
+    x = torch.randn(4, 16, device="meta")
+    tr = trace(model, (x,), precision="bf16-mixed", fp32_modules=["1"])
+    assert tr.full_precision == ("1",)
+    plan = policy("module", module_classes=("Linear",)).plan(tr)
+    assert [g.modules for g in plan.groups if g.param_dtype == "fp32"] == [("1",)]
+    sizing = Sizing(tr, 1, PRECISIONS["bf16-mixed"])
+    assert [sizing.gather_bytes([tr.index.param_index[p]]) for p in ("0.weight", "1.weight")] == [512 * 2, 1024 * 4]
+    assert trace(model, (x,), precision="fp32", fp32_modules=["1"]).full_precision == ()  # nothing to keep apart
+
+
+@pytest.mark.parametrize(("names", "match"), [(["9"], "'9' is not a submodule"), ([""], "'' is not a submodule"),
+                                              (["2", "missing.x"], "'missing.x' is not a submodule")])
+def test_fp32_modules_must_be_submodules_with_params(names, match):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).to("meta")
+    with pytest.raises(PlannerError, match=match):
+        trace(model, (torch.randn(2, 4, device="meta"),), fp32_modules=names)
+    with pytest.raises(PlannerError, match="module '1' holds no trainable params"):
+        trace(model, (torch.randn(2, 4, device="meta"),), fp32_modules=["1"])
+
+
+class Router(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.gate(x).float(), dim=-1).to(x.dtype) @ torch.ones(4, 16, dtype=x.dtype,
+                                                                                     device=x.device)
+
+
+def test_an_fp32_group_shards_exactly_the_modules_traced_in_fp32_whatever_the_policy_lists():
+    """The hooks that cast must sit where the trace cast: a policy listing the gate (inside the kept router) or the
+    block (above it) gets the router itself as its fp32 group's target."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(Router(), nn.Linear(16, 16))).to("meta")
+    tr = trace(model, (torch.randn(4, 16, device="meta"),), precision="bf16-mixed", fp32_modules=("1.0",))
+    for classes in (("Linear",), ("Sequential",)):
+        plan = policy("module", module_classes=classes).plan(tr)
+        assert [g.modules for g in plan.groups if g.param_dtype == "fp32"] == [("1.0",)], classes
+        check_plan_matches(plan, tr)
+
+
+def test_fp32_modules_as_the_cli_and_the_api_give_them():
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.service.validate import Spelling, fp32_modules
+
+    assert fp32_modules("a.router, b.router,a.router", Spelling.CLI) == ("a.router", "b.router")
+    assert fp32_modules(["x"], Spelling.API) == ("x",) and fp32_modules(None, Spelling.API) == ()
+    with pytest.raises(PlannerError, match="--fp32-modules ' , ' names no module"):
+        fp32_modules(" , ", Spelling.CLI)
+    with pytest.raises(PlannerError, match="fp32_modules"):
+        fp32_modules(3, Spelling.API)
+    spec = ModelSpec("toy-llama", fp32_modules=("layers.0.attention.wq",))
+    assert ModelSpec.from_json(spec.to_json()) == spec and "fp32_modules" not in ModelSpec("toy-llama").to_json()
+
+
+def test_a_module_adding_an_fp32_buffer_to_activations_gets_fp32_groups():
+    """The step fails in the Linear after ``Shift`` (its fp32 sum reaches a bf16 weight); the module before it that
+    holds a floating buffer is kept in fp32 instead, its output cast back, and the step runs."""
+    lm = load_model(str(Path(__file__).parent / "fixtures" / "fp32_buffer_models.py") + ":build")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision="bf16-mixed")
+    assert tr.full_precision == ("blocks.0.1", "blocks.1.1", "blocks.2.1")
+    assert any("(Shift) fail in the compute dtype" in n for n in tr.notes)
+    plan = policy("order").plan(tr)
+    assert sorted(g.modules for g in plan.groups if g.param_dtype == "fp32") == [
+        ("blocks.0.1",), ("blocks.1.1",), ("blocks.2.1",)]
+
+
+@pytest.mark.parametrize("name", ["order", "size", "module"])
+def test_a_kept_parent_whose_pieces_several_groups_list_is_sharded_once(name):
+    """A U-Net whose decoder stages build an fp32 tensor in forward, run in fp32 as the refusal suggests: the
+    policies list the stages' convs in several groups, and each stage is one fp32 group all the same."""
+    lm = load_model(str(Path(__file__).parent / "fixtures" / "precision_models.py") + ":unet_conv")
+    tr = trace(lm.model, lm.example_inputs, lm.loss_fn, precision="bf16-mixed", fp32_modules=("up2", "up1"))
+    plan = policy(name, min_nonwrapped_numel=2000, module_classes=("Conv2d",)).plan(tr)
+    assert sorted(g.modules for g in plan.groups if g.param_dtype == "fp32") == [("up1",), ("up2",)]
+    check_plan_matches(plan, tr)
+
+
+def test_the_python_api_plans_the_modules_it_is_told_to_keep_in_fp32():
+    import fsdp_planner
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8))
+    plan = fsdp_planner.plan(model, (torch.randn(4, 16),), policy="order", fp32_modules=("1",))
+    assert [g.modules for g in plan.groups if g.param_dtype == "fp32"] == [("1",)]
+    assert not any(g.param_dtype for g in fsdp_planner.plan(model, (torch.randn(4, 16),), policy="order").groups)
