@@ -217,7 +217,15 @@ def test_confirmed_searches_trust_the_screen_only_where_it_says_fits():
     assert largest_confirmed(lambda v: v <= 5000, lambda v: v <= 5000, 8192, 10**6, step=128) == 4992
     assert smallest_confirmed(lambda n: n >= 9, lambda n: n >= 5, 64) == 5
     assert smallest_confirmed(lambda n: n >= 5, lambda n: n >= 5, 64) == 5
-    assert smallest_confirmed(lambda n: False, lambda n: n >= 70, 64) is None
+    asked: list[int] = []
+    assert smallest_confirmed(lambda n: False, lambda n: asked.append(n) or n >= 70, 64) is None
+    assert asked == [64]  # the screen fits nowhere: one real test at the most answers (fits is monotone)
+    assert smallest_confirmed(lambda n: False, lambda n: n >= 40, 64) == 40
+    # a pessimistic screen: the real test confirms its answer and gallops down (59, 57, 53, then bisection), never
+    # asked far below it as doubling up from 1 would
+    asked.clear()
+    assert smallest_confirmed(lambda n: n >= 60, lambda n: asked.append(n) or n >= 55, 120) == 55
+    assert asked == [60, 59, 57, 53, 55, 54]
 
 
 def test_fit_names_unknown_models_and_reads_a_factorys_batch(capsys, tmp_path):
