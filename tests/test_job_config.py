@@ -3,6 +3,7 @@ out, the one-line errors for what cannot be read, and the commands run from the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -385,3 +386,32 @@ def test_a_config_that_is_not_a_table_is_one_line(tmp_path, kind, text, error):
 def test_every_key_of_the_example_torchtitan_job_is_known():
     """The documented example (torchtitan's own keys) gets no 'is not read' note."""
     assert not [n for n in read_config(TORCHTITAN, str(EXAMPLES / "llama3_8b.toml")).notes if "is not read" in n]
+
+
+
+def test_auto_beside_a_config_traces_its_tp_layouts_at_their_batch(tmp_path):
+    """plan --from-X: auto's TP d layouts run d sequences per data-parallel rank, traced at that batch (they were
+    simulated on the config's one-sequence trace: hf/torchtitan llama3-8b on h100:8 showed TP 8 at 198 ms against
+    the config's 1.34 s)."""
+    from fsdp_planner.cli.requests import keywords
+    from fsdp_planner.service.configured import compare_config
+    from fsdp_planner.service.planning import SILENT
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.simulate import simulate
+
+    job = titan(tmp_path, '[training]\nlocal_batch_size = 1\nseq_len = 64\n[activation_checkpoint]\nmode = "none"\n')
+    args, cfg = configured(build_parser().parse_args(["plan", "toy-llama", "--from-torchtitan", str(job),
+                                                      "--cluster", "h100:8"]))
+    asked: list[int] = []
+
+    def tracer(spec, options):  # type: ignore[no-untyped-def]
+        asked.append(spec.batch_size or 1)
+        return trace_spec(spec, options.precision)
+
+    outcome = compare_config(keywords(args), cfg, tracer, SILENT)
+    assert max(asked) > 1  # the TP layouts' batches
+    plan, report = outcome.auto.search.plan, outcome.auto.report
+    d = plan.tp_degree
+    again = simulate(trace_spec(dataclasses.replace(outcome.auto.job.model, batch_size=d), outcome.auto.job.options
+                                .precision), plan, outcome.auto.job.cluster, outcome.auto.job.options, timeline=False)
+    assert report.step_time == pytest.approx(again.step_time)

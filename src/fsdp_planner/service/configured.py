@@ -225,7 +225,9 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     tr = traced.trace
 
     def same_trace(spec: ModelSpec, options: SimOptions) -> Trace:
-        return tr  # every job here traces the same model, workload and precision
+        # the job's model, workload and precision: its trace; auto's TP layouts trace the model at d times the
+        # batch (a TP group of d shares the data-parallel rank's batch): those are traced
+        return tr if spec == job.model and options.precision == job.options.precision else tracer(spec, options)
 
     free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
     auto = plan(dataclasses.replace(plan_job(free, _CLI), must_fit=False), same_trace, reporter)
