@@ -134,6 +134,18 @@ def test_flags_on_the_command_line(capsys):
     assert (args.model, args.torchtitan_flags) == ("-model.py", ())
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--activation_checkpoint.mode", "full"], "give activation-checkpoint:full"),
+    (["--training.local_batch_size", "2"], "this registry job counts tokens"),
+])
+def test_a_toml_key_given_to_a_registry_job_is_an_error_not_dropped(flags, says):
+    """The TOML form's keys would be read past (the class, the token counts decide): one line naming the key the
+    registry job takes."""
+    with pytest.raises(PlannerError, match=says) as e:
+        read_config(TORCHTITAN, job("llama3_8b"), flags)
+    assert "\n" not in str(e.value)
+
+
 REGISTRY_HEAD = """from torchtitan.config import TrainingConfig
 from torchtitan.trainer import Trainer
 raise SystemExit("this file is read, never run")

@@ -469,7 +469,11 @@ def _ac(value: Any, label: str, notes: list[str]) -> dict[str, Any]:
     if not isinstance(value, Call) or value.kind not in AC_CLASSES:
         raise PlannerError(f"{label}: activation_checkpoint = {_shown(value)} is not SelectiveAC.Config(), "
                            "FullAC.Config(), MemoryBudgetAC.Config() or None")
-    return {**_section("activation_checkpoint", value, label, notes), **AC_CLASSES[value.kind]}
+    table = _section("activation_checkpoint", value, label, notes)
+    if "mode" in table:  # the TOML's key, set by a flag: the registry's job picks a class instead
+        raise PlannerError(f"{label}: --activation_checkpoint.mode is the TOML form's key; a registry job picks the "
+                           "class: give activation-checkpoint:full (or :selective, :memory-budget, :none)")
+    return {**table, **AC_CLASSES[value.kind]}
 
 
 def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:
@@ -478,6 +482,11 @@ def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:
     given = {k: training.pop(k) for k in TOKENS if k in training}
     if not {"num_tokens_per_microbatch_per_dp_rank", "max_context_length"} & set(given):
         return training
+    old = [k for k in ("local_batch_size", "seq_len", "batch_size", "global_batch_size") if k in training]
+    if old:  # a flag of the TOML form: the token counts below would replace it without a word
+        raise PlannerError(f"{label}: training.{old[0]} is the TOML form's key; this registry job counts tokens: "
+                           "give --training.num_tokens_per_microbatch_per_dp_rank (sequences x length per GPU) "
+                           "and --training.max_context_length")
     n = {k: given.get(k, TOKEN_DEFAULTS[k]) for k in TOKENS}
     for key, v in n.items():
         if isinstance(v, bool) or not isinstance(v, int) or not (v >= 1 or (v == -1 and key == TOKENS[2])):
