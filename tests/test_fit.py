@@ -272,6 +272,10 @@ def test_offload_verdict_comes_first(capsys, tmp_path):
     assert err.startswith("error: nothing fits h100:1 without CPU offload") and len(err.splitlines()) == 1
     assert main(["fit", "toy-llama", *argv, "--find", "batch", "--quiet"]) == 0
     assert capsys.readouterr().out.startswith("nothing fits h100:1 at batch 1 at seq 32 without CPU offload")
+    assert main(["fit", "toy-llama", *argv, "--find", "batch", "--no-offload", "--quiet"]) == 2
+    err = capsys.readouterr().err  # the verdict, not "nothing fits even at batch 1:" with nothing after it
+    assert err.startswith("error: nothing fits h100:1 at batch 1 at seq 32 without CPU offload: the fewest ")
+    assert err.rstrip().endswith("(--no-offload)") and len(err.splitlines()) == 1
 
 
 @pytest.mark.integration

@@ -202,6 +202,8 @@ def _largest_batch(request: FitRequest, points: Points) -> tuple[dict[str, Any],
     largest = plain
     if not request.no_offload and (plain is None or plain < cap):
         largest = largest_confirmed(points.screen(at), points.fits(at, past_plain=True), (plain or 0) + 1, cap) or plain
+    if largest is None and request.no_offload and not points.no_fit(1, seq):  # batch 1 fits with offload only
+        _verdict(request, points, 1, seq, f"batch 1{where}")  # raises: the fewest GPUs without offload
     if largest is None:
         raise PlannerError(f"nothing fits even at batch 1: {points.no_fit(1, seq)}")
     per = _per(request)
