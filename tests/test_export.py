@@ -230,7 +230,7 @@ def test_accelerate_export_is_a_launch_config_with_its_hook_beside_it(tmp_path: 
     assert main(["export", plan_file, "--format", "accelerate", "--out", str(config)]) == 0  # its own files
     capsys.readouterr()
     for fmt, out, says in (("accelerate", "x.py", "give a .yaml file"), ("python", "x.yaml", "give a .py file"),
-                           ("lightning", "x.json", "give a .py file")):
+                           ("lightning", "x.json", "give a .py file"), ("torchtitan", "x.txt", "give a .py file")):
         assert main(["export", plan_file, "--format", fmt, "--out", str(tmp_path / out)]) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1 and not (tmp_path / out).exists()

@@ -198,7 +198,7 @@ def test_force_replaces_an_input_and_a_file_not_written_by_the_tool(capsys, tmp_
     _ok(capsys, ["plan", "seed-net", "--policy", "size", "--cluster", str(cluster), "--out", str(cluster),
                  "--force"])
     assert "groups" in json.loads(cluster.read_text())
-    notes = tmp_path / "notes.txt"
+    notes = tmp_path / "notes.py"
     notes.write_text("mine")
     _one_line_error(capsys, ["export", str(plan), "--out", str(notes)], "refusing to overwrite it")
     _ok(capsys, ["export", str(plan), "--out", str(notes), "--force"])

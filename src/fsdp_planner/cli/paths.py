@@ -184,7 +184,6 @@ def check_paths(args: argparse.Namespace) -> None:
 
 
 CONFIG_SUFFIXES = (".yaml", ".yml")  # what ``export --format accelerate --out`` takes: Accelerate's config files
-NOT_CODE_SUFFIXES = (*CONFIG_SUFFIXES, ".json", ".toml")  # config or plan files: never where code is written
 
 
 def export_files(out: str, fmt: str, force: bool = False) -> Path | None:
@@ -201,7 +200,7 @@ def export_files(out: str, fmt: str, force: bool = False) -> Path | None:
                                f"takes: give a .yaml file, e.g. {path.with_suffix('.yaml')} (its Python hook is "
                                f"written beside it as {path.with_suffix('.py')})")
         return output_file(str(path.with_suffix(".py")), "plan_accelerate.py", code=True, force=force)
-    if suffix in NOT_CODE_SUFFIXES:
+    if suffix != ".py":  # a config or plan file above all: never where code is written
         raise PlannerError(f"--out '{out}': the {fmt} export is Python code: give a .py file, e.g. "
                            f"{path.with_suffix('.py')}")
     return None
