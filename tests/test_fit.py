@@ -300,7 +300,8 @@ def test_memory_takes_cluster_like_every_command(capsys):
 def test_accelerate_fsdp_yaml_leads_with_the_no_offload_verdict(capsys):
     """Accelerate's fsdp.yaml (8B on 2 GPUs) without TP (--tp 1): auto's plan needs CPU offload, so plan
     --from-accelerate and simulate --from-accelerate say first that nothing fits without it and that 4 GPUs do;
-    --no-offload exits 2. With TP left to auto, TP 2 (its loss parallel halves the logits) fits without (40 s)."""
+    --no-offload exits 2. With TP left to auto the same: TP 2 runs both sequences on each rank (it once looked like
+    it fit, simulated on the one-sequence trace of the config's job) (40 s)."""
     from pathlib import Path
 
     config = str(Path(__file__).parent / "fixtures" / "accelerate" / "fsdp_2gpu.yaml")
@@ -311,7 +312,7 @@ def test_accelerate_fsdp_yaml_leads_with_the_no_offload_verdict(capsys):
         assert capsys.readouterr().out.startswith(verdict)
     assert main(["plan", *job, "--json"]) == 0
     auto = json.loads(capsys.readouterr().out)
-    assert auto["fits"] and auto["plan"]["tensor_parallel"]["degree"] == 2 and not auto["plan"].get("offload")
+    assert auto["verdict"].startswith(verdict) and auto["plan"].get("offload")  # auto's last resort
     assert main(["plan", *job, "--tp", "1", "--no-offload"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {verdict}") and len(err.splitlines()) == 1
