@@ -107,13 +107,7 @@ def smallest_fitting(fits: Callable[[int], bool], cap: int) -> int | None:
         if value >= cap:
             return None
         miss, value = value, min(value * 2, cap)
-    while value - miss > 1:
-        mid = (miss + value) // 2
-        if fits(mid):
-            value = mid
-        else:
-            miss = mid
-    return value
+    return _bisect(fits, miss, value)
 
 
 def largest_confirmed(screen: Callable[[int], bool], fits: Callable[[int], bool], start: int, cap: int,
@@ -160,6 +154,12 @@ def smallest_below(fits: Callable[[int], bool], value: int) -> int:
             miss = probe
             break
         value, step = probe, step * 2
+    return _bisect(fits, miss, value)
+
+
+def _bisect(fits: Callable[[int], bool], miss: int, value: int) -> int:
+    """The smallest count in (``miss``, ``value``] that fits, ``miss`` not fitting (0: none tried) and ``value``
+    fitting."""
     while value - miss > 1:
         mid = (miss + value) // 2
         if fits(mid):

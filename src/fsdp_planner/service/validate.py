@@ -177,30 +177,26 @@ def _size(value: object, key: str, spell: Spelling) -> int:
 
 def module_classes(value: object, spell: Spelling) -> tuple[str, ...]:
     """Class names, comma-separated text or a sequence of names, each once (the policy's label names them)."""
-    if value is None:
-        return ()
-    names = value.split(",") if isinstance(value, str) else value
-    if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
-        raise _bad(spell, "module_classes", "class names (a string or a tuple of strings)", value)
-    out = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
-    if not out:
-        raise PlannerError(f"{spell.name_of('module_classes')} {cut_short(repr(value))} names no class: give "
-                           "comma-separated class names such as TransformerBlock,Embedding")
-    return out
+    return _names(value, spell, "module_classes", "class", "TransformerBlock,Embedding")
 
 
 def fp32_modules(value: object, spell: Spelling) -> tuple[str, ...]:
     """Module names, comma-separated text or a sequence of names, each once (which modules exist is the trace's
     to check)."""
+    return _names(value, spell, "fp32_modules", "module", "layers.0.moe.router")
+
+
+def _names(value: object, spell: Spelling, key: str, what: str, example: str) -> tuple[str, ...]:
+    """Comma-separated text or a sequence of ``what`` names, stripped, each once; () for None."""
     if value is None:
         return ()
     names = value.split(",") if isinstance(value, str) else value
     if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
-        raise _bad(spell, "fp32_modules", "module names (a string or a tuple of strings)", value)
+        raise _bad(spell, key, f"{what} names (a string or a tuple of strings)", value)
     out = tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
     if not out:
-        raise PlannerError(f"{spell.name_of('fp32_modules')} {cut_short(repr(value))} names no module: give "
-                           "comma-separated module names such as layers.0.moe.router")
+        raise PlannerError(f"{spell.name_of(key)} {cut_short(repr(value))} names no {what}: give "
+                           f"comma-separated {what} names such as {example}")
     return out
 
 

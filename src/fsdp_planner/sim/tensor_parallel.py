@@ -183,16 +183,13 @@ def _block_bytes(trace: Trace, module: str) -> tuple[int, int, int]:
     at = {(trace.events[i].kind, trace.events[i].call): i for i in trace.index.boundaries_by_module.get(module, ())}
     call = min((c for k, c in at if k is EventKind.FWD_PRE), default=None)
     memory_bound = trace.index.op_kernel == KERNEL_OTHER
-    totals = []
-    for pre, post in ((EventKind.FWD_PRE, EventKind.FWD_POST), (EventKind.BWD_PRE, EventKind.BWD_POST)):
-        start, end = at.get((pre, call)), at.get((post, call))
-        if start is None or end is None:
-            totals.append(0)
-            continue
-        totals.append(int(trace.index.op_nbytes[start:end][memory_bound[start:end]].sum()))
-    start, end = at.get((EventKind.FWD_PRE, call)), at.get((EventKind.FWD_POST, call))
-    saved = sum(e.saved for e in trace.events[start:end] if e.is_op) if start is not None and end is not None else 0
-    return totals[0], totals[1], saved
+    spans = [(at.get((pre, call)), at.get((post, call))) for pre, post in
+             ((EventKind.FWD_PRE, EventKind.FWD_POST), (EventKind.BWD_PRE, EventKind.BWD_POST))]
+    moved = [int(trace.index.op_nbytes[a:b][memory_bound[a:b]].sum()) if a is not None and b is not None else 0
+             for a, b in spans]
+    (a, b) = spans[0]
+    saved = sum(e.saved for e in trace.events[a:b] if e.is_op) if a is not None and b is not None else 0
+    return moved[0], moved[1], saved
 
 
 def _param_style(p: ParamInfo, styles: dict[str, TPStyle]) -> TPStyle | None:
