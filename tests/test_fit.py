@@ -316,3 +316,16 @@ def test_accelerate_fsdp_yaml_leads_with_the_no_offload_verdict(capsys):
     assert main(["plan", *job, "--tp", "1", "--no-offload"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {verdict}") and len(err.splitlines()) == 1
+
+
+def test_fit_picture_ticks_are_whole_numbers():
+    """Batches 1-3 on a linear axis: matplotlib's default ticks would put 1.5 and 2.5 between them."""
+    from matplotlib.figure import Figure
+
+    from fsdp_planner.report.fit_png import whole_number_axis
+
+    ax = Figure().subplots()
+    ax.plot([1, 2, 3], [1.0, 2.0, 3.0])
+    whole_number_axis(ax, [1, 2, 3])
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)

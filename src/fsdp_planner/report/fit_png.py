@@ -38,7 +38,6 @@ def write_fit_png(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, cap
 def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: int, path: Path,
           title: str, per: str) -> None:
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
 
     fig = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
     fig.suptitle(wrapped(title, 95), x=0.01, ha="left", fontsize=12)
@@ -56,9 +55,7 @@ def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: i
     top.set_ylim(bottom=0, top=max((p.tokens_per_gpu for _, p in fit), default=1.0) * 1.2)
     _draw_memory(bottom, fit, miss, capacity, points[0].budget if points else capacity)
     bottom.set_xlabel(plain(xlabel))
-    if x and max(x) / max(min(x), 1) >= 8:
-        bottom.set_xscale("log", base=2)
-        bottom.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    whole_number_axis(bottom, x)
     for ax in (top, bottom):
         ax.grid(color="#dddddd", linewidth=0.6)
         ax.set_axisbelow(True)
@@ -68,6 +65,18 @@ def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: i
     except ValueError as e:
         raise PlannerError(f"cannot write {path}: {e}") from None
     write_atomic(path, picture.getvalue())
+
+
+def whole_number_axis(ax: Any, x: Sequence[int]) -> None:
+    """Batches and GPU counts are whole numbers: a log-2 axis over a wide range, else whole ticks only (no 1.5
+    between batches 1 and 2)."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    if x and max(x) / max(min(x), 1) >= 8:
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _draw_memory(ax: Any, fit: list[tuple[int, FitPoint]], miss: list[tuple[int, FitPoint]], capacity: int,
