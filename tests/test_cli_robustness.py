@@ -561,3 +561,18 @@ def test_a_newline_in_a_module_name_is_escaped_in_tables():
 
     assert cell_text("d.nl\nline\tx\x1b") == "d.nl\\nline\\tx\\x1b"
     assert fmt_modules(["", "a\nb"]) == "(root), a\\nb"
+
+
+def test_quiet_silences_library_loggers_for_the_command_only():
+    """transformers imports torchao, which logs 'Failed to load ...' for its CUDA kernels on a CPU host, and
+    torch's pytree logs a deprecation for torchao's enums: --quiet holds both back, and gives the levels back."""
+    import logging
+
+    from fsdp_planner.cli import quiet_libraries
+
+    torchao, pytree = logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")
+    before = (torchao.level, pytree.level)
+    with quiet_libraries(True):
+        assert not torchao.isEnabledFor(logging.WARNING) and not pytree.isEnabledFor(logging.WARNING)
+        assert torchao.isEnabledFor(logging.ERROR)
+    assert (torchao.level, pytree.level) == before

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import importlib
+import logging
 import os
 import sys
 import warnings
@@ -56,13 +57,21 @@ def _say(text: str) -> None:
         print(printable(text), file=sys.stderr, flush=True)  # errors quote names from files
 
 
+QUIET_LOGGERS = ("torch", "torch.utils._pytree", "torchao")  # the pytree one sets its own level
+
+
 @contextlib.contextmanager
-def _quiet_libraries(quiet: bool) -> Iterator[None]:
+def quiet_libraries(quiet: bool) -> Iterator[None]:
     """``--quiet`` silences what PyTorch and transformers print on their own too (Python warnings; transformers'
-    logger, read from the environment when it is first imported), for this command only."""
+    logger, read from the environment when it is first imported; the loggers of torch and of torchao, which
+    transformers imports and which reports its CUDA kernels missing on a CPU host), for this command only."""
     if not quiet:
         yield
         return
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     saved = os.environ.get("TRANSFORMERS_VERBOSITY")
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     hf_logging = sys.modules.get("transformers.utils.logging")
@@ -80,6 +89,8 @@ def _quiet_libraries(quiet: bool) -> Iterator[None]:
             os.environ["TRANSFORMERS_VERBOSITY"] = saved
         if hf_logging and level is not None:
             hf_logging.set_verbosity(level)
+        for lg, lv in zip(loggers, levels, strict=True):
+            lg.setLevel(lv)
 
 
 def _exit_code(code: object) -> int:
@@ -132,7 +143,7 @@ def _run(argv: Sequence[str] | None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, or the one-line argument error already printed
         return _exit_code(e.code)
-    with _quiet_libraries(args.quiet):
+    with quiet_libraries(args.quiet):
         check_paths(args)
         command = importlib.import_module(f"fsdp_planner.cli.{args.command}")
         from fsdp_planner.cli import render
