@@ -576,3 +576,11 @@ def test_quiet_silences_library_loggers_for_the_command_only():
         assert not torchao.isEnabledFor(logging.WARNING) and not pytree.isEnabledFor(logging.WARNING)
         assert torchao.isEnabledFor(logging.ERROR)
     assert (torchao.level, pytree.level) == before
+
+
+def test_policy_names_keep_their_words_whole_in_the_comparison(capsys):
+    """The policy column grows to its longest word: 'module(TransformerBlock)' on one line, not folded mid-word
+    into 'module(Transfor' and 'merBlock)' as the 120-column table did."""
+    assert cli.main(["plan", "toy-llama", "--cluster", "h100:8"]) == 0
+    out = capsys.readouterr().out
+    assert "│ module(TransformerBlock) │" in out and "│ size(100000000) " in out

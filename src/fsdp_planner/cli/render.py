@@ -180,6 +180,9 @@ def metrics_dtype(tr: Trace, precision: Precision | None) -> str:
     return _DTYPE_NAMES.get(next(iter(dtypes)), "own dtype") if len(dtypes) == 1 else "own dtypes"
 
 
+POLICY_WORD = 24  # the widest a policy column grows to keep one word of a name on one line
+
+
 def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
                      budget: MemoryBudget | None = None, dtype: str = "own dtypes") -> Table:
     """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
@@ -190,9 +193,12 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
     t = Table(title=title, title_justify="left")
     shape = ("policy", "groups", "AC", "AG bytes", "unsharded") if with_cost else \
         ("policy", "groups", "root params", "AC", "AG", "RS", "AG bytes", "peak unsharded", "idle (avg)")
+    # a policy's name is its settings (size(100000000)): wrapped at its spaces onto more lines, never cut, and as
+    # wide as its longest word (module(GPT2Block)) up to POLICY_WORD, beyond which it folds
+    word = max((len(w) for plan, _, _ in rows for w in cell_text(plan.policy).split()), default=0)
     for col in shape:
-        # a policy's name is its settings (size(100000000)): folded onto two lines, never cut
-        t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold" if col == "policy" else None)
+        t.add_column(col, justify="left" if col == "policy" else "right", overflow="fold" if col == "policy" else None,
+                     min_width=min(word, POLICY_WORD) if col == "policy" else None)
     if with_cost:
         for col in ("step time", "exposed comm", "allocated", "reserved", "margin")[:5 if budget else 4]:
             t.add_column(col, justify="right", min_width=len(col))  # a header on one line: the policy folds
