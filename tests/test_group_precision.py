@@ -222,3 +222,22 @@ def test_the_python_api_plans_the_modules_it_is_told_to_keep_in_fp32():
     plan = fsdp_planner.plan(model, (torch.randn(4, 16),), policy="order", fp32_modules=("1",))
     assert [g.modules for g in plan.groups if g.param_dtype == "fp32"] == [("1",)]
     assert not any(g.param_dtype for g in fsdp_planner.plan(model, (torch.randn(4, 16),), policy="order").groups)
+
+
+def test_an_fp32_groups_matmuls_run_at_fp32s_peak():
+    """Two identical Linears, the second kept in fp32 (a router as torchtitan keeps them): under bf16-mixed its
+    forward matmul is timed at the GPU's fp32 peak, the first at bf16's (it was bf16's for both)."""
+    from fsdp_planner.hardware.cluster import Compute
+    from fsdp_planner.sim.compute import op_times
+    from fsdp_planner.trace.events import KERNEL_ATTENTION
+
+    model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 1024, bias=False))
+    tr = trace(model, (torch.randn(4096, 1024),), lambda out: out.float().square().mean(), fp32_modules=["1"])
+    assert tr.full_precision == ("1",)
+    gpu = parse_cluster("h100:8").gpu
+    compute = Compute(matmul_efficiency=1.0, matmul_half_dim=0.0, attention_efficiency=1.0, memory_efficiency=1.0)
+    times = op_times(tr, gpu, PRECISIONS["bf16-mixed"], compute)
+    forward = {e.module: times[i] for i, e in enumerate(tr.events)
+               if e.is_op and not e.backward and e.flops and e.kernel not in (0, KERNEL_ATTENTION)}
+    assert forward["0"] == pytest.approx(2 * 4096 * 1024**2 / gpu.peak_bf16_flops, rel=1e-6)
+    assert forward["1"] == pytest.approx(2 * 4096 * 1024**2 / gpu.peak_fp32_flops, rel=1e-6)

@@ -83,6 +83,15 @@ def launches_through(trace: Trace) -> np.ndarray:
     return np.cumsum(is_op)
 
 
+def full_precision_ops(trace: Trace) -> np.ndarray:
+    """Per event: whether it is an op of a module kept in fp32 or of one inside it (an fp32 group's BatchNorm or
+    router computes in fp32 under a 16-bit step: its matmuls run at fp32's peak, not bf16's)."""
+    names = set(trace.full_precision)
+    inside = tuple(f"{name}." for name in names)
+    return np.fromiter((e.is_op and (e.module in names or e.module.startswith(inside)) for e in trace.events),
+                       dtype=bool, count=len(trace.events))
+
+
 def peak_flops(gpu: GPU, precision: Precision) -> float:
     """The GPU's dense peak FLOP/s in the precision's compute dtype: bf16's for 16-bit compute, else fp32's."""
     return gpu.peak_bf16_flops if precision.compute_bytes <= 2 else gpu.peak_fp32_flops
@@ -92,11 +101,14 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ran
              mfu: float | None = None, float8: Float8Step | None = None) -> list[float]:
     """Seconds per event (0 for boundaries) on ``gpu``, in a step synchronised over ``ranks`` GPUs.
 
-    The peak is the dense bf16 one for 16-bit compute, else fp32; float8 training's converted matmuls run at the
-    float8 peak, after their casts (``float8.py``). Bytes are scaled from the traced dtype to the compute dtype (a
+    The peak is the dense bf16 one for 16-bit compute, else fp32; the ops of modules kept in fp32 (an fp32 group's,
+    ``Trace.full_precision``) at fp32's; float8 training's converted matmuls at the float8 peak, after their casts
+    (``float8.py``). Bytes are scaled from the traced dtype to the compute dtype (a
     model traced in fp32 but run in bf16 moves half).
     """
     peak = np.full(len(trace.events), peak_flops(gpu, precision))
+    if trace.full_precision and precision.compute_bytes <= 2:
+        peak[full_precision_ops(trace)] = gpu.peak_fp32_flops
     if float8 is not None:
         peak[float8.matmuls] = fp8_peak(gpu)
     scale = precision.compute_bytes / traced_itemsize(trace)
