@@ -117,6 +117,9 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
     counted = json.loads(done.stdout)
     tr = read_trace(tmp_path / "p" / "rank0.json")
     assert tr.device == "cpu" and tr.world == 2 and len(tr.steps) == 3
+    times = json.loads((tmp_path / "p" / "rank0.cpu.json").read_text())  # each step's wall and CPU seconds
+    assert times["wall"] == pytest.approx([s.seconds for s in tr.steps], rel=0.2)
+    assert len(times["cpu"]) == 3 and all(c > 0 for c in times["cpu"])
     for step in tr.steps:
         gathered = sum(c.nbytes for c in step.collectives if c.kind.value == "all_gather")
         assert gathered == counted["counted_bytes"][0]["all_gather"]

@@ -18,7 +18,7 @@ What a trace holds, and what is read of it (the schema ``tests/kineto_fixture.py
 - ``FSDP::`` ranges (FSDP2's ``record_function``s): its host work; ``FSDP::pre_backward`` or the autograd engine's
   first ``autograd::engine::evaluate_function`` range (on any thread: the engine runs CUDA backward on a thread of
   its own) starts backward; ``Optimizer.step#`` ranges are the optimizer.
-- ``distributedInfo``'s ``rank`` and ``world_size``: numbers, or (Kineto since 2024) decimal strings.
+- ``distributedInfo``'s ``rank`` and ``world_size``: numbers, or decimal strings (as some Kineto versions write).
 
 Bounds: the file at most ``MAX_TRACE_BYTES`` (gzip too, inflated), ``MAX_EVENTS`` events, JSON only (never
 pickle); numbers beyond ``MAX_MICROSECONDS``, non-finite ones (``NaN``, ``1e999``) and integers of more than
@@ -106,6 +106,9 @@ class OtherCollective:
     nbytes: int  # the larger of its input and output
     ranks: int
     seconds: float
+
+
+Communication = Collective | OtherCollective
 
 
 @dataclass(frozen=True)
@@ -253,7 +256,7 @@ def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
 
 def _int_field(info: dict, key: str, default: int, label: str) -> int:
     value = info.get(key, default)
-    if isinstance(value, str) and value.isdecimal() and len(value) <= 7:  # Kineto writes "0", "8" since 2024
+    if isinstance(value, str) and value.isdecimal() and len(value) <= 7:  # some Kineto versions write "0"
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1_000_000:
         raise PlannerError(f"{label}: distributedInfo.{key} must be a whole number from 0 to 1,000,000")
@@ -332,9 +335,6 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
     spans = [Span(sp.name, (sp.start - start) / 1e6, (sp.end - start) / 1e6, sp.lane) for sp in spans]
     optimizer = covered((e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#"))
     return _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
-
-
-Communication = Collective | OtherCollective
 
 
 def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: list[Communication],
