@@ -155,10 +155,10 @@ def render(history: list[dict]) -> None:
               "The 2026-11-29 03:32 run (load average 7 to 10 on the 2 cores) adds each rank's CPU share: 0.20 to "
               "0.38: each rank ran on a core for a fifth to two fifths of its steps' wall time, and the steps took "
               "1.5 to 3x as long as in the 18:08 run; titan's prediction is within 2%, auto's within 1%, order's "
-              "15.3% over (its three runs: 112, 190 and 96 ms). Auto's ops took 30-33 ms a step in every round against titan's "
-              "15-21 ms (its flash-attention backward 11.7 ms against 3.7 ms in the same round): a cost of the plan "
-              "on this host that the simulator, charging every plan the same ops, does not have, and that its other "
-              "terms happened to offset in this run."]
+              "15.3% over (its three runs: 112, 190 and 96 ms). Auto's ops took 30-33 ms a step in every round "
+              "against titan's 15-21 ms (its flash-attention backward 11.7 ms against 3.7 ms in the same round): a "
+              "cost of the plan on this host that the simulator, charging every plan the same ops, does not have, "
+              "and that its other terms happened to offset in this run."]
     (HERE / "trace_holdout.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
