@@ -37,6 +37,15 @@ def test_gpu_fixture_read_back_exactly(tmp_path: Path) -> None:
         assert step.forward > 0 and step.backward > 0
 
 
+def test_epoch_timestamps_read_the_same(tmp_path: Path) -> None:
+    """Older Kineto writes Unix-epoch microseconds (1.7e15 in 2024): read as any other clock."""
+    data, expected = gpu_trace(steps=2)
+    for e in data["traceEvents"]:
+        if "ts" in e:
+            e["ts"] += 1_700_000_000_000_000
+    assert [s.seconds for s in _read(data, tmp_path).steps] == pytest.approx(expected.steps, rel=1e-9)
+
+
 def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
     data, expected = gpu_trace(steps=2)
     path = tmp_path / "t.json.gz"
@@ -71,6 +80,9 @@ def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
     comm = next(e for e in data["traceEvents"] if e.get("name") == "record_param_comms")
     comm["args"]["dtype"] = "Mystery"
     with pytest.raises(PlannerError, match="record_param_comms"):
+        _read(data, tmp_path)
+    del comm["args"]["Collective name"]  # as torch's older traces write it: no sizes at all
+    with pytest.raises(PlannerError, match=r"no collective name or size.*newer torch"):
         _read(data, tmp_path)
     data["distributedInfo"]["world_size"] = -3
     with pytest.raises(PlannerError, match="world_size"):

@@ -48,7 +48,7 @@ from fsdp_planner.userfiles import read_bytes
 MAX_TRACE_BYTES = 512 << 20  # a few steps of a large job's GPU trace are 100-500 MiB; parsed, ~10x that in memory
 MAX_EVENTS = 20_000_000
 MAX_INT_DIGITS = 20  # ids, sizes and nanosecond timestamps fit; a longer integer is not a profiler's
-MAX_MICROSECONDS = 1e15  # about 30 years of timestamps: anything beyond is not a clock
+MAX_MICROSECONDS = 1e17  # Unix-epoch microseconds (older Kineto writes them: 1.7e15 in 2024) up to the year 5000
 MAX_NAME = 1000  # characters of a name kept
 MAX_STEPS = 10_000
 
@@ -420,9 +420,13 @@ def _nccl_collective(args: dict, kernel: _Event, world: int, label: str) -> Comm
     nelems = [args.get("In msg nelems"), args.get("Out msg nelems")]
     ranks = args.get("Group size", world)
     itemsize = ITEMSIZE.get(str(args.get("dtype", "")).lower())
-    if not name or itemsize is None or not all(_count(v) for v in (*nelems, ranks)):
+    if not name:
+        raise PlannerError(f"{label}: NCCL kernel '{printable(cut_short(kernel.name))}' has no collective name or "
+                           "size: its record_param_comms op records none (older torch versions did not): profile "
+                           "with a newer torch")
+    if itemsize is None or not all(_count(v) for v in (*nelems, ranks)):
         raise PlannerError(f"{label}: a record_param_comms op ({printable(cut_short(name))}) lacks a known "
-                           "collective, dtype, message size or group size")
+                           "dtype, message size or group size")
     if kind is None:
         return OtherCollective(printable(cut_short(name)), max(nelems) * itemsize, int(ranks), kernel.dur / 1e6)
     full = nelems[1] if kind is CollectiveKind.ALL_GATHER else nelems[0]
