@@ -37,6 +37,15 @@ def test_gpu_fixture_read_back_exactly(tmp_path: Path) -> None:
         assert step.forward > 0 and step.backward > 0
 
 
+def test_epoch_timestamps_read_the_same(tmp_path: Path) -> None:
+    """Older Kineto writes Unix-epoch microseconds (1.7e15 in 2024): read as any other clock."""
+    data, expected = gpu_trace(steps=2)
+    for e in data["traceEvents"]:
+        if "ts" in e:
+            e["ts"] += 1_700_000_000_000_000
+    assert [s.seconds for s in _read(data, tmp_path).steps] == pytest.approx(expected.steps, rel=1e-9)
+
+
 def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
     data, expected = gpu_trace(steps=2)
     path = tmp_path / "t.json.gz"
@@ -71,6 +80,9 @@ def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
     comm = next(e for e in data["traceEvents"] if e.get("name") == "record_param_comms")
     comm["args"]["dtype"] = "Mystery"
     with pytest.raises(PlannerError, match="record_param_comms"):
+        _read(data, tmp_path)
+    del comm["args"]["Collective name"]  # as torch's older traces write it: no sizes at all
+    with pytest.raises(PlannerError, match=r"no collective name or size.*newer torch"):
         _read(data, tmp_path)
     data["distributedInfo"]["world_size"] = -3
     with pytest.raises(PlannerError, match="world_size"):
@@ -117,6 +129,9 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
     counted = json.loads(done.stdout)
     tr = read_trace(tmp_path / "p" / "rank0.json")
     assert tr.device == "cpu" and tr.world == 2 and len(tr.steps) == 3
+    times = json.loads((tmp_path / "p" / "rank0.cpu.json").read_text())  # each step's wall and CPU seconds
+    assert times["wall"] == pytest.approx([s.seconds for s in tr.steps], rel=0.2)
+    assert len(times["cpu"]) == 3 and all(c > 0 for c in times["cpu"])
     for step in tr.steps:
         gathered = sum(c.nbytes for c in step.collectives if c.kind.value == "all_gather")
         assert gathered == counted["counted_bytes"][0]["all_gather"]

@@ -7,13 +7,18 @@ What a trace holds, and what is read of it (the schema ``tests/kineto_fixture.py
 - ``ProfilerStep#N`` (``cat`` ``user_annotation``, on the training thread): one step each; ``prof.step()`` marks them.
 - CPU ops (``cpu_op``): on a CPU rank the outermost ``aten::`` op is one op of the step, classed by name
   (``op_class``); on a GPU the kernels (``kernel``) are, classed by kernel name, and a CPU trace's ops are ignored.
-- Collectives: on GPUs NCCL kernels (a name with ``nccl``), sized by the ``record_param_comms`` CPU op whose
-  ``External id`` the kernel carries (its ``args``: ``Collective name``, ``In msg nelems``, ``Out msg nelems``,
-  ``Group size``, ``dtype``); on gloo the training thread's ``c10d::`` op (its ``Input Dims`` and ``Input type``)
-  runs as the next ``gloo:`` range on a gloo thread: the collective lasts from the first's start to the second's end.
+- Collectives: on GPUs NCCL kernels (a name with ``nccl``), sized by their own ``args`` where torch (2.3 on) copies
+  ``record_param_comms``'s there, else by the ``record_param_comms`` CPU op whose ``External id`` the kernel
+  carries (its ``args``: ``Collective name``, ``In msg nelems``, ``Out msg nelems``, ``Group size``, ``dtype``,
+  the dtype as ``ScalarType`` names it: ``Float``, ``BFloat16``, ``Long``); a collective FSDP2 does not issue (a
+  DDP job's buffer broadcast, a send/recv) is read, timed and drawn as communication, not fitted (``Step``'s
+  ``other_collectives``); on gloo the training thread's ``c10d::`` op (its ``Input Dims`` and ``Input type``) runs
+  as the next ``gloo:`` range on a gloo thread: the collective lasts from the first's start to the second's end.
   Sizes are nccl-tests': an all-gather's output, a reduce-scatter's input, an all-reduce's buffer.
-- ``FSDP::`` ranges (FSDP2's ``record_function``s): its host work; ``FSDP::pre_backward`` starts backward;
-  ``Optimizer.step#`` ranges are the optimizer.
+- ``FSDP::`` ranges (FSDP2's ``record_function``s): its host work; ``FSDP::pre_backward`` or the autograd engine's
+  first ``autograd::engine::evaluate_function`` range (on any thread: the engine runs CUDA backward on a thread of
+  its own) starts backward; ``Optimizer.step#`` ranges are the optimizer.
+- ``distributedInfo``'s ``rank`` and ``world_size``: numbers, or decimal strings (as some Kineto versions write).
 
 Bounds: the file at most ``MAX_TRACE_BYTES`` (gzip too, inflated), ``MAX_EVENTS`` events, JSON only (never
 pickle); numbers beyond ``MAX_MICROSECONDS``, non-finite ones (``NaN``, ``1e999``) and integers of more than
@@ -43,7 +48,7 @@ from fsdp_planner.userfiles import read_bytes
 MAX_TRACE_BYTES = 512 << 20  # a few steps of a large job's GPU trace are 100-500 MiB; parsed, ~10x that in memory
 MAX_EVENTS = 20_000_000
 MAX_INT_DIGITS = 20  # ids, sizes and nanosecond timestamps fit; a longer integer is not a profiler's
-MAX_MICROSECONDS = 1e15  # about 30 years of timestamps: anything beyond is not a clock
+MAX_MICROSECONDS = 1e17  # Unix-epoch microseconds (older Kineto writes them: 1.7e15 in 2024) up to the year 5000
 MAX_NAME = 1000  # characters of a name kept
 MAX_STEPS = 10_000
 
@@ -70,7 +75,8 @@ GLOO_KINDS = {"c10d::_allgather_base_": CollectiveKind.ALL_GATHER, "c10d::allgat
               "c10d::allreduce_": CollectiveKind.ALL_REDUCE}
 ITEMSIZE = {"float": 4, "c10::bfloat16": 2, "c10::half": 2, "double": 8, "bfloat16": 2, "half": 2, "float16": 2,
             "float32": 4, "float64": 8, "int": 4, "long int": 8, "int64": 8, "int32": 4, "c10::float8_e4m3fn": 1,
-            "float8_e4m3fn": 1, "unsigned char": 1, "signed char": 1, "bool": 1, "byte": 1}
+            "float8_e4m3fn": 1, "unsigned char": 1, "signed char": 1, "bool": 1, "byte": 1, "long": 8, "short": 2,
+            "char": 1, "float8_e5m2": 1, "c10::float8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,20 @@ class Collective:
 
 
 @dataclass(frozen=True)
+class OtherCollective:
+    """A collective FSDP2 does not issue (a broadcast, a send/recv, an all-to-all): timed as communication, not
+    fitted; ``name`` as ``record_param_comms`` writes it."""
+
+    name: str
+    nbytes: int  # the larger of its input and output
+    ranks: int
+    seconds: float
+
+
+Communication = Collective | OtherCollective
+
+
+@dataclass(frozen=True)
 class Step:
     """One ``ProfilerStep#`` of a trace, everything in seconds."""
 
@@ -106,6 +126,7 @@ class Step:
     optimizer: float
     exposed_comm: float  # collectives while no compute runs
     idle: float  # nothing of the above runs
+    other_collectives: tuple[OtherCollective, ...] = ()
     spans: tuple[Span, ...] = field(default=(), repr=False)
 
     @property
@@ -235,6 +256,8 @@ def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
 
 def _int_field(info: dict, key: str, default: int, label: str) -> int:
     value = info.get(key, default)
+    if isinstance(value, str) and value.isdecimal() and len(value) <= 7:  # some Kineto versions write "0"
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1_000_000:
         raise PlannerError(f"{label}: distributedInfo.{key} must be a whole number from 0 to 1,000,000")
     return value
@@ -293,9 +316,10 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
     """Step ``i`` of the trace: its ProfilerStep range ``marks[i]``, its ops or kernels and its collectives."""
     mark = marks[i]
     start, end = mark.ts, mark.end
-    main = [e for e in _within(events, start, end) if e.tid == mark.tid and e is not mark]
+    during = _within(events, start, end)
+    main = [e for e in during if e.tid == mark.tid and e is not mark]
     fsdp = _outermost([e for e in main if e.name.startswith("FSDP::")])
-    backward = [(e.ts, e.end) for e in main if e.name.startswith(BACKWARD_RANGES)]
+    backward = [(e.ts, e.end) for e in during if e.name.startswith(BACKWARD_RANGES)]  # any thread: the engine's
     if gpu:
         ops, comms, end, backward = _gpu_work(events, (start, end), world, label, backward)
     else:
@@ -305,14 +329,15 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
         comms = _gloo_collectives(main, events, start, end + (marks[i + 1].ts - end if i + 1 < len(marks) else 0),
                                   world, label)
     spans = ([Span(e.name, e.ts, e.end, "compute") for e, _ in ops]
-             + [Span(c.kind.value, a, b, "communication") for c, a, b in comms]
+             + [Span(c.kind.value if isinstance(c, Collective) else c.name, a, b, "communication")
+                for c, a, b in comms]
              + [Span(e.name, e.ts, e.end, "host") for e in fsdp])
     spans = [Span(sp.name, (sp.start - start) / 1e6, (sp.end - start) / 1e6, sp.lane) for sp in spans]
     optimizer = covered((e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#"))
     return _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
 
 
-def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: list[Collective],
+def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: list[Communication],
                    bounds: Interval, gpu: bool, phases: tuple[list[Interval], float]) -> Step:
     """The step from its parts; ``phases``: backward's intervals (CPU ranges, or on a GPU the kernels they
     launched) and the optimizer's time."""
@@ -331,13 +356,16 @@ def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: 
     bwd_start = min((a for a, _ in backward), default=end)
     bwd_end = max((b for _, b in backward), default=end)
     step = (end - start) / 1e6
-    return Step(step, seconds, counts, tuple(comms), covered(lanes["host"]) if gpu else everything - busy,
-                (bwd_start - start) / 1e6, (bwd_end - bwd_start) / 1e6, optimizer / 1e6, busy - compute,
-                max(0.0, step - (busy if gpu else everything)), tuple(spans))
+    return Step(step, seconds, counts, tuple(c for c in comms if isinstance(c, Collective)),
+                covered(lanes["host"]) if gpu else everything - busy, (bwd_start - start) / 1e6,
+                (bwd_end - bwd_start) / 1e6, optimizer / 1e6, busy - compute,
+                max(0.0, step - (busy if gpu else everything)),
+                tuple(c for c in comms if isinstance(c, OtherCollective)), tuple(spans))
 
 
 def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str, backward: list[Interval]
-              ) -> tuple[list[tuple[_Event, OpClass]], list[tuple[Collective, float, float]], float, list[Interval]]:
+              ) -> tuple[list[tuple[_Event, OpClass]], list[tuple[Communication, float, float]], float,
+                         list[Interval]]:
     """The step's kernels (those launched inside it) as ops and collectives, the step's end (its CPU range's, or
     its last kernel's) and the kernels launched inside ``backward``'s CPU ranges."""
     start, end = bounds
@@ -346,15 +374,17 @@ def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str, ba
     kernels = sorted((e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")
                       and start <= launches.get(e.args.get("correlation"), e.ts) <= end), key=lambda e: e.ts)
     comms = [e for e in kernels if "nccl" in e.name.lower()]
-    sizes = [e for e in events if e.name == "record_param_comms" and start <= e.ts <= end]
+    sizes = [e for e in events if e.name == "record_param_comms" and start <= e.ts <= end
+             and e.args.get("Collective name") != "wait"]  # a work's wait launches no kernel
     by_id = {e.args.get("External id"): e for e in sizes}
     collectives = []
     for k, kernel in enumerate(comms):
         record = by_id.get(kernel.args.get("External id")) or (sizes[k] if k < len(sizes) else None)
-        if record is None:
+        args = kernel.args if "Collective name" in kernel.args else record.args if record else None
+        if args is None:
             raise PlannerError(f"{label}: NCCL kernel '{printable(cut_short(kernel.name))}' has no "
                                "record_param_comms op to size it (profile with record_shapes=True)")
-        collectives.append((_nccl_collective(record, kernel, world, label), kernel.ts, kernel.end))
+        collectives.append((_nccl_collective(args, kernel, world, label), kernel.ts, kernel.end))
     ops = [(e, op_class(e.name, True)) for e in kernels if "nccl" not in e.name.lower()]
     inside = _inside(backward)
     launched_in = [(e.ts, e.end) for e, _ in ops if inside(launches.get(e.args.get("correlation"), -1.0))]
@@ -383,16 +413,22 @@ NCCL_NAMES = (("reduce_scatter", CollectiveKind.REDUCE_SCATTER), ("reducescatter
               ("allreduce", CollectiveKind.ALL_REDUCE), ("all_reduce", CollectiveKind.ALL_REDUCE))
 
 
-def _nccl_collective(record: _Event, kernel: _Event, world: int, label: str) -> Collective:
-    args = record.args
+def _nccl_collective(args: dict, kernel: _Event, world: int, label: str) -> Communication:
+    """The collective ``args`` (``record_param_comms``'s) size, timed by its kernel."""
     name = str(args.get("Collective name", "")).lower()
     kind = next((k for word, k in NCCL_NAMES if word in name), None)
     nelems = [args.get("In msg nelems"), args.get("Out msg nelems")]
     ranks = args.get("Group size", world)
     itemsize = ITEMSIZE.get(str(args.get("dtype", "")).lower())
-    if kind is None or itemsize is None or not all(_count(v) for v in (*nelems, ranks)):
+    if not name:
+        raise PlannerError(f"{label}: NCCL kernel '{printable(cut_short(kernel.name))}' has no collective name or "
+                           "size: its record_param_comms op records none (older torch versions did not): profile "
+                           "with a newer torch")
+    if itemsize is None or not all(_count(v) for v in (*nelems, ranks)):
         raise PlannerError(f"{label}: a record_param_comms op ({printable(cut_short(name))}) lacks a known "
-                           "collective, dtype, message size or group size")
+                           "dtype, message size or group size")
+    if kind is None:
+        return OtherCollective(printable(cut_short(name)), max(nelems) * itemsize, int(ranks), kernel.dur / 1e6)
     full = nelems[1] if kind is CollectiveKind.ALL_GATHER else nelems[0]
     return Collective(kind, int(full) * itemsize, int(ranks), kernel.dur / 1e6)
 

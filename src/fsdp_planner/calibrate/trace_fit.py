@@ -32,6 +32,7 @@ import numpy as np
 from fsdp_planner.calibrate.kineto import MeasuredTrace, OpClass, Step
 from fsdp_planner.calibrate.nccl_logs import fit_samples
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster, Compute, Engine, Link, Overhead, slowest_rank_factor
 from fsdp_planner.hardware.cost import collective_time
@@ -39,7 +40,7 @@ from fsdp_planner.runtime.measure import host_memory
 from fsdp_planner.sim.compute import flop_efficiency, op_times, peak_flops, traced_itemsize
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
-from fsdp_planner.trace.events import KERNEL_ATTENTION
+from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER
 from fsdp_planner.trace.records import Trace
 
 # passes of the efficiencies' fit, at most: each solves the class sums for the ops' binding terms of the pass before
@@ -86,9 +87,12 @@ class TraceFit:
 
 
 def simulated_classes(trace: Trace) -> np.ndarray:
-    """Per event, its ``OpClass`` index in ``list(OpClass)`` (boundaries: memory-bound, with no time)."""
+    """Per event, its ``OpClass`` index in ``list(OpClass)`` (boundaries: memory-bound, with no time). An op of no
+    named kernel that has FLOPs is a convolution: a matmul, as a trace's cuDNN/CUTLASS kernels and CPU
+    ``aten::conv2d`` ops are read (``kineto.op_class``)."""
     kernel = trace.index.op_kernel
-    return np.where(kernel > 0, 0, np.where(kernel == KERNEL_ATTENTION, 1, 2))
+    matmul = (kernel > 0) | ((kernel == KERNEL_OTHER) & (trace.index.op_flops > 0))
+    return np.where(matmul, 0, np.where(kernel == KERNEL_ATTENTION, 1, 2))
 
 
 def class_seconds(trace: Trace, cluster: Cluster, options: SimOptions) -> dict[OpClass, float]:
@@ -197,7 +201,20 @@ def fit_collectives(cluster: Cluster, steps: list[Step]) -> Cluster:
                     continue
                 busbw = moved / spent
             fits.setdefault(kind, {})[ranks] = (alpha, busbw)
-    return dataclasses.replace(cluster, fits=fits, tables=tables)
+    return dataclasses.replace(cluster, fits=_halves(fits), tables=tables)
+
+
+def _halves(fits: dict[str, dict[int, tuple[float, float]]]) -> dict[str, dict[int, tuple[float, float]]]:
+    """An all-reduce's line as the all-gather and reduce-scatter lines of a group that has none measured: the cost
+    model charges an all-reduce as those two (``hardware/collectives.lines``), so a DDP trace's all-reduces (its
+    only collectives) reach it only this way. Each half: half the latency over half the bytes' time."""
+    out = {k: dict(v) for k, v in fits.items()}
+    for ranks, (alpha, busbw) in fits.get(CollectiveKind.ALL_REDUCE.value, {}).items():
+        if any(ranks in fits.get(k.value, {}) for k in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER)):
+            continue
+        for k in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER):
+            out.setdefault(k.value, {})[ranks] = (alpha / 2, busbw * 2)
+    return out
 
 
 def fit_overhead(trace: Trace, plan: Plan, cluster: Cluster, steps: list[Step], options: SimOptions) -> Cluster:

@@ -148,7 +148,8 @@ def verify(sub: Subparsers) -> None:
                          f"and report their median (default {TIME_STEPS}; 0: none)")
     sp.add_argument("--profile", type=Path, metavar="DIR",
                     help="write a torch.profiler trace of a few more steps of each rank to DIR/rankR.json (the input "
-                         "of calibrate --trace and simulate --against)")
+                         "of calibrate --trace and simulate --against), and their wall and CPU seconds to "
+                         "DIR/rankR.cpu.json")
     sp.add_argument("--measure", action="store_true",
                     help="with --cluster: time the model's ops on this machine for the step-time prediction (one "
                          "thread, as each gloo rank runs) instead of the roofline estimate")

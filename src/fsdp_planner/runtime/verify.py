@@ -436,7 +436,8 @@ def run_verify(model: ModelSpec | str, trace: Trace, plan: Plan, nproc: int, ste
     each with ``gradient_sync`` EVERY;
     ``reshard_after_backward`` False: params kept gathered between them (``set_reshard_after_backward``).
     ``profile``: a directory each rank writes ``rankR.json`` into, a torch.profiler trace of a few more steps
-    (``worker.profile_steps``; FSDP2 only), which ``calibrate --trace`` reads."""
+    (``worker.profile_steps``; FSDP2 only), which ``calibrate --trace`` reads, and ``rankR.cpu.json``, those steps'
+    wall and CPU seconds."""
     if micro_batches > 1 and fsdp1:
         raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
     job = VerifyJob(as_spec(model), plan, nproc, job_precision(precision, fsdp1), fsdp1, timeout,

@@ -356,22 +356,29 @@ def profile_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], 
                   loss_context: Casts = contextlib.nullcontext) -> None:
     """``PROFILED_STEPS`` steps as ``time_steps`` runs them, under torch.profiler (CPU ops, and CUDA kernels on a
     GPU; shapes for the ops' sizes), each in its ``ProfilerStep#`` range, written as a Chrome trace to ``out``:
-    what ``calibrate --trace`` reads. Apart from the timed steps: the profiler slows every op it records."""
+    what ``calibrate --trace`` reads. Apart from the timed steps: the profiler slows every op it records.
+    Beside it, ``rankR.cpu.json``: each profiled step's wall and process CPU seconds (all the rank's threads): on a
+    shared host a step the OS gave less of the CPU shows as a lower share of CPU to wall."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(False)
+    wall, cpu = [], []
     try:
         with profile(activities=activities, record_shapes=True,
                      schedule=schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1)) as prof:
             for _ in range(PROFILED_STEPS + 1):
+                started = (time.perf_counter(), time.process_time())
                 dist.barrier()
                 accumulate(model, micro_batches, 0, device, reshard_after_backward, sync_every, loss_context)
                 _synchronize(device)
                 model.zero_grad(set_to_none=True)
+                wall.append(time.perf_counter() - started[0])  # before prof.step(): the last one stops the profiler
+                cpu.append(time.process_time() - started[1])
                 prof.step()
         prof.export_chrome_trace(str(out))
+        out.with_suffix(".cpu.json").write_text(json.dumps({"wall": wall[1:], "cpu": cpu[1:]}))  # [0]: warm-up
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
