@@ -134,9 +134,9 @@ def inside_selective(plan: Plan) -> None:
         inner = next((g for grp in plan.groups for g in grp.modules if g != m and is_within(g, m)), None)
         if inner is not None:
             raise PlannerError(f"selective_checkpointing names '{m}', which holds the FSDP group module '{inner}': "
-                               "FSDP2's hooks inside an op-level checkpointed region make its recomputation differ "
-                               f"from its forward; checkpoint '{m}' in full (activation_checkpointing) or group "
-                               "nothing inside it")
+                               "with FSDP2's hooks inside an op-level checkpointed region, real FSDP2 fails on some "
+                               "groupings (SAC finds the recomputation's ops differ from the forward's); checkpoint "
+                               f"'{m}' in full (activation_checkpointing) or group nothing inside it")
 
 
 def early_stop(trace: Trace, fwd_pre: int, fwd_post: int) -> int:
