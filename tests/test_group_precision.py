@@ -18,9 +18,12 @@ from fsdp_planner.choices import ExportFormat
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.claim import check_plan_matches
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
+from fsdp_planner.patching import patched
 from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.runtime.verify import run_verify
@@ -258,3 +261,40 @@ def test_an_fp32_groups_matmuls_run_at_fp32s_peak():
                if e.is_op and not e.backward and e.flops and e.kernel not in (0, KERNEL_ATTENTION)}
     assert forward["0"] == pytest.approx(2 * 4096 * 1024**2 / gpu.peak_bf16_flops, rel=1e-6)
     assert forward["1"] == pytest.approx(2 * 4096 * 1024**2 / gpu.peak_fp32_flops, rel=1e-6)
+
+
+@pytest.mark.integration  # ~3.5 s (loaded): real FSDP2 on 2 fake ranks with real CPU tensors
+def test_exported_code_checkpoints_the_blocks_around_their_fp32_groups(resnet):
+    """titan's --ac full plan exported as Python and applied to the real ResNet with real FSDP2 on 2 ranks of the
+    fake process group: each block's forward runs again in backward (its convs called twice), its BatchNorms compute
+    in fp32 (their own group's policy) both times, and FSDP2 issues the all-gathers the replay says, group by group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plan = make_policy(PolicyRequest.named("titan", checkpointing=ACMode.FULL)).plan(resnet, RESNET)
+    scope: dict = {}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON, PRECISIONS["bf16-mixed"]), "exported.py", "exec"), scope)
+    model = load_model(RESNET, meta=False).model
+    calls, dtypes = [], set()
+    model.layer1[0].conv1.register_forward_pre_hook(lambda m, args: calls.append(args[0].dtype))
+    model.layer1[0].bn1.register_forward_pre_hook(lambda m, args: dtypes.add((m.weight.dtype, args[0].dtype)))
+    owner = {p: i for i, g in enumerate(plan.groups) for p in g.params}
+    issued: list[int] = []
+    gather = _fsdp_param_group.foreach_all_gather
+
+    def recording(fsdp_params, *args, **kwargs):  # observes, then runs FSDP2's own all-gather
+        issued.append(owner[fsdp_params[0]._param_fqn])
+        return gather(fsdp_params, *args, **kwargs)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        scope["apply"](model, init_device_mesh("cpu", (2,)))
+        with patched(_fsdp_param_group, "foreach_all_gather", recording):
+            model(torch.randn(4, 3, 16, 16)).float().pow(2).mean().backward()
+    finally:
+        dist.destroy_process_group()
+    assert calls == [torch.bfloat16] * 2 and dtypes == {(torch.float32, torch.float32)}
+    assert issued == [c.group for c in build_schedule(resnet, plan, 2).collectives
+                      if c.kind is CollectiveKind.ALL_GATHER]
