@@ -6,7 +6,11 @@ its inputs alive after forward, and its forward is run again at the start of its
 policy (``selective.py``): the call keeps its inputs and the outputs of the ops the policy saves, and runs the
 others again. ``apply_checkpointing`` uses the composable ``torch.distributed._composable.checkpoint``
 hooks, so module names (and the plan's, and the state dict's) stay as they are, unlike ``checkpoint_wrapper``; it
-runs before ``fully_shard``, the order torchtitan uses, so FSDP2's hooks run outside the checkpointed region.
+runs before ``fully_shard``, the order torchtitan uses, so the checkpointed module's own FSDP2 hooks run outside
+the checkpointed region. The hooks of groups inside it (BatchNorms in fp32 groups, a block's attention and MLP
+each a group) run inside it: FSDP2 runs their forward path again in the recomputation, before their pre-backward,
+all-gathering again a group it resharded after forward (``fsdp2/replay.py``). Not under op-level checkpointing,
+which real FSDP2 fails on some such groupings (``inside_selective``).
 
 The ``--ac`` choices for whole-model policies, after torchtitan's ``activation_checkpoint`` config: ``full``
 checkpoints every block; ``op`` checkpoints every block with op-level selective checkpointing (torchtitan's

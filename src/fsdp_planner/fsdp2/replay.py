@@ -4,7 +4,9 @@
 together with the per-module part of ``FSDPState`` (_fsdp_state.py): its methods are FSDP2's lifecycle,
 ``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``, ``finalize_backward``, over the same
 ``TrainingState`` and ``ShardedState``. ``Replay`` plays the hooks' caller: it walks the trace's boundary events
-of the modules that have FSDP hooks and calls the group that owns them, then runs the root's final callback.
+of the modules that have FSDP hooks and calls the group that owns them, then runs the root's final callback. Where
+backward first unpacks a tensor a call checkpointed in full saved, it replays the hooks of the groups inside that
+call in its recomputation (``Replay._recompute``).
 
 The output is events, not sizes or times: ``Collective`` (which group, at which trace event, why) and
 ``Residency`` (when a group is unsharded). Sizing is the cost layer's (``sim/sizing.py``).

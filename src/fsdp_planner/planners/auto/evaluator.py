@@ -47,7 +47,8 @@ class Candidate:
 class Evaluator:
     """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen against ``memory``
     (the per-rank budget; ``budget`` is its limit in bytes). ``checkpointed``: the modules every plan it builds
-    checkpoints in full, each unless a group lies inside it (``selective``: op-level, with their policies);
+    checkpoints in full (under FSDP1, each unless a group lies inside it; ``selective``: op-level, with their
+    policies, each unless a group lies inside it);
     ``checkpointing`` gives the same evaluator under another setting of the full ones, sharing what was
     simulated."""
 
