@@ -8,13 +8,18 @@ import json
 import pytest
 from conftest import traced
 
+from fsdp_planner.apply.fsdp1 import fsdp1_refusal
+from fsdp_planner.choices import SacPolicy
 from fsdp_planner.cli import main
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, apply_checkpointing, checkpointed_blocks
 from fsdp_planner.fsdp2.claim import check_plan_matches, make_plan
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
+from fsdp_planner.patching import patched
 from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.context import SimContext
@@ -24,6 +29,7 @@ from fsdp_planner.trace import record
 from fsdp_planner.trace.events import EventKind
 
 BLOCKS = [f"layers.{i}" for i in range(4)]
+ALL_GATHER = CollectiveKind.ALL_GATHER
 
 
 def _titan(ac: ACMode):
@@ -62,13 +68,84 @@ def test_plans_checkpointing_what_cannot_be_modelled_are_refused(names, message)
         check_plan_matches(plan, tr)
 
 
-def test_a_group_inside_a_checkpointed_module_is_refused():
-    """The inner group's FSDP2 hooks would run again during the recomputation (not modelled): refused, and the
-    CLI comparison leaves such a policy out with the reason."""
+LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+           "feed_forward.w3")
+
+
+def _per_linear(tr):
+    """toy-llama with a group on each Linear of each block and every block checkpointed in full."""
+    return make_plan(tr, [[f"{b}.{w}"] for b in BLOCKS for w in LINEARS]).replace(activation_checkpointing=BLOCKS)
+
+
+def test_groups_inside_a_block_checkpointed_in_full_gather_again_in_its_recomputation():
+    """FSDP2 runs the forward hooks of a checkpointed block's inner groups again where its backward first unpacks a
+    saved tensor: after the pre-backward of w2 (the last op that saved anything is w2's; only the residual add
+    reads its output), whose pre-backward prefetched w3. Every other group of the block, resharded after forward,
+    all-gathers there in forward order and stays unsharded until its post-backward; in all, as many all-gathers
+    as when they were gathered one by one at their own pre-backward."""
     tr = traced("toy-llama")
-    fine = make_plan(tr, [["layers.0.attention"], ["layers.0.feed_forward"]])
-    with pytest.raises(PlannerError, match=r"holds the FSDP group module 'layers\.0\.attention'"):
-        check_plan_matches(fine.replace(activation_checkpointing=["layers.0"]), tr)
+    plan = _per_linear(tr)
+    check_plan_matches(plan, tr)  # a group inside a module checkpointed in full is a plan FSDP2 runs
+    sched = build_schedule(tr, plan, 8)
+    name = {i: g.modules[0] for i, g in enumerate(plan.groups)}
+    block = [c for c in sched.collectives if c.kind is ALL_GATHER and c.backward and name[c.group] != ""
+             and name[c.group].startswith("layers.3.")]
+    assert [name[c.group] for c in block if c.prefetch] == ["layers.3.feed_forward.w2", "layers.3.feed_forward.w3"]
+    recomputed = [c for c in block if not c.prefetch]
+    assert [name[c.group] for c in recomputed] == [f"layers.3.{w}" for w in LINEARS if w not in
+                                                   ("feed_forward.w2", "feed_forward.w3")]  # forward order
+    at = recomputed[0].event
+    w2_pre = next(i for i, e in enumerate(tr.events) if e.kind is EventKind.BWD_PRE
+                  and e.module == "layers.3.feed_forward.w2")
+    assert {c.event for c in recomputed} == {at} and w2_pre <= at
+    assert not any(e.kind is EventKind.OP for e in tr.events[w2_pre:at + 1])  # before the block's backward ops
+    held = {name[r.group]: r.start for r in sched.residency if r.start >= w2_pre}
+    assert held["layers.3.attention.wq"] == at  # unsharded from the recomputation, not its own pre-backward
+    plain = build_schedule(tr, plan.replace(activation_checkpointing=[]), 8)
+    assert sum(c.kind is ALL_GATHER for c in sched.collectives) == sum(c.kind is ALL_GATHER for c in plain.collectives)
+
+
+def test_groups_inside_an_op_level_checkpointed_block_and_under_fsdp1_are_refused():
+    """Real FSDP2 fails on groups inside an op-level checkpointed block (SAC's cache: 'not found in storage', on
+    fake ranks with groups on w1 and w3); FSDP1's hooks in the recomputation are not replayed."""
+    tr = traced("toy-llama")
+    plan = _per_linear(tr)
+    sac = plan.replace(activation_checkpointing=[], selective_checkpointing=dict.fromkeys(BLOCKS, SacPolicy.TITAN))
+    with pytest.raises(PlannerError, match=r"names 'layers\.0', which holds the FSDP group module 'layers\.0\.attent"
+                                           r"ion\.wq': .* checkpoint 'layers\.0' in full"):
+        check_plan_matches(sac, tr)
+    assert "holds the unit 'layers.0.attention.wq'" in fsdp1_refusal(plan)
+    assert fsdp1_refusal(plan.replace(activation_checkpointing=[])) is None
+
+
+@pytest.mark.integration  # ~4 s: real FSDP2 on 8 fake ranks
+def test_real_fsdp2_gathers_groups_inside_a_checkpointed_block_as_replayed():
+    """The all-gathers real FSDP2 issues in a step (their groups, in order), their counts and bytes, as the replay
+    says, and the peak within 2% (without replaying the recomputation's hooks: -3.3%)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    options = SimOptions()
+    lm = load_model("toy-llama")
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    plan = _per_linear(tr)
+    owner = {p: i for i, g in enumerate(plan.groups) for p in g.params}
+    issued: list[int] = []
+    gather = _fsdp_param_group.foreach_all_gather
+
+    def recording(fsdp_params, *args, **kwargs):  # observes, then runs FSDP2's own all-gather
+        issued.append(owner[fsdp_params[0]._param_fqn])
+        return gather(fsdp_params, *args, **kwargs)
+
+    with patched(_fsdp_param_group, "foreach_all_gather", recording):
+        measured = run_fake_world("toy-llama", plan, 8, options.precision)
+    predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
+    replayed = [c.group for c in build_schedule(tr, plan, 8).collectives if c.kind is ALL_GATHER]
+    assert issued[len(issued) // 2:] == replayed  # the last of the two steps
+    assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
+                               "all_reduce": 0}
+    assert (measured.nbytes["all_gather"], measured.nbytes["reduce_scatter"]) == \
+        (predicted.all_gather_bytes, predicted.reduce_scatter_bytes)
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.02)
 
 
 def test_checkpointing_trades_memory_for_recomputed_forward():

@@ -84,11 +84,15 @@ def test_recomputation_stops_where_torch_stops(policy):
 
 
 def test_recompute_time_is_the_ops_before_the_stop():
-    """A fully checkpointed block's recomputation costs the op time up to the stop, less than its forward's."""
+    """A fully checkpointed block's recomputation costs the op time up to the stop, less than its forward's; it
+    runs where backward first unpacks, after the pre-backward of the MLP (whose output only the residual add
+    reads, the op after the last pack), before any of the block's backward ops."""
     tr = traced("toy-llama")
     ctx = SimContext(tr, parse_cluster("h100:8"), SimOptions())
     (call,) = checkpointed_calls(tr, [(BLOCK, None)])
-    r = ctx.recompute([(BLOCK, None)])[call.bwd_pre]
+    ((at, r),) = ctx.recompute([(BLOCK, None)]).items()
+    assert (tr.events[at].kind, tr.events[at].module) == (EventKind.BWD_PRE, f"{BLOCK}.feed_forward")
+    assert call.bwd_pre < at and not any(e.is_op for e in tr.events[call.bwd_pre:at])
     assert r.seconds == pytest.approx(sum(ctx.times[i] for i in call.recomputed(tr)))
     assert r.ops == len(call.recomputed(tr))
     assert 0 < r.seconds < ctx.cum[call.fwd_post] - ctx.cum[call.fwd_pre]

@@ -16,11 +16,15 @@ from conftest import policy
 from fsdp_planner.apply.export import export_plan
 from fsdp_planner.choices import ExportFormat
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
 from fsdp_planner.fsdp2.claim import check_plan_matches
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.planners import AutoPolicy
+from fsdp_planner.patching import patched
+from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.sim.options import PRECISIONS, SimOptions
@@ -110,24 +114,40 @@ def test_auto_plans_batchnorm_in_fp32_groups_and_export_writes_their_policy(resn
     assert "FP32_GROUPS" not in plain and "full_precision" not in plain
 
 
-@pytest.mark.integration  # ~8 s (unloaded): a torchrun job of 2 gloo ranks, then real FSDP2 on 4 fake ranks
+def test_per_block_checkpointing_keeps_the_fp32_groups_inside_the_blocks(resnet):
+    """--ac full checkpoints every bottleneck though its BatchNorms' fp32 group lies inside it (FSDP2 runs their
+    hooks again in the recomputation, which the replay models): titan's plan and auto's (which dropped the
+    checkpointing of any block a group lay inside)."""
+    blocks = checkpointed_blocks(resnet, ACMode.FULL)
+    titan = make_policy(PolicyRequest.named("titan", checkpointing=ACMode.FULL)).plan(resnet, RESNET)
+    auto = AutoPolicy(parse_cluster("h100:8"), checkpointing=ACMode.FULL).plan(resnet, RESNET)
+    for plan in (titan, auto):
+        assert list(plan.activation_checkpointing) == blocks == ["layer1.0", "layer1.1", "layer2.0", "layer2.1"]
+        assert any(g.param_dtype == "fp32" and any(m.startswith("layer1.0.") for m in g.modules) for g in plan.groups)
+        check_plan_matches(plan, resnet)
+
+
+@pytest.mark.integration  # ~20 s (loaded): a torchrun job of 2 gloo ranks, then real FSDP2 on 4 fake ranks
 def test_resnet_plan_with_fp32_batchnorm_groups_trains_on_2_gloo_ranks_with_parity(resnet):
-    """Under bf16-mixed: auto's plan (its BatchNorms in an fp32 group) all-gathers them in fp32, the bytes as
-    predicted, and its params stay within bf16 steps of an unsharded reference that runs those modules in fp32 too;
-    on 4 fake ranks titan's plan (an fp32 group beside each block's) has real FSDP2's counts and bytes."""
-    plan = AutoPolicy(parse_cluster("h100:8")).plan(resnet, RESNET)
-    assert any(g.param_dtype == "fp32" for g in plan.groups)
+    """Under bf16-mixed: auto's plan with every block checkpointed in full (its BatchNorms in an fp32 group that
+    lies inside them) all-gathers them in fp32, the counts and bytes as predicted, and its params stay within bf16
+    steps of an unsharded reference that runs those modules in fp32 too; on 4 fake ranks titan's plan (an fp32
+    group beside each block's), with and without the blocks checkpointed, has real FSDP2's counts and bytes."""
+    plan = AutoPolicy(parse_cluster("h100:8"), checkpointing=ACMode.FULL).plan(resnet, RESNET)
+    assert any(g.param_dtype == "fp32" for g in plan.groups) and plan.activation_checkpointing
     result = run_verify(RESNET, resnet, plan, nproc=2, steps=2, precision="bf16-mixed")
     assert result.ok, (result.counted, result.predicted, result.max_abs_diff)
     assert result.counted == [result.predicted] * 2 and result.counted_bytes == [result.predicted_bytes] * 2
     assert result.losses == pytest.approx(result.reference_losses, rel=1e-2)
-    options, plan = SimOptions.named("bf16-mixed"), policy("titan").plan(resnet, RESNET)
-    predicted = simulate(resnet, plan, parse_cluster("h100:4"), options, timeline=False)
-    measured = run_fake_world(RESNET, plan, 4, options.precision)
-    assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
-                               "all_reduce": 0}
-    assert (measured.nbytes["all_gather"], measured.nbytes["reduce_scatter"]) == \
-        (predicted.all_gather_bytes, predicted.reduce_scatter_bytes)
+    options = SimOptions.named("bf16-mixed")
+    for ac in (ACMode.NONE, ACMode.FULL):
+        plan = make_policy(PolicyRequest.named("titan", checkpointing=ac)).plan(resnet, RESNET)
+        predicted = simulate(resnet, plan, parse_cluster("h100:4"), options, timeline=False)
+        measured = run_fake_world(RESNET, plan, 4, options.precision)
+        assert measured.counts == {"all_gather": predicted.all_gathers, "reduce_scatter": predicted.reduce_scatters,
+                                   "all_reduce": 0}
+        assert (measured.nbytes["all_gather"], measured.nbytes["reduce_scatter"]) == \
+            (predicted.all_gather_bytes, predicted.reduce_scatter_bytes)
     as_bf16 = simulate(dataclasses.replace(resnet, full_precision=()), plan, parse_cluster("h100:4"), options,
                        timeline=False)  # the BatchNorms counted in bf16: what the fp32 bytes correct
     assert as_bf16.all_gather_bytes < measured.nbytes["all_gather"]
@@ -241,3 +261,40 @@ def test_an_fp32_groups_matmuls_run_at_fp32s_peak():
                if e.is_op and not e.backward and e.flops and e.kernel not in (0, KERNEL_ATTENTION)}
     assert forward["0"] == pytest.approx(2 * 4096 * 1024**2 / gpu.peak_bf16_flops, rel=1e-6)
     assert forward["1"] == pytest.approx(2 * 4096 * 1024**2 / gpu.peak_fp32_flops, rel=1e-6)
+
+
+@pytest.mark.integration  # ~3.5 s (loaded): real FSDP2 on 2 fake ranks with real CPU tensors
+def test_exported_code_checkpoints_the_blocks_around_their_fp32_groups(resnet):
+    """titan's --ac full plan exported as Python and applied to the real ResNet with real FSDP2 on 2 ranks of the
+    fake process group: each block's forward runs again in backward (its convs called twice), its BatchNorms compute
+    in fp32 (their own group's policy) both times, and FSDP2 issues the all-gathers the replay says, group by group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    plan = make_policy(PolicyRequest.named("titan", checkpointing=ACMode.FULL)).plan(resnet, RESNET)
+    scope: dict = {}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON, PRECISIONS["bf16-mixed"]), "exported.py", "exec"), scope)
+    model = load_model(RESNET, meta=False).model
+    calls, dtypes = [], set()
+    model.layer1[0].conv1.register_forward_pre_hook(lambda m, args: calls.append(args[0].dtype))
+    model.layer1[0].bn1.register_forward_pre_hook(lambda m, args: dtypes.add((m.weight.dtype, args[0].dtype)))
+    owner = {p: i for i, g in enumerate(plan.groups) for p in g.params}
+    issued: list[int] = []
+    gather = _fsdp_param_group.foreach_all_gather
+
+    def recording(fsdp_params, *args, **kwargs):  # observes, then runs FSDP2's own all-gather
+        issued.append(owner[fsdp_params[0]._param_fqn])
+        return gather(fsdp_params, *args, **kwargs)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        scope["apply"](model, init_device_mesh("cpu", (2,)))
+        with patched(_fsdp_param_group, "foreach_all_gather", recording):
+            model(torch.randn(4, 3, 16, 16)).float().pow(2).mean().backward()
+    finally:
+        dist.destroy_process_group()
+    assert calls == [torch.bfloat16] * 2 and dtypes == {(torch.float32, torch.float32)}
+    assert issued == [c.group for c in build_schedule(resnet, plan, 2).collectives
+                      if c.kind is CollectiveKind.ALL_GATHER]

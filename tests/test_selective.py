@@ -21,7 +21,7 @@ from fsdp_planner.apply.export import export_plan
 from fsdp_planner.choices import ExportFormat, SacPolicy
 from fsdp_planner.cli import main
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.checkpointing import ACMode, apply_checkpointing, check_checkpointing
+from fsdp_planner.fsdp2.checkpointing import ACMode, apply_checkpointing, check_checkpointing, recomputed_at
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.selective import sac_context_fn, saved_flags
 from fsdp_planner.hardware.cluster import parse_cluster
@@ -117,11 +117,12 @@ def test_recompute_runs_only_the_ops_not_kept():
     op = ctx.recompute(spec)
     full = ctx.recompute([(b, None) for b in BLOCKS])
     calls = checkpointed_calls(tr, spec)
-    assert sorted(op) == sorted(full) == sorted(c.bwd_pre for c in calls)
+    at = {c: recomputed_at(tr, c.end, c.fwd_post, c.bwd_pre, c.bwd_post) for c in calls}  # where backward unpacks
+    assert sorted(op) == sorted(full) == sorted(at.values())
     for c in calls:
-        assert op[c.bwd_pre].seconds == pytest.approx(sum(ctx.times[i] for i in c.recomputed(tr)))
-        assert op[c.bwd_pre].ops == len(c.recomputed(tr))
-        assert 0 < op[c.bwd_pre].seconds < full[c.bwd_pre].seconds
+        assert op[at[c]].seconds == pytest.approx(sum(ctx.times[i] for i in c.recomputed(tr)))
+        assert op[at[c]].ops == len(c.recomputed(tr))
+        assert 0 < op[at[c]].seconds < full[at[c]].seconds
     reports = {ac: simulate(tr, _titan(ac), context=ctx, timeline=False) for ac in (ACMode.NONE, ACMode.FULL,
                                                                                      ACMode.OP)}
     assert reports[ACMode.OP].recompute_time == pytest.approx(sum(r.seconds for r in op.values()))

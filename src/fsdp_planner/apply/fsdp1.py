@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.trace.tree import is_within
 
 
 def fsdp1_refusal(plan: Plan) -> str | None:
@@ -36,6 +37,11 @@ def fsdp1_refusal(plan: Plan) -> str | None:
                     "shard over (only true or false)")
         if g.forward_prefetch or g.backward_prefetch:
             return f"plan group {i} has explicit prefetch lists, which FSDP1 does not take per unit"
+    inner = next(((m, g) for m in plan.activation_checkpointing for grp in plan.inner_groups for g in grp.modules
+                  if g != m and is_within(g, m)), None)
+    if inner is not None:  # FSDP2's hooks in the recomputation are replayed (fsdp2/replay.py), FSDP1's are not
+        return (f"checkpointed module '{inner[0]}' holds the unit '{inner[1]}', whose hooks under FSDP1 in the "
+                "recomputation are not modelled; wrap the checkpointed module as the unit")
     if plan.root.reshard_after_forward is True and plan.root.params:
         return "the plan's root reshards after forward, which an FSDP1 root never does"
     return None

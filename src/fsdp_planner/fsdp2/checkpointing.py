@@ -6,7 +6,11 @@ its inputs alive after forward, and its forward is run again at the start of its
 policy (``selective.py``): the call keeps its inputs and the outputs of the ops the policy saves, and runs the
 others again. ``apply_checkpointing`` uses the composable ``torch.distributed._composable.checkpoint``
 hooks, so module names (and the plan's, and the state dict's) stay as they are, unlike ``checkpoint_wrapper``; it
-runs before ``fully_shard``, the order torchtitan uses, so FSDP2's hooks run outside the checkpointed region.
+runs before ``fully_shard``, the order torchtitan uses, so the checkpointed module's own FSDP2 hooks run outside
+the checkpointed region. The hooks of groups inside it (BatchNorms in fp32 groups, a block's attention and MLP
+each a group) run inside it: FSDP2 runs their forward path again in the recomputation, before their pre-backward,
+all-gathering again a group it resharded after forward (``fsdp2/replay.py``). Not under op-level checkpointing,
+which real FSDP2 fails on some such groupings (``inside_selective``).
 
 The ``--ac`` choices for whole-model policies, after torchtitan's ``activation_checkpoint`` config: ``full``
 checkpoints every block; ``op`` checkpoints every block with op-level selective checkpointing (torchtitan's
@@ -34,6 +38,7 @@ import torch.nn as nn
 from fsdp_planner.choices import ACMode, Offloaded, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.selective import sac_context_fn
+from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.tree import ROOT, is_within
 
 if TYPE_CHECKING:
@@ -86,9 +91,10 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
 
 def check_checkpointing(plan: Plan, trace: Trace) -> None:
     """PlannerError when the plan's checkpointed modules are not something this planner models and FSDP2 runs:
-    each must be a module of the model, called in the step, not inside another checkpointed module, and hold no
-    FSDP group inside it (an inner group's hooks would run again during the recomputation). Its offloaded modules
-    likewise, except that a group may lie inside one (nothing runs again), and none may be checkpointed too."""
+    each must be a module of the model, called in the step, and not inside another checkpointed module; its
+    offloaded modules likewise, and none checkpointed too. An FSDP group may lie inside a module checkpointed in
+    full (its hooks run again in the recomputation, as ``fsdp2/replay.py`` replays them) or offloaded (nothing runs
+    again), not inside one checkpointed op-level (``inside_selective``)."""
     names = [*plan.activation_checkpointing, *plan.selective_checkpointing]
     twice = next((m for m in plan.selective_checkpointing if m in plan.activation_checkpointing), None)
     if twice is not None:
@@ -119,10 +125,68 @@ def check_checkpointing(plan: Plan, trace: Trace) -> None:
             offloaded = {m, outer} & set(plan.activation_offloading)
             which = f"{field(outer)} names too" if offloaded else "is checkpointed too"
             raise PlannerError(f"{field(m)} names '{m}' inside '{outer}', which {which}; name one of them")
+    inside_selective(plan)
+
+
+def inside_selective(plan: Plan) -> None:
+    """PlannerError when an FSDP group lies inside a module checkpointed op-level. Real FSDP2 fails on some such
+    plans: the inner groups' hooks run ops inside the region (``record_function`` among them), on some groupings
+    not the same in the recomputation as in the forward, and SAC's cache, which matches the two by op and order,
+    raises "invocation index ... encountered during backward but not found in storage" (measured on fake ranks:
+    toy-llama with groups on each block's w1 and w3, or on every Linear; groups on attention and feed_forward ran)."""
+    for m in plan.selective_checkpointing:
         inner = next((g for grp in plan.groups for g in grp.modules if g != m and is_within(g, m)), None)
-        if inner is not None and m not in plan.activation_offloading:
-            raise PlannerError(f"checkpointed module '{m}' holds the FSDP group module '{inner}'; checkpoint a "
-                               f"module that no group lies inside (e.g. make '{m}' the group)")
+        if inner is not None:
+            raise PlannerError(f"selective_checkpointing names '{m}', which holds the FSDP group module '{inner}': "
+                               "with FSDP2's hooks inside an op-level checkpointed region, real FSDP2 fails on some "
+                               "groupings (SAC finds the recomputation's ops differ from the forward's); checkpoint "
+                               f"'{m}' in full (activation_checkpointing) or group nothing inside it")
+
+
+def early_stop(trace: Trace, fwd_pre: int, fwd_post: int) -> int:
+    """Where the recomputation of a checkpointed call stops: just after the last event of its forward after which
+    a tensor was packed for backward (non-reentrant checkpoint counts the tensors its forward packed and stops the
+    recomputation once it has packed as many: torch's ``_StopRecomputationError``); its pre-forward when nothing
+    was."""
+    events = trace.events
+    return next((i + 1 for i in range(fwd_post - 1, fwd_pre - 1, -1) if events[i].packs), fwd_pre)
+
+
+def backward_calls(trace: Trace, module: str) -> list[tuple[int, int, int, int, int]]:
+    """The calls of ``module`` that ran a backward (a call without one saves nothing to recompute), each as (call,
+    and the positions of its pre-forward, post-forward, pre-backward and post-backward)."""
+    pos: dict[tuple[EventKind, int], int] = {}
+    for i in trace.index.boundaries_by_module.get(module, ()):
+        pos.setdefault((trace.events[i].kind, trace.events[i].call), i)
+    out = []
+    for (kind, call), fwd_pre in pos.items():
+        bwd_pre, bwd_post = pos.get((EventKind.BWD_PRE, call)), pos.get((EventKind.BWD_POST, call))
+        if kind is EventKind.FWD_PRE and bwd_pre is not None and bwd_post is not None and bwd_pre <= bwd_post:
+            out.append((call, fwd_pre, pos[(EventKind.FWD_POST, call)], bwd_pre, bwd_post))
+    return out
+
+
+def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
+    """Each checkpointed call whose forward runs again in its backward (in full or op-level; not an offloaded one),
+    by the position where that happens: the span of its forward events that runs again there, [its pre-forward,
+    its early stop). FSDP2's hooks of the groups that lie inside it run again in that span (``fsdp2/replay.py``)."""
+    out = {}
+    for m in (*plan.activation_checkpointing, *plan.selective_checkpointing):
+        for _, fwd_pre, fwd_post, bwd_pre, bwd_post in backward_calls(trace, m):
+            stop = early_stop(trace, fwd_pre, fwd_post)
+            out[recomputed_at(trace, stop, fwd_post, bwd_pre, bwd_post)] = (fwd_pre, stop)
+    return out
+
+
+def recomputed_at(trace: Trace, stop: int, fwd_post: int, bwd_pre: int, bwd_post: int) -> int:
+    """Where a checkpointed call's forward runs again: when its backward first unpacks a saved tensor. The backward
+    of the ops after its last pack unpacks nothing, so the pre-backward hooks of the calls inside it that ended
+    after that pack (a Llama block's MLP, whose output only the residual add reads) run first: the position of
+    the last of them, else the call's own pre-backward."""
+    events = trace.events
+    ended = {(events[i].module, events[i].call) for i in range(stop, fwd_post) if events[i].kind is EventKind.FWD_POST}
+    return max((i for i in range(bwd_pre, bwd_post) if events[i].kind is EventKind.BWD_PRE
+                and (events[i].module, events[i].call) in ended), default=bwd_pre)
 
 
 def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[str, SacPolicy] | None = None) -> None:

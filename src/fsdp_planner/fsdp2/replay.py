@@ -4,7 +4,9 @@
 together with the per-module part of ``FSDPState`` (_fsdp_state.py): its methods are FSDP2's lifecycle,
 ``pre_forward``, ``post_forward``, ``pre_backward``, ``post_backward``, ``finalize_backward``, over the same
 ``TrainingState`` and ``ShardedState``. ``Replay`` plays the hooks' caller: it walks the trace's boundary events
-of the modules that have FSDP hooks and calls the group that owns them, then runs the root's final callback.
+of the modules that have FSDP hooks and calls the group that owns them, then runs the root's final callback. Where
+backward first unpacks a tensor a call checkpointed in full saved, it replays the hooks of the groups inside that
+call in its recomputation (``Replay._recompute``).
 
 The output is events, not sizes or times: ``Collective`` (which group, at which trace event, why) and
 ``Residency`` (when a group is unsharded). Sizing is the cost layer's (``sim/sizing.py``).
@@ -12,10 +14,12 @@ The output is events, not sizes or times: ``Collective`` (which group, at which 
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum, auto
 
+from fsdp_planner.fsdp2.checkpointing import recomputed_spans
 from fsdp_planner.fsdp2.claim import hooked_modules
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, ReshardAfterForward
@@ -86,6 +90,7 @@ class _Shared:
     pre_backward_at: dict[Call, list[GroupReplay]] = field(default_factory=dict)  # output grads -> pre_backward
     post_backward_at: dict[Call, GroupReplay] = field(default_factory=dict)  # input grads -> post_backward
     all_gather_state: int | None = None  # FSDPCommContext.all_gather_state: a forward all-gather kept alive
+    forward_root: GroupReplay | None = None  # FSDPStateContext.iter_forward_root, as a recomputation sets it
     reshard_after_backward: bool = True  # FSDPParamGroup.reshard_after_backward (``set_reshard_after_backward``)
 
     def free_output(self, collective: int, end: int) -> None:
@@ -192,11 +197,16 @@ class GroupReplay:
         self.shared.schedule.residency.append(Residency(self.index, self.since, at, divisor))
 
     # -- the lifecycle ------------------------------------------------------------------------------------
-    def pre_forward(self, at: int, call: Call, grad_inputs: bool, gated: bool = True) -> None:
+    def pre_forward(self, at: int, call: Call, grad_inputs: bool, gated: bool = True,
+                    recomputing: bool = False) -> None:
         """FSDPState._pre_forward + FSDPParamGroup.pre_forward: runs for every listed module; the post-backward
         hook and forward prefetch only for the first module of the pass. ``gated``: through the group's forward
         hook, which resets the modules still to run (not a registered method's wrapper). A call in backward (the
-        recomputation of the user's own ``torch.utils.checkpoint``) after its state's pre-backward only unshards."""
+        recomputation of the user's own ``torch.utils.checkpoint``) after its state's pre-backward only unshards.
+        ``recomputing``: a group inside a checkpointed call whose forward runs again in backward before the
+        group's own pre-backward: its state is idle, so it runs its forward path, all-gathering again if it
+        resharded after forward (kept as the all-gather state, as in forward), its state the recomputation's
+        forward root if none is; the post-backward hook it registers is on the recomputed graph, never run."""
         if self.state_in_backward:
             self.unshard(at, backward=True)
             self.wait_for_unshard(at)
@@ -206,14 +216,16 @@ class GroupReplay:
         first_in_pass = self.training_state is not TrainingState.FORWARD
         if first_in_pass:
             self._host_work(at)
+            if recomputing and self.shared.forward_root is None:  # _root_pre_forward claims iter_forward_root
+                self.shared.forward_root = self
         self.training_state = TrainingState.FORWARD
-        self.unshard(at, backward=False)
+        self.unshard(at, backward=recomputing)
         self.wait_for_unshard(at)
         if first_in_pass:
-            if grad_inputs:  # RegisterPostBackwardFunction on this call's inputs
+            if grad_inputs and not recomputing:  # RegisterPostBackwardFunction on this call's inputs
                 self.shared.post_backward_at[call] = self
             for target in self.forward_prefetch:
-                target.unshard(at, backward=False, prefetch=True)
+                target.unshard(at, backward=recomputing, prefetch=True)
 
     def post_forward(self, at: int, call: Call) -> None:
         """FSDPParamGroup.post_forward once every listed module has run (a list group reshards after its last
@@ -224,6 +236,21 @@ class GroupReplay:
         self.modules_to_run.discard(module)
         if not self.modules_to_run:
             self.complete_forward(at, call)
+
+    def post_recomputed_forward(self, at: int, module: str) -> None:
+        """FSDPState._post_forward in a recomputation (in backward, ``is_bw()``): once every listed module has
+        run, nothing resharded or recorded, the state idle, and the recomputation's forward root frees the kept
+        all-gather output (a group whose call the early stop cut short stays as it is until its pre-backward)."""
+        if self.state_in_backward or module not in self.modules_to_run:
+            return
+        self.modules_to_run.discard(module)
+        if self.modules_to_run:
+            return
+        self._host_work(at)
+        self.training_state = TrainingState.IDLE
+        if self.shared.forward_root is self:
+            self.shared.free_all_gather_state(at)
+            self.shared.forward_root = None
 
     def complete_forward(self, at: int, call: Call) -> None:
         self._host_work(at)
@@ -328,6 +355,8 @@ class Replay:
         # calls of registered methods: register_fsdp_forward_method's wrapper calls FSDPState._pre_forward and
         # _post_forward itself, past a list group's gate (_register_group_forward_hooks' modules_to_run)
         self.method_calls = {call for call, name in trace.method_calls.items() if (call[0], name) in methods}
+        self.recomputed = recomputed_spans(trace, plan)  # where a checkpointed forward runs again -> its span
+        self.hooked: list[int] = []
 
     def hooked_events(self) -> list[int]:
         """Boundary events of the modules FSDP2 hooks (``hooked_modules`` of each group), in order; a call of a
@@ -343,7 +372,8 @@ class Replay:
 
     def run(self) -> Schedule:
         events, shared = self.trace.events, self.shared
-        for at in self.hooked_events():
+        self.hooked = self.hooked_events()
+        for at in sorted({*self.hooked, *self.recomputed}):  # a checkpointed module need not be a group's
             e = events[at]
             call = (e.module, e.call)
             if e.kind is EventKind.FWD_PRE:
@@ -359,6 +389,8 @@ class Replay:
             elif e.kind is EventKind.BWD_PRE:
                 for group in shared.pre_backward_at.get(call, ()):
                     group.pre_backward(at)
+                if at in self.recomputed:
+                    self._recompute(at, *self.recomputed[at])
             elif call in shared.post_backward_at:  # BWD_POST: the inputs' grads are ready
                 shared.post_backward_at.pop(call).post_backward(at)
         end = len(events)
@@ -366,6 +398,26 @@ class Replay:
         for group in self.groups:
             group.finalize_backward(end)
         return shared.schedule
+
+    def _recompute(self, at: int, start: int, stop: int) -> None:
+        """A checkpointed call's forward run again at its pre-backward ``at``, the events [start, stop) of it: the
+        hooks of the groups inside it, all at ``at``. The early stop raises out of the calls still running; of
+        those, list groups' post-forward hooks run all the same (FSDP2 registers them ``always_call``)."""
+        events = self.trace.events
+        running: list[str] = []
+        for i in self.hooked[bisect_left(self.hooked, start):bisect_left(self.hooked, stop)]:
+            e = events[i]
+            call = (e.module, e.call)
+            if e.kind is EventKind.FWD_PRE:
+                self.group_of[e.module].pre_forward(at, call, False, gated=call not in self.method_calls,
+                                                    recomputing=True)
+                running.append(e.module)
+            elif e.kind is EventKind.FWD_POST:
+                self.group_of[e.module].post_recomputed_forward(at, e.module)
+                running.remove(e.module)
+        for module in reversed(running):
+            if len(self.group_of[module].group.modules) > 1:
+                self.group_of[module].post_recomputed_forward(at, module)
 
     def _force_complete_forward(self, at: int, call: Call) -> None:
         """FSDPState._force_complete_incomplete_states: at the root's post-forward, list groups whose modules

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import recomputed_at
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.replay import Collective
@@ -139,8 +140,9 @@ class SimContext:
         return 0.0
 
     def recompute(self, checkpointed: Sequence[Checkpointed]) -> dict[int, Recompute]:
-        """Pre-backward position -> the checkpointed forward run again there (once per set of modules); under
-        op-level checkpointing, its ops that the policy does not keep."""
+        """Position -> the checkpointed forward run again there (once per set of modules): where its backward
+        first unpacks (``recomputed_at``: its pre-backward, or the last pre-backward before that of a call inside
+        it); under op-level checkpointing, its ops that the policy does not keep."""
         key = tuple(checkpointed)
         if key not in self._recompute:
             out: dict[int, Recompute] = {}
@@ -165,8 +167,11 @@ class SimContext:
                 kept = [i for i in c.kept if i < c.end]  # up to the early stop (``CheckpointedCall.stop``)
                 seconds = self.cum[c.end] - self.cum[c.fwd_pre] - sum(self.times[i] for i in kept)
                 ops = int(self.trace.index.ops_through[c.end - 1] - self.trace.index.ops_through[c.fwd_pre]) - len(kept)
-                prev = out.get(c.bwd_pre)
-                out[c.bwd_pre] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
+                # where backward first unpacks: after the pre-backward of the inner groups that ran after the last
+                # pack, whose all-gathers the recomputation then waits for (``recomputed_at``)
+                at = recomputed_at(self.trace, c.end, c.fwd_post, c.bwd_pre, c.bwd_post)
+                prev = out.get(at)
+                out[at] = Recompute(seconds, frozenset(params), [c.module], ops) if prev is None else \
                     Recompute(prev.seconds + seconds, prev.params | params, [*prev.modules, c.module],
                               prev.ops + ops, prev.copy_seconds)
             self._recompute[key] = out

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_planner.choices import Offloaded, SacPolicy
+from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop
 from fsdp_planner.fsdp2.selective import saved_flags
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
@@ -75,15 +76,6 @@ class CheckpointedCall:
                 and not trace.events[i].backward and i not in kept]
 
 
-def early_stop(trace: Trace, fwd_pre: int, fwd_post: int) -> int:
-    """Where the recomputation of a checkpointed call stops: just after the last event of its forward after which
-    a tensor was packed for backward (non-reentrant checkpoint counts the tensors its forward packed and stops the
-    recomputation once it has packed as many: torch's ``_StopRecomputationError``); its pre-forward when nothing
-    was."""
-    events = trace.events
-    return next((i + 1 for i in range(fwd_post - 1, fwd_pre - 1, -1) if events[i].packs), fwd_pre)
-
-
 def kept_ops(trace: Trace, fwd_pre: int, fwd_post: int, policy: SacPolicy) -> tuple[int, ...]:
     """The forward ops of one call (between its boundaries) whose outputs ``policy`` keeps."""
     ops = [i for i in range(fwd_pre, fwd_post) if trace.events[i].kind is EventKind.OP
@@ -95,21 +87,10 @@ def kept_ops(trace: Trace, fwd_pre: int, fwd_post: int, policy: SacPolicy) -> tu
 def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[CheckpointedCall]:
     """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute)."""
     out = []
-    by_module = trace.index.boundaries_by_module
     for item in modules:
         m, how = (item, None) if isinstance(item, str) else item
         policy = how if isinstance(how, SacPolicy) else None
-        pos: dict[tuple[EventKind, int], int] = {}
-        for i in by_module.get(m, ()):
-            e = trace.events[i]
-            pos.setdefault((e.kind, e.call), i)
-        for (kind, call), fwd_pre in pos.items():
-            if kind is not EventKind.FWD_PRE:
-                continue
-            bwd_pre, bwd_post = pos.get((EventKind.BWD_PRE, call)), pos.get((EventKind.BWD_POST, call))
-            if bwd_pre is None or bwd_post is None or bwd_post < bwd_pre:
-                continue
-            fwd_post = pos[(EventKind.FWD_POST, call)]
+        for call, fwd_pre, fwd_post, bwd_pre, bwd_post in backward_calls(trace, m):
             kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
             out.append(CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post,
                                         trace.events[fwd_pre].inputs_nbytes, policy, kept,

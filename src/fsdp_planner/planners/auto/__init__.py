@@ -428,7 +428,8 @@ class AutoPolicy:
             settings = list(dict.fromkeys([*first, Setting(len(blocks), 0)]))
             for n, s in enumerate(settings):
                 setting = setting_view(ev, blocks, s, self.sac_policy)
-                self._explore(search, setting, [search.atoms])  # groups inside a block would forbid checkpointing it
+                # whole blocks: a group inside a block forbids its op-level checkpointing (``inside_selective``)
+                self._explore(search, setting, [search.atoms])
                 refiner = Refiner(setting, search.atoms, search.fine_atoms)
                 used += refiner.refine((effort - used) // (len(settings) - n))
                 cut = cut or refiner.cut

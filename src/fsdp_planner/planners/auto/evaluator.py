@@ -47,7 +47,8 @@ class Candidate:
 class Evaluator:
     """Simulates each distinct plan once on one context (one mesh) and ranks what it has seen against ``memory``
     (the per-rank budget; ``budget`` is its limit in bytes). ``checkpointed``: the modules every plan it builds
-    checkpoints in full, each unless a group lies inside it (``selective``: op-level, with their policies);
+    checkpoints in full (under FSDP1, each unless a group lies inside it; ``selective``: op-level, with their
+    policies, each unless a group lies inside it);
     ``checkpointing`` gives the same evaluator under another setting of the full ones, sharing what was
     simulated."""
 
@@ -107,14 +108,15 @@ class Evaluator:
         return self.cache[key]
 
     def with_checkpointing(self, plan: Plan) -> Plan:
-        """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside (FSDP2's hooks on
-        an inner group would run again in the recomputation, which the model does not replay)."""
+        """``plan`` checkpointing ``self.checkpointed``, less the modules a group lies inside where that cannot
+        be (``inside_selective``: op-level ones; in full, under FSDP1, whose hooks in the recomputation are not
+        replayed)."""
         if self.offloaded and plan.activation_offloading != self.offloaded:
             plan = replace(plan, activation_offloading=self.offloaded)  # groups inside them do not matter
         if not (self.checkpointed or self.selective or plan.activation_checkpointing or plan.selective_checkpointing):
             return plan
         blocked = {a for g in plan.groups for m in g.modules for a in proper_ancestors(m)}
-        ac = tuple(m for m in self.checkpointed if m not in blocked)
+        ac = tuple(m for m in self.checkpointed if self.target is Target.FSDP2 or m not in blocked)
         sac = {m: p for m, p in self.selective.items() if m not in blocked}
         if ac == plan.activation_checkpointing and sac == plan.selective_checkpointing:
             return plan

@@ -48,7 +48,7 @@ class Refiner:
         ranked = self.ev.ranked()[:starts]
         for n, start in enumerate(ranked):
             # plans built from this start checkpoint what the start does (the search may have left the evaluator
-            # on another setting), and what the setting would have it checkpoint but a group inside forbade
+            # on another setting), and what the setting would have it checkpoint but a group inside forbade (FSDP1)
             refiner = Refiner(self.ev.checkpointing(self._intended(start, self.ev.checkpointed)), self.atoms,
                               self.fine_atoms)
             share = self.ev.simulated + max(0, stop - self.ev.simulated) // (len(ranked) - n)
