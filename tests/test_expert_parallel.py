@@ -150,6 +150,31 @@ def test_ep_screen_simulates_each_degree_and_picks_the_fastest_that_fits() -> No
     assert best_ep_option(found, 1) is None
 
 
+def test_auto_ep_screen_combines_ep_with_auto_hsdp_layouts() -> None:
+    """On 2 nodes auto's layouts include HSDP 2x8: its EP screen tries EP on that layout's plan too (EP's ranks out
+    of its dp_shard), each option simulated as simulate() gives it, and takes the fastest that fits of them all."""
+    from fsdp_planner.choices import PolicyName
+    from fsdp_planner.fsdp2.plan import Mesh
+    from fsdp_planner.planners.expert_parallel import hsdp_ep_options
+    from fsdp_planner.planners.registry import PolicyRequest
+    from fsdp_planner.service.planning import Reporter, search
+
+    notes: list[str] = []
+    tr = _traced()
+    cluster = parse_cluster("h100:16")
+    result = search(tr, PolicyRequest(PolicyName.AUTO), cluster, BF16, ModelSpec(TINY), Reporter(note=notes.append))
+    assert Mesh(2, 8) in {c.plan.mesh for c in result.meshes.values()}
+    screen = next(n for n in notes if n.startswith("auto's EP screen"))
+    assert " on 2x8 " in screen  # the best EP option of the HSDP layout, beside every one of auto's own
+
+    hsdp = hsdp_ep_options(result, tr, cluster, BF16, {})
+    assert hsdp and all(o.plan.mesh == Mesh(2, 8) and o.degree in (2, 4, 8) for o in hsdp)
+    again = simulate(tr, hsdp[0].plan, cluster, BF16, timeline=False)
+    assert again.step_time == hsdp[0].step.step_time and again.all_reduces > 0
+    assert result.report.step_time <= min(o.step.step_time for o in hsdp if result.memory.fits(
+        o.step.reserved_memory))
+
+
 def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
     """``ep=`` (``--ep``): auto's groups under EP (experts alone, resharded or kept, the faster that fits), a classic
     policy's too; a model without grouped experts, or a degree 0, is refused in one sentence."""
