@@ -667,7 +667,7 @@ EP_TAILS = {ExportFormat.TORCHTITAN: '''
 def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) -> nn.Module:
     """A torchtitan-style ``parallelize`` (in place of ``apply_moe_ep_tp`` and ``apply_fsdp``): the EXPERTS over
     an ``ep`` mesh of EP_DEGREE consecutive ranks of ``world_mesh``, each sharded over the ranks holding the same
-    experts, and the plan's other groups over every rank."""
+    experts (and over dp_replicate under HSDP), and the plan's other groups over its data-parallel mesh (MESH)."""
     return apply(model, make_mesh(world_mesh.device_type), **fsdp_kwargs)
 '''}
 
