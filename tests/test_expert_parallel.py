@@ -40,7 +40,7 @@ def _ep_plan(tr, degree: int, checkpointing: bool = False) -> Plan:  # type: ign
 def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: int = 1) -> tuple[int, int]:
     """The fake-world check (``run_fake_world``, which applies the plan with ``apply_plan``) beside the
     prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows); under HSDP
-    (``replicate`` > 1) every group's reduce-scatter all-reduced too, the experts' over dp_replicate."""
+    (``replicate`` > 1) every group's grads all-reduced too, the experts' over dp_replicate."""
     from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 
@@ -50,7 +50,10 @@ def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: 
     measured = run_fake_world(TINY, plan, world, BF16.precision)
     rows = beside_prediction(predicted, measured)
     assert measured.tp_counts is None  # EP adds no collective but all-to-alls
-    assert measured.counts["all_reduce"] == (measured.counts["reduce_scatter"] if replicate > 1 else 0)
+    # HSDP: every group's grads all-reduced over dp_replicate (the experts' too where their shard dim is one rank,
+    # with no reduce-scatter before)
+    assert measured.counts["all_reduce"] >= measured.counts["reduce_scatter"] if replicate > 1 else \
+        measured.counts["all_reduce"] == 0
     # 2 blocks, each a dispatch and a combine in forward and their grads' in backward; recomputed: forward's again
     assert rows["ep_all_to_alls"][1] == 2 * (6 if checkpointing else 4)
     for key, (p, m) in rows.items():
@@ -62,11 +65,12 @@ def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: 
 @pytest.mark.integration  # real EP + FSDP2 on fake ranks: seconds each
 @pytest.mark.parametrize(("degree", "world", "checkpointing", "replicate"), [
     (2, 8, False, 1), (4, 8, False, 1), (8, 8, False, 1), (4, 8, True, 1), (8, 64, False, 1), (4, 32, True, 1),
-    (2, 8, False, 2), (4, 32, True, 4)])
+    (4, 8, False, 2), (4, 32, True, 4)])
 def test_ep_step_matches_real_ep_and_fsdp2(degree: int, world: int, checkpointing: bool, replicate: int) -> None:
     """EP 2 / 4 / 8 on 8 fake ranks (the experts' FSDP mesh 4 / 2 / 1 ranks), EP 8 on 64, and under full
     checkpointing, whose recomputed forwards run their all-to-alls again; EP x HSDP 2x4 (the experts' mesh
-    2 x 2) and 4x8 (4 x 2), EP's ranks out of dp_shard as torchtitan takes them."""
+    2 x 1: EP takes dp_shard whole, and FSDP2 divides the one-rank reduce through a quotient of its input) and
+    4x8 (4 x 2), EP's ranks out of dp_shard as torchtitan takes them."""
     predicted, measured = _check(degree, world, checkpointing=checkpointing, replicate=replicate)
     assert predicted == pytest.approx(measured, rel=0.05)
 
