@@ -364,6 +364,15 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     from fsdp_planner import api
 
     assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
+    # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP refused before any plan is made
+    job.write_text("[parallelism]\nexpert_parallel_degree = 4\ndata_parallel_replicate_degree = 2\n"
+                   "[activation_checkpoint]\nmode = \"none\"\n")
+    args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                    "h100:8", "--policy", "titan"]))
+    assert (args.ep, args.mesh) == (4, "2x4")
+    job.write_text("[parallelism]\nexpert_parallel_degree = 2\ntensor_parallel_degree = 2\n")
+    with pytest.raises(PlannerError, match=r"tensor parallelism \(TP 2\) is not modelled yet"):
+        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
     job.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
     with pytest.raises(PlannerError, match="expert_parallel_degree = 3 does not divide"):
         configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
