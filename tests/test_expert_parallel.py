@@ -243,6 +243,18 @@ def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
     flat = simulate(tr, _ep_plan(tr, 2).replace(mesh=Mesh(1, 8)), parse_cluster("h100:8"), BF16, timeline=False)
     assert r.all_reduces == r.reduce_scatters and r.all_reduce_bytes > 0
     assert r.peak_memory > flat.peak_memory  # each replica holds twice the shard
+    # what verify predicts for the gloo job (runtime/verify.py) agrees with the simulator: the experts' all-reduce
+    # is of their shard over dp_shard / EP ranks (EP 2 on 2x2: one rank, the whole EP-local experts)
+    from fsdp_planner.runtime.verify import data_parallel_view, predict_collectives
+
+    reduced = []
+    for degree, mesh in ((2, Mesh(2, 2)), (2, Mesh(2, 4)), (4, Mesh(2, 4))):
+        hsdp = _ep_plan(tr, degree).replace(mesh=mesh)
+        counts, nbytes = predict_collectives(*data_parallel_view(tr, hsdp, mesh.size), BF16.precision)
+        sim = simulate(tr, hsdp, parse_cluster(f"h100:{mesh.size}"), BF16, timeline=False)
+        assert (counts["all_reduce"], nbytes["all_reduce"]) == (sim.all_reduces, sim.all_reduce_bytes)
+        reduced.append(nbytes["all_reduce"])
+    assert reduced[0] > reduced[1] == reduced[2]  # 2x2 EP 2: the rest over 2 ranks, the experts over 1
     with pytest.raises(PlannerError, match="does not divide"):
         check_plan_world_size(_ep_plan(tr, 8).replace(mesh=Mesh(2, 4)), 8)
 
