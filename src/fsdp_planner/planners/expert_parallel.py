@@ -118,18 +118,20 @@ def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
 
 
 def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions,
-                    views: dict[tuple, Trace]) -> list[EPOption]:
-    """EP on auto's other HSDP layouts (``result.meshes``: each one's best plan, without TP), EP's ranks out of
-    their dp_shard and the experts replicated over dp_replicate as torchtitan lays them out: EP shrinks the
-    experts' shards, which can bring a layout over the budget without EP within it."""
+                    views: dict[tuple, Trace], degrees: tuple[int, ...] = ()) -> list[EPOption]:
+    """EP (``degrees``; none given: each its dp_shard allows) on auto's other HSDP layouts (``result.meshes``: each
+    one's best plan, without TP), EP's ranks out of their dp_shard and the experts replicated over dp_replicate as
+    torchtitan lays them out: EP shrinks the experts' shards, which can bring a layout over the budget without EP
+    within it."""
     out: list[EPOption] = []
     for cand in result.meshes.values():
         mesh = cand.plan.mesh
         if cand.runs and cand.plan.tp_degree == 1 and mesh is not None and mesh.replicate > 1 and \
-                mesh != result.plan.mesh:
+                mesh != result.plan.mesh and all(mesh.shard % d == 0 for d in degrees):
             plan = cand.plan.running(result.run)
             plan = plan.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in plan.groups])
-            out.extend(ep_options(trace, plan, cluster, plan_options(plan, options), views=views, without=False))
+            out.extend(ep_options(trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
+                                  without=False))
     return out
 
 
@@ -142,9 +144,9 @@ def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
 def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
                  note: Callable[[str], None] | None = None) -> AutoResult:
     """Auto's ``result`` under expert parallelism: its plan's groups under each of ``degrees`` (the user's; none
-    given: no EP and every degree the model and its shard ranks allow, on its layout and auto's other HSDP ones,
-    each screened and ``note``d), the expert groups resharded after forward or kept, the fastest that fits (else
-    the one holding least, over the budget)."""
+    given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), on its layout
+    and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the
+    one holding least, over the budget)."""
     if result.plan.tp_degree > 1:
         raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
     written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
@@ -156,7 +158,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         found = found[1:]  # the user's EP, not the plan without it
     else:
         found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
-        found += hsdp_ep_options(result, trace, cluster, options, views)
+    found += hsdp_ep_options(result, trace, cluster, options, views, degrees)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
