@@ -37,17 +37,23 @@ def _ep_plan(tr, degree: int, checkpointing: bool = False) -> Plan:  # type: ign
     return with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, EXPERTS)), tr)
 
 
-def _check(degree: int, world: int = 8, checkpointing: bool = False) -> tuple[int, int]:
+def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: int = 1) -> tuple[int, int]:
     """The fake-world check (``run_fake_world``, which applies the plan with ``apply_plan``) beside the
-    prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows)."""
+    prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows); under HSDP
+    (``replicate`` > 1) every group's grads all-reduced too, the experts' over dp_replicate."""
+    from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 
     tr = _traced()
-    plan = _ep_plan(tr, degree, checkpointing)
+    plan = _ep_plan(tr, degree, checkpointing).replace(mesh=Mesh(replicate, world // replicate))
     predicted = simulate(tr, plan, parse_cluster(f"h100:{world}"), BF16, timeline=False)
     measured = run_fake_world(TINY, plan, world, BF16.precision)
     rows = beside_prediction(predicted, measured)
-    assert measured.counts["all_reduce"] == 0 and measured.tp_counts is None  # EP adds no collective but all-to-alls
+    assert measured.tp_counts is None  # EP adds no collective but all-to-alls
+    # HSDP: every group's grads all-reduced over dp_replicate (the experts' too where their shard dim is one rank,
+    # with no reduce-scatter before)
+    assert measured.counts["all_reduce"] >= measured.counts["reduce_scatter"] if replicate > 1 else \
+        measured.counts["all_reduce"] == 0
     # 2 blocks, each a dispatch and a combine in forward and their grads' in backward; recomputed: forward's again
     assert rows["ep_all_to_alls"][1] == 2 * (6 if checkpointing else 4)
     for key, (p, m) in rows.items():
@@ -57,12 +63,15 @@ def _check(degree: int, world: int = 8, checkpointing: bool = False) -> tuple[in
 
 
 @pytest.mark.integration  # real EP + FSDP2 on fake ranks: seconds each
-@pytest.mark.parametrize(("degree", "world", "checkpointing"), [
-    (2, 8, False), (4, 8, False), (8, 8, False), (4, 8, True), (8, 64, False), (4, 32, True)])
-def test_ep_step_matches_real_ep_and_fsdp2(degree: int, world: int, checkpointing: bool) -> None:
+@pytest.mark.parametrize(("degree", "world", "checkpointing", "replicate"), [
+    (2, 8, False, 1), (4, 8, False, 1), (8, 8, False, 1), (4, 8, True, 1), (8, 64, False, 1), (4, 32, True, 1),
+    (4, 8, False, 2), (4, 32, True, 4)])
+def test_ep_step_matches_real_ep_and_fsdp2(degree: int, world: int, checkpointing: bool, replicate: int) -> None:
     """EP 2 / 4 / 8 on 8 fake ranks (the experts' FSDP mesh 4 / 2 / 1 ranks), EP 8 on 64, and under full
-    checkpointing, whose recomputed forwards run their all-to-alls again."""
-    predicted, measured = _check(degree, world, checkpointing=checkpointing)
+    checkpointing, whose recomputed forwards run their all-to-alls again; EP x HSDP 2x4 (the experts' mesh
+    2 x 1: EP takes dp_shard whole, and FSDP2 divides the one-rank reduce through a quotient of its input) and
+    4x8 (4 x 2), EP's ranks out of dp_shard as torchtitan takes them."""
+    predicted, measured = _check(degree, world, checkpointing=checkpointing, replicate=replicate)
     assert predicted == pytest.approx(measured, rel=0.05)
 
 
@@ -145,6 +154,31 @@ def test_ep_screen_simulates_each_degree_and_picks_the_fastest_that_fits() -> No
     assert best_ep_option(found, 1) is None
 
 
+def test_auto_ep_screen_combines_ep_with_auto_hsdp_layouts() -> None:
+    """On 2 nodes auto's layouts include HSDP 2x8: its EP screen tries EP on that layout's plan too (EP's ranks out
+    of its dp_shard), each option simulated as simulate() gives it, and takes the fastest that fits of them all."""
+    from fsdp_planner.choices import PolicyName
+    from fsdp_planner.fsdp2.plan import Mesh
+    from fsdp_planner.planners.expert_parallel import hsdp_ep_options
+    from fsdp_planner.planners.registry import PolicyRequest
+    from fsdp_planner.service.planning import Reporter, search
+
+    notes: list[str] = []
+    tr = _traced()
+    cluster = parse_cluster("h100:16")
+    result = search(tr, PolicyRequest(PolicyName.AUTO), cluster, BF16, ModelSpec(TINY), Reporter(note=notes.append))
+    assert Mesh(2, 8) in {c.plan.mesh for c in result.meshes.values()}
+    screen = next(n for n in notes if n.startswith("auto's EP screen"))
+    assert " on 2x8 " in screen  # the best EP option of the HSDP layout, beside every one of auto's own
+
+    hsdp = hsdp_ep_options(result, tr, cluster, BF16, {})
+    assert hsdp and all(o.plan.mesh == Mesh(2, 8) and o.degree in (2, 4, 8) for o in hsdp)
+    again = simulate(tr, hsdp[0].plan, cluster, BF16, timeline=False)
+    assert again.step_time == hsdp[0].step.step_time and again.all_reduces > 0
+    assert result.report.step_time <= min(o.step.step_time for o in hsdp if result.memory.fits(
+        o.step.reserved_memory))
+
+
 def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
     """``ep=`` (``--ep``): auto's groups under EP (experts alone, resharded or kept, the faster that fits), a classic
     policy's too; a model without grouped experts, or a degree 0, is refused in one sentence."""
@@ -160,6 +194,9 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
         api.plan("toy-llama", cluster="h100:8", policy="titan", ep=2)
     with pytest.raises(PlannerError, match="ep"):
         api.plan(TINY, cluster="h100:8", policy="titan", ep=0)
+    for policy in ("titan", "auto"):  # EP with TP: refused when planning, so no plan is made that cannot be applied
+        with pytest.raises(PlannerError, match="expert parallelism with tensor parallelism is not modelled yet"):
+            api.plan(TINY, cluster="h100:8", policy=policy, ep=2, tp=2)
 
 
 @pytest.mark.integration  # ~10 s: two auto searches with their EP screens and a command
@@ -209,6 +246,18 @@ def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
     flat = simulate(tr, _ep_plan(tr, 2).replace(mesh=Mesh(1, 8)), parse_cluster("h100:8"), BF16, timeline=False)
     assert r.all_reduces == r.reduce_scatters and r.all_reduce_bytes > 0
     assert r.peak_memory > flat.peak_memory  # each replica holds twice the shard
+    # what verify predicts for the gloo job (runtime/verify.py) agrees with the simulator: the experts' all-reduce
+    # is of their shard over dp_shard / EP ranks (EP 2 on 2x2: one rank, the whole EP-local experts)
+    from fsdp_planner.runtime.verify import data_parallel_view, predict_collectives
+
+    reduced = []
+    for degree, mesh in ((2, Mesh(2, 2)), (2, Mesh(2, 4)), (4, Mesh(2, 4))):
+        hsdp = _ep_plan(tr, degree).replace(mesh=mesh)
+        counts, nbytes = predict_collectives(*data_parallel_view(tr, hsdp, mesh.size), BF16.precision)
+        sim = simulate(tr, hsdp, parse_cluster(f"h100:{mesh.size}"), BF16, timeline=False)
+        assert (counts["all_reduce"], nbytes["all_reduce"]) == (sim.all_reduces, sim.all_reduce_bytes)
+        reduced.append(nbytes["all_reduce"])
+    assert reduced[0] > reduced[1] == reduced[2]  # 2x2 EP 2: the rest over 2 ranks, the experts over 1
     with pytest.raises(PlannerError, match="does not divide"):
         check_plan_world_size(_ep_plan(tr, 8).replace(mesh=Mesh(2, 4)), 8)
 
@@ -216,8 +265,8 @@ def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
 @pytest.mark.integration  # CLI subprocesses: the fake-world check of an EP plan, and EP + FSDP2 on 4 gloo ranks
 def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     """``verify --ep 4 --fake-world-size 8``: every count and byte exact (EP's all-to-alls among them), the peak
-    within 5%; ``verify --ep 2 --nproc 4`` (torchrun, gloo's all-to-all): FSDP2's collectives as predicted (the
-    experts' over 2 ranks) and the params equal to the unsharded reference's."""
+    within 5%; ``verify --ep 2 --mesh 2x2 --nproc 4`` (torchrun, gloo's all-to-all, EP x HSDP): FSDP2's collectives
+    as predicted (the experts' all-reduced over dp_replicate) and the params equal to the unsharded reference's."""
     import json
     import subprocess
     import sys
@@ -229,12 +278,14 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
     assert result["measured"]["ep_all_to_alls"] == result["predicted"]["ep_all_to_alls"] == 8
     assert result["measured"]["ep_all_to_all_bytes"] == result["predicted"]["ep_all_to_all_bytes"] > 0
-    r = subprocess.run([*verify, "--ep", "2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
+    r = subprocess.run([*verify, "--ep", "2", "--mesh", "2x2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
     assert result["max_abs_diff"] <= 1e-5  # fp32: the experts' grads averaged over all 4 ranks, not EP x that
+    # HSDP 2x2: the experts' shard dim is one rank (EP takes dp_shard whole), their grads all-reduced over 2
+    assert result["predicted"]["all_reduce"] == result["predicted"]["reduce_scatter"] + 2
 
 
 @pytest.mark.integration  # a CLI subprocess (a few seconds)
@@ -284,14 +335,17 @@ def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
 
 
 @pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
-def test_exported_apply_shards_as_apply_plan_does() -> None:
-    """The exported ``apply`` on 4 fake ranks (EP 2) leaves every param with the placements, local shape and mesh
-    ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced mesh), and a step runs."""
+@pytest.mark.parametrize("replicate", [1, 2])
+def test_exported_apply_shards_as_apply_plan_does(replicate: int) -> None:
+    """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4 or HSDP 2x2) leaves every param with the placements,
+    local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced mesh, under
+    HSDP Replicate over dp_replicate), and a step runs."""
     from fsdp_planner.apply.export import ExportFormat, export_plan
     from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import fake_process_group
 
-    plan = _ep_plan(_traced(), 2)
+    plan = _ep_plan(_traced(), 2).replace(mesh=Mesh(replicate, 4 // replicate))
     scope: dict = {"__name__": "exported"}
     exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
     shards = []
@@ -304,8 +358,12 @@ def test_exported_apply_shards_as_apply_plan_does() -> None:
             lm.loss_fn(lm.model(*lm.example_inputs)).backward()
     assert shards[0] == shards[1]
     placements, local, dims = shards[0]["layers.0.moe.experts.w1"]
-    assert len(placements) == 2 and dims == ("dp_shard_mod_ep", "ep")  # FSDP's Shard(0) over 2, EP's over 2
-    assert local[0] == 8 // 2 // 2
+    if replicate == 1:
+        assert len(placements) == 2 and dims == ("dp_shard_mod_ep", "ep")  # FSDP's Shard(0) over 2, EP's over 2
+        assert local[0] == 8 // 2 // 2
+    else:  # HSDP: the experts replicated over dp_replicate, sharded over dp_shard / EP = 1 rank, EP's Shard(0)
+        assert len(placements) == 3 and dims == ("dp_replicate", "dp_shard_mod_ep", "ep") and local[0] == 8 // 2
+        assert shards[0]["layers.0.attention.wq.weight"][2] == ("dp_replicate", "dp_shard")
 
 
 def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
@@ -321,6 +379,15 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     from fsdp_planner import api
 
     assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
+    # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP refused before any plan is made
+    job.write_text("[parallelism]\nexpert_parallel_degree = 4\ndata_parallel_replicate_degree = 2\n"
+                   "[activation_checkpoint]\nmode = \"none\"\n")
+    args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                    "h100:8", "--policy", "titan"]))
+    assert (args.ep, args.mesh) == (4, "2x4")
+    job.write_text("[parallelism]\nexpert_parallel_degree = 2\ntensor_parallel_degree = 2\n")
+    with pytest.raises(PlannerError, match=r"tensor parallelism \(TP 2\) is not modelled yet"):
+        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
     job.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
     with pytest.raises(PlannerError, match="expert_parallel_degree = 3 does not divide"):
         configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))

@@ -63,17 +63,23 @@ def _shard_experts(name: str, module: nn.Module, mesh: Any) -> None:
                                                       requires_grad=p.requires_grad))
 
 
-def expert_parallel_meshes(plan: Plan, device_type: str, world: int) -> tuple[Any, Any, Any]:
-    """(dp, dp_shard_mod_ep, ep) meshes of one world mesh: FSDP's for the rest, FSDP's for the experts, EP's."""
+def expert_parallel_meshes(plan: Plan, mesh: Any) -> tuple[Any, Any]:
+    """(experts' FSDP mesh, ep mesh) over the ranks of the data-parallel ``mesh`` (1-D, or HSDP's (dp_replicate,
+    dp_shard)), torchtitan's sparse view of the world: EP's ranks consecutive, out of dp_shard; the experts sharded
+    over the dp_shard ranks holding the same ones (``dp_shard_mod_ep``, EP apart) and, under HSDP, replicated over
+    dp_replicate (torchtitan's ``dp_mod_ep`` mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    ep = plan.ep_degree
-    if plan.tp_degree > 1 or (plan.mesh is not None and plan.mesh.replicate > 1):
-        raise PlannerError("applying expert parallelism with TP or HSDP is not supported yet: plan pure FSDP x EP")
-    if world % ep:
-        raise PlannerError(f"the plan's expert-parallel degree {ep} does not divide the {world} ranks")
-    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
-    return mesh["dp_shard_mod_ep", "ep"]._flatten("dp"), mesh["dp_shard_mod_ep"], mesh["ep"]
+    ep, world = plan.ep_degree, mesh.size()
+    if plan.tp_degree > 1:
+        raise PlannerError("applying expert parallelism with TP is not supported yet: plan FSDP or HSDP x EP")
+    replicate = mesh.size(0) if mesh.ndim == 2 else 1
+    if mesh.ndim > 2 or (world // replicate) % ep:
+        raise PlannerError(f"the plan's expert-parallel degree {ep} does not divide the {world // replicate} "
+                           "data-parallel shard ranks of the mesh (EP's ranks come out of dp_shard)")
+    whole = init_device_mesh(mesh.device_type, (world,), mesh_dim_names=("world",))
+    sparse = whole._unflatten(0, (replicate, world // replicate // ep, ep), ("dp_replicate", "dp_shard_mod_ep", "ep"))
+    return (sparse["dp_replicate", "dp_shard_mod_ep"] if replicate > 1 else sparse["dp_shard_mod_ep"]), sparse["ep"]
 
 
 def check_no_prefetch(plan: Plan) -> None:
@@ -85,11 +91,11 @@ def check_no_prefetch(plan: Plan) -> None:
                            "backward_prefetch")
 
 
-def shard_experts(model: nn.Module, plan: Plan, world: int, mp_policy: Any = None, offload_policy: Any = None,
-                  device_type: str = "cpu") -> tuple[Plan, Any]:
+def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None,
+                  offload_policy: Any = None) -> Plan:
     """``plan``'s expert modules distributed over ``ep`` and each ``fully_shard``-ed alone over the EP-reduced mesh
-    (module docstring); returns the rest of the plan (no EP, no expert groups) and the data-parallel mesh
-    ``apply_plan`` shards it over. The expert modules must be groups alone."""
+    (module docstring), both out of the ranks of the data-parallel ``mesh`` the rest is sharded over; returns the
+    rest of the plan (no EP, no expert groups). The expert modules must be groups alone."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_module
 
@@ -102,17 +108,20 @@ def shard_experts(model: nn.Module, plan: Plan, world: int, mp_policy: Any = Non
     if missing:
         raise PlannerError(f"expert module {missing[0]} is not a group of its own: expert parallelism shards it over "
                            "the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups makes such a plan)")
-    dp, dp_mod_ep, ep = expert_parallel_meshes(plan, device_type, world)
+    dp_mod_ep, ep = expert_parallel_meshes(plan, mesh)
+    shard = dp_mod_ep.size(dp_mod_ep.ndim - 1)  # the experts' shard dim (after dp_replicate under HSDP)
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     for name in experts:
         distribute_module(modules[name], ep, _shard_experts, _dispatch, _combine)
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, dp_mod_ep.size()))
+                    reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, shard))
         # an expert's grad sums the tokens of every EP rank too: averaged over all data-parallel ranks, not only
-        # the EP-reduced mesh FSDP2 reduce-scatters over (else it is EP x the unsharded run's)
-        modules[name].set_gradient_divide_factor(float(dp.size()))
-        if dp_mod_ep.size() > 1 and dist.get_backend(dp_mod_ep.get_group()) == "gloo":  # the factor's PREMUL_SUM
-            modules[name].set_force_sum_reduction_for_comms(True)  # is not in gloo: SUM, then a local divide
+        # the EP-reduced mesh FSDP2 reduces over (else it is EP x the unsharded run's)
+        modules[name].set_gradient_divide_factor(float(mesh.size()))
+        # gloo has no PREMUL_SUM for the factor: SUM, then a local divide (not on a shard dim of one rank, where
+        # FSDP2 divides its copy already and would divide again)
+        if shard > 1 and dist.get_backend(ep.get_group()) == "gloo":
+            modules[name].set_force_sum_reduction_for_comms(True)
     rest = plan.replace(groups=[g for g in plan.groups if g.modules[0] not in experts or len(g.modules) > 1],
                         expert_parallel=None)
-    return rest, dp
+    return rest

@@ -604,15 +604,19 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
 EP_TAIL = '''
 
 def split_expert_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
-    """(dp, dp_shard_mod_ep, ep) meshes over the ranks of the 1-D ``mesh``: FSDP's for the other groups, FSDP's for
-    the experts (the ranks holding the same experts, EP_DEGREE apart), EP's (consecutive ranks)."""
+    """(dp, experts' FSDP mesh, ep) over the ranks of ``mesh`` (1-D, or HSDP's (dp_replicate, dp_shard)): ``mesh``
+    for the other groups; for the experts, the dp_shard ranks holding the same experts (EP_DEGREE apart), under
+    HSDP also over dp_replicate; EP's, consecutive ranks out of dp_shard (torchtitan's sparse mesh)."""
     world = mesh.size()
-    if mesh.ndim != 1 or world % EP_DEGREE:
-        raise ValueError(f"this plan has expert parallelism of degree {EP_DEGREE}: give a 1-D mesh of every rank "
-                         f"whose size it divides, got {mesh.ndim} dims of {world} ranks")
-    world_mesh = init_device_mesh(mesh.device_type, (world // EP_DEGREE, EP_DEGREE),
-                                  mesh_dim_names=("dp_shard_mod_ep", "ep"))
-    return world_mesh["dp_shard_mod_ep", "ep"]._flatten("dp"), world_mesh["dp_shard_mod_ep"], world_mesh["ep"]
+    replicate = mesh.size(0) if mesh.ndim == 2 else 1
+    if mesh.ndim > 2 or (world // replicate) % EP_DEGREE:
+        raise ValueError(f"this plan has expert parallelism of degree {EP_DEGREE}: give a 1-D or (dp_replicate, "
+                         f"dp_shard) mesh whose shard size it divides, got {mesh.ndim} dims of {world} ranks")
+    whole = init_device_mesh(mesh.device_type, (world,), mesh_dim_names=("world",))
+    dims = (replicate, world // replicate // EP_DEGREE, EP_DEGREE)
+    sparse = whole._unflatten(0, dims, ("dp_replicate", "dp_shard_mod_ep", "ep"))
+    experts = sparse["dp_replicate", "dp_shard_mod_ep"] if replicate > 1 else sparse["dp_shard_mod_ep"]
+    return mesh, experts, sparse["ep"]
 
 
 def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -663,7 +667,7 @@ EP_TAILS = {ExportFormat.TORCHTITAN: '''
 def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) -> nn.Module:
     """A torchtitan-style ``parallelize`` (in place of ``apply_moe_ep_tp`` and ``apply_fsdp``): the EXPERTS over
     an ``ep`` mesh of EP_DEGREE consecutive ranks of ``world_mesh``, each sharded over the ranks holding the same
-    experts, and the plan's other groups over every rank."""
+    experts (and over dp_replicate under HSDP), and the plan's other groups over its data-parallel mesh (MESH)."""
     return apply(model, make_mesh(world_mesh.device_type), **fsdp_kwargs)
 '''}
 
@@ -676,8 +680,9 @@ EP_SPLIT = """    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: th
             fully_shard(modules[names[0]], mesh=expert_mesh, reshard_after_forward=reshard, **expert_kwargs)
             # its grad sums every EP rank's tokens: averaged over all data-parallel ranks, as the other groups'
             modules[names[0]].set_gradient_divide_factor(float(mesh.size()))
-            if expert_mesh.size() > 1 and dist.get_backend(expert_mesh.get_group()) == "gloo":  # no PREMUL_SUM
-                modules[names[0]].set_force_sum_reduction_for_comms(True)  # in gloo: SUM, then divide
+            # gloo has no PREMUL_SUM: SUM, then divide (not over a shard dim of one rank: FSDP2 divides that copy)
+            if expert_mesh.size(expert_mesh.ndim - 1) > 1 and dist.get_backend(ep_mesh.get_group()) == "gloo":
+                modules[names[0]].set_force_sum_reduction_for_comms(True)
 """
 GROUP_LINE = "        names, reshard = GROUPS[i]\n"
 EP_SKIP = """        if names[0] in EXPERTS:  # sharded above
@@ -695,9 +700,6 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
     ep = plan.expert_parallel
     assert ep is not None
     check_no_prefetch(plan)
-    if plan.mesh is not None and plan.mesh.replicate > 1:
-        raise PlannerError("export writes expert parallelism with pure FSDP only, as apply_plan applies it: plan "
-                           "FSDP x EP without HSDP")
     experts = [g.modules[0] for g in plan.inner_groups if len(g.modules) == 1
                and any(matches(p, g.modules[0]) for p in ep.modules)]
     if not experts:

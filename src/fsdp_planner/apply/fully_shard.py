@@ -89,13 +89,13 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
     check_int_reshard_on_dim0(plan)
-    if plan.expert_parallel is not None:  # the experts first, on meshes of their own; the rest as without EP
-        plan, mesh = _experts_first(model, plan, mesh, mp_policy, offload_policy)
     if mesh is None:
         import torch.distributed as dist
 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = device_mesh(plan, device_type, dist.get_world_size())
+    if plan.expert_parallel is not None:  # the experts first, on meshes of their own; the rest as without EP
+        plan = shard_experts(model, plan, mesh, mp_policy, offload_policy)
     mesh, tp_mesh = split_mesh(mesh, plan)
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
     apply_float8(model, plan.float8)  # before TP and fully_shard, as torchtitan's converter
@@ -130,19 +130,3 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         if g.backward_prefetch:
             first.set_modules_to_backward_prefetch([state[j] for j in g.backward_prefetch])
     return model
-
-
-def _experts_first(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any, offload_policy: Any) -> tuple[Plan, Any]:
-    """``shard_experts`` over the world ``mesh`` (1-D; None: the default process group's): the plan without EP
-    and the data-parallel mesh its other groups are sharded over."""
-    if mesh is not None and mesh.ndim != 1:
-        raise PlannerError("a plan with expert parallelism is applied over a 1-D mesh of every rank (or none: the "
-                           "default process group's): apply_plan builds its dp, EP-reduced and ep meshes from it")
-    if mesh is None:
-        import torch.distributed as dist
-
-        world, device_type = dist.get_world_size(), next((p.device.type for p in model.parameters()), "cpu")
-    else:
-        world, device_type = mesh.size(), mesh.device_type
-    return shard_experts(model, plan, world, mp_policy, offload_policy, device_type)
-

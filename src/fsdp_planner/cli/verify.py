@@ -159,14 +159,15 @@ def _fake_world_prediction(tr: Trace, plan: Plan, request: FakeWorldRequest) -> 
 
 def _tp_label(plan: Plan, world: int) -> str:
     """How a plan with tensor or expert parallelism lays out the ranks: " (FSDP 2 x TP 2 (SP, loss parallel))",
-    " (FSDP 8, experts FSDP 2 x EP 4)"; else ""."""
-    if plan.expert_parallel is not None and plan.tensor_parallel is None:
-        ep = plan.expert_parallel.degree
-        return escape(f" (FSDP {world}, experts FSDP {world // ep} x {plan.expert_parallel.describe()})")
-    if plan.tensor_parallel is None:
-        return ""
+    " (FSDP 8, experts FSDP 2 x EP 4)", " (HSDP 2x4, experts HSDP 2x2 x EP 2)"; else ""."""
     dp = plan.layout(world)
     fsdp = f"HSDP {dp.describe()}" if dp.replicate > 1 else f"FSDP {dp.shard}"
+    if plan.expert_parallel is not None and plan.tensor_parallel is None:
+        ep = plan.expert_parallel.degree
+        experts = f"HSDP {dp.replicate}x{dp.shard // ep}" if dp.replicate > 1 else f"FSDP {dp.shard // ep}"
+        return escape(f" ({fsdp}, experts {experts} x {plan.expert_parallel.describe()})")
+    if plan.tensor_parallel is None:
+        return ""
     return escape(f" ({fsdp} x {plan.tensor_parallel.describe()})")
 
 

@@ -88,25 +88,50 @@ class EPOption:
     step: StepReport
 
     def describe(self) -> str:
+        mesh = self.plan.mesh
+        where = f" on {mesh.describe()}" if mesh is not None and mesh.replicate > 1 else ""
         return (f"EP {self.degree}" + (" (experts kept after forward)" if self.keep_experts else "")
-                if self.degree > 1 else "no EP")
+                if self.degree > 1 else "no EP") + where
 
 
 def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0,
-               degrees: tuple[int, ...] = ()) -> list[EPOption]:
-    """``plan`` (without EP) under ``degrees`` (default every EP degree the model and its shard ranks allow), its
-    expert groups resharded after forward or kept: each simulated (the EP view built once per degree). The EP
-    screen a search runs after choosing its groups; deterministic, 2 simulations a degree."""
+               degrees: tuple[int, ...] = (), views: dict[tuple, Trace] | None = None,
+               without: bool = True) -> list[EPOption]:
+    """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
+    model and its shard ranks allow), its expert groups resharded after forward or kept: each simulated. The EP
+    screen a search runs after choosing its groups; deterministic, 2 simulations a degree. ``views``: the EP views
+    built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step)."""
     shard = plan.shard_size(cluster.world_size)
-    out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))]
+    out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))] if without else []
+    views = {} if views is None else views
     for degree in degrees or ep_degrees(trace, shard)[1:]:
         ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard)
-        view = ep_view(trace, ep_plan).trace
+        key = ep_plan.expert_parallel.signature()
+        if key not in views:
+            views[key] = ep_view(trace, ep_plan).trace
         for keep in (False, True):
             p = ep_plan if not keep else ep_plan.replace(groups=[
                 replace(g, reshard_after_forward=False) if g.modules[0] in ep_plan.expert_parallel.modules else g
                 for g in ep_plan.groups])
-            out.append(EPOption(degree, keep, p, simulate(view, p, cluster, options, timeline=False)))
+            out.append(EPOption(degree, keep, p, simulate(views[key], p, cluster, options, timeline=False)))
+    return out
+
+
+def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions,
+                    views: dict[tuple, Trace], degrees: tuple[int, ...] = ()) -> list[EPOption]:
+    """EP (``degrees``; none given: each its dp_shard allows) on auto's other HSDP layouts (``result.meshes``: each
+    one's best plan, without TP), EP's ranks out of their dp_shard and the experts replicated over dp_replicate as
+    torchtitan lays them out: EP shrinks the experts' shards, which can bring a layout over the budget without EP
+    within it."""
+    out: list[EPOption] = []
+    for cand in result.meshes.values():
+        mesh = cand.plan.mesh
+        if cand.runs and cand.plan.tp_degree == 1 and mesh is not None and mesh.replicate > 1 and \
+                mesh != result.plan.mesh and all(mesh.shard % d == 0 for d in degrees):
+            plan = cand.plan.running(result.run)
+            plan = plan.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in plan.groups])
+            out.extend(ep_options(trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
+                                  without=False))
     return out
 
 
@@ -119,18 +144,21 @@ def best_ep_option(found: list[EPOption], budget: float) -> EPOption | None:
 def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
                  note: Callable[[str], None] | None = None) -> AutoResult:
     """Auto's ``result`` under expert parallelism: its plan's groups under each of ``degrees`` (the user's; none
-    given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), the expert
-    groups resharded after forward or kept, the fastest that fits (else the one holding least, over the budget)."""
+    given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), on its layout
+    and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the
+    one holding least, over the budget)."""
     if result.plan.tp_degree > 1:
         raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
     written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
     # groups move: FSDP2's implicit prefetching instead
     written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
-    found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees)
+    views: dict[tuple, Trace] = {}
+    found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views)
     if degrees:
         found = found[1:]  # the user's EP, not the plan without it
     else:
         found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
+    found += hsdp_ep_options(result, trace, cluster, options, views, degrees)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
@@ -138,9 +166,24 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         note("auto's EP screen (its groups, the experts in their own): " + ", ".join(
             f"{o.describe()} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
                                                                else f" ({fmt_bytes(o.step.reserved_memory)}, "
-                                                                    "does not fit)") for o in found))
+                                                                    "does not fit)") for o in _shown(found, result)))
     if best.degree == 1:
         return result if best.plan is result.plan else replace(result, plan=best.plan, report=best.step)
     label = f"{result.plan.policy}, {best.describe()}"
     return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
                    fits=bool(fitting))
+
+
+def _shown(found: list[EPOption], result: AutoResult) -> list[EPOption]:
+    """The screen's options as noted: every one on auto's own layout, the best of each other HSDP layout."""
+    own = [o for o in found if o.plan.mesh == result.plan.mesh]
+    others: dict[object, list[EPOption]] = {}
+    for o in found:
+        if o.plan.mesh != result.plan.mesh:
+            others.setdefault(o.plan.mesh, []).append(o)
+    out = list(own)
+    for opts in others.values():
+        fitting = [o for o in opts if result.memory.fits(o.step.reserved_memory)]
+        out.append(min(fitting, key=lambda o: o.step.step_time) if fitting else
+                   min(opts, key=lambda o: o.step.reserved_memory))
+    return out

@@ -252,8 +252,8 @@ def predict_collectives(trace: Trace, plan: Plan, world_size: int, precision: Pr
             nbytes[c.kind.value] += groups[c.group].gather_bytes
         elif c.kind is CollectiveKind.REDUCE_SCATTER:
             nbytes[c.kind.value] += sizing.reduce_bytes(c.params)
-        else:
-            nbytes[c.kind.value] += sizing.reduce_bytes(c.params) // shard
+        else:  # the reduce-scatter's output: over the group's own shard ranks (an EP view's experts: shard / EP)
+            nbytes[c.kind.value] += sizing.reduce_bytes(c.params) // (ranks[c.params[0]] if c.params else shard)
     return counts, nbytes
 
 

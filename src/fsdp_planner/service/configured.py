@@ -123,14 +123,18 @@ def _layout(m: _Merge) -> None:
             if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
     _tensor_parallel(m, world)
     dp = world // cfg.tp
-    if cfg.ep > 1:  # EP's ranks come out of dp_shard, as torchtitan's; the degree bounded as --ep is
-        if dp % cfg.ep:
-            raise PlannerError(f"parallelism.expert_parallel_degree = {cfg.ep} does not divide the job's {dp} "
-                               "data-parallel GPUs")
-        m.given("ep", cfg.ep, "parallelism.expert_parallel_degree")
     if dp % cfg.replicate:
         raise PlannerError(f"{cfg.key('replicate')} = {cfg.replicate} does not divide the job's {dp} data-parallel "
                            f"GPUs")
+    if cfg.ep > 1:  # EP's ranks come out of dp_shard, as torchtitan's; the degree bounded as --ep is
+        if cfg.tp > 1:
+            raise PlannerError(f"parallelism.expert_parallel_degree = {cfg.ep} with tensor parallelism (TP {cfg.tp}) "
+                               "is not modelled yet, so the verdict would be about another job: set one of them to "
+                               "1 to plan that job")
+        if (dp // cfg.replicate) % cfg.ep:
+            raise PlannerError(f"parallelism.expert_parallel_degree = {cfg.ep} does not divide the job's "
+                               f"{dp // cfg.replicate} data-parallel shard GPUs (EP's ranks come out of dp_shard)")
+        m.given("ep", cfg.ep, "parallelism.expert_parallel_degree")
     if cfg.replicate > 1:
         m.given("mesh", f"{cfg.replicate}x{dp // cfg.replicate}", cfg.key("replicate"))
     if cfg.global_batch is not None:

@@ -164,6 +164,10 @@ class MemoryModel:
         self.trace, self.precision, self.zero_grad, self.offload = trace, precision, zero_grad, offload
         self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None, placement,
                              float8_gathered=float8_gathered)
+        # an EP view's expert params over a shard dim of one rank (EP takes dp_shard whole): FSDP2 reduces them with
+        # a gradient divide factor (apply/expert_parallel.py), which at one rank it applies by making the quotient
+        # of the whole reduce input and copying it into the output
+        self._divided_alone = frozenset(trace.expert_params) if world_size <= trace.ep_degree else frozenset()
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
         shard = 0 if offload else self.sizing.shard_numel(trainable)  # offloaded: on the CPU
         self.static = MemoryBreakdown(
@@ -273,6 +277,8 @@ class MemoryModel:
             add(2, c.event, c.event + 1, self.sizing.shard1_grad_bytes(c.params))  # dim-1 grads re-laid out
             # the next post-backward frees this input buffer before it allocates its own
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
+            if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
+                add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
             shard = self.sizing.shard_numel(c.params)
             if self.offload:  # the output is copied to the CPU, where the sharded grads live
                 add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
