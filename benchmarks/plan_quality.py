@@ -50,7 +50,7 @@ from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult, PolicyName, PolicyRequest, make_policy
+from fsdp_planner.planners import CLASSIC_POLICIES, AutoResult, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.planners.auto import Target, candidate_meshes
 from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.blocks import block_instances
@@ -238,26 +238,37 @@ def throughput(tr: Trace, tokens: int, report: StepReport, gpu_peak: float) -> d
             "mfu": (tr.fwd_flops + tr.bwd_flops) / report.step_time / gpu_peak}
 
 
-def row(model: str, cluster: str, tr: Trace, tokens: int, result: AutoResult) -> dict:
-    policies = baselines(tr, model, result.search.ev.cluster, result.budget)
+def auto_search(tr: Trace, spec: ModelSpec, cluster: Cluster, options: SimOptions | None = None) -> AutoResult:
+    """Auto as the CLI plans (``service/planning.search``): its TP screen (each degree traced at its batch) and,
+    for a MoE model planned without TP, its EP screen, as ``fsdp-planner plan MODEL --policy auto`` gives."""
+    return search(tr, PolicyRequest(PolicyName.AUTO), cluster, options or SimOptions(), spec,
+                  tracer=lambda s, _: planning_trace(s)[0])
+
+
+def layout_text(result: AutoResult) -> str:
+    """Auto's layout: its data-parallel mesh (replicate x shard), with TP and EP where it chose them."""
     plan = result.plan
-    policies["auto"] = {**summary(result.report), "plan": plan.policy, "mesh": result.report.mesh,
-                        "groups": len(plan.inner_groups), "seconds": result.seconds,
-                        "checkpointed": len(plan.activation_checkpointing),
-                        "op_checkpointed": len(plan.selective_checkpointing),
-                        **throughput(tr, tokens, result.report, result.search.ev.cluster.gpu.peak_bf16_flops)}
-    r = {"model": model, "cluster": cluster, "budget": result.budget,
+    ep = plan.expert_parallel.degree if plan.expert_parallel is not None else 1
+    return result.report.mesh + (f" x TP {plan.tp_degree}" if plan.tp_degree > 1 else "") + \
+        (f", EP {ep}" if ep > 1 else "")
+
+
+def row(model: str, cluster: Cluster, tr: Trace, tokens: int, result: AutoResult) -> dict:
+    policies = baselines(tr, model, cluster, result.budget)
+    policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
+    r = {"model": model, "cluster": cluster.name, "budget": result.budget,
          "budget_source": result.budget_source, "min_peak": result.min_peak, "fits": result.fits,
          "lower_bound": result.report.lower_bound, "policies": policies}
     r = judge(r, result, {})
     if r["best_other"] is None:  # nothing fits without FSDP2's memory options: the expert gets them too
-        r = judge(r, result, expert_baselines(memory_variants(tr, model, result.search.ev.cluster), result.budget))
+        r = judge(r, result, expert_baselines(memory_variants(tr, model, cluster), result.budget))
     return r
 
 
 def auto_summary(result: AutoResult) -> dict:
     plan = result.plan
-    return {**summary(result.report), "plan": plan.policy, "mesh": result.report.mesh,
+    return {**summary(result.report), "plan": plan.policy, "mesh": result.report.mesh, "layout": layout_text(result),
+            "tp": plan.tp_degree, "ep": plan.expert_parallel.degree if plan.expert_parallel is not None else 1,
             "groups": len(plan.inner_groups), "seconds": result.seconds,
             "checkpointed": len(plan.activation_checkpointing), "op_checkpointed": len(plan.selective_checkpointing)}
 
@@ -268,7 +279,8 @@ def micro_row(model: str, batch: int, cluster: str) -> dict:
     c = parse_cluster(cluster)
     traces = {n: planning_trace(ModelSpec(model, batch_size=batch // n))[0] for n in candidate_splits(batch)}
     options = {n: SimOptions(micro_batches=n) for n in traces}
-    best, _ = choose_split(batch, lambda n: AutoPolicy(c, options=options[n]).search(traces[n], model))
+    best, _ = choose_split(batch, lambda n: auto_search(traces[n], ModelSpec(model, batch_size=batch // n), c,
+                                                        options[n]))
     result = best.result
     variants = [(f"{n} micro-batch{'es' * (n > 1)}", Simulator(traces[n], model, c, options[n])) for n in traces]
     policies = {"auto": {**auto_summary(result), "micro_batches": best.micro_batches}}
@@ -358,8 +370,8 @@ def main() -> None:
     for model, (_, gpus) in MODELS.items():
         tr, tokens = planning_trace(model)
         for spec in [f"h100:{n}" for n in gpus]:
-            result = AutoPolicy(parse_cluster(spec)).search(tr, model)
-            rows.append(row(model, spec, tr, tokens, result))
+            cluster = parse_cluster(spec)
+            rows.append(row(model, cluster, tr, tokens, auto_search(tr, ModelSpec(model), cluster)))
             print(f"{model} {spec}: {verdict(rows[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     micro = []
     for model, (batches, gpus) in MICRO_ROWS.items():
@@ -394,15 +406,19 @@ def main() -> None:
         "titan's grouping fit (k in the summary); titan[+op|+ac]/hsdpS is torchtitan's grouping on HSDP with shard "
         "groups of S GPUs (8: one node; 64: eight nodes) replicated across the rest (n/a where S is the whole "
         "cluster); 'best hand config' is the fastest that fits of module/size/titan/order x --ac "
-        "none/full/op/selective x every whole-node layout (named in the summary). Auto chooses its layout "
-        "('auto mesh': replicate x shard) and, when nothing fits without, per leading block none, op-level or full "
-        "('auto AC'). Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense peak; recomputation is not "
-        "model FLOPs).",
+        "none/full/op/selective x every whole-node layout (named in the summary). Auto is what `fsdp-planner plan "
+        "MODEL --policy auto --cluster h100:N` gives (`service/planning.search`): it chooses the TP degree (1, 2, 4, "
+        "8 where the model's layout allows, each traced at its batch: the same global batch; the built-in Llamas), "
+        "for a MoE model without TP its EP degree (the EP screen), the data-parallel layout ('auto layout': "
+        "replicate x shard, x TP d, EP e) and, when nothing fits without, per leading block none, op-level or full "
+        "checkpointing ('auto AC'); the columns before it are pure FSDP (the expert's TP configurations: the 2-D "
+        "section below). Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense peak; recomputation is "
+        "not model FLOPs).",
         "",
         summary_line(rows + micro),
         "",
         "| model | GPUs | lower bound | " + " | ".join([*COLUMNS, "auto"])
-        + " | auto mesh | auto AC | tokens/s/GPU | MFU | winner |",
+        + " | auto layout | auto AC | tokens/s/GPU | MFU | winner |",
         "|---|---|---|" + "---|" * (len(COLUMNS) + 1) + "---|---|---|---|---|",
     ]
     for r in rows:
@@ -411,7 +427,7 @@ def main() -> None:
         tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if auto["tokens_per_s_per_gpu"] and r["fits"] else "-"
         mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {fmt_time(r['lower_bound'])} | "
-                     + " | ".join(cells) + f" | {auto['mesh']} | {ac_text(auto)} | {tps} | {mfu} "
+                     + " | ".join(cells) + f" | {auto['layout']} | {ac_text(auto)} | {tps} | {mfu} "
                      f"| {verdict(r)} |")
     lines += expert_table(
         "Gradient accumulation: Llama 3 8B at a per-GPU batch of 4 and 8", micro,
@@ -432,7 +448,7 @@ def main() -> None:
     for r in rows + micro:
         auto, best = r["policies"]["auto"], r["best_other"]
         base = f"{baseline_name(r, best)} {fmt_time(r['best_step'])}" if best else "none"
-        mine = (f"**{fmt_time(auto['step_time'])}** / {fmt_bytes(auto['reserved_memory'])} / {auto['mesh']} / "
+        mine = (f"**{fmt_time(auto['step_time'])}** / {fmt_bytes(auto['reserved_memory'])} / {auto['layout']} / "
                 f"{ac_text(auto)} / {auto['groups']}" if r["fits"] else "-")
         lines.append(f"| {row_name(r)} | {r['cluster'].split(':')[1]} | {base} | {mine} | {verdict(r)} |")
     (out / "plan_quality.md").write_text("\n".join(lines) + "\n" + two_d_section(out / "plan_quality.md"))
@@ -460,17 +476,14 @@ def two_d_row(model: str, gpus: int) -> dict:
     parallel), FSDP over the nodes, every block checkpointed in full (its jobs) or op-level."""
     cluster, spec = parse_cluster(f"h100:{gpus}"), ModelSpec(model)
     tr, tokens = planning_trace(spec)
-    result = search(tr, PolicyRequest(PolicyName.AUTO), cluster, SimOptions(), spec,
-                    tracer=lambda s, options: planning_trace(s)[0])
+    result = auto_search(tr, spec, cluster)
     wide, _ = planning_trace(ModelSpec(model, batch_size=EXPERT_TP))
     policies = {}
     for name, mode in EXPERT_2D.items():
         plan = make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=mode)).plan(wide, model)
         plan = plan.replace(tensor_parallel=titan_llama_layout(EXPERT_TP))
         policies[name] = {**summary(simulate(wide, plan, cluster, timeline=False)), "plan": plan.policy}
-    degree = result.plan.tp_degree
-    policies["auto"] = {**auto_summary(result), "tp": degree,
-                        **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
+    policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
     r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
          "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,
          "policies": policies}
@@ -505,7 +518,7 @@ def two_d_main() -> None:
     for r in rows:
         auto = r["policies"]["auto"]
         cells = [cell(r["policies"][n], r["budget"]) for n in [*EXPERT_2D, "auto"]]
-        layout = auto["mesh"] + (f" x TP {auto['tp']}" if auto["tp"] > 1 else "")
+        layout = auto["layout"]
         tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if r["fits"] else "-"
         mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)
