@@ -13,8 +13,9 @@ defaults, its grouping with op-level selective checkpointing of every block (``-
 checkpointed in full (``--ac full``); torchtitan's grouping with the fewest leading blocks checkpointed in full that
 let it fit (what an expert writes by hand, found by binary search); torchtitan's grouping on HSDP (``dp_replicate x
 dp_shard``, shard over one node of 8 GPUs or over eight nodes) without checkpointing, with op-level and with full;
-and the best hand configuration of a grid of CLI-expressible ones (``HAND_POLICIES`` x ``--ac``
-none/full/op/selective x every whole-node layout), named.
+and the best hand configuration of a grid (``HAND_POLICIES`` x ``--ac`` none/full/op/selective x every whole-node
+layout; the order policy at ``ORDER_TARGETS``, also with every group kept unsharded after forward; torchtitan's
+grouping with the fewest leading blocks in full and the rest op-level), named.
 
 torchtitan's reshard policy: its ``apply_fsdp`` (torchtitan/models/llama3/infra/parallelize.py, commit 018740b7)
 with ``reshard_after_forward_policy = "default"`` and no pipeline reshards every block after forward
@@ -39,11 +40,12 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.checkpointing import ACMode
@@ -73,6 +75,7 @@ BEST_HAND = "best hand config"
 COLUMNS = [*POLICY_NAMES, *WITH_AC, FEWEST, *HSDP, BEST_HAND]
 HAND_POLICIES = [PolicyName.MODULE, PolicyName.SIZE, PolicyName.TITAN, PolicyName.ORDER]
 HAND_AC = [None, ACMode.FULL, ACMode.OP, ACMode.SELECTIVE]
+ORDER_TARGETS = [2**28, 2**29, 2**30, 2**31]  # the order policy's --target-bytes the hand grid tries
 AHEAD = 0.10  # a row where auto is at least this much faster than the best baseline that fits is named
 TIE = 0.005  # within this, auto only ties
 
@@ -167,8 +170,10 @@ def fewest_full(sim: Simulator, budget: int) -> dict | None:
 
 
 def best_hand(sim: Simulator, budget: int) -> dict | None:
-    """The fastest configuration that fits of ``HAND_POLICIES`` x ``HAND_AC`` x every whole-node layout (the
-    smallest peak when none fits), labelled with its policy, ``--ac`` and layout."""
+    """The fastest configuration that fits of ``HAND_POLICIES`` x ``HAND_AC`` x every whole-node layout, the order
+    policy's ``ORDER_TARGETS`` with its default reshard or every group kept unsharded after forward on every layout,
+    and torchtitan's grouping with the fewest leading blocks in full and every other op-level that fit (the
+    smallest peak when none fits), labelled with what it is."""
     meshes = candidate_meshes(sim.cluster, Target.FSDP2)
     tried = []
     for p in HAND_POLICIES:
@@ -178,8 +183,54 @@ def best_hand(sim: Simulator, budget: int) -> dict | None:
                 if r is not None:
                     label = f"{p.value} --ac {ac.value if ac else 'none'} {mesh.describe()}"
                     tried.append({**r, "plan": label})
-    return min(tried, key=lambda r: (r["reserved_memory"] > budget, r["step_time"] if r["reserved_memory"] <= budget
-                                     else r["reserved_memory"]), default=None)
+    tried += order_kept(sim, meshes)
+    if (mixed := full_then_op(sim, budget)) is not None:
+        tried.append(mixed)
+    return fastest(tried, budget)
+
+
+def order_kept(sim: Simulator, meshes: list[Mesh]) -> list[dict]:
+    """The order policy at each of ``ORDER_TARGETS`` on each layout, as it plans (the last group kept unsharded
+    after forward) and with every group kept (a plan file's ``reshard_after_forward``: no all-gather in backward)."""
+    out = []
+    for target in ORDER_TARGETS:
+        for mesh in meshes:
+            try:
+                plan = make_policy(PolicyRequest(PolicyName.ORDER, target_bytes=target,
+                                                 mesh=mesh if mesh.replicate > 1 else None)).plan(sim.tr, sim.model)
+            except PlannerError:
+                continue
+            kept = plan.replace(groups=[replace(g, reshard_after_forward=False) for g in plan.groups])
+            for p, how in ((plan, ""), (kept, ", every group kept")):
+                out.append({**sim.run(p), "plan": f"order {fmt_bytes(target)}{how} {mesh.describe()}"})
+    return out
+
+
+def full_then_op(sim: Simulator, budget: int) -> dict | None:
+    """torchtitan's grouping with the fewest leading blocks in full that fit with every other block op-level
+    (binary search); None when the model has no blocks or even all in full do not fit."""
+    try:
+        plan = make_policy(PolicyRequest(PolicyName.TITAN)).plan(sim.tr, sim.model)
+    except PlannerError:
+        return None
+    blocks = block_instances(sim.tr)
+    if not blocks:
+        return None
+
+    def with_k(k: int) -> dict:
+        p = plan.replace(activation_checkpointing=blocks[:k], selective_checkpointing=dict.fromkeys(
+            blocks[k:], DEFAULT_SAC_POLICY))
+        return {**sim.run(p), "plan": f"titan + {k} full + the rest op"}
+
+    lo, hi = 0, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if with_k(mid)["reserved_memory"] <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    found = with_k(lo)
+    return found if found["reserved_memory"] <= budget else None
 
 
 def fastest(tried: list[dict], budget: int) -> dict | None:
@@ -406,13 +457,16 @@ def main() -> None:
         "titan's grouping fit (k in the summary); titan[+op|+ac]/hsdpS is torchtitan's grouping on HSDP with shard "
         "groups of S GPUs (8: one node; 64: eight nodes) replicated across the rest (n/a where S is the whole "
         "cluster); 'best hand config' is the fastest that fits of module/size/titan/order x --ac "
-        "none/full/op/selective x every whole-node layout (named in the summary). Auto is what `fsdp-planner plan "
-        "MODEL --policy auto --cluster h100:N` gives (`service/planning.search`): it chooses the TP degree (1, 2, 4, "
-        "8 where the model's layout allows, each traced at its batch: the same global batch; the built-in Llamas), "
-        "for a MoE model without TP its EP degree (the EP screen), the data-parallel layout ('auto layout': "
-        "replicate x shard, x TP d, EP e) and, when nothing fits without, per leading block none, op-level or full "
-        "checkpointing ('auto AC'); the columns before it are pure FSDP (the expert's TP configurations: the 2-D "
-        "section below). Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense peak; recomputation is "
+        "none/full/op/selective x every whole-node layout, the order policy's groups of 256 MiB to 2 GiB on every "
+        "layout as it plans them or with every group kept unsharded after forward, and titan's grouping with the "
+        "fewest leading blocks in full and the rest op-level that fit (named in the summary). Auto is what "
+        "`fsdp-planner plan MODEL --policy auto --cluster h100:N` gives (`service/planning.search`): it chooses "
+        "the TP degree (1, 2, 4, 8 where the model's layout allows, each traced at its batch: the same global "
+        "batch; the built-in Llamas), for a MoE model without TP its EP degree (the EP screen), the data-parallel "
+        "layout ('auto layout': replicate x shard, x TP d, EP e) and, when nothing fits without, per leading block "
+        "none, op-level or full checkpointing ('auto AC'); the columns before it are pure FSDP (the expert's TP "
+        "configurations: the 2-D section below). Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense "
+        "peak; recomputation is "
         "not model FLOPs).",
         "",
         summary_line(rows + micro),
