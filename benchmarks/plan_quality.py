@@ -54,6 +54,7 @@ from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners import CLASSIC_POLICIES, AutoResult, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.planners.auto import Target, candidate_meshes
+from fsdp_planner.planners.auto.evaluator import GROUP_SLACK
 from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout
@@ -391,6 +392,20 @@ def summary_line(rows: list[dict]) -> str:
             f"{names(lambda r: r in fits and r['gain'] is None)}.**")
 
 
+def behind_note(rows: list[dict]) -> str:
+    """The rows where a baseline that fits is faster than auto, by how much, and the preference that can cause it."""
+    behind = [r for r in rows if r["fits"] and r["gain"] is not None and r["gain"] < 0]
+    if not behind:
+        return ""
+    names = ", ".join(f"{row_name(r)} x{r['cluster'].split(':')[1]} ({-r['gain']:.2%})" for r in behind)
+    return (f"Auto behind a baseline: {names}. Among the plans within {GROUP_SLACK:.1%} of the fastest it simulated, "
+            "auto keeps the one with the fewest groups (`Refiner.prefer_fewer_groups`: fewer collectives and hooks "
+            "for a difference within the simulator's error), so it can trail a hand plan with many more groups by "
+            "less than that; on the llama32-3b rows of the run of 2026-11-29 its search had simulated a plan at "
+            "least as fast as the hand config (a DP grouping with every group kept unsharded after forward, 35-57 "
+            "groups) and chose 6 groups instead.")
+
+
 def expert_table(title: str, rows: list[dict], text: str) -> list[str]:
     """A section: per row, the expert columns (each with the split or memory option it took) and auto."""
     out = ["", f"## {title}", "", text, "",
@@ -471,6 +486,7 @@ def main() -> None:
         "",
         summary_line(rows + micro),
         "",
+        *([behind_note(rows + micro), ""] if behind_note(rows + micro) else []),
         "| model | GPUs | lower bound | " + " | ".join([*COLUMNS, "auto"])
         + " | auto layout | auto AC | tokens/s/GPU | MFU | winner |",
         "|---|---|---|" + "---|" * (len(COLUMNS) + 1) + "---|---|---|---|---|",
