@@ -13,8 +13,9 @@ defaults, its grouping with op-level selective checkpointing of every block (``-
 checkpointed in full (``--ac full``); torchtitan's grouping with the fewest leading blocks checkpointed in full that
 let it fit (what an expert writes by hand, found by binary search); torchtitan's grouping on HSDP (``dp_replicate x
 dp_shard``, shard over one node of 8 GPUs or over eight nodes) without checkpointing, with op-level and with full;
-and the best hand configuration of a grid of CLI-expressible ones (``HAND_POLICIES`` x ``--ac``
-none/full/op/selective x every whole-node layout), named.
+and the best hand configuration of a grid (``HAND_POLICIES`` x ``--ac`` none/full/op/selective x every whole-node
+layout; the order policy at ``ORDER_TARGETS``, also with every group kept unsharded after forward; torchtitan's
+grouping with the fewest leading blocks in full and the rest op-level), named.
 
 torchtitan's reshard policy: its ``apply_fsdp`` (torchtitan/models/llama3/infra/parallelize.py, commit 018740b7)
 with ``reshard_after_forward_policy = "default"`` and no pipeline reshards every block after forward
@@ -39,19 +40,21 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from fsdp_planner.choices import ShardPlacement
+from fsdp_planner.choices import DEFAULT_SAC_POLICY, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster, parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
-from fsdp_planner.planners import CLASSIC_POLICIES, AutoPolicy, AutoResult, PolicyName, PolicyRequest, make_policy
+from fsdp_planner.planners import CLASSIC_POLICIES, AutoResult, PolicyName, PolicyRequest, make_policy
 from fsdp_planner.planners.auto import Target, candidate_meshes
+from fsdp_planner.planners.auto.evaluator import GROUP_SLACK
 from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout
@@ -73,6 +76,7 @@ BEST_HAND = "best hand config"
 COLUMNS = [*POLICY_NAMES, *WITH_AC, FEWEST, *HSDP, BEST_HAND]
 HAND_POLICIES = [PolicyName.MODULE, PolicyName.SIZE, PolicyName.TITAN, PolicyName.ORDER]
 HAND_AC = [None, ACMode.FULL, ACMode.OP, ACMode.SELECTIVE]
+ORDER_TARGETS = [2**28, 2**29, 2**30, 2**31]  # the order policy's --target-bytes the hand grid tries
 AHEAD = 0.10  # a row where auto is at least this much faster than the best baseline that fits is named
 TIE = 0.005  # within this, auto only ties
 
@@ -167,8 +171,10 @@ def fewest_full(sim: Simulator, budget: int) -> dict | None:
 
 
 def best_hand(sim: Simulator, budget: int) -> dict | None:
-    """The fastest configuration that fits of ``HAND_POLICIES`` x ``HAND_AC`` x every whole-node layout (the
-    smallest peak when none fits), labelled with its policy, ``--ac`` and layout."""
+    """The fastest configuration that fits of ``HAND_POLICIES`` x ``HAND_AC`` x every whole-node layout, the order
+    policy's ``ORDER_TARGETS`` with its default reshard or every group kept unsharded after forward on every layout,
+    and torchtitan's grouping with the fewest leading blocks in full and every other op-level that fit (the
+    smallest peak when none fits), labelled with what it is."""
     meshes = candidate_meshes(sim.cluster, Target.FSDP2)
     tried = []
     for p in HAND_POLICIES:
@@ -178,8 +184,54 @@ def best_hand(sim: Simulator, budget: int) -> dict | None:
                 if r is not None:
                     label = f"{p.value} --ac {ac.value if ac else 'none'} {mesh.describe()}"
                     tried.append({**r, "plan": label})
-    return min(tried, key=lambda r: (r["reserved_memory"] > budget, r["step_time"] if r["reserved_memory"] <= budget
-                                     else r["reserved_memory"]), default=None)
+    tried += order_kept(sim, meshes)
+    if (mixed := full_then_op(sim, budget)) is not None:
+        tried.append(mixed)
+    return fastest(tried, budget)
+
+
+def order_kept(sim: Simulator, meshes: list[Mesh]) -> list[dict]:
+    """The order policy at each of ``ORDER_TARGETS`` on each layout, as it plans (the last group kept unsharded
+    after forward) and with every group kept (a plan file's ``reshard_after_forward``: no all-gather in backward)."""
+    out = []
+    for target in ORDER_TARGETS:
+        for mesh in meshes:
+            try:
+                plan = make_policy(PolicyRequest(PolicyName.ORDER, target_bytes=target,
+                                                 mesh=mesh if mesh.replicate > 1 else None)).plan(sim.tr, sim.model)
+            except PlannerError:
+                continue
+            kept = plan.replace(groups=[replace(g, reshard_after_forward=False) for g in plan.groups])
+            for p, how in ((plan, ""), (kept, ", every group kept")):
+                out.append({**sim.run(p), "plan": f"order {fmt_bytes(target)}{how} {mesh.describe()}"})
+    return out
+
+
+def full_then_op(sim: Simulator, budget: int) -> dict | None:
+    """torchtitan's grouping with the fewest leading blocks in full that fit with every other block op-level
+    (binary search); None when the model has no blocks or even all in full do not fit."""
+    try:
+        plan = make_policy(PolicyRequest(PolicyName.TITAN)).plan(sim.tr, sim.model)
+    except PlannerError:
+        return None
+    blocks = block_instances(sim.tr)
+    if not blocks:
+        return None
+
+    def with_k(k: int) -> dict:
+        p = plan.replace(activation_checkpointing=blocks[:k], selective_checkpointing=dict.fromkeys(
+            blocks[k:], DEFAULT_SAC_POLICY))
+        return {**sim.run(p), "plan": f"titan + {k} full + the rest op"}
+
+    lo, hi = 0, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if with_k(mid)["reserved_memory"] <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    found = with_k(lo)
+    return found if found["reserved_memory"] <= budget else None
 
 
 def fastest(tried: list[dict], budget: int) -> dict | None:
@@ -238,26 +290,37 @@ def throughput(tr: Trace, tokens: int, report: StepReport, gpu_peak: float) -> d
             "mfu": (tr.fwd_flops + tr.bwd_flops) / report.step_time / gpu_peak}
 
 
-def row(model: str, cluster: str, tr: Trace, tokens: int, result: AutoResult) -> dict:
-    policies = baselines(tr, model, result.search.ev.cluster, result.budget)
+def auto_search(tr: Trace, spec: ModelSpec, cluster: Cluster, options: SimOptions | None = None) -> AutoResult:
+    """Auto as the CLI plans (``service/planning.search``): its TP screen (each degree traced at its batch) and,
+    for a MoE model planned without TP, its EP screen, as ``fsdp-planner plan MODEL --policy auto`` gives."""
+    return search(tr, PolicyRequest(PolicyName.AUTO), cluster, options or SimOptions(), spec,
+                  tracer=lambda s, _: planning_trace(s)[0])
+
+
+def layout_text(result: AutoResult) -> str:
+    """Auto's layout: its data-parallel mesh (replicate x shard), with TP and EP where it chose them."""
     plan = result.plan
-    policies["auto"] = {**summary(result.report), "plan": plan.policy, "mesh": result.report.mesh,
-                        "groups": len(plan.inner_groups), "seconds": result.seconds,
-                        "checkpointed": len(plan.activation_checkpointing),
-                        "op_checkpointed": len(plan.selective_checkpointing),
-                        **throughput(tr, tokens, result.report, result.search.ev.cluster.gpu.peak_bf16_flops)}
-    r = {"model": model, "cluster": cluster, "budget": result.budget,
+    ep = plan.expert_parallel.degree if plan.expert_parallel is not None else 1
+    return result.report.mesh + (f" x TP {plan.tp_degree}" if plan.tp_degree > 1 else "") + \
+        (f", EP {ep}" if ep > 1 else "")
+
+
+def row(model: str, cluster: Cluster, tr: Trace, tokens: int, result: AutoResult) -> dict:
+    policies = baselines(tr, model, cluster, result.budget)
+    policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
+    r = {"model": model, "cluster": cluster.name, "budget": result.budget,
          "budget_source": result.budget_source, "min_peak": result.min_peak, "fits": result.fits,
          "lower_bound": result.report.lower_bound, "policies": policies}
     r = judge(r, result, {})
     if r["best_other"] is None:  # nothing fits without FSDP2's memory options: the expert gets them too
-        r = judge(r, result, expert_baselines(memory_variants(tr, model, result.search.ev.cluster), result.budget))
+        r = judge(r, result, expert_baselines(memory_variants(tr, model, cluster), result.budget))
     return r
 
 
 def auto_summary(result: AutoResult) -> dict:
     plan = result.plan
-    return {**summary(result.report), "plan": plan.policy, "mesh": result.report.mesh,
+    return {**summary(result.report), "plan": plan.policy, "mesh": result.report.mesh, "layout": layout_text(result),
+            "tp": plan.tp_degree, "ep": plan.expert_parallel.degree if plan.expert_parallel is not None else 1,
             "groups": len(plan.inner_groups), "seconds": result.seconds,
             "checkpointed": len(plan.activation_checkpointing), "op_checkpointed": len(plan.selective_checkpointing)}
 
@@ -268,7 +331,8 @@ def micro_row(model: str, batch: int, cluster: str) -> dict:
     c = parse_cluster(cluster)
     traces = {n: planning_trace(ModelSpec(model, batch_size=batch // n))[0] for n in candidate_splits(batch)}
     options = {n: SimOptions(micro_batches=n) for n in traces}
-    best, _ = choose_split(batch, lambda n: AutoPolicy(c, options=options[n]).search(traces[n], model))
+    best, _ = choose_split(batch, lambda n: auto_search(traces[n], ModelSpec(model, batch_size=batch // n), c,
+                                                        options[n]))
     result = best.result
     variants = [(f"{n} micro-batch{'es' * (n > 1)}", Simulator(traces[n], model, c, options[n])) for n in traces]
     policies = {"auto": {**auto_summary(result), "micro_batches": best.micro_batches}}
@@ -328,6 +392,20 @@ def summary_line(rows: list[dict]) -> str:
             f"{names(lambda r: r in fits and r['gain'] is None)}.**")
 
 
+def behind_note(rows: list[dict]) -> str:
+    """The rows where a baseline that fits is faster than auto, by how much, and the preference that can cause it."""
+    behind = [r for r in rows if r["fits"] and r["gain"] is not None and r["gain"] < 0]
+    if not behind:
+        return ""
+    names = ", ".join(f"{row_name(r)} x{r['cluster'].split(':')[1]} ({-r['gain']:.2%})" for r in behind)
+    return (f"Auto behind a baseline: {names}. Among the plans within {GROUP_SLACK:.1%} of the fastest it simulated, "
+            "auto keeps the one with the fewest groups (`Refiner.prefer_fewer_groups`: fewer collectives and hooks "
+            "for a difference within the simulator's error), so it can trail a hand plan with many more groups by "
+            "less than that; on the llama32-3b rows of the run of 2026-11-29 its search had simulated a plan at "
+            "least as fast as the hand config (a DP grouping with every group kept unsharded after forward, 35-57 "
+            "groups) and chose 6 groups instead.")
+
+
 def expert_table(title: str, rows: list[dict], text: str) -> list[str]:
     """A section: per row, the expert columns (each with the split or memory option it took) and auto."""
     out = ["", f"## {title}", "", text, "",
@@ -358,8 +436,8 @@ def main() -> None:
     for model, (_, gpus) in MODELS.items():
         tr, tokens = planning_trace(model)
         for spec in [f"h100:{n}" for n in gpus]:
-            result = AutoPolicy(parse_cluster(spec)).search(tr, model)
-            rows.append(row(model, spec, tr, tokens, result))
+            cluster = parse_cluster(spec)
+            rows.append(row(model, cluster, tr, tokens, auto_search(tr, ModelSpec(model), cluster)))
             print(f"{model} {spec}: {verdict(rows[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     micro = []
     for model, (batches, gpus) in MICRO_ROWS.items():
@@ -394,15 +472,23 @@ def main() -> None:
         "titan's grouping fit (k in the summary); titan[+op|+ac]/hsdpS is torchtitan's grouping on HSDP with shard "
         "groups of S GPUs (8: one node; 64: eight nodes) replicated across the rest (n/a where S is the whole "
         "cluster); 'best hand config' is the fastest that fits of module/size/titan/order x --ac "
-        "none/full/op/selective x every whole-node layout (named in the summary). Auto chooses its layout "
-        "('auto mesh': replicate x shard) and, when nothing fits without, per leading block none, op-level or full "
-        "('auto AC'). Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense peak; recomputation is not "
-        "model FLOPs).",
+        "none/full/op/selective x every whole-node layout, the order policy's groups of 256 MiB to 2 GiB on every "
+        "layout as it plans them or with every group kept unsharded after forward, and titan's grouping with the "
+        "fewest leading blocks in full and the rest op-level that fit (named in the summary). Auto is what "
+        "`fsdp-planner plan MODEL --policy auto --cluster h100:N` gives (`service/planning.search`): it chooses "
+        "the TP degree (1, 2, 4, 8 where the model's layout allows, each traced at its batch: the same global "
+        "batch; the built-in Llamas), for a MoE model without TP its EP degree (the EP screen), the data-parallel "
+        "layout ('auto layout': replicate x shard, x TP d, EP e) and, when nothing fits without, per leading block "
+        "none, op-level or full checkpointing ('auto AC'); the columns before it are pure FSDP (the expert's TP "
+        "configurations: the 2-D section below). Tokens/s/GPU and MFU are auto's (model FLOPs over the bf16 dense "
+        "peak; recomputation is "
+        "not model FLOPs).",
         "",
         summary_line(rows + micro),
         "",
+        *([behind_note(rows + micro), ""] if behind_note(rows + micro) else []),
         "| model | GPUs | lower bound | " + " | ".join([*COLUMNS, "auto"])
-        + " | auto mesh | auto AC | tokens/s/GPU | MFU | winner |",
+        + " | auto layout | auto AC | tokens/s/GPU | MFU | winner |",
         "|---|---|---|" + "---|" * (len(COLUMNS) + 1) + "---|---|---|---|---|",
     ]
     for r in rows:
@@ -411,7 +497,7 @@ def main() -> None:
         tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if auto["tokens_per_s_per_gpu"] and r["fits"] else "-"
         mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | {fmt_time(r['lower_bound'])} | "
-                     + " | ".join(cells) + f" | {auto['mesh']} | {ac_text(auto)} | {tps} | {mfu} "
+                     + " | ".join(cells) + f" | {auto['layout']} | {ac_text(auto)} | {tps} | {mfu} "
                      f"| {verdict(r)} |")
     lines += expert_table(
         "Gradient accumulation: Llama 3 8B at a per-GPU batch of 4 and 8", micro,
@@ -432,7 +518,7 @@ def main() -> None:
     for r in rows + micro:
         auto, best = r["policies"]["auto"], r["best_other"]
         base = f"{baseline_name(r, best)} {fmt_time(r['best_step'])}" if best else "none"
-        mine = (f"**{fmt_time(auto['step_time'])}** / {fmt_bytes(auto['reserved_memory'])} / {auto['mesh']} / "
+        mine = (f"**{fmt_time(auto['step_time'])}** / {fmt_bytes(auto['reserved_memory'])} / {auto['layout']} / "
                 f"{ac_text(auto)} / {auto['groups']}" if r["fits"] else "-")
         lines.append(f"| {row_name(r)} | {r['cluster'].split(':')[1]} | {base} | {mine} | {verdict(r)} |")
     (out / "plan_quality.md").write_text("\n".join(lines) + "\n" + two_d_section(out / "plan_quality.md"))
@@ -460,17 +546,14 @@ def two_d_row(model: str, gpus: int) -> dict:
     parallel), FSDP over the nodes, every block checkpointed in full (its jobs) or op-level."""
     cluster, spec = parse_cluster(f"h100:{gpus}"), ModelSpec(model)
     tr, tokens = planning_trace(spec)
-    result = search(tr, PolicyRequest(PolicyName.AUTO), cluster, SimOptions(), spec,
-                    tracer=lambda s, options: planning_trace(s)[0])
+    result = auto_search(tr, spec, cluster)
     wide, _ = planning_trace(ModelSpec(model, batch_size=EXPERT_TP))
     policies = {}
     for name, mode in EXPERT_2D.items():
         plan = make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=mode)).plan(wide, model)
         plan = plan.replace(tensor_parallel=titan_llama_layout(EXPERT_TP))
         policies[name] = {**summary(simulate(wide, plan, cluster, timeline=False)), "plan": plan.policy}
-    degree = result.plan.tp_degree
-    policies["auto"] = {**auto_summary(result), "tp": degree,
-                        **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
+    policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
     r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
          "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,
          "policies": policies}
@@ -505,7 +588,7 @@ def two_d_main() -> None:
     for r in rows:
         auto = r["policies"]["auto"]
         cells = [cell(r["policies"][n], r["budget"]) for n in [*EXPERT_2D, "auto"]]
-        layout = auto["mesh"] + (f" x TP {auto['tp']}" if auto["tp"] > 1 else "")
+        layout = auto["layout"]
         tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if r["fits"] else "-"
         mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
         lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)

@@ -210,3 +210,20 @@ def test_the_api_takes_tp():
     plan = fsdp_planner.plan("toy-llama", policy="titan", cluster="h100:8", tp=2, loss_parallel=False)
     assert plan.tensor_parallel is not None and plan.tp_degree == 2 and not plan.tensor_parallel.loss_parallel
     assert plan.mesh_dims(8) == {"dp_shard": 4, "tp": 2}
+
+
+def test_each_tp_layout_searched_as_if_alone():
+    """On two nodes (where each layout's search screens its data-parallel layouts, starting with the very plans the
+    TP screening simulated, which it goes on with) every layout searched in full has the plan a search of that
+    layout alone gives, at the batch each of its data-parallel ranks runs."""
+    cluster = parse_cluster("h100:16")
+    spec = ModelSpec("toy-llama", batch_size=1)
+    budget = 900_000  # below what the plans without checkpointing reserve on every layout
+    chosen = search(trace_spec(spec), PolicyRequest(PolicyName.AUTO, memory_budget=budget), cluster, SimOptions(),
+                    spec)
+    for degree in (1, 2):
+        alone_spec = ModelSpec("toy-llama", batch_size=degree)
+        alone = search(trace_spec(alone_spec), PolicyRequest(PolicyName.AUTO, memory_budget=budget, tp=degree),
+                       cluster, SimOptions(), alone_spec)
+        for name, c in alone.meshes.items():
+            assert chosen.meshes[name].plan == c.plan and chosen.meshes[name].report == c.report, name

@@ -203,14 +203,16 @@ class AutoPolicy:
             raise PlannerError(infeasible_message(result))
         return result.written_plan
 
-    def search(self, trace: Trace, model: str = "", first: AutoResult | None = None) -> AutoResult:
+    def search(self, trace: Trace, model: str = "", first: AutoResult | None = None,
+               screened: Evaluator | None = None) -> AutoResult:
         """The best plan within the budget, FSDP2's memory options tried when nothing fits without them. ``first``:
         this policy's search without them (``choose_memory_options=False``) on ``trace``, when the caller ran it
-        already (``fit`` asks whether a workload fits without CPU offload before whether it fits at all)."""
+        already (``fit`` asks whether a workload fits without CPU offload before whether it fits at all).
+        ``screened``: the evaluator of this policy's ``_screen`` on ``trace``, whose plans the search goes on with."""
         if self.tensor_parallel:  # each layout searched on its own view (``first`` is of one trace: not reused)
             return self._choose_tp(trace, model)
         with paused_gc():
-            result = first if first is not None else self._search(trace, model)
+            result = first if first is not None else self._search(trace, model, screened)
             ways = self._ways_out(trace, result)
             for offload, placement in ways:
                 tried = replace(self, options=self.options.with_memory_options(offload, placement),
@@ -247,7 +249,7 @@ class AutoPolicy:
         for policy, view in views:
             found = policy._screen(view, model)
             if found is not None:
-                screened.append((found[0], found[1], policy, view))
+                screened.append((found[0], found[1], policy, view, found[2]))
         if not screened:  # no classic plan runs on any layout: the no-TP search says why
             policy, view = views[0]
             return policy.search(view, model)
@@ -259,7 +261,7 @@ class AutoPolicy:
         # screening (classic plans) can miss what its search finds (toy-llama within 3 MiB on h100:64: screened
         # behind TP 2, searched 1.5% faster than TP 2's best)
         chosen += [s for s in screened if s[2].on_layout is None and s not in chosen]
-        results = [policy.search(view, model) for _, _, policy, view in chosen]
+        results = [policy.search(view, model, screened=ev) for _, _, policy, view, ev in chosen]
         best = min(results, key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
         lines = {name: c for r in results for name, c in r.meshes.items()}
         lines.update({s[2].layout_name(s[1].plan.mesh or Mesh.flat(s[2].cluster.world_size)): s[1]
@@ -275,13 +277,14 @@ class AutoPolicy:
         return replace(self, cluster=view.cluster, tensor_parallel=(), on_layout=tp,
                        whole_model=(trace.fingerprint, trace.numel)), view.trace
 
-    def _screen(self, trace: Trace, model: str) -> tuple[tuple, Candidate] | None:
+    def _screen(self, trace: Trace, model: str) -> tuple[tuple, Candidate, Evaluator] | None:
         """The best classic plan on this search's layout (pure FSDP, or the fixed mesh), with the fewest
-        checkpointed blocks that let it fit: its rank key and candidate; None when no classic plan runs."""
-        ev = self._evaluator(trace, model, self._budget(), self.mesh)
-        ev, _ = self._fitting_baselines(ev, trace, classic_plans(trace, model))
+        checkpointed blocks that let it fit: its rank key and candidate, and the evaluator that simulated it; None
+        when no classic plan runs."""
+        base = self._evaluator(trace, model, self._budget(), self.mesh)
+        ev, _ = self._fitting_baselines(base, trace, classic_plans(trace, model))
         ranked = ev.ranked()
-        return (ev.key(ranked[0]), ranked[0]) if ranked else None
+        return (ev.key(ranked[0]), ranked[0], base) if ranked else None
 
     def layout_name(self, mesh: Mesh) -> str:
         """A layout as the search's lines name it: replicate x shard, and its TP degree."""
@@ -309,12 +312,16 @@ class AutoPolicy:
         ways = [(False, ShardPlacement.AUTO)] if dim1 else []
         return [*ways, (True, ShardPlacement.DIM0), *([(True, ShardPlacement.AUTO)] if dim1 else [])]
 
-    def _search(self, trace: Trace, model: str) -> AutoResult:
-        """The best plan on each layout worth a full search, the fastest that fits overall (``_choose_meshes``)."""
+    def _search(self, trace: Trace, model: str, start: Evaluator | None = None) -> AutoResult:
+        """The best plan on each layout worth a full search, the fastest that fits overall (``_choose_meshes``).
+        ``start``: ``_screen``'s evaluator on ``trace``; the layout screening starts with the very simulations
+        the TP screening made (the same classic plans and checkpointing search, on the same evaluator), so it goes
+        on with them, where it screens layouts at all (else the search would start with plans it does not see)."""
         started = time.perf_counter()
         memory = self._budget()
         budget, source = memory.limit, memory.source
-        first = Search(self._evaluator(trace, model, memory, self.mesh), trace, model)
+        reuse = start is not None and self.mesh is None and len(candidate_meshes(self.cluster, self.target)) > 1
+        first = Search(start if reuse else self._evaluator(trace, model, memory, self.mesh), trace, model)
         screened: dict[str, Candidate] = {}
         evaluators = {first.ev.ctx.mesh: first.ev}
         if self.mesh is None:

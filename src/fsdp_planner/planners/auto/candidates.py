@@ -111,18 +111,32 @@ def frugal_and_dp(ev: Evaluator, atoms: list[Atom]) -> Callable[[], None] | None
     free = coarsen(free_atoms, DP_ATOM_LIMIT)
     if not free:
         return deferred
-    surrogate = Surrogate(ev.ctx, ev.trace, free)
+    for kept in (False, True):
+        _dp(ev, atoms, free, kept)
+    return deferred
+
+
+def _dp(ev: Evaluator, atoms: list[Atom], free: list[Atom], kept: bool) -> None:
+    """The DP's plans for each cap, simulated in the surrogate's order until a few fit; ``kept``: every group
+    unsharded after forward (no all-gather in backward, where the memory allows: smaller groups then pay, as the
+    first all-gather of forward is the only one exposed), each judged by the surrogate of that."""
+    surrogate = Surrogate(ev.ctx, ev.trace, free, kept)
+    if kept and surrogate.P[-1] >= ev.budget:  # the unsharded params alone exceed the budget
+        return
     found: dict[tuple[int, ...], tuple[float, float]] = {}
     for cap in caps(np.array([a.nbytes for a in free], dtype=float)):
         cuts, cost = surrogate.best_cuts(cap)
-        found.setdefault(tuple(cuts), (cost, cap))
+        found.setdefault(tuple(cuts), (0.0 if kept else cost, cap))
     fitting = 0
     for rank, (cuts, (_, cap)) in enumerate(sorted(found.items(), key=lambda kv: kv[1])):
-        if rank >= 4 and fitting >= 3:
+        if not kept and rank >= 4 and fitting >= 3:
             break
-        plan = ev.build(segments(atoms, [free[i:j] for i, j in zip((0, *cuts), (*cuts, len(free)), strict=True)]))
-        fitting += ev.fits(ev.evaluate(plan, f"dp({fmt_bytes(cap)})"))
-    return deferred
+        segs = segments(atoms, [free[i:j] for i, j in zip((0, *cuts), (*cuts, len(free)), strict=True)])
+        plan = ev.build(segs, [False] * len(segs) if kept else None)
+        fits = ev.fits(ev.evaluate(plan, f"dp({fmt_bytes(cap)}{', kept' if kept else ''})"))
+        if kept and not fits:
+            break  # every param is held unsharded from forward to backward, and larger caps add larger buffers
+        fitting += fits
 
 
 def caps(sizes: np.ndarray) -> list[float]:
@@ -142,7 +156,7 @@ class Surrogate:
     share the links in backward; each at the protocol NCCL picks for its size, with its copy-in), backward compute
     in forward's proportions, plus the copy-outs on the compute stream and FSDP2's host work per group."""
 
-    def __init__(self, ctx: SimContext, trace: Trace, free: list[Atom]) -> None:
+    def __init__(self, ctx: SimContext, trace: Trace, free: list[Atom], kept: bool = False) -> None:
         prec = ctx.precision
         itemsize = traced_itemsize(trace)
         trainable = [sum(trace.params[p].nbytes for p in a.params if trace.params[p].requires_grad) for a in free]
@@ -153,7 +167,7 @@ class Surrogate:
         cum = ctx.cum
         fwd = np.array([cum[starts[i + 1]] - cum[starts[i]] for i in range(len(free))])
         bwd = fwd * (cum[-1] - cum[fwd_end]) / max(cum[fwd_end], 1e-30)
-        self.ctx = ctx
+        self.ctx, self.kept = ctx, kept
         overhead = ctx.cluster.overhead
         self.copy = 1 / overhead.copy_bandwidth
         # FSDP2's host work per group and step (four hooks), added whole: it only hides behind compute that the
@@ -199,8 +213,11 @@ class Surrogate:
             + ctx.copy_in_seconds(CollectiveKind.REDUCE_SCATTER, reduce)
         if ctx.mesh.replicate > 1:  # HSDP: each reduce-scatter's output (1/shard of it) is all-reduced after it
             rs = rs + ctx.comm_time(CollectiveKind.ALL_REDUCE, reduce / shard)
-        copy_out = gather * self.copy  # on the compute stream, in forward and again in backward
-        c = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], ag + rs) + 2 * copy_out
+        copy_out = gather * self.copy  # on the compute stream, in forward and again in backward (kept: once)
+        if self.kept:
+            c = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], rs) + copy_out
+        else:
+            c = np.maximum(self.F[j] - self.F[i], ag) + np.maximum(self.B[j] - self.B[i], ag + rs) + 2 * copy_out
         c = c + self.per_group
         penalty = 1e-9 / max(self.raw[-1], 1.0) ** 2  # among equal times prefer smaller groups (memory)
         c = c + np.where(i == 0, ag, 0.0) + penalty * (self.raw[j] - self.raw[i]) ** 2
