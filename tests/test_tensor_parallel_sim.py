@@ -25,6 +25,7 @@ from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace import record
 
 SHAPED = "tests/fixtures/tp_llama.py:llama3_8b_shaped"
+WIDE = "tests/fixtures/tp_llama.py:wide_vocab"
 BF16 = SimOptions.named("bf16-mixed")
 
 
@@ -165,6 +166,19 @@ def _check(spec: str, dp: int, degree: int, loss_parallel: bool = True, checkpoi
 def test_tp_step_matches_real_dtensor_and_fsdp2(spec: str, dp: int, degree: int) -> None:
     predicted, measured = _check(spec, dp, degree)
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~2 s
+def test_loss_parallel_handlers_hold_four_vocab_shards_at_the_peak() -> None:
+    """loss_parallel()'s DTensor handlers run log-softmax decomposed (the shifted logits beside their
+    exponentials) and log-softmax's backward inside the NLL loss's (a zeros_like, the exponentials, their sum and
+    the gradient): where the loss sets the peak, the fake world counts what the handlers make (their local ops run
+    below the dispatch mode) and the prediction has it, four fp32 vocab shards beside the log-probabilities'
+    one, not aten's three in all."""
+    predicted, measured = _check(WIDE, 2, 2)
+    fp32_shard = 4 * 128 * 16_384 // 2 * 4  # batch x seq x vocab / TP, fp32
+    assert predicted == pytest.approx(measured, rel=0.01)
+    assert measured > 4 * fp32_shard
 
 
 @pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: seconds each

@@ -307,6 +307,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
                            + saved_whole.get(i, 0), out_nbytes=int(e.out_nbytes * s), live=int(e.live * s),
                            grad_live=int(e.grad_live * s))
+            if loss[i] and lay.tp.loss_parallel:
+                e = e._replace(live=e.live + _handler_extra(e))
             if loss[i] and not e.backward and loss_ars:
                 after, loss_ars = loss_ars, []
         elif e.kind is EventKind.FWD_PRE:
@@ -314,6 +316,24 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         out.append(e)
         out.extend(after)
     return out, where
+
+
+def _handler_extra(e: Event) -> int:
+    """Bytes beyond aten's that ``loss_parallel()``'s DTensor handler for loss op ``e`` (already a TP rank's)
+    holds at its peak (torch/distributed/tensor/parallel/loss.py). ``_log_softmax`` is decomposed to all-reduce
+    the max and the sum of exponentials: ``shifted = x - x_max`` stays alive beside ``exp(shifted)`` and then the
+    result, one vocab-sharded tensor more than aten's one-kernel output. ``nll_loss_backward`` computes
+    log-softmax's backward with it, ``(grad_input + torch.exp(x)) * grad_output`` on a ``zeros_like(x)``
+    ``grad_input``: that, the exponentials and their sum are alive beside its output's first form, two more than
+    aten's one output; ``_log_softmax_backward_data`` then returns its gradient as it is, where aten makes one
+    more (``live`` after it counts that output)."""
+    if e.op_class is OpClass.LOG_SOFTMAX:
+        return e.out_nbytes
+    if e.op_class is OpClass.NLL_LOSS_BACKWARD:
+        return 2 * e.out_nbytes
+    if e.op_class is OpClass.LOG_SOFTMAX_BACKWARD:
+        return -e.out_nbytes
+    return 0
 
 
 def _saved_whole(trace: Trace, lay: _Layout) -> dict[int, int]:
