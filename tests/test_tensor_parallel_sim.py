@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from typing import Any
 
 import pytest
@@ -21,8 +22,10 @@ from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.sim.tensor_parallel import tp_view
+from fsdp_planner.sim.tensor_parallel import tp_positions, tp_seconds, tp_view
 from fsdp_planner.trace import record
+from fsdp_planner.trace.events import KERNEL_TP_ALL_GATHER as AG
+from fsdp_planner.trace.events import KERNEL_TP_REDUCE_SCATTER as RS
 
 SHAPED = "tests/fixtures/tp_llama.py:llama3_8b_shaped"
 WIDE = "tests/fixtures/tp_llama.py:wide_vocab"
@@ -267,3 +270,26 @@ def test_compiled_blocks_under_tp_fuse_the_rank_s_shards_not_the_whole_block() -
     eager = simulate(tr, plan, cluster, BF16, timeline=False)
     fused = simulate(compiled, plan.replace(compiled=tuple(blocks)), cluster, BF16, timeline=False)
     assert fused.compute_time < eager.compute_time
+
+
+def test_async_tp_hides_only_what_micro_pipelining_fuses() -> None:
+    """torch's micro-pipeline pass fuses an all-gather with the matmuls that read the gathered input and a
+    reduce-scatter with the matmul that makes its input: attention's and the feed-forward's backward reduce-scatters
+    (an input gradient summed over their colwise Linears) keep their whole time; a forward all-gather hides behind
+    (TP - 1) / TP of its colwise Linears' matmuls, a backward one behind the input-gradient matmul's only, the
+    output head's backward reduce-scatter (one Linear) behind its input-gradient matmul."""
+    tr, cluster, mm = _traced(SHAPED), parse_cluster("h100:8"), 1e-9
+    views = [tp_view(tr, dataclasses.replace(titan_llama_layout(8), async_tp=a), cluster).trace for a in (False, True)]
+    sync, hidden = (tp_seconds(v, cluster, [mm] * len(v.events), 1.0) for v in views)
+    events = views[0].events
+    seen = collections.Counter()
+    for p in tp_positions(views[0]).tolist():
+        e, fused = events[p], (sync[p] - hidden[p]) / (mm * 7 / 8)
+        where = (e.module.split(".")[-1], e.kernel, e.backward)
+        seen[where] += 1
+        expected = {("attention", AG, False): 3, ("feed_forward", AG, False): 2, ("wo", AG, True): 1,
+                    ("w2", AG, True): 1, ("attention", RS, True): 0, ("feed_forward", RS, True): 0,
+                    ("output", RS, True): 1}.get(where)
+        if expected is not None:
+            assert fused == pytest.approx(expected), where
+    assert seen[("attention", RS, True)] == seen[("feed_forward", RS, True)] == 2  # both blocks' reduce-scatters
