@@ -215,12 +215,16 @@ def test_cli_ac_op_and_its_policy(capsys):
     assert "--ac-policy chooses what op-level checkpointing saves: give it with --ac op" in capsys.readouterr().err
 
 
-def test_trace_events_carry_op_classes_for_forward_ops_only():
+def test_trace_events_carry_op_classes_for_forward_ops_and_the_loss_s_backward():
+    """The model's backward ops carry no class; the loss's do (loss parallel runs some otherwise)."""
     tr = traced("toy-llama")
-    ops = [e for e in tr.events if e.kind is EventKind.OP]
-    assert {e.op_class for e in ops if e.backward} == {OpClass.OTHER}
-    assert all(e.out_nbytes == 0 for e in ops if e.backward)
-    assert Counter(e.op_class for e in ops if not e.backward and e.module.startswith("layers."))[OpClass.SDPA] == 4
+    ops = [(e, bool(inside)) for e, inside in zip(tr.events, tr.index.loss_region, strict=True)
+           if e.kind is EventKind.OP]
+    assert {e.op_class for e, loss in ops if e.backward and not loss} == {OpClass.OTHER}
+    assert all(e.out_nbytes == 0 for e, loss in ops if e.backward and not loss)
+    loss_backward = {e.op_class: e.out_nbytes for e, loss in ops if e.backward and loss}
+    assert loss_backward[OpClass.NLL_LOSS_BACKWARD] == loss_backward[OpClass.LOG_SOFTMAX_BACKWARD] > 0
+    assert Counter(e.op_class for e, _ in ops if not e.backward and e.module.startswith("layers."))[OpClass.SDPA] == 4
 
 
 @pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from typing import Any
 
 import pytest
@@ -21,10 +22,13 @@ from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.sim.tensor_parallel import tp_view
+from fsdp_planner.sim.tensor_parallel import tp_positions, tp_seconds, tp_view
 from fsdp_planner.trace import record
+from fsdp_planner.trace.events import KERNEL_TP_ALL_GATHER as AG
+from fsdp_planner.trace.events import KERNEL_TP_REDUCE_SCATTER as RS
 
 SHAPED = "tests/fixtures/tp_llama.py:llama3_8b_shaped"
+WIDE = "tests/fixtures/tp_llama.py:wide_vocab"
 BF16 = SimOptions.named("bf16-mixed")
 
 
@@ -167,6 +171,19 @@ def test_tp_step_matches_real_dtensor_and_fsdp2(spec: str, dp: int, degree: int)
     assert predicted == pytest.approx(measured, rel=0.05)
 
 
+@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~2 s
+def test_loss_parallel_handlers_hold_four_vocab_shards_at_the_peak() -> None:
+    """loss_parallel()'s DTensor handlers run log-softmax decomposed (the shifted logits beside their
+    exponentials) and log-softmax's backward inside the NLL loss's (a zeros_like, the exponentials, their sum and
+    the gradient): where the loss sets the peak, the fake world counts what the handlers make (their local ops run
+    below the dispatch mode) and the prediction has it, four fp32 vocab shards beside the log-probabilities'
+    one, not aten's three in all."""
+    predicted, measured = _check(WIDE, 2, 2)
+    fp32_shard = 4 * 128 * 16_384 // 2 * 4  # batch x seq x vocab / TP, fp32
+    assert predicted == pytest.approx(measured, rel=0.01)
+    assert measured > 4 * fp32_shard
+
+
 @pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: seconds each
 def test_tp_without_loss_parallel_and_with_full_or_op_level_checkpointing() -> None:
     """Without loss parallel the logits are all-gathered whole; under full checkpointing each block's forward
@@ -253,3 +270,26 @@ def test_compiled_blocks_under_tp_fuse_the_rank_s_shards_not_the_whole_block() -
     eager = simulate(tr, plan, cluster, BF16, timeline=False)
     fused = simulate(compiled, plan.replace(compiled=tuple(blocks)), cluster, BF16, timeline=False)
     assert fused.compute_time < eager.compute_time
+
+
+def test_async_tp_hides_only_what_micro_pipelining_fuses() -> None:
+    """torch's micro-pipeline pass fuses an all-gather with the matmuls that read the gathered input and a
+    reduce-scatter with the matmul that makes its input: attention's and the feed-forward's backward reduce-scatters
+    (an input gradient summed over their colwise Linears) keep their whole time; a forward all-gather hides behind
+    (TP - 1) / TP of its colwise Linears' matmuls, a backward one behind the input-gradient matmul's only, the
+    output head's backward reduce-scatter (one Linear) behind its input-gradient matmul."""
+    tr, cluster, mm = _traced(SHAPED), parse_cluster("h100:8"), 1e-9
+    views = [tp_view(tr, dataclasses.replace(titan_llama_layout(8), async_tp=a), cluster).trace for a in (False, True)]
+    sync, hidden = (tp_seconds(v, cluster, [mm] * len(v.events), 1.0) for v in views)
+    events = views[0].events
+    seen = collections.Counter()
+    for p in tp_positions(views[0]).tolist():
+        e, fused = events[p], (sync[p] - hidden[p]) / (mm * 7 / 8)
+        where = (e.module.split(".")[-1], e.kernel, e.backward)
+        seen[where] += 1
+        expected = {("attention", AG, False): 3, ("feed_forward", AG, False): 2, ("wo", AG, True): 1,
+                    ("w2", AG, True): 1, ("attention", RS, True): 0, ("feed_forward", RS, True): 0,
+                    ("output", RS, True): 1}.get(where)
+        if expected is not None:
+            assert fused == pytest.approx(expected), where
+    assert seen[("attention", RS, True)] == seen[("feed_forward", RS, True)] == 2  # both blocks' reduce-scatters

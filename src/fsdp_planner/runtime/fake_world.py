@@ -363,6 +363,49 @@ class LiveBytes(TorchDispatchMode):
 
 
 @contextlib.contextmanager
+def counted_in_handlers(tracker: LiveBytes) -> Iterator[None]:
+    """``loss_parallel()``'s DTensor op handlers (log-softmax, the NLL loss and their backwards) run under
+    ``tracker``: a dispatch mode is off while the op it intercepts runs, so the local tensors a handler makes and
+    frees inside (loss parallel's shifted logits, their exponentials, its fused backward's vocab-sharded
+    temporaries) would go unseen, where DTensor's ordinary ops make one local output, which the mode counts. The
+    output metadata a handler asks the sharding propagator for is computed on global-shaped fake tensors (no
+    memory on a GPU, ``_propagate_tensor_meta_non_cached``): not counted."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    originals, inside = {op: handlers[op] for op in customized_loss_ops if op in handlers}, [0]
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def under_tracker(handler: Callable[..., Any], op: Any, args: Any, kwargs: Any) -> Any:
+        _push_mode(tracker)
+        inside[0] += 1
+        try:
+            return handler(op, args, kwargs)
+        finally:
+            inside[0] -= 1
+            _pop_mode()
+
+    def uncounted(self: ShardingPropagator, schema: Any) -> Any:
+        if not inside[0]:
+            return propagate(self, schema)
+        _pop_mode()
+        try:
+            return propagate(self, schema)
+        finally:
+            _push_mode(tracker)
+
+    handlers.update({op: functools.partial(under_tracker, h) for op, h in originals.items()})
+    try:
+        with patched(ShardingPropagator, "_propagate_tensor_meta_non_cached", uncounted):
+            yield
+    finally:
+        handlers.update(originals)
+
+
+@contextlib.contextmanager
 def module_calls(model: torch.nn.Module, calls: list[str]) -> Iterator[None]:
     """``calls`` kept as the stack of ``model``'s module calls running now; a call that raises marks its exception
     with its module (``trace.failures``), so the user's error names where it happened."""
@@ -455,7 +498,8 @@ class FakeTraining:
         if not self.how.reshard_after_backward:
             self.model.set_reshard_after_backward(last)
         try:
-            with module_calls(self.model, self.tracker.calls), loss_context(self.plan):
+            with module_calls(self.model, self.tracker.calls), loss_context(self.plan), \
+                    counted_in_handlers(self.tracker):
                 self.loss_fn(self.model(*self.args, **self.kwargs)).backward()
         except (Exception, SystemExit) as e:  # what the user's model raises is one line naming the op and module
             failed = failed_at(e)

@@ -24,7 +24,10 @@ of the whole model into that rank's step (``TPView``):
 The cluster of that view is the data-parallel one: world / TP ranks, gpus_per_node / TP a node, the same links per
 rank (each TP rank's data-parallel collectives run beside the others', on its own NIC). TP's collectives are
 costed on the real cluster's TP group (consecutive ranks in a node: ``hardware/cost.py``), or with async TP
-overlapped with the matmuls they feed or follow.
+overlapped with the matmuls torch's micro-pipeline pass fuses them with (``_overlapped``: not every collective).
+
+Under loss parallel the loss's log-softmax and NLL-loss backward run through DTensor handlers of their own, which
+hold more vocab-sharded tensors at once than aten's kernels do (``_handler_extra``).
 """
 
 from __future__ import annotations
@@ -307,6 +310,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
                            + saved_whole.get(i, 0), out_nbytes=int(e.out_nbytes * s), live=int(e.live * s),
                            grad_live=int(e.grad_live * s))
+            if loss[i] and lay.tp.loss_parallel:
+                e = e._replace(live=e.live + _handler_extra(e))
             if loss[i] and not e.backward and loss_ars:
                 after, loss_ars = loss_ars, []
         elif e.kind is EventKind.FWD_PRE:
@@ -314,6 +319,24 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         out.append(e)
         out.extend(after)
     return out, where
+
+
+def _handler_extra(e: Event) -> int:
+    """Bytes beyond aten's that ``loss_parallel()``'s DTensor handler for loss op ``e`` (already a TP rank's)
+    holds at its peak (torch/distributed/tensor/parallel/loss.py). ``_log_softmax`` is decomposed to all-reduce
+    the max and the sum of exponentials: ``shifted = x - x_max`` stays alive beside ``exp(shifted)`` and then the
+    result, one vocab-sharded tensor more than aten's one-kernel output. ``nll_loss_backward`` computes
+    log-softmax's backward with it, ``(grad_input + torch.exp(x)) * grad_output`` on a ``zeros_like(x)``
+    ``grad_input``: that, the exponentials and their sum are alive beside its output's first form, two more than
+    aten's one output; ``_log_softmax_backward_data`` then returns its gradient as it is, where aten makes one
+    more (``live`` after it counts that output)."""
+    if e.op_class is OpClass.LOG_SOFTMAX:
+        return e.out_nbytes
+    if e.op_class is OpClass.NLL_LOSS_BACKWARD:
+        return 2 * e.out_nbytes
+    if e.op_class is OpClass.LOG_SOFTMAX_BACKWARD:
+        return -e.out_nbytes
+    return 0
 
 
 def _saved_whole(trace: Trace, lay: _Layout) -> dict[int, int]:
@@ -363,36 +386,61 @@ def tp_positions(trace: Trace) -> np.ndarray:
 
 def tp_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float) -> list[float]:
     """``times`` with each TP collective's seconds on its TP group of the whole cluster (``cluster`` is the
-    data-parallel view); under async TP less the matmuls it overlaps. ``scale``: traced to compute bytes."""
+    data-parallel view); under async TP less the matmuls micro-pipelining fuses it with (``_overlapped``).
+    ``scale``: traced to compute bytes."""
     t = trace.tp_degree
     node = node_cluster(cluster, t)
     costs = {k: collective_cost(node, kind, t, min(t, node.gpus_per_node)) for k, kind in KIND_OF.items()}
-    async_tp = bool(trace.tensor_parallel[3])
+    degree, layout, loss_parallel, async_tp = trace.tensor_parallel
+    styles = TensorParallel(degree, dict(layout), loss_parallel, async_tp).styles(trace.modules) if async_tp else {}
     out = list(times)
     for i in tp_positions(trace).tolist():
         e = trace.events[i]
         seconds = costs[e.kernel].seconds(e.nbytes * scale)
         if async_tp and e.kernel != KERNEL_TP_ALL_REDUCE:
-            seconds = max(0.0, seconds - _overlapped(trace, times, i))
+            seconds = max(0.0, seconds - _overlapped(trace, times, i, styles))
         out[i] = seconds
     return out
 
 
-def _overlapped(trace: Trace, times: list[float], i: int) -> float:
-    """Seconds of the matmuls an async-TP collective at ``i`` overlaps: those of its module's call after it (an
-    all-gather feeding them) or before it (a reduce-scatter of their output)."""
-    events, module = trace.events, trace.events[i].module
-    opening = events[i - 1].kind in (EventKind.FWD_PRE, EventKind.BWD_PRE) and events[i - 1].module == module
-    step, j, total = (1 if opening else -1), i, 0.0
+def _overlapped(trace: Trace, times: list[float], i: int, styles: dict[str, TPStyle]) -> float:
+    """Seconds of the matmuls that async TP hides the collective at ``i`` behind: those torch's micro-pipeline
+    pass fuses it with (torch/_inductor/fx_passes/micro_pipeline_tp.py). ``fuse_all_gather_matmul`` takes the
+    matmuls that read the gathered tensor as their left operand: in forward a region's colwise Linears (not its
+    rowwise one), in backward an output gradient's input-gradient matmul (it reads the weight), not the weight
+    gradient, which reads it transposed. ``fuse_matmul_reduce_scatter`` needs a matmul to make the reduce-scatter's
+    input (``_find_producer_matmul``): a rowwise Linear's output in forward; in backward a region's input gradient
+    only when one Linear read its input (the output head): attention's three and the feed-forward's two sum theirs,
+    so those reduce-scatters stay whole. Each rank's shard is one chunk of the decomposed matmul, and the chunk
+    computed last has no transfer left to hide: (TP - 1) / TP of the fused matmuls' time."""
+    events, e = trace.events, trace.events[i]
+    opening = events[i - 1].kind in (EventKind.FWD_PRE, EventKind.BWD_PRE) and events[i - 1].module == e.module
+    matmuls = _call_matmuls(events, i, opening)
+    if opening:
+        fused = [j for j in matmuls if events[j].params] if e.backward else \
+            [j for j in matmuls if styles.get(events[j].module) in _COLWISE]
+    elif e.backward:
+        readers = [m for m, s in styles.items() if s in _COLWISE and is_within(m, e.module)]
+        fused = [j for j in matmuls if events[j].params] if len(readers) == 1 else []
+    else:
+        fused = matmuls[:1]  # the matmul just before it (the call's ops, last first)
+    t = trace.tp_degree
+    return sum(times[j] for j in fused) * (t - 1) / t
+
+
+def _call_matmuls(events: Sequence[Event], i: int, opening: bool) -> list[int]:
+    """Positions of the matmuls of the module call a TP collective at ``i`` opens (after it, in order) or
+    closes (before it, last first)."""
+    module, step, j, out = events[i].module, (1 if opening else -1), i, []
     ends = (EventKind.FWD_POST, EventKind.BWD_POST) if opening else (EventKind.FWD_PRE, EventKind.BWD_PRE)
     while 0 <= j + step < len(events):
         j += step
-        e = events[j]
-        if e.kind in ends and e.module == module:
+        x = events[j]
+        if x.kind in ends and x.module == module:
             break
-        if e.is_op and e.kernel > 0:
-            total += times[j]
-    return total
+        if x.is_op and x.kernel > 0:
+            out.append(j)
+    return out
 
 
 @dataclass(frozen=True)

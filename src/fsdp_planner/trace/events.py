@@ -18,7 +18,7 @@ class EventKind(Enum):
 
 class OpClass(Enum):
     """What an op-level selective checkpointing policy tells apart in an aten op (``trace/ops.op_class``): the
-    op classes of torchtitan's save lists, everything else OTHER."""
+    op classes of torchtitan's save lists, and the loss ops that loss parallel runs otherwise; the rest OTHER."""
 
     OTHER = 0
     MM = 1  # aten.mm: what nn.Linear runs without a bias (every second one is recomputed)
@@ -26,6 +26,11 @@ class OpClass(Enum):
     SDPA_MORE = 3  # cuDNN, math and "overrideable" SDPA: in torchtitan's later list only
     REDUCE_SCATTER = 4  # _c10d_functional.reduce_scatter_tensor (tensor parallelism inside a block)
     MAX = 5  # aten.max: float8's amax
+    # the loss's ops that ``loss_parallel()`` runs through DTensor handlers of its own, which allocate otherwise than
+    # aten's kernels (``sim/tensor_parallel.py``); no save list names them
+    LOG_SOFTMAX = 6  # aten._log_softmax
+    NLL_LOSS_BACKWARD = 7  # aten.nll_loss_backward
+    LOG_SOFTMAX_BACKWARD = 8  # aten._log_softmax_backward_data
 
 
 KERNEL_OTHER = 0
@@ -57,8 +62,10 @@ class Event(NamedTuple):
     # after it (the model's outputs, what the loss ops made and have not freed; ``recorder.LossRegion``)
     inputs_nbytes: int = 0  # FWD_PRE: bytes of the call's tensor inputs first seen here (what a checkpoint of
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
-    op_class: OpClass = OpClass.OTHER  # forward op: what a selective checkpointing policy sees (``OpClass``)
-    out_nbytes: int = 0  # forward op: bytes of its outputs' storages (what such a policy keeps when it saves it)
+    op_class: OpClass = OpClass.OTHER  # forward op (and the loss's backward ops): what a selective checkpointing
+    # policy sees (``OpClass``)
+    out_nbytes: int = 0  # forward op (and the loss's backward ops): bytes of its outputs' storages (what such a
+    # policy keeps when it saves it)
     packs: bool = False  # forward: a tensor (any, a param or a storage saved before too) was packed for backward
     # after this event and before the next (an op's outputs, or the next op's inputs, which autograd saves before
     # running it): a checkpoint's recomputation stops after the last such pack (``CheckpointedCall.stop``)

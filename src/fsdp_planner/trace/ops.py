@@ -47,6 +47,9 @@ _OP_CLASSES: dict[object, OpClass] = {
     _aten._scaled_dot_product_fused_attention_overrideable.default: OpClass.SDPA_MORE,
     torch.ops._c10d_functional.reduce_scatter_tensor.default: OpClass.REDUCE_SCATTER,
     _aten.max.default: OpClass.MAX,
+    _aten._log_softmax.default: OpClass.LOG_SOFTMAX,
+    _aten.nll_loss_backward.default: OpClass.NLL_LOSS_BACKWARD,
+    _aten._log_softmax_backward_data.default: OpClass.LOG_SOFTMAX_BACKWARD,
 }
 
 
@@ -167,7 +170,10 @@ class OpRecorder(TorchDispatchMode):
         kernel = kernel_of(func, args)
         if recorder.backward:
             grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, inside=not outside)
-            recorder.op(tuple(sorted(used)), flops, nbytes, live, kernel=kernel, grad_live=grad_live)
+            # the loss's backward ops keep their class and output bytes: loss parallel runs some otherwise
+            cls, out_nbytes = (op_class(func), outputs_nbytes(flat_out)) if outside else (OpClass.OTHER, 0)
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, out_nbytes, kernel=kernel,
+                        grad_live=grad_live)
             recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out), kernel)
