@@ -386,6 +386,12 @@ def test_a_per_stage_list_of_architecture_numbers_is_checked_item_by_item(tmp_pa
             read_config(str(path))
 
 
+# a TP degree every classic policy refuses left plan's comparison empty: "internal error: IndexError"
+def test_a_comparison_every_policy_refuses_is_one_line(capsys) -> None:
+    assert _one_line(capsys, ["plan", "toy-llama", "--tp", "3", "--quiet"]) == \
+        "error: --tp 3 must divide the model's 4 attention heads and 2 kv heads: choose a degree that divides both"
+
+
 # special files as outputs: a FIFO no process reads blocked plan --out, export --out and simulate --html in open()
 def _plan_file(tmp_path: Path) -> Path:
     path = tmp_path / "p.json"
