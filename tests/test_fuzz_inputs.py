@@ -369,6 +369,29 @@ def test_numbers_in_config_files_and_plans_are_checked_too(capsys, tmp_path: Pat
             Plan.from_json(json.dumps(doc))
 
 
+# Swin gives one number per stage: its list num_heads was refused as out of range, and a list item escaped the bounds
+def test_a_per_stage_list_of_architecture_numbers_is_checked_item_by_item(tmp_path: Path) -> None:
+    swin = {"model_type": "swin", "embed_dim": 16, "depths": [1, 1], "num_heads": [2, 4], "image_size": 32,
+            "patch_size": 4, "window_size": 4, "layer_types": ["a", "b"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(swin))
+    assert read_config(str(path))["num_heads"] == [2, 4]
+    for field, value, expected in (("depths", [2, 10**12], "depths[1] = 1000000000000 is out of range: a whole number "
+                                    "from 1 to 10,000 (layers)"),
+                                   ("num_heads", [0], "num_heads[0] = 0 is out of range"),
+                                   ("out_indices", [1, 2**60], "out_indices[1] = 1152921504606846976 is out of range: "
+                                    "at most 2^53")):
+        path.write_text(json.dumps({**swin, field: value}))
+        with pytest.raises(PlannerError, match=re.escape(f"config file '{path}': {expected}")):
+            read_config(str(path))
+
+
+# a TP degree every classic policy refuses left plan's comparison empty: "internal error: IndexError"
+def test_a_comparison_every_policy_refuses_is_one_line(capsys) -> None:
+    assert _one_line(capsys, ["plan", "toy-llama", "--tp", "3", "--quiet"]) == \
+        "error: --tp 3 must divide the model's 4 attention heads and 2 kv heads: choose a degree that divides both"
+
+
 # special files as outputs: a FIFO no process reads blocked plan --out, export --out and simulate --html in open()
 def _plan_file(tmp_path: Path) -> Path:
     path = tmp_path / "p.json"

@@ -282,3 +282,24 @@ def test_a_compiled_transformers_block_keeps_the_gpu_s_attention_kernel(tmp_path
     block = "model.layers.0"
     saved_eager = sum(e.saved for e in eager.events if e.is_op and not e.backward and e.module.startswith(block + "."))
     assert 0 < compiled.compiled[block].saved <= saved_eager  # 4 heads x 512 x 512 fp32 would be 4 MiB alone
+
+
+@pytest.mark.integration  # ~11 s on a shared 2-core host: one MoE block compiled, plain and checkpointed
+def test_a_transformers_moe_block_compiles_under_selective_checkpointing(tmp_path):
+    """The experts stand-in read the routing capacity from a ContextVar, which dynamo cannot trace inside the
+    checkpoint's higher-order op: every hf: MoE (Mixtral, Qwen3-MoE, DeepSeek) failed --compile with "Unsupported
+    method call ... ContextVar.get"."""
+    import copy
+
+    from fsdp_planner.choices import SacPolicy
+    from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
+    from fsdp_planner.trace.recorder import record_compiled
+
+    def selective(block: torch.nn.Module) -> torch.nn.Module:
+        block = copy.deepcopy(block)
+        apply_checkpointing(block, [], {"": SacPolicy.TITAN})
+        return block
+
+    lm = load_model(tiny(tmp_path, "tiny-mixtral"))
+    block = record_compiled(lm.model, lm.example_inputs, ["model.layers.0"], None, {"titan": selective})
+    assert block["model.layers.0"].saved > 0

@@ -29,10 +29,11 @@ MIN_MFU = 1e-3  # mfu: below 0.1% of peak no GPU runs, and step times grow past 
 # count). Far beyond any published model, small enough that nothing built from them runs for minutes.
 RANGES: tuple[tuple[tuple[str, ...], int, int, str], ...] = (
     (("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "num_encoder_layers",
-      "encoder_layers", "decoder_layers"), 1, 10_000, "layers"),
+      "encoder_layers", "decoder_layers", "depths"), 1, 10_000, "layers"),
     (("hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "d_ff", "ffn_dim", "encoder_ffn_dim",
       "decoder_ffn_dim", "moe_intermediate_size", "head_dim", "d_kv", "kv_lora_rank", "q_lora_rank",
-      "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "embedding_size"), 1, 1 << 20, "a hidden size"),
+      "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "embedding_size", "embed_dim"), 1, 1 << 20,
+     "a hidden size"),
     (("num_attention_heads", "n_head", "num_heads", "num_key_value_heads", "encoder_attention_heads",
       "decoder_attention_heads"), 1, 1 << 16, "attention heads"),
     (("vocab_size",), 1, 1 << 24, "a vocabulary"),
@@ -49,10 +50,17 @@ MAX_INT = 2**53  # any other whole number of a config: beyond it, no architectur
 def check_field(name: str, value: Any, where: str) -> None:
     """One config field (``name``, dotted in a sub-config): an architecture number (``RANGES``) is a whole number
     in its range, or null (the architecture's default); any other whole number is at most ``MAX_INT`` in size.
-    ``where`` names the source in the message ("--hf-config", "config file 'c.json'")."""
-    known = _BY_NAME.get(name.rpartition(".")[2])
+    ``where`` names the source in the message ("--hf-config", "config file 'c.json'"). A list is checked item by
+    item, one level deep: Swin's ``num_heads`` and ``depths`` give one number per stage."""
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            if not isinstance(item, list):
+                check_field(f"{name}[{index}]", item, where)
+        return
+    known = _BY_NAME.get(name.rpartition(".")[2].partition("[")[0])
     # a field name from a file is shown as typed when it is a plain name, else quoted and escaped
-    shown = name if len(name) <= 100 and name.replace(".", "_").isidentifier() else shown_json(name)
+    plain = name.rstrip("]0123456789").removesuffix("[")
+    shown = name if len(name) <= 100 and plain.replace(".", "_").isidentifier() else shown_json(name)
     if known is not None and value is not None:
         low, high, what = known
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:

@@ -276,8 +276,25 @@ def capacity(factor: float) -> Iterator[None]:
 
 
 def current_capacity() -> float:
+    """The capacity factor in force (counted as consulted); a constant to dynamo after ``compilable()``."""
+    return _capacity_reader()
+
+
+def _read_capacity() -> float:
     _consult()
     return _CAPACITY.get()
+
+
+_capacity_reader: Callable[[], float] = _read_capacity
+
+
+def compilable() -> None:
+    """Before ``torch.compile`` of a block holding an experts stand-in: dynamo cannot read the ContextVars
+    ``current_capacity`` reads (a Qwen3-MoE block failed ``--compile`` with "Unsupported method call ...
+    ContextVar.get"), so it takes the factor as a constant (``assume_constant_result``), as the attention kernel's
+    name (``attention.compilable``); not done at import, for the same reason."""
+    global _capacity_reader
+    _capacity_reader = torch.compiler.assume_constant_result(_read_capacity)
 
 
 _CONSULTED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("fsdp_planner_routing_consulted",

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+import fsdp_planner.routing as routing
 from fsdp_planner.attention import compilable
 from fsdp_planner.errors import PlannerError
 
@@ -27,6 +28,7 @@ def apply_compile(model: nn.Module, names: Sequence[str]) -> None:
         raise PlannerError(f"plan 'compiled' names modules the model does not have: {', '.join(unknown[:5])}")
     if names:
         compilable()
+        routing.compilable()
     for n in names:
         module = modules[n]
         module.forward = torch.compile(module.forward, fullgraph=True)  # type: ignore[method-assign]

@@ -259,9 +259,16 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer
     auto: AutoResult | None = None
     plans: list[Plan] = []
     no_fit: str | None = None
+    refused: list[str] = []
     for policy in _compared(tr, job, reporter):
         if policy.name is not PolicyName.AUTO:
-            plans += _classic(tr, policy, job, reporter)
+            try:
+                plans.append(_classic(tr, policy, job, reporter))
+            except PlannerError as e:
+                if not job.compare:
+                    raise
+                reporter.note(f"the {policy.name.value} policy is left out of the comparison: {e}")
+                refused.append(str(e))
             continue
         assert job.cluster is not None
         auto = search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
@@ -272,22 +279,19 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer
             if job.must_fit or not job.compare:
                 continue
         plans.append(auto.written_plan)  # with auto's run options (offload, shard dims, reduce dtype)
+    if refused and not plans and auto is None:  # nothing left to compare (plan toy-llama --tp 3 crashed on it)
+        raise PlannerError(refused[0] if len(set(refused)) == 1 else
+                           f"every policy of the comparison was left out (the notes say why), the first: {refused[0]}")
     return plans, auto, no_fit
 
 
-def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter) -> list[Plan]:
-    """A classic policy's plan; in a comparison, none (with a note saying why) when the policy cannot take the
-    requested settings or FSDP2 would fail on its plan: that is no baseline."""
-    try:
-        plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter)
-        # (its world size is checked where it is simulated)
-        world = job.cluster.world_size if job.cluster else None
-        return [with_ep(with_reshard(stamped(plan, tr, world, job.options), job.reshard), tr, policy, world)]
-    except PlannerError as e:
-        if not job.compare:
-            raise
-        reporter.note(f"the {policy.name.value} policy is left out of the comparison: {e}")
-        return []
+def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter) -> Plan:
+    """A classic policy's plan; a PlannerError when the policy cannot take the requested settings or FSDP2 would
+    fail on its plan (in a comparison, that policy is left out: it is no baseline)."""
+    plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter)
+    # (its world size is checked where it is simulated)
+    world = job.cluster.world_size if job.cluster else None
+    return with_ep(with_reshard(stamped(plan, tr, world, job.options), job.reshard), tr, policy, world)
 
 
 def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -> list[Row]:

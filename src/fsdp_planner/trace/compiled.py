@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+import fsdp_planner.routing as routing
 from fsdp_planner.attention import GpuAttention, compilable
 from fsdp_planner.trace.records import CompiledBlock
 from fsdp_planner.trace.reuse import static_signatures
@@ -150,6 +151,7 @@ def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
 
     torch._dynamo.reset()
     compilable()
+    routing.compilable()
     quiet = logging.getLogger("torch")  # dynamo's advice on checkpoints under compile is for the user's own code
     level = quiet.level
     quiet.setLevel(logging.ERROR)
