@@ -87,7 +87,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
         chosen = _KERNEL.get()
         if chosen is not None:
             chosen.calls += 1
-    if _kernel_name() == "eager":
+    if _kernel_name() == "eager" or _heads_broadcast(q, k, enable_gqa):
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
     if enable_gqa and k.shape[-3] != q.shape[-3]:
@@ -107,6 +107,13 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
                                                                   scale=scale)[0]
+
+
+def _heads_broadcast(q: torch.Tensor, k: torch.Tensor, enable_gqa: bool) -> bool:
+    """Keys with fewer heads than the queries and no ``enable_gqa`` (Falcon's multi-query attention passes one key
+    head and lets matmul broadcast it): SDPA's fused kernels refuse differing heads, so a GPU runs the math path,
+    which saves the score matrices (15-50% of these models' peak, measured by benchmarks/independent_memory.py)."""
+    return not enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
