@@ -200,9 +200,9 @@ def test_grouped_query_keys_reach_flash_unrepeated():
 
         def saved(gqa: bool) -> int:
             k = kv if gqa else kv.repeat_interleave(4, dim=1)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.numel()) or t, lambda t: t):
-                with GpuAttention():
-                    F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=gqa)
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.numel()) or t, lambda t: t)
+            with hooks, GpuAttention():
+                F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=gqa)
             return sum(seen)
 
         seen: list[int] = []
