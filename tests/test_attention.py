@@ -210,3 +210,15 @@ def test_grouped_query_keys_reach_flash_unrepeated():
         seen.clear()
         repeated = saved(False)
     assert repeated - grouped == 2 * 6 * SEQ * HEAD_DIM * 2, (grouped, repeated)  # k and v: 6 heads fewer, b=2
+
+
+def test_inputs_with_a_strided_last_dim_take_the_math_path():
+    """Every fused SDPA kernel asks for a last dim of stride 1; a feature map's channels viewed as heads and
+    transposed (a U-Net's attention) have not, and a GPU runs the math path: the trace saves the scores."""
+    with torch.device("meta"):
+        q = torch.randn(2, HEADS, HEAD_DIM, SEQ, requires_grad=True).transpose(-1, -2)
+        seen: list[int] = []
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.numel()) or t, lambda t: t)
+        with hooks, GpuAttention():
+            F.scaled_dot_product_attention(q, q, q)
+    assert sum(seen) >= 2 * HEADS * SEQ * SEQ, sum(seen)  # the scores of every head
