@@ -158,11 +158,12 @@ def heldout_rows(options: SimOptions) -> list[dict]:
 
 HELDOUT_NOTES = """Rows: six Hugging Face decoder families built from transformers' config classes (GPT-NeoX,
 Falcon-7B's layout: parallel attention and multi-query keys, Granite, StableLM, Starcoder2, Qwen2 with tied
-embeddings; 4 layers of 256, vocab 4096, batch 2 x 512) and a BART-style encoder-decoder under the titan plan without and with
-per-block `--ac full` and `--ac op`; and three models written for this table (`fidelity_models.py`, issue 39's
-section): `swin` (window partition, shifted windows with their mask, patch merging), `unet_attention` (residual
-conv levels, spatial self-attention at the two lower resolutions, skip concatenation), `mamba` (a selective scan in
-plain torch ops, a Python loop over 48 positions), under auto, titan and titan with each `--ac`, at W 8 and 64.
+embeddings; 4 layers of 256, vocab 4096, batch 2 x 512) and a BART-style encoder-decoder under the titan plan
+without and with per-block `--ac full` and `--ac op`; and three models written for this table
+(`fidelity_models.py`, issue 39's section): `swin` (window partition, shifted windows with their mask, patch
+merging), `unet_attention` (residual conv levels, spatial self-attention at the two lower resolutions, skip
+concatenation), `mamba` (a selective scan in plain torch ops, a Python loop over 48 positions), under auto, titan
+and titan with each `--ac`, at W 8 and 64.
 
 Independent check: `benchmarks/independent_memory.py`, run per row in its own process, builds the model from the
 same factory with real CPU tensors, applies the row's plan file itself (`fully_shard` per group deepest first, the
