@@ -163,3 +163,62 @@ def test_attention_option_on_a_hugging_face_cnn_is_said(capsys, tmp_path):
     assert "--attention flash changes nothing here" in err and "attention traced as" not in err
     assert main(common) == 0
     assert "attention" not in capsys.readouterr().err
+
+
+class MultiQueryAttention(nn.Module):
+    """Falcon's multi-query attention as transformers writes it: one key/value head, broadcast by SDPA's matmuls
+    (no ``enable_gqa``), with a boolean mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(HEADS * HEAD_DIM, HEADS * HEAD_DIM)
+        self.kv = nn.Linear(HEADS * HEAD_DIM, 2 * HEAD_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, HEADS, HEAD_DIM).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, 1, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, d)
+
+
+def test_keys_with_fewer_heads_and_no_gqa_take_the_math_path():
+    """SDPA's fused kernels refuse keys with fewer heads than the queries unless ``enable_gqa``: a GPU runs the
+    math path there, and so must the trace (Falcon's peak was 13-48% under the independent FSDPMemTracker run)."""
+    with torch.device("meta"):
+        model, x = MultiQueryAttention(), torch.randn(1, SEQ, HEADS * HEAD_DIM)
+    saved = sum(e.saved for e in record(model, (x,)).events)
+    assert saved > HEADS * SEQ * SEQ * 4, saved  # at least the fp32 scores of every head
+
+
+def test_grouped_query_keys_reach_flash_unrepeated():
+    """With ``enable_gqa`` and no mask a GPU's flash kernel reads the grouped keys and values as they are: the
+    trace saves them at their own size, not repeated to the query heads (GQA models were 2-3% high)."""
+    with torch.device("meta"):
+        q = torch.randn(2, 8, SEQ, HEAD_DIM, requires_grad=True)
+        kv = torch.randn(2, 2, SEQ, HEAD_DIM, requires_grad=True)
+
+        def saved(gqa: bool) -> int:
+            k = kv if gqa else kv.repeat_interleave(4, dim=1)
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.numel()) or t, lambda t: t)
+            with hooks, GpuAttention():
+                F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=gqa)
+            return sum(seen)
+
+        seen: list[int] = []
+        grouped = saved(True)
+        seen.clear()
+        repeated = saved(False)
+    assert repeated - grouped == 2 * 6 * SEQ * HEAD_DIM * 2, (grouped, repeated)  # k and v: 6 heads fewer, b=2
+
+
+def test_inputs_with_a_strided_last_dim_take_the_math_path():
+    """Every fused SDPA kernel asks for a last dim of stride 1; a feature map's channels viewed as heads and
+    transposed (a U-Net's attention) have not, and a GPU runs the math path: the trace saves the scores."""
+    with torch.device("meta"):
+        q = torch.randn(2, HEADS, HEAD_DIM, SEQ, requires_grad=True).transpose(-1, -2)
+        seen: list[int] = []
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.numel()) or t, lambda t: t)
+        with hooks, GpuAttention():
+            F.scaled_dot_product_attention(q, q, q)
+    assert sum(seen) >= 2 * HEADS * SEQ * SEQ, sum(seen)  # the scores of every head

@@ -81,19 +81,17 @@ def compilable() -> None:
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                     enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one (or
-    the math path, under ``kernel("eager")``)."""
+    """SDPA's arguments, run by the kernel a GPU would pick: flash without a mask, memory-efficient with one, the
+    math path for keys of fewer heads that no fused kernel takes (``_math_on_gpu``) and under ``kernel("eager")``."""
     if not torch.compiler.is_compiling():  # dynamo (measuring a compiled block) neither reads nor counts here
         chosen = _KERNEL.get()
         if chosen is not None:
             chosen.calls += 1
-    if _kernel_name() == "eager":
+    flash = attn_mask is None and v.shape[-1] == q.shape[-1]
+    if _kernel_name() == "eager" or _math_on_gpu(q, k, v, enable_gqa, flash):
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    if attn_mask is None and v.shape[-1] == q.shape[-1]:
+    if flash:  # grouped-query keys and values as they are: the flash kernel reads them per group, copying none
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
     if attn_mask is None:  # the value's head size differs (MLA): SDPA's flash kernel takes one head size, the
         # memory-efficient one gives the output the value's (and saves as little)
@@ -107,6 +105,20 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
     bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
                                                                   scale=scale)[0]
+
+
+def _math_on_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool, flash: bool) -> bool:
+    """Whether SDPA's dispatcher on a GPU takes the math path (which saves the score matrices): for inputs whose
+    last dim is strided, and for keys with fewer heads than the queries: the fused kernels refuse differing heads
+    without ``enable_gqa`` (Falcon's multi-query attention passes one key head and lets matmul broadcast it), and
+    with it only flash takes them (no mask, one head size; the memory-efficient kernel has no grouped-query
+    support). Measured against the independent FSDPMemTracker run (benchmarks/fidelity_memory_heldout.md):
+    Falcon 13-48% low before, GQA models 2-3% high (keys and values repeated)."""
+    heads_differ = k.dim() >= 3 and k.shape[-3] != q.shape[-3]
+    # every fused kernel also asks for a last dim of stride 1 (a map's channels viewed as heads, then transposed,
+    # have not: a U-Net's attention was 20-60% above the product's fused-kernel run)
+    strided = any(t.shape[-1] > 1 and t.stride(-1) != 1 for t in (q, k, v))
+    return strided or (heads_differ and not (enable_gqa and flash))
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
