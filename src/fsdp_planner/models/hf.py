@@ -400,6 +400,7 @@ class HfParallelPlan:
     styles: dict[str, str]
     heads: int | None
     kv_heads: int | None
+    prefix: str = ""  # the task class's base_model_prefix, which the base plan's patterns are named under
 
 
 def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
@@ -418,7 +419,8 @@ def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
     named.update(dict(getattr(model_class, "_tp_plan", None) or {}))
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return HfParallelPlan(named, heads if isinstance(heads, int) else None, kv if isinstance(kv, int) else None)
+    return HfParallelPlan(named, heads if isinstance(heads, int) else None, kv if isinstance(kv, int) else None,
+                          prefix)
 
 
 def _model_class(config: Any) -> Any:
