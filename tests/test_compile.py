@@ -26,12 +26,12 @@ from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.llama import LLAMA3_8B, TransformerBlock
 from fsdp_planner.planners import PolicyRequest, make_policy
 from fsdp_planner.runtime.verify import run_verify
-from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.service.tracing import SLOW_COMPILES, trace_spec
 from fsdp_planner.sim.compute import fused_nbytes, launches_through
 from fsdp_planner.sim.memory import activation_levels
 from fsdp_planner.sim.options import SimOptions, precision_named
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace.compiled import compiled_block
+from fsdp_planner.trace.compiled import compiled_block, distinct_blocks
 from fsdp_planner.trace.events import KERNEL_OTHER, EventKind
 from fsdp_planner.trace.recorder import record_compiled
 from fsdp_planner.trace.records import CompiledBlock
@@ -209,3 +209,15 @@ def test_compiled_blocks_train_like_the_reference_on_real_ranks():
     assert result.counted_bytes == [result.predicted_bytes] * 2
     assert result.losses == pytest.approx(result.reference_losses, rel=1e-4)
     assert result.ok
+
+
+def test_blocks_keeping_their_layer_index_compile_one_by_one(tmp_path):
+    # transformers' blocks keep a layer index, so each is its own static signature and AOTAutograd partitions every
+    # one: DeepSeek-V3's 61 took 3 minutes, which the note says up front; the built-in Llama's blocks are one
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, '
+                      '"num_hidden_layers": 9, "vocab_size": 32}')
+    hf_model = load_model(f"hf:{config}", meta=True).model
+    assert distinct_blocks(hf_model, [f"model.layers.{i}" for i in range(9)]) == 9 >= SLOW_COMPILES
+    toy = load_model("toy-llama", meta=True).model
+    assert distinct_blocks(toy, [f"layers.{i}" for i in range(len(toy.layers))]) == 1

@@ -142,6 +142,8 @@ def test_real_builds_are_deterministic_per_seed(tmp_path):
     ("{\"model_type\": \"no-such-architecture\"}", "transformers cannot make a 'no-such-architecture' config"),
     ("{\"model_type\": \"wav2vec2\"}", "model type 'wav2vec2' is not supported"),
     ("{\"model_type\": ", "is not valid JSON"),
+    ("{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 4, \"num_key_value_heads\": 8}",
+     r"num_key_value_heads \(8\) must divide num_attention_heads \(4\): set num_key_value_heads"),
 ])
 def test_bad_configs_are_one_line_errors(tmp_path, content, message):
     path = tmp_path / "config.json"
@@ -149,6 +151,14 @@ def test_bad_configs_are_one_line_errors(tmp_path, content, message):
         path.write_text(content)
     with pytest.raises(PlannerError, match=message):
         load_model(f"hf:{path}")
+
+
+def test_an_encoder_decoder_config_without_a_decoder_start_token_is_one_line():
+    config = {"model_type": "t5", "d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 1, "num_heads": 4,
+              "vocab_size": 32, "pad_token_id": 0}
+    with torch.device("meta"), pytest.raises(PlannerError, match=r"no decoder_start_token_id: set "
+                                             r"\"decoder_start_token_id\" in the config file .* \(e.g. 0, its pad"):
+        hf.build_model(config)
 
 
 def test_without_transformers_the_user_is_told_to_install_the_extra(monkeypatch, capsys):

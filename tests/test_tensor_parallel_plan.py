@@ -104,6 +104,15 @@ def test_no_sound_layout_is_refused():
         tp_layout(trace_spec(spec), 2, spec)
 
 
+def test_a_plan_named_under_a_prefix_the_model_does_not_hold_says_so():
+    # Llama 4's causal LM loads its text model as 'language_model' but keeps it in 'model': none of transformers'
+    # base patterns matches, and the refusal names the prefix rather than the LM head's style
+    spec = ModelSpec(f"hf:{Path(__file__).parent / 'fixtures' / 'llama4_tiny.json'}", seq_len=16)
+    with pytest.raises(PlannerError, match=r"names its base model 'language_model' \(the class's base_model_prefix\), "
+                                           r"which is not among the model's children \(model, lm_head\)"):
+        tp_layout(trace_spec(spec), 2, spec)
+
+
 # -- divisibility -----------------------------------------------------------------------------------------------------
 def test_degrees_refused():
     tr = trace_spec("toy-llama")

@@ -132,11 +132,34 @@ def _config(data: dict[str, Any]) -> Any:
     transformers = _transformers()
     fields = {k: v for k, v in data.items() if k != "model_type"}
     try:
-        return transformers.AutoConfig.for_model(data["model_type"], **fields)
+        config = transformers.AutoConfig.for_model(data["model_type"], **fields)
     except Exception as e:  # transformers' validators raise their own types for a bad config: the user's input
         first = " ".join(str(e).split())
         first = first if len(first) <= 300 else first[:300] + " ..."  # an unknown type lists every known one
         raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {first}") from None
+    _check_heads(config)
+    return config
+
+
+def _check_heads(config: Any) -> None:
+    """Grouped-query attention shares each key/value head among ``heads // kv_heads`` query heads; transformers
+    accepts a config where that does not divide and fails deep in the forward, so the field is named here."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        raise PlannerError(f"the '{config.model_type}' config's num_key_value_heads ({kv}) must divide "
+                           f"num_attention_heads ({heads}): set num_key_value_heads to a divisor of it "
+                           f"(e.g. {heads} for plain multi-head attention)")
+
+
+def _check_decoder_start(config: Any) -> None:
+    """An encoder-decoder LM makes its decoder's inputs by shifting the labels right behind this token; transformers'
+    config leaves the field out unless the file sets it, and the forward then fails on the missing attribute."""
+    if getattr(config, "decoder_start_token_id", None) is None:
+        pad = getattr(config, "pad_token_id", None)
+        hint = f" (e.g. {pad}, its pad_token_id, as T5 does)" if isinstance(pad, int) else ""
+        raise PlannerError(f"the '{config.model_type}' config has no decoder_start_token_id: set "
+                           f"\"decoder_start_token_id\" in the config file to the token the decoder starts from{hint}")
 
 
 def task_of(config: Any) -> HfTask:
@@ -253,6 +276,8 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
         hf_attention.register()
     chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
     task = task_of(config)
+    if task is HfTask.SEQ2SEQ_LM:
+        _check_decoder_start(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
@@ -375,6 +400,7 @@ class HfParallelPlan:
     styles: dict[str, str]
     heads: int | None
     kv_heads: int | None
+    prefix: str = ""  # the task class's base_model_prefix, which the base plan's patterns are named under
 
 
 def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
@@ -393,7 +419,8 @@ def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
     named.update(dict(getattr(model_class, "_tp_plan", None) or {}))
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
-    return HfParallelPlan(named, heads if isinstance(heads, int) else None, kv if isinstance(kv, int) else None)
+    return HfParallelPlan(named, heads if isinstance(heads, int) else None, kv if isinstance(kv, int) else None,
+                          prefix)
 
 
 def _model_class(config: Any) -> Any:

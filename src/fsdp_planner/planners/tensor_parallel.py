@@ -141,13 +141,26 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
         else:
             left[pattern] = style
     if not any(s in (TPStyle.COLWISE, TPStyle.ROWWISE) for s in layout.values()):
-        raise PlannerError(f"transformers has no tensor-parallel plan for {model.name} that the planner models "
-                           f"({_listed(left) or 'its config class has no base_model_tp_plan'}): plan it without "
-                           "tensor parallelism, or give a layout in a plan file's 'tensor_parallel'")
+        raise PlannerError(_no_plan_reason(plan, names, model.name, left))
     notes = (f"left whole over TP (transformers' styles the planner does not model yet): {_listed(left)}",) \
         if left else ()
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
     return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", notes, heads)
+
+
+def _no_plan_reason(plan: hf.HfParallelPlan, names: list[str], model_name: str, left: dict[str, str]) -> str:
+    """Why transformers' plan gives no layout: its base plan named under a prefix this model's root does not hold
+    (Llama 4's causal LM loads its text model as ``language_model`` but keeps it in ``model``; the planner does not
+    rename the plan: what runs under it was not checked), or styles the planner does not model."""
+    ways = "plan it without tensor parallelism, or give a layout in a plan file's 'tensor_parallel'"
+    children = [n for n in names if n and "." not in n]
+    base = [p for p in plan.styles if plan.prefix and p.startswith(f"{plan.prefix}.")]
+    if base and plan.prefix not in children:
+        return (f"transformers' tensor-parallel plan for {model_name} names its base model '{plan.prefix}' (the "
+                f"class's base_model_prefix), which is not among the model's children ({', '.join(children)}), so "
+                f"none of its {len(base)} base patterns matches a module: {ways}")
+    return (f"transformers has no tensor-parallel plan for {model_name} that the planner models "
+            f"({_listed(left) or 'its config class has no base_model_tp_plan'}): {ways}")
 
 
 def _listed(styles: dict[str, str]) -> str:

@@ -18,6 +18,7 @@ from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
+from fsdp_planner.trace.compiled import distinct_blocks
 from fsdp_planner.trace.failures import failed_at
 from fsdp_planner.trace.recorder import record_compiled
 from fsdp_planner.trace.records import Trace
@@ -45,10 +46,11 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0])):
         if line:
             note(line)
-    return compiled_step(tr, lm, spec, precision or SimOptions().precision) if spec.compile else tr
+    return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
 
 
-def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision) -> Trace:
+def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision,
+                  note: Callable[[str], None] = lambda line: None) -> Trace:
     """The step with the model's repeated blocks compiled, as torchtitan compiles them (``--compile``): what each
     saves for backward measured from AOTAutograd's partitioner (``trace/compiled.py``)."""
     cls = tr.index.container_block_class
@@ -56,6 +58,11 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     if not blocks:
         raise PlannerError("--compile compiles the model's repeated blocks, as torchtitan does, and this model has "
                            "none (no repeated module class in a ModuleList or Sequential)")
+    distinct = distinct_blocks(lm.model, blocks)
+    if distinct >= SLOW_COMPILES:
+        note(f"--compile: {distinct} of the model's {len(blocks)} blocks differ in an attribute (transformers' "
+             "blocks keep their layer index), so AOTAutograd partitions each, and again per selective "
+             "checkpointing policy: seconds a block, minutes in all")
     try:
         with kernel(spec.attention):
             saved = record_compiled(lm.model, lm.example_inputs, blocks, precision.trace_dtype,
@@ -64,6 +71,10 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
         raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({model_error(e)}); the "
                            "block does not compile with fullgraph=True as the step calls it") from e
     return tr.with_compiled(saved)
+
+
+SLOW_COMPILES = 8  # distinct blocks past which --compile's partitioning takes a minute or more (1-4 s a block on
+# a CPU: DeepSeek-V3's 61 layers took 3 min)
 
 
 def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:

@@ -78,6 +78,13 @@ def block_arguments(model: nn.Module, example_args: tuple, example_kwargs: dict,
     return captured
 
 
+def distinct_blocks(model: nn.Module, names: Sequence[str]) -> int:
+    """How many of ``names`` compile separately (``compiled_blocks`` partitions once per static signature)."""
+    modules = dict(model.named_modules())
+    signatures = static_signatures(model)
+    return len({signatures[modules[n]] for n in names})
+
+
 def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBlock:
     """``module``'s call compiled: the activations it saves for backward (the partitioned backward graph's inputs
     less its tangents and the module's params and buffers, each storage once) and its graphs' fused bytes and
