@@ -62,13 +62,16 @@ class StepRecorder:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
         return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
-    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int]]) -> None:
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel, gradient bytes) each."""
+        kernel, gradient bytes, integer temporaries made in the call) each; those alive from before the call
+        (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
+        outer = 0 if backward else self.temporaries.current
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
-                                  op_class=op_class, out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live)
-                            for params, flops, nbytes, op_class, out_nbytes, kernel, grad_live in batch])
+                                  live=live + outer if live or outer else 0, op_class=op_class,
+                                  out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live)
+                            for params, flops, nbytes, op_class, out_nbytes, kernel, grad_live, live in batch])
         self.last_op = len(self.events) - 1
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
