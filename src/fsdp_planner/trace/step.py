@@ -64,14 +64,14 @@ class StepRecorder:
 
     def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel, gradient bytes, integer temporaries made in the call) each; those alive from before the call
+        kernel, integer temporaries made in the call, gradient bytes) each; those alive from before the call
         (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
         outer = 0 if backward else self.temporaries.current
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
                                   live=live + outer if live or outer else 0, op_class=op_class,
                                   out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live)
-                            for params, flops, nbytes, op_class, out_nbytes, kernel, grad_live, live in batch])
+                            for params, flops, nbytes, op_class, out_nbytes, kernel, live, grad_live in batch])
         self.last_op = len(self.events) - 1
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
