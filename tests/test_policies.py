@@ -58,6 +58,53 @@ def test_module_wrap_policy_root_takes_the_rest():
     assert set(plan.root.params) == {"tok_embeddings.weight", "norm.weight", "output.weight"}
 
 
+class _Layer(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        return x + self.mlp(x + self.attn(x))
+
+
+class _Stage(torch.nn.Module):
+    """Swin's nesting: a stage stacks its layers in a ModuleList of its own, then merges patches."""
+
+    def __init__(self, dim: int, depth: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Layer(dim) for _ in range(depth))
+        self.downsample = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.downsample(x)
+
+
+class _Staged(torch.nn.Module):
+    def __init__(self, depths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Stage(16, d) for d in depths)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for s in self.layers:
+            x = s(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("depths", [(2, 2, 6, 2), (1, 1)])
+def test_block_class_is_the_layer_a_stage_stacks(depths):
+    """A stage holding a stack of layers (Swin's SwinStage.blocks) is not the block: wrapping it would make one
+    FSDP group of several layers; the stacked layer is, even at one layer a stage."""
+    model = _Staged(depths)
+    tr = record(model, (torch.randn(2, 16),))
+    assert default_block_class(tr) == "_Layer"
+    plan = ModuleWrapPolicy().plan(tr)
+    assert len(plan.groups) - 1 == sum(depths)
+
+
 def test_torchtitan_policy_groups_norm_and_output():
     plan = TorchtitanPolicy().plan(traced("toy-llama"))
     assert groups_of(plan) == [["tok_embeddings"], *[[f"layers.{i}"] for i in range(4)], ["norm", "output"], [""]]

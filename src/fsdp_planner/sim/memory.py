@@ -137,7 +137,7 @@ def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence
     calls hold their inputs instead and re-create their activations in backward (``recompute.py``)."""
     scale = precision.compute_bytes / traced_itemsize(trace)
     return np.cumsum(activation_deltas(trace, checkpointed_calls(trace, checkpointed), scale)) \
-        + gradient_flow(trace, scale)
+        + gradient_flow(trace, scale) + trace.inputs_nbytes  # the batch, held by the caller all step
 
 
 def compute_copies(trace: Trace, precision: Precision, sharded: bool) -> int:

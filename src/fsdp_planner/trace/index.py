@@ -273,9 +273,34 @@ class TraceIndex:
     @cached_property
     def container_block_class(self) -> str | None:
         """The repeated class, holding the most params, among the children of containers (ModuleList/Sequential,
-        not the root)."""
+        not the root); a stage that stacks blocks of its own gives way to those blocks."""
         containers = [m for m, info in self._modules.items() if m != ROOT and info.cls in CONTAINERS]
-        return self._most_params(c for m in containers for c in self._modules[m].children)
+        cls = self._most_params(c for m in containers for c in self._modules[m].children)
+        while cls is not None and (inner := self._stacked_class(cls)) is not None:
+            cls = inner
+        return cls
+
+    def _stacked_class(self, cls: str) -> str | None:
+        """The block class that every instance of ``cls`` stacks in a container child of its own (Swin's
+        ``SwinStage.blocks`` of ``SwinLayer``, Hugging Face ResNet's stages), when those blocks hold most of its
+        params: wrapping the stage would make one FSDP group of several layers. The stack's children must be
+        composite modules of one class, so an MLP ``Sequential(Linear, GELU, Linear)`` or T5's heterogeneous
+        ``T5Block.layer`` never counts."""
+        numel = self.subtree_numel
+        instances = [m for m, info in self._modules.items() if info.cls == cls and numel[m] > 0]
+        found: set[str] = set()
+        stacked = 0
+        for m in instances:
+            kids = [k for c in self._modules[m].children if self._modules[c].cls in CONTAINERS
+                    for k in self._modules[c].children]
+            classes = {self._modules[k].cls for k in kids}
+            if len(classes) != 1 or not all(self._modules[k].children for k in kids):
+                return None
+            found |= classes
+            stacked += sum(numel[k] for k in kids)
+        if len(found) != 1 or 2 * stacked < sum(numel[m] for m in instances):
+            return None
+        return found.pop()
 
     def _most_params(self, candidates: Iterable[str]) -> str | None:
         numel = self.subtree_numel

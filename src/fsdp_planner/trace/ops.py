@@ -167,6 +167,9 @@ class OpRecorder(TorchDispatchMode):
         if outside:
             recorder.loss.track(flat_out)
             live = recorder.loss.current
+        elif not recorder.backward:  # inside the model: its gradient-free temporaries alive now (``Temporaries``)
+            recorder.temporaries.track(t for t in flat_out if self.param_by_id.get(id(t)) is None)
+            live = recorder.temporaries.current
         kernel = kernel_of(func, args)
         if recorder.backward:
             grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, inside=not outside)

@@ -34,6 +34,7 @@ class Trace:
     events: tuple[Event, ...]
     fingerprint: str
     buffers_nbytes: int = 0
+    inputs_nbytes: int = 0  # the step's inputs, as given and cast (``session.inputs_nbytes``): alive all step
     op_seconds: tuple[float, ...] | None = None  # measured seconds per event (0 for boundaries), see measure.py
     compute_itemsize: int | None = None  # bytes per element params were cast to for the trace (None: their own)
     method_calls: Mapping[tuple[str, int], str] = field(default_factory=dict)  # (module, call) -> method name: calls

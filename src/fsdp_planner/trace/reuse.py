@@ -200,7 +200,7 @@ class ActionLog(StepRecorder):
                 self.slots[p] = len(self.template.params)
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
-        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, grad_live))
+        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, grad_live))
         self.last_op = len(self.template.backward) - 1 if self.backward else -1
 
     def pack(self) -> None:
@@ -227,6 +227,12 @@ class ActionLog(StepRecorder):
             return
         self.saved_storages.add(ref)
         self.saved.append((len(self.template.forward), ref, nbytes))
+        unsaved = self.temporaries.forget(ref)  # as ``StepRecorder.save``: the saving op counted it alive
+        last = next((i for i in range(len(self.template.forward) - 1, -1, -1)
+                     if self.template.forward[i][0] == "op"), None)
+        if unsaved and last is not None:
+            a = self.template.forward[last]
+            self.template.forward[last] = (*a[:-2], max(0, a[-2] - unsaved), a[-1])
 
 
 class _Sink(torch.autograd.Function):
@@ -620,7 +626,7 @@ def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]],
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
     """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel,
-    gradient bytes), ...])
+    integer temporaries, gradient bytes), ...])
     action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""

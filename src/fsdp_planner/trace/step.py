@@ -37,6 +37,7 @@ class StepRecorder:
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
+        self.temporaries = Temporaries()
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
@@ -61,13 +62,16 @@ class StepRecorder:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
         return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
-    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int]]) -> None:
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel, gradient bytes) each."""
+        kernel, integer temporaries made in the call, gradient bytes) each; those alive from before the call
+        (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
+        outer = 0 if backward else self.temporaries.current
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
-                                  op_class=op_class, out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live)
-                            for params, flops, nbytes, op_class, out_nbytes, kernel, grad_live in batch])
+                                  live=live + outer if live or outer else 0, op_class=op_class,
+                                  out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live)
+                            for params, flops, nbytes, op_class, out_nbytes, kernel, live, grad_live in batch])
         self.last_op = len(self.events) - 1
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
@@ -92,10 +96,12 @@ class StepRecorder:
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
         self.saved_storages.add(ref)
+        # a temporary until now: the op that saves it counted it alive, and charges it as saved instead
+        unsaved = self.temporaries.forget(ref)
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
             return
         e = self.events[self.last_op]
-        self.events[self.last_op] = e._replace(saved=e.saved + nbytes)
+        self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
 
     def pack(self) -> None:
         """A tensor packed for backward in forward: marks the last event (``Event.packs``), not the last op, so that
@@ -199,6 +205,42 @@ class LossRegion:
         not, bytes) of each storage tracked, in the order they were freed (the still live ones last)."""
         alive = [(born, -1, self._sizes[key]) for key, born in self._born.items()]
         return tuple(self._ended + alive)
+
+
+class Temporaries:
+    """Live bytes of the integer and boolean storages forward ops inside the model made and did not save for
+    backward: index and mask arithmetic a module holds in Python while it works (T5's relative-position buckets,
+    seq x seq int64 tensors, five of them alive at once: 196 MiB of a 200 MiB peak at seq 2,048). Saved ones are
+    counted where they are saved; these were counted nowhere, and at a long sequence they make the forward's peak.
+    Their bytes do not scale with the compute dtype. Freed storages are seen through weak references, as
+    ``LossRegion`` sees them."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self._sizes: dict[int, int] = {}  # storage (``StorageWeakRef.cdata``) -> bytes
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            # integer and boolean only: a floating output may need a gradient (autograd sets ``requires_grad``
+            # after the dispatch that sees it), and activations are counted as saved, inputs or gradient flow
+            if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
+                storage = t.untyped_storage()
+                key = StorageWeakRef(storage).cdata
+                if key not in self._sizes:
+                    self._sizes[key] = storage.nbytes()
+                    self.current += self._sizes[key]
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
+
+    def forget(self, ref: StorageWeakRef) -> int:
+        """A storage saved for backward: an activation from now on, counted as one. Returns the bytes it held here."""
+        return self.forget_key(ref.cdata)
+
+    def forget_key(self, key: int) -> int:
+        nbytes = self._sizes.pop(key, 0)
+        self.current -= nbytes
+        self._refs.pop(key, None)
+        return nbytes
 
 
 class NullRecorder(StepRecorder):
