@@ -166,13 +166,15 @@ class ActionLog(StepRecorder):
         self.calls[fqn] = call + 1
         self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
+        self.frame_marks.append([self.frame.current, self.frame.current])
         return call
 
     def modified_input(self, fqn: str) -> None:
         self._log(("modified_input", self.relative(fqn)))
 
-    def exit_forward(self, fqn: str) -> int:
-        self._log(("fwd_post", self.relative(fqn)))
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
+        own = self.held(grads_nbytes)
+        self._log(("fwd_post", self.relative(fqn), own if held is None else held))
         self.fwd_stack.pop()
         self.last_exit = (fqn, self.calls[fqn] - 1)
         return self.last_exit[1]
@@ -222,6 +224,7 @@ class ActionLog(StepRecorder):
             self.template.backward[i] = (*a[:-1], max(0, a[-1] - nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
@@ -648,7 +651,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
         elif kind == "fwd_pre":
             main.enter_forward(prefix + action[1], action[2], action[3])
         elif kind == "fwd_post":
-            main.exit_forward(prefix + action[1])
+            main.exit_forward(prefix + action[1], held=action[2])
         elif kind == "bwd_pre":
             main.enter_backward((prefix + action[1], action[2]))
         elif kind == "bwd_post":

@@ -37,6 +37,8 @@ class StepRecorder:
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
+        self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
+        self.frame_marks: list[list[int]] = []  # per open call: [frame bytes at its start, at its last pack]
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
@@ -85,9 +87,32 @@ class StepRecorder:
             e = self.events[i]
             self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
+    def made(self, tensors: Iterable[Any]) -> None:
+        """A forward op's or module call's outputs: in the frames of the calls running until they are saved or
+        freed (``Event.held``); a param's, a buffer's or a saved storage is no such output."""
+        if not self.backward:
+            self.frame.track(t for t in tensors if isinstance(t, torch.Tensor) and StorageWeakRef(
+                t.untyped_storage()) not in self.saved_storages and StorageWeakRef(
+                t.untyped_storage()) not in self.static_storages)
+
+    def packed(self, ref: StorageWeakRef) -> None:
+        """A storage packed for backward in forward leaves the frame's count; each open call notes what its frame
+        holds now, at its latest pack (where a recomputation of it stops, ``Event.held``)."""
+        if self.backward:
+            return
+        self.frame.untrack(ref)
+        for mark in self.frame_marks:
+            mark[1] = self.frame.current
+
+    def held(self, grads_nbytes: int) -> int:
+        """``Event.held`` of the call ending now (its marks popped)."""
+        start, at_pack = self.frame_marks.pop() if self.frame_marks else (0, 0)
+        return max(0, at_pack - start) + grads_nbytes
+
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them; every pack is
         marked (``pack``)."""
+        self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
@@ -119,6 +144,7 @@ class StepRecorder:
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
                                  inputs_nbytes=inputs_nbytes))
         self.fwd_stack.append(fqn)
+        self.frame_marks.append([self.frame.current, self.frame.current])
         if grad_inputs:
             self.bwd_pending_post.add((fqn, call))
         return call
@@ -127,10 +153,13 @@ class StepRecorder:
         """A call of ``fqn`` (now ending) modified one of its grad-requiring inputs in place."""
         self.modified_inputs.add(fqn)
 
-    def exit_forward(self, fqn: str) -> int:
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
+        """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``held``: its ``Event.held`` as a
+        replayed template recorded it."""
         call = self.calls[fqn] - 1
         self.fwd_stack.pop()
-        self.events.append(Event(EventKind.FWD_POST, fqn, call=call))
+        own = self.held(grads_nbytes)
+        self.events.append(Event(EventKind.FWD_POST, fqn, call=call, held=own if held is None else held))
         return call
 
     def enter_backward(self, key: Call) -> None:
@@ -157,6 +186,30 @@ class StepRecorder:
         for k in reversed(self.bwd_active):
             self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
         self.bwd_active.clear()
+
+
+class FrameBytes:
+    """Bytes of live storages forward ops made that no pack has saved (``Event.held``), freed storages seen through
+    weak references."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self._sizes: dict[StorageWeakRef, int] = {}
+        self._refs: dict[StorageWeakRef, weakref.ref] = {}
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = StorageWeakRef(storage)
+                if key not in self._sizes:
+                    self._sizes[key] = storage.nbytes()
+                    self.current += self._sizes[key]
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key: self.untrack(key))
+
+    def untrack(self, key: StorageWeakRef) -> None:
+        self.current -= self._sizes.pop(key, 0)
+        self._refs.pop(key, None)
 
 
 class LossRegion:
