@@ -72,8 +72,8 @@ from fsdp_planner.sim.recompute import (
     activation_deltas,
     checkpointed_calls,
     gradient_flow,
-    recompute_levels,
     loss_region_deltas,
+    recompute_levels,
 )
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace

@@ -8,7 +8,9 @@ saves an op's inputs before running it, a last matmul whose only saves are its i
 ``CheckpointedCall.stop``): the saved activations
 are then re-created at its pre-backward boundary and freed as before, when the backward of the module call that
 saved each is done; the recomputation costs the call's forward op time there, after its group's params are
-gathered (FSDP2's pre-backward unshards the group before autograd reaches the checkpoint).
+gathered (FSDP2's pre-backward unshards the group before autograd reaches the checkpoint). Until the
+recomputation stops, the call's forward frame is alive too, with the unsaved outputs it still holds, beside the
+gradient of the call's outputs (``recompute_levels``).
 
 Under op-level selective checkpointing (``fsdp2/selective.py``) the call keeps, besides its inputs, the outputs
 of the forward ops its policy saves (``kept``), in SAC's cache from each such op until the recomputation at its
