@@ -70,7 +70,7 @@ class Event(NamedTuple):
     held: int = 0  # FWD_POST: bytes of the storages its forward made that were alive and not saved for backward at
     # its last pack (its frame's locals and temporaries), plus its grad-requiring outputs' (their gradients, alive
     # when its backward starts): what a recomputation of the call holds besides its saved activations when it
-    # stops (``sim/recompute.py``)
+    # stops (``sim/recompute.py``); the root call's is 0 (never checkpointed)
 
     @property
     def is_op(self) -> bool:

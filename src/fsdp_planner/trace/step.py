@@ -38,7 +38,6 @@ class StepRecorder:
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
-        self.frame_marks: list[list[int]] = []  # per open call: [frame bytes at its start, at its last pack]
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
@@ -101,13 +100,11 @@ class StepRecorder:
         if self.backward:
             return
         self.frame.untrack(ref)
-        for mark in self.frame_marks:
-            mark[1] = self.frame.current
+        self.frame.packed()
 
     def held(self, grads_nbytes: int) -> int:
         """``Event.held`` of the call ending now (its marks popped)."""
-        start, at_pack = self.frame_marks.pop() if self.frame_marks else (0, 0)
-        return max(0, at_pack - start) + grads_nbytes
+        return self.frame.close() + grads_nbytes
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them; every pack is
@@ -144,7 +141,7 @@ class StepRecorder:
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
                                  inputs_nbytes=inputs_nbytes))
         self.fwd_stack.append(fqn)
-        self.frame_marks.append([self.frame.current, self.frame.current])
+        self.frame.open()
         if grad_inputs:
             self.bwd_pending_post.add((fqn, call))
         return call
@@ -159,7 +156,8 @@ class StepRecorder:
         call = self.calls[fqn] - 1
         self.fwd_stack.pop()
         own = self.held(grads_nbytes)
-        self.events.append(Event(EventKind.FWD_POST, fqn, call=call, held=own if held is None else held))
+        own = 0 if fqn == ROOT else own if held is None else held  # the root is never checkpointed
+        self.events.append(Event(EventKind.FWD_POST, fqn, call=call, held=own))
         return call
 
     def enter_backward(self, key: Call) -> None:
@@ -190,26 +188,56 @@ class StepRecorder:
 
 class FrameBytes:
     """Bytes of live storages forward ops made that no pack has saved (``Event.held``), freed storages seen through
-    weak references."""
+    weak references; and, per module call running, those of them made since it began, noted at each pack."""
 
     def __init__(self) -> None:
         self.current = 0
         self._sizes: dict[StorageWeakRef, int] = {}
+        self._born: dict[StorageWeakRef, int] = {}  # storage -> its place in the order storages were tracked
         self._refs: dict[StorageWeakRef, weakref.ref] = {}
+        self._order = 0
+        # per call running: [storages tracked before it, its bytes at its start, older bytes gone since, at pack]
+        self._calls: list[list[int]] = []
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = StorageWeakRef(storage)
-                if key not in self._sizes:
-                    self._sizes[key] = storage.nbytes()
-                    self.current += self._sizes[key]
-                    self._refs[key] = weakref.ref(storage, lambda _, key=key: self.untrack(key))
+            storage = t.untyped_storage()
+            key = StorageWeakRef(storage)
+            if key not in self._sizes:
+                self._add(key, storage)
+
+    def _add(self, key: StorageWeakRef, storage: torch.UntypedStorage) -> None:
+        self._sizes[key] = storage.nbytes()
+        self._born[key] = self._order
+        self._order += 1
+        self.current += self._sizes[key]
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self.untrack(key))
 
     def untrack(self, key: StorageWeakRef) -> None:
-        self.current -= self._sizes.pop(key, 0)
+        """Saved or freed: a storage made before a running call began leaves no bytes of that call's."""
+        nbytes = self._sizes.pop(key, 0)
+        born = self._born.pop(key, 0)
         self._refs.pop(key, None)
+        self.current -= nbytes
+        for call in self._calls:
+            if born < call[0]:
+                call[2] += nbytes
+
+    def open(self) -> None:
+        self._calls.append([self._order, self.current, 0, 0])
+
+    def packed(self) -> None:
+        for call in self._calls:
+            call[3] = self.current + call[2] - call[1]
+
+    def replayed(self, held: int) -> None:
+        """A replayed call packed last: what its recording's frame held then, which no op here made, counts too."""
+        for call in self._calls:
+            call[3] += held
+
+    def close(self) -> int:
+        """The call ending now: the bytes of the storages it made that were alive and unsaved at its last pack."""
+        return max(0, self._calls.pop()[3]) if self._calls else 0
 
 
 class LossRegion:
