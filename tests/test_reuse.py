@@ -14,6 +14,8 @@ from fsdp_planner.models import BUILTINS, load_model
 from fsdp_planner.trace import record
 from fsdp_planner.trace import reuse as reuse_module
 
+RESNET_WIDE = str(Path(__file__).parent / "fixtures" / "resnet_models.py") + ":wide"
+
 FIXTURES = Path(__file__).parent / "fixtures"
 FACTORIES = ["twice", "reads_outside", "root_param", "shared_submodule", "param_free_prologue"]
 
@@ -44,6 +46,19 @@ def same_both_ways(model, inputs, loss_fn=None):
     fast = record(model, inputs, loss_fn, reuse=True)
     assert fingerprint(fast) == fingerprint(full)
     return fast
+
+
+@pytest.mark.parametrize("spec", ["toy-gpt2-tied", RESNET_WIDE])
+def test_replayed_calls_hold_the_frame_their_real_call_holds(spec):
+    """A replayed call's frame (``Event.held``) is its template's: a template's recording holds neither the
+    arguments it replays from nor its inner calls' outputs past their real lifetime, its inputs count as made
+    before it, and a call replayed inside one adds its own recording's frame at its last pack."""
+    lm = load_model(spec, meta=True)
+    full = record(lm.model, lm.example_inputs, lm.loss_fn, reuse=False)
+    fast = record(lm.model, lm.example_inputs, lm.loss_fn, reuse=True)
+    held = [e.held for e in full.events]
+    assert [e.held for e in fast.events] == held
+    assert any(held)
 
 
 @pytest.mark.integration  # seconds of real FSDP2 or tracing: the full suite runs it

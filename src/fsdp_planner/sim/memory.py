@@ -73,6 +73,7 @@ from fsdp_planner.sim.recompute import (
     checkpointed_calls,
     gradient_flow,
     loss_region_deltas,
+    recompute_levels,
 )
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace.records import Trace
@@ -136,8 +137,9 @@ def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
     calls hold their inputs instead and re-create their activations in backward (``recompute.py``)."""
     scale = precision.compute_bytes / traced_itemsize(trace)
-    return np.cumsum(activation_deltas(trace, checkpointed_calls(trace, checkpointed), scale)) \
-        + gradient_flow(trace, scale) + trace.inputs_nbytes  # the batch, held by the caller all step
+    calls = checkpointed_calls(trace, checkpointed)
+    return np.cumsum(activation_deltas(trace, calls, scale)) + gradient_flow(trace, scale) \
+        + recompute_levels(trace, calls, scale) + trace.inputs_nbytes  # the batch, held by the caller all step
 
 
 def compute_copies(trace: Trace, precision: Precision, sharded: bool) -> int:

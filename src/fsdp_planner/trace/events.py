@@ -74,6 +74,10 @@ class Event(NamedTuple):
     # backward); ``KERNEL_OTHER`` anything else (its FLOPs, if any, at the matmul rate; its bytes at HBM's)
     grad_live: int = 0  # backward op inside the model: bytes of the gradients it reads and makes (the gradient
     # flowing in and the one flowing out, alive together while it runs; ``trace/ops.py``)
+    held: int = 0  # FWD_POST: bytes of the storages its forward made that were alive and not saved for backward at
+    # its last pack (its frame's locals and temporaries), plus its grad-requiring outputs' (their gradients, alive
+    # when its backward starts): what a recomputation of the call holds besides its saved activations when it
+    # stops (``sim/recompute.py``); the root call's is 0 (never checkpointed)
 
     @property
     def is_op(self) -> bool:

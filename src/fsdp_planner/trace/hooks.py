@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp._common_utils import collect_grad_tensors, replace_grad_tensors
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.failures import mark
@@ -118,7 +119,10 @@ class ModuleHooks:
             # an in-place op wrote the call's input (an alias sharing its version counter); with FSDP2's
             # function on these inputs, autograd would have refused it
             recorder.modified_input(fqn)
-        call = recorder.exit_forward(fqn)
+        grads = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
+                 for t in collect_grad_tensors(output)} if torch.is_grad_enabled() else {}
+        recorder.made(flat_leaves((output,)))  # a replayed call's outputs: no op the recorder saw made them
+        call = recorder.exit_forward(fqn, sum(grads.values()))  # its outputs' gradients (``Event.held``)
         if recorder.outside_modules():  # the model's own outputs: what the loss starts from
             recorder.loss.track(flat_leaves((output,)))
         if torch.is_grad_enabled():

@@ -179,6 +179,7 @@ class OpRecorder(TorchDispatchMode):
                         grad_live=grad_live)
             recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
+            recorder.made(flat_out)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out), kernel)
         return out
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +119,7 @@ class Template:
 
     forward: list[tuple] = field(default_factory=list)
     backward: list[tuple] = field(default_factory=list)
+    held: int = 0  # its own ``Event.held`` but its outputs' gradients: its frame at its last pack
     # the pre-backwards of inner calls whose output is the call's own: they hook that tensor before the module's
     # own hook does, so a replay fires them from a hook on its output, registered before the module's
     on_output: list[tuple] = field(default_factory=list)
@@ -145,7 +147,9 @@ class ActionLog(StepRecorder):
         self.template = Template()
         self.slots: dict[int, int] = {}  # global param index -> index into template.params
         self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
-        self.inner_outputs: list[tuple[torch.Tensor, Call]] = []  # grad-requiring outputs of the calls inside
+        # grad-requiring outputs of the calls inside, held weakly: a strong reference would keep the temporaries
+        # of the recorded call alive, which its real call frees (``Event.held``)
+        self.inner_outputs: list[tuple[weakref.ref, Call]] = []
         self.hooked: list[Call] = []  # the inner calls that hooked the call's own output, in hook order
         self.last_exit: Call = ("", 0)
 
@@ -166,19 +170,22 @@ class ActionLog(StepRecorder):
         self.calls[fqn] = call + 1
         self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
+        self.frame.open()
         return call
 
     def modified_input(self, fqn: str) -> None:
         self._log(("modified_input", self.relative(fqn)))
 
-    def exit_forward(self, fqn: str) -> int:
-        self._log(("fwd_post", self.relative(fqn)))
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
+        own = self.held(grads_nbytes)
+        self._log(("fwd_post", self.relative(fqn), own if held is None else held))
         self.fwd_stack.pop()
         self.last_exit = (fqn, self.calls[fqn] - 1)
         return self.last_exit[1]
 
     def outputs(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self.inner_outputs.extend((t, self.last_exit) for t in tensors)  # the hooks' post_forward: the call ended
+        # the hooks' post_forward: the call ended
+        self.inner_outputs.extend((weakref.ref(t), self.last_exit) for t in tensors)
 
     def enter_backward(self, key: Call) -> None:
         self._log(("bwd_pre", self.relative(key[0]), key[1]))
@@ -222,6 +229,7 @@ class ActionLog(StepRecorder):
             self.template.backward[i] = (*a[:-1], max(0, a[-1] - nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+        self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
@@ -451,7 +459,10 @@ class BlockReuse:
                 iso[i] = t
             iso_args, iso_kwargs = unflatten_call(structure, iso)
             self.slot.recorder, self.slot.produced = log, set()
+            log.frame.track(clones.values())  # made before the call, as its real inputs were (``Event.held``)
+            log.frame.open()
             out = forward(*iso_args, **iso_kwargs)
+            log.template.held = log.frame.close()
             produced, self.slot.produced = self.slot.produced, None
             self._routed(log, r, before[0])
             self._describe_outputs(log, out, produced)
@@ -500,7 +511,7 @@ class BlockReuse:
                 meta = _Input.of(t)
                 if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
-                log.hooked += [key for inner, key in log.inner_outputs if inner is t]
+                log.hooked += [key for inner, key in log.inner_outputs if inner() is t]
                 seen.add(ref)
                 log.template.outputs.append(meta)
             elif isinstance(t, _CONSTANTS):
@@ -562,6 +573,9 @@ class BlockReuse:
         main, prefix = self.slot.recorder, r.fqn + "."
         tensors = [leaves[i] for i in inputs]
         params = [r.params[n] for n in template.params]
+        # the call's arguments, for its forward only: the closure lives until backward, and holding them there would
+        # keep alive what the real call frees after it (a temporary only it read; ``Event.held``)
+        arguments = {"leaves": leaves}
 
         def replay(backward: bool) -> Any:
             if backward:  # runs only when an output received a grad, as the call's own backward would
@@ -574,13 +588,16 @@ class BlockReuse:
                 return made
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]
-            sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(leaves[i].untyped_storage())
+            args = arguments.pop("leaves")
+            sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(args[i].untyped_storage())
                                                     for i in inputs}
             sources.update({("output", j): StorageWeakRef(t.untyped_storage()) for j, t in enumerate(outs)
                             if isinstance(t, torch.Tensor)})
             main.input_storages.update(sources["output", j] for j in template.counted)
             sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
             _replay_actions(main, template.forward, prefix, params, sources)
+            if ("pack",) in template.forward:  # its ops ran in the recording: their frame at its last pack
+                main.frame.replayed(template.held)
             self.routing.used = _added(self.routing.used, template.routed, r.fqn)
             self.routing.experts, self.routing.per_expert = template.routing
             return ([t for t in outs if isinstance(t, torch.Tensor)],
@@ -654,7 +671,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
         elif kind == "fwd_pre":
             main.enter_forward(prefix + action[1], action[2], action[3])
         elif kind == "fwd_post":
-            main.exit_forward(prefix + action[1])
+            main.exit_forward(prefix + action[1], held=action[2])
         elif kind == "bwd_pre":
             main.enter_backward((prefix + action[1], action[2]))
         elif kind == "bwd_post":

@@ -38,6 +38,7 @@ class StepRecorder:
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
         self.temporaries = Temporaries()
+        self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
@@ -89,9 +90,30 @@ class StepRecorder:
             e = self.events[i]
             self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
+    def made(self, tensors: Iterable[Any]) -> None:
+        """A forward op's or module call's outputs: in the frames of the calls running until they are saved or
+        freed (``Event.held``); a param's, a buffer's or a saved storage is no such output."""
+        if not self.backward:
+            self.frame.track(t for t in tensors if isinstance(t, torch.Tensor) and StorageWeakRef(
+                t.untyped_storage()) not in self.saved_storages and StorageWeakRef(
+                t.untyped_storage()) not in self.static_storages)
+
+    def packed(self, ref: StorageWeakRef) -> None:
+        """A storage packed for backward in forward leaves the frame's count; each open call notes what its frame
+        holds now, at its latest pack (where a recomputation of it stops, ``Event.held``)."""
+        if self.backward:
+            return
+        self.frame.untrack(ref)
+        self.frame.packed()
+
+    def held(self, grads_nbytes: int) -> int:
+        """``Event.held`` of the call ending now (its marks popped)."""
+        return self.frame.close() + grads_nbytes
+
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them; every pack is
         marked (``pack``)."""
+        self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
@@ -125,6 +147,7 @@ class StepRecorder:
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
                                  inputs_nbytes=inputs_nbytes))
         self.fwd_stack.append(fqn)
+        self.frame.open()
         if grad_inputs:
             self.bwd_pending_post.add((fqn, call))
         return call
@@ -133,10 +156,14 @@ class StepRecorder:
         """A call of ``fqn`` (now ending) modified one of its grad-requiring inputs in place."""
         self.modified_inputs.add(fqn)
 
-    def exit_forward(self, fqn: str) -> int:
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
+        """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``held``: its ``Event.held`` as a
+        replayed template recorded it."""
         call = self.calls[fqn] - 1
         self.fwd_stack.pop()
-        self.events.append(Event(EventKind.FWD_POST, fqn, call=call))
+        own = self.held(grads_nbytes)
+        own = 0 if fqn == ROOT else own if held is None else held  # the root is never checkpointed
+        self.events.append(Event(EventKind.FWD_POST, fqn, call=call, held=own))
         return call
 
     def enter_backward(self, key: Call) -> None:
@@ -163,6 +190,60 @@ class StepRecorder:
         for k in reversed(self.bwd_active):
             self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
         self.bwd_active.clear()
+
+
+class FrameBytes:
+    """Bytes of live storages forward ops made that no pack has saved (``Event.held``), freed storages seen through
+    weak references; and, per module call running, those of them made since it began, noted at each pack."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self._sizes: dict[StorageWeakRef, int] = {}
+        self._born: dict[StorageWeakRef, int] = {}  # storage -> its place in the order storages were tracked
+        self._refs: dict[StorageWeakRef, weakref.ref] = {}
+        self._order = 0
+        # per call running: [storages tracked before it, its bytes at its start, older bytes gone since, at pack]
+        self._calls: list[list[int]] = []
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = StorageWeakRef(storage)
+            if key not in self._sizes:
+                self._add(key, storage)
+
+    def _add(self, key: StorageWeakRef, storage: torch.UntypedStorage) -> None:
+        self._sizes[key] = storage.nbytes()
+        self._born[key] = self._order
+        self._order += 1
+        self.current += self._sizes[key]
+        self._refs[key] = weakref.ref(storage, lambda _, key=key: self.untrack(key))
+
+    def untrack(self, key: StorageWeakRef) -> None:
+        """Saved or freed: a storage made before a running call began leaves no bytes of that call's."""
+        nbytes = self._sizes.pop(key, 0)
+        born = self._born.pop(key, 0)
+        self._refs.pop(key, None)
+        self.current -= nbytes
+        for call in self._calls:
+            if born < call[0]:
+                call[2] += nbytes
+
+    def open(self) -> None:
+        self._calls.append([self._order, self.current, 0, 0])
+
+    def packed(self) -> None:
+        for call in self._calls:
+            call[3] = self.current + call[2] - call[1]
+
+    def replayed(self, held: int) -> None:
+        """A replayed call packed last: what its recording's frame held then, which no op here made, counts too."""
+        for call in self._calls:
+            call[3] += held
+
+    def close(self) -> int:
+        """The call ending now: the bytes of the storages it made that were alive and unsaved at its last pack."""
+        return max(0, self._calls.pop()[3]) if self._calls else 0
 
 
 class LossRegion:
