@@ -168,7 +168,9 @@ class OpRecorder(TorchDispatchMode):
             recorder.loss.track(flat_out)
             live = recorder.loss.current
         elif not recorder.backward:  # inside the model: its gradient-free temporaries alive now (``Temporaries``)
-            recorder.temporaries.track(t for t in flat_out if self.param_by_id.get(id(t)) is None)
+            # a buffer updated in place (BatchNorm's num_batches_tracked) is no temporary: the model holds it
+            recorder.temporaries.track(t for t in flat_out if isinstance(t, torch.Tensor) and self.param_by_id.get(
+                id(t)) is None and StorageWeakRef(t.untyped_storage()) not in recorder.static_storages)
             live = recorder.temporaries.current
         kernel = kernel_of(func, args)
         if recorder.backward:
