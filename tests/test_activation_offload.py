@@ -137,7 +137,7 @@ def test_auto_offloads_activations_only_when_nothing_fits_otherwise():
     free = AutoPolicy(cluster, 2**30).search(tr)
     assert free.fits and not free.plan.activation_offloading  # fits: the plan it always got
     # below what CPU offload with every block checkpointed in full reaches, above it with activation offloading
-    tight = AutoPolicy(cluster, 650_000).search(tr)
+    tight = AutoPolicy(cluster, 600_000).search(tr)
     assert tight.fits and list(tight.plan.activation_offloading) == BLOCKS and tight.run.offload
     assert not tight.plan.activation_checkpointing and "ac offload" in tight.plan.policy
     none = AutoPolicy(cluster, 100_000).search(tr)

@@ -129,6 +129,18 @@ class OpRecorder(TorchDispatchMode):
         self.sync = sync  # set when timing ops: waits for the device
         self.seconds: dict[int, float] = {}  # event index -> measured seconds of that op
 
+    def _params_read(self, flat_in: list) -> set[int]:
+        """Indices of the params among an op's inputs, by identity or by storage (a view of one)."""
+        used: set[int] = set()
+        for a in flat_in:
+            if isinstance(a, torch.Tensor):
+                idx = self.param_by_id.get(id(a))
+                if idx is None:
+                    idx = self.param_by_storage.get(StorageWeakRef(a.untyped_storage()))
+                if idx is not None:
+                    used.add(idx)
+        return used
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if type(self.slot.recorder) is NullRecorder or func.namespace == "prim":
@@ -144,14 +156,7 @@ class OpRecorder(TorchDispatchMode):
         if self.slot.produced is not None:
             self.slot.produced.update(StorageWeakRef(t.untyped_storage()) for t in flat_out
                                       if isinstance(t, torch.Tensor))
-        used: set[int] = set()
-        for a in flat_in:
-            if isinstance(a, torch.Tensor):
-                idx = self.param_by_id.get(id(a))
-                if idx is None:
-                    idx = self.param_by_storage.get(StorageWeakRef(a.untyped_storage()))
-                if idx is not None:
-                    used.add(idx)
+        used = self._params_read(flat_in)
         nbytes = 0
         if not (getattr(func, "is_view", False) or func in _NO_TRAFFIC_OPS):
             for a in flat_in + flat_out:
