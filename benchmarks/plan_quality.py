@@ -146,16 +146,24 @@ def baselines(tr: Trace, model: str, cluster: Cluster, budget: int) -> dict[str,
     return out
 
 
-def fewest_full(sim: Simulator, budget: int) -> dict | None:
-    """torchtitan's grouping with the fewest leading blocks checkpointed in full that fit (binary search; all of
-    them when none fits); None when the model has no blocks."""
+def titan_blocks(sim: Simulator) -> tuple[Plan, list[str]] | None:
+    """torchtitan's plan and the model's block instances, the start of the hand grid's checkpointing columns;
+    None when titan cannot plan the model or it has no blocks."""
     try:
         plan = make_policy(PolicyRequest(PolicyName.TITAN)).plan(sim.tr, sim.model)
     except PlannerError:
         return None
     blocks = block_instances(sim.tr)
-    if not blocks:
+    return (plan, list(blocks)) if blocks else None
+
+
+def fewest_full(sim: Simulator, budget: int) -> dict | None:
+    """torchtitan's grouping with the fewest leading blocks checkpointed in full that fit (binary search; all of
+    them when none fits); None when the model has no blocks."""
+    titan = titan_blocks(sim)
+    if titan is None:
         return None
+    plan, blocks = titan
 
     def with_k(k: int) -> dict:
         return {**sim.run(plan.replace(activation_checkpointing=blocks[:k])), "plan": f"titan + {k} full"}
@@ -210,13 +218,10 @@ def order_kept(sim: Simulator, meshes: list[Mesh]) -> list[dict]:
 def full_then_op(sim: Simulator, budget: int) -> dict | None:
     """torchtitan's grouping with the fewest leading blocks in full that fit with every other block op-level
     (binary search); None when the model has no blocks or even all in full do not fit."""
-    try:
-        plan = make_policy(PolicyRequest(PolicyName.TITAN)).plan(sim.tr, sim.model)
-    except PlannerError:
+    titan = titan_blocks(sim)
+    if titan is None:
         return None
-    blocks = block_instances(sim.tr)
-    if not blocks:
-        return None
+    plan, blocks = titan
 
     def with_k(k: int) -> dict:
         p = plan.replace(activation_checkpointing=blocks[:k], selective_checkpointing=dict.fromkeys(

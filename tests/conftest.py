@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,3 +28,23 @@ def policy(name: str, **settings: object):
     from fsdp_planner.planners import PolicyRequest, make_policy
 
     return make_policy(PolicyRequest.named(name, **settings))
+
+
+@contextlib.contextmanager
+def gathers_by_group(plan) -> Iterator[list[int]]:
+    """The plan groups of the all-gathers real FSDP2 issues inside the block, in order: FSDP2's own
+    ``foreach_all_gather`` observed, then run."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from fsdp_planner.patching import patched
+
+    owner = {p: i for i, g in enumerate(plan.groups) for p in g.params}
+    issued: list[int] = []
+    gather = _fsdp_param_group.foreach_all_gather
+
+    def recording(fsdp_params, *args, **kwargs):
+        issued.append(owner[fsdp_params[0]._param_fqn])
+        return gather(fsdp_params, *args, **kwargs)
+
+    with patched(_fsdp_param_group, "foreach_all_gather", recording):
+        yield issued

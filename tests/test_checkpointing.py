@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import traced
+from conftest import gathers_by_group, traced
 
 from fsdp_planner.apply.fsdp1 import fsdp1_refusal
 from fsdp_planner.choices import SacPolicy
@@ -20,7 +20,6 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.patching import patched
 from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.context import SimContext
@@ -124,21 +123,11 @@ def test_groups_inside_an_op_level_checkpointed_block_and_under_fsdp1_are_refuse
 def test_real_fsdp2_gathers_groups_inside_a_checkpointed_block_as_replayed():
     """The all-gathers real FSDP2 issues in a step (their groups, in order), their counts and bytes, as the replay
     says, and the peak within 2% (without replaying the recomputation's hooks: -3.3%)."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-
     options = SimOptions()
     lm = load_model("toy-llama")
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
     plan = _per_linear(tr)
-    owner = {p: i for i, g in enumerate(plan.groups) for p in g.params}
-    issued: list[int] = []
-    gather = _fsdp_param_group.foreach_all_gather
-
-    def recording(fsdp_params, *args, **kwargs):  # observes, then runs FSDP2's own all-gather
-        issued.append(owner[fsdp_params[0]._param_fqn])
-        return gather(fsdp_params, *args, **kwargs)
-
-    with patched(_fsdp_param_group, "foreach_all_gather", recording):
+    with gathers_by_group(plan) as issued:
         measured = run_fake_world("toy-llama", plan, 8, options.precision)
     predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
     replayed = [c.group for c in build_schedule(tr, plan, 8).collectives if c.kind is ALL_GATHER]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import policy
+from conftest import gathers_by_group, policy
 
 from fsdp_planner.apply.export import export_plan
 from fsdp_planner.choices import ExportFormat
@@ -23,7 +23,6 @@ from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
-from fsdp_planner.patching import patched
 from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.runtime.verify import run_verify
@@ -270,7 +269,6 @@ def test_exported_code_checkpoints_the_blocks_around_their_fp32_groups(resnet):
     in fp32 (their own group's policy) both times, and FSDP2 issues the all-gathers the replay says, group by group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     plan = make_policy(PolicyRequest.named("titan", checkpointing=ACMode.FULL)).plan(resnet, RESNET)
@@ -280,18 +278,10 @@ def test_exported_code_checkpoints_the_blocks_around_their_fp32_groups(resnet):
     calls, dtypes = [], set()
     model.layer1[0].conv1.register_forward_pre_hook(lambda m, args: calls.append(args[0].dtype))
     model.layer1[0].bn1.register_forward_pre_hook(lambda m, args: dtypes.add((m.weight.dtype, args[0].dtype)))
-    owner = {p: i for i, g in enumerate(plan.groups) for p in g.params}
-    issued: list[int] = []
-    gather = _fsdp_param_group.foreach_all_gather
-
-    def recording(fsdp_params, *args, **kwargs):  # observes, then runs FSDP2's own all-gather
-        issued.append(owner[fsdp_params[0]._param_fqn])
-        return gather(fsdp_params, *args, **kwargs)
-
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         scope["apply"](model, init_device_mesh("cpu", (2,)))
-        with patched(_fsdp_param_group, "foreach_all_gather", recording):
+        with gathers_by_group(plan) as issued:
             model(torch.randn(4, 3, 16, 16)).float().pow(2).mean().backward()
     finally:
         dist.destroy_process_group()
