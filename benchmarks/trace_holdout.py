@@ -164,8 +164,8 @@ def render(history: list[dict]) -> None:
               "to 190 ms under load. Idle, auto's ops took 8.9 to 10.7 ms a step and titan's 9.6 to 11.3 ms: the 2x "
               "the loaded runs showed between them appears only when other jobs share the cores (how a plan's ops "
               "slow under contention, e.g. auto's larger buffers losing the caches, is not modelled), not on an idle "
-              "host, where charging every plan the same ops holds. The check is met on an idle host and not reliably on a loaded one, "
-              "where the calibrating and the held-out runs see different hosts."]
+              "host, where charging every plan the same ops holds. The check is met on an idle host and not "
+              "reliably on a loaded one, where the calibrating and the held-out runs see different hosts."]
     (HERE / "trace_holdout.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
