@@ -1,6 +1,6 @@
 """Published GPU runs beside fsdp-planner's prediction: torchtitan's Llama 3 tables, every row FSDP2 alone expresses.
 
-Run: python benchmarks/fidelity_published.py   (writes benchmarks/fidelity_published.md and .json; ~5 min on 2 cores)
+Run: python benchmarks/fidelity_published.py   (writes benchmarks/fidelity_published.md and .json; ~26 min on 2 cores)
      python benchmarks/fidelity_published.py --rows 1 --no-ablation   (the first row only: a quick check)
      python benchmarks/fidelity_published.py --scale-only   (only the published scale pairs, ~2 min; keeps the rows)
 
@@ -272,7 +272,7 @@ SCALE_NOTES = [
     "run's collectives to take 1.6-2.5x as long as modelled (the last column). Published nccl-tests on H100 "
     "clusters with 400 Gb/s NICs bracket that without reaching it: reduce-scatter bus bandwidth falls 360 -> 345 -> "
     "320 GB/s from 4 to 8 to 16 nodes (NVIDIA/nccl#1229, a user's cluster: 1.2x below the model's 380 GB/s line at "
-    "16 nodes, worth ~8 ms here), and an all-gather of 2 GB on 32 nodes ran at 200 GB/s with 16 channels forced "
+    "16 nodes, worth ~10 ms here), and an all-gather of 2 GB on 32 nodes ran at 200 GB/s with 16 channels forced "
     "(NVIDIA/nccl#1218: 1.9x); the model's network line falls with the node count only through NCCL's hop latency. "
     "Neither measures FSDP2's per-block messages (a ring step of ~200-400 KB a channel at 64-128 ranks) on 16 Grand "
     "Teton hosts, so nothing was changed: no independent figure sizes the term, and fitting one to these rows is "
