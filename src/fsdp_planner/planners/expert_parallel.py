@@ -67,11 +67,19 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
     if not experts:
         raise PlannerError("expert parallelism needs grouped experts modules (params stacked on an expert dim, a "
                            "class named ...Experts); this model has none")
-    if shard and shard % degree:
-        raise PlannerError(f"expert parallelism of degree {degree} does not divide the {shard} data-parallel shard "
-                           f"ranks (EP's ranks come out of dp_shard): choose one of "
-                           f"{', '.join(map(str, ep_degrees(trace, shard)))}")
+    tp = plan.tp_degree
+    if tp > 1 and degree % tp:
+        raise PlannerError(f"expert parallelism of degree {degree} with TP {tp}: EP's ranks span the TP ranks "
+                           f"(torchtitan's expert TP of 1), so the EP degree must be a multiple of {tp}")
+    if shard and shard % (degree // tp):
+        raise PlannerError(f"expert parallelism of degree {degree} does not divide the {shard * tp} data-parallel "
+                           "shard x TP ranks (EP's ranks come out of dp_shard" + (" x tp" if tp > 1 else "") +
+                           "): choose one of " + ", ".join(
+                               str(d) for d in ep_degrees(trace, shard * tp) if d % tp == 0 and shard % (d // tp) == 0))
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
+    if plan.shard_dims and shard and tp > 1:
+        raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
+                           "the default shard placement (dim 0)")
     if plan.shard_dims and shard:
         out = out.replace(shard_dims=shard_dims(ep_view(trace, out).trace, shard, ShardPlacement.AUTO))
     return out
