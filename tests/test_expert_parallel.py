@@ -16,6 +16,7 @@ from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
+from fsdp_planner.planners.tensor_parallel import titan_moe_layout
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import record
@@ -30,26 +31,32 @@ def _traced(spec: str = TINY):
     return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
 
 
-def _ep_plan(tr, degree: int, checkpointing: bool = False) -> Plan:  # type: ignore[no-untyped-def]
+def _ep_plan(tr, degree: int, checkpointing: bool = False, tp: int = 1) -> Plan:  # type: ignore[no-untyped-def]
     plan = TorchtitanPolicy("MoEBlock").plan(tr)
     if checkpointing:
         plan = plan.replace(activation_checkpointing=[m for m in tr.modules if m.count(".") == 1])
+    if tp > 1:
+        plan = plan.replace(tensor_parallel=titan_moe_layout(tp))
     return with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, EXPERTS)), tr)
 
 
-def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: int = 1) -> tuple[int, int]:
+def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: int = 1,
+           tp: int = 1) -> tuple[int, int]:
     """The fake-world check (``run_fake_world``, which applies the plan with ``apply_plan``) beside the
-    prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows); under HSDP
-    (``replicate`` > 1) every group's grads all-reduced too, the experts' over dp_replicate."""
+    prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective without TP (no TP rows); under
+    HSDP (``replicate`` > 1) every group's grads all-reduced too, the experts' over dp_replicate. With TP
+    (torchtitan's MoE layout, EP's ranks spanning the TP ranks) TP's collectives exact too."""
     from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 
     tr = _traced()
-    plan = _ep_plan(tr, degree, checkpointing).replace(mesh=Mesh(replicate, world // replicate))
+    plan = _ep_plan(tr, degree, checkpointing, tp).replace(mesh=Mesh(replicate, world // replicate // tp))
     predicted = simulate(tr, plan, parse_cluster(f"h100:{world}"), BF16, timeline=False)
     measured = run_fake_world(TINY, plan, world, BF16.precision)
     rows = beside_prediction(predicted, measured)
-    assert measured.tp_counts is None  # EP adds no collective but all-to-alls
+    # EP adds no collective but all-to-alls; with TP, DTensor's (the MoE layer's input all-gathered and output
+    # reduce-scattered, the router gate's grads all-reduced) beside the attention's
+    assert (measured.tp_counts is None) == (tp == 1)
     # HSDP: every group's grads all-reduced over dp_replicate (the experts' too where their shard dim is one rank,
     # with no reduce-scatter before)
     assert measured.counts["all_reduce"] >= measured.counts["reduce_scatter"] if replicate > 1 else \
@@ -75,6 +82,24 @@ def test_ep_step_matches_real_ep_and_fsdp2(degree: int, world: int, checkpointin
     2 x 1: EP takes dp_shard whole, and FSDP2 divides the one-rank reduce through a quotient of its input) and
     4x8 (4 x 2), EP's ranks out of dp_shard as torchtitan takes them."""
     predicted, measured = _check(degree, world, checkpointing=checkpointing, replicate=replicate)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_ep_x_tp_step_matches_real_ep_tp_and_fsdp2() -> None:
+    """EP 4 x TP 2 on 8 fake ranks (torchtitan's expert TP 1: EP's group is 2 dp_shard ranks x 2 TP ranks, the
+    experts' FSDP mesh 4 x 2 / 4 = 2 ranks): FSDP2's, TP's and EP's collectives exact, the peak within 5%."""
+    predicted, measured = _check(4, 8, tp=2)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.integration  # real EP x TP + FSDP2 on fake ranks: seconds each
+@pytest.mark.parametrize(("degree", "world", "checkpointing", "replicate", "tp"), [
+    (2, 8, False, 1, 2), (8, 8, False, 1, 2), (4, 16, False, 1, 2), (4, 32, True, 1, 2), (8, 16, False, 1, 4),
+    (4, 16, False, 2, 2)])
+def test_ep_x_tp_on_more_layouts(degree: int, world: int, checkpointing: bool, replicate: int, tp: int) -> None:
+    """EP inside one TP group (EP 2 x TP 2: dp_shard gives none), EP over the whole world (EP 8, the experts
+    unsharded by FSDP), 16 and 32 ranks with full checkpointing, TP 4, and EP x TP under HSDP."""
+    predicted, measured = _check(degree, world, checkpointing=checkpointing, replicate=replicate, tp=tp)
     assert predicted == pytest.approx(measured, rel=0.05)
 
 
