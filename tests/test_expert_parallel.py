@@ -293,8 +293,9 @@ def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
 @pytest.mark.integration  # CLI subprocesses: the fake-world check of an EP plan, and EP + FSDP2 on 4 gloo ranks
 def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     """``verify --ep 4 --fake-world-size 8``: every count and byte exact (EP's all-to-alls among them), the peak
-    within 5%; ``verify --ep 2 --mesh 2x2 --nproc 4`` (torchrun, gloo's all-to-all, EP x HSDP): FSDP2's collectives
-    as predicted (the experts' all-reduced over dp_replicate) and the params equal to the unsharded reference's."""
+    within 5%; ``verify --ep 2 --mesh 2x2 --nproc 4`` (torchrun, gloo's all-to-all, EP x HSDP) and ``verify --ep 2
+    --tp 2 --nproc 4`` (EP x TP): FSDP2's collectives as predicted (the experts' all-reduced over dp_replicate) and
+    the params equal to the unsharded reference's."""
     import json
     import subprocess
     import sys
@@ -314,6 +315,15 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     assert result["max_abs_diff"] <= 1e-5  # fp32: the experts' grads averaged over all 4 ranks, not EP x that
     # HSDP 2x2: the experts' shard dim is one rank (EP takes dp_shard whole), their grads all-reduced over 2
     assert result["predicted"]["all_reduce"] == result["predicted"]["reduce_scatter"] + 2
+    # EP 2 x TP 2 (torchtitan's expert TP 1: EP's pair is one TP group, each TP rank dispatching half the routed
+    # tokens): FSDP2's collectives as predicted, the params the unsharded reference's (the router gate's partial
+    # grads all-reduced over TP, the experts' averaged over the 2 data-parallel ranks)
+    r = subprocess.run([*verify, "--ep", "2", "--tp", "2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
+    assert result["max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.integration  # a CLI subprocess (a few seconds)
@@ -407,15 +417,28 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     from fsdp_planner import api
 
     assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
-    # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP refused before any plan is made
+    # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP kept (EP's ranks out of dp_shard x tp),
+    # an EP degree that is no multiple of TP's or an expert TP above 1 refused before any plan is made
     job.write_text("[parallelism]\nexpert_parallel_degree = 4\ndata_parallel_replicate_degree = 2\n"
                    "[activation_checkpoint]\nmode = \"none\"\n")
     args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
                                                     "h100:8", "--policy", "titan"]))
     assert (args.ep, args.mesh) == (4, "2x4")
-    job.write_text("[parallelism]\nexpert_parallel_degree = 2\ntensor_parallel_degree = 2\n")
-    with pytest.raises(PlannerError, match=r"tensor parallelism \(TP 2\) is not modelled yet"):
-        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
+    job.write_text("[parallelism]\nexpert_parallel_degree = 4\ntensor_parallel_degree = 2\n"
+                   "[activation_checkpoint]\nmode = \"none\"\n")
+    args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                    "h100:8", "--policy", "titan"]))
+    assert (args.ep, args.tp) == (4, 2)
+    plan = api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep, tp=args.tp)
+    assert (plan.ep_degree, plan.tp_degree) == (4, 2)
+    assert plan.mesh_dims(8) == {"dp_shard_mod_ep": 2, "dp_shard_in_ep": 2, "tp": 2}
+    for keys, match in (("expert_parallel_degree = 2\ntensor_parallel_degree = 4\n", "not a multiple"),
+                        ("expert_parallel_degree = 2\ntensor_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
+                         "expert TP 1 only")):
+        job.write_text(f"[parallelism]\n{keys}")
+        with pytest.raises(PlannerError, match=match):
+            configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                  "h100:8"]))
     job.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
     with pytest.raises(PlannerError, match="expert_parallel_degree = 3 does not divide"):
         configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
