@@ -367,23 +367,32 @@ def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
     assert scope["EP_DEGREE"] == 2 and scope["EXPERTS"] == ["layers.0.moe.experts", "layers.1.moe.experts"]
     if fmt == "torchtitan":
         assert "expert_parallel_degree=2," in source and "'--parallelism.expert_parallel_degree', '2'" in source
+    # EP x TP: both carried, the TP ranks' token split with them (torchtitan: both degrees, expert TP its default 1)
+    source = export_plan(_ep_plan(_traced(), 4, tp=2), ExportFormat(fmt))
+    scope = {"__name__": "exported"}
+    exec(compile(source.split("\n\ndef fsdp_planner_job(")[0], "exported.py", "exec"), scope)
+    assert (scope["EP_DEGREE"], scope["TP_DEGREE"], scope["EP_TOKEN_SPLIT"]) == (4, 2, 2)
+    assert scope["TP_LAYOUT"]["layers.*.moe.experts"] == "token_split"
+    if fmt == "torchtitan":
+        assert "expert_parallel_degree=4," in source and "tensor_parallel_degree=2," in source
     plan = _ep_plan(_traced(), 2)
     with pytest.raises(PlannerError, match="prefetch"):
         export_plan(plan.with_group(1, forward_prefetch=[3]), ExportFormat(fmt))
 
 
 @pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
-@pytest.mark.parametrize("replicate", [1, 2])
-def test_exported_apply_shards_as_apply_plan_does(replicate: int) -> None:
-    """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4 or HSDP 2x2) leaves every param with the placements,
-    local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced mesh, under
-    HSDP Replicate over dp_replicate), and a step runs."""
+@pytest.mark.parametrize(("replicate", "tp"), [(1, 1), (2, 1), (1, 2)])
+def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int) -> None:
+    """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4, HSDP 2x2 or FSDP 2 x TP 2) leaves every param with the
+    placements, local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced
+    mesh, under HSDP Replicate over dp_replicate; with TP, the router gate replicated over tp), and a step runs."""
     from fsdp_planner.apply.export import ExportFormat, export_plan
     from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.apply.tensor_parallel import loss_context
     from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import fake_process_group
 
-    plan = _ep_plan(_traced(), 2).replace(mesh=Mesh(replicate, 4 // replicate))
+    plan = _ep_plan(_traced(), 2, tp=tp).replace(mesh=Mesh(replicate, 4 // replicate // tp))
     scope: dict = {"__name__": "exported"}
     exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
     shards = []
@@ -393,10 +402,14 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int) -> None:
             shard(lm.model)
             shards.append({n: (p.placements, tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
                            for n, p in lm.model.named_parameters()})
-            lm.loss_fn(lm.model(*lm.example_inputs)).backward()
+            with loss_context(plan):
+                lm.loss_fn(lm.model(*lm.example_inputs)).backward()
     assert shards[0] == shards[1]
     placements, local, dims = shards[0]["layers.0.moe.experts.w1"]
-    if replicate == 1:
+    if tp > 1:  # EP's pair is one TP group: the experts' FSDP mesh the 2 TP groups, the gate replicated over tp
+        assert dims == ("dp_shard_mod_ep", "ep") and local[0] == 8 // 2 // 2
+        assert shards[0]["layers.0.moe.router.gate.weight"][2] == ("dp_shard", "tp")
+    elif replicate == 1:
         assert len(placements) == 2 and dims == ("dp_shard_mod_ep", "ep")  # FSDP's Shard(0) over 2, EP's over 2
         assert local[0] == 8 // 2 // 2
     else:  # HSDP: the experts replicated over dp_replicate, sharded over dp_shard / EP = 1 rank, EP's Shard(0)

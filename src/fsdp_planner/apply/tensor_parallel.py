@@ -115,6 +115,7 @@ def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None
     modules = dict(model.named_modules())
     for name, style in tp.styles(modules).items():
         if style is TPStyle.MOE_SEQUENCE:
+            # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)
             distribute_module(modules[name], tp_mesh, None, _gathered, _scattered)
         elif style is TPStyle.REPLICATE:
             distribute_module(modules[name], tp_mesh, None, _replicated_in, _replicated_out)
