@@ -222,9 +222,13 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
         api.plan("toy-llama", cluster="h100:8", policy="titan", ep=2)
     with pytest.raises(PlannerError, match="ep"):
         api.plan(TINY, cluster="h100:8", policy="titan", ep=0)
-    for policy in ("titan", "auto"):  # EP with TP: refused when planning, so no plan is made that cannot be applied
-        with pytest.raises(PlannerError, match="expert parallelism with tensor parallelism is not modelled yet"):
-            api.plan(TINY, cluster="h100:8", policy=policy, ep=2, tp=2)
+    # EP with TP: a classic policy's plan has both (torchtitan's MoE layout); auto's search of both is refused
+    both = api.plan(TINY, cluster="h100:8", policy="titan", ep=2, tp=2)
+    assert (both.ep_degree, both.tp_degree, both.tensor_parallel.splits_tokens) == (2, 2, True)
+    with pytest.raises(PlannerError, match="auto's search of expert parallelism with tensor parallelism"):
+        api.plan(TINY, cluster="h100:8", policy="auto", ep=2, tp=2)
+    with pytest.raises(PlannerError, match="must be a multiple of 2"):
+        api.plan(TINY, cluster="h100:8", policy="titan", ep=1 + 2, tp=2)
 
 
 @pytest.mark.integration  # ~10 s: two auto searches with their EP screens and a command

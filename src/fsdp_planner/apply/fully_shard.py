@@ -96,9 +96,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = device_mesh(plan, device_type, dist.get_world_size())
-    expert_parallel = plan.expert_parallel is not None
-    if expert_parallel:  # the experts first, on meshes of their own; the rest as without EP
-        plan = shard_experts(model, plan, mesh, mp_policy, offload_policy)
+    expert_parallel = plan.expert_parallel is not None  # the experts first, on meshes of their own (before TP)
+    plan = shard_experts(model, plan, mesh, mp_policy, offload_policy) if expert_parallel else plan
     mesh, tp_mesh = split_mesh(mesh, plan)
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
     apply_float8(model, plan.float8)  # before TP and fully_shard, as torchtitan's converter

@@ -156,7 +156,8 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the
     one holding least, over the budget)."""
     if result.plan.tp_degree > 1:
-        raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
+        raise PlannerError("auto's search of expert parallelism with tensor parallelism is not modelled yet: give "
+                           "--tp and --ep to another policy (e.g. --policy titan), or only one of them to auto")
     written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
     # groups move: FSDP2's implicit prefetching instead
     written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
