@@ -8,7 +8,10 @@ torchtitan's ``ExpertParallel`` style), then each expert module ``fully_shard``-
 The expert modules take (E, tokens per expert, dim) and give the same shape (``models/moe.py``'s
 ``GroupedExperts``): the dispatch turns one rank's (E, n, dim) into its local experts' (E / EP, EP x n, dim), the
 tokens every EP rank routed to them, wrapped as a DTensor sharded on the expert dim so the module's batched
-matmuls with its ``Shard(0)`` params run locally; the combine reverses it.
+matmuls with its ``Shard(0)`` params run locally; the combine reverses it. With TP (torchtitan's expert TP of 1)
+EP's ranks are dp_shard x tp ranks: each TP rank dispatches its 1/TP of each expert's rows and puts the combined
+ones back among the whole layer's (``TPStyle.TOKEN_SPLIT``), the MoE layer's other styles applied by ``apply_tp``
+after the experts are distributed.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ def module_parents(model: nn.Module) -> dict[str, list[str]]:
 def device_mesh(plan: Plan, device_type: str, world_size: int) -> Any:
     """The ``DeviceMesh`` the plan's layout needs on ``world_size`` ranks: 1-D for pure FSDP, 2-D
     ``(dp_replicate, dp_shard)`` for HSDP (torchtitan's names; ``fully_shard`` shards on the last dimension and
-    all-reduces grads over the first); with TP, the named dims of ``plan.mesh_dims`` with ``tp`` innermost
-    (consecutive ranks), which ``apply_plan`` splits into its data-parallel and TP meshes."""
+    all-reduces grads over the first); with TP, the named dims (dp_replicate,) dp_shard, tp with ``tp`` innermost
+    (consecutive ranks), which ``apply_plan`` splits into its data-parallel and TP meshes (EP's meshes: views of
+    the whole one, ``apply/expert_parallel.py``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     check_plan_world_size(plan, world_size)

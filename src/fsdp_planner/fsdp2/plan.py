@@ -227,7 +227,8 @@ class Plan:
 
     def mesh_dims(self, world_size: int) -> dict[str, int]:
         """The device mesh by named dim, outermost first, as torchtitan names them (``dp_replicate``, ``dp_shard``,
-        ``tp``); a dim of size 1 is left out, but a mesh always has ``dp_shard``."""
+        ``tp``; with EP, dp_shard split into ``dp_shard_mod_ep`` and ``dp_shard_in_ep``, EP's ranks being
+        dp_shard_in_ep x tp); a dim of size 1 is left out, but a mesh always has ``dp_shard``."""
         dp = self.layout(world_size)
         dims = {"dp_replicate": dp.replicate, "dp_shard": dp.shard, "tp": self.tp_degree}
         if self.ep_degree > 1:  # torchtitan's split of dp_shard: the experts' FSDP mesh, then EP's ranks (with

@@ -1,7 +1,8 @@
 """Where a plan's expert parallelism comes from: the model's grouped experts modules (each param stacked on a
 leading expert dim, as ``models/moe.py``'s ``GroupedExperts`` and transformers' experts layers hold them), the EP
-degrees that divide both their expert count and the data-parallel shard ranks, and a plan with EP applied to a
-plan without it (the experts in their own groups: ``fsdp2/expert_groups.py``)."""
+degrees that divide both their expert count and the data-parallel shard ranks (x TP with tensor parallelism: EP's
+ranks span the TP ranks, torchtitan's expert TP of 1), and a plan with EP applied to a plan without it (the
+experts in their own groups: ``fsdp2/expert_groups.py``)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,13 @@ rank's step (``EPView``), and the rest of the simulator runs FSDP2 on it:
   as nccl-tests sizes an all-to-all), costed on the EP group (consecutive ranks: ``hardware/all_to_all.py``) at
   ``skew`` times the bytes (the busiest rank receives that much). Under activation checkpointing the forward ones
   run again with the recomputation.
+
+With tensor parallelism (torchtitan's expert TP of 1), the EP view is taken of one TP rank's view
+(``tensor_parallel.tp_view``): EP's ranks are dp_shard ranks x TP ranks (consecutive), each TP rank dispatching
+its 1/TP of the routed tokens (``TPStyle.TOKEN_SPLIT``: the TP view's expert ops already run on that share), so
+EP takes EP / TP ranks of dp_shard (``Trace.ep_shard_degree``), the experts are FSDP-sharded over
+dp_shard x TP / EP ranks, and the combined rows are put back among the layer's whole rows (one op making the
+whole output, zeros for the other TP ranks' rows: the layer's output is partial over TP).
 """
 
 from __future__ import annotations

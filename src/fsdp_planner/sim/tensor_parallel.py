@@ -19,7 +19,11 @@ of the whole model into that rank's step (``TPView``):
   Linear's input gradient all-reduced without sequence parallelism; the sequence-parallel norms' weight gradients
   all-reduced (DTensor's partial gradients of replicated params); loss parallel's three all-reduces of one value
   per token (max, sum of exponentials, target logit). Under activation checkpointing the forward ones run again
-  with the recomputation, as they do for real.
+  with the recomputation, as they do for real;
+- torchtitan's MoE layer under TP with EP (``MOE_SEQUENCE``, ``REPLICATE``, ``TOKEN_SPLIT``): the layer runs on its
+  all-gathered input (the router on every token, replicated), its input's grad reduce-scattered back and its
+  partial output reduce-scattered (its grad all-gathered), the router gate's weight grads all-reduced; the experts
+  run on 1/TP of the routed tokens (the EP view, ``expert_parallel.py``, then sends them to their experts).
 
 The cluster of that view is the data-parallel one: world / TP ranks, gpus_per_node / TP a node, the same links per
 rank (each TP rank's data-parallel collectives run beside the others', on its own NIC). TP's collectives are
