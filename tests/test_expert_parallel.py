@@ -222,15 +222,16 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
         api.plan("toy-llama", cluster="h100:8", policy="titan", ep=2)
     with pytest.raises(PlannerError, match="ep"):
         api.plan(TINY, cluster="h100:8", policy="titan", ep=0)
-    # EP with TP: a classic policy's plan has both (torchtitan's MoE layout); auto's search of both is refused
+    # EP with TP: a classic policy's plan has both (torchtitan's MoE layout), auto's too (its groups screened
+    # under the EP asked for, on one TP rank's view)
+    auto_both = api.plan(TINY, cluster="h100:8", policy="auto", ep=2, tp=2)
+    assert (auto_both.ep_degree, auto_both.tp_degree, auto_both.tensor_parallel.splits_tokens) == (2, 2, True)
     both = api.plan(TINY, cluster="h100:8", policy="titan", ep=2, tp=2)
     assert (both.ep_degree, both.tp_degree, both.tensor_parallel.splits_tokens) == (2, 2, True)
     from fsdp_planner.report.step_view import step_view
 
     tr, cluster = _traced(), parse_cluster("h100:8")  # its picture: one EP rank's step of one TP rank's
     assert step_view(tr, both, cluster, BF16).report.step_time == simulate(tr, both, cluster, BF16).step_time
-    with pytest.raises(PlannerError, match="auto's search of expert parallelism with tensor parallelism"):
-        api.plan(TINY, cluster="h100:8", policy="auto", ep=2, tp=2)
     with pytest.raises(PlannerError, match="must be a multiple of 2"):
         api.plan(TINY, cluster="h100:8", policy="titan", ep=1 + 2, tp=2)
 

@@ -21,6 +21,7 @@ from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
+from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace.records import Trace
 
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
@@ -109,8 +110,9 @@ def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
     """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
     model and its shard ranks allow), its expert groups resharded after forward or kept: each simulated. The EP
     screen a search runs after choosing its groups; deterministic, 2 simulations a degree. ``views``: the EP views
-    built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step)."""
-    shard = plan.shard_size(cluster.world_size)
+    built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step). A plan with TP
+    is screened on one TP rank's view (``trace`` and ``cluster`` that view's)."""
+    shard = plan.shard_size(cluster.world_size * (plan.tp_degree if trace.tensor_parallel else 1))
     out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))] if without else []
     views = {} if views is None else views
     for degree in degrees or ep_degrees(trace, shard)[1:]:
@@ -156,9 +158,12 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), on its layout
     and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the
     one holding least, over the budget)."""
-    if result.plan.tp_degree > 1:
-        raise PlannerError("auto's search of expert parallelism with tensor parallelism is not modelled yet: give "
-                           "--tp and --ep to another policy (e.g. --policy titan), or only one of them to auto")
+    tp = result.plan.tensor_parallel
+    if tp is not None and tp.degree > 1:  # screened on one TP rank's view, EP's ranks spanning TP's
+        if not degrees:
+            raise PlannerError("auto screens expert parallelism with TP only at the degree given: add --ep")
+        view = tp_view(trace, tp, cluster)
+        trace, cluster = view.trace, view.cluster
     written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
     # groups move: FSDP2's implicit prefetching instead
     written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])

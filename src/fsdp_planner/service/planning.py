@@ -153,7 +153,7 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
                      for x in layouts) if len(layouts) > 1 else ()
     if request.tp is None or request.tp == 1:
         return ()
-    layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp)
+    layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp, request.ep or 1)
     check_layout(tr, layout, cluster, model.workload().get("seq_len"))
     for line in layout.notes:
         reporter.note(line)
