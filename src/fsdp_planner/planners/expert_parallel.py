@@ -79,7 +79,7 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
                            "): choose one of " + ", ".join(
                                str(d) for d in ep_degrees(trace, shard * tp) if d % tp == 0 and shard % (d // tp) == 0))
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
-    if plan.shard_dims and shard and tp > 1:
+    if plan.shard_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
         raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
                            "the default shard placement (dim 0)")
     if plan.shard_dims and shard:
