@@ -103,6 +103,29 @@ def test_ep_x_tp_on_more_layouts(degree: int, world: int, checkpointing: bool, r
     assert predicted == pytest.approx(measured, rel=0.05)
 
 
+def test_ep_x_tp_plan_round_trips_and_its_refusals() -> None:
+    """An EP x TP plan keeps both through JSON (its mesh dims torchtitan's: EP's group dp_shard_in_ep x tp); EP
+    whose TP layout does not split the experts' tokens, EP not a multiple of TP, or EP / TP not dividing dp_shard
+    are refused in one sentence each."""
+    from fsdp_planner.fsdp2.plan import check_plan_world_size
+    from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+    from fsdp_planner.sim.tensor_parallel import tp_view
+
+    tr, cluster = _traced(), parse_cluster("h100:8")
+    plan = _ep_plan(tr, 4, tp=2)
+    again = Plan.from_json(plan.to_json())
+    assert (again.expert_parallel, again.tensor_parallel) == (plan.expert_parallel, plan.tensor_parallel)
+    assert plan.mesh_dims(16) == {"dp_shard_mod_ep": 4, "dp_shard_in_ep": 2, "tp": 2}
+    unsplit = TensorParallel(2, {k: v for k, v in plan.tensor_parallel.layout.items() if not k.endswith("experts")})
+    with pytest.raises(PlannerError, match="split the experts' routed tokens"):
+        simulate(tr, plan.replace(tensor_parallel=unsplit), cluster, BF16)
+    assert tp_view(tr, plan.tensor_parallel, cluster).trace.tp_degree == 2
+    with pytest.raises(PlannerError, match="not a multiple of its TP degree 4"):
+        check_plan_world_size(_ep_plan(tr, 2, tp=1).replace(tensor_parallel=titan_moe_layout(4)), 8)
+    with pytest.raises(PlannerError, match="does not divide its 2 data-parallel shard ranks"):
+        check_plan_world_size(_ep_plan(tr, 8, tp=2), 4)
+
+
 def test_plan_json_round_trip_and_refusals() -> None:
     tr = _traced()
     plan = _ep_plan(tr, 4)
