@@ -16,6 +16,7 @@ from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
+from fsdp_planner.planners.tensor_parallel import titan_moe_layout
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import record
@@ -30,26 +31,32 @@ def _traced(spec: str = TINY):
     return record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
 
 
-def _ep_plan(tr, degree: int, checkpointing: bool = False) -> Plan:  # type: ignore[no-untyped-def]
+def _ep_plan(tr, degree: int, checkpointing: bool = False, tp: int = 1) -> Plan:  # type: ignore[no-untyped-def]
     plan = TorchtitanPolicy("MoEBlock").plan(tr)
     if checkpointing:
         plan = plan.replace(activation_checkpointing=[m for m in tr.modules if m.count(".") == 1])
+    if tp > 1:
+        plan = plan.replace(tensor_parallel=titan_moe_layout(tp))
     return with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, EXPERTS)), tr)
 
 
-def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: int = 1) -> tuple[int, int]:
+def _check(degree: int, world: int = 8, checkpointing: bool = False, replicate: int = 1,
+           tp: int = 1) -> tuple[int, int]:
     """The fake-world check (``run_fake_world``, which applies the plan with ``apply_plan``) beside the
-    prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective (no TP rows); under HSDP
-    (``replicate`` > 1) every group's grads all-reduced too, the experts' over dp_replicate."""
+    prediction: FSDP2's collectives and EP's all-to-alls exact, no other collective without TP (no TP rows); under
+    HSDP (``replicate`` > 1) every group's grads all-reduced too, the experts' over dp_replicate. With TP
+    (torchtitan's MoE layout, EP's ranks spanning the TP ranks) TP's collectives exact too."""
     from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
 
     tr = _traced()
-    plan = _ep_plan(tr, degree, checkpointing).replace(mesh=Mesh(replicate, world // replicate))
+    plan = _ep_plan(tr, degree, checkpointing, tp).replace(mesh=Mesh(replicate, world // replicate // tp))
     predicted = simulate(tr, plan, parse_cluster(f"h100:{world}"), BF16, timeline=False)
     measured = run_fake_world(TINY, plan, world, BF16.precision)
     rows = beside_prediction(predicted, measured)
-    assert measured.tp_counts is None  # EP adds no collective but all-to-alls
+    # EP adds no collective but all-to-alls; with TP, DTensor's (the MoE layer's input all-gathered and output
+    # reduce-scattered, the router gate's grads all-reduced) beside the attention's
+    assert (measured.tp_counts is None) == (tp == 1)
     # HSDP: every group's grads all-reduced over dp_replicate (the experts' too where their shard dim is one rank,
     # with no reduce-scatter before)
     assert measured.counts["all_reduce"] >= measured.counts["reduce_scatter"] if replicate > 1 else \
@@ -76,6 +83,47 @@ def test_ep_step_matches_real_ep_and_fsdp2(degree: int, world: int, checkpointin
     4x8 (4 x 2), EP's ranks out of dp_shard as torchtitan takes them."""
     predicted, measured = _check(degree, world, checkpointing=checkpointing, replicate=replicate)
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_ep_x_tp_step_matches_real_ep_tp_and_fsdp2() -> None:
+    """EP 4 x TP 2 on 8 fake ranks (torchtitan's expert TP 1: EP's group is 2 dp_shard ranks x 2 TP ranks, the
+    experts' FSDP mesh 4 x 2 / 4 = 2 ranks): FSDP2's, TP's and EP's collectives exact, the peak within 5%."""
+    predicted, measured = _check(4, 8, tp=2)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.integration  # real EP x TP + FSDP2 on fake ranks: seconds each
+@pytest.mark.parametrize(("degree", "world", "checkpointing", "replicate", "tp"), [
+    (2, 8, False, 1, 2), (8, 8, False, 1, 2), (4, 16, False, 1, 2), (4, 32, True, 1, 2), (8, 16, False, 1, 4),
+    (4, 16, False, 2, 2)])
+def test_ep_x_tp_on_more_layouts(degree: int, world: int, checkpointing: bool, replicate: int, tp: int) -> None:
+    """EP inside one TP group (EP 2 x TP 2: dp_shard gives none), EP over the whole world (EP 8, the experts
+    unsharded by FSDP), 16 and 32 ranks with full checkpointing, TP 4, and EP x TP under HSDP."""
+    predicted, measured = _check(degree, world, checkpointing=checkpointing, replicate=replicate, tp=tp)
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_ep_x_tp_plan_round_trips_and_its_refusals() -> None:
+    """An EP x TP plan keeps both through JSON (its mesh dims torchtitan's: EP's group dp_shard_in_ep x tp); EP
+    whose TP layout does not split the experts' tokens, EP not a multiple of TP, or EP / TP not dividing dp_shard
+    are refused in one sentence each."""
+    from fsdp_planner.fsdp2.plan import check_plan_world_size
+    from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+    from fsdp_planner.sim.tensor_parallel import tp_view
+
+    tr, cluster = _traced(), parse_cluster("h100:8")
+    plan = _ep_plan(tr, 4, tp=2)
+    again = Plan.from_json(plan.to_json())
+    assert (again.expert_parallel, again.tensor_parallel) == (plan.expert_parallel, plan.tensor_parallel)
+    assert plan.mesh_dims(16) == {"dp_shard_mod_ep": 4, "dp_shard_in_ep": 2, "tp": 2}
+    unsplit = TensorParallel(2, {k: v for k, v in plan.tensor_parallel.layout.items() if not k.endswith("experts")})
+    with pytest.raises(PlannerError, match="split the experts' routed tokens"):
+        simulate(tr, plan.replace(tensor_parallel=unsplit), cluster, BF16)
+    assert tp_view(tr, plan.tensor_parallel, cluster).trace.tp_degree == 2
+    with pytest.raises(PlannerError, match="not a multiple of its TP degree 4"):
+        check_plan_world_size(_ep_plan(tr, 2, tp=1).replace(tensor_parallel=titan_moe_layout(4)), 8)
+    with pytest.raises(PlannerError, match="does not divide its 2 data-parallel shard ranks"):
+        check_plan_world_size(_ep_plan(tr, 8, tp=2), 4)
 
 
 def test_plan_json_round_trip_and_refusals() -> None:
@@ -197,9 +245,18 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
         api.plan("toy-llama", cluster="h100:8", policy="titan", ep=2)
     with pytest.raises(PlannerError, match="ep"):
         api.plan(TINY, cluster="h100:8", policy="titan", ep=0)
-    for policy in ("titan", "auto"):  # EP with TP: refused when planning, so no plan is made that cannot be applied
-        with pytest.raises(PlannerError, match="expert parallelism with tensor parallelism is not modelled yet"):
-            api.plan(TINY, cluster="h100:8", policy=policy, ep=2, tp=2)
+    # EP with TP: a classic policy's plan has both (torchtitan's MoE layout), auto's too (its groups screened
+    # under the EP asked for, on one TP rank's view)
+    auto_both = api.plan(TINY, cluster="h100:8", policy="auto", ep=2, tp=2)
+    assert (auto_both.ep_degree, auto_both.tp_degree, auto_both.tensor_parallel.splits_tokens) == (2, 2, True)
+    both = api.plan(TINY, cluster="h100:8", policy="titan", ep=2, tp=2)
+    assert (both.ep_degree, both.tp_degree, both.tensor_parallel.splits_tokens) == (2, 2, True)
+    from fsdp_planner.report.step_view import step_view
+
+    tr, cluster = _traced(), parse_cluster("h100:8")  # its picture: one EP rank's step of one TP rank's
+    assert step_view(tr, both, cluster, BF16).report.step_time == simulate(tr, both, cluster, BF16).step_time
+    with pytest.raises(PlannerError, match="must be a multiple of 2"):
+        api.plan(TINY, cluster="h100:8", policy="titan", ep=1 + 2, tp=2)
 
 
 @pytest.mark.integration  # ~10 s: two auto searches with their EP screens and a command
@@ -268,8 +325,9 @@ def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
 @pytest.mark.integration  # CLI subprocesses: the fake-world check of an EP plan, and EP + FSDP2 on 4 gloo ranks
 def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     """``verify --ep 4 --fake-world-size 8``: every count and byte exact (EP's all-to-alls among them), the peak
-    within 5%; ``verify --ep 2 --mesh 2x2 --nproc 4`` (torchrun, gloo's all-to-all, EP x HSDP): FSDP2's collectives
-    as predicted (the experts' all-reduced over dp_replicate) and the params equal to the unsharded reference's."""
+    within 5%; ``verify --ep 2 --mesh 2x2 --nproc 4`` (torchrun, gloo's all-to-all, EP x HSDP) and ``verify --ep 2
+    --tp 2 --nproc 4`` (EP x TP): FSDP2's collectives as predicted (the experts' all-reduced over dp_replicate) and
+    the params equal to the unsharded reference's."""
     import json
     import subprocess
     import sys
@@ -289,6 +347,15 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     assert result["max_abs_diff"] <= 1e-5  # fp32: the experts' grads averaged over all 4 ranks, not EP x that
     # HSDP 2x2: the experts' shard dim is one rank (EP takes dp_shard whole), their grads all-reduced over 2
     assert result["predicted"]["all_reduce"] == result["predicted"]["reduce_scatter"] + 2
+    # EP 2 x TP 2 (torchtitan's expert TP 1: EP's pair is one TP group, each TP rank dispatching half the routed
+    # tokens): FSDP2's collectives as predicted, the params the unsharded reference's (the router gate's partial
+    # grads all-reduced over TP, the experts' averaged over the 2 data-parallel ranks)
+    r = subprocess.run([*verify, "--ep", "2", "--tp", "2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
+    assert result["max_abs_diff"] <= 1e-5
 
 
 @pytest.mark.integration  # a CLI subprocess (a few seconds)
@@ -332,23 +399,32 @@ def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
     assert scope["EP_DEGREE"] == 2 and scope["EXPERTS"] == ["layers.0.moe.experts", "layers.1.moe.experts"]
     if fmt == "torchtitan":
         assert "expert_parallel_degree=2," in source and "'--parallelism.expert_parallel_degree', '2'" in source
+    # EP x TP: both carried, the TP ranks' token split with them (torchtitan: both degrees, expert TP its default 1)
+    source = export_plan(_ep_plan(_traced(), 4, tp=2), ExportFormat(fmt))
+    scope = {"__name__": "exported"}
+    exec(compile(source.split("\n\ndef fsdp_planner_job(")[0], "exported.py", "exec"), scope)
+    assert (scope["EP_DEGREE"], scope["TP_DEGREE"], scope["EP_TOKEN_SPLIT"]) == (4, 2, 2)
+    assert scope["TP_LAYOUT"]["layers.*.moe.experts"] == "token_split"
+    if fmt == "torchtitan":
+        assert "expert_parallel_degree=4," in source and "tensor_parallel_degree=2," in source
     plan = _ep_plan(_traced(), 2)
     with pytest.raises(PlannerError, match="prefetch"):
         export_plan(plan.with_group(1, forward_prefetch=[3]), ExportFormat(fmt))
 
 
 @pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
-@pytest.mark.parametrize("replicate", [1, 2])
-def test_exported_apply_shards_as_apply_plan_does(replicate: int) -> None:
-    """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4 or HSDP 2x2) leaves every param with the placements,
-    local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced mesh, under
-    HSDP Replicate over dp_replicate), and a step runs."""
+@pytest.mark.parametrize(("replicate", "tp"), [(1, 1), (2, 1), (1, 2)])
+def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int) -> None:
+    """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4, HSDP 2x2 or FSDP 2 x TP 2) leaves every param with the
+    placements, local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced
+    mesh, under HSDP Replicate over dp_replicate; with TP, the router gate replicated over tp), and a step runs."""
     from fsdp_planner.apply.export import ExportFormat, export_plan
     from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.apply.tensor_parallel import loss_context
     from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import fake_process_group
 
-    plan = _ep_plan(_traced(), 2).replace(mesh=Mesh(replicate, 4 // replicate))
+    plan = _ep_plan(_traced(), 2, tp=tp).replace(mesh=Mesh(replicate, 4 // replicate // tp))
     scope: dict = {"__name__": "exported"}
     exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
     shards = []
@@ -358,10 +434,14 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int) -> None:
             shard(lm.model)
             shards.append({n: (p.placements, tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
                            for n, p in lm.model.named_parameters()})
-            lm.loss_fn(lm.model(*lm.example_inputs)).backward()
+            with loss_context(plan):
+                lm.loss_fn(lm.model(*lm.example_inputs)).backward()
     assert shards[0] == shards[1]
     placements, local, dims = shards[0]["layers.0.moe.experts.w1"]
-    if replicate == 1:
+    if tp > 1:  # EP's pair is one TP group: the experts' FSDP mesh the 2 TP groups, the gate replicated over tp
+        assert dims == ("dp_shard_mod_ep", "ep") and local[0] == 8 // 2 // 2
+        assert shards[0]["layers.0.moe.router.gate.weight"][2] == ("dp_shard", "tp")
+    elif replicate == 1:
         assert len(placements) == 2 and dims == ("dp_shard_mod_ep", "ep")  # FSDP's Shard(0) over 2, EP's over 2
         assert local[0] == 8 // 2 // 2
     else:  # HSDP: the experts replicated over dp_replicate, sharded over dp_shard / EP = 1 rank, EP's Shard(0)
@@ -382,15 +462,28 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     from fsdp_planner import api
 
     assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
-    # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP refused before any plan is made
+    # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP kept (EP's ranks out of dp_shard x tp),
+    # an EP degree that is no multiple of TP's or an expert TP above 1 refused before any plan is made
     job.write_text("[parallelism]\nexpert_parallel_degree = 4\ndata_parallel_replicate_degree = 2\n"
                    "[activation_checkpoint]\nmode = \"none\"\n")
     args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
                                                     "h100:8", "--policy", "titan"]))
     assert (args.ep, args.mesh) == (4, "2x4")
-    job.write_text("[parallelism]\nexpert_parallel_degree = 2\ntensor_parallel_degree = 2\n")
-    with pytest.raises(PlannerError, match=r"tensor parallelism \(TP 2\) is not modelled yet"):
-        configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))
+    job.write_text("[parallelism]\nexpert_parallel_degree = 4\ntensor_parallel_degree = 2\n"
+                   "[activation_checkpoint]\nmode = \"none\"\n")
+    args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                    "h100:8", "--policy", "titan"]))
+    assert (args.ep, args.tp) == (4, 2)
+    plan = api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep, tp=args.tp)
+    assert (plan.ep_degree, plan.tp_degree) == (4, 2)
+    assert plan.mesh_dims(8) == {"dp_shard_mod_ep": 2, "dp_shard_in_ep": 2, "tp": 2}
+    for keys, match in (("expert_parallel_degree = 2\ntensor_parallel_degree = 4\n", "not a multiple"),
+                        ("expert_parallel_degree = 2\ntensor_parallel_degree = 2\nexpert_tensor_parallel_degree = 2\n",
+                         "expert TP 1 only")):
+        job.write_text(f"[parallelism]\n{keys}")
+        with pytest.raises(PlannerError, match=match):
+            configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                  "h100:8"]))
     job.write_text("[parallelism]\nexpert_parallel_degree = 3\n")
     with pytest.raises(PlannerError, match="expert_parallel_degree = 3 does not divide"):
         configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster", "h100:8"]))

@@ -8,7 +8,10 @@ torchtitan's ``ExpertParallel`` style), then each expert module ``fully_shard``-
 The expert modules take (E, tokens per expert, dim) and give the same shape (``models/moe.py``'s
 ``GroupedExperts``): the dispatch turns one rank's (E, n, dim) into its local experts' (E / EP, EP x n, dim), the
 tokens every EP rank routed to them, wrapped as a DTensor sharded on the expert dim so the module's batched
-matmuls with its ``Shard(0)`` params run locally; the combine reverses it.
+matmuls with its ``Shard(0)`` params run locally; the combine reverses it. With TP (torchtitan's expert TP of 1)
+EP's ranks are dp_shard x tp ranks: each TP rank dispatches its 1/TP of each expert's rows and puts the combined
+ones back among the whole layer's (``TPStyle.TOKEN_SPLIT``), the MoE layer's other styles applied by ``apply_tp``
+after the experts are distributed.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 
 
-def _dispatch(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
-    """(E, n, dim) routed rows on this rank -> its E / EP experts' rows from every EP rank, Shard(0) on ``ep``."""
+def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tuple:
+    """(E, n, dim) routed rows on this rank -> its E / EP experts' rows from every EP rank, Shard(0) on ``ep``.
+    ``split`` > 1 (EP x TP): this TP rank's 1/``split`` of each expert's rows only (the TP ranks are the innermost
+    of EP's, so a rank's place among its TP group is its EP rank mod ``split``)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
     from torch.distributed.tensor import DTensor, Shard
 
@@ -35,14 +40,22 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
         raise PlannerError(f"{type(module).__name__} takes a {x.dim()}-D input, and expert parallelism is applied "
                            "to experts taking (experts, tokens per expert, dim) only (models/moe.py's "
                            "GroupedExperts, torchtitan's); this model's experts are simulated with EP, not run")
+    if split > 1:
+        if x.shape[1] % split:
+            raise PlannerError(f"EP with TP {split} splits each expert's {x.shape[1]} routed tokens over the TP ranks: "
+                               f"give a batch x sequence x top-k / experts that is a multiple of {split}")
+        rows = x.shape[1] // split
+        at = mesh.get_local_rank() % split * rows
+        x = x[:, at:at + rows]
     e, n, dim = x.shape
     got = all_to_all_single_autograd(x.contiguous().view(e * n, dim), None, None, mesh)
     local = got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim)
     return (DTensor.from_local(local, mesh, [Shard(0)], run_check=False), *rest)
 
 
-def _combine(module: nn.Module, out: Any, mesh: Any) -> torch.Tensor:
-    """The experts' (E / EP, EP x n, dim) rows back to the ranks that routed them: (E, n, dim)."""
+def _combine(module: nn.Module, out: Any, mesh: Any, split: int = 1) -> torch.Tensor:
+    """The experts' (E / EP, EP x n, dim) rows back to the ranks that routed them: (E, n, dim); ``split`` > 1:
+    put among the whole layer's rows, zeros for the other TP ranks' (the layer's output is partial over TP)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     local = out.to_local()
@@ -50,8 +63,22 @@ def _combine(module: nn.Module, out: Any, mesh: Any) -> torch.Tensor:
     e_local, rows, dim = local.shape
     n = rows // ep
     sent = local.view(e_local, ep, n, dim).transpose(0, 1).reshape(ep * e_local * n, dim)
-    back = all_to_all_single_autograd(sent, None, None, mesh)
-    return back.view(ep * e_local, n, dim)
+    back = all_to_all_single_autograd(sent, None, None, mesh).view(ep * e_local, n, dim)
+    if split == 1:
+        return back
+    at = mesh.get_local_rank() % split
+    return torch.nn.functional.pad(back, (0, 0, at * n, (split - 1 - at) * n))
+
+
+def _hooks(split: int) -> tuple[Any, Any]:
+    """The dispatch and combine as ``distribute_module`` takes them (three arguments each) for ``split``."""
+    def dispatch(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+        return _dispatch(module, inputs, mesh, split)
+
+    def combine(module: nn.Module, out: Any, mesh: Any) -> torch.Tensor:
+        return _combine(module, out, mesh, split)
+
+    return dispatch, combine
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: Any) -> None:
@@ -71,12 +98,16 @@ def expert_parallel_meshes(plan: Plan, mesh: Any) -> tuple[Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     ep, world = plan.ep_degree, mesh.size()
-    if plan.tp_degree > 1:
-        raise PlannerError("applying expert parallelism with TP is not supported yet: plan FSDP or HSDP x EP")
-    replicate = mesh.size(0) if mesh.ndim == 2 else 1
-    if mesh.ndim > 2 or (world // replicate) % ep:
+    names = tuple(mesh.mesh_dim_names or ())
+    if plan.tp_degree > 1:  # the whole mesh, tp among its named dims: EP's ranks out of dp_shard x tp
+        replicate = mesh["dp_replicate"].size() if "dp_replicate" in names else 1
+    else:
+        replicate = mesh.size(0) if mesh.ndim == 2 else 1
+        if mesh.ndim > 2:
+            raise PlannerError("expert parallelism without TP shards over a 1-D or (dp_replicate, dp_shard) mesh")
+    if (world // replicate) % ep:
         raise PlannerError(f"the plan's expert-parallel degree {ep} does not divide the {world // replicate} "
-                           "data-parallel shard ranks of the mesh (EP's ranks come out of dp_shard)")
+                           "data-parallel shard ranks of the mesh (EP's ranks come out of dp_shard, x tp with TP)")
     whole = init_device_mesh(mesh.device_type, (world,), mesh_dim_names=("world",))
     sparse = whole._unflatten(0, (replicate, world // replicate // ep, ep), ("dp_replicate", "dp_shard_mod_ep", "ep"))
     return (sparse["dp_replicate", "dp_shard_mod_ep"] if replicate > 1 else sparse["dp_shard_mod_ep"]), sparse["ep"]
@@ -111,13 +142,14 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
     dp_mod_ep, ep = expert_parallel_meshes(plan, mesh)
     shard = dp_mod_ep.size(dp_mod_ep.ndim - 1)  # the experts' shard dim (after dp_replicate under HSDP)
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
+    split = plan.tp_degree  # EP x TP: each TP rank dispatches its 1/TP of the routed tokens (TPStyle.TOKEN_SPLIT)
     for name in experts:
-        distribute_module(modules[name], ep, _shard_experts, _dispatch, _combine)
+        distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, shard))
         # an expert's grad sums the tokens of every EP rank too: averaged over all data-parallel ranks, not only
         # the EP-reduced mesh FSDP2 reduces over (else it is EP x the unsharded run's)
-        modules[name].set_gradient_divide_factor(float(mesh.size()))
+        modules[name].set_gradient_divide_factor(float(mesh.size() // plan.tp_degree))  # TP ranks share a batch
         # gloo has no PREMUL_SUM for the factor: SUM, then a local divide (not on a shard dim of one rank, where
         # FSDP2 divides its copy already and would divide again)
         if shard > 1 and dist.get_backend(ep.get_group()) == "gloo":

@@ -522,15 +522,23 @@ def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
 
 
 def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """``parallelize_module`` over ``tp_mesh`` with each TP_LAYOUT style as torch names it."""
+    """``parallelize_module`` over ``tp_mesh`` with each TP_LAYOUT style as torch names it; torchtitan's MoE
+    styles, which no torch style stands for, with ``distribute_module`` (token_split: by EP's dispatch)."""
     modules = dict(model.named_modules())
-    plan = {}
+    styles = {}
     for pattern, style in TP_LAYOUT.items():
         hits = [n for n in modules if _matches(pattern, n)]
         if not hits:
             raise ValueError(f"TP_LAYOUT names {pattern!r}, which matches no module of this model")
-        plan.update({n: _tp_style(style, modules[n]) for n in hits})
-    parallelize_module(model, tp_mesh, plan)
+        styles.update(dict.fromkeys(hits, style))
+    moe = ("moe_sequence", "replicate", "token_split")
+    parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n]) for n, s in styles.items() if s not in moe})
+    for name, style in styles.items():
+        if style == "moe_sequence":  # the MoE layer: input all-gathered, partial output reduce-scattered
+            # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)
+            distribute_module(modules[name], tp_mesh, None, _moe_input, _moe_output)
+        elif style == "replicate":  # the router gate: replicated, its output's grad partial
+            distribute_module(modules[name], tp_mesh, None, _replicated_input, _replicated_output)
     if ASYNC_TP:  # torchtitan's switch: the all-gathers and reduce-scatters fused with their matmuls by compile
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -558,6 +566,29 @@ def _tp_style(style: str, module: nn.Module) -> Any:
     }[style]()
 
 
+def _moe_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """The MoE layer's first input all-gathered from its sequence shard; its grad, partial, reduce-scattered."""
+    x, *rest = inputs
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return (x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()]), *rest)
+
+
+def _moe_output(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The MoE layer's partial output (each TP rank's experts' tokens) reduce-scattered onto the sequence dim."""
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
+def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    x, *rest = inputs
+    return (DTensor.from_local(x, mesh, [Replicate()], run_check=False, grad_placements=[Partial()]), *rest)
+
+
+def _replicated_output(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Local, its grad partial: the weight's grad partial, all-reduced over TP by FSDP2."""
+    return out.to_local(grad_placements=[Partial()])
+
+
 def _matches(pattern: str, name: str) -> bool:
     parts, atoms = name.split("."), pattern.split(".")
     return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
@@ -572,7 +603,7 @@ TP_IMPORTS = """import contextlib
 import fnmatch
 import inspect
 
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -608,8 +639,12 @@ def split_expert_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh, DeviceM
     for the other groups; for the experts, the dp_shard ranks holding the same experts (EP_DEGREE apart), under
     HSDP also over dp_replicate; EP's, consecutive ranks out of dp_shard (torchtitan's sparse mesh)."""
     world = mesh.size()
-    replicate = mesh.size(0) if mesh.ndim == 2 else 1
-    if mesh.ndim > 2 or (world // replicate) % EP_DEGREE:
+    names = mesh.mesh_dim_names or ()
+    if EP_TOKEN_SPLIT > 1:  # the whole mesh, before TP's split: EP's ranks out of dp_shard x tp
+        replicate = mesh["dp_replicate"].size() if "dp_replicate" in names else 1
+    else:
+        replicate = mesh.size(0) if mesh.ndim == 2 else 1
+    if (mesh.ndim > 2 and EP_TOKEN_SPLIT == 1) or (world // replicate) % EP_DEGREE:
         raise ValueError(f"this plan has expert parallelism of degree {EP_DEGREE}: give a 1-D or (dp_replicate, "
                          f"dp_shard) mesh whose shard size it divides, got {mesh.ndim} dims of {world} ranks")
     whole = init_device_mesh(mesh.device_type, (world,), mesh_dim_names=("world",))
@@ -643,6 +678,10 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         raise ValueError(f"{type(module).__name__} takes a {x.dim()}-D input: expert parallelism here needs experts "
                          "taking (experts, tokens per expert, dim)")
     ep = mesh.size()
+    if EP_TOKEN_SPLIT > 1:  # this TP rank's share of each expert's rows (TP ranks: the innermost of EP's)
+        rows = x.shape[1] // EP_TOKEN_SPLIT
+        at = mesh.get_local_rank() % EP_TOKEN_SPLIT * rows
+        x = x[:, at:at + rows]
     e, n, dim = x.shape
     got = all_to_all_single_autograd(x.contiguous().view(e * n, dim), None, None, mesh)
     local = got.view(ep, e // ep, n, dim).transpose(0, 1).reshape(e // ep, ep * n, dim)
@@ -658,7 +697,11 @@ def _combine(module: nn.Module, out: Any, mesh: DeviceMesh) -> torch.Tensor:
     e_local, rows, dim = local.shape
     n = rows // ep
     sent = local.view(e_local, ep, n, dim).transpose(0, 1).reshape(ep * e_local * n, dim)
-    return all_to_all_single_autograd(sent, None, None, mesh).view(ep * e_local, n, dim)
+    back = all_to_all_single_autograd(sent, None, None, mesh).view(ep * e_local, n, dim)
+    if EP_TOKEN_SPLIT == 1:
+        return back
+    at = mesh.get_local_rank() % EP_TOKEN_SPLIT  # among the whole layer's rows, zeros for the other TP ranks'
+    return torch.nn.functional.pad(back, (0, 0, at * n, (EP_TOKEN_SPLIT - 1 - at) * n))
 '''
 # with EP, torchtitan's world mesh is taken whole: the plan's own (dp, dp_shard_mod_ep, ep) meshes are built from
 # its ranks, as apply_plan builds them
@@ -679,7 +722,7 @@ EP_SPLIT = """    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: th
             expert_parallel(modules[names[0]], ep_mesh)
             fully_shard(modules[names[0]], mesh=expert_mesh, reshard_after_forward=reshard, **expert_kwargs)
             # its grad sums every EP rank's tokens: averaged over all data-parallel ranks, as the other groups'
-            modules[names[0]].set_gradient_divide_factor(float(mesh.size()))
+            modules[names[0]].set_gradient_divide_factor(float(mesh.size() // EP_TOKEN_SPLIT))  # TP's share a batch
             # gloo has no PREMUL_SUM: SUM, then divide (not over a shard dim of one rank: FSDP2 divides that copy)
             if expert_mesh.size(expert_mesh.ndim - 1) > 1 and dist.get_backend(ep_mesh.get_group()) == "gloo":
                 modules[names[0]].set_force_sum_reduction_for_comms(True)
@@ -688,8 +731,9 @@ GROUP_LINE = "        names, reshard = GROUPS[i]\n"
 EP_SKIP = """        if names[0] in EXPERTS:  # sharded above
             continue
 """
-EP_CONSTANTS = """EP_DEGREE: int = {degree}  # expert parallelism: EP ranks out of dp_shard (consecutive ranks)
+EP_CONSTANTS = """EP_DEGREE: int = {degree}  # expert parallelism: EP ranks out of dp_shard (x tp), consecutive ranks
 EXPERTS: list[str] = {experts}  # grouped experts modules, each a group of its own: params Shard(0) over ep
+EP_TOKEN_SPLIT: int = {split}  # with TP: the TP ranks each dispatch their 1/TP of the routed tokens (expert TP 1)
 """
 
 
@@ -706,8 +750,15 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
         raise PlannerError("the plan's expert-parallel modules are not groups of their own: expert parallelism "
                            "shards each over the EP-reduced mesh (fsdp2/expert_groups.with_expert_groups)")
     modules_line = "    modules = dict(model.named_modules())\n"
-    body = body.replace(modules_line, modules_line + EP_SPLIT, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
-    return constants + EP_CONSTANTS.format(degree=py_literal(ep.degree), experts=py_literal(experts)), body + EP_TAIL
+    split = EP_SPLIT
+    if plan.tp_degree > 1:  # the experts over the whole mesh first (as apply_plan: TP's styles replicate every
+        # param not yet distributed), then TP, then the other groups over the mesh's dp dims
+        assert TP_APPLY_LINE + TP_SPLIT in body
+        body = body.replace(TP_APPLY_LINE + TP_SPLIT, TP_APPLY_LINE, 1)
+        split += TP_SPLIT
+    body = body.replace(modules_line, modules_line + split, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
+    return constants + EP_CONSTANTS.format(degree=py_literal(ep.degree), experts=py_literal(experts),
+                                           split=py_literal(plan.tp_degree)), body + EP_TAIL
 
 
 def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],
@@ -735,14 +786,13 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         constants += f"FP32_GROUPS: list[int] = {py_literal(fp32)}  # groups computing in fp32 (full_precision)\n"
         body = body.replace(GROUP_SHARD, FP32_GROUP_SHARD).replace(GROUP_ORDER, FP32_GROUP_ORDER)
         tails += FP32_TAIL
+    tail = TAILS[fmt]
     if plan.tensor_parallel is not None:
         header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel)
         tail = TP_TAILS.get(fmt, TAILS[fmt])
-    elif plan.expert_parallel is not None:
+    if plan.expert_parallel is not None:  # with TP: after TP's split of the mesh, which it keeps whole for EP
         constants, body = with_expert_parallel(plan, constants, body)
-        tail = EP_TAILS.get(fmt, TAILS[fmt])
-    else:
-        tail = TAILS[fmt]
+        tail = tail if plan.tensor_parallel is not None else EP_TAILS.get(fmt, TAILS[fmt])
     if plan.float8 is not None:  # after TP's mesh split: the conversion runs before parallelize_module
         constants += float8_constants(plan.float8)
         body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + FLOAT8_LINE)

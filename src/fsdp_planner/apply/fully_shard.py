@@ -34,13 +34,16 @@ def module_parents(model: nn.Module) -> dict[str, list[str]]:
 def device_mesh(plan: Plan, device_type: str, world_size: int) -> Any:
     """The ``DeviceMesh`` the plan's layout needs on ``world_size`` ranks: 1-D for pure FSDP, 2-D
     ``(dp_replicate, dp_shard)`` for HSDP (torchtitan's names; ``fully_shard`` shards on the last dimension and
-    all-reduces grads over the first); with TP, the named dims of ``plan.mesh_dims`` with ``tp`` innermost
-    (consecutive ranks), which ``apply_plan`` splits into its data-parallel and TP meshes."""
+    all-reduces grads over the first); with TP, the named dims (dp_replicate,) dp_shard, tp with ``tp`` innermost
+    (consecutive ranks), which ``apply_plan`` splits into its data-parallel and TP meshes (EP's meshes: views of
+    the whole one, ``apply/expert_parallel.py``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     check_plan_world_size(plan, world_size)
-    if plan.tensor_parallel is not None:
-        dims = plan.mesh_dims(world_size)
+    if plan.tensor_parallel is not None:  # EP's meshes are views of this one (apply/expert_parallel.py)
+        dp = plan.layout(world_size)
+        dims = {"dp_replicate": dp.replicate, "dp_shard": dp.shard, "tp": plan.tp_degree}
+        dims = {k: v for k, v in dims.items() if v > 1 or k != "dp_replicate"}
         return init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
     mesh = plan.layout(world_size)
     if mesh.replicate == 1:
@@ -94,13 +97,13 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
 
         device_type = next((p.device.type for p in model.parameters()), "cpu")
         mesh = device_mesh(plan, device_type, dist.get_world_size())
-    if plan.expert_parallel is not None:  # the experts first, on meshes of their own; the rest as without EP
-        plan = shard_experts(model, plan, mesh, mp_policy, offload_policy)
+    expert_parallel = plan.expert_parallel is not None  # the experts first, on meshes of their own (before TP)
+    plan = shard_experts(model, plan, mesh, mp_policy, offload_policy) if expert_parallel else plan
     mesh, tp_mesh = split_mesh(mesh, plan)
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
     apply_float8(model, plan.float8)  # before TP and fully_shard, as torchtitan's converter
     if plan.tensor_parallel is not None:
-        apply_tp(model, plan.tensor_parallel, tp_mesh)
+        apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel)
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
     # before fully_shard, as torchtitan does
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)

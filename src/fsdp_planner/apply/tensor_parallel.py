@@ -60,20 +60,79 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module) -> Any:
                               input_kwarg_layouts={}, desired_input_kwarg_layouts={})
 
 
+# the MoE styles (torchtitan's own, no torch style stands for them): applied with ``distribute_module`` here, the
+# experts' token split by EP's dispatch and combine (apply/expert_parallel.py)
+MOE_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT)
+
+
 def torch_plan(model: nn.Module, tp: TensorParallel) -> dict[str, Any]:
     """``parallelize_module``'s plan: each module the layout matches (by canonical name) -> its torch style."""
     modules = dict(model.named_modules())
     return {name: torch_style(style, tp.loss_parallel, modules[name])
-            for name, style in tp.styles(modules).items()}
+            for name, style in tp.styles(modules).items() if style not in MOE_STYLES}
 
 
-def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None:
-    """``parallelize_module`` over ``tp_mesh`` (1-D, the TP degree ranks): params become DTensors sharded over it."""
+def _gathered(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+    """An MoE layer's first input all-gathered from its sequence shard; its grad comes back partial (the router's
+    and the TP rank's own experts' share) and is reduce-scattered onto the sequence shard."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    x, *rest = inputs
+    if not isinstance(x, DTensor):  # a sequence-parallel norm's output is one already
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    whole = x.redistribute(mesh, [Replicate()])
+    return (whole.to_local(grad_placements=[Partial()]), *rest)
+
+
+def _scattered(module: nn.Module, out: Any, mesh: Any) -> Any:
+    """An MoE layer's partial output (each TP rank's experts' tokens) summed and reduce-scattered onto the sequence
+    dim; its grad all-gathered back."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
+def _replicated_in(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+    """The router gate's input, whole on every TP rank; its grad left partial (summed where the layer's is)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    x, *rest = inputs
+    return (DTensor.from_local(x, mesh, [Replicate()], run_check=False, grad_placements=[Partial()]), *rest)
+
+
+def _replicated_out(module: nn.Module, out: Any, mesh: Any) -> Any:
+    """The router gate's output as a local tensor whose grad is partial: the weight's grad is then partial, and
+    FSDP2 all-reduces it over TP into the replicated param's."""
+    from torch.distributed.tensor import Partial
+
+    return out.to_local(grad_placements=[Partial()])
+
+
+def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None:
+    """The layout's MoE layers and router gates over ``tp_mesh`` (``MOE_STYLES``; their params replicated)."""
+    from torch.distributed.tensor import distribute_module
+
+    modules = dict(model.named_modules())
+    for name, style in tp.styles(modules).items():
+        if style is TPStyle.MOE_SEQUENCE:
+            # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)
+            distribute_module(modules[name], tp_mesh, None, _gathered, _scattered)
+        elif style is TPStyle.REPLICATE:
+            distribute_module(modules[name], tp_mesh, None, _replicated_in, _replicated_out)
+
+
+def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel: bool = False) -> None:
+    """``parallelize_module`` over ``tp_mesh`` (1-D, the TP degree ranks): params become DTensors sharded over it.
+    A layout that splits the experts' tokens needs ``expert_parallel`` (EP's dispatch splits them)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.size() != tp.degree:
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
+    if tp.splits_tokens and not expert_parallel:
+        raise PlannerError("the tensor-parallel style token_split splits the experts' routed tokens for expert "
+                           "parallelism's dispatch: give the plan expert parallelism too, or leave the style out")
     parallelize_module(model, tp_mesh, torch_plan(model, tp))
+    apply_moe_styles(model, tp, tp_mesh)
 
 
 def split_mesh(mesh: Any, plan: Plan) -> tuple[Any, Any]:

@@ -7,7 +7,9 @@ to an expert are sent to the rank that holds it by an all-to-all before the expe
 after (torchtitan's ``ExpertParallel``: ``all_to_all_single_autograd``, so backward runs both again, reversed).
 Then each expert module is ``fully_shard``-ed alone over the data-parallel ranks that hold the same experts (the
 EP-reduced mesh, torchtitan's ``dp_shard_mod_ep``: dp_shard / ep ranks, ep apart), and the rest of the model over
-the whole data-parallel mesh as without EP. EP's ranks come out of ``dp_shard`` (innermost, consecutive ranks).
+the whole data-parallel mesh as without EP. EP's ranks come out of ``dp_shard`` (innermost, consecutive ranks);
+with tensor parallelism out of dp_shard x tp (torchtitan's expert TP of 1: EP a multiple of TP, each TP rank
+dispatching its 1/TP of the routed tokens, the experts sharded over dp_shard x tp / ep ranks).
 
 This module holds the EP part of a plan and its JSON form; what it does to a step is ``sim/expert_parallel.py``.
 Module names are patterns as for tensor parallelism (``layers.*.moe.experts``; ``tensor_parallel.matches``).

@@ -214,6 +214,12 @@ class Plan:
     def ep_degree(self) -> int:
         return self.expert_parallel.degree if self.expert_parallel is not None else 1
 
+    @property
+    def ep_shard_degree(self) -> int:
+        """EP's ranks out of dp_shard: with TP, EP's ranks span the TP ranks too (torchtitan's expert TP of 1), so
+        EP / TP of them."""
+        return max(1, self.ep_degree // self.tp_degree)
+
     def layout(self, world_size: int) -> Mesh:
         """The plan's data-parallel mesh on ``world_size`` ranks in all (``check_plan_world_size`` has checked they
         agree): its mesh, or pure FSDP over the ranks TP leaves (``world_size`` / the TP degree)."""
@@ -221,11 +227,13 @@ class Plan:
 
     def mesh_dims(self, world_size: int) -> dict[str, int]:
         """The device mesh by named dim, outermost first, as torchtitan names them (``dp_replicate``, ``dp_shard``,
-        ``tp``); a dim of size 1 is left out, but a mesh always has ``dp_shard``."""
+        ``tp``; with EP, dp_shard split into ``dp_shard_mod_ep`` and ``dp_shard_in_ep``, EP's ranks being
+        dp_shard_in_ep x tp); a dim of size 1 is left out, but a mesh always has ``dp_shard``."""
         dp = self.layout(world_size)
         dims = {"dp_replicate": dp.replicate, "dp_shard": dp.shard, "tp": self.tp_degree}
-        if self.ep_degree > 1:  # torchtitan's split of dp_shard: the experts' FSDP mesh, then EP's ranks
-            ep = self.ep_degree
+        if self.ep_degree > 1:  # torchtitan's split of dp_shard: the experts' FSDP mesh, then EP's ranks (with
+            # TP: EP's group is dp_shard_in_ep x tp)
+            ep = self.ep_shard_degree
             dims = {"dp_replicate": dp.replicate, "dp_shard_mod_ep": dp.shard // ep, "dp_shard_in_ep": ep,
                     "tp": self.tp_degree}
             return {k: v for k, v in dims.items() if v > 1 or k.startswith("dp_shard")}
@@ -544,10 +552,14 @@ def check_plan_world_size(plan: Plan, world_size: int) -> None:
                            f"{world_size}: a plan file keeps the mesh it was made for (make it again for "
                            f"{world_size} ranks), a --mesh REPLICATExSHARD needs a product of {world_size // tp}")
     shard = plan.shard_size(world_size)
-    if shard % plan.ep_degree:
-        raise PlannerError(f"the plan's expert-parallel degree {plan.ep_degree} does not divide its {shard} "
-                           "data-parallel shard ranks (EP's ranks come out of dp_shard): choose an EP degree that "
-                           "divides them")
+    if plan.ep_degree > 1 and plan.ep_degree % tp:
+        raise PlannerError(f"the plan's expert-parallel degree {plan.ep_degree} is not a multiple of its TP degree "
+                           f"{tp}: EP's ranks span the TP ranks (torchtitan's expert TP of 1)")
+    if shard % plan.ep_shard_degree:
+        what = f"degree {plan.ep_degree}" if tp == 1 else f"degree {plan.ep_degree} / TP {tp}"
+        raise PlannerError(f"the plan's expert-parallel {what} does not divide its {shard} data-parallel shard "
+                           "ranks (EP's ranks come out of dp_shard" + (" x tp" if tp > 1 else "") + "): choose an "
+                           "EP degree that divides them")
     where = "world size" if plan.mesh is None or plan.mesh.replicate == 1 else "shard size"
     for i, g in enumerate(plan.groups):
         raf = g.reshard_after_forward

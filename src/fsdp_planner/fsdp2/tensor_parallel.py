@@ -46,12 +46,22 @@ class TPStyle(Enum):
     GATHER_INPUT = "gather_input"  # PrepareModuleInput(input_layouts=(Shard(1), None...), desired_input_layouts=
     # (Replicate(), None...)): the module's first input all-gathered from its sequence shard (SP: the attention and
     # feed-forward modules, before their colwise Linears)
+    # Under expert parallelism (torchtitan's MoE layout with expert TP 1: EP's ranks span the TP ranks):
+    MOE_SEQUENCE = "moe_sequence"  # PrepareModuleInputOutput(input_layouts=Shard(1), desired_input_layouts=
+    # Replicate(), output_layouts=Partial(), desired_output_layouts=Shard(1)): an MoE layer's input all-gathered
+    # from its sequence shard (its grad, partial, reduce-scattered back) and its partial output reduce-scattered
+    # onto the sequence dim
+    REPLICATE = "replicate"  # torchtitan's NoParallel (the router's gate): params replicated over TP, run on the
+    # whole input, its output's grad partial (each TP rank's experts see their own tokens): the weight's grads
+    # all-reduced over TP, the input's passed on partial
+    TOKEN_SPLIT = "token_split"  # torchtitan's ReordererSequenceParallel (the experts): each TP rank sends only
+    # its 1/TP of the routed tokens to EP's dispatch, and gets only those back (its output partial); with EP only
 
     @property
     def sequence_parallel(self) -> bool:
         """Whether the style keeps activations sharded on the sequence dim around it."""
         return self in (TPStyle.ROWWISE_SEQUENCE, TPStyle.SEQUENCE_COLWISE, TPStyle.EMBEDDING_SEQUENCE,
-                        TPStyle.SEQUENCE_PARALLEL, TPStyle.GATHER_INPUT)
+                        TPStyle.SEQUENCE_PARALLEL, TPStyle.GATHER_INPUT, TPStyle.MOE_SEQUENCE)
 
 
 TP_STYLE_NAMES = tuple(s.value for s in TPStyle)
@@ -103,6 +113,12 @@ class TensorParallel:
         if self.async_tp:
             d["async_tp"] = True
         return d
+
+    @property
+    def splits_tokens(self) -> bool:
+        """Whether the layout splits the routed tokens of its experts over the TP ranks (``TOKEN_SPLIT``): EP's
+        ranks then span the TP ranks (torchtitan's expert TP of 1)."""
+        return TPStyle.TOKEN_SPLIT in self.layout.values()
 
     def signature(self) -> tuple:
         return self.degree, tuple(self.layout.items()), self.loss_parallel, self.async_tp

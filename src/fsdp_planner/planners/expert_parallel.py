@@ -1,7 +1,8 @@
 """Where a plan's expert parallelism comes from: the model's grouped experts modules (each param stacked on a
 leading expert dim, as ``models/moe.py``'s ``GroupedExperts`` and transformers' experts layers hold them), the EP
-degrees that divide both their expert count and the data-parallel shard ranks, and a plan with EP applied to a
-plan without it (the experts in their own groups: ``fsdp2/expert_groups.py``)."""
+degrees that divide both their expert count and the data-parallel shard ranks (x TP with tensor parallelism: EP's
+ranks span the TP ranks, torchtitan's expert TP of 1), and a plan with EP applied to a plan without it (the
+experts in their own groups: ``fsdp2/expert_groups.py``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
+from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace.records import Trace
 
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
@@ -67,11 +69,19 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
     if not experts:
         raise PlannerError("expert parallelism needs grouped experts modules (params stacked on an expert dim, a "
                            "class named ...Experts); this model has none")
-    if shard and shard % degree:
-        raise PlannerError(f"expert parallelism of degree {degree} does not divide the {shard} data-parallel shard "
-                           f"ranks (EP's ranks come out of dp_shard): choose one of "
-                           f"{', '.join(map(str, ep_degrees(trace, shard)))}")
+    tp = plan.tp_degree
+    if tp > 1 and degree % tp:
+        raise PlannerError(f"expert parallelism of degree {degree} with TP {tp}: EP's ranks span the TP ranks "
+                           f"(torchtitan's expert TP of 1), so the EP degree must be a multiple of {tp}")
+    if shard and shard % (degree // tp):
+        raise PlannerError(f"expert parallelism of degree {degree} does not divide the {shard * tp} data-parallel "
+                           "shard x TP ranks (EP's ranks come out of dp_shard" + (" x tp" if tp > 1 else "") +
+                           "): choose one of " + ", ".join(
+                               str(d) for d in ep_degrees(trace, shard * tp) if d % tp == 0 and shard % (d // tp) == 0))
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
+    if plan.shard_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
+        raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
+                           "the default shard placement (dim 0)")
     if plan.shard_dims and shard:
         out = out.replace(shard_dims=shard_dims(ep_view(trace, out).trace, shard, ShardPlacement.AUTO))
     return out
@@ -100,8 +110,9 @@ def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
     """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
     model and its shard ranks allow), its expert groups resharded after forward or kept: each simulated. The EP
     screen a search runs after choosing its groups; deterministic, 2 simulations a degree. ``views``: the EP views
-    built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step)."""
-    shard = plan.shard_size(cluster.world_size)
+    built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step). A plan with TP
+    is screened on one TP rank's view (``trace`` and ``cluster`` that view's)."""
+    shard = plan.shard_size(cluster.world_size * (plan.tp_degree if trace.tensor_parallel else 1))
     out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))] if without else []
     views = {} if views is None else views
     for degree in degrees or ep_degrees(trace, shard)[1:]:
@@ -147,8 +158,12 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     given: no EP and every degree the model and its shard ranks allow, each screened and ``note``d), on its layout
     and auto's other HSDP ones, the expert groups resharded after forward or kept, the fastest that fits (else the
     one holding least, over the budget)."""
-    if result.plan.tp_degree > 1:
-        raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
+    tp = result.plan.tensor_parallel
+    if tp is not None and tp.degree > 1:  # screened on one TP rank's view, EP's ranks spanning TP's
+        if not degrees:
+            raise PlannerError("auto screens expert parallelism with TP only at the degree given: add --ep")
+        view = tp_view(trace, tp, cluster)
+        trace, cluster = view.trace, view.cluster
     written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
     # groups move: FSDP2's implicit prefetching instead
     written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])

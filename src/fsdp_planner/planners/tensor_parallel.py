@@ -46,6 +46,36 @@ HF_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_
              "sequence_parallel": TPStyle.SEQUENCE_PARALLEL}
 
 
+# torchtitan's MoE block under TP with EP (its ``apply_moe_ep_tp`` with expert TP 1) on ``models/moe.py``'s names:
+# attention as in a Llama block; the MoE layer's input all-gathered and its partial output reduce-scattered, the
+# router's gate replicated, the routed tokens split over the TP ranks before EP's dispatch
+_MOE_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if not k.startswith("feed_forward")},
+              "moe": TPStyle.MOE_SEQUENCE, "moe.router.gate": TPStyle.REPLICATE, "moe.experts": TPStyle.TOKEN_SPLIT}
+_MOE_CLASSES = {"moe": "MoE", "moe.router.gate": "Linear", "moe.experts": "GroupedExperts"}
+
+
+def titan_moe_layout(degree: int, loss_parallel: bool = True) -> TensorParallel:
+    """torchtitan's TP of an MoE model under EP (``models/moe.py``'s module names), with sequence parallelism: EP's
+    ranks span the TP ranks (expert TP 1), each TP rank dispatching its 1/TP of the routed tokens."""
+    layout = dict(_LLAMA_TOP)
+    layout.update({f"layers.*.{name}": style for name, style in _MOE_BLOCK.items()})
+    return TensorParallel(degree, layout, loss_parallel=loss_parallel)
+
+
+def is_titan_moe(trace: Trace) -> bool:
+    """Whether the model has the built-in MoE's structure (``models/moe.py``): Llama's attention and norms in each
+    block ``layers.N``, its ``moe`` with a ``router.gate`` Linear and grouped ``experts``, under a
+    ``tok_embeddings`` Embedding, a final ``norm`` and an ``output`` Linear."""
+    modules = trace.modules
+    blocks = [n for n in modules if n.startswith("layers.") and n.count(".") == 1]
+    names = [*(f"{b}.{name}" for b in blocks for name in _MOE_BLOCK), *_LLAMA_TOP]
+    if not blocks or any(n not in modules for n in names):
+        return False
+    classes = {**_LLAMA_CLASSES, **_MOE_CLASSES}
+    return all(modules[n].cls == classes.get(n.split(".", 2)[-1] if n.startswith("layers.") else n, modules[n].cls)
+               for n in names)
+
+
 def titan_llama_layout(degree: int, loss_parallel: bool = True) -> TensorParallel:
     """torchtitan's TP of a Llama (``models/llama.py``'s module names), with sequence parallelism; loss parallel is
     torchtitan's default (``parallelism.disable_loss_parallel`` false)."""
@@ -74,11 +104,16 @@ class Layout:
 
 
 def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_parallel: bool | None = None,
-              async_tp: bool = False) -> Layout:
+              async_tp: bool = False, ep: int = 1) -> Layout:
     """The layout of ``degree``-way TP for the traced model, from the first source that has one (module
     docstring). ``loss_parallel``: None takes the source's default (torchtitan's on, where the output head is
-    vocab-sharded)."""
-    if model is not None and hf.is_hf(model.name):
+    vocab-sharded). With expert parallelism (``ep`` > 1), torchtitan's MoE layout, the only one modelled with EP."""
+    if ep > 1 and degree > 1:
+        if not is_titan_moe(trace):
+            raise PlannerError("expert parallelism with tensor parallelism is modelled for torchtitan's MoE layout "
+                               "only (the built-in MoE models, models/moe.py): plan this model with one of them")
+        found = Layout(titan_moe_layout(degree, loss_parallel is not False), "torchtitan's MoE layout")
+    elif model is not None and hf.is_hf(model.name):
         found = _hf_layout(trace, degree, model)
     elif is_titan_llama(trace):
         found = _titan_layout(trace, degree, loss_parallel is not False)

@@ -20,6 +20,7 @@ from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.context import SimContext
+from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.tensor_parallel import tp_view
@@ -133,10 +134,13 @@ class StepView:
 def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | None = None,
               label: str | None = None, budget: MemoryBudget | None = None) -> StepView:
     """Simulate ``plan`` with its timeline and turn it into lanes and a memory curve; its margin is below ``budget``
-    (default: one GPU of ``cluster`` less the default headroom). A plan with TP: one TP rank's step."""
+    (default: one GPU of ``cluster`` less the default headroom). A plan with TP: one TP rank's step; with EP, one
+    EP rank's."""
     if plan.tensor_parallel is not None and plan.tp_degree > 1 and not trace.tensor_parallel:
         view = tp_view(trace, plan.tensor_parallel, cluster)
         trace, plan, cluster = view.trace, view.plan(plan), view.cluster
+    if plan.ep_degree > 1 and not trace.expert_parallel:  # one EP rank's (of one TP rank's) step
+        trace = ep_view(trace, plan).trace
     ctx = SimContext(trace, cluster, plan_options(plan, options or SimOptions()), mesh=plan.layout(cluster.world_size))
     groups = ctx.sizing.groups(plan)
     schedule = build_schedule(trace, plan, ctx.world, [g.params for g in groups])

@@ -516,15 +516,15 @@ def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:
 def data_parallel_view(trace: Trace, plan: Plan, nproc: int) -> tuple[Trace, Plan, int]:
     """What FSDP2 shards on ``nproc`` ranks: the plan's TP-local params (one TP rank's view, ``tp_view``) on its
     data-parallel mesh of ``nproc`` / TP ranks; with EP, one EP rank's view (``ep_view``: its E / EP experts,
-    FSDP-sharded over nproc / EP ranks); else the trace and plan as given."""
-    if plan.expert_parallel is not None:
-        return ep_view(trace, plan).trace, plan, nproc
+    FSDP-sharded over nproc / EP ranks; with both, the EP view of the TP view); else the trace and plan as given."""
     if plan.tensor_parallel is None:
-        return trace, plan, nproc
+        return (ep_view(trace, plan).trace if plan.expert_parallel is not None else trace), plan, nproc
     check_plan_world_size(plan, nproc)
     # the job's ranks as one node: the view's sizes do not depend on the cluster, only its checks that TP fits in one
     view = tp_view(trace, plan.tensor_parallel, preset_cluster("h100", gpus_per_node=nproc))
-    return view.trace, view.plan(plan), nproc // plan.tp_degree
+    dp_plan = view.plan(plan)
+    on = ep_view(view.trace, dp_plan).trace if plan.expert_parallel is not None else view.trace
+    return on, dp_plan, nproc // plan.tp_degree
 
 
 def launch_job(job: VerifyJob) -> tuple[dict[str, Any], int]:

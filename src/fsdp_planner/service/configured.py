@@ -126,14 +126,15 @@ def _layout(m: _Merge) -> None:
     if dp % cfg.replicate:
         raise PlannerError(f"{cfg.key('replicate')} = {cfg.replicate} does not divide the job's {dp} data-parallel "
                            f"GPUs")
-    if cfg.ep > 1:  # EP's ranks come out of dp_shard, as torchtitan's; the degree bounded as --ep is
-        if cfg.tp > 1:
-            raise PlannerError(f"parallelism.expert_parallel_degree = {cfg.ep} with tensor parallelism (TP {cfg.tp}) "
-                               "is not modelled yet, so the verdict would be about another job: set one of them to "
-                               "1 to plan that job")
-        if (dp // cfg.replicate) % cfg.ep:
+    if cfg.ep > 1:  # EP's ranks come out of dp_shard (x tp: torchtitan's expert TP 1), as torchtitan's; the
+        # degree bounded as --ep is
+        if cfg.ep % cfg.tp:
+            raise PlannerError(f"parallelism.expert_parallel_degree = {cfg.ep} is not a multiple of the tensor-"
+                               f"parallel degree {cfg.tp}: EP's ranks span the TP ranks (torchtitan's expert TP 1)")
+        if (dp // cfg.replicate * cfg.tp) % cfg.ep:
             raise PlannerError(f"parallelism.expert_parallel_degree = {cfg.ep} does not divide the job's "
-                               f"{dp // cfg.replicate} data-parallel shard GPUs (EP's ranks come out of dp_shard)")
+                               f"{dp // cfg.replicate * cfg.tp} data-parallel shard x TP GPUs (EP's ranks come out "
+                               "of dp_shard x tp)")
         m.given("ep", cfg.ep, "parallelism.expert_parallel_degree")
     if cfg.replicate > 1:
         m.given("mesh", f"{cfg.replicate}x{dp // cfg.replicate}", cfg.key("replicate"))

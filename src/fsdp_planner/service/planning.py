@@ -153,7 +153,7 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
                      for x in layouts) if len(layouts) > 1 else ()
     if request.tp is None or request.tp == 1:
         return ()
-    layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp)
+    layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp, request.ep or 1)
     check_layout(tr, layout, cluster, model.workload().get("seq_len"))
     for line in layout.notes:
         reporter.note(line)
@@ -198,7 +198,7 @@ def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | st
     if plan.tensor_parallel is not None or request.tp is None or request.tp == 1:
         return plan
     spec = as_spec(model)
-    layout = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp)
+    layout = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp, request.ep or 1)
     check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
     for line in layout.notes:
         reporter.note(line)
@@ -210,8 +210,6 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None) ->
     has EP already keeps its own."""
     if plan.expert_parallel is not None or request.ep is None or request.ep == 1:
         return plan
-    if plan.tensor_parallel is not None:
-        raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: give --ep without --tp")
     out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0)
     return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
 
@@ -307,15 +305,17 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         """The trace and cluster ``p`` runs on: one TP rank's view under its TP, or one EP rank's under its EP
         (built once per layout)."""
         tp, ep = p.tensor_parallel, p.expert_parallel
-        if ep is not None and ep.degree > 1:
-            if ep.signature() not in ep_views:
-                ep_views[ep.signature()] = ep_view(tr, p).trace
-            return ep_views[ep.signature()], cluster
-        if tp is None or tp.degree == 1 or cluster is None:
-            return tr, cluster
-        if tp.signature() not in views:
-            views[tp.signature()] = tp_view(tr, tp, cluster)
-        return views[tp.signature()].trace, views[tp.signature()].cluster
+        on, dp = tr, cluster
+        if tp is not None and tp.degree > 1 and cluster is not None:
+            if tp.signature() not in views:
+                views[tp.signature()] = tp_view(tr, tp, cluster)
+            on, dp = views[tp.signature()].trace, views[tp.signature()].cluster
+        if ep is not None and ep.degree > 1:  # one EP rank's step of one TP rank's (EP's ranks span TP's)
+            key = (ep.signature(), tp.signature() if tp is not None else ())
+            if key not in ep_views:
+                ep_views[key] = ep_view(on, p).trace
+            on = ep_views[key]
+        return on, dp
 
     def simulated(p: Plan) -> StepReport | None:
         if cluster is None:

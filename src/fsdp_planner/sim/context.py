@@ -110,7 +110,7 @@ class SimContext:
         """Ranks a group's params are sharded over: the mesh's shard dim, or for an EP view's expert group the
         EP-reduced mesh (``expert_parallel.expert_ranks``; a group holds experts only or none)."""
         if self._experts and params and params[0] in self._experts:
-            return expert_ranks(self.cluster, self.shard, self.trace.ep_degree)[0]
+            return expert_ranks(self.cluster, self.shard, self.trace.ep_shard_degree)[0]
         return self.shard
 
     def group_cost(self, kind: CollectiveKind, ranks: int, params: Sequence[int]) -> CollectiveCost:
@@ -121,7 +121,7 @@ class SimContext:
         key = (kind, -1)
         if key not in self._costs:
             self._costs[key] = collective_cost(self.cluster, kind,
-                                               *expert_ranks(self.cluster, self.shard, self.trace.ep_degree))
+                                               *expert_ranks(self.cluster, self.shard, self.trace.ep_shard_degree))
         return self._costs[key]
 
     def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:

@@ -18,6 +18,13 @@ rank's step (``EPView``), and the rest of the simulator runs FSDP2 on it:
   as nccl-tests sizes an all-to-all), costed on the EP group (consecutive ranks: ``hardware/all_to_all.py``) at
   ``skew`` times the bytes (the busiest rank receives that much). Under activation checkpointing the forward ones
   run again with the recomputation.
+
+With tensor parallelism (torchtitan's expert TP of 1), the EP view is taken of one TP rank's view
+(``tensor_parallel.tp_view``): EP's ranks are dp_shard ranks x TP ranks (consecutive), each TP rank dispatching
+its 1/TP of the routed tokens (``TPStyle.TOKEN_SPLIT``: the TP view's expert ops already run on that share), so
+EP takes EP / TP ranks of dp_shard (``Trace.ep_shard_degree``), the experts are FSDP-sharded over
+dp_shard x TP / EP ranks, and the combined rows are put back among the layer's whole rows (one op making the
+whole output, zeros for the other TP ranks' rows: the layer's output is partial over TP).
 """
 
 from __future__ import annotations
@@ -31,10 +38,11 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_groups import check_expert_groups, expert_param_indices
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.recompute import CheckpointedCall
-from fsdp_planner.sim.tensor_parallel import collective_runs
+from fsdp_planner.sim.tensor_parallel import collective_runs, node_cluster
 from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, Event, EventKind
 from fsdp_planner.trace.infos import ParamInfo
 from fsdp_planner.trace.records import Trace
@@ -60,19 +68,37 @@ def ep_view(trace: Trace, plan: Plan) -> EPView:
         raise ValueError("ep_view needs a plan with expert parallelism")
     if trace.expert_parallel:
         raise ValueError("the trace is already an expert-parallel view")
-    if trace.tensor_parallel:
-        raise PlannerError("expert parallelism with tensor parallelism is not modelled yet: plan with one of them")
     check_expert_groups(plan, trace)
     experts = ep.experts(trace.modules)
+    split = token_split(trace, experts, ep.degree)
     chosen = expert_param_indices(plan, trace)
     params = list(trace.params)
     for i in chosen:
         params[i] = _local_param(params[i], ep.degree)
-    events, where = _rank_events(trace, experts, ep.skew, set(chosen))
+    events, where = _rank_events(trace, experts, ep.skew, set(chosen), split)
     view = replace(trace, params=tuple(params), events=tuple(events), op_seconds=None,
                    modules=_moved_modules(trace, where), expert_parallel=ep.signature(), expert_params=chosen,
                    fingerprint=f"{trace.fingerprint}/ep{ep.degree}")
     return EPView(view, ep)
+
+
+def token_split(trace: Trace, experts: Sequence[str], degree: int) -> int:
+    """Over how many TP ranks the experts' routed tokens are split: 1 without TP; in a TP view, its degree, where
+    its layout splits every expert module's tokens (``TPStyle.TOKEN_SPLIT``) and the EP degree is a multiple of
+    it (EP's ranks span the TP ranks: dp_shard ranks x TP ranks, torchtitan's expert TP of 1)."""
+    t = trace.tp_degree
+    if t == 1:
+        return 1
+    degree_, layout, loss_parallel, async_tp = trace.tensor_parallel
+    styles = TensorParallel(degree_, dict(layout), loss_parallel, async_tp).styles(trace.modules)
+    if any(styles.get(m) is not TPStyle.TOKEN_SPLIT for m in experts):
+        raise PlannerError("expert parallelism with tensor parallelism needs the TP layout to split the experts' "
+                           "routed tokens over the TP ranks (style token_split on each expert module, as "
+                           "torchtitan's MoE layout does)")
+    if degree % t:
+        raise PlannerError(f"expert parallelism of degree {degree} with TP {t}: EP's ranks span the TP ranks "
+                           f"(torchtitan's expert TP of 1), so the EP degree must be a multiple of {t}")
+    return t
 
 
 def _local_param(p: ParamInfo, degree: int) -> ParamInfo:
@@ -83,19 +109,20 @@ def _local_param(p: ParamInfo, degree: int) -> ParamInfo:
     return replace(p, shape=(p.shape[0] // degree, *p.shape[1:]), numel=p.numel // degree)
 
 
-def _dispatch_bytes(trace: Trace, ops: list[Event], chosen: set[int]) -> int:
+def _dispatch_bytes(trace: Trace, ops: list[Event], chosen: set[int], split: int) -> int:
     """One rank's routed rows x dim, from the first expert matmul of a call: its input (bytes read and written
-    less the weight's and the output's)."""
+    less the weight's and the output's; in a TP view whose ops run on 1/``split`` of the tokens, their bytes
+    counted so, the weight's too)."""
     for e in ops:
         hit = [p for p in e.params if p in chosen]
         if e.flops and hit:
             weight = trace.params[hit[0]]
             itemsize = trace.compute_itemsize or weight.itemsize
-            return max(0, e.nbytes - e.out_nbytes - weight.numel * itemsize)
+            return max(0, e.nbytes - e.out_nbytes - weight.numel * itemsize // split)
     return 0
 
 
-def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int]) -> dict[tuple[str, int], int]:
+def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int], split: int) -> dict[tuple[str, int], int]:
     """(expert module, call) -> its all-to-all's send buffer."""
     out: dict[tuple[str, int], int] = {}
     open_calls: dict[str, tuple[int, int]] = {}
@@ -108,7 +135,7 @@ def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int]) -> dict[
         elif e.kind is EventKind.FWD_POST and e.module in open_calls:
             call, start = open_calls.pop(e.module)
             ops = [x for x in trace.events[start:i] if x.is_op]
-            out[(e.module, call)] = _dispatch_bytes(trace, ops, chosen)
+            out[(e.module, call)] = _dispatch_bytes(trace, ops, chosen, split)
     return out
 
 
@@ -116,10 +143,13 @@ def _a2a(module: str, nbytes: int, backward: bool) -> Event:
     return Event(EventKind.OP, module, nbytes=nbytes, backward=backward, kernel=KERNEL_EP_ALL_TO_ALL)
 
 
-def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[int]) -> tuple[list[Event], list[int]]:
+def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[int],
+                 split: int = 1) -> tuple[list[Event], list[int]]:
     """The EP rank's events, the all-to-alls around each expert call and the expert ops at ``skew`` x their work;
-    and where each of the trace's events went (old position -> new)."""
-    sizes = _call_bytes(trace, experts, chosen)
+    and where each of the trace's events went (old position -> new). Tokens split over ``split`` TP ranks: the
+    combined rows put back among the whole layer's (zeros for the other TP ranks' rows: the output is partial),
+    one op making the whole (experts, tokens per expert, dim) output after the combine."""
+    sizes = _call_bytes(trace, experts, chosen, split)
     names = set(experts)
     out: list[Event] = []
     where: list[int] = []
@@ -134,8 +164,11 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
         nbytes = sizes.get((e.module, e.call), next((n for (m, _), n in sizes.items() if m == e.module), 0))
         a2a = _a2a(e.module, nbytes, e.backward)
         opening = e.kind in (EventKind.FWD_PRE, EventKind.BWD_PRE)
-        where.append(len(out) + (0 if opening else 1))
-        out.extend([e, a2a] if opening else [a2a, e])
+        closing = [a2a]
+        if split > 1 and e.kind is EventKind.FWD_POST:
+            closing.append(Event(EventKind.OP, e.module, nbytes=split * nbytes, out_nbytes=split * nbytes))
+        where.append(len(out) + (0 if opening else len(closing)))
+        out.extend([e, a2a] if opening else [*closing, e])
     return out, where
 
 
@@ -154,6 +187,7 @@ def ep_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float)
     """``times`` with each all-to-all's seconds on its EP group (consecutive ranks) at the busiest rank's bytes.
     ``scale``: traced to compute bytes."""
     degree, skew = trace.ep_degree, float(trace.expert_parallel[2])
+    cluster = node_cluster(cluster, trace.tp_degree)  # a TP view's cluster is the data-parallel one
     cost = all_to_all_cost(cluster, degree, min(degree, cluster.gpus_per_node))
     out = list(times)
     for i in ep_positions(trace).tolist():

@@ -169,7 +169,7 @@ class MemoryModel:
         # an EP view's expert params over a shard dim of one rank (EP takes dp_shard whole): FSDP2 reduces them with
         # a gradient divide factor (apply/expert_parallel.py), which at one rank it applies by making the quotient
         # of the whole reduce input and copying it into the output
-        self._divided_alone = frozenset(trace.expert_params) if world_size <= trace.ep_degree else frozenset()
+        self._divided_alone = frozenset(trace.expert_params) if world_size <= trace.ep_shard_degree else frozenset()
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
         shard = 0 if offload else self.sizing.shard_numel(trainable)  # offloaded: on the CPU
         self.static = MemoryBreakdown(

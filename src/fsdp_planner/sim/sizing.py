@@ -49,7 +49,7 @@ def param_shards(trace: Trace, shard: int) -> list[int]:
     """Ranks each param is sharded over: ``shard``, and for an EP view's expert params ``shard`` / EP."""
     out = [shard] * len(trace.params)
     for i in trace.expert_params:
-        out[i] = max(1, shard // trace.ep_degree)
+        out[i] = max(1, shard // trace.ep_shard_degree)
     return out
 
 

@@ -19,7 +19,11 @@ of the whole model into that rank's step (``TPView``):
   Linear's input gradient all-reduced without sequence parallelism; the sequence-parallel norms' weight gradients
   all-reduced (DTensor's partial gradients of replicated params); loss parallel's three all-reduces of one value
   per token (max, sum of exponentials, target logit). Under activation checkpointing the forward ones run again
-  with the recomputation, as they do for real.
+  with the recomputation, as they do for real;
+- torchtitan's MoE layer under TP with EP (``MOE_SEQUENCE``, ``REPLICATE``, ``TOKEN_SPLIT``): the layer runs on its
+  all-gathered input (the router on every token, replicated), its input's grad reduce-scattered back and its
+  partial output reduce-scattered (its grad all-gathered), the router gate's weight grads all-reduced; the experts
+  run on 1/TP of the routed tokens (the EP view, ``expert_parallel.py``, then sends them to their experts).
 
 The cluster of that view is the data-parallel one: world / TP ranks, gpus_per_node / TP a node, the same links per
 rank (each TP rank's data-parallel collectives run beside the others', on its own NIC). TP's collectives are
@@ -63,6 +67,8 @@ _COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)
 _ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
 _EMBEDDING = (TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
 _GATHERED = (TPStyle.GATHER_INPUT, TPStyle.SEQUENCE_COLWISE)  # input all-gathered from its sequence shard
+# output reduce-scattered onto the sequence dim (its grad all-gathered back)
+_SCATTERED = (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE, TPStyle.MOE_SEQUENCE)
 LOSS_PARALLEL_ALL_REDUCES = 3  # max, sum of exponentials, target logit: one fp32 value per token each
 KIND_OF = {KERNEL_TP_ALL_GATHER: CollectiveKind.ALL_GATHER, KERNEL_TP_REDUCE_SCATTER: CollectiveKind.REDUCE_SCATTER,
            KERNEL_TP_ALL_REDUCE: CollectiveKind.ALL_REDUCE}
@@ -119,6 +125,8 @@ class _Layout:
         roots |= {m for m in colwise if not self._inside(m, roots)}
         self.roots = roots
         self.gathered = gathered
+        self.whole = {m for m, s in self.styles.items() if s is TPStyle.MOE_SEQUENCE}
+        self.split = {m for m, s in self.styles.items() if s is TPStyle.TOKEN_SPLIT}
         self._scale: dict[str, float] = {}
 
     @staticmethod
@@ -130,6 +138,10 @@ class _Layout:
         if module not in self._scale:
             chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
             if any(m in self.embeddings for m in chain):
+                self._scale[module] = 1.0
+            elif any(m in self.split for m in chain):  # the experts: 1/TP of the routed tokens
+                self._scale[module] = 1.0 / self.t
+            elif any(m in self.whole for m in chain):  # an MoE layer on its all-gathered input
                 self._scale[module] = 1.0
             elif any(m in self.regions for m in chain) or self.sp:
                 self._scale[module] = 1.0 / self.t
@@ -258,23 +270,23 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
         return [], []
     inputs, output = sizes.get((e.module, e.call), (0, 0))
     m, kind = e.module, e.kind
-    if kind is EventKind.FWD_PRE and style in _GATHERED:
+    if kind is EventKind.FWD_PRE and style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs, False)]
     if kind is EventKind.FWD_POST:
-        if style in (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE):
+        if style in _SCATTERED:
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False)], []
         if style in (TPStyle.ROWWISE, TPStyle.EMBEDDING):
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, False)], []
         if style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel:  # the logits made whole
             return [_tp_op(KERNEL_TP_ALL_GATHER, m, output, False)], []
-    if kind is EventKind.BWD_PRE and style in (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE):
+    if kind is EventKind.BWD_PRE and style in _SCATTERED:
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, output, True)]
     if kind is EventKind.BWD_POST:
-        if style in _GATHERED:
+        if style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, inputs, True)], []
         if style is TPStyle.COLWISE and not _Layout._inside(m, lay.gathered):  # a replicated input's partial grad
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
-        if style is TPStyle.SEQUENCE_PARALLEL:
+        if style in (TPStyle.SEQUENCE_PARALLEL, TPStyle.REPLICATE):
             # unsharded grads in the compute dtype, as the trace's activations
             grads = sum(p.numel for p in trace.params if m in p.owners and p.requires_grad) * traced_itemsize(trace)
             return ([_tp_op(KERNEL_TP_ALL_REDUCE, m, grads, True)] if grads else []), []

@@ -64,6 +64,12 @@ class Trace:
         return self.tensor_parallel[0] if self.tensor_parallel else 1
 
     @property
+    def ep_shard_degree(self) -> int:
+        """EP's ranks out of dp_shard: the EP degree, or EP / TP in an EP view of a TP view (EP's ranks span the
+        TP ranks, torchtitan's expert TP of 1); the experts' FSDP mesh is dp_shard / this many ranks."""
+        return self.ep_degree // self.tp_degree if self.expert_parallel else 1
+
+    @property
     def forward_methods(self) -> list[tuple[str, str]]:
         """(module, method) pairs the step calls, in call order, each once."""
         return list(dict.fromkeys((m, name) for (m, _), name in self.method_calls.items()))
