@@ -119,3 +119,30 @@ def test_float8_all_gather_counts_and_bytes_are_exact_on_fake_ranks() -> None:
         assert (measured.float8_all_reduces, measured.float8_all_reduce_bytes) == \
             (predicted.float8_all_reduces, predicted.float8_all_reduce_bytes)
         assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
+
+
+@pytest.mark.integration  # real FSDP2 + DTensor TP and torchao (emulated float8) on 8 fake ranks: ~3 s each
+@pytest.mark.parametrize("gathered", [True, False])
+def test_float8_amax_all_reduces_under_tp_are_counted_exactly(gathered: bool) -> None:
+    """Under TP the casts of TP-sharded tensors (a rowwise Linear's input, a colwise one's output grad, a weight
+    not gathered in float8) all-reduce their amax over the TP group, again in a recomputation up to the Linear
+    whose pack stops it; precomputed scales all-reduce once per sharded mesh dim (FSDP's and TP's)."""
+    from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
+    from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+
+    tr, plan, options = _toy()
+    f8 = Float8(Float8Recipe.TENSORWISE, gathered, gathered)
+    bf16 = plan.replace(tensor_parallel=titan_llama_layout(2),
+                        activation_checkpointing=tuple(checkpointed_blocks(tr, ACMode.FULL)))
+    plan = bf16.replace(float8=f8)
+    on = dataclasses.replace(options, float8=f8)
+    predicted = simulate(tr, plan, parse_cluster("h100:8"), on, timeline=False)
+    others = simulate(tr, bf16, parse_cluster("h100:8"), options, timeline=False).tp_all_reduces
+    measured = run_fake_world("toy-llama", plan, 8, options.precision)
+    rows = beside_prediction(predicted, measured)
+    assert all(p == m for k, (p, m) in rows.items() if k != "peak_memory"), rows
+    # 7 converted Linears in each of 4 blocks, 2 amax all-reduces each a step, and each block's 2 rowwise inputs
+    # again in its recomputation; without the float8 all-gather each weight's too, 3 times
+    assert predicted.tp_all_reduces - others == 4 * (7 * 2 + 2) + (not gathered) * 4 * 7 * 3
+    assert predicted.float8_all_reduces == (2 if gathered else 0)

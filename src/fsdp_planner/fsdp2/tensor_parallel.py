@@ -123,6 +123,12 @@ class TensorParallel:
     def signature(self) -> tuple:
         return self.degree, tuple(self.layout.items()), self.loss_parallel, self.async_tp
 
+    @classmethod
+    def from_signature(cls, signature: tuple) -> TensorParallel:
+        """The layout a TP view was made for (``Trace.tensor_parallel`` holds its ``signature``)."""
+        degree, layout, loss_parallel, async_tp = signature
+        return cls(degree, dict(layout), loss_parallel, async_tp)
+
 
 def matches(pattern: str, name: str) -> bool:
     """``parallelize_module``'s matching: as many dotted parts, each matched with ``fnmatch``."""

@@ -21,7 +21,7 @@ from fsdp_planner.sim.float8 import float8_step
 from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls, offload_bytes
-from fsdp_planner.sim.tensor_parallel import tp_seconds
+from fsdp_planner.sim.tensor_parallel import tp_amax_seconds, tp_seconds
 from fsdp_planner.trace.records import Trace
 
 
@@ -73,6 +73,9 @@ class SimContext:
                 raise ValueError(f"got {len(times)} op times for a trace of {len(trace.events)} events")
             if trace.tensor_parallel:  # TP's collectives on their TP group (sim/tensor_parallel.py)
                 times = tp_seconds(trace, cluster, list(times), self.precision.compute_bytes / traced_itemsize(trace))
+                if self.float8 is not None:  # float8's amax all-reduces before the casts of TP shards
+                    times = np.asarray(times)
+                    times[self.float8.matmuls] += self.float8.tp_all_reduces * tp_amax_seconds(trace, cluster)
             if trace.expert_parallel:  # EP's all-to-alls on their EP group (sim/expert_parallel.py)
                 times = ep_seconds(trace, cluster, list(times), self.precision.compute_bytes / traced_itemsize(trace))
             self.times = list(times)

@@ -11,10 +11,17 @@
   float8); backward casts the output grad for each of its two matmuls (one cast compiled: the same scale and data,
   tensorwise) and recasts the saved input (torchao saves the bf16 input and weight, not their float8 casts, so what
   a call saves for backward is unchanged), and the weight again unless it was gathered in float8.
+- Under tensor parallelism a cast's amax of a TP-sharded DTensor is a ``Partial(max)`` DTensor, made whole by an
+  all-reduce of one fp64 scalar over the TP group (``amax_to_scale`` upcasts it first) on the compute stream before
+  the cast (``TP_AMAX_BYTES``; measured on the fake process group, issued by DTensor's redistribution): a rowwise
+  Linear's input is sharded on its last dim (cast in forward and again for the weight grad in backward), a colwise
+  one's output grad is (cast for each backward matmul); a weight not gathered in float8 is a TP shard in forward
+  and backward. Replicated inputs and output grads need none.
 - FSDP2's float8 all-gather: one byte an element for the converted weights (``gathered``), the rest as before;
   the unsharded weights it leaves are float8 too (the memory model's unsharded params). With precomputed scales
-  one all-reduce a step of one fp32 amax per converted weight; without, each all-gather all-reduces one amax per
-  converted weight it holds (``scale_all_reduces``).
+  one all-reduce a step of one fp32 amax per converted weight, issued once for each mesh dim the weights are sharded
+  over (DTensor's redistribution of a ``Partial(max)`` on FSDP's shard dim and TP's dim runs one all-reduce per dim);
+  without, each all-gather all-reduces one amax per converted weight it holds (``scale_all_reduces``).
 """
 
 from __future__ import annotations
@@ -27,12 +34,16 @@ from fsdp_planner.choices import Float8Recipe
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.replay import Collective
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.hardware.cluster import GPU
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within
 
 FP32_BYTES = 4
+TP_AMAX_BYTES = 8  # the amax all-reduced as fp64 (torchao's amax_to_scale: ``amax.to(torch.float64)``)
+_COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)  # output grad sharded on its last dim
+_ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)  # input sharded on its last dim
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,8 @@ class Float8Step:
     gathered: frozenset[int]
     weights: tuple[int, ...]
     precompute_scale: bool
+    tp_all_reduces: np.ndarray  # per matmul: the amax all-reduces over the TP group before it (module docstring)
+    tp_degree: int = 1
 
 
 def cast_bytes(itemsize: int, compiled: bool) -> tuple[int, int]:
@@ -93,7 +106,8 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
     weights = {w: name for name, w in linears.items()}
     compiled = tuple(trace.compiled)
     gathered = f8.fsdp_float8_all_gather
-    matmuls, nbytes, kernels = [], [], []
+    styles = TensorParallel.from_signature(trace.tensor_parallel).styles(trace.modules) if trace.tensor_parallel else {}
+    matmuls, nbytes, kernels, amaxes = [], [], [], []
     for i, w in converted_matmuls(trace, weights):
         e = trace.events[i]
         out_features, in_features = trace.params[w].shape
@@ -107,13 +121,30 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
             grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2
             elements = (grads * rows * out_features + rows * in_features + weight) / 2
             casts = (grads + 1 + (weight > 0)) / 2
+        weight_grad = e.backward and w not in e.params  # (it reads no param: ``converted_matmuls``)
         matmuls.append(i)
         nbytes.append(elements * per)
         kernels.append(casts * launches)
+        amaxes.append(_tp_amaxes(styles.get(weights[w]), e.backward, weight_grad, gathered))
     return Float8Step(np.array(matmuls, dtype=np.intp), np.array(nbytes, dtype=np.float64),
                       np.array(kernels, dtype=np.float64),
                       frozenset(linears.values()) if gathered else frozenset(), tuple(sorted(linears.values())),
-                      f8.precompute_scale)
+                      f8.precompute_scale, np.array(amaxes, dtype=np.int64), trace.tp_degree)
+
+
+def _tp_amaxes(style: TPStyle | None, backward: bool, weight_grad: bool, gathered: bool) -> int:
+    """The amax all-reduces over the TP group before one matmul of a converted Linear in ``style`` (module
+    docstring): forward, the sharded input (rowwise) and weight (unless gathered in float8); in backward, the
+    weight grad's matmul recasts the input (rowwise) and casts the output grad (colwise), the input grad's casts
+    the output grad (colwise) and recasts the weight (unless gathered in float8)."""
+    if style is None:
+        return 0
+    weight = 0 if gathered else 1
+    if not backward:
+        return (style in _ROWWISE) + weight
+    if weight_grad:
+        return (style in _ROWWISE) + (style in _COLWISE)
+    return (style in _COLWISE) + weight
 
 
 def fp8_peak(gpu: GPU) -> float:
@@ -127,11 +158,13 @@ def fp8_peak(gpu: GPU) -> float:
 def scale_all_reduces(step: Float8Step, all_gathers: list[Collective], group_params: list[tuple[int, ...]],
                       amax_bytes: int) -> tuple[int, int]:
     """The amax all-reduces of a step and their bytes: one of every converted weight's amax with precomputed
-    scales, else one per converted weight of each all-gather (torchao's ``fsdp_pre_all_gather``)."""
+    scales (one per mesh dim the weights are sharded over), else one per converted weight of each all-gather
+    (torchao's ``fsdp_pre_all_gather``)."""
     if not step.gathered:
         return 0, 0
-    if step.precompute_scale:
-        return 1, amax_bytes * len(step.weights)
+    if step.precompute_scale:  # once for FSDP's shard dim, once more for TP's
+        dims = 1 + (step.tp_degree > 1)
+        return dims, dims * amax_bytes * len(step.weights)
     held = [sum(p in step.gathered for p in params) for params in group_params]
     count = sum(held[c.group] for c in all_gathers)
     return count, amax_bytes * count

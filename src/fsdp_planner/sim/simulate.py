@@ -20,6 +20,7 @@ the sharded grads are held all through those micro-batches (``MemoryModel.peak``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
@@ -32,14 +33,20 @@ from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.expert_parallel import ep_collectives, ep_positions, ep_view
-from fsdp_planner.sim.float8 import scale_all_reduces
+from fsdp_planner.sim.float8 import TP_AMAX_BYTES, scale_all_reduces
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options
-from fsdp_planner.sim.recompute import checkpointed_calls
+from fsdp_planner.sim.recompute import CheckpointedCall, checkpointed_calls
 from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
-from fsdp_planner.sim.tensor_parallel import data_parallel_plan, tp_collectives, tp_positions, tp_view
+from fsdp_planner.sim.tensor_parallel import (
+    data_parallel_plan,
+    tp_amax_seconds,
+    tp_collectives,
+    tp_positions,
+    tp_view,
+)
 from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
 from fsdp_planner.trace.records import Trace
 
@@ -301,9 +308,29 @@ def _tp_fields(ctx: SimContext, plan: Plan) -> dict:
             if not c.offload:
                 lo, hi = np.searchsorted(positions, (c.fwd_pre, c.end))
                 seconds += float(cum[hi] - cum[lo])
+    amaxes, amax_seconds = _float8_amaxes(ctx, recomputed)
     return {"tp_degree": trace.tp_degree, "tp_all_gathers": tp.counts[AG], "tp_reduce_scatters": tp.counts[RS],
-            "tp_all_reduces": tp.counts[AR], "tp_all_gather_bytes": tp.nbytes[AG],
-            "tp_reduce_scatter_bytes": tp.nbytes[RS], "tp_all_reduce_bytes": tp.nbytes[AR], "tp_time": seconds}
+            "tp_all_reduces": tp.counts[AR] + amaxes, "tp_all_gather_bytes": tp.nbytes[AG],
+            "tp_reduce_scatter_bytes": tp.nbytes[RS], "tp_all_reduce_bytes": tp.nbytes[AR] + amaxes * TP_AMAX_BYTES,
+            "tp_time": seconds + amax_seconds}
+
+
+def _float8_amaxes(ctx: SimContext, recomputed: Sequence[CheckpointedCall]) -> tuple[int, float]:
+    """float8's amax all-reduces over the TP group (``float8.Float8Step.tp_all_reduces``) and their seconds. A
+    recomputation runs a converted Linear's forward casts again whether or not an op-level policy keeps its
+    matmul's output, up to and including the Linear whose pack stops it: torchao's autograd function packs its
+    inputs after its casts and matmul ran, where aten's matmul packs before it runs (measured on the fake process
+    group, toy-llama TP 2: 8 all-reduces more a step under full and op-level checkpointing of its 4 blocks)."""
+    f8 = ctx.float8
+    if f8 is None or not f8.tp_all_reduces.any():
+        return 0, 0.0
+    count = int(f8.tp_all_reduces.sum())
+    for c in recomputed:
+        if not c.offload:
+            lo, hi = np.searchsorted(f8.matmuls, c.fwd_pre), np.searchsorted(f8.matmuls, c.end, side="right")
+            forward = np.array([not ctx.trace.events[i].backward for i in f8.matmuls[lo:hi].tolist()], dtype=bool)
+            count += int(f8.tp_all_reduces[lo:hi][forward].sum())
+    return count, count * tp_amax_seconds(ctx.trace, ctx.cluster)
 
 
 def _ep_fields(ctx: SimContext, plan: Plan) -> dict:

@@ -48,6 +48,7 @@ from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
+from fsdp_planner.sim.float8 import TP_AMAX_BYTES
 from fsdp_planner.sim.recompute import CheckpointedCall
 from fsdp_planner.trace.events import (
     KERNEL_OTHER,
@@ -403,8 +404,9 @@ def tp_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float)
     t = trace.tp_degree
     node = node_cluster(cluster, t)
     costs = {k: collective_cost(node, kind, t, min(t, node.gpus_per_node)) for k, kind in KIND_OF.items()}
-    degree, layout, loss_parallel, async_tp = trace.tensor_parallel
-    styles = TensorParallel(degree, dict(layout), loss_parallel, async_tp).styles(trace.modules) if async_tp else {}
+    tp = TensorParallel.from_signature(trace.tensor_parallel)
+    styles = tp.styles(trace.modules) if tp.async_tp else {}
+    async_tp = tp.async_tp
     out = list(times)
     for i in tp_positions(trace).tolist():
         e = trace.events[i]
@@ -413,6 +415,14 @@ def tp_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float)
             seconds = max(0.0, seconds - _overlapped(trace, times, i, styles))
         out[i] = seconds
     return out
+
+
+def tp_amax_seconds(trace: Trace, cluster: Cluster) -> float:
+    """Seconds of one float8 amax all-reduce (``float8.TP_AMAX_BYTES``) on the TP group of the whole cluster
+    (``cluster``: the data-parallel view)."""
+    t = trace.tp_degree
+    node = node_cluster(cluster, t)
+    return collective_cost(node, CollectiveKind.ALL_REDUCE, t, min(t, node.gpus_per_node)).seconds(TP_AMAX_BYTES)
 
 
 def _overlapped(trace: Trace, times: list[float], i: int, styles: dict[str, TPStyle]) -> float:
