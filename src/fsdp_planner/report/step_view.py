@@ -123,6 +123,8 @@ class StepView:
         host = f", waiting for the host {fmt_time(r.host_wait)}" if r.host_wait else ""
         if r.cpu_optimizer_time:  # CPUOffloadPolicy: part of the step, after backward
             host += f", optimizer step on the CPU {fmt_time(r.cpu_optimizer_time)}"
+        if r.gpu_optimizer_time:  # part of the step, after backward
+            host += f", optimizer step on the GPU {fmt_time(r.gpu_optimizer_time)}"
         return (f"{self.label}: step {fmt_time(r.step_time)}, exposed comm {fmt_time(r.exposed_comm)} ({share:.1%})"
                 f"{host}, "
                 f"peak {fmt_bytes(r.peak_memory)} allocated, {fmt_bytes(r.reserved_memory)} reserved, "
