@@ -41,6 +41,7 @@ class BarKind(Enum):
     COPY_OUT = "copy_out"  # FSDP2's copy of an all-gather's output into the params, on the compute stream
     HOST = "host"  # compute idle, waiting for the host to launch the next op
     EXPOSED = "exposed"  # compute idle, waiting for a collective
+    OPTIMIZER = "optimizer"  # the optimizer step after backward
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
@@ -62,6 +63,7 @@ _LABELS = {
     BarKind.COPY_OUT: "FSDP2 copy-out",
     BarKind.HOST: "waiting for the host (FSDP2 hooks, launches)",
     BarKind.EXPOSED: "exposed communication (compute waits)",
+    BarKind.OPTIMIZER: "optimizer step",
     BarKind.ALL_GATHER: "all-gather",
     BarKind.REDUCE_SCATTER: "reduce-scatter",
     BarKind.ALL_REDUCE: "all-reduce (HSDP replicas)",
@@ -73,6 +75,7 @@ _COLORS = {
     BarKind.COPY_OUT: "#bab0ac",
     BarKind.HOST: "#eeca3b",
     BarKind.EXPOSED: "#e45756",
+    BarKind.OPTIMIZER: "#72b7b2",
     BarKind.ALL_GATHER: "#54a24b",
     BarKind.REDUCE_SCATTER: "#f58518",
     BarKind.ALL_REDUCE: "#b279a2",
@@ -201,7 +204,8 @@ def _compute_kind(e: TimelineEvent, forward_end: int) -> BarKind:
     return BarKind.FORWARD if e.op < forward_end else BarKind.BACKWARD
 
 
-_WORK = {Work.RECOMPUTE: BarKind.RECOMPUTE, Work.COPY_OUT: BarKind.COPY_OUT, Work.HOST: BarKind.HOST}
+_WORK = {Work.RECOMPUTE: BarKind.RECOMPUTE, Work.COPY_OUT: BarKind.COPY_OUT, Work.HOST: BarKind.HOST,
+         Work.OPTIMIZER: BarKind.OPTIMIZER}
 
 
 def _waited_for(start: float, end: float, comm: Sequence[tuple[BarKind, list[Bar]]]) -> str:

@@ -40,7 +40,7 @@ from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
 from fsdp_planner.sim.tensor_parallel import data_parallel_plan, tp_collectives, tp_positions, tp_view
-from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
+from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, Stream, TimelineEvent, Work
 from fsdp_planner.trace.records import Trace
 
 
@@ -261,6 +261,11 @@ def report(given: ReportInput) -> StepReport:
     breakdown.pop("total")
     # serial after the last reduce-scatter (it reads the grads) and before the next step's all-gathers
     optimizer = ctx.optimizer_seconds() if given.steps_optimizer else 0.0
+    events = times.events
+    if events and optimizer:  # a recorded timeline: the step ends with it
+        where = "on the CPU" if ctx.options.offload else "on the GPU"
+        events = [*events, TimelineEvent(Stream.COMPUTE, f"optimizer step {where}", times.step,
+                                         times.step + optimizer, work=Work.OPTIMIZER)]
     return StepReport(
         step_time=times.step + optimizer, cpu_optimizer_time=optimizer if ctx.options.offload else 0.0,
         gpu_optimizer_time=0.0 if ctx.options.offload else optimizer,
@@ -273,7 +278,7 @@ def report(given: ReportInput) -> StepReport:
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),
         comm_time={k.value: v for k, v in times.busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
-        mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=times.events,
+        mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=events,
         **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan),
         **_float8_fields(ctx, ag, group_params, given.steps_optimizer))
 
