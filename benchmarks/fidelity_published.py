@@ -92,13 +92,6 @@ SCALE_PAIRS = [
      ["llama3-8b", "--policy", "titan", "--ac", "op", "--compile", "--float8", "tensorwise"], ("h200:32", "h200:64"),
      2, 8192, (10938, 10753), H200_RUNS),
 ]
-# The GPU optimizer step, which the simulator leaves out (SimContext.optimizer_seconds prices CPUOffloadPolicy's
-# host step only): these runs' AdamW is torch's foreach implementation (torchtitan's optimizer.fused is off), whose
-# non-capturable branch (torch/optim/adam.py `_multi_tensor_adam`, torch 2.13) runs eight foreach kernels over
-# every fp32 param shard: the weight decay's mul_, lerp_, mul_, addcmul_, sqrt, div_, add_ and addcdiv_, at least
-# 80 bytes of HBM traffic a param; clip_grad_norm_ (foreach) reads the grads for the norm and scales them in place,
-# 12 more. At the cluster's memory-bound rate (HBM bandwidth x memory_efficiency).
-OPTIMIZER_BYTES_PER_PARAM = 92
 # NCCL's kernels hold whole SMs while they run: one CTA a channel, never sharing its SM with a compute kernel, and
 # on a DGX-class node with 8 NICs NCCL runs 16 channels (NVIDIA/nccl#689, the maintainer, sjeaugey). An H100 or
 # H200 SXM has 132 SMs (NVIDIA H100 Tensor Core GPU Architecture whitepaper). An upper bound on that cost: compute
@@ -249,19 +242,21 @@ SCALE_NOTES = [
     "16.1 -> 18.0 ms (the step's first all-gather and last reduce-scatter), against 0.37 -> 0.43 s of collectives "
     "overlapped with ~3 s of compute. Exposing them would take a network several times slower than nccl-tests "
     "measure across H100 nodes with 400 Gb/s NICs (350 GB/s bus bandwidth over 8 nodes: uccl-project/uccl#205).",
-    "- What the model lacks, estimated (the two 'not modelled' columns; constants cited in "
-    "benchmarks/fidelity_published.py). (1) The GPU optimizer step: torch's foreach AdamW and clip_grad_norm_ "
-    "over a rank's fp32 shard, ~92 bytes of HBM traffic a param (torch/optim/adam.py `_multi_tensor_adam`): 48 ms "
-    "at 8 H100s (1.0 B params a rank), 3 ms at 128. It makes the larger run faster, so it widens the gap: with it "
-    "the eager pair's predicted change is about +0.1% (128 GPUs faster per GPU), and the 8-GPU rows would be ~1.5% "
-    "slower (eager -7.1% -> about -8.5%). (2) NCCL's SMs: its CTAs never share an SM with compute, 16 channels on "
+    "- The GPU optimizer step, modelled since this table was first made (sim/optimizer_step.py; its own column): "
+    "torch's foreach AdamW and clip_grad_norm_ over a rank's fp32 shard, 92 bytes of HBM traffic a param "
+    "(torch/optim/adam.py `_multi_tensor_adam`): 49 ms at 8 H100s (1.0 B params a rank), 3 ms at 128. It makes the "
+    "larger run faster, so it widens the gap: the eager pair's predicted change went from -1.4% to +0.1% (128 GPUs "
+    "faster per GPU), and the 8-GPU eager row from -7.1% to -8.5%.",
+    "- What the model lacks, estimated (the 'not modelled' column; its constant cited in "
+    "benchmarks/fidelity_published.py). (1) NCCL's SMs: its CTAs never share an SM with compute, 16 channels on "
     "a node with 8 NICs (NVIDIA/nccl#689, the maintainer), 16 of an H100's 132 SMs for as long as a collective "
     "runs: at most 45 ms a step at 8 GPUs and 52 at 128, 7 ms of the trend, since the modelled collectives take "
-    "only 15% longer across nodes. (3) HBM contention (NVIDIA/nccl#1428: an A100 GEMM at 1.8x its time beside an "
+    "only 15% longer across nodes. (2) HBM contention (NVIDIA/nccl#1428: an A100 GEMM at 1.8x its time beside an "
     "all-gather; 2-3 HBM bytes a byte sent) follows the bytes, the same at both sizes; the overlap study of Lee et "
     "al. (arXiv:2507.03114, 18.9% mean compute slowdown while overlapped, on 4 GPUs of one node) measures one node, "
     "so it cannot size a change between 1 and 16 nodes either.",
-    "- Which term is off, and by how much: after both estimates, 46-76 ms a step are left on the three H100 pairs, "
+    "- Which term is off, and by how much: after the optimizer step and the SM estimate, 46-76 ms a step are left "
+    "on the three H100 pairs, "
     "2.4-2.7% of the step in each (eager, compile, float8: independent runs whose published changes are 1.3-2.0x "
     "the prediction), and 22 ms (1.4%) on the H200 pair: a cost proportional to the step's compute that grows from "
     "one node to 16, and from 4 nodes to 8, which no modelled term carries. The one modelled term that scales "
@@ -276,8 +271,8 @@ SCALE_NOTES = [
     "(NVIDIA/nccl#1218: 1.9x); the model's network line falls with the node count only through NCCL's hop latency. "
     "Neither measures FSDP2's per-block messages (a ring step of ~200-400 KB a channel at 64-128 ranks) on 16 Grand "
     "Teton hosts, so nothing was changed: no independent figure sizes the term, and fitting one to these rows is "
-    "what this file must not do. Both unmodelled terms together would also take the 8-GPU eager row to about -9.8% "
-    "(3.06 s + 48 ms + 45 ms): the H100 compute factors, not the scale terms, are where that row's room is.",
+    "what this file must not do. With the optimizer step, NCCL's SMs would take the 8-GPU eager row to about -9.8% "
+    "(3.06 s + 49 ms + 45 ms): the H100 compute factors, not the scale terms, are where that row's room is.",
     "- How sure the published changes are: each figure is one reading (torchtitan logs tokens/s every 10 steps and "
     "the table reads step 90; Trainy's, step 100); a 1% reading error is 28 ms of the eager step, a third of the "
     "gap. All four pairs exceed the prediction, and the three H100 residuals agree as a share of the step, so the "
@@ -311,8 +306,8 @@ def simulate(args: list[str], cluster: str, batch: int, seq: int, mfu: float | N
 
 def scale_pairs(tmp: Path) -> list[dict]:
     """Each published pair simulated at both sizes, as configured and with no slowest-rank spread (the cluster's
-    ``compute.variation`` 0), with the step's terms the note weighs: exposed and busy communication, and the
-    unmodelled optimizer step and NCCL SM occupancy, estimated from the run's own figures."""
+    ``compute.variation`` 0), with the step's terms the note weighs: exposed and busy communication, the GPU
+    optimizer step (modelled), and the unmodelled NCCL SM occupancy, estimated from the run's own figures."""
     out = []
     for label, args, clusters, batch, seq, published, source in SCALE_PAIRS:
         pair = {"label": label, "source": source, "published_tps": list(published), "clusters": list(clusters),
@@ -323,12 +318,12 @@ def scale_pairs(tmp: Path) -> list[dict]:
             path = tmp / f"{cluster.replace(':', '_')}_uniform.json"
             replace(base, compute=replace(base.compute, variation=0.0)).save(path)
             uniform = simulate(args, str(path), batch, seq)
-            params = d["memory_at_peak"]["optimizer_state"] / 8  # AdamW's two fp32 states a param of the shard
             busy = sum(d["comm_time"].values())
             for key, value in (("step", d["step_time"]), ("uniform_step", uniform["step_time"]),
                                ("exposed", d["exposed_comm"]), ("comm_busy", busy),
-                               ("optimizer", params * OPTIMIZER_BYTES_PER_PARAM
-                                / (base.gpu.hbm_bandwidth * base.compute.memory_efficiency)),
+                               # the GPU optimizer step (sim/optimizer_step.py) at the median rank's speed: the
+                               # slowest rank's share of it is in that column
+                               ("optimizer", uniform.get("gpu_optimizer_time", 0.0)),
                                ("nccl_sms", NCCL_SMS / GPU_SMS * busy),
                                ("variation", base.compute.variation), ("ranks", base.world_size)):
                 pair.setdefault(key, []).append(value)
@@ -418,14 +413,14 @@ def ratios(results: list[dict], feature: str, table: str, title: str) -> list[st
 
 def scale_section(scale: list[dict]) -> list[str]:
     """Every published pair's change of step time between its two sizes, split into the terms the model has, the
-    two estimated terms it lacks and what is left; and the slowest-rank spread that would have closed the gap."""
+    estimated term it lacks and what is left; and the slowest-rank spread that would have closed the gap."""
     if not scale:
         return []
     ms = 1e3
     lines = ["", "Every published pair of sizes, the step's change split into terms (ms a step; predicted terms from "
-             "`--scale-only`'s runs of the commands above, the unmodelled ones estimated as the note says):", "",
+             "`--scale-only`'s runs of the commands above, the unmodelled one estimated as the note says):", "",
              "| pair | tok/s/GPU change: published | predicted | published / predicted | step change: published | "
-             "predicted: slowest rank | predicted: the rest | optimizer step (not modelled) | NCCL's SMs (not "
+             "predicted: slowest rank | predicted: the rest | predicted: optimizer step | NCCL's SMs (not "
              "modelled, a bound) | left | left / step | spread that would close it (preset) | larger run's "
              "collectives x that would close it through NCCL's SMs |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -437,12 +432,13 @@ def scale_section(scale: list[dict]) -> list[str]:
         slowest = (step[1] - step[0]) - (uniform[1] - uniform[0])
         optimizer = d["optimizer"][1] - d["optimizer"][0]
         sms = d["nccl_sms"][1] - d["nccl_sms"][0]
-        left = pub_step - (step[1] - step[0]) - optimizer - sms
+        rest = uniform[1] - uniform[0] - optimizer
+        left = pub_step - (step[1] - step[0]) - sms
         z = [slowest_rank_factor(1.0, n) - 1 for n in d["ranks"]]
         spread = (slowest + left) / (uniform[0] * (z[1] - z[0]))
         ratio = f"{pub_change / pred_change:.1f}" if pred_change else "-"
         lines.append(f"| {d['label']} | {pub_change * 100:+.1f}% | {pred_change * 100:+.2f}% | {ratio} | "
-                     f"{pub_step * ms:+.1f} | {slowest * ms:+.1f} | {(uniform[1] - uniform[0]) * ms:+.1f} | "
+                     f"{pub_step * ms:+.1f} | {slowest * ms:+.1f} | {rest * ms:+.1f} | "
                      f"{optimizer * ms:+.1f} | {sms * ms:+.1f} | {left * ms:+.1f} | {left / step[0] * 100:.1f}% | "
                      f"{spread * 100:.1f}% ({d['variation'][0] * 100:.1f}%) | "
                      f"{1 + left / (NCCL_SMS / GPU_SMS * d['comm_busy'][1]):.1f} |")

@@ -76,6 +76,7 @@ def test_host_step_is_the_sum_of_its_parts(spec: str, name: str) -> None:
             expected += table_seconds(TABLES[AG], nbytes) + nbytes / OVERHEAD.copy_bandwidth  # + copy-out
         else:
             expected += table_seconds(TABLES[RS], sizing.reduce_bytes(c.params))
+    expected += SimContext(tr, cluster).optimizer_seconds()  # then the optimizer step (sim/optimizer_step.py)
     assert report.step_time == pytest.approx(expected, rel=1e-9)
     assert report.exposed_comm == pytest.approx(sum(report.comm_time.values()))
     assert report.hooks == len(sched.hooks)

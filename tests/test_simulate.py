@@ -9,11 +9,12 @@ from conftest import policy, traced
 
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.replay import build_schedule
-from fsdp_planner.hardware.cluster import NO_OVERHEAD, Link, Overhead, parse_cluster
+from fsdp_planner.hardware.cluster import NO_OVERHEAD, Link, Overhead, parse_cluster, slowest_rank_factor
 from fsdp_planner.hardware.collectives import alpha_beta
 from fsdp_planner.hardware.cost import collective_time
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.metrics import plan_metrics
+from fsdp_planner.sim.optimizer_step import GRAD_CLIP_BYTES, STEP_BYTES
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.timeline import Stream
@@ -51,7 +52,8 @@ def test_free_network_gives_step_time_equal_to_compute():
 
 def test_one_group_by_hand(seed_trace):
     """Root only: gather everything before the first op (copy-in), copy it out on the compute stream, compute,
-    copy the grads into the reduce-scatter's input, reduce-scatter after the last op. The host is free here."""
+    copy the grads into the reduce-scatter's input, reduce-scatter after the last op, then AdamW's foreach step
+    over the rank's shard (sim/optimizer_step.py). The host is free here."""
     h100 = parse_cluster("h100:8")
     copy = 500e9
     cluster = dataclasses.replace(h100, overhead=Overhead(0.0, 0.0, copy))
@@ -61,7 +63,12 @@ def test_one_group_by_hand(seed_trace):
     gathered = sum(p.padded_numel(world) * 4 for p in seed_trace.params)
     ag = collective_time(cluster, "all_gather", gathered) + gathered / world / copy + gathered / copy
     rs = gathered / copy + collective_time(cluster, "reduce_scatter", gathered)  # FSDP2 pads its input too
-    assert r.step_time == pytest.approx(ag + r.compute_time + rs, rel=1e-9)
+    shard = sum(p.padded_numel(world) for p in seed_trace.params if p.requires_grad) / world
+    optimizer = shard * (STEP_BYTES["adamw"] + GRAD_CLIP_BYTES) / (h100.gpu.hbm_bandwidth
+                                                                   * h100.compute.memory_efficiency)
+    optimizer *= slowest_rank_factor(h100.compute.variation, world)
+    assert r.gpu_optimizer_time == pytest.approx(optimizer, rel=1e-9)
+    assert r.step_time == pytest.approx(ag + r.compute_time + rs + optimizer, rel=1e-9)
     assert r.memory_at_peak["unsharded_params"] == gathered
 
 
@@ -164,7 +171,7 @@ def reference_step_time(tr, plan, ctx):
             streams.issue(c)
         if idx < len(tr.events):
             streams.wait_for([group_of[p] for p in tr.events[idx].params])
-    return max(streams.t, *streams.free.values())
+    return max(streams.t, *streams.free.values()) + ctx.optimizer_seconds()  # then the optimizer step
 
 
 @pytest.mark.parametrize("spec", ["seed-net", "toy-gpt2-tied", "t5-3b"])

@@ -309,8 +309,9 @@ def step_lines(name: str, plan_label: str, cluster: Cluster, r: StepReport, offl
         f"[bold]{escape(name)}[/bold] with [bold]{escape(plan_label)}[/bold] on {escape(cluster.describe())}",
         f"step time {fmt_time(r.step_time)}  compute {fmt_time(r.compute_time)}"
         f"{f' (recompute {fmt_time(r.recompute_time)})' if r.recompute_time else ''}"
-        # CPUOffloadPolicy: the optimizer step on the host, after backward, is part of the step time
+        # the optimizer step after backward (on the host under CPUOffloadPolicy) is part of the step time
         f"{f'  optimizer step on the CPU {fmt_time(r.cpu_optimizer_time)}' if r.cpu_optimizer_time else ''}"
+        f"{f'  optimizer step on the GPU {fmt_time(r.gpu_optimizer_time)}' if r.gpu_optimizer_time else ''}"
         f"  exposed comm "
         f"{fmt_time(r.exposed_comm)}  {copies} {fmt_time(r.copy_time)}  waiting for the host "
         f"{fmt_time(r.host_wait)} (host busy {fmt_time(r.host_time)}, {r.hooks} hooks)  lower bound "

@@ -92,7 +92,8 @@ def simulated_side(trace: Trace, report: StepReport, label: str) -> Side:
                 and trace.events[e.op].backward]
     start = min((e.start for e in backward), default=report.step_time)
     end = max((e.end for e in backward), default=report.step_time)
-    return Side(label, tuple(bars), phases_of(bars, report.step_time, start, end, report.cpu_optimizer_time))
+    return Side(label, tuple(bars), phases_of(bars, report.step_time, start, end,
+                                                report.cpu_optimizer_time + report.gpu_optimizer_time))
 
 
 def gaps(measured: Side, simulated: Side, count: int = GAPS) -> list[tuple[str, float, float]]:

@@ -42,6 +42,7 @@ class BarKind(Enum):
     COPY_OUT = "copy_out"  # FSDP2's copy of an all-gather's output into the params, on the compute stream
     HOST = "host"  # compute idle, waiting for the host to launch the next op
     EXPOSED = "exposed"  # compute idle, waiting for a collective
+    OPTIMIZER = "optimizer"  # the optimizer step after backward
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
@@ -63,6 +64,7 @@ _LABELS = {
     BarKind.COPY_OUT: "FSDP2 copy-out",
     BarKind.HOST: "waiting for the host (FSDP2 hooks, launches)",
     BarKind.EXPOSED: "exposed communication (compute waits)",
+    BarKind.OPTIMIZER: "optimizer step",
     BarKind.ALL_GATHER: "all-gather",
     BarKind.REDUCE_SCATTER: "reduce-scatter",
     BarKind.ALL_REDUCE: "all-reduce (HSDP replicas)",
@@ -74,6 +76,7 @@ _COLORS = {
     BarKind.COPY_OUT: "#bab0ac",
     BarKind.HOST: "#eeca3b",
     BarKind.EXPOSED: "#e45756",
+    BarKind.OPTIMIZER: "#72b7b2",
     BarKind.ALL_GATHER: "#54a24b",
     BarKind.REDUCE_SCATTER: "#f58518",
     BarKind.ALL_REDUCE: "#b279a2",
@@ -124,6 +127,8 @@ class StepView:
         host = f", waiting for the host {fmt_time(r.host_wait)}" if r.host_wait else ""
         if r.cpu_optimizer_time:  # CPUOffloadPolicy: part of the step, after backward
             host += f", optimizer step on the CPU {fmt_time(r.cpu_optimizer_time)}"
+        if r.gpu_optimizer_time:  # part of the step, after backward
+            host += f", optimizer step on the GPU {fmt_time(r.gpu_optimizer_time)}"
         return (f"{self.label}: step {fmt_time(r.step_time)}, exposed comm {fmt_time(r.exposed_comm)} ({share:.1%})"
                 f"{host}, "
                 f"peak {fmt_bytes(r.peak_memory)} allocated, {fmt_bytes(r.reserved_memory)} reserved, "
@@ -203,7 +208,8 @@ def _compute_kind(e: TimelineEvent, forward_end: int) -> BarKind:
     return BarKind.FORWARD if e.op < forward_end else BarKind.BACKWARD
 
 
-_WORK = {Work.RECOMPUTE: BarKind.RECOMPUTE, Work.COPY_OUT: BarKind.COPY_OUT, Work.HOST: BarKind.HOST}
+_WORK = {Work.RECOMPUTE: BarKind.RECOMPUTE, Work.COPY_OUT: BarKind.COPY_OUT, Work.HOST: BarKind.HOST,
+         Work.OPTIMIZER: BarKind.OPTIMIZER}
 
 
 def _waited_for(start: float, end: float, comm: Sequence[tuple[BarKind, list[Bar]]]) -> str:

@@ -19,6 +19,7 @@ from fsdp_planner.sim.compute import step_op_times, traced_itemsize
 from fsdp_planner.sim.expert_parallel import ep_seconds, expert_ranks
 from fsdp_planner.sim.float8 import float8_step
 from fsdp_planner.sim.memory import MemoryModel
+from fsdp_planner.sim.optimizer_step import gpu_optimizer_seconds
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls, offload_bytes
 from fsdp_planner.sim.tensor_parallel import tp_amax_seconds, tp_seconds
@@ -190,16 +191,20 @@ class SimContext:
         return self.sizing.shard_numel(params) * itemsize / self.cluster.host_copy_bandwidth
 
     def optimizer_seconds(self) -> float:
-        """``CPUOffloadPolicy``: the optimizer step on the host over this rank's trainable shard, at the cluster's
-        CPU optimizer rate; 0 without offload (the GPU's optimizer step is not modelled)."""
-        if not self.options.offload:
-            return 0.0
+        """The optimizer step over this rank's trainable shard (an HSDP replica's, a TP or EP rank's view), after
+        the backward's last collective: on the GPU, a memory-bound pass (``optimizer_step.gpu_optimizer_seconds``);
+        under ``CPUOffloadPolicy`` on the host instead, at the cluster's CPU optimizer rate."""
         trainable = [i for i, p in enumerate(self.trace.params) if p.requires_grad]
-        return self.sizing.shard_numel(trainable) / self.cluster.cpu_optimizer_rate
+        numel = self.sizing.shard_numel(trainable)
+        if self.options.offload:
+            return numel / self.cluster.cpu_optimizer_rate
+        return gpu_optimizer_seconds(numel, self.options.optimizer.step_bytes, self.precision.param_bytes,
+                                     self.cluster)
 
     def _lower_bound(self) -> float:
         """No plan on this mesh beats this: all compute; or every param gathered once and every grad reduced once
-        (and all-reduced once across replicas), each in one message, their bytes sharing the links."""
+        (and all-reduced once across replicas), each in one message, their bytes sharing the links; then the
+        optimizer step, which waits for all of them."""
         everything = range(len(self.trace.params))
         trainable = tuple(i for i in everything if self.trace.params[i].requires_grad)
         messages = [(CollectiveKind.ALL_GATHER, self.sizing.gather_bytes(everything)),
@@ -211,7 +216,7 @@ class SimContext:
         for kind, nbytes in messages:  # the bytes at the best bandwidth any protocol reaches
             cost = self.cost(kind)
             by_link[cost.link] = by_link.get(cost.link, 0.0) + nbytes * cost.per_byte
-        return max(self.compute_total, *times, *by_link.values())
+        return max(self.compute_total, *times, *by_link.values()) + self.optimizer_seconds()
 
 
 def replica_ranks_per_node(cluster: Cluster, mesh: Mesh) -> int:

@@ -25,6 +25,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.sim.optimizer_step import STEP_BYTES
 
 PRECISIONS: dict[str, Precision] = {
     p.name: p
@@ -44,14 +45,17 @@ PRECISIONS: dict[str, Precision] = {
 
 @dataclass(frozen=True)
 class Optimizer:
-    """Optimizer state per trainable param element.
+    """Optimizer state per trainable param element, and the HBM traffic of its step.
 
+    ``step_bytes``: what one ``step()`` reads and writes from HBM per fp32 element of the rank's trainable shard
+    (torch's foreach implementation, its default on CUDA; counted in ``sim/optimizer_step.py``).
     ``param_dtype_states`` live in the param storage dtype (SGD's momentum buffer); ``fp32_states`` are always
     fp32 (Adam's exp_avg and exp_avg_sq); ``master_copy`` adds an fp32 copy of the weights when the params are
     stored in 16 bits (the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 = 16 bytes per param).
     """
 
     name: str
+    step_bytes: int
     param_dtype_states: int = 0
     fp32_states: int = 0
     master_copy: bool = False
@@ -64,10 +68,10 @@ class Optimizer:
 OPTIMIZERS: dict[str, Optimizer] = {
     o.name: o
     for o in (
-        Optimizer("sgd"),
-        Optimizer("sgd-momentum", param_dtype_states=1),
-        Optimizer("adam", fp32_states=2, master_copy=True),
-        Optimizer("adamw", fp32_states=2, master_copy=True),
+        Optimizer("sgd", STEP_BYTES["sgd"]),
+        Optimizer("sgd-momentum", STEP_BYTES["sgd-momentum"], param_dtype_states=1),
+        Optimizer("adam", STEP_BYTES["adam"], fp32_states=2, master_copy=True),
+        Optimizer("adamw", STEP_BYTES["adamw"], fp32_states=2, master_copy=True),
     )
 }
 

@@ -47,7 +47,7 @@ from fsdp_planner.sim.tensor_parallel import (
     tp_positions,
     tp_view,
 )
-from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, TimelineEvent
+from fsdp_planner.sim.timeline import AG, AR, RS, StepTimes, Stream, TimelineEvent, Work
 from fsdp_planner.trace.records import Trace
 
 
@@ -75,6 +75,7 @@ class StepReport:
     hooks: int = 0  # FSDP2 lifecycle calls doing work in the step (pre/post-forward, pre/post-backward per group)
     timeline: list[TimelineEvent] = field(default_factory=list)
     cpu_optimizer_time: float = 0.0  # of step_time: CPUOffloadPolicy's optimizer step on the host, after backward
+    gpu_optimizer_time: float = 0.0  # of step_time: the optimizer step on the GPU, after backward (without offload)
     # tensor parallelism's collectives on one rank (recomputed ones included) and their seconds on the compute
     # stream (of compute_time: eager DTensor waits on each; ``tensor_parallel.py``)
     tp_degree: int = 1
@@ -98,8 +99,9 @@ class StepReport:
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("timeline")
-        if not d["cpu_optimizer_time"]:  # a step without offload reports as it always did
-            d.pop("cpu_optimizer_time")
+        for name in ("cpu_optimizer_time", "gpu_optimizer_time"):  # the optimizer step where it runs
+            if not d[name]:
+                d.pop(name)
         if self.tp_degree == 1:  # and one without TP
             for name in _TP_FIELDS:
                 d.pop(name)
@@ -264,9 +266,16 @@ def report(given: ReportInput) -> StepReport:
     memory = ctx.memory.peak(given.plan, given.sched)
     breakdown = memory.at.to_dict()
     breakdown.pop("total")
+    # serial after the last reduce-scatter (it reads the grads) and before the next step's all-gathers
     optimizer = ctx.optimizer_seconds() if given.steps_optimizer else 0.0
+    events = times.events
+    if events and optimizer:  # a recorded timeline: the step ends with it
+        where = "on the CPU" if ctx.options.offload else "on the GPU"
+        events = [*events, TimelineEvent(Stream.COMPUTE, f"optimizer step {where}", times.step,
+                                         times.step + optimizer, work=Work.OPTIMIZER)]
     return StepReport(
-        step_time=times.step + optimizer, cpu_optimizer_time=optimizer,
+        step_time=times.step + optimizer, cpu_optimizer_time=optimizer if ctx.options.offload else 0.0,
+        gpu_optimizer_time=0.0 if ctx.options.offload else optimizer,
         compute_time=ctx.compute_total + times.recompute if times.compute is None else times.compute,
         exposed_comm=max(0.0, times.exposed),
         recompute_time=times.recompute, host_wait=times.host_wait, copy_time=times.copy_time,
@@ -276,7 +285,7 @@ def report(given: ReportInput) -> StepReport:
         reduce_scatter_bytes=sum(ctx.sizing.reduce_bytes(c.params) for c in rs),
         comm_time={k.value: v for k, v in times.busy.items() if k is not AR or ar},
         all_reduces=len(ar), all_reduce_bytes=sum(collective_bytes(ctx, c, gather) for c in ar),
-        mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=times.events,
+        mesh=ctx.mesh.describe(), host_time=times.host_time, hooks=len(given.sched.hooks), timeline=events,
         **_tp_fields(ctx, given.plan), **_ep_fields(ctx, given.plan),
         **_float8_fields(ctx, ag, group_params, given.steps_optimizer))
 

@@ -29,6 +29,7 @@ class Work(Enum):
     RECOMPUTE = "recompute"  # a checkpointed forward run again
     COPY_OUT = "copy-out"  # FSDP2 copying an all-gather's output into the unsharded params
     HOST = "host"  # idle: the host has not launched the next op yet (FSDP2's hooks, launches)
+    OPTIMIZER = "optimizer"  # the optimizer step after backward (on the host under CPU offload: the GPU waits)
 
 
 @dataclass(frozen=True)
