@@ -210,7 +210,15 @@ the math path (the U-Net's strided q/k/v, Falcon's one key head), the CPU runs t
 as the product's modelled math path. `independent_memory.py`'s `GroupMemTracker` registers the tool's same
 wrappers through FSDP2's group hooks, and keeps a group's backward statistics on a member whose forward ran (BART's
 group names `model.shared`, never called, which made FSDPMemTracker fail with a KeyError): with it the U-Net,
-Falcon, Swin, Mamba and BART rows agree with the fake-world run to 0.3% or better (the table above)."""
+Falcon, Swin, Mamba and BART rows agree with the fake-world run to 0.3% or better (the table above).
+
+What is left between the two (all within 0.3%) is attention's kernel, which the CPU picks differently from the
+GPU the product models: with a mask the CPU runs its flash kernel and takes SDPA's boolean mask as it is, where a
+GPU runs the memory-efficient kernel on the mask made an additive bias in the query's dtype and saves a
+log-sum-exp padded to 32 queries. BART titan (-0.26%): 196,608 of the 196,800 bytes are the three decoder layers'
+(2, 1, 128, 128) bf16 biases; Swin (-0.13 to -0.23%): 36,944 bytes at the peak, not itemized (the padding of
+its two masked blocks' log-sum-exp from 16 windowed queries to 32 is 36,864 bytes by shape, a likely part). The
+memory-efficient kernel has no CPU implementation, so the independent run cannot take it."""
 # --- end of issue 39's section ----------------------------------------------------------------------------------
 
 
