@@ -102,6 +102,9 @@ def test_groups_inside_a_block_checkpointed_in_full_gather_again_in_its_recomput
     assert not any(e.kind is EventKind.OP for e in tr.events[w2_pre:at + 1])  # before the block's backward ops
     held = {name[r.group]: r.start for r in sched.residency if r.start >= w2_pre}
     assert held["layers.3.attention.wq"] == at  # unsharded from the recomputation, not its own pre-backward
+    # one all-gather output at a time is alive at the recomputation: each copy-out frees the one kept before; the
+    # last, w3's (prefetched, copied out in the recomputation), until the recomputation's forward root is done
+    assert {name[c.group]: c.output_freed for c in block if c.output_freed > at} == {"layers.3.feed_forward.w3": at + 1}
     plain = build_schedule(tr, plan.replace(activation_checkpointing=[]), 8)
     assert sum(c.kind is ALL_GATHER for c in sched.collectives) == sum(c.kind is ALL_GATHER for c in plain.collectives)
 
