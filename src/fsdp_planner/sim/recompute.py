@@ -184,17 +184,12 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     saved_by: dict[tuple[str, int], float] = {}
     inside: CheckpointedCall | None = None  # the checkpointed call whose forward is running
     recreated: dict[int, float] = {}  # pre-backward position -> activations re-created there
-    bwd_open: list[tuple[str, int]] = []  # the calls whose backward is running
+    totals: dict[tuple[str, int], float] = {}  # call -> the activations its post-backward frees
     for i, (e, in_loss) in enumerate(zip(trace.events, trace.index.loss_region, strict=True)):
         kind = e.kind
         if kind is EventKind.OP:
             if in_loss:
                 continue  # counted by loss_region_deltas
-            if e.freed and bwd_open:  # autograd freed them after this op's node ran (``Event.freed``)
-                nbytes = min(e.freed * scale, saved_by.get(bwd_open[-1], 0.0))
-                if nbytes:
-                    saved_by[bwd_open[-1]] -= nbytes
-                    deltas[i + 1] -= nbytes
             if e.live and not e.backward and not inside_compiled[i]:  # integer temporaries (``Temporaries``),
                 deltas[i] += e.live  # alive while it runs, at their own dtype
                 deltas[i + 1] -= e.live
@@ -219,15 +214,36 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
             stack.pop()
             if inside is not None and i == inside.fwd_post:
                 inside = None
-        elif kind is EventKind.BWD_PRE:
-            bwd_open.append((e.module, e.call))
-        elif kind is bwd_post:
-            if (e.module, e.call) in bwd_open:
-                bwd_open.remove((e.module, e.call))
-            deltas[i] -= saved_by.pop((e.module, e.call), 0.0)
+        elif kind is bwd_post and (e.module, e.call) in saved_by:
+            totals[(e.module, e.call)] = saved_by.pop((e.module, e.call))
+            deltas[i] -= totals[(e.module, e.call)]
     for pos, nbytes in recreated.items():
         deltas[pos] += nbytes
-    return deltas + compiled + cache_deltas(trace, calls, scale) + unpack_deltas(trace, calls, scale)
+    return deltas + compiled + cache_deltas(trace, calls, scale) + unpack_deltas(trace, calls, scale) \
+        + early_frees(trace, totals, scale)
+
+
+def early_frees(trace: Trace, totals: dict[tuple[str, int], float], scale: float) -> np.ndarray:
+    """Activations freed before their call's backward is done (``activation_deltas``' indexing): after each
+    backward op, its ``Event.freed`` of the innermost call whose backward runs (at most what that call holds,
+    ``totals``), which its post-backward then does not free."""
+    deltas = np.zeros(len(trace.events) + 1)
+    running: list[tuple[str, int]] = []  # the calls whose backward is running
+    left, early = dict(totals), dict.fromkeys(totals, 0.0)
+    for i, (e, in_loss) in enumerate(zip(trace.events, trace.index.loss_region, strict=True)):
+        if e.kind is EventKind.BWD_PRE:
+            running.append((e.module, e.call))
+        elif e.kind is EventKind.BWD_POST:
+            if (e.module, e.call) in running:
+                running.remove((e.module, e.call))
+            deltas[i] += early.pop((e.module, e.call), 0.0)
+        elif e.freed and running and not in_loss:
+            nbytes = min(e.freed * scale, left.get(running[-1], 0.0))
+            if nbytes:
+                left[running[-1]] -= nbytes
+                early[running[-1]] += nbytes
+                deltas[i + 1] -= nbytes
+    return deltas
 
 
 def compiled_deltas(trace: Trace, calls: Sequence[CompiledCall], scale: float) -> tuple[np.ndarray, np.ndarray]:

@@ -567,12 +567,13 @@ class BlockReuse:
             return
         with self.own_tensors():
             grads = [torch.empty_like(t) for t in tensors]
-        edges = [torch.autograd.graph.get_gradient_edge(t) for t in tensors]
+        # reentrant checkpointing refuses a backward from edges (``_is_checkpoint_valid``): from the outputs there
+        roots = tensors if _reentrant_inside(tensors) else [torch.autograd.graph.get_gradient_edge(t) for t in tensors]
         del tensors
         log.backward = True
         log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
         self.slot.recorder = log
-        torch.autograd.backward(edges, grads)
+        torch.autograd.backward(roots, grads)
         log.unwatch()  # what the recording frees from now on is no backward op's (``Event.freed``)
         # the output's own hooks fire first, before any op of the call's backward: split them off, or refuse
         backward, n = log.template.backward, len(log.hooked)
@@ -707,6 +708,21 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             source, nbytes = action[1], action[2]
             ref = sources.get(source) or _Fresh()
             main.save(ref, nbytes)  # type: ignore[arg-type]
+
+
+def _reentrant_inside(tensors: list[torch.Tensor]) -> bool:
+    """Whether the autograd graph behind ``tensors`` holds a reentrant checkpoint's node."""
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False
 
 
 def replayed_freed(freed: tuple[tuple[str, int], ...], prefix: str, inner: Call | None) -> int:
