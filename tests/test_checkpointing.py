@@ -196,14 +196,15 @@ def test_recomputation_holds_its_forward_frame_until_it_stops():
 @pytest.mark.integration  # real FSDP2 on fake ranks: the full suite runs it
 def test_real_fsdp2_recomputation_peak_of_a_conv_net_matches_the_prediction():
     """The first bottleneck's recomputation, at the highest resolution, is the step's peak under per-block full
-    checkpointing: -21.9% without what its frame holds there (``recompute_levels``); -5.6% with it."""
+    checkpointing: -21.9% without what its frame holds there (``recompute_levels``); -5.6% with it; +0.6% since
+    the batch is held all step (and ``build``, at 4 fake ranks' width, -1.3%; issue 39 measured -14.6% before)."""
     options = SimOptions(precision=precision_named("fp32"))
     lm = load_model(RESNET_WIDE)
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
     plan = make_policy(PolicyRequest.named("titan", checkpointing=ACMode.FULL)).plan(tr, RESNET_WIDE)
     predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
     measured = run_fake_world(RESNET_WIDE, plan, 8, options.precision)
-    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.07)
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
 
 
 def test_apply_checkpointing_recomputes_the_forward_and_keeps_names():
