@@ -299,10 +299,10 @@ def gradient_flow(trace: Trace, scale: float) -> np.ndarray:
 
 
 def recompute_levels(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
-    """What a recomputation holds when it stops, besides the activations it re-creates (``activation_deltas``'
-    indexing, where it runs: ``recomputed_at``): non-reentrant checkpoint stops by raising from the pack hook of the
-    call's last saved tensor (torch's ``_StopRecomputationError``), so until then the call's forward frame is alive, with the
-    outputs its locals and temporaries still hold that nothing saved (a bottleneck's last BatchNorm output, its
+    """What a recomputation holds when it stops, besides the activations it re-creates (``activation_deltas``' indexing,
+    where it runs: ``recomputed_at``): non-reentrant checkpoint stops by raising from the pack hook of the call's
+    last saved tensor (torch's ``_StopRecomputationError``), so until then the call's forward frame is alive, with
+    the outputs its locals and temporaries still hold that nothing saved (a bottleneck's last BatchNorm output, its
     shortcut and their sum beside the final ReLU's output), and so is the gradient of the call's outputs that
     started its backward (``Event.held``). A level, gone once the frame unwinds: -22% on a ResNet under per-block
     full checkpointing without it, where the first block's recomputation at the highest resolution is the peak."""
