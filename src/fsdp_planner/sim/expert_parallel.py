@@ -156,6 +156,7 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
     for e in trace.events:
         if e.is_op and skew != 1.0 and any(is_within(e.module, m) for m in names):
             e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
+                           freed=int(e.freed * skew),
                            out_nbytes=int(e.out_nbytes * skew), grad_live=int(e.grad_live * skew))
         if e.module not in names or e.is_op:
             where.append(len(out))

@@ -322,7 +322,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else lay.scale(e.module)
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
                            + saved_whole.get(i, 0), out_nbytes=int(e.out_nbytes * s), live=int(e.live * s),
-                           grad_live=int(e.grad_live * s))
+                           grad_live=int(e.grad_live * s), freed=int(e.freed * s))
             if loss[i] and lay.tp.loss_parallel:
                 e = e._replace(live=e.live + _handler_extra(e))
             if loss[i] and not e.backward and loss_ars:

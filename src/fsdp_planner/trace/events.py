@@ -78,6 +78,9 @@ class Event(NamedTuple):
     # its last pack (its frame's locals and temporaries), plus its grad-requiring outputs' (their gradients, alive
     # when its backward starts): what a recomputation of the call holds besides its saved activations when it
     # stops (``sim/recompute.py``); the root call's is 0 (never checkpointed)
+    freed: int = 0  # backward op: bytes of activations saved in the forward of the module call whose backward runs
+    # it, which autograd freed once this op's node ran (it releases a node's saved tensors then): freed here, not
+    # when that call's backward is done (``sim/recompute.py``)
 
     @property
     def is_op(self) -> bool:

@@ -193,6 +193,17 @@ class ActionLog(StepRecorder):
     def exit_backward(self, key: Call) -> None:
         self._log(("bwd_post", self.relative(key[0]), key[1]))
 
+    def saving_call(self) -> Call | None:
+        """Relative to the recorded call, whose own name is ""."""
+        return (self.relative(self.fwd_stack[-1]), 0) if self.fwd_stack else ("", 0)
+
+    def freed_by(self, owner: Call, nbytes: int) -> None:
+        """The last backward op's, with the call that saved them: a replay counts them where that call is the step's
+        innermost backward call, as the step's recorder does (``replayed_freed``)."""
+        if self.backward and self.last_op >= 0:  # positions in the template's backward log
+            a = self.template.backward[self.last_op]
+            self.template.backward[self.last_op] = (*a[:-1], (*a[-1], (owner[0], nbytes)))
+
     def outside_modules(self) -> bool:
         return False  # a template is one module call: nothing in it is outside the model
 
@@ -207,7 +218,7 @@ class ActionLog(StepRecorder):
                 self.slots[p] = len(self.template.params)
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
-        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, grad_live))
+        self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, grad_live, ()))
         self.last_op = len(self.template.backward) - 1 if self.backward else -1
 
     def pack(self) -> None:
@@ -226,21 +237,22 @@ class ActionLog(StepRecorder):
         if made is not None:
             i, nbytes = made
             a = self.template.backward[i]
-            self.template.backward[i] = (*a[:-1], max(0, a[-1] - nbytes))
+            self.template.backward[i] = (*a[:-2], max(0, a[-2] - nbytes), a[-1])
 
-    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None) -> None:
         self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
         self.saved_storages.add(ref)
         self.saved.append((len(self.template.forward), ref, nbytes))
+        self.watch_saved(storage, nbytes)
         unsaved = self.temporaries.forget(ref)  # as ``StepRecorder.save``: the saving op counted it alive
         last = next((i for i in range(len(self.template.forward) - 1, -1, -1)
                      if self.template.forward[i][0] == "op"), None)
         if unsaved and last is not None:
             a = self.template.forward[last]
-            self.template.forward[last] = (*a[:-2], max(0, a[-2] - unsaved), a[-1])
+            self.template.forward[last] = (*a[:-3], max(0, a[-3] - unsaved), *a[-2:])
 
 
 class _Sink(torch.autograd.Function):
@@ -470,12 +482,15 @@ class BlockReuse:
             if any(t._version != versions[i] for i, t in clones.items()):
                 log.template.reusable = False  # modified an input in place
             if log.template.reusable:
-                self._record_backward(log, out)
+                held = [out]
+                del out  # autograd alone holds the outputs in backward, as in the step (``_record_backward``)
+                self._record_backward(log, held)
                 _compile_ops(log.template, r)
                 log.template.grads = [n for n, p in r.module.named_parameters() if p.grad is not None]
                 if self.routing.used != _added(before[0], log.template.routed, r.fqn):
                     log.template.reusable = False  # a stand-in in backward: replayed in forward, out of order
         finally:
+            log.unwatch()
             self.active, self.slot.recorder, self.slot.produced = True, main, None
             # the replay (or the full call, for a template not used) tells the stand-in, not the recording
             self.routing.used, self.routing.experts, self.routing.per_expert = before
@@ -543,16 +558,23 @@ class BlockReuse:
                 return
             log.template.forward.insert(pos + n, ("save", source, nbytes))
 
-    def _record_backward(self, log: ActionLog, out: Any) -> None:
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    def _record_backward(self, log: ActionLog, held: list[Any]) -> None:
+        """The call's backward from its outputs' gradient edges, the outputs themselves (``held``'s one item) let
+        go: a saved output is then freed where the step frees it, once the node that saved it has run
+        (``Event.freed``), not held by the recording to its end."""
+        tensors = [t for t in tree_flatten(held.pop())[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
         with self.own_tensors():
             grads = [torch.empty_like(t) for t in tensors]
+        # reentrant checkpointing refuses a backward from edges (``_is_checkpoint_valid``): from the outputs there
+        roots = tensors if _reentrant_inside(tensors) else [torch.autograd.graph.get_gradient_edge(t) for t in tensors]
+        del tensors
         log.backward = True
         log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
         self.slot.recorder = log
-        torch.autograd.backward(tensors, grads)
+        torch.autograd.backward(roots, grads)
+        log.unwatch()  # what the recording frees from now on is no backward op's (``Event.freed``)
         # the output's own hooks fire first, before any op of the call's backward: split them off, or refuse
         backward, n = log.template.backward, len(log.hooked)
         if backward[:n] != [("bwd_pre", log.relative(fqn), call) for fqn, call in log.hooked]:
@@ -643,7 +665,7 @@ def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]],
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
     """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel,
-    integer temporaries, gradient bytes), ...])
+    integer temporaries, gradient bytes, saved bytes freed by the saving call), ...])
     action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""
@@ -667,7 +689,9 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
     for action in actions:
         kind = action[0]
         if kind == "ops":
-            main.ops([(tuple([params[i] for i in slots]), *rest) for slots, *rest in action[1]])
+            inner = main.innermost_backward()
+            main.ops([(tuple([params[i] for i in slots]), *rest[:-1], replayed_freed(rest[-1], prefix, inner))
+                      for slots, *rest in action[1]])
         elif kind == "fwd_pre":
             main.enter_forward(prefix + action[1], action[2], action[3])
         elif kind == "fwd_post":
@@ -684,6 +708,29 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             source, nbytes = action[1], action[2]
             ref = sources.get(source) or _Fresh()
             main.save(ref, nbytes)  # type: ignore[arg-type]
+
+
+def _reentrant_inside(tensors: list[torch.Tensor]) -> bool:
+    """Whether the autograd graph behind ``tensors`` holds a reentrant checkpoint's node."""
+    seen: set[Any] = set()
+    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return False
+
+
+def replayed_freed(freed: tuple[tuple[str, int], ...], prefix: str, inner: Call | None) -> int:
+    """A replayed backward op's ``Event.freed``: of what its recording freed (bytes by the saving call, relative to
+    the replayed call, "" itself), the saves of the step's innermost backward call now."""
+    if not freed or inner is None:
+        return 0
+    return sum(n for name, n in freed if inner[0] == (prefix + name if name else prefix[:-1]))
 
 
 class _Fresh:

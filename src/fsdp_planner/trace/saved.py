@@ -14,7 +14,8 @@ def saved_tensor_hooks(slot: Slot) -> torch.autograd.graph.saved_tensors_hooks:
     fails the trace as it fails the real step."""
 
     def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        slot.recorder.save(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+        storage = t.untyped_storage()
+        slot.recorder.save(StorageWeakRef(storage), storage.nbytes(), storage)
         return t, t._version
 
     def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:

@@ -46,6 +46,8 @@ class StepRecorder:
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
         self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
+        self._watched: dict[int, weakref.ref] = {}  # saved storages charged, until autograd frees them (``freed``)
+        self._watch_count = 0
 
     def current_module(self) -> str:
         if self.backward:
@@ -59,20 +61,57 @@ class StepRecorder:
                                  backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
                                  kernel=kernel, grad_live=grad_live))
 
+    def watch_saved(self, storage: torch.UntypedStorage | None, nbytes: int) -> None:
+        """A storage just charged as saved by an op of the innermost call running: when autograd frees it in that
+        call's backward (once the node that saved it last has run), the backward op just recorded gets its bytes
+        as ``Event.freed``."""
+        owner = self.saving_call()
+        if storage is None or owner is None or StorageWeakRef(storage) in self.input_storages:
+            return  # a call's input: its lifetime is its caller's
+        key = self._watch_count
+        self._watch_count += 1
+        self._watched[key] = weakref.ref(storage, lambda _: self.saved_freed(key, owner, nbytes))
+
+    def unwatch(self) -> None:
+        self._watched.clear()
+
+    def saved_freed(self, key: int, owner: Call, nbytes: int) -> None:
+        if self._watched.pop(key, None) is not None:
+            self.freed_by(owner, nbytes)
+
+    def freed_by(self, owner: Call, nbytes: int) -> None:
+        """Saved bytes of ``owner`` freed now: the last op's ``Event.freed`` when it is ``owner``'s, a backward one."""
+        if self.backward and self.innermost_backward() == owner:
+            self.add_freed(nbytes)
+
+    def saving_call(self) -> Call | None:
+        """The module call a save is charged to (``sim/recompute.py``: the innermost running)."""
+        return (self.fwd_stack[-1], self.calls[self.fwd_stack[-1]] - 1) if self.fwd_stack else None
+
+    def innermost_backward(self) -> Call | None:
+        return self.bwd_active[-1] if self.bwd_active else None
+
+    def add_freed(self, nbytes: int) -> None:
+        """``Event.freed`` of the last op, a backward one."""
+        if self.last_op >= 0 and self.events[self.last_op].backward:
+            e = self.events[self.last_op]
+            self.events[self.last_op] = e._replace(freed=e.freed + nbytes)
+
     def outside_modules(self) -> bool:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
         return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
-    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int]]) -> None:
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel, integer temporaries made in the call, gradient bytes) each; those alive from before the call
-        (``Temporaries``) are alive during it too."""
+        kernel, integer temporaries made in the call, gradient bytes, saved bytes freed) each; those alive from
+        before the call (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
         outer = 0 if backward else self.temporaries.current
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
                                   live=live + outer if live or outer else 0, op_class=op_class,
-                                  out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live)
-                            for params, flops, nbytes, op_class, out_nbytes, kernel, live, grad_live in batch])
+                                  out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live, freed=freed)
+                            for params, flops, nbytes, op_class, out_nbytes, kernel, live, grad_live, freed
+                            in batch])
         self.last_op = len(self.events) - 1
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
@@ -110,9 +149,9 @@ class StepRecorder:
         """``Event.held`` of the call ending now (its marks popped)."""
         return self.frame.close() + grads_nbytes
 
-    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them; every pack is
-        marked (``pack``)."""
+        marked (``pack``); ``storage``: the storage itself, watched until autograd frees it (``watch_saved``)."""
         self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
@@ -124,6 +163,7 @@ class StepRecorder:
             return
         e = self.events[self.last_op]
         self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
+        self.watch_saved(storage, nbytes)
 
     def pack(self) -> None:
         """A tensor packed for backward in forward: marks the last event (``Event.packs``), not the last op, so that
@@ -337,7 +377,7 @@ class NullRecorder(StepRecorder):
     def outside_modules(self) -> bool:
         return False
 
-    def save(self, ref: StorageWeakRef, nbytes: int) -> None:
+    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None) -> None:
         pass
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
