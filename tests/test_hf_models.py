@@ -40,6 +40,12 @@ TINY = {
                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                     "max_position_embeddings": 256, "sliding_window": 64, "attn_logit_softcapping": 50.0,
                     "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
+    # a speech encoder-decoder: log-mel frames through two convolutions, a decoder of learned positions
+    "tiny-whisper": {"model_type": "whisper", "vocab_size": 256, "d_model": 32, "encoder_layers": 1,
+                     "decoder_layers": 1, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                     "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_mel_bins": 8, "max_source_positions": 16,
+                     "max_target_positions": 24, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+                     "decoder_start_token_id": 1},
 }
 
 
@@ -159,6 +165,26 @@ def test_an_encoder_decoder_config_without_a_decoder_start_token_is_one_line():
     with torch.device("meta"), pytest.raises(PlannerError, match=r"no decoder_start_token_id: set "
                                              r"\"decoder_start_token_id\" in the config file .* \(e.g. 0, its pad"):
         hf.build_model(config)
+
+
+def test_whisper_trains_its_encoder_on_log_mel_frames_and_its_decoder_on_the_labels(tmp_path):
+    """transformers also maps "whisper" to a causal LM, its decoder alone: the plan must be of the whole model."""
+    lm = load_model(ModelSpec(tiny(tmp_path, "tiny-whisper"), batch_size=2, seq_len=10))
+    assert type(lm.model).__name__ == "WhisperForConditionalGeneration"
+    assert lm.example_inputs["input_features"].shape == (2, 8, 32)  # twice the encoder's 16 positions
+    assert lm.example_inputs["labels"].shape == (2, 10)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    assert any(e.module.startswith("model.encoder.conv1") for e in tr.events)  # the conv front end is traced
+    with pytest.raises(PlannerError, match=r"--seq 25 is longer than the decoder's 24 learned positions"):
+        load_model(ModelSpec(tiny(tmp_path, "tiny-whisper"), seq_len=25))
+
+
+def test_an_encoder_decoder_whose_inputs_cannot_be_made_is_one_line(tmp_path):
+    path = tmp_path / "s2t.json"
+    path.write_text(json.dumps({"model_type": "speech_to_text", "d_model": 16, "encoder_layers": 1,
+                                "decoder_layers": 1, "vocab_size": 32}))
+    with pytest.raises(PlannerError, match="speech encoder-decoder without Whisper's log-mel input"):
+        load_model(f"hf:{path}")
 
 
 def test_without_transformers_the_user_is_told_to_install_the_extra(monkeypatch, capsys):

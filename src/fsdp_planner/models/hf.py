@@ -53,6 +53,7 @@ Overrides = tuple[tuple[str, Scalar], ...]
 class HfTask(Enum):
     CAUSAL_LM = "causal LM"
     SEQ2SEQ_LM = "encoder-decoder LM"
+    SPEECH_SEQ2SEQ = "speech encoder-decoder"
     IMAGE_CLASSIFICATION = "image classifier"
 
 
@@ -167,14 +168,34 @@ def task_of(config: Any) -> HfTask:
     from transformers.models.auto import modeling_auto as auto
 
     model_type = config.model_type
-    if getattr(config, "is_encoder_decoder", False) and model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    if encoder_decoder and model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return HfTask.SEQ2SEQ_LM
+    if encoder_decoder and model_type in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        _check_speech_frames(config)
+        return HfTask.SPEECH_SEQ2SEQ
+    if encoder_decoder and model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        # transformers' causal LM of an encoder-decoder type is its decoder alone: a plan of another model
+        raise PlannerError(f"hf: model type '{model_type}' is an encoder-decoder the planner cannot feed: its causal "
+                           "LM class is the decoder alone, so a plan would leave the encoder out")
     if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return HfTask.CAUSAL_LM
     if model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         return HfTask.IMAGE_CLASSIFICATION
     raise PlannerError(f"hf: model type '{model_type}' is not supported: the planner trains causal LMs, "
-                       "encoder-decoder LMs and image classifiers")
+                       "encoder-decoder LMs, Whisper-like speech encoder-decoders and image classifiers")
+
+
+# A speech encoder-decoder the planner can feed takes log-mel frames (Whisper): num_mel_bins channels of a fixed
+# length, twice the encoder's positions (its two convolutions, the second of stride 2); other speech front ends
+# (Speech2Text's stacked filterbanks) take inputs of another shape.
+_SPEECH_FIELDS = ("num_mel_bins", "max_source_positions", "max_target_positions")
+
+
+def _check_speech_frames(config: Any) -> None:
+    if not all(isinstance(getattr(config, f, None), int) for f in _SPEECH_FIELDS):
+        raise PlannerError(f"hf: model type '{config.model_type}' is a speech encoder-decoder without Whisper's "
+                           f"log-mel input ({', '.join(_SPEECH_FIELDS)}): the planner cannot make its inputs")
 
 
 def is_encoder(model_type: str) -> bool:
@@ -188,6 +209,7 @@ def _auto_class(task: HfTask) -> Any:
     transformers = _transformers()
     return {HfTask.CAUSAL_LM: transformers.AutoModelForCausalLM,
             HfTask.SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
+            HfTask.SPEECH_SEQ2SEQ: transformers.AutoModelForSpeechSeq2Seq,
             HfTask.IMAGE_CLASSIFICATION: transformers.AutoModelForImageClassification}[task]
 
 
@@ -276,7 +298,7 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
         hf_attention.register()
     chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
     task = task_of(config)
-    if task is HfTask.SEQ2SEQ_LM:
+    if task in (HfTask.SEQ2SEQ_LM, HfTask.SPEECH_SEQ2SEQ):
         _check_decoder_start(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
@@ -360,6 +382,20 @@ def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int, hf_con
     return model, {"input_ids": ids, "labels": labels}, model_loss
 
 
+def build_speech_seq2seq(data: dict[str, Any], batch_size: int, seq_len: int, hf_config: Overrides = (),
+                         attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    """Whisper's inputs: log-mel frames of the fixed length its encoder takes (30 s of audio at the real sizes)
+    and ``seq_len`` target ids, which the decoder reads shifted right behind its start token."""
+    model = build_model(data, hf_config, attention)
+    cfg = model.config
+    if seq_len > cfg.max_target_positions:
+        raise PlannerError(f"--seq {seq_len} is longer than the decoder's {cfg.max_target_positions} learned "
+                           f"positions (max_target_positions): give --seq {cfg.max_target_positions} or less")
+    frames = torch.randn(batch_size, cfg.num_mel_bins, 2 * cfg.max_source_positions)
+    labels = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    return model, {"input_features": frames, "labels": labels}, model_loss
+
+
 def build_image_classifier(data: dict[str, Any], batch_size: int, hf_config: Overrides = (),
                            attention: str | None = None) -> tuple[nn.Module, Any, Any]:
     model = build_model(data, hf_config, attention)
@@ -374,6 +410,8 @@ def _default_workload(source: str, task: HfTask, config: Any) -> dict[str, int]:
         return SHIPPED[source].workload()
     if task is HfTask.IMAGE_CLASSIFICATION:
         return {"batch_size": 32}
+    if task is HfTask.SPEECH_SEQ2SEQ:
+        return {"batch_size": 1, "seq_len": min(config.max_target_positions, DEFAULT_SEQ_CAP)}
     max_positions = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_CAP
     return {"batch_size": 1, "seq_len": min(int(max_positions), DEFAULT_SEQ_CAP)}
 
@@ -387,7 +425,7 @@ def factory(source: str) -> Callable[..., tuple]:
     config = _config(data)
     task = task_of(config)
     build = {HfTask.CAUSAL_LM: build_causal_lm, HfTask.SEQ2SEQ_LM: build_seq2seq_lm,
-             HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
+             HfTask.SPEECH_SEQ2SEQ: build_speech_seq2seq, HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
     return functools.partial(build, data, **_default_workload(source, task, config))
 
 
@@ -431,6 +469,7 @@ def _model_class(config: Any) -> Any:
     task = task_of(config)
     names = {HfTask.CAUSAL_LM: auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
              HfTask.SEQ2SEQ_LM: auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+             HfTask.SPEECH_SEQ2SEQ: auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
              HfTask.IMAGE_CLASSIFICATION: auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[task]
     name = names.get(config.model_type)
     return getattr(_transformers(), name, None) if isinstance(name, str) else None
