@@ -5,7 +5,8 @@ public checkpoint's config.json), ``hf:path/to/config.json`` or ``hf:path/to/mod
 config.json). The config goes through ``AutoConfig.for_model`` and the task's Auto class (``from_config``), so
 nothing is fetched from the Hub and ``HF_HUB_OFFLINE=1`` changes nothing. The task follows the config's
 ``model_type``: causal LMs get token ids (labels = the ids), encoder-decoders encoder ids and a quarter as many
-target ids (as the built-in ``t5-3b``), image classifiers pixel values at the config's image size and one label
+target ids (as the built-in ``t5-3b``), Whisper-like speech encoder-decoders log-mel frames and target ids, image
+classifiers pixel values at the config's image size and one label
 per image; the loss is the model's own. Params are fp32 (the precision option casts them as FSDP2 would) and
 initialised by transformers under the seed ``load_model`` sets, so every verify rank builds the same weights.
 
