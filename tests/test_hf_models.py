@@ -46,6 +46,12 @@ TINY = {
                      "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_mel_bins": 8, "max_source_positions": 16,
                      "max_target_positions": 24, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
                      "decoder_start_token_id": 1},
+    # two towers, pretrained on their contrastive loss (SigLIP's temperature is a 1-element tensor, CLIP's 0-dim)
+    "tiny-siglip": {"model_type": "siglip",
+                    "text_config": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                                    "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 16},
+                    "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                      "num_attention_heads": 4, "image_size": 32, "patch_size": 8}},
 }
 
 
@@ -177,6 +183,19 @@ def test_whisper_trains_its_encoder_on_log_mel_frames_and_its_decoder_on_the_lab
     assert any(e.module.startswith("model.encoder.conv1") for e in tr.events)  # the conv front end is traced
     with pytest.raises(PlannerError, match=r"--seq 25 is longer than the decoder's 24 learned positions"):
         load_model(ModelSpec(tiny(tmp_path, "tiny-whisper"), seq_len=25))
+
+
+def test_a_two_tower_model_trains_both_towers_on_its_contrastive_loss(tmp_path):
+    """transformers also maps "siglip" to an image classifier, its vision tower alone: both towers are planned."""
+    lm = load_model(ModelSpec(tiny(tmp_path, "tiny-siglip"), batch_size=4))
+    assert type(lm.model).__name__ == "SiglipModel"
+    inputs = lm.example_inputs
+    assert inputs["input_ids"].shape == (4, 16) and inputs["pixel_values"].shape == (4, 3, 32, 32)
+    tr = record(lm.model, inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    read = {e.module.split(".")[0] for e in tr.events if e.module}
+    assert {"text_model", "vision_model"} <= read
+    with pytest.raises(PlannerError, match=r"--seq 17 is longer than the text tower's 16 learned positions"):
+        load_model(ModelSpec(tiny(tmp_path, "tiny-siglip"), seq_len=17))
 
 
 def test_an_encoder_decoder_whose_inputs_cannot_be_made_is_one_line(tmp_path):

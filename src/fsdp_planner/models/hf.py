@@ -5,10 +5,11 @@ public checkpoint's config.json), ``hf:path/to/config.json`` or ``hf:path/to/mod
 config.json). The config goes through ``AutoConfig.for_model`` and the task's Auto class (``from_config``), so
 nothing is fetched from the Hub and ``HF_HUB_OFFLINE=1`` changes nothing. The task follows the config's
 ``model_type``: causal LMs get token ids (labels = the ids), encoder-decoders encoder ids and a quarter as many
-target ids (as the built-in ``t5-3b``), Whisper-like speech encoder-decoders log-mel frames and target ids, image
-classifiers pixel values at the config's image size and one label
-per image; the loss is the model's own. Params are fp32 (the precision option casts them as FSDP2 would) and
-initialised by transformers under the seed ``load_model`` sets, so every verify rank builds the same weights.
+target ids (as the built-in ``t5-3b``), Whisper-like speech encoder-decoders log-mel frames and target ids, two-tower
+image-text models (CLIP, SigLIP) ids and images on their contrastive loss, image classifiers pixel values at the
+config's image size and one label per image; the loss is the model's own. Params are fp32 (the precision option
+casts them as FSDP2 would) and initialised by transformers under the seed ``load_model`` sets, so every verify rank
+builds the same weights.
 
 A training step needs no KV cache, and a cache breaks activation checkpointing (the recomputed forward writes it a
 second time: Gemma 2's masks then disagree, T5's checkpoint saves a different number of tensors), so the model is
@@ -55,6 +56,7 @@ class HfTask(Enum):
     CAUSAL_LM = "causal LM"
     SEQ2SEQ_LM = "encoder-decoder LM"
     SPEECH_SEQ2SEQ = "speech encoder-decoder"
+    CONTRASTIVE = "image-text contrastive"
     IMAGE_CLASSIFICATION = "image classifier"
 
 
@@ -181,10 +183,17 @@ def task_of(config: Any) -> HfTask:
                            "LM class is the decoder alone, so a plan would leave the encoder out")
     if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return HfTask.CAUSAL_LM
+    if model_type in _CONTRASTIVE_TYPES:
+        return HfTask.CONTRASTIVE
     if model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         return HfTask.IMAGE_CLASSIFICATION
     raise PlannerError(f"hf: model type '{model_type}' is not supported: the planner trains causal LMs, "
                        "encoder-decoder LMs, Whisper-like speech encoder-decoders and image classifiers")
+
+
+# Two-tower image-text models trained as they are pretrained, on their contrastive loss (``return_loss=True``) over
+# token ids and pixel values; transformers also maps them to an image classifier, their vision tower alone.
+_CONTRASTIVE_TYPES = ("clip", "siglip", "metaclip_2")
 
 
 # A speech encoder-decoder the planner can feed takes log-mel frames (Whisper): num_mel_bins channels of a fixed
@@ -211,6 +220,7 @@ def _auto_class(task: HfTask) -> Any:
     return {HfTask.CAUSAL_LM: transformers.AutoModelForCausalLM,
             HfTask.SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
             HfTask.SPEECH_SEQ2SEQ: transformers.AutoModelForSpeechSeq2Seq,
+            HfTask.CONTRASTIVE: transformers.AutoModelForZeroShotImageClassification,
             HfTask.IMAGE_CLASSIFICATION: transformers.AutoModelForImageClassification}[task]
 
 
@@ -397,11 +407,27 @@ def build_speech_seq2seq(data: dict[str, Any], batch_size: int, seq_len: int, hf
     return model, {"input_features": frames, "labels": labels}, model_loss
 
 
+def build_contrastive(data: dict[str, Any], batch_size: int, seq_len: int, hf_config: Overrides = (),
+                      attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    """A batch of image-caption pairs: pixel values at the vision tower's image size and ``seq_len`` token ids per
+    caption; the loss is the model's own contrastive loss over the batch."""
+    model = build_model(data, hf_config, attention)
+    text, image = model.config.text_config, model.config.vision_config
+    if seq_len > text.max_position_embeddings:
+        raise PlannerError(f"--seq {seq_len} is longer than the text tower's {text.max_position_embeddings} learned "
+                           f"positions: give --seq {text.max_position_embeddings} or less")
+    pixels = torch.randn(batch_size, image.num_channels, image.image_size, image.image_size)
+    ids = torch.randint(0, text.vocab_size, (batch_size, seq_len))
+    return model, {"input_ids": ids, "pixel_values": pixels, "return_loss": True}, model_loss
+
+
 def build_image_classifier(data: dict[str, Any], batch_size: int, hf_config: Overrides = (),
                            attention: str | None = None) -> tuple[nn.Module, Any, Any]:
     model = build_model(data, hf_config, attention)
     cfg = model.config
-    pixels = torch.randn(batch_size, cfg.num_channels, cfg.image_size, cfg.image_size)
+    # a two-tower config (CLIP, SigLIP) classifies with its vision tower: the image numbers are that tower's
+    image = getattr(cfg, "vision_config", None) or cfg
+    pixels = torch.randn(batch_size, image.num_channels, image.image_size, image.image_size)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))
     return model, {"pixel_values": pixels, "labels": labels}, model_loss
 
@@ -413,6 +439,8 @@ def _default_workload(source: str, task: HfTask, config: Any) -> dict[str, int]:
         return {"batch_size": 32}
     if task is HfTask.SPEECH_SEQ2SEQ:
         return {"batch_size": 1, "seq_len": min(config.max_target_positions, DEFAULT_SEQ_CAP)}
+    if task is HfTask.CONTRASTIVE:  # a contrastive loss needs more than one pair in the batch
+        return {"batch_size": 32, "seq_len": min(config.text_config.max_position_embeddings, DEFAULT_SEQ_CAP)}
     max_positions = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_CAP
     return {"batch_size": 1, "seq_len": min(int(max_positions), DEFAULT_SEQ_CAP)}
 
@@ -426,7 +454,8 @@ def factory(source: str) -> Callable[..., tuple]:
     config = _config(data)
     task = task_of(config)
     build = {HfTask.CAUSAL_LM: build_causal_lm, HfTask.SEQ2SEQ_LM: build_seq2seq_lm,
-             HfTask.SPEECH_SEQ2SEQ: build_speech_seq2seq, HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
+             HfTask.SPEECH_SEQ2SEQ: build_speech_seq2seq, HfTask.CONTRASTIVE: build_contrastive,
+             HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
     return functools.partial(build, data, **_default_workload(source, task, config))
 
 
@@ -471,6 +500,7 @@ def _model_class(config: Any) -> Any:
     names = {HfTask.CAUSAL_LM: auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
              HfTask.SEQ2SEQ_LM: auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
              HfTask.SPEECH_SEQ2SEQ: auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+             HfTask.CONTRASTIVE: auto.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES,
              HfTask.IMAGE_CLASSIFICATION: auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[task]
     name = names.get(config.model_type)
     return getattr(_transformers(), name, None) if isinstance(name, str) else None
