@@ -142,7 +142,21 @@ def _config(data: dict[str, Any]) -> Any:
         first = first if len(first) <= 300 else first[:300] + " ..."  # an unknown type lists every known one
         raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {first}") from None
     _check_heads(config)
+    _check_pad_token(config)
     return config
+
+
+def _check_pad_token(config: Any) -> None:
+    """The embedding's ``padding_idx`` is the config's pad_token_id: a config shrunk to a small vocabulary that keeps
+    the checkpoint's pad id fails in ``nn.Embedding`` ("Padding_idx must be within num_embeddings"), so the fields
+    are named here, in the config or the sub-config (a multimodal model's text_config) holding them."""
+    for sub in ("", "text_config", "decoder"):
+        cfg = getattr(config, sub, None) if sub else config
+        pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
+        if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:
+            where = f"{sub}'s " if sub else ""
+            raise PlannerError(f"the '{config.model_type}' config's {where}pad_token_id ({pad}) is outside its "
+                               f"vocab_size ({vocab}): set \"pad_token_id\" below {vocab} (or to null)")
 
 
 def _check_heads(config: Any) -> None:
