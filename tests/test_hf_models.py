@@ -156,6 +156,9 @@ def test_real_builds_are_deterministic_per_seed(tmp_path):
     ("{\"model_type\": ", "is not valid JSON"),
     ("{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 4, \"num_key_value_heads\": 8}",
      r"num_key_value_heads \(8\) must divide num_attention_heads \(4\): set num_key_value_heads"),
+    # image-text models: token ids alone would trace the text model (Mllama's causal LM is it), never the step
+    ("{\"model_type\": \"mllama\"}", r"'mllama' reads images or audio beside text, .* the text model alone\)$"),
+    ("{\"model_type\": \"gemma3\"}", r"text_config as a config of its own \(\"model_type\": \"gemma3_text\"\)"),
     # a checkpoint's config shrunk to a small vocabulary, its pad id kept (SmolLM3's 128004)
     ("{\"model_type\": \"llama\", \"vocab_size\": 256, \"pad_token_id\": 128004}",
      r"pad_token_id \(128004\) is outside its vocab_size \(256\): set \"pad_token_id\" below 256"),

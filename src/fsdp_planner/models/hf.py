@@ -195,19 +195,38 @@ def task_of(config: Any) -> HfTask:
         # transformers' causal LM of an encoder-decoder type is its decoder alone: a plan of another model
         raise PlannerError(f"hf: model type '{model_type}' is an encoder-decoder the planner cannot feed: its causal "
                            "LM class is the decoder alone, so a plan would leave the encoder out")
-    if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return HfTask.CAUSAL_LM
     if model_type in _CONTRASTIVE_TYPES:
         return HfTask.CONTRASTIVE
+    if any(getattr(config, f, None) is not None for f in _MEDIA_CONFIGS):
+        _refuse_multimodal(config)
+    if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return HfTask.CAUSAL_LM
     if model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         return HfTask.IMAGE_CLASSIFICATION
     raise PlannerError(f"hf: model type '{model_type}' is not supported: the planner trains causal LMs, "
-                       "encoder-decoder LMs, Whisper-like speech encoder-decoders and image classifiers")
+                       "encoder-decoder LMs, Whisper-like speech encoder-decoders, CLIP-like two-tower "
+                       "models and image classifiers")
 
 
 # Two-tower image-text models trained as they are pretrained, on their contrastive loss (``return_loss=True``) over
 # token ids and pixel values; transformers also maps them to an image classifier, their vision tower alone.
 _CONTRASTIVE_TYPES = ("clip", "siglip", "metaclip_2")
+
+
+# The sub-configs of a model that reads images or audio beside text (Llama 3.2 Vision, Gemma 3, Gemma 3n, LLaVA):
+# fed token ids alone, its media towers never run, and transformers' causal LM of some of them (Mllama) is the text
+# model alone, so a plan would be of another step.
+_MEDIA_CONFIGS = ("vision_config", "audio_config")
+
+
+def _refuse_multimodal(config: Any) -> None:
+    from transformers.models.auto import modeling_auto as auto
+
+    text = getattr(getattr(config, "text_config", None), "model_type", None)
+    hint = (f": plan its language model with its text_config as a config of its own (\"model_type\": \"{text}\")"
+            if text in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "")
+    raise PlannerError(f"hf: model type '{config.model_type}' reads images or audio beside text, which the planner "
+                       f"cannot make inputs for (it would trace the text model alone){hint}")
 
 
 # A speech encoder-decoder the planner can feed takes log-mel frames (Whisper): num_mel_bins channels of a fixed
