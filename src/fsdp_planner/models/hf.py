@@ -37,6 +37,7 @@ import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.limits import check_config, check_field
+from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
 from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text
 
 PREFIX = "hf:"
@@ -347,8 +348,9 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
-    model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register(),
-                                          **chosen)
+    with quiet_loggers(*TORCHAO_LOGGERS):  # transformers' quantizers import torchao while building the first model
+        model = _auto_class(task).from_config(config, dtype=torch.float32,
+                                              experts_implementation=hf_experts.register(), **chosen)
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     return model.train()
