@@ -159,6 +159,8 @@ def test_real_builds_are_deterministic_per_seed(tmp_path):
     # image-text models: token ids alone would trace the text model (Mllama's causal LM is it), never the step
     ("{\"model_type\": \"mllama\"}", r"'mllama' reads images or audio beside text, .* the text model alone\)$"),
     ("{\"model_type\": \"gemma3\"}", r"text_config as a config of its own \(\"model_type\": \"gemma3_text\"\)"),
+    ("{\"model_type\": \"llama\", \"hidden_act\": \"__import__('os')\"}",
+     r"hidden_act \"__import__\('os'\)\" is not an activation transformers knows \(e.g. "),
     # a checkpoint's config shrunk to a small vocabulary, its pad id kept (SmolLM3's 128004)
     ("{\"model_type\": \"llama\", \"vocab_size\": 256, \"pad_token_id\": 128004}",
      r"pad_token_id \(128004\) is outside its vocab_size \(256\): set \"pad_token_id\" below 256"),

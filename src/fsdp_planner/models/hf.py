@@ -144,14 +144,30 @@ def _config(data: dict[str, Any]) -> Any:
         raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {first}") from None
     _check_heads(config)
     _check_pad_token(config)
+    _check_activation(config)
     return config
+
+
+_ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def _check_activation(config: Any) -> None:
+    """transformers looks an activation up by name when it builds a layer (``ACT2FN[name]``), so an unknown name
+    would be a bare KeyError from inside the model's constructor."""
+    from transformers.activations import ACT2FN
+
+    for field in _ACTIVATION_FIELDS:
+        name = getattr(config, field, None)
+        if isinstance(name, str) and name not in ACT2FN:
+            raise PlannerError(f"the '{config.model_type}' config's {field} {name!r} is not an activation "
+                               "transformers knows (e.g. silu, gelu, gelu_pytorch_tanh, relu)")
 
 
 def _check_pad_token(config: Any) -> None:
     """The embedding's ``padding_idx`` is the config's pad_token_id: a config shrunk to a small vocabulary that keeps
     the checkpoint's pad id fails in ``nn.Embedding`` ("Padding_idx must be within num_embeddings"), so the fields
     are named here, in the config or the sub-config (a multimodal model's text_config) holding them."""
-    for sub in ("", "text_config", "decoder"):
+    for sub in ("", "text_config"):
         cfg = getattr(config, sub, None) if sub else config
         pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
         if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:
