@@ -189,7 +189,8 @@ def test_whisper_trains_its_encoder_on_log_mel_frames_and_its_decoder_on_the_lab
     assert lm.example_inputs["labels"].shape == (2, 10)
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
     assert any(e.module.startswith("model.encoder.conv1") for e in tr.events)  # the conv front end is traced
-    with pytest.raises(PlannerError, match=r"--seq 25 is longer than the decoder's 24 learned positions"):
+    assert hf.learned_positions(lm.model) == ("model.decoder.embed_positions", 24)  # fit's longest --seq
+    with pytest.raises(PlannerError, match=r"--seq 25 is longer than the model's 24 learned positions \(model.dec"):
         load_model(ModelSpec(tiny(tmp_path, "tiny-whisper"), seq_len=25))
 
 
@@ -202,7 +203,8 @@ def test_a_two_tower_model_trains_both_towers_on_its_contrastive_loss(tmp_path):
     tr = record(lm.model, inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
     read = {e.module.split(".")[0] for e in tr.events if e.module}
     assert {"text_model", "vision_model"} <= read
-    with pytest.raises(PlannerError, match=r"--seq 17 is longer than the text tower's 16 learned positions"):
+    assert hf.learned_positions(lm.model) == ("text_model.embeddings.position_embedding", 16)  # fit's longest --seq
+    with pytest.raises(PlannerError, match=r"--seq 17 is longer than the model's 16 learned positions \(text_mod"):
         load_model(ModelSpec(tiny(tmp_path, "tiny-siglip"), seq_len=17))
 
 

@@ -408,7 +408,13 @@ _POSITION_TABLES = ("wpe", "position_embeddings")  # learned absolute positions 
 
 def learned_positions(model: nn.Module) -> tuple[str, int] | None:
     """The model's learned absolute position table and its length (the longest sequence it takes); None for a
-    model without one (rotary positions, as Llama's, have no such limit)."""
+    model without one (rotary positions, as Llama's, have no such limit). Where ``--seq`` is one part's length
+    (Whisper's decoder, a two-tower model's text tower), that part's table: the other's is fixed by its input."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in _CONTRASTIVE_TYPES:
+        return "text_model.embeddings.position_embedding", config.text_config.max_position_embeddings
+    if getattr(config, "is_encoder_decoder", False) and isinstance(getattr(config, "max_target_positions", None), int):
+        return "model.decoder.embed_positions", config.max_target_positions
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(module, nn.Embedding):
             return name, module.num_embeddings
@@ -449,10 +455,8 @@ def build_speech_seq2seq(data: dict[str, Any], batch_size: int, seq_len: int, hf
     """Whisper's inputs: log-mel frames of the fixed length its encoder takes (30 s of audio at the real sizes)
     and ``seq_len`` target ids, which the decoder reads shifted right behind its start token."""
     model = build_model(data, hf_config, attention)
+    check_positions(model, seq_len)
     cfg = model.config
-    if seq_len > cfg.max_target_positions:
-        raise PlannerError(f"--seq {seq_len} is longer than the decoder's {cfg.max_target_positions} learned "
-                           f"positions (max_target_positions): give --seq {cfg.max_target_positions} or less")
     frames = torch.randn(batch_size, cfg.num_mel_bins, 2 * cfg.max_source_positions)
     labels = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
     return model, {"input_features": frames, "labels": labels}, model_loss
@@ -463,10 +467,8 @@ def build_contrastive(data: dict[str, Any], batch_size: int, seq_len: int, hf_co
     """A batch of image-caption pairs: pixel values at the vision tower's image size and ``seq_len`` token ids per
     caption; the loss is the model's own contrastive loss over the batch."""
     model = build_model(data, hf_config, attention)
+    check_positions(model, seq_len)
     text, image = model.config.text_config, model.config.vision_config
-    if seq_len > text.max_position_embeddings:
-        raise PlannerError(f"--seq {seq_len} is longer than the text tower's {text.max_position_embeddings} learned "
-                           f"positions: give --seq {text.max_position_embeddings} or less")
     pixels = torch.randn(batch_size, image.num_channels, image.image_size, image.image_size)
     ids = torch.randint(0, text.vocab_size, (batch_size, seq_len))
     return model, {"input_ids": ids, "pixel_values": pixels, "return_loss": True}, model_loss
