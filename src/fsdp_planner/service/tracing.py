@@ -8,6 +8,7 @@ from collections.abc import Callable
 from copy import deepcopy
 
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointError
 
 from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import SacPolicy
@@ -42,6 +43,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
         failed = failed_at(e)
         if data_dependent(e, failed.op if failed else None):
             raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
+        if isinstance(e, CheckpointError):
+            raise PlannerError(f"tracing '{spec}' failed: {SELF_CHECKPOINTING}") from e
         raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
     for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0])):
         if line:
@@ -83,6 +86,13 @@ def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:
     copy = deepcopy(block)
     apply_checkpointing(copy, [], {"": policy})
     return copy
+
+
+# torch.utils.checkpoint inside the user's forward: its recomputation saves another number of tensors under the
+# trace's recording than the forward did (issue 39), so the step cannot be traced as the model runs it.
+SELF_CHECKPOINTING = ("the model calls torch.utils.checkpoint itself, which the planner's trace cannot replay yet "
+                      "(CheckpointError: a different number of tensors saved in recomputation): build it without its "
+                      "own checkpointing and plan the checkpointing with --ac full or --ac op instead")
 
 
 def model_error(e: Exception) -> str:
