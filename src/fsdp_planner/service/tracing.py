@@ -88,8 +88,10 @@ def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:
     return copy
 
 
-# torch.utils.checkpoint inside the user's forward: its recomputation saves another number of tensors under the
-# trace's recording than the forward did (issue 39), so the step cannot be traced as the model runs it.
+# torch.utils.checkpoint inside the user's forward: its recomputation in backward runs outside the trace's function
+# mode, so SDPA there takes the math path where the forward took the fused stand-in, and saves another number of
+# tensors (issue 39). Binding SDPA by name for the trace (attention.fused_sdpa_everywhere) makes it trace, but the
+# peak of such a step is then predicted 29% low (a DiT on 8 fake ranks): a refusal, until that memory is modelled.
 SELF_CHECKPOINTING = ("the model calls torch.utils.checkpoint itself, which the planner's trace cannot replay yet "
                       "(CheckpointError: a different number of tensors saved in recomputation): build it without its "
                       "own checkpointing and plan the checkpointing with --ac full or --ac op instead")
