@@ -296,6 +296,29 @@ def test_transformers_experts_send_tokens_x_top_k_rows() -> None:
     assert r.ep_all_to_alls == 2 * 4 and r.ep_all_to_all_bytes == 8 * 256 * 2 * 128 * 2  # tokens x top_k x dim x bf16
 
 
+def test_experts_with_biases_take_expert_parallelism(tmp_path) -> None:
+    """gpt-oss's experts hold 2-D biases ([E, 2I], [E, H]) beside their stacked 3-D weights: still grouped experts,
+    every param sharded on the expert dim (they were taken for no experts: "--ep needs grouped experts modules")."""
+    import json
+
+    from fsdp_planner.planners.expert_parallel import expert_modules, with_expert_parallel
+
+    pytest.importorskip("transformers")
+    config = {"model_type": "gpt_oss", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+              "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 64}
+    path = tmp_path / "gpt_oss.json"
+    path.write_text(json.dumps(config))
+    lm = load_model(ModelSpec(f"hf:{path}", seq_len=64))
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
+    assert expert_modules(tr) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert any(len(tr.param(p).shape) == 2 for p in tr.modules["model.layers.0.mlp.experts"].params)  # the biases
+    r = simulate(tr, with_expert_parallel(TorchtitanPolicy().plan(tr), tr, 2), parse_cluster("h100:8"), BF16,
+                 timeline=False)
+    assert r.ep_all_to_alls == 2 * 4 and r.ep_all_to_all_bytes == 8 * 64 * 2 * 64 * 2  # tokens x top_k x dim x bf16
+
+
 def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
     """HSDP 2 x 4 with EP 2: the experts' reduce-scatter over 4 / 2 ranks, their all-reduce of that shard."""
     from fsdp_planner.fsdp2.plan import Mesh, check_plan_world_size

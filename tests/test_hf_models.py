@@ -40,6 +40,18 @@ TINY = {
                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                     "max_position_embeddings": 256, "sliding_window": 64, "attn_logit_softcapping": 50.0,
                     "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
+    # a speech encoder-decoder: log-mel frames through two convolutions, a decoder of learned positions
+    "tiny-whisper": {"model_type": "whisper", "vocab_size": 256, "d_model": 32, "encoder_layers": 1,
+                     "decoder_layers": 1, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                     "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_mel_bins": 8, "max_source_positions": 16,
+                     "max_target_positions": 24, "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0,
+                     "decoder_start_token_id": 1},
+    # two towers, pretrained on their contrastive loss (SigLIP's temperature is a 1-element tensor, CLIP's 0-dim)
+    "tiny-siglip": {"model_type": "siglip",
+                    "text_config": {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                                    "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 16},
+                    "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                      "num_attention_heads": 4, "image_size": 32, "patch_size": 8}},
 }
 
 
@@ -144,6 +156,14 @@ def test_real_builds_are_deterministic_per_seed(tmp_path):
     ("{\"model_type\": ", "is not valid JSON"),
     ("{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 4, \"num_key_value_heads\": 8}",
      r"num_key_value_heads \(8\) must divide num_attention_heads \(4\): set num_key_value_heads"),
+    # image-text models: token ids alone would trace the text model (Mllama's causal LM is it), never the step
+    ("{\"model_type\": \"mllama\"}", r"'mllama' reads images or audio beside text, .* the text model alone\)$"),
+    ("{\"model_type\": \"gemma3\"}", r"text_config as a config of its own \(\"model_type\": \"gemma3_text\"\)"),
+    ("{\"model_type\": \"llama\", \"hidden_act\": \"__import__('os')\"}",
+     r"hidden_act \"__import__\('os'\)\" is not an activation transformers knows \(e.g. "),
+    # a checkpoint's config shrunk to a small vocabulary, its pad id kept (SmolLM3's 128004)
+    ("{\"model_type\": \"llama\", \"vocab_size\": 256, \"pad_token_id\": 128004}",
+     r"pad_token_id \(128004\) is outside its vocab_size \(256\): set \"pad_token_id\" below 256"),
 ])
 def test_bad_configs_are_one_line_errors(tmp_path, content, message):
     path = tmp_path / "config.json"
@@ -159,6 +179,41 @@ def test_an_encoder_decoder_config_without_a_decoder_start_token_is_one_line():
     with torch.device("meta"), pytest.raises(PlannerError, match=r"no decoder_start_token_id: set "
                                              r"\"decoder_start_token_id\" in the config file .* \(e.g. 0, its pad"):
         hf.build_model(config)
+
+
+def test_whisper_trains_its_encoder_on_log_mel_frames_and_its_decoder_on_the_labels(tmp_path):
+    """transformers also maps "whisper" to a causal LM, its decoder alone: the plan must be of the whole model."""
+    lm = load_model(ModelSpec(tiny(tmp_path, "tiny-whisper"), batch_size=2, seq_len=10))
+    assert type(lm.model).__name__ == "WhisperForConditionalGeneration"
+    assert lm.example_inputs["input_features"].shape == (2, 8, 32)  # twice the encoder's 16 positions
+    assert lm.example_inputs["labels"].shape == (2, 10)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    assert any(e.module.startswith("model.encoder.conv1") for e in tr.events)  # the conv front end is traced
+    assert hf.learned_positions(lm.model) == ("model.decoder.embed_positions", 24)  # fit's longest --seq
+    with pytest.raises(PlannerError, match=r"--seq 25 is longer than the model's 24 learned positions \(model.dec"):
+        load_model(ModelSpec(tiny(tmp_path, "tiny-whisper"), seq_len=25))
+
+
+def test_a_two_tower_model_trains_both_towers_on_its_contrastive_loss(tmp_path):
+    """transformers also maps "siglip" to an image classifier, its vision tower alone: both towers are planned."""
+    lm = load_model(ModelSpec(tiny(tmp_path, "tiny-siglip"), batch_size=4))
+    assert type(lm.model).__name__ == "SiglipModel"
+    inputs = lm.example_inputs
+    assert inputs["input_ids"].shape == (4, 16) and inputs["pixel_values"].shape == (4, 3, 32, 32)
+    tr = record(lm.model, inputs, lm.loss_fn, compute_dtype=torch.bfloat16)
+    read = {e.module.split(".")[0] for e in tr.events if e.module}
+    assert {"text_model", "vision_model"} <= read
+    assert hf.learned_positions(lm.model) == ("text_model.embeddings.position_embedding", 16)  # fit's longest --seq
+    with pytest.raises(PlannerError, match=r"--seq 17 is longer than the model's 16 learned positions \(text_mod"):
+        load_model(ModelSpec(tiny(tmp_path, "tiny-siglip"), seq_len=17))
+
+
+def test_an_encoder_decoder_whose_inputs_cannot_be_made_is_one_line(tmp_path):
+    path = tmp_path / "s2t.json"
+    path.write_text(json.dumps({"model_type": "speech_to_text", "d_model": 16, "encoder_layers": 1,
+                                "decoder_layers": 1, "vocab_size": 32}))
+    with pytest.raises(PlannerError, match="speech encoder-decoder without Whisper's log-mel input"):
+        load_model(f"hf:{path}")
 
 
 def test_without_transformers_the_user_is_told_to_install_the_extra(monkeypatch, capsys):

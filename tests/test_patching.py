@@ -146,3 +146,20 @@ def test_the_patch_finder_sees_patches_and_nothing_else() -> None:
               "torch.UntypedStorage.resize_ = None\nsetattr(F, 'relu', None)\nutils.swap_tensors = None\n"
               "fmt.x = 1\nobj = object()\nobj.x = 1\n")
     assert _patches(source) == [5, 6, 7]
+
+
+def test_quiet_loggers_report_errors_only_inside_and_get_their_levels_back(caplog):
+    """torchao's import-time lines (its CUDA kernels missing on a CPU build) are warnings; errors still pass."""
+    import logging
+
+    from fsdp_planner.patching import quiet_loggers
+
+    log = logging.getLogger("torchao")
+    log.setLevel(logging.INFO)
+    with pytest.raises(RuntimeError), quiet_loggers("torchao"):
+        log.warning("Failed to load _C_mxfp8.so")
+        log.error("a real error")
+        raise RuntimeError("a failure inside")
+    assert [r.getMessage() for r in caplog.records] == ["a real error"]
+    assert log.level == logging.INFO
+    log.setLevel(logging.NOTSET)

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.pitfalls import Code, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Group, Plan
@@ -154,3 +156,26 @@ def test_a_fix_s_code_reaches_each_module_as_python_does():
     [root] = [f for f in plan_findings(tr, plan) if f.code is Code.ROOT_PARAMS]
     assert "of layers.0.attention_norm, layers.0.attention.wq, " in root.message
     assert "(fully_shard(model.layers[0].attention_norm), ...)" in root.fix
+
+
+class _Temperature(torch.nn.Module):
+    """CLIP's shape: a learned 0-dim temperature beside a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * self.scale.exp()
+
+
+def test_a_scalar_param_is_an_error_and_no_plan_is_made():
+    """fully_shard raises "doesn't support scalar parameters" for any module managing one: every plan fails."""
+    model = _Temperature()
+    tr = record(model, (torch.randn(2, 4),), lambda y: y.sum())
+    [f] = model_findings(tr, BF16_MIXED)
+    assert (f.severity, f.code, f.module) == (Severity.ERROR, Code.SCALAR_PARAMS, "")
+    assert "registers scale" in f.message and "reshape(1)" in f.fix
+    with pytest.raises(PlannerError, match="fully_shard refuses 0-dim"):
+        make_plan(tr, [["proj"]])

@@ -120,3 +120,52 @@ def test_a_comparison_shows_autos_plan_over_the_budget_only_when_it_need_not_fit
     assert shown.baselines == shown.rows[:1] and shown.fastest_baseline() == (order_plan, order_report, False)
     left_out = plan(dataclasses.replace(job, must_fit=True), lambda spec, options: traced)
     assert left_out.no_fit == shown.no_fit and len(left_out.rows) == 1
+
+
+SELF_CHECKPOINTING = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+class B(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.ada = nn.Linear(16, 32)
+
+    def forward(self, x, c):
+        s, g = self.ada(c).chunk(2, dim=1)
+        q, k, v = self.qkv(x * (1 + s.unsqueeze(1))).view(2, 4, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(2, 4, 16)
+        return x + g.unsqueeze(1) * a
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(B() for _ in range(2))
+        self.c = nn.Linear(16, 16)
+
+    def forward(self, x, t):
+        c = self.c(t)
+        for b in self.blocks:
+            x = checkpoint(b, x, c, use_reentrant=False)  # as diffusion models and torchtune do
+        return x
+
+
+def build():
+    return Net(), (torch.randn(2, 4, 16), torch.randn(2, 16))
+'''
+
+
+def test_a_model_that_checkpoints_itself_is_one_line_saying_so(tmp_path):
+    """The tracer cannot replay a model's own torch.utils.checkpoint of a block with attention yet (issue 39): say
+    what to change, not torch's 18-line CheckpointError."""
+    path = tmp_path / "self_ckpt.py"
+    path.write_text(SELF_CHECKPOINTING)
+    with pytest.raises(PlannerError, match=r"calls torch.utils.checkpoint itself, .* plan the checkpointing with --ac"
+                       ) as e:
+        trace_spec(f"{path}:build")
+    assert "\n" not in str(e.value)

@@ -323,3 +323,11 @@ def test_keys_of_the_current_dataclasses(tmp_path):
         "parallelism.enable_fsdp_symm_mem = true is left out: fsdp-planner models FSDP2's NCCL collectives, not "
         "symmetric-memory ones",
         "parallelism.typo_degree is not read: fsdp-planner does not know it"]
+
+
+def test_a_registry_job_without_a_model_names_model_registry_not_the_toml_table(tmp_path):
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD.replace('model_registry("8B")', "build_spec()") + "    )\n")
+    args = build_parser().parse_args(["simulate", "--from-torchtitan", f"{path}:job"])
+    with pytest.raises(PlannerError, match=r"names no model \(model_spec = model_registry\(FLAVOR\)\): give MODEL"):
+        configured(args)

@@ -5,10 +5,13 @@ what every later call in the process does, long after the run that made it faile
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 _ABSENT = object()
+# torchao's on import (CUDA kernels a CPU build cannot load) and torch's pytree (torchao's deprecated registrations)
+TORCHAO_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
 @contextlib.contextmanager
@@ -24,3 +27,18 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
             delattr(owner, name)
         else:
             setattr(owner, name, own)
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """The named loggers report errors only inside, their own levels back on every way out: for lines a library
+    prints on import that say nothing about the user's job (torchao's CUDA kernels a CPU build cannot load)."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

@@ -10,10 +10,7 @@ gloo run float8 training that way.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,6 +18,7 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.float8 import Float8
+from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
 
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
 
@@ -29,23 +27,12 @@ def _torchao() -> Any:
     """``torchao.float8``, imported without torchao's warnings about the CUDA kernels a CPU build cannot load and
     a deprecated pytree registration: lines that say nothing about the user's job."""
     try:
-        with _quiet("torchao"), _quiet("torch.utils._pytree"):
+        with quiet_loggers(*TORCHAO_LOGGERS):
             import torchao.float8 as float8
     except ImportError as e:
         raise PlannerError("float8 training is applied with torchao: pip install torchao (fsdp-planner[float8])") \
             from e
     return float8
-
-
-@contextlib.contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def emulated(device_type: str) -> bool:

@@ -167,6 +167,24 @@ def validate_plan(plan: Plan, trace: Trace) -> None:
                                f"fully_shard would claim: {short_list(set(g.params) ^ set(c))}")
 
 
+def check_shardable_params(trace: Trace) -> None:
+    """``fully_shard`` refuses a 0-dim (scalar) param in any module it manages ("fully_shard doesn't support scalar
+    parameters"), and the root's call manages whatever no group took, so no FSDP2 plan of such a model runs."""
+    scalars = scalar_params(trace)
+    if scalars:
+        raise PlannerError(f"{SCALAR_PROBLEM} {short_list(scalars)}: {SCALAR_FIX}")
+
+
+SCALAR_PROBLEM = "FSDP2's fully_shard refuses 0-dim (scalar) parameters, and the model registers"
+SCALAR_FIX = ("register each as a 1-element 1-D tensor (e.g. nn.Parameter(value.reshape(1))) and the model can be "
+              "sharded")
+
+
+def scalar_params(trace: Trace) -> list[str]:
+    """The model's 0-dim params, which no ``fully_shard`` call accepts."""
+    return [p.fqn for p in trace.params if not p.shape and p.numel == 1]
+
+
 def check_plan_matches(plan: Plan, trace: Trace) -> None:
     """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
     have = {p for g in plan.groups for p in g.params}
@@ -206,6 +224,7 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
         plan.tensor_parallel.styles(trace.modules)  # every pattern names modules of this model
     if plan.expert_parallel is not None:
         plan.expert_parallel.experts(trace.modules)  # ... and every expert pattern
+    check_shardable_params(trace)
     validate_plan(plan, trace)
     check_uniform_dtypes(plan, trace)
     check_full_precision(plan, trace)
@@ -237,6 +256,7 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
               model: str = "") -> Plan:
     """A validated Plan from lists of modules (the non-root groups): params are derived, the root takes the
     rest, groups that claim nothing are dropped, the rest sorted by first use."""
+    check_shardable_params(trace)
     reshard = list(reshard) if reshard is not None else [True] * len(module_groups)
     listed: set[str] = set()
     groups = []

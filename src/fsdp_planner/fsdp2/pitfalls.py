@@ -1,9 +1,10 @@
 """FSDP pitfalls in a model and a plan, as findings with a severity and the exact fix (``fsdp-planner check``).
 
-Errors are what makes a run fail or train wrong: a param read while its group is sharded, a non-forward method of
-a sharded module left unregistered, tied params across groups, a module reused inside a list group
-(pytorch#183702), a group of several trainable dtypes, a container listed as a group, an int
-``reshard_after_forward`` that does not divide the shard size, an FSDP1 unit mixing dtypes or requires_grad.
+Errors are what makes a run fail or train wrong: a 0-dim param (no ``fully_shard`` accepts one), a param read
+while its group is sharded, a non-forward method of a sharded module left unregistered, tied params across
+groups, a module reused inside a list group (pytorch#183702), a group of several trainable dtypes, a container
+listed as a group, an int ``reshard_after_forward`` that does not divide the shard size, an FSDP1 unit mixing dtypes
+or requires_grad.
 Warnings are what makes it slow or wasteful: params never used in the step, params the root keeps gathered all
 step, 16-bit params whose grads are reduce-scattered in fp32 only to be cast back, fp64 params.
 """
@@ -16,7 +17,14 @@ from enum import Enum
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count, fmt_modules
-from fsdp_planner.fsdp2.claim import check_plan_matches, claiming_group, short_list
+from fsdp_planner.fsdp2.claim import (
+    SCALAR_FIX,
+    SCALAR_PROBLEM,
+    check_plan_matches,
+    claiming_group,
+    scalar_params,
+    short_list,
+)
 from fsdp_planner.fsdp2.dtypes import group_dtypes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
@@ -53,6 +61,7 @@ class Code(Enum):
     COMPILE_PAYS = "compile"  # info: the step with the repeated blocks torch.compile'd vs eager (or the reverse)
     FLOAT8_PAYS = "float8"  # info: the step with torchao's float8 training (tensorwise, float8 all-gather) vs without
     RECORDED_OUTPUTS = "recorded-outputs"
+    SCALAR_PARAMS = "scalar-params"
     PRECISION = "precision"  # the step fails in the precision's compute dtype (found by tracing, not here)
 
 
@@ -103,6 +112,9 @@ def model_findings(trace: Trace, precision: Precision | None = None) -> list[Fin
                                f"FSDP2 manages a module's own params in one group and asserts one original dtype "
                                f"per group at its first forward, whatever MixedPrecisionPolicy says",
                                "store them in one dtype (MixedPrecisionPolicy casts for compute) or freeze one", fqn))
+    for owner, ps in _by_owner([by_name[p] for p in scalar_params(trace)]).items():
+        out.append(Finding(Severity.ERROR, Code.SCALAR_PARAMS, f"{SCALAR_PROBLEM} {short_list(p.fqn for p in ps)}",
+                           SCALAR_FIX, owner))
     uses = trace.index.param_uses
     unused = [p for i, p in enumerate(trace.params) if p.requires_grad and not uses[i]]
     for owner, ps in _by_owner(unused).items():

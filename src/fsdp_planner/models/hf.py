@@ -5,9 +5,11 @@ public checkpoint's config.json), ``hf:path/to/config.json`` or ``hf:path/to/mod
 config.json). The config goes through ``AutoConfig.for_model`` and the task's Auto class (``from_config``), so
 nothing is fetched from the Hub and ``HF_HUB_OFFLINE=1`` changes nothing. The task follows the config's
 ``model_type``: causal LMs get token ids (labels = the ids), encoder-decoders encoder ids and a quarter as many
-target ids (as the built-in ``t5-3b``), image classifiers pixel values at the config's image size and one label
-per image; the loss is the model's own. Params are fp32 (the precision option casts them as FSDP2 would) and
-initialised by transformers under the seed ``load_model`` sets, so every verify rank builds the same weights.
+target ids (as the built-in ``t5-3b``), Whisper-like speech encoder-decoders log-mel frames and target ids, two-tower
+image-text models (CLIP, SigLIP) ids and images on their contrastive loss, image classifiers pixel values at the
+config's image size and one label per image; the loss is the model's own. Params are fp32 (the precision option
+casts them as FSDP2 would) and initialised by transformers under the seed ``load_model`` sets, so every verify rank
+builds the same weights.
 
 A training step needs no KV cache, and a cache breaks activation checkpointing (the recomputed forward writes it a
 second time: Gemma 2's masks then disagree, T5's checkpoint saves a different number of tensors), so the model is
@@ -35,6 +37,7 @@ import fsdp_planner.models.hf_attention as hf_attention
 import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.limits import check_config, check_field
+from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
 from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text
 
 PREFIX = "hf:"
@@ -53,6 +56,8 @@ Overrides = tuple[tuple[str, Scalar], ...]
 class HfTask(Enum):
     CAUSAL_LM = "causal LM"
     SEQ2SEQ_LM = "encoder-decoder LM"
+    SPEECH_SEQ2SEQ = "speech encoder-decoder"
+    CONTRASTIVE = "image-text contrastive"
     IMAGE_CLASSIFICATION = "image classifier"
 
 
@@ -138,7 +143,37 @@ def _config(data: dict[str, Any]) -> Any:
         first = first if len(first) <= 300 else first[:300] + " ..."  # an unknown type lists every known one
         raise PlannerError(f"transformers cannot make a '{data['model_type']}' config: {first}") from None
     _check_heads(config)
+    _check_pad_token(config)
+    _check_activation(config)
     return config
+
+
+_ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function")
+
+
+def _check_activation(config: Any) -> None:
+    """transformers looks an activation up by name when it builds a layer (``ACT2FN[name]``), so an unknown name
+    would be a bare KeyError from inside the model's constructor."""
+    from transformers.activations import ACT2FN
+
+    for field in _ACTIVATION_FIELDS:
+        name = getattr(config, field, None)
+        if isinstance(name, str) and name not in ACT2FN:
+            raise PlannerError(f"the '{config.model_type}' config's {field} {name!r} is not an activation "
+                               "transformers knows (e.g. silu, gelu, gelu_pytorch_tanh, relu)")
+
+
+def _check_pad_token(config: Any) -> None:
+    """The embedding's ``padding_idx`` is the config's pad_token_id: a config shrunk to a small vocabulary that keeps
+    the checkpoint's pad id fails in ``nn.Embedding`` ("Padding_idx must be within num_embeddings"), so the fields
+    are named here, in the config or the sub-config (a multimodal model's text_config) holding them."""
+    for sub in ("", "text_config"):
+        cfg = getattr(config, sub, None) if sub else config
+        pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
+        if isinstance(pad, int) and isinstance(vocab, int) and not -vocab <= pad < vocab:
+            where = f"{sub}'s " if sub else ""
+            raise PlannerError(f"the '{config.model_type}' config's {where}pad_token_id ({pad}) is outside its "
+                               f"vocab_size ({vocab}): set \"pad_token_id\" below {vocab} (or to null)")
 
 
 def _check_heads(config: Any) -> None:
@@ -167,14 +202,60 @@ def task_of(config: Any) -> HfTask:
     from transformers.models.auto import modeling_auto as auto
 
     model_type = config.model_type
-    if getattr(config, "is_encoder_decoder", False) and model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    if encoder_decoder and model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return HfTask.SEQ2SEQ_LM
+    if encoder_decoder and model_type in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        _check_speech_frames(config)
+        return HfTask.SPEECH_SEQ2SEQ
+    if encoder_decoder and model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        # transformers' causal LM of an encoder-decoder type is its decoder alone: a plan of another model
+        raise PlannerError(f"hf: model type '{model_type}' is an encoder-decoder the planner cannot feed: its causal "
+                           "LM class is the decoder alone, so a plan would leave the encoder out")
+    if model_type in _CONTRASTIVE_TYPES:
+        return HfTask.CONTRASTIVE
+    if any(getattr(config, f, None) is not None for f in _MEDIA_CONFIGS):
+        _refuse_multimodal(config)
     if model_type in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return HfTask.CAUSAL_LM
     if model_type in auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         return HfTask.IMAGE_CLASSIFICATION
     raise PlannerError(f"hf: model type '{model_type}' is not supported: the planner trains causal LMs, "
-                       "encoder-decoder LMs and image classifiers")
+                       "encoder-decoder LMs, Whisper-like speech encoder-decoders, CLIP-like two-tower "
+                       "models and image classifiers")
+
+
+# Two-tower image-text models trained as they are pretrained, on their contrastive loss (``return_loss=True``) over
+# token ids and pixel values; transformers also maps them to an image classifier, their vision tower alone.
+_CONTRASTIVE_TYPES = ("clip", "siglip", "metaclip_2")
+
+
+# The sub-configs of a model that reads images or audio beside text (Llama 3.2 Vision, Gemma 3, Gemma 3n, LLaVA):
+# fed token ids alone, its media towers never run, and transformers' causal LM of some of them (Mllama) is the text
+# model alone, so a plan would be of another step.
+_MEDIA_CONFIGS = ("vision_config", "audio_config")
+
+
+def _refuse_multimodal(config: Any) -> None:
+    from transformers.models.auto import modeling_auto as auto
+
+    text = getattr(getattr(config, "text_config", None), "model_type", None)
+    hint = (f": plan its language model with its text_config as a config of its own (\"model_type\": \"{text}\")"
+            if text in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else "")
+    raise PlannerError(f"hf: model type '{config.model_type}' reads images or audio beside text, which the planner "
+                       f"cannot make inputs for (it would trace the text model alone){hint}")
+
+
+# A speech encoder-decoder the planner can feed takes log-mel frames (Whisper): num_mel_bins channels of a fixed
+# length, twice the encoder's positions (its two convolutions, the second of stride 2); other speech front ends
+# (Speech2Text's stacked filterbanks) take inputs of another shape.
+_SPEECH_FIELDS = ("num_mel_bins", "max_source_positions", "max_target_positions")
+
+
+def _check_speech_frames(config: Any) -> None:
+    if not all(isinstance(getattr(config, f, None), int) for f in _SPEECH_FIELDS):
+        raise PlannerError(f"hf: model type '{config.model_type}' is a speech encoder-decoder without Whisper's "
+                           f"log-mel input ({', '.join(_SPEECH_FIELDS)}): the planner cannot make its inputs")
 
 
 def is_encoder(model_type: str) -> bool:
@@ -188,6 +269,8 @@ def _auto_class(task: HfTask) -> Any:
     transformers = _transformers()
     return {HfTask.CAUSAL_LM: transformers.AutoModelForCausalLM,
             HfTask.SEQ2SEQ_LM: transformers.AutoModelForSeq2SeqLM,
+            HfTask.SPEECH_SEQ2SEQ: transformers.AutoModelForSpeechSeq2Seq,
+            HfTask.CONTRASTIVE: transformers.AutoModelForZeroShotImageClassification,
             HfTask.IMAGE_CLASSIFICATION: transformers.AutoModelForImageClassification}[task]
 
 
@@ -276,13 +359,14 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
         hf_attention.register()
     chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
     task = task_of(config)
-    if task is HfTask.SEQ2SEQ_LM:
+    if task in (HfTask.SEQ2SEQ_LM, HfTask.SPEECH_SEQ2SEQ):
         _check_decoder_start(config)
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
-    model = _auto_class(task).from_config(config, dtype=torch.float32, experts_implementation=hf_experts.register(),
-                                          **chosen)
+    with quiet_loggers(*TORCHAO_LOGGERS):  # transformers' quantizers import torchao while building the first model
+        model = _auto_class(task).from_config(config, dtype=torch.float32,
+                                              experts_implementation=hf_experts.register(), **chosen)
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     return model.train()
@@ -324,7 +408,13 @@ _POSITION_TABLES = ("wpe", "position_embeddings")  # learned absolute positions 
 
 def learned_positions(model: nn.Module) -> tuple[str, int] | None:
     """The model's learned absolute position table and its length (the longest sequence it takes); None for a
-    model without one (rotary positions, as Llama's, have no such limit)."""
+    model without one (rotary positions, as Llama's, have no such limit). Where ``--seq`` is one part's length
+    (Whisper's decoder, a two-tower model's text tower), that part's table: the other's is fixed by its input."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in _CONTRASTIVE_TYPES:
+        return "text_model.embeddings.position_embedding", config.text_config.max_position_embeddings
+    if getattr(config, "is_encoder_decoder", False) and isinstance(getattr(config, "max_target_positions", None), int):
+        return "model.decoder.embed_positions", config.max_target_positions
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(module, nn.Embedding):
             return name, module.num_embeddings
@@ -360,11 +450,37 @@ def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int, hf_con
     return model, {"input_ids": ids, "labels": labels}, model_loss
 
 
+def build_speech_seq2seq(data: dict[str, Any], batch_size: int, seq_len: int, hf_config: Overrides = (),
+                         attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    """Whisper's inputs: log-mel frames of the fixed length its encoder takes (30 s of audio at the real sizes)
+    and ``seq_len`` target ids, which the decoder reads shifted right behind its start token."""
+    model = build_model(data, hf_config, attention)
+    check_positions(model, seq_len)
+    cfg = model.config
+    frames = torch.randn(batch_size, cfg.num_mel_bins, 2 * cfg.max_source_positions)
+    labels = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    return model, {"input_features": frames, "labels": labels}, model_loss
+
+
+def build_contrastive(data: dict[str, Any], batch_size: int, seq_len: int, hf_config: Overrides = (),
+                      attention: str | None = None) -> tuple[nn.Module, Any, Any]:
+    """A batch of image-caption pairs: pixel values at the vision tower's image size and ``seq_len`` token ids per
+    caption; the loss is the model's own contrastive loss over the batch."""
+    model = build_model(data, hf_config, attention)
+    check_positions(model, seq_len)
+    text, image = model.config.text_config, model.config.vision_config
+    pixels = torch.randn(batch_size, image.num_channels, image.image_size, image.image_size)
+    ids = torch.randint(0, text.vocab_size, (batch_size, seq_len))
+    return model, {"input_ids": ids, "pixel_values": pixels, "return_loss": True}, model_loss
+
+
 def build_image_classifier(data: dict[str, Any], batch_size: int, hf_config: Overrides = (),
                            attention: str | None = None) -> tuple[nn.Module, Any, Any]:
     model = build_model(data, hf_config, attention)
     cfg = model.config
-    pixels = torch.randn(batch_size, cfg.num_channels, cfg.image_size, cfg.image_size)
+    # a two-tower config (CLIP, SigLIP) classifies with its vision tower: the image numbers are that tower's
+    image = getattr(cfg, "vision_config", None) or cfg
+    pixels = torch.randn(batch_size, image.num_channels, image.image_size, image.image_size)
     labels = torch.randint(0, cfg.num_labels, (batch_size,))
     return model, {"pixel_values": pixels, "labels": labels}, model_loss
 
@@ -374,6 +490,10 @@ def _default_workload(source: str, task: HfTask, config: Any) -> dict[str, int]:
         return SHIPPED[source].workload()
     if task is HfTask.IMAGE_CLASSIFICATION:
         return {"batch_size": 32}
+    if task is HfTask.SPEECH_SEQ2SEQ:
+        return {"batch_size": 1, "seq_len": min(config.max_target_positions, DEFAULT_SEQ_CAP)}
+    if task is HfTask.CONTRASTIVE:  # a contrastive loss needs more than one pair in the batch
+        return {"batch_size": 32, "seq_len": min(config.text_config.max_position_embeddings, DEFAULT_SEQ_CAP)}
     max_positions = getattr(config, "max_position_embeddings", None) or DEFAULT_SEQ_CAP
     return {"batch_size": 1, "seq_len": min(int(max_positions), DEFAULT_SEQ_CAP)}
 
@@ -387,6 +507,7 @@ def factory(source: str) -> Callable[..., tuple]:
     config = _config(data)
     task = task_of(config)
     build = {HfTask.CAUSAL_LM: build_causal_lm, HfTask.SEQ2SEQ_LM: build_seq2seq_lm,
+             HfTask.SPEECH_SEQ2SEQ: build_speech_seq2seq, HfTask.CONTRASTIVE: build_contrastive,
              HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
     return functools.partial(build, data, **_default_workload(source, task, config))
 
@@ -431,6 +552,8 @@ def _model_class(config: Any) -> Any:
     task = task_of(config)
     names = {HfTask.CAUSAL_LM: auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
              HfTask.SEQ2SEQ_LM: auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+             HfTask.SPEECH_SEQ2SEQ: auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+             HfTask.CONTRASTIVE: auto.MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES,
              HfTask.IMAGE_CLASSIFICATION: auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES}[task]
     name = names.get(config.model_type)
     return getattr(_transformers(), name, None) if isinstance(name, str) else None

@@ -28,14 +28,14 @@ EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts la
 
 
 def expert_modules(trace: Trace) -> list[str]:
-    """Modules that hold grouped experts: their own params all at least 3-D with one leading dim (the experts)
-    above 1, and a class named ``...Experts``."""
+    """Modules that hold grouped experts: a class named ``...Experts`` whose own params share one leading dim (the
+    experts) above 1, stacked weights at least 3-D and any biases 2-D (gpt-oss's experts have both)."""
     out = []
     for name, info in trace.modules.items():
         params = [trace.param(p) for p in info.params]
-        lead = {p.shape[0] for p in params if len(p.shape) >= 3}
+        lead = {p.shape[0] for p in params if len(p.shape) >= 2}
         if params and info.cls.endswith("Experts") and len(lead) == 1 and lead.pop() > 1 \
-                and all(len(p.shape) >= 3 for p in params):
+                and all(len(p.shape) >= 2 for p in params) and any(len(p.shape) >= 3 for p in params):
             out.append(name)
     return out
 

@@ -72,8 +72,8 @@ def _model(m: _Merge) -> None:
             m.note(f"MODEL {shown_json(model)} stands for the torchtitan job's model {cfg.model_label}")
         return
     if cfg.model is None and not (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
-        raise PlannerError(f"the torchtitan config {shown_json(cfg.path)} names no model ([model] name and flavor): "
-                           "give MODEL")
+        where = "[model] name and flavor" if cfg.path.endswith(".toml") else "model_spec = model_registry(FLAVOR)"
+        raise PlannerError(f"the torchtitan config {shown_json(cfg.path)} names no model ({where}): give MODEL")
     if cfg.model is None:
         known = ", ".join(f"{n} {f.upper()}" for n, f in _titan_models())
         raise PlannerError(f"the torchtitan job's model {cfg.model_label} is not one fsdp-planner builds (known: "

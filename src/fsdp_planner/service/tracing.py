@@ -8,6 +8,7 @@ from collections.abc import Callable
 from copy import deepcopy
 
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointError
 
 from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import SacPolicy
@@ -42,6 +43,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
         failed = failed_at(e)
         if data_dependent(e, failed.op if failed else None):
             raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
+        if isinstance(e, CheckpointError):
+            raise PlannerError(f"tracing '{spec}' failed: {SELF_CHECKPOINTING}") from e
         raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
     for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0])):
         if line:
@@ -83,6 +86,15 @@ def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:
     copy = deepcopy(block)
     apply_checkpointing(copy, [], {"": policy})
     return copy
+
+
+# torch.utils.checkpoint inside the user's forward: its recomputation in backward runs outside the trace's function
+# mode, so SDPA there takes the math path where the forward took the fused stand-in, and saves another number of
+# tensors (issue 39). Binding SDPA by name for the trace (attention.fused_sdpa_everywhere) makes it trace, but the
+# peak of such a step is then predicted 29% low (a DiT on 8 fake ranks): a refusal, until that memory is modelled.
+SELF_CHECKPOINTING = ("the model calls torch.utils.checkpoint itself, which the planner's trace cannot replay yet "
+                      "(CheckpointError: a different number of tensors saved in recomputation): build it without its "
+                      "own checkpointing and plan the checkpointing with --ac full or --ac op instead")
 
 
 def model_error(e: Exception) -> str:
