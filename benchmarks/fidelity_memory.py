@@ -139,9 +139,12 @@ def independent_peak(model: str, plan, world: int, options: SimOptions) -> int |
     return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
 
 
-def heldout_rows(options: SimOptions) -> list[dict]:
+def heldout_rows(options: SimOptions, only: tuple[str, ...] = ()) -> list[dict]:
+    """The held-out rows; ``only``: just these models' rows (``--only mamba,bart``)."""
     rows = []
     for name, worlds, plan_names in HELDOUT_CASES:
+        if only and name not in only:
+            continue
         model = ISSUE26 + name
         lm = load_model(model)
         tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
@@ -253,8 +256,11 @@ def main() -> None:
     started = time.perf_counter()
     options = SimOptions()
     if "--heldout" in sys.argv[1:]:
-        write_table(heldout_rows(options), time.perf_counter() - started, "fidelity_memory_heldout",
-                    "python benchmarks/fidelity_memory.py --heldout", HELDOUT_NOTES)
+        only = tuple(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else ()
+        write_table(heldout_rows(options, only), time.perf_counter() - started,
+                    "fidelity_memory_heldout_only" if only else "fidelity_memory_heldout",
+                    "python benchmarks/fidelity_memory.py --heldout" + (f" --only {','.join(only)}" if only else ""),
+                    HELDOUT_NOTES)
         return
     if "--patterns" in sys.argv[1:]:
         write_table(pattern_rows(options), time.perf_counter() - started, "fidelity_memory_patterns",
