@@ -40,6 +40,7 @@ class StepRecorder:
         self.temporaries = Temporaries()
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
+        self.gradients = Temporaries(floating=True)  # those of them alive now (``Event.grad_live``)
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
@@ -84,6 +85,7 @@ class StepRecorder:
         """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
         so it leaves the ``grad_live`` of the op that made it."""
         self.param_grads.add(ref)
+        self.gradients.forget(ref)
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made
@@ -294,9 +296,11 @@ class Temporaries:
     seq x seq int64 tensors, five of them alive at once: 196 MiB of a 200 MiB peak at seq 2,048). Saved ones are
     counted where they are saved; these were counted nowhere, and at a long sequence they make the forward's peak.
     Their bytes do not scale with the compute dtype. Freed storages are seen through weak references, as
-    ``LossRegion`` sees them."""
+    ``LossRegion`` sees them. With ``floating``: any storage it is given (the gradients backward ops make,
+    ``StepRecorder.gradients``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, floating: bool = False) -> None:
+        self.floating = floating
         self.current = 0
         self._sizes: dict[int, int] = {}  # storage (``StorageWeakRef.cdata``) -> bytes
         self._refs: dict[int, weakref.ref] = {}
@@ -305,13 +309,16 @@ class Temporaries:
         for t in tensors:
             # integer and boolean only: a floating output may need a gradient (autograd sets ``requires_grad``
             # after the dispatch that sees it), and activations are counted as saved, inputs or gradient flow
-            if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
+            if isinstance(t, torch.Tensor) and (self.floating or not (t.is_floating_point() or t.is_complex())):
                 storage = t.untyped_storage()
                 key = StorageWeakRef(storage).cdata
                 if key not in self._sizes:
                     self._sizes[key] = storage.nbytes()
                     self.current += self._sizes[key]
                     self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
+
+    def holds(self, ref: StorageWeakRef) -> bool:
+        return ref.cdata in self._sizes
 
     def forget(self, ref: StorageWeakRef) -> int:
         """A storage saved for backward: an activation from now on, counted as one. Returns the bytes it held here."""
