@@ -40,7 +40,7 @@ class StepRecorder:
         self.temporaries = Temporaries()
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
-        self.gradients = Temporaries(floating=True)  # those of them alive now (``Event.grad_live``)
+        self.gradients = Gradients(lambda: len(self.events))  # those of them alive now (``Event.grad_live``)
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
@@ -82,15 +82,16 @@ class StepRecorder:
             self.grads_made[ref] = (self.last_op, nbytes)
 
     def param_grad(self, ref: StorageWeakRef) -> None:
-        """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
-        so it leaves the ``grad_live`` of the op that made it."""
+        """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads
+        from the param's first backward use), so it leaves the ``grad_live`` of the ops it was alive at, and so do
+        the contributions autograd summed into it (a tied weight's, one per use, ``Gradients.summed``)."""
         self.param_grads.add(ref)
-        self.gradients.forget(ref)
-        made = self.grads_made.pop(ref, None)
-        if made is not None:
-            i, nbytes = made
-            e = self.events[i]
-            self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
+        self.grads_made.pop(ref, None)
+        for born, died, nbytes in self.gradients.forget(ref):
+            for i in range(born, min(died, len(self.events))):
+                e = self.events[i]
+                if e.grad_live:
+                    self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
     def made(self, tensors: Iterable[Any]) -> None:
         """A forward op's or module call's outputs: in the frames of the calls running until they are saved or
@@ -296,11 +297,9 @@ class Temporaries:
     seq x seq int64 tensors, five of them alive at once: 196 MiB of a 200 MiB peak at seq 2,048). Saved ones are
     counted where they are saved; these were counted nowhere, and at a long sequence they make the forward's peak.
     Their bytes do not scale with the compute dtype. Freed storages are seen through weak references, as
-    ``LossRegion`` sees them. With ``floating``: any storage it is given (the gradients backward ops make,
-    ``StepRecorder.gradients``)."""
+    ``LossRegion`` sees them."""
 
-    def __init__(self, floating: bool = False) -> None:
-        self.floating = floating
+    def __init__(self) -> None:
         self.current = 0
         self._sizes: dict[int, int] = {}  # storage (``StorageWeakRef.cdata``) -> bytes
         self._refs: dict[int, weakref.ref] = {}
@@ -309,16 +308,13 @@ class Temporaries:
         for t in tensors:
             # integer and boolean only: a floating output may need a gradient (autograd sets ``requires_grad``
             # after the dispatch that sees it), and activations are counted as saved, inputs or gradient flow
-            if isinstance(t, torch.Tensor) and (self.floating or not (t.is_floating_point() or t.is_complex())):
+            if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
                 storage = t.untyped_storage()
                 key = StorageWeakRef(storage).cdata
                 if key not in self._sizes:
                     self._sizes[key] = storage.nbytes()
                     self.current += self._sizes[key]
                     self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
-
-    def holds(self, ref: StorageWeakRef) -> bool:
-        return ref.cdata in self._sizes
 
     def forget(self, ref: StorageWeakRef) -> int:
         """A storage saved for backward: an activation from now on, counted as one. Returns the bytes it held here."""
@@ -329,6 +325,52 @@ class Temporaries:
         self.current -= nbytes
         self._refs.pop(key, None)
         return nbytes
+
+
+class Gradients:
+    """Live bytes of the gradients backward ops make (``Event.grad_live``), seen freed through weak references as
+    ``LossRegion`` sees storages; and per gradient, its lifetime (the positions of the op that made it and of the
+    event before which it was freed) and, for autograd's accumulation (an add of gradients), the gradients it
+    summed: a param's grad summed from several contributions (a tied weight, read by the embedding and the head)
+    is counted by the FSDP2 replay from the param's first backward use, so those contributions are not counted
+    here (``StepRecorder.param_grad``)."""
+
+    def __init__(self, clock: Callable[[], int]) -> None:
+        self.current = 0
+        self._clock = clock  # the position of the event being recorded
+        self._records: dict[int, list] = {}  # storage (``StorageWeakRef.cdata``) -> [born, died, bytes, summed]
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, t: torch.Tensor, summed: Iterable[StorageWeakRef] = ()) -> None:
+        storage = t.untyped_storage()
+        key = StorageWeakRef(storage).cdata
+        if key not in self._records:  # records, not keys: a freed storage's key may be a new one's
+            sources = [self._records[r.cdata] for r in summed if r.cdata in self._records]
+            self._records[key] = [self._clock(), -1, storage.nbytes(), sources]
+            self.current += storage.nbytes()
+            self._refs[key] = weakref.ref(storage, lambda _, key=key: self._end(key))
+
+    def holds(self, ref: StorageWeakRef) -> bool:
+        return ref.cdata in self._records
+
+    def _end(self, key: int) -> list | None:
+        record = self._records.pop(key, None)
+        self._refs.pop(key, None)
+        if record is not None:
+            self.current -= record[2]
+            record[1] = self._clock()
+        return record
+
+    def forget(self, ref: StorageWeakRef) -> list[tuple[int, int, int]]:
+        """A storage that became a param's grad leaves the count: (born, died, bytes) of it and of what it summed,
+        each over the positions it was counted at."""
+        record = self._end(ref.cdata)
+        out, todo = [], [record] if record is not None else []
+        while todo:
+            born, died, nbytes, sources = todo.pop()
+            out.append((born, died if died >= 0 else self._clock(), nbytes))
+            todo.extend(sources)
+        return out
 
 
 class NullRecorder(StepRecorder):
