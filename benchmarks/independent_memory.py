@@ -74,6 +74,40 @@ def checkpoint_forward(module: nn.Module, selective: bool) -> None:
     module.forward = run
 
 
+def called_modules(model: nn.Module, inputs) -> set[nn.Module]:
+    """The modules whose forward runs in a step (one forward without grad, before sharding)."""
+    called: set[nn.Module] = set()
+    hooks = [m.register_forward_pre_hook(lambda m, _: called.add(m)) for m in model.modules()]
+    with torch.no_grad():
+        model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    for h in hooks:
+        h.remove()
+    return called
+
+
+class Tracker(FSDPMemTracker):
+    """FSDPMemTracker that does not instrument the backward of a module whose forward never runs.
+
+    Why: FSDPMemTracker wraps a group's ``pre_backward`` and ``post_backward`` once per module of a multi-module
+    ``fully_shard`` and looks each module up in ``memory_tracking``, which only that module's own forward fills
+    (torch/distributed/_tools/fsdp2_mem_tracker.py, ``_fsdp_param_group_pre_backward``: ``mod_stat =
+    self.memory_tracking[fsdp_mod]``, no check): a KeyError for BART's ``model.shared``, whose weight the
+    encoder's and the decoder's ``embed_tokens`` hold and call, so ``shared`` itself never runs. A torch bug (a
+    tied module in a group is what FSDP2 asks for: ``fully_shard([module_a, module_b])``). The group's other
+    modules wrap the same methods, so its snapshots and peak are taken all the same; what FSDP2 does is untouched
+    (``shared`` stays in the group: left out, FSDP2 refuses its weight in the root group as a shared param)."""
+
+    def __init__(self, mod: nn.Module, optm, never_called: set[nn.Module]) -> None:
+        super().__init__(mod, optm)
+        self.never_called = never_called
+
+    def _fsdp_param_group_pre_backward(self, fsdp_mod, orig):
+        return orig if fsdp_mod in self.never_called else super()._fsdp_param_group_pre_backward(fsdp_mod, orig)
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig):
+        return orig if fsdp_mod in self.never_called else super()._fsdp_param_group_post_backward(fsdp_mod, orig)
+
+
 def shard(model: nn.Module, plan: dict, world: int, precision: str) -> None:
     modules = dict(model.named_modules())
     for name in plan.get("activation_checkpointing", []):
@@ -115,10 +149,11 @@ def main() -> None:
     torch.manual_seed(0)
     built = factory(args.model)()
     model, inputs, loss_fn = built if len(built) == 3 else (*built, lambda out: out.float().pow(2).mean())
+    called = called_modules(model, inputs)
     shard(model, plan, args.world, plan.get("precision", args.precision))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step(model, inputs, loss_fn, optimizer)  # creates the optimizer state
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = Tracker(model, optimizer, {m for m in model.modules() if m not in called})
     tracker.track_inputs(tuple(inputs.values()) if isinstance(inputs, dict) else tuple(inputs))
     with tracker:
         step(model, inputs, loss_fn, optimizer)
