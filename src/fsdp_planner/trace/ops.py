@@ -215,9 +215,11 @@ def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, insid
     ones waiting for more contributions, which saved-activation accounting never sees: the gradient flowing into a
     layer and the one flowing out (two activations' worth in a conv net), and autograd's accumulation of a
     tensor's gradient over its readers (a Mamba-like scan reads its decay and drive tensors once per position:
-    both full-size gradients grow in autograd's input buffers for the whole loop, -5% without them). A gradient is a
-    storage a backward op made (or, in a repeated block's template, the gradient the tracer feeds it, ``reuse.py``)
-    that is no param's grad, counted while alive (``StepRecorder.gradients``, weak references). Outside the model
+    both full-size gradients grow in autograd's input buffers for the whole loop, -5% without them): those the
+    backward of the innermost module call running made, while alive (``StepRecorder.gradients``, weak
+    references; per call, so that a repeated block's template, traced alone, counts what its replays would), and
+    those it reads. A gradient is a storage a backward op made (or, in a template, the gradient the tracer feeds
+    it, ``reuse.py``) that is no param's grad. Outside the model
     (``inside`` False) the loss region's live bytes count them. With the storages it made: one that becomes a
     param's grad leaves the count (``StepRecorder.param_grad``), with what it summed (``sums``: the op is an add,
     autograd's accumulation of contributions)."""
@@ -238,8 +240,10 @@ def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, insid
                 alive.track(t, [r for r in read if r in grads] if sums else ())
     if not inside or not made:  # a view, an in-place op or a detach allocates nothing
         return 0, made
-    return alive.current + sum(n for ref, n in read.items() if ref in grads and ref not in param_grads
-                               and not alive.holds(ref)), made
+    # those made in the backward of the innermost call running (its own accumulations), and those it reads
+    start = recorder.grad_scopes[recorder.position()] = recorder.backward_start()
+    return alive.since(start) + sum(n for ref, n in read.items() if ref in grads and ref not in param_grads
+                                    and not (alive.holds(ref) and alive.born(ref) >= start)), made
 
 
 def device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:

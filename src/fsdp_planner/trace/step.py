@@ -40,13 +40,29 @@ class StepRecorder:
         self.temporaries = Temporaries()
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
-        self.gradients = Gradients(lambda: len(self.events))  # those of them alive now (``Event.grad_live``)
+        self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
+        self.bwd_starts: dict[Call, int] = {}  # module call -> the position of its pre-backward
+        self.grad_scopes: dict[int, int] = {}  # backward op -> from where its grad_live counts gradients made
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
         self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
+
+    def position(self) -> int:
+        """The position the next event takes."""
+        return len(self.events)
+
+    def backward_start(self) -> int:
+        """The position of the pre-backward of the deepest module call whose backward runs; outside every call
+        but the root's, this position: the root's backward spans repeated blocks, whose gradients a template
+        traces apart (``reuse.py``)."""
+        if not self.bwd_active:
+            return self.position()
+        # the deepest: a parent whose output is its last child's enters after it (both hook the same tensor)
+        deepest = max(reversed(self.bwd_active), key=lambda k: k[0].count(".") + bool(k[0]))
+        return self.position() if deepest[0] == ROOT else self.bwd_starts.get(deepest, self.position())
 
     def current_module(self) -> str:
         if self.backward:
@@ -88,10 +104,15 @@ class StepRecorder:
         self.param_grads.add(ref)
         self.grads_made.pop(ref, None)
         for born, died, nbytes in self.gradients.forget(ref):
-            for i in range(born, min(died, len(self.events))):
-                e = self.events[i]
-                if e.grad_live:
-                    self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
+            for i in range(born, min(died, self.position())):
+                if self.grad_scopes.get(i, born + 1) <= born:  # counted there
+                    self.uncount(i, nbytes)
+
+    def uncount(self, i: int, nbytes: int) -> None:
+        """Takes ``nbytes`` off the ``grad_live`` of the op at position ``i``."""
+        e = self.events[i]
+        if e.grad_live:
+            self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
     def made(self, tensors: Iterable[Any]) -> None:
         """A forward op's or module call's outputs: in the frames of the calls running until they are saved or
@@ -178,6 +199,7 @@ class StepRecorder:
                 self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
         self.bwd_active.append(key)
         self.bwd_started = True
+        self.bwd_starts[key] = self.position()
         self.events.append(Event(EventKind.BWD_PRE, key[0], call=key[1], backward=True))
 
     def exit_backward(self, key: Call) -> None:
@@ -352,6 +374,13 @@ class Gradients:
 
     def holds(self, ref: StorageWeakRef) -> bool:
         return ref.cdata in self._records
+
+    def born(self, ref: StorageWeakRef) -> int:
+        return self._records[ref.cdata][0]
+
+    def since(self, start: int) -> int:
+        """Bytes of the gradients alive that ops at or after position ``start`` made."""
+        return sum(r[2] for r in self._records.values() if r[0] >= start)
 
     def _end(self, key: int) -> list | None:
         record = self._records.pop(key, None)
