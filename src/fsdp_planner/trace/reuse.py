@@ -598,10 +598,7 @@ class BlockReuse:
                 with self.own_tensors():
                     made = [m.make() if m.requires_grad else None for m in inputs.values()]
                 # the input grads a replayed call returns are gradients, as its own backward's outputs would be
-                main.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in made if g is not None)
-                for g in made:  # alive as the call's own would be (``Event.grad_live``)
-                    if g is not None:
-                        main.gradients.track(g)
+                main.gradients_made([g for g in made if g is not None])
                 return made
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]

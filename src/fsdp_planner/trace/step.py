@@ -97,6 +97,13 @@ class StepRecorder:
         for ref, nbytes in made:
             self.grads_made[ref] = (self.last_op, nbytes)
 
+    def gradients_made(self, tensors: list[torch.Tensor]) -> None:
+        """Gradients made apart from any op (a replayed call's input grads): gradients, alive as an op's would be
+        (``Event.grad_live``)."""
+        for g in tensors:
+            self.grad_storages.add(StorageWeakRef(g.untyped_storage()))
+            self.gradients.track(g)
+
     def param_grad(self, ref: StorageWeakRef) -> None:
         """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads
         from the param's first backward use), so it leaves the ``grad_live`` of the ops it was alive at, and so do
