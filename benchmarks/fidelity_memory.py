@@ -193,16 +193,21 @@ prediction moves with it (the same error for both). It keeps less on GPT-NeoX an
 `nn.Linear`s have biases and run `aten.addmm`, which torchtitan's save list (`aten.mm`) does not name: only the
 attention outputs are kept there, as torchtitan's policy would keep on those models.
 
-Misses left. The simulator against its own fake-world run: `mamba` under `--ac full`/`op` 10.6-12% low (without
-checkpointing 4.3-5.4%, over 5% for titan; the independent run agrees with the fake-world run there, so the
-simulator's recomputation model misses something of the per-position scan: not found in this session); BART under
-`--ac full`/`op` 6.5% high (the issue measured +8.6%; not found). The independent run against the fake-world run:
-where attention takes the math path inside a checkpointed block (Falcon and the U-Net under `--ac full`/`op`) it
-measures 2.4-2.7% (Falcon) and 13-14% (U-Net) less than the product's run, which agrees with itself; without
-checkpointing the same models agree to 0.0-1.2%.
-Which side is wrong there was not settled. `swin` and `mamba` are 0.8-2.1% apart; BART's
-independent run fails inside FSDPMemTracker itself (a KeyError in its pre-backward hook on the embedding module
-the encoder and the decoder share), not in FSDP2."""
+Misses left. The simulator against its own fake-world run: `mamba` was 10.6-12% low under `--ac full`/`op`
+and 5.2-5.4% low under titan: its scan reads the decay and drive tensors once per position, so autograd sums
+their full-size gradients in its input buffers for the whole loop, which a backward op's `grad_live` (the
+gradients it read and made) never saw; it now counts the gradients alive that the running module call's backward
+made (`trace/ops.py`, `trace/step.Gradients`), a tied weight's contributions excepted (the replay counts that
+param's grad) and a bias's or embedding table's grad counted from its own call's backward
+(`TraceIndex.grad_made_from`). BART under `--ac full`/`op` +6.5% before, +5.9% after (not found: its
+prediction runs 2-4 MiB over the measurement all through the checkpointed decoder's backward, and 4.5 MiB under it
+in the loss, computed inside the model). The independent run against the fake-world run: where attention takes
+the math path inside a checkpointed block (Falcon and the U-Net under `--ac full`/`op`) it measures 2.4-2.7%
+(Falcon) and 13-14% (U-Net) less than the product's run, which agrees with itself; without checkpointing the
+same models agree to 0.0-1.2%. Which side is wrong there was not settled. `swin` and `mamba` are 0.8-2.5% apart.
+BART's independent run failed inside FSDPMemTracker (its pre-backward wrapper indexes `memory_tracking` by every
+module of a multi-module group, and BART's tied `model.shared` never runs forward: a torch bug, worked around in
+`independent_memory.py`); it now measures 3.0-5.9% below the fake-world run (not settled either)."""
 # --- end of issue 39's section ----------------------------------------------------------------------------------
 
 
