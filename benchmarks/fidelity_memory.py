@@ -199,10 +199,12 @@ their full-size gradients in its input buffers for the whole loop, which a backw
 gradients it read and made) never saw; it now counts the gradients alive that the running module call's backward
 made (`trace/ops.py`, `trace/step.Gradients`), a tied weight's contributions excepted (the replay counts that
 param's grad) and a bias's or embedding table's grad counted from its own call's backward
-(`TraceIndex.grad_made_from`). BART under `--ac full`/`op` +6.5% before, +5.9% after (not found: its
-prediction runs 2-4 MiB over the measurement all through the checkpointed decoder's backward, and 4.5 MiB under it
-in the loss, computed inside the model). The independent run against the fake-world run: where attention takes
-the math path inside a checkpointed block (Falcon and the U-Net under `--ac full`/`op`) it measures 2.4-2.7%
+(`TraceIndex.grad_made_from`). BART under `--ac full`/`op` was 6.5% high: it computes its loss inside the
+model's forward (labels given), so the root call's own ops saved the fp32 log-softmax, held until the root call's
+backward was done; autograd runs those nodes first and frees it before any child's backward
+(`recompute.root_tail_deltas`): -0.5% now (titan alone -0.2% before and after: its peak is at the loss).
+The independent run against the fake-world run: where attention takes the math path inside a checkpointed
+block (Falcon and the U-Net under `--ac full`/`op`) it measures 2.4-2.7%
 (Falcon) and 13-14% (U-Net) less than the product's run, which agrees with itself; without checkpointing the
 same models agree to 0.0-1.2%. Which side is wrong there was not settled. `swin` and `mamba` are 0.8-2.5% apart.
 BART's independent run failed inside FSDPMemTracker (its pre-backward wrapper indexes `memory_tracking` by every
