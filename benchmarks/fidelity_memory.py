@@ -139,9 +139,12 @@ def independent_peak(model: str, plan, world: int, options: SimOptions) -> int |
     return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
 
 
-def heldout_rows(options: SimOptions) -> list[dict]:
+def heldout_rows(options: SimOptions, only: tuple[str, ...] = ()) -> list[dict]:
+    """The held-out rows; ``only``: just these models' rows (``--only mamba,bart``)."""
     rows = []
     for name, worlds, plan_names in HELDOUT_CASES:
+        if only and name not in only:
+            continue
         model = ISSUE26 + name
         lm = load_model(model)
         tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
@@ -191,10 +194,16 @@ prediction moves with it (the same error for both). It keeps less on GPT-NeoX an
 `nn.Linear`s have biases and run `aten.addmm`, which torchtitan's save list (`aten.mm`) does not name: only the
 attention outputs are kept there, as torchtitan's policy would keep on those models.
 
-Misses left. The simulator against its own fake-world run: `mamba` under `--ac full`/`op` 10.6-12% low (without
-checkpointing 4.3-5.4%, over 5% for titan; the independent run agrees with the fake-world run there, so the
-simulator's recomputation model misses something of the per-position scan: not found in this session); BART under
-`--ac full`/`op` 6.5% high (the issue measured +8.6%; not found).
+Misses left. The simulator against its own fake-world run: `mamba` was 10.6-12% low under `--ac full`/`op`
+and 5.2-5.4% low under titan: its scan reads the decay and drive tensors once per position, so autograd sums
+their full-size gradients in its input buffers for the whole loop, which a backward op's `grad_live` (the
+gradients it read and made) never saw; it now counts the gradients alive that the running module call's backward
+made (`trace/ops.py`, `trace/step.Gradients`), a tied weight's contributions excepted (the replay counts that
+param's grad) and a bias's or embedding table's grad counted from its own call's backward
+(`TraceIndex.grad_made_from`). BART under `--ac full`/`op` was 6.5% high: it computes its loss inside the
+model's forward (labels given), so the root call's own ops saved the fp32 log-softmax, held until the root call's
+backward was done; autograd runs those nodes first and frees it before any child's backward
+(`recompute.root_tail_deltas`): -0.5% now (titan alone -0.2% before and after: its peak is at the loss).
 
 The independent run against the fake-world run: the tool was the wrong side. FSDPMemTracker re-registers every
 FSDP module's forward hooks with its own wrappers, one module at a time, so a group of several modules
@@ -272,8 +281,11 @@ def main() -> None:
     started = time.perf_counter()
     options = SimOptions()
     if "--heldout" in sys.argv[1:]:
-        write_table(heldout_rows(options), time.perf_counter() - started, "fidelity_memory_heldout",
-                    "python benchmarks/fidelity_memory.py --heldout", HELDOUT_NOTES)
+        only = tuple(sys.argv[sys.argv.index("--only") + 1].split(",")) if "--only" in sys.argv else ()
+        write_table(heldout_rows(options, only), time.perf_counter() - started,
+                    "fidelity_memory_heldout_only" if only else "fidelity_memory_heldout",
+                    "python benchmarks/fidelity_memory.py --heldout" + (f" --only {','.join(only)}" if only else ""),
+                    HELDOUT_NOTES)
         return
     if "--patterns" in sys.argv[1:]:
         write_table(pattern_rows(options), time.perf_counter() - started, "fidelity_memory_patterns",

@@ -179,7 +179,8 @@ class OpRecorder(TorchDispatchMode):
             live = recorder.temporaries.current
         kernel = kernel_of(func, args)
         if recorder.backward:
-            grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, inside=not outside)
+            sums = func is torch.ops.aten.add.Tensor  # autograd's accumulation of a gradient's contributions
+            grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, not outside, sums)
             # the loss's backward ops keep their class and output bytes: loss parallel runs some otherwise
             cls, out_nbytes = (op_class(func), outputs_nbytes(flat_out)) if outside else (OpClass.OTHER, 0)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, out_nbytes, kernel=kernel,
@@ -208,15 +209,21 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, inside: bool
+def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, inside: bool, sums: bool
                     ) -> tuple[int, list[tuple[StorageWeakRef, int]]]:
-    """A backward op's gradient bytes: the gradients it reads and the new storages it makes, alive together
-    while it runs: the gradient flowing into a layer and the one flowing out, which saved-activation accounting
-    never sees (two activations' worth in a conv net). A gradient read is a storage an earlier backward op made
-    (or, in a repeated block's template, the gradient the tracer feeds it, ``reuse.py``) that is no param's grad.
-    Outside the model (``inside`` False) the loss region's live bytes count them. With the storages it made: one
-    that becomes a param's grad leaves the count (``StepRecorder.param_grad``)."""
-    grads, param_grads = recorder.grad_storages, recorder.param_grads
+    """A backward op's gradient bytes: every gradient alive while it runs, the ones it reads and makes and the
+    ones waiting for more contributions, which saved-activation accounting never sees: the gradient flowing into a
+    layer and the one flowing out (two activations' worth in a conv net), and autograd's accumulation of a
+    tensor's gradient over its readers (a Mamba-like scan reads its decay and drive tensors once per position:
+    both full-size gradients grow in autograd's input buffers for the whole loop, -5% without them): those the
+    backward of the innermost module call running made, while alive (``StepRecorder.gradients``, weak
+    references; per call, so that a repeated block's template, traced alone, counts what its replays would), and
+    those it reads. A gradient is a storage a backward op made (or, in a template, the gradient the tracer feeds
+    it, ``reuse.py``) that is no param's grad. Outside the model
+    (``inside`` False) the loss region's live bytes count them. With the storages it made: one that becomes a
+    param's grad leaves the count (``StepRecorder.param_grad``), with what it summed (``sums``: the op is an add,
+    autograd's accumulation of contributions)."""
+    grads, param_grads, alive = recorder.grad_storages, recorder.param_grads, recorder.gradients
     read: dict[StorageWeakRef, int] = {}
     for a in flat_in:  # by the tensor's own bytes: a gradient may reach an op as a view of a larger one
         if isinstance(a, torch.Tensor):
@@ -230,10 +237,13 @@ def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, insid
                 # backward detaches is no gradient)
                 made.append((ref, t.untyped_storage().nbytes()))
                 grads.add(ref)
+                alive.track(t, [r for r in read if r in grads] if sums else ())
     if not inside or not made:  # a view, an in-place op or a detach allocates nothing
         return 0, made
-    return sum(n for _, n in made) + sum(n for ref, n in read.items() if ref in grads and ref not in param_grads), \
-        made
+    # those made in the backward of the innermost call running (its own accumulations), and those it reads
+    start = recorder.grad_scopes[recorder.position()] = recorder.backward_start()
+    return alive.since(start) + sum(n for ref, n in read.items() if ref in grads and ref not in param_grads
+                                    and not (alive.holds(ref) and alive.born(ref) >= start)), made
 
 
 def device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:

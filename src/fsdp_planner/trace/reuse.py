@@ -44,6 +44,7 @@ from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.saved import foreign_saved_hooks
 from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
+from fsdp_planner.trace.tree import is_within
 from fsdp_planner.trace.walk import ModuleWalk
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -171,6 +172,8 @@ class ActionLog(StepRecorder):
         self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         self.frame.open()
+        if grad_inputs:
+            self.bwd_pending_post.add((fqn, call))
         return call
 
     def modified_input(self, fqn: str) -> None:
@@ -187,10 +190,24 @@ class ActionLog(StepRecorder):
         # the hooks' post_forward: the call ended
         self.inner_outputs.extend((weakref.ref(t), self.last_exit) for t in tensors)
 
+    def position(self) -> int:
+        return len(self.template.backward) if self.backward else len(self.template.forward)
+
+    def backward_start(self) -> int:
+        # none of the calls inside runs its backward: the call's own (whose pre-backward is split off, ``on_output``)
+        return super().backward_start() if self.bwd_active else 0
+
     def enter_backward(self, key: Call) -> None:
+        # the calls whose backward runs, as the step's recorder keeps them (``backward_start``)
+        self.bwd_active = [k for k in self.bwd_active if k in self.bwd_pending_post or is_within(key[0], k[0])]
+        self.bwd_active.append(key)
+        self.bwd_starts[key] = self.position()
         self._log(("bwd_pre", self.relative(key[0]), key[1]))
 
     def exit_backward(self, key: Call) -> None:
+        self.bwd_pending_post.discard(key)
+        if key in self.bwd_active:
+            self.bwd_active.remove(key)
         self._log(("bwd_post", self.relative(key[0]), key[1]))
 
     def saving_call(self) -> Call | None:
@@ -231,12 +248,9 @@ class ActionLog(StepRecorder):
         if self.backward and self.last_op >= 0:  # positions in the template's backward log
             super().made_grads(made)
 
-    def param_grad(self, ref: StorageWeakRef) -> None:
-        self.param_grads.add(ref)
-        made = self.grads_made.pop(ref, None)
-        if made is not None:
-            i, nbytes = made
-            a = self.template.backward[i]
+    def uncount(self, i: int, nbytes: int) -> None:
+        a = self.template.backward[i]  # an op's entry ends with its grad_live and its freed bytes
+        if a[0] == "op" and a[-2]:
             self.template.backward[i] = (*a[:-2], max(0, a[-2] - nbytes), a[-1])
 
     def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None) -> None:
@@ -606,7 +620,7 @@ class BlockReuse:
                 with self.own_tensors():
                     made = [m.make() if m.requires_grad else None for m in inputs.values()]
                 # the input grads a replayed call returns are gradients, as its own backward's outputs would be
-                main.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in made if g is not None)
+                main.gradients_made([g for g in made if g is not None])
                 return made
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]

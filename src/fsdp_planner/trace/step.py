@@ -40,6 +40,9 @@ class StepRecorder:
         self.temporaries = Temporaries()
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
+        self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
+        self.bwd_starts: dict[Call, int] = {}  # module call -> the position of its pre-backward
+        self.grad_scopes: dict[int, int] = {}  # backward op -> from where its grad_live counts gradients made
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
@@ -48,6 +51,20 @@ class StepRecorder:
         self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
         self._watched: dict[int, weakref.ref] = {}  # saved storages charged, until autograd frees them (``freed``)
         self._watch_count = 0
+
+    def position(self) -> int:
+        """The position the next event takes."""
+        return len(self.events)
+
+    def backward_start(self) -> int:
+        """The position of the pre-backward of the deepest module call whose backward runs; outside every call
+        but the root's, this position: the root's backward spans repeated blocks, whose gradients a template
+        traces apart (``reuse.py``)."""
+        if not self.bwd_active:
+            return self.position()
+        # the deepest: a parent whose output is its last child's enters after it (both hook the same tensor)
+        deepest = max(reversed(self.bwd_active), key=lambda k: k[0].count(".") + bool(k[0]))
+        return self.position() if deepest[0] == ROOT else self.bwd_starts.get(deepest, self.position())
 
     def current_module(self) -> str:
         if self.backward:
@@ -119,14 +136,28 @@ class StepRecorder:
         for ref, nbytes in made:
             self.grads_made[ref] = (self.last_op, nbytes)
 
+    def gradients_made(self, tensors: list[torch.Tensor]) -> None:
+        """Gradients made apart from any op (a replayed call's input grads): gradients, alive as an op's would be
+        (``Event.grad_live``)."""
+        for g in tensors:
+            self.grad_storages.add(StorageWeakRef(g.untyped_storage()))
+            self.gradients.track(g)
+
     def param_grad(self, ref: StorageWeakRef) -> None:
-        """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
-        so it leaves the ``grad_live`` of the op that made it."""
+        """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads
+        from the param's first backward use), so it leaves the ``grad_live`` of the ops it was alive at, and so do
+        the contributions autograd summed into it (a tied weight's, one per use, ``Gradients.summed``)."""
         self.param_grads.add(ref)
-        made = self.grads_made.pop(ref, None)
-        if made is not None:
-            i, nbytes = made
-            e = self.events[i]
+        self.grads_made.pop(ref, None)
+        for born, died, nbytes in self.gradients.forget(ref):
+            for i in range(born, min(died, self.position())):
+                if self.grad_scopes.get(i, born + 1) <= born:  # counted there
+                    self.uncount(i, nbytes)
+
+    def uncount(self, i: int, nbytes: int) -> None:
+        """Takes ``nbytes`` off the ``grad_live`` of the op at position ``i``."""
+        e = self.events[i]
+        if e.grad_live:
             self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
     def made(self, tensors: Iterable[Any]) -> None:
@@ -215,6 +246,7 @@ class StepRecorder:
                 self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
         self.bwd_active.append(key)
         self.bwd_started = True
+        self.bwd_starts[key] = self.position()
         self.events.append(Event(EventKind.BWD_PRE, key[0], call=key[1], backward=True))
 
     def exit_backward(self, key: Call) -> None:
@@ -362,6 +394,59 @@ class Temporaries:
         self.current -= nbytes
         self._refs.pop(key, None)
         return nbytes
+
+
+class Gradients:
+    """Live bytes of the gradients backward ops make (``Event.grad_live``), seen freed through weak references as
+    ``LossRegion`` sees storages; and per gradient, its lifetime (the positions of the op that made it and of the
+    event before which it was freed) and, for autograd's accumulation (an add of gradients), the gradients it
+    summed: a param's grad summed from several contributions (a tied weight, read by the embedding and the head)
+    is counted by the FSDP2 replay from the param's first backward use, so those contributions are not counted
+    here (``StepRecorder.param_grad``)."""
+
+    def __init__(self, clock: Callable[[], int]) -> None:
+        self.current = 0
+        self._clock = clock  # the position of the event being recorded
+        self._records: dict[int, list] = {}  # storage (``StorageWeakRef.cdata``) -> [born, died, bytes, summed]
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, t: torch.Tensor, summed: Iterable[StorageWeakRef] = ()) -> None:
+        storage = t.untyped_storage()
+        key = StorageWeakRef(storage).cdata
+        if key not in self._records:  # records, not keys: a freed storage's key may be a new one's
+            sources = [self._records[r.cdata] for r in summed if r.cdata in self._records]
+            self._records[key] = [self._clock(), -1, storage.nbytes(), sources]
+            self.current += storage.nbytes()
+            self._refs[key] = weakref.ref(storage, lambda _, key=key: self._end(key))
+
+    def holds(self, ref: StorageWeakRef) -> bool:
+        return ref.cdata in self._records
+
+    def born(self, ref: StorageWeakRef) -> int:
+        return self._records[ref.cdata][0]
+
+    def since(self, start: int) -> int:
+        """Bytes of the gradients alive that ops at or after position ``start`` made."""
+        return sum(r[2] for r in self._records.values() if r[0] >= start)
+
+    def _end(self, key: int) -> list | None:
+        record = self._records.pop(key, None)
+        self._refs.pop(key, None)
+        if record is not None:
+            self.current -= record[2]
+            record[1] = self._clock()
+        return record
+
+    def forget(self, ref: StorageWeakRef) -> list[tuple[int, int, int]]:
+        """A storage that became a param's grad leaves the count: (born, died, bytes) of it and of what it summed,
+        each over the positions it was counted at."""
+        record = self._end(ref.cdata)
+        out, todo = [], [record] if record is not None else []
+        while todo:
+            born, died, nbytes, sources = todo.pop()
+            out.append((born, died if died >= 0 else self._clock(), nbytes))
+            todo.extend(sources)
+        return out
 
 
 class NullRecorder(StepRecorder):

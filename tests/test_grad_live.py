@@ -1,0 +1,60 @@
+"""The gradients alive in backward (``Event.grad_live``, ``trace/step.Gradients``): a tied weight's contributions
+are the param's grad, which the FSDP2 replay counts, and a param backward never reads gets its grad in the backward
+of the call that read it (``TraceIndex.grad_made_from``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_planner.models import load_model
+from fsdp_planner.trace import record
+from fsdp_planner.trace.events import EventKind
+
+TIED = f"{Path(__file__).parent / 'fixtures' / 'scan_models.py'}:tied_lm"
+
+
+def _trace():
+    lm = load_model(TIED)
+    return record(lm.model, lm.example_inputs, lm.loss_fn)
+
+
+def _at(tr, kind: EventKind, module: str) -> int:
+    return next(i for i, e in enumerate(tr.events) if e.kind is kind and e.module == module)
+
+
+def test_a_tied_weight_s_first_contribution_is_no_gradient_of_an_activation() -> None:
+    """The head's contribution to the tied weight's grad (vocab x dim, fp32: 256 KiB) waits in autograd's input
+    buffer until the embedding's arrives; it is that param's grad, counted by the replay from the head's backward,
+    so no backward op between the two counts it (each holds a few KiB of activation gradients)."""
+    tr = _trace()
+    weight = 2048 * 32 * 4
+    between = range(_at(tr, EventKind.BWD_POST, "head"), _at(tr, EventKind.BWD_PRE, "embed"))
+    live = [tr.events[i].grad_live for i in between if tr.events[i].is_op and tr.events[i].backward]
+    assert live and max(live) < weight // 8
+    assert tr.index.first_backward_use[tr.index.param_index["embed.weight"]] < between.start  # the head reads it
+
+
+def test_a_param_backward_never_reads_has_its_grad_from_its_call_s_backward() -> None:
+    """A position table is not read in backward (embedding's backward scatters the gradient): its grad is made in
+    the backward of the call that read it, not at its group's first backward op."""
+    tr = _trace()
+    p = tr.index.param_index["positions.weight"]
+    assert tr.index.first_backward_use[p] == len(tr.events) + 1
+    assert tr.index.grad_made_from[p] == _at(tr, EventKind.BWD_PRE, "positions")
+    bias = tr.index.param_index["mix.bias"]
+    assert tr.index.grad_made_from[bias] == _at(tr, EventKind.BWD_PRE, "mix")
+
+
+def test_a_loss_inside_the_model_frees_what_it_saved_before_the_blocks_backward() -> None:
+    """The root call's own ops after its last child (a loss inside the model's forward) have their autograd nodes
+    run first in backward: their saved tensors (the fp32 log-softmax, 2 x 8 x 1024 x 4 bytes) are gone before
+    any child's backward starts, not held until the root call's backward is done (BART +6% under per-block
+    checkpointing)."""
+    from fsdp_planner.sim.memory import activation_levels
+    from fsdp_planner.sim.options import SimOptions
+
+    lm = load_model(f"{Path(__file__).parent / 'fixtures' / 'scan_models.py'}:loss_inside")
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    levels = activation_levels(tr, SimOptions.named("fp32").precision)
+    first_child = next(i for i, e in enumerate(tr.events) if e.kind is EventKind.BWD_PRE and e.module)
+    assert levels[first_child - 1] - levels[first_child] >= 2 * 8 * 1024 * 4
