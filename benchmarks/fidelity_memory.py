@@ -202,8 +202,9 @@ made (`trace/ops.py`, `trace/step.Gradients`), a tied weight's contributions exc
 param's grad) and a bias's or embedding table's grad counted from its own call's backward
 (`TraceIndex.grad_made_from`). BART under `--ac full`/`op` was 6.5% high: it computes its loss inside the
 model's forward (labels given), so the root call's own ops saved the fp32 log-softmax, held until the root call's
-backward was done; autograd runs those nodes first and frees it before any child's backward
-(`recompute.root_tail_deltas`): -0.5% now (titan alone -0.2% before and after: its peak is at the loss).
+backward was done; autograd runs those nodes first and frees it before any child's backward (each saved
+storage is now freed at the backward op whose node releases it, `Event.freed`, `recompute.early_frees`; see the
+table for today's figure; titan alone -0.2% before and after: its peak is at the loss).
 
 The independent run against the fake-world run: the tool was the wrong side. FSDPMemTracker re-registers every
 FSDP module's forward hooks with its own wrappers, one module at a time, so a group of several modules

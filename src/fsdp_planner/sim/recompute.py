@@ -43,7 +43,6 @@ from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, recompu
 from fsdp_planner.fsdp2.selective import saved_flags
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT
 
 # A checkpointed module: its name (checkpointed in full), or (name, None for full, its op-level policy, or
 # ``Offloaded.HOST``: not checkpointed, its saved activations offloaded).
@@ -221,7 +220,7 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     for pos, nbytes in recreated.items():
         deltas[pos] += nbytes
     return deltas + compiled + cache_deltas(trace, calls, scale) + unpack_deltas(trace, calls, scale) \
-        + early_frees(trace, totals, scale) + root_tail_deltas(trace, scale)
+        + early_frees(trace, totals, scale)
 
 
 def early_frees(trace: Trace, totals: dict[tuple[str, int], float], scale: float) -> np.ndarray:
@@ -244,32 +243,6 @@ def early_frees(trace: Trace, totals: dict[tuple[str, int], float], scale: float
                 left[running[-1]] -= nbytes
                 early[running[-1]] += nbytes
                 deltas[i + 1] -= nbytes
-    return deltas
-
-
-def root_tail_deltas(trace: Trace, scale: float) -> np.ndarray:
-    """What the root call's own ops save after its last child's forward (a loss computed inside the model, as
-    transformers' models do with labels: the fp32 log-softmax) is freed before backward reaches any child: autograd
-    runs those ops' nodes first and frees their saved tensors then, not when the root call's backward is done
-    (``activation_deltas`` frees a call's saves there). A correction to its deltas (``activation_deltas``'
-    indexing): BART under per-block checkpointing held 4 MiB of loss through its whole backward (+6%)."""
-    deltas = np.zeros(len(trace.events) + 1)
-    events = trace.events
-    forward = [i for i, e in enumerate(events) if not e.backward]
-    last_child = max((i for i in forward if events[i].kind is EventKind.FWD_POST and events[i].module != ROOT),
-                     default=-1)
-    root_post = next((i for i, e in enumerate(events) if e.kind is EventKind.BWD_POST and e.module == ROOT), -1)
-    child_pre = next((i for i, e in enumerate(events) if e.kind is EventKind.BWD_PRE and e.module != ROOT), -1)
-    if last_child < 0 or root_post < 0 or child_pre < 0:
-        return deltas
-    depth, tail = 0, 0.0
-    for i in forward:
-        e = events[i]
-        depth += (e.kind is EventKind.FWD_PRE) - (e.kind is EventKind.FWD_POST)
-        if i > last_child and depth == 1 and e.kind is EventKind.OP and e.saved and not trace.index.loss_region[i]:
-            tail += e.saved * scale
-    deltas[child_pre] -= tail
-    deltas[root_post] += tail
     return deltas
 
 
