@@ -11,6 +11,12 @@
   float8); backward casts the output grad for each of its two matmuls (one cast compiled: the same scale and data,
   tensorwise) and recasts the saved input (torchao saves the bf16 input and weight, not their float8 casts, so what
   a call saves for backward is unchanged), and the weight again unless it was gathered in float8.
+- Memory: while a cast runs it holds, eager, its fp32 scaled copy and that copy clamped beside the float8 result
+  (9 bytes an element), fused only the result; the Linear's autograd function holds each float8 copy until its
+  matmul ran (backward: both output-grad copies until the weight grad's matmul, beside the input recast). The most
+  held at once around each converted matmul is a level on the activations (``cast_peak``, ``sim/memory.py``):
+  under full checkpointing the step's peak is there, in a block's backward (-22.6% on toy-llama at batch 16
+  without it); without checkpointing it is the end of forward, where no cast runs.
 - Under tensor parallelism a cast's amax of a TP-sharded DTensor is a ``Partial(max)`` DTensor, made whole by an
   all-reduce of one fp64 scalar over the TP group (``amax_to_scale`` upcasts it first) on the compute stream before
   the cast (``TP_AMAX_BYTES``; measured on the fake process group, issued by DTensor's redistribution): a rowwise
