@@ -222,7 +222,6 @@ class ActionLog(StepRecorder):
 
     def param_grad(self, ref: StorageWeakRef) -> None:
         self.param_grads.add(ref)
-        self.grad_storages.pop(ref, None)  # as ``StepRecorder.param_grad``
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made

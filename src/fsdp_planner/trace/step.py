@@ -87,7 +87,6 @@ class StepRecorder:
         accumulates it into the param after the node that made it is done: a Linear's weight grad is alive while
         its input grad's matmul runs)."""
         self.param_grads.add(ref)
-        self.grad_storages.pop(ref, None)  # alive all step, and no gradient of an activation
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made
