@@ -299,20 +299,16 @@ class MemoryModel:
         return deltas
 
     def _grads_from(self, params: tuple[int, ...], first: int) -> list[tuple[int, int]]:
-        """(event, bytes): each param's unsharded grad from its own first backward op (for a param backward never
-        reads, such as a bias or an embedding's weight, the first pre-backward of the module calls that read it in
-        forward, else ``first``, the group's: an embedding in the root's group got its grad from the start of
-        backward, +2.8% on toy-llama with a group per Linear under full checkpointing). Autograd makes a group's
-        grads one layer at a time: a
+        """(event, bytes): each param's unsharded grad from its own first backward op (``first``, the group's,
+        for a param backward never reads, such as a bias). Autograd makes a group's grads one layer at a time: a
         group spanning a whole encoder (the root of a Whisper-style model under ``--policy module``) holds at
         its first backward op only the grads made so far, not all of them (counted at once there, +18% on it)."""
         key = (params, first)
         if key not in self._grad_starts:
             uses, never = self.trace.index.first_backward_use, len(self.trace.events) + 1
-            begun = self.trace.index.grad_begun_at
             starts: dict[int, int] = {}
             for p, nbytes in zip(params, self.sizing.grad_bytes_each(params), strict=True):
-                at = uses[p] if uses[p] != never else max(first, begun[p]) if begun[p] != never else first
+                at = uses[p] if uses[p] != never else first
                 starts[at] = starts.get(at, 0) + nbytes
             self._grad_starts[key] = sorted(starts.items())
         return self._grad_starts[key]

@@ -162,17 +162,6 @@ class TraceIndex:
         end, post_at = len(self._events), self._scan.post_backward_at
         return [max((post_at.get(u, end) for u in users), default=end) for users in self.forward_users]
 
-    @cached_property
-    def grad_begun_at(self) -> list[int]:
-        """Per param: the first ``BWD_PRE`` of its forward users, where autograd may begin making its grad (a
-        param backward never reads, such as an embedding's weight, gets it there and not before);
-        ``len(events) + 1`` when none has one."""
-        never, pre_at = len(self._events) + 1, {}
-        for i, e in enumerate(self._events):
-            if e.kind is EventKind.BWD_PRE:
-                pre_at.setdefault((e.module, e.call), i)
-        return [min((pre_at.get(u, never) for u in users), default=never) for users in self.forward_users]
-
     @property
     def forward_param_ops(self) -> list[tuple[int, str, tuple[int, ...]]]:
         """(event index, module, params) of every forward op that reads params, in order."""
