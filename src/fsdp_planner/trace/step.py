@@ -39,8 +39,7 @@ class StepRecorder:
         self.loss = LossRegion(lambda: len(self.events))
         self.temporaries = Temporaries()
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
-        # storages backward ops made (gradients), with their bytes: those still alive are alive at each later op
-        self.grad_storages: dict[StorageWeakRef, int] = {}
+        self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
@@ -83,17 +82,13 @@ class StepRecorder:
 
     def param_grad(self, ref: StorageWeakRef) -> None:
         """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
-        so it leaves the ``grad_live`` of the op that made it and of the ops since, which counted it alive (autograd
-        accumulates it into the param after the node that made it is done: a Linear's weight grad is alive while
-        its input grad's matmul runs)."""
+        so it leaves the ``grad_live`` of the op that made it."""
         self.param_grads.add(ref)
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made
-            for k in range(i, len(self.events)):
-                e = self.events[k]
-                if e.grad_live:
-                    self.events[k] = e._replace(grad_live=max(0, e.grad_live - nbytes))
+            e = self.events[i]
+            self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
     def made(self, tensors: Iterable[Any]) -> None:
         """A forward op's or module call's outputs: in the frames of the calls running until they are saved or
