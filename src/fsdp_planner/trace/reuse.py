@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,9 +188,11 @@ class ActionLog(StepRecorder):
         self.inner_outputs.extend((weakref.ref(t), self.last_exit) for t in tensors)
 
     def enter_backward(self, key: Call) -> None:
+        self.recent_grads.clear()
         self._log(("bwd_pre", self.relative(key[0]), key[1]))
 
     def exit_backward(self, key: Call) -> None:
+        self.recent_grads.clear()
         self._log(("bwd_post", self.relative(key[0]), key[1]))
 
     def outside_modules(self) -> bool:
@@ -222,11 +224,15 @@ class ActionLog(StepRecorder):
 
     def param_grad(self, ref: StorageWeakRef) -> None:
         self.param_grads.add(ref)
+        self.grad_storages.pop(ref, None)  # as ``StepRecorder.param_grad``
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made
-            a = self.template.backward[i]
-            self.template.backward[i] = (*a[:-1], max(0, a[-1] - nbytes))
+            backward = self.template.backward
+            for k in range(i, len(backward)):  # as ``StepRecorder.param_grad``
+                a = backward[k]
+                if a[0] == "op" and a[-1]:
+                    backward[k] = (*a[:-1], max(0, a[-1] - nbytes))
 
     def save(self, ref: StorageWeakRef, nbytes: int) -> None:
         self.packed(ref)
@@ -550,7 +556,7 @@ class BlockReuse:
         with self.own_tensors():
             grads = [torch.empty_like(t) for t in tensors]
         log.backward = True
-        log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
+        log.grad_storages.update(_storage_bytes(grads))  # what flows in, as in the step
         self.slot.recorder = log
         torch.autograd.backward(tensors, grads)
         # the output's own hooks fire first, before any op of the call's backward: split them off, or refuse
@@ -584,7 +590,7 @@ class BlockReuse:
                 with self.own_tensors():
                     made = [m.make() if m.requires_grad else None for m in inputs.values()]
                 # the input grads a replayed call returns are gradients, as its own backward's outputs would be
-                main.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in made if g is not None)
+                main.grad_storages.update(_storage_bytes(g for g in made if g is not None))
                 return made
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]
@@ -701,3 +707,8 @@ class _Fresh:
 
     def __eq__(self, other: object) -> bool:
         return getattr(other, "cdata", None) == self.cdata
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[StorageWeakRef, int]:
+    """Gradients by storage, with their bytes (``StepRecorder.grad_storages``)."""
+    return {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}

@@ -39,7 +39,10 @@ class StepRecorder:
         self.loss = LossRegion(lambda: len(self.events))
         self.temporaries = Temporaries()
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
-        self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
+        # storages backward ops made (gradients), with their bytes: those still alive are alive at each later op
+        self.grad_storages: dict[StorageWeakRef, int] = {}
+        # those made since the last module backward boundary: one may be alive at a later op of the same node
+        self.recent_grads: set[StorageWeakRef] = set()
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
@@ -82,13 +85,18 @@ class StepRecorder:
 
     def param_grad(self, ref: StorageWeakRef) -> None:
         """A param's grad is this storage: not a gradient of an activation (the FSDP2 replay counts param grads),
-        so it leaves the ``grad_live`` of the op that made it."""
+        so it leaves the ``grad_live`` of the op that made it and of the ops since, which counted it alive (autograd
+        accumulates it into the param after the node that made it is done: a Linear's weight grad is alive while
+        its input grad's matmul runs)."""
         self.param_grads.add(ref)
+        self.grad_storages.pop(ref, None)  # alive all step, and no gradient of an activation
         made = self.grads_made.pop(ref, None)
         if made is not None:
             i, nbytes = made
-            e = self.events[i]
-            self.events[i] = e._replace(grad_live=max(0, e.grad_live - nbytes))
+            for k in range(i, len(self.events)):
+                e = self.events[k]
+                if e.grad_live:
+                    self.events[k] = e._replace(grad_live=max(0, e.grad_live - nbytes))
 
     def made(self, tensors: Iterable[Any]) -> None:
         """A forward op's or module call's outputs: in the frames of the calls running until they are saved or
@@ -167,6 +175,7 @@ class StepRecorder:
         return call
 
     def enter_backward(self, key: Call) -> None:
+        self.recent_grads.clear()
         # A module whose backward started earlier and that gets no post-backward marker (no grad inputs) is
         # finished once an unrelated module starts: close it so ops are attributed correctly.
         for k in list(self.bwd_active):
@@ -178,6 +187,7 @@ class StepRecorder:
         self.events.append(Event(EventKind.BWD_PRE, key[0], call=key[1], backward=True))
 
     def exit_backward(self, key: Call) -> None:
+        self.recent_grads.clear()
         self.bwd_pending_post.discard(key)
         if key in self.bwd_active:
             self.bwd_active.remove(key)
