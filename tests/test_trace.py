@@ -165,3 +165,34 @@ def test_a_real_model_reads_its_params_as_on_meta():
         events.append([(e.kind, e.module, e.params, e.flops) for e in traced(lm.model, lm.example_inputs,
                                                                              lm.loss_fn).events])
     assert events[0] == events[1]
+
+
+class _Gated(nn.Module):
+    """A product of two projections: its backward makes the grads of both factors, one after the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = (nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False),
+                                    nn.Linear(16, 8, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.a(x) * self.b(x))
+
+
+def test_gradient_flow_counts_the_gradients_still_alive_at_a_backward_op() -> None:
+    """The second grad of a product's backward is made while the first is alive, beside the grad it reads: three
+    (batch, 16) gradients at once (``Event.grad_live`` counts the gradients made since the last module backward
+    boundary that are still alive); and a weight's grad leaves the count once autograd accumulates it."""
+    with torch.device("meta"):  # a module after it: the product's backward runs in its own call's (the root's
+        # backward spans repeated blocks that templates trace apart, so there only what an op reads and makes counts)
+        model = nn.Sequential(_Gated(), nn.Linear(8, 8, bias=False))
+        x = torch.randn(32, 8)
+    tr = record(model, (x,), lambda out: out.sum())
+    grad, out_grad = 32 * 16 * 4, 32 * 8 * 4  # fp32 gradients of the product and of the output
+    ops = [e for e in tr.events if e.backward and e.kind is not EventKind.BWD_PRE]
+    out_done = next(k for k, e in enumerate(ops) if e.kind is EventKind.BWD_POST and e.module == "0.out")
+    # the output Linear: its input grad's matmul reads the output grad and makes the product's, and its weight's
+    # grad, made just before, is not counted (the replay counts param grads)
+    assert max(e.grad_live for e in ops[:out_done]) == out_grad + grad
+    product = max(e.grad_live for e in ops[out_done:] if e.kind is EventKind.OP and not e.module.startswith("0."))
+    assert product == 3 * grad

@@ -86,7 +86,8 @@ class SimContext:
         self.memory = MemoryModel(trace, self.shard, self.precision, self.options.optimizer,
                                   self.options.zero_grad, like.memory if like is not None else None,
                                   self.options.offload, self.options.shard_placement,
-                                  self.float8.gathered if self.float8 is not None else frozenset())
+                                  self.float8.gathered if self.float8 is not None else frozenset(),
+                                  self.float8.levels(len(trace.events) + 1) if self.float8 is not None else None)
         self.sizing = self.memory.sizing
         self._costs: dict[tuple[CollectiveKind, int], CollectiveCost] = {}
         self._recompute: dict[tuple[Checkpointed, ...], dict[int, Recompute]] = \

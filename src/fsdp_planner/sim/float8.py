@@ -11,6 +11,12 @@
   float8); backward casts the output grad for each of its two matmuls (one cast compiled: the same scale and data,
   tensorwise) and recasts the saved input (torchao saves the bf16 input and weight, not their float8 casts, so what
   a call saves for backward is unchanged), and the weight again unless it was gathered in float8.
+- Memory: while a cast runs it holds, eager, its fp32 scaled copy and that copy clamped beside the float8 result
+  (9 bytes an element), fused only the result; the Linear's autograd function holds each float8 copy until its
+  matmul ran (backward: both output-grad copies until the weight grad's matmul, beside the input recast). The most
+  held at once around each converted matmul is a level on the activations (``cast_peak``, ``sim/memory.py``):
+  under full checkpointing the step's peak is there, in a block's backward (-22.6% on toy-llama at batch 16
+  without it); without checkpointing it is the end of forward, where no cast runs.
 - Under tensor parallelism a cast's amax of a TP-sharded DTensor is a ``Partial(max)`` DTensor, made whole by an
   all-reduce of one fp64 scalar over the TP group (``amax_to_scale`` upcasts it first) on the compute stream before
   the cast (``TP_AMAX_BYTES``; measured on the fake process group, issued by DTensor's redistribution): a rowwise
@@ -41,6 +47,11 @@ from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within
 
 FP32_BYTES = 4
+# bytes an element a cast holds at its peak: eager, the fp32 upcast times the scale and its clamp beside the
+# float8 result (``_ToFloat8ConstrFunc``: ``tensor.to(float32) * scale`` held while ``to_fp8_saturated`` clamps and
+# converts; measured on fake ranks); fused by inductor, the float8 result alone
+EAGER_CAST_BYTES = 2 * FP32_BYTES + 1
+FUSED_CAST_BYTES = 1
 TP_AMAX_BYTES = 8  # the amax all-reduced as fp64 (torchao's amax_to_scale: ``amax.to(torch.float64)``)
 _COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)  # output grad sharded on its last dim
 _ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)  # input sharded on its last dim
@@ -58,7 +69,15 @@ class Float8Step:
     weights: tuple[int, ...]
     precompute_scale: bool
     tp_all_reduces: np.ndarray  # per matmul: the amax all-reduces over the TP group before it (module docstring)
+    cast_peaks: np.ndarray  # per matmul: the most bytes its casts hold at once beside the memory model's terms
     tp_degree: int = 1
+
+    def levels(self, n: int) -> np.ndarray:
+        """The casts' bytes as a level at each of ``n`` event positions (``sim/memory.py``'s activations'
+        indexing): at each converted matmul, nothing carried over to the next event."""
+        out = np.zeros(n)
+        np.maximum.at(out, self.matmuls, self.cast_peaks)
+        return out
 
 
 def cast_bytes(itemsize: int, compiled: bool) -> tuple[int, int]:
@@ -107,7 +126,7 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
     compiled = tuple(trace.compiled)
     gathered = f8.fsdp_float8_all_gather
     styles = TensorParallel.from_signature(trace.tensor_parallel).styles(trace.modules) if trace.tensor_parallel else {}
-    matmuls, nbytes, kernels, amaxes = [], [], [], []
+    matmuls, nbytes, kernels, amaxes, peaks = [], [], [], [], []
     for i, w in converted_matmuls(trace, weights):
         e = trace.events[i]
         out_features, in_features = trace.params[w].shape
@@ -115,10 +134,10 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
         fused = any(is_within(weights[w], m) for m in compiled)
         per, launches = cast_bytes(itemsize, fused)
         weight = 0 if gathered else in_features * out_features
+        grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2  # output grad casts in backward
         if not e.backward:
             elements, casts = rows * in_features + weight, 1 + (weight > 0)
         else:  # the backward's casts shared between its two matmuls (module docstring)
-            grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2
             elements = (grads * rows * out_features + rows * in_features + weight) / 2
             casts = (grads + 1 + (weight > 0)) / 2
         weight_grad = e.backward and w not in e.params  # (it reads no param: ``converted_matmuls``)
@@ -126,10 +145,34 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
         nbytes.append(elements * per)
         kernels.append(casts * launches)
         amaxes.append(_tp_amaxes(styles.get(weights[w]), e.backward, weight_grad, gathered))
+        peaks.append(cast_peak((rows, in_features, out_features), weight > 0, e.backward, weight_grad, grads,
+                               FUSED_CAST_BYTES if fused else EAGER_CAST_BYTES))
     return Float8Step(np.array(matmuls, dtype=np.intp), np.array(nbytes, dtype=np.float64),
                       np.array(kernels, dtype=np.float64),
                       frozenset(linears.values()) if gathered else frozenset(), tuple(sorted(linears.values())),
-                      f8.precompute_scale, np.array(amaxes, dtype=np.int64), trace.tp_degree)
+                      f8.precompute_scale, np.array(amaxes, dtype=np.int64), np.array(peaks, dtype=np.float64),
+                      trace.tp_degree)
+
+
+def cast_peak(dims: tuple[int, int, int], weight: bool, backward: bool, weight_grad: bool, grads: int,
+              per: int) -> int:
+    """The most bytes the casts around one matmul of a converted Linear hold at once, beside what the memory model
+    counts there (the saved activations, the gradients alive, the unsharded params): ``per`` bytes an element
+    while a cast runs (``EAGER_CAST_BYTES``), then one (its float8 copy) while the Linear's autograd function
+    holds it. ``dims``: its (rows, in, out); ``weight``: its weight is cast too (not all-gathered in float8).
+    Forward casts the input, then the weight beside the input's copy. Backward (torchao's order) casts the output
+    grad for the input grad's matmul, then the weight; then, with the input grad made, the output grad again for
+    the weight grad's matmul (``grads`` == 2) and the saved input beside every copy: the two before the input grad
+    are put at the weight grad's event, which the trace has first (``converted_matmuls``), the rest at the input
+    grad's, whose gradients the model counts there."""
+    rows, in_features, out_features = dims
+    w = in_features * out_features if weight else 0
+    if not backward:
+        return max(per * rows * in_features, rows * in_features + per * w)
+    if weight_grad:
+        return max(per * rows * out_features, rows * out_features + per * w)
+    again = rows * out_features + w + per * rows * out_features if grads == 2 else 0
+    return max(again, grads * rows * out_features + w + per * rows * in_features)
 
 
 def _tp_amaxes(style: TPStyle | None, backward: bool, weight_grad: bool, gathered: bool) -> int:

@@ -159,10 +159,11 @@ class MemoryModel:
     def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer,
                  zero_grad: ZeroGrad = ZeroGrad.NONE, like: MemoryModel | None = None,
                  offload: bool = False, placement: ShardPlacement = ShardPlacement.DIM0,
-                 float8_gathered: frozenset[int] = frozenset()) -> None:
+                 float8_gathered: frozenset[int] = frozenset(), float8_casts: np.ndarray | None = None) -> None:
         """``like``: the model of the same trace and precision at another world size, whose activation levels (they
         do not depend on the world size) are shared. ``offload``, ``placement``: FSDP2's memory options (module
-        docstring); ``float8_gathered``: the params all-gathered in float8 (``sim/float8.py``)."""
+        docstring); ``float8_gathered``: the params all-gathered in float8, ``float8_casts``: the bytes float8's
+        casts hold at each event (``sim/float8.py``), counted with the activations."""
         self.trace, self.precision, self.zero_grad, self.offload = trace, precision, zero_grad, offload
         self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None, placement,
                              float8_gathered=float8_gathered)
@@ -181,6 +182,7 @@ class MemoryModel:
         )
         self.grad_bytes = precision.grad_bytes
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
+        self._casts = float8_casts
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
         self._grad_starts: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}  # ``_grads_from``
         self._slack: np.ndarray | None = like._slack if like is not None else None  # ``loss_slack``
@@ -189,7 +191,8 @@ class MemoryModel:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
         key = tuple(checkpointed)
         if key not in self._activations:
-            self._activations[key] = activation_levels(self.trace, self.precision, key)
+            levels = activation_levels(self.trace, self.precision, key)
+            self._activations[key] = levels if self._casts is None else levels + self._casts
         return self._activations[key]
 
     def peak(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY, sync_every: bool = False) -> Peak:

@@ -272,16 +272,23 @@ def offload_bytes(trace: Trace, c: CheckpointedCall, scale: float, param_bytes: 
 def unpack_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
     """Under activation offloading, the device copies backward unpacks (``activation_deltas``' indexing): each
     backward node copies its saved tensors back and frees them when it is done, so an offloaded call's backward
-    holds about one op's worth at a time: the largest of its forward ops' bytes read and written (``Event.nbytes``:
-    the inputs it unpacks, and the size of its outputs' grads), from its pre-backward to its post-backward."""
+    holds about one op's worth at a time: at each of its backward ops, the most bytes one forward op of the same
+    module saved (``Event.saved``; the gradients around it are the gradient flow's, ``gradient_flow``). A norm's
+    backward unpacks a norm's input, not the largest of the block's (+6.4% on toy-llama's offloaded blocks with
+    the block's largest held through its whole backward)."""
     deltas = np.zeros(len(trace.events) + 1)
     for c in calls:
         if not c.offload:
             continue
-        ops = [e for e in trace.events[c.fwd_pre:c.fwd_post] if e.kind is EventKind.OP and not e.backward]
-        largest = max((e.nbytes * scale for e in ops), default=0.0)
-        deltas[c.bwd_pre] += largest
-        deltas[c.bwd_post] -= largest
+        largest: dict[str, float] = {}
+        for e in trace.events[c.fwd_pre:c.fwd_post]:
+            if e.kind is EventKind.OP and not e.backward:
+                largest[e.module] = max(largest.get(e.module, 0.0), e.saved * scale)
+        for i in range(c.bwd_pre, c.bwd_post):
+            e = trace.events[i]
+            if e.kind is EventKind.OP and e.backward and largest.get(e.module):
+                deltas[i] += largest[e.module]
+                deltas[i + 1] -= largest[e.module]
     return deltas
 
 
