@@ -199,8 +199,7 @@ and 5.2-5.4% low under titan: its scan reads the decay and drive tensors once pe
 their full-size gradients in its input buffers for the whole loop, which a backward op's `grad_live` (the
 gradients it read and made) never saw; it now counts the gradients alive that the running module call's backward
 made (`trace/ops.py`, `trace/step.Gradients`), a tied weight's contributions excepted (the replay counts that
-param's grad) and a bias's or embedding table's grad counted from its own call's backward
-(`TraceIndex.grad_made_from`). BART under `--ac full`/`op` was 6.5% high: it computes its loss inside the
+param's grad). BART under `--ac full`/`op` was 6.5% high: it computes its loss inside the
 model's forward (labels given), so the root call's own ops saved the fp32 log-softmax, held until the root call's
 backward was done; autograd runs those nodes first and frees it before any child's backward (each saved
 storage is now freed at the backward op whose node releases it, `Event.freed`, `recompute.early_frees`; see the

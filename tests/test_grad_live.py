@@ -1,6 +1,6 @@
 """The gradients alive in backward (``Event.grad_live``, ``trace/step.Gradients``): a tied weight's contributions
-are the param's grad, which the FSDP2 replay counts, and a param backward never reads gets its grad in the backward
-of the call that read it (``TraceIndex.grad_made_from``)."""
+are the param's grad, which the FSDP2 replay counts; a loss computed inside the model frees what it saved before
+the blocks' backward."""
 
 from __future__ import annotations
 
@@ -32,17 +32,6 @@ def test_a_tied_weight_s_first_contribution_is_no_gradient_of_an_activation() ->
     live = [tr.events[i].grad_live for i in between if tr.events[i].is_op and tr.events[i].backward]
     assert live and max(live) < weight // 8
     assert tr.index.first_backward_use[tr.index.param_index["embed.weight"]] < between.start  # the head reads it
-
-
-def test_a_param_backward_never_reads_has_its_grad_from_its_call_s_backward() -> None:
-    """A position table is not read in backward (embedding's backward scatters the gradient): its grad is made in
-    the backward of the call that read it, not at its group's first backward op."""
-    tr = _trace()
-    p = tr.index.param_index["positions.weight"]
-    assert tr.index.first_backward_use[p] == len(tr.events) + 1
-    assert tr.index.grad_made_from[p] == _at(tr, EventKind.BWD_PRE, "positions")
-    bias = tr.index.param_index["mix.bias"]
-    assert tr.index.grad_made_from[bias] == _at(tr, EventKind.BWD_PRE, "mix")
 
 
 def test_a_loss_inside_the_model_frees_what_it_saved_before_the_blocks_backward() -> None:

@@ -142,19 +142,6 @@ class TraceIndex:
         never = len(self._events) + 1
         return [next((i for i in uses if self._events[i].backward), never) for uses in self.param_uses]
 
-    @cached_property
-    def grad_made_from(self) -> list[int]:
-        """Per param: the first event its grad may exist at: its first backward op when backward reads it, else
-        the first pre-backward of a module call whose forward read it (a bias's or an embedding table's grad is
-        made in that call's backward, long after its group's first backward op when the group spans an encoder),
-        else ``len(events) + 1``."""
-        never, pre = len(self._events) + 1, {}
-        for i, e in enumerate(self._events):
-            if e.kind is EventKind.BWD_PRE:
-                pre.setdefault((e.module, e.call), i)
-        return [first if first != never else min((pre.get(u, never) for u in users), default=never)
-                for first, users in zip(self.first_backward_use, self.forward_users, strict=True)]
-
     @property
     def forward_users(self) -> list[set[Call]]:
         """Per param, the module calls (innermost) whose forward ops read it: autograd completes its grad once
