@@ -226,8 +226,17 @@ def _start_slow_verify(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, P
     env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker}
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'slow.py'}:slow",
                              "--policy", "order", "--nproc", "2", "--steps", "1", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal)
     return proc, tmpdir, marker
+
+
+def _as_from_a_terminal() -> None:
+    """The command's signals as a terminal leaves them: a disposition of SIG_IGN and a blocked mask are inherited
+    across exec, and a test worker's may be either (the full suite's SIGINT case hung twice under pytest-xdist:
+    Python installs its KeyboardInterrupt handler only where SIGINT is not ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 def _wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int = 2, limit: float = 240) -> None:
