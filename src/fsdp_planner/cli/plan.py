@@ -138,14 +138,20 @@ def _what_ifs(outcome: PlanOutcome) -> None:
     job, plan = outcome.job, outcome.plan
     if plan is None or job.cluster is None or job.budget is None or outcome.search is None:
         return
-    base = outcome.search.report
-    found = [float8_answer(outcome.trace, plan, job.cluster, job.options, base, job.budget)]
+    base, model, trace = outcome.search.report, job.model, outcome.trace
+    batch = model.workload().get("batch_size")
+    if job.auto is not None and job.auto.tp is None and plan.tp_degree > 1 and batch:
+        # auto's own TP layout was judged at TP times the batch per data-parallel rank (the step's sequences
+        # kept): its alternatives are too, or they answer for a fraction of the job
+        model = dataclasses.replace(model, batch_size=batch * plan.tp_degree)
+        trace = tracer(job.measure, job.full_trace)(model, job.options)
+    found = [float8_answer(trace, plan, job.cluster, job.options, base, job.budget)]
     other = None
     # compiling the blocks to see what compile changes takes AOTAutograd seconds to a minute (a transformers model):
     # asked for with --explain; a --compile job's eager step is a plain trace
-    if job.model.compile or job.explain:
+    if model.compile or job.explain:
         with contextlib.suppress(PlannerError):  # a model without repeated blocks does not compile: no line
-            other = tracer(job.measure, job.full_trace)(dataclasses.replace(job.model, compile=not job.model.compile),
+            other = tracer(job.measure, job.full_trace)(dataclasses.replace(model, compile=not model.compile),
                                                         job.options)
     if other is not None:
         found.append(compile_answer(other, plan, job.cluster, job.options, base, job.budget))
