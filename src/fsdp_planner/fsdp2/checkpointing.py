@@ -76,8 +76,8 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
     """The modules ``mode`` checkpoints: none, every block (full or op-level), or every second block."""
     if mode is ACMode.NONE:
         return []
-    cls = trace.index.container_block_class
-    blocks = [f for f, m in trace.modules.items() if cls and m.cls == cls]
+    classes = trace.index.checkpoint_block_classes  # an encoder-decoder's encoder layers too
+    blocks = [f for f, m in trace.modules.items() if m.cls in classes]
     if not blocks:
         key = {ACMode.OP: "selective_checkpointing", ACMode.OFFLOAD: "activation_offloading"}.get(
             mode, "activation_checkpointing")

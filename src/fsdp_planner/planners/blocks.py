@@ -16,9 +16,10 @@ def default_block_class(trace: Trace, in_container_only: bool = False) -> str | 
 
 
 def block_instances(trace: Trace) -> list[str]:
-    """Instances of the repeated block class that sits in a container (empty when there is none)."""
-    cls = trace.index.container_block_class
-    return [f for f, m in trace.modules.items() if cls and m.cls == cls]
+    """Instances of the repeated block classes that sit in containers (``TraceIndex.checkpoint_block_classes``:
+    an encoder-decoder's two layer kinds), in the model's order; empty when there is none."""
+    classes = trace.index.checkpoint_block_classes
+    return [f for f, m in trace.modules.items() if m.cls in classes]
 
 
 def find_class_instances(trace: Trace, classes: Iterable[str]) -> list[str]:

@@ -18,6 +18,8 @@ from fsdp_planner.trace.tree import ROOT, is_within, proper_ancestors
 Call = tuple[str, int]  # (module, call number)
 CONTAINERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})
 NO_FORWARD = frozenset({"ModuleList", "ModuleDict"})  # containers nn.Module gives no forward
+PEER_SHARE = 0.25  # a peer block class holds at least this share of the block class's params (Whisper's encoder
+# layers: 0.75 of its decoder layers'; a stage's downsampling convs, far less, stay out)
 
 
 class _Scan:
@@ -279,6 +281,37 @@ class TraceIndex:
         while cls is not None and (inner := self._stacked_class(cls)) is not None:
             cls = inner
         return cls
+
+    @cached_property
+    def checkpoint_block_classes(self) -> tuple[str, ...]:
+        """The classes whose instances are checkpointed as blocks: ``container_block_class`` and its peers, other
+        composite classes repeated in containers that hold at least ``PEER_SHARE`` of its params and neither sit
+        inside its instances nor hold them (Whisper's and BART's encoder layers beside their decoder layers, a
+        hybrid's two layer kinds): checkpointing the block class alone left an encoder's activations, the larger
+        part of a speech model's, saved in full."""
+        main = self.container_block_class
+        if main is None:
+            return ()
+        numel, chosen = self.subtree_numel, [main]
+        kids = {c for m, info in self._modules.items() if m != ROOT and info.cls in CONTAINERS for c in info.children}
+        total: dict[str, int] = {}
+        count: dict[str, int] = {}
+        for m in kids:
+            info = self._modules[m]
+            if numel[m] > 0 and info.children:
+                total[info.cls] = total.get(info.cls, 0) + numel[m]
+                count[info.cls] = count.get(info.cls, 0) + 1
+        for cls in sorted((c for c in total if c != main and count[c] >= 2), key=lambda c: (-total[c], c)):
+            if total[cls] >= PEER_SHARE * total[main] and not self._nested(cls, chosen):
+                chosen.append(cls)
+        return tuple(chosen)
+
+    def _nested(self, cls: str, classes: list[str]) -> bool:
+        """Whether an instance of ``cls`` sits inside, or holds, an instance of one of ``classes``."""
+        mine = [m for m, info in self._modules.items() if info.cls == cls]
+        theirs = [m for m, info in self._modules.items() if info.cls in classes]
+        return any(a == ROOT or b == ROOT or b.startswith(a + ".") or a.startswith(b + ".")
+                   for a in mine for b in theirs)
 
     def _stacked_class(self, cls: str) -> str | None:
         """The block class that every instance of ``cls`` stacks in a container child of its own (Swin's
