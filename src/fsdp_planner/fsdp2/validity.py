@@ -83,13 +83,19 @@ def runnable(trace: Trace, plan: Plan) -> Plan:
     return plan
 
 
-def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> None:
-    """Refuse, with the first op that would fail and why, a plan that reads a sharded param."""
+def first_sharded_read(trace: Trace, plan: Plan, world_size: int | None = None) -> ShardedRead | None:
+    """The first op that would read a param of ``plan`` while its group is sharded; None when the plan runs."""
     index = trace.index.param_index
     group_params = [[index[p] for p in g.params] for g in plan.groups]
     bad = sharded_reads(trace, plan, build_schedule(trace, plan, world_size, group_params), group_params)
-    if bad:
-        raise PlannerError(f"this plan cannot run: {bad[0].describe(plan)}")
+    return bad[0] if bad else None
+
+
+def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> None:
+    """Refuse, with the first op that would fail and why, a plan that reads a sharded param."""
+    bad = first_sharded_read(trace, plan, world_size)
+    if bad is not None:
+        raise PlannerError(f"this plan cannot run: {bad.describe(plan)}")
 
 
 def check_forward_methods(plan: Plan, model: nn.Module) -> None:

@@ -13,8 +13,8 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.plan import Plan, ReshardAfterForward
-from fsdp_planner.fsdp2.validity import runnable
 from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.planners.repair import joined_until_runnable
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
 
@@ -113,8 +113,9 @@ class ExecutionOrderPolicy:
             raise PlannerError(f"the order policy's target group size must be at least 1 byte, got {self.target_bytes}")
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
-        """``build``'s plan when it runs; a PlannerError naming the op that would read a sharded param otherwise."""
-        return runnable(trace, self.build(trace, model))
+        """``build``'s plan, a group FSDP2 could not run joined to the next (``joined_until_runnable``); a
+        PlannerError naming the op that would read a sharded param when no join makes it run."""
+        return joined_until_runnable(trace, self.build(trace, model))
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""

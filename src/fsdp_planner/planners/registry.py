@@ -14,6 +14,7 @@ from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import AutoPolicy, Target
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.planners.order import ExecutionOrderPolicy
+from fsdp_planner.planners.repair import joined_until_runnable
 from fsdp_planner.planners.tensor_parallel import TPChoice
 from fsdp_planner.sim.budget import Headroom
 from fsdp_planner.sim.options import SimOptions
@@ -91,7 +92,8 @@ class Checkpointed:
         return self.policy.name
 
     def plan(self, trace: Trace, model: str = "") -> Plan:
-        return runnable(trace, self.build(trace, model))  # checked with the recomputation, which reads params again
+        # checked with the recomputation, which reads params again; a group it cannot run joins the next
+        return joined_until_runnable(trace, self.build(trace, model))
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         plan = self.policy.build(trace, model)
