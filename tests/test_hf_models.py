@@ -230,6 +230,11 @@ def test_an_encoder_decoder_checkpointed_in_both_halves_verifies(tmp_path, capsy
     assert main(["verify", spec.name, "--batch", "2", "--seq", "10", "--policy", "titan", "--ac", "full",
                  "--fake-world-size", "8"]) == 0
     assert "PASS" in capsys.readouterr().out
+    out = tmp_path / "compiled.json"  # --compile compiles both kinds, as it checkpoints them
+    assert main(["plan", spec.name, "--batch", "2", "--seq", "10", "--policy", "titan", "--compile", "--out",
+                 str(out)]) == 0
+    assert json.loads(out.read_text())["compiled"] == ["model.encoder.layers.0", "model.encoder.layers.1",
+                                                        "model.decoder.layers.0", "model.decoder.layers.1"]
 
 
 def test_a_two_tower_model_trains_both_towers_on_its_contrastive_loss(tmp_path):
