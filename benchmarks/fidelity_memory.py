@@ -55,8 +55,8 @@ PATTERN_MODELS = str(Path(__file__).with_name("fidelity_models.py"))
 PATTERN_CASES = {f"{PATTERN_MODELS}:{fn}": [8, 64] for fn in ("mla", "mha_encoder", "where_moe")}
 
 
-def pattern_rows(options: SimOptions) -> list[dict]:
-    rows = [r for model, worlds in PATTERN_CASES.items() for r in rows_for(model, worlds, options)]
+def pattern_rows(options: SimOptions, row=None) -> list[dict]:
+    rows = [r for model, worlds in PATTERN_CASES.items() for r in rows_for(model, worlds, options, row=row)]
     for r in rows:  # the table names the model, not the file it is in
         r["model"] = r["model"].rsplit(":", 1)[-1]
     return rows
@@ -82,14 +82,14 @@ ISSUE26_CASES = [  # (factory, worlds, checkpointing of the titan plan or None: 
 ]
 
 
-def issue26_rows(options: SimOptions) -> list[dict]:
+def issue26_rows(options: SimOptions, row=None) -> list[dict]:
     """The rows of ``ISSUE26_CASES``."""
     from fsdp_planner.sim.options import PRECISIONS
 
     rows = []
     for name, worlds, ac, precision in ISSUE26_CASES:
         opts = SimOptions(precision=PRECISIONS[precision]) if precision else options
-        for r in rows_for(ISSUE26 + name, worlds, opts, ac=ac):
+        for r in rows_for(ISSUE26 + name, worlds, opts, ac=ac, row=row):
             rows.append({**r, "model": name + (f" ({precision})" if precision else "")})
     return rows
 # --- end of issue 26's section ----------------------------------------------------------------------------------
@@ -123,16 +123,21 @@ def heldout_plans(tr, model: str, world: int, names: tuple[str, ...], options: S
     return plans
 
 
-def independent_peak(model: str, plan, world: int, options: SimOptions) -> int | str:
-    """benchmarks/independent_memory.py's peak for ``plan`` (where it failed, its error's last line)."""
+def independent_peak(model: str, plan, world: int, options: SimOptions, fake: bool = False) -> int | str:
+    """benchmarks/independent_memory.py's peak for ``plan`` (where it failed, its error's last line); ``fake``: under
+    FakeTensorMode."""
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         plan_file = Path(tmp) / "plan.json"
         plan_file.write_text(plan.to_json())
-        done = subprocess.run([sys.executable, str(INDEPENDENT), model, str(plan_file), str(world),
-                               "--precision", options.precision.name], capture_output=True, text=True)
+        try:
+            done = subprocess.run([sys.executable, str(INDEPENDENT), model, str(plan_file), str(world),
+                                   "--precision", options.precision.name, *["--fake"] * fake],
+                                  capture_output=True, text=True, timeout=INDEPENDENT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {INDEPENDENT_TIMEOUT} s"
     if done.returncode != 0:
         print(done.stderr[-2000:], file=sys.stderr)
         return done.stderr.strip().splitlines()[-1][-160:].replace("|", "/")  # its error, for the table
@@ -238,7 +243,10 @@ def checkpointed(r: dict) -> str:
 
 
 def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool = False,
-             ac: ACMode | None = None, mesh: Mesh | None = None) -> list[dict]:
+             ac: ACMode | None = None, mesh: Mesh | None = None, row=None) -> list[dict]:
+    """The rows of ``model``'s plans; ``row``: what makes a row of a plan (``measured_row``, or the independent
+    pass's ``IndependentPass``, same arguments)."""
+    row = row or measured_row
     lm = load_model(model)
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
     rows = []
@@ -255,8 +263,7 @@ def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool
             plans = {"auto": result.written_plan,
                      **({} if only_auto else {n: c.plan for n, c in result.baselines.items()})}
         for name, plan in plans.items():
-            rows.append(measured_row(tr, model, plan, name, world, options,
-                                     shown=None if mesh is None else mesh.describe()))
+            rows.append(row(tr, model, plan, name, world, options, shown=None if mesh is None else mesh.describe()))
     return rows
 
 
@@ -291,14 +298,76 @@ def main() -> None:
         write_table(pattern_rows(options), time.perf_counter() - started, "fidelity_memory_patterns",
                     "python benchmarks/fidelity_memory.py --patterns", PATTERN_NOTES)
         return
-    rows = [r for model, worlds in CASES.items() for r in rows_for(model, worlds, options)]
-    rows += rows_for(TIMED[0], [TIMED[1]], options, only_auto=True)
-    rows += [r for model, world, ac in AC_CASES for r in rows_for(model, [world], options, ac=ac)]
-    rows += rows_for(AUTO_AC[0], [AUTO_AC[1]], options, only_auto=True)
-    rows += [r for model, mesh in HSDP_CASES for r in rows_for(model, [mesh.size], options, mesh=mesh)]
-    rows += pattern_rows(options)
-    rows += issue26_rows(options)
+    if "--independent" in sys.argv[1:]:
+        independent_pass(options)
+        return
+    rows = main_rows(options)
     write_table(rows, time.perf_counter() - started, "fidelity_memory", "python benchmarks/fidelity_memory.py")
+
+
+def main_rows(options: SimOptions, row=None) -> list[dict]:
+    """The main table's rows, in its order (``row``: as ``rows_for``)."""
+    rows = [r for model, worlds in CASES.items() for r in rows_for(model, worlds, options, row=row)]
+    rows += rows_for(TIMED[0], [TIMED[1]], options, only_auto=True, row=row)
+    rows += [r for model, world, ac in AC_CASES for r in rows_for(model, [world], options, ac=ac, row=row)]
+    rows += rows_for(AUTO_AC[0], [AUTO_AC[1]], options, only_auto=True, row=row)
+    rows += [r for model, mesh in HSDP_CASES for r in rows_for(model, [mesh.size], options, mesh=mesh, row=row)]
+    rows += pattern_rows(options, row=row)
+    rows += issue26_rows(options, row=row)
+    return rows
+
+
+# --- The independent check on the main table (issue 39) ----------------------------------------------------------
+# ``python benchmarks/fidelity_memory.py --independent`` re-derives each row's plan as the main run does (the
+# planners are deterministic; each row's groups and checkpointed counts are checked against the JSON's), runs only
+# benchmarks/independent_memory.py on it, and writes its peak beside the row's measured one in
+# fidelity_memory.json/.md (the measured values are the main run's). Rows whose measured peak is over FAKE_ABOVE
+# bytes run it under FakeTensorMode (``--fake``): real tensors of llama3-70b do not fit this host. Each row's result
+# is saved as it comes (a rerun skips the rows that have one; ``--redo`` runs them all again).
+FAKE_ABOVE = 1 << 30
+INDEPENDENT_TIMEOUT = 900  # s per row
+
+
+class IndependentPass:
+    """``rows_for``'s ``row``: the main table's next row, its plan checked against it, with the independent peak."""
+
+    def __init__(self, rows: list[dict], save, redo: bool) -> None:
+        self.rows, self.save, self.redo, self.next = rows, save, redo, 0
+
+    def __call__(self, tr, model: str, plan, name: str, world: int, options: SimOptions,
+                 shown: str | None = None) -> dict:
+        row = self.rows[self.next]
+        self.next += 1
+        key = (str(shown or world), name, len(plan.inner_groups), len(plan.activation_checkpointing),
+               len(plan.selective_checkpointing))
+        was = (str(row["world"]), row["plan"], row["groups"], row["checkpointed"], row.get("op_checkpointed", 0))
+        if key != was or not model.endswith(row["model"].split(" (")[0]):
+            raise SystemExit(f"row {self.next}: the plan re-derived ({model}, {key}) is not the table's {was}")
+        if "independent" in row and not self.redo and isinstance(row["independent"], int):
+            return row
+        fake = row["measured"]["peak_memory"] > FAKE_ABOVE
+        started = time.perf_counter()
+        row["independent"] = independent_peak(model, plan, world, options, fake=fake)
+        row["independent_fake"], row["independent_seconds"] = fake, time.perf_counter() - started
+        if isinstance(row["independent"], int):
+            row["independent_error"] = row["independent"] / row["measured"]["peak_memory"] - 1
+        shown_err = f"{row['independent_error']:+.2%}" if isinstance(row["independent"], int) else row["independent"]
+        print(f"  {self.next}: {row['model']} {row['world']} {name}: independent{' (fake)' * fake} {shown_err} "
+              f"({row['independent_seconds']:.0f} s)", file=sys.stderr)
+        self.save()
+        return row
+
+
+def independent_pass(options: SimOptions) -> None:
+    """The independent columns of the main table (section comment above)."""
+    out = Path(__file__).with_name("fidelity_memory.json")
+    data = json.loads(out.read_text())
+
+    def save() -> None:
+        out.write_text(json.dumps(data, indent=1) + "\n")
+
+    main_rows(options, row=IndependentPass(data["rows"], save, "--redo" in sys.argv[1:]))
+    write_table(data["rows"], data["seconds"], "fidelity_memory", "python benchmarks/fidelity_memory.py")
 
 
 def write_table(rows: list[dict], elapsed: float, name: str, command: str, notes: str = "") -> None:
