@@ -123,9 +123,10 @@ def heldout_plans(tr, model: str, world: int, names: tuple[str, ...], options: S
     return plans
 
 
-def independent_peak(model: str, plan, world: int, options: SimOptions, fake: bool = False) -> int | str:
+def independent_peak(model: str, plan, world: int, options: SimOptions, fake: bool = False,
+                     gpu_attention: bool = False) -> int | str:
     """benchmarks/independent_memory.py's peak for ``plan`` (where it failed, its error's last line); ``fake``: under
-    FakeTensorMode."""
+    FakeTensorMode; ``gpu_attention``: SDPA by the GPU's kernel choice (fake only)."""
     import subprocess
     import tempfile
 
@@ -134,7 +135,8 @@ def independent_peak(model: str, plan, world: int, options: SimOptions, fake: bo
         plan_file.write_text(plan.to_json())
         try:
             done = subprocess.run([sys.executable, str(INDEPENDENT), model, str(plan_file), str(world),
-                                   "--precision", options.precision.name, *["--fake"] * fake],
+                                   "--precision", options.precision.name, *["--fake"] * fake,
+                                   *["--gpu-attention"] * gpu_attention],
                                   capture_output=True, text=True, timeout=INDEPENDENT_TIMEOUT)
         except subprocess.TimeoutExpired:
             return f"timed out after {INDEPENDENT_TIMEOUT} s"
@@ -233,6 +235,7 @@ log-sum-exp padded to 32 queries. BART titan (-0.26%): 196,608 of the 196,800 by
 (2, 1, 128, 128) bf16 biases; Swin (-0.13 to -0.23%): 36,944 bytes at the peak, not itemized (the padding of
 its two masked blocks' log-sum-exp from 16 windowed queries to 32 is 36,864 bytes by shape, a likely part). The
 memory-efficient kernel has no CPU implementation, so the independent run cannot take it."""
+INDEPENDENT_NOTES = """TODO"""
 # --- end of issue 39's section ----------------------------------------------------------------------------------
 
 
@@ -323,7 +326,8 @@ def main_rows(options: SimOptions, row=None) -> list[dict]:
 # benchmarks/independent_memory.py on it, and writes its peak beside the row's measured one in
 # fidelity_memory.json/.md (the measured values are the main run's). Rows whose measured peak is over FAKE_ABOVE
 # bytes run it under FakeTensorMode (``--fake``): real tensors of llama3-70b do not fit this host. Each row's result
-# is saved as it comes (a rerun skips the rows that have one; ``--redo`` runs them all again).
+# is saved as it comes (a rerun skips the rows that have one; ``--redo`` runs them all again; ``--table`` only
+# writes the .md again from the .json).
 FAKE_ABOVE = 1 << 30
 INDEPENDENT_TIMEOUT = 900  # s per row
 
@@ -343,19 +347,31 @@ class IndependentPass:
         was = (str(row["world"]), row["plan"], row["groups"], row["checkpointed"], row.get("op_checkpointed", 0))
         if key != was or not model.endswith(row["model"].split(" (")[0]):
             raise SystemExit(f"row {self.next}: the plan re-derived ({model}, {key}) is not the table's {was}")
-        if "independent" in row and not self.redo and isinstance(row["independent"], int):
-            return row
-        fake = row["measured"]["peak_memory"] > FAKE_ABOVE
+        done = "independent" in row and not self.redo and isinstance(row["independent"], int)
+        if not done:
+            fake = row["measured"]["peak_memory"] > FAKE_ABOVE
+            self._run(row, model, plan, world, options, fake=fake, gpu=False)
+        if not agrees(row) and "independent_cpu" not in row and not row.get("independent_gpu_attention"):
+            # the CPU's SDPA kernel is not a GPU's (MLA's value heads, masks): again with the GPU's kernels (fake)
+            row["independent_cpu"] = row["independent"]
+            self._run(row, model, plan, world, options, fake=True, gpu=True)
+        return row
+
+    def _run(self, row: dict, model: str, plan, world: int, options: SimOptions, fake: bool, gpu: bool) -> None:
         started = time.perf_counter()
-        row["independent"] = independent_peak(model, plan, world, options, fake=fake)
-        row["independent_fake"], row["independent_seconds"] = fake, time.perf_counter() - started
+        row["independent"] = independent_peak(model, plan, world, options, fake=fake, gpu_attention=gpu)
+        row["independent_fake"], row["independent_gpu_attention"] = fake, gpu
+        row["independent_seconds"] = row.get("independent_seconds", 0) * gpu + time.perf_counter() - started
         if isinstance(row["independent"], int):
             row["independent_error"] = row["independent"] / row["measured"]["peak_memory"] - 1
         shown_err = f"{row['independent_error']:+.2%}" if isinstance(row["independent"], int) else row["independent"]
-        print(f"  {self.next}: {row['model']} {row['world']} {name}: independent{' (fake)' * fake} {shown_err} "
-              f"({row['independent_seconds']:.0f} s)", file=sys.stderr)
+        print(f"  {self.next}: {row['model']} {row['world']} {row['plan']}: independent{' (fake)' * fake}"
+              f"{' (GPU attention)' * gpu} {shown_err} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
         self.save()
-        return row
+
+
+def agrees(row: dict) -> bool:
+    return isinstance(row.get("independent"), int) and abs(row["independent_error"]) <= INDEPENDENT_TOLERANCE
 
 
 def independent_pass(options: SimOptions) -> None:
@@ -366,8 +382,12 @@ def independent_pass(options: SimOptions) -> None:
     def save() -> None:
         out.write_text(json.dumps(data, indent=1) + "\n")
 
-    main_rows(options, row=IndependentPass(data["rows"], save, "--redo" in sys.argv[1:]))
-    write_table(data["rows"], data["seconds"], "fidelity_memory", "python benchmarks/fidelity_memory.py")
+    if "--table" not in sys.argv[1:]:
+        main_rows(options, row=IndependentPass(data["rows"], save, "--redo" in sys.argv[1:]))
+    spent = sum(r.get("independent_seconds", 0) for r in data["rows"]) / 60
+    write_table(data["rows"], data["seconds"], "fidelity_memory",
+                f"python benchmarks/fidelity_memory.py` (the independent columns: `python benchmarks/"
+                f"fidelity_memory.py --independent`, {spent:.0f} min of independent runs)", INDEPENDENT_NOTES)
 
 
 def write_table(rows: list[dict], elapsed: float, name: str, command: str, notes: str = "") -> None:
@@ -415,7 +435,9 @@ def independent_cells(r: dict) -> str:
         return "failed: " + re.sub(r"^\[rank\d+\]: | at 0x[0-9a-f]+", "", str(r.get("independent"))) + " | -"
     err = r["independent_error"]
     bold = "**" if abs(err) > INDEPENDENT_TOLERANCE else ""
-    return f"{fmt_bytes(r['independent'])} | {bold}{err:+.2%}{bold}"
+    cpu = r.get("independent_cpu")  # the first run's, with the CPU's SDPA kernel, where it disagreed
+    shown = f" (GPU's SDPA kernels; the CPU's: {cpu / r['measured']['peak_memory'] - 1:+.1%})" if cpu else ""
+    return f"{fmt_bytes(r['independent'])} | {bold}{err:+.2%}{bold}{shown}"
 
 
 NOTES = """What the model counts (``sim/memory.py``, ``sim/recompute.py``): the static state; the groups' unsharded

@@ -43,6 +43,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -142,6 +143,53 @@ def checkpoint_forward(module: nn.Module, selective: bool) -> None:
     module.forward = run
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` by the kernel SDPA's CUDA dispatcher picks, for ``--gpu-attention``
+    (fake tensors only: the GPU kernels' fake implementations give their outputs' and saved tensors' shapes). The
+    CPU has no memory-efficient kernel and its flash kernel takes no value head size other than the query's: a
+    model the GPU runs fused (MLA's narrower values, a mask) runs the math path there, saving its score matrices.
+    The constraints are SDPA's documented ones: every kernel wants a last dim of stride 1; flash wants fp16/bf16,
+    no mask, one head size of at most 256, and the same heads for keys (or ``enable_gqa``); the memory-efficient
+    kernel takes a mask (an additive bias in the query's dtype) and a value head size of its own, but not
+    ``enable_gqa``; anything else runs the math path, as on the CPU."""
+    if any(t.stride(-1) != 1 for t in (q, k, v)) or (k.size(-3) != q.size(-3) and not enable_gqa):
+        return math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is None and q.dtype in FLASH_DTYPES and q.size(-1) == v.size(-1) <= 256:
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    if enable_gqa and k.size(-3) != q.size(-3):
+        return math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    bias = attn_mask
+    if bias is not None:
+        if bias.dtype == torch.bool:  # True takes part: 0 there, -inf elsewhere
+            bias = torch.zeros(bias.shape, dtype=q.dtype).masked_fill(bias.logical_not(), float("-inf"))
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(*q.shape[:-1], k.size(-2))
+    return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
+
+
+CPU_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's math path (the CPU would take its flash kernel for some of these: a mask, grouped-query keys)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return CPU_SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+@contextlib.contextmanager
+def gpu_attention(on: bool):
+    """``gpu_sdpa`` bound as ``F.scaled_dot_product_attention`` (a binding, not a torch function mode, which a
+    checkpointed block's recomputation in backward would run outside of)."""
+    if on:
+        torch.nn.functional.scaled_dot_product_attention = gpu_sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = CPU_SDPA
+
+
 def device_mesh(plan: dict, world: int):
     """The plan's data-parallel mesh: 1-D, or (replicate, shard) for HSDP (``fully_shard`` shards over the last
     dim and all-reduces over the first)."""
@@ -204,7 +252,7 @@ def measure(args, plan: dict) -> dict:
     ``--fake`` (the mesh made before it: its rank tensors must be real)."""
     mesh = device_mesh(plan, args.world)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if args.fake else contextlib.nullcontext()
-    with mode:
+    with mode, gpu_attention(args.gpu_attention):
         torch.manual_seed(0)
         built = factory(args.model)()
         model, inputs, loss_fn = built if len(built) == 3 else (*built, default_loss)
@@ -219,7 +267,7 @@ def measure(args, plan: dict) -> dict:
         with tracker:
             step(model, inputs, loss_fn, optimizer)
     snap = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return {"peak": snap["Total"], "fake": bool(args.fake),
+    return {"peak": snap["Total"], "fake": bool(args.fake), "gpu_attention": bool(args.gpu_attention),
             "by_kind": {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}}
 
 
@@ -239,7 +287,11 @@ def main() -> None:
     parser.add_argument("world", type=int)
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--fake", action="store_true", help="run under FakeTensorMode (no real memory)")
+    parser.add_argument("--gpu-attention", action="store_true",
+                        help="with --fake: SDPA takes the kernel a GPU picks (gpu_sdpa), not the CPU's")
     args = parser.parse_args()
+    if args.gpu_attention and not args.fake:
+        parser.error("--gpu-attention needs --fake: the CPU has no implementation of the GPU's kernels")
     plan = json.loads(Path(args.plan).read_text())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     try:

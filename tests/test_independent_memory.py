@@ -41,7 +41,8 @@ def test_fake_mode_measures_what_real_tensors_do_on_hsdp_with_checkpointing_and_
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         for fake in (False, True):
-            args = argparse.Namespace(model="toy-llama", world=WORLD, precision="bf16-mixed", fake=fake)
+            args = argparse.Namespace(model="toy-llama", world=WORLD, precision="bf16-mixed", fake=fake,
+                                      gpu_attention=False)
             peaks[fake] = module.measure(args, plan)
     finally:
         dist.destroy_process_group()
