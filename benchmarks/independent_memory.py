@@ -134,13 +134,28 @@ def sac_context():
 
 
 def checkpoint_forward(module: nn.Module, selective: bool) -> None:
+    """The module's forward under non-reentrant ``checkpoint``; a Hugging Face layer by transformers' own gradient
+    checkpointing (``GradientCheckpointingLayer``), which drops the KV cache the layer would write (the
+    recomputation would write it again), as ``gradient_checkpointing_enable()`` does for a user."""
+    extra = {"context_fn": sac_context} if selective else {}
+    if hf_checkpointing_layer(module):
+        module.gradient_checkpointing = True
+        module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False, **extra)
+        return
     forward = module.forward
 
     def run(*args, **kwargs):
-        extra = {"context_fn": sac_context} if selective else {}
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = run
+
+
+def hf_checkpointing_layer(module: nn.Module) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(module, GradientCheckpointingLayer)
 
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
