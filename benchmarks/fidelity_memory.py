@@ -271,7 +271,8 @@ Left, all within 0.5%, not itemized: `whisper_small` +0.08 to +0.42% (the harnes
 module and order, 128 KiB more under titan, less the 96-192 B of SDPA above; the same with the GPU's kernels, so not
 attention's kernel; 32 KiB is one (2, 32, 256) bf16 decoder activation, 128 KiB a (2, 64, 256) fp32 encoder-sized
 one, by size only; a plain live-storage counter run beside the tracker in the harness's process gives the tracker's
-figure, 42,336,028 B on module W 8: the harness's run allocates it, the two counts agree), and t5-3b +1 MiB
+figure, 42,336,028 B on module W 8: the harness's run allocates it; storage by storage at the two peaks, the
+harness's holds one 32 KiB storage more, not yet identified), and t5-3b +1 MiB
 (+0.006 to +0.012%) under module, size and titan (a (1, 512, 1024) bf16 activation's size), 0 under auto and
 order. The other fake rows agree to the byte."""
 # --- end of issue 39's section ----------------------------------------------------------------------------------
