@@ -1,14 +1,20 @@
 """An independent measurement of one plan's peak memory: torch's own ``FSDPMemTracker``, in its own process.
 
-Run: python benchmarks/independent_memory.py FILE.py:FACTORY PLAN.json WORLD [--precision bf16-mixed|fp32]
+Run: python benchmarks/independent_memory.py MODEL PLAN.json WORLD [--precision bf16-mixed|fp32] [--fake]
 
-Nothing of fsdp_planner's runtime is used: the factory's file is imported by path and its model built with real
-(CPU) tensors, on rank 0 of torch's fake process group of WORLD ranks (collectives return at once, shapes real).
+MODEL: FILE.py:FACTORY or a built-in name (``toy-llama``, ``llama3-70b``: the factory of
+``fsdp_planner.models.BUILTINS``, called with its defaults as the fake-world check calls it; the model definition
+is the input, nothing else of fsdp_planner is used: not its runtime, simulator or apply code). A factory's file
+is imported by path and its model built with real (CPU) tensors, on rank 0 of torch's fake process group of WORLD
+ranks (collectives return at once, shapes real); with ``--fake``, for models too large for this host's memory,
+the model, its inputs and every step run under torch's ``FakeTensorMode`` (no values, no memory: what the tracker
+counts is each fake storage's size). The plan's ``mesh`` (replicate x shard) gives a 2-D mesh, as HSDP runs it.
 This script reads the plan file (what ``plan --out`` writes) and applies it itself: checkpointing first (a named
 module's forward under non-reentrant ``torch.utils.checkpoint``; for ``selective_checkpointing`` with op-level
 SAC, its own save policy, written from torchtitan's description: keep mm outputs but recompute every second mm of
 a block call, keep SDPA's and ``max``'s), then ``fully_shard`` on each group (deepest first, the root last) with
-the group's ``reshard_after_forward`` and a ``MixedPrecisionPolicy`` of the precision (bf16 params, fp32 reduce;
+the group's ``reshard_after_forward`` (an int: FSDP2's post-forward mesh of that many ranks, 1 meaning False and
+the shard size True), its prefetch lists, and a ``MixedPrecisionPolicy`` of the precision (bf16 params, fp32 reduce;
 a group's ``param_dtype`` fp32 gets an fp32 one). One step of AdamW (lr 1e-3) creates the optimizer state, then
 the second step (forward, loss, backward, ``step``, ``zero_grad(set_to_none=True)``) runs under
 ``FSDPMemTracker`` (``torch.distributed._tools.fsdp2_mem_tracker``), whose peak (bytes on the CPU device: the
@@ -22,6 +28,7 @@ group of several modules (its docstring), and measured 1-14% less than FSDP2 all
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
@@ -31,10 +38,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -47,6 +56,11 @@ SAVED_OPS = {aten.mm.default, aten.max.default, aten._scaled_dot_product_flash_a
 
 
 def factory(spec: str):
+    """A FILE.py:FACTORY's function, or a built-in model's factory (its workload defaults)."""
+    if ":" not in spec:
+        from fsdp_planner.models import BUILTINS  # the model definition only: the input, not the harness
+
+        return BUILTINS[spec].factory
     path, name = spec.rsplit(":", 1)
     module_spec = importlib.util.spec_from_file_location(Path(path).stem + "_independent", path)
     module = importlib.util.module_from_spec(module_spec)
@@ -120,33 +134,123 @@ def sac_context():
 
 
 def checkpoint_forward(module: nn.Module, selective: bool) -> None:
+    """The module's forward under non-reentrant ``checkpoint``; a Hugging Face layer by transformers' own gradient
+    checkpointing (``GradientCheckpointingLayer``), which drops the KV cache the layer would write (the
+    recomputation would write it again), as ``gradient_checkpointing_enable()`` does for a user."""
+    extra = {"context_fn": sac_context} if selective else {}
+    if hf_checkpointing_layer(module):
+        module.gradient_checkpointing = True
+        module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False, **extra)
+        return
     forward = module.forward
 
     def run(*args, **kwargs):
-        extra = {"context_fn": sac_context} if selective else {}
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = run
 
 
-def shard(model: nn.Module, plan: dict, world: int, precision: str) -> None:
+def hf_checkpointing_layer(module: nn.Module) -> bool:
+    if "transformers" not in sys.modules:
+        return False
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return isinstance(module, GradientCheckpointingLayer)
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` by the kernel SDPA's CUDA dispatcher picks, for ``--gpu-attention``
+    (fake tensors only: the GPU kernels' fake implementations give their outputs' and saved tensors' shapes). The
+    CPU has no memory-efficient kernel and its flash kernel takes no value head size other than the query's: a
+    model the GPU runs fused (MLA's narrower values, a mask) runs the math path there, saving its score matrices.
+    The constraints are SDPA's documented ones: every kernel wants a last dim of stride 1; flash wants fp16/bf16,
+    no mask, one head size of at most 256, and the same heads for keys (or ``enable_gqa``); the memory-efficient
+    kernel takes a mask (an additive bias in the query's dtype) and a value head size of its own, but not
+    ``enable_gqa``; anything else runs the math path, as on the CPU."""
+    if any(t.stride(-1) != 1 for t in (q, k, v)) or (k.size(-3) != q.size(-3) and not enable_gqa):
+        return math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is None and q.dtype in FLASH_DTYPES and q.size(-1) == v.size(-1) <= 256:
+        return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    if enable_gqa and k.size(-3) != q.size(-3):
+        return math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    bias = attn_mask
+    if bias is not None:
+        if bias.dtype == torch.bool:  # True takes part: 0 there, -inf elsewhere
+            bias = torch.zeros(bias.shape, dtype=q.dtype).masked_fill(bias.logical_not(), float("-inf"))
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(*q.shape[:-1], k.size(-2))
+    return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
+
+
+CPU_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """SDPA's math path (the CPU would take its flash kernel for some of these: a mask, grouped-query keys)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return CPU_SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+@contextlib.contextmanager
+def gpu_attention(on: bool):
+    """``gpu_sdpa`` bound as ``F.scaled_dot_product_attention`` (a binding, not a torch function mode, which a
+    checkpointed block's recomputation in backward would run outside of)."""
+    if on:
+        torch.nn.functional.scaled_dot_product_attention = gpu_sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = CPU_SDPA
+
+
+def device_mesh(plan: dict, world: int):
+    """The plan's data-parallel mesh: 1-D, or (replicate, shard) for HSDP (``fully_shard`` shards over the last
+    dim and all-reduces over the first)."""
+    mesh = plan.get("mesh") or {"replicate": 1, "shard": world}
+    if mesh["replicate"] == 1:
+        return init_device_mesh("cpu", (world,))
+    return init_device_mesh("cpu", (mesh["replicate"], mesh["shard"]), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def reshard(value, shard_size: int):
+    """FSDP2's argument for a plan's ``reshard_after_forward``: an int is a post-forward mesh size, 1 False."""
+    if isinstance(value, bool) or value is None:
+        return value
+    return False if value <= 1 else True if value >= shard_size else value
+
+
+def shard(model: nn.Module, plan: dict, mesh, precision: str) -> None:
     modules = dict(model.named_modules())
     for name in plan.get("activation_checkpointing", []):
         checkpoint_forward(modules[name], selective=False)
     for name in plan.get("selective_checkpointing", {}):
         checkpoint_forward(modules[name], selective=True)
-    mesh = init_device_mesh("cpu", (world,))
+    shard_size = mesh.size(mesh.ndim - 1)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                 cast_forward_inputs=True)
+    plain = bf16 if precision == "bf16-mixed" else MixedPrecisionPolicy()
     groups = sorted(plan["groups"], key=lambda g: -min(m.count(".") + bool(m) for m in g["modules"]))  # root last
     for g in groups:
         targets = [modules[m] for m in g["modules"]]
-        mp = fp32 if g.get("param_dtype") == "fp32" else bf16 if precision == "bf16-mixed" else MixedPrecisionPolicy()
+        mp = fp32 if g.get("param_dtype") == "fp32" else plain
         fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=g["reshard_after_forward"])
+                    reshard_after_forward=reshard(g["reshard_after_forward"], shard_size))
     if not any(g["modules"] == [""] for g in plan["groups"]):
-        fully_shard(model, mesh=mesh, mp_policy=bf16 if precision == "bf16-mixed" else MixedPrecisionPolicy())
+        fully_shard(model, mesh=mesh, mp_policy=plain, reshard_after_forward=False)
+    prefetch(modules, plan["groups"])
+
+
+def prefetch(modules: dict, groups: list[dict]) -> None:
+    """The plan's explicit prefetching: a group's FSDP module is its first module that holds FSDP state."""
+    states = [next(modules[m] for m in g["modules"] if isinstance(modules[m], FSDPModule)) for g in groups]
+    for g, first in zip(groups, states, strict=True):
+        if g.get("forward_prefetch"):
+            first.set_modules_to_forward_prefetch([states[j] for j in g["forward_prefetch"]])
+        if g.get("backward_prefetch"):
+            first.set_modules_to_backward_prefetch([states[j] for j in g["backward_prefetch"]])
 
 
 def step(model: nn.Module, inputs, loss_fn, optimizer) -> None:
@@ -158,30 +262,57 @@ def step(model: nn.Module, inputs, loss_fn, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def measure(args, plan: dict) -> dict:
+    """Build, shard, train one step, then measure the second under the tracker; under ``FakeTensorMode`` with
+    ``--fake`` (the mesh made before it: its rank tensors must be real)."""
+    mesh = device_mesh(plan, args.world)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if args.fake else contextlib.nullcontext()
+    with mode, gpu_attention(args.gpu_attention):
+        torch.manual_seed(0)
+        built = factory(args.model)()
+        model, inputs, loss_fn = built if len(built) == 3 else (*built, default_loss)
+        # FSDP2's int reshard_after_forward builds its post-forward mesh from a tensor's values: real ones (the
+        # fake params still dispatch to their mode, so what FSDP2 makes from them stays fake)
+        with unset_fake_temporarily() if args.fake else contextlib.nullcontext():
+            shard(model, plan, mesh, plan.get("precision", args.precision))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        step(model, inputs, loss_fn, optimizer)  # creates the optimizer state
+        tracker = GroupMemTracker(model, optimizer)
+        tracker.track_inputs(tuple(inputs.values()) if isinstance(inputs, dict) else tuple(inputs))
+        with tracker:
+            step(model, inputs, loss_fn, optimizer)
+    snap = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {"peak": snap["Total"], "fake": bool(args.fake), "gpu_attention": bool(args.gpu_attention),
+            "by_kind": {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}}
+
+
+def default_loss(out) -> torch.Tensor:
+    """The loss for a factory that gives none: the mean square of the (first) floating output, its logits for a
+    Hugging Face output."""
+    out = getattr(out, "logits", out)
+    if isinstance(out, (tuple, list)):
+        out = next(t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return out.float().pow(2).mean()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("plan")
     parser.add_argument("world", type=int)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--fake", action="store_true", help="run under FakeTensorMode (no real memory)")
+    parser.add_argument("--gpu-attention", action="store_true",
+                        help="with --fake: SDPA takes the kernel a GPU picks (gpu_sdpa), not the CPU's")
     args = parser.parse_args()
+    if args.gpu_attention and not args.fake:
+        parser.error("--gpu-attention needs --fake: the CPU has no implementation of the GPU's kernels")
     plan = json.loads(Path(args.plan).read_text())
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
-    torch.manual_seed(0)
-    built = factory(args.model)()
-    model, inputs, loss_fn = built if len(built) == 3 else (*built, lambda out: out.float().pow(2).mean())
-    shard(model, plan, args.world, plan.get("precision", args.precision))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step(model, inputs, loss_fn, optimizer)  # creates the optimizer state
-    tracker = GroupMemTracker(model, optimizer)
-    tracker.track_inputs(tuple(inputs.values()) if isinstance(inputs, dict) else tuple(inputs))
-    with tracker:
-        step(model, inputs, loss_fn, optimizer)
-    peak = tracker.get_tracker_snapshot("peak")
-    snap = peak[torch.device("cpu")]
-    print(json.dumps({"peak": snap["Total"], "by_kind": {str(k.value if hasattr(k, "value") else k): v
-                                                          for k, v in snap.items()}}))
-    dist.destroy_process_group()
+    try:
+        print(json.dumps(measure(args, plan)))
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
