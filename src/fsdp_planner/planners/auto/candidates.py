@@ -3,6 +3,7 @@ frugal plan, and a dynamic program over group boundaries driven by a per-group s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cached_property
@@ -18,6 +19,7 @@ from fsdp_planner.planners.auto.atoms import Atom, Pin, coarsen
 from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator
 from fsdp_planner.planners.classic import ModuleWrapPolicy, SizeBasedPolicy, TorchtitanPolicy
 from fsdp_planner.planners.order import ExecutionOrderPolicy
+from fsdp_planner.planners.repair import joined_until_runnable
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.trace.records import Trace
@@ -37,6 +39,9 @@ def classic_plans(trace: Trace, model: str) -> dict[str, Plan]:
             out[policy.name] = policy.build(trace, model)
         except PlannerError:
             continue
+    if "order" in out:  # the order policy joins a group it cannot run to the next, as its plan() does
+        with contextlib.suppress(PlannerError):
+            out["order"] = joined_until_runnable(trace, out["order"])
     return out
 
 
