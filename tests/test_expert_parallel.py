@@ -537,3 +537,50 @@ def test_exported_ep_plan_trains_with_parity_on_gloo(tmp_path) -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "fsdp modules: 8" in out.stdout  # every module of the plan's groups (the 2 experts among them), the root
     assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+
+
+def _ep_tp_search(**request):  # type: ignore[no-untyped-def]
+    from fsdp_planner.choices import PolicyName
+    from fsdp_planner.planners.registry import PolicyRequest
+    from fsdp_planner.service.planning import search
+
+    return search(_traced(), PolicyRequest(PolicyName.AUTO, **request), parse_cluster("h100:8"), BF16,
+                  ModelSpec(TINY, batch_size=2))
+
+
+def test_auto_screens_ep_x_tp_layouts_and_takes_the_fastest_that_fits() -> None:
+    """Without --tp or --ep, auto screens each TP degree x the EP degrees it allows on an MoE model with
+    torchtitan's layout (EP a multiple of TP dividing the experts and the data-parallel ranks), each with its line,
+    and takes the fastest that fits (no TP on 8 GPUs at the GPU's budget). The same search twice gives the same
+    plan."""
+    roomy = _ep_tp_search()
+    assert {"1x8", "1x8, EP 8", "1x4 x TP 2, EP 2", "1x4 x TP 2, EP 8", "1x2 x TP 4, EP 4", "1x2 x TP 4, EP 8",
+            "1x1 x TP 8, EP 8"} <= set(roomy.meshes)
+    assert not any(name.startswith(("1x4 x TP 2, EP 1", "1x2 x TP 4, EP 2")) for name in roomy.meshes)
+    _assert_fastest_that_fits(roomy)
+    again = _ep_tp_search()
+    assert again.written_plan == roomy.written_plan and again.report.summary() == roomy.report.summary()
+    assert list(again.meshes) == list(roomy.meshes)
+
+
+def test_auto_with_ep_alone_screens_tp_degrees_at_that_ep() -> None:
+    """``--ep 4`` alone: auto screens the TP degrees that divide it (TP 2 and 4, not 8) at EP 4 only."""
+    result = _ep_tp_search(ep=4)
+    assert {"1x4 x TP 2, EP 4", "1x2 x TP 4, EP 4"} <= set(result.meshes)
+    assert not any("TP 8" in name or name.endswith(("EP 2", "EP 8")) for name in result.meshes)
+    assert result.plan.ep_degree == 4
+
+
+def _assert_fastest_that_fits(result) -> None:  # type: ignore[no-untyped-def]
+    fitting = [c.report.step_time for c in result.meshes.values() if result.memory.fits(c.report.reserved_memory)]
+    assert result.fits and result.report.step_time == min(fitting)
+
+
+@pytest.mark.integration  # ~4.5 s: auto's searches with its memory ways out (offload) under a tight budget
+def test_auto_takes_a_tp_x_ep_layout_where_it_is_fastest() -> None:
+    """Under a budget where the layouts without TP offload to fit, a TP x EP layout (EP a multiple of TP) is the
+    fastest that fits: auto takes it, ahead of the best plan without TP."""
+    tight = _ep_tp_search(memory_budget=8_000_000)
+    _assert_fastest_that_fits(tight)
+    assert tight.plan.tp_degree > 1 and tight.plan.ep_degree % tight.plan.tp_degree == 0
+    assert tight.report.step_time < tight.meshes["1x8"].report.step_time
