@@ -576,7 +576,6 @@ def _assert_fastest_that_fits(result) -> None:  # type: ignore[no-untyped-def]
     assert result.fits and result.report.step_time == min(fitting)
 
 
-@pytest.mark.integration  # ~4.5 s: auto's searches with its memory ways out (offload) under a tight budget
 def test_auto_takes_a_tp_x_ep_layout_where_it_is_fastest() -> None:
     """Under a budget where the layouts without TP offload to fit, a TP x EP layout (EP a multiple of TP) is the
     fastest that fits: auto takes it, ahead of the best plan without TP."""
