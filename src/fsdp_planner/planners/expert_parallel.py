@@ -63,10 +63,12 @@ def ep_degrees(trace: Trace, shard: int) -> list[int]:
     return [d for d in divisors(n) if shard % d == 0]
 
 
-def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0) -> Plan:
+def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0,
+                         placement: ShardPlacement | None = None) -> Plan:
     """``plan`` with EP of ``degree`` over the model's expert modules, each in a group of its own; degree 1: no EP.
     A plan with shard dims gets them again at the experts' own shard ranks (``shard``: the data-parallel shard
-    ranks; the placement rule of ``ShardPlacement.AUTO``)."""
+    ranks; the placement rule of ``ShardPlacement.AUTO``), and so does one without where ``placement`` is AUTO
+    (without EP every param may divide on dim 0, E / EP experts need not)."""
     if degree == 1:
         return plan.replace(expert_parallel=None)
     experts = expert_modules(trace)
@@ -83,10 +85,11 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
                            "): choose one of " + ", ".join(
                                str(d) for d in ep_degrees(trace, shard * tp) if d % tp == 0 and shard % (d // tp) == 0))
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
-    if plan.shard_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
+    auto_dims = bool(plan.shard_dims) or placement is ShardPlacement.AUTO  # (dim 0 may divide without EP only)
+    if auto_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
         raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
                            "the default shard placement (dim 0)")
-    if plan.shard_dims and shard:
+    if auto_dims and shard:
         out = out.replace(shard_dims=shard_dims(ep_view(trace, out).trace, shard, ShardPlacement.AUTO))
     return out
 
@@ -110,17 +113,18 @@ class EPOption:
 
 def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0,
                degrees: tuple[int, ...] = (), views: dict[tuple, Trace] | None = None,
-               without: bool = True) -> list[EPOption]:
+               without: bool = True, placement: ShardPlacement | None = None) -> list[EPOption]:
     """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
     model and its shard ranks allow), its expert groups resharded after forward or kept: each simulated. The EP
     screen a search runs after choosing its groups; deterministic, 2 simulations a degree. ``views``: the EP views
     built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step). A plan with TP
-    is screened on one TP rank's view (``trace`` and ``cluster`` that view's)."""
+    is screened on one TP rank's view (``trace`` and ``cluster`` that view's). ``placement``: AUTO shards the
+    experts by auto's rule on their EP view (``with_expert_parallel``)."""
     shard = plan.shard_size(cluster.world_size * (plan.tp_degree if trace.tensor_parallel else 1))
     out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))] if without else []
     views = {} if views is None else views
     for degree in degrees or ep_degrees(trace, shard)[1:]:
-        ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard)
+        ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard, placement)
         key = ep_plan.expert_parallel.signature()
         if key not in views:
             views[key] = ep_view(trace, ep_plan).trace
@@ -309,13 +313,15 @@ def screen_ep_tp(layout: ScreenedLayout, degrees: tuple[int, ...], options: SimO
     plan = plan.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in plan.groups])
     if layout.policy.checkpointing is None:
         plan = plan.replace(activation_checkpointing=())
-    if layout.policy.choose_memory_options:  # dim-1 sharding, auto's way out: E / EP experts stacked on dim 0 pad
-        # to the shard ranks
-        plan = plan.replace(shard_dims=shard_dims(layout.trace, layout.ev.ctx.shard, ShardPlacement.AUTO))
+    # dim-1 sharding (auto's way out) where dim 0 would pad: E / EP experts stacked on dim 0 can be fewer than the
+    # shard ranks
+    placement = ShardPlacement.AUTO if layout.policy.choose_memory_options else None
+    if placement is not None:
+        plan = plan.replace(shard_dims=shard_dims(layout.trace, layout.ev.ctx.shard, placement))
     views: dict[tuple, Trace] = {}
     cluster, fits = layout.policy.cluster, layout.ev.memory.fits
     found = ep_options(layout.trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
-                       without=False)
+                       without=False, placement=placement)
     blocks = block_instances(layout.trace) if layout.policy.checkpointing is None else []
     found = [_checkpointed_to_fit(o, views[o.plan.expert_parallel.signature()], blocks, cluster, options, fits)
              for o in found]
