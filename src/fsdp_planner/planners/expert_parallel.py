@@ -291,7 +291,9 @@ class EPTPScreen:
         assert self.layout.best is not None
         checkpointed = len(best.plan.activation_checkpointing)
         origin = self.layout.best.plan.policy + (f" + checkpoint {checkpointed} blocks" if checkpointed else "")
-        plan = best.plan.replace(policy=f"{label}, {best.describe()}, {origin} grouping (EP x TP screen)")
+        plan = best.plan.replace(policy=f"{label}, {best.describe()}, {origin} grouping (EP x TP screen)",
+                                 model=searched.plan.model, fingerprint=searched.plan.fingerprint,
+                                 numel=searched.plan.numel)  # (the whole model's, not the TP view's)
         return replace(searched, plan=plan, run=best.plan.run, report=best.step, fits=True)
 
     def key(self) -> tuple[bool, float]:

@@ -132,7 +132,7 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
             assert isinstance(policy, AutoPolicy)
             result = with_auto_ep(policy.search(tr, str(model)), tr, cluster, options, degrees, reporter.note)
     else:
-        result = _search_without_tp(tr, request, spec, cluster, options, reporter, tracer)
+        result = _auto_search(tr, request, spec, cluster, options, reporter, tracer)
         if ep_tp:  # auto's own EP x TP screen beside it
             result = _with_ep_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp)
     degree = result.plan.tp_degree
@@ -144,10 +144,10 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
     return result
 
 
-def _search_without_tp(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster, options: SimOptions,
+def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster, options: SimOptions,
                        reporter: Reporter, tracer: Tracer) -> AutoResult:
-    """Auto's search with the TP layouts of ``auto_layouts`` (an MoE model's EP x TP layouts apart: with ``--ep``,
-    none), then its EP screen: the EP asked for, or without ``--ep`` each degree (with no TP only)."""
+    """Auto's search over the TP layouts of ``auto_layouts`` (an MoE model's EP x TP layouts apart, ``_with_ep_tp``:
+    with ``--ep``, none), then its EP screen: the EP asked for, or without ``--ep`` each degree (with no TP only)."""
     ep = request.ep or 1
     if ep > 1 and request.tp is None:  # EP x TP: torchtitan's MoE layout only, screened by ``_with_ep_tp``
         request = dataclasses.replace(request, tp=1)
