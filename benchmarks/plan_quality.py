@@ -575,25 +575,57 @@ def two_d_row(model: str, gpus: int) -> dict:
 # recipe without TP. Experts sharded on dim 1 where dim 0 would pad, as torchtitan's FSDP placement for experts.
 MOE_ROWS = (("mixtral-8x7b", 64), ("mixtral-8x7b", 512))
 EXPERT_MOE = {"titan EP 8+ac": (1, 8), "titan TP 2 x EP 8+ac": (2, 8), "titan TP 8 x EP 8+ac": (8, 8)}
+MOE_FEWEST = ("titan EP 8+ac", "titan TP 2 x EP 8+ac")  # also with the fewest leading blocks in full that fit
 
 
-def moe_expert(model: str, cluster: Cluster, tp: int, ep: int) -> dict:
-    """torchtitan's grouping with every block checkpointed in full under TP ``tp`` (its MoE layout; 1: none) and
-    EP ``ep``, the experts resharded after forward, simulated on one TP rank's view at ``tp`` sequences per
-    data-parallel rank (``ep_options``, as auto's EP screen simulates)."""
-    wide, _ = planning_trace(ModelSpec(model, batch_size=tp))
-    trace, on, layout = wide, cluster, None
-    if tp > 1:
-        layout = titan_moe_layout(tp)
-        view = tp_view(wide, layout, cluster)
-        trace, on = view.trace, view.cluster
-    plan = make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=ACMode.FULL)).plan(trace, model)
+def moe_expert(model: str, cluster: Cluster, tp: int, ep: int, blocks: int | None = None) -> dict:
+    """torchtitan's grouping under TP ``tp`` (its MoE layout; 1: none) and EP ``ep``, every block checkpointed in
+    full (``blocks``: the first that many only), the experts resharded after forward, simulated on one TP rank's
+    view at ``tp`` sequences per data-parallel rank (``ep_options``, as auto's EP screen simulates)."""
+    trace, on, layout = moe_view(model, cluster, tp)
+    mode = ACMode.FULL if blocks is None else None
+    plan = make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=mode)).plan(trace, model)
+    if blocks is not None:
+        plan = plan.replace(activation_checkpointing=tuple(block_instances(trace)[:blocks]))
     plan = plan.replace(tensor_parallel=layout, groups=[replace(g, forward_prefetch=(), backward_prefetch=())
                                                         for g in plan.groups])
     plan = plan.replace(shard_dims=shard_dims(trace, cluster.world_size // tp, ShardPlacement.AUTO))
     option = ep_options(trace, plan, on, plan_options(plan, SimOptions()), degrees=(ep,), without=False,
                         placement=ShardPlacement.AUTO)[0]
-    return {**summary(option.step), "plan": option.plan.policy}
+    ac = "" if blocks is None else f", {blocks} blocks in full" if blocks else ", no AC"
+    return {**summary(option.step), "plan": option.plan.policy + ac}
+
+
+MOE_VIEWS: dict[tuple, tuple] = {}
+
+
+def moe_view(model: str, cluster: Cluster, tp: int) -> tuple:
+    """The model traced at ``tp`` sequences per data-parallel rank, on one TP rank's view (trace, cluster,
+    layout), made once."""
+    key = (model, cluster.name, tp)
+    if key not in MOE_VIEWS:
+        wide, _ = planning_trace(ModelSpec(model, batch_size=tp))
+        if tp == 1:
+            MOE_VIEWS[key] = (wide, cluster, None)
+        else:
+            view = tp_view(wide, titan_moe_layout(tp), cluster)
+            MOE_VIEWS[key] = (view.trace, view.cluster, titan_moe_layout(tp))
+    return MOE_VIEWS[key]
+
+
+def moe_fewest(model: str, cluster: Cluster, tp: int, ep: int, budget: int) -> dict:
+    """``moe_expert`` with the fewest leading blocks checkpointed in full that fit ``budget`` (all: its full-AC
+    column), as a user tunes torchtitan's full AC down to what fits."""
+    trace = moe_view(model, cluster, tp)[0]
+    lo, hi, out = 0, len(block_instances(trace)), None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = moe_expert(model, cluster, tp, ep, mid)
+        if r["reserved_memory"] <= budget:
+            out, hi = r, mid - 1
+        else:
+            lo = mid + 1
+    return out or moe_expert(model, cluster, tp, ep)
 
 
 def moe_row(model: str, gpus: int) -> dict:
@@ -602,6 +634,8 @@ def moe_row(model: str, gpus: int) -> dict:
     tr, tokens = planning_trace(spec)
     result = auto_search(tr, spec, cluster)
     policies = {name: moe_expert(model, cluster, tp, ep) for name, (tp, ep) in EXPERT_MOE.items()}
+    policies.update({name.replace("+ac", "+k full"): moe_fewest(model, cluster, tp, ep, result.budget)
+                     for name, (tp, ep) in EXPERT_MOE.items() if name in MOE_FEWEST})
     policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
     r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
          "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,
@@ -654,11 +688,13 @@ def two_d_main() -> None:
         "llama4_17bx16e.toml at commit 6964eb7: TP 8, full checkpointing, expert_parallel_degree 1, the experts "
         "tensor-parallel). Expert TP is not modelled here, so the TP columns keep EP 8 with TP (its "
         "expert_tensor_parallel_degree 1 convention: EP's ranks span TP's); titan EP 8+ac is its EP recipe "
-        "without TP. Each: torchtitan's grouping, every block checkpointed in full, experts resharded after "
+        "without TP. Each: torchtitan's grouping, every block checkpointed in full (+ac) or the fewest leading blocks "
+        "in full that fit (+k full, as a user tunes it), experts resharded after "
         "forward and sharded on dim 1 where dim 0 would pad (torchtitan's expert placement). Auto chooses EP x TP "
         "itself (each TP degree x the EP degrees it allows, screened by its best classic grouping under EP, the "
         "best searched in full, beside its search without TP and its EP screen).", "",
-        *two_d_table(moe, list(EXPERT_MOE)), "", summary_line([*rows, *moe]),
+        *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST)]), "",
+        summary_line([*rows, *moe]),
     ]
     md = out / "plan_quality.md"
     text = md.read_text()
