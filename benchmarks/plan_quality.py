@@ -692,7 +692,9 @@ def two_d_main() -> None:
         "in full that fit (+k full, as a user tunes it), experts resharded after "
         "forward and sharded on dim 1 where dim 0 would pad (torchtitan's expert placement). Auto chooses EP x TP "
         "itself (each TP degree x the EP degrees it allows, screened by its best classic grouping under EP, the "
-        "best searched in full, beside its search without TP and its EP screen).", "",
+        "best searched in full, beside its search without TP and its EP screen). Auto's plan on these rows keeps the "
+        "experts' groups unsharded after forward (their backward all-gathers saved), which no column here does: "
+        "part of its lead is that choice, open to a hand config too.", "",
         *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST)]), "",
         summary_line([*rows, *moe]),
     ]
