@@ -436,11 +436,12 @@ def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
 
 
 @pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
-@pytest.mark.parametrize(("replicate", "tp"), [(1, 1), (2, 1), (1, 2)])
-def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int) -> None:
+@pytest.mark.parametrize(("replicate", "tp", "dim1"), [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)])
+def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int, dim1: bool) -> None:
     """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4, HSDP 2x2 or FSDP 2 x TP 2) leaves every param with the
     placements, local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced
-    mesh, under HSDP Replicate over dp_replicate; with TP, the router gate replicated over tp), and a step runs."""
+    mesh, under HSDP Replicate over dp_replicate; with TP, the router gate replicated over tp; with shard dims, the
+    experts FSDP-sharded on dim 1, as torchtitan places them), and a step runs."""
     from fsdp_planner.apply.export import ExportFormat, export_plan
     from fsdp_planner.apply.fully_shard import apply_plan
     from fsdp_planner.apply.tensor_parallel import loss_context
@@ -448,6 +449,8 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int) -> No
     from fsdp_planner.runtime.fake_world import fake_process_group
 
     plan = _ep_plan(_traced(), 2, tp=tp).replace(mesh=Mesh(replicate, 4 // replicate // tp))
+    if dim1:
+        plan = plan.replace(shard_dims={f"layers.{i}.moe.experts.{w}": 1 for i in (0, 1) for w in ("w1", "w2", "w3")})
     scope: dict = {"__name__": "exported"}
     exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
     shards = []
@@ -461,7 +464,9 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int) -> No
                 lm.loss_fn(lm.model(*lm.example_inputs)).backward()
     assert shards[0] == shards[1]
     placements, local, dims = shards[0]["layers.0.moe.experts.w1"]
-    if tp > 1:  # EP's pair is one TP group: the experts' FSDP mesh the 2 TP groups, the gate replicated over tp
+    if dim1:  # FSDP's Shard(1) over the 2 TP groups, EP's Shard(0): 4 experts a rank, their rows halved
+        assert [p.dim for p in placements] == [1, 0] and local == (8 // 2, 128 // 2, 256)
+    elif tp > 1:  # EP's pair is one TP group: the experts' FSDP mesh the 2 TP groups, the gate replicated over tp
         assert dims == ("dp_shard_mod_ep", "ep") and local[0] == 8 // 2 // 2
         assert shards[0]["layers.0.moe.router.gate.weight"][2] == ("dp_shard", "tp")
     elif replicate == 1:
