@@ -345,13 +345,11 @@ def _checkpointed_to_fit(option: EPOption, view: Trace, blocks: list[str], clust
         mid = (lo + hi) // 2
         plan = option.plan.replace(activation_checkpointing=tuple(blocks[:mid]))
         step = simulate(view, plan, cluster, plan_options(plan, options), timeline=False)
-        if fits(step.reserved_memory) or out is None:
-            out = EPOption(option.degree, option.keep_experts, plan, step)
         if fits(step.reserved_memory):
-            hi = mid - 1
+            out, hi = EPOption(option.degree, option.keep_experts, plan, step), mid - 1
         else:
             lo = mid + 1
-    if out is None or not fits(out.step.reserved_memory):
+    if out is None:  # (the bisection's last step was every block: simulated again, a plan's cost is small)
         plan = option.plan.replace(activation_checkpointing=tuple(blocks))
         out = EPOption(option.degree, option.keep_experts, plan,
                        simulate(view, plan, cluster, plan_options(plan, options), timeline=False))
