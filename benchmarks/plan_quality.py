@@ -57,12 +57,14 @@ from fsdp_planner.planners.auto import Target, candidate_meshes
 from fsdp_planner.planners.auto.evaluator import GROUP_SLACK
 from fsdp_planner.planners.auto.split import candidate_splits, choose_split
 from fsdp_planner.planners.blocks import block_instances
-from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+from fsdp_planner.planners.expert_parallel import ep_options
+from fsdp_planner.planners.tensor_parallel import titan_llama_layout, titan_moe_layout
 from fsdp_planner.service.planning import search
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
+from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace import Trace, record
 
 POLICY_NAMES = [p.value for p in CLASSIC_POLICIES]
@@ -565,15 +567,109 @@ def two_d_row(model: str, gpus: int) -> dict:
     return judge(r, result, {})
 
 
+# MoE rows: (model, GPUs), one sequence of 4096 tokens per GPU (the model's default), TP d at d per data-parallel
+# rank. The expert's configurations follow torchtitan's MoE jobs: its deepseek_v3_671b.toml (commit 8e2cd19) and
+# llama4_17bx16e.toml (commit 6964eb7, "a preset for 64 H100 GPUs") run TP 8 with full checkpointing, their
+# experts tensor-parallel (expert_parallel_degree 1); expert TP is not modelled here, so the TP rows keep EP = a
+# multiple of TP (torchtitan's expert_tensor_parallel_degree 1 convention, --tp N --ep M); EP 8 alone is its EP
+# recipe without TP. Experts sharded on dim 1 where dim 0 would pad, as torchtitan's FSDP placement for experts.
+MOE_ROWS = (("mixtral-8x7b", 64), ("mixtral-8x7b", 512))
+EXPERT_MOE = {"titan EP 8+ac": (1, 8), "titan TP 2 x EP 8+ac": (2, 8), "titan TP 8 x EP 8+ac": (8, 8)}
+MOE_FEWEST = ("titan EP 8+ac", "titan TP 2 x EP 8+ac")  # also with the fewest leading blocks in full that fit
+
+
+def moe_expert(model: str, cluster: Cluster, tp: int, ep: int, blocks: int | None = None) -> dict:
+    """torchtitan's grouping under TP ``tp`` (its MoE layout; 1: none) and EP ``ep``, every block checkpointed in
+    full (``blocks``: the first that many only), the experts resharded after forward, simulated on one TP rank's
+    view at ``tp`` sequences per data-parallel rank (``ep_options``, as auto's EP screen simulates)."""
+    trace, on, layout = moe_view(model, cluster, tp)
+    mode = ACMode.FULL if blocks is None else None
+    plan = make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=mode)).plan(trace, model)
+    if blocks is not None:
+        plan = plan.replace(activation_checkpointing=tuple(block_instances(trace)[:blocks]))
+    plan = plan.replace(tensor_parallel=layout, groups=[replace(g, forward_prefetch=(), backward_prefetch=())
+                                                        for g in plan.groups])
+    plan = plan.replace(shard_dims=shard_dims(trace, cluster.world_size // tp, ShardPlacement.AUTO))
+    option = ep_options(trace, plan, on, plan_options(plan, SimOptions()), degrees=(ep,), without=False,
+                        placement=ShardPlacement.AUTO)[0]
+    ac = "" if blocks is None else f", {blocks} blocks in full" if blocks else ", no AC"
+    return {**summary(option.step), "plan": option.plan.policy + ac}
+
+
+MOE_VIEWS: dict[tuple, tuple] = {}
+
+
+def moe_view(model: str, cluster: Cluster, tp: int) -> tuple:
+    """The model traced at ``tp`` sequences per data-parallel rank, on one TP rank's view (trace, cluster,
+    layout), made once."""
+    key = (model, cluster.name, tp)
+    if key not in MOE_VIEWS:
+        wide, _ = planning_trace(ModelSpec(model, batch_size=tp))
+        if tp == 1:
+            MOE_VIEWS[key] = (wide, cluster, None)
+        else:
+            view = tp_view(wide, titan_moe_layout(tp), cluster)
+            MOE_VIEWS[key] = (view.trace, view.cluster, titan_moe_layout(tp))
+    return MOE_VIEWS[key]
+
+
+def moe_fewest(model: str, cluster: Cluster, tp: int, ep: int, budget: int) -> dict:
+    """``moe_expert`` with the fewest leading blocks checkpointed in full that fit ``budget`` (all: its full-AC
+    column), as a user tunes torchtitan's full AC down to what fits."""
+    trace = moe_view(model, cluster, tp)[0]
+    lo, hi, out = 0, len(block_instances(trace)), None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = moe_expert(model, cluster, tp, ep, mid)
+        if r["reserved_memory"] <= budget:
+            out, hi = r, mid - 1
+        else:
+            lo = mid + 1
+    return out or moe_expert(model, cluster, tp, ep)
+
+
+def moe_row(model: str, gpus: int) -> dict:
+    """Auto choosing EP x TP itself (``service/planning.search``) against torchtitan's MoE configurations."""
+    cluster, spec = parse_cluster(f"h100:{gpus}"), ModelSpec(model)
+    tr, tokens = planning_trace(spec)
+    result = auto_search(tr, spec, cluster)
+    policies = {name: moe_expert(model, cluster, tp, ep) for name, (tp, ep) in EXPERT_MOE.items()}
+    policies.update({name.replace("+ac", "+k full"): moe_fewest(model, cluster, tp, ep, result.budget)
+                     for name, (tp, ep) in EXPERT_MOE.items() if name in MOE_FEWEST})
+    policies["auto"] = {**auto_summary(result), **throughput(tr, tokens, result.report, cluster.gpu.peak_bf16_flops)}
+    r = {"model": model, "cluster": f"h100:{gpus}", "budget": result.budget, "budget_source": result.budget_source,
+         "min_peak": result.min_peak, "fits": result.fits, "lower_bound": result.report.lower_bound,
+         "policies": policies}
+    return judge(r, result, {})
+
+
+def two_d_table(rows: list[dict], columns: list[str]) -> list[str]:
+    """A 2-D table: per row the expert's configurations, auto, its layout and checkpointing, throughput, winner."""
+    lines = ["| model | GPUs | " + " | ".join([*columns, "auto"]) + " | auto layout | auto AC | tokens/s/GPU | MFU "
+             "| winner |", "|---|---|" + "---|" * (len(columns) + 1) + "---|---|---|---|---|"]
+    for r in rows:
+        auto = r["policies"]["auto"]
+        cells = [cell(r["policies"][n], r["budget"]) for n in [*columns, "auto"]]
+        tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if r["fits"] else "-"
+        mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
+        lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)
+                     + f" | {auto['layout']} | {ac_text(auto)} | {tps} | {mfu} | {verdict(r)} |")
+    return lines
+
+
 def two_d_main() -> None:
     started = time.perf_counter()
-    rows = []
+    rows, moe = [], []
     for model, gpus in TWO_D_ROWS:
         rows.append(two_d_row(model, gpus))
         print(f"{model} h100:{gpus}: {verdict(rows[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    for model, gpus in MOE_ROWS:
+        moe.append(moe_row(model, gpus))
+        print(f"{model} h100:{gpus}: {verdict(moe[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     elapsed = time.perf_counter() - started
     out = Path(__file__).parent
-    (out / "plan_quality_2d.json").write_text(json.dumps({"rows": rows, "seconds": elapsed}, indent=1) + "\n")
+    (out / "plan_quality_2d.json").write_text(json.dumps({"rows": rows, "moe_rows": moe, "seconds": elapsed},
+                                                          indent=1) + "\n")
     lines = [
         TWO_D_START, "", "## 2-D layouts: FSDP2 with tensor parallelism", "",
         f"Measured by `python benchmarks/plan_quality.py --two-d` ({elapsed:.0f} s on {platform.machine()}, load "
@@ -585,19 +681,23 @@ def two_d_main() -> None:
         "TP8+op), eager (no compile, no float8, no async TP). Auto chooses the TP degree among 1, 2, 4, 8 (each "
         "screened by its best classic plan, the best searched in full), the data-parallel layout and the "
         "checkpointing. Cells as above.",
-        "",
-        "| model | GPUs | " + " | ".join([*EXPERT_2D, "auto"]) + " | auto layout | auto AC | tokens/s/GPU | MFU "
-        "| winner |",
-        "|---|---|" + "---|" * (len(EXPERT_2D) + 1) + "---|---|---|---|---|",
+        "", *two_d_table(rows, list(EXPERT_2D)), "",
+        "### MoE: FSDP2 with EP and TP", "",
+        "One sequence of 4096 tokens per GPU (the model's default); TP d runs d per data-parallel rank. The expert's "
+        "configurations follow torchtitan's MoE jobs (deepseek_v3_671b.toml at commit 8e2cd19 and "
+        "llama4_17bx16e.toml at commit 6964eb7: TP 8, full checkpointing, expert_parallel_degree 1, the experts "
+        "tensor-parallel). Expert TP is not modelled here, so the TP columns keep EP 8 with TP (its "
+        "expert_tensor_parallel_degree 1 convention: EP's ranks span TP's); titan EP 8+ac is its EP recipe "
+        "without TP. Each: torchtitan's grouping, every block checkpointed in full (+ac) or the fewest leading blocks "
+        "in full that fit (+k full, as a user tunes it), experts resharded after "
+        "forward and sharded on dim 1 where dim 0 would pad (torchtitan's expert placement). Auto chooses EP x TP "
+        "itself (each TP degree x the EP degrees it allows, screened by its best classic grouping under EP, the "
+        "best searched in full, beside its search without TP and its EP screen). Auto's plan on these rows keeps the "
+        "experts' groups unsharded after forward (their backward all-gathers saved), which no column here does: "
+        "part of its lead is that choice, open to a hand config too.", "",
+        *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST)]), "",
+        summary_line([*rows, *moe]),
     ]
-    for r in rows:
-        auto = r["policies"]["auto"]
-        cells = [cell(r["policies"][n], r["budget"]) for n in [*EXPERT_2D, "auto"]]
-        layout = auto["layout"]
-        tps = f"{auto['tokens_per_s_per_gpu']:,.0f}" if r["fits"] else "-"
-        mfu = f"{auto['mfu']:.0%}" if r["fits"] else "-"
-        lines.append(f"| {r['model']} | {r['cluster'].split(':')[1]} | " + " | ".join(cells)
-                     + f" | {layout} | {ac_text(auto)} | {tps} | {mfu} | {verdict(r)} |")
     md = out / "plan_quality.md"
     text = md.read_text()
     kept = text[:text.index(TWO_D_START)] if TWO_D_START in text else text + "\n"

@@ -113,6 +113,17 @@ def expert_parallel_meshes(plan: Plan, mesh: Any) -> tuple[Any, Any]:
     return (sparse["dp_replicate", "dp_shard_mod_ep"] if replicate > 1 else sparse["dp_shard_mod_ep"]), sparse["ep"]
 
 
+def _expert_placement(module: nn.Module, name: str, plan: Plan) -> Any:
+    """``fully_shard(shard_placement_fn=...)`` for the expert module ``name``: its params' ``shard_dims`` (dim 1
+    where E / EP experts are fewer than the ranks sharding them, as torchtitan places experts), after EP made them
+    DTensors; None: all on dim 0."""
+    from torch.distributed.tensor import Shard
+
+    dims = {id(p): plan.shard_dims[f"{name}.{n}"] for n, p in module.named_parameters()
+            if f"{name}.{n}" in plan.shard_dims}
+    return (lambda param: Shard(dims[id(param)]) if id(param) in dims else None) if dims else None
+
+
 def check_no_prefetch(plan: Plan) -> None:
     """An EP plan's expert groups are sharded apart from the rest, whose explicit prefetch lists name groups by
     position: refused rather than prefetching the wrong groups."""
@@ -146,7 +157,8 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
     for name in experts:
         distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
-                    reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, shard))
+                    reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, shard),
+                    shard_placement_fn=_expert_placement(modules[name], name, plan))
         # an expert's grad sums the tokens of every EP rank too: averaged over all data-parallel ranks, not only
         # the EP-reduced mesh FSDP2 reduces over (else it is EP x the unsharded run's)
         modules[name].set_gradient_divide_factor(float(mesh.size() // plan.tp_degree))  # TP ranks share a batch
@@ -155,5 +167,6 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
         if shard > 1 and dist.get_backend(ep.get_group()) == "gloo":
             modules[name].set_force_sum_reduction_for_comms(True)
     rest = plan.replace(groups=[g for g in plan.groups if g.modules[0] not in experts or len(g.modules) > 1],
-                        expert_parallel=None)
+                        expert_parallel=None, shard_dims={k: d for k, d in plan.shard_dims.items()
+                                                          if k.rpartition(".")[0] not in experts})
     return rest

@@ -668,6 +668,14 @@ def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     distribute_module(module, ep_mesh, shard, _dispatch, _combine)
 
 
+def expert_placement(module: nn.Module, name: str) -> Callable[[nn.Parameter], Shard | None] | None:
+    """Shard(dim) for the expert module ``name``'s params SHARD_DIMS names (dim 1 where its E / EP_DEGREE experts
+    are fewer than the ranks sharding them, as torchtitan places experts), once EP made them DTensors; None: all
+    on dim 0."""
+    dims = {id(p): SHARD_DIMS[f"{name}.{n}"] for n, p in module.named_parameters() if f"{name}.{n}" in SHARD_DIMS}
+    return (lambda param: Shard(dims[id(param)]) if id(param) in dims else None) if dims else None
+
+
 def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     """(E, n, dim) rows on this rank -> its local experts' (E / EP, EP x n, dim) rows from every EP rank."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -720,7 +728,8 @@ EP_SPLIT = """    mesh, expert_mesh, ep_mesh = split_expert_mesh(mesh)  # EP: th
     for names, reshard in GROUPS:
         if names[0] in EXPERTS:  # over ep, then sharded over the ranks that hold the same experts
             expert_parallel(modules[names[0]], ep_mesh)
-            fully_shard(modules[names[0]], mesh=expert_mesh, reshard_after_forward=reshard, **expert_kwargs)
+            fully_shard(modules[names[0]], mesh=expert_mesh, reshard_after_forward=reshard,
+                        shard_placement_fn=expert_placement(modules[names[0]], names[0]), **expert_kwargs)
             # its grad sums every EP rank's tokens: averaged over all data-parallel ranks, as the other groups'
             modules[names[0]].set_gradient_divide_factor(float(mesh.size() // EP_TOKEN_SPLIT))  # TP's share a batch
             # gloo has no PREMUL_SUM: SUM, then divide (not over a shard dim of one rank: FSDP2 divides that copy)

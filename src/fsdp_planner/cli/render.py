@@ -506,18 +506,20 @@ def auto_line(search: SearchSummary) -> str:
 
 
 def mesh_line(search: SearchSummary) -> str:
-    """The layouts auto compared (replicate x shard, and the TP degree), each with its best plan's step time and
-    reserved memory: by TP degree, then the widest shard groups first."""
-    def order(name: str) -> tuple[int, int]:
-        mesh, _, tp = name.partition(" x TP ")
-        return int(tp or 1), -int(mesh.partition("x")[2])
+    """The layouts auto compared (replicate x shard, and the TP and EP degrees), each with its best plan's step
+    time and reserved memory: by TP degree, then EP degree, then the widest shard groups first."""
+    def order(name: str) -> tuple[int, int, int]:
+        layout, _, ep = name.partition(", EP ")
+        mesh, _, tp = layout.partition(" x TP ")
+        return int(tp or 1), int(ep or 1), -int(mesh.partition("x")[2])
 
     parts = []
     for layout in sorted(search.layouts, key=lambda m: order(m.name)):
         parts.append(f"{layout.name} {fmt_time(layout.step_time)}"
                      f"{'' if layout.fits else ' (' + fmt_bytes(layout.reserved) + ', does not fit)'}")
     tp = " x TP" if any(" x TP " in x.name for x in search.layouts) else ""
-    return f"  layouts (replicate x shard{tp}): {', '.join(parts)}"
+    ep = ", EP" if any(", EP " in x.name for x in search.layouts) else ""
+    return f"  layouts (replicate x shard{tp}{ep}): {', '.join(parts)}"
 
 
 def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int, collapse: bool = False) -> Table:

@@ -14,9 +14,13 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
-from fsdp_planner.fsdp2.plan import Plan, divisors
+from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.planners.auto import AutoResult
+from fsdp_planner.models import ModelSpec
+from fsdp_planner.planners.auto import AutoResult, ScreenedLayout
+from fsdp_planner.planners.auto.evaluator import Candidate
+from fsdp_planner.planners.blocks import block_instances
+from fsdp_planner.planners.tensor_parallel import TP_DEGREES, check_layout, is_titan_moe, tp_layout
 from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -59,10 +63,12 @@ def ep_degrees(trace: Trace, shard: int) -> list[int]:
     return [d for d in divisors(n) if shard % d == 0]
 
 
-def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0) -> Plan:
+def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.0, shard: int = 0,
+                         placement: ShardPlacement | None = None) -> Plan:
     """``plan`` with EP of ``degree`` over the model's expert modules, each in a group of its own; degree 1: no EP.
     A plan with shard dims gets them again at the experts' own shard ranks (``shard``: the data-parallel shard
-    ranks; the placement rule of ``ShardPlacement.AUTO``)."""
+    ranks; the placement rule of ``ShardPlacement.AUTO``), and so does one without where ``placement`` is AUTO
+    (without EP every param may divide on dim 0, E / EP experts need not)."""
     if degree == 1:
         return plan.replace(expert_parallel=None)
     experts = expert_modules(trace)
@@ -79,10 +85,11 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
                            "): choose one of " + ", ".join(
                                str(d) for d in ep_degrees(trace, shard * tp) if d % tp == 0 and shard % (d // tp) == 0))
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
-    if plan.shard_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
+    auto_dims = bool(plan.shard_dims) or placement is ShardPlacement.AUTO  # (dim 0 may divide without EP only)
+    if auto_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)
         raise PlannerError("expert parallelism with TP and auto shard placement is not modelled yet: plan it with "
                            "the default shard placement (dim 0)")
-    if plan.shard_dims and shard:
+    if auto_dims and shard:
         out = out.replace(shard_dims=shard_dims(ep_view(trace, out).trace, shard, ShardPlacement.AUTO))
     return out
 
@@ -106,17 +113,18 @@ class EPOption:
 
 def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0,
                degrees: tuple[int, ...] = (), views: dict[tuple, Trace] | None = None,
-               without: bool = True) -> list[EPOption]:
+               without: bool = True, placement: ShardPlacement | None = None) -> list[EPOption]:
     """``plan`` (without EP; ``without``: simulated so too, first) under ``degrees`` (default every EP degree the
     model and its shard ranks allow), its expert groups resharded after forward or kept: each simulated. The EP
     screen a search runs after choosing its groups; deterministic, 2 simulations a degree. ``views``: the EP views
     built so far, by EP signature (one per degree, whatever the mesh: a view is one EP rank's step). A plan with TP
-    is screened on one TP rank's view (``trace`` and ``cluster`` that view's)."""
+    is screened on one TP rank's view (``trace`` and ``cluster`` that view's). ``placement``: AUTO shards the
+    experts by auto's rule on their EP view (``with_expert_parallel``)."""
     shard = plan.shard_size(cluster.world_size * (plan.tp_degree if trace.tensor_parallel else 1))
     out = [EPOption(1, False, plan, simulate(trace, plan, cluster, options, timeline=False))] if without else []
     views = {} if views is None else views
     for degree in degrees or ep_degrees(trace, shard)[1:]:
-        ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard)
+        ep_plan = with_expert_parallel(plan, trace, degree, min(skew, degree), shard, placement)
         key = ep_plan.expert_parallel.signature()
         if key not in views:
             views[key] = ep_view(trace, ep_plan).trace
@@ -182,11 +190,32 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
             f"{o.describe()} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
                                                                else f" ({fmt_bytes(o.step.reserved_memory)}, "
                                                                     "does not fit)") for o in _shown(found, result)))
+    # a TP view's lines without EP go: torchtitan's MoE layout has no TP without EP
+    meshes = {**(result.meshes if tp is None or tp.degree == 1 else {}), **_lines(found, result, cluster)}
     if best.degree == 1:
-        return result if best.plan is result.plan else replace(result, plan=best.plan, report=best.step)
+        return replace(result, meshes=meshes) if best.plan is result.plan else \
+            replace(result, plan=best.plan, report=best.step, meshes=meshes)
     label = f"{result.plan.policy}, {best.describe()}"
     return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
-                   fits=bool(fitting))
+                   fits=bool(fitting), meshes=meshes)
+
+
+def _lines(found: list[EPOption], result: AutoResult, cluster: Cluster) -> dict[str, Candidate]:
+    """The EP layouts of the screen as the search's lines name them ("2x32, EP 8"; on a TP view "1x32 x TP 2,
+    EP 8"), each its best option: the fastest that fits, else the one holding least."""
+    tp = result.plan.tensor_parallel
+    out: dict[str, Candidate] = {}
+    for o in sorted(found, key=lambda o: _rank(o, result)):
+        if o.degree > 1:
+            mesh = (o.plan.mesh or Mesh.flat(cluster.world_size)).describe()
+            name = mesh + (f" x TP {tp.degree}" if tp is not None and tp.degree > 1 else "") + f", EP {o.degree}"
+            out.setdefault(name, Candidate(o.plan, o.step, "EP screen"))
+    return out
+
+
+def _rank(o: EPOption, result: AutoResult) -> tuple[bool, float]:
+    fits = result.memory.fits(o.step.reserved_memory)
+    return not fits, o.step.step_time if fits else o.step.reserved_memory
 
 
 def _shown(found: list[EPOption], result: AutoResult) -> list[EPOption]:
@@ -201,4 +230,127 @@ def _shown(found: list[EPOption], result: AutoResult) -> list[EPOption]:
         fitting = [o for o in opts if result.memory.fits(o.step.reserved_memory)]
         out.append(min(fitting, key=lambda o: o.step.step_time) if fitting else
                    min(opts, key=lambda o: o.step.reserved_memory))
+    return out
+
+
+def ep_tp_degrees(trace: Trace, model: ModelSpec, cluster: Cluster, tp: int | None, ep: int | None,
+                  loss_parallel: bool | None = None) -> dict[int, tuple[int, ...]]:
+    """The TP x EP layouts auto screens for a model with torchtitan's MoE layout (``is_titan_moe``): each TP degree
+    above 1 (``tp``: the user's; else each of ``TP_DEGREES`` whose layout passes ``check_layout`` on ``cluster``)
+    with the EP degrees ``--tp N --ep M`` takes (multiples of it that divide the experts, their EP / TP ranks the
+    data-parallel ones: ``ep``, the user's, alone). {} for another model, or where none is left."""
+    if not is_titan_moe(trace):
+        return {}
+    n = expert_count(trace, expert_modules(trace))
+    out = {}
+    for d in (tp,) if tp is not None else TP_DEGREES[1:]:
+        shard = cluster.world_size // d if cluster.world_size % d == 0 else 0
+        degrees = tuple(e for e in ((ep,) if ep is not None else divisors(n))
+                        if e % d == 0 and n % e == 0 and shard and shard % (e // d) == 0)
+        if d > 1 and degrees and _layout_fits(trace, model, cluster, d, degrees[0], loss_parallel):
+            out[d] = degrees
+    return out
+
+
+def _layout_fits(trace: Trace, model: ModelSpec, cluster: Cluster, degree: int, ep: int,
+                 loss_parallel: bool | None) -> bool:
+    """Whether torchtitan's MoE layout of ``degree`` divides what it shards (``check_layout``)."""
+    try:
+        check_layout(trace, tp_layout(trace, degree, model, loss_parallel, ep=ep), cluster,
+                     model.workload().get("seq_len"))
+    except PlannerError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class EPTPScreen:
+    """A TP layout's best classic plan (its screening, ``ScreenedLayout``) under each of its EP degrees: the best
+    option of each degree, the fastest that fits first (else the one holding least)."""
+
+    layout: ScreenedLayout
+    options: tuple[EPOption, ...]
+
+    def lines(self) -> dict[str, Candidate]:
+        """The screen's layouts as the search's lines name them ("1x32 x TP 2, EP 8"), each its best option."""
+        return {self.name(o.plan): Candidate(o.plan, o.step, "EP x TP screen") for o in self.options}
+
+    def name(self, plan: Plan) -> str:
+        """The line of ``plan``'s layout (its data-parallel mesh on this TP layout, and its EP)."""
+        policy = self.layout.policy
+        return f"{policy.layout_name(plan.mesh or Mesh.flat(policy.cluster.world_size))}, EP {plan.ep_degree}"
+
+    def faster(self, searched: AutoResult, label: str) -> AutoResult:
+        """``searched`` (this layout's full search, under EP), or this screen's best option where it is faster
+        within the budget: the search chooses groups and checkpointing without EP, whose smaller experts can
+        leave a classic grouping with fewer blocks checkpointed ahead. ``label``: the search's plan's policy."""
+        best, fits = self.options[0], searched.memory.fits
+        if not fits(best.step.reserved_memory) or (searched.fits and
+                                                   searched.report.step_time <= best.step.step_time):
+            return searched
+        assert self.layout.best is not None
+        checkpointed = len(best.plan.activation_checkpointing)
+        origin = self.layout.best.plan.policy + (f" + checkpoint {checkpointed} blocks" if checkpointed else "")
+        plan = best.plan.replace(policy=f"{label}, {best.describe()}, {origin} grouping (EP x TP screen)",
+                                 model=searched.plan.model, fingerprint=searched.plan.fingerprint,
+                                 numel=searched.plan.numel)  # (the whole model's, not the TP view's)
+        return replace(searched, plan=plan, run=best.plan.run, report=best.step, fits=True)
+
+    def key(self) -> tuple[bool, float]:
+        """Rank: a layout with an option within the budget first, then the fastest."""
+        best = self.options[0]
+        assert self.layout.ev is not None
+        fits = self.layout.ev.memory.fits(best.step.reserved_memory)
+        return not fits, best.step.step_time if fits else best.step.reserved_memory
+
+
+def screen_ep_tp(layout: ScreenedLayout, degrees: tuple[int, ...], options: SimOptions) -> EPTPScreen | None:
+    """``layout``'s best classic grouping under each EP degree of ``degrees`` (on its TP view, the expert groups
+    resharded after forward or kept), each with the fewest leading blocks checkpointed in full that let it fit
+    under EP (its screening chose them without: EP's smaller experts need fewer); the best option of each degree.
+    None where no classic plan runs on the layout."""
+    if layout.best is None or layout.ev is None:
+        return None
+    plan = layout.best.plan
+    plan = plan.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in plan.groups])
+    if layout.policy.checkpointing is None:
+        plan = plan.replace(activation_checkpointing=())
+    # dim-1 sharding (auto's way out) where dim 0 would pad: E / EP experts stacked on dim 0 can be fewer than the
+    # shard ranks
+    placement = ShardPlacement.AUTO if layout.policy.choose_memory_options else None
+    if placement is not None:
+        plan = plan.replace(shard_dims=shard_dims(layout.trace, layout.ev.ctx.shard, placement))
+    views: dict[tuple, Trace] = {}
+    cluster, fits = layout.policy.cluster, layout.ev.memory.fits
+    found = ep_options(layout.trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
+                       without=False, placement=placement)
+    blocks = block_instances(layout.trace) if layout.policy.checkpointing is None else []
+    found = [_checkpointed_to_fit(o, views[o.plan.expert_parallel.signature()], blocks, cluster, options, fits)
+             for o in found]
+    best: dict[int, EPOption] = {}
+    for o in sorted(found, key=lambda o: (not fits(o.step.reserved_memory), o.step.step_time
+                                          if fits(o.step.reserved_memory) else o.step.reserved_memory)):
+        best.setdefault(o.degree, o)
+    return EPTPScreen(layout, tuple(best.values()))
+
+
+def _checkpointed_to_fit(option: EPOption, view: Trace, blocks: list[str], cluster: Cluster, options: SimOptions,
+                         fits: Callable[[int], bool]) -> EPOption:
+    """``option`` with the fewest leading ``blocks`` checkpointed in full that let it fit (a bisection: more blocks
+    checkpointed hold less), all of them where none does; ``view``: its EP view."""
+    if fits(option.step.reserved_memory) or not blocks:
+        return option
+    lo, hi, out = 1, len(blocks), None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        plan = option.plan.replace(activation_checkpointing=tuple(blocks[:mid]))
+        step = simulate(view, plan, cluster, plan_options(plan, options), timeline=False)
+        if fits(step.reserved_memory):
+            out, hi = EPOption(option.degree, option.keep_experts, plan, step), mid - 1
+        else:
+            lo = mid + 1
+    if out is None:  # (the bisection's last step was every block: simulated again, a plan's cost is small)
+        plan = option.plan.replace(activation_checkpointing=tuple(blocks))
+        out = EPOption(option.degree, option.keep_experts, plan,
+                       simulate(view, plan, cluster, plan_options(plan, options), timeline=False))
     return out

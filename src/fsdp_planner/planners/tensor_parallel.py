@@ -66,14 +66,7 @@ def is_titan_moe(trace: Trace) -> bool:
     """Whether the model has the built-in MoE's structure (``models/moe.py``): Llama's attention and norms in each
     block ``layers.N``, its ``moe`` with a ``router.gate`` Linear and grouped ``experts``, under a
     ``tok_embeddings`` Embedding, a final ``norm`` and an ``output`` Linear."""
-    modules = trace.modules
-    blocks = [n for n in modules if n.startswith("layers.") and n.count(".") == 1]
-    names = [*(f"{b}.{name}" for b in blocks for name in _MOE_BLOCK), *_LLAMA_TOP]
-    if not blocks or any(n not in modules for n in names):
-        return False
-    classes = {**_LLAMA_CLASSES, **_MOE_CLASSES}
-    return all(modules[n].cls == classes.get(n.split(".", 2)[-1] if n.startswith("layers.") else n, modules[n].cls)
-               for n in names)
+    return _has_titan_structure(trace, _MOE_BLOCK, {**_LLAMA_CLASSES, **_MOE_CLASSES})
 
 
 def titan_llama_layout(degree: int, loss_parallel: bool = True) -> TensorParallel:
@@ -130,17 +123,28 @@ def is_titan_llama(trace: Trace) -> bool:
     """Whether the model has the built-in Llama's structure (torchtitan's names and module classes): its blocks
     ``layers.N`` each with ``attention.{wq,wk,wv,wo}``, ``feed_forward.{w1,w2,w3}`` and the two norms, under a
     ``tok_embeddings`` Embedding, a final ``norm`` and an ``output`` Linear."""
+    return _has_titan_structure(trace, _LLAMA_BLOCK, _LLAMA_CLASSES)
+
+
+def _has_titan_structure(trace: Trace, block: dict[str, TPStyle], classes: dict[str, str]) -> bool:
+    """Whether every block ``layers.N`` holds ``block``'s modules, under ``_LLAMA_TOP``'s, each module ``classes``
+    names of that class; each Linear / Embedding holding its weight itself (a tied output head shares the
+    embedding's): a wrapped one (peft's LoRA ``Linear`` keeps it in its ``base_layer``) is no module torch's styles
+    parallelize."""
     modules = trace.modules
     blocks = [n for n in modules if n.startswith("layers.") and n.count(".") == 1]
-    names = [*(f"{b}.{name}" for b in blocks for name in _LLAMA_BLOCK), *_LLAMA_TOP]
+    names = [*(f"{b}.{name}" for b in blocks for name in block), *_LLAMA_TOP]
     if not blocks or any(n not in modules for n in names):
         return False
-    classes = {n: _LLAMA_CLASSES.get(n.split(".", 2)[-1] if n.startswith("layers.") else n) for n in names}
-    # each Linear / Embedding holds its weight itself (a tied output head shares the embedding's): a wrapped one
-    # (peft's LoRA ``Linear`` keeps it in its ``base_layer``) is no module torch's styles parallelize
     tied = {o for p in trace.params if p.is_shared for o in p.owners}
-    return all(modules[n].cls == cls and (f"{n}.weight" in modules[n].params or n in tied)
-               for n, cls in classes.items() if cls is not None)
+    for n in names:
+        cls = classes.get(n.split(".", 2)[-1] if n.startswith("layers.") else n)
+        if cls is None:
+            continue
+        owns = cls not in ("Linear", "Embedding") or f"{n}.weight" in modules[n].params or n in tied
+        if modules[n].cls != cls or not owns:
+            return False
+    return True
 
 
 def _titan_layout(trace: Trace, degree: int, loss_parallel: bool) -> Layout:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -19,10 +20,17 @@ from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
-from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
+from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, infeasible_message
+from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
 from fsdp_planner.planners.blocks import default_block_class
-from fsdp_planner.planners.expert_parallel import expert_modules, with_auto_ep, with_expert_parallel
+from fsdp_planner.planners.expert_parallel import (
+    ep_tp_degrees,
+    expert_modules,
+    screen_ep_tp,
+    with_auto_ep,
+    with_expert_parallel,
+)
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.planners.tensor_parallel import TPChoice, check_layout, tp_degrees, tp_layout
 from fsdp_planner.service.job import PlanJob
@@ -113,18 +121,20 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
         reporter.note(f"--memory-budget {fmt_bytes(request.memory_budget)} is more than one {cluster.gpu.name} "
                       f"holds ({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
     spec = as_spec(model)
-    ep = request.ep or 1
-    if ep > 1 and request.tp is None:  # EP with TP is not modelled: auto's TP choice stays out
-        request = dataclasses.replace(request, tp=1)
-    layouts = auto_layouts(tr, request, spec, cluster, options, reporter, tracer or _spec_tracer)
-    with reporter.progress(f"auto: searching plans for {cluster.name}"):
-        policy = make_policy(request, cluster, options, layouts)
-        assert isinstance(policy, AutoPolicy)
-        result = policy.search(tr, str(model))
-        if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
-            result = with_auto_ep(result, tr, cluster, options, (ep,))
-        elif request.ep is None and result.plan.tp_degree == 1 and expert_modules(tr):  # auto's own EP screen
-            result = with_auto_ep(result, tr, cluster, options, (), reporter.note)
+    tracer = tracer or _spec_tracer
+    ep_tp = _ep_tp_layouts(tr, request, spec, cluster)
+    if ep_tp and request.tp is not None:  # --tp N alone on an MoE model: the EP degrees at that TP, screened
+        (degrees,) = ep_tp.values()
+        layouts = auto_layouts(tr, dataclasses.replace(request, ep=degrees[0]), spec, cluster, options, reporter,
+                               tracer)
+        with reporter.progress(f"auto: searching plans for {cluster.name}"):
+            policy = make_policy(request, cluster, options, layouts)
+            assert isinstance(policy, AutoPolicy)
+            result = with_auto_ep(policy.search(tr, str(model)), tr, cluster, options, degrees, reporter.note)
+    else:
+        result = _auto_search(tr, request, spec, cluster, options, reporter, tracer)
+        if ep_tp:  # auto's own EP x TP screen beside it
+            result = _with_ep_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp)
     degree = result.plan.tp_degree
     if request.tp is None and degree > 1 and result.fits:  # (a result over the budget is an error)
         batch = spec.workload()["batch_size"]
@@ -132,6 +142,98 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
                       f"step's {batch * cluster.world_size:,} sequences of batch {batch:,} per GPU kept); "
                       f"with --tp {degree} give --batch {batch * degree:,} for the same job")
     return result
+
+
+def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster, options: SimOptions,
+                       reporter: Reporter, tracer: Tracer) -> AutoResult:
+    """Auto's search over the TP layouts of ``auto_layouts`` (an MoE model's EP x TP layouts apart, ``_with_ep_tp``:
+    with ``--ep``, none), then its EP screen: the EP asked for, or without ``--ep`` each degree (with no TP only)."""
+    ep = request.ep or 1
+    if ep > 1 and request.tp is None:  # EP x TP: torchtitan's MoE layout only, screened by ``_with_ep_tp``
+        request = dataclasses.replace(request, tp=1)
+    layouts = auto_layouts(tr, request, spec, cluster, options, reporter, tracer)
+    with reporter.progress(f"auto: searching plans for {cluster.name}"):
+        policy = make_policy(request, cluster, options, layouts)
+        assert isinstance(policy, AutoPolicy)
+        result = policy.search(tr, spec.name)
+        if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
+            result = with_auto_ep(result, tr, cluster, options, (ep,))
+        elif request.ep is None and result.plan.tp_degree == 1 and expert_modules(tr):  # auto's own EP screen
+            result = with_auto_ep(result, tr, cluster, options, (), reporter.note)
+    return result
+
+
+def _ep_tp_layouts(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster) -> dict[int, tuple[int, ...]]:
+    """The EP x TP layouts auto screens itself (TP degree -> EP degrees, ``ep_tp_degrees``): for a model with
+    torchtitan's MoE layout, unless both degrees are given, one of them is 1, or the mesh or the FSDP1 target
+    fixes the layout; without ``--tp`` only where the batch is known (TP d is judged at d times it)."""
+    if request.target is not Target.FSDP2 or request.mesh is not None or 1 in (request.tp, request.ep) or \
+            (request.tp is not None and request.ep is not None) or not expert_modules(tr):
+        return {}
+    if request.tp is None and not spec.workload().get("batch_size"):
+        return {}
+    try:
+        return ep_tp_degrees(tr, spec, cluster, request.tp, request.ep, request.loss_parallel)
+    except PlannerError:  # experts of several counts: EP only as the user names it
+        return {}
+
+
+def _with_ep_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster,
+                options: SimOptions, reporter: Reporter, tracer: Tracer, ep_tp: dict[int, tuple[int, ...]]
+                ) -> AutoResult:
+    """``result`` (no TP) or the best of auto's EP x TP layouts, whichever is faster within the budget. Each TP
+    degree d is traced at d times the batch per data-parallel rank (the same step), screened by its best classic
+    plan under each of its EP degrees (``screen_ep_tp``); the best layout is searched in full and its groups
+    screened under its EP degrees (``with_auto_ep``). Every layout's line is kept: the searched ones', each
+    screened one's best option."""
+    started = time.perf_counter()
+    batch = spec.workload()["batch_size"]
+    choices = tuple(TPChoice(tp_layout(tr, d, spec, request.loss_parallel, request.async_tp, degrees[0]).tp,
+                             tracer(dataclasses.replace(spec, batch_size=batch * d), options))
+                    for d, degrees in ep_tp.items())
+    with reporter.progress(f"auto: screening EP x TP layouts for {cluster.name}"):
+        policy = make_policy(dataclasses.replace(request, tp=None), cluster, options, choices)
+        assert isinstance(policy, AutoPolicy)
+        screens = [x for x in (screen_ep_tp(s, degrees, options) for s, degrees in
+                               zip(policy.screen_layouts(tr, spec.name), ep_tp.values(), strict=True))
+                   if x is not None and x.options]
+    lines = {**result.meshes, **{name: c for x in screens for name, c in x.lines().items()}}
+    best = min(screens, key=lambda x: x.key(), default=None)
+    if best is None or (best.key()[0] and result.fits):
+        return dataclasses.replace(result, meshes=lines)
+    choice = choices[[c.tp.degree for c in choices].index(best.layout.policy.on_layout.degree)]
+    with reporter.progress(f"auto: searching plans for {cluster.name} with {choice.tp.describe()}"):
+        searched = _full_search(best.layout, spec.name)
+        found = with_auto_ep(searched, choice.trace, cluster, options, ep_tp[choice.tp.degree])
+    found = best.faster(found, searched.plan.policy)
+    for name, c in found.meshes.items():  # its EP screen's lines, of its searched groups, where faster
+        if name not in lines or _ahead(c, lines[name], found):
+            lines[name] = c
+    lines[best.name(found.plan)] = Candidate(found.plan, found.report, "auto")
+    chosen = min((result, found), key=lambda r: (not r.fits, r.report.step_time if r.fits else
+                                                 r.report.reserved_memory))
+    return dataclasses.replace(chosen, meshes=lines, evaluated=result.evaluated + found.evaluated,
+                               seconds=result.seconds + time.perf_counter() - started)
+
+
+def _full_search(layout: ScreenedLayout, model: str) -> AutoResult:
+    """An EP x TP layout searched in full. Where auto chooses the memory options, it starts with dim-1 sharding
+    where dim 0 would pad, as its screen did (E / EP experts can be fewer than the shard ranks; the search, on the
+    view without EP, would find that only after a search with dim 0: twice the time)."""
+    policy = layout.policy
+    if not policy.choose_memory_options or policy.options.offload or \
+            policy.options.shard_placement is not ShardPlacement.DIM0:
+        return layout.search(model)
+    dim1 = dataclasses.replace(policy, options=policy.options.with_memory_options(False, ShardPlacement.AUTO))
+    return dim1.search(layout.trace, model)
+
+
+def _ahead(c: Candidate, other: Candidate, result: AutoResult) -> bool:
+    """Whether ``c`` ranks before ``other``: within the budget first, then the faster (else the smaller)."""
+    def key(x: Candidate) -> tuple[bool, float]:
+        fits = result.memory.fits(x.report.reserved_memory)
+        return not fits, x.report.step_time if fits else x.report.reserved_memory
+    return key(c) < key(other)
 
 
 def _spec_tracer(spec: ModelSpec, options: SimOptions) -> Trace:

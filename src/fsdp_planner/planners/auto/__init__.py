@@ -241,33 +241,35 @@ class AutoPolicy:
         the best's, and the layout without TP always. Each layout's line keeps its best plan, searched or
         screened."""
         started = time.perf_counter()
-        views = [self._on_tp(choice.trace or trace, choice.tp) for choice in self.tensor_parallel]
-        if len(views) == 1:
-            policy, view = views[0]
+        if len(self.tensor_parallel) == 1:
+            policy, view = self._on_tp(self.tensor_parallel[0].trace or trace, self.tensor_parallel[0].tp)
             return policy.search(view, model)
-        screened = []
-        for policy, view in views:
-            found = policy._screen(view, model)
-            if found is not None:
-                screened.append((found[0], found[1], policy, view, found[2]))
+        layouts = self.screen_layouts(trace, model)
+        screened = sorted((s for s in layouts if s.best is not None), key=lambda s: s.key)
         if not screened:  # no classic plan runs on any layout: the no-TP search says why
-            policy, view = views[0]
-            return policy.search(view, model)
-        screened.sort(key=lambda s: s[0])
-        fastest = screened[0][1].report.step_time
+            return layouts[0].search(model)
+        fastest = screened[0].step_time
         chosen = [s for i, s in enumerate(screened[:TP_SEARCHES])
-                  if i == 0 or (s[0][0] == 0 and s[1].report.step_time <= fastest * (1 + TP_SLACK))]
+                  if i == 0 or (s.key[0] == 0 and s.step_time <= fastest * (1 + TP_SLACK))]
         # the layout without TP is always searched in full too, so auto never does worse than without TP: its
         # screening (classic plans) can miss what its search finds (toy-llama within 3 MiB on h100:64: screened
         # behind TP 2, searched 1.5% faster than TP 2's best)
-        chosen += [s for s in screened if s[2].on_layout is None and s not in chosen]
-        results = [policy.search(view, model, screened=ev) for _, _, policy, view, ev in chosen]
+        chosen += [s for s in screened if s.policy.on_layout is None and s not in chosen]
+        results = [s.search(model) for s in chosen]
         best = min(results, key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
         lines = {name: c for r in results for name, c in r.meshes.items()}
-        lines.update({s[2].layout_name(s[1].plan.mesh or Mesh.flat(s[2].cluster.world_size)): s[1]
-                      for s in screened if s not in chosen})
+        lines.update({s.name: s.best for s in screened if s not in chosen})
         evaluated = sum(r.evaluated for r in results) + len(screened) - len(chosen)
         return replace(best, meshes=lines, evaluated=evaluated, seconds=time.perf_counter() - started)
+
+    def screen_layouts(self, trace: Trace, model: str) -> list[ScreenedLayout]:
+        """Each TP layout of ``tensor_parallel`` (none: no TP) screened on one TP rank's view, in their order."""
+        out = []
+        for choice in self.tensor_parallel or (TPChoice(TensorParallel(1)),):
+            policy, view = self._on_tp(choice.trace or trace, choice.tp)
+            found = policy._screen(view, model)
+            out.append(ScreenedLayout(policy, view, *(found or ())))
+        return out
 
     def _on_tp(self, trace: Trace, tp: TensorParallel) -> tuple[AutoPolicy, Trace]:
         """This search on the view of one TP rank under ``tp`` (degree 1: the whole trace, no TP)."""
@@ -504,6 +506,35 @@ class AutoPolicy:
         if self.memory_budget is not None:
             return MemoryBudget.explicit(self.memory_budget, gpu.memory_bytes, gpu.name)
         return MemoryBudget.of_gpu(gpu.memory_bytes, gpu.name, self.headroom)
+
+
+@dataclass(frozen=True, eq=False)  # (one layout is itself: compared by identity)
+class ScreenedLayout:
+    """One TP layout of a search, screened (``AutoPolicy.screen_layouts``): the search on its view (``policy``,
+    ``trace``: one TP rank's), its best classic plan with the fewest checkpointed blocks that let it fit, that
+    plan's rank key, and the evaluator that simulated it, which a full search goes on with (``best`` None: no
+    classic plan runs)."""
+
+    policy: AutoPolicy
+    trace: Trace
+    key: tuple = ()
+    best: Candidate | None = None
+    ev: Evaluator | None = None
+
+    @property
+    def step_time(self) -> float:
+        assert self.best is not None
+        return self.best.report.step_time
+
+    @property
+    def name(self) -> str:
+        """The layout as the search's lines name it (its best classic plan's data-parallel mesh, and TP)."""
+        assert self.best is not None
+        return self.policy.layout_name(self.best.plan.mesh or Mesh.flat(self.policy.cluster.world_size))
+
+    def search(self, model: str) -> AutoResult:
+        """The full search of this layout, going on with what its screening simulated."""
+        return self.policy.search(self.trace, model, screened=self.ev)
 
 
 def fits_unchecked(ev: Evaluator) -> bool:
