@@ -18,6 +18,7 @@ from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, check_int_reshard_on_dim0, check_plan_world_size
 from fsdp_planner.fsdp2.precision import full_precision_policy
 from fsdp_planner.fsdp2.validity import check_forward_methods
+from fsdp_planner.models.hf import own_checkpointing_off
 from fsdp_planner.trace.walk import model_fingerprint
 
 
@@ -92,6 +93,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
     check_int_reshard_on_dim0(plan)
+    own_checkpointing_off(model)  # transformers' gradient checkpointing: the plan's checkpointing replaces it
     if mesh is None:
         import torch.distributed as dist
 
