@@ -93,7 +93,6 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
     check_int_reshard_on_dim0(plan)
-    own_checkpointing_off(model)  # transformers' gradient checkpointing: the plan's checkpointing replaces it
     if mesh is None:
         import torch.distributed as dist
 
@@ -107,7 +106,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     if plan.tensor_parallel is not None:
         apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel)
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
-    # before fully_shard, as torchtitan does
+    own_checkpointing_off(model)  # transformers' own: the plan's, before fully_shard as torchtitan's, replaces it
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
     apply_offloading(model, plan.activation_offloading)
     apply_compile(model, plan.compiled)  # after checkpointing, before fully_shard, as torchtitan does
