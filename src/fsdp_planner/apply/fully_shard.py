@@ -18,6 +18,7 @@ from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, check_int_reshard_on_dim0, check_plan_world_size
 from fsdp_planner.fsdp2.precision import full_precision_policy
 from fsdp_planner.fsdp2.validity import check_forward_methods
+from fsdp_planner.models.hf import own_checkpointing_off
 from fsdp_planner.trace.walk import model_fingerprint
 
 
@@ -105,7 +106,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     if plan.tensor_parallel is not None:
         apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel)
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
-    # before fully_shard, as torchtitan does
+    own_checkpointing_off(model)  # transformers' own: the plan's, before fully_shard as torchtitan's, replaces it
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
     apply_offloading(model, plan.activation_offloading)
     apply_compile(model, plan.compiled)  # after checkpointing, before fully_shard, as torchtitan does

@@ -219,6 +219,8 @@ class LoadedModel:
     model: nn.Module
     example_inputs: Any
     loss_fn: Callable[[Any], torch.Tensor] | None
+    own_checkpointing: tuple[str, ...] = ()  # the layers transformers' gradient checkpointing took, now off
+    # (``hf.own_checkpointing_off``: the plan checkpoints)
 
 
 def exit_message(e: SystemExit, while_doing: str) -> str:
@@ -342,7 +344,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
                            "False): FSDP plans are for training; leave some parameters trainable")
     if meta:
         inputs = _onto_meta(model, inputs)
-    return LoadedModel(spec, model, inputs, loss_fn)
+    return LoadedModel(spec, model, inputs, loss_fn, hf.own_checkpointing_off(model))
 
 
 def _onto_meta(model: nn.Module, inputs: Any) -> Any:

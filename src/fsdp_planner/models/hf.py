@@ -372,6 +372,21 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     return model.train()
 
 
+def own_checkpointing_off(model: nn.Module) -> tuple[str, ...]:
+    """The layers transformers' ``gradient_checkpointing_enable()`` checkpoints in ``model`` (its
+    ``GradientCheckpointingLayer`` blocks with the flag on), turned off (``gradient_checkpointing_disable()``): the
+    planner plans the checkpointing itself. Left on, the model's own ``torch.utils.checkpoint`` would nest inside
+    the plan's, and its recomputation runs outside the trace's modes (SDPA there takes another kernel). Empty for a
+    model that is not a transformers model or does not checkpoint."""
+    disable = getattr(model, "gradient_checkpointing_disable", None)
+    if getattr(model, "is_gradient_checkpointing", False) is not True or not callable(disable):
+        return ()
+    layers = tuple(name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True
+                   and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__))
+    disable()
+    return layers
+
+
 def attention_of(model: nn.Module) -> str | None:
     """The attention implementation transformers built ``model`` with (None: not a transformers model)."""
     config = getattr(model, "config", None)

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.models.hf import own_checkpointing_off
 from fsdp_planner.models.on_meta import meta_init
 from fsdp_planner.patching import patched
 from fsdp_planner.trace.recorder import default_loss
@@ -65,6 +66,7 @@ def build_fake(factory: Callable[[], tuple], spec: str, mode: FakeTensorMode) ->
 
 
 def _as_fake_model(built: tuple) -> FakeModel:
+    own_checkpointing_off(built[0])  # the plan checkpoints, as apply_plan has it (``hf.own_checkpointing_off``)
     return FakeModel(built[0], built[1], built[2] if len(built) == 3 else default_loss)
 
 

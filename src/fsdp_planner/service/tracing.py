@@ -46,7 +46,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
         if isinstance(e, CheckpointError):
             raise PlannerError(f"tracing '{spec}' failed: {SELF_CHECKPOINTING}") from e
         raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
-    for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0])):
+    for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0]),
+                 own_checkpointing_note(lm.own_checkpointing)):
         if line:
             note(line)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
@@ -95,6 +96,15 @@ def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:
 SELF_CHECKPOINTING = ("the model calls torch.utils.checkpoint itself, which the planner's trace cannot replay yet "
                       "(CheckpointError: a different number of tensors saved in recomputation): build it without its "
                       "own checkpointing and plan the checkpointing with --ac full or --ac op instead")
+
+
+def own_checkpointing_note(layers: tuple[str, ...]) -> str | None:
+    """What the planner did with the model's own transformers gradient checkpointing (``hf.own_checkpointing_off``)."""
+    if not layers:
+        return None
+    return (f"the model turns on transformers' gradient checkpointing ({len(layers)} layers, '{layers[0]}' first): "
+            "the plan checkpoints instead (--ac full checkpoints the same blocks; auto chooses) and apply_plan turns "
+            "the model's off (gradient_checkpointing_disable()), so the two never nest")
 
 
 def model_error(e: Exception) -> str:
