@@ -35,6 +35,8 @@ Mixtral 8x7B): each expert column at its fastest of none, dim-1 sharding (``--sh
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import platform
@@ -643,6 +645,58 @@ def moe_row(model: str, gpus: int) -> dict:
     return judge(r, result, {})
 
 
+# torchtitan's 405B job as it ships (torchtitan/models/llama3/config_registry.py, the last llama3_405b.toml): TP 8
+# with async TP, torch.compile of the blocks, float8 (tensorwise), full checkpointing, local batch 8 (one sequence
+# of 8192 tokens per GPU), here on 512 H100s; auto given the same compile, float8 and async TP choices (numerics and
+# compile time are the user's), as the CLI plans: both through the CLI's JSON, as a user runs them.
+SHIPPED = ("llama3-405b", 512)
+SHIPPED_FLAGS = ("--compile", "--float8", "tensorwise", "--async-tp")
+
+
+def cli_json(args: list[str]) -> dict:
+    """``fsdp-planner ARGS --json``'s document (in this process)."""
+    from fsdp_planner.cli import main as cli_main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rc = cli_main([*args, "--json"])
+    if rc != 0:
+        raise SystemExit(f"fsdp-planner {' '.join(args)} exited {rc}")
+    return json.loads(out.getvalue())
+
+
+def shipped_row(model: str, gpus: int) -> dict:
+    """torchtitan's shipped configuration (SHIPPED_FLAGS, TP 8, full AC) beside auto with the same flags."""
+    cluster = f"h100:{gpus}"
+    titan = cli_json(["simulate", model, "--policy", "titan", "--ac", "full", "--tp", str(EXPERT_TP), "--batch",
+                      str(EXPERT_TP), "--cluster", cluster, *SHIPPED_FLAGS])
+    doc = cli_json(["plan", model, "--policy", "auto", "--cluster", cluster, *SHIPPED_FLAGS])
+    auto = doc["plans"][0]
+    tp = (auto["plan"].get("tensor_parallel") or {}).get("degree", 1)
+    return {"model": model, "cluster": cluster, "budget": doc["auto"]["budget"],
+            "titan": {k: titan[k] for k in ("step_time", "exposed_comm", "reserved_memory")},
+            "auto": {**{k: auto["simulation"][k] for k in ("step_time", "exposed_comm", "reserved_memory")},
+                     "mesh": auto["simulation"]["mesh"], "tp": tp}}
+
+
+def shipped_lines(r: dict) -> list[str]:
+    t, a = r["titan"], r["auto"]
+    gain = 1 - a["step_time"] / t["step_time"]
+    return [
+        "### torchtitan's 405B job as it ships", "",
+        f"torchtitan's llama3 405B configuration (config_registry.py; its last TOML the same): TP 8 with async TP, "
+        f"torch.compile of the blocks, float8 (tensorwise, float8 all-gather), every block checkpointed in full, "
+        f"local batch 8, here on {r['cluster'].split(':')[1]} H100s; auto given the same choices "
+        f"(`fsdp-planner plan {r['model']} --policy auto --cluster {r['cluster']} {' '.join(SHIPPED_FLAGS)}`). "
+        "Step / exposed communication / reserved per rank.", "",
+        "| model | GPUs | torchtitan as shipped (TP 8) | auto, same flags | auto layout | winner |",
+        "|---|---|---|---|---|---|",
+        f"| {r['model']} | {r['cluster'].split(':')[1]} | {fmt_time(t['step_time'])} / {fmt_time(t['exposed_comm'])} / "
+        f"{fmt_bytes(t['reserved_memory'])} | {fmt_time(a['step_time'])} / {fmt_time(a['exposed_comm'])} / "
+        f"{fmt_bytes(a['reserved_memory'])} | {a['mesh']} x TP {a['tp']} | "
+        + (f"auto, {gain:.1%} faster" if gain > 0 else f"torchtitan, {-gain:.1%} faster") + " |", ""]
+
+
 def two_d_table(rows: list[dict], columns: list[str]) -> list[str]:
     """A 2-D table: per row the expert's configurations, auto, its layout and checkpointing, throughput, winner."""
     lines = ["| model | GPUs | " + " | ".join([*columns, "auto"]) + " | auto layout | auto AC | tokens/s/GPU | MFU "
@@ -666,10 +720,13 @@ def two_d_main() -> None:
     for model, gpus in MOE_ROWS:
         moe.append(moe_row(model, gpus))
         print(f"{model} h100:{gpus}: {verdict(moe[-1])} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    shipped = shipped_row(*SHIPPED)
+    print(f"{SHIPPED[0]} h100:{SHIPPED[1]} as shipped: {shipped} ({time.perf_counter() - started:.0f} s)",
+          file=sys.stderr)
     elapsed = time.perf_counter() - started
     out = Path(__file__).parent
-    (out / "plan_quality_2d.json").write_text(json.dumps({"rows": rows, "moe_rows": moe, "seconds": elapsed},
-                                                          indent=1) + "\n")
+    (out / "plan_quality_2d.json").write_text(json.dumps({"rows": rows, "moe_rows": moe, "shipped": shipped,
+                                                          "seconds": elapsed}, indent=1) + "\n")
     lines = [
         TWO_D_START, "", "## 2-D layouts: FSDP2 with tensor parallelism", "",
         f"Measured by `python benchmarks/plan_quality.py --two-d` ({elapsed:.0f} s on {platform.machine()}, load "
@@ -696,6 +753,7 @@ def two_d_main() -> None:
         "experts' groups unsharded after forward (their backward all-gathers saved), which no column here does: "
         "part of its lead is that choice, open to a hand config too.", "",
         *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST)]), "",
+        *shipped_lines(shipped),
         summary_line([*rows, *moe]),
     ]
     md = out / "plan_quality.md"
