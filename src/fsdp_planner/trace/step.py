@@ -168,6 +168,16 @@ class StepRecorder:
                 t.untyped_storage()) not in self.saved_storages and StorageWeakRef(
                 t.untyped_storage()) not in self.static_storages)
 
+    def temporary(self, tensors: Iterable[torch.Tensor]) -> int:
+        """A forward op's outputs inside the model, tracked as temporaries (``Temporaries``) unless their storage
+        is counted elsewhere: a param's or a buffer's, a saved one, or one a call's ``inputs_nbytes`` counted (a
+        checkpoint holds it). Returns the temporaries' bytes alive now (``Event.live``)."""
+        self.temporaries.track(t for t in tensors if self.unclaimed(StorageWeakRef(t.untyped_storage())))
+        return self.temporaries.current
+
+    def unclaimed(self, ref: StorageWeakRef) -> bool:
+        return ref not in self.static_storages and ref not in self.saved_storages and ref not in self.input_storages
+
     def packed(self, ref: StorageWeakRef) -> None:
         """A storage packed for backward in forward leaves the frame's count; each open call notes what its frame
         holds now, at its latest pack (where a recomputation of it stops, ``Event.held``)."""
@@ -209,6 +219,7 @@ class StepRecorder:
             ref = StorageWeakRef(t.untyped_storage())
             if ref not in self.static_storages and ref not in self.input_storages:
                 self.input_storages.add(ref)
+                self.temporaries.forget(ref)  # counted here from now on (a checkpointed call's inputs)
                 nbytes += t.untyped_storage().nbytes()
         return nbytes
 
@@ -373,17 +384,14 @@ class Temporaries:
         self._sizes: dict[int, int] = {}  # storage (``StorageWeakRef.cdata``) -> bytes
         self._refs: dict[int, weakref.ref] = {}
 
-    def track(self, tensors: Iterable[Any]) -> None:
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
-            # integer and boolean only: a floating output may need a gradient (autograd sets ``requires_grad``
-            # after the dispatch that sees it), and activations are counted as saved, inputs or gradient flow
-            if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
-                storage = t.untyped_storage()
-                key = StorageWeakRef(storage).cdata
-                if key not in self._sizes:
-                    self._sizes[key] = storage.nbytes()
-                    self.current += self._sizes[key]
-                    self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
+            storage = t.untyped_storage()
+            key = StorageWeakRef(storage).cdata
+            if key not in self._sizes:
+                self._sizes[key] = storage.nbytes()
+                self.current += self._sizes[key]
+                self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
 
     def forget(self, ref: StorageWeakRef) -> int:
         """A storage saved for backward: an activation from now on, counted as one. Returns the bytes it held here."""
