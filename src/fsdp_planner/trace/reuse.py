@@ -425,16 +425,17 @@ class BlockReuse:
             if key is None:
                 return forward(*args, **kwargs)
             template = self.templates.get(key)
+            outlived: list[weakref.ref] = []  # temporaries a recording made that outlive it (``outlived``)
             if template is None:
-                template = self.templates[key] = self._record(r, forward, leaves, inputs, structure)
+                template = self.templates[key] = self._record(r, forward, leaves, inputs, structure, outlived)
             elif template.reusable and not template.confirmed:
                 # The second identical call is recorded too: a forward that reads state its first call changed
                 # (a cache it filled, a counter) records differently, and is then traced, not replayed.
                 template.confirmed = True
-                template.reusable = self._record(r, forward, leaves, inputs, structure) == template
-            if not template.reusable:
-                return forward(*args, **kwargs)
-            return self._replay(r, template, leaves, inputs)
+                template.reusable = self._record(r, forward, leaves, inputs, structure, outlived) == template
+            out = self._replay(r, template, leaves, inputs) if template.reusable else forward(*args, **kwargs)
+            self.slot.recorder.outlived(outlived)
+            return out
 
         return run
 
@@ -467,7 +468,7 @@ class BlockReuse:
 
     # -- recording a template -------------------------------------------------------------------------------
     def _record(self, r: _Repeated, forward: Callable[..., Any], leaves: list, inputs: dict[int, _Input],
-                structure: Structure) -> Template:
+                structure: Structure, outlived: list[weakref.ref]) -> Template:
         main = self.slot.recorder
         log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, main.static_storages)
         self.active, self.slot.recorder = False, NULL
@@ -505,6 +506,7 @@ class BlockReuse:
                     log.template.reusable = False  # a stand-in in backward: replayed in forward, out of order
         finally:
             log.unwatch()
+            outlived.extend(log.temporaries.alive())
             self.active, self.slot.recorder, self.slot.produced = True, main, None
             # the replay (or the full call, for a template not used) tells the stand-in, not the recording
             self.routing.used, self.routing.experts, self.routing.per_expert = before

@@ -175,6 +175,14 @@ class StepRecorder:
         self.temporaries.track(t for t in tensors if self.unclaimed(StorageWeakRef(t.untyped_storage())))
         return self.temporaries.current
 
+    def outlived(self, storages: Iterable[weakref.ref]) -> None:
+        """Temporaries a template's recording made (``reuse.py``) that outlived the call (a mask a cache keeps):
+        the step's from now on, as they are when the call is traced in it."""
+        for ref in storages:
+            storage = ref()
+            if storage is not None and self.unclaimed(StorageWeakRef(storage)):
+                self.temporaries.track_storage(storage)
+
     def unclaimed(self, ref: StorageWeakRef) -> bool:
         return ref not in self.static_storages and ref not in self.saved_storages and ref not in self.input_storages
 
@@ -386,12 +394,18 @@ class Temporaries:
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
-            storage = t.untyped_storage()
-            key = StorageWeakRef(storage).cdata
-            if key not in self._sizes:
-                self._sizes[key] = storage.nbytes()
-                self.current += self._sizes[key]
-                self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
+            self.track_storage(t.untyped_storage())
+
+    def track_storage(self, storage: torch.UntypedStorage) -> None:
+        key = StorageWeakRef(storage).cdata
+        if key not in self._sizes:
+            self._sizes[key] = storage.nbytes()
+            self.current += self._sizes[key]
+            self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
+
+    def alive(self) -> list[weakref.ref]:
+        """The storages tracked and alive, held weakly."""
+        return list(self._refs.values())
 
     def forget(self, ref: StorageWeakRef) -> int:
         """A storage saved for backward: an activation from now on, counted as one. Returns the bytes it held here."""
