@@ -237,6 +237,7 @@ class ActionLog(StepRecorder):
             slots.append(self.slots[p])
         self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, grad_live, ()))
         self.last_op = len(self.template.backward) - 1 if self.backward else -1
+        self.new_inputs.clear()
 
     def pack(self) -> None:
         if not self.backward:
@@ -261,7 +262,7 @@ class ActionLog(StepRecorder):
         self.saved_storages.add(ref)
         self.saved.append((len(self.template.forward), ref, nbytes))
         self.watch_saved(storage, nbytes)
-        unsaved = self.temporaries.forget(ref)  # as ``StepRecorder.save``: the saving op counted it alive
+        unsaved = self.unsaved(ref)  # as ``StepRecorder.save``: the saving op counted it alive
         last = next((i for i in range(len(self.template.forward) - 1, -1, -1)
                      if self.template.forward[i][0] == "op"), None)
         if unsaved and last is not None:

@@ -38,6 +38,9 @@ class StepRecorder:
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
         self.temporaries = Temporaries()
+        # temporaries that became a call's inputs since the last op (``inputs_nbytes``): a save of one before the
+        # next op takes it off that op's live too, as a save of a temporary does (``unsaved``)
+        self.new_inputs: dict[StorageWeakRef, int] = {}
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
@@ -74,6 +77,7 @@ class StepRecorder:
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0) -> None:
         self.last_op = len(self.events)
+        self.new_inputs.clear()
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
                                  backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
                                  kernel=kernel, grad_live=grad_live))
@@ -130,6 +134,7 @@ class StepRecorder:
                             for params, flops, nbytes, op_class, out_nbytes, kernel, live, grad_live, freed
                             in batch])
         self.last_op = len(self.events) - 1
+        self.new_inputs.clear()
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
         """The storages (and bytes) the op just recorded made in backward, in case one becomes a param's grad."""
@@ -207,12 +212,16 @@ class StepRecorder:
             return
         self.saved_storages.add(ref)
         # a temporary until now: the op that saves it counted it alive, and charges it as saved instead
-        unsaved = self.temporaries.forget(ref)
+        unsaved = self.unsaved(ref)
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
             return
         e = self.events[self.last_op]
         self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
         self.watch_saved(storage, nbytes)
+
+    def unsaved(self, ref: StorageWeakRef) -> int:
+        """Bytes of a storage just saved that the last op counted as a temporary (``Event.live``)."""
+        return self.temporaries.forget(ref) or self.new_inputs.pop(ref, 0)
 
     def pack(self) -> None:
         """A tensor packed for backward in forward: marks the last event (``Event.packs``), not the last op, so that
@@ -227,7 +236,10 @@ class StepRecorder:
             ref = StorageWeakRef(t.untyped_storage())
             if ref not in self.static_storages and ref not in self.input_storages:
                 self.input_storages.add(ref)
-                self.temporaries.forget(ref)  # counted here from now on (a checkpointed call's inputs)
+                # counted here from now on (a checkpointed call's inputs), no longer as a temporary
+                forgotten = self.temporaries.forget(ref)
+                if forgotten:
+                    self.new_inputs[ref] = forgotten
                 nbytes += t.untyped_storage().nbytes()
         return nbytes
 
