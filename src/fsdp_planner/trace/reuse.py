@@ -682,7 +682,7 @@ def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]],
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
     """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel,
-    integer temporaries, gradient bytes, saved bytes freed by the saving call), ...])
+    temporaries, gradient bytes, saved bytes freed by the saving call), ...])
     action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""
