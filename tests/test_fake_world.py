@@ -334,3 +334,20 @@ def test_gradients_summed_over_a_scan_make_its_backward_peak() -> None:
     predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
     measured = run_fake_world(f"{SCAN}:scan_net", plan, 8, options.precision)
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
+
+
+LOSS_IN_FORWARD = str(Path(__file__).parent / "fixtures" / "loss_in_forward.py")
+
+
+def test_float_temporaries_at_a_loss_inside_the_model_are_counted() -> None:
+    """Issue 39 (a transformers Llama given labels, auto on 8 fake ranks: -12.6%): a loss computed in the model's
+    forward holds the compute-dtype logits and their fp32 copy, neither saved for backward; the trace counts them
+    alive at the loss's ops (``Temporaries``), and no storage counted as saved, as a call's input or a param."""
+    from tests.fixtures.loss_in_forward import SEQ, VOCAB
+
+    tr = _traced(f"{LOSS_IN_FORWARD}:loss_in_forward", SimOptions.named("bf16-mixed"))
+    logits = 2 * SEQ * VOCAB  # elements, batch 2
+    root_ops = [e for e in tr.events if e.is_op and not e.backward and e.module == ""]
+    assert max(e.live for e in root_ops) >= logits * (2 + 4)
+    saved = sum(e.saved for e in tr.events)
+    assert max(e.live for e in tr.events if e.is_op and not e.backward) < logits * (2 + 4) + saved

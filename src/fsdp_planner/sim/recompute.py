@@ -173,7 +173,7 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     tiny T5 at seq 2,048 in fp32 while held to the call's end); under a checkpointed call, its inputs held
     instead and its activations re-created at its pre-backward (op-level: with the outputs of its kept ops, held
     from each until then, ``cache_deltas``); in the loss region, its live bytes (``loss_region_deltas``); at each
-    forward op, the integer and boolean temporaries alive (``trace/step.Temporaries``)."""
+    forward op, the temporaries alive (``trace/step.Temporaries``)."""
     deltas = loss_region_deltas(trace, scale)
     compiled, inside_compiled = compiled_deltas(trace, compiled_calls(trace, calls), scale)
     sac = compiled_under_sac(trace, calls)
@@ -190,8 +190,8 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
         if kind is EventKind.OP:
             if in_loss:
                 continue  # counted by loss_region_deltas
-            if e.live and not e.backward and not inside_compiled[i]:  # integer temporaries (``Temporaries``),
-                deltas[i] += e.live  # alive while it runs, at their own dtype
+            if e.live and not e.backward and not inside_compiled[i]:  # temporaries (``Temporaries``), alive
+                deltas[i] += e.live  # while it runs, at the traced dtypes
                 deltas[i + 1] -= e.live
             if e.saved and not e.backward and not inside_compiled[i] and not (inside is not None and inside.offload):
                 key = stack[-1]

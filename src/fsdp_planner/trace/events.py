@@ -59,7 +59,8 @@ class Event(NamedTuple):
     grad_inputs: bool = True  # FWD_PRE: whether any input requires grad (else post-backward runs at the end)
     backward: bool = False
     live: int = 0  # op outside every module call (the loss and its backward): bytes of the loss's tensors alive
-    # after it (the model's outputs, what the loss ops made and have not freed; ``recorder.LossRegion``)
+    # after it (the model's outputs, what the loss ops made and have not freed; ``step.LossRegion``); forward op
+    # inside the model: bytes of its temporaries alive after it (made, not saved, no call's input; ``step.Temporaries``)
     inputs_nbytes: int = 0  # FWD_PRE: bytes of the call's tensor inputs first seen here (what a checkpoint of
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
     op_class: OpClass = OpClass.OTHER  # forward op (and the loss's backward ops): what a selective checkpointing

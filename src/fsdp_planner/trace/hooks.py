@@ -121,7 +121,10 @@ class ModuleHooks:
             recorder.modified_input(fqn)
         grads = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
                  for t in collect_grad_tensors(output)} if torch.is_grad_enabled() else {}
-        recorder.made(flat_leaves((output,)))  # a replayed call's outputs: no op the recorder saw made them
+        leaves = flat_leaves((output,))
+        recorder.made(leaves)  # a replayed call's outputs: no op the recorder saw made them
+        if not recorder.backward:  # and temporaries from now on, as a traced call's are (``Temporaries``)
+            recorder.temporary(t for t in leaves if isinstance(t, torch.Tensor))
         call = recorder.exit_forward(fqn, sum(grads.values()))  # its outputs' gradients (``Event.held``)
         if recorder.outside_modules():  # the model's own outputs: what the loss starts from
             recorder.loss.track(flat_leaves((output,)))

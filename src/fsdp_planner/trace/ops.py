@@ -174,9 +174,8 @@ class OpRecorder(TorchDispatchMode):
             live = recorder.loss.current
         elif not recorder.backward:  # inside the model: its gradient-free temporaries alive now (``Temporaries``)
             # a buffer updated in place (BatchNorm's num_batches_tracked) is no temporary: the model holds it
-            recorder.temporaries.track(t for t in flat_out if isinstance(t, torch.Tensor) and self.param_by_id.get(
-                id(t)) is None and StorageWeakRef(t.untyped_storage()) not in recorder.static_storages)
-            live = recorder.temporaries.current
+            live = recorder.temporary(t for t in flat_out if isinstance(t, torch.Tensor) and self.param_by_id.get(
+                id(t)) is None)
         kernel = kernel_of(func, args)
         if recorder.backward:
             sums = func is torch.ops.aten.add.Tensor  # autograd's accumulation of a gradient's contributions

@@ -237,6 +237,7 @@ class ActionLog(StepRecorder):
             slots.append(self.slots[p])
         self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, grad_live, ()))
         self.last_op = len(self.template.backward) - 1 if self.backward else -1
+        self.new_inputs.clear()
 
     def pack(self) -> None:
         if not self.backward:
@@ -261,7 +262,7 @@ class ActionLog(StepRecorder):
         self.saved_storages.add(ref)
         self.saved.append((len(self.template.forward), ref, nbytes))
         self.watch_saved(storage, nbytes)
-        unsaved = self.temporaries.forget(ref)  # as ``StepRecorder.save``: the saving op counted it alive
+        unsaved = self.unsaved(ref)  # as ``StepRecorder.save``: the saving op counted it alive
         last = next((i for i in range(len(self.template.forward) - 1, -1, -1)
                      if self.template.forward[i][0] == "op"), None)
         if unsaved and last is not None:
@@ -425,16 +426,17 @@ class BlockReuse:
             if key is None:
                 return forward(*args, **kwargs)
             template = self.templates.get(key)
+            outlived: list[weakref.ref] = []  # temporaries a recording made that outlive it (``outlived``)
             if template is None:
-                template = self.templates[key] = self._record(r, forward, leaves, inputs, structure)
+                template = self.templates[key] = self._record(r, forward, leaves, inputs, structure, outlived)
             elif template.reusable and not template.confirmed:
                 # The second identical call is recorded too: a forward that reads state its first call changed
                 # (a cache it filled, a counter) records differently, and is then traced, not replayed.
                 template.confirmed = True
-                template.reusable = self._record(r, forward, leaves, inputs, structure) == template
-            if not template.reusable:
-                return forward(*args, **kwargs)
-            return self._replay(r, template, leaves, inputs)
+                template.reusable = self._record(r, forward, leaves, inputs, structure, outlived) == template
+            out = self._replay(r, template, leaves, inputs) if template.reusable else forward(*args, **kwargs)
+            self.slot.recorder.outlived(outlived)
+            return out
 
         return run
 
@@ -467,7 +469,7 @@ class BlockReuse:
 
     # -- recording a template -------------------------------------------------------------------------------
     def _record(self, r: _Repeated, forward: Callable[..., Any], leaves: list, inputs: dict[int, _Input],
-                structure: Structure) -> Template:
+                structure: Structure, outlived: list[weakref.ref]) -> Template:
         main = self.slot.recorder
         log = ActionLog(r.fqn, {i: n for n, i in r.params.items()}, main.static_storages)
         self.active, self.slot.recorder = False, NULL
@@ -505,6 +507,7 @@ class BlockReuse:
                     log.template.reusable = False  # a stand-in in backward: replayed in forward, out of order
         finally:
             log.unwatch()
+            outlived.extend(log.temporaries.alive())
             self.active, self.slot.recorder, self.slot.produced = True, main, None
             # the replay (or the full call, for a template not used) tells the stand-in, not the recording
             self.routing.used, self.routing.experts, self.routing.per_expert = before
@@ -679,7 +682,7 @@ def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]],
 
 def _compile_ops(template: Template, r: _Repeated) -> None:
     """Merge each run of consecutive ops into one ("ops", [(slots, flops, bytes, class, output bytes, kernel,
-    integer temporaries, gradient bytes, saved bytes freed by the saving call), ...])
+    temporaries, gradient bytes, saved bytes freed by the saving call), ...])
     action, their param slots
     ordered by registration (which every instance shares), so a replay maps them straight to the sorted index
     tuples the recorder keeps."""

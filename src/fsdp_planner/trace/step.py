@@ -38,6 +38,9 @@ class StepRecorder:
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
         self.temporaries = Temporaries()
+        # temporaries that became a call's inputs since the last op (``inputs_nbytes``): a save of one before the
+        # next op takes it off that op's live too, as a save of a temporary does (``unsaved``)
+        self.new_inputs: dict[StorageWeakRef, int] = {}
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
@@ -74,6 +77,7 @@ class StepRecorder:
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0) -> None:
         self.last_op = len(self.events)
+        self.new_inputs.clear()
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
                                  backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
                                  kernel=kernel, grad_live=grad_live))
@@ -120,7 +124,7 @@ class StepRecorder:
 
     def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel, integer temporaries made in the call, gradient bytes, saved bytes freed) each; those alive from
+        kernel, temporaries made in the call, gradient bytes, saved bytes freed) each; those alive from
         before the call (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
         outer = 0 if backward else self.temporaries.current
@@ -130,6 +134,7 @@ class StepRecorder:
                             for params, flops, nbytes, op_class, out_nbytes, kernel, live, grad_live, freed
                             in batch])
         self.last_op = len(self.events) - 1
+        self.new_inputs.clear()
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
         """The storages (and bytes) the op just recorded made in backward, in case one becomes a param's grad."""
@@ -168,6 +173,24 @@ class StepRecorder:
                 t.untyped_storage()) not in self.saved_storages and StorageWeakRef(
                 t.untyped_storage()) not in self.static_storages)
 
+    def temporary(self, tensors: Iterable[torch.Tensor]) -> int:
+        """A forward op's outputs inside the model, tracked as temporaries (``Temporaries``) unless their storage
+        is counted elsewhere: a param's or a buffer's, a saved one, or one a call's ``inputs_nbytes`` counted (a
+        checkpoint holds it). Returns the temporaries' bytes alive now (``Event.live``)."""
+        self.temporaries.track(t for t in tensors if self.unclaimed(StorageWeakRef(t.untyped_storage())))
+        return self.temporaries.current
+
+    def outlived(self, storages: Iterable[weakref.ref]) -> None:
+        """Temporaries a template's recording made (``reuse.py``) that outlived the call (a mask a cache keeps):
+        the step's from now on, as they are when the call is traced in it."""
+        for ref in storages:
+            storage = ref()
+            if storage is not None and self.unclaimed(StorageWeakRef(storage)):
+                self.temporaries.track_storage(storage)
+
+    def unclaimed(self, ref: StorageWeakRef) -> bool:
+        return ref not in self.static_storages and ref not in self.saved_storages and ref not in self.input_storages
+
     def packed(self, ref: StorageWeakRef) -> None:
         """A storage packed for backward in forward leaves the frame's count; each open call notes what its frame
         holds now, at its latest pack (where a recomputation of it stops, ``Event.held``)."""
@@ -189,12 +212,16 @@ class StepRecorder:
             return
         self.saved_storages.add(ref)
         # a temporary until now: the op that saves it counted it alive, and charges it as saved instead
-        unsaved = self.temporaries.forget(ref)
+        unsaved = self.unsaved(ref)
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
             return
         e = self.events[self.last_op]
         self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
         self.watch_saved(storage, nbytes)
+
+    def unsaved(self, ref: StorageWeakRef) -> int:
+        """Bytes of a storage just saved that the last op counted as a temporary (``Event.live``)."""
+        return self.temporaries.forget(ref) or self.new_inputs.pop(ref, 0)
 
     def pack(self) -> None:
         """A tensor packed for backward in forward: marks the last event (``Event.packs``), not the last op, so that
@@ -209,6 +236,10 @@ class StepRecorder:
             ref = StorageWeakRef(t.untyped_storage())
             if ref not in self.static_storages and ref not in self.input_storages:
                 self.input_storages.add(ref)
+                # counted here from now on (a checkpointed call's inputs), no longer as a temporary
+                forgotten = self.temporaries.forget(ref)
+                if forgotten:
+                    self.new_inputs[ref] = forgotten
                 nbytes += t.untyped_storage().nbytes()
         return nbytes
 
@@ -361,29 +392,34 @@ class LossRegion:
 
 
 class Temporaries:
-    """Live bytes of the integer and boolean storages forward ops inside the model made and did not save for
-    backward: index and mask arithmetic a module holds in Python while it works (T5's relative-position buckets,
-    seq x seq int64 tensors, five of them alive at once: 196 MiB of a 200 MiB peak at seq 2,048). Saved ones are
-    counted where they are saved; these were counted nowhere, and at a long sequence they make the forward's peak.
-    Their bytes do not scale with the compute dtype. Freed storages are seen through weak references, as
-    ``LossRegion`` sees them."""
+    """Live bytes of the storages forward ops inside the model made that no op saved for backward and no call
+    took as an input (``StepRecorder.temporary``): index and mask arithmetic a module holds in Python while it
+    works (T5's relative-position buckets, seq x seq int64 tensors, five of them alive at once: 196 MiB of a 200 MiB
+    peak at seq 2,048), and float tensors held in locals (a loss computed in the model's forward: the logits in
+    the compute dtype and their fp32 copy, neither saved; -12.6% on a tiny transformers Llama given labels without
+    them). Saved ones are counted where they are saved, a call's inputs by the call (``Event.inputs_nbytes``);
+    these were counted nowhere. Counted at the trace's dtypes (the plan's compute dtype). Freed storages are seen
+    through weak references, as ``LossRegion`` sees them."""
 
     def __init__(self) -> None:
         self.current = 0
         self._sizes: dict[int, int] = {}  # storage (``StorageWeakRef.cdata``) -> bytes
         self._refs: dict[int, weakref.ref] = {}
 
-    def track(self, tensors: Iterable[Any]) -> None:
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
-            # integer and boolean only: a floating output may need a gradient (autograd sets ``requires_grad``
-            # after the dispatch that sees it), and activations are counted as saved, inputs or gradient flow
-            if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
-                storage = t.untyped_storage()
-                key = StorageWeakRef(storage).cdata
-                if key not in self._sizes:
-                    self._sizes[key] = storage.nbytes()
-                    self.current += self._sizes[key]
-                    self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
+            self.track_storage(t.untyped_storage())
+
+    def track_storage(self, storage: torch.UntypedStorage) -> None:
+        key = StorageWeakRef(storage).cdata
+        if key not in self._sizes:
+            self._sizes[key] = storage.nbytes()
+            self.current += self._sizes[key]
+            self._refs[key] = weakref.ref(storage, lambda _, key=key: self.forget_key(key))
+
+    def alive(self) -> list[weakref.ref]:
+        """The storages tracked and alive, held weakly."""
+        return list(self._refs.values())
 
     def forget(self, ref: StorageWeakRef) -> int:
         """A storage saved for backward: an activation from now on, counted as one. Returns the bytes it held here."""
