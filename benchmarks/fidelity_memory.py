@@ -179,11 +179,11 @@ and titan with each `--ac`, at W 8 and 64.
 Independent check: `benchmarks/independent_memory.py`, run per row in its own process, builds the model from the
 same factory with real CPU tensors, applies the row's plan file itself (`fully_shard` per group deepest first, the
 checkpointing with its own op-level SAC policy, bf16-mixed `MixedPrecisionPolicy`) on rank 0 of torch's fake
-process group, trains one step, then measures the second under torch's `FSDPMemTracker` (which works on the CPU
-with the fake process group and real tensors; under `FakeTensorMode` its optimizer-state figure came out 8x the
-state's size, so real tensors it is), with one change: a group of several modules keeps FSDP2's group hooks
-(`GroupMemTracker`, below). SDPA there takes the kernel the CPU's dispatcher picks, whose refusals (heads
-that differ without `enable_gqa`, a strided last dim) are a GPU's too.
+process group, trains one step, then measures the second under torch's `FSDPMemTracker` (on the CPU with the
+fake process group and real tensors here; its fake-tensor mode, which the main table's rows above 1 GiB use,
+measured the same bytes on the rows checked both ways), with one change: a group of several modules keeps
+FSDP2's group hooks (`GroupMemTracker`, below). SDPA there takes the kernel the CPU's dispatcher picks, whose
+refusals (heads that differ without `enable_gqa`, a strided last dim) are a GPU's too.
 
 What the independent run found, and was fixed in `attention.py` (the kernel the trace and the fake-world check
 assume for SDPA): Falcon's multi-query keys (one head, no `enable_gqa`) and the U-Net's strided q/k/v were run
