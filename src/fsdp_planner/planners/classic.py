@@ -20,6 +20,13 @@ from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
 
+def block_classes(trace: Trace) -> tuple[str, ...]:
+    """The classes a policy wraps by default: the repeated blocks the planner checkpoints and compiles (an
+    encoder-decoder's encoder and decoder layers: each its own group, as Accelerate's wrap of ``_no_split_modules``
+    makes them), else the model's repeated class outside containers (``default_block_class``)."""
+    return trace.index.checkpoint_block_classes or tuple(filter(None, [default_block_class(trace)]))
+
+
 @dataclass
 class ModuleWrapPolicy:
     """Every instance of ``module_classes`` is a unit (nested instances too); the root takes the rest."""
@@ -33,7 +40,7 @@ class ModuleWrapPolicy:
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
-        classes = self.module_classes or tuple(filter(None, [default_block_class(trace)]))
+        classes = self.module_classes or block_classes(trace)
         if not classes:
             raise PlannerError("the model has no repeated block class; pass --module-classes")
         wrapped = find_class_instances(trace, classes)
@@ -103,10 +110,11 @@ class TorchtitanPolicy:
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
-        block_cls = self.block_class or default_block_class(trace)
-        if block_cls is None:
+        classes = (self.block_class,) if self.block_class else block_classes(trace)
+        if not classes:
             raise PlannerError("the model has no repeated block class for the torchtitan policy")
-        found = find_class_instances(trace, [block_cls])
+        block_cls = ",".join(classes)
+        found = find_class_instances(trace, classes)
         blocks = [b for b in found if not any(a in found for a in proper_ancestors(b) if a != ROOT)]
         pre, post = self._side_modules(trace, blocks)
         subtree = trace.index.subtree_params
