@@ -498,9 +498,11 @@ run in fp32 (in bf16 the trace refuses BatchNorm's bf16 input beside its fp32 ru
 of activations in backward it was 9.7% low. `qwen3_small` is a Qwen3-style transformers decoder (transformers'
 RMSNorm) with no KV cache, under each `--ac` of the titan plan; `qwen3_cache` the same with `use_cache=true` (the
 cache's keys and values are the storages attention saves; under `--ac full` checkpointed layers write none).
-`whisper_small` is a Whisper-style encoder-decoder: `--policy module` wraps only the decoder layers, so the root
-group spans the encoder, whose grads were counted all at once from its first backward op (+18.9%) before each
-param's grad was counted from its own."""
+`whisper_small` is a Whisper-style encoder-decoder: `--policy module` once wrapped only the decoder layers, so the
+root group spanned the encoder, whose grads were counted all at once from its first backward op (+18.9%) before
+each param's grad was counted from its own; its encoder layers are blocks too now (checkpointed, compiled and
+wrapped by titan and module beside the decoder layers), and its titan, module and order rows were measured again
+then."""
 
 
 
