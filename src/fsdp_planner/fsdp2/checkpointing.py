@@ -76,8 +76,7 @@ def checkpointed_blocks(trace: Trace, mode: ACMode) -> list[str]:
     """The modules ``mode`` checkpoints: none, every block (full or op-level), or every second block."""
     if mode is ACMode.NONE:
         return []
-    classes = trace.index.checkpoint_block_classes  # an encoder-decoder's encoder layers too
-    blocks = [f for f, m in trace.modules.items() if m.cls in classes]
+    blocks = list(trace.index.block_instances)  # an encoder-decoder's encoder layers too
     if not blocks:
         key = {ACMode.OP: "selective_checkpointing", ACMode.OFFLOAD: "activation_offloading"}.get(
             mode, "activation_checkpointing")

@@ -18,8 +18,7 @@ def default_block_class(trace: Trace, in_container_only: bool = False) -> str | 
 def block_instances(trace: Trace) -> list[str]:
     """Instances of the repeated block classes that sit in containers (``TraceIndex.checkpoint_block_classes``:
     an encoder-decoder's two layer kinds), in the model's order; empty when there is none."""
-    classes = trace.index.checkpoint_block_classes
-    return [f for f, m in trace.modules.items() if m.cls in classes]
+    return list(trace.index.block_instances)
 
 
 def find_class_instances(trace: Trace, classes: Iterable[str]) -> list[str]:

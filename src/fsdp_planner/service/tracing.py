@@ -57,8 +57,7 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
                   note: Callable[[str], None] = lambda line: None) -> Trace:
     """The step with the model's repeated blocks compiled, as torchtitan compiles them (``--compile``): what each
     saves for backward measured from AOTAutograd's partitioner (``trace/compiled.py``)."""
-    classes = tr.index.checkpoint_block_classes  # an encoder-decoder's encoder layers too
-    blocks = [f for f, m in tr.modules.items() if m.cls in classes and m.calls]
+    blocks = [f for f in tr.index.block_instances if tr.modules[f].calls]  # an encoder-decoder's encoder layers too
     if not blocks:
         raise PlannerError("--compile compiles the model's repeated blocks, as torchtitan does, and this model has "
                            "none (no repeated module class in a ModuleList or Sequential)")

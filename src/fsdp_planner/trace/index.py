@@ -306,12 +306,18 @@ class TraceIndex:
                 chosen.append(cls)
         return tuple(chosen)
 
+    @cached_property
+    def block_instances(self) -> tuple[str, ...]:
+        """The instances of ``checkpoint_block_classes``, in the model's order: the blocks ``--ac`` checkpoints,
+        ``--compile`` compiles and the order policy keeps whole."""
+        classes = self.checkpoint_block_classes
+        return tuple(m for m, info in self._modules.items() if info.cls in classes)
+
     def _nested(self, cls: str, classes: list[str]) -> bool:
         """Whether an instance of ``cls`` sits inside, or holds, an instance of one of ``classes``."""
         mine = [m for m, info in self._modules.items() if info.cls == cls]
         theirs = [m for m, info in self._modules.items() if info.cls in classes]
-        return any(a == ROOT or b == ROOT or b.startswith(a + ".") or a.startswith(b + ".")
-                   for a in mine for b in theirs)
+        return any(is_within(a, b) or is_within(b, a) for a in mine for b in theirs)
 
     def _stacked_class(self, cls: str) -> str | None:
         """The block class that every instance of ``cls`` stacks in a container child of its own (Swin's
