@@ -18,7 +18,7 @@ from fsdp_planner.planners.answers import compile_answer, float8_answer
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.planning import plan
+from fsdp_planner.service.planning import judged_model, plan
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.userfiles import write_atomic
 
@@ -139,12 +139,9 @@ def _what_ifs(outcome: PlanOutcome) -> None:
     if plan is None or job.cluster is None or job.budget is None or outcome.search is None:
         return
     base, model, trace = outcome.search.report, job.model, outcome.trace
-    batch = model.workload().get("batch_size")
-    if job.auto is not None and job.auto.tp is None and plan.tp_degree > 1 and batch:
-        # auto's own TP layout was judged at TP times the batch per data-parallel rank (the step's sequences
-        # kept): its alternatives are too, or they answer for a fraction of the job
-        model = dataclasses.replace(model, batch_size=batch * plan.tp_degree)
-        trace = tracer(job.measure, job.full_trace)(model, job.options)
+    if job.auto is not None and (judged := judged_model(model, job.auto, plan)) is not model:
+        # the alternatives of a TP layout auto chose answer for the workload it judged, or for a fraction of the job
+        model, trace = judged, tracer(job.measure, job.full_trace)(judged, job.options)
     found = [float8_answer(trace, plan, job.cluster, job.options, base, job.budget)]
     other = None
     # compiling the blocks to see what compile changes takes AOTAutograd seconds to a minute (a transformers model):

@@ -135,13 +135,22 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
         result = _auto_search(tr, request, spec, cluster, options, reporter, tracer)
         if ep_tp:  # auto's own EP x TP screen beside it
             result = _with_ep_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp)
-    degree = result.plan.tp_degree
-    if request.tp is None and degree > 1 and result.fits:  # (a result over the budget is an error)
+    degree, judged = result.plan.tp_degree, judged_model(spec, request, result.plan)
+    if judged is not spec and result.fits:  # (a result over the budget is an error)
         batch = spec.workload()["batch_size"]
-        reporter.note(f"auto's layout has TP {degree}: each data-parallel rank runs batch {batch * degree:,} (the "
-                      f"step's {batch * cluster.world_size:,} sequences of batch {batch:,} per GPU kept); "
-                      f"with --tp {degree} give --batch {batch * degree:,} for the same job")
+        reporter.note(f"auto's layout has TP {degree}: each data-parallel rank runs batch {judged.batch_size:,} "
+                      f"(the step's {batch * cluster.world_size:,} sequences of batch {batch:,} per GPU kept); "
+                      f"with --tp {degree} give --batch {judged.batch_size:,} for the same job")
     return result
+
+
+def judged_model(model: ModelSpec, request: PolicyRequest, plan: Plan) -> ModelSpec:
+    """The workload auto judged ``plan`` at: where it chose the TP degree d itself (no ``--tp``), d times the
+    batch per data-parallel rank, the step's sequences kept (``auto_layouts``); else ``model`` itself."""
+    batch = model.workload().get("batch_size")
+    if request.tp is not None or plan.tp_degree == 1 or not batch:
+        return model
+    return dataclasses.replace(model, batch_size=batch * plan.tp_degree)
 
 
 def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster, options: SimOptions,
