@@ -572,19 +572,22 @@ def two_d_row(model: str, gpus: int) -> dict:
 # MoE rows: (model, GPUs), one sequence of 4096 tokens per GPU (the model's default), TP d at d per data-parallel
 # rank. The expert's configurations follow torchtitan's MoE jobs: its deepseek_v3_671b.toml (commit 8e2cd19) and
 # llama4_17bx16e.toml (commit 6964eb7, "a preset for 64 H100 GPUs") run TP 8 with full checkpointing, their
-# experts tensor-parallel (expert_parallel_degree 1); expert TP is not modelled here, so the TP rows keep EP = a
-# multiple of TP (torchtitan's expert_tensor_parallel_degree 1 convention, --tp N --ep M); EP 8 alone is its EP
-# recipe without TP. Experts sharded on dim 1 where dim 0 would pad, as torchtitan's FSDP placement for experts.
+# experts tensor-parallel (expert_parallel_degree 1: titan TP 8+ac); the EP x TP rows keep EP = a multiple of TP
+# (EP's ranks span TP's, --tp N --ep M); EP 8 alone is its EP recipe without TP. Experts sharded on dim 1 where
+# dim 0 would pad, as torchtitan's FSDP placement for experts.
 MOE_ROWS = (("mixtral-8x7b", 64), ("mixtral-8x7b", 512))
-EXPERT_MOE = {"titan EP 8+ac": (1, 8), "titan TP 2 x EP 8+ac": (2, 8), "titan TP 8 x EP 8+ac": (8, 8)}
-MOE_FEWEST = ("titan EP 8+ac", "titan TP 2 x EP 8+ac")  # also with the fewest leading blocks in full that fit
+EXPERT_MOE = {"titan TP 8+ac": (8, 1), "titan EP 8+ac": (1, 8), "titan TP 2 x EP 8+ac": (2, 8),
+              "titan TP 8 x EP 8+ac": (8, 8)}
+MOE_FEWEST = ("titan TP 8+ac", "titan EP 8+ac", "titan TP 2 x EP 8+ac")  # also with the fewest leading blocks in
+# full that fit
 
 
 def moe_expert(model: str, cluster: Cluster, tp: int, ep: int, blocks: int | None = None) -> dict:
-    """torchtitan's grouping under TP ``tp`` (its MoE layout; 1: none) and EP ``ep``, every block checkpointed in
-    full (``blocks``: the first that many only), the experts resharded after forward, simulated on one TP rank's
-    view at ``tp`` sequences per data-parallel rank (``ep_options``, as auto's EP screen simulates)."""
-    trace, on, layout = moe_view(model, cluster, tp)
+    """torchtitan's grouping under TP ``tp`` (its MoE layout; 1: none) and EP ``ep`` (1: the experts
+    tensor-parallel), every block checkpointed in full (``blocks``: the first that many only), the experts
+    resharded after forward, simulated on one TP rank's view at ``tp`` sequences per data-parallel rank
+    (``ep_options``, as auto's EP screen simulates; without EP ``simulate``)."""
+    trace, on, layout = moe_view(model, cluster, tp, ep > 1)
     mode = ACMode.FULL if blocks is None else None
     plan = make_policy(PolicyRequest(PolicyName.TITAN, checkpointing=mode)).plan(trace, model)
     if blocks is not None:
@@ -592,33 +595,37 @@ def moe_expert(model: str, cluster: Cluster, tp: int, ep: int, blocks: int | Non
     plan = plan.replace(tensor_parallel=layout, groups=[replace(g, forward_prefetch=(), backward_prefetch=())
                                                         for g in plan.groups])
     plan = plan.replace(shard_dims=shard_dims(trace, cluster.world_size // tp, ShardPlacement.AUTO))
+    ac = "" if blocks is None else f", {blocks} blocks in full" if blocks else ", no AC"
+    if ep == 1:
+        wide = planning_trace(ModelSpec(model, batch_size=tp))[0]
+        return {**summary(simulate(wide, plan, cluster, SimOptions(), timeline=False)), "plan": plan.policy + ac}
     option = ep_options(trace, plan, on, plan_options(plan, SimOptions()), degrees=(ep,), without=False,
                         placement=ShardPlacement.AUTO)[0]
-    ac = "" if blocks is None else f", {blocks} blocks in full" if blocks else ", no AC"
     return {**summary(option.step), "plan": option.plan.policy + ac}
 
 
 MOE_VIEWS: dict[tuple, tuple] = {}
 
 
-def moe_view(model: str, cluster: Cluster, tp: int) -> tuple:
+def moe_view(model: str, cluster: Cluster, tp: int, expert_parallel: bool = True) -> tuple:
     """The model traced at ``tp`` sequences per data-parallel rank, on one TP rank's view (trace, cluster,
-    layout), made once."""
-    key = (model, cluster.name, tp)
+    layout: torchtitan's MoE layout with EP, or with the experts tensor-parallel), made once."""
+    key = (model, cluster.name, tp, expert_parallel)
     if key not in MOE_VIEWS:
         wide, _ = planning_trace(ModelSpec(model, batch_size=tp))
         if tp == 1:
             MOE_VIEWS[key] = (wide, cluster, None)
         else:
-            view = tp_view(wide, titan_moe_layout(tp), cluster)
-            MOE_VIEWS[key] = (view.trace, view.cluster, titan_moe_layout(tp))
+            layout = titan_moe_layout(tp, expert_parallel=expert_parallel)
+            view = tp_view(wide, layout, cluster)
+            MOE_VIEWS[key] = (view.trace, view.cluster, layout)
     return MOE_VIEWS[key]
 
 
 def moe_fewest(model: str, cluster: Cluster, tp: int, ep: int, budget: int) -> dict:
     """``moe_expert`` with the fewest leading blocks checkpointed in full that fit ``budget`` (all: its full-AC
     column), as a user tunes torchtitan's full AC down to what fits."""
-    trace = moe_view(model, cluster, tp)[0]
+    trace = moe_view(model, cluster, tp, ep > 1)[0]
     lo, hi, out = 0, len(block_instances(trace)), None
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -740,18 +747,18 @@ def two_d_main() -> None:
         "checkpointing. Cells as above.",
         "", *two_d_table(rows, list(EXPERT_2D)), "",
         "### MoE: FSDP2 with EP and TP", "",
-        "One sequence of 4096 tokens per GPU (the model's default); TP d runs d per data-parallel rank. The expert's "
-        "configurations follow torchtitan's MoE jobs (deepseek_v3_671b.toml at commit 8e2cd19 and "
+        "One sequence of 4096 tokens per GPU (the model's default); TP d runs d per data-parallel rank. The "
+        "expert's configurations follow torchtitan's MoE jobs (deepseek_v3_671b.toml at commit 8e2cd19 and "
         "llama4_17bx16e.toml at commit 6964eb7: TP 8, full checkpointing, expert_parallel_degree 1, the experts "
-        "tensor-parallel). Expert TP is not modelled here, so the TP columns keep EP 8 with TP (its "
-        "expert_tensor_parallel_degree 1 convention: EP's ranks span TP's); titan EP 8+ac is its EP recipe "
-        "without TP. Each: torchtitan's grouping, every block checkpointed in full (+ac) or the fewest leading blocks "
-        "in full that fit (+k full, as a user tunes it), experts resharded after "
-        "forward and sharded on dim 1 where dim 0 would pad (torchtitan's expert placement). Auto chooses EP x TP "
-        "itself (each TP degree x the EP degrees it allows, screened by its best classic grouping under EP, the "
-        "best searched in full, beside its search without TP and its EP screen). Auto's plan on these rows keeps the "
-        "experts' groups unsharded after forward (their backward all-gathers saved), which no column here does: "
-        "part of its lead is that choice, open to a hand config too.", "",
+        "tensor-parallel: titan TP 8+ac, each rank holding 1/8 of every expert's hidden units). The EP x TP "
+        "columns keep EP 8 with TP (EP's ranks span TP's, each TP rank dispatching 1/TP of the routed tokens); "
+        "titan EP 8+ac is its EP recipe without TP. Each: torchtitan's grouping, every block checkpointed in full "
+        "(+ac) or the fewest leading blocks in full that fit (+k full, as a user tunes it), experts resharded "
+        "after forward and sharded on dim 1 where dim 0 would pad (torchtitan's expert placement). Auto chooses EP"
+        " x TP itself (each TP degree x the EP degrees it allows, screened by its best classic grouping under EP, "
+        "the best searched in full, beside its search without TP and its EP screen). Auto's plan on these rows "
+        "keeps the experts' groups unsharded after forward (their backward all-gathers saved), which no column "
+        "here does: part of its lead is that choice, open to a hand config too.", "",
         *two_d_table(moe, [*EXPERT_MOE, *(n.replace("+ac", "+k full") for n in MOE_FEWEST)]), "",
         *shipped_lines(shipped),
         summary_line([*rows, *moe]),

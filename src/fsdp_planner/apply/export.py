@@ -35,7 +35,7 @@ from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.selective import POLICIES
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, matches
+from fsdp_planner.fsdp2.tensor_parallel import EXPERT_TENSOR_DIMS, TensorParallel, matches
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.trace.ops import op_names
 
@@ -533,8 +533,11 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         if not hits:
             raise ValueError(f"TP_LAYOUT names {pattern!r}, which matches no module of this model")
         styles.update(dict.fromkeys(hits, style))
-    moe = ("moe_sequence", "replicate", "token_split")
+    moe = ("moe_sequence", "replicate", "token_split", "expert_tensor")
     parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n]) for n, s in styles.items() if s not in moe})
+    for name, style in styles.items():  # experts first: the MoE layer's distribute_module replicates the rest
+        if style == "expert_tensor":  # each expert's hidden units sharded over tp, every routed token run
+            distribute_module(modules[name], tp_mesh, _shard_hidden, _experts_input, _experts_output)
     for name, style in styles.items():
         if style == "moe_sequence":  # the MoE layer: input all-gathered, partial output reduce-scattered
             # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)
@@ -581,6 +584,28 @@ def _moe_output(module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch
     return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
 
 
+EXPERT_TENSOR_DIMS = {expert_dims}  # expert_tensor: the hidden dim of each grouped-experts param
+
+
+def _shard_hidden(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for pname, p in list(module.named_parameters(recurse=False)):
+        if pname not in EXPERT_TENSOR_DIMS:
+            raise ValueError(f"expert_tensor shards grouped experts' {sorted(EXPERT_TENSOR_DIMS)}, not {pname!r}")
+        sharded = distribute_tensor(p.data, mesh, [Shard(EXPERT_TENSOR_DIMS[pname])])
+        module.register_parameter(pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
+
+
+def _experts_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    """The experts' routed rows, whole on every TP rank; their grad partial (this rank's hidden units' share)."""
+    x, *rest = inputs
+    return (DTensor.from_local(x, mesh, [Replicate()], run_check=False, grad_placements=[Partial()]), *rest)
+
+
+def _experts_output(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Partial over TP (summed by the MoE layer's reduce-scatter); its grad whole on every rank."""
+    return out.to_local(grad_placements=[Replicate()])
+
+
 def _replicated_input(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     x, *rest = inputs
     return (DTensor.from_local(x, mesh, [Replicate()], run_check=False, grad_placements=[Partial()]), *rest)
@@ -605,7 +630,7 @@ TP_IMPORTS = """import contextlib
 import fnmatch
 import inspect
 
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -631,7 +656,8 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
     of the data-parallel one."""
     body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + TP_SPLIT)
     start, end = body.index("\n\ndef make_mesh("), body.index("\n\ndef _depth(")
-    return header + TP_IMPORTS, constants + tp_constants(tp), body[:start] + body[end:] + TP_TAIL
+    tail = TP_TAIL.replace("{expert_dims}", py_literal(EXPERT_TENSOR_DIMS))
+    return header + TP_IMPORTS, constants + tp_constants(tp), body[:start] + body[end:] + tail
 
 
 EP_TAIL = '''

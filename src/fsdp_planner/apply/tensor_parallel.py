@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, expert_tensor_dim
 
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims of the mesh, outermost first
 TP_DIM = "tp"
@@ -62,7 +62,7 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module) -> Any:
 
 # the MoE styles (torchtitan's own, no torch style stands for them): applied with ``distribute_module`` here, the
 # experts' token split by EP's dispatch and combine (apply/expert_parallel.py)
-MOE_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT)
+MOE_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR)
 
 
 def torch_plan(model: nn.Module, tp: TensorParallel) -> dict[str, Any]:
@@ -108,12 +108,44 @@ def _replicated_out(module: nn.Module, out: Any, mesh: Any) -> Any:
     return out.to_local(grad_placements=[Partial()])
 
 
+def _shard_hidden(name: str, module: nn.Module, mesh: Any) -> None:
+    """Each of the experts' own params sharded over TP on its hidden dim (``EXPERT_TENSOR_DIMS``)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for pname, p in list(module.named_parameters(recurse=False)):
+        placement = Shard(expert_tensor_dim(pname))
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [placement]),
+                                                      requires_grad=p.requires_grad))
+
+
+def _experts_in(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+    """The experts' routed rows, whole on every TP rank (the MoE layer's all-gathered input), as a replicated
+    DTensor for their matmuls with the hidden-sharded params; its grad partial (this rank's hidden units' share)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    x, *rest = inputs
+    return (DTensor.from_local(x, mesh, [Replicate()], run_check=False, grad_placements=[Partial()]), *rest)
+
+
+def _experts_out(module: nn.Module, out: Any, mesh: Any) -> Any:
+    """The experts' output, partial over TP (each rank summed its own hidden units), as a local tensor: the MoE
+    layer's reduce-scatter sums it; its grad comes whole (replicated) to every rank."""
+    from torch.distributed.tensor import Replicate
+
+    return out.to_local(grad_placements=[Replicate()])
+
+
 def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None:
-    """The layout's MoE layers and router gates over ``tp_mesh`` (``MOE_STYLES``; their params replicated)."""
+    """The layout's MoE layers and router gates over ``tp_mesh`` (``MOE_STYLES``; their params replicated), the
+    experts' hidden units sharded first where the layout says so (``EXPERT_TENSOR``)."""
     from torch.distributed.tensor import distribute_module
 
     modules = dict(model.named_modules())
-    for name, style in tp.styles(modules).items():
+    styles = tp.styles(modules)
+    for name, style in styles.items():
+        if style is TPStyle.EXPERT_TENSOR:
+            distribute_module(modules[name], tp_mesh, _shard_hidden, _experts_in, _experts_out)
+    for name, style in styles.items():
         if style is TPStyle.MOE_SEQUENCE:
             # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)
             distribute_module(modules[name], tp_mesh, None, _gathered, _scattered)

@@ -56,6 +56,10 @@ class TPStyle(Enum):
     # all-reduced over TP, the input's passed on partial
     TOKEN_SPLIT = "token_split"  # torchtitan's ReordererSequenceParallel (the experts): each TP rank sends only
     # its 1/TP of the routed tokens to EP's dispatch, and gets only those back (its output partial); with EP only
+    # Without expert parallelism (torchtitan's MoE layout with EP off: the experts' params sharded on the TP dim):
+    EXPERT_TENSOR = "expert_tensor"  # the experts' hidden units sharded (``EXPERT_TENSOR_DIMS``), each TP rank
+    # running every routed token of the MoE layer's all-gathered input through its share: input replicated (its grad
+    # partial), output partial (summed by the layer's reduce-scatter); without EP only
 
     @property
     def sequence_parallel(self) -> bool:
@@ -65,6 +69,21 @@ class TPStyle(Enum):
 
 
 TP_STYLE_NAMES = tuple(s.value for s in TPStyle)
+
+# The dim of each grouped-experts param that ``EXPERT_TENSOR`` shards: their hidden (ffn) dim, as torchtitan's
+# dense expert placement does (``Shard(1)`` of its w1/w3 [E, ffn, dim], ``Shard(2)`` of w2 [E, dim, ffn]) on
+# ``models/moe.py``'s layout: w1 and w3 [E, dim, ffn], w2 [E, ffn, dim].
+EXPERT_TENSOR_DIMS = {"w1": 2, "w2": 1, "w3": 2}
+
+
+def expert_tensor_dim(param_name: str) -> int:
+    """The dim ``EXPERT_TENSOR`` shards of the experts' param ``param_name`` (its own name, not the fqn); a
+    param of another name is refused: no layout of it is known."""
+    if param_name not in EXPERT_TENSOR_DIMS:
+        raise PlannerError(f"the tensor-parallel style expert_tensor shards grouped experts' w1, w2 and w3 (models/"
+                           f"moe.py's GroupedExperts, torchtitan's), and this expert module holds "
+                           f"{shown_json(param_name)}: give its experts another style or plan without TP")
+    return EXPERT_TENSOR_DIMS[param_name]
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class MoEConfig:
 # mistralai/Mixtral-8x7B: ~46.7B parameters (~12.9B active per token).
 MIXTRAL_8X7B = MoEConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32_000, n_experts=8,
                          top_k=2, ffn_dim=14_336)
+CONFIGS = (MIXTRAL_8X7B,)  # the built-in MoE configs (what a trace's shapes are matched against)
 
 
 class GroupedExperts(nn.Module):

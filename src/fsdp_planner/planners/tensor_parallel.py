@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, matches
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, expert_tensor_dim, matches
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec, hf, llama
+from fsdp_planner.models import ModelSpec, hf, llama, moe
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
 
@@ -46,19 +46,25 @@ HF_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_
              "sequence_parallel": TPStyle.SEQUENCE_PARALLEL}
 
 
-# torchtitan's MoE block under TP with EP (its ``apply_moe_ep_tp`` with expert TP 1) on ``models/moe.py``'s names:
-# attention as in a Llama block; the MoE layer's input all-gathered and its partial output reduce-scattered, the
-# router's gate replicated, the routed tokens split over the TP ranks before EP's dispatch
+# torchtitan's MoE block under TP (its MoE sharding config) on ``models/moe.py``'s names: attention as in a Llama
+# block; the MoE layer's input all-gathered and its partial output reduce-scattered, the router's gate replicated;
+# with EP the routed tokens split over the TP ranks before EP's dispatch (EP's ranks span TP's), without EP the
+# experts' hidden units sharded over TP
 _MOE_BLOCK = {**{k: v for k, v in _LLAMA_BLOCK.items() if not k.startswith("feed_forward")},
               "moe": TPStyle.MOE_SEQUENCE, "moe.router.gate": TPStyle.REPLICATE, "moe.experts": TPStyle.TOKEN_SPLIT}
 _MOE_CLASSES = {"moe": "MoE", "moe.router.gate": "Linear", "moe.experts": "GroupedExperts"}
 
 
-def titan_moe_layout(degree: int, loss_parallel: bool = True) -> TensorParallel:
-    """torchtitan's TP of an MoE model under EP (``models/moe.py``'s module names), with sequence parallelism: EP's
-    ranks span the TP ranks (expert TP 1), each TP rank dispatching its 1/TP of the routed tokens."""
+def titan_moe_layout(degree: int, loss_parallel: bool = True, expert_parallel: bool = True) -> TensorParallel:
+    """torchtitan's TP of an MoE model (``models/moe.py``'s module names), with sequence parallelism. Under EP
+    (``expert_parallel``) EP's ranks span the TP ranks, each TP rank dispatching its 1/TP of the routed tokens;
+    without it each TP rank holds 1/TP of every expert's hidden units (``TPStyle.EXPERT_TENSOR``), as torchtitan
+    shards the experts over TP when expert parallelism is off."""
+    block = dict(_MOE_BLOCK)
+    if not expert_parallel:
+        block["moe.experts"] = TPStyle.EXPERT_TENSOR
     layout = dict(_LLAMA_TOP)
-    layout.update({f"layers.*.{name}": style for name, style in _MOE_BLOCK.items()})
+    layout.update({f"layers.*.{name}": style for name, style in block.items()})
     return TensorParallel(degree, layout, loss_parallel=loss_parallel)
 
 
@@ -100,12 +106,17 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
               async_tp: bool = False, ep: int = 1) -> Layout:
     """The layout of ``degree``-way TP for the traced model, from the first source that has one (module
     docstring). ``loss_parallel``: None takes the source's default (torchtitan's on, where the output head is
-    vocab-sharded). With expert parallelism (``ep`` > 1), torchtitan's MoE layout, the only one modelled with EP."""
-    if ep > 1 and degree > 1:
-        if not is_titan_moe(trace):
-            raise PlannerError("expert parallelism with tensor parallelism is modelled for torchtitan's MoE layout "
-                               "only (the built-in MoE models, models/moe.py): plan this model with one of them")
-        found = Layout(titan_moe_layout(degree, loss_parallel is not False), "torchtitan's MoE layout")
+    vocab-sharded). A model with torchtitan's MoE structure takes its MoE layout, with expert parallelism (``ep``
+    > 1) the only one modelled."""
+    if ep > 1 and degree > 1 and not is_titan_moe(trace):
+        raise PlannerError("expert parallelism with tensor parallelism is modelled for torchtitan's MoE layout "
+                           "only (the built-in MoE models, models/moe.py): plan this model with one of them")
+    if degree > 1 and is_titan_moe(trace):
+        heads = _llama_heads(trace)
+        notes = () if heads else (_UNKNOWN_HEADS,)
+        found = Layout(titan_moe_layout(degree, loss_parallel is not False, expert_parallel=ep > 1),
+                       "torchtitan's MoE layout" + ("" if ep > 1 else " (experts tensor-parallel: no EP)"),
+                       notes, heads)
     elif model is not None and hf.is_hf(model.name):
         found = _hf_layout(trace, degree, model)
     elif is_titan_llama(trace):
@@ -147,18 +158,22 @@ def _has_titan_structure(trace: Trace, block: dict[str, TPStyle], classes: dict[
     return True
 
 
+_UNKNOWN_HEADS = ("the head counts are not known for this model: the degree is assumed to divide its attention "
+                  "and kv heads")
+
+
 def _titan_layout(trace: Trace, degree: int, loss_parallel: bool) -> Layout:
     heads = _llama_heads(trace)
-    notes = () if heads else ("the head counts are not known for this Llama: the degree is assumed to divide its "
-                              "attention and kv heads",)
+    notes = () if heads else (_UNKNOWN_HEADS,)
     return Layout(titan_llama_layout(degree, loss_parallel), "torchtitan's Llama layout", notes, heads)
 
 
 def _llama_heads(trace: Trace) -> tuple[int, int] | None:
-    """(heads, kv heads) of the built-in Llama whose shapes the trace has (a trace holds no head count)."""
+    """(heads, kv heads) of the built-in Llama or MoE model whose shapes the trace has (a trace holds no head
+    count)."""
     wq, wk = trace.param("layers.0.attention.wq.weight").shape, trace.param("layers.0.attention.wk.weight").shape
     blocks = sum(1 for n in trace.modules if n.startswith("layers.") and n.count(".") == 1)
-    for cfg in llama.CONFIGS:
+    for cfg in (*llama.CONFIGS, *moe.CONFIGS):
         head_dim = cfg.dim // cfg.n_heads
         if (cfg.dim, cfg.n_layers, cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim) == (wq[1], blocks, wq[0], wk[0]):
             return cfg.n_heads, cfg.n_kv_heads
@@ -299,6 +314,15 @@ _SHARDED_DIM = {TPStyle.COLWISE: 0, TPStyle.SEQUENCE_COLWISE: 0, TPStyle.EMBEDDI
 
 
 def _check_module(trace: Trace, module: str, style: TPStyle, degree: int) -> None:
+    if style is TPStyle.EXPERT_TENSOR:
+        for fqn in trace.modules[module].params:
+            shape = trace.param(fqn).shape
+            dim = expert_tensor_dim(fqn.rpartition(".")[2])
+            if len(shape) <= dim or shape[dim] % degree:
+                raise PlannerError(f"--tp {degree} must divide the {shape[dim] if len(shape) > dim else 0:,} hidden "
+                                   f"units of each expert of {module} (expert_tensor): choose a degree that divides "
+                                   "them")
+        return
     dim = _SHARDED_DIM.get(style)
     weight = f"{module}.weight"
     if dim is None or weight not in trace.index.param_index:

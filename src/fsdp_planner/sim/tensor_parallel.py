@@ -44,7 +44,7 @@ import numpy as np
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, expert_tensor_dim
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
@@ -127,7 +127,15 @@ class _Layout:
         self.roots = roots
         self.gathered = gathered
         self.whole = {m for m, s in self.styles.items() if s is TPStyle.MOE_SEQUENCE}
-        self.split = {m for m, s in self.styles.items() if s is TPStyle.TOKEN_SPLIT}
+        # the experts run on 1/TP of the work: of the routed tokens (EP's split) or of their hidden units (expert
+        # TP, whose input, the layer's whole one, their first matmul saves whole: a root)
+        self.split = {m for m, s in self.styles.items() if s in (TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR)}
+        expert_tensor = {m for m, s in self.styles.items() if s is TPStyle.EXPERT_TENSOR}
+        outside = sorted(m for m in expert_tensor if not self._inside(m, self.whole))
+        if outside:
+            raise PlannerError(f"the tensor-parallel style expert_tensor of {outside[0]} needs its MoE layer's input "
+                               "whole on every TP rank: give the module around it the style moe_sequence")
+        self.roots |= expert_tensor
         self._scale: dict[str, float] = {}
 
     @staticmethod
@@ -140,7 +148,7 @@ class _Layout:
             chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
             if any(m in self.embeddings for m in chain):
                 self._scale[module] = 1.0
-            elif any(m in self.split for m in chain):  # the experts: 1/TP of the routed tokens
+            elif any(m in self.split for m in chain):  # the experts: 1/TP of the routed tokens or hidden units
                 self._scale[module] = 1.0 / self.t
             elif any(m in self.whole for m in chain):  # an MoE layer on its all-gathered input
                 self._scale[module] = 1.0
@@ -214,13 +222,15 @@ def _param_style(p: ParamInfo, styles: dict[str, TPStyle]) -> TPStyle | None:
 
 def _local_param(p: ParamInfo, style: TPStyle | None, t: int) -> ParamInfo:
     """The param's TP-local shard: the dim its style shards, divided by the degree."""
-    if style in (*_COLWISE, *_EMBEDDING):
+    if style is TPStyle.EXPERT_TENSOR:
+        dim = expert_tensor_dim(p.fqn.rpartition(".")[2])
+    elif style in (*_COLWISE, *_EMBEDDING):
         dim = 0
     elif style in _ROWWISE and len(p.shape) >= 2:
         dim = 1
     else:
         return p
-    if not p.shape or p.shape[dim] % t:
+    if len(p.shape) <= dim or p.shape[dim] % t:
         raise PlannerError(f"tensor parallelism of degree {t} cannot shard {p.fqn} {list(p.shape)} on dim {dim} "
                            f"({style.value}): choose a degree that divides it")
     shape = (*p.shape[:dim], p.shape[dim] // t, *p.shape[dim + 1:])
