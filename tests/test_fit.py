@@ -48,7 +48,7 @@ def test_smallest_fitting_doubles_then_bisects():
 @pytest.mark.integration
 def test_fit_batch_is_plans_boundary(capsys):
     """The largest batch fit finds fits with plan --policy auto, the next does not, and each row's figures are
-    plan's at that batch (3.5 s)."""
+    plan's at that batch, TP 2 screened as plan screens it (~25 s)."""
     doc = run_json(capsys, "fit", "toy-llama", "--cluster", "h100:2", "--memory-budget", BUDGET, "--seq", SEQ,
                    "--find", "batch")
     assert set(doc) >= {"model", "cluster", "budget", "batch", "points"} and "seq" not in doc
@@ -116,6 +116,20 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
     assert not at["plans"][0]["plan"].get("offload")
     below = run_json(capsys, *plan, "--cluster", f"h100:{fewest - 1}x1")
     assert below["plans"][0]["plan"]["offload"] is True
+
+
+@pytest.mark.integration  # two fits and a plan in process: ~9 s
+def test_fit_takes_tp_as_plan_does(capsys):
+    """``fit --tp 2`` fits the TP layout (it searched without TP before, silently), and each point is ``plan --tp
+    2``'s (without ``--tp`` fit screens the TP degrees plan's auto screens: test_fit_batch_is_plans_boundary)."""
+    common = ("toy-llama", "--cluster", "h100:4", "--memory-budget", "6MiB", "--seq", "64")
+    doc = run_json(capsys, "fit", *common, "--tp", "2", "--find", "batch")
+    largest = doc["batch"]["largest"]
+    rows = {p["batch"]: p for p in doc["points"]}
+    assert rows[largest]["layout"].endswith("TP 2")
+    plan = run_json(capsys, "plan", *common, "--tp", "2", "--policy", "auto", "--batch", str(largest),
+                    "--micro-batches", "1")
+    assert plan["plans"][0]["simulation"]["step_time"] == pytest.approx(rows[largest]["step_time"], rel=1e-9)
 
 
 @pytest.mark.parametrize(("argv", "says"), [

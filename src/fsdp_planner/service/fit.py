@@ -25,7 +25,7 @@ from fsdp_planner.choices import ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
-from fsdp_planner.models import load_model
+from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
 from fsdp_planner.planners.expert_parallel import expert_modules, with_auto_ep
@@ -33,8 +33,9 @@ from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.planning import SILENT, Reporter, Tracer
+from fsdp_planner.service.planning import SILENT, Reporter, Tracer, auto_layouts
 from fsdp_planner.sim.compute import peak_flops
+from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.trace.records import Trace
 
@@ -174,11 +175,28 @@ class Points:
         return result
 
     def _policy(self, key: Key) -> AutoPolicy:
+        """Auto's policy at the point, with the TP layouts ``plan`` screens there (``auto_layouts``: TP d judged at
+        d times the batch per data-parallel rank, the same step), so the point is ``plan``'s."""
         request = self.job.auto
         assert request is not None and self.job.cluster is not None
-        policy = make_policy(request, self._cluster(key), self.job.options)
+        cluster = self._cluster(key)
+        layouts = auto_layouts(self._trace(key), request, self._spec(key), cluster, self.job.options, SILENT,
+                               self._traced)
+        policy = make_policy(request, cluster, self.job.options, layouts)
         assert isinstance(policy, AutoPolicy)
         return policy
+
+    def _spec(self, key: Key) -> ModelSpec:
+        batch, seq, _ = key
+        return dataclasses.replace(self.job.model, batch_size=batch or self.job.model.batch_size,
+                                   seq_len=seq or self.job.model.seq_len)
+
+    def _traced(self, spec: ModelSpec, options: SimOptions) -> Trace:
+        """The tracer, one trace per workload (a TP layout's wider batch is another point's too)."""
+        at = (spec.batch_size, spec.seq_len)
+        if at not in self.traces:
+            self.traces[at] = self.tracer(spec, options)
+        return self.traces[at]
 
     def _with_ep(self, key: Key, result: AutoResult) -> AutoResult:
         """``result`` under the EP degree asked for (``--ep``: auto's groups with each expert module alone, as
@@ -218,12 +236,7 @@ class Points:
         return self.cluster_at(key[2]) if self.cluster_at is not None else self.job.cluster
 
     def _trace(self, key: Key) -> Trace:
-        batch, seq, _ = key
-        if (batch, seq) not in self.traces:
-            spec = dataclasses.replace(self.job.model, batch_size=batch or self.job.model.batch_size,
-                                       seq_len=seq or self.job.model.seq_len)
-            self.traces[(batch, seq)] = self.tracer(spec, self.job.options)
-        return self.traces[(batch, seq)]
+        return self._traced(self._spec(key), self.job.options)
 
     def _dim1(self, key: Key) -> bool:
         """Whether auto may try dim-1 sharding without CPU offload at the point: then whether it fits without
@@ -255,9 +268,9 @@ class Points:
 
 
 def _layout(result: AutoResult) -> str:
-    """The plan's data-parallel layout (REPLICATExSHARD), with its EP degree: "1x256 EP 64"."""
-    ep = result.plan.ep_degree
-    return f"{result.report.mesh} EP {ep}" if ep > 1 else result.report.mesh
+    """The plan's data-parallel layout (REPLICATExSHARD), with its TP and EP degrees: "1x32 TP 2 EP 8"."""
+    tp, ep = result.plan.tp_degree, result.plan.ep_degree
+    return result.report.mesh + (f" TP {tp}" if tp > 1 else "") + (f" EP {ep}" if ep > 1 else "")
 
 
 def _fits(staged: Staged, plain: bool) -> bool:
