@@ -28,7 +28,7 @@ it, and there is no prefetch; the simulator charges them on the compute stream (
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -165,15 +165,28 @@ def backward_calls(trace: Trace, module: str) -> list[tuple[int, int, int, int, 
     return out
 
 
+def own_calls(trace: Trace, planned: Iterable[str]) -> set[tuple[str, int]]:
+    """The calls the model's own ``torch.utils.checkpoint`` holds (``Trace.own_checkpointed``), checkpointed in full,
+    less those of a module the plan checkpoints (``planned``) or that lie inside one: the two checkpoints nest, and
+    the plan's, the same module's or an outer one, is what holds their memory (``own_checkpoint_note``)."""
+    names = list(planned)
+    return {(m, c) for m, c in trace.own_checkpointed if not any(is_within(m, n) for n in names)}
+
+
 def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
-    """Each checkpointed call whose forward runs again in its backward (in full or op-level; not an offloaded one),
-    by the position where that happens: the span of its forward events that runs again there, [its pre-forward,
-    its early stop). FSDP2's hooks of the groups that lie inside it run again in that span (``fsdp2/replay.py``)."""
+    """Each checkpointed call whose forward runs again in its backward (in full or op-level, the plan's or the
+    model's own; not an offloaded one), by the position where that happens: the span of its forward events that
+    runs again there, [its pre-forward, its early stop). FSDP2's hooks of the groups that lie inside it run again
+    in that span (``fsdp2/replay.py``)."""
     out = {}
-    for m in (*plan.activation_checkpointing, *plan.selective_checkpointing):
-        for _, fwd_pre, fwd_post, bwd_pre, bwd_post in backward_calls(trace, m):
-            stop = early_stop(trace, fwd_pre, fwd_post)
-            out[recomputed_at(trace, stop, fwd_post, bwd_pre, bwd_post)] = (fwd_pre, stop)
+    planned = (*plan.activation_checkpointing, *plan.selective_checkpointing)
+    own = own_calls(trace, (*planned, *plan.activation_offloading))
+    modules = (*planned, *dict.fromkeys(m for m, _ in own))
+    for m in modules:
+        for call, fwd_pre, fwd_post, bwd_pre, bwd_post in backward_calls(trace, m):
+            if m in planned or (m, call) in own:
+                stop = early_stop(trace, fwd_pre, fwd_post)
+                out[recomputed_at(trace, stop, fwd_post, bwd_pre, bwd_post)] = (fwd_pre, stop)
     return out
 
 

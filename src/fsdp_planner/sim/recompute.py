@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_planner.choices import Offloaded, SacPolicy
-from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, recomputed_at
+from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, own_calls, recomputed_at
 from fsdp_planner.fsdp2.selective import saved_flags
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
@@ -88,12 +88,17 @@ def kept_ops(trace: Trace, fwd_pre: int, fwd_post: int, policy: SacPolicy) -> tu
 
 
 def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[CheckpointedCall]:
-    """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute)."""
+    """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute), and those the
+    model's own ``torch.utils.checkpoint`` holds that none of them is or holds (``own_calls``), in full."""
+    items = [(item, None) if isinstance(item, str) else item for item in modules]
+    planned = {m for m, _ in items}
+    own = own_calls(trace, planned)
     out = []
-    for item in modules:
-        m, how = (item, None) if isinstance(item, str) else item
+    for m, how in [*items, *((m, None) for m in dict.fromkeys(sorted(m for m, _ in own)))]:
         policy = how if isinstance(how, SacPolicy) else None
         for call, fwd_pre, fwd_post, bwd_pre, bwd_post in backward_calls(trace, m):
+            if m not in planned and (m, call) not in own:
+                continue  # a call of a module the model checkpoints only sometimes
             kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
             out.append(CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post,
                                         trace.events[fwd_pre].inputs_nbytes, policy, kept,
