@@ -168,9 +168,13 @@ def backward_calls(trace: Trace, module: str) -> list[tuple[int, int, int, int, 
 def own_calls(trace: Trace, planned: Iterable[str]) -> set[tuple[str, int]]:
     """The calls the model's own ``torch.utils.checkpoint`` holds (``Trace.own_checkpointed``), checkpointed in full,
     less those of a module the plan checkpoints (``planned``) or that lie inside one: the two checkpoints nest, and
-    the plan's, the same module's or an outer one, is what holds their memory (``own_checkpoint_note``)."""
+    the plan's, the same module's or an outer one, is what holds their memory; but a call the model checkpoints
+    reentrantly stays its own: reentrant checkpoint runs the forward without grad, so the plan's checkpoint of the
+    same module inside it saves nothing (measured on 8 fake ranks: a DiT's blocks reentrant, the plan's --ac op on
+    them, as without it). A plan's call that is one of these is the model's (``checkpointed_calls``)."""
     names = list(planned)
-    return {(m, c) for m, c in trace.own_checkpointed if not any(is_within(m, n) for n in names)}
+    return {(m, c) for m, c, reentrant in trace.own_checkpointed
+            if not any(is_within(m, n) and not (reentrant and m == n) for n in names)}
 
 
 def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:

@@ -91,20 +91,22 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
     """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute), and those the
     model's own ``torch.utils.checkpoint`` holds that none of them is or holds (``own_calls``), in full."""
     items = [(item, None) if isinstance(item, str) else item for item in modules]
-    planned = {m for m, _ in items}
-    own = own_calls(trace, planned)
+    own = own_calls(trace, [m for m, _ in items])
     out = []
-    for m, how in [*items, *((m, None) for m in dict.fromkeys(sorted(m for m, _ in own)))]:
-        policy = how if isinstance(how, SacPolicy) else None
-        for call, fwd_pre, fwd_post, bwd_pre, bwd_post in backward_calls(trace, m):
-            if m not in planned and (m, call) not in own:
-                continue  # a call of a module the model checkpoints only sometimes
-            kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
-            out.append(CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post,
-                                        trace.events[fwd_pre].inputs_nbytes, policy, kept,
-                                        early_stop(trace, fwd_pre, fwd_post), how is Offloaded.HOST,
-                                        trace.events[fwd_post].held))
+    for m, how in items:
+        out.extend(_call(trace, m, how, *b) for b in backward_calls(trace, m) if (m, b[0]) not in own)
+    for m in dict.fromkeys(sorted(m for m, _ in own)):  # the model's own, where it checkpoints that call
+        out.extend(_call(trace, m, None, *b) for b in backward_calls(trace, m) if (m, b[0]) in own)
     return sorted(out, key=lambda c: c.fwd_pre)
+
+
+def _call(trace: Trace, m: str, how: SacPolicy | Offloaded | None, call: int, fwd_pre: int, fwd_post: int,
+          bwd_pre: int, bwd_post: int) -> CheckpointedCall:
+    policy = how if isinstance(how, SacPolicy) else None
+    kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
+    return CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, trace.events[fwd_pre].inputs_nbytes,
+                            policy, kept, early_stop(trace, fwd_pre, fwd_post), how is Offloaded.HOST,
+                            trace.events[fwd_post].held)
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ class _Reentrant:
         self.slot = slot
 
     def apply(self, fn: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-        self.slot.recorder.own_region(True)
+        self.slot.recorder.own_region(True, reentrant=True)
         try:
             return fn(*args)
         finally:

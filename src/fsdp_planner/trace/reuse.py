@@ -179,8 +179,8 @@ class ActionLog(StepRecorder):
     def modified_input(self, fqn: str) -> None:
         self._log(("modified_input", self.relative(fqn)))
 
-    def own_region(self, begin: bool) -> None:
-        self._log(("own_region", begin))  # a replay tells the step's recorder where it lies among the calls
+    def own_region(self, begin: bool, reentrant: bool = False) -> None:
+        self._log(("own_region", begin, reentrant))  # a replay tells the step's recorder where it lies among the calls
 
     def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
         own = self.held(grads_nbytes)
@@ -723,7 +723,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
         elif kind == "pack":
             main.pack()
         elif kind == "own_region":
-            main.own_region(action[1])
+            main.own_region(action[1], action[2])
         elif kind == "modified_input":
             main.modified_input(prefix + action[1])
         else:  # save

@@ -56,8 +56,8 @@ class StepRecorder:
         self._watch_count = 0
         # the model's own torch.utils.checkpoint (``own_checkpoint.py``): the forward depth each open region began
         # at, and the module calls outermost in a region, which the model checkpoints itself
-        self.own_bases: list[int] = []
-        self.own_calls: list[Call] = []
+        self.own_bases: list[tuple[int, bool]] = []  # (depth, reentrant)
+        self.own_calls: list[tuple[str, int, bool]] = []  # (module, call, reentrant)
 
     def position(self) -> int:
         """The position the next event takes."""
@@ -247,18 +247,18 @@ class StepRecorder:
                 nbytes += t.untyped_storage().nbytes()
         return nbytes
 
-    def own_region(self, begin: bool) -> None:
+    def own_region(self, begin: bool, reentrant: bool = False) -> None:
         """A region of the model's own ``torch.utils.checkpoint`` begins (or ends) here (``own_checkpoint.py``)."""
         if begin:
-            self.own_bases.append(len(self.fwd_stack))
+            self.own_bases.append((len(self.fwd_stack), reentrant))
         elif self.own_bases:
             self.own_bases.pop()
 
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        if self.own_bases and len(self.fwd_stack) == self.own_bases[0] and not self.backward:
-            self.own_calls.append((fqn, call))  # outermost in the outermost region: what its checkpoint holds
+        if self.own_bases and len(self.fwd_stack) == self.own_bases[0][0] and not self.backward:
+            self.own_calls.append((fqn, call, self.own_bases[0][1]))  # outermost in the outermost region: what its checkpoint holds
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
                                  inputs_nbytes=inputs_nbytes))
         self.fwd_stack.append(fqn)
@@ -526,7 +526,7 @@ class NullRecorder(StepRecorder):
     def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
         return 0
 
-    def own_region(self, begin: bool) -> None:
+    def own_region(self, begin: bool, reentrant: bool = False) -> None:
         pass
 
 
