@@ -16,6 +16,7 @@ outside any module call are modelled as not checkpointed.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,24 +25,50 @@ import torch.utils.checkpoint as torch_checkpoint
 from fsdp_planner.patching import patched
 from fsdp_planner.trace.step import Slot
 
+COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 
-@contextlib.contextmanager
-def own_checkpoint_regions(slot: Slot) -> Iterator[None]:
-    """Inside, ``torch.utils.checkpoint`` (non-reentrant and reentrant, ``checkpoint_sequential`` and
-    ``checkpoint_wrapper`` through it) runs its function plainly, telling the slot's recorder where each region
-    begins and ends (``StepRecorder.own_region``)."""
 
-    def plain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[None]:
-        # the non-reentrant generator: ``checkpoint`` runs the function between its two steps
-        slot.recorder.own_region(True)
+class OwnCheckpoints:
+    """While ``installed``, ``torch.utils.checkpoint`` (non-reentrant and reentrant, ``checkpoint_sequential`` and
+    ``checkpoint_wrapper`` through it, and the composable ``checkpoint(module)`` a model applies itself) runs its
+    function plainly, telling the slot's recorder where each region begins and ends (``StepRecorder.own_region``)."""
+
+    def __init__(self, slot: Slot) -> None:
+        self.slot = slot
+        self.selective = 0  # regions given a context_fn (op-level selective checkpointing): modelled in full
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched(torch_checkpoint, "_checkpoint_without_reentrant_generator", self._plain))
+            stack.enter_context(patched(torch_checkpoint, "CheckpointFunction", _Reentrant(self.slot)))
+            composable = sys.modules.get(COMPOSABLE)
+            if composable is not None:  # imported (a model applied it): it took torch's generator by name
+                stack.enter_context(patched(composable, "_checkpoint_without_reentrant_generator", self._plain))
+            yield
+
+    def _plain(self, fn: Callable[..., Any], preserve_rng_state: bool = True,
+               context_fn: Callable[..., Any] = torch_checkpoint.noop_context_fn, *args: Any,
+               **kwargs: Any) -> Iterator[None]:
+        """The non-reentrant generator: ``checkpoint`` runs the function between its two steps."""
+        if context_fn is not torch_checkpoint.noop_context_fn and getattr(context_fn, "__module__", "") != COMPOSABLE:
+            self.selective += 1  # (the composable checkpoint always passes one of its own)
+        self.slot.recorder.own_region(True)
         try:
             yield
         finally:
-            slot.recorder.own_region(False)
+            self.slot.recorder.own_region(False)
 
-    with patched(torch_checkpoint, "_checkpoint_without_reentrant_generator", plain), \
-            patched(torch_checkpoint, "CheckpointFunction", _Reentrant(slot)):
-        yield
+    def note(self, calls: tuple[tuple[str, int, bool], ...]) -> str | None:
+        """One line saying what the trace made of the model's own checkpointing, if it has any."""
+        if not calls:
+            return None
+        selective = (f"; {self.selective} region(s) pass a context_fn (op-level selective checkpointing), modelled "
+                     "in full: the peak a lower bound") if self.selective else ""
+        return (f"the model checkpoints {len(calls)} module call(s) itself (torch.utils.checkpoint, '{calls[0][0]}' "
+                "first): modelled as checkpointed in full, as --ac full models a block; a plan's --ac full or op on "
+                "the same modules nests inside it and holds the memory instead (one recomputation), unless the "
+                f"model's is reentrant{selective}")
 
 
 class _Reentrant:

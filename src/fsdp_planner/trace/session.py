@@ -36,7 +36,7 @@ from fsdp_planner.trace.hooks import ModuleHooks
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.methods import MethodFinder, forward_methods
 from fsdp_planner.trace.ops import OpRecorder, device_sync
-from fsdp_planner.trace.own_checkpoint import own_checkpoint_regions
+from fsdp_planner.trace.own_checkpoint import OwnCheckpoints
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.reuse import BlockReuse
 from fsdp_planner.trace.saved import saved_tensor_hooks
@@ -105,6 +105,7 @@ class TraceSession:
         self.stand_in = StandIn(request.routing)
         self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync, self.stand_in)
         self.hooks = ModuleHooks(model.walk, self.slot)
+        self.own = OwnCheckpoints(self.slot)
 
     def _fake_mode(self) -> FakeTensorMode | None:
         """A fake mode for a model with real params (none on meta, none when measuring: those run for real)."""
@@ -160,7 +161,7 @@ class TraceSession:
     def _modes(self) -> Iterator[None]:
         """Step 4 of the module docstring."""
         with self.fake_mode or contextlib.nullcontext(), GpuAttention(), self.ops, saved_tensor_hooks(self.slot), \
-                capacity(self.request.routing), own_checkpoint_regions(self.slot):
+                capacity(self.request.routing), self.own.installed():
             yield
 
     def _step(self) -> set[int]:
@@ -184,7 +185,7 @@ class TraceSession:
                      compute_itemsize=None if dtype is None else dtype.itemsize,
                      buffers_nbytes=sum(b.numel() * b.element_size() for b in self.buffers), op_seconds=seconds,
                      inputs_nbytes=inputs_nbytes(self.request, self.args, self.kwargs),
-                     notes=tuple(n for n in (self.stand_in.note(),) if n),
+                     notes=tuple(n for n in (self.stand_in.note(), self.own.note(tuple(recorder.own_calls))) if n),
                      full_precision=self.request.full_precision if dtype is not None else (),
                      own_checkpointed=tuple(recorder.own_calls))
 

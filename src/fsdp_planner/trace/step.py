@@ -258,7 +258,8 @@ class StepRecorder:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         if self.own_bases and len(self.fwd_stack) == self.own_bases[0][0] and not self.backward:
-            self.own_calls.append((fqn, call, self.own_bases[0][1]))  # outermost in the outermost region: what its checkpoint holds
+            # outermost in the outermost region: what its checkpoint holds
+            self.own_calls.append((fqn, call, self.own_bases[0][1]))
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
                                  inputs_nbytes=inputs_nbytes))
         self.fwd_stack.append(fqn)
