@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fsdp_planner.choices import Offloaded, SacPolicy
-from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, own_calls, recomputed_at
+from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, own_calls, own_regions, recomputed_at
 from fsdp_planner.fsdp2.selective import saved_flags
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
@@ -88,15 +88,14 @@ def kept_ops(trace: Trace, fwd_pre: int, fwd_post: int, policy: SacPolicy) -> tu
 
 
 def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[CheckpointedCall]:
-    """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute), and those the
-    model's own ``torch.utils.checkpoint`` holds that none of them is or holds (``own_calls``), in full."""
+    """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute), and the regions
+    of the model's own ``torch.utils.checkpoint`` that none of them is or holds (``own_calls``), each one call in
+    full (``own_regions``)."""
     items = [(item, None) if isinstance(item, str) else item for item in modules]
     own = own_calls(trace, [m for m, _ in items])
-    out = []
-    for m, how in items:
-        out.extend(_call(trace, m, how, *b) for b in backward_calls(trace, m) if (m, b[0]) not in own)
-    for m in dict.fromkeys(sorted(m for m, _ in own)):  # the model's own, where it checkpoints that call
-        out.extend(_call(trace, m, None, *b) for b in backward_calls(trace, m) if (m, b[0]) in own)
+    mine = {(c.module, c.call) for c in own}
+    out = [_call(trace, m, how, *b) for m, how in items for b in backward_calls(trace, m) if (m, b[0]) not in mine]
+    out += [_call(trace, m, None, *rest) for m, *rest in own_regions(trace, own)]
     return sorted(out, key=lambda c: c.fwd_pre)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch.utils.checkpoint as torch_checkpoint
 
 from fsdp_planner.patching import patched
+from fsdp_planner.trace.events import OwnCall
 from fsdp_planner.trace.step import Slot
 
 COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
@@ -59,14 +60,15 @@ class OwnCheckpoints:
         finally:
             self.slot.recorder.own_region(False)
 
-    def note(self, calls: tuple[tuple[str, int, bool], ...]) -> str | None:
+    def note(self, calls: tuple[OwnCall, ...]) -> str | None:
         """One line saying what the trace made of the model's own checkpointing, if it has any."""
         if not calls:
             return None
         selective = (f"; {self.selective} region(s) pass a context_fn (op-level selective checkpointing), modelled "
                      "in full: the peak a lower bound") if self.selective else ""
-        return (f"the model checkpoints {len(calls)} module call(s) itself (torch.utils.checkpoint, '{calls[0][0]}' "
-                "first): modelled as checkpointed in full, as --ac full models a block; a plan's --ac full or op on "
+        first = calls[0].module
+        return (f"the model checkpoints {len(calls)} module call(s) itself (torch.utils.checkpoint, '{first}' first): "
+                "modelled as checkpointed in full, as --ac full models a block; a plan's --ac full or op on "
                 "the same modules nests inside it and holds the memory instead (one recomputation), unless the "
                 f"model's is reentrant{selective}")
 
