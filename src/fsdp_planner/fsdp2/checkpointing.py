@@ -178,8 +178,8 @@ def own_calls(trace: Trace, planned: Iterable[str]) -> list[OwnCall]:
 
 
 # One region of the model's own checkpointing as a checkpointed call: (its first module call, that call's number,
-# and the positions of the region's pre-forward, post-forward, pre-backward and post-backward)
-OwnRegion = tuple[str, int, int, int, int, int]
+# the positions of the region's pre-forward, post-forward, pre-backward and post-backward, and whether reentrant)
+OwnRegion = tuple[str, int, int, int, int, int, bool]
 
 
 def own_regions(trace: Trace, calls: Iterable[OwnCall]) -> list[OwnRegion]:
@@ -191,11 +191,13 @@ def own_regions(trace: Trace, calls: Iterable[OwnCall]) -> list[OwnRegion]:
     for c in calls:
         for call, fwd_pre, fwd_post, bwd_pre, bwd_post in backward_calls(trace, c.module):
             if call == c.call:
-                parts.setdefault(c.region, []).append((c.module, call, fwd_pre, fwd_post, bwd_pre, bwd_post))
+                parts.setdefault(c.region, []).append((c.module, call, fwd_pre, fwd_post, bwd_pre, bwd_post,
+                                                       c.reentrant))
     out = []
     for region in parts.values():
         first = min(region, key=lambda r: r[2])
-        out.append((*first[:3], max(r[3] for r in region), min(r[4] for r in region), max(r[5] for r in region)))
+        out.append((*first[:3], max(r[3] for r in region), min(r[4] for r in region), max(r[5] for r in region),
+                    first[6]))
     return out
 
 
@@ -208,7 +210,7 @@ def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
     own = own_calls(trace, (*planned, *plan.activation_offloading))
     mine = {(c.module, c.call) for c in own}
     calls = [b[1:] for m in planned for b in backward_calls(trace, m) if (m, b[0]) not in mine]
-    calls += [r[2:] for r in own_regions(trace, own)]
+    calls += [r[2:6] for r in own_regions(trace, own)]
     out = {}
     for fwd_pre, fwd_post, bwd_pre, bwd_post in calls:
         stop = early_stop(trace, fwd_pre, fwd_post)
