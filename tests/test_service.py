@@ -160,12 +160,23 @@ def build():
 '''
 
 
-def test_a_model_that_checkpoints_itself_is_one_line_saying_so(tmp_path):
-    """The tracer cannot replay a model's own torch.utils.checkpoint of a block with attention yet (issue 39): say
-    what to change, not torch's 18-line CheckpointError."""
+def test_a_model_that_checkpoints_its_attention_itself_traces(tmp_path):
+    """The tracer could not replay a model's own torch.utils.checkpoint of a block with attention (issue 39: torch's
+    18-line CheckpointError, then a refusal): it traces, its blocks recorded as the model checkpoints them."""
     path = tmp_path / "self_ckpt.py"
     path.write_text(SELF_CHECKPOINTING)
-    with pytest.raises(PlannerError, match=r"calls torch.utils.checkpoint itself, .* plan the checkpointing with --ac"
-                       ) as e:
+    notes = []
+    tr = trace_spec(f"{path}:build", note=notes.append)
+    assert [(c.module, c.call) for c in tr.own_checkpointed] == [("blocks.0", 0), ("blocks.1", 0)]
+    assert any("checkpoints 2 module call(s) itself" in n for n in notes)
+
+
+def test_a_checkpoint_error_from_the_models_own_copy_of_checkpoint_is_one_line(tmp_path):
+    """A CheckpointError the trace's stand-ins did not prevent (the model's own copy of torch's checkpoint code):
+    one line saying what to change, not torch's message."""
+    path = tmp_path / "own_copy.py"
+    path.write_text(SELF_CHECKPOINTING.replace("x = checkpoint(b, x, c, use_reentrant=False)", "x = b(x, c)\n"
+                    "            raise torch.utils.checkpoint.CheckpointError('a different number of tensors')"))
+    with pytest.raises(PlannerError, match=r"its own copy of torch's checkpoint code, .* --ac full or --ac op") as e:
         trace_spec(f"{path}:build")
     assert "\n" not in str(e.value)

@@ -88,13 +88,14 @@ def _selective_copy(block: nn.Module, policy: SacPolicy) -> nn.Module:
     return copy
 
 
-# torch.utils.checkpoint inside the user's forward: its recomputation in backward runs outside the trace's function
-# mode, so SDPA there takes the math path where the forward took the fused stand-in, and saves another number of
-# tensors (issue 39). Binding SDPA by name for the trace (attention.fused_sdpa_everywhere) makes it trace, but the
-# peak of such a step is then predicted 29% low (a DiT on 8 fake ranks): a refusal, until that memory is modelled.
-SELF_CHECKPOINTING = ("the model calls torch.utils.checkpoint itself, which the planner's trace cannot replay yet "
-                      "(CheckpointError: a different number of tensors saved in recomputation): build it without its "
-                      "own checkpointing and plan the checkpointing with --ac full or --ac op instead")
+# The model's own checkpointing is traced as plain regions, modelled as checkpointed in full (trace/own_checkpoint.py:
+# torch.utils.checkpoint, reentrant or not, checkpoint_sequential, checkpoint_wrapper, the composable checkpoint). A
+# CheckpointError still means a checkpoint of its own that does not go through those (a copy of torch's code), whose
+# recomputation runs outside the trace's function mode (SDPA takes the math path there) and saves other tensors.
+SELF_CHECKPOINTING = ("the model checkpoints activations through its own copy of torch's checkpoint code, which the "
+                      "planner's trace does not stand in for as it does for torch.utils.checkpoint (CheckpointError: a "
+                      "different number of tensors saved in recomputation): call torch.utils.checkpoint instead, or "
+                      "build it without its own checkpointing and plan that with --ac full or --ac op")
 
 
 def own_checkpointing_note(layers: tuple[str, ...]) -> str | None:

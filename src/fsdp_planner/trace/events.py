@@ -46,6 +46,16 @@ TP_KERNELS = (KERNEL_TP_ALL_GATHER, KERNEL_TP_REDUCE_SCATTER, KERNEL_TP_ALL_REDU
 KERNEL_EP_ALL_TO_ALL = -5
 
 
+class OwnCall(NamedTuple):
+    """A module call the model's own ``torch.utils.checkpoint`` holds: outermost in the ``region``-th region (0-based,
+    in forward order; ``checkpoint_sequential``'s segment holds several calls), ``reentrant`` or not."""
+
+    module: str
+    call: int
+    reentrant: bool
+    region: int
+
+
 class Event(NamedTuple):
     """One step of the timeline: a module boundary or an op. (A NamedTuple: a trace holds hundreds of thousands.)"""
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from fsdp_planner.trace.events import Event, EventKind
+from fsdp_planner.trace.events import Event, EventKind, OwnCall
 from fsdp_planner.trace.index import TraceIndex
 from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 
@@ -54,6 +54,8 @@ class Trace:
     # the EP-reduced mesh, dp_shard / EP ranks)
     full_precision: tuple[str, ...] = ()  # modules traced in fp32 under the compute dtype (``full_precision.py``):
     # each needs an fp32 group (``Group.param_dtype``); empty: every module in the compute dtype
+    own_checkpointed: tuple[OwnCall, ...] = ()  # the calls the model's own torch.utils.checkpoint holds
+    # (``own_checkpoint.py``), outermost in each region: each region modelled as one call checkpointed in full
 
     @property
     def ep_degree(self) -> int:

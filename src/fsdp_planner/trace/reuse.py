@@ -179,6 +179,9 @@ class ActionLog(StepRecorder):
     def modified_input(self, fqn: str) -> None:
         self._log(("modified_input", self.relative(fqn)))
 
+    def own_region(self, begin: bool, reentrant: bool = False) -> None:
+        self._log(("own_region", begin, reentrant))  # a replay tells the step's recorder where it lies among the calls
+
     def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
         own = self.held(grads_nbytes)
         self._log(("fwd_post", self.relative(fqn), own if held is None else held))
@@ -449,7 +452,7 @@ class BlockReuse:
     def _call_key(self, r: _Repeated, leaves: list, inputs: dict[int, _Input], structure: Structure) -> tuple | None:
         """What a call must match to reuse a template, or None when it cannot reuse one."""
         if not torch.is_grad_enabled() or torch.is_autocast_enabled() or foreign_saved_hooks():
-            return None  # inside the user's own checkpoint region: its recomputation must see the same saves
+            return None  # under the user's saved-tensor hooks (save_on_cpu): a replay would save other tensors
         calls = self.slot.recorder.calls
         if calls.get(r.fqn) != 1 or any(calls.get(n) for n in r.below):
             return None  # called before (its pre-forward hook has counted this call): its call numbers would differ
@@ -719,6 +722,8 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.exit_backward((prefix + action[1], action[2]))
         elif kind == "pack":
             main.pack()
+        elif kind == "own_region":
+            main.own_region(action[1], action[2])
         elif kind == "modified_input":
             main.modified_input(prefix + action[1])
         else:  # save

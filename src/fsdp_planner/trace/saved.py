@@ -32,8 +32,8 @@ def saved_tensor_hooks(slot: Slot) -> torch.autograd.graph.saved_tensors_hooks:
 
 
 def foreign_saved_hooks() -> bool:
-    """Whether saved-tensor hooks other than the tracer's are on top: ``torch.utils.checkpoint`` (non-reentrant)
-    and the user's own (``save_on_cpu``) push theirs over the tracer's, and they count or move what a call saves,
-    so such a call must run its real ops (a replayed stand-in saves other tensors than its recomputation does)."""
+    """Whether saved-tensor hooks other than the tracer's are on top: the user's own (``save_on_cpu``) push theirs
+    over the tracer's, and they count or move what a call saves, so such a call must run its real ops (a replayed
+    stand-in saves other tensors). ``torch.utils.checkpoint``'s are not pushed while traced (``own_checkpoint.py``)."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return top is not None and getattr(top[0], "__module__", None) != __name__

@@ -10,8 +10,9 @@ The pieces go on in one order, and each place in it has a reason:
 3. the module hooks (``hooks.ModuleHooks``);
 4. for the step itself, the fake mode (a model with real params; none on meta) before the op recorder: the
    dispatch mode entered last sees an op first, so the recorder records each op and runs it under the fake
-   mode, which makes its outputs fake; then ``GpuAttention`` (a torch-function mode, a stack of its own) and the
-   saved-tensor hooks.
+   mode, which makes its outputs fake; then ``GpuAttention`` (a torch-function mode, a stack of its own), the
+   saved-tensor hooks, and the model's own ``torch.utils.checkpoint`` run as plain regions (``own_checkpoint.py``:
+   its hooks would sit over the tracer's).
 
 They come off in the reverse order, and the grads the step left (on params and on leaf inputs) are cleared last.
 """
@@ -35,6 +36,7 @@ from fsdp_planner.trace.hooks import ModuleHooks
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.methods import MethodFinder, forward_methods
 from fsdp_planner.trace.ops import OpRecorder, device_sync
+from fsdp_planner.trace.own_checkpoint import OwnCheckpoints
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.reuse import BlockReuse
 from fsdp_planner.trace.saved import saved_tensor_hooks
@@ -103,6 +105,7 @@ class TraceSession:
         self.stand_in = StandIn(request.routing)
         self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync, self.stand_in)
         self.hooks = ModuleHooks(model.walk, self.slot)
+        self.own = OwnCheckpoints(self.slot)
 
     def _fake_mode(self) -> FakeTensorMode | None:
         """A fake mode for a model with real params (none on meta, none when measuring: those run for real)."""
@@ -158,7 +161,7 @@ class TraceSession:
     def _modes(self) -> Iterator[None]:
         """Step 4 of the module docstring."""
         with self.fake_mode or contextlib.nullcontext(), GpuAttention(), self.ops, saved_tensor_hooks(self.slot), \
-                capacity(self.request.routing):
+                capacity(self.request.routing), self.own.installed():
             yield
 
     def _step(self) -> set[int]:
@@ -182,8 +185,9 @@ class TraceSession:
                      compute_itemsize=None if dtype is None else dtype.itemsize,
                      buffers_nbytes=sum(b.numel() * b.element_size() for b in self.buffers), op_seconds=seconds,
                      inputs_nbytes=inputs_nbytes(self.request, self.args, self.kwargs),
-                     notes=tuple(n for n in (self.stand_in.note(),) if n),
-                     full_precision=self.request.full_precision if dtype is not None else ())
+                     notes=tuple(n for n in (self.stand_in.note(), self.own.note(tuple(recorder.own_calls))) if n),
+                     full_precision=self.request.full_precision if dtype is not None else (),
+                     own_checkpointed=tuple(recorder.own_calls))
 
 
 def _clear_grads(tensors: list[torch.Tensor]) -> None:

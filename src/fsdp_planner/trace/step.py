@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fsdp_planner.trace.events import Event, EventKind, OpClass
+from fsdp_planner.trace.events import Event, EventKind, OpClass, OwnCall
 from fsdp_planner.trace.tree import ROOT, is_within
 
 Call = tuple[str, int]
@@ -54,6 +54,11 @@ class StepRecorder:
         self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
         self._watched: dict[int, weakref.ref] = {}  # saved storages charged, until autograd frees them (``freed``)
         self._watch_count = 0
+        # the model's own torch.utils.checkpoint (``own_checkpoint.py``): the forward depth each open region began
+        # at, and the module calls outermost in a region, which the model checkpoints itself
+        self.own_bases: list[tuple[int, bool]] = []  # (depth, reentrant)
+        self.own_calls: list[OwnCall] = []
+        self.own_regions = 0  # outermost regions begun
 
     def position(self) -> int:
         """The position the next event takes."""
@@ -243,9 +248,20 @@ class StepRecorder:
                 nbytes += t.untyped_storage().nbytes()
         return nbytes
 
+    def own_region(self, begin: bool, reentrant: bool = False) -> None:
+        """A region of the model's own ``torch.utils.checkpoint`` begins (or ends) here (``own_checkpoint.py``)."""
+        if begin:
+            self.own_regions += not self.own_bases
+            self.own_bases.append((len(self.fwd_stack), reentrant))
+        elif self.own_bases:
+            self.own_bases.pop()
+
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
+        if self.own_bases and len(self.fwd_stack) == self.own_bases[0][0] and not self.backward:
+            # outermost in the outermost region: what its checkpoint holds
+            self.own_calls.append(OwnCall(fqn, call, self.own_bases[0][1], self.own_regions - 1))
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
                                  inputs_nbytes=inputs_nbytes))
         self.fwd_stack.append(fqn)
@@ -512,6 +528,9 @@ class NullRecorder(StepRecorder):
 
     def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
         return 0
+
+    def own_region(self, begin: bool, reentrant: bool = False) -> None:
+        pass
 
 
 NULL = NullRecorder()

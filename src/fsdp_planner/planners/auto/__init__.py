@@ -34,7 +34,7 @@ from fsdp_planner.batch import paused_gc
 from fsdp_planner.choices import DEFAULT_SAC_POLICY, SacPolicy, ShardPlacement
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count
-from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
+from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks, own_overlap
 from fsdp_planner.fsdp2.dtypes import several_kinds
 from fsdp_planner.fsdp2.plan import Mesh, Plan, RunOptions, divisors
 from fsdp_planner.fsdp2.replay import build_schedule
@@ -294,14 +294,17 @@ class AutoPolicy:
 
     def _offloads_activations(self, trace: Trace, result: AutoResult) -> bool:
         """Whether to search once more with every block's saved activations offloaded (``--ac offload``): only
-        when nothing fits otherwise, auto chose the checkpointing, and the model has blocks."""
+        when nothing fits otherwise, auto chose the checkpointing, and the model has blocks, none of which its own
+        checkpoint is around or inside (``check_checkpointing`` refuses offloading those)."""
         if result.fits or not self.choose_memory_options or self.checkpointing is not None \
                 or self.target is not Target.FSDP2:
             return False
         try:
-            return bool(checkpointed_blocks(trace, ACMode.OFFLOAD))
+            blocks = checkpointed_blocks(trace, ACMode.OFFLOAD)
         except PlannerError:  # no repeated blocks
             return False
+        # not around or inside the model's own checkpoint (``check_checkpointing``)
+        return bool(blocks) and not any(own_overlap(trace, b) for b in blocks)
 
     def _ways_out(self, trace: Trace, result: AutoResult) -> list[tuple[bool, ShardPlacement]]:
         """FSDP2's memory options to search with when ``result`` does not fit, cheapest first: dim-1 sharding (no
