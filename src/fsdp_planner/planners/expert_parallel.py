@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec
-from fsdp_planner.planners.auto import AutoResult, ScreenedLayout
+from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.tensor_parallel import TP_DEGREES, check_layout, is_titan_moe, tp_layout
@@ -198,6 +198,20 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     label = f"{result.plan.policy}, {best.describe()}"
     return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
                    fits=bool(fitting), meshes=meshes)
+
+
+def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str, cluster: Cluster,
+                options: SimOptions, note: Callable[[str], None] | None = None) -> AutoResult:
+    """Auto's own EP screen (no ``--ep``) for a model with grouped experts, ``result`` being ``policy``'s search:
+    on its plan without TP (``with_auto_ep``); where the search took TP (the experts tensor-parallel, torchtitan's
+    MoE layout without EP), on the best plan of the same search without TP too, and the faster within the budget
+    kept (else the one holding least): EP without TP is not given up for TP's experts without a look."""
+    if result.plan.tp_degree == 1:
+        return with_auto_ep(result, trace, cluster, options, (), note)
+    flat = with_auto_ep(replace(policy, tensor_parallel=()).search(trace, model), trace, cluster, options, (), note)
+    best = min((result, flat), key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
+    return replace(best, meshes={**result.meshes, **flat.meshes}, evaluated=result.evaluated + flat.evaluated,
+                   seconds=result.seconds + flat.seconds)
 
 
 def _lines(found: list[EPOption], result: AutoResult, cluster: Cluster) -> dict[str, Candidate]:

@@ -28,7 +28,7 @@ from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
-from fsdp_planner.planners.expert_parallel import expert_modules, with_auto_ep
+from fsdp_planner.planners.expert_parallel import expert_modules, with_auto_ep, with_own_ep
 from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
@@ -169,7 +169,7 @@ class Points:
         else:
             first = self._before_ep.get(id(first), (first, first))[1]
             result = policy.search(tr, self.job.model.name, first=first)
-        result = self._with_ep(key, result)
+        result = self._with_ep(key, result, policy)  # (its search without TP with auto's memory options: plan's)
         if not screen:
             self._note(key, result, first is not None)
         return result
@@ -198,13 +198,13 @@ class Points:
             self.traces[at] = self.tracer(spec, options)
         return self.traces[at]
 
-    def _with_ep(self, key: Key, result: AutoResult) -> AutoResult:
+    def _with_ep(self, key: Key, result: AutoResult, policy: AutoPolicy) -> AutoResult:
         """``result`` under the EP degree asked for (``--ep``: auto's groups with each expert module alone, as
         ``plan --ep`` gives them); not fitting where the degree does not divide the plan's shard ranks (fewer GPUs
         than EP, or HSDP replicas of fewer)."""
         ep = self.job.auto.ep if self.job.auto is not None else None
         if ep is None:
-            return self._auto_ep(key, result)
+            return self._auto_ep(key, result, policy)
         if ep == 1:
             return result
         cluster = self._cluster(key)
@@ -218,14 +218,15 @@ class Points:
         self._before_ep[id(out)] = (out, result)  # (out kept alive: its id stays its own)
         return out
 
-    def _auto_ep(self, key: Key, result: AutoResult) -> AutoResult:
+    def _auto_ep(self, key: Key, result: AutoResult, policy: AutoPolicy) -> AutoResult:
         """Without ``--ep``, for a model with grouped experts: auto's EP screen as ``plan`` runs it (no EP and each
-        degree the model and the plan's shard ranks allow, the fastest that fits: ``with_auto_ep``)."""
+        degree the model and the plan's shard ranks allow, the fastest that fits, beside a TP layout the search
+        took: ``with_own_ep``)."""
         cluster, tr = self._cluster(key), self._trace(key)
-        if result.plan.tp_degree > 1 or not expert_modules(tr):
+        if not expert_modules(tr) or self.job.auto is None or self.job.auto.tp is not None:
             return result
         try:
-            out = with_auto_ep(result, tr, cluster, self.job.options, ())
+            out = with_own_ep(result, policy, tr, self.job.model.name, cluster, self.job.options)
         except PlannerError:  # experts of several counts: EP only as the user names it (``--ep``, a plan file)
             return result
         self._before_ep[id(out)] = (out, result)

@@ -30,6 +30,7 @@ from fsdp_planner.planners.expert_parallel import (
     screen_ep_tp,
     with_auto_ep,
     with_expert_parallel,
+    with_own_ep,
 )
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.planners.tensor_parallel import TPChoice, check_layout, tp_degrees, tp_layout
@@ -167,8 +168,8 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         result = policy.search(tr, spec.name)
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
             result = with_auto_ep(result, tr, cluster, options, (ep,))
-        elif request.ep is None and result.plan.tp_degree == 1 and expert_modules(tr):  # auto's own EP screen
-            result = with_auto_ep(result, tr, cluster, options, (), reporter.note)
+        elif request.ep is None and expert_modules(tr):  # auto's own EP screen
+            result = with_own_ep(result, policy, tr, spec.name, cluster, options, reporter.note)
     return result
 
 
