@@ -460,6 +460,17 @@ def test_a_model_file_without_its_factory_lists_the_functions(capsys, tmp_path):
     assert code == 2 and "does not exist" in err
 
 
+def test_a_misspelt_factory_lists_the_functions_closest_first(capsys):
+    model = Path(__file__).parent / "fixtures" / "routing_models.py"
+    code, _, err = run_main(capsys, "plan", f"{model}:dbrx_lik")
+    assert code == 2
+    assert err.strip() == f"error: '{model}' has no callable 'dbrx_lik' (its functions, closest first: dbrx_like, " \
+                          "where_moe, placeholders, llava, mha_encoder, sorted_moe, wav2vec2_like)"
+    code, _, err = run_main(capsys, "plan", f"{model}:zzz")  # nothing near: the file's order, as without ':FN'
+    assert code == 2 and err.strip().endswith("has no callable 'zzz' (its functions: where_moe, placeholders, llava, "
+                                              "mha_encoder, sorted_moe, dbrx_like, wav2vec2_like)")
+
+
 def test_demo_with_an_unknown_model_fails_before_any_work(capsys, tmp_path):
     code, out, err = run_main(capsys, "demo", "--model", "nosuch", "--out-dir", str(tmp_path / "pics"))
     assert code == 2 and err.startswith("error: unknown model 'nosuch'")

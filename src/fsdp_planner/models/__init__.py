@@ -13,6 +13,7 @@ keyword arguments (every built-in that has them takes them; a user's factory opt
 from __future__ import annotations
 
 import ast
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -250,8 +251,21 @@ def _factories_hint(path: Path) -> str:
         tree = ast.parse(path.read_text(), str(path))
     except (OSError, SyntaxError, ValueError):
         return ""
-    names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")]
-    return f" (its functions: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''})" if names else ""
+    return _functions_hint([n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")])
+
+
+def _closest_first(module: Any, fn_name: str) -> str:
+    """The imported module's own public functions, those nearest a misspelt ``fn_name`` first (what FN can be)."""
+    names = [n for n, v in vars(module).items()
+             if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")]
+    close = difflib.get_close_matches(fn_name, names, n=3)
+    return _functions_hint([*close, *(n for n in names if n not in close)], "closest first" if close else "")
+
+
+def _functions_hint(names: list[str], order: str = "") -> str:
+    """`` (its functions: a, b, ...)``, the first 8 of ``names``; none when there are none."""
+    shown = f"{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
+    return f" (its functions{f', {order}' if order else ''}: {shown})" if names else ""
 
 
 def resolve_factory(spec: str) -> Callable[..., tuple]:
@@ -302,7 +316,7 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
             raise PlannerError(f"cannot import module '{target}': {type(e).__name__}: {e}") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise PlannerError(f"'{target}' has no callable '{fn_name}'")
+        raise PlannerError(f"'{target}' has no callable '{fn_name}'{_closest_first(module, fn_name)}")
     return fn
 
 
