@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from conftest import gathers_by_group, policy
 
+from fsdp_planner import cli
 from fsdp_planner.apply.export import export_plan
 from fsdp_planner.choices import ExportFormat
 from fsdp_planner.errors import PlannerError
@@ -98,6 +99,33 @@ def test_a_plan_mixing_batchnorm_into_a_compute_dtype_group_is_refused(resnet):
     j = next(i for i, g in enumerate(plan.inner_groups) if not g.param_dtype)
     with pytest.raises(PlannerError, match=rf"group {j} .* has param_dtype fp32 but holds params of modules that "):
         check_plan_matches(plan.with_group(j, param_dtype="fp32"), resnet)
+
+
+def test_a_hand_edited_plan_without_the_fp32_groups_gets_a_note_that_agrees_with_its_refusal(capsys, tmp_path):
+    """The trace's note comes before the plan is read: it says what every plan must do, not that this one does."""
+    out = tmp_path / "p.json"
+    assert cli.main(["plan", RESNET, "--policy", "order", "--out", str(out), "--json"]) == 0
+    data = json.loads(out.read_text())
+    data["groups"] = [{k: v for k, v in g.items() if k != "param_dtype"} for g in data["groups"]]
+    out.write_text(json.dumps(data))
+    capsys.readouterr()
+    for command in (["simulate", "--cluster", "h100:8"], ["verify", "--nproc", "2"]):
+        assert cli.main([command[0], RESNET, "--plan", str(out), *command[1:]]) == 2
+        captured = capsys.readouterr()
+        note, error = captured.err.strip().splitlines()
+        assert "they need fp32 groups of their own" in note and "a --plan file must too" in note
+        assert "they run in" not in note and error.startswith("error: group ") and "must run in fp32" in error
+        assert "verifying" not in captured.out
+
+
+@pytest.mark.parametrize("where", [["--nproc", "2"], ["--fake-world-size", "4", "--cluster", "h100:4"]])
+def test_verify_refuses_pure_bf16_on_fp32_params_before_anything_runs(capsys, where):
+    assert cli.main(["verify", RESNET, "--precision", "pure-bf16", "--policy", "auto", *where]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == ("error: precision 'pure-bf16' stores params in bfloat16 but the model builds them "
+                                    "in float32: build the model in that dtype or pick a precision that matches it "
+                                    "(--precision)")  # one line: no note of the trace, which never ran
+    assert captured.out == ""  # neither "verifying ..." nor "running ...": no job started
 
 
 def test_auto_plans_batchnorm_in_fp32_groups_and_export_writes_their_policy(resnet):

@@ -19,7 +19,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
-from fsdp_planner.runtime.verify import VerifyResult, run_verify
+from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
 from fsdp_planner.service.planning import stamped
 from fsdp_planner.sim.options import SimOptions
@@ -41,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{request.options.precision.name}: add --precision fp32 to predict a job timed like them")
     host = predict_on is not None and predict_on.engine is Engine.HOST
     options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
+    check_model_dtypes(request.model, options.precision)  # before the trace's notes, auto's search and torchrun
     tr = load_trace(request.model, measure=request.measure and predict_on is not None,
                     full=request.full_trace, precision=options.precision,
                     threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
@@ -178,6 +179,7 @@ def run_fake(request: FakeWorldRequest) -> int:
     for note in request.notes:
         render.note(note)
     world, options, precision = request.world, request.options, request.options.precision.name
+    check_model_dtypes(request.model, options.precision)  # before the trace's notes and auto's search
     tr = load_trace(request.model, full=request.full_trace, precision=options.precision)
     source = request.source
     plan = stamped(job_plan(tr, source.plan_file, source.policy, request.model, request.cluster, options,

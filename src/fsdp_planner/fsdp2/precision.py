@@ -85,13 +85,17 @@ def check_param_dtypes(precision: Precision, built: set[str]) -> None:
                            "matches it (--precision)")
 
 
+def built_dtypes(model: torch.nn.Module) -> set[str]:
+    """The floating dtypes ``model``'s params are built in, named as a trace names them ("float32")."""
+    return {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+
+
 def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecisionPolicy:
     """FSDP2's ``MixedPrecisionPolicy`` for ``precision``, on a model whose params are stored as built (the
     precision's param dtype: FSDP2 keeps the sharded params in the dtype they were built in)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # the distributed stack: for a run only
 
-    check_param_dtypes(precision, {str(p.dtype).removeprefix("torch.") for p in model.parameters()
-                                   if p.is_floating_point()})
+    check_param_dtypes(precision, built_dtypes(model))
     param_dtype, reduce_dtype = precision.fsdp_dtypes()
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 

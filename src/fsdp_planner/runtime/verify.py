@@ -35,7 +35,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.fsdp2.precision import Precision, check_param_dtypes, check_precision
+from fsdp_planner.fsdp2.precision import Precision, built_dtypes, check_param_dtypes, check_precision
 from fsdp_planner.fsdp2.replay import Kept, build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.hardware.cluster import preset_cluster
@@ -484,6 +484,12 @@ def prepare_job(job: VerifyJob, save_checkpoint: Path | None, load_checkpoint: P
         check_save_dir(save)
     start_step = check_load_dir(load, job.plan.fingerprint)["step"] if load is not None else 0
     return dataclasses.replace(job, model=model, save=save, load=load, start_step=start_step)
+
+
+def check_model_dtypes(spec: ModelSpec, precision: Precision) -> None:
+    """Refuse a precision the model's params cannot train in (FSDP2 keeps the sharded params in the dtype they are
+    built in), from the model built on meta: before it is traced, a plan searched or any rank started."""
+    check_param_dtypes(precision, built_dtypes(load_model(spec, meta=True).model))
 
 
 def check_on_meta(job: VerifyJob, trace: Trace) -> None:

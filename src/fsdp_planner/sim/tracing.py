@@ -154,7 +154,9 @@ def kept_before(model: nn.Module, own: Trace, failed: FailedOp | None) -> tuple[
 
 
 def kept_note(model: nn.Module, kept: tuple[str, ...], precision: Precision) -> str:
-    """One line saying which modules run in fp32 and why."""
+    """One line saying which modules need fp32 and why: what every plan of this trace must do (the trace comes
+    before the plan, and a hand-edited --plan file that does not do it is refused: ``check_full_precision``)."""
     classes = ", ".join(dict.fromkeys(type(model.get_submodule(m)).__name__ for m in kept))
     return (f"{len(kept)} module(s) ({classes}) fail in the compute dtype of '{precision.name}' (floating buffers "
-            "FSDP2 does not cast): they run in fp32 groups of their own (MixedPrecisionPolicy(param_dtype=float32))")
+            "FSDP2 does not cast): they need fp32 groups of their own (MixedPrecisionPolicy(param_dtype=float32)), "
+            "which the policies give them and a --plan file must too")
