@@ -48,7 +48,7 @@ def test_smallest_fitting_doubles_then_bisects():
 @pytest.mark.integration
 def test_fit_batch_is_plans_boundary(capsys):
     """The largest batch fit finds fits with plan --policy auto, the next does not, and each row's figures are
-    plan's at that batch, TP 2 screened as plan screens it (~25 s)."""
+    plan's at that batch, TP 2 screened as plan screens it (~9 s)."""
     doc = run_json(capsys, "fit", "toy-llama", "--cluster", "h100:2", "--memory-budget", BUDGET, "--seq", SEQ,
                    "--find", "batch")
     assert set(doc) >= {"model", "cluster", "budget", "batch", "points"} and "seq" not in doc
