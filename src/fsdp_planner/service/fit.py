@@ -33,7 +33,7 @@ from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.planning import SILENT, Reporter, Tracer, auto_layouts
+from fsdp_planner.service.planning import SILENT, Reporter, Tracer, auto_layouts, ep_tp_layouts, with_ep_tp
 from fsdp_planner.sim.compute import peak_flops
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import shard_dims
@@ -165,12 +165,14 @@ class Points:
             policy = dataclasses.replace(policy, search_effort=0)
         self.searches += 1
         if first is None:
-            result = dataclasses.replace(policy, choose_memory_options=False).search(tr, self.job.model.name)
+            searched = dataclasses.replace(policy, choose_memory_options=False).search(tr, self.job.model.name)
         else:
             first = self._before_ep.get(id(first), (first, first))[1]
-            result = policy.search(tr, self.job.model.name, first=first)
-        result = self._with_ep(key, result, policy)  # (its search without TP with auto's memory options: plan's)
+            searched = policy.search(tr, self.job.model.name, first=first)
+        result = self._with_ep(key, searched, policy)  # (its search without TP with auto's memory options: plan's)
         if not screen:
+            result = self._with_ep_tp(key, result)
+            self._before_ep[id(result)] = (result, searched)  # (the next stage starts from the search's own)
             self._note(key, result, first is not None)
         return result
 
@@ -234,6 +236,17 @@ class Points:
             return result
         self._before_ep[id(out)] = (out, result)
         return out
+
+    def _with_ep_tp(self, key: Key, result: AutoResult) -> AutoResult:
+        """An MoE model's EP x TP layouts screened beside ``result`` as ``plan`` screens them (``with_ep_tp``),
+        at the points searched in full."""
+        request = self.job.auto
+        assert request is not None
+        cluster, tr, spec = self._cluster(key), self._trace(key), self._spec(key)
+        ep_tp = ep_tp_layouts(tr, request, spec, cluster)
+        if not ep_tp or request.tp is not None:
+            return result
+        return with_ep_tp(result, tr, request, spec, cluster, self.job.options, SILENT, self._traced, ep_tp)
 
     def _cluster(self, key: Key) -> Cluster:
         assert self.job.cluster is not None

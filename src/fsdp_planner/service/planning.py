@@ -123,7 +123,7 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
                       f"holds ({fmt_bytes(capacity)}): a plan within it may not fit on the GPU")
     spec = as_spec(model)
     tracer = tracer or _spec_tracer
-    ep_tp = _ep_tp_layouts(tr, request, spec, cluster)
+    ep_tp = ep_tp_layouts(tr, request, spec, cluster)
     if ep_tp and request.tp is not None:  # --tp N alone on an MoE model: the EP degrees at that TP, screened
         (degrees,) = ep_tp.values()
         layouts = auto_layouts(tr, dataclasses.replace(request, ep=degrees[0]), spec, cluster, options, reporter,
@@ -135,7 +135,7 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
     else:
         result = _auto_search(tr, request, spec, cluster, options, reporter, tracer)
         if ep_tp:  # auto's own EP x TP screen beside it
-            result = _with_ep_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp)
+            result = with_ep_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp)
     degree, judged = result.plan.tp_degree, judged_model(spec, request, result.plan)
     if judged is not spec and result.fits:  # (a result over the budget is an error)
         batch = spec.workload()["batch_size"]
@@ -156,10 +156,10 @@ def judged_model(model: ModelSpec, request: PolicyRequest, plan: Plan) -> ModelS
 
 def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster, options: SimOptions,
                        reporter: Reporter, tracer: Tracer) -> AutoResult:
-    """Auto's search over the TP layouts of ``auto_layouts`` (an MoE model's EP x TP layouts apart, ``_with_ep_tp``:
+    """Auto's search over the TP layouts of ``auto_layouts`` (an MoE model's EP x TP layouts apart, ``with_ep_tp``:
     with ``--ep``, none), then its EP screen: the EP asked for, or without ``--ep`` each degree (with no TP only)."""
     ep = request.ep or 1
-    if ep > 1 and request.tp is None:  # EP x TP: torchtitan's MoE layout only, screened by ``_with_ep_tp``
+    if ep > 1 and request.tp is None:  # EP x TP: torchtitan's MoE layout only, screened by ``with_ep_tp``
         request = dataclasses.replace(request, tp=1)
     layouts = auto_layouts(tr, request, spec, cluster, options, reporter, tracer)
     with reporter.progress(f"auto: searching plans for {cluster.name}"):
@@ -173,7 +173,7 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
     return result
 
 
-def _ep_tp_layouts(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster) -> dict[int, tuple[int, ...]]:
+def ep_tp_layouts(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster) -> dict[int, tuple[int, ...]]:
     """The EP x TP layouts auto screens itself (TP degree -> EP degrees, ``ep_tp_degrees``): for a model with
     torchtitan's MoE layout, unless both degrees are given, one of them is 1, or the mesh or the FSDP1 target
     fixes the layout; without ``--tp`` only where the batch is known (TP d is judged at d times it)."""
@@ -188,7 +188,7 @@ def _ep_tp_layouts(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: 
         return {}
 
 
-def _with_ep_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster,
+def with_ep_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster,
                 options: SimOptions, reporter: Reporter, tracer: Tracer, ep_tp: dict[int, tuple[int, ...]]
                 ) -> AutoResult:
     """``result`` (no TP) or the best of auto's EP x TP layouts, whichever is faster within the budget. Each TP
