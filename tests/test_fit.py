@@ -127,6 +127,10 @@ def test_fit_takes_tp_as_plan_does(capsys):
     largest = doc["batch"]["largest"]
     rows = {p["batch"]: p for p in doc["points"]}
     assert rows[largest]["layout"].endswith("TP 2")
+    # --batch under --tp is one data-parallel rank's, shared by its 2 TP GPUs (it was counted once per GPU: the
+    # MFU of fit llama3-70b --tp 8 --batch 8 read 259%)
+    point = rows[largest]
+    assert point["tokens_per_second_per_gpu"] == pytest.approx(largest * 64 / point["step_time"] / 2)
     plan = run_json(capsys, "plan", *common, "--tp", "2", "--policy", "auto", "--batch", str(largest),
                     "--micro-batches", "1")
     assert plan["plans"][0]["simulation"]["step_time"] == pytest.approx(rows[largest]["step_time"], rel=1e-9)

@@ -169,6 +169,10 @@ def _points(request: FitRequest) -> Points:
                   full_trace=request.full_trace, must_fit=False)
     cluster = request.cluster
     deadline = time.monotonic() + request.time_limit if request.time_limit else None
+    tp = request.policy.tp
+    if tp is not None and tp > 1:  # as plan's --tp: torchtitan's local batch
+        render.note(f"--tp {tp}: each batch is one data-parallel rank's, its {tp} TP GPUs sharing it (tokens/s and "
+                    "MFU per GPU count each GPU's share)")
     return Points(job, _tracer(request.full_trace), (lambda n: with_nodes(cluster, n)) if request.gpus_auto
                   else None, REPORTER, deadline)
 

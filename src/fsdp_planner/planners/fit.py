@@ -21,7 +21,7 @@ class FitPoint:
     """One evaluated workload and world: auto's best plan for it, simulated (the plan's own figures, as ``plan
     --policy auto`` prints them for the same ``--batch``, ``--seq`` and ``--cluster``)."""
 
-    batch: int  # per GPU
+    batch: int  # per GPU (per data-parallel rank under ``--tp``: ``batch_ranks``)
     seq: int
     gpus: int
     nodes: int
@@ -38,17 +38,20 @@ class FitPoint:
     complete: bool = True  # False: searched without CPU offload only, which did not fit (whether offload would
     # was not asked: the answer sought was the largest workload without it)
     op_level: int = 0  # modules auto checkpoints op by op (selective)
+    batch_ranks: int = 1  # the GPUs one ``batch`` is shared by: the TP degree where ``--tp`` makes the batch one
+    # data-parallel rank's (torchtitan's local batch), else 1 (``batch`` and ``model_flops`` are then one GPU's)
 
     @property
     def tokens_per_gpu(self) -> float:
-        """Tokens per second per GPU: the rank's batch x seq over the step time."""
-        return self.batch * self.seq / self.step_time if self.step_time > 0 else 0.0
+        """Tokens per second per GPU: the batch x seq over the step time, over the GPUs sharing it."""
+        return self.batch * self.seq / self.step_time / self.batch_ranks if self.step_time > 0 else 0.0
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs utilisation: the step's model FLOPs over the GPU's peak for the step time (recomputed
-        forwards are not model FLOPs, so checkpointing lowers it)."""
-        return self.model_flops / (self.step_time * self.peak_flops) if self.step_time > 0 else 0.0
+        """Model FLOPs utilisation: one GPU's share of the step's model FLOPs over its peak for the step time
+        (recomputed forwards are not model FLOPs, so checkpointing lowers it)."""
+        return self.model_flops / self.batch_ranks / (self.step_time * self.peak_flops) if self.step_time > 0 \
+            else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, "seq": self.seq, "gpus": self.gpus, "nodes": self.nodes, "fits": self.fits,

@@ -272,7 +272,7 @@ class Points:
                         peak_flops(cluster.gpu, self.job.options.precision), _layout(found),
                         len(found.plan.activation_checkpointing), offloads(found),
                         len(found.plan.activation_offloading), staged.complete,
-                        len(found.plan.selective_checkpointing))
+                        len(found.plan.selective_checkpointing), self.job.auto.tp or 1 if self.job.auto else 1)
 
     def _note(self, key: Key, result: AutoResult, ways_out: bool) -> None:
         batch, seq, _ = key
