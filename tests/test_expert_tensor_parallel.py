@@ -141,3 +141,20 @@ def test_verify_expert_tp_trains_with_parity_on_gloo() -> None:
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
     assert result["max_abs_diff"] <= 1e-5
+
+
+def test_a_torchtitan_moe_job_with_tp_and_no_ep_plans_the_experts_tensor_parallel(tmp_path) -> None:
+    """torchtitan's DeepSeek-V3 / Llama 4 layout (tensor_parallel_degree > 1, expert_parallel_degree 1) read from
+    its job file keeps TP, and the plan shards the experts over it (not whole on every TP rank)."""
+    from fsdp_planner import api
+    from fsdp_planner.cli import build_parser
+    from fsdp_planner.cli.requests import configured
+
+    job = tmp_path / "job.toml"
+    job.write_text("[parallelism]\ntensor_parallel_degree = 2\n[activation_checkpoint]\nmode = \"none\"\n")
+    args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
+                                                    "h100:8", "--policy", "titan"]))
+    assert (args.tp, args.ep) == (2, None) or (args.tp, args.ep) == (2, 1)
+    plan = api.plan(TINY, cluster="h100:8", policy="titan", tp=args.tp)
+    assert plan.expert_parallel is None
+    assert plan.tensor_parallel.layout["layers.*.moe.experts"] is TPStyle.EXPERT_TENSOR

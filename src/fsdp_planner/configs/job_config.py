@@ -350,8 +350,9 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
     etp = par.get("expert_tensor_parallel_degree", 1)  # earlier torchtitan's: EP's ranks span TP's only at 1
     if etp != 1 and cfg.ep > 1 and cfg.tp > 1:
         raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets parallelism.expert_tensor_parallel_degree = "
-                           f"{shown_json(etp)}: fsdp-planner models expert TP 1 only (EP's ranks spanning the TP "
-                           "ranks, torchtitan's default), so its verdict would be about another job (set it to 1)")
+                           f"{shown_json(etp)}: with expert parallelism fsdp-planner models expert TP 1 only (EP's "
+                           "ranks spanning the TP ranks, torchtitan's default; without EP the experts are "
+                           "tensor-parallel), so its verdict would be about another job (set it to 1)")
 
 
 def refuse_other_job(cfg: JobConfig, key: str, degree: Any, what: str) -> None:
