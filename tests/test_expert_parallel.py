@@ -12,6 +12,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.tensor_parallel import TPStyle
 from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
@@ -248,9 +249,11 @@ def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
     # EP with TP: a classic policy's plan has both (torchtitan's MoE layout), auto's too (its groups screened
     # under the EP asked for, on one TP rank's view)
     auto_both = api.plan(TINY, cluster="h100:8", policy="auto", ep=2, tp=2)
-    assert (auto_both.ep_degree, auto_both.tp_degree, auto_both.tensor_parallel.splits_tokens) == (2, 2, True)
+    experts = "layers.*.moe.experts"
+    assert (auto_both.ep_degree, auto_both.tp_degree, auto_both.tensor_parallel.layout[experts]) == \
+        (2, 2, TPStyle.TOKEN_SPLIT)
     both = api.plan(TINY, cluster="h100:8", policy="titan", ep=2, tp=2)
-    assert (both.ep_degree, both.tp_degree, both.tensor_parallel.splits_tokens) == (2, 2, True)
+    assert (both.ep_degree, both.tp_degree, both.tensor_parallel.layout[experts]) == (2, 2, TPStyle.TOKEN_SPLIT)
     from fsdp_planner.report.step_view import step_view
 
     tr, cluster = _traced(), parse_cluster("h100:8")  # its picture: one EP rank's step of one TP rank's

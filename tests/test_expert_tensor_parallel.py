@@ -158,3 +158,26 @@ def test_a_torchtitan_moe_job_with_tp_and_no_ep_plans_the_experts_tensor_paralle
     plan = api.plan(TINY, cluster="h100:8", policy="titan", tp=args.tp)
     assert plan.expert_parallel is None
     assert plan.tensor_parallel.layout["layers.*.moe.experts"] is TPStyle.EXPERT_TENSOR
+
+
+def test_a_plan_file_with_the_moe_styles_where_they_cannot_run_is_refused_before_anything_changes(traced) -> None:  # type: ignore[no-untyped-def]
+    """Where a plan meets its model (``check_plan_matches``: simulate, check, export of a plan file) and in
+    ``apply_plan`` before any module changes: expert_tensor with EP, expert_tensor outside an moe_sequence layer
+    and token_split without EP, each one sentence."""
+    from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.fsdp2.claim import check_plan_matches
+    from fsdp_planner.fsdp2.expert_groups import with_expert_groups
+    from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
+
+    base = _plan(traced, 8, 2)
+    with_ep = with_expert_groups(base.replace(expert_parallel=ExpertParallel(2, ("layers.*.moe.experts",))), traced)
+    outside = base.replace(tensor_parallel=TensorParallel(2, {"layers.*.moe.experts": TPStyle.EXPERT_TENSOR}))
+    split = base.replace(tensor_parallel=titan_moe_layout(2))
+    lm = load_model(TINY, meta=True)
+    for plan, says in ((with_ep, "under EP give them the style token_split"), (outside, "moe_sequence"),
+                       (split, "token_split of layers.0.moe.experts")):
+        with pytest.raises(PlannerError, match=says):
+            check_plan_matches(plan, traced)
+        with pytest.raises(PlannerError, match=says):
+            apply_plan(lm.model, plan)
+        assert not any(hasattr(p, "placements") for p in lm.model.parameters())  # nothing changed

@@ -17,6 +17,7 @@ from fsdp_planner.fsdp2.checkpointing import apply_checkpointing, apply_offloadi
 from fsdp_planner.fsdp2.claim import application_order, hooked_modules
 from fsdp_planner.fsdp2.plan import Plan, check_int_reshard_on_dim0, check_plan_world_size
 from fsdp_planner.fsdp2.precision import full_precision_policy
+from fsdp_planner.fsdp2.tensor_parallel import check_moe_styles
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.models.hf import own_checkpointing_off
 from fsdp_planner.trace.walk import model_fingerprint
@@ -88,10 +89,10 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
     modules = dict(model.named_modules())
-    unknown = [m for g in plan.groups for m in g.modules if m not in modules]
-    if unknown:
+    if unknown := [m for g in plan.groups for m in g.modules if m not in modules]:
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
+    check_moe_styles(plan.tensor_parallel, modules, plan.expert_parallel is not None)
     check_int_reshard_on_dim0(plan)
     if mesh is None:
         import torch.distributed as dist

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, expert_tensor_dim
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, check_moe_styles, expert_tensor_dim
 
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims of the mesh, outermost first
 TP_DIM = "tp"
@@ -160,9 +160,7 @@ def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel
 
     if tp_mesh.size() != tp.degree:
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
-    if tp.splits_tokens and not expert_parallel:
-        raise PlannerError("the tensor-parallel style token_split splits the experts' routed tokens for expert "
-                           "parallelism's dispatch: give the plan expert parallelism too, or leave the style out")
+    check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
     parallelize_module(model, tp_mesh, torch_plan(model, tp))
     apply_moe_styles(model, tp, tp_mesh)
 

@@ -22,6 +22,7 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.frozen import FrozenDict
 from fsdp_planner.limits import MAX_TP_DEGREE
+from fsdp_planner.trace.tree import proper_ancestors
 from fsdp_planner.userfiles import shown_json
 
 MAX_LAYOUT_ENTRIES = 100_000
@@ -133,12 +134,6 @@ class TensorParallel:
             d["async_tp"] = True
         return d
 
-    @property
-    def splits_tokens(self) -> bool:
-        """Whether the layout splits the routed tokens of its experts over the TP ranks (``TOKEN_SPLIT``): EP's
-        ranks then span the TP ranks (torchtitan's expert TP of 1)."""
-        return TPStyle.TOKEN_SPLIT in self.layout.values()
-
     def signature(self) -> tuple:
         return self.degree, tuple(self.layout.items()), self.loss_parallel, self.async_tp
 
@@ -147,6 +142,29 @@ class TensorParallel:
         """The layout a TP view was made for (``Trace.tensor_parallel`` holds its ``signature``)."""
         degree, layout, loss_parallel, async_tp = signature
         return cls(degree, dict(layout), loss_parallel, async_tp)
+
+
+def check_moe_styles(tp: TensorParallel | None, module_names: Iterable[str], expert_parallel: bool) -> None:
+    """Refuse the MoE styles where they cannot run (before any module is changed): ``token_split`` needs expert
+    parallelism (EP's dispatch splits the tokens), ``expert_tensor`` runs without it (EP shards the experts on
+    dim 0 instead) and inside a module of style ``moe_sequence`` (the layer's input whole on every TP rank). No
+    TP (None): nothing to check."""
+    if tp is None:
+        return
+    styles = tp.styles(module_names)
+    gathered = {m for m, s in styles.items() if s is TPStyle.MOE_SEQUENCE}
+    for m, s in sorted(styles.items()):
+        if s is TPStyle.TOKEN_SPLIT and not expert_parallel:
+            raise PlannerError(f"the tensor-parallel style token_split of {m} splits the experts' routed tokens for "
+                               "expert parallelism's dispatch: give the plan expert parallelism too, or give the "
+                               "experts the style expert_tensor")
+        if s is TPStyle.EXPERT_TENSOR and expert_parallel:
+            raise PlannerError(f"the tensor-parallel style expert_tensor of {m} shards the experts over TP without "
+                               "expert parallelism (torchtitan's layout with EP off); under EP give them the style "
+                               "token_split")
+        if s is TPStyle.EXPERT_TENSOR and not any(a in gathered for a in proper_ancestors(m)):
+            raise PlannerError(f"the tensor-parallel style expert_tensor of {m} needs its MoE layer's input whole "
+                               "on every TP rank: give the module around it the style moe_sequence")
 
 
 def matches(pattern: str, name: str) -> bool:

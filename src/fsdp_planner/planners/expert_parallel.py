@@ -190,7 +190,8 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
             f"{o.describe()} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
                                                                else f" ({fmt_bytes(o.step.reserved_memory)}, "
                                                                     "does not fit)") for o in _shown(found, result)))
-    # a TP view's lines without EP go: torchtitan's MoE layout has no TP without EP
+    # a TP view's lines without EP go: under EP torchtitan's MoE layout splits the experts' tokens over TP
+    # (``token_split``), which runs only with EP (its experts tensor-parallel, ``expert_tensor``, are another layout)
     meshes = {**(result.meshes if tp is None or tp.degree == 1 else {}), **_lines(found, result, cluster)}
     if best.degree == 1:
         return replace(result, meshes=meshes) if best.plan is result.plan else \
@@ -208,6 +209,8 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
     kept (else the one holding least): EP without TP is not given up for TP's experts without a look."""
     if result.plan.tp_degree == 1:
         return with_auto_ep(result, trace, cluster, options, (), note)
+    if len(policy.tensor_parallel) <= 1 or policy.mesh is not None:  # a TP layout or mesh the user fixed: as asked
+        return result
     flat = with_auto_ep(replace(policy, tensor_parallel=()).search(trace, model), trace, cluster, options, (), note)
     best = min((result, flat), key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
     return replace(best, meshes={**result.meshes, **flat.meshes}, evaluated=result.evaluated + flat.evaluated,

@@ -59,7 +59,8 @@ class FitPoint:
                 "margin": self.budget - self.reserved_memory, "tokens_per_second_per_gpu": self.tokens_per_gpu,
                 "tokens_per_second": self.tokens_per_gpu * self.gpus, "mfu": self.mfu, "layout": self.layout,
                 "checkpointed": self.checkpointed, "op_level_checkpointed": self.op_level, "offload": self.offload,
-                "activations_offloaded": self.offloaded, "offload_tried": self.complete or self.fits}
+                "activations_offloaded": self.offloaded, "offload_tried": self.complete or self.fits,
+                "batch_ranks": self.batch_ranks}
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int, cap: int, step: int = 1, parts: int = 0) -> int | None:

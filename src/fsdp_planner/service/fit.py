@@ -6,7 +6,8 @@ Three things make a sweep take seconds instead of minutes (each search of an 8B 
 does not fit costs auto a search with every memory option it has):
 - the search runs in auto's own stages, and each is asked for only when needed: without FSDP2's memory options
   first (fit's main question: does the workload fit without CPU offload?), then on with them, reusing the first
-  stage (``AutoPolicy.search(first=...)``); the result is the one ``plan`` prints either way;
+  stage where no TP layout is screened (``AutoPolicy.search(first=...)``); the result is the one ``plan`` prints
+  either way;
 - a screen: the same search without local refinement (``search_effort=0``), several times cheaper. Refinement only
   adds plans to the structured candidates, so where the screen finds a plan within the budget the full search does
   too (the converse may fail); the searches locate a boundary with the screen and confirm it with the full search
@@ -33,7 +34,15 @@ from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.planning import SILENT, Reporter, Tracer, auto_layouts, ep_tp_layouts, with_ep_tp
+from fsdp_planner.service.planning import (
+    SILENT,
+    Reporter,
+    Tracer,
+    auto_layouts,
+    ep_tp_layouts,
+    with_ep_at_tp,
+    with_ep_tp,
+)
 from fsdp_planner.sim.compute import peak_flops
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.sizing import shard_dims
@@ -169,7 +178,9 @@ class Points:
         else:
             first = self._before_ep.get(id(first), (first, first))[1]
             searched = policy.search(tr, self.job.model.name, first=first)
-        result = self._with_ep(key, searched, policy)  # (its search without TP with auto's memory options: plan's)
+        # (an MoE model's search without TP takes auto's memory options, as plan's does: dim-1 sharding of the
+        # experts, not offload, is what lets EP beat TP there; offloading is slower, so never the faster)
+        result = self._with_ep(key, searched, policy)
         if not screen:
             result = self._with_ep_tp(key, result)
             self._before_ep[id(result)] = (result, searched)  # (the next stage starts from the search's own)
@@ -184,6 +195,8 @@ class Points:
         every point a boundary search visits took 3.5x the CPU of the searches (fit llama3-8b)."""
         request = self.job.auto
         assert request is not None and self.job.cluster is not None
+        if (request.ep or 1) > 1 and request.tp is None:  # EP x TP: torchtitan's MoE layout only, as plan's
+            request = dataclasses.replace(request, tp=1)
         cluster = self._cluster(key)
         layouts = auto_layouts(self._trace(key), request, self._spec(key), cluster, self.job.options, SILENT,
                                self._traced) if tensor_parallel or request.tp is not None else ()
@@ -228,7 +241,7 @@ class Points:
         degree the model and the plan's shard ranks allow, the fastest that fits, beside a TP layout the search
         took: ``with_own_ep``)."""
         cluster, tr = self._cluster(key), self._trace(key)
-        if not expert_modules(tr) or self.job.auto is None or self.job.auto.tp is not None:
+        if not expert_modules(tr):
             return result
         try:
             out = with_own_ep(result, policy, tr, self.job.model.name, cluster, self.job.options)
@@ -238,15 +251,17 @@ class Points:
         return out
 
     def _with_ep_tp(self, key: Key, result: AutoResult) -> AutoResult:
-        """An MoE model's EP x TP layouts screened beside ``result`` as ``plan`` screens them (``with_ep_tp``),
-        at the points searched in full."""
+        """An MoE model's EP x TP layouts screened beside ``result`` as ``plan`` screens them (``with_ep_tp``; with
+        ``--tp N`` the EP degrees at that TP, ``with_ep_at_tp``), at the points searched in full."""
         request = self.job.auto
         assert request is not None
         cluster, tr, spec = self._cluster(key), self._trace(key), self._spec(key)
         ep_tp = ep_tp_layouts(tr, request, spec, cluster)
-        if not ep_tp or request.tp is not None:
-            return result
-        return with_ep_tp(result, tr, request, spec, cluster, self.job.options, SILENT, self._traced, ep_tp)
+        if ep_tp and request.tp is not None:
+            return with_ep_at_tp(result, tr, request, spec, cluster, self.job.options, SILENT, self._traced,
+                                 ep_tp[request.tp])
+        return with_ep_tp(result, tr, request, spec, cluster, self.job.options, SILENT, self._traced, ep_tp) \
+            if ep_tp else result
 
     def _cluster(self, key: Key) -> Cluster:
         assert self.job.cluster is not None

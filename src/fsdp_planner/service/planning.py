@@ -124,18 +124,11 @@ def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOpti
     spec = as_spec(model)
     tracer = tracer or _spec_tracer
     ep_tp = ep_tp_layouts(tr, request, spec, cluster)
-    if ep_tp and request.tp is not None:  # --tp N alone on an MoE model: the EP degrees at that TP, screened
-        (degrees,) = ep_tp.values()
-        layouts = auto_layouts(tr, dataclasses.replace(request, ep=degrees[0]), spec, cluster, options, reporter,
-                               tracer)
-        with reporter.progress(f"auto: searching plans for {cluster.name}"):
-            policy = make_policy(request, cluster, options, layouts)
-            assert isinstance(policy, AutoPolicy)
-            result = with_auto_ep(policy.search(tr, str(model)), tr, cluster, options, degrees, reporter.note)
-    else:
-        result = _auto_search(tr, request, spec, cluster, options, reporter, tracer)
-        if ep_tp:  # auto's own EP x TP screen beside it
-            result = with_ep_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp)
+    result = _auto_search(tr, request, spec, cluster, options, reporter, tracer)
+    if ep_tp and request.tp is not None:  # --tp N alone on an MoE model: the EP degrees at that TP beside it
+        result = with_ep_at_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp[request.tp])
+    elif ep_tp:  # auto's own EP x TP screen beside it
+        result = with_ep_tp(result, tr, request, spec, cluster, options, reporter, tracer, ep_tp)
     degree, judged = result.plan.tp_degree, judged_model(spec, request, result.plan)
     if judged is not spec and result.fits:  # (a result over the budget is an error)
         batch = spec.workload()["batch_size"]
@@ -171,6 +164,21 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         elif request.ep is None and expert_modules(tr):  # auto's own EP screen
             result = with_own_ep(result, policy, tr, spec.name, cluster, options, reporter.note)
     return result
+
+
+def with_ep_at_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster,
+                  options: SimOptions, reporter: Reporter, tracer: Tracer, degrees: tuple[int, ...]) -> AutoResult:
+    """``--tp N`` alone on an MoE model with torchtitan's layout: ``result`` (its experts tensor-parallel, no EP,
+    torchtitan's layout with EP off) or the best of ``degrees`` at that TP (EP's ranks spanning TP's, the routed
+    tokens split), whichever is faster within the budget (else holds least)."""
+    layouts = auto_layouts(tr, dataclasses.replace(request, ep=degrees[0]), spec, cluster, options, reporter, tracer)
+    with reporter.progress(f"auto: searching plans for {cluster.name} with EP"):
+        policy = make_policy(request, cluster, options, layouts)
+        assert isinstance(policy, AutoPolicy)
+        found = with_auto_ep(policy.search(tr, spec.name), tr, cluster, options, degrees, reporter.note)
+    best = min((result, found), key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
+    return dataclasses.replace(best, meshes={**result.meshes, **found.meshes},
+                               evaluated=result.evaluated + found.evaluated, seconds=result.seconds + found.seconds)
 
 
 def ep_tp_layouts(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster) -> dict[int, tuple[int, ...]]:
