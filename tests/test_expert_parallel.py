@@ -439,26 +439,18 @@ def test_export_of_an_ep_plan_compiles_and_names_its_degree(fmt: str) -> None:
         export_plan(plan.with_group(1, forward_prefetch=[3]), ExportFormat(fmt))
 
 
-@pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
-@pytest.mark.parametrize(("replicate", "tp", "dim1"), [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)])
-def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int, dim1: bool) -> None:
-    """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4, HSDP 2x2 or FSDP 2 x TP 2) leaves every param with the
-    placements, local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced
-    mesh, under HSDP Replicate over dp_replicate; with TP, the router gate replicated over tp; with shard dims, the
-    experts FSDP-sharded on dim 1, as torchtitan places them), and a step runs."""
+def exported_and_applied(plan: Plan, world: int = 4) -> list[dict]:
+    """Each param's (placements, local shape, mesh dims) after the exported ``apply`` and after ``apply_plan`` of
+    ``plan`` on the tiny MoE on ``world`` fake ranks, a training step run after each."""
     from fsdp_planner.apply.export import ExportFormat, export_plan
     from fsdp_planner.apply.fully_shard import apply_plan
     from fsdp_planner.apply.tensor_parallel import loss_context
-    from fsdp_planner.fsdp2.plan import Mesh
     from fsdp_planner.runtime.fake_world import fake_process_group
 
-    plan = _ep_plan(_traced(), 2, tp=tp).replace(mesh=Mesh(replicate, 4 // replicate // tp))
-    if dim1:
-        plan = plan.replace(shard_dims={f"layers.{i}.moe.experts.{w}": 1 for i in (0, 1) for w in ("w1", "w2", "w3")})
     scope: dict = {"__name__": "exported"}
     exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
     shards = []
-    with fake_process_group(4):
+    with fake_process_group(world):
         for shard in (lambda m: scope["apply"](m), lambda m: apply_plan(m, plan)):
             lm = load_model(TINY, meta=False)
             shard(lm.model)
@@ -466,6 +458,22 @@ def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int, dim1:
                            for n, p in lm.model.named_parameters()})
             with loss_context(plan):
                 lm.loss_fn(lm.model(*lm.example_inputs)).backward()
+    return shards
+
+
+@pytest.mark.integration  # EP + FSDP2 twice on 4 fake ranks: a few seconds
+@pytest.mark.parametrize(("replicate", "tp", "dim1"), [(1, 1, False), (2, 1, False), (1, 2, False), (1, 2, True)])
+def test_exported_apply_shards_as_apply_plan_does(replicate: int, tp: int, dim1: bool) -> None:
+    """The exported ``apply`` on 4 fake ranks (EP 2; FSDP 4, HSDP 2x2 or FSDP 2 x TP 2) leaves every param with the
+    placements, local shape and mesh ``apply_plan`` gives it (the experts Shard(0) over ep and over the EP-reduced
+    mesh, under HSDP Replicate over dp_replicate; with TP, the router gate replicated over tp; with shard dims, the
+    experts FSDP-sharded on dim 1, as torchtitan places them), and a step runs."""
+    from fsdp_planner.fsdp2.plan import Mesh
+
+    plan = _ep_plan(_traced(), 2, tp=tp).replace(mesh=Mesh(replicate, 4 // replicate // tp))
+    if dim1:
+        plan = plan.replace(shard_dims={f"layers.{i}.moe.experts.{w}": 1 for i in (0, 1) for w in ("w1", "w2", "w3")})
+    shards = exported_and_applied(plan)
     assert shards[0] == shards[1]
     placements, local, dims = shards[0]["layers.0.moe.experts.w1"]
     if dim1:  # FSDP's Shard(1) over the 2 TP groups, EP's Shard(0): 4 experts a rank, their rows halved

@@ -101,28 +101,18 @@ def test_expert_tp_on_more_layouts(traced, world: int, tp: int, checkpointing: b
 def test_exported_expert_tp_shards_as_apply_plan_does(traced) -> None:  # type: ignore[no-untyped-def]
     """The exported ``apply`` (every format compiles) leaves every param as ``apply_plan`` does: the experts'
     hidden dims sharded over tp (w1 Shard(2), w2 Shard(1)) and their expert dim over dp_shard; a step runs."""
+    from test_expert_parallel import exported_and_applied
+
     from fsdp_planner.apply.export import ExportFormat, export_plan
-    from fsdp_planner.apply.fully_shard import apply_plan
-    from fsdp_planner.apply.tensor_parallel import loss_context
-    from fsdp_planner.runtime.fake_world import fake_process_group
 
     plan = _plan(traced, 4, 2)
     for fmt in ExportFormat:
         compile(export_plan(plan, fmt, BF16.precision), "exported.py", "exec")
-    scope: dict = {"__name__": "exported"}
-    exec(compile(export_plan(plan, ExportFormat.PYTHON, BF16.precision), "exported.py", "exec"), scope)
-    shards = []
-    with fake_process_group(4):
-        for shard in (lambda m: scope["apply"](m), lambda m: apply_plan(m, plan)):
-            lm = load_model(TINY, meta=False)
-            shard(lm.model)
-            shards.append({n: ([str(p) for p in p.placements], tuple(p.to_local().shape), p.device_mesh.mesh_dim_names)
-                           for n, p in lm.model.named_parameters()})
-            with loss_context(plan):
-                lm.loss_fn(lm.model(*lm.example_inputs)).backward()
+    shards = exported_and_applied(plan)
     assert shards[0] == shards[1]
-    assert shards[0]["layers.0.moe.experts.w1"] == (["S(0)", "S(2)"], (4, 128, 128), ("dp_shard", "tp"))
-    assert shards[0]["layers.0.moe.experts.w2"] == (["S(0)", "S(1)"], (4, 128, 128), ("dp_shard", "tp"))
+    for name, dim in (("w1", 2), ("w2", 1)):
+        placements, local, dims = shards[0][f"layers.0.moe.experts.{name}"]
+        assert ([p.dim for p in placements], local, dims) == ([0, dim], (4, 128, 128), ("dp_shard", "tp"))
 
 
 @pytest.mark.integration  # torchrun, 4 gloo ranks: ~12 s

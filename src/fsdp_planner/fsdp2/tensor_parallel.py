@@ -144,21 +144,21 @@ class TensorParallel:
         return cls(degree, dict(layout), loss_parallel, async_tp)
 
 
-def check_moe_styles(tp: TensorParallel | None, module_names: Iterable[str], expert_parallel: bool) -> None:
+def check_moe_styles(tp: TensorParallel | None, module_names: Iterable[str], expert_parallel: bool | None) -> None:
     """Refuse the MoE styles where they cannot run (before any module is changed): ``token_split`` needs expert
     parallelism (EP's dispatch splits the tokens), ``expert_tensor`` runs without it (EP shards the experts on
     dim 0 instead) and inside a module of style ``moe_sequence`` (the layer's input whole on every TP rank). No
-    TP (None): nothing to check."""
+    TP (None): nothing to check; ``expert_parallel`` None (a TP view, EP's added after it): the layout alone."""
     if tp is None:
         return
     styles = tp.styles(module_names)
     gathered = {m for m, s in styles.items() if s is TPStyle.MOE_SEQUENCE}
     for m, s in sorted(styles.items()):
-        if s is TPStyle.TOKEN_SPLIT and not expert_parallel:
+        if s is TPStyle.TOKEN_SPLIT and expert_parallel is False:
             raise PlannerError(f"the tensor-parallel style token_split of {m} splits the experts' routed tokens for "
                                "expert parallelism's dispatch: give the plan expert parallelism too, or give the "
                                "experts the style expert_tensor")
-        if s is TPStyle.EXPERT_TENSOR and expert_parallel:
+        if s is TPStyle.EXPERT_TENSOR and expert_parallel is True:
             raise PlannerError(f"the tensor-parallel style expert_tensor of {m} shards the experts over TP without "
                                "expert parallelism (torchtitan's layout with EP off); under EP give them the style "
                                "token_split")

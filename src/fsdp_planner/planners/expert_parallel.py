@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec
-from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout
+from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.planners.tensor_parallel import TP_DEGREES, check_layout, is_titan_moe, tp_layout
@@ -212,9 +212,7 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
     if len(policy.tensor_parallel) <= 1 or policy.mesh is not None:  # a TP layout or mesh the user fixed: as asked
         return result
     flat = with_auto_ep(replace(policy, tensor_parallel=()).search(trace, model), trace, cluster, options, (), note)
-    best = min((result, flat), key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
-    return replace(best, meshes={**result.meshes, **flat.meshes}, evaluated=result.evaluated + flat.evaluated,
-                   seconds=result.seconds + flat.seconds)
+    return faster(result, flat)
 
 
 def _lines(found: list[EPOption], result: AutoResult, cluster: Cluster) -> dict[str, Candidate]:

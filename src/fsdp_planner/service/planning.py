@@ -20,7 +20,7 @@ from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
-from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, infeasible_message
+from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster, infeasible_message
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
 from fsdp_planner.planners.blocks import default_block_class
@@ -176,9 +176,7 @@ def with_ep_at_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: M
         policy = make_policy(request, cluster, options, layouts)
         assert isinstance(policy, AutoPolicy)
         found = with_auto_ep(policy.search(tr, spec.name), tr, cluster, options, degrees, reporter.note)
-    best = min((result, found), key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
-    return dataclasses.replace(best, meshes={**result.meshes, **found.meshes},
-                               evaluated=result.evaluated + found.evaluated, seconds=result.seconds + found.seconds)
+    return faster(result, found)
 
 
 def ep_tp_layouts(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster) -> dict[int, tuple[int, ...]]:
@@ -228,8 +226,7 @@ def with_ep_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: Mode
         if name not in lines or _ahead(c, lines[name], found):
             lines[name] = c
     lines[best.name(found.plan)] = Candidate(found.plan, found.report, "auto")
-    chosen = min((result, found), key=lambda r: (not r.fits, r.report.step_time if r.fits else
-                                                 r.report.reserved_memory))
+    chosen = min((result, found), key=lambda r: r.rank)
     return dataclasses.replace(chosen, meshes=lines, evaluated=result.evaluated + found.evaluated,
                                seconds=result.seconds + time.perf_counter() - started)
 

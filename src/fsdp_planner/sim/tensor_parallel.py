@@ -44,7 +44,7 @@ import numpy as np
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, expert_tensor_dim
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, check_moe_styles, expert_tensor_dim
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
@@ -130,12 +130,8 @@ class _Layout:
         # the experts run on 1/TP of the work: of the routed tokens (EP's split) or of their hidden units (expert
         # TP, whose input, the layer's whole one, their first matmul saves whole: a root)
         self.split = {m for m, s in self.styles.items() if s in (TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR)}
-        expert_tensor = {m for m, s in self.styles.items() if s is TPStyle.EXPERT_TENSOR}
-        outside = sorted(m for m in expert_tensor if not self._inside(m, self.whole))
-        if outside:
-            raise PlannerError(f"the tensor-parallel style expert_tensor of {outside[0]} needs its MoE layer's input "
-                               "whole on every TP rank: give the module around it the style moe_sequence")
-        self.roots |= expert_tensor
+        check_moe_styles(tp, trace.modules, None)
+        self.roots |= {m for m, s in self.styles.items() if s is TPStyle.EXPERT_TENSOR}
         self._scale: dict[str, float] = {}
 
     @staticmethod

@@ -137,6 +137,18 @@ class AutoResult:
         """The lowest peak memory any candidate plan reaches (the memory floor of this search's plans)."""
         return self.search.min_peak()
 
+    @property
+    def rank(self) -> tuple[bool, float]:
+        """How results compare: one within the budget first, then the faster (else the one holding less)."""
+        return not self.fits, self.report.step_time if self.fits else self.report.reserved_memory
+
+
+def faster(a: AutoResult, b: AutoResult) -> AutoResult:
+    """The better of two searches of one job (``AutoResult.rank``), with both searches' layout lines and work."""
+    best = min((a, b), key=lambda r: r.rank)
+    return replace(best, meshes={**a.meshes, **b.meshes}, evaluated=a.evaluated + b.evaluated,
+                   seconds=a.seconds + b.seconds)
+
 
 SEARCH_EVENTS = 6_000_000  # trace events the refinement simulates by default (plans x events per plan)
 MIN_SEARCH_EFFORT = 24  # plans it may simulate at least, however large the trace
@@ -256,7 +268,7 @@ class AutoPolicy:
         # behind TP 2, searched 1.5% faster than TP 2's best)
         chosen += [s for s in screened if s.policy.on_layout is None and s not in chosen]
         results = [s.search(model) for s in chosen]
-        best = min(results, key=lambda r: (not r.fits, r.report.step_time if r.fits else r.report.reserved_memory))
+        best = min(results, key=lambda r: r.rank)
         lines = {name: c for r in results for name, c in r.meshes.items()}
         lines.update({s.name: s.best for s in screened if s not in chosen})
         evaluated = sum(r.evaluated for r in results) + len(screened) - len(chosen)
