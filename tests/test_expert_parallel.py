@@ -401,7 +401,7 @@ def test_fit_gpus_auto_with_ep() -> None:
     r = subprocess.run(fit, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and json.loads(r.stdout)["points"][0]["layout"] == "1x8", r.stderr[-2000:]
     # a budget auto's plan without EP or TP exceeds (its 12 MiB above): the EP degrees the model allows and the
-    # TP layouts (the experts tensor-parallel, or EP x TP) are tried, as plan --batch 2 tries them: TP 8 here
+    # TP layouts (the experts tensor-parallel, or EP x TP) are tried, as plan --batch 2 tries them
     r = subprocess.run([*fit, "--memory-budget", "9.5MiB"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     point = json.loads(r.stdout)["points"][0]
@@ -567,13 +567,14 @@ def _ep_tp_search(**request):  # type: ignore[no-untyped-def]
 
 def test_auto_screens_ep_x_tp_layouts_and_takes_the_fastest_that_fits() -> None:
     """Without --tp or --ep, auto screens each TP degree x the EP degrees it allows on an MoE model with
-    torchtitan's layout (EP a multiple of TP dividing the experts and the data-parallel ranks), each with its line,
-    and takes the fastest that fits (no TP on 8 GPUs at the GPU's budget). The same search twice gives the same
-    plan."""
+    torchtitan's layout (EP a multiple of TP dividing the experts and the data-parallel ranks; TP dividing the 4
+    kv heads), each with its line, and takes the fastest that fits (no TP on 8 GPUs at the GPU's budget). The same
+    search twice gives the same plan."""
     roomy = _ep_tp_search()
-    assert {"1x8", "1x8, EP 8", "1x4 x TP 2, EP 2", "1x4 x TP 2, EP 8", "1x2 x TP 4, EP 4", "1x2 x TP 4, EP 8",
-            "1x1 x TP 8, EP 8"} <= set(roomy.meshes)
-    assert not any(name.startswith(("1x4 x TP 2, EP 1", "1x2 x TP 4, EP 2")) for name in roomy.meshes)
+    assert {"1x8", "1x8, EP 8", "1x4 x TP 2, EP 2", "1x4 x TP 2, EP 8", "1x2 x TP 4, EP 4",
+            "1x2 x TP 4, EP 8"} <= set(roomy.meshes)
+    assert not any(name.startswith(("1x4 x TP 2, EP 1", "1x2 x TP 4, EP 2")) or "TP 8" in name
+                   for name in roomy.meshes)
     _assert_fastest_that_fits(roomy)
     again = _ep_tp_search()
     assert again.written_plan == roomy.written_plan and again.report.summary() == roomy.report.summary()
@@ -627,3 +628,16 @@ def test_auto_ep_x_tp_screen_plan_with_experts_on_dim_1_runs_as_simulated() -> N
     rows = beside_prediction(predicted, run_fake_world(TINY, plan, 64, BF16.precision))
     for key, (p, m) in rows.items():
         assert p == pytest.approx(m, rel=0.05) if key == "peak_memory" else p == m, key
+
+
+def test_ep_tp_screen_takes_the_degrees_the_heads_allow():
+    """The tiny Mixtral's 4 kv heads: auto's EP x TP screen takes TP 2 and 4, not 8 (which real DTensor refuses:
+    a view of 4 kv heads over 8 ranks); a ``--tp`` the user gives is checked and refused in one sentence."""
+    from fsdp_planner.planners.expert_parallel import ep_tp_degrees
+    from fsdp_planner.planners.tensor_parallel import check_layout, tp_layout
+
+    tr = _traced()
+    spec = ModelSpec(TINY)
+    assert sorted(ep_tp_degrees(tr, spec, parse_cluster("h100:8"), None, None)) == [2, 4]
+    with pytest.raises(PlannerError, match="8 attention heads and 4 kv heads"):
+        check_layout(tr, tp_layout(tr, 8, spec, ep=8), parse_cluster("h100:8"))

@@ -135,6 +135,45 @@ def test_auto_tries_the_degrees_that_divide():
     assert [x.tp.degree for x in tp_degrees(traced(Pair(8, 16), 8), None, H100_8)] == [1]  # detected: only --tp
 
 
+def _own_llama(monkeypatch=None):  # type: ignore[no-untyped-def]
+    """A Llama of torchtitan's structure with no built-in config (8 heads, 4 kv heads); with ``monkeypatch``, its
+    attention written by hand (no fused kernel, so no call tells the heads)."""
+    import torch
+
+    from fsdp_planner.models import llama
+
+    if monkeypatch is not None:
+        def by_hand(q, k, v):  # type: ignore[no-untyped-def]
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            return torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1) @ v
+        monkeypatch.setattr(llama, "attention", by_hand)
+    cfg = llama.LlamaConfig(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=256)
+    model, args, loss_fn = llama.build(cfg, 2, 16)
+    return trace(model, args, loss_fn=loss_fn)
+
+
+def test_heads_read_from_the_attention_calls():
+    """A model of torchtitan's structure that no built-in config matches: its heads come from the head dim its
+    fused attention ran at, so auto tries only the degrees that divide its 4 kv heads (TP 8 would fail in DTensor's
+    view of the kv heads)."""
+    tr = _own_llama()
+    assert (8, 8, 16) in tr.attention  # k repeated to the query heads before attention, as torchtitan does
+    layout = tp_layout(tr, 2, None)
+    assert layout.heads == (8, 4) and layout.checked and not layout.notes
+    assert [x.tp.degree for x in tp_degrees(tr, None, H100_8)] == [1, 2, 4]
+    with pytest.raises(PlannerError, match="8 attention heads and 4 kv heads"):
+        check_layout(tr, tp_layout(tr, 8, None), H100_8)
+
+
+def test_unknown_heads_are_the_users_to_assume(monkeypatch):
+    """Attention written by hand: no call tells the heads, so auto leaves TP to ``--tp`` (said in its note)."""
+    tr = _own_llama(monkeypatch)
+    assert tr.attention == ()
+    layout = tp_layout(tr, 2, None)
+    assert layout.heads is None and not layout.checked and any("assumed to divide" in n for n in layout.notes)
+    assert [x.tp.degree for x in tp_degrees(tr, None, H100_8)] == [1]
+
+
 # -- options --------------------------------------------------------------------------------------------------------
 def test_tp_through_the_validator():
     job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True), Spelling.API)

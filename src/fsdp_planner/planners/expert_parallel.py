@@ -20,7 +20,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
-from fsdp_planner.planners.tensor_parallel import TP_DEGREES, check_layout, is_titan_moe, tp_layout
+from fsdp_planner.planners.tensor_parallel import TP_DEGREES, Layout, check_layout, is_titan_moe, tp_layout
 from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -253,7 +253,8 @@ def ep_tp_degrees(trace: Trace, model: ModelSpec, cluster: Cluster, tp: int | No
     """The TP x EP layouts auto screens for a model with torchtitan's MoE layout (``is_titan_moe``): each TP degree
     above 1 (``tp``: the user's; else each of ``TP_DEGREES`` whose layout passes ``check_layout`` on ``cluster``)
     with the EP degrees ``--tp N --ep M`` takes (multiples of it that divide the experts, their EP / TP ranks the
-    data-parallel ones: ``ep``, the user's, alone). {} for another model, or where none is left."""
+    data-parallel ones: ``ep``, the user's, alone; a degree auto takes itself checked against the heads,
+    ``Layout.checked``). {} for another model, or where none is left."""
     if not is_titan_moe(trace):
         return {}
     n = expert_count(trace, expert_modules(trace))
@@ -262,20 +263,21 @@ def ep_tp_degrees(trace: Trace, model: ModelSpec, cluster: Cluster, tp: int | No
         shard = cluster.world_size // d if cluster.world_size % d == 0 else 0
         degrees = tuple(e for e in ((ep,) if ep is not None else divisors(n))
                         if e % d == 0 and n % e == 0 and shard and shard % (e // d) == 0)
-        if d > 1 and degrees and _layout_fits(trace, model, cluster, d, degrees[0], loss_parallel):
+        layout = _fitting_layout(trace, model, cluster, d, degrees[0], loss_parallel) if d > 1 and degrees else None
+        if layout is not None and (tp is not None or layout.checked):
             out[d] = degrees
     return out
 
 
-def _layout_fits(trace: Trace, model: ModelSpec, cluster: Cluster, degree: int, ep: int,
-                 loss_parallel: bool | None) -> bool:
-    """Whether torchtitan's MoE layout of ``degree`` divides what it shards (``check_layout``)."""
+def _fitting_layout(trace: Trace, model: ModelSpec, cluster: Cluster, degree: int, ep: int,
+                    loss_parallel: bool | None) -> Layout | None:
+    """torchtitan's MoE layout of ``degree``, where it divides what it shards (``check_layout``)."""
     try:
-        check_layout(trace, tp_layout(trace, degree, model, loss_parallel, ep=ep), cluster,
-                     model.workload().get("seq_len"))
+        layout = tp_layout(trace, degree, model, loss_parallel, ep=ep)
+        check_layout(trace, layout, cluster, model.workload().get("seq_len"))
     except PlannerError:
-        return False
-    return True
+        return None
+    return layout
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,13 @@ class Layout:
     notes: tuple[str, ...] = ()
     heads: tuple[int, int] | None = None  # (attention heads, kv heads) where known: what the degree must divide
 
+    @property
+    def checked(self) -> bool:
+        """Whether the layout was checked against the model itself, so auto may take it on its own: not a
+        detected one (``PAIRS``), nor one whose head counts are unknown (the degree assumed to divide them): those
+        assumptions are the user's to accept, with ``--tp``."""
+        return self.source != PAIRS and _UNKNOWN_HEADS not in self.notes
+
 
 def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_parallel: bool | None = None,
               async_tp: bool = False, ep: int = 1) -> Layout:
@@ -169,15 +176,21 @@ def _titan_layout(trace: Trace, degree: int, loss_parallel: bool) -> Layout:
 
 
 def _llama_heads(trace: Trace) -> tuple[int, int] | None:
-    """(heads, kv heads) of the built-in Llama or MoE model whose shapes the trace has (a trace holds no head
-    count)."""
+    """(heads, kv heads) of a model with torchtitan's Llama or MoE structure: a built-in config's where the shapes
+    are one's, else from the head dim its attention calls ran at (``Trace.attention``; torchtitan's attention views
+    wq's and wk's outputs as heads of that dim); None where neither tells (no fused attention call, or several
+    head dims)."""
     wq, wk = trace.param("layers.0.attention.wq.weight").shape, trace.param("layers.0.attention.wk.weight").shape
     blocks = sum(1 for n in trace.modules if n.startswith("layers.") and n.count(".") == 1)
     for cfg in (*llama.CONFIGS, *moe.CONFIGS):
         head_dim = cfg.dim // cfg.n_heads
         if (cfg.dim, cfg.n_layers, cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim) == (wq[1], blocks, wq[0], wk[0]):
             return cfg.n_heads, cfg.n_kv_heads
-    return None
+    head_dims = {hd for _, _, hd in trace.attention}
+    if len(head_dims) != 1:
+        return None
+    hd = head_dims.pop()
+    return (wq[0] // hd, wk[0] // hd) if hd and wq[0] % hd == 0 and wk[0] % hd == 0 else None
 
 
 def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
@@ -339,7 +352,7 @@ def tp_degrees(trace: Trace, model: ModelSpec | None, cluster: Cluster, loss_par
                async_tp: bool = False) -> list[Layout]:
     """The layouts auto tries: each degree of ``TP_DEGREES`` (no TP among them) whose layout exists and passes
     ``check_layout`` on ``cluster``; none beyond no TP for a model with no sound layout, or whose layout is only
-    detected (its assumptions are the user's to accept, with ``--tp``)."""
+    detected or whose heads are unknown (``Layout.checked``)."""
     seq = model.workload().get("seq_len") if model is not None else None
     out = [Layout(TensorParallel(1), "no TP")]
     for degree in TP_DEGREES[1:]:
@@ -348,7 +361,7 @@ def tp_degrees(trace: Trace, model: ModelSpec | None, cluster: Cluster, loss_par
             check_layout(trace, layout, cluster, seq)
         except PlannerError:
             continue
-        if layout.source == PAIRS:
+        if not layout.checked:
             break
         out.append(layout)
     return out

@@ -7,6 +7,7 @@ count too; module hooks alone would miss tied weights and params read outside th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -128,6 +129,7 @@ class OpRecorder(TorchDispatchMode):
         self.param_by_id, self.param_by_storage = param_by_id, param_by_storage
         self.sync = sync  # set when timing ops: waits for the device
         self.seconds: dict[int, float] = {}  # event index -> measured seconds of that op
+        self.attention: set[tuple[int, int, int]] = set()  # each fused attention call's heads (``Trace.attention``)
 
     def _params_read(self, flat_in: list) -> set[int]:
         """Indices of the params among an op's inputs, by identity or by storage (a view of one)."""
@@ -177,6 +179,8 @@ class OpRecorder(TorchDispatchMode):
             live = recorder.temporary(t for t in flat_out if isinstance(t, torch.Tensor) and self.param_by_id.get(
                 id(t)) is None)
         kernel = kernel_of(func, args)
+        if kernel == KERNEL_ATTENTION and not recorder.backward:
+            self._attention_heads(args)
         if recorder.backward:
             sums = func is torch.ops.aten.add.Tensor  # autograd's accumulation of a gradient's contributions
             grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, not outside, sums)
@@ -189,6 +193,15 @@ class OpRecorder(TorchDispatchMode):
             recorder.made(flat_out)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out), kernel)
         return out
+
+    def _attention_heads(self, args: tuple) -> None:
+        """(query heads, key heads, head dim) of a fused attention call, from its (batch, heads, seq, head dim)
+        query and key: what tells a TP degree that divides the heads from one that does not (a model's attention
+        module holds no head count a trace can read otherwise)."""
+        q, k = (*args, None, None)[:2]
+        if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4:
+            with contextlib.suppress(Exception):  # a symbolic size with no value: no head count
+                self.attention.add((int(q.shape[1]), int(k.shape[1]), int(q.shape[3])))
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The op itself (timed when measuring), refused first where a real kernel would refuse it and a meta

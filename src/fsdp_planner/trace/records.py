@@ -56,6 +56,8 @@ class Trace:
     # each needs an fp32 group (``Group.param_dtype``); empty: every module in the compute dtype
     own_checkpointed: tuple[OwnCall, ...] = ()  # the calls the model's own torch.utils.checkpoint holds
     # (``own_checkpoint.py``), outermost in each region: each region modelled as one call checkpointed in full
+    attention: tuple[tuple[int, int, int], ...] = ()  # (query heads, key heads, head dim) of the step's fused
+    # attention calls (SDPA's), each distinct, sorted: what a TP degree must divide (``planners/tensor_parallel.py``)
 
     @property
     def ep_degree(self) -> int:
