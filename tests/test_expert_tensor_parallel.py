@@ -171,3 +171,23 @@ def test_a_plan_file_with_the_moe_styles_where_they_cannot_run_is_refused_before
         with pytest.raises(PlannerError, match=says):
             apply_plan(lm.model, plan)
         assert not any(hasattr(p, "placements") for p in lm.model.parameters())  # nothing changed
+
+
+@pytest.mark.integration
+def test_verify_runs_the_job_auto_planned_with_tp_on_fake_ranks() -> None:
+    """auto under a budget that needs TP on the tiny MoE (8 heads, 4 kv heads): it takes a degree the kv heads
+    divide (TP 4; TP 8 would fail in DTensor's view of the kv heads), and ``verify --fake-world-size`` runs the job
+    it planned, batch 2 x 4 per data-parallel rank, not a quarter of it: counts and bytes exact, the peak within
+    5%, the reserved estimate within the budget."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", TINY, "--policy", "auto", "--memory-budget",
+                        "9.5MiB", "--batch", "2", "--cluster", "h100:8", "--fake-world-size", "8", "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert "TP 4" in result["plan"] and "batch 8 per data-parallel rank" in r.stderr
+    assert result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
+    assert result["predicted_reserved"] <= 9.5 * 2**20

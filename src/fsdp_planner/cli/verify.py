@@ -11,6 +11,7 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.cli.common import REPORTER, load_trace
 from fsdp_planner.cli.requests import (
     FakeWorldRequest,
+    PlanSource,
     VerifyRequest,
     fake_world_request,
     verify_request,
@@ -18,10 +19,11 @@ from fsdp_planner.cli.requests import (
 from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
+from fsdp_planner.models import ModelSpec
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
-from fsdp_planner.service.planning import stamped
+from fsdp_planner.service.planning import judged_model, stamped
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
@@ -48,9 +50,16 @@ def run(args: argparse.Namespace) -> int:
     # auto plans in the job's precision and micro-batches, as plan would
     planning = SimOptions(precision=options.precision, micro_batches=request.micro_batches,
                           reshard_after_backward=request.reshard_after_backward, gradient_sync=options.gradient_sync)
-    plan = _at_scale(tr, request, planning) if request.plan_for else \
-        job_plan(tr, request.source.plan_file, request.source.policy, request.model, request.plan_cluster, planning,
-                 request.nproc, REPORTER)
+    model = request.model
+    if request.plan_for:
+        plan = _at_scale(tr, request, planning)
+    else:
+        plan = job_plan(tr, request.source.plan_file, request.source.policy, model, request.plan_cluster, planning,
+                        request.nproc, REPORTER)
+        if (model := _judged(model, request.source, plan)) is not request.model:
+            tr = load_trace(model, measure=request.measure and predict_on is not None, full=request.full_trace,
+                            precision=options.precision, threads=1 if host else None,
+                            repeats=CPU_RANK_REPEATS if host else 3)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
@@ -58,13 +67,13 @@ def run(args: argparse.Namespace) -> int:
         check_fsdp1(plan)
     if not request.json:
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
-                             f"{escape(request.model.name)} with {request.nproc} processes"
+                             f"{escape(model.name)} with {request.nproc} processes"
                              f"{_tp_label(plan, request.nproc)}"
                              f"{' (FSDP1)' if request.fsdp1 else ''}, {request.steps} steps"
                              f"{f' of {request.micro_batches} micro-batches' if request.micro_batches > 1 else ''}"
                              f" in {options.precision.name} ...")
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
-        result = run_verify(request.model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
+        result = run_verify(model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
                             timed_steps=0 if request.fsdp1 else request.time_steps,
                             save_checkpoint=request.save_checkpoint, load_checkpoint=request.load_checkpoint,
                             precision=options.precision, micro_batches=request.micro_batches,
@@ -98,6 +107,19 @@ def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:
                     "--plan-model FULL (the same model code at full size, e.g. llama3-8b for toy-llama) proves the "
                     "grouping auto makes for that one")
     return plan
+
+
+def _judged(model: ModelSpec, source: PlanSource, plan: Plan) -> ModelSpec:
+    """The job auto planned: where it chose a TP degree d itself, each data-parallel rank runs d times the per-GPU
+    batch (``judged_model``), and that job is the one verified (at the batch given, the ranks would check a job of
+    1/d the sequences, whose peak says nothing of the budget auto planned for)."""
+    if source.policy is None:
+        return model
+    judged = judged_model(model, source.policy, plan)
+    if judged is not model:
+        render.note(f"verifying the job auto planned: TP {plan.tp_degree}, batch {judged.batch_size:,} per "
+                    "data-parallel rank")
+    return judged
 
 
 def _sharded(plan: Plan) -> int:
@@ -182,15 +204,18 @@ def run_fake(request: FakeWorldRequest) -> int:
     check_model_dtypes(request.model, options.precision)  # before the trace's notes and auto's search
     tr = load_trace(request.model, full=request.full_trace, precision=options.precision)
     source = request.source
-    plan = stamped(job_plan(tr, source.plan_file, source.policy, request.model, request.cluster, options,
-                            world if source.plan_file is not None else None, REPORTER), tr, world, options)
+    plan = job_plan(tr, source.plan_file, source.policy, request.model, request.cluster, options,
+                    world if source.plan_file is not None else None, REPORTER)
+    if (model := _judged(request.model, source, plan)) is not request.model:
+        tr = load_trace(model, full=request.full_trace, precision=options.precision)
+    plan = stamped(plan, tr, world, options)
     if not request.json:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
-                             f"{escape(request.model.name)} "
+                             f"{escape(model.name)} "
                              f"with real FSDP2 on {world} fake ranks{_tp_label(plan, world)} ({precision}) ...")
     predicted = _fake_world_prediction(tr, plan, request)
     with render.progress(f"real FSDP2 on {world} fake ranks"):
-        measured = run_fake_world(request.model, plan, world, options.precision, zero_grad=options.zero_grad,
+        measured = run_fake_world(model, plan, world, options.precision, zero_grad=options.zero_grad,
                                   micro_batches=options.micro_batches,
                                   reshard_after_backward=options.reshard_after_backward,
                                   gradient_sync=options.gradient_sync)
@@ -210,7 +235,7 @@ def run_fake(request: FakeWorldRequest) -> int:
         return 0 if ok else 1
     sync = render.sync_label(options.gradient_sync)
     split = f", {options.micro_batches} micro-batches a step{sync}" if options.micro_batches > 1 else ""
-    title = (f"{escape(request.model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "
+    title = (f"{escape(model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "
              f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "
