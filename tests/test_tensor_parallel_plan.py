@@ -174,6 +174,42 @@ def test_unknown_heads_are_the_users_to_assume(monkeypatch):
     assert [x.tp.degree for x in tp_degrees(tr, None, H100_8)] == [1]
 
 
+class SixHeads(nn.Module):
+    """A user's attention: 6 heads of 16 through SDPA; no built-in structure, so a detected layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(96, 96) for _ in range(4))
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        import torch.nn.functional as F
+
+        b, s, _ = x.shape
+        q, k, v = (lin(x).view(b, s, -1, 16).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.mlp = SixHeads(), Pair(96, 384)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.mlp(x + self.attn(x))
+
+
+def test_detected_attention_pairs_need_whole_heads():
+    """A detected layout's colwise Linears that make heads give each rank whole heads (6 heads of 16: TP 2, not
+    4); an MLP pair has no heads to keep whole."""
+    tr = traced(Block(), 96)
+    layout = tp_layout(tr, 4, None)
+    assert layout.source == PAIRS and set(layout.head_linears) == {"attn.q", "attn.k", "attn.v"}
+    with pytest.raises(PlannerError, match=r"heads of attn\.q: its 96 output features are 6 heads of 16"):
+        check_layout(tr, layout, H100_8)
+    check_layout(tr, tp_layout(tr, 2, None), H100_8)
+    assert tp_layout(traced(Pair(8, 16), 8), 4, None).head_linears == ()
+
+
 # -- options --------------------------------------------------------------------------------------------------------
 def test_tp_through_the_validator():
     job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True), Spelling.API)

@@ -8,15 +8,17 @@ dims, vocab or sequence, or the cluster's nodes, do not divide."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, expert_tensor_dim, matches
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf, llama, moe
+from fsdp_planner.trace.events import KERNEL_ATTENTION, EventKind
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within
 
 TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
 PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
@@ -100,6 +102,9 @@ class Layout:
     source: str
     notes: tuple[str, ...] = ()
     heads: tuple[int, int] | None = None  # (attention heads, kv heads) where known: what the degree must divide
+    head_linears: tuple[str, ...] = ()  # colwise Linears that make attention heads of ``head_dim`` (a detected
+    # layout's, ``_pairs_layout``): each rank must get whole heads of them
+    head_dim: int = 0
 
     @property
     def checked(self) -> bool:
@@ -133,8 +138,7 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
     found = _without_split_ties(trace, found)
     if loss_parallel and not found.tp.loss_parallel:
         found = _note(found, "loss parallel is left off: this layout does not shard the output head on the vocab")
-    tp = TensorParallel(degree, found.tp.layout, found.tp.loss_parallel, async_tp)
-    return Layout(tp, found.source, found.notes, found.heads)
+    return replace(found, tp=TensorParallel(degree, found.tp.layout, found.tp.loss_parallel, async_tp))
 
 
 def is_titan_llama(trace: Trace) -> bool:
@@ -254,12 +258,24 @@ def _pairs_layout(trace: Trace, degree: int) -> Layout:
     for p in pairs:
         layout.update({c: TPStyle.COLWISE for c in p.cols})
         layout[p.row] = TPStyle.ROWWISE
+    head_dim, head_linears = _head_linears(trace, pairs)
     classes = sorted({trace.modules[p.parent].cls for p in pairs})
     note = (f"tensor-parallel layout detected: {fmt_count(len(pairs), 'column-then-row Linear pair')} in "
             f"{', '.join(classes)} (assumed: the ops between each pair's Linears are element-wise or per head, and "
             "a reshape into heads infers the head count, e.g. view(b, s, -1, head_dim); embeddings, norms and the "
             "output head stay whole over TP)")
-    return Layout(TensorParallel(degree, layout), PAIRS, (note,))
+    return Layout(TensorParallel(degree, layout), PAIRS, (note,), head_linears=head_linears, head_dim=head_dim)
+
+
+def _head_linears(trace: Trace, pairs: list[_Pair]) -> tuple[int, tuple[str, ...]]:
+    """The head dim of the model's fused attention calls (``Trace.attention``, where they share one) and the
+    colwise Linears of the pairs whose module runs such a call: they make its heads, so a rank must get whole heads
+    of each (a colwise shard of 6 heads over 4 ranks leaves no whole head to view, whatever the model's code)."""
+    head_dims = {hd for _, _, hd in trace.attention}
+    if len(head_dims) != 1:
+        return 0, ()
+    attends = {e.module for e in trace.events if e.kind is EventKind.OP and e.kernel == KERNEL_ATTENTION}
+    return head_dims.pop(), tuple(c for p in pairs if any(is_within(m, p.parent) for m in attends) for c in p.cols)
 
 
 def _pair(trace: Trace, parent: ModuleInfo) -> _Pair | None:
@@ -292,12 +308,11 @@ def _without_split_ties(trace: Trace, found: Layout) -> Layout:
         return found
     layout = {k: s for k, s in found.tp.layout.items() if not any(matches(k, o) for o in split)}
     tp = TensorParallel(found.tp.degree, layout, found.tp.loss_parallel and "output" not in split)
-    return Layout(tp, found.source, (*found.notes, f"{' and '.join(split)} share a weight: left whole over TP"),
-                  found.heads)
+    return replace(found, tp=tp, notes=(*found.notes, f"{' and '.join(split)} share a weight: left whole over TP"))
 
 
 def _note(found: Layout, line: str) -> Layout:
-    return Layout(found.tp, found.source, (*found.notes, line), found.heads)
+    return replace(found, notes=(*found.notes, line))
 
 
 def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, seq_len: int | None = None) -> None:
@@ -318,6 +333,12 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
     if seq_len is not None and tp.sequence_parallel and seq_len % d:
         raise PlannerError(f"--tp {d} shards the sequence between the blocks (sequence parallelism): --seq "
                            f"{seq_len:,} must be a multiple of {d}")
+    for module in layout.head_linears:
+        features = trace.param(f"{module}.weight").shape[0]
+        if features % (layout.head_dim * d):
+            raise PlannerError(f"--tp {d} must give each rank whole attention heads of {module}: its {features:,} "
+                               f"output features are {features / layout.head_dim:g} heads of {layout.head_dim} "
+                               "(the head dim its attention runs at): choose a degree that divides them")
     for module, style in tp.styles(trace.modules).items():
         _check_module(trace, module, style, d)
 
