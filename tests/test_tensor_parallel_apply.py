@@ -284,3 +284,32 @@ def test_framework_exports_train_with_tp(toy, tmp_path: Path, fmt: ExportFormat,
     out = subprocess.run([*run, *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "trained 3 steps" in out.stdout or "max_steps=3" in out.stdout + out.stderr
+
+
+_TINY_QWEN3 = ('{"model_type": "qwen3", "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6, '
+               '"num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 256, '
+               '"tie_word_embeddings": true}')
+
+
+@pytest.mark.integration  # 4 gloo ranks under torchrun: ~20 s
+def test_per_head_norms_sum_their_grads_over_tp(tmp_path: Path) -> None:
+    """Qwen3's per-head q_norm / k_norm (transformers' ``replicated_with_grad_allreduce``) sit between the colwise
+    and rowwise Linears and see this rank's heads only: replicated, their grads summed over TP. Left whole they
+    trained on one rank's heads (params 42x off the unsharded reference on 4 gloo ranks)."""
+    import json
+
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.planners.tensor_parallel import tp_layout
+
+    config = tmp_path / "config.json"
+    config.write_text(_TINY_QWEN3)
+    lm = load_model(f"hf:{config}")
+    layout = tp_layout(record(lm.model, lm.example_inputs, lm.loss_fn), 2, ModelSpec(f"hf:{config}"))
+    assert layout.tp.layout["model.layers.*.self_attn.q_norm"] is TPStyle.REPLICATE
+    assert not any("q_norm" in n for n in layout.notes)
+    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"hf:{config}", "--policy", "titan", "--tp",
+                        "2", "--nproc", "4", "--precision", "fp32", "--batch", "2", "--seq", "32", "--steps", "2",
+                        "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5

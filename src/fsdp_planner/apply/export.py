@@ -542,7 +542,7 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         if style == "moe_sequence":  # the MoE layer: input all-gathered, partial output reduce-scattered
             # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)
             distribute_module(modules[name], tp_mesh, None, _moe_input, _moe_output)
-        elif style == "replicate":  # the router gate: replicated, its output's grad partial
+        elif style == "replicate":  # replicated params (a router gate, per-head norms): their grads summed over tp
             distribute_module(modules[name], tp_mesh, None, _replicated_input, _replicated_output)
     if ASYNC_TP:  # torchtitan's switch: the all-gathers and reduce-scatters fused with their matmuls by compile
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group

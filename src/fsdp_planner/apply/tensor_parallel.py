@@ -93,7 +93,8 @@ def _scattered(module: nn.Module, out: Any, mesh: Any) -> Any:
 
 
 def _replicated_in(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
-    """The router gate's input, whole on every TP rank; its grad left partial (summed where the layer's is)."""
+    """A replicated module's input (the router gate's, whole on every TP rank; a per-head norm's, this rank's heads);
+    its grad left partial (summed where the layer's is) or this rank's own."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
     x, *rest = inputs
@@ -101,7 +102,7 @@ def _replicated_in(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
 
 
 def _replicated_out(module: nn.Module, out: Any, mesh: Any) -> Any:
-    """The router gate's output as a local tensor whose grad is partial: the weight's grad is then partial, and
+    """A replicated module's output as a local tensor whose grad is partial: the weight's grad is then partial, and
     FSDP2 all-reduces it over TP into the replicated param's."""
     from torch.distributed.tensor import Partial
 

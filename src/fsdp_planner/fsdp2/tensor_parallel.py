@@ -52,9 +52,10 @@ class TPStyle(Enum):
     # Replicate(), output_layouts=Partial(), desired_output_layouts=Shard(1)): an MoE layer's input all-gathered
     # from its sequence shard (its grad, partial, reduce-scattered back) and its partial output reduce-scattered
     # onto the sequence dim
-    REPLICATE = "replicate"  # torchtitan's NoParallel (the router's gate): params replicated over TP, run on the
-    # whole input, its output's grad partial (each TP rank's experts see their own tokens): the weight's grads
-    # all-reduced over TP, the input's passed on partial
+    REPLICATE = "replicate"  # torchtitan's NoParallel (the router's gate), transformers'
+    # replicated_with_grad_allreduce (Qwen3's per-head q_norm / k_norm): params replicated over TP, run on what
+    # this rank has (the whole input, or its own heads), its output's grad partial (each TP rank's experts see their
+    # own tokens; each rank's heads are its own): the weight's grads all-reduced over TP, the input's passed on
     TOKEN_SPLIT = "token_split"  # torchtitan's ReordererSequenceParallel (the experts): each TP rank sends only
     # its 1/TP of the routed tokens to EP's dispatch, and gets only those back (its output partial); with EP only
     # Without expert parallelism (torchtitan's MoE layout with EP off: the experts' params sharded on the TP dim):

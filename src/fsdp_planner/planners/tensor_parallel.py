@@ -43,9 +43,12 @@ _LLAMA_CLASSES = {"tok_embeddings": "Embedding", "output": "Linear", "attention.
                   "feed_forward.w1": "Linear", "feed_forward.w2": "Linear", "feed_forward.w3": "Linear"}
 
 # transformers' style names (``ALL_PARALLEL_STYLES``) that are one of torch's styles as a ``TPStyle`` has it; the
-# others (packed, MoE, gathered-output, MLA) have no TPStyle yet and leave their module whole over TP
+# others (packed, MoE, gathered-output, MLA) have no TPStyle yet and leave their module whole over TP.
+# ``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head q_norm / k_norm, between a colwise and a
+# rowwise Linear: params replicated, run on this rank's heads, grads all-reduced over TP) is ``REPLICATE``: left
+# whole it trained each rank's norm on its own heads' grads alone (transformers/distributed/tensor_parallel.py)
 HF_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_rowwise": TPStyle.EMBEDDING,
-             "sequence_parallel": TPStyle.SEQUENCE_PARALLEL}
+             "sequence_parallel": TPStyle.SEQUENCE_PARALLEL, "replicated_with_grad_allreduce": TPStyle.REPLICATE}
 
 
 # torchtitan's MoE block under TP (its MoE sharding config) on ``models/moe.py``'s names: attention as in a Llama
