@@ -63,6 +63,25 @@ def test_transformers_plan_for_hf_models():
     assert any("lm_head (colwise_gather_output)" in n for n in layout.notes)
 
 
+def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_path):
+    """GraniteSWA's plan shards each attention's sinks (one per head, a param, no module) colwise with its heads:
+    the planner shards modules, so it refuses rather than leave the sinks whole beside 1/TP of the heads; a
+    Qwen3-MoE's experts params are whole with their module (left whole, named in a note)."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "granite_swa", "hidden_size": 64, "intermediate_size": 128, '
+                      '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}')
+    spec = ModelSpec(f"hf:{config}", batch_size=2, seq_len=16)
+    with pytest.raises(PlannerError, match=r"self_attn's own param sinks \(colwise\) beside its colwise heads"):
+        tp_layout(trace_spec(spec), 2, spec)
+    moe = tmp_path / "moe.json"
+    moe.write_text('{"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, '
+                   '"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, '
+                   '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}')
+    spec = ModelSpec(f"hf:{moe}", batch_size=2, seq_len=16)
+    layout = tp_layout(trace_spec(spec), 2, spec)
+    assert any("mlp.experts (moe_tp_experts)" in n for n in layout.notes)
+
+
 def test_torchtitan_layout_found_by_the_trace_not_the_name():
     """The built-in Llama gets torchtitan's layout from its module names and classes, whatever it is called."""
     tr = trace_spec("toy-llama")

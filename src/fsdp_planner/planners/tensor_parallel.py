@@ -216,10 +216,29 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
             left[pattern] = style
     if not any(s in (TPStyle.COLWISE, TPStyle.ROWWISE) for s in layout.values()):
         raise PlannerError(_no_plan_reason(plan, names, model.name, left))
+    _refuse_own_params_on_heads(trace, plan, layout, model.name)
     notes = (f"left whole over TP (transformers' styles the planner does not model yet): {_listed(left)}",) \
         if left else ()
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
     return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", notes, heads)
+
+
+def _refuse_own_params_on_heads(trace: Trace, plan: hf.HfParallelPlan, layout: dict[str, TPStyle],
+                                model_name: str) -> None:
+    """Refuse a plan that shards a module's own param (not a submodule: attention sinks, one per head) of a module
+    whose colwise children split its heads: the planner shards modules only, so the param would stay whole beside
+    this rank's heads (a shape error on the ranks, or a wrong step). A param of a module left whole (grouped
+    experts) is whole with its module."""
+    colwise = [n for n in trace.modules if any(matches(p, n) for p, st in layout.items() if st is TPStyle.COLWISE)]
+    for pattern, style in plan.styles.items():
+        for fqn in trace.index.param_index:
+            owner = fqn.rpartition(".")[0]
+            if matches(pattern, fqn) and fqn.rpartition(".")[2] not in ("weight", "bias") and \
+                    any(c.rpartition(".")[0] == owner for c in colwise):
+                raise PlannerError(f"transformers' tensor-parallel plan for {model_name} shards {owner}'s own param "
+                                   f"{fqn.rpartition('.')[2]} ({style}) beside its colwise heads, which the planner "
+                                   "does not model: plan it without tensor parallelism, or give a layout in a plan "
+                                   "file's 'tensor_parallel'")
 
 
 def _no_plan_reason(plan: hf.HfParallelPlan, names: list[str], model_name: str, left: dict[str, str]) -> str:
