@@ -299,6 +299,43 @@ def test_transformers_experts_send_tokens_x_top_k_rows() -> None:
     assert r.ep_all_to_alls == 2 * 4 and r.ep_all_to_all_bytes == 8 * 256 * 2 * 128 * 2  # tokens x top_k x dim x bf16
 
 
+def test_transformers_experts_ep_is_simulated_not_applied(tmp_path) -> None:
+    """transformers' experts layers route inside their forward ((tokens, dim) in), which EP's dispatch here does not
+    run: auto does not take EP for them itself, ``--ep`` simulates it with a note, and apply_plan and export refuse
+    it in one sentence before anything changes (the ranks failed inside the dispatch before)."""
+    import json
+    import subprocess
+    import sys
+
+    from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.planners.expert_parallel import with_expert_parallel
+    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+    from fsdp_planner.service.planning import Reporter, policy_plan
+
+    config = tmp_path / "qwen3_moe.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+                                  "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                  "vocab_size": 128}))
+    spec = ModelSpec(f"hf:{config}", batch_size=2, seq_len=16)
+    lm = load_model(spec, meta=False)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
+    notes: list[str] = []
+    reporter = Reporter(notes.append)
+    auto = policy_plan(tr, PolicyRequest(PolicyName.AUTO, memory_budget=2 * 2**20), spec, parse_cluster("h100:8"),
+                       BF16, reporter)
+    assert auto.expert_parallel is None and not any("EP 2" in n for n in notes)
+    titan = policy_plan(tr, PolicyRequest(PolicyName.TITAN, ep=2), spec, parse_cluster("h100:8"), BF16, reporter)
+    assert titan.ep_degree == 2 and any("simulated as torchtitan runs it, not applied" in n for n in notes)
+    with pytest.raises(PlannerError, match="route inside their forward"):
+        apply_plan(lm.model, with_expert_parallel(TorchtitanPolicy().plan(tr), tr, 2), mesh=object())
+    path = tmp_path / "plan.json"
+    titan.save(str(path))
+    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "export", str(path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0 and "route inside their forward" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_experts_with_biases_take_expert_parallelism(tmp_path) -> None:
     """gpt-oss's experts hold 2-D biases ([E, 2I], [E, H]) beside their stacked 3-D weights: still grouped experts,
     every param sharded on the expert dim (they were taken for no experts: "--ep needs grouped experts modules")."""

@@ -25,6 +25,7 @@ import torch.nn as nn
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.models.hf_experts import SIMULATED_EP, is_transformers_module
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tuple:
@@ -131,6 +132,14 @@ def check_no_prefetch(plan: Plan) -> None:
         raise PlannerError("a plan with expert parallelism cannot have explicit prefetch lists yet (they name groups "
                            "by position, and the expert groups are sharded apart): drop forward_prefetch and "
                            "backward_prefetch")
+
+
+def check_experts_run(modules: dict[str, nn.Module], experts: list[str]) -> None:
+    """Refuse EP of experts its dispatch cannot run (transformers' experts layers: ``SIMULATED_EP``), before any
+    module is changed."""
+    own = [name for name in experts if is_transformers_module(modules[name])]
+    if own:
+        raise PlannerError(f"{own[0]} ({type(modules[own[0]]).__name__}): {SIMULATED_EP}; plan it without --ep")
 
 
 def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None,

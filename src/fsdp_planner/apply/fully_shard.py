@@ -8,7 +8,7 @@ from typing import Any
 import torch.nn as nn
 
 from fsdp_planner.apply.compile import apply_compile
-from fsdp_planner.apply.expert_parallel import shard_experts
+from fsdp_planner.apply.expert_parallel import check_experts_run, shard_experts
 from fsdp_planner.apply.float8 import apply_float8
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.apply.tensor_parallel import apply_tp, split_mesh
@@ -93,6 +93,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
     check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
     check_moe_styles(plan.tensor_parallel, modules, plan.expert_parallel is not None)
+    if plan.expert_parallel is not None:
+        check_experts_run(modules, plan.expert_parallel.experts(modules))
     check_int_reshard_on_dim0(plan)
     if mesh is None:
         import torch.distributed as dist

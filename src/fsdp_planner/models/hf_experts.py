@@ -73,3 +73,17 @@ def register() -> str:
 
     ExpertsInterface.register(BALANCED, balanced_experts_forward)
     return BALANCED
+
+
+# Expert parallelism here is torchtitan's: the experts module takes (experts, tokens per expert, dim) and EP's
+# dispatch splits that (``apply/expert_parallel.py``). transformers' experts layers take (tokens, dim) with the
+# routing and route inside their forward (its own EP, ``ep_dispatch_experts``, is another dispatch), so EP of them is
+# simulated torchtitan's way and not applied.
+SIMULATED_EP = ("transformers' experts layers take (tokens, dim) and route inside their forward, so expert "
+                "parallelism of them is simulated as torchtitan runs it, not applied: apply, export and verify shard "
+                "grouped experts taking (experts, tokens per expert, dim) only (models/moe.py's)")
+
+
+def is_transformers_module(module: nn.Module) -> bool:
+    """Whether ``module``'s class is transformers' (an experts layer EP does not run, ``SIMULATED_EP``)."""
+    return type(module).__module__.startswith("transformers.")

@@ -16,7 +16,7 @@ from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec
+from fsdp_planner.models import ModelSpec, hf
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
@@ -29,6 +29,12 @@ from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace.records import Trace
 
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
+
+
+def runs_ep(model_name: str) -> bool:
+    """Whether apply, export and verify run expert parallelism on the model's experts: not on transformers'
+    (``hf:`` models: ``SIMULATED_EP``), whose EP is simulated only, so auto does not choose it itself."""
+    return not hf.is_hf(model_name)
 
 
 def expert_modules(trace: Trace) -> list[str]:

@@ -20,6 +20,7 @@ from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
+from fsdp_planner.models.hf_experts import SIMULATED_EP
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster, infeasible_message
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
@@ -27,6 +28,7 @@ from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.expert_parallel import (
     ep_tp_degrees,
     expert_modules,
+    runs_ep,
     screen_ep_tp,
     with_auto_ep,
     with_expert_parallel,
@@ -161,8 +163,13 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         result = policy.search(tr, spec.name)
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
             result = with_auto_ep(result, tr, cluster, options, (ep,))
-        elif request.ep is None and expert_modules(tr):  # auto's own EP screen
+            if not runs_ep(spec.name):
+                reporter.note(SIMULATED_EP)
+        elif request.ep is None and expert_modules(tr) and (runs_ep(spec.name) or not result.fits):
+            # auto's own EP screen; of experts EP is simulated for only (``runs_ep``), where nothing fits without
             result = with_own_ep(result, policy, tr, spec.name, cluster, options, reporter.note)
+            if result.plan.expert_parallel is not None and not runs_ep(spec.name):
+                reporter.note(SIMULATED_EP)
     return result
 
 
@@ -322,12 +329,15 @@ def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | st
     return plan.replace(tensor_parallel=layout.tp, policy=f"{plan.policy}, {layout.tp.describe()}")
 
 
-def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None) -> Plan:
+def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, model: str,
+            reporter: Reporter = SILENT) -> Plan:
     """``plan`` with the expert parallelism ``request.ep`` asks for (each expert module its own group); a plan that
-    has EP already keeps its own."""
+    has EP already keeps its own. Of experts apply does not run (``runs_ep``), with a note saying so."""
     if plan.expert_parallel is not None or request.ep is None or request.ep == 1:
         return plan
     out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0)
+    if not runs_ep(model):
+        reporter.note(SIMULATED_EP)
     return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
 
 
@@ -343,7 +353,7 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, clust
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
     world = cluster.world_size if cluster else None
-    return with_ep(stamped(plan, tr, world, options), tr, request, world)
+    return with_ep(stamped(plan, tr, world, options), tr, request, world, name, reporter)
 
 
 def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
@@ -353,7 +363,7 @@ def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cl
     if request.name is PolicyName.AUTO:
         return policy_plan(tr, request, model, cluster, options, reporter)
     plan = with_tp(make_baseline(request).build(tr, model), tr, request, model, cluster, reporter)
-    return with_ep(plan, tr, request, cluster.world_size if cluster else None)
+    return with_ep(plan, tr, request, cluster.world_size if cluster else None, model, reporter)
 
 
 def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyRequest, ...]:
@@ -406,7 +416,8 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
     plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter)
     # (its world size is checked where it is simulated)
     world = job.cluster.world_size if job.cluster else None
-    return with_ep(with_reshard(stamped(plan, tr, world, job.options), job.reshard), tr, policy, world)
+    return with_ep(with_reshard(stamped(plan, tr, world, job.options), job.reshard), tr, policy, world,
+                   job.model.name, reporter)
 
 
 def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -> list[Row]:
