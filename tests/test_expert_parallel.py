@@ -678,3 +678,16 @@ def test_ep_tp_screen_takes_the_degrees_the_heads_allow():
     assert sorted(ep_tp_degrees(tr, spec, parse_cluster("h100:8"), None, None)) == [2, 4]
     with pytest.raises(PlannerError, match="8 attention heads and 4 kv heads"):
         check_layout(tr, tp_layout(tr, 8, spec, ep=8), parse_cluster("h100:8"))
+
+
+def test_no_fit_message_names_the_smallest_peak_of_the_ep_screen() -> None:
+    """Under a budget nothing reaches, the message's smallest peak is the least any plan holds, the EP screen's
+    included (it said 9.93 MiB, the searched plans' least, beside the screen's EP 8 at 5.59 MiB)."""
+    from fsdp_planner.fmt import fmt_bytes
+    from fsdp_planner.planners.auto import infeasible_message
+
+    result = _ep_tp_search(memory_budget=2 * 2**20)
+    assert not result.fits and result.plan.ep_degree > 1
+    assert result.report.reserved_memory < result.search.min_peak()
+    assert f"the smallest peak any plan reaches is {fmt_bytes(result.report.reserved_memory)}" in \
+        infeasible_message(result)

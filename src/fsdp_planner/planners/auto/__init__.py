@@ -607,14 +607,21 @@ def peak_terms(ev: Evaluator, c: Candidate) -> dict[PeakTerm, int]:
     """The candidate's reserved peak by term, largest first: the memory model's categories at the peak, the loss
     region taken out of the activations, and what the all-gather and reduce-scatter streams' pools reserve beyond
     them (``sim/memory.py``: allocated vs reserved)."""
-    at = c.report.memory_at_peak
-    terms = {t: sum(at[k] for k in keys) for t, keys in _CATEGORIES.items()}
+    terms = _report_terms(c.report)
     schedule = build_schedule(ev.trace, c.plan, ev.ctx.world, ev.ctx.sizing.group_params(c.plan))
-    loss = min(ev.ctx.memory.loss_at_peak(c.plan, schedule), terms[PeakTerm.ACTIVATIONS])
-    terms[PeakTerm.ACTIVATIONS] -= loss
-    terms[PeakTerm.LOSS] = loss
-    terms[PeakTerm.ALLOCATOR] = c.report.reserved_memory - c.report.peak_memory
+    loss = min(ev.ctx.memory.loss_at_peak(c.plan, schedule), terms.get(PeakTerm.ACTIVATIONS, 0))
+    if loss:
+        terms[PeakTerm.ACTIVATIONS] -= loss
+        terms[PeakTerm.LOSS] = loss
     return dict(sorted(((t, b) for t, b in terms.items() if b > 0), key=lambda tb: -tb[1]))
+
+
+def _report_terms(report: StepReport) -> dict[PeakTerm, int]:
+    """A step's reserved peak by the memory model's categories, and the allocator's share beyond them."""
+    at = report.memory_at_peak
+    terms = {t: sum(at[k] for k in keys) for t, keys in _CATEGORIES.items()}
+    terms[PeakTerm.ALLOCATOR] = report.reserved_memory - report.peak_memory
+    return terms
 
 
 def infeasible_message(result: AutoResult) -> str:
@@ -624,6 +631,10 @@ def infeasible_message(result: AutoResult) -> str:
     floor = result.min_peak  # (simulates the frugal plans skipped so far: they may hold the smallest peak)
     smallest = min(ev.seen, key=lambda c: c.report.reserved_memory)
     terms = peak_terms(ev, smallest)
+    if result.report.reserved_memory < floor:  # a screen after the search (EP) held less than any plan it searched
+        floor, smallest = result.report.reserved_memory, Candidate(result.plan, result.report, "screen")
+        terms = dict(sorted(((t, b) for t, b in _report_terms(result.report).items() if b > 0),
+                            key=lambda tb: -tb[1]))
     largest = next(iter(terms))
     shown = ", ".join(f"{t.value} {fmt_bytes(b)}" for t, b in list(terms.items())[:4])
     ac = smallest.plan.activation_checkpointing
