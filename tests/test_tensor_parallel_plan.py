@@ -229,6 +229,22 @@ def test_detected_attention_pairs_need_whole_heads():
     assert tp_layout(traced(Pair(8, 16), 8), 4, None).head_linears == ()
 
 
+def test_a_detected_layout_whose_local_shapes_fail_is_refused():
+    """T5 views its projections into its fixed head count: the detected pairs pass every divisibility check, but
+    one TP rank's step (the sharded Linears at their local shapes, on meta) fails, so ``--tp`` is refused in one
+    sentence before anything runs (it failed in the fake world and on the ranks); an MLP's pairs run."""
+    from fsdp_planner.service.planning import SILENT, requested_layout
+
+    spec = ModelSpec(str(Path(__file__).parent / "fixtures" / "tp_detected.py") + ":tiny_t5")
+    tr = trace_spec(spec)
+    request = PolicyRequest(PolicyName.TITAN, tp=2)
+    assert tp_layout(tr, 2, spec).source == PAIRS
+    with pytest.raises(PlannerError, match=r"one TP rank's step fails \(aten\.view in module 'encoder\.block"):
+        requested_layout(tr, request, spec, H100_8, SILENT)
+    mlp = ModelSpec(str(Path(__file__).parent / "fixtures" / "tp_detected.py") + ":pairs_mlp")
+    assert requested_layout(trace_spec(mlp), request, mlp, H100_8, SILENT).degree == 2
+
+
 # -- options --------------------------------------------------------------------------------------------------------
 def test_tp_through_the_validator():
     job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True), Spelling.API)

@@ -18,6 +18,7 @@ from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.models.hf_experts import SIMULATED_EP
@@ -35,10 +36,10 @@ from fsdp_planner.planners.expert_parallel import (
     with_own_ep,
 )
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
-from fsdp_planner.planners.tensor_parallel import TPChoice, check_layout, tp_degrees, tp_layout
+from fsdp_planner.planners.tensor_parallel import PAIRS, TPChoice, check_layout, tp_degrees, tp_layout
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
-from fsdp_planner.service.tracing import trace_spec
+from fsdp_planner.service.tracing import check_local_shapes, trace_spec
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
@@ -277,11 +278,22 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
                      for x in layouts) if len(layouts) > 1 else ()
     if request.tp is None or request.tp == 1:
         return ()
-    layout = tp_layout(tr, request.tp, model, request.loss_parallel, request.async_tp, request.ep or 1)
-    check_layout(tr, layout, cluster, model.workload().get("seq_len"))
+    return (TPChoice(requested_layout(tr, request, model, cluster, reporter)),)
+
+
+def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster | None,
+                     reporter: Reporter) -> TensorParallel:
+    """The layout of ``--tp``: from the first source that has one for this model (``planners/tensor_parallel.py``),
+    checked against the model and ``cluster``; a detected one's local shapes run (``check_local_shapes``); what it
+    assumed goes to the reporter."""
+    assert request.tp is not None
+    layout = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp, request.ep or 1)
+    check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
+    if layout.source == PAIRS:
+        check_local_shapes(spec, layout.tp)
     for line in layout.notes:
         reporter.note(line)
-    return (TPChoice(layout.tp),)
+    return layout.tp
 
 
 def fitting(result: AutoResult) -> AutoResult:
@@ -321,12 +333,8 @@ def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | st
     goes to the reporter. A plan that has TP already (a plan file's) keeps its own."""
     if plan.tensor_parallel is not None or request.tp is None or request.tp == 1:
         return plan
-    spec = as_spec(model)
-    layout = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp, request.ep or 1)
-    check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
-    for line in layout.notes:
-        reporter.note(line)
-    return plan.replace(tensor_parallel=layout.tp, policy=f"{plan.policy}, {layout.tp.describe()}")
+    tp = requested_layout(tr, request, as_spec(model), cluster, reporter)
+    return plan.replace(tensor_parallel=tp, policy=f"{plan.policy}, {tp.describe()}")
 
 
 def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, model: str,

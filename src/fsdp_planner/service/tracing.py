@@ -15,6 +15,7 @@ from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
 from fsdp_planner.sim.options import SimOptions
@@ -51,6 +52,33 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
         if line:
             note(line)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
+
+
+def check_local_shapes(spec: ModelSpec, tp: TensorParallel) -> None:
+    """Trace one TP rank's step of a detected layout (column-then-row pairs): each colwise Linear with 1/TP of its
+    output features, each rowwise one with 1/TP of its input features, on meta tensors, collectives aside. The
+    detected layout assumes the ops between a pair's Linears take any head count (``view(b, s, -1, head_dim)``);
+    a model whose code fixes the count its shapes split (T5's ``view(b, -1, n_heads, d)``, a relative-position bias
+    of every head) fails here in one sentence, not on the ranks."""
+    lm = load_model(spec, meta=True)
+    d = tp.degree
+    for name, style in tp.styles(dict(lm.model.named_modules())).items():
+        module = lm.model.get_submodule(name)
+        if not isinstance(module, nn.Linear) or style not in (TPStyle.COLWISE, TPStyle.ROWWISE):
+            continue
+        out, inp = module.weight.shape
+        shape = (out // d, inp) if style is TPStyle.COLWISE else (out, inp // d)
+        module.weight = nn.Parameter(module.weight.new_empty(shape), module.weight.requires_grad)
+        if module.bias is not None and style is TPStyle.COLWISE:
+            module.bias = nn.Parameter(module.bias.new_empty(shape[0]), module.bias.requires_grad)
+    try:
+        with kernel(spec.attention):
+            trace(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
+    except Exception as e:
+        raise PlannerError(f"--tp {d} with the detected layout (column-then-row Linear pairs) does not run on this "
+                           f"model: one TP rank's step fails ({model_error(e)}); its code fixes a shape the layout "
+                           "splits (e.g. a view into a fixed head count): plan it without --tp, or give a layout "
+                           "in a plan file's 'tensor_parallel'") from e
 
 
 def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision,
