@@ -17,7 +17,14 @@ from fsdp_planner.fsdp2.tensor_parallel import TPStyle
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest
-from fsdp_planner.planners.tensor_parallel import PAIRS, check_layout, titan_llama_layout, tp_degrees, tp_layout
+from fsdp_planner.planners.tensor_parallel import (
+    PAIRS,
+    check_layout,
+    head_linears,
+    titan_llama_layout,
+    tp_degrees,
+    tp_layout,
+)
 from fsdp_planner.service.configured import configured
 from fsdp_planner.service.planning import plan as plan_job
 from fsdp_planner.service.planning import search
@@ -222,11 +229,118 @@ def test_detected_attention_pairs_need_whole_heads():
     4); an MLP pair has no heads to keep whole."""
     tr = traced(Block(), 96)
     layout = tp_layout(tr, 4, None)
-    assert layout.source == PAIRS and set(layout.head_linears) == {"attn.q", "attn.k", "attn.v"}
+    assert layout.source == PAIRS and head_linears(tr, layout.tp) == (16, ("attn.q", "attn.k", "attn.v"))
     with pytest.raises(PlannerError, match=r"heads of attn\.q: its 96 output features are 6 heads of 16"):
         check_layout(tr, layout, H100_8)
     check_layout(tr, tp_layout(tr, 2, None), H100_8)
-    assert tp_layout(traced(Pair(8, 16), 8), 4, None).head_linears == ()
+    pair = traced(Pair(8, 16), 8)
+    assert head_linears(pair, tp_layout(pair, 4, None).tp) == (0, ())
+
+
+# -- a plan file's layout meets the same checks ----------------------------------------------------------------------
+TINY_QWEN3 = {"model_type": "qwen3", "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6,
+              "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2, "vocab_size": 256,
+              "max_position_embeddings": 64, "tie_word_embeddings": True}
+QWEN3_LAYOUT = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+                "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+                "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+                "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+def _plan_file(tmp_path: Path, groups: list[list[str]], degree: int, layout: dict[str, str]) -> str:
+    """A hand-written plan (module lists: its params derived) with the tensor parallelism given."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"version": 1, "groups": [{"modules": g} for g in groups],
+                                "tensor_parallel": {"degree": degree, "layout": layout}}))
+    return str(path)
+
+
+def test_a_plan_files_degree_must_divide_the_heads(tmp_path):
+    """A plan file's TP 4 on a Qwen3 of 6 heads and 2 kv heads is refused where the plan meets the model (load,
+    check), as --tp 4 is, before DTensor's view fails on the ranks; TP 2 passes."""
+    from fsdp_planner.service.plan_files import load_plan, plan_to_check
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN3))
+    spec = ModelSpec(f"hf:{tmp_path}", batch_size=1, seq_len=16)
+    tr = trace_spec(spec)
+    groups = [["model.layers.0"], ["model.layers.1"]]
+    bad = _plan_file(tmp_path, groups, 4, QWEN3_LAYOUT)
+    for read in (lambda: load_plan(bad, tr, spec, lambda line: None), lambda: plan_to_check(bad, tr, spec)):
+        with pytest.raises(PlannerError, match=r"^the plan's tensor-parallel degree 4 must divide the model's 6 "
+                                               "attention heads and 2 kv heads"):
+            read()
+    plan = load_plan(_plan_file(tmp_path, groups, 2, QWEN3_LAYOUT), tr, spec, lambda line: None)
+    assert plan.tensor_parallel is not None and plan.tensor_parallel.degree == 2
+    mlp_only = {k: v for k, v in QWEN3_LAYOUT.items() if ".mlp." in k}  # attention whole: its heads not split
+    assert load_plan(_plan_file(tmp_path, groups, 4, mlp_only), tr, spec, lambda line: None).tensor_parallel
+
+
+def test_any_layout_gives_each_rank_whole_heads():
+    """A layout of the user's (not detected) on a model of no known structure: the colwise Linears whose module
+    runs the fused attention call split into whole heads of its head dim; an MLP's colwise Linear has none."""
+    from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+    from fsdp_planner.planners.tensor_parallel import plan_layout
+
+    tr = traced(Block(), 96)
+    styles = {"attn.q": TPStyle.COLWISE, "attn.k": TPStyle.COLWISE, "attn.v": TPStyle.COLWISE,
+              "attn.o": TPStyle.ROWWISE, "mlp.up": TPStyle.COLWISE, "mlp.down": TPStyle.ROWWISE}
+    assert head_linears(tr, TensorParallel(4, styles)) == (16, ("attn.q", "attn.k", "attn.v"))
+    with pytest.raises(PlannerError, match=r"^the plan's tensor-parallel degree 4 must give each rank whole "
+                                           r"attention heads of attn\.q: its 96 output features are 6 heads of 16"):
+        check_layout(tr, plan_layout(tr, TensorParallel(4, styles), None))
+    check_layout(tr, plan_layout(tr, TensorParallel(2, styles), None))
+    mlp = {k: v for k, v in styles.items() if k.startswith("mlp.")}
+    check_layout(tr, plan_layout(tr, TensorParallel(4, mlp), None))  # 384 hidden units over 4: whole heads moot
+
+
+class NormedPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.pair = nn.LayerNorm(8), Pair(8, 16)
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self.pair(self.norm(x))
+
+
+def test_a_style_torch_cannot_apply_is_refused():
+    """torch's ColwiseParallel / RowwiseParallel take an nn.Linear or nn.Embedding only (else NotImplementedError on
+    the ranks): a LayerNorm given colwise is refused wherever the plan meets the model; sequence_parallel takes it."""
+    from fsdp_planner.fsdp2.claim import make_plan
+    from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+    from fsdp_planner.planners.tensor_parallel import plan_layout
+
+    tr = traced(NormedPair(), 8)
+    pair = {"pair.up": TPStyle.COLWISE, "pair.down": TPStyle.ROWWISE}
+    for style in (TPStyle.COLWISE, TPStyle.ROWWISE_SEQUENCE):
+        tp = TensorParallel(2, {**pair, "norm": style})
+        with pytest.raises(PlannerError, match=r"^the tensor-parallel style \w+ of norm is torch's \w+Parallel, "
+                                               "which shards an nn.Linear or nn.Embedding only, and norm is a "
+                                               "LayerNorm"):
+            check_layout(tr, plan_layout(tr, tp, None))
+        plan = make_plan(tr, [["pair"]]).replace(tensor_parallel=tp)
+        with pytest.raises(PlannerError, match="norm is a LayerNorm"):
+            check_plan_matches(plan, tr)
+    check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "norm": TPStyle.SEQUENCE_PARALLEL}), None))
+
+
+def test_a_rowwise_linear_is_fed_by_a_colwise_one():
+    """A rowwise Linear takes its input sharded on the features: a feed-forward's first Linear made rowwise after
+    attention's rowwise output projection (its output whole) is refused; colwise then rowwise passes."""
+    from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+    from fsdp_planner.planners.tensor_parallel import plan_layout
+
+    tr = traced(Block(), 96)
+    attn = {"attn.q": TPStyle.COLWISE, "attn.k": TPStyle.COLWISE, "attn.v": TPStyle.COLWISE,
+            "attn.o": TPStyle.ROWWISE}
+    rowrow = TensorParallel(2, {**attn, "mlp.up": TPStyle.ROWWISE, "mlp.down": TPStyle.ROWWISE})
+    with pytest.raises(PlannerError, match=r"^the tensor-parallel style rowwise of mlp\.up takes its input sharded "
+                                           r"on the features, as a colwise Linear's output is, and the module run "
+                                           r"before it whose weight TP shards, attn\.o, is rowwise"):
+        check_layout(tr, plan_layout(tr, rowrow, None))
+    with pytest.raises(PlannerError, match=r"rowwise of mlp\.up .* no colwise Linear runs before it"):
+        check_layout(tr, plan_layout(tr, TensorParallel(2, {"mlp.up": TPStyle.ROWWISE}), None))
+    check_layout(tr, plan_layout(tr, TensorParallel(2, {**attn, "mlp.up": TPStyle.COLWISE,
+                                                        "mlp.down": TPStyle.ROWWISE}), None))
 
 
 def test_a_detected_layout_whose_local_shapes_fail_is_refused():

@@ -18,7 +18,7 @@ from fsdp_planner.fsdp2.checkpointing import check_checkpointing
 from fsdp_planner.fsdp2.dtypes import check_full_precision, check_uniform_dtypes, split_by_dtype, with_param_dtypes
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.targets import shardable_cover
-from fsdp_planner.fsdp2.tensor_parallel import check_moe_styles
+from fsdp_planner.fsdp2.tensor_parallel import check_moe_styles, check_style_classes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -223,6 +223,7 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
         raise PlannerError(f"plan 'forward_methods' names modules the model does not have: {short_list(unknown)}")
     if plan.tensor_parallel is not None:  # every pattern names modules of this model, the MoE styles where they run
         check_moe_styles(plan.tensor_parallel, trace.modules, plan.expert_parallel is not None)
+        check_style_classes(plan.tensor_parallel, trace.modules)  # ... and torch's styles on modules they take
     if plan.expert_parallel is not None:
         plan.expert_parallel.experts(trace.modules)  # ... and every expert pattern
     check_shardable_params(trace)

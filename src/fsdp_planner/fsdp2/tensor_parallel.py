@@ -22,6 +22,7 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.frozen import FrozenDict
 from fsdp_planner.limits import MAX_TP_DEGREE
+from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.tree import proper_ancestors
 from fsdp_planner.userfiles import shown_json
 
@@ -143,6 +144,26 @@ class TensorParallel:
         """The layout a TP view was made for (``Trace.tensor_parallel`` holds its ``signature``)."""
         degree, layout, loss_parallel, async_tp = signature
         return cls(degree, dict(layout), loss_parallel, async_tp)
+
+
+# The styles that shard a module's own weight with torch's ColwiseParallel or RowwiseParallel, whose ``_apply``
+# (torch 2.13's ``distributed/tensor/parallel/style.py``) takes an nn.Linear or an nn.Embedding only and raises
+# NotImplementedError for any other module; SequenceParallel and PrepareModuleInput take any module
+WEIGHT_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE, TPStyle.SEQUENCE_COLWISE,
+                 TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
+
+
+def check_style_classes(tp: TensorParallel | None, modules: Mapping[str, ModuleInfo]) -> None:
+    """Refuse a weight-sharding style (``WEIGHT_STYLES``) on a module that is no nn.Linear or nn.Embedding, before
+    ``parallelize_module`` raises on the ranks. No TP (None): nothing to check."""
+    if tp is None:
+        return
+    for m, s in sorted(tp.styles(modules).items()):
+        if s in WEIGHT_STYLES and not modules[m].torch_class:
+            torch_name = "ColwiseParallel" if s in (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE) else "RowwiseParallel"
+            raise PlannerError(f"the tensor-parallel style {s.value} of {m} is torch's {torch_name}, which shards "
+                               f"an nn.Linear or nn.Embedding only, and {m} is a {modules[m].cls}: give it no style "
+                               "(a norm under sequence parallelism takes sequence_parallel) or style its Linears")
 
 
 def check_moe_styles(tp: TensorParallel | None, module_names: Iterable[str], expert_parallel: bool | None) -> None:

@@ -4,7 +4,8 @@ built-in Llama's structure (``torchtitan/models/llama3/parallelize.py``'s ``appl
 the norms, colwise then rowwise Linears in attention and the feed-forward, a vocab-sharded embedding and output);
 for any other model, the column-then-row Linear pairs found in its trace, with a note naming what that assumes.
 Where none gives a sound layout, a ``PlannerError`` says so. ``check_layout`` refuses a degree the model's heads,
-dims, vocab or sequence, or the cluster's nodes, do not divide."""
+dims, vocab or sequence, or the cluster's nodes, do not divide, and a style torch cannot apply to its module; a
+plan file's layout meets the same checks (``plan_layout``, the heads its model has)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,24 @@ from dataclasses import dataclass, replace
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, expert_tensor_dim, matches
+from fsdp_planner.fsdp2.tensor_parallel import (
+    WEIGHT_STYLES,
+    TensorParallel,
+    TPStyle,
+    check_style_classes,
+    expert_tensor_dim,
+    matches,
+)
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf, llama, moe
 from fsdp_planner.trace.events import KERNEL_ATTENTION, EventKind
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import is_within
+from fsdp_planner.trace.tree import parent_of
 
 TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
 PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
+PLAN_FILE = "the plan file's 'tensor_parallel'"  # the source of a layout the user wrote
 
 _LLAMA_BLOCK = {
     "attention_norm": TPStyle.SEQUENCE_PARALLEL,
@@ -105,9 +114,12 @@ class Layout:
     source: str
     notes: tuple[str, ...] = ()
     heads: tuple[int, int] | None = None  # (attention heads, kv heads) where known: what the degree must divide
-    head_linears: tuple[str, ...] = ()  # colwise Linears that make attention heads of ``head_dim`` (a detected
-    # layout's, ``_pairs_layout``): each rank must get whole heads of them
-    head_dim: int = 0
+
+    @property
+    def asked(self) -> str:
+        """The degree as the user gave it, for the refusals."""
+        d = self.tp.degree
+        return f"the plan's tensor-parallel degree {d}" if self.source == PLAN_FILE else f"--tp {d}"
 
     @property
     def checked(self) -> bool:
@@ -280,24 +292,57 @@ def _pairs_layout(trace: Trace, degree: int) -> Layout:
     for p in pairs:
         layout.update({c: TPStyle.COLWISE for c in p.cols})
         layout[p.row] = TPStyle.ROWWISE
-    head_dim, head_linears = _head_linears(trace, pairs)
     classes = sorted({trace.modules[p.parent].cls for p in pairs})
     note = (f"tensor-parallel layout detected: {fmt_count(len(pairs), 'column-then-row Linear pair')} in "
             f"{', '.join(classes)} (assumed: the ops between each pair's Linears are element-wise or per head, and "
             "a reshape into heads infers the head count, e.g. view(b, s, -1, head_dim); embeddings, norms and the "
             "output head stay whole over TP)")
-    return Layout(TensorParallel(degree, layout), PAIRS, (note,), head_linears=head_linears, head_dim=head_dim)
+    return Layout(TensorParallel(degree, layout), PAIRS, (note,))
 
 
-def _head_linears(trace: Trace, pairs: list[_Pair]) -> tuple[int, tuple[str, ...]]:
+_COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)
+
+
+def _attending(trace: Trace) -> set[str]:
+    """The modules that run a fused attention call themselves (an SDPA call in their forward)."""
+    return {e.module for e in trace.events if e.kind is EventKind.OP and e.kernel == KERNEL_ATTENTION}
+
+
+def head_linears(trace: Trace, tp: TensorParallel) -> tuple[int, tuple[str, ...]]:
     """The head dim of the model's fused attention calls (``Trace.attention``, where they share one) and the
-    colwise Linears of the pairs whose module runs such a call: they make its heads, so a rank must get whole heads
-    of each (a colwise shard of 6 heads over 4 ranks leaves no whole head to view, whatever the model's code)."""
+    Linears ``tp`` gives a colwise style whose parent module runs such a call: they make its heads, so a rank must
+    get whole heads of each (a colwise shard of 6 heads over 4 ranks leaves no whole head to view, whatever the
+    model's code). Any layout's: torchtitan's, transformers', a detected one or a plan file's."""
     head_dims = {hd for _, _, hd in trace.attention}
     if len(head_dims) != 1:
         return 0, ()
-    attends = {e.module for e in trace.events if e.kind is EventKind.OP and e.kernel == KERNEL_ATTENTION}
-    return head_dims.pop(), tuple(c for p in pairs if any(is_within(m, p.parent) for m in attends) for c in p.cols)
+    attends = _attending(trace)
+    cols = tuple(m for m, s in tp.styles(trace.modules).items()
+                 if s in _COLWISE and trace.modules[m].torch_class == "Linear" and parent_of(m) in attends
+                 and f"{m}.weight" in trace.index.param_index)
+    return head_dims.pop(), cols
+
+
+def plan_layout(trace: Trace, tp: TensorParallel, model: ModelSpec | None) -> Layout:
+    """A plan file's layout as ``check_layout`` takes it: with the model's heads (a built-in config's or
+    transformers' config's, as ``tp_layout`` finds them) where the layout shards attention: a colwise Linear in a
+    module that runs a fused attention call, or, where no call tells which modules attend (attention written by
+    hand, or eager), any colwise Linear."""
+    colwise = [m for m, s in tp.styles(trace.modules).items() if s in _COLWISE and trace.modules[m].torch_class]
+    attends = _attending(trace)
+    shards_attention = any(parent_of(m) in attends for m in colwise) if attends else bool(colwise)
+    return Layout(tp, PLAN_FILE, heads=_model_heads(trace, model) if shards_attention else None)
+
+
+def _model_heads(trace: Trace, model: ModelSpec | None) -> tuple[int, int] | None:
+    """(heads, kv heads) of the model where known: transformers' config's for an ``hf:`` model, a built-in
+    config's (or its attention calls') for torchtitan's structures; None for any other."""
+    if model is not None and hf.is_hf(model.name):
+        plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
+        return (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
+    if is_titan_llama(trace) or is_titan_moe(trace):
+        return _llama_heads(trace)
+    return None
 
 
 def _pair(trace: Trace, parent: ModuleInfo) -> _Pair | None:
@@ -340,42 +385,71 @@ def _note(found: Layout, line: str) -> Layout:
 def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, seq_len: int | None = None) -> None:
     """Refuse a degree that does not divide what TP splits: the heads, each sharded param's dim (hidden and
     feed-forward sizes, the vocab of an embedding or output head), the sequence under sequence parallelism, and
-    the GPUs of a node (TP stays inside one) and the world."""
+    the GPUs of a node (TP stays inside one) and the world; and a style torch cannot apply to its module."""
     tp = layout.tp
     d = tp.degree
     if d == 1:
         return
+    asked = layout.asked
     if cluster is not None and (cluster.gpus_per_node % d or cluster.world_size % d):
         world = f" and its {cluster.world_size} GPUs" if cluster.world_size % d else ""
-        raise PlannerError(f"--tp {d} must divide the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (TP "
+        raise PlannerError(f"{asked} must divide the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (TP "
                            f"stays inside a node, on NVLink){world}")
+    check_style_classes(tp, trace.modules)
     if layout.heads is not None and any(h % d for h in layout.heads):
-        raise PlannerError(f"--tp {d} must divide the model's {layout.heads[0]} attention heads and "
+        raise PlannerError(f"{asked} must divide the model's {layout.heads[0]} attention heads and "
                            f"{layout.heads[1]} kv heads: choose a degree that divides both")
     if seq_len is not None and tp.sequence_parallel and seq_len % d:
-        raise PlannerError(f"--tp {d} shards the sequence between the blocks (sequence parallelism): --seq "
+        raise PlannerError(f"{asked} shards the sequence between the blocks (sequence parallelism): --seq "
                            f"{seq_len:,} must be a multiple of {d}")
-    for module in layout.head_linears:
+    head_dim, linears = head_linears(trace, tp)
+    for module in linears:
         features = trace.param(f"{module}.weight").shape[0]
-        if features % (layout.head_dim * d):
-            raise PlannerError(f"--tp {d} must give each rank whole attention heads of {module}: its {features:,} "
-                               f"output features are {features / layout.head_dim:g} heads of {layout.head_dim} "
+        if features % (head_dim * d):
+            raise PlannerError(f"{asked} must give each rank whole attention heads of {module}: its {features:,} "
+                               f"output features are {features / head_dim:g} heads of {head_dim} "
                                "(the head dim its attention runs at): choose a degree that divides them")
     for module, style in tp.styles(trace.modules).items():
-        _check_module(trace, module, style, d)
+        _check_module(trace, module, style, d, asked)
+    _check_rowwise_inputs(trace, tp)
+
+
+_ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
+
+
+def _check_rowwise_inputs(trace: Trace, tp: TensorParallel) -> None:
+    """A rowwise Linear takes its input sharded on the features (``RowwiseParallel``'s ``Shard(-1)``), which only
+    a colwise Linear's output is (then ops element-wise or per head); the output of a rowwise one, an embedding's
+    or the model's input is whole on every TP rank. So, in the forward's order of the modules whose weight TP
+    shards, the one run just before a rowwise Linear must be a colwise Linear. (What it assumes: a colwise output is
+    consumed before the next rowwise Linear runs, as in every attention and feed-forward block the planner knows.)"""
+    styles = tp.styles(trace.modules)
+    order = sorted((trace.modules[m].first_use, m) for m, s in styles.items()
+                   if s in WEIGHT_STYLES and trace.modules[m].first_use >= 0)
+    before: str | None = None
+    for _, m in order:
+        if styles[m] in _ROWWISE and trace.modules[m].torch_class == "Linear" and not (
+                before is not None and styles[before] in _COLWISE and trace.modules[before].torch_class == "Linear"):
+            fed = (f"the module run before it whose weight TP shards, {before}, is {styles[before].value} (its output "
+                   "whole on every rank)") if before is not None else "no colwise Linear runs before it"
+            raise PlannerError(f"the tensor-parallel style {styles[m].value} of {m} takes its input sharded on the "
+                               f"features, as a colwise Linear's output is, and {fed}: give {m} colwise, or give the "
+                               "Linear that feeds it colwise")
+        before = m
 
 
 _SHARDED_DIM = {TPStyle.COLWISE: 0, TPStyle.SEQUENCE_COLWISE: 0, TPStyle.EMBEDDING: 0,
                 TPStyle.EMBEDDING_SEQUENCE: 0, TPStyle.ROWWISE: 1, TPStyle.ROWWISE_SEQUENCE: 1}
 
 
-def _check_module(trace: Trace, module: str, style: TPStyle, degree: int) -> None:
+def _check_module(trace: Trace, module: str, style: TPStyle, degree: int, asked: str) -> None:
+    """``asked``: the degree as the user gave it (``Layout.asked``)."""
     if style is TPStyle.EXPERT_TENSOR:
         for fqn in trace.modules[module].params:
             shape = trace.param(fqn).shape
             dim = expert_tensor_dim(fqn.rpartition(".")[2])
             if len(shape) <= dim or shape[dim] % degree:
-                raise PlannerError(f"--tp {degree} must divide the {shape[dim] if len(shape) > dim else 0:,} hidden "
+                raise PlannerError(f"{asked} must divide the {shape[dim] if len(shape) > dim else 0:,} hidden "
                                    f"units of each expert of {module} (expert_tensor): choose a degree that divides "
                                    "them")
         return
@@ -387,7 +461,7 @@ def _check_module(trace: Trace, module: str, style: TPStyle, degree: int) -> Non
     if len(shape) > dim and shape[dim] % degree:
         what = "vocab" if style in (TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE, TPStyle.SEQUENCE_COLWISE) \
             else ("output features" if dim == 0 else "input features")
-        raise PlannerError(f"--tp {degree} must divide the {shape[dim]:,} {what} of {module} ({style.value}): "
+        raise PlannerError(f"{asked} must divide the {shape[dim]:,} {what} of {module} ({style.value}): "
                            "choose a degree that divides it")
 
 

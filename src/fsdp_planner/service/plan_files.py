@@ -1,5 +1,6 @@
 """A plan file run on a model: read, its params derived for a hand-written one, and checked against the model the
-command traced (the same hf_config fields, params that match, a plan FSDP2 can run, forward methods that exist)."""
+command traced (the same hf_config fields, params that match, a plan FSDP2 can run, forward methods that exist,
+tensor parallelism that divides what it shards)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import ModelSpec, as_spec, load_model
+from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
 
@@ -19,6 +21,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     made for another attention kernel is a ``note``."""
     plan = with_claimed_params(Plan.load(path), tr)
     check_hf_config(plan, as_spec(model), path)
+    check_plan_tp(plan, tr, as_spec(model))
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_methods(plan, model)
@@ -38,8 +41,17 @@ def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings."""
     plan = with_claimed_params(Plan.load(path), tr)
     check_hf_config(plan, as_spec(model), path)
+    check_plan_tp(plan, tr, as_spec(model))
     check_plan_methods(plan, model)
     return plan
+
+
+def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
+    """The plan's tensor parallelism meets the checks ``--tp`` does (``planners/tensor_parallel.py``'s
+    ``check_layout``): a degree that divides the model's heads, whole heads of each colwise Linear that feeds a
+    fused attention call, every sharded dim and the sequence, and styles torch applies to their modules."""
+    if plan.tensor_parallel is not None:
+        check_layout(tr, plan_layout(tr, plan.tensor_parallel, model), None, model.workload().get("seq_len"))
 
 
 def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:

@@ -54,6 +54,8 @@ class ModuleInfo:
     shardable: bool = True  # False: a ModuleList/ModuleDict without its own forward, which fully_shard refuses, or
     # a module managing params whose call modifies its grad-requiring inputs in place, which FSDP2's post-backward
     # function on them makes autograd refuse (see summary._fsdp2_refuses_inplace)
+    torch_class: str = ""  # "Linear" / "Embedding" for an instance of nn.Linear / nn.Embedding (a subclass too):
+    # the modules torch's ColwiseParallel and RowwiseParallel shard; "" for any other
     records_outputs: bool = False  # a transformers model whose class lists outputs to record
     # (``_can_record_outputs``: hidden states, attentions), which transformers looks up by str(module.__class__)
 
