@@ -361,7 +361,7 @@ def test_a_detected_layout_whose_local_shapes_fail_is_refused():
 
 # -- options --------------------------------------------------------------------------------------------------------
 def test_tp_through_the_validator():
-    job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True), Spelling.API)
+    job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True, compile=True), Spelling.API)
     (request,) = job.policies
     assert (request.tp, request.async_tp, request.loss_parallel) == (2, True, None)
     for bad, message in (({"tp": 0}, "tp must be from 1"), ({"tp": True}, "tp must be a whole number"),
@@ -369,6 +369,43 @@ def test_tp_through_the_validator():
                          ({"loss_parallel": "yes"}, "loss_parallel must be True or False")):
         with pytest.raises(PlannerError, match=message):
             checked_job(Keywords(model="toy-llama", policy="titan", **bad), Spelling.API)
+
+
+@pytest.mark.parametrize("spell", [Spelling.CLI, Spelling.API])
+def test_async_tp_needs_compile(spell):
+    """Async TP is an inductor pass over the compiled model (torchtitan refuses it without compile): refused
+    without --compile, before a step is simulated faster than the job could run."""
+    message = ("--async-tp overlaps TP's collectives with the matmuls in compiled code, which torchtitan refuses "
+               "without compile: add --compile") if spell is Spelling.CLI else "async_tp overlaps .* add compile$"
+    with pytest.raises(PlannerError, match=f"^{message}"):
+        checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True, cluster="h100:8"), spell)
+    checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True, compile=True, cluster="h100:8"),
+                spell)
+
+
+@pytest.mark.parametrize("compile_table", ["", "[compile]\nenable = false\n",
+                                           "[compile]\nenable = true\ncomponents = [\"loss\"]\n"])
+def test_torchtitan_async_tp_without_the_model_compiled_refused(tmp_path, compile_table):
+    """torchtitan's maybe_enable_async_tp raises unless compile.enable and "model" in compile.components."""
+    path = tmp_path / "job.toml"
+    job = ("[model]\nname = \"llama3\"\nflavor = \"8B\"\n[parallelism]\ntensor_parallel_degree = 2\n"
+           "enable_async_tensor_parallel = true\n")
+    path.write_text(job + compile_table)
+    with pytest.raises(PlannerError, match="turns on enable_async_tensor_parallel without compiling the model, "
+                                           "which torchtitan refuses"):
+        read_config(TORCHTITAN, str(path))
+    path.write_text(job + "[compile]\nenable = true\n")
+    assert read_config(TORCHTITAN, str(path)).async_tp
+
+
+def test_a_plan_files_async_tp_needs_compiled_modules():
+    from fsdp_planner.fsdp2.plan import Plan
+
+    plan = {"version": 1, "groups": [{"modules": ["layers.0"]}],
+            "tensor_parallel": {"degree": 2, "layout": {"layers.*.attention.wq": "colwise"}, "async_tp": True}}
+    with pytest.raises(PlannerError, match=r"^plan 'tensor_parallel.async_tp' overlaps .* compiles no module"):
+        Plan.from_json(json.dumps(plan))
+    assert Plan.from_json(json.dumps({**plan, "compiled": ["layers.0"]})).tensor_parallel.async_tp
 
 
 def test_a_classic_plan_carries_the_layout():

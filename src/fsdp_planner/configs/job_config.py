@@ -249,10 +249,24 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     if compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
         key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
         cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
+    _check_async_tp(cfg, _table(cfg, data, "compile"))
     _titan_float8(cfg, data)
     if _table(cfg, data, "mx"):
         cfg.notes.append("[mx] (MX formats) is left out: fsdp-planner simulates those matmuls in the mixed "
                          "precision's dtype")
+
+
+def _check_async_tp(cfg: JobConfig, compile_table: dict[str, Any]) -> None:
+    """Refuse async TP without the model compiled: torchtitan's ``maybe_enable_async_tp``
+    (torchtitan/distributed/tensor_parallel.py), called where TP is on, raises "Async TP requires 'model' in
+    --compile.components and --compile.enable" unless ``compile.enable and "model" in compile.components``
+    (components' default holds "model"): the overlap is an inductor pass over the compiled model."""
+    components = compile_table.get("components", ["model"])
+    model_compiled = cfg.compile and (not isinstance(components, list) or "model" in components)
+    if cfg.async_tp and cfg.tp > 1 and not model_compiled:
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}' turns on enable_async_tensor_parallel without compiling "
+                           "the model, which torchtitan refuses (async TP needs compile.enable = true with \"model\" "
+                           "in compile.components): compile the model or turn async TP off")
 
 
 HEAD_NAMES = {"output", "lm_head"}  # torchtitan's Llama output head, as its float8 filter names it

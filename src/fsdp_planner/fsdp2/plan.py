@@ -368,6 +368,11 @@ def _plan_from_dict(data: Any) -> Plan:
                 compiled=_compiled_from(data.get("compiled", [])), float8=float8_from_dict(data.get("float8")),
                 **_memory_options(data))
     check_int_reshard_on_dim0(plan)
+    if plan.tensor_parallel is not None and plan.tensor_parallel.async_tp and not plan.compiled:
+        # torchtitan's maybe_enable_async_tp raises unless the model is compiled (configs/job_config.py)
+        raise PlannerError("plan 'tensor_parallel.async_tp' overlaps TP's collectives with the matmuls in compiled "
+                           "code, and the plan compiles no module ('compiled' is empty): make the plan with "
+                           "--compile, or set async_tp to false")
     return plan
 
 

@@ -254,6 +254,9 @@ def tensor_parallel(kw: Keywords, spell: Spelling) -> dict[str, Any]:
     if degree == 1 and (loss or async_tp):
         on = spell.name_of("async_tp" if async_tp else "loss_parallel")
         raise PlannerError(f"{on} is a setting of tensor parallelism: give {spell.name_of('tp')} 2 or more")
+    if async_tp and not flag(kw.compile, "compile", spell):  # torchtitan raises without it (configs/job_config.py)
+        raise PlannerError(f"{spell.name_of('async_tp')} overlaps TP's collectives with the matmuls in compiled code, "
+                           f"which torchtitan refuses without compile: add {spell.name_of('compile')}")
     ep = whole(kw.ep, "ep", spell, 1, MAX_EP_DEGREE) if kw.ep is not None else None
     return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp, "ep": ep}
 
