@@ -155,7 +155,8 @@ num_processes: 16
 
 def test_accelerate_hsdp_from_its_parallelism_config(tmp_path):
     path = accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nnum_processes: 16\n"
-                           "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
+                           "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+                           "  parallelism_config_dp_shard_size: 8\n")  # Accelerate's sizes make num_processes
     cfg = read_config(ACCELERATE, str(path))
     assert (cfg.replicate, cfg.world, cfg.notes) == (2, 16, [])
     a = args_of("simulate", "toy-llama", "--from-accelerate", cfg.path)

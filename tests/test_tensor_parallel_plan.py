@@ -449,6 +449,25 @@ def test_accelerate_tp_hsdp(tmp_path):
     assert (kw.tp, kw.mesh, kw.cluster) == (2, "2x2", "h100:8")
 
 
+@pytest.mark.parametrize(("sizes", "processes"), [((1, 8, 2), 8), ((2, 2, 2), 16), ((1, 4, 2), 16)])
+def test_accelerate_sizes_must_make_num_processes(tmp_path, sizes, processes):
+    """Accelerate's ParallelismConfig refuses a total size (dp_replicate x dp_shard x tp x cp) other than
+    num_processes (all machines' processes): dp_shard 8 x tp 2 on 8 processes is 16 ranks, refused before a plan."""
+    replicate, shard, tp = sizes
+    path = tmp_path / "job.yaml"
+    path.write_text(f"distributed_type: FSDP\nnum_machines: 2\nnum_processes: {processes}\nfsdp_config:\n"
+                    f"  fsdp_version: 2\nparallelism_config:\n  parallelism_config_dp_replicate_size: {replicate}\n"
+                    f"  parallelism_config_dp_shard_size: {shard}\n  parallelism_config_tp_size: {tp}\n"
+                    "  parallelism_config_cp_size: 1\n")
+    with pytest.raises(PlannerError, match=rf"parallelism_config's dp_replicate_size {replicate} x dp_shard_size "
+                                           rf"{shard} x tp_size {tp} x cp_size 1 make {replicate * shard * tp} ranks, "
+                                           rf"and num_processes is {processes}, which Accelerate refuses"):
+        read_config(ACCELERATE, str(path))
+    path.write_text(path.read_text().replace(f"dp_shard_size: {shard}", f"dp_shard_size: {processes // 2 // replicate}"
+                                             ).replace(f"tp_size: {tp}", "tp_size: 2"))
+    assert read_config(ACCELERATE, str(path)).tp == 2
+
+
 # -- auto's choice ---------------------------------------------------------------------------------------------------
 def _auto(budget: int | None = None):  # type: ignore[no-untyped-def]
     request = PolicyRequest(PolicyName.AUTO, memory_budget=budget)

@@ -460,6 +460,26 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
     if par.get("parallelism_config_dp_replicate_size", 1) not in (1, None):
         cfg.replicate = _int(cfg, "parallelism_config.parallelism_config_dp_replicate_size",
                              par["parallelism_config_dp_replicate_size"])
+    _check_parallelism_size(cfg, par)
+
+
+ACCELERATE_DIMS = ("dp_replicate", "dp_shard", "tp", "cp")  # ParallelismConfig's sizes, whose product is its ranks
+
+
+def _check_parallelism_size(cfg: JobConfig, par: dict[str, Any]) -> None:
+    """Refuse a parallelism_config whose sizes do not multiply to num_processes (the job's processes, all machines
+    together): Accelerate's ``ParallelismConfig._validate_accelerator`` raises "ParallelismConfig total_size (...)
+    does not match num_processes (...)" unless ``total_size == accelerator.num_processes``, a total_size of 1 (no
+    size given) taken as plain data parallelism over them all."""
+    sizes = {d: par.get(f"parallelism_config_{d}_size") for d in ACCELERATE_DIMS}
+    sizes = {d: 1 if v is None else _int(cfg, f"parallelism_config.parallelism_config_{d}_size", v)
+             for d, v in sizes.items()}
+    total = sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"] * sizes["cp"]
+    if cfg.world and total != 1 and total != cfg.world:
+        product = " x ".join(f"{d}_size {v}" for d, v in sizes.items())
+        raise PlannerError(f"accelerate config '{cfg.path}': parallelism_config's {product} make {total} ranks, and "
+                           f"num_processes is {cfg.world}, which Accelerate refuses (ParallelismConfig's total_size "
+                           f"must match num_processes): make their product {cfg.world}")
 
 
 def _accelerate_wrap(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
