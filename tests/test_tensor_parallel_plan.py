@@ -293,6 +293,26 @@ def test_any_layout_gives_each_rank_whole_heads():
     check_layout(tr, plan_layout(tr, TensorParallel(4, mlp), None))  # 384 hidden units over 4: whole heads moot
 
 
+def test_a_plan_files_layout_runs_one_ranks_step(tmp_path):
+    """A plan file's colwise / rowwise layout on a model whose attention views into its fixed head count (T5; no
+    fused call tells its heads): one TP rank's step runs on meta where the plan meets the model, and fails there in
+    one sentence, not on the ranks; an MLP stack's pairs run."""
+    from fsdp_planner.service.plan_files import load_plan
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    for name, runs in (("tiny_t5", False), ("pairs_mlp", True)):
+        spec = ModelSpec(f"{fixtures}:{name}")
+        tr = trace_spec(spec)
+        layout = {k: s.value for k, s in tp_layout(tr, 2, spec).tp.layout.items()}
+        path = _plan_file(tmp_path, [[""]], 2, layout)
+        if runs:
+            assert load_plan(path, tr, spec, lambda line: None).tensor_parallel.degree == 2
+            continue
+        with pytest.raises(PlannerError, match=r"^the plan's tensor-parallel layout \(degree 2\) does not run on "
+                                               r"this model: one TP rank's step fails \(aten\.view in module "):
+            load_plan(path, tr, spec, lambda line: None)
+
+
 class NormedPair(nn.Module):
     def __init__(self) -> None:
         super().__init__()

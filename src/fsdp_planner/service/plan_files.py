@@ -12,6 +12,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import ModelSpec, as_spec, load_model
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
+from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
 
@@ -49,9 +50,15 @@ def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
 def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
     """The plan's tensor parallelism meets the checks ``--tp`` does (``planners/tensor_parallel.py``'s
     ``check_layout``): a degree that divides the model's heads, whole heads of each colwise Linear that feeds a
-    fused attention call, every sharded dim and the sequence, and styles torch applies to their modules."""
-    if plan.tensor_parallel is not None:
-        check_layout(tr, plan_layout(tr, plan.tensor_parallel, model), None, model.workload().get("seq_len"))
+    fused attention call, every sharded dim and the sequence, and styles torch applies to their modules; a layout
+    of colwise and rowwise Linears alone then runs one TP rank's step (``check_local_shapes``: a hand-written
+    attention's view into its fixed head count, which no fused call tells, fails there)."""
+    tp = plan.tensor_parallel
+    if tp is None or tp.degree == 1:
+        return
+    check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))
+    if all(s in LOCAL_STYLES for s in tp.layout.values()):
+        check_local_shapes(model, tp, plan_file=True)
 
 
 def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:

@@ -54,17 +54,21 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
 
 
-def check_local_shapes(spec: ModelSpec, tp: TensorParallel) -> None:
-    """Trace one TP rank's step of a detected layout (column-then-row pairs): each colwise Linear with 1/TP of its
-    output features, each rowwise one with 1/TP of its input features, on meta tensors, collectives aside. The
-    detected layout assumes the ops between a pair's Linears take any head count (``view(b, s, -1, head_dim)``);
-    a model whose code fixes the count its shapes split (T5's ``view(b, -1, n_heads, d)``, a relative-position bias
-    of every head) fails here in one sentence, not on the ranks."""
+LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's step ``check_local_shapes`` runs
+
+
+def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False) -> None:
+    """Trace one TP rank's step of a detected layout (column-then-row pairs), or of a plan file's made of
+    ``LOCAL_STYLES`` only (``plan_file``): each colwise Linear with 1/TP of its output features, each rowwise one
+    with 1/TP of its input features, on meta tensors, collectives aside. The detected layout assumes the ops
+    between a pair's Linears take any head count (``view(b, s, -1, head_dim)``); a model whose code fixes the count
+    its shapes split (T5's ``view(b, -1, n_heads, d)``, a relative-position bias of every head) fails here in one
+    sentence, not on the ranks."""
     lm = load_model(spec, meta=True)
     d = tp.degree
     for name, style in tp.styles(dict(lm.model.named_modules())).items():
         module = lm.model.get_submodule(name)
-        if not isinstance(module, nn.Linear) or style not in (TPStyle.COLWISE, TPStyle.ROWWISE):
+        if not isinstance(module, nn.Linear) or style not in LOCAL_STYLES:
             continue
         out, inp = module.weight.shape
         shape = (out // d, inp) if style is TPStyle.COLWISE else (out, inp // d)
@@ -75,10 +79,12 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel) -> None:
         with kernel(spec.attention):
             trace(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
     except Exception as e:
-        raise PlannerError(f"--tp {d} with the detected layout (column-then-row Linear pairs) does not run on this "
-                           f"model: one TP rank's step fails ({model_error(e)}); its code fixes a shape the layout "
-                           "splits (e.g. a view into a fixed head count): plan it without --tp, or give a layout "
-                           "in a plan file's 'tensor_parallel'") from e
+        layout = (f"the plan's tensor-parallel layout (degree {d})" if plan_file else
+                  f"--tp {d} with the detected layout (column-then-row Linear pairs)")
+        fix = ("give the plan a layout or degree whose local shapes its code takes" if plan_file else
+               "plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
+        raise PlannerError(f"{layout} does not run on this model: one TP rank's step fails ({model_error(e)}); its "
+                           f"code fixes a shape the layout splits (e.g. a view into a fixed head count): {fix}") from e
 
 
 def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision,
