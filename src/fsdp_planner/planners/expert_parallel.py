@@ -217,7 +217,12 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
         return with_auto_ep(result, trace, cluster, options, (), note)
     if len(policy.tensor_parallel) <= 1 or policy.mesh is not None:  # a TP layout or mesh the user fixed: as asked
         return result
-    flat = with_auto_ep(replace(policy, tensor_parallel=()).search(trace, model), trace, cluster, options, (), note)
+    flat_policy = replace(policy, tensor_parallel=())
+    # choosing among TP layouts, the search searched the one without TP in full: that search not run twice (its
+    # plans and seconds are counted in ``result``'s already)
+    done = result.searched_without_tp(flat_policy, trace)
+    searched = replace(done, evaluated=0, seconds=0.0) if done is not None else flat_policy.search(trace, model)
+    flat = with_auto_ep(searched, trace, cluster, options, (), note)
     return faster(result, flat)
 
 

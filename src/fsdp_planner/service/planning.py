@@ -18,6 +18,7 @@ from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
@@ -75,11 +76,13 @@ SILENT = Reporter()
 def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutcome:
     """The job's plans and their figures; with one policy, its failure is an error (auto: finding nothing within
     the budget), in a comparison it is left out with a note (auto: ``no_fit`` says why)."""
+    tracer = memoised(tracer)
     splits: tuple[Split, ...] = ()
+    searched: AutoResult | None = None
     if job.split:
-        job, splits = _split(job, tracer, reporter)
+        job, splits, searched = _split(job, tracer, reporter)
     tr = tracer(job.model, job.options)
-    plans, auto, no_fit = _plans(tr, job, reporter, tracer)
+    plans, auto, no_fit = _plans(tr, job, reporter, tracer, searched)
     rows = _rows(tr, plans, job, auto)
     kept = as_written(plans[0], job, tr) if plans else None
     why = explained(auto) if job.explain and auto is not None and no_fit is None and \
@@ -97,9 +100,24 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
                                float8=job.options.float8 or plan.float8)
 
 
-def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, tuple[Split, ...]]:
+def memoised(tracer: Tracer) -> Tracer:
+    """``tracer``, each model traced once per compute dtype: a job traces the same workload again and again (each
+    split at its micro-batch, each TP degree d at d times it, the EP x TP screen's degrees, the chosen split once
+    more), and a trace is a function of the spec and the precision alone (the tracers read no other option)."""
+    traces: dict[tuple[ModelSpec, Precision], Trace] = {}
+
+    def traced(model: ModelSpec, options: SimOptions) -> Trace:
+        key = (model, options.precision)
+        if key not in traces:
+            traces[key] = tracer(model, options)
+        return traces[key]
+    return traced
+
+
+def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, tuple[Split, ...], AutoResult]:
     """``split``: the job at the split of the batch whose auto plan is fastest within the budget
-    (``planners/auto/split.py``), each split traced at its micro-batch and searched."""
+    (``planners/auto/split.py``), each split traced at its micro-batch and searched; and that split's search,
+    which is the job's (the search is deterministic: searching it again would give the same result)."""
     (policy,), cluster, batch = job.policies, job.cluster, job.whole_batch
     assert cluster is not None and batch is not None
 
@@ -113,7 +131,7 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
 
     best, tried = choose_split(batch, searched, DEFAULT_SPLITS if job.split_by_default else MAX_SPLITS)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
-                                         for s in tried)
+                                         for s in tried), best.result
 
 
 def search(tr: Trace, request: PolicyRequest, cluster: Cluster, options: SimOptions, model: ModelSpec | str,
@@ -385,10 +403,10 @@ def _compared(tr: Trace, job: PlanJob, reporter: Reporter) -> tuple[PolicyReques
     return tuple(p for p in job.policies if p.name not in (PolicyName.MODULE, PolicyName.TITAN))
 
 
-def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer
+def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer, searched: AutoResult | None = None
            ) -> tuple[list[Plan], AutoResult | None, str | None]:
     """Each policy's plan, auto's search result, and why auto found no plan within the budget (in a comparison
-    that is a result, not an error)."""
+    that is a result, not an error). ``searched``: auto's search of this job already run (the chosen split's)."""
     auto: AutoResult | None = None
     plans: list[Plan] = []
     no_fit: str | None = None
@@ -404,7 +422,7 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer
                 refused.append(str(e))
             continue
         assert job.cluster is not None
-        auto = search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
+        auto = searched or search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
         if not job.compare and job.must_fit:
             fitting(auto)
         if not auto.fits:

@@ -142,6 +142,10 @@ class Sizing:
             like._uses if like is not None else {}
         self._reduce: dict[tuple[int, ...], int] = {}
         self._grads: dict[tuple[int, ...], int] = {}
+        # a group's dim-1 copies and shard elements, asked for at each of its collectives in every plan it is in
+        self._gather1_of: dict[tuple[int, ...], int] = {}
+        self._grad1_of: dict[tuple[int, ...], int] = {}
+        self._shard_numel_of: dict[tuple[int, ...], int] = {}
 
     def groups(self, plan: Plan) -> list[GroupFacts]:
         return [self.facts(tuple(g.params)) for g in plan.groups]
@@ -188,15 +192,24 @@ class Sizing:
 
     def shard1_gather_bytes(self, params: Iterable[int]) -> int:
         """The copy-out temporary of these params' all-gather: the unsharded bytes of those sharded on dim > 0."""
-        return _sum(self._gather1, params) if self._any_dim1 else 0
+        return _cached_sum(self._gather1_of, self._gather1, params) if self._any_dim1 else 0
 
     def shard1_grad_bytes(self, params: tuple[int, ...]) -> int:
         """The re-laid-out grads of these params sharded on dim > 0 (``torch.cat`` before the copy-in)."""
-        return _sum(self._grad1, params) if self._any_dim1 else 0
+        return _cached_sum(self._grad1_of, self._grad1, params) if self._any_dim1 else 0
 
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""
-        return _sum(self._shard_numel, params)
+        return _cached_sum(self._shard_numel_of, self._shard_numel, params)
+
+
+def _cached_sum(cache: dict[tuple[int, ...], int], per_param: np.ndarray, params: Iterable[int]) -> int:
+    """``_sum``, remembered for a tuple of params (a group's: the same sum is asked for at each of its collectives)."""
+    if not isinstance(params, tuple):
+        return _sum(per_param, params)
+    if params not in cache:
+        cache[params] = _sum(per_param, params)
+    return cache[params]
 
 
 def _sum(per_param: np.ndarray, params: Iterable[int]) -> int:

@@ -126,6 +126,9 @@ class AutoResult:
     checkpointing: Choice | None = None  # the chosen layout's checkpointing choice (None: none was needed)
     run: RunOptions = field(default_factory=RunOptions)  # the memory options the plan was searched with (auto's
     # way out when nothing fits without them): written into the plan only where it leaves the program
+    without_tp: tuple[AutoPolicy, Trace, AutoResult] | None = field(default=None, repr=False, compare=False)
+    # where the search chose among TP layouts and took one: its full search of the layout without TP (the policy,
+    # the trace, the result: ``_choose_tp``), which auto's EP screen goes on with (``searched_without_tp``)
 
     @property
     def written_plan(self) -> Plan:
@@ -136,6 +139,14 @@ class AutoResult:
     def min_peak(self) -> int:
         """The lowest peak memory any candidate plan reaches (the memory floor of this search's plans)."""
         return self.search.min_peak()
+
+    def searched_without_tp(self, policy: AutoPolicy, trace: Trace) -> AutoResult | None:
+        """``policy``'s search of ``trace`` (without TP), where this result's search ran that very search on the way
+        (``without_tp``); None otherwise. The search is deterministic: running it again would give the same."""
+        if self.without_tp is None:
+            return None
+        searched_by, on, result = self.without_tp
+        return result if on is trace and searched_by == policy else None
 
     @property
     def rank(self) -> tuple[bool, float]:
@@ -272,7 +283,10 @@ class AutoPolicy:
         lines = {name: c for r in results for name, c in r.meshes.items()}
         lines.update({s.name: s.best for s in screened if s not in chosen})
         evaluated = sum(r.evaluated for r in results) + len(screened) - len(chosen)
-        return replace(best, meshes=lines, evaluated=evaluated, seconds=time.perf_counter() - started)
+        flat = next(((s.policy, s.trace, r) for s, r in zip(chosen, results, strict=True)
+                     if s.policy.on_layout is None), None)
+        return replace(best, meshes=lines, evaluated=evaluated, seconds=time.perf_counter() - started,
+                       without_tp=flat if best.plan.tp_degree > 1 else None)
 
     def screen_layouts(self, trace: Trace, model: str) -> list[ScreenedLayout]:
         """Each TP layout of ``tensor_parallel`` (none: no TP) screened on one TP rank's view, in their order."""
