@@ -217,9 +217,19 @@ def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
     """Each checkpointed call whose forward runs again in its backward (in full or op-level, the plan's or a region
     of the model's own; not an offloaded one), by the position where that happens: the span of its forward events
     that runs again there, [its pre-forward, its early stop). FSDP2's hooks of the groups that lie inside it run
-    again in that span (``fsdp2/replay.py``)."""
-    planned = (*plan.activation_checkpointing, *plan.selective_checkpointing)
-    own = own_calls(trace, (*planned, *plan.activation_offloading))
+    again in that span (``fsdp2/replay.py``). Computed once per trace and checkpointing (``TraceIndex.memo``): a
+    search replays thousands of plans that checkpoint the same modules; not to be changed by the caller."""
+    key = ("recomputed_spans", plan.activation_checkpointing, tuple(plan.selective_checkpointing),
+           plan.activation_offloading)
+    memo = trace.index.memo
+    if key not in memo:
+        memo[key] = _recomputed_spans(trace, key[1] + key[2], plan.activation_offloading)
+    return memo[key]
+
+
+def _recomputed_spans(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...]
+                      ) -> dict[int, tuple[int, int]]:
+    own = own_calls(trace, (*planned, *offloaded))
     mine = {(c.module, c.call) for c in own}
     calls = [b[1:] for m in planned for b in backward_calls(trace, m) if (m, b[0]) not in mine]
     calls += [r[2:6] for r in own_regions(trace, own)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -63,6 +64,12 @@ class TraceIndex:
     def __init__(self, params: Sequence[ParamInfo], modules: Mapping[str, ModuleInfo],
                  events: Sequence[Event]) -> None:
         self._params, self._modules, self._events = params, modules, events
+
+    @cached_property
+    def memo(self) -> dict[tuple, Any]:
+        """Derived views of the trace that take an argument (a plan's checkpointing), by a key led by the name of
+        the function that computes them (``fsdp2/checkpointing.recomputed_spans``): each computed once per trace."""
+        return {}
 
     @cached_property
     def registration(self) -> dict[str, int]:
