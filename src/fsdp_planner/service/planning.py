@@ -422,7 +422,8 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer, searched
                 refused.append(str(e))
             continue
         assert job.cluster is not None
-        auto = searched or search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
+        auto = searched if searched is not None else \
+            search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
         if not job.compare and job.must_fit:
             fitting(auto)
         if not auto.fits:
