@@ -29,6 +29,7 @@ from fsdp_planner.trace.events import KERNEL_TP_REDUCE_SCATTER as RS
 
 SHAPED = "tests/fixtures/tp_llama.py:llama3_8b_shaped"
 WIDE = "tests/fixtures/tp_llama.py:wide_vocab"
+TABLE = "tests/fixtures/tp_llama.py:wide_table"
 BF16 = SimOptions.named("bf16-mixed")
 
 
@@ -106,7 +107,8 @@ class TPCounter:
             funcol.all_reduce = all_reduce
 
 
-def run_tp_fake_world(spec: str, plan, dp: int, tp: TensorParallel, steps: int = 2) -> dict:  # type: ignore[no-untyped-def]
+def run_tp_fake_world(spec: str, plan, dp: int, tp: TensorParallel, steps: int = 2,  # type: ignore[no-untyped-def]
+                      micro_batches: int = 1) -> dict:
     """Real TP + FSDP2 on dp x tp fake ranks; the last step's FSDP2 and TP collectives and peak."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
@@ -126,7 +128,8 @@ def run_tp_fake_world(spec: str, plan, dp: int, tp: TensorParallel, steps: int =
                 parallelize_module(built.model, mesh["tp"], _torch_styles(tp))
                 apply_plan(built.model, plan, mesh=mesh["dp"],
                            mp_policy=mixed_precision(BF16.precision, built.model))
-            training = FakeTraining(built, plan, FakeSteps(steps), model_spec, HostCopies())
+            training = FakeTraining(built, plan, FakeSteps(steps, micro_batches=micro_batches), model_spec,
+                                    HostCopies())
             for _ in range(steps):
                 tp_counter = TPCounter()
                 with loss_parallel() if tp.loss_parallel else contextlib.nullcontext(), tp_counter.counting():
@@ -195,6 +198,42 @@ def test_tp_without_loss_parallel_and_with_full_or_op_level_checkpointing() -> N
     assert predicted == pytest.approx(measured, rel=0.05)
     predicted, measured = _check(SHAPED, 2, 4, selective=True)
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~3 s each
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_each_tp_rank_makes_the_vocab_parallel_embedding_s_grad_whole(checkpointing: bool) -> None:
+    """DTensor's embedding backward has no strategy that keeps the vocab dim sharded: on the replicated grad of its
+    output and the replicated token ids each TP rank makes the whole vocab x dim grad, and FSDP2's post-backward
+    copies the rank's Shard(0) out of it before dropping it. A large table beside a short batch (Llama 3 8B at
+    batch 1 x 2,048 tokens) peaks there, whole and shard together: predicted with the shard alone, 22% low here
+    (11% on the 8B at TP 8), whatever the checkpointing."""
+    predicted, measured = _check(TABLE, 2, 4, checkpointing=checkpointing)
+    whole, shard = 8192 * 256 * 2, 8192 // 4 * 256 * 2  # vocab x dim in bf16, and the rank's quarter of it
+    assert predicted == pytest.approx(measured, rel=0.001)
+    assert measured > whole + shard
+
+
+@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~3 s
+def test_accumulated_whole_embedding_grad_under_tp() -> None:
+    """With gradient accumulation the whole grad is what FSDP2 accumulates (upcast to the fp32 reduce dtype in a
+    tensor of its own), and the last micro-batch's new one is made beside it: the peak of two micro-batches."""
+    tr = _traced(TABLE)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    tp = titan_llama_layout(4)
+    options = dataclasses.replace(BF16, micro_batches=2)
+    predicted = simulate(tr, plan.replace(tensor_parallel=tp), parse_cluster("h100:8"), options, timeline=False)
+    measured = run_tp_fake_world(TABLE, plan, 2, tp, micro_batches=2)
+    assert predicted.peak_memory == pytest.approx(measured["peak"], rel=0.001)
+    assert measured["peak"] > 8192 * 256 * (4 + 2)  # the accumulated fp32 whole grad and the new bf16 one
+
+
+def test_tp_view_marks_the_grads_it_makes_whole() -> None:
+    """Only the vocab-parallel embedding's weight: the head's (colwise) and the blocks' grads are made sharded."""
+    tr = _traced(TABLE)
+    view = tp_view(tr, titan_llama_layout(4), parse_cluster("h100:8")).trace
+    assert [view.params[i].fqn for i in view.replicated_grads] == ["tok_embeddings.weight"]
+    assert not tp_view(tr, titan_llama_layout(1), parse_cluster("h100:8")).trace.replicated_grads
 
 
 def test_tp_view_shards_params_and_keeps_the_step_deterministic() -> None:

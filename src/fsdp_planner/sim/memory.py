@@ -10,8 +10,9 @@ group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the defa
 grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default; with
 ``set_to_none=False`` they live all step and each reduce-scatter output is a transient added into them), and the
 activations saved for backward, from the op that saves them until the backward of the module call that saved
-them is done, with activation checkpointing and the loss's live tensors as ``recompute.py`` says. Sizes come
-from ``sizing.py``.
+them is done, with activation checkpointing and the loss's live tensors as ``recompute.py`` says. In a TP view a
+vocab-parallel embedding's grad is made whole, TP times the rank's shard, and held until its group's post-backward
+copies the shard out (``_replicated_grad``, ``sim/tensor_parallel.py``). Sizes come from ``sizing.py``.
 
 The same terms give the classic strategies' rows (``strategy_table``): one device, DDP (plus gradient buckets,
 one more copy of the grads), ZeRO-1 and ZeRO-2 (optimizer state, then grads too, divided by the world size),
@@ -63,7 +64,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
+from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.sim.allocator import loss_region_slack
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
@@ -76,6 +77,7 @@ from fsdp_planner.sim.recompute import (
     recompute_levels,
 )
 from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
@@ -185,6 +187,7 @@ class MemoryModel:
         self._casts = float8_casts
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
         self._grad_starts: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}  # ``_grads_from``
+        self._made: dict[int, int] = {}  # ``_backward_start``
         self._slack: np.ndarray | None = like._slack if like is not None else None  # ``loss_slack``
 
     def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
@@ -269,16 +272,21 @@ class MemoryModel:
                 # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
                 # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
                 add(1, c.event + c.prefetch, c.output_freed, groups[c.group].gather_bytes)
+        for c in reduces:  # a TP view's grads made whole: apart from the rest (``_replicated_grad``)
+            for p, whole, shard in self.sizing.replicated_grads(c.params):
+                self._replicated_grad(add, p, c.event, whole, shard, phase, n)
         if phase in (GradSync.FIRST, GradSync.MIDDLE):
             for c in reduces:
-                self._accumulate(add, c, min(groups[c.group].first_backward, c.event), n, phase)
+                self._accumulate(add, c.event, self.sizing.tp_local_grads(c.params),
+                                 min(groups[c.group].first_backward, c.event), n, phase)
             return deltas
         for k, c in enumerate(reduces):
             first = min(groups[c.group].first_backward, c.event)
-            for start, nbytes in self._grads_from(c.params, first):
+            own = self.sizing.tp_local_grads(c.params)
+            for start, nbytes in self._grads_from(own, first):
                 add(2, min(start, c.event), c.event + 1, nbytes)
             if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
-                add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(c.params))
+                add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
             add(2, c.event, c.event + 1, self.sizing.shard1_grad_bytes(c.params))  # dim-1 grads re-laid out
             # the next post-backward frees this input buffer before it allocates its own
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
@@ -315,6 +323,54 @@ class MemoryModel:
             self._grad_starts[key] = sorted(starts.items())
         return self._grad_starts[key]
 
+    def _replicated_grad(self, add: Callable[[int, int, int, float], None], p: int, post: int, whole: int,
+                         shard: int, phase: GradSync, n: int) -> None:
+        """A TP view's param whose grad DTensor makes whole (``Trace.replicated_grads``): autograd makes the whole
+        grad in its module call's backward (``made``). FSDP2's post-backward (``post``) copies the rank's shard
+        out of it, or out of the grads accumulated so far (Replicate to Shard(0): a chunk's clone), and drops the
+        whole before it allocates the reduce-scatter input: shard and whole held together just before it, then
+        the shard alone until the copy-in. With sync off the whole grad is what accumulates (``_accumulate``'s
+        terms, whole): upcast at the post-backward when ``_separate_accumulation``, else added into by autograd
+        (the new grad held until its call's backward is done)."""
+        made, done = self._backward_start(p), self.trace.index.grad_ready_at[p]
+        if made >= post:
+            return
+        separate = self._separate_accumulation
+        accumulated = whole * self.precision.reduce_bytes // self.precision.compute_bytes if separate else whole
+        if phase in (GradSync.FIRST, GradSync.MIDDLE):
+            if separate:  # the new grad until the post-backward upcasts it or adds it in
+                add(2, made, post + 1, whole)
+                add(2, post if phase is GradSync.FIRST else 0, n, accumulated)
+            elif phase is GradSync.FIRST:  # param.grad, kept
+                add(2, made, n, whole)
+            else:  # param.grad, kept, and the new grad until autograd has added it in
+                add(2, 0, n, whole)
+                add(2, made, max(done, made + 1), whole)
+            return
+        copied = max(made, post - 1)  # where the shard is copied out, beside what it is copied from
+        if phase is GradSync.LAST:
+            add(2, 0, post, accumulated)
+            if separate:  # the new grad added in and dropped before the copy: not beside the copy
+                add(2, made, max(copied, made + 1), whole)
+                add(2, copied, post + 1, shard * self.precision.reduce_bytes // self.precision.compute_bytes)
+                return
+            add(2, made, max(done, made + 1), whole)  # autograd adds the new grad into param.grad
+        else:
+            add(2, made, post, whole)
+        add(2, copied, post + 1, shard)
+
+    def _backward_start(self, p: int) -> int:
+        """The first backward op of a call of ``p``'s modules: where autograd makes its grad (its
+        ``grad_ready_at`` where none has one). After the call's pre-backward: FSDP2 has freed its all-gather
+        output by then."""
+        if p not in self._made:
+            events, bounds = self.trace.events, self.trace.index.boundaries_by_module
+            pres = [i for m in self.trace.params[p].owners for i in bounds.get(m, ())
+                    if events[i].kind is EventKind.BWD_PRE]
+            ops = (next((j for j in range(i + 1, len(events)) if events[j].is_op), i) for i in pres)
+            self._made[p] = min(ops, default=self.trace.index.grad_ready_at[p])
+        return self._made[p]
+
     @property
     def _separate_accumulation(self) -> bool:
         """Whether FSDP2 accumulates unsharded grads in a tensor of their own: when the reduce dtype is not the
@@ -326,18 +382,18 @@ class MemoryModel:
         """Bytes of these params' unsharded grads while sync is off: unpadded, in the reduce dtype."""
         return self.sizing.grad_bytes(params) * self.precision.reduce_bytes // self.precision.compute_bytes
 
-    def _accumulate(self, add: Callable[[int, int, int, float], None], c: Collective, first: int, n: int,
-                    phase: GradSync) -> None:
+    def _accumulate(self, add: Callable[[int, int, int, float], None], post: int, params: tuple[int, ...],
+                    first: int, n: int, phase: GradSync) -> None:
         """A micro-batch without gradient sync (``set_requires_gradient_sync(False)``): FSDP2's post-backward
         reduce-scatters nothing; the group's unsharded grads stay to the step's end (in FIRST from its
         post-backward, upcast there when ``_separate_accumulation``; in MIDDLE from before the micro-batch), and
         each new grad lives from its backward until the post-backward adds it in."""
-        acc = self._accumulated(c.params)
+        acc = self._accumulated(params)
         if not self._separate_accumulation:  # autograd adds into param.grad: one tensor, kept
             add(2, first if phase is GradSync.FIRST else 0, n, acc)
             return
-        add(2, first, c.event + 1, self.sizing.grad_bytes(c.params))
-        add(2, c.event if phase is GradSync.FIRST else 0, n, acc)
+        add(2, first, post + 1, self.sizing.grad_bytes(params))
+        add(2, post if phase is GradSync.FIRST else 0, n, acc)
 
     def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray, kept_grads: int = 0,
                  slack: np.ndarray | None = None) -> Peak:

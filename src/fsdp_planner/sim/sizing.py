@@ -133,6 +133,8 @@ class Sizing:
             at = np.fromiter(trace.full_precision_params, dtype=np.intp)
             self._gather[at] = self._padded[at] * FULL_PRECISION_BYTES
             self._grad_per[at] = np.array([trace.params[i].numel for i in at], dtype=np.int64) * FULL_PRECISION_BYTES
+        # a TP view's params whose grad DTensor makes whole on each TP rank: TP times the rank's grad bytes
+        self._replicated = {i: int(self._grad_per[i]) for i in trace.replicated_grads}
         self._any_dim1 = bool(self._dim1.any())  # checked per collective: most models have none
         self._gather1 = np.where(self._dim1, self._gather, 0)
         self._grad1 = np.where(self._dim1, self._grad_per, 0)
@@ -189,6 +191,21 @@ class Sizing:
     def grad_bytes_each(self, params: tuple[int, ...]) -> list[int]:
         """``grad_bytes((p,))`` of each of ``params``, in one array lookup."""
         return self._grad_per[np.fromiter(params, dtype=np.intp, count=len(params))].tolist()
+
+    def replicated_grads(self, params: Iterable[int]) -> list[tuple[int, int, int]]:
+        """(param, bytes of its whole grad, of the rank's shard of it) for those of ``params`` whose grad DTensor
+        makes whole on each TP rank (``Trace.replicated_grads``, ``sim/tensor_parallel.py``)."""
+        if not self._replicated:
+            return []
+        t = self.trace.tp_degree
+        return [(p, self._replicated[p] * t, self._replicated[p]) for p in params if p in self._replicated]
+
+    def tp_local_grads(self, params: tuple[int, ...]) -> tuple[int, ...]:
+        """``params`` less those whose grad DTensor makes whole (``replicated_grads``): the params whose unsharded
+        grads autograd makes in their TP-local shapes."""
+        if not self._replicated or not any(p in self._replicated for p in params):
+            return params
+        return tuple(p for p in params if p not in self._replicated)
 
     def shard1_gather_bytes(self, params: Iterable[int]) -> int:
         """The copy-out temporary of these params' all-gather: the unsharded bytes of those sharded on dim > 0."""

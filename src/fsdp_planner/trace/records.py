@@ -52,6 +52,8 @@ class Trace:
     # modules, skew); empty: every expert on every rank
     expert_params: tuple[int, ...] = ()  # in an EP view: the params of the expert modules (sharded by FSDP over
     # the EP-reduced mesh, dp_shard / EP ranks)
+    replicated_grads: tuple[int, ...] = ()  # in a TP view: the params whose grad DTensor makes whole on each TP rank
+    # (a vocab-parallel embedding's weight, ``sim/tensor_parallel.py``) until FSDP2's post-backward keeps its shard
     full_precision: tuple[str, ...] = ()  # modules traced in fp32 under the compute dtype (``full_precision.py``):
     # each needs an fp32 group (``Group.param_dtype``); empty: every module in the compute dtype
     own_checkpointed: tuple[OwnCall, ...] = ()  # the calls the model's own torch.utils.checkpoint holds
