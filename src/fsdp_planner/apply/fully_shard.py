@@ -75,6 +75,22 @@ def shard_placement_fn(model: nn.Module, plan: Plan, world: int) -> Any:
     return lambda param: Shard(placed[id(param)]) if id(param) in placed else None
 
 
+def _checked_modules(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
+    """The model's modules by name, once the plan is checked against it: every refusal comes before any module
+    changes, so a refused plan leaves the model as it was."""
+    if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
+        raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
+    modules = dict(model.named_modules())
+    if unknown := [m for g in plan.groups for m in g.modules if m not in modules]:
+        raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
+    check_forward_methods(plan, model)
+    check_moe_styles(plan.tensor_parallel, modules, plan.expert_parallel is not None)
+    if plan.expert_parallel is not None:
+        check_experts_run(modules, plan.expert_parallel.experts(modules))
+    check_int_reshard_on_dim0(plan)
+    return modules
+
+
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
                offload_policy: Any = None) -> nn.Module:
     """Shard ``model`` in place as ``plan`` says and return it. Works on any world size; without ``mesh``, the
@@ -86,16 +102,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     (``plan_policies``)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
-        raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
-    modules = dict(model.named_modules())
-    if unknown := [m for g in plan.groups for m in g.modules if m not in modules]:
-        raise PlannerError(f"plan names modules the model does not have: {', '.join(unknown[:5])}")
-    check_forward_methods(plan, model)  # before any fully_shard: a refused plan leaves the model as it was
-    check_moe_styles(plan.tensor_parallel, modules, plan.expert_parallel is not None)
-    if plan.expert_parallel is not None:
-        check_experts_run(modules, plan.expert_parallel.experts(modules))
-    check_int_reshard_on_dim0(plan)
+    modules = _checked_modules(model, plan)
     if mesh is None:
         import torch.distributed as dist
 

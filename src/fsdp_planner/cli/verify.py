@@ -44,31 +44,9 @@ def run(args: argparse.Namespace) -> int:
     elif request.measure and request.options.precision.trace_dtype is not None:
         render.note(f"--measure times the model's ops in its own dtypes, but the job trains in "
                     f"{request.options.precision.name}: add --precision fp32 to predict a job timed like them")
-    host = predict_on is not None and predict_on.engine is Engine.HOST
     options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
     check_model_dtypes(request.model, options.precision)  # before the trace's notes, auto's search and torchrun
-    tr = load_trace(request.model, measure=request.measure and predict_on is not None,
-                    full=request.full_trace, precision=options.precision,
-                    threads=1 if host else None, repeats=CPU_RANK_REPEATS if host else 3)
-    # auto plans in the job's precision and micro-batches, as plan would
-    planning = SimOptions(precision=options.precision, micro_batches=request.micro_batches,
-                          reshard_after_backward=request.reshard_after_backward, gradient_sync=options.gradient_sync)
-    model = request.model
-    if request.plan_for:
-        plan = _at_scale(tr, request, planning)
-    else:
-        plan = job_plan(tr, request.source.plan_file, request.source.policy, model, request.plan_cluster, planning,
-                        request.nproc, REPORTER)
-        if (model := _judged(model, request.source, plan)) is not request.model:
-            tr = load_trace(model, measure=request.measure and predict_on is not None, full=request.full_trace,
-                            precision=options.precision, threads=1 if host else None,
-                            repeats=CPU_RANK_REPEATS if host else 3)
-    plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
-    _check_runs(model, plan)
-    if request.fsdp1:
-        from fsdp_planner.apply.fsdp1 import check_fsdp1
-
-        check_fsdp1(plan)
+    model, tr, plan = _the_job(request, predict_on)
     if not request.json:
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(model.name)} with {request.nproc} processes"
@@ -90,6 +68,39 @@ def run(args: argparse.Namespace) -> int:
         result = dataclasses.replace(result, predicted_step=predicted)
     _report(result, request, predict_on)
     return 0 if result.ok else 1
+
+
+def _traced(model: ModelSpec, request: VerifyRequest, predict_on: Cluster | None) -> Trace:
+    """The model's trace, its ops timed on this machine with ``--measure`` (one thread a rank on a host cluster)."""
+    host = predict_on is not None and predict_on.engine is Engine.HOST
+    return load_trace(model, measure=request.measure and predict_on is not None, full=request.full_trace,
+                      precision=request.options.precision, threads=1 if host else None,
+                      repeats=CPU_RANK_REPEATS if host else 3)
+
+
+def _the_job(request: VerifyRequest, predict_on: Cluster | None) -> tuple[ModelSpec, Trace, Plan]:
+    """The model the ranks train, its trace and the plan they run: the plan file's or the policy's (auto plans in
+    the job's precision and micro-batches, as plan would; at the batch it judged its TP layout at), with the run
+    options stamped, refused before torchrun where it cannot run."""
+    options = request.options
+    tr = _traced(request.model, request, predict_on)
+    planning = SimOptions(precision=options.precision, micro_batches=request.micro_batches,
+                          reshard_after_backward=request.reshard_after_backward, gradient_sync=options.gradient_sync)
+    model = request.model
+    if request.plan_for:
+        plan = _at_scale(tr, request, planning)
+    else:
+        plan = job_plan(tr, request.source.plan_file, request.source.policy, model, request.plan_cluster, planning,
+                        request.nproc, REPORTER)
+        if (model := _judged(model, request.source, plan)) is not request.model:
+            tr = _traced(model, request, predict_on)
+    plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
+    _check_runs(model, plan)
+    if request.fsdp1:
+        from fsdp_planner.apply.fsdp1 import check_fsdp1
+
+        check_fsdp1(plan)
+    return model, tr, plan
 
 
 def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:

@@ -292,19 +292,23 @@ class MemoryModel:
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
             if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
                 add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
-            shard = self.sizing.shard_numel(c.params)
-            if self.offload:  # the output is copied to the CPU, where the sharded grads live
-                add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
-            elif sharded_held and self.zero_grad is ZeroGrad.NONE:  # added into the grad an earlier one made
-                add(4, 0, n, shard * self.grad_bytes)
-                # its output, allocated once the unsharded grads are freed (as above), freed once added in
-                add(4, c.event + 1, c.event + 2, shard * self.precision.reduce_bytes)
-            elif self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
-                # FSDP2 frees the unsharded grads after the copy-in, before it allocates the output
-                add(4, c.event + 1, n, shard * self.grad_bytes)
-            else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
-                add(4, c.event, c.event + 1, shard * self.precision.reduce_bytes)
+            self._sharded_grad(add, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
         return deltas
+
+    def _sharded_grad(self, add: Callable[[int, int, int, float], None], event: int, shard: int, n: int,
+                      sharded_held: bool) -> None:
+        """The sharded grad a reduce-scatter at ``event`` makes (category 4), by where it lives."""
+        if self.offload:  # the output is copied to the CPU, where the sharded grads live
+            add(4, event, event + 1, shard * self.precision.reduce_bytes)
+        elif sharded_held and self.zero_grad is ZeroGrad.NONE:  # added into the grad an earlier one made
+            add(4, 0, n, shard * self.grad_bytes)
+            # its output, allocated once the unsharded grads are freed (as above), freed once added in
+            add(4, event + 1, event + 2, shard * self.precision.reduce_bytes)
+        elif self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
+            # FSDP2 frees the unsharded grads after the copy-in, before it allocates the output
+            add(4, event + 1, n, shard * self.grad_bytes)
+        else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
+            add(4, event, event + 1, shard * self.precision.reduce_bytes)
 
     def _grads_from(self, params: tuple[int, ...], first: int) -> list[tuple[int, int]]:
         """(event, bytes): each param's unsharded grad from its own first backward op (``first``, the group's,
