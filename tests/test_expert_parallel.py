@@ -299,6 +299,7 @@ def test_transformers_experts_send_tokens_x_top_k_rows() -> None:
     assert r.ep_all_to_alls == 2 * 4 and r.ep_all_to_all_bytes == 8 * 256 * 2 * 128 * 2  # tokens x top_k x dim x bf16
 
 
+@pytest.mark.integration  # the export through the command line: ~6 s
 def test_transformers_experts_ep_is_simulated_not_applied(tmp_path) -> None:
     """transformers' experts layers route inside their forward ((tokens, dim) in), which EP's dispatch here does not
     run: auto does not take EP for them itself, ``--ep`` simulates it with a note, and apply_plan and export refuse
