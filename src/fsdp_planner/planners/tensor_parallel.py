@@ -205,11 +205,14 @@ def _llama_heads(trace: Trace) -> tuple[int, int] | None:
         head_dim = cfg.dim // cfg.n_heads
         if (cfg.dim, cfg.n_layers, cfg.n_heads * head_dim, cfg.n_kv_heads * head_dim) == (wq[1], blocks, wq[0], wk[0]):
             return cfg.n_heads, cfg.n_kv_heads
-    head_dims = {hd for _, _, hd in trace.attention}
-    if len(head_dims) != 1:
-        return None
-    hd = head_dims.pop()
+    hd = _head_dim(trace)
     return (wq[0] // hd, wk[0] // hd) if hd and wq[0] % hd == 0 and wk[0] % hd == 0 else None
+
+
+def _head_dim(trace: Trace) -> int:
+    """The head dim the model's fused attention calls ran at (``Trace.attention``); 0 where none ran or several."""
+    head_dims = {hd for _, _, hd in trace.attention}
+    return head_dims.pop() if len(head_dims) == 1 else 0
 
 
 def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
@@ -313,14 +316,14 @@ def head_linears(trace: Trace, tp: TensorParallel) -> tuple[int, tuple[str, ...]
     Linears ``tp`` gives a colwise style whose parent module runs such a call: they make its heads, so a rank must
     get whole heads of each (a colwise shard of 6 heads over 4 ranks leaves no whole head to view, whatever the
     model's code). Any layout's: torchtitan's, transformers', a detected one or a plan file's."""
-    head_dims = {hd for _, _, hd in trace.attention}
-    if len(head_dims) != 1:
+    hd = _head_dim(trace)
+    if not hd:
         return 0, ()
     attends = _attending(trace)
     cols = tuple(m for m, s in tp.styles(trace.modules).items()
                  if s in _COLWISE and trace.modules[m].torch_class == "Linear" and parent_of(m) in attends
                  and f"{m}.weight" in trace.index.param_index)
-    return head_dims.pop(), cols
+    return hd, cols
 
 
 def plan_layout(trace: Trace, tp: TensorParallel, model: ModelSpec | None) -> Layout:
