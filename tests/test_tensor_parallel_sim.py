@@ -214,16 +214,24 @@ def test_each_tp_rank_makes_the_vocab_parallel_embedding_s_grad_whole(checkpoint
     assert measured > whole + shard
 
 
-@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~3 s
-def test_accumulated_whole_embedding_grad_under_tp() -> None:
+@pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~3 s a case
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_accumulated_whole_embedding_grad_under_tp(micro_batches: int) -> None:
     """With gradient accumulation the whole grad is what FSDP2 accumulates (upcast to the fp32 reduce dtype in a
-    tensor of its own), and the last micro-batch's new one is made beside it: the peak of two micro-batches."""
+    tensor of its own), and the last micro-batch's new one is made beside it; the micro-batches that accumulate
+    hold every group's unsharded grads. The sequence-parallel norms' grads are made whole over TP (an all-reduce)
+    in the post-backward that reduce-scatters: once a step, not once a micro-batch."""
     tr = _traced(TABLE)
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)
     tp = titan_llama_layout(4)
-    options = dataclasses.replace(BF16, micro_batches=2)
+    options = dataclasses.replace(BF16, micro_batches=micro_batches)
     predicted = simulate(tr, plan.replace(tensor_parallel=tp), parse_cluster("h100:8"), options, timeline=False)
-    measured = run_tp_fake_world(TABLE, plan, 2, tp, micro_batches=2)
+    measured = run_tp_fake_world(TABLE, plan, 2, tp, micro_batches=micro_batches)
+    assert measured["counts"]["reduce_scatter"] == predicted.reduce_scatters
+    assert measured["counts"]["all_gather"] == predicted.all_gathers
+    assert measured["tp_counts"] == {"all_gather": predicted.tp_all_gathers,
+                                     "reduce_scatter": predicted.tp_reduce_scatters,
+                                     "all_reduce": predicted.tp_all_reduces}
     assert predicted.peak_memory == pytest.approx(measured["peak"], rel=0.001)
     assert measured["peak"] > 8192 * 256 * (4 + 2)  # the accumulated fp32 whole grad and the new bf16 one
 

@@ -77,17 +77,26 @@ class GlooMeasurement:
 def calibrate_gloo(nproc: int, quick: bool = False, timeout: float = 600.0) -> tuple[Cluster, GlooMeasurement]:
     """Run the calibration job on ``nproc`` local gloo ranks and fit the cluster (``quick``: fewer sizes, plans
     and rounds; for tests)."""
+    return fit(measure_gloo(nproc, quick, timeout), job_group_sizes(quick))
+
+
+def job_group_sizes(quick: bool) -> list[int]:
+    """The layers per group of the chain's plans the job times: the root alone (0), then 1 to 256 groups."""
+    return [0, LAYERS, 16, 1] if quick else [0, *GROUP_SIZES]
+
+
+def measure_gloo(nproc: int, quick: bool = False, timeout: float = 600.0) -> dict:
+    """What the calibration job on ``nproc`` local gloo ranks measured (``worker.py``), before any fit."""
     if not 2 <= nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} for --backend gloo (a collective needs two "
                            f"ranks), got {nproc}")
-    group_sizes = [0, LAYERS, 16, 1] if quick else [0, *GROUP_SIZES]
     job = {"sizes": list(QUICK_SIZES if quick else SIZES), "reps": 5 if quick else REPS,
-           "rounds": 2 if quick else ROUNDS, "group_sizes": group_sizes}
+           "rounds": 2 if quick else ROUNDS, "group_sizes": job_group_sizes(quick)}
     if quick:
         job.update(seconds=0.6, repeats=3)
     with signals_raise():
         data, _ = run_torchrun("fsdp_planner.calibrate.worker", nproc, timeout, "calibration job", job)
-    return fit(data, group_sizes)
+    return data
 
 
 def fit(data: dict, group_sizes: list[int]) -> tuple[Cluster, GlooMeasurement]:

@@ -3,6 +3,7 @@ planner can simulate many plans cheaply."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -22,7 +23,7 @@ from fsdp_planner.sim.memory import MemoryModel
 from fsdp_planner.sim.optimizer_step import gpu_optimizer_seconds
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import Checkpointed, checkpointed_calls, offload_bytes
-from fsdp_planner.sim.tensor_parallel import tp_amax_seconds, tp_seconds
+from fsdp_planner.sim.tensor_parallel import grad_all_reduce_positions, tp_amax_seconds, tp_seconds
 from fsdp_planner.trace.records import Trace
 
 
@@ -58,6 +59,7 @@ class SimContext:
             raise PlannerError(f"mesh {self.mesh.describe()} has {self.mesh.size} ranks but cluster {cluster.name} has "
                                f"{self.world} GPUs")
         self.shard = self.mesh.shard
+        self.grad_sync = True  # the micro-batch reduce-scatters its grads (``accumulating``: one that does not)
         self._experts = frozenset(trace.expert_params)  # an EP view's expert params: sharded over shard / EP ranks
         if like is not None:
             if times is not None or like.trace is not trace or like.options != self.options:
@@ -97,6 +99,23 @@ class SimContext:
     def on_mesh(self, mesh: Mesh) -> SimContext:
         """This model, cluster and options on another layout, sharing what does not depend on the layout."""
         return SimContext(self.trace, self.cluster, self.options, mesh=mesh, like=self)
+
+    def accumulating(self) -> SimContext:
+        """This context for a micro-batch that accumulates grads (sync off): the same, less TP's grad all-reduces,
+        which FSDP2 runs in the post-backward that reduce-scatters (``KERNEL_TP_GRAD_ALL_REDUCE``). Backward ops
+        only: the recomputations (forward spans) and the memory model are shared."""
+        positions = grad_all_reduce_positions(self.trace)
+        if not len(positions):
+            return self
+        out = copy.copy(self)
+        times = np.asarray(self.times)
+        times[positions] = 0.0
+        out.times, out.grad_sync = times.tolist(), False
+        out.cum_array = np.concatenate([[0.0], np.cumsum(times)])
+        out.cum = out.cum_array.tolist()
+        out.compute_total = float(times.sum())
+        out.lower_bound = out._lower_bound()
+        return out
 
     def cost(self, kind: CollectiveKind, ranks: int = 0) -> CollectiveCost:
         """What a ``kind`` collective costs on ``ranks`` ranks (``hardware/cost.py``: measured, fitted or modelled).

@@ -142,8 +142,11 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     runs = {}
     for phase in micro_batch_phases(ctx.options.micro_batches):
         ph_sched = _micro_batch_schedule(ctx, plan, sched, phase)
-        times = _engine(ctx, plan, ph_sched, timeline and phase is GradSync.LAST)
-        runs[phase] = (ph_sched, report(ReportInput(ctx, plan, ph_sched, gather, times, phase is GradSync.LAST)))
+        synced = phase is GradSync.LAST or ctx.options.gradient_sync is GradientSync.EVERY
+        ph_ctx, run = (ctx, ph_sched) if synced else (ctx.accumulating(), _without_grad_sync(ph_sched))
+        times = _engine(ph_ctx, plan, run, timeline and phase is GradSync.LAST)
+        # the memory model reads each group's post-backward off its reduce-scatter, issued or not
+        runs[phase] = (ph_sched, report(ReportInput(ph_ctx, plan, run, gather, times, phase is GradSync.LAST)))
     return accumulated(ctx, plan, runs)
 
 
@@ -181,14 +184,17 @@ def _expert_parallel(trace: Trace, plan: Plan, context: SimContext | None) -> Tr
 
 
 def _micro_batch_schedule(ctx: SimContext, plan: Plan, sched: Schedule, phase: GradSync) -> Schedule:
-    """What FSDP2 does in one micro-batch: ``sched`` (the step's own), or with ``set_reshard_after_backward(False)``
-    (``SimOptions.reshard_after_backward`` False) the replay of groups kept unsharded across micro-batches; without
-    gradient sync (all but the last, under ``GradientSync.LAST``) without its reduce-scatters and all-reduces."""
-    if not ctx.options.reshard_after_backward:
-        kept = {GradSync.FIRST: Kept.FIRST, GradSync.MIDDLE: Kept.MIDDLE, GradSync.LAST: Kept.LAST}[phase]
-        sched = build_schedule(ctx.trace, plan, ctx.world, [g.params for g in ctx.sizing.groups(plan)], kept)
-    if phase is GradSync.LAST or ctx.options.gradient_sync is GradientSync.EVERY:
+    """The replay of one micro-batch: ``sched`` (the step's own), or with ``set_reshard_after_backward(False)``
+    (``SimOptions.reshard_after_backward`` False) the replay of groups kept unsharded across micro-batches."""
+    if ctx.options.reshard_after_backward:
         return sched
+    kept = {GradSync.FIRST: Kept.FIRST, GradSync.MIDDLE: Kept.MIDDLE, GradSync.LAST: Kept.LAST}[phase]
+    return build_schedule(ctx.trace, plan, ctx.world, [g.params for g in ctx.sizing.groups(plan)], kept)
+
+
+def _without_grad_sync(sched: Schedule) -> Schedule:
+    """What a micro-batch without gradient sync (all but the last, under ``GradientSync.LAST``) issues of ``sched``:
+    its all-gathers, none of its reduce-scatters and all-reduces."""
     return Schedule([c for c in sched.collectives if c.kind is AG], sched.residency, sched.num_events, sched.hooks)
 
 
@@ -306,7 +312,7 @@ def _tp_fields(ctx: SimContext, plan: Plan) -> dict:
     if not trace.tensor_parallel:
         return {}
     recomputed = checkpointed_calls(trace, plan_checkpointing(plan))
-    positions = tp_positions(trace)
+    positions = tp_positions(trace, ctx.grad_sync)
     tp = tp_collectives(trace, recomputed, ctx.precision.compute_bytes / traced_itemsize(trace), positions)
     runs = ctx.recompute(plan_checkpointing(plan))
     at = ctx.cum_array[positions + 1] - ctx.cum_array[positions]  # each collective's seconds

@@ -17,7 +17,8 @@ of the whole model into that rank's step (``TPView``):
   of a region's sequence-sharded input and its reduce-scatter in backward; the reduce-scatter of a rowwise output
   onto the sequence dim (an all-reduce without sequence parallelism) and its all-gather in backward; a colwise
   Linear's input gradient all-reduced without sequence parallelism; the sequence-parallel norms' weight gradients
-  all-reduced (DTensor's partial gradients of replicated params); loss parallel's three all-reduces of one value
+  all-reduced (DTensor's partial gradients of replicated params: in FSDP2's post-backward, so only in a micro-batch
+  that reduce-scatters, ``KERNEL_TP_GRAD_ALL_REDUCE``); loss parallel's three all-reduces of one value
   per token (max, sum of exponentials, target logit). Under activation checkpointing the forward ones run again
   with the recomputation, as they do for real;
 - torchtitan's MoE layer under TP with EP (``MOE_SEQUENCE``, ``REPLICATE``, ``TOKEN_SPLIT``): the layer runs on its
@@ -61,6 +62,7 @@ from fsdp_planner.trace.events import (
     KERNEL_OTHER,
     KERNEL_TP_ALL_GATHER,
     KERNEL_TP_ALL_REDUCE,
+    KERNEL_TP_GRAD_ALL_REDUCE,
     KERNEL_TP_REDUCE_SCATTER,
     TP_KERNELS,
     Event,
@@ -79,7 +81,7 @@ _GATHERED = (TPStyle.GATHER_INPUT, TPStyle.SEQUENCE_COLWISE)  # input all-gather
 _SCATTERED = (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE, TPStyle.MOE_SEQUENCE)
 LOSS_PARALLEL_ALL_REDUCES = 3  # max, sum of exponentials, target logit: one fp32 value per token each
 KIND_OF = {KERNEL_TP_ALL_GATHER: CollectiveKind.ALL_GATHER, KERNEL_TP_REDUCE_SCATTER: CollectiveKind.REDUCE_SCATTER,
-           KERNEL_TP_ALL_REDUCE: CollectiveKind.ALL_REDUCE}
+           KERNEL_TP_ALL_REDUCE: CollectiveKind.ALL_REDUCE, KERNEL_TP_GRAD_ALL_REDUCE: CollectiveKind.ALL_REDUCE}
 
 
 @dataclass(frozen=True)
@@ -305,7 +307,7 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
         if style in (TPStyle.SEQUENCE_PARALLEL, TPStyle.REPLICATE):
             # unsharded grads in the compute dtype, as the trace's activations
             grads = sum(p.numel for p in trace.params if m in p.owners and p.requires_grad) * traced_itemsize(trace)
-            return ([_tp_op(KERNEL_TP_ALL_REDUCE, m, grads, True)] if grads else []), []
+            return ([_tp_op(KERNEL_TP_GRAD_ALL_REDUCE, m, grads, True)] if grads else []), []
     return [], []
 
 
@@ -407,9 +409,16 @@ def _loss_blocks(trace: Trace, lay: _Layout, where: list[int]) -> tuple[tuple[in
                  for made, freed, n in trace.loss_blocks)
 
 
-def tp_positions(trace: Trace) -> np.ndarray:
-    """Positions of TP's collectives in a TP rank's trace."""
-    return np.flatnonzero(np.isin(trace.index.op_kernel, TP_KERNELS))
+def tp_positions(trace: Trace, grad_sync: bool = True) -> np.ndarray:
+    """Positions of TP's collectives in a TP rank's trace; without ``grad_sync`` (a micro-batch that accumulates
+    grads) not the replicated params' grad all-reduces, which FSDP2 runs with its reduce-scatters."""
+    kernels = TP_KERNELS if grad_sync else tuple(k for k in TP_KERNELS if k != KERNEL_TP_GRAD_ALL_REDUCE)
+    return np.flatnonzero(np.isin(trace.index.op_kernel, kernels))
+
+
+def grad_all_reduce_positions(trace: Trace) -> np.ndarray:
+    """Positions of the replicated params' grad all-reduces in a TP rank's trace (``KERNEL_TP_GRAD_ALL_REDUCE``)."""
+    return np.flatnonzero(trace.index.op_kernel == KERNEL_TP_GRAD_ALL_REDUCE)
 
 
 def tp_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float) -> list[float]:
@@ -426,7 +435,7 @@ def tp_seconds(trace: Trace, cluster: Cluster, times: list[float], scale: float)
     for i in tp_positions(trace).tolist():
         e = trace.events[i]
         seconds = costs[e.kernel].seconds(e.nbytes * scale)
-        if async_tp and e.kernel != KERNEL_TP_ALL_REDUCE:
+        if async_tp and KIND_OF[e.kernel] is not CollectiveKind.ALL_REDUCE:
             seconds = max(0.0, seconds - _overlapped(trace, times, i, styles))
         out[i] = seconds
     return out

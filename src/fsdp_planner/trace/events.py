@@ -40,7 +40,10 @@ KERNEL_ATTENTION = -1
 KERNEL_TP_ALL_GATHER = -2
 KERNEL_TP_REDUCE_SCATTER = -3
 KERNEL_TP_ALL_REDUCE = -4
-TP_KERNELS = (KERNEL_TP_ALL_GATHER, KERNEL_TP_REDUCE_SCATTER, KERNEL_TP_ALL_REDUCE)
+# a replicated param's partial grad made whole over TP: in FSDP2's post-backward of a micro-batch that reduce-scatters
+# (``FSDPParam._get_grad_inner_tensor``), none in one that accumulates
+KERNEL_TP_GRAD_ALL_REDUCE = -6
+TP_KERNELS = (KERNEL_TP_ALL_GATHER, KERNEL_TP_REDUCE_SCATTER, KERNEL_TP_ALL_REDUCE, KERNEL_TP_GRAD_ALL_REDUCE)
 # expert parallelism's all-to-all (dispatch, combine and their backwards), put into the step by
 # ``sim/expert_parallel.py`` as an op on the compute stream: ``Event.nbytes`` is one rank's send buffer
 KERNEL_EP_ALL_TO_ALL = -5
