@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -48,3 +50,23 @@ def gathers_by_group(plan) -> Iterator[list[int]]:
 
     with patched(_fsdp_param_group, "foreach_all_gather", recording):
         yield issued
+
+
+@dataclass(frozen=True)
+class Done:
+    """What a CLI command exited with and printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(*args: str) -> Done:
+    """The CLI command ``args`` run in this process (``fsdp_planner.cli.main``): what a subprocess would give, less
+    its seconds of imports (a torchrun job it starts is a real one all the same)."""
+    from fsdp_planner.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return Done(code, out.getvalue(), err.getvalue())

@@ -9,13 +9,12 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner import cli
 from fsdp_planner.runtime.checkpoint import META, REFERENCE, VERSION, CheckpointLoadError, digests, read_meta, reading
@@ -27,9 +26,7 @@ LR, SEED = 0.05, 0
 
 def _verify(*args: str) -> dict:
     # fp32, as the uninterrupted run these jobs are compared with (reference_step without FSDP2's casts)
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", *args, "--precision", "fp32",
-                          "--json"],
-                         capture_output=True, text=True, timeout=400)
+    out = run_main("verify", "toy-llama", *args, "--precision", "fp32", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     return json.loads(out.stdout)
 
@@ -150,9 +147,8 @@ def test_load_checkpoint_refuses_an_incomplete_directory_before_any_rank_starts(
 def saved_checkpoint(tmp_path_factory) -> Path:
     """One checkpoint of seed-net at 2 ranks, copied by each test before it damages it."""
     directory = tmp_path_factory.mktemp("saved") / "ck"
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "seed-net", "--policy", "order", "--nproc",
-                          "2", "--steps", "1", "--time-steps", "0", "--save-checkpoint", str(directory)],
-                         capture_output=True, text=True, timeout=300)
+    out = run_main("verify", "seed-net", "--policy", "order", "--nproc", "2", "--steps", "1", "--time-steps", "0",
+                   "--save-checkpoint", str(directory))
     assert out.returncode == 0, out.stdout + out.stderr
     return directory
 
@@ -189,9 +185,8 @@ def test_a_damaged_checkpoint_fails_with_its_cause_on_the_first_line(saved_check
     directory = tmp_path / "ck"
     shutil.copytree(saved_checkpoint, directory)
     expected = damage(directory)
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "seed-net", "--policy", "order", "--nproc",
-                          "2", "--steps", "1", "--time-steps", "0", "--load-checkpoint", str(directory)],
-                         capture_output=True, text=True, timeout=300)
+    out = run_main("verify", "seed-net", "--policy", "order", "--nproc", "2", "--steps", "1", "--time-steps", "0",
+                   "--load-checkpoint", str(directory))
     assert out.returncode == 2, out.stdout + out.stderr
     first = out.stderr.splitlines()[0]
     assert re.match(rf"error: verify job failed: ranks? [0-9, ]+ raised CheckpointLoadError: checkpoint "

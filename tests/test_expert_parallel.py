@@ -7,6 +7,7 @@ exactly, the peak within 5%."""
 from __future__ import annotations
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
@@ -305,8 +306,6 @@ def test_transformers_experts_ep_is_simulated_not_applied(tmp_path) -> None:
     run: auto does not take EP for them itself, ``--ep`` simulates it with a note, and apply_plan and export refuse
     it in one sentence before anything changes (the ranks failed inside the dispatch before)."""
     import json
-    import subprocess
-    import sys
 
     from fsdp_planner.apply.fully_shard import apply_plan
     from fsdp_planner.planners.expert_parallel import with_expert_parallel
@@ -332,8 +331,7 @@ def test_transformers_experts_ep_is_simulated_not_applied(tmp_path) -> None:
         apply_plan(lm.model, with_expert_parallel(TorchtitanPolicy().plan(tr), tr, 2), mesh=object())
     path = tmp_path / "plan.json"
     titan.save(str(path))
-    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "export", str(path)], capture_output=True, text=True,
-                       timeout=300)
+    r = run_main("export", str(path))
     assert r.returncode != 0 and "route inside their forward" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -386,25 +384,22 @@ def test_ep_with_hsdp_all_reduces_the_experts_shards() -> None:
         check_plan_world_size(_ep_plan(tr, 8).replace(mesh=Mesh(2, 4)), 8)
 
 
-@pytest.mark.integration  # CLI subprocesses: the fake-world check of an EP plan, and EP + FSDP2 on 4 gloo ranks
+@pytest.mark.integration  # the fake-world check of an EP plan, and EP + FSDP2 on 4 gloo ranks (torchrun)
 def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     """``verify --ep 4 --fake-world-size 8``: every count and byte exact (EP's all-to-alls among them), the peak
     within 5%; ``verify --ep 2 --mesh 2x2 --nproc 4`` (torchrun, gloo's all-to-all, EP x HSDP) and ``verify --ep 2
     --tp 2 --nproc 4`` (EP x TP): FSDP2's collectives as predicted (the experts' all-reduced over dp_replicate) and
     the params equal to the unsharded reference's."""
     import json
-    import subprocess
-    import sys
 
-    verify = [sys.executable, "-m", "fsdp_planner", "verify", TINY, "--policy", "titan", "--json"]
-    r = subprocess.run([*verify, "--ep", "4", "--fake-world-size", "8"], capture_output=True, text=True, timeout=600)
+    verify = ["verify", TINY, "--policy", "titan", "--json"]
+    r = run_main(*verify, "--ep", "4", "--fake-world-size", "8")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
     assert result["measured"]["ep_all_to_alls"] == result["predicted"]["ep_all_to_alls"] == 8
     assert result["measured"]["ep_all_to_all_bytes"] == result["predicted"]["ep_all_to_all_bytes"] > 0
-    r = subprocess.run([*verify, "--ep", "2", "--mesh", "2x2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
-                       capture_output=True, text=True, timeout=600)
+    r = run_main(*verify, "--ep", "2", "--mesh", "2x2", "--nproc", "4", "--steps", "2", "--precision", "fp32")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
@@ -414,33 +409,30 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     # EP 2 x TP 2 (torchtitan's expert TP 1: EP's pair is one TP group, each TP rank dispatching half the routed
     # tokens): FSDP2's collectives as predicted, the params the unsharded reference's (the router gate's partial
     # grads all-reduced over TP, the experts' averaged over the 2 data-parallel ranks)
-    r = subprocess.run([*verify, "--ep", "2", "--tp", "2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
-                       capture_output=True, text=True, timeout=600)
+    r = run_main(*verify, "--ep", "2", "--tp", "2", "--nproc", "4", "--steps", "2", "--precision", "fp32")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
     assert result["max_abs_diff"] <= 1e-5
 
 
-@pytest.mark.integration  # a CLI subprocess (a few seconds)
+@pytest.mark.integration  # a few seconds
 def test_fit_gpus_auto_with_ep() -> None:
     """``fit --gpus auto --ep N``: each GPU count's plan is auto's under EP N (as ``plan --ep`` gives it); without
     ``--ep``, auto's EP screen as ``plan`` runs it: no EP where that is fastest (here), an EP degree where only it
     fits."""
     import json
-    import subprocess
-    import sys
 
-    fit = [sys.executable, "-m", "fsdp_planner", "fit", TINY, "--cluster", "h100", "--gpus", "auto", "--json"]
-    r = subprocess.run([*fit, "--ep", "4"], capture_output=True, text=True, timeout=600)
+    fit = ["fit", TINY, "--cluster", "h100", "--gpus", "auto", "--json"]
+    r = run_main(*fit, "--ep", "4")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["gpus"]["fewest"] == 8 and result["points"][0]["layout"] == "1x8 EP 4"
-    r = subprocess.run(fit, capture_output=True, text=True, timeout=600)
+    r = run_main(*fit)
     assert r.returncode == 0 and json.loads(r.stdout)["points"][0]["layout"] == "1x8", r.stderr[-2000:]
     # a budget auto's plan without EP or TP exceeds (its 12 MiB above): the EP degrees the model allows and the
     # TP layouts (the experts tensor-parallel, or EP x TP) are tried, as plan --batch 2 tries them
-    r = subprocess.run([*fit, "--memory-budget", "9.5MiB"], capture_output=True, text=True, timeout=600)
+    r = run_main(*fit, "--memory-budget", "9.5MiB")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     point = json.loads(r.stdout)["points"][0]
     assert (" EP " in point["layout"] or " TP " in point["layout"]) and point["fits"] and not point["offload"]

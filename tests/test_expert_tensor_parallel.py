@@ -7,6 +7,7 @@ simulated step against real DTensor + FSDP2 on torch's fake process group (count
 from __future__ import annotations
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh, Plan
@@ -121,12 +122,9 @@ def test_verify_expert_tp_trains_with_parity_on_gloo() -> None:
     predicted and the params the unsharded reference's (the experts' partial input grads and the router gate's
     partial grads summed over TP)."""
     import json
-    import subprocess
-    import sys
 
-    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", TINY, "--policy", "titan", "--json", "--tp",
-                        "2", "--nproc", "4", "--steps", "2", "--precision", "fp32"],
-                       capture_output=True, text=True, timeout=600)
+    r = run_main("verify", TINY, "--policy", "titan", "--json", "--tp", "2", "--nproc", "4", "--steps", "2",
+                 "--precision", "fp32")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]
@@ -180,12 +178,9 @@ def test_verify_runs_the_job_auto_planned_with_tp_on_fake_ranks() -> None:
     it planned, batch 2 x 4 per data-parallel rank, not a quarter of it: counts and bytes exact, the peak within
     5%, the reserved estimate within the budget."""
     import json
-    import subprocess
-    import sys
 
-    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", TINY, "--policy", "auto", "--memory-budget",
-                        "9.5MiB", "--batch", "2", "--cluster", "h100:8", "--fake-world-size", "8", "--json"],
-                       capture_output=True, text=True, timeout=600)
+    r = run_main("verify", TINY, "--policy", "auto", "--memory-budget", "9.5MiB", "--batch", "2", "--cluster", "h100:8",
+                 "--fake-world-size", "8", "--json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert "TP 4" in result["plan"] and "batch 8 per data-parallel rank" in r.stderr

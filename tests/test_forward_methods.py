@@ -4,10 +4,9 @@ apply_plan, replayed as FSDP2 runs them once registered."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, make_plan
@@ -92,8 +91,7 @@ def test_forward_methods_round_trip_and_absent_means_none():
 def test_a_head_loss_method_trains_on_a_real_run(name):
     """Real FSDP2 on 2 gloo ranks with head sharded on its own: apply_plan registers head.loss, parameters match
     the unsharded run, the collectives equal the replay's prediction."""
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{FACTORIES}:head_loss", "--policy", name,
-                          "--nproc", "2", "--steps", "2"], capture_output=True, text=True, timeout=300)
+    out = run_main("verify", f"{FACTORIES}:head_loss", "--policy", name, "--nproc", "2", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.apply.fsdp1 import check_fsdp1, fsdp1_policy, fsdp1_refusal
 from fsdp_planner.errors import PlannerError
@@ -47,8 +46,7 @@ def test_verify_fsdp1_on_two_gloo_ranks(tmp_path: Path) -> None:
     plan = SizeBasedPolicy(20000).plan(_trace()).with_group(1, reshard_after_forward=False)
     path = tmp_path / "plan.json"
     plan.save(path)
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", "--plan", str(path), "--fsdp1",
-                          "--nproc", "2", "--json"], capture_output=True, text=True, timeout=300)
+    out = run_main("verify", "toy-llama", "--plan", str(path), "--fsdp1", "--nproc", "2", "--json")
     result = json.loads(out.stdout)
     assert result["ok"], out.stdout + out.stderr
     assert sorted(result["units"]) == sorted([g.modules[0] for g in plan.inner_groups] + [""])
@@ -89,8 +87,7 @@ def test_verify_fsdp1_on_a_lora_model(tmp_path: Path) -> None:
     _, plan = _lora_fsdp1_plan()
     path = tmp_path / "plan.json"
     plan.save(path)
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama-lora", "--plan", str(path),
-                          "--fsdp1", "--nproc", "2", "--json"], capture_output=True, text=True, timeout=300)
+    out = run_main("verify", "toy-llama-lora", "--plan", str(path), "--fsdp1", "--nproc", "2", "--json")
     result = json.loads(out.stdout)
     assert result["ok"], out.stdout + out.stderr
     assert result["counted"][0] == result["predicted"]

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
@@ -159,17 +158,14 @@ def load_traced(name: str, options: SimOptions):
 def test_cli_mesh_errors_are_one_line() -> None:
     for args, expected in ((["--mesh", "2by4"], "bad mesh '2by4'"),
                            (["--mesh", "3x3"], "has 9 ranks but it is run on 8")):
-        r = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", "toy-llama", "--policy", "titan",
-                            "--cluster", "h100:8", *args], capture_output=True, text=True)
+        r = run_main("plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", *args)
         assert r.returncode == 2, r.stderr
         assert expected in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.integration
 def test_verify_hsdp_on_four_gloo_ranks() -> None:
-    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", "--policy", "titan",
-                        "--mesh", "2x2", "--nproc", "4", "--steps", "2", "--json"],
-                       capture_output=True, text=True, timeout=600)
+    r = run_main("verify", "toy-llama", "--policy", "titan", "--mesh", "2x2", "--nproc", "4", "--steps", "2", "--json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["predicted"]["all_reduce"] > 0

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, make_plan
@@ -137,11 +136,9 @@ def test_the_tracers_hooks_keep_the_models_grads(fn):
 def test_plan_and_verify_a_resnet_with_inplace_relu_from_the_cli():
     spec = f"{MODELS}:build"
     # in fp32 (under bf16-mixed the BatchNorms get fp32 groups of their own: test_group_precision.py)
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", spec, "--precision", "fp32"],
-                         capture_output=True, text=True, timeout=120)
+    out = run_main("plan", spec, "--precision", "fp32")
     assert out.returncode == 0, out.stdout + out.stderr
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "order", "--nproc", "2",
-                          "--precision", "fp32"], capture_output=True, text=True, timeout=300)
+    out = run_main("verify", spec, "--policy", "order", "--nproc", "2", "--precision", "fp32")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
 

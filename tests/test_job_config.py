@@ -273,6 +273,18 @@ def test_a_contradicting_option_is_one_error(tmp_path, argv, error):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job), *argv)
 
 
+def test_a_job_on_part_of_a_node_more_names_its_nodes(tmp_path):
+    """TP 3 x dp_shard 4 is 12 GPUs, not whole 8-GPU nodes: the job's own keys named (not a cluster the user never
+    typed), and a cluster that holds it suggested; given so, it plans."""
+    job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 3\n")
+    with pytest.raises(PlannerError, match=re.escape(
+            "the torchtitan job runs on 12 GPUs (data_parallel_replicate_degree 1 x data_parallel_shard_degree 4 x "
+            "tensor_parallel_degree 3), not whole 8-GPU nodes: give its nodes, e.g. --cluster h100:2x6")):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
+    assert args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100:2x6").cluster == \
+        "h100:2x6"
+
+
 def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):
     job = titan(tmp_path, '[model]\nname = "llama3"\nflavor = "8B"\n[parallelism]\ndata_parallel_shard_degree = 8\n')
     assert args_of("simulate", "--from-torchtitan", str(job)).model == "llama3-8b"

@@ -3,11 +3,9 @@ against real FSDP2 on the fake process group, and a real 2-rank run."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
+from conftest import run_main
 
 pytest.importorskip("peft")
 
@@ -113,7 +111,6 @@ def test_fsdp1_target_keeps_requires_grad_uniform_per_unit() -> None:
 
 @pytest.mark.integration
 def test_verify_lora_auto_on_two_gloo_ranks() -> None:
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", MODEL, "--policy", "auto", "--nproc", "2"],
-                         capture_output=True, text=True, timeout=300)
+    out = run_main("verify", MODEL, "--policy", "auto", "--nproc", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout

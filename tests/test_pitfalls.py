@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
@@ -125,8 +125,7 @@ def test_container_group_and_reshard_after_forward():
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_planner", "check", *args], capture_output=True, text=True,
-                          timeout=120)
+    return run_main("check", *args)
 
 
 @pytest.mark.integration

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_main
 
 from fsdp_planner.cli import main
 from fsdp_planner.trace import record
@@ -214,12 +215,10 @@ def test_a_scalar_comparison_answers_from_just_inside_its_bound():
 @pytest.mark.parametrize("spec, blocks", [("dbrx_like", "DbrxLikeExperts"),
                                           ("wav2vec2_like", "TransformerEncoderLayer")])
 def test_value_reading_models_plan_and_verify(spec: str, blocks: str, capsys):
-    import subprocess
 
     assert main(["plan", f"{FIXTURE}:{spec}", "--policy", "module", "--module-classes", blocks]) == 0
     assert "balanced-routing stand-in" in capsys.readouterr().err
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{FIXTURE}:{spec}", "--policy", "module",
-                          "--module-classes", blocks, "--nproc", "2", "--steps", "2"], capture_output=True, text=True,
-                         timeout=300)
+    out = run_main("verify", f"{FIXTURE}:{spec}", "--policy", "module", "--module-classes", blocks, "--nproc", "2",
+                   "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from conftest import run_main
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
@@ -307,9 +308,8 @@ def test_per_head_norms_sum_their_grads_over_tp(tmp_path: Path) -> None:
     layout = tp_layout(record(lm.model, lm.example_inputs, lm.loss_fn), 2, ModelSpec(f"hf:{config}"))
     assert layout.tp.layout["model.layers.*.self_attn.q_norm"] is TPStyle.REPLICATE
     assert not any("q_norm" in n for n in layout.notes)
-    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"hf:{config}", "--policy", "titan", "--tp",
-                        "2", "--nproc", "4", "--precision", "fp32", "--batch", "2", "--seq", "32", "--steps", "2",
-                        "--json"], capture_output=True, text=True, timeout=600)
+    r = run_main("verify", f"hf:{config}", "--policy", "titan", "--tp", "2", "--nproc", "4", "--precision", "fp32",
+                 "--batch", "2", "--seq", "32", "--steps", "2", "--json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5

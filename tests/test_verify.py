@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import policy, traced
+from conftest import policy, run_main, traced
 
 from fsdp_planner import signals
 from fsdp_planner.errors import PlannerError
@@ -94,11 +94,8 @@ def test_mismatch_is_reported_not_hidden():
 @pytest.mark.parametrize("spec", ["toy-llama", "toy-gpt2-tied"])  # two models: a torchrun job costs seconds
 def test_auto_plans_train_on_real_runs(spec):
     """The issue's command, as a user types it."""
-    import subprocess
-    import sys
 
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "auto", "--nproc", "2",
-                          "--steps", "2"], capture_output=True, text=True, timeout=300)
+    out = run_main("verify", spec, "--policy", "auto", "--nproc", "2", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
 
@@ -693,9 +690,8 @@ def test_the_documented_hand_written_plan_verifies():
     """docs/examples/hand_plan.json (module lists only) trains like the reference on a real 2-rank job, each of
     its six groups gathered and reduce-scattered as predicted."""
     docs = Path(__file__).parent.parent / "docs" / "examples"
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{docs / 'my_model.py'}:build", "--plan",
-                          str(docs / "hand_plan.json"), "--nproc", "2", "--steps", "2", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = run_main("verify", f"{docs / 'my_model.py'}:build", "--plan", str(docs / "hand_plan.json"), "--nproc", "2",
+                   "--steps", "2", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["ok"] and result["predicted"]["reduce_scatter"] == 6  # one per group: the root claims nothing
@@ -705,9 +701,8 @@ def test_the_documented_hand_written_plan_verifies():
 def test_auto_s_plan_at_scale_verifies_on_the_toy():
     """The issue's command: auto plans Llama 3 8B for 64 H100s (one group per block) and the toy, the same code
     with 4 blocks, trains that grouping on 2 ranks exactly as predicted."""
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", "toy-llama", "--policy", "auto",
-                          "--plan-for", "h100:64", "--plan-model", "llama3-8b", "--nproc", "2", "--steps", "2",
-                          "--time-steps", "0", "--json"], capture_output=True, text=True, timeout=300)
+    out = run_main("verify", "toy-llama", "--policy", "auto", "--plan-for", "h100:64", "--plan-model", "llama3-8b",
+                   "--nproc", "2", "--steps", "2", "--time-steps", "0", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["ok"] and result["counts_match"] and result["bytes_match"]

@@ -14,7 +14,7 @@ from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, Policy
 from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, edit_choices, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
-from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
 from fsdp_planner.models import BUILTINS, ModelSpec
 from fsdp_planner.planners.config_edit import Setting, best_edit, plan_setting
 from fsdp_planner.service.outcome import PlanOutcome
@@ -121,6 +121,12 @@ def _layout(m: _Merge) -> None:
         per_node = world // cfg.nodes if cfg.nodes else None
         m.values["cluster"] = f"{preset.group(1)}:{cfg.nodes}x{per_node}" \
             if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
+        if m.values["cluster"] == f"{preset.group(1)}:{world}" and world > MAX_GPUS_PER_NODE \
+                and world % MAX_GPUS_PER_NODE:
+            fit = max(g for g in range(1, MAX_GPUS_PER_NODE + 1) if world % g == 0)
+            raise PlannerError(f"the {cfg.kind} job runs on {world:,} GPUs ({_world_keys(cfg)}), not whole "
+                               f"{MAX_GPUS_PER_NODE}-GPU nodes: give its nodes, e.g. --cluster "
+                               f"{preset.group(1)}:{world // fit}x{fit}")
     _tensor_parallel(m, world)
     dp = world // cfg.tp
     if dp % cfg.replicate:
