@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_main
 
 pytest.importorskip("transformers")
 
@@ -276,15 +275,11 @@ def test_shipped_configs_are_for_planning_only():
     assert main(["verify", "hf:gpt2", "--policy", "titan"]) == 2
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
-                          timeout=480, env=env)
 
 
 @pytest.mark.integration
 def test_goal_command_plans_hf_llama3_8b_offline():
-    r = _cli("plan", "hf:llama3-8b", "--policy", "auto", "--cluster", "h100:64")
+    r = run_main("plan", "hf:llama3-8b", "--policy", "auto", "--cluster", "h100:64")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "8,030,261,248 params" in r.stdout and "auto:" in r.stdout and "within the budget" in r.stdout
 
@@ -292,7 +287,7 @@ def test_goal_command_plans_hf_llama3_8b_offline():
 @pytest.mark.integration
 def test_hf_mixtral_gets_every_plan():
     """No plan fits one H100 at 64 GPUs (the experts' dim-0 padding, as for the built-in): a larger budget."""
-    r = _cli("plan", "hf:mixtral-8x7b", "--cluster", "h100:64", "--memory-budget", "250GiB", "--json")
+    r = run_main("plan", "hf:mixtral-8x7b", "--cluster", "h100:64", "--memory-budget", "250GiB", "--json")
     assert r.returncode == 0, r.stderr
     names = [p["plan"]["policy"].split("(")[0] for p in json.loads(r.stdout)["plans"]]
     assert {"module", "titan", "order", "auto"} <= set(names)
@@ -301,7 +296,7 @@ def test_hf_mixtral_gets_every_plan():
 @pytest.mark.integration
 @pytest.mark.parametrize(("name", "policy"), [("tiny-llama", "auto"), ("tiny-gpt2", "auto"), ("tiny-mixtral", "titan")])
 def test_tiny_hf_models_train_on_two_gloo_ranks(tmp_path, name, policy):
-    r = _cli("verify", tiny(tmp_path, name), "--policy", policy, "--nproc", "2", "--steps", "2")
+    r = run_main("verify", tiny(tmp_path, name), "--policy", policy, "--nproc", "2", "--steps", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
 
