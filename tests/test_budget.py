@@ -69,6 +69,7 @@ def test_headroom_zero_plans_as_the_whole_gpu_did():
     assert zero.plan.to_json() == explicit.plan.to_json()
 
 
+@pytest.mark.integration  # seconds of planning (the fast subset stays near a minute)
 def test_plan_prints_and_reports_the_margin_of_the_simulated_peak(capsys):
     base = ["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--headroom", "4GiB"]
     assert main([*base, "--json"]) == 0

@@ -78,6 +78,7 @@ def test_compile_needs_repeated_blocks():
         trace_spec(ModelSpec("seed-net", compile=True))
 
 
+@pytest.mark.integration  # seconds of inductor compiling (the fast subset stays near a minute)
 def test_compiled_blocks_hold_the_partitioned_bytes_instead_of_their_ops_saves():
     precision = precision_named("fp32")
     eager = trace_spec("toy-llama", precision)
@@ -119,6 +120,7 @@ def test_a_pointwise_chain_is_one_fused_kernel_reading_and_writing_once():
     assert block == CompiledBlock(saved=size, fused_nbytes=(2 * size, 3 * size), launches=(1, 1))
 
 
+@pytest.mark.integration  # seconds of inductor compiling (the fast subset stays near a minute)
 def test_compiled_calls_move_their_fused_bytes_and_run_faster():
     precision = precision_named("bf16-mixed")
     eager = trace_spec("llama3-8b", precision)

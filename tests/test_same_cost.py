@@ -84,6 +84,7 @@ def test_the_engines_charge_what_cost_prints(tmp_path: Path, spec: str) -> None:
         assert report.comm_time == pytest.approx(expected, rel=1e-9), cluster.name
 
 
+@pytest.mark.integration  # seconds of planning (the fast subset stays near a minute)
 def test_the_cost_command_prints_the_measured_time(tmp_path: Path) -> None:
     """The measured bug: on a gloo-table cluster the command printed the fitted line (17.1 ms at 16 MiB) while the
     simulator charged the measured 12.0 ms, and its bus bandwidth read 0 GB/s."""

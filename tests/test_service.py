@@ -91,6 +91,7 @@ def test_the_command_line_refuses_what_the_validator_refuses(capsys):
         fp.plan("toy-llama", batch=4, micro_batches=3)
 
 
+@pytest.mark.integration  # seconds of planning (the fast subset stays near a minute)
 def test_plan_loads_no_job_machinery():
     """``plan toy-llama`` imports no module of apply/, calibrate/ or runtime/ (torchrun, DCP, the fake world)."""
     code = ("import sys; from fsdp_planner import cli; code = cli.main(['plan', 'toy-llama', '--json']); "
@@ -102,6 +103,7 @@ def test_plan_loads_no_job_machinery():
     assert out.stderr.strip().splitlines()[-1] == "0 []", out.stderr[-2000:]
 
 
+@pytest.mark.integration  # seconds of planning (the fast subset stays near a minute)
 def test_a_comparison_shows_autos_plan_over_the_budget_only_when_it_need_not_fit():
     """A comparison (the demo's) with ``must_fit=False`` keeps auto's best plan as its last row, simulated as the
     search did, beside ``no_fit``; with ``must_fit`` that plan is left out."""

@@ -151,6 +151,7 @@ def policy_outcomes_seen(seed: int) -> Counter[str]:
     return seen
 
 
+@pytest.mark.integration  # seconds of planning (the fast subset stays near a minute)
 def test_every_policy_returns_a_plan_that_runs_and_refuses_in_one_line() -> None:
     seen = sum((policy_outcomes_seen(seed) for seed in FAST_SEEDS), Counter())
     assert seen["plans returned"] >= 150 and seen["classic refused: cannot run"] >= 10, seen

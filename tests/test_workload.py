@@ -33,6 +33,7 @@ def factory_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.integration  # seconds of planning (the fast subset stays near a minute)
 def test_batch_and_seq_scale_the_traced_step():
     """FLOPs of a decoder are linear in the batch; the saved activations grow with the sequence."""
     base = load_trace(ModelSpec("toy-llama"), notes)

@@ -60,6 +60,7 @@ class SimContext:
                                f"{self.world} GPUs")
         self.shard = self.mesh.shard
         self.grad_sync = True  # the micro-batch reduce-scatters its grads (``accumulating``: one that does not)
+        self._accumulating: SimContext | None = None
         self._experts = frozenset(trace.expert_params)  # an EP view's expert params: sharded over shard / EP ranks
         if like is not None:
             if times is not None or like.trace is not trace or like.options != self.options:
@@ -104,18 +105,21 @@ class SimContext:
         """This context for a micro-batch that accumulates grads (sync off): the same, less TP's grad all-reduces,
         which FSDP2 runs in the post-backward that reduce-scatters (``KERNEL_TP_GRAD_ALL_REDUCE``). Backward ops
         only: the recomputations (forward spans) and the memory model are shared."""
-        positions = grad_all_reduce_positions(self.trace)
-        if not len(positions):
-            return self
-        out = copy.copy(self)
-        times = np.asarray(self.times)
-        times[positions] = 0.0
-        out.times, out.grad_sync = times.tolist(), False
-        out.cum_array = np.concatenate([[0.0], np.cumsum(times)])
-        out.cum = out.cum_array.tolist()
-        out.compute_total = float(times.sum())
-        out.lower_bound = out._lower_bound()
-        return out
+        if self._accumulating is None:  # built once: a search simulates many plans of micro-batches
+            positions = grad_all_reduce_positions(self.trace)
+            if not len(positions):
+                self._accumulating = self
+                return self
+            out = copy.copy(self)
+            times = np.asarray(self.times)
+            times[positions] = 0.0
+            out.times, out.grad_sync = times.tolist(), False
+            out.cum_array = np.concatenate([[0.0], np.cumsum(times)])
+            out.cum = out.cum_array.tolist()
+            out.compute_total = float(times.sum())
+            out.lower_bound = out._lower_bound()
+            out._accumulating = self._accumulating = out
+        return self._accumulating
 
     def cost(self, kind: CollectiveKind, ranks: int = 0) -> CollectiveCost:
         """What a ``kind`` collective costs on ``ranks`` ranks (``hardware/cost.py``: measured, fitted or modelled).
