@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -63,10 +65,20 @@ class Done:
 
 def run_main(*args: str) -> Done:
     """The CLI command ``args`` run in this process (``fsdp_planner.cli.main``): what a subprocess would give, less
-    its seconds of imports (a torchrun job it starts is a real one all the same)."""
+    its seconds of imports (a torchrun job it starts is a real one all the same) and what importing prints. Warnings
+    go to its stderr under Python's own filters, as a command's do (pytest would record them instead)."""
     from fsdp_planner.cli import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", quiet)  # Python's defaults outside __main__
+        warnings.showwarning = _printed
         code = main(list(args))
     return Done(code, out.getvalue(), err.getvalue())
+
+
+def _printed(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))

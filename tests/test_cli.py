@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import subprocess
@@ -11,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.cli import main
 
@@ -21,15 +20,6 @@ pytestmark = pytest.mark.integration  # the CLI in a subprocess, or many cases o
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
                           timeout=300)
-
-
-def run_here(*args: str) -> subprocess.CompletedProcess:
-    """The CLI's ``main`` in this process, stdout and stderr captured: for the many one-line-error cases, whose
-    exit codes and messages are ``main``'s (the subprocess tests above and below show the real command's)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return subprocess.CompletedProcess(["fsdp-planner", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_demo_shows_the_seed_problem_then_auto_on_a_cluster(tmp_path):
@@ -51,15 +41,15 @@ def test_demo_shows_the_seed_problem_then_auto_on_a_cluster(tmp_path):
 
 def test_simulate_draws_a_timeline_compared_with_another_plan(tmp_path):
     plan = tmp_path / "size.json"
-    assert run_here("plan", "toy-llama", "--policy", "size", "--min-nonwrapped-numel", "20000", "--out",
+    assert run_main("plan", "toy-llama", "--policy", "size", "--min-nonwrapped-numel", "20000", "--out",
                str(plan)).returncode == 0
     png, page = tmp_path / "t.png", tmp_path / "t.html"
-    r = run_here("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:16", "--compare", str(plan),
+    r = run_main("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:16", "--compare", str(plan),
             "--timeline", str(png), "--html", str(page))
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("step time") == 2 and f"timeline written to {png}" in r.stdout
     assert png.read_bytes()[:4] == b"\x89PNG" and "size(20000)" in page.read_text()
-    j = run_here("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:16", "--compare", "titan", "--json")
+    j = run_main("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:16", "--compare", "titan", "--json")
     assert j.returncode == 0 and json.loads(j.stdout)["compare"]["step_time"] > 0
 
 
@@ -69,7 +59,7 @@ def test_simulate_draws_a_timeline_compared_with_another_plan(tmp_path):
     (("--compare", "nosuch"), "--compare 'nosuch' is neither a policy"),
 ])
 def test_simulate_picture_options_are_checked_before_any_work(args, message):
-    r = run_here("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", *args)
+    r = run_main("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:8", *args)
     assert r.returncode == 2 and r.stderr.strip() == f"error: {r.stderr.strip()[7:]}"
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
@@ -115,7 +105,7 @@ def test_module_classes_option():
     ],
 )
 def test_bad_input_is_one_clear_line(args, message):
-    r = run_here(*args)
+    r = run_main(*args)
     assert r.returncode == 2
     assert message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
@@ -123,32 +113,32 @@ def test_bad_input_is_one_clear_line(args, message):
 
 def test_plan_for_another_model_and_corrupt_json(tmp_path):
     other = tmp_path / "other.json"
-    assert run_here("plan", "toy-llama", "--policy", "order", "--out", str(other)).returncode == 0
-    r = run_here("verify", "seed-net", "--plan", str(other))
+    assert run_main("plan", "toy-llama", "--policy", "order", "--out", str(other)).returncode == 0
+    r = run_main("verify", "seed-net", "--plan", str(other))
     assert r.returncode == 2 and "another model" in r.stderr and "missing parameters" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text("{ nope")
-    r = run_here("verify", "seed-net", "--plan", str(bad))
+    r = run_main("verify", "seed-net", "--plan", str(bad))
     assert r.returncode == 2 and "not valid JSON" in r.stderr
 
 
 def test_cost_simulate_memory_calibrate_commands(tmp_path):
-    r = run_here("cost", "all-gather", "1GiB", "--cluster", "h100:8", "--json")
+    r = run_main("cost", "all-gather", "1GiB", "--cluster", "h100:8", "--json")
     assert r.returncode == 0, r.stderr
     assert 2.7e-3 <= json.loads(r.stdout)["seconds"] <= 3.0e-3
-    r = run_here("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:64", "--json")
+    r = run_main("simulate", "toy-llama", "--policy", "order", "--cluster", "h100:64", "--json")
     report = json.loads(r.stdout)
     assert report["all_gathers"] == 11 and report["step_time"] >= report["compute_time"]
-    r = run_here("plan", "seed-net", "--cluster", "a100:16", "--json")
+    r = run_main("plan", "seed-net", "--cluster", "a100:16", "--json")
     assert all("simulation" in p for p in json.loads(r.stdout)["plans"])
-    r = run_here("memory", "seed-linear10", "--world-size", "1", "--precision", "fp32", "--optimizer", "sgd-momentum",
+    r = run_main("memory", "seed-linear10", "--world-size", "1", "--precision", "fp32", "--optimizer", "sgd-momentum",
             "--json")
     assert json.loads(r.stdout)["single"]["total"] == pytest.approx(12.035e9, rel=0.02)
     out = tmp_path / "cluster.json"
     log = FIXTURES / "nccl" / "all_gather_perf_8xh100.log"
-    r = run_here("calibrate", str(log), "--out", str(out))
+    r = run_main("calibrate", str(log), "--out", str(out))
     assert r.returncode == 0, r.stderr
-    r = run_here("cost", "all-gather", "1GiB", "--cluster", str(out), "--json")
+    r = run_main("cost", "all-gather", "1GiB", "--cluster", str(out), "--json")
     assert r.returncode == 0, r.stderr
 
 
@@ -162,27 +152,27 @@ def test_cost_simulate_memory_calibrate_commands(tmp_path):
     ],
 )
 def test_cost_model_bad_input(args, message):
-    r = run_here(*args)
+    r = run_main(*args)
     assert r.returncode == 2
     assert message in r.stderr.lower() and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_plan_auto_with_budget_explain_and_json(tmp_path):
-    r = run_here("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:64", "--explain")
+    r = run_main("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:64", "--explain")
     assert r.returncode == 0, r.stderr
     assert "ties with the best classic policy" in r.stdout and "held by" in r.stdout  # one group: nothing to gain
-    r = run_here("plan", "toy-llama", "--cluster", "h100:64", "--json")
+    r = run_main("plan", "toy-llama", "--cluster", "h100:64", "--json")
     data = json.loads(r.stdout)
     assert [p["plan"]["policy"].split("(")[0] for p in data["plans"]] == ["module", "size", "titan", "order", "auto"]
     steps = [p["simulation"]["step_time"] for p in data["plans"]]
     assert steps[-1] <= min(steps[:-1]) * (1 + 1e-9)
     assert data["auto"]["fits"] and data["auto"]["plans_simulated"] >= 5
     out = tmp_path / "auto.json"
-    r = run_here("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "3.2MiB",
+    r = run_main("plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--memory-budget", "3.2MiB",
             "--out", str(out))
     assert r.returncode == 0, r.stderr
-    r = run_here("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--json")
+    r = run_main("simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8", "--json")
     assert json.loads(r.stdout)["reserved_memory"] <= 3.2 * 2**20
 
 
@@ -197,7 +187,7 @@ def test_plan_auto_with_budget_explain_and_json(tmp_path):
     ],
 )
 def test_auto_bad_input(args, message):
-    r = run_here(*args)
+    r = run_main(*args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -221,7 +211,7 @@ def test_auto_bad_input(args, message):
     ],
 )
 def test_bad_options_fail_before_any_work(args, message):
-    r = run_here(*args)
+    r = run_main(*args)
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr and "internal error" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -232,14 +222,14 @@ def test_bad_options_fail_before_any_work(args, message):
     (("reduce-scatter", "1GiB", "--cluster", "h100:8", "--ranks", "1"), "0 s (one rank holds everything)"),
 ])
 def test_collectives_that_move_nothing_cost_nothing(args, shown):
-    r = run_here("cost", *args)
+    r = run_main("cost", *args)
     assert r.returncode == 0, r.stderr
     assert shown in r.stdout
 
 
 def test_bad_plan_files_are_one_line_errors(tmp_path):
     good = tmp_path / "good.json"
-    assert run_here("plan", "toy-llama", "--policy", "order", "--out", str(good)).returncode == 0
+    assert run_main("plan", "toy-llama", "--policy", "order", "--out", str(good)).returncode == 0
     data = json.loads(good.read_text())
     data["groups"][0]["forward_prefetch"] = [99]
     bad = tmp_path / "bad.json"
@@ -252,13 +242,13 @@ def test_bad_plan_files_are_one_line_errors(tmp_path):
     edited.write_text(json.dumps(data))
     for path, message in ((bad, "forward_prefetch names 99"), (binary, "is not text"),
                           (edited, "the plan's groups do not list every param of this model (missing parameters: ")):
-        r = run_here("simulate", "toy-llama", "--plan", str(path), "--cluster", "h100:8")
+        r = run_main("simulate", "toy-llama", "--plan", str(path), "--cluster", "h100:8")
         assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_full_trace_plans_the_same_model_without_replaying_blocks():
-    fast = run_here("plan", "toy-llama", "--policy", "order", "--json")
-    full = run_here("plan", "toy-llama", "--policy", "order", "--json", "--full-trace")
+    fast = run_main("plan", "toy-llama", "--policy", "order", "--json")
+    full = run_main("plan", "toy-llama", "--policy", "order", "--json", "--full-trace")
     assert fast.returncode == 0 and full.returncode == 0, fast.stderr + full.stderr
     assert json.loads(fast.stdout) == json.loads(full.stdout)
 

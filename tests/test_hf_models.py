@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -275,11 +277,13 @@ def test_shipped_configs_are_for_planning_only():
     assert main(["verify", "hf:gpt2", "--policy", "titan"]) == 2
 
 
-
-
 @pytest.mark.integration
 def test_goal_command_plans_hf_llama3_8b_offline():
-    r = run_main("plan", "hf:llama3-8b", "--policy", "auto", "--cluster", "h100:64")
+    """The command as typed, in a process of its own with the Hub turned off (huggingface_hub reads
+    ``HF_HUB_OFFLINE`` as it is imported)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "fsdp_planner", "plan", "hf:llama3-8b", "--policy", "auto", "--cluster",
+                        "h100:64"], capture_output=True, text=True, timeout=480, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "8,030,261,248 params" in r.stdout and "auto:" in r.stdout and "within the budget" in r.stdout
 
@@ -295,7 +299,8 @@ def test_hf_mixtral_gets_every_plan():
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("name", "policy"), [("tiny-llama", "auto"), ("tiny-gpt2", "auto"), ("tiny-mixtral", "titan")])
-def test_tiny_hf_models_train_on_two_gloo_ranks(tmp_path, name, policy):
+def test_tiny_hf_models_train_on_two_gloo_ranks(tmp_path, name, policy, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the ranks (processes of their own) build the model offline
     r = run_main("verify", tiny(tmp_path, name), "--policy", policy, "--nproc", "2", "--steps", "2")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout

@@ -275,14 +275,17 @@ def test_a_contradicting_option_is_one_error(tmp_path, argv, error):
 
 def test_a_job_on_part_of_a_node_more_names_its_nodes(tmp_path):
     """TP 3 x dp_shard 4 is 12 GPUs, not whole 8-GPU nodes: the job's own keys named (not a cluster the user never
-    typed), and a cluster that holds it suggested; given so, it plans."""
-    job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 4\ntensor_parallel_degree = 3\n")
-    with pytest.raises(PlannerError, match=re.escape(
-            "the torchtitan job runs on 12 GPUs (data_parallel_replicate_degree 1 x data_parallel_shard_degree 4 x "
-            "tensor_parallel_degree 3), not whole 8-GPU nodes: give its nodes, e.g. --cluster h100:2x6")):
-        args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
-    assert args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100:2x6").cluster == \
-        "h100:2x6"
+    typed), and a cluster that holds it suggested, each TP group inside a node (dp_shard 7 x TP 2: 7 nodes of 2, not
+    2 of 7); given so, it plans."""
+    for shard, tp, suggested in ((4, 3, "h100:2x6"), (7, 2, "h100:7x2")):
+        job = titan(tmp_path, f"[parallelism]\ndata_parallel_shard_degree = {shard}\ntensor_parallel_degree = {tp}\n")
+        with pytest.raises(PlannerError, match=re.escape(
+                f"the torchtitan job's {shard * tp} GPUs (data_parallel_replicate_degree 1 x "
+                f"data_parallel_shard_degree {shard} x tensor_parallel_degree {tp}) are not a whole number of 8-GPU "
+                f"nodes: give the nodes it runs on, e.g. --cluster {suggested}")):
+            args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
+        assert args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", suggested).cluster == \
+            suggested
 
 
 def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 import torch
-from conftest import run_main
+from conftest import Done, run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
@@ -124,7 +123,7 @@ def test_container_group_and_reshard_after_forward():
     assert codes(plan_findings(tr, plan, world_size=8)) == ["reshard-after-forward"]
 
 
-def run_check(*args: str) -> subprocess.CompletedProcess:
+def run_check(*args: str) -> Done:
     return run_main("check", *args)
 
 

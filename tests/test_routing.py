@@ -215,7 +215,6 @@ def test_a_scalar_comparison_answers_from_just_inside_its_bound():
 @pytest.mark.parametrize("spec, blocks", [("dbrx_like", "DbrxLikeExperts"),
                                           ("wav2vec2_like", "TransformerEncoderLayer")])
 def test_value_reading_models_plan_and_verify(spec: str, blocks: str, capsys):
-
     assert main(["plan", f"{FIXTURE}:{spec}", "--policy", "module", "--module-classes", blocks]) == 0
     assert "balanced-routing stand-in" in capsys.readouterr().err
     out = run_main("verify", f"{FIXTURE}:{spec}", "--policy", "module", "--module-classes", blocks, "--nproc", "2",

@@ -123,10 +123,7 @@ def _layout(m: _Merge) -> None:
             if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
         if m.values["cluster"] == f"{preset.group(1)}:{world}" and world > MAX_GPUS_PER_NODE \
                 and world % MAX_GPUS_PER_NODE:
-            fit = max(g for g in range(1, MAX_GPUS_PER_NODE + 1) if world % g == 0)
-            raise PlannerError(f"the {cfg.kind} job runs on {world:,} GPUs ({_world_keys(cfg)}), not whole "
-                               f"{MAX_GPUS_PER_NODE}-GPU nodes: give its nodes, e.g. --cluster "
-                               f"{preset.group(1)}:{world // fit}x{fit}")
+            raise PlannerError(_nodes_needed(cfg, world, preset.group(1)))
     _tensor_parallel(m, world)
     dp = world // cfg.tp
     if dp % cfg.replicate:
@@ -166,6 +163,15 @@ def _tensor_parallel(m: _Merge, world: int) -> None:
 
 def _count_key(cfg: JobConfig) -> str:
     return "no num_processes" if cfg.kind == ACCELERATE else "data_parallel_shard_degree = -1"
+
+
+def _nodes_needed(cfg: JobConfig, world: int, gpu: str) -> str:
+    """Why a job of ``world`` GPUs needs its nodes named: more than one node, not whole nodes of the preset; the
+    suggestion keeps each TP group inside a node."""
+    sizes = [g for g in range(1, MAX_GPUS_PER_NODE + 1) if world % g == 0 and g % cfg.tp == 0]
+    example = f"e.g. --cluster {gpu}:{world // sizes[-1]}x{sizes[-1]}" if sizes else f"--cluster {gpu}:NODESxGPUS"
+    return (f"the {cfg.kind} job's {world:,} GPUs ({_world_keys(cfg)}) are not a whole number of "
+            f"{MAX_GPUS_PER_NODE}-GPU nodes: give the nodes it runs on, {example}")
 
 
 def _world_keys(cfg: JobConfig) -> str:

@@ -9,8 +9,10 @@ FSDP2's post-backward reduce-scatters nothing (nor does HSDP all-reduce) and kee
 (upcast to the reduce dtype, ``FSDPParam.to_accumulated_grad_if_needed``); the last micro-batch adds its grads in
 and reduce-scatters the sums (``FSDPParamGroup.post_backward``). ``reshard_after_backward`` stays True, so each
 micro-batch all-gathers as a step does. The step is the ordinary step (the last micro-batch) plus N - 1 runs of
-its schedule without gradient collectives; its memory the largest of the micro-batches' peaks
-(``memory.GradSync``). The timeline, when recorded, is the last micro-batch's.
+its schedule without gradient collectives (nor TP's grad all-reduces of replicated params, which FSDP2 runs in the
+post-backward that reduce-scatters: ``SimContext.accumulating``); its memory the largest of the micro-batches' peaks
+(``memory.GradSync``, each read off the whole schedule: a group's post-backward is where its reduce-scatter would
+be). The timeline, when recorded, is the last micro-batch's.
 
 With ``SimOptions.gradient_sync`` EVERY (torchtitan's ``train_step``, which never disables sync) each micro-batch
 is the ordinary step's schedule, reduce-scatters and all-reduces included (counts and bytes x N); no unsharded grads
@@ -145,7 +147,7 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
         synced = phase is GradSync.LAST or ctx.options.gradient_sync is GradientSync.EVERY
         ph_ctx, run = (ctx, ph_sched) if synced else (ctx.accumulating(), _without_grad_sync(ph_sched))
         times = _engine(ph_ctx, plan, run, timeline and phase is GradSync.LAST)
-        # the memory model reads each group's post-backward off its reduce-scatter, issued or not
+        # ``accumulated`` reads each group's post-backward off its reduce-scatter, issued or not: the whole schedule
         runs[phase] = (ph_sched, report(ReportInput(ph_ctx, plan, run, gather, times, phase is GradSync.LAST)))
     return accumulated(ctx, plan, runs)
 
