@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_cli import run_here
+from conftest import run_main
 
 from fsdp_planner.hardware.cluster import CPU_ADAMW_SOURCE, PRESETS, Cluster, parse_cluster
 
@@ -37,29 +37,29 @@ def test_a_file_names_the_source_of_its_rate(tmp_path) -> None:
 
 
 def test_the_rate_given_on_the_command_line_sets_the_offload_step() -> None:
-    preset = run_here(*SIMULATE, "--json")
-    slow = run_here(*SIMULATE, "--json", "--cpu-optimizer-rate", "30.9e6")
+    preset = run_main(*SIMULATE, "--json")
+    slow = run_main(*SIMULATE, "--json", "--cpu-optimizer-rate", "30.9e6")
     assert preset.returncode == slow.returncode == 0, preset.stderr + slow.stderr
     t_preset = json.loads(preset.stdout)["cpu_optimizer_time"]
     t_slow = json.loads(slow.stdout)["cpu_optimizer_time"]
     rate = parse_cluster("h100:8").cpu_optimizer_rate
     assert t_slow == pytest.approx(t_preset * rate / 30.9e6, rel=1e-9)
     assert json.loads(slow.stdout)["step_time"] > json.loads(preset.stdout)["step_time"]
-    text = run_here(*SIMULATE, "--cpu-optimizer-rate", "30.9e6").stdout
+    text = run_main(*SIMULATE, "--cpu-optimizer-rate", "30.9e6").stdout
     assert "optimizer step on the CPU at 30.9 M elements/s per rank (given with --cpu-optimizer-rate)" in text
-    assert "preset: 14 host cores per GPU" in run_here(*SIMULATE).stdout
+    assert "preset: 14 host cores per GPU" in run_main(*SIMULATE).stdout
 
 
 @pytest.mark.parametrize("value", ["-1", "0", "nan", "inf"])
 def test_a_bad_rate_is_one_clear_error(value: str) -> None:
-    r = run_here(*SIMULATE, "--cpu-optimizer-rate", value)
+    r = run_main(*SIMULATE, "--cpu-optimizer-rate", value)
     assert r.returncode != 0 and "cpu_optimizer_rate" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.integration
 def test_calibrate_writes_the_measured_rate_with_its_source(tmp_path) -> None:
     out = tmp_path / "host.json"
-    r = run_here("calibrate", "--cpu-optimizer", "--base", "h100:2", "--out", str(out))
+    r = run_main("calibrate", "--cpu-optimizer", "--base", "h100:2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     c = Cluster.load(out)
     assert c.cpu_optimizer_source.startswith("calibrate --cpu-optimizer") and "of 2 ranks" in c.cpu_optimizer_source
