@@ -20,7 +20,7 @@ from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import GradientSync, SimOptions
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.tensor_parallel import tp_positions, tp_seconds, tp_view
 from fsdp_planner.trace import record
@@ -108,7 +108,7 @@ class TPCounter:
 
 
 def run_tp_fake_world(spec: str, plan, dp: int, tp: TensorParallel, steps: int = 2,  # type: ignore[no-untyped-def]
-                      micro_batches: int = 1) -> dict:
+                      micro_batches: int = 1, gradient_sync: GradientSync = GradientSync.LAST) -> dict:
     """Real TP + FSDP2 on dp x tp fake ranks; the last step's FSDP2 and TP collectives and peak."""
     from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
     from torch.distributed.device_mesh import init_device_mesh
@@ -128,7 +128,8 @@ def run_tp_fake_world(spec: str, plan, dp: int, tp: TensorParallel, steps: int =
                 parallelize_module(built.model, mesh["tp"], _torch_styles(tp))
                 apply_plan(built.model, plan, mesh=mesh["dp"],
                            mp_policy=mixed_precision(BF16.precision, built.model))
-            training = FakeTraining(built, plan, FakeSteps(steps, micro_batches=micro_batches), model_spec,
+            training = FakeTraining(built, plan, FakeSteps(steps, micro_batches=micro_batches,
+                                                                  gradient_sync=gradient_sync), model_spec,
                                     HostCopies())
             for _ in range(steps):
                 tp_counter = TPCounter()
@@ -215,18 +216,20 @@ def test_each_tp_rank_makes_the_vocab_parallel_embedding_s_grad_whole(checkpoint
 
 
 @pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~3 s a case
-@pytest.mark.parametrize("micro_batches", [2, 3])
-def test_accumulated_whole_embedding_grad_under_tp(micro_batches: int) -> None:
+@pytest.mark.parametrize(("micro_batches", "sync"), [(2, GradientSync.LAST), (3, GradientSync.LAST),
+                                                    (2, GradientSync.EVERY)])
+def test_accumulated_whole_embedding_grad_under_tp(micro_batches: int, sync: GradientSync) -> None:
     """With gradient accumulation the whole grad is what FSDP2 accumulates (upcast to the fp32 reduce dtype in a
     tensor of its own), and the last micro-batch's new one is made beside it; the micro-batches that accumulate
     hold every group's unsharded grads. The sequence-parallel norms' grads are made whole over TP (an all-reduce)
-    in the post-backward that reduce-scatters: once a step, not once a micro-batch."""
+    in the post-backward that reduce-scatters: once a step, not once a micro-batch (every micro-batch when each
+    one syncs, ``GradientSync.EVERY``)."""
     tr = _traced(TABLE)
     plan = TorchtitanPolicy("TransformerBlock").plan(tr)
     tp = titan_llama_layout(4)
-    options = dataclasses.replace(BF16, micro_batches=micro_batches)
+    options = dataclasses.replace(BF16, micro_batches=micro_batches, gradient_sync=sync)
     predicted = simulate(tr, plan.replace(tensor_parallel=tp), parse_cluster("h100:8"), options, timeline=False)
-    measured = run_tp_fake_world(TABLE, plan, 2, tp, micro_batches=micro_batches)
+    measured = run_tp_fake_world(TABLE, plan, 2, tp, micro_batches=micro_batches, gradient_sync=sync)
     assert measured["counts"]["reduce_scatter"] == predicted.reduce_scatters
     assert measured["counts"]["all_gather"] == predicted.all_gathers
     assert measured["tp_counts"] == {"all_gather": predicted.tp_all_gathers,
