@@ -220,13 +220,14 @@ def _processes_mentioning(marker: str) -> list[str]:
 @pytest.fixture
 def job_tmpdir(tmp_path: Path) -> Iterator[Callable[[bool], Path]]:
     """``make(forked)``: a TMPDIR for a job whose ranks are forked from the launcher's rank server (a short path,
-    in the system's temp dir, removed after the test) or each their own process, as on a GPU machine (a path too
+    removed after the test) or each their own process, as on a GPU machine (a path too
     deep for the server's socket: ``verify.rank_start``)."""
     made: list[Path] = []
 
     def make(forked: bool) -> Path:
         if forked:
-            made.append(Path(tempfile.mkdtemp(prefix="fsdp-t-")))
+            short = "/tmp" if Path("/tmp").is_dir() else None  # not a deep TMPDIR the suite may run under
+            made.append(Path(tempfile.mkdtemp(prefix="fsdp-t-", dir=short)))
             tmpdir = made[-1]
         else:
             tmpdir = tmp_path / ("deep-" * 16) / "tmp"

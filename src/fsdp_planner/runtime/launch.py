@@ -14,7 +14,7 @@ START is how torchrun's elastic agent starts the ranks (``RankStart``):
   runs ``MODULE`` as ``__main__`` (the agent's function entrypoint, ``start_method="forkserver"``). The same agent,
   rendezvous, environment and exit statuses; on CPU (gloo) it spares each rank ~4-5 s of CPU for its imports,
   which is most of a small job's cost. The server is started first, so it imports while this process imports
-  torchrun. Each rank follows the server (``rank.run_forked``), which ends when the agent does.
+  torchrun. Each rank follows the server (``run_forked``), which ends when the agent does.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import sys
 import tempfile
@@ -32,6 +33,7 @@ import threading
 import time
 from pathlib import Path
 
+from fsdp_planner.patching import patched
 from fsdp_planner.signals import follow_parent
 
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
@@ -61,14 +63,19 @@ def main(argv: list[str]) -> int:
     follow_command()
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # torchrun passes its environment on to the ranks
     exits_path, start, torchrun_args = Path(argv[0]), RankStart(argv[1]), argv[2:]
-    # what torch's elastic agent writes to temp files (its per-rank error pickles, which it leaves behind when a
-    # rank fails) goes into the job's directory, removed with it
-    tempfile.tempdir = str(exits_path.parent)
+    # What this process makes in temp files goes into the job's directory, removed with it: the rank server's
+    # socket (``verify.rank_start`` checks its path fits) and the agent's per-rank error pickles, which it leaves
+    # behind when a rank fails.
+    with patched(tempfile, "tempdir", str(exits_path.parent)):
+        return run_job(exits_path, start, torchrun_args)
+
+
+def run_job(exits_path: Path, start: RankStart, torchrun_args: list[str]) -> int:
+    """torchrun's job; each rank's exit status written to ``exits_path`` when it fails."""
     if start is RankStart.FORKSERVER:  # before torch is imported here: the server imports it meanwhile
         module = torchrun_args[torchrun_args.index("-m") + 1]
         multiprocessing.set_forkserver_preload([*PRELOAD, module])
         multiprocessing.forkserver.ensure_running()
-    # torch's own imports, after the server started (above)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -87,8 +94,6 @@ def launch(torchrun_args: list[str], start: RankStart) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args, run
 
-    from fsdp_planner.runtime.rank import run_forked
-
     args = parse_args(torchrun_args)
     if start is RankStart.EXEC:
         run(args)
@@ -99,6 +104,18 @@ def launch(torchrun_args: list[str], start: RankStart) -> None:
     watch_ranks(Path(args.training_script_args[0]).parent, config.nproc_per_node)
     elastic_launch(dataclasses.replace(config, start_method=start.value), entrypoint=run_forked)(
         args.training_script, *args.training_script_args)
+
+
+def run_forked(module: str, *argv: str) -> None:
+    """A rank forked from the rank server (``RankStart.FORKSERVER``): ``python -m MODULE ARGV...`` run in this
+    process (the server imported ``MODULE``'s imports already). It follows the server, its parent, as a rank of
+    its own process follows the launcher (``rank.follow_launcher``): the server ends when the launcher does
+    (``rank_server.py``). (Pickled by name for the server as ``__main__.run_forked``: multiprocessing imports this
+    module, the launcher's main, in the rank first.)"""
+    os.environ[LAUNCHER_ENV] = str(os.getppid())
+    rank_pid_file(Path(argv[0]).parent, os.getpid()).touch()  # argv[0]: the job file, in the job's directory
+    with patched(sys, "argv", [module, *argv]):
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def rank_pid_file(job_dir: Path, pid: int) -> Path:

@@ -2,7 +2,7 @@
 
 Each job's worker (``worker.py`` for verify, ``fsdp1_worker.py`` for verify --fsdp1, ``calibrate/worker.py`` for
 calibrate --backend gloo) is ``python -m MODULE JOB.json`` (its own process, or run as ``__main__`` in a process
-forked from the launcher's rank server: ``run_forked``) and hands its own work to ``run_rank``, which reads the
+forked from the launcher's rank server: ``launch.run_forked``) and hands its own work to ``run_rank``, which reads the
 job, joins the process group, runs the work and leaves the process group. How a rank ends, as the launcher
 (``verify.run_torchrun``) reads it:
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-import runpy
 import signal
-import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_planner.runtime.failures import write_failure
-from fsdp_planner.runtime.launch import LAUNCHER_ENV, rank_pid_file
+from fsdp_planner.runtime.launch import LAUNCHER_ENV
 from fsdp_planner.signals import follow_parent
 
 # A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
@@ -72,16 +70,6 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         raise
     finally:
         end_rank()
-
-
-def run_forked(module: str, *argv: str) -> None:
-    """A rank forked from the launcher's rank server (``launch.RankStart.FORKSERVER``): ``python -m MODULE
-    ARGV...`` run in this process (the server imported ``MODULE``'s imports already). It follows the server, its
-    parent, as a rank of its own process follows the launcher: the server ends when the launcher does."""
-    os.environ[LAUNCHER_ENV] = str(os.getppid())
-    rank_pid_file(Path(argv[0]).parent, os.getpid()).touch()  # argv[0]: the job file, in the job's directory
-    sys.argv = [module, *argv]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def follow_launcher() -> None:
