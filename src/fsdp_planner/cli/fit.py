@@ -3,7 +3,8 @@
 ``--gpus auto``, the fewest whole nodes that fit ``--batch`` x ``--seq`` and the tokens/s at each count tried.
 
 The answer without CPU offload comes first; the one with it (auto's last resort) is named as such and priced
-against it. Every row is ``plan MODEL --policy auto --cluster C --batch B --seq S`` run the same way (the same
+against it. Every row is ``plan MODEL --policy auto --cluster C --batch B --seq S --micro-batches 1`` (the batch
+that fits at once: plan's own default may split a batch into micro-batches) run the same way (the same
 trace, the same deterministic search within ``--search-effort``, the same budget with ``--headroom``), so each row
 is what ``plan`` prints for that workload; the boundaries are located with searches without refinement and
 confirmed with plan's search on both sides (``service/fit.py``). The searches (``planners/fit.py``) rely on memory
@@ -169,6 +170,8 @@ def _points(request: FitRequest) -> Points:
                   full_trace=request.full_trace, must_fit=False)
     cluster = request.cluster
     deadline = time.monotonic() + request.time_limit if request.time_limit else None
+    render.note("each batch is one forward and backward a step (plan ... --micro-batches 1): plan without "
+                "--micro-batches may split a larger batch into micro-batches that fit")
     tp = request.policy.tp
     if tp is not None and tp > 1:  # as plan's --tp: torchtitan's local batch
         render.note(f"--tp {tp}: each batch is one data-parallel rank's, its {tp} TP GPUs sharing it (tokens/s and "
