@@ -6,17 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import policy, run_main, traced
 
 from fsdp_planner import signals
@@ -24,7 +21,6 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.models import load_model
 from fsdp_planner.runtime import verify as v
-from fsdp_planner.runtime.launch import RankStart
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.trace import record
 
@@ -217,34 +213,12 @@ def _processes_mentioning(marker: str) -> list[str]:
     return found
 
 
-@pytest.fixture
-def job_tmpdir(tmp_path: Path) -> Iterator[Callable[[bool], Path]]:
-    """``make(forked)``: a TMPDIR for a job whose ranks are forked from the launcher's rank server (a short path,
-    removed after the test) or each their own process, as on a GPU machine (a path too
-    deep for the server's socket: ``verify.rank_start``)."""
-    made: list[Path] = []
-
-    def make(forked: bool) -> Path:
-        if forked:
-            short = "/tmp" if Path("/tmp").is_dir() else None  # not a deep TMPDIR the suite may run under
-            made.append(Path(tempfile.mkdtemp(prefix="fsdp-t-", dir=short)))
-            tmpdir = made[-1]
-        else:
-            tmpdir = tmp_path / ("deep-" * 16) / "tmp"
-            tmpdir.mkdir(parents=True)
-        job_dir = tmpdir / "fsdp-planner-verify-12345678"  # as deep as a job's directory in it
-        assert torch.cuda.is_available() or (v.rank_start(job_dir) is RankStart.FORKSERVER) == forked
-        return tmpdir
-
-    yield make
-    for tmpdir in made:
-        shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-def _start_slow_verify(tmp_path: Path, tmpdir: Path, *extra: str) -> tuple[subprocess.Popen, Path, str]:
+def _start_slow_verify(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, str]:
     import uuid
 
     (tmp_path / "slow.py").write_text(SLOW_MODEL)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
     marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
     env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker}
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'slow.py'}:slow",
@@ -274,13 +248,12 @@ def _wait_for_ranks(proc: subprocess.Popen, tmp_path: Path, n: int = 2, limit: f
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("sig", "forked"), [(signal.SIGTERM, True), (signal.SIGINT, False)])  # SIGHUP: as SIGTERM
-def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, job_tmpdir, sig, forked):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])  # SIGHUP takes SIGTERM's handler
+def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, sig):
     """SIGTERM (a job scheduler, `kill`), Ctrl-C or SIGHUP (the terminal closed) while the ranks run: the torchrun
     launcher and every rank end with the command, and the job directory and the half-written checkpoint are
     removed."""
-    proc, tmpdir, marker = _start_slow_verify(tmp_path, job_tmpdir(forked), "--save-checkpoint",
-                                              str(tmp_path / "ck"))
+    proc, tmpdir, marker = _start_slow_verify(tmp_path, "--save-checkpoint", str(tmp_path / "ck"))
     try:
         _wait_for_ranks(proc, tmp_path)
         assert list(tmpdir.glob("fsdp-planner-verify-*")), "the job directory should exist while it runs"
@@ -299,10 +272,10 @@ def test_a_signal_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, job_tmp
 
 
 @pytest.mark.integration
-def test_a_killed_command_takes_its_job_with_it(tmp_path, job_tmpdir, monkeypatch):
+def test_a_killed_command_takes_its_job_with_it(tmp_path, monkeypatch):
     """SIGKILL (the OOM killer, a cancelled CI job) runs no handler: the launcher follows its parent (the kernel's
     PR_SET_PDEATHSIG) and ends the ranks; the next job removes the directory nobody else will."""
-    proc, tmpdir, marker = _start_slow_verify(tmp_path, job_tmpdir(False))
+    proc, tmpdir, marker = _start_slow_verify(tmp_path)
     try:
         _wait_for_ranks(proc, tmp_path)
         proc.kill()
@@ -324,12 +297,11 @@ def test_a_killed_command_takes_its_job_with_it(tmp_path, job_tmpdir, monkeypatc
 
 @pytest.mark.integration
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_path, job_tmpdir, sig):
+def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_path, sig):
     """The torchrun agent (launch.py) killed from outside while its ranks run. SIGKILL: each rank follows its
     launcher (PR_SET_PDEATHSIG) and dies at once instead of running on unsupervised; SIGTERM: torchrun stops them.
-    Either way the command fails with one line, not a traceback. Its ranks forked from its rank server: the
-    server follows the launcher, the ranks the server."""
-    proc, _, marker = _start_slow_verify(tmp_path, job_tmpdir(True))
+    Either way the command fails with one line, not a traceback."""
+    proc, _, marker = _start_slow_verify(tmp_path)
     try:
         _wait_for_ranks(proc, tmp_path)
         launchers = [p for p in _processes_mentioning(marker) if "fsdp_planner.runtime.launch" in p]
@@ -351,12 +323,13 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_pat
                      "outside the job), and its ranks were stopped with it"], err
 
 
-def _faulty_command(tmpdir: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:
-    """Run the CLI with a test-only fault injected into the ranks and TMPDIR ``tmpdir``; returns its outcome, its
-    wall time and the seconds from the first verify rank's death to the command's end (None when no rank died
-    before it)."""
+def _faulty_command(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:
+    """Run the CLI with a test-only fault injected into the ranks; returns its outcome, its wall time and the
+    seconds from the first verify rank's death to the command's end (None when no rank died before it)."""
     import uuid
 
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
     marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
     env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker, "FSDP_PLANNER_TEST_FAULT": fault}
     start = time.monotonic()
@@ -384,10 +357,10 @@ def _faulty_command(tmpdir: Path, fault: str, *args: str) -> tuple[subprocess.Co
 
 
 @pytest.mark.integration
-def test_a_killed_rank_ends_the_job_naming_it(job_tmpdir):
+def test_a_killed_rank_ends_the_job_naming_it(tmp_path):
     """Rank 1 SIGKILLs itself in step 1 while rank 0 waits in an all-gather: torchrun notices within its 0.1 s
     monitor interval and stops rank 0; the error names rank 1 and its signal first, rank 0's echo after."""
-    done, wall, after_death = _faulty_command(job_tmpdir(True), "kill:1", "verify", "seed-net", "--policy", "order",
+    done, wall, after_death = _faulty_command(tmp_path, "kill:1", "verify", "seed-net", "--policy", "order",
                                               "--nproc", "2", "--steps", "2")
     print(f"killed rank: command took {wall:.1f} s, {after_death} s after the first rank died")
     lines = done.stderr.strip().splitlines()
@@ -398,11 +371,11 @@ def test_a_killed_rank_ends_the_job_naming_it(job_tmpdir):
 
 
 @pytest.mark.integration
-def test_a_rank_with_another_plan_ends_the_job_naming_it(job_tmpdir):
+def test_a_rank_with_another_plan_ends_the_job_naming_it(tmp_path):
     """A rank that would apply another plan would issue other collectives (a hang, or garbage): the ranks compare
     plans before sharding and stop with the rank's number."""
-    done, wall, _ = _faulty_command(job_tmpdir(False), "plan:1", "verify", "seed-net", "--policy", "order",
-                                    "--nproc", "2", "--steps", "1")
+    done, wall, _ = _faulty_command(tmp_path, "plan:1", "verify", "seed-net", "--policy", "order", "--nproc", "2",
+                                    "--steps", "1")
     print(f"plan mismatch: command took {wall:.1f} s")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: verify job failed: ranks 0, 1 raised RuntimeError: rank 1 has a different "
@@ -420,13 +393,13 @@ WORKER_JOBS = {
 
 @pytest.mark.integration
 @pytest.mark.parametrize("worker", list(WORKER_JOBS))
-def test_a_rank_that_raises_is_the_first_line_of_every_jobs_command(tmp_path, job_tmpdir, worker):
+def test_a_rank_that_raises_is_the_first_line_of_every_jobs_command(tmp_path, worker):
     """Rank 1 raises as its work starts (``raise:1``): whichever worker runs, the command fails with that rank's
     exception on its first line, read from the one error file every rank writes, not torchrun's summary."""
     args, what = WORKER_JOBS[worker]
     out = tmp_path / "cluster.json"
     extra = ["--out", str(out)] if args[0] == "calibrate" else []
-    done, wall, _ = _faulty_command(job_tmpdir(True), "raise:1", *args, *extra)
+    done, wall, _ = _faulty_command(tmp_path, "raise:1", *args, *extra)
     print(f"{worker}: command took {wall:.1f} s")
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]  # e.g. more ranks than cores
@@ -501,9 +474,10 @@ def test_a_byte_mismatch_fails_a_real_run(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, job_tmpdir, monkeypatch):
+def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkeypatch):
     (tmp_path / "slow.py").write_text(SLOW_MODEL)
-    tmpdir = job_tmpdir(True)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
     monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
     spec = f"{tmp_path / 'slow.py'}:slow"

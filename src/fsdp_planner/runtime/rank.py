@@ -1,8 +1,7 @@
 """One torchrun rank's life, the same for every job: ``run_rank(job_path, body)``.
 
 Each job's worker (``worker.py`` for verify, ``fsdp1_worker.py`` for verify --fsdp1, ``calibrate/worker.py`` for
-calibrate --backend gloo) is ``python -m MODULE JOB.json`` (its own process, or run as ``__main__`` in a process
-forked from the launcher's rank server: ``launch.run_forked``) and hands its own work to ``run_rank``, which reads the
+calibrate --backend gloo) is ``python -m MODULE JOB.json`` and hands its own work to ``run_rank``, which reads the
 job, joins the process group, runs the work and leaves the process group. How a rank ends, as the launcher
 (``verify.run_torchrun``) reads it:
 

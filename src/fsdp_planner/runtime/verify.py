@@ -1,9 +1,8 @@
 """Verify a plan on a real multi-process run: same parameters as unsharded training, predicted collectives.
 
 ``run_verify`` predicts the step's collectives from the FSDP2 replay, writes a job file and launches
-torchrun's ``--standalone --nproc_per_node N -m fsdp_planner.runtime.worker JOB`` (gloo on CPU, NCCL on GPUs;
-through ``launch.py``, which records each rank's exit status and on CPU forks the ranks from a server that imported
-torch once: ``rank_start``); see ``worker.py`` for what each rank does. A plan passes
+``torchrun --standalone --nproc_per_node N -m fsdp_planner.runtime.worker JOB`` (gloo on CPU, NCCL on GPUs; through
+``launch.py``, which records each rank's exit status); see ``worker.py`` for what each rank does. A plan passes
 when the parameters match the unsharded reference and the counted all-gathers and reduce-scatters, and their
 bytes, equal the prediction on every step, and, when it starts from a checkpoint, the restored state is the saved
 one. A failed job is told by its cause (``failures.py``): the rank that raised or died, not the ranks it took
@@ -25,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
@@ -45,7 +43,7 @@ from fsdp_planner.models import ModelSpec, as_spec, load_model, planning_only
 from fsdp_planner.runtime.checkpoint import META, REFERENCE, read_meta
 from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA, check_metadata
 from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
-from fsdp_planner.runtime.launch import PARENT_ENV, RankStart
+from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
 from fsdp_planner.signals import signals_raise
 from fsdp_planner.sim.expert_parallel import ep_view
@@ -332,10 +330,6 @@ def remove_orphaned_job_dirs(prefix: str) -> None:
             continue  # not ours to judge: unreadable, another user's, or still being written
 
 
-AF_UNIX_PATH_MAX = 103  # bytes of a Unix socket's path: sun_path's 104 on macOS (108 on Linux), less its NUL
-SERVER_SOCKET = "/pymp-12345678/listener-12345678"  # the rank server's socket under the job's directory, as long
-
-
 def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[str, Any]) -> tuple[dict, int]:
     """``python -m MODULE JOB.json`` on ``nproc`` local ranks under torchrun (``launch.py``), in its own session,
     ended as a whole on every way out (call it inside ``signals_raise``). ``job`` gains ``result``, the file rank 0
@@ -351,9 +345,7 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
                "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY), PARENT_ENV: str(os.getpid())}
         # torchrun's per-rank error files go under the job's directory too (by default a torchelastic_* temp dir
         # that it never removes)
-        # --standalone's rendezvous, said in full: launch.py's FORKSERVER start takes it so
-        cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), rank_start(Path(tmp)).value,
-               "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={uuid.uuid4()}", "--nnodes=1",
+        cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), "--standalone",
                f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}", "-m", module, str(job_path)]
         # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
         # reaches only this process (which then stops them) instead of racing torchrun's own handling.
@@ -373,17 +365,6 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
             message = explain(read_failures(result_path, exits_path), what)
             raise PlannerError(message or unexplained(proc.returncode, stdout + stderr, what))
         return data, proc.returncode
-
-
-def rank_start(job_dir: Path) -> RankStart:
-    """How the job's ranks start (``launch.RankStart``): forked from a server that imported torch once, on CPU;
-    each its own process, as torchrun starts them, on a machine with a GPU (CUDA cannot be used across a fork) or
-    where the job's directory is too deep for the server's Unix socket in it (``AF_UNIX_PATH_MAX``)."""
-    import torch
-
-    if torch.cuda.is_available() or len(os.fsencode(job_dir)) + len(SERVER_SOCKET) > AF_UNIX_PATH_MAX:
-        return RankStart.EXEC
-    return RankStart.FORKSERVER
 
 
 def read_result(path: Path) -> dict[str, Any] | None:
