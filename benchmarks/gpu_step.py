@@ -4,19 +4,19 @@ The planner's time and memory figures for Hopper come from data sheets, papers a
 benchmark checks them against a GPU it measured itself. Three phases, so that the GPU runs only the steps:
 
 1. ``python benchmarks/gpu_step.py prepare`` (here, any CPU): ``fsdp-planner plan MODEL --policy titan [--ac full]
-   [--compile] --cluster h200:1 --out benchmarks/gpu/NAME.plan.json --json`` for each workload below; the
-   predictions go to ``benchmarks/gpu/predicted.json``.
-2. ``python benchmarks/gpu_step.py run OUTDIR`` (on the GPU machine): ``fsdp-planner calibrate --compute --base
-   h200:1`` (the roofline's efficiencies from timed matmuls, attention and an elementwise op), then each workload in
-   its own process: the model built on the GPU, the plan applied with ``apply_plan`` (bf16-mixed, as planned), AdamW;
-   3 warm-up steps, 10 timed steps (CUDA events: forward + backward, and the optimizer step apart, which the
-   simulator does not model), the peak allocated / reserved bytes of 2 more whole steps, and a torch.profiler trace of
-   3 forward + backward steps (``OUTDIR/NAME.trace.json.gz``: what ``calibrate --trace`` reads).
-3. Here: ``calibrate --trace`` on one workload's trace, the others predicted with that cluster (``simulate
-   --against``), predicted beside measured.
+   [--compile] --cluster h200:1 --out benchmarks/gpu/NAME.plan.json`` for each workload below.
+2. ``python benchmarks/gpu_step.py run OUTDIR`` (on the GPU machine): each workload in its own process: the model
+   built on the GPU, the plan applied with ``apply_plan`` (bf16-mixed, as planned), AdamW; 3 warm-up steps, 10 timed
+   steps (CUDA events: forward + backward, and the optimizer step apart), the peak allocated / reserved bytes of 2
+   more whole steps, and a torch.profiler trace of 3 forward + backward steps (``OUTDIR/NAME.trace.json.gz``: what
+   ``calibrate --trace`` reads); ``fsdp-planner calibrate --compute`` and ``--overhead --base h200:1`` before the
+   compiled workload. ``one NAME OUTDIR`` runs one workload again (the repeats in ``measured.json``).
+3. Here: ``benchmarks/gpu_report.py`` collects the machine's files into ``benchmarks/gpu/`` and writes
+   ``benchmarks/gpu_step.md``: ``calibrate --trace`` on one workload's trace, the others predicted with that
+   cluster, the preset beside both.
 
-Status: prepared and tried on CPU (``one`` runs each workload with gloo when no GPU is there, under torch 2.11 as
-on the GPU image); not yet run on a GPU: the session that wrote it was not lent one (no results are committed).
+Run on an H200 on 2026-11-30 (torch 2.11, the machine's image; ``benchmarks/gpu/run.log``). ``one`` also runs each
+workload with gloo on a CPU when no GPU is there, to try the script anywhere.
 
 FSDP2 runs on one rank (NCCL, world size 1): no collective moves bytes, so this checks compute, host overhead and
 memory, not the network (published multi-GPU runs check that: ``benchmarks/fidelity_published.md``).
@@ -58,6 +58,9 @@ WORKLOADS = (
     Workload("llama32-3b-ac", "llama32-3b", ("--ac", "full")),
     Workload("llama-1b-compile", "benchmarks/gpu_models.py:llama_1b", ("--compile",)),
 )
+CALIBRATIONS = {"calibrate-compute": "--compute", "calibrate-overhead": "--overhead"}  # name: calibrate's option
+SAMPLES = "compute-samples"  # calibrate --compute's raw samples, SAMPLE_RUNS times: what gpu_report.py fits
+SAMPLE_RUNS = 3
 CALIBRATED_ON = "llama-1b"  # the trace calibrate --trace fits; the other workloads are predicted with its cluster
 
 
@@ -70,21 +73,12 @@ def cli(*args: str, timeout: float = 900) -> str:
     return done.stdout
 
 
-def prediction(out: str) -> dict[str, Any]:
-    sim = json.loads(out)["plans"][0]["simulation"]
-    return {k: sim[k] for k in ("step_time", "compute_time", "recompute_time", "host_time", "peak_memory",
-                                "reserved_memory")}
-
-
 def prepare() -> None:
-    """The plans and their predictions, made here (the product's torch; the GPU machine's may be older)."""
+    """The plans, made here (the product's torch; the GPU machine's may be older). ``gpu_report.py`` predicts them."""
     PLANS.mkdir(exist_ok=True)
-    predicted = {}
     for w in WORKLOADS:
-        out = cli("plan", w.model, "--policy", "titan", *w.options, "--cluster", CLUSTER,
-                  "--out", str(PLANS / f"{w.name}.plan.json"), "--json")
-        predicted[w.name] = prediction(out)
-    (PLANS / "predicted.json").write_text(json.dumps(predicted, indent=1) + "\n")
+        cli("plan", w.model, "--policy", "titan", *w.options, "--cluster", CLUSTER,
+            "--out", str(PLANS / f"{w.name}.plan.json"), "--force")
 
 
 # --- on the GPU machine -------------------------------------------------------------------------------------------
@@ -112,28 +106,30 @@ def _older_torch_shims() -> None:
 
 
 def run(out: Path) -> None:
-    """Each workload in its own process (a failure or an out-of-memory ends that one only), ``calibrate --compute``
-    before the compiled one (whose compile takes longest); each step skipped where it could overrun the machine's
-    command limit, and what ran written after each."""
+    """Each workload in its own process (a failure or an out-of-memory ends that one only), the two calibrations
+    before the compiled workload (whose compile takes longest); each step skipped where it could overrun the
+    machine's command limit, and what ran written after each. The calibrated clusters go inside results.json: the
+    machine returns at most 8 files (results, 5 traces, the log)."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"device": _device_line()}
     started = time.perf_counter()
-    steps = [(w.name, True) for w in WORKLOADS]
-    steps.insert(len(steps) - 1, ("calibrate-compute", True))
-    for name, _ in steps:
+    steps = [w.name for w in WORKLOADS]
+    steps[-1:-1] = [*CALIBRATIONS, SAMPLES]
+    for name in steps:
         if time.perf_counter() - started + WORKLOAD_TIMEOUT_S > DEADLINE_S:
             results[name] = {"error": "skipped: the machine's time was short"}
             continue
         begun = time.perf_counter()
-        results[name] = _calibrate_compute(out) if name == "calibrate-compute" else _workload(name, out)
+        results[name] = (_calibrate(name, out) if name in CALIBRATIONS else
+                         _workload(name, out, "samples" if name == SAMPLES else "one"))
         results[name]["wall_s"] = round(time.perf_counter() - begun, 1)
         (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
         print(name, json.dumps(results[name])[:600], flush=True)
 
 
-def _workload(name: str, out: Path) -> dict[str, Any]:
+def _workload(name: str, out: Path, verb: str) -> dict[str, Any]:
     try:
-        done = subprocess.run([sys.executable, __file__, "one", name, str(out)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, __file__, verb, name, str(out)], capture_output=True, text=True,
                               timeout=WORKLOAD_TIMEOUT_S, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"error": f"over {WORKLOAD_TIMEOUT_S} s"}
@@ -145,13 +141,17 @@ def _workload(name: str, out: Path) -> dict[str, Any]:
     return result
 
 
-def _calibrate_compute(out: Path) -> dict[str, Any]:
+def _calibrate(name: str, out: Path) -> dict[str, Any]:
+    """``calibrate --compute`` or ``--overhead`` on this GPU: the cluster it writes and the table it prints."""
+    path = out / f"{name}.json"
     try:
-        _in_process_cli(["calibrate", "--compute", "--base", CLUSTER, "--out", str(out / "h200_compute.json")],
-                        timeout=WORKLOAD_TIMEOUT_S)
-        return {"cluster": "h200_compute.json"}
+        printed = _in_process_cli(["calibrate", CALIBRATIONS[name], "--base", CLUSTER, "--out", str(path)],
+                                  timeout=WORKLOAD_TIMEOUT_S)
     except Exception as e:
         return {"error": str(e)[-2000:]}
+    cluster = json.loads(path.read_text())
+    path.unlink()
+    return {"cluster": cluster, "printed": printed[-4000:]}
 
 
 def _device_line() -> str:
@@ -161,7 +161,7 @@ def _device_line() -> str:
     return f"{name}, torch {torch.__version__}"
 
 
-def _in_process_cli(argv: list[str], timeout: float) -> None:
+def _in_process_cli(argv: list[str], timeout: float) -> str:
     """``python -m fsdp_planner ARGV`` with the shims in place (a child process, so a hang ends at ``timeout``)."""
     code = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(HERE)!r}]; import gpu_step; "
             f"gpu_step._older_torch_shims(); from fsdp_planner.cli import main; sys.exit(main({argv!r}))")
@@ -169,10 +169,24 @@ def _in_process_cli(argv: list[str], timeout: float) -> None:
     print(done.stdout[-3000:], done.stderr[-3000:], flush=True)
     if done.returncode != 0:
         raise RuntimeError(f"exit {done.returncode}: {done.stderr[-1500:]}")
+    return done.stdout
+
+
+def samples(name: str, out: Path) -> None:
+    """``calibrate --compute``'s timed samples, ``SAMPLE_RUNS`` times, as ``OUT/NAME.json`` (the runs' spread shows)."""
+    import dataclasses
+
+    sys.path[:0] = [str(ROOT / "src")]
+    _older_torch_shims()
+    from fsdp_planner.calibrate.compute import measure_compute
+
+    runs = [[dataclasses.asdict(s) for s in measure_compute()] for _ in range(SAMPLE_RUNS)]
+    (out / f"{name}.json").write_text(json.dumps({"runs": runs}) + "\n")
 
 
 def one(name: str, out: Path) -> None:
     """One workload on this process's GPU (or CPU with gloo when none, to try the script anywhere)."""
+    out.mkdir(parents=True, exist_ok=True)
     sys.path[:0] = [str(ROOT / "src")]
     _older_torch_shims()
     import torch
@@ -277,7 +291,7 @@ if __name__ == "__main__":
         prepare()
     elif what == "run" and len(sys.argv) == 3:
         run(Path(sys.argv[2]))
-    elif what == "one" and len(sys.argv) == 4:
-        one(sys.argv[2], Path(sys.argv[3]))
+    elif what in ("one", "samples") and len(sys.argv) == 4:
+        (one if what == "one" else samples)(sys.argv[2], Path(sys.argv[3]))
     else:
         raise SystemExit(__doc__)

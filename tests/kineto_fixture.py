@@ -144,7 +144,7 @@ def simulated_gpu_trace(trace: object, plan: object, cluster: object, options: o
     from fsdp_planner.sim.simulate import simulate
     from fsdp_planner.sim.sizing import Sizing
     from fsdp_planner.sim.timeline import Stream, Work
-    from fsdp_planner.trace.events import KERNEL_ATTENTION
+    from fsdp_planner.trace.events import ATTENTION_KERNELS
 
     report = simulate(trace, plan, cluster, options, timeline=True)
     seconds = op_times(trace, cluster.gpu, options.precision, cluster.compute, cluster.world_size)
@@ -164,7 +164,7 @@ def simulated_gpu_trace(trace: object, plan: object, cluster: object, options: o
                     continue
                 kernel = ev.kernel
                 name = ("sm90_xmma_gemm_bf16bf16_bf16f32" if kernel > 0 else
-                        ("flash_bwd_kernel" if ev.backward else "flash_fwd_kernel") if kernel == KERNEL_ATTENTION
+                        ("flash_bwd_kernel" if ev.backward else "flash_fwd_kernel") if kernel in ATTENTION_KERNELS
                         else "vectorized_elementwise_kernel")
                 w.ids += 1
                 launch = round(max(mark["ts"], at - 5), 3)
@@ -173,6 +173,12 @@ def simulated_gpu_trace(trace: object, plan: object, cluster: object, options: o
                 w.launch(launch, 90_000 + w.ids, name, round(at, 3), round(seconds[i] * 1e6, 3), COMPUTE_STREAM)
                 at += seconds[i] * 1e6
         for e in report.timeline:
+            if e.work is Work.OPTIMIZER:  # its range, and a kernel launched in it: the optimizer's, not an op
+                at = round(t0 + e.start * 1e6, 3)
+                w.x("Optimizer.step#AdamW.step", "user_annotation", at, round((e.end - e.start) * 1e6, 3))
+                w.ids += 1
+                w.launch(at, 90_000 + w.ids, "multi_tensor_apply_kernel", at, round((e.end - e.start) * 1e6, 3),
+                         COMPUTE_STREAM)
             if e.stream in (Stream.ALL_GATHER, Stream.REDUCE_SCATTER):
                 gather = e.stream is Stream.ALL_GATHER
                 nbytes = (sizing.gather_bytes(params[e.group]) if gather else sizing.reduce_bytes(params[e.group]))

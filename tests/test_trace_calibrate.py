@@ -142,7 +142,9 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
                           env={**__import__("os").environ, **env}, timeout=600)
     assert done.returncode == 0, done.stderr
     fit = json.loads(done.stdout)["fit"]
-    assert fit["after"]["step_time"] == pytest.approx(fit["measured_step"], rel=0.02)
+    assert fit["optimizer"] is False  # verify --profile's steps run forward and backward alone
+    assert fit["after_step"] == pytest.approx(fit["measured_step"], rel=0.02)
+    assert fit["after_step"] == fit["after"]["step_time"] - fit["after"]["gpu_optimizer_time"]
     assert json.loads(out.read_text())["engine"] == "host"
 
 

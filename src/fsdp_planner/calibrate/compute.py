@@ -20,6 +20,7 @@ MATMUL_DIMS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)  # smallest dim; t
 LARGE = 8192
 ATTENTION_SHAPE = (1, 32, 8192, 128)  # batch, heads, sequence, head dim: a Llama 3 8B layer's
 MEMORY_ELEMENTS = 256 * 2 ** 20
+COMPUTE_BOUND = 0.5  # a matmul sample fits the curve where its bytes at the memory rate take under this of its time
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,10 @@ class ComputeSample:
 
 def fit_compute(samples: Sequence[ComputeSample], gpu: GPU, base: Compute, source: str) -> Compute:
     """The factors that make the roofline reproduce ``samples`` on ``gpu``'s peaks; kinds not sampled keep
-    ``base``'s. The matmul curve ``cap x d / (d + half)`` is fitted as the line ``1/f = 1/cap + (half/cap) / d``."""
+    ``base``'s. The matmul curve ``cap x d / (d + half)`` is fitted as the line ``1/f = 1/cap + (half/cap) / d``
+    over the matmuls whose time is their arithmetic's: a thin one (d = 32-256 of 8192 x 8192 on an H200) takes
+    as long as reading its large operand at the memory rate, which the roofline's other term charges, so fitting
+    the curve to it would bend the cap past 1 (seen on an H200: benchmarks/gpu_step.md)."""
     peak = gpu.peak_bf16_flops
     out = replace(base, source=source)
     memory = [s.nbytes / (s.seconds * gpu.hbm_bandwidth) for s in samples if s.kind == "memory"]
@@ -44,7 +48,9 @@ def fit_compute(samples: Sequence[ComputeSample], gpu: GPU, base: Compute, sourc
     attention = [s.flops / (s.seconds * peak) for s in samples if s.kind == "attention"]
     if attention:
         out = replace(out, attention_efficiency=min(1.0, statistics.median(attention)))
-    matmul = [(s.dim, s.flops / (s.seconds * peak)) for s in samples if s.kind == "matmul"]
+    bandwidth = gpu.hbm_bandwidth * out.memory_efficiency
+    matmul = [(s.dim, s.flops / (s.seconds * peak)) for s in samples
+              if s.kind == "matmul" and s.nbytes / bandwidth < COMPUTE_BOUND * s.seconds]
     if len(matmul) >= 2:
         xs, ys = [1 / d for d, _ in matmul], [1 / f for _, f in matmul]
         slope, intercept = statistics.linear_regression(xs, ys)

@@ -5,6 +5,7 @@ What a trace holds, and what is read of it (the schema ``tests/kineto_fixture.py
 - ``traceEvents``: complete events (``"ph": "X"``) with ``name``, ``cat``, ``ts`` and ``dur`` in microseconds,
   ``pid``/``tid`` and ``args``; everything else (metadata, flow arrows, instants) is skipped.
 - ``ProfilerStep#N`` (``cat`` ``user_annotation``, on the training thread): one step each; ``prof.step()`` marks them.
+  Their copies on the GPU's timeline (``gpu_user_annotation``) are not steps.
 - CPU ops (``cpu_op``): on a CPU rank the outermost ``aten::`` op is one op of the step, classed by name
   (``op_class``); on a GPU the kernels (``kernel``) are, classed by kernel name, and a CPU trace's ops are ignored.
 - Collectives: on GPUs NCCL kernels (a name with ``nccl``), sized by their own ``args`` where torch (2.3 on) copies
@@ -17,7 +18,9 @@ What a trace holds, and what is read of it (the schema ``tests/kineto_fixture.py
   Sizes are nccl-tests': an all-gather's output, a reduce-scatter's input, an all-reduce's buffer.
 - ``FSDP::`` ranges (FSDP2's ``record_function``s): its host work; ``FSDP::pre_backward`` or the autograd engine's
   first ``autograd::engine::evaluate_function`` range (on any thread: the engine runs CUDA backward on a thread of
-  its own) starts backward; ``Optimizer.step#`` ranges are the optimizer.
+  its own) starts backward; ``Optimizer.step#`` ranges are the optimizer step: the ops and kernels launched
+  in them are its phase, not the model's ops (the simulator prices the optimizer apart). A step without one (a
+  profile of forward and backward alone, as ``verify --profile`` records) is compared so.
 - ``distributedInfo``'s ``rank`` and ``world_size``: numbers, or decimal strings (as some Kineto versions write).
 
 Bounds: the file at most ``MAX_TRACE_BYTES`` (gzip too, inflated), ``MAX_EVENTS`` events, JSON only (never
@@ -65,14 +68,18 @@ class OpClass(Enum):
 CPU_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
               "aten::addbmm", "aten::einsum", "aten::_scaled_mm", "aten::conv2d", "aten::convolution"}
 ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "fmha", "attn", "efficient_attention")
+# (not "conv" alone: cuDNN's attention backward converts dQ in "cudnn::fusion::convert_dq_to_16bits", a copy)
 GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "matmul", "gemv", "sm90_", "sm80_", "ampere_", "hopper_",
-                    "wgmma", "conv")
+                    "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d")
 GLOO_KINDS = {"c10d::_allgather_base_": CollectiveKind.ALL_GATHER, "c10d::allgather_": CollectiveKind.ALL_GATHER,
               "c10d::allgather_into_tensor_coalesced_": CollectiveKind.ALL_GATHER,
               "c10d::_reduce_scatter_base_": CollectiveKind.REDUCE_SCATTER,
               "c10d::reduce_scatter_": CollectiveKind.REDUCE_SCATTER,
               "c10d::reduce_scatter_tensor_coalesced_": CollectiveKind.REDUCE_SCATTER,
               "c10d::allreduce_": CollectiveKind.ALL_REDUCE}
+# Kineto (seen in torch 2.11's traces on an H200) also draws each ``record_function`` range, ``ProfilerStep#``
+# too, on the GPU's timeline, spanning the kernels it launched: not a step of the training thread
+GPU_RANGES = ("gpu_user_annotation",)
 ITEMSIZE = {"float": 4, "c10::bfloat16": 2, "c10::half": 2, "double": 8, "bfloat16": 2, "half": 2, "float16": 2,
             "float32": 4, "float64": 8, "int": 4, "long int": 8, "int64": 8, "int32": 4, "c10::float8_e4m3fn": 1,
             "float8_e4m3fn": 1, "unsigned char": 1, "signed char": 1, "bool": 1, "byte": 1, "long": 8, "short": 2,
@@ -240,7 +247,8 @@ def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
         raise PlannerError(f"{label} has {len(raw_events):,} events, over the {MAX_EVENTS:,} read: profile fewer "
                            "steps")
     events = [e for e in map(_event, raw_events) if e is not None]
-    marks = sorted((e for e in events if e.name.startswith("ProfilerStep#")), key=lambda e: e.ts)
+    marks = sorted((e for e in events if e.name.startswith("ProfilerStep#") and e.cat not in GPU_RANGES),
+                   key=lambda e: e.ts)
     if not marks:
         raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
                            "(profile with a schedule and call prof.step() once a step)")
@@ -320,12 +328,14 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
     main = [e for e in during if e.tid == mark.tid and e is not mark]
     fsdp = _outermost([e for e in main if e.name.startswith("FSDP::")])
     backward = [(e.ts, e.end) for e in during if e.name.startswith(BACKWARD_RANGES)]  # any thread: the engine's
+    stepping = [(e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#")]
     if gpu:
-        ops, comms, end, backward = _gpu_work(events, (start, end), world, label, backward)
+        ops, comms, end, backward = _gpu_work(events, (start, end), world, label, (backward, stepping))
     else:
+        in_optimizer = _inside(stepping)
         ops = [(e, op_class(e.name, False)) for e in _outermost([e for e in main
                                                                  if e.name.startswith(("aten::", "FSDP::"))])
-               if e.name.startswith("aten::")]
+               if e.name.startswith("aten::") and not in_optimizer(e.ts)]
         comms = _gloo_collectives(main, events, start, end + (marks[i + 1].ts - end if i + 1 < len(marks) else 0),
                                   world, label)
     spans = ([Span(e.name, e.ts, e.end, "compute") for e, _ in ops]
@@ -333,7 +343,7 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
                 for c, a, b in comms]
              + [Span(e.name, e.ts, e.end, "host") for e in fsdp])
     spans = [Span(sp.name, (sp.start - start) / 1e6, (sp.end - start) / 1e6, sp.lane) for sp in spans]
-    optimizer = covered((e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#"))
+    optimizer = covered(stepping)
     return _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
 
 
@@ -363,12 +373,15 @@ def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: 
                 tuple(c for c in comms if isinstance(c, OtherCollective)), tuple(spans))
 
 
-def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str, backward: list[Interval]
+def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str,
+              ranges: tuple[list[Interval], list[Interval]]
               ) -> tuple[list[tuple[_Event, OpClass]], list[tuple[Communication, float, float]], float,
                          list[Interval]]:
     """The step's kernels (those launched inside it) as ops and collectives, the step's end (its CPU range's, or
-    its last kernel's) and the kernels launched inside ``backward``'s CPU ranges."""
+    its last kernel's) and the kernels launched inside backward's CPU ranges (``ranges``: backward's, then the
+    optimizer step's, whose kernels are its phase, not ops of the model: the simulator prices it apart)."""
     start, end = bounds
+    backward, stepping = ranges
     launches = {e.args.get("correlation"): e.ts for e in events
                 if e.cat in ("cuda_runtime", "cuda_driver") and isinstance(e.args.get("correlation"), int)}
     kernels = sorted((e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")
@@ -385,7 +398,9 @@ def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str, ba
             raise PlannerError(f"{label}: NCCL kernel '{printable(cut_short(kernel.name))}' has no "
                                "record_param_comms op to size it (profile with record_shapes=True)")
         collectives.append((_nccl_collective(args, kernel, world, label), kernel.ts, kernel.end))
-    ops = [(e, op_class(e.name, True)) for e in kernels if "nccl" not in e.name.lower()]
+    in_optimizer = _inside(stepping)
+    ops = [(e, op_class(e.name, True)) for e in kernels
+           if "nccl" not in e.name.lower() and not in_optimizer(launches.get(e.args.get("correlation"), -1.0))]
     inside = _inside(backward)
     launched_in = [(e.ts, e.end) for e, _ in ops if inside(launches.get(e.args.get("correlation"), -1.0))]
     return ops, collectives, max([end, *(e.end for e in kernels)]), launched_in

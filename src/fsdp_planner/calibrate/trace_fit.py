@@ -16,6 +16,7 @@ earlier ones in place:
 3. the host's overhead: on CPU ranks (``Engine.HOST``: nothing overlaps) FSDP2's measured host ranges (``FSDP::``,
    less the collectives and ops in them) over the step's hooks, and what is left of the measured step over its
    ops; on GPUs the per-op launch cost that makes the simulated step the measured one (the host falls behind).
+A checkpointed plan's recomputed forward ops count twice (``op_runs``), as its profile shows their kernels.
 Not fitted: per-block or per-shape matmul rates (one rate a class), the slowest-rank spread.
 """
 
@@ -32,15 +33,17 @@ import numpy as np
 from fsdp_planner.calibrate.kineto import MeasuredTrace, OpClass, Step
 from fsdp_planner.calibrate.nccl_logs import fit_samples
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster, Compute, Engine, Link, Overhead, slowest_rank_factor
 from fsdp_planner.hardware.cost import collective_time
 from fsdp_planner.runtime.measure import host_memory
-from fsdp_planner.sim.compute import flop_efficiency, op_times, peak_flops, traced_itemsize
+from fsdp_planner.sim.compute import flop_efficiency, kernel_flops, op_times, peak_flops, traced_itemsize
 from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.simulate import StepReport, simulate
-from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER
+from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_OTHER
 from fsdp_planner.trace.records import Trace
 
 # passes of the efficiencies' fit, at most: each solves the class sums for the ops' binding terms of the pass before
@@ -84,6 +87,15 @@ class TraceFit:
     measured_host: float  # FSDP2's host ranges a step (mean)
     measured_exposed: float
     measured_idle: float
+    optimizer: bool  # the measured steps ran the optimizer step; if not, the simulated ones are compared without
+
+    @property
+    def before_step(self) -> float:
+        return self.before.step_seconds(self.optimizer)
+
+    @property
+    def after_step(self) -> float:
+        return self.after.step_seconds(self.optimizer)
 
 
 def simulated_classes(trace: Trace) -> np.ndarray:
@@ -92,12 +104,23 @@ def simulated_classes(trace: Trace) -> np.ndarray:
     ``aten::conv2d`` ops are read (``kineto.op_class``)."""
     kernel = trace.index.op_kernel
     matmul = (kernel > 0) | ((kernel == KERNEL_OTHER) & (trace.index.op_flops > 0))
-    return np.where(matmul, 0, np.where(kernel == KERNEL_ATTENTION, 1, 2))
+    return np.where(matmul, 0, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 2))
 
 
-def class_seconds(trace: Trace, cluster: Cluster, options: SimOptions) -> dict[OpClass, float]:
-    """The simulator's seconds of each class's ops a step on ``cluster``."""
-    times = np.asarray(op_times(trace, cluster.gpu, options.precision, cluster.compute, cluster.world_size))
+def op_runs(trace: Trace, plan: Plan) -> np.ndarray:
+    """Per event, how many times a step of ``plan`` runs it: once, and again in each checkpointed call's
+    recomputation (the trace holds a checkpointed block's forward ops once; a GPU runs their kernels twice, and a
+    profile counts both)."""
+    runs = np.ones(len(trace.events))
+    for c in checkpointed_calls(trace, plan_checkpointing(plan)):
+        if not c.offload:
+            np.add.at(runs, c.recomputed(trace), 1)
+    return runs
+
+
+def class_seconds(trace: Trace, cluster: Cluster, options: SimOptions, runs: np.ndarray) -> dict[OpClass, float]:
+    """The simulator's seconds of each class's ops a step on ``cluster`` (``runs``: ``op_runs``)."""
+    times = np.asarray(op_times(trace, cluster.gpu, options.precision, cluster.compute, cluster.world_size)) * runs
     classes = simulated_classes(trace)
     return {c: float(times[classes == i].sum()) for i, c in enumerate(OpClass)}
 
@@ -111,36 +134,43 @@ def typical_steps(traces: list[MeasuredTrace]) -> list[Step]:
     return steps[third:len(steps) - third] or steps
 
 
+def ran_optimizer(steps: list[Step]) -> bool:
+    """Whether the measured steps hold the optimizer step (an ``Optimizer.step#`` range): a profile of forward and
+    backward alone (``verify --profile``'s) is compared with the simulated step less its optimizer step."""
+    return any(s.optimizer > 0 for s in steps)
+
+
 def measured_classes(steps: list[Step]) -> dict[OpClass, float]:
     return {c: statistics.fmean(s.op_seconds[c] for s in steps) for c in OpClass}
 
 
-def bound_terms(trace: Trace, cluster: Cluster, options: SimOptions) -> np.ndarray:
+def bound_terms(trace: Trace, cluster: Cluster, options: SimOptions, runs: np.ndarray) -> np.ndarray:
     """``A[class, factor]``: seconds of each class's ops bound by each roofline factor (matmul, attention, memory
     efficiency), at that factor 1: a class's predicted seconds are ``A @ (1 / efficiencies)`` while no op changes
     which of its two terms binds (``sim/compute.py``'s max)."""
     index, c, gpu = trace.index, cluster.compute, cluster.gpu
     stretch = slowest_rank_factor(c.variation, cluster.world_size)
     kernel = index.op_kernel
-    flops_time = index.op_flops / (peak_flops(gpu, options.precision) * flop_efficiency(kernel, c)) * stretch
+    flops_time = kernel_flops(index) / (peak_flops(gpu, options.precision) * flop_efficiency(kernel, c)) * stretch
     scale = options.precision.compute_bytes / traced_itemsize(trace)
     bytes_time = index.op_nbytes * (scale / (gpu.hbm_bandwidth * c.memory_efficiency)) * stretch
-    factor = np.where(bytes_time > flops_time, 2, np.where(kernel == KERNEL_ATTENTION, 1, 0))
+    factor = np.where(bytes_time > flops_time, 2, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 0))
     efficiency = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
-    unit = np.maximum(flops_time, bytes_time) * efficiency[factor]
+    unit = np.maximum(flops_time, bytes_time) * efficiency[factor] * runs
     classes = simulated_classes(trace)
     out = np.zeros((3, 3))
     np.add.at(out, (classes, factor), unit)
     return out
 
 
-def fit_compute(trace: Trace, cluster: Cluster, measured: dict[OpClass, float], options: SimOptions) -> Cluster:
+def fit_compute(trace: Trace, cluster: Cluster, measured: dict[OpClass, float], options: SimOptions,
+                runs: np.ndarray) -> Cluster:
     """Efficiencies (and where one passes 1, the peaks) so each class's simulated seconds equal the measured: the
     linear system of ``bound_terms`` solved for the efficiencies' inverses, again until no op changes its binding
     term. A factor no op is bound by keeps its value."""
     target = np.array([measured[k] for k in OpClass])
     for _ in range(PASSES):
-        terms = bound_terms(trace, cluster, options)
+        terms = bound_terms(trace, cluster, options, runs)
         c = cluster.compute
         old = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
         used = terms.sum(axis=0) > 0
@@ -219,7 +249,7 @@ def _halves(fits: dict[str, dict[int, tuple[float, float]]]) -> dict[str, dict[i
 
 def fit_overhead(trace: Trace, plan: Plan, cluster: Cluster, steps: list[Step], options: SimOptions) -> Cluster:
     """The host's costs (module docstring, 3.), the compute and collectives already fitted."""
-    step = statistics.fmean(s.seconds for s in steps)
+    step, optimizer = statistics.fmean(s.seconds for s in steps), ran_optimizer(steps)
     bare = dataclasses.replace(cluster, overhead=dataclasses.replace(
         cluster.overhead, hook_seconds=0.0, op_seconds=0.0, param_seconds=0.0, module_seconds=0.0))
     report = simulate(trace, plan, bare, options, timeline=False)
@@ -228,7 +258,7 @@ def fit_overhead(trace: Trace, plan: Plan, cluster: Cluster, steps: list[Step], 
     if cluster.engine is Engine.HOST:
         host = statistics.fmean(s.fsdp_seconds for s in steps)
         hook = host / max(1, report.hooks)
-        rest = step - report.step_time - host
+        rest = step - report.step_seconds(optimizer) - host
         overhead = dataclasses.replace(bare.overhead, hook_seconds=hook, op_seconds=max(-1e-3, rest / max(1, ops)),
                                        source=source)
         return dataclasses.replace(cluster, overhead=overhead)
@@ -236,7 +266,7 @@ def fit_overhead(trace: Trace, plan: Plan, cluster: Cluster, steps: list[Step], 
     for _ in range(40):
         mid = (low + high) / 2
         trial = dataclasses.replace(bare, overhead=dataclasses.replace(bare.overhead, op_seconds=mid))
-        if simulate(trace, plan, trial, options, timeline=False).step_time < step:
+        if simulate(trace, plan, trial, options, timeline=False).step_seconds(optimizer) < step:
             low = mid
         else:
             high = mid
@@ -268,7 +298,7 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
         raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
                            f"{base.world_size}: give a --base of the traced job's size")
     steps = typical_steps(traces)
-    cluster = fit_compute(trace, base, measured_classes(steps), options)
+    cluster = fit_compute(trace, base, measured_classes(steps), options, op_runs(trace, plan))
     cluster = fit_collectives(cluster, steps)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
     name = base.name if base.name.endswith("+trace") else f"{base.name}+trace"
@@ -282,10 +312,12 @@ def describe_fit(trace: Trace, plan: Plan, steps: list[Step], base: Cluster, clu
     """Measured beside predicted, before and after the fit, on the typical steps: per class, per collective size,
     the step."""
     measured = measured_classes(steps)
-    before, after = class_seconds(trace, base, options), class_seconds(trace, cluster, options)
-    classes_sim = simulated_classes(trace)[np.asarray([e.is_op for e in trace.events])]
+    runs = op_runs(trace, plan)
+    before, after = class_seconds(trace, base, options, runs), class_seconds(trace, cluster, options, runs)
+    is_op = np.asarray([e.is_op for e in trace.events])
+    classes_sim, runs_sim = simulated_classes(trace)[is_op], runs[is_op]
     counts = steps[len(steps) // 2].op_counts
-    classes = [ClassRow(c.value, counts[c], int((classes_sim == i).sum()), measured[c], before[c], after[c])
+    classes = [ClassRow(c.value, counts[c], int(runs_sim[classes_sim == i].sum()), measured[c], before[c], after[c])
                for i, c in enumerate(OpClass)]
     per_step = max(1, len(steps))
     rows = [CollectiveRow(kind, nbytes, ranks, round(len(seconds) / per_step), statistics.fmean(seconds),
@@ -295,7 +327,8 @@ def describe_fit(trace: Trace, plan: Plan, steps: list[Step], base: Cluster, clu
                     simulate(trace, plan, base, options, timeline=False),
                     simulate(trace, plan, cluster, options, timeline=False), classes, rows,
                     statistics.fmean(s.fsdp_seconds for s in steps),
-                    statistics.fmean(s.exposed_comm for s in steps), statistics.fmean(s.idle for s in steps))
+                    statistics.fmean(s.exposed_comm for s in steps), statistics.fmean(s.idle for s in steps),
+                    ran_optimizer(steps))
 
 
 def _charged(cluster: Cluster, kind: str, nbytes: int, ranks: int) -> float:

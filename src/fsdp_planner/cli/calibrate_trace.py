@@ -46,8 +46,9 @@ def run_trace(args: argparse.Namespace) -> int:
     cluster, fit = fit_trace(tr, plan, traces, base, options)
     cluster.save(out)
     if args.json:
-        print(json_text({"out": str(out), "cluster": cluster.to_dict(), "fit": render.json_ready(asdict(fit))},
-                        indent=2))
+        compared = {"before_step": fit.before_step, "after_step": fit.after_step}  # as the measured steps ran
+        print(json_text({"out": str(out), "cluster": cluster.to_dict(),
+                         "fit": render.json_ready({**asdict(fit), **compared})}, indent=2))
         return 0
     for table in fit_tables(fit):
         render.console.print(table)
@@ -91,7 +92,8 @@ def fit_tables(fit: TraceFit) -> list[Table]:
     for col in ("", "measured", "before fit", "after fit"):
         step.add_column(col, justify="left" if not col else "right")
     b, a = fit.before, fit.after
-    step.add_row("step", _ms(fit.measured_step), _ms(b.step_time), _ms(a.step_time))
+    name = "step" if fit.optimizer else "step (forward and backward: no optimizer step was profiled)"
+    step.add_row(name, _ms(fit.measured_step), _ms(fit.before_step), _ms(fit.after_step))
     step.add_row("FSDP2 host (hooks, copies)", _ms(fit.measured_host), _ms(b.host_time + b.copy_time),
                  _ms(a.host_time + a.copy_time))
     step.add_row("exposed communication", _ms(fit.measured_exposed), _ms(b.exposed_comm), _ms(a.exposed_comm))

@@ -37,7 +37,8 @@ def against(tr: Trace, labelled: tuple[str, Plan], cluster: Cluster, options: Si
     measured = Side(f"measured (rank {measured_trace.rank})", bars,
                     phases_of(bars, step.seconds, step.forward, step.forward + step.backward, step.optimizer))
     report = simulate(tr, plan, cluster, options, timeline=True)
-    simulated = simulated_side(tr, report, f"simulated {label}")
+    optimizer = step.optimizer > 0
+    simulated = simulated_side(tr, report, f"simulated {label}", optimizer)
     largest = gaps(measured, simulated)
     lines = [f"{name}: measured {m * 1e3:,.2f} ms, simulated {s * 1e3:,.2f} ms ({(s - m) * 1e3:+,.2f} ms)"
              for name, m, s in largest]
@@ -49,7 +50,7 @@ def against(tr: Trace, labelled: tuple[str, Plan], cluster: Cluster, options: Si
         write_html([measured, simulated], page, title, lines)
     if as_json:
         print(json_text({"measured": asdict(measured.phases), "simulated": asdict(simulated.phases),
-                         "steps_measured": len(measured_trace.steps),
+                         "steps_measured": len(measured_trace.steps), "optimizer_compared": optimizer,
                          "gaps": [{"phase": n, "measured": m, "simulated": s} for n, m, s in largest]}, indent=2))
         return 0
     table = Table(title=f"the step, phase by phase (measured: the median of {len(measured_trace.steps)} steps)")
@@ -58,6 +59,9 @@ def against(tr: Trace, labelled: tuple[str, Plan], cluster: Cluster, options: Si
     for row in phase_table_rows([measured, simulated]):
         table.add_row(*row)
     render.console.print(table)
+    if not optimizer and report.optimizer_time:
+        render.note(f"the measured steps ran no optimizer step (no Optimizer.step# range): the simulated step is "
+                    f"shown without its {report.optimizer_time * 1e3:,.2f} ms one")
     render.plain("largest gaps:")
     for line in lines:
         render.plain(f"  {line}")

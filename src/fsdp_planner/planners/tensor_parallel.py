@@ -23,7 +23,7 @@ from fsdp_planner.fsdp2.tensor_parallel import (
 )
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf, llama, moe
-from fsdp_planner.trace.events import KERNEL_ATTENTION, EventKind
+from fsdp_planner.trace.events import ATTENTION_KERNELS, EventKind
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import parent_of
@@ -308,7 +308,7 @@ _COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)
 
 def _attending(trace: Trace) -> set[str]:
     """The modules that run a fused attention call themselves (an SDPA call in their forward)."""
-    return {e.module for e in trace.events if e.kind is EventKind.OP and e.kernel == KERNEL_ATTENTION}
+    return {e.module for e in trace.events if e.kind is EventKind.OP and e.kernel in ATTENTION_KERNELS}
 
 
 def head_linears(trace: Trace, tp: TensorParallel) -> tuple[int, tuple[str, ...]]:

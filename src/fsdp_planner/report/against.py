@@ -79,10 +79,13 @@ def phases_of(bars: Sequence[Bar], step: float, backward_start: float, backward_
                   everything - busy, max(0.0, step - everything), step)
 
 
-def simulated_side(trace: Trace, report: StepReport, label: str) -> Side:
-    """The simulated step's bars and phases (its timeline: ``simulate(..., timeline=True)``)."""
+def simulated_side(trace: Trace, report: StepReport, label: str, optimizer: bool = True) -> Side:
+    """The simulated step's bars and phases (its timeline: ``simulate(..., timeline=True)``); without its optimizer
+    step where the measured one ran none (``optimizer`` False)."""
     bars = []
     for e in report.timeline:
+        if e.work is Work.OPTIMIZER and not optimizer:
+            continue
         if e.stream is Stream.COMPUTE:
             lane = "host" if e.work in (Work.HOST, Work.COPY_OUT) else "compute"
         else:
@@ -90,10 +93,10 @@ def simulated_side(trace: Trace, report: StepReport, label: str) -> Side:
         bars.append(Bar(lane, e.name, e.start, e.end))
     backward = [e for e in report.timeline if e.stream is Stream.COMPUTE and e.work is Work.OPS and e.op >= 0
                 and trace.events[e.op].backward]
-    start = min((e.start for e in backward), default=report.step_time)
-    end = max((e.end for e in backward), default=report.step_time)
-    return Side(label, tuple(bars), phases_of(bars, report.step_time, start, end,
-                                                report.cpu_optimizer_time + report.gpu_optimizer_time))
+    step = report.step_seconds(optimizer)
+    start = min((e.start for e in backward), default=step)
+    end = max((e.end for e in backward), default=step)
+    return Side(label, tuple(bars), phases_of(bars, step, start, end, report.optimizer_time if optimizer else 0.0))
 
 
 def gaps(measured: Side, simulated: Side, count: int = GAPS) -> list[tuple[str, float, float]]:

@@ -22,7 +22,8 @@ import numpy as np
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU, Compute, slowest_rank_factor
 from fsdp_planner.sim.float8 import Float8Step, fp8_peak
-from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER, EventKind
+from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_CAUSAL_ATTENTION, KERNEL_OTHER, EventKind
+from fsdp_planner.trace.index import TraceIndex
 from fsdp_planner.trace.records import Trace
 
 
@@ -37,7 +38,15 @@ def flop_efficiency(kernel: np.ndarray, compute: Compute) -> np.ndarray:
     dims = np.maximum(kernel, 1).astype(np.float64)  # non-matmuls' 1 only keeps the division defined
     matmul = compute.matmul_efficiency * dims / (dims + compute.matmul_half_dim)
     out = np.where(kernel > 0, matmul, compute.matmul_efficiency)
-    return np.where(kernel == KERNEL_ATTENTION, compute.attention_efficiency, out)
+    return np.where(np.isin(kernel, ATTENTION_KERNELS), compute.attention_efficiency, out)
+
+
+def kernel_flops(index: TraceIndex) -> np.ndarray:
+    """Per event: the FLOPs its kernel does, which the efficiencies are fractions of. A causal attention kernel
+    does half of what torch's FLOP counter counts for it (``KERNEL_CAUSAL_ATTENTION``), and its efficiency is of
+    that half, as FlashAttention's benchmarks and ``calibrate --compute`` count it; the trace keeps the counter's
+    FLOPs (MFU, ``--mfu``: model FLOPs as torchtitan counts them)."""
+    return np.where(index.op_kernel == KERNEL_CAUSAL_ATTENTION, 0.5, 1.0) * index.op_flops
 
 
 def fused_nbytes(trace: Trace) -> np.ndarray:
@@ -117,7 +126,7 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ran
     if mfu is not None:
         times = np.maximum(index.op_flops / (peak * mfu), nbytes * (scale / gpu.hbm_bandwidth))
         return _with_casts(times, float8, gpu.hbm_bandwidth).tolist()
-    flops_time = index.op_flops / (peak * flop_efficiency(index.op_kernel, compute))
+    flops_time = kernel_flops(index) / (peak * flop_efficiency(index.op_kernel, compute))
     bytes_time = nbytes * (scale / (gpu.hbm_bandwidth * compute.memory_efficiency))
     times = _with_casts(np.maximum(flops_time, bytes_time), float8, gpu.hbm_bandwidth * compute.memory_efficiency)
     return (times * slowest_rank_factor(compute.variation, ranks)).tolist()

@@ -98,6 +98,16 @@ class StepReport:
     float8_all_reduces: int = 0
     float8_all_reduce_bytes: int = 0
 
+    @property
+    def optimizer_time(self) -> float:
+        """The optimizer step's seconds of ``step_time``, where it runs."""
+        return self.cpu_optimizer_time + self.gpu_optimizer_time
+
+    def step_seconds(self, optimizer: bool = True) -> float:
+        """The step, or without its optimizer step: what a profile of forward and backward alone holds (``verify
+        --profile`` records those, as torch.profiler examples do)."""
+        return self.step_time if optimizer else self.step_time - self.optimizer_time
+
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("timeline")

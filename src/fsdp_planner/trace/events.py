@@ -35,6 +35,10 @@ class OpClass(Enum):
 
 KERNEL_OTHER = 0
 KERNEL_ATTENTION = -1
+# a causal fused attention kernel (``is_causal``): it skips the blocks above the diagonal, about half the FLOPs that
+# torch's FLOP counter counts for it ("We aren't accounting for causal attention here", torch/utils/flop_counter.py)
+KERNEL_CAUSAL_ATTENTION = -7
+ATTENTION_KERNELS = (KERNEL_ATTENTION, KERNEL_CAUSAL_ATTENTION)
 # tensor parallelism's collectives, put into the step by ``sim/tensor_parallel.py`` as ops on the compute stream
 # (eager DTensor waits on them): ``Event.nbytes`` is the collective's size as nccl-tests counts it
 KERNEL_TP_ALL_GATHER = -2
@@ -85,7 +89,8 @@ class Event(NamedTuple):
     # running it): a checkpoint's recomputation stops after the last such pack (``CheckpointedCall.stop``)
     kernel: int = 0  # op: which kind of GPU kernel runs it, for the compute model (``sim/compute.py``): k > 0 a
     # matmul whose smallest dim (of M, N, K) is k; ``KERNEL_ATTENTION`` a fused attention kernel (forward or
-    # backward); ``KERNEL_OTHER`` anything else (its FLOPs, if any, at the matmul rate; its bytes at HBM's)
+    # backward), ``KERNEL_CAUSAL_ATTENTION`` a causal one; ``KERNEL_OTHER`` anything else (its FLOPs, if any, at
+    # the matmul rate; its bytes at HBM's)
     grad_live: int = 0  # backward op inside the model: bytes of the gradients it reads and makes (the gradient
     # flowing in and the one flowing out, alive together while it runs; ``trace/ops.py``)
     held: int = 0  # FWD_POST: bytes of the storages its forward made that were alive and not saved for backward at

@@ -19,7 +19,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_planner.routing import StandIn
-from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER, OpClass
+from fsdp_planner.trace.events import (
+    ATTENTION_KERNELS,
+    KERNEL_ATTENTION,
+    KERNEL_CAUSAL_ATTENTION,
+    KERNEL_OTHER,
+    OpClass,
+)
 from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.step import NullRecorder, Slot, StepRecorder
@@ -85,14 +91,14 @@ def _kind(func: Any) -> int | None:
         return kind
 
 
-def kernel_of(func: Any, args: tuple) -> int:
+def kernel_of(func: Any, args: tuple, kwargs: dict) -> int:
     """The ``Event.kernel`` of an op: a matmul's smallest dim, ``KERNEL_ATTENTION`` for a fused attention kernel
-    (forward or backward), else ``KERNEL_OTHER``."""
+    (forward or backward; ``KERNEL_CAUSAL_ATTENTION`` when causal), else ``KERNEL_OTHER``."""
     kind = _kind(func)
     if kind is None:
         return KERNEL_OTHER
     if kind == _ATTENTION:
-        return KERNEL_ATTENTION
+        return KERNEL_CAUSAL_ATTENTION if _is_causal(func, args, kwargs) else KERNEL_ATTENTION
     a, b = args[kind], args[kind + 1]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
         return KERNEL_OTHER
@@ -100,6 +106,21 @@ def kernel_of(func: Any, args: tuple) -> int:
         return max(1, min(int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])))
     except Exception:  # a symbolic size with no value (an unbacked SymInt): shape unknown
         return KERNEL_OTHER
+
+
+_causal_at: dict[object, int | None] = {}  # func -> the position of its ``is_causal`` argument, or None
+
+
+def _is_causal(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a fused attention op (forward or backward) is causal, by its schema's ``is_causal`` argument."""
+    try:
+        at = _causal_at[func]
+    except KeyError:
+        names = [a.name for a in getattr(getattr(func, "_schema", None), "arguments", ())]
+        at = _causal_at[func] = names.index("is_causal") if "is_causal" in names else None
+    if at is None:
+        return False
+    return (args[at] if at < len(args) else kwargs.get("is_causal", False)) is True
 
 
 def outputs_nbytes(flat_out: list) -> int:
@@ -178,8 +199,8 @@ class OpRecorder(TorchDispatchMode):
             # a buffer updated in place (BatchNorm's num_batches_tracked) is no temporary: the model holds it
             live = recorder.temporary(t for t in flat_out if isinstance(t, torch.Tensor) and self.param_by_id.get(
                 id(t)) is None)
-        kernel = kernel_of(func, args)
-        if kernel == KERNEL_ATTENTION and not recorder.backward:
+        kernel = kernel_of(func, args, kwargs)
+        if kernel in ATTENTION_KERNELS and not recorder.backward:
             self._attention_heads(args)
         if recorder.backward:
             sums = func is torch.ops.aten.add.Tensor  # autograd's accumulation of a gradient's contributions
