@@ -94,6 +94,27 @@ def test_missing_file_is_one_line(tmp_path: Path) -> None:
         read_trace(tmp_path / "nope.json")
 
 
+def test_gpu_optimizer_kernels_are_its_phase() -> None:
+    """Kernels launched in an ``Optimizer.step#`` range: in no op class's sum (the simulator prices the optimizer
+    apart), but the GPU busy then (compute, not idle); the GPU timeline's copy of ``ProfilerStep#`` is no step."""
+    def kernel(name: str, launch: int, start: int, dur: int, corr: int) -> list[dict]:
+        return [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": 1, "ts": launch, "dur": 2,
+                 "args": {"correlation": corr}},
+                {"ph": "X", "cat": "kernel", "name": name, "tid": 7, "ts": start, "dur": dur,
+                 "args": {"correlation": corr}}]
+    data = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "tid": 1, "ts": 0, "dur": 10_000},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "tid": 7, "ts": 100, "dur": 7_900},
+        *kernel("sm90_xmma_gemm_bf16", 10, 100, 4_000, 1),
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "tid": 1, "ts": 5_000,
+         "dur": 1_000},
+        *kernel("multi_tensor_apply_kernel", 5_010, 5_000, 3_000, 2)]}
+    (step,) = parse_trace(json.dumps(data).encode(), "t").steps
+    assert step.op_seconds == {OpClass.MATMUL: 4e-3, OpClass.ATTENTION: 0.0, OpClass.MEMORY: 0.0}
+    assert step.op_counts[OpClass.MEMORY] == 0 and step.optimizer == pytest.approx(1e-3)
+    assert step.seconds == pytest.approx(10e-3) and step.idle == pytest.approx(3e-3)  # 7 of 10 ms busy
+
+
 def test_cpu_trace_shape() -> None:
     """A CPU step: outermost aten ops by name, gloo collectives sized from their c10d op."""
     data = {"distributedInfo": {"rank": 0, "world_size": 2}, "traceEvents": [
@@ -204,7 +225,8 @@ def test_simulate_against_its_own_trace(tmp_path: Path, capsys: pytest.CaptureFi
             str(tmp_path / "t.json")]
     assert main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for phase in ("step", "forward", "backward", "compute"):
+    assert out["optimizer_compared"] is True and out["measured"]["optimizer"] > 0  # the fixture's Optimizer.step#
+    for phase in ("step", "forward", "backward", "compute", "optimizer"):
         assert out["measured"][phase] == pytest.approx(out["simulated"][phase], rel=0.01, abs=1e-6), phase
     assert len(out["gaps"]) == 3
     assert main([*args, "--html", str(tmp_path / "a.html"), "--timeline", str(tmp_path / "a.png")]) == 0

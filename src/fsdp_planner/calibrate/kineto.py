@@ -70,7 +70,7 @@ CPU_MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ma
 ATTENTION_WORDS = ("scaled_dot_product", "flash", "attention", "fmha", "attn", "efficient_attention")
 # (not "conv" alone: cuDNN's attention backward converts dQ in "cudnn::fusion::convert_dq_to_16bits", a copy)
 GPU_MATMUL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "matmul", "gemv", "sm90_", "sm80_", "ampere_", "hopper_",
-                    "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d")
+                    "wgmma", "convolution", "convolve", "conv1d", "conv2d", "conv3d", "conv_depthwise")
 GLOO_KINDS = {"c10d::_allgather_base_": CollectiveKind.ALL_GATHER, "c10d::allgather_": CollectiveKind.ALL_GATHER,
               "c10d::allgather_into_tensor_coalesced_": CollectiveKind.ALL_GATHER,
               "c10d::_reduce_scatter_base_": CollectiveKind.REDUCE_SCATTER,
@@ -327,15 +327,16 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
     during = _within(events, start, end)
     main = [e for e in during if e.tid == mark.tid and e is not mark]
     fsdp = _outermost([e for e in main if e.name.startswith("FSDP::")])
-    backward = [(e.ts, e.end) for e in during if e.name.startswith(BACKWARD_RANGES)]  # any thread: the engine's
+    backward = [(e.ts, e.end) for e in during  # any thread (the engine's), not the GPU timeline's copies
+                if e.name.startswith(BACKWARD_RANGES) and e.cat not in GPU_RANGES]
     stepping = [(e.ts, e.end) for e in main if e.name.startswith("Optimizer.step#")]
     if gpu:
         ops, comms, end, backward = _gpu_work(events, (start, end), world, label, (backward, stepping))
     else:
         in_optimizer = _inside(stepping)
-        ops = [(e, op_class(e.name, False)) for e in _outermost([e for e in main
-                                                                 if e.name.startswith(("aten::", "FSDP::"))])
-               if e.name.startswith("aten::") and not in_optimizer(e.ts)]
+        ops = [(e, None if in_optimizer(e.ts) else op_class(e.name, False))
+               for e in _outermost([e for e in main if e.name.startswith(("aten::", "FSDP::"))])
+               if e.name.startswith("aten::")]
         comms = _gloo_collectives(main, events, start, end + (marks[i + 1].ts - end if i + 1 < len(marks) else 0),
                                   world, label)
     spans = ([Span(e.name, e.ts, e.end, "compute") for e, _ in ops]
@@ -347,15 +348,18 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
     return _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
 
 
-def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: list[Communication],
+def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass | None]], comms: list[Communication],
                    bounds: Interval, gpu: bool, phases: tuple[list[Interval], float]) -> Step:
     """The step from its parts; ``phases``: backward's intervals (CPU ranges, or on a GPU the kernels they
-    launched) and the optimizer's time."""
+    launched) and the optimizer's time. An op of class None is the optimizer step's: compute in the step's lanes,
+    in no class's sum."""
     start, end = bounds
     backward, optimizer = phases
     seconds: dict[OpClass, float] = dict.fromkeys(OpClass, 0.0)
     counts: dict[OpClass, int] = dict.fromkeys(OpClass, 0)
     for e, kind in ops:
+        if kind is None:
+            continue
         seconds[kind] += e.dur / 1e6
         counts[kind] += 1
     lanes = {lane: [(s.start, s.end) for s in spans if s.lane == lane] for lane in ("compute", "communication",
@@ -375,11 +379,12 @@ def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass]], comms: 
 
 def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str,
               ranges: tuple[list[Interval], list[Interval]]
-              ) -> tuple[list[tuple[_Event, OpClass]], list[tuple[Communication, float, float]], float,
+              ) -> tuple[list[tuple[_Event, OpClass | None]], list[tuple[Communication, float, float]], float,
                          list[Interval]]:
     """The step's kernels (those launched inside it) as ops and collectives, the step's end (its CPU range's, or
     its last kernel's) and the kernels launched inside backward's CPU ranges (``ranges``: backward's, then the
-    optimizer step's, whose kernels are its phase, not ops of the model: the simulator prices it apart)."""
+    optimizer step's, whose kernels are its phase, not ops of the model: class None, as the simulator prices it
+    apart)."""
     start, end = bounds
     backward, stepping = ranges
     launches = {e.args.get("correlation"): e.ts for e in events
@@ -399,8 +404,8 @@ def _gpu_work(events: list[_Event], bounds: Interval, world: int, label: str,
                                "record_param_comms op to size it (profile with record_shapes=True)")
         collectives.append((_nccl_collective(args, kernel, world, label), kernel.ts, kernel.end))
     in_optimizer = _inside(stepping)
-    ops = [(e, op_class(e.name, True)) for e in kernels
-           if "nccl" not in e.name.lower() and not in_optimizer(launches.get(e.args.get("correlation"), -1.0))]
+    ops = [(e, None if in_optimizer(launches.get(e.args.get("correlation"), -1.0)) else op_class(e.name, True))
+           for e in kernels if "nccl" not in e.name.lower()]
     inside = _inside(backward)
     launched_in = [(e.ts, e.end) for e, _ in ops if inside(launches.get(e.args.get("correlation"), -1.0))]
     return ops, collectives, max([end, *(e.end for e in kernels)]), launched_in

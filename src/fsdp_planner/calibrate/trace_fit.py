@@ -39,7 +39,14 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster, Compute, Engine, Link, Overhead, slowest_rank_factor
 from fsdp_planner.hardware.cost import collective_time
 from fsdp_planner.runtime.measure import host_memory
-from fsdp_planner.sim.compute import flop_efficiency, kernel_flops, op_times, peak_flops, traced_itemsize
+from fsdp_planner.sim.compute import (
+    flop_efficiency,
+    fused_nbytes,
+    kernel_flops,
+    op_times,
+    peak_flops,
+    traced_itemsize,
+)
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -153,7 +160,7 @@ def bound_terms(trace: Trace, cluster: Cluster, options: SimOptions, runs: np.nd
     kernel = index.op_kernel
     flops_time = kernel_flops(index) / (peak_flops(gpu, options.precision) * flop_efficiency(kernel, c)) * stretch
     scale = options.precision.compute_bytes / traced_itemsize(trace)
-    bytes_time = index.op_nbytes * (scale / (gpu.hbm_bandwidth * c.memory_efficiency)) * stretch
+    bytes_time = fused_nbytes(trace) * (scale / (gpu.hbm_bandwidth * c.memory_efficiency)) * stretch  # as op_times
     factor = np.where(bytes_time > flops_time, 2, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 0))
     efficiency = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
     unit = np.maximum(flops_time, bytes_time) * efficiency[factor] * runs
