@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE)]
+sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 from gpu_step import CALIBRATED_ON, CLUSTER, PLANS, SAMPLES, WORKLOADS, cli  # noqa: E402
 
 MEASURED = PLANS / "measured.json"
@@ -154,7 +154,6 @@ def _step_table(measured: dict, rows: dict) -> list[str]:
         held = " (fitted on)" if name == CALIBRATED_ON else ""
         out.append(f"| {name} | {len(runs)} | {_ms(fb)} | {_ms(trace)} | {_ms(p)} | {_err(p, fb)} | {_ms(c)}{held} | "
                    f"{_err(c, fb)} |")
-    sys.path[:0] = [str(HERE.parent / "src")]
     from fsdp_planner.sim.optimizer_step import GRAD_CLIP_BYTES, STEP_BYTES
 
     adamw = STEP_BYTES["adamw"] / (STEP_BYTES["adamw"] + GRAD_CLIP_BYTES)
@@ -269,7 +268,6 @@ def _memory_table(measured: dict, rows: dict) -> list[str]:
 
 def _compute_table(measured: dict) -> list[str]:
     """``calibrate --compute``'s samples, each run fitted as the command fits them, beside the preset."""
-    sys.path[:0] = [str(HERE.parent / "src")]
     from fsdp_planner.calibrate.compute import ComputeSample, fit_compute
     from fsdp_planner.hardware.cluster import COMPUTE, GPUS
 

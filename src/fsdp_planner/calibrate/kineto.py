@@ -140,6 +140,11 @@ class Step:
     def compute_seconds(self) -> float:
         return sum(self.op_seconds.values())
 
+    @property
+    def ran_optimizer(self) -> bool:
+        """Whether the step holds the optimizer step (an ``Optimizer.step#`` range)."""
+        return self.optimizer > 0
+
 
 @dataclass(frozen=True)
 class MeasuredTrace:

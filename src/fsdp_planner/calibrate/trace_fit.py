@@ -142,9 +142,9 @@ def typical_steps(traces: list[MeasuredTrace]) -> list[Step]:
 
 
 def ran_optimizer(steps: list[Step]) -> bool:
-    """Whether the measured steps hold the optimizer step (an ``Optimizer.step#`` range): a profile of forward and
-    backward alone (``verify --profile``'s) is compared with the simulated step less its optimizer step."""
-    return any(s.optimizer > 0 for s in steps)
+    """Whether the measured steps hold the optimizer step: a profile of forward and backward alone (``verify
+    --profile``'s) is compared with the simulated step less its optimizer step."""
+    return any(s.ran_optimizer for s in steps)
 
 
 def measured_classes(steps: list[Step]) -> dict[OpClass, float]:
@@ -304,22 +304,21 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
     if base.world_size != world:
         raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
                            f"{base.world_size}: give a --base of the traced job's size")
-    steps = typical_steps(traces)
-    cluster = fit_compute(trace, base, measured_classes(steps), options, op_runs(trace, plan))
+    steps, runs = typical_steps(traces), op_runs(trace, plan)
+    cluster = fit_compute(trace, base, measured_classes(steps), options, runs)
     cluster = fit_collectives(cluster, steps)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
     name = base.name if base.name.endswith("+trace") else f"{base.name}+trace"
     cluster = dataclasses.replace(cluster, name=name, compute=dataclasses.replace(
         cluster.compute, source=f"calibrate --trace ({len(traces)} trace(s))"))
-    return cluster, describe_fit(trace, plan, steps, base, cluster, options)
+    return cluster, describe_fit(trace, plan, runs, steps, base, cluster, options)
 
 
-def describe_fit(trace: Trace, plan: Plan, steps: list[Step], base: Cluster, cluster: Cluster,
+def describe_fit(trace: Trace, plan: Plan, runs: np.ndarray, steps: list[Step], base: Cluster, cluster: Cluster,
                  options: SimOptions) -> TraceFit:
     """Measured beside predicted, before and after the fit, on the typical steps: per class, per collective size,
-    the step."""
+    the step (``runs``: the plan's ``op_runs``)."""
     measured = measured_classes(steps)
-    runs = op_runs(trace, plan)
     before, after = class_seconds(trace, base, options, runs), class_seconds(trace, cluster, options, runs)
     is_op = np.asarray([e.is_op for e in trace.events])
     classes_sim, runs_sim = simulated_classes(trace)[is_op], runs[is_op]

@@ -37,7 +37,7 @@ def against(tr: Trace, labelled: tuple[str, Plan], cluster: Cluster, options: Si
     measured = Side(f"measured (rank {measured_trace.rank})", bars,
                     phases_of(bars, step.seconds, step.forward, step.forward + step.backward, step.optimizer))
     report = simulate(tr, plan, cluster, options, timeline=True)
-    optimizer = step.optimizer > 0
+    optimizer = step.ran_optimizer
     simulated = simulated_side(tr, report, f"simulated {label}", optimizer)
     largest = gaps(measured, simulated)
     lines = [f"{name}: measured {m * 1e3:,.2f} ms, simulated {s * 1e3:,.2f} ms ({(s - m) * 1e3:+,.2f} ms)"
