@@ -312,7 +312,7 @@ def rows_for(model: str, worlds: list[int], options: SimOptions, only_auto: bool
 def measured_row(tr, model: str, plan, name: str, world: int, options: SimOptions, shown: str | None = None) -> dict:
     """One plan's prediction beside its fake-world run on ``world`` ranks (``shown``: the mesh the table names)."""
     predicted = simulate(tr, plan, parse_cluster(f"h100:{world}"), options, timeline=False)
-    measured = run_fake_world(model, plan, world, options.precision)
+    measured = run_fake_world(model, plan, world, options.precision, optimizer=options.optimizer)
     pairs = beside_prediction(predicted, measured)
     row = {"model": model, "world": shown or world, "plan": name, "groups": len(plan.inner_groups),
            "checkpointed": len(plan.activation_checkpointing), "op_checkpointed": len(plan.selective_checkpointing),

@@ -190,26 +190,35 @@ NOTES = [  # read from the tables above as this run made them (2026-11-30)
     "Llama 1B's attention 44.5 ms a step for 20.8 ms measured (2.1x); with it 22.2 ms. Llama 3.2 3B's (head dim "
     "128, cuDNN's SDPA) still runs at about 0.50 of the peak against the preset's 0.35 (FlashAttention-2 on an "
     "H100, the cited figure), as the microbenchmarks' 45-62% at head dim 128 say: one attention efficiency for "
-    "every head dim and kernel is the model's limit, and most of the 3B rows' +14-15%. The Hopper preset is not "
+    "every head dim and kernel is the model's limit (+35 and +48 ms on the 3B rows). The Hopper preset is not "
     "moved to one GPU's cuDNN kernels: the published H100 runs (FlashAttention-2 era) are its check.",
     "- Matmuls: the preset is 6-11% slow on every workload; the microbenchmarks put the cap at 0.78-0.80 and the "
     "shape curve's half point near d = 8-25 (preset: 0.75 and 128), so a d = 512 matmul reaches 0.74-0.76, where "
     "the preset gives 0.60. Memory-bound kernels: 0.88 of HBM bandwidth in a plain copy (preset 0.80).",
-    "- torch.compile: the preset predicts Llama 1B's compiled forward and backward in 19% less time than eager's "
-    "(138.5 against 171.3 ms); measured, 9% less (150.2 against 164.9 ms, CUDA events). The "
-    "kernel families say why: inductor's kernels take 12.6 ms where the model's fused-bytes floor charges the "
-    "blocks' memory-bound ops ~8 ms, and eager ran those ops in ~29 ms where the model charges ~41 ms (its total "
-    "memory-bound time matched only because FSDP2's copy kernels, ~20 ms with casts, stand against 5 ms modelled). "
-    "benchmarks/fidelity_published.md's compiled rows (+15% to +26%) show the same over-prediction at scale.",
-    "- The calibrated cluster (fitted on Llama 1B eager alone) predicts the other eager workloads within +0.3% to "
-    "+8.6% of their CUDA-event steps, the compiled one -14%: the fit puts eager's idle GPU time (16 ms a step) in "
-    "the per-op launch cost (27 us an op), which compiled blocks, launching fewer kernels, do not pay.",
+    "- RMSNorm: the trace used to charge the CPU build's decomposition of `F.rms_norm` (six kernels' bytes, fp32 "
+    "copies saved) where CUDA runs one fused kernel (`vectorized_layer_norm_kernel<BFloat16, float, true>`, 33 a "
+    "step on Llama 1B, 0.8 ms forward and 2.4 ms backward in all); `norms.py` now traces the GPU's kernel. The "
+    "memory-bound class is charged 35 ms on Llama 1B for 57 ms measured, because the measured class also holds "
+    "FSDP2's own kernels at world size 1 (unshard's fp32-to-bf16 casts 5.8 ms, the reduce-scatter input's "
+    "`chunk_cat` 4.5 ms, device-to-device copies 5.6 ms), which the model charges as copy-out at its copy "
+    "bandwidth or on the reduce-scatter stream: the eager Llama 1B steps are now 8-11% fast, the 3B ones 1.5-2.2% "
+    "slow, where the decomposition's bytes had covered those kernels (+0.7% to +15%). The copies are the term to "
+    "measure next.",
+    "- torch.compile: the preset predicts Llama 1B's compiled forward and backward in 9% less time than eager's "
+    "(137.9 against 151.4 ms); measured, 9% less (150.2 against 164.9 ms, CUDA events). Before the RMSNorm change "
+    "it predicted 19% less: the eager step's decomposed norms were the over-prediction, not inductor's fused bytes "
+    "(inductor's kernels take 12.6 ms a step).",
+    "- The calibrated cluster (fitted on Llama 1B eager alone) predicts the other eager workloads within +0.4% to "
+    "+5.2% of their CUDA-event steps, the compiled one -6.4%: the fit puts eager's idle GPU time and FSDP2's "
+    "copies in the memory-bound efficiency (0.50) and the per-op launch cost (31 us an op).",
     "- The optimizer step (foreach AdamW over fp32 params, no clipping here): AdamW's share of the prediction is "
     "6% fast on every workload (the prediction with clip_grad_norm_'s bytes, which torchtitan runs, is 8% slow).",
-    "- Memory: allocated within 0.1% on Llama 1B with full checkpointing and compiled, 7-11% high on the eager "
-    "workloads without checkpointing, and 16.7% low on Llama 3.2 3B with full checkpointing (59.9 GiB measured, "
-    "49.9 predicted): not explained yet; the fake-world checks of the same model (benchmarks/fidelity_memory.md) "
-    "run on CPU, and this is the first GPU measurement of it.",
+    "- Memory: allocated within 0.2% on all five workloads, after two terms this run found: Llama 3.2 3B with full "
+    "checkpointing peaks in its optimizer step, where foreach AdamW's `_foreach_sqrt(exp_avg_sqs)` (one fp32 "
+    "state's size, 12 GiB) sits beside the params, grads and states (49.9 GiB predicted before, -16.7%); the "
+    "eager workloads' RMSNorms save the bf16 input, not the decomposition's fp32 copies (+7.3% and +10.7% "
+    "before). Reserved is not compared like for like: the benchmark ran the default allocator, without the "
+    "expandable segments the model assumes (the 3B's step temporaries beside cached activation blocks: -12.6%).",
     "- Host: FSDP2's per-hook and per-op costs measured on the GPU machine's host (gVisor, 16 cores) are 2-3x this "
     "project's 2-core host's (the presets'): the host term is host-specific, as docs/calibrate.md says.",
 ]

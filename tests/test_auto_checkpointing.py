@@ -10,6 +10,7 @@ from conftest import traced
 
 from fsdp_planner.cli import main
 from fsdp_planner.cli.render import ac_cell
+from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.planners import AutoPolicy, PolicyName, PolicyRequest, make_policy
@@ -102,7 +103,8 @@ def test_explain_and_the_table_show_the_choice(tr, capsys):
     said = re.search(r"checkpointing: (\d+) full \+ (\d+) op titan of the first blocks; .* full alone \(\d+ full\)",
                      out)
     assert said is not None, out
-    assert f"{said[1]} modules checkpointed, {said[2]} modules with op-level checkpointing" in out
+    full, op = (fmt_count(int(n), "module") for n in said.groups())
+    assert f"{full} checkpointed, {op} with op-level checkpointing" in out
 
 
 class _Linear:

@@ -319,7 +319,7 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
     assert main(["simulate", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     from_config = json.loads(capsys.readouterr().out)
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--batch", "2", "--seq", "32",
-                 "--cluster", "h100:4", "--json"]) == 0
+                 "--cluster", "h100:4", "--optimizer", "adamw-fused", "--json"]) == 0  # torchtitan's optimizer
     assert json.loads(capsys.readouterr().out) == from_config
     assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -431,3 +431,26 @@ def test_auto_beside_a_config_traces_its_tp_layouts_at_their_batch(tmp_path):
     again = simulate(trace_spec(dataclasses.replace(outcome.auto.job.model, batch_size=d), outcome.auto.job.options
                                 .precision), plan, outcome.auto.job.cluster, outcome.auto.job.options, timeline=False)
     assert report.step_time == pytest.approx(again.step_time)
+
+
+@pytest.mark.parametrize(("text", "optimizer", "note"), [
+    ("", "adamw-fused", None),  # torchtitan's default implementation since early 2025
+    ('[optimizer]\nname = "AdamW"\nimplementation = "foreach"\n', "adamw", None),
+    ('[optimizer]\nname = "Adam"\nfused = true\n', "adam-fused", None),  # the key implementation replaced
+    ("[optimizer]\nfused = false\n", "adamw", None),
+    ('[optimizer]\nimplementation = "fused_opt_states_bf16"\n', "adamw-fused", "with fp32 states"),
+    ('[optimizer]\nname = "Muon"\n', "adamw-fused", "\"Muon\" is simulated as AdamW"),
+    ("[optimizer]\nearly_step_in_backward = true\n", "adamw-fused", "early_step_in_backward = true is left out"),
+])
+def test_torchtitan_optimizer_and_its_implementation(tmp_path, text, optimizer, note):
+    job = titan(tmp_path, text)
+    cfg = read_config(TORCHTITAN, str(job))
+    assert cfg.optimizer == optimizer
+    said = [n for n in cfg.notes if "optimizer" in n]
+    assert (not said) if note is None else (len(said) == 1 and note in said[0])
+    assert args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100").optimizer == optimizer
+    with pytest.raises(PlannerError, match=r'^--optimizer "sgd" contradicts the optimizer in torchtitan config .* \('
+                                           + re.escape(f'"{optimizer}")')):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--optimizer", "sgd")
+    with pytest.raises(PlannerError, match=r"optimizer\.implementation"):
+        read_config(TORCHTITAN, str(titan(tmp_path, '[optimizer]\nimplementation = "turbo"\n')))

@@ -13,7 +13,8 @@ STEP = {"step_time", "compute_time", "exposed_comm", "copy_time", "host_wait", "
         "peak_memory", "reserved_memory", "memory_at_peak", "all_gathers", "reduce_scatters", "all_reduces",
         "all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "comm_time", "recompute_time", "mesh"}
 MEMORY = {"params", "buffers", "optimizer_state", "grads", "unsharded_params", "unsharded_grads",
-          "all_gather_buffers", "reduce_scatter_buffers", "gradient_buckets", "compute_copies", "activations"}
+          "all_gather_buffers", "reduce_scatter_buffers", "gradient_buckets", "compute_copies", "activations",
+          "optimizer_temporaries"}
 
 
 def run_json(capsys, *argv: str, status: int = 0):

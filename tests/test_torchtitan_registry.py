@@ -184,7 +184,9 @@ def test_a_value_it_ignores_is_a_note_and_a_flag_gives_what_the_file_does_not(tm
     path.write_text(REGISTRY_HEAD + "        training=TrainingConfig(steps=steps(), max_context_length=steps()),\n"
                                     "        optimizer=build_optimizer(),\n    )\n")
     cfg = read_config(TORCHTITAN, f"{path}:job", ["--training.max_context_length", "4096"])
-    assert cfg.notes == ["training.steps = steps(...) is not read (not a literal; it does not change a step here)"]
+    assert cfg.notes == ["training.steps = steps(...) is not read (not a literal; it does not change a step here)",
+                         "optimizer = build_optimizer(...) is not read: simulated as torchtitan's default, fused "
+                         "AdamW"]
     assert (cfg.seq, cfg.batch, cfg.model_label) == (4096, 4, 'null flavor "8B"')  # 16384 default tokens
 
 
@@ -332,3 +334,37 @@ def test_a_registry_job_without_a_model_names_model_registry_not_the_toml_table(
     args = build_parser().parse_args(["simulate", "--from-torchtitan", f"{path}:job"])
     with pytest.raises(PlannerError, match=r"names no model \(model_spec = model_registry\(FLAVOR\)\): give MODEL"):
         configured(args)
+
+
+@pytest.mark.parametrize(("body", "flags", "optimizer", "notes"), [
+    ("optimizer=default_adamw(lr=3e-4),", (), "adamw-fused", []),  # OptimizersContainer.Config's "fused"
+    ("optimizer=OptimizersContainer.Config(implementation='foreach', param_groups=[ParamGroupConfig(pattern='.*', "
+     "optimizer_name='Adam')]),", (), "adam", []),
+    ("optimizer=default_adamw(lr=3e-4),", ("--optimizer.implementation", "foreach"), "adamw", []),
+    ("", ("--optimizer.implementation", "for-loop"), "adamw", ["simulated as foreach"]),
+    ("optimizer=default_adamw(lr=3e-4, fused=False, foreach=True),", (), "adamw", []),  # a group's own keywords
+    ("optimizer=OptimizersContainer.Config(param_groups=make_groups()),", (), "adamw-fused",
+     ["param_groups = make_groups(...) is not read (not a list)"]),
+    ("optimizer=OptimizersContainer.Config(param_groups=[ParamGroupConfig(optimizer_name='Muon'), "
+     "ParamGroupConfig(optimizer_name='AdamW')]),", (), "adamw-fused",
+     ["param groups run \"Muon\", \"AdamW\": simulated as the first's", "\"Muon\" is simulated as AdamW"]),
+])
+def test_the_optimizer_and_its_implementation(tmp_path, body, flags, optimizer, notes):
+    """torchtitan's optimizer container: fused unless the job says otherwise (``implementation``), its param
+    groups' optimizer; what is simulated otherwise, a note each."""
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD + (f"        {body}\n" if body else "") + "    )\n")
+    cfg = read_config(TORCHTITAN, f"{path}:job", list(flags))
+    assert cfg.optimizer == optimizer
+    assert len(cfg.notes) == len(notes) and all(n in line for n, line in zip(notes, cfg.notes, strict=True))
+    shown, _ = options(f"{path}:job", "toy-llama", flags=flags)
+    assert shown["optimizer"] == optimizer
+
+
+def test_an_optimizer_implementation_that_is_not_a_literal_is_one_line(tmp_path):
+    path = tmp_path / "config_registry.py"
+    path.write_text(REGISTRY_HEAD + "        optimizer=OptimizersContainer.Config(implementation=IMPL),\n    )\n")
+    with pytest.raises(PlannerError, match=re.escape("optimizer.implementation = IMPL is not a literal")):
+        read_config(TORCHTITAN, f"{path}:job")
+    cfg = read_config(TORCHTITAN, f"{path}:job", ["--optimizer.implementation", "foreach"])
+    assert cfg.optimizer == "adamw"

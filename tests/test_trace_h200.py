@@ -182,3 +182,34 @@ def test_h200_checkpointed_trace_counts_the_recomputation() -> None:
         ratio[name] = row.before / row.measured
         assert row.ops_simulated == pytest.approx(row.ops_measured, rel=0.05)  # kernels a step, recomputed ones too
     assert ratio["llama-1b-ac"] == pytest.approx(ratio["llama-1b"], rel=0.03)
+
+
+LLAMA_1B_MODEL = str(GPU_DATA.parent / "gpu_models.py") + ":llama_1b"
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("workload", "spec"), [
+    ("llama-1b", {"name": LLAMA_1B_MODEL}), ("llama-1b-ac", {"name": LLAMA_1B_MODEL}),
+    ("llama32-3b", {"name": "llama32-3b"}), ("llama32-3b-ac", {"name": "llama32-3b"}),
+    ("llama-1b-compile", {"name": LLAMA_1B_MODEL, "compile": True})])
+def test_h200_allocated_peaks(workload: str, spec: dict) -> None:
+    """Every workload's allocated peak (``torch.cuda.max_memory_allocated`` over two steps of ``torch.optim.AdamW``,
+    foreach on CUDA) within 1% of the prediction. Two terms were found here: Llama 3.2 3B with full checkpointing
+    peaks in its optimizer step, where foreach Adam's square roots of exp_avg_sq (one fp32 state's size) sit beside
+    the params, grads and states (-16.7% before the step was modelled); the eager workloads' RMSNorms run CUDA's
+    fused kernel, which saves the bf16 input and the per-row reciprocal RMS, not the CPU decomposition's fp32
+    copies (+7.3% and +10.7% before ``norms.py``)."""
+    from fsdp_planner.fsdp2.plan import Plan
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+    from fsdp_planner.sim.simulate import simulate
+
+    options = SimOptions.named("bf16-mixed")
+    tr = trace_spec(ModelSpec(**spec), options.precision, False, lambda line: None)
+    plan = Plan.from_json((GPU_DATA / f"{workload}.plan.json").read_text())
+    report = simulate(tr, plan, parse_cluster("h200:1"), options, timeline=False)
+    runs = json.loads((GPU_DATA / "measured.json").read_text())["runs"][workload]
+    assert report.peak_memory == pytest.approx(np.median([r["peak_allocated"] for r in runs]), rel=0.01)
+    at_step = report.memory_at_peak["optimizer_temporaries"] > 0
+    assert at_step is (workload == "llama32-3b-ac")

@@ -125,7 +125,7 @@ ATTENTION_NAMES = tuple(k.value for k in AttentionKernel)
 
 # The keys of ``sim.options.PRECISIONS`` and ``OPTIMIZERS``, in their order (tests/test_cli_start.py keeps them equal).
 PRECISION_NAMES = ("fp32", "bf16-mixed", "pure-bf16", "autocast", "autocast-nocache")
-OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw")
+OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw", "adam-fused", "adamw-fused")
 
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"

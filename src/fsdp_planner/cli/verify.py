@@ -240,7 +240,7 @@ def run_fake(request: FakeWorldRequest) -> int:
         measured = run_fake_world(model, plan, world, options.precision, zero_grad=options.zero_grad,
                                   micro_batches=options.micro_batches,
                                   reshard_after_backward=options.reshard_after_backward,
-                                  gradient_sync=options.gradient_sync)
+                                  gradient_sync=options.gradient_sync, optimizer=options.optimizer)
     rows = beside_prediction(predicted, measured)
     exact = all(p == m for k, (p, m) in rows.items() if k != "peak_memory")
     error = predicted.peak_memory / measured.peak_memory - 1 if measured.peak_memory else 0.0

@@ -33,7 +33,7 @@ ACCELERATE_MIN_NUM_PARAMS = 100_000_000  # Accelerate's fsdp_min_num_params defa
 
 # Sections of a torchtitan job that do not change one training step's time or memory.
 TITAN_IGNORED = {"job", "profiling", "metrics", "logging", "checkpoint", "lr_scheduler", "validation", "comm",
-                 "fault_tolerance", "experimental", "memory_estimation", "optimizer"}
+                 "fault_tolerance", "experimental", "memory_estimation"}
 # Accelerate keys that do not change one step (loading, saving, launching).
 ACCELERATE_IGNORED = {"compute_environment", "debug", "machine_rank", "main_training_function", "rdzv_backend",
                       "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "enable_cpu_affinity",
@@ -45,6 +45,8 @@ TITAN_RESHARD = ("default", "always", "never")
 # memory depends on here (or are noted where read); a key outside them is one note (a typo would otherwise be
 # silently left at its default).
 TITAN_SECTION_KEYS = {
+    "optimizer": {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation", "fused",
+                  "early_step_in_backward"},
     "model": {"name", "flavor", "hf_assets_path", "tokenizer_path", "converters", "print_after_conversion",
               "print_model_summary"},
     "training": {"dataset", "dataset_path", "local_batch_size", "batch_size", "global_batch_size", "seq_len",
@@ -91,6 +93,7 @@ class JobConfig:
     reshard: str = "default"  # TITAN_RESHARD; "default": the policy's own choice
     precision: str | None = None
     reduce_dtype: str | None = None
+    optimizer: str | None = None  # torchtitan's optimizer and its implementation, as --optimizer names them
     offload: bool = False
     compile: bool = False  # torchtitan's compile.enable (or training.compile): every block torch.compile'd
     float8: str | None = None  # torchtitan's float8 converter: its recipe (--float8), None: bf16 matmuls
@@ -232,7 +235,7 @@ def _table(cfg: JobConfig, data: dict[str, Any], name: str) -> dict[str, Any]:
 def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     for name in data:
         if name not in TITAN_IGNORED and name not in ("model", "training", "parallelism", "activation_checkpoint",
-                                                      "compile", "float8", "quantize", "mx"):
+                                                      "compile", "float8", "quantize", "mx", "optimizer"):
             cfg.notes.append(f"[{shown_json(name)[1:-1]}] is not read: fsdp-planner does not know that section")
     for section, known in TITAN_SECTION_KEYS.items():
         for key in _table(cfg, data, section):
@@ -240,6 +243,7 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
                 cfg.notes.append(f"{section}.{shown_json(key)[1:-1]} is not read: fsdp-planner does not know it")
     _titan_model(cfg, _table(cfg, data, "model"))
     _titan_training(cfg, _table(cfg, data, "training"))
+    _titan_optimizer(cfg, _table(cfg, data, "optimizer"))
     _titan_parallelism(cfg, _table(cfg, data, "parallelism"))
     _titan_ac(cfg, _table(cfg, data, "activation_checkpoint"))
     if "enable_async_tensor_parallel" in _table(cfg, data, "compile"):  # where torchtitan's registry keeps it
@@ -338,6 +342,37 @@ def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
     if "enable_cpu_offload" in training:
         cfg.offload = cfg.keys["training.enable_cpu_offload"] = _bool(cfg, "training.enable_cpu_offload",
                                                                       training["enable_cpu_offload"])
+
+
+TITAN_OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam"}  # torchtitan's names, as --optimizer names them
+TITAN_IMPLEMENTATIONS = ("fused", "foreach", "for-loop", "fused_opt_states_bf16")
+
+
+def _titan_optimizer(cfg: JobConfig, opt: dict[str, Any]) -> None:
+    """torchtitan's optimizer, fused unless the job says otherwise: ``implementation`` (its default "fused" since
+    early 2025), or the key it replaced, ``fused`` (default false then)."""
+    name = opt.get("name", "AdamW")
+    if not isinstance(name, str) or name not in TITAN_OPTIMIZERS:
+        cfg.notes.append(f"optimizer.name = {shown_json(name)} is simulated as AdamW (fsdp-planner models SGD, Adam "
+                         "and AdamW)")
+        name = "AdamW"
+    if "implementation" in opt:
+        how = _str(cfg, "optimizer.implementation", opt["implementation"], TITAN_IMPLEMENTATIONS)
+    elif "fused" in opt:
+        how = "fused" if _bool(cfg, "optimizer.fused", opt["fused"]) else "foreach"
+    else:
+        how = "fused"
+    if how == "for-loop":
+        cfg.notes.append("optimizer.implementation = for-loop is simulated as foreach: the same bytes; its "
+                         "temporaries are one param's, not the shard's (the memory is an upper bound)")
+    elif how == "fused_opt_states_bf16":
+        cfg.notes.append("optimizer.implementation = fused_opt_states_bf16 is simulated as fused with fp32 states "
+                         "(4 bytes a param more than it holds)")
+    if opt.get("early_step_in_backward"):
+        cfg.notes.append("optimizer.early_step_in_backward = true is left out: fsdp-planner steps the optimizer after "
+                         "backward, each grad held until then (the memory is an upper bound)")
+    cfg.keys["optimizer.name"], cfg.keys["optimizer.implementation"] = name, how
+    cfg.optimizer = TITAN_OPTIMIZERS[name] + ("-fused" if how.startswith("fused") else "")
 
 
 def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:

@@ -34,7 +34,7 @@ MAX_NUMBER = 10**18  # whole-number arithmetic in the file stays below this
 MAX_FLAGS = 1000
 
 # Trainer.Config keys that change nothing a step's time or memory depends on here: read past.
-IGNORED = frozenset({"hf_assets_path", "dump_folder", "profiler", "metrics", "tokenizer", "dataloader", "optimizer",
+IGNORED = frozenset({"hf_assets_path", "dump_folder", "profiler", "metrics", "tokenizer", "dataloader",
                      "lr_scheduler", "checkpoint", "comm", "validator", "debug", "override", "loss"})
 SECTION_CLASSES = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig",
                    "activation_checkpoint": "SelectiveAC.Config"}  # each section's dataclass, for an override
@@ -384,6 +384,8 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
             _model(data, value, model, label, notes)
         elif key == "activation_checkpoint":
             data[key] = _ac(value, label, notes)
+        elif key == "optimizer":
+            data[key] = _optimizer(value, label, notes)
         elif key in READ:
             data[key] = _section(key, value, label, notes)
         else:
@@ -474,6 +476,47 @@ def _ac(value: Any, label: str, notes: list[str]) -> dict[str, Any]:
         raise PlannerError(f"{label}: --activation_checkpoint.mode is the TOML form's key; a registry job picks the "
                            "class: give activation-checkpoint:full (or :selective, :memory-budget, :none)")
     return {**table, **AC_CLASSES[value.kind]}
+
+
+# what ``optimizer=`` is read from: torchtitan's helper, its container's config, a flag's section (``_set``)
+OPTIMIZER_CALLS = ("default_adamw", "OptimizersContainer", "optimizer")
+
+
+def _optimizer(value: Any, label: str, notes: list[str]) -> dict[str, Any]:
+    """``optimizer=`` as the TOML's ``[optimizer]`` table: ``default_adamw(...)`` (AdamW) or
+    ``OptimizersContainer.Config(implementation=..., param_groups=[ParamGroupConfig(optimizer_name=...), ...])``;
+    the container's ``implementation`` (default "fused") applies to every group unless a group's optimizer keywords
+    (``default_adamw``'s own) set ``fused`` or ``foreach``. Groups of several optimizers: the first's, with a note;
+    a value not read: torchtitan's default, with a note."""
+    if not isinstance(value, Call) or (value.kind not in OPTIMIZER_CALLS and "implementation" not in value.fields):
+        notes.append(f"optimizer = {_shown(value)} is not read: simulated as torchtitan's default, fused AdamW")
+        return {}
+    table: dict[str, Any] = {}
+    if "implementation" in value.fields:
+        how = value.fields["implementation"]
+        if not isinstance(how, str):
+            raise PlannerError(f"{label}: optimizer.implementation = {_shown(how)} is not a literal: fsdp-planner "
+                               "reads the job without running it (give the value, or the flag -- "
+                               "--optimizer.implementation VALUE)")
+        table["implementation"] = how
+    groups = value.fields.get("param_groups")
+    if value.kind == "default_adamw":
+        groups = [Call("ParamGroupConfig", fields={"optimizer_name": "AdamW", "optimizer_kwargs": value.fields})]
+    elif groups is not None and not isinstance(groups, list):
+        notes.append(f"optimizer's param_groups = {_shown(groups)} is not read (not a list): simulated as AdamW")
+    named = [g for g in groups if isinstance(g, Call) and "optimizer_name" in g.fields] \
+        if isinstance(groups, list) else []
+    if not named:
+        return table
+    names = [_shown(g.fields["optimizer_name"]) for g in named]
+    if len(set(names)) > 1:
+        notes.append(f"optimizer's param groups run {', '.join(names)}: simulated as the first's")
+    first = named[0].fields["optimizer_name"]
+    table["name"] = first if isinstance(first, str) else _shown(first)
+    kwargs = named[0].fields.get("optimizer_kwargs")
+    if isinstance(kwargs, dict) and (kwargs.get("fused") is True or kwargs.get("foreach") is True):
+        table["implementation"] = "fused" if kwargs.get("fused") is True else "foreach"
+    return table
 
 
 def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:

@@ -156,9 +156,17 @@ def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | 
     compute = compute_bars(report.timeline, trace.index.forward_end, report.step_time, comm)
     lanes = [Lane("compute", compute), *(Lane(k.label.split(" (")[0], bars) for k, bars in comm)]
     return StepView(label or plan.policy or "plan", report, lanes,
-                    np.append(times, report.step_time), np.append(levels, levels[-1]),
+                    np.append(times, report.step_time), np.append(levels, _optimizer_level(ctx, plan, levels)),
                     cluster.gpu.memory_bytes, cluster.gpu.name, float(times[trace.index.forward_end]),
                     budget or MemoryBudget.of_gpu(cluster.gpu.memory_bytes, cluster.gpu.name))
+
+
+def _optimizer_level(ctx: SimContext, plan: Plan, levels: np.ndarray) -> float:
+    """The memory while the optimizer steps (after the last event): its temporaries beside the state, when the GPU
+    runs it; else the level the step ended at."""
+    if ctx.options.offload:
+        return float(levels[-1])
+    return float(ctx.memory.step_level(plan))
 
 
 def event_times(timeline: Sequence[TimelineEvent], cum: Sequence[float], n: int) -> np.ndarray:

@@ -3,8 +3,9 @@
 The model is built by its factory under ``FakeTensorMode`` (no real memory; where its constructor reads a tensor
 value, on meta as ``plan`` builds it, then made fake: ``fake_build.py``), the plan applied with real
 ``fully_shard`` over a mesh of the fake process group (``dist.init_process_group("fake")``: collectives return
-at once, with their real shapes), and real training steps run: forward, loss, backward, ``AdamW.step``,
-``zero_grad()`` (``set_to_none`` as asked). What FSDP2 does is what it would do on W GPUs; only the values are missing.
+at once, with their real shapes), and real training steps run: forward, loss, backward, the optimizer's step
+(foreach or fused, as on a GPU), ``zero_grad()`` (``set_to_none`` as asked). What FSDP2 does is what it would do on
+W GPUs; only the values are missing.
 
 Measured, on the last step (the first creates the optimizer state):
 - collectives and their bytes, by wrapping the ``torch.distributed`` functions FSDP2 calls (``worker.py``): those
@@ -12,7 +13,8 @@ Measured, on the last step (the first creates the optimizer state):
   over the ``tp`` dim of the mesh) also DTensor's own over ``tp``, apart (``FunctionalCounter``), the loss under
   ``loss_parallel()`` when the plan asks for it; with expert parallelism (the plan's ``expert_parallel``, applied
   by ``apply_plan``: the experts over ``ep`` and their EP-reduced FSDP mesh) EP's all-to-alls, apart;
-- attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed;
+- attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed, and so
+  does ``F.rms_norm`` (``norms.fused_rms_norm_everywhere``);
   the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
   unsharded params are storages resized between 0 and their size), uncounted when Python frees it; plus what was
@@ -57,15 +59,17 @@ from fsdp_planner.apply.float8 import after_optimizer_step
 from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.tensor_parallel import loss_context
 from fsdp_planner.attention import fused_sdpa_everywhere, kernel
+from fsdp_planner.choices import DEFAULT_OPTIMIZER
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
+from fsdp_planner.norms import fused_rms_norm_everywhere
 from fsdp_planner.patching import patched
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn
 from fsdp_planner.runtime.fake_build import FakeModel, build_fake
 from fsdp_planner.runtime.worker import CollectiveCounter, Counts
-from fsdp_planner.sim.options import GradientSync, ZeroGrad
+from fsdp_planner.sim.options import OPTIMIZERS, GradientSync, Optimizer, ZeroGrad
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.failures import check_operand_dtypes, failed_at, first_line, mark, op_name
 from fsdp_planner.trace.recorder import split_inputs
@@ -441,6 +445,22 @@ class FakeSteps:
     micro_batches: int = 1
     reshard_after_backward: bool = True
     gradient_sync: GradientSync = GradientSync.LAST
+    optimizer: Optimizer = OPTIMIZERS[DEFAULT_OPTIMIZER]
+
+
+# torch's optimizer for each of fsdp-planner's, with its hyper-parameters where they change its bytes
+TORCH_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, float]]] = {
+    "sgd": (torch.optim.SGD, {}), "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "adam": (torch.optim.Adam, {}), "adamw": (torch.optim.AdamW, {}),
+    "adam-fused": (torch.optim.Adam, {}), "adamw-fused": (torch.optim.AdamW, {})}
+
+
+def torch_optimizer(optimizer: Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``optimizer`` as a GPU runs it: foreach or fused as it says (a CPU's default would be the for-loop, whose
+    temporaries are one param's, not the whole shard's)."""
+    cls, kwargs = TORCH_OPTIMIZERS[optimizer.name]
+    how = {"fused": True} if optimizer.fused else {"foreach": True}
+    return cls(params, lr=1e-3, **kwargs, **how)
 
 
 class FakeTraining:
@@ -452,7 +472,7 @@ class FakeTraining:
         """``built``'s model already sharded (``shard``): the optimizer holds the sharded params."""
         self.model, self.loss_fn, self.plan, self.how, self.spec = built.model, built.loss_fn, plan, how, spec
         self.args, self.kwargs = split_inputs(built.inputs)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.optimizer = torch_optimizer(how.optimizer, self.model.parameters())
         self.counter = CollectiveCounter()
         self.tp_counter = FunctionalCounter()
         self.tp_figures = self.tp_counter.take()  # the last step's TP collectives (counts, bytes)
@@ -470,7 +490,8 @@ class FakeTraining:
         (TP's: ``tp_figures``)."""
         self.tracker = self.host_copies.tracker = LiveBytes(self.capacity)
         with self.tracker, self.counter, self.tp_counter.counting(), kernel(self.spec.attention), \
-                fused_sdpa_everywhere(), self.float8_counter.counting(self.plan.float8 is not None):
+                fused_sdpa_everywhere(), fused_rms_norm_everywhere(), \
+                self.float8_counter.counting(self.plan.float8 is not None):
             self._track_what_the_step_starts_with()
             for k in range(self.how.micro_batches):
                 self._micro_batch(k)
@@ -584,17 +605,18 @@ def forget_meshes() -> None:
 
 def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, precision: Precision,
                    steps: int = 2, zero_grad: ZeroGrad = ZeroGrad.NONE, micro_batches: int = 1,
-                   reshard_after_backward: bool = True,
-                   gradient_sync: GradientSync = GradientSync.LAST) -> FakeWorldResult:
+                   reshard_after_backward: bool = True, gradient_sync: GradientSync = GradientSync.LAST,
+                   optimizer: Optimizer = OPTIMIZERS[DEFAULT_OPTIMIZER]) -> FakeWorldResult:
     """Apply ``plan`` to the model ``spec`` names with real FSDP2 on ``world_size`` fake ranks and train
     ``steps`` steps (at least 2) of ``micro_batches`` forward + backward passes each (of the batch ``spec`` names;
     gradient sync off on all but the last, ``set_requires_gradient_sync``, unless ``gradient_sync`` is EVERY;
     with ``reshard_after_backward`` False
-    also ``set_reshard_after_backward(False)`` on all but the last); counts, bytes and memory are the last step's."""
+    also ``set_reshard_after_backward(False)`` on all but the last), each ending with ``optimizer``'s step;
+    counts, bytes and memory are the last step's."""
     check_fake_world(world_size, steps)
     spec = as_spec(model_spec)
     factory = factory_call(spec)
-    how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync)
+    how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync, optimizer)
     started = time.perf_counter()
     with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         built, host_copies = build_fake(factory, spec.name, mode), HostCopies()

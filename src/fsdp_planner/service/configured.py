@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
+from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
 from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, edit_choices, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
@@ -98,6 +98,8 @@ def _workload(m: _Merge) -> None:
         m.given("precision", cfg.precision, "the mixed precision", DEFAULT_PRECISION)
     if cfg.reduce_dtype is not None:
         m.given("reduce_dtype", cfg.reduce_dtype, "training.mixed_precision_reduce")
+    if cfg.optimizer is not None:
+        m.given("optimizer", cfg.optimizer, "the optimizer", DEFAULT_OPTIMIZER)
     if cfg.offload:
         m.given("offload", True, cfg.key("offload"), False)
 

@@ -10,7 +10,9 @@ group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the defa
 grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default; with
 ``set_to_none=False`` they live all step and each reduce-scatter output is a transient added into them), and the
 activations saved for backward, from the op that saves them until the backward of the module call that saved
-them is done, with activation checkpointing and the loss's live tensors as ``recompute.py`` says. In a TP view a
+them is done, with activation checkpointing and the loss's live tensors as ``recompute.py`` says. After the last
+micro-batch, the optimizer step: the static part, the sharded grads, the batch and the step's own temporaries
+(foreach Adam's square roots of exp_avg_sq, one state's size: ``sim/optimizer_step.py``). In a TP view a
 vocab-parallel embedding's grad is made whole, TP times the rank's shard, and held until its group's post-backward
 copies the shard out (``_replicated_grad``, ``sim/tensor_parallel.py``). Sizes come from ``sizing.py``.
 
@@ -97,6 +99,7 @@ class MemoryBreakdown:
     unsharded_grads: int = 0
     reduce_scatter_buffers: int = 0
     activations: int = 0
+    optimizer_temporaries: int = 0  # what the optimizer step makes beside the state (foreach Adam's square roots)
 
     @property
     def total(self) -> int:
@@ -183,6 +186,8 @@ class MemoryModel:
             compute_copies=compute_copies(trace, precision, sharded=True),
         )
         self.grad_bytes = precision.grad_bytes
+        # the step's own temporaries, on the GPU unless it runs on the CPU (offload)
+        self.step_temporaries = 0 if offload else shard * optimizer.step_temporary_bytes(precision.param_bytes)
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._casts = float8_casts
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
@@ -205,8 +210,9 @@ class MemoryModel:
         n = len(self.trace.events) + 1
         deltas = self._deltas(plan, schedule, GradSync.ONLY if sync_every else phase,
                               sharded_held=sync_every and phase is not GradSync.FIRST)
+        stepped = phase in (GradSync.ONLY, GradSync.LAST)  # the optimizer steps after this micro-batch
         return self._peak_of(deltas, n, self.activations(plan_checkpointing(plan)), self.kept_grads(plan),
-                             self.loss_slack)
+                             self.loss_slack, self.step_temporaries if stepped else None)
 
     @property
     def loss_slack(self) -> np.ndarray:
@@ -235,9 +241,24 @@ class MemoryModel:
             self._loss = np.cumsum(loss_region_deltas(self.trace, scale))
         return round(float(self._loss[at]))
 
+    @property
+    def _cache_freed(self) -> int:
+        """Autocast's weight cache, gone by the optimizer step (the autocast region has exited)."""
+        return self.static.compute_copies if self.precision.autocast else 0
+
+    @property
+    def _at_step_static(self) -> int:
+        return self.static.total - self._cache_freed
+
+    def step_level(self, plan: Plan) -> int:
+        """Allocated bytes per rank while the optimizer steps after the step's last backward (``_peak_of``)."""
+        return self._at_step_static + self.kept_grads(plan) + round(float(self.activations(
+            plan_checkpointing(plan))[-1])) + self.step_temporaries
+
     def levels(self, plan: Plan, schedule: Schedule) -> np.ndarray:
         """Allocated bytes per rank at each event position (``i``: while event ``i`` runs; the last: after the final
-        callback), from the same terms as ``peak``: the memory curve of the step, whose maximum is the peak."""
+        callback), from the same terms as ``peak``: the memory curve of forward and backward, whose maximum is the
+        peak unless the optimizer step's (``step_level``) is higher."""
         n = len(self.trace.events) + 1
         dense = np.zeros(n + 1)
         for pos, d in self._deltas(plan, schedule).items():
@@ -400,7 +421,11 @@ class MemoryModel:
         add(2, post if phase is GradSync.FIRST else 0, n, acc)
 
     def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray, kept_grads: int = 0,
-                 slack: np.ndarray | None = None) -> Peak:
+                 slack: np.ndarray | None = None, step_temporaries: int | None = None) -> Peak:
+        """The peak over the micro-batch's events and, when the optimizer steps after it (``step_temporaries`` not
+        None), over its step: FSDP2's final callback has freed the last reduce-scatter input by then, so the
+        step holds the static part, the sharded grads, what is left of the activations (the batch) and its own
+        temporaries, on the default stream."""
         starts = sorted(p for p in deltas if p < n)
         if not starts or starts[0] != 0:
             starts.insert(0, 0)
@@ -425,6 +450,14 @@ class MemoryModel:
         reduce_pool = max(float(kept_grads), float(level[:, _REDUCED].max()))
         static = asdict(self.static)  # a dynamic category adds to its static part (grads kept by zero_grad)
         at = {k: static[k] + round(x) for k, x in zip((*_DYNAMIC, "activations"), best_at, strict=True)}
+        if step_temporaries is not None:
+            on_default = self._at_step_static + float(activations[-1]) + step_temporaries
+            default_pool = max(default_pool, on_default)
+            grads = float(kept_grads)  # every group's, the last reduce-scatter's output too
+            if on_default + grads > float(total[k]):  # the optimizer step is the peak
+                at = {**{c: static[c] for c in (*_DYNAMIC, "activations")}, "grads": static["grads"] + round(grads),
+                      "activations": round(float(activations[-1])), "optimizer_temporaries": step_temporaries,
+                      "compute_copies": static["compute_copies"] - self._cache_freed}
         return Peak(_replace(self.static, **at), round(default_pool + gather_pool + reduce_pool))
 
 
@@ -458,20 +491,24 @@ def strategy_table(trace: Trace, world_size: int, options: SimOptions) -> dict[s
     def shard(nbytes: int) -> int:
         return -(-nbytes // world_size)
 
-    def row(optimizer_state: int, grads_divisor: int = 1, gradient_buckets: int = 0) -> MemoryBreakdown:
+    temporaries = trainable * opt.step_temporary_bytes(prec.param_bytes)
+
+    def row(optimizer_state: int, grads_divisor: int = 1, gradient_buckets: int = 0, state_divisor: int = 1
+            ) -> MemoryBreakdown:
         static = MemoryBreakdown(params=trace.numel * prec.param_bytes, grads=-(-kept // grads_divisor),
                                  optimizer_state=optimizer_state, buffers=trace.buffers_nbytes,
                                  compute_copies=compute_copies(trace, prec, sharded=False),
                                  gradient_buckets=gradient_buckets)
-        return peak_moment(static, activations, produced / grads_divisor)
+        return peak_moment(static, activations, produced / grads_divisor, -(-temporaries // state_divisor),
+                           static.compute_copies if prec.autocast else 0)
 
     model = MemoryModel(trace, world_size, prec, opt, options.zero_grad)
     plan = make_plan(trace, [[m] for m in trace.index.owning_modules if m != ROOT])
     return {
         "single": row(full_state),
         "ddp": row(full_state, gradient_buckets=trainable * prec.reduce_bytes),
-        "zero1": row(shard(full_state)),
-        "zero2": row(shard(full_state), grads_divisor=world_size),
+        "zero1": row(shard(full_state), state_divisor=world_size),
+        "zero2": row(shard(full_state), grads_divisor=world_size, state_divisor=world_size),
         "fsdp": model.peak(plan, build_schedule(trace, plan, world_size)).at,
     }
 
@@ -487,10 +524,17 @@ def grads_produced(trace: Trace, precision: Precision) -> np.ndarray:
     return np.cumsum(delta)
 
 
-def peak_moment(static: MemoryBreakdown, activations: np.ndarray, grads: np.ndarray) -> MemoryBreakdown:
+def peak_moment(static: MemoryBreakdown, activations: np.ndarray, grads: np.ndarray, step_temporaries: int = 0,
+                cache_freed: int = 0) -> MemoryBreakdown:
     """A strategy without FSDP at its peak: the static part, and the activations and grads held at the event
-    where together they are largest (activations peak as forward ends, grads once backward is done)."""
+    where together they are largest (activations peak as forward ends, grads once backward is done), or the
+    optimizer step after backward, when its temporaries beside all the grads are more (autocast's weight cache,
+    ``cache_freed``, gone by then)."""
     k = int(np.argmax(activations + grads))
+    if step_temporaries - cache_freed + activations[-1] + grads[-1] > activations[k] + grads[k]:
+        return _replace(static, activations=round(float(activations[-1])),
+                        grads=static.grads + round(float(grads[-1])), optimizer_temporaries=step_temporaries,
+                        compute_copies=static.compute_copies - cache_freed)
     return _replace(static, activations=round(float(activations[k])), grads=static.grads + round(float(grads[k])))
 
 

@@ -19,16 +19,26 @@ hyper-parameters), counted from torch 2.13's steady-state steps:
   ``_foreach_addcdiv_(params, exp_avgs, denom)`` 16: 72.
 - AdamW: Adam's and the decoupled weight decay's ``_foreach_mul_(params)`` 8: 80.
 
+The fused implementation (``fused=True``; torchtitan's default, ``optimizer.implementation = "fused"``, and Hugging
+Face's Trainer's, ``adamw_torch_fused``, from torch 2.8) is one kernel (``_fused_adamw_``) that reads p, g, exp_avg
+and exp_avg_sq once and writes p, exp_avg and exp_avg_sq once: 28 for Adam and AdamW.
+
+Memory (``STEP_TEMPORARIES``): foreach Adam's ``_foreach_sqrt(exp_avg_sqs)`` makes a new list the size of the
+rank's whole trainable shard (exp_avg_sq's dtype) and holds it to the step's end, beside the params, grads and
+state: on one H200 (``benchmarks/gpu_step.md``) Llama 3.2 3B with full checkpointing peaked there, 59.9 GiB. The
+fused kernel and foreach SGD (default hyper-parameters: everything in place) make none.
+
 Before it the grads are clipped (``GRAD_CLIP_BYTES``): torchtitan clips every step (``max_norm`` 1.0), as Hugging
-Face's Trainer does (``max_grad_norm`` 1.0). A fused optimizer (``fused=True``: one kernel reading and writing each
-tensor once) moves less; no option here says so.
+Face's Trainer does (``max_grad_norm`` 1.0).
 """
 
 from __future__ import annotations
 
 from fsdp_planner.hardware.cluster import Cluster, slowest_rank_factor
 
-STEP_BYTES = {"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80}
+STEP_BYTES = {"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80, "adam-fused": 28, "adamw-fused": 28}
+# state-sized tensors the step makes and holds at once, per trainable element (module docstring)
+STEP_TEMPORARIES = {"adam": 1, "adamw": 1}
 # torch/nn/utils/clip_grad.py (foreach): ``_foreach_norm(grads)`` reads them (4), ``_foreach_mul_(grads, coef)``
 # scales them in place (8)
 GRAD_CLIP_BYTES = 12

@@ -2,10 +2,11 @@
 
 Defaults (``SimOptions()``): ``bf16-mixed`` precision (FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``: fp32 sharded params and grads, bf16 all-gather and compute, fp32 reduce-scatter), the
-AdamW optimizer (two fp32 states per trainable element), ``zero_grad()`` with its default ``set_to_none=True``,
-and matmul-like ops at 50% of the GPU's dense peak
-(``mfu=0.5``; transformer matmuls reach 40-60% in practice). To reproduce a measurement made another way, say
-so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32 run with SGD and momentum).
+AdamW optimizer (two fp32 states per trainable element; torch's foreach implementation, what a loop's own
+``torch.optim.AdamW(params)`` runs on CUDA; ``adamw-fused`` is torchtitan's and Hugging Face Trainer's default),
+``zero_grad()`` with its default ``set_to_none=True``, and each op at the cluster's roofline. To reproduce a
+measurement made another way, say so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32
+run with SGD and momentum).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.sim.optimizer_step import STEP_BYTES
+from fsdp_planner.sim.optimizer_step import STEP_BYTES, STEP_TEMPORARIES
 
 PRECISIONS: dict[str, Precision] = {
     p.name: p
@@ -48,7 +49,9 @@ class Optimizer:
     """Optimizer state per trainable param element, and the HBM traffic of its step.
 
     ``step_bytes``: what one ``step()`` reads and writes from HBM per fp32 element of the rank's trainable shard
-    (torch's foreach implementation, its default on CUDA; counted in ``sim/optimizer_step.py``).
+    (torch's foreach implementation, its default on CUDA, or with ``fused`` its fused kernel; counted in
+    ``sim/optimizer_step.py``); ``step_temporaries``: tensors of one state's size per element that the step makes
+    and holds at once (foreach Adam's square roots).
     ``param_dtype_states`` live in the param storage dtype (SGD's momentum buffer); ``fp32_states`` are always
     fp32 (Adam's exp_avg and exp_avg_sq); ``master_copy`` adds an fp32 copy of the weights when the params are
     stored in 16 bits (the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 = 16 bytes per param).
@@ -59,10 +62,16 @@ class Optimizer:
     param_dtype_states: int = 0
     fp32_states: int = 0
     master_copy: bool = False
+    fused: bool = False  # ``fused=True`` (else foreach)
+    step_temporaries: int = 0
 
     def state_bytes_per_element(self, param_bytes: int) -> int:
         master = 4 if self.master_copy and param_bytes < 4 else 0
         return self.param_dtype_states * param_bytes + self.fp32_states * 4 + master
+
+    def step_temporary_bytes(self, param_bytes: int) -> int:
+        """Bytes per trainable element of what the step holds beyond the state (in the states' dtype)."""
+        return self.step_temporaries * (4 if self.fp32_states else param_bytes)
 
 
 OPTIMIZERS: dict[str, Optimizer] = {
@@ -70,8 +79,12 @@ OPTIMIZERS: dict[str, Optimizer] = {
     for o in (
         Optimizer("sgd", STEP_BYTES["sgd"]),
         Optimizer("sgd-momentum", STEP_BYTES["sgd-momentum"], param_dtype_states=1),
-        Optimizer("adam", STEP_BYTES["adam"], fp32_states=2, master_copy=True),
-        Optimizer("adamw", STEP_BYTES["adamw"], fp32_states=2, master_copy=True),
+        Optimizer("adam", STEP_BYTES["adam"], fp32_states=2, master_copy=True,
+                  step_temporaries=STEP_TEMPORARIES["adam"]),
+        Optimizer("adamw", STEP_BYTES["adamw"], fp32_states=2, master_copy=True,
+                  step_temporaries=STEP_TEMPORARIES["adamw"]),
+        Optimizer("adam-fused", STEP_BYTES["adam-fused"], fp32_states=2, master_copy=True, fused=True),
+        Optimizer("adamw-fused", STEP_BYTES["adamw-fused"], fp32_states=2, master_copy=True, fused=True),
     )
 }
 

@@ -10,7 +10,8 @@ The pieces go on in one order, and each place in it has a reason:
 3. the module hooks (``hooks.ModuleHooks``);
 4. for the step itself, the fake mode (a model with real params; none on meta) before the op recorder: the
    dispatch mode entered last sees an op first, so the recorder records each op and runs it under the fake
-   mode, which makes its outputs fake; then ``GpuAttention`` (a torch-function mode, a stack of its own), the
+   mode, which makes its outputs fake; then ``GpuAttention`` (a torch-function mode, a stack of its own) and
+   ``F.rms_norm`` bound to the GPU's fused kernel (``norms.py``), the
    saved-tensor hooks, and the model's own ``torch.utils.checkpoint`` run as plain regions (``own_checkpoint.py``:
    its hooks would sit over the tracer's).
 
@@ -30,6 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdp_planner.attention import GpuAttention
+from fsdp_planner.norms import fused_rms_norm_everywhere
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, capacity
 from fsdp_planner.trace.full_precision import full_precision_casts
 from fsdp_planner.trace.hooks import ModuleHooks
@@ -160,8 +162,8 @@ class TraceSession:
     @contextlib.contextmanager
     def _modes(self) -> Iterator[None]:
         """Step 4 of the module docstring."""
-        with self.fake_mode or contextlib.nullcontext(), GpuAttention(), self.ops, saved_tensor_hooks(self.slot), \
-                capacity(self.request.routing), self.own.installed():
+        with self.fake_mode or contextlib.nullcontext(), GpuAttention(), fused_rms_norm_everywhere(), self.ops, \
+                saved_tensor_hooks(self.slot), capacity(self.request.routing), self.own.installed():
             yield
 
     def _step(self) -> set[int]:

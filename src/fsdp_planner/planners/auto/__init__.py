@@ -598,6 +598,7 @@ class PeakTerm(Enum):
     LOSS = "logits and loss outside the model"
     ACTIVATIONS = "activations"
     SHARDED = "sharded state (params, grads, optimizer)"
+    OPTIMIZER_STEP = "optimizer step's temporaries"
     UNSHARDED_PARAMS = "unsharded params"
     UNSHARDED_GRADS = "unsharded grads"
     COPIES = "low-precision weight copies"
@@ -608,7 +609,8 @@ class PeakTerm(Enum):
 _CATEGORIES = {PeakTerm.SHARDED: ("params", "grads", "optimizer_state", "buffers"),
                PeakTerm.UNSHARDED_PARAMS: ("unsharded_params", "all_gather_buffers"),
                PeakTerm.UNSHARDED_GRADS: ("unsharded_grads", "reduce_scatter_buffers", "gradient_buckets"),
-               PeakTerm.COPIES: ("compute_copies",), PeakTerm.ACTIVATIONS: ("activations",)}
+               PeakTerm.COPIES: ("compute_copies",), PeakTerm.ACTIVATIONS: ("activations",),
+               PeakTerm.OPTIMIZER_STEP: ("optimizer_temporaries",)}
 _WAY_OUT = {
     PeakTerm.LOSS: "they grow with batch x seq x vocab and no sharding shrinks them: use a smaller --batch or --seq "
                    "(or a loss computed in chunks)",
@@ -623,7 +625,8 @@ def peak_terms(ev: Evaluator, c: Candidate) -> dict[PeakTerm, int]:
     them (``sim/memory.py``: allocated vs reserved)."""
     terms = _report_terms(c.report)
     schedule = build_schedule(ev.trace, c.plan, ev.ctx.world, ev.ctx.sizing.group_params(c.plan))
-    loss = min(ev.ctx.memory.loss_at_peak(c.plan, schedule), terms.get(PeakTerm.ACTIVATIONS, 0))
+    at_step = c.report.memory_at_peak.get("optimizer_temporaries", 0) > 0  # only the batch is left of activations
+    loss = 0 if at_step else min(ev.ctx.memory.loss_at_peak(c.plan, schedule), terms.get(PeakTerm.ACTIVATIONS, 0))
     if loss:
         terms[PeakTerm.ACTIVATIONS] -= loss
         terms[PeakTerm.LOSS] = loss
@@ -656,6 +659,9 @@ def infeasible_message(result: AutoResult) -> str:
     hint = _budget_hint(result, floor)
     if result.also_tried:
         hint += f" ({', '.join(result.also_tried)} did not fit either)"
+    if terms.get(PeakTerm.OPTIMIZER_STEP):  # never the largest (the state it sits beside is more), still a way out
+        hint += (f"; the peak is the optimizer step, whose temporaries a fused optimizer does not make (--optimizer "
+                 f"{ev.ctx.options.optimizer.name}-fused)")
     return (f"no plan fits the memory budget of {fmt_bytes(result.budget)} per rank on {ev.cluster.name}: the "
             f"smallest peak any plan reaches is {fmt_bytes(floor)} ({shown}{checkpointed}); the largest part is the "
             f"{largest.value}: {_WAY_OUT.get(largest, 'use more GPUs or a smaller --batch or --seq')}{hint}")
