@@ -212,7 +212,7 @@ class MemoryModel:
                               sharded_held=sync_every and phase is not GradSync.FIRST)
         stepped = phase in (GradSync.ONLY, GradSync.LAST)  # the optimizer steps after this micro-batch
         return self._peak_of(deltas, n, self.activations(plan_checkpointing(plan)), self.kept_grads(plan),
-                             self.loss_slack, self.step_temporaries if stepped else None)
+                             self.loss_slack, stepped)
 
     @property
     def loss_slack(self) -> np.ndarray:
@@ -246,14 +246,16 @@ class MemoryModel:
         """Autocast's weight cache, gone by the optimizer step (the autocast region has exited)."""
         return self.static.compute_copies if self.precision.autocast else 0
 
-    @property
-    def _at_step_static(self) -> int:
-        return self.static.total - self._cache_freed
+    def _at_step_default(self, activations_left: float) -> float:
+        """What the default stream holds while the optimizer steps: the static part less autocast's cache, what is
+        left of the activations (the batch) and the step's temporaries (the sharded grads are on the
+        reduce-scatter stream's)."""
+        return self.static.total - self._cache_freed + activations_left + self.step_temporaries
 
     def step_level(self, plan: Plan) -> int:
         """Allocated bytes per rank while the optimizer steps after the step's last backward (``_peak_of``)."""
-        return self._at_step_static + self.kept_grads(plan) + round(float(self.activations(
-            plan_checkpointing(plan))[-1])) + self.step_temporaries
+        return round(self._at_step_default(float(self.activations(plan_checkpointing(plan))[-1]))) \
+            + self.kept_grads(plan)
 
     def levels(self, plan: Plan, schedule: Schedule) -> np.ndarray:
         """Allocated bytes per rank at each event position (``i``: while event ``i`` runs; the last: after the final
@@ -421,9 +423,9 @@ class MemoryModel:
         add(2, post if phase is GradSync.FIRST else 0, n, acc)
 
     def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray, kept_grads: int = 0,
-                 slack: np.ndarray | None = None, step_temporaries: int | None = None) -> Peak:
-        """The peak over the micro-batch's events and, when the optimizer steps after it (``step_temporaries`` not
-        None), over its step: FSDP2's final callback has freed the last reduce-scatter input by then, so the
+                 slack: np.ndarray | None = None, stepped: bool = False) -> Peak:
+        """The peak over the micro-batch's events and, when the optimizer steps after it (``stepped``), over its
+        step: FSDP2's final callback has freed the last reduce-scatter input by then, so the
         step holds the static part, the sharded grads, what is left of the activations (the batch) and its own
         temporaries, on the default stream."""
         starts = sorted(p for p in deltas if p < n)
@@ -450,13 +452,13 @@ class MemoryModel:
         reduce_pool = max(float(kept_grads), float(level[:, _REDUCED].max()))
         static = asdict(self.static)  # a dynamic category adds to its static part (grads kept by zero_grad)
         at = {k: static[k] + round(x) for k, x in zip((*_DYNAMIC, "activations"), best_at, strict=True)}
-        if step_temporaries is not None:
-            on_default = self._at_step_static + float(activations[-1]) + step_temporaries
+        if stepped:
+            on_default = self._at_step_default(float(activations[-1]))
             default_pool = max(default_pool, on_default)
             grads = float(kept_grads)  # every group's, the last reduce-scatter's output too
             if on_default + grads > float(total[k]):  # the optimizer step is the peak
                 at = {**{c: static[c] for c in (*_DYNAMIC, "activations")}, "grads": static["grads"] + round(grads),
-                      "activations": round(float(activations[-1])), "optimizer_temporaries": step_temporaries,
+                      "activations": round(float(activations[-1])), "optimizer_temporaries": self.step_temporaries,
                       "compute_copies": static["compute_copies"] - self._cache_freed}
         return Peak(_replace(self.static, **at), round(default_pool + gather_pool + reduce_pool))
 
