@@ -125,10 +125,12 @@ def test_groups_inside_an_op_level_checkpointed_block_and_under_fsdp1_are_refuse
 
 
 @pytest.mark.integration  # ~4 s: real FSDP2 on 8 fake ranks
-@pytest.mark.xfail(strict=True, reason="peak +3.3% (1,034,104 predicted, 1,001,500 measured; +1.4% before): since "
-                   "RMSNorm is traced as CUDA's fused kernel (norms.py) the norm saves its input itself, not a fp32 "
-                   "copy, and the recomputation of a block with a group on each Linear is predicted to hold one "
-                   "such input more than real FSDP2 does; counts, bytes and gather order still exact")
+@pytest.mark.xfail(strict=True, reason="peak +3.3% (1,034,104 predicted, 1,001,500 measured): the recomputation "
+                   "re-creates what the block's ops save, its input too, which the checkpoint already holds (the "
+                   "fused norm saves it). Not re-creating it (branch wip-saved-inputs: Event.saved_inputs) gives +1.6% "
+                   "here but -3.0% on the DiT cases of test_self_checkpointing, where that double count offsets a "
+                   "term grad_live lacks: the residual stream's gradient, pending while a block's branch runs "
+                   "backward (one hidden state, alive at fc2's backward in the DiT's peak). Both terms go in together")
 def test_real_fsdp2_gathers_groups_inside_a_checkpointed_block_as_replayed():
     """The all-gathers real FSDP2 issues in a step (their groups, in order), their counts and bytes, as the replay
     says, and the peak within 2% (without replaying the recomputation's hooks: -3.3%)."""

@@ -137,14 +137,30 @@ def micro_batch_phases(micro_batches: int) -> tuple[GradSync, ...]:
     return (GradSync.FIRST, *((GradSync.MIDDLE,) if micro_batches > 2 else ()), GradSync.LAST)
 
 
+# bytes of activation curves one trace keeps (``activation_levels``): a search's plans share a few checkpointing
+# sets (58 distinct of 110 asked for in fit's verdict on an 8B Llama), a 671B model's curve is a few MB
+ACTIVATION_MEMO_BYTES = 256 * 2**20
+
+
 def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[Checkpointed] = ()) -> np.ndarray:
     """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
-    calls hold their inputs instead and re-create their activations in backward (``recompute.py``)."""
+    calls hold their inputs instead and re-create their activations in backward (``recompute.py``). Computed once
+    per trace, checkpointing and dtype while the curves kept stay under ``ACTIVATION_MEMO_BYTES`` (the oldest go
+    first): every context of a search on one trace asks for the same few; not to be changed by the caller."""
     scale = precision.compute_bytes / traced_itemsize(trace)
-    calls = checkpointed_calls(trace, checkpointed)
-    return np.cumsum(activation_deltas(trace, calls, scale)) + gradient_flow(trace, scale) \
-        + recompute_levels(trace, calls, scale) + trace.inputs_nbytes  # the batch, held by the caller all step
+    key = ("activation_levels", tuple(checkpointed), scale)
+    memo = trace.index.memo
+    if key not in memo:
+        calls = checkpointed_calls(trace, checkpointed)
+        kept = [k for k in memo if k[0] == "activation_levels"]
+        size = 8 * (len(trace.events) + 1)
+        while kept and (len(kept) + 1) * size > ACTIVATION_MEMO_BYTES:
+            del memo[kept.pop(0)]
+        memo[key] = np.cumsum(activation_deltas(trace, calls, scale)) + gradient_flow(trace, scale) \
+            + recompute_levels(trace, calls, scale) + trace.inputs_nbytes  # the batch, held all step
+        memo[key].flags.writeable = False
+    return memo[key]
 
 
 def compute_copies(trace: Trace, precision: Precision, sharded: bool) -> int:
