@@ -124,7 +124,7 @@ def test_verify_expert_tp_trains_with_parity_on_gloo() -> None:
     import json
 
     r = run_main("verify", TINY, "--policy", "titan", "--json", "--tp", "2", "--nproc", "4", "--steps", "2",
-                 "--precision", "fp32")
+                 "--time-steps", "0", "--precision", "fp32")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["counts_match"] and result["bytes_match"]

@@ -218,6 +218,6 @@ def test_value_reading_models_plan_and_verify(spec: str, blocks: str, capsys):
     assert main(["plan", f"{FIXTURE}:{spec}", "--policy", "module", "--module-classes", blocks]) == 0
     assert "balanced-routing stand-in" in capsys.readouterr().err
     out = run_main("verify", f"{FIXTURE}:{spec}", "--policy", "module", "--module-classes", blocks, "--nproc", "2",
-                   "--steps", "2")
+                   "--steps", "2", "--time-steps", "0")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout

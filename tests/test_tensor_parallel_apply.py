@@ -309,7 +309,7 @@ def test_per_head_norms_sum_their_grads_over_tp(tmp_path: Path) -> None:
     assert layout.tp.layout["model.layers.*.self_attn.q_norm"] is TPStyle.REPLICATE
     assert not any("q_norm" in n for n in layout.notes)
     r = run_main("verify", f"hf:{config}", "--policy", "titan", "--tp", "2", "--nproc", "4", "--precision", "fp32",
-                 "--batch", "2", "--seq", "32", "--steps", "2", "--json")
+                 "--batch", "2", "--seq", "32", "--steps", "2", "--time-steps", "0", "--json")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5

@@ -95,7 +95,7 @@ def test_mismatch_is_reported_not_hidden():
 def test_auto_plans_train_on_real_runs(spec):
     """The issue's command, as a user types it."""
 
-    out = run_main("verify", spec, "--policy", "auto", "--nproc", "2", "--steps", "2")
+    out = run_main("verify", spec, "--policy", "auto", "--nproc", "2", "--steps", "2", "--time-steps", "0")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
 
