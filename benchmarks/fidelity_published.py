@@ -111,6 +111,21 @@ OUT_OF_SCOPE = [
 
 
 NOTES = [
+    "- Matmul caps from independent GEMM sweeps (2026-11-30, latest): the H100 and H200 cap is now 0.80 and the "
+    "A100's 0.87, the best bf16 matmul rates Stas Bekman's Maximum Achievable Matmul FLOPS sweeps found on an H100 SXM "
+    "(794.5 of 989 TFLOP/s) and an A100 SXM (271.2 of 312) (ml-engineering, compute/accelerator/README.md), figures "
+    "these rows did not inform (the H100 had B200's 0.75, the A100 0.85, an estimate its runs' MFU informed); a float8 "
+    "matmul sees the float8 peak x 0.709 / 0.803, the same sweep's float8 rate over its bf16 one on the H100. An H200 "
+    "of this project's own sweep fits 0.78-0.80, and the 0.75 preset had charged its matmuls 6-11% too long on every "
+    "workload (benchmarks/gpu_step.md). Every row moved faster: eager H100 +6.5% / +9.8% -> +9.7% / +13.3%, the A100 "
+    "rows +8.2% / +5.0% / +11.8% -> +9.8% / +6.6% / +13.8%, compiled +21% to +26% -> +26.7% / +31.0%, float8 +19.0% / "
+    "+23.0%, 2-D +2.1% -> +0.1%, async TP +15.5% -> +12.9%. Which term is off: time the steps spend outside the "
+    "kernels the model charges. On the H200's eager Llama 1B trace, FSDP2's own kernels at world size 1 (unshard's "
+    "fp32-to-bf16 casts 5.8 ms, the reduce-scatter input's chunk_cat 4.5 ms, device copies 5.6 ms: 16 ms of a 165 ms "
+    "forward and backward) and the memory-bound class as a whole (57 ms measured, 35 ms charged) are where the model "
+    "is short, about these eager rows' 10-13%. No factor was moved to close it: measuring those kernels on a GPU "
+    "(FSDP2's copies and casts by size, eager's idle gaps) is the next step. The bullets below were written before "
+    "this change, and their figures are of that time.",
     "- RMSNorm as each run ran it (2026-11-30, later): fsdp-planner now traces `nn.RMSNorm` as CUDA's fused kernel "
     "(torch 2.8 on; an H200 profile runs it as one kernel, and its eager peaks came out 7-11% high with the CPU "
     "build's decomposition: benchmarks/gpu_step.md, src/fsdp_planner/norms.py). The runs in this table did not use "

@@ -192,20 +192,23 @@ NOTES = [  # read from the tables above as this run made them (2026-11-30)
     "H100, the cited figure), as the microbenchmarks' 45-62% at head dim 128 say: one attention efficiency for "
     "every head dim and kernel is the model's limit (+35 and +48 ms on the 3B rows). The Hopper preset is not "
     "moved to one GPU's cuDNN kernels: the published H100 runs (FlashAttention-2 era) are its check.",
-    "- Matmuls: the preset is 6-11% slow on every workload; the microbenchmarks put the cap at 0.78-0.80 and the "
-    "shape curve's half point near d = 8-25 (preset: 0.75 and 128), so a d = 512 matmul reaches 0.74-0.76, where "
-    "the preset gives 0.60. Memory-bound kernels: 0.88 of HBM bandwidth in a plain copy (preset 0.80).",
+    "- Matmuls: with the Hopper cap from an independent GEMM sweep (0.80: an H100 SXM's Maximum Achievable Matmul "
+    "FLOPS, 80.3%; hardware/cluster.py) the preset's matmul time is -0.2% to +4.3% of the trace's on every "
+    "workload (+6.5% to +11.3% with the 0.75 it had before, B200's figure). The microbenchmarks here put the cap "
+    "at 0.78-0.80 and the shape curve's half point near d = 8-25 (preset: 128), so a d = 512 matmul reaches "
+    "0.74-0.76, where the preset gives 0.64. Memory-bound kernels: 0.88 of HBM bandwidth in a plain copy (preset "
+    "0.80).",
     "- RMSNorm: the trace used to charge the CPU build's decomposition of `F.rms_norm` (six kernels' bytes, fp32 "
     "copies saved) where CUDA runs one fused kernel (`vectorized_layer_norm_kernel<BFloat16, float, true>`, 33 a "
     "step on Llama 1B, 0.8 ms forward and 2.4 ms backward in all); `norms.py` now traces the GPU's kernel. The "
     "memory-bound class is charged 35 ms on Llama 1B for 57 ms measured, because the measured class also holds "
     "FSDP2's own kernels at world size 1 (unshard's fp32-to-bf16 casts 5.8 ms, the reduce-scatter input's "
     "`chunk_cat` 4.5 ms, device-to-device copies 5.6 ms), which the model charges as copy-out at its copy "
-    "bandwidth or on the reduce-scatter stream: the eager Llama 1B steps are now 8-11% fast, the 3B ones 1.5-2.2% "
-    "slow, where the decomposition's bytes had covered those kernels (+0.7% to +15%). The copies are the term to "
-    "measure next.",
+    "bandwidth or on the reduce-scatter stream: with the matmuls and attention near their measured times, the eager "
+    "Llama 1B steps are 11.5-14.5% fast and the 3B ones 1.1-1.9% fast; the decomposition's bytes had covered those "
+    "kernels before (+0.7% to +15%). The copies are the term to measure next.",
     "- torch.compile: the preset predicts Llama 1B's compiled forward and backward in 9% less time than eager's "
-    "(137.9 against 151.4 ms); measured, 9% less (150.2 against 164.9 ms, CUDA events). Before the RMSNorm change "
+    "(132.4 against 145.9 ms); measured, 9% less (150.2 against 164.9 ms, CUDA events). Before the RMSNorm change "
     "it predicted 19% less: the eager step's decomposed norms were the over-prediction, not inductor's fused bytes "
     "(inductor's kernels take 12.6 ms a step).",
     "- The calibrated cluster (fitted on Llama 1B eager alone) predicts the other eager workloads within +0.4% to "

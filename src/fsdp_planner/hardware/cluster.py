@@ -647,10 +647,15 @@ GPUS: dict[str, GPU] = {
 # - Attention: PyTorch's flash SDPA kernel is FlashAttention-2. Its paper (Dao, arXiv:2307.08691) reports 50-73% of
 #   the A100's peak (forward; backward lower) -> 0.6; the FlashAttention-3 paper (Shah et al., arXiv:2407.08608)
 #   reports FlashAttention-2 at 35% of the H100's -> 0.35 on Hopper (H100, H200), and B200 assumed alike.
-# - Matmul cap: large bf16 cuBLAS GEMMs reach ~72-75% of the dense peak on Blackwell and Hopper (B200 cuBLAS
-#   8192^3: 1,610 of 2,250 TFLOP/s, 72%, pyptx.dev/performance) -> 0.75 on H100/H200/B200. A100: 0.85, an estimate
-#   (no published cuBLAS sweep was found; torchtitan's A100 runs reach 57-58% MFU end to end, docs/performance.md,
-#   which with attention and memory-bound time needs matmuls well above 0.75). calibrate --compute measures it.
+# - Matmul cap: the best bf16 matmul rate a GEMM sweep over shapes finds on the GPU, a source independent of the
+#   training runs the model is checked on (benchmarks/fidelity_published.md): Stas Bekman's Maximum Achievable Matmul
+#   FLOPS (ml-engineering, compute/accelerator/README.md, its v2 table: the mean of 100 timed iterations after 50
+#   warm-up ones at the sweep's best shape) -> H100 SXM 794.5 of 989 TFLOP/s (80.3%, torch 2.7.0+cu126): 0.80 on H100
+#   and H200 (an H200 of this project's fits 0.78-0.80 from its own sweep, benchmarks/gpu_step.md; GH200's MAMF is
+#   83.6%); A100 SXM 271.2 of 312 (86.9%, torch 2.6.0+cu126): 0.87. B200 (no MAMF row): 0.75, cuBLAS at 8192^3
+#   1,610 of 2,250 TFLOP/s (72%, pyptx.dev/performance). Before 2026-11-30 H100/H200 had B200's 0.75 and the A100
+#   0.85, an estimate its training runs' MFU informed. Float8 matmuls: sim/float8.py FLOAT8_PEAK_SHARE.
+#   calibrate --compute measures it.
 # - Matmul shape: efficiency x d / (d + 128) in the smallest dim d: half the cap at d = 128, one cuBLAS tile (the
 #   guide's 128x128 / 256x128 tiles), 89% of it at d = 1,024 (tile and wave quantization, NVIDIA's Matrix
 #   Multiplication Background User's Guide, DU-09799-001).
@@ -663,15 +668,15 @@ GPUS: dict[str, GPU] = {
 _MATMUL_HALF_DIM = 128.0
 _MEMORY_EFFICIENCY = 0.8
 _VARIATION = 0.012
-_HOPPER = Compute(0.75, _MATMUL_HALF_DIM, 0.35, _MEMORY_EFFICIENCY, _VARIATION,
+_HOPPER = Compute(0.80, _MATMUL_HALF_DIM, 0.35, _MEMORY_EFFICIENCY, _VARIATION,
                   source="preset: docs/model.md#compute (FlashAttention-2/3 papers, NVIDIA matmul guide, SC22 "
                          "variability study)")
 COMPUTE: dict[str, Compute] = {
     "h100": _HOPPER,
     "h100e": _HOPPER,
     "h200": _HOPPER,
-    "a100": replace(_HOPPER, matmul_efficiency=0.85, attention_efficiency=0.6),
-    "b200": _HOPPER,
+    "a100": replace(_HOPPER, matmul_efficiency=0.87, attention_efficiency=0.6),
+    "b200": replace(_HOPPER, matmul_efficiency=0.75),
 }
 
 # Latency: NCCL's own tuning model (src/graph/tuning.cc, ncclTunerConstantsDefaults, unchanged from 2.19 to
