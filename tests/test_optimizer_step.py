@@ -149,3 +149,26 @@ def test_optimizer_step_peak_is_real_fsdp2s(optimizer: str) -> None:
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.005)
     temporaries = predicted.memory_at_peak["optimizer_temporaries"]
     assert temporaries == (predicted.memory_at_peak["optimizer_state"] // 2 if optimizer == "adamw" else 0)
+
+
+@pytest.mark.integration  # real FSDP2 on 2 fake ranks, twice: a few seconds
+def test_verify_fake_world_steps_the_optimizer_it_is_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """``verify --fake-world-size --optimizer`` runs that optimizer on the fake ranks and predicts it: foreach AdamW
+    (the default) peaks above fused AdamW on a step whose state outweighs its activations, measured and predicted,
+    and both pass; a torchrun job is told the option is not its (its ranks train with SGD and momentum)."""
+    import json
+
+    from fsdp_planner.cli import main
+
+    peaks = {}
+    for optimizer in ("adamw", "adamw-fused"):
+        assert main(["verify", "toy-llama", "--policy", "titan", "--batch", "1", "--seq", "8", "--fake-world-size",
+                     "2", "--optimizer", optimizer, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        peaks[optimizer] = doc["measured"]["peak_memory"], doc["predicted"]["peak_memory"]
+    assert all(m > f for m, f in zip(peaks["adamw"], peaks["adamw-fused"], strict=True))
+    from fsdp_planner.cli.parser import build_parser
+    from fsdp_planner.cli.requests import verify_request
+
+    args = build_parser().parse_args(["verify", "toy-llama", "--policy", "titan", "--optimizer", "adam"])
+    assert any(n.startswith("--optimizer applies with --fake-world-size") for n in verify_request(args).notes)

@@ -7,7 +7,15 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_planner.choices import DEFAULT_PRECISION, POLICY_NAMES, PRECISION_NAMES, ExportFormat, ZeroGrad
+from fsdp_planner.choices import (
+    DEFAULT_OPTIMIZER,
+    DEFAULT_PRECISION,
+    OPTIMIZER_NAMES,
+    POLICY_NAMES,
+    PRECISION_NAMES,
+    ExportFormat,
+    ZeroGrad,
+)
 from fsdp_planner.cli.options import (
     CLUSTER_HELP,
     MIN_MFU,
@@ -162,6 +170,10 @@ def verify(sub: Subparsers) -> None:
     sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
                     help="--fake-world-size: how the loop clears grads (none = set_to_none=True, the default; "
                          "zeros = set_to_none=False)")
+    sp.add_argument("--optimizer", default=None, choices=list(OPTIMIZER_NAMES),
+                    help=f"--fake-world-size: the optimizer the fake ranks step and the prediction charges (default "
+                         f"{DEFAULT_OPTIMIZER}: torch's foreach kernel, as a loop's torch.optim.AdamW(params) runs "
+                         "on a GPU; -fused: fused=True); torchrun jobs train with SGD and momentum (parity)")
     add_memory_options(sp)
     sp.add_argument("--memory-tolerance", type=float, default=MEMORY_TOLERANCE,
                     help=f"--fake-world-size: largest relative peak-memory error that passes (default "

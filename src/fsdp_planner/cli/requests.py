@@ -335,6 +335,9 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     notes = []
     if args.zero_grad != ZeroGrad.NONE.value:
         notes.append("--zero-grad applies with --fake-world-size: torchrun jobs clear grads with zero_grad()")
+    if args.optimizer is not None:
+        notes.append("--optimizer applies with --fake-world-size: torchrun jobs and their unsharded reference train "
+                     "with SGD and momentum (the parity check)")
     source = plan_source(args)
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
@@ -396,7 +399,8 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
-    options = SimOptions.named(args.precision or DEFAULT_PRECISION, zero_grad=args.zero_grad,
+    options = SimOptions.named(args.precision or DEFAULT_PRECISION, args.optimizer or DEFAULT_OPTIMIZER,
+                               zero_grad=args.zero_grad,
                                micro_batches=micro_batches(args), reshard_after_backward=reshard_after_backward(args),
                                gradient_sync=gradient_sync(args), **memory_options(args))
     check_precision(options.precision)
