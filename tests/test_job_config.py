@@ -452,5 +452,12 @@ def test_torchtitan_optimizer_and_its_implementation(tmp_path, text, optimizer, 
     with pytest.raises(PlannerError, match=r'^--optimizer "sgd" contradicts the optimizer in torchtitan config .* \('
                                            + re.escape(f'"{optimizer}")')):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--optimizer", "sgd")
+    # the default named on the command line is the user's word too: against a fused job, one error, not the job's
+    # optimizer silently; the job's own said again is fine
+    other = "adamw-fused" if optimizer == "adamw" else "adamw"
+    with pytest.raises(PlannerError, match=f'^--optimizer "{other}" contradicts the optimizer'):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--optimizer", other)
+    assert args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--optimizer",
+                   optimizer).optimizer == optimizer
     with pytest.raises(PlannerError, match=r"optimizer\.implementation"):
         read_config(TORCHTITAN, str(titan(tmp_path, '[optimizer]\nimplementation = "turbo"\n')))

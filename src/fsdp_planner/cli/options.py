@@ -198,8 +198,8 @@ def add_sim_options(sp: argparse.ArgumentParser, cluster_required: bool) -> None
 def add_precision_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--precision", default=DEFAULT_PRECISION,
                     help=f"{', '.join(PRECISION_NAMES)} (default {DEFAULT_PRECISION})")
-    sp.add_argument("--optimizer", default=DEFAULT_OPTIMIZER,
-                    help=f"{', '.join(OPTIMIZER_NAMES)} (default {DEFAULT_OPTIMIZER})")
+    sp.add_argument("--optimizer", default=None,  # None: not given (a config's optimizer may stand)
+                    help=f"{', '.join(OPTIMIZER_NAMES)} (default {DEFAULT_OPTIMIZER}, or the job config's)")
     sp.add_argument("--zero-grad", choices=[z.value for z in ZeroGrad], default=ZeroGrad.NONE.value,
                     help="how the loop clears grads: none = zero_grad(set_to_none=True), the default; zeros = "
                          "set_to_none=False (sharded grads kept all step)")

@@ -260,7 +260,7 @@ def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool
     if not simulated:
         # (--precision is read without a cluster too: the model is traced in its compute dtype)
         given = [opt for opt, value, default in (("--mfu", args.mfu, None),
-                                                  ("--optimizer", args.optimizer, DEFAULT_OPTIMIZER))
+                                                  ("--optimizer", args.optimizer, None))
                  if value != default]
         if given:
             notes.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect without --cluster: "

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
+from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
 from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, edit_choices, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
@@ -99,7 +99,7 @@ def _workload(m: _Merge) -> None:
     if cfg.reduce_dtype is not None:
         m.given("reduce_dtype", cfg.reduce_dtype, "training.mixed_precision_reduce")
     if cfg.optimizer is not None:
-        m.given("optimizer", cfg.optimizer, "the optimizer", DEFAULT_OPTIMIZER)
+        m.given("optimizer", cfg.optimizer, "the optimizer")
     if cfg.offload:
         m.given("offload", True, cfg.key("offload"), False)
 

@@ -75,7 +75,7 @@ class Keywords:
     cluster: object = None
     policy: object = None
     precision: object = DEFAULT_PRECISION
-    optimizer: object = DEFAULT_OPTIMIZER
+    optimizer: object = None  # None: the default, unless a job config names one
     batch: object = None
     seq: object = None
     ac: object = None
@@ -392,7 +392,8 @@ def sim_options(kw: Keywords, spell: Spelling) -> SimOptions:
                            f"{spell.name_of('mfu')} (every op at that fraction of peak) or "
                            f"{spell.name_of('measure')} (the ops timed on this machine), not both")
     sync = gradient_sync(kw, spell)
-    return SimOptions.named(text(kw.precision, "precision", spell), text(kw.optimizer, "optimizer", spell), mfu,
+    optimizer = DEFAULT_OPTIMIZER if kw.optimizer is None else kw.optimizer
+    return SimOptions.named(text(kw.precision, "precision", spell), text(optimizer, "optimizer", spell), mfu,
                             choice(ZeroGrad, kw.zero_grad, "zero_grad", spell).value,
                             micro_batches(kw, spell, auto=True), kw.reshard_after_backward,  # type: ignore[arg-type]
                             gradient_sync=sync.value, **memory_options(kw, spell))
