@@ -15,7 +15,7 @@ import torch.nn as nn
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.cluster import COMPUTE, GPUS, Cluster, Compute, parse_cluster, slowest_rank_factor
 from fsdp_planner.sim.compute import flop_efficiency, op_times
-from fsdp_planner.sim.float8 import fp8_peak
+from fsdp_planner.sim.float8 import FLOAT8_PEAK_SHARE, fp8_peak
 from fsdp_planner.sim.options import PRECISIONS
 from fsdp_planner.trace import record
 from fsdp_planner.trace.events import KERNEL_ATTENTION, KERNEL_OTHER
@@ -98,7 +98,7 @@ def test_published_hardware_presets() -> None:
     assert COMPUTE["h100"].matmul_efficiency == round(794.5 / 989, 2) == COMPUTE["h200"].matmul_efficiency
     assert COMPUTE["a100"].matmul_efficiency == round(271.2 / 312, 2)
     h100 = GPUS["h100"]
-    assert fp8_peak(h100) * COMPUTE["h100"].matmul_efficiency == pytest.approx(1402.6e12, rel=0.005)
+    assert fp8_peak(h100) * FLOAT8_PEAK_SHARE * COMPUTE["h100"].matmul_efficiency == pytest.approx(1402.6e12, rel=0.005)
 
 
 def test_compute_section_round_trip(tmp_path) -> None:

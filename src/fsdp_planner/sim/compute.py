@@ -21,7 +21,7 @@ import numpy as np
 
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import GPU, Compute, slowest_rank_factor
-from fsdp_planner.sim.float8 import Float8Step, fp8_peak
+from fsdp_planner.sim.float8 import FLOAT8_PEAK_SHARE, Float8Step, fp8_peak
 from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_CAUSAL_ATTENTION, KERNEL_OTHER, EventKind
 from fsdp_planner.trace.index import TraceIndex
 from fsdp_planner.trace.records import Trace
@@ -126,6 +126,8 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ran
     if mfu is not None:
         times = np.maximum(index.op_flops / (peak * mfu), nbytes * (scale / gpu.hbm_bandwidth))
         return _with_casts(times, float8, gpu.hbm_bandwidth).tolist()
+    if float8 is not None:  # the factors are bf16 matmuls': a float8 one reaches less of its peak (float8.py)
+        peak[float8.matmuls] *= FLOAT8_PEAK_SHARE
     flops_time = kernel_flops(index) / (peak * flop_efficiency(index.op_kernel, compute))
     bytes_time = nbytes * (scale / (gpu.hbm_bandwidth * compute.memory_efficiency))
     times = _with_casts(np.maximum(flops_time, bytes_time), float8, gpu.hbm_bandwidth * compute.memory_efficiency)

@@ -1,7 +1,8 @@
 """What float8 training (a plan's ``float8``: torchao's ``Float8Linear``, ``fsdp2/float8.py``) changes in a step.
 
 - Matmuls: the three of each converted Linear call (forward; input grad and weight grad in backward) run at the
-  GPU's dense float8 peak (``GPU.peak_fp8_flops``) with the matmul efficiency of the cluster's roofline; their
+  GPU's dense float8 peak (``GPU.peak_fp8_flops``) with the matmul efficiency of the cluster's roofline times
+  ``FLOAT8_PEAK_SHARE`` (a GEMM sweep's float8 rate over its bf16 one); their
   operands are cast first, memory-bound work timed at HBM bandwidth before the matmul it feeds (``Float8Step``).
 - The casts, as torchao 0.18 runs them (``hp_tensor_to_float8_dynamic``): eager, the amax is ``abs`` then ``max``
   and the cast upcasts to fp32, scales, clamps and converts (``_ToFloat8ConstrFunc``, ``to_fp8_saturated``): 2h +
@@ -193,17 +194,17 @@ def _tp_amaxes(style: TPStyle | None, backward: bool, weight_grad: bool, gathere
 # A float8 matmul reaches a smaller share of its data-sheet peak than a bf16 one: the same GEMM sweep on one H100
 # SXM found 1,402.6 of 1,979 TFLOP/s in float8_e4m3fn (70.9%) against 794.5 of 989 in bf16 (80.3%) (Stas Bekman's
 # Maximum Achievable Matmul FLOPS, ml-engineering compute/accelerator/README.md, torch 2.7.0+cu126); GH200's:
-# 77.6% against 83.6%. The bf16 matmul factors (``Compute``) apply to the float8 peak times this ratio.
+# 77.6% against 83.6%. The roofline's bf16 matmul factors (``Compute``) apply to the float8 peak times this ratio
+# (``sim/compute.op_times``; ``--mfu`` runs every op at its one fraction of the data-sheet peak, float8's too).
 FLOAT8_PEAK_SHARE = 0.709 / 0.803
 
 
 def fp8_peak(gpu: GPU) -> float:
-    """The float8 peak a matmul sees under the cluster's bf16 matmul factors (``FLOAT8_PEAK_SHARE`` of the dense
-    float8 peak); a GPU without float8 tensor cores is refused."""
+    """The GPU's dense float8 peak; a GPU without float8 tensor cores is refused."""
     if gpu.peak_fp8_flops <= 0:
         raise PlannerError(f"the {gpu.name} has no float8 tensor cores (its cluster gives no peak_fp8_flops): float8 "
                            "training needs an H100, H200, B200 or a cluster file with gpu.peak_fp8_flops")
-    return gpu.peak_fp8_flops * FLOAT8_PEAK_SHARE
+    return gpu.peak_fp8_flops
 
 
 def scale_all_reduces(step: Float8Step, all_gathers: list[Collective], group_params: list[tuple[int, ...]],

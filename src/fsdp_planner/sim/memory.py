@@ -152,7 +152,7 @@ def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence
     key = ("activation_levels", tuple(checkpointed), scale)
     memo = trace.index.memo
     if key not in memo:
-        calls = checkpointed_calls(trace, checkpointed)
+        calls = checkpointed_calls(trace, key[1])
         kept = [k for k in memo if k[0] == "activation_levels"]
         size = 8 * (len(trace.events) + 1)
         while kept and (len(kept) + 1) * size > ACTIVATION_MEMO_BYTES:
