@@ -11,7 +11,6 @@ import argparse
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.choices import DEFAULT_OPTIMIZER
 from fsdp_planner.cli.common import load_trace
 from fsdp_planner.cli.requests import model_spec, named_cluster
 from fsdp_planner.errors import PlannerError
@@ -27,16 +26,16 @@ def run(args: argparse.Namespace) -> int:
         args.world_size = cluster.world_size
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise PlannerError(f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, got {cut_short(args.world_size)}")
-    optimizer = args.optimizer or DEFAULT_OPTIMIZER
-    options = SimOptions.named(args.precision, optimizer, zero_grad=args.zero_grad)
+    options = SimOptions.named(args.precision, args.optimizer, zero_grad=args.zero_grad)
     rows = strategy_table(load_trace(model_spec(args), full=args.full_trace,
                                    precision=options.precision), args.world_size, options)
     if args.json:
         print(json_text({k: v.to_dict() for k, v in rows.items()}, indent=2))
     else:
         where = cluster.name if cluster is not None else f"world size {args.world_size}"
-        render.console.print(render.strategy_table(rows, f"{escape(args.model)}: per-rank peak memory on "
-                                                         f"{escape(where)} ({args.precision}, {optimizer})"))
+        title = f"{escape(args.model)}: per-rank peak memory on {escape(where)} ({args.precision}, " \
+                f"{options.optimizer.name})"
+        render.console.print(render.strategy_table(rows, title))
         render.plain(f"allocated peaks without activation checkpointing (FSDP: one group per module owning params)"
                      f"{f'; one {cluster.gpu.name} holds {fmt_bytes(cluster.gpu.memory_bytes)}' if cluster else ''}. "
                      "plan simulates a plan and prints its allocated peak and what the allocator reserves beyond it "

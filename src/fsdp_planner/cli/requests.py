@@ -18,7 +18,6 @@ from typing import Any
 import fsdp_planner.cli.render as render
 import fsdp_planner.service.validate as validate
 from fsdp_planner.choices import (
-    DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     POLICY_NAMES,
     PolicyName,
@@ -399,8 +398,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "
                      "hold no values)")
-    options = SimOptions.named(args.precision or DEFAULT_PRECISION, args.optimizer or DEFAULT_OPTIMIZER,
-                               zero_grad=args.zero_grad,
+    options = SimOptions.named(args.precision or DEFAULT_PRECISION, args.optimizer, zero_grad=args.zero_grad,
                                micro_batches=micro_batches(args), reshard_after_backward=reshard_after_backward(args),
                                gradient_sync=gradient_sync(args), **memory_options(args))
     check_precision(options.precision)

@@ -10,7 +10,6 @@ from enum import Enum
 from typing import Any
 
 from fsdp_planner.choices import (
-    DEFAULT_OPTIMIZER,
     DEFAULT_PRECISION,
     DEFAULT_SAC_POLICY,
     ACMode,
@@ -392,8 +391,8 @@ def sim_options(kw: Keywords, spell: Spelling) -> SimOptions:
                            f"{spell.name_of('mfu')} (every op at that fraction of peak) or "
                            f"{spell.name_of('measure')} (the ops timed on this machine), not both")
     sync = gradient_sync(kw, spell)
-    optimizer = DEFAULT_OPTIMIZER if kw.optimizer is None else kw.optimizer
-    return SimOptions.named(text(kw.precision, "precision", spell), text(optimizer, "optimizer", spell), mfu,
+    optimizer = None if kw.optimizer is None else text(kw.optimizer, "optimizer", spell)
+    return SimOptions.named(text(kw.precision, "precision", spell), optimizer, mfu,
                             choice(ZeroGrad, kw.zero_grad, "zero_grad", spell).value,
                             micro_batches(kw, spell, auto=True), kw.reshard_after_backward,  # type: ignore[arg-type]
                             gradient_sync=sync.value, **memory_options(kw, spell))

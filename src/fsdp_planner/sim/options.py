@@ -147,14 +147,16 @@ class SimOptions:
             raise PlannerError(f"a step has at least one micro-batch, got {self.micro_batches!r}")
 
     @classmethod
-    def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER,
+    def named(cls, precision: str = DEFAULT_PRECISION, optimizer: str | None = None,
               mfu: float | None = None, zero_grad: str = ZeroGrad.NONE.value, micro_batches: int = 1,
               reshard_after_backward: bool = True, offload: bool = False,
               shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None,
               gradient_sync: str = GradientSync.LAST.value, float8: Float8 | None = None) -> SimOptions:
         reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None
         return cls(mfu=mfu, precision=with_reduce_dtype(precision_named(precision), reduce),
-                   optimizer=optimizer_named(optimizer), zero_grad=ZeroGrad(zero_grad), micro_batches=micro_batches,
+                   # None: not named (the command line's --optimizer not given, and no job config's)
+                   optimizer=optimizer_named(DEFAULT_OPTIMIZER if optimizer is None else optimizer),
+                   zero_grad=ZeroGrad(zero_grad), micro_batches=micro_batches,
                    reshard_after_backward=reshard_after_backward, offload=offload,
                    shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce,
                    gradient_sync=GradientSync(gradient_sync), float8=float8)
