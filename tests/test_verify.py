@@ -213,6 +213,13 @@ def _processes_mentioning(marker: str) -> list[str]:
     return found
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except OSError:
+        return None
+
+
 def _start_slow_verify(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path, str]:
     import uuid
 
@@ -304,7 +311,9 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_pat
     proc, _, marker = _start_slow_verify(tmp_path)
     try:
         _wait_for_ranks(proc, tmp_path)
-        launchers = [p for p in _processes_mentioning(marker) if "fsdp_planner.runtime.launch" in p]
+        # the command's child (its ranks, forked from it, have its command line too)
+        launchers = [p for p in _processes_mentioning(marker) if "fsdp_planner.runtime.launch" in p
+                     and _parent(int(p.partition(":")[0])) == proc.pid]
         assert len(launchers) == 1, launchers
         os.kill(int(launchers[0].partition(":")[0]), sig)
         killed = time.monotonic()
@@ -425,16 +434,18 @@ def vanishes():
 
 @pytest.mark.integration
 def test_ranks_that_end_well_without_a_result_fail_the_job_in_one_line(tmp_path):
-    """No rank raised, none died, torchrun succeeded, and yet no result: a failure, said in one line (the job's
-    last output as a clue), not torchrun's log."""
+    """The model's code ends the process with status 0 (``os._exit(0)``): nothing raised, no signal, and no result;
+    a failure, said in one line, not torchrun's log, and no wait (a rank forked by torchrun that ends with status 0
+    without returning leaves torchrun waiting for its return value for good)."""
     (tmp_path / "vanishes.py").write_text(VANISHING_MODEL)
     out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'vanishes.py'}:vanishes",
                           "--policy", "order", "--nproc", "2", "--steps", "1"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if not line.startswith("note: ")]
-    assert len(lines) == 1 and lines[0].startswith("error: verify job failed: no result, and no rank raised or died "
-                                                   "(torchrun exited with status 0)"), out.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: verify job failed: ranks 0, 1 raised os._exit(0): the "
+                                                   "model's code ended the process before the rank's work was "
+                                                   "done"), out.stderr
 
 
 def test_a_result_cut_short_is_no_result(tmp_path):
@@ -603,6 +614,17 @@ def test_the_cause_is_told_apart_from_its_echoes():
     first = explain([echo, raised]).splitlines()[0]
     assert first == "verify job failed: rank 1 raised ValueError: bad (at m.py:3 in f)"
     assert explain([]) is None
+
+
+def test_a_job_that_left_no_cause_says_so_with_its_last_output():
+    """No rank raised or died and no result (a native ``exit(0)``, torchrun failing before it started the ranks):
+    one line with torchrun's status and the job's last words as a clue."""
+    from fsdp_planner.runtime.failures import unexplained
+
+    line = unexplained(0, "loading\nsomething odd happened\n\n", "calibration job")
+    assert line == ("calibration job failed: no result, and no rank raised or died (torchrun exited with status 0); "
+                    "its last output: something odd happened")
+    assert unexplained(1, "").endswith("(torchrun exited with status 1)")
 
 
 def test_a_gloo_error_is_marked_as_the_backends_and_shortened():

@@ -1,6 +1,7 @@
-"""One rank of ``calibrate --backend gloo``, run under torchrun: ``python -m fsdp_planner.calibrate.worker
-JOB.json``. Rank 0 writes what every rank measured together (``gloo.py`` fits it); ``runtime.rank.run_rank`` starts
-and ends the rank (gloo on the CPU, even beside a GPU) and reports a failure. It measures:
+"""One rank of ``calibrate --backend gloo``, run under torchrun as ``__main__`` with JOB.json
+(``runtime.launch.rank_command``). Rank 0 writes what every rank measured together (``gloo.py`` fits it);
+``runtime.rank.run_rank`` starts and ends the rank (gloo on the CPU, even beside a GPU) and reports a failure. It
+measures:
 
 - the collectives FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``) over a sweep of sizes, with the
   buffers FSDP2 allocates and copies into for them, median seconds of each (a barrier before each call: every rank

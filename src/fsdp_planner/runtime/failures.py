@@ -26,6 +26,10 @@ MAX_FRAMES = 3
 NOISE_FRAMES = ("torch/nn/modules/module.py", "torch/distributed/c10d_logger.py", "/contextlib.py")
 
 
+class EarlyExit(BaseException):
+    """The model's code called ``os._exit(0)`` inside a rank's work (``rank.failing_exit``)."""
+
+
 @dataclass(frozen=True)
 class RankFailure:
     rank: int
@@ -156,6 +160,9 @@ def describe_exception(e: BaseException) -> dict:
     backend raised it (``is_backend_error``)."""
     frames = [f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in traceback.extract_tb(e.__traceback__)
               if not f.filename.endswith(NOISE_FRAMES)][::-1][:MAX_FRAMES]
+    if isinstance(e, EarlyExit):
+        return {"error": "os._exit(0): the model's code ended the process before the rank's work was done",
+                "frames": [], "backend": False}
     if isinstance(e, SystemExit):
         code = "" if e.code is None else repr(e.code)
         return {"error": f"SystemExit: the model's code called sys.exit({code})", "frames": frames,

@@ -1,4 +1,4 @@
-"""One rank of an FSDP1 verify job (``verify --fsdp1``): ``python -m fsdp_planner.runtime.fsdp1_worker JOB.json``.
+"""One rank of an FSDP1 verify job (``verify --fsdp1``), run under torchrun as ``__main__`` with JOB.json.
 
 As ``worker.py`` but the plan runs as FSDP1 ``FullyShardedDataParallel`` with the plan's ``auto_wrap_policy``
 (``apply/fsdp1.py``): K SGD steps beside an unsharded reference on the same data, the all-gathers and

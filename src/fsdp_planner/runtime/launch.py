@@ -1,26 +1,35 @@
-"""torchrun, plus a record of how each rank ended: ``python -m fsdp_planner.runtime.launch EXITS.json ARGS...``.
+"""torchrun, plus a record of how each rank ended:
+``python -m fsdp_planner.runtime.launch EXITS.json MODULE JOB.json ARGS...``.
 
-ARGS are torchrun's own. When the job fails, torchrun knows each rank's exit status (a rank killed by SIGKILL has
-no other trace: it wrote nothing) but only prints it in a summary meant for people; this writes it as JSON
+ARGS are torchrun's own; each rank runs MODULE's file as ``__main__`` with JOB.json as its argument
+(``rank_command``). When the job fails, torchrun knows each rank's exit status (a rank killed by SIGKILL has no other
+trace: it wrote nothing) but only prints it in a summary meant for people; this writes it as JSON
 (``{"RANK": EXITCODE}``, a negative code being the signal) so ``verify`` can name the rank that died and why.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+from fsdp_planner.patching import patched
 from fsdp_planner.signals import follow_parent
 
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
 LAUNCHER_ENV = "FSDP_PLANNER_LAUNCHER"  # this launcher's pid, which its ranks follow (rank.follow_launcher)
+# what torch imports only when first used and every rank uses: inductor's config (``use_deterministic_algorithms``
+# sets a flag there; it imports dynamo, which FSDP2 asks for on its first call): 0.8 s of CPU a forked rank
+LOADED_BY_EVERY_RANK = ("torch._inductor.config",)
 
 
 def follow_command() -> None:
@@ -34,15 +43,33 @@ def follow_command() -> None:
 def main(argv: list[str]) -> int:
     follow_command()
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # torchrun passes its environment on to the ranks
-    exits_path, torchrun_args = Path(argv[0]), argv[1:]
+    exits_path, module, job_path, torchrun_args = Path(argv[0]), argv[1], argv[2], argv[3:]
     try:
-        run(parse_args(torchrun_args))
+        # torch.multiprocessing's per-rank error files (a forked rank's, kept when it raised) under the job's
+        # directory, removed with it; a rank takes the temp directory back (``rank.run_rank``)
+        with patched(tempfile, "tempdir", str(exits_path.parent)):
+            run(parse_args([*torchrun_args, *rank_command(module), job_path]))
     except ChildFailedError as e:
         exits_path.write_text(json.dumps({str(rank): f.exitcode for rank, f in e.failures.items()}))
         return 1
     except SignalException as e:  # torchrun stopped its ranks on a signal sent to it: die of it, not a traceback
         return die_of(e.sigval)
     return 0
+
+
+def rank_command(module: str) -> list[str]:
+    """How torchrun starts each rank. On a CPU-only build of torch: forked from this process once it has imported
+    MODULE (torchrun's ``--start-method fork --run-path``, which runs MODULE's file as ``__main__`` in the fork),
+    so no rank pays its own imports of torch, FSDP2 and DTensor: about 3.5 s of CPU a rank, most of what a small
+    job costs. Where torch can use a GPU: ``-m MODULE`` in a fresh interpreter, as torchrun's default does (CUDA
+    cannot be used in a process forked from one that touched it)."""
+    if torch.backends.cuda.is_built():
+        return ["-m", module]
+    for lazy in LOADED_BY_EVERY_RANK:
+        importlib.import_module(lazy)
+    file = importlib.import_module(module).__file__
+    assert file is not None
+    return ["--start-method", "fork", "--run-path", file]
 
 
 def die_of(signum: int) -> int:

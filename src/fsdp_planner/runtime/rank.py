@@ -1,14 +1,15 @@
 """One torchrun rank's life, the same for every job: ``run_rank(job_path, body)``.
 
 Each job's worker (``worker.py`` for verify, ``fsdp1_worker.py`` for verify --fsdp1, ``calibrate/worker.py`` for
-calibrate --backend gloo) is ``python -m MODULE JOB.json`` and hands its own work to ``run_rank``, which reads the
+calibrate --backend gloo) runs as ``__main__`` with JOB.json as its argument (forked by torchrun from the launcher,
+or ``python -m MODULE JOB.json``: ``launch.rank_command``) and hands its own work to ``run_rank``, which reads the
 job, joins the process group, runs the work and leaves the process group. How a rank ends, as the launcher
 (``verify.run_torchrun``) reads it:
 
 - status 0: the work returned (rank 0 wrote the job's ``result`` file);
 - status 1: the work raised; the exception is in ``RESULT.rankN.error`` (``failures.write_failure``), and a
-  ``sys.exit`` in the model's code counts as raising, whatever its status (with 0 the job would look finished,
-  with no result);
+  ``sys.exit`` or ``os._exit`` in the model's code counts as raising, whatever its status (with 0 the job would
+  look finished, with no result);
 - killed by a signal: no file; ``launch.py`` records the signal.
 
 A rank ends with its launcher (``follow_launcher``): a rank whose torchrun agent was killed would otherwise run on
@@ -24,16 +25,18 @@ import gc
 import json
 import os
 import signal
+import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from fsdp_planner.runtime.failures import write_failure
+from fsdp_planner.patching import patched
+from fsdp_planner.runtime.failures import EarlyExit, write_failure
 from fsdp_planner.runtime.launch import LAUNCHER_ENV
 from fsdp_planner.signals import follow_parent
 
@@ -48,6 +51,7 @@ Body = Callable[[dict[str, Any], torch.device, int, int], None]  # (job, device,
 def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     """Run ``body`` as this rank of the job in ``job_path`` (``cpu``: gloo on the CPU even beside a GPU); a
     failure is written for the launcher before it ends the rank (see the module's docstring)."""
+    default_signals()
     follow_launcher()
     job = json.loads(Path(job_path).read_text())  # the launcher wrote it; without it no error file can be placed
     try:
@@ -58,7 +62,9 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     try:
         if injected_fault(rank) == "raise":
             raise RuntimeError(f"test fault: rank {rank} raised on purpose ({FAULT_ENV}=raise:{rank})")
-        body(job, device, rank, world)
+        # the temp directory a fresh interpreter has (a forked rank's launcher's is the job's, ``launch.main``)
+        with patched(os, "_exit", failing_exit(Path(job["result"]), rank)), patched(tempfile, "tempdir", None):
+            body(job, device, rank, world)
     except KeyboardInterrupt:  # SIGINT, from outside the job (its own session): the signal is the exit status
         raise
     except BaseException as e:  # DCP's CheckpointException, a model's own BaseException, sys.exit: all told
@@ -69,6 +75,31 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         raise
     finally:
         end_rank()
+
+
+def default_signals() -> None:
+    """The signal handlers a fresh interpreter has. A rank forked from its launcher (``launch.rank_command``)
+    inherits torchrun's, which turn a SIGTERM into an exception: a rank that torchrun stops because a peer failed
+    would report the stop as its own failure instead of dying of the signal."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+def failing_exit(result_path: Path, rank: int) -> Callable[[int], NoReturn]:
+    """``os._exit`` for the rank's work: status 0 from the model's code (nothing returned, nothing raised) ends
+    the rank with status 1 and says so in its error file. A forked rank that ends well without returning leaves
+    torchrun waiting for its return value for good; one started fresh would leave a job with no result and no
+    cause."""
+    exit_ = os._exit
+
+    def _exit(status: int) -> NoReturn:
+        if status == 0:
+            write_failure(result_path, rank, EarlyExit())
+            status = 1
+        exit_(status)
+
+    return _exit
 
 
 def follow_launcher() -> None:

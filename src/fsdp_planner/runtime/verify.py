@@ -1,8 +1,9 @@
 """Verify a plan on a real multi-process run: same parameters as unsharded training, predicted collectives.
 
 ``run_verify`` predicts the step's collectives from the FSDP2 replay, writes a job file and launches
-``torchrun --standalone --nproc_per_node N -m fsdp_planner.runtime.worker JOB`` (gloo on CPU, NCCL on GPUs; through
-``launch.py``, which records each rank's exit status); see ``worker.py`` for what each rank does. A plan passes
+``torchrun --standalone --nproc_per_node N`` with ``fsdp_planner/runtime/worker.py JOB`` as each rank (gloo on CPU,
+NCCL on GPUs; through ``launch.py``, which starts the ranks and records each one's exit status); see ``worker.py``
+for what each rank does. A plan passes
 when the parameters match the unsharded reference and the counted all-gathers and reduce-scatters, and their
 bytes, equal the prediction on every step, and, when it starts from a checkpoint, the restored state is the saved
 one. A failed job is told by its cause (``failures.py``): the rank that raised or died, not the ranks it took
@@ -331,7 +332,7 @@ def remove_orphaned_job_dirs(prefix: str) -> None:
 
 
 def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[str, Any]) -> tuple[dict, int]:
-    """``python -m MODULE JOB.json`` on ``nproc`` local ranks under torchrun (``launch.py``), in its own session,
+    """MODULE's file run with JOB.json on ``nproc`` local ranks under torchrun (``launch.py``), in its own session,
     ended as a whole on every way out (call it inside ``signals_raise``). ``job`` gains ``result``, the file rank 0
     writes; returns what it wrote and torchrun's exit status. A job that wrote nothing is a ``PlannerError`` naming
     the rank that failed and why (``failures.py``)."""
@@ -345,8 +346,8 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
                "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY), PARENT_ENV: str(os.getpid())}
         # torchrun's per-rank error files go under the job's directory too (by default a torchelastic_* temp dir
         # that it never removes)
-        cmd = [sys.executable, "-m", "fsdp_planner.runtime.launch", str(exits_path), "--standalone",
-               f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}", "-m", module, str(job_path)]
+        cmd = [sys.executable, "-u", "-m", "fsdp_planner.runtime.launch", str(exits_path), module, str(job_path),
+               "--standalone", f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}"]
         # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
         # reaches only this process (which then stops them) instead of racing torchrun's own handling.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

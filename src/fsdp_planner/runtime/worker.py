@@ -1,4 +1,4 @@
-"""One rank of a verify job, run under torchrun: ``python -m fsdp_planner.runtime.worker JOB.json``.
+"""One rank of a verify job, run under torchrun as ``__main__`` with JOB.json (``launch.rank_command``).
 
 Every rank builds the same model, keeps an unsharded reference copy, applies the plan with FSDP2 and trains K
 steps on its own micro-batch while the reference trains on all ranks' micro-batches (loss divided by the world
