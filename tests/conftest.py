@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -13,7 +14,19 @@ from dataclasses import dataclass
 import pytest
 
 from fsdp_planner.models import load_model
+from fsdp_planner.runtime.launch import FORK_ENV
 from fsdp_planner.trace import Trace, record
+
+# The suite's torchrun jobs fork their ranks from the launcher (``launch.rank_command``): about 4 s of CPU less a
+# rank, a third of the suite's. Tests of how a failed or stopped job is reported run ranks as users get them
+# (``as_users_run``).
+os.environ.setdefault(FORK_ENV, "1")
+
+
+def as_users_run() -> dict[str, str]:
+    """This process's environment less the suite's own launch setting: torchrun's ranks started fresh, as every
+    ``verify`` a user runs starts them."""
+    return {k: v for k, v in os.environ.items() if k != FORK_ENV}
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import policy, run_main, traced
+from conftest import as_users_run, policy, run_main, traced
 
 from fsdp_planner import signals
 from fsdp_planner.errors import PlannerError
@@ -227,7 +227,7 @@ def _start_slow_verify(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, P
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
-    env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker}
+    env = {**as_users_run(), "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker}
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'slow.py'}:slow",
                              "--policy", "order", "--nproc", "2", "--steps", "1", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -340,7 +340,8 @@ def _faulty_command(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
-    env = {**os.environ, "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker, "FSDP_PLANNER_TEST_FAULT": fault}
+    env = {**as_users_run(), "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker,
+           "FSDP_PLANNER_TEST_FAULT": fault}
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -433,14 +434,17 @@ def vanishes():
 
 
 @pytest.mark.integration
-def test_ranks_that_end_well_without_a_result_fail_the_job_in_one_line(tmp_path):
+@pytest.mark.parametrize("forked", [False, True])
+def test_ranks_that_end_well_without_a_result_fail_the_job_in_one_line(tmp_path, forked):
     """The model's code ends the process with status 0 (``os._exit(0)``): nothing raised, no signal, and no result;
     a failure, said in one line, not torchrun's log, and no wait (a rank forked by torchrun that ends with status 0
     without returning leaves torchrun waiting for its return value for good)."""
+    from fsdp_planner.runtime.launch import FORK_ENV
+
     (tmp_path / "vanishes.py").write_text(VANISHING_MODEL)
     out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'vanishes.py'}:vanishes",
                           "--policy", "order", "--nproc", "2", "--steps", "1"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env={**as_users_run(), **({FORK_ENV: "1"} if forked else {})})
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if not line.startswith("note: ")]
     assert len(lines) == 1 and lines[0].startswith("error: verify job failed: ranks 0, 1 raised os._exit(0): the "

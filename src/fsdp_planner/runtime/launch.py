@@ -1,10 +1,10 @@
 """torchrun, plus a record of how each rank ended:
 ``python -m fsdp_planner.runtime.launch EXITS.json MODULE JOB.json ARGS...``.
 
-ARGS are torchrun's own; each rank runs MODULE's file as ``__main__`` with JOB.json as its argument
-(``rank_command``). When the job fails, torchrun knows each rank's exit status (a rank killed by SIGKILL has no other
-trace: it wrote nothing) but only prints it in a summary meant for people; this writes it as JSON
-(``{"RANK": EXITCODE}``, a negative code being the signal) so ``verify`` can name the rank that died and why.
+ARGS are torchrun's own; each rank runs MODULE as ``__main__`` with JOB.json as its argument (``rank_command``).
+When the job fails, torchrun knows each rank's exit status (a rank killed by SIGKILL has no other trace: it wrote
+nothing) but only prints it in a summary meant for people; this writes it as JSON (``{"RANK": EXITCODE}``, a
+negative code being the signal) so ``verify`` can name the rank that died and why.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from fsdp_planner.patching import patched
-from fsdp_planner.signals import follow_parent
+from fsdp_planner.signals import default_signals, die_of, follow_parent
 
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
 LAUNCHER_ENV = "FSDP_PLANNER_LAUNCHER"  # this launcher's pid, which its ranks follow (rank.follow_launcher)
+FORK_ENV = "FSDP_PLANNER_FORK_RANKS"  # "1": ranks forked from the launcher where that is sound (``rank_command``)
 # what torch imports only when first used and every rank uses: inductor's config (``use_deterministic_algorithms``
 # sets a flag there; it imports dynamo, which FSDP2 asks for on its first call): 0.8 s of CPU a forked rank
 LOADED_BY_EVERY_RANK = ("torch._inductor.config",)
@@ -44,11 +45,12 @@ def main(argv: list[str]) -> int:
     follow_command()
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # torchrun passes its environment on to the ranks
     exits_path, module, job_path, torchrun_args = Path(argv[0]), argv[1], argv[2], argv[3:]
+    ranks = rank_command(module)
     try:
         # torch.multiprocessing's per-rank error files (a forked rank's, kept when it raised) under the job's
         # directory, removed with it; a rank takes the temp directory back (``rank.run_rank``)
         with patched(tempfile, "tempdir", str(exits_path.parent)):
-            run(parse_args([*torchrun_args, *rank_command(module), job_path]))
+            run(parse_args([*torchrun_args, *ranks, job_path]))
     except ChildFailedError as e:
         exits_path.write_text(json.dumps({str(rank): f.exitcode for rank, f in e.failures.items()}))
         return 1
@@ -58,26 +60,23 @@ def main(argv: list[str]) -> int:
 
 
 def rank_command(module: str) -> list[str]:
-    """How torchrun starts each rank. On a CPU-only build of torch: forked from this process once it has imported
-    MODULE (torchrun's ``--start-method fork --run-path``, which runs MODULE's file as ``__main__`` in the fork),
-    so no rank pays its own imports of torch, FSDP2 and DTensor: about 3.5 s of CPU a rank, most of what a small
-    job costs. Where torch can use a GPU: ``-m MODULE`` in a fresh interpreter, as torchrun's default does (CUDA
-    cannot be used in a process forked from one that touched it)."""
-    if torch.backends.cuda.is_built():
+    """How torchrun starts each rank: ``-m MODULE`` in a fresh interpreter, torchrun's default. With
+    ``FORK_ENV=1`` on Linux with a CPU-only build of torch: forked from this process once it has imported MODULE
+    (torchrun's ``--start-method fork --run-path``, which runs MODULE's file as ``__main__`` in the fork), so no
+    rank pays its own imports of torch, FSDP2 and DTensor, about 4 s of CPU a rank, most of what a small job
+    costs; the test suite runs hundreds of jobs so. Not the default, because forked ranks differ from a real job's
+    in what ``verify`` checks: they share the launcher's string-hash seed (models built in set order look the same
+    on every rank), and torch reports only the first of the ranks that fail together (the exits file names one).
+    Never where torch may use a GPU (CUDA cannot run in a process forked from one that touched it)."""
+    if os.environ.get(FORK_ENV) != "1" or sys.platform != "linux" or torch.backends.cuda.is_built():
         return ["-m", module]
     for lazy in LOADED_BY_EVERY_RANK:
         importlib.import_module(lazy)
     file = importlib.import_module(module).__file__
     assert file is not None
+    # torchrun's agent handles SIGTERM and its kin by raising: a forked rank starts with a fresh interpreter's
+    os.register_at_fork(after_in_child=default_signals)
     return ["--start-method", "fork", "--run-path", file]
-
-
-def die_of(signum: int) -> int:
-    """End this process by ``signum``, which the command reads as the launcher killed from outside
-    (``failures.launcher_killed``); the status a shell would give, should the signal not end it."""
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    return 128 + signum
 
 
 if __name__ == "__main__":

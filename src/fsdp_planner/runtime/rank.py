@@ -38,7 +38,7 @@ import torch.distributed as dist
 from fsdp_planner.patching import patched
 from fsdp_planner.runtime.failures import EarlyExit, write_failure
 from fsdp_planner.runtime.launch import LAUNCHER_ENV
-from fsdp_planner.signals import follow_parent
+from fsdp_planner.signals import die_of, follow_parent
 
 # A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
 # rank does the same work between collectives, so a healthy job never waits near this.
@@ -51,7 +51,6 @@ Body = Callable[[dict[str, Any], torch.device, int, int], None]  # (job, device,
 def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     """Run ``body`` as this rank of the job in ``job_path`` (``cpu``: gloo on the CPU even beside a GPU); a
     failure is written for the launcher before it ends the rank (see the module's docstring)."""
-    default_signals()
     follow_launcher()
     job = json.loads(Path(job_path).read_text())  # the launcher wrote it; without it no error file can be placed
     try:
@@ -59,6 +58,7 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     except Exception as e:  # joining the group failed (a peer gone, a port taken): said as this rank's failure
         write_failure(Path(job["result"]), int(os.environ.get("RANK", "0")), e)
         raise
+    interrupted = False
     try:
         if injected_fault(rank) == "raise":
             raise RuntimeError(f"test fault: rank {rank} raised on purpose ({FAULT_ENV}=raise:{rank})")
@@ -66,7 +66,7 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         with patched(os, "_exit", failing_exit(Path(job["result"]), rank)), patched(tempfile, "tempdir", None):
             body(job, device, rank, world)
     except KeyboardInterrupt:  # SIGINT, from outside the job (its own session): the signal is the exit status
-        raise
+        interrupted = True
     except BaseException as e:  # DCP's CheckpointException, a model's own BaseException, sys.exit: all told
         write_failure(Path(job["result"]), rank, e)
         traceback.clear_frames(e.__traceback__)  # the failed work's locals (its FSDP modules): for end_rank's gc
@@ -75,15 +75,8 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         raise
     finally:
         end_rank()
-
-
-def default_signals() -> None:
-    """The signal handlers a fresh interpreter has. A rank forked from its launcher (``launch.rank_command``)
-    inherits torchrun's, which turn a SIGTERM into an exception: a rank that torchrun stops because a peer failed
-    would report the stop as its own failure instead of dying of the signal."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, signal.SIG_DFL)
+    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt (torch's forked ranks would exit 0)
+        die_of(signal.SIGINT)
 
 
 def failing_exit(result_path: Path, rank: int) -> Callable[[int], NoReturn]:
@@ -91,10 +84,10 @@ def failing_exit(result_path: Path, rank: int) -> Callable[[int], NoReturn]:
     the rank with status 1 and says so in its error file. A forked rank that ends well without returning leaves
     torchrun waiting for its return value for good; one started fresh would leave a job with no result and no
     cause."""
-    exit_ = os._exit
+    exit_, pid = os._exit, os.getpid()
 
     def _exit(status: int) -> NoReturn:
-        if status == 0:
+        if status == 0 and os.getpid() == pid:  # (a process the work forks, a DataLoader's worker, ends so)
             write_failure(result_path, rank, EarlyExit())
             status = 1
         exit_(status)
