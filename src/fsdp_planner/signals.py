@@ -42,15 +42,6 @@ def signals_raise(signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) ->
             signal.signal(s, h)
 
 
-def default_signals() -> None:
-    """The handlers a fresh interpreter has for the signals torchrun handles. A rank forked from its launcher
-    (``runtime.launch.rank_command``) would inherit the agent's, which turn a SIGTERM into an exception: a rank
-    torchrun stops because a peer failed would report the stop as its own failure instead of dying of it."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(signum, signal.SIG_DFL)
-
-
 def die_of(signum: int) -> int:
     """End this process by ``signum`` (its parent reads the signal as the exit status); the status a shell would
     give, should the signal not end it."""

@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
 from fsdp_planner.patching import patched
-from fsdp_planner.signals import default_signals, die_of, follow_parent
+from fsdp_planner.signals import die_of, follow_parent
 
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
 LAUNCHER_ENV = "FSDP_PLANNER_LAUNCHER"  # this launcher's pid, which its ranks follow (rank.follow_launcher)
@@ -74,9 +74,18 @@ def rank_command(module: str) -> list[str]:
         importlib.import_module(lazy)
     file = importlib.import_module(module).__file__
     assert file is not None
-    # torchrun's agent handles SIGTERM and its kin by raising: a forked rank starts with a fresh interpreter's
     os.register_at_fork(after_in_child=default_signals)
     return ["--start-method", "fork", "--run-path", file]
+
+
+def default_signals() -> None:
+    """A forked rank's handlers for the signals torchrun handles: the defaults, so that each ends it with that
+    signal as its exit status, as it ends a rank started fresh (an uncaught KeyboardInterrupt ends one by SIGINT).
+    The agent's handlers, which the fork inherits, raise instead: a rank torchrun stops because a peer failed
+    would report the stop as its own failure, and torch's fork wrapper swallows a KeyboardInterrupt, ending the
+    rank with status 0 and torchrun waiting for its return value."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from fsdp_planner.patching import patched
 from fsdp_planner.runtime.failures import EarlyExit, write_failure
 from fsdp_planner.runtime.launch import LAUNCHER_ENV
-from fsdp_planner.signals import die_of, follow_parent
+from fsdp_planner.signals import follow_parent
 
 # A collective that waits this long for a peer fails instead of blocking (gloo's default is 30 minutes); every
 # rank does the same work between collectives, so a healthy job never waits near this.
@@ -58,7 +58,6 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     except Exception as e:  # joining the group failed (a peer gone, a port taken): said as this rank's failure
         write_failure(Path(job["result"]), int(os.environ.get("RANK", "0")), e)
         raise
-    interrupted = False
     try:
         if injected_fault(rank) == "raise":
             raise RuntimeError(f"test fault: rank {rank} raised on purpose ({FAULT_ENV}=raise:{rank})")
@@ -66,7 +65,7 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         with patched(os, "_exit", failing_exit(Path(job["result"]), rank)), patched(tempfile, "tempdir", None):
             body(job, device, rank, world)
     except KeyboardInterrupt:  # SIGINT, from outside the job (its own session): the signal is the exit status
-        interrupted = True
+        raise
     except BaseException as e:  # DCP's CheckpointException, a model's own BaseException, sys.exit: all told
         write_failure(Path(job["result"]), rank, e)
         traceback.clear_frames(e.__traceback__)  # the failed work's locals (its FSDP modules): for end_rank's gc
@@ -75,8 +74,6 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
         raise
     finally:
         end_rank()
-    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt (torch's forked ranks would exit 0)
-        die_of(signal.SIGINT)
 
 
 def failing_exit(result_path: Path, rank: int) -> Callable[[int], NoReturn]:
