@@ -1,15 +1,15 @@
 """Verify a plan on a real multi-process run: same parameters as unsharded training, predicted collectives.
 
 ``run_verify`` predicts the step's collectives from the FSDP2 replay, writes a job file and launches
-``torchrun --standalone --nproc_per_node N`` with ``fsdp_planner/runtime/worker.py JOB`` as each rank (gloo on CPU,
-NCCL on GPUs; through ``launch.py``, which starts the ranks and records each one's exit status); see ``worker.py``
-for what each rank does. A plan passes
-when the parameters match the unsharded reference and the counted all-gathers and reduce-scatters, and their
-bytes, equal the prediction on every step, and, when it starts from a checkpoint, the restored state is the saved
-one. A failed job is told by its cause (``failures.py``): the rank that raised or died, not the ranks it took
-down with it. The job runs in its own session, ended as a whole on every way out; its launcher follows this
-command and its ranks follow their launcher (``signals.follow_parent``), so none outlives a parent killed by
-SIGKILL, and a launcher killed from outside fails the job (``failures.launcher_killed``).
+``torchrun --standalone --nproc_per_node N -m fsdp_planner.runtime.worker JOB`` (gloo on CPU, NCCL on GPUs; through
+``launch.py``, which records each rank's exit status and may fork the ranks, ``launch.rank_command``); see
+``worker.py`` for what each rank does. A plan passes when the parameters match the unsharded reference and the
+counted all-gathers and reduce-scatters, and their bytes, equal the prediction on every step, and, when it starts
+from a checkpoint, the restored state is the saved one. A failed job is told by its cause (``failures.py``): the
+rank that raised or died, not the ranks it took down with it. The job runs in its own session, ended as a whole on
+every way out; its launcher follows this command and its ranks follow their launcher (``signals.follow_parent``),
+so none outlives a parent killed by SIGKILL, and a launcher killed from outside fails the job
+(``failures.launcher_killed``).
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def remove_orphaned_job_dirs(prefix: str) -> None:
 
 
 def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[str, Any]) -> tuple[dict, int]:
-    """MODULE's file run with JOB.json on ``nproc`` local ranks under torchrun (``launch.py``), in its own session,
+    """``python -m MODULE JOB.json`` on ``nproc`` local ranks under torchrun (``launch.py``), in its own session,
     ended as a whole on every way out (call it inside ``signals_raise``). ``job`` gains ``result``, the file rank 0
     writes; returns what it wrote and torchrun's exit status. A job that wrote nothing is a ``PlannerError`` naming
     the rank that failed and why (``failures.py``)."""
