@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     ranks = rank_command(module)
     try:
         # torch.multiprocessing's per-rank error files (a forked rank's, kept when it raised) under the job's
-        # directory, removed with it; a rank takes the temp directory back (``rank.run_rank``)
+        # directory, removed with it; a forked rank takes the temp directory back (``as_fresh_interpreter``)
         with patched(tempfile, "tempdir", str(exits_path.parent)):
             run(parse_args([*torchrun_args, *ranks, job_path]))
     except ChildFailedError as e:
@@ -74,16 +74,18 @@ def rank_command(module: str) -> list[str]:
         importlib.import_module(lazy)
     file = importlib.import_module(module).__file__
     assert file is not None
-    os.register_at_fork(after_in_child=default_signals)
+    os.register_at_fork(after_in_child=as_fresh_interpreter)
     return ["--start-method", "fork", "--run-path", file]
 
 
-def default_signals() -> None:
-    """A forked rank's handlers for the signals torchrun handles: the defaults, so that each ends it with that
-    signal as its exit status, as it ends a rank started fresh (an uncaught KeyboardInterrupt ends one by SIGINT).
-    The agent's handlers, which the fork inherits, raise instead: a rank torchrun stops because a peer failed
-    would report the stop as its own failure, and torch's fork wrapper swallows a KeyboardInterrupt, ending the
-    rank with status 0 and torchrun waiting for its return value."""
+def as_fresh_interpreter() -> None:
+    """In a forked rank, what the launcher changed, as a rank started fresh has it: the temp directory (``main``
+    points the launcher's at the job's) and the handlers of the signals torchrun handles, the defaults, so that
+    each ends the rank with that signal as its exit status (an uncaught KeyboardInterrupt ends a fresh one by
+    SIGINT). The agent's handlers, which the fork inherits, raise instead: a rank torchrun stops because a peer
+    failed would report the stop as its own failure, and torch's fork wrapper swallows a KeyboardInterrupt, ending
+    the rank with status 0 and torchrun waiting for its return value."""
+    tempfile.tempdir = None
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(signum, signal.SIG_DFL)
 

@@ -25,7 +25,6 @@ import gc
 import json
 import os
 import signal
-import tempfile
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -61,8 +60,7 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     try:
         if injected_fault(rank) == "raise":
             raise RuntimeError(f"test fault: rank {rank} raised on purpose ({FAULT_ENV}=raise:{rank})")
-        # the temp directory a fresh interpreter has (a forked rank's launcher's is the job's, ``launch.main``)
-        with patched(os, "_exit", failing_exit(Path(job["result"]), rank)), patched(tempfile, "tempdir", None):
+        with patched(os, "_exit", failing_exit(Path(job["result"]), rank)):
             body(job, device, rank, world)
     except KeyboardInterrupt:  # SIGINT, from outside the job (its own session): the signal is the exit status
         raise
