@@ -300,39 +300,64 @@ def test_transformers_experts_send_tokens_x_top_k_rows() -> None:
     assert r.ep_all_to_alls == 2 * 4 and r.ep_all_to_all_bytes == 8 * 256 * 2 * 128 * 2  # tokens x top_k x dim x bf16
 
 
-@pytest.mark.integration  # the export through the command line: ~6 s
-def test_transformers_experts_ep_is_simulated_not_applied(tmp_path) -> None:
-    """transformers' experts layers route inside their forward ((tokens, dim) in), which EP's dispatch here does not
-    run: auto does not take EP for them itself, ``--ep`` simulates it with a note, and apply_plan and export refuse
-    it in one sentence before anything changes (the ranks failed inside the dispatch before)."""
+def _tiny_qwen3_moe(tmp_path) -> str:  # type: ignore[no-untyped-def]
     import json
-
-    from fsdp_planner.apply.fully_shard import apply_plan
-    from fsdp_planner.planners.expert_parallel import with_expert_parallel
-    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
-    from fsdp_planner.service.planning import Reporter, policy_plan
 
     config = tmp_path / "qwen3_moe.json"
     config.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
                                   "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
                                   "vocab_size": 128}))
-    spec = ModelSpec(f"hf:{config}", batch_size=2, seq_len=16)
-    lm = load_model(spec, meta=False)
-    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=BF16.precision.trace_dtype)
-    notes: list[str] = []
-    reporter = Reporter(notes.append)
-    auto = policy_plan(tr, PolicyRequest(PolicyName.AUTO, memory_budget=2 * 2**20), spec, parse_cluster("h100:8"),
-                       BF16, reporter)
-    assert auto.expert_parallel is None and not any("EP 2" in n for n in notes)
-    titan = policy_plan(tr, PolicyRequest(PolicyName.TITAN, ep=2), spec, parse_cluster("h100:8"), BF16, reporter)
-    assert titan.ep_degree == 2 and any("simulated as torchtitan runs it, not applied" in n for n in notes)
-    with pytest.raises(PlannerError, match="route inside their forward"):
-        apply_plan(lm.model, with_expert_parallel(TorchtitanPolicy().plan(tr), tr, 2), mesh=object())
-    path = tmp_path / "plan.json"
-    titan.save(str(path))
-    r = run_main("export", str(path))
-    assert r.returncode != 0 and "route inside their forward" in r.stderr and "Traceback" not in r.stderr
+    return f"hf:{config}"
+
+
+@pytest.mark.integration  # fake ranks, 2 gloo ranks under torchrun and an exported plan's: ~40 s
+def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
+    """transformers' experts layers route inside their forward ((tokens, dim) in): apply runs their EP through
+    transformers' own (its ``grouped_gemm`` params, its all-to-all dispatch with the routing's split sizes), so
+    ``--ep`` plans them without a note, verify trains them with parity on gloo, the fake world counts EP's
+    all-to-alls and bytes exactly (the recomputed ones too: the combine comes before the layer's own weighing of
+    the rows, which saves its output) and the exported code trains with parity; EP x TP of them is refused."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fsdp_planner.apply.expert_parallel import check_experts_run
+
+    model = _tiny_qwen3_moe(tmp_path)
+    verify = ["verify", model, "--policy", "titan", "--ep", "2", "--batch", "2", "--seq", "32", "--json"]
+    for ac, a2a in (("none", 8), ("full", 12)):
+        r = run_main(*verify, "--ac", ac, "--fake-world-size", "4")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        result = json.loads(r.stdout)
+        assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
+        assert result["measured"]["ep_all_to_alls"] == a2a
+    r = run_main(*verify, "--nproc", "2", "--steps", "2", "--precision", "fp32")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5
+    assert "not applied" not in r.stderr
+    plan = tmp_path / "plan.json"
+    r = run_main("plan", model, "--policy", "titan", "--ep", "2", "--cluster", "h100:2", "--precision", "fp32",
+                 "--out", str(plan))
+    assert r.returncode == 0 and "EP 2" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    code = tmp_path / "ep_plan.py"
+    r = run_main("export", str(plan), "--format", "python", "--precision", "fp32", "--out", str(code))
+    assert r.returncode == 0 and "transformers.distributed.expert_parallel" in code.read_text(), r.stderr
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(root / "examples" / "torchrun_fsdp2.py"), str(code), model],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+    lm = load_model(ModelSpec(model, seq_len=32), meta=False)
+    modules = dict(lm.model.named_modules())
+    check_experts_run(modules, ["model.layers.0.mlp.experts"], 1)
+    with pytest.raises(PlannerError, match="without tensor parallelism"):
+        check_experts_run(modules, ["model.layers.0.mlp.experts"], 2)
 
 
 def test_experts_with_biases_take_expert_parallelism(tmp_path) -> None:

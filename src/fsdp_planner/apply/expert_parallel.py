@@ -25,7 +25,7 @@ import torch.nn as nn
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.models.hf_experts import SIMULATED_EP, is_transformers_module
+from fsdp_planner.models.hf_experts import SIMULATED_EP, distribute_experts, is_transformers_module
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tuple:
@@ -134,12 +134,13 @@ def check_no_prefetch(plan: Plan) -> None:
                            "backward_prefetch")
 
 
-def check_experts_run(modules: dict[str, nn.Module], experts: list[str]) -> None:
-    """Refuse EP of experts its dispatch cannot run (transformers' experts layers: ``SIMULATED_EP``), before any
-    module is changed."""
+def check_experts_run(modules: dict[str, nn.Module], experts: list[str], tp_degree: int) -> None:
+    """Refuse EP of experts apply does not run (transformers' experts layers with TP: ``SIMULATED_EP``), before
+    any module is changed."""
     own = [name for name in experts if is_transformers_module(modules[name])]
-    if own:
-        raise PlannerError(f"{own[0]} ({type(modules[own[0]]).__name__}): {SIMULATED_EP}; plan it without --ep")
+    if own and tp_degree > 1:
+        raise PlannerError(f"{own[0]} ({type(modules[own[0]]).__name__}): {SIMULATED_EP}; plan it without --ep "
+                           "or without --tp")
 
 
 def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None,
@@ -164,7 +165,10 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     split = plan.tp_degree  # EP x TP: each TP rank dispatches its 1/TP of the routed tokens (TPStyle.TOKEN_SPLIT)
     for name in experts:
-        distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
+        if is_transformers_module(modules[name]):  # routes inside its forward: transformers' own EP
+            distribute_experts(modules[name], ep)
+        else:
+            distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,
                     reshard_after_forward=reshard_arg(alone[name].reshard_after_forward, shard),
                     shard_placement_fn=_expert_placement(modules[name], name, plan))

@@ -36,6 +36,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.selective import POLICIES
 from fsdp_planner.fsdp2.tensor_parallel import EXPERT_TENSOR_DIMS, TensorParallel, matches
+from fsdp_planner.models import hf
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.trace.ops import op_names
 
@@ -682,6 +683,16 @@ def split_expert_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh, DeviceM
     return mesh, experts, sparse["ep"]
 
 
+def expert_placement(module: nn.Module, name: str) -> Callable[[nn.Parameter], Shard | None] | None:
+    """Shard(dim) for the expert module ``name``'s params SHARD_DIMS names (dim 1 where its E / EP_DEGREE experts
+    are fewer than the ranks sharding them, as torchtitan places experts), once EP made them DTensors; None: all
+    on dim 0."""
+    dims = {id(p): SHARD_DIMS[f"{name}.{n}"] for n, p in module.named_parameters() if f"{name}.{n}" in SHARD_DIMS}
+    return (lambda param: Shard(dims[id(param)]) if id(param) in dims else None) if dims else None
+'''
+# grouped experts taking (experts, tokens per expert, dim): the dispatch and combine around them (models/moe.py's)
+EP_GROUPED = '''
+
 def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     """``module``'s params sharded on their expert dim 0 over ``ep_mesh`` (E / EP_DEGREE experts a rank), the routed
     tokens sent to their experts' ranks by an all-to-all before it runs and back by another after. The module takes
@@ -694,14 +705,6 @@ def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
                                                        requires_grad=p.requires_grad))
 
     distribute_module(module, ep_mesh, shard, _dispatch, _combine)
-
-
-def expert_placement(module: nn.Module, name: str) -> Callable[[nn.Parameter], Shard | None] | None:
-    """Shard(dim) for the expert module ``name``'s params SHARD_DIMS names (dim 1 where its E / EP_DEGREE experts
-    are fewer than the ranks sharding them, as torchtitan places experts), once EP made them DTensors; None: all
-    on dim 0."""
-    dims = {id(p): SHARD_DIMS[f"{name}.{n}"] for n, p in module.named_parameters() if f"{name}.{n}" in SHARD_DIMS}
-    return (lambda param: Shard(dims[id(param)]) if id(param) in dims else None) if dims else None
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -738,6 +741,23 @@ def _combine(module: nn.Module, out: Any, mesh: DeviceMesh) -> torch.Tensor:
         return back
     at = mesh.get_local_rank() % EP_TOKEN_SPLIT  # among the whole layer's rows, zeros for the other TP ranks'
     return torch.nn.functional.pad(back, (0, 0, at * n, (EP_TOKEN_SPLIT - 1 - at) * n))
+'''
+# transformers' experts layers (route inside their forward): transformers' own EP, as apply_plan runs it
+# (models/hf_experts.distribute_experts)
+EP_TRANSFORMERS = '''
+
+def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """transformers' own expert parallelism of its experts layer ``module`` (transformers.distributed
+    .expert_parallel): its params Shard(0) over ``ep_mesh`` (E / EP_DEGREE experts a rank) and its all-to-all
+    dispatch of every (token, expert) pair to its expert's rank and back; the ranks sharing this rank's batch (its
+    TP mesh): this rank alone."""
+    from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, MoEParamShard
+
+    shard = MoEParamShard(Shard(0), shards_expert_dim=True)
+    for pname, _ in list(module.named_parameters(recurse=False)):
+        shard.shard_param(module, pname, ep_mesh)
+    own_batch = ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep", "own_batch"))["own_batch"]
+    EpDispatchExpertsParallel().install_forward(module, ep_mesh, tp_mesh=own_batch)
 '''
 # with EP, torchtitan's world mesh is taken whole: the plan's own (dp, dp_shard_mod_ep, ep) meshes are built from
 # its ranks, as apply_plan builds them
@@ -794,8 +814,9 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
         body = body.replace(TP_APPLY_LINE + TP_SPLIT, TP_APPLY_LINE, 1)
         split += TP_SPLIT
     body = body.replace(modules_line, modules_line + split, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
+    tail = EP_TAIL + (EP_TRANSFORMERS if hf.is_hf(plan.model) else EP_GROUPED)
     return constants + EP_CONSTANTS.format(degree=py_literal(ep.degree), experts=py_literal(experts),
-                                           split=py_literal(plan.tp_degree)), body + EP_TAIL
+                                           split=py_literal(plan.tp_degree)), body + tail
 
 
 def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS[DEFAULT_PRECISION],

@@ -22,7 +22,7 @@ from fsdp_planner.userfiles import write_atomic
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
-    if plan.expert_parallel is not None and not runs_ep(plan.model):
+    if plan.expert_parallel is not None and not runs_ep(plan.model, plan.tp_degree):
         raise PlannerError(f"{plan.model}: {SIMULATED_EP}; export a plan without expert parallelism")
     precision = _precision(args.precision, plan)
     fmt = ExportFormat(args.format)

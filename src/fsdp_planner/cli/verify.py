@@ -125,8 +125,8 @@ def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:
 
 
 def _check_runs(model: ModelSpec, plan: Plan) -> None:
-    """Refuse, before any rank starts, EP of experts apply does not run (transformers': ``SIMULATED_EP``)."""
-    if plan.expert_parallel is not None and not runs_ep(model.name):
+    """Refuse, before any rank starts, EP of experts apply does not run (transformers' with TP: ``SIMULATED_EP``)."""
+    if plan.expert_parallel is not None and not runs_ep(model.name, plan.tp_degree):
         raise PlannerError(f"{model.name}: {SIMULATED_EP}; verify it without --ep")
 
 

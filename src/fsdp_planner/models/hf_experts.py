@@ -15,12 +15,14 @@ expert's weights are read, as in the built-in ``mixtral-8x7b``. The capacity fac
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from fsdp_planner.attention import planned
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.routing import current_capacity
 
 BALANCED = "fsdp_planner_balanced"
@@ -32,6 +34,50 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, t
     return out if bias is None else out + bias.unsqueeze(1)
 
 
+def _routed_rows(hidden_states: torch.Tensor, top_k: int, n_experts: int) -> torch.Tensor:
+    """(experts, rows per expert, dim): ``top_k`` copies of every token, an equal share each expert, times the
+    capacity factor (--routing: room for an uneven load, as a capacity-bound dispatch pads it), as the stand-in
+    for users' routers (routing.py)."""
+    tokens, dim = hidden_states.shape
+    n = tokens * top_k
+    per_expert = math.ceil(n / n_experts * current_capacity())
+    routed = hidden_states.repeat_interleave(top_k, dim=0)  # (tokens * top_k, dim), as a real dispatch copies
+    if per_expert * n_experts > n:
+        routed = F.pad(routed, (0, 0, 0, per_expert * n_experts - n))
+    elif per_expert * n_experts < n:  # a capacity factor under 1: tokens beyond it dropped
+        routed = routed[:per_expert * n_experts]
+    return routed.view(n_experts, per_expert, dim)
+
+
+def _expert_rows(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The experts' MLPs on their rows ``x`` (experts, rows, dim), with the module's params as local tensors (E / EP
+    experts each under expert parallelism, whose params are DTensors sharded on the expert dim)."""
+    def param(name: str) -> torch.Tensor | None:
+        p = getattr(self, name)
+        return p.to_local() if hasattr(p, "to_local") else p
+
+    if self.has_gate:
+        up = _project(x, param("gate_up_proj"), param("gate_up_proj_bias") if self.has_bias else None,
+                      self.is_transposed)
+        h = self._apply_gate(up)
+    else:
+        up = _project(x, param("up_proj"), param("up_proj_bias") if self.has_bias else None, self.is_transposed)
+        h = self.act_fn(up)
+    out = _project(h, param("down_proj"), param("down_proj_bias") if self.has_bias else None, self.is_transposed)
+    return self.post_expert_norm(out) if self.has_post_expert_norm else out
+
+
+def _combined(out: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every expert's rows (experts, rows per expert, dim) back to their tokens: weighted and summed per token."""
+    tokens, top_k = top_k_weights.shape
+    n, dim = tokens * top_k, out.shape[-1]
+    out = out.reshape(-1, dim)[:n]
+    if out.shape[0] < n:
+        out = F.pad(out, (0, 0, 0, n - out.shape[0]))
+    out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return out.view(tokens, top_k, dim).sum(dim=1).to(dtype)
+
+
 def balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                              top_k_weights: torch.Tensor) -> torch.Tensor:
     """An experts layer's forward (transformers' signature): (tokens, dim) -> (tokens, dim)."""
@@ -39,32 +85,8 @@ def balanced_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    tokens, dim = hidden_states.shape
-    top_k, n_experts = top_k_index.shape[-1], self.num_experts
-    n = tokens * top_k
-    # an equal share each, times the capacity factor (--routing: room for an uneven load, as a capacity-bound
-    # dispatch pads it), as the stand-in for users' routers (routing.py)
-    per_expert = math.ceil(n / n_experts * current_capacity())
-    routed = hidden_states.repeat_interleave(top_k, dim=0)  # (tokens * top_k, dim), as a real dispatch copies
-    if per_expert * n_experts > n:
-        routed = F.pad(routed, (0, 0, 0, per_expert * n_experts - n))
-    elif per_expert * n_experts < n:  # a capacity factor under 1: tokens beyond it dropped
-        routed = routed[:per_expert * n_experts]
-    x = routed.view(n_experts, per_expert, dim)
-    if self.has_gate:
-        up = _project(x, self.gate_up_proj, self.gate_up_proj_bias if self.has_bias else None, self.is_transposed)
-        h = self._apply_gate(up)
-    else:
-        up = _project(x, self.up_proj, self.up_proj_bias if self.has_bias else None, self.is_transposed)
-        h = self.act_fn(up)
-    out = _project(h, self.down_proj, self.down_proj_bias if self.has_bias else None, self.is_transposed)
-    if self.has_post_expert_norm:
-        out = self.post_expert_norm(out)
-    out = out.reshape(-1, dim)[:n]
-    if out.shape[0] < n:
-        out = F.pad(out, (0, 0, 0, n - out.shape[0]))
-    out = out * top_k_weights.reshape(-1, 1).to(out.dtype)
-    return out.view(tokens, top_k, dim).sum(dim=1).to(hidden_states.dtype)
+    x = _routed_rows(hidden_states, top_k_index.shape[-1], self.num_experts)
+    return _combined(_expert_rows(self, x), top_k_weights, hidden_states.dtype)
 
 
 def register() -> str:
@@ -75,13 +97,67 @@ def register() -> str:
     return BALANCED
 
 
-# Expert parallelism here is torchtitan's: the experts module takes (experts, tokens per expert, dim) and EP's
-# dispatch splits that (``apply/expert_parallel.py``). transformers' experts layers take (tokens, dim) with the
-# routing and route inside their forward (its own EP, ``ep_dispatch_experts``, is another dispatch), so EP of them is
-# simulated torchtitan's way and not applied.
-SIMULATED_EP = ("transformers' experts layers take (tokens, dim) and route inside their forward, so expert "
-                "parallelism of them is simulated as torchtitan runs it, not applied: apply, export and verify shard "
-                "grouped experts taking (experts, tokens per expert, dim) only (models/moe.py's)")
+def distribute_experts(module: nn.Module, ep_mesh: Any) -> None:
+    """Expert parallelism of a transformers experts layer as transformers runs it
+    (``transformers.distributed.expert_parallel``): each of its own params ``Shard(0)`` over ``ep_mesh`` (its
+    ``grouped_gemm`` style: E / EP experts a rank, ``num_experts`` made the local count) and its
+    ``ep_dispatch_experts`` forward, whose all-to-all sends every (token, expert) pair to its expert's rank and the
+    outputs back, with the split sizes the routing gives; its TP mesh, the ranks sharing this rank's batch, is this
+    rank alone (EP of these layers runs without TP here). On a planned step (the fake world: no routing to read)
+    the same two all-to-alls carry the routing stand-in's rows (``_routed_rows``), as the simulator prices them."""
+    try:
+        from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, MoEParamShard
+    except ImportError:
+        raise PlannerError(NO_TRANSFORMERS_EP) from None
+    from torch.distributed.tensor import Shard
+
+    experts = module.num_experts
+    shard = MoEParamShard(Shard(0), shards_expert_dim=True)
+    for name, _ in list(module.named_parameters(recurse=False)):
+        shard.shard_param(module, name, ep_mesh)
+    own_batch = ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep", "own_batch"))["own_batch"]
+    EpDispatchExpertsParallel().install_forward(module, ep_mesh, tp_mesh=own_batch)
+    run = module.forward
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if not planned(hidden_states):
+            return run(hidden_states, top_k_index, top_k_weights)
+        return _planned_ep_forward(module, ep_mesh, experts, hidden_states, top_k_index, top_k_weights)
+
+    module.forward = forward
+
+
+def _planned_ep_forward(module: nn.Module, ep_mesh: Any, experts: int, hidden_states: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """``distribute_experts``' forward on a planned step: the stand-in's rows of all ``experts`` to their EP
+    ranks, this rank's E / EP experts on the rows every EP rank sent them, the outputs back."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    routed = _routed_rows(hidden_states, top_k_index.shape[-1], experts)
+    e, rows, dim = routed.shape
+    ep = ep_mesh.size()
+    # each buffer dropped once the next is made, as a dispatch frees its send buffer once sent
+    got = all_to_all_single_autograd(routed.reshape(e * rows, dim), None, None, ep_mesh)
+    del routed
+    local = got.view(ep, e // ep, rows, dim).transpose(0, 1).reshape(e // ep, ep * rows, dim)
+    del got
+    out = _expert_rows(module, local)
+    del local
+    sent = out.view(e // ep, ep, rows, dim).transpose(0, 1).reshape(e * rows, dim)
+    del out
+    back = all_to_all_single_autograd(sent, None, None, ep_mesh)
+    del sent
+    return _combined(back.view(e, rows, dim), top_k_weights, hidden_states.dtype)
+
+
+NO_TRANSFORMERS_EP = ("expert parallelism of transformers' experts layers runs through transformers' own "
+                      "(transformers.distributed.expert_parallel, in its 5.x releases of 2026), which this "
+                      "transformers lacks: upgrade transformers, or plan it without --ep")
+# EP x TP is modelled for torchtitan's MoE layout (EP's ranks spanning TP's, each TP rank dispatching its share of
+# the routed rows), which transformers' experts under its own TP styles (``packed_colwise`` / ``moe_tp_experts``)
+# are not: a plan file asking for it on them is refused before anything runs
+SIMULATED_EP = ("expert parallelism of transformers' experts layers runs without tensor parallelism only (EP x TP "
+                "is modelled for torchtitan's MoE layout, the built-in MoE models')")
 
 
 def is_transformers_module(module: nn.Module) -> bool:

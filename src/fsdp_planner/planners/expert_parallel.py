@@ -31,10 +31,10 @@ from fsdp_planner.trace.records import Trace
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
 
 
-def runs_ep(model_name: str) -> bool:
-    """Whether apply, export and verify run expert parallelism on the model's experts: not on transformers'
-    (``hf:`` models: ``SIMULATED_EP``), whose EP is simulated only, so auto does not choose it itself."""
-    return not hf.is_hf(model_name)
+def runs_ep(model_name: str, tp_degree: int) -> bool:
+    """Whether apply, export and verify run expert parallelism on the model's experts at TP ``tp_degree``: not
+    transformers' (``hf:`` models) with TP, whose EP x TP is simulated only (``SIMULATED_EP``)."""
+    return tp_degree == 1 or not hf.is_hf(model_name)
 
 
 def expert_modules(trace: Trace) -> list[str]:

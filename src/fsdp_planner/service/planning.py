@@ -182,13 +182,10 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         result = policy.search(tr, spec.name)
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
             result = with_auto_ep(result, tr, cluster, options, (ep,))
-            if not runs_ep(spec.name):
+            if not runs_ep(spec.name, result.plan.tp_degree):
                 reporter.note(SIMULATED_EP)
-        elif request.ep is None and expert_modules(tr) and (runs_ep(spec.name) or not result.fits):
-            # auto's own EP screen; of experts EP is simulated for only (``runs_ep``), where nothing fits without
+        elif request.ep is None and expert_modules(tr):  # auto's own EP screen (without TP: it runs on any experts)
             result = with_own_ep(result, policy, tr, spec.name, cluster, options, reporter.note)
-            if result.plan.expert_parallel is not None and not runs_ep(spec.name):
-                reporter.note(SIMULATED_EP)
     return result
 
 
@@ -362,7 +359,7 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
     if plan.expert_parallel is not None or request.ep is None or request.ep == 1:
         return plan
     out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0)
-    if not runs_ep(model):
+    if not runs_ep(model, out.tp_degree):
         reporter.note(SIMULATED_EP)
     return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
 

@@ -146,31 +146,63 @@ def _a2a(module: str, nbytes: int, backward: bool) -> Event:
 def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[int],
                  split: int = 1) -> tuple[list[Event], list[int]]:
     """The EP rank's events, the all-to-alls around each expert call and the expert ops at ``skew`` x their work;
-    and where each of the trace's events went (old position -> new). Tokens split over ``split`` TP ranks: the
-    combined rows put back among the whole layer's (zeros for the other TP ranks' rows: the output is partial),
-    one op making the whole (experts, tokens per expert, dim) output after the combine."""
+    and where each of the trace's events went (old position -> new). In forward the dispatch goes before the
+    call's first matmul and the combine after its last one (``_forward_at``); in backward, after the call's
+    pre-backward and before its post-backward. Tokens split over ``split`` TP ranks: the combined rows put back
+    among the whole layer's (zeros for the other TP ranks' rows: the output is partial), one op making the whole
+    (experts, tokens per expert, dim) output after the combine."""
     sizes = _call_bytes(trace, experts, chosen, split)
     names = set(experts)
+    before = _forward_at(trace, names)
     out: list[Event] = []
     where: list[int] = []
-    for e in trace.events:
+    for i, e in enumerate(trace.events):
         if e.is_op and skew != 1.0 and any(is_within(e.module, m) for m in names):
             e = e._replace(flops=int(e.flops * skew), nbytes=int(e.nbytes * skew), saved=int(e.saved * skew),
                            freed=int(e.freed * skew),
                            out_nbytes=int(e.out_nbytes * skew), grad_live=int(e.grad_live * skew))
-        if e.module not in names or e.is_op:
+        for module, call, combine in before.get(i, ()):
+            nbytes = sizes.get((module, call), 0)
+            out.append(_a2a(module, nbytes, False))
+            if combine and split > 1:
+                out.append(Event(EventKind.OP, module, nbytes=split * nbytes, out_nbytes=split * nbytes))
+        if e.module not in names or e.is_op or not e.backward:
             where.append(len(out))
             out.append(e)
             continue
         nbytes = sizes.get((e.module, e.call), next((n for (m, _), n in sizes.items() if m == e.module), 0))
         a2a = _a2a(e.module, nbytes, e.backward)
-        opening = e.kind in (EventKind.FWD_PRE, EventKind.BWD_PRE)
-        closing = [a2a]
-        if split > 1 and e.kind is EventKind.FWD_POST:
-            closing.append(Event(EventKind.OP, e.module, nbytes=split * nbytes, out_nbytes=split * nbytes))
-        where.append(len(out) + (0 if opening else len(closing)))
-        out.extend([e, a2a] if opening else [*closing, e])
+        where.append(len(out) + (0 if e.kind is EventKind.BWD_PRE else 1))
+        out.extend([e, a2a] if e.kind is EventKind.BWD_PRE else [a2a, e])
     return out, where
+
+
+def _forward_at(trace: Trace, names: set[str]) -> dict[int, list[tuple[str, int, bool]]]:
+    """Where each forward call of the expert modules ``names`` gets its all-to-alls: position -> (module, call,
+    whether it is the combine), the all-to-all going before that event. The dispatch before the call's first
+    matmul (after any ops that lay out the routed rows: transformers' experts layers route inside their
+    forward); the combine after the last one and the child calls that follow it (a post-experts norm), before
+    the call's own ops that weigh and sum the rows back into tokens; at the call's boundaries where it runs no
+    matmul (the built-in's experts start and end with one)."""
+    out: dict[int, list[tuple[str, int, bool]]] = {}
+    open_calls: dict[str, tuple[int, int]] = {}
+    events = trace.events
+    for i, e in enumerate(events):
+        if e.backward:
+            break
+        if e.kind is EventKind.FWD_PRE and e.module in names:
+            open_calls[e.module] = (e.call, i)
+        elif e.kind is EventKind.FWD_POST and e.module in open_calls:
+            call, start = open_calls.pop(e.module)
+            matmuls = [k for k in range(start + 1, i) if events[k].is_op and events[k].kernel > 0]
+            if matmuls:
+                first = matmuls[0]
+                combine = next(k for k in range(matmuls[-1] + 1, i + 1) if events[k].module == e.module)
+            else:
+                first, combine = start + 1, i
+            out.setdefault(first, []).append((e.module, call, False))
+            out.setdefault(combine, []).append((e.module, call, True))
+    return out
 
 
 def _moved_modules(trace: Trace, where: list[int]) -> dict:
