@@ -311,20 +311,21 @@ def _tiny_qwen3_moe(tmp_path) -> str:  # type: ignore[no-untyped-def]
     return f"hf:{config}"
 
 
-@pytest.mark.integration  # fake ranks, 2 gloo ranks under torchrun and an exported plan's: ~40 s
+@pytest.mark.integration  # fake ranks, 2 and 4 gloo ranks under torchrun and an exported plan's: ~60 s
 def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
-    """transformers' experts layers route inside their forward ((tokens, dim) in): apply runs their EP through
-    transformers' own (its ``grouped_gemm`` params, its all-to-all dispatch with the routing's split sizes), so
-    ``--ep`` plans them without a note, verify trains them with parity on gloo, the fake world counts EP's
-    all-to-alls and bytes exactly (the recomputed ones too: the combine comes before the layer's own weighing of
-    the rows, which saves its output) and the exported code trains with parity; EP x TP of them is refused."""
+    """transformers' standard experts layers route inside their forward ((tokens, dim) in): apply runs their EP
+    through transformers' own (its ``grouped_gemm`` params, its all-to-all dispatch with the routing's split
+    sizes), so ``--ep`` plans them with a note on what the step does not price, verify trains them with parity on
+    gloo (the experts' FSDP group of one rank and of two), the fake world counts EP's all-to-alls and bytes exactly
+    (the recomputed ones too: the combine comes before the layer's own weighing of the rows, which saves its
+    output) and the exported code trains with parity; EP x TP of them is refused in one line."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from fsdp_planner.apply.expert_parallel import check_experts_run
+    from fsdp_planner.models.hf_experts import UNPRICED_EP
 
     model = _tiny_qwen3_moe(tmp_path)
     verify = ["verify", model, "--policy", "titan", "--ep", "2", "--batch", "2", "--seq", "32", "--json"]
@@ -334,15 +335,17 @@ def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
         result = json.loads(r.stdout)
         assert result["ok"] and result["counts_and_bytes_exact"] and abs(result["peak_error"]) <= 0.05
         assert result["measured"]["ep_all_to_alls"] == a2a
-    r = run_main(*verify, "--nproc", "2", "--steps", "2", "--precision", "fp32")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    result = json.loads(r.stdout)
-    assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5
-    assert "not applied" not in r.stderr
+    for nproc in ("2", "4"):  # the experts sharded over 1 rank, then over 2 (a reduce-scatter, its divide factor)
+        r = run_main(*verify, "--nproc", nproc, "--steps", "2", "--precision", "fp32")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        result = json.loads(r.stdout)
+        assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5
+    assert result["predicted"]["reduce_scatter"] > 0
     plan = tmp_path / "plan.json"
     r = run_main("plan", model, "--policy", "titan", "--ep", "2", "--cluster", "h100:2", "--precision", "fp32",
                  "--out", str(plan))
     assert r.returncode == 0 and "EP 2" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert UNPRICED_EP in " ".join(r.stderr.split()) and "not applied" not in r.stderr
     code = tmp_path / "ep_plan.py"
     r = run_main("export", str(plan), "--format", "python", "--precision", "fp32", "--out", str(code))
     assert r.returncode == 0 and "transformers.distributed.expert_parallel" in code.read_text(), r.stderr
@@ -353,11 +356,49 @@ def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
-    lm = load_model(ModelSpec(model, seq_len=32), meta=False)
+    r = run_main("plan", model, "--policy", "titan", "--ep", "2", "--tp", "2", "--cluster", "h100:4")
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()[-1]) > 20
+
+
+@pytest.mark.integration  # an export through the command line: ~8 s
+def test_other_transformers_experts_ep_is_simulated_and_refused(tmp_path) -> None:
+    """Experts layers transformers' EP does not run (Llama 4's take pre-routed rows), or that it cannot split:
+    ``--ep`` simulates them with a note saying so, auto screens them only where nothing fits, and apply, export
+    and verify refuse them in one sentence before anything runs (the ranks failed inside the dispatch before)."""
+    from fsdp_planner.apply.expert_parallel import check_experts_run
+    from fsdp_planner.models.hf_experts import OTHER_EXPERTS
+
+    llama4 = "hf:tests/fixtures/llama4_tiny.json"
+    plan = tmp_path / "plan.json"
+    r = run_main("plan", llama4, "--policy", "titan", "--ep", "2", "--cluster", "h100:2", "--seq", "32",
+                 "--out", str(plan))
+    assert r.returncode == 0 and OTHER_EXPERTS in " ".join(r.stderr.split()), r.stdout[-2000:] + r.stderr[-2000:]
+    r = run_main("export", str(plan))
+    assert r.returncode != 0 and "not one of transformers' standard experts layers" in r.stderr
+    assert "Traceback" not in r.stderr
+    lm = load_model(ModelSpec(_tiny_qwen3_moe(tmp_path), seq_len=32), meta=False)
     modules = dict(lm.model.named_modules())
-    check_experts_run(modules, ["model.layers.0.mlp.experts"], 1)
+    check_experts_run(modules, ["model.layers.0.mlp.experts"], 2, 1)
     with pytest.raises(PlannerError, match="without tensor parallelism"):
-        check_experts_run(modules, ["model.layers.0.mlp.experts"], 2)
+        check_experts_run(modules, ["model.layers.0.mlp.experts"], 2, 2)
+    with pytest.raises(PlannerError, match="4 experts, which expert parallelism of degree 3"):
+        check_experts_run(modules, ["model.layers.0.mlp.experts"], 3, 1)
+
+
+def test_builtin_experts_all_to_alls_sit_at_their_boundaries() -> None:
+    """The built-in's experts take their routed rows and give them back ((experts, tokens per expert, dim)): EP's
+    dispatch comes right after the call's pre-forward (before a view costing nothing that leads the call), its
+    combine right before its post-forward, as torchtitan's input and output hooks run them."""
+    from fsdp_planner.sim.expert_parallel import ep_positions, ep_view
+    from fsdp_planner.trace.events import EventKind
+
+    tr = _traced()
+    view = ep_view(tr, _ep_plan(tr, 2)).trace
+    forward = [p for p in ep_positions(view).tolist() if not view.events[p].backward]
+    assert len(forward) == 4
+    for dispatch, combine in zip(forward[::2], forward[1::2], strict=True):
+        assert view.events[dispatch - 1].kind is EventKind.FWD_PRE
+        assert view.events[combine + 1].kind is EventKind.FWD_POST
 
 
 def test_experts_with_biases_take_expert_parallelism(tmp_path) -> None:

@@ -5,6 +5,10 @@ torchtitan's ``ExpertParallel`` style), then each expert module ``fully_shard``-
 (``dp_shard_mod_ep``) and the rest of the plan over the whole data-parallel mesh: ``apply_plan`` calls
 ``shard_experts`` for a plan with EP, so verify, the fake world and a user's script share one path.
 
+transformers' experts layers (Mixtral's, Qwen3-MoE's, gpt-oss's: (tokens, dim) in, with the top-k indices and
+weights, routing inside their forward) take transformers' own EP instead (``hf_experts.distribute_experts``): the
+same meshes, params and FSDP2 groups, its all-to-all dispatch of every (token, expert) pair.
+
 The expert modules take (E, tokens per expert, dim) and give the same shape (``models/moe.py``'s
 ``GroupedExperts``): the dispatch turns one rank's (E, n, dim) into its local experts' (E / EP, EP x n, dim), the
 tokens every EP rank routed to them, wrapped as a DTensor sharded on the expert dim so the module's batched
@@ -25,7 +29,14 @@ import torch.nn as nn
 from fsdp_planner.apply.policies import plan_policies, reshard_arg
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.models.hf_experts import SIMULATED_EP, distribute_experts, is_transformers_module
+from fsdp_planner.models import ModelSpec, hf, load_model
+from fsdp_planner.models.hf_experts import (
+    NO_EP_TP,
+    check_runs_ep,
+    distribute_experts,
+    is_transformers_module,
+    one_rank_mesh,
+)
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tuple:
@@ -37,10 +48,10 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: Any, split: int = 1) -> tu
 
     x, *rest = inputs
     ep = mesh.size()
-    if x.dim() != 3:  # transformers' experts take (tokens, dim) with the routing and dispatch inside them
+    if x.dim() != 3:  # (transformers' standard experts layers take their own EP: hf_experts.distribute_experts)
         raise PlannerError(f"{type(module).__name__} takes a {x.dim()}-D input, and expert parallelism is applied "
-                           "to experts taking (experts, tokens per expert, dim) only (models/moe.py's "
-                           "GroupedExperts, torchtitan's); this model's experts are simulated with EP, not run")
+                           "to experts taking (experts, tokens per expert, dim) (models/moe.py's GroupedExperts, "
+                           "torchtitan's) or to transformers' standard experts layers: plan it without --ep")
     if split > 1:
         if x.shape[1] % split:
             raise PlannerError(f"EP with TP {split} splits each expert's {x.shape[1]} routed tokens over the TP ranks: "
@@ -134,13 +145,23 @@ def check_no_prefetch(plan: Plan) -> None:
                            "backward_prefetch")
 
 
-def check_experts_run(modules: dict[str, nn.Module], experts: list[str], tp_degree: int) -> None:
-    """Refuse EP of experts apply does not run (transformers' experts layers with TP: ``SIMULATED_EP``), before
-    any module is changed."""
+def check_experts_run(modules: dict[str, nn.Module], experts: list[str], degree: int, tp_degree: int) -> None:
+    """Refuse EP of experts apply does not run, before any module is changed: transformers' experts layers with
+    TP (``NO_EP_TP``) or that transformers' EP does not run (``check_runs_ep``)."""
     own = [name for name in experts if is_transformers_module(modules[name])]
     if own and tp_degree > 1:
-        raise PlannerError(f"{own[0]} ({type(modules[own[0]]).__name__}): {SIMULATED_EP}; plan it without --ep "
+        raise PlannerError(f"{own[0]} ({type(modules[own[0]]).__name__}): {NO_EP_TP}; plan it without --ep "
                            "or without --tp")
+    for name in own:
+        check_runs_ep(name, modules[name], degree)
+
+
+def check_model_runs_ep(model: ModelSpec, plan: Plan) -> None:
+    """``check_experts_run`` before anything runs (verify's ranks, an export), on an ``hf:`` model built on meta:
+    only transformers' experts can be ones its EP does not run."""
+    if plan.expert_parallel is not None and hf.is_hf(model.name):
+        modules = dict(load_model(model).model.named_modules())
+        check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree)
 
 
 def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None,
@@ -164,9 +185,10 @@ def shard_experts(model: nn.Module, plan: Plan, mesh: Any, mp_policy: Any = None
     shard = dp_mod_ep.size(dp_mod_ep.ndim - 1)  # the experts' shard dim (after dp_replicate under HSDP)
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     split = plan.tp_degree  # EP x TP: each TP rank dispatches its 1/TP of the routed tokens (TPStyle.TOKEN_SPLIT)
+    own_batch = one_rank_mesh(ep) if any(is_transformers_module(modules[n]) for n in experts) else None
     for name in experts:
         if is_transformers_module(modules[name]):  # routes inside its forward: transformers' own EP
-            distribute_experts(modules[name], ep)
+            distribute_experts(modules[name], ep, own_batch)
         else:
             distribute_module(modules[name], ep, _shard_experts, *_hooks(split))
         fully_shard(modules[name], mesh=dp_mod_ep, mp_policy=mp, offload_policy=offload,

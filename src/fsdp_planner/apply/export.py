@@ -37,6 +37,7 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.selective import POLICIES
 from fsdp_planner.fsdp2.tensor_parallel import EXPERT_TENSOR_DIMS, TensorParallel, matches
 from fsdp_planner.models import hf
+from fsdp_planner.models.hf_experts import NO_EP_TP
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
 from fsdp_planner.trace.ops import op_names
 
@@ -690,14 +691,21 @@ def expert_placement(module: nn.Module, name: str) -> Callable[[nn.Parameter], S
     dims = {id(p): SHARD_DIMS[f"{name}.{n}"] for n, p in module.named_parameters() if f"{name}.{n}" in SHARD_DIMS}
     return (lambda param: Shard(dims[id(param)]) if id(param) in dims else None) if dims else None
 '''
-# grouped experts taking (experts, tokens per expert, dim): the dispatch and combine around them (models/moe.py's)
-EP_GROUPED = '''
+# the experts' EP: grouped experts taking (experts, tokens per expert, dim) with the dispatch and combine around them
+# (models/moe.py's), transformers' experts layers (routing inside their forward) through transformers' own EP, as
+# apply_plan runs them (apply/expert_parallel.py, models/hf_experts.py)
+EP_EXPERTS = '''
 
 def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     """``module``'s params sharded on their expert dim 0 over ``ep_mesh`` (E / EP_DEGREE experts a rank), the routed
     tokens sent to their experts' ranks by an all-to-all before it runs and back by another after. The module takes
-    (experts, tokens per expert, dim) and gives the same shape."""
+    (experts, tokens per expert, dim) and gives the same shape; transformers' experts layers, which route inside
+    their forward, take transformers' own EP (``_transformers_expert_parallel``)."""
     from torch.distributed.tensor import distribute_module, distribute_tensor
+
+    if type(module).__module__.startswith("transformers."):
+        _transformers_expert_parallel(module, ep_mesh)
+        return
 
     def shard(name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
         for pname, p in list(mod.named_parameters(recurse=False)):
@@ -741,23 +749,27 @@ def _combine(module: nn.Module, out: Any, mesh: DeviceMesh) -> torch.Tensor:
         return back
     at = mesh.get_local_rank() % EP_TOKEN_SPLIT  # among the whole layer's rows, zeros for the other TP ranks'
     return torch.nn.functional.pad(back, (0, 0, at * n, (EP_TOKEN_SPLIT - 1 - at) * n))
-'''
-# transformers' experts layers (route inside their forward): transformers' own EP, as apply_plan runs it
-# (models/hf_experts.distribute_experts)
-EP_TRANSFORMERS = '''
 
-def expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+
+_ONE_RANK: dict[DeviceMesh, DeviceMesh] = {}  # ep mesh -> this rank alone (made once: each makes process groups)
+
+
+def _transformers_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     """transformers' own expert parallelism of its experts layer ``module`` (transformers.distributed
     .expert_parallel): its params Shard(0) over ``ep_mesh`` (E / EP_DEGREE experts a rank) and its all-to-all
-    dispatch of every (token, expert) pair to its expert's rank and back; the ranks sharing this rank's batch (its
-    TP mesh): this rank alone."""
+    dispatch of every (token, expert) pair to its expert's rank and back; its TP mesh (the ranks sharing this
+    rank's batch): this rank alone."""
+    if EP_TOKEN_SPLIT > 1 or not (hasattr(module, "_is_expert_parallel") and hasattr(module, "has_gate")):
+        raise ValueError(f"{type(module).__name__}: transformers' expert parallelism is applied here to its "
+                         "standard experts layers (use_experts_implementation), without tensor parallelism")
     from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, MoEParamShard
 
     shard = MoEParamShard(Shard(0), shards_expert_dim=True)
     for pname, _ in list(module.named_parameters(recurse=False)):
         shard.shard_param(module, pname, ep_mesh)
-    own_batch = ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep", "own_batch"))["own_batch"]
-    EpDispatchExpertsParallel().install_forward(module, ep_mesh, tp_mesh=own_batch)
+    if ep_mesh not in _ONE_RANK:
+        _ONE_RANK[ep_mesh] = ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep", "own_batch"))["own_batch"]
+    EpDispatchExpertsParallel().install_forward(module, ep_mesh, tp_mesh=_ONE_RANK[ep_mesh])
 '''
 # with EP, torchtitan's world mesh is taken whole: the plan's own (dp, dp_shard_mod_ep, ep) meshes are built from
 # its ranks, as apply_plan builds them
@@ -801,6 +813,8 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
     ep = plan.expert_parallel
     assert ep is not None
     check_no_prefetch(plan)
+    if plan.tp_degree > 1 and hf.is_hf(plan.model):
+        raise PlannerError(f"{plan.model}: {NO_EP_TP}; export a plan without expert parallelism or without TP")
     experts = [g.modules[0] for g in plan.inner_groups if len(g.modules) == 1
                and any(matches(p, g.modules[0]) for p in ep.modules)]
     if not experts:
@@ -814,7 +828,7 @@ def with_expert_parallel(plan: Plan, constants: str, body: str) -> tuple[str, st
         body = body.replace(TP_APPLY_LINE + TP_SPLIT, TP_APPLY_LINE, 1)
         split += TP_SPLIT
     body = body.replace(modules_line, modules_line + split, 1).replace(GROUP_LINE, GROUP_LINE + EP_SKIP, 1)
-    tail = EP_TAIL + (EP_TRANSFORMERS if hf.is_hf(plan.model) else EP_GROUPED)
+    tail = EP_TAIL + EP_EXPERTS
     return constants + EP_CONSTANTS.format(degree=py_literal(ep.degree), experts=py_literal(experts),
                                            split=py_literal(plan.tp_degree)), body + tail
 

@@ -86,7 +86,7 @@ def _checked_modules(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
     check_forward_methods(plan, model)
     check_moe_styles(plan.tensor_parallel, modules, plan.expert_parallel is not None)
     if plan.expert_parallel is not None:
-        check_experts_run(modules, plan.expert_parallel.experts(modules), plan.tp_degree)
+        check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree)
     check_int_reshard_on_dim0(plan)
     return modules
 

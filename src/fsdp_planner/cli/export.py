@@ -8,22 +8,20 @@ from pathlib import Path
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.apply.accelerate_config import accelerate_config
+from fsdp_planner.apply.expert_parallel import check_model_runs_ep
 from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.cli.paths import export_files
-from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.models.hf_experts import SIMULATED_EP
-from fsdp_planner.planners.expert_parallel import runs_ep
+from fsdp_planner.models import as_spec
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.userfiles import write_atomic
 
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
-    if plan.expert_parallel is not None and not runs_ep(plan.model, plan.tp_degree):
-        raise PlannerError(f"{plan.model}: {SIMULATED_EP}; export a plan without expert parallelism")
+    check_model_runs_ep(as_spec(plan.model), plan)  # transformers' experts its EP does not run: refused here
     precision = _precision(args.precision, plan)
     fmt = ExportFormat(args.format)
     # accelerate: --out is the launch config, the code goes beside it (checked before any work by check_paths)

@@ -8,6 +8,7 @@ import dataclasses
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
+from fsdp_planner.apply.expert_parallel import check_model_runs_ep
 from fsdp_planner.cli.common import REPORTER, load_trace
 from fsdp_planner.cli.requests import (
     FakeWorldRequest,
@@ -16,13 +17,10 @@ from fsdp_planner.cli.requests import (
     fake_world_request,
     verify_request,
 )
-from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.models import ModelSpec
-from fsdp_planner.models.hf_experts import SIMULATED_EP
-from fsdp_planner.planners.expert_parallel import runs_ep
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
@@ -95,7 +93,7 @@ def _the_job(request: VerifyRequest, predict_on: Cluster | None) -> tuple[ModelS
         if (model := _judged(model, request.source, plan)) is not request.model:
             tr = _traced(model, request, predict_on)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
-    _check_runs(model, plan)
+    check_model_runs_ep(model, plan)
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -122,12 +120,6 @@ def _at_scale(tr: Trace, request: VerifyRequest, options: SimOptions) -> Plan:
                     "--plan-model FULL (the same model code at full size, e.g. llama3-8b for toy-llama) proves the "
                     "grouping auto makes for that one")
     return plan
-
-
-def _check_runs(model: ModelSpec, plan: Plan) -> None:
-    """Refuse, before any rank starts, EP of experts apply does not run (transformers' with TP: ``SIMULATED_EP``)."""
-    if plan.expert_parallel is not None and not runs_ep(model.name, plan.tp_degree):
-        raise PlannerError(f"{model.name}: {SIMULATED_EP}; verify it without --ep")
 
 
 def _judged(model: ModelSpec, source: PlanSource, plan: Plan) -> ModelSpec:
@@ -230,7 +222,7 @@ def run_fake(request: FakeWorldRequest) -> int:
     if (model := _judged(request.model, source, plan)) is not request.model:
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
     plan = stamped(plan, tr, world, options)
-    _check_runs(model, plan)
+    check_model_runs_ep(model, plan)
     if not request.json:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(model.name)} "

@@ -97,25 +97,50 @@ def register() -> str:
     return BALANCED
 
 
-def distribute_experts(module: nn.Module, ep_mesh: Any) -> None:
-    """Expert parallelism of a transformers experts layer as transformers runs it
+def one_rank_mesh(ep_mesh: Any) -> Any:
+    """A mesh of this rank alone, out of ``ep_mesh``: the ranks sharing its batch, which transformers' EP takes as
+    its TP mesh (EP of transformers' experts runs without TP here). Made once for all the layers: each
+    ``_unflatten`` makes its own process groups."""
+    return ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep", "own_batch"))["own_batch"]
+
+
+def check_runs_ep(name: str, module: nn.Module, degree: int) -> None:
+    """Refuse, in one sentence, EP of the transformers experts layer ``module`` that ``distribute_experts`` cannot
+    run: one not built by transformers' ``use_experts_implementation`` (its forward takes another signature:
+    Llama 4's pre-routed rows, JetMoE's expert sizes), one whose children hold params (EP would leave their
+    grads partial), experts ``degree`` does not divide, or a transformers without its EP."""
+    what = f"{name} ({type(module).__name__})"
+    if not (hasattr(module, "_is_expert_parallel") and hasattr(module, "has_gate")):
+        raise PlannerError(f"{what} is not one of transformers' standard experts layers (use_experts_implementation: "
+                           "hidden states, top-k indices and weights in), the kind whose expert parallelism "
+                           "transformers runs: plan it without --ep")
+    if len(list(module.parameters())) != len(list(module.parameters(recurse=False))):
+        raise PlannerError(f"{what} holds params in its children, which expert parallelism would leave "
+                           "unsummed over the EP ranks: plan it without --ep")
+    if module.num_experts % degree:
+        raise PlannerError(f"{what} has {module.num_experts} experts, which expert parallelism of degree {degree} "
+                           "cannot split evenly: choose a degree that divides them")
+    try:
+        import transformers.distributed.expert_parallel  # noqa: F401
+    except ImportError:
+        raise PlannerError(NO_TRANSFORMERS_EP) from None
+
+
+def distribute_experts(module: nn.Module, ep_mesh: Any, own_batch: Any) -> None:
+    """Expert parallelism of a transformers experts layer (``check_runs_ep``) as transformers runs it
     (``transformers.distributed.expert_parallel``): each of its own params ``Shard(0)`` over ``ep_mesh`` (its
     ``grouped_gemm`` style: E / EP experts a rank, ``num_experts`` made the local count) and its
     ``ep_dispatch_experts`` forward, whose all-to-all sends every (token, expert) pair to its expert's rank and the
-    outputs back, with the split sizes the routing gives; its TP mesh, the ranks sharing this rank's batch, is this
-    rank alone (EP of these layers runs without TP here). On a planned step (the fake world: no routing to read)
-    the same two all-to-alls carry the routing stand-in's rows (``_routed_rows``), as the simulator prices them."""
-    try:
-        from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, MoEParamShard
-    except ImportError:
-        raise PlannerError(NO_TRANSFORMERS_EP) from None
+    outputs back, with the split sizes the routing gives; ``own_batch``: its TP mesh, this rank alone
+    (``one_rank_mesh``). On a planned step (the fake world: no routing to read) the same two all-to-alls carry the
+    routing stand-in's rows (``_routed_rows``), as the simulator prices them."""
     from torch.distributed.tensor import Shard
+    from transformers.distributed.expert_parallel import EpDispatchExpertsParallel, MoEParamShard
 
     experts = module.num_experts
     shard = MoEParamShard(Shard(0), shards_expert_dim=True)
     for name, _ in list(module.named_parameters(recurse=False)):
         shard.shard_param(module, name, ep_mesh)
-    own_batch = ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep", "own_batch"))["own_batch"]
     EpDispatchExpertsParallel().install_forward(module, ep_mesh, tp_mesh=own_batch)
     run = module.forward
 
@@ -156,10 +181,20 @@ NO_TRANSFORMERS_EP = ("expert parallelism of transformers' experts layers runs t
 # EP x TP is modelled for torchtitan's MoE layout (EP's ranks spanning TP's, each TP rank dispatching its share of
 # the routed rows), which transformers' experts under its own TP styles (``packed_colwise`` / ``moe_tp_experts``)
 # are not: a plan file asking for it on them is refused before anything runs
-SIMULATED_EP = ("expert parallelism of transformers' experts layers runs without tensor parallelism only (EP x TP "
+NO_EP_TP = ("expert parallelism of transformers' experts layers runs without tensor parallelism only (EP x TP "
                 "is modelled for torchtitan's MoE layout, the built-in MoE models')")
 
 
+# transformers' other experts layers (Llama 4's take pre-routed rows, JetMoE's expert sizes): EP simulated only
+OTHER_EXPERTS = ("expert parallelism of this model's experts layers is simulated as torchtitan runs it, not applied: "
+                 "transformers runs it on its standard experts layers (use_experts_implementation) only, so apply, "
+                 "export and verify refuse it")
+# what transformers' dispatch does beyond the simulated all-to-alls
+UNPRICED_EP = ("transformers' EP dispatch also sends each layer's per-expert token counts by a small all-to-all "
+               "and reads its split sizes back to the host (a sync a layer), which the step does not price")
+
+
 def is_transformers_module(module: nn.Module) -> bool:
-    """Whether ``module``'s class is transformers' (an experts layer EP does not run, ``SIMULATED_EP``)."""
+    """Whether ``module``'s class is transformers' (its experts' EP runs through transformers' own:
+    ``distribute_experts``)."""
     return type(module).__module__.startswith("transformers.")

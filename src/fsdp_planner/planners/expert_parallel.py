@@ -17,6 +17,7 @@ from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf
+from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
@@ -31,10 +32,22 @@ from fsdp_planner.trace.records import Trace
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
 
 
-def runs_ep(model_name: str, tp_degree: int) -> bool:
-    """Whether apply, export and verify run expert parallelism on the model's experts at TP ``tp_degree``: not
-    transformers' (``hf:`` models) with TP, whose EP x TP is simulated only (``SIMULATED_EP``)."""
-    return tp_degree == 1 or not hf.is_hf(model_name)
+def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
+    """Why apply, export and verify do not run expert parallelism on the model's experts at TP ``tp_degree``
+    (simulated only), None where they do: transformers' (``hf:`` models) with TP (``NO_EP_TP``), or experts layers
+    other than its standard ones (``OTHER_EXPERTS``)."""
+    if not hf.is_hf(model.name):
+        return None
+    if tp_degree > 1:
+        return NO_EP_TP
+    classes = tuple(sorted({trace.modules[m].cls for m in expert_modules(trace)}))
+    source = model.name.removeprefix(hf.PREFIX)
+    return None if hf.standard_experts(source, model.hf_config, classes) else OTHER_EXPERTS
+
+
+def runs_ep(model: ModelSpec, trace: Trace, tp_degree: int) -> bool:
+    """Whether apply, export and verify run expert parallelism on the model's experts (``ep_refusal``)."""
+    return ep_refusal(model, trace, tp_degree) is None
 
 
 def expert_modules(trace: Trace) -> list[str]:

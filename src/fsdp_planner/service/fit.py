@@ -29,7 +29,7 @@ from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
-from fsdp_planner.planners.expert_parallel import expert_modules, with_auto_ep, with_own_ep
+from fsdp_planner.planners.expert_parallel import expert_modules, runs_ep, with_auto_ep, with_own_ep
 from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
@@ -239,10 +239,10 @@ class Points:
     def _auto_ep(self, key: Key, result: AutoResult, policy: AutoPolicy) -> AutoResult:
         """Without ``--ep``, for a model with grouped experts: auto's EP screen as ``plan`` runs it (no EP and each
         degree the model and the plan's shard ranks allow, the fastest that fits, beside a TP layout the search
-        took: ``with_own_ep``, whose EP has no TP, which apply runs on every model's experts)."""
+        took: ``with_own_ep``; for experts EP is simulated for only, where nothing fits without it)."""
         cluster, tr = self._cluster(key), self._trace(key)
-        if not expert_modules(tr):
-            return result
+        if not expert_modules(tr) or (result.fits and not runs_ep(self.job.model, tr, 1)):
+            return result  # (EP of experts it is simulated for only, ``runs_ep``: where nothing fits without)
         try:
             out = with_own_ep(result, policy, tr, self.job.model.name, cluster, self.job.options)
         except PlannerError:  # experts of several counts: EP only as the user names it (``--ep``, a plan file)

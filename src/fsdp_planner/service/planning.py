@@ -21,13 +21,14 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec, as_spec
-from fsdp_planner.models.hf_experts import SIMULATED_EP
+from fsdp_planner.models import ModelSpec, as_spec, hf
+from fsdp_planner.models.hf_experts import UNPRICED_EP
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster, infeasible_message
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.expert_parallel import (
+    ep_refusal,
     ep_tp_degrees,
     expert_modules,
     runs_ep,
@@ -182,11 +183,19 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         result = policy.search(tr, spec.name)
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
             result = with_auto_ep(result, tr, cluster, options, (ep,))
-            if not runs_ep(spec.name, result.plan.tp_degree):
-                reporter.note(SIMULATED_EP)
-        elif request.ep is None and expert_modules(tr):  # auto's own EP screen (without TP: it runs on any experts)
+        elif request.ep is None and expert_modules(tr) and (runs_ep(spec, tr, 1) or not result.fits):
+            # auto's own EP screen (no TP); of experts EP is simulated for only (``runs_ep``), where nothing fits
             result = with_own_ep(result, policy, tr, spec.name, cluster, options, reporter.note)
+    _ep_notes(result.plan, tr, spec, reporter)
     return result
+
+
+def _ep_notes(plan: Plan, tr: Trace, model: ModelSpec, reporter: Reporter) -> None:
+    """What a plan with EP of transformers' experts (``hf:`` models) leaves out: where apply does not run it, why
+    (``ep_refusal``); where it does, that transformers' dispatch syncs with the host each layer (``UNPRICED_EP``)."""
+    if plan.expert_parallel is None or not hf.is_hf(model.name):
+        return
+    reporter.note(ep_refusal(model, tr, plan.tp_degree) or UNPRICED_EP)
 
 
 def with_ep_at_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster,
@@ -352,15 +361,14 @@ def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | st
     return plan.replace(tensor_parallel=tp, policy=f"{plan.policy}, {tp.describe()}")
 
 
-def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, model: str,
+def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, model: ModelSpec | str,
             reporter: Reporter = SILENT) -> Plan:
     """``plan`` with the expert parallelism ``request.ep`` asks for (each expert module its own group); a plan that
     has EP already keeps its own. Of experts apply does not run (``runs_ep``), with a note saying so."""
     if plan.expert_parallel is not None or request.ep is None or request.ep == 1:
         return plan
     out = with_expert_parallel(plan, tr, request.ep, shard=plan.shard_size(world) if world else 0)
-    if not runs_ep(model, out.tp_degree):
-        reporter.note(SIMULATED_EP)
+    _ep_notes(out, tr, as_spec(model), reporter)
     return out.replace(policy=f"{plan.policy}, {out.expert_parallel.describe()}")
 
 
@@ -376,7 +384,7 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, clust
     if cluster is not None:
         check_plan_world_size(plan, cluster.world_size)
     world = cluster.world_size if cluster else None
-    return with_ep(stamped(plan, tr, world, options), tr, request, world, name, reporter)
+    return with_ep(stamped(plan, tr, world, options), tr, request, world, model, reporter)
 
 
 def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster | None = None,
@@ -441,7 +449,7 @@ def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter)
     # (its world size is checked where it is simulated)
     world = job.cluster.world_size if job.cluster else None
     return with_ep(with_reshard(stamped(plan, tr, world, job.options), job.reshard), tr, policy, world,
-                   job.model.name, reporter)
+                   job.model, reporter)
 
 
 def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -> list[Row]:

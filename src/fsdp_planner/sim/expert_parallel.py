@@ -13,9 +13,10 @@ rank's step (``EPView``), and the rest of the simulator runs FSDP2 on it:
   ``skew`` times that, and the step is that rank's;
 - EP's all-to-alls, as ops of the compute stream (the experts wait for their tokens; ``KERNEL_EP_ALL_TO_ALL``): the
   dispatch after the expert module's pre-forward (FSDP2's hook is prepended to ``ExpertParallel``'s input hook) and
-  the combine before its post-forward; in backward the combine's gradient after the pre-backward and the
-  dispatch's before the post-backward. Each moves one rank's routed rows x dim (``Event.nbytes``: its send buffer,
-  as nccl-tests sizes an all-to-all), costed on the EP group (consecutive ranks: ``hardware/all_to_all.py``) at
+  the combine before its post-forward, or, for an experts layer that routes inside its forward (transformers'),
+  around the ops that read its params (``_forward_at``); in backward the combine's gradient after the pre-backward
+  and the dispatch's before the post-backward. Each moves one rank's routed rows x dim (``Event.nbytes``: its send
+  buffer, as nccl-tests sizes an all-to-all), costed on the EP group (consecutive ranks: ``hardware/all_to_all.py``) at
   ``skew`` times the bytes (the busiest rank receives that much). Under activation checkpointing the forward ones
   run again with the recomputation.
 
@@ -179,11 +180,11 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
 
 def _forward_at(trace: Trace, names: set[str]) -> dict[int, list[tuple[str, int, bool]]]:
     """Where each forward call of the expert modules ``names`` gets its all-to-alls: position -> (module, call,
-    whether it is the combine), the all-to-all going before that event. The dispatch before the call's first
-    matmul (after any ops that lay out the routed rows: transformers' experts layers route inside their
-    forward); the combine after the last one and the child calls that follow it (a post-experts norm), before
-    the call's own ops that weigh and sum the rows back into tokens; at the call's boundaries where it runs no
-    matmul (the built-in's experts start and end with one)."""
+    whether it is the combine), the all-to-all going before that event. The dispatch before the call's first op
+    that reads its params (and the ops that cost nothing just before it), after any ops that lay out the routed
+    rows (transformers' experts layers route inside their forward); the combine after the last op reading them and
+    the child calls that follow it (a post-experts norm), before the call's own ops that weigh and sum the rows
+    back into tokens (the built-in's experts start and end with their matmuls: at the call's boundaries)."""
     out: dict[int, list[tuple[str, int, bool]]] = {}
     open_calls: dict[str, tuple[int, int]] = {}
     events = trace.events
@@ -194,15 +195,21 @@ def _forward_at(trace: Trace, names: set[str]) -> dict[int, list[tuple[str, int,
             open_calls[e.module] = (e.call, i)
         elif e.kind is EventKind.FWD_POST and e.module in open_calls:
             call, start = open_calls.pop(e.module)
-            matmuls = [k for k in range(start + 1, i) if events[k].is_op and events[k].kernel > 0]
-            if matmuls:
-                first = matmuls[0]
-                combine = next(k for k in range(matmuls[-1] + 1, i + 1) if events[k].module == e.module)
-            else:
-                first, combine = start + 1, i
+            reads = [k for k in range(start + 1, i) if events[k].is_op and events[k].params]
+            first, combine = start + 1, i
+            if reads:
+                first = reads[0]
+                while first > start + 1 and _costs_nothing(events[first - 1]):
+                    first -= 1
+                combine = next(k for k in range(reads[-1] + 1, i + 1) if events[k].module == e.module)
             out.setdefault(first, []).append((e.module, call, False))
             out.setdefault(combine, []).append((e.module, call, True))
     return out
+
+
+def _costs_nothing(e: Event) -> bool:
+    """An op that moves no bytes and runs no FLOPs (a view of the call's input)."""
+    return e.is_op and not e.flops and not e.nbytes
 
 
 def _moved_modules(trace: Trace, where: list[int]) -> dict:
