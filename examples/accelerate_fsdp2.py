@@ -36,7 +36,7 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     for step in range(3):
         batch = load_model(model_name, meta=False, seed=100 + 10 * step + accelerator.process_index // tp)
         with loss_context():
-            accelerator.backward(batch.loss_fn(model(*batch.example_inputs)))
+            accelerator.backward(batch.loss_fn(batch.run(model)))
         optimizer.step()
         optimizer.zero_grad()
     kind = accelerator.distributed_type.value

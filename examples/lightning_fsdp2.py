@@ -34,7 +34,7 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             lm = load_model(model_name, meta=False, seed=100 + batch_idx)
             with loss_context():
-                return lm.loss_fn(self.model(*lm.example_inputs))
+                return lm.loss_fn(lm.run(self.model))
 
         def backward(self, loss: torch.Tensor, *args: object, **kwargs: object) -> None:
             with loss_context():  # loss parallel: the loss's backward too

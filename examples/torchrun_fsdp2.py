@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_planner.models import LoadedModel, load_model
 from fsdp_planner.trace import default_loss
-from fsdp_planner.trace.recorder import split_inputs
 
 
 def load_plan_module(path: str):  # type: ignore[no-untyped-def]
@@ -41,12 +40,6 @@ def load_plan_module(path: str):  # type: ignore[no-untyped-def]
 def loss_of(lm: LoadedModel) -> Callable[[Any], torch.Tensor]:
     """The model's loss function; a factory that returns none is trained on the mean square of its output."""
     return lm.loss_fn or default_loss
-
-
-def run(model: torch.nn.Module, lm: LoadedModel) -> Any:
-    """``model`` on ``lm``'s batch (a tuple of positional inputs, or a dict of keyword ones: transformers')."""
-    args, kwargs = split_inputs(lm.example_inputs)
-    return model(*args, **kwargs)
 
 
 def main(plan_code: str, model_name: str = "toy-llama") -> None:
@@ -64,11 +57,11 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
         batches = [load_model(model_name, meta=False, seed=100 + 10 * step + r) for r in range(world // tp)]
         mine = batches[rank // tp]
         with loss_context():
-            loss_of(mine)(run(model, mine)).backward()
+            loss_of(mine)(mine.run(model)).backward()
         opt.step()
         opt.zero_grad()
         for b in batches:  # the same global batch, unsharded: mean of the data-parallel ranks' losses
-            (loss_of(b)(run(reference, b)) / len(batches)).backward()
+            (loss_of(b)(b.run(reference)) / len(batches)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     ref = dict(reference.named_parameters())

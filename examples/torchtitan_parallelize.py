@@ -33,7 +33,7 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     for step in range(3):
         lm = load_model(model_name, meta=False, seed=100 + 10 * step + dist.get_rank() // tp)
         with loss_context():
-            lm.loss_fn(model(*lm.example_inputs)).backward()
+            lm.loss_fn(lm.run(model)).backward()
         opt.step()
         opt.zero_grad()
     if dist.get_rank() == 0:

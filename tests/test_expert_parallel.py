@@ -750,3 +750,16 @@ def test_no_fit_message_names_the_smallest_peak_of_the_ep_screen() -> None:
     assert result.report.reserved_memory < result.search.min_peak()
     assert f"the smallest peak any plan reaches is {fmt_bytes(result.report.reserved_memory)}" in \
         infeasible_message(result)
+
+
+def test_a_plan_file_giving_ep_to_a_module_that_holds_no_grouped_experts_is_refused() -> None:
+    """A plan file's EP names the grouped experts modules ``--ep`` finds: a router's gate (a Linear, its weight
+    [experts, dim] looks stacked by expert) or a whole block is refused in one sentence, not priced as EP."""
+    from fsdp_planner.service.plan_files import check_plan_ep
+
+    tr = _traced()
+    check_plan_ep(_ep_plan(tr, 2), tr)
+    for modules in (("layers.*.moe.router.gate",), ("layers.0",)):
+        plan = TorchtitanPolicy("MoEBlock").plan(tr).replace(expert_parallel=ExpertParallel(2, modules))
+        with pytest.raises(PlannerError, match="not a grouped experts module"):
+            check_plan_ep(plan, tr)

@@ -137,7 +137,8 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
     > 1) the only one modelled."""
     if ep > 1 and degree > 1 and not is_titan_moe(trace):
         raise PlannerError("expert parallelism with tensor parallelism is modelled for torchtitan's MoE layout "
-                           "only (the built-in MoE models, models/moe.py): plan this model with one of them")
+                           "only (the built-in MoE models, models/moe.py), which this model does not have: give "
+                           "--ep or --tp, not both")
     if degree > 1 and is_titan_moe(trace):
         heads = _llama_heads(trace)
         notes = () if heads else (_UNKNOWN_HEADS,)

@@ -11,6 +11,7 @@ from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import ModelSpec, as_spec, load_model
+from fsdp_planner.planners.expert_parallel import expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
 from fsdp_planner.trace.records import Trace
@@ -23,6 +24,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     plan = with_claimed_params(Plan.load(path), tr)
     check_hf_config(plan, as_spec(model), path)
     check_plan_tp(plan, tr, as_spec(model))
+    check_plan_ep(plan, tr)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_methods(plan, model)
@@ -43,6 +45,7 @@ def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     plan = with_claimed_params(Plan.load(path), tr)
     check_hf_config(plan, as_spec(model), path)
     check_plan_tp(plan, tr, as_spec(model))
+    check_plan_ep(plan, tr)
     check_plan_methods(plan, model)
     return plan
 
@@ -59,6 +62,20 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
     check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))
     if all(s in LOCAL_STYLES for s in tp.layout.values()):
         check_local_shapes(model, tp, plan_file=True)
+
+
+def check_plan_ep(plan: Plan, tr: Trace) -> None:
+    """The plan's expert parallelism names grouped experts modules only (``expert_modules``: what ``--ep`` finds),
+    not a router or a block, whose params EP would split as if stacked by expert."""
+    ep = plan.expert_parallel
+    if ep is None or ep.degree == 1:
+        return
+    grouped = set(expert_modules(tr))
+    other = [m for m in ep.experts(tr.modules) if m not in grouped]
+    if other:
+        raise PlannerError(f"the plan's expert parallelism names {shown_json(other[0])}, which is not a grouped "
+                           "experts module (a class named ...Experts whose params are stacked on an expert dim): name "
+                           "the experts modules only")
 
 
 def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:
