@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from fsdp_planner.models import load_model
+from fsdp_planner.trace import run_model
 
 
 def main(plan_code: str, model_name: str = "toy-llama") -> None:
@@ -36,7 +37,7 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     for step in range(3):
         batch = load_model(model_name, meta=False, seed=100 + 10 * step + accelerator.process_index // tp)
         with loss_context():
-            accelerator.backward(batch.loss_fn(batch.run(model)))
+            accelerator.backward(batch.loss_fn(run_model(model, batch.example_inputs)))
         optimizer.step()
         optimizer.zero_grad()
     kind = accelerator.distributed_type.value

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 
 from fsdp_planner.models import load_model
+from fsdp_planner.trace import run_model
 
 
 def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> None:
@@ -34,7 +35,7 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             lm = load_model(model_name, meta=False, seed=100 + batch_idx)
             with loss_context():
-                return lm.loss_fn(lm.run(self.model))
+                return lm.loss_fn(run_model(self.model, lm.example_inputs))
 
         def backward(self, loss: torch.Tensor, *args: object, **kwargs: object) -> None:
             with loss_context():  # loss parallel: the loss's backward too

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from fsdp_planner.models import LoadedModel, load_model
-from fsdp_planner.trace import default_loss
+from fsdp_planner.trace import default_loss, run_model
 
 
 def load_plan_module(path: str):  # type: ignore[no-untyped-def]
@@ -57,11 +57,11 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
         batches = [load_model(model_name, meta=False, seed=100 + 10 * step + r) for r in range(world // tp)]
         mine = batches[rank // tp]
         with loss_context():
-            loss_of(mine)(mine.run(model)).backward()
+            loss_of(mine)(run_model(model, mine.example_inputs)).backward()
         opt.step()
         opt.zero_grad()
         for b in batches:  # the same global batch, unsharded: mean of the data-parallel ranks' losses
-            (loss_of(b)(b.run(reference)) / len(batches)).backward()
+            (loss_of(b)(run_model(reference, b.example_inputs)) / len(batches)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
     ref = dict(reference.named_parameters())

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_planner.models import load_model
+from fsdp_planner.trace import run_model
 
 
 def main(plan_code: str, model_name: str = "toy-llama") -> None:
@@ -33,7 +34,7 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     for step in range(3):
         lm = load_model(model_name, meta=False, seed=100 + 10 * step + dist.get_rank() // tp)
         with loss_context():
-            lm.loss_fn(lm.run(model)).backward()
+            lm.loss_fn(run_model(model, lm.example_inputs)).backward()
         opt.step()
         opt.zero_grad()
     if dist.get_rank() == 0:

@@ -498,8 +498,9 @@ def auto_line(search: SearchSummary) -> str:
         line += "; no classic policy with its defaults (no checkpointing) fits this budget"
     else:
         gain = fmt_gain(search.report.step_time, search.best_baseline_step)
-        line += (f"; {f'{gain} than' if gain else 'ties with'} the best classic policy that fits on this layout, "
-                 f"{search.best_baseline}")
+        without = " without EP" if plan.expert_parallel is not None else ""  # (the classic plans run none)
+        line += (f"; {f'{gain} than' if gain else 'ties with'} the best classic policy that fits on this layout"
+                 f"{without}, {search.best_baseline}")
     if len(search.layouts) > 1:
         line += "\n" + mesh_line(search)
     return escape(line)  # the budget's source names the GPU a cluster file gives: plain text, never markup

@@ -146,7 +146,8 @@ def policy_notes(args: argparse.Namespace, policies: Iterable[PolicyName], why: 
             continue
         if plan_file:
             fixed = "its layout (the mesh it was planned on)" if option == "--mesh" else \
-                "its tensor parallelism" if option in ("--tp", "--loss-parallel") else "the groups"
+                "its tensor parallelism" if option in ("--tp", "--loss-parallel") else \
+                "its expert parallelism" if option == "--ep" else "the groups"
             notes.append(f"{option} has no effect with --plan: the plan file already fixes {fixed}")
             continue
         users = " and ".join(f"--policy {r.value}" for r in readers)

@@ -223,14 +223,6 @@ class LoadedModel:
     own_checkpointing: tuple[str, ...] = ()  # the layers transformers' gradient checkpointing took, now off
     # (``hf.own_checkpointing_off``: the plan checkpoints)
 
-    def run(self, model: nn.Module) -> Any:
-        """``model`` (this one, or a sharded copy) on the example inputs: a tuple of positional inputs, or a dict
-        of keyword ones (transformers')."""
-        from fsdp_planner.trace.recorder import split_inputs
-
-        args, kwargs = split_inputs(self.example_inputs)
-        return model(*args, **kwargs)
-
 
 def exit_message(e: SystemExit, while_doing: str) -> str:
     """What to say when the user's code calls ``sys.exit``: it would otherwise end the planner silently, with the

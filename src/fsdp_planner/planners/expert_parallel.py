@@ -205,7 +205,8 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
     if note is not None and len(found) > 1:
-        note("auto's EP screen (its groups, the experts in their own): " + ", ".join(
+        split = f", {options.micro_batches} micro-batches" if options.micro_batches > 1 else ""
+        note(f"auto's EP screen (its groups, the experts in their own{split}): " + ", ".join(
             f"{o.describe()} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
                                                                else f" ({fmt_bytes(o.step.reserved_memory)}, "
                                                                     "does not fit)") for o in _shown(found, result)))

@@ -153,3 +153,9 @@ def split_inputs(example_inputs: Any) -> tuple[tuple, dict]:
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
     return (example_inputs,), {}
+
+
+def run_model(model: nn.Module, example_inputs: Any) -> Any:
+    """``model`` on a factory's example inputs (``split_inputs``: a dict is keyword inputs, transformers')."""
+    args, kwargs = split_inputs(example_inputs)
+    return model(*args, **kwargs)
