@@ -562,14 +562,13 @@ def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
 @functools.lru_cache(maxsize=64)
 def standard_experts(source: str, overrides: Overrides, class_names: tuple[str, ...]) -> bool:
     """Whether each of the model's experts classes ``class_names`` is one of transformers' standard experts layers
-    (made by ``use_experts_implementation``: hidden states, top-k indices and weights in, the layers whose expert
-    parallelism transformers runs), looked up by name beside the model's class (no model is made)."""
+    (``hf_experts.standard_experts_class``), looked up by name beside the model's class (no model is made)."""
     import sys
 
     model_class = _model_class(_config(with_overrides(read_config(source), overrides)))
     module = sys.modules.get(model_class.__module__) if model_class is not None else None
     classes = [getattr(module, name, None) for name in class_names]
-    return all(c is not None and hasattr(c.__init__, "__wrapped__") and hasattr(c, "_apply_gate") for c in classes)
+    return all(c is not None and hf_experts.standard_experts_class(c) for c in classes)
 
 
 def _model_class(config: Any) -> Any:

@@ -104,13 +104,20 @@ def one_rank_mesh(ep_mesh: Any) -> Any:
     return ep_mesh._unflatten(0, (ep_mesh.size(), 1), ("ep", "own_batch"))["own_batch"]
 
 
+def standard_experts_class(cls: type) -> bool:
+    """Whether ``cls`` is one of transformers' standard experts layers: made by its ``use_experts_implementation``
+    (which wraps ``__init__`` and gives ``_apply_gate``), hidden states, top-k indices and weights in, the layers
+    whose expert parallelism transformers runs."""
+    return hasattr(cls.__init__, "__wrapped__") and hasattr(cls, "_apply_gate")
+
+
 def check_runs_ep(name: str, module: nn.Module, degree: int) -> None:
     """Refuse, in one sentence, EP of the transformers experts layer ``module`` that ``distribute_experts`` cannot
     run: one not built by transformers' ``use_experts_implementation`` (its forward takes another signature:
     Llama 4's pre-routed rows, JetMoE's expert sizes), one whose children hold params (EP would leave their
     grads partial), experts ``degree`` does not divide, or a transformers without its EP."""
     what = f"{name} ({type(module).__name__})"
-    if not (hasattr(module, "_is_expert_parallel") and hasattr(module, "has_gate")):
+    if not standard_experts_class(type(module)):
         raise PlannerError(f"{what} is not one of transformers' standard experts layers (use_experts_implementation: "
                            "hidden states, top-k indices and weights in), the kind whose expert parallelism "
                            "transformers runs: plan it without --ep")
@@ -182,7 +189,7 @@ NO_TRANSFORMERS_EP = ("expert parallelism of transformers' experts layers runs t
 # the routed rows), which transformers' experts under its own TP styles (``packed_colwise`` / ``moe_tp_experts``)
 # are not: a plan file asking for it on them is refused before anything runs
 NO_EP_TP = ("expert parallelism of transformers' experts layers runs without tensor parallelism only (EP x TP "
-                "is modelled for torchtitan's MoE layout, the built-in MoE models')")
+            "is modelled for torchtitan's MoE layout, the built-in MoE models)")
 
 
 # transformers' other experts layers (Llama 4's take pre-routed rows, JetMoE's expert sizes): EP simulated only

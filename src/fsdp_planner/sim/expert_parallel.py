@@ -30,7 +30,7 @@ whole output, zeros for the other TP ranks' rows: the layer's output is partial 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -123,11 +123,9 @@ def _dispatch_bytes(trace: Trace, ops: list[Event], chosen: set[int], split: int
     return 0
 
 
-def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int], split: int) -> dict[tuple[str, int], int]:
-    """(expert module, call) -> its all-to-all's send buffer."""
-    out: dict[tuple[str, int], int] = {}
+def _forward_calls(trace: Trace, names: set[str]) -> Iterator[tuple[str, int, int, int]]:
+    """Each forward call of the modules ``names``: (module, call, its pre-forward's position, its post-forward's)."""
     open_calls: dict[str, tuple[int, int]] = {}
-    names = set(experts)
     for i, e in enumerate(trace.events):
         if e.backward:
             break
@@ -135,9 +133,13 @@ def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int], split: i
             open_calls[e.module] = (e.call, i)
         elif e.kind is EventKind.FWD_POST and e.module in open_calls:
             call, start = open_calls.pop(e.module)
-            ops = [x for x in trace.events[start:i] if x.is_op]
-            out[(e.module, call)] = _dispatch_bytes(trace, ops, chosen, split)
-    return out
+            yield e.module, call, start, i
+
+
+def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int], split: int) -> dict[tuple[str, int], int]:
+    """(expert module, call) -> its all-to-all's send buffer."""
+    return {(m, call): _dispatch_bytes(trace, [x for x in trace.events[start:end] if x.is_op], chosen, split)
+            for m, call, start, end in _forward_calls(trace, set(experts))}
 
 
 def _a2a(module: str, nbytes: int, backward: bool) -> Event:
@@ -186,24 +188,17 @@ def _forward_at(trace: Trace, names: set[str]) -> dict[int, list[tuple[str, int,
     the child calls that follow it (a post-experts norm), before the call's own ops that weigh and sum the rows
     back into tokens (the built-in's experts start and end with their matmuls: at the call's boundaries)."""
     out: dict[int, list[tuple[str, int, bool]]] = {}
-    open_calls: dict[str, tuple[int, int]] = {}
     events = trace.events
-    for i, e in enumerate(events):
-        if e.backward:
-            break
-        if e.kind is EventKind.FWD_PRE and e.module in names:
-            open_calls[e.module] = (e.call, i)
-        elif e.kind is EventKind.FWD_POST and e.module in open_calls:
-            call, start = open_calls.pop(e.module)
-            reads = [k for k in range(start + 1, i) if events[k].is_op and events[k].params]
-            first, combine = start + 1, i
-            if reads:
-                first = reads[0]
-                while first > start + 1 and _costs_nothing(events[first - 1]):
-                    first -= 1
-                combine = next(k for k in range(reads[-1] + 1, i + 1) if events[k].module == e.module)
-            out.setdefault(first, []).append((e.module, call, False))
-            out.setdefault(combine, []).append((e.module, call, True))
+    for m, call, start, end in _forward_calls(trace, names):
+        reads = [k for k in range(start + 1, end) if events[k].is_op and events[k].params]
+        first, combine = start + 1, end
+        if reads:
+            first = reads[0]
+            while first > start + 1 and _costs_nothing(events[first - 1]):
+                first -= 1
+            combine = next(k for k in range(reads[-1] + 1, end + 1) if events[k].module == m)
+        out.setdefault(first, []).append((m, call, False))
+        out.setdefault(combine, []).append((m, call, True))
     return out
 
 
