@@ -6,9 +6,12 @@ exactly, the peak within 5%."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import run_main
 
+from fsdp_planner import api
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
@@ -235,7 +238,6 @@ def test_auto_ep_screen_combines_ep_with_auto_hsdp_layouts() -> None:
 def test_ep_through_the_api_for_auto_and_a_classic_policy() -> None:
     """``ep=`` (``--ep``): auto's groups under EP (experts alone, resharded or kept, the faster that fits), a classic
     policy's too; a model without grouped experts, or a degree 0, is refused in one sentence."""
-    from fsdp_planner import api
 
     auto = api.plan(TINY, cluster="h100:8", policy="auto", ep=4)
     titan = api.plan(TINY, cluster="h100:8", policy="titan", ep=2)
@@ -301,7 +303,6 @@ def test_transformers_experts_send_tokens_x_top_k_rows() -> None:
 
 
 def _tiny_qwen3_moe(tmp_path) -> str:  # type: ignore[no-untyped-def]
-    import json
 
     config = tmp_path / "qwen3_moe.json"
     config.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
@@ -320,7 +321,6 @@ def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
     all-to-alls and bytes exactly (the recomputed ones too: the combine comes before the layer's own weighing of
     the rows, which saves its output) and the exported code trains with parity; EP x TP of them is refused in
     one line."""
-    import json
     import os
     import subprocess
     import sys
@@ -406,7 +406,6 @@ def test_builtin_experts_all_to_alls_sit_at_their_boundaries() -> None:
 def test_experts_with_biases_take_expert_parallelism(tmp_path) -> None:
     """gpt-oss's experts hold 2-D biases ([E, 2I], [E, H]) beside their stacked 3-D weights: still grouped experts,
     every param sharded on the expert dim (they were taken for no experts: "--ep needs grouped experts modules")."""
-    import json
 
     from fsdp_planner.planners.expert_parallel import expert_modules, with_expert_parallel
 
@@ -458,7 +457,6 @@ def test_verify_ep_on_fake_ranks_and_on_gloo_from_the_cli() -> None:
     within 5%; ``verify --ep 2 --mesh 2x2 --nproc 4`` (torchrun, gloo's all-to-all, EP x HSDP) and ``verify --ep 2
     --tp 2 --nproc 4`` (EP x TP): FSDP2's collectives as predicted (the experts' all-reduced over dp_replicate) and
     the params equal to the unsharded reference's."""
-    import json
 
     verify = ["verify", TINY, "--policy", "titan", "--json"]
     r = run_main(*verify, "--ep", "4", "--fake-world-size", "8")
@@ -489,7 +487,6 @@ def test_fit_gpus_auto_with_ep() -> None:
     """``fit --gpus auto --ep N``: each GPU count's plan is auto's under EP N (as ``plan --ep`` gives it); without
     ``--ep``, auto's EP screen as ``plan`` runs it: no EP where that is fastest (here), an EP degree where only it
     fits."""
-    import json
 
     fit = ["fit", TINY, "--cluster", "h100", "--gpus", "auto", "--json"]
     r = run_main(*fit, "--ep", "4")
@@ -597,7 +594,6 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
     args, _ = configured(build_parser().parse_args(["plan", TINY, "--from-torchtitan", str(job), "--cluster",
                                                     "h100:8", "--policy", "titan"]))
     assert args.ep == 2
-    from fsdp_planner import api
 
     assert api.plan(TINY, cluster="h100:8", policy="titan", ep=args.ep).ep_degree == 2
     # HSDP kept with EP (EP's ranks out of dp_shard: 4 here); EP with TP kept (EP's ranks out of dp_shard x tp),
@@ -765,3 +761,43 @@ def test_a_plan_file_giving_ep_to_a_module_that_holds_no_grouped_experts_is_refu
         plan = TorchtitanPolicy("MoEBlock").plan(tr).replace(expert_parallel=ExpertParallel(2, modules))
         with pytest.raises(PlannerError, match="not a grouped experts module"):
             check_plan_ep(plan, tr)
+
+
+def test_a_refused_ep_job_says_only_why_and_a_plan_file_says_the_ep_it_runs(tmp_path) -> None:
+    """A job whose EP degree does not divide its ranks is refused in one line before any note on what its EP
+    leaves out (the note came first, then the refusal); a plan file with EP gets that note from ``simulate
+    --plan`` too, and one edited to EP degree 1 runs none and is labelled so (it kept "EP 2"). transformers'
+    deprecated checkpointing aliases are not read (a FutureWarning on every hf model)."""
+    from fsdp_planner.models.hf_experts import UNPRICED_EP
+
+    model = _tiny_qwen3_moe(tmp_path)
+    r = run_main("verify", model, "--policy", "titan", "--ep", "2", "--nproc", "3", "--batch", "2", "--seq", "32")
+    assert r.returncode != 0 and "does not divide the 3 data-parallel shard ranks" in r.stderr, r.stderr[-2000:]
+    assert UNPRICED_EP not in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
+    assert "Warning" not in r.stderr
+    plan = tmp_path / "plan.json"
+    r = run_main("plan", model, "--policy", "titan", "--ep", "2", "--cluster", "h100:2", "--seq", "32",
+                 "--out", str(plan))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_main("simulate", model, "--plan", str(plan), "--cluster", "h100:2", "--seq", "32", "--json")
+    assert r.returncode == 0 and UNPRICED_EP in " ".join(r.stderr.split()), r.stderr[-2000:]
+    assert json.loads(r.stdout)["ep_all_to_alls"] > 0
+    data = json.loads(plan.read_text())
+    data["expert_parallel"]["degree"] = 1
+    plan.write_text(json.dumps(data))
+    r = run_main("simulate", model, "--plan", str(plan), "--cluster", "h100:2", "--seq", "32")
+    assert r.returncode == 0 and UNPRICED_EP not in " ".join(r.stderr.split()), r.stderr[-2000:]
+    assert "EP" not in r.stdout.splitlines()[0] and "all-to-all" not in r.stdout
+
+
+def test_experts_not_stacked_on_an_expert_dim_are_named_in_the_refusal(tmp_path) -> None:
+    """DBRX's experts keep their weights flattened (2-D, experts x ffn rows) in a child: ``--ep`` refuses naming
+    the class and why, not "this model has no ...Experts class"."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "dbrx.json"
+    config.write_text(json.dumps({"model_type": "dbrx", "d_model": 64, "n_heads": 4, "n_layers": 2,
+                                  "max_seq_len": 64, "vocab_size": 128,
+                                  "attn_config": {"kv_n_heads": 2, "rope_theta": 10000, "clip_qkv": 8},
+                                  "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}}))
+    with pytest.raises(PlannerError, match="DbrxExperts does not hold its experts' weights stacked"):
+        api.plan(f"hf:{config}", cluster="h100:2", policy="titan", ep=2, seq=32)

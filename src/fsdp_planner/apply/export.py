@@ -52,7 +52,10 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
     fsdp_kwargs.setdefault("offload_policy", CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if OFFLOAD
                            else OffloadPolicy())
     fsdp_kwargs.setdefault("shard_placement_fn", shard_placement(model))
-    if getattr(model, "is_gradient_checkpointing", False) is True:  # transformers' own, the plan's replaces it
+    if hasattr(type(model), "is_activation_checkpointing"):  # transformers' own, the plan's replaces it (5.x)
+        if model.is_activation_checkpointing:
+            model.activation_checkpointing_disable()
+    elif getattr(model, "is_gradient_checkpointing", False) is True:  # (transformers 4.x)
         model.gradient_checkpointing_disable()
     modules = dict(model.named_modules())
     for name in CHECKPOINTED:  # activation checkpointing before sharding, as torchtitan does

@@ -64,6 +64,7 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     return planning.policy_plan(tr, request, model, cluster, options, REPORTER)
 
 
-def load_plan(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
-    """The plan file for the traced ``model``, checked (``service/plan_files.py``), its notes on stderr."""
-    return plan_files.load_plan(path, tr, model, render.note)
+def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = None) -> Plan:
+    """The plan file for the traced ``model``, checked (``service/plan_files.py``; against ``world`` ranks too),
+    its notes on stderr."""
+    return plan_files.load_plan(path, tr, model, render.note, world)

@@ -26,7 +26,7 @@ from fsdp_planner.cli.requests import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
-from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
@@ -133,9 +133,7 @@ def short_label(label: str) -> str:
 
 def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, options: SimOptions) -> Plan:
     if source.plan_file is not None:
-        plan = load_plan(str(source.plan_file), tr, model)
-        check_plan_world_size(plan, cluster.world_size)
-        return plan
+        return load_plan(str(source.plan_file), tr, model, cluster.world_size)
     assert source.policy is not None
     return policy_plan(tr, source.policy, model.name, cluster, options)  # checked against the cluster
 

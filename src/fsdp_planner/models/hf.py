@@ -378,8 +378,11 @@ def own_checkpointing_off(model: nn.Module) -> tuple[str, ...]:
     planner plans the checkpointing itself. Left on, the model's own ``torch.utils.checkpoint`` would nest inside
     the plan's, and its recomputation runs outside the trace's modes (SDPA there takes another kernel). Empty for a
     model that is not a transformers model or does not checkpoint."""
-    disable = getattr(model, "gradient_checkpointing_disable", None)
-    if getattr(model, "is_gradient_checkpointing", False) is not True or not callable(disable):
+    # transformers 5's names first: reading 4's deprecated aliases warns on every run
+    new = hasattr(type(model), "is_activation_checkpointing")
+    disable = getattr(model, "activation_checkpointing_disable" if new else "gradient_checkpointing_disable", None)
+    on = getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing", False)
+    if on is not True or not callable(disable):
         return ()
     layers = tuple(name for name, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True
                    and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__))

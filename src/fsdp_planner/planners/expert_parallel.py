@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf
-from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS
+from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS, UNPRICED_EP
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.blocks import block_instances
@@ -45,6 +45,15 @@ def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
     return None if hf.standard_experts(source, model.hf_config, classes) else OTHER_EXPERTS
 
 
+def ep_note(plan: Plan, trace: Trace, model: ModelSpec) -> str | None:
+    """What a plan with EP of transformers' experts (``hf:`` models) leaves out: where apply does not run it, why
+    (``ep_refusal``); where it does, that transformers' dispatch syncs with the host each layer (``UNPRICED_EP``).
+    None for any other plan."""
+    if plan.expert_parallel is None or not hf.is_hf(model.name):
+        return None
+    return ep_refusal(model, trace, plan.tp_degree) or UNPRICED_EP
+
+
 def runs_ep(model: ModelSpec, trace: Trace, tp_degree: int) -> bool:
     """Whether apply, export and verify run expert parallelism on the model's experts (``ep_refusal``)."""
     return ep_refusal(model, trace, tp_degree) is None
@@ -61,6 +70,18 @@ def expert_modules(trace: Trace) -> list[str]:
                 and all(len(p.shape) >= 2 for p in params) and any(len(p.shape) >= 3 for p in params):
             out.append(name)
     return out
+
+
+def _no_experts(trace: Trace) -> str:
+    """Why ``--ep`` finds nothing to split: no ``...Experts`` class, or one whose weights are not stacked on an
+    expert dim in the module itself (DBRX's keep them flattened, 2-D, in a child)."""
+    other = sorted({info.cls for info in trace.modules.values() if info.cls.endswith("Experts")})
+    if not other:
+        return ("expert parallelism needs grouped experts modules (params stacked on an expert dim, a class named "
+                "...Experts); this model has none")
+    return (f"expert parallelism needs grouped experts modules, and {', '.join(other)} does not hold its experts' "
+            "weights stacked on a leading expert dim of its own params (3-D, e.g. [experts, out, in]), which is what "
+            "EP splits: plan this model without --ep")
 
 
 def expert_count(trace: Trace, experts: list[str]) -> int:
@@ -92,17 +113,17 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
         return plan.replace(expert_parallel=None)
     experts = expert_modules(trace)
     if not experts:
-        raise PlannerError("expert parallelism needs grouped experts modules (params stacked on an expert dim, a "
-                           "class named ...Experts); this model has none")
+        raise PlannerError(_no_experts(trace))
     tp = plan.tp_degree
     if tp > 1 and degree % tp:
         raise PlannerError(f"expert parallelism of degree {degree} with TP {tp}: EP's ranks span the TP ranks "
                            f"(torchtitan's expert TP of 1), so the EP degree must be a multiple of {tp}")
     if shard and shard % (degree // tp):
-        raise PlannerError(f"expert parallelism of degree {degree} does not divide the {shard * tp} data-parallel "
-                           "shard x TP ranks (EP's ranks come out of dp_shard" + (" x tp" if tp > 1 else "") +
-                           "): choose one of " + ", ".join(
-                               str(d) for d in ep_degrees(trace, shard * tp) if d % tp == 0 and shard % (d // tp) == 0))
+        fits = [str(d) for d in ep_degrees(trace, shard * tp) if d % tp == 0 and shard % (d // tp) == 0 and d > 1]
+        ranks = f"{shard * tp} data-parallel shard x TP ranks" if tp > 1 else f"{shard} data-parallel shard ranks"
+        raise PlannerError(f"expert parallelism of degree {degree} does not divide the {ranks} (EP's ranks come out "
+                           "of dp_shard" + (" x tp" if tp > 1 else "") + "): " +
+                           (f"choose one of {', '.join(fits)}" if fits else "no EP degree above 1 divides them"))
     out = with_expert_groups(plan.replace(expert_parallel=ExpertParallel(degree, tuple(experts), skew)), trace)
     auto_dims = bool(plan.shard_dims) or placement is ShardPlacement.AUTO  # (dim 0 may divide without EP only)
     if auto_dims and shard and tp > 1 and not trace.tensor_parallel:  # (on a TP view: that view's)

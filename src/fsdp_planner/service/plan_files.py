@@ -4,30 +4,37 @@ tensor parallelism that divides what it shards)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import ModelSpec, as_spec, load_model
-from fsdp_planner.planners.expert_parallel import expert_modules
+from fsdp_planner.planners.expert_parallel import ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
 
 
-def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None]) -> Plan:
-    """The plan file for the traced ``model``; a hand-written one (module lists) gets its params derived. A plan
-    made for another attention kernel is a ``note``."""
-    plan = with_claimed_params(Plan.load(path), tr)
+def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None],
+              world: int | None = None) -> Plan:
+    """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
+    (what its EP leaves out; a plan made for another attention kernel); a hand-written one (module lists) gets its
+    params derived."""
+    plan = _with_its_ep(with_claimed_params(Plan.load(path), tr))
     check_hf_config(plan, as_spec(model), path)
     check_plan_tp(plan, tr, as_spec(model))
     check_plan_ep(plan, tr)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
     check_plan_methods(plan, model)
+    if world is not None:
+        check_plan_world_size(plan, world)
+    if (said := ep_note(plan, tr, as_spec(model))) is not None:
+        note(said)
     asked = as_spec(model).attention or ""
     if plan.attention and plan.attention != asked:
         note(f"the plan was made for --attention {plan.attention} and this command traced "
@@ -37,6 +44,20 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add --compile for "
              "the figures it was planned with")
     return plan
+
+
+# the EP term the planner writes after a plan's policy (``with_ep``: ", EP 4", ", EP 8 (skew 1.5)")
+_EP_LABEL = re.compile(r", EP \d+(?: \(skew [0-9.e+]+\))?")
+
+
+def _with_its_ep(plan: Plan) -> Plan:
+    """A plan file's expert parallelism as it runs: degree 1 (a hand edit) is none, and the EP term of its
+    policy label says the degree it has, not the one it was planned with."""
+    ep = plan.expert_parallel if plan.expert_parallel is not None and plan.expert_parallel.degree > 1 else None
+    label = _EP_LABEL.sub(f", {ep.describe()}" if ep is not None else "", plan.policy or "", count=1)
+    if ep is plan.expert_parallel and label == (plan.policy or ""):
+        return plan
+    return plan.replace(expert_parallel=ep, policy=label or plan.policy)
 
 
 def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:

@@ -21,14 +21,13 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec, as_spec, hf
-from fsdp_planner.models.hf_experts import UNPRICED_EP
+from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster, infeasible_message
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
 from fsdp_planner.planners.blocks import default_block_class
 from fsdp_planner.planners.expert_parallel import (
-    ep_refusal,
+    ep_note,
     ep_tp_degrees,
     expert_modules,
     runs_ep,
@@ -191,11 +190,8 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
 
 
 def _ep_notes(plan: Plan, tr: Trace, model: ModelSpec, reporter: Reporter) -> None:
-    """What a plan with EP of transformers' experts (``hf:`` models) leaves out: where apply does not run it, why
-    (``ep_refusal``); where it does, that transformers' dispatch syncs with the host each layer (``UNPRICED_EP``)."""
-    if plan.expert_parallel is None or not hf.is_hf(model.name):
-        return
-    reporter.note(ep_refusal(model, tr, plan.tp_degree) or UNPRICED_EP)
+    if (note := ep_note(plan, tr, model)) is not None:
+        reporter.note(note)
 
 
 def with_ep_at_tp(result: AutoResult, tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster,
@@ -373,17 +369,18 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
 
 
 def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None = None,
-                options: SimOptions | None = None, reporter: Reporter = SILENT) -> Plan:
-    """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget)."""
+                options: SimOptions | None = None, reporter: Reporter = SILENT, world: int | None = None) -> Plan:
+    """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget), checked against
+    the ``world`` ranks it runs on (default: the cluster's) before any note on what it leaves out."""
     name = str(model)
     if request.name is PolicyName.AUTO:
         if cluster is None:
             raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
         return fitting(search(tr, request, cluster, options or SimOptions(), model, reporter)).written_plan
     plan = with_tp(make_policy(request).plan(tr, name), tr, request, model, cluster, reporter)
-    if cluster is not None:
-        check_plan_world_size(plan, cluster.world_size)
-    world = cluster.world_size if cluster else None
+    world = world or (cluster.world_size if cluster else None)
+    if world is not None:
+        check_plan_world_size(plan, world)
     return with_ep(stamped(plan, tr, world, options), tr, request, world, model, reporter)
 
 
