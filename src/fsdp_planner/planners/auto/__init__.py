@@ -18,7 +18,9 @@ fits when its *reserved* memory (``sim/memory.py``: allocated plus the collectiv
 Every classic plan is a candidate, so auto is never slower than a classic policy that fits.
 When no plan fits, auto searches again with FSDP2's memory options, in order: params sharded on dim 1 where dim 0 is
 smaller than the shard size (``ShardPlacement.AUTO``, when the model has such params), CPU offload, both; the first
-search that fits wins. A model that fits without them gets the plan it always got.
+search that fits wins. Dim-1 sharding is also searched where a plan fits on dim 0 but its screening says dim 1 is
+faster (dim 0's padding costs bytes as well as memory: ``AutoPolicy._faster_on_dim1``), and the faster plan kept.
+A model without such params gets the plan it always got.
 ``Target.FSDP1`` searches only what FSDP1 can express: one module per unit, uniform dtype and requires_grad per
 unit, bool ``reshard_after_forward``, no prefetch lists.
 """
@@ -194,7 +196,8 @@ class AutoPolicy:
     mesh: Mesh | None = None  # the data-parallel layout, fixed; None: auto chooses (pure FSDP or HSDP)
     headroom: Headroom | None = None  # below the GPU's memory when no memory_budget; None: ``DEFAULT_HEADROOM``
     name: str = "auto"
-    choose_memory_options: bool = True  # when nothing fits: try dim-1 sharding and CPU offload (module docstring)
+    choose_memory_options: bool = True  # try dim-1 sharding where faster, and with CPU offload where nothing fits
+    # (module docstring)
     tensor_parallel: tuple[TPChoice, ...] = ()  # the TP layouts to choose among (none: no TP; degree 1 among
     # them: no TP as one of the choices), each with the trace it is judged on, ``_choose_tp``
     on_layout: TensorParallel | None = None  # the TP of the view this search runs on: its trace and ``cluster`` are
@@ -228,7 +231,8 @@ class AutoPolicy:
 
     def search(self, trace: Trace, model: str = "", first: AutoResult | None = None,
                screened: Evaluator | None = None) -> AutoResult:
-        """The best plan within the budget, FSDP2's memory options tried when nothing fits without them. ``first``:
+        """The best plan within the budget, FSDP2's memory options tried when nothing fits without them (dim-1
+        sharding also where it is faster: ``_faster_on_dim1``). ``first``:
         this policy's search without them (``choose_memory_options=False``) on ``trace``, when the caller ran it
         already (``fit`` asks whether a workload fits without CPU offload before whether it fits at all).
         ``screened``: the evaluator of this policy's ``_screen`` on ``trace``, whose plans the search goes on with."""
@@ -236,6 +240,8 @@ class AutoPolicy:
             return self._choose_tp(trace, model)
         with paused_gc():
             result = first if first is not None else self._search(trace, model, screened)
+            if result.fits:
+                return self._faster_on_dim1(trace, model, result)
             ways = self._ways_out(trace, result)
             for offload, placement in ways:
                 tried = replace(self, options=self.options.with_memory_options(offload, placement),
@@ -332,12 +338,44 @@ class AutoPolicy:
         # not around or inside the model's own checkpoint (``check_checkpointing``)
         return bool(blocks) and not any(own_overlap(trace, b) for b in blocks)
 
+    def _chooses_placement(self) -> bool:
+        """Whether auto chooses the shard placement (and offload): not where the user fixed them, nor for FSDP1."""
+        return self.choose_memory_options and self.target is not Target.FSDP1 and not self.options.offload \
+            and self.options.shard_placement is ShardPlacement.DIM0
+
+    def _faster_on_dim1(self, trace: Trace, model: str, result: AutoResult) -> AutoResult:
+        """``result``, or auto's search with params sharded on dim 1 where dim 0 is smaller than the shard size
+        (``ShardPlacement.AUTO``) where that is faster: dim 1 saves time too, not only memory. FSDP2 pads a
+        dim 0 of 8 experts to one row per rank, so on 64 ranks the experts' all-gathers carry 8x their bytes and
+        their padded shards take memory that checkpointing must win back; HSDP with 8-rank shard groups was the
+        way around it, and a larger budget took it over dim-1 sharding on all 64 (hf:mixtral-8x7b on h100:64 with
+        120 GiB: 1.53 s against 1.46 s within 70 GiB). Searched only where the pure FSDP layout's screening on
+        dim 1 (its best classic plan, as ``_choose_meshes`` screens layouts) beats that layout's best plan on dim
+        0 by ``DIM1_GAIN`` and comes within ``MESH_SLACK`` of ``result``: a model whose small params (a
+        classifier's head) change nothing pays one screening, no search."""
+        flat = Mesh.flat(self.cluster.world_size)
+        on_dim0 = result.meshes.get(self.layout_name(flat))
+        if not self._chooses_placement() or self.mesh is not None or on_dim0 is None \
+                or not shard_dims(trace, flat.shard, ShardPlacement.AUTO):
+            return result
+        dim1 = replace(self, options=self.options.with_memory_options(False, ShardPlacement.AUTO),
+                       choose_memory_options=False)
+        found = dim1._screen(trace, model)
+        if found is None:
+            return result
+        _, screened, ev = found
+        step = screened.report.step_time
+        if not ev.fits(screened) or step > on_dim0.report.step_time * (1 - DIM1_GAIN) \
+                or step > result.report.step_time * (1 + MESH_SLACK):
+            return result
+        searched = dim1._search(trace, model, ev)
+        return searched if searched.fits and searched.report.step_time < result.report.step_time else result
+
     def _ways_out(self, trace: Trace, result: AutoResult) -> list[tuple[bool, ShardPlacement]]:
         """FSDP2's memory options to search with when ``result`` does not fit, cheapest first: dim-1 sharding (no
         extra traffic beyond a copy, where the model has params it applies to), offload, both. None when it fits,
         when the user fixed them, or when auto must plan for FSDP1 (which has no shard placement)."""
-        if result.fits or not self.choose_memory_options or self.target is Target.FSDP1 or self.options.offload \
-                or self.options.shard_placement is not ShardPlacement.DIM0:
+        if result.fits or not self._chooses_placement():
             return []
         dim1 = bool(shard_dims(trace, self.cluster.world_size, ShardPlacement.AUTO))
         ways = [(False, ShardPlacement.AUTO)] if dim1 else []
@@ -578,6 +616,8 @@ TP_SLACK = 0.03  # ... the second when its screening plan is within this of the 
 # as much as a search without TP, and the layouts' screenings rank as their searches do within a few percent
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
 MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
+DIM1_GAIN = 0.01  # dim-1 sharding is searched when the flat layout's classic plan on dim 1 beats its best on dim
+# 0 by this (``AutoPolicy._faster_on_dim1``): a dim 0 padded to the shard size costs far more (Mixtral: 5x)
 
 
 def candidate_meshes(cluster: Cluster, target: Target) -> list[Mesh]:
