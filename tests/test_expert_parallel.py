@@ -378,6 +378,10 @@ def test_other_transformers_experts_ep_is_simulated_and_refused(tmp_path) -> Non
     r = run_main("export", str(plan))
     assert r.returncode != 0 and "not one of transformers' standard experts layers" in r.stderr
     assert "Traceback" not in r.stderr
+    # a job refuses it in one sentence, not a note saying the same before it
+    r = run_main("verify", llama4, "--plan", str(plan), "--seq", "32", "--fake-world-size", "2")
+    assert r.returncode != 0 and " ".join(r.stderr.split()).count(OTHER_EXPERTS) == 0, r.stderr[-2000:]
+    assert r.stderr.count("not one of transformers' standard experts layers") == 1
     lm = load_model(ModelSpec(_tiny_qwen3_moe(tmp_path), seq_len=32), meta=False)
     modules = dict(lm.model.named_modules())
     check_experts_run(modules, ["model.layers.0.mlp.experts"], 2, 1)
@@ -788,6 +792,9 @@ def test_a_refused_ep_job_says_only_why_and_a_plan_file_says_the_ep_it_runs(tmp_
     r = run_main("simulate", model, "--plan", str(plan), "--cluster", "h100:2", "--seq", "32")
     assert r.returncode == 0 and UNPRICED_EP not in " ".join(r.stderr.split()), r.stderr[-2000:]
     assert "EP" not in r.stdout.splitlines()[0] and "all-to-all" not in r.stdout
+    code = tmp_path / "plan.py"  # the export reads it so too: no EP code
+    r = run_main("export", str(plan), "--format", "python", "--out", str(code))
+    assert r.returncode == 0 and "EP_DEGREE" not in code.read_text(), r.stderr[-2000:]
 
 
 def test_experts_not_stacked_on_an_expert_dim_are_named_in_the_refusal(tmp_path) -> None:
@@ -799,5 +806,5 @@ def test_experts_not_stacked_on_an_expert_dim_are_named_in_the_refusal(tmp_path)
                                   "max_seq_len": 64, "vocab_size": 128,
                                   "attn_config": {"kv_n_heads": 2, "rope_theta": 10000, "clip_qkv": 8},
                                   "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}}))
-    with pytest.raises(PlannerError, match="DbrxExperts does not hold its experts' weights stacked"):
+    with pytest.raises(PlannerError, match="DbrxExperts does not hold its experts' weights as its own params stacked"):
         api.plan(f"hf:{config}", cluster="h100:2", policy="titan", ep=2, seq=32)

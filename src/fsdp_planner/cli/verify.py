@@ -21,10 +21,11 @@ from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.models import ModelSpec
+from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
-from fsdp_planner.service.planning import judged_model, stamped
+from fsdp_planner.service.planning import Reporter, judged_model, stamped
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
@@ -89,7 +90,7 @@ def _the_job(request: VerifyRequest, predict_on: Cluster | None) -> tuple[ModelS
         plan = _at_scale(tr, request, planning)
     else:
         plan = job_plan(tr, request.source.plan_file, request.source.policy, model, request.plan_cluster, planning,
-                        request.nproc, REPORTER)
+                        request.nproc, RUNNING)
         if (model := _judged(model, request.source, plan)) is not request.model:
             tr = _traced(model, request, predict_on)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
@@ -207,6 +208,16 @@ def _tp_label(plan: Plan, world: int) -> str:
     return escape(f" ({fsdp} x {plan.tensor_parallel.describe()})")
 
 
+def _note_what_runs(note: str) -> None:
+    """A planning note, less the ones saying EP of these experts is only simulated: a job refuses them next
+    (``check_model_runs_ep``) in the same words."""
+    if note not in (NO_EP_TP, OTHER_EXPERTS):
+        render.note(note)
+
+
+RUNNING = Reporter(_note_what_runs, REPORTER.progress)  # the planning notes of a job that runs
+
+
 def run_fake(request: FakeWorldRequest) -> int:
     """Real FSDP2 on ``--fake-world-size`` fake ranks beside the simulator's prediction for that world size."""
     from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
@@ -218,7 +229,7 @@ def run_fake(request: FakeWorldRequest) -> int:
     tr = load_trace(request.model, full=request.full_trace, precision=options.precision)
     source = request.source
     plan = job_plan(tr, source.plan_file, source.policy, request.model, request.cluster, options,
-                    world if source.plan_file is not None else None, REPORTER)
+                    world if source.plan_file is not None else None, RUNNING)
     if (model := _judged(request.model, source, plan)) is not request.model:
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
     plan = stamped(plan, tr, world, options)

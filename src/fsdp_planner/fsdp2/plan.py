@@ -12,6 +12,7 @@ import difflib
 import json
 import keyword
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -367,6 +368,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")),
                 compiled=_compiled_from(data.get("compiled", [])), float8=float8_from_dict(data.get("float8")),
                 **_memory_options(data))
+    plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
     if plan.tensor_parallel is not None and plan.tensor_parallel.async_tp and not plan.compiled:
         # torchtitan's maybe_enable_async_tp raises unless the model is compiled (configs/job_config.py)
@@ -453,6 +455,25 @@ def _precision_from(value: Any) -> str:
     if value != "" and value not in PRECISION_NAMES:
         raise PlannerError(f"plan 'precision' must be one of {', '.join(PRECISION_NAMES)}, got {shown_json(value)}")
     return str(value)
+
+
+# the EP term the planner writes in a plan's policy label (``service/planning.with_ep``, auto's EP screens):
+# "EP 4", "EP 8 (skew 1.5)", then what the screens add ("(experts kept after forward)", "on 2x4")
+_EP_TERM = re.compile(r", EP \d+(?: \(skew [0-9.e+]+\))?(?: \(experts kept after forward\))?(?: on \d+x\d+)?")
+_EP_DEGREE = re.compile(r"\bEP \d+")
+
+
+def _with_its_ep(plan: Plan) -> Plan:
+    """A plan file's expert parallelism as it runs: degree 1 (a hand edit) is none, and its policy label says the
+    degree it has, not the one it was planned with (the EP term is dropped for none)."""
+    ep = plan.expert_parallel
+    label = plan.policy or ""
+    if ep is not None and ep.degree == 1:
+        return replace(plan, expert_parallel=None, policy=_EP_TERM.sub("", label, count=1))
+    if ep is not None and (term := _EP_TERM.search(label)) is not None:
+        said = _EP_DEGREE.sub(f"EP {ep.degree}", term.group(0), count=1)
+        return replace(plan, policy=label[:term.start()] + said + label[term.end():])
+    return plan
 
 
 def _selective_from_dict(items: Any) -> dict[str, SacPolicy]:

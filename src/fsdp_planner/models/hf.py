@@ -373,8 +373,8 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
 
 
 def own_checkpointing_off(model: nn.Module) -> tuple[str, ...]:
-    """The layers transformers' ``gradient_checkpointing_enable()`` checkpoints in ``model`` (its
-    ``GradientCheckpointingLayer`` blocks with the flag on), turned off (``gradient_checkpointing_disable()``): the
+    """The layers transformers' ``activation_checkpointing_enable()`` (4.x: ``gradient_checkpointing_enable()``)
+    checkpoints in ``model`` (its ``GradientCheckpointingLayer`` blocks with the flag on), turned off: the
     planner plans the checkpointing itself. Left on, the model's own ``torch.utils.checkpoint`` would nest inside
     the plan's, and its recomputation runs outside the trace's modes (SDPA there takes another kernel). Empty for a
     model that is not a transformers model or does not checkpoint."""

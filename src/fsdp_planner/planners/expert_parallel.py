@@ -79,9 +79,10 @@ def _no_experts(trace: Trace) -> str:
     if not other:
         return ("expert parallelism needs grouped experts modules (params stacked on an expert dim, a class named "
                 "...Experts); this model has none")
-    return (f"expert parallelism needs grouped experts modules, and {', '.join(other)} does not hold its experts' "
-            "weights stacked on a leading expert dim of its own params (3-D, e.g. [experts, out, in]), which is what "
-            "EP splits: plan this model without --ep")
+    holds = "does not hold its" if len(other) == 1 else "do not hold their"
+    return (f"expert parallelism needs grouped experts modules, and {', '.join(other)} {holds} experts' weights "
+            "as its own params stacked on a leading dim of several experts (3-D, e.g. [experts, out, in]), which is "
+            "what EP splits: plan this model without --ep")
 
 
 def expert_count(trace: Trace, experts: list[str]) -> int:

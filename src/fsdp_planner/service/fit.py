@@ -58,15 +58,16 @@ class Stopped(Exception):
 @dataclass
 class Staged:
     """One workload's search in auto's stages: ``plain`` without FSDP2's memory options, ``full`` with them (auto's
-    ways out) when ``plain`` found nothing within the budget; None: not asked yet."""
+    ways out where ``plain`` found nothing within the budget; dim-1 sharding where it is faster, for a model with
+    params it applies to); None: not asked yet."""
 
     plain: AutoResult
     full: AutoResult | None = None
 
     @property
     def result(self) -> AutoResult:
-        """What ``plan`` prints: the first stage when it fits, else the second (the first when not asked yet)."""
-        return self.plain if self.plain.fits or self.full is None else self.full
+        """What ``plan`` prints: the second stage once asked for, else the first."""
+        return self.full if self.full is not None else self.plain
 
     @property
     def complete(self) -> bool:
@@ -161,7 +162,9 @@ class Points:
         if staged is None:
             staged = Staged(self._search(key, screen, None))
             store[key] = staged
-        if full and staged.full is None and not staged.plain.fits:
+        # where the first stage fits, the second only tries dim-1 sharding for speed: fit's screens answer whether
+        # a point fits, which it cannot change
+        if full and staged.full is None and (not staged.plain.fits or (not screen and self._dim1(key))):
             staged.full = self._search(key, screen, staged.plain)
         return staged
 

@@ -4,7 +4,6 @@ tensor parallelism that divides what it shards)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 from fsdp_planner.errors import PlannerError
@@ -24,7 +23,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
     (what its EP leaves out; a plan made for another attention kernel); a hand-written one (module lists) gets its
     params derived."""
-    plan = _with_its_ep(with_claimed_params(Plan.load(path), tr))
+    plan = with_claimed_params(Plan.load(path), tr)
     check_hf_config(plan, as_spec(model), path)
     check_plan_tp(plan, tr, as_spec(model))
     check_plan_ep(plan, tr)
@@ -44,20 +43,6 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add --compile for "
              "the figures it was planned with")
     return plan
-
-
-# the EP term the planner writes after a plan's policy (``with_ep``: ", EP 4", ", EP 8 (skew 1.5)")
-_EP_LABEL = re.compile(r", EP \d+(?: \(skew [0-9.e+]+\))?")
-
-
-def _with_its_ep(plan: Plan) -> Plan:
-    """A plan file's expert parallelism as it runs: degree 1 (a hand edit) is none, and the EP term of its
-    policy label says the degree it has, not the one it was planned with."""
-    ep = plan.expert_parallel if plan.expert_parallel is not None and plan.expert_parallel.degree > 1 else None
-    label = _EP_LABEL.sub(f", {ep.describe()}" if ep is not None else "", plan.policy or "", count=1)
-    if ep is plan.expert_parallel and label == (plan.policy or ""):
-        return plan
-    return plan.replace(expert_parallel=ep, policy=label or plan.policy)
 
 
 def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:

@@ -370,8 +370,9 @@ def with_ep(plan: Plan, tr: Trace, request: PolicyRequest, world: int | None, mo
 
 def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None = None,
                 options: SimOptions | None = None, reporter: Reporter = SILENT, world: int | None = None) -> Plan:
-    """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget), checked against
-    the ``world`` ranks it runs on (default: the cluster's) before any note on what it leaves out."""
+    """The plan a policy makes for the traced model (auto: for ``cluster``, within its budget). A classic
+    policy's is checked against the ``world`` ranks it runs on (default: the cluster's) before any note on what
+    its EP leaves out; auto's is made for the cluster, and its caller checks it against other ranks."""
     name = str(model)
     if request.name is PolicyName.AUTO:
         if cluster is None:

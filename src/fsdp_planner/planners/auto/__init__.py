@@ -369,7 +369,10 @@ class AutoPolicy:
                 or step > result.report.step_time * (1 + MESH_SLACK):
             return result
         searched = dim1._search(trace, model, ev)
-        return searched if searched.fits and searched.report.step_time < result.report.step_time else result
+        if not searched.fits or searched.report.step_time >= result.report.step_time:
+            return result
+        return replace(searched, evaluated=result.evaluated + searched.evaluated,
+                       seconds=result.seconds + searched.seconds)
 
     def _ways_out(self, trace: Trace, result: AutoResult) -> list[tuple[bool, ShardPlacement]]:
         """FSDP2's memory options to search with when ``result`` does not fit, cheapest first: dim-1 sharding (no
@@ -617,7 +620,8 @@ TP_SLACK = 0.03  # ... the second when its screening plan is within this of the 
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
 MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
 DIM1_GAIN = 0.01  # dim-1 sharding is searched when the flat layout's classic plan on dim 1 beats its best on dim
-# 0 by this (``AutoPolicy._faster_on_dim1``): a dim 0 padded to the shard size costs far more (Mixtral: 5x)
+# 0 by this (``AutoPolicy._faster_on_dim1``): a dim 0 padded to the shard size costs far more (8 experts on 64
+# ranks: 8x their all-gather bytes)
 
 
 def candidate_meshes(cluster: Cluster, target: Target) -> list[Mesh]:
