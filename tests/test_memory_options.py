@@ -227,6 +227,11 @@ def test_auto_takes_dim1_sharding_where_it_is_faster_not_only_where_nothing_fits
     found = AutoPolicy(cluster).search(tr)
     assert found.fits and found.run.shard_dims and "shard dim 1" in found.plan.policy
     assert found.report.step_time < on_dim0.report.step_time
+    # a placement the user gives is kept (--shard-placement dim0: no dim-1 sharding of auto's own)
+    from fsdp_planner import api
+
+    given = api.plan("tests/fixtures/ep_moe.py:tiny_mixtral", cluster="h100:64", tp=1, ep=1, shard_placement="dim0")
+    assert not given.shard_dims and "shard dim 1" not in given.policy
     # a model whose small params change nothing (seed-net's 10-class head on 64 ranks): the probe declines, and the
     # dim-1 search is not run
     seed = _traced("seed-net", SimOptions())

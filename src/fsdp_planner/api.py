@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_map_only
 
 from fsdp_planner.attention import kernel
-from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, ShardPlacement, Target
+from fsdp_planner.choices import DEFAULT_OPTIMIZER, DEFAULT_PRECISION, PolicyName, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
@@ -43,7 +43,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
          memory_budget: int | str | None = None, headroom: float | str | None = None,
          micro_batches: int | str | None = None, offload: bool = False, module_classes: tuple[str, ...] = (),
          search_effort: int | None = None, target: str = Target.FSDP2.value, reduce_dtype: str | None = None,
-         shard_placement: str = ShardPlacement.DIM0.value, attention: str | None = None,
+         shard_placement: str | None = None, attention: str | None = None,
          routing: float | None = None, hf_config: dict[str, Any] | None = None,
          gradient_sync: str | None = None, tp: int | None = None, loss_parallel: bool | None = None,
          async_tp: bool = False, ep: int | None = None, fp32_modules: tuple[str, ...] = ()) -> Plan:

@@ -216,8 +216,9 @@ def add_memory_options(sp: argparse.ArgumentParser) -> None:
                          "with benchmarks/cpu_adamw.py)")
     sp.add_argument("--shard-placement", choices=[p.value for p in ShardPlacement], default=None,
                     help="dim0: FSDP2's Shard(0) for every param (default); auto: Shard(1) where dim 0 has fewer rows "
-                         "than the shard size and dim 1 divides evenly (MoE experts); auto policy: tried where "
-                         "nothing fits without it or where it is faster")
+                         "than the shard size and dim 1 divides evenly (MoE experts). The auto policy keeps a "
+                         "placement given here; without one it tries dim-1 sharding where nothing fits without it "
+                         "or where it is faster")
     sp.add_argument("--reduce-dtype", choices=[d.value for d in ReduceDtype], default=None,
                     help="MixedPrecisionPolicy.reduce_dtype: the dtype grads are reduce-scattered in (default: the "
                          "precision's, fp32 for bf16-mixed; bf16 halves the bytes and changes numerics)")

@@ -381,7 +381,7 @@ def screen_ep_tp(layout: ScreenedLayout, degrees: tuple[int, ...], options: SimO
         plan = plan.replace(activation_checkpointing=())
     # dim-1 sharding (auto's way out) where dim 0 would pad: E / EP experts stacked on dim 0 can be fewer than the
     # shard ranks
-    placement = ShardPlacement.AUTO if layout.policy.choose_memory_options else None
+    placement = ShardPlacement.AUTO if layout.policy.chooses_placement() else None
     if placement is not None:
         plan = plan.replace(shard_dims=shard_dims(layout.trace, layout.ev.ctx.shard, placement))
     views: dict[tuple, Trace] = {}

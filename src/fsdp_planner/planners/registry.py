@@ -58,6 +58,8 @@ class PolicyRequest:
     async_tp: bool = False  # all, with TP
     ep: int | None = None  # all: the expert-parallel degree over the model's grouped experts
     # (``planners/expert_parallel.py``); None: no EP
+    keeps_placement: bool = False  # auto: the user gave the shard placement (``--shard-placement``): auto keeps
+    # it, and does not choose dim-1 sharding of its own
 
     def __post_init__(self) -> None:
         if any(not c for c in self.module_classes):
@@ -134,7 +136,7 @@ def make_policy(request: PolicyRequest, cluster: Cluster | None = None, options:
     return AutoPolicy(cluster, request.memory_budget, request.target, options or SimOptions(),
                       search_effort=request.search_effort, checkpointing=request.checkpointing,
                       sac_policy=request.sac_policy, mesh=request.mesh, headroom=request.headroom,
-                      tensor_parallel=tensor_parallel)
+                      tensor_parallel=tensor_parallel, keeps_placement=request.keeps_placement)
 
 
 def make_baseline(request: PolicyRequest) -> Baseline:

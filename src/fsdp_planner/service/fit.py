@@ -277,7 +277,8 @@ class Points:
         """Whether auto may try dim-1 sharding without CPU offload at the point: then whether it fits without
         offload needs the second stage too."""
         options = self.job.options
-        if options.offload or options.shard_placement is not ShardPlacement.DIM0:
+        if options.offload or options.shard_placement is not ShardPlacement.DIM0 or \
+                any(p.keeps_placement for p in self.job.policies):
             return False
         return bool(shard_dims(self._trace(key), self._cluster(key).world_size, ShardPlacement.AUTO))
 

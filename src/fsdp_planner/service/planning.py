@@ -264,8 +264,7 @@ def _full_search(layout: ScreenedLayout, model: str) -> AutoResult:
     where dim 0 would pad, as its screen did (E / EP experts can be fewer than the shard ranks; the search, on the
     view without EP, would find that only after a search with dim 0: twice the time)."""
     policy = layout.policy
-    if not policy.choose_memory_options or policy.options.offload or \
-            policy.options.shard_placement is not ShardPlacement.DIM0:
+    if not policy.chooses_placement():
         return layout.search(model)
     dim1 = dataclasses.replace(policy, options=policy.options.with_memory_options(False, ShardPlacement.AUTO))
     return dim1.search(layout.trace, model)

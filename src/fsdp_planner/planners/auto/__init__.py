@@ -204,6 +204,7 @@ class AutoPolicy:
     # one TP rank's (``sim/tensor_parallel.tp_view``), every plan carries it
     whole_model: tuple[str, int] | None = None  # on a TP view: the whole model's fingerprint and numel, which the
     # plan leaving the search carries (it is checked against the model, not the view)
+    keeps_placement: bool = False  # the user gave ``options.shard_placement``: no dim-1 sharding of auto's own
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, Target):
@@ -338,8 +339,13 @@ class AutoPolicy:
         # not around or inside the model's own checkpoint (``check_checkpointing``)
         return bool(blocks) and not any(own_overlap(trace, b) for b in blocks)
 
-    def _chooses_placement(self) -> bool:
-        """Whether auto chooses the shard placement (and offload): not where the user fixed them, nor for FSDP1."""
+    def chooses_placement(self) -> bool:
+        """Whether auto chooses the shard placement: not where the user gave it or offload, nor for FSDP1."""
+        return self._chooses_offload() and not self.keeps_placement
+
+    def _chooses_offload(self) -> bool:
+        """Whether auto may turn CPU offload on where nothing fits: not where the user fixed the memory options
+        (``--offload``, ``--shard-placement auto``), nor for FSDP1."""
         return self.choose_memory_options and self.target is not Target.FSDP1 and not self.options.offload \
             and self.options.shard_placement is ShardPlacement.DIM0
 
@@ -355,7 +361,7 @@ class AutoPolicy:
         classifier's head) change nothing pays one screening, no search."""
         flat = Mesh.flat(self.cluster.world_size)
         on_dim0 = result.meshes.get(self.layout_name(flat))
-        if not self._chooses_placement() or self.mesh is not None or on_dim0 is None \
+        if not self.chooses_placement() or self.mesh is not None or on_dim0 is None \
                 or not shard_dims(trace, flat.shard, ShardPlacement.AUTO):
             return result
         dim1 = replace(self, options=self.options.with_memory_options(False, ShardPlacement.AUTO),
@@ -378,8 +384,10 @@ class AutoPolicy:
         """FSDP2's memory options to search with when ``result`` does not fit, cheapest first: dim-1 sharding (no
         extra traffic beyond a copy, where the model has params it applies to), offload, both. None when it fits,
         when the user fixed them, or when auto must plan for FSDP1 (which has no shard placement)."""
-        if result.fits or not self._chooses_placement():
+        if result.fits or not self._chooses_offload():
             return []
+        if not self.chooses_placement():  # ``--shard-placement dim0`` given: offload only
+            return [(True, ShardPlacement.DIM0)]
         dim1 = bool(shard_dims(trace, self.cluster.world_size, ShardPlacement.AUTO))
         ways = [(False, ShardPlacement.AUTO)] if dim1 else []
         return [*ways, (True, ShardPlacement.DIM0), *([(True, ShardPlacement.AUTO)] if dim1 else [])]
