@@ -808,3 +808,58 @@ def test_experts_not_stacked_on_an_expert_dim_are_named_in_the_refusal(tmp_path)
                                   "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2}}))
     with pytest.raises(PlannerError, match="DbrxExperts does not hold its experts' weights as its own params stacked"):
         api.plan(f"hf:{config}", cluster="h100:2", policy="titan", ep=2, seq=32)
+
+
+def test_hand_edited_ep_plan_files_meet_the_same_checks_everywhere(tmp_path) -> None:
+    """A new user's edits of an EP plan file (all found run by hand): each command that reads it says the same.
+    An expert module merged into its block's group is refused by check and export too (check said "no findings",
+    export wrote code sharding those experts without EP); a file without its "model" object is a hand-written plan
+    for any model (it was "made for another model"); a file whose EP was taken out keeps no "EP 2" in its label;
+    an int reshard_after_forward of an experts group is checked against the experts' EP-reduced mesh; export
+    refuses a module the model does not have; --ep beside --plan is noted by the fake world too; duplicate EP
+    modules are refused; Accelerate's config says the world size must be a multiple of the EP degree."""
+    model = _tiny_qwen3_moe(tmp_path)
+    made = tmp_path / "plan.json"
+    r = run_main("plan", model, "--policy", "titan", "--ep", "2", "--cluster", "h100:4", "--seq", "32",
+                 "--out", str(made))
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(made.read_text())
+
+    def edited(name: str, change) -> str:  # type: ignore[no-untyped-def]
+        d = json.loads(json.dumps(data))
+        change(d)
+        path = tmp_path / name
+        path.write_text(json.dumps(d))
+        return str(path)
+
+    def merge(d: dict) -> None:
+        block, experts = d["groups"][1], d["groups"].pop(2)
+        block["modules"] += experts["modules"]
+        block["params"] += experts["params"]
+
+    merged = edited("merged.json", merge)
+    r = run_main("check", model, "--plan", merged, "--cluster", "h100:4", "--seq", "32")
+    assert r.returncode != 0 and "holds expert params and others" in r.stderr, r.stdout[-1000:] + r.stderr[-1000:]
+    r = run_main("export", merged)
+    assert r.returncode != 0 and "is not a group of its own" in r.stderr and "Traceback" not in r.stderr
+    modelless = edited("modelless.json", lambda d: d.pop("model"))
+    r = run_main("simulate", model, "--plan", modelless, "--cluster", "h100:4", "--seq", "32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    no_ep = edited("no_ep.json", lambda d: d.pop("expert_parallel"))
+    r = run_main("simulate", model, "--plan", no_ep, "--cluster", "h100:4", "--seq", "32")
+    assert r.returncode == 0 and "EP" not in r.stdout.splitlines()[0], r.stdout[:500] + r.stderr[-1000:]
+    raf = edited("raf.json", lambda d: d["groups"][2].update(reshard_after_forward=4))
+    r = run_main("simulate", model, "--plan", raf, "--cluster", "h100:4", "--seq", "32")
+    assert r.returncode != 0 and "experts' EP-reduced shard mesh of 2 ranks" in r.stderr, r.stderr[-1000:]
+    ghost = edited("ghost.json", lambda d: d["activation_checkpointing"].append("model.layers.7"))
+    r = run_main("export", ghost)
+    assert r.returncode != 0 and "does not have: model.layers.7" in r.stderr, r.stderr[-1000:]
+    r = run_main("verify", model, "--plan", str(made), "--ep", "4", "--seq", "32", "--fake-world-size", "4",
+                 "--json")
+    assert r.returncode == 0 and "--ep has no effect with --plan" in r.stderr, r.stderr[-2000:]
+    twice = edited("twice.json", lambda d: d["expert_parallel"]["modules"].append(
+        d["expert_parallel"]["modules"][0]))
+    r = run_main("simulate", model, "--plan", twice, "--cluster", "h100:4", "--seq", "32")
+    assert r.returncode != 0 and "twice" in r.stderr
+    r = run_main("export", str(made), "--format", "accelerate", "--out", str(tmp_path / "a.yaml"))
+    assert r.returncode == 0 and "any multiple of 2 ranks" in (tmp_path / "a.yaml").read_text()

@@ -43,7 +43,9 @@ def accelerate_config(plan: Plan, precision: Precision) -> str:
     if world:
         lines.append(f"num_processes: {world:d}  # the plan's mesh")
     else:
-        lines.append("# num_processes: the plan fits any world size: give --num_processes N")
+        step = plan.tp_degree * plan.ep_shard_degree  # TP's ranks, and EP's taken out of dp_shard
+        lines.append("# num_processes: the plan fits any world size: give --num_processes N" if step == 1 else
+                     f"# num_processes: the plan fits any multiple of {step} ranks: give --num_processes N")
     lines += ["rdzv_backend: static",
               "same_network: true",
               "use_cpu: false",

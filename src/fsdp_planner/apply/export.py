@@ -58,6 +58,10 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
     elif getattr(model, "is_gradient_checkpointing", False) is True:  # (transformers 4.x)
         model.gradient_checkpointing_disable()
     modules = dict(model.named_modules())
+    missing = sorted(({n for names, _ in GROUPS for n in names} | set(CHECKPOINTED) | set(COMPILED)) - set(modules))
+    if missing:  # before any module is changed
+        raise ValueError(f"the plan names modules this model does not have: {missing[:5]} (a plan made for another "
+                         "model, or an edited one)")
     for name in CHECKPOINTED:  # activation checkpointing before sharding, as torchtitan does
         _checkpoint(modules[name])
     for name in COMPILED:  # then torch.compile, each module on its own, as torchtitan compiles its blocks

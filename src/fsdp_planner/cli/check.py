@@ -14,6 +14,7 @@ from fsdp_planner.cli.requests import (
     cluster_or_none,
     memory_budget,
     model_spec,
+    policy_notes,
     policy_request,
     sim_options,
 )
@@ -69,6 +70,8 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
           ) -> tuple[Plan | None, str]:
     """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
     if args.plan:
+        for note in policy_notes(args, [], plan_file=True):
+            render.note(note)
         return plan_to_check(args.plan, tr, model_spec(args)), f"the plan in {args.plan}"
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "

@@ -404,6 +404,8 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
                                gradient_sync=gradient_sync(args), **memory_options(args))
     check_precision(options.precision)
     source = plan_source(args)
+    notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
+                          plan_file=source.plan_file is not None)
     cluster = named_cluster(args, args.cluster or f"h100:{world}")
     if cluster.world_size != world:
         raise PlannerError(f"--cluster {args.cluster} has {cluster.world_size} GPUs but --fake-world-size is {world}")

@@ -190,7 +190,7 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
     have = {p for g in plan.groups for p in g.params}
     want = {p.fqn for p in trace.params}
-    if plan.fingerprint != trace.fingerprint or have != want:
+    if (plan.fingerprint and plan.fingerprint != trace.fingerprint) or have != want:  # no fingerprint: hand-written
         missing, extra = want - have, have - want
         parts = []
         if missing:

@@ -93,4 +93,7 @@ def expert_parallel_from_dict(data: Any) -> ExpertParallel | None:
     if isinstance(skew, bool) or not isinstance(skew, int | float) or not 1.0 <= skew <= min(MAX_SKEW, degree):
         raise PlannerError(f"plan 'expert_parallel.skew' must be a number from 1 (balanced routing) to the EP degree "
                            f"{degree} (every token on one rank), got {shown_json(skew)}")
-    return ExpertParallel(degree, tuple(dict.fromkeys(modules)), float(skew))
+    if len(set(modules)) != len(modules):
+        twice = next(m for i, m in enumerate(modules) if m in modules[:i])
+        raise PlannerError(f"plan 'expert_parallel.modules' names {shown_json(twice)} twice: name each once")
+    return ExpertParallel(degree, tuple(modules), float(skew))

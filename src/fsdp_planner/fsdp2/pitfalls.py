@@ -63,6 +63,7 @@ class Code(Enum):
     RECORDED_OUTPUTS = "recorded-outputs"
     SCALAR_PARAMS = "scalar-params"
     PRECISION = "precision"  # the step fails in the precision's compute dtype (found by tracing, not here)
+    DOES_NOT_RUN = "does-not-run"  # the plan cannot run on the cluster for a reason no other finding names
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
 from fsdp_planner.fsdp2.float8 import Float8, float8_from_dict
 from fsdp_planner.fsdp2.frozen import FrozenDict
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, tensor_parallel_from_dict
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, matches, tensor_parallel_from_dict
 from fsdp_planner.limits import check_field
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.userfiles import parse_json, read_text, shown_json, write_atomic
@@ -465,10 +465,13 @@ _EP_DEGREE = re.compile(r"\bEP \d+")
 
 def _with_its_ep(plan: Plan) -> Plan:
     """A plan file's expert parallelism as it runs: degree 1 (a hand edit) is none, and its policy label says the
-    degree it has, not the one it was planned with (the EP term is dropped for none)."""
+    degree it has, not the one it was planned with (the EP term is dropped for none, or where the file's
+    ``expert_parallel`` was taken out)."""
     ep = plan.expert_parallel
     label = plan.policy or ""
-    if ep is not None and ep.degree == 1:
+    if ep is None or ep.degree == 1:
+        if ep is None and _EP_TERM.search(label) is None:
+            return plan
         return replace(plan, expert_parallel=None, policy=_EP_TERM.sub("", label, count=1))
     if ep is not None and (term := _EP_TERM.search(label)) is not None:
         said = _EP_DEGREE.sub(f"EP {ep.degree}", term.group(0), count=1)
@@ -587,15 +590,21 @@ def check_plan_world_size(plan: Plan, world_size: int) -> None:
                            "ranks (EP's ranks come out of dp_shard" + (" x tp" if tp > 1 else "") + "): choose an "
                            "EP degree that divides them")
     where = "world size" if plan.mesh is None or plan.mesh.replicate == 1 else "shard size"
+    ep = plan.expert_parallel
     for i, g in enumerate(plan.groups):
         raf = g.reshard_after_forward
         if isinstance(raf, bool):
             continue
-        if raf > shard or shard % raf:
-            ds = divisors(shard)
-            shown = ", ".join(map(str, ds[:8])) + (f", ..., {shard}" if len(ds) > 8 else "")
+        # an expert module's group is sharded over the EP-reduced mesh: dp_shard / (EP / TP) ranks
+        experts = ep is not None and plan.ep_shard_degree > 1 and \
+            all(any(matches(p, m) for p in ep.modules) for m in g.modules)
+        size = shard // plan.ep_shard_degree if experts else shard
+        if raf > size or size % raf:
+            ds = divisors(size)
+            shown = ", ".join(map(str, ds[:8])) + (f", ..., {size}" if len(ds) > 8 else "")
+            mesh = "experts' EP-reduced shard mesh" if experts else where
             raise PlannerError(f"plan group {i} has reshard_after_forward={raf}, which FSDP2 needs to divide the "
-                               f"{where} of {shard} ranks (and not exceed it); use true, false or one of {shown}")
+                               f"{mesh} of {size} ranks (and not exceed it); use true, false or one of {shown}")
 
 
 def _str_list(value: Any) -> bool:

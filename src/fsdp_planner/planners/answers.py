@@ -39,10 +39,13 @@ NEGLIGIBLE = 0.01  # a step time difference below this fraction is reported as n
 
 def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget: MemoryBudget) -> list[Finding]:
     """The three answers for ``plan`` on ``cluster`` (a question that does not arise there is left out: HSDP and
-    a node-sized reshard on one node)."""
-    base = _step(tr, plan, cluster, options)
-    if base is None:
-        return []
+    a node-sized reshard on one node); where the plan cannot run there, that is the one finding (an error: the
+    other findings had none)."""
+    try:
+        base = simulate(tr, plan, cluster, options, timeline=False)
+    except PlannerError as e:
+        return [Finding(Severity.ERROR, Code.DOES_NOT_RUN, f"the plan cannot run on {cluster.name}: {e}",
+                        "change the plan as the message says, or make it again with plan --out")]
     found = [_reduce_dtype(tr, plan, cluster, options, base, budget), float8_answer(tr, plan, cluster, options,
                                                                                     base, budget)]
     if cluster.world_size > cluster.gpus_per_node:
@@ -52,7 +55,7 @@ def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget
 
 
 def _step(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions) -> StepReport | None:
-    """The plan's simulated step; None when it cannot run there (the other findings say why)."""
+    """An alternative's simulated step; None when it cannot run there (that alternative is not an answer)."""
     try:
         return simulate(tr, plan, cluster, options, timeline=False)
     except PlannerError:

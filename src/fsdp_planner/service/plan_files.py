@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
+from fsdp_planner.fsdp2.claim import check_plan_matches, short_list, with_claimed_params
+from fsdp_planner.fsdp2.expert_groups import check_expert_groups
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
-from fsdp_planner.models import ModelSpec, as_spec, load_model
+from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
 from fsdp_planner.planners.expert_parallel import ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
@@ -45,6 +46,31 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     return plan
 
 
+def check_plan_names(plan: Plan) -> bool:
+    """``export``'s check of a plan file against the model it names, where that model is data (a built-in, or a
+    transformers config built on meta; a Python factory is code, which a plan file does not get to run): every
+    module it names exists, and each expert module of its EP is a group of its own. False where the model was not
+    built (the generated code checks the names when it runs)."""
+    if not plan.model or not (plan.model in BUILTINS or hf.is_hf(plan.model)):
+        return False
+    spec = ModelSpec(plan.model, hf_config=tuple(plan.hf_config.items()) if hf.is_hf(plan.model) else ())
+    modules = dict(load_model(spec, meta=True).model.named_modules())
+    named = {m for g in plan.groups for m in g.modules} | set(plan.activation_checkpointing) | \
+        set(plan.selective_checkpointing) | set(plan.compiled) | set(plan.activation_offloading)
+    unknown = named - set(modules)
+    if unknown:
+        raise PlannerError(f"the plan names modules {plan.model} does not have: {short_list(unknown)} (an edited "
+                           "plan file, or one made for another model): make it again with plan --out")
+    if plan.expert_parallel is not None:
+        alone = {g.modules[0] for g in plan.groups if len(g.modules) == 1}
+        apart = [e for e in plan.expert_parallel.experts(modules) if e not in alone]
+        if apart:
+            raise PlannerError(f"the plan's expert module {apart[0]} is not a group of its own, but expert "
+                               "parallelism shards the experts over the EP-reduced mesh: give each expert module "
+                               "its own group (as --ep does)")
+    return True
+
+
 def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     """The plan file as ``check`` reads it: params derived for a hand-written one and made for this model (the
     same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings."""
@@ -72,7 +98,8 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
 
 def check_plan_ep(plan: Plan, tr: Trace) -> None:
     """The plan's expert parallelism names grouped experts modules only (``expert_modules``: what ``--ep`` finds),
-    not a router or a block, whose params EP would split as if stacked by expert."""
+    not a router or a block, whose params EP would split as if stacked by expert; each in a group of its own
+    (``check_expert_groups``: FSDP2 shards a group over one mesh, the experts over the EP-reduced one)."""
     ep = plan.expert_parallel
     if ep is None or ep.degree == 1:
         return
@@ -82,6 +109,7 @@ def check_plan_ep(plan: Plan, tr: Trace) -> None:
         raise PlannerError(f"the plan's expert parallelism names {shown_json(other[0])}, which is not a grouped "
                            "experts module (a class named ...Experts whose params are stacked on an expert dim): name "
                            "the experts modules only")
+    check_expert_groups(plan, tr)
 
 
 def check_hf_config(plan: Plan, model: ModelSpec, path: str) -> None:
