@@ -185,6 +185,44 @@ def gpu_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None
 
 
 CPU_SDPA = torch.nn.functional.scaled_dot_product_attention
+CPU_RMS_NORM = torch.nn.functional.rms_norm
+
+
+class FusedRMSNorm(torch.autograd.Function):
+    """CUDA's ``aten::_fused_rms_norm`` as autograd sees it: one kernel whose backward needs the input, the weight
+    and the per-row fp32 reciprocal RMS, which is all it saves (the fp32 work stays inside the kernel). Written
+    here from that contract (on a CPU device the op decomposes, so calling it would save what the CPU saves)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, dims: tuple[int, ...], eps: float):
+        rstd = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.dims = dims
+        out = x.float() * rstd
+        return (out * weight if weight is not None else out).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        g = grad.float() * weight if weight is not None else grad.float()
+        grad_x = rstd * (g - xhat * (g * xhat).mean(ctx.dims, keepdim=True))
+        lead = tuple(range(x.dim() - len(ctx.dims)))
+        grad_w = (grad.float() * xhat).sum(lead).to(weight.dtype) if weight is not None else None
+        return grad_x.to(x.dtype), grad_w, None, None
+
+
+def gpu_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """``F.rms_norm`` as CUDA runs it, for ``--gpu-attention`` (fake tensors only): torch's layer_norm.cpp calls
+    its one fused kernel, ``aten::_fused_rms_norm``, when the weight's dtype is the input's (``FusedRMSNorm``);
+    a CPU decomposes the op into upcast, pow, mean, rsqrt and two multiplies, which save the input upcast to fp32
+    and the normalized product. Other weights take the composite path there too."""
+    if weight is not None and weight.dtype != input.dtype:
+        return CPU_RMS_NORM(input, normalized_shape, weight, eps)
+    if eps is None:  # torch's default: the epsilon of the dtype it computes in (fp32 for 16-bit inputs)
+        eps = torch.finfo(torch.promote_types(input.dtype, torch.float32)).eps
+    dims = tuple(range(-len(normalized_shape), 0))
+    return FusedRMSNorm.apply(input, weight, dims, float(eps))
 
 
 def math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -195,14 +233,17 @@ def math_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
 
 @contextlib.contextmanager
 def gpu_attention(on: bool):
-    """``gpu_sdpa`` bound as ``F.scaled_dot_product_attention`` (a binding, not a torch function mode, which a
-    checkpointed block's recomputation in backward would run outside of)."""
+    """The GPU's kernels where the CPU's differ: ``gpu_sdpa`` bound as ``F.scaled_dot_product_attention`` and
+    ``gpu_rms_norm`` as ``F.rms_norm`` (bindings, not a torch function mode, which a checkpointed block's
+    recomputation in backward would run outside of)."""
     if on:
         torch.nn.functional.scaled_dot_product_attention = gpu_sdpa
+        torch.nn.functional.rms_norm = gpu_rms_norm
     try:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = CPU_SDPA
+        torch.nn.functional.rms_norm = CPU_RMS_NORM
 
 
 def device_mesh(plan: dict, world: int):
@@ -303,7 +344,8 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--fake", action="store_true", help="run under FakeTensorMode (no real memory)")
     parser.add_argument("--gpu-attention", action="store_true",
-                        help="with --fake: SDPA takes the kernel a GPU picks (gpu_sdpa), not the CPU's")
+                        help="with --fake: SDPA and RMSNorm take the kernels a GPU runs (gpu_sdpa, gpu_rms_norm), "
+                             "not the CPU's")
     args = parser.parse_args()
     if args.gpu_attention and not args.fake:
         parser.error("--gpu-attention needs --fake: the CPU has no implementation of the GPU's kernels")
