@@ -186,24 +186,28 @@ def scalar_params(trace: Trace) -> list[str]:
     return [p.fqn for p in trace.params if not p.shape and p.numel == 1]
 
 
-def check_plan_matches(plan: Plan, trace: Trace) -> None:
-    """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
+def _check_same_params(plan: Plan, trace: Trace) -> None:
+    """The plan's groups list this model's params, and a plan that names its model (a fingerprint) names this one;
+    one without is hand-written, for any model."""
     have = {p for g in plan.groups for p in g.params}
     want = {p.fqn for p in trace.params}
-    if (plan.fingerprint and plan.fingerprint != trace.fingerprint) or have != want:  # no fingerprint: hand-written
-        missing, extra = want - have, have - want
-        parts = []
-        if missing:
-            parts.append(f"missing parameters: {short_list(missing)}")
-        if extra:
-            parts.append(f"extra parameters: {short_list(extra)}")
-        if not parts:
-            parts.append("same parameter names but different shapes or dtypes")
-        if plan.fingerprint in ("", trace.fingerprint) and have != want:  # this model's plan, its groups edited
-            raise PlannerError(f"the plan's groups do not list every param of this model ({'; '.join(parts)}): "
-                               "each group's 'params' are those its modules own (make the plan again with "
-                               "'plan --out' to get them)")
-        raise PlannerError(f"plan was made for another model ({'; '.join(parts)})")
+    if (not plan.fingerprint or plan.fingerprint == trace.fingerprint) and have == want:
+        return
+    missing, extra = want - have, have - want
+    parts = [f"missing parameters: {short_list(missing)}"] * bool(missing) + \
+        [f"extra parameters: {short_list(extra)}"] * bool(extra)
+    if not parts:
+        parts.append("same parameter names but different shapes or dtypes")
+    if plan.fingerprint in ("", trace.fingerprint):  # this model's plan, its groups edited
+        raise PlannerError(f"the plan's groups do not list every param of this model ({'; '.join(parts)}): "
+                           "each group's 'params' are those its modules own (make the plan again with "
+                           "'plan --out' to get them)")
+    raise PlannerError(f"plan was made for another model ({'; '.join(parts)})")
+
+
+def check_plan_matches(plan: Plan, trace: Trace) -> None:
+    """PlannerError naming missing/extra params or unknown modules when ``plan`` does not fit the model."""
+    _check_same_params(plan, trace)
     if plan.numel and plan.numel != trace.numel:  # 0: not recorded; the fingerprint agrees, so an edited file
         raise PlannerError(f"the plan's 'model.numel' is {plan.numel:,} but this model has {trace.numel:,} parameters "
                            "(the plan file was edited: make it again with 'plan --out')")
