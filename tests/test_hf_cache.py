@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from conftest import run_main
 
 pytest.importorskip("transformers")
 
@@ -52,7 +53,8 @@ def test_hf_config_values_read_as_json_scalars(text, expected):
 @pytest.mark.parametrize(("text", "message"), [
     ("use_cache", "takes KEY=VALUE"), ("=1", "takes KEY=VALUE"), ("a-b=1", "takes KEY=VALUE"),
     ("model_type=llama", "cannot change model_type"), ("layer_types=[1]", "must be true/false, a number or"),
-    ("rope_theta=NaN", "must be true/false, a number or"), ("x=" + "1" * 300, "longer than 200"),
+    ("rope_theta=NaN", "must be a finite number"), ("hidden_size=1e400", "must be a finite number"),
+    ("x=" + "1" * 300, "longer than 200"),
 ])
 def test_bad_hf_config_is_one_line(text, message):
     with pytest.raises(PlannerError, match=message):
@@ -154,3 +156,18 @@ def test_checkpointed_hf_models_pass_the_fake_world_check(tmp_path, capsys, name
     args = ["verify", tiny(tmp_path, name), "--batch", "2", "--seq", "32", "--policy", "auto", "--ac", ac,
             "--fake-world-size", "8", *config]
     assert main(args) == 0, capsys.readouterr()
+
+
+def test_a_sequence_past_max_position_embeddings_is_noted(tmp_path) -> None:
+    """Rotary positions compute any length, so the step is planned as asked; past the config's
+    max_position_embeddings a note says the model was configured for fewer (nothing said it before)."""
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                  "vocab_size": 128, "max_position_embeddings": 256}))
+    said = "longer than the config's max_position_embeddings (256)"
+    r = run_main("plan", f"hf:{config}", "--policy", "titan", "--cluster", "h100:2", "--seq", "512")
+    assert r.returncode == 0 and said in " ".join(r.stderr.split()), r.stderr[-2000:]
+    r = run_main("plan", f"hf:{config}", "--policy", "titan", "--cluster", "h100:2", "--seq", "256")
+    assert r.returncode == 0 and "max_position_embeddings" not in r.stderr

@@ -300,8 +300,9 @@ def parse_override(text: str) -> tuple[str, Scalar]:
         value = json.loads(raw)
     except ValueError:
         value = raw
-    if not isinstance(value, bool | int | float | str | None) or (isinstance(value, float) and not
-                                                                   math.isfinite(value)):
+    if isinstance(value, float) and not math.isfinite(value):  # json reads 1e400 as inf
+        raise PlannerError(f"--hf-config {key}: the value must be a finite number, got {raw[:MAX_OVERRIDE_CHARS]!r}")
+    if not isinstance(value, bool | int | float | str | None):
         raise PlannerError(f"--hf-config {key}: the value must be true/false, a number or a string "
                            f"(lists and objects belong in a config file), got {raw[:MAX_OVERRIDE_CHARS]!r}")
     check_field(key, value, "--hf-config")
@@ -437,6 +438,17 @@ def learned_positions(model: nn.Module) -> tuple[str, int] | None:
         if name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(module, nn.Embedding):
             return name, module.num_embeddings
     return None
+
+
+def positions_note(model: nn.Module, seq_len: int) -> str | None:
+    """Said, not refused: a sequence longer than the config's ``max_position_embeddings`` where no learned table
+    limits it (rotary positions compute any length, and the step is planned as asked), which is past what the
+    model was configured for."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or seq_len <= limit or learned_positions(model):
+        return None
+    return (f"--seq {seq_len:,} is longer than the config's max_position_embeddings ({limit:,}): its positions are "
+            "computed, so the step is planned as asked, but the model was configured for that many or fewer")
 
 
 def check_positions(model: nn.Module, seq_len: int) -> None:
