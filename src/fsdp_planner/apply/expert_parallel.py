@@ -156,11 +156,12 @@ def check_experts_run(modules: dict[str, nn.Module], experts: list[str], degree:
         check_runs_ep(name, modules[name], degree)
 
 
-def check_model_runs_ep(model: ModelSpec, plan: Plan) -> None:
-    """``check_experts_run`` before anything runs (verify's ranks, an export), on an ``hf:`` model built on meta:
-    only transformers' experts can be ones its EP does not run."""
+def check_model_runs_ep(model: ModelSpec, plan: Plan, modules: dict[str, nn.Module] | None = None) -> None:
+    """``check_experts_run`` before anything runs (verify's ranks, an export), on an ``hf:`` model built on meta
+    (``modules``: its modules, where the caller built it): only transformers' experts can be ones its EP does not
+    run."""
     if plan.expert_parallel is not None and hf.is_hf(model.name):
-        modules = dict(load_model(model).model.named_modules())
+        modules = modules if modules is not None else dict(load_model(model).model.named_modules())
         check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree)
 
 

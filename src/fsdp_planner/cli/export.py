@@ -15,17 +15,18 @@ from fsdp_planner.cli.paths import export_files
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.models import as_spec
-from fsdp_planner.service.plan_files import check_plan_names
+from fsdp_planner.service.plan_files import checked_modules
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.userfiles import write_atomic
 
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
-    if not check_plan_names(plan):
+    modules = checked_modules(plan)  # the model built once, on meta
+    if modules is None:
         render.note(f"the plan's model {plan.model or '(none named)'} is not built here (a plan file's Python "
                     "factory is not run): the code checks the module names it needs when it runs")
-    check_model_runs_ep(as_spec(plan.model), plan)  # transformers' experts its EP does not run: refused here
+    check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
     precision = _precision(args.precision, plan)
     fmt = ExportFormat(args.format)
     # accelerate: --out is the launch config, the code goes beside it (checked before any work by check_paths)

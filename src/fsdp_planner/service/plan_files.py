@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from torch import nn
+
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, short_list, with_claimed_params
 from fsdp_planner.fsdp2.expert_groups import check_expert_groups
@@ -46,13 +48,14 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     return plan
 
 
-def check_plan_names(plan: Plan) -> bool:
+def checked_modules(plan: Plan) -> dict[str, nn.Module] | None:
     """``export``'s check of a plan file against the model it names, where that model is data (a built-in, or a
     transformers config built on meta; a Python factory is code, which a plan file does not get to run): every
-    module it names exists, and each expert module of its EP is a group of its own. False where the model was not
-    built (the generated code checks the names when it runs)."""
+    module it names exists, and each expert module of its EP is a group of its own. The model's modules, for the
+    export's other checks; None where the model was not built (the generated code checks the names when it
+    runs)."""
     if not plan.model or not (plan.model in BUILTINS or hf.is_hf(plan.model)):
-        return False
+        return None
     spec = ModelSpec(plan.model, hf_config=tuple(plan.hf_config.items()) if hf.is_hf(plan.model) else ())
     modules = dict(load_model(spec, meta=True).model.named_modules())
     named = {m for g in plan.groups for m in g.modules} | set(plan.activation_checkpointing) | \
@@ -68,7 +71,7 @@ def check_plan_names(plan: Plan) -> bool:
             raise PlannerError(f"the plan's expert module {apart[0]} is not a group of its own, but expert "
                                "parallelism shards the experts over the EP-reduced mesh: give each expert module "
                                "its own group (as --ep does)")
-    return True
+    return modules
 
 
 def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
