@@ -326,7 +326,7 @@ class MemoryModel:
                 add(2, min(start, c.event), c.event + 1, nbytes)
             if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
                 add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
-            add(2, c.event, c.event + 1, self.sizing.shard1_grad_bytes(c.params))  # dim-1 grads re-laid out
+            add(2, c.event, c.event + 1, self.sizing.shard1_grad_peak_bytes(c.params))  # dim-1 grads re-laid out
             # the next post-backward frees this input buffer before it allocates its own
             add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
             if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output

@@ -12,7 +12,10 @@ on a dim other than 0 (``FSDPParam._init_sharded_param``: "FSDP does not support
 a param is not padded; instead its all-gather is copied out through a temporary of its unsharded size
 (``foreach_all_gather_copy_out``: ``torch.empty_like`` then ``torch.cat(chunks, dim)``), and its unsharded grad is
 re-laid out by ``torch.cat(torch.chunk(grad, world_size, dim), dim=0)`` before the reduce-scatter copy-in
-(``foreach_reduce``): one extra copy each way (``shard1_gather_bytes``, ``shard1_grad_bytes``).
+(``foreach_reduce``): one extra copy each way (``shard1_gather_bytes``, ``shard1_grad_bytes``). The gather's
+temporaries are all held until the copy-out returns (their sum); each re-laid-out grad replaces its source in
+the list that owns it (``post_backward`` sets the param's grad to None first), so only one source is held beside
+its copy at a time (``shard1_grad_peak_bytes``: the largest).
 
 Params of modules traced in fp32 (``Trace.full_precision``: an fp32 group's) are all-gathered and get grads in fp32
 whatever the precision's compute dtype.
@@ -147,6 +150,7 @@ class Sizing:
         # a group's dim-1 copies and shard elements, asked for at each of its collectives in every plan it is in
         self._gather1_of: dict[tuple[int, ...], int] = {}
         self._grad1_of: dict[tuple[int, ...], int] = {}
+        self._grad1_peak_of: dict[tuple[int, ...], int] = {}
         self._shard_numel_of: dict[tuple[int, ...], int] = {}
 
     def groups(self, plan: Plan) -> list[GroupFacts]:
@@ -212,8 +216,17 @@ class Sizing:
         return _cached_sum(self._gather1_of, self._gather1, params) if self._any_dim1 else 0
 
     def shard1_grad_bytes(self, params: tuple[int, ...]) -> int:
-        """The re-laid-out grads of these params sharded on dim > 0 (``torch.cat`` before the copy-in)."""
+        """The re-laid-out grads of these params sharded on dim > 0 (``torch.cat`` before the copy-in): the bytes
+        copied."""
         return _cached_sum(self._grad1_of, self._grad1, params) if self._any_dim1 else 0
+
+    def shard1_grad_peak_bytes(self, params: tuple[int, ...]) -> int:
+        """The memory those re-laid-out grads add at their peak: the largest one, each replacing its source."""
+        if not self._any_dim1 or not params:
+            return 0
+        if params not in self._grad1_peak_of:
+            self._grad1_peak_of[params] = int(self._grad1[np.fromiter(params, dtype=np.intp)].max())
+        return self._grad1_peak_of[params]
 
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""
