@@ -165,7 +165,23 @@ def render(history: list[dict]) -> None:
               "the loaded runs showed between them appears only when other jobs share the cores (how a plan's ops "
               "slow under contention, e.g. auto's larger buffers losing the caches, is not modelled), not on an idle "
               "host, where charging every plan the same ops holds. The check is met on an idle host and not "
-              "reliably on a loaded one, where the calibrating and the held-out runs see different hosts."]
+              "reliably on a loaded one, where the calibrating and the held-out runs see different hosts.", "",
+              "From 2026-11-30 18:36 on, `calibrate --trace` charges a CPU rank's collectives a line fitted on each "
+              "size's least-delayed quarter of calls plus the mean call's wait (`trace_fit._waited`); before, each "
+              "size its calls' mean, and beyond the largest size the last two sizes' slope of the means, which over "
+              "titan's 32-168 KiB is the waits' noise (52 MB/s in the 18:22 run's fit, charging auto's 401 KiB "
+              "all-gathers 3.1 ms where they took 1.3). The rows marked \"traces of\" are the same traces "
+              "calibrated and predicted again; before and after, order and auto: the 18:22 traces (the change was "
+              "designed on them) +0.6% and -4.7%, +25.0% and +2.1%; 18:27's +30.5% and +22.0%, +45.2% and +21.8%; "
+              "18:31's +18.7% and +13.8%, +65.3% and +40.8%; the 18:39 run (after the change) +22.0% and +25.7%, "
+              "-18.3% and -13.7%: the held-out error's mean size on the three runs the change was not designed on "
+              "went from 33% to 23%, and no loaded run meets 15%. What is left is the plans' own load on the 2 "
+              "cores, which moves both ways: in the 18:31 run's typical steps auto's ops took 13.1 ms a step "
+              "against titan's 17.0 (its ranks' CPU share 0.93 against 0.77) and its step's time outside the ops, "
+              "FSDP2's host ranges and the collectives 6.3 ms against 9.4 (7.2 of its 11.9 ms over, the "
+              "collectives 1.8); in the 18:39 run auto's ops took 20.1 ms against titan's 18.4 and its "
+              "reduce-scatter 5.7 ms a call against 1.7 for titan's largest. A host cluster fitted on one plan "
+              "charges every plan the host as that plan found it."]
     (HERE / "trace_holdout.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_planner.calibrate.kineto import OpClass, parse_trace, read_trace
+from fsdp_planner.calibrate.kineto import Collective, OpClass, Step, parse_trace, read_trace
+from fsdp_planner.calibrate.trace_fit import cpu_base, fit_collectives
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.hardware.cost import collective_time
 from tests.kineto_fixture import gpu_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +138,37 @@ def test_cpu_trace_shape() -> None:
     (c,) = step.collectives
     assert (c.kind.value, c.nbytes, c.ranks) == ("all_gather", 4096, 2) and c.seconds == pytest.approx(205e-6)
     assert step.exposed_comm == pytest.approx(205e-6)
+
+
+def _gloo_step(calls: dict[int, list[float]]) -> Step:
+    """A CPU step whose all-gathers of each size took these seconds."""
+    collectives = tuple(Collective(CollectiveKind.ALL_GATHER, n, 2, t) for n, ts in calls.items() for t in ts)
+    zero = dict.fromkeys(OpClass, 0.0)
+    return Step(0.1, zero, dict.fromkeys(OpClass, 0), collectives, 0.0, 0.05, 0.05, 0.0, 0.0, 0.0)
+
+
+def test_gloo_collectives_are_the_least_delayed_calls_line_plus_the_mean_wait() -> None:
+    """On CPU ranks a call's time is mostly waiting (behind earlier gloo calls, on a busy peer), which does not grow
+    with the bytes: the line is fitted on each size's least-delayed quarter of calls, and each size is charged that
+    line plus the mean call's wait, so the traced calls cost what they took in all and a larger size grows at the
+    line's rate, not at the means' noisy slope."""
+    rate = 1e9  # bytes/s of the transfer the least-delayed calls show, 100 us latency
+    transfer = {n: 1e-4 + n / 2 / rate for n in (32 << 10, 96 << 10, 160 << 10)}
+    waits = [0.0, 0.0, 0.0, 0.0, 2e-3, 4e-3]  # some calls wait, those of the largest size here three times as long
+    calls = {n: [t + w * (1 + 2 * (i == 2)) for w in waits] for i, (n, t) in enumerate(transfer.items())}
+    cluster = fit_collectives(cpu_base(2), [_gloo_step(calls)] * 3)
+    alpha, busbw = cluster.fits["all_gather"][2]
+    assert alpha == pytest.approx(1e-4, rel=1e-6) and busbw == pytest.approx(rate, rel=1e-6)
+    every = [t for ts in calls.values() for t in ts]
+    wait = sum(every) / len(every) - sum(transfer[n] for n, ts in calls.items() for _ in ts) / len(every)
+    assert dict(cluster.tables["all_gather"]) == pytest.approx({n: t + wait for n, t in transfer.items()})
+    charged = sum(collective_time(cluster, "all_gather", n, 2) for n, ts in calls.items() for _ in ts)
+    assert charged == pytest.approx(sum(every))
+    big = 1 << 20  # beyond the sizes measured: the line and the same wait
+    assert collective_time(cluster, "all_gather", big, 2) == pytest.approx(1e-4 + big / 2 / rate + wait)
+    # calls whose least-delayed times do not grow with the bytes show no bandwidth: the base cluster's line stays
+    flat = fit_collectives(cpu_base(2), [_gloo_step({n: [3e-4] * 4 + [2e-3] for n in transfer})])
+    assert "all_gather" not in flat.fits and "all_gather" in flat.tables
 
 
 @pytest.mark.integration

@@ -11,8 +11,13 @@ earlier ones in place:
    the peak instead (a CPU's "peak" is what it reached);
 2. each collective's line ``alpha + (N-1)/N x bytes / busbw`` over the measured sizes (``nccl_logs.fit_samples``,
    the fitted-line path of ``hardware/cost.py``; with fewer than three sizes, or sizes too noisy for a line, the
-   cluster's latency and the bandwidth of the measured bytes) and, on CPU ranks, the measured times themselves
-   (``tables``);
+   cluster's latency and the bandwidth of the measured bytes). On CPU ranks a gloo call's time is mostly waiting
+   (behind the gloo thread's earlier calls, on a peer the shared host slowed), which does not grow with the bytes
+   and, call by call, depends on where in the step the call falls, not on its size: the line is fitted on each
+   size's least-delayed calls (``LOW_QUANTILE``; where even they show no bandwidth the base cluster's line stays)
+   and the cluster's table charges each size that line plus the mean call's wait (``_waited``): the traced calls
+   cost what they took in all. Their means' own slope over one plan's few sizes was the waits' noise: titan's
+   32-168 KiB on 2026-11-30 gave 52 MB/s, charging auto's 401 KiB all-gathers 3.1 ms where they took 1.3;
 3. the host's overhead: on CPU ranks (``Engine.HOST``: nothing overlaps) FSDP2's measured host ranges (``FSDP::``,
    less the collectives and ops in them) over the step's hooks, and what is left of the measured step over its
    ops; on GPUs the per-op launch cost that makes the simulated step the measured one (the host falls behind).
@@ -37,7 +42,7 @@ from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import GPU, Cluster, Compute, Engine, Link, Overhead, slowest_rank_factor
-from fsdp_planner.hardware.cost import collective_time
+from fsdp_planner.hardware.cost import collective_cost, collective_time
 from fsdp_planner.runtime.measure import host_memory
 from fsdp_planner.sim.compute import (
     flop_efficiency,
@@ -56,6 +61,9 @@ from fsdp_planner.trace.records import Trace
 # passes of the efficiencies' fit, at most: each solves the class sums for the ops' binding terms of the pass before
 # (a small matmul moving more bytes than it computes is bound by the memory efficiency, not the matmul one)
 PASSES = 20
+# on CPU ranks, the quantile of a size's calls whose time is taken as its transfer (``fit_collectives``): a quarter
+# of the calls waited least
+LOW_QUANTILE = 0.25
 CONVERGED = 1e-9  # the efficiencies move less than this (relative) in a pass
 CPU_START = 1e10  # a CPU "GPU"'s starting peak FLOP/s and bandwidth; the fit moves them to what was measured
 
@@ -216,29 +224,57 @@ def by_size(steps: list[Step]) -> dict[tuple[str, int, int], list[float]]:
 
 def fit_collectives(cluster: Cluster, steps: list[Step]) -> Cluster:
     """The collectives' lines (and on CPU ranks their measured times) from the traces: a kind needs two sizes."""
-    samples: dict[str, dict[int, list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    groups: dict[tuple[str, int], dict[int, list[float]]] = defaultdict(dict)
     for (kind, nbytes, ranks), seconds in sorted(by_size(steps).items()):
         if ranks >= 2 and nbytes > 0:
-            samples[kind][ranks].append((nbytes, statistics.fmean(seconds)))  # a step pays every call, tails too
+            groups[(kind, ranks)][nbytes] = seconds
     fits = {k: dict(v) for k, v in cluster.fits.items()}
     tables = dict(cluster.tables)
-    for kind, groups in samples.items():
-        for ranks, rows in groups.items():
-            if len(rows) < 2:
+    for (kind, ranks), sizes in groups.items():
+        if len(sizes) < 2:
+            continue
+        if cluster.engine is Engine.HOST:
+            line = _line(kind, ranks, [(n, _low(ts)) for n, ts in sizes.items()])
+            if line is not None:  # else waits, not bytes, made even the least-delayed times: the base line stays
+                fits.setdefault(kind, {})[ranks] = line
+            if ranks == cluster.world_size:
+                tables[kind] = _waited(dataclasses.replace(cluster, fits=fits, tables={}), kind, ranks, sizes)
+            continue
+        rows = [(n, statistics.fmean(ts)) for n, ts in sizes.items()]  # a step pays every call, tails too
+        line = _line(kind, ranks, rows)
+        if line is None:  # too few or too noisy sizes for a line: the cluster's latency, the bytes' rate
+            alpha = _charged(cluster, kind, 1, ranks)
+            moved = sum((ranks - 1) / ranks * n for n, _ in rows)
+            spent = sum(t - alpha for _, t in rows)
+            if spent <= 0:
                 continue
-            if cluster.engine is Engine.HOST and ranks == cluster.world_size:
-                tables[kind] = rows  # as measured: a job pays each size its own mean, tails included
-            try:
-                alpha, busbw, _, _ = fit_samples(rows, ranks, f"the trace's {kind.replace('_', '-')}s")
-            except PlannerError:  # too few or too noisy sizes for a line: the cluster's latency, the bytes' rate
-                alpha = _charged(cluster, kind, 1, ranks)
-                moved = sum((ranks - 1) / ranks * n for n, _ in rows)
-                spent = sum(t - alpha for _, t in rows)
-                if spent <= 0:
-                    continue
-                busbw = moved / spent
-            fits.setdefault(kind, {})[ranks] = (alpha, busbw)
+            line = (alpha, moved / spent)
+        fits.setdefault(kind, {})[ranks] = line
     return dataclasses.replace(cluster, fits=_halves(fits), tables=tables)
+
+
+def _line(kind: str, ranks: int, rows: list[tuple[int, float]]) -> tuple[float, float] | None:
+    """(alpha, busbw) fitted to ``rows`` of (bytes, seconds); None where they make no line."""
+    try:
+        alpha, busbw, _, _ = fit_samples(rows, ranks, f"the trace's {kind.replace('_', '-')}s")
+    except PlannerError:
+        return None
+    return alpha, busbw
+
+
+def _low(seconds: list[float]) -> float:
+    """The ``LOW_QUANTILE`` of one size's calls' seconds."""
+    ordered = sorted(seconds)
+    return ordered[int(LOW_QUANTILE * (len(ordered) - 1))]
+
+
+def _waited(cluster: Cluster, kind: str, ranks: int, sizes: dict[int, list[float]]) -> list[tuple[int, float]]:
+    """A CPU rank's table: at each measured size the line's time plus the mean call's wait (its time over the
+    line), so the calls traced cost what they took in all, and other sizes the same wait beyond their transfer."""
+    line = collective_cost(cluster, kind, ranks).lines[-1]
+    calls = [(n, t) for n, ts in sizes.items() for t in ts]
+    wait = max(0.0, statistics.fmean(t - float(line.seconds(n)) for n, t in calls))
+    return [(n, float(line.seconds(n)) + wait) for n in sorted(sizes)]
 
 
 def _halves(fits: dict[str, dict[int, tuple[float, float]]]) -> dict[str, dict[int, tuple[float, float]]]:
