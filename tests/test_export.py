@@ -358,3 +358,24 @@ def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_pat
     job.write_text(export_plan(plan.replace(model="llama3-8b"), ExportFormat.TORCHTITAN))
     cfg = read_config(TORCHTITAN, f"{job}:fsdp_planner_job")
     assert (cfg.float8, cfg.float8_all_gather) == ("tensorwise", True) and not cfg.notes
+
+
+def test_what_a_torchtitan_job_cannot_say_is_noted(tmp_path, capsys) -> None:
+    """torchtitan's job keys run one setting for every block: a plan checkpointing one block of four, compiling one,
+    resharding a group to 2 ranks or running under autocast is exported with a note for each, not silently as
+    every block (its job file read back checkpointed all four)."""
+    from fsdp_planner.cli import main
+
+    plan = _plan().replace(model="toy-llama", compiled=["layers.0"])
+    path = tmp_path / "p.json"
+    path.write_text(plan.to_json())
+    assert main(["export", str(path), "--format", "torchtitan", "--precision", "autocast"]) == 0
+    err = capsys.readouterr().err
+    assert "checkpoints 1 of the model's 4 blocks; torchtitan's job checkpoints every block (full)" in err
+    assert "compiles 1 of the model's 4 blocks" in err and "int reshard_after_forward" in err
+    assert "under autocast" in err
+    every = plan.replace(activation_checkpointing=[f"layers.{i}" for i in range(4)], compiled=[],
+                         groups=[dataclasses.replace(g, reshard_after_forward=True) for g in plan.groups])
+    path.write_text(every.to_json())
+    assert main(["export", str(path), "--format", "torchtitan"]) == 0
+    assert "torchtitan's job" not in capsys.readouterr().err

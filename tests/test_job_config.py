@@ -266,11 +266,27 @@ def test_accelerate_job_as_options(tmp_path):
     (["--batch", "4"], "--batch 4 contradicts training.local_batch_size in torchtitan config"),
     (["--cluster", "h100:16"], "--cluster \"h100:16\" has 16 GPUs but the torchtitan job runs on 8"),
     (["--policy", "order"], "--policy order contradicts the torchtitan job"),  # once "contradicts (the grouping)"
+    # a setting the config leaves at its default is the job's too (these were taken silently)
+    (["--tp", "2"], "--tp 2 contradicts parallelism.tensor_parallel_degree in torchtitan config"),
+    (["--mesh", "2x4"], "--mesh \"2x4\" contradicts parallelism.data_parallel_replicate_degree = 1"),
+    (["--compile"], "--compile true contradicts compile.enable in torchtitan config"),
+    (["--reduce-dtype", "bf16"], "--reduce-dtype \"bf16\" contradicts training.mixed_precision_reduce"),
+    (["--float8", "tensorwise"], "whose model has no float8 converter"),
+    (["--ac", "full"], "--ac \"full\" contradicts activation_checkpoint.mode in torchtitan config"),
 ])
 def test_a_contradicting_option_is_one_error(tmp_path, argv, error):
-    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\n[parallelism]\ndata_parallel_shard_degree = 8\n")
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\n[parallelism]\ndata_parallel_shard_degree = 8\n"
+                          "[activation_checkpoint]\nmode = \"none\"\n")
     with pytest.raises(PlannerError, match=re.escape(error)):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job), *argv)
+
+
+def test_an_option_that_agrees_with_a_default_setting_is_taken(tmp_path):
+    """The same values as the job's defaults pass, and leave auto free where the command is plan's."""
+    job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 8\n")
+    a = args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--tp", "1", "--mesh", "1x8")
+    assert (a.tp, a.mesh) == (1, "1x8")
+    assert args_of("plan", "toy-llama", "--from-torchtitan", str(job)).tp is None
 
 
 def test_a_job_on_part_of_a_node_more_names_its_nodes(tmp_path):
@@ -461,3 +477,31 @@ def test_torchtitan_optimizer_and_its_implementation(tmp_path, text, optimizer, 
                    optimizer).optimizer == optimizer
     with pytest.raises(PlannerError, match=r"optimizer\.implementation"):
         read_config(TORCHTITAN, str(titan(tmp_path, '[optimizer]\nimplementation = "turbo"\n')))
+
+
+def test_older_tomls_parallel_degrees_under_training_are_read(tmp_path):
+    """torchtitan's 2024 TOMLs set the degrees under [training]: read as [parallelism]'s, each in a note (they were
+    taken as known keys and dropped: the job planned without its TP), and one set in both places to different
+    values is an error."""
+    job = titan(tmp_path, "[training]\ndata_parallel_degree = 4\ntensor_parallel_degree = 2\n")
+    args, cfg = configured(build_parser().parse_args(["simulate", "toy-llama", "--from-torchtitan", str(job)]))
+    assert (args.tp, args.cluster) == (2, "h100:8")
+    assert any("training.tensor_parallel_degree is read as parallelism.tensor_parallel_degree" in n
+               for n in cfg.notes)
+    both = titan(tmp_path, "[training]\ntensor_parallel_degree = 2\n[parallelism]\ntensor_parallel_degree = 4\n")
+    with pytest.raises(PlannerError, match=re.escape("tensor_parallel_degree = 2 and parallelism.tensor")):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(both))
+    pp = titan(tmp_path, "[training]\npipeline_parallel_degree = 2\n")
+    with pytest.raises(PlannerError, match="pipeline parallelism"):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(pp))
+
+
+def test_an_accelerate_job_s_machines_are_its_nodes(tmp_path):
+    """num_machines is the job's node count: a cluster of another layout is an error (it was planned as one node),
+    and machines of more processes than a node's GPUs are planned as whole nodes, with a note."""
+    two = accel(tmp_path, "num_machines: 2\nnum_processes: 8\n")
+    with pytest.raises(PlannerError, match=r"has 1 node\(s\) but the accelerate job runs on 2 \(num_machines\)"):
+        args_of("simulate", "toy-llama", "--from-accelerate", str(two), "--cluster", "h100:8")
+    assert args_of("simulate", "toy-llama", "--from-accelerate", str(two), "--cluster", "h100").cluster == "h100:2x4"
+    wide = accel(tmp_path, "num_machines: 2\nnum_processes: 32\n")
+    assert args_of("simulate", "toy-llama", "--from-accelerate", str(wide)).cluster == "h100:32"

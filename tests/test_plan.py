@@ -171,3 +171,13 @@ def test_a_module_list_plan_naming_a_missing_module_is_one_clear_error():
     plan = Plan.from_json(json.dumps({"version": 1, "groups": [["blocks.9"], ["blok.0"]]}))
     with pytest.raises(PlannerError, match=r"^plan names modules the model does not have: blocks\.9, blok\.0$"):
         with_claimed_params(plan, tr)
+
+
+def test_a_compiled_list_naming_a_missing_module_is_one_clear_error():
+    """Every command reading a plan refuses it (only export did: simulate and check took it)."""
+    tr = traced(MY_MODEL)
+    plan = with_claimed_params(Plan.from_json(json.dumps(
+        {"version": 1, "groups": [["blocks.0"], ["blocks.1"]], "compiled": ["blocks.0", "nope"]})), tr)
+    with pytest.raises(PlannerError, match=r"^plan 'compiled' names modules the model does not have: nope$"):
+        check_plan_matches(plan, tr)
+    check_plan_matches(plan.replace(compiled=["blocks.0"]), tr)

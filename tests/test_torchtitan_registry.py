@@ -368,3 +368,38 @@ def test_an_optimizer_implementation_that_is_not_a_literal_is_one_line(tmp_path)
         read_config(TORCHTITAN, f"{path}:job")
     cfg = read_config(TORCHTITAN, f"{path}:job", ["--optimizer.implementation", "foreach"])
     assert cfg.optimizer == "adamw"
+
+
+STATEMENTS_HEAD = """from torchtitan.config import ParallelismConfig
+from torchtitan.trainer import Trainer
+
+
+def job() -> Trainer.Config:
+"""
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    # each was read without a word, the job planned without what it sets
+    ("    par = dict(tensor_parallel_degree=2)\n    return Trainer.Config(model_spec=model_registry('8B'), "
+     "parallelism=ParallelismConfig(**par))\n", "ParallelismConfig(...) takes **par, which the reader does not expand"),
+    ("    par = ParallelismConfig(data_parallel_shard_degree=4)\n    par.tensor_parallel_degree = 2\n"
+     "    return Trainer.Config(model_spec=model_registry('8B'), parallelism=par)\n",
+     "par.tensor_parallel_degree is set after par is made"),
+    ("    config = Trainer.Config(model_spec=model_registry('8B'))\n    config.parallelism.tensor_parallel_degree *= 2"
+     "\n    return config\n", "changes a value in place"),
+    ("    seq = 4096\n    config = Trainer.Config(model_spec=model_registry('8B'), "
+     "training=TrainingConfig(max_context_length=seq))\n    seq = 8192\n    return config\n", "assigns seq again"),
+])
+def test_statements_the_reader_cannot_follow_are_one_line(tmp_path, body, says):
+    path = tmp_path / "config_registry.py"
+    path.write_text(STATEMENTS_HEAD + body)
+    with pytest.raises(PlannerError, match=re.escape(says)) as e:
+        read_config(TORCHTITAN, f"{path}:job")
+    assert "\n" not in str(e.value)
+
+
+def test_setattr_is_read_as_the_assignment_it_makes(tmp_path):
+    path = tmp_path / "config_registry.py"
+    path.write_text(STATEMENTS_HEAD + "    config = Trainer.Config(model_spec=model_registry('8B'))\n"
+                    "    setattr(config.parallelism, 'tensor_parallel_degree', 2)\n    return config\n")
+    assert read_config(TORCHTITAN, f"{path}:job").tp == 2

@@ -9,8 +9,10 @@ full or per-op checkpointing, the mixed precision and CPU offload. The exact gro
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from torch import nn
 
 from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
 from fsdp_planner.fsdp2.plan import Plan
@@ -66,6 +68,37 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
         "activation_checkpoint": {"class": ac},
         "compile": {"enable": bool(plan.compiled)},  # torchtitan compiles every block; the plan, the ones it names
     }
+
+
+def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Module] | None) -> list[str]:
+    """What of ``plan`` torchtitan's job keys cannot say, each as a sentence: the job file then runs torchtitan's
+    one setting for every block (``modules``: the model's, to tell a checkpointed subset of its blocks)."""
+    out = []
+    full, op = plan.activation_checkpointing, plan.selective_checkpointing
+    if full and op:
+        out.append(f"the plan checkpoints {len(full)} modules in full and {len(op)} op-level; torchtitan's job "
+                   "checkpoints every block one way (selective here)")
+    elif modules is not None and (full or op):
+        named = set(full or op)
+        kinds = {type(modules[m]) for m in named if m in modules}
+        blocks = [m for m, mod in modules.items() if type(mod) in kinds]
+        if len(blocks) > len(named):
+            out.append(f"the plan checkpoints {len(named)} of the model's {len(blocks)} blocks; torchtitan's job "
+                       f"checkpoints every block ({'selective' if op else 'full'})")
+    if reshard_rule(plan) == "default" and any(not isinstance(g.reshard_after_forward, bool)
+                                               for g in plan.inner_groups):
+        out.append("the plan reshards some groups to a smaller mesh after forward (an int reshard_after_forward), "
+                   "which torchtitan's fsdp_reshard_after_forward cannot say: the job reshards them in full")
+    if modules is not None and plan.compiled:
+        kinds = {type(modules[m]) for m in plan.compiled if m in modules}
+        blocks = [m for m, mod in modules.items() if type(mod) in kinds]
+        if len(blocks) > len(plan.compiled):
+            out.append(f"the plan compiles {len(plan.compiled)} of the model's {len(blocks)} blocks; torchtitan's "
+                       "job compiles every block")
+    if precision.autocast:
+        out.append("the plan runs under autocast, which torchtitan's job has no key for: it runs FSDP2's mixed "
+                   "precision (params cast to bf16 for compute)")
+    return out
 
 
 def reshard_rule(plan: Plan) -> str:

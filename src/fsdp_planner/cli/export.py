@@ -10,6 +10,7 @@ import fsdp_planner.cli.render as render
 from fsdp_planner.apply.accelerate_config import accelerate_config
 from fsdp_planner.apply.expert_parallel import check_model_runs_ep
 from fsdp_planner.apply.export import ExportFormat, export_plan
+from fsdp_planner.apply.torchtitan_job import unexpressed
 from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.cli.paths import export_files
 from fsdp_planner.fmt import json_text
@@ -29,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
     check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
     precision = _precision(args.precision, plan)
     fmt = ExportFormat(args.format)
+    if fmt is ExportFormat.TORCHTITAN:  # its job file runs one setting for every block
+        for said in unexpressed(plan, precision_named(precision), modules):
+            render.note(said)
     # accelerate: --out is the launch config, the code goes beside it (checked before any work by check_paths)
     hook = export_files(args.out, fmt.value, args.force) if args.out is not None else None
     code_file = hook or (Path(args.out) if args.out is not None else None)

@@ -138,6 +138,9 @@ def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
         _titan(cfg, data)
         return cfg
     label = f"{kind} config '{path}'"
+    if kind == TORCHTITAN and path.endswith(".py"):
+        raise PlannerError(f"{label} is a Python file: name the function that returns its job, "
+                           f"{path}:FUNCTION (torchtitan's config registry form)")
     text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML",
                      MAX_CONFIG_BYTES)
     data = _load(kind, text, label)
@@ -244,7 +247,7 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     _titan_model(cfg, _table(cfg, data, "model"))
     _titan_training(cfg, _table(cfg, data, "training"))
     _titan_optimizer(cfg, _table(cfg, data, "optimizer"))
-    _titan_parallelism(cfg, _table(cfg, data, "parallelism"))
+    _titan_parallelism(cfg, _older_parallelism(cfg, _table(cfg, data, "training"), _table(cfg, data, "parallelism")))
     _titan_ac(cfg, _table(cfg, data, "activation_checkpoint"))
     if "enable_async_tensor_parallel" in _table(cfg, data, "compile"):  # where torchtitan's registry keeps it
         cfg.async_tp = _bool(cfg, "compile.enable_async_tensor_parallel",
@@ -373,6 +376,29 @@ def _titan_optimizer(cfg: JobConfig, opt: dict[str, Any]) -> None:
                          "backward, each grad held until then (the memory is an upper bound)")
     cfg.keys["optimizer.name"], cfg.keys["optimizer.implementation"] = name, how
     cfg.optimizer = TITAN_OPTIMIZERS[name] + ("-fused" if how.startswith("fused") else "")
+
+
+# torchtitan's older TOMLs (2024) set the parallel degrees under [training]; [parallelism] holds them since
+TRAINING_PARALLELISM = {"data_parallel_degree": "data_parallel_shard_degree",
+                        **{k: k for k in ("data_parallel_replicate_degree", "data_parallel_shard_degree",
+                                          "tensor_parallel_degree", "enable_async_tensor_parallel",
+                                          "pipeline_parallel_degree", "context_parallel_degree")}}
+
+
+def _older_parallelism(cfg: JobConfig, training: dict[str, Any], par: dict[str, Any]) -> dict[str, Any]:
+    """``par`` with the parallel degrees an older TOML sets under [training], each said in a note; one set in both
+    places to different values is an error."""
+    out = dict(par)
+    for old, key in TRAINING_PARALLELISM.items():
+        if old not in training:
+            continue
+        if key in out and out[key] != training[old]:
+            raise PlannerError(f"training.{old} = {shown_json(training[old])} and parallelism.{key} = "
+                               f"{shown_json(out[key])} disagree: give it in [parallelism] only")
+        out[key] = training[old]
+        cfg.notes.append(f"training.{old} is read as parallelism.{key} (torchtitan's older TOMLs set it under "
+                         "[training])")
+    return out
 
 
 def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:

@@ -281,25 +281,11 @@ def _job(functions: dict[str, ast.FunctionDef], name: str, label: str, depth: in
         raise PlannerError(f"{label}: the file has no function {shown_json(name)[1:-1]} (its functions: {known})")
     if depth > MAX_DEPTH:
         raise PlannerError(f"{label}: its jobs build on each other more than {MAX_DEPTH} deep")
-    scope: dict[str, ast.expr] = {}
-    edits: list[tuple[list[str], ast.expr]] = []
-    returned: ast.expr | None = None
-    for stmt in fn.body:
-        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else \
-            stmt.target if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else None
-        if isinstance(target, ast.Name):
-            scope[target.id] = stmt.value  # type: ignore[union-attr]
-        elif isinstance(target, ast.Attribute) and _dotted(target):
-            edits.append((_dotted(target).split("."), stmt.value))  # type: ignore[union-attr]
-        elif isinstance(stmt, ast.Return):
-            returned = stmt.value
-            break
-        elif not isinstance(stmt, SKIPPED):
-            notes.append(f"line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) is not read: "
-                         "only assignments and the return are read, without running the function")
+    scope, edits, returned = _statements(fn, name, label, notes)
     variable = returned.id if isinstance(returned, ast.Name) else ""
     node = scope.get(variable, returned)
     if isinstance(node, ast.Call) and _dotted(node.func).endswith("Trainer.Config"):
+        _written_out(node, label)
         config = {k.arg: _value(k.value, scope, 0) for k in node.keywords if k.arg}
     elif isinstance(node, ast.Call) and _dotted(node.func) in functions and not node.args and not node.keywords:
         config = _job(functions, _dotted(node.func), label, depth + 1, notes)
@@ -308,10 +294,67 @@ def _job(functions: dict[str, ast.FunctionDef], name: str, label: str, depth: in
         raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
     for path, value in edits:
         if path[0] != variable:
+            if path[0] in scope:  # a dataclass of the job built apart, then edited: its call is what is read
+                raise PlannerError(f"{label}: {'.'.join(path)} is set after {path[0]} is made, which the reader "
+                                   f"does not follow: pass it as a keyword of {path[0]}'s call")
             notes.append(f"{'.'.join(path)} is not read: it sets no attribute of the returned config")
             continue
         config = _set(config, path[1:], _value(value, scope, 0))
     return config
+
+
+def _setattr(stmt: ast.stmt) -> tuple[list[str], ast.expr] | None:
+    """``setattr(a.b, "c", value)`` as the edit ``a.b.c = value`` (None for any other statement)."""
+    call = stmt.value if isinstance(stmt, ast.Expr) else None
+    if not isinstance(call, ast.Call) or _dotted(call.func) != "setattr" or len(call.args) != 3 or call.keywords:
+        return None
+    obj, attr, value = call.args
+    if not _dotted(obj) or not isinstance(attr, ast.Constant) or not isinstance(attr.value, str):
+        return None
+    return [*_dotted(obj).split("."), attr.value], value
+
+
+def _written_out(call: ast.Call, label: str) -> None:
+    """A call's keywords must be written out: ``**settings`` would need running the file to read."""
+    spread = next((k for k in call.keywords if k.arg is None), None)
+    if spread is not None:
+        where = f"{label}: " if label else ""
+        raise PlannerError(f"{where}{_dotted(call.func)}(...) takes **{cut_short(ast.unparse(spread.value))}, "
+                           "which the reader does not expand without running the file: write its keywords out")
+
+
+def _statements(fn: ast.FunctionDef, name: str, label: str, notes: list[str]
+                ) -> tuple[dict[str, ast.expr], list[tuple[list[str], ast.expr]], ast.expr | None]:
+    """What ``fn``'s body assigns, up to its return: names' values, attribute edits (``setattr`` too) and the
+    returned expression; a statement whose effect the reader cannot follow is an error or a note."""
+    scope: dict[str, ast.expr] = {}
+    edits: list[tuple[list[str], ast.expr]] = []
+    returned: ast.expr | None = None
+    for stmt in fn.body:
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else \
+            stmt.target if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else None
+        if isinstance(stmt, ast.AugAssign):  # its value is the old one's: reading it would need running the file
+            raise PlannerError(f"{label}: line {stmt.lineno} of {name} ({cut_short(ast.unparse(stmt))}) changes a "
+                               "value in place, which the reader does not follow: assign the value itself")
+        if isinstance(target, ast.Name):
+            if target.id in scope:  # the reader keeps one value a name: a use before this line would read this
+                raise PlannerError(f"{label}: line {stmt.lineno} of {name} assigns {target.id} again, which the "
+                                   "reader does not follow (it keeps one value a name): give each value its own name")
+            scope[target.id] = stmt.value  # type: ignore[union-attr]
+        elif isinstance(target, ast.Attribute) and _dotted(target):
+            edits.append((_dotted(target).split("."), stmt.value))  # type: ignore[union-attr]
+        elif isinstance(stmt, ast.Return):
+            returned = stmt.value
+            break
+        elif (edit := _setattr(stmt)) is not None:  # setattr(config.x, "y", value): config.x.y = value
+            edits.append(edit)
+        elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):  # x.update(...), print(...)
+            notes.append(f"line {stmt.lineno} of {name} ({cut_short(ast.unparse(stmt))}) is not run: a change "
+                         "it makes to the job is not read (write it as an assignment)")
+        elif not isinstance(stmt, SKIPPED):
+            notes.append(f"line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) is not read: "
+                         "only assignments and the return are read, without running the function")
+    return scope, edits, returned
 
 
 def _dotted(node: ast.expr) -> str:
@@ -329,6 +372,7 @@ def _value(node: ast.expr, scope: dict[str, ast.expr], depth: int) -> Any:
     if isinstance(node, ast.Name) and node.id in scope and depth < MAX_DEPTH:
         return _value(scope[node.id], scope, depth + 1)
     if isinstance(node, ast.Call) and _dotted(node.func):
+        _written_out(node, "")
         return Call(_dotted(node.func), tuple(_value(a, scope, depth + 1) for a in node.args),
                     {k.arg: _value(k.value, scope, depth + 1) for k in node.keywords if k.arg})
     if isinstance(node, (ast.List, ast.Tuple)) and any(isinstance(e, (ast.Call, ast.Name)) for e in node.elts):

@@ -225,6 +225,9 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     unknown = sorted({m for m, _ in plan.forward_methods} - set(trace.modules))
     if unknown:
         raise PlannerError(f"plan 'forward_methods' names modules the model does not have: {short_list(unknown)}")
+    unknown = sorted(set(plan.compiled) - set(trace.modules))
+    if unknown:  # apply's compile refuses them too: a simulation must not compile what the job cannot
+        raise PlannerError(f"plan 'compiled' names modules the model does not have: {short_list(unknown)}")
     if plan.tensor_parallel is not None:  # every pattern names modules of this model, the MoE styles where they run
         check_moe_styles(plan.tensor_parallel, trace.modules, plan.expert_parallel is not None)
         check_style_classes(plan.tensor_parallel, trace.modules)  # ... and torch's styles on modules they take

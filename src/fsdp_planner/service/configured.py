@@ -45,6 +45,13 @@ class _Merge:
                                f"config {shown_json(self.cfg.path)} ({shown_json(value)}): drop one of them")
         self.values[key] = value
 
+    def agrees(self, key: str, value: Any, config_key: str, default: Any = None) -> None:
+        """An error where the user gave ``key`` another value than the config's ``value``, which is that key's
+        default (so nothing is set: a command free to choose it, as ``plan``'s auto, stays free)."""
+        mine = self.values[key]
+        self.given(key, value, config_key, default)
+        self.values[key] = mine
+
 
 def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str], None],
                plan_file: bool = False) -> Keywords:
@@ -98,6 +105,8 @@ def _workload(m: _Merge) -> None:
         m.given("precision", cfg.precision, "the mixed precision", DEFAULT_PRECISION)
     if cfg.reduce_dtype is not None:
         m.given("reduce_dtype", cfg.reduce_dtype, "training.mixed_precision_reduce")
+    elif cfg.keys.get("training.mixed_precision_reduce") == "float32":
+        m.agrees("reduce_dtype", "fp32", "training.mixed_precision_reduce")
     if cfg.optimizer is not None:
         m.given("optimizer", cfg.optimizer, "the optimizer")
     if cfg.offload:
@@ -116,18 +125,37 @@ def _layout(m: _Merge) -> None:
         world = parse_cluster(spec).world_size
         m.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, "
                f"{spec.strip()}'s one node (give --cluster {spec.strip()}:N for another count)")
-    if given is not None and given != world:
-        raise PlannerError(f"--cluster {shown_json(spec)} has {given:,} GPUs but the {cfg.kind} job runs on "
-                           f"{world:,} ({_world_keys(cfg)}): give the GPU alone (--cluster {DEFAULT_GPU}) or agree")
+    if given is not None:
+        _same_cluster(cfg, spec, world)
     if preset:
         per_node = world // cfg.nodes if cfg.nodes else None
+        if per_node and cfg.nodes and cfg.nodes > 1 and per_node > MAX_GPUS_PER_NODE:
+            m.note(f"the {cfg.kind} job runs {per_node} processes on each of its {cfg.nodes} machines, more than a "
+                   f"node of {MAX_GPUS_PER_NODE} GPUs: planned as {world // MAX_GPUS_PER_NODE} nodes of "
+                   f"{MAX_GPUS_PER_NODE} (give --cluster GPU:NODESxGPUS for another layout)")
         m.values["cluster"] = f"{preset.group(1)}:{cfg.nodes}x{per_node}" \
             if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
         if m.values["cluster"] == f"{preset.group(1)}:{world}" and world > MAX_GPUS_PER_NODE \
                 and world % MAX_GPUS_PER_NODE:
             raise PlannerError(_nodes_needed(cfg, world, preset.group(1)))
     _tensor_parallel(m, world)
-    dp = world // cfg.tp
+    _data_parallel(m, world // cfg.tp)
+
+
+def _same_cluster(cfg: JobConfig, spec: str, world: int) -> None:
+    """The user's cluster, a count or a layout, is the job's: its GPUs and (Accelerate's num_machines) nodes."""
+    cluster = parse_cluster(spec)
+    if cluster.world_size != world:
+        raise PlannerError(f"--cluster {shown_json(spec)} has {cluster.world_size:,} GPUs but the {cfg.kind} job runs "
+                           f"on {world:,} ({_world_keys(cfg)}): give the GPU alone (--cluster {DEFAULT_GPU}) or agree")
+    if cfg.nodes and cluster.nodes != cfg.nodes:
+        raise PlannerError(f"--cluster {shown_json(spec)} has {cluster.nodes} node(s) but the {cfg.kind} job runs on "
+                           f"{cfg.nodes} (num_machines): give the GPU alone (--cluster {DEFAULT_GPU}) or agree")
+
+
+def _data_parallel(m: _Merge, dp: int) -> None:
+    """The job's EP degree, HSDP mesh and micro-batches, over its ``dp`` data-parallel GPUs."""
+    cfg = m.cfg
     if dp % cfg.replicate:
         raise PlannerError(f"{cfg.key('replicate')} = {cfg.replicate} does not divide the job's {dp} data-parallel "
                            f"GPUs")
@@ -141,8 +169,12 @@ def _layout(m: _Merge) -> None:
                                f"{dp // cfg.replicate * cfg.tp} data-parallel shard x TP GPUs (EP's ranks come out "
                                "of dp_shard x tp)")
         m.given("ep", cfg.ep, "parallelism.expert_parallel_degree")
+    elif cfg.kind == TORCHTITAN:
+        m.agrees("ep", 1, "parallelism.expert_parallel_degree")
     if cfg.replicate > 1:
         m.given("mesh", f"{cfg.replicate}x{dp // cfg.replicate}", cfg.key("replicate"))
+    elif m.values["mesh"] is not None and str(m.values["mesh"]).strip().lower() != f"1x{dp}":
+        m.agrees("mesh", f"1x{dp}", cfg.key("replicate") + " = 1")
     if cfg.global_batch is not None:
         _micro_batches(m, dp)
 
@@ -150,12 +182,17 @@ def _layout(m: _Merge) -> None:
 def _tensor_parallel(m: _Merge, world: int) -> None:
     """The config's TP degree (its loss parallel and async TP with it), kept: the job runs with it."""
     cfg = m.cfg
-    if cfg.tp == 1:
-        return
     key = "parallelism.tensor_parallel_degree" if cfg.kind == TORCHTITAN else \
         "parallelism_config.parallelism_config_tp_size"
+    if cfg.tp == 1:
+        m.agrees("tp", 1, key)
+        return
     if world % cfg.tp:
         raise PlannerError(f"{key} = {cfg.tp} does not divide the job's {world} GPUs")
+    per_node = parse_cluster(m.values["cluster"]).gpus_per_node
+    if per_node % cfg.tp:  # said here, by its key: the user gave no --tp
+        raise PlannerError(f"{key} = {cfg.tp} must divide the {per_node} GPUs of a node of {m.values['cluster']} "
+                           "(TP stays inside a node, on NVLink)")
     m.given("tp", cfg.tp, key)
     if cfg.loss_parallel is not None:
         m.given("loss_parallel", cfg.loss_parallel, "parallelism.disable_loss_parallel")
@@ -215,11 +252,19 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("min_nonwrapped_numel", str(cfg.min_numel), "fsdp_config.fsdp_min_num_params")
     if cfg.ac is not None and cfg.ac is not ACMode.NONE:
         m.given("ac", cfg.ac.value, cfg.key("ac"))
+    elif cfg.ac is ACMode.NONE:
+        m.agrees("ac", ACMode.NONE.value, cfg.key("ac"))
     if cfg.compile:
         m.given("compile", True, "compile.enable", default=False)
+    elif cfg.kind == TORCHTITAN:
+        m.agrees("compile", False, "compile.enable", default=False)
     if cfg.float8:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
         m.given("float8_all_gather", cfg.float8_all_gather, "enable_fsdp_float8_all_gather")
+    elif cfg.kind == TORCHTITAN and m.values["float8"] is not None:
+        raise PlannerError(f"--float8 {shown_json(m.values['float8'])} contradicts torchtitan config "
+                           f"{shown_json(cfg.path)}, whose model has no float8 converter: drop --float8, or add "
+                           "the converter to the job")
 
 
 

@@ -295,8 +295,9 @@ class Points:
 
     def _note(self, key: Key, result: AutoResult, ways_out: bool) -> None:
         batch, seq, _ = key
-        verdict = ("fits" + (" with CPU offload" if offloads(result) else "") if result.fits
-                   else "does not fit" + (" (CPU offload tried too)" if ways_out else " without CPU offload"))
+        # auto's plan for the workload, not the configuration a job file gives (simulated apart, and may not fit)
+        verdict = ("auto's plan fits" + (" with CPU offload" if offloads(result) else "") if result.fits
+                   else "no plan fits" + (" (CPU offload tried too)" if ways_out else " without CPU offload"))
         workload = f"batch {batch:,}{f', seq {seq:,}' if seq else ''}" if batch else "the job"
         self.reporter.note(f"fit: {workload} on {self._cluster(key).name}: "
                            f"{verdict} (reserved {fmt_bytes(result.report.reserved_memory)}, "

@@ -45,6 +45,10 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     if plan.compiled and not tr.compiled:
         note(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add --compile for "
              "the figures it was planned with")
+    elif tr.compiled and set(tr.compiled) != set(plan.compiled):
+        note(f"--compile traced every repeated block compiled ({len(tr.compiled)} modules) and the plan compiles "
+             f"{len(plan.compiled)}{' of them' if set(plan.compiled) < set(tr.compiled) else ''}: these figures are "
+             "of every block compiled, not of the plan's job")
     return plan
 
 
