@@ -505,3 +505,17 @@ def test_an_accelerate_job_s_machines_are_its_nodes(tmp_path):
     assert args_of("simulate", "toy-llama", "--from-accelerate", str(two), "--cluster", "h100").cluster == "h100:2x4"
     wide = accel(tmp_path, "num_machines: 2\nnum_processes: 32\n")
     assert args_of("simulate", "toy-llama", "--from-accelerate", str(wide)).cluster == "h100:32"
+
+
+def test_hybrid_shard_and_a_replicate_size_that_disagree_are_one_error(tmp_path):
+    """HYBRID_SHARD replicates across the machines; a parallelism_config replicate size of another value was
+    overwritten by it without a word."""
+    both = accel(tmp_path, "fsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\nnum_machines: 2\nnum_processes: 16\n"
+                           "parallelism_config:\n  parallelism_config_dp_replicate_size: 4\n"
+                           "  parallelism_config_dp_shard_size: 4\n")
+    with pytest.raises(PlannerError, match=r"replicates across the 2 machines and parallelism_config\."):
+        args_of("simulate", "toy-llama", "--from-accelerate", str(both))
+    agree = accel(tmp_path, "fsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\nnum_machines: 2\n"
+                            "num_processes: 16\nparallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+                            "  parallelism_config_dp_shard_size: 8\n")
+    assert args_of("simulate", "toy-llama", "--from-accelerate", str(agree)).mesh == "2x8"

@@ -170,6 +170,8 @@ def job() -> Trainer.Config:
     ("training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=3000, max_context_length=2048),",
      "num_tokens_per_microbatch_per_dp_rank = 3,000 is not a multiple of training.max_context_length"),
     ("activation_checkpoint=MyAC.Config(),", "activation_checkpoint = MyAC.Config(...) is not SelectiveAC"),
+    ("training=TrainingConfig(num_tokens_per_train_step=65536),",  # was dropped without a word
+     "training.num_tokens_per_train_step is given without training.max_context_length"),
 ])
 def test_a_value_it_cannot_read_is_one_line_naming_the_key(tmp_path, body, says):
     path = tmp_path / "config_registry.py"

@@ -587,8 +587,12 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
                        "_HYBRID_SHARD_ZERO2 (or their numbers 1, 2, 4, 5)")
     if isinstance(value, str) and value.strip().upper() in V1_STRATEGIES:
         cfg.reshard, hybrid = V1_STRATEGIES[value.strip().upper()]
-        if hybrid and (cfg.nodes or 1) > 1:
-            cfg.replicate = cfg.nodes or 1  # HYBRID_SHARD: shard within a machine, replicate across machines
+        if hybrid and (cfg.nodes or 1) > 1:  # HYBRID_SHARD: shard within a machine, replicate across machines
+            if cfg.replicate not in (1, cfg.nodes):
+                raise PlannerError(f"fsdp_config.fsdp_sharding_strategy = {value.strip()} replicates across the "
+                                   f"{cfg.nodes} machines and parallelism_config.parallelism_config_dp_replicate_size"
+                                   f" = {cfg.replicate}: they disagree, give one of them")
+            cfg.replicate = cfg.nodes or 1
     elif isinstance(value, str) and value.strip().upper() == "NO_SHARD":
         raise _bad(cfg, "fsdp_config.fsdp_sharding_strategy", value, "a sharded strategy (NO_SHARD is DDP)")
     else:

@@ -568,6 +568,9 @@ def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:
     (global_batch_size); a job that gives neither count leaves the workload to --batch and --seq."""
     given = {k: training.pop(k) for k in TOKENS if k in training}
     if not {"num_tokens_per_microbatch_per_dp_rank", "max_context_length"} & set(given):
+        if given:  # the step's tokens in sequences need their length: it was dropped without a word
+            raise PlannerError(f"{label}: training.{TOKENS[2]} is given without training.max_context_length and "
+                               f"training.{TOKENS[0]}: give them too (the step's sequences need their length)")
         return training
     old = [k for k in ("local_batch_size", "seq_len", "batch_size", "global_batch_size") if k in training]
     if old:  # a flag of the TOML form: the token counts below would replace it without a word
