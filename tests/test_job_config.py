@@ -519,3 +519,9 @@ def test_hybrid_shard_and_a_replicate_size_that_disagree_are_one_error(tmp_path)
                             "num_processes: 16\nparallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
                             "  parallelism_config_dp_shard_size: 8\n")
     assert args_of("simulate", "toy-llama", "--from-accelerate", str(agree)).mesh == "2x8"
+
+
+def test_a_job_too_large_is_said_by_its_keys(tmp_path):
+    job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 100000000\n")
+    with pytest.raises(PlannerError, match=r"^the torchtitan job runs on 100,000,000 GPUs \(data_parallel_replicate"):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(job))

@@ -170,6 +170,8 @@ def job() -> Trainer.Config:
     ("training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=3000, max_context_length=2048),",
      "num_tokens_per_microbatch_per_dp_rank = 3,000 is not a multiple of training.max_context_length"),
     ("activation_checkpoint=MyAC.Config(),", "activation_checkpoint = MyAC.Config(...) is not SelectiveAC"),
+    ("training=TrainingConfig(max_context_length=6000),",
+     "training.num_tokens_per_microbatch_per_dp_rank = 16,384 (TrainingConfig's default) is not a multiple"),
     ("training=TrainingConfig(num_tokens_per_train_step=65536),",  # was dropped without a word
      "training.num_tokens_per_train_step is given without training.max_context_length"),
 ])

@@ -584,8 +584,9 @@ def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:
     seq = n["max_context_length"]
     for key in (TOKENS[0], TOKENS[2]):
         if n[key] != -1 and n[key] % seq:
-            raise PlannerError(f"{label}: training.{key} = {n[key]:,} is not a multiple of training.max_context_length "
-                               f"= {seq:,}: fsdp-planner simulates whole sequences")
+            default = "" if key in given else " (TrainingConfig's default)"
+            raise PlannerError(f"{label}: training.{key} = {n[key]:,}{default} is not a multiple of "
+                               f"training.max_context_length = {seq:,}: fsdp-planner simulates whole sequences")
     training.update(local_batch_size=n[TOKENS[0]] // seq, seq_len=seq)
     if n[TOKENS[2]] != -1:
         training["global_batch_size"] = n[TOKENS[2]] // seq

@@ -14,7 +14,7 @@ from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, Policy
 from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, edit_choices, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
-from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, parse_cluster
+from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
 from fsdp_planner.models import BUILTINS, ModelSpec
 from fsdp_planner.planners.config_edit import Setting, best_edit, plan_setting
 from fsdp_planner.service.outcome import PlanOutcome
@@ -121,6 +121,9 @@ def _layout(m: _Merge) -> None:
     preset = _PRESET.match(spec) if not spec.endswith(".json") else None
     given = None if preset else parse_cluster(spec).world_size
     world = world_of(cfg, given)
+    if world is not None and world > MAX_WORLD_SIZE:  # said by the job's keys, not a cluster the user never typed
+        raise PlannerError(f"the {cfg.kind} job runs on {world:,} GPUs ({_world_keys(cfg)}): at most "
+                           f"{MAX_WORLD_SIZE:,} are supported")
     if world is None:  # the config leaves the count to the cluster: a bare preset's one node
         world = parse_cluster(spec).world_size
         m.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, "
