@@ -379,3 +379,14 @@ def test_what_a_torchtitan_job_cannot_say_is_noted(tmp_path, capsys) -> None:
     path.write_text(every.to_json())
     assert main(["export", str(path), "--format", "torchtitan"]) == 0
     assert "torchtitan's job" not in capsys.readouterr().err
+
+
+def test_a_model_file_not_found_from_here_is_named_as_the_plan_names_it(tmp_path, monkeypatch) -> None:
+    """A plan made in another directory names its model file relative to that one: exported from here, a path
+    made relative to this directory would miss it ('../../tests/...'); the plan's name is kept."""
+    from fsdp_planner.apply.export import portable_model
+
+    spec = "tests/fixtures/ep_moe.py:tiny_mixtral"
+    assert portable_model(spec, "tests") == "fixtures/ep_moe.py:tiny_mixtral"  # found: relative to the export
+    monkeypatch.chdir(tmp_path)
+    assert portable_model(spec, tmp_path / "out") == spec

@@ -196,15 +196,15 @@ def py_literal(value: Any) -> str:
 def portable_model(name: str, where: str | os.PathLike[str] | None = None) -> str:
     """The model as an export names it: a model file (``path/file.py:fn``, ``hf:path``) relative to ``where`` (the
     export's directory; None: this one), so the export holds no absolute path and moves with its model; a built-in,
-    a module or a Hub name as it is."""
+    a module, a Hub name or a file not found from this directory as it is."""
     if name.startswith("hf:"):
         prefix, target, rest = "hf:", name[3:], ""
         if not os.path.exists(target):  # a Hub id, or a shipped config's name
             return name
     else:
         target, colon, function = name.rpartition(":")
-        if not target.endswith(".py"):
-            return name
+        if not target.endswith(".py") or not os.path.exists(target):  # a file not found from here (the plan was
+            return name  # made in another directory): named as the plan names it, not by a path that misses it
         prefix, rest = "", colon + function
     relative = os.path.relpath(os.path.abspath(target), os.path.abspath(where or os.curdir))
     return prefix + Path(relative).as_posix() + rest
