@@ -525,3 +525,11 @@ def test_a_job_too_large_is_said_by_its_keys(tmp_path):
     job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 100000000\n")
     with pytest.raises(PlannerError, match=r"^the torchtitan job runs on 100,000,000 GPUs \(data_parallel_replicate"):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
+
+
+def test_a_config_s_tp_degree_the_model_refuses_is_said_by_its_key(tmp_path, capsys):
+    """The degree is the config's: its refusal names the key, not a --tp the user never typed."""
+    job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 3\n")
+    assert main(["simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100"]) != 0
+    err = capsys.readouterr().err
+    assert "parallelism.tensor_parallel_degree = 3 must divide the model's" in err and "--tp" not in err

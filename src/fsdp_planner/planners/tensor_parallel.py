@@ -114,11 +114,14 @@ class Layout:
     source: str
     notes: tuple[str, ...] = ()
     heads: tuple[int, int] | None = None  # (attention heads, kv heads) where known: what the degree must divide
+    named: str = ""  # the config key that gave the degree ("": the --tp option, or a plan file's)
 
     @property
     def asked(self) -> str:
         """The degree as the user gave it, for the refusals."""
         d = self.tp.degree
+        if self.named:
+            return f"{self.named} = {d}"
         return f"the plan's tensor-parallel degree {d}" if self.source == PLAN_FILE else f"--tp {d}"
 
     @property

@@ -197,6 +197,8 @@ def _tensor_parallel(m: _Merge, world: int) -> None:
         raise PlannerError(f"{key} = {cfg.tp} must divide the {per_node} GPUs of a node of {m.values['cluster']} "
                            "(TP stays inside a node, on NVLink)")
     m.given("tp", cfg.tp, key)
+    if m.values["tp_key"] is None:  # the degree is the config's: its refusals name the key
+        m.values["tp_key"] = key
     if cfg.loss_parallel is not None:
         m.given("loss_parallel", cfg.loss_parallel, "parallelism.disable_loss_parallel")
     if cfg.async_tp:

@@ -306,7 +306,8 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
     checked against the model and ``cluster``; a detected one's local shapes run (``check_local_shapes``); what it
     assumed goes to the reporter."""
     assert request.tp is not None
-    layout = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp, request.ep or 1)
+    layout = dataclasses.replace(tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp,
+                                           request.ep or 1), named=request.tp_key)
     check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
     if layout.source == PAIRS:
         check_local_shapes(spec, layout.tp)

@@ -81,6 +81,7 @@ class Keywords:
     ac_policy: object = None
     mesh: object = None
     tp: object = None  # the TP degree; None: none (auto: chosen)
+    tp_key: object = None  # the config key that gave ``tp`` (``--from-torchtitan``), named by its refusals
     loss_parallel: object = None  # None: the layout's default
     async_tp: object = False
     ep: object = None  # the expert-parallel degree; None: none
@@ -257,7 +258,8 @@ def tensor_parallel(kw: Keywords, spell: Spelling) -> dict[str, Any]:
         raise PlannerError(f"{spell.name_of('async_tp')} overlaps TP's collectives with the matmuls in compiled code, "
                            f"which torchtitan refuses without compile: add {spell.name_of('compile')}")
     ep = whole(kw.ep, "ep", spell, 1, MAX_EP_DEGREE) if kw.ep is not None else None
-    return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp, "ep": ep}
+    return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp, "ep": ep,
+            "tp_key": kw.tp_key if isinstance(kw.tp_key, str) else ""}
 
 
 def memory_budget(kw: Keywords, cluster: Cluster, spell: Spelling) -> MemoryBudget:
