@@ -88,6 +88,7 @@ def test_a_classic_policy_and_its_options():
     ({"micro_batches": "auto", "batch": 4, "policy": "titan"}, "micro_batches='auto' lets policy='auto'"),
     ({"micro_batches": "auto", "batch": "4"}, "batch must be a whole number, got '4'"),
     ({"micro_batches": 2, "batch": "4"}, "batch must be a whole number, got '4'"),
+    ({"tp": 3, "cluster": "h100:8"}, "tp = 3 must divide the 8 GPUs of a node"),  # as the API names it, not --tp
 ])
 def test_bad_arguments_are_one_sentence(kwargs, message):
     with pytest.raises(PlannerError, match=message.replace("(", r"\(")):

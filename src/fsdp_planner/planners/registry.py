@@ -56,7 +56,7 @@ class PolicyRequest:
     # (auto: chosen among ``TP_DEGREES``)
     loss_parallel: bool | None = None  # all, with TP: None: the layout's default (on where the output is sharded)
     async_tp: bool = False  # all, with TP
-    tp_key: str = ""  # all, with TP: the config key that gave ``tp`` (its refusals name it); "": the option
+    tp_key: str = ""  # all, with TP: how the refusals name ``tp``: a config key, "tp" (the API); "": --tp
     ep: int | None = None  # all: the expert-parallel degree over the model's grouped experts
     # (``planners/expert_parallel.py``); None: no EP
     keeps_placement: bool = False  # auto: the user gave the shard placement (``--shard-placement``): auto keeps

@@ -259,7 +259,7 @@ def tensor_parallel(kw: Keywords, spell: Spelling) -> dict[str, Any]:
                            f"which torchtitan refuses without compile: add {spell.name_of('compile')}")
     ep = whole(kw.ep, "ep", spell, 1, MAX_EP_DEGREE) if kw.ep is not None else None
     return {"tp": degree, "loss_parallel": loss, "async_tp": async_tp, "ep": ep,
-            "tp_key": kw.tp_key if isinstance(kw.tp_key, str) else ""}
+            "tp_key": kw.tp_key if isinstance(kw.tp_key, str) else "tp" if spell is Spelling.API else ""}
 
 
 def memory_budget(kw: Keywords, cluster: Cluster, spell: Spelling) -> MemoryBudget:
