@@ -176,9 +176,14 @@ def job() -> Trainer.Config:
      "training.num_tokens_per_train_step is given without training.max_context_length"),
 ])
 def test_a_value_it_cannot_read_is_one_line_naming_the_key(tmp_path, body, says):
+    _refused(tmp_path, REGISTRY_HEAD + f"        {body}\n    )\n", r"^torchtitan job '.*:job': .*" + re.escape(says))
+
+
+def _refused(tmp_path: Path, source: str, pattern: str) -> None:
+    """Reading the job ``source`` defines is one line matching ``pattern``."""
     path = tmp_path / "config_registry.py"
-    path.write_text(REGISTRY_HEAD + f"        {body}\n    )\n")
-    with pytest.raises(PlannerError, match=r"^torchtitan job '.*:job': .*" + re.escape(says)) as e:
+    path.write_text(source)
+    with pytest.raises(PlannerError, match=pattern) as e:
         read_config(TORCHTITAN, f"{path}:job")
     assert "\n" not in str(e.value)
 
@@ -395,11 +400,7 @@ def job() -> Trainer.Config:
      "training=TrainingConfig(max_context_length=seq))\n    seq = 8192\n    return config\n", "assigns seq again"),
 ])
 def test_statements_the_reader_cannot_follow_are_one_line(tmp_path, body, says):
-    path = tmp_path / "config_registry.py"
-    path.write_text(STATEMENTS_HEAD + body)
-    with pytest.raises(PlannerError, match=re.escape(says)) as e:
-        read_config(TORCHTITAN, f"{path}:job")
-    assert "\n" not in str(e.value)
+    _refused(tmp_path, STATEMENTS_HEAD + body, re.escape(says))
 
 
 def test_setattr_is_read_as_the_assignment_it_makes(tmp_path):

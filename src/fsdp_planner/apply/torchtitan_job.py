@@ -9,7 +9,7 @@ full or per-op checkpointing, the mixed precision and CPU offload. The exact gro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -78,27 +78,26 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     if full and op:
         out.append(f"the plan checkpoints {len(full)} modules in full and {len(op)} op-level; torchtitan's job "
                    "checkpoints every block one way (selective here)")
-    elif modules is not None and (full or op):
-        named = set(full or op)
-        kinds = {type(modules[m]) for m in named if m in modules}
-        blocks = [m for m, mod in modules.items() if type(mod) in kinds]
-        if len(blocks) > len(named):
-            out.append(f"the plan checkpoints {len(named)} of the model's {len(blocks)} blocks; torchtitan's job "
-                       f"checkpoints every block ({'selective' if op else 'full'})")
+    elif modules is not None and (full or op) and (blocks := _alike(full or op, modules)) > len(full or op):
+        out.append(f"the plan checkpoints {len(full or op)} of the model's {blocks} blocks; torchtitan's job "
+                   f"checkpoints every block ({'selective' if op else 'full'})")
     if reshard_rule(plan) == "default" and any(not isinstance(g.reshard_after_forward, bool)
                                                for g in plan.inner_groups):
         out.append("the plan reshards some groups to a smaller mesh after forward (an int reshard_after_forward), "
                    "which torchtitan's fsdp_reshard_after_forward cannot say: the job reshards them in full")
-    if modules is not None and plan.compiled:
-        kinds = {type(modules[m]) for m in plan.compiled if m in modules}
-        blocks = [m for m, mod in modules.items() if type(mod) in kinds]
-        if len(blocks) > len(plan.compiled):
-            out.append(f"the plan compiles {len(plan.compiled)} of the model's {len(blocks)} blocks; torchtitan's "
-                       "job compiles every block")
+    if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
+        out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
+                   "compiles every block")
     if precision.autocast:
         out.append("the plan runs under autocast, which torchtitan's job has no key for: it runs FSDP2's mixed "
                    "precision (params cast to bf16 for compute)")
     return out
+
+
+def _alike(names: Sequence[str], modules: Mapping[str, nn.Module]) -> int:
+    """How many of the model's modules are of the classes of ``names``' (the blocks a job setting applies to)."""
+    kinds = {type(modules[m]) for m in names if m in modules}
+    return sum(type(mod) in kinds for mod in modules.values())
 
 
 def reshard_rule(plan: Plan) -> str:
