@@ -83,7 +83,7 @@ def prepare() -> None:
 
 # --- on the GPU machine -------------------------------------------------------------------------------------------
 
-def _older_torch_shims() -> None:
+def older_torch_shims() -> None:
     """The GPU image may carry a torch older than the product's (2.13): give it the two FSDP helpers the tracer
     imports (added in 2.13), over torch's pytree, so the same code runs there. Nothing else is patched."""
     from torch.distributed.fsdp import _common_utils as common
@@ -111,7 +111,7 @@ def run(out: Path) -> None:
     machine's command limit, and what ran written after each. The calibrated clusters go inside results.json: the
     machine returns at most 8 files (results, 5 traces, the log)."""
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"device": _device_line()}
+    results: dict[str, Any] = {"device": device_line()}
     started = time.perf_counter()
     steps = [w.name for w in WORKLOADS]
     steps[-1:-1] = [*CALIBRATIONS, SAMPLES]
@@ -154,7 +154,7 @@ def _calibrate(name: str, out: Path) -> dict[str, Any]:
     return {"cluster": cluster, "printed": printed[-4000:]}
 
 
-def _device_line() -> str:
+def device_line() -> str:
     import torch
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -164,7 +164,7 @@ def _device_line() -> str:
 def _in_process_cli(argv: list[str], timeout: float) -> str:
     """``python -m fsdp_planner ARGV`` with the shims in place (a child process, so a hang ends at ``timeout``)."""
     code = (f"import sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(HERE)!r}]; import gpu_step; "
-            f"gpu_step._older_torch_shims(); from fsdp_planner.cli import main; sys.exit(main({argv!r}))")
+            f"gpu_step.older_torch_shims(); from fsdp_planner.cli import main; sys.exit(main({argv!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     print(done.stdout[-3000:], done.stderr[-3000:], flush=True)
     if done.returncode != 0:
@@ -177,7 +177,7 @@ def samples(name: str, out: Path) -> None:
     import dataclasses
 
     sys.path[:0] = [str(ROOT / "src")]
-    _older_torch_shims()
+    older_torch_shims()
     from fsdp_planner.calibrate.compute import measure_compute
 
     runs = [[dataclasses.asdict(s) for s in measure_compute()] for _ in range(SAMPLE_RUNS)]
@@ -188,7 +188,7 @@ def one(name: str, out: Path) -> None:
     """One workload on this process's GPU (or CPU with gloo when none, to try the script anywhere)."""
     out.mkdir(parents=True, exist_ok=True)
     sys.path[:0] = [str(ROOT / "src")]
-    _older_torch_shims()
+    older_torch_shims()
     import torch
     import torch.distributed as dist
 
@@ -220,7 +220,7 @@ def one(name: str, out: Path) -> None:
 
     for _ in range(WARMUP):
         step()
-    fb, opt_s = _timed(device, forward_backward, opt, TIMED)
+    fb, opt_s = timed(device, forward_backward, opt, TIMED)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     if cuda:
@@ -232,12 +232,12 @@ def one(name: str, out: Path) -> None:
               "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
               "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
               "numel": sum(p.numel() for p in model.parameters())}
-    _profile(device, forward_backward, opt, out / f"{name}.trace.json")
+    profile_steps(device, forward_backward, opt, out / f"{name}.trace.json")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()
 
 
-def _timed(device: Any, forward_backward: Any, opt: Any, steps: int) -> tuple[list[float], list[float]]:
+def timed(device: Any, forward_backward: Any, opt: Any, steps: int) -> tuple[list[float], list[float]]:
     """Seconds of each step's forward + backward and of its optimizer step (CUDA events on a GPU)."""
     import torch
 
@@ -264,7 +264,7 @@ def _timed(device: Any, forward_backward: Any, opt: Any, steps: int) -> tuple[li
     return fb, os_
 
 
-def _profile(device: Any, forward_backward: Any, opt: Any, path: Path) -> None:
+def profile_steps(device: Any, forward_backward: Any, opt: Any, path: Path) -> None:
     """PROFILED forward + backward steps as ``verify --profile`` records them, gzipped (the machine's files come
     back at most 16 MiB each)."""
     import torch

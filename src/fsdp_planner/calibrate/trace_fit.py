@@ -1,8 +1,9 @@
 """``calibrate --trace``: a cluster fitted to a user's own profiler traces of one plan of one model.
 
-The traces (``kineto.py``) are matched to the simulator's step of the same model and plan by op class and by
-collective: the simulator's ops of each class (``sim/compute.py``'s kernels: matmul, fused attention, memory-bound)
-against the measured ones' mean time a step over the typical steps (``typical_steps``), and each measured
+The traces (``kineto.py``) are matched to the simulator's step of the same model and plan, as one rank runs it
+(with TP or EP the rank's view, float8's casts apart: ``RankOps``), by op class and by collective: the
+simulator's ops of each class (``sim/compute.py``'s kernels: matmul, fused attention, memory-bound) against the
+measured ones' mean time a step over the typical steps (``typical_steps``), and each measured
 collective (kind, size, group) against what the cost model charges it. Fitted, in this order, each with the
 earlier ones in place:
 1. the roofline's three efficiencies (matmul, attention, memory), so each class's predicted seconds equal the
@@ -45,17 +46,19 @@ from fsdp_planner.hardware.cluster import GPU, Cluster, Compute, Engine, Link, O
 from fsdp_planner.hardware.cost import collective_cost, collective_time
 from fsdp_planner.runtime.measure import host_memory
 from fsdp_planner.sim.compute import (
+    cast_seconds_of,
     flop_efficiency,
     fused_nbytes,
     kernel_flops,
+    op_peaks,
     op_times,
-    peak_flops,
     traced_itemsize,
 )
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.float8 import Float8Step, float8_step
+from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.recompute import checkpointed_calls
-from fsdp_planner.sim.simulate import StepReport, simulate
-from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_OTHER
+from fsdp_planner.sim.simulate import StepReport, rank_step, simulate
+from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_EP_ALL_TO_ALL, KERNEL_OTHER, TP_KERNELS
 from fsdp_planner.trace.records import Trace
 
 # passes of the efficiencies' fit, at most: each solves the class sums for the ops' binding terms of the pass before
@@ -113,13 +116,41 @@ class TraceFit:
         return self.after.step_seconds(self.optimizer)
 
 
+NO_CLASS = len(OpClass)  # ``simulated_classes`` of a rank view's TP and EP collectives: a profile's NCCL kernels
+
+
+@dataclass(frozen=True)
+class RankOps:
+    """The ops one traced rank runs, as the simulator charges them: the step of a plan with TP or EP is one rank's
+    view (``simulate.rank_step``: its matmuls 1/TP wide), whose cluster is the data-parallel one; float8's
+    converted matmuls at the float8 peak, their casts apart (memory-bound kernels in a profile)."""
+
+    trace: Trace
+    cluster: Cluster
+    runs: np.ndarray  # per event, how many times a step runs it (``op_runs``)
+    float8: Float8Step | None
+
+    @classmethod
+    def of(cls, trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions) -> RankOps:
+        view, _, view_cluster = rank_step(trace, plan, cluster)
+        assert view_cluster is not None
+        f8 = plan_options(plan, options).float8
+        return cls(view, view_cluster, op_runs(view, plan),
+                   float8_step(view, f8, options.precision.compute_bytes) if f8 is not None else None)
+
+    def on(self, cluster: Cluster) -> Cluster:
+        """The view's cluster with ``cluster``'s GPU and compute factors (what the fit changes)."""
+        return dataclasses.replace(self.cluster, gpu=cluster.gpu, compute=cluster.compute)
+
+
 def simulated_classes(trace: Trace) -> np.ndarray:
-    """Per event, its ``OpClass`` index in ``list(OpClass)`` (boundaries: memory-bound, with no time). An op of no
-    named kernel that has FLOPs is a convolution: a matmul, as a trace's cuDNN/CUTLASS kernels and CPU
-    ``aten::conv2d`` ops are read (``kineto.op_class``)."""
+    """Per event, its ``OpClass`` index in ``list(OpClass)`` (boundaries: memory-bound, with no time; a TP or EP
+    collective of a rank's view: ``NO_CLASS``). An op of no named kernel that has FLOPs is a convolution: a matmul,
+    as a trace's cuDNN/CUTLASS kernels and CPU ``aten::conv2d`` ops are read (``kineto.op_class``)."""
     kernel = trace.index.op_kernel
     matmul = (kernel > 0) | ((kernel == KERNEL_OTHER) & (trace.index.op_flops > 0))
-    return np.where(matmul, 0, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 2))
+    classes = np.where(matmul, 0, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 2))
+    return np.where(np.isin(kernel, (*TP_KERNELS, KERNEL_EP_ALL_TO_ALL)), NO_CLASS, classes)
 
 
 def op_runs(trace: Trace, plan: Plan) -> np.ndarray:
@@ -133,11 +164,18 @@ def op_runs(trace: Trace, plan: Plan) -> np.ndarray:
     return runs
 
 
-def class_seconds(trace: Trace, cluster: Cluster, options: SimOptions, runs: np.ndarray) -> dict[OpClass, float]:
-    """The simulator's seconds of each class's ops a step on ``cluster`` (``runs``: ``op_runs``)."""
-    times = np.asarray(op_times(trace, cluster.gpu, options.precision, cluster.compute, cluster.world_size)) * runs
+def class_seconds(ops: RankOps, cluster: Cluster, options: SimOptions) -> dict[OpClass, float]:
+    """The simulator's seconds of each class's ops a step on ``cluster``'s GPU (float8's casts memory-bound)."""
+    trace, view = ops.trace, ops.on(cluster)
+    gpu, compute = view.gpu, view.compute
+    times = np.asarray(op_times(trace, gpu, options.precision, compute, view.world_size, float8=ops.float8))
+    casts = cast_seconds_of(len(times), ops.float8, gpu.hbm_bandwidth * compute.memory_efficiency) * \
+        slowest_rank_factor(compute.variation, view.world_size)
+    times, casts = (times - casts) * ops.runs, casts * ops.runs
     classes = simulated_classes(trace)
-    return {c: float(times[classes == i].sum()) for i, c in enumerate(OpClass)}
+    out = {c: float(times[classes == i].sum()) for i, c in enumerate(OpClass)}
+    out[OpClass.MEMORY] += float(casts.sum())
+    return out
 
 
 def typical_steps(traces: list[MeasuredTrace]) -> list[Step]:
@@ -159,33 +197,36 @@ def measured_classes(steps: list[Step]) -> dict[OpClass, float]:
     return {c: statistics.fmean(s.op_seconds[c] for s in steps) for c in OpClass}
 
 
-def bound_terms(trace: Trace, cluster: Cluster, options: SimOptions, runs: np.ndarray) -> np.ndarray:
+def bound_terms(ops: RankOps, cluster: Cluster, options: SimOptions) -> np.ndarray:
     """``A[class, factor]``: seconds of each class's ops bound by each roofline factor (matmul, attention, memory
     efficiency), at that factor 1: a class's predicted seconds are ``A @ (1 / efficiencies)`` while no op changes
-    which of its two terms binds (``sim/compute.py``'s max)."""
-    index, c, gpu = trace.index, cluster.compute, cluster.gpu
-    stretch = slowest_rank_factor(c.variation, cluster.world_size)
+    which of its two terms binds (``sim/compute.py``'s max); float8's casts are memory-bound seconds."""
+    trace, view = ops.trace, ops.on(cluster)
+    index, c, gpu = trace.index, view.compute, view.gpu
+    stretch = slowest_rank_factor(c.variation, view.world_size)
     kernel = index.op_kernel
-    flops_time = kernel_flops(index) / (peak_flops(gpu, options.precision) * flop_efficiency(kernel, c)) * stretch
+    peaks = op_peaks(trace, gpu, options.precision, ops.float8)
+    flops_time = kernel_flops(index) / (peaks * flop_efficiency(kernel, c)) * stretch
     scale = options.precision.compute_bytes / traced_itemsize(trace)
     bytes_time = fused_nbytes(trace) * (scale / (gpu.hbm_bandwidth * c.memory_efficiency)) * stretch  # as op_times
     factor = np.where(bytes_time > flops_time, 2, np.where(np.isin(kernel, ATTENTION_KERNELS), 1, 0))
     efficiency = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
-    unit = np.maximum(flops_time, bytes_time) * efficiency[factor] * runs
+    unit = np.maximum(flops_time, bytes_time) * efficiency[factor] * ops.runs
     classes = simulated_classes(trace)
+    classed = classes < NO_CLASS
     out = np.zeros((3, 3))
-    np.add.at(out, (classes, factor), unit)
+    np.add.at(out, (classes[classed], factor[classed]), unit[classed])
+    out[2, 2] += float((cast_seconds_of(len(unit), ops.float8, gpu.hbm_bandwidth) * stretch * ops.runs).sum())
     return out
 
 
-def fit_compute(trace: Trace, cluster: Cluster, measured: dict[OpClass, float], options: SimOptions,
-                runs: np.ndarray) -> Cluster:
+def fit_compute(ops: RankOps, cluster: Cluster, measured: dict[OpClass, float], options: SimOptions) -> Cluster:
     """Efficiencies (and where one passes 1, the peaks) so each class's simulated seconds equal the measured: the
     linear system of ``bound_terms`` solved for the efficiencies' inverses, again until no op changes its binding
     term. A factor no op is bound by keeps its value."""
     target = np.array([measured[k] for k in OpClass])
     for _ in range(PASSES):
-        terms = bound_terms(trace, cluster, options, runs)
+        terms = bound_terms(ops, cluster, options)
         c = cluster.compute
         old = np.array([c.matmul_efficiency, c.attention_efficiency, c.memory_efficiency])
         used = terms.sum(axis=0) > 0
@@ -340,24 +381,24 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
     if base.world_size != world:
         raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
                            f"{base.world_size}: give a --base of the traced job's size")
-    steps, runs = typical_steps(traces), op_runs(trace, plan)
-    cluster = fit_compute(trace, base, measured_classes(steps), options, runs)
+    steps, ops = typical_steps(traces), RankOps.of(trace, plan, base, options)
+    cluster = fit_compute(ops, base, measured_classes(steps), options)
     cluster = fit_collectives(cluster, steps)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
     name = base.name if base.name.endswith("+trace") else f"{base.name}+trace"
     cluster = dataclasses.replace(cluster, name=name, compute=dataclasses.replace(
         cluster.compute, source=f"calibrate --trace ({len(traces)} trace(s))"))
-    return cluster, describe_fit(trace, plan, runs, steps, base, cluster, options)
+    return cluster, describe_fit(trace, plan, ops, steps, base, cluster, options)
 
 
-def describe_fit(trace: Trace, plan: Plan, runs: np.ndarray, steps: list[Step], base: Cluster, cluster: Cluster,
+def describe_fit(trace: Trace, plan: Plan, ops: RankOps, steps: list[Step], base: Cluster, cluster: Cluster,
                  options: SimOptions) -> TraceFit:
     """Measured beside predicted, before and after the fit, on the typical steps: per class, per collective size,
-    the step (``runs``: the plan's ``op_runs``)."""
+    the step (``ops``: the plan's ``RankOps``)."""
     measured = measured_classes(steps)
-    before, after = class_seconds(trace, base, options, runs), class_seconds(trace, cluster, options, runs)
-    is_op = np.asarray([e.is_op for e in trace.events])
-    classes_sim, runs_sim = simulated_classes(trace)[is_op], runs[is_op]
+    before, after = class_seconds(ops, base, options), class_seconds(ops, cluster, options)
+    is_op = np.asarray([e.is_op for e in ops.trace.events])
+    classes_sim, runs_sim = simulated_classes(ops.trace)[is_op], ops.runs[is_op]
     counts = steps[len(steps) // 2].op_counts
     classes = [ClassRow(c.value, counts[c], int(runs_sim[classes_sim == i].sum()), measured[c], before[c], after[c])
                for i, c in enumerate(OpClass)]

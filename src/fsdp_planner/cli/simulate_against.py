@@ -24,7 +24,7 @@ from fsdp_planner.report.against import (
     write_png,
 )
 from fsdp_planner.sim.options import SimOptions
-from fsdp_planner.sim.simulate import simulate
+from fsdp_planner.sim.simulate import rank_step, simulate
 from fsdp_planner.trace.records import Trace
 
 
@@ -38,7 +38,8 @@ def against(tr: Trace, labelled: tuple[str, Plan], cluster: Cluster, options: Si
                     phases_of(bars, step.seconds, step.forward, step.forward + step.backward, step.optimizer))
     report = simulate(tr, plan, cluster, options, timeline=True)
     optimizer = step.ran_optimizer
-    simulated = simulated_side(tr, report, f"simulated {label}", optimizer)
+    rank_trace = rank_step(tr, plan, cluster)[0]  # with TP or EP the timeline's ops are one rank's view's
+    simulated = simulated_side(rank_trace, report, f"simulated {label}", optimizer)
     largest = gaps(measured, simulated)
     lines = [f"{name}: measured {m * 1e3:,.2f} ms, simulated {s * 1e3:,.2f} ms ({(s - m) * 1e3:+,.2f} ms)"
              for name, m, s in largest]

@@ -115,30 +115,43 @@ def op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ran
     (``float8.py``). Bytes are scaled from the traced dtype to the compute dtype (a
     model traced in fp32 but run in bf16 moves half).
     """
-    peak = np.full(len(trace.events), peak_flops(gpu, precision))
-    if trace.full_precision and precision.compute_bytes <= 2:
-        peak[full_precision_ops(trace)] = gpu.peak_fp32_flops
-    if float8 is not None:
-        peak[float8.matmuls] = fp8_peak(gpu)
+    peak = op_peaks(trace, gpu, precision, float8, share=mfu is None)
     scale = precision.compute_bytes / traced_itemsize(trace)
     index = trace.index  # boundaries have no FLOPs and no bytes: they take 0 s
     nbytes = fused_nbytes(trace)
     if mfu is not None:
         times = np.maximum(index.op_flops / (peak * mfu), nbytes * (scale / gpu.hbm_bandwidth))
         return _with_casts(times, float8, gpu.hbm_bandwidth).tolist()
-    if float8 is not None:  # the factors are bf16 matmuls': a float8 one reaches less of its peak (float8.py)
-        peak[float8.matmuls] *= FLOAT8_PEAK_SHARE
     flops_time = kernel_flops(index) / (peak * flop_efficiency(index.op_kernel, compute))
     bytes_time = nbytes * (scale / (gpu.hbm_bandwidth * compute.memory_efficiency))
     times = _with_casts(np.maximum(flops_time, bytes_time), float8, gpu.hbm_bandwidth * compute.memory_efficiency)
     return (times * slowest_rank_factor(compute.variation, ranks)).tolist()
 
 
+def op_peaks(trace: Trace, gpu: GPU, precision: Precision, float8: Float8Step | None = None,
+             share: bool = True) -> np.ndarray:
+    """Per event, the FLOP/s its kernel's efficiency applies to: the dense bf16 peak for 16-bit compute, else
+    fp32's; fp32 groups' ops at fp32's; float8 training's converted matmuls at the float8 peak, times the share of it
+    a float8 matmul reaches where the efficiencies are bf16 matmuls' (``share``; float8.py)."""
+    peak = np.full(len(trace.events), peak_flops(gpu, precision))
+    if trace.full_precision and precision.compute_bytes <= 2:
+        peak[full_precision_ops(trace)] = gpu.peak_fp32_flops
+    if float8 is not None:
+        peak[float8.matmuls] = fp8_peak(gpu) * (FLOAT8_PEAK_SHARE if share else 1.0)
+    return peak
+
+
+def cast_seconds_of(events: int, float8: Float8Step | None, bandwidth: float) -> np.ndarray:
+    """Per event, the seconds of a converted matmul's float8 casts (memory-bound kernels before it), else 0."""
+    out = np.zeros(events)
+    if float8 is not None:
+        out[float8.matmuls] = float8.cast_nbytes / bandwidth
+    return out
+
+
 def _with_casts(times: np.ndarray, float8: Float8Step | None, bandwidth: float) -> np.ndarray:
     """``times`` with each converted matmul's casts (memory-bound kernels before it) added to it."""
-    if float8 is not None:
-        times[float8.matmuls] += float8.cast_nbytes / bandwidth
-    return times
+    return times + cast_seconds_of(len(times), float8, bandwidth)
 
 
 def step_op_times(trace: Trace, gpu: GPU, precision: Precision, compute: Compute, ranks: int = 1,

@@ -142,8 +142,7 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     (``tensor_parallel.tp_view``): of ``trace`` and ``cluster`` as given, or, when ``trace`` is already such a view
     (what planners build once per layout), with ``cluster`` or ``context`` of that view.
     """
-    trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context)
-    trace = _expert_parallel(trace, plan, context)
+    trace, plan, cluster = rank_step(trace, plan, cluster, context)
     ctx = _context(trace, plan, cluster, options, context)
     check_shard_dims(plan, trace, ctx.shard)
     groups = ctx.sizing.groups(plan)
@@ -160,6 +159,14 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
         # ``accumulated`` reads each group's post-backward off its reduce-scatter, issued or not: the whole schedule
         runs[phase] = (ph_sched, report(ReportInput(ph_ctx, plan, run, gather, times, phase is GradSync.LAST)))
     return accumulated(ctx, plan, runs)
+
+
+def rank_step(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimContext | None = None
+              ) -> tuple[Trace, Plan, Cluster | None]:
+    """The trace, plan and cluster of the step one rank runs: with TP its view, with EP its experts' share; what a
+    profile of one rank holds (``calibrate --trace`` matches its kernels to this trace's ops)."""
+    trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context)
+    return _expert_parallel(trace, plan, context), plan, cluster
 
 
 def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimContext | None
