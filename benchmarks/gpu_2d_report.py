@@ -208,16 +208,16 @@ NOTES = [  # read from the tables above and the traces, as this run made them (2
     "- float8 (tensorwise, FSDP2's float8 all-gather) with compile: measured -19.7% (70B) and -28.5% (405B) "
     "against eager bf16, predicted -18.5% and -24.1%; the float8 matmul class is +10.9% / +14.6% of the trace "
     "(the float8 peak times the sweep's float8/bf16 share, sim/float8.py).",
-    "- Memory: allocated within 0.4% on every 70B and 8B row. The 405B rows are 13.3% short, and real FSDP2 and "
-    "DTensor on this CPU's fake process group give the predicted 7.56 GiB exactly (`verify "
+    "- Memory: allocated within 1% on every row. The 405B rows were 13.3% short before a term this run found, "
+    "while real FSDP2 and DTensor on this CPU's fake process group gave the predicted 7.56 GiB exactly (`verify "
     "benchmarks/gpu_models.py:llama3_405b_l2 --plan benchmarks/gpu/llama3-405b-l2-tp8.plan.json "
-    "--fake-world-size 128`): the gap is a CUDA kernel's. The allocator's history over one step on the H200 "
+    "--fake-world-size 128`): the gap was a CUDA kernel's. The allocator's history over one step on the H200 "
     "(`gpu_2d.py peak`) puts the peak in the vocab-parallel embedding's backward: its whole bf16 grad on each TP "
-    "rank (4,008 MiB; the model has it) beside a 1,126.4 MiB fp32 buffer that aten's CUDA "
+    "rank (4,008 MiB; the model had it) beside a 1,126.4 MiB fp32 buffer that aten's CUDA "
     "`embedding_dense_backward` makes (`grad_weight_per_segment`, (tokens / 10 + min(tokens, vocab)) x dim x 4 "
-    "bytes = 18,022 x 16,384 x 4; EmbeddingBackwardKernel.cu) and the CPU kernel does not: a term the model "
-    "lacks, which sets the peak where the embedding's backward is it (here; at 70B's batch the block backward "
-    "is higher). Reserved is 5.0% short on pure FSDP and 9-12% on the 70B TP rows.",
+    "bytes = 18,022 x 16,384 x 4; EmbeddingBackwardKernel.cu) and the CPU kernel does not. The trace and the fake "
+    "world now count it (`workspaces.py`): 8.66 GiB on both, -0.7% of the H200's. Reserved is 5.0% short on pure "
+    "FSDP and 9-12% on the 70B TP rows.",
     "- `calibrate --trace` read these traces wrongly before this run: it matched a TP rank's kernels to the whole "
     "model's ops (the preset's matmul time 9x the measured, a fit 9x too slow), charged float8 matmuls at the bf16 "
     "peak with their casts inside the matmul class, traced a compiled plan's blocks eager, and `simulate "

@@ -14,7 +14,8 @@ Measured, on the last step (the first creates the optimizer state):
   ``loss_parallel()`` when the plan asks for it; with expert parallelism (the plan's ``expert_parallel``, applied
   by ``apply_plan``: the experts over ``ep`` and their EP-reduced FSDP mesh) EP's all-to-alls, apart;
 - attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed, and so
-  does ``F.rms_norm`` (``norms.fused_rms_norm_everywhere``);
+  does ``F.rms_norm`` (``norms.fused_rms_norm_everywhere``); a CUDA kernel's own buffer (``workspaces.py``: the
+  embedding backward's partial sums) counts beside what is alive while its op runs, as the trace counts it;
   the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
   unsharded params are storages resized between 0 and their size), uncounted when Python frees it; plus what was
@@ -74,6 +75,7 @@ from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.trace.failures import check_operand_dtypes, failed_at, first_line, mark, op_name
 from fsdp_planner.trace.recorder import split_inputs
 from fsdp_planner.trace.tree import ROOT
+from fsdp_planner.workspaces import workspace_bytes
 
 MAX_FAKE_WORLD = 1 << 20
 
@@ -335,6 +337,10 @@ class LiveBytes(TorchDispatchMode):
             mark(e, op_name(func), self.calls[-1] if self.calls else ROOT)
             raise
         self.track(tree_flatten(out)[0])
+        extra = workspace_bytes(func, args, kwargs)  # what its GPU kernel holds beside the outputs while it runs
+        if extra:
+            self.peak = max(self.peak, self.current + extra)
+            self.device_peak = max(self.device_peak, self.current - self.host_current + extra)
         return out
 
     def __enter__(self) -> LiveBytes:

@@ -29,6 +29,7 @@ from fsdp_planner.trace.events import (
 from fsdp_planner.trace.failures import check_operand_dtypes, mark, op_name
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.step import NullRecorder, Slot, StepRecorder
+from fsdp_planner.workspaces import workspace_bytes
 
 # Ops that move no data: their inputs and outputs are not counted as traffic.
 _NO_TRAFFIC_OPS = {
@@ -205,6 +206,7 @@ class OpRecorder(TorchDispatchMode):
         if recorder.backward:
             sums = func is torch.ops.aten.add.Tensor  # autograd's accumulation of a gradient's contributions
             grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, not outside, sums)
+            grad_live += workspace_bytes(func, args, kwargs)  # a GPU kernel's own buffer while it runs
             # the loss's backward ops keep their class and output bytes: loss parallel runs some otherwise
             cls, out_nbytes = (op_class(func), outputs_nbytes(flat_out)) if outside else (OpClass.OTHER, 0)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, out_nbytes, kernel=kernel,
