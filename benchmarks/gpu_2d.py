@@ -17,11 +17,14 @@ whatever the allocator's blocks held: the same shapes and kernels, values that m
    its own process.
    ``SMOKE=1`` runs every workload at 1/32 the width on a CPU (its own plans, under ``OUTDIR``: ``SMOKE=1 ...
    prepare OUTDIR`` first where the GPU image's torch is older than the planner's), to try the script.
+   ``python benchmarks/gpu_2d.py peak NAME OUTDIR benchmarks/gpu``: the CUDA allocator's history of one step of
+   one workload (``OUTDIR/NAME.peak.json``: the tensors alive at the allocated peak, each stream's reserved bytes).
 3. Here: ``benchmarks/gpu_2d_report.py`` compares with the simulator on the same layout and free collectives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -221,9 +224,11 @@ def one(name: str, out: Path, plans: Path) -> None:
 
 
 def peak(name: str, out: Path, plans: Path) -> None:
-    """Where one workload's allocated peak is: the CUDA allocator's history over a whole step after warm-up,
-    replayed here; the tensors live at the peak, largest first, each with the Python frames that made it
-    (``OUT/NAME.peak.json``: data, no pickle leaves the machine)."""
+    """Where one workload's peaks are: the CUDA allocator's history over a whole step after warm-up, replayed here
+    (``OUT/NAME.peak.json``: data, no pickle leaves the machine). Allocated: the tensors live at the peak, largest
+    first, each with the Python frames that made it. Reserved: each stream's mapped bytes (what it held after
+    warm-up, then its segments mapped and unmapped), at the step's most reserved moment and at each stream's own
+    most, the streams named as FSDP2's (default, all-gather copy-in, all-gather, reduce-scatter, all-reduce)."""
     w = next(w for w in WORKLOADS if w.name == name)
     job = set_up(w, plans)
     import torch
@@ -231,27 +236,69 @@ def peak(name: str, out: Path, plans: Path) -> None:
     for _ in range(WARMUP):
         job.step()
     torch.cuda.synchronize()
+    reserved: dict[int, int] = {}
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        reserved[segment["stream"]] = reserved.get(segment["stream"], 0) + segment["total_size"]
+    torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     job.step()
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    live: dict[int, tuple[int, list[str]]] = {}
-    total, best, at_best = 0, -1, {}  # bytes allocated in the step, above what was live when it began
-    for e in snapshot["device_traces"][0]:
-        if e["action"] == "alloc":
+    allocated, streams = _replay(snapshot["device_traces"][0], dict(reserved))
+    names = _stream_names(job.model)
+    named = {k: {names.get(int(s), str(s)): v for s, v in d.items()} if isinstance(d, dict) else d
+             for k, d in streams.items()}
+    (out / f"{name}.peak.json").write_text(json.dumps({
+        "peak_in_step": allocated["peak"], "max_allocated": torch.cuda.max_memory_allocated(),
+        "max_reserved": torch.cuda.max_memory_reserved(), "reserved_after_warmup": {
+            names.get(s, str(s)): v for s, v in reserved.items()}, **named,
+        "live": allocated["live"]}, indent=1) + "\n")
+
+
+def _replay(events: list[dict], reserved: dict[int, int]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step's allocated peak (above what was live when it began: tensors, largest first, with their frames)
+    and its reserved bytes by stream over time."""
+    live: dict[int, tuple[int, int, list[str]]] = {}
+    total, best, at_best = 0, -1, {}
+    most = dict(reserved)
+    top, at_top = sum(reserved.values()), dict(reserved)
+    for e in events:
+        action, stream = e["action"], e.get("stream", 0)
+        if action == "alloc":
             frames = [f"{'/'.join(f['filename'].rsplit('/', 2)[-2:])}:{f['line']} {f['name']}"
                       for f in e.get("frames", []) if f["filename"].endswith(".py")][:14]
-            live[e["addr"]] = (e["size"], frames)
+            live[e["addr"]] = (e["size"], stream, frames)
             total += e["size"]
             if total > best:
                 best, at_best = total, dict(live)
-        elif e["action"] == "free_requested" and e["addr"] in live:
+        elif action == "free_requested" and e["addr"] in live:
             total -= live.pop(e["addr"])[0]
+        elif action in ("segment_alloc", "segment_map", "segment_free", "segment_unmap"):
+            sign = 1 if action in ("segment_alloc", "segment_map") else -1
+            reserved[stream] = reserved.get(stream, 0) + sign * e["size"]
+            most[stream] = max(most.get(stream, 0), reserved[stream])
+            if sum(reserved.values()) > top:
+                top, at_top = sum(reserved.values()), dict(reserved)
+    by_stream: dict[int, int] = {}
+    for size, stream, _ in at_best.values():
+        by_stream[stream] = by_stream.get(stream, 0) + size
     rows = sorted(at_best.values(), key=lambda r: -r[0])
-    (out / f"{name}.peak.json").write_text(json.dumps({
-        "peak_in_step": best, "max_allocated": torch.cuda.max_memory_allocated(),
-        "live": [{"bytes": size, "frames": frames} for size, frames in rows[:60]]}, indent=1) + "\n")
+    return ({"peak": best, "live": [{"bytes": b, "stream": s, "frames": f} for b, s, f in rows[:60]]},
+            {"reserved_peak": top, "reserved_at_peak": at_top, "reserved_most": most,
+             "allocated_at_peak_by_stream": by_stream})
+
+
+def _stream_names(model: Any) -> dict[int, str]:
+    """FSDP2's streams and the default one, by their CUDA stream handle."""
+    import torch
+
+    names = {torch.cuda.default_stream().cuda_stream: "default", 0: "default"}
+    with contextlib.suppress(Exception):
+        ctx = model._get_fsdp_state()._comm_ctx
+        for attr in ("all_gather_copy_in_stream", "all_gather_stream", "reduce_scatter_stream", "all_reduce_stream"):
+            names[getattr(ctx, attr).cuda_stream] = attr.removesuffix("_stream")
+    return names
 
 
 def _local(p: Any) -> Any:

@@ -89,7 +89,8 @@ def report() -> None:
         clusters = {w.world: free_cluster(w.world, Path(tmp) / f"free{w.world}.json") for w in WORKLOADS}
         rows = {w.name: predicted(w, clusters[w.world], Path(tmp) / f"{w.name}.fit.json") for w in WORKLOADS}
     lines = _header(measured, started, cpu0) + _step_table(measured, rows) + _effect_table(measured, rows)
-    lines += _class_table(rows) + _memory_table(measured, rows) + ["## What this shows", "", *NOTES, ""]
+    lines += _class_table(rows) + _memory_table(measured, rows) + _streams_table(rows)
+    lines += ["## What this shows", "", *NOTES, ""]
     (HERE / "gpu_2d.md").write_text("\n".join(lines) + "\n")
 
 
@@ -190,6 +191,29 @@ def _memory_table(measured: dict, rows: dict) -> list[str]:
     return [*out, ""]
 
 
+def _streams_table(rows: dict) -> list[str]:
+    """Where the reserved bytes sit: each stream's mapped bytes in one step's allocator history (``gpu_2d.py
+    peak``: ``benchmarks/gpu/NAME.peak.json``), beside what the model reserves beyond its allocated peak."""
+    out = ["## Where the reserved bytes sit (one step's allocator history, `gpu_2d.py peak`)", "",
+           "Expandable segments map pages per stream and unmap none during a step, so each stream's reserved bytes "
+           "are its most after warm-up. Predicted: the model's reserved peak less its allocated peak (the "
+           "all-gather and reduce-scatter streams' pools and the default stream's packing, sim/memory.py).", "",
+           "| workload | default stream | its allocated peak | all-gather copy-in stream | reduce-scatter stream | "
+           "beyond the allocated peak: measured | predicted |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for w in WORKLOADS:
+        path = PLANS / f"{w.name}.peak.json"
+        if not path.is_file():
+            continue
+        d, rep = json.loads(path.read_text()), rows[w.name]["report"]
+        streams = d["reserved_at_peak"]
+        beyond = d["max_reserved"] - d["max_allocated"]
+        out.append(f"| {w.name} | {_gib(streams.get('default', 0))} | {_gib(d['max_allocated'])} | "
+                   f"{_gib(streams.get('all_gather_copy_in', 0))} | {_gib(streams.get('reduce_scatter', 0))} | "
+                   f"{_gib(beyond)} | {_gib(rep['reserved_memory'] - rep['peak_memory'])} |")
+    return [*out, ""]
+
+
 NOTES = [  # read from the tables above and the traces, as this run made them (2026-11-30)
     "- Pure FSDP at 64 ranks (Llama 3 8B): the step within 1% and allocated memory within 0.4%. At FSDP x TP 8 the "
     "eager steps are 8.6% (70B) and 12.7% (405B) fast: the matmul class is +11.0% / +1.4% of the trace, attention "
@@ -217,7 +241,12 @@ NOTES = [  # read from the tables above and the traces, as this run made them (2
     "`embedding_dense_backward` makes (`grad_weight_per_segment`, (tokens / 10 + min(tokens, vocab)) x dim x 4 "
     "bytes = 18,022 x 16,384 x 4; EmbeddingBackwardKernel.cu) and the CPU kernel does not. The trace and the fake "
     "world now count it (`workspaces.py`): 8.66 GiB on both, -0.7% of the H200's. Reserved is 5.0% short on pure "
-    "FSDP and 9-12% on the 70B TP rows.",
+    "FSDP, 9-12% on the 70B TP rows and 18-24% on the 405B ones. By stream (the table above): the default "
+    "stream's segment holds 4.15 GiB beyond the allocated peak on the 70B (loss parallel's four 3.9 GiB "
+    "vocab-sharded tensors alive at its peak, packed among the activations) and 1.29 GiB on the 405B; the "
+    "all-gather copy-in stream holds 2.05 GiB on the 405B (its 0.8 GiB block and 0.5 GiB embedding and head "
+    "outputs in flight together) where the model's pools are 0.80 GiB with the reduce-scatter stream's: the "
+    "allocator model's next terms.",
     "- `calibrate --trace` read these traces wrongly before this run: it matched a TP rank's kernels to the whole "
     "model's ops (the preset's matmul time 9x the measured, a fit 9x too slow), charged float8 matmuls at the bf16 "
     "peak with their casts inside the matmul class, traced a compiled plan's blocks eager, and `simulate "
