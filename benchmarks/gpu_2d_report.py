@@ -109,8 +109,8 @@ def _header(measured: dict, started: float, cpu0: float) -> list[str]:
         "",
         f"Measured on {measured['device']} by `python benchmarks/gpu_2d.py run OUT` (two runs, 2026-11-30; the "
         "405B rows in the second), and the allocator's history of one 405B step by `gpu_2d.py peak` "
-        "(`benchmarks/gpu/llama3-405b-l2-tp8.peak.json`), about 10 of "
-        "the session's 15 device minutes); this file by `python benchmarks/gpu_2d_report.py` on the project's 2-core "
+        "(`benchmarks/gpu/llama3-405b-l2-tp8.peak.json`), about 11 of "
+        "the session's 15 device minutes; this file by `python benchmarks/gpu_2d_report.py` on the project's 2-core "
         f"CPU host in {time.perf_counter() - started:.0f} s wall, {_cpu_seconds() - cpu0:.0f} s CPU. Each workload: "
         "rank 0 of a world of W on the fake process group with real CUDA tensors: the plan in "
         "`benchmarks/gpu/NAME.plan.json` (titan's per-block groups, bf16-mixed, full checkpointing) applied by "

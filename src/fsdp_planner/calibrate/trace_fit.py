@@ -247,7 +247,8 @@ def _with_efficiencies(cluster: Cluster, eff: np.ndarray) -> Cluster:
     flops_up, bytes_up = max(1.0, float(eff[0]), float(eff[1])), max(1.0, float(eff[2]))
     g = cluster.gpu
     gpu = dataclasses.replace(g, peak_bf16_flops=g.peak_bf16_flops * flops_up,
-                              peak_fp32_flops=g.peak_fp32_flops * flops_up, hbm_bandwidth=g.hbm_bandwidth * bytes_up)
+                              peak_fp32_flops=g.peak_fp32_flops * flops_up, peak_fp8_flops=g.peak_fp8_flops * flops_up,
+                              hbm_bandwidth=g.hbm_bandwidth * bytes_up)
     compute = dataclasses.replace(cluster.compute, matmul_efficiency=max(1e-6, float(eff[0]) / flops_up),
                                   attention_efficiency=max(1e-6, float(eff[1]) / flops_up),
                                   memory_efficiency=max(1e-6, float(eff[2]) / bytes_up))

@@ -14,15 +14,16 @@ Measured, on the last step (the first creates the optimizer state):
   ``loss_parallel()`` when the plan asks for it; with expert parallelism (the plan's ``expert_parallel``, applied
   by ``apply_plan``: the experts over ``ep`` and their EP-reduced FSDP mesh) EP's all-to-alls, apart;
 - attention: SDPA takes the kernel a GPU picks (``attention.fused_sdpa_everywhere``), as the trace assumed, and so
-  does ``F.rms_norm`` (``norms.fused_rms_norm_everywhere``); a CUDA kernel's own buffer (``workspaces.py``: the
-  embedding backward's partial sums) counts beside what is alive while its op runs, as the trace counts it;
+  does ``F.rms_norm`` (``norms.fused_rms_norm_everywhere``);
   the CPU's own choice would be the math path for some shapes (query/key heads wider than value heads);
 - peak memory: every live tensor storage, counted when an op makes it and when FSDP2 resizes it (its
   unsharded params are storages resized between 0 and their size), uncounted when Python frees it; plus what was
   alive when the step began (sharded params, optimizer state, inputs). ``FSDPMemTracker`` would re-register
   FSDP2's hooks and change what list groups do; ``MemTracker`` counts the same storages but sums all of them on
   every op (100 s of a 140 s llama3-8b step), so this running total does the same in O(1) per tensor. This is
-  the allocator's *allocated* bytes, compared with the prediction's allocated peak; what the allocator reserves
+  the allocator's *allocated* bytes, compared with the prediction's allocated peak (a CUDA kernel's own buffer,
+  ``workspaces.py``: the embedding backward's partial sums, counted beside what is alive while its op runs, as the
+  trace counts it); what the allocator reserves
   on a GPU (``sim/memory.py``) needs a GPU to measure.
 - with CPU offload (``CPUOffloadPolicy``), the device's share of that: the fake ranks run on this CPU, where the
   offloaded state sits beside everything else, so the storages that a GPU rank keeps in host memory are told apart
