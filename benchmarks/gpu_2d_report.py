@@ -24,7 +24,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 from gpu_2d import WORKLOADS, Workload, plan_path  # noqa: E402
-from gpu_report import TRIM, _cpu_seconds, _err, _gib, _median, _ms  # noqa: E402
+from gpu_report import TRIM, class_cells, cpu_seconds, err, gib, median_of, ms  # noqa: E402
 from gpu_step import PLANS, cli  # noqa: E402
 
 MEASURED = PLANS / "measured2d.json"
@@ -83,7 +83,7 @@ def predicted(w: Workload, cluster: Path, out: Path) -> dict[str, Any]:
 
 
 def report() -> None:
-    started, cpu0 = time.perf_counter(), _cpu_seconds()
+    started, cpu0 = time.perf_counter(), cpu_seconds()
     measured = json.loads(MEASURED.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         clusters = {w.world: free_cluster(w.world, Path(tmp) / f"free{w.world}.json") for w in WORKLOADS}
@@ -111,7 +111,7 @@ def _header(measured: dict, started: float, cpu0: float) -> list[str]:
         "405B rows in the second), and the allocator's history of one 405B step by `gpu_2d.py peak` "
         "(`benchmarks/gpu/llama3-405b-l2-tp8.peak.json`), about 11 of "
         "the session's 15 device minutes; this file by `python benchmarks/gpu_2d_report.py` on the project's 2-core "
-        f"CPU host in {time.perf_counter() - started:.0f} s wall, {_cpu_seconds() - cpu0:.0f} s CPU. Each workload: "
+        f"CPU host in {time.perf_counter() - started:.0f} s wall, {cpu_seconds() - cpu0:.0f} s CPU. Each workload: "
         "rank 0 of a world of W on the fake process group with real CUDA tensors: the plan in "
         "`benchmarks/gpu/NAME.plan.json` (titan's per-block groups, bf16-mixed, full checkpointing) applied by "
         "`apply_plan` (TP with sequence parallel and loss parallel, then float8 and compile where planned, then "
@@ -133,11 +133,11 @@ def _step_table(measured: dict, rows: dict) -> list[str]:
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for w in WORKLOADS:
         runs, rep = measured["runs"][w.name], rows[w.name]["report"]
-        fb, opt = _median(runs, "forward_backward_s"), _median(runs, "optimizer_s")
+        fb, opt = median_of(runs, "forward_backward_s"), median_of(runs, "optimizer_s")
         p_opt = rep["gpu_optimizer_time"]
         p_fb = rep["step_time"] - p_opt
-        out.append(f"| {w.name} | {_layout(w)} | {len(runs)} | {_ms(fb)} | {_ms(p_fb)} | {_err(p_fb, fb)} | "
-                   f"{_ms(opt)} | {_ms(p_opt)} | {_err(p_opt, opt)} |")
+        out.append(f"| {w.name} | {_layout(w)} | {len(runs)} | {ms(fb)} | {ms(p_fb)} | {err(p_fb, fb)} | "
+                   f"{ms(opt)} | {ms(p_opt)} | {err(p_opt, opt)} |")
     return [*out, ""]
 
 
@@ -145,21 +145,21 @@ def _effect_table(measured: dict, rows: dict) -> list[str]:
     """What compile and float8 change against the same layout in eager bf16, measured and predicted."""
     out = ["## What compile and float8 change (the whole step against the eager bf16 one)", "",
            "| workload | against | measured | predicted |", "|---|---|---:|---:|"]
-    by_name = {w.name: w for w in WORKLOADS}
     for w in WORKLOADS:
         base = next((b for b in WORKLOADS if b.model == w.model and b.world == w.world and
                      b.options == tuple(o for o in w.options if o not in ("--compile", "--float8", "tensorwise"))),
                     None)
         if base is None or base.name == w.name:
             continue
-
-        def step(name: str) -> tuple[float, float]:
-            runs, rep = measured["runs"][name], rows[name]["report"]
-            return _median(runs, "forward_backward_s") + _median(runs, "optimizer_s"), rep["step_time"]
-
-        (m, p), (mb, pb) = step(w.name), step(base.name)
-        out.append(f"| {w.name} | {by_name[base.name].name} | {m / mb - 1:+.1%} | {p / pb - 1:+.1%} |")
+        (m, p), (mb, pb) = _whole_step(measured, rows, w.name), _whole_step(measured, rows, base.name)
+        out.append(f"| {w.name} | {base.name} | {m / mb - 1:+.1%} | {p / pb - 1:+.1%} |")
     return [*out, ""]
+
+
+def _whole_step(measured: dict, rows: dict, name: str) -> tuple[float, float]:
+    """A workload's whole step (forward, backward and optimizer): measured (medians), predicted."""
+    runs = measured["runs"][name]
+    return median_of(runs, "forward_backward_s") + median_of(runs, "optimizer_s"), rows[name]["report"]["step_time"]
 
 
 def _class_table(rows: dict) -> list[str]:
@@ -170,9 +170,7 @@ def _class_table(rows: dict) -> list[str]:
            "memory-bound: measured | preset | error |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in WORKLOADS:
-        cells = [_ms(rows[w.name]["trace_step"])]
-        for row in rows[w.name]["classes"]:
-            cells += [_ms(row["measured"]), _ms(row["before"]), _err(row["before"], row["measured"])]
+        cells = [ms(rows[w.name]["trace_step"]), *class_cells(rows[w.name]["classes"])]
         out.append(f"| {w.name} | " + " | ".join(cells) + " |")
     return [*out, ""]
 
@@ -186,8 +184,8 @@ def _memory_table(measured: dict, rows: dict) -> list[str]:
         alloc = statistics.median(r["peak_allocated"] for r in runs)
         reserved = statistics.median(r["peak_reserved"] for r in runs)
         pa, pr = rep["peak_memory"], rep["reserved_memory"]
-        out.append(f"| {w.name} | {_gib(alloc)} | {_gib(pa)} | {_err(pa, alloc)} | {_gib(reserved)} | {_gib(pr)} | "
-                   f"{_err(pr, reserved)} |")
+        out.append(f"| {w.name} | {gib(alloc)} | {gib(pa)} | {err(pa, alloc)} | {gib(reserved)} | {gib(pr)} | "
+                   f"{err(pr, reserved)} |")
     return [*out, ""]
 
 
@@ -208,9 +206,9 @@ def _streams_table(rows: dict) -> list[str]:
         d, rep = json.loads(path.read_text()), rows[w.name]["report"]
         streams = d["reserved_at_peak"]
         beyond = d["max_reserved"] - d["max_allocated"]
-        out.append(f"| {w.name} | {_gib(streams.get('default', 0))} | {_gib(d['max_allocated'])} | "
-                   f"{_gib(streams.get('all_gather_copy_in', 0))} | {_gib(streams.get('reduce_scatter', 0))} | "
-                   f"{_gib(beyond)} | {_gib(rep['reserved_memory'] - rep['peak_memory'])} |")
+        out.append(f"| {w.name} | {gib(streams.get('default', 0))} | {gib(d['max_allocated'])} | "
+                   f"{gib(streams.get('all_gather_copy_in', 0))} | {gib(streams.get('reduce_scatter', 0))} | "
+                   f"{gib(beyond)} | {gib(rep['reserved_memory'] - rep['peak_memory'])} |")
     return [*out, ""]
 
 

@@ -80,29 +80,29 @@ def calibrate(name: str, out: Path) -> dict[str, Any]:
                           "--out", str(out), "--force", "--json"))
 
 
-def _cpu_seconds() -> float:
+def cpu_seconds() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
 
-def _err(predicted: float, measured: float) -> str:
+def err(predicted: float, measured: float) -> str:
     return f"{predicted / measured - 1:+.1%}"
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
     return f"{n / 2 ** 30:.2f} GiB"
 
 
-def _median(runs: list[dict], key: str) -> float:
+def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(x for r in runs for x in r[key])
 
 
 def report() -> None:
-    started, cpu0 = time.perf_counter(), _cpu_seconds()
+    started, cpu0 = time.perf_counter(), cpu_seconds()
     measured = json.loads(MEASURED.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         fits = {w.name: calibrate(w.name, Path(tmp) / f"{w.name}.json") for w in WORKLOADS}
@@ -122,7 +122,7 @@ def _header(measured: dict, fit: dict, started: float, cpu0: float) -> list[str]
         f"Measured on {measured['device']} (the device machine's image; the planner itself runs torch 2.13 here) by "
         "`python benchmarks/gpu_step.py run OUT` (15 minutes of a lent GPU, 2026-11-30); this file by `python "
         f"benchmarks/gpu_report.py` on the project's 2-core CPU host in {time.perf_counter() - started:.0f} s wall, "
-        f"{_cpu_seconds() - cpu0:.0f} s CPU (its CLI subprocesses' included). Each workload: real FSDP2 "
+        f"{cpu_seconds() - cpu0:.0f} s CPU (its CLI subprocesses' included). Each workload: real FSDP2 "
         "(`apply_plan` of the plan in `benchmarks/gpu/NAME.plan.json`, titan's per-block groups, bf16-mixed), AdamW, "
         "on one rank (NCCL, world size 1: no collective moves bytes), so this checks compute, host overhead, the "
         "optimizer step and memory, not the network.",
@@ -148,12 +148,12 @@ def _step_table(measured: dict, rows: dict) -> list[str]:
            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, (preset, cal) in rows.items():
         runs = measured["runs"][name]
-        fb = _median(runs, "forward_backward_s")
+        fb = median_of(runs, "forward_backward_s")
         trace = preset["against"]["measured"]["step"]
         p, c = preset["against"]["simulated"]["step"], cal["against"]["simulated"]["step"]
         held = " (fitted on)" if name == CALIBRATED_ON else ""
-        out.append(f"| {name} | {len(runs)} | {_ms(fb)} | {_ms(trace)} | {_ms(p)} | {_err(p, fb)} | {_ms(c)}{held} | "
-                   f"{_err(c, fb)} |")
+        out.append(f"| {name} | {len(runs)} | {ms(fb)} | {ms(trace)} | {ms(p)} | {err(p, fb)} | {ms(c)}{held} | "
+                   f"{err(c, fb)} |")
     from fsdp_planner.sim.optimizer_step import GRAD_CLIP_BYTES, STEP_BYTES
 
     adamw = STEP_BYTES["adamw"] / (STEP_BYTES["adamw"] + GRAD_CLIP_BYTES)
@@ -164,10 +164,18 @@ def _step_table(measured: dict, rows: dict) -> list[str]:
             "| workload | measured (events) | predicted, with clipping | error | AdamW's share | error |",
             "|---|---:|---:|---:|---:|---:|"]
     for name, (preset, _) in rows.items():
-        opt = _median(measured["runs"][name], "optimizer_s")
+        opt = median_of(measured["runs"][name], "optimizer_s")
         p = preset["report"].get("gpu_optimizer_time", 0.0)
-        out.append(f"| {name} | {_ms(opt)} | {_ms(p)} | {_err(p, opt)} | {_ms(p * adamw)} | {_err(p * adamw, opt)} |")
+        out.append(f"| {name} | {ms(opt)} | {ms(p)} | {err(p, opt)} | {ms(p * adamw)} | {err(p * adamw, opt)} |")
     return [*out, ""]
+
+
+def class_cells(classes: list[dict]) -> list[str]:
+    """A workload's kernel classes as table cells: measured, the preset's roofline, its error."""
+    cells = []
+    for row in classes:
+        cells += [ms(row["measured"]), ms(row["before"]), err(row["before"], row["measured"])]
+    return cells
 
 
 def _class_table(fits: dict) -> list[str]:
@@ -178,10 +186,7 @@ def _class_table(fits: dict) -> list[str]:
            "measured | preset | error |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, fit in fits.items():
-        cells = []
-        for row in fit["fit"]["classes"]:
-            cells += [_ms(row["measured"]), _ms(row["before"]), _err(row["before"], row["measured"])]
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append(f"| {name} | " + " | ".join(class_cells(fit["fit"]["classes"])) + " |")
     return [*out, ""]
 
 
@@ -260,7 +265,7 @@ def _family_table() -> list[str]:
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and \
                     mark["ts"] <= launched.get(e["args"].get("correlation"), -1) <= mark["ts"] + mark["dur"]:
                 per[_family(e["name"])] += e["dur"] / 1e6
-        out.append(f"| {w.name} | " + " | ".join(_ms(per[n]) for n in names) + " |")
+        out.append(f"| {w.name} | " + " | ".join(ms(per[n]) for n in names) + " |")
     return [*out, ""]
 
 
@@ -273,8 +278,8 @@ def _memory_table(measured: dict, rows: dict) -> list[str]:
         alloc = statistics.median(r["peak_allocated"] for r in runs)
         res = statistics.median(r["peak_reserved"] for r in runs)
         pa, pr = preset["report"]["peak_memory"], preset["report"]["reserved_memory"]
-        out.append(f"| {name} | {_gib(alloc)} | {_gib(pa)} | {_err(pa, alloc)} | {_gib(res)} | {_gib(pr)} | "
-                   f"{_err(pr, res)} |")
+        out.append(f"| {name} | {gib(alloc)} | {gib(pa)} | {err(pa, alloc)} | {gib(res)} | {gib(pr)} | "
+                   f"{err(pr, res)} |")
     return [*out, ""]
 
 
