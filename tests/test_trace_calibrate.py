@@ -267,3 +267,27 @@ def test_simulate_against_its_own_trace(tmp_path: Path, capsys: pytest.CaptureFi
     page = (tmp_path / "a.html").read_text()
     assert "largest gaps" in page and "measured (rank 0): compute" in page and "simulated titan" in page
     assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_host_overhead_of_a_tp_plan_is_per_op_of_one_rank() -> None:
+    """On CPU ranks the fitted per-op cost spreads what the step took beyond the simulated work over the ops one
+    rank runs: its TP view's, with TP's collectives, not the whole model's (which differ in number), so the fitted
+    cluster's step is the measured one."""
+    from conftest import traced
+
+    from fsdp_planner.calibrate.trace_fit import fit_overhead
+    from fsdp_planner.planners.classic import TorchtitanPolicy
+    from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+    from fsdp_planner.sim.options import SimOptions
+    from fsdp_planner.sim.simulate import rank_step, simulate
+
+    trace = traced("toy-llama")
+    plan = TorchtitanPolicy("TransformerBlock").plan(trace).replace(tensor_parallel=titan_llama_layout(2))
+    base, options = cpu_base(4), SimOptions()
+    assert rank_step(trace, plan, base)[0].index.ops_through[-1] != trace.index.ops_through[-1]
+    bare = simulate(trace, plan, base, options, timeline=False).step_seconds(False)
+    zero = dict.fromkeys(OpClass, 0.0)
+    measured = Step(bare + 0.2, zero, dict.fromkeys(OpClass, 0), (), 0.05, 0.1, 0.1, 0.0, 0.0, 0.0)
+    fitted = fit_overhead(trace, plan, base, [measured], options)
+    assert fitted.overhead.op_seconds > 0
+    assert simulate(trace, plan, fitted, options, timeline=False).step_seconds(False) == pytest.approx(bare + 0.2)

@@ -126,3 +126,34 @@ def test_embedding_backward_workspace_is_the_cuda_kernel_s() -> None:
     assert workspace_bytes(op, (torch.empty(3, 1000, 64, device="meta"), small, 50, -1, False)) == 0
     assert workspace_bytes(op, (torch.empty(3, 1000, 64, device="meta"), small, 50, -1, True)) == (300 + 50) * 64 * 4
     assert workspace_bytes(torch.ops.aten.mm.default, (grad, ids)) == 0
+
+
+def test_embedding_workspace_is_its_own_dtype_and_gpu_only() -> None:
+    """The trace records the buffer on the embedding's backward op as ``Event.workspace``, apart from the gradients
+    alive there: a fp32 trace planned in bf16 halves the gradients, not the fp32 buffer, and CPU ranks (gloo's
+    ``Engine.HOST``) hold none of it."""
+    import torch
+    from torch import nn
+
+    from fsdp_planner.sim.memory import activation_levels
+    from fsdp_planner.sim.options import PRECISIONS
+    from fsdp_planner.trace import record
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.out = nn.Embedding(100, 16), nn.Linear(16, 100)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(ids))
+
+    with torch.device("meta"):
+        model = Tiny()
+    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    trace = record(model, (ids,), lambda y: y.float().sum())
+    (op,) = [i for i, e in enumerate(trace.events) if e.workspace]
+    assert trace.events[op].workspace == (4096 // 10 + 100) * 16 * 4 and trace.events[op].backward
+    for name in ("fp32", "pure-bf16"):
+        gpu, cpu = (activation_levels(trace, PRECISIONS[name], (), w) for w in (True, False))
+        assert gpu[op] - cpu[op] == trace.events[op].workspace
+        assert (gpu - cpu).sum() == trace.events[op].workspace

@@ -2,7 +2,8 @@
 
 The trace (meta tensors) and the fake-world check (fake tensors on this CPU) see each op's inputs and outputs, not
 the buffers its CUDA kernel allocates inside: those are counted here, by op and shapes, as a level beside what is
-alive while the op runs (``Event.grad_live`` in the trace; ``LiveBytes`` on the fake ranks).
+alive while the op runs (``Event.workspace`` in the trace, beside ``Event.grad_live``; ``LiveBytes`` on the fake
+ranks). The CPU kernels of CPU ranks (``Engine.HOST``) allocate none of them.
 
 - ``aten::embedding_dense_backward`` (``EmbeddingBackwardKernel.cu``, reached from ``Embedding.cu``'s
   ``embedding_dense_backward_cuda`` past 3,072 indices or with ``scale_grad_by_freq``): the grad rows of equal

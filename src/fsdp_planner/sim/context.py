@@ -14,7 +14,7 @@ from fsdp_planner.fsdp2.checkpointing import recomputed_at
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.replay import Collective
-from fsdp_planner.hardware.cluster import Cluster
+from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.hardware.cost import CollectiveCost, collective_cost
 from fsdp_planner.sim.compute import step_op_times, traced_itemsize
 from fsdp_planner.sim.expert_parallel import ep_seconds, expert_ranks
@@ -90,7 +90,8 @@ class SimContext:
                                   self.options.zero_grad, like.memory if like is not None else None,
                                   self.options.offload, self.options.shard_placement,
                                   self.float8.gathered if self.float8 is not None else frozenset(),
-                                  self.float8.levels(len(trace.events) + 1) if self.float8 is not None else None)
+                                  self.float8.levels(len(trace.events) + 1) if self.float8 is not None else None,
+                                  workspaces=cluster.engine is not Engine.HOST)
         self.sizing = self.memory.sizing
         self._costs: dict[tuple[CollectiveKind, int], CollectiveCost] = {}
         self._recompute: dict[tuple[Checkpointed, ...], dict[int, Recompute]] = \

@@ -142,14 +142,16 @@ def micro_batch_phases(micro_batches: int) -> tuple[GradSync, ...]:
 ACTIVATION_MEMO_BYTES = 256 * 2**20
 
 
-def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[Checkpointed] = ()) -> np.ndarray:
+def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence[Checkpointed] = (),
+                      workspaces: bool = True) -> np.ndarray:
     """Activation bytes held at each event (index ``len(events)``: after the final callback), at the compute
     dtype: saved in forward, freed when the saving module call's backward is done; the ``checkpointed`` modules'
     calls hold their inputs instead and re-create their activations in backward (``recompute.py``). Computed once
     per trace, checkpointing and dtype while the curves kept stay under ``ACTIVATION_MEMO_BYTES`` (the oldest go
-    first): every context of a search on one trace asks for the same few; not to be changed by the caller."""
+    first): every context of a search on one trace asks for the same few; not to be changed by the caller.
+    ``workspaces``: count the buffers GPU kernels allocate for themselves (``Event.workspace``); not on CPU ranks."""
     scale = precision.compute_bytes / traced_itemsize(trace)
-    key = ("activation_levels", tuple(checkpointed), scale)
+    key = ("activation_levels", tuple(checkpointed), scale, workspaces)
     memo = trace.index.memo
     if key not in memo:
         calls = checkpointed_calls(trace, key[1])
@@ -157,7 +159,7 @@ def activation_levels(trace: Trace, precision: Precision, checkpointed: Sequence
         size = 8 * (len(trace.events) + 1)
         while kept and (len(kept) + 1) * size > ACTIVATION_MEMO_BYTES:
             del memo[kept.pop(0)]
-        memo[key] = np.cumsum(activation_deltas(trace, calls, scale)) + gradient_flow(trace, scale) \
+        memo[key] = np.cumsum(activation_deltas(trace, calls, scale)) + gradient_flow(trace, scale, workspaces) \
             + recompute_levels(trace, calls, scale) + trace.inputs_nbytes  # the batch, held all step
         memo[key].flags.writeable = False
     return memo[key]
@@ -180,12 +182,15 @@ class MemoryModel:
     def __init__(self, trace: Trace, world_size: int, precision: Precision, optimizer: Optimizer,
                  zero_grad: ZeroGrad = ZeroGrad.NONE, like: MemoryModel | None = None,
                  offload: bool = False, placement: ShardPlacement = ShardPlacement.DIM0,
-                 float8_gathered: frozenset[int] = frozenset(), float8_casts: np.ndarray | None = None) -> None:
+                 float8_gathered: frozenset[int] = frozenset(), float8_casts: np.ndarray | None = None,
+                 workspaces: bool = True) -> None:
         """``like``: the model of the same trace and precision at another world size, whose activation levels (they
         do not depend on the world size) are shared. ``offload``, ``placement``: FSDP2's memory options (module
         docstring); ``float8_gathered``: the params all-gathered in float8, ``float8_casts``: the bytes float8's
-        casts hold at each event (``sim/float8.py``), counted with the activations."""
+        casts hold at each event (``sim/float8.py``), counted with the activations; ``workspaces``: GPU ranks,
+        whose kernels allocate buffers of their own (``Event.workspace``)."""
         self.trace, self.precision, self.zero_grad, self.offload = trace, precision, zero_grad, offload
+        self.workspaces = workspaces
         self.sizing = Sizing(trace, world_size, precision, like.sizing if like is not None else None, placement,
                              float8_gathered=float8_gathered)
         # an EP view's expert params over a shard dim of one rank (EP takes dp_shard whole): FSDP2 reduces them with
@@ -215,7 +220,7 @@ class MemoryModel:
         """``activation_levels`` for one set of checkpointed modules, computed once per set."""
         key = tuple(checkpointed)
         if key not in self._activations:
-            levels = activation_levels(self.trace, self.precision, key)
+            levels = activation_levels(self.trace, self.precision, key, self.workspaces)
             self._activations[key] = levels if self._casts is None else levels + self._casts
         return self._activations[key]
 

@@ -93,6 +93,8 @@ class Event(NamedTuple):
     # the matmul rate; its bytes at HBM's)
     grad_live: int = 0  # backward op inside the model: bytes of the gradients it reads and makes (the gradient
     # flowing in and the one flowing out, alive together while it runs; ``trace/ops.py``)
+    workspace: int = 0  # backward op: bytes its CUDA kernel allocates for itself while it runs (``workspaces.py``),
+    # in its own accumulate dtype: neither scaled to the compute dtype nor held on CPU ranks
     held: int = 0  # FWD_POST: bytes of the storages its forward made that were alive and not saved for backward at
     # its last pack (its frame's locals and temporaries), plus its grad-requiring outputs' (their gradients, alive
     # when its backward starts): what a recomputation of the call holds besides its saved activations when it

@@ -206,11 +206,10 @@ class OpRecorder(TorchDispatchMode):
         if recorder.backward:
             sums = func is torch.ops.aten.add.Tensor  # autograd's accumulation of a gradient's contributions
             grad_live, made = _gradient_bytes(recorder, flat_in, flat_out, not outside, sums)
-            grad_live += workspace_bytes(func, args, kwargs)  # a GPU kernel's own buffer while it runs
             # the loss's backward ops keep their class and output bytes: loss parallel runs some otherwise
             cls, out_nbytes = (op_class(func), outputs_nbytes(flat_out)) if outside else (OpClass.OTHER, 0)
             recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, out_nbytes, kernel=kernel,
-                        grad_live=grad_live)
+                        grad_live=grad_live, workspace=workspace_bytes(func, args, kwargs))
             recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.made(flat_out)

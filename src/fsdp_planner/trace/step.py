@@ -80,12 +80,13 @@ class StepRecorder:
         return self.fwd_stack[-1] if self.fwd_stack else ROOT
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
+           workspace: int = 0) -> None:
         self.last_op = len(self.events)
         self.new_inputs.clear()
         self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
                                  backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
-                                 kernel=kernel, grad_live=grad_live))
+                                 kernel=kernel, grad_live=grad_live, workspace=workspace))
 
     def watch_saved(self, storage: torch.UntypedStorage | None, nbytes: int) -> None:
         """A storage just charged as saved by an op of the innermost call running: when autograd frees it in that
@@ -127,16 +128,17 @@ class StepRecorder:
         """Whether an op now runs outside every module call: the loss, or its backward before the model's."""
         return not self.fwd_stack and not self.bwd_active and not (self.backward and self.bwd_started)
 
-    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int, int]]) -> None:
+    def ops(self, batch: list[tuple[tuple[int, ...], int, int, OpClass, int, int, int, int, int, int]]) -> None:
         """Several ops in a row in the same module (replayed calls): (params, flops, bytes, class, output bytes,
-        kernel, temporaries made in the call, gradient bytes, saved bytes freed) each; those alive from
-        before the call (``Temporaries``) are alive during it too."""
+        kernel, temporaries made in the call, kernel workspace, gradient bytes, saved bytes freed) each; those
+        alive from before the call (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
         outer = 0 if backward else self.temporaries.current
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
                                   live=live + outer if live or outer else 0, op_class=op_class,
-                                  out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live, freed=freed)
-                            for params, flops, nbytes, op_class, out_nbytes, kernel, live, grad_live, freed
+                                  out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live, freed=freed,
+                                  workspace=workspace)
+                            for params, flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, freed
                             in batch])
         self.last_op = len(self.events) - 1
         self.new_inputs.clear()
@@ -508,7 +510,8 @@ class NullRecorder(StepRecorder):
         super().__init__(set())
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
-           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0) -> None:
+           op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
+           workspace: int = 0) -> None:
         pass
 
     def outside_modules(self) -> bool:
