@@ -863,3 +863,18 @@ def test_hand_edited_ep_plan_files_meet_the_same_checks_everywhere(tmp_path) -> 
     assert r.returncode != 0 and "twice" in r.stderr
     r = run_main("export", str(made), "--format", "accelerate", "--out", str(tmp_path / "a.yaml"))
     assert r.returncode == 0 and "any multiple of 2 ranks" in (tmp_path / "a.yaml").read_text()
+
+
+def test_calibration_matches_a_profiled_rank_to_the_balanced_share() -> None:
+    """A profile is of one rank, on average the balanced router's share: ``calibrate --trace`` matches its kernels
+    to the EP view at skew 1 (the busiest rank's skewed work would fit the experts' matmul efficiency skew x too
+    high), with the EP all-to-alls in no op class."""
+    from fsdp_planner.calibrate.trace_fit import NO_CLASS, RankOps, simulated_classes
+
+    tr, cluster = _traced(), parse_cluster("h100:8")
+    plan = _ep_plan(tr, 8)
+    balanced = RankOps.of(tr, plan, cluster, BF16)
+    skewed = RankOps.of(tr, plan.replace(expert_parallel=ExpertParallel(8, EXPERTS, skew=2.0)), cluster, BF16)
+    assert balanced.trace.index.op_flops.sum() == skewed.trace.index.op_flops.sum() == tr.index.op_flops.sum()
+    a2a = simulated_classes(balanced.trace) == NO_CLASS
+    assert a2a.sum() == 4 * sum(1 for m in tr.modules if m.endswith("moe.experts"))  # dispatch, combine x fwd, bwd

@@ -132,6 +132,11 @@ class RankOps:
 
     @classmethod
     def of(cls, trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions) -> RankOps:
+        ep = plan.expert_parallel
+        if ep is not None and ep.skew != 1.0:  # the skew is the busiest rank's load, the one the step waits for; a
+            # profiled rank's kernels ran its own share, on average the balanced one: fitted to the busiest rank's,
+            # the matmul efficiency would come out 1/skew too high on the experts' ops
+            plan = plan.replace(expert_parallel=dataclasses.replace(ep, skew=1.0))
         view, _, view_cluster = rank_step(trace, plan, cluster)
         assert view_cluster is not None
         f8 = plan_options(plan, options).float8
