@@ -230,6 +230,8 @@ def peak(name: str, out: Path, plans: Path) -> None:
     warm-up, then its segments mapped and unmapped), at the step's most reserved moment and at each stream's own
     most, the streams named as FSDP2's (default, all-gather copy-in, all-gather, reduce-scatter, all-reduce)."""
     w = next(w for w in WORKLOADS if w.name == name)
+    # read when CUDA starts: run as the timed runs are, not as the caller's shell left it
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
     job = set_up(w, plans)
     import torch
 
