@@ -214,21 +214,23 @@ def _streams_table(rows: dict) -> list[str]:
 
 NOTES = [  # read from the tables above and the traces, as this run made them (2026-11-30)
     "- Pure FSDP at 64 ranks (Llama 3 8B): the step within 1% and allocated memory within 0.4%. At FSDP x TP 8 the "
-    "eager steps are 8.6% (70B) and 12.7% (405B) fast: the matmul class is +11.0% / +1.4% of the trace, attention "
+    "eager steps are 3.0% (70B) and 9.5% (405B) fast: the matmul class is +11.0% / +1.4% of the trace, attention "
     "is charged 52-70% too much (cuDNN's SDPA at head dim 128 beats the FlashAttention-2-era 0.35 efficiency, as "
-    "in gpu_step.md), and the memory-bound class is 70-75% short (70B: 44 ms charged, 145 ms measured). What the "
-    "short class holds, by kernel name in the 70B trace: DTensor's sequence-parallel collectives on the sequence "
-    "dim are gathered on dim 0 and re-laid out by `torch.cat` (`CatArrayBatchedCopy`, 34.6 + 13.8 ms a step; "
-    "funcol's `all_gather_tensor` cats the chunks when the gather dim is not 0, `reduce_scatter_tensor` "
-    "chunk-cats its input first), device-to-device copies (16.0 ms) and elementwise kernels. The model charges "
-    "the TP collectives' transfer only; their re-layout copies (at HBM speed about 15 ms, measured 48 ms) and "
-    "FSDP2's copies are the terms to model next.",
+    "in gpu_step.md), and the memory-bound class is 51-61% short (70B: 71 ms charged, 145 ms measured). The "
+    "model counts the re-layout copies of TP's sequence-dim collectives (NCCL gathers and scatters on dim 0; "
+    "funcol's `reduce_scatter_single` cats its input's chunks first, `all_gather_single` cats the gathered chunks "
+    "after where the local batch is over 1): 48 a step on the 70B and 26 on the 405B, as many as the traces' "
+    "`CatArrayBatchedCopy` kernels (`tests/test_trace_h200_2d.py`), each charged at the preset's memory-bound "
+    "rate: 27 ms a 70B step against 48 ms measured, because the all-gathers' cats (22 a step) run a kernel at "
+    "about a third of HBM's rate (1.57 ms for 1 GiB, where the reduce-scatters' take 0.53 ms). Before this term "
+    "the eager steps were 8.6% / 12.7% fast. Left in the short class: that slow kernel, device-to-device copies "
+    "(16.0 ms) and FSDP2's copies.",
     "- torch.compile of the TP blocks (full checkpointing) made the step 6.0% slower, not faster: its matmul class "
     "is 355.8 ms against eager's 307.0 (the largest GEMM, the same cuBLAS kernel, runs 32 times a step against "
-    "28), while inductor's fusion shrank the memory-bound class 145 -> 124 ms. The model predicts compile 4.0% "
+    "28), while inductor's fusion shrank the memory-bound class 145 -> 124 ms. The model predicts compile 3.8% "
     "faster (fused memory-bound bytes only): it has no term for a compiled block running more matmuls.",
     "- float8 (tensorwise, FSDP2's float8 all-gather) with compile: measured -19.7% (70B) and -28.5% (405B) "
-    "against eager bf16, predicted -18.5% and -24.1%; the float8 matmul class is +10.9% / +14.6% of the trace "
+    "against eager bf16, predicted -17.4% and -23.3%; the float8 matmul class is +10.9% / +14.6% of the trace "
     "(the float8 peak times the sweep's float8/bf16 share, sim/float8.py).",
     "- Memory: allocated within 1% on every row. The 405B rows were 13.3% short before a term this run found, "
     "while real FSDP2 and DTensor on this CPU's fake process group gave the predicted 7.56 GiB exactly (`verify "

@@ -333,8 +333,10 @@ def test_async_tp_hides_only_what_micro_pipelining_fuses() -> None:
     sync, hidden = (tp_seconds(v, cluster, [mm] * len(v.events), 1.0) for v in views)
     events = views[0].events
     seen = collections.Counter()
-    for p in tp_positions(views[0]).tolist():
-        e, fused = events[p], (sync[p] - hidden[p]) / (mm * 7 / 8)
+    # the same collectives in both, at other positions: the fused ones lose their re-layout copies (``_relayout``)
+    for p, q in zip(tp_positions(views[0]).tolist(), tp_positions(views[1]).tolist(), strict=True):
+        e, fused = events[p], (sync[p] - hidden[q]) / (mm * 7 / 8)
+        assert views[1].events[q].module == e.module
         where = (e.module.split(".")[-1], e.kernel, e.backward)
         seen[where] += 1
         expected = {("attention", AG, False): 3, ("feed_forward", AG, False): 2, ("wo", AG, True): 1,
@@ -343,3 +345,37 @@ def test_async_tp_hides_only_what_micro_pipelining_fuses() -> None:
         if expected is not None:
             assert fused == pytest.approx(expected), where
     assert seen[("attention", RS, True)] == seen[("feed_forward", RS, True)] == 2  # both blocks' reduce-scatters
+
+
+def test_sequence_dim_collectives_carry_funcol_s_relayout_copies() -> None:
+    """Each sequence-parallel reduce-scatter is preceded by the chunk-cat of its whole input, and each all-gather is
+    followed by the cat of its whole output where the local batch is over 1 (a view at 1; the logits, gathered on
+    their last dim without loss parallel, always): memory-bound ops reading and writing the whole tensor.
+    All-reduces move nothing apart; async TP's fused collectives have no copy."""
+    from fsdp_planner.trace.events import KERNEL_TP_ALL_REDUCE, KERNEL_TP_RELAYOUT
+
+    tr, cluster = _traced(SHAPED), parse_cluster("h100:8")
+    assert tr.attention_batch >= 1
+
+    def copies(trace: Any, **layout: Any) -> list[tuple[int, bool]]:
+        """(collective kernel, whether the copy is before it) of every copy of the view, checking its bytes."""
+        events = tp_view(trace, dataclasses.replace(titan_llama_layout(8), **layout), cluster).trace.events
+        out = []
+        for i, e in enumerate(events):
+            if e.is_op and e.kernel == KERNEL_TP_RELAYOUT:
+                before = events[i + 1].kernel == RS
+                c = events[i + 1] if before else events[i - 1]
+                assert c.kernel in (AG, RS) and e.nbytes == 2 * c.nbytes and e.module == c.module
+                out.append((c.kernel, before))
+        return out
+
+    many = dataclasses.replace(tr, attention_batch=2)
+    seen = collections.Counter(copies(many))
+    view = tp_view(many, titan_llama_layout(8), cluster).trace
+    kernels = collections.Counter(e.kernel for e in view.events if e.is_op)
+    assert seen == {(RS, True): kernels[RS], (AG, False): kernels[AG]} and kernels[KERNEL_TP_ALL_REDUCE] > 0
+    one = collections.Counter(copies(dataclasses.replace(tr, attention_batch=1)))
+    assert one == {(RS, True): kernels[RS]}
+    logits = collections.Counter(copies(dataclasses.replace(tr, attention_batch=1), loss_parallel=False))
+    assert logits[(AG, False)] == 1
+    assert 0 < len(copies(many, async_tp=True)) < sum(seen.values())

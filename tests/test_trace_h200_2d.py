@@ -6,6 +6,7 @@ float8 peak with their casts as memory-bound kernels, fused where the plan compi
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -157,3 +158,40 @@ def test_embedding_workspace_is_its_own_dtype_and_gpu_only() -> None:
         gpu, cpu = (activation_levels(trace, PRECISIONS[name], (), w) for w in (True, False))
         assert gpu[op] - cpu[op] == trace.events[op].workspace
         assert (gpu - cpu).sum() == trace.events[op].workspace
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("name", "model", "world"), [("llama3-70b-l4-tp8", "llama3_70b_l4", 64),
+                                                      ("llama3-405b-l2-tp8", "llama3_405b_l2", 128)])
+def test_relayout_copies_are_the_trace_s_cat_kernels(name: str, model: str, world: int) -> None:
+    """Each sequence-dim TP collective's re-layout copy (``tensor_parallel._relayout``) is one ``CatArrayBatchedCopy``
+    kernel of the H200's trace, as many a step (70B, local batch 8: 48; 405B, batch 2: 26; full checkpointing's
+    recomputation stops before a block's last reduce-scatter), each moving the whole activation; at local batch 1
+    the all-gathers' copies are views, and only the reduce-scatters' remain."""
+    import dataclasses
+
+    from fsdp_planner.calibrate.trace_fit import op_runs
+    from fsdp_planner.fsdp2.plan import Plan
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+    from fsdp_planner.sim.simulate import rank_step
+    from fsdp_planner.trace.events import KERNEL_TP_ALL_GATHER, KERNEL_TP_RELAYOUT
+
+    tr = trace_spec(ModelSpec(f"{MODELS}:{model}"), SimOptions.named("bf16-mixed").precision, False, lambda _: None)
+    plan = Plan.from_json((GPU_DATA / f"{name}.plan.json").read_text())
+    events = json.loads(gzip.decompress((GPU_DATA / f"{name}.trace.json.gz").read_bytes()))["traceEvents"]
+    steps = sum(1 for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+    cats, rest = divmod(sum(1 for e in events if e.get("cat") == "kernel" and "CatArrayBatchedCopy" in e["name"]),
+                        steps)
+    assert steps == 3 and rest == 0
+
+    def copies(trace: object) -> tuple[int, int]:
+        view, p, _ = rank_step(trace, plan, free_links(world))
+        k, runs = view.index.op_kernel, op_runs(view, p)
+        gathers = [i for i in range(1, len(k)) if k[i] == KERNEL_TP_RELAYOUT and k[i - 1] == KERNEL_TP_ALL_GATHER]
+        return int(runs[k == KERNEL_TP_RELAYOUT].sum()), len(gathers)
+
+    (runs, gathers), (alone, none) = copies(tr), copies(dataclasses.replace(tr, attention_batch=1))
+    assert runs == cats and gathers > 0
+    assert none == 0 and 0 < alone < runs

@@ -64,6 +64,7 @@ from fsdp_planner.trace.events import (
     KERNEL_TP_ALL_REDUCE,
     KERNEL_TP_GRAD_ALL_REDUCE,
     KERNEL_TP_REDUCE_SCATTER,
+    KERNEL_TP_RELAYOUT,
     TP_KERNELS,
     Event,
     EventKind,
@@ -333,6 +334,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
     t, out, where = lay.t, [], []
     for i, e in enumerate(trace.events):
         before, after = _collectives(e, lay, sizes, trace)
+        before = [x for c in before for x in _with_relayout(c, trace, lay, i, False)]
+        after = [x for c in after for x in _with_relayout(c, trace, lay, i, True)]
         out.extend(before)
         where.append(len(out))
         if e.is_op:
@@ -349,6 +352,34 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         out.append(e)
         out.extend(after)
     return out, where
+
+
+def _with_relayout(c: Event, trace: Trace, lay: _Layout, i: int, opening: bool) -> list[Event]:
+    """TP collective ``c`` with its re-layout copy, if any (``_relayout``): a reduce-scatter's before it, an
+    all-gather's after."""
+    copy = _relayout(c, trace, lay, i, opening)
+    return [*copy, c] if c.kernel == KERNEL_TP_REDUCE_SCATTER else [c, *copy]
+
+
+def _relayout(c: Event, trace: Trace, lay: _Layout, i: int, opening: bool) -> list[Event]:
+    """The copy funcol makes around TP collective ``c`` (put at boundary ``i`` of the trace), if any: NCCL gathers
+    and scatters on dim 0, so a sequence-dim (dim 1) collective re-lays its whole tensor out. ``reduce_scatter_single``
+    cats the input's dim-1 chunks on dim 0 first (``_chunk_or_narrow_cat``: always a copy);
+    ``all_gather_single`` cats the gathered dim-0 chunks on dim 1 after (``_maybe_view_chunk_cat``: a view where the
+    local batch is 1, and only there; the head's logits, gathered on their last dim, always a copy). A
+    memory-bound op that reads and writes the whole tensor (``KERNEL_TP_RELAYOUT``; a ``CatArrayBatchedCopy``
+    kernel in eager, a fused triton ``cat`` compiled). Async TP's fused collectives have none: the micro-pipeline
+    consumes and makes the chunks itself. One H200, Llama 3 70B's 4-layer block at TP 8 and local batch 8: 48 such
+    kernels a step, 48.4 ms of 493 (``benchmarks/gpu_2d.md``)."""
+    kind = KIND_OF.get(c.kernel)
+    if kind not in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) or not c.nbytes:
+        return []
+    logits = lay.styles.get(c.module) is TPStyle.SEQUENCE_COLWISE and trace.events[i].kind is EventKind.FWD_POST
+    if kind is CollectiveKind.ALL_GATHER and trace.attention_batch == 1 and not logits:
+        return []
+    if lay.tp.async_tp and _fused_matmuls(trace.events, i, c.backward, opening, lay.styles):
+        return []
+    return [Event(EventKind.OP, c.module, nbytes=2 * c.nbytes, backward=c.backward, kernel=KERNEL_TP_RELAYOUT)]
 
 
 def _handler_extra(e: Event) -> int:
@@ -461,17 +492,24 @@ def _overlapped(trace: Trace, times: list[float], i: int, styles: dict[str, TPSt
     computed last has no transfer left to hide: (TP - 1) / TP of the fused matmuls' time."""
     events, e = trace.events, trace.events[i]
     opening = events[i - 1].kind in (EventKind.FWD_PRE, EventKind.BWD_PRE) and events[i - 1].module == e.module
-    matmuls = _call_matmuls(events, i, opening)
-    if opening:
-        fused = [j for j in matmuls if events[j].params] if e.backward else \
-            [j for j in matmuls if styles.get(events[j].module) in _COLWISE]
-    elif e.backward:
-        readers = [m for m, s in styles.items() if s in _COLWISE and is_within(m, e.module)]
-        fused = [j for j in matmuls if events[j].params] if len(readers) == 1 else []
-    else:
-        fused = matmuls[:1]  # the matmul just before it (the call's ops, last first)
     t = trace.tp_degree
-    return sum(times[j] for j in fused) * (t - 1) / t
+    return sum(times[j] for j in _fused_matmuls(events, i, e.backward, opening, styles)) * (t - 1) / t
+
+
+def _fused_matmuls(events: Sequence[Event], i: int, backward: bool, opening: bool, styles: dict[str, TPStyle]
+                   ) -> list[int]:
+    """The matmuls async TP fuses the collective at ``i`` with (``_overlapped``): of the module call the collective
+    opens (after ``i``) or closes (before it). ``i`` may be the collective's own position or, in the whole model's
+    trace, the boundary it goes beside: the call's matmuls are found the same."""
+    matmuls = _call_matmuls(events, i, opening)
+    module = events[i].module
+    if opening:
+        return [j for j in matmuls if events[j].params] if backward else \
+            [j for j in matmuls if styles.get(events[j].module) in _COLWISE]
+    if backward:
+        readers = [m for m, s in styles.items() if s in _COLWISE and is_within(m, module)]
+        return [j for j in matmuls if events[j].params] if len(readers) == 1 else []
+    return matmuls[:1]  # the matmul just before it (the call's ops, last first)
 
 
 def _call_matmuls(events: Sequence[Event], i: int, opening: bool) -> list[int]:

@@ -51,6 +51,10 @@ TP_KERNELS = (KERNEL_TP_ALL_GATHER, KERNEL_TP_REDUCE_SCATTER, KERNEL_TP_ALL_REDU
 # expert parallelism's all-to-all (dispatch, combine and their backwards), put into the step by
 # ``sim/expert_parallel.py`` as an op on the compute stream: ``Event.nbytes`` is one rank's send buffer
 KERNEL_EP_ALL_TO_ALL = -5
+# the copy funcol makes of a sequence-dim TP collective's whole tensor (NCCL works on dim 0), put into a TP rank's step
+# by ``sim/tensor_parallel.py`` beside its collective: a memory-bound op of the compute stream that compiled blocks'
+# fusion leaves as it is (inductor makes a ``cat`` kernel of it, not in a whole-model compile of the block)
+KERNEL_TP_RELAYOUT = -8
 
 
 class OwnCall(NamedTuple):

@@ -152,6 +152,7 @@ class OpRecorder(TorchDispatchMode):
         self.sync = sync  # set when timing ops: waits for the device
         self.seconds: dict[int, float] = {}  # event index -> measured seconds of that op
         self.attention: set[tuple[int, int, int]] = set()  # each fused attention call's heads (``Trace.attention``)
+        self.attention_batch = 0  # the largest of their batches (``Trace.attention_batch``)
 
     def _params_read(self, flat_in: list) -> set[int]:
         """Indices of the params among an op's inputs, by identity or by storage (a view of one)."""
@@ -224,6 +225,7 @@ class OpRecorder(TorchDispatchMode):
         if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == k.dim() == 4:
             with contextlib.suppress(Exception):  # a symbolic size with no value: no head count
                 self.attention.add((int(q.shape[1]), int(k.shape[1]), int(q.shape[3])))
+                self.attention_batch = max(self.attention_batch, int(q.shape[0]))
 
     def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """The op itself (timed when measuring), refused first where a real kernel would refuse it and a meta

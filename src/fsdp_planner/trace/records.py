@@ -60,6 +60,9 @@ class Trace:
     # (``own_checkpoint.py``), outermost in each region: each region modelled as one call checkpointed in full
     attention: tuple[tuple[int, int, int], ...] = ()  # (query heads, key heads, head dim) of the step's fused
     # attention calls (SDPA's), each distinct, sorted: what a TP degree must divide (``planners/tensor_parallel.py``)
+    attention_batch: int = 0  # dim 0 of those calls' query (the largest): the local batch of the (batch, sequence,
+    # dim) activations sequence parallelism shards, on which funcol's all-gather copies only past 1
+    # (``sim/tensor_parallel.py``); 0: no fused attention seen
 
     @property
     def ep_degree(self) -> int:

@@ -189,7 +189,8 @@ class TraceSession:
                      inputs_nbytes=inputs_nbytes(self.request, self.args, self.kwargs),
                      notes=tuple(n for n in (self.stand_in.note(), self.own.note(tuple(recorder.own_calls))) if n),
                      full_precision=self.request.full_precision if dtype is not None else (),
-                     own_checkpointed=tuple(recorder.own_calls), attention=tuple(sorted(self.ops.attention)))
+                     own_checkpointed=tuple(recorder.own_calls), attention=tuple(sorted(self.ops.attention)),
+                     attention_batch=self.ops.attention_batch)
 
 
 def _clear_grads(tensors: list[torch.Tensor]) -> None:
