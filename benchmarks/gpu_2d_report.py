@@ -228,7 +228,14 @@ NOTES = [  # read from the tables above and the traces, as this run made them (2
     "- torch.compile of the TP blocks (full checkpointing) made the step 6.0% slower, not faster: its matmul class "
     "is 355.8 ms against eager's 307.0 (the largest GEMM, the same cuBLAS kernel, runs 32 times a step against "
     "28), while inductor's fusion shrank the memory-bound class 145 -> 124 ms. The model predicts compile 3.8% "
-    "faster (fused memory-bound bytes only): it has no term for a compiled block running more matmuls.",
+    "faster (fused memory-bound bytes only). The extra GEMM is in the kernels' order: after each block's "
+    "recomputed w1 and w3 the compiled step runs a third GEMM of that shape, the block's last Linear (w2), which "
+    "eager's recomputation stops before (its output is saved by nothing). These runs' `apply_plan` put full "
+    "checkpointing's hooks outside the compiled forward, so the recomputation ran each block's whole graph "
+    "again; torchtitan compiles the checkpointed block, tracing the checkpoint into the graph, whose partitioner "
+    "recomputes only what backward reads. `apply_plan` now does the same (`fsdp2/checkpointing.py`; on this CPU a "
+    "compiled block's backward runs 5 matmuls where it ran 6, `tests/test_compile.py`); the compiled rows here "
+    "were measured before that change, and no GPU has run it since.",
     "- float8 (tensorwise, FSDP2's float8 all-gather) with compile: measured -19.7% (70B) and -28.5% (405B) "
     "against eager bf16, predicted -17.4% and -23.3%; the float8 matmul class is +10.9% / +14.6% of the trace "
     "(the float8 peak times the sweep's float8/bf16 share, sim/float8.py).",

@@ -117,7 +117,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
         apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel)
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
     own_checkpointing_off(model)  # transformers' own: the plan's, before fully_shard as torchtitan's, replaces it
-    apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing)
+    apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing, plan.compiled)
     apply_offloading(model, plan.activation_offloading)
     apply_compile(model, plan.compiled)  # after checkpointing, before fully_shard, as torchtitan does
     mp, offload = plan_policies(plan, mp_policy, offload_policy)

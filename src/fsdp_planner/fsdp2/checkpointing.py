@@ -28,7 +28,7 @@ it, and there is no prefetch; the simulator charges them on the compute stream (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -251,10 +251,17 @@ def recomputed_at(trace: Trace, stop: int, fwd_post: int, bwd_pre: int, bwd_post
                 and (events[i].module, events[i].call) in ended), default=bwd_pre)
 
 
-def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[str, SacPolicy] | None = None) -> None:
+def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[str, SacPolicy] | None = None,
+                        compiled: Collection[str] = ()) -> None:
     """Checkpoint each named module in place, names unchanged (no ``checkpoint_wrapper``, which would rename the
-    module's params); before ``fully_shard``. Full: the composable ``checkpoint`` hooks. Op-level (``selective``):
-    the module's forward runs under ``torch.utils.checkpoint`` with SAC's ``context_fn`` (``_checkpoint_forward``)."""
+    module's params); before ``fully_shard``. Full: the composable ``checkpoint`` hooks, except on the modules
+    that will be ``compiled``. Op-level (``selective``), and full on a compiled module: the module's forward runs
+    under ``torch.utils.checkpoint`` (with SAC's ``context_fn``; ``_checkpoint_forward``), which torch.compile
+    then traces into the module's graph, as it traces torchtitan's ``checkpoint_wrapper``: AOTAutograd's
+    partitioner recomputes in backward what backward reads. Hooks outside the compiled forward would recompute
+    the whole compiled graph, which no early stop can cut short: on one H200 each Llama 3 70B block at TP 8 ran its
+    last Linear and reduce-scatter again (32 calls of the largest GEMM a step against eager's 28;
+    ``benchmarks/gpu_2d.md``)."""
     from torch.distributed._composable import checkpoint
 
     modules = dict(model.named_modules())
@@ -264,7 +271,7 @@ def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[s
             key = "activation_checkpointing" if policy is None else "selective_checkpointing"
             raise PlannerError(f"{key} names a module the model does not have: '{name}'")
         modules[name].register_forward_pre_hook(_without_cache, with_kwargs=True)  # before checkpoint's hooks
-        if policy is None:
+        if policy is None and name not in compiled:
             checkpoint(modules[name])
         else:
             _checkpoint_forward(modules[name], policy)
@@ -317,18 +324,19 @@ def _offload_forward(module: nn.Module) -> None:
     module.forward = offloaded  # type: ignore[method-assign]
 
 
-def _checkpoint_forward(module: nn.Module, policy: SacPolicy) -> None:
-    """Run ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` with ``policy``'s SAC context, as
-    torchtitan's ``checkpoint_wrapper`` does, by setting the instance's ``forward``. Not the composable
+def _checkpoint_forward(module: nn.Module, policy: SacPolicy | None) -> None:
+    """Run ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` with ``policy``'s SAC context (None:
+    in full), as torchtitan's ``checkpoint_wrapper`` does, by setting the instance's ``forward``. Not the composable
     ``checkpoint`` with ``context_fn``: its recomputation calls the module with its hooks, so FSDP2's pre-forward
     (its ``record_function`` on casting inputs under mixed precision) runs inside SAC's replay but ran outside the
     caching forward, and SAC refuses the unknown op. Here FSDP2's hooks stay outside both."""
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
     forward = module.forward
-    context_fn = sac_context_fn(policy)
+    # in full: no context_fn at all (torch.compile traces checkpoint's own default, not one passed in)
+    extra = {} if policy is None else {"context_fn": sac_context_fn(policy)}
 
     def checkpointed(*args: object, **kwargs: object) -> object:
-        return run_checkpointed(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return run_checkpointed(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = checkpointed  # type: ignore[method-assign]
