@@ -111,7 +111,17 @@ OUT_OF_SCOPE = [
 
 
 NOTES = [
-    "- Matmul caps from independent GEMM sweeps (2026-11-30, latest): the H100 and H200 cap is now 0.80 and the "
+    "- TP's re-layout copies (2026-12-01, latest): each sequence-dim TP collective now brings the copy funcol makes "
+    "of the whole activation (NCCL gathers and scatters on dim 0: `reduce_scatter_single` cats its input's chunks "
+    "first, `all_gather_single` cats the gathered chunks after where the local batch is over 1), a memory-bound op "
+    "at the preset's memory efficiency; async TP's fused collectives make none. The term was found in, and counted "
+    "against, one H200's traces of torchtitan's 70B and 405B blocks at TP 8 (as many copies as "
+    "`CatArrayBatchedCopy` kernels: 48 and 26 a step; benchmarks/gpu_2d.md), not on these rows. The 2D row moved "
+    "from +0.1% to -9.2% and the async-TP row from +12.9% to +10.5%: the 2D row's old agreement hid the copies "
+    "behind the term named below, torchtitan's float8 TP styles all-gathering float8 where the model gathers bf16 "
+    "(half the bytes of each sequence all-gather and of its copy; not modelled, the planner's apply does not run "
+    "those styles). The bullets below were written before this change, and their figures are of that time.",
+    "- Matmul caps from independent GEMM sweeps (2026-11-30): the H100 and H200 cap is now 0.80 and the "
     "A100's 0.87, the best bf16 matmul rates Stas Bekman's Maximum Achievable Matmul FLOPS sweeps found on an H100 SXM "
     "(794.5 of 989 TFLOP/s) and an A100 SXM (271.2 of 312) (ml-engineering, compute/accelerator/README.md), figures "
     "these rows did not inform (the H100 had B200's 0.75, the A100 0.85, an estimate its runs' MFU informed); a float8 "
