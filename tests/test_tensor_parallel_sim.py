@@ -378,4 +378,7 @@ def test_sequence_dim_collectives_carry_funcol_s_relayout_copies() -> None:
     assert one == {(RS, True): kernels[RS]}
     logits = collections.Counter(copies(dataclasses.replace(tr, attention_batch=1), loss_parallel=False))
     assert logits[(AG, False)] == 1
+    # the micro-pipeline fuses no matmul with the logits' all-gather: its copy stays under async TP
+    fused = collections.Counter(copies(dataclasses.replace(tr, attention_batch=1), loss_parallel=False, async_tp=True))
+    assert fused[(AG, False)] == 1
     assert 0 < len(copies(many, async_tp=True)) < sum(seen.values())

@@ -271,8 +271,8 @@ def test_simulate_against_its_own_trace(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_host_overhead_of_a_tp_plan_is_per_op_of_one_rank() -> None:
     """On CPU ranks the fitted per-op cost spreads what the step took beyond the simulated work over the ops one
-    rank runs: its TP view's, with TP's collectives, not the whole model's (which differ in number), so the fitted
-    cluster's step is the measured one."""
+    rank runs: its TP view's, with TP's collectives, not the whole model's (which differ in number), and the
+    checkpointed blocks' recomputed ones, so the fitted cluster's step is the measured one."""
     from conftest import traced
 
     from fsdp_planner.calibrate.trace_fit import fit_overhead
@@ -283,6 +283,8 @@ def test_host_overhead_of_a_tp_plan_is_per_op_of_one_rank() -> None:
 
     trace = traced("toy-llama")
     plan = TorchtitanPolicy("TransformerBlock").plan(trace).replace(tensor_parallel=titan_llama_layout(2))
+    blocks = [m for m in trace.modules if m.count(".") == 1 and m.startswith("layers.")]
+    plan = plan.replace(activation_checkpointing=blocks[:2])  # their recomputed ops are charged too
     base, options = cpu_base(4), SimOptions()
     assert rank_step(trace, plan, base)[0].index.ops_through[-1] != trace.index.ops_through[-1]
     bare = simulate(trace, plan, base, options, timeline=False).step_seconds(False)

@@ -343,7 +343,8 @@ def fit_overhead(trace: Trace, plan: Plan, cluster: Cluster, steps: list[Step], 
     bare = dataclasses.replace(cluster, overhead=dataclasses.replace(
         cluster.overhead, hook_seconds=0.0, op_seconds=0.0, param_seconds=0.0, module_seconds=0.0))
     report = simulate(trace, plan, bare, options, timeline=False)
-    ops = int(rank_step(trace, plan, cluster)[0].index.ops_through[-1])  # what the engine charges: one rank's ops
+    view = rank_step(trace, plan, cluster)[0]  # the engine charges each op one rank runs, recomputations too
+    ops = int(op_runs(view, plan)[[e.is_op for e in view.events]].sum())
     source = f"calibrate --trace: {len(steps)} profiled step(s) of {plan.policy or 'a plan'}"
     if cluster.engine is Engine.HOST:
         host = statistics.fmean(s.fsdp_seconds for s in steps)

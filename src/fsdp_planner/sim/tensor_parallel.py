@@ -377,7 +377,7 @@ def _relayout(c: Event, trace: Trace, lay: _Layout, i: int, opening: bool) -> li
     logits = lay.styles.get(c.module) is TPStyle.SEQUENCE_COLWISE and trace.events[i].kind is EventKind.FWD_POST
     if kind is CollectiveKind.ALL_GATHER and trace.attention_batch == 1 and not logits:
         return []
-    if lay.tp.async_tp and _fused_matmuls(trace.events, i, c.backward, opening, lay.styles):
+    if lay.tp.async_tp and _fused_matmuls(trace.events, i, c.kernel, c.backward, opening, lay.styles):
         return []
     return [Event(EventKind.OP, c.module, nbytes=2 * c.nbytes, backward=c.backward, kernel=KERNEL_TP_RELAYOUT)]
 
@@ -493,11 +493,11 @@ def _overlapped(trace: Trace, times: list[float], i: int, styles: dict[str, TPSt
     events, e = trace.events, trace.events[i]
     opening = events[i - 1].kind in (EventKind.FWD_PRE, EventKind.BWD_PRE) and events[i - 1].module == e.module
     t = trace.tp_degree
-    return sum(times[j] for j in _fused_matmuls(events, i, e.backward, opening, styles)) * (t - 1) / t
+    return sum(times[j] for j in _fused_matmuls(events, i, e.kernel, e.backward, opening, styles)) * (t - 1) / t
 
 
-def _fused_matmuls(events: Sequence[Event], i: int, backward: bool, opening: bool, styles: dict[str, TPStyle]
-                   ) -> list[int]:
+def _fused_matmuls(events: Sequence[Event], i: int, kernel: int, backward: bool, opening: bool,
+                   styles: dict[str, TPStyle]) -> list[int]:
     """The matmuls async TP fuses the collective at ``i`` with (``_overlapped``): of the module call the collective
     opens (after ``i``) or closes (before it). ``i`` may be the collective's own position or, in the whole model's
     trace, the boundary it goes beside: the call's matmuls are found the same."""
@@ -509,7 +509,9 @@ def _fused_matmuls(events: Sequence[Event], i: int, backward: bool, opening: boo
     if backward:
         readers = [m for m, s in styles.items() if s in _COLWISE and is_within(m, module)]
         return [j for j in matmuls if events[j].params] if len(readers) == 1 else []
-    return matmuls[:1]  # the matmul just before it (the call's ops, last first)
+    # a forward reduce-scatter: the matmul just before it (the call's ops, last first); the head's logits
+    # all-gathered at its end feed no matmul, which the pass would need to fuse it
+    return matmuls[:1] if kernel == KERNEL_TP_REDUCE_SCATTER else []
 
 
 def _call_matmuls(events: Sequence[Event], i: int, opening: bool) -> list[int]:

@@ -271,7 +271,8 @@ class ActionLog(StepRecorder):
                      if self.template.forward[i][0] == "op"), None)
         if unsaved and last is not None:
             a = self.template.forward[last]
-            self.template.forward[last] = (*a[:-3], max(0, a[-3] - unsaved), *a[-2:])
+            # an op's entry ends (..., live, workspace, grad_live, freed): its live bytes less the saved ones
+            self.template.forward[last] = (*a[:-4], max(0, a[-4] - unsaved), *a[-3:])
 
 
 class _Sink(torch.autograd.Function):
