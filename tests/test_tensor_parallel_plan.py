@@ -362,6 +362,41 @@ def test_a_rowwise_linear_is_fed_by_a_colwise_one():
     check_layout(tr, plan_layout(tr, TensorParallel(2, {**attn, "mlp.up": TPStyle.COLWISE,
                                                         "mlp.down": TPStyle.ROWWISE}), None))
 
+    # the converse: a colwise Linear's sharded output needs a rowwise one after it (the head's style differs)
+    with pytest.raises(PlannerError, match=r"^the output of mlp\.up, tensor-parallel style colwise, stays sharded "
+                                           r"on its features over TP, and no module after it"):
+        check_layout(tr, plan_layout(tr, TensorParallel(2, {**attn, "mlp.up": TPStyle.COLWISE}), None))
+
+
+class _Tied(nn.Module):
+    """An embedding, a Linear pair and an output head: what a hand-written layout may wrongly style."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pair, self.head = nn.Embedding(64, 32), Pair(32, 64), nn.Linear(32, 64)
+
+    def forward(self, ids):  # type: ignore[no-untyped-def]
+        return self.head(self.pair(self.emb(ids)))
+
+
+def test_embedding_and_head_styles_that_fail_on_the_ranks_are_refused():
+    """A Linear's style on an nn.Embedding (torch shards another dim of it than of a Linear), and a plain colwise
+    output head (the loss would get 1/TP of the logits): both crashed on real ranks after passing ``check``."""
+    import torch
+
+    from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+    from fsdp_planner.planners.tensor_parallel import plan_layout
+
+    tr = trace(_Tied(), (torch.zeros(2, 8, dtype=torch.long),))
+    pair = {"pair.up": TPStyle.COLWISE, "pair.down": TPStyle.ROWWISE}
+    for style in (TPStyle.ROWWISE, TPStyle.COLWISE):
+        with pytest.raises(PlannerError, match=f"^emb is an nn.Embedding and its tensor-parallel style {style.value} "
+                                               "is a Linear's: give it embedding"):
+            check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "emb": style}), None))
+    with pytest.raises(PlannerError, match=r"^the output of head, .* give it sequence_colwise"):
+        check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "head": TPStyle.COLWISE}), None))
+    check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "emb": TPStyle.EMBEDDING}), None))
+
 
 def test_a_detected_layout_whose_local_shapes_fail_is_refused():
     """T5 views its projections into its fixed head count: the detected pairs pass every divisibility check, but

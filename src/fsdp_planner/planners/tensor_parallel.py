@@ -418,10 +418,46 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
                                "(the head dim its attention runs at): choose a degree that divides them")
     for module, style in tp.styles(trace.modules).items():
         _check_module(trace, module, style, d, asked)
+    _check_embeddings(trace, tp)
     _check_rowwise_inputs(trace, tp)
+    _check_colwise_outputs(trace, tp)
 
 
 _ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
+_LINEAR_STYLES = (*_COLWISE, *_ROWWISE)
+
+
+def _check_embeddings(trace: Trace, tp: TensorParallel) -> None:
+    """An nn.Embedding takes the embedding styles: torch's RowwiseParallel shards an embedding's vocab and its
+    ColwiseParallel the embedding dim, not the dims they shard of a Linear, which is what the Linear styles mean
+    here (a step modelled on the wrong dim, or a shape error on the ranks)."""
+    for m, style in sorted(tp.styles(trace.modules).items()):
+        if style in _LINEAR_STYLES and trace.modules[m].torch_class == "Embedding":
+            raise PlannerError(f"{m} is an nn.Embedding and its tensor-parallel style {style.value} is a Linear's: "
+                               "give it embedding (the vocab sharded, the output all-reduced) or embedding_sequence "
+                               "(under sequence parallelism), or no style")
+
+
+def _check_colwise_outputs(trace: Trace, tp: TensorParallel) -> None:
+    """A colwise Linear's output is sharded on the features (``ColwiseParallel``'s ``Shard(-1)``, local tensors),
+    which only a rowwise Linear after it takes back whole: in the forward's order of the modules whose weight TP
+    shards, the next one after a colwise Linear that is not colwise itself must be a rowwise Linear. An output head
+    given colwise would hand the loss 1/TP of the logits (a shape or target error on the ranks): the head's style is
+    sequence_colwise (its output sharded only under loss parallel, else gathered whole)."""
+    styles = tp.styles(trace.modules)
+    order = [m for _, m in sorted((trace.modules[m].first_use, m) for m, s in styles.items()
+                                  if s in WEIGHT_STYLES and trace.modules[m].first_use >= 0)]
+    for k, m in enumerate(order):
+        if styles[m] is not TPStyle.COLWISE or trace.modules[m].torch_class != "Linear":
+            continue
+        after = next((x for x in order[k + 1:] if styles[x] is not TPStyle.COLWISE), None)
+        if after is None or styles[after] not in _ROWWISE or trace.modules[after].torch_class != "Linear":
+            then = (f"the next module whose weight TP shards, {after}, is {styles[after].value}" if after is not None
+                    else "no module after it has a weight TP shards")
+            raise PlannerError(f"the output of {m}, tensor-parallel style colwise, stays sharded on its features over "
+                               f"TP, and {then}: pair it with a rowwise Linear that takes it, or, on the output "
+                               "head, give it sequence_colwise (the logits whole, or vocab-sharded under loss "
+                               "parallel)")
 
 
 def _check_rowwise_inputs(trace: Trace, tp: TensorParallel) -> None:
