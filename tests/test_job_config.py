@@ -182,6 +182,10 @@ def test_accelerate_v1_sharding_strategies(tmp_path, strategy, reshard, replicat
     ("  fsdp_mystery: 1\n", "fsdp_config.fsdp_mystery is not read"),
     ("mystery: 1\n", "mystery is not read"),
     ("dynamo_backend: INDUCTOR\n", 'dynamo_backend = "INDUCTOR" is left out'),  # older files: at the top level
+    # ParallelismConfig's argument name where the file's key is prefixed: said, or TP would vanish silently
+    ("parallelism_config:\n  tp_size: 2\n", "parallelism_config.tp_size is not read: Accelerate's config file "
+                                             "spells it parallelism_config_tp_size"),
+    ("parallelism_config:\n  mystery: 2\n", "parallelism_config.mystery is not read"),
 ])
 def test_accelerate_left_out_is_one_line(tmp_path, text, note):
     """(fsdp_version 2: version 1's own note aside)"""

@@ -522,9 +522,18 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.replicate = _int(cfg, "parallelism_config.parallelism_config_dp_replicate_size",
                              par["parallelism_config_dp_replicate_size"])
     _check_parallelism_size(cfg, par)
+    for name in par:  # a key no size reads is said, not dropped: an unprefixed size would silently leave TP out
+        if name in ACCELERATE_PARALLELISM_KEYS:
+            continue
+        said = shown_json(name)[1:-1]
+        known = f"parallelism_config_{name}" if f"parallelism_config_{name}" in ACCELERATE_PARALLELISM_KEYS else None
+        cfg.notes.append(f"parallelism_config.{said} is not read: " + (
+            f"Accelerate's config file spells it {known} (ParallelismConfig's own argument name is not a config "
+            "key here); this job is simulated without it" if known else "fsdp-planner does not know it"))
 
 
 ACCELERATE_DIMS = ("dp_replicate", "dp_shard", "tp", "cp")  # ParallelismConfig's sizes, whose product is its ranks
+ACCELERATE_PARALLELISM_KEYS = {f"parallelism_config_{d}_size" for d in ACCELERATE_DIMS}
 
 
 def _check_parallelism_size(cfg: JobConfig, par: dict[str, Any]) -> None:
