@@ -419,8 +419,12 @@ def test_tp_through_the_validator():
     job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True, compile=True), Spelling.API)
     (request,) = job.policies
     assert (request.tp, request.async_tp, request.loss_parallel) == (2, True, None)
+    auto = checked_job(Keywords(model="toy-llama", policy="auto", loss_parallel=True), Spelling.API).policies[0]
+    assert (auto.tp, auto.loss_parallel) == (None, True)  # auto may choose a degree: the setting is for it
     for bad, message in (({"tp": 0}, "tp must be from 1"), ({"tp": True}, "tp must be a whole number"),
                          ({"tp": 1, "async_tp": True}, "async_tp is a setting of tensor parallelism"),
+                         # no degree and no auto to choose one: TP never runs, the setting would be dropped
+                         ({"loss_parallel": True}, "loss_parallel is a setting of tensor parallelism: .* the auto"),
                          ({"loss_parallel": "yes"}, "loss_parallel must be True or False")):
         with pytest.raises(PlannerError, match=message):
             checked_job(Keywords(model="toy-llama", policy="titan", **bad), Spelling.API)

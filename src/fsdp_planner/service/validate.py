@@ -242,18 +242,20 @@ def policy_request(kw: Keywords, name: object, spell: Spelling) -> PolicyRequest
         checkpointing=choice(ACMode, kw.ac, "ac", spell) if kw.ac is not None else None,
         sac_policy=choice(SacPolicy, kw.ac_policy, "ac_policy", spell) if kw.ac_policy is not None
         else DEFAULT_SAC_POLICY,
-        mesh=Mesh.parse(text(kw.mesh, "mesh", spell)) if kw.mesh is not None else None, **tensor_parallel(kw, spell))
+        mesh=Mesh.parse(text(kw.mesh, "mesh", spell)) if kw.mesh is not None else None,
+        **tensor_parallel(kw, spell, auto))
 
 
-def tensor_parallel(kw: Keywords, spell: Spelling) -> dict[str, Any]:
+def tensor_parallel(kw: Keywords, spell: Spelling, auto: bool = True) -> dict[str, Any]:
     """``PolicyRequest``'s TP settings: the degree (None: none, or auto's choice), loss parallel (None: the layout's
-    default) and async TP; the last two only where TP may run (a degree given, or auto to choose one)."""
+    default) and async TP; the last two only where TP may run (a degree given, or ``auto`` to choose one)."""
     degree = whole(kw.tp, "tp", spell, 1, MAX_TP_DEGREE) if kw.tp is not None else None
     loss = flag(kw.loss_parallel, "loss_parallel", spell) if kw.loss_parallel is not None else None
     async_tp = flag(kw.async_tp, "async_tp", spell)
-    if degree == 1 and (loss or async_tp):
+    if (degree == 1 or (degree is None and not auto)) and (loss or async_tp):
         on = spell.name_of("async_tp" if async_tp else "loss_parallel")
-        raise PlannerError(f"{on} is a setting of tensor parallelism: give {spell.name_of('tp')} 2 or more")
+        raise PlannerError(f"{on} is a setting of tensor parallelism: give {spell.name_of('tp')} 2 or more"
+                           + ("" if degree == 1 else " (or the auto policy, which chooses the degree)"))
     if async_tp and not flag(kw.compile, "compile", spell):  # torchtitan raises without it (configs/job_config.py)
         raise PlannerError(f"{spell.name_of('async_tp')} overlaps TP's collectives with the matmuls in compiled code, "
                            f"which torchtitan refuses without compile: add {spell.name_of('compile')}")
