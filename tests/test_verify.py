@@ -739,3 +739,14 @@ def test_auto_s_plan_at_scale_verifies_on_the_toy():
     assert result["predicted"]["reduce_scatter"] > 1  # one per group with params: more than one group proven
     assert (result["plan_for"], result["plan_model"]) == ("h100:64", "llama3-8b")
     assert "for llama3-8b on h100:64" in out.stderr and "hold only modules this model does not have" in out.stderr
+
+
+def test_a_native_crash_is_not_blamed_on_the_oom_killer():
+    """SIGABRT is a native abort inside the rank (gloo given different buffer sizes, say), not a kill from outside;
+    several ranks "were" killed."""
+    from fsdp_planner.runtime.failures import RankFailure, explain
+
+    line = explain([RankFailure(r, exitcode=-signal.SIGABRT) for r in (0, 2)])
+    assert line == ("verify job failed: ranks 0, 2 were killed by SIGABRT (it raised no exception: a native crash in "
+                    "torch or a library it calls, such as gloo given different buffer sizes on different ranks by a "
+                    "model whose shapes depend on the data)")

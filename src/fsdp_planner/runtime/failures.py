@@ -58,6 +58,10 @@ class RankFailure:
             name = _signal_name(-self.exitcode)
             if self.stopped_by_launcher:
                 return f"rank {self.rank} was stopped by torchrun ({name})"
+            if -self.exitcode in (signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE):
+                return (f"rank {self.rank} was killed by {name} (it raised no exception: a native crash in torch or "
+                        "a library it calls, such as gloo given different buffer sizes on different ranks by a "
+                        "model whose shapes depend on the data)")
             return (f"rank {self.rank} was killed by {name} (it raised no exception: killed from outside, or by the "
                     "out-of-memory killer)")
         return f"rank {self.rank} exited with status {self.exitcode} without raising an exception"
@@ -138,7 +142,13 @@ def _grouped(failures: list[RankFailure]) -> list[str]:
     ranks: dict[str, list[int]] = {}
     for f in failures:
         ranks.setdefault(f.describe().partition(" ")[2].partition(" ")[2], []).append(f.rank)
-    return [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {what}" for what, rs in ranks.items()]
+    return [f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} {_plural(what) if len(rs) > 1 else what}"
+            for what, rs in ranks.items()]
+
+
+def _plural(phrase: str) -> str:
+    """A rank's phrase said of several ranks ("was killed" -> "were killed")."""
+    return "were" + phrase[3:] if phrase.startswith("was ") else phrase
 
 
 def checkpoint_cause(e: BaseException) -> BaseException:
