@@ -299,9 +299,9 @@ class Points:
         verdict = ("auto's plan fits" + (" with CPU offload" if offloads(result) else "") if result.fits
                    else "no plan fits" + (" (CPU offload tried too)" if ways_out else " without CPU offload"))
         workload = f"batch {batch:,}{f', seq {seq:,}' if seq else ''}" if batch else "the job"
-        # said apart from the configuration a job file gives, whose own figures (and budget verdict) follow
-        self.reporter.note(f"fit: {workload} on {self._cluster(key).name}, planned by auto rather than as "
-                           f"configured: {verdict} (reserved {fmt_bytes(result.report.reserved_memory)}, "
+        # "as auto plans it": under a job file, apart from its own configuration, whose figures and verdict follow
+        self.reporter.note(f"fit: {workload} on {self._cluster(key).name} as auto plans it: "
+                           f"{verdict} (reserved {fmt_bytes(result.report.reserved_memory)}, "
                            f"step {fmt_time(result.report.step_time)})")
 
 
