@@ -74,6 +74,12 @@ def test_plan_prints_the_note_and_a_refused_op_names_the_way_out(tmp_path, capsy
     assert main(["plan", f"{factory}:make", "--policy", "module"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "fixed capacity" in err[0], err
+    # repeat_interleave by a tensor of counts (a router's per-expert rows): the same way out
+    factory.write_text(factory.read_text().replace("counts = torch.unique(x.argmax(-1))",
+                                                   "counts = torch.repeat_interleave(x, x.argmax(-1), dim=0)"))
+    assert main(["plan", f"{factory}:make", "--policy", "module"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "fixed capacity" in err[0], err
 
 
 def test_routing_out_of_range_is_one_line(capsys):

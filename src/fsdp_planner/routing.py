@@ -61,7 +61,8 @@ _INTERCEPTED = frozenset({_aten.nonzero, _aten.index, _aten.masked_select, _aten
 # The errors PyTorch raises for a data-dependent op on tensors without data (meta, or fake without a shape env).
 _REFUSALS = ("DynamicOutputShapeException", "DataDependentOutputException")
 _REFUSAL_TEXTS = ("register_meta function for torch.nonzero", "cannot be called on meta tensors",
-                  "Cannot copy out of meta tensor", "with Meta tensors, but there was no fake impl")
+                  "Cannot copy out of meta tensor", "with Meta tensors, but there was no fake impl",
+                  "a meta tensor without output_size")  # repeat_interleave by a tensor of counts
 
 
 @dataclass
