@@ -402,9 +402,10 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
         return
     asked = layout.asked
     if cluster is not None and (cluster.gpus_per_node % d or cluster.world_size % d):
-        world = f" and its {cluster.world_size} GPUs" if cluster.world_size % d else ""
-        raise PlannerError(f"{asked} must divide the {cluster.gpus_per_node} GPUs of a node of {cluster.name} (TP "
-                           f"stays inside a node, on NVLink){world}")
+        world = f" and its {fmt_count(cluster.world_size, 'GPU')}" \
+            if cluster.world_size % d and cluster.world_size != cluster.gpus_per_node else ""
+        raise PlannerError(f"{asked} must divide the {fmt_count(cluster.gpus_per_node, 'GPU')} of a node of "
+                           f"{cluster.name} (TP stays inside a node, on NVLink){world}")
     check_style_classes(tp, trace.modules)
     if layout.heads is not None and any(h % d for h in layout.heads):
         raise PlannerError(f"{asked} must divide the model's {layout.heads[0]} attention heads and "
