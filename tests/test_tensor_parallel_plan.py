@@ -145,7 +145,7 @@ def test_degrees_refused():
     tr = trace_spec("toy-llama")
     with pytest.raises(PlannerError, match="4 attention heads and 2 kv heads"):
         check_layout(tr, tp_layout(tr, 4), H100_8)
-    with pytest.raises(PlannerError, match="GPUs of a node"):
+    with pytest.raises(PlannerError, match=r"the 1 GPU of a node of h100:2x1 \(TP stays inside a node, on NVLink\)$"):
         check_layout(tr, tp_layout(tr, 2), parse_cluster("h100:2x1"))
     with pytest.raises(PlannerError, match="--seq 31 must be a multiple of 2"):
         check_layout(tr, tp_layout(tr, 2), H100_8, seq_len=31)
