@@ -431,6 +431,11 @@ _ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
 _LINEAR_STYLES = (*_COLWISE, *_ROWWISE)
 
 
+def _weight_order(trace: Trace, styles: dict[str, TPStyle]) -> list[str]:
+    """The modules whose weight TP shards, in the order the forward first runs them."""
+    return [m for _, m in sorted((trace.modules[m].first_use, m) for m, s in styles.items()
+                                 if s in WEIGHT_STYLES and trace.modules[m].first_use >= 0)]
+
 def _check_embeddings(trace: Trace, tp: TensorParallel) -> None:
     """An nn.Embedding takes the embedding styles: torch's RowwiseParallel shards an embedding's vocab and its
     ColwiseParallel the embedding dim, not the dims they shard of a Linear, which is what the Linear styles mean
@@ -449,8 +454,7 @@ def _check_colwise_outputs(trace: Trace, tp: TensorParallel) -> None:
     given colwise would hand the loss 1/TP of the logits (a shape or target error on the ranks): the head's style is
     sequence_colwise (its output sharded only under loss parallel, else gathered whole)."""
     styles = tp.styles(trace.modules)
-    order = [m for _, m in sorted((trace.modules[m].first_use, m) for m, s in styles.items()
-                                  if s in WEIGHT_STYLES and trace.modules[m].first_use >= 0)]
+    order = _weight_order(trace, styles)
     for k, m in enumerate(order):
         if styles[m] is not TPStyle.COLWISE or trace.modules[m].torch_class != "Linear":
             continue
@@ -471,10 +475,8 @@ def _check_rowwise_inputs(trace: Trace, tp: TensorParallel) -> None:
     shards, the one run just before a rowwise Linear must be a colwise Linear. (What it assumes: a colwise output is
     consumed before the next rowwise Linear runs, as in every attention and feed-forward block the planner knows.)"""
     styles = tp.styles(trace.modules)
-    order = sorted((trace.modules[m].first_use, m) for m, s in styles.items()
-                   if s in WEIGHT_STYLES and trace.modules[m].first_use >= 0)
     before: str | None = None
-    for _, m in order:
+    for m in _weight_order(trace, styles):
         if styles[m] in _ROWWISE and trace.modules[m].torch_class == "Linear" and not (
                 before is not None and styles[before] in _COLWISE and trace.modules[before].torch_class == "Linear"):
             fed = (f"the module run before it whose weight TP shards, {before}, is {styles[before].value} (its output "
