@@ -408,3 +408,43 @@ def test_setattr_is_read_as_the_assignment_it_makes(tmp_path):
     path.write_text(STATEMENTS_HEAD + "    config = Trainer.Config(model_spec=model_registry('8B'))\n"
                     "    setattr(config.parallelism, 'tensor_parallel_degree', 2)\n    return config\n")
     assert read_config(TORCHTITAN, f"{path}:job").tp == 2
+
+
+CONSTANTS_HEAD = """from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.models.llama3 import model_registry
+from torchtitan.trainer import Trainer
+
+SEQ_LEN = 8192
+LOCAL_BATCH: int = 2
+FLAVOR = "70B"
+"""
+
+
+def test_module_level_constants_are_read_where_a_job_names_them(tmp_path):
+    # the trial's registry (constants above the functions) was refused as "SEQ_LEN is not a literal"
+    path = tmp_path / "config_registry.py"
+    path.write_text(CONSTANTS_HEAD + "TP = 4 * 2\n\n\ndef job() -> Trainer.Config:\n    return Trainer.Config(\n"
+                    "        model_spec=model_registry(FLAVOR),\n        training=TrainingConfig(max_context_length="
+                    "SEQ_LEN, num_tokens_per_microbatch_per_dp_rank=LOCAL_BATCH * SEQ_LEN),\n"
+                    "        parallelism=ParallelismConfig(tensor_parallel_degree=TP),\n    )\n\n\n"
+                    "def short() -> Trainer.Config:\n    SEQ_LEN = 4096\n    return Trainer.Config(model_spec="
+                    "model_registry(FLAVOR), training=TrainingConfig(max_context_length=SEQ_LEN, "
+                    "num_tokens_per_microbatch_per_dp_rank=SEQ_LEN))\n")
+    cfg = read_config(TORCHTITAN, f"{path}:job")
+    assert (cfg.seq, cfg.batch, cfg.tp, cfg.notes) == (8192, 2, 8, [])
+    assert '"70B"' in cfg.model_label
+    cfg = read_config(TORCHTITAN, f"{path}:short")  # a local hides the constant of its name
+    assert (cfg.seq, cfg.batch) == (4096, 1)
+
+
+@pytest.mark.parametrize("defined", [
+    "SEQ_LEN_2 = 1\nSEQ_LEN_2 = 4096\n",  # assigned twice: which one a job reads needs running the file
+    "if True:\n    SEQ_LEN_2 = 4096\n",
+    "SEQ_LEN_2 = 4096\nfor SEQ_LEN_2 in range(2):\n    pass\n",
+    "SEQ_LEN_2 = 4096\n\n\ndef grow():\n    global SEQ_LEN_2\n    SEQ_LEN_2 = 1\n",
+    "SEQ_LEN_2 = OTHER\nOTHER = SEQ_LEN_2\n",  # a cycle: bounded, then not a literal
+])
+def test_a_module_name_whose_value_needs_running_the_file_is_one_line(tmp_path, defined):
+    _refused(tmp_path, CONSTANTS_HEAD + defined + "\n\ndef job() -> Trainer.Config:\n    return Trainer.Config("
+             "model_spec=model_registry(FLAVOR), training=TrainingConfig(max_context_length=SEQ_LEN_2))\n",
+             r"training\.max_context_length = (SEQ_LEN_2|OTHER) is not a literal")

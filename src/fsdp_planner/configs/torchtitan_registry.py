@@ -3,11 +3,12 @@
 overrides (``--parallelism.data_parallel_shard_degree 8``).
 
 The file is parsed with ``ast``: the keywords of the ``Trainer.Config(...)`` call, of the dataclass calls inside it
-and of the locals they name are read with ``ast.literal_eval`` (and whole-number arithmetic such as ``8 * 8192``);
-nothing of the file is imported or run. A job built on another of the file (``config = llama3_debugmodel()``, then
-``config.training.steps = 5``) is read through it. The result has the old TOML job's shape (sections ``model``,
-``training``, ``parallelism``, ``activation_checkpoint``, ``compile``), so the TOML reader's mapping, notes and
-refusals apply to both. Torch-free.
+and of the locals and module-level constants they name (``SEQ_LEN = 8192`` above the functions) are read with
+``ast.literal_eval`` (and whole-number arithmetic such as ``8 * 8192``); nothing of the file is imported or run. A
+job built on another of the file (``config = llama3_debugmodel()``, then ``config.training.steps = 5``) is read
+through it. The result has the old TOML job's shape (sections ``model``, ``training``, ``parallelism``,
+``activation_checkpoint``, ``compile``), so the TOML reader's mapping, notes and refusals apply to both.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -89,6 +90,15 @@ class Unread:
     """A value that is not a literal, as the file spells it (cut short)."""
 
     source: str
+
+
+@dataclass(frozen=True)
+class Outer:
+    """A module-level constant a function names: read in the module's scope (a local of the function that has the
+    same name as one of the constant's own names does not change it)."""
+
+    node: ast.expr
+    scope: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -196,7 +206,7 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
                        MAX_CONFIG_BYTES), label)
     notes: list[str] = []
     try:
-        config = _job(_functions(tree), function, label, 0, notes)
+        config = _job(_functions(tree), _constants(tree), function, label, 0, notes)
         for o in overrides:
             config = _set(config, o.key.split("."), o.value)
         return toml_tables(config, _model_name(path, tree), label, notes), notes
@@ -256,6 +266,41 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
+def _constants(tree: ast.Module) -> dict[str, Outer]:
+    """The module's names assigned once at its top level (``SEQ_LEN = 8192``), each read only where a job names it;
+    a name assigned twice there, inside an ``if`` or a loop, or ``global`` in a function, is not one (its value
+    would need running the file)."""
+    counts: dict[str, int] = {}
+    for node in _top_level(tree.body):
+        targets = node.targets if isinstance(node, ast.Assign) else node.names if isinstance(node, ast.Global) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.For, ast.NamedExpr)) else []
+        for t in targets:
+            for name in [t] if isinstance(t, str) else (n.id for n in ast.walk(t) if isinstance(n, ast.Name)):
+                counts[name] = counts.get(name, 0) + 1
+    scope: dict[str, Any] = {}
+    for stmt in tree.body:
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else \
+            stmt.target if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else None
+        if isinstance(target, ast.Name) and counts.get(target.id) == 1:
+            scope[target.id] = Outer(stmt.value, scope)  # type: ignore[arg-type]
+    return scope
+
+
+def _top_level(body: list[ast.stmt]) -> list[ast.AST]:
+    """The nodes that bind the module's names: its statements and what they hold, not functions' or classes' own
+    locals (a ``global`` statement in a function is kept)."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = list(body)
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(n for n in ast.walk(node) if isinstance(n, ast.Global))
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def _model_name(path: Path, tree: ast.Module) -> str:
     """The torchtitan model the file's ``model_registry`` belongs to: ``from torchtitan.models.llama3 import
     model_registry``, or ``from . import model_registry`` in ``models/llama3/``."""
@@ -271,7 +316,7 @@ def _model_name(path: Path, tree: ast.Module) -> str:
 SKIPPED = (ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assert, ast.Pass)
 
 
-def _job(functions: dict[str, ast.FunctionDef], name: str, label: str, depth: int,
+def _job(functions: dict[str, ast.FunctionDef], constants: dict[str, Outer], name: str, label: str, depth: int,
          notes: list[str]) -> dict[str, Any]:
     """``Trainer.Config``'s keywords as ``name`` returns them: its call, or another job of the file then the
     attributes the function sets on it."""
@@ -281,14 +326,17 @@ def _job(functions: dict[str, ast.FunctionDef], name: str, label: str, depth: in
         raise PlannerError(f"{label}: the file has no function {shown_json(name)[1:-1]} (its functions: {known})")
     if depth > MAX_DEPTH:
         raise PlannerError(f"{label}: its jobs build on each other more than {MAX_DEPTH} deep")
-    scope, edits, returned = _statements(fn, name, label, notes)
+    local, edits, returned = _statements(fn, name, label, notes)
+    scope: dict[str, Any] = {**constants, **local}  # a local hides the module's constant of its name
     variable = returned.id if isinstance(returned, ast.Name) else ""
     node = scope.get(variable, returned)
+    if isinstance(node, Outer):  # a job the module builds at its top level
+        node = node.node
     if isinstance(node, ast.Call) and _dotted(node.func).endswith("Trainer.Config"):
         _written_out(node, label)
         config = {k.arg: _value(k.value, scope, 0) for k in node.keywords if k.arg}
     elif isinstance(node, ast.Call) and _dotted(node.func) in functions and not node.args and not node.keywords:
-        config = _job(functions, _dotted(node.func), label, depth + 1, notes)
+        config = _job(functions, constants, _dotted(node.func), label, depth + 1, notes)
     else:
         shown = cut_short(ast.unparse(node)) if node is not None else "nothing"
         raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
@@ -367,10 +415,13 @@ def _dotted(node: ast.expr) -> str:
     return ""
 
 
-def _value(node: ast.expr, scope: dict[str, ast.expr], depth: int) -> Any:
+def _value(node: ast.expr, scope: dict[str, Any], depth: int) -> Any:
     """A literal, a ``Call`` of literals, a list of them, or ``Unread``."""
     if isinstance(node, ast.Name) and node.id in scope and depth < MAX_DEPTH:
-        return _value(scope[node.id], scope, depth + 1)
+        named = scope[node.id]
+        if isinstance(named, Outer):
+            return _value(named.node, named.scope, depth + 1)
+        return _value(named, scope, depth + 1)
     if isinstance(node, ast.Call) and _dotted(node.func):
         _written_out(node, "")
         return Call(_dotted(node.func), tuple(_value(a, scope, depth + 1) for a in node.args),
@@ -381,7 +432,7 @@ def _value(node: ast.expr, scope: dict[str, ast.expr], depth: int) -> Any:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         pass
-    number = _arithmetic(node)
+    number = _arithmetic(node, scope, depth)
     return Unread(cut_short(ast.unparse(node))) if number is None else number
 
 
@@ -389,12 +440,16 @@ ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult
               ast.FloorDiv: lambda a, b: a // b if b else None}
 
 
-def _arithmetic(node: ast.expr) -> int | None:
-    """Whole-number arithmetic of literals (``8 * 8192``), bounded; None for anything else."""
+def _arithmetic(node: ast.expr, scope: dict[str, Any], depth: int) -> int | None:
+    """Whole-number arithmetic of literals and the names of whole numbers (``8 * SEQ_LEN``), bounded; None for
+    anything else."""
+    if isinstance(node, ast.Name) and node.id in scope and depth < MAX_DEPTH:
+        value = _value(node, scope, depth)
+        return value if type(value) is int else None
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value if abs(node.value) < MAX_NUMBER else None
-    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
-        a, b = _arithmetic(node.left), _arithmetic(node.right)
+    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC and depth < MAX_DEPTH:
+        a, b = _arithmetic(node.left, scope, depth + 1), _arithmetic(node.right, scope, depth + 1)
         if a is None or b is None:
             return None
         out = ARITHMETIC[type(node.op)](a, b)
