@@ -595,3 +595,12 @@ def test_policy_names_keep_their_words_whole_in_the_comparison(capsys):
     assert cli.main(["plan", "toy-llama", "--cluster", "h100:8"]) == 0
     out = capsys.readouterr().out
     assert "│ module(TransformerBlock) │" in out and "│ size(100000000) " in out
+
+
+def test_a_long_path_in_an_error_keeps_its_file_s_name(tmp_path, capsys):
+    # a path of over 200 characters was cut to its first 100: the line named a directory, not the file
+    deep = tmp_path.joinpath(*(["a_long_directory_name_" * 2] * 6))
+    spec = f"{deep / 'my_config_registry.py'}:llama3_70b_job"
+    code, _, err = run_main(capsys, "plan", "--from-torchtitan", spec, "--cluster", "h100:8")
+    assert_one_line_error(code, err, "my_config_registry.py' does not exist")
+    assert str(tmp_path)[:30] in err and len(err) < 1000

@@ -15,9 +15,15 @@ class PlannerError(Exception):
 
 def one_line(message: str) -> str:
     """``message`` as the one line the CLI prints: its first line (an error a user's code raised may run to a
-    C++ backtrace), every space-free run of more than ``MAX_WORD`` characters cut short (a 100 KB argument is
-    never echoed whole), at most ``MAX_MESSAGE`` characters in all."""
+    C++ backtrace), every space-free run of more than ``MAX_WORD`` characters cut short to its start and its end (a
+    100 KB argument is never echoed whole; a long path keeps its file's name), at most ``MAX_MESSAGE`` characters
+    in all."""
     lines = [line.strip() for line in message.splitlines() if line.strip()] or [""]
     text = lines[0] + (f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else "")
-    text = _LONG_WORD.sub(lambda m: f"{m.group()[:100]}...({len(m.group()):,} characters)", text)
+    text = _LONG_WORD.sub(_cut_word, text)
     return text if len(text) <= MAX_MESSAGE else f"{text[:MAX_MESSAGE - 20]}... (cut short)"
+
+
+def _cut_word(m: re.Match[str]) -> str:
+    word = m.group()
+    return f"{word[:40]}...({len(word):,} characters)...{word[-80:]}"

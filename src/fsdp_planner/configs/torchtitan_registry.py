@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -199,7 +200,7 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
     and the notes on what is left out."""
     m = SPEC.match(spec.strip())
     if m is None or not is_registry_spec(spec):
-        raise PlannerError(f"torchtitan job {shown_json(spec)} is not FILE.py:FUNCTION or MODULE:FUNCTION")
+        raise PlannerError(f"torchtitan job {json.dumps(spec)} is not FILE.py:FUNCTION or MODULE:FUNCTION")
     path, function = _source(m["where"]), m["function"]
     label = f"torchtitan job '{path}:{function}'"
     tree = _parse(read_text(path, f"torchtitan config_registry '{path}'", "a torchtitan config_registry.py",
