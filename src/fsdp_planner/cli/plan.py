@@ -109,8 +109,8 @@ def _print(outcome: PlanOutcome) -> None:
     console, job, tr, rows = render.console, outcome.job, outcome.trace, outcome.rows
     console.print(render.model_line(render.workload_label(job.model.label(), job.options.micro_batches,
                                                            job.options.gradient_sync), tr))
-    if len(rows) == 1:
-        console.print(render.groups_table(rows[0][0], tr))
+    if len(rows) == 1:  # the plan as it is written (its compiled modules and float8 are named in the title)
+        console.print(render.groups_table(outcome.plan or rows[0][0], tr))
     dtype = render.metrics_dtype(tr, job.options.precision if job.cluster is not None else None)
     console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, job.budget, dtype))
     report = rows[0][2]

@@ -221,6 +221,15 @@ class Plan:
         EP / TP of them."""
         return max(1, self.ep_degree // self.tp_degree)
 
+    def transforms(self) -> str:
+        """What the job does to the modules besides sharding them, for a title: "4 modules compiled, float8
+        tensorwise"; "" for none."""
+        n = len(self.compiled)
+        parts = [f"{n} module{'s' if n != 1 else ''} compiled"] if n else []
+        if self.float8 is not None:
+            parts.append(f"float8 {self.float8.recipe.value}")
+        return ", ".join(parts)
+
     def layout(self, world_size: int) -> Mesh:
         """The plan's data-parallel mesh on ``world_size`` ranks in all (``check_plan_world_size`` has checked they
         agree): its mesh, or pure FSDP over the ranks TP leaves (``world_size`` / the TP degree)."""
