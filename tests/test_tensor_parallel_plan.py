@@ -598,3 +598,55 @@ def test_plan_what_ifs_answer_for_the_job_auto_took_tp_for(capsys, tmp_path):
     line = next(x for x in printed.splitlines() if x.startswith("float8 training (--float8 tensorwise"))
     assert f": {fmt_time(alt['step_time'])} a step against " in line
     assert f"reserved {fmt_bytes(alt['reserved_memory'])} against " in line
+
+
+LITTLE_TP_MODEL = """
+import torch
+from torch import nn
+
+
+class Pair(nn.Module):
+    def __init__(self, d, inner):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, inner), nn.Linear(inner, d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab, inner):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 32)
+        self.blocks = nn.ModuleList(Pair(32, inner) for _ in range(2))
+        self.head = nn.Linear(32, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def little():  # the vocab's embedding and head hold 94% of the params, whole over TP
+    return Net(2048, 64), (torch.randint(0, 2048, (4, 8)),)
+
+
+def most():
+    return Net(64, 1024), (torch.randint(0, 64, (4, 8)),)
+"""
+
+
+def test_a_tp_degree_that_shards_little_says_so(tmp_path, capsys):
+    """--tp on a model whose found pairs hold a small share of the params: TP's collectives and a data-parallel
+    group TP times smaller buy little, which the user learns from a note (auto without --tp weighs it)."""
+    from fsdp_planner.cli import main
+
+    path = tmp_path / "net.py"
+    path.write_text(LITTLE_TP_MODEL)
+    for fn, share in (("little", "6%"), ("most", None)):
+        assert main(["plan", f"{path}:{fn}", "--policy", "module", "--module-classes", "Pair", "--tp", "2", "--cluster",
+                     "h100:8"]) == 0
+        err = capsys.readouterr().err
+        said = f"--tp 2 shards {share} of the params (the rest is whole on each TP rank): plan without --tp"
+        assert (said in err) if share else ("of the params (the rest is whole" not in err), err

@@ -300,14 +300,20 @@ def _pairs_layout(trace: Trace, degree: int) -> Layout:
         layout.update({c: TPStyle.COLWISE for c in p.cols})
         layout[p.row] = TPStyle.ROWWISE
     classes = sorted({trace.modules[p.parent].cls for p in pairs})
-    styled = {m for p in pairs for m in (*p.cols, p.row)}
-    share = sum(q.numel for q in trace.params if any(o in styled for o in q.owners)) / max(1, trace.numel)
+    share = sharded_share(trace, TensorParallel(degree, layout))
     note = (f"tensor-parallel layout detected: {fmt_count(len(pairs), 'column-then-row Linear pair')} in "
             f"{', '.join(classes)}, {share:.0%} of the params (assumed: the ops between each pair's Linears are "
             "element-wise or per head, and a reshape into heads infers the head count, e.g. view(b, s, -1, "
             "head_dim); every other module, embeddings, norms and the output head among them, stays whole over TP, "
             "sharded by FSDP alone over 1/TP of the ranks)")
     return Layout(TensorParallel(degree, layout), PAIRS, (note,))
+
+
+def sharded_share(trace: Trace, tp: TensorParallel) -> float:
+    """The share of the model's params a TP layout shards (those of the modules it gives a Linear's or an
+    embedding's style); the rest is whole on every TP rank."""
+    styled = {m for m, style in tp.styles(trace.modules).items() if style in (*WEIGHT_STYLES, TPStyle.EXPERT_TENSOR)}
+    return sum(q.numel for q in trace.params if any(o in styled for o in q.owners)) / max(1, trace.numel)
 
 
 _COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)

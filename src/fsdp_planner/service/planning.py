@@ -37,7 +37,14 @@ from fsdp_planner.planners.expert_parallel import (
     with_own_ep,
 )
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
-from fsdp_planner.planners.tensor_parallel import PAIRS, TPChoice, check_layout, tp_degrees, tp_layout
+from fsdp_planner.planners.tensor_parallel import (
+    PAIRS,
+    TPChoice,
+    check_layout,
+    sharded_share,
+    tp_degrees,
+    tp_layout,
+)
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
 from fsdp_planner.service.tracing import check_local_shapes, trace_spec
@@ -300,6 +307,9 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
     return (TPChoice(requested_layout(tr, request, model, cluster, reporter)),)
 
 
+LITTLE_SHARDED = 0.5  # a --tp layout sharding less of the params than this is named as such
+
+
 def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster | None,
                      reporter: Reporter) -> TensorParallel:
     """The layout of ``--tp``: from the first source that has one for this model (``planners/tensor_parallel.py``),
@@ -313,6 +323,11 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
         check_local_shapes(spec, layout.tp)
     for line in layout.notes:
         reporter.note(line)
+    share = sharded_share(tr, layout.tp)
+    if share < LITTLE_SHARDED and request.mesh is None:  # TP's collectives and a smaller data-parallel group
+        # for little saved: worth saying where the user chose it (auto, left to choose, weighs it)
+        reporter.note(f"--tp {request.tp} shards {share:.0%} of the params (the rest is whole on each TP rank): "
+                      "plan without --tp to weigh this layout against pure FSDP")
     return layout.tp
 
 
