@@ -639,7 +639,7 @@ def most():
 
 def test_a_tp_degree_that_shards_little_says_so(tmp_path, capsys):
     """--tp on a model whose found pairs hold a small share of the params: TP's collectives and a data-parallel
-    group TP times smaller buy little, which the user learns from a note (auto without --tp weighs it)."""
+    group TP times smaller buy little, which the user learns from a note."""
     from fsdp_planner.cli import main
 
     path = tmp_path / "net.py"
@@ -648,5 +648,5 @@ def test_a_tp_degree_that_shards_little_says_so(tmp_path, capsys):
         assert main(["plan", f"{path}:{fn}", "--policy", "module", "--module-classes", "Pair", "--tp", "2", "--cluster",
                      "h100:8"]) == 0
         err = capsys.readouterr().err
-        said = f"--tp 2 shards {share} of the params (the rest is whole on each TP rank): plan without --tp"
+        said = f"--tp 2 shards {share} of the params (the rest is whole on each TP rank): plan it without --tp too"
         assert (said in err) if share else ("of the params (the rest is whole" not in err), err

@@ -325,9 +325,9 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
         reporter.note(line)
     share = sharded_share(tr, layout.tp)
     if share < LITTLE_SHARDED and request.mesh is None:  # TP's collectives and a smaller data-parallel group
-        # for little saved: worth saying where the user chose it (auto, left to choose, weighs it)
+        # for little saved: worth saying (auto weighs no detected layout itself: Layout.checked)
         reporter.note(f"--tp {request.tp} shards {share:.0%} of the params (the rest is whole on each TP rank): "
-                      "plan without --tp to weigh this layout against pure FSDP")
+                      "plan it without --tp too, to weigh TP against pure FSDP")
     return layout.tp
 
 
