@@ -878,3 +878,25 @@ def test_calibration_matches_a_profiled_rank_to_the_balanced_share() -> None:
     assert balanced.trace.index.op_flops.sum() == skewed.trace.index.op_flops.sum() == tr.index.op_flops.sum()
     a2a = simulated_classes(balanced.trace) == NO_CLASS
     assert a2a.sum() == 4 * sum(1 for m in tr.modules if m.endswith("moe.experts"))  # dispatch, combine x fwd, bwd
+
+
+def test_experts_sized_from_data_are_simulated_not_run(tmp_path) -> None:
+    """Experts whose rows the layer sizes with ``.item()`` (padded to the busiest expert): the routing stand-in
+    gives every rank the same rows, real routing does not, and EP's equal-split all-to-all aborted gloo's ranks
+    (SIGABRT). The plan says so, auto leaves EP out unless nothing fits without it, and verify refuses real ranks
+    before any start; the fake world (the stand-in's step) runs it."""
+    from fsdp_planner.planners.expert_parallel import DATA_SIZED_EXPERTS
+
+    spec = "tests/fixtures/routing_models.py:padded_moe"
+    path = tmp_path / "ep.json"
+    done = run_main("plan", spec, "--policy", "auto", "--ep", "2", "--cluster", "h100:4", "--out", str(path))
+    assert done.returncode == 0 and f"note: {DATA_SIZED_EXPERTS}" in done.stderr, done.stderr
+    done = run_main("plan", spec, "--policy", "auto", "--cluster", "h100:4")  # auto's own EP screen skips it
+    assert done.returncode == 0 and "EP screen" not in done.stderr and "EP 2" not in done.stdout, done.stderr
+    done = run_main("verify", spec, "--plan", str(path), "--nproc", "2")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"error: {DATA_SIZED_EXPERTS}", done.stderr
+    assert "verifying" not in done.stdout
+    done = run_main("verify", spec, "--plan", str(path), "--fake-world-size", "2")
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+    tiny = run_main("plan", TINY, "--policy", "auto", "--cluster", "h100:4")  # a fixed capacity: screened
+    assert tiny.returncode == 0 and "auto's EP screen" in tiny.stderr and DATA_SIZED_EXPERTS not in tiny.stderr

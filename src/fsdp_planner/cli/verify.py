@@ -22,6 +22,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS
+from fsdp_planner.planners.expert_parallel import DATA_SIZED_EXPERTS, check_dispatch_runs
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
@@ -96,6 +97,7 @@ def _the_job(request: VerifyRequest, predict_on: Cluster | None) -> tuple[ModelS
             tr = _traced(model, request, predict_on)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
     check_model_runs_ep(model, plan)
+    check_dispatch_runs(plan, tr, model)  # real routing: the fake world's stand-in makes no such mismatch
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
@@ -212,7 +214,7 @@ def _tp_label(plan: Plan, world: int) -> str:
 def _note_what_runs(note: str) -> None:
     """A planning note, less the ones saying EP of these experts is only simulated: a job refuses them next
     (``check_model_runs_ep``) in the same words."""
-    if note not in (NO_EP_TP, OTHER_EXPERTS):
+    if note not in (NO_EP_TP, OTHER_EXPERTS, DATA_SIZED_EXPERTS):
         render.note(note)
 
 

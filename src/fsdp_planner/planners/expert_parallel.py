@@ -28,16 +28,18 @@ from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import is_within, parent_of
 
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
 
 
 def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
     """Why apply, export and verify do not run expert parallelism on the model's experts at TP ``tp_degree``
-    (simulated only), None where they do: transformers' (``hf:`` models) with TP (``NO_EP_TP``), or experts layers
-    other than its standard ones (``OTHER_EXPERTS``)."""
+    (simulated only), None where they do: transformers' (``hf:`` models) with TP (``NO_EP_TP``), experts layers
+    other than its standard ones (``OTHER_EXPERTS``), or other experts whose rows are sized from data
+    (``DATA_SIZED_EXPERTS``)."""
     if not hf.is_hf(model.name):
-        return None
+        return DATA_SIZED_EXPERTS if data_sized_experts(trace) else None
     if tp_degree > 1:
         return NO_EP_TP
     classes = tuple(sorted({trace.modules[m].cls for m in expert_modules(trace)}))
@@ -46,12 +48,33 @@ def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
 
 
 def ep_note(plan: Plan, trace: Trace, model: ModelSpec) -> str | None:
-    """What a plan with EP of transformers' experts (``hf:`` models) leaves out: where apply does not run it, why
-    (``ep_refusal``); where it does, that transformers' dispatch syncs with the host each layer (``UNPRICED_EP``).
-    None for any other plan."""
-    if plan.expert_parallel is None or not hf.is_hf(model.name):
+    """What a plan with EP leaves out: where apply does not run it, why (``ep_refusal``); where it runs
+    transformers' experts, that its dispatch syncs with the host each layer (``UNPRICED_EP``). None for any other
+    plan."""
+    if plan.expert_parallel is None:
         return None
-    return ep_refusal(model, trace, plan.tp_degree) or UNPRICED_EP
+    return ep_refusal(model, trace, plan.tp_degree) or (UNPRICED_EP if hf.is_hf(model.name) else None)
+
+
+# EP's dispatch (``apply/expert_parallel.py``) sends equal splits of each rank's (experts, rows, dim)
+DATA_SIZED_EXPERTS = ("the expert parallelism of this plan is simulated with the same rows for each rank's experts, "
+                      "but the layer around them sizes them from data (the data-dependent ops noted), so on real "
+                      "ranks EP's all-to-all would get buffers of different sizes (gloo aborts, NCCL hangs): give "
+                      "the experts a fixed capacity (rows = tokens x top_k / experts x a capacity factor) to run it")
+
+
+def data_sized_experts(trace: Trace) -> bool:
+    """Whether the layer around the experts sized their rows from data (a count read with ``.item()``, a
+    ``nonzero`` selection): the balanced-routing stand-in made them equal on every rank; real routing does not."""
+    layers = {parent_of(m) for m in expert_modules(trace)}
+    return any(is_within(m, layer) for m in trace.stood_in for layer in layers)
+
+
+def check_dispatch_runs(plan: Plan, trace: Trace, model: ModelSpec) -> None:
+    """Refuse, before real ranks start, EP of experts whose rows the model sizes from data (transformers' experts
+    take their own dispatch, which sends the counts routing gives)."""
+    if plan.expert_parallel is not None and not hf.is_hf(model.name) and data_sized_experts(trace):
+        raise PlannerError(DATA_SIZED_EXPERTS)
 
 
 def runs_ep(model: ModelSpec, trace: Trace, tp_degree: int) -> bool:

@@ -63,6 +63,8 @@ class Trace:
     attention_batch: int = 0  # dim 0 of those calls' query (the largest): the local batch of the (batch, sequence,
     # dim) activations sequence parallelism shards, on which funcol's all-gather copies only past 1
     # (``sim/tensor_parallel.py``); 0: no fused attention seen
+    stood_in: tuple[str, ...] = ()  # the modules a data-dependent op ran in as the balanced-routing stand-in
+    # (``routing.py``), sorted ("" the root): where a real step's shapes may differ from rank to rank
 
     @property
     def ep_degree(self) -> int:

@@ -190,7 +190,8 @@ class TraceSession:
                      notes=tuple(n for n in (self.stand_in.note(), self.own.note(tuple(recorder.own_calls))) if n),
                      full_precision=self.request.full_precision if dtype is not None else (),
                      own_checkpointed=tuple(recorder.own_calls), attention=tuple(sorted(self.ops.attention)),
-                     attention_batch=self.ops.attention_batch)
+                     attention_batch=self.ops.attention_batch,
+                     stood_in=tuple(sorted({module for _, module in self.stand_in.used})))
 
 
 def _clear_grads(tensors: list[torch.Tensor]) -> None:
