@@ -448,3 +448,51 @@ def test_a_module_name_whose_value_needs_running_the_file_is_one_line(tmp_path, 
     _refused(tmp_path, CONSTANTS_HEAD + defined + "\n\ndef job() -> Trainer.Config:\n    return Trainer.Config("
              "model_spec=model_registry(FLAVOR), training=TrainingConfig(max_context_length=SEQ_LEN_2))\n",
              r"training\.max_context_length = (SEQ_LEN_2|OTHER) is not a literal")
+
+
+FORMS_HEAD = """from dataclasses import dataclass
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.models.llama3 import model_registry
+from torchtitan.trainer import Trainer
+
+SPECIAL_TOKENS = {"bos": "<s>"}
+
+
+@dataclass(kw_only=True)
+class _MyTrainerConfig(Trainer.Config):
+    pass
+
+
+def _base(tp: int, seq: int = 4096, *, flavor: str = "70B") -> Trainer.Config:
+    return _MyTrainerConfig(
+        model_spec=model_registry(flavor),
+        tokenizer=MultiModalTokenizer.Config(**SPECIAL_TOKENS),
+        training=TrainingConfig(max_context_length=seq, num_tokens_per_microbatch_per_dp_rank=2 * seq),
+        parallelism=ParallelismConfig(tensor_parallel_degree=tp),
+    )
+"""
+
+
+@pytest.mark.parametrize(("body", "read"), [
+    ("    return _base(8)\n", (4096, 2, 8, '"70B"')),  # a default, a model's own trainer config
+    ("    return _base(4, seq=8192, flavor='8B')\n", (8192, 2, 4, '"8B"')),
+    ("    config = _base(2, 2048)\n    config.training.max_context_length = 1024\n    return config\n",
+     (1024, 4, 2, '"70B"')),  # the edit after the call: the tokens stay 2 x 2048
+])
+def test_the_forms_torchtitan_s_2026_registries_use(tmp_path, body, read):
+    """Read from torchtitan's own registries (gpt_oss, kimi_k2_7, qwen3_5 at b5bcd76 were refused): a job
+    function called with arguments, a class of the file on Trainer.Config, ``**`` in a key that is not read."""
+    path = tmp_path / "config_registry.py"
+    path.write_text(FORMS_HEAD + "\n\ndef job() -> Trainer.Config:\n" + body)
+    cfg = read_config(TORCHTITAN, f"{path}:job")
+    assert (cfg.seq, cfg.batch, cfg.tp) == read[:3] and read[3] in cfg.model_label
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ("    return _base()\n", "_base's parameter tp has no default and no argument"),
+    ("    return _base(2, 3, 4)\n", "_base(2, 3, 4) does not match _base's parameters"),
+    ("    return _base(2, other=1)\n", "_base(2, other=1) does not match _base's parameters"),
+    ("    return _base(steps())\n", "parallelism.tensor_parallel_degree = steps(...) is not a literal"),
+])
+def test_a_job_called_with_arguments_it_cannot_bind_is_one_line(tmp_path, body, says):
+    _refused(tmp_path, FORMS_HEAD + "\n\ndef job() -> Trainer.Config:\n" + body, re.escape(says))

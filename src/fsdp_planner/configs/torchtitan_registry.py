@@ -207,7 +207,7 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
                        MAX_CONFIG_BYTES), label)
     notes: list[str] = []
     try:
-        config = _job(_functions(tree), _constants(tree), function, label, 0, notes)
+        config = _job(Source.of(tree), function, label, 0, notes)
         for o in overrides:
             config = _set(config, o.key.split("."), o.value)
         return toml_tables(config, _model_name(path, tree), label, notes), notes
@@ -317,27 +317,60 @@ def _model_name(path: Path, tree: ast.Module) -> str:
 SKIPPED = (ast.Expr, ast.Import, ast.ImportFrom, ast.FunctionDef, ast.Assert, ast.Pass)
 
 
-def _job(functions: dict[str, ast.FunctionDef], constants: dict[str, Outer], name: str, label: str, depth: int,
-         notes: list[str]) -> dict[str, Any]:
-    """``Trainer.Config``'s keywords as ``name`` returns them: its call, or another job of the file then the
-    attributes the function sets on it."""
-    fn = functions.get(name)
+@dataclass(frozen=True)
+class Source:
+    """What of the parsed file the jobs read: its functions, its module-level constants and the classes it
+    defines on ``Trainer.Config`` (a model's own trainer config, e.g. ``class _KimiTrainerConfig(Trainer.Config)``)."""
+
+    functions: dict[str, ast.FunctionDef]
+    constants: dict[str, Outer]
+    trainer_classes: frozenset[str]
+
+    @classmethod
+    def of(cls, tree: ast.Module) -> Source:
+        classes = frozenset(n.name for n in tree.body if isinstance(n, ast.ClassDef)
+                            and any(_dotted(b).endswith("Trainer.Config") for b in n.bases))
+        return cls(_functions(tree), _constants(tree), classes)
+
+    def is_trainer_config(self, call: ast.expr) -> bool:
+        return isinstance(call, ast.Call) and (_dotted(call.func).endswith("Trainer.Config")
+                                               or _dotted(call.func) in self.trainer_classes)
+
+
+@dataclass(frozen=True)
+class Known:
+    """A value already read: a job function's argument, bound to its parameter."""
+
+    value: Any
+
+
+def _job(source: Source, name: str, label: str, depth: int, notes: list[str],
+         args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``Trainer.Config``'s keywords as ``name`` returns them: its call, or another job of the file (called with
+    literal arguments or none) then the attributes the function sets on it. ``args``: the values of ``name``'s
+    parameters it was called with."""
+    fn = source.functions.get(name)
     if fn is None:
-        known = ", ".join(sorted(functions)[:12]) or "none"
+        known = ", ".join(sorted(source.functions)[:12]) or "none"
         raise PlannerError(f"{label}: the file has no function {shown_json(name)[1:-1]} (its functions: {known})")
     if depth > MAX_DEPTH:
         raise PlannerError(f"{label}: its jobs build on each other more than {MAX_DEPTH} deep")
     local, edits, returned = _statements(fn, name, label, notes)
-    scope: dict[str, Any] = {**constants, **local}  # a local hides the module's constant of its name
+    params = _parameters(fn, args or {}, source.constants, label)
+    scope: dict[str, Any] = {**source.constants, **params, **local}  # a local hides the module's constant
     variable = returned.id if isinstance(returned, ast.Name) else ""
     node = scope.get(variable, returned)
     if isinstance(node, Outer):  # a job the module builds at its top level
         node = node.node
-    if isinstance(node, ast.Call) and _dotted(node.func).endswith("Trainer.Config"):
+    if source.is_trainer_config(node):
+        assert isinstance(node, ast.Call)
         _written_out(node, label)
-        config = {k.arg: _value(k.value, scope, 0) for k in node.keywords if k.arg}
-    elif isinstance(node, ast.Call) and _dotted(node.func) in functions and not node.args and not node.keywords:
-        config = _job(functions, constants, _dotted(node.func), label, depth + 1, notes)
+        config = {k.arg: _value(k.value, scope, 0) for k in node.keywords if k.arg and k.arg not in IGNORED}
+    elif isinstance(node, ast.Call) and _dotted(node.func) in source.functions:
+        _written_out(node, label)
+        called = source.functions[_dotted(node.func)]
+        given = _arguments(called, node, scope, label)
+        config = _job(source, _dotted(node.func), label, depth + 1, notes, given)
     else:
         shown = cut_short(ast.unparse(node)) if node is not None else "nothing"
         raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
@@ -348,8 +381,40 @@ def _job(functions: dict[str, ast.FunctionDef], constants: dict[str, Outer], nam
                                    f"does not follow: pass it as a keyword of {path[0]}'s call")
             notes.append(f"{'.'.join(path)} is not read: it sets no attribute of the returned config")
             continue
-        config = _set(config, path[1:], _value(value, scope, 0))
+        if path[1] not in IGNORED:
+            config = _set(config, path[1:], _value(value, scope, 0))
     return config
+
+
+def _arguments(fn: ast.FunctionDef, call: ast.Call, scope: dict[str, Any], label: str) -> dict[str, Any]:
+    """A call of the job function ``fn``'s arguments by parameter name (read in the caller's ``scope``)."""
+    names = [a.arg for a in (*fn.args.posonlyargs, *fn.args.args)]
+    if len(call.args) > len(names) or any(k.arg not in (*names, *(a.arg for a in fn.args.kwonlyargs))
+                                          for k in call.keywords):
+        raise PlannerError(f"{label}: {cut_short(ast.unparse(call))} does not match {fn.name}'s parameters")
+    given = dict(zip(names, (_value(a, scope, 0) for a in call.args), strict=False))
+    given.update({k.arg: _value(k.value, scope, 0) for k in call.keywords if k.arg})
+    return given
+
+
+def _parameters(fn: ast.FunctionDef, args: dict[str, Any], constants: dict[str, Outer],
+                label: str) -> dict[str, Any]:
+    """``fn``'s parameters as the call gave them, else their defaults (read in the module's scope); one with
+    neither is an error naming it."""
+    positional = [*fn.args.posonlyargs, *fn.args.args]
+    defaults = dict(zip([a.arg for a in positional][len(positional) - len(fn.args.defaults):], fn.args.defaults,
+                        strict=True))
+    defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults, strict=True) if d})
+    out: dict[str, Any] = {}
+    for a in (*positional, *fn.args.kwonlyargs):
+        if a.arg in args:
+            out[a.arg] = Known(args[a.arg])
+        elif a.arg in defaults:
+            out[a.arg] = Outer(defaults[a.arg], constants)
+        else:
+            raise PlannerError(f"{label}: {fn.name}'s parameter {a.arg} has no default and no argument: name a job "
+                               "function that takes none")
+    return out
 
 
 def _setattr(stmt: ast.stmt) -> tuple[list[str], ast.expr] | None:
@@ -420,6 +485,8 @@ def _value(node: ast.expr, scope: dict[str, Any], depth: int) -> Any:
     """A literal, a ``Call`` of literals, a list of them, or ``Unread``."""
     if isinstance(node, ast.Name) and node.id in scope and depth < MAX_DEPTH:
         named = scope[node.id]
+        if isinstance(named, Known):
+            return named.value
         if isinstance(named, Outer):
             return _value(named.node, named.scope, depth + 1)
         return _value(named, scope, depth + 1)
