@@ -108,6 +108,18 @@ def test_torchtitan_compile_is_read_not_left_out(tmp_path, text, key):
     assert cfg.compile and cfg.keys[key] is True and not cfg.notes
 
 
+def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
+    """torchtitan's deepseek_v3_671b compiles its loss only (``components=["loss"]``): it was simulated with
+    every block compiled (and minutes of partitioning); ``components`` left out holds "model" (the default)."""
+    loss = read_config(TORCHTITAN, str(titan(tmp_path, '[compile]\nenable = true\ncomponents = ["loss"]\n'
+                                                       '[activation_checkpoint]\nmode = "none"\n')))
+    assert not loss.compile and loss.notes == ['compile.components = ["loss"] compiles no part of the model: its '
+                                               'blocks are simulated eager (a compiled loss is not modelled)']
+    both = read_config(TORCHTITAN, str(titan(tmp_path, '[compile]\nenable = true\ncomponents = ["model", "loss"]\n'
+                                                       '[activation_checkpoint]\nmode = "none"\n')))
+    assert both.compile and not both.notes
+
+
 @pytest.mark.parametrize(("text", "error"), [
     ("[training]\nseq_len = 0\n", "training.seq_len = 0 is not a whole number"),
     ('[training]\nlocal_batch_size = "two"\n', 'training.local_batch_size = "two" is not a whole number'),

@@ -253,7 +253,11 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.async_tp = _bool(cfg, "compile.enable_async_tensor_parallel",
                              _table(cfg, data, "compile")["enable_async_tensor_parallel"])
     compile_on = _table(cfg, data, "compile").get("enable") or _table(cfg, data, "training").get("compile")
-    if compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
+    components = _table(cfg, data, "compile").get("components", ["model", "loss"])  # CompileConfig's default
+    if compile_on and isinstance(components, list) and "model" not in components:
+        cfg.notes.append(f"compile.components = {shown_json(components)} compiles no part of the model: its blocks "
+                         "are simulated eager (a compiled loss is not modelled)")
+    elif compile_on:  # torchtitan compiles each transformer block (fullgraph): --compile
         key = "compile.enable" if "enable" in _table(cfg, data, "compile") else "training.compile"
         cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
     _check_async_tp(cfg, _table(cfg, data, "compile"))

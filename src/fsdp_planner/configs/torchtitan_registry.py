@@ -49,7 +49,7 @@ READ = {"training": {*TOKENS, "enable_cpu_offload", "mixed_precision_param", "mi
         "parallelism": {"data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
                         "tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
                         "expert_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel"},
-        "compile": {"enable", "enable_async_tensor_parallel"}, "activation_checkpoint": set()}
+        "compile": {"enable", "enable_async_tensor_parallel", "components"}, "activation_checkpoint": set()}
 # Keys of the current dataclasses the TOML reader does not know, and what becomes of them: None, read past (an
 # option of tensor/pipeline/context parallelism, whose degree is noted, or of a CUDA-graph replay fsdp-planner's eager
 # step does not have); a string, a note.
@@ -58,7 +58,7 @@ NEW_KEYS: dict[str, dict[str, str | None]] = {
     "parallelism": {"enable_sequence_parallel": None, "spmd_backend": None, "num_pp_microbatches": None,
                     "context_parallel_load_balancer": None, "context_parallel_ptrr_mask_key": None,
                     "enable_fsdp_symm_mem": "fsdp-planner models FSDP2's NCCL collectives, not symmetric-memory ones"},
-    "compile": {"components": None, "backend": None},
+    "compile": {"backend": None},
     "activation_checkpoint": {},
 }
 # activation_checkpoint's dataclass, as the TOML's mode (SelectiveAC is per-op: torchtitan's "op")
