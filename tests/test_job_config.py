@@ -327,11 +327,14 @@ def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
     unknown = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "16B"\n')
     with pytest.raises(PlannerError, match=r"model \"deepseek_v3\" flavor \"16B\" is not one fsdp-planner builds "
-                                           r"\(known: llama3 8B, llama3 70B, llama3 405B\)"):
+                                           r"\(known: llama3 8B, llama3 70B, llama3 405B, deepseek_v3 671B\)"):
         args_of("simulate", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
     capsys.readouterr()
     args_of("simulate", "toy-llama", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
     assert 'MODEL "toy-llama" stands for the torchtitan job\'s model' in capsys.readouterr().err
+    v3 = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "671B"\n')  # its shipped transformers config
+    assert args_of("simulate", "--from-torchtitan", str(v3), "--cluster", "h100:8").model == "hf:deepseek-v3"
+    assert 'model "deepseek_v3" flavor "671B" is simulated as hf:deepseek-v3' in capsys.readouterr().err
 
 
 def test_missing_model_and_cluster_are_argument_errors(capsys, tmp_path):

@@ -26,8 +26,11 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short
 from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json
 
-# torchtitan's model flavours that are fsdp-planner's built-in models (the same architecture numbers).
-TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b"}
+# torchtitan's model flavours that are fsdp-planner's built-in models or shipped transformers configs (the same
+# architecture numbers: torchtitan's deepseek_v3 "671B" flavour, models/deepseek_v3/__init__.py's _671b, is
+# DeepSeek-V3's config.json)
+TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b",
+                ("deepseek_v3", "671b"): "hf:deepseek-v3"}
 
 SPEC = re.compile(r"^(?P<where>.+):(?P<function>[A-Za-z_]\w*)$", re.S)
 MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

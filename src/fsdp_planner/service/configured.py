@@ -86,10 +86,13 @@ def _model(m: _Merge) -> None:
         raise PlannerError(f"the torchtitan job's model {cfg.model_label} is not one fsdp-planner builds (known: "
                            f"{known}); give your model as MODEL, e.g. hf:path/config.json or path/model.py:build")
     m.values["model"] = cfg.model
+    if cfg.model.startswith("hf:"):
+        m.note(f"the torchtitan job's model {cfg.model_label} is simulated as {cfg.model} (transformers' modules, "
+               "the same architecture numbers)")
 
 
 def _titan_models() -> list[tuple[str, str]]:
-    return [k for k, v in TITAN_MODELS.items() if v in BUILTINS]
+    return [k for k, v in TITAN_MODELS.items() if v in BUILTINS or v.startswith("hf:")]
 
 
 def _workload(m: _Merge) -> None:
