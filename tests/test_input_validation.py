@@ -451,7 +451,8 @@ def test_one_line_keeps_the_first_line_of_a_multi_line_error() -> None:
     from fsdp_planner.errors import one_line
 
     backtrace = "randn(): Overflow when unpacking long long\nException raised from THPUtils_unpackLong\nframe #0: ..."
-    assert one_line(backtrace) == "randn(): Overflow when unpacking long long (+2 more lines)"
+    assert one_line(backtrace) == ("randn(): Overflow when unpacking long long (+2 more lines: FSDP_PLANNER_DEBUG=1 "
+                                   "shows them)")
     assert one_line("a short line") == "a short line"
     assert len(one_line(" ".join(["word"] * 1000))) <= 1000
 
@@ -509,3 +510,20 @@ def test_check_warns_of_a_method_registered_on_a_module_no_group_lists(capsys, t
     assert [(f["severity"], f["module"]) for f in findings if f["code"] == "forward-method"] == \
         [("warning", "layers.0.attention")]
     assert "no group lists layers.0.attention" in findings[-1]["message"]
+
+
+def test_the_lines_an_error_leaves_out_are_shown_under_debug(monkeypatch, capsys) -> None:
+    """A failed torchrun job's error names the cause on its first line and the other ranks' failures below: the
+    line says how many it leaves out and FSDP_PLANNER_DEBUG=1 shows them (they were never shown)."""
+    import fsdp_planner.cli as cli
+
+    def failing(argv):  # type: ignore[no-untyped-def]
+        raise PlannerError("verify job failed: rank 0 raised X\n  then rank 1 failed in a collective: Y")
+
+    monkeypatch.setattr(cli, "_run", failing)
+    assert cli.main(["plan"]) == 2
+    assert capsys.readouterr().err == ("error: verify job failed: rank 0 raised X (+1 more lines: FSDP_PLANNER_DEBUG=1 "
+                                       "shows them)\n")
+    monkeypatch.setenv("FSDP_PLANNER_DEBUG", "1")
+    assert cli.main(["plan"]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == ["  then rank 1 failed in a collective: Y"]

@@ -19,7 +19,7 @@ def one_line(message: str) -> str:
     100 KB argument is never echoed whole; a long path keeps its file's name), at most ``MAX_MESSAGE`` characters
     in all."""
     lines = [line.strip() for line in message.splitlines() if line.strip()] or [""]
-    text = lines[0] + (f" (+{len(lines) - 1} more lines)" if len(lines) > 1 else "")
+    text = lines[0] + (f" (+{len(lines) - 1} more lines: FSDP_PLANNER_DEBUG=1 shows them)" if len(lines) > 1 else "")
     text = _LONG_WORD.sub(_cut_word, text)
     return text if len(text) <= MAX_MESSAGE else f"{text[:MAX_MESSAGE - 20]}... (cut short)"
 

@@ -99,6 +99,9 @@ def _exit_code(code: object) -> int:
     return code if isinstance(code, int) else 2
 
 
+MAX_DEBUG_MESSAGE = 20_000  # characters of an error's further lines FSDP_PLANNER_DEBUG shows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     _open_missing_streams()
     render = sys.modules.get("fsdp_planner.cli.render")  # (not imported here: --help stays fast without rich)
@@ -112,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except PlannerError as e:
         _say(f"error: {one_line(str(e))}")
+        if os.environ.get("FSDP_PLANNER_DEBUG"):  # the lines one_line leaves out (the other ranks' failures)
+            for line in str(e)[:MAX_DEBUG_MESSAGE].splitlines()[1:]:
+                _say(line)
         return 2
     except KeyboardInterrupt:
         _say("interrupted")
