@@ -58,6 +58,10 @@ def test_the_validator_reads_float8_for_cli_and_api() -> None:
         sim_options(Keywords(float8_all_gather=False), Spelling.CLI)
     with pytest.raises(PlannerError, match="tensorwise scaling only"):
         sim_options(Keywords(float8="rowwise", float8_all_gather=True), Spelling.API)
+    with pytest.raises(PlannerError, match="--no-float8-all-gather changes nothing with --float8 rowwise"):
+        sim_options(Keywords(float8="rowwise", float8_all_gather=False), Spelling.CLI)  # was a silent no-op
+    rowwise = sim_options(Keywords(float8="rowwise", float8_all_gather=False), Spelling.API).float8
+    assert rowwise is not None and not rowwise.fsdp_float8_all_gather  # a file or the API may spell it out
 
 
 def test_torchtitan_s_filter_leaves_the_output_head_and_odd_dims_in_bf16() -> None:

@@ -370,6 +370,10 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
                                "too")
         return None
     recipe = choice(Float8Recipe, kw.float8, "float8", spell)
+    if gather is False and recipe is not Float8Recipe.TENSORWISE and spell is Spelling.CLI:  # (a file may spell
+        # torchtitan's default out)
+        raise PlannerError(f"--no-float8-all-gather changes nothing with --float8 {recipe.value}: that recipe "
+                           "all-gathers its weights in bf16 anyway; leave the flag out")
     if gather and recipe is not Float8Recipe.TENSORWISE:
         raise PlannerError(f"{spell.given('float8', recipe.value)} all-gathers its weights in bf16: torchao's FSDP2 "
                            "float8 all-gather is for tensorwise scaling only")
