@@ -650,3 +650,18 @@ def test_a_tp_degree_that_shards_little_says_so(tmp_path, capsys):
         err = capsys.readouterr().err
         said = f"--tp 2 shards {share} of the params (the rest is whole on each TP rank): plan it without --tp too"
         assert (said in err) if share else ("of the params (the rest is whole" not in err), err
+
+
+@pytest.mark.integration  # inductor partitions the two blocks: seconds
+def test_async_tp_on_a_layout_of_all_reduces_says_it_changes_nothing(tmp_path, capsys):
+    from fsdp_planner.cli import main
+
+    path = tmp_path / "net.py"
+    path.write_text(LITTLE_TP_MODEL)
+    argv = ["simulate", f"{path}:most", "--policy", "module", "--module-classes", "Pair", "--tp", "2", "--compile",
+            "--cluster", "h100:8", "--json"]
+    assert main([*argv, "--async-tp"]) == 0
+    out, err = capsys.readouterr()
+    assert "this --tp 2 layout has none (its collectives are all-reduces): it changes nothing here" in err
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["step_time"] == json.loads(out)["step_time"]

@@ -323,6 +323,11 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
         check_local_shapes(spec, layout.tp)
     for line in layout.notes:
         reporter.note(line)
+    if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
+        # reduce-scatters into the matmuls: a layout of all-reduces has nothing it fuses
+        reporter.note(f"--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with the matmuls, "
+                      f"and this --tp {request.tp} layout has none (its collectives are all-reduces): it changes "
+                      "nothing here")
     share = sharded_share(tr, layout.tp)
     if share < LITTLE_SHARDED and request.mesh is None:  # TP's collectives and a smaller data-parallel group
         # for little saved: worth saying (auto weighs no detected layout itself: Layout.checked)
