@@ -552,3 +552,15 @@ def test_a_config_s_tp_degree_the_model_refuses_is_said_by_its_key(tmp_path, cap
     assert main(["simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100"]) != 0
     err = capsys.readouterr().err
     assert "parallelism.tensor_parallel_degree = 3 must divide the model's" in err and "--tp" not in err
+
+
+@pytest.mark.integration  # llama3-8b traced and auto's search: ~10 s
+def test_simulate_of_a_config_over_the_budget_concludes_what_auto_s_fit_note_says(tmp_path, capsys):
+    """The fit: note (auto's own plan fits) stood alone above a job 34 GiB over the budget, reading as if the
+    job fit: a note now says which is which."""
+    path = accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\nnum_processes: 8\nmixed_precision: bf16\n")
+    assert main(["simulate", "llama3-8b", "--from-accelerate", str(path), "--cluster", "h100"]) == 0
+    captured = capsys.readouterr()
+    assert "over the 70.8 GiB budget" in captured.out
+    assert "the configuration as given is over the budget (below), and auto's own plan of the same job fits" \
+        in captured.err

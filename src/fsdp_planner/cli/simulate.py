@@ -119,6 +119,9 @@ def _verdict(args: argparse.Namespace, from_config: bool, tr: Trace, plan: Plan,
                              REPORTER)
     if verdict is not None and args.no_offload:
         raise PlannerError(f"{verdict} (--no-offload)")
+    if verdict is None and not budget.fits(report.reserved_memory):  # (the fit: note above is auto's own plan)
+        render.note("the configuration as given is over the budget (below), and auto's own plan of the same job "
+                    "fits (the fit: line above): `fsdp-planner plan` with the same options writes it")
     return verdict
 
 
