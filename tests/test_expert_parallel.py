@@ -900,3 +900,9 @@ def test_experts_sized_from_data_are_simulated_not_run(tmp_path) -> None:
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
     tiny = run_main("plan", TINY, "--policy", "auto", "--cluster", "h100:4")  # a fixed capacity: screened
     assert tiny.returncode == 0 and "auto's EP screen" in tiny.stderr and DATA_SIZED_EXPERTS not in tiny.stderr
+
+
+def test_an_ep_degree_the_experts_do_not_divide_names_their_count() -> None:
+    done = run_main("plan", TINY, "--policy", "titan", "--ep", "3", "--cluster", "h100:6")
+    assert done.returncode == 2 and done.stderr.rstrip().endswith("choose a degree that divides its 8 experts"), \
+        done.stderr

@@ -106,7 +106,7 @@ def _local_param(p: ParamInfo, degree: int) -> ParamInfo:
     """The expert param's EP-local shard: E / EP experts on dim 0."""
     if len(p.shape) < 2 or p.shape[0] % degree:
         raise PlannerError(f"expert parallelism of degree {degree} cannot shard {p.fqn} {list(p.shape)} on its expert "
-                           "dim 0: choose a degree that divides the number of experts")
+                           f"dim 0: choose a degree that divides its {p.shape[0] if p.shape else 0} experts")
     return replace(p, shape=(p.shape[0] // degree, *p.shape[1:]), numel=p.numel // degree)
 
 
