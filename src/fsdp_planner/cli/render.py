@@ -494,7 +494,7 @@ def auto_line(search: SearchSummary) -> str:
             f"step {fmt_time(search.report.step_time)}, "
             f"{fmt_bytes(search.report.reserved_memory)} reserved within the budget {fmt_bytes(search.budget)} "
             f"({search.budget_source}); {fmt_count(search.evaluated, 'plan')} simulated ({search.refined} "
-            f"refining them, of at most {search.effort} --search-effort allows) in {search.seconds:.1f} s")
+            f"of them refining, where --search-effort allows {search.effort:,}) in {search.seconds:.1f} s")
     if search.best_baseline is None or search.best_baseline_step is None:
         line += "; no classic policy with its defaults (no checkpointing) fits this budget"
     else:
