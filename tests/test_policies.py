@@ -105,6 +105,17 @@ def test_block_class_is_the_layer_a_stage_stacks(depths):
     assert len(plan.groups) - 1 == sum(depths)
 
 
+def test_nested_sequential_stages_of_childless_blocks_plan_with_every_policy(capsys):
+    """A CNN whose stages stack Sequential(Conv2d, Identity, ReLU): its block class is the Conv2d, which has no
+    children; every policy (and check) raised KeyError: 'Conv2d' in the checkpointing blocks' peers."""
+    from fsdp_planner.cli import main
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'conv_models.py'}:nested_stages"
+    for args in (["--policy", "titan"], ["--policy", "order"], ["--policy", "auto", "--cluster", "h100:8"]):
+        assert main(["plan", spec, *args]) == 0, capsys.readouterr().err
+    assert main(["check", spec]) == 0, capsys.readouterr().err
+
+
 def test_torchtitan_policy_groups_norm_and_output():
     plan = TorchtitanPolicy().plan(traced("toy-llama"))
     assert groups_of(plan) == [["tok_embeddings"], *[[f"layers.{i}"] for i in range(4)], ["norm", "output"], [""]]

@@ -308,8 +308,11 @@ class TraceIndex:
             if numel[m] > 0 and info.children:
                 total[info.cls] = total.get(info.cls, 0) + numel[m]
                 count[info.cls] = count.get(info.cls, 0) + 1
+        # (a block class with no children of its own, a Conv2d that nested Sequential stages stack, is no container's
+        # composite child: its share is its instances')
+        ours = total.get(main, sum(numel[m] for m, info in self._modules.items() if info.cls == main))
         for cls in sorted((c for c in total if c != main and count[c] >= 2), key=lambda c: (-total[c], c)):
-            if total[cls] >= PEER_SHARE * total[main] and not self._nested(cls, chosen):
+            if total[cls] >= PEER_SHARE * ours and not self._nested(cls, chosen):
                 chosen.append(cls)
         return tuple(chosen)
 
