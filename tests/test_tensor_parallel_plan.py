@@ -665,3 +665,16 @@ def test_async_tp_on_a_layout_of_all_reduces_says_it_changes_nothing(tmp_path, c
     assert "this --tp 2 layout has none (its collectives are all-reduces): it changes nothing here" in err
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["step_time"] == json.loads(out)["step_time"]
+
+
+def test_check_of_a_tp_degree_that_cannot_run_is_an_error_finding(capsys):
+    """``check --tp 2`` on a model whose attention views into a fixed head count printed "no findings" and exited 0
+    (the reason a note), where plan and verify refuse the job: a CI gate on check passed a job that cannot run."""
+    from fsdp_planner.cli import main
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:tiny_t5"
+    assert main(["check", spec, "--tp", "2", "--cluster", "h100:2", "--json"]) == 1
+    (finding,) = json.loads(capsys.readouterr().out)
+    assert finding["severity"] == "error" and finding["code"] == "does-not-run"
+    assert "one TP rank's step fails (aten.view" in finding["message"]
+    assert main(["check", spec, "--cluster", "h100:2", "--json"]) == 0  # without --tp: the model's own findings

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     tr, findings = _model(args, options)
     fsdp1 = args.target == Target.FSDP1.value
     world = cluster.world_size if cluster is not None else None
-    plan, label = _plan(args, tr, cluster, options)
+    plan, label, refused = _plan(args, tr, cluster, options)
+    findings += refused
     if plan is not None:
         findings += plan_findings(tr, plan, world, fsdp1=fsdp1)
     if plan is not None and cluster is not None and not has_errors(findings):
@@ -67,23 +68,29 @@ def _model(args: argparse.Namespace, options: SimOptions) -> tuple[Trace, list[F
 
 
 def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options: SimOptions
-          ) -> tuple[Plan | None, str]:
-    """The plan to check and how to call it; None when the policy cannot make one (the model findings say why)."""
+          ) -> tuple[Plan | None, str, list[Finding]]:
+    """The plan to check, how to call it, and the finding of a layout asked for (``--tp``, ``--ep``) that cannot
+    run; no plan when the policy cannot make one (a note, or that finding, says why)."""
     if args.plan:
         for note in policy_notes(args, [], plan_file=True):
             render.note(note)
-        return plan_to_check(args.plan, tr, model_spec(args)), f"the plan in {args.plan}"
+        return plan_to_check(args.plan, tr, model_spec(args)), f"the plan in {args.plan}", []
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")
     request = policy_request(args, name)
     try:
-        return grouping_to_check(tr, request, args.model, cluster, options, REPORTER), label
+        return grouping_to_check(tr, request, args.model, cluster, options, REPORTER), label, []
     except PlannerError as e:
         if "--cluster" in str(e):
             raise
+        asked = [f"--{k} {getattr(args, k)}" for k in ("tp", "ep") if getattr(args, k, None) not in (None, 1)]
+        if asked:  # the job asked for cannot run: a gate on check's exit status must fail it
+            return None, label, [Finding(Severity.ERROR, Code.DOES_NOT_RUN, str(e),
+                                         f"plan it without {' and '.join(a.split()[0] for a in asked)}, or give a "
+                                         "layout in a plan file")]
         render.note(f"--policy {name} makes no plan for this model: {e}")
-        return None, label
+        return None, label, []
 
 
 def _show(model: str, label: str | None, findings: list[Finding]) -> None:
