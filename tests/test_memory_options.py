@@ -3,6 +3,7 @@ user's reduce dtype. Real FSDP2 on the fake process group is the oracle for byte
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,23 @@ def test_bad_memory_options_in_a_plan_file_are_one_line(field: str, value: objec
     with pytest.raises(PlannerError, match=field) as e:
         Plan.from_json(json.dumps(doc))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("dims", "says"), [
+    ({"inp.weight": 5}, "shards inp.weight [32, 32] on dim 5, which it does not have (2 dims)"),
+    ({"nothing.weight": 1}, "names \"nothing.weight\", which is not a parameter of the model"),
+])
+def test_check_and_every_command_refuse_shard_dims_the_params_lack(tmp_path, dims, says) -> None:
+    """``check`` said 0 errors for a dim the param does not have, and the ranks failed on it."""
+    from fsdp_planner.service.plan_files import load_plan, plan_to_check
+
+    options = SimOptions.named("fp32")
+    tr = _traced(EXPERTS, options)
+    path = tmp_path / "plan.json"
+    path.write_text(make_plan(tr, [["layers.0"]]).replace(shard_dims=dims).to_json())
+    for read in (lambda: plan_to_check(str(path), tr, "m"), lambda: load_plan(str(path), tr, "m", print)):
+        with pytest.raises(PlannerError, match=re.escape(f"plan 'shard_dims' {says}")):
+            read()
 
 
 def test_shard_dims_the_simulator_does_not_model_are_refused() -> None:

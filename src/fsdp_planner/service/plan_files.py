@@ -28,6 +28,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     params derived."""
     plan = with_claimed_params(Plan.load(path), tr)
     check_hf_config(plan, as_spec(model), path)
+    check_shard_dims(plan, tr)
     check_plan_tp(plan, tr, as_spec(model))
     check_plan_ep(plan, tr)
     check_plan_matches(plan, tr)
@@ -83,10 +84,24 @@ def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings."""
     plan = with_claimed_params(Plan.load(path), tr)
     check_hf_config(plan, as_spec(model), path)
+    check_shard_dims(plan, tr)
     check_plan_tp(plan, tr, as_spec(model))
     check_plan_ep(plan, tr)
     check_plan_methods(plan, model)
     return plan
+
+
+def check_shard_dims(plan: Plan, tr: Trace) -> None:
+    """Each param the plan's ``shard_dims`` names is one of the model's, with the dim it is sharded on (FSDP2's
+    ``Shard(dim)`` of a dim the param lacks fails on the ranks)."""
+    for name, dim in plan.shard_dims.items():
+        if name not in tr.index.param_index:
+            raise PlannerError(f"plan 'shard_dims' names {shown_json(name)}, which is not a parameter of the model")
+        shape = tr.param(name).shape
+        if dim >= len(shape):
+            raise PlannerError(f"plan 'shard_dims' shards {name} {list(shape)} on dim {dim}, which it does not have "
+                               f"({len(shape)} dims): give a dim below {len(shape)}, or make the plan again with "
+                               "--shard-placement auto")
 
 
 def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
