@@ -85,6 +85,18 @@ def check_param_dtypes(precision: Precision, built: set[str]) -> None:
                            "matches it (--precision)")
 
 
+def check_complex_params(precision: Precision, model: torch.nn.Module) -> None:
+    """FSDP2 reduce-scatters a complex param's grads in the policy's reduce dtype (its mixed precision leaves the
+    param's own dtype alone, not the reduce dtype), and ``foreach_reduce``'s copy into that real buffer raises on
+    the ranks: refused before any starts."""
+    reduce = precision.fsdp_dtypes()[1]
+    name = next((n for n, p in model.named_parameters() if p.is_complex() and p.requires_grad), None)
+    if reduce is not None and name is not None:
+        raise PlannerError(f"{name} is a complex param, and precision '{precision.name}' reduce-scatters grads in "
+                           f"{str(reduce).removeprefix('torch.')}, which FSDP2 cannot copy complex grads into: train "
+                           "it with --precision fp32")
+
+
 def built_dtypes(model: torch.nn.Module) -> set[str]:
     """The floating dtypes ``model``'s params are built in, named as a trace names them ("float32")."""
     return {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
@@ -96,6 +108,7 @@ def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecis
     from torch.distributed.fsdp import MixedPrecisionPolicy  # the distributed stack: for a run only
 
     check_param_dtypes(precision, built_dtypes(model))
+    check_complex_params(precision, model)
     param_dtype, reduce_dtype = precision.fsdp_dtypes()
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 

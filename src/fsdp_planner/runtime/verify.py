@@ -36,7 +36,13 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.fsdp2.precision import Precision, built_dtypes, check_param_dtypes, check_precision
+from fsdp_planner.fsdp2.precision import (
+    Precision,
+    built_dtypes,
+    check_complex_params,
+    check_param_dtypes,
+    check_precision,
+)
 from fsdp_planner.fsdp2.replay import Kept, build_schedule
 from fsdp_planner.fsdp2.validity import check_forward_methods
 from fsdp_planner.hardware.cluster import preset_cluster
@@ -490,7 +496,9 @@ def prepare_job(job: VerifyJob, save_checkpoint: Path | None, load_checkpoint: P
 def check_model_dtypes(spec: ModelSpec, precision: Precision) -> None:
     """Refuse a precision the model's params cannot train in (FSDP2 keeps the sharded params in the dtype they are
     built in), from the model built on meta: before it is traced, a plan searched or any rank started."""
-    check_param_dtypes(precision, built_dtypes(load_model(spec, meta=True).model))
+    model = load_model(spec, meta=True).model
+    check_param_dtypes(precision, built_dtypes(model))
+    check_complex_params(precision, model)
 
 
 def check_on_meta(job: VerifyJob, trace: Trace) -> None:
@@ -498,7 +506,7 @@ def check_on_meta(job: VerifyJob, trace: Trace) -> None:
     cannot train."""
     if job.plan.forward_methods:
         check_forward_methods(job.plan, load_model(job.model, meta=True).model)
-    check_param_dtypes(job.precision, {p.dtype for p in trace.params if p.dtype.startswith(("float", "bfloat"))})
+    check_param_dtypes(job.precision, {p.dtype for p in trace.params if p.is_floating_point})
 
 
 def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:

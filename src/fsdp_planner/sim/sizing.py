@@ -114,9 +114,12 @@ class Sizing:
         # bytes per param (padded to the world size, at the precision's dtypes or each param's own), for sums over
         # thousands of params at C speed (a plan's root or large groups)
         own = np.array([p.itemsize for p in trace.params], dtype=np.int64)
+        # FSDP2 casts floating-point params alone (FSDPParam.init_dtype_attrs): an int or complex param is gathered,
+        # computed and reduced in its own dtype whatever the precision
+        cast = np.array([p.is_floating_point for p in trace.params], dtype=bool)
 
         def itemsize(field: str) -> np.ndarray:  # the precision's dtype for these bytes, else each param's own
-            return own if precision is None else np.full_like(own, getattr(precision, field))
+            return own if precision is None else np.where(cast, getattr(precision, field), own)
 
         shards = param_shards(trace, world_size)
         on = [dims.get(p.fqn, 0) if dims is not None else shard_dim(p, n, placement)

@@ -22,6 +22,11 @@ class ParamInfo:
     shape: tuple[int, ...] = ()
     gets_grad: bool = True  # autograd gave it a gradient in the traced step (FSDP2 reduce-scatters only those)
 
+    @property
+    def is_floating_point(self) -> bool:
+        """A real floating-point dtype (not an int, bool or complex one): what mixed precision casts."""
+        return self.dtype.startswith(("float", "bfloat"))
+
     def padded_numel(self, world_size: int) -> int:
         """Numel after FSDP2 pads dim 0 to a multiple of the world size (its all-gather size)."""
         if not self.shape:
