@@ -48,6 +48,17 @@ def test_flops_match_flop_counter_mode():
     assert 1.8 < tr.bwd_flops / tr.fwd_flops < 2.2
 
 
+@pytest.mark.parametrize("groups", [1, 4, 64])
+def test_a_grouped_conv_s_backward_is_twice_its_forward(groups: int) -> None:
+    """FlopCounterMode counts a grouped conv's weight gradient over every channel (torch 2.13's
+    ``conv_backward_flop`` leaves groups out): a depthwise conv's backward read 65x its forward; it is 2x."""
+    conv = nn.Conv2d(64, 64, 3, padding=1, groups=groups, bias=False)
+    x = torch.randn(8, 64, 16, 16, requires_grad=True)
+    tr = record(conv, (x,), lambda y: y.sum())
+    assert tr.fwd_flops == 2 * 8 * 64 * (64 // groups) * 9 * 16 * 16
+    assert tr.bwd_flops == 2 * tr.fwd_flops
+
+
 def test_tied_weights_detected():
     tr = traced("toy-gpt2-tied")
     shared = [p for p in tr.params if p.is_shared]

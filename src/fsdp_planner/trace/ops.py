@@ -187,8 +187,7 @@ class OpRecorder(TorchDispatchMode):
             for a in flat_in + flat_out:
                 if isinstance(a, torch.Tensor):
                     nbytes += a.numel() * a.element_size()
-        fn = flop_registry.get(func._overloadpacket)
-        flops = int(fn(*args, **kwargs, out_val=out)) if fn is not None else 0
+        flops = op_flops(func, args, kwargs, out)
         recorder = self.slot.recorder
         if used and recorder.check_methods is not None and not recorder.backward:
             recorder.check_methods(tuple(used), recorder.fwd_stack)
@@ -287,3 +286,19 @@ def device_sync(param_objs: list[nn.Parameter]) -> Callable[[], None]:
     if any(p.is_cuda for p in param_objs):
         return torch.cuda.synchronize
     return lambda: None
+
+
+def op_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FlopCounterMode's count of one op, its grouped convolutions' weight gradient divided by the groups: torch
+    2.13's ``conv_backward_flop`` counts that part as conv(input, grad_output) over every channel, ignoring groups
+    (a depthwise conv's backward was 65x its forward at 64 groups, not 2x)."""
+    fn = flop_registry.get(func._overloadpacket)
+    if fn is None:
+        return 0
+    flops = int(fn(*args, **kwargs, out_val=out))
+    if func._overloadpacket is torch.ops.aten.convolution_backward and len(args) == 11 and args[9] > 1 \
+            and args[10][1]:
+        weight_only = int(fn(*args[:10], [False, True, False], out_val=out))
+        flops -= weight_only - weight_only // args[9]
+    return flops
+
