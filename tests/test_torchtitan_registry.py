@@ -116,7 +116,8 @@ def test_flags_as_torchtitan_spells_them():
     assert parse_flags(["activation-checkpoint:none", "activation_checkpoint:full"]) == (
         Override("activation_checkpoint", None), Override("activation_checkpoint", Call("FullAC.Config")))
     for bad, says in ((["--steps", "3"], "is not --section.key VALUE"), (["--module", "llama3"], "MODULE:FUNCTION"),
-                      (["8"], "is not --section.key VALUE")):
+                      (["8"], "is not --section.key VALUE"),
+                      (["--activation-checkpoint:full"], "subcommand without the dashes, activation-checkpoint:full")):
         with pytest.raises(PlannerError, match=says):
             parse_flags(bad)
 
@@ -476,6 +477,8 @@ def _base(tp: int, seq: int = 4096, *, flavor: str = "70B") -> Trainer.Config:
 @pytest.mark.parametrize(("body", "read"), [
     ("    return _base(8)\n", (4096, 2, 8, '"70B"')),  # a default, a model's own trainer config
     ("    return _base(4, seq=8192, flavor='8B')\n", (8192, 2, 4, '"8B"')),
+    ("    return Trainer.Config(model_spec=model_registry(flavor='8B'), training=TrainingConfig("
+     "max_context_length=2 ** 12, num_tokens_per_microbatch_per_dp_rank=2 ** 14))\n", (4096, 4, 1, '"8B"')),
     ("    config = _base(8)\n    config.compile = CompileConfig(enable=True, components=['loss'])\n    return config\n",
      (4096, 2, 8, '"70B"')),  # deepseek_v3_671b's: the model eager (tests/test_job_config.py)
     ("    config = _base(2, 2048)\n    config.training.max_context_length = 1024\n    return config\n",

@@ -163,6 +163,9 @@ def _flag_error(token: str) -> str:
     if token in ("--module", "--config") or token.startswith(("--module=", "--config=")):
         return (f"torchtitan flag {shown_json(token)}: give the job as --from-torchtitan MODULE:FUNCTION (torchtitan's "
                 "--module/--config), e.g. torchtitan.models.llama3:llama3_8b")
+    if SUBCOMMAND.match(token.lstrip("-")):  # "--activation-checkpoint:full": torchtitan's subcommand has no dashes
+        return (f"torchtitan flag {shown_json(token)}: write the activation checkpointing subcommand without the "
+                f"dashes, {token.lstrip('-')}")
     return (f"torchtitan flag {shown_json(token)} is not --section.key VALUE (e.g. "
             "--parallelism.data_parallel_shard_degree 8)")
 
@@ -508,7 +511,8 @@ def _value(node: ast.expr, scope: dict[str, Any], depth: int) -> Any:
 
 
 ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-              ast.FloorDiv: lambda a, b: a // b if b else None}
+              ast.FloorDiv: lambda a, b: a // b if b else None,
+              ast.Pow: lambda a, b: a ** b if 0 <= b <= 64 and abs(a) < 2**16 else None}  # (2 ** 14; bounded)
 
 
 def _arithmetic(node: ast.expr, scope: dict[str, Any], depth: int) -> int | None:
@@ -568,13 +572,15 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
 def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[str]) -> None:
     if spec is None:
         return
-    if not (isinstance(spec, Call) and spec.kind == "model_registry" and spec.args and isinstance(spec.args[0], str)):
+    flavor = (spec.args[0] if spec.args else spec.fields.get("flavor")) if isinstance(spec, Call) else None
+    if not (isinstance(spec, Call) and spec.kind == "model_registry" and isinstance(flavor, str)):
         shown = spec.source if isinstance(spec, Unread) else spec.name if isinstance(spec, Call) else shown_json(spec)
-        notes.append(f"model_spec = {shown} is not read (not model_registry(FLAVOR)): give MODEL")
+        notes.append(f"model_spec = {shown} is not read (not model_registry(FLAVOR) with a literal flavour): give "
+                     "MODEL")
         return
-    table: dict[str, Any] = {"flavor": spec.args[0], **({"name": model} if model else {})}
+    table: dict[str, Any] = {"flavor": flavor, **({"name": model} if model else {})}
     for key, value in spec.fields.items():
-        if key != "converters" and MODEL_REGISTRY_DEFAULTS.get(key, Unread("")) != value:
+        if key not in ("converters", "flavor") and MODEL_REGISTRY_DEFAULTS.get(key, Unread("")) != value:
             notes.append(f"model_registry's {key} = {_shown(value)} is left out: fsdp-planner builds the "
                          "flavour's own model")
     for conv in spec.fields.get("converters") or []:
