@@ -414,3 +414,19 @@ def test_a_transformers_moe_block_compiles_under_selective_checkpointing(tmp_pat
     lm = load_model(tiny(tmp_path, "tiny-mixtral"))
     block = record_compiled(lm.model, lm.example_inputs, ["model.layers.0"], None, {"titan": selective})
     assert block["model.layers.0"].saved > 0
+
+
+def test_a_positions_override_sets_the_default_sequence(tmp_path):
+    """``--hf-config max_position_embeddings=N`` left the default sequence at the file's positions: a user config
+    of 128 positions refused its own override to 8 ("--seq 128 is longer than the model's 8 learned positions"),
+    and a larger override kept the file's."""
+    spec = tiny(tmp_path, "tiny-llama")
+    positions = TINY["tiny-llama"].get("max_position_embeddings", hf.DEFAULT_SEQ_CAP)
+    assert ModelSpec(spec).workload()["seq_len"] == min(positions, hf.DEFAULT_SEQ_CAP)
+    for given, seq in ((8, 8), (100_000, hf.DEFAULT_SEQ_CAP)):
+        model = ModelSpec(spec, hf_config=(("max_position_embeddings", given),))
+        assert model.workload()["seq_len"] == seq
+        assert load_model(dataclasses.replace(model, hf_config=model.hf_config + (("num_hidden_layers", 1),)),
+                          meta=True).example_inputs["input_ids"].shape[1] == seq
+    assert ModelSpec(spec, seq_len=4, hf_config=(("max_position_embeddings", 8),)).workload()["seq_len"] == 4
+    assert ModelSpec("hf:llama3-8b", hf_config=(("max_position_embeddings", 1024),)).workload()["seq_len"] == 1024

@@ -133,6 +133,11 @@ class ModelSpec:
         values = workload_defaults(BUILTINS[self.name].factory) if self.name in BUILTINS else {}
         if hf.is_hf(self.name):
             values = _hf_workload(self.name)
+            positions = dict(self.hf_config).get("max_position_embeddings")
+            if isinstance(positions, int) and isinstance(values.get("seq_len"), int):  # the override's positions:
+                # the default sequence follows them as it follows the file's (at most the shipped one, or the cap)
+                cap = values["seq_len"] if self.name.removeprefix(hf.PREFIX) in hf.SHIPPED else hf.DEFAULT_SEQ_CAP
+                values["seq_len"] = max(1, min(positions, cap))
         values.update(self.kwargs())
         return values
 
@@ -187,6 +192,9 @@ def factory_kwargs(factory: Callable[..., tuple], spec: ModelSpec) -> dict[str, 
     silently ignored (the plan would be for another step)."""
     wanted: dict[str, Any] = spec.kwargs()
     config = {"hf_config": spec.hf_config} if spec.hf_config else {}  # the hf factories take it (hf.py)
+    if hf.is_hf(spec.name) and "seq_len" not in wanted and "max_position_embeddings" in dict(spec.hf_config):
+        default = spec.workload().get("seq_len")  # the override's positions, not the file's (``workload``)
+        wanted.update({"seq_len": default} if default is not None else {})
     if not wanted:
         return config
     try:
