@@ -426,7 +426,7 @@ def test_a_positions_override_sets_the_default_sequence(tmp_path):
     for given, seq in ((8, 8), (100_000, hf.DEFAULT_SEQ_CAP)):
         model = ModelSpec(spec, hf_config=(("max_position_embeddings", given),))
         assert model.workload()["seq_len"] == seq
-        assert load_model(dataclasses.replace(model, hf_config=model.hf_config + (("num_hidden_layers", 1),)),
+        assert load_model(dataclasses.replace(model, hf_config=(*model.hf_config, ("num_hidden_layers", 1))),
                           meta=True).example_inputs["input_ids"].shape[1] == seq
     assert ModelSpec(spec, seq_len=4, hf_config=(("max_position_embeddings", 8),)).workload()["seq_len"] == 4
     assert ModelSpec("hf:llama3-8b", hf_config=(("max_position_embeddings", 1024),)).workload()["seq_len"] == 1024
