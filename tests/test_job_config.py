@@ -122,6 +122,7 @@ def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
 
 @pytest.mark.parametrize(("text", "error"), [
     ("[training]\nseq_len = 0\n", "training.seq_len = 0 is not a whole number"),
+    ('[activation_checkpoint]\nmode = "FULL"\n', 'mode = "FULL" is not none, full or selective, in lowercase'),
     ('[training]\nlocal_batch_size = "two"\n', 'training.local_batch_size = "two" is not a whole number'),
     ('[parallelism]\nfsdp_reshard_after_forward = "sometimes"\n', "is not one of default, always, never"),
     ('[activation_checkpoint]\nmode = "selective"\nselective_ac_option = "3"\n', "'op' or 2"),

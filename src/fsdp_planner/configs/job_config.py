@@ -446,7 +446,11 @@ def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
     if isinstance(ac.get("mode"), str) and ac["mode"].strip().lower() == "memory_budget":
         raise _bad(cfg, "activation_checkpoint.mode", ac["mode"], "none, full or selective (memory_budget is "
                    "torch.compile's checkpointing, which fsdp-planner does not model)")
-    mode = _str(cfg, "activation_checkpoint.mode", ac.get("mode", "selective"), ("none", "full", "selective"))
+    given = ac.get("mode", "selective")
+    if isinstance(given, str) and given.strip() != given.strip().lower():  # torchtitan compares it as written
+        raise _bad(cfg, "activation_checkpoint.mode", given, "none, full or selective, in lowercase as torchtitan "
+                   "compares it (it refuses any other spelling)")
+    mode = _str(cfg, "activation_checkpoint.mode", given, ("none", "full", "selective"))
     cfg.keys["activation_checkpoint.mode"] = mode
     if mode != "selective":
         cfg.ac = ACMode(mode)
