@@ -102,8 +102,9 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")
     sp.add_argument("--tp", type=positive_int("--tp", MAX_TP_DEGREE), default=None, metavar="N",
                     help="tensor parallelism of degree N inside each node (the innermost mesh dim), FSDP over the "
-                         "rest: the layout from the plan file, transformers' tp plan for hf: models, torchtitan's "
-                         "for the built-in Llamas, else the column-then-row Linear pairs found; default none, and "
+                         "rest: the layout from the plan file, transformers' tp plan for hf: models (refused where "
+                         "it has none), torchtitan's for the built-in Llamas, else the column-then-row Linear pairs "
+                         "found in your model; default none, and "
                          "auto chooses among 1, 2, 4, 8")
     sp.add_argument("--ep", type=positive_int("--ep", MAX_EP_DEGREE), default=None, metavar="N",
                     help="expert parallelism of degree N over the model's grouped experts (E / N experts a rank, "
