@@ -501,3 +501,21 @@ def test_the_forms_torchtitan_s_2026_registries_use(tmp_path, body, read):
 ])
 def test_a_job_called_with_arguments_it_cannot_bind_is_one_line(tmp_path, body, says):
     _refused(tmp_path, FORMS_HEAD + "\n\ndef job() -> Trainer.Config:\n" + body, re.escape(says))
+
+
+@pytest.mark.parametrize(("spec", "read"), [
+    # (model, seq, batch, tp, ep, compile) as each job of torchtitan's 2026 registries (b5bcd76) sets them
+    ("deepseek_v3/config_registry.py:deepseek_v3_671b", ("hf:deepseek-v3", 4096, 4, 1, 2, False)),
+    ("deepseek_v3/config_registry.py:deepseek_v3_16b", (None, 4096, 4, 1, 8, False)),
+    ("gpt_oss/config_registry.py:gpt_oss_debugmodel_flex", (None, 2048, 8, 1, 1, False)),  # a job with arguments
+    ("kimi_k2_7/config_registry.py:kimi_k2_5", (None, 4096, 4, 1, 8, False)),  # its own Trainer.Config subclass
+    ("qwen3_5/config_registry.py:qwen35_397b_a17b", (None, 4096, 4, 8, 16, False)),  # a tokenizer's **TOKENS
+])
+def test_torchtitan_s_other_models_registries_read(spec, read):
+    """Every job of torchtitan's llama3, deepseek_v3, gpt_oss, kimi_k2_7 and qwen3_5 registries is read or refused
+    in one line; these were refused (a job called with arguments, a subclass of Trainer.Config, ** in a key no
+    step reads) or misread (compile.components of the loss alone compiled every block)."""
+    cfg = read_config(TORCHTITAN, str(FIXTURES / spec))
+    assert (cfg.model, cfg.seq, cfg.batch, cfg.tp, cfg.ep, cfg.compile) == read
+    if spec.endswith("deepseek_v3_671b"):
+        assert any("compile.components = [\"loss\"] compiles no part of the model" in n for n in cfg.notes)
