@@ -113,6 +113,7 @@ def test_flags_as_torchtitan_spells_them():
     assert parse_flags(["--a.b", "1", "--a.c=x", "--a.d", "--a.no-e", "--a.f", "-1", "2.5", "--a.g", "None"]) == (
         Override("a.b", 1), Override("a.c", "x"), Override("a.d", True), Override("a.e", False),
         Override("a.f", [-1, 2.5]), Override("a.g", None))
+    assert parse_flags(["--a.b", "99999999999999999999"]) == (Override("a.b", 99999999999999999999),)  # not 1e+20
     assert parse_flags(["activation-checkpoint:none", "activation_checkpoint:full"]) == (
         Override("activation_checkpoint", None), Override("activation_checkpoint", Call("FullAC.Config")))
     for bad, says in ((["--steps", "3"], "is not --section.key VALUE"), (["--module", "llama3"], "MODULE:FUNCTION"),

@@ -177,7 +177,7 @@ def _flag_value(text: str) -> Any:
         return low == "true"
     if low in ("none", "null"):
         return None
-    if re.fullmatch(r"[+-]?\d{1,18}", text.strip()):
+    if re.fullmatch(r"[+-]?\d{1,40}", text.strip()):  # (a 20-digit count stays a whole number, shown as given)
         return int(text)
     if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)(e[+-]?\d{1,3})?", low) and len(low) <= 40:
         return float(low)
