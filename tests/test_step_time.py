@@ -89,6 +89,12 @@ def test_verify_prints_the_predicted_step_beside_the_measured_one(tmp_path) -> N
     assert len(result["step_seconds"]) == 3 and all(s > 0 for s in result["step_seconds"])
     assert result["predicted_step"] > 0 and result["measured_step"] > 0
     assert result["step_error"] == pytest.approx(result["predicted_step"] / result["measured_step"] - 1)
+    # the timed steps are forward and backward: the prediction too (it held the optimizer step from 11-29 to 12-01)
+    done = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--time-steps", "1", "--json")
+    simulated = json.loads(cli("simulate", "toy-llama", "--policy", "titan", "--cluster", str(path), "--json").stdout)
+    assert simulated["gpu_optimizer_time"] > 0
+    assert json.loads(done.stdout)["predicted_step"] == pytest.approx(
+        simulated["step_time"] - simulated["gpu_optimizer_time"])
 
 
 def test_verify_table_shows_the_step_and_how_to_predict_it() -> None:

@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     if request.profile is not None:
         render.note(f"torch.profiler traces of each rank written to {request.profile}/rankR.json")
     if predict_on is not None and not request.fsdp1:
-        predicted = simulate(tr, plan, predict_on, options, timeline=False).step_time
+        # the timed steps are forward and backward (``worker.time_steps``): so is the prediction
+        predicted = simulate(tr, plan, predict_on, options, timeline=False).step_seconds(optimizer=False)
         result = dataclasses.replace(result, predicted_step=predicted)
     _report(result, request, predict_on)
     return 0 if result.ok else 1
