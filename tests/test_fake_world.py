@@ -4,6 +4,7 @@ live-bytes counter equal to torch's own MemTracker."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,10 @@ def test_a_complex_param_under_a_reduce_dtype_is_refused_before_any_rank(capsys)
     assert capsys.readouterr().err.strip() == ("error: w is a complex param, and precision 'bf16-mixed' "
                                                "reduce-scatters grads in float32, which FSDP2 cannot copy complex "
                                                "grads into: train it with --precision fp32")
+    assert main(["check", f"{DTYPE_MODELS}:complex_param", "--json"]) == 1  # check said 0 errors
+    (finding,) = json.loads(capsys.readouterr().out)
+    assert finding["code"] == "precision" and finding["message"].startswith("w is a complex param")
+    assert main(["check", f"{DTYPE_MODELS}:complex_param", "--precision", "fp32", "--json"]) == 0
 
 
 @pytest.mark.integration  # traces the model twice before refusing it

@@ -22,6 +22,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.precision import complex_reduce_problem
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners import PolicyName
 from fsdp_planner.planners.answers import answers
@@ -61,7 +62,10 @@ def _model(args: argparse.Namespace, options: SimOptions) -> tuple[Trace, list[F
     (the real run crashes), the rest checked on the step in the model's own dtypes."""
     try:
         tr = load_trace(model_spec(args), precision=options.precision)
-        return tr, model_findings(tr, options.precision)
+        complex_params = [p.fqn for p in tr.params if p.dtype.startswith("complex") and p.requires_grad]
+        problem = complex_reduce_problem(options.precision, complex_params)  # the ranks would raise
+        failed = [Finding(Severity.ERROR, Code.PRECISION, problem, "train it with --precision fp32")] if problem else []
+        return tr, [*failed, *model_findings(tr, options.precision)]
     except PrecisionError as e:
         failed = Finding(Severity.ERROR, Code.PRECISION, e.problem, e.fix, e.module)
         return e.own_dtypes, [failed, *model_findings(e.own_dtypes, options.precision)]

@@ -86,15 +86,22 @@ def check_param_dtypes(precision: Precision, built: set[str]) -> None:
 
 
 def check_complex_params(precision: Precision, model: torch.nn.Module) -> None:
+    """Refuse, before any rank starts, what ``complex_reduce_problem`` names of ``model``'s params."""
+    names = [n for n, p in model.named_parameters() if p.is_complex() and p.requires_grad]
+    if (problem := complex_reduce_problem(precision, names)) is not None:
+        raise PlannerError(problem)
+
+
+def complex_reduce_problem(precision: Precision, complex_params: list[str]) -> str | None:
     """FSDP2 reduce-scatters a complex param's grads in the policy's reduce dtype (its mixed precision leaves the
     param's own dtype alone, not the reduce dtype), and ``foreach_reduce``'s copy into that real buffer raises on
-    the ranks: refused before any starts."""
+    the ranks: the sentence saying so, for the trainable complex params ``complex_params``; None when they run."""
     reduce = precision.fsdp_dtypes()[1]
-    name = next((n for n, p in model.named_parameters() if p.is_complex() and p.requires_grad), None)
-    if reduce is not None and name is not None:
-        raise PlannerError(f"{name} is a complex param, and precision '{precision.name}' reduce-scatters grads in "
-                           f"{str(reduce).removeprefix('torch.')}, which FSDP2 cannot copy complex grads into: train "
-                           "it with --precision fp32")
+    if reduce is None or not complex_params:
+        return None
+    return (f"{complex_params[0]} is a complex param, and precision '{precision.name}' reduce-scatters grads in "
+            f"{str(reduce).removeprefix('torch.')}, which FSDP2 cannot copy complex grads into: train it with "
+            "--precision fp32")
 
 
 def built_dtypes(model: torch.nn.Module) -> set[str]:
