@@ -235,8 +235,8 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
 
 def groups_table(plan: Plan, tr: Trace, limit: int = 40) -> Table:
     """One plan's groups: modules, params, bytes, reshard_after_forward (the first ``limit`` - 1 and the root)."""
-    transforms = f"; {plan.transforms()}" if plan.transforms() else ""
-    t = Table(title=f"plan: {escape(plan.policy + transforms)}", title_justify="left")
+    transforms = plan.transforms()
+    t = Table(title=f"plan: {escape(plan.policy + (f'; {transforms}' if transforms else ''))}", title_justify="left")
     for col in ("#", "modules", "params", "bytes", "reshard_after_forward", "checkpointed"):
         t.add_column(col, justify="left" if col == "modules" else "right")
     checkpointed = checkpointed_per_group(plan)

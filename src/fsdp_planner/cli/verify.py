@@ -48,11 +48,12 @@ def run(args: argparse.Namespace) -> int:
     check_model_dtypes(request.model, options.precision)  # before the trace's notes, auto's search and torchrun
     model, tr, plan = _the_job(request, predict_on)
     if not request.json:
+        transforms = plan.transforms()
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(model.name)} with {request.nproc} processes"
                              f"{_tp_label(plan, request.nproc)}"
                              f"{' (FSDP1)' if request.fsdp1 else ''}"
-                             f"{escape(f', {plan.transforms()}') if plan.transforms() else ''}, {request.steps} steps"
+                             f"{escape(f', {transforms}') if transforms else ''}, {request.steps} steps"
                              f"{f' of {request.micro_batches} micro-batches' if request.micro_batches > 1 else ''}"
                              f" in {options.precision.name} ...")
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
