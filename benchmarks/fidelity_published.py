@@ -37,9 +37,11 @@ TITAN_8B, TITAN_70B = "benchmarks/titan2024_models.py:llama3_8b", "benchmarks/ti
 # (label, simulate arguments, cluster preset, local batch, seq, published tokens/s/GPU, published GiB or None, source)
 # The local batch is a data-parallel rank's (a TP group's): tokens/s/GPU divides by the TP degree. The float8 rows
 # take torchtitan's float8 all-gather with precomputed scales (``--float8 tensorwise``), as its float8 docs advise;
-# the table does not say which float8 flags ran. The 2024 runs' model is the built-in's shapes with the RMSNorm
-# torchtitan wrote then (titan2024_models.py: a GPU runs it as its ops, where nn.RMSNorm is one fused kernel); the
-# H200 pair below ran in June 2025 with nn.RMSNorm, the built-in.
+# the table does not say which float8 flags ran. The 2-D rows' torchtitan (9dec370) applied torchao's float8 TP
+# styles with every float8 job under TP (``parallelize_llama.apply_tp``): ``--float8-tp-all-gather``. The 2024
+# runs' model is the built-in's shapes with the RMSNorm torchtitan wrote then (titan2024_models.py: a GPU runs it
+# as its ops, where nn.RMSNorm is one fused kernel); the H200 pair below ran in June 2025 with nn.RMSNorm, the
+# built-in.
 # torchtitan's "selective" AC of Dec 2024 is op-level with its first save list (--ac op --ac-policy titan-early);
 # its "selective layer" is every second block in full (--ac selective).
 ROWS = [
@@ -62,11 +64,11 @@ ROWS = [
      [TITAN_8B, "--policy", "titan", "--ac", "op", "--ac-policy", "titan-early", "--compile", "--float8",
       "tensorwise"], "h100e:128", 2, 8192, 8380, 61.8, H100_TABLE),
     ("Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, batch 16, full AC, compile, float8 (Table 4, 2D)",
-     [TITAN_70B, "--tp", "8", "--policy", "titan", "--ac", "full", "--compile", "--float8", "tensorwise"],
-     "h100e:256", 16, 8192, 829, 71.9, H100_TABLE),
+     [TITAN_70B, "--tp", "8", "--policy", "titan", "--ac", "full", "--compile", "--float8", "tensorwise",
+      "--float8-tp-all-gather"], "h100e:256", 16, 8192, 829, 71.9, H100_TABLE),
     ("Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, batch 16, full AC, compile, float8, async TP (Table 4, 2D + AsyncTP)",
      [TITAN_70B, "--tp", "8", "--async-tp", "--policy", "titan", "--ac", "full", "--compile", "--float8",
-      "tensorwise"], "h100e:256", 16, 8192, 876, 67.6, H100_TABLE),
+      "tensorwise", "--float8-tp-all-gather"], "h100e:256", 16, 8192, 876, 67.6, H100_TABLE),
     ("Llama 3 8B, 64 A100, batch 1, layer-SAC",
      [TITAN_8B, "--policy", "titan", "--ac", "selective"], "a100:64", 1, 8192, 2904, None, A100_TABLE),
     ("Llama 3 8B, 64 A100, batch 1, op-SAC",
@@ -111,7 +113,28 @@ OUT_OF_SCOPE = [
 
 
 NOTES = [
-    "- TP's re-layout copies (2026-12-01, latest): each sequence-dim TP collective now brings the copy funcol makes "
+    "- Float8 as the 2-D runs ran it, and compile's shared casts (2026-12-01, latest). (1) torchtitan at the runs' "
+    "commit (9dec370, `parallelize_llama.apply_tp`) applied torchao's float8 TP styles with every float8 job under "
+    "TP (`Float8ColwiseParallel`, `Float8RowwiseParallel`, `PrepareFloat8ModuleInput`; torchtitan dropped them in "
+    "April 2026, 1786292): each region's input is cast on its sequence shard before the all-gather and a rowwise "
+    "output grad before its backward all-gather, one byte an element. fsdp-planner now runs and models them "
+    "(`--float8-tp-all-gather`; every collective count and byte and the peak checked against real DTensor on the "
+    "fake process group), and the 2-D rows take it: TP's all-gathers fall from 964 to 484 GiB a step, their time "
+    "on the compute stream from 4.87 to 3.56 s, and the casts from 5 of each whole gathered input a block to one "
+    "of its sequence shard. (2) In a compiled block AOTAutograd's common-subexpression elimination "
+    "(`torch._functorch.config.cse`) leaves one cast of an input several float8 Linears read (wq, wk, wv; w1, w3) "
+    "and one recast of it in backward, where the model charged one per Linear: the AOT graphs of one toy-llama "
+    "block on this CPU have 5 + 10 activation casts, the model now 4 + 11 (it had 7 + 14). The compiled float8 "
+    "rows moved from +19.0% / +23.0% to +22.5% / +26.6%, near the compiled bf16 rows' +26.7% / +31.0%. The 2D "
+    "row: -9.2% -> +0.3% with (2), +23.1% with (1); the async-TP row: +10.5% -> +24.7% -> +43.5%. Both old "
+    "figures were two errors cancelling: the model cast each gathered input five times and gathered it in bf16. "
+    "What is off now is what is off on every compiled row: the model's torch.compile gain on these runs (8 H100s: "
+    "1.34x predicted over eager, 1.16x published; on one H200's Llama 1B it is predicted as measured, 9% and 9%: "
+    "benchmarks/gpu_step.md), and on the async row also async TP's, 1.23x predicted "
+    "against 1.057 published (torchtitan's own later run of the job: 1.16, docs/async_tp.md). No factor was "
+    "moved to close either. The bullets below were written before this change, and their figures are of that "
+    "time.",
+    "- TP's re-layout copies (2026-12-01): each sequence-dim TP collective now brings the copy funcol makes "
     "of the whole activation (NCCL gathers and scatters on dim 0: `reduce_scatter_single` cats its input's chunks "
     "first, `all_gather_single` cats the gathered chunks after where the local batch is over 1), a memory-bound op "
     "at the preset's memory efficiency; async TP's fused collectives make none. The term was found in, and counted "

@@ -237,8 +237,17 @@ NOTES = [  # read from the tables above and the traces, as this run made them (2
     "compiled block's backward runs 5 matmuls where it ran 6, `tests/test_compile.py`); the compiled rows here "
     "were measured before that change, and no GPU has run it since.",
     "- float8 (tensorwise, FSDP2's float8 all-gather) with compile: measured -19.7% (70B) and -28.5% (405B) "
-    "against eager bf16, predicted -17.4% and -23.3%; the float8 matmul class is +10.9% / +14.6% of the trace "
-    "(the float8 peak times the sweep's float8/bf16 share, sim/float8.py).",
+    "against eager bf16, predicted -22.8% and -26.5% (-17.4% and -23.3% until 2026-12-01); the float8 matmul "
+    "class is +10.9% / +14.6% of the trace (the float8 peak times the sweep's float8/bf16 share, sim/float8.py). "
+    "Since 2026-12-01 the model casts an input several float8 Linears of a compiled block read once, and recasts "
+    "it once in backward, as AOTAutograd's common-subexpression elimination leaves them (sim/float8.py's "
+    "`_shared_input_casts`; the AOT graphs of a toy block on CPU, tests/test_float8.py): 4 + 11 activation casts "
+    "a block in forward and backward where it charged 7 + 14. These traces agree with fewer casts than the old "
+    "count: 13 amax kernels a layer a step (52 on the 70B's 4 layers, 26 on the 405B's 2), against 28 then and 19 "
+    "now (with full checkpointing the compiled backward's recomputation and its recasts are one CSE'd graph, which "
+    "the model does not merge). The compiled float8 steps moved from -0.2% / -2.9% to -6.7% / -7.0%: the casts "
+    "charged before had hidden part of the memory-bound class's shortfall, which every row here shows (-32% to "
+    "-61%).",
     "- Memory: allocated within 1% on every row. The 405B rows were 13.3% short before a term this run found, "
     "while real FSDP2 and DTensor on this CPU's fake process group gave the predicted 7.56 GiB exactly (`verify "
     "benchmarks/gpu_models.py:llama3_405b_l2 --plan benchmarks/gpu/llama3-405b-l2-tp8.plan.json "

@@ -12,7 +12,7 @@ import pytest
 
 from fsdp_planner.choices import Float8Recipe
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.float8 import Float8
+from fsdp_planner.fsdp2.float8 import Float8, float8_from_dict
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
@@ -185,3 +185,207 @@ def test_float8_under_full_checkpointing_peaks_at_a_backward_cast_within_5_perce
     predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)
     measured = run_fake_world(spec, plan, 8, options.precision)
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
+
+
+# torchao's float8 TP styles (``Float8.tp_float8_all_gather``): a non-sequence-parallel layout of the same Linears
+_PLAIN_TP = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
+             "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+             "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+             "layers.*.feed_forward.w2": "rowwise"}
+
+
+def _tp_float8_run(layout, batch: int, full_ac: bool, styles: bool):
+    from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
+    from fsdp_planner.fsdp2.tensor_parallel import tensor_parallel_from_dict
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+
+    spec = ModelSpec("toy-llama", batch_size=batch)
+    options = SimOptions.named("bf16-mixed")
+    lm = load_model(spec)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    tp = titan_llama_layout(2) if layout is None else tensor_parallel_from_dict({"degree": 2, "layout": layout})
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr).replace(tensor_parallel=tp)
+    if full_ac:
+        plan = plan.replace(activation_checkpointing=tuple(checkpointed_blocks(tr, ACMode.FULL)))
+    f8 = Float8.named("tensorwise", tp_all_gather=styles)
+    plan = plan.replace(float8=f8)
+    predicted = simulate(tr, plan, parse_cluster("h100:8"), dataclasses.replace(options, float8=f8), timeline=False)
+    return predicted, beside_prediction(predicted, run_fake_world(spec, plan, 8, options.precision))
+
+
+@pytest.mark.integration  # real FSDP2 + DTensor with torchao's float8 TP styles on 8 fake ranks: ~4 s each
+@pytest.mark.parametrize("batch, full_ac", [(16, False), (16, True), (4, False)])
+def test_float8_tp_styles_gather_in_float8_exactly_on_fake_ranks(batch: int, full_ac: bool) -> None:
+    """Under torchtitan's sequence-parallel layout, torchao's float8 styles cast each region's input on its sequence
+    shard before the all-gather and a rowwise output's grad before its backward all-gather: every collective count
+    and byte as real FSDP2 + DTensor run them, the peak within 3% (the rowwise Linears save their inputs' float8
+    copies, the regions their gathered float8 input: +9.7% before those were counted)."""
+    bf16, _ = _tp_float8_run(None, batch, full_ac, False)
+    predicted, rows = _tp_float8_run(None, batch, full_ac, True)
+    assert all(p == m for k, (p, m) in rows.items() if k != "peak_memory"), rows
+    assert predicted.peak_memory == pytest.approx(rows["peak_memory"][1], rel=0.03)
+    # each block's 2 forward gathers (again when recomputed) and 2 backward ones move half the bytes; the output
+    # head's input gather and the embedding's output-grad gather stay bf16 (toy-llama's are all batch x seq x dim)
+    per = bf16.tp_all_gather_bytes // bf16.tp_all_gathers
+    assert bf16.tp_all_gathers == 4 * (4 + 2 * full_ac) + 2 == predicted.tp_all_gathers
+    assert predicted.tp_all_gather_bytes == (bf16.tp_all_gathers - 2) * per // 2 + 2 * per
+    # amaxes a block: the styles' 2 region casts and 2 rowwise inputs (again when recomputed) + 7 output grads,
+    # against torch's styles' 2 rowwise inputs (again when recomputed) + 5 x 2 colwise output grads + 2 input recasts
+    assert bf16.tp_all_reduces - predicted.tp_all_reduces == 4 * (3 - 2 * full_ac)
+
+
+@pytest.mark.integration  # 8 fake ranks: ~4 s
+def test_float8_tp_styles_without_sequence_parallel_are_exact_on_fake_ranks() -> None:
+    """Colwise Linears on a replicated input cast it in their own style (no amax all-reduce); a rowwise one's
+    output is all-reduced in bf16 and its grad cast whole: the same all-gathers (none), fewer amax all-reduces."""
+    bf16, _ = _tp_float8_run(_PLAIN_TP, 16, False, False)
+    predicted, rows = _tp_float8_run(_PLAIN_TP, 16, False, True)
+    assert all(p == m for k, (p, m) in rows.items() if k != "peak_memory"), rows
+    assert predicted.peak_memory == pytest.approx(rows["peak_memory"][1], rel=0.05)
+    assert predicted.tp_all_gathers == bf16.tp_all_gathers == 0 and predicted.tp_all_reduces < bf16.tp_all_reduces
+
+
+def test_float8_tp_styles_take_the_converted_linears_and_their_regions() -> None:
+    """torchao's styles go to the float8 Linears and to a region whose colwise Linears are all float8; a Linear the
+    filter leaves in bf16 keeps torch's style, and so does its region (its input gathered in bf16)."""
+    import torch.nn as nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from fsdp_planner.apply.float8 import apply_float8
+    from fsdp_planner.apply.tensor_parallel import torch_plan
+    from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+
+    model: nn.Module = load_model("toy-llama").model
+    apply_float8(model, Float8(filter_fqns=("output", "layers.0.attention.wk")))
+    styles = torch_plan(model, titan_llama_layout(2), float8=True)
+    assert type(styles["layers.1.attention"]) is PrepareFloat8ModuleInput
+    assert type(styles["layers.1.attention.wq"]) is Float8ColwiseParallel
+    assert type(styles["layers.1.feed_forward.w2"]) is Float8RowwiseParallel
+    assert type(styles["layers.0.attention"]) is PrepareModuleInput  # wk left in bf16: gathered in bf16
+    assert type(styles["layers.0.attention.wk"]) is ColwiseParallel
+    assert type(styles["layers.0.attention.wq"]) is Float8ColwiseParallel  # (casts its replicated input itself)
+    assert type(styles["output"]) is ColwiseParallel
+    plain = torch_plan(model, titan_llama_layout(2))
+    assert type(plain["layers.1.attention.wq"]) is ColwiseParallel
+
+
+def test_float8_tp_all_gather_is_validated_and_round_trips() -> None:
+    """The setting needs tensorwise float8, TP and a 16-bit compute dtype, each said in one line; a plan file
+    keeps it, and a plan without TP is refused where it is read."""
+    def options(**kw):
+        return sim_options(Keywords(**kw), Spelling.CLI)
+
+    assert options(float8="tensorwise", float8_tp_all_gather=True, tp=2).float8.tp_float8_all_gather
+    for kw, said in ((dict(float8_tp_all_gather=True, tp=2), "--float8-tp-all-gather is a setting of float8"),
+                     (dict(float8="rowwise", float8_tp_all_gather=True, tp=2),
+                      "needs --float8 tensorwise"),
+                     (dict(float8="tensorwise", float8_tp_all_gather=True), "give --tp 2 or more"),
+                     (dict(float8="tensorwise", float8_tp_all_gather=True, tp=2, precision="fp32"),
+                      "16-bit compute dtype")):
+        with pytest.raises(PlannerError, match=said):
+            options(**kw)
+    with pytest.raises(PlannerError, match="tensorwise"):
+        Float8(Float8Recipe.ROWWISE, False, False, tp_float8_all_gather=True)
+    f8 = Float8.named("tensorwise", tp_all_gather=True)
+    _, plan, _ = _toy()
+    assert Plan.from_json(plan.replace(float8=f8).to_json()).float8 == f8
+    assert "tp_float8_all_gather" not in json.dumps(TENSORWISE.to_dict())  # (plans without it read as before)
+    with pytest.raises(PlannerError, match="tp_float8_all_gather' must be true or false"):
+        float8_from_dict({"recipe": "tensorwise", "tp_float8_all_gather": "yes"})
+
+
+@pytest.mark.integration  # the fake process group: a few seconds
+def test_exported_float8_tp_gathers_in_float8_as_apply_plan_does(tmp_path, capsys) -> None:
+    """The exported apply() of a plan with float8 TP all-gathers takes torchao's styles where apply_plan does: a
+    step on 4 fake ranks (FSDP 2 x TP 2) moves the same TP all-gather bytes either way, half of them in float8.
+    torchtitan's job, whose TP has gathered bf16 since April 2026, says so in a note."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+    from fsdp_planner.apply.fully_shard import apply_plan
+    from fsdp_planner.cli import main
+    from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+    from fsdp_planner.runtime.fake_world import FunctionalCounter, fake_process_group
+
+    _, plan, _ = _toy()
+    plan = plan.replace(tensor_parallel=titan_llama_layout(2), float8=Float8.named("tensorwise", tp_all_gather=True),
+                        precision="bf16-mixed")
+    bf16_mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # the export's
+    scope: dict = {"__name__": "exported"}
+    exec(compile(export_plan(plan, ExportFormat.PYTHON), "exported.py", "exec"), scope)
+    gathered = []
+    with fake_process_group(4):
+        for shard in (lambda m: scope["apply"](m, scope["make_mesh"]("cpu")),
+                      lambda m: apply_plan(m, plan, mp_policy=bf16_mixed)):
+            lm = load_model("toy-llama", meta=False)
+            model = shard(lm.model)
+            counter = FunctionalCounter()
+            with counter.counting(), scope["loss_context"]():
+                lm.loss_fn(model(*lm.example_inputs)).backward()
+            gathered.append(counter.take()[1]["all_gather"])
+    bf16 = plan.replace(float8=Float8.named("tensorwise"))
+    with fake_process_group(4):
+        lm = load_model("toy-llama", meta=False)
+        model, counter = apply_plan(lm.model, bf16, mp_policy=bf16_mixed), FunctionalCounter()
+        with counter.counting(), scope["loss_context"]():
+            lm.loss_fn(model(*lm.example_inputs)).backward()
+        whole = counter.take()[1]["all_gather"]
+    assert gathered[0] == gathered[1] < whole, (gathered, whole)
+    path = tmp_path / "p.json"
+    path.write_text(plan.replace(model="toy-llama").to_json())
+    assert main(["export", str(path), "--format", "torchtitan"]) == 0
+    assert "torchtitan ran until April 2026 and not since" in capsys.readouterr().err
+
+
+@pytest.mark.integration  # torch.compile's AOT graphs of one toy-llama block on this CPU: ~7 s
+def test_a_compiled_block_casts_each_shared_input_once_as_aot_cse_does() -> None:
+    """torch.compile's joint graph eliminates common subexpressions before partitioning: wq, wk and wv cast their
+    one input once, w1 and w3 theirs, and backward recasts each input once. The model's casts of a compiled
+    block's activations meet the AOT graphs' amax reductions of activations (``abs``): 4 in forward, and in
+    backward 7 output grads and 4 input recasts; the partitioner moves one backward cast into forward (5 and 10),
+    the step's total the model's. Eager torchao casts each Linear's input itself (7 in forward)."""
+    import torch
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from fsdp_planner.apply.float8 import float8_module, torchao_config
+    from fsdp_planner.models import ModelSpec
+    from fsdp_planner.service.tracing import trace_spec
+
+    block = load_model("toy-llama", meta=False).model.layers[0].to(torch.bfloat16)
+    float8_module().convert_to_float8_training(block, config=torchao_config(TENSORWISE, emulate=True))
+    rows: dict[str, int] = {}
+
+    def counted(name: str):  # the graph's amaxes of activations: (4, 32, dim) or (128, dim); no weight's dim 0
+        def compiler(gm, inputs):
+            rows[name] = sum(n.op == "call_function" and "abs" in str(n.target)
+                             and n.args[0].meta["val"].shape[0] in (4, 128) for n in gm.graph.nodes)
+            return gm.forward
+        return compiler
+
+    def backend(gm, inputs):
+        return aot_module_simplified(gm, inputs, fw_compiler=counted("forward"), bw_compiler=counted("backward"),
+                                     partition_fn=min_cut_rematerialization_partition)
+
+    x = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(block, backend=backend)(x).float().sum().backward()
+    options = SimOptions.named("bf16-mixed")
+    modelled = {}
+    for compile in (True, False):
+        tr = trace_spec(ModelSpec("toy-llama", compile=compile), options.precision)
+        step = float8_step(tr, TENSORWISE, options.precision.compute_bytes)
+        launches = cast_bytes(options.precision.compute_bytes, compile)[1]
+        block0 = np.array([tr.events[i].module.startswith("layers.0.") for i in step.matmuls])
+        backward = np.array([tr.events[i].backward for i in step.matmuls])
+        modelled[compile] = [step.cast_kernels[block0 & (backward == b)].sum() / launches for b in (False, True)]
+    assert modelled[False][0] == 7 and modelled[True][0] == 4 and modelled[True][1] == 7 + 4
+    assert rows == {"forward": 5, "backward": 10}  # (the partitioner moved one backward cast into forward)
+    assert sum(rows.values()) == sum(modelled[True])

@@ -565,3 +565,14 @@ def test_simulate_of_a_config_over_the_budget_concludes_what_auto_s_fit_note_say
     assert "over the 70.8 GiB budget" in captured.out
     assert "the configuration as given is over the budget (below), and auto's own plan of the same job fits" \
         in captured.err
+
+
+def test_a_toml_s_float8_under_tp_gathers_in_float8_and_a_registry_s_in_bf16() -> None:
+    """torchtitan applied torchao's float8 TP styles with tensorwise float8 under TP until April 2026: a TOML (that
+    time's form) with both reads as --float8-tp-all-gather, with a note; its registry job of today does not."""
+    titan = Path(__file__).parent / "fixtures" / "torchtitan"
+    toml = read_config(TORCHTITAN, str(titan / "llama3_405b.toml"))
+    assert (toml.float8, toml.tp, toml.float8_tp_all_gather) == ("tensorwise", 8, True)
+    assert any("torchao's float8 TP styles" in n for n in toml.notes)
+    registry = read_config(TORCHTITAN, f"{titan / 'llama3' / 'config_registry.py'}:llama3_405b")
+    assert (registry.float8, registry.tp, registry.float8_tp_all_gather) == ("tensorwise", 8, False)

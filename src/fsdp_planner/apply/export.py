@@ -503,6 +503,7 @@ TP_CONSTANTS = """TP_DEGREE: int = {degree}  # tensor parallelism over the inner
 TP_LAYOUT: dict[str, str] = {layout}  # module name or pattern ('*': one part) -> style
 LOSS_PARALLEL: bool = {loss_parallel}  # the output head keeps vocab-sharded logits: the loss under loss_context()
 ASYNC_TP: bool = {async_tp}  # torchtitan's async TP (takes effect under torch.compile)
+FLOAT8_TP: bool = {float8_tp}  # torchao's float8 TP styles: activations all-gathered in float8 (float8 Linears)
 """
 
 TP_TAIL = '''
@@ -543,7 +544,9 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             raise ValueError(f"TP_LAYOUT names {pattern!r}, which matches no module of this model")
         styles.update(dict.fromkeys(hits, style))
     moe = ("moe_sequence", "replicate", "token_split", "expert_tensor")
-    parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n]) for n, s in styles.items() if s not in moe})
+    float8 = _float8_styled(modules, styles) if FLOAT8_TP else set()
+    parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n], n in float8) for n, s in styles.items()
+                                        if s not in moe})
     for name, style in styles.items():  # experts first: the MoE layer's distribute_module replicates the rest
         if style == "expert_tensor":  # each expert's hidden units sharded over tp, every routed token run
             distribute_module(modules[name], tp_mesh, _shard_hidden, _experts_input, _experts_output)
@@ -560,18 +563,42 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
-def _tp_style(style: str, module: nn.Module) -> Any:
-    """The torch style a TP_LAYOUT style names; gather_input redistributes the module's first input only."""
+def _float8_styled(modules: dict[str, nn.Module], styles: dict[str, str]) -> set[str]:
+    """The modules torchao's float8 TP styles take (FLOAT8_TP): the float8 Linears in a colwise or rowwise style,
+    and each gather_input module whose colwise Linears all are (its input cast once, before the all-gather)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    out = {n for n, s in styles.items()
+           if s in ("colwise", "rowwise", "rowwise_sequence") and isinstance(modules[n], Float8Linear)}
+    for name, style in styles.items():
+        readers = [m for m, s in styles.items() if s == "colwise" and m.startswith(name + ".")]
+        if style == "gather_input" and readers and all(m in out for m in readers):
+            out.add(name)
+    return out
+
+
+def _tp_style(style: str, module: nn.Module, float8: bool = False) -> Any:
+    """The torch style a TP_LAYOUT style names (torchao's float8 one where ``float8``); gather_input redistributes
+    the module's first input only."""
+    colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        colwise, rowwise, prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
     if style == "gather_input":  # one layout per required positional input; the rest and keywords pass through
         params = inspect.signature(module.forward).parameters.values()
         others = (None,) * (max(1, sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                                        and p.default is p.empty for p in params)) - 1)
-        return PrepareModuleInput(input_layouts=(Shard(1), *others), desired_input_layouts=(Replicate(), *others),
-                                  input_kwarg_layouts={}, desired_input_kwarg_layouts={})
+        return prepare(input_layouts=(Shard(1), *others), desired_input_layouts=(Replicate(), *others),
+                       input_kwarg_layouts={}, desired_input_kwarg_layouts={})
     return {
-        "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(),
-        "rowwise_sequence": lambda: RowwiseParallel(output_layouts=Shard(1)),
+        "colwise": lambda: colwise(),
+        "rowwise": lambda: rowwise(),
+        "rowwise_sequence": lambda: rowwise(output_layouts=Shard(1)),
         "sequence_colwise": lambda: ColwiseParallel(input_layouts=Shard(1), use_local_output=not LOSS_PARALLEL,
                                                     output_layouts=Shard(-1) if LOSS_PARALLEL else Replicate()),
         "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
@@ -652,21 +679,23 @@ from torch.distributed.tensor.parallel import (
 """
 
 
-def tp_constants(tp: TensorParallel) -> str:
+def tp_constants(tp: TensorParallel, float8: Float8 | None) -> str:
     """The plan's tensor parallelism as Python literals (module names and patterns through ``py_literal``)."""
     return TP_CONSTANTS.format(degree=py_literal(tp.degree),
                                layout=py_literal({k: s.value for k, s in tp.layout.items()}),
-                               loss_parallel=py_literal(tp.loss_parallel), async_tp=py_literal(tp.async_tp))
+                               loss_parallel=py_literal(tp.loss_parallel), async_tp=py_literal(tp.async_tp),
+                               float8_tp=py_literal(float8 is not None and float8.tp_float8_all_gather))
 
 
-def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParallel) -> tuple[str, str, str]:
+def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParallel, float8: Float8 | None
+                         ) -> tuple[str, str, str]:
     """The export's header, constants and ``apply`` body for a plan with TP: the mesh split into its dp and tp
     dims, ``parallelize_module`` before checkpointing and ``fully_shard``; ``make_mesh`` of the TP tail in place
     of the data-parallel one."""
     body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + TP_SPLIT)
     start, end = body.index("\n\ndef make_mesh("), body.index("\n\ndef _depth(")
     tail = TP_TAIL.replace("{expert_dims}", py_literal(EXPERT_TENSOR_DIMS))
-    return header + TP_IMPORTS, constants + tp_constants(tp), body[:start] + body[end:] + tail
+    return header + TP_IMPORTS, constants + tp_constants(tp, float8), body[:start] + body[end:] + tail
 
 
 EP_TAIL = '''
@@ -867,7 +896,7 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         tails += FP32_TAIL
     tail = TAILS[fmt]
     if plan.tensor_parallel is not None:
-        header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel)
+        header, constants, body = with_tensor_parallel(header, constants, body, plan.tensor_parallel, plan.float8)
         tail = TP_TAILS.get(fmt, TAILS[fmt])
     if plan.expert_parallel is not None:  # with TP: after TP's split of the mesh, which it keeps whole for EP
         constants, body = with_expert_parallel(plan, constants, body)

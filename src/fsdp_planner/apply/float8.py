@@ -23,7 +23,7 @@ from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
 FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with float8 tensor cores
 
 
-def _torchao() -> Any:
+def float8_module() -> Any:
     """``torchao.float8``, imported without torchao's warnings about the CUDA kernels a CPU build cannot load and
     a deprecated pytree registration: lines that say nothing about the user's job."""
     try:
@@ -42,7 +42,7 @@ def emulated(device_type: str) -> bool:
 
 def torchao_config(f8: Float8, emulate: bool) -> Any:
     """torchao's ``Float8LinearConfig`` for the policy: its recipe, with FSDP2's float8 all-gather as asked."""
-    config = _torchao().Float8LinearConfig.from_recipe_name(f8.recipe.value)
+    config = float8_module().Float8LinearConfig.from_recipe_name(f8.recipe.value)
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=f8.fsdp_float8_all_gather, emulate=emulate)
 
 
@@ -60,11 +60,12 @@ def apply_float8(model: nn.Module, f8: Float8 | None) -> list[str]:
             converted.append(fqn)
         return hit
 
-    _torchao().convert_to_float8_training(model, module_filter_fn=keep, config=torchao_config(f8, emulated(device)))
+    config = torchao_config(f8, emulated(device))
+    float8_module().convert_to_float8_training(model, module_filter_fn=keep, config=config)
     return converted
 
 
 def after_optimizer_step(model: nn.Module, f8: Float8 | None) -> None:
     """With precomputed scales, the one amax all-reduce of the converted weights for the next step."""
     if f8 is not None and f8.precompute_scale:
-        _torchao().precompute_float8_dynamic_scale_for_fsdp(model)
+        float8_module().precompute_float8_dynamic_scale_for_fsdp(model)

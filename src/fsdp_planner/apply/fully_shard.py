@@ -114,7 +114,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     world = mesh.size(mesh.ndim - 1)  # the shard dimension: what an int reshard_after_forward divides
     apply_float8(model, plan.float8)  # before TP and fully_shard, as torchtitan's converter
     if plan.tensor_parallel is not None:
-        apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel)
+        apply_tp(model, plan.tensor_parallel, tp_mesh, expert_parallel,
+                 plan.float8 is not None and plan.float8.tp_float8_all_gather)
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
     own_checkpointing_off(model)  # transformers' own: the plan's, before fully_shard as torchtitan's, replaces it
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing, plan.compiled)

@@ -11,9 +11,16 @@ from typing import Any
 
 import torch.nn as nn
 
+from fsdp_planner.apply.float8 import float8_module
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, check_moe_styles, expert_tensor_dim
+from fsdp_planner.fsdp2.tensor_parallel import (
+    TensorParallel,
+    TPStyle,
+    check_moe_styles,
+    expert_tensor_dim,
+    float8_styled,
+)
 
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims of the mesh, outermost first
 TP_DIM = "tp"
@@ -31,14 +38,17 @@ def positional_inputs(module: nn.Module) -> int:
     return max(1, sum(p.kind in positional and p.default is inspect.Parameter.empty for p in params))
 
 
-def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module) -> Any:
+def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: bool = False) -> Any:
     """The ``torch.distributed.tensor.parallel`` style ``style`` stands for (its comment in
     ``fsdp2/tensor_parallel.py``). ``SEQUENCE_COLWISE`` (the output head) keeps its vocab-sharded logits as a
     DTensor under loss parallel, for the loss to run on them; ``GATHER_INPUT`` redistributes the first positional
-    input only, every other input (positional or keyword) passing through as it came."""
+    input only, every other input (positional or keyword) passing through as it came. ``float8``: torchao's
+    float8 style of the same layout (``float8_styles``)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
+    if float8:
+        ColwiseParallel, RowwiseParallel, PrepareModuleInput = float8_styles()
     if style is TPStyle.COLWISE:
         return ColwiseParallel()
     if style is TPStyle.ROWWISE:
@@ -65,11 +75,34 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module) -> Any:
 MOE_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR)
 
 
-def torch_plan(model: nn.Module, tp: TensorParallel) -> dict[str, Any]:
-    """``parallelize_module``'s plan: each module the layout matches (by canonical name) -> its torch style."""
+def float8_styles() -> tuple[Any, Any, Any]:
+    """torchao's float8 TP styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
+    ``PrepareFloat8ModuleInput``): the same layouts, a region's input and a rowwise output's grad cast to float8
+    before their all-gathers (``fsdp2/float8.py``)."""
+    float8_module()  # (torchao imported quietly, or one line saying to install it)
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def float8_modules(modules: dict[str, nn.Module], styles: dict[str, TPStyle]) -> frozenset[str]:
+    """The styled modules torchao's float8 styles take (``float8_styled``), by the Linears converted to float8."""
+    linear = float8_module().float8_linear.Float8Linear
+    return float8_styled(styles, (n for n, m in modules.items() if isinstance(m, linear)))
+
+
+def torch_plan(model: nn.Module, tp: TensorParallel, float8: bool = False) -> dict[str, Any]:
+    """``parallelize_module``'s plan: each module the layout matches (by canonical name) -> its torch style;
+    with ``float8``, torchao's float8 styles where they apply (``float8_modules``)."""
     modules = dict(model.named_modules())
-    return {name: torch_style(style, tp.loss_parallel, modules[name])
-            for name, style in tp.styles(modules).items() if style not in MOE_STYLES}
+    styles = tp.styles(modules)
+    f8 = float8_modules(modules, styles) if float8 else set()
+    return {name: torch_style(style, tp.loss_parallel, modules[name], name in f8)
+            for name, style in styles.items() if style not in MOE_STYLES}
 
 
 def _gathered(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
@@ -154,15 +187,17 @@ def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None
             distribute_module(modules[name], tp_mesh, None, _replicated_in, _replicated_out)
 
 
-def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel: bool = False) -> None:
+def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel: bool = False,
+             float8: bool = False) -> None:
     """``parallelize_module`` over ``tp_mesh`` (1-D, the TP degree ranks): params become DTensors sharded over it.
-    A layout that splits the experts' tokens needs ``expert_parallel`` (EP's dispatch splits them)."""
+    A layout that splits the experts' tokens needs ``expert_parallel`` (EP's dispatch splits them); ``float8``:
+    the float8 Linears' activations all-gathered in float8 (torchao's styles, ``torch_plan``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if tp_mesh.size() != tp.degree:
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
     check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
-    parallelize_module(model, tp_mesh, torch_plan(model, tp))
+    parallelize_module(model, tp_mesh, torch_plan(model, tp, float8))
     apply_moe_styles(model, tp, tp_mesh)
 
 

@@ -88,6 +88,10 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
+    if plan.float8 is not None and plan.float8.tp_float8_all_gather:
+        out.append("the plan all-gathers TP's activations in float8 (torchao's float8 TP styles), which torchtitan "
+                   "ran until April 2026 and not since (its config-based sharding is dtype-agnostic): the job "
+                   "gathers them in bf16")
     if precision.autocast:
         out.append("the plan runs under autocast, which torchtitan's job has no key for: it runs FSDP2's mixed "
                    "precision (params cast to bf16 for compute)")

@@ -98,6 +98,7 @@ class JobConfig:
     compile: bool = False  # torchtitan's compile.enable (or training.compile): every block torch.compile'd
     float8: str | None = None  # torchtitan's float8 converter: its recipe (--float8), None: bf16 matmuls
     float8_all_gather: bool = False  # its enable_fsdp_float8_all_gather (torchtitan's default: off)
+    float8_tp_all_gather: bool = False  # torchao's float8 TP styles: a TOML's tensorwise float8 under TP (below)
     policy: PolicyName = PolicyName.TITAN
     module_classes: tuple[str, ...] = ()
     min_numel: int | None = None
@@ -262,6 +263,7 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
         cfg.compile = cfg.keys[key] = _bool(cfg, key, compile_on)
     _check_async_tp(cfg, _table(cfg, data, "compile"))
     _titan_float8(cfg, data)
+    _titan_float8_tp(cfg)
     if _table(cfg, data, "mx"):
         cfg.notes.append("[mx] (MX formats) is left out: fsdp-planner simulates those matmuls in the mixed "
                          "precision's dtype")
@@ -316,6 +318,18 @@ def _titan_float8(cfg: JobConfig, data: dict[str, Any]) -> None:
     if not isinstance(fqns, list) or set(fqns) - HEAD_NAMES:  # the head: "output", "lm_head" in newer torchtitan
         cfg.notes.append(f"{section}.filter_fqns = {shown_json(fqns)} is read as the output head alone: "
                          "fsdp-planner keeps it in bf16 and converts every other Linear with float8-sized dims")
+
+
+def _titan_float8_tp(cfg: JobConfig) -> None:
+    """A TOML's tensorwise float8 under TP ran torchao's float8 TP styles: torchtitan applied them with every such
+    job until its config-based sharding (April 2026, pytorch/torchtitan 1786292), and TOMLs are that time's form;
+    its registries since gather TP's activations in bf16."""
+    if cfg.registry or cfg.float8 != "tensorwise" or cfg.tp < 2:
+        return
+    cfg.float8_tp_all_gather = True
+    cfg.notes.append("tensorwise float8 under TP is read as torchtitan ran TOML jobs: TP's activations all-gathered "
+                     "in float8 by torchao's float8 TP styles (--float8-tp-all-gather; torchtitan's registry jobs "
+                     "since April 2026 gather them in bf16)")
 
 
 def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:

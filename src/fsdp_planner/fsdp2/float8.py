@@ -14,6 +14,13 @@ scale of the whole weight: either each all-gather all-reduces its weights' amaxe
 or, with ``precompute_scale`` (``torchao.float8.precompute_float8_dynamic_scale_for_fsdp`` after each optimizer
 step), one all-reduce of every weight's amax a step.
 
+With ``tp_float8_all_gather`` (tensorwise only, under tensor parallelism) the TP layout's converted Linears take
+torchao's float8 styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``, ``PrepareFloat8ModuleInput``): a
+region's sequence-sharded input is cast to float8 before its all-gather, and a rowwise Linear's output grad before
+its backward all-gather, so both move one byte an element. torchtitan applied these with every tensorwise float8
+job under TP until its config-based sharding (April 2026, pytorch/torchtitan 1786292), whose TP is dtype-agnostic:
+its Llama 3 Table 4 runs (December 2024) ran them; its jobs since gather bf16 (the default here).
+
 This module holds the policy and its JSON form; what it does to a step is ``sim/float8.py``, how it is applied
 ``apply/float8.py``.
 """
@@ -27,7 +34,7 @@ from fsdp_planner.choices import FLOAT8_RECIPES, Float8Recipe
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import shown_json
 
-FLOAT8_KEYS = ("recipe", "fsdp_float8_all_gather", "precompute_scale", "filter_fqns")
+FLOAT8_KEYS = ("recipe", "fsdp_float8_all_gather", "precompute_scale", "filter_fqns", "tp_float8_all_gather")
 TITAN_FILTER_FQNS = ("output",)  # torchtitan's Llama 3 float8 jobs leave the output head in bf16
 FLOAT8_DIM_MULTIPLE = 16  # a float8 matmul's dims must be multiples of 16 (torchtitan's filter skips the rest)
 MAX_FILTER_FQNS = 1_000
@@ -43,6 +50,7 @@ class Float8:
     fsdp_float8_all_gather: bool = True
     precompute_scale: bool = True
     filter_fqns: tuple[str, ...] = TITAN_FILTER_FQNS
+    tp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.filter_fqns, tuple):
@@ -51,17 +59,21 @@ class Float8:
             raise PlannerError(f"float8 {self.recipe.value} cannot all-gather its weights in float8: torchao's FSDP2 "
                                "float8 all-gather is for tensorwise scaling only; turn it off (--no-float8-all-gather) "
                                "or use --float8 tensorwise")
+        if self.tp_float8_all_gather and self.recipe is not Float8Recipe.TENSORWISE:
+            raise PlannerError(f"float8 {self.recipe.value} cannot all-gather TP activations in float8: torchao's "
+                               "float8 TP styles assume tensorwise scaling; use --float8 tensorwise or leave it out")
         if self.precompute_scale and not self.fsdp_float8_all_gather:
             raise PlannerError("precomputed float8 scales are the scales of FSDP2's float8 all-gather: turn on the "
                                "float8 all-gather, or precompute_scale off")
 
     @classmethod
-    def named(cls, recipe: str, all_gather: bool | None = None) -> Float8:
+    def named(cls, recipe: str, all_gather: bool | None = None, tp_all_gather: bool = False) -> Float8:
         """``--float8 RECIPE``: the float8 all-gather with precomputed scales where the recipe allows it (as
-        torchtitan's published float8 runs), unless ``all_gather`` is False; torchtitan's output-head filter."""
+        torchtitan's published float8 runs), unless ``all_gather`` is False; torchtitan's output-head filter;
+        ``tp_all_gather``: torchao's float8 TP styles."""
         r = Float8Recipe(recipe)
         gather = r is Float8Recipe.TENSORWISE if all_gather is None else all_gather
-        return cls(r, gather, gather)
+        return cls(r, gather, gather, tp_float8_all_gather=tp_all_gather)
 
     def converts(self, fqn: str, weight_shape: tuple[int, ...]) -> bool:
         """Whether torchtitan's filter converts the Linear ``fqn`` with a weight of ``weight_shape``."""
@@ -71,14 +83,17 @@ class Float8:
     def describe(self) -> str:
         gather = ", float8 all-gather" + (" (precomputed scales)" if self.precompute_scale else "") \
             if self.fsdp_float8_all_gather else ""
-        return f"float8 {self.recipe.value}{gather}"
+        tp = ", TP all-gathers in float8" if self.tp_float8_all_gather else ""
+        return f"float8 {self.recipe.value}{gather}{tp}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe.value, "fsdp_float8_all_gather": self.fsdp_float8_all_gather,
-                "precompute_scale": self.precompute_scale, "filter_fqns": list(self.filter_fqns)}
+                "precompute_scale": self.precompute_scale, "filter_fqns": list(self.filter_fqns),
+                **({"tp_float8_all_gather": True} if self.tp_float8_all_gather else {})}
 
     def signature(self) -> tuple:
-        return self.recipe, self.fsdp_float8_all_gather, self.precompute_scale, self.filter_fqns
+        return (self.recipe, self.fsdp_float8_all_gather, self.precompute_scale, self.filter_fqns,
+                self.tp_float8_all_gather)
 
 
 def float8_from_dict(data: Any) -> Float8 | None:
@@ -94,11 +109,13 @@ def float8_from_dict(data: Any) -> Float8 | None:
     gather = data.get("fsdp_float8_all_gather", recipe == Float8Recipe.TENSORWISE.value)
     precompute = data.get("precompute_scale", gather)
     fqns = data.get("filter_fqns", list(TITAN_FILTER_FQNS))
-    for key, value in (("fsdp_float8_all_gather", gather), ("precompute_scale", precompute)):
+    tp = data.get("tp_float8_all_gather", False)
+    for key, value in (("fsdp_float8_all_gather", gather), ("precompute_scale", precompute),
+                       ("tp_float8_all_gather", tp)):
         if not isinstance(value, bool):
             raise PlannerError(f"plan 'float8.{key}' must be true or false, got {shown_json(value)}")
     if not isinstance(fqns, list) or len(fqns) > MAX_FILTER_FQNS or \
             not all(isinstance(f, str) and 0 < len(f) <= 10_000 for f in fqns):
         raise PlannerError(f"plan 'float8.filter_fqns' must be a list of at most {MAX_FILTER_FQNS:,} non-empty "
                            f"names (a Linear whose name holds one stays unconverted), got {shown_json(fqns)}")
-    return Float8(Float8Recipe(recipe), gather, precompute, tuple(fqns))
+    return Float8(Float8Recipe(recipe), gather, precompute, tuple(fqns), tp)

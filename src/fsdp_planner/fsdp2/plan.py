@@ -227,7 +227,8 @@ class Plan:
         n = len(self.compiled)
         parts = [f"{n} module{'s' if n != 1 else ''} compiled"] if n else []
         if self.float8 is not None:
-            parts.append(f"float8 {self.float8.recipe.value}")
+            parts.append(f"float8 {self.float8.recipe.value}"
+                         + (" (TP all-gathers in float8)" if self.float8.tp_float8_all_gather else ""))
         return ", ".join(parts)
 
     def layout(self, world_size: int) -> Mesh:

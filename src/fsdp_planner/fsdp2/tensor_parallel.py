@@ -153,6 +153,25 @@ WEIGHT_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE, TPS
                  TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
 
 
+_FLOAT8_LINEAR_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
+
+
+def float8_styled(styles: Mapping[str, TPStyle], converted: Iterable[str]) -> frozenset[str]:
+    """The styled modules torchao's float8 TP styles take (a plan's ``float8.tp_float8_all_gather``): the
+    ``converted`` Linears (float8's) in a colwise or rowwise style, and each module gathering its input
+    (``GATHER_INPUT``) whose colwise Linears are all converted: its input is cast once, on its sequence shard, for
+    all of them (``PrepareFloat8ModuleInput``). The output head keeps torch's ``ColwiseParallel``, as torchtitan's
+    layout did."""
+    converted = set(converted)
+    out = {m for m, s in styles.items() if s in _FLOAT8_LINEAR_STYLES and m in converted}
+    for name, style in styles.items():
+        if style is TPStyle.GATHER_INPUT:
+            readers = [m for m, s in styles.items() if s is TPStyle.COLWISE and name in proper_ancestors(m)]
+            if readers and all(m in out for m in readers):
+                out.add(name)
+    return frozenset(out)
+
+
 def check_style_classes(tp: TensorParallel | None, modules: Mapping[str, ModuleInfo]) -> None:
     """Refuse a weight-sharding style (``WEIGHT_STYLES``) on a module that is no nn.Linear or nn.Embedding, before
     ``parallelize_module`` raises on the ranks. No TP (None): nothing to check."""

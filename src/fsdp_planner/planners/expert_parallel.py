@@ -234,7 +234,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     if tp is not None and tp.degree > 1:  # screened on one TP rank's view, EP's ranks spanning TP's
         if not degrees:
             raise PlannerError("auto screens expert parallelism with TP only at the degree given: add --ep")
-        view = tp_view(trace, tp, cluster)
+        view = tp_view(trace, tp, cluster, options.float8 or result.plan.float8)
         trace, cluster = view.trace, view.cluster
     written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
     # groups move: FSDP2's implicit prefetching instead

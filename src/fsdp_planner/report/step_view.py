@@ -142,7 +142,7 @@ def step_view(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions | 
     (default: one GPU of ``cluster`` less the default headroom). A plan with TP: one TP rank's step; with EP, one
     EP rank's."""
     if plan.tensor_parallel is not None and plan.tp_degree > 1 and not trace.tensor_parallel:
-        view = tp_view(trace, plan.tensor_parallel, cluster)
+        view = tp_view(trace, plan.tensor_parallel, cluster, (options.float8 if options else None) or plan.float8)
         trace, plan, cluster = view.trace, view.plan(plan), view.cluster
     if plan.ep_degree > 1 and not trace.expert_parallel:  # one EP rank's (of one TP rank's) step
         trace = ep_view(trace, plan).trace

@@ -137,7 +137,7 @@ class FunctionalCounter:
 
     def add(self, kind: str, t: torch.Tensor) -> None:
         self.counts[kind] += 1
-        self.nbytes[kind] += t.numel() * t.element_size()
+        self.nbytes[kind] += wire_bytes(t)
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -156,6 +156,15 @@ class FunctionalCounter:
         out = dict(self.counts), dict(self.nbytes)
         self.counts, self.nbytes = dict.fromkeys(FUNCTIONAL_KINDS, 0), dict.fromkeys(FUNCTIONAL_KINDS, 0)
         return out
+
+
+def wire_bytes(t: torch.Tensor) -> int:
+    """The bytes a collective of ``t`` moves: its own, or a wrapper subclass's largest inner tensor's (torchao's
+    float8 tensor all-gathers its float8 data, one byte an element, and keeps its one-value scale: its outer
+    ``element_size`` is the original dtype's)."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return t.numel() * t.element_size()
+    return max((wire_bytes(x) for x in inner_tensors(t)), default=0)
 
 
 TP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")

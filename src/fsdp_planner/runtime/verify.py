@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fsdp_planner.choices import DEFAULT_PRECISION, REDUCE_BYTES, GradientSync, ReduceDtype
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
@@ -507,6 +509,12 @@ def check_on_meta(job: VerifyJob, trace: Trace) -> None:
     if job.plan.forward_methods:
         check_forward_methods(job.plan, load_model(job.model, meta=True).model)
     check_param_dtypes(job.precision, {p.dtype for p in trace.params if p.is_floating_point})
+    f8 = job.plan.float8
+    if f8 is not None and f8.tp_float8_all_gather and job.plan.tensor_parallel is not None \
+            and not torch.cuda.is_available():
+        raise PlannerError("gloo cannot all-gather float8 tensors, which torchao's float8 TP styles do (the ranks "
+                           "raise 'Invalid scalar type'): check this plan on the fake process group "
+                           "(--fake-world-size N) or on GPUs, where NCCL runs it")
 
 
 def predict_job(job: VerifyJob, trace: Trace) -> tuple[Counts, Counts]:
@@ -536,7 +544,7 @@ def data_parallel_view(trace: Trace, plan: Plan, nproc: int) -> tuple[Trace, Pla
         return (ep_view(trace, plan).trace if plan.expert_parallel is not None else trace), plan, nproc
     check_plan_world_size(plan, nproc)
     # the job's ranks as one node: the view's sizes do not depend on the cluster, only its checks that TP fits in one
-    view = tp_view(trace, plan.tensor_parallel, preset_cluster("h100", gpus_per_node=nproc))
+    view = tp_view(trace, plan.tensor_parallel, preset_cluster("h100", gpus_per_node=nproc), plan.float8)
     dp_plan = view.plan(plan)
     on = ep_view(view.trace, dp_plan).trace if plan.expert_parallel is not None else view.trace
     return on, dp_plan, nproc // plan.tp_degree

@@ -111,6 +111,10 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
     of colwise and rowwise Linears alone then runs one TP rank's step (``check_local_shapes``: a hand-written
     attention's view into its fixed head count, which no fused call tells, fails there)."""
     tp = plan.tensor_parallel
+    if plan.float8 is not None and plan.float8.tp_float8_all_gather and (tp is None or tp.degree == 1):
+        raise PlannerError("plan 'float8.tp_float8_all_gather' casts TP's activations to float8 before their "
+                           "all-gathers, and the plan has no tensor parallelism: drop it or give the plan a "
+                           "'tensor_parallel' of degree 2 or more")
     if tp is None or tp.degree == 1:
         return
     check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))

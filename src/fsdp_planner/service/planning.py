@@ -54,7 +54,7 @@ from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import with_memory_options
-from fsdp_planner.sim.tensor_parallel import TPView, data_parallel_plan, tp_view
+from fsdp_planner.sim.tensor_parallel import TPView, data_parallel_plan, tp_view, view_key
 from fsdp_planner.trace.records import Trace
 
 Tracer = Callable[[ModelSpec, SimOptions], Trace]  # the step of one micro-batch of the model, in the options' dtypes
@@ -485,9 +485,11 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         tp, ep = p.tensor_parallel, p.expert_parallel
         on, dp = tr, cluster
         if tp is not None and tp.degree > 1 and cluster is not None:
-            if tp.signature() not in views:
-                views[tp.signature()] = tp_view(tr, tp, cluster)
-            on, dp = views[tp.signature()].trace, views[tp.signature()].cluster
+            float8 = job.options.float8 or p.float8
+            key = view_key(tp, float8)
+            if key not in views:
+                views[key] = tp_view(tr, tp, cluster, float8)
+            on, dp = views[key].trace, views[key].cluster
         if ep is not None and ep.degree > 1:  # one EP rank's step of one TP rank's (EP's ranks span TP's)
             key = (ep.signature(), tp.signature() if tp is not None else ())
             if key not in ep_views:

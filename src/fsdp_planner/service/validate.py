@@ -103,6 +103,7 @@ class Keywords:
     compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
     float8: object = None  # float8 training's recipe (command line: --float8); None: none
     float8_all_gather: object = None  # with float8: FSDP2's float8 all-gather (None: the recipe's default)
+    float8_tp_all_gather: object = False  # with float8 tensorwise and TP: torchao's float8 TP styles
     gradient_sync: object = None
     mfu: object = None
     zero_grad: object = ZeroGrad.NONE.value
@@ -364,6 +365,9 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
     """Float8 training: the recipe, and FSDP2's float8 all-gather where the recipe allows it (``Float8.named``)."""
     gather = flag(kw.float8_all_gather, "float8_all_gather", spell) if kw.float8_all_gather is not None else None
     if kw.float8 is None:
+        if kw.float8_tp_all_gather:
+            raise PlannerError(f"{spell.name_of('float8_tp_all_gather')} is a setting of float8 training: give "
+                               f"{spell.name_of('float8')} tensorwise too")
         if gather is not None:
             given = "--no-float8-all-gather" if spell is Spelling.CLI else spell.given("float8_all_gather", gather)
             raise PlannerError(f"{given} is a setting of float8 training: give {spell.name_of('float8')} tensorwise "
@@ -377,7 +381,21 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
     if gather and recipe is not Float8Recipe.TENSORWISE:
         raise PlannerError(f"{spell.given('float8', recipe.value)} all-gathers its weights in bf16: torchao's FSDP2 "
                            "float8 all-gather is for tensorwise scaling only")
-    return Float8.named(recipe.value, gather)
+    return Float8.named(recipe.value, gather, _float8_tp(kw, spell, recipe))
+
+
+def _float8_tp(kw: Keywords, spell: Spelling, recipe: Float8Recipe) -> bool:
+    """``--float8-tp-all-gather``: TP's activation all-gathers in float8, with tensorwise float8 and TP only."""
+    if not flag(kw.float8_tp_all_gather, "float8_tp_all_gather", spell):
+        return False
+    on = spell.name_of("float8_tp_all_gather")
+    if recipe is not Float8Recipe.TENSORWISE:
+        raise PlannerError(f"{on} needs {spell.given('float8', 'tensorwise')}: torchao's float8 TP styles assume "
+                           f"tensorwise scaling (torchtitan ran rowwise recipes with bf16 TP)")
+    if kw.tp is None or kw.tp == 1:
+        raise PlannerError(f"{on} casts TP's activations to float8 before their all-gathers: give "
+                           f"{spell.name_of('tp')} 2 or more")
+    return True
 
 
 def memory_options(kw: Keywords, spell: Spelling) -> dict[str, Any]:
@@ -400,10 +418,15 @@ def sim_options(kw: Keywords, spell: Spelling) -> SimOptions:
                            f"{spell.name_of('measure')} (the ops timed on this machine), not both")
     sync = gradient_sync(kw, spell)
     optimizer = None if kw.optimizer is None else text(kw.optimizer, "optimizer", spell)
-    return SimOptions.named(text(kw.precision, "precision", spell), optimizer, mfu,
-                            choice(ZeroGrad, kw.zero_grad, "zero_grad", spell).value,
-                            micro_batches(kw, spell, auto=True), kw.reshard_after_backward,  # type: ignore[arg-type]
-                            gradient_sync=sync.value, **memory_options(kw, spell))
+    options = SimOptions.named(text(kw.precision, "precision", spell), optimizer, mfu,
+                               choice(ZeroGrad, kw.zero_grad, "zero_grad", spell).value,
+                               micro_batches(kw, spell, auto=True), kw.reshard_after_backward,  # type: ignore[arg-type]
+                               gradient_sync=sync.value, **memory_options(kw, spell))
+    if options.float8 is not None and options.float8.tp_float8_all_gather and options.precision.compute_bytes != 2:
+        raise PlannerError(f"{spell.name_of('float8_tp_all_gather')} is modelled with a 16-bit compute dtype (its "
+                           f"float8 all-gathers move half the bytes), as torchtitan's float8 jobs run: not with "
+                           f"{spell.given('precision', options.precision.name)}")
+    return options
 
 
 def cluster(value: object, spell: Spelling, rate: object = None) -> Cluster | None:

@@ -18,6 +18,9 @@
   held at once around each converted matmul is a level on the activations (``cast_peak``, ``sim/memory.py``):
   under full checkpointing the step's peak is there, in a block's backward (-22.6% on toy-llama at batch 16
   without it); without checkpointing it is the end of forward, where no cast runs.
+- Under torchao's float8 TP styles (``Float8.tp_float8_all_gather``, ``Trace.float8_tp``) the casts move out of
+  the Linear into the styles' hooks: a region's input cast on its sequence shard before the all-gather, a rowwise
+  output grad before its backward all-gather; the Linear saves and uses the float8 copies (``_styled_casts``).
 - Under tensor parallelism a cast's amax of a TP-sharded DTensor is a ``Partial(max)`` DTensor, made whole by an
   all-reduce of one fp64 scalar over the TP group (``amax_to_scale`` upcasts it first) on the compute stream before
   the cast (``TP_AMAX_BYTES``; measured on the fake process group, issued by DTensor's redistribution): a rowwise
@@ -122,11 +125,16 @@ def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, 
 
 def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
     """The step's float8 work (module docstring); ``itemsize``: the compute dtype's bytes."""
+    if trace.float8_tp and itemsize != 2:  # (the TP view halved their bytes: ``tensor_parallel.FLOAT8_SHARE``)
+        raise PlannerError("float8 TP all-gathers are modelled with a 16-bit compute dtype, as torchtitan's float8 "
+                           "jobs run: use --precision bf16-mixed, or plan TP's all-gathers in bf16")
     linears = converted_linears(trace, f8)
     weights = {w: name for name, w in linears.items()}
     compiled = tuple(trace.compiled)
     gathered = f8.fsdp_float8_all_gather
     styles = TensorParallel.from_signature(trace.tensor_parallel).styles(trace.modules) if trace.tensor_parallel else {}
+    casting = _region_casters(trace, styles)
+    shared = _shared_input_casts(trace, linears, compiled)
     matmuls, nbytes, kernels, amaxes, peaks = [], [], [], [], []
     for i, w in converted_matmuls(trace, weights):
         e = trace.events[i]
@@ -135,19 +143,31 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
         fused = any(is_within(weights[w], m) for m in compiled)
         per, launches = cast_bytes(itemsize, fused)
         weight = 0 if gathered else in_features * out_features
+        if weights[w] in trace.float8_tp:  # torchao's float8 TP styles cast around the Linear
+            elements, casts, amax, peak = _styled_casts(
+                styles[weights[w]], casting.get(weights[w]), (rows, in_features, out_features), weight > 0,
+                e.backward, e.backward and w not in e.params, FUSED_CAST_BYTES if fused else EAGER_CAST_BYTES,
+                trace.tp_degree)
+            matmuls.append(i)
+            nbytes.append(elements * per)
+            kernels.append(casts * launches)
+            amaxes.append(amax)
+            peaks.append(peak)
+            continue
         grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2  # output grad casts in backward
+        cast_in = weights[w] not in shared  # its input's cast and recast (unless an earlier sibling's serve)
         if not e.backward:
-            elements, casts = rows * in_features + weight, 1 + (weight > 0)
+            elements, casts = cast_in * rows * in_features + weight, cast_in + (weight > 0)
         else:  # the backward's casts shared between its two matmuls (module docstring)
-            elements = (grads * rows * out_features + rows * in_features + weight) / 2
-            casts = (grads + 1 + (weight > 0)) / 2
+            elements = (grads * rows * out_features + cast_in * rows * in_features + weight) / 2
+            casts = (grads + cast_in + (weight > 0)) / 2
         weight_grad = e.backward and w not in e.params  # (it reads no param: ``converted_matmuls``)
         matmuls.append(i)
         nbytes.append(elements * per)
         kernels.append(casts * launches)
         amaxes.append(_tp_amaxes(styles.get(weights[w]), e.backward, weight_grad, gathered))
         peaks.append(cast_peak((rows, in_features, out_features), weight > 0, e.backward, weight_grad, grads,
-                               FUSED_CAST_BYTES if fused else EAGER_CAST_BYTES))
+                               FUSED_CAST_BYTES if fused else EAGER_CAST_BYTES, cast_in))
     return Float8Step(np.array(matmuls, dtype=np.intp), np.array(nbytes, dtype=np.float64),
                       np.array(kernels, dtype=np.float64),
                       frozenset(linears.values()) if gathered else frozenset(), tuple(sorted(linears.values())),
@@ -156,7 +176,7 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
 
 
 def cast_peak(dims: tuple[int, int, int], weight: bool, backward: bool, weight_grad: bool, grads: int,
-              per: int) -> int:
+              per: int, input_cast: bool = True) -> int:
     """The most bytes the casts around one matmul of a converted Linear hold at once, beside what the memory model
     counts there (the saved activations, the gradients alive, the unsharded params): ``per`` bytes an element
     while a cast runs (``EAGER_CAST_BYTES``), then one (its float8 copy) while the Linear's autograd function
@@ -165,15 +185,86 @@ def cast_peak(dims: tuple[int, int, int], weight: bool, backward: bool, weight_g
     grad for the input grad's matmul, then the weight; then, with the input grad made, the output grad again for
     the weight grad's matmul (``grads`` == 2) and the saved input beside every copy: the two before the input grad
     are put at the weight grad's event, which the trace has first (``converted_matmuls``), the rest at the input
-    grad's, whose gradients the model counts there."""
+    grad's, whose gradients the model counts there. ``input_cast`` False: an earlier sibling's casts of the same
+    input serve (``_shared_input_casts``), the float8 copy alone held."""
     rows, in_features, out_features = dims
     w = in_features * out_features if weight else 0
+    x = per * rows * in_features if input_cast else rows * in_features
     if not backward:
-        return max(per * rows * in_features, rows * in_features + per * w)
+        return max(x, rows * in_features + per * w)
     if weight_grad:
         return max(per * rows * out_features, rows * out_features + per * w)
     again = rows * out_features + w + per * rows * out_features if grads == 2 else 0
-    return max(again, grads * rows * out_features + w + per * rows * in_features)
+    return max(again, grads * rows * out_features + w + x)
+
+
+def _shared_input_casts(trace: Trace, linears: dict[str, int], compiled: tuple[str, ...]) -> frozenset[str]:
+    """The converted Linears of compiled blocks whose input casts an earlier sibling's serve: torch.compile's joint
+    graph runs common-subexpression elimination before partitioning (``torch._functorch.config.cse``), so the
+    same cast of the same tensor in one block (wq, wk and wv of one input; w1 and w3) runs once in forward, and
+    its recast for the weight grads once in backward (AOT graphs of three float8 Linears on one input: one input
+    cast in forward, one recast in backward; ``tests/test_float8.py``). The same tensor is told by what the trace
+    has: a Linear whose input an earlier call took (``Event.inputs_nbytes`` 0), read with the same rows and
+    in-features as a converted sibling's in the same parent call. Eager torchao casts each Linear's input
+    itself."""
+    out: set[str] = set()
+    seen: set[tuple] = set()
+    stack: list[tuple[str, int]] = []  # the open calls (module, call)
+    reused: dict[str, tuple[str, int]] = {}  # converted Linear -> its parent call, when its input was taken before
+    for e in trace.events:
+        if e.backward:
+            break
+        if e.kind is EventKind.FWD_PRE:
+            if e.module in linears and not e.inputs_nbytes and stack and \
+                    any(is_within(e.module, m) for m in compiled):
+                reused[e.module] = stack[-1]
+            stack.append((e.module, e.call))
+        elif e.kind is EventKind.FWD_POST and stack:
+            stack.pop()
+        elif e.is_op and e.flops and e.module in reused and linears[e.module] in e.params:
+            in_features = trace.params[linears[e.module]].shape[1]
+            key = (*reused.pop(e.module), in_features, e.flops // trace.params[linears[e.module]].numel)
+            (out.add(e.module) if key in seen else seen.add(key))
+    return frozenset(out)
+
+
+def _region_casters(trace: Trace, styles: dict[str, TPStyle]) -> dict[str, bool]:
+    """Under torchao's float8 TP styles, each colwise Linear whose input its region casts to float8 on the sequence
+    shard before the all-gather (``PrepareFloat8ModuleInput``) -> whether it is the region's first (its cast is
+    charged there, once a call); a colwise Linear outside such a region is absent (it casts its replicated
+    input itself)."""
+    out: dict[str, bool] = {}
+    for region in sorted(m for m in trace.float8_tp if styles.get(m) is TPStyle.GATHER_INPUT):
+        readers = sorted((m for m in trace.float8_tp if styles.get(m) is TPStyle.COLWISE and is_within(m, region)
+                          and m != region), key=lambda m: trace.modules[m].first_use)
+        out.update({m: k == 0 for k, m in enumerate(readers)})
+    return out
+
+
+def _styled_casts(style: TPStyle, region: bool | None, dims: tuple[int, int, int], weight: bool, backward: bool,
+                  weight_grad: bool, per: int, t: int) -> tuple[float, float, int, int]:
+    """(elements cast, casts, amax all-reduces over TP, most bytes held at once) around one matmul of a converted
+    Linear in torchao's float8 TP styles (``fsdp2/float8.py``). A colwise Linear's input comes cast: by its region
+    on the sequence shard (``region``: True for the region's first reader, which is charged that cast and its
+    amax all-reduce), or by its own style where its input is replicated (no all-reduce); its output grad is cast
+    once in backward, on its last-dim shard (an all-reduce), for both matmuls. A rowwise Linear's style casts its
+    last-dim-sharded input (an all-reduce) and, in backward, its output grad before the all-gather: on the
+    sequence shard (an all-reduce) where the output was reduce-scattered, else whole and replicated. The Linear
+    then saves and uses those float8 copies: no recast in backward. ``per``: bytes an element while a cast
+    runs; the weight is cast as without the styles unless FSDP2 gathered it in float8. Backward's casts are
+    shared between its two matmuls, as ``float8_step`` counts them."""
+    rows, in_features, out_features = dims
+    w = in_features * out_features if weight else 0
+    colwise = style is TPStyle.COLWISE
+    if not backward:
+        x = (rows * in_features // t if region else 0) if colwise and region is not None else rows * in_features
+        amax = (bool(region) if colwise else 1) + weight
+        return x + w, (x > 0) + weight, amax, max(per * x, x + per * w if w else 0)
+    sharded = style is TPStyle.ROWWISE_SEQUENCE
+    g = rows * out_features // t if sharded else rows * out_features
+    amax = (colwise or sharded) if weight_grad else weight
+    peak = max(per * g, rows * out_features) if weight_grad else rows * out_features + per * w
+    return (g + w) / 2, (1 + weight) / 2, int(amax), peak
 
 
 def _tp_amaxes(style: TPStyle | None, backward: bool, weight_grad: bool, gathered: bool) -> int:

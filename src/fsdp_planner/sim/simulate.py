@@ -29,6 +29,7 @@ import numpy as np
 
 from fsdp_planner.choices import GradientSync
 from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
+from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Kept, Schedule, build_schedule
 from fsdp_planner.hardware.cluster import Cluster, Engine
@@ -142,7 +143,7 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     (``tensor_parallel.tp_view``): of ``trace`` and ``cluster`` as given, or, when ``trace`` is already such a view
     (what planners build once per layout), with ``cluster`` or ``context`` of that view.
     """
-    trace, plan, cluster = rank_step(trace, plan, cluster, context)
+    trace, plan, cluster = rank_step(trace, plan, cluster, context, options)
     ctx = _context(trace, plan, cluster, options, context)
     check_shard_dims(plan, trace, ctx.shard)
     groups = ctx.sizing.groups(plan)
@@ -161,16 +162,17 @@ def simulate(trace: Trace, plan: Plan, cluster: Cluster | None = None, options: 
     return accumulated(ctx, plan, runs)
 
 
-def rank_step(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimContext | None = None
-              ) -> tuple[Trace, Plan, Cluster | None]:
+def rank_step(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimContext | None = None,
+              options: SimOptions | None = None) -> tuple[Trace, Plan, Cluster | None]:
     """The trace, plan and cluster of the step one rank runs: with TP its view, with EP its experts' share; what a
     profile of one rank holds (``calibrate --trace`` matches its kernels to this trace's ops)."""
-    trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context)
+    float8 = (options.float8 if options is not None else None) or plan.float8  # as ``plan_options`` has it
+    trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context, float8)
     return _expert_parallel(trace, plan, context), plan, cluster
 
 
-def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimContext | None
-                     ) -> tuple[Trace, Plan, Cluster | None]:
+def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimContext | None,
+                     float8: Float8 | None) -> tuple[Trace, Plan, Cluster | None]:
     """The trace, plan and cluster of one TP rank's step: the one place a plan's TP is dispatched."""
     tp = plan.tensor_parallel
     if tp is None or tp.degree == 1:  # on a TP rank's view, a plan without TP is its data-parallel part (a search
@@ -179,11 +181,13 @@ def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context:
     if trace.tensor_parallel:
         if trace.tensor_parallel != tp.signature():
             raise ValueError(f"the trace is a view of another tensor-parallel layout than the plan's {tp.describe()}")
+        if trace.float8_tp and not (float8 is not None and float8.tp_float8_all_gather):
+            raise ValueError("the trace is a view of float8 TP styles the plan does not run")
         dp_world = context.world if context is not None else cluster.world_size if cluster is not None else 0
         return trace, data_parallel_plan(plan, dp_world * tp.degree), cluster
     if cluster is None or context is not None:
         raise ValueError("a plan with tensor parallelism needs the cluster (or a context of its TP view)")
-    view = tp_view(trace, tp, cluster)
+    view = tp_view(trace, tp, cluster, float8)
     return view.trace, view.plan(plan), view.cluster
 
 

@@ -26,6 +26,11 @@ of the whole model into that rank's step (``TPView``):
   partial output reduce-scattered (its grad all-gathered), the router gate's weight grads all-reduced; the experts
   run on 1/TP of the routed tokens (the EP view, ``expert_parallel.py``, then sends them to their experts).
 
+Under torchao's float8 TP styles (a plan's ``float8.tp_float8_all_gather``, ``Trace.float8_tp``) the converted
+Linears' regions all-gather their input in float8 and their rowwise Linears their output grad, half the bytes
+(``FLOAT8_SHARE``) of each and of its re-layout copy; a region saves its gathered input in float8 and a rowwise
+Linear its input's float8 copy (``_float8_saved``). Their casts are ``float8.py``'s.
+
 The cluster of that view is the data-parallel one: world / TP ranks, gpus_per_node / TP a node, the same links per
 rank (each TP rank's data-parallel collectives run beside the others', on its own NIC). TP's collectives are
 costed on the real cluster's TP group (consecutive ranks in a node: ``hardware/cost.py``), or with async TP
@@ -51,12 +56,19 @@ import numpy as np
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
+from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, check_moe_styles, expert_tensor_dim
+from fsdp_planner.fsdp2.tensor_parallel import (
+    TensorParallel,
+    TPStyle,
+    check_moe_styles,
+    expert_tensor_dim,
+    float8_styled,
+)
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
 from fsdp_planner.sim.compute import traced_itemsize
-from fsdp_planner.sim.float8 import TP_AMAX_BYTES
+from fsdp_planner.sim.float8 import TP_AMAX_BYTES, converted_linears
 from fsdp_planner.sim.recompute import CheckpointedCall
 from fsdp_planner.trace.events import (
     KERNEL_OTHER,
@@ -80,6 +92,9 @@ _EMBEDDING = (TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
 _GATHERED = (TPStyle.GATHER_INPUT, TPStyle.SEQUENCE_COLWISE)  # input all-gathered from its sequence shard
 # output reduce-scattered onto the sequence dim (its grad all-gathered back)
 _SCATTERED = (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE, TPStyle.MOE_SEQUENCE)
+# torchao's float8 TP styles move a bf16 activation in float8: half its bytes (``--float8-tp-all-gather`` needs a
+# bf16 compute dtype, ``service/validate.py``)
+FLOAT8_SHARE = 2
 LOSS_PARALLEL_ALL_REDUCES = 3  # max, sum of exponentials, target logit: one fp32 value per token each
 KIND_OF = {KERNEL_TP_ALL_GATHER: CollectiveKind.ALL_GATHER, KERNEL_TP_REDUCE_SCATTER: CollectiveKind.REDUCE_SCATTER,
            KERNEL_TP_ALL_REDUCE: CollectiveKind.ALL_REDUCE, KERNEL_TP_GRAD_ALL_REDUCE: CollectiveKind.ALL_REDUCE}
@@ -98,6 +113,11 @@ class TPView:
         mesh: what FSDP2 does on this view."""
         return data_parallel_plan(plan.replace(tensor_parallel=self.tensor_parallel),
                                   self.cluster.world_size * self.tensor_parallel.degree)
+
+
+def view_key(tp: TensorParallel, float8: Float8 | None) -> tuple:
+    """What one TP rank's view depends on (``tp_view``): the layout, and float8 where its TP styles are torchao's."""
+    return tp.signature(), float8.signature() if float8 is not None and float8.tp_float8_all_gather else None
 
 
 def data_parallel_plan(plan: Plan, world: int) -> Plan:
@@ -123,9 +143,11 @@ class _Layout:
     """The layout on this model: each module's style, the regions whose ops run on TP shards, and the modules
     whose input enters such a region whole (saved whole by their first Linear)."""
 
-    def __init__(self, trace: Trace, tp: TensorParallel) -> None:
+    def __init__(self, trace: Trace, tp: TensorParallel, float8: Float8 | None) -> None:
         self.tp, self.t, self.sp = tp, tp.degree, tp.sequence_parallel
         self.styles = tp.styles(trace.modules)
+        f8 = float8 is not None and float8.tp_float8_all_gather
+        self.float8 = float8_styled(self.styles, converted_linears(trace, float8)) if f8 else frozenset()
         colwise = [m for m, s in self.styles.items() if s in _COLWISE]
         rowwise = {m for m, s in self.styles.items() if s in _ROWWISE}
         pairs = {parent_of(m) for m in colwise if any(parent_of(r) == parent_of(m) for r in rowwise)}
@@ -169,9 +191,10 @@ class _Layout:
         return 1.0 if module == ROOT else self.scale(parent_of(module))
 
 
-def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster) -> TPView:
+def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster, float8: Float8 | None = None) -> TPView:
     """One TP rank's step of ``trace`` (the whole model) under ``tp`` on ``cluster``, and the cluster its
-    data-parallel groups see (module docstring). Deterministic; build it once per TP layout."""
+    data-parallel groups see (module docstring); ``float8``: the plan's, whose ``tp_float8_all_gather`` moves the
+    converted Linears' activations in float8 (``view_key``). Deterministic; build it once per layout."""
     if trace.tensor_parallel:
         raise ValueError("the trace is already a tensor-parallel view")
     if tp.degree == 1:
@@ -179,7 +202,7 @@ def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster) -> TPView:
     if cluster.world_size % tp.degree:
         raise PlannerError(f"tensor parallelism of degree {tp.degree} does not divide the {cluster.world_size} GPUs of "
                            f"cluster {cluster.name}")
-    lay = _Layout(trace, tp)
+    lay = _Layout(trace, tp, float8)
     params = tuple(_local_param(p, _param_style(p, lay.styles), tp.degree) for p in trace.params)
     events, where = _rank_events(trace, lay)
     replicated = tuple(i for i, p in enumerate(trace.params)
@@ -187,7 +210,8 @@ def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster) -> TPView:
     view = replace(trace, params=params, events=tuple(events), op_seconds=None,
                    modules=_modules(trace.modules, events, where),
                    loss_blocks=_loss_blocks(trace, lay, where), tensor_parallel=tp.signature(),
-                   replicated_grads=replicated, fingerprint=f"{trace.fingerprint}/tp{tp.degree}")
+                   replicated_grads=replicated, float8_tp=lay.float8,
+                   fingerprint=f"{trace.fingerprint}/tp{tp.degree}" + ("f8" if lay.float8 else ""))
     view = view.with_compiled(_local_compiled(trace, view))
     return TPView(view, dp_cluster(cluster, tp.degree), tp)
 
@@ -289,8 +313,9 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
         return [], []
     inputs, output = sizes.get((e.module, e.call), (0, 0))
     m, kind = e.module, e.kind
+    f8 = FLOAT8_SHARE if m in lay.float8 else 1  # cast to float8 before its all-gather
     if kind is EventKind.FWD_PRE and style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
-        return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs, False)]
+        return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs // f8, False)]
     if kind is EventKind.FWD_POST:
         if style in _SCATTERED:
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False)], []
@@ -299,7 +324,7 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
         if style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel:  # the logits made whole
             return [_tp_op(KERNEL_TP_ALL_GATHER, m, output, False)], []
     if kind is EventKind.BWD_PRE and style in _SCATTERED:
-        return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, output, True)]
+        return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, output // f8, True)]
     if kind is EventKind.BWD_POST:
         if style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, inputs, True)], []
@@ -330,7 +355,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
     """The TP rank's events, and where each of the trace's events went (old position -> new)."""
     sizes = _call_bytes(trace, lay)
     loss_ars, loss = _loss_all_reduces(trace, lay), trace.index.loss_region
-    saved_whole = _saved_whole(trace, lay)
+    saved_whole, float8_saved = _saved_whole(trace, lay), _float8_saved(trace, lay)
     t, out, where = lay.t, [], []
     for i, e in enumerate(trace.events):
         before, after = _collectives(e, lay, sizes, trace)
@@ -341,7 +366,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         if e.is_op:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else lay.scale(e.module)
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
-                           + saved_whole.get(i, 0), out_nbytes=int(e.out_nbytes * s), live=int(e.live * s),
+                           + saved_whole.get(i, 0) + float8_saved.get(i, 0), out_nbytes=int(e.out_nbytes * s),
+                           live=int(e.live * s),
                            grad_live=int(e.grad_live * s), freed=int(e.freed * s))
             if loss[i] and lay.tp.loss_parallel:
                 e = e._replace(live=e.live + _handler_extra(e))
@@ -414,8 +440,30 @@ def _saved_whole(trace: Trace, lay: _Layout) -> dict[int, int]:
             open_calls.pop(e.module, None)
         elif e.is_op and e.saved and open_calls:
             for m in [m for m in open_calls if is_within(e.module, m)]:
-                whole = min(open_calls.pop(m), e.saved)
-                out[i] = out.get(i, 0) + whole - int(whole * lay.scale(e.module))
+                whole = min(open_calls.pop(m), e.saved)  # (in float8 under torchao's styles: ``FLOAT8_SHARE``)
+                kept = whole // FLOAT8_SHARE if m in lay.float8 else whole
+                out[i] = out.get(i, 0) + kept - int(whole * lay.scale(e.module))
+    return out
+
+
+def _float8_saved(trace: Trace, lay: _Layout) -> dict[int, int]:
+    """Op position -> bytes a rowwise Linear's call saves beyond its scaled share under torchao's float8 TP styles:
+    the float8 copy of its last-dim-sharded input (its style cast it), in place of the input itself where the
+    call was the first to save it (the trace counts a storage at its first saver, at whichever of the call's ops
+    autograd packed it: a reshape's or the matmul's). Charged at the call's matmul."""
+    out: dict[int, int] = {}
+    kept = 0  # the call's saved bytes so far, one rank's share
+    for i, e in enumerate(trace.events):
+        if e.backward:
+            break
+        if not e.is_op or e.module not in lay.float8 or lay.styles[e.module] not in _ROWWISE:
+            kept = 0 if e.kind is EventKind.FWD_PRE else kept
+            continue
+        kept += int(e.saved * lay.scale(e.module))
+        if e.flops:
+            local = _linear_input(trace, [e]) // lay.t
+            out[i] = local // FLOAT8_SHARE - min(kept, local)
+            kept = 0
     return out
 
 

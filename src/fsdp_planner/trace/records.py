@@ -48,6 +48,8 @@ class Trace:
     # when torch.compile'd (``compiled.py``): the modules the step runs compiled; empty: an eager step
     tensor_parallel: tuple = ()  # a per-TP-rank view (``sim/tensor_parallel.py``): the TP layout's signature
     # (degree, layout, loss parallel, async TP); empty: the whole model on one rank
+    float8_tp: frozenset[str] = frozenset()  # in a TP view: the modules in torchao's float8 TP styles
+    # (``fsdp2/float8.py``'s ``tp_float8_all_gather``); empty: torch's styles
     expert_parallel: tuple = ()  # a per-EP-rank view (``sim/expert_parallel.py``): the EP signature (degree,
     # modules, skew); empty: every expert on every rank
     expert_params: tuple[int, ...] = ()  # in an EP view: the params of the expert modules (sharded by FSDP over

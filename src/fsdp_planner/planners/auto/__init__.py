@@ -308,7 +308,7 @@ class AutoPolicy:
         """This search on the view of one TP rank under ``tp`` (degree 1: the whole trace, no TP)."""
         if tp.degree == 1:
             return replace(self, tensor_parallel=()), trace
-        view = tp_view(trace, tp, self.cluster)
+        view = tp_view(trace, tp, self.cluster, self.options.float8)
         return replace(self, cluster=view.cluster, tensor_parallel=(), on_layout=tp,
                        whole_model=(trace.fingerprint, trace.numel)), view.trace
 
