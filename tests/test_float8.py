@@ -389,3 +389,15 @@ def test_a_compiled_block_casts_each_shared_input_once_as_aot_cse_does() -> None
     assert modelled[False][0] == 7 and modelled[True][0] == 4 and modelled[True][1] == 7 + 4
     assert rows == {"forward": 5, "backward": 10}  # (the partitioner moved one backward cast into forward)
     assert sum(rows.values()) == sum(modelled[True])
+
+
+def test_auto_plans_with_float8_tp_all_gathers_and_writes_them(tmp_path) -> None:
+    """Auto searches on a TP view built with the options' float8 (its candidate plans carry none until written):
+    the plan it writes runs torchao's float8 TP styles, and simulating that file alone reads them from it."""
+    from fsdp_planner.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["plan", "toy-llama", "--policy", "auto", "--tp", "2", "--float8", "tensorwise",
+                 "--float8-tp-all-gather", "--cluster", "h100:8", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["float8"]["tp_float8_all_gather"] is True
+    assert main(["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8"]) == 0

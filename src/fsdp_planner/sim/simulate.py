@@ -166,7 +166,8 @@ def rank_step(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimCon
               options: SimOptions | None = None) -> tuple[Trace, Plan, Cluster | None]:
     """The trace, plan and cluster of the step one rank runs: with TP its view, with EP its experts' share; what a
     profile of one rank holds (``calibrate --trace`` matches its kernels to this trace's ops)."""
-    float8 = (options.float8 if options is not None else None) or plan.float8  # as ``plan_options`` has it
+    given = options if options is not None else context.options if context is not None else None
+    float8 = (given.float8 if given is not None else None) or plan.float8  # as ``plan_options`` has it
     trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context, float8)
     return _expert_parallel(trace, plan, context), plan, cluster
 
