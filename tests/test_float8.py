@@ -393,7 +393,8 @@ def test_a_compiled_block_casts_each_shared_input_once_as_aot_cse_does() -> None
 
 def test_auto_plans_with_float8_tp_all_gathers_and_writes_them(tmp_path) -> None:
     """Auto searches on a TP view built with the options' float8 (its candidate plans carry none until written):
-    the plan it writes runs torchao's float8 TP styles, and simulating that file alone reads them from it."""
+    the plan it writes runs torchao's float8 TP styles, and simulating that file alone reads them from it. Without
+    --tp auto chooses the degree, and a plan without TP is written without the setting (a file refuses it)."""
     from fsdp_planner.cli import main
 
     out = tmp_path / "p.json"
@@ -401,3 +402,8 @@ def test_auto_plans_with_float8_tp_all_gathers_and_writes_them(tmp_path) -> None
                  "--float8-tp-all-gather", "--cluster", "h100:8", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["float8"]["tp_float8_all_gather"] is True
     assert main(["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8"]) == 0
+    # auto chooses the degree itself where --tp is not given; where it chooses none, the plan gathers nothing
+    assert main(["plan", "toy-llama", "--policy", "auto", "--float8", "tensorwise", "--float8-tp-all-gather",
+                 "--cluster", "h100:8", "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert "tensor_parallel" not in written and "tp_float8_all_gather" not in written["float8"]

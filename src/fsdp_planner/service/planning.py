@@ -102,9 +102,12 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     code runs as the numbers assumed), the attention kernel it was planned for (absent: the default), the
     hf_config fields (verify rebuilds that model), the modules it compiles (the trace's, ``--compile``) and its
     float8 training (``--float8``)."""
+    float8 = job.options.float8 or plan.float8
+    if float8 is not None and float8.tp_float8_all_gather and plan.tp_degree == 1:  # auto chose no TP: nothing
+        float8 = dataclasses.replace(float8, tp_float8_all_gather=False)  # to gather (a plan file without TP
+        # refuses the setting)
     return dataclasses.replace(plan, precision=job.options.precision.name, attention=job.model.attention or "",
-                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled),
-                               float8=job.options.float8 or plan.float8)
+                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled), float8=float8)
 
 
 def memoised(tracer: Tracer) -> Tracer:

@@ -392,9 +392,10 @@ def _float8_tp(kw: Keywords, spell: Spelling, recipe: Float8Recipe) -> bool:
     if recipe is not Float8Recipe.TENSORWISE:
         raise PlannerError(f"{on} needs {spell.given('float8', 'tensorwise')}: torchao's float8 TP styles assume "
                            f"tensorwise scaling (torchtitan ran rowwise recipes with bf16 TP)")
-    if kw.tp is None or kw.tp == 1:
+    if kw.tp == 1 or (kw.tp is None and kw.policy != PolicyName.AUTO.value):
         raise PlannerError(f"{on} casts TP's activations to float8 before their all-gathers: give "
-                           f"{spell.name_of('tp')} 2 or more")
+                           f"{spell.name_of('tp')} 2 or more" + ("" if kw.tp == 1 else
+                                                               " (or the auto policy, which chooses the degree)"))
     return True
 
 
