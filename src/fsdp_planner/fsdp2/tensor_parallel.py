@@ -14,6 +14,7 @@ plan meets its model, as ``parallelize_module`` only warns there.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -112,16 +113,7 @@ class TensorParallel:
     def styles(self, module_names: Iterable[str]) -> dict[str, TPStyle]:
         """Each module of ``module_names`` the layout parallelizes, with its style (a later pattern wins, as a
         later ``parallelize_module`` call would); a pattern that matches none is refused."""
-        names = list(module_names)
-        out: dict[str, TPStyle] = {}
-        for pattern, style in self.layout.items():
-            hits = [n for n in names if matches(pattern, n)]
-            if not hits:
-                raise PlannerError(f"the tensor-parallel layout names {shown_json(pattern)}, which matches no module "
-                                   "of this model: give module names as `named_modules()` spells them ('*' for "
-                                   "one part, e.g. layers.*.attention.wq)")
-            out.update(dict.fromkeys(hits, style))
-        return out
+        return dict(_styles(tuple(self.layout.items()), tuple(module_names)))
 
     def describe(self) -> str:
         extras = [x for x, on in (("SP", self.sequence_parallel), ("loss parallel", self.loss_parallel),
@@ -206,6 +198,21 @@ def check_moe_styles(tp: TensorParallel | None, module_names: Iterable[str], exp
         if s is TPStyle.EXPERT_TENSOR and not any(a in gathered for a in proper_ancestors(m)):
             raise PlannerError(f"the tensor-parallel style expert_tensor of {m} needs its MoE layer's input whole "
                                "on every TP rank: give the module around it the style moe_sequence")
+
+
+@functools.lru_cache(maxsize=32)
+def _styles(layout: tuple[tuple[str, TPStyle], ...], names: tuple[str, ...]) -> tuple[tuple[str, TPStyle], ...]:
+    """``TensorParallel.styles``, once per layout and model: the views, checks and simulations of one layout ask it
+    tens of times (matching every pattern against every module name: ~45 ms on Llama 3 8B each time)."""
+    out: dict[str, TPStyle] = {}
+    for pattern, style in layout:
+        hits = [n for n in names if matches(pattern, n)]
+        if not hits:
+            raise PlannerError(f"the tensor-parallel layout names {shown_json(pattern)}, which matches no module "
+                               "of this model: give module names as `named_modules()` spells them ('*' for "
+                               "one part, e.g. layers.*.attention.wq)")
+        out.update(dict.fromkeys(hits, style))
+    return tuple(out.items())
 
 
 def matches(pattern: str, name: str) -> bool:
