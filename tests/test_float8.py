@@ -351,9 +351,12 @@ def test_a_compiled_block_casts_each_shared_input_once_as_aot_cse_does() -> None
     one input once, w1 and w3 theirs, and backward recasts each input once. The model's casts of a compiled
     block's activations meet the AOT graphs' amax reductions of activations (``abs``): 4 in forward, and in
     backward 7 output grads and 4 input recasts; the partitioner moves one backward cast into forward (5 and 10),
-    the step's total the model's. Eager torchao casts each Linear's input itself (7 in forward)."""
+    the step's total the model's. Eager torchao casts each Linear's input itself (7 in forward). Checkpointed in
+    full, the compiled backward recomputes the forward's casts beside its recasts, unmerged: 4 + 14, the model's
+    4 + (4 + 11) less one."""
     import torch
     from torch._functorch.aot_autograd import aot_module_simplified
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     from fsdp_planner.apply.float8 import float8_module, torchao_config
@@ -377,6 +380,9 @@ def test_a_compiled_block_casts_each_shared_input_once_as_aot_cse_does() -> None
 
     x = torch.randn(4, 32, 64, dtype=torch.bfloat16, requires_grad=True)
     torch.compile(block, backend=backend)(x).float().sum().backward()
+    plain = dict(rows)
+    torch.compile(checkpoint_wrapper(block), backend=backend)(x).float().sum().backward()
+    checkpointed = dict(rows)
     options = SimOptions.named("bf16-mixed")
     modelled = {}
     for compile in (True, False):
@@ -387,8 +393,12 @@ def test_a_compiled_block_casts_each_shared_input_once_as_aot_cse_does() -> None
         backward = np.array([tr.events[i].backward for i in step.matmuls])
         modelled[compile] = [step.cast_kernels[block0 & (backward == b)].sum() / launches for b in (False, True)]
     assert modelled[False][0] == 7 and modelled[True][0] == 4 and modelled[True][1] == 7 + 4
-    assert rows == {"forward": 5, "backward": 10}  # (the partitioner moved one backward cast into forward)
-    assert sum(rows.values()) == sum(modelled[True])
+    assert plain == {"forward": 5, "backward": 10}  # (the partitioner moved one backward cast into forward)
+    assert sum(plain.values()) == sum(modelled[True])
+    # checkpointed in full: the recomputation's casts are not merged with backward's recasts (4 + 14), the model's
+    # forward again beside its backward (4 + 4 + 11) one more
+    assert checkpointed == {"forward": 4, "backward": 14}
+    assert sum(checkpointed.values()) == 2 * modelled[True][0] + modelled[True][1] - 1
 
 
 def test_auto_plans_with_float8_tp_all_gathers_and_writes_them(tmp_path) -> None:
