@@ -3,8 +3,10 @@ torchao's float8 all-gather on fake ranks as the oracle of its counts and bytes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import json
 
 import numpy as np
@@ -356,8 +358,8 @@ def test_a_compiled_block_casts_each_shared_input_once_as_aot_cse_does() -> None
     4 + (4 + 11) less one."""
     import torch
     from torch._functorch.aot_autograd import aot_module_simplified
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from fsdp_planner.apply.float8 import float8_module, torchao_config
     from fsdp_planner.models import ModelSpec
@@ -411,6 +413,11 @@ def test_auto_plans_with_float8_tp_all_gathers_and_writes_them(tmp_path) -> None
     assert main(["plan", "toy-llama", "--policy", "auto", "--tp", "2", "--float8", "tensorwise",
                  "--float8-tp-all-gather", "--cluster", "h100:8", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["float8"]["tp_float8_all_gather"] is True
+    printed = io.StringIO()  # --json's plan is the file --out writes (it had no float8)
+    with contextlib.redirect_stdout(printed):
+        assert main(["plan", "toy-llama", "--policy", "auto", "--tp", "2", "--float8", "tensorwise",
+                     "--float8-tp-all-gather", "--cluster", "h100:8", "--json"]) == 0
+    assert json.loads(printed.getvalue())["plans"][0]["plan"] == json.loads(out.read_text())
     assert main(["simulate", "toy-llama", "--plan", str(out), "--cluster", "h100:8"]) == 0
     # auto chooses the degree itself where --tp is not given; where it chooses none, the plan gathers nothing
     assert main(["plan", "toy-llama", "--policy", "auto", "--float8", "tensorwise", "--float8-tp-all-gather",

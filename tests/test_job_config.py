@@ -576,3 +576,13 @@ def test_a_toml_s_float8_under_tp_gathers_in_float8_and_a_registry_s_in_bf16() -
     assert any("torchao's float8 TP styles" in n for n in toml.notes)
     registry = read_config(TORCHTITAN, f"{titan / 'llama3' / 'config_registry.py'}:llama3_405b")
     assert (registry.float8, registry.tp, registry.float8_tp_all_gather) == ("tensorwise", 8, False)
+
+
+def test_a_toml_s_rowwise_float8_simulates(tmp_path) -> None:
+    """A rowwise float8 TOML (its all-gather key off, as rowwise must) reads as --float8 rowwise: the key was
+    given as --no-float8-all-gather, which rowwise refuses on the command line."""
+    toml = tmp_path / "rowwise.toml"
+    toml.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["float8"]\n[float8]\n'
+                    'recipe_name = "rowwise"\n[training]\nlocal_batch_size = 2\nseq_len = 256\n[parallelism]\n'
+                    'data_parallel_shard_degree = 4\n')
+    assert main(["simulate", "--from-torchtitan", str(toml), "--cluster", "h100", "toy-llama"]) == 0

@@ -18,7 +18,7 @@ from fsdp_planner.planners.answers import compile_answer, float8_answer
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.planning import judged_model, plan
+from fsdp_planner.service.planning import as_written, judged_model, plan
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.userfiles import write_atomic
 
@@ -94,7 +94,7 @@ def _json(outcome: PlanOutcome) -> dict[str, Any]:
     out: dict[str, Any] = {
         "model": {"name": job.model.name, "fingerprint": tr.fingerprint, "numel": tr.numel},
         "micro_batches": job.options.micro_batches, "gradient_sync": job.options.gradient_sync.value,
-        "plans": [{"plan": dataclasses.replace(p, attention=job.model.attention or "").to_dict(),
+        "plans": [{"plan": as_written(p, job, tr).to_dict(),  # (as --out writes it: its float8, precision, ...)
                    "metrics": m.to_dict(), **simulation(r)} for p, m, r in outcome.rows],
     }
     search = outcome.search

@@ -268,7 +268,8 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.agrees("compile", False, "compile.enable", default=False)
     if cfg.float8:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
-        m.given("float8_all_gather", cfg.float8_all_gather, "enable_fsdp_float8_all_gather")
+        if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)
+            m.given("float8_all_gather", cfg.float8_all_gather, "enable_fsdp_float8_all_gather")
         if cfg.float8_tp_all_gather:
             m.given("float8_tp_all_gather", True, "float8 under TP in a TOML (torchao's float8 TP styles)",
                     default=False)
