@@ -143,31 +143,26 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
         fused = any(is_within(weights[w], m) for m in compiled)
         per, launches = cast_bytes(itemsize, fused)
         weight = 0 if gathered else in_features * out_features
-        if weights[w] in trace.float8_tp:  # torchao's float8 TP styles cast around the Linear
-            elements, casts, amax, peak = _styled_casts(
-                styles[weights[w]], casting.get(weights[w]), (rows, in_features, out_features), weight > 0,
-                e.backward, e.backward and w not in e.params, FUSED_CAST_BYTES if fused else EAGER_CAST_BYTES,
-                trace.tp_degree)
-            matmuls.append(i)
-            nbytes.append(elements * per)
-            kernels.append(casts * launches)
-            amaxes.append(amax)
-            peaks.append(peak)
-            continue
-        grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2  # output grad casts in backward
-        cast_in = weights[w] not in shared  # its input's cast and recast (unless an earlier sibling's serve)
-        if not e.backward:
-            elements, casts = cast_in * rows * in_features + weight, cast_in + (weight > 0)
-        else:  # the backward's casts shared between its two matmuls (module docstring)
-            elements = (grads * rows * out_features + cast_in * rows * in_features + weight) / 2
-            casts = (grads + cast_in + (weight > 0)) / 2
         weight_grad = e.backward and w not in e.params  # (it reads no param: ``converted_matmuls``)
+        dims, held = (rows, in_features, out_features), FUSED_CAST_BYTES if fused else EAGER_CAST_BYTES
+        if weights[w] in trace.float8_tp:  # torchao's float8 TP styles cast around the Linear
+            elements, casts, amax, peak = _styled_casts(styles[weights[w]], casting.get(weights[w]), dims,
+                                                        weight > 0, e.backward, weight_grad, held, trace.tp_degree)
+        else:
+            grads = 1 if fused and f8.recipe is Float8Recipe.TENSORWISE else 2  # output grad casts in backward
+            cast_in = weights[w] not in shared  # its input's cast and recast (unless an earlier sibling's serve)
+            if not e.backward:
+                elements, casts = cast_in * rows * in_features + weight, cast_in + (weight > 0)
+            else:  # the backward's casts shared between its two matmuls (module docstring)
+                elements = (grads * rows * out_features + cast_in * rows * in_features + weight) / 2
+                casts = (grads + cast_in + (weight > 0)) / 2
+            amax = _tp_amaxes(styles.get(weights[w]), e.backward, weight_grad, gathered)
+            peak = cast_peak(dims, weight > 0, e.backward, weight_grad, grads, held, cast_in)
         matmuls.append(i)
         nbytes.append(elements * per)
         kernels.append(casts * launches)
-        amaxes.append(_tp_amaxes(styles.get(weights[w]), e.backward, weight_grad, gathered))
-        peaks.append(cast_peak((rows, in_features, out_features), weight > 0, e.backward, weight_grad, grads,
-                               FUSED_CAST_BYTES if fused else EAGER_CAST_BYTES, cast_in))
+        amaxes.append(amax)
+        peaks.append(peak)
     return Float8Step(np.array(matmuls, dtype=np.intp), np.array(nbytes, dtype=np.float64),
                       np.array(kernels, dtype=np.float64),
                       frozenset(linears.values()) if gathered else frozenset(), tuple(sorted(linears.values())),
@@ -224,7 +219,9 @@ def _shared_input_casts(trace: Trace, linears: dict[str, int], compiled: tuple[s
         elif e.is_op and e.flops and e.module in reused and linears[e.module] in e.params:
             in_features = trace.params[linears[e.module]].shape[1]
             key = (*reused.pop(e.module), in_features, e.flops // trace.params[linears[e.module]].numel)
-            (out.add(e.module) if key in seen else seen.add(key))
+            if key in seen:
+                out.add(e.module)
+            seen.add(key)
     return frozenset(out)
 
 
