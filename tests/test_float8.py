@@ -189,6 +189,56 @@ def test_float8_under_full_checkpointing_peaks_at_a_backward_cast_within_5_perce
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
 
 
+_TINY_HF_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 4096,
+                  "max_position_embeddings": 128}
+
+
+def _tiny_hf(tmp_path):
+    from fsdp_planner.models import ModelSpec
+
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(_TINY_HF_LLAMA))
+    spec = ModelSpec(f"hf:{config}", batch_size=4, seq_len=32)
+    lm = load_model(spec)
+    options = SimOptions.named("bf16-mixed")
+    return spec, record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype), options
+
+
+@pytest.mark.integration  # real FSDP2 and torchao (emulated float8) on 8 fake ranks, a transformers model: ~5 s
+def test_a_converted_output_head_in_a_group_of_two_modules_is_exact_on_fake_ranks(tmp_path) -> None:
+    """transformers' head is ``lm_head``: the default filter keeps it in bf16 as torchtitan's keeps ``output``.
+    Converted (``filter_fqns`` empty), in the group ``model.norm, lm_head``: apply_plan gave fully_shard the
+    Linear float8's conversion had replaced (one all-gather and reduce-scatter more than planned, the new head
+    left to the root); and the head's backward casts run before its weight grad exists (+6.4% peak before)."""
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+
+    spec, tr, options = _tiny_hf(tmp_path)
+    assert "lm_head" not in converted_linears(tr, TENSORWISE) and "lm_head" in converted_linears(tr, Float8(
+        filter_fqns=()))
+    plan = TorchtitanPolicy("LlamaDecoderLayer").plan(tr)
+    assert ["model.norm", "lm_head"] in [list(g.modules) for g in plan.groups]
+    for f8 in (TENSORWISE, Float8(filter_fqns=())):
+        on = dataclasses.replace(options, float8=f8)
+        predicted = simulate(tr, plan.replace(float8=f8), parse_cluster("h100:8"), on, timeline=False)
+        rows = beside_prediction(predicted, run_fake_world(spec, plan.replace(float8=f8), 8, options.precision))
+        assert all(p == m for k, (p, m) in rows.items() if k != "peak_memory"), rows
+        assert rows["peak_memory"][0] == pytest.approx(rows["peak_memory"][1], rel=0.01), f8
+
+
+def test_precomputed_scales_under_tp_refuse_a_converted_linear_tp_leaves_whole(tmp_path) -> None:
+    """torchao's precompute stacks every converted weight's amax: a converted head off TP (transformers' plan
+    leaves ``lm_head`` whole here) is on another mesh, and the real step raised inside DTensor."""
+    from fsdp_planner.planners.tensor_parallel import check_float8_scales, tp_layout
+
+    spec, tr, _ = _tiny_hf(tmp_path)
+    tp = tp_layout(tr, 2, spec).tp
+    check_float8_scales(tr, tp, TENSORWISE)  # the default filter: the head stays bf16
+    check_float8_scales(tr, tp, Float8(Float8Recipe.TENSORWISE, True, False, ()))  # scales at each all-gather
+    with pytest.raises(PlannerError, match=r"TP leaves lm_head whole .* float8.filter_fqns"):
+        check_float8_scales(tr, tp, Float8(filter_fqns=()))
+
+
 # torchao's float8 TP styles (``Float8.tp_float8_all_gather``): a non-sequence-parallel layout of the same Linears
 _PLAIN_TP = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
              "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",

@@ -121,6 +121,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing, plan.compiled)
     apply_offloading(model, plan.activation_offloading)
     apply_compile(model, plan.compiled)  # after checkpointing, before fully_shard, as torchtitan does
+    modules = dict(model.named_modules())  # float8's conversion swapped Linears: a group may name one
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload,
                               "shard_placement_fn": placement}

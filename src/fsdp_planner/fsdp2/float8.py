@@ -3,9 +3,10 @@
 torchtitan's float8 converter swaps each ``nn.Linear`` its filter keeps for torchao's ``Float8Linear``
 (``torchao.float8.convert_to_float8_training``) before the model is parallelized: the filter keeps a Linear whose
 weight dims are both multiples of 16 (float8 tensor-core matmuls need them) and whose name holds none of
-``filter_fqns`` (the output head, in torchtitan's Llama jobs). A converted Linear's three matmuls (output, input
-grad, weight grad) run in float8, each operand cast from bf16 first by a dynamic scale (the amax of the tensor,
-tensorwise, or of each row, rowwise); its param stays in the precision's dtype.
+``filter_fqns`` (the output head: torchtitan's Llama jobs name ``output``; the default here names transformers'
+``lm_head`` too). A converted Linear's three matmuls (output, input grad, weight grad) run in float8, each operand
+cast from bf16 first by a dynamic scale (the amax of the tensor, tensorwise, or of each row, rowwise); its param
+stays in the precision's dtype.
 
 With ``fsdp_float8_all_gather`` (tensorwise only: torchao refuses it for other scalings) FSDP2 all-gathers a
 converted weight in float8, one byte an element: torchao's weight subclass casts the local shard before the
@@ -35,7 +36,9 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.userfiles import shown_json
 
 FLOAT8_KEYS = ("recipe", "fsdp_float8_all_gather", "precompute_scale", "filter_fqns", "tp_float8_all_gather")
-TITAN_FILTER_FQNS = ("output",)  # torchtitan's Llama 3 float8 jobs leave the output head in bf16
+# the output head stays in bf16: torchtitan's Llama 3 float8 jobs filter "output", its name there; "lm_head" is
+# transformers' name for it (a converted head TP leaves whole also breaks the precomputed scales under TP)
+OUTPUT_HEAD_FQNS = ("output", "lm_head")
 FLOAT8_DIM_MULTIPLE = 16  # a float8 matmul's dims must be multiples of 16 (torchtitan's filter skips the rest)
 MAX_FILTER_FQNS = 1_000
 
@@ -49,7 +52,7 @@ class Float8:
     recipe: Float8Recipe = Float8Recipe.TENSORWISE
     fsdp_float8_all_gather: bool = True
     precompute_scale: bool = True
-    filter_fqns: tuple[str, ...] = TITAN_FILTER_FQNS
+    filter_fqns: tuple[str, ...] = OUTPUT_HEAD_FQNS
     tp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
@@ -69,8 +72,8 @@ class Float8:
     @classmethod
     def named(cls, recipe: str, all_gather: bool | None = None, tp_all_gather: bool = False) -> Float8:
         """``--float8 RECIPE``: the float8 all-gather with precomputed scales where the recipe allows it (as
-        torchtitan's published float8 runs), unless ``all_gather`` is False; torchtitan's output-head filter;
-        ``tp_all_gather``: torchao's float8 TP styles."""
+        torchtitan's published float8 runs), unless ``all_gather`` is False; the output head's filter
+        (``OUTPUT_HEAD_FQNS``); ``tp_all_gather``: torchao's float8 TP styles."""
         r = Float8Recipe(recipe)
         gather = r is Float8Recipe.TENSORWISE if all_gather is None else all_gather
         return cls(r, gather, gather, tp_float8_all_gather=tp_all_gather)
@@ -108,7 +111,7 @@ def float8_from_dict(data: Any) -> Float8 | None:
         raise PlannerError(f"plan 'float8.recipe' must be one of {', '.join(FLOAT8_RECIPES)}, got {shown_json(recipe)}")
     gather = data.get("fsdp_float8_all_gather", recipe == Float8Recipe.TENSORWISE.value)
     precompute = data.get("precompute_scale", gather)
-    fqns = data.get("filter_fqns", list(TITAN_FILTER_FQNS))
+    fqns = data.get("filter_fqns", list(OUTPUT_HEAD_FQNS))
     tp = data.get("tp_float8_all_gather", False)
     for key, value in (("fsdp_float8_all_gather", gather), ("precompute_scale", precompute),
                        ("tp_float8_all_gather", tp)):

@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
 from fsdp_planner.planners.expert_parallel import ep_note, expert_modules
-from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
+from fsdp_planner.planners.tensor_parallel import check_float8_scales, check_layout, plan_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
@@ -118,6 +118,7 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
     if tp is None or tp.degree == 1:
         return
     check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))
+    check_float8_scales(tr, tp, plan.float8)
     if all(s in LOCAL_STYLES for s in tp.layout.values()):
         check_local_shapes(model, tp, plan_file=True)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
@@ -39,7 +40,9 @@ from fsdp_planner.planners.expert_parallel import (
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.planners.tensor_parallel import (
     PAIRS,
+    Layout,
     TPChoice,
+    check_float8_scales,
     check_layout,
     sharded_share,
     tp_degrees,
@@ -302,12 +305,31 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
     if request.tp is None and request.mesh is None and request.target is Target.FSDP2:
         batch = model.workload().get("batch_size")
         layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp) if batch else []
+        layouts = _with_float8_scales(tr, layouts, options.float8, reporter)
         return tuple(TPChoice(x.tp, None if x.tp.degree == 1 else
                               tracer(dataclasses.replace(model, batch_size=batch * x.tp.degree), options))
                      for x in layouts) if len(layouts) > 1 else ()
     if request.tp is None or request.tp == 1:
         return ()
-    return (TPChoice(requested_layout(tr, request, model, cluster, reporter)),)
+    layout = requested_layout(tr, request, model, cluster, reporter)
+    check_float8_scales(tr, layout, options.float8)
+    return (TPChoice(layout),)
+
+
+def _with_float8_scales(tr: Trace, layouts: list[Layout], f8: Float8 | None, reporter: Reporter) -> list[Layout]:
+    """The layouts whose converted Linears float8's precomputed scales can stack (``check_float8_scales``); the
+    others named in a note."""
+    kept, left = [], []
+    for x in layouts:
+        try:
+            check_float8_scales(tr, x.tp, f8)
+            kept.append(x)
+        except PlannerError as e:
+            left.append(f"TP {x.tp.degree}")
+            why = str(e)
+    if left:
+        reporter.note(f"auto leaves out {', '.join(left)}: {why}")
+    return kept
 
 
 LITTLE_SHARDED = 0.5  # a --tp layout sharding less of the params than this is named as such
