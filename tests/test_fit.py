@@ -196,6 +196,25 @@ def test_check_answers_are_simulates_figures(capsys):
     assert f"{fmt_time(hsdp)} a step against {fmt_time(fp32)}" in info["hsdp"]
 
 
+@pytest.mark.integration  # ~20 s: Llama 3 8B, where float8's eager casts cost more than its matmuls save
+def test_check_answers_a_tp_plan_over_its_data_parallel_ranks(capsys):
+    """Under TP 2 on 16 GPUs the HSDP question is about the 8 data-parallel ranks (it compared "pure FSDP (1x16)"
+    with "HSDP 1x8" at the same step); a float8 plan that bf16 beats is told to drop float8 (it read "bf16 is as
+    fast here" where bf16 was 44% faster)."""
+    from fsdp_planner.fmt import fmt_time
+
+    findings = run_json(capsys, "check", "llama3-8b", "--policy", "titan", "--tp", "2", "--cluster", "h100:16",
+                        "--float8", "tensorwise")
+    info = {f["code"]: f for f in findings if f["severity"] == "info"}
+    assert "HSDP 2x4 x TP 2 instead of 1x8 x TP 2" in info["hsdp"]["message"]
+    sim = ("simulate", "llama3-8b", "--policy", "titan", "--tp", "2", "--cluster", "h100:16", "--float8", "tensorwise")
+    hsdp, now = run_json(capsys, *sim, "--mesh", "2x4")["step_time"], run_json(capsys, *sim)["step_time"]
+    assert f"{fmt_time(hsdp)} a step against {fmt_time(now)}" in info["hsdp"]["message"]
+    bf16 = run_json(capsys, *sim[:-2])["step_time"]
+    assert bf16 < now * 0.99 and info["float8"]["fix"].startswith("drop float8: bf16 is faster here")
+    assert "reshard_after_forward=4 " in info["reshard-to-node"]["message"]  # the node's 4 data-parallel ranks
+
+
 def test_batch_with_find_batch_is_said_to_have_no_effect(capsys) -> None:
     """--find batch searches the batch from 1: a --batch given beside it is said, never silently ignored."""
     from fsdp_planner.cli import build_parser

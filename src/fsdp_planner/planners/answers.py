@@ -32,6 +32,7 @@ from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.float8 import converted_linears
 from fsdp_planner.sim.options import SimOptions, plan_options, with_reduce_dtype
 from fsdp_planner.sim.simulate import StepReport, simulate
+from fsdp_planner.sim.tensor_parallel import dp_cluster
 from fsdp_planner.trace.records import Trace
 
 NEGLIGIBLE = 0.01  # a step time difference below this fraction is reported as not worth a change
@@ -81,6 +82,18 @@ def _over_budget(base: StepReport, other: StepReport, budget: MemoryBudget) -> b
     return other.step_time < base.step_time * (1 - NEGLIGIBLE) and not budget.fits(other.reserved_memory)
 
 
+def _without_fix(base: StepReport, alt: StepReport, budget: MemoryBudget, feature: str, other: str,
+                 hint: str = "") -> str:
+    """The fix for a plan with ``feature`` against ``alt``, the same plan with ``other`` instead."""
+    if alt.step_time >= base.step_time * (1 + NEGLIGIBLE):
+        return f"keep {feature}: {other} costs that much"
+    if alt.step_time > base.step_time * (1 - NEGLIGIBLE):
+        return f"{other} is as fast here: {feature} buys nothing on this job"
+    if not budget.fits(alt.reserved_memory) and budget.fits(base.reserved_memory):
+        return f"keep {feature}: {other} is faster, but over the {fmt_bytes(budget.limit)} budget"
+    return f"drop {feature}: {other} is faster here" + hint
+
+
 def _reduce_dtype(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
                   budget: MemoryBudget) -> Finding | None:
     """The step with grads reduced in the other dtype (fp32 <-> bf16); none for a precision that computes in
@@ -109,30 +122,40 @@ def _reduce_dtype(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
 
 def _hsdp(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
           budget: MemoryBudget) -> Finding | None:
-    """The plan's grouping on the best HSDP layout against pure FSDP (or, for an HSDP plan, the reverse)."""
-    world = cluster.world_size
-    layouts = [m for m in candidate_meshes(cluster, Target.FSDP2) if m != plan.layout(world)]
-    on = {m: dataclasses.replace(plan, mesh=None if m == Mesh.flat(world) else m) for m in layouts}
+    """The plan's grouping on the best HSDP layout against pure FSDP (or, for an HSDP plan, the reverse); under TP,
+    layouts of the data-parallel ranks TP leaves (its groups stay inside a node: ``dp_cluster``)."""
+    dp = _data_parallel(plan, cluster)
+    now = plan.layout(cluster.world_size)
+    layouts = [m for m in candidate_meshes(dp, Target.FSDP2) if m != now]
+    on = {m: dataclasses.replace(plan, mesh=None if m == Mesh.flat(dp.world_size) else m) for m in layouts}
     tried = [(m, r) for m in layouts if (r := _step(tr, on[m], cluster, options)) is not None]
     if not tried:
         return None
     mesh, best = min(tried, key=lambda t: (not budget.fits(t[1].reserved_memory), t[1].step_time))
-    now = plan.layout(world).describe()
-    what = f"this grouping as HSDP {mesh.describe()} instead of {now}: {_versus(base, best, budget)}"
+    tp = f" x TP {plan.tp_degree}" if plan.tp_degree > 1 else ""
+    what = f"this grouping as HSDP {mesh.describe()}{tp} instead of {now.describe()}{tp}: {_versus(base, best, budget)}"
     if mesh.replicate == 1:
-        what = f"this grouping as pure FSDP ({mesh.describe()}) instead of HSDP {now}: {_versus(base, best, budget)}"
+        what = (f"this grouping as pure FSDP ({mesh.describe()}{tp}) instead of HSDP {now.describe()}{tp}: "
+                f"{_versus(base, best, budget)}")
     fix = (f"use the {mesh.describe()} layout (--mesh {mesh.describe()}, init_device_mesh(..., "
-           f"({mesh.replicate}, {mesh.shard}))) " if _pays(base, best, budget)
-           else f"keep {now}: {mesh.describe()} is faster, but over the {fmt_bytes(budget.limit)} budget"
-           if _over_budget(base, best, budget) else f"keep {now}: no other layout pays on {cluster.name}")
+           f"({mesh.replicate}, {mesh.shard}{', ' + str(plan.tp_degree) if tp else ''}))) "
+           if _pays(base, best, budget)
+           else f"keep {now.describe()}{tp}: {mesh.describe()}{tp} is faster, but over the "
+           f"{fmt_bytes(budget.limit)} budget" if _over_budget(base, best, budget)
+           else f"keep {now.describe()}{tp}: no other layout pays on {cluster.name}")
     return Finding(Severity.INFO, Code.HSDP_PAYS, what, fix.strip())
+
+
+def _data_parallel(plan: Plan, cluster: Cluster) -> Cluster:
+    """The cluster as the plan's data-parallel ranks see it: under TP, a node holds gpus_per_node / TP of them."""
+    return dp_cluster(cluster, plan.tp_degree) if plan.tp_degree > 1 else cluster
 
 
 def _reshard_to_node(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
                      budget: MemoryBudget) -> Finding | None:
     """The groups that reshard fully after forward resharding to the node instead (an int
     ``reshard_after_forward``); only where the node divides the shard group and is smaller than it."""
-    node, shard = cluster.gpus_per_node, plan.shard_size(cluster.world_size)
+    node, shard = _data_parallel(plan, cluster).gpus_per_node, plan.shard_size(cluster.world_size)
     if shard <= node or shard % node:
         return None
     # the root's params are resharded after backward only (FSDP2 keeps them)
@@ -175,8 +198,8 @@ def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
                + ("" if tr.compiled else " (its casts run unfused in eager: compare it with --compile)"))
     else:
         what = f"the same plan without float8 training (bf16 matmuls): {_versus(base, alt, budget)}"
-        fix = ("keep float8: bf16 costs that much" if alt.step_time >= base.step_time * (1 - NEGLIGIBLE)
-               else "bf16 is as fast here: float8 buys nothing on this job")
+        fix = _without_fix(base, alt, budget, "float8", "bf16",
+                           "" if tr.compiled else " (float8's casts run unfused in eager: compare it with --compile)")
     return Finding(Severity.INFO, Code.FLOAT8_PAYS, what, fix)
 
 
@@ -196,6 +219,5 @@ def compile_answer(other: Trace, plan: Plan, cluster: Cluster, options: SimOptio
                if alt.step_time <= base.step_time * (1 + NEGLIGIBLE) else "keep eager: compiling is slower here")
     else:
         what = f"the same plan in eager mode (no torch.compile): {_versus(base, alt, budget)}"
-        fix = ("keep compiling: eager costs that much" if alt.step_time >= base.step_time * (1 - NEGLIGIBLE)
-               else "eager is as fast here: compiling buys nothing on this job")
+        fix = _without_fix(base, alt, budget, "compiling", "eager")
     return Finding(Severity.INFO, Code.COMPILE_PAYS, what, fix)
