@@ -578,6 +578,25 @@ def test_a_toml_s_float8_under_tp_gathers_in_float8_and_a_registry_s_in_bf16() -
     assert (registry.float8, registry.tp, registry.float8_tp_all_gather) == ("tensorwise", 8, False)
 
 
+def test_a_toml_s_float8_tp_all_gathers_turn_off_on_the_command_line(tmp_path, capsys) -> None:
+    """The TOML's float8 TP styles are a reading of its time, not a key: --no-float8-tp-all-gather gathers TP's
+    activations in bf16 (twice the bytes), and without float8 it is refused as a float8 setting."""
+    toml = tmp_path / "tp_float8.toml"
+    toml.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["float8"]\n[float8]\n'
+                    'enable_fsdp_float8_all_gather = true\nprecompute_float8_dynamic_scale_for_fsdp = true\n'
+                    '[training]\nlocal_batch_size = 2\nseq_len = 256\n[parallelism]\n'
+                    'data_parallel_shard_degree = 4\ntensor_parallel_degree = 2\n')
+    job = ["simulate", "toy-llama", "--from-torchtitan", str(toml), "--cluster", "h100:8", "--json"]
+    gathered = []
+    for extra in ([], ["--no-float8-tp-all-gather"]):
+        assert main([*job, *extra]) == 0
+        gathered.append(json.loads(capsys.readouterr().out)["tp_all_gather_bytes"])
+    assert gathered[1] > gathered[0] > 0
+    assert main(["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8",
+                 "--no-float8-tp-all-gather"]) == 2
+    assert "--no-float8-tp-all-gather is a setting of float8 training" in capsys.readouterr().err
+
+
 def test_a_toml_s_rowwise_float8_simulates(tmp_path) -> None:
     """A rowwise float8 TOML (its all-gather key off, as rowwise must) reads as --float8 rowwise: the key was
     given as --no-float8-all-gather, which rowwise refuses on the command line."""

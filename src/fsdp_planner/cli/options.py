@@ -236,12 +236,15 @@ def add_float8_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--no-float8-all-gather", dest="float8_all_gather", action="store_false", default=None,
                     help="with --float8 tensorwise: all-gather the converted weights in bf16 and cast them in "
                          "forward (torchtitan's enable_fsdp_float8_all_gather false)")
-    sp.add_argument("--float8-tp-all-gather", dest="float8_tp_all_gather", action="store_true",
+    sp.add_argument("--float8-tp-all-gather", dest="float8_tp_all_gather", action="store_true", default=None,
                     help="with --float8 tensorwise and --tp (or auto's TP): torchao's float8 TP styles "
                          "(Float8ColwiseParallel, "
                          "Float8RowwiseParallel, PrepareFloat8ModuleInput) cast each sequence-sharded activation "
                          "to float8 before its all-gather, one byte an element; torchtitan ran them with tensorwise "
                          "float8 under TP until April 2026 (its published 2-D runs), not since")
+    sp.add_argument("--no-float8-tp-all-gather", dest="float8_tp_all_gather", action="store_false",
+                    help="TP's activations all-gathered in bf16 (the default; turns off a torchtitan TOML's float8 "
+                         "under TP, which is read as torchtitan ran it then: with the float8 TP styles)")
 
 
 def add_no_offload(sp: argparse.ArgumentParser) -> None:

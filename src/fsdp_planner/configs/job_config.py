@@ -328,8 +328,8 @@ def _titan_float8_tp(cfg: JobConfig) -> None:
         return
     cfg.float8_tp_all_gather = True
     cfg.notes.append("tensorwise float8 under TP is read as torchtitan ran TOML jobs: TP's activations all-gathered "
-                     "in float8 by torchao's float8 TP styles (--float8-tp-all-gather; torchtitan's registry jobs "
-                     "since April 2026 gather them in bf16)")
+                     "in float8 by torchao's float8 TP styles (--float8-tp-all-gather; --no-float8-tp-all-gather "
+                     "gathers them in bf16, as torchtitan's registry jobs since April 2026)")
 
 
 def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:

@@ -270,9 +270,9 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
         if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)
             m.given("float8_all_gather", cfg.float8_all_gather, "enable_fsdp_float8_all_gather")
-        if cfg.float8_tp_all_gather:
-            m.given("float8_tp_all_gather", True, "float8 under TP in a TOML (torchao's float8 TP styles)",
-                    default=False)
+        if cfg.float8_tp_all_gather and m.values["float8_tp_all_gather"] is not False:  # (a reading of the
+            # TOML's time, not a key of it: --no-float8-tp-all-gather turns it off)
+            m.values["float8_tp_all_gather"] = True
     elif cfg.kind == TORCHTITAN and m.values["float8"] is not None:
         raise PlannerError(f"--float8 {shown_json(m.values['float8'])} contradicts torchtitan config "
                            f"{shown_json(cfg.path)}, whose model has no float8 converter: drop --float8, or add "

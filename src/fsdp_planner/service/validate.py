@@ -103,7 +103,8 @@ class Keywords:
     compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
     float8: object = None  # float8 training's recipe (command line: --float8); None: none
     float8_all_gather: object = None  # with float8: FSDP2's float8 all-gather (None: the recipe's default)
-    float8_tp_all_gather: object = False  # with float8 tensorwise and TP: torchao's float8 TP styles
+    float8_tp_all_gather: object = None  # with float8 tensorwise and TP: torchao's float8 TP styles (None: off, or
+    # a torchtitan TOML's reading)
     gradient_sync: object = None
     mfu: object = None
     zero_grad: object = ZeroGrad.NONE.value
@@ -365,9 +366,11 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
     """Float8 training: the recipe, and FSDP2's float8 all-gather where the recipe allows it (``Float8.named``)."""
     gather = flag(kw.float8_all_gather, "float8_all_gather", spell) if kw.float8_all_gather is not None else None
     if kw.float8 is None:
-        if kw.float8_tp_all_gather:
-            raise PlannerError(f"{spell.name_of('float8_tp_all_gather')} is a setting of float8 training: give "
-                               f"{spell.name_of('float8')} tensorwise too")
+        if kw.float8_tp_all_gather is not None:
+            given = spell.given("float8_tp_all_gather", kw.float8_tp_all_gather) if spell is Spelling.API \
+                else "--float8-tp-all-gather" if kw.float8_tp_all_gather else "--no-float8-tp-all-gather"
+            raise PlannerError(f"{given} is a setting of float8 training: give {spell.name_of('float8')} tensorwise "
+                               "too")
         if gather is not None:
             given = "--no-float8-all-gather" if spell is Spelling.CLI else spell.given("float8_all_gather", gather)
             raise PlannerError(f"{given} is a setting of float8 training: give {spell.name_of('float8')} tensorwise "
@@ -386,7 +389,7 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
 
 def _float8_tp(kw: Keywords, spell: Spelling, recipe: Float8Recipe) -> bool:
     """``--float8-tp-all-gather``: TP's activation all-gathers in float8, with tensorwise float8 and TP only."""
-    if not flag(kw.float8_tp_all_gather, "float8_tp_all_gather", spell):
+    if kw.float8_tp_all_gather is None or not flag(kw.float8_tp_all_gather, "float8_tp_all_gather", spell):
         return False
     on = spell.name_of("float8_tp_all_gather")
     if recipe is not Float8Recipe.TENSORWISE:
