@@ -239,6 +239,20 @@ def test_precomputed_scales_under_tp_refuse_a_converted_linear_tp_leaves_whole(t
         check_float8_scales(tr, tp, Float8(filter_fqns=()))
 
 
+def test_float8_tp_all_gathers_on_a_layout_without_sequence_parallelism_are_said_to_move_only_casts(
+        tmp_path, capsys) -> None:
+    """transformers' TP plans have no sequence parallelism: nothing is all-gathered for the flag to halve."""
+    from fsdp_planner.cli import main
+
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(_TINY_HF_LLAMA))
+    assert main(["simulate", f"hf:{config}", "--seq", "32", "--batch", "4", "--policy", "titan", "--tp", "2",
+                 "--float8", "tensorwise", "--float8-tp-all-gather", "--cluster", "h100:8", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tp_all_gathers"] == 0
+    assert "this --tp 2 layout has none (its collectives are all-reduces, which stay bf16)" in err
+
+
 # torchao's float8 TP styles (``Float8.tp_float8_all_gather``): a non-sequence-parallel layout of the same Linears
 _PLAIN_TP = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
              "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",

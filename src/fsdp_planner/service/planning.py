@@ -311,9 +311,7 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
                      for x in layouts) if len(layouts) > 1 else ()
     if request.tp is None or request.tp == 1:
         return ()
-    layout = requested_layout(tr, request, model, cluster, reporter)
-    check_float8_scales(tr, layout, options.float8)
-    return (TPChoice(layout),)
+    return (TPChoice(requested_layout(tr, request, model, cluster, reporter, options.float8)),)
 
 
 def _with_float8_scales(tr: Trace, layouts: list[Layout], f8: Float8 | None, reporter: Reporter) -> list[Layout]:
@@ -336,14 +334,15 @@ LITTLE_SHARDED = 0.5  # a --tp layout sharding less of the params than this is n
 
 
 def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cluster | None,
-                     reporter: Reporter) -> TensorParallel:
+                     reporter: Reporter, float8: Float8 | None = None) -> TensorParallel:
     """The layout of ``--tp``: from the first source that has one for this model (``planners/tensor_parallel.py``),
-    checked against the model and ``cluster``; a detected one's local shapes run (``check_local_shapes``); what it
-    assumed goes to the reporter."""
+    checked against the model, ``cluster`` and the job's ``float8`` (``check_float8_scales``); a detected one's
+    local shapes run (``check_local_shapes``); what it assumed goes to the reporter."""
     assert request.tp is not None
     layout = dataclasses.replace(tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp,
                                            request.ep or 1), named=request.tp_key)
     check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
+    check_float8_scales(tr, layout.tp, float8)
     if layout.source == PAIRS:
         check_local_shapes(spec, layout.tp)
     for line in layout.notes:
@@ -353,6 +352,11 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
         reporter.note(f"--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with the matmuls, "
                       f"and this --tp {request.tp} layout has none (its collectives are all-reduces): it changes "
                       "nothing here")
+    if float8 is not None and float8.tp_float8_all_gather and not layout.tp.sequence_parallel:
+        reporter.note(f"--float8-tp-all-gather casts sequence parallelism's all-gathers to float8, and this --tp "
+                      f"{request.tp} layout has none (its collectives are all-reduces, which stay bf16): only where "
+                      "the casts run changes (torchao's float8 styles cast each Linear's input and output grad in "
+                      "their hooks)")
     share = sharded_share(tr, layout.tp)
     if share < LITTLE_SHARDED and request.mesh is None:  # TP's collectives and a smaller data-parallel group
         # for little saved: worth saying (auto weighs no detected layout itself: Layout.checked)
@@ -392,13 +396,13 @@ def with_reshard(plan: Plan, rule: str) -> Plan:
 
 
 def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None,
-            reporter: Reporter = SILENT) -> Plan:
+            reporter: Reporter = SILENT, float8: Float8 | None = None) -> Plan:
     """``plan`` with the tensor parallelism ``request.tp`` asks for: the layout of the first source that has one
     for this model (``planners/tensor_parallel.py``), checked against the model and ``cluster``; what it assumed
     goes to the reporter. A plan that has TP already (a plan file's) keeps its own."""
     if plan.tensor_parallel is not None or request.tp is None or request.tp == 1:
         return plan
-    tp = requested_layout(tr, request, as_spec(model), cluster, reporter)
+    tp = requested_layout(tr, request, as_spec(model), cluster, reporter, float8)
     return plan.replace(tensor_parallel=tp, policy=f"{plan.policy}, {tp.describe()}")
 
 
@@ -423,7 +427,8 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: ModelSpec | str, clust
         if cluster is None:
             raise PlannerError("--policy auto plans for a cluster: add --cluster, e.g. --cluster h100:8")
         return fitting(search(tr, request, cluster, options or SimOptions(), model, reporter)).written_plan
-    plan = with_tp(make_policy(request).plan(tr, name), tr, request, model, cluster, reporter)
+    plan = with_tp(make_policy(request).plan(tr, name), tr, request, model, cluster, reporter,
+                   options.float8 if options else None)
     world = world or (cluster.world_size if cluster else None)
     if world is not None:
         check_plan_world_size(plan, world)
@@ -436,7 +441,8 @@ def grouping_to_check(tr: Trace, request: PolicyRequest, model: str, cluster: Cl
     grouping unchecked (a param it would read sharded is one of check's findings, not an error)."""
     if request.name is PolicyName.AUTO:
         return policy_plan(tr, request, model, cluster, options, reporter)
-    plan = with_tp(make_baseline(request).build(tr, model), tr, request, model, cluster, reporter)
+    plan = with_tp(make_baseline(request).build(tr, model), tr, request, model, cluster, reporter,
+                   options.float8 if options else None)
     return with_ep(plan, tr, request, cluster.world_size if cluster else None, model, reporter)
 
 
@@ -488,7 +494,8 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer, searched
 def _classic(tr: Trace, policy: PolicyRequest, job: PlanJob, reporter: Reporter) -> Plan:
     """A classic policy's plan; a PlannerError when the policy cannot take the requested settings or FSDP2 would
     fail on its plan (in a comparison, that policy is left out: it is no baseline)."""
-    plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter)
+    plan = with_tp(make_policy(policy).plan(tr, job.model.name), tr, policy, job.model, job.cluster, reporter,
+                   job.options.float8)
     # (its world size is checked where it is simulated)
     world = job.cluster.world_size if job.cluster else None
     return with_ep(with_reshard(stamped(plan, tr, world, job.options), job.reshard), tr, policy, world,
