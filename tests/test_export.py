@@ -360,6 +360,21 @@ def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_pat
     assert (cfg.float8, cfg.float8_all_gather) == ("tensorwise", True) and not cfg.notes
 
 
+def test_a_float8_plan_of_a_model_outside_torchtitan_says_its_job_has_no_converter(tmp_path, capsys) -> None:
+    """toy-llama is no torchtitan flavour: the job function names no model and no converter (parallelize()
+    converts), which read back was a bf16 job and refused --float8 ("whose model has no float8 converter")."""
+    from fsdp_planner.cli import main
+    from fsdp_planner.fsdp2.float8 import Float8
+
+    path, job = tmp_path / "p.json", tmp_path / "job.py"
+    path.write_text(_plan().replace(model="toy-llama", float8=Float8.named("tensorwise")).to_json())
+    assert main(["export", str(path), "--format", "torchtitan", "--out", str(job)]) == 0
+    assert "fsdp_planner_job() has no float8 converter" in capsys.readouterr().err
+    back = ["simulate", "toy-llama", "--from-torchtitan", f"{job}:fsdp_planner_job", "--cluster", "h100:8", "--json"]
+    assert main([*back, "--float8", "tensorwise"]) == 0
+    assert json.loads(capsys.readouterr().out)["float8_all_reduces"] == 1  # the precomputed scales' all-reduce
+
+
 def test_what_a_torchtitan_job_cannot_say_is_noted(tmp_path, capsys) -> None:
     """torchtitan's job keys run one setting for every block: a plan checkpointing one block of four, compiling one,
     resharding a group to 2 ranks or running under autocast is exported with a note for each, not silently as

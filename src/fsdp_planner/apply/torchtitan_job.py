@@ -88,6 +88,10 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
+    if plan.float8 is not None and plan.model not in FLAVORS:
+        out.append(f"the job names no torchtitan model for {plan.model or 'this model'}, so fsdp_planner_job() has no "
+                   "float8 converter (parallelize() converts the Linears itself): read back with --from-torchtitan, "
+                   "it is a bf16 job unless --float8 is given")
     if plan.float8 is not None and plan.float8.tp_float8_all_gather:
         out.append("the plan all-gathers TP's activations in float8 (torchao's float8 TP styles), which torchtitan "
                    "ran until April 2026 and not since (its config-based sharding is dtype-agnostic): the job "

@@ -273,7 +273,9 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
         if cfg.float8_tp_all_gather and m.values["float8_tp_all_gather"] is not False:  # (a reading of the
             # TOML's time, not a key of it: --no-float8-tp-all-gather turns it off)
             m.values["float8_tp_all_gather"] = True
-    elif cfg.kind == TORCHTITAN and m.values["float8"] is not None:
+    elif cfg.kind == TORCHTITAN and m.values["float8"] is not None and \
+            not (cfg.registry and cfg.keys.get("model.name") is None):  # (a registry job naming no model_spec,
+        # as the export's for a model of the user's, has no converter to contradict; a TOML's default has none)
         raise PlannerError(f"--float8 {shown_json(m.values['float8'])} contradicts torchtitan config "
                            f"{shown_json(cfg.path)}, whose model has no float8 converter: drop --float8, or add "
                            "the converter to the job")
