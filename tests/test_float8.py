@@ -253,6 +253,19 @@ def test_float8_tp_all_gathers_on_a_layout_without_sequence_parallelism_are_said
     assert "this --tp 2 layout has none (its collectives are all-reduces, which stay bf16)" in err
 
 
+def test_a_filter_name_in_no_linear_s_name_is_said(tmp_path, capsys) -> None:
+    from fsdp_planner.cli import main
+
+    _, plan, _ = _toy()
+    path = tmp_path / "p.json"
+    path.write_text(plan.replace(float8=Float8(filter_fqns=("outptu", "w2"))).to_json())
+    assert main(["simulate", "toy-llama", "--plan", str(path), "--cluster", "h100:8", "--json"]) == 0
+    assert 'filter_fqns ["outptu"] is in no Linear\'s name: filtering nothing' in capsys.readouterr().err
+    path.write_text(plan.replace(float8=TENSORWISE).to_json())  # the default: one of its two names is always idle
+    assert main(["simulate", "toy-llama", "--plan", str(path), "--cluster", "h100:8", "--json"]) == 0
+    assert "filter_fqns" not in capsys.readouterr().err
+
+
 # torchao's float8 TP styles (``Float8.tp_float8_all_gather``): a non-sequence-parallel layout of the same Linears
 _PLAIN_TP = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise",
              "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",

@@ -11,6 +11,7 @@ from torch import nn
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, short_list, with_claimed_params
 from fsdp_planner.fsdp2.expert_groups import check_expert_groups
+from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
@@ -38,6 +39,8 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         check_plan_world_size(plan, world)
     if (said := ep_note(plan, tr, as_spec(model))) is not None:
         note(said)
+    if (said := _filtering_nothing(plan, tr)) is not None:
+        note(said)
     asked = as_spec(model).attention or ""
     if plan.attention and plan.attention != asked:
         note(f"the plan was made for --attention {plan.attention} and this command traced "
@@ -51,6 +54,20 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
              f"{len(plan.compiled)}{' of them' if set(plan.compiled) < set(tr.compiled) else ''}: these figures are "
              "of every block compiled, not of the plan's job")
     return plan
+
+
+def _filtering_nothing(plan: Plan, tr: Trace) -> str | None:
+    """A note naming the float8 ``filter_fqns`` entries no Linear's name holds (a typo keeps nothing in bf16); the
+    default's two names (torchtitan's head and transformers') are never both there and go unsaid."""
+    f8 = plan.float8
+    if f8 is None or f8.filter_fqns == OUTPUT_HEAD_FQNS:
+        return None
+    linears = [name for name, m in tr.modules.items() if m.cls == "Linear"]
+    idle = [f for f in f8.filter_fqns if not any(f in name for name in linears)]
+    if not idle:
+        return None
+    return (f"plan float8.filter_fqns {shown_json(idle[:5])} {'is' if len(idle) == 1 else 'are'} in no Linear's "
+            "name: filtering nothing (a Linear is kept in bf16 when its name holds an entry, e.g. \"output\")")
 
 
 def checked_modules(plan: Plan) -> dict[str, nn.Module] | None:
