@@ -255,6 +255,26 @@ def _plan_file(tmp_path: Path, groups: list[list[str]], degree: int, layout: dic
     return str(path)
 
 
+def test_an_edited_plan_file_s_title_says_its_tp_as_it_is(tmp_path):
+    """A plan made with --tp 2 is titled "TP 2 (SP, loss parallel)": with loss parallel edited off (or TP taken
+    out) the tables kept the old title."""
+    from fsdp_planner.service.plan_files import load_plan
+
+    spec = ModelSpec("toy-llama")
+    tr = trace_spec(spec)
+    job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, cluster="h100:8"), Spelling.API)
+    made = plan_job(job, lambda spec, options: trace_spec(spec, options.precision)).plan
+    assert made is not None and made.policy.endswith(", TP 2 (SP, loss parallel)")
+    data = json.loads(made.to_json())
+    data["tensor_parallel"]["loss_parallel"] = False
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert load_plan(str(path), tr, spec, lambda line: None).policy == "titan(TransformerBlock), TP 2 (SP)"
+    del data["tensor_parallel"]
+    path.write_text(json.dumps(data))
+    assert load_plan(str(path), tr, spec, lambda line: None).policy == "titan(TransformerBlock)"
+
+
 def test_a_plan_files_degree_must_divide_the_heads(tmp_path):
     """A plan file's TP 4 on a Qwen3 of 6 heads and 2 kv heads is refused where the plan meets the model (load,
     check), as --tp 4 is, before DTensor's view fails on the ranks; TP 2 passes."""

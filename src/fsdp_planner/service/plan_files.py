@@ -4,6 +4,7 @@ tensor parallelism that divides what it shards)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from torch import nn
@@ -27,7 +28,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
     (what its EP leaves out; a plan made for another attention kernel); a hand-written one (module lists) gets its
     params derived."""
-    plan = with_claimed_params(Plan.load(path), tr)
+    plan = _titled(with_claimed_params(Plan.load(path), tr))
     check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
     check_plan_tp(plan, tr, as_spec(model))
@@ -54,6 +55,18 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
              f"{len(plan.compiled)}{' of them' if set(plan.compiled) < set(tr.compiled) else ''}: these figures are "
              "of every block compiled, not of the plan's job")
     return plan
+
+
+_TP_TITLE = re.compile(r", TP \d+(?: \([^)]*\))?")  # ``TensorParallel.describe()`` as ``with_tp`` appends it
+
+
+def _titled(plan: Plan) -> Plan:
+    """The plan with its policy's TP part as its TP is: an edited file (loss parallel off, another degree, TP
+    removed) kept the title its maker wrote ("TP 2 (SP, loss parallel)"), which every table then showed."""
+    tp = plan.tensor_parallel
+    now = f", {tp.describe()}" if tp is not None and tp.degree > 1 else ""
+    title = _TP_TITLE.sub(lambda _: now, plan.policy, count=1) if plan.policy else plan.policy
+    return plan if title == plan.policy else plan.replace(policy=title)
 
 
 def _filtering_nothing(plan: Plan, tr: Trace) -> str | None:
@@ -99,7 +112,7 @@ def checked_modules(plan: Plan) -> dict[str, nn.Module] | None:
 def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
     """The plan file as ``check`` reads it: params derived for a hand-written one and made for this model (the
     same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings."""
-    plan = with_claimed_params(Plan.load(path), tr)
+    plan = _titled(with_claimed_params(Plan.load(path), tr))
     check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
     check_plan_tp(plan, tr, as_spec(model))
