@@ -370,6 +370,8 @@ def test_a_float8_plan_of_a_model_outside_torchtitan_says_its_job_has_no_convert
     path.write_text(_plan().replace(model="toy-llama", float8=Float8.named("tensorwise")).to_json())
     assert main(["export", str(path), "--format", "torchtitan", "--out", str(job)]) == 0
     assert "fsdp_planner_job() has no float8 converter" in capsys.readouterr().err
+    assert main(["export", str(path), "--format", "torchtitan", "--out", str(job), "--force"]) == 0
+    assert "give --float8 tensorwise for the plan's figures" in capsys.readouterr().err
     back = ["simulate", "toy-llama", "--from-torchtitan", f"{job}:fsdp_planner_job", "--cluster", "h100:8", "--json"]
     assert main([*back, "--float8", "tensorwise"]) == 0
     assert json.loads(capsys.readouterr().out)["float8_all_reduces"] == 1  # the precomputed scales' all-reduce

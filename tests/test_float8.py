@@ -229,7 +229,8 @@ def test_a_converted_output_head_in_a_group_of_two_modules_is_exact_on_fake_rank
 def test_precomputed_scales_under_tp_refuse_a_converted_linear_tp_leaves_whole(tmp_path) -> None:
     """torchao's precompute stacks every converted weight's amax: a converted head off TP (transformers' plan
     leaves ``lm_head`` whole here) is on another mesh, and the real step raised inside DTensor."""
-    from fsdp_planner.planners.tensor_parallel import check_float8_scales, tp_layout
+    from fsdp_planner.planners.tensor_parallel import tp_layout
+    from fsdp_planner.sim.float8 import check_float8_scales
 
     spec, tr, _ = _tiny_hf(tmp_path)
     tp = tp_layout(tr, 2, spec).tp
@@ -237,6 +238,30 @@ def test_precomputed_scales_under_tp_refuse_a_converted_linear_tp_leaves_whole(t
     check_float8_scales(tr, tp, Float8(Float8Recipe.TENSORWISE, True, False, ()))  # scales at each all-gather
     with pytest.raises(PlannerError, match=r"TP leaves lm_head whole .* float8.filter_fqns"):
         check_float8_scales(tr, tp, Float8(filter_fqns=()))
+
+
+@pytest.mark.integration  # three small simulations of a transformers model: ~6 s
+def test_a_plan_file_s_converted_head_under_tp_is_refused_as_the_step_runs_it(tmp_path, capsys) -> None:
+    """The refusal judges the float8 the step runs: a plan file's, unless the command line gives its own (the
+    advice, --float8 tensorwise --no-float8-all-gather, was refused by the plan's own float8); the headline names
+    a plan file's float8."""
+    from fsdp_planner.cli import main
+
+    config, plan = tmp_path / "llama.json", tmp_path / "p.json"
+    config.write_text(json.dumps(_TINY_HF_LLAMA))
+    job = [f"hf:{config}", "--seq", "32", "--batch", "4", "--cluster", "h100:8"]
+    assert main(["plan", *job, "--policy", "titan", "--tp", "2", "--float8", "tensorwise", "--out", str(plan)]) == 0
+    data = json.loads(plan.read_text())
+    data["float8"]["filter_fqns"] = []
+    plan.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["simulate", *job, "--plan", str(plan)]) == 2
+    assert "TP leaves lm_head whole" in capsys.readouterr().err
+    assert main(["simulate", *job, "--plan", str(plan), "--float8", "tensorwise", "--no-float8-all-gather"]) == 0
+    data["float8"]["filter_fqns"] = ["output", "lm_head"]
+    plan.write_text(json.dumps(data))
+    assert main(["simulate", *job, "--plan", str(plan)]) == 0
+    assert "TP 2), float8 tensorwise, float8 all-gather (precomputed scales) on h100:8" in capsys.readouterr().out
 
 
 def test_float8_tp_all_gathers_on_a_layout_without_sequence_parallelism_are_said_to_move_only_casts(

@@ -88,14 +88,17 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
-    if plan.float8 is not None and plan.model not in FLAVORS:
+    f8 = plan.float8
+    if f8 is not None and plan.model not in FLAVORS:
+        flags = f"--float8 {f8.recipe.value}" + (" --float8-tp-all-gather" if f8.tp_float8_all_gather else "")
         out.append(f"the job names no torchtitan model for {plan.model or 'this model'}, so fsdp_planner_job() has no "
                    "float8 converter (parallelize() converts the Linears itself): read back with --from-torchtitan, "
-                   "it is a bf16 job unless --float8 is given")
-    if plan.float8 is not None and plan.float8.tp_float8_all_gather:
-        out.append("the plan all-gathers TP's activations in float8 (torchao's float8 TP styles), which torchtitan "
-                   "ran until April 2026 and not since (its config-based sharding is dtype-agnostic): the job "
-                   "gathers them in bf16")
+                   f"it is a bf16 job; give {flags} for the plan's figures")
+    if f8 is not None and f8.tp_float8_all_gather:
+        out.append("the plan all-gathers TP's activations in float8 (torchao's float8 TP styles): parallelize() here "
+                   "applies them, but fsdp_planner_job()'s torchtitan config cannot say it (torchtitan's TP has no "
+                   "float8 styles since April 2026: run as that job, TP gathers bf16; read back, give "
+                   "--float8-tp-all-gather for the plan's figures)")
     if precision.autocast:
         out.append("the plan runs under autocast, which torchtitan's job has no key for: it runs FSDP2's mixed "
                    "precision (params cast to bf16 for compute)")

@@ -184,10 +184,12 @@ POLICY_WORD = 24  # the widest a policy column grows to keep one word of a name 
 
 
 def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepReport | None]],
-                     budget: MemoryBudget | None = None, dtype: str = "own dtypes") -> Table:
+                     budget: MemoryBudget | None = None, dtype: str = "own dtypes", float8_gather: bool = False
+                     ) -> Table:
     """Policies side by side; step time, exposed communication, peak allocated and reserved memory (reserved
     marked over the ``budget``) and the margin below the budget when simulated on a cluster. The metrics' byte
-    columns are all in one ``dtype`` (``metrics_dtype``), which the caption under them names. Simulated, the table
+    columns are all in one ``dtype`` (``metrics_dtype``), which the caption under them names (``float8_gather``:
+    the simulated AG bytes gather the float8 Linears' weights in float8). Simulated, the table
     keeps to 120 columns: the root's params, the collective counts and the idle bytes are left to ``simulate``."""
     with_cost = any(report for _, _, report in rows)
     t = Table(title=title, title_justify="left")
@@ -224,6 +226,8 @@ def comparison_table(title: str, rows: Sequence[tuple[Plan, PlanMetrics, StepRep
         t.caption = (f"AG bytes and unsharded in {dtype} (the simulated precision, as in the memory breakdown): what "
                      "one rank's all-gathers return a step and the most params held unsharded at once; allocated: the "
                      "peak of live tensors, reserved: what the caching allocator holds at it")
+        if float8_gather:
+            t.caption += "; AG bytes gather the float8 Linears' weights in float8 (FSDP2's float8 all-gather)"
     else:
         t.caption = (f"AG bytes, peak unsharded and idle (avg) in {dtype}: what one rank's all-gathers return a "
                      "step, the most params held unsharded at once, and unsharded bytes not being read, averaged "

@@ -97,7 +97,8 @@ def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans
     for (label, r), (_, p) in zip(reports, plans, strict=True):
         # what changes the step beyond the grouping: compiled blocks, float8 matmuls
         label += ", blocks compiled" if model_spec(args).compile else ""
-        label += f", {options.float8.describe()}" if options.float8 else ""
+        float8 = options.float8 or p.float8  # the command line's, or the plan file's own (plan_options)
+        label += f", {float8.describe()}" if float8 else ""
         for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches,
                                                             options.gradient_sync), label,
                                       cluster, r, bool(p.activation_offloading)):

@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
-from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.tensor_parallel import (
     WEIGHT_STYLES,
     TensorParallel,
@@ -24,7 +23,6 @@ from fsdp_planner.fsdp2.tensor_parallel import (
 )
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf, llama, moe
-from fsdp_planner.sim.float8 import converted_linears
 from fsdp_planner.trace.events import ATTENTION_KERNELS, EventKind
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
@@ -433,24 +431,6 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
     _check_embeddings(trace, tp)
     _check_rowwise_inputs(trace, tp)
     _check_colwise_outputs(trace, tp)
-
-
-def check_float8_scales(trace: Trace, tp: TensorParallel | None, f8: Float8 | None) -> None:
-    """Refuse float8's precomputed scales under TP when a converted Linear is left whole over TP: torchao's
-    ``precompute_float8_dynamic_scale_for_fsdp`` stacks every converted weight's amax in one DTensor op, and that
-    weight lives on the data-parallel mesh alone, the others on the 2-D mesh (measured on the fake process group:
-    "All operands in aten.stack.default must have the same mesh")."""
-    if f8 is None or not f8.precompute_scale or tp is None or tp.degree == 1:
-        return
-    styled = tp.styles(trace.modules)
-    whole = [name for name in converted_linears(trace, f8) if name not in styled]
-    if whole:
-        them = "it" if len(whole) == 1 else "them"
-        raise PlannerError(f"float8's precomputed scales need every converted Linear under TP, and TP leaves "
-                           f"{', '.join(whole[:5])}{' ...' if len(whole) > 5 else ''} whole (torchao's precompute "
-                           f"stacks their scales over two meshes): add {them} to the plan's float8.filter_fqns "
-                           "(kept in bf16), or turn the precomputed scales off (the plan's float8.precompute_scale "
-                           "false; --no-float8-all-gather on the command line)")
 
 
 _ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)

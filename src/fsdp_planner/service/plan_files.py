@@ -17,7 +17,7 @@ from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
 from fsdp_planner.planners.expert_parallel import ep_note, expert_modules
-from fsdp_planner.planners.tensor_parallel import check_float8_scales, check_layout, plan_layout
+from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
@@ -29,6 +29,8 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     (what its EP leaves out; a plan made for another attention kernel); a hand-written one (module lists) gets its
     params derived."""
     plan = _titled(with_claimed_params(Plan.load(path), tr))
+    if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
+        note(said)
     check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
     check_plan_tp(plan, tr, as_spec(model))
@@ -39,8 +41,6 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
     if world is not None:
         check_plan_world_size(plan, world)
     if (said := ep_note(plan, tr, as_spec(model))) is not None:
-        note(said)
-    if (said := _filtering_nothing(plan, tr)) is not None:
         note(said)
     asked = as_spec(model).attention or ""
     if plan.attention and plan.attention != asked:
@@ -148,7 +148,6 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
     if tp is None or tp.degree == 1:
         return
     check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))
-    check_float8_scales(tr, tp, plan.float8)
     if all(s in LOCAL_STYLES for s in tp.layout.values()):
         check_local_shapes(model, tp, plan_file=True)
 

@@ -42,7 +42,6 @@ from fsdp_planner.planners.tensor_parallel import (
     PAIRS,
     Layout,
     TPChoice,
-    check_float8_scales,
     check_layout,
     sharded_share,
     tp_degrees,
@@ -53,6 +52,7 @@ from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, sum
 from fsdp_planner.service.tracing import check_local_shapes, trace_spec
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.expert_parallel import ep_view
+from fsdp_planner.sim.float8 import check_float8_scales
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate

@@ -103,6 +103,24 @@ def converted_linears(trace: Trace, f8: Float8) -> dict[str, int]:
     return out
 
 
+def check_float8_scales(trace: Trace, tp: TensorParallel | None, f8: Float8 | None) -> None:
+    """Refuse float8's precomputed scales under TP when a converted Linear is left whole over TP: torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp`` stacks every converted weight's amax in one DTensor op, and that
+    weight lives on the data-parallel mesh alone, the others on the 2-D mesh (measured on the fake process group:
+    "All operands in aten.stack.default must have the same mesh")."""
+    if f8 is None or not f8.precompute_scale or tp is None or tp.degree == 1:
+        return
+    styled = tp.styles(trace.modules)
+    whole = [name for name in converted_linears(trace, f8) if name not in styled]
+    if whole:
+        them = "it" if len(whole) == 1 else "them"
+        raise PlannerError(f"float8's precomputed scales need every converted Linear under TP, and TP leaves "
+                           f"{', '.join(whole[:5])}{' ...' if len(whole) > 5 else ''} whole (torchao's precompute "
+                           f"stacks their scales over two meshes): add {them} to the plan's float8.filter_fqns "
+                           "(kept in bf16), or turn the precomputed scales off (the plan's float8.precompute_scale "
+                           "false; on the command line --float8 tensorwise --no-float8-all-gather)")
+
+
 def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, int]]:
     """(event, weight) of each matmul of a converted Linear: its forward and input-grad matmuls read the weight
     (``Event.params``); its weight-grad matmul reads none and runs just before the input-grad one in backward,

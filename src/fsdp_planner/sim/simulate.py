@@ -36,7 +36,7 @@ from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.context import SimContext, collective_bytes
 from fsdp_planner.sim.expert_parallel import ep_collectives, ep_positions, ep_view
-from fsdp_planner.sim.float8 import TP_AMAX_BYTES, scale_all_reduces
+from fsdp_planner.sim.float8 import TP_AMAX_BYTES, check_float8_scales, scale_all_reduces
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
 from fsdp_planner.sim.options import SimOptions, plan_options
@@ -188,6 +188,7 @@ def _tensor_parallel(trace: Trace, plan: Plan, cluster: Cluster | None, context:
         return trace, data_parallel_plan(plan, dp_world * tp.degree), cluster
     if cluster is None or context is not None:
         raise ValueError("a plan with tensor parallelism needs the cluster (or a context of its TP view)")
+    check_float8_scales(trace, tp, float8)  # the float8 the step runs: a plan file's, or the command line's
     view = tp_view(trace, tp, cluster, float8)
     return view.trace, view.plan(plan), view.cluster
 
