@@ -73,7 +73,7 @@ def test_transformers_plan_for_hf_models():
 def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_path):
     """GraniteSWA's plan shards each attention's sinks (one per head, a param, no module) colwise with its heads:
     the planner shards modules, so it refuses rather than leave the sinks whole beside 1/TP of the heads; a
-    Qwen3-MoE's experts params are whole with their module (left whole, named in a note)."""
+    Qwen3-MoE's packed experts take transformers' moe_tp_experts."""
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "granite_swa", "hidden_size": 64, "intermediate_size": 128, '
                       '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}')
@@ -86,7 +86,8 @@ def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_pat
                    '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}')
     spec = ModelSpec(f"hf:{moe}", batch_size=2, seq_len=16)
     layout = tp_layout(trace_spec(spec), 2, spec)
-    assert any("mlp.experts (moe_tp_experts)" in n for n in layout.notes)
+    assert TPStyle.MOE_TP_EXPERTS in layout.tp.layout.values()  # (was left whole: tests/test_moe_tp_hf.py)
+    assert not any("experts" in n for n in layout.notes)
 
 
 def test_torchtitan_layout_found_by_the_trace_not_the_name():

@@ -9,6 +9,7 @@ import contextlib
 import inspect
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from fsdp_planner.apply.float8 import float8_module
@@ -20,6 +21,7 @@ from fsdp_planner.fsdp2.tensor_parallel import (
     check_moe_styles,
     expert_tensor_dim,
     float8_styled,
+    moe_tp_expert_dim,
 )
 
 DP_DIMS = ("dp_replicate", "dp_shard")  # the data-parallel dims of the mesh, outermost first
@@ -72,7 +74,8 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: 
 
 # the MoE styles (torchtitan's own, no torch style stands for them): applied with ``distribute_module`` here, the
 # experts' token split by EP's dispatch and combine (apply/expert_parallel.py)
-MOE_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR)
+MOE_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR,
+              TPStyle.MOE_TP_EXPERTS)
 
 
 def float8_styles() -> tuple[Any, Any, Any]:
@@ -169,6 +172,50 @@ def _experts_out(module: nn.Module, out: Any, mesh: Any) -> Any:
     return out.to_local(grad_placements=[Replicate()])
 
 
+def _shard_packed(name: str, module: nn.Module, mesh: Any) -> None:
+    """transformers' packed experts' params over TP (``MOE_TP_EXPERT_DIMS``): gate and up each split, so a rank's
+    local gate_up_proj is its gate units then its up units, as the forward's ``chunk(2)`` reads them."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for pname, p in list(module.named_parameters(recurse=False)):
+        dim, split = moe_tp_expert_dim(pname)
+        placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+        module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [placement]),
+                                                      requires_grad=p.requires_grad))
+
+
+class _LocalExperts:
+    """transformers' ``moe_tp_experts`` as forward hooks: the experts run on their params' local shards (swapped
+    in before, the DTensors back after: FSDP2 unshards them before and frees them after) and on the replicated
+    hidden states and routing weights, whose grads come back partial and are all-reduced; the partial output is
+    all-reduced."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, dict[str, Any]] = {}
+
+    def inputs(self, module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        dtensors = {n: p for n, p in module._parameters.items() if isinstance(p, DTensor)}
+        self.held[id(module)] = dtensors
+        for n, p in dtensors.items():
+            module._parameters[n] = p.to_local()  # (a view of the unsharded param: its grad flows back to it)
+
+        def replicated(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                return x
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+        return tuple(replicated(x) for x in inputs)
+
+    def output(self, module: nn.Module, out: Any, mesh: Any) -> Any:
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        module._parameters.update(self.held.pop(id(module), {}))
+        return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+
 def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None:
     """The layout's MoE layers and router gates over ``tp_mesh`` (``MOE_STYLES``; their params replicated), the
     experts' hidden units sharded first where the layout says so (``EXPERT_TENSOR``)."""
@@ -176,9 +223,12 @@ def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None
 
     modules = dict(model.named_modules())
     styles = tp.styles(modules)
+    local = _LocalExperts()
     for name, style in styles.items():
         if style is TPStyle.EXPERT_TENSOR:
             distribute_module(modules[name], tp_mesh, _shard_hidden, _experts_in, _experts_out)
+        elif style is TPStyle.MOE_TP_EXPERTS:
+            distribute_module(modules[name], tp_mesh, _shard_packed, local.inputs, local.output)
     for name, style in styles.items():
         if style is TPStyle.MOE_SEQUENCE:
             # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)

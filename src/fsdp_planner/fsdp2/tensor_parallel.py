@@ -64,6 +64,10 @@ class TPStyle(Enum):
     EXPERT_TENSOR = "expert_tensor"  # the experts' hidden units sharded (``EXPERT_TENSOR_DIMS``), each TP rank
     # running every routed token of the MoE layer's all-gathered input through its share: input replicated (its grad
     # partial), output partial (summed by the layer's reduce-scatter); without EP only
+    MOE_TP_EXPERTS = "moe_tp_experts"  # transformers' TP of its packed experts (``moe_tp_experts`` on the module,
+    # ``packed_colwise`` gate_up_proj, ``rowwise`` down_proj: ``MOE_TP_EXPERT_DIMS``): each TP rank runs every routed
+    # token through its 1/TP of each expert's intermediate units on local tensors; input and routing weights
+    # replicated (their grads all-reduced in backward), output partial, all-reduced; without EP only
 
     @property
     def sequence_parallel(self) -> bool:
@@ -78,6 +82,21 @@ TP_STYLE_NAMES = tuple(s.value for s in TPStyle)
 # dense expert placement does (``Shard(1)`` of its w1/w3 [E, ffn, dim], ``Shard(2)`` of w2 [E, dim, ffn]) on
 # ``models/moe.py``'s layout: w1 and w3 [E, dim, ffn], w2 [E, ffn, dim].
 EXPERT_TENSOR_DIMS = {"w1": 2, "w2": 1, "w3": 2}
+
+
+# transformers' packed experts (Mixtral, Qwen3-MoE, DeepSeek-V3: gate_up_proj [E, 2 x ffn, dim], down_proj
+# [E, dim, ffn]): the dim each shards and its split factor (gate and up packed on one dim: each rank takes its
+# share of both, torch's ``_StridedShard`` as transformers' ``packed_colwise`` places it)
+MOE_TP_EXPERT_DIMS = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+
+
+def moe_tp_expert_dim(param_name: str) -> tuple[int, int]:
+    """(dim, split factor) ``MOE_TP_EXPERTS`` shards the experts' param ``param_name`` on; another is refused."""
+    if param_name not in MOE_TP_EXPERT_DIMS:
+        raise PlannerError(f"the tensor-parallel style moe_tp_experts shards transformers' packed experts' "
+                           f"gate_up_proj and down_proj, and this expert module holds {shown_json(param_name)}: "
+                           "leave its experts whole over TP or plan without TP")
+    return MOE_TP_EXPERT_DIMS[param_name]
 
 
 def expert_tensor_dim(param_name: str) -> int:
@@ -191,6 +210,9 @@ def check_moe_styles(tp: TensorParallel | None, module_names: Iterable[str], exp
             raise PlannerError(f"the tensor-parallel style token_split of {m} splits the experts' routed tokens for "
                                "expert parallelism's dispatch: give the plan expert parallelism too, or give the "
                                "experts the style expert_tensor")
+        if s is TPStyle.MOE_TP_EXPERTS and expert_parallel is True:
+            raise PlannerError(f"the tensor-parallel style moe_tp_experts of {m} shards the experts over TP without "
+                               "expert parallelism; under EP transformers' plan runs them whole on each EP rank")
         if s is TPStyle.EXPERT_TENSOR and expert_parallel is True:
             raise PlannerError(f"the tensor-parallel style expert_tensor of {m} shards the experts over TP without "
                                "expert parallelism (torchtitan's layout with EP off); under EP give them the style "

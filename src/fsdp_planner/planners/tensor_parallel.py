@@ -14,12 +14,14 @@ from dataclasses import dataclass, replace
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.tensor_parallel import (
+    MOE_TP_EXPERT_DIMS,
     WEIGHT_STYLES,
     TensorParallel,
     TPStyle,
     check_style_classes,
     expert_tensor_dim,
     matches,
+    moe_tp_expert_dim,
 )
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf, llama, moe
@@ -231,6 +233,8 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
             continue
         if style in HF_STYLES:
             layout[pattern] = HF_STYLES[style]
+        elif style == "moe_tp_experts" and _packed_experts(trace, plan.styles, pattern):
+            layout[pattern] = TPStyle.MOE_TP_EXPERTS
         else:
             left[pattern] = style
     if not any(s in (TPStyle.COLWISE, TPStyle.ROWWISE) for s in layout.values()):
@@ -240,6 +244,17 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
         if left else ()
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
     return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", notes, heads)
+
+
+def _packed_experts(trace: Trace, styles: dict[str, str], pattern: str) -> bool:
+    """Whether the experts ``pattern`` names are transformers' packed experts as ``MOE_TP_EXPERTS`` shards them:
+    its plan's ``packed_colwise`` gate_up_proj and ``rowwise`` down_proj, and no other param of their own (a
+    bias, gpt-oss's, is left whole with its module)."""
+    if styles.get(f"{pattern}.gate_up_proj") != "packed_colwise" or styles.get(f"{pattern}.down_proj") != "rowwise":
+        return False
+    owned = {fqn.rpartition(".")[2] for fqn in trace.index.param_index
+             if matches(pattern, fqn.rpartition(".")[0])}
+    return owned == set(MOE_TP_EXPERT_DIMS)
 
 
 def _refuse_own_params_on_heads(trace: Trace, plan: hf.HfParallelPlan, layout: dict[str, TPStyle],
@@ -312,7 +327,8 @@ def _pairs_layout(trace: Trace, degree: int) -> Layout:
 def sharded_share(trace: Trace, tp: TensorParallel) -> float:
     """The share of the model's params a TP layout shards (those of the modules it gives a Linear's or an
     embedding's style); the rest is whole on every TP rank."""
-    styled = {m for m, style in tp.styles(trace.modules).items() if style in (*WEIGHT_STYLES, TPStyle.EXPERT_TENSOR)}
+    styled = {m for m, style in tp.styles(trace.modules).items()
+              if style in (*WEIGHT_STYLES, TPStyle.EXPERT_TENSOR, TPStyle.MOE_TP_EXPERTS)}
     return sum(q.numel for q in trace.params if any(o in styled for o in q.owners)) / max(1, trace.numel)
 
 
@@ -499,13 +515,14 @@ _SHARDED_DIM = {TPStyle.COLWISE: 0, TPStyle.SEQUENCE_COLWISE: 0, TPStyle.EMBEDDI
 
 def _check_module(trace: Trace, module: str, style: TPStyle, degree: int, asked: str) -> None:
     """``asked``: the degree as the user gave it (``Layout.asked``)."""
-    if style is TPStyle.EXPERT_TENSOR:
+    if style in (TPStyle.EXPERT_TENSOR, TPStyle.MOE_TP_EXPERTS):
         for fqn in trace.modules[module].params:
             shape = trace.param(fqn).shape
-            dim = expert_tensor_dim(fqn.rpartition(".")[2])
-            if len(shape) <= dim or shape[dim] % degree:
+            name = fqn.rpartition(".")[2]
+            dim, split = (expert_tensor_dim(name), 1) if style is TPStyle.EXPERT_TENSOR else moe_tp_expert_dim(name)
+            if len(shape) <= dim or shape[dim] % (degree * split):  # (packed: each of gate and up split)
                 raise PlannerError(f"{asked} must divide the {shape[dim] if len(shape) > dim else 0:,} hidden "
-                                   f"units of each expert of {module} (expert_tensor): choose a degree that divides "
+                                   f"units of each expert of {module} ({style.value}): choose a degree that divides "
                                    "them")
         return
     dim = _SHARDED_DIM.get(style)

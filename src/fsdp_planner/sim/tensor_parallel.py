@@ -64,6 +64,7 @@ from fsdp_planner.fsdp2.tensor_parallel import (
     check_moe_styles,
     expert_tensor_dim,
     float8_styled,
+    moe_tp_expert_dim,
 )
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
@@ -164,6 +165,8 @@ class _Layout:
         self.split = {m for m, s in self.styles.items() if s in (TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR)}
         check_moe_styles(tp, trace.modules, None)
         self.roots |= {m for m, s in self.styles.items() if s is TPStyle.EXPERT_TENSOR}
+        # transformers' packed experts: their ops run whole or on 1/TP op by op (``_packed_shares``)
+        self.packed = {m for m, s in self.styles.items() if s is TPStyle.MOE_TP_EXPERTS}
         self._scale: dict[str, float] = {}
 
     @staticmethod
@@ -174,7 +177,7 @@ class _Layout:
         """The share of the whole step's work that an op of ``module`` does on one TP rank."""
         if module not in self._scale:
             chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
-            if any(m in self.embeddings for m in chain):
+            if any(m in self.embeddings or m in self.packed for m in chain):
                 self._scale[module] = 1.0
             elif any(m in self.split for m in chain):  # the experts: 1/TP of the routed tokens or hidden units
                 self._scale[module] = 1.0 / self.t
@@ -256,6 +259,8 @@ def _local_param(p: ParamInfo, style: TPStyle | None, t: int) -> ParamInfo:
     """The param's TP-local shard: the dim its style shards, divided by the degree."""
     if style is TPStyle.EXPERT_TENSOR:
         dim = expert_tensor_dim(p.fqn.rpartition(".")[2])
+    elif style is TPStyle.MOE_TP_EXPERTS:
+        dim = moe_tp_expert_dim(p.fqn.rpartition(".")[2])[0]
     elif style in (*_COLWISE, *_EMBEDDING):
         dim = 0
     elif style in _ROWWISE and len(p.shape) >= 2:
@@ -283,8 +288,26 @@ def _call_bytes(trace: Trace, lay: _Layout) -> dict[tuple[str, int], tuple[int, 
         elif e.kind is EventKind.FWD_POST and stack and stack[-1][0] == e.module:
             m, call, inputs, start = stack.pop()
             ops = [x for x in events[start:i] if x.is_op]
-            out[(m, call)] = (_linear_input(trace, ops) or inputs, ops[-1].out_nbytes if ops else 0)
+            first = _routing_weights(trace, ops, inputs) if lay.styles[m] is TPStyle.MOE_TP_EXPERTS \
+                else _linear_input(trace, ops) or inputs
+            out[(m, call)] = (first, ops[-1].out_nbytes if ops else 0)
     return out
+
+
+INDEX_BYTES = 8  # torch.topk's indices: int64
+
+
+def _routing_weights(trace: Trace, ops: list[Event], inputs: int) -> int:
+    """Bytes of the routing weights a packed experts call takes beside its routed indices (the inputs it sees
+    first: the hidden states came before): inputs less the int64 indices, one per routed row, rows from the
+    gate_up matmuls' FLOPs (2 x rows x the numel of one expert's gate_up_proj)."""
+    rows = 0
+    for e in ops:
+        for p in e.params:
+            info = trace.params[p]
+            if e.flops and info.fqn.endswith(".gate_up_proj") and len(info.shape) == 3:
+                rows += e.flops * info.shape[0] // (2 * info.numel)
+    return max(0, inputs - INDEX_BYTES * rows)
 
 
 def _linear_input(trace: Trace, ops: list[Event]) -> int:
@@ -316,6 +339,13 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
     f8 = FLOAT8_SHARE if m in lay.float8 else 1  # cast to float8 before its all-gather
     if kind is EventKind.FWD_PRE and style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs // f8, False)]
+    if style is TPStyle.MOE_TP_EXPERTS:  # the partial output all-reduced; backward, the hidden states' and the
+        # routing weights' partial grads
+        if kind is EventKind.FWD_POST:
+            return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, False)], []
+        if kind is EventKind.BWD_POST:
+            return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, True), _tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
+        return [], []
     if kind is EventKind.FWD_POST:
         if style in _SCATTERED:
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False)], []
@@ -357,6 +387,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
     loss_ars, loss = _loss_all_reduces(trace, lay), trace.index.loss_region
     saved_whole, float8_saved = _saved_whole(trace, lay), _float8_saved(trace, lay)
     t, out, where = lay.t, [], []
+    packed = _packed_shares(trace, lay)
     for i, e in enumerate(trace.events):
         before, after = _collectives(e, lay, sizes, trace)
         before = [x for c in before for x in _with_relayout(c, trace, lay, i, False)]
@@ -369,6 +400,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
                            + saved_whole.get(i, 0) + float8_saved.get(i, 0), out_nbytes=int(e.out_nbytes * s),
                            live=int(e.live * s),
                            grad_live=int(e.grad_live * s), freed=int(e.freed * s))
+            if i in packed:
+                e = _packed_op(e, packed[i], t)
             if loss[i] and lay.tp.loss_parallel:
                 e = e._replace(live=e.live + _handler_extra(e))
             if loss[i] and not e.backward and loss_ars:
@@ -378,6 +411,39 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         out.append(e)
         out.extend(after)
     return out, where
+
+
+def _packed_shares(trace: Trace, lay: _Layout) -> dict[int, bool]:
+    """Op position -> whether it is a boundary (True) or runs wholly on 1/TP (False), for the ops of transformers'
+    packed experts that do not run whole. An expert's rows pass its gate_up matmul, the activation and the down
+    matmul on this rank's intermediate units; the routed rows before and the weighted, summed output after are
+    whole (dim-sized). Forward, the split opens at a gate_up matmul and closes at the down matmul that reads
+    down_proj; backward (reversed) at the first matmul and at the gate_up input-grad matmul that reads gate_up_proj.
+    A closing matmul is a boundary: its FLOPs on 1/TP, its output whole."""
+    if not lay.packed:
+        return {}
+    out: dict[int, bool] = {}
+    split = False
+    for i, e in enumerate(trace.events):
+        if not e.is_op or not any(is_within(e.module, m) for m in lay.packed):
+            split = False if not e.is_op and e.module in lay.packed else split
+            continue
+        names = [trace.params[p].fqn.rpartition(".")[2] for p in e.params]
+        closing = e.flops > 0 and ("gate_up_proj" if e.backward else "down_proj") in names
+        if closing:
+            out[i], split = True, False
+        elif split or e.flops > 0:
+            out[i], split = False, True
+    return out
+
+
+def _packed_op(e: Event, boundary: bool, t: int) -> Event:
+    """A packed experts' op on one TP rank (``_packed_shares``)."""
+    s = 1.0 / t
+    e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s), freed=int(e.freed * s))
+    if boundary:
+        return e
+    return e._replace(out_nbytes=int(e.out_nbytes * s), live=int(e.live * s), grad_live=int(e.grad_live * s))
 
 
 def _with_relayout(c: Event, trace: Trace, lay: _Layout, i: int, opening: bool) -> list[Event]:
