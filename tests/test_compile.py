@@ -210,7 +210,9 @@ def test_compiled_blocks_train_like_the_reference_on_real_ranks():
     plan = make_policy(PolicyRequest.named("titan")).plan(tr, "toy-llama").replace(compiled=tuple(tr.compiled))
     result = run_verify(spec, tr, plan, nproc=2, steps=2)
     assert result.counted_bytes == [result.predicted_bytes] * 2
-    assert result.losses == pytest.approx(result.reference_losses, rel=1e-4)
+    # inductor's fused bf16 kernels round apart from eager's by the CPU's vector ISA: 1.04e-4 of the first loss on
+    # one 2-core host (under 1e-4 on others); bf16's own step is 7.8e-3
+    assert result.losses == pytest.approx(result.reference_losses, rel=5e-4)
     assert result.ok
 
 
