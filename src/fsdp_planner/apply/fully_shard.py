@@ -75,9 +75,9 @@ def shard_placement_fn(model: nn.Module, plan: Plan, world: int) -> Any:
     return lambda param: Shard(placed[id(param)]) if id(param) in placed else None
 
 
-def _checked_modules(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
-    """The model's modules by name, once the plan is checked against it: every refusal comes before any module
-    changes, so a refused plan leaves the model as it was."""
+def _check_modules(model: nn.Module, plan: Plan) -> None:
+    """The plan checked against the model: every refusal comes before any module changes, so a refused plan
+    leaves the model as it was."""
     if plan.fingerprint and plan.fingerprint != model_fingerprint(model):
         raise PlannerError("plan was made for another model (parameter names, shapes or dtypes differ)")
     modules = dict(model.named_modules())
@@ -88,7 +88,6 @@ def _checked_modules(model: nn.Module, plan: Plan) -> dict[str, nn.Module]:
     if plan.expert_parallel is not None:
         check_experts_run(modules, plan.expert_parallel.experts(modules), plan.ep_degree, plan.tp_degree)
     check_int_reshard_on_dim0(plan)
-    return modules
 
 
 def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = None,
@@ -102,7 +101,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     (``plan_policies``)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    modules = _checked_modules(model, plan)
+    _check_modules(model, plan)
     if mesh is None:
         import torch.distributed as dist
 
@@ -121,7 +120,7 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
     apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing, plan.compiled)
     apply_offloading(model, plan.activation_offloading)
     apply_compile(model, plan.compiled)  # after checkpointing, before fully_shard, as torchtitan does
-    modules = dict(model.named_modules())  # float8's conversion swapped Linears: a group may name one
+    modules = dict(model.named_modules())  # (after float8's conversion, which swaps Linears a group may name)
     mp, offload = plan_policies(plan, mp_policy, offload_policy)
     kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload,
                               "shard_placement_fn": placement}
