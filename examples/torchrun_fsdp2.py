@@ -69,8 +69,8 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     shards = [p.to_local().numel() for p in model.parameters() if isinstance(p, DTensor)]
     print(f"rank {rank} of {world}: {len(shards)} of {len(ref)} params DTensors, local numel {sum(shards)}", flush=True)
     if rank == 0:
-        print(f"fsdp modules: {sum(1 for m in model.modules() if type(m).__name__.startswith('FSDP'))}")
-        print(f"max_abs_diff {diff:.3g}")
+        print(f"fsdp modules: {sum(1 for m in model.modules() if type(m).__name__.startswith('FSDP'))}", flush=True)
+        print(f"max_abs_diff {diff:.3g}", flush=True)
     # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
     # rank when they outlive it)
     del model, opt, lm

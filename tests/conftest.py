@@ -6,6 +6,7 @@ import contextlib
 import functools
 import io
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -95,3 +96,11 @@ def run_main(*args: str) -> Done:
 
 def _printed(message, category, filename, lineno, file=None, line=None) -> None:  # type: ignore[no-untyped-def]
     sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def max_abs_diff(stdout: str) -> float:
+    """The parity a launched example prints (``max_abs_diff X``): read by pattern, since another rank's line may
+    land right after it on the shared pipe ("max_abs_diff 0rank 1 of 2: ...")."""
+    found = re.search(r"max_abs_diff ([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf))", stdout)
+    assert found, stdout[-2000:]
+    return float(found.group(1))

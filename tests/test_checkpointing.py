@@ -26,6 +26,7 @@ from fsdp_planner.planners import AutoPolicy, PolicyRequest, make_policy
 from fsdp_planner.runtime.fake_world import run_fake_world
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.options import SimOptions, precision_named
+from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.trace import record
 from fsdp_planner.trace.events import EventKind
@@ -184,6 +185,58 @@ def test_checkpointed_block_keeps_only_its_input():
     pre = {e.module: e for e in tr.events if e.kind is EventKind.FWD_PRE}
     assert pre["layers.0"].inputs_nbytes == hidden.numel() * hidden.element_size()
     assert pre["layers.0.attention_norm"].inputs_nbytes == 0  # the block's own input, counted once
+
+
+class _Rotary(nn.Module):
+    """Paramless, given the hidden states for their dtype (transformers' rotary embedding)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+
+
+class _Encoder(nn.Module):
+    """Hands its input to its first block (a BERT's or a ViT's encoder)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.rotary, self.encoder, self.head = nn.Linear(16, 16), _Rotary(), _Encoder(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        r = self.rotary(h)
+        return self.head(self.encoder(h) * r)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_checkpoint_keeps_inputs_a_paramless_call_or_its_ancestor_took_first(reuse):
+    """The first block's checkpoint keeps the hidden states a paramless call (a rotary embedding) and its encoder
+    were handed first (-3.0% and -2.8% peak on 8 fake ranks for a transformers Llama and a BERT under full
+    checkpointing when it did not): ``kept_inputs``, while ``inputs_nbytes`` stays each storage's first taker's."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model, x = _Stack(), torch.randn(8, 16)
+    tr = record(model, (x,), reuse=reuse)
+    pre = {e.module: e for e in tr.events if e.kind is EventKind.FWD_PRE}
+    hidden = 8 * 16 * 4
+    assert pre["rotary"].inputs_nbytes == hidden and pre["encoder"].inputs_nbytes == 0
+    assert pre["encoder"].kept_inputs == pre["encoder.layers.0"].kept_inputs == hidden
+    assert pre["encoder.layers.0"].inputs_nbytes == 0
+    assert pre["encoder.layers.1"].kept_inputs == hidden  # the first block's output
+    assert pre["encoder.layers.0.0"].kept_inputs == hidden  # the block's own input, for its own checkpoint
+    assert pre["encoder.layers.0.1"].kept_inputs == hidden  # the Linear's output, no other call's input
+    calls = checkpointed_calls(tr, ["encoder.layers.0", "encoder.layers.1"])
+    assert [c.inputs_nbytes for c in calls] == [hidden, hidden]
 
 
 def test_recomputation_holds_its_forward_frame_until_it_stops():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_main
+from conftest import max_abs_diff, run_main
 
 from fsdp_planner import api
 from fsdp_planner.errors import PlannerError
@@ -357,7 +357,7 @@ def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
                           str(root / "examples" / "torchrun_fsdp2.py"), str(code), model],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+    assert max_abs_diff(out.stdout) <= 1e-5
     r = run_main("plan", model, "--policy", "titan", "--ep", "2", "--tp", "2", "--cluster", "h100:4")
     assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()[-1]) > 20
 
@@ -651,7 +651,7 @@ def test_exported_ep_plan_trains_with_parity_on_gloo(tmp_path) -> None:
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "fsdp modules: 8" in out.stdout  # every module of the plan's groups (the 2 experts among them), the root
-    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+    assert max_abs_diff(out.stdout) <= 1e-5
 
 
 def _ep_tp_search(**request):  # type: ignore[no-untyped-def]

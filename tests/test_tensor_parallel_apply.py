@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import run_main
+from conftest import max_abs_diff, run_main
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
@@ -242,7 +242,7 @@ def test_exported_python_trains_with_parity_on_gloo(tmp_path: Path) -> None:
                           str(ROOT / "examples" / "torchrun_fsdp2.py"), str(code)], capture_output=True, text=True,
                          timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert float(out.stdout.split("max_abs_diff")[1].split()[0]) <= 1e-5
+    assert max_abs_diff(out.stdout) <= 1e-5
 
 
 @pytest.mark.integration  # two torchrun jobs: ~60 s

@@ -112,7 +112,7 @@ def _call(trace: Trace, m: str, how: SacPolicy | Offloaded | None, call: int, fw
           bwd_pre: int, bwd_post: int) -> CheckpointedCall:
     policy = how if isinstance(how, SacPolicy) else None
     kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
-    return CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, trace.events[fwd_pre].inputs_nbytes,
+    return CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, trace.events[fwd_pre].kept_inputs,
                             policy, kept, early_stop(trace, fwd_pre, fwd_post), how is Offloaded.HOST,
                             trace.events[fwd_post].held)
 

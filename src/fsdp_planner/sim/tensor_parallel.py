@@ -407,7 +407,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             if loss[i] and not e.backward and loss_ars:
                 after, loss_ars = loss_ars, []
         elif e.kind is EventKind.FWD_PRE:
-            e = e._replace(inputs_nbytes=int(e.inputs_nbytes * lay.input_scale(e.module)))
+            scale = lay.input_scale(e.module)
+            e = e._replace(inputs_nbytes=int(e.inputs_nbytes * scale), kept_inputs=int(e.kept_inputs * scale))
         out.append(e)
         out.extend(after)
     return out, where

@@ -84,6 +84,8 @@ class Event(NamedTuple):
     # inside the model: bytes of its temporaries alive after it (made, not saved, no call's input; ``step.Temporaries``)
     inputs_nbytes: int = 0  # FWD_PRE: bytes of the call's tensor inputs first seen here (what a checkpoint of
     # the call keeps alive instead of its activations); params, buffers and storages an earlier call took are 0
+    kept_inputs: int = 0  # FWD_PRE: bytes of the call's tensor inputs a checkpoint of it keeps alive: as
+    # ``inputs_nbytes``, and those a paramless call or a running ancestor took first (``StepRecorder.call_inputs``)
     op_class: OpClass = OpClass.OTHER  # forward op (and the loss's backward ops): what a selective checkpointing
     # policy sees (``OpClass``)
     out_nbytes: int = 0  # forward op (and the loss's backward ops): bytes of its outputs' storages (what such a

@@ -56,6 +56,7 @@ class ModuleHooks:
         self.slot = slot
         self.modules = list(walk.modules.values())
         self.name = {m: n for n, m in walk.modules.items()}  # a module registered twice keeps its first name
+        self.holders = _holders(walk)
         # per running call (pushed by pre_forward, popped by post_forward): its marked inputs and their versions
         self.watched: list[tuple[tuple[torch.Tensor, ...], tuple[int, ...]] | None] = []
 
@@ -80,14 +81,14 @@ class ModuleHooks:
         recorder = self.slot.recorder
         flat = not kwargs and all(isinstance(a, ATOMS) for a in args)  # the common case, without a traversal
         leaves = args if flat else flat_leaves(args, kwargs)
-        held = recorder.inputs_nbytes([a for a in leaves if isinstance(a, torch.Tensor)])
+        held, kept = recorder.call_inputs(fqn, [a for a in leaves if isinstance(a, torch.Tensor)], fqn in self.holders)
         if not torch.is_grad_enabled():
             inputs: tuple[torch.Tensor, ...] = ()
         elif flat:
             inputs = tuple(a for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
         else:
             inputs = collect_grad_tensors((args, kwargs))
-        call = recorder.enter_forward(fqn, bool(inputs), held)
+        call = recorder.enter_forward(fqn, bool(inputs), held, kept)
         if not inputs:
             self.watched.append(None)
         else:
@@ -142,3 +143,16 @@ class ModuleHooks:
             recorder.outputs(outputs)
             for t in outputs:
                 t.register_hook(hook)
+
+
+def _holders(walk: ModuleWalk) -> set[str]:
+    """The modules that hold a param, their own or below them: those a plan can checkpoint."""
+    out: set[str] = set()
+    for mname, _, _ in walk.named_params():
+        parts = mname.split(".") if mname else []
+        for k in range(len(parts), -1, -1):
+            prefix = ".".join(parts[:k])
+            if prefix in out:
+                break
+            out.add(prefix)
+    return out

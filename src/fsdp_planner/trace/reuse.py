@@ -54,6 +54,9 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _STRUCTURE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_is_full_backward_hook")
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum)
 _LEAVES = (torch.Tensor, *_CONSTANTS)
+# the call that took a replayed call's outputs as its input (an in-place ReLU's result): one inside it, which has
+# returned, as the traced call's had (``StepRecorder.call_inputs``)
+REPLAYED = "\0replayed"
 Structure = Any  # how a call's arguments nest: ("flat", n_args, kwarg names) or a pytree TreeSpec
 
 
@@ -129,8 +132,9 @@ class Template:
     out_spec: TreeSpec | None = None
     outputs: list[Any] = field(default_factory=list)  # per output leaf: tensor metadata, or ("const", value)
     # outputs whose storage an inner call counted as its input (an in-place ReLU's result): a later call given
-    # them counts no new bytes (``StepRecorder.inputs_nbytes``)
-    counted: list[int] = field(default_factory=list)
+    # them counts no new bytes (``StepRecorder.call_inputs``); and whether a param-holding inner call took it (a
+    # later call's checkpoint keeps it otherwise)
+    counted: list[tuple[int, bool]] = field(default_factory=list)
     # what the call told the data-dependent ops' stand-in (routing.py): (op, relative module) it stood in for,
     # and the routing it left (its experts, per-expert rows), which a later call's stand-in reads
     routed: list[tuple[str, str, int]] = field(default_factory=list)  # (op, relative module, times)
@@ -166,10 +170,10 @@ class ActionLog(StepRecorder):
     def _log(self, action: tuple) -> None:
         (self.template.backward if self.backward else self.template.forward).append(action)
 
-    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
+    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes))
+        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes, kept_inputs))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
         self.frame.open()
         if grad_inputs:
@@ -487,6 +491,8 @@ class BlockReuse:
             versions = {i: t._version for i, t in clones.items()}
             # the call's own inputs are counted by its pre-forward (in the step's recorder), not by inner calls
             log.input_storages.update(StorageWeakRef(t.untyped_storage()) for t in clones.values())
+            # taken by the call itself, which runs through its inner calls: theirs to keep (``call_inputs``)
+            log.input_owner.update((StorageWeakRef(t.untyped_storage()), None) for t in clones.values())
             iso = list(leaves)
             for i, t in clones.items():
                 iso[i] = t
@@ -544,7 +550,7 @@ class BlockReuse:
                 ref = StorageWeakRef(t.untyped_storage())
                 fresh = ref in produced and ref not in seen and t._base is None
                 if ref in log.input_storages:
-                    log.template.counted.append(j)
+                    log.template.counted.append((j, log.input_owner.get(ref) is not None))
                 meta = _Input.of(t)
                 if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
@@ -637,7 +643,7 @@ class BlockReuse:
                                                     for i in inputs}
             sources.update({("output", j): StorageWeakRef(t.untyped_storage()) for j, t in enumerate(outs)
                             if isinstance(t, torch.Tensor)})
-            main.input_storages.update(sources["output", j] for j in template.counted)
+            _counted_outputs(main, template, sources)
             sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
             _replay_actions(main, template.forward, prefix, params, sources)
             if ("pack",) in template.forward:  # its ops ran in the recording: their frame at its last pack
@@ -673,6 +679,13 @@ class BlockReuse:
         for t in result:
             if t.requires_grad:
                 t.register_hook(hook)
+
+
+def _counted_outputs(main: StepRecorder, template: Template, sources: dict[tuple, StorageWeakRef]) -> None:
+    """The replayed call's outputs that an inner call took as its input: taken, as the traced call left them."""
+    for j, taken in template.counted:
+        main.input_storages.add(sources["output", j])
+        main.input_owner[sources["output", j]] = REPLAYED if taken else None
 
 
 def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]], fqn: str
@@ -715,7 +728,7 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.ops([(tuple([params[i] for i in slots]), *rest[:-1], replayed_freed(rest[-1], prefix, inner))
                       for slots, *rest in action[1]])
         elif kind == "fwd_pre":
-            main.enter_forward(prefix + action[1], action[2], action[3])
+            main.enter_forward(prefix + action[1], action[2], action[3], action[4])
         elif kind == "fwd_post":
             main.exit_forward(prefix + action[1], held=action[2])
         elif kind == "bwd_pre":

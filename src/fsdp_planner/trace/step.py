@@ -27,6 +27,9 @@ class StepRecorder:
         self.events: list[Event] = []
         self.static_storages = static_storages  # params' and buffers': what they save or take is not activations
         self.input_storages: set[StorageWeakRef] = set()  # storages some call's inputs_nbytes already counts
+        # storages calls took as inputs -> the param-holding call that took one last (None: only paramless calls
+        # did): what a checkpoint of a later call keeps (``call_inputs``)
+        self.input_owner: dict[StorageWeakRef, str | None] = {}
         self.fwd_stack: list[str] = []
         self.bwd_active: list[Call] = []  # module calls whose backward is running
         self.bwd_pending_post: set[Call] = set()  # calls that will get a post-backward marker
@@ -236,19 +239,34 @@ class StepRecorder:
         if not self.backward and self.events and not self.events[-1].packs:
             self.events[-1] = self.events[-1]._replace(packs=True)
 
-    def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
-        """Bytes of the storages of a call's tensor inputs that no earlier call counted (params excluded)."""
-        nbytes = 0
+    def call_inputs(self, fqn: str, tensors: list[torch.Tensor], holder: bool) -> tuple[int, int]:
+        """A call's tensor inputs (params excluded): (bytes of the storages no earlier call counted, ``inputs_nbytes``;
+        bytes of those a checkpoint of the call keeps, ``kept_inputs``). A checkpoint keeps a storage that no
+        param-holding call took before, or that one of the calls running took (the call's ancestor: an encoder
+        hands its input to its first block): a paramless call (a rotary embedding given the hidden states for
+        their dtype, a dropout) is no checkpoint a plan makes, and an ancestor checkpointed holds the call's
+        checkpoint inside its own. A ``holder`` (the call holds params, its own or below it) takes the storages."""
+        nbytes = kept = 0
+        seen: set[StorageWeakRef] = set()
         for t in tensors:
             ref = StorageWeakRef(t.untyped_storage())
-            if ref not in self.static_storages and ref not in self.input_storages:
+            if ref in self.static_storages or ref in seen:
+                continue
+            seen.add(ref)
+            size = t.untyped_storage().nbytes()
+            if ref not in self.input_storages:
                 self.input_storages.add(ref)
                 # counted here from now on (a checkpointed call's inputs), no longer as a temporary
                 forgotten = self.temporaries.forget(ref)
                 if forgotten:
                     self.new_inputs[ref] = forgotten
-                nbytes += t.untyped_storage().nbytes()
-        return nbytes
+                nbytes += size
+            owner = self.input_owner.get(ref)
+            if ref not in self.input_owner or owner is None or owner in self.fwd_stack:
+                kept += size
+            if holder or ref not in self.input_owner:
+                self.input_owner[ref] = fqn if holder else None
+        return nbytes, kept
 
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
         """A region of the model's own ``torch.utils.checkpoint`` begins (or ends) here (``own_checkpoint.py``)."""
@@ -258,14 +276,14 @@ class StepRecorder:
         elif self.own_bases:
             self.own_bases.pop()
 
-    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0) -> int:
+    def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
         if self.own_bases and len(self.fwd_stack) == self.own_bases[0][0] and not self.backward:
             # outermost in the outermost region: what its checkpoint holds
             self.own_calls.append(OwnCall(fqn, call, self.own_bases[0][1], self.own_regions - 1))
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
-                                 inputs_nbytes=inputs_nbytes))
+                                 inputs_nbytes=inputs_nbytes, kept_inputs=kept_inputs))
         self.fwd_stack.append(fqn)
         self.frame.open()
         if grad_inputs:
@@ -529,8 +547,8 @@ class NullRecorder(StepRecorder):
     def modified_input(self, fqn: str) -> None:
         pass
 
-    def inputs_nbytes(self, tensors: list[torch.Tensor]) -> int:
-        return 0
+    def call_inputs(self, fqn: str, tensors: list[torch.Tensor], holder: bool) -> tuple[int, int]:
+        return 0, 0
 
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
         pass
