@@ -87,7 +87,11 @@ def test_plan_prints_and_reports_the_margin_of_the_simulated_peak(capsys):
     assert "\nfloat8 training (--float8 tensorwise, torchao, float8 all-gather): " in out  # an H100: the what-ifs
     assert "torch.compile of the repeated blocks" not in out  # it compiles the blocks: with --explain
     assert main([*base, "--explain"]) == 0
-    assert "\ntorch.compile of the repeated blocks (--compile, fullgraph): " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "\ntorch.compile of the repeated blocks (--compile, fullgraph): " in out
+    # the two together, judged against compiling alone: on the toy float8 adds nothing to it
+    together = next(line for line in out.splitlines() if line.startswith("torch.compile and float8 training"))
+    assert together.endswith(": compile alone: float8 adds too little to it here"), together
 
 
 def test_simulate_judges_a_classic_plan_against_the_budget(capsys):
