@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import max_abs_diff, run_main
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
@@ -209,16 +210,29 @@ def test_export_carries_the_layout_as_literals(toy, fmt: ExportFormat) -> None:
     assert "TP_DEGREE" not in export_plan(tp_plan(toy).replace(tensor_parallel=None), fmt)  # as before without TP
 
 
+def _lightning_mesh(scope: dict) -> DeviceMesh:
+    """The mesh Lightning's ``ModelParallelStrategy`` (as the export's ``strategy`` makes it) gives
+    ``configure_model``: (data_parallel, tensor_parallel)."""
+    strategy = scope["strategy"](8)
+    return init_device_mesh("cpu", (strategy._data_parallel_size, strategy._tensor_parallel_size),
+                            mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+
 @pytest.mark.integration  # the fake process group: a few seconds
-def test_exported_parallelize_shards_as_apply_plan_does(toy) -> None:
-    """torchtitan's ``parallelize(model, world_mesh)`` of the export on 8 fake ranks (2 x 2 x TP 2) leaves every
-    param with the placements and local shape ``apply_plan`` gives it."""
+@pytest.mark.parametrize("fmt", [ExportFormat.TORCHTITAN, ExportFormat.LIGHTNING])
+def test_exported_parallelize_shards_as_apply_plan_does(toy, fmt: ExportFormat) -> None:
+    """torchtitan's ``parallelize(model, world_mesh)`` and Lightning's ``configure_model(model, device_mesh)`` of
+    the export on 8 fake ranks (2 x 2 x TP 2) leave every param with the placements and local shape ``apply_plan``
+    gives it (Lightning's mesh has one data-parallel dim: its export of an HSDP plan sharded over 4 ranks, with
+    no replicas, until it built the plan's mesh)."""
     plan = tp_plan(toy, mesh=Mesh(2, 2))
     scope: dict = {"__name__": "exported"}
-    exec(compile(export_plan(plan, ExportFormat.TORCHTITAN), "exported.py", "exec"), scope)
+    exec(compile(export_plan(plan, fmt), "exported.py", "exec"), scope)
     shards = []
     with fake_process_group(8):
-        for shard in (lambda m: scope["parallelize"](m, scope["make_mesh"]("cpu")), lambda m: apply_plan(m, plan)):
+        exported = (lambda m: scope["parallelize"](m, scope["make_mesh"]("cpu"))) if fmt is ExportFormat.TORCHTITAN \
+            else (lambda m: scope["configure_model"](m, _lightning_mesh(scope)))
+        for shard in (exported, lambda m: apply_plan(m, plan)):
             model = load_model("toy-llama", meta=False).model
             shard(model)
             shards.append({n: (p.placements, p.to_local().shape, p.device_mesh.mesh_dim_names)

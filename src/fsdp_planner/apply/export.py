@@ -437,7 +437,10 @@ def strategy(devices: int, num_nodes: int = 1, **kwargs: Any) -> Any:
 def configure_model(model: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
     """TP and FSDP2 as the plan says: call ``configure_model(self.model, self.device_mesh)`` (or the module to
     shard) from ``LightningModule.configure_model``; TP_LAYOUT goes over the mesh's ``tensor_parallel`` dim, the
-    groups over its ``data_parallel`` dim."""
+    groups over its ``data_parallel`` dim. Lightning's mesh has one data-parallel dim: an HSDP plan (MESH) builds
+    its (dp_replicate, dp_shard, tp) mesh over Lightning's process group, TP over the same consecutive ranks."""
+    if MESH is not None and MESH[0] > 1:
+        return apply(model, make_mesh(device_mesh.device_type))
     return apply(model, device_mesh)
 ''',
             ExportFormat.TORCHTITAN: '''

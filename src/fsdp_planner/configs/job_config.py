@@ -593,6 +593,10 @@ def _accelerate_wrap(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
         cfg.keys["fsdp_config.fsdp_min_num_params"] = cfg.min_numel
     else:  # NO_WRAP: one fully_shard, on the root
         cfg.policy, cfg.min_numel = PolicyName.SIZE, NO_WRAP_NUMEL
+        if "fsdp_auto_wrap_policy" in fsdp:  # said so: a script may shard the model itself (an export's hook)
+            cfg.notes.append("fsdp_auto_wrap_policy NO_WRAP is read as one FSDP group, the root: groups, HSDP or TP "
+                             "that the training script applies itself (fsdp-planner's exported hook) are not in "
+                             "the YAML; judge such a plan from its file (simulate MODEL --plan plan.json)")
 
 
 def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
