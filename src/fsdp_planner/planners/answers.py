@@ -180,12 +180,8 @@ def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
     """The step with float8 training against the plan's bf16 matmuls, or without it for a float8 plan; none on
     a GPU without float8 tensor cores or a precision that computes in fp32."""
     run = plan_options(plan, options)
-    if cluster.gpu.peak_fp8_flops <= 0 or run.precision.compute_bytes > 2:
-        return None
     f8 = None if run.float8 is not None else Float8.named(Float8Recipe.TENSORWISE.value)
-    if f8 is not None and not converted_linears(tr, f8):
-        return None  # no Linear float8 can convert (dims multiples of 16): nothing to ask
-    alt = _step(tr, plan.replace(float8=f8), cluster, dataclasses.replace(run, float8=f8))
+    alt = _float8_step(tr, plan, cluster, run, f8)
     if alt is None:
         return None
     if f8 is not None:
@@ -204,6 +200,17 @@ def float8_answer(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
     return Finding(Severity.INFO, Code.FLOAT8_PAYS, what, fix)
 
 
+def _float8_step(tr: Trace, plan: Plan, cluster: Cluster, run: SimOptions, f8: Float8 | None) -> StepReport | None:
+    """The plan's step with float8 training ``f8`` (None: without it); None where the question does not arise: a
+    GPU without float8 tensor cores, a precision that computes in fp32, no Linear float8 converts (dims multiples
+    of 16), or a step that cannot run."""
+    if cluster.gpu.peak_fp8_flops <= 0 or run.precision.compute_bytes > 2:
+        return None
+    if f8 is not None and not converted_linears(tr, f8):
+        return None
+    return _step(tr, plan.replace(float8=f8), cluster, dataclasses.replace(run, float8=f8))
+
+
 def compiled_float8_answer(compiled: Trace, plan: Plan, cluster: Cluster, options: SimOptions, base: StepReport,
                            budget: MemoryBudget) -> Finding | None:
     """An eager bf16 plan against the same plan compiled with float8 training, the two together, as torchtitan
@@ -211,13 +218,9 @@ def compiled_float8_answer(compiled: Trace, plan: Plan, cluster: Cluster, option
     a matmul-bound step fuses little), together much (Llama 3 405B on h100:512, auto's plan: 2.6% and 3.7%
     alone, 36% together). None for a plan that has either, or where float8 does not apply (``float8_answer``)."""
     run = plan_options(plan, options)
-    if (run.float8 is not None or not compiled.compiled or cluster.gpu.peak_fp8_flops <= 0
-            or run.precision.compute_bytes > 2):
+    if run.float8 is not None or not compiled.compiled:
         return None
-    f8 = Float8.named(Float8Recipe.TENSORWISE.value)
-    if not converted_linears(compiled, f8):
-        return None
-    alt = _step(compiled, plan.replace(float8=f8), cluster, dataclasses.replace(run, float8=f8))
+    alt = _float8_step(compiled, plan, cluster, run, Float8.named(Float8Recipe.TENSORWISE.value))
     alone = _step(compiled, plan, cluster, run)  # compiled, bf16: what float8 must add to
     if alt is None or alone is None:
         return None

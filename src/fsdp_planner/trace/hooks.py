@@ -18,6 +18,7 @@ from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.failures import mark
 from fsdp_planner.trace.leaves import ATOMS, flat_leaves
 from fsdp_planner.trace.step import Slot
+from fsdp_planner.trace.tree import proper_ancestors
 from fsdp_planner.trace.walk import ModuleWalk
 
 
@@ -149,10 +150,8 @@ def _holders(walk: ModuleWalk) -> set[str]:
     """The modules that hold a param, their own or below them: those a plan can checkpoint."""
     out: set[str] = set()
     for mname, _, _ in walk.named_params():
-        parts = mname.split(".") if mname else []
-        for k in range(len(parts), -1, -1):
-            prefix = ".".join(parts[:k])
-            if prefix in out:
+        for m in (mname, *proper_ancestors(mname)):
+            if m in out:
                 break
-            out.add(prefix)
+            out.add(m)
     return out

@@ -490,9 +490,8 @@ class BlockReuse:
                 clones[i] = t
             versions = {i: t._version for i, t in clones.items()}
             # the call's own inputs are counted by its pre-forward (in the step's recorder), not by inner calls
-            log.input_storages.update(StorageWeakRef(t.untyped_storage()) for t in clones.values())
-            # taken by the call itself, which runs through its inner calls: theirs to keep (``call_inputs``)
-            log.input_owner.update((StorageWeakRef(t.untyped_storage()), None) for t in clones.values())
+            # (taken by the call itself, which runs through its inner calls: theirs to keep, ``call_inputs``)
+            log.input_storages.update(dict.fromkeys(StorageWeakRef(t.untyped_storage()) for t in clones.values()))
             iso = list(leaves)
             for i, t in clones.items():
                 iso[i] = t
@@ -550,7 +549,7 @@ class BlockReuse:
                 ref = StorageWeakRef(t.untyped_storage())
                 fresh = ref in produced and ref not in seen and t._base is None
                 if ref in log.input_storages:
-                    log.template.counted.append((j, log.input_owner.get(ref) is not None))
+                    log.template.counted.append((j, log.input_storages[ref] is not None))
                 meta = _Input.of(t)
                 if not fresh or meta.storage_nbytes != t.numel() * t.element_size():
                     log.template.reusable = False
@@ -684,8 +683,7 @@ class BlockReuse:
 def _counted_outputs(main: StepRecorder, template: Template, sources: dict[tuple, StorageWeakRef]) -> None:
     """The replayed call's outputs that an inner call took as its input: taken, as the traced call left them."""
     for j, taken in template.counted:
-        main.input_storages.add(sources["output", j])
-        main.input_owner[sources["output", j]] = REPLAYED if taken else None
+        main.input_storages[sources["output", j]] = REPLAYED if taken else None
 
 
 def _added(used: dict[tuple[str, str], int], routed: list[tuple[str, str, int]], fqn: str

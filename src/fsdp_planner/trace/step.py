@@ -26,10 +26,9 @@ class StepRecorder:
     def __init__(self, static_storages: set[StorageWeakRef]) -> None:
         self.events: list[Event] = []
         self.static_storages = static_storages  # params' and buffers': what they save or take is not activations
-        self.input_storages: set[StorageWeakRef] = set()  # storages some call's inputs_nbytes already counts
-        # storages calls took as inputs -> the param-holding call that took one last (None: only paramless calls
-        # did): what a checkpoint of a later call keeps (``call_inputs``)
-        self.input_owner: dict[StorageWeakRef, str | None] = {}
+        # storages some call's inputs_nbytes already counts -> the param-holding call that took one last (None:
+        # only paramless calls did): what a checkpoint of a later call keeps (``call_inputs``)
+        self.input_storages: dict[StorageWeakRef, str | None] = {}
         self.fwd_stack: list[str] = []
         self.bwd_active: list[Call] = []  # module calls whose backward is running
         self.bwd_pending_post: set[Call] = set()  # calls that will get a post-backward marker
@@ -255,17 +254,16 @@ class StepRecorder:
             seen.add(ref)
             size = t.untyped_storage().nbytes()
             if ref not in self.input_storages:
-                self.input_storages.add(ref)
                 # counted here from now on (a checkpointed call's inputs), no longer as a temporary
                 forgotten = self.temporaries.forget(ref)
                 if forgotten:
                     self.new_inputs[ref] = forgotten
                 nbytes += size
-            owner = self.input_owner.get(ref)
-            if ref not in self.input_owner or owner is None or owner in self.fwd_stack:
                 kept += size
-            if holder or ref not in self.input_owner:
-                self.input_owner[ref] = fqn if holder else None
+            elif (owner := self.input_storages[ref]) is None or owner in self.fwd_stack:
+                kept += size
+            if holder or ref not in self.input_storages:
+                self.input_storages[ref] = fqn if holder else None
         return nbytes, kept
 
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
