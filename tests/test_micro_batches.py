@@ -252,3 +252,24 @@ def test_plan_micro_batches_auto_reports_its_split(capsys):
     assert main(["simulate", "toy-llama", "--policy", "titan", "--cluster", "h100:8",
                  "--no-reshard-after-backward"]) == 2
     assert "add --micro-batches N" in capsys.readouterr().err
+
+
+@pytest.mark.integration  # auto on a tiny MoE at three splits: ~10 s
+def test_a_plan_file_of_a_split_says_how_to_run_it(tmp_path, capsys):
+    """The plan file holds the sharding, not the workload: where auto split the batch, the line that writes it
+    gives simulate and verify the split (without it they judge the whole batch: 95.5 MiB against the plan's
+    44.8 MiB here)."""
+    config = tmp_path / "moe.json"
+    config.write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 3,
+        "vocab_size": 1024, "max_position_embeddings": 128, "num_experts": 8, "num_experts_per_tok": 2}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{config}", "--policy", "auto", "--cluster", "h100:16", "--batch", "64", "--seq", "64",
+                 "--memory-budget", "45MiB", "--out", str(out)]) == 0
+    written = capsys.readouterr().out.splitlines()[-1]
+    assert written == f"plan written to {out} (simulated as 4 micro-batches: give simulate and verify --batch 64 " \
+                      "--micro-batches 4)", written
+    assert main(["simulate", f"hf:{config}", "--plan", str(out), "--cluster", "h100:16", "--batch", "64", "--seq",
+                 "64", "--micro-batches", "4", "--memory-budget", "45MiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"]["fits"]

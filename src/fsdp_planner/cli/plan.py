@@ -55,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
         render.plain(verdict)
     _print(outcome)
     if request.out is not None:
-        render.plain(f"plan written to {request.out}")
+        n, chosen = outcome.job.options.micro_batches, outcome.job
+        # the plan file holds the sharding, not the workload: a split auto chose must be given again
+        split = f" (simulated as {n} micro-batches: give simulate and verify --batch {n * chosen.model.batch_size} " \
+            f"--micro-batches {n})" if n > 1 and outcome.splits else ""
+        render.plain(f"plan written to {request.out}{split}")
     if no_fit:
         render.plain(f"auto: {no_fit}")  # it names the budget's source: a cluster file's GPU
         return 1
