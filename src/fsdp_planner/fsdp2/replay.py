@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from fsdp_planner.fsdp2.checkpointing import recomputed_spans
@@ -61,6 +61,12 @@ class Collective:
     # root's post-forward (FSDPParamGroup.wait_for_unshard keeps it in all_gather_state to overlap the copy-out
     # with the next all-gather)
 
+    def freed_at(self, end: int) -> Collective:
+        """This all-gather with its output freed at ``end`` (``dataclasses.replace`` spelled out: a replay frees
+        two outputs a group, and the generic replace was a tenth of it)."""
+        return Collective(self.kind, self.group, self.event, self.backward, self.prefetch, self.ranks, self.params,
+                          end)
+
 
 @dataclass(frozen=True)
 class Residency:
@@ -97,7 +103,7 @@ class _Shared:
     reshard_after_backward: bool = True  # FSDPParamGroup.reshard_after_backward (``set_reshard_after_backward``)
 
     def free_output(self, collective: int, end: int) -> None:
-        self.schedule.collectives[collective] = replace(self.schedule.collectives[collective], output_freed=end)
+        self.schedule.collectives[collective] = self.schedule.collectives[collective].freed_at(end)
 
     def free_all_gather_state(self, at: int) -> None:
         if self.all_gather_state is not None:

@@ -15,7 +15,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.fsdp2.replay import Collective
 from fsdp_planner.hardware.cluster import Cluster, Engine
-from fsdp_planner.hardware.cost import CollectiveCost, collective_cost
+from fsdp_planner.hardware.cost import CollectiveCost, LinkCost, collective_cost
 from fsdp_planner.sim.compute import step_op_times, traced_itemsize
 from fsdp_planner.sim.expert_parallel import ep_seconds, expert_ranks
 from fsdp_planner.sim.float8 import float8_step
@@ -94,6 +94,7 @@ class SimContext:
                                   workspaces=cluster.engine is not Engine.HOST)
         self.sizing = self.memory.sizing
         self._costs: dict[tuple[CollectiveKind, int], CollectiveCost] = {}
+        self._lines: dict[tuple[CollectiveKind, int, bool, int], LinkCost] = {}
         self._recompute: dict[tuple[Checkpointed, ...], dict[int, Recompute]] = \
             like._recompute if like is not None else {}
         self.lower_bound = self._lower_bound()
@@ -152,6 +153,16 @@ class SimContext:
             self._costs[key] = collective_cost(self.cluster, kind,
                                                *expert_ranks(self.cluster, self.shard, self.trace.ep_shard_degree))
         return self._costs[key]
+
+    def line(self, kind: CollectiveKind, ranks: int, params: Sequence[int], nbytes: int) -> LinkCost:
+        """``group_cost(kind, ranks, params).line(nbytes)``, remembered: a search prices the same sizes on the same
+        groups plan after plan (choosing the protocol was a tenth of the engine's time)."""
+        expert = kind is not CollectiveKind.ALL_REDUCE and bool(self._experts and params and params[0] in self._experts)
+        key = (kind, ranks, expert, nbytes)
+        found = self._lines.get(key)
+        if found is None:
+            found = self._lines[key] = self.group_cost(kind, ranks, params).line(nbytes)
+        return found
 
     def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:
         """Seconds of ``kind`` collectives of each size in ``nbytes`` on the whole group, the fastest protocol
