@@ -141,9 +141,11 @@ def _print(outcome: PlanOutcome) -> None:
 def _what_ifs(outcome: PlanOutcome) -> None:
     """What torch.compile and float8 training would change for auto's plan (or, for a job that has them, what
     going without would), step and memory: the user's choices (numerics, compile time), so said, not planned."""
-    job, plan = outcome.job, outcome.plan
-    if plan is None or job.cluster is None or job.budget is None or outcome.search is None:
+    job, auto = outcome.job, outcome.auto
+    if auto is None or job.cluster is None or job.budget is None or outcome.search is None:
         return
+    # auto's plan, whose step is the base (in a comparison the first row is a classic policy's)
+    plan = as_written(auto.written_plan, job, outcome.trace)
     base, model, trace = outcome.search.report, job.model, outcome.trace
     if job.auto is not None and (judged := judged_model(model, job.auto, plan)) is not model:
         # the alternatives of a TP layout auto chose answer for the workload it judged, or for a fraction of the job
