@@ -222,6 +222,29 @@ def test_params_of_no_floating_dtype_are_gathered_in_their_own(factory: str, pre
     assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes
 
 
+REREAD_MODELS = str(Path(__file__).parent / "fixtures" / "reread_models.py")
+
+
+@pytest.mark.parametrize(("factory", "groups"), [
+    ("after", [["inp"], ["a", "b"]]), ("before", [["inp", "a", "b"]]),
+    ("parent", [["inp"], ["blk.inp"], ["blk.a", "blk.b", "out"]])])
+def test_a_param_read_again_outside_its_call_is_reduce_scattered_with_its_group(factory: str, groups) -> None:
+    """A param its module's parent (or the root) reads again after the module's call has its grad finished before
+    the group's post-backward: the replay counted it ready only at the parent's post-backward, after the group's,
+    and reduce-scattered it nowhere (a new user's model: 2.62 KiB predicted, 2.69 KiB measured)."""
+    spec = f"{REREAD_MODELS}:{factory}"
+    options = SimOptions.named("fp32")
+    lm = load_model(spec)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    plan = make_plan(tr, groups, reshard=[True] * (len(groups) - 1) + [False])
+    predicted = simulate(tr, plan, parse_cluster("h100:2"), options, timeline=False)
+    measured = run_fake_world(spec, plan, 2, options.precision)
+    assert measured.counts["reduce_scatter"] == predicted.reduce_scatters
+    assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes == sum(
+        p.numel * 4 for p in tr.params)
+    assert abs(predicted.peak_memory / measured.peak_memory - 1) < 0.05
+
+
 def test_a_complex_param_under_a_reduce_dtype_is_refused_before_any_rank(capsys) -> None:
     """bf16-mixed reduce-scatters in fp32: FSDP2's copy of complex grads into that buffer raised on the ranks."""
     from fsdp_planner.cli import main

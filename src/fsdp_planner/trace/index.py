@@ -29,6 +29,9 @@ class _Scan:
     def __init__(self, params: Sequence[ParamInfo], events: Sequence[Event]) -> None:
         self.param_uses: list[list[int]] = [[] for _ in params]
         self.forward_users: list[set[Call]] = [set() for _ in params]
+        # per param, for each forward read: the call whose post-backward its backward is done by, and its caller
+        # (``grad_ready_at``)
+        self.done_by: list[set[tuple[Call, Call]]] = [set() for _ in params]
         self.forward_param_ops: list[tuple[int, str, tuple[int, ...]]] = []
         self.boundaries: dict[str, list[int]] = {}
         self.post_backward_at: dict[Call, int] = {}
@@ -36,6 +39,7 @@ class _Scan:
         self.op_count = 0
         op, fwd_pre, fwd_post, bwd_post = EventKind.OP, EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST
         stack: list[Call] = []
+        last_child: dict[Call, Call] = {}  # call -> the last call made from it that has returned
         for i, e in enumerate(events):
             kind = e.kind
             if kind is op:
@@ -45,15 +49,20 @@ class _Scan:
                         self.param_uses[p].append(i)
                     if not e.backward:
                         caller = stack[-1] if stack else (ROOT, 0)
+                        # a read after a call its caller made runs its backward before that call's (autograd runs
+                        # the later forward first): ``self.a.bias`` read again after ``self.b(self.a(x))``
+                        done_by = (last_child.get(caller, caller), caller)
                         for p in e.params:
                             self.forward_users[p].add(caller)
+                            self.done_by[p].add(done_by)
                         self.forward_param_ops.append((i, e.module, e.params))
             else:
                 self.boundaries.setdefault(e.module, []).append(i)
                 if kind is fwd_pre:
                     stack.append((e.module, e.call))
                 elif kind is fwd_post:
-                    stack.pop()
+                    done = stack.pop()
+                    last_child[stack[-1] if stack else (ROOT, 0)] = done
                 elif kind is bwd_post:
                     self.post_backward_at[(e.module, e.call)] = i
             if e.backward and self.forward_end == len(events):
@@ -166,10 +175,13 @@ class TraceIndex:
 
     @cached_property
     def grad_ready_at(self) -> list[int]:
-        """Per param: the event after which autograd has finished its grad, the last ``BWD_POST`` of its
-        forward users (``len(events)``, the end of backward, when one of them never gets one)."""
+        """Per param: the event after which autograd has finished its grad, the last ``BWD_POST`` by which the
+        backward of each of its forward reads is done: the read's call's, or for a read after a call that call made
+        (the call's own forward read again later: a parent's or the root's), that call's (``len(events)``, the end
+        of backward, when the call never gets one). FSDP2 reduce-scatters only the grads autograd has finished
+        at a group's post-backward."""
         end, post_at = len(self._events), self._scan.post_backward_at
-        return [max((post_at.get(u, end) for u in users), default=end) for users in self.forward_users]
+        return [max((post_at.get(c, post_at.get(u, end)) for c, u in done), default=end) for done in self._scan.done_by]
 
     @property
     def forward_param_ops(self) -> list[tuple[int, str, tuple[int, ...]]]:
