@@ -328,7 +328,8 @@ def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
     unknown = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "16B"\n')
     with pytest.raises(PlannerError, match=r"model \"deepseek_v3\" flavor \"16B\" is not one fsdp-planner builds "
-                                           r"\(known: llama3 8B, llama3 70B, llama3 405B, deepseek_v3 671B\)"):
+                                           r"\(known: llama3 debugmodel, llama3 1B, llama3 3B, llama3 8B, llama3 70B, "
+                                           r"llama3 405B, deepseek_v3 671B\)"):
         args_of("simulate", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
     capsys.readouterr()
     args_of("simulate", "toy-llama", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
@@ -586,7 +587,7 @@ def test_a_toml_s_float8_tp_all_gathers_turn_off_on_the_command_line(tmp_path, c
                     'enable_fsdp_float8_all_gather = true\nprecompute_float8_dynamic_scale_for_fsdp = true\n'
                     '[training]\nlocal_batch_size = 2\nseq_len = 256\n[parallelism]\n'
                     'data_parallel_shard_degree = 4\ntensor_parallel_degree = 2\n')
-    job = ["simulate", "toy-llama", "--from-torchtitan", str(toml), "--cluster", "h100:8", "--json"]
+    job = ["simulate", "--from-torchtitan", str(toml), "--cluster", "h100:8", "--json"]
     gathered = []
     for extra in ([], ["--no-float8-tp-all-gather"]):
         assert main([*job, *extra]) == 0
@@ -604,4 +605,4 @@ def test_a_toml_s_rowwise_float8_simulates(tmp_path) -> None:
     toml.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\nconverters = ["float8"]\n[float8]\n'
                     'recipe_name = "rowwise"\n[training]\nlocal_batch_size = 2\nseq_len = 256\n[parallelism]\n'
                     'data_parallel_shard_degree = 4\n')
-    assert main(["simulate", "--from-torchtitan", str(toml), "--cluster", "h100", "toy-llama"]) == 0
+    assert main(["simulate", "--from-torchtitan", str(toml), "--cluster", "h100"]) == 0

@@ -83,8 +83,7 @@ def test_the_shipped_jobs_as_expected():
 def test_the_debug_jobs_read(function):
     """Each debug job (built on llama3_debugmodel and its attribute edits) reads; with MODEL it is the debug TOML's
     job, its converters and model_registry options each a note."""
-    registry, toml = options(job(function), "toy-llama"), options(str(FIXTURES / "llama3_debugmodel.toml"),
-                                                                   "toy-llama")
+    registry, toml = options(job(function)), options(str(FIXTURES / "llama3_debugmodel.toml"))
     float8 = "tensorwise" if "float8" in function else None  # its converter read: --float8, the all-gather off
     assert registry[0] == {**toml[0], **({"float8": float8, "float8_all_gather": False} if float8 else {})}
     assert (registry[1].model_label, registry[1].batch, registry[1].seq) == ('"llama3" flavor "debugmodel"', 8, 2048)
@@ -92,9 +91,19 @@ def test_the_debug_jobs_read(function):
     assert len(DEBUG_JOBS) >= 8
 
 
-def test_a_debug_job_without_model_asks_for_it():
-    with pytest.raises(PlannerError, match='"llama3" flavor "debugmodel" is not one fsdp-planner builds'):
-        options(job("llama3_debugmodel"))
+def test_a_debug_job_is_torchtitans_debugmodel(capsys):
+    """torchtitan's quick start trains llama3's "debugmodel" flavour: the built-in llama3-debugmodel, its numbers
+    (models/llama3/__init__.py's _debugmodel: dim 256, 6 layers, 16 heads, vocab 2,048, FFN 768), and the model a
+    debug job without MODEL simulates (it asked for MODEL)."""
+    from fsdp_planner.models import load_model
+
+    assert options(job("llama3_debugmodel"))[0]["model"] == "llama3-debugmodel"
+    model = load_model("llama3-debugmodel").model
+    dim, layers, vocab, ffn = 256, 6, 2048, 768
+    assert sum(p.numel() for p in model.parameters()) == 2 * vocab * dim + dim + layers * (
+        4 * dim * dim + 3 * dim * ffn + 2 * dim)
+    with pytest.raises(PlannerError, match="MODEL 'toy-llama' is not the torchtitan job's model"):
+        options(job("llama3_debugmodel"), "toy-llama")
 
 
 FLAGS = ("--parallelism.data_parallel_shard_degree", "16", "--parallelism.fsdp_reshard_after_forward=never",

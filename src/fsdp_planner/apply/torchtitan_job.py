@@ -19,7 +19,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 
 FUNCTION = "fsdp_planner_job"
-FLAVORS = {builtin: (name, flavor.upper()) for (name, flavor), builtin in TITAN_MODELS.items()}
+FLAVORS = {builtin: (name, flavor) for (name, flavor), builtin in TITAN_MODELS.items()}
 
 JOB = '''
 

@@ -38,10 +38,11 @@ def run(args: argparse.Namespace) -> int:
         print(json_text({"models": rows, "cluster_presets": presets()}, indent=2))
         return 0
     words = {"batch_size": "batch", "seq_len": "seq"}
+    width = max(len(r["name"]) for r in rows)
     for r in rows:
         workload = ", ".join(f"{words[k]} {v:,}" for k, v in r["workload"].items())
         planning = "planning only" + (f"; needs {r['needs']}" if r["needs"] else "")
-        line = escape(f"{r['name']:16s} {r['description']}{f' ({workload})' if workload else ''}")
+        line = escape(f"{r['name']:{width}s} {r['description']}{f' ({workload})' if workload else ''}")
         render.console.print(line + ("" if r["trainable"] else f"  [dim]{escape(f'({planning})')}[/dim]"),
                              highlight=False)
     render.console.print("hf:path/config.json or hf:path/dir builds any Hugging Face causal LM, encoder-decoder LM "

@@ -17,10 +17,10 @@ from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.configs.torchtitan_registry import (
-    TITAN_MODELS,
     is_registry_spec,
     parse_flags,
     read_registry,
+    titan_model,
     with_overrides,
 )
 from fsdp_planner.errors import PlannerError
@@ -337,7 +337,7 @@ def _titan_model(cfg: JobConfig, model: dict[str, Any]) -> None:
     cfg.model_label = f"{shown_json(name)} flavor {shown_json(flavor)}"
     cfg.keys["model.name"], cfg.keys["model.flavor"] = name, flavor
     if isinstance(name, str) and isinstance(flavor, str):
-        cfg.model = TITAN_MODELS.get((name.strip().lower(), flavor.strip().lower()))
+        cfg.model = titan_model(name, flavor)
 
 
 def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:

@@ -29,8 +29,16 @@ from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json
 # torchtitan's model flavours that are fsdp-planner's built-in models or shipped transformers configs (the same
 # architecture numbers: torchtitan's deepseek_v3 "671B" flavour, models/deepseek_v3/__init__.py's _671b, is
 # DeepSeek-V3's config.json)
-TITAN_MODELS = {("llama3", "8b"): "llama3-8b", ("llama3", "70b"): "llama3-70b", ("llama3", "405b"): "llama3-405b",
-                ("deepseek_v3", "671b"): "hf:deepseek-v3"}
+# (model, flavour as torchtitan's model_registry spells it; a job's spelling is matched without case)
+TITAN_MODELS = {("llama3", "debugmodel"): "llama3-debugmodel", ("llama3", "1B"): "llama32-1b",
+                ("llama3", "3B"): "llama32-3b", ("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b",
+                ("llama3", "405B"): "llama3-405b", ("deepseek_v3", "671B"): "hf:deepseek-v3"}
+
+
+def titan_model(name: str, flavor: str) -> str | None:
+    """The model fsdp-planner builds for torchtitan's ``name`` / ``flavor`` (None: none)."""
+    key = (name.strip().lower(), flavor.strip().lower())
+    return next((m for (n, f), m in TITAN_MODELS.items() if (n, f.lower()) == key), None)
 
 SPEC = re.compile(r"^(?P<where>.+):(?P<function>[A-Za-z_]\w*)$", re.S)
 MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")

@@ -59,6 +59,9 @@ BUILTINS: dict[str, Builtin] = {
     "llama3-70b": Builtin(_llama(llama.LLAMA3_70B, 1, 8192), "Llama 3 70B", False),
     "llama3-405b": Builtin(_llama(llama.LLAMA3_405B, 1, 8192), "Llama 3 405B", False),
     "llama32-3b": Builtin(_llama(llama.LLAMA32_3B, 1, 8192), "Llama 3.2 3B, tied embeddings", False),
+    "llama32-1b": Builtin(_llama(llama.LLAMA32_1B, 1, 8192), "Llama 3.2 1B, tied embeddings", False),
+    "llama3-debugmodel": Builtin(_llama(llama.LLAMA3_DEBUG, 8, 2048),
+                                 "torchtitan's llama3 debugmodel, 6 layers, dim 256, vocab 2,048", True),
     "t5-3b": Builtin(encdec.t5_3b, "T5 v1.1 XL encoder-decoder, shared embedding; the decoder reads seq_len / 4 "
                                    "tokens", False),
     "vit-h14": Builtin(vit.vit_h14, "ViT-H/14 at 224px", False),

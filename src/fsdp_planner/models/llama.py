@@ -34,9 +34,15 @@ LLAMA3_405B = LlamaConfig(dim=16_384, n_layers=126, n_heads=128, n_kv_heads=8, v
 # Llama 3.2 3B ties the input embedding and the output projection.
 LLAMA32_3B = LlamaConfig(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128_256, ffn_dim=8192,
                          tie_embeddings=True)
+# Llama 3.2 1B: torchtitan's llama3 "1B" flavour (its FFN: 8/3 x 2048 x 1.5, up to a multiple of 1024)
+LLAMA32_1B = LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128_256, ffn_dim=8192,
+                         tie_embeddings=True)
+# torchtitan's llama3 "debugmodel" flavour (models/llama3/__init__.py's _debugmodel: its FFN 8/3 x 256 up to a
+# multiple of 256, no GQA): the model torchtitan's own quick start trains
+LLAMA3_DEBUG = LlamaConfig(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048, ffn_dim=768)
 TOY_LLAMA = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=160)
-CONFIGS = (LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LLAMA32_3B, TOY_LLAMA)  # the built-ins, for what a trace cannot say
-# (the head counts behind a traced wq's rows)
+# the built-ins, for what a trace cannot say (the head counts behind a traced wq's rows)
+CONFIGS = (LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, LLAMA32_3B, LLAMA32_1B, LLAMA3_DEBUG, TOY_LLAMA)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
-from fsdp_planner.configs.job_config import ACCELERATE, TITAN_MODELS, TORCHTITAN, JobConfig, edit_choices, world_of
+from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, JobConfig, edit_choices, world_of
+from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
@@ -82,7 +83,7 @@ def _model(m: _Merge) -> None:
         where = "[model] name and flavor" if cfg.path.endswith(".toml") else "model_spec = model_registry(FLAVOR)"
         raise PlannerError(f"the torchtitan config {shown_json(cfg.path)} names no model ({where}): give MODEL")
     if cfg.model is None:
-        known = ", ".join(f"{n} {f.upper()}" for n, f in _titan_models())
+        known = ", ".join(f"{n} {f}" for n, f in _titan_models())
         raise PlannerError(f"the torchtitan job's model {cfg.model_label} is not one fsdp-planner builds (known: "
                            f"{known}); give your model as MODEL, e.g. hf:path/config.json or path/model.py:build")
     m.values["model"] = cfg.model
