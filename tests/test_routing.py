@@ -82,6 +82,18 @@ def test_plan_prints_the_note_and_a_refused_op_names_the_way_out(tmp_path, capsy
     assert len(err) == 1 and "fixed capacity" in err[0], err
 
 
+def test_a_loop_on_a_tensor_s_value_stops_with_one_line(monkeypatch):
+    """``while x.abs().max() < 100`` on meta tensors: the stand-in answers the condition alike every time, so the
+    trace looped forever at 100% CPU (a new user's model); it stops at ``MAX_ANSWERS`` reads of one op in one
+    module (lowered here: 10,000 take half a minute) with one line that says why."""
+    import fsdp_planner.routing as routing
+
+    monkeypatch.setattr(routing, "MAX_ANSWERS", 50)
+    done = run_main("plan", f"{FIXTURE}:normalising", "--policy", "order")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "read a meta tensor's value 50 times in one step" in done.stderr and "while x.max() < 100" in done.stderr
+
+
 def test_routing_out_of_range_is_one_line(capsys):
     assert main(["plan", "toy-llama", "--policy", "module", "--routing", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

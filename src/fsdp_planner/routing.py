@@ -39,8 +39,15 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fsdp_planner.errors import PlannerError
+
 DEFAULT_CAPACITY = 1.0
 NOT_HANDLED = object()
+# Answers the stand-in gives one op in one module call site a step: a router reads at most a few per expert in its
+# module (DeepSeek-V3's 256 experts: a nonzero each), while a loop whose condition reads a tensor (``while x.max()
+# < 100``) reads forever on the stand-in's constant answers: the trace stops there with one line (about 20 s of
+# tracing on a 2-core host), not a hang
+MAX_ANSWERS = 10_000
 
 _aten = torch.ops.aten
 # What a user wrote, for the note: the aten op says less than the Python it came from.
@@ -197,6 +204,11 @@ class StandIn:
         if out is not NOT_HANDLED:
             key = (_SPELLED.get(f"aten.{packet.__name__}", f"aten.{packet.__name__}"), module)
             self.used[key] = self.used.get(key, 0) + 1
+            if self.used[key] > MAX_ANSWERS:
+                where = f"module {module!r}" if module else "the model's top level"
+                raise PlannerError(f"{key[0]} in {where} read a meta tensor's value {MAX_ANSWERS:,} times in one "
+                                   "step: a loop whose condition reads a tensor (while x.max() < 100) never ends on "
+                                   "the stand-in's answers, which no value changes; bound the loop by a Python count")
             _consult()
         return out
 
