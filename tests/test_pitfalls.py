@@ -11,7 +11,7 @@ from conftest import Done, run_main
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.pitfalls import Code, Severity, has_errors, model_findings, plan_findings
-from fsdp_planner.fsdp2.plan import Group, Plan
+from fsdp_planner.fsdp2.plan import Group, Mesh, Plan
 from fsdp_planner.models import load_model
 from fsdp_planner.planners import ExecutionOrderPolicy
 from fsdp_planner.sim.options import SimOptions
@@ -121,6 +121,10 @@ def test_container_group_and_reshard_after_forward():
     assert "container-group" in codes(plan_findings(tr, plan))
     plan = make_plan(tr, [["inp"]], reshard=[3])
     assert codes(plan_findings(tr, plan, world_size=8)) == ["reshard-after-forward"]
+    # a mesh of another world size is no reshard_after_forward finding (it was, with that fix: a new user's finding)
+    (found,) = plan_findings(tr, plan.replace(mesh=Mesh(3, 3)), world_size=8)
+    assert found.code is Code.DOES_NOT_RUN and "mesh 3x3 has 9 ranks" in found.message
+    assert found.fix.startswith("make the plan again for 8 ranks")
 
 
 def run_check(*args: str) -> Done:

@@ -26,7 +26,7 @@ from fsdp_planner.fsdp2.claim import (
     short_list,
 )
 from fsdp_planner.fsdp2.dtypes import group_dtypes
-from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.plan import Plan, check_plan_layout, check_reshard_sizes
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import sharded_reads
@@ -207,7 +207,13 @@ def _structure_findings(trace: Trace, plan: Plan, world_size: int | None) -> lis
                                    "splits them)", g.modules[0]))
     if world_size is not None:
         try:
-            check_plan_world_size(plan, world_size)
+            check_plan_layout(plan, world_size)
+        except PlannerError as e:  # (its reshard sizes are of a layout it does not have)
+            out.append(Finding(Severity.ERROR, Code.DOES_NOT_RUN, str(e),
+                               f"make the plan again for {world_size} ranks, or run it on the ranks it was made for"))
+            return out
+        try:
+            check_reshard_sizes(plan, world_size)
         except PlannerError as e:
             out.append(Finding(Severity.ERROR, Code.RESHARD_AFTER_FORWARD, str(e),
                                "use true, false or a divisor of the shard size"))

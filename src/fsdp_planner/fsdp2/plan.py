@@ -578,9 +578,17 @@ def divisors(n: int) -> list[int]:
 
 
 def check_plan_world_size(plan: Plan, world_size: int) -> None:
-    """Refuse a plan that FSDP2 cannot apply on ``world_size`` ranks: its mesh must have that many ranks, and an
-    int ``reshard_after_forward`` is the size of the post-forward sub-mesh, so it must divide the shard size and
-    not exceed it (``fully_shard`` raises otherwise). Called where a plan meets a cluster or a process count."""
+    """Refuse a plan that FSDP2 cannot apply on ``world_size`` ranks: its layout must fit them
+    (``check_plan_layout``), and an int ``reshard_after_forward`` is the size of the post-forward sub-mesh, so it
+    must divide the shard size and not exceed it (``fully_shard`` raises otherwise). Called where a plan meets a
+    cluster or a process count."""
+    check_plan_layout(plan, world_size)
+    check_reshard_sizes(plan, world_size)
+
+
+def check_plan_layout(plan: Plan, world_size: int) -> None:
+    """Refuse a plan whose layout does not fit ``world_size`` ranks: its TP degree must divide them, its mesh have
+    that many, its EP degree divide the data-parallel shard ranks."""
     tp = plan.tp_degree
     if world_size % tp:
         raise PlannerError(f"the plan's tensor-parallel degree {tp} does not divide the {world_size} ranks it is run "
@@ -599,6 +607,12 @@ def check_plan_world_size(plan: Plan, world_size: int) -> None:
         raise PlannerError(f"the plan's expert-parallel {what} does not divide its {shard} data-parallel shard "
                            "ranks (EP's ranks come out of dp_shard" + (" x tp" if tp > 1 else "") + "): choose an "
                            "EP degree that divides them")
+
+
+def check_reshard_sizes(plan: Plan, world_size: int) -> None:
+    """Refuse an int ``reshard_after_forward`` that does not divide its group's shard ranks on ``world_size`` ranks
+    (the plan's layout checked first: ``check_plan_layout``)."""
+    shard = plan.shard_size(world_size)
     where = "world size" if plan.mesh is None or plan.mesh.replicate == 1 else "shard size"
     ep = plan.expert_parallel
     for i, g in enumerate(plan.groups):
