@@ -526,6 +526,13 @@ def test_an_accelerate_job_s_machines_are_its_nodes(tmp_path):
     assert args_of("simulate", "toy-llama", "--from-accelerate", str(two), "--cluster", "h100").cluster == "h100:2x4"
     wide = accel(tmp_path, "num_machines: 2\nnum_processes: 32\n")
     assert args_of("simulate", "toy-llama", "--from-accelerate", str(wide)).cluster == "h100:32"
+    one = accel(tmp_path, "num_machines: 1\nnum_processes: 16\n")  # (was h100:16 without the note)
+    assert args_of("simulate", "toy-llama", "--from-accelerate", str(one)).cluster == "h100:16"
+    # 12 on one machine: no cluster of whole nodes agrees, and the layout it suggested (h100:2x6) was refused as
+    # not one machine (a new user's finding): the key to change is named instead
+    odd = accel(tmp_path, "num_machines: 1\nnum_processes: 12\n")
+    with pytest.raises(PlannerError, match=r"runs 12 processes on its one machine .*: set num_machines"):
+        args_of("simulate", "toy-llama", "--from-accelerate", str(odd), "--cluster", "h100")
 
 
 def test_hybrid_shard_and_a_replicate_size_that_disagree_are_one_error(tmp_path):

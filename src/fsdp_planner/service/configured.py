@@ -136,10 +136,15 @@ def _layout(m: _Merge) -> None:
         _same_cluster(cfg, spec, world)
     if preset:
         per_node = world // cfg.nodes if cfg.nodes else None
-        if per_node and cfg.nodes and cfg.nodes > 1 and per_node > MAX_GPUS_PER_NODE:
-            m.note(f"the {cfg.kind} job runs {per_node} processes on each of its {cfg.nodes} machines, more than a "
-                   f"node of {MAX_GPUS_PER_NODE} GPUs: planned as {world // MAX_GPUS_PER_NODE} nodes of "
-                   f"{MAX_GPUS_PER_NODE} (give --cluster GPU:NODESxGPUS for another layout)")
+        if per_node and per_node > MAX_GPUS_PER_NODE:
+            machines = f"each of its {cfg.nodes} machines" if cfg.nodes > 1 else "its one machine"
+            if world % MAX_GPUS_PER_NODE:  # no cluster of whole nodes agrees with the job: num_machines must change
+                raise PlannerError(f"the {cfg.kind} job runs {per_node} processes on {machines} ({_world_keys(cfg)}, "
+                                   f"num_machines = {cfg.nodes}), more than a node of {MAX_GPUS_PER_NODE} GPUs: set "
+                                   "num_machines to the machines it runs on")
+            m.note(f"the {cfg.kind} job runs {per_node} processes on {machines}, more than a node of "
+                   f"{MAX_GPUS_PER_NODE} GPUs: planned as {world // MAX_GPUS_PER_NODE} nodes of "
+                   f"{MAX_GPUS_PER_NODE} (num_machines sets another layout)")
         m.values["cluster"] = f"{preset.group(1)}:{cfg.nodes}x{per_node}" \
             if per_node and cfg.nodes and cfg.nodes > 1 and per_node <= 8 else f"{preset.group(1)}:{world}"
         if m.values["cluster"] == f"{preset.group(1)}:{world}" and world > MAX_GPUS_PER_NODE \
