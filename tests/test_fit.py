@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.cli import main
 from fsdp_planner.hardware.cluster import preset_cluster
@@ -367,3 +368,16 @@ def test_fit_picture_ticks_are_whole_numbers():
     whole_number_axis(ax, [1, 2, 3])
     ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
     assert ticks and all(float(t).is_integer() for t in ticks)
+
+
+@pytest.mark.integration  # fit's boundary searches: 10 s
+def test_an_offload_answer_at_the_search_s_cap_says_so(monkeypatch):
+    """The largest batch with CPU offload at the search's cap is the largest tried, not a limit found, as the
+    answer without offload says (it read "1,000,000" bare: a new user's finding)."""
+    import fsdp_planner.cli.fit as fit
+
+    monkeypatch.setattr(fit, "MAX_BATCH", 64)
+    done = run_main("fit", "toy-llama", "--cluster", "h100:8", "--find", "batch", "--memory-budget", "8MiB")
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("largest batch with CPU offload")]
+    assert ": 64 (the largest tried: the search stops there): " in line

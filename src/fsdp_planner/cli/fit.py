@@ -262,7 +262,7 @@ def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], l
         lines = [f"longest sequence without CPU offload at batch {b:,}: {plain:,}{bound if plain >= cap else ''}: "
                  f"{_figures(points.at(b, plain), 'tokens')}{after_text}"]
     lines += _offload_line("sequence", plain, longest, cap, lambda s: points.at(b, s), "tokens", f" at batch {b:,}",
-                           request)
+                           request, bound)
     return {"batch": b, "longest": longest, "longest_without_offload": plain, "cap": cap}, lines
 
 
@@ -271,8 +271,10 @@ def _resolution(value: int, step: int) -> int:
 
 
 def _offload_line(what: str, plain: int | None, largest: int | None, cap: int, at: Callable[[int], FitPoint],
-                  per: str, where: str, request: FitRequest) -> list[str]:
-    """The answer with CPU offload, named as such and priced against the answer without it."""
+                  per: str, where: str, request: FitRequest,
+                  bound: str = " (the largest tried: the search stops there)") -> list[str]:
+    """The answer with CPU offload, named as such and priced against the answer without it (``bound``: what the
+    search's cap is, said where the answer is at it)."""
     if request.no_offload or request.options.offload or largest is None or (largest == cap and plain == cap):
         return []
     if plain is not None and largest == plain:
@@ -283,7 +285,9 @@ def _offload_line(what: str, plain: int | None, largest: int | None, cap: int, a
         q = at(plain)
         cost = f"; {p.tokens_per_gpu / q.tokens_per_gpu:.0%} of the {per}/s per GPU of {plain:,} without it"
     most = "longest" if what == "sequence" else "largest"
-    return [f"{most} {what} with CPU offload (auto's last resort){where}: {largest:,}: {_figures(p, per)}{cost}"]
+    capped = bound if largest >= cap else ""
+    return [f"{most} {what} with CPU offload (auto's last resort){where}: {largest:,}{capped}: {_figures(p, per)}"
+            f"{cost}"]
 
 
 def _verdict(request: FitRequest, points: Points, batch: int, seq: int | None, workload: str) -> str:
