@@ -750,3 +750,27 @@ def test_a_native_crash_is_not_blamed_on_the_oom_killer():
     assert line == ("verify job failed: ranks 0, 2 were killed by SIGABRT (it raised no exception: a native crash in "
                     "torch or a library it calls, such as gloo given different buffer sizes on different ranks by a "
                     "model whose shapes depend on the data)")
+
+
+@pytest.mark.integration  # a 2-rank torchrun job started from the model's folder: seconds
+def test_a_module_beside_the_model_that_shadows_numpy_does_not_crash_the_job(tmp_path):
+    """``verify`` run in a folder holding a numpy.py: the launcher (``python -m``) put the working directory first
+    on its path, imported that file for numpy and died of SIGSEGV, reported as a kill "from outside the job" (a new
+    user's finding). The launcher and ranks now start without it; a crash signal is said to be one."""
+    (tmp_path / "numpy.py").write_text("import torch\n")
+    (tmp_path / "model.py").write_text("import torch\nfrom torch import nn\n\n\n"
+                                       "def build(batch_size=4):\n"
+                                       "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), "
+                                       "(torch.randn(batch_size, 8),)\n")
+    if sys.version_info < (3, 11):
+        pytest.skip("PYTHONSAFEPATH and -P are Python 3.11's")
+    # the command as installed (a console script puts its own folder on its path, not the working directory)
+    command = "import sys; from fsdp_planner.cli import main; sys.exit(main())"
+    done = subprocess.run([sys.executable, "-P", "-c", command, "verify", "model.py:build", "--policy", "order",
+                           "--nproc", "2", "--steps", "2"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**as_users_run(), "PYTHONPATH": str(Path(v.__file__).parents[2])})
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stderr
+    from fsdp_planner.runtime.failures import launcher_killed
+
+    assert "crashed (SIGSEGV)" in launcher_killed(-signal.SIGSEGV)
+    assert "from outside the job" in launcher_killed(-signal.SIGTERM)

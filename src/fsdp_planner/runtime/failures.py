@@ -67,6 +67,10 @@ class RankFailure:
         return f"rank {self.rank} exited with status {self.exitcode} without raising an exception"
 
 
+# signals a process gets from its own fault (a segfault, an abort), not from another process
+CRASHES = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
+
+
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -125,6 +129,10 @@ def launcher_killed(returncode: int, what: str = "verify job") -> str | None:
     finished job's. None when the launcher exited."""
     if returncode >= 0:
         return None
+    if -returncode in CRASHES:  # the process's own fault, not a signal sent to it
+        return (f"{what} failed: its torchrun launcher crashed ({_signal_name(-returncode)}), and its ranks were "
+                "stopped with it (a module of the working directory or the model's folder that shadows one torch "
+                "imports, such as numpy.py, can do this)")
     return (f"{what} failed: its torchrun launcher was killed by {_signal_name(-returncode)} (from outside the "
             "job), and its ranks were stopped with it")
 

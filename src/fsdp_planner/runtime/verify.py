@@ -350,8 +350,12 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
         job_path, result_path, exits_path = Path(tmp) / "job.json", Path(tmp) / "result.json", Path(tmp) / "exits"
         (Path(tmp) / OWNER_FILE).write_text(str(os.getpid()))
         job_path.write_text(json.dumps({**job, "result": str(result_path)}))
+        # PYTHONSAFEPATH: ``python -m`` puts no working directory first on the launcher's and ranks' path, where a
+        # user's numpy.py beside their model would shadow numpy before torch loads (the launcher died of SIGSEGV);
+        # a rank puts the model file's folder on its path itself, once torch is imported (``resolve_factory``)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-               "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY), PARENT_ENV: str(os.getpid())}
+               "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", KEEP_FREED_MEMORY), PARENT_ENV: str(os.getpid()),
+               "PYTHONSAFEPATH": "1"}
         # torchrun's per-rank error files go under the job's directory too (by default a torchelastic_* temp dir
         # that it never removes)
         cmd = [sys.executable, "-u", "-m", "fsdp_planner.runtime.launch", str(exits_path), module, str(job_path),
