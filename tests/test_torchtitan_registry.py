@@ -455,6 +455,12 @@ def test_module_level_constants_are_read_where_a_job_names_them(tmp_path):
     assert '"70B"' in cfg.model_label
     cfg = read_config(TORCHTITAN, f"{path}:short")  # a local hides the constant of its name
     assert (cfg.seq, cfg.batch) == (4096, 1)
+    # a negated name is arithmetic as a product of it is (it was "not a literal"; -1 as a literal always read)
+    path.write_text(CONSTANTS_HEAD + "\n\ndef job() -> Trainer.Config:\n    return Trainer.Config(model_spec="
+                    "model_registry(FLAVOR), training=TrainingConfig(max_context_length=-(-SEQ_LEN)))\n")
+    assert read_config(TORCHTITAN, f"{path}:job").seq == 8192
+    with pytest.raises(PlannerError, match=r"no function jbo \(its functions, closest first: job\)"):
+        read_config(TORCHTITAN, f"{path}:jbo")
 
 
 @pytest.mark.parametrize("defined", [

@@ -14,6 +14,7 @@ Torch-free.
 from __future__ import annotations
 
 import ast
+import difflib
 import importlib.util
 import json
 import re
@@ -365,8 +366,12 @@ def _job(source: Source, name: str, label: str, depth: int, notes: list[str],
     parameters it was called with."""
     fn = source.functions.get(name)
     if fn is None:
-        known = ", ".join(sorted(source.functions)[:12]) or "none"
-        raise PlannerError(f"{label}: the file has no function {shown_json(name)[1:-1]} (its functions: {known})")
+        names = sorted(source.functions)
+        close = difflib.get_close_matches(name, names, n=3)
+        ordered = [*close, *(n for n in names if n not in close)]
+        known = ", ".join(ordered[:12]) + (f" and {len(ordered) - 12} more" if len(ordered) > 12 else "") or "none"
+        raise PlannerError(f"{label}: the file has no function {shown_json(name)[1:-1]} (its functions"
+                           f"{', closest first' if close else ''}: {known})")
     if depth > MAX_DEPTH:
         raise PlannerError(f"{label}: its jobs build on each other more than {MAX_DEPTH} deep")
     local, edits, returned = _statements(fn, name, label, notes)
@@ -531,6 +536,9 @@ def _arithmetic(node: ast.expr, scope: dict[str, Any], depth: int) -> int | None
         return value if type(value) is int else None
     if isinstance(node, ast.Constant) and type(node.value) is int:
         return node.value if abs(node.value) < MAX_NUMBER else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and depth < MAX_DEPTH:
+        a = _arithmetic(node.operand, scope, depth + 1)  # ``-SEQ`` as ``0 - SEQ`` (a literal -1 is one already)
+        return None if a is None else -a if isinstance(node.op, ast.USub) else a
     if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC and depth < MAX_DEPTH:
         a, b = _arithmetic(node.left, scope, depth + 1), _arithmetic(node.right, scope, depth + 1)
         if a is None or b is None:
