@@ -97,6 +97,12 @@ def test_json_that_is_not_a_plan_says_so():
         Plan.from_json('{"foo": 1}')
     with pytest.raises(PlannerError, match="unsupported plan version 7"):
         Plan.from_json('{"version": 7}')
+    # without groups the message asks for them alone: a plan may leave out 'model' (it asked for a 'model' object)
+    with pytest.raises(PlannerError, match=r"needs a non-empty 'groups' list \(each group"):
+        Plan.from_json('{"version": 1, "groups": []}')
+    with pytest.raises(PlannerError, match="plan 'model' must be an object"):
+        Plan.from_json('{"version": 1, "model": "toy-llama", "groups": [["a"]]}')
+    assert Plan.from_json('{"version": 1, "groups": [["a"]]}').groups[0].modules == ("a",)
 
 
 def test_binary_plan_file_is_refused(tmp_path):

@@ -352,8 +352,12 @@ def _plan_from_dict(data: Any) -> Plan:
     _check_keys(data, PLAN_KEYS, "plan JSON")
     check_plan_limits(data)
     model, groups = data.get("model", {}), data.get("groups")  # no model: a hand-written plan, for any model
-    if not isinstance(model, dict) or not isinstance(groups, list) or not groups:
-        raise PlannerError("plan JSON needs a 'model' object and a non-empty 'groups' list")
+    if not isinstance(groups, list) or not groups:
+        raise PlannerError("plan JSON needs a non-empty 'groups' list (each group a list of module names, or an "
+                           "object with 'modules', as `plan --out` writes)")
+    if not isinstance(model, dict):
+        raise PlannerError("plan 'model' must be an object (its 'name', 'fingerprint' and 'numel', as `plan --out` "
+                           "writes), or left out for a plan of any model")
     _check_keys(model, MODEL_KEYS, "plan 'model' object")
     parsed = [_group_from_dict(i, g) for i, g in enumerate(groups)]
     if not parsed[-1].is_root:
