@@ -74,6 +74,19 @@ def test_tied_params_across_groups():
     assert "fully_shard([model.wte, model.lm_head])" in found[0].fix
 
 
+def test_a_hand_written_plan_file_that_splits_tied_params_is_check_s_finding(tmp_path):
+    """A plan file listing a tied pair's modules in two groups is the tied-across-groups finding, exit 1 (its
+    params cannot be claimed, which ended check as a file error, exit 2: a new user's finding)."""
+    path = tmp_path / "plan.json"
+    path.write_text('{"version": 1, "groups": [["wte"], ["lm_head"]]}')
+    done = run_check("toy-gpt2-tied", "--plan", str(path), "--json")
+    assert done.returncode == 1, done.stderr
+    (found,) = json.loads(done.stdout)
+    assert (found["code"], found["module"]) == ("tied-across-groups", "wte")
+    assert "reachable from groups 0 and 1" in found["message"] and "fully_shard([" in found["fix"]
+    assert run_main("simulate", "toy-gpt2-tied", "--plan", str(path)).returncode == 2  # elsewhere, an error
+
+
 def test_a_module_reused_inside_a_list_group():
     tr = traced("twice")
     found = plan_findings(tr, make_plan(tr, [["inp", "block"]]))

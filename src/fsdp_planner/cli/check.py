@@ -20,6 +20,7 @@ from fsdp_planner.cli.requests import (
 )
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
+from fsdp_planner.fsdp2.claim import SplitParamError
 from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, model_findings, plan_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import complex_reduce_problem
@@ -78,7 +79,12 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
     if args.plan:
         for note in policy_notes(args, [], plan_file=True):
             render.note(note)
-        return plan_to_check(args.plan, tr, model_spec(args)), f"the plan in {args.plan}", []
+        label = f"the plan in {args.plan}"
+        try:
+            return plan_to_check(args.plan, tr, model_spec(args)), label, []
+        except SplitParamError as e:  # a pitfall check names, not a file it cannot read
+            owner = e.param.rpartition(".")[0]
+            return None, label, [Finding(Severity.ERROR, Code.TIED_ACROSS_GROUPS, e.problem, e.FIX, owner)]
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")

@@ -23,6 +23,19 @@ from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
 
 
+class SplitParamError(PlannerError):
+    """A param (tied, or of a module two groups reach) that a plan's groups would each claim: FSDP2 2.13 raises
+    ValueError ("shared with a parameter already managed by another FSDP group"); ``check`` reports it as a
+    finding, every other command as an error."""
+
+    FIX = "list its modules together in one fully_shard([...])"
+
+    def __init__(self, param: str, first: int, second: int) -> None:
+        self.param = param
+        self.problem = f"parameter '{param}' is reachable from groups {first} and {second}; FSDP2 needs it in one group"
+        super().__init__(f"{self.problem}: {self.FIX}")
+
+
 def short_list(names: Iterable[str], limit: int = 5) -> str:
     names = sorted(names)
     head = ", ".join(names[:limit])
@@ -90,8 +103,7 @@ def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
                 stack.extend(modules[x].children)
         for p in mine:
             if p in claimed_by:
-                raise PlannerError(f"parameter '{p}' is reachable from groups {claimed_by[p]} and {gi}; FSDP2 needs "
-                                   "it in one group: list its modules together in one fully_shard([...])")
+                raise SplitParamError(p, claimed_by[p], gi)
             claimed_by[p] = gi
         result[gi] = _registration_order(set(mine), trace)
         sharded |= listed
@@ -120,8 +132,7 @@ def _claimed_in_tree(plan: Plan, trace: Trace) -> list[list[str]]:
         mine = set().union(*(subtree[m] for m in g.modules)).difference(*(subtree[x] for x in carved[gi]))
         for p in mine:
             if p in claimed_by:  # a tied param reachable from two groups
-                raise PlannerError(f"parameter '{p}' is reachable from groups {claimed_by[p]} and {gi}; FSDP2 needs "
-                                   "it in one group: list its modules together in one fully_shard([...])")
+                raise SplitParamError(p, claimed_by[p], gi)
             claimed_by[p] = gi
         result.append(_registration_order(mine, trace))
     return result
