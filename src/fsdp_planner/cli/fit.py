@@ -140,8 +140,10 @@ def run(args: argparse.Namespace) -> int:
 def _print_tables(request: FitRequest, points: Points) -> None:
     for title, rows in _sections(request, points):
         render.console.print(_table(title, rows, request.seq is not None))
-    render.plain(f"{points.searches:,} searches ({len(points.staged):,} workloads searched as plan searches them, "
-                 f"{len(points.screens):,} screened without refinement; the tables list the first)")
+    searched = len(points.staged)
+    render.plain(f"{points.searches:,} searches ({searched:,} workload{'' if searched == 1 else 's'} searched as "
+                 f"plan searches them, {len(points.screens):,} screened without refinement; the tables list the "
+                 "first)")
 
 
 def _partial(request: FitRequest, points: Points, why: BaseException, seconds: float) -> int:

@@ -469,9 +469,10 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bo
     split = split or by_default
     if split and (kw.policy != PolicyName.AUTO.value or kw.batch is None):
         workload_int(kw.batch, "batch", spell, MAX_BATCH)
+        missing = [x for x, absent in ((spell.given('policy', 'auto'), kw.policy != PolicyName.AUTO.value),
+                                       (spell.name_of('batch'), kw.batch is None)) if absent]
         raise PlannerError(f"{spell.given('micro_batches', SPLIT_AUTO)} lets {spell.given('policy', 'auto')} split "
-                           f"{spell.name_of('batch')}, the per-GPU batch of the step: add "
-                           f"{spell.given('policy', 'auto')} and {spell.name_of('batch')}")
+                           f"{spell.name_of('batch')}, the per-GPU batch of the step: add {' and '.join(missing)}")
     names = [PolicyRequest.named(kw.policy).name] if kw.policy is not None else list(CLASSIC_POLICIES)
     policies = [policy_request(kw, n.value, spell) for n in names]
     the_cluster = cluster(kw.cluster, spell, kw.cpu_optimizer_rate)
