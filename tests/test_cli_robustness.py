@@ -465,10 +465,10 @@ def test_a_misspelt_factory_lists_the_functions_closest_first(capsys):
     code, _, err = run_main(capsys, "plan", f"{model}:dbrx_lik")
     assert code == 2
     assert err.strip() == f"error: '{model}' has no callable 'dbrx_lik' (its functions, closest first: dbrx_like, " \
-                          "where_moe, placeholders, llava, mha_encoder, sorted_moe, wav2vec2_like, padded_moe)"
+                          "where_moe, placeholders, llava, mha_encoder, sorted_moe, wav2vec2_like, padded_moe, ...)"
     code, _, err = run_main(capsys, "plan", f"{model}:zzz")  # nothing near: the file's order, as without ':FN'
     assert code == 2 and err.strip().endswith("has no callable 'zzz' (its functions: where_moe, placeholders, llava, "
-                                              "mha_encoder, sorted_moe, dbrx_like, wav2vec2_like, padded_moe)")
+                                              "mha_encoder, sorted_moe, dbrx_like, wav2vec2_like, padded_moe, ...)")
 
 
 def test_demo_with_an_unknown_model_fails_before_any_work(capsys, tmp_path):

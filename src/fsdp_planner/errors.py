@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import traceback
+from pathlib import Path
 
 MAX_MESSAGE = 1000  # characters of an error line
 MAX_WORD = 200  # characters of one space-free run in it: a path or name longer than this is cut short
@@ -27,3 +29,13 @@ def one_line(message: str) -> str:
 def _cut_word(m: re.Match[str]) -> str:
     word = m.group()
     return f"{word[:40]}...({len(word):,} characters)...{word[-80:]}"
+
+
+def raised_at(e: BaseException) -> str:
+    """`` (at FILE:LINE in FUNCTION)``: the innermost frame ``e`` was raised in, for an error raised in a user's or a
+    library's code (an IndexError alone does not say which list); empty when it has no traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {Path(f.filename).name}:{f.lineno} in {f.name})"

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_planner.choices import ATTENTION_NAMES
-from fsdp_planner.errors import PlannerError
+from fsdp_planner.errors import PlannerError, raised_at
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 from fsdp_planner.models.on_meta import meta_init
 from fsdp_planner.userfiles import MAX_SOURCE_BYTES
@@ -351,7 +351,7 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
     except SystemExit as e:  # sys.exit or argparse in a factory is an error too, never a silent exit
         raise PlannerError(exit_message(e, f"building the model '{spec}'")) from e
     except Exception as e:  # user code: report, never a traceback
-        raise PlannerError(f"model factory '{spec}' raised {type(e).__name__}: {e}") from e
+        raise PlannerError(f"model factory '{spec}' raised {type(e).__name__}: {e}{raised_at(e)}") from e
     if not isinstance(result, tuple) or len(result) not in (2, 3) or not isinstance(result[0], nn.Module):
         raise PlannerError(
             f"model factory '{spec}' must return (model, example_inputs) or (model, example_inputs, loss_fn)"
