@@ -583,11 +583,18 @@ def explanation(rows: Sequence[GroupExplanation], step_time: float, peak: int, c
 
 
 def _delta_time(alt: float | None, base: float) -> str:
-    return "-" if alt is None else f"{fmt_time(alt)} ({(alt - base) / base:+.2%})"
+    return "-" if alt is None else f"{fmt_time(alt)} ({_signed_share((alt - base) / base, 2)})"
 
 
 def _delta_bytes(alt: int | None, base: int) -> str:
-    return "-" if alt is None else f"{fmt_bytes(alt)} ({(alt - base) / base:+.1%})"
+    return "-" if alt is None else f"{fmt_bytes(alt)} ({_signed_share((alt - base) / base, 1)})"
+
+
+def _signed_share(x: float, digits: int) -> str:
+    """``x`` as a signed percentage; a change too small for ``digits`` decimals in two significant digits (a tie's
+    alternative read "-0.00%")."""
+    shown = f"{x:+.{digits}%}"
+    return shown if x == 0 or float(shown[:-1]) != 0 else f"{x * 100:+.2g}%"
 
 
 def cost_line(collective: str, nbytes: int, ranks: int, cluster: Cluster, seconds: float,
