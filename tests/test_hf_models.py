@@ -76,7 +76,14 @@ SHIPPED_PARAMS = {
     "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "qwen2.5-3b": 3_085_938_688, "gpt2": 124_439_808,
     "mixtral-8x7b": 46_702_792_704, "deepseek-v3": 671_026_404_352,
     "gemma2-9b": 9_241_705_984, "t5-3b": 2_851_598_336, "vit-h14": 632_045_800,
+    # Qwen3 (torchtitan's qwen3 flavours): what transformers builds, each its model card's total when rounded as it
+    "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
+    "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264, "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-235b-a22b": 235_093_634_560,
 }
+# the Qwen3 model cards' "Number of Parameters" (huggingface.co/Qwen/Qwen3-*)
+QWEN3_CARDS = {"qwen3-0.6b": "0.6", "qwen3-1.7b": "1.7", "qwen3-4b": "4.0", "qwen3-8b": "8.2", "qwen3-14b": "14.8",
+               "qwen3-32b": "32.8", "qwen3-30b-a3b": "30.5", "qwen3-235b-a22b": "235"}
 
 
 def test_every_shipped_config_builds_on_meta_with_its_checkpoints_parameter_count():
@@ -86,6 +93,8 @@ def test_every_shipped_config_builds_on_meta_with_its_checkpoints_parameter_coun
         params = list(model.parameters())
         assert all(p.is_meta and p.dtype == torch.float32 for p in params), name
         assert sum(p.numel() for p in params) == count, name
+    for name, card in QWEN3_CARDS.items():  # billions, to the card's decimals
+        assert f"{SHIPPED_PARAMS[name] / 1e9:.{len(card.partition('.')[2])}f}" == card, name
 
 
 def test_tied_configs_tie_their_embeddings():

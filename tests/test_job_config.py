@@ -328,8 +328,8 @@ def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
     unknown = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "16B"\n')
     with pytest.raises(PlannerError, match=r"model \"deepseek_v3\" flavor \"16B\" is not one fsdp-planner builds "
-                                           r"\(known: llama3 debugmodel, llama3 1B, llama3 3B, llama3 8B, llama3 70B, "
-                                           r"llama3 405B, deepseek_v3 671B\)"):
+                                           r"\(known: llama3 debugmodel/1B/3B/8B/70B/405B, deepseek_v3 671B, qwen3 "
+                                           r"0.6B/1.7B/4B/8B/14B/32B/30B-A3B/235B-A22B\)"):
         args_of("simulate", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
     capsys.readouterr()
     args_of("simulate", "toy-llama", "--from-torchtitan", str(unknown), "--cluster", "h100:8")

@@ -33,7 +33,9 @@ from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json
 # (model, flavour as torchtitan's model_registry spells it; a job's spelling is matched without case)
 TITAN_MODELS = {("llama3", "debugmodel"): "llama3-debugmodel", ("llama3", "1B"): "llama32-1b",
                 ("llama3", "3B"): "llama32-3b", ("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b",
-                ("llama3", "405B"): "llama3-405b", ("deepseek_v3", "671B"): "hf:deepseek-v3"}
+                ("llama3", "405B"): "llama3-405b", ("deepseek_v3", "671B"): "hf:deepseek-v3",
+                **{("qwen3", f): f"hf:qwen3-{f.lower()}" for f in ("0.6B", "1.7B", "4B", "8B", "14B", "32B", "30B-A3B",
+                                                                   "235B-A22B")}}
 
 
 def titan_model(name: str, flavor: str) -> str | None:

@@ -206,18 +206,24 @@ def _structure_findings(trace: Trace, plan: Plan, world_size: int | None) -> lis
                                    "put each dtype's modules in a group of their own (every fsdp-planner policy "
                                    "splits them)", g.modules[0]))
     if world_size is not None:
-        try:
-            check_plan_layout(plan, world_size)
-        except PlannerError as e:  # (its reshard sizes are of a layout it does not have)
-            out.append(Finding(Severity.ERROR, Code.DOES_NOT_RUN, str(e),
-                               f"make the plan again for {world_size} ranks, or run it on the ranks it was made for"))
-            return out
-        try:
-            check_reshard_sizes(plan, world_size)
-        except PlannerError as e:
-            out.append(Finding(Severity.ERROR, Code.RESHARD_AFTER_FORWARD, str(e),
-                               "use true, false or a divisor of the shard size"))
+        out += _world_findings(plan, world_size)
     return out
+
+
+def _world_findings(plan: Plan, world_size: int) -> list[Finding]:
+    """What stops the plan on ``world_size`` ranks: a layout of other ranks, else a reshard size they refuse (the
+    sizes of a layout the plan does not have are not asked)."""
+    try:
+        check_plan_layout(plan, world_size)
+    except PlannerError as e:
+        return [Finding(Severity.ERROR, Code.DOES_NOT_RUN, str(e),
+                        f"make the plan again for {world_size} ranks, or run it on the ranks it was made for")]
+    try:
+        check_reshard_sizes(plan, world_size)
+    except PlannerError as e:
+        return [Finding(Severity.ERROR, Code.RESHARD_AFTER_FORWARD, str(e),
+                        "use true, false or a divisor of the shard size")]
+    return []
 
 
 def _method_calls_by_event(trace: Trace) -> dict[int, tuple[str, str]]:

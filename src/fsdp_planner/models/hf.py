@@ -86,6 +86,15 @@ SHIPPED: dict[str, ShippedConfig] = {
                                2048),
     "t5-3b": ShippedConfig("T5 3B, tied embeddings (google-t5/t5-3b); decoder reads seq_len / 4", 1, 1024),
     "vit-h14": ShippedConfig("ViT-H/14 at 224px, 1000 classes (google/vit-huge-patch14-224-in21k)", 32),
+    # Qwen3, as torchtitan's qwen3 flavours give the released configs' numbers (torchtitan/models/qwen3/__init__.py)
+    "qwen3-0.6b": ShippedConfig("Qwen3 0.6B, tied embeddings (Qwen/Qwen3-0.6B)", 1, 4096),
+    "qwen3-1.7b": ShippedConfig("Qwen3 1.7B, tied embeddings (Qwen/Qwen3-1.7B)", 1, 4096),
+    "qwen3-4b": ShippedConfig("Qwen3 4B, tied embeddings (Qwen/Qwen3-4B)", 1, 4096),
+    "qwen3-8b": ShippedConfig("Qwen3 8B (Qwen/Qwen3-8B)", 1, 4096),
+    "qwen3-14b": ShippedConfig("Qwen3 14B (Qwen/Qwen3-14B)", 1, 4096),
+    "qwen3-32b": ShippedConfig("Qwen3 32B (Qwen/Qwen3-32B)", 1, 4096),
+    "qwen3-30b-a3b": ShippedConfig("Qwen3 30B-A3B MoE, 128 experts top-8 (Qwen/Qwen3-30B-A3B)", 1, 4096),
+    "qwen3-235b-a22b": ShippedConfig("Qwen3 235B-A22B MoE, 128 experts top-8 (Qwen/Qwen3-235B-A22B)", 1, 4096),
 }
 
 

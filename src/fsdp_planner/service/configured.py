@@ -83,7 +83,10 @@ def _model(m: _Merge) -> None:
         where = "[model] name and flavor" if cfg.path.endswith(".toml") else "model_spec = model_registry(FLAVOR)"
         raise PlannerError(f"the torchtitan config {shown_json(cfg.path)} names no model ({where}): give MODEL")
     if cfg.model is None:
-        known = ", ".join(f"{n} {f}" for n, f in _titan_models())
+        flavours: dict[str, list[str]] = {}
+        for n, f in _titan_models():
+            flavours.setdefault(n, []).append(f)
+        known = ", ".join(f"{n} {'/'.join(fs)}" for n, fs in flavours.items())
         raise PlannerError(f"the torchtitan job's model {cfg.model_label} is not one fsdp-planner builds (known: "
                            f"{known}); give your model as MODEL, e.g. hf:path/config.json or path/model.py:build")
     m.values["model"] = cfg.model
