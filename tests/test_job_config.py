@@ -523,6 +523,9 @@ def test_an_accelerate_job_s_machines_are_its_nodes(tmp_path):
     two = accel(tmp_path, "num_machines: 2\nnum_processes: 8\n")
     with pytest.raises(PlannerError, match=r"has 1 node\(s\) but the accelerate job runs on 2 \(num_machines\)"):
         args_of("simulate", "toy-llama", "--from-accelerate", str(two), "--cluster", "h100:8")
+    # the GPU to give alone is the user's (it said h100 whatever the cluster: a new user's finding)
+    with pytest.raises(PlannerError, match=r"give the GPU alone \(--cluster a100\) or agree"):
+        args_of("simulate", "toy-llama", "--from-accelerate", str(two), "--cluster", "a100:16")
     assert args_of("simulate", "toy-llama", "--from-accelerate", str(two), "--cluster", "h100").cluster == "h100:2x4"
     wide = accel(tmp_path, "num_machines: 2\nnum_processes: 32\n")
     assert args_of("simulate", "toy-llama", "--from-accelerate", str(wide)).cluster == "h100:32"

@@ -160,12 +160,13 @@ def _layout(m: _Merge) -> None:
 def _same_cluster(cfg: JobConfig, spec: str, world: int) -> None:
     """The user's cluster, a count or a layout, is the job's: its GPUs and (Accelerate's num_machines) nodes."""
     cluster = parse_cluster(spec)
+    gpu = spec.split(":")[0].strip() if not spec.strip().endswith(".json") else DEFAULT_GPU  # the user's GPU, alone
     if cluster.world_size != world:
         raise PlannerError(f"--cluster {shown_json(spec)} has {cluster.world_size:,} GPUs but the {cfg.kind} job runs "
-                           f"on {world:,} ({_world_keys(cfg)}): give the GPU alone (--cluster {DEFAULT_GPU}) or agree")
+                           f"on {world:,} ({_world_keys(cfg)}): give the GPU alone (--cluster {gpu}) or agree")
     if cfg.nodes and cluster.nodes != cfg.nodes:
         raise PlannerError(f"--cluster {shown_json(spec)} has {cluster.nodes} node(s) but the {cfg.kind} job runs on "
-                           f"{cfg.nodes} (num_machines): give the GPU alone (--cluster {DEFAULT_GPU}) or agree")
+                           f"{cfg.nodes} (num_machines): give the GPU alone (--cluster {gpu}) or agree")
 
 
 def _data_parallel(m: _Merge, dp: int) -> None:
