@@ -268,7 +268,7 @@ def test_a_plan_file_of_a_split_says_how_to_run_it(tmp_path, capsys):
     assert main(["plan", f"hf:{config}", "--policy", "auto", "--cluster", "h100:16", "--batch", "64", "--seq", "64",
                  "--memory-budget", "45MiB", "--out", str(out)]) == 0
     written = capsys.readouterr().out.splitlines()[-1]
-    assert written == f"plan written to {out} (simulated as 4 micro-batches: give simulate and verify --batch 64 " \
+    assert written == f"plan written to {out} (simulated as: give simulate and verify --batch 64 " \
                       "--micro-batches 4)", written
     assert main(["simulate", f"hf:{config}", "--plan", str(out), "--cluster", "h100:16", "--batch", "64", "--seq",
                  "64", "--micro-batches", "4", "--memory-budget", "45MiB", "--json"]) == 0

@@ -544,3 +544,19 @@ def test_torchtitan_s_other_models_registries_read(spec, read):
     assert (cfg.model, cfg.seq, cfg.batch, cfg.tp, cfg.ep, cfg.compile) == read
     if spec.endswith("deepseek_v3_671b"):
         assert any("compile.components = [\"loss\"] compiles no part of the model" in n for n in cfg.notes)
+
+
+def test_a_plan_file_from_a_job_says_what_simulate_needs_to_run_it(tmp_path, capsys):
+    """The plan file holds the sharding: the job's workload and optimizer (torchtitan's fused AdamW) must be given
+    to simulate again, which the line that writes it says (without --optimizer adamw-fused the step read 502 ms
+    against the plan's 482: a new user's finding)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--out", str(out),
+                 "--json"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto_step"]
+    assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--out", str(out)]) == 0
+    written = capsys.readouterr().out.strip().splitlines()[-1]
+    flags = written.partition("give simulate and verify ")[2].rstrip(")").split()
+    assert flags == ["--batch", "8", "--seq", "2048", "--optimizer", "adamw-fused"], written
+    assert main(["simulate", "llama3-debugmodel", "--plan", str(out), "--cluster", "h100:8", *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time"] == auto["step_time"]

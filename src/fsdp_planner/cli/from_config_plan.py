@@ -16,6 +16,7 @@ from rich.table import Table
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.common import REPORTER, tracer
+from fsdp_planner.cli.plan import run_flags
 from fsdp_planner.cli.requests import configured, keywords
 from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig
 from fsdp_planner.errors import PlannerError
@@ -104,7 +105,7 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         if verdict is not None:  # the first line: auto's plan below is its last resort
             render.plain(verdict)
-        _print(result, cfg, given)
+        _print(result, cfg, given, run_flags(outcome.auto.job, False, workload=True))
     return 0 if result.fits else 1
 
 
@@ -182,7 +183,7 @@ def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str,
             "plan": result.auto.to_dict()}
 
 
-def _print(result: Result, cfg: JobConfig, args: argparse.Namespace) -> None:
+def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: str = "") -> None:
     t = Table(title=f"{cfg.kind} config keys auto would change ({args.model} on {args.cluster})",
               title_justify="left")
     for col in ("key", "config", "auto"):
@@ -209,4 +210,4 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace) -> None:
     if result.no_fit:
         render.plain(f"auto: {result.no_fit}")
     if args.out is not None:
-        render.plain(f"plan written to {args.out}")
+        render.plain(f"plan written to {args.out}{written}")
