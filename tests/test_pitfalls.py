@@ -194,3 +194,20 @@ def test_a_scalar_param_is_an_error_and_no_plan_is_made():
     assert "registers scale" in f.message and "reshape(1)" in f.fix
     with pytest.raises(PlannerError, match="fully_shard refuses 0-dim"):
         make_plan(tr, [["proj"]])
+
+
+def test_a_plan_over_the_budget_is_a_finding():
+    """check --cluster named a plan over the budget only inside its answers' prose ("the change's and the plan's
+    over the 70.8 GiB budget") and exited 0 on one past the GPU's memory (llama3-8b's module plan on 8 H100s
+    reserves 78.9 GiB of an H100's 74.5: a new user's finding). Past the GPU it is an error; past the budget
+    alone, a warning."""
+    done = run_check("llama3-8b", "--cluster", "h100:8", "--json")
+    assert done.returncode == 1, done.stderr
+    (over,) = [f for f in json.loads(done.stdout) if f["code"] == "over-budget"]
+    assert over["severity"] == "error" and "more than one H100-SXM-80GB holds (74.5 GiB)" in over["message"]
+    small = run_check("toy-llama", "--cluster", "h100:8", "--memory-budget", "1MiB", "--json")
+    assert small.returncode == 0, small.stderr
+    (over,) = [f for f in json.loads(small.stdout) if f["code"] == "over-budget"]
+    assert over["severity"] == "warning" and "over the 1 MiB budget (--memory-budget)" in over["message"]
+    fits = run_check("toy-llama", "--cluster", "h100:8", "--json")
+    assert "over-budget" not in {f["code"] for f in json.loads(fits.stdout)}

@@ -64,6 +64,7 @@ class Code(Enum):
     SCALAR_PARAMS = "scalar-params"
     PRECISION = "precision"  # the step fails in the precision's compute dtype (found by tracing, not here)
     DOES_NOT_RUN = "does-not-run"  # the plan cannot run on the cluster for a reason no other finding names
+    OVER_BUDGET = "over-budget"  # the plan's simulated reserved peak is over the memory budget (check --cluster)
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,27 @@ def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget
     except PlannerError as e:
         return [Finding(Severity.ERROR, Code.DOES_NOT_RUN, f"the plan cannot run on {cluster.name}: {e}",
                         "change the plan as the message says, or make it again with plan --out")]
-    found = [_reduce_dtype(tr, plan, cluster, options, base, budget), float8_answer(tr, plan, cluster, options,
-                                                                                    base, budget)]
+    found = [_over_budget_finding(base, budget), _reduce_dtype(tr, plan, cluster, options, base, budget),
+             float8_answer(tr, plan, cluster, options, base, budget)]
     if cluster.world_size > cluster.gpus_per_node:
         found += [_hsdp(tr, plan, cluster, options, base, budget), _reshard_to_node(tr, plan, cluster, options,
                                                                                     base, budget)]
     return [f for f in found if f is not None]
+
+
+def _over_budget_finding(base: StepReport, budget: MemoryBudget) -> Finding | None:
+    """The plan's reserved peak over the budget: an error past the GPU's memory (the step runs out of it), else a
+    warning (it leaves less than the headroom); None within it. (The answers below only spoke of it in passing.)"""
+    reserved = base.reserved_memory
+    if budget.fits(reserved):
+        return None
+    past_gpu = reserved > budget.capacity
+    fix = "plan it with --policy auto (it fits the budget or says why nothing does), or checkpoint more blocks"
+    if past_gpu:
+        return Finding(Severity.ERROR, Code.OVER_BUDGET, f"the plan reserves {fmt_bytes(reserved)} per rank, more "
+                       f"than one {budget.gpu} holds ({fmt_bytes(budget.capacity)}): the step runs out of memory", fix)
+    return Finding(Severity.WARNING, Code.OVER_BUDGET, f"the plan reserves {fmt_bytes(reserved)} per rank, "
+                   f"{budget.margin(reserved)}", fix)
 
 
 def _step(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions) -> StepReport | None:
