@@ -5,12 +5,14 @@ from __future__ import annotations
 import fsdp_planner.cli.render as render
 import fsdp_planner.service.plan_files as plan_files
 import fsdp_planner.service.planning as planning
+from fsdp_planner.choices import DEFAULT_OPTIMIZER, GradientSync
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec, exit_message, load_model
 from fsdp_planner.planners.registry import PolicyRequest
+from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.planning import Reporter, Tracer
 from fsdp_planner.service.tracing import model_error, trace_spec
 from fsdp_planner.sim.options import SimOptions
@@ -68,3 +70,23 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = 
     """The plan file for the traced ``model``, checked (``service/plan_files.py``; against ``world`` ranks too),
     its notes on stderr."""
     return plan_files.load_plan(path, tr, model, render.note, world)
+
+
+def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
+    """What ``simulate`` and ``verify`` of the written plan must be given for the step it was planned for: the
+    plan file holds the sharding, not the workload nor the optimizer (`` (simulated as ...)``; empty when nothing
+    is needed). ``split``: auto chose the micro-batches; ``workload``: the batch and sequence came from a job
+    config, not the command line."""
+    opts, model = job.options, job.model
+    n, flags = opts.micro_batches, []
+    if n > 1 and (split or workload):
+        flags += ["--batch", str(n * (model.batch_size or 1)), "--micro-batches", str(n)]
+        if opts.gradient_sync is not GradientSync.LAST:
+            flags += ["--gradient-sync", opts.gradient_sync.value]
+    elif workload and model.batch_size is not None:
+        flags += ["--batch", str(model.batch_size)]
+    if workload and model.seq_len is not None:
+        flags += ["--seq", str(model.seq_len)]
+    if opts.optimizer.name != DEFAULT_OPTIMIZER:
+        flags += ["--optimizer", opts.optimizer.name]
+    return f" (simulated as: give simulate and verify {' '.join(flags)})" if flags else ""

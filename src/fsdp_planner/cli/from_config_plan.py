@@ -15,8 +15,7 @@ from rich.table import Table
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.choices import ACMode, PolicyName
-from fsdp_planner.cli.common import REPORTER, tracer
-from fsdp_planner.cli.plan import run_flags
+from fsdp_planner.cli.common import REPORTER, run_flags, tracer
 from fsdp_planner.cli.requests import configured, keywords
 from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig
 from fsdp_planner.errors import PlannerError

@@ -10,15 +10,13 @@ from typing import Any
 from rich.markup import escape
 
 import fsdp_planner.cli.render as render
-from fsdp_planner.choices import DEFAULT_OPTIMIZER, GradientSync
-from fsdp_planner.cli.common import REPORTER, tracer
+from fsdp_planner.cli.common import REPORTER, run_flags, tracer
 from fsdp_planner.cli.requests import plan_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_time, json_text
 from fsdp_planner.planners.answers import compile_answer, compiled_float8_answer, float8_answer
 from fsdp_planner.planners.auto.explain import GroupExplanation
 from fsdp_planner.service.fit import offload_verdict
-from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.planning import as_written, judged_model, plan
 from fsdp_planner.sim.simulate import StepReport
@@ -62,26 +60,6 @@ def run(args: argparse.Namespace) -> int:
         render.plain(f"auto: {no_fit}")  # it names the budget's source: a cluster file's GPU
         return 1
     return 0
-
-
-def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
-    """What ``simulate`` and ``verify`` of the written plan must be given for the step it was planned for: the
-    plan file holds the sharding, not the workload nor the optimizer (`` (simulated as ...)``; empty when nothing
-    is needed). ``split``: auto chose the micro-batches; ``workload``: the batch and sequence came from a job
-    config, not the command line."""
-    opts, model = job.options, job.model
-    n, flags = opts.micro_batches, []
-    if n > 1 and (split or workload):
-        flags += ["--batch", str(n * (model.batch_size or 1)), "--micro-batches", str(n)]
-        if opts.gradient_sync is not GradientSync.LAST:
-            flags += ["--gradient-sync", opts.gradient_sync.value]
-    elif workload and model.batch_size is not None:
-        flags += ["--batch", str(model.batch_size)]
-    if workload and model.seq_len is not None:
-        flags += ["--seq", str(model.seq_len)]
-    if opts.optimizer.name != DEFAULT_OPTIMIZER:
-        flags += ["--optimizer", opts.optimizer.name]
-    return f" (simulated as: give simulate and verify {' '.join(flags)})" if flags else ""
 
 
 def _split_note(outcome: PlanOutcome) -> None:
