@@ -394,6 +394,11 @@ def test_what_a_torchtitan_job_cannot_say_is_noted(tmp_path, capsys) -> None:
     assert "checkpoints 1 of the model's 4 blocks; torchtitan's job checkpoints every block (full)" in err
     assert "compiles 1 of the model's 4 blocks" in err and "int reshard_after_forward" in err
     assert "under autocast" in err
+    assert "more groups than the last" not in err  # (the int group is said above; the rest are torchtitan's default)
+    mixed = plan.with_group(1, reshard_after_forward=False).with_group(2, reshard_after_forward=False)
+    path.write_text(mixed.to_json())
+    assert main(["export", str(path), "--format", "torchtitan"]) == 0
+    assert "the plan keeps 2 more groups than the last unsharded after forward" in capsys.readouterr().err
     every = plan.replace(activation_checkpointing=[f"layers.{i}" for i in range(4)], compiled=[],
                          groups=[dataclasses.replace(g, reshard_after_forward=True) for g in plan.groups])
     path.write_text(every.to_json())

@@ -85,6 +85,11 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
                                                for g in plan.inner_groups):
         out.append("the plan reshards some groups to a smaller mesh after forward (an int reshard_after_forward), "
                    "which torchtitan's fsdp_reshard_after_forward cannot say: the job reshards them in full")
+    kept = [g for g in plan.inner_groups[:-1] if g.reshard_after_forward is False]
+    if reshard_rule(plan) == "default" and kept:  # torchtitan's "default" keeps its last group ([norm, output]) only
+        out.append(f"the plan keeps {len(kept)} more groups than the last unsharded after forward "
+                   "(reshard_after_forward false); torchtitan's fsdp_reshard_after_forward 'default' keeps only "
+                   "[norm, output]: the job reshards them")
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
