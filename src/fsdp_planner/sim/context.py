@@ -146,7 +146,7 @@ class SimContext:
     def group_cost(self, kind: CollectiveKind, ranks: int, params: Sequence[int]) -> CollectiveCost:
         """``cost`` of a collective of a group of ``params``: an expert group's all-gather and reduce-scatter on the
         EP-reduced mesh (its ranks EP apart), the rest as ``cost``."""
-        if kind is CollectiveKind.ALL_REDUCE or not self._experts or not params or params[0] not in self._experts:
+        if not self._on_experts(kind, params):
             return self.cost(kind, ranks)
         key = (kind, -1)
         if key not in self._costs:
@@ -157,12 +157,16 @@ class SimContext:
     def line(self, kind: CollectiveKind, ranks: int, params: Sequence[int], nbytes: int) -> LinkCost:
         """``group_cost(kind, ranks, params).line(nbytes)``, remembered: a search prices the same sizes on the same
         groups plan after plan (choosing the protocol was a tenth of the engine's time)."""
-        expert = kind is not CollectiveKind.ALL_REDUCE and bool(self._experts and params and params[0] in self._experts)
-        key = (kind, ranks, expert, nbytes)
+        key = (kind, ranks, self._on_experts(kind, params), nbytes)
         found = self._lines.get(key)
         if found is None:
             found = self._lines[key] = self.group_cost(kind, ranks, params).line(nbytes)
         return found
+
+    def _on_experts(self, kind: CollectiveKind, params: Sequence[int]) -> bool:
+        """Whether a collective of a group of ``params`` runs on the EP-reduced mesh (an expert group's all-gather
+        or reduce-scatter; a group holds experts only or none)."""
+        return kind is not CollectiveKind.ALL_REDUCE and bool(self._experts and params and params[0] in self._experts)
 
     def comm_time(self, kind: CollectiveKind, nbytes: np.ndarray) -> np.ndarray:
         """Seconds of ``kind`` collectives of each size in ``nbytes`` on the whole group, the fastest protocol

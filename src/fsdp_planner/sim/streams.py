@@ -64,14 +64,13 @@ class Streams:
         self.copy_time = 0.0
         self.timeline = Timeline(timeline)
 
-    def compute_until(self, idx: int, host_finish: float | None = None) -> None:
+    def compute_until(self, idx: int, host_finish: float | None) -> None:
         """Run the ops before ``idx`` (none of them waits for a collective; each waits for its launch: where the
-        host is behind, the wait is drawn before the run). ``host_finish``: ``HostClock.finish`` of these ops, when
-        the caller has it (``HostClock.finishes``: every stretch of a step at once)."""
+        host is behind, the wait is drawn before the run). ``host_finish``: the earliest the GPU can finish them,
+        given when the host launched them (``HostClock.finishes``; None on an ideal host)."""
         busy = self.ctx.cum[idx] - self.ctx.cum[self.pos]
-        if self.host is not None and idx > self.pos:
-            finish = self.host.finish(self.pos, idx) if host_finish is None else host_finish
-            self.wait_for_host(finish - busy)
+        if host_finish is not None and idx > self.pos:
+            self.wait_for_host(host_finish - busy)
         if busy > 0:
             self.timeline.add(Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)", self.t,
                               self.t + busy, op=self.pos)
@@ -181,14 +180,11 @@ class HostClock:
         """The host's time once boundary ``idx``'s hooks ran (and any recomputation there was launched)."""
         return float(self.launched[idx])
 
-    def finish(self, pos: int, idx: int) -> float:
-        """The earliest the GPU can finish ops pos..idx-1, given when they were launched."""
-        return float(self.lead[pos:idx].max()) + self.cum[idx]
-
     def finishes(self, stops: list[int]) -> list[float]:
-        """``finish`` of each stretch between consecutive ``stops`` (ascending, from 0), in one pass: a step stops
-        hundreds of times, and one numpy call per stretch was a fifth of the engine's time. Entry k is for the
-        stretch ending at ``stops[k]`` (an empty stretch: never asked)."""
+        """The earliest the GPU can finish the ops of each stretch between consecutive ``stops`` (ascending, from
+        0), given when they were launched: the stretch's largest lead plus the ops before its end, all stretches in
+        one numpy call (one call each was a fifth of the engine's time). Entry k is for the stretch ending at
+        ``stops[k]`` (an empty stretch: never asked)."""
         if not len(self.lead):
             return [self.cum[idx] for idx in stops]
         maxima = np.maximum.reduceat(self.lead, [0, *stops[:-1]])  # (the last stop is the step's end)
