@@ -165,8 +165,8 @@ def reference_step_time(tr, plan, ctx):
     issued = {}
     for c in sched.collectives:
         issued.setdefault(c.event, []).append(c)
-    for idx in range(len(tr.events) + 1):
-        streams.compute_until(idx)
+    for idx in range(len(tr.events) + 1):  # one op a stretch: its own launch lead, then the ops before it
+        streams.compute_until(idx, float(host.lead[idx - 1]) + ctx.cum[idx] if idx else None)
         for c in issued.get(idx, ()):
             streams.issue(c)
         if idx < len(tr.events):

@@ -81,15 +81,7 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     elif modules is not None and (full or op) and (blocks := _alike(full or op, modules)) > len(full or op):
         out.append(f"the plan checkpoints {len(full or op)} of the model's {blocks} blocks; torchtitan's job "
                    f"checkpoints every block ({'selective' if op else 'full'})")
-    if reshard_rule(plan) == "default" and any(not isinstance(g.reshard_after_forward, bool)
-                                               for g in plan.inner_groups):
-        out.append("the plan reshards some groups to a smaller mesh after forward (an int reshard_after_forward), "
-                   "which torchtitan's fsdp_reshard_after_forward cannot say: the job reshards them in full")
-    kept = [g for g in plan.inner_groups[:-1] if g.reshard_after_forward is False]
-    if reshard_rule(plan) == "default" and kept:  # torchtitan's "default" keeps its last group ([norm, output]) only
-        out.append(f"the plan keeps {len(kept)} more groups than the last unsharded after forward "
-                   "(reshard_after_forward false); torchtitan's fsdp_reshard_after_forward 'default' keeps only "
-                   "[norm, output]: the job reshards them")
+    out += _reshard_notes(plan)
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
@@ -114,6 +106,22 @@ def _alike(names: Sequence[str], modules: Mapping[str, nn.Module]) -> int:
     """How many of the model's modules are of the classes of ``names``' (the blocks a job setting applies to)."""
     kinds = {type(modules[m]) for m in names if m in modules}
     return sum(type(mod) in kinds for mod in modules.values())
+
+
+def _reshard_notes(plan: Plan) -> list[str]:
+    """What torchtitan's one ``fsdp_reshard_after_forward`` cannot say of the plan's per-group settings."""
+    if reshard_rule(plan) != "default":
+        return []
+    out = []
+    if any(not isinstance(g.reshard_after_forward, bool) for g in plan.inner_groups):
+        out.append("the plan reshards some groups to a smaller mesh after forward (an int reshard_after_forward), "
+                   "which torchtitan's fsdp_reshard_after_forward cannot say: the job reshards them in full")
+    kept = [g for g in plan.inner_groups[:-1] if g.reshard_after_forward is False]
+    if kept:  # torchtitan's "default" keeps its last group ([norm, output]) only
+        out.append(f"the plan keeps {len(kept)} more groups than the last unsharded after forward "
+                   "(reshard_after_forward false); torchtitan's fsdp_reshard_after_forward 'default' keeps only "
+                   "[norm, output]: the job reshards them")
+    return out
 
 
 def reshard_rule(plan: Plan) -> str:
