@@ -1,6 +1,6 @@
 """The gradients alive in backward (``Event.grad_live``, ``trace/step.Gradients``): a tied weight's contributions
-are the param's grad, which the FSDP2 replay counts; a loss computed inside the model frees what it saved before
-the blocks' backward."""
+are the param's grad, which the FSDP2 replay counts once (the rest, alive beside it while autograd sums them,
+are ``grad_live``); a loss computed inside the model frees what it saved before the blocks' backward."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ def test_a_tied_weight_s_first_contribution_is_no_gradient_of_an_activation() ->
     live = [tr.events[i].grad_live for i in between if tr.events[i].is_op and tr.events[i].backward]
     assert live and max(live) < weight // 8
     assert tr.index.first_backward_use[tr.index.param_index["embed.weight"]] < between.start  # the head reads it
+    embed = range(_at(tr, EventKind.BWD_PRE, "embed"), _at(tr, EventKind.BWD_POST, "embed"))
+    # where autograd sums them: the embedding's contribution and the sum, beside the head's (the param grad)
+    assert max(tr.events[i].grad_live for i in embed) == 2 * weight
 
 
 def test_a_loss_inside_the_model_frees_what_it_saved_before_the_blocks_backward() -> None:

@@ -2,19 +2,21 @@
 
 Static (all step): sharded params and optimizer state (padded, divided by the shard world size), and the model's
 buffers (replicated). Over the step, from the FSDP2 replay: the groups' unsharded params while they are gathered
-(``Residency``), the all-gather output beside them while it is copied out (just before the group's first use
-after each all-gather), each param's unsharded grad from its own first backward op until its group's
-reduce-scatter (``_grads_from``), the
-reduce-scatter input (padded, reduce dtype; FSDP2's ``foreach_reduce``) from its reduce-scatter until the next
-group's post-backward frees it (``reduce_scatter_max_input_buffers=1``, the default) or the step ends, the sharded
-grads from their reduce-scatter on (``zero_grad()`` sets them to None between steps, its default; with
-``set_to_none=False`` they live all step and each reduce-scatter output is a transient added into them), and the
-activations saved for backward, from the op that saves them until the backward of the module call that saved
-them is done, with activation checkpointing and the loss's live tensors as ``recompute.py`` says. After the last
-micro-batch, the optimizer step: the static part, the sharded grads, the batch and the step's own temporaries
-(foreach Adam's square roots of exp_avg_sq, one state's size: ``sim/optimizer_step.py``). In a TP view a
-vocab-parallel embedding's grad is made whole, TP times the rank's shard, and held until its group's post-backward
-copies the shard out (``_replicated_grad``, ``sim/tensor_parallel.py``). Sizes come from ``sizing.py``.
+(``Residency``), the all-gather output beside them while it is copied out (just before the group's first use after
+each all-gather; under a mixed precision with the shards cast for it beside it at its issue), each param's unsharded
+grad from its own first backward op until its group's reduce-scatter (``_grads_from``; the last of them one event
+longer, beside the reduce-scatter output: ``_last_grad``), the reduce-scatter input (padded, reduce dtype; FSDP2's
+``foreach_reduce``) from its reduce-scatter until the next group's post-backward frees it
+(``reduce_scatter_max_input_buffers=1``, the default) or the step ends (the final callback's groups one at a time:
+``_final_callback``), the sharded grads from their reduce-scatter on (``zero_grad()`` sets them to None between
+steps, its default; with ``set_to_none=False`` they live all step and each reduce-scatter output is a transient
+added into them), and the activations saved for backward, from the op that saves them until the backward of the
+module call that saved them is done, with activation checkpointing and the loss's live tensors as ``recompute.py``
+says. After the last micro-batch, the optimizer step: the static part, the sharded grads, the batch and the step's
+own temporaries (foreach Adam's square roots of exp_avg_sq, one state's size: ``sim/optimizer_step.py``). In a TP
+view a vocab-parallel embedding's grad is made whole, TP times the rank's shard, and held until its group's
+post-backward copies the shard out (``_replicated_grad``, ``sim/tensor_parallel.py``). Sizes come from
+``sizing.py``.
 
 The same terms give the classic strategies' rows (``strategy_table``): one device, DDP (plus gradient buckets,
 one more copy of the grads), ZeRO-1 and ZeRO-2 (optimizer state, then grads too, divided by the world size),
@@ -66,7 +68,7 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.fsdp2.replay import Schedule, build_schedule
+from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.sim.allocator import loss_region_slack
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
@@ -78,7 +80,7 @@ from fsdp_planner.sim.recompute import (
     loss_region_deltas,
     recompute_levels,
 )
-from fsdp_planner.sim.sizing import Sizing
+from fsdp_planner.sim.sizing import GroupFacts, Sizing
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -212,7 +214,7 @@ class MemoryModel:
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._casts = float8_casts
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
-        self._grad_starts: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = {}  # ``_grads_from``
+        self._grad_starts: dict[tuple[tuple[int, ...], int, bool], list[tuple[int, int]]] = {}  # ``_grads_from``
         self._made: dict[int, int] = {}  # ``_backward_start``
         self._slack: np.ndarray | None = like._slack if like is not None else None  # ``loss_slack``
 
@@ -306,16 +308,8 @@ class MemoryModel:
                 at = deltas[end] = [0.0] * len(_DYNAMIC)
             at[cat] -= nbytes
 
-        for r in schedule.residency:
-            add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)
-            # dim-1 params are copied out through a temporary of their unsharded size, freed once copied
-            add(0, r.start, r.start + 1, self.sizing.shard1_gather_bytes(groups[r.group].params) / r.divisor)
+        self._gathered(add, schedule, groups)
         reduces = [c for c in schedule.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
-        for c in schedule.collectives:
-            if c.kind is CollectiveKind.ALL_GATHER:
-                # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
-                # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
-                add(1, c.event + c.prefetch, c.output_freed, groups[c.group].gather_bytes)
         for c in reduces:  # a TP view's grads made whole: apart from the rest (``_replicated_grad``)
             for p, whole, shard in self.sizing.replicated_grads(c.params):
                 self._replicated_grad(add, p, c.event, whole, shard, phase, n)
@@ -325,19 +319,98 @@ class MemoryModel:
                                  min(groups[c.group].first_backward, c.event), n, phase)
             return deltas
         for k, c in enumerate(reduces):
-            first = min(groups[c.group].first_backward, c.event)
-            own = self.sizing.tp_local_grads(c.params)
-            for start, nbytes in self._grads_from(own, first):
-                add(2, min(start, c.event), c.event + 1, nbytes)
-            if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
-                add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
-            add(2, c.event, c.event + 1, self.sizing.shard1_grad_peak_bytes(c.params))  # dim-1 grads re-laid out
             # the next post-backward frees this input buffer before it allocates its own
-            add(3, c.event, reduces[k + 1].event if k + 1 < len(reduces) else n, self.sizing.reduce_bytes(c.params))
-            if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
-                add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
-            self._sharded_grad(add, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
+            self._reduced(add, c, reduces[k + 1].event if k + 1 < len(reduces) else n, groups, phase, n,
+                          sharded_held)
+        finals = [c for c in reduces if c.event == n - 1]
+        if finals and phase is GradSync.ONLY and not (self.offload or sharded_held) \
+                and self.zero_grad is ZeroGrad.NONE:
+            self._final_callback(add, finals, plan, schedule, n - 1)
         return deltas
+
+    def _gathered(self, add: Callable[[int, int, int, float], None], schedule: Schedule,
+                  groups: list[GroupFacts]) -> None:
+        """The unsharded params (category 0) and the all-gather buffers (1) of the replay's all-gathers."""
+        for r in schedule.residency:
+            add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)
+            # dim-1 params are copied out through a temporary of their unsharded size, freed once copied
+            add(0, r.start, r.start + 1, self.sizing.shard1_gather_bytes(groups[r.group].params) / r.divisor)
+        for c in schedule.collectives:
+            if c.kind is CollectiveKind.ALL_GATHER:
+                # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
+                # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
+                at = c.event + c.prefetch
+                add(1, at, c.output_freed, groups[c.group].gather_bytes)
+                if not self.offload:  # the shards cast to the all-gather dtype, copied in beside it
+                    add(1, at, at + 1, self.sizing.gather_cast_bytes(groups[c.group].params, c.ranks))
+
+    def _reduced(self, add: Callable[[int, int, int, float], None], c: Collective, freed: int,
+                 groups: list[GroupFacts], phase: GradSync, n: int, sharded_held: bool) -> None:
+        """A reduce-scatter's unsharded grads (category 2) up to it, its input buffer (3) until ``freed`` and its
+        output, the sharded grads (4), in a micro-batch ``phase`` that syncs."""
+        first = min(groups[c.group].first_backward, c.event)
+        own = self.sizing.tp_local_grads(c.params)
+        # an accumulated grad that autograd adds into exists before its call's backward (``_grads_from``)
+        own_call = phase is GradSync.ONLY or self._separate_accumulation
+        for start, nbytes in self._grads_from(own, first, own_call):
+            add(2, min(start, c.event), c.event + 1, nbytes)
+        if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
+            add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
+        add(2, c.event, c.event + 1, self.sizing.shard1_grad_peak_bytes(c.params))  # dim-1 grads re-laid out
+        add(3, c.event, freed, self.sizing.reduce_bytes(c.params))
+        if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
+            add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
+        self._sharded_grad(add, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
+        if c.event < n - 1 and not self.offload and (sharded_held or self.zero_grad is ZeroGrad.NONE):
+            # beside the output (the final callback's: ``_final_callback``)
+            add(2, c.event + 1, c.event + 2, self._last_grad(own, phase))
+
+    def _final_callback(self, add: Callable[[int, int, int, float], None], finals: list[Collective], plan: Plan,
+                        schedule: Schedule, end: int) -> None:
+        """The groups that post-backward in the root's final callback (inputs without grad: an embedding's; the
+        root's own params) do so one at a time, in ``named_modules`` order (FSDP2's ``all_states``, the root
+        first): each reshards its params, allocates its reduce-scatter input, clears its grads but the last
+        (``_last_grad``) and allocates its output, while the groups after it still hold their unsharded params and
+        grads. ``_deltas`` counts them all at ``end`` at once (every grad, the reduce input of the last it
+        replayed); this moves ``end`` to the callback's fullest moment (a small untied LM with its embedding
+        alone on 2 fake ranks: -16% without, the root's reduce-scatter beside the embedding's gathered param and
+        grad)."""
+        order = {m: k for k, m in enumerate(self.trace.modules)}
+        replayed_last = finals[-1]
+        finals = sorted(finals, key=lambda c: min(order.get(m, len(order)) for m in plan.groups[c.group].modules))
+        sizes = self.sizing.groups(plan)
+        held = dict.fromkeys((c.group for c in finals), 0.0)  # unsharded params held into the callback
+        for r in schedule.residency:
+            if r.group in held and r.start < end == r.end:
+                held[r.group] += sizes[r.group].gather_bytes / r.divisor
+        grads = [self.sizing.grad_bytes(self.sizing.tp_local_grads(c.params)) for c in finals]
+        relaid = [self.sizing.shard1_grad_peak_bytes(c.params) for c in finals]
+        outputs = [self.sizing.shard_numel(c.params) * self.grad_bytes for c in finals]
+        moments = []  # (params, grads, reduce input, outputs) at each allocation: the input's, then the output's
+        for j, c in enumerate(finals):
+            params, later, reduce_input = sum(held[f.group] for f in finals[j + 1:]), sum(grads[j + 1:]), \
+                self.sizing.reduce_bytes(c.params)
+            moments.append((params, later + grads[j] + relaid[j], reduce_input, sum(outputs[:j])))
+            last = self._last_grad(self.sizing.tp_local_grads(c.params), GradSync.ONLY)
+            moments.append((params, later + last, reduce_input, sum(outputs[:j + 1])))
+        params, grads_held, reduce_input, reduced = max(moments, key=sum)
+        add(0, end, end + 1, params)
+        add(2, end, end + 1, grads_held - sum(grads) - sum(relaid))
+        add(3, end, end + 1, reduce_input - self.sizing.reduce_bytes(replayed_last.params))
+        add(4, end, end + 1, reduced)
+
+    def _last_grad(self, params: tuple[int, ...], phase: GradSync) -> int:
+        """The unsharded grad FSDP2's ``foreach_reduce`` still holds when it allocates the reduce-scatter output:
+        its loop over the group's grads (re-laying out dim-1 ones, run when the shard world has more than one rank)
+        leaves its variable on the last one, freed when the function returns, after the copy-in cleared the rest
+        (Qwen3-0.6B untied on 8 fake ranks: its embedding's, -4.8% at the peak without it). Reduced in the
+        reduce dtype when accumulated apart (``_separate_accumulation``)."""
+        if self.sizing.world_size <= 1 or not params or params[0] in self._divided_alone:
+            return 0
+        last = next((nbytes for nbytes in reversed(self.sizing.grad_bytes_each(params)) if nbytes), 0)
+        if phase is GradSync.LAST and self._separate_accumulation:
+            return last * self.precision.reduce_bytes // self.precision.compute_bytes
+        return last
 
     def _sharded_grad(self, add: Callable[[int, int, int, float], None], event: int, shard: int, n: int,
                       sharded_held: bool) -> None:
@@ -354,19 +427,22 @@ class MemoryModel:
         else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
             add(4, event, event + 1, shard * self.precision.reduce_bytes)
 
-    def _grads_from(self, params: tuple[int, ...], first: int) -> list[tuple[int, int]]:
-        """(event, bytes): each param's unsharded grad from its own first backward op (``first``, the group's,
-        for a param backward never reads, such as a bias: counting a bias's or an embedding table's grad only from
-        its own call's backward put toy-llama's fp32 micro-batches with params kept gathered 5.3% low). Autograd
-        makes a group's grads one layer at a time: a group spanning a whole encoder (the root of a Whisper-style
-        model under ``--policy module``) holds at its first backward op only the grads made so far, not all of
-        them (counted at once there, +18% on it)."""
-        key = (params, first)
+    def _grads_from(self, params: tuple[int, ...], first: int, own_call: bool) -> list[tuple[int, int]]:
+        """(event, bytes): each param's unsharded grad from its own first backward op; for a param backward never
+        reads (a bias, an embedding table), with ``own_call`` from its module call's backward
+        (``_backward_start``), else from ``first``, the group's. ``own_call`` is off where the grad exists before
+        (an earlier micro-batch's, which autograd adds into: its own call's backward put toy-llama's fp32
+        micro-batches with params kept gathered 5.5% low); on, an embedding in the root group is no longer held
+        all through backward (+3.4% on a small untied LM). Autograd makes a group's grads one layer at a time: a
+        group spanning a whole encoder (the root of a Whisper-style model under ``--policy module``) holds at its
+        first backward op only the grads made so far, not all of them (counted at once there, +18% on it)."""
+        key = (params, first, own_call)
         if key not in self._grad_starts:
             uses, never = self.trace.index.first_backward_use, len(self.trace.events) + 1
             starts: dict[int, int] = {}
             for p, nbytes in zip(params, self.sizing.grad_bytes_each(params), strict=True):
-                at = uses[p] if uses[p] != never else first
+                made = max(first, self._backward_start(p)) if own_call and uses[p] == never else first
+                at = uses[p] if uses[p] != never else made
                 starts[at] = starts.get(at, 0) + nbytes
             self._grad_starts[key] = sorted(starts.items())
         return self._grad_starts[key]

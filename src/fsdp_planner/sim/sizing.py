@@ -17,6 +17,10 @@ temporaries are all held until the copy-out returns (their sum); each re-laid-ou
 the list that owns it (``post_backward`` sets the param's grad to None first), so only one source is held beside
 its copy at a time (``shard1_grad_peak_bytes``: the largest).
 
+Under a mixed precision FSDP2 first casts each rank's shards into one flat buffer of the all-gather dtype
+(``_get_param_all_gather_inputs``'s foreach copy), alive beside the all-gather output while its copy-in runs
+(``gather_cast_bytes``).
+
 Params of modules traced in fp32 (``Trace.full_precision``: an fp32 group's) are all-gathered and get grads in fp32
 whatever the precision's compute dtype.
 
@@ -139,6 +143,10 @@ class Sizing:
             at = np.fromiter(trace.full_precision_params, dtype=np.intp)
             self._gather[at] = self._padded[at] * FULL_PRECISION_BYTES
             self._grad_per[at] = np.array([trace.params[i].numel for i in at], dtype=np.int64) * FULL_PRECISION_BYTES
+        recast = _recast(trace, itemsize("gather_bytes"), itemsize("param_bytes"), cast, float8_gathered,
+                         precision is not None)
+        self._cast_padded, self._cast_shard = self._padded * recast, self._shard_numel * recast
+        self._cast_of: dict[tuple[tuple[int, ...], int], int] = {}
         # a TP view's params whose grad DTensor makes whole on each TP rank: TP times the rank's grad bytes
         self._replicated = {i: int(self._grad_per[i]) for i in trace.replicated_grads}
         self._any_dim1 = bool(self._dim1.any())  # checked per collective: most models have none
@@ -182,6 +190,15 @@ class Sizing:
     def gather_bytes(self, params: Iterable[int]) -> int:
         """All-gather output of these params: the bytes they occupy unsharded (padded)."""
         return _sum(self._gather, params)
+
+    def gather_cast_bytes(self, params: tuple[int, ...], ranks: int = 0) -> int:
+        """The flat buffer of these params' shards cast to the all-gather dtype, alive beside the all-gather output
+        while FSDP2 copies it in (module docstring); ``ranks``: gathered from the post-forward shards over that
+        many ranks (an int ``reshard_after_forward``), copied into the buffer all the same."""
+        key = (params, ranks)
+        if key not in self._cast_of:
+            self._cast_of[key] = _sum(self._cast_padded, params) // ranks if ranks else _sum(self._cast_shard, params)
+        return self._cast_of[key]
 
     def reduce_bytes(self, params: tuple[int, ...]) -> int:
         """Reduce-scatter input for these params' grads (padded, reduce dtype)."""
@@ -234,6 +251,19 @@ class Sizing:
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""
         return _cached_sum(self._shard_numel_of, self._shard_numel, params)
+
+
+def _recast(trace: Trace, gather: np.ndarray, stored: np.ndarray, cast: np.ndarray, float8_gathered: frozenset[int],
+            full_precision: bool) -> np.ndarray:
+    """Per param, the itemsize of the flat buffer FSDP2's mixed-precision all-gather casts its shards into first
+    (``_get_param_all_gather_inputs``), 0 where none: a param gathered in its stored dtype, in float8 (its own
+    pre-all-gather) or in an fp32 group."""
+    recast = np.where(cast & (gather != stored), gather, 0)
+    if float8_gathered:
+        recast[np.fromiter(float8_gathered, dtype=np.intp)] = 0
+    if full_precision and trace.full_precision_params:
+        recast[np.fromiter(trace.full_precision_params, dtype=np.intp)] = 0
+    return recast
 
 
 def _cached_sum(cache: dict[tuple[int, ...], int], per_param: np.ndarray, params: Iterable[int]) -> int:
