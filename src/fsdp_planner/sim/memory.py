@@ -361,9 +361,13 @@ class MemoryModel:
         if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
             add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
         self._sharded_grad(add, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
-        if c.event < n - 1 and not self.offload and (sharded_held or self.zero_grad is ZeroGrad.NONE):
-            # beside the output (the final callback's: ``_final_callback``)
-            add(2, c.event + 1, c.event + 2, self._last_grad(own, phase))
+        if c.event < n - 1 and not (self.offload or sharded_held) and self.zero_grad is ZeroGrad.NONE:
+            # its last grad beside the output, a moment of its own before the next event (the final callback's:
+            # ``_final_callback``): more than the grads the input was copied from where one param dwarfs the rest
+            held = self._accumulated(own) if phase is GradSync.LAST and self._separate_accumulation else \
+                self.sizing.grad_bytes(own)
+            output = self.sizing.shard_numel(c.params) * self.grad_bytes
+            add(2, c.event, c.event + 1, max(0, output + self._last_grad(own, phase) - held))
 
     def _final_callback(self, add: Callable[[int, int, int, float], None], finals: list[Collective], plan: Plan,
                         schedule: Schedule, end: int) -> None:
