@@ -361,11 +361,14 @@ class MemoryModel:
         if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
             add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
         self._sharded_grad(add, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
-        if c.event < n - 1 and not (self.offload or sharded_held) and self.zero_grad is ZeroGrad.NONE:
+        if c.event < n - 1 and not (self.offload or sharded_held) and self.zero_grad is ZeroGrad.NONE \
+                and own and len(own) == len(c.params):
             # its last grad beside the output, a moment of its own before the next event (the final callback's:
-            # ``_final_callback``): more than the grads the input was copied from where one param dwarfs the rest
-            held = self._accumulated(own) if phase is GradSync.LAST and self._separate_accumulation else \
-                self.sizing.grad_bytes(own)
+            # ``_final_callback``): more than the grads the input was copied from where one param dwarfs the rest.
+            # Not where a TP view makes a grad whole (``_replicated_grad`` holds its shard)
+            # what ``_deltas`` holds there already: this micro-batch's grads, and those accumulated apart
+            held = self.sizing.grad_bytes(own) + (self._accumulated(own) if phase is GradSync.LAST
+                                                  and self._separate_accumulation else 0)
             output = self.sizing.shard_numel(c.params) * self.grad_bytes
             add(2, c.event, c.event + 1, max(0, output + self._last_grad(own, phase) - held))
 
