@@ -414,7 +414,7 @@ class MemoryModel:
         reduce dtype when accumulated apart (``_separate_accumulation``)."""
         if self.sizing.world_size <= 1 or not params or params[0] in self._divided_alone:
             return 0
-        last = next((nbytes for nbytes in reversed(self.sizing.grad_bytes_each(params)) if nbytes), 0)
+        last = self.sizing.grad_bytes(params[-1:])  # a reduce-scatter's params are those with grads, in order
         if phase is GradSync.LAST and self._separate_accumulation:
             return last * self.precision.reduce_bytes // self.precision.compute_bytes
         return last
