@@ -10,6 +10,7 @@ import torch
 from conftest import traced
 
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.checkpointing import ACMode
 from fsdp_planner.fsdp2.claim import validate_plan
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import parse_cluster
@@ -28,12 +29,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 UNBOUNDED = MemoryBudget.explicit(1 << 60, 80 * 10**9, "H100")  # an evaluator's budget no plan exceeds
 
 
-def near_minimum(spec: str, factor: float, target: str = "fsdp2"):
+def near_minimum(spec: str, factor: float, target: str = "fsdp2", checkpointing: ACMode | None = None):
     """Auto on h100:8 under a budget ``factor`` x the smallest peak an unconstrained search reached."""
     tr = traced(spec)
     cluster = parse_cluster("h100:8")
     free = AutoPolicy(cluster, target=target).search(tr)
-    return AutoPolicy(cluster, int(free.min_peak * factor), target=target).search(tr)
+    return AutoPolicy(cluster, int(free.min_peak * factor), target=target, checkpointing=checkpointing).search(tr)
 
 
 @pytest.mark.parametrize("spec", ["seed-net", "toy-llama", "toy-gpt2-tied", "llama3-8b", "t5-3b"])
@@ -170,7 +171,9 @@ def test_tied_models_get_boundary_moves_and_explanations():
 
 
 def test_fsdp1_explanations_only_offer_what_fsdp1_can_express():
-    result = near_minimum("toy-llama", 1.05, target="fsdp1")
+    # without checkpointing: with it, one group with 2 blocks in full and one op-level is faster on this host-bound
+    # model (6.2 against 8.1 ms)
+    result = near_minimum("toy-llama", 1.05, target="fsdp1", checkpointing=ACMode.NONE)
     assert len(result.plan.groups) > 1
     for r in explain(result):
         assert r.alternative is not Move.MERGED

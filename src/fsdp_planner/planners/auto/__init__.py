@@ -268,7 +268,8 @@ class AutoPolicy:
         of the trace and cluster. With several, each is screened first by its best classic plan (with the fewest
         checkpointed blocks that let it fit, as ``_choose_meshes`` screens the data-parallel layouts); the best is
         searched in full, and the next ones up to ``TP_SEARCHES`` whose screening plan fits within ``TP_SLACK`` of
-        the best's, and the layout without TP always. Each layout's line keeps its best plan, searched or
+        the best's (or within what the best's search gained over its screening plan, if more), and the layout
+        without TP always. Each layout's line keeps its best plan, searched or
         screened."""
         started = time.perf_counter()
         if len(self.tensor_parallel) == 1:
@@ -278,14 +279,19 @@ class AutoPolicy:
         screened = sorted((s for s in layouts if s.best is not None), key=lambda s: s.key)
         if not screened:  # no classic plan runs on any layout: the no-TP search says why
             return layouts[0].search(model)
-        fastest = screened[0].step_time
+        first = screened[0].search(model)
+        # a layout's search gains over its classic plan about what the best layout's did: where that is more than
+        # TP_SLACK, the next layouts within it are searched too (toy-llama within 1.8 MB on h100:8: TP 1's search
+        # 12% ahead of its screening plan, TP 2's screening plan 5.8% behind TP 1's and its search 14% ahead)
+        gain = 1 - first.report.step_time / screened[0].step_time if first.fits and screened[0].key[0] == 0 else 0.0
+        slack = max(TP_SLACK, gain)
         chosen = [s for i, s in enumerate(screened[:TP_SEARCHES])
-                  if i == 0 or (s.key[0] == 0 and s.step_time <= fastest * (1 + TP_SLACK))]
+                  if i == 0 or (s.key[0] == 0 and s.step_time <= screened[0].step_time * (1 + slack))]
         # the layout without TP is always searched in full too, so auto never does worse than without TP: its
         # screening (classic plans) can miss what its search finds (toy-llama within 3 MiB on h100:64: screened
         # behind TP 2, searched 1.5% faster than TP 2's best)
         chosen += [s for s in screened if s.policy.on_layout is None and s not in chosen]
-        results = [s.search(model) for s in chosen]
+        results = [first, *(s.search(model) for s in chosen[1:])]
         best = min(results, key=lambda r: r.rank)
         lines = {name: c for r in results for name, c in r.meshes.items()}
         lines.update({s.name: s.best for s in screened if s not in chosen})
@@ -495,44 +501,100 @@ class AutoPolicy:
         baselines = classic_baselines(ev, plans)
         blocks = block_instances(trace)
         if self.checkpointing is None and blocks and baselines and not ev.fits(ev.best()):
-            ev = ev.checkpointing(blocks[:self._fewest_checkpointed(ev, blocks, baselines)])
+            ev = ev.checkpointing(blocks[:self._fewest_checkpointed(ev, blocks, self._start(ev, baselines))])
             baselines = classic_baselines(ev, plans)
         return ev, baselines
 
     def _search_mesh(self, search: Search, trace: Trace, effort: int) -> tuple[MeshOutcome, int]:
-        """The best plan on one layout, refining with at most ``effort`` plans; with the plans refinement used."""
+        """The best plan on one layout, refining with at most ``effort`` plans; with the plans refinement used. Without
+        a fixed checkpointing, on a model with blocks: when nothing fits without activation checkpointing, the
+        fastest mix of full and op-level checkpointing of the first blocks that lets the per-block plan fit
+        (``checkpointing.py``), the fewest in full alone, and all in full, each setting's groupings searched. Then,
+        where a faster grouping misses the budget (``_held_back``), the same checkpointing search on that grouping,
+        and refinement under its setting where it fits faster: keeping more params gathered can pay for the
+        recomputation that makes room (toy-llama on h100:8 within 1.8 MB: 3 groups with a block in full and 2
+        op-level, 3.5% faster than what the per-block plan's settings gave). It comes last, so the plans found before
+        are the bar it must beat and no refinement before starts from its plans."""
         ev = search.ev
         blocks = block_instances(trace)
         baselines = self._explore(search, ev, search.granularities())
-        used, cut = 0, False
-        choice = None
+        choice, settings = None, []
         if self.checkpointing is None and blocks and not fits_unchecked(ev):
-            # Nothing fits without activation checkpointing: the fastest mix of full and op-level checkpointing of
-            # the first blocks that lets a plan fit (``checkpointing.py``), the fewest in full alone, and all in
-            # full; each setting's groupings are searched.
-            choice = self._checkpoint_choice(ev, blocks, baselines)
+            choice = self._checkpoint_choice(ev, blocks, self._start(ev, baselines))
             first = [choice.setting, choice.full_only] if choice else []
             settings = list(dict.fromkeys([*first, Setting(len(blocks), 0)]))
-            for n, s in enumerate(settings):
-                setting = setting_view(ev, blocks, s, self.sac_policy)
-                # whole blocks: a group inside a block forbids its op-level checkpointing (``inside_selective``)
-                self._explore(search, setting, [search.atoms])
-                refiner = Refiner(setting, search.atoms, search.fine_atoms)
-                used += refiner.refine((effort - used) // (len(settings) - n))
-                cut = cut or refiner.cut
+            used, cut = self._search_settings(search, settings, effort)
         else:
             used, cut = search.refiner.refine(effort), search.refiner.cut
+        before = ev.best()
+        held_back = self._held_back(ev, blocks)[:HELD_BACK] if self.checkpointing is None and blocks else []
+        # each one's settings tried on it join the evaluator's plans
+        regrouped = [self._checkpoint_choice(ev, blocks, start) for start in held_back]
+        best = ev.best()
+        if best is not before:  # a held-back grouping fits faster: refined under its setting
+            choice = choice or next(c for c in regrouped if c is not None and best in c.tried.values())
+            s = Setting(len(best.plan.activation_checkpointing), len(best.plan.selective_checkpointing))
+            refiner = Refiner(setting_view(ev, blocks, s, self.sac_policy), search.atoms, search.fine_atoms)
+            used, cut = used + refiner.refine(effort - used), cut or refiner.cut
         chosen = self._preferred(search, ev.best(), baselines)
         return MeshOutcome(search, chosen, baselines, cut, choice), used
 
-    def _checkpoint_choice(self, ev: Evaluator, blocks: list[str], baselines: dict[str, Candidate]
-                           ) -> Choice | None:
-        """The fastest setting of full and op-level checkpointing of the first blocks for the per-block plan
-        (torchtitan's grouping, or the best classic plan) to fit; None when no classic plan runs to judge on."""
-        start = baselines.get("titan") or min(baselines.values(), key=ev.key, default=None)
+    def _search_settings(self, search: Search, settings: list[Setting], effort: int) -> tuple[int, bool]:
+        """Each checkpointing setting's groupings searched (explored, then refined with a share of ``effort``):
+        the plans refinement used, and whether the effort cut one short."""
+        blocks = block_instances(search.ev.trace)
+        used, cut = 0, False
+        for n, s in enumerate(settings):
+            setting = setting_view(search.ev, blocks, s, self.sac_policy)
+            # whole blocks: a group inside a block forbids its op-level checkpointing (``inside_selective``)
+            self._explore(search, setting, [search.atoms])
+            refiner = Refiner(setting, search.atoms, search.fine_atoms)
+            used += refiner.refine((effort - used) // (len(settings) - n))
+            cut = cut or refiner.cut
+        return used, cut
+
+    def _held_back(self, ev: Evaluator, blocks: list[str]) -> list[Candidate]:
+        """The plans without checkpointing, over the budget and faster than the best that fits, that checkpointing
+        may let fit faster, likeliest first: by the step each would take with just enough blocks in full to fit
+        (its excess over the budget in blocks, at what checkpointing a block saves and costs), where that beats the
+        best and needs no more blocks than there are. What a block saves and costs is measured once, on the
+        fastest such plan with every block in full (the blocks' saved activations are alike): one simulation, so
+        a layout where no plan qualifies costs little more."""
+        fitting = [c for c in ev.ranked() if ev.fits(c)]
+        bar = fitting[0].report.step_time if fitting else float("inf")
+        over = sorted((c for c in ev.ranked() if not ev.fits(c) and c.report.step_time < bar
+                       and not (c.plan.activation_checkpointing or c.plan.selective_checkpointing)),
+                      key=lambda c: (c.report.step_time, c.report.reserved_memory))
+        if not over:
+            return []
+        fastest = over[0]
+        full = ev.checkpointing(blocks).evaluate(fastest.plan, f"{fastest.origin} + checkpoint every block")
+        saves = (fastest.report.reserved_memory - full.report.reserved_memory) / len(blocks)
+        costs = (full.report.step_time - fastest.report.step_time) / len(blocks)
+        if saves <= 0:
+            return []
+        estimated, seen = [], set()
+        for c in over:
+            if (c.report.step_time, c.report.reserved_memory) in seen:  # one grouping under two names (a group
+                continue  # of every module, or the root's alone)
+            seen.add((c.report.step_time, c.report.reserved_memory))
+            needed = (c.report.reserved_memory - ev.budget) / saves
+            step = c.report.step_time + needed * costs
+            if needed <= len(blocks) and step < bar:
+                estimated.append((step, len(estimated), c))
+        return [c for _, _, c in sorted(estimated)]
+
+    @staticmethod
+    def _start(ev: Evaluator, baselines: dict[str, Candidate]) -> Candidate | None:
+        """The plan checkpointing settings are judged on: torchtitan's grouping, or the best classic plan."""
+        return baselines.get("titan") or min(baselines.values(), key=ev.key, default=None)
+
+    def _checkpoint_choice(self, ev: Evaluator, blocks: list[str], start: Candidate | None) -> Choice | None:
+        """The fastest setting of full and op-level checkpointing of the first blocks for ``start``'s grouping to
+        fit; None when there is no plan to judge on."""
         if start is None:
             return None
-        fewest = self._fewest_checkpointed(ev, blocks, baselines)
+        fewest = self._fewest_checkpointed(ev, blocks, start)
         return CheckpointSearch(ev, blocks, start, self.sac_policy).choose(fewest)
 
     def _preferred(self, search: Search, best: Candidate, baselines: dict[str, Candidate]) -> Candidate:
@@ -563,16 +625,15 @@ class AutoPolicy:
         return classics
 
     @staticmethod
-    def _fewest_checkpointed(ev: Evaluator, blocks: list[str], baselines: dict[str, Candidate]) -> int:
-        """The fewest leading blocks to checkpoint for the per-block plan (torchtitan's grouping, or the best
-        classic plan given) to fit; all of them when even that does not fit."""
-        start = baselines.get("titan") or min(baselines.values(), key=ev.key, default=None)
+    def _fewest_checkpointed(ev: Evaluator, blocks: list[str], start: Candidate | None) -> int:
+        """The fewest leading blocks to checkpoint for ``start``'s grouping (``_start``: torchtitan's, or the best
+        classic plan) to fit; all of them when even that does not fit, or there is no plan to judge on."""
         if start is None:
             return len(blocks)
         lo, hi = 1, len(blocks)
         while lo < hi:
             mid = (lo + hi) // 2
-            tried = ev.checkpointing(blocks[:mid]).evaluate(start.plan, f"titan + checkpoint {mid} blocks")
+            tried = ev.checkpointing(blocks[:mid]).evaluate(start.plan, f"{start.origin} + checkpoint {mid} blocks")
             if ev.fits(tried):
                 hi = mid
             else:
@@ -622,9 +683,13 @@ def fits_unchecked(ev: Evaluator) -> bool:
                if not (c.plan.activation_checkpointing or c.plan.selective_checkpointing))
 
 
+HELD_BACK = 2  # plans over the budget whose checkpointing auto searches when it looks faster (``_held_back``):
+# the likeliest may need a setting searched already, the next one of its own (toy-llama within 1.8 MB: 2 groups
+# need every block in full, 3 groups one in full and 2 op-level)
 TP_SEARCHES = 2  # TP layouts searched in full at most, the best by their screening (``_choose_tp``)
-TP_SLACK = 0.03  # ... the second when its screening plan is within this of the best's: each full search costs
-# as much as a search without TP, and the layouts' screenings rank as their searches do within a few percent
+TP_SLACK = 0.03  # ... the second when its screening plan is within this of the best's, or of what the best's
+# search gained over it if more: each full search costs as much as a search without TP (a fixed 10%, as
+# ``MESH_SLACK``, made llama3-8b on h100:64 plan 3x slower for the same plan)
 MESH_SEARCHES = 2  # layouts searched in full at most, the best by their classic plans; the others keep those plans'
 MESH_SLACK = 0.10  # a layout is searched in full when its classic plans are within this of the best layout's
 DIM1_GAIN = 0.01  # dim-1 sharding is searched when the flat layout's classic plan on dim 1 beats its best on dim
