@@ -225,6 +225,10 @@ class StepRecorder:
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
+        if storage is not None and self.outside_modules() and self.loss.holds(storage):
+            # the loss saves what its region counts alive until autograd frees it (the model's output, which an
+            # op's input save would charge to the model's last op, held until that module's backward: twice)
+            return
         self.saved_storages.add(ref)
         # a temporary until now: the op that saves it counted it alive, and charges it as saved instead
         unsaved = self.unsaved(ref)
@@ -415,6 +419,10 @@ class LossRegion:
                     self.current += self._sizes[key]
                     self._born[key] = self._clock()
                     self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+
+    def holds(self, storage: torch.UntypedStorage) -> bool:
+        """Whether this storage is one the region counts."""
+        return id(storage) in self._sizes
 
     def _free(self, key: int) -> None:
         size = self._sizes.pop(key, 0)
