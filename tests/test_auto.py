@@ -164,7 +164,8 @@ def test_param_free_prologue_plans_and_keeps_the_last_group_unsharded():
 
 
 def test_tied_models_get_boundary_moves_and_explanations():
-    result = near_minimum("toy-gpt2-tied", 1.05)
+    # without checkpointing: with it, 2 groups with blocks checkpointed are faster on this host-bound model
+    result = near_minimum("toy-gpt2-tied", 1.05, checkpointing=ACMode.NONE)
     rows = explain(result)
     assert len(rows) > 2 and any(r.alternative_step is not None for r in rows)
     assert any("moved" in c.origin for c in result.search.ev.seen)

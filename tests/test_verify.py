@@ -104,13 +104,15 @@ def test_auto_plans_train_on_real_runs(spec):
 @pytest.mark.integration
 def test_auto_under_a_tight_budget_with_prefetch_trains_on_a_real_run():
     """Many list groups that cut across blocks, plus explicit prefetch lists: still exact."""
+    from fsdp_planner.fsdp2.checkpointing import ACMode
     from fsdp_planner.hardware.cluster import parse_cluster
     from fsdp_planner.planners import AutoPolicy
 
     tr = traced("toy-llama")
     cluster = parse_cluster("h100:2")
     free = AutoPolicy(cluster).search(tr)
-    plan = AutoPolicy(cluster, int(free.min_peak * 1.02)).plan(tr, "toy-llama")
+    # without checkpointing: with it, 2 groups with blocks checkpointed are faster on this host-bound model
+    plan = AutoPolicy(cluster, int(free.min_peak * 1.02), checkpointing=ACMode.NONE).plan(tr, "toy-llama")
     inner = [i for i, g in enumerate(plan.groups) if not g.is_root]
     assert len(inner) >= 4 and any(len(g.modules) > 1 for g in plan.groups)
     for pos, i in enumerate(inner):

@@ -531,10 +531,11 @@ class AutoPolicy:
         # each one's settings tried on it join the evaluator's plans
         regrouped = [self._checkpoint_choice(ev, blocks, start) for start in held_back]
         best = ev.best()
-        if best is not before:  # a held-back grouping fits faster: refined under its setting
+        if best is not before:  # a held-back grouping fits faster: refined under its checkpointing (as it has it:
+            # a group inside a block leaves that block's op-level checkpointing out, ``with_checkpointing``)
             choice = choice or next(c for c in regrouped if c is not None and best in c.tried.values())
-            s = Setting(len(best.plan.activation_checkpointing), len(best.plan.selective_checkpointing))
-            refiner = Refiner(setting_view(ev, blocks, s, self.sac_policy), search.atoms, search.fine_atoms)
+            setting = ev.checkpointing(best.plan.activation_checkpointing, best.plan.selective_checkpointing)
+            refiner = Refiner(setting, search.atoms, search.fine_atoms)
             used, cut = used + refiner.refine(effort - used), cut or refiner.cut
         chosen = self._preferred(search, ev.best(), baselines)
         return MeshOutcome(search, chosen, baselines, cut, choice), used
