@@ -561,9 +561,9 @@ class AutoPolicy:
         best and needs no more blocks than there are. What a block saves and costs is measured once, on the
         fastest such plan with every block in full (the blocks' saved activations are alike): one simulation, so
         a layout where no plan qualifies costs little more."""
-        fitting = [c for c in ev.ranked() if ev.fits(c)]
-        bar = fitting[0].report.step_time if fitting else float("inf")
-        over = sorted((c for c in ev.ranked() if not ev.fits(c) and c.report.step_time < bar
+        ranked = ev.ranked()  # (those over the budget last: the first is the best that fits, if one does)
+        bar = ranked[0].report.step_time if ranked and ev.fits(ranked[0]) else float("inf")
+        over = sorted((c for c in ranked if not ev.fits(c) and c.report.step_time < bar
                        and not (c.plan.activation_checkpointing or c.plan.selective_checkpointing)),
                       key=lambda c: (c.report.step_time, c.report.reserved_memory))
         if not over:
