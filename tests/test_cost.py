@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 from itertools import pairwise
 
@@ -234,13 +235,21 @@ def test_preset_figures() -> None:
     assert b200.intra.bus_bandwidth > h100.intra.bus_bandwidth > a100.intra.bus_bandwidth
 
 
-@pytest.mark.parametrize("spec", ["tpu:8", "h100:0", "h100:12", "h100:-8", "h100:abc", "h100:2x16", ""])
+@pytest.mark.parametrize("spec", ["tpu:8", "h100:0", "h100:12", "h100:2x16", ""])
 def test_parse_cluster_errors_list_the_presets(spec: str) -> None:
     with pytest.raises(PlannerError) as e:
         parse_cluster(spec)
     msg = str(e.value)
     assert all(p in msg for p in ("h100", "h200", "a100", "b200"))
     assert msg.replace("e.g. ", "").count(". ") == 0  # one sentence
+
+
+@pytest.mark.parametrize("spec", ["h100:-8", "h100:abc", "h100:1e9", "a100:8:8"])
+def test_a_known_gpu_with_no_count_is_a_bad_count(spec: str) -> None:
+    """The GPU is known: the count is what is wrong (it was "unknown cluster", while h100:0 said "bad GPU count")."""
+    with pytest.raises(PlannerError, match=re.escape(f"bad GPU count in cluster '{spec}': give a whole number of GPUs "
+                                                     f"after '{spec.split(':')[0]}:'")):
+        parse_cluster(spec)
 
 
 def test_parse_cluster_missing_file() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -423,6 +424,18 @@ def test_parse_size_answers_at_once_on_a_long_run_of_digits() -> None:
         parse_size("9" * 1_000_000 + "!")
     assert time.perf_counter() - start < 1.0
     assert parse_size("1.5e6GiB") == round(1.5e6 * 2**30)
+
+
+def test_the_size_limit_is_said_in_units_the_parser_reads() -> None:
+    """The limit is "1 EiB": 1EiB and 1PiB are read, 2EiB is too large (all three were "cannot read": a new user's
+    finding); a bare "e" is no unit ("1e" is a cut exponent, not an exbibyte)."""
+    from fsdp_planner.fmt import parse_size
+
+    assert (parse_size("1EiB"), parse_size("1PiB"), parse_size("2PB")) == (2**60, 2**50, 2 * 10**15)
+    with pytest.raises(PlannerError, match=re.escape("--memory-budget '2EiB' is too large: at most 1 EiB")):
+        parse_size("2EiB", "--memory-budget")
+    with pytest.raises(PlannerError, match="cannot read --memory-budget '1e' as a size"):
+        parse_size("1e", "--memory-budget")
 
 
 # ---- long arguments are never echoed whole --------------------------------------------------------------------------

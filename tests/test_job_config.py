@@ -227,6 +227,24 @@ def test_accelerate_refuses_another_distributed_type(tmp_path):
     path.write_text("distributed_type: MULTI_GPU\n")
     with pytest.raises(PlannerError, match='distributed_type = "MULTI_GPU" is not FSDP'):
         read_config(ACCELERATE, str(path))
+    # a YAML with neither key is another tool's file: it was simulated as a default FSDP job (a new user's finding)
+    path.write_text("a: &a [1, 2]\nb: *a\n")
+    with pytest.raises(PlannerError, match="has neither distributed_type: FSDP nor an fsdp_config section"):
+        read_config(ACCELERATE, str(path))
+    path.write_text("fsdp_config:\n  fsdp_version: 2\n")  # the FSDP section alone is read
+    assert read_config(ACCELERATE, str(path)).keys["fsdp_config.fsdp_version"] == 2
+
+
+def test_accelerate_fsdp1_prefetch_keys_are_said(tmp_path):
+    """FSDP1's prefetch switches change the overlap; FSDP2 has none: each is one note, not dropped silently."""
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_backward_prefetch: BACKWARD_POST\n"
+                                                      "  fsdp_forward_prefetch: true\n")))
+    said = [n for n in cfg.notes if "is FSDP1's" in n]
+    assert [n.split(" = ")[0] for n in said] == ["fsdp_config.fsdp_backward_prefetch",
+                                                 "fsdp_config.fsdp_forward_prefetch"], cfg.notes
+    two = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n"
+                                                      "  fsdp_backward_prefetch: BACKWARD_PRE\n")))
+    assert not two.notes  # Accelerate's FSDP2 plugin ignores it: nothing to say
 
 
 # -- the command line's options from a config ------------------------------------------------------------------------
@@ -616,3 +634,16 @@ def test_a_toml_s_rowwise_float8_simulates(tmp_path) -> None:
                     'recipe_name = "rowwise"\n[training]\nlocal_batch_size = 2\nseq_len = 256\n[parallelism]\n'
                     'data_parallel_shard_degree = 4\n')
     assert main(["simulate", "--from-torchtitan", str(toml), "--cluster", "h100"]) == 0
+
+
+def test_a_class_the_config_names_that_the_model_lacks_names_the_key(tmp_path, capsys):
+    """fsdp_transformer_layer_cls_to_wrap of another model's class: the error names the key and the file (it read
+    as if the user had typed --module-classes: a new user's finding), in simulate and in plan alike."""
+    path = accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                           "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+    for command in ("simulate", "plan"):
+        assert main([command, "toy-llama", "--from-accelerate", str(path), "--cluster", "h100", "--quiet"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: accelerate config '{path}': fsdp_config.fsdp_transformer_layer_cls_to_wrap: module class "
+            "LlamaDecoderLayer not found in the model; classes with params: Attention, Embedding, FeedForward, "
+            "Linear, ModuleList, RMSNorm, TransformerBlock")

@@ -138,9 +138,11 @@ def cut_short_stream(chunks: Iterable[str]) -> str:
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,  # bare letters are binary, as in nccl-tests -b/-e
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "p": 1024**5,  # bare letters are binary, as in
+    # nccl-tests -b/-e (no bare "e": "1e" reads as a cut exponent); up to the limit's own unit, so "2EiB" is said to
+    # be too large, not unreadable
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "pib": 1024**5, "eib": 1024**6,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5, "eb": 1000**6,
 }
 
 

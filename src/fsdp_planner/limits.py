@@ -8,6 +8,7 @@ C++ error once) or no machine could hold one micro-batch. 10M tokens is the long
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
@@ -61,9 +62,14 @@ def check_field(name: str, value: Any, where: str) -> None:
     # a field name from a file is shown as typed when it is a plain name, else quoted and escaped
     plain = name.rstrip("]0123456789").removesuffix("[")
     shown = name if len(name) <= 100 and plain.replace(".", "_").isidentifier() else shown_json(name)
+    if isinstance(value, float) and not math.isfinite(value):  # Python's JSON reader takes NaN and Infinity
+        raise PlannerError(f"{where}: {shown} = {shown_json(value)} is not a finite number")
     if known is not None and value is not None:
         low, high, what = known
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PlannerError(f"{where}: {shown} = {shown_json(value)} is not a whole number: give one from {low:,} "
+                               f"to {high:,} ({what})")
+        if not low <= value <= high:
             raise PlannerError(f"{where}: {shown} = {shown_json(value)} is out of range: a whole number from {low:,} "
                                f"to {high:,} ({what})")
     elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:

@@ -32,6 +32,7 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.report.step_view import StepView, step_view
 from fsdp_planner.report.timeline_html import write_html
 from fsdp_planner.report.timeline_png import write_png
+from fsdp_planner.service.configured import classes_named_by
 from fsdp_planner.service.fit import config_verdict
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.planning import with_reshard
@@ -61,8 +62,9 @@ def run(args: argparse.Namespace) -> int:
     tr = load_trace(model_spec(args), args.measure, full=args.full_trace,
                     precision=options.precision)
     # the config's reshard_after_forward on the first plan
-    plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)
-             for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
+    with classes_named_by(config):
+        plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)
+                 for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
     if args.against is not None:
         if len(plans) > 1:
             raise PlannerError("--against draws one plan beside its measured trace: drop --compare")

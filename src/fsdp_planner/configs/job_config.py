@@ -487,6 +487,9 @@ def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
 # -- Accelerate ------------------------------------------------------------------------------------------------------
 def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
     fsdp = _table(cfg, data, "fsdp_config")
+    if "distributed_type" not in data and "fsdp_config" not in data:  # another tool's YAML, or not a config at all
+        raise PlannerError(f"accelerate config '{cfg.path}' has neither distributed_type: FSDP nor an fsdp_config "
+                           "section: it is not an Accelerate FSDP config (accelerate config writes both)")
     kind = data.get("distributed_type", "FSDP")
     if kind != "FSDP":
         raise _bad(cfg, "distributed_type", kind, "FSDP (fsdp-planner plans FSDP jobs)")
@@ -520,6 +523,7 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
 ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
                         "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
                         "fsdp_activation_checkpointing", "fsdp_offload_params"}
+FSDP1_PREFETCH_KEYS = ("fsdp_backward_prefetch", "fsdp_forward_prefetch")  # FSDP1's BackwardPrefetch, forward_prefetch
 V1_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",
                        5: "_HYBRID_SHARD_ZERO2"}  # torch's FSDP1 ShardingStrategy values
 V1_STRATEGIES = {"FULL_SHARD": ("always", False), "SHARD_GRAD_OP": ("never", False),
@@ -607,6 +611,10 @@ def _accelerate_sharding(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
     if version == 1:
         cfg.notes.append("fsdp_config.fsdp_version = 1 is simulated with FSDP2's semantics (fully_shard): FSDP1's "
                          "flat parameters gather the same bytes per unit")
+        for key in FSDP1_PREFETCH_KEYS:  # known, but FSDP2 has no such switch: said, as it changes the overlap
+            if key in fsdp:
+                cfg.notes.append(f"fsdp_config.{key} = {shown_json(fsdp[key])} is FSDP1's: the step is simulated "
+                                 "with FSDP2's default prefetching (backward one group ahead)")
     key = "fsdp_reshard_after_forward" if "fsdp_reshard_after_forward" in fsdp else "fsdp_sharding_strategy"
     value = fsdp.get(key)
     if value is None:

@@ -794,6 +794,12 @@ def parse_cluster(spec: str) -> Cluster:
         p = Path(text)
         if p.suffix.lower() == ".json" or p.is_file() or "/" in text:
             return Cluster.load(p)
+        name, colon, _ = text.lower().partition(":")
+        if colon and name in GPUS:  # a known GPU with a count that is no count ("h100:-8", "h100:1e9")
+            raise PlannerError(
+                f"bad GPU count in cluster '{_shown(spec)}': give a whole number of GPUs after '{name}:' (1 to "
+                f"{MAX_GPUS_PER_NODE} for one node, a multiple of {MAX_GPUS_PER_NODE} for whole nodes, or NODESxGPUS)"
+            )
         raise PlannerError(
             f"unknown cluster '{_shown(spec)}': give a preset NAME[:GPUS] with NAME one of {presets} "
             "(e.g. h100:64), or the path of a cluster JSON file"

@@ -21,6 +21,10 @@ def block_instances(trace: Trace) -> list[str]:
     return list(trace.index.block_instances)
 
 
+class ClassesNotFound(PlannerError):
+    """A module class a policy is given is not in the model: where a job config gave it, its reader names the key."""
+
+
 def find_class_instances(trace: Trace, classes: Iterable[str]) -> list[str]:
     classes = list(classes)
     present = {m.cls for m in trace.modules.values()}
@@ -28,6 +32,6 @@ def find_class_instances(trace: Trace, classes: Iterable[str]) -> list[str]:
     if missing:
         numel = trace.index.subtree_numel
         with_params = sorted({m.cls for f, m in trace.modules.items() if f != ROOT and numel[f]})
-        raise PlannerError(f"module class {', '.join(missing)} not found in the model; classes with params: "
+        raise ClassesNotFound(f"module class {', '.join(missing)} not found in the model; classes with params: "
                            f"{', '.join(with_params)}")
     return [f for f, m in trace.modules.items() if f != ROOT and m.cls in classes]

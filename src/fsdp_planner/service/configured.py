@@ -4,9 +4,10 @@ rule on the plan (``adjusted``). A keyword the user gave that contradicts the co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
 from fsdp_planner.models import BUILTINS, ModelSpec
+from fsdp_planner.planners.blocks import ClassesNotFound
 from fsdp_planner.planners.config_edit import Setting, best_edit, plan_setting
 from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.planning import Reporter, Tracer, plan
@@ -304,12 +306,26 @@ class ConfigOutcome:
     edit: tuple[Setting, StepReport] | None
 
 
+@contextlib.contextmanager
+def classes_named_by(cfg: JobConfig | None) -> Iterator[None]:
+    """A module class the config names that the model lacks is said with the key and file that gave it (the
+    message named neither, as if the user had typed --module-classes)."""
+    try:
+        yield
+    except ClassesNotFound as e:
+        if cfg is None or not cfg.module_classes:
+            raise
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}': fsdp_config.fsdp_transformer_layer_cls_to_wrap"
+                           f": {e}") from None
+
+
 def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> ConfigOutcome:
     """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
     by the config's policy on the one trace)."""
     own = plan_job(dataclasses.replace(kw, policy=cfg.policy.value), _CLI)
     job = dataclasses.replace(own, reshard=cfg.reshard)
-    traced = plan(job, tracer, reporter)
+    with classes_named_by(cfg):
+        traced = plan(job, tracer, reporter)
     tr = traced.trace
 
     def same_trace(spec: ModelSpec, options: SimOptions) -> Trace:
