@@ -117,6 +117,14 @@ def test_fit_gpus_auto_is_plans_fewest(capsys, tmp_path):
     assert not at["plans"][0]["plan"].get("offload")
     below = run_json(capsys, *plan, "--cluster", f"h100:{fewest - 1}x1")
     assert below["plans"][0]["plan"]["offload"] is True
+    # the doubled count the table adds is said to be for scale (a new user read it as the answer in doubt)
+    doubled = rows[2 * fewest]
+    ratio = doubled["tokens_per_second"] / rows[fewest]["tokens_per_second"]
+    assert main(["fit", "toy-llama", "--cluster", str(cluster), "--gpus", "auto", "--batch", "1", "--seq", "32",
+                 "--memory-budget", budget, "--max-gpus", "16"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"twice that, {2 * fewest} ({2 * fewest} nodes of 1), for scale: " in out, out
+    assert f"({ratio:.2f}x the tokens/s)" in out, out
 
 
 @pytest.mark.integration  # two fits and a plan in process: ~9 s

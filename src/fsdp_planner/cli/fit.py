@@ -371,8 +371,10 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
     doc: dict[str, Any] = {**_header(request), "gpus": {"batch": b, "seq": seq, "fewest": p.gpus, "nodes": p.nodes,
                                                         "offload": p.offload, "fewest_without_offload":
                                                         plain * per_node if plain else None}}
-    if plain and plain * 2 <= cap:
-        points.at(b, seq, plain * 2)
+    if plain and plain * 2 <= cap:  # said, or the table's larger count reads as if the answer were in doubt
+        q, d = points.at(b, seq, plain), points.at(b, seq, plain * 2)
+        lines.append(f"twice that, {_count(d, per_node)}, for scale: {d.tokens_per_gpu * d.gpus:,.0f} {per}/s in all "
+                     f"({d.tokens_per_gpu * d.gpus / (q.tokens_per_gpu * q.gpus):.2f}x the {per}/s)")
     doc["points"] = [q.to_dict() for q in points.sorted()]
     return doc, lines
 

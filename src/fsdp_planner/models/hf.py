@@ -21,6 +21,7 @@ transformers is the optional extra ``fsdp-planner[hf]``: it is imported only whe
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import math
@@ -38,7 +39,7 @@ import fsdp_planner.models.hf_experts as hf_experts
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.limits import check_config, check_field
 from fsdp_planner.patching import TORCHAO_LOGGERS, quiet_loggers
-from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text
+from fsdp_planner.userfiles import MAX_SOURCE_BYTES, parse_json, read_text, shown_json
 
 PREFIX = "hf:"
 CONFIG_DIR = Path(__file__).with_name("hf_configs")
@@ -145,6 +146,12 @@ def _config(data: dict[str, Any]) -> Any:
     """A fresh transformers config for ``data`` (from_config writes its choices into the config it is given)."""
     transformers = _transformers()
     fields = {k: v for k, v in data.items() if k != "model_type"}
+    known = list(getattr(transformers, "CONFIG_MAPPING", {}).keys())
+    if known and data["model_type"] not in known:  # transformers' own message lists all 800 types, cut short
+        near = difflib.get_close_matches(data["model_type"][:100], known, n=3)
+        raise PlannerError(f"transformers {transformers.__version__} has no model_type {shown_json(data['model_type'])}"
+                           + (f": did you mean {' or '.join(near)}?" if near else
+                              " (a newer transformers may: pip install -U transformers)"))
     try:
         config = transformers.AutoConfig.for_model(data["model_type"], **fields)
     except Exception as e:  # transformers' validators raise their own types for a bad config: the user's input
