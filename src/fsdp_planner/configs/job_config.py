@@ -523,6 +523,7 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
 ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
                         "fsdp_min_num_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
                         "fsdp_activation_checkpointing", "fsdp_offload_params"}
+CLASSES_KEY = "fsdp_config.fsdp_transformer_layer_cls_to_wrap"  # the classes a TRANSFORMER_BASED_WRAP wraps
 FSDP1_PREFETCH_KEYS = ("fsdp_backward_prefetch", "fsdp_forward_prefetch")  # FSDP1's BackwardPrefetch, forward_prefetch
 V1_STRATEGY_NUMBERS = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD",
                        5: "_HYBRID_SHARD_ZERO2"}  # torch's FSDP1 ShardingStrategy values
@@ -587,9 +588,9 @@ def _accelerate_wrap(cfg: JobConfig, fsdp: dict[str, Any]) -> None:
         classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
         names = classes.split(",") if isinstance(classes, str) else classes or []
         if not isinstance(names, list) or not all(isinstance(n, str) and n.strip() for n in names):
-            raise _bad(cfg, "fsdp_config.fsdp_transformer_layer_cls_to_wrap", classes, "class names")
+            raise _bad(cfg, CLASSES_KEY, classes, "class names")
         cfg.module_classes = tuple(n.strip() for n in names)
-        cfg.keys["fsdp_config.fsdp_transformer_layer_cls_to_wrap"] = ",".join(cfg.module_classes)
+        cfg.keys[CLASSES_KEY] = ",".join(cfg.module_classes)
     elif policy == "size_based_wrap":
         cfg.policy = PolicyName.SIZE
         cfg.min_numel = _int(cfg, "fsdp_config.fsdp_min_num_params",

@@ -198,6 +198,11 @@ class Plan:
         groups[i] = replace(groups[i], **changes)
         return replace(self, groups=groups)
 
+    def with_every_group(self, **changes: Any) -> Plan:
+        """This plan with every group, the root's too, a copy with ``changes`` (a config's reshard rule, a classic
+        grouping kept gathered after forward)."""
+        return replace(self, groups=[replace(g, **changes) for g in self.groups])
+
     @property
     def run(self) -> RunOptions:
         """The run options the plan records."""

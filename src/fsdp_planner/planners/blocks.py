@@ -33,5 +33,5 @@ def find_class_instances(trace: Trace, classes: Iterable[str]) -> list[str]:
         numel = trace.index.subtree_numel
         with_params = sorted({m.cls for f, m in trace.modules.items() if f != ROOT and numel[f]})
         raise ClassesNotFound(f"module class {', '.join(missing)} not found in the model; classes with params: "
-                           f"{', '.join(with_params)}")
+                              f"{', '.join(with_params)}")
     return [f for f, m in trace.modules.items() if f != ROOT and m.cls in classes]

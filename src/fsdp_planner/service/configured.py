@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
-from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, JobConfig, edit_choices, world_of
+from fsdp_planner.configs.job_config import ACCELERATE, CLASSES_KEY, TORCHTITAN, JobConfig, edit_choices, world_of
 from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
@@ -267,7 +267,7 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
                                "or run `plan --from-torchtitan` for auto's plan beside the job's")
         m.given("policy", cfg.policy.value, cfg.key("policy"))
     if cfg.module_classes:
-        m.given("module_classes", ",".join(cfg.module_classes), "fsdp_config.fsdp_transformer_layer_cls_to_wrap")
+        m.given("module_classes", ",".join(cfg.module_classes), CLASSES_KEY)
     if cfg.min_numel is not None:
         m.given("min_nonwrapped_numel", str(cfg.min_numel), "fsdp_config.fsdp_min_num_params")
     if cfg.ac is not None and cfg.ac is not ACMode.NONE:
@@ -315,8 +315,7 @@ def classes_named_by(cfg: JobConfig | None) -> Iterator[None]:
     except ClassesNotFound as e:
         if cfg is None or not cfg.module_classes:
             raise
-        raise PlannerError(f"{cfg.kind} config '{cfg.path}': fsdp_config.fsdp_transformer_layer_cls_to_wrap"
-                           f": {e}") from None
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}': {CLASSES_KEY}: {e}") from None
 
 
 def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> ConfigOutcome:

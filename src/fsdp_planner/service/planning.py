@@ -391,8 +391,8 @@ def with_reshard(plan: Plan, rule: str) -> Plan:
     "default": the policy's own)."""
     if rule == "default":
         return plan
-    groups = [dataclasses.replace(g, reshard_after_forward=rule == "always") for g in plan.groups]
-    return dataclasses.replace(plan, policy=f"{plan.policy}, reshard_after_forward {rule}", groups=groups)
+    return plan.with_every_group(reshard_after_forward=rule == "always").replace(
+        policy=f"{plan.policy}, reshard_after_forward {rule}")
 
 
 def with_tp(plan: Plan, tr: Trace, request: PolicyRequest, model: ModelSpec | str, cluster: Cluster | None,

@@ -549,14 +549,13 @@ class AutoPolicy:
         (``_preferred``): a torchtitan job edited to "never" without checkpointing was 0.3% faster than auto's plan of
         8 groups (llama3-8b, TP 2, compiled, on h100:8), which the preference took over 35 groups 0.5% faster.
         Last, as ``_held_back``: the plans found before are the bar. Those plans, and the plans refinement used."""
-        ev, before = search.ev, search.ev.best()
         if self.target is not Target.FSDP2:
             return [], 0
+        ev, before = search.ev, search.ev.best()
         setting = ev.checkpointing(before.plan.activation_checkpointing, before.plan.selective_checkpointing)
-        kept = [setting.evaluate(replace(plan, groups=[replace(g, reshard_after_forward=False) for g in plan.groups]),
-                                 f"{name}, every group kept gathered")
-                for name, plan in search.classics.items() if any(g.reshard_after_forward is not False
-                                                                 for g in plan.groups)]
+        kept = [setting.evaluate(plan.with_every_group(reshard_after_forward=False), f"{name}, every group kept "
+                                 "gathered") for name, plan in search.classics.items()
+                if any(g.reshard_after_forward is not False for g in plan.groups)]
         kept = [c for c in kept if c.runs and ev.fits(c)]  # (one over the budget is no bar to a plan that fits)
         if ev.best() is before:
             return kept, 0
