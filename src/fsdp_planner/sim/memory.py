@@ -56,7 +56,7 @@ rest of the step is taken as packed. Plans are fitted to the GPU by ``reserved``
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 
@@ -70,6 +70,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.sim.allocator import loss_region_slack
+from fsdp_planner.sim.changes import Changes
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
 from fsdp_planner.sim.recompute import (
@@ -214,8 +215,10 @@ class MemoryModel:
         self._activations: dict[tuple[Checkpointed, ...], np.ndarray] = like._activations if like is not None else {}
         self._casts = float8_casts
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
-        self._grad_starts: dict[tuple[tuple[int, ...], int, bool], list[tuple[int, int]]] = {}  # ``_grads_from``
+        # ``_grads_from``'s, by its arguments
+        self._grad_starts: dict[tuple[tuple[int, ...], int, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._made: dict[int, int] = {}  # ``_backward_start``
+        self._first_backward_uses = np.asarray(trace.index.first_backward_use, dtype=np.int64)  # ``_grads_from``
         self._slack: np.ndarray | None = like._slack if like is not None else None  # ``loss_slack``
 
     def activations(self, checkpointed: Sequence[Checkpointed]) -> np.ndarray:
@@ -231,10 +234,10 @@ class MemoryModel:
         (module docstring). ``sync_every``: every micro-batch reduce-scatters (``GradientSync.EVERY``); after the
         first, the sharded grads it made are held all micro-batch and each reduce-scatter output is added in."""
         n = len(self.trace.events) + 1
-        deltas = self._deltas(plan, schedule, GradSync.ONLY if sync_every else phase,
+        changes = self._changes(plan, schedule, GradSync.ONLY if sync_every else phase,
                               sharded_held=sync_every and phase is not GradSync.FIRST)
         stepped = phase in (GradSync.ONLY, GradSync.LAST)  # the optimizer steps after this micro-batch
-        return self._peak_of(deltas, n, self.activations(plan_checkpointing(plan)), self.kept_grads(plan),
+        return self._peak_of(changes, n, self.activations(plan_checkpointing(plan)), self.kept_grads(plan),
                              self.loss_slack, stepped)
 
     @property
@@ -285,66 +288,55 @@ class MemoryModel:
         callback), from the same terms as ``peak``: the memory curve of forward and backward, whose maximum is the
         peak unless the optimizer step's (``step_level``) is higher."""
         n = len(self.trace.events) + 1
-        dense = np.zeros(n + 1)
-        for pos, d in self._deltas(plan, schedule).items():
-            dense[pos] += sum(d)
+        starts, table = self._changes(plan, schedule).by_position(n)
+        dense = np.zeros(n)
+        dense[starts] = _row_sums(table)
         return self.static.total + np.cumsum(dense)[:n] + self.activations(plan_checkpointing(plan))
 
-    def _deltas(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY,
-                sharded_held: bool = False) -> dict[int, list[float]]:
-        """Event position -> change of each dynamic category (``_DYNAMIC``) there, in the micro-batch ``phase``;
+    def _changes(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY,
+                sharded_held: bool = False) -> Changes:
+        """The changes of each dynamic category (``_DYNAMIC``) by event position, in the micro-batch ``phase``;
         ``sharded_held``: the sharded grads exist from before the micro-batch (an earlier one's reduce-scatters)."""
         n = len(self.trace.events) + 1
         groups = self.sizing.groups(plan)
-        deltas: dict[int, list[float]] = {}  # position -> change per dynamic category (``_DYNAMIC``)
-
-        def add(cat: int, start: int, end: int, nbytes: float) -> None:  # called ~10 times a param: no list made
-            at = deltas.get(start)  # unless the position has none yet
-            if at is None:
-                at = deltas[start] = [0.0] * len(_DYNAMIC)
-            at[cat] += nbytes
-            at = deltas.get(end)
-            if at is None:
-                at = deltas[end] = [0.0] * len(_DYNAMIC)
-            at[cat] -= nbytes
-
-        self._gathered(add, schedule, groups)
+        changes = Changes(len(_DYNAMIC))
+        self._gathered(changes, schedule, groups)
         reduces = [c for c in schedule.collectives if c.kind is CollectiveKind.REDUCE_SCATTER]
         for c in reduces:  # a TP view's grads made whole: apart from the rest (``_replicated_grad``)
             for p, whole, shard in self.sizing.replicated_grads(c.params):
-                self._replicated_grad(add, p, c.event, whole, shard, phase, n)
+                self._replicated_grad(changes, p, c.event, whole, shard, phase, n)
         if phase in (GradSync.FIRST, GradSync.MIDDLE):
             for c in reduces:
-                self._accumulate(add, c.event, self.sizing.tp_local_grads(c.params),
+                self._accumulate(changes, c.event, self.sizing.tp_local_grads(c.params),
                                  min(groups[c.group].first_backward, c.event), n, phase)
-            return deltas
+            return changes
         for k, c in enumerate(reduces):
             # the next post-backward frees this input buffer before it allocates its own
-            self._reduced(add, c, reduces[k + 1].event if k + 1 < len(reduces) else n, groups, phase, n,
+            self._reduced(changes, c, reduces[k + 1].event if k + 1 < len(reduces) else n, groups, phase, n,
                           sharded_held)
         finals = [c for c in reduces if c.event == n - 1]
         if finals and phase is GradSync.ONLY and not (self.offload or sharded_held) \
                 and self.zero_grad is ZeroGrad.NONE:
-            self._final_callback(add, finals, plan, schedule, n - 1)
-        return deltas
+            self._final_callback(changes, finals, plan, schedule, n - 1)
+        return changes
 
-    def _gathered(self, add: Callable[[int, int, int, float], None], schedule: Schedule,
+    def _gathered(self, changes: Changes, schedule: Schedule,
                   groups: list[GroupFacts]) -> None:
         """The unsharded params (category 0) and the all-gather buffers (1) of the replay's all-gathers."""
         for r in schedule.residency:
-            add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)
+            changes.add(0, r.start, r.end, groups[r.group].gather_bytes / r.divisor)
             # dim-1 params are copied out through a temporary of their unsharded size, freed once copied
-            add(0, r.start, r.start + 1, self.sizing.shard1_gather_bytes(groups[r.group].params) / r.divisor)
+            changes.add(0, r.start, r.start + 1, self.sizing.shard1_gather_bytes(groups[r.group].params) / r.divisor)
         for c in schedule.collectives:
             if c.kind is CollectiveKind.ALL_GATHER:
                 # the output buffer lives from the issue until FSDP2 frees it (``Collective.output_freed``); a
                 # prefetch is issued in a hook after that hook's own copy-out, so it counts from the next event
                 at = c.event + c.prefetch
-                add(1, at, c.output_freed, groups[c.group].gather_bytes)
+                changes.add(1, at, c.output_freed, groups[c.group].gather_bytes)
                 if not self.offload:  # the shards cast to the all-gather dtype, copied in beside it
-                    add(1, at, at + 1, self.sizing.gather_cast_bytes(groups[c.group].params, c.ranks))
+                    changes.add(1, at, at + 1, self.sizing.gather_cast_bytes(groups[c.group].params, c.ranks))
 
-    def _reduced(self, add: Callable[[int, int, int, float], None], c: Collective, freed: int,
+    def _reduced(self, changes: Changes, c: Collective, freed: int,
                  groups: list[GroupFacts], phase: GradSync, n: int, sharded_held: bool) -> None:
         """A reduce-scatter's unsharded grads (category 2) up to it, its input buffer (3) until ``freed`` and its
         output, the sharded grads (4), in a micro-batch ``phase`` that syncs."""
@@ -352,33 +344,33 @@ class MemoryModel:
         own = self.sizing.tp_local_grads(c.params)
         # an accumulated grad that autograd adds into exists before its call's backward (``_grads_from``)
         own_call = phase is GradSync.ONLY or self._separate_accumulation
-        for start, nbytes in self._grads_from(own, first, own_call):
-            add(2, min(start, c.event), c.event + 1, nbytes)
+        starts, nbytes = self._grads_from(own, first, own_call)
+        changes.add_each(2, np.minimum(starts, c.event), c.event + 1, nbytes)
         if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
-            add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
-        add(2, c.event, c.event + 1, self.sizing.shard1_grad_peak_bytes(c.params))  # dim-1 grads re-laid out
-        add(3, c.event, freed, self.sizing.reduce_bytes(c.params))
+            changes.add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
+        changes.add(2, c.event, c.event + 1, self.sizing.shard1_grad_peak_bytes(c.params))  # dim-1 grads re-laid out
+        changes.add(3, c.event, freed, self.sizing.reduce_bytes(c.params))
         if c.params and c.params[0] in self._divided_alone:  # the quotient FSDP2 copies into the output
-            add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
-        self._sharded_grad(add, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
+            changes.add(3, c.event + 1, c.event + 2, self.sizing.reduce_bytes(c.params))
+        self._sharded_grad(changes, c.event, self.sizing.shard_numel(c.params), n, sharded_held)
         if c.event < n - 1 and not (self.offload or sharded_held) and self.zero_grad is ZeroGrad.NONE \
                 and own and len(own) == len(c.params):
             # its last grad beside the output, a moment of its own before the next event (the final callback's:
             # ``_final_callback``): more than the grads the input was copied from where one param dwarfs the rest.
             # Not where a TP view makes a grad whole (``_replicated_grad`` holds its shard)
-            # what ``_deltas`` holds there already: this micro-batch's grads, and those accumulated apart
+            # what ``_changes`` holds there already: this micro-batch's grads, and those accumulated apart
             held = self.sizing.grad_bytes(own) + (self._accumulated(own) if phase is GradSync.LAST
                                                   and self._separate_accumulation else 0)
             output = self.sizing.shard_numel(c.params) * self.grad_bytes
-            add(2, c.event, c.event + 1, max(0, output + self._last_grad(own, phase) - held))
+            changes.add(2, c.event, c.event + 1, max(0, output + self._last_grad(own, phase) - held))
 
-    def _final_callback(self, add: Callable[[int, int, int, float], None], finals: list[Collective], plan: Plan,
+    def _final_callback(self, changes: Changes, finals: list[Collective], plan: Plan,
                         schedule: Schedule, end: int) -> None:
         """The groups that post-backward in the root's final callback (inputs without grad: an embedding's; the
         root's own params) do so one at a time, in ``named_modules`` order (FSDP2's ``all_states``, the root
         first): each reshards its params, allocates its reduce-scatter input, clears its grads but the last
         (``_last_grad``) and allocates its output, while the groups after it still hold their unsharded params and
-        grads. ``_deltas`` counts them all at ``end`` at once (every grad, the reduce input of the last it
+        grads. ``_changes`` counts them all at ``end`` at once (every grad, the reduce input of the last it
         replayed); this moves ``end`` to the callback's fullest moment (a small untied LM with its embedding
         alone on 2 fake ranks: -16% without, the root's reduce-scatter beside the embedding's gathered param and
         grad)."""
@@ -401,10 +393,10 @@ class MemoryModel:
             last = self._last_grad(self.sizing.tp_local_grads(c.params), GradSync.ONLY)
             moments.append((params, later + last, reduce_input, sum(outputs[:j + 1])))
         params, grads_held, reduce_input, reduced = max(moments, key=sum)
-        add(0, end, end + 1, params)
-        add(2, end, end + 1, grads_held - sum(grads) - sum(relaid))
-        add(3, end, end + 1, reduce_input - self.sizing.reduce_bytes(replayed_last.params))
-        add(4, end, end + 1, reduced)
+        changes.add(0, end, end + 1, params)
+        changes.add(2, end, end + 1, grads_held - sum(grads) - sum(relaid))
+        changes.add(3, end, end + 1, reduce_input - self.sizing.reduce_bytes(replayed_last.params))
+        changes.add(4, end, end + 1, reduced)
 
     def _last_grad(self, params: tuple[int, ...], phase: GradSync) -> int:
         """The unsharded grad FSDP2's ``foreach_reduce`` still holds when it allocates the reduce-scatter output:
@@ -419,42 +411,43 @@ class MemoryModel:
             return last * self.precision.reduce_bytes // self.precision.compute_bytes
         return last
 
-    def _sharded_grad(self, add: Callable[[int, int, int, float], None], event: int, shard: int, n: int,
+    def _sharded_grad(self, changes: Changes, event: int, shard: int, n: int,
                       sharded_held: bool) -> None:
         """The sharded grad a reduce-scatter at ``event`` makes (category 4), by where it lives."""
         if self.offload:  # the output is copied to the CPU, where the sharded grads live
-            add(4, event, event + 1, shard * self.precision.reduce_bytes)
+            changes.add(4, event, event + 1, shard * self.precision.reduce_bytes)
         elif sharded_held and self.zero_grad is ZeroGrad.NONE:  # added into the grad an earlier one made
-            add(4, 0, n, shard * self.grad_bytes)
+            changes.add(4, 0, n, shard * self.grad_bytes)
             # its output, allocated once the unsharded grads are freed (as above), freed once added in
-            add(4, event + 1, event + 2, shard * self.precision.reduce_bytes)
+            changes.add(4, event + 1, event + 2, shard * self.precision.reduce_bytes)
         elif self.zero_grad is ZeroGrad.NONE:  # the reduce-scatter output becomes the sharded grad
             # FSDP2 frees the unsharded grads after the copy-in, before it allocates the output
-            add(4, event + 1, n, shard * self.grad_bytes)
+            changes.add(4, event + 1, n, shard * self.grad_bytes)
         else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
-            add(4, event, event + 1, shard * self.precision.reduce_bytes)
+            changes.add(4, event, event + 1, shard * self.precision.reduce_bytes)
 
-    def _grads_from(self, params: tuple[int, ...], first: int, own_call: bool) -> list[tuple[int, int]]:
-        """(event, bytes): each param's unsharded grad from its own first backward op; for a param backward never
-        reads (a bias, an embedding table), with ``own_call`` from its module call's backward
-        (``_backward_start``), else from ``first``, the group's. ``own_call`` is off where the grad exists before
-        (an earlier micro-batch's, which autograd adds into: its own call's backward put toy-llama's fp32
-        micro-batches with params kept gathered 5.5% low); on, an embedding in the root group is no longer held
-        all through backward (+3.4% on a small untied LM). Autograd makes a group's grads one layer at a time: a
-        group spanning a whole encoder (the root of a Whisper-style model under ``--policy module``) holds at its
-        first backward op only the grads made so far, not all of them (counted at once there, +18% on it)."""
+    def _grads_from(self, params: tuple[int, ...], first: int, own_call: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Events, sorted, and the bytes that start at each: each param's unsharded grad from its own first
+        backward op; for a param backward never reads (a bias, an embedding table), with ``own_call`` from its
+        module call's backward (``_backward_start``), else from ``first``, the group's. ``own_call`` is off where
+        the grad exists before (an earlier micro-batch's, which autograd adds into: its own call's backward put
+        toy-llama's fp32 micro-batches with params kept gathered 5.5% low); on, an embedding in the root group is
+        no longer held all through backward (+3.4% on a small untied LM). Autograd makes a group's grads one layer
+        at a time: a group spanning a whole encoder (the root of a Whisper-style model under ``--policy module``)
+        holds at its first backward op only the grads made so far, not all of them (counted at once there, +18%
+        on it)."""
         key = (params, first, own_call)
         if key not in self._grad_starts:
-            uses, never = self.trace.index.first_backward_use, len(self.trace.events) + 1
-            starts: dict[int, int] = {}
-            for p, nbytes in zip(params, self.sizing.grad_bytes_each(params), strict=True):
-                made = max(first, self._backward_start(p)) if own_call and uses[p] == never else first
-                at = uses[p] if uses[p] != never else made
-                starts[at] = starts.get(at, 0) + nbytes
-            self._grad_starts[key] = sorted(starts.items())
+            ids = np.fromiter(params, dtype=np.intp, count=len(params))
+            at = self._first_backward_uses[ids]
+            unused = np.flatnonzero(at == len(self.trace.events) + 1)  # no backward op reads the param
+            at[unused] = [max(first, self._backward_start(int(params[k]))) if own_call else first for k in unused]
+            events, where = np.unique(at, return_inverse=True)
+            # whole bytes, far below 2**53: a float sum of them in any order is exact
+            self._grad_starts[key] = (events, np.bincount(where, weights=self.sizing.grad_bytes_each(ids)))
         return self._grad_starts[key]
 
-    def _replicated_grad(self, add: Callable[[int, int, int, float], None], p: int, post: int, whole: int,
+    def _replicated_grad(self, changes: Changes, p: int, post: int, whole: int,
                          shard: int, phase: GradSync, n: int) -> None:
         """A TP view's param whose grad DTensor makes whole (``Trace.replicated_grads``): autograd makes the whole
         grad in its module call's backward (``made``). FSDP2's post-backward (``post``) copies the rank's shard
@@ -470,25 +463,25 @@ class MemoryModel:
         accumulated = whole * self.precision.reduce_bytes // self.precision.compute_bytes if separate else whole
         if phase in (GradSync.FIRST, GradSync.MIDDLE):
             if separate:  # the new grad until the post-backward upcasts it or adds it in
-                add(2, made, post + 1, whole)
-                add(2, post if phase is GradSync.FIRST else 0, n, accumulated)
+                changes.add(2, made, post + 1, whole)
+                changes.add(2, post if phase is GradSync.FIRST else 0, n, accumulated)
             elif phase is GradSync.FIRST:  # param.grad, kept
-                add(2, made, n, whole)
+                changes.add(2, made, n, whole)
             else:  # param.grad, kept, and the new grad until autograd has added it in
-                add(2, 0, n, whole)
-                add(2, made, max(done, made + 1), whole)
+                changes.add(2, 0, n, whole)
+                changes.add(2, made, max(done, made + 1), whole)
             return
         copied = max(made, post - 1)  # where the shard is copied out, beside what it is copied from
         if phase is GradSync.LAST:
-            add(2, 0, post, accumulated)
+            changes.add(2, 0, post, accumulated)
             if separate:  # the new grad added in and dropped before the copy: not beside the copy
-                add(2, made, max(copied, made + 1), whole)
-                add(2, copied, post + 1, shard * self.precision.reduce_bytes // self.precision.compute_bytes)
+                changes.add(2, made, max(copied, made + 1), whole)
+                changes.add(2, copied, post + 1, shard * self.precision.reduce_bytes // self.precision.compute_bytes)
                 return
-            add(2, made, max(done, made + 1), whole)  # autograd adds the new grad into param.grad
+            changes.add(2, made, max(done, made + 1), whole)  # autograd adds the new grad into param.grad
         else:
-            add(2, made, post, whole)
-        add(2, copied, post + 1, shard)
+            changes.add(2, made, post, whole)
+        changes.add(2, copied, post + 1, shard)
 
     def _backward_start(self, p: int) -> int:
         """The first backward op of a call of ``p``'s modules: where autograd makes its grad (its
@@ -513,7 +506,7 @@ class MemoryModel:
         """Bytes of these params' unsharded grads while sync is off: unpadded, in the reduce dtype."""
         return self.sizing.grad_bytes(params) * self.precision.reduce_bytes // self.precision.compute_bytes
 
-    def _accumulate(self, add: Callable[[int, int, int, float], None], post: int, params: tuple[int, ...],
+    def _accumulate(self, changes: Changes, post: int, params: tuple[int, ...],
                     first: int, n: int, phase: GradSync) -> None:
         """A micro-batch without gradient sync (``set_requires_gradient_sync(False)``): FSDP2's post-backward
         reduce-scatters nothing; the group's unsharded grads stay to the step's end (in FIRST from its
@@ -521,32 +514,25 @@ class MemoryModel:
         each new grad lives from its backward until the post-backward adds it in."""
         acc = self._accumulated(params)
         if not self._separate_accumulation:  # autograd adds into param.grad: one tensor, kept
-            add(2, first if phase is GradSync.FIRST else 0, n, acc)
+            changes.add(2, first if phase is GradSync.FIRST else 0, n, acc)
             return
-        add(2, first, post + 1, self.sizing.grad_bytes(params))
-        add(2, post if phase is GradSync.FIRST else 0, n, acc)
+        changes.add(2, first, post + 1, self.sizing.grad_bytes(params))
+        changes.add(2, post if phase is GradSync.FIRST else 0, n, acc)
 
-    def _peak_of(self, deltas: dict[int, list[float]], n: int, activations: np.ndarray, kept_grads: int = 0,
+    def _peak_of(self, changes: Changes, n: int, activations: np.ndarray, kept_grads: int = 0,
                  slack: np.ndarray | None = None, stepped: bool = False) -> Peak:
         """The peak over the micro-batch's events and, when the optimizer steps after it (``stepped``), over its
         step: FSDP2's final callback has freed the last reduce-scatter input by then, so the
         step holds the static part, the sharded grads, what is left of the activations (the batch) and its own
         temporaries, on the default stream."""
-        starts = sorted(p for p in deltas if p < n)
-        if not starts or starts[0] != 0:
-            starts.insert(0, 0)
+        starts, table = changes.by_position(n)
         seg_max = np.maximum.reduceat(activations, starts)  # activations peak within each segment
         # what the default stream reserves for them: the loss region's blocks as the allocator packs them
         seg_reserved = seg_max if slack is None else np.maximum.reduceat(activations + slack, starts)
         # Each category's level after each segment's changes, and their sum, added in the order a running sum
-        # over the segments adds them (cumsum is a sequential scan): the same floats, a thousand times faster.
-        empty = [0.0] * len(_DYNAMIC)
-        level = np.cumsum(np.array([deltas.get(s, empty) for s in starts], dtype=np.float64).reshape(
-            len(starts), len(_DYNAMIC)), axis=0)
-        dynamic = level[:, 0]
-        for cat in range(1, len(_DYNAMIC)):
-            dynamic = dynamic + level[:, cat]
-        total = self.static.total + dynamic + seg_max
+        # over the segments adds them (cumsum is a sequential scan)
+        level = np.cumsum(table, axis=0)
+        total = self.static.total + _row_sums(level) + seg_max
         k = int(np.argmax(total))  # the first of equal peaks
         best_at = (*level[k].tolist(), float(seg_max[k]))
         # the three streams' own peaks (module docstring: allocated vs reserved); the previous step's sharded grads
@@ -565,6 +551,14 @@ class MemoryModel:
                       "activations": round(float(activations[-1])), "optimizer_temporaries": self.step_temporaries,
                       "compute_copies": static["compute_copies"] - self._cache_freed}
         return Peak(_replace(self.static, **at), round(default_pool + gather_pool + reduce_pool))
+
+
+def _row_sums(table: np.ndarray) -> np.ndarray:
+    """Each row's sum, its columns added left to right (as ``sum`` adds a list)."""
+    total = table[:, 0]
+    for column in range(1, table.shape[1]):
+        total = total + table[:, column]
+    return total
 
 
 _DYNAMIC = ("unsharded_params", "all_gather_buffers", "unsharded_grads", "reduce_scatter_buffers", "grads")

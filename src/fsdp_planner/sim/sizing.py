@@ -212,9 +212,9 @@ class Sizing:
             self._grads[params] = _sum(self._grad_per, params)
         return self._grads[params]
 
-    def grad_bytes_each(self, params: tuple[int, ...]) -> list[int]:
-        """``grad_bytes((p,))`` of each of ``params``, in one array lookup."""
-        return self._grad_per[np.fromiter(params, dtype=np.intp, count=len(params))].tolist()
+    def grad_bytes_each(self, params: np.ndarray) -> np.ndarray:
+        """``grad_bytes((p,))`` of each of ``params`` (param indices), in one array lookup."""
+        return self._grad_per[params]
 
     def replicated_grads(self, params: Iterable[int]) -> list[tuple[int, int, int]]:
         """(param, bytes of its whole grad, of the rank's shard of it) for those of ``params`` whose grad DTensor
