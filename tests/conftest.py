@@ -11,6 +11,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,13 @@ def as_users_run() -> dict[str, str]:
     """This process's environment less the suite's own launch setting: torchrun's ranks started fresh, as every
     ``verify`` a user runs starts them."""
     return {k: v for k, v in os.environ.items() if k != FORK_ENV}
+
+
+def launch_env(tmp_path: Path, **settings: str) -> dict[str, str]:
+    """The environment of a job a test launches as users launch it (plain torchrun, ``accelerate launch``, a
+    Lightning script): one thread a rank, and the test's own directory as the temp directory, where torchrun
+    without ``--log-dir`` makes a ``torchelastic_*`` directory it never removes (pytest removes the test's)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path), **settings}
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import launch_env
 
 import fsdp_planner as fp
 from fsdp_planner import cli
@@ -119,8 +120,7 @@ def test_importing_the_package_does_not_import_torch():
 
 @pytest.mark.integration
 def test_the_example_plans_and_trains_on_two_gloo_ranks(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = launch_env(tmp_path, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(ROOT / "examples" / "plan_and_train.py"), "--steps", "3"],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

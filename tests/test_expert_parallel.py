@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import max_abs_diff, run_main
+from conftest import launch_env, max_abs_diff, run_main
 
 from fsdp_planner import api
 from fsdp_planner.errors import PlannerError
@@ -321,7 +321,6 @@ def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
     all-to-alls and bytes exactly (the recomputed ones too: the combine comes before the layer's own weighing of
     the rows, which saves its output) and the exported code trains with parity; EP x TP of them is refused in
     one line."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -352,7 +351,7 @@ def test_transformers_experts_run_transformers_own_ep(tmp_path) -> None:
     r = run_main("export", str(plan), "--format", "python", "--precision", "fp32", "--out", str(code))
     assert r.returncode == 0 and "transformers.distributed.expert_parallel" in code.read_text(), r.stderr
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    env = launch_env(tmp_path, PYTHONPATH=str(root / "src"))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(root / "examples" / "torchrun_fsdp2.py"), str(code), model],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -634,7 +633,6 @@ def test_from_torchtitan_keeps_expert_parallel_degree(tmp_path) -> None:
 def test_exported_ep_plan_trains_with_parity_on_gloo(tmp_path) -> None:
     """The exported module (EP 2 on 2 gloo ranks, fp32; examples/torchrun_fsdp2.py: one batch a rank) trains as
     one process does: the experts' all-to-alls and their grads averaged over both ranks, as apply_plan does."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -645,7 +643,7 @@ def test_exported_ep_plan_trains_with_parity_on_gloo(tmp_path) -> None:
     root = Path(__file__).resolve().parents[1]
     code = tmp_path / "ep_plan.py"
     code.write_text(export_plan(_ep_plan(_traced(), 2), ExportFormat.PYTHON, PRECISIONS["fp32"]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root / "src")}
+    env = launch_env(tmp_path, PYTHONPATH=str(root / "src"))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(root / "examples" / "torchrun_fsdp2.py"), str(code), str(root / TINY)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import max_abs_diff
+from conftest import launch_env, max_abs_diff
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.choices import DEFAULT_PRECISION
@@ -106,7 +106,7 @@ def _launch(tmp_path: Path, args: list[str], torchrun: bool = True) -> subproces
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] \
         if torchrun else [sys.executable]
     src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = launch_env(tmp_path, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
 
@@ -274,7 +274,7 @@ def test_accelerate_export_launches_with_accelerate_launch(tmp_path: Path) -> No
     plan, config = _tiny_export(tmp_path, ExportFormat.ACCELERATE, "plan_accelerate.yaml")
     hook = config.with_suffix(".py")
     assert str(tmp_path) not in config.read_text() + hook.read_text()  # the model is named relative to the export
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "PYTHONPATH": ""}  # no fsdp-planner
+    env = launch_env(tmp_path, ACCELERATE_USE_CPU="true", PYTHONPATH="")  # no fsdp-planner
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                           "--num_processes", "2", "--main_process_port", "0", LAUNCHED, "accelerate", str(hook)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -289,7 +289,7 @@ def test_lightning_export_launches_in_a_trainer(tmp_path: Path) -> None:
     module it is given: 2 processes, the plan's groups."""
     pytest.importorskip("lightning")
     plan, hook = _tiny_export(tmp_path, ExportFormat.LIGHTNING, "plan_lightning.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    env = launch_env(tmp_path, PYTHONPATH="")
     out = subprocess.run([sys.executable, LAUNCHED, "lightning", str(hook)], capture_output=True, text=True,
                          timeout=300, env=env, cwd=tmp_path)
     ranks = _launched(out)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import max_abs_diff, traced
+from conftest import launch_env, max_abs_diff, traced
 from torch.distributed._composable import checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -279,8 +279,7 @@ def test_exported_op_sac_plan_trains_like_unsharded_on_gloo(tmp_path):
     code = tmp_path / "plan_python.py"
     code.write_text(export_plan(_titan(ACMode.OP), ExportFormat.PYTHON, PRECISIONS["fp32"]))  # as the reference
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = launch_env(tmp_path, PYTHONPATH=str(root / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(root / "examples" / "torchrun_fsdp2.py"), str(code)],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

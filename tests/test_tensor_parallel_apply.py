@@ -6,7 +6,6 @@ process group with FSDP2's and DTensor's collectives counted apart, beside the s
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import max_abs_diff, run_main
+from conftest import launch_env, max_abs_diff, run_main
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
@@ -251,7 +250,7 @@ def test_exported_python_trains_with_parity_on_gloo(tmp_path: Path) -> None:
     plan = tp_plan(record(lm.model, lm.example_inputs, lm.loss_fn))
     code = tmp_path / "tp_plan.py"
     code.write_text(export_plan(plan, ExportFormat.PYTHON, PRECISIONS["fp32"]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = launch_env(tmp_path, PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                           str(ROOT / "examples" / "torchrun_fsdp2.py"), str(code)], capture_output=True, text=True,
                          timeout=300, env=env, cwd=tmp_path)
@@ -290,7 +289,7 @@ def test_framework_exports_train_with_tp(toy, tmp_path: Path, fmt: ExportFormat,
         pytest.importorskip(fmt.value)
     code = tmp_path / "tp_plan.py"
     code.write_text(export_plan(tp_plan(toy), fmt, PRECISIONS["fp32"]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = launch_env(tmp_path, PYTHONPATH=str(ROOT / "src"))
     if fmt is ExportFormat.ACCELERATE:  # Accelerate's own gloo process group on CPU under torchrun (MULTI_CPU)
         env["ACCELERATE_USE_CPU"] = "true"
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"] \
