@@ -22,6 +22,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.models import load_model
 from fsdp_planner.runtime import verify as v
+from fsdp_planner.runtime.launch import FORK_ENV
 from fsdp_planner.runtime.verify import run_verify
 from fsdp_planner.trace import record
 
@@ -444,8 +445,6 @@ def test_ranks_that_end_well_without_a_result_fail_the_job_in_one_line(tmp_path,
     """The model's code ends the process with status 0 (``os._exit(0)``): nothing raised, no signal, and no result;
     a failure, said in one line, not torchrun's log, and no wait (a rank forked by torchrun that ends with status 0
     without returning leaves torchrun waiting for its return value for good)."""
-    from fsdp_planner.runtime.launch import FORK_ENV
-
     (tmp_path / "vanishes.py").write_text(VANISHING_MODEL)
     out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{tmp_path / 'vanishes.py'}:vanishes",
                           "--policy", "order", "--nproc", "2", "--steps", "1"], capture_output=True, text=True,
@@ -496,6 +495,9 @@ def test_a_byte_mismatch_fails_a_real_run(tmp_path):
 
 @pytest.mark.integration
 def test_a_timeout_stops_the_whole_job_and_removes_its_temp_dir(tmp_path, monkeypatch):
+    """As users run it: the launcher and ranks started fresh, each with this test's TMPDIR in its environment
+    (a forked one keeps its parent's start-up environment in /proc, where the check below looks)."""
+    monkeypatch.delenv(FORK_ENV)
     (tmp_path / "slow.py").write_text(SLOW_MODEL)
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()

@@ -9,12 +9,14 @@ negative code being the signal) so ``verify`` can name the rank that died and wh
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
 import signal
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -27,10 +29,14 @@ from fsdp_planner.signals import die_of, follow_parent
 
 PARENT_ENV = "FSDP_PLANNER_PARENT"  # the pid of the command that started the job (runtime/verify.py)
 LAUNCHER_ENV = "FSDP_PLANNER_LAUNCHER"  # this launcher's pid, which its ranks follow (rank.follow_launcher)
-FORK_ENV = "FSDP_PLANNER_FORK_RANKS"  # "1": ranks forked from the launcher where that is sound (``rank_command``)
+# "1": ranks forked from the launcher where that is sound (``rank_command``), and the launcher from a zygote
+# (``zygote.py``): the test suite's setting
+FORK_ENV = "FSDP_PLANNER_FORK_RANKS"
 # what torch imports only when first used and every rank uses: inductor's config (``use_deterministic_algorithms``
 # sets a flag there; it imports dynamo, which FSDP2 asks for on its first call): 0.8 s of CPU a forked rank
 LOADED_BY_EVERY_RANK = ("torch._inductor.config",)
+# what ``run_torchrun`` runs on ranks: verify's, verify --fsdp1's, calibrate --gloo's
+RANK_MODULES = ("fsdp_planner.runtime.worker", "fsdp_planner.runtime.fsdp1_worker", "fsdp_planner.calibrate.worker")
 
 
 def follow_command() -> None:
@@ -61,21 +67,35 @@ def main(argv: list[str]) -> int:
 
 def rank_command(module: str) -> list[str]:
     """How torchrun starts each rank: ``-m MODULE`` in a fresh interpreter, torchrun's default. With
-    ``FORK_ENV=1`` on Linux with a CPU-only build of torch: forked from this process once it has imported MODULE
-    (torchrun's ``--start-method fork --run-path``, which runs MODULE's file as ``__main__`` in the fork), so no
-    rank pays its own imports of torch, FSDP2 and DTensor, about 4 s of CPU a rank, most of what a small job
-    costs; the test suite runs hundreds of jobs so. Not the default, because forked ranks differ from a real job's
-    in what ``verify`` checks: they share the launcher's string-hash seed (models built in set order look the same
-    on every rank), and torch reports only the first of the ranks that fail together (the exits file names one).
-    Never where torch may use a GPU (CUDA cannot run in a process forked from one that touched it)."""
-    if os.environ.get(FORK_ENV) != "1" or sys.platform != "linux" or torch.backends.cuda.is_built():
+    ``FORK_ENV=1`` on Linux with a CPU-only build of torch (``forks_ranks``): forked from this process once it has
+    imported MODULE (torchrun's ``--start-method fork --run-path``, which runs MODULE's file as ``__main__`` in the
+    fork), so no rank pays its own imports of torch, FSDP2 and DTensor, about 4 s of CPU a rank, most of what a
+    small job costs; the test suite runs hundreds of jobs so (and forks their launchers too: ``zygote.py``). Not
+    the default, because forked ranks differ from a real job's in what ``verify`` checks: they share the
+    launcher's string-hash seed (models built in set order look the same on every rank), and torch reports only
+    the first of the ranks that fail together (the exits file names one). Never where torch may use a GPU (CUDA
+    cannot run in a process forked from one that touched it)."""
+    if not forks_ranks(os.environ):
         return ["-m", module]
-    for lazy in LOADED_BY_EVERY_RANK:
-        importlib.import_module(lazy)
-    file = importlib.import_module(module).__file__
-    assert file is not None
+    file = preload(module)
+    gc.freeze()  # the imports' objects out of the ranks' collections: none walks (and so copies) these pages
     os.register_at_fork(after_in_child=as_fresh_interpreter)
     return ["--start-method", "fork", "--run-path", file]
+
+
+def forks_ranks(env: Mapping[str, str]) -> bool:
+    """Whether a job launched with ``env`` forks its ranks (``rank_command``)."""
+    return env.get(FORK_ENV) == "1" and sys.platform == "linux" and not torch.backends.cuda.is_built()
+
+
+def preload(*modules: str) -> str:
+    """Import what every forked rank needs and the ranks' ``modules`` (by default each rank module a job runs);
+    the file of the first."""
+    for name in (*LOADED_BY_EVERY_RANK, *(modules or RANK_MODULES)):
+        importlib.import_module(name)
+    file = sys.modules[(modules or RANK_MODULES)[0]].__file__
+    assert file is not None
+    return file
 
 
 def as_fresh_interpreter() -> None:

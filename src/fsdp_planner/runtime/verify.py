@@ -54,6 +54,7 @@ from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA, check_metadata
 from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
 from fsdp_planner.runtime.launch import PARENT_ENV
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
+from fsdp_planner.runtime.zygote import Forked, start_launcher
 from fsdp_planner.signals import signals_raise
 from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.float8 import converted_linears
@@ -73,7 +74,7 @@ STOP_GRACE_S = 5.0  # SIGTERM to the job's process group, then SIGKILL after thi
 KEEP_FREED_MEMORY = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1099511627776"
 
 
-def stop_process_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+def stop_process_group(proc: subprocess.Popen | Forked, grace: float = STOP_GRACE_S) -> None:
     """End ``proc`` and every process of its session (it was started with ``start_new_session``): torchrun and its
     workers. SIGTERM, then SIGKILL after ``grace`` seconds; Ctrl-C and SIGTERM wait until it is done."""
     blocked = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
@@ -362,8 +363,7 @@ def run_torchrun(module: str, nproc: int, timeout: float, what: str, job: dict[s
                "--standalone", f"--nproc_per_node={nproc}", f"--log-dir={Path(tmp) / 'torchrun'}"]
         # Its own session: the job's processes are one group to kill on every way out, and Ctrl-C in a terminal
         # reaches only this process (which then stops them) instead of racing torchrun's own handling.
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = start_launcher(cmd, env)  # Popen, or forked from a zygote where ranks are forked (``zygote.py``)
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
