@@ -17,18 +17,21 @@ import pytest
 
 from fsdp_planner.models import load_model
 from fsdp_planner.runtime.launch import FORK_ENV
+from fsdp_planner.runtime.zygote import ZYGOTE_ENV
 from fsdp_planner.trace import Trace, record
 
 # The suite's torchrun jobs fork their ranks from the launcher (``launch.rank_command``): about 4 s of CPU less a
-# rank, a third of the suite's. Tests of how a failed or stopped job is reported run ranks as users get them
+# rank, a third of the suite's; and this process's jobs fork their launchers from a zygote (``runtime/zygote.py``),
+# ~3 s less a job. Tests of how a failed or stopped job is reported run launchers and ranks as users get them
 # (``as_users_run``).
 os.environ.setdefault(FORK_ENV, "1")
+os.environ[ZYGOTE_ENV] = str(os.getpid())  # this process's own (each xdist worker's), not its subprocesses'
 
 
 def as_users_run() -> dict[str, str]:
-    """This process's environment less the suite's own launch setting: torchrun's ranks started fresh, as every
-    ``verify`` a user runs starts them."""
-    return {k: v for k, v in os.environ.items() if k != FORK_ENV}
+    """This process's environment less the suite's own launch settings: torchrun's launcher and ranks started
+    fresh, as every ``verify`` a user runs starts them."""
+    return {k: v for k, v in os.environ.items() if k not in (FORK_ENV, ZYGOTE_ENV)}
 
 
 def launch_env(tmp_path: Path, **settings: str) -> dict[str, str]:

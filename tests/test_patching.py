@@ -126,9 +126,10 @@ def _patches(source: str) -> list[int]:
 
 
 # Installed for the life of the process on purpose, never undone: a closed stdout/stderr replaced by the null
-# device, transformers' packed-sequence check answering meta and fake tensors (real ones asked as before), and a
-# forked rank's temp directory put back as a fresh interpreter has it.
-PERMANENT = {"cli/__init__.py": 2, "models/hf.py": 1, "runtime/launch.py": 1}
+# device, transformers' packed-sequence check answering meta and fake tensors (real ones asked as before), a
+# forked rank's temp directory put back as a fresh interpreter has it, and a launcher forked by the zygote made what
+# a fresh one is (its stdout and stderr, temp directory and argv).
+PERMANENT = {"cli/__init__.py": 2, "models/hf.py": 1, "runtime/launch.py": 1, "runtime/zygote.py": 3}
 
 
 def test_libraries_are_patched_only_through_patched() -> None:

@@ -4,6 +4,7 @@ the process that started the zygote, job and all."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,21 +13,25 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner.runtime import zygote
-from fsdp_planner.runtime.launch import FORK_ENV
-from fsdp_planner.runtime.zygote import Forked, start_launcher
+from fsdp_planner.runtime.launch import FORK_ENV, forks_ranks
+from fsdp_planner.runtime.zygote import ZYGOTE_ENV, Forked, start_launcher
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LAUNCHER = [sys.executable, "-u", "-m", zygote.LAUNCH_MODULE]
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="ranks and launchers fork on Linux only")
 
 
 def _env(**settings: str) -> dict[str, str]:
+    """A launch environment whose path holds the fixtures' rank module: a start-up environment of its own, so a
+    zygote of its own (each test below ends it)."""
     src = str(Path(zygote.__file__).parents[2])
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONSAFEPATH": "1", FORK_ENV: "1",
-            "PYTHONPATH": os.pathsep.join([src, str(FIXTURES)]), **settings}
+            ZYGOTE_ENV: str(os.getpid()), "PYTHONPATH": os.pathsep.join([src, str(FIXTURES)]), **settings}
 
 
-@pytest.mark.integration
+pytestmark = [pytest.mark.integration,  # each starts a launcher, which imports torch
+              pytest.mark.skipif(not forks_ranks(_env()), reason="ranks fork on Linux with a CPU-only torch only")]
+
+
 def test_a_forked_launcher_exits_and_writes_as_a_started_one(tmp_path):
     """torchrun's own argument error: the same status and the same message, on the same stream, either way."""
     args = [str(tmp_path / "exits"), "sleeping_rank", str(tmp_path / "job"), "--no-such-option"]
@@ -34,23 +39,34 @@ def test_a_forked_launcher_exits_and_writes_as_a_started_one(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     forked = start_launcher([*LAUNCHER, *args], _env())
     assert isinstance(forked, Forked) and forked.pid != os.getpid()
-    (out_a, err_a), (out_b, err_b) = started.communicate(timeout=120), forked.communicate(timeout=120)
-    assert started.returncode == forked.returncode == 2
+    try:
+        (out_a, err_a), (out_b, err_b) = started.communicate(timeout=120), forked.communicate(timeout=120)
+    finally:
+        os.kill(forked.zygote, signal.SIGTERM)  # no other test asks for this environment's
+    assert started.returncode == forked.returncode == 2 and forked.stdout.closed and forked.stderr.closed
     assert out_a == out_b == "" and "unrecognized arguments: --no-such-option" in err_b
     assert err_a.splitlines()[-1] == err_b.splitlines()[-1]
 
 
-@pytest.mark.integration
-def test_a_zygote_ends_with_the_process_that_started_it_and_takes_its_jobs(tmp_path):
+@pytest.mark.parametrize("how", ["client killed", "handle dropped"])
+def test_a_job_ends_with_its_client_or_its_handle(tmp_path, how):
     """The client killed by SIGKILL (no handler runs): the zygote follows it, each launcher follows the zygote and
-    torchrun ends its ranks; nothing of the job is left."""
+    torchrun ends its ranks. The client alive but its handle dropped without a wait (nobody left to stop the job):
+    the zygote kills the job. Either way nothing of the job is left."""
     client = f"""
-import sys, time
+import gc, os, sys, time
+from pathlib import Path
 from fsdp_planner.runtime import zygote
+os.environ[zygote.ZYGOTE_ENV] = str(os.getpid())
 proc = zygote.start_launcher({[*LAUNCHER, str(tmp_path / 'exits'), 'sleeping_rank', str(tmp_path / 'started'),
                                '--standalone', '--nproc_per_node=2', f'--log-dir={tmp_path / "logs"}']!r},
-                             {_env(TMPDIR=str(tmp_path))!r})
+                             {{**{_env(TMPDIR=str(tmp_path))!r}, zygote.ZYGOTE_ENV: str(os.getpid())}})
 print(type(proc).__name__, proc.pid, proc.zygote, flush=True)
+while len(list(Path({str(tmp_path)!r}).glob("started.*"))) < 2:
+    time.sleep(0.2)
+if {how == "handle dropped"}:
+    del proc
+    gc.collect()
 time.sleep(600)
 """
     proc = subprocess.Popen([sys.executable, "-c", client], env=_env(), stdout=subprocess.PIPE, text=True)
@@ -61,13 +77,16 @@ time.sleep(600)
         while len(list(tmp_path.glob("started.*"))) < 2:
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.2)
-        ranks = [int(p.suffix[1:]) for p in tmp_path.glob("started.*")]
-        proc.kill()
-        proc.wait(timeout=30)
+        job = [int(launcher), *(int(p.suffix[1:]) for p in tmp_path.glob("started.*"))]
+        if how == "client killed":
+            proc.kill()
+            proc.wait(timeout=30)
+            job.append(int(zygote_pid))
         deadline = time.monotonic() + 30
-        while _alive(int(zygote_pid), int(launcher), *ranks) and time.monotonic() < deadline:
+        while _alive(*job) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _alive(int(zygote_pid), int(launcher), *ranks) == []
+        assert _alive(*job) == []
+        assert (how == "client killed") == (_alive(int(zygote_pid)) == [])  # a dropped handle ends its job only
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -86,12 +105,40 @@ def _alive(*pids: int) -> list[int]:
     return running
 
 
-def test_the_zygote_serves_only_launchers_of_forked_ranks():
-    """Users' jobs (no ``FORK_ENV``) and any other command start as their own processes."""
-    env = {k: v for k, v in _env().items() if k != FORK_ENV}
+def test_the_zygote_serves_only_this_process_s_launchers_of_forked_ranks():
+    """Users' jobs (no ``FORK_ENV``), a subprocess's (another pid in ``ZYGOTE_ENV``) and any other command start as
+    processes of their own."""
+    for env in ({k: v for k, v in _env().items() if k != FORK_ENV}, _env(**{ZYGOTE_ENV: str(os.getppid())})):
+        proc = start_launcher([*LAUNCHER, "x", "sleeping_rank", "z", "--no-such-option"], env)
+        assert isinstance(proc, subprocess.Popen)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 2
     proc = start_launcher([sys.executable, "-c", "pass"], _env())
-    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0
-    proc = start_launcher([*LAUNCHER, "x", "y", "z", "--no-such-option"], env)
     assert isinstance(proc, subprocess.Popen)
-    proc.communicate(timeout=120)
-    assert proc.returncode == 2
+    proc.communicate(timeout=60)
+    assert proc.returncode == 0
+
+
+def test_a_request_from_another_process_is_refused(tmp_path):
+    """The zygote's address is visible to every local user: it forks for the process that started it only."""
+    forked = start_launcher([*LAUNCHER, "x", "sleeping_rank", "z", "--no-such-option"], _env())
+    assert isinstance(forked, Forked)
+    try:
+        forked.communicate(timeout=120)
+        intruder = f"""
+import json, os, socket
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+conn.connect({forked.address!r})
+r, w = os.pipe()
+try:  # the zygote may hang up before the request is sent, or with it unread
+    socket.send_fds(conn, [json.dumps({{"argv": ["--help"], "env": {{}}, "cwd": "/"}}).encode()], [w, w])
+    conn.settimeout(30)
+    print(repr(conn.recv(4096)))
+except (BrokenPipeError, ConnectionResetError):
+    print("refused")
+"""
+        out = subprocess.run([sys.executable, "-c", intruder], capture_output=True, text=True, timeout=60)
+        # hung up on without a pid: the zygote replies with one after a fork only
+        assert out.stdout.strip() in ("b''", "refused"), out
+    finally:
+        os.kill(forked.zygote, signal.SIGTERM)

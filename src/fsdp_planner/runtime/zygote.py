@@ -22,35 +22,45 @@ import contextlib
 import gc
 import io
 import json
+import locale
 import os
 import secrets
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from typing import Any
+import warnings
+from typing import Any, Protocol
 
 LAUNCH_MODULE = "fsdp_planner.runtime.launch"
+# the pid of the one process whose launchers are forked (the test suite's conftest sets its own): a command the
+# tests start as a subprocess inherits it and starts its one job as a process of its own, as a zygote would not pay
+ZYGOTE_ENV = "FSDP_PLANNER_ZYGOTE_FOR"
 # what the interpreter, glibc and OpenMP read once, at start-up: a zygote serves only requests that agree on them
-STARTUP_PREFIXES = ("PYTHON", "GLIBC_", "LD_", "MALLOC_", "OMP_", "KMP_", "MKL_", "TORCH")
+STARTUP_PREFIXES = ("PYTHON", "PYTORCH_", "TORCH", "GLIBC_", "LD_", "MALLOC_", "OMP_", "KMP_", "MKL_", "LC_", "LANG",
+                    "LOGLEVEL")
 READY = b"ready\n"
 START_TIMEOUT_S = 120.0  # a zygote not ready by then is given up: jobs start as separate processes
 MAX_ZYGOTES = 4  # zygotes kept by one process, one per start-up environment
 MESSAGE_BYTES = 1 << 20  # a request larger than this (its environment) starts as a separate process
+REQUEST_TIMEOUT_S = 10.0  # a connection that sends no request by then is dropped (the zygote serves one at a time)
 
 
 def start_launcher(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | Forked:
     """``Popen(cmd, env=env, stdout=PIPE, stderr=PIPE, text=True, start_new_session=True)``, forked from a zygote
-    where ``cmd`` runs the launcher and ranks are forked (module docstring)."""
+    where ``cmd`` runs the launcher, ranks are forked and this is the process ``ZYGOTE_ENV`` names (module
+    docstring)."""
     from fsdp_planner.runtime.launch import PARENT_ENV, forks_ranks
 
     args = cmd[4:] if cmd[:4] == [sys.executable, "-u", "-m", LAUNCH_MODULE] else None
-    zygote = _zygote(env) if args is not None and forks_ranks(env) else None
+    ours = env.get(ZYGOTE_ENV) == str(os.getpid())
+    zygote = _zygote(env) if args is not None and ours and forks_ranks(env) else None
     if zygote is not None:
         forked = zygote.fork(args, {**env, PARENT_ENV: str(zygote.pid)})
         if forked is not None:
@@ -60,34 +70,41 @@ def start_launcher(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | Fo
 
 
 class Forked:
-    """A launcher a zygote (pid ``zygote``) forked: the part of ``subprocess.Popen`` that ``run_torchrun`` uses.
-    Its exit status comes from the zygote, its parent, on ``conn``."""
+    """A launcher a zygote (pid ``zygote``, listening at ``address``) forked: the part of ``subprocess.Popen`` that
+    ``run_torchrun`` uses. Its exit status comes from the zygote, its parent, on ``conn``."""
 
-    def __init__(self, pid: int, zygote: int, conn: socket.socket, stdout: io.FileIO, stderr: io.FileIO) -> None:
-        self.pid, self.zygote, self._conn, self.stdout, self.stderr = pid, zygote, conn, stdout, stderr
+    def __init__(self, pid: int, zygote: int, address: str, conn: socket.socket, stdout: io.FileIO,
+                 stderr: io.FileIO) -> None:
+        self.pid, self.zygote, self.address, self._conn = pid, zygote, address, conn
+        self.stdout, self.stderr = stdout, stderr
         self.returncode: int | None = None
+        self._read: dict[io.FileIO, list[bytes]] = {stdout: [], stderr: []}  # what ``communicate`` has read
 
     def poll(self) -> int | None:
+        """The exit status once the zygote has reported it, else None."""
         return self._status(0.0)
 
     def wait(self, timeout: float | None = None) -> int:
+        """The exit status, waiting at most ``timeout`` seconds (``TimeoutExpired``)."""
         status = self._status(timeout)
         if status is None:
             raise subprocess.TimeoutExpired(LAUNCH_MODULE, timeout or 0.0)
         return status
 
     def kill(self) -> None:
+        """SIGKILL to the launcher (its ranks follow it)."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """Both outputs to their ends and the exit status, as ``Popen.communicate`` (``TimeoutExpired`` after
-        ``timeout`` seconds, the process left running)."""
+        """Both outputs to their ends, then the exit status, as ``Popen.communicate`` in text mode (decoded once
+        whole, universal newlines; ``TimeoutExpired`` after ``timeout`` seconds, the process left running and
+        what was read kept for the next call). Each stream is closed at its end."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        chunks: dict[Any, list[str]] = {self.stdout: [], self.stderr: []}
         with selectors.DefaultSelector() as sel:
-            for stream in chunks:
-                sel.register(stream, selectors.EVENT_READ)
+            for stream in (self.stdout, self.stderr):
+                if not stream.closed:
+                    sel.register(stream, selectors.EVENT_READ)
             while sel.get_map():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -95,12 +112,13 @@ class Forked:
                 for key, _ in sel.select(left):
                     data = os.read(key.fd, 65536)
                     if data:
-                        chunks[key.fileobj].append(data.decode(errors="replace"))
+                        self._read[key.fileobj].append(data)
                     else:
                         sel.unregister(key.fileobj)
+                        key.fileobj.close()
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         self.wait(left)
-        return "".join(chunks[self.stdout]), "".join(chunks[self.stderr])
+        return _text(b"".join(self._read[self.stdout])), _text(b"".join(self._read[self.stderr]))
 
     def _status(self, timeout: float | None) -> int | None:
         if self.returncode is None:
@@ -111,10 +129,15 @@ class Forked:
                 return None
             except OSError:
                 message = b""
-            # the zygote gone before it reported: the launcher went with it (it follows the zygote)
+            # the zygote gone before it reported (it died): the launcher went with it, on the SIGTERM it follows
             self.returncode = json.loads(message)["returncode"] if message else -signal.SIGTERM
             self._conn.close()
         return self.returncode
+
+
+def _text(data: bytes) -> str:
+    """What ``Popen(text=True)`` makes of a stream's bytes: the locale's encoding, universal newlines."""
+    return data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
 
 
 class _Zygote:
@@ -123,22 +146,30 @@ class _Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         name = f"fsdp-planner-zygote-{os.getpid()}-{secrets.token_hex(8)}"
         self.address = abstract(name)
+        # its own session: Ctrl-C in a terminal reaches the client, which stops its jobs, not the zygote mid-job
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, name, str(os.getpid())],
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL)
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
         self.pid = self.proc.pid
         self.ready = _read_ready(self.proc)
         atexit.register(self.close)
+        if not self.ready:
+            warnings.warn("the launchers' zygote did not start: each torchrun job's launcher starts fresh",
+                          RuntimeWarning, stacklevel=3)
 
     def fork(self, args: list[str], env: dict[str, str]) -> Forked | None:
         """A launcher of ``args`` forked by the zygote; None where the request cannot be made (then a separate
         process starts)."""
-        message = json.dumps({"argv": args, "env": env, "cwd": os.getcwd()}).encode()
+        try:
+            message = json.dumps({"argv": args, "env": env, "cwd": os.getcwd()}).encode()
+        except OSError:  # no working directory (deleted): a separate process says so as Popen would
+            return None
         if len(message) > MESSAGE_BYTES or self.proc.poll() is not None:
             return None
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = None
         try:
             conn.connect(self.address)
             socket.send_fds(conn, [message], [out_w, err_w])
@@ -150,12 +181,13 @@ class _Zygote:
         finally:
             os.close(out_w)
             os.close(err_w)
+            if pid is None:  # also on a signal's exception: a launcher whose pid never came is killed by the
+                conn.close()  # zygote when this connection closes
+                os.close(out_r)
+                os.close(err_r)
         if pid is None:
-            conn.close()
-            os.close(out_r)
-            os.close(err_r)
             return None
-        return Forked(pid, self.pid, conn, io.FileIO(out_r, "r"), io.FileIO(err_r, "r"))
+        return Forked(pid, self.pid, self.address, conn, io.FileIO(out_r, "r"), io.FileIO(err_r, "r"))
 
     def close(self) -> None:
         """Ends the zygote (it exits when its stdin closes); its launchers, if any, with it."""
@@ -175,9 +207,13 @@ _lock = threading.Lock()
 
 
 def _zygote(env: dict[str, str]) -> _Zygote | None:
-    """The zygote for this start-up environment, started on first use; None where it could not start."""
+    """The zygote for this start-up environment, started on first use and again after it died; None where it
+    could not start."""
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_PREFIXES)))
     with _lock:
+        gone = _zygotes.get(key)
+        if gone is not None and gone.proc.poll() is not None:  # killed: another takes its place
+            del _zygotes[key]
         if key not in _zygotes:
             if len(_zygotes) >= MAX_ZYGOTES:
                 return None
@@ -206,8 +242,12 @@ def _read_ready(proc: subprocess.Popen) -> bool:
 # The zygote's side.
 
 
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
 def serve(name: str, parent: int) -> None:
-    """Fork a launcher for each request until stdin closes (the client's ``close``, or its death)."""
+    """Fork a launcher for each request of ``parent`` until stdin closes (the client's ``close``, or its death)."""
     from fsdp_planner.runtime import launch
     from fsdp_planner.signals import follow_parent
 
@@ -216,6 +256,9 @@ def serve(name: str, parent: int) -> None:
     # what the imports made, out of the collector's reach in every fork: no launcher or rank spends its collections
     # walking (and so copying) the zygote's pages (``gc.freeze``'s documented use before fork)
     gc.freeze()
+    if threading.active_count() > 1 or len(os.listdir("/proc/self/task")) > 1:
+        return  # a thread started by an import would be missing from every fork (its locks held for good): no
+        # READY, so the client starts its launchers fresh
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(abstract(name))
     listener.listen(16)
@@ -237,19 +280,34 @@ def serve(name: str, parent: int) -> None:
                         return
                 elif key.fileobj is listener:
                     conn, _ = listener.accept()
-                    pid = _fork_request(conn, closing=(sel, listener, wake_r, wake_w, *waiting.values()))
+                    pid = _fork_request(conn, parent, closing=(sel, listener, wake_r, wake_w, *waiting.values()))
                     if pid is None:
                         conn.close()
                     else:
                         waiting[pid] = conn
-                else:
+                        sel.register(conn, selectors.EVENT_READ, pid)
+                elif key.fileobj is wake_r:
                     os.read(wake_r, 4096)
-            _reap(waiting)
+                else:  # a client hung up before its launcher's status: nobody will stop that job but this
+                    sel.unregister(key.fileobj)
+                    key.fileobj.close()
+                    del waiting[key.data]
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(key.data, signal.SIGKILL)
+            for conn in _reap(waiting):
+                sel.unregister(conn)
+                conn.close()
 
 
-def _fork_request(conn: socket.socket, closing: tuple) -> int | None:
-    """Read one request and fork its launcher; its pid (sent back), or None for a request that could not be read."""
+def _fork_request(conn: socket.socket, parent: int, closing: tuple[Closable | int, ...]) -> int | None:
+    """Read one request, from ``parent`` only, and fork its launcher; its pid (sent back), or None for a request
+    that could not be read or came from another process (an abstract socket's name is visible to every local
+    user)."""
+    peer, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if peer != parent:
+        return None
     try:
+        conn.settimeout(REQUEST_TIMEOUT_S)
         message, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 2)
         request = json.loads(message)
     except (OSError, ValueError):
@@ -263,13 +321,13 @@ def _fork_request(conn: socket.socket, closing: tuple) -> int | None:
         _run_launcher(request, fds, (conn, *closing))
     for fd in fds:
         os.close(fd)
-    # the client gone: the launcher's status has no one to go to; it is still reaped
+    # the client gone: the launcher's status has no one to go to; the hang-up kills it
     with contextlib.suppress(OSError):
         conn.send(json.dumps({"pid": pid}).encode())
     return pid
 
 
-def _run_launcher(request: dict[str, Any], fds: list[int], closing: tuple) -> None:
+def _run_launcher(request: dict[str, Any], fds: list[int], closing: tuple[Closable | int, ...]) -> None:
     """In the forked child: become what ``Popen(..., start_new_session=True)`` of ``python -u -m launch`` would
     start, then run the launcher; never returns."""
     code = 1
@@ -283,10 +341,11 @@ def _run_launcher(request: dict[str, Any], fds: list[int], closing: tuple) -> No
         for fd, target in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
             os.dup2(fd, target)
             os.close(fd)
-        # -u: the text layer writes straight through to an unbuffered file
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
-                                      errors="backslashreplace")
+        # -u: the text layer writes straight through to an unbuffered file, in the encoding the interpreter chose
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            was = getattr(sys, f"__{name}__")
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=was.encoding,
+                                                errors=was.errors, write_through=True))
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -295,8 +354,10 @@ def _run_launcher(request: dict[str, Any], fds: list[int], closing: tuple) -> No
 
         sys.argv = [launch.__file__, *request["argv"]]
         code = launch.main(request["argv"])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter ends on it: None is 0, a message is printed and is 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -306,20 +367,21 @@ def _run_launcher(request: dict[str, Any], fds: list[int], closing: tuple) -> No
         os._exit(code)
 
 
-def _reap(waiting: dict[int, socket.socket]) -> None:
-    """Report each launcher that has exited to its request's connection."""
-    while waiting:
+def _reap(waiting: dict[int, socket.socket]) -> list[socket.socket]:
+    """Report each launcher that has exited to its request's connection; those connections, done with."""
+    done = []
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            return done
         if pid == 0:
-            return
+            return done
         conn = waiting.pop(pid, None)
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.send(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
-            conn.close()
+            done.append(conn)
 
 
 if __name__ == "__main__":
