@@ -1,15 +1,19 @@
 """The memory model's changes of level: each category's bytes up at one event position and down at another.
 
-A plan's replay makes ~10 of them per param (each param's unsharded grad from its own first backward op), so they
-are kept as arrays, a per-param run added in one call (``add_each``), and summed per position in one pass. A
-category's change at a position is the running sum of what was added there, in the order it was added, as a
-per-position running total would add them: the same floats (bytes divided by a residency's divisor are not whole),
-so the peaks do not depend on how the changes are stored.
+A plan's replay makes ~10 of them per param (each param's unsharded grad from its own first backward op), so a
+group's per-param run is added in one call (``add_each``: as arrays where it is long), and all are summed per
+position in one pass. A category's change at a position is the running sum of what was added there, in the order
+it was added, as a per-position running total would add them: the same floats (bytes divided by a residency's
+divisor are not whole), so the peaks do not depend on how the changes are stored.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+ONE_BY_ONE = 64  # runs of changes up to this long are added one by one (``add_each``)
 
 
 class Changes:
@@ -28,12 +32,20 @@ class Changes:
         self._cats += (cat, cat)
         self._bytes += (nbytes, -nbytes)
 
-    def add_each(self, cat: int, starts: np.ndarray, end: int, nbytes: np.ndarray) -> None:
-        """``add(cat, s, end, b)`` for each ``s, b`` of ``starts, nbytes``, in that order."""
-        self._flush()
+    def add_each(self, cat: int, starts: Sequence[int] | np.ndarray, end: int, nbytes: Sequence[float] | np.ndarray,
+                 at_most: int) -> None:
+        """``add(cat, min(s, at_most), end, b)`` for each ``s, b`` of ``starts, nbytes``, in that order: in one
+        array operation when there are more than ``ONE_BY_ONE`` (below that numpy's per-call cost is the larger)."""
         k = len(starts)
+        if k <= ONE_BY_ONE:
+            for s, b in zip(starts, nbytes, strict=True):
+                self._positions += (min(s, at_most), end)
+                self._cats += (cat, cat)
+                self._bytes += (b, -b)
+            return
+        self._flush()
         positions, values = np.empty(2 * k, dtype=np.int64), np.empty(2 * k, dtype=np.float64)
-        positions[0::2], positions[1::2] = starts, end
+        positions[0::2], positions[1::2] = np.minimum(starts, at_most), end
         values[0::2] = nbytes
         values[1::2] = -values[0::2]
         self._chunks.append((positions, np.full(2 * k, cat, dtype=np.int64), values))

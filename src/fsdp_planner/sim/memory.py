@@ -70,7 +70,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import Collective, Schedule, build_schedule
 from fsdp_planner.sim.allocator import loss_region_slack
-from fsdp_planner.sim.changes import Changes
+from fsdp_planner.sim.changes import ONE_BY_ONE, Changes
 from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.options import Optimizer, SimOptions, ZeroGrad
 from fsdp_planner.sim.recompute import (
@@ -216,7 +216,7 @@ class MemoryModel:
         self._casts = float8_casts
         self._loss: np.ndarray | None = None  # the loss region's levels, once asked for (``loss_at_peak``)
         # ``_grads_from``'s, by its arguments
-        self._grad_starts: dict[tuple[tuple[int, ...], int, bool], tuple[np.ndarray, np.ndarray]] = {}
+        self._grad_starts: dict[tuple[tuple[int, ...], int, bool], tuple[Sequence[int], Sequence[float]]] = {}
         self._made: dict[int, int] = {}  # ``_backward_start``
         self._first_backward_uses = np.asarray(trace.index.first_backward_use, dtype=np.int64)  # ``_grads_from``
         self._slack: np.ndarray | None = like._slack if like is not None else None  # ``loss_slack``
@@ -345,7 +345,7 @@ class MemoryModel:
         # an accumulated grad that autograd adds into exists before its call's backward (``_grads_from``)
         own_call = phase is GradSync.ONLY or self._separate_accumulation
         starts, nbytes = self._grads_from(own, first, own_call)
-        changes.add_each(2, np.minimum(starts, c.event), c.event + 1, nbytes)
+        changes.add_each(2, starts, c.event + 1, nbytes, at_most=c.event)
         if phase is GradSync.LAST:  # the grads accumulated so far, reduce-scattered with this micro-batch's
             changes.add(2, 0, c.event + 1 if self._separate_accumulation else first, self._accumulated(own))
         changes.add(2, c.event, c.event + 1, self.sizing.shard1_grad_peak_bytes(c.params))  # dim-1 grads re-laid out
@@ -426,7 +426,8 @@ class MemoryModel:
         else:  # set_to_none=False: the output is added into the grad that lives all step, then freed
             changes.add(4, event, event + 1, shard * self.precision.reduce_bytes)
 
-    def _grads_from(self, params: tuple[int, ...], first: int, own_call: bool) -> tuple[np.ndarray, np.ndarray]:
+    def _grads_from(self, params: tuple[int, ...], first: int, own_call: bool) -> tuple[Sequence[int],
+                                                                                        Sequence[float]]:
         """Events, sorted, and the bytes that start at each: each param's unsharded grad from its own first
         backward op; for a param backward never reads (a bias, an embedding table), with ``own_call`` from its
         module call's backward (``_backward_start``), else from ``first``, the group's. ``own_call`` is off where
@@ -438,9 +439,20 @@ class MemoryModel:
         on it)."""
         key = (params, first, own_call)
         if key not in self._grad_starts:
+            never = len(self.trace.events) + 1
+            if len(params) <= ONE_BY_ONE:  # a Python loop: numpy's per-call cost would be the larger
+                uses, starts = self.trace.index.first_backward_use, {}
+                for p, nbytes in zip(params, self.sizing.grad_bytes_each(np.array(params, dtype=np.intp)).tolist(),
+                                     strict=True):
+                    made = max(first, self._backward_start(p)) if own_call and uses[p] == never else first
+                    at = uses[p] if uses[p] != never else made
+                    starts[at] = starts.get(at, 0) + nbytes
+                events = sorted(starts)
+                self._grad_starts[key] = (events, [starts[e] for e in events])
+                return self._grad_starts[key]
             ids = np.fromiter(params, dtype=np.intp, count=len(params))
             at = self._first_backward_uses[ids]
-            unused = np.flatnonzero(at == len(self.trace.events) + 1)  # no backward op reads the param
+            unused = np.flatnonzero(at == never)  # no backward op reads the param
             at[unused] = [max(first, self._backward_start(int(params[k]))) if own_call else first for k in unused]
             events, where = np.unique(at, return_inverse=True)
             # whole bytes, far below 2**53: a float sum of them in any order is exact
