@@ -235,7 +235,7 @@ class MemoryModel:
         first, the sharded grads it made are held all micro-batch and each reduce-scatter output is added in."""
         n = len(self.trace.events) + 1
         changes = self._changes(plan, schedule, GradSync.ONLY if sync_every else phase,
-                              sharded_held=sync_every and phase is not GradSync.FIRST)
+                                sharded_held=sync_every and phase is not GradSync.FIRST)
         stepped = phase in (GradSync.ONLY, GradSync.LAST)  # the optimizer steps after this micro-batch
         return self._peak_of(changes, n, self.activations(plan_checkpointing(plan)), self.kept_grads(plan),
                              self.loss_slack, stepped)
@@ -294,7 +294,7 @@ class MemoryModel:
         return self.static.total + np.cumsum(dense)[:n] + self.activations(plan_checkpointing(plan))
 
     def _changes(self, plan: Plan, schedule: Schedule, phase: GradSync = GradSync.ONLY,
-                sharded_held: bool = False) -> Changes:
+                 sharded_held: bool = False) -> Changes:
         """The changes of each dynamic category (``_DYNAMIC``) by event position, in the micro-batch ``phase``;
         ``sharded_held``: the sharded grads exist from before the micro-batch (an earlier one's reduce-scatters)."""
         n = len(self.trace.events) + 1
@@ -444,8 +444,7 @@ class MemoryModel:
                 uses, starts = self.trace.index.first_backward_use, {}
                 for p, nbytes in zip(params, self.sizing.grad_bytes_each(np.array(params, dtype=np.intp)).tolist(),
                                      strict=True):
-                    made = max(first, self._backward_start(p)) if own_call and uses[p] == never else first
-                    at = uses[p] if uses[p] != never else made
+                    at = uses[p] if uses[p] != never else self._unused_grad_start(p, first, own_call)
                     starts[at] = starts.get(at, 0) + nbytes
                 events = sorted(starts)
                 self._grad_starts[key] = (events, [starts[e] for e in events])
@@ -453,11 +452,15 @@ class MemoryModel:
             ids = np.fromiter(params, dtype=np.intp, count=len(params))
             at = self._first_backward_uses[ids]
             unused = np.flatnonzero(at == never)  # no backward op reads the param
-            at[unused] = [max(first, self._backward_start(int(params[k]))) if own_call else first for k in unused]
+            at[unused] = [self._unused_grad_start(params[k], first, own_call) for k in unused]
             events, where = np.unique(at, return_inverse=True)
             # whole bytes, far below 2**53: a float sum of them in any order is exact
             self._grad_starts[key] = (events, np.bincount(where, weights=self.sizing.grad_bytes_each(ids)))
         return self._grad_starts[key]
+
+    def _unused_grad_start(self, p: int, first: int, own_call: bool) -> int:
+        """Where the grad of a param no backward op reads starts (``_grads_from``)."""
+        return max(first, self._backward_start(p)) if own_call else first
 
     def _replicated_grad(self, changes: Changes, p: int, post: int, whole: int,
                          shard: int, phase: GradSync, n: int) -> None:
