@@ -155,7 +155,7 @@ def test_self_checkpointing_models_match_real_fsdp2_on_8_fake_ranks() -> None:
 @pytest.mark.integration  # two gloo ranks under torchrun: ~10 s
 def test_a_model_checkpointing_its_attention_blocks_trains_on_2_gloo_ranks() -> None:
     """SDPA inside the model's own non-reentrant checkpoint, as DiT's: parity with the unsharded reference."""
-    assert main(["verify", f"{FIXTURE}:dit", "--policy", "titan", "--nproc", "2", "--batch", "1", "--steps",
+    assert main(["verify", f"{FIXTURE}:dit_small", "--policy", "titan", "--nproc", "2", "--batch", "1", "--steps",
                  "2", "--time-steps", "0"]) == 0
 
 

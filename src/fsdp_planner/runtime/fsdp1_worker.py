@@ -45,14 +45,15 @@ def counting_list_all_gather(counter: CollectiveCounter) -> Iterator[None]:
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, device: torch.device, rank: int,
            world: int) -> dict[str, Any]:
     """K steps of the FSDP1 model beside the reference, as the FSDP2 job runs them (``worker.train_steps``), then
-    parity on the gathered params; what rank 0 reports."""
+    parity on the gathered params (rank 0's: it trained the reference; every rank gathers); what rank 0 reports."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=job["lr"], momentum=MOMENTUM)
     ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=job["lr"],
                               momentum=MOMENTUM)
     result = train_steps(job, model, reference, opt, ref_opt, device, rank, world, counting_list_all_gather)
     ref_params = dict(reference.named_parameters())
     with FullyShardedDataParallel.summon_full_params(model):
-        checked = parity((clean_name(name), p, ref_params[clean_name(name)]) for name, p in model.named_parameters())
+        checked = parity((clean_name(name), p, ref_params[clean_name(name)]) for name, p in model.named_parameters()
+                         ) if rank == 0 else {}
     return {**result, **checked}
 
 

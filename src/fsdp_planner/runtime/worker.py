@@ -165,9 +165,11 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
                 precision: Casts = contextlib.nullcontext, tp: int = 1,
                 loss_context: Casts = contextlib.nullcontext,
                 after_step: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """K steps of the sharded model (FSDP2 or FSDP1) and the unsharded reference on the same data: the collectives
-    counted per step (``counting``: more the counter must see) and the global batch's losses of both (the
-    reference's micro-batches inside ``precision``). With ``tp`` ranks in a tensor-parallel group (consecutive
+    """K steps of the sharded model (FSDP2 or FSDP1) and, on rank 0, the unsharded reference on the same data: the
+    collectives counted per step (``counting``: more the counter must see) and the global batch's losses of both
+    (the reference's micro-batches inside ``precision``; rank 0's alone: it is the rank that reports and saves the
+    reference, and each other rank would repeat its training of the whole global batch, the world size times its
+    own step's work, for nothing). With ``tp`` ranks in a tensor-parallel group (consecutive
     ranks) the group shares one batch: the data-parallel ranks are ``world / tp``; each loss and its backward run
     inside ``loss_context`` (loss parallel). ``after_step``: what runs after each optimizer step of the sharded
     model (float8's precomputed scales)."""
@@ -193,7 +195,8 @@ def train_steps(job: dict, model: torch.nn.Module, reference: torch.nn.Module, o
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world)
-        ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device, precision))
+        if rank == 0:
+            ref_losses.append(reference_step(reference, ref_opt, batches, step, job["seed"], device, precision))
     return {"counted": counted, "counted_bytes": counted_bytes, "losses": losses, "reference_losses": ref_losses}
 
 
@@ -223,13 +226,16 @@ def accumulate(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], see
 def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: torch.optim.Optimizer,
            ref_opt: torch.optim.Optimizer, device: torch.device, rank: int, world: int,
            policy: MixedPrecisionPolicy, plan: Plan) -> dict[str, Any]:
-    """K steps of the FSDP2 model (under ``policy``) beside the reference, then parity; what rank 0 reports."""
+    """K steps of the FSDP2 model (under ``policy``) beside the reference, then parity (on rank 0, which trained
+    the reference; every rank gathers the params); what rank 0 reports."""
     result = train_steps(job, model, reference, opt, ref_opt, device, rank, world,
                          precision=fsdp2_casts(reference, plan, policy), tp=plan.tp_degree,
                          loss_context=functools.partial(loss_context, plan),
                          after_step=functools.partial(after_optimizer_step, model, plan.float8))
     ref_params = dict(reference.named_parameters())
-    fulls = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters())
+    fulls = [(name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters()]
+    if rank != 0:
+        return result
     return {**result, **parity(((name, full, ref_params[name]) for name, full in fulls),
                                  policy.param_dtype or policy.reduce_dtype)}  # a bf16 reduce bounds it too
 

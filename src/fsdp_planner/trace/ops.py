@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from fsdp_planner.routing import StandIn
+from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import (
     ATTENTION_KERNELS,
     KERNEL_ATTENTION,
@@ -166,6 +167,7 @@ class OpRecorder(TorchDispatchMode):
                     used.add(idx)
         return used
 
+    @bookkeeping
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         if type(self.slot.recorder) is NullRecorder or func.namespace == "prim":
