@@ -175,6 +175,10 @@ class _FunctionalOps(TorchDispatchMode):
     """``FunctionalCounter``'s view of the functional all-gathers (their output), reduce-scatters and all-to-alls
     (their input)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as ``LiveBytes``: the fake world never compiles
+
     def __init__(self, counter: FunctionalCounter) -> None:
         super().__init__()
         self.counter = counter
@@ -275,6 +279,13 @@ def inner_tensors(t: torch.Tensor) -> list[Any]:
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of live tensor storages: a running total and its peak (module docstring)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo unless a mode opts out, at ~60 us an
+        # op (``trace.ops.OpRecorder``); the fake world runs compiled blocks eager (torch.compile cannot run on fake
+        # tensors), so no dynamo frame ever reaches it
+        return False
 
     def __init__(self, capacity: float = DEFAULT_CAPACITY) -> None:
         super().__init__()
