@@ -345,6 +345,9 @@ def test_min_nonwrapped_numel_in_float_notation(capsys):
      ["--mfu, --optimizer have no effect without --cluster: only the step simulation uses them"]),
     (("plan", "seed-net", "--policy", "order", "--cluster", "h100:8", "--mfu", "0.3"), []),
     (("plan", "seed-net", "--memory-budget", "1GiB", "--cluster", "h100:8", "--module-classes", "Linear"), []),
+    # given at its default value too (it was not noted then: the check compared it with the default)
+    (("verify", "seed-net", "--policy", "module", "--nproc", "2", "--fake-world-size", "2"),
+     ["--nproc and --steps have no effect with --fake-world-size (one process, two steps)"]),
 ])
 def test_ignored_options_get_a_note(capsys, args, expected):
     code, _, err = run_main(capsys, *args)

@@ -11,6 +11,8 @@ import json
 
 import numpy as np
 import pytest
+import torch
+import torch.nn as nn
 
 from fsdp_planner.choices import Float8Recipe
 from fsdp_planner.errors import PlannerError
@@ -354,7 +356,6 @@ def test_float8_tp_styles_without_sequence_parallel_are_exact_on_fake_ranks() ->
 def test_float8_tp_styles_take_the_converted_linears_and_their_regions() -> None:
     """torchao's styles go to the float8 Linears and to a region whose colwise Linears are all float8; a Linear the
     filter leaves in bf16 keeps torch's style, and so does its region (its input gathered in bf16)."""
-    import torch.nn as nn
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -526,3 +527,45 @@ def test_auto_plans_with_float8_tp_all_gathers_and_writes_them(tmp_path) -> None
                  "--cluster", "h100:8", "--out", str(out)]) == 0
     written = json.loads(out.read_text())
     assert "tensor_parallel" not in written and "tp_float8_all_gather" not in written["float8"]
+
+
+class _TiedAndAttention(nn.Module):
+    """A tied output head under a name no filter holds, and nn.MultiheadAttention, whose out_proj (a Linear
+    subclass) the attention reads the weight of itself: neither may be swapped for a Float8Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_in = nn.Embedding(64, 32)
+        self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.mlp = nn.Linear(32, 32)
+        self.embed_out = nn.Linear(32, 64, bias=False)
+        self.embed_out.weight = self.embed_in.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_in(ids)
+        h = h + self.attn(h, h, h, need_weights=False)[0]
+        return self.embed_out(h + self.mlp(h))
+
+
+def test_a_tied_head_and_an_attention_s_out_proj_stay_unconverted_in_the_model_apply_and_export() -> None:
+    """The simulator, apply_plan and the exported code convert the same Linears: not a tied head (torchao's swap
+    gave it a weight of its own, one embedding more in every all-gather on 8 fake ranks) and not
+    MultiheadAttention's out_proj (its converted weight failed the attention's own addmm)."""
+    from fsdp_planner.apply.export import ExportFormat, export_plan
+    from fsdp_planner.apply.float8 import apply_float8
+
+    model = _TiedAndAttention()
+    ids = torch.randint(0, 64, (2, 16))
+    tr = record(model, (ids,), lambda out: out.float().pow(2).mean())
+    assert set(converted_linears(tr, TENSORWISE)) == {"mlp"}
+    applied = _TiedAndAttention()
+    assert apply_float8(applied, TENSORWISE) == ["mlp"]
+    assert applied.embed_out.weight is applied.embed_in.weight
+    scope: dict = {}
+    plan = TorchtitanPolicy("MultiheadAttention").plan(tr).replace(float8=TENSORWISE)
+    exec(compile(export_plan(plan, ExportFormat.PYTHON), "exported.py", "exec"), scope)
+    exported = _TiedAndAttention()
+    scope["convert_float8"](exported)
+    assert [n for n, m in exported.named_modules() if type(m).__name__ == "Float8Linear"] == ["mlp"]
+    assert exported.embed_out.weight is exported.embed_in.weight
+    exported(ids).float().pow(2).mean().backward()  # the attention runs its out_proj's weight as it was

@@ -326,3 +326,25 @@ def test_per_head_norms_sum_their_grads_over_tp(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.integration  # 4 gloo ranks under torchrun (~15 s) and 8 fake ranks
+def test_a_tied_llama_runs_torchtitan_s_layout_without_sequence_parallelism() -> None:
+    """Llama 3.2's tied embeddings leave the embedding and the head whole over TP, so the first norm's input is whole
+    and the last norm's output is not gathered: with sequence parallelism kept, every rank failed ("got mixed
+    torch.Tensor and DTensor") after ``check`` had passed. The layout drops it, says so, trains with parity on 2 x 2
+    gloo ranks and counts every FSDP and TP collective exactly on 8 fake ranks."""
+    import json
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_llama.py'}:tied_llama"
+    r = run_main("verify", spec, "--policy", "titan", "--tp", "2", "--nproc", "4", "--precision", "fp32",
+                 "--steps", "2", "--time-steps", "0", "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "share a weight: left whole over TP, so the layout runs without sequence parallelism" in r.stderr
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5
+    fake = run_main("verify", spec, "--policy", "titan", "--tp", "2", "--fake-world-size", "8", "--json")
+    assert fake.returncode == 0, fake.stdout[-2000:] + fake.stderr[-2000:]
+    checked = json.loads(fake.stdout)
+    assert checked["ok"] and checked["counts_and_bytes_exact"], checked
+    assert checked["predicted"]["tp_all_reduces"] == checked["measured"]["tp_all_reduces"] > 0

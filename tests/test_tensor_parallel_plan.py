@@ -346,7 +346,8 @@ class NormedPair(nn.Module):
 
 def test_a_style_torch_cannot_apply_is_refused():
     """torch's ColwiseParallel / RowwiseParallel take an nn.Linear or nn.Embedding only (else NotImplementedError on
-    the ranks): a LayerNorm given colwise is refused wherever the plan meets the model; sequence_parallel takes it."""
+    the ranks): a LayerNorm given colwise is refused wherever the plan meets the model. sequence_parallel is a norm's
+    style, refused here for what comes before it alone: the model's input, whole, which it would take for a shard."""
     from fsdp_planner.fsdp2.claim import make_plan
     from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
     from fsdp_planner.planners.tensor_parallel import plan_layout
@@ -362,7 +363,9 @@ def test_a_style_torch_cannot_apply_is_refused():
         plan = make_plan(tr, [["pair"]]).replace(tensor_parallel=tp)
         with pytest.raises(PlannerError, match="norm is a LayerNorm"):
             check_plan_matches(plan, tr)
-    check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "norm": TPStyle.SEQUENCE_PARALLEL}), None))
+    with pytest.raises(PlannerError, match="^the tensor-parallel style sequence_parallel of norm takes its input "
+                                           "sharded on the sequence .* nothing before it shards the sequence"):
+        check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "norm": TPStyle.SEQUENCE_PARALLEL}), None))
 
 
 def test_a_rowwise_linear_is_fed_by_a_colwise_one():
@@ -402,8 +405,10 @@ class _Tied(nn.Module):
 
 
 def test_embedding_and_head_styles_that_fail_on_the_ranks_are_refused():
-    """A Linear's style on an nn.Embedding (torch shards another dim of it than of a Linear), and a plain colwise
-    output head (the loss would get 1/TP of the logits): both crashed on real ranks after passing ``check``."""
+    """A Linear's style on an nn.Embedding (torch shards another dim of it than of a Linear), a plain colwise
+    output head (the loss would get 1/TP of the logits), and a sequence_colwise head after a region that leaves the
+    sequence whole (the head's all-gather made it TP times too long): each crashed on real ranks after passing
+    ``check``."""
     import torch
 
     from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
@@ -415,8 +420,13 @@ def test_embedding_and_head_styles_that_fail_on_the_ranks_are_refused():
         with pytest.raises(PlannerError, match=f"^emb is an nn.Embedding and its tensor-parallel style {style.value} "
                                                "is a Linear's: give it embedding"):
             check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "emb": style}), None))
-    with pytest.raises(PlannerError, match=r"^the output of head, .* give it sequence_colwise"):
+    with pytest.raises(PlannerError, match=r"^the output of head, .* an output head takes sequence_colwise where"):
         check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "head": TPStyle.COLWISE}), None))
+    with pytest.raises(PlannerError, match=r"^the tensor-parallel style sequence_colwise of head takes its input "
+                                           r"sharded on the sequence .* pair\.down \(rowwise\), leaves it whole"):
+        check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "head": TPStyle.SEQUENCE_COLWISE}), None))
+    sequence = {"pair.up": TPStyle.COLWISE, "pair.down": TPStyle.ROWWISE_SEQUENCE, "head": TPStyle.SEQUENCE_COLWISE}
+    check_layout(tr, plan_layout(tr, TensorParallel(2, sequence), None))
     check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "emb": TPStyle.EMBEDDING}), None))
 
 

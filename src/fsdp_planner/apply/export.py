@@ -463,8 +463,10 @@ FLOAT8_TAIL = '''
 
 def convert_float8(model: nn.Module) -> None:
     """torchao's float8 training on the Linears torchtitan's filter keeps (both weight dims multiples of
-    FLOAT8["dim_multiple"], no FLOAT8["filter_fqns"] entry in the name); emulated where the device has no float8
+    FLOAT8["dim_multiple"], no FLOAT8["filter_fqns"] entry in the name), plain nn.Linear whose weight is not tied
+    (a subclass's own forward, or a tie, would not survive the swap); emulated where the device has no float8
     matmul (a CPU, a GPU before sm89). torchao is needed: pip install torchao."""
+    import collections
     import dataclasses
 
     import torchao.float8 as float8
@@ -476,8 +478,11 @@ def convert_float8(model: nn.Module) -> None:
     config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(FLOAT8["recipe"]), emulate=not cuda,
                                  enable_fsdp_float8_all_gather=FLOAT8["fsdp_float8_all_gather"])
 
+    owners = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+
     def keep(module: nn.Module, fqn: str) -> bool:
-        return isinstance(module, nn.Linear) and all(d % FLOAT8["dim_multiple"] == 0 for d in module.weight.shape) \\
+        return type(module) is nn.Linear and owners[id(module.weight)] == 1 \\
+            and all(d % FLOAT8["dim_multiple"] == 0 for d in module.weight.shape) \\
             and not any(f in fqn for f in FLOAT8["filter_fqns"])
 
     float8.convert_to_float8_training(model, module_filter_fn=keep, config=config)

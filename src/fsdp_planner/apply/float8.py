@@ -11,6 +11,7 @@ gloo run float8 training that way.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import torch
@@ -53,9 +54,12 @@ def apply_float8(model: nn.Module, f8: Float8 | None) -> list[str]:
         return []
     device = next((p.device.type for p in model.parameters()), "cpu")
     converted: list[str] = []
+    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        hit = isinstance(module, nn.Linear) and f8.converts(fqn, tuple(module.weight.shape))
+        hit = isinstance(module, nn.Linear) and f8.converts(fqn, tuple(module.weight.shape),
+                                                            plain=type(module) is nn.Linear,
+                                                            tied=owners[id(module.weight)] > 1)
         if hit:
             converted.append(fqn)
         return hit

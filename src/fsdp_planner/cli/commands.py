@@ -135,9 +135,10 @@ def simulate(sub: Subparsers) -> None:
 def verify(sub: Subparsers) -> None:
     sp = sub.add_parser("verify", help="train with the plan under torchrun and check it against the prediction")
     add_plan_source(sp)
-    sp.add_argument("--nproc", type=int, default=2, help="processes (ranks) to run (default 2)")
+    # None: not given (2 ranks, 3 steps), so that --fake-world-size can say they have no effect when they are
+    sp.add_argument("--nproc", type=int, help="processes (ranks) to run (default 2)")
     add_micro_batches(sp)
-    sp.add_argument("--steps", type=int, default=3, help="training steps (default 3)")
+    sp.add_argument("--steps", type=int, help="training steps (default 3)")
     sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs, or with "
                                       "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
                                       "and print it beside the measured one (on CPU ranks give the cluster "

@@ -279,6 +279,7 @@ def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool
 # job of more steps than this is a typo that would run for days.
 MAX_NPROC = 64
 MAX_STEPS = 100_000
+VERIFY_NPROC, VERIFY_STEPS = 2, 3  # verify's torchrun job when --nproc and --steps are not given
 
 
 @dataclass(frozen=True)
@@ -311,11 +312,13 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     # the job machinery (torchrun, DCP, the fake process group) is imported by the commands that run a job only
     from fsdp_planner.runtime.verify import JOB_OPTIMIZER, check_load_dir, check_save_dir, job_precision
 
-    if not 1 <= args.nproc <= MAX_NPROC:
+    nproc = VERIFY_NPROC if args.nproc is None else args.nproc
+    steps = VERIFY_STEPS if args.steps is None else args.steps
+    if not 1 <= nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 1 to {MAX_NPROC} (processes on this machine; --fake-world-size "
-                           f"checks larger worlds), got {cut_short(args.nproc)}")
-    if not 1 <= args.steps <= MAX_STEPS:
-        raise PlannerError(f"--steps must be from 1 to {MAX_STEPS:,}, got {cut_short(args.steps)}")
+                           f"checks larger worlds), got {cut_short(nproc)}")
+    if not 1 <= steps <= MAX_STEPS:
+        raise PlannerError(f"--steps must be from 1 to {MAX_STEPS:,}, got {cut_short(steps)}")
     if not 0 <= args.time_steps <= MAX_STEPS:
         raise PlannerError(f"--time-steps must be from 0 to {MAX_STEPS:,}, got {cut_short(args.time_steps)}")
     if args.fsdp1 and micro_batches(args) > 1:
@@ -342,11 +345,11 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
     auto = source.policy is not None and source.policy.name is PolicyName.AUTO
     given = cluster_or_none(args)
     plan_for = _plan_for(args, auto)
-    plan_cluster = (plan_for or given or named_cluster(args, f"h100:{min(args.nproc, MAX_GPUS_PER_NODE)}")) if auto \
+    plan_cluster = (plan_for or given or named_cluster(args, f"h100:{min(nproc, MAX_GPUS_PER_NODE)}")) if auto \
         else None
     notes += policy_notes(args, [source.policy.name] if source.policy else [], f"with --policy {args.policy}",
                           plan_file=source.plan_file is not None)
-    return VerifyRequest(model_spec(args), source, args.nproc, args.steps, args.time_steps, plan_cluster, given,
+    return VerifyRequest(model_spec(args), source, nproc, steps, args.time_steps, plan_cluster, given,
                          args.measure, args.full_trace, args.fsdp1, args.save_checkpoint, args.load_checkpoint,
                          args.json, tuple(notes), options, plan_for is not None,
                          ModelSpec(args.plan_model) if args.plan_model else None, micro_batches(args),
@@ -394,7 +397,7 @@ def fake_world_request(args: argparse.Namespace) -> FakeWorldRequest:
     if not 0 <= args.memory_tolerance < 1:
         raise PlannerError(f"--memory-tolerance must be in [0, 1), got {args.memory_tolerance}")
     notes = []
-    if args.nproc != 2 or args.steps != 3:
+    if args.nproc is not None or args.steps is not None:
         notes.append("--nproc and --steps have no effect with --fake-world-size (one process, two steps)")
     if args.save_checkpoint is not None or args.load_checkpoint is not None:
         notes.append("--save-checkpoint and --load-checkpoint have no effect with --fake-world-size (fake tensors "

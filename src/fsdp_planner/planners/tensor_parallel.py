@@ -28,7 +28,7 @@ from fsdp_planner.models import ModelSpec, hf, llama, moe
 from fsdp_planner.trace.events import ATTENTION_KERNELS, EventKind
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import parent_of
+from fsdp_planner.trace.tree import parent_of, proper_ancestors
 
 TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
 PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
@@ -406,8 +406,21 @@ def _without_split_ties(trace: Trace, found: Layout) -> Layout:
     if not split:
         return found
     layout = {k: s for k, s in found.tp.layout.items() if not any(matches(k, o) for o in split)}
+    note = f"{' and '.join(split)} share a weight: left whole over TP"
+    whole = {found.tp.layout[k] for k in found.tp.layout.keys() - layout.keys()}
+    if whole & {TPStyle.EMBEDDING_SEQUENCE, TPStyle.SEQUENCE_COLWISE} and TPStyle.MOE_SEQUENCE not in layout.values():
+        # the embedding no longer shards the sequence for the first norm, nor does the head gather it after the last
+        # (torchtitan's Llama on a tied model: every rank failed, "got mixed torch.Tensor and DTensor")
+        layout = {k: _WITHOUT_SP.get(s, s) for k, s in layout.items() if _WITHOUT_SP.get(s, s) is not None}
+        note += ", so the layout runs without sequence parallelism (norms whole, each block's output all-reduced)"
     tp = TensorParallel(found.tp.degree, layout, found.tp.loss_parallel and "output" not in split)
-    return replace(found, tp=tp, notes=(*found.notes, f"{' and '.join(split)} share a weight: left whole over TP"))
+    return replace(found, tp=tp, notes=(*found.notes, note))
+
+
+# a sequence-parallel style -> the same region's style without sequence parallelism (None: left whole)
+_WITHOUT_SP: dict[TPStyle, TPStyle | None] = {
+    TPStyle.ROWWISE_SEQUENCE: TPStyle.ROWWISE, TPStyle.EMBEDDING_SEQUENCE: TPStyle.EMBEDDING,
+    TPStyle.SEQUENCE_PARALLEL: None, TPStyle.GATHER_INPUT: None, TPStyle.SEQUENCE_COLWISE: None}
 
 
 def _note(found: Layout, line: str) -> Layout:
@@ -447,6 +460,7 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
     _check_embeddings(trace, tp)
     _check_rowwise_inputs(trace, tp)
     _check_colwise_outputs(trace, tp)
+    _check_sequence_inputs(trace, tp)
 
 
 _ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
@@ -485,9 +499,40 @@ def _check_colwise_outputs(trace: Trace, tp: TensorParallel) -> None:
             then = (f"the next module whose weight TP shards, {after}, is {styles[after].value}" if after is not None
                     else "no module after it has a weight TP shards")
             raise PlannerError(f"the output of {m}, tensor-parallel style colwise, stays sharded on its features over "
-                               f"TP, and {then}: pair it with a rowwise Linear that takes it, or, on the output "
-                               "head, give it sequence_colwise (the logits whole, or vocab-sharded under loss "
-                               "parallel)")
+                               f"TP, and {then}: pair it with a rowwise Linear that takes it; an output head takes "
+                               "sequence_colwise where the layout shards the sequence before it (the logits whole, "
+                               "or vocab-sharded under loss parallel), else leave it out of the layout")
+
+
+# styles that take their input sharded on the sequence (``Shard(1)``), and those whose output is
+_SEQUENCE_IN = (TPStyle.SEQUENCE_COLWISE, TPStyle.GATHER_INPUT, TPStyle.SEQUENCE_PARALLEL, TPStyle.MOE_SEQUENCE)
+_SEQUENCE_OUT = (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE, TPStyle.SEQUENCE_PARALLEL, TPStyle.MOE_SEQUENCE)
+
+
+def _check_sequence_inputs(trace: Trace, tp: TensorParallel) -> None:
+    """A style that takes its input sharded on the sequence (sequence_colwise, gather_input, sequence_parallel,
+    moe_sequence: torch's ``input_layouts=Shard(1)``) reads each rank's local tensor as 1/TP of the sequence, which
+    only a sequence-parallel region's output is (rowwise_sequence, embedding_sequence, a sequence_parallel norm, an
+    MoE layer's moe_sequence); a whole activation there is taken for a shard, and the gathered sequence is TP times
+    too long (a tied head given sequence_colwise after plain colwise / rowwise pairs: "Expected input batch_size (256)
+    to match target batch_size (128)" on every rank). So the region run before it, in the forward's order of the
+    modules TP styles, must end sequence-sharded: the outermost styled module holding the last one run."""
+    styles = tp.styles(trace.modules)
+    order = [m for _, m in sorted((trace.modules[m].first_use, m) for m in styles if trace.modules[m].first_use >= 0)]
+    for k, m in enumerate(order):
+        if styles[m] not in _SEQUENCE_IN:
+            continue
+        before = next((x for x in reversed(order[:k]) if not m.startswith(x + ".")), None)  # not one holding m
+        if before is not None:  # what leaves the region: the output of its outermost holder that sets one
+            before = next((a for a in reversed(list(proper_ancestors(before)))
+                           if styles.get(a) is TPStyle.MOE_SEQUENCE), before)
+        if before is None or styles[before] not in _SEQUENCE_OUT:
+            fed = (f"the region run before it, {before} ({styles[before].value}), leaves it whole on every rank"
+                   if before is not None else "nothing before it shards the sequence")
+            raise PlannerError(f"the tensor-parallel style {styles[m].value} of {m} takes its input sharded on the "
+                               f"sequence (sequence parallelism), and {fed}: shard the sequence before it (the "
+                               "Linear before it rowwise_sequence, its embedding embedding_sequence, a norm between "
+                               "them sequence_parallel), or give it a style that takes its input whole")
 
 
 def _check_rowwise_inputs(trace: Trace, tp: TensorParallel) -> None:

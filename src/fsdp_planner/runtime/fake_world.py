@@ -62,7 +62,7 @@ from fsdp_planner.apply.fully_shard import apply_plan, device_mesh
 from fsdp_planner.apply.tensor_parallel import loss_context
 from fsdp_planner.attention import fused_sdpa_everywhere, kernel
 from fsdp_planner.choices import DEFAULT_OPTIMIZER
-from fsdp_planner.errors import PlannerError
+from fsdp_planner.errors import MAX_MESSAGE, PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision, mixed_precision
 from fsdp_planner.models import ModelSpec, as_spec, factory_kwargs, hf, resolve_factory
@@ -552,8 +552,10 @@ class FakeTraining:
         except (Exception, SystemExit) as e:  # what the user's model raises is one line naming the op and module
             failed = failed_at(e)
             where = f"{failed.describe()} raised " if failed is not None else ""
+            # the planner's own refusal (apply's) is a sentence written for the user: whole, not cut at 200
+            said = first_line(e, MAX_MESSAGE if isinstance(e, PlannerError) else 200)
             raise PlannerError(f"'{self.spec.name}' failed under real FSDP2 on fake ranks: {where}"
-                               f"{type(e).__name__}: {first_line(e)}") from e
+                               f"{type(e).__name__}: {said}") from e
 
     def result(self, world_size: int, counts: Counts, nbytes: Counts, seconds: float) -> FakeWorldResult:
         """The last step's figures; with offload (of params or activations) the device's share is the peak. TP's

@@ -98,8 +98,10 @@ def converted_linears(trace: Trace, f8: Float8) -> dict[str, int]:
     out = {}
     for name, m in trace.modules.items():
         weight = f"{name}.weight" if name else "weight"
-        if m.cls == "Linear" and weight in index and f8.converts(name, trace.params[index[weight]].shape):
-            out[name] = index[weight]
+        if m.torch_class == "Linear" and weight in index:
+            param = trace.params[index[weight]]
+            if f8.converts(name, param.shape, plain=m.cls == "Linear", tied=param.is_shared):
+                out[name] = index[weight]
     return out
 
 
