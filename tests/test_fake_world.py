@@ -467,3 +467,53 @@ def test_float_temporaries_at_a_loss_inside_the_model_are_counted() -> None:
     assert max(e.live for e in root_ops) >= logits * (2 + 4)
     saved = sum(e.saved for e in tr.events)
     assert max(e.live for e in tr.events if e.is_op and not e.backward) < logits * (2 + 4) + saved
+
+
+_VIEWING = '''
+import torch
+import torch.nn as nn
+
+
+class Viewing(nn.Module):
+    """Returns a view of what it computes, as a block ending in a reshape does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return (x + self.lin(x)).view(x.shape)
+
+
+def build():
+    model = nn.Sequential(Viewing(), Viewing(), nn.Linear(16, 4))
+    return model, (torch.randn(4, 16),), lambda out: out.float().pow(2).mean()
+'''
+
+
+def test_fsdp2_s_view_warnings_are_counted_and_said_once(tmp_path: Path) -> None:
+    """FSDP2 warns at every call of a hooked module that returns a view (an in-place op on it would skip the
+    group's pre-backward hook): multi-line warnings flooding verify's table. The fake world holds them back and
+    counts them; verify says so in one note beside the counts that show no all-gather was skipped."""
+    import warnings
+
+    from conftest import run_main
+
+    from fsdp_planner.runtime.fake_world import VIEW_WARNING
+
+    (tmp_path / "viewing.py").write_text(_VIEWING)
+    spec = f"{tmp_path / 'viewing.py'}:build"
+    lm = load_model(spec)
+    plan = make_plan(record(lm.model, lm.example_inputs, lm.loss_fn), [["0"], ["1"]])
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        result = run_fake_world(spec, plan, 2, PRECISIONS["fp32"])
+    assert result.view_outputs >= 2 and not [w for w in shown if VIEW_WARNING.search(str(w.message))]
+    done = run_main("verify", spec, "--policy", "module", "--module-classes", "Viewing", "--fake-world-size", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "returned a view tensor" not in done.stderr
+    assert "that a module it hooks returned a view (an in-place op on that view would skip its group's " \
+           "pre-backward all-gather): none was, every count above exact" in done.stderr
+    as_json = run_main("verify", spec, "--policy", "module", "--module-classes", "Viewing", "--fake-world-size", "2",
+                       "--json")
+    assert json.loads(as_json.stdout)["fsdp2_view_warnings"] >= 1  # (Python shows a repeated one once)

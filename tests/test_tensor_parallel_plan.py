@@ -363,8 +363,8 @@ def test_a_style_torch_cannot_apply_is_refused():
         plan = make_plan(tr, [["pair"]]).replace(tensor_parallel=tp)
         with pytest.raises(PlannerError, match="norm is a LayerNorm"):
             check_plan_matches(plan, tr)
-    with pytest.raises(PlannerError, match="^the tensor-parallel style sequence_parallel of norm takes its input "
-                                           "sharded on the sequence .* nothing before it shards the sequence"):
+    with pytest.raises(PlannerError, match=r"^the tensor-parallel style sequence_parallel of norm takes its input "
+                                           r"sharded on the sequence .* nothing before it shards the sequence"):
         check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "norm": TPStyle.SEQUENCE_PARALLEL}), None))
 
 

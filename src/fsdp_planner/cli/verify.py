@@ -277,13 +277,17 @@ def run_fake(request: FakeWorldRequest) -> int:
                          "predicted_memory_at_peak": predicted.memory_at_peak,
                          "predicted_reserved": predicted.reserved_memory, "counts_and_bytes_exact": exact,
                          "peak_error": error, "memory_tolerance": request.memory_tolerance, "ok": ok,
-                         "seconds": measured.seconds}, indent=2))
+                         "fsdp2_view_warnings": measured.view_outputs, "seconds": measured.seconds}, indent=2))
         return 0 if ok else 1
     sync = render.sync_label(options.gradient_sync)
     split = f", {options.micro_batches} micro-batches a step{sync}" if options.micro_batches > 1 else ""
     title = (f"{escape(model.label())}{split}: prediction vs real FSDP2 on {world} fake ranks "
              f"({measured.seconds:.1f} s)")
     render.console.print(render.fake_world_table(title, rows))
+    if measured.view_outputs:
+        skipped = "none was, every count above exact" if exact else "see the counts above"
+        render.note(f"FSDP2 warned {fmt_count(measured.view_outputs, 'time')} that a module it hooks returned a view "
+                    f"(an in-place op on that view would skip its group's pre-backward all-gather): {skipped}")
     render.console.print(f"peak: bytes allocated per rank; on a GPU the caching allocator would reserve "
                          f"{fmt_bytes(predicted.reserved_memory)} (predicted: the default stream's peak plus the "
                          "all-gather and reduce-scatter streams')")

@@ -41,9 +41,12 @@ Measured, on the last step (the first creates the optimizer state):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import re
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -97,6 +100,7 @@ class FakeWorldResult:
     ep_all_to_all_bytes: int | None = None
     float8_all_reduces: int | None = None  # with float8 all-gather: the amax all-reduces (else None)
     float8_all_reduce_bytes: int | None = None
+    view_outputs: int = 0  # FSDP2's warnings that a group's module returned a view (``_held_view_warnings``)
 
 
 def beside_prediction(predicted: StepReport, measured: FakeWorldResult) -> dict[str, tuple[int, int]]:
@@ -647,10 +651,31 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
     factory = factory_call(spec)
     how = FakeSteps(steps, zero_grad, micro_batches, reshard_after_backward, gradient_sync, optimizer)
     started = time.perf_counter()
-    with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with fake_process_group(world_size), FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+            _held_view_warnings() as views:
         built, host_copies = build_fake(factory, spec.name, mode), HostCopies()
         shard(built.model, plan, world_size, precision, host_copies)
         training = FakeTraining(built, plan, how, spec, host_copies)
         for _ in range(steps):
             counts, nbytes = training.step()
-    return training.result(world_size, counts, nbytes, time.perf_counter() - started)
+    result = training.result(world_size, counts, nbytes, time.perf_counter() - started)
+    return dataclasses.replace(result, view_outputs=len(views))
+
+
+# FSDP2's warning (_fsdp_state.py) when a module it hooks returns a view: an in-place op on that view would drop the
+# pre-backward hook registered on it (the group's backward all-gather skipped)
+VIEW_WARNING = re.compile(r"FSDP2-wrapped module .* returned a view tensor")
+
+
+@contextlib.contextmanager
+def _held_view_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """FSDP2's view warnings held back, one per module call, and counted (the caller says it once, beside the
+    counts that show whether a hook was skipped); every other warning shown as it would have been."""
+    held: list[warnings.WarningMessage] = []
+    with warnings.catch_warnings(record=True) as caught:  # the filters as they are: what they would show, recorded
+        yield held
+    for w in caught:
+        if VIEW_WARNING.search(str(w.message)):
+            held.append(w)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
