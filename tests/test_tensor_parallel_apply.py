@@ -348,3 +348,17 @@ def test_a_tied_llama_runs_torchtitan_s_layout_without_sequence_parallelism() ->
     checked = json.loads(fake.stdout)
     assert checked["ok"] and checked["counts_and_bytes_exact"], checked
     assert checked["predicted"]["tp_all_reduces"] == checked["measured"]["tp_all_reduces"] > 0
+
+
+@pytest.mark.integration  # 4 gloo ranks under torchrun: ~10 s
+def test_a_detected_inline_mlp_pair_trains_with_parity() -> None:
+    """The pair detected in a block holding fc1 and fc2 beside its norms and nn.MultiheadAttention
+    (``_pair``) trains on 2 x 2 gloo ranks as one process does."""
+    import json
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:inline_mlp"
+    r = run_main("verify", spec, "--policy", "titan", "--tp", "2", "--nproc", "4", "--precision", "fp32",
+                 "--steps", "2", "--time-steps", "0", "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5

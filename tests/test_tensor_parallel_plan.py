@@ -335,6 +335,23 @@ def test_a_plan_files_layout_runs_one_ranks_step(tmp_path):
             load_plan(path, tr, spec, lambda line: None)
 
 
+def test_an_mlp_written_inline_beside_attention_is_a_pair():
+    """A block holding fc1 and fc2 itself, beside its norms and attention: the two Linears run one after the other
+    make the pair (it was refused as "no sound layout", while a hand-written fc1 colwise / fc2 rowwise trained with
+    parity); a norm run between them is something the pair's assumption does not cover, so no pair there."""
+    from fsdp_planner.planners.tensor_parallel import PAIRS
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    spec = ModelSpec(f"{fixtures}:inline_mlp")
+    found = tp_layout(trace_spec(spec), 2, spec)
+    assert found.source == PAIRS
+    assert found.tp.layout == {f"{b}.fc{i}": s for b in ("0", "1") for i, s in ((1, TPStyle.COLWISE),
+                                                                             (2, TPStyle.ROWWISE))}
+    normed = ModelSpec(f"{fixtures}:inline_mlp_normed")
+    with pytest.raises(PlannerError, match="^no sound tensor-parallel layout for this model"):
+        tp_layout(trace_spec(normed), 2, normed)
+
+
 class NormedPair(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -303,13 +303,14 @@ class _Pair:
 
 def _pairs_layout(trace: Trace, degree: int) -> Layout:
     """Column-then-row Linear pairs: in a module whose Linear children are all called from the hidden size in, the
-    last of them back to it (rowwise) after the others (colwise), one of which makes the rowwise one's input size."""
+    last of them back to it (rowwise) after the others (colwise), one of which makes the rowwise one's input size
+    (``_pair``)."""
     pairs = [p for p in (_pair(trace, m) for m in trace.modules.values()) if p is not None]
     if not pairs:
         raise PlannerError("no sound tensor-parallel layout for this model: no module holds Linears called as a "
                            "column-then-row pair (Linears from the hidden size, then one Linear back to it, and "
-                           "nothing else with params): plan it without --tp, or give a layout in a plan file's "
-                           "'tensor_parallel'")
+                           "nothing else with params, or two such Linears run one after the other): plan it "
+                           "without --tp, or give a layout in a plan file's 'tensor_parallel'")
     layout: dict[str, TPStyle] = {}
     for p in pairs:
         layout.update({c: TPStyle.COLWISE for c in p.cols})
@@ -378,11 +379,14 @@ def _model_heads(trace: Trace, model: ModelSpec | None) -> tuple[int, int] | Non
 
 
 def _pair(trace: Trace, parent: ModuleInfo) -> _Pair | None:
-    """The module's column-then-row pair, if its children make one (``_pairs_layout``)."""
+    """The module's column-then-row pair, if its children make one (``_pairs_layout``): its Linear children alone
+    among those with params, or, beside others (a block's norms and attention around an MLP written inline), two
+    Linears run one after the other with no such child run between them."""
     children = [trace.modules[c] for c in parent.children if c in trace.modules]
     linears = sorted((c for c in children if c.cls == "Linear" and c.first_use >= 0), key=lambda c: c.first_use)
     others = [c for c in children if c.cls != "Linear" and trace.index.subtree_numel.get(c.fqn, 0)]
-    if len(linears) < 2 or others or parent.params:
+    if len(linears) < 2 or parent.params or (others and (len(linears) != 2 or any(
+            linears[0].first_use <= c.first_use <= linears[1].first_use for c in others))):
         return None
     shapes = {m.fqn: trace.param(f"{m.fqn}.weight").shape for m in linears if f"{m.fqn}.weight" in
               trace.index.param_index}
