@@ -13,6 +13,7 @@ from conftest import launch_env, max_abs_diff, run_main
 
 from fsdp_planner import api
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
 from fsdp_planner.fsdp2.plan import Plan
@@ -898,6 +899,27 @@ def test_experts_sized_from_data_are_simulated_not_run(tmp_path) -> None:
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
     tiny = run_main("plan", TINY, "--policy", "auto", "--cluster", "h100:4")  # a fixed capacity: screened
     assert tiny.returncode == 0 and "auto's EP screen" in tiny.stderr and DATA_SIZED_EXPERTS not in tiny.stderr
+
+
+def test_experts_that_select_their_own_tokens_are_refused_ep(tmp_path) -> None:
+    """An experts module (stacked 3-D weights, an ...Experts class) that picks its tokens itself takes the layer's
+    token list, not EP's (experts, rows, dim) block: ``plan --ep`` simulated it with a note and the fake world then
+    failed inside apply's dispatch. ``--ep`` and a plan file's EP are refused in one sentence; auto's EP screen
+    leaves it out."""
+    from fsdp_planner.planners.expert_parallel import SELF_ROUTED_EXPERTS
+
+    spec = "tests/fixtures/routing_models.py:self_routed"
+    done = run_main("plan", spec, "--policy", "auto", "--ep", "2", "--cluster", "h100:4")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"error: {SELF_ROUTED_EXPERTS}"
+    done = run_main("plan", spec, "--policy", "auto", "--cluster", "h100:4")
+    assert done.returncode == 0 and "EP screen" not in done.stderr and "EP 2" not in done.stdout, done.stderr
+    lm = load_model(spec)
+    by_hand = tmp_path / "ep.json"  # EP written into a plan file by hand
+    by_hand.write_text(make_plan(record(lm.model, lm.example_inputs), [["experts"]], model=spec)
+                       .replace(expert_parallel=ExpertParallel(2, ("experts",))).to_json())
+    done = run_main("verify", spec, "--plan", str(by_hand), "--fake-world-size", "2")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == f"error: {SELF_ROUTED_EXPERTS}", \
+        done.stderr
 
 
 def test_an_ep_degree_the_experts_do_not_divide_names_their_count() -> None:

@@ -39,6 +39,8 @@ def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
     other than its standard ones (``OTHER_EXPERTS``), or other experts whose rows are sized from data
     (``DATA_SIZED_EXPERTS``)."""
     if not hf.is_hf(model.name):
+        if self_routed_experts(trace):
+            return SELF_ROUTED_EXPERTS
         return DATA_SIZED_EXPERTS if data_sized_experts(trace) else None
     if tp_degree > 1:
         return NO_EP_TP
@@ -70,9 +72,29 @@ def data_sized_experts(trace: Trace) -> bool:
     return any(is_within(m, layer) for m in trace.stood_in for layer in layers)
 
 
+# an experts module that picks its own tokens (the routing's data-dependent ops run in its forward) takes the layer's
+# token list, not the (experts, rows, dim) block EP's dispatch sends it (``apply/expert_parallel.py``)
+SELF_ROUTED_EXPERTS = ("expert parallelism sends each rank's experts a block of (experts, rows, dim) routed rows, and "
+                       "this model's experts modules select their own tokens (data-dependent ops in their forward, "
+                       "noted): EP cannot run them, nor be simulated as it would run; plan it without --ep")
+
+
+def self_routed_experts(trace: Trace) -> bool:
+    """Whether the routing's data-dependent ops ran inside an experts module itself (``SELF_ROUTED_EXPERTS``)."""
+    return any(is_within(m, e) for m in trace.stood_in for e in expert_modules(trace))
+
+
+def check_ep_applies(trace: Trace) -> None:
+    """Refuse ``--ep`` (or a plan file's EP) on self-routed experts (``SELF_ROUTED_EXPERTS``)."""
+    if self_routed_experts(trace):
+        raise PlannerError(SELF_ROUTED_EXPERTS)
+
+
 def check_dispatch_runs(plan: Plan, trace: Trace, model: ModelSpec) -> None:
     """Refuse, before real ranks start, EP of experts whose rows the model sizes from data (transformers' experts
-    take their own dispatch, which sends the counts routing gives)."""
+    take their own dispatch, which sends the counts routing gives), and EP of experts that select their own tokens."""
+    if plan.expert_parallel is not None:
+        check_ep_applies(trace)
     if plan.expert_parallel is not None and not hf.is_hf(model.name) and data_sized_experts(trace):
         raise PlannerError(DATA_SIZED_EXPERTS)
 
@@ -138,6 +160,7 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
     experts = expert_modules(trace)
     if not experts:
         raise PlannerError(_no_experts(trace))
+    check_ep_applies(trace)
     tp = plan.tp_degree
     if tp > 1 and degree % tp:
         raise PlannerError(f"expert parallelism of degree {degree} with TP {tp}: EP's ranks span the TP ranks "

@@ -29,7 +29,13 @@ from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, Cluster, with_nodes
 from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.hf import learned_positions
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, infeasible_message
-from fsdp_planner.planners.expert_parallel import expert_modules, runs_ep, with_auto_ep, with_own_ep
+from fsdp_planner.planners.expert_parallel import (
+    expert_modules,
+    runs_ep,
+    self_routed_experts,
+    with_auto_ep,
+    with_own_ep,
+)
 from fsdp_planner.planners.fit import FitPoint, smallest_confirmed
 from fsdp_planner.planners.registry import make_policy
 from fsdp_planner.service.job import PlanJob
@@ -244,7 +250,7 @@ class Points:
         degree the model and the plan's shard ranks allow, the fastest that fits, beside a TP layout the search
         took: ``with_own_ep``; for experts EP is simulated for only, where nothing fits without it)."""
         cluster, tr = self._cluster(key), self._trace(key)
-        if not expert_modules(tr) or (result.fits and not runs_ep(self.job.model, tr, 1)):
+        if not expert_modules(tr) or self_routed_experts(tr) or (result.fits and not runs_ep(self.job.model, tr, 1)):
             return result  # (EP of experts it is simulated for only, ``runs_ep``: where nothing fits without)
         try:
             out = with_own_ep(result, policy, tr, self.job.model.name, cluster, self.job.options)

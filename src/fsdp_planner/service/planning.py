@@ -33,6 +33,7 @@ from fsdp_planner.planners.expert_parallel import (
     expert_modules,
     runs_ep,
     screen_ep_tp,
+    self_routed_experts,
     with_auto_ep,
     with_expert_parallel,
     with_own_ep,
@@ -195,7 +196,8 @@ def _auto_search(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster: Cl
         result = policy.search(tr, spec.name)
         if ep > 1:  # its groups under the EP asked for (planners/expert_parallel.py)
             result = with_auto_ep(result, tr, cluster, options, (ep,))
-        elif request.ep is None and expert_modules(tr) and (runs_ep(spec, tr, 1) or not result.fits):
+        elif request.ep is None and expert_modules(tr) and not self_routed_experts(tr) \
+                and (runs_ep(spec, tr, 1) or not result.fits):
             # auto's own EP screen (no TP); of experts EP is simulated for only (``runs_ep``), where nothing fits
             result = with_own_ep(result, policy, tr, spec.name, cluster, options, reporter.note)
     _ep_notes(result.plan, tr, spec, reporter)
