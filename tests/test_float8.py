@@ -73,7 +73,8 @@ def test_torchtitan_s_filter_leaves_the_output_head_and_odd_dims_in_bf16() -> No
     linears = converted_linears(tr, TENSORWISE)
     all_linears = [n for n, m in tr.modules.items() if m.cls == "Linear"]
     assert set(all_linears) - set(linears) == {"output"}
-    assert not TENSORWISE.converts("layers.0.w", (64, 40)) and TENSORWISE.converts("layers.0.w", (64, 48))
+    kw = {"plain": True, "tied": False}
+    assert not TENSORWISE.converts("layers.0.w", (64, 40), **kw) and TENSORWISE.converts("layers.0.w", (64, 48), **kw)
 
 
 def test_converted_matmuls_run_at_the_float8_peak_after_their_casts() -> None:
@@ -529,28 +530,37 @@ def test_auto_plans_with_float8_tp_all_gathers_and_writes_them(tmp_path) -> None
     assert "tensor_parallel" not in written and "tp_float8_all_gather" not in written["float8"]
 
 
+class Linear(nn.Linear):
+    """A subclass under nn.Linear's own name (timm's ``timm.layers.Linear`` is one)."""
+
+
 class _TiedAndAttention(nn.Module):
-    """A tied output head under a name no filter holds, and nn.MultiheadAttention, whose out_proj (a Linear
-    subclass) the attention reads the weight of itself: neither may be swapped for a Float8Linear."""
+    """A tied output head under a name no filter holds, nn.MultiheadAttention, whose out_proj (a Linear subclass)
+    the attention reads the weight of itself, a subclass named Linear, and a Linear registered twice: none may be
+    swapped for a Float8Linear."""
 
     def __init__(self) -> None:
         super().__init__()
         self.embed_in = nn.Embedding(64, 32)
         self.attn = nn.MultiheadAttention(32, 2, batch_first=True)
         self.mlp = nn.Linear(32, 32)
+        self.named_like = Linear(32, 32)
+        self.twice = nn.ModuleList([nn.Linear(32, 32)] * 2)
         self.embed_out = nn.Linear(32, 64, bias=False)
         self.embed_out.weight = self.embed_in.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_in(ids)
         h = h + self.attn(h, h, h, need_weights=False)[0]
+        h = self.twice[1](self.twice[0](self.named_like(h)))
         return self.embed_out(h + self.mlp(h))
 
 
 def test_a_tied_head_and_an_attention_s_out_proj_stay_unconverted_in_the_model_apply_and_export() -> None:
     """The simulator, apply_plan and the exported code convert the same Linears: not a tied head (torchao's swap
-    gave it a weight of its own, one embedding more in every all-gather on 8 fake ranks) and not
-    MultiheadAttention's out_proj (its converted weight failed the attention's own addmm)."""
+    gave it a weight of its own, one embedding more in every all-gather on 8 fake ranks), not MultiheadAttention's
+    out_proj (its converted weight failed the attention's own addmm), not a subclass however named, and not a
+    Linear registered under two names (swapped under one)."""
     from fsdp_planner.apply.export import ExportFormat, export_plan
     from fsdp_planner.apply.float8 import apply_float8
 

@@ -335,6 +335,21 @@ def test_a_plan_files_layout_runs_one_ranks_step(tmp_path):
             load_plan(path, tr, spec, lambda line: None)
 
 
+def test_a_tied_moe_under_torchtitan_s_layout_is_refused_and_a_tied_llama_has_no_loss_parallel():
+    """A tied embedding and head stay whole over TP: a Llama's layout then runs without sequence parallelism, and
+    without loss parallel (no vocab-sharded head is left); torchtitan's MoE layout takes and gives the sequence
+    sharded in every MoE layer, so it cannot drop it: refused in one sentence, not with advice to shard the tied
+    embedding."""
+    fixtures = Path(__file__).parent / "fixtures"
+    llama = ModelSpec(f"{fixtures / 'tp_llama.py'}:tied_llama")
+    found = tp_layout(trace_spec(llama), 2, llama)
+    assert not found.tp.loss_parallel and TPStyle.SEQUENCE_PARALLEL not in found.tp.layout.values()
+    moe = ModelSpec(f"{fixtures / 'ep_moe.py'}:tied_tiny_mixtral")
+    with pytest.raises(PlannerError, match="^output and tok_embeddings share a weight, which TP must leave whole, and "
+                                           r"this model's tensor-parallel layout \(torchtitan's MoE\) needs"):
+        tp_layout(trace_spec(moe), 2, moe)
+
+
 def test_an_mlp_written_inline_beside_attention_is_a_pair():
     """A block holding fc1 and fc2 itself, beside its norms and attention: the two Linears run one after the other
     make the pair (it was refused as "no sound layout", while a hand-written fc1 colwise / fc2 rowwise trained with
@@ -348,7 +363,7 @@ def test_an_mlp_written_inline_beside_attention_is_a_pair():
     assert found.tp.layout == {f"{b}.fc{i}": s for b in ("0", "1") for i, s in ((1, TPStyle.COLWISE),
                                                                              (2, TPStyle.ROWWISE))}
     normed = ModelSpec(f"{fixtures}:inline_mlp_normed")
-    with pytest.raises(PlannerError, match="^no sound tensor-parallel layout for this model"):
+    with pytest.raises(PlannerError, match=r"^no sound tensor-parallel layout for this model"):
         tp_layout(trace_spec(normed), 2, normed)
 
 

@@ -19,6 +19,8 @@ from fsdp_planner.choices import (
 from fsdp_planner.cli.options import (
     CLUSTER_HELP,
     MIN_MFU,
+    VERIFY_NPROC,
+    VERIFY_STEPS,
     add_auto_options,
     add_float8_options,
     add_force,
@@ -135,10 +137,10 @@ def simulate(sub: Subparsers) -> None:
 def verify(sub: Subparsers) -> None:
     sp = sub.add_parser("verify", help="train with the plan under torchrun and check it against the prediction")
     add_plan_source(sp)
-    # None: not given (2 ranks, 3 steps), so that --fake-world-size can say they have no effect when they are
-    sp.add_argument("--nproc", type=int, help="processes (ranks) to run (default 2)")
+    # None: not given, so that --fake-world-size can say they have no effect when they are
+    sp.add_argument("--nproc", type=int, help=f"processes (ranks) to run (default {VERIFY_NPROC})")
     add_micro_batches(sp)
-    sp.add_argument("--steps", type=int, help="training steps (default 3)")
+    sp.add_argument("--steps", type=int, help=f"training steps (default {VERIFY_STEPS})")
     sp.add_argument("--cluster", help="auto: the cluster to plan for (default: h100 with --nproc GPUs, or with "
                                       "--fake-world-size GPUs); torchrun jobs: also predict the step time on it "
                                       "and print it beside the measured one (on CPU ranks give the cluster "

@@ -29,6 +29,8 @@ from fsdp_planner.limits import MAX_BATCH, MAX_EP_DEGREE, MAX_SEARCH_EFFORT, MAX
 
 CLUSTER_HELP = "preset and GPU count (h100:64, h100e:128, a100:16, b200:8, h200:512) or a cluster JSON file"
 
+VERIFY_NPROC, VERIFY_STEPS = 2, 3  # verify's torchrun job when --nproc and --steps are not given
+
 
 
 

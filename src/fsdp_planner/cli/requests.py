@@ -24,6 +24,7 @@ from fsdp_planner.choices import (
     ShardPlacement,
     ZeroGrad,
 )
+from fsdp_planner.cli.options import VERIFY_NPROC, VERIFY_STEPS
 from fsdp_planner.cli.paths import input_file, output_file
 from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, JobConfig, read_config
 from fsdp_planner.errors import PlannerError
@@ -279,7 +280,6 @@ def _plan_notes(args: argparse.Namespace, ran: list[PolicyName], simulated: bool
 # job of more steps than this is a typo that would run for days.
 MAX_NPROC = 64
 MAX_STEPS = 100_000
-VERIFY_NPROC, VERIFY_STEPS = 2, 3  # verify's torchrun job when --nproc and --steps are not given
 
 
 @dataclass(frozen=True)

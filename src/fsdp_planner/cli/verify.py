@@ -22,7 +22,7 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS
-from fsdp_planner.planners.expert_parallel import DATA_SIZED_EXPERTS, check_dispatch_runs, check_ep_applies
+from fsdp_planner.planners.expert_parallel import DATA_SIZED_EXPERTS, check_dispatch_runs
 from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
@@ -252,8 +252,6 @@ def run_fake(request: FakeWorldRequest) -> int:
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
     plan = stamped(plan, tr, world, options)
     check_model_runs_ep(model, plan)
-    if plan.expert_parallel is not None:
-        check_ep_applies(tr)  # (a plan file's EP: one made with --ep was refused already)
     if tr.compiled or plan.compiled:
         model, plan = _eager(model, plan, len(plan.compiled or tr.compiled))
         tr = load_trace(model, full=request.full_trace, precision=options.precision)

@@ -78,12 +78,13 @@ class Float8:
         gather = r is Float8Recipe.TENSORWISE if all_gather is None else all_gather
         return cls(r, gather, gather, tp_float8_all_gather=tp_all_gather)
 
-    def converts(self, fqn: str, weight_shape: tuple[int, ...], plain: bool = True, tied: bool = False) -> bool:
+    def converts(self, fqn: str, weight_shape: tuple[int, ...], *, plain: bool, tied: bool) -> bool:
         """Whether the Linear ``fqn`` with a weight of ``weight_shape`` is converted: torchtitan's filter, and a
         plain ``nn.Linear`` (``plain``: not a subclass, whose own forward ``Float8Linear`` would drop, such as
         ``nn.MultiheadAttention``'s ``out_proj``, whose weight the attention reads itself) whose weight no other
-        module shares (``tied``: torchao's swap gives the Linear a weight of its own, untying a tied output head
-        from its embedding)."""
+        module shares and that is registered under one name only (``tied``: torchao's swap gives the Linear a
+        weight of its own, untying a tied output head from its embedding, and swaps one registration of a module
+        registered twice)."""
         return plain and not tied and len(weight_shape) == 2 \
             and all(d % FLOAT8_DIM_MULTIPLE == 0 for d in weight_shape) and not any(f in fqn for f in self.filter_fqns)
 

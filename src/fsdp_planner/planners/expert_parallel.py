@@ -38,9 +38,9 @@ def ep_refusal(model: ModelSpec, trace: Trace, tp_degree: int) -> str | None:
     (simulated only), None where they do: transformers' (``hf:`` models) with TP (``NO_EP_TP``), experts layers
     other than its standard ones (``OTHER_EXPERTS``), or other experts whose rows are sized from data
     (``DATA_SIZED_EXPERTS``)."""
+    if self_routed_experts(trace):  # (any model's: EP cannot be applied to them at all)
+        return SELF_ROUTED_EXPERTS
     if not hf.is_hf(model.name):
-        if self_routed_experts(trace):
-            return SELF_ROUTED_EXPERTS
         return DATA_SIZED_EXPERTS if data_sized_experts(trace) else None
     if tp_degree > 1:
         return NO_EP_TP

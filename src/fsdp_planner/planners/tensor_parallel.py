@@ -412,12 +412,17 @@ def _without_split_ties(trace: Trace, found: Layout) -> Layout:
     layout = {k: s for k, s in found.tp.layout.items() if not any(matches(k, o) for o in split)}
     note = f"{' and '.join(split)} share a weight: left whole over TP"
     whole = {found.tp.layout[k] for k in found.tp.layout.keys() - layout.keys()}
-    if whole & {TPStyle.EMBEDDING_SEQUENCE, TPStyle.SEQUENCE_COLWISE} and TPStyle.MOE_SEQUENCE not in layout.values():
+    if whole & {TPStyle.EMBEDDING_SEQUENCE, TPStyle.SEQUENCE_COLWISE}:
         # the embedding no longer shards the sequence for the first norm, nor does the head gather it after the last
         # (torchtitan's Llama on a tied model: every rank failed, "got mixed torch.Tensor and DTensor")
+        if TPStyle.MOE_SEQUENCE in layout.values():  # (its MoE layers take and give the sequence sharded)
+            raise PlannerError(f"{' and '.join(split)} share a weight, which TP must leave whole, and this model's "
+                               "tensor-parallel layout (torchtitan's MoE) needs the sequence sharded from the "
+                               "embedding on: plan it without --tp, or untie them")
         layout = {k: _WITHOUT_SP.get(s, s) for k, s in layout.items() if _WITHOUT_SP.get(s, s) is not None}
         note += ", so the layout runs without sequence parallelism (norms whole, each block's output all-reduced)"
-    tp = TensorParallel(found.tp.degree, layout, found.tp.loss_parallel and "output" not in split)
+    # loss parallel needs the head's vocab-sharded output: a head left whole, or one that lost its style, has none
+    tp = TensorParallel(found.tp.degree, layout, found.tp.loss_parallel and TPStyle.SEQUENCE_COLWISE in layout.values())
     return replace(found, tp=tp, notes=(*found.notes, note))
 
 

@@ -670,12 +670,16 @@ VIEW_WARNING = re.compile(r"FSDP2-wrapped module .* returned a view tensor")
 @contextlib.contextmanager
 def _held_view_warnings() -> Iterator[list[warnings.WarningMessage]]:
     """FSDP2's view warnings held back, one per module call, and counted (the caller says it once, beside the
-    counts that show whether a hook was skipped); every other warning shown as it would have been."""
+    counts that show whether a hook was skipped); every other warning shown as it would have been, after the run,
+    whether it ended well or not (one may say why it failed)."""
     held: list[warnings.WarningMessage] = []
     with warnings.catch_warnings(record=True) as caught:  # the filters as they are: what they would show, recorded
-        yield held
-    for w in caught:
-        if VIEW_WARNING.search(str(w.message)):
-            held.append(w)
-        else:
-            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+        warnings.filterwarnings("always", message=VIEW_WARNING.pattern)  # each call (Python's would show it once)
+        try:
+            yield held
+        finally:
+            for w in caught:
+                if VIEW_WARNING.search(str(w.message)):
+                    held.append(w)
+                else:
+                    warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)

@@ -16,7 +16,7 @@ from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
-from fsdp_planner.planners.expert_parallel import ep_note, expert_modules
+from fsdp_planner.planners.expert_parallel import check_ep_applies, ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
 from fsdp_planner.trace.records import Trace
@@ -154,11 +154,13 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
 
 def check_plan_ep(plan: Plan, tr: Trace) -> None:
     """The plan's expert parallelism names grouped experts modules only (``expert_modules``: what ``--ep`` finds),
-    not a router or a block, whose params EP would split as if stacked by expert; each in a group of its own
+    not a router or a block, whose params EP would split as if stacked by expert, nor experts that select their own
+    tokens (``check_ep_applies``); each in a group of its own
     (``check_expert_groups``: FSDP2 shards a group over one mesh, the experts over the EP-reduced one)."""
     ep = plan.expert_parallel
     if ep is None or ep.degree == 1:
         return
+    check_ep_applies(tr)
     grouped = set(expert_modules(tr))
     other = [m for m in ep.experts(tr.modules) if m not in grouped]
     if other:

@@ -100,7 +100,8 @@ def converted_linears(trace: Trace, f8: Float8) -> dict[str, int]:
         weight = f"{name}.weight" if name else "weight"
         if m.torch_class == "Linear" and weight in index:
             param = trace.params[index[weight]]
-            if f8.converts(name, param.shape, plain=m.cls == "Linear", tied=param.is_shared):
+            # tied: any other name of the weight, as apply counts them (a module registered twice is swapped once)
+            if f8.converts(name, param.shape, plain=m.plain_torch_class, tied=bool(param.aliases)):
                 out[name] = index[weight]
     return out
 

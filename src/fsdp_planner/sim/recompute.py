@@ -166,7 +166,15 @@ def loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
     """Change in the loss region's bytes at each event: outside the model (the loss, and its backward until
     backward reaches a module's pre-backward) the trace's live bytes are counted, not the saved tensors, which
     there are a fraction of what is alive (a language model's logits in two dtypes, the loss's gradient;
-    ``recorder.LossRegion``). Part of ``activation_deltas``, and on its own what a no-fit message blames."""
+    ``recorder.LossRegion``). Part of ``activation_deltas``, and on its own what a no-fit message blames. Computed
+    once per trace and scale (every checkpointing set a search tries has the same); the caller's own copy."""
+    key = ("loss_region_deltas", scale)
+    if key not in trace.index.memo:
+        trace.index.memo[key] = _loss_region_deltas(trace, scale)
+    return trace.index.memo[key].copy()
+
+
+def _loss_region_deltas(trace: Trace, scale: float) -> np.ndarray:
     deltas = np.zeros(len(trace.events) + 1)
     outside = 0.0  # the loss region's live bytes (scaled) last counted
     for i, inside in enumerate(trace.index.loss_region):
@@ -200,11 +208,11 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     inside: CheckpointedCall | None = None  # the checkpointed call whose forward is running
     recreated: dict[int, float] = {}  # pre-backward position -> activations re-created there
     totals: dict[tuple[str, int], float] = {}  # call -> the activations its post-backward frees
-    for i, (e, in_loss) in enumerate(zip(trace.events, trace.index.loss_region, strict=True)):
+    events = trace.events
+    for i in _activation_events(trace):  # (the loss region's ops: counted by loss_region_deltas)
+        e = events[i]
         kind = e.kind
         if kind is EventKind.OP:
-            if in_loss:
-                continue  # counted by loss_region_deltas
             if e.live and not e.backward and not inside_compiled[i]:  # temporaries (``Temporaries``), alive
                 deltas[i] += e.live  # while it runs, at the traced dtypes
                 deltas[i + 1] -= e.live
@@ -238,6 +246,31 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
         + early_frees(trace, totals, scale) + reentrant_deltas(trace, calls, scale)
 
 
+def _activation_events(trace: Trace) -> list[int]:
+    """The events ``activation_deltas`` acts on, whatever the checkpointing: module boundaries but pre-backwards,
+    and the forward ops outside the loss region that hold temporaries or save something (once per trace: a search
+    asks for the levels of many checkpointing sets)."""
+    key = ("activation_events",)
+    if key not in trace.index.memo:
+        boundaries = (EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_POST)
+        trace.index.memo[key] = [
+            i for i, (e, in_loss) in enumerate(zip(trace.events, trace.index.loss_region, strict=True))
+            if e.kind in boundaries or (e.kind is EventKind.OP and not in_loss and not e.backward
+                                        and (e.live or e.saved))]
+    return trace.index.memo[key]
+
+
+def _freeing_events(trace: Trace) -> list[int]:
+    """The events ``early_frees`` acts on: backward's module boundaries and the ops outside the loss region that
+    free activations early (once per trace)."""
+    key = ("freeing_events",)
+    if key not in trace.index.memo:
+        trace.index.memo[key] = [
+            i for i, (e, in_loss) in enumerate(zip(trace.events, trace.index.loss_region, strict=True))
+            if e.kind in (EventKind.BWD_PRE, EventKind.BWD_POST) or (e.freed and not in_loss)]
+    return trace.index.memo[key]
+
+
 def early_frees(trace: Trace, totals: dict[tuple[str, int], float], scale: float) -> np.ndarray:
     """Activations freed before their call's backward is done (``activation_deltas``' indexing): after each
     backward op, its ``Event.freed`` of the innermost call whose backward runs (at most what that call holds,
@@ -245,14 +278,16 @@ def early_frees(trace: Trace, totals: dict[tuple[str, int], float], scale: float
     deltas = np.zeros(len(trace.events) + 1)
     running: list[tuple[str, int]] = []  # the calls whose backward is running
     left, early = dict(totals), dict.fromkeys(totals, 0.0)
-    for i, (e, in_loss) in enumerate(zip(trace.events, trace.index.loss_region, strict=True)):
+    events = trace.events
+    for i in _freeing_events(trace):
+        e = events[i]
         if e.kind is EventKind.BWD_PRE:
             running.append((e.module, e.call))
         elif e.kind is EventKind.BWD_POST:
             if (e.module, e.call) in running:
                 running.remove((e.module, e.call))
             deltas[i] += early.pop((e.module, e.call), 0.0)
-        elif e.freed and running and not in_loss:
+        elif running:  # (an op that frees early, outside the loss region)
             nbytes = min(e.freed * scale, left.get(running[-1], 0.0))
             if nbytes:
                 left[running[-1]] -= nbytes
@@ -314,11 +349,15 @@ def gradient_flow(trace: Trace, scale: float, workspaces: bool = True) -> np.nda
     activations dwarf params, two activations' worth at the peak (-9.7% on a conv net with BatchNorm without
     it). A level at each op, nothing carried over to the next; with ``workspaces`` (GPU ranks), the buffers the
     op's CUDA kernel allocates besides (``Event.workspace``, in their own dtype: not scaled)."""
-    levels = np.zeros(len(trace.events) + 1)
-    for i, e in enumerate(trace.events):
-        if e.backward and (e.grad_live or (workspaces and e.workspace)):
-            levels[i] = e.grad_live * scale + (e.workspace if workspaces else 0)
-    return levels
+    key = ("gradient_flow", scale, workspaces)
+    if key not in trace.index.memo:  # once per trace, scale and device kind (the same for every checkpointing)
+        levels = np.zeros(len(trace.events) + 1)
+        for i, e in enumerate(trace.events):
+            if e.backward and (e.grad_live or (workspaces and e.workspace)):
+                levels[i] = e.grad_live * scale + (e.workspace if workspaces else 0)
+        levels.flags.writeable = False
+        trace.index.memo[key] = levels
+    return trace.index.memo[key]
 
 
 def recompute_levels(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:

@@ -61,6 +61,8 @@ class ModuleInfo:
     # function on them makes autograd refuse (see summary._fsdp2_refuses_inplace)
     torch_class: str = ""  # "Linear" / "Embedding" for an instance of nn.Linear / nn.Embedding (a subclass too):
     # the modules torch's ColwiseParallel and RowwiseParallel shard; "" for any other
+    plain_torch_class: bool = False  # an instance of ``torch_class`` itself, not a subclass (float8 converts only
+    # plain nn.Linear: a subclass's own forward would be dropped by the swap)
     records_outputs: bool = False  # a transformers model whose class lists outputs to record
     # (``_can_record_outputs``: hidden states, attentions), which transformers looks up by str(module.__class__)
 

@@ -29,7 +29,7 @@ def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.
             calls=calls.get(fqn, 0), fwd_flops=fwd.get(fqn, 0), bwd_flops=bwd.get(fqn, 0), first_use=first.get(fqn, -1),
             shardable=_shardable(m) and not (fqn in modified_inputs and _fsdp2_refuses_inplace(fqn, m)),
             records_outputs=bool(getattr(type(m), "_can_record_outputs", None)),
-            torch_class=_torch_class(m),
+            torch_class=_torch_class(m), plain_torch_class=type(m) in (nn.Linear, nn.Embedding),
         )
         for fqn, m in walk.modules.items()
     }
