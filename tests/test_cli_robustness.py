@@ -196,13 +196,17 @@ def test_out_never_overwrites_the_model_file(capsys, user_models):
     assert user_models.read_text() == before
 
 
-def test_out_refuses_an_existing_file_that_is_not_json(capsys, tmp_path):
-    notes_file = tmp_path / "notes.txt"
-    notes_file.write_text("mine")
+@pytest.mark.parametrize(("name", "mine"), [("notes.txt", "mine"), ("data.json", '{"my": "data"}')])
+def test_out_refuses_an_existing_file_it_did_not_write(capsys, tmp_path, name, mine):
+    """Notes, and a user's own JSON (any .json used to be replaced, against --force's help)."""
+    notes_file = tmp_path / name
+    notes_file.write_text(mine)
     code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(notes_file))
-    assert_one_line_error(code, err, "already exists and is neither a .json file nor code fsdp-planner export "
-                                     "wrote: refusing to overwrite it")
-    assert notes_file.read_text() == "mine"
+    assert_one_line_error(code, err, "already exists and is neither a plan or cluster file fsdp-planner wrote nor "
+                                     "code its export wrote: refusing to overwrite it")
+    assert notes_file.read_text() == mine
+    assert run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(notes_file), "--force")[0] == 0
+    assert run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(notes_file))[0] == 0  # its own
 
 
 def test_export_never_overwrites_a_plan_with_code(capsys, tmp_path):
@@ -248,9 +252,9 @@ def test_empty_out(capsys, command):
     assert_one_line_error(code, err, "--out is empty")
 
 
-def test_out_overwrites_a_json_file_and_keeps_it_when_writing_fails(capsys, tmp_path, monkeypatch):
+def test_out_overwrites_its_own_plan_and_keeps_it_when_writing_fails(capsys, tmp_path, monkeypatch):
     plan = tmp_path / "plan.json"
-    plan.write_text("{}")
+    assert run_main(capsys, "plan", "seed-net", "--policy", "module", "--out", str(plan))[0] == 0
     code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(plan))
     assert code == 0, err
     written = plan.read_text()

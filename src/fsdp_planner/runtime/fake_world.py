@@ -659,7 +659,7 @@ def run_fake_world(model_spec: ModelSpec | str, plan: Plan, world_size: int, pre
         for _ in range(steps):
             counts, nbytes = training.step()
     result = training.result(world_size, counts, nbytes, time.perf_counter() - started)
-    return dataclasses.replace(result, view_outputs=len(views))
+    return dataclasses.replace(result, view_outputs=views[0])
 
 
 # FSDP2's warning (_fsdp_state.py) when a module it hooks returns a view: an in-place op on that view would drop the
@@ -668,18 +668,21 @@ VIEW_WARNING = re.compile(r"FSDP2-wrapped module .* returned a view tensor")
 
 
 @contextlib.contextmanager
-def _held_view_warnings() -> Iterator[list[warnings.WarningMessage]]:
-    """FSDP2's view warnings held back, one per module call, and counted (the caller says it once, beside the
-    counts that show whether a hook was skipped); every other warning shown as it would have been, after the run,
-    whether it ended well or not (one may say why it failed)."""
-    held: list[warnings.WarningMessage] = []
-    with warnings.catch_warnings(record=True) as caught:  # the filters as they are: what they would show, recorded
+def _held_view_warnings() -> Iterator[list[int]]:
+    """FSDP2's view warnings held back and counted, one per module call (the caller says it once, beside the counts
+    that show whether a hook was skipped); every other warning shown as and when the filters in force show it.
+    Nothing is kept: a library may warn millions of times (peft's ``modules_to_save`` copy on fake tensors)."""
+    held = [0]
+    with warnings.catch_warnings():  # (restores the filters and ``showwarning`` on the way out)
+        shown = warnings.showwarning
+
+        def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: Any = None, line: str | None = None) -> None:
+            if VIEW_WARNING.search(str(message)):
+                held[0] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
         warnings.filterwarnings("always", message=VIEW_WARNING.pattern)  # each call (Python's would show it once)
-        try:
-            yield held
-        finally:
-            for w in caught:
-                if VIEW_WARNING.search(str(w.message)):
-                    held.append(w)
-                else:
-                    warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+        yield held
