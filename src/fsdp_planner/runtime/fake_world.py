@@ -673,7 +673,7 @@ def _held_view_warnings() -> Iterator[list[int]]:
     that show whether a hook was skipped); every other warning shown as and when the filters in force show it.
     Nothing is kept: a library may warn millions of times (peft's ``modules_to_save`` copy on fake tensors)."""
     held = [0]
-    with warnings.catch_warnings():  # (restores the filters and ``showwarning`` on the way out)
+    with warnings.catch_warnings():  # (restores the filters on the way out)
         shown = warnings.showwarning
 
         def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
@@ -683,6 +683,6 @@ def _held_view_warnings() -> Iterator[list[int]]:
             else:
                 shown(message, category, filename, lineno, file, line)
 
-        warnings.showwarning = show
         warnings.filterwarnings("always", message=VIEW_WARNING.pattern)  # each call (Python's would show it once)
-        yield held
+        with patched(warnings, "showwarning", show):
+            yield held
