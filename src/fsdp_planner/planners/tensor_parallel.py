@@ -478,8 +478,13 @@ _LINEAR_STYLES = (*_COLWISE, *_ROWWISE)
 
 def _weight_order(trace: Trace, styles: dict[str, TPStyle]) -> list[str]:
     """The modules whose weight TP shards, in the order the forward first runs them."""
-    return [m for _, m in sorted((trace.modules[m].first_use, m) for m, s in styles.items()
-                                 if s in WEIGHT_STYLES and trace.modules[m].first_use >= 0)]
+    return _forward_order(trace, [m for m, s in styles.items() if s in WEIGHT_STYLES])
+
+
+def _forward_order(trace: Trace, modules: list[str]) -> list[str]:
+    """Of ``modules``, those whose forward reads a param, in the order it first does (a holder before what it
+    holds)."""
+    return [m for _, m in sorted((trace.modules[m].first_use, m) for m in modules if trace.modules[m].first_use >= 0)]
 
 def _check_embeddings(trace: Trace, tp: TensorParallel) -> None:
     """An nn.Embedding takes the embedding styles: torch's RowwiseParallel shards an embedding's vocab and its
@@ -527,7 +532,7 @@ def _check_sequence_inputs(trace: Trace, tp: TensorParallel) -> None:
     to match target batch_size (128)" on every rank). So the region run before it, in the forward's order of the
     modules TP styles, must end sequence-sharded: the outermost styled module holding the last one run."""
     styles = tp.styles(trace.modules)
-    order = [m for _, m in sorted((trace.modules[m].first_use, m) for m in styles if trace.modules[m].first_use >= 0)]
+    order = _forward_order(trace, list(styles))
     for k, m in enumerate(order):
         if styles[m] not in _SEQUENCE_IN:
             continue
