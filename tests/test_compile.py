@@ -19,6 +19,7 @@ from fsdp_planner.apply import apply_plan
 from fsdp_planner.apply.compile import apply_compile
 from fsdp_planner.attention import kernel
 from fsdp_planner.choices import SacPolicy
+from fsdp_planner.cli import main
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import apply_checkpointing
 from fsdp_planner.fsdp2.plan import Plan
@@ -105,6 +106,29 @@ def test_compiled_blocks_hold_the_partitioned_bytes_instead_of_their_ops_saves()
     sac = activation_levels(compiled, precision, [(m, SacPolicy.TITAN) for m in BLOCKS])
     assert activation_levels(compiled, precision)[end] - sac[end] == len(BLOCKS) * (
         block.saved - block.variants["titan"])
+
+
+def test_a_frozen_block_compiles_forward_only_and_saves_nothing():
+    # a frozen backbone's block whose input needs no gradient: AOTAutograd makes no backward graph for it
+    block = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(4, 8)
+    trainable = compiled_block(block, (x,), {})
+    block.requires_grad_(False)
+    frozen = compiled_block(block, (x,), {})
+    assert trainable.saved > 0 and trainable.launches[1] > 0
+    assert frozen.saved == 0 and frozen.launches[1] == 0 and frozen.launches[0] == trainable.launches[0]
+    # its input needing a gradient (a trainable layer below) makes a backward again, params frozen or not
+    assert compiled_block(block, (x.requires_grad_(),), {}).saved > 0
+
+
+@pytest.mark.integration  # seconds of AOTAutograd partitioning
+def test_a_frozen_backbone_plans_and_verifies_compiled():
+    spec = ModelSpec("tests/fixtures/factories.py:frozen_backbone", compile=True)
+    tr = trace_spec(spec)
+    assert [tr.compiled[f"layers.{i}"].saved == 0 for i in range(4)] == [True, True, False, False]
+    job = [spec.name, "--policy", "titan", "--compile"]
+    assert main(["plan", *job, "--cluster", "h100:8"]) == 0
+    assert main(["verify", *job, "--fake-world-size", "4"]) == 0
 
 
 class _Pointwise(torch.nn.Module):

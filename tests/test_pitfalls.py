@@ -83,7 +83,9 @@ def test_a_hand_written_plan_file_that_splits_tied_params_is_check_s_finding(tmp
     assert done.returncode == 1, done.stderr
     (found,) = json.loads(done.stdout)
     assert (found["code"], found["module"]) == ("tied-across-groups", "wte")
-    assert "reachable from groups 0 and 1" in found["message"] and "fully_shard([" in found["fix"]
+    assert "reachable from groups 0 and 1" in found["message"]
+    assert found["fix"] == "list wte, lm_head together in one fully_shard([...])"  # every module it names
+    assert "checked toy-gpt2-tied: the model, and the plan in" in run_check("toy-gpt2-tied", "--plan", str(path)).stdout
     assert run_main("simulate", "toy-gpt2-tied", "--plan", str(path)).returncode == 2  # elsewhere, an error
 
 
@@ -109,6 +111,18 @@ def test_root_params_with_their_bytes():
            if f.code is Code.ROOT_PARAMS]
     nbytes = sum(p.nbytes for p in tr.params if not p.fqn.startswith("layers."))  # traced in fp32: its own bytes
     assert f.severity is Severity.WARNING and f"({nbytes // 1024} KiB unsharded)" in f.message
+    assert "tied" not in f.fix
+
+
+def test_root_params_name_a_tied_params_modules_together():
+    """The fix for a tied embedding left to the root lists every module holding it in one call: sharding the
+    embedding alone, as the plain advice says, is the tied-across-groups error."""
+    tr = traced("toy-gpt2-tied")
+    plan = make_plan(tr, [[f"h.{i}"] for i in range(3)])
+    [f] = [f for f in plan_findings(tr, plan) if f.code is Code.ROOT_PARAMS]
+    assert f.fix.endswith("; wte.weight is tied: fully_shard([model.wte, model.lm_head])")
+    followed = make_plan(tr, [["wte", "lm_head"], *([f"h.{i}"] for i in range(3))])
+    assert Code.TIED_ACROSS_GROUPS not in codes(plan_findings(tr, followed))
 
 
 def test_fsdp1_unit_mixing_frozen_and_trainable_params():

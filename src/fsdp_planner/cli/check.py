@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json_text([f.to_dict() for f in findings], indent=2))
     else:
-        _show(args.model, label if plan is not None else None, findings)
+        _show(args.model, label if plan is not None or refused else None, findings)  # refused: checked, cannot run
     return 1 if has_errors(findings) else 0
 
 
@@ -84,7 +84,7 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
             return plan_to_check(args.plan, tr, model_spec(args)), label, []
         except SplitParamError as e:  # a pitfall check names, not a file it cannot read
             owner = e.param.rpartition(".")[0]
-            return None, label, [Finding(Severity.ERROR, Code.TIED_ACROSS_GROUPS, e.problem, e.FIX, owner)]
+            return None, label, [Finding(Severity.ERROR, Code.TIED_ACROSS_GROUPS, e.problem, e.fix, owner)]
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")

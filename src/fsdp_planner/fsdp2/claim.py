@@ -28,12 +28,20 @@ class SplitParamError(PlannerError):
     ValueError ("shared with a parameter already managed by another FSDP group"); ``check`` reports it as a
     finding, every other command as an error."""
 
-    FIX = "list its modules together in one fully_shard([...])"
-
-    def __init__(self, param: str, first: int, second: int) -> None:
+    def __init__(self, param: str, first: int, second: int, holders: Sequence[str]) -> None:
         self.param = param
         self.problem = f"parameter '{param}' is reachable from groups {first} and {second}; FSDP2 needs it in one group"
-        super().__init__(f"{self.problem}: {self.FIX}")
+        self.fix = f"list {', '.join(holders)} together in one fully_shard([...])" if len(holders) > 1 else \
+            "list its modules together in one fully_shard([...])"
+        super().__init__(f"{self.problem}: {self.fix}")
+
+
+def _split(param: str, first: int, second: int, trace: Trace) -> SplitParamError:
+    """The error naming what to list together: a tied param's modules (every name it has), or the modules that
+    hold a module registered twice."""
+    info = trace.params[trace.index.param_index[param]]
+    holders = list(info.owners) if len(info.owners) > 1 else list(trace.index.parents.get(info.owners[0], ()))
+    return SplitParamError(param, first, second, holders)
 
 
 def short_list(names: Iterable[str], limit: int = 5) -> str:
@@ -103,7 +111,7 @@ def claimed_params(plan: Plan, trace: Trace) -> list[list[str]]:
                 stack.extend(modules[x].children)
         for p in mine:
             if p in claimed_by:
-                raise SplitParamError(p, claimed_by[p], gi)
+                raise _split(p, claimed_by[p], gi, trace)
             claimed_by[p] = gi
         result[gi] = _registration_order(set(mine), trace)
         sharded |= listed
@@ -132,7 +140,7 @@ def _claimed_in_tree(plan: Plan, trace: Trace) -> list[list[str]]:
         mine = set().union(*(subtree[m] for m in g.modules)).difference(*(subtree[x] for x in carved[gi]))
         for p in mine:
             if p in claimed_by:  # a tied param reachable from two groups
-                raise SplitParamError(p, claimed_by[p], gi)
+                raise _split(p, claimed_by[p], gi, trace)
             claimed_by[p] = gi
         result.append(_registration_order(mine, trace))
     return result

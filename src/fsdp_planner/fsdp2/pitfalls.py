@@ -375,6 +375,9 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     movable = [o for o in owners if o != ROOT]
     own_groups = "a group of its own" if len(movable) == 1 else "groups of their own"
     fix = f"give {fmt_modules(movable)} {own_groups} (fully_shard({_name(movable[0])}), ...)" if movable else ""
+    for p in ps:
+        if len(p.owners) > 1 and ROOT not in p.owners:  # a tied param: every module holding it in one group
+            fix += f"; {p.fqn} is tied: fully_shard([{', '.join(_name(o) for o in p.owners)}])"
     if own:
         fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
                                        "root: move them into a submodule to shard them"

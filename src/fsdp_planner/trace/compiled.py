@@ -122,8 +122,8 @@ def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBloc
     out = run(*inputs, *state.values())
     grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.autograd.backward([t.sum() for t in grads])
-    fused = (_fused(graphs["fw"]), _fused(graphs["bw"]))
-    return CompiledBlock(_backward_inputs_nbytes(graphs["fw"], graphs["bw"], set(range(len(at), len(at) + len(names)))),
+    fused = (_fused(graphs["fw"]), _fused(graphs["bw"]) if "bw" in graphs else (0, 0))
+    return CompiledBlock(_saved_nbytes(graphs, set(range(len(at), len(at) + len(names)))),
                          (fused[0][0], fused[1][0]), (fused[0][1], fused[1][1]))
 
 
@@ -169,7 +169,7 @@ def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
     finally:
         quiet.setLevel(level)
         torch._dynamo.reset()
-    return _backward_inputs_nbytes(graphs["fw"], graphs["bw"], params)
+    return _saved_nbytes(graphs, params)
 
 
 def _grad_leaves(args: tuple) -> list:
@@ -227,6 +227,12 @@ def _fused(gm: torch.fx.GraphModule) -> tuple[int, int]:
 def _nbytes(n: torch.fx.Node) -> int:
     vals = n.meta.get("val")
     return sum(v.numel() * v.element_size() for v in tree_flatten(vals)[0] if isinstance(v, torch.Tensor))
+
+
+def _saved_nbytes(graphs: Mapping[str, torch.fx.GraphModule], params: set[int]) -> int:
+    """What a compiled call saves for backward: nothing when it has no backward graph (a frozen block whose
+    input needs no gradient, as in a frozen backbone, runs forward only and keeps nothing)."""
+    return _backward_inputs_nbytes(graphs["fw"], graphs["bw"], params) if "bw" in graphs else 0
 
 
 def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, params: set[int]) -> int:
