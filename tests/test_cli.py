@@ -120,6 +120,9 @@ def test_plan_for_another_model_and_corrupt_json(tmp_path):
     bad.write_text("{ nope")
     r = run_main("verify", "seed-net", "--plan", str(bad))
     assert r.returncode == 2 and "not valid JSON" in r.stderr
+    bad.write_text('{"version": 1, "groups": [["conv1"]], "groups": [["fc1"]]}')  # json.loads keeps the last
+    r = run_main("simulate", "seed-net", "--plan", str(bad), "--cluster", "h100:2")
+    assert r.returncode == 2 and 'the key "groups" appears twice in one object' in r.stderr
 
 
 def test_cost_simulate_memory_calibrate_commands(tmp_path):

@@ -171,7 +171,8 @@ def test_cluster_file_that_is_not_text(capsys, tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("[" * 100_000 + "]" * 100_000, "is not valid JSON (it nests too deeply to read)"),
     ('{"nodes": ' + "9" * 5000 + "}", "is not valid JSON (it holds a number too long to read, over 4300 digits)"),
-], ids=["deep", "long-int"])
+    ('{"name": "a", "nodes": 1, "nodes": 8}', 'is not valid JSON (the key "nodes" appears twice in one object'),
+], ids=["deep", "long-int", "duplicate-key"])
 def test_unreadable_cluster_json(capsys, tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "cluster.json"
     path.write_text(text)

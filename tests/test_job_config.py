@@ -80,7 +80,6 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
      "float8.precompute_float8_dynamic_scale_for_fsdp off is read as on"),
     ("[mx]\nx = 1\n", "[mx] (MX formats) is left out"),
     ("[mystery]\nx = 1\n", "[mystery] is not read"),
-    ("[training]\nlocal_batch_sise = 4\n", "training.local_batch_sise is not read"),  # a typo: never silent
     ("[parallelism]\ndata_parallel_shard = 8\n", "parallelism.data_parallel_shard is not read"),
 ])
 def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
@@ -130,6 +129,9 @@ def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
     ('[activation_checkpoint]\nmode = "memory_budget"\n', "memory_budget is torch.compile's checkpointing"),
     ("[training\n", "is not valid TOML"),
     ("training = 3\n", "[training] = 3 is not a table"),
+    # a typo of a key it has: never silent, and not simulated as the job with its default either (it was a note)
+    ("[training]\nlocal_batch_sise = 4\n", "training.local_batch_sise is not a key of [training] (did you mean "
+                                            "local_batch_size?)"),
 ])
 def test_torchtitan_errors_are_one_line(tmp_path, text, error):
     with pytest.raises(PlannerError, match=re.escape(error)) as e:
@@ -215,6 +217,10 @@ def test_accelerate_left_out_is_one_line(tmp_path, text, note):
     ("num_processes: 12\nnum_machines: 5\n", "num_processes 12 is not a multiple of num_machines 5"),
     ("fsdp_config: [1\n", "is not valid YAML at line"),
     ("fsdp_config: !!python/object/apply:os.system ['true']\n", "is not valid YAML"),  # safe_load: never run
+    # a key a letter from one that changes the job: the setting would stay at its default (it was a note)
+    ("fsdp_config:\n  fsdp_reshard_after_forwrd: false\n", "fsdp_config.fsdp_reshard_after_forwrd is not a key of "
+                                                          "fsdp_config (did you mean fsdp_reshard_after_forward?)"),
+    ("parallelism_config:\n  parallelism_config_tp_sise: 2\n", "(did you mean parallelism_config_tp_size?)"),
 ])
 def test_accelerate_errors_are_one_line(tmp_path, text, error):
     with pytest.raises(PlannerError, match=re.escape(error)) as e:

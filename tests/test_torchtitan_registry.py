@@ -355,6 +355,10 @@ def test_keys_of_the_current_dataclasses(tmp_path):
         "parallelism.enable_fsdp_symm_mem = true is left out: fsdp-planner models FSDP2's NCCL collectives, not "
         "symmetric-memory ones",
         "parallelism.typo_degree is not read: fsdp-planner does not know it"]
+    # a letter from a key torchtitan has (its dataclass would raise TypeError): the degree would stay at 1
+    with pytest.raises(PlannerError, match=re.escape("parallelism.tensor_paralel_degree is not a key of "
+                                                     "[parallelism] (did you mean tensor_parallel_degree?)")):
+        read_config(TORCHTITAN, job("llama3_8b"), ["--parallelism.tensor_paralel_degree", "8"])
 
 
 def test_a_registry_job_without_a_model_names_model_registry_not_the_toml_table(tmp_path):
@@ -459,6 +463,11 @@ def test_module_level_constants_are_read_where_a_job_names_them(tmp_path):
     path.write_text(CONSTANTS_HEAD + "\n\ndef job() -> Trainer.Config:\n    return Trainer.Config(model_spec="
                     "model_registry(FLAVOR), training=TrainingConfig(max_context_length=-(-SEQ_LEN)))\n")
     assert read_config(TORCHTITAN, f"{path}:job").seq == 8192
+    # a product past 10**18 is a number the job's checks judge as they judge the literal (it was "not a literal")
+    path.write_text(CONSTANTS_HEAD + "\n\ndef job() -> Trainer.Config:\n    return Trainer.Config(model_spec="
+                    "model_registry(FLAVOR), training=TrainingConfig(max_context_length=SEQ_LEN * 10**30))\n")
+    with pytest.raises(PlannerError, match=r"is not a multiple of training\.max_context_length = 8,192,000,000,"):
+        read_config(TORCHTITAN, f"{path}:job")
     with pytest.raises(PlannerError, match=r"no function jbo \(its functions, closest first: job\)"):
         read_config(TORCHTITAN, f"{path}:jbo")
 

@@ -56,10 +56,29 @@ def _size(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB" if n >= 2**10 else f"{n:,} bytes"
 
 
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys differ: Python's reader keeps the last of a repeated key, so a plan file with two
+    "groups" would be planned from one, silently."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def parse_json(text: str, message: Callable[[str], str]) -> Any:
     """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``."""
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except DuplicateKey as e:
+        detail = f"the key {shown_json(e.key)} appears twice in one object (which one is meant?)"
     except json.JSONDecodeError as e:
         detail = f"{e.msg} at line {e.lineno} column {e.colno}"
     except RecursionError:

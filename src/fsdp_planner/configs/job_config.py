@@ -11,6 +11,7 @@ pass ``shown_json``. Torch-free: the reading is checked before anything is trace
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -244,7 +245,7 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     for section, known in TITAN_SECTION_KEYS.items():
         for key in _table(cfg, data, section):
             if key not in known:
-                cfg.notes.append(f"{section}.{shown_json(key)[1:-1]} is not read: fsdp-planner does not know it")
+                _unknown_key(cfg, f"[{section}]", key, known)
     _titan_model(cfg, _table(cfg, data, "model"))
     _titan_training(cfg, _table(cfg, data, "training"))
     _titan_optimizer(cfg, _table(cfg, data, "optimizer"))
@@ -267,6 +268,17 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     if _table(cfg, data, "mx"):
         cfg.notes.append("[mx] (MX formats) is left out: fsdp-planner simulates those matmuls in the mixed "
                          "precision's dtype")
+
+
+def _unknown_key(cfg: JobConfig, section: str, key: str, known: set[str]) -> None:
+    """A key ``section`` (``[training]``, ``fsdp_config``) does not have: a note, or, a letter or so from a key it
+    has, an error (the misspelled setting would stay at its default, and the verdict be about another job)."""
+    shown = f"{section.strip('[]')}.{shown_json(key)[1:-1]}"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.9) if len(key) <= 100 else []
+    if close:
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}': {shown} is not a key of {section} (did you mean "
+                           f"{close[0]}?): as written, the setting would stay at its default")
+    cfg.notes.append(f"{shown} is not read: fsdp-planner does not know it")
 
 
 def _check_async_tp(cfg: JobConfig, compile_table: dict[str, Any]) -> None:
@@ -500,7 +512,7 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
             cfg.notes.append(f"{shown_json(name)[1:-1]} is not read: it does not change a training step here")
     for name in fsdp:
         if name not in ACCELERATE_IGNORED and name not in ACCELERATE_FSDP_KEYS:
-            cfg.notes.append(f"fsdp_config.{shown_json(name)[1:-1]} is not read: fsdp-planner does not know it")
+            _unknown_key(cfg, "fsdp_config", name, ACCELERATE_FSDP_KEYS | ACCELERATE_IGNORED)
     _accelerate_world(cfg, data)
     _accelerate_wrap(cfg, fsdp)
     _accelerate_sharding(cfg, fsdp)
@@ -554,9 +566,12 @@ def _accelerate_world(cfg: JobConfig, data: dict[str, Any]) -> None:
             continue
         said = shown_json(name)[1:-1]
         known = f"parallelism_config_{name}" if f"parallelism_config_{name}" in ACCELERATE_PARALLELISM_KEYS else None
-        cfg.notes.append(f"parallelism_config.{said} is not read: " + (
-            f"Accelerate's config file spells it {known} (ParallelismConfig's own argument name is not a config "
-            "key here); this job is simulated without it" if known else "fsdp-planner does not know it"))
+        if not known:
+            _unknown_key(cfg, "parallelism_config", name, ACCELERATE_PARALLELISM_KEYS)
+            continue
+        cfg.notes.append(f"parallelism_config.{said} is not read: Accelerate's config file spells it {known} "
+                         "(ParallelismConfig's own argument name is not a config key here); this job is simulated "
+                         "without it")
 
 
 ACCELERATE_DIMS = ("dp_replicate", "dp_shard", "tp", "cp")  # ParallelismConfig's sizes, whose product is its ranks

@@ -46,7 +46,8 @@ def titan_model(name: str, flavor: str) -> str | None:
 SPEC = re.compile(r"^(?P<where>.+):(?P<function>[A-Za-z_]\w*)$", re.S)
 MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 MAX_DEPTH = 8  # jobs built on jobs, and locals naming locals: deeper is refused, not followed
-MAX_NUMBER = 10**18  # whole-number arithmetic in the file stays below this
+MAX_NUMBER = 10**100  # whole-number arithmetic in the file stays below this: a bound on the work (each step's
+# operands stay short), not on the value, which the job's own checks judge as they do a literal's
 MAX_FLAGS = 1000
 
 # Trainer.Config keys that change nothing a step's time or memory depends on here: read past.
