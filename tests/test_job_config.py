@@ -429,6 +429,10 @@ def test_no_gpu_count_plans_for_the_preset_node(tmp_path, capsys):
                 "--cluster", "a100")
     assert a.cluster == "a100:8"
     assert "gives no GPU count (no num_processes): planning for 8 GPUs" in capsys.readouterr().err
+    # two machines: a node of the preset on each, as the note says (it said one node and planned h100:2x4)
+    a = args_of("simulate", "toy-llama", "--from-accelerate", str(accel(tmp_path, "num_machines: 2\n")))
+    assert a.cluster == "h100:2x8"
+    assert "planning for 16 GPUs, 2 machines (num_machines) of h100's 8" in capsys.readouterr().err
 
 
 def test_plan_from_a_config_refuses_what_it_does_not_take(tmp_path, capsys):

@@ -133,10 +133,12 @@ def _layout(m: _Merge) -> None:
     if world is not None and world > MAX_WORLD_SIZE:  # said by the job's keys, not a cluster the user never typed
         raise PlannerError(f"the {cfg.kind} job runs on {world:,} GPUs ({_world_keys(cfg)}): at most "
                            f"{MAX_WORLD_SIZE:,} are supported")
-    if world is None:  # the config leaves the count to the cluster: a bare preset's one node
-        world = parse_cluster(spec).world_size
-        m.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, "
-               f"{spec.strip()}'s one node (give --cluster {spec.strip()}:N for another count)")
+    if world is None:  # the config leaves the count to the cluster: a bare preset's node, on each machine it names
+        world = parse_cluster(spec).world_size * (cfg.nodes or 1)
+        where = f"{cfg.nodes} machines (num_machines) of {spec.strip()}'s {world // cfg.nodes}" \
+            if cfg.nodes and cfg.nodes > 1 else f"{spec.strip()}'s one node"
+        m.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, {where} "
+               f"(give --cluster {spec.strip()}:N for another count)")
     if given is not None:
         _same_cluster(cfg, spec, world)
     if preset:
