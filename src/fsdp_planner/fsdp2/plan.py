@@ -348,8 +348,8 @@ class Plan:
 
 def _plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict) or "version" not in data:
-        raise PlannerError("this JSON is not an fsdp-planner plan: expected an object with 'version', 'model' and "
-                           "'groups', as `plan --out` writes")
+        raise PlannerError("this JSON is not an fsdp-planner plan: expected an object with 'version' and 'groups' "
+                           "(and 'model', optional), as `plan --out` writes")
     version = data["version"]
     if isinstance(version, bool) or not isinstance(version, int) or version != PLAN_VERSION:
         raise PlannerError(f"unsupported plan version {shown_json(version)}: this fsdp-planner reads plans with "
