@@ -365,6 +365,12 @@ def test_an_mlp_written_inline_beside_attention_is_a_pair():
     normed = ModelSpec(f"{fixtures}:inline_mlp_normed")
     with pytest.raises(PlannerError, match=r"^no sound tensor-parallel layout for this model"):
         tp_layout(trace_spec(normed), 2, normed)
+    # beside a fused qkv projection (3 x width out, which a contiguous split of its columns would not cut into
+    # whole heads): the MLP's two Linears are the block's one pair (the block was refused as having none)
+    fused = ModelSpec(f"{fixtures}:fused_qkv")
+    found = tp_layout(trace_spec(fused), 2, fused)
+    assert found.tp.layout == {f"{b}.fc{i}": s for b in ("0", "1") for i, s in ((1, TPStyle.COLWISE),
+                                                                             (2, TPStyle.ROWWISE))}
 
 
 class NormedPair(nn.Module):

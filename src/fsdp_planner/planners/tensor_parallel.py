@@ -305,12 +305,14 @@ def _pairs_layout(trace: Trace, degree: int) -> Layout:
     """Column-then-row Linear pairs: in a module whose Linear children are all called from the hidden size in, the
     last of them back to it (rowwise) after the others (colwise), one of which makes the rowwise one's input size
     (``_pair``)."""
-    pairs = [p for p in (_pair(trace, m) for m in trace.modules.values()) if p is not None]
+    pairs = [p for m in trace.modules.values() for p in _pairs(trace, m)]
     if not pairs:
         raise PlannerError("no sound tensor-parallel layout for this model: no module holds Linears called as a "
                            "column-then-row pair (Linears from the hidden size, then one Linear back to it, and "
-                           "nothing else with params, or two such Linears run one after the other): plan it "
-                           "without --tp, or give a layout in a plan file's 'tensor_parallel'")
+                           "nothing else with params, or two such Linears run one after the other, the first's "
+                           "outputs the second's inputs: a fused projection such as qkv, whose columns a contiguous "
+                           "split would not give whole heads, makes none): plan it without --tp, or give a layout "
+                           "in a plan file's 'tensor_parallel'")
     layout: dict[str, TPStyle] = {}
     for p in pairs:
         layout.update({c: TPStyle.COLWISE for c in p.cols})
@@ -378,15 +380,32 @@ def _model_heads(trace: Trace, model: ModelSpec | None) -> tuple[int, int] | Non
     return None
 
 
-def _pair(trace: Trace, parent: ModuleInfo) -> _Pair | None:
-    """The module's column-then-row pair, if its children make one (``_pairs_layout``): its Linear children alone
-    among those with params, or, beside others (a block's norms and attention around an MLP written inline), two
-    Linears run one after the other with no such child run between them."""
+def _pairs(trace: Trace, parent: ModuleInfo) -> list[_Pair]:
+    """The module's column-then-row pairs, where its children make them (``_pairs_layout``): its Linear children
+    alone among those with params make one; beside others (a block's norms and attention around an MLP written
+    inline), each two Linears run one after the other, with no other Linear or child with params run between them
+    or around them, make one. A longer run of Linears makes none: which of them read which is not known."""
+    if parent.params:
+        return []
     children = [trace.modules[c] for c in parent.children if c in trace.modules]
     linears = sorted((c for c in children if c.cls == "Linear" and c.first_use >= 0), key=lambda c: c.first_use)
     others = [c for c in children if c.cls != "Linear" and trace.index.subtree_numel.get(c.fqn, 0)]
-    if len(linears) < 2 or parent.params or (others and (len(linears) != 2 or any(
-            linears[0].first_use <= c.first_use <= linears[1].first_use for c in others))):
+    if not others:
+        pair = _pair(trace, parent.fqn, linears)
+        return [pair] if pair else []
+    runs: list[list[ModuleInfo]] = [[]]
+    for c in sorted(linears + [c for c in others if c.first_use >= 0], key=lambda c: c.first_use):
+        if c.cls == "Linear":
+            runs[-1].append(c)
+        elif runs[-1]:
+            runs.append([])
+    return [p for p in (_pair(trace, parent.fqn, run) for run in runs if len(run) == 2) if p]
+
+
+def _pair(trace: Trace, parent: str, linears: list[ModuleInfo]) -> _Pair | None:
+    """``linears`` (in call order) as one pair: all but the last colwise, from the hidden size, one of them making
+    the last one's input; the last rowwise, back to the hidden size."""
+    if len(linears) < 2:
         return None
     shapes = {m.fqn: trace.param(f"{m.fqn}.weight").shape for m in linears if f"{m.fqn}.weight" in
               trace.index.param_index}
@@ -398,7 +417,7 @@ def _pair(trace: Trace, parent: ModuleInfo) -> _Pair | None:
     if shapes[row][0] != hidden or any(shapes[c][1] != hidden for c in cols) \
             or not any(shapes[c][0] == shapes[row][1] for c in cols):
         return None
-    return _Pair(parent.fqn, cols, row)
+    return _Pair(parent, cols, row)
 
 
 def _without_split_ties(trace: Trace, found: Layout) -> Layout:

@@ -152,6 +152,12 @@ class _Layout:
         colwise = [m for m, s in self.styles.items() if s in _COLWISE]
         rowwise = {m for m, s in self.styles.items() if s in _ROWWISE}
         pairs = {parent_of(m) for m in colwise if any(parent_of(r) == parent_of(m) for r in rowwise)}
+        # per pair's module: its colwise children (the span of its ops on TP shards opens at the first, backward
+        # closes at the last) and its rowwise ones (``_outside_spans``)
+        self.pair_cols = {p: {m for m in colwise if parent_of(m) == p} for p in pairs}
+        self.no_input_grad = {(e.module, e.call) for e in trace.events
+                              if e.kind is EventKind.FWD_PRE and e.module in self.styles and not e.grad_inputs}
+        self.pair_rows = {p: {m for m in rowwise if parent_of(m) == p} for p in pairs}
         self.regions = pairs | {m for m, s in self.styles.items() if s in (*_COLWISE, *_ROWWISE, *_GATHERED)}
         self.embeddings = [m for m, s in self.styles.items() if s in _EMBEDDING]
         gathered = {m for m, s in self.styles.items() if s in _GATHERED}
@@ -192,6 +198,45 @@ class _Layout:
     def input_scale(self, module: str) -> float:
         """The share of a call's inputs one TP rank holds: as its caller's ops see them."""
         return 1.0 if module == ROOT else self.scale(parent_of(module))
+
+    def region_of(self, module: str) -> str | None:
+        """The innermost region holding ``module`` (itself included), if any."""
+        chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
+        return next((m for m in chain if m in self.regions), None)
+
+
+def _outside_spans(trace: Trace, lay: _Layout) -> set[int]:
+    """Positions of the events (ops and calls' starts) that run in a pair's module, but outside the span from its
+    first colwise Linear to its rowwise one (backward: from the rowwise one's start to the last colwise one's end),
+    where no styled module holds them: whole on every TP rank without sequence parallelism (the norms, attention
+    and residual adds of a block whose MLP is written inline; a residual add after the rowwise Linear's all-reduce).
+    Only there are a pair's ops on 1/TP: heads or hidden units local."""
+    if lay.sp or not lay.pair_cols:
+        return set()
+    state: dict[str, str] = {}  # pair module -> "before" / "inside" / "after" its span, while a call runs
+    remaining: dict[str, set[str]] = {}  # backward: its colwise children whose backward has not ended
+    out: set[int] = set()
+    for i, e in enumerate(trace.events):
+        owner = parent_of(e.module) if e.module != ROOT else None
+        if e.kind in (EventKind.FWD_PRE, EventKind.BWD_PRE) and e.module in lay.pair_cols:
+            state.setdefault(e.module, "before")
+        elif e.kind in (EventKind.FWD_POST, EventKind.BWD_POST) and e.module in lay.pair_cols:
+            state.pop(e.module, None)
+        elif e.kind is EventKind.FWD_PRE and owner in lay.pair_cols and e.module in lay.pair_cols[owner]:
+            state[owner] = "inside"
+        elif e.kind is EventKind.FWD_POST and owner in lay.pair_rows and e.module in lay.pair_rows[owner]:
+            state[owner] = "after"
+        elif e.kind is EventKind.BWD_PRE and owner in lay.pair_rows and e.module in lay.pair_rows[owner]:
+            state[owner], remaining[owner] = "inside", set(lay.pair_cols[owner])
+        elif e.kind is EventKind.BWD_POST and owner in lay.pair_cols and e.module in lay.pair_cols[owner]:
+            remaining.get(owner, set()).discard(e.module)
+            if not remaining.get(owner) and state.get(owner) == "inside":
+                state[owner] = "after"
+        if e.is_op or e.kind is EventKind.FWD_PRE:
+            region = lay.region_of(e.module if e.is_op else parent_of(e.module) if e.module != ROOT else ROOT)
+            if region in state and state[region] != "inside":
+                out.add(i)
+    return out
 
 
 def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster, float8: Float8 | None = None) -> TPView:
@@ -358,7 +403,9 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
     if kind is EventKind.BWD_POST:
         if style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, inputs, True)], []
-        if style is TPStyle.COLWISE and not _Layout._inside(m, lay.gathered):  # a replicated input's partial grad
+        if style is TPStyle.COLWISE and not _Layout._inside(m, lay.gathered) \
+                and (m, e.call) not in lay.no_input_grad:  # a replicated input's partial grad (none where its
+            # input needs no grad: the model's own input, a frozen embedding's output)
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
         if style in (TPStyle.SEQUENCE_PARALLEL, TPStyle.REPLICATE):
             # unsharded grads in the compute dtype, as the trace's activations
@@ -385,7 +432,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
     """The TP rank's events, and where each of the trace's events went (old position -> new)."""
     sizes = _call_bytes(trace, lay)
     loss_ars, loss = _loss_all_reduces(trace, lay), trace.index.loss_region
-    saved_whole, float8_saved = _saved_whole(trace, lay), _float8_saved(trace, lay)
+    outside = _outside_spans(trace, lay)
+    saved_whole, float8_saved = _saved_whole(trace, lay, outside), _float8_saved(trace, lay)
     t, out, where = lay.t, [], []
     packed = _packed_shares(trace, lay)
     for i, e in enumerate(trace.events):
@@ -395,7 +443,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         out.extend(before)
         where.append(len(out))
         if e.is_op:
-            s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else lay.scale(e.module)
+            s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else _op_scale(lay, e.module, i in outside)
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
                            + saved_whole.get(i, 0) + float8_saved.get(i, 0), out_nbytes=int(e.out_nbytes * s),
                            live=int(e.live * s),
@@ -407,7 +455,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             if loss[i] and not e.backward and loss_ars:
                 after, loss_ars = loss_ars, []
         elif e.kind is EventKind.FWD_PRE:
-            scale = lay.input_scale(e.module)
+            scale = _op_scale(lay, parent_of(e.module), i in outside) if e.module != ROOT else 1.0
             e = e._replace(inputs_nbytes=int(e.inputs_nbytes * scale), kept_inputs=int(e.kept_inputs * scale))
         out.append(e)
         out.extend(after)
@@ -493,23 +541,39 @@ def _handler_extra(e: Event) -> int:
     return 0
 
 
-def _saved_whole(trace: Trace, lay: _Layout) -> dict[int, int]:
+def _op_scale(lay: _Layout, module: str, outside: bool) -> float:
+    """The share of an op of ``module`` one TP rank runs; ``outside``: in a pair's module outside its span
+    (``_outside_spans``), as the module holding the pair's runs its ops."""
+    if outside:
+        region = lay.region_of(module)
+        return lay.scale(parent_of(region)) if region and region != ROOT else 1.0
+    return lay.scale(module)
+
+
+def _saved_whole(trace: Trace, lay: _Layout, outside: set[int]) -> dict[int, int]:
     """Op position -> bytes it saves beyond its scaled share: the first saving op of each call of a region root
-    saves the root's input whole (all-gathered or replicated), which the scaling counted at 1/TP."""
+    saves the root's input whole (all-gathered or replicated), which the scaling counted at 1/TP. A pair's module
+    whose ops outside its span run whole (``_outside_spans``) has its span's first colwise Linear as that root:
+    what it saves is its own input."""
     out: dict[int, int] = {}
     events, open_calls = trace.events, {}
+    spans = {p for p in lay.pair_cols if any(events[i].module == p or lay.region_of(events[i].module) == p
+                                             for i in outside)}
     for i, e in enumerate(events):
         if e.backward:
             break
-        if e.kind is EventKind.FWD_PRE and e.module in lay.roots:
+        if e.kind is EventKind.FWD_PRE and e.module in lay.roots and e.module not in spans:
             open_calls[e.module] = e.inputs_nbytes
+        elif e.kind is EventKind.FWD_PRE and e.module != ROOT and parent_of(e.module) in spans \
+                and e.module in lay.pair_cols[parent_of(e.module)]:
+            open_calls.setdefault(e.module, e.inputs_nbytes)  # the first colwise Linear of the span
         elif e.kind is EventKind.FWD_POST:
             open_calls.pop(e.module, None)
         elif e.is_op and e.saved and open_calls:
             for m in [m for m in open_calls if is_within(e.module, m)]:
                 whole = min(open_calls.pop(m), e.saved)  # (in float8 under torchao's styles: ``FLOAT8_SHARE``)
                 kept = whole // FLOAT8_SHARE if m in lay.float8 else whole
-                out[i] = out.get(i, 0) + kept - int(whole * lay.scale(e.module))
+                out[i] = out.get(i, 0) + kept - int(whole * _op_scale(lay, e.module, i in outside))
     return out
 
 

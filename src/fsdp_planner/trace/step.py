@@ -78,7 +78,8 @@ class StepRecorder:
 
     def current_module(self) -> str:
         if self.backward:
-            return self.bwd_active[-1][0] if self.bwd_active else ROOT
+            inner = self.innermost_backward()
+            return inner[0] if inner else ROOT
         return self.fwd_stack[-1] if self.fwd_stack else ROOT
 
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
@@ -118,7 +119,14 @@ class StepRecorder:
         return (self.fwd_stack[-1], self.calls[self.fwd_stack[-1]] - 1) if self.fwd_stack else None
 
     def innermost_backward(self) -> Call | None:
-        return self.bwd_active[-1] if self.bwd_active else None
+        """The module call whose backward ops run now: the last to begin, but for an ancestor that began after a
+        descendant still running, which happens only where both hook one tensor (a parent returning its last
+        child's output; its own ops ran before that child's in backward otherwise): the descendant's ops run first."""
+        i = len(self.bwd_active) - 1
+        while i > 0 and self.bwd_active[i - 1][0] != self.bwd_active[i][0] \
+                and is_within(self.bwd_active[i - 1][0], self.bwd_active[i][0]):
+            i -= 1
+        return self.bwd_active[i] if self.bwd_active else None
 
     def add_freed(self, nbytes: int) -> None:
         """``Event.freed`` of the last op, a backward one."""
