@@ -357,10 +357,14 @@ def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_pat
         dist.destroy_process_group()
     converted = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
     assert converted == sorted(wanted) and "output" not in converted
+    # torchtitan's job (its 2026 Float8LinearConverter: rowwise recipes only) converts with the rowwise recipe and
+    # has no converter for tensorwise (said by the export), which then reads back as a bf16 job
     job = tmp_path / "job.py"
-    job.write_text(export_plan(plan.replace(model="llama3-8b"), ExportFormat.TORCHTITAN))
-    cfg = read_config(TORCHTITAN, f"{job}:fsdp_planner_job")
-    assert (cfg.float8, cfg.float8_all_gather) == ("tensorwise", True) and not cfg.notes
+    for recipe, read in (("rowwise", "rowwise"), ("tensorwise", None)):
+        f8_plan = plan.replace(model="llama3-8b", float8=Float8.named(recipe))
+        job.write_text(export_plan(f8_plan, ExportFormat.TORCHTITAN))
+        cfg = read_config(TORCHTITAN, f"{job}:fsdp_planner_job")
+        assert (cfg.float8, cfg.float8_all_gather) == (read, False) and not cfg.notes
 
 
 def test_a_float8_plan_of_a_model_outside_torchtitan_says_its_job_has_no_converter(tmp_path, capsys) -> None:

@@ -152,6 +152,8 @@ def test_fit_takes_tp_as_plan_does(capsys):
     (["--cluster", "h100:2", "--max-gpus", "0"], "--max-gpus must be at least 1"),
     (["--cluster", "h100:2", "--gpus", "2"], "argument --gpus: invalid choice"),
     (["--cluster", "h100", "--gpus", "auto", "--mesh", "2x4"], "--mesh fixes the GPU count"),
+    # whole nodes only: it answered 8 GPUs under --max-gpus 7
+    (["--cluster", "h100", "--gpus", "auto", "--max-gpus", "7"], "--max-gpus 7 is less than one node of 8 GPUs"),
 ])
 def test_fit_bad_input_is_one_line(capsys, argv, says):
     assert main(["fit", "toy-llama", *argv]) == 2  # before anything is traced

@@ -203,9 +203,11 @@ def test_export_carries_the_layout_as_literals(toy, fmt: ExportFormat) -> None:
     assert scope["LOSS_PARALLEL"] is False and scope["ASYNC_TP"] is True
     assert callable(scope["tensor_parallel"]) and callable(scope["make_mesh"])
     if fmt is ExportFormat.TORCHTITAN:
-        assert "tensor_parallel_degree=2," in source and "disable_loss_parallel=True," in source
+        # (torchtitan's job has no key for loss parallel off, and async TP is compile's, with the blocks compiled:
+        # neither here, tests/test_torchtitan_registry.py)
+        assert "tensor_parallel_degree=2," in source and "disable_loss_parallel" not in source
         assert "'--parallelism.tensor_parallel_degree', '2'," in source
-        assert "'--parallelism.enable_async_tensor_parallel'," in source
+        assert "enable_async_tensor_parallel" not in source.partition("def fsdp_planner_job")[2]
     assert "TP_DEGREE" not in export_plan(tp_plan(toy).replace(tensor_parallel=None), fmt)  # as before without TP
 
 

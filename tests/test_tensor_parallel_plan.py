@@ -91,6 +91,24 @@ def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_pat
     assert not any("experts" in n for n in layout.notes)
 
 
+def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path):
+    """DeepSeek-V2's plan gives kv_a_proj_with_mqa 'mla_kv_a_proj' (its output holds the rope key every head
+    reads): left whole beside the sharded heads, its gradient was one rank's heads' only and the TP ranks' copies
+    drifted (verify --nproc 4: 18x the parity bound) while plan and check passed. Refused; a whole output head
+    gathering its logits stays a note."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "model_type": "deepseek_v2", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32,
+        "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 24, "n_group": 1,
+        "topk_group": 1, "topk_method": "greedy", "vocab_size": 128}))
+    spec = ModelSpec(f"hf:{config}", batch_size=2, seq_len=16)
+    with pytest.raises(PlannerError, match=r"kv_a_proj_with_mqa \(mla_kv_a_proj\), which fsdp-planner does not "
+                                           r"model, and left whole"):
+        tp_layout(trace_spec(spec), 2, spec)
+
+
 def test_torchtitan_layout_found_by_the_trace_not_the_name():
     """The built-in Llama gets torchtitan's layout from its module names and classes, whatever it is called."""
     tr = trace_spec("toy-llama")

@@ -14,13 +14,15 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner.apply.export import export_plan
-from fsdp_planner.choices import ACMode, ExportFormat
+from fsdp_planner.choices import ACMode, ExportFormat, SacPolicy
 from fsdp_planner.cli import build_parser, main
 from fsdp_planner.cli.requests import configured
 from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig, read_config
 from fsdp_planner.configs.torchtitan_registry import Call, Override, is_registry_spec, parse_flags
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Group, Mesh, Plan
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.sim.options import PRECISIONS
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "torchtitan"
@@ -284,13 +286,53 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
     rule = "always" if all(reshard) else "never" if not any(reshard) else "default"
     assert (cfg.model, cfg.replicate, cfg.shard, cfg.reshard, cfg.offload) == (
         "llama3-8b", mesh.replicate if mesh else 1, mesh.shard if mesh else None, rule, offload)
+    # (a bf16 reduce has no field: torchtitan's mixed_precision_reduce is float32 only, the export says so)
     assert (cfg.ac, cfg.precision, cfg.reduce_dtype, cfg.compile) == (
-        ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", "bf16" if reduce else None, bool(compiled))
+        ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", None, bool(compiled))
     assert cfg.notes == [] and (cfg.batch, cfg.seq) == (None, None)  # the workload is the command line's
     on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
     keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype", "compile")
     assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
     assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
+
+
+TITAN_FIELDS = json.loads((Path(__file__).parent / "fixtures" / "torchtitan" / "config_fields.json").read_text())
+FLAG_SECTIONS = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig"}
+
+
+@pytest.mark.parametrize(("tp", "float8", "compiled"), [
+    (TensorParallel(2, {}, loss_parallel=False, async_tp=True), Float8(), []),  # eager async TP, tensorwise
+    (TensorParallel(8, {}, async_tp=True), Float8.named("rowwise"), ["layers.0", "layers.1"]),
+    (None, Float8(), ["layers.0"]),
+])
+def test_the_torchtitan_export_passes_only_fields_torchtitan_has(tmp_path, tp, float8, compiled):
+    """Every keyword fsdp_planner_job() passes and every flag it lists is a field of torchtitan's dataclasses at
+    b5bcd76 (it passed disable_loss_parallel and enable_async_tensor_parallel to ParallelismConfig, and a
+    tensorwise Float8LinearConverter.Config with FSDP's float8 all-gather: TypeError there); what no field says
+    is noted."""
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=["layers.0"], params=[]),
+                                                                      Group(modules=[""], params=[])],
+                tensor_parallel=tp, float8=float8, compiled=compiled,
+                selective_checkpointing={"layers.0": SacPolicy.TITAN})
+    path, flags = exported(tmp_path, plan)
+    job = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", "") == "fsdp_planner_job")
+    for call in (n for n in ast.walk(job) if isinstance(n, ast.Call)):
+        name = ast.unparse(call.func)
+        assert name in TITAN_FIELDS, name
+        for k in call.keywords:
+            assert k.arg in TITAN_FIELDS[name], f"{name}({k.arg}=...)"
+            allowed = TITAN_FIELDS["literals"].get(f"{name}.{k.arg}")
+            assert allowed is None or ast.literal_eval(k.value) in allowed, ast.unparse(k)
+    for flag in flags:
+        if flag.startswith("--"):
+            section, _, key = flag[2:].partition(".")
+            assert key in TITAN_FIELDS[FLAG_SECTIONS[section]], flag
+    source = path.read_text()
+    assert ("Float8LinearConverter.Config(recipe_name='rowwise'" in source) == (float8.recipe.value == "rowwise")
+    assert ("enable_async_tensor_parallel=True" in source) == bool(tp and compiled)
+    cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
+    assert (cfg.tp, cfg.async_tp, cfg.float8) == (tp.degree if tp else 1, bool(tp and compiled),
+                                                 "rowwise" if float8.recipe.value == "rowwise" else None)
 
 
 def test_an_option_that_contradicts_a_registry_job_names_its_key():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_planner.calibrate.kineto import Collective, OpClass, Step, parse_trace, read_trace
+from fsdp_planner.calibrate.kineto import Collective, OpClass, Step, matmul_flops, parse_trace, read_trace
 from fsdp_planner.calibrate.trace_fit import cpu_base, fit_collectives
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
@@ -201,6 +201,28 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
     assert fit["after_step"] == pytest.approx(fit["measured_step"], rel=0.02)
     assert fit["after_step"] == fit["after"]["step_time"] - fit["after"]["gpu_optimizer_time"]
     assert json.loads(out.read_text())["engine"] == "host"
+    # the same traces given as another job's are refused, not fitted (a cluster fitted to them was written): another
+    # model, another workload (its matmuls' FLOPs from their ops' shapes), another precision (FSDP2's bytes)
+    trace = ["calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--out", str(tmp_path / "x.json")]
+    for job, says in ((["--model", "toy-gpt2-tied", "--policy", "titan"], "matmuls where the plan's runs"),
+                      (["--model", "toy-llama", "--policy", "titan", "--batch", "8"], "GFLOP a step where the plan's"),
+                      (["--model", "toy-llama", "--policy", "titan", "--precision", "fp32"], "all-gathers 11 times")):
+        done = subprocess.run([*run, *trace, *job], capture_output=True, text=True,
+                              env={**__import__("os").environ, **env}, timeout=600)
+        assert done.returncode == 2 and says in done.stderr and "the traces are not of the job given" in done.stderr
+        assert not (tmp_path / "x.json").exists()
+
+
+def test_matmul_flops_from_input_dims() -> None:
+    """A CPU op's FLOPs from its recorded shapes, as torch's counter counts them; None where they do not read as
+    the op's (a foreign trace's values are data: never trusted to be shaped)."""
+    assert matmul_flops("aten::mm", [[8, 16], [16, 4]]) == 2 * 8 * 16 * 4
+    assert matmul_flops("aten::addmm", [[4], [8, 16], [16, 4], [], []]) == 2 * 8 * 16 * 4
+    assert matmul_flops("aten::linear", [[2, 3, 16], [4, 16], [4]]) == 2 * 6 * 16 * 4
+    assert matmul_flops("aten::bmm", [[2, 8, 16], [2, 16, 4]]) == 2 * 2 * 8 * 16 * 4
+    for name, dims in (("aten::mm", [[8, 16], [15, 4]]), ("aten::mm", "x"), ("aten::mm", [[8, True], [1, 4]]),
+                       ("aten::conv2d", [[1, 3, 8, 8], [4, 3, 3, 3]]), ("aten::mm", [[8, -16], [-16, 4]])):
+        assert matmul_flops(name, dims) is None
 
 
 def test_gpu_trace_calibrates_its_cluster(tmp_path: Path) -> None:

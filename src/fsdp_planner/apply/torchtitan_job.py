@@ -43,30 +43,37 @@ TORCHTITAN_FLAGS: list[str] = [
 '''
 
 
+# The fields of torchtitan's dataclasses the job is written with, as at b5bcd76 (2026; torchtitan/config/configs.py,
+# components/quantization/float8.py): ParallelismConfig has no disable_loss_parallel (TP's loss is always loss
+# parallel) and no enable_async_tensor_parallel (CompileConfig has it, refusing it without a compiled model);
+# TrainingConfig's mixed_precision_reduce is float32 only; Float8LinearConverter.Config has the rowwise recipes
+# only, no float8 all-gather of FSDP's weights (tests/fixtures/torchtitan/config_fields.json checks the export).
+TITAN_FLOAT8_RECIPES = ("rowwise", "rowwise_with_gw_hp")
+
+
 def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
-    """The plan as Trainer.Config sections (``activation_checkpoint``: the class, or None). With tensor
-    parallelism, torchtitan's ``tensor_parallel_degree`` and, where they differ from its defaults,
-    ``disable_loss_parallel`` and ``enable_async_tensor_parallel`` (which torchtitan runs under compile); with expert
-    parallelism, its ``expert_parallel_degree``."""
+    """The plan as Trainer.Config sections (``activation_checkpoint``: the class, or None), in the fields
+    torchtitan's dataclasses have (above): with tensor parallelism, ``tensor_parallel_degree``, and async TP as
+    ``compile.enable_async_tensor_parallel`` where the blocks are compiled; with expert parallelism,
+    ``expert_parallel_degree``. What no field says is ``unexpressed``'s."""
     rule = reshard_rule(plan)
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, -1)
     tp = plan.tensor_parallel
-    tp_keys: dict[str, Any] = {}
-    if tp is not None:
-        tp_keys = {"tensor_parallel_degree": tp.degree, "disable_loss_parallel": not tp.loss_parallel,
-                   "enable_async_tensor_parallel": tp.async_tp}
+    tp_keys: dict[str, Any] = {"tensor_parallel_degree": tp.degree} if tp is not None else {}
     if plan.expert_parallel is not None:  # EP's ranks out of dp_shard, as torchtitan takes them
         tp_keys["expert_parallel_degree"] = plan.expert_parallel.degree
     ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
+    compiled = bool(plan.compiled)  # torchtitan compiles every block; the plan, the ones it names
     return {
         "training": {"dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
                      "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
-                     "mixed_precision_reduce": "bfloat16" if precision.reduce_bytes == 2 else "float32",
+                     **({} if precision.reduce_bytes == 2 else {"mixed_precision_reduce": "float32"}),
                      "enable_cpu_offload": plan.offload},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
                         "fsdp_reshard_after_forward": rule, **tp_keys},
         "activation_checkpoint": {"class": ac},
-        "compile": {"enable": bool(plan.compiled)},  # torchtitan compiles every block; the plan, the ones it names
+        "compile": {"enable": compiled,
+                    **({"enable_async_tensor_parallel": True} if tp is not None and tp.async_tp and compiled else {})},
     }
 
 
@@ -85,7 +92,33 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
+    return out + _tp_and_precision_notes(plan, precision) + _float8_notes(plan, precision)
+
+
+def _tp_and_precision_notes(plan: Plan, precision: Precision) -> list[str]:
+    """``unexpressed``'s sentences for TP and the gradient reduce."""
+    out = []
+    tp = plan.tensor_parallel
+    if tp is not None and not tp.loss_parallel:
+        out.append("the plan's TP leaves the loss whole (no loss parallel), which torchtitan's job has no key for: "
+                   "its TP always runs the loss parallel over the vocabulary")
+    if tp is not None and tp.async_tp and not plan.compiled:
+        out.append("the plan's async TP runs with eager blocks, which torchtitan refuses (async TP needs the model "
+                   "compiled): the job runs TP's collectives synchronously")
+    if precision.reduce_bytes == 2:
+        out.append("the plan reduce-scatters gradients in bf16; torchtitan's mixed_precision_reduce is float32 only: "
+                   "the job reduces in float32")
+    return out
+
+
+def _float8_notes(plan: Plan, precision: Precision) -> list[str]:
+    """``unexpressed``'s sentences for float8 and autocast."""
+    out = []
     f8 = plan.float8
+    if f8 is not None and plan.model in FLAVORS and f8.recipe.value not in TITAN_FLOAT8_RECIPES:
+        out.append(f"torchtitan's Float8LinearConverter has the rowwise recipes only, not the plan's {f8.recipe.value} "
+                   "(nor FSDP's float8 all-gather): fsdp_planner_job() has no float8 converter (parallelize() converts "
+                   "the Linears itself); read back with --from-torchtitan, it is a bf16 job")
     if f8 is not None and plan.model not in FLAVORS:
         flags = f"--float8 {f8.recipe.value}" + (" --float8-tp-all-gather" if f8.tp_float8_all_gather else "")
         out.append(f"the job names no torchtitan model for {plan.model or 'this model'}, so fsdp_planner_job() has no "
@@ -145,8 +178,9 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     if plan.model in FLAVORS:
         name, flavor = FLAVORS[plan.model]
         imports.append(f"from torchtitan.models.{name} import model_registry")
-        keywords.append(f"model_spec=model_registry({literal(flavor)}{_converters(plan, literal)}),")
-        if plan.float8 is not None:
+        converters = _converters(plan, literal)
+        keywords.append(f"model_spec=model_registry({literal(flavor)}{converters}),")
+        if converters:
             imports.append("from torchtitan.components.quantization import Float8LinearConverter")
     for section, cls in (("training", "TrainingConfig"), ("parallelism", "ParallelismConfig")):
         fields = "".join(f"\n            {k}={literal(v)}," for k, v in settings[section].items())
@@ -156,7 +190,8 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
     keywords.append(f"activation_checkpoint={ac + '.Config()' if ac else 'None'},")
     if settings["compile"]["enable"]:
         imports.append("from torchtitan.config import CompileConfig")
-        keywords.append("compile=CompileConfig(enable=True),")
+        fields = ", ".join(f"{k}={literal(v)}" for k, v in settings["compile"].items())
+        keywords.append(f"compile=CompileConfig({fields}),")
     imports.append("from torchtitan.trainer import Trainer")
     return JOB.format(function=FUNCTION, imports="\n".join(f"    {i}" for i in imports),
                       keywords="\n".join(f"        {k}" for k in keywords),
@@ -164,14 +199,13 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
 
 
 def _converters(plan: Plan, literal: Callable[[Any], str]) -> str:
-    """torchtitan's float8 converter for a plan with float8 training (its recipe, all-gather and filter)."""
+    """torchtitan's float8 converter for a plan with float8 training (its recipe and filter, and whether the
+    model is compiled, as torchtitan's own registry passes it); none for a recipe it does not have."""
     f8 = plan.float8
-    if f8 is None:
+    if f8 is None or f8.recipe.value not in TITAN_FLOAT8_RECIPES:
         return ""
     return (f", converters=[Float8LinearConverter.Config(recipe_name={literal(f8.recipe.value)}, "
-            f"enable_fsdp_float8_all_gather={literal(f8.fsdp_float8_all_gather)}, "
-            f"precompute_float8_dynamic_scale_for_fsdp={literal(f8.precompute_scale)}, "
-            f"filter_fqns={literal(list(f8.filter_fqns))})]")
+            f"filter_fqns={literal(list(f8.filter_fqns))}, model_compile_enabled={literal(bool(plan.compiled))})]")
 
 
 def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:

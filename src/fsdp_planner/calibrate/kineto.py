@@ -37,7 +37,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -135,6 +135,8 @@ class Step:
     idle: float  # nothing of the above runs
     other_collectives: tuple[OtherCollective, ...] = ()
     spans: tuple[Span, ...] = field(default=(), repr=False)
+    matmul_flops: int | None = None  # a CPU step's matmuls' FLOPs from their ops' Input Dims (record_shapes); None
+    # where a matmul's are not recorded or not read, and on a GPU
 
     @property
     def compute_seconds(self) -> float:
@@ -350,7 +352,37 @@ def _step(events: list[_Event], marks: list[_Event], i: int, world: int, gpu: bo
              + [Span(e.name, e.ts, e.end, "host") for e in fsdp])
     spans = [Span(sp.name, (sp.start - start) / 1e6, (sp.end - start) / 1e6, sp.lane) for sp in spans]
     optimizer = covered(stepping)
-    return _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
+    step = _measured_step(spans, ops, [c for c, _, _ in comms], (start, end), gpu, (backward, optimizer))
+    if gpu:
+        return step
+    flops = [matmul_flops(e.name, e.args.get("Input Dims")) for e, kind in ops if kind is OpClass.MATMUL]
+    return replace(step, matmul_flops=None if None in flops else sum(flops))  # type: ignore[arg-type]
+
+
+def _dims(value: Any) -> list[list[int]] | None:
+    if not isinstance(value, list) or not all(isinstance(d, list) and all(_count(x) for x in d) for d in value):
+        return None
+    return value
+
+
+def matmul_flops(name: str, dims: Any) -> int | None:
+    """FLOPs of a CPU matmul op from its ``Input Dims`` (2 per multiply-add, as torch's FlopCounterMode counts):
+    mm, addmm, linear, bmm and baddbmm; None for another op or dims that do not read as one."""
+    d = _dims(dims)
+    if d is None:
+        return None
+    shapes = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
+              "aten::linear": (0, 1)}
+    if name not in shapes or len(d) <= max(shapes[name]):
+        return None
+    a, b = (d[i] for i in shapes[name])
+    if name == "aten::linear" and a and len(b) == 2 and a[-1] == b[1]:
+        return 2 * math.prod(a) * b[0]
+    if name in ("aten::mm", "aten::addmm") and len(a) == 2 and len(b) == 2 and a[1] == b[0]:
+        return 2 * a[0] * a[1] * b[1]
+    if name in ("aten::bmm", "aten::baddbmm") and len(a) == 3 and len(b) == 3 and a[2] == b[1]:
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    return None
 
 
 def _measured_step(spans: list[Span], ops: list[tuple[_Event, OpClass | None]], comms: list[Communication],

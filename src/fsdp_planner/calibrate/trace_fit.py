@@ -39,6 +39,7 @@ import numpy as np
 from fsdp_planner.calibrate.kineto import MeasuredTrace, OpClass, Step
 from fsdp_planner.calibrate.nccl_logs import fit_samples
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.checkpointing import plan_checkpointing
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Plan
@@ -389,6 +390,7 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
         raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
                            f"{base.world_size}: give a --base of the traced job's size")
     steps, ops = typical_steps(traces), RankOps.of(trace, plan, base, options)
+    check_matches(ops, plan, steps, simulate(trace, plan, base, options, timeline=False))
     cluster = fit_compute(ops, base, measured_classes(steps), options)
     cluster = fit_collectives(cluster, steps)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
@@ -396,6 +398,43 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
     cluster = dataclasses.replace(cluster, name=name, compute=dataclasses.replace(
         cluster.compute, source=f"calibrate --trace ({len(traces)} trace(s))"))
     return cluster, describe_fit(trace, plan, ops, steps, base, cluster, options)
+
+
+# a traced step's matmuls against the plan's (checkpointing's recomputation counted): torchtitan's TP block on an
+# H200 launched 119 where the simulator counts 111 (benchmarks/gpu); a trace of another model, two steps overlapping
+# or none of the ops is far outside
+MATMUL_RATIO = (0.8, 1.25)
+
+
+def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepReport) -> None:
+    """Refuse traces of another job than the one given: a step's matmuls, and FSDP2's all-gathers and their bytes
+    (exact on every rank of an FSDP2 job of the plan; a plan with TP or EP mixes its own collectives in), against
+    the plan's. A fit to a foreign trace writes a cluster whose figures are wrong for every plan."""
+    step = steps[len(steps) // 2]
+    is_op = np.asarray([e.is_op for e in ops.trace.events])
+    matmuls = int(ops.runs[is_op][simulated_classes(ops.trace)[is_op] == 0].sum())
+    measured = step.op_counts.get(OpClass.MATMUL, 0)
+    problems = []
+    if not sum(step.op_counts.values()):
+        problems.append("its steps hold no ops")
+    elif not MATMUL_RATIO[0] <= measured / max(1, matmuls) <= MATMUL_RATIO[1]:
+        problems.append(f"a step of it runs {measured:,} matmuls where the plan's runs {matmuls:,}")
+    elif step.matmul_flops is not None:  # a CPU trace with its shapes: the workload too (batch, sequence)
+        is_matmul = is_op & (simulated_classes(ops.trace) == 0)
+        flops = float((ops.trace.index.op_flops * ops.runs)[is_matmul].sum())
+        if not MATMUL_RATIO[0] <= step.matmul_flops / max(1.0, flops) <= MATMUL_RATIO[1]:
+            problems.append(f"its matmuls run {step.matmul_flops / 1e9:,.3g} GFLOP a step where the plan's at this "
+                            f"workload run {flops / 1e9:,.3g}")
+    if plan.tensor_parallel is None and plan.expert_parallel is None and step.collectives:  # (none: one GPU
+        # running a larger job's step on a fake process group, benchmarks/gpu)
+        gathers = [c for c in step.collectives if c.kind is CollectiveKind.ALL_GATHER]
+        nbytes = sum(c.nbytes for c in gathers)
+        if (len(gathers), nbytes) != (report.all_gathers, report.all_gather_bytes):
+            problems.append(f"it all-gathers {len(gathers):,} times a step ({fmt_bytes(nbytes)}) where the plan "
+                            f"does {report.all_gathers:,} times ({fmt_bytes(report.all_gather_bytes)})")
+    if problems:
+        raise PlannerError(f"the traces are not of the job given: {'; '.join(problems)}: give the --model, --plan "
+                           "or --policy, --batch, --seq and --precision the traced job ran with (one job's traces)")
 
 
 def describe_fit(trace: Trace, plan: Plan, ops: RankOps, steps: list[Step], base: Cluster, cluster: Cluster,

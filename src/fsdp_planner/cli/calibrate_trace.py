@@ -40,7 +40,8 @@ def run_trace(args: argparse.Namespace) -> int:
     traces = [read_trace(path) for path in args.trace]
     options = SimOptions.named(args.precision)
     # the traced job ran the blocks its plan compiles compiled: what they fuse and save is traced so (--compile)
-    spec = ModelSpec(args.trace_model, compile=bool(args.plan and Plan.load(args.plan).compiled))
+    spec = ModelSpec(args.trace_model, batch_size=args.batch, seq_len=args.seq,
+                     compile=bool(args.plan and Plan.load(args.plan).compiled))
     tr = load_trace(spec, precision=options.precision)
     base = parse_cluster(args.base) if args.base else None
     plan = _plan(args, tr, spec, traces)

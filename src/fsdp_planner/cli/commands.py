@@ -36,6 +36,7 @@ from fsdp_planner.cli.options import (
     add_sim_options,
     positive_int,
 )
+from fsdp_planner.limits import MAX_BATCH, MAX_SEQ
 
 Subparsers = argparse._SubParsersAction
 
@@ -254,6 +255,10 @@ def calibrate(sub: Subparsers) -> None:
                     help="fit the cluster to torch.profiler Chrome traces of a job (repeat for more ranks or runs; "
                          "verify --profile writes them): with --model and --plan or --policy, the job's")
     sp.add_argument("--model", dest="trace_model", metavar="MODEL", help="--trace: the traced job's model")
+    sp.add_argument("--batch", type=positive_int("--batch", MAX_BATCH), default=None,
+                    help="--trace: the traced job's micro-batch size per rank (default: the model factory's)")
+    sp.add_argument("--seq", type=positive_int("--seq", MAX_SEQ), default=None,
+                    help="--trace: the traced job's sequence length (default: the model factory's)")
     sp.add_argument("--plan", help="--trace: the traced job's plan JSON file")
     sp.add_argument("--policy", choices=POLICY_NAMES, help="--trace: the traced job's policy (instead of --plan; "
                                                             "auto's plan depends on its cluster: give its --plan)")

@@ -99,6 +99,10 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
     cluster = named_cluster(args, args.cluster)
     if args.gpus:
         cluster = with_nodes(cluster, 1)
+        if args.max_gpus < cluster.gpus_per_node:  # (it answered a node of 8 under --max-gpus 7)
+            raise PlannerError(f"--max-gpus {args.max_gpus:,} is less than one node of {cluster.gpus_per_node} GPUs, "
+                               f"and --gpus auto counts whole nodes: give at least {cluster.gpus_per_node}, or fit "
+                               "on N GPUs of one node with --cluster GPU:N and no --gpus")
     elif args.max_gpus != DEFAULT_MAX_FIT_GPUS:
         render.note("--max-gpus has no effect without --gpus auto: the batch and sequence are searched on --cluster")
     return FitRequest(spec, batch, seq, policy_request(args, PolicyName.AUTO.value), cluster, bool(args.gpus),
@@ -342,7 +346,7 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
     buys)."""
     b, seq = request.batch, request.seq
     per_node = request.cluster.gpus_per_node
-    cap = max(1, request.max_gpus // per_node)
+    cap = request.max_gpus // per_node
     at = lambda n: (b, seq, n)  # noqa: E731
     plain = smallest_confirmed(points.screen(at, plain=True), points.fits(at, plain=True), cap)
     fewest = plain

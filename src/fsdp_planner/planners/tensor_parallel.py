@@ -58,6 +58,9 @@ _LLAMA_CLASSES = {"tok_embeddings": "Embedding", "output": "Linear", "attention.
 # ``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head q_norm / k_norm, between a colwise and a
 # rowwise Linear: params replicated, run on this rank's heads, grads all-reduced over TP) is ``REPLICATE``: left
 # whole it trained each rank's norm on its own heads' grads alone (transformers/distributed/tensor_parallel.py)
+# transformers' styles whose module may stay whole beside a layout of the others: the output head gathering its
+# logits (whole, it reads the replicated hidden states and makes the whole logits itself)
+WHOLE_HF_STYLES = frozenset({"colwise_gather_output", "colwise_rep"})
 HF_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_rowwise": TPStyle.EMBEDDING,
              "sequence_parallel": TPStyle.SEQUENCE_PARALLEL, "replicated_with_grad_allreduce": TPStyle.REPLICATE}
 
@@ -240,6 +243,13 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     if not any(s in (TPStyle.COLWISE, TPStyle.ROWWISE) for s in layout.values()):
         raise PlannerError(_no_plan_reason(plan, names, model.name, left))
     _refuse_own_params_on_heads(trace, plan, layout, model.name)
+    unsafe = {p: st for p, st in left.items() if st not in WHOLE_HF_STYLES}
+    if unsafe:
+        raise PlannerError(f"transformers' tensor-parallel plan for {model.name} gives {_listed(unsafe)}, which "
+                           "fsdp-planner does not model, and left whole such a module need not train right beside "
+                           "the sharded ones (DeepSeek-V2's mla_kv_a_proj makes the rope key every head reads: "
+                           "whole, its gradient is summed over one rank's heads only, and the TP ranks' copies "
+                           "drift): plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
     notes = (f"left whole over TP (transformers' styles the planner does not model yet): {_listed(left)}",) \
         if left else ()
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None

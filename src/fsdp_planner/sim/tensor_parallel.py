@@ -206,37 +206,46 @@ class _Layout:
 
 
 def _outside_spans(trace: Trace, lay: _Layout) -> set[int]:
-    """Positions of the events (ops and calls' starts) that run in a pair's module, but outside the span from its
-    first colwise Linear to its rowwise one (backward: from the rowwise one's start to the last colwise one's end),
-    where no styled module holds them: whole on every TP rank without sequence parallelism (the norms, attention
-    and residual adds of a block whose MLP is written inline; a residual add after the rowwise Linear's all-reduce).
-    Only there are a pair's ops on 1/TP: heads or hidden units local."""
+    """Positions of the events (ops and calls' starts) of a pair's module outside the span from its first colwise
+    Linear to its rowwise one (backward: from the rowwise one's start to the last colwise one's end), for a module
+    that calls other modules there (the norms and attention of a block whose MLP is written inline): without
+    sequence parallelism they run whole on every TP rank. A module holding its pair alone (torchtitan's Attention
+    and FeedForward) keeps all its ops on 1/TP, as it always did: what runs outside its span there is a reshape and
+    a sum of its inputs' grads, charged at 1/TP on every layout the fake process group checks."""
     if lay.sp or not lay.pair_cols:
         return set()
-    state: dict[str, str] = {}  # pair module -> "before" / "inside" / "after" its span, while a call runs
-    remaining: dict[str, set[str]] = {}  # backward: its colwise children whose backward has not ended
-    out: set[int] = set()
+    state: dict[str, str] = {}  # pair module -> "inside" its span or not, while a call of it runs
+    remaining: dict[str, set[str]] = {}  # backward: its colwise Linears whose backward has not ended
+    out: list[tuple[int, str]] = []
     for i, e in enumerate(trace.events):
-        owner = parent_of(e.module) if e.module != ROOT else None
-        if e.kind in (EventKind.FWD_PRE, EventKind.BWD_PRE) and e.module in lay.pair_cols:
-            state.setdefault(e.module, "before")
-        elif e.kind in (EventKind.FWD_POST, EventKind.BWD_POST) and e.module in lay.pair_cols:
-            state.pop(e.module, None)
-        elif e.kind is EventKind.FWD_PRE and owner in lay.pair_cols and e.module in lay.pair_cols[owner]:
-            state[owner] = "inside"
-        elif e.kind is EventKind.FWD_POST and owner in lay.pair_rows and e.module in lay.pair_rows[owner]:
-            state[owner] = "after"
-        elif e.kind is EventKind.BWD_PRE and owner in lay.pair_rows and e.module in lay.pair_rows[owner]:
-            state[owner], remaining[owner] = "inside", set(lay.pair_cols[owner])
-        elif e.kind is EventKind.BWD_POST and owner in lay.pair_cols and e.module in lay.pair_cols[owner]:
-            remaining.get(owner, set()).discard(e.module)
-            if not remaining.get(owner) and state.get(owner) == "inside":
-                state[owner] = "after"
-        if e.is_op or e.kind is EventKind.FWD_PRE:
-            region = lay.region_of(e.module if e.is_op else parent_of(e.module) if e.module != ROOT else ROOT)
+        _span_state(e, lay, state, remaining)
+        if e.is_op or (e.kind is EventKind.FWD_PRE and e.module != ROOT):
+            region = lay.region_of(e.module if e.is_op else parent_of(e.module))
             if region in state and state[region] != "inside":
-                out.add(i)
-    return out
+                out.append((i, region))
+    calling = {region for i, region in out if trace.events[i].kind is EventKind.FWD_PRE}
+    return {i for i, region in out if region in calling}
+
+
+def _span_state(e: Event, lay: _Layout, state: dict[str, str], remaining: dict[str, set[str]]) -> None:
+    """``_outside_spans``' state after boundary ``e``."""
+    if e.is_op or e.module == ROOT:
+        return
+    owner = parent_of(e.module)
+    cols, rows = lay.pair_cols.get(owner, set()), lay.pair_rows.get(owner, set())
+    if e.module in lay.pair_cols:  # the pair's module itself begins or ends
+        if e.kind in (EventKind.FWD_PRE, EventKind.BWD_PRE):
+            state.setdefault(e.module, "before")
+        elif e.kind in (EventKind.FWD_POST, EventKind.BWD_POST):
+            state.pop(e.module, None)
+    elif (e.kind is EventKind.FWD_PRE and e.module in cols) or (e.kind is EventKind.BWD_PRE and e.module in rows):
+        state[owner], remaining[owner] = "inside", set(cols)
+    elif e.kind is EventKind.FWD_POST and e.module in rows:
+        state[owner] = "after"
+    elif e.kind is EventKind.BWD_POST and e.module in cols and state.get(owner) == "inside":
+        remaining[owner].discard(e.module)
+        if not remaining[owner]:
+            state[owner] = "after"
 
 
 def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster, float8: Float8 | None = None) -> TPView:
@@ -446,8 +455,9 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else _op_scale(lay, e.module, i in outside)
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
                            + saved_whole.get(i, 0) + float8_saved.get(i, 0), out_nbytes=int(e.out_nbytes * s),
-                           live=int(e.live * s),
-                           grad_live=int(e.grad_live * s), freed=int(e.freed * s))
+                           live=int(e.live * s), grad_live=int(e.grad_live * s),
+                           freed=int(e.freed * (lay.scale(e.module) if i in outside else s)))  # (what the
+            # call's own ops saved, at their scale)
             if i in packed:
                 e = _packed_op(e, packed[i], t)
             if loss[i] and lay.tp.loss_parallel:
@@ -559,14 +569,18 @@ def _saved_whole(trace: Trace, lay: _Layout, outside: set[int]) -> dict[int, int
     events, open_calls = trace.events, {}
     spans = {p for p in lay.pair_cols if any(events[i].module == p or lay.region_of(events[i].module) == p
                                              for i in outside)}
+    entered: dict[str, int] = {}  # a span's module -> its call's input bytes
     for i, e in enumerate(events):
         if e.backward:
             break
+        if e.kind is EventKind.FWD_PRE and e.module in spans:
+            entered[e.module] = e.inputs_nbytes
         if e.kind is EventKind.FWD_PRE and e.module in lay.roots and e.module not in spans:
             open_calls[e.module] = e.inputs_nbytes
         elif e.kind is EventKind.FWD_PRE and e.module != ROOT and parent_of(e.module) in spans \
-                and e.module in lay.pair_cols[parent_of(e.module)]:
-            open_calls.setdefault(e.module, e.inputs_nbytes)  # the first colwise Linear of the span
+                and e.module in lay.pair_cols[parent_of(e.module)]:  # the first colwise Linear of the span: its
+            # input (counted where it is new; a view of the module's own input counts none: that one's size)
+            open_calls.setdefault(e.module, e.inputs_nbytes or entered.get(parent_of(e.module), 0))
         elif e.kind is EventKind.FWD_POST:
             open_calls.pop(e.module, None)
         elif e.is_op and e.saved and open_calls:
