@@ -225,3 +225,26 @@ def test_a_plan_over_the_budget_is_a_finding():
     assert over["severity"] == "warning" and "over the 1 MiB budget (--memory-budget)" in over["message"]
     fits = run_check("toy-llama", "--cluster", "h100:8", "--json")
     assert "over-budget" not in {f["code"] for f in json.loads(fits.stdout)}
+
+
+def test_checkpointed_batchnorm_is_a_warning():
+    """torch's checkpoint runs a BatchNorm's training forward again in backward: its running statistics are updated
+    twice a step (checked here on torch itself); check warns once for every checkpointed module holding one, and
+    not where nothing is checkpointed or the norms are in eval mode."""
+    from torch.utils.checkpoint import checkpoint
+
+    bn = torch.nn.BatchNorm1d(4)
+    checkpoint(bn, torch.randn(8, 4, requires_grad=True), use_reentrant=False).sum().backward()
+    assert int(bn.num_batches_tracked) == 2
+    tr = traced("tests/fixtures/resnet_models.py:build")
+    blocks = [m for m in tr.modules if m.count(".") == 1 and m.startswith("layer")]
+    plan = make_plan(tr, [[b] for b in blocks])
+    assert "checkpointed-running-stats" not in codes(plan_findings(tr, plan))
+    [f] = [f for f in plan_findings(tr, plan.replace(activation_checkpointing=blocks))
+           if f.code is Code.CHECKPOINTED_RUNNING_STATS]
+    assert f.severity is Severity.WARNING and f.module == blocks[0]
+    assert f"{len(blocks)} checkpointed modules" in f.message
+    lm = load_model("tests/fixtures/resnet_models.py:build")
+    lm.model.eval()
+    evaluated = record(lm.model, lm.example_inputs, lm.loss_fn)
+    assert not any(info.running_stats for info in evaluated.modules.values())

@@ -61,6 +61,7 @@ class Code(Enum):
     COMPILE_PAYS = "compile"  # info: the step with the repeated blocks torch.compile'd vs eager (or the reverse)
     FLOAT8_PAYS = "float8"  # info: the step with torchao's float8 training (tensorwise, float8 all-gather) vs without
     RECORDED_OUTPUTS = "recorded-outputs"
+    CHECKPOINTED_RUNNING_STATS = "checkpointed-running-stats"
     SCALAR_PARAMS = "scalar-params"
     PRECISION = "precision"  # the step fails in the precision's compute dtype (found by tracing, not here)
     DOES_NOT_RUN = "does-not-run"  # the plan cannot run on the cluster for a reason no other finding names
@@ -172,6 +173,7 @@ def plan_findings(trace: Trace, plan: Plan, world_size: int | None = None, fsdp1
     out += _reuse_findings(trace, plan)
     out += _root_findings(trace, plan)
     out += _recorded_outputs_findings(trace, plan)
+    out += _running_stats_findings(trace, plan)
     if fsdp1:
         out += _fsdp1_findings(trace, plan)
     return out
@@ -357,6 +359,23 @@ def _recorded_outputs_findings(trace: Trace, plan: Plan) -> list[Finding]:
                 "fully_shard, register the new class: transformers.utils.output_capturing._CAN_RECORD_REGISTRY"
                 f"[{_name(m)}] = {_name(m)}._can_record_outputs", m))
     return out
+
+
+def _running_stats_findings(trace: Trace, plan: Plan) -> list[Finding]:
+    """Checkpointed modules holding a norm that updates running statistics (BatchNorm in training): their
+    recomputation in backward runs that forward again, so each step updates them twice (torch's checkpoint
+    replays the forward as it ran, buffers' in-place updates included). One finding for all of them."""
+    norms = [n for n, info in trace.modules.items() if info.running_stats]
+    held = [m for m in (*plan.activation_checkpointing, *plan.selective_checkpointing)
+            if any(is_within(n, m) for n in norms)]
+    if not held:
+        return []
+    return [Finding(Severity.WARNING, Code.CHECKPOINTED_RUNNING_STATS,
+                    f"{fmt_count(len(held), 'checkpointed module')} ({fmt_modules([_path(m) for m in held])}) hold "
+                    "BatchNorm-style norms, whose running statistics the recomputation in backward updates a second "
+                    "time each step (momentum applied twice: the statistics eval uses drift toward recent batches)",
+                    "checkpoint modules without them, or put those norms in eval mode, or accept the double update",
+                    held[0])]
 
 
 def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:

@@ -63,6 +63,8 @@ class ModuleInfo:
     # the modules torch's ColwiseParallel and RowwiseParallel shard; "" for any other
     plain_torch_class: bool = False  # an instance of ``torch_class`` itself, not a subclass (float8 converts only
     # plain nn.Linear: a subclass's own forward would be dropped by the swap)
+    running_stats: bool = False  # a norm that updates running statistics in its training forward (BatchNorm):
+    # a checkpointed call's recomputation updates them again
     records_outputs: bool = False  # a transformers model whose class lists outputs to record
     # (``_can_record_outputs``: hidden states, attentions), which transformers looks up by str(module.__class__)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from fsdp_planner.trace.events import Event, EventKind
@@ -30,6 +31,8 @@ def module_infos(walk: ModuleWalk, params: list[ParamInfo], param_objs: list[nn.
             shardable=_shardable(m) and not (fqn in modified_inputs and _fsdp2_refuses_inplace(fqn, m)),
             records_outputs=bool(getattr(type(m), "_can_record_outputs", None)),
             torch_class=_torch_class(m), plain_torch_class=type(m) in (nn.Linear, nn.Embedding),
+            running_stats=bool(m.training and getattr(m, "track_running_stats", False)
+                               and isinstance(getattr(m, "running_mean", None), torch.Tensor)),
         )
         for fqn, m in walk.modules.items()
     }
