@@ -209,6 +209,22 @@ def test_out_refuses_an_existing_file_it_did_not_write(capsys, tmp_path, name, m
     assert run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(notes_file))[0] == 0  # its own
 
 
+def test_out_of_one_kind_never_replaces_the_other(capsys, tmp_path):
+    """A plan's --out does not replace a cluster file fsdp-planner wrote, nor calibrate's a plan (each replaced the
+    other silently: a calibrated cluster lost to a plan's name)."""
+    cluster_file, plan_file = tmp_path / "c.json", tmp_path / "p.json"
+    assert cli.main(["calibrate", str(LOG), "--out", str(cluster_file)]) == 0
+    assert cli.main(["plan", "seed-net", "--policy", "order", "--out", str(plan_file)]) == 0
+    capsys.readouterr()
+    kept = cluster_file.read_text(), plan_file.read_text()
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(cluster_file))
+    assert_one_line_error(code, err, "is a cluster file fsdp-planner wrote, and this command writes a plan file")
+    code, _, err = run_main(capsys, "calibrate", str(LOG), "--out", str(plan_file))
+    assert_one_line_error(code, err, "is a plan file fsdp-planner wrote, and this command writes a cluster file")
+    assert (cluster_file.read_text(), plan_file.read_text()) == kept
+    assert run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(cluster_file), "--force")[0] == 0
+
+
 def test_export_never_overwrites_a_plan_with_code(capsys, tmp_path):
     plan, other = tmp_path / "plan.json", tmp_path / "other.json"
     assert cli.main(["plan", "seed-net", "--policy", "order", "--out", str(plan)]) == 0

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.logs and not args.overhead and not args.compute and not args.cpu_optimizer:
         raise PlannerError("calibrate needs nccl-tests logs, --overhead, --compute, --cpu-optimizer or --backend gloo "
                            "(all but --backend combine)")
-    out = output_file(args.out, force=args.force)
+    out = output_file(args.out, "cluster.json", force=args.force, kind="cluster")
     assert out is not None
     base = parse_cluster(args.base) if args.base else None
     cluster = calibrate(args.logs, base) if args.logs else base or parse_cluster(DEFAULT_BASE)
@@ -101,7 +101,7 @@ def run_gloo(args: argparse.Namespace) -> int:
     if not 2 <= args.nproc <= MAX_NPROC:
         raise PlannerError(f"--nproc must be from 2 to {MAX_NPROC} with --backend gloo (a collective needs two "
                            f"ranks), got {args.nproc}")
-    out = output_file(args.out, force=args.force)
+    out = output_file(args.out, "cluster.json", force=args.force, kind="cluster")
     assert out is not None
     cores = os.cpu_count() or 1
     if args.nproc > cores:

@@ -35,7 +35,7 @@ def run_trace(args: argparse.Namespace) -> int:
         raise PlannerError(f"at most {MAX_TRACES} --trace files, got {len(args.trace)}")
     if not args.trace_model or bool(args.plan) == bool(args.policy):
         raise PlannerError("--trace needs the traced job: --model M and one of --plan P or --policy NAME")
-    out = output_file(args.out, force=args.force)
+    out = output_file(args.out, "cluster.json", force=args.force, kind="cluster")
     assert out is not None
     traces = [read_trace(path) for path in args.trace]
     options = SimOptions.named(args.precision)
