@@ -40,6 +40,18 @@ def test_plans_fsdp1_cannot_express_are_refused_in_one_sentence() -> None:
         check_fsdp1(plan)
 
 
+def test_a_unit_mixing_frozen_and_trainable_params_is_refused_before_the_ranks_start(tmp_path: Path) -> None:
+    """verify --fsdp1 of a plan whose unit mixes requires_grad: refused from the trace, before torchrun (both
+    ranks used to start and raise), advising FSDP2 or auto's FSDP1 target, not the --target the user gave."""
+    lm = load_model("toy-llama-lora")
+    plan = SizeBasedPolicy(20000).plan(record(lm.model, lm.example_inputs, lm.loss_fn))  # base and adapters mixed
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    out = run_main("verify", "toy-llama-lora", "--plan", str(path), "--fsdp1", "--nproc", "2")
+    assert out.returncode == 2 and "torchrun" not in out.stderr
+    assert "mixes dtypes or requires_grad in one FSDP1 flat parameter: run it with FSDP2 (drop --fsdp1)" in out.stderr
+
+
 @pytest.mark.integration
 def test_verify_fsdp1_on_two_gloo_ranks(tmp_path: Path) -> None:
     # SHARD_GRAD_OP: no re-gather in backward

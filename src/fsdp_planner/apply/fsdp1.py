@@ -27,11 +27,11 @@ def fsdp1_refusal(plan: Plan) -> str | None:
                 "(FSDP2 shards the DTensor params TP makes); drop --fsdp1")
     if plan.mesh is not None and plan.mesh.replicate > 1:
         return (f"the plan's HSDP mesh {plan.mesh.describe()} has no FSDP1 form here (HYBRID_SHARD is not "
-                "modelled); plan with --target fsdp1")
+                "modelled); plan with --policy auto --target fsdp1")
     for i, g in enumerate(plan.groups):
         if len(g.modules) > 1:
             return (f"plan group {i} is a list of {len(g.modules)} modules, which FSDP1 cannot wrap as one unit; "
-                    "plan with --target fsdp1 (or the size or module policy)")
+                    "plan with --policy auto --target fsdp1 (or the size or module policy)")
         if not isinstance(g.reshard_after_forward, bool):
             return (f"plan group {i} has reshard_after_forward={g.reshard_after_forward}, a sub-group FSDP1 cannot "
                     "shard over (only true or false)")
@@ -47,17 +47,20 @@ def fsdp1_refusal(plan: Plan) -> str | None:
     return None
 
 
-def check_fsdp1(plan: Plan, model: nn.Module | None = None) -> None:
-    """Refuse a plan FSDP1 cannot run; with ``model``, also a unit mixing dtypes or requires_grad in one flat
-    parameter (``use_orig_params=False``)."""
+def check_fsdp1(plan: Plan, model: nn.Module | None = None,
+                kinds: dict[str, tuple[str, bool]] | None = None) -> None:
+    """Refuse a plan FSDP1 cannot run; with ``model`` or ``kinds`` (param -> its dtype and requires_grad, a
+    trace's: checked before any rank starts), also a unit mixing dtypes or requires_grad in one flat parameter
+    (``use_orig_params=False``)."""
     reason = fsdp1_refusal(plan)
-    if reason is None and model is not None:
-        params = dict(model.named_parameters())
+    if model is not None:
+        kinds = {n: (str(p.dtype), p.requires_grad) for n, p in model.named_parameters()}
+    if reason is None and kinds is not None:
         for i, g in enumerate(plan.groups):
-            kinds = {(params[p].dtype, params[p].requires_grad) for p in g.params if p in params}
-            if len(kinds) > 1:
+            if len({kinds[p] for p in g.params if p in kinds}) > 1:
                 reason = (f"plan group {i} ({g.modules[0] or 'root'}) mixes dtypes or requires_grad in one FSDP1 "
-                          "flat parameter; plan with --target fsdp1")
+                          "flat parameter: run it with FSDP2 (drop --fsdp1), or plan with --policy auto --target "
+                          "fsdp1, whose units keep them apart where the modules allow")
                 break
     if reason is not None:
         raise PlannerError(f"FSDP1 cannot run this plan: {reason}")

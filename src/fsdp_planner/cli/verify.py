@@ -103,7 +103,7 @@ def _the_job(request: VerifyRequest, predict_on: Cluster | None) -> tuple[ModelS
     if request.fsdp1:
         from fsdp_planner.apply.fsdp1 import check_fsdp1
 
-        check_fsdp1(plan)
+        check_fsdp1(plan, kinds={p.fqn: (p.dtype, p.requires_grad) for p in tr.params})
     return model, tr, plan
 
 
