@@ -93,8 +93,10 @@ def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
 
 
 def test_missing_file_is_one_line(tmp_path: Path) -> None:
-    with pytest.raises(PlannerError, match="does not exist"):
+    with pytest.raises(PlannerError, match=f"trace file '{tmp_path}/nope.json' does not exist"):  # the path given
         read_trace(tmp_path / "nope.json")
+    with pytest.raises(PlannerError, match="is a directory: give the trace files in it"):  # (it said "does not exist")
+        read_trace(tmp_path)
 
 
 def test_gpu_optimizer_kernels_are_its_phase() -> None:

@@ -48,6 +48,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.report.against import covered
 from fsdp_planner.userfiles import read_bytes
 
+MAX_SHOWN_PATH = 120  # a trace's path longer than this is named by its last two parts
 MAX_TRACE_BYTES = 512 << 20  # a few steps of a large job's GPU trace are 100-500 MiB; parsed, ~10x that in memory
 MAX_EVENTS = 20_000_000
 MAX_INT_DIGITS = 20  # ids, sizes and nanosecond timestamps fit; a longer integer is not a profiler's
@@ -184,7 +185,10 @@ class _Event:
 def read_trace(path: str | Path) -> MeasuredTrace:
     """The trace at ``path`` (``.json`` or ``.json.gz``), read and checked (module docstring)."""
     p = Path(path)
-    label = f"trace file '{printable(cut_short(Path(p.parent.name, p.name)))}'"  # the end of a long path names it
+    shown = str(p) if len(str(p)) <= MAX_SHOWN_PATH else str(Path(p.parent.name, p.name))  # a long one's end
+    label = f"trace file '{printable(shown if len(shown) <= MAX_SHOWN_PATH else cut_short(shown))}'"
+    if p.is_dir():
+        raise PlannerError(f"{label} is a directory: give the trace files in it (verify --profile writes rankR.json)")
     if not p.is_file():
         raise PlannerError(f"{label} does not exist")
     raw = read_bytes(p, label, "a torch.profiler Chrome trace (JSON)", MAX_TRACE_BYTES)
