@@ -390,7 +390,7 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
         raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
                            f"{base.world_size}: give a --base of the traced job's size")
     steps, ops = typical_steps(traces), RankOps.of(trace, plan, base, options)
-    check_matches(ops, plan, steps, simulate(trace, plan, base, options, timeline=False))
+    check_matches(ops, plan, steps, simulate(trace, plan, base, options, timeline=False), gpu=devices != {"cpu"})
     cluster = fit_compute(ops, base, measured_classes(steps), options)
     cluster = fit_collectives(cluster, steps)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
@@ -400,16 +400,18 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
     return cluster, describe_fit(trace, plan, ops, steps, base, cluster, options)
 
 
-# a traced step's matmuls against the plan's (checkpointing's recomputation counted): torchtitan's TP block on an
-# H200 launched 119 where the simulator counts 111 (benchmarks/gpu); a trace of another model, two steps overlapping
-# or none of the ops is far outside
+# a CPU step's matmul ops (and their FLOPs) against the plan's, checkpointing's recomputation counted: one aten op
+# each, as traced; a trace of another model, two steps overlapping or another workload is far outside. (A GPU
+# step's matmul kernels are not one per op: cuDNN ran 182 for ResNet-50's 109 convolutions and matmuls on an A100,
+# tests/test_trace_real_gpu.py, torchtitan's TP block 119 for 111 on an H200.)
 MATMUL_RATIO = (0.8, 1.25)
 
 
-def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepReport) -> None:
-    """Refuse traces of another job than the one given: a step's matmuls, and FSDP2's all-gathers and their bytes
-    (exact on every rank of an FSDP2 job of the plan; a plan with TP or EP mixes its own collectives in), against
-    the plan's. A fit to a foreign trace writes a cluster whose figures are wrong for every plan."""
+def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepReport, gpu: bool) -> None:
+    """Refuse traces of another job than the one given: a CPU step's matmuls and their FLOPs, and FSDP2's
+    all-gathers and their bytes (exact on every rank of an FSDP2 job of the plan; a plan with TP or EP mixes its
+    own collectives in), against the plan's. A fit to a foreign trace writes a cluster whose figures are wrong for
+    every plan."""
     step = steps[len(steps) // 2]
     is_op = np.asarray([e.is_op for e in ops.trace.events])
     matmuls = int(ops.runs[is_op][simulated_classes(ops.trace)[is_op] == 0].sum())
@@ -417,7 +419,7 @@ def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepRepor
     problems = []
     if not sum(step.op_counts.values()):
         problems.append("its steps hold no ops")
-    elif not MATMUL_RATIO[0] <= measured / max(1, matmuls) <= MATMUL_RATIO[1]:
+    elif not gpu and not MATMUL_RATIO[0] <= measured / max(1, matmuls) <= MATMUL_RATIO[1]:
         problems.append(f"a step of it runs {measured:,} matmuls where the plan's runs {matmuls:,}")
     elif step.matmul_flops is not None:  # a CPU trace with its shapes: the workload too (batch, sequence)
         is_matmul = is_op & (simulated_classes(ops.trace) == 0)
