@@ -211,6 +211,30 @@ def test_ep_screen_simulates_each_degree_and_picks_the_fastest_that_fits() -> No
     assert best_ep_option(found, 1) is None
 
 
+def test_ep_checkpoints_only_what_it_still_needs() -> None:
+    """The EP option chosen checkpoints the fewest of its modules that fit (EP shrinks the experts' shards, so the
+    search's checkpointing for the step without EP can be more than it needs: Qwen3-30B-A3B on 32 H100s kept 12
+    blocks op-level, 4% slower): none with room, the fewest that fit with less, all where nothing less fits."""
+    from fsdp_planner.planners.expert_parallel import EPOption, _relaxed_checkpointing
+    from fsdp_planner.sim.expert_parallel import ep_view
+
+    tr = _traced()
+    cluster = parse_cluster("h100:8")
+    plan = _ep_plan(tr, 2, checkpointing=True)
+    view = ep_view(tr, plan).trace
+    run = lambda p: simulate(view, p, cluster, BF16, timeline=False)  # noqa: E731
+    best = EPOption(2, False, plan, run(plan))
+    blocks = list(plan.activation_checkpointing)
+    peaks = [run(plan.replace(activation_checkpointing=blocks[:n])).reserved_memory for n in range(len(blocks) + 1)]
+    assert peaks[0] > max(peaks[1:])  # checkpointing none holds most
+    roomy = _relaxed_checkpointing(best, view, cluster, BF16, lambda b: True)
+    assert roomy.plan.activation_checkpointing == () and roomy.step.step_time < best.step.step_time
+    tight = _relaxed_checkpointing(best, view, cluster, BF16, lambda b: b < peaks[0])
+    assert tight.plan.activation_checkpointing == tuple(blocks[:1]) and tight.step.reserved_memory == peaks[1]
+    assert tight.step.step_time < best.step.step_time
+    assert _relaxed_checkpointing(best, view, cluster, BF16, lambda b: b <= min(peaks[1:]) - 1) is best
+
+
 def test_auto_ep_screen_combines_ep_with_auto_hsdp_layouts() -> None:
     """On 2 nodes auto's layouts include HSDP 2x8: its EP screen tries EP on that layout's plan too (EP's ranks out
     of its dp_shard), each option simulated as simulate() gives it, and takes the fastest that fits of them all."""
