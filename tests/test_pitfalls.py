@@ -248,3 +248,14 @@ def test_checkpointed_batchnorm_is_a_warning():
     lm.model.eval()
     evaluated = record(lm.model, lm.example_inputs, lm.loss_fn)
     assert not any(info.running_stats for info in evaluated.modules.values())
+
+
+def test_root_params_read_by_a_parent_s_method_name_the_parent():
+    """head.score() reads head.proj's weight outside proj's calls: the root-params fix names head (a group holding
+    every read), not head.proj, whose own group check then refused as a sharded read."""
+    tr = traced("scored")
+    plan = make_plan(tr, [[f"blocks.{i}"] for i in range(2)])
+    [f] = [f for f in plan_findings(tr, plan) if f.code is Code.ROOT_PARAMS]
+    assert f.fix.startswith("give head a group of its own (fully_shard(model.head)")
+    assert "sharded-read" not in codes(plan_findings(tr, make_plan(tr, [["blocks.0"], ["blocks.1"], ["head"]])))
+    assert "sharded-read" in codes(plan_findings(tr, make_plan(tr, [["blocks.0"], ["blocks.1"], ["head.proj"]])))

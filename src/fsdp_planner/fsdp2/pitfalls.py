@@ -31,8 +31,9 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.validity import sharded_reads
 from fsdp_planner.trace.events import EventKind
+from fsdp_planner.trace.infos import ParamInfo
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT, is_within
+from fsdp_planner.trace.tree import ROOT, is_within, parent_of
 
 
 class Severity(Enum):
@@ -391,7 +392,9 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     nbytes = sum(p.numel * (itemsize or p.itemsize) for p in ps)
     owners = list(dict.fromkeys(o for p in ps for o in p.owners[:1]))
     own = [o for o in owners if o == ROOT]
-    movable = [o for o in owners if o != ROOT]
+    # a param read outside its module's calls (a parent's method reading head.proj.weight) is sharded-read unless
+    # the group is a module whose calls hold every read: the lowest one holding the owner and its readers
+    movable = [m for m in dict.fromkeys(_holding(trace, p) for p in ps if p.owners[0] != ROOT) if m != ROOT]
     own_groups = "a group of its own" if len(movable) == 1 else "groups of their own"
     fix = f"give {fmt_modules(movable)} {own_groups} (fully_shard({_name(movable[0])}), ...)" if movable else ""
     for p in ps:
@@ -405,6 +408,19 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
                     f"{fmt_modules([_path(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
                     f"the root not resharding after forward, keeps them on every rank until the end of backward",
                     fix, owners[0])]
+
+
+def _holding(trace: Trace, p: ParamInfo) -> str:
+    """The lowest module whose subtree holds ``p``'s owner and every module whose forward ops read ``p`` (backward
+    reads it where forward left it gathered)."""
+    held = p.owners[0]
+    for i in trace.index.param_uses[trace.index.param_index[p.fqn]]:
+        if trace.events[i].backward:
+            continue
+        reader = trace.events[i].module
+        while not is_within(reader, held):
+            held = parent_of(held) if held != ROOT else ROOT
+    return held
 
 
 def _fsdp1_findings(trace: Trace, plan: Plan) -> list[Finding]:
