@@ -171,3 +171,6 @@ def test_a_sequence_past_max_position_embeddings_is_noted(tmp_path) -> None:
     assert r.returncode == 0 and said in " ".join(r.stderr.split()), r.stderr[-2000:]
     r = run_main("plan", f"hf:{config}", "--policy", "titan", "--cluster", "h100:2", "--seq", "256")
     assert r.returncode == 0 and "max_position_embeddings" not in r.stderr
+    # fit plans many lengths past it: said once (it was one note per length tried)
+    r = run_main("fit", f"hf:{config}", "--cluster", "h100:2", "--find", "seq", "--batch", "1")
+    assert r.returncode == 0 and " ".join(r.stderr.split()).count("max_position_embeddings") == 1, r.stderr[-2000:]

@@ -463,8 +463,9 @@ def positions_note(model: nn.Module, seq_len: int) -> str | None:
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(limit, int) or isinstance(limit, bool) or seq_len <= limit or learned_positions(model):
         return None
-    return (f"--seq {seq_len:,} is longer than the config's max_position_embeddings ({limit:,}): its positions are "
-            "computed, so the step is planned as asked, but the model was configured for that many or fewer")
+    # (one text for every length: fit, which plans many, says it once)
+    return (f"a sequence longer than the config's max_position_embeddings ({limit:,}) is planned as asked (its "
+            "positions are computed), but the model was configured for that many or fewer")
 
 
 def check_positions(model: nn.Module, seq_len: int) -> None:
