@@ -300,7 +300,10 @@ def test_fit_sequence_stops_at_learned_positions(capsys):
     assert doc["seq"]["longest_without_offload"] == doc["seq"]["cap"] == 64
     assert max(p["seq"] for p in doc["points"]) == 64
     assert main(["fit", "toy-gpt2-tied", "--cluster", "h100:2", "--find", "seq", "--seq", "16", "--quiet"]) == 0
-    assert "the model's 64 learned positions (wpe)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "the model's 64 learned positions (wpe)" in out
+    # --find seq: one table, of the lengths tried, the given one among them (an empty batch table came first)
+    assert "at each sequence length tried" in out and "at each batch tried" not in out
 
 
 @pytest.mark.integration

@@ -402,9 +402,10 @@ def _sections(request: FitRequest, points: Points) -> list[tuple[str, list[FitPo
     seq, batch = request.seq, request.batch
     batches = [p for p in rows if p.seq == (seq or 1)]
     at = f" at seq {seq:,}" if seq else ""
-    out = [(f"auto's plan at each batch tried{at} on {request.cluster.name}", batches)]
+    out = [(f"auto's plan at each batch tried{at} on {request.cluster.name}", batches)] \
+        if request.find != "seq" and batches else []
     seqs = [p for p in rows if p.batch == batch and p.seq != (seq or 1)]
-    if seqs:
+    if seqs or request.find == "seq":  # (--find seq: every row is a length tried, the given one among them)
         out.append((f"auto's plan at each sequence length tried at batch {batch:,}",
                     sorted([*seqs, *(p for p in batches if p.batch == batch)], key=lambda p: p.seq)))
     return out
