@@ -223,6 +223,12 @@ def test_out_of_one_kind_never_replaces_the_other(capsys, tmp_path):
     assert_one_line_error(code, err, "is a plan file fsdp-planner wrote, and this command writes a cluster file")
     assert (cluster_file.read_text(), plan_file.read_text()) == kept
     assert run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(cluster_file), "--force")[0] == 0
+    # a cluster written by hand, its keys in another order: told by its keys, not its second one
+    data = json.loads(kept[0])
+    cluster_file.write_text(json.dumps({"version": data["version"], "gpus_per_node": data["gpus_per_node"],
+                                        **{k: v for k, v in data.items() if k not in ("version", "gpus_per_node")}}))
+    code, _, err = run_main(capsys, "plan", "seed-net", "--policy", "order", "--out", str(cluster_file))
+    assert_one_line_error(code, err, "is a cluster file fsdp-planner wrote")
 
 
 def test_export_never_overwrites_a_plan_with_code(capsys, tmp_path):

@@ -235,6 +235,17 @@ def test_ep_checkpoints_only_what_it_still_needs() -> None:
     assert _relaxed_checkpointing(best, view, cluster, BF16, lambda b: b <= min(peaks[1:]) - 1) is best
 
 
+def test_ep_keeps_the_checkpointing_the_user_fixed(capsys) -> None:
+    """``--ac full`` is every plan's checkpointing (the option's help): EP's relaxation leaves it as given."""
+    import json
+
+    from fsdp_planner.cli import main
+
+    assert main(["plan", TINY, "--policy", "auto", "--cluster", "h100:8", "--ep", "2", "--ac", "full", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]["plan"]
+    assert len(plan["activation_checkpointing"]) == 2 and plan["policy"].endswith("EP 2")
+
+
 def test_auto_ep_screen_combines_ep_with_auto_hsdp_layouts() -> None:
     """On 2 nodes auto's layouts include HSDP 2x8: its EP screen tries EP on that layout's plan too (EP's ranks out
     of its dp_shard), each option simulated as simulate() gives it, and takes the fastest that fits of them all."""

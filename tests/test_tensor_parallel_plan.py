@@ -107,6 +107,13 @@ def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path
     with pytest.raises(PlannerError, match=r"kv_a_proj_with_mqa \(mla_kv_a_proj\), which fsdp-planner does not "
                                            r"model, and left whole"):
         tp_layout(trace_spec(spec), 2, spec)
+    # Olmo2's attention gathers q/k/v and splits o_proj's input: all left whole, nothing beside them colwise
+    config.write_text(json.dumps({"model_type": "olmo2", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
+                                  "vocab_size": 128}))
+    found = tp_layout(trace_spec(spec), 2, spec)
+    assert {p.rpartition(".")[2] for p in found.tp.layout} == {"embed_tokens", "gate_proj", "up_proj", "down_proj"}
+    assert "o_proj (rowwise_split_input)" in found.notes[0]
 
 
 def test_torchtitan_layout_found_by_the_trace_not_the_name():

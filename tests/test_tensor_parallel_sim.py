@@ -179,7 +179,7 @@ def test_tp_step_matches_real_dtensor_and_fsdp2(spec: str, dp: int, degree: int)
 
 
 @pytest.mark.integration  # real DTensor + FSDP2 on 8 fake ranks: ~3 s each
-@pytest.mark.parametrize("model", ["pairs_mlp", "inline_mlp", "fused_qkv"])
+@pytest.mark.parametrize("model", ["pairs_mlp", "inline_mlp", "fused_qkv", "two_pairs"])
 def test_a_detected_pair_s_module_runs_whole_outside_the_pair(model: str) -> None:
     """Without sequence parallelism only the ops between a pair's colwise and rowwise Linears run on a TP shard:
     the norms, attention and residual adds of a block holding its MLP's Linears itself run whole (they were
@@ -192,6 +192,23 @@ def test_a_detected_pair_s_module_runs_whole_outside_the_pair(model: str) -> Non
     checked = json.loads(r.stdout)
     assert checked["counts_and_bytes_exact"], checked
     assert checked["predicted"]["peak_memory"] == pytest.approx(checked["measured"]["peak_memory"], rel=0.04)
+
+
+def test_a_module_holding_two_pairs_runs_whole_between_them_in_backward_too() -> None:
+    """Two MLPs inline in one block: backward, the span of the second pair ends at its own colwise Linear, so the
+    norm between the pairs runs whole (it stayed "inside" until every colwise Linear of the module had ended)."""
+    from fsdp_planner.planners.tensor_parallel import tp_layout
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.tensor_parallel import _Layout, _outside_spans
+
+    spec = ModelSpec(f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:two_pairs")
+    tr = trace_spec(spec)
+    lay = _Layout(tr, tp_layout(tr, 2, spec).tp, None)
+    outside = _outside_spans(tr, lay)
+    norms = [i for i, e in enumerate(tr.events) if e.is_op and e.module.endswith((".ln1", ".ln2"))]
+    assert norms and all(i in outside for i in norms)  # forward and backward
+    ups = [i for i, e in enumerate(tr.events) if e.is_op and ".up" in e.module]
+    assert not any(i in outside for i in ups)
 
 
 @pytest.mark.integration  # real DTensor + FSDP2 on fake ranks: ~2 s

@@ -73,10 +73,12 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_json(text: str, message: Callable[[str], str]) -> Any:
-    """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``."""
+def parse_json(text: str, message: Callable[[str], str], unique_keys: bool = True) -> Any:
+    """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``. ``unique_keys``: a key
+    repeated in an object is refused (fsdp-planner's own files); False for a format whose readers take the last
+    (transformers' config.json)."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
     except DuplicateKey as e:
         detail = f"the key {shown_json(e.key)} appears twice in one object (which one is meant?)"
     except json.JSONDecodeError as e:

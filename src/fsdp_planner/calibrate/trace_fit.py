@@ -421,7 +421,8 @@ def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepRepor
         problems.append("its steps hold no ops")
     elif not gpu and not MATMUL_RATIO[0] <= measured / max(1, matmuls) <= MATMUL_RATIO[1]:
         problems.append(f"a step of it runs {measured:,} matmuls where the plan's runs {matmuls:,}")
-    elif step.matmul_flops is not None:  # a CPU trace with its shapes: the workload too (batch, sequence)
+    elif step.matmul_flops is not None and plan.tensor_parallel is None and plan.expert_parallel is None:  # a CPU
+        # trace's shapes: the workload too (under TP the profiler records a DTensor op's global shapes)
         is_matmul = is_op & (simulated_classes(ops.trace) == 0)
         flops = float((ops.trace.index.op_flops * ops.runs)[is_matmul].sum())
         if not MATMUL_RATIO[0] <= step.matmul_flops / max(1.0, flops) <= MATMUL_RATIO[1]:
@@ -436,7 +437,8 @@ def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepRepor
                             f"does {report.all_gathers:,} times ({fmt_bytes(report.all_gather_bytes)})")
     if problems:
         raise PlannerError(f"the traces are not of the job given: {'; '.join(problems)}: give the --model, --plan "
-                           "or --policy, --batch, --seq and --precision the traced job ran with (one job's traces)")
+                           "or --policy, --batch, --seq and --precision the traced job ran with (one job's traces; "
+                           "one forward and backward a profiled step: calibrate fits no micro-batches)")
 
 
 def describe_fit(trace: Trace, plan: Plan, ops: RankOps, steps: list[Step], base: Cluster, cluster: Cluster,

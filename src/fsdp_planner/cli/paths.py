@@ -5,6 +5,7 @@ of tracing and planning, and no command overwrites what it reads or what it did 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import stat
@@ -62,10 +63,22 @@ def _written_json(path: Path) -> str | None:
     file. A user's other JSON is not replaced without --force."""
     try:
         with path.open(encoding="utf-8", errors="replace") as f:
-            found = WRITTEN_JSON.match(f.read(1000))
+            head = f.read(1000)
+            found = WRITTEN_JSON.match(head)
+            if found is None:
+                return None
+            text = head + f.read(KIND_READ_BYTES)  # a hand-written cluster may begin with any of its keys
     except OSError:
         return None
-    return None if found is None else "cluster" if found.group(1) in ("name", "gpu", "nodes") else "plan"
+    try:
+        data = json.loads(text)
+    except ValueError:  # (longer than read, or not JSON after all: by its second key)
+        return "cluster" if found.group(1) in CLUSTER_KEYS else "plan"
+    return "cluster" if isinstance(data, dict) and CLUSTER_KEYS & set(data) else "plan"
+
+
+KIND_READ_BYTES = 16 << 20  # a plan or cluster file is read whole up to this, to tell which it is
+CLUSTER_KEYS = {"gpu", "gpus_per_node", "nodes", "name", "intra", "inter"}  # a cluster file's (a plan has none)
 
 
 # how the plan and cluster files fsdp-planner writes begin: their version, then a cluster's name or a plan's model

@@ -60,6 +60,7 @@ TITAN_SECTION_KEYS = {
                     "enable_compiled_autograd", "tensor_parallel_degree", "disable_loss_parallel",
                     "enable_async_tensor_parallel", "pipeline_parallel_degree", "pipeline_parallel_split_points",
                     "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+                    "pipeline_parallel_microbatches",  # (torchtitan until #1073: its older TOMLs)
                     "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
                     "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
                     "pipeline_parallel_microbatch_size", "context_parallel_degree",

@@ -132,7 +132,8 @@ def read_config(source: str) -> dict[str, Any]:
     path = config_file(source)
     label = f"config file '{path}'"
     data = parse_json(read_text(path, label, "a Hugging Face config.json", MAX_SOURCE_BYTES),
-                      lambda detail: f"{label} is not valid JSON: {detail}")
+                      lambda detail: f"{label} is not valid JSON: {detail}", unique_keys=False)  # (as
+    # transformers reads it: a repeated key's last value)
     if not isinstance(data, dict):
         raise PlannerError(f"{label} must hold a JSON object, got {type(data).__name__}")
     if not isinstance(data.get("model_type"), str):

@@ -272,7 +272,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
-    if fitting and best.degree > 1:
+    if fitting and best.degree > 1 and not result.fixed_checkpointing:
         relaxed = _relaxed_checkpointing(best, views[best.plan.expert_parallel.signature()], cluster,
                                          plan_options(best.plan, options), result.memory.fits)
         found = [relaxed if o is best else o for o in found]  # (its line says what is chosen)

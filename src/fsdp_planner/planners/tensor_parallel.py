@@ -243,7 +243,7 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     if not any(s in (TPStyle.COLWISE, TPStyle.ROWWISE) for s in layout.values()):
         raise PlannerError(_no_plan_reason(plan, names, model.name, left))
     _refuse_own_params_on_heads(trace, plan, layout, model.name)
-    unsafe = {p: st for p, st in left.items() if st not in WHOLE_HF_STYLES}
+    unsafe = {p: st for p, st in left.items() if not _stays_whole(p, st, layout)}
     if unsafe:
         raise PlannerError(f"transformers' tensor-parallel plan for {model.name} gives {_listed(unsafe)}, which "
                            "fsdp-planner does not model, and left whole such a module need not train right beside "
@@ -254,6 +254,18 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
         if left else ()
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
     return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", notes, heads)
+
+
+def _stays_whole(pattern: str, style: str, layout: dict[str, TPStyle]) -> bool:
+    """Whether transformers' ``style`` of ``pattern``, a style the planner does not model, is sound left whole
+    beside ``layout``: the gathering output head always (it reads replicated states, makes whole logits); a
+    rowwise Linear splitting its input where nothing beside it is sharded colwise (Olmo2's and Phi-3's attention
+    gathers q/k/v and splits o_proj: all whole, its input the whole one)."""
+    if style in WHOLE_HF_STYLES:
+        return True
+    parent = pattern.rpartition(".")[0]
+    return style == "rowwise_split_input" and not any(
+        p.rpartition(".")[0] == parent and s in (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE) for p, s in layout.items())
 
 
 def _packed_experts(trace: Trace, styles: dict[str, str], pattern: str) -> bool:

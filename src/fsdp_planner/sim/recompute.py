@@ -43,6 +43,7 @@ from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, own_cal
 from fsdp_planner.fsdp2.selective import saved_flags
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import innermost_call
 
 # A checkpointed module: its name (checkpointed in full), or (name, None for full, its op-level policy, or
 # ``Offloaded.HOST``: not checkpointed, its saved activations offloaded).
@@ -287,11 +288,12 @@ def early_frees(trace: Trace, totals: dict[tuple[str, int], float], scale: float
             if (e.module, e.call) in running:
                 running.remove((e.module, e.call))
             deltas[i] += early.pop((e.module, e.call), 0.0)
-        elif running:  # (an op that frees early, outside the loss region)
-            nbytes = min(e.freed * scale, left.get(running[-1], 0.0))
+        elif running:  # (an op that frees early, outside the loss region; the call the trace charged it to)
+            call = innermost_call(running)
+            nbytes = min(e.freed * scale, left.get(call, 0.0))
             if nbytes:
-                left[running[-1]] -= nbytes
-                early[running[-1]] += nbytes
+                left[call] -= nbytes
+                early[call] += nbytes
                 deltas[i + 1] -= nbytes
     return deltas
 

@@ -158,6 +158,7 @@ class _Layout:
         self.no_input_grad = {(e.module, e.call) for e in trace.events
                               if e.kind is EventKind.FWD_PRE and e.module in self.styles and not e.grad_inputs}
         self.pair_rows = {p: {m for m in rowwise if parent_of(m) == p} for p in pairs}
+        self.row_cols = _row_cols(trace, self.pair_cols, self.pair_rows)
         self.regions = pairs | {m for m, s in self.styles.items() if s in (*_COLWISE, *_ROWWISE, *_GATHERED)}
         self.embeddings = [m for m, s in self.styles.items() if s in _EMBEDDING]
         gathered = {m for m, s in self.styles.items() if s in _GATHERED}
@@ -227,6 +228,20 @@ def _outside_spans(trace: Trace, lay: _Layout) -> set[int]:
     return {i for i, region in out if region in calling}
 
 
+def _row_cols(trace: Trace, cols: dict[str, set[str]], rows: dict[str, set[str]]) -> dict[str, frozenset[str]]:
+    """Each rowwise Linear of a pair's module -> the colwise ones of its pair: those first run after the rowwise one
+    before it (a module holding two pairs, each two Linears run one after the other, closes one span's backward at
+    its own colwise Linear, not at the other pair's)."""
+    first = {m: trace.modules[m].first_use if m in trace.modules else -1 for p in cols for m in (*cols[p], *rows[p])}
+    out = {}
+    for p, rs in rows.items():
+        before = -1
+        for r in sorted(rs, key=first.__getitem__):
+            mine = frozenset(c for c in cols[p] if before < first[c] < first[r])
+            out[r], before = mine or frozenset(cols[p]), first[r]
+    return out
+
+
 def _span_state(e: Event, lay: _Layout, state: dict[str, str], remaining: dict[str, set[str]]) -> None:
     """``_outside_spans``' state after boundary ``e``."""
     if e.is_op or e.module == ROOT:
@@ -239,7 +254,7 @@ def _span_state(e: Event, lay: _Layout, state: dict[str, str], remaining: dict[s
         elif e.kind in (EventKind.FWD_POST, EventKind.BWD_POST):
             state.pop(e.module, None)
     elif (e.kind is EventKind.FWD_PRE and e.module in cols) or (e.kind is EventKind.BWD_PRE and e.module in rows):
-        state[owner], remaining[owner] = "inside", set(cols)
+        state[owner], remaining[owner] = "inside", set(lay.row_cols.get(e.module, ()))
     elif e.kind is EventKind.FWD_POST and e.module in rows:
         state[owner] = "after"
     elif e.kind is EventKind.BWD_POST and e.module in cols and state.get(owner) == "inside":

@@ -15,7 +15,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fsdp_planner.trace.events import Event, EventKind, OpClass, OwnCall
-from fsdp_planner.trace.tree import ROOT, is_within
+from fsdp_planner.trace.tree import ROOT, innermost_call, is_within
 
 Call = tuple[str, int]
 
@@ -119,14 +119,7 @@ class StepRecorder:
         return (self.fwd_stack[-1], self.calls[self.fwd_stack[-1]] - 1) if self.fwd_stack else None
 
     def innermost_backward(self) -> Call | None:
-        """The module call whose backward ops run now: the last to begin, but for an ancestor that began after a
-        descendant still running, which happens only where both hook one tensor (a parent returning its last
-        child's output; its own ops ran before that child's in backward otherwise): the descendant's ops run first."""
-        i = len(self.bwd_active) - 1
-        while i > 0 and self.bwd_active[i - 1][0] != self.bwd_active[i][0] \
-                and is_within(self.bwd_active[i - 1][0], self.bwd_active[i][0]):
-            i -= 1
-        return self.bwd_active[i] if self.bwd_active else None
+        return innermost_call(self.bwd_active)
 
     def add_freed(self, nbytes: int) -> None:
         """``Event.freed`` of the last op, a backward one."""

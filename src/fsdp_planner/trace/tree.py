@@ -30,3 +30,14 @@ def proper_ancestors(fqn: str) -> Iterator[str]:
 
 def depth(fqn: str) -> int:
     return 0 if fqn == ROOT else fqn.count(".") + 1
+
+
+def innermost_call(running: list[tuple[str, int]]) -> tuple[str, int] | None:
+    """Of the module calls whose backward runs (in the order their pre-backward fired), the one whose backward ops
+    run now: the last to begin, but for an ancestor that began after a descendant still running, which happens
+    only where both hook one tensor (a parent returning its last child's output: its own ops ran before that
+    child's in backward otherwise), the descendant."""
+    i = len(running) - 1
+    while i > 0 and running[i - 1][0] != running[i][0] and is_within(running[i - 1][0], running[i][0]):
+        i -= 1
+    return running[i] if running else None

@@ -126,6 +126,7 @@ class AutoResult:
     chosen: Candidate | None = field(default=None, repr=False)  # the candidate behind ``plan`` and ``report``
     also_tried: tuple[str, ...] = ()  # FSDP2 memory options searched too, none of which fit (``AutoPolicy.search``)
     checkpointing: Choice | None = None  # the chosen layout's checkpointing choice (None: none was needed)
+    fixed_checkpointing: bool = False  # the user fixed the checkpointing (``--ac``, a config's): kept as given
     run: RunOptions = field(default_factory=RunOptions)  # the memory options the plan was searched with (auto's
     # way out when nothing fits without them): written into the plan only where it leaves the program
     without_tp: tuple[AutoPolicy, Trace, AutoResult] | None = field(default=None, repr=False, compare=False)
@@ -432,7 +433,8 @@ class AutoPolicy:
             evaluated=sum(o.search.ev.simulated for o in outcomes) + len(screened), effort=effort,
             refined=effort - left, cut=best.cut, seconds=time.perf_counter() - started, search=best.search,
             meshes={**{self.layout_name(o.search.ev.ctx.mesh): o.chosen for o in outcomes}, **screened},
-            chosen=best.chosen, memory=memory, checkpointing=best.checkpointing, run=run)
+            chosen=best.chosen, memory=memory, checkpointing=best.checkpointing, run=run,
+            fixed_checkpointing=self.checkpointing is not None)
 
     def _evaluator(self, trace: Trace, model: str, budget: MemoryBudget, mesh: Mesh | None,
                    shared: Search | None = None) -> Evaluator:
