@@ -206,8 +206,8 @@ class Cluster:
         if self.engine is Engine.HOST:
             alpha, busbw = next(iter(next(iter(self.fits.values())).values()), (0.0, 0.0)) if self.fits else \
                 (self.intra.base_latency, self.intra.bus_bandwidth)
-            return (f"{self.name}: {self.world_size} CPU ranks on gloo (collectives block the rank: nothing "
-                    f"overlaps), latency {alpha * 1e6:.0f} us, bus bandwidth {busbw / 1e9:.2f} GB/s{fitted}")
+            return (f"{self.name}: {fmt_count(self.world_size, 'CPU rank')} on gloo (collectives block the rank: "
+                    f"nothing overlaps), latency {alpha * 1e6:.0f} us, bus bandwidth {busbw / 1e9:.2f} GB/s{fitted}")
         return (
             f"{self.name}: {self.nodes} x {self.gpus_per_node} {self.gpu.name} ({fmt_count(self.world_size, 'GPU')}), "
             f"NVLink {self.intra.bus_bandwidth / 1e9:.0f} GB/s, network {self.inter.bus_bandwidth / 1e9:.0f} "
