@@ -369,17 +369,21 @@ def _dims(value: Any) -> list[list[int]] | None:
     return value
 
 
+# the positions of a CPU matmul op's two multiplied operands among its Input Dims (addmm and baddbmm: the added one
+# first)
+MATMUL_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
+                   "aten::linear": (0, 1)}
+
+
 def matmul_flops(name: str, dims: Any) -> int | None:
     """FLOPs of a CPU matmul op from its ``Input Dims`` (2 per multiply-add, as torch's FlopCounterMode counts):
     mm, addmm, linear, bmm and baddbmm; None for another op or dims that do not read as one."""
     d = _dims(dims)
     if d is None:
         return None
-    shapes = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
-              "aten::linear": (0, 1)}
-    if name not in shapes or len(d) <= max(shapes[name]):
+    if name not in MATMUL_OPERANDS or len(d) <= max(MATMUL_OPERANDS[name]):
         return None
-    a, b = (d[i] for i in shapes[name])
+    a, b = (d[i] for i in MATMUL_OPERANDS[name])
     if name == "aten::linear" and a and len(b) == 2 and a[-1] == b[1]:
         return 2 * math.prod(a) * b[0]
     if name in ("aten::mm", "aten::addmm") and len(a) == 2 and len(b) == 2 and a[1] == b[0]:

@@ -390,14 +390,15 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
         raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
                            f"{base.world_size}: give a --base of the traced job's size")
     steps, ops = typical_steps(traces), RankOps.of(trace, plan, base, options)
-    check_matches(ops, plan, steps, simulate(trace, plan, base, options, timeline=False), gpu=devices != {"cpu"})
+    before = simulate(trace, plan, base, options, timeline=False)  # the plan on the base cluster: checked and shown
+    check_matches(ops, plan, steps, before, gpu=devices != {"cpu"})
     cluster = fit_compute(ops, base, measured_classes(steps), options)
     cluster = fit_collectives(cluster, steps)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
     name = base.name if base.name.endswith("+trace") else f"{base.name}+trace"
     cluster = dataclasses.replace(cluster, name=name, compute=dataclasses.replace(
         cluster.compute, source=f"calibrate --trace ({len(traces)} trace(s))"))
-    return cluster, describe_fit(trace, plan, ops, steps, base, cluster, options)
+    return cluster, describe_fit(trace, plan, ops, steps, base, cluster, options, before)
 
 
 # a CPU step's matmul ops (and their FLOPs) against the plan's, checkpointing's recomputation counted: one aten op
@@ -442,9 +443,9 @@ def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepRepor
 
 
 def describe_fit(trace: Trace, plan: Plan, ops: RankOps, steps: list[Step], base: Cluster, cluster: Cluster,
-                 options: SimOptions) -> TraceFit:
+                 options: SimOptions, on_base: StepReport) -> TraceFit:
     """Measured beside predicted, before and after the fit, on the typical steps: per class, per collective size,
-    the step (``ops``: the plan's ``RankOps``)."""
+    the step (``ops``: the plan's ``RankOps``; ``on_base``: its step simulated on ``base``)."""
     measured = measured_classes(steps)
     before, after = class_seconds(ops, base, options), class_seconds(ops, cluster, options)
     is_op = np.asarray([e.is_op for e in ops.trace.events])
@@ -456,8 +457,7 @@ def describe_fit(trace: Trace, plan: Plan, ops: RankOps, steps: list[Step], base
     rows = [CollectiveRow(kind, nbytes, ranks, round(len(seconds) / per_step), statistics.fmean(seconds),
                           _charged(base, kind, nbytes, ranks), _charged(cluster, kind, nbytes, ranks))
             for (kind, nbytes, ranks), seconds in sorted(by_size(steps).items())]
-    return TraceFit(len(steps), statistics.fmean(s.seconds for s in steps),
-                    simulate(trace, plan, base, options, timeline=False),
+    return TraceFit(len(steps), statistics.fmean(s.seconds for s in steps), on_base,
                     simulate(trace, plan, cluster, options, timeline=False), classes, rows,
                     statistics.fmean(s.fsdp_seconds for s in steps),
                     statistics.fmean(s.exposed_comm for s in steps), statistics.fmean(s.idle for s in steps),

@@ -196,25 +196,22 @@ class _Layout:
                 self._scale[module] = 1.0
         return self._scale[module]
 
-    def input_scale(self, module: str) -> float:
-        """The share of a call's inputs one TP rank holds: as its caller's ops see them."""
-        return 1.0 if module == ROOT else self.scale(parent_of(module))
-
     def region_of(self, module: str) -> str | None:
         """The innermost region holding ``module`` (itself included), if any."""
         chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
         return next((m for m in chain if m in self.regions), None)
 
 
-def _outside_spans(trace: Trace, lay: _Layout) -> set[int]:
+def _outside_spans(trace: Trace, lay: _Layout) -> dict[int, str]:
     """Positions of the events (ops and calls' starts) of a pair's module outside the span from its first colwise
     Linear to its rowwise one (backward: from the rowwise one's start to the last colwise one's end), for a module
     that calls other modules there (the norms and attention of a block whose MLP is written inline): without
     sequence parallelism they run whole on every TP rank. A module holding its pair alone (torchtitan's Attention
     and FeedForward) keeps all its ops on 1/TP, as it always did: what runs outside its span there is a reshape and
-    a sum of its inputs' grads, charged at 1/TP on every layout the fake process group checks."""
+    a sum of its inputs' grads, charged at 1/TP on every layout the fake process group checks. Each position ->
+    the pair's module."""
     if lay.sp or not lay.pair_cols:
-        return set()
+        return {}
     state: dict[str, str] = {}  # pair module -> "inside" its span or not, while a call of it runs
     remaining: dict[str, set[str]] = {}  # backward: its colwise Linears whose backward has not ended
     out: list[tuple[int, str]] = []
@@ -225,7 +222,7 @@ def _outside_spans(trace: Trace, lay: _Layout) -> set[int]:
             if region in state and state[region] != "inside":
                 out.append((i, region))
     calling = {region for i, region in out if trace.events[i].kind is EventKind.FWD_PRE}
-    return {i for i, region in out if region in calling}
+    return {i: region for i, region in out if region in calling}
 
 
 def _row_cols(trace: Trace, cols: dict[str, set[str]], rows: dict[str, set[str]]) -> dict[str, frozenset[str]]:
@@ -575,15 +572,14 @@ def _op_scale(lay: _Layout, module: str, outside: bool) -> float:
     return lay.scale(module)
 
 
-def _saved_whole(trace: Trace, lay: _Layout, outside: set[int]) -> dict[int, int]:
+def _saved_whole(trace: Trace, lay: _Layout, outside: dict[int, str]) -> dict[int, int]:
     """Op position -> bytes it saves beyond its scaled share: the first saving op of each call of a region root
     saves the root's input whole (all-gathered or replicated), which the scaling counted at 1/TP. A pair's module
     whose ops outside its span run whole (``_outside_spans``) has its span's first colwise Linear as that root:
     what it saves is its own input."""
     out: dict[int, int] = {}
     events, open_calls = trace.events, {}
-    spans = {p for p in lay.pair_cols if any(events[i].module == p or lay.region_of(events[i].module) == p
-                                             for i in outside)}
+    spans = set(outside.values())
     entered: dict[str, int] = {}  # a span's module -> its call's input bytes
     for i, e in enumerate(events):
         if e.backward:
