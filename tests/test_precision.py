@@ -25,7 +25,7 @@ from fsdp_planner.trace import record
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = str(ROOT / "tests" / "fixtures" / "precision_models.py")
-CONV, MATMUL, BUILT_BF16 = f"{MODELS}:unet_conv", f"{MODELS}:unet_matmul", f"{MODELS}:bf16_built_mixes_fp32"
+CONV, MATMUL, BUILT_BF16 = f"{MODELS}:unet_coord", f"{MODELS}:unet_matmul", f"{MODELS}:bf16_built_mixes_fp32"
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -35,7 +35,7 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
 
 
 @pytest.mark.parametrize(("spec", "where"), [
-    (CONV, "the forward of module 'up2.fuse' (Conv2d) raised RuntimeError: Input type (float) and bias type"),
+    (CONV, "the forward of module 'up2.fuse' (CoordConv) raised RuntimeError: Input type (float) and bias type"),
     (MATMUL, "aten.bmm in module 'mix' raised MixedDtypeError: aten.bmm got bfloat16 and float32 operands"),
 ])
 def test_plan_refuses_a_model_that_fails_in_bf16_naming_the_op_module_and_way_out(capsys, spec, where):

@@ -16,6 +16,7 @@ from dataclasses import replace
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import check_checkpointing
 from fsdp_planner.fsdp2.dtypes import check_full_precision, check_uniform_dtypes, split_by_dtype, with_param_dtypes
+from fsdp_planner.fsdp2.input_casts import check_input_casts, with_cast_targets
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.fsdp2.tensor_parallel import check_moe_styles, check_style_classes
@@ -256,6 +257,7 @@ def check_plan_matches(plan: Plan, trace: Trace) -> None:
     validate_plan(plan, trace)
     check_uniform_dtypes(plan, trace)
     check_full_precision(plan, trace)
+    check_input_casts(trace, hooked_by(plan, trace))
     check_checkpointing(plan, trace)
 
 
@@ -292,6 +294,9 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
         ms = [c for m in ms for c in shardable_cover(trace, m)]
         groups.append([m for m in dict.fromkeys(ms) if m not in listed])
         listed.update(ms)
+    if trace.cast_inputs:
+        groups = with_cast_targets(trace, groups)
+        reshard += [True] * (len(groups) - len(reshard))
     added = resolve_shared_modules(trace, groups)
     reshard += [True] * added
     groups = resolve_ties(trace, groups)
@@ -307,14 +312,22 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     plan = replace(plan, groups=with_param_dtypes(trace, [g for g in claimed if g.params or g.is_root]))
     first = trace.index.first_use_by_name.__getitem__
     inner = sorted(plan.inner_groups, key=lambda g: min(map(first, g.params)))
-    return replace(plan, groups=[*inner, plan.root], forward_methods=methods_to_register(trace, plan))
+    plan = replace(plan, groups=[*inner, plan.root], forward_methods=methods_to_register(trace, plan))
+    if trace.cast_inputs:  # a module the policy's groups all lie below claims nothing, so its group was dropped
+        check_input_casts(trace, hooked_by(plan, trace))
+    return plan
+
+
+def hooked_by(plan: Plan, trace: Trace) -> set[str]:
+    """The modules the plan's ``fully_shard`` calls hook (``hooked_modules``), the root's included."""
+    parents = trace.index.parents
+    return {m for g in plan.groups for m in hooked_modules(g.modules, parents)}
 
 
 def methods_to_register(trace: Trace, plan: Plan) -> list[tuple[str, str]]:
     """The non-forward methods the step calls on modules the plan shards (``fully_shard`` targets, the root
     included): FSDP2 runs them inside the module's hooks only once ``register_fsdp_forward_method`` is called."""
-    parents = trace.index.parents  # only a module fully_shard hooked has the state the registration wraps
-    listed = {m for g in plan.groups for m in hooked_modules(g.modules, parents)}
+    listed = hooked_by(plan, trace)  # only a module fully_shard hooked has the state the registration wraps
     return [(m, name) for m, name in trace.forward_methods if m in listed]
 
 

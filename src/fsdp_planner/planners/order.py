@@ -21,7 +21,8 @@ from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
 
 def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tuple[list[str], int]]:
     """Indivisible units with their bytes, sorted by the first use of their params (unused ones last): modules
-    that own params, merged when they share (tied) params or lie in the same ``whole`` module. Params registered
+    that own params, merged when they share (tied) params or lie in the same ``whole`` module or module of
+    ``Trace.cast_inputs`` (which a group lists whole, for FSDP2 to cast its inputs). Params registered
     on the root module (and modules sharing a param with it) are in no atom: only the root's own ``fully_shard``
     can manage them."""
     root_tied = {o for p in trace.params if ROOT in p.owners for o in p.owners}
@@ -38,7 +39,7 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
         tied = [o for o in p.owners if o in parent]
         for o in tied[1:]:
             parent[find(o)] = find(tied[0])
-    whole_set = set(whole)
+    whole_set = {*whole, *trace.cast_inputs}
     first_inside: dict[str, str] = {}  # outermost whole module -> the first owner found inside it
     for m in owners:
         outermost = next((a for a in reversed([m, *proper_ancestors(m)]) if a in whole_set), None)
@@ -68,8 +69,10 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
     """Replace sets of modules that cover a whole subtree's param-owning modules by the subtree's root, so a group
     reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used, nor is a
     module with a module below it called outside its parent (``not_enclosing``): its hooks would not run around
-    that call, which would read the group's params sharded (and FSDP2 hooks no listed module below another)."""
+    that call, which would read the group's params sharded (and FSDP2 hooks no listed module below another); nor
+    one above a module of ``Trace.cast_inputs``, whose inputs FSDP2 casts only while it is listed (hooked)."""
     mine = set(modules)
+    cast = set(trace.cast_inputs)
     owners_below = trace.index.owners_below
     not_enclosing = trace.index.not_enclosing
     covered: dict[str, bool] = {}  # module -> every param-owning module below it is ours
@@ -82,7 +85,7 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
             up = parent_of(a)
             if a != ROOT and up != ROOT and up not in covered:
                 covered[up] = owners_below[up] <= mine
-            if a == ROOT or up == ROOT or not covered[up] or up in not_enclosing:
+            if a == ROOT or up == ROOT or not covered[up] or up in not_enclosing or a in cast:
                 top_of[a] = a
                 break
             a = up

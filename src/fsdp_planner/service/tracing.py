@@ -104,7 +104,8 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     try:
         with kernel(spec.attention):
             saved = record_compiled(lm.model, lm.example_inputs, blocks, precision.trace_dtype,
-                                    {p.value: functools.partial(_selective_copy, policy=p) for p in SacPolicy})
+                                    {p.value: functools.partial(_selective_copy, policy=p) for p in SacPolicy},
+                                    tr.cast_inputs)
     except Exception as e:
         raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({model_error(e)}); the "
                            "block does not compile with fullgraph=True as the step calls it") from e

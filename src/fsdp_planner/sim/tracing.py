@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.input_casts import get_float32
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
@@ -83,20 +84,25 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
             raise
         cause = e
     own: Trace | None = None  # the step in the model's own dtypes, traced when needed
-    for _ in range(MAX_KEPT_CLASSES):
+    casting = False  # FSDP2's casts of the inputs of the modules a group lists (``input_casts.py``): tried last
+    for _ in range(MAX_KEPT_CLASSES + 1):
         more = kept_in_fp32(model, failed_at(cause))
         if not more:  # an fp32 buffer added to activations fails a module after the one that added it
             own = own or step()
             more = kept_before(model, own, failed_at(cause))
-        if not more or set(more) <= set(kept):
+        if more and not set(more) <= set(kept):
+            kept = (*kept, *(m for m in more if m not in kept))
+        elif casting:
             break
-        kept = (*kept, *(m for m in more if m not in kept))
+        else:
+            casting = True
         try:
-            tr = step(compute_dtype=dtype, full_precision=kept)
+            tr = step(compute_dtype=dtype, full_precision=kept, cast_inputs=casting)
         except Exception as e:
             cause = e
             continue
-        return replace(tr, notes=(*tr.notes, kept_note(model, kept, precision)))
+        notes = (kept_note(model, kept, precision) if kept else "", cast_note(tr.cast_inputs, precision))
+        return replace(tr, notes=(*tr.notes, *(n for n in notes if n)))
     # the same step in the model's own dtypes: what fails there too is the model's error, not the precision's
     raise PrecisionError(precision, cause, own or step()) from cause
 
@@ -151,6 +157,18 @@ def kept_before(model: nn.Module, own: Trace, failed: FailedOp | None) -> tuple[
         return ()
     source = type(named[max(before)[1]])
     return tuple(name for name, m in model.named_modules() if type(m) is source and _needs_fp32(m))
+
+
+def cast_note(cast: tuple[str, ...], precision: Precision) -> str:
+    """One line naming the modules that get float32 activations, which FSDP2 casts only where a group lists them:
+    what every plan of this trace does (a --plan file that does not is refused: ``check_input_casts``)."""
+    if not cast:
+        return ""
+    dtype = str(precision.trace_dtype).removeprefix("torch.")
+    return (f"{get_float32(cast)} activations (made by the forward before them, e.g. a float32 buffer added to "
+            f"them) where '{precision.name}' computes in {dtype}: the step runs because FSDP2 casts a module's "
+            "inputs at its pre-forward (MixedPrecisionPolicy.cast_forward_inputs), and only for a module a group "
+            "lists, so every plan lists them (the policies do; a --plan file must)")
 
 
 def kept_note(model: nn.Module, kept: tuple[str, ...], precision: Precision) -> str:

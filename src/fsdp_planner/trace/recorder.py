@@ -35,6 +35,7 @@ from fsdp_planner.batch import paused_gc
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.trace.compiled import compiled_blocks
 from fsdp_planner.trace.full_precision import subtree_params
+from fsdp_planner.trace.input_casts import group_input_casts
 from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.session import TraceRequest, TraceSession, step_inputs
 from fsdp_planner.trace.walk import TracedModel
@@ -49,6 +50,7 @@ def record(
     compute_dtype: torch.dtype | None = None,
     routing: float = DEFAULT_CAPACITY,
     full_precision: tuple[str, ...] = (),
+    cast_inputs: bool = False,
 ) -> Trace:
     """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
 
@@ -68,12 +70,15 @@ def record(
 
     ``full_precision``: modules that keep fp32 under ``compute_dtype``, as an fp32 group of their own runs them
     (``full_precision.py``): their params are not cast, their calls' inputs are cast to fp32 and outputs back.
+
+    ``cast_inputs``: every module holding params casts its floating inputs to ``compute_dtype``, as FSDP2 does
+    for a module a group lists (``input_casts.py``); ``Trace.cast_inputs`` names those where that changed a dtype.
     """
     if measure and compute_dtype is not None:
         raise ValueError("a measured trace runs the model as it is: no compute_dtype")
     args, kwargs = split_inputs(example_inputs)
     request = TraceRequest(model, args, kwargs, loss_fn or default_loss, measure, reuse, compute_dtype, routing,
-                           tuple(full_precision))
+                           tuple(full_precision), cast_inputs)
     with paused_gc():
         return _trace(request)
 
@@ -122,13 +127,18 @@ _METHOD_PASSES = 4
 
 
 def record_compiled(model: nn.Module, example_inputs: Any, names: list[str], compute_dtype: torch.dtype | None = None,
-                    variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None
-                    ) -> dict[str, CompiledBlock]:
+                    variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None,
+                    cast_inputs: tuple[str, ...] = ()) -> dict[str, CompiledBlock]:
     """Each of ``names`` compiled (``compiled.py``: what it saves for backward, the bytes and kernels of its
-    fused graphs), in the step's compute dtype as ``record`` runs it; the model on meta."""
+    fused graphs), in the step's compute dtype as ``record`` runs it; the model on meta. ``cast_inputs``: the
+    step's ``Trace.cast_inputs``, whose group casts run outside the compiled code, before it."""
     args, kwargs = split_inputs(example_inputs)
     request = TraceRequest(model, args, kwargs, default_loss, compute_dtype=compute_dtype)
-    with _params_cast(model, compute_dtype):
+    casts: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if cast_inputs and compute_dtype is not None:
+        modules = dict(model.named_modules())
+        casts = group_input_casts({m: modules[m] for m in cast_inputs}, (), compute_dtype, [])
+    with _params_cast(model, compute_dtype), casts:
         return compiled_blocks(model, *step_inputs(request), names, variants)
 
 

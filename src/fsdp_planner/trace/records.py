@@ -58,6 +58,8 @@ class Trace:
     # (a vocab-parallel embedding's weight, ``sim/tensor_parallel.py``) until FSDP2's post-backward keeps its shard
     full_precision: tuple[str, ...] = ()  # modules traced in fp32 under the compute dtype (``full_precision.py``):
     # each needs an fp32 group (``Group.param_dtype``); empty: every module in the compute dtype
+    cast_inputs: tuple[str, ...] = ()  # modules that get float32 activations under the compute dtype, which FSDP2
+    # casts at their pre-forward only when a group lists them (``input_casts.py``): every plan lists them
     own_checkpointed: tuple[OwnCall, ...] = ()  # the calls the model's own torch.utils.checkpoint holds
     # (``own_checkpoint.py``), outermost in each region: each region modelled as one call checkpointed in full
     attention: tuple[tuple[int, int, int], ...] = ()  # (query heads, key heads, head dim) of the step's fused

@@ -35,6 +35,7 @@ from fsdp_planner.norms import fused_rms_norm_everywhere
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, capacity
 from fsdp_planner.trace.full_precision import full_precision_casts
 from fsdp_planner.trace.hooks import ModuleHooks
+from fsdp_planner.trace.input_casts import group_input_casts
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.methods import MethodFinder, forward_methods
 from fsdp_planner.trace.ops import OpRecorder, device_sync
@@ -61,6 +62,7 @@ class TraceRequest:
     compute_dtype: torch.dtype | None = None
     routing: float = DEFAULT_CAPACITY  # the capacity factor of data-dependent ops' stand-in (routing.py)
     full_precision: tuple[str, ...] = ()  # modules run in fp32 under the compute dtype (full_precision.py)
+    cast_inputs: bool = False  # every module holding params casts its inputs to the compute dtype (input_casts.py)
 
 
 def step_inputs(request: TraceRequest) -> tuple[tuple, dict]:
@@ -108,6 +110,7 @@ class TraceSession:
         self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync, self.stand_in)
         self.hooks = ModuleHooks(model.walk, self.slot)
         self.own = OwnCheckpoints(self.slot)
+        self.cast: list[str] = []  # the modules whose inputs the group casts changed (``input_casts.py``)
 
     def _fake_mode(self) -> FakeTensorMode | None:
         """A fake mode for a model with real params (none on meta, none when measuring: those run for real)."""
@@ -150,6 +153,9 @@ class TraceSession:
             # after the recorder's hooks, but the input cast prepended: FSDP2 casts before anything else it does
             stack.enter_context(full_precision_casts(self.model.walk.modules, request.full_precision,
                                                      request.compute_dtype))
+            if request.cast_inputs and request.compute_dtype is not None:
+                stack.enter_context(group_input_casts(self.model.walk.modules, request.full_precision,
+                                                      request.compute_dtype, self.cast))
             for p in self.model.param_objs:  # a param's grad is no gradient of an activation (ops.py)
                 if p.requires_grad:
                     stack.callback(p.register_post_accumulate_grad_hook(self._param_grad).remove)
@@ -189,6 +195,7 @@ class TraceSession:
                      inputs_nbytes=inputs_nbytes(self.request, self.args, self.kwargs),
                      notes=tuple(n for n in (self.stand_in.note(), self.own.note(tuple(recorder.own_calls))) if n),
                      full_precision=self.request.full_precision if dtype is not None else (),
+                     cast_inputs=tuple(self.cast),
                      own_checkpointed=tuple(recorder.own_calls), attention=tuple(sorted(self.ops.attention)),
                      attention_batch=self.ops.attention_batch,
                      stood_in=tuple(sorted({module for _, module in self.stand_in.used})))

@@ -1,0 +1,43 @@
+"""The modules every plan must list so that FSDP2 casts their float32 inputs (``Trace.cast_inputs``).
+
+FSDP2 casts a module's floating inputs to the compute dtype at its pre-forward only where a ``fully_shard`` call
+lists it (and hooks it: not below another module of the same call). A model that makes float32 activations before
+such a module (``trace/input_casts.py``) runs in mixed precision only so: the policies give each a group where
+they did not list it, and a plan file that does not is refused with the module named.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.trace.records import Trace
+
+
+class UncastInputsError(PlannerError):
+    """A plan that hooks no module where the step needs FSDP2's cast of float32 inputs."""
+
+
+def with_cast_targets(trace: Trace, groups: list[list[str]]) -> list[list[str]]:
+    """``groups`` (module lists) and a group of its own for each module of ``Trace.cast_inputs`` none lists."""
+    listed = {m for ms in groups for m in ms}
+    return [*groups, *([m] for m in trace.cast_inputs if m not in listed)]
+
+
+def check_input_casts(trace: Trace, hooked: Collection[str]) -> None:
+    """Refuse a plan whose groups do not hook a module of ``Trace.cast_inputs`` (``hooked``: the modules the
+    plan's ``fully_shard`` calls hook): its float32 inputs would meet the compute dtype's weights uncast."""
+    missing = [m for m in trace.cast_inputs if m not in hooked]
+    if not missing:
+        return
+    raise UncastInputsError(f"{get_float32(missing)} activations, which FSDP2 casts to the compute dtype only for a "
+                            "module a group lists, and no group of the plan lists "
+                            f"{'it' if len(missing) == 1 else 'them'} (where a group lists a module above it, it is "
+                            "not hooked): give each a group or list it in one, or cast in the model's forward "
+                            "(x.to(weight.dtype)) before it")
+
+
+def get_float32(names: Sequence[str]) -> str:
+    """The subject of the notes and errors about ``names``: ``'blocks.0' gets float32``, ``'a', 'b' get float32``."""
+    listed = ", ".join(f"'{m}'" for m in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{listed} {'gets' if len(names) == 1 else 'get'} float32"
