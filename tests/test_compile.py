@@ -5,6 +5,7 @@ apply_plan compiling the blocks and real FSDP2 training them."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import numpy as np
@@ -238,6 +239,16 @@ def test_compiled_blocks_train_like_the_reference_on_real_ranks():
     # one 2-core host (under 1e-4 on others); bf16's own step is 7.8e-3
     assert result.losses == pytest.approx(result.reference_losses, rel=5e-4)
     assert result.ok
+
+
+@pytest.mark.integration  # ~40 s (loaded): a torchrun job of 2 gloo ranks compiling its blocks
+def test_verify_with_a_policy_and_compile_compiles_on_the_ranks(capsys):
+    """``verify --policy titan --compile`` once trained eager ranks beside a compiled prediction (a PASS for a
+    check it never ran): the ranks now compile the blocks the trace compiled."""
+    assert main(["verify", "toy-llama", "--policy", "titan", "--compile", "--nproc", "2", "--steps", "2",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["compiled"] == [f"layers.{i}" for i in range(4)] and report["ok"]
 
 
 def test_blocks_keeping_their_layer_index_compile_one_by_one(tmp_path):

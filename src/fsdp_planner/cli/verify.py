@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         # the timed steps are forward and backward (``worker.time_steps``): so is the prediction
         predicted = simulate(tr, plan, predict_on, options, timeline=False).step_seconds(optimizer=False)
         result = dataclasses.replace(result, predicted_step=predicted)
-    _report(result, request, predict_on)
+    _report(result, request, predict_on, plan)
     return 0 if result.ok else 1
 
 
@@ -98,6 +98,8 @@ def _the_job(request: VerifyRequest, predict_on: Cluster | None) -> tuple[ModelS
         if (model := _judged(model, request.source, plan)) is not request.model:
             tr = _traced(model, request, predict_on)
     plan = stamped(plan, tr, request.nproc, options)  # --offload, --shard-placement, --reduce-dtype
+    if tr.compiled and not plan.compiled:  # --compile: the ranks compile what the prediction compiled
+        plan = plan.replace(compiled=tuple(tr.compiled))
     check_model_runs_ep(model, plan)
     check_dispatch_runs(plan, tr, model)  # real routing: the fake world's stand-in makes no such mismatch
     if request.fsdp1:
@@ -146,13 +148,13 @@ def _sharded(plan: Plan) -> int:
     return sum(1 for g in plan.groups if g.params)
 
 
-def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | None) -> None:
+def _report(result: VerifyResult, request: VerifyRequest, predict_on: Cluster | None, plan: Plan) -> None:
     """The job's checks on stdout: a JSON document, or the table, FSDP1's units, the job's notes and the verdict."""
     if request.json:
         plan_for = request.plan_cluster.name if request.plan_for and request.plan_cluster else None
         print(json_text({**result.to_dict(), "cluster": predict_on.name if predict_on else None,
-                         "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None},
-                        indent=2))
+                         "plan_for": plan_for, "plan_model": request.plan_model.name if request.plan_model else None,
+                         "compiled": list(plan.compiled)}, indent=2))
         return
     given = request.cluster.name if request.cluster else None  # only whether one was given is read when not used
     render.console.print(render.verify_table(result, predict_on.name if predict_on else given))
