@@ -18,7 +18,7 @@ from fsdp_planner.apply.export import export_plan
 from fsdp_planner.choices import ExportFormat
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.checkpointing import ACMode, checkpointed_blocks
-from fsdp_planner.fsdp2.claim import check_plan_matches
+from fsdp_planner.fsdp2.claim import check_plan_matches, with_claimed_params
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.fsdp2.replay import build_schedule
@@ -316,3 +316,19 @@ def test_exported_code_checkpoints_the_blocks_around_their_fp32_groups(resnet):
     assert calls == [torch.bfloat16] * 2 and dtypes == {(torch.float32, torch.float32)}
     assert issued == [c.group for c in build_schedule(resnet, plan, 2).collectives
                       if c.kind is CollectiveKind.ALL_GATHER]
+
+
+def test_a_plan_grouping_batchnorms_with_their_convs_is_refused_and_check_says_why(resnet, tmp_path, capsys):
+    """A hand plan listing whole residual blocks puts each block's BatchNorms in a compute-dtype group with its
+    convs: the first step crashes in the BatchNorm kernel (a trial ran it to that RuntimeError after simulate and
+    check had passed it). Refused, and ``check`` reports each such group as an error finding."""
+    blocks = sorted({".".join(bn.split(".")[:2]) for bn in batchnorms(resnet) if bn.count(".") >= 2})
+    plan = with_claimed_params(Plan([*(Group([b]) for b in blocks), Group([""])], "", 0), resnet)
+    with pytest.raises(PlannerError, match=r"group 0 \(layer1\.0\) holds params of layer1\.0\.bn1, layer1\.0\.bn2.* "
+                                           r"must run in fp32"):
+        check_plan_matches(plan, resnet)
+    path = tmp_path / "blocks.json"
+    path.write_text(json.dumps({"version": 1, "groups": [[b] for b in blocks]}))
+    assert cli.main(["check", RESNET, "--plan", str(path), "--json"]) == 1
+    findings = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "precision"]
+    assert [f["module"] for f in findings] == [*(f"{b}.bn1" for b in blocks), "bn1"]  # the stem's: on the root

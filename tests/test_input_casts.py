@@ -87,12 +87,16 @@ def test_a_plan_that_lists_a_piece_of_the_block_but_not_the_block_is_refused(sin
     check_plan_matches(_hand_plan(sinusoid, [["emb", "blocks.1"], ["blocks.0"]]), sinusoid)  # listed, so hooked
 
 
-def test_the_cli_refuses_such_a_plan_file_in_one_line(tmp_path, capsys):
+def test_the_cli_refuses_such_a_plan_file_and_check_names_the_module(tmp_path, capsys):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"version": 1, "groups": [{"modules": ["blocks.0.fc1"]}, {"modules": [""]}]}))
-    assert cli.main(["check", BUILD, "--plan", str(path), "--precision", "bf16-mixed"]) == 2
+    assert cli.main(["simulate", BUILD, "--plan", str(path), "--precision", "bf16-mixed", "--cluster", "h100:8"]) == 2
     err = capsys.readouterr().err
     assert "error: 'blocks.0' gets float32 activations" in err and "Traceback" not in err
+    assert cli.main(["check", BUILD, "--plan", str(path), "--precision", "bf16-mixed", "--json"]) == 1
+    findings = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "precision"]
+    assert [(f["module"], f["fix"]) for f in findings] == [("blocks.0", "list it in a group (fully_shard("
+                                                                        "model.blocks[0]))")]
 
 
 def _real_fsdp2_step(listed: list[str]) -> None:

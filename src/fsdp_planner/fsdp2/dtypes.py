@@ -52,18 +52,33 @@ def check_full_precision(plan: Plan, trace: Trace) -> None:
     if trace.compute_itemsize is None:  # traced in fp32: an fp32 group changes nothing
         return
     for i, g in enumerate(plan.groups):
-        want = group_param_dtype(trace, g.params)
-        if want == g.param_dtype:
-            continue
         name = ", ".join(g.modules[:3]) or "(root)"
-        if g.param_dtype:
+        if g.param_dtype and group_param_dtype(trace, g.params) != g.param_dtype:
             raise PlannerError(f"group {i} ({name}) has param_dtype {g.param_dtype} but holds params of modules that "
                                "run in the compute dtype; fp32 groups hold the modules that fail in it and those "
                                "--fp32-modules names: remove its param_dtype, name its modules, or make the plan again")
-        if any(trace.index.param_index[p] in trace.full_precision_params for p in g.params):
-            raise PlannerError(f"group {i} ({name}) holds params of modules that fail in the compute dtype "
-                               f"({', '.join(trace.full_precision[:3])}...) and must run in fp32: give them groups "
-                               "of their own with \"param_dtype\": \"fp32\" (or make the plan again)")
+        held = [] if g.param_dtype else full_precision_modules_in(trace, g.params)
+        if held:  # (a group mixing them with compute-dtype params computes them in the compute dtype: a crash)
+            raise PlannerError(f"group {i} ({name}) holds params of {', '.join(held[:3])}"
+                               f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}, which fail in the compute "
+                               "dtype and must run in fp32: give them groups of their own with \"param_dtype\": "
+                               "\"fp32\" (or make the plan again)")
+
+
+def full_precision_modules_in(trace: Trace, params: tuple[str, ...] | list[str]) -> list[str]:
+    """The modules traced in fp32 (``Trace.full_precision``) some of whose params are among ``params``."""
+    mine = {trace.index.param_index[p] for p in params}
+    index = trace.index.param_index
+    out = []
+    for m in trace.full_precision:
+        stack = [m]
+        while stack:
+            info = trace.modules[stack.pop()]
+            if any(index[p] in mine for p in info.params):
+                out.append(m)
+                break
+            stack.extend(info.children)
+    return out
 
 
 def with_param_dtypes(trace: Trace, groups: list[Group]) -> list[Group]:
