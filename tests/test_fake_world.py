@@ -13,7 +13,7 @@ import torch
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.hardware.cluster import parse_cluster
-from fsdp_planner.models import as_spec, load_model
+from fsdp_planner.models import ModelSpec, as_spec, load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.runtime.fake_world import LiveBytes, run_fake_world
 from fsdp_planner.sim.options import PRECISIONS, SimOptions, ZeroGrad
@@ -517,3 +517,29 @@ def test_fsdp2_s_view_warnings_are_counted_and_said_once(tmp_path: Path) -> None
     as_json = run_main("verify", spec, "--policy", "module", "--module-classes", "Viewing", "--fake-world-size", "2",
                        "--json")
     assert json.loads(as_json.stdout)["fsdp2_view_warnings"] == result.view_outputs  # each call, every run
+
+
+@pytest.mark.integration  # real FSDP2 on fake ranks, twice
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_frozen_bf16_encoder_beside_fp32_params_is_stored_and_gathered_as_built(precision: str) -> None:
+    """verify refused such a model (one stored dtype for every param) though FSDP2 trains it: its frozen bf16 params
+    stay bf16 in storage, and where the policy casts nothing (fp32) FSDP2 all-gathers them in bf16 (predicted in
+    fp32: 51.5 KiB against 40.9 KiB measured on a trial's model)."""
+    spec = f"{DTYPE_MODELS}:frozen_bf16_encoder"
+    options = SimOptions.named(precision)
+    lm = load_model(spec)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
+    plan = make_plan(tr, [["encoder"], ["net.blocks.0"], ["net.blocks.1"]])
+    predicted = simulate(tr, plan, parse_cluster("h100:4"), options, timeline=False)
+    measured = run_fake_world(spec, plan, 4, options.precision)
+    assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
+    assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes
+    assert abs(predicted.peak_memory / measured.peak_memory - 1) < 0.05
+
+
+def test_verify_takes_a_frozen_bf16_encoder_and_still_refuses_trainable_params_of_two_dtypes(capsys) -> None:
+    from fsdp_planner.runtime.verify import check_model_dtypes
+
+    check_model_dtypes(ModelSpec(f"{DTYPE_MODELS}:frozen_bf16_encoder"), SimOptions.named("fp32").precision)
+    with pytest.raises(PlannerError, match="builds its params in bfloat16 and float32"):
+        check_model_dtypes(ModelSpec(f"{DTYPE_MODELS}:mixed"), SimOptions.named("fp32").precision)

@@ -458,6 +458,10 @@ def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
                      f"{loaded['tensors'] - len(bad_keys)} equal"
                      + (f" (differ: {escape(', '.join(map(cell_text, bad_keys[:3])))})" if bad_keys else ""),
                      OK if result.checkpoint_match else BAD))
+        if local := loaded.get("rank_local"):
+            rows.append((f"{len(local)} entries each rank held its own of ({escape(cell_text(local[0]))}, ...)",
+                         "not compared", "every rank restored one rank's copy (DCP saves one copy of a tensor "
+                         "that is not a DTensor; FSDP2 syncs no buffer: SyncBatchNorm keeps them equal)", ""))
     if result.saved is not None:
         rows.append(("checkpoint saved", f"step {result.start_step + result.steps}", escape(result.saved), ""))
     return rows

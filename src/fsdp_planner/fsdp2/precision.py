@@ -105,8 +105,11 @@ def complex_reduce_problem(precision: Precision, complex_params: list[str]) -> s
 
 
 def built_dtypes(model: torch.nn.Module) -> set[str]:
-    """The floating dtypes ``model``'s params are built in, named as a trace names them ("float32")."""
-    return {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+    """The floating dtypes ``model``'s trainable params are built in, named as a trace names them ("float32"):
+    frozen ones may differ (FSDP2 checks one dtype per group among params that require grad, and a frozen bf16
+    encoder beside an fp32 model trains as built)."""
+    return {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()
+            and p.requires_grad}
 
 
 def mixed_precision(precision: Precision, model: torch.nn.Module) -> MixedPrecisionPolicy:

@@ -83,9 +83,14 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
     digests = state_digests(model, optimizer)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digests)
+    # tensors each rank holds its own of (BatchNorm's running stats: FSDP2 syncs no buffer): DCP writes one rank's
+    rank_local = sorted(k for k in digests if any(theirs.get(k) != digests[k] for theirs in everyone))
     if dist.get_rank() == 0:
         torch.save({"model": reference.state_dict(), "optim": ref_optimizer.state_dict()}, directory / REFERENCE)
-        write_atomic(directory / META, json.dumps({"version": VERSION, **meta, "digests": digests}, indent=1))
+        write_atomic(directory / META, json.dumps({"version": VERSION, **meta, "digests": digests,
+                                                   "rank_local": rank_local}, indent=1))
     dist.barrier()
 
 
@@ -123,6 +128,9 @@ def parse_meta(text: str, where: str) -> dict[str, Any]:
     if not isinstance(digests, dict) or len(digests) > MAX_DIGESTS or \
             not all(_label(k) and _label(v) for k, v in digests.items()):
         raise PlannerError(f"{where}: 'digests' must map each tensor's name to its sha256 (strings)")
+    local = meta.get("rank_local", [])  # (absent in checkpoints written before it was recorded)
+    if not isinstance(local, list) or len(local) > MAX_DIGESTS or not all(_label(k) for k in local):
+        raise PlannerError(f"{where}: 'rank_local' must list tensor names (strings)")
     return meta
 
 
@@ -166,11 +174,13 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
         saved = meta["digests"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     digests = state_digests(model, optimizer)
-    mismatched = sorted(k for k in saved.keys() | digests.keys() if saved.get(k) != digests.get(k))
+    rank_local = set(meta.get("rank_local", ()))  # rank 0's digest of a copy DCP may have taken from another rank
+    mismatched = sorted(k for k in saved.keys() | digests.keys() if saved.get(k) != digests.get(k)
+                        and k not in rank_local)
     device = next(reference.parameters()).device
     with reading(directory):
         ref = torch.load(directory / REFERENCE, map_location=device, weights_only=True)
     reference.load_state_dict(ref["model"])
     ref_optimizer.load_state_dict(ref["optim"])
     return {"step": meta["step"], "world": meta["world"], "policy": meta["policy"], "tensors": len(digests),
-            "mismatched": mismatched}
+            "mismatched": mismatched, "rank_local": sorted(rank_local)}

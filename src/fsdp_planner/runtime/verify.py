@@ -512,7 +512,7 @@ def check_on_meta(job: VerifyJob, trace: Trace) -> None:
     cannot train."""
     if job.plan.forward_methods:
         check_forward_methods(job.plan, load_model(job.model, meta=True).model)
-    check_param_dtypes(job.precision, {p.dtype for p in trace.params if p.is_floating_point})
+    check_param_dtypes(job.precision, {p.dtype for p in trace.params if p.is_floating_point and p.requires_grad})
     f8 = job.plan.float8
     if f8 is not None and f8.tp_float8_all_gather and job.plan.tensor_parallel is not None \
             and not torch.cuda.is_available():

@@ -203,7 +203,7 @@ class MemoryModel:
         trainable = [i for i, p in enumerate(trace.params) if p.requires_grad]
         shard = 0 if offload else self.sizing.shard_numel(trainable)  # offloaded: on the CPU
         self.static = MemoryBreakdown(
-            params=0 if offload else self.sizing.shard_numel(range(len(trace.params))) * precision.param_bytes,
+            params=0 if offload else self.sizing.stored_shard_bytes,
             grads=shard * precision.grad_bytes if zero_grad is ZeroGrad.ZEROS else 0,
             optimizer_state=shard * optimizer.state_bytes_per_element(precision.param_bytes),
             buffers=trace.buffers_nbytes,

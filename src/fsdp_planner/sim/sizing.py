@@ -30,7 +30,7 @@ mesh, world size / EP ranks (``param_shards``), the rest over the world size.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -117,14 +117,8 @@ class Sizing:
         self.trace, self.world_size = trace, world_size
         # bytes per param (padded to the world size, at the precision's dtypes or each param's own), for sums over
         # thousands of params at C speed (a plan's root or large groups)
-        own = np.array([p.itemsize for p in trace.params], dtype=np.int64)
-        # FSDP2 casts floating-point params alone (FSDPParam.init_dtype_attrs): an int or complex param is gathered,
-        # computed and reduced in its own dtype whatever the precision
         cast = np.array([p.is_floating_point for p in trace.params], dtype=bool)
-
-        def itemsize(field: str) -> np.ndarray:  # the precision's dtype for these bytes, else each param's own
-            return own if precision is None else np.where(cast, getattr(precision, field), own)
-
+        itemsize = _itemsizes(trace, precision, cast)
         shards = param_shards(trace, world_size)
         on = [dims.get(p.fqn, 0) if dims is not None else shard_dim(p, n, placement)
               for p, n in zip(trace.params, shards, strict=True)]
@@ -132,6 +126,7 @@ class Sizing:
                                 dtype=np.int64)
         self._shard_numel = self._padded // np.array(shards, dtype=np.int64)  # each rank's elements
         self._dim1 = np.array([d != 0 for d in on], dtype=bool)  # the params copied once more each way
+        self.stored_shard_bytes = int((self._shard_numel * itemsize("param_bytes")).sum())  # every param's shards
         self._gather = self._padded * itemsize("gather_bytes")
         if float8_gathered:
             at = np.fromiter(float8_gathered, dtype=np.intp)
@@ -251,6 +246,27 @@ class Sizing:
     def shard_numel(self, params: Iterable[int]) -> int:
         """Elements of these params each rank holds sharded."""
         return _cached_sum(self._shard_numel_of, self._shard_numel, params)
+
+
+def _itemsizes(trace: Trace, precision: Precision | None, cast: np.ndarray) -> Callable[[str], np.ndarray]:
+    """Per param, the bytes an element of one of the precision's fields (``param_bytes``, ``gather_bytes``, ...)
+    takes, else each param's own. FSDP2 casts floating-point params alone (``cast``; FSDPParam.init_dtype_attrs):
+    an int or complex param is gathered, computed and reduced in its own dtype whatever the precision. Frozen params
+    built in a dtype no trainable param has (a frozen bf16 encoder beside an fp32 model) stay as built: stored so,
+    and gathered so where FSDP2's policy casts nothing (``param_dtype`` None)."""
+    own = np.array([p.itemsize for p in trace.params], dtype=np.int64)
+    trainable = trace.index.trainable_dtypes
+    kept = np.array([p.is_floating_point and not p.requires_grad and bool(trainable) and p.dtype not in trainable
+                     for p in trace.params], dtype=bool)
+    uncast = precision is not None and precision.fsdp_dtypes()[0] is None
+
+    def itemsize(field: str) -> np.ndarray:
+        if precision is None:
+            return own
+        out = np.where(cast, getattr(precision, field), own)
+        return np.where(kept, own, out) if field == "param_bytes" or (field == "gather_bytes" and uncast) else out
+
+    return itemsize
 
 
 def _recast(trace: Trace, gather: np.ndarray, stored: np.ndarray, cast: np.ndarray, float8_gathered: frozenset[int],
