@@ -198,3 +198,17 @@ def test_module_called_twice_is_never_in_a_list_group():
     plan = ExecutionOrderPolicy().plan(tr)
     (shared,) = [g for g in plan.groups if "shared.weight" in g.params]
     assert list(shared.modules) == ["shared"]
+
+
+@pytest.mark.parametrize("name", ["titan", "order"])
+def test_params_the_root_reads_itself_stay_on_the_root_and_the_blocks_keep_their_groups(name):
+    """A trial's GPT-2 with the tie written as ``F.linear(h, wte.weight)`` in the root's forward: the order policy
+    joined wte's group to the next until it ran, one group of the whole model; titan listed a ParameterList the
+    root indexes with the heads and refused its own plan. Both now leave those params to the root."""
+    spec = str(Path(__file__).parent / "fixtures" / "factories.py") + ":functional_tie"
+    lm = load_model(spec)
+    tr = record(lm.model, lm.example_inputs)
+    plan = policy(name).plan(tr, spec)
+    assert {f"blocks.{i}" for i in range(4)} <= {m for g in plan.inner_groups for m in g.modules}
+    assert {"wte.weight", *(f"shifts.{i}" for i in range(4))} <= set(plan.root.params)
+    assert "joined" not in plan.policy

@@ -130,12 +130,15 @@ class TorchtitanPolicy:
     @staticmethod
     def _side_modules(trace: Trace, blocks: list[str]) -> tuple[list[str], list[str]]:
         """Param-owning modules beside the blocks' chain of containers, split into those first used before the
-        first block and the rest, each list in first-use order."""
+        first block and the rest, each list in first-use order. A module whose params the forward reads outside it
+        (a ParameterList the root indexes, an embedding the root multiplies with) stays with the root, the one
+        group unsharded there."""
         chain = {a for b in blocks for a in proper_ancestors(b)}  # containers whose other children are side modules
         block_set = set(blocks)
         subtree = trace.index.subtree_params
+        outside = {trace.params[i].fqn for i in trace.index.read_outside}
         side = [c for a in sorted(chain) for c in trace.modules[a].children
-                if c not in chain and c not in block_set and subtree[c]]
+                if c not in chain and c not in block_set and subtree[c] and not subtree[c] & outside]
         never = len(trace.events)
 
         def first_use(fqn: str) -> int:  # ModuleInfo.first_use already covers the subtree

@@ -99,7 +99,8 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
 @dataclass
 class ExecutionOrderPolicy:
     """Contiguous groups in first-use order, closed before they would exceed ``target_bytes``; tied params stay in
-    one group; the root manages no params (but those registered on it); the last group to run forward stays
+    one group; the root manages no params (but those registered on it, and those the forward reads outside their
+    modules); the last group to run forward stays
     unsharded after forward (it is needed first in backward).
 
     Default target: one repeated block's bytes, blocks kept whole (the transformer-block granularity people tune
@@ -128,6 +129,11 @@ class ExecutionOrderPolicy:
         target = block_bytes if self.target_bytes is None else self.target_bytes
         # blocks stay whole unless the target asks for groups smaller than a block
         atoms = atoms_in_execution_order(trace, whole=blocks if target >= block_bytes else ())
+        # an atom whose params the forward all reads outside their modules (GPT-2's head multiplying by wte.weight
+        # in the root's forward) stays with the root, the one group unsharded there: joining its group to the next
+        # until it ran made one group of a whole GPT-2
+        outside = {trace.params[i].fqn for i in trace.index.read_outside}
+        atoms = [(mods, nbytes) for mods, nbytes in atoms if not set().union(*(subtree[m] for m in mods)) <= outside]
         runs: list[Run] = []
         for mods, nbytes in atoms:
             # a module called more than once keeps a group of its own: FSDP2 can fail in backward when a module
