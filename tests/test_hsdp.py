@@ -53,7 +53,7 @@ def test_mesh_parse_and_plan_json_round_trip(toy) -> None:
 def test_mesh_must_match_the_world(toy) -> None:
     plan = titan(toy, Mesh(2, 4))
     check_plan_world_size(plan, 8)
-    with pytest.raises(PlannerError, match="mesh 2x4 has 8 ranks but it is run on 16"):
+    with pytest.raises(PlannerError, match="mesh 2x4 has 8 ranks but the job runs on 16: give --mesh"):
         check_plan_world_size(plan, 16)
     plan = plan.with_group(0, reshard_after_forward=8)  # divides the world (8) but not the shard size (4)
     with pytest.raises(PlannerError, match="divide the shard size of 4 ranks"):

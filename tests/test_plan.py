@@ -187,3 +187,27 @@ def test_a_compiled_list_naming_a_missing_module_is_one_clear_error():
     with pytest.raises(PlannerError, match=r"^plan 'compiled' names modules the model does not have: nope$"):
         check_plan_matches(plan, tr)
     check_plan_matches(plan.replace(compiled=["blocks.0"]), tr)
+
+
+def test_the_comparison_bytes_are_the_job_precision_s_without_a_cluster_too(capsys):
+    """Without --cluster the table showed every precision's all-gather bytes in fp32 (the params' own), so
+    bf16-mixed and pure-bf16 read as fp32's; now they are the job's, as with a cluster."""
+    from fsdp_planner import cli
+
+    gathered = {}
+    for precision in ("fp32", "bf16-mixed"):
+        assert cli.main(["plan", "toy-llama", "--policy", "titan", "--precision", precision, "--json"]) == 0
+        gathered[precision] = json.loads(capsys.readouterr().out)["plans"][0]["metrics"]["all_gather_bytes"]
+    assert gathered["fp32"] == 2 * gathered["bf16-mixed"] > 0
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["tests/fixtures/conv_models.py:conv_net", "--float8", "tensorwise"], "--float8 converts nothing in this model"),
+    (["toy-llama", "--precision", "pure-bf16"], "the model builds its trainable params in float32 and precision "
+                                                "'pure-bf16' stores them in bfloat16"),
+])
+def test_plan_says_what_its_figures_assume_of_the_model_s_dtypes(capsys, args, said):
+    from fsdp_planner import cli
+
+    assert cli.main(["plan", *args, "--policy", "order"]) == 0
+    assert said in capsys.readouterr().err

@@ -93,7 +93,7 @@ def _seed_problem(spec: str, threshold: int) -> dict[str, Any]:
     if spec == "seed-net":
         console.print(render.groups_table(plans[PolicyName.SIZE][0], tr))
     console.print(render.comparison_table(f"{spec}: per training step (FSDP2 semantics)", rows,
-                                          dtype=render.metrics_dtype(tr, None)))
+                                          dtype=render.metrics_dtype(tr, outcome.job.options.precision)))
     blamed = PolicyName.SIZE if spec == "seed-net" else PolicyName.MODULE
     root = plans[blamed][0].root
     out = {"model": spec, "plans": [{"policy": p.policy, "metrics": m.to_dict()} for p, m, _ in rows],

@@ -111,7 +111,7 @@ def _print(outcome: PlanOutcome) -> None:
                                                            job.options.gradient_sync), tr))
     if len(rows) == 1:  # the plan as it is written (its compiled modules and float8 are named in the title)
         console.print(render.groups_table(outcome.plan or rows[0][0], tr))
-    dtype = render.metrics_dtype(tr, job.options.precision if job.cluster is not None else None)
+    dtype = render.metrics_dtype(tr, job.options.precision)
     f8 = job.options.float8
     console.print(render.comparison_table("per training step (FSDP2 semantics)", rows, job.budget, dtype,
                                           float8_gather=f8 is not None and f8.fsdp_float8_all_gather))

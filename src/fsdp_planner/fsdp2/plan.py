@@ -604,9 +604,9 @@ def check_plan_layout(plan: Plan, world_size: int) -> None:
                            "on: give a world size that is a multiple of it, or plan again for this one")
     if plan.mesh is not None and plan.mesh.size * tp != world_size:
         ranks = f"{plan.mesh.size} ranks" + (f" (x TP {tp})" if tp > 1 else "")
-        raise PlannerError(f"the plan's mesh {plan.mesh.describe()} has {ranks} but it is run on "
-                           f"{world_size}: a plan file keeps the mesh it was made for (make it again for "
-                           f"{world_size} ranks), a --mesh REPLICATExSHARD needs a product of {world_size // tp}")
+        raise PlannerError(f"the mesh {plan.mesh.describe()} has {ranks} but the job runs on {world_size}: give "
+                           f"--mesh REPLICATExSHARD with a product of {world_size // tp} (e.g. 1x{world_size // tp}), "
+                           f"or, for a plan file, make the plan again for {world_size} ranks")
     shard = plan.shard_size(world_size)
     if plan.ep_degree > 1 and plan.ep_degree % tp:
         raise PlannerError(f"the plan's expert-parallel degree {plan.ep_degree} is not a multiple of its TP degree "

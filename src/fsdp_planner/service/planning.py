@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
-from fsdp_planner.fsdp2.float8 import Float8
+from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
@@ -53,7 +53,7 @@ from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, sum
 from fsdp_planner.service.tracing import check_local_shapes, trace_spec
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.expert_parallel import ep_view
-from fsdp_planner.sim.float8 import check_float8_scales
+from fsdp_planner.sim.float8 import check_float8_scales, converted_linears
 from fsdp_planner.sim.metrics import PlanMetrics, plan_metrics
 from fsdp_planner.sim.options import SimOptions, plan_options
 from fsdp_planner.sim.simulate import StepReport, simulate
@@ -93,12 +93,27 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     if job.split:
         job, splits, searched = _split(job, tracer, reporter)
     tr = tracer(job.model, job.options)
+    _dtype_notes(tr, job, reporter)
     plans, auto, no_fit = _plans(tr, job, reporter, tracer, searched)
     rows = _rows(tr, plans, job, auto)
     kept = as_written(plans[0], job, tr) if plans else None
     why = explained(auto) if job.explain and auto is not None and no_fit is None and \
         auto.plan.expert_parallel is None else None  # (the explanation reads the whole model's search, not EP's)
     return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits, why)
+
+
+def _dtype_notes(tr: Trace, job: PlanJob, reporter: Reporter) -> None:
+    """What the figures assume of the model's dtypes that the model does not do itself: params stored in another
+    dtype than built, a --float8 that converts no Linear."""
+    built, storage = sorted(tr.index.trainable_dtypes), str(job.options.precision.storage_dtype).removeprefix("torch.")
+    if built and built != [storage]:
+        reporter.note(f"the model builds its trainable params in {' and '.join(built)} and precision "
+                      f"'{job.options.precision.name}' stores them in {storage}: these figures are of the model so "
+                      f"converted (model.to(torch.{storage}) in the factory), as verify and apply_plan need it")
+    if job.options.float8 is not None and not converted_linears(tr, job.options.float8):
+        reporter.note("--float8 converts nothing in this model: torchao swaps plain nn.Linear layers whose dims are "
+                      f"multiples of {FLOAT8_DIM_MULTIPLE} (and not filtered out), and it has none, so the step is "
+                      f"the {job.options.precision.name} one")
 
 
 def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
@@ -550,5 +565,5 @@ def _rows(tr: Trace, plans: list[Plan], job: PlanJob, auto: AutoResult | None) -
         plain = p if on is tr else data_parallel_plan(p, dp.world_size * p.tp_degree) if dp else p
         return plan_metrics(on, plain, dp.world_size if dp else world, precision)
 
-    precision = job.options.precision if cluster else None  # the table's bytes in the simulation's dtypes
+    precision = job.options.precision  # the table's bytes in the job's dtypes (the simulation's, given a cluster)
     return [(p, metrics(p), simulated(p)) for p in plans]
