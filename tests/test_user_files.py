@@ -180,6 +180,39 @@ def test_a_picture_onto_a_plan_it_draws_is_refused(capsys, tmp_path: Path, optio
     assert plan.read_bytes() == before
 
 
+@pytest.mark.parametrize(("option", "name"), [("--timeline", "step.png"), ("--timeline", "step.pdf"),
+                                             ("--html", "step.html")])
+def test_a_picture_or_page_the_tool_did_not_write_is_not_replaced(capsys, tmp_path: Path, option: str,
+                                                                  name: str) -> None:
+    """--out refused a user's file; --timeline, --html and --picture replaced one of theirs by name (a trial's own
+    page.html). What the tool wrote names it (PNG Software, PDF Creator, HTML generator) and is replaced again."""
+    mine = tmp_path / name
+    mine.write_text("<html>my page</html>")
+    argv = ["simulate", "seed-net", "--policy", "size", "--cluster", "h100:8", option, str(mine)]
+    _one_line_error(capsys, argv, f"{option} '{mine}' already exists and fsdp-planner did not write it")
+    assert mine.read_text() == "<html>my page</html>"
+    _ok(capsys, [*argv, "--force"])
+    assert b"fsdp-planner" in mine.read_bytes()
+    _ok(capsys, argv)  # its own output: replaced without --force
+
+
+def test_a_profile_directory_holding_other_files_is_refused(capsys, tmp_path: Path) -> None:
+    from fsdp_planner.cli.paths import profile_dir
+
+    profile_dir(tmp_path / "new")  # a new directory, an empty one, and one an earlier --profile wrote are taken
+    (tmp_path / "ours").mkdir()
+    profile_dir(tmp_path / "ours")
+    (tmp_path / "ours" / "rank0.json").write_text('{"traceEvents": []}')
+    (tmp_path / "ours" / "rank0.cpu.json").write_text('{"written_by": "fsdp-planner", "wall": [], "cpu": []}')
+    profile_dir(tmp_path / "ours")
+    (tmp_path / "ours" / "rank1.json").write_text('{"user": "data"}')  # no rank1.cpu.json beside it: the user's
+    with pytest.raises(PlannerError, match="holds 'rank1.json', which an earlier --profile did not write"):
+        profile_dir(tmp_path / "ours")
+    profile_dir(tmp_path / "ours", force=True)
+    with pytest.raises(PlannerError, match="is not a directory"):
+        profile_dir(tmp_path / "ours" / "rank0.json")
+
+
 def test_a_checkpoint_is_not_saved_over_the_one_loaded(capsys, tmp_path: Path) -> None:
     checkpoint = tmp_path / "ck"
     checkpoint.mkdir()

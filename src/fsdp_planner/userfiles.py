@@ -20,6 +20,7 @@ from fsdp_planner.fmt import cut_short, cut_short_stream
 # The largest file read: a plan of 100,000 groups over a million params is tens of MiB; cluster files, configs and
 # checkpoint metadata are far smaller.
 MAX_FILE_BYTES = 256 << 20
+WRITTEN_BY = "fsdp-planner"  # in every picture and page it writes (PNG Software, PDF/SVG Creator, HTML generator)
 MAX_CONFIG_BYTES = 256 << 10  # a torchtitan TOML or an Accelerate YAML: a few KiB (a 40 MB YAML took minutes)
 MAX_SOURCE_BYTES = 16 << 20  # a model's Python file or a Hugging Face config.json (ImageNet-21k labels: ~1 MiB)
 

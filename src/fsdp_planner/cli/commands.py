@@ -161,7 +161,8 @@ def verify(sub: Subparsers) -> None:
     sp.add_argument("--profile", type=Path, metavar="DIR",
                     help="write a torch.profiler trace of a few more steps of each rank to DIR/rankR.json (the input "
                          "of calibrate --trace and simulate --against), and their wall and CPU seconds to "
-                         "DIR/rankR.cpu.json")
+                         "DIR/rankR.cpu.json (a new or empty DIR, or one an earlier --profile wrote)")
+    add_force(sp)
     sp.add_argument("--measure", action="store_true",
                     help="with --cluster: time the model's ops on this machine for the step-time prediction (one "
                          "thread, as each gloo rank runs) instead of the roofline estimate")

@@ -74,7 +74,7 @@ class FitRequest:
 
 
 def fit_request(args: argparse.Namespace) -> FitRequest:
-    picture = picture_file(args.picture, "--picture", PICTURE_SUFFIXES, stem="fit")
+    picture = picture_file(args.picture, "--picture", PICTURE_SUFFIXES, stem="fit", force=args.force)
     if args.gpus and _COUNTED_CLUSTER.match(args.cluster):
         raise PlannerError(f"--gpus auto chooses the GPU count: give --cluster without one (e.g. "
                            f"{args.cluster.split(':')[0].strip()}), or drop --gpus auto to search the batch on "

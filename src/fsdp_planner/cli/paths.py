@@ -14,6 +14,7 @@ from pathlib import Path
 from fsdp_planner.choices import POLICY_NAMES
 from fsdp_planner.configs.torchtitan_registry import is_registry_spec, registry_file
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.userfiles import WRITTEN_BY
 
 
 def output_file(arg: str | None, example: str = "plan.json", code: bool = False,
@@ -98,9 +99,11 @@ def _file_to_write(arg: str, option: str, example: str) -> Path:
     return path
 
 
-def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...], stem: str = "step") -> Path | None:
+def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...], stem: str = "step",
+                 force: bool = False) -> Path | None:
     """``--timeline`` / ``--html`` / ``--picture``: checked before any work (as ``--out``); the suffix says the
-    format, and an existing file is replaced only when it has one of ``suffixes`` (a picture this command writes).
+    format, and an existing file is replaced only when fsdp-planner wrote it (its metadata or generator tag names
+    it, ``WRITTEN_BY``), or with ``force``: a user's own page or picture of that name is not lost to a typo.
     ``stem``: the name suggested for a directory given instead of a file (``fit.png`` for fit's picture)."""
     if arg is None:
         return None
@@ -112,7 +115,46 @@ def picture_file(arg: str | None, option: str, suffixes: tuple[str, ...], stem: 
     if real.suffix.lower() not in suffixes and real.exists():
         raise PlannerError(f"{option} '{arg}' is a link to '{real}', which is not a {'/'.join(suffixes)} file: "
                            f"refusing to overwrite it (give a new name)")
+    if real.is_file() and not force and not written_by_us(real):
+        raise PlannerError(f"{option} '{arg}' already exists and fsdp-planner did not write it: refusing to "
+                           f"overwrite it (give a new name, e.g. {path.with_stem(path.stem + '2')}, or add --force "
+                           "to replace it)")
     return path
+
+
+def profile_dir(directory: Path, force: bool = False) -> None:
+    """``verify --profile DIR``: a new or empty directory, or one an earlier --profile wrote (its ``rankR.json``
+    traces each beside the ``rankR.cpu.json`` that names fsdp-planner); anything else in it is the user's, which
+    the ranks' traces would replace, and is refused without ``force``."""
+    if directory.exists() and not directory.is_dir():
+        raise PlannerError(f"--profile '{directory}' is not a directory: give a directory for the ranks' traces, "
+                           "e.g. --profile profile")
+    if force or not directory.is_dir():
+        return
+    names = {p.name for p in directory.iterdir()}
+    ours = {n for n in names if (m := PROFILE_FILE.fullmatch(n)) and written_by_us(directory / f"rank{m[1]}.cpu.json")}
+    if names - ours:
+        other = sorted(names - ours)[0]
+        raise PlannerError(f"--profile '{directory}' holds '{other}', which an earlier --profile did not write: "
+                           "the ranks' traces (rankR.json, rankR.cpu.json) could replace files there; give a new or "
+                           "empty directory (or add --force to write there anyway)")
+
+
+PROFILE_FILE = re.compile(r"rank(\d+)(?:\.cpu)?\.json")  # what verify --profile writes (``worker.profile_steps``)
+
+
+def written_by_us(path: Path) -> bool:
+    """Whether a picture, page or profile file names fsdp-planner as its writer within its first ``MARK_BYTES``
+    (a PNG's Software chunk, an SVG's creator and an HTML generator tag come first; a PDF's Info dict last, so a
+    PDF is read whole up to that)."""
+    try:
+        with path.open("rb") as f:
+            return WRITTEN_BY.encode() in f.read(MARK_BYTES)
+    except OSError:
+        return False
+
+
+MARK_BYTES = 16 << 20
 
 
 def _looks_like_cluster_file(spec: str) -> bool:
@@ -211,6 +253,8 @@ def check_paths(args: argparse.Namespace) -> None:
             if _same_file(Path(arg), Path(path)):
                 raise PlannerError(f"{option} '{arg}' is {what} this command reads: write to another file, e.g. "
                                    f"{other or example} (or add --force to replace it)")
+    if getattr(args, "profile", None) is not None:
+        profile_dir(args.profile, force)
     if getattr(args, "out", None) is not None:
         output_file(args.out, example, code=command == "export", force=force,
                     kind="cluster" if command == "calibrate" else "plan")

@@ -47,8 +47,8 @@ HTML_SUFFIXES = (".html", ".htm")
 
 def run(args: argparse.Namespace) -> int:
     args, config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job over these options
-    png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES)
-    page = picture_file(args.html, "--html", HTML_SUFFIXES)
+    png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES, force=args.force)
+    page = picture_file(args.html, "--html", HTML_SUFFIXES, force=args.force)
     if micro_batches(args) > 1 and (png or page):  # (refuses --micro-batches auto too)
         raise PlannerError("--timeline and --html draw a step of one micro-batch: drop --micro-batches to draw it")
     sources = [plan_source(args), *filter(None, [compare_source(args)])]

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import printable
+from fsdp_planner.report.timeline_png import picture_format
 from fsdp_planner.sim.simulate import StepReport
 from fsdp_planner.sim.timeline import Stream, Work
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.userfiles import write_atomic
+from fsdp_planner.userfiles import WRITTEN_BY, write_atomic
 
 LANES = ("compute", "communication", "host")
 COLORS = {"compute": "#4c78a8", "communication": "#f58518", "host": "#9d755d"}
@@ -140,7 +141,7 @@ def write_png(sides: Sequence[Side], path: Path, title: str, gap_lines: Sequence
         ax.grid(axis="x", color="#dddddd", linewidth=0.6)
         picture = io.BytesIO()
         try:
-            fig.savefig(picture, format=path.suffix.lstrip(".").lower() or "png")
+            fig.savefig(picture, **picture_format(path))
         except ValueError as e:
             raise PlannerError(f"cannot write {path}: {e}") from None
     write_atomic(path, picture.getvalue())
@@ -179,7 +180,8 @@ def render_html(sides: Sequence[Side], title: str, gap_lines: Sequence[str]) -> 
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
                    for row in phase_table_rows(sides))
     gaps_html = "".join(f"<li>{html.escape(line)}</li>" for line in gap_lines)
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="generator" content="{WRITTEN_BY}"><title>{html.escape(title)}</title>'
             '<style>body{font-family:sans-serif;margin:16px}td,th{padding:2px 10px;text-align:right}'
             'td:first-child{text-align:left}</style></head><body>'
             f'<h1 style="font-size:17px">{html.escape(title)}</h1>'

@@ -12,7 +12,15 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.planners.fit import FitPoint
-from fsdp_planner.report.timeline_png import CAPACITY_COLOR, MEMORY_COLOR, RESERVED_COLOR, byte_unit, plain, wrapped
+from fsdp_planner.report.timeline_png import (
+    CAPACITY_COLOR,
+    MEMORY_COLOR,
+    RESERVED_COLOR,
+    byte_unit,
+    picture_format,
+    plain,
+    wrapped,
+)
 from fsdp_planner.userfiles import write_atomic
 
 THROUGHPUT_COLOR, MISS_COLOR = "#2ca02c", "#d62728"
@@ -61,7 +69,7 @@ def _draw(points: Sequence[FitPoint], x: Sequence[int], xlabel: str, capacity: i
         ax.set_axisbelow(True)
     picture = io.BytesIO()  # drawn in memory, then written whole: a failed write keeps the old file
     try:
-        fig.savefig(picture, format=path.suffix.lstrip(".").lower() or "png")
+        fig.savefig(picture, **picture_format(path))
     except ValueError as e:
         raise PlannerError(f"cannot write {path}: {e}") from None
     write_atomic(path, picture.getvalue())

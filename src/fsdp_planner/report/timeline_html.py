@@ -12,12 +12,13 @@ from typing import Any
 
 from fsdp_planner.fmt import finite
 from fsdp_planner.report.step_view import BarKind, StepView, thin_curve
-from fsdp_planner.userfiles import write_atomic
+from fsdp_planner.userfiles import WRITTEN_BY, write_atomic
 
 _PAGE = """<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
+<meta name="generator" content="{generator}">
 <title>{title}</title>
 <style>
 body {{ font-family: sans-serif; margin: 16px 20px; color: #222; }}
@@ -87,7 +88,8 @@ def script_json(data: Any) -> str:
 
 def render_html(views: Sequence[StepView], title: str) -> str:
     script = files("fsdp_planner.report").joinpath("timeline.js").read_text(encoding="utf-8")
-    return _PAGE.format(title=html.escape(title), data=script_json(page_data(views)), script=script)
+    return _PAGE.format(title=html.escape(title), generator=WRITTEN_BY, data=script_json(page_data(views)),
+                        script=script)
 
 
 def write_html(views: Sequence[StepView], path: Path, title: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, printable
 from fsdp_planner.report.step_view import BarKind, StepView, thin_curve, time_unit
-from fsdp_planner.userfiles import write_atomic
+from fsdp_planner.userfiles import WRITTEN_BY, write_atomic
 
 MEMORY_COLOR, CAPACITY_COLOR, RESERVED_COLOR = "#4c78a8", "#d62728", "#7f7f7f"
 WIDTH_IN, DPI = 16.0, 100  # 1600 pixels wide
@@ -21,6 +21,14 @@ MIN_PIXELS = 1.5  # exposed gaps are drawn at least this wide: a 50 us wait in a
 PLOT_SHARE = 0.9  # of the figure's width, the time axis
 SEPARATED_PIXELS, LABEL_PIXELS = 4, 60  # collectives this wide get a white edge, this wide their group's name
 LABELLED = (BarKind.ALL_GATHER, BarKind.REDUCE_SCATTER, BarKind.ALL_REDUCE)
+
+
+
+def picture_format(path: Path) -> dict[str, Any]:
+    """``savefig``'s format (the suffix's) and metadata naming the program, which a later --timeline, --picture or
+    --against picture may replace without --force (``cli/paths.py``: a file it did not write is refused)."""
+    fmt = path.suffix.lstrip(".").lower() or "png"
+    return {"format": fmt, "metadata": {"Software" if fmt == "png" else "Creator": WRITTEN_BY}}
 
 
 def figure_size(views: Sequence[StepView]) -> tuple[float, float]:
@@ -89,7 +97,7 @@ def _draw(views: Sequence[StepView], path: Path, title: str) -> None:
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
     picture = io.BytesIO()  # drawn in memory, then written whole (write_atomic): a failed write keeps the old file
     try:
-        fig.savefig(picture, format=path.suffix.lstrip(".").lower() or "png")
+        fig.savefig(picture, **picture_format(path))
     except ValueError as e:  # a format matplotlib cannot write
         raise PlannerError(f"cannot write {path}: {e}") from None
     write_atomic(path, picture.getvalue())

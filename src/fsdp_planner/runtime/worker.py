@@ -60,6 +60,7 @@ from fsdp_planner.sim.options import precision_named
 from fsdp_planner.trace.full_precision import full_precision_casts, subtree_params
 from fsdp_planner.trace.recorder import default_loss, split_inputs
 from fsdp_planner.trace.walk import model_fingerprint
+from fsdp_planner.userfiles import WRITTEN_BY
 
 MOMENTUM = 0.9  # SGD with momentum: an optimizer with state, which a checkpoint must carry across world sizes
 
@@ -384,7 +385,8 @@ def profile_steps(model: torch.nn.Module, micro_batches: list[tuple[Any, Any]], 
                 cpu.append(time.process_time() - started[1])
                 prof.step()
         prof.export_chrome_trace(str(out))
-        out.with_suffix(".cpu.json").write_text(json.dumps({"wall": wall[1:], "cpu": cpu[1:]}))  # [0]: warm-up
+        out.with_suffix(".cpu.json").write_text(json.dumps({"written_by": WRITTEN_BY, "wall": wall[1:],
+                                                            "cpu": cpu[1:]}))  # [0]: warm-up
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
