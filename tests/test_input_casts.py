@@ -14,6 +14,7 @@ from conftest import policy
 
 from fsdp_planner import cli
 from fsdp_planner.fsdp2.claim import check_plan_matches, hooked_by, with_claimed_params
+from fsdp_planner.fsdp2.dtypes import full_precision_modules_in
 from fsdp_planner.fsdp2.input_casts import UncastInputsError
 from fsdp_planner.fsdp2.plan import Group, Plan
 from fsdp_planner.hardware.cluster import parse_cluster
@@ -82,7 +83,7 @@ def _hand_plan(tr, groups):
 
 def test_a_plan_that_lists_a_piece_of_the_block_but_not_the_block_is_refused(sinusoid):
     bad = _hand_plan(sinusoid, [["blocks.0.fc1"], ["blocks.1"]])
-    with pytest.raises(UncastInputsError, match=r"'blocks.0' gets float32 activations.*no group of the plan lists"):
+    with pytest.raises(UncastInputsError, match=r"'blocks.0' gets float32 activations.*no group of the plan hooks"):
         check_plan_matches(bad, sinusoid)
     check_plan_matches(_hand_plan(sinusoid, [["emb", "blocks.1"], ["blocks.0"]]), sinusoid)  # listed, so hooked
 
@@ -95,8 +96,8 @@ def test_the_cli_refuses_such_a_plan_file_and_check_names_the_module(tmp_path, c
     assert "error: 'blocks.0' gets float32 activations" in err and "Traceback" not in err
     assert cli.main(["check", BUILD, "--plan", str(path), "--precision", "bf16-mixed", "--json"]) == 1
     findings = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "precision"]
-    assert [(f["module"], f["fix"]) for f in findings] == [("blocks.0", "list it in a group (fully_shard("
-                                                                        "model.blocks[0]))")]
+    assert [(f["module"], f["fix"]) for f in findings] == [
+        ("blocks.0", "give it a group (fully_shard(model.blocks[0]), one without params of its own is fine)")]
 
 
 def _real_fsdp2_step(listed: list[str]) -> None:
@@ -144,3 +145,43 @@ def test_a_float32_channel_concatenated_before_a_conv_module_is_cast_at_that_con
     assert tr.cast_inputs == ("up2.fuse", "up1.fuse")
     plan = policy("order").plan(tr)
     assert {"up2.fuse", "up1.fuse"} <= hooked_by(plan, tr)
+
+
+@pytest.mark.parametrize("name", ["titan", "module", "order", "size", "auto"])
+def test_a_sequential_trunk_gets_a_group_without_params_where_the_policy_groups_its_blocks(name):
+    """The Sequential holding the blocks gets the float32 sum: a policy grouping its blocks one by one leaves it
+    nothing to manage, and its group hooks it all the same (real FSDP2 runs fully_shard on a module without params
+    of its own: ``test_verify_passes_...``); order and auto keep the blocks apart (they made one group of the
+    trunk when it had to be listed whole)."""
+    tr = traced("build_sequential")
+    assert tr.cast_inputs == ("blocks",)
+    plan = AutoPolicy(parse_cluster("h100:8")).search(tr, BUILD).plan if name == "auto" else policy(name).plan(tr)
+    assert "blocks" in hooked_by(plan, tr)
+    if name in ("titan", "order"):
+        assert [g.params for g in plan.groups if g.modules == ("blocks",)] == [()]
+        assert {f"blocks.{i}" for i in range(4)} <= {m for g in plan.groups for m in g.modules}
+
+
+@pytest.mark.parametrize("name", ["titan", "module", "order", "size"])
+def test_a_conv_bn_sequential_getting_float32_keeps_its_batchnorms_in_fp32_groups_not_the_root(name):
+    """The module policy (Conv2d) left the BatchNorms nested in Sequentials to the root, which computes in bf16
+    (a crash the plan check refuses); every policy now gives them fp32 groups and hooks the Sequential."""
+    tr = traced("build_conv_bn")
+    assert tr.cast_inputs == ("fuse",) and set(tr.full_precision) == {"fuse.1", "mix.1"}
+    plan = policy(name).plan(tr)
+    check_plan_matches(plan, tr)
+    assert "fuse" in hooked_by(plan, tr) and not full_precision_modules_in(tr, plan.root.params)
+
+
+def test_pure_bf16_is_refused_where_fsdp2_casts_nothing():
+    """pure-bf16 runs FSDP2 without a param_dtype, so no pre-forward casts: the step fails as it would."""
+    with pytest.raises(PrecisionError, match=r"'pure-bf16'.*blocks\.0\.norm"):
+        traced(precision="pure-bf16")
+
+
+@pytest.mark.integration  # ~30 s (loaded): torchrun jobs of 2 gloo ranks
+@pytest.mark.parametrize(("factory", "name"), [("build_sequential", "titan"), ("build_conv_bn", "module")])
+def test_verify_passes_the_groups_without_params_that_hook_a_cast_module(factory, name, capsys):
+    assert cli.main(["verify", f"{MODELS}:{factory}", "--policy", name, "--precision", "bf16-mixed",
+                     "--nproc", "2"]) == 0, capsys.readouterr()
+    assert "PASS" in capsys.readouterr().out

@@ -206,7 +206,7 @@ def test_a_profile_directory_holding_other_files_is_refused(capsys, tmp_path: Pa
     (tmp_path / "ours" / "rank0.cpu.json").write_text('{"written_by": "fsdp-planner", "wall": [], "cpu": []}')
     profile_dir(tmp_path / "ours")
     (tmp_path / "ours" / "rank1.json").write_text('{"user": "data"}')  # no rank1.cpu.json beside it: the user's
-    with pytest.raises(PlannerError, match="holds 'rank1.json', which an earlier --profile did not write"):
+    with pytest.raises(PlannerError, match=r"holds 'rank1\.json', which an earlier --profile did not write"):
         profile_dir(tmp_path / "ours")
     profile_dir(tmp_path / "ours", force=True)
     with pytest.raises(PlannerError, match="is not a directory"):

@@ -459,8 +459,9 @@ def _checkpoint_rows(result: VerifyResult) -> list[tuple[str, ...]]:
                      + (f" (differ: {escape(', '.join(map(cell_text, bad_keys[:3])))})" if bad_keys else ""),
                      OK if result.checkpoint_match else BAD))
         if local := loaded.get("rank_local"):
-            rows.append((f"{len(local)} entries each rank held its own of ({escape(cell_text(local[0]))}, ...)",
-                         "not compared", "every rank restored one rank's copy (DCP saves one copy of a tensor "
+            first = escape(cell_text(local[0])) + (", ..." if len(local) > 1 else "")
+            rows.append((f"{len(local)} buffers each rank held its own of ({first})",
+                         "one rank's copy", "every rank restored one rank's copy (DCP saves one copy of a tensor "
                          "that is not a DTensor; FSDP2 syncs no buffer: SyncBatchNorm keeps them equal)", ""))
     if result.saved is not None:
         rows.append(("checkpoint saved", f"step {result.start_step + result.steps}", escape(result.saved), ""))

@@ -323,6 +323,9 @@ def verify_request(args: argparse.Namespace) -> VerifyRequest:
         raise PlannerError(f"--time-steps must be from 0 to {MAX_STEPS:,}, got {cut_short(args.time_steps)}")
     if args.fsdp1 and micro_batches(args) > 1:
         raise PlannerError("--micro-batches runs FSDP2's set_requires_gradient_sync: not with --fsdp1")
+    if args.fsdp1 and getattr(args, "compile", False):  # (FSDP1's worker wraps the model eager)
+        raise PlannerError("--compile runs FSDP2's compiled blocks: not with --fsdp1 (its ranks would train eager "
+                           "beside a compiled prediction)")
     if args.fsdp1 and (args.save_checkpoint is not None or args.load_checkpoint is not None):
         raise PlannerError("--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1")
     if planning_only(args.model):

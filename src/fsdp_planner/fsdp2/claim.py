@@ -304,18 +304,34 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     # the split lists a mixed-dtype module's pieces instead of it (the root's too): a piece may hold one owner of
     # a tied param whose other owner stays with the root or another group, so the ties are resolved again
     groups = resolve_ties(trace, groups)
+    if trace.cast_inputs:  # again after the split, which lists the modules kept in fp32 below one instead of it
+        groups = with_cast_targets(trace, groups)
+        reshard += [True] * (len(groups) - len(reshard))
+        groups = resolve_ties(trace, groups)
     plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],
                 trace.fingerprint, trace.numel, policy=policy, model=model)
     # (built, not ``replace``d: auto builds thousands of groups per plan)
     claimed = [Group(g.modules, params, g.reshard_after_forward)
                for g, params in zip(plan.groups, claimed_params(plan, trace), strict=True)]
-    plan = replace(plan, groups=with_param_dtypes(trace, [g for g in claimed if g.params or g.is_root]))
+    # a group claiming nothing is dropped, but one that hooks a module of ``Trace.cast_inputs`` (FSDP2 runs a
+    # fully_shard without params: its pre-forward casts the module's inputs all the same)
+    cast = set(trace.cast_inputs)
+    kept = [g for g in claimed if g.params or g.is_root or (cast and cast.intersection(g.modules))]
+    plan = replace(plan, groups=with_param_dtypes(trace, kept))
     first = trace.index.first_use_by_name.__getitem__
-    inner = sorted(plan.inner_groups, key=lambda g: min(map(first, g.params)))
+    inner = sorted(plan.inner_groups, key=lambda g: min(map(first, g.params)) if g.params else
+                   _first_call(trace, g.modules))
     plan = replace(plan, groups=[*inner, plan.root], forward_methods=methods_to_register(trace, plan))
-    if trace.cast_inputs:  # a module the policy's groups all lie below claims nothing, so its group was dropped
-        check_input_casts(trace, hooked_by(plan, trace))
+    if cast:  # a module the policy listed only beside a module above it is not hooked
+        check_input_casts(trace, hooked_by(plan, trace), policy=True)
     return plan
+
+
+def _first_call(trace: Trace, modules: Sequence[str]) -> int:
+    """Where a group without params goes among the others: the first param read below its modules (its calls
+    come just before), else after every forward op."""
+    uses = [trace.modules[m].first_use for m in modules if trace.modules[m].first_use >= 0]
+    return min(uses, default=len(trace.events)) - 1
 
 
 def hooked_by(plan: Plan, trace: Trace) -> set[str]:

@@ -57,12 +57,25 @@ def check_full_precision(plan: Plan, trace: Trace) -> None:
             raise PlannerError(f"group {i} ({name}) has param_dtype {g.param_dtype} but holds params of modules that "
                                "run in the compute dtype; fp32 groups hold the modules that fail in it and those "
                                "--fp32-modules names: remove its param_dtype, name its modules, or make the plan again")
+    for i, held in fp32_modules_computed_low(plan, trace)[:1]:
+        name = ", ".join(plan.groups[i].modules[:3]) or "(root)"
+        raise PlannerError(f"group {i} ({name}) holds params of {', '.join(held[:3])}"
+                           f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}, which fail in the compute "
+                           "dtype and must run in fp32: give them groups of their own with \"param_dtype\": "
+                           "\"fp32\" (or make the plan again)")
+
+
+def fp32_modules_computed_low(plan: Plan, trace: Trace) -> list[tuple[int, list[str]]]:
+    """(group, the modules traced in fp32 it holds params of) for each group that computes in the compute dtype
+    yet holds such params: its MixedPrecisionPolicy would run them in that dtype, which their kernels refuse."""
+    if trace.compute_itemsize is None:
+        return []
+    out = []
+    for i, g in enumerate(plan.groups):
         held = [] if g.param_dtype else full_precision_modules_in(trace, g.params)
-        if held:  # (a group mixing them with compute-dtype params computes them in the compute dtype: a crash)
-            raise PlannerError(f"group {i} ({name}) holds params of {', '.join(held[:3])}"
-                               f"{f' and {len(held) - 3} more' if len(held) > 3 else ''}, which fail in the compute "
-                               "dtype and must run in fp32: give them groups of their own with \"param_dtype\": "
-                               "\"fp32\" (or make the plan again)")
+        if held:
+            out.append((i, held))
+    return out
 
 
 def full_precision_modules_in(trace: Trace, params: tuple[str, ...] | list[str]) -> list[str]:
@@ -221,13 +234,14 @@ class _Splitter:
         their modules, which only the root group holds unsharded there; else the largest dtype it would hold);
         every other dtype below it becomes a list group."""
         ds = self.below(ROOT)
-        if len(ds) <= 1:
+        plain = sorted(d for d in ds if not d.endswith(FP32_GROUP))  # the root computes as the plan: never in fp32
+        if len(ds) <= 1 and ds == set(plain):  # (modules kept in fp32 alone left to it are carved out all the same)
             return []
         own = self.own(ROOT)
         params = self.trace.params
         outside = {self.dtype[params[p].fqn] for p in self.trace.index.read_outside if params[p].fqn in self.dtype}
-        plain = sorted(d for d in ds if not d.endswith(FP32_GROUP)) or sorted(ds)  # the root computes as the plan
-        keep = own[0] if own else next(iter(outside)) if len(outside) == 1 else max(plain, key=self._numel_of)
+        keep = own[0] if own else next(iter(outside)) if len(outside) == 1 else \
+            max(plain, key=self._numel_of) if plain else None
         pieces: dict[str | None, list[str]] = {}
         self.carve(ROOT, keep, pieces)
         pieces.pop(None, None)

@@ -24,20 +24,31 @@ def with_cast_targets(trace: Trace, groups: list[list[str]]) -> list[list[str]]:
     return [*groups, *([m] for m in trace.cast_inputs if m not in listed)]
 
 
-def check_input_casts(trace: Trace, hooked: Collection[str]) -> None:
+def check_input_casts(trace: Trace, hooked: Collection[str], policy: bool = False) -> None:
     """Refuse a plan whose groups do not hook a module of ``Trace.cast_inputs`` (``hooked``: the modules the
-    plan's ``fully_shard`` calls hook): its float32 inputs would meet the compute dtype's weights uncast."""
-    missing = [m for m in trace.cast_inputs if m not in hooked]
+    plan's ``fully_shard`` calls hook): its float32 inputs would meet the compute dtype's weights uncast.
+    ``policy``: the plan is a policy's, not the user's."""
+    missing = unhooked_casts(trace, hooked)
     if not missing:
         return
-    raise UncastInputsError(f"{get_float32(missing)} activations, which FSDP2 casts to the compute dtype only for a "
-                            "module a group lists, and no group of the plan lists "
-                            f"{'it' if len(missing) == 1 else 'them'} (where a group lists a module above it, it is "
-                            "not hooked): give each a group or list it in one, or cast in the model's forward "
-                            "(x.to(weight.dtype)) before it")
+    subject = f"{float32_subject(missing)} activations, which FSDP2 casts to the compute dtype only at the " \
+        "pre-forward of a module it hooks"
+    if policy:
+        raise UncastInputsError(f"{subject}, and the policy's groups leave {'it' if len(missing) == 1 else 'them'} "
+                                "unhooked (listed in one fully_shard call beside a module above, or unshardable): "
+                                "plan with another policy, or cast in the model's forward (x.to(weight.dtype))")
+    raise UncastInputsError(f"{subject}, and no group of the plan hooks {'it' if len(missing) == 1 else 'them'} "
+                            "(a module listed in one fully_shard call beside a module above it is not hooked): give "
+                            "each a group (one without params of its own is fine) or list it in one, or cast in "
+                            "the model's forward (x.to(weight.dtype)) before it")
 
 
-def get_float32(names: Sequence[str]) -> str:
-    """The subject of the notes and errors about ``names``: ``'blocks.0' gets float32``, ``'a', 'b' get float32``."""
+def unhooked_casts(trace: Trace, hooked: Collection[str]) -> list[str]:
+    """The modules of ``Trace.cast_inputs`` that no ``fully_shard`` call hooks (``hooked``: those it does)."""
+    return [m for m in trace.cast_inputs if m not in hooked]
+
+
+def float32_subject(names: Sequence[str]) -> str:
+    """The subject of the notes and errors about ``names``: "'blocks.0' gets float32", "'a', 'b' get float32"."""
     listed = ", ".join(f"'{m}'" for m in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return f"{listed} {'gets' if len(names) == 1 else 'get'} float32"

@@ -26,7 +26,8 @@ from fsdp_planner.fsdp2.claim import (
     scalar_params,
     short_list,
 )
-from fsdp_planner.fsdp2.dtypes import full_precision_modules_in, group_dtypes
+from fsdp_planner.fsdp2.dtypes import fp32_modules_computed_low, group_dtypes
+from fsdp_planner.fsdp2.input_casts import unhooked_casts
 from fsdp_planner.fsdp2.plan import Plan, check_plan_layout, check_reshard_sizes
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import build_schedule
@@ -218,24 +219,18 @@ def _structure_findings(trace: Trace, plan: Plan, world_size: int | None) -> lis
 
 def _precision_findings(trace: Trace, plan: Plan) -> list[Finding]:
     """What the step needs of the groups to run in the compute dtype: its modules traced in fp32 (BatchNorm) in fp32
-    groups of their own, and each module that gets float32 activations listed, for FSDP2 to cast them."""
-    if trace.compute_itemsize is None:
-        return []
-    out = []
-    for i, g in enumerate(plan.groups):
-        held = [] if g.param_dtype else full_precision_modules_in(trace, g.params)
-        if held:
-            out.append(Finding(Severity.ERROR, Code.PRECISION,
-                               f"group {i} ({fmt_modules(g.modules)}) holds params of {fmt_modules(held)}, which fail "
-                               "in the compute dtype (floating buffers FSDP2 does not cast) and run only in fp32: the "
-                               "group's MixedPrecisionPolicy computes them in the compute dtype",
-                               "give them groups of their own with \"param_dtype\": \"fp32\" (every "
-                               "fsdp-planner policy does)", held[0]))
-    hooked = hooked_by(plan, trace)
+    groups of their own, and each module that gets float32 activations hooked, for FSDP2 to cast them."""
+    out = [Finding(Severity.ERROR, Code.PRECISION,
+                   f"group {i} ({fmt_modules(plan.groups[i].modules)}) holds params of {fmt_modules(held)}, which "
+                   "fail in the compute dtype (floating buffers FSDP2 does not cast) and run only in fp32: the "
+                   "group's MixedPrecisionPolicy computes them in the compute dtype",
+                   "give them groups of their own with \"param_dtype\": \"fp32\" (every fsdp-planner policy does)",
+                   held[0]) for i, held in fp32_modules_computed_low(plan, trace)]
     out += [Finding(Severity.ERROR, Code.PRECISION,
-                    f"{_path(m)} gets float32 activations and no group lists it: FSDP2 casts a module's inputs to "
-                    "the compute dtype only at the pre-forward of a module a group lists",
-                    f"list it in a group (fully_shard({_name(m)}))", m) for m in trace.cast_inputs if m not in hooked]
+                    f"{_path(m)} gets float32 activations and no group hooks it: FSDP2 casts a module's inputs to "
+                    "the compute dtype only at the pre-forward of a module a fully_shard call hooks",
+                    f"give it a group (fully_shard({_name(m)}), one without params of its own is fine)", m)
+            for m in unhooked_casts(trace, hooked_by(plan, trace))]
     return out
 
 

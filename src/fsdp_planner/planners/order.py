@@ -21,8 +21,7 @@ from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
 
 def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tuple[list[str], int]]:
     """Indivisible units with their bytes, sorted by the first use of their params (unused ones last): modules
-    that own params, merged when they share (tied) params or lie in the same ``whole`` module or module of
-    ``Trace.cast_inputs`` (which a group lists whole, for FSDP2 to cast its inputs). Params registered
+    that own params, merged when they share (tied) params or lie in the same ``whole`` module. Params registered
     on the root module (and modules sharing a param with it) are in no atom: only the root's own ``fully_shard``
     can manage them."""
     root_tied = {o for p in trace.params if ROOT in p.owners for o in p.owners}
@@ -39,7 +38,7 @@ def atoms_in_execution_order(trace: Trace, whole: Iterable[str] = ()) -> list[tu
         tied = [o for o in p.owners if o in parent]
         for o in tied[1:]:
             parent[find(o)] = find(tied[0])
-    whole_set = {*whole, *trace.cast_inputs}
+    whole_set = set(whole)
     first_inside: dict[str, str] = {}  # outermost whole module -> the first owner found inside it
     for m in owners:
         outermost = next((a for a in reversed([m, *proper_ancestors(m)]) if a in whole_set), None)

@@ -85,8 +85,11 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     digests = state_digests(model, optimizer)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, digests)
-    # tensors each rank holds its own of (BatchNorm's running stats: FSDP2 syncs no buffer): DCP writes one rank's
-    rank_local = sorted(k for k in digests if any(theirs.get(k) != digests[k] for theirs in everyone))
+    # buffers each rank holds its own of (BatchNorm's running stats: FSDP2 syncs no buffer): DCP writes one rank's
+    # copy, which a load must find among theirs (a param or optimizer state differing by rank is a mismatch)
+    buffers = {f"model.{name}" for name, _ in model.named_buffers()}
+    rank_local = {k: sorted({theirs.get(k, "") for theirs in everyone}) for k in sorted(buffers & digests.keys())
+                  if any(theirs.get(k) != digests[k] for theirs in everyone)}
     if dist.get_rank() == 0:
         torch.save({"model": reference.state_dict(), "optim": ref_optimizer.state_dict()}, directory / REFERENCE)
         write_atomic(directory / META, json.dumps({"version": VERSION, **meta, "digests": digests,
@@ -128,9 +131,11 @@ def parse_meta(text: str, where: str) -> dict[str, Any]:
     if not isinstance(digests, dict) or len(digests) > MAX_DIGESTS or \
             not all(_label(k) and _label(v) for k, v in digests.items()):
         raise PlannerError(f"{where}: 'digests' must map each tensor's name to its sha256 (strings)")
-    local = meta.get("rank_local", [])  # (absent in checkpoints written before it was recorded)
-    if not isinstance(local, list) or len(local) > MAX_DIGESTS or not all(_label(k) for k in local):
-        raise PlannerError(f"{where}: 'rank_local' must list tensor names (strings)")
+    local = meta.get("rank_local", {})  # (absent in checkpoints written before it was recorded)
+    if not isinstance(local, dict) or len(local) > MAX_DIGESTS or not all(
+            _label(k) and isinstance(v, list) and len(v) <= MAX_WORLD and all(map(_label, v))
+            for k, v in local.items()):
+        raise PlannerError(f"{where}: 'rank_local' must map each buffer's name to its ranks' sha256 (strings)")
     return meta
 
 
@@ -174,9 +179,9 @@ def load_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
         saved = meta["digests"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     digests = state_digests(model, optimizer)
-    rank_local = set(meta.get("rank_local", ()))  # rank 0's digest of a copy DCP may have taken from another rank
-    mismatched = sorted(k for k in saved.keys() | digests.keys() if saved.get(k) != digests.get(k)
-                        and k not in rank_local)
+    rank_local = meta.get("rank_local", {})  # each rank's digests of a buffer DCP saved one rank's copy of
+    mismatched = sorted(k for k in saved.keys() | digests.keys()
+                        if (digests.get(k) not in rank_local[k] if k in rank_local else saved.get(k) != digests.get(k)))
     device = next(reference.parameters()).device
     with reading(directory):
         ref = torch.load(directory / REFERENCE, map_location=device, weights_only=True)

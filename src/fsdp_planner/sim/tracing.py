@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.input_casts import get_float32
+from fsdp_planner.fsdp2.input_casts import float32_subject
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
@@ -92,7 +92,7 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
             more = kept_before(model, own, failed_at(cause))
         if more and not set(more) <= set(kept):
             kept = (*kept, *(m for m in more if m not in kept))
-        elif casting:
+        elif casting or precision.fsdp_dtypes()[0] is None:  # (pure-bf16: FSDP2 casts nothing, param_dtype None)
             break
         else:
             casting = True
@@ -165,7 +165,7 @@ def cast_note(cast: tuple[str, ...], precision: Precision) -> str:
     if not cast:
         return ""
     dtype = str(precision.trace_dtype).removeprefix("torch.")
-    return (f"{get_float32(cast)} activations (made by the forward before them, e.g. a float32 buffer added to "
+    return (f"{float32_subject(cast)} activations (made by the forward before them, e.g. a float32 buffer added to "
             f"them) where '{precision.name}' computes in {dtype}: the step runs because FSDP2 casts a module's "
             "inputs at its pre-forward (MixedPrecisionPolicy.cast_forward_inputs), and only for a module a group "
             "lists, so every plan lists them (the policies do; a --plan file must)")
