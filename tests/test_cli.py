@@ -208,6 +208,7 @@ def test_auto_bad_input(args, message):
         (("plan", "toy-llama", "--policy", "size", "--min-nonwrapped-numel", "-5"), "must be positive, got -5"),
         (("plan", "toy-llama", "--policy", "module", "--module-classes", ","), "names no class"),
         (("plan", f"{FIXTURES / 'factories.py'}:exits"), "raised SystemExit: 3"),
+        (("plan", f"{FIXTURES / 'factories.py'}:exits_hard"), "the model's code called os._exit(0) while building"),
         (("cost", "all-gather", "1GiB", "--cluster", "h100:8", "--ranks", "0"), "positive whole number of ranks"),
         (("verify", f"{FIXTURES / 'factories.py'}:broken", "--policy", "order", "--fsdp1", "--save-checkpoint",
           "/tmp/never-written"), "--save-checkpoint and --load-checkpoint run with FSDP2 only: drop --fsdp1"),

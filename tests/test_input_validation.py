@@ -172,11 +172,24 @@ def test_cluster_file_that_is_not_text(capsys, tmp_path: Path) -> None:
     ("[" * 100_000 + "]" * 100_000, "is not valid JSON (it nests too deeply to read)"),
     ('{"nodes": ' + "9" * 5000 + "}", "is not valid JSON (it holds a number too long to read, over 4300 digits)"),
     ('{"name": "a", "nodes": 1, "nodes": 8}', 'is not valid JSON (the key "nodes" appears twice in one object'),
-], ids=["deep", "long-int", "duplicate-key"])
+    ('{"name": "H\\udc80", "nodes": 1}', "is not valid JSON (the string 'H\\udc80' holds a lone surrogate escape"),
+], ids=["deep", "long-int", "duplicate-key", "lone-surrogate"])
 def test_unreadable_cluster_json(capsys, tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "cluster.json"
     path.write_text(text)
     _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(path)], f"the cluster file {path} {message}")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("num_processes: 8\x00\n", "is not valid YAML: special characters are not allowed"),
+    ("num_processes: 8\nnum_processes: 16\n", 'the key "num_processes" appears twice in one mapping'),
+], ids=["control-character", "duplicate-key"])
+def test_unreadable_accelerate_yaml(capsys, tmp_path: Path, text: str, message: str) -> None:
+    """A NUL byte ended in "internal error" (PyYAML's reader refuses it before parsing); a repeated key was read
+    as its last value (2 nodes of 8 where the file also said 8 processes)."""
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text)
+    _fails(capsys, ["simulate", "toy-llama", "--from-accelerate", str(path), "--cluster", "h100"], message)
 
 
 # ---- calibrate: nccl-tests logs -------------------------------------------------------------------------------------

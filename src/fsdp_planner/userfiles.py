@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import re
 import reprlib
 import stat
 from collections.abc import Callable
@@ -79,7 +80,12 @@ def parse_json(text: str, message: Callable[[str], str], unique_keys: bool = Tru
     repeated in an object is refused (fsdp-planner's own files); False for a format whose readers take the last
     (transformers' config.json)."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
+        data = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
+        if LONE_SURROGATE.search(text) and (bad := _unwritable(data)) is not None:
+            detail = f"the string {bad} holds a lone surrogate escape (\\ud800 to \\udfff alone), which no " \
+                "text can hold"
+        else:
+            return data
     except DuplicateKey as e:
         detail = f"the key {shown_json(e.key)} appears twice in one object (which one is meant?)"
     except json.JSONDecodeError as e:
@@ -89,6 +95,28 @@ def parse_json(text: str, message: Callable[[str], str], unique_keys: bool = Tru
     except ValueError:  # Python refuses integers of more than 4300 digits
         detail = "it holds a number too long to read, over 4300 digits"
     raise PlannerError(message(detail)) from None
+
+
+LONE_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # how JSON spells a surrogate (paired or not)
+
+
+def _unwritable(data: Any) -> str | None:
+    """The first string (key or value) of parsed JSON that UTF-8 cannot encode (a lone surrogate a name would
+    carry to the terminal, a picture or a page, where writing it fails), shown escaped; None when all can be."""
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return ascii(value[:40])
+    return None
 
 
 # Values a YAML document's aliases may add once expanded: an Accelerate config repeats none. Nine anchors of nine
@@ -103,23 +131,49 @@ def parse_yaml(text: str, label: str) -> Any:
         import yaml
     except ImportError:
         raise PlannerError("reading an Accelerate YAML needs PyYAML (pip install pyyaml)") from None
-    loader = yaml.SafeLoader(text)
+    loader = None
     try:
+        loader = yaml.SafeLoader(text)  # (its reader refuses control characters here: a YAMLError too)
         node = loader.get_single_node()
         if node is not None and _repeated(node) > MAX_YAML_VALUES:
             raise PlannerError(f"{label}: its aliases (*name) repeat more than {MAX_YAML_VALUES:,} values (an "
                                "Accelerate config repeats nothing)")
+        if node is not None and (key := _repeated_key(node)) is not None:
+            raise PlannerError(f"{label}: the key {shown_json(key)} appears twice in one mapping (which one is "
+                               "meant?)")
         return loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
-        raise PlannerError(f"{label} is not valid YAML{at}: {getattr(e, 'problem', None) or 'cannot parse'}") from None
+        what = getattr(e, "problem", None) or getattr(e, "reason", None) or "cannot parse"  # (a ReaderError: reason)
+        raise PlannerError(f"{label} is not valid YAML{at}: {what}") from None
     except RecursionError:
         raise PlannerError(f"{label} nests too deeply to read") from None
     except ValueError:  # Python refuses integers of more than 4300 digits
         raise PlannerError(f"{label} holds a number too long to read, over 4300 digits") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _repeated_key(root: Any) -> str | None:
+    """The first plain key a mapping of the document repeats (PyYAML keeps the last, silently), or None."""
+    import yaml
+
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            keys = [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)]
+            if len(keys) != len(set(keys)):
+                return next(k for i, k in enumerate(keys) if k in keys[:i])
+            stack.extend(v for pair in node.value for v in pair)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return None
 
 
 def _repeated(root: Any) -> float:

@@ -13,6 +13,7 @@ keyword arguments (every built-in that has them takes them; a user's factory opt
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import functools
 import importlib
@@ -21,7 +22,7 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from fsdp_planner.choices import ATTENTION_NAMES
 from fsdp_planner.errors import PlannerError, raised_at
 from fsdp_planner.models import encdec, gpt2, hf, llama, lora, moe, seed, vit
 from fsdp_planner.models.on_meta import meta_init
+from fsdp_planner.patching import patched
 from fsdp_planner.userfiles import MAX_SOURCE_BYTES
 
 
@@ -235,11 +237,27 @@ class LoadedModel:
     # (``hf.own_checkpointing_off``: the plan checkpoints)
 
 
+class HardExit(SystemExit):
+    """``os._exit`` called by a model's code (``no_hard_exit``)."""
+
+
+@contextlib.contextmanager
+def no_hard_exit() -> Iterator[None]:
+    """``os._exit`` raises ``SystemExit`` inside, as ``sys.exit`` does: a model's code that calls it would end the
+    command at once with its code (0: a plan that printed nothing looked like success)."""
+    def refused(code: int) -> None:
+        raise HardExit(code)
+
+    with patched(os, "_exit", refused):
+        yield
+
+
 def exit_message(e: SystemExit, while_doing: str) -> str:
     """What to say when the user's code calls ``sys.exit``: it would otherwise end the planner silently, with the
     status the model chose (often 0, as if the command had succeeded)."""
     code = "" if e.code is None else repr(e.code)
-    return f"the model's code called sys.exit({code}) while {while_doing} (raised SystemExit: {e.code})"
+    call = "os._exit" if isinstance(e, HardExit) else "sys.exit"
+    return f"the model's code called {call}({code}) while {while_doing} (raised SystemExit: {e.code})"
 
 
 def _check_model_file(target: str) -> Path:
@@ -311,7 +329,8 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
         if folder not in sys.path:  # as ``python file.py`` does: the file imports what lies beside it
             sys.path.insert(0, folder)
         try:
-            module_spec.loader.exec_module(module)
+            with no_hard_exit():
+                module_spec.loader.exec_module(module)
         except SystemExit as e:
             raise PlannerError(exit_message(e, f"importing '{target}'")) from e
         except Exception as e:  # user code: report, never a traceback
@@ -320,7 +339,8 @@ def resolve_factory(spec: str) -> Callable[..., tuple]:
         if "" not in sys.path and os.getcwd() not in sys.path:  # as ``python -m``: modules in this directory too
             sys.path.insert(0, os.getcwd())
         try:
-            module = importlib.import_module(target)
+            with no_hard_exit():
+                module = importlib.import_module(target)
         except SystemExit as e:
             raise PlannerError(exit_message(e, f"importing module '{target}'")) from e
         except Exception as e:
@@ -341,11 +361,12 @@ def load_model(model_spec: ModelSpec | str, meta: bool = True, seed: int = 0) ->
         kwargs["attention"] = model_spec.attention  # transformers' attn_implementation (hf.build_model)
     torch.manual_seed(seed)
     try:
-        if meta:
-            with meta_init():  # on meta, initialisers fill nothing: skipped (on_meta.py)
+        with no_hard_exit():
+            if meta:
+                with meta_init():  # on meta, initialisers fill nothing: skipped (on_meta.py)
+                    result = factory(**kwargs)
+            else:
                 result = factory(**kwargs)
-        else:
-            result = factory(**kwargs)
     except PlannerError:
         raise
     except SystemExit as e:  # sys.exit or argparse in a factory is an error too, never a silent exit
