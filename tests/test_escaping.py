@@ -58,7 +58,12 @@ CODE = ['order(168 KiB)"""\nPWNED = 1\n_ = \'\'\'', "'''\nPWNED = 1\n'''", "'];P
 NAMES = [*PAYLOADS, *CODE]
 
 
-def _plan(names: list[str] = NAMES, policy: str = CODE[0], model: str = "m\x1b]0;pwned\x07<!--$x$[/b]") -> Plan:
+# a plan's labels are one line (a line break is refused when it is read: it would pose as the program's own line), so
+# their payloads are the one-line ones; module names keep every payload
+ONE_LINE = [c for c in CODE if "\n" not in c]
+
+
+def _plan(names: list[str] = NAMES, policy: str = ONE_LINE[0], model: str = "m\x1b]0;pwned\x07<!--$x$[/b]") -> Plan:
     """A plan whose every string is a payload: one group per name, the first checkpointed and listing a method."""
     groups = [Group([n], [f"{i}.weight"], reshard_after_forward=True) for i, n in enumerate(names)]
     return Plan([*groups, Group([""], [], False)], "fingerprint", 1, policy=policy, model=model,
@@ -213,7 +218,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     lm = load_model(f"{MODEL_FILE}:build")
     plan = make_policy(PolicyRequest.named("order", min_nonwrapped_numel=1000)).plan(
         record(lm.model, lm.example_inputs, lm.loss_fn))
-    plan = plan.replace(policy="order[/bold]\x1b]0;pwned\x07" + CODE[0], model="net[/b]\x1b[2J")
+    plan = plan.replace(policy="order[/bold]\x1b]0;pwned\x07" + ONE_LINE[0], model="net[/b]\x1b[2J")
     (d / "plan.json").write_text(plan.to_json())
     model_dir = d / "net[/bold]\x1b[2J"  # the model's own name (its path) a payload too
     model_dir.mkdir(parents=True)  # ("net[" holding "bold]...")

@@ -543,3 +543,15 @@ def test_verify_takes_a_frozen_bf16_encoder_and_still_refuses_trainable_params_o
     check_model_dtypes(ModelSpec(f"{DTYPE_MODELS}:frozen_bf16_encoder"), SimOptions.named("fp32").precision)
     with pytest.raises(PlannerError, match="builds its params in bfloat16 and float32"):
         check_model_dtypes(ModelSpec(f"{DTYPE_MODELS}:mixed"), SimOptions.named("fp32").precision)
+
+
+def test_a_fake_world_that_takes_minutes_says_so_first_and_one_beyond_reason_is_refused(capsys) -> None:
+    """FSDP2 chunks every param once per rank: toy-llama on 16,384 fake ranks ran 5 minutes without a word, and
+    1,000,000 (accepted then) would have run for hours."""
+    from fsdp_planner.cli import main
+    from fsdp_planner.runtime.fake_world import MAX_FAKE_WORLD, slow_note
+
+    assert slow_note(76, 1024) is None
+    assert "expect minutes" in slow_note(76, 16_384)
+    assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", str(MAX_FAKE_WORLD + 1)]) == 2
+    assert f"between 1 and {MAX_FAKE_WORLD:,}" in capsys.readouterr().err

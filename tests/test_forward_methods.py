@@ -100,6 +100,7 @@ def test_a_head_loss_method_trains_on_a_real_run(name):
     ("nope", "plan 'forward_methods' registers 'head.nope' but LossHead 'head' has no method 'nope'"),
     ("weight", "plan 'forward_methods' registers 'head.weight' but LossHead 'head' has no method 'weight'"),
     ("__call__", "plan 'forward_methods' registers 'head.__call__', a special method: list the module's own methods"),
+    ("register_forward_hook", "plan 'forward_methods' registers 'head.register_forward_hook', nn.Module's own"),
 ])
 def test_verify_refuses_a_method_the_model_lacks_before_torchrun_starts(method, message):
     """Checked on the model built on meta in this process: the message is the check's own, not a verify job's

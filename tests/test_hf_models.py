@@ -177,6 +177,12 @@ def test_real_builds_are_deterministic_per_seed(tmp_path):
     # a checkpoint's config shrunk to a small vocabulary, its pad id kept (SmolLM3's 128004)
     ("{\"model_type\": \"llama\", \"vocab_size\": 256, \"pad_token_id\": 128004}",
      r"pad_token_id \(128004\) is outside its vocab_size \(256\): set \"pad_token_id\" below 256"),
+    # these raised KeyError: 'evil' and topk's "k not in range" from inside transformers (a trial's findings)
+    ("{\"model_type\": \"llama\", \"rope_scaling\": {\"rope_type\": \"evil\"}}",
+     r"rope_type 'evil' is not one transformers knows: default, dynamic, linear"),
+    ("{\"model_type\": \"mixtral\", \"num_local_experts\": 0}", r"num_local_experts is 0: a MoE layer needs"),
+    ("{\"model_type\": \"mixtral\", \"num_local_experts\": 4, \"num_experts_per_tok\": 100}",
+     r"num_experts_per_tok \(100\) must be from 1 to its num_local_experts \(4\)"),
 ])
 def test_bad_configs_are_one_line_errors(tmp_path, content, message):
     path = tmp_path / "config.json"

@@ -180,6 +180,23 @@ def test_unreadable_cluster_json(capsys, tmp_path: Path, text: str, message: str
     _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(path)], f"the cluster file {path} {message}")
 
 
+def test_a_name_with_a_line_break_is_refused(capsys, tmp_path: Path) -> None:
+    """A cluster or plan name is printed in headers and notes: a line of its own ('error: ...') would pose as the
+    program's."""
+    cluster = tmp_path / "cluster.json"
+    parse_cluster("h100:8").save(cluster)
+    cluster.write_text(cluster.read_text().replace('"name": "h100:8"', '"name": "a\\nerror: fake"'))
+    _fails(capsys, ["cost", "all-gather", "1GiB", "--cluster", str(cluster)], "field 'name' must be one line")
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "seed-net", "--policy", "order", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    data = json.loads(plan.read_text())
+    data["model"]["name"] = "seed-net\nerror: fake"
+    plan.write_text(json.dumps(data))
+    _fails(capsys, ["export", str(plan), "--format", "python", "--out", str(tmp_path / "p.py")],
+           "plan 'model.name' must be one line")
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("num_processes: 8\x00\n", "is not valid YAML: special characters are not allowed"),
     ("num_processes: 8\nnum_processes: 16\n", 'the key "num_processes" appears twice in one mapping'),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,8 @@ def test_gzip_trace_reads_the_same(tmp_path: Path) -> None:
     ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": NaN, "dur": 1}]}', "no profiler writes"),
     ('{"nodes": []}', "not a Chrome trace"),
     ('{"traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 1}]}', "no ProfilerStep#"),
+    ('{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 1, "dur": -5}]}',
+     "has ProfilerStep# ranges but none with a time a profiler writes"),  # (it said it had none)
     ("\x80\x04\x95pickle", "not text"),
 ])
 def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:
@@ -97,6 +100,12 @@ def test_missing_file_is_one_line(tmp_path: Path) -> None:
         read_trace(tmp_path / "nope.json")
     with pytest.raises(PlannerError, match="is a directory: give the trace files in it"):  # (it said "does not exist")
         read_trace(tmp_path)
+    os.mkfifo(tmp_path / "fifo")  # (these said "does not exist" too)
+    with pytest.raises(PlannerError, match="is not a regular file"):
+        read_trace(tmp_path / "fifo")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(PlannerError, match=r"cannot read trace file .*loop'"):
+        read_trace(tmp_path / "loop")
 
 
 def test_gpu_optimizer_kernels_are_its_phase() -> None:

@@ -30,12 +30,25 @@ def read_text(path: str | Path, label: str, expected: str, limit: int = MAX_FILE
     """The UTF-8 text of ``path``, at most ``limit`` bytes; ``label`` names it in messages ("plan file 'p.json'"),
     ``expected`` says what it should hold."""
     p = Path(path)
-    if not p.is_file():
-        raise PlannerError(f"{label} does not exist")
+    check_regular_file(p, label)
     try:
         return read_bytes(p, label, expected, limit).decode("utf-8")
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected {expected}") from None
+
+
+def check_regular_file(path: Path, label: str) -> None:
+    """Refuse what is not a regular file to read, saying which: missing, a link leading nowhere (or round in a
+    loop), or another kind of file (a FIFO, a device such as /dev/zero, which would block or never end)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        what = "is a link to a file that does not exist" if path.is_symlink() else "does not exist"
+        raise PlannerError(f"{label} {what}") from None
+    except OSError as e:  # a loop of links (ELOOP), a name too long, a directory we may not enter
+        raise PlannerError(f"cannot read {label}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise PlannerError(f"{label} is not a regular file (a FIFO, socket or device): give the file itself")
 
 
 def read_bytes(path: Path, label: str, expected: str, limit: int = MAX_FILE_BYTES) -> bytes:

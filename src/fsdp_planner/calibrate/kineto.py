@@ -46,7 +46,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short, printable
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.report.against import covered
-from fsdp_planner.userfiles import read_bytes
+from fsdp_planner.userfiles import check_regular_file, read_bytes
 
 MAX_SHOWN_PATH = 120  # a trace's path longer than this is named by its last two parts
 MAX_TRACE_BYTES = 512 << 20  # a few steps of a large job's GPU trace are 100-500 MiB; parsed, ~10x that in memory
@@ -189,8 +189,7 @@ def read_trace(path: str | Path) -> MeasuredTrace:
     label = f"trace file '{printable(shown if len(shown) <= MAX_SHOWN_PATH else cut_short(shown))}'"
     if p.is_dir():
         raise PlannerError(f"{label} is a directory: give the trace files in it (verify --profile writes rankR.json)")
-    if not p.is_file():
-        raise PlannerError(f"{label} does not exist")
+    check_regular_file(p, label)
     raw = read_bytes(p, label, "a torch.profiler Chrome trace (JSON)", MAX_TRACE_BYTES)
     if raw[:2] == b"\x1f\x8b":
         raw = _gunzip(raw, label)
@@ -261,6 +260,10 @@ def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
     marks = sorted((e for e in events if e.name.startswith("ProfilerStep#") and e.cat not in GPU_RANGES),
                    key=lambda e: e.ts)
     if not marks:
+        if any(isinstance(e, dict) and str(e.get("name", "")).startswith("ProfilerStep#") for e in raw_events):
+            raise PlannerError(f"{label} has ProfilerStep# ranges but none with a time a profiler writes (a 'ts' "
+                               f"and a non-negative 'dur' in microseconds, at most {MAX_MICROSECONDS:g}): an "
+                               "edited or damaged trace")
         raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
                            "(profile with a schedule and call prof.step() once a step)")
     if len(marks) > MAX_STEPS:

@@ -240,7 +240,7 @@ RUNNING = Reporter(_note_what_runs, REPORTER.progress)  # the planning notes of 
 
 def run_fake(request: FakeWorldRequest) -> int:
     """Real FSDP2 on ``--fake-world-size`` fake ranks beside the simulator's prediction for that world size."""
-    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world
+    from fsdp_planner.runtime.fake_world import beside_prediction, run_fake_world, slow_note
 
     for note in request.notes:
         render.note(note)
@@ -257,6 +257,8 @@ def run_fake(request: FakeWorldRequest) -> int:
     if tr.compiled or plan.compiled:
         model, plan = _eager(model, plan, len(plan.compiled or tr.compiled))
         tr = load_trace(model, full=request.full_trace, precision=options.precision)
+    if (slow := slow_note(len(tr.params), world)) is not None:
+        render.note(slow)
     if not request.json:
         render.console.print(f"running [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
                              f"{escape(model.name)} "

@@ -689,6 +689,9 @@ def check_plan_limits(data: dict[str, Any]) -> None:
         if not isinstance(value, str) or len(value) > MAX_LABEL:  # null too: it once read as the label 'None'
             raise PlannerError(f"plan '{key}' must be a string of at most {MAX_LABEL:,} characters, got "
                                f"{shown_json(value)}")
+        if "\n" in value or "\r" in value:  # (it is printed in headers and notes: a line of its own would pose as
+            # the program's, 'error: ...')
+            raise PlannerError(f"plan '{key}' must be one line, got {shown_json(value)}")
     numel = _get(data, "model", "numel")
     if isinstance(numel, int) and not isinstance(numel, bool) and numel > MAX_NUMEL:
         raise PlannerError(f"plan 'model.numel' {shown_json(numel)} is more than {MAX_NUMEL:,} parameters (2**63 - "

@@ -103,6 +103,8 @@ def check_forward_methods(plan: Plan, model: nn.Module) -> None:
     meta is enough), and not a special one (``__call__``, ``__init__``: FSDP2 would wrap them in its hooks). Checked
     on the model itself: the trace records only the methods the step called, and a torchrun job would find the
     mistake only after its ranks started."""
+    import torch  # (loaded already: ``model`` is a module)
+
     modules = dict(model.named_modules())
     for fqn, name in plan.forward_methods:
         where = f"plan 'forward_methods' registers '{f'{fqn}.' if fqn else ''}{name}'"
@@ -114,3 +116,6 @@ def check_forward_methods(plan: Plan, model: nn.Module) -> None:
         if not inspect.ismethod(getattr(modules[fqn], name, None)):
             raise PlannerError(f"{where} but {type(modules[fqn]).__name__} '{fqn or '(root)'}' has no method "
                                f"'{name}'")
+        if hasattr(torch.nn.Module, name) and getattr(type(modules[fqn]), name) is getattr(torch.nn.Module, name):
+            raise PlannerError(f"{where}, nn.Module's own (not a forward the model defines): FSDP2 would run it "
+                               "inside the group's hooks; list the module's own methods the step calls, e.g. 'loss'")

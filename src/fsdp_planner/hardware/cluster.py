@@ -498,6 +498,8 @@ def _check_text(label: str, name: str, v: Any, limit: int) -> None:
     if len(v) > limit:
         raise PlannerError(f"the {label} field '{name}' is {len(v):,} characters long; at most {limit:,} are "
                            "accepted")
+    if "\n" in v or "\r" in v:  # printed in headers: a line of its own would pose as the program's
+        raise PlannerError(f"the {label} field '{name}' must be one line, got {_short(v)}")
 
 
 def _check_cluster(c: Cluster, label: str, physical: bool = False) -> None:

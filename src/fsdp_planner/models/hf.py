@@ -162,7 +162,41 @@ def _config(data: dict[str, Any]) -> Any:
     _check_heads(config)
     _check_pad_token(config)
     _check_activation(config)
+    _check_rope(config)
+    _check_experts(config)
     return config
+
+
+def _check_rope(config: Any) -> None:
+    """transformers looks a rotary embedding's ``rope_type`` up when it builds the model (``ROPE_INIT_FUNCTIONS``):
+    an unknown one is a bare KeyError from inside the constructor, so the field is named here."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, field, None)
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if isinstance(kind, str) and kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+            raise PlannerError(f"the '{config.model_type}' config's {field}.rope_type {kind[:100]!r} is not one "
+                               f"transformers knows: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+
+
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT_TOP_K = ("num_experts_per_tok", "moe_top_k")
+
+
+def _check_experts(config: Any) -> None:
+    """A MoE config's expert count and the experts each token picks: a router's ``topk`` of more experts than
+    there are fails in the forward ("k not in range"), so the fields are named here."""
+    count = next(((f, v) for f in _EXPERT_COUNTS if isinstance(v := getattr(config, f, None), int)
+                  and not isinstance(v, bool)), None)
+    top_k = next(((f, v) for f in _EXPERT_TOP_K if isinstance(v := getattr(config, f, None), int)
+                  and not isinstance(v, bool)), None)
+    if count is not None and count[1] < 1:
+        raise PlannerError(f"the '{config.model_type}' config's {count[0]} is {count[1]}: a MoE layer needs at "
+                           "least one expert")
+    if count is not None and top_k is not None and not 1 <= top_k[1] <= count[1]:
+        raise PlannerError(f"the '{config.model_type}' config's {top_k[0]} ({top_k[1]}) must be from 1 to its "
+                           f"{count[0]} ({count[1]}): each token picks that many of the experts")
 
 
 _ACTIVATION_FIELDS = ("hidden_act", "hidden_activation", "activation_function")

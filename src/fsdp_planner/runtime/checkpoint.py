@@ -105,7 +105,7 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 # What the metadata may hold: far beyond any real run, small enough that nothing built from it overflows.
 MAX_STEP = 10**12
-MAX_WORLD = 1 << 20  # runtime.fake_world.MAX_FAKE_WORLD, the most ranks any job of this tool runs
+MAX_WORLD = 1 << 20  # the most ranks a checkpoint may say it was saved from (far beyond any job this tool runs)
 MAX_LABEL = 10_000  # characters of the fingerprint, policy (fsdp2.plan.MAX_LABEL), and each digest key and value
 MAX_DIGESTS = 10_000_000
 

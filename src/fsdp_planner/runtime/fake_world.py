@@ -81,7 +81,18 @@ from fsdp_planner.trace.recorder import split_inputs
 from fsdp_planner.trace.tree import ROOT
 from fsdp_planner.workspaces import workspace_bytes
 
-MAX_FAKE_WORLD = 1 << 20
+MAX_FAKE_WORLD = 1 << 16  # FSDP2 makes a fake chunk of every param for each rank (``_chunk_with_empty``): 0.2 ms a
+# chunk on a 2-core host, so 16,384 ranks of a 76-param toy took 5 minutes; this bound keeps a small model's run to
+# tens of minutes and ``slow_note`` says so first
+SLOW_CHUNKS = 1_000_000  # params x ranks past which the run takes minutes (``slow_note``)
+
+
+def slow_note(params: int, world_size: int) -> str | None:
+    """A note that FSDP2's sharding alone takes minutes: it chunks each of ``params`` params ``world_size`` ways."""
+    if params * world_size <= SLOW_CHUNKS:
+        return None
+    return (f"FSDP2 splits each of the model's {params:,} params into {world_size:,} fake chunks "
+            f"({params * world_size:,} tensors): expect minutes before the first step")
 
 
 @dataclass(frozen=True)
