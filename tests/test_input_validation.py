@@ -547,13 +547,14 @@ def test_check_warns_of_a_method_registered_on_a_module_no_group_lists(capsys, t
     assert main(["plan", "toy-llama", "--policy", "titan", "--out", str(out), "-q"]) == 0
     capsys.readouterr()
     d = json.loads(out.read_text())
-    d["forward_methods"] = [{"module": "layers.0.attention", "method": "extra_repr"}]
+    # (nn.Linear defines its own extra_repr: nn.Module's own methods are refused as forward methods)
+    d["forward_methods"] = [{"module": "layers.0.attention.wq", "method": "extra_repr"}]
     out.write_text(json.dumps(d))
     assert main(["check", "toy-llama", "--plan", str(out), "--json"]) == 0
     findings = json.loads(capsys.readouterr().out)
     assert [(f["severity"], f["module"]) for f in findings if f["code"] == "forward-method"] == \
-        [("warning", "layers.0.attention")]
-    assert "no group lists layers.0.attention" in findings[-1]["message"]
+        [("warning", "layers.0.attention.wq")]
+    assert "no group lists layers.0.attention.wq" in findings[-1]["message"]
 
 
 def test_the_lines_an_error_leaves_out_are_shown_under_debug(monkeypatch, capsys) -> None:

@@ -607,10 +607,11 @@ def strategy_table(trace: Trace, world_size: int, options: SimOptions) -> dict[s
         return -(-nbytes // world_size)
 
     temporaries = trainable * opt.step_temporary_bytes(prec.param_bytes)
+    stored = Sizing(trace, 1, prec).stored_shard_bytes  # every param whole (a frozen one kept in its own dtype)
 
     def row(optimizer_state: int, grads_divisor: int = 1, gradient_buckets: int = 0, state_divisor: int = 1
             ) -> MemoryBreakdown:
-        static = MemoryBreakdown(params=trace.numel * prec.param_bytes, grads=-(-kept // grads_divisor),
+        static = MemoryBreakdown(params=stored, grads=-(-kept // grads_divisor),
                                  optimizer_state=optimizer_state, buffers=trace.buffers_nbytes,
                                  compute_copies=compute_copies(trace, prec, sharded=False),
                                  gradient_buckets=gradient_buckets)
