@@ -173,10 +173,15 @@ def test_a_conv_bn_sequential_getting_float32_keeps_its_batchnorms_in_fp32_group
     assert "fuse" in hooked_by(plan, tr) and not full_precision_modules_in(tr, plan.root.params)
 
 
-def test_pure_bf16_is_refused_where_fsdp2_casts_nothing():
-    """pure-bf16 runs FSDP2 without a param_dtype, so no pre-forward casts: the step fails as it would."""
-    with pytest.raises(PrecisionError, match=r"'pure-bf16'.*blocks\.0\.norm"):
-        traced(precision="pure-bf16")
+def test_pure_bf16_converts_the_model_whole_and_casts_nothing_in_forward():
+    """pure-bf16 stores the model in bf16 (built in fp32, it is converted: model.to(torch.bfloat16), its position
+    table with it) and runs FSDP2 without a param_dtype, so no pre-forward casts; a float32 tensor the forward
+    builds itself then fails the step, as it would (a reviewer's finding: the cast was assumed there)."""
+    tr = traced(precision="pure-bf16")
+    assert tr.cast_inputs == () and tr.buffers_nbytes == traced(precision="bf16-mixed").buffers_nbytes // 2
+    lm = load_model(str(Path(__file__).parent / "fixtures" / "precision_models.py") + ":unet_matmul")
+    with pytest.raises(PrecisionError, match=r"'pure-bf16'.*aten\.bmm in module 'mix'"):
+        trace(lm.model, lm.example_inputs, lm.loss_fn, precision="pure-bf16")
 
 
 @pytest.mark.integration  # ~30 s (loaded): torchrun jobs of 2 gloo ranks

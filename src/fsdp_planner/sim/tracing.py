@@ -76,7 +76,12 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     precision = resolve_precision(precision)
     dtype = precision.trace_dtype
     kept = checked_fp32_modules(model, fp32_modules)
-    step = functools.partial(record, model, example_inputs, loss_fn, reuse=reuse, routing=routing)
+    # a precision storing params in the compute dtype (pure-bf16) has the model converted whole (model.to), its
+    # floating buffers with it, where the model is not built so already
+    whole = dtype is not None and not precision.autocast and precision.fsdp_dtypes()[0] is None and \
+        any(p.requires_grad and p.is_floating_point() and p.dtype != dtype for p in model.parameters())
+    step = functools.partial(record, model, example_inputs, loss_fn, reuse=reuse, routing=routing,
+                             cast_buffers=whole)
     try:
         return step(compute_dtype=dtype, full_precision=kept)
     except Exception as e:

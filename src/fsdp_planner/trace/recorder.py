@@ -51,6 +51,7 @@ def record(
     routing: float = DEFAULT_CAPACITY,
     full_precision: tuple[str, ...] = (),
     cast_inputs: bool = False,
+    cast_buffers: bool = False,
 ) -> Trace:
     """Run one forward + backward of ``model`` on meta/fake tensors and record its execution.
 
@@ -73,33 +74,42 @@ def record(
 
     ``cast_inputs``: every module holding params casts its floating inputs to ``compute_dtype``, as FSDP2 does
     for a module a group lists (``input_casts.py``); ``Trace.cast_inputs`` names those where that changed a dtype.
+    ``cast_buffers``: floating buffers are cast to ``compute_dtype`` too (a model converted whole to it).
     """
     if measure and compute_dtype is not None:
         raise ValueError("a measured trace runs the model as it is: no compute_dtype")
     args, kwargs = split_inputs(example_inputs)
     request = TraceRequest(model, args, kwargs, loss_fn or default_loss, measure, reuse, compute_dtype, routing,
-                           tuple(full_precision), cast_inputs)
+                           tuple(full_precision), cast_inputs, cast_buffers)
     with paused_gc():
         return _trace(request)
 
 
 @contextlib.contextmanager
-def _params_cast(model: nn.Module, dtype: torch.dtype | None, full_precision: tuple[str, ...] = ()) -> Iterator[None]:
+def _params_cast(model: nn.Module, dtype: torch.dtype | None, full_precision: tuple[str, ...] = (),
+                 buffers: bool = False) -> Iterator[None]:
     """Floating params' data cast to ``dtype`` (same Parameter objects), put back on exit; those of the
-    ``full_precision`` modules kept."""
+    ``full_precision`` modules kept. ``buffers``: floating buffers too, as ``model.to(dtype)`` converts a model
+    built in another dtype for a precision that stores it in ``dtype`` (pure-bf16)."""
     if dtype is None:
         yield
         return
     kept = subtree_params(dict(model.named_modules()), full_precision)
     originals = [(p, p.data) for p in dict.fromkeys(model.parameters())
                  if p.is_floating_point() and p.dtype != dtype and id(p) not in kept]
+    held = [(m._buffers, name, b) for m in model.modules() for name, b in m._buffers.items()
+            if buffers and b is not None and b.is_floating_point() and b.dtype != dtype]
     try:
         for p, data in originals:
             p.data = data.to(dtype)
+        for owner, name, b in held:
+            owner[name] = b.to(dtype)
         yield
     finally:
         for p, data in originals:
             p.data = data
+        for owner, name, b in held:
+            owner[name] = b
 
 
 def _trace(request: TraceRequest) -> Trace:
@@ -110,7 +120,7 @@ def _trace(request: TraceRequest) -> Trace:
     model = request.model
     traced = TracedModel.of(model)  # the params' own dtypes, before the cast
     methods: dict[str, str] = {}
-    with _params_cast(model, request.compute_dtype, request.full_precision):
+    with _params_cast(model, request.compute_dtype, request.full_precision, request.cast_buffers):
         # a non-forward method found reading params is wrapped and the step traced again (methods.py); a wrapped
         # method may reveal another (one it calls on a child), so up to a few passes
         for _ in range(_METHOD_PASSES):

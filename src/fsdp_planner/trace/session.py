@@ -63,6 +63,7 @@ class TraceRequest:
     routing: float = DEFAULT_CAPACITY  # the capacity factor of data-dependent ops' stand-in (routing.py)
     full_precision: tuple[str, ...] = ()  # modules run in fp32 under the compute dtype (full_precision.py)
     cast_inputs: bool = False  # every module holding params casts its inputs to the compute dtype (input_casts.py)
+    cast_buffers: bool = False  # floating buffers in the compute dtype too: the model converted whole (pure-bf16)
 
 
 def step_inputs(request: TraceRequest) -> tuple[tuple, dict]:
