@@ -399,4 +399,6 @@ def config_verdict(job: PlanJob, tracer: Tracer, trace: Trace, offload_step: flo
     points.traces[(0, 0)] = trace
     if points.fits(lambda _: (0, 0, 1), plain=True)(0):
         return None
+    reporter.note(f"nothing fits {job.cluster.name} without CPU offload: searching the fewest {job.cluster.gpu.name} "
+                  f"that fit it (auto at each count tried, up to {most:,}: a large model takes a minute or two)")
     return fewest_without_offload(job, tracer, most, reporter, trace=trace).line(job.cluster.name, offload_step)
