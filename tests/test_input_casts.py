@@ -13,6 +13,7 @@ import torch
 from conftest import policy
 
 from fsdp_planner import cli
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches, hooked_by, with_claimed_params
 from fsdp_planner.fsdp2.dtypes import full_precision_modules_in
 from fsdp_planner.fsdp2.input_casts import UncastInputsError
@@ -190,3 +191,17 @@ def test_verify_passes_the_groups_without_params_that_hook_a_cast_module(factory
     assert cli.main(["verify", f"{MODELS}:{factory}", "--policy", name, "--precision", "bf16-mixed",
                      "--nproc", "2"]) == 0, capsys.readouterr()
     assert "PASS" in capsys.readouterr().out
+
+
+def test_a_group_inside_a_compiled_block_is_refused():
+    """A trial's model adding its position table inside each block: titan hooks each block's norm with a group of
+    its own, which --compile would put inside the block's fullgraph compile, where Dynamo refuses FSDP2's hooks
+    ("Attempted to call function marked as skipped" on the ranks). Refused before any run."""
+    from fsdp_planner.fsdp2.validity import check_compiled_groups
+
+    plan = _hand_plan(traced(), [["blocks.0.norm"], ["blocks.0"], ["blocks.1"]])
+    check_compiled_groups(plan, ())
+    check_compiled_groups(plan, ("blocks.1",))
+    with pytest.raises(PlannerError, match=r"group \d lists 'blocks.0.norm', inside the block 'blocks.0' that "
+                                           r"--compile compiles whole"):
+        check_compiled_groups(plan, ("blocks.0", "blocks.1"))

@@ -12,7 +12,7 @@ are checked against it.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +22,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.trace.tree import proper_ancestors
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -96,6 +97,20 @@ def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> 
     bad = first_sharded_read(trace, plan, world_size)
     if bad is not None:
         raise PlannerError(f"this plan cannot run: {bad.describe(plan)}")
+
+
+def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
+    """Refuse a group listing a module inside a block compiled whole (``compiled``, torchtitan's fullgraph
+    compile of each block): FSDP2's hooks on it would run inside the compiled graph, which Dynamo refuses
+    ("Attempted to call function marked as skipped")."""
+    blocks = set(compiled)
+    for i, g in enumerate(plan.groups):
+        inside = next(((m, b) for m in g.modules for b in proper_ancestors(m) if b in blocks), None)
+        if inside is not None:
+            raise PlannerError(f"group {i} lists '{inside[0]}', inside the block '{inside[1]}' that --compile compiles "
+                               "whole: FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group "
+                               "whole blocks, plan without --compile, or keep such a module in an fp32 group of its "
+                               "block (--fp32-modules BLOCK)")
 
 
 def check_forward_methods(plan: Plan, model: nn.Module) -> None:

@@ -69,9 +69,11 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
     reads ``[layers.3]`` instead of its 9 leaves (same params, one hook). The root module is never used, nor is a
     module with a module below it called outside its parent (``not_enclosing``): its hooks would not run around
     that call, which would read the group's params sharded (and FSDP2 hooks no listed module below another); nor
-    one above a module of ``Trace.cast_inputs``, whose inputs FSDP2 casts only while it is listed (hooked)."""
+    a module of ``Trace.cast_inputs`` or one above it: FSDP2 casts its inputs only while it is listed and hooked,
+    so no module above it is listed beside it."""
     mine = set(modules)
     cast = set(trace.cast_inputs)
+    above_cast = {a for c in cast for a in proper_ancestors(c)}  # listed beside it, they would unhook it
     owners_below = trace.index.owners_below
     not_enclosing = trace.index.not_enclosing
     covered: dict[str, bool] = {}  # module -> every param-owning module below it is ours
@@ -84,7 +86,7 @@ def compress_modules(trace: Trace, modules: Sequence[str]) -> list[str]:
             up = parent_of(a)
             if a != ROOT and up != ROOT and up not in covered:
                 covered[up] = owners_below[up] <= mine
-            if a == ROOT or up == ROOT or not covered[up] or up in not_enclosing or a in cast:
+            if a == ROOT or up == ROOT or not covered[up] or up in not_enclosing or a in cast or up in above_cast:
                 top_of[a] = a
                 break
             a = up

@@ -21,6 +21,7 @@ from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+from fsdp_planner.fsdp2.validity import check_compiled_groups
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, as_spec
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster, infeasible_message
@@ -121,6 +122,7 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     code runs as the numbers assumed), the attention kernel it was planned for (absent: the default), the
     hf_config fields (verify rebuilds that model), the modules it compiles (the trace's, ``--compile``) and its
     float8 training (``--float8``)."""
+    check_compiled_groups(plan, tr.compiled)
     float8 = job.options.float8 or plan.float8
     if float8 is not None and float8.tp_float8_all_gather and plan.tp_degree == 1:  # auto chose no TP: nothing
         float8 = dataclasses.replace(float8, tp_float8_all_gather=False)  # to gather (a plan file without TP
@@ -393,6 +395,7 @@ def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None
     """``plan`` recording the memory options asked for beside those it has (a plan file's offload or shard dims are
     kept; a reduce dtype or float8 training asked for replaces its own). Shard dims need the shard size: none
     without ``world``."""
+    check_compiled_groups(plan, tr.compiled)
     if options is None:
         return plan
     placement = options.shard_placement if world is not None and not plan.shard_dims else ShardPlacement.DIM0

@@ -101,8 +101,10 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
             break
         else:
             casting = True
-        try:
-            tr = step(compute_dtype=dtype, full_precision=kept, cast_inputs=casting)
+        try:  # (casting: every call traced, none replayed from an identical one: the casts of a replayed block
+            # would go unrecorded, and its modules unhooked)
+            tr = step(compute_dtype=dtype, full_precision=kept, cast_inputs=casting, **({"reuse": False} if casting
+                                                                                          else {}))
         except Exception as e:
             cause = e
             continue
