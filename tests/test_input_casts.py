@@ -71,9 +71,9 @@ def test_every_policy_hooks_the_block(sinusoid, name):
     assert "blocks.0" in hooked_by(plan, sinusoid)
 
 
-def test_auto_hooks_the_block_and_skips_the_per_module_cut_that_cannot(sinusoid):
-    """Wrapping every param-owning module alone leaves no group for blocks.0 (it would manage nothing): that cut
-    is not a candidate, and the search still ends in a plan that lists it."""
+def test_auto_hooks_the_block_even_where_a_cut_wraps_every_module_below_it(sinusoid):
+    """Wrapping every param-owning module alone leaves blocks.0 nothing to manage: its group hooks it without
+    params, and the search ends in a plan that hooks it."""
     result = AutoPolicy(parse_cluster("h100:8")).search(sinusoid, BUILD)
     assert "blocks.0" in hooked_by(result.plan, sinusoid)
 

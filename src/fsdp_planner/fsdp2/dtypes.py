@@ -80,18 +80,8 @@ def fp32_modules_computed_low(plan: Plan, trace: Trace) -> list[tuple[int, list[
 
 def full_precision_modules_in(trace: Trace, params: tuple[str, ...] | list[str]) -> list[str]:
     """The modules traced in fp32 (``Trace.full_precision``) some of whose params are among ``params``."""
-    mine = {trace.index.param_index[p] for p in params}
-    index = trace.index.param_index
-    out = []
-    for m in trace.full_precision:
-        stack = [m]
-        while stack:
-            info = trace.modules[stack.pop()]
-            if any(index[p] in mine for p in info.params):
-                out.append(m)
-                break
-            stack.extend(info.children)
-    return out
+    mine, subtree = set(params), trace.index.subtree_params
+    return [m for m in trace.full_precision if subtree[m] & mine]
 
 
 def with_param_dtypes(trace: Trace, groups: list[Group]) -> list[Group]:

@@ -83,13 +83,13 @@ def save_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Op
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
     digests = state_digests(model, optimizer)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, digests)
     # buffers each rank holds its own of (BatchNorm's running stats: FSDP2 syncs no buffer): DCP writes one rank's
     # copy, which a load must find among theirs (a param or optimizer state differing by rank is a mismatch)
-    buffers = {f"model.{name}" for name, _ in model.named_buffers()}
-    rank_local = {k: sorted({theirs.get(k, "") for theirs in everyone}) for k in sorted(buffers & digests.keys())
-                  if any(theirs.get(k) != digests[k] for theirs in everyone)}
+    mine = {k: digests[k] for k in (f"model.{name}" for name, _ in model.named_buffers()) if k in digests}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    rank_local = {k: sorted({theirs.get(k, "") for theirs in everyone}) for k in sorted(mine)
+                  if any(theirs.get(k) != mine[k] for theirs in everyone)}
     if dist.get_rank() == 0:
         torch.save({"model": reference.state_dict(), "optim": ref_optimizer.state_dict()}, directory / REFERENCE)
         write_atomic(directory / META, json.dumps({"version": VERSION, **meta, "digests": digests,

@@ -78,7 +78,8 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
     kept = checked_fp32_modules(model, fp32_modules)
     # a precision storing params in the compute dtype (pure-bf16) has the model converted whole (model.to), its
     # floating buffers with it, where the model is not built so already
-    whole = dtype is not None and not precision.autocast and precision.fsdp_dtypes()[0] is None and \
+    uncast = precision.fsdp_dtypes()[0] is None  # FSDP2 casts nothing (pure-bf16, fp32, autocast)
+    whole = dtype is not None and not precision.autocast and uncast and \
         any(p.requires_grad and p.is_floating_point() and p.dtype != dtype for p in model.parameters())
     step = functools.partial(record, model, example_inputs, loss_fn, reuse=reuse, routing=routing,
                              cast_buffers=whole)
@@ -97,14 +98,13 @@ def trace(model: nn.Module, example_inputs: Any, loss_fn: Callable[[Any], torch.
             more = kept_before(model, own, failed_at(cause))
         if more and not set(more) <= set(kept):
             kept = (*kept, *(m for m in more if m not in kept))
-        elif casting or precision.fsdp_dtypes()[0] is None:  # (pure-bf16: FSDP2 casts nothing, param_dtype None)
+        elif casting or uncast:
             break
         else:
             casting = True
         try:  # (casting: every call traced, none replayed from an identical one: the casts of a replayed block
             # would go unrecorded, and its modules unhooked)
-            tr = step(compute_dtype=dtype, full_precision=kept, cast_inputs=casting, **({"reuse": False} if casting
-                                                                                          else {}))
+            tr = step(compute_dtype=dtype, full_precision=kept, cast_inputs=casting, reuse=reuse and not casting)
         except Exception as e:
             cause = e
             continue

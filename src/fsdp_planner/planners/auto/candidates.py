@@ -14,7 +14,6 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.fsdp2.collectives import CollectiveKind
-from fsdp_planner.fsdp2.input_casts import UncastInputsError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.planners.auto.atoms import Atom, Pin, coarsen
 from fsdp_planner.planners.auto.evaluator import ROOT_ONLY, Candidate, Evaluator
@@ -76,24 +75,19 @@ class ModuleTreeCuts:
         leaves = tuple(m for m in trace.index.owning_modules
                        if m != ROOT and not any(trace.param(p).is_shared for p in trace.modules[m].params))
         self.cuts.setdefault(leaves, "per-module")
-        self.plans: dict[tuple[str, ...], Plan | None] = {}
+        self.plans: dict[tuple[str, ...], Plan] = {}
 
     def evaluate(self, ev: Evaluator) -> None:
         """Simulate on ``ev`` the cuts that could rank there (large thresholds first: cheap plans)."""
         for wrapped, origin in self.cuts.items():
-            if ev.could_rank([[m] for m in wrapped]) and (plan := self.plan(wrapped)) is not None:
-                ev.evaluate(plan, origin)
+            if ev.could_rank([[m] for m in wrapped]):
+                ev.evaluate(self.plan(wrapped), origin)
 
-    def plan(self, wrapped: tuple[str, ...]) -> Plan | None:
-        """The cut's plan; None where it wraps every param below a module whose float32 inputs FSDP2 must cast
-        (``Trace.cast_inputs``), which then has no group to list it."""
+    def plan(self, wrapped: tuple[str, ...]) -> Plan:
         if wrapped not in self.plans:
             origin = self.cuts[wrapped]
-            try:
-                self.plans[wrapped] = make_plan(self.trace, [[m] for m in wrapped], model=self.model,
-                                                policy="" if origin == "per-module" else origin)
-            except UncastInputsError:
-                self.plans[wrapped] = None
+            self.plans[wrapped] = make_plan(self.trace, [[m] for m in wrapped], model=self.model,
+                                            policy="" if origin == "per-module" else origin)
         return self.plans[wrapped]
 
 
