@@ -242,7 +242,8 @@ DTYPE_MODELS = str(Path(__file__).parent / "fixtures" / "dtype_models.py")
 @pytest.mark.parametrize(("factory", "precision"), [("to_bf16", "pure-bf16"), ("double_then_float", "bf16-mixed")])
 def test_a_factory_that_converts_dtypes_runs_on_fake_ranks(factory: str, precision: str) -> None:
     """``.to(dtype)`` / ``.float()`` on fake params swapped them with copies, which torch refused
-    (``_apply(): Couldn't swap Linear.weight``): the fake mode's memo held a weak reference to each."""
+    (``_apply(): Couldn't swap Linear.weight``): the fake mode's memo held a weak reference to each. The peak is
+    AdamW's as torch holds it: under pure-bf16 two bf16 moments, no fp32 master copy (predicted +22% before)."""
     spec = f"{DTYPE_MODELS}:{factory}"
     options = SimOptions.named(precision)
     lm = load_model(spec)
@@ -252,6 +253,7 @@ def test_a_factory_that_converts_dtypes_runs_on_fake_ranks(factory: str, precisi
     measured = run_fake_world(spec, plan, 8, options.precision)
     assert measured.nbytes["all_gather"] == predicted.all_gather_bytes
     assert measured.nbytes["reduce_scatter"] == predicted.reduce_scatter_bytes
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.02)
 
 
 @pytest.mark.parametrize(("factory", "precision"), [("int_param", "bf16-mixed"), ("complex_param", "fp32")])

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from rich.console import Console
 
 from fsdp_planner.cli.render import strategy_table as render_strategy_table
@@ -14,7 +15,15 @@ from fsdp_planner.fsdp2.claim import make_plan
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import load_model
 from fsdp_planner.sim.memory import STRATEGIES, MemoryBreakdown, MemoryModel, activation_levels, strategy_table
-from fsdp_planner.sim.options import OPTIMIZERS, PRECISIONS, SimOptions, ZeroGrad, optimizer_named, precision_named
+from fsdp_planner.sim.options import (
+    OPTIMIZERS,
+    PRECISIONS,
+    Optimizer,
+    SimOptions,
+    ZeroGrad,
+    optimizer_named,
+    precision_named,
+)
 from fsdp_planner.sim.simulate import simulate
 from fsdp_planner.sim.sizing import Sizing
 from fsdp_planner.trace import ModuleInfo, ParamInfo, Trace, record
@@ -114,6 +123,11 @@ def test_world_size_one_shards_nothing(seed_trace: Trace) -> None:
 
 
 # -- the ZeRO paper's anchor: 7.5B params, mixed-precision Adam (2 + 2 + 12 bytes per param), 64 ranks --------------
+# The paper's optimizer keeps three fp32 tensors per param (master weights, momentum, variance) beside 16-bit params;
+# torch's Adam keeps its two moments in the params' dtype and no master (test_torch_adam_states_follow_params).
+ZERO_PAPER_ADAM = Optimizer("zero-paper-adam", OPTIMIZERS["adam-fused"].step_bytes, fp32_states=3, fused=True)
+
+
 def _synthetic_trace(total: int, layers: int) -> Trace:
     per = total // layers
     params = tuple(ParamInfo(f"l{i}.w", per, "bfloat16", 2, True, (f"l{i}",), shape=(per,)) for i in range(layers))
@@ -125,17 +139,31 @@ def _synthetic_trace(total: int, layers: int) -> Trace:
 def test_zero_paper_anchor() -> None:
     """ZeRO paper, Figure 1: 7.5B params, 64 GPUs: 120 GB unsharded, ZeRO-1 31.4 GB, ZeRO-2 16.6 GB, ZeRO-3 1.9 GB
     (params, grads and states only: all held at once, as with grads zeroed rather than set to None)."""
-    adam = OPTIMIZERS["adam"]
-    assert adam.state_bytes_per_element(2) == 12 and adam.state_bytes_per_element(4) == 8
     synthetic = _synthetic_trace(7_500_000_000, 750)
-    # the paper counts the states, not the step's temporaries: the fused step makes none
-    rows = strategy_table(synthetic, 64, SimOptions.named("pure-bf16", "adam-fused", zero_grad="zeros"))
+    # the paper counts the states, not the step's temporaries: a fused step makes none
+    options = replace(SimOptions.named("pure-bf16", zero_grad="zeros"), optimizer=ZERO_PAPER_ADAM)
+    rows = strategy_table(synthetic, 64, options)
     assert _close(rows["single"].total, 120.0, 0.001)
     for stage, gb in {"zero1": 31.4, "zero2": 16.6, "fsdp": 1.9}.items():
         assert _close(rows[stage].total, gb, 0.03), (stage, rows[stage].total / GB)
     # set to None, the grads of a trace that runs no op never exist: params and states only
-    unset = strategy_table(synthetic, 64, SimOptions.named("pure-bf16", "adam-fused"))
+    unset = strategy_table(synthetic, 64, replace(options, zero_grad=ZeroGrad.NONE))
     assert unset["single"].grads == unset["fsdp"].grads == 0 and _close(unset["single"].total, 105.0, 0.001)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "adam-fused", "adamw-fused"])
+def test_torch_adam_states_follow_params(name: str) -> None:
+    """torch's Adam makes exp_avg and exp_avg_sq with ``zeros_like(param)``: as many bytes as two params, whatever
+    their dtype (measured here on torch itself), so pure-bf16 holds 4 bytes of state a param, bf16-mixed's fp32
+    shards 8."""
+    for dtype in (torch.bfloat16, torch.float32):
+        param = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+        param.grad = torch.ones_like(param)
+        kind = torch.optim.AdamW if name.startswith("adamw") else torch.optim.Adam
+        optimizer = kind([param], foreach=False)
+        optimizer.step()
+        held = sum(t.numel() * t.element_size() for t in optimizer.state[param].values() if t.dim())
+        assert OPTIMIZERS[name].state_bytes_per_element(dtype.itemsize) * param.numel() == held
 
 
 def test_presets() -> None:

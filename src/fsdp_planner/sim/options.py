@@ -2,11 +2,11 @@
 
 Defaults (``SimOptions()``): ``bf16-mixed`` precision (FSDP2 ``MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32)``: fp32 sharded params and grads, bf16 all-gather and compute, fp32 reduce-scatter), the
-AdamW optimizer (two fp32 states per trainable element; torch's foreach implementation, what a loop's own
-``torch.optim.AdamW(params)`` runs on CUDA; ``adamw-fused`` is torchtitan's and Hugging Face Trainer's default),
-``zero_grad()`` with its default ``set_to_none=True``, and each op at the cluster's roofline. To reproduce a
-measurement made another way, say so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum`` for an fp32
-run with SGD and momentum).
+AdamW optimizer (two states per trainable element in the params' dtype, fp32 here; torch's foreach implementation,
+what a loop's own ``torch.optim.AdamW(params)`` runs on CUDA; ``adamw-fused`` is torchtitan's and Hugging Face
+Trainer's default), ``zero_grad()`` with its default ``set_to_none=True``, and each op at the cluster's roofline.
+To reproduce a measurement made another way, say so explicitly (e.g. ``--precision fp32 --optimizer sgd-momentum``
+for an fp32 run with SGD and momentum).
 """
 
 from __future__ import annotations
@@ -52,22 +52,21 @@ class Optimizer:
     (torch's foreach implementation, its default on CUDA, or with ``fused`` its fused kernel; counted in
     ``sim/optimizer_step.py``); ``step_temporaries``: tensors of one state's size per element that the step makes
     and holds at once (foreach Adam's square roots).
-    ``param_dtype_states`` live in the param storage dtype (SGD's momentum buffer); ``fp32_states`` are always
-    fp32 (Adam's exp_avg and exp_avg_sq); ``master_copy`` adds an fp32 copy of the weights when the params are
-    stored in 16 bits (the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 = 16 bytes per param).
+    ``param_dtype_states`` live in the param storage dtype: torch's optimizers make their state with
+    ``torch.zeros_like(param)`` (SGD's momentum buffer; Adam's exp_avg and exp_avg_sq, ``torch/optim/adam.py``
+    ``_init_group``), so under pure-bf16 they are bf16 and no fp32 master copy exists. ``fp32_states`` are fp32
+    whatever the params' dtype (the ZeRO paper's mixed-precision Adam keeps three: master weights and both moments).
     """
 
     name: str
     step_bytes: int
     param_dtype_states: int = 0
     fp32_states: int = 0
-    master_copy: bool = False
     fused: bool = False  # ``fused=True`` (else foreach)
     step_temporaries: int = 0
 
     def state_bytes_per_element(self, param_bytes: int) -> int:
-        master = 4 if self.master_copy and param_bytes < 4 else 0
-        return self.param_dtype_states * param_bytes + self.fp32_states * 4 + master
+        return self.param_dtype_states * param_bytes + self.fp32_states * 4
 
     def step_temporary_bytes(self, param_bytes: int) -> int:
         """Bytes per trainable element of what the step holds beyond the state (in the states' dtype)."""
@@ -79,12 +78,12 @@ OPTIMIZERS: dict[str, Optimizer] = {
     for o in (
         Optimizer("sgd", STEP_BYTES["sgd"]),
         Optimizer("sgd-momentum", STEP_BYTES["sgd-momentum"], param_dtype_states=1),
-        Optimizer("adam", STEP_BYTES["adam"], fp32_states=2, master_copy=True,
+        Optimizer("adam", STEP_BYTES["adam"], param_dtype_states=2,
                   step_temporaries=STEP_TEMPORARIES["adam"]),
-        Optimizer("adamw", STEP_BYTES["adamw"], fp32_states=2, master_copy=True,
+        Optimizer("adamw", STEP_BYTES["adamw"], param_dtype_states=2,
                   step_temporaries=STEP_TEMPORARIES["adamw"]),
-        Optimizer("adam-fused", STEP_BYTES["adam-fused"], fp32_states=2, master_copy=True, fused=True),
-        Optimizer("adamw-fused", STEP_BYTES["adamw-fused"], fp32_states=2, master_copy=True, fused=True),
+        Optimizer("adam-fused", STEP_BYTES["adam-fused"], param_dtype_states=2, fused=True),
+        Optimizer("adamw-fused", STEP_BYTES["adamw-fused"], param_dtype_states=2, fused=True),
     )
 }
 
