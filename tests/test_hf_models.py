@@ -167,6 +167,9 @@ def test_real_builds_are_deterministic_per_seed(tmp_path):
     ("{\"model_type\": \"llama\", \"rope_scaling\": 5}", "transformers cannot make a 'llama' config: "),
     ("{\"model_type\": \"wav2vec2\"}", "model type 'wav2vec2' is not supported"),
     ("{\"model_type\": ", "is not valid JSON"),
+    # transformers reads a repeated key's last value: which one the user meant is unknown
+    ("{\"model_type\": \"llama\", \"num_hidden_layers\": 2, \"num_hidden_layers\": 4}",
+     "the key \"num_hidden_layers\" appears twice in one object"),
     ("{\"model_type\": \"llama\", \"hidden_size\": 64, \"num_attention_heads\": 4, \"num_key_value_heads\": 8}",
      r"num_key_value_heads \(8\) must divide num_attention_heads \(4\): set num_key_value_heads"),
     # image-text models: token ids alone would trace the text model (Mllama's causal LM is it), never the step

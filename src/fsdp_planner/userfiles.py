@@ -88,12 +88,11 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_json(text: str, message: Callable[[str], str], unique_keys: bool = True) -> Any:
-    """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``. ``unique_keys``: a key
-    repeated in an object is refused (fsdp-planner's own files); False for a format whose readers take the last
-    (transformers' config.json)."""
+def parse_json(text: str, message: Callable[[str], str]) -> Any:
+    """``json.loads``; on bad input, a PlannerError whose line is ``message(what is wrong)``. A key repeated in an
+    object is refused: Python's reader (and transformers') would keep its last value, silently."""
     try:
-        data = json.loads(text, object_pairs_hook=_unique_keys if unique_keys else None)
+        data = json.loads(text, object_pairs_hook=_unique_keys)
         if LONE_SURROGATE.search(text) and (bad := _unwritable(data)) is not None:
             detail = f"the string {bad} holds a lone surrogate escape (\\ud800 to \\udfff alone), which no " \
                 "text can hold"

@@ -131,9 +131,9 @@ def read_config(source: str) -> dict[str, Any]:
     """The config's JSON object; it must name its ``model_type`` (what ``AutoConfig.for_model`` dispatches on)."""
     path = config_file(source)
     label = f"config file '{path}'"
+    # a repeated key is refused: transformers would read its last value, and which one the user meant is unknown
     data = parse_json(read_text(path, label, "a Hugging Face config.json", MAX_SOURCE_BYTES),
-                      lambda detail: f"{label} is not valid JSON: {detail}", unique_keys=False)  # (as
-    # transformers reads it: a repeated key's last value)
+                      lambda detail: f"{label} is not valid JSON: {detail}")
     if not isinstance(data, dict):
         raise PlannerError(f"{label} must hold a JSON object, got {type(data).__name__}")
     if not isinstance(data.get("model_type"), str):
