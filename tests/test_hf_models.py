@@ -80,6 +80,11 @@ SHIPPED_PARAMS = {
     "qwen3-0.6b": 596_049_920, "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
     "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264, "qwen3-30b-a3b": 30_532_122_624,
     "qwen3-235b-a22b": 235_093_634_560,
+    "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672, "moonlight-16b-a3b": 15_960_108_544,
+    # torchtitan's flavours (b5bcd76): the params of torchtitan's own build of each, on meta
+    "titan-qwen3-debugmodel": 31_987_968, "titan-qwen3-debugmodel-moe": 315_758_848,
+    "titan-deepseek-v3-debugmodel": 33_014_016, "titan-deepseek-v3-16b": 15_706_484_224,
+    "titan-deepseek-v3-236b": 235_741_434_880, "titan-gpt-oss-debugmodel": 81_489_440,
 }
 # the Qwen3 model cards' "Number of Parameters" (huggingface.co/Qwen/Qwen3-*)
 QWEN3_CARDS = {"qwen3-0.6b": "0.6", "qwen3-1.7b": "1.7", "qwen3-4b": "4.0", "qwen3-8b": "8.2", "qwen3-14b": "14.8",

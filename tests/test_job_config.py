@@ -350,10 +350,12 @@ def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):
     assert args_of("simulate", "--from-torchtitan", str(job)).model == "llama3-8b"
     with pytest.raises(PlannerError, match="MODEL 'toy-llama' is not the torchtitan job's model"):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job))
-    unknown = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "16B"\n')
-    with pytest.raises(PlannerError, match=r"model \"deepseek_v3\" flavor \"16B\" is not one fsdp-planner builds "
-                                           r"\(known: llama3 debugmodel/1B/3B/8B/70B/405B, deepseek_v3 671B, qwen3 "
-                                           r"0.6B/1.7B/4B/8B/14B/32B/30B-A3B/235B-A22B\)"):
+    unknown = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "99B"\n')
+    with pytest.raises(PlannerError, match=r"model \"deepseek_v3\" flavor \"99B\" is not one fsdp-planner builds "
+                                           r"\(known: llama3 debugmodel/1B/3B/8B/70B/405B, deepseek_v3 "
+                                           r"671B/debugmodel/16B/236B, qwen3 0.6B/1.7B/4B/8B/14B/32B/30B-A3B/"
+                                           r"235B-A22B/debugmodel/debugmodel_non_fused_qkv/debugmodel_moe, gpt_oss "
+                                           r"debugmodel/20b/120b, kimi_k2_7 moonlight-16B-A3B\)"):
         args_of("simulate", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
     capsys.readouterr()
     args_of("simulate", "toy-llama", "--from-torchtitan", str(unknown), "--cluster", "h100:8")
@@ -361,6 +363,25 @@ def test_the_model_comes_from_the_torchtitan_job(tmp_path, capsys):
     v3 = titan(tmp_path, '[model]\nname = "deepseek_v3"\nflavor = "671B"\n')  # its shipped transformers config
     assert args_of("simulate", "--from-torchtitan", str(v3), "--cluster", "h100:8").model == "hf:deepseek-v3"
     assert 'model "deepseek_v3" flavor "671B" is simulated as hf:deepseek-v3' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flavor", "model"), [("debugmodel_moe", "hf:titan-qwen3-debugmodel-moe"),
+                                                ("debugmodel_non_fused_qkv", "hf:titan-qwen3-debugmodel")])
+def test_torchtitan_s_debug_flavours_are_its_shipped_configs(tmp_path, flavor, model):
+    job = titan(tmp_path, f'[model]\nname = "qwen3"\nflavor = "{flavor}"\n')
+    assert args_of("simulate", "--from-torchtitan", str(job), "--cluster", "h100:8").model == model
+
+
+def test_torchtitan_s_gpt_oss_is_planned_with_fused_attention(tmp_path, capsys):
+    """transformers runs gpt-oss's attention eagerly (its sinks have no SDPA path), saving seq x seq scores that
+    torchtitan's flex or varlen attention never makes; a user's --attention is kept."""
+    job = titan(tmp_path, '[model]\nname = "gpt_oss"\nflavor = "20b"\n')
+    args = args_of("simulate", "--from-torchtitan", str(job), "--cluster", "h100:8")
+    assert (args.model, args.attention) == ("hf:gpt-oss-20b", "flash")
+    assert "attention planned as --attention flash: torchtitan runs hf:gpt-oss-20b's" in capsys.readouterr().err
+    mine = args_of("simulate", "--from-torchtitan", str(job), "--cluster", "h100:8", "--attention", "eager")
+    assert mine.attention == "eager"
+    assert "attention planned as" not in capsys.readouterr().err
 
 
 def test_missing_model_and_cluster_are_argument_errors(capsys, tmp_path):

@@ -582,8 +582,9 @@ def test_a_job_called_with_arguments_it_cannot_bind_is_one_line(tmp_path, body, 
 @pytest.mark.parametrize(("spec", "read"), [
     # (model, seq, batch, tp, ep, compile) as each job of torchtitan's 2026 registries (b5bcd76) sets them
     ("deepseek_v3/config_registry.py:deepseek_v3_671b", ("hf:deepseek-v3", 4096, 4, 1, 2, False)),
-    ("deepseek_v3/config_registry.py:deepseek_v3_16b", (None, 4096, 4, 1, 8, False)),
-    ("gpt_oss/config_registry.py:gpt_oss_debugmodel_flex", (None, 2048, 8, 1, 1, False)),  # a job with arguments
+    ("deepseek_v3/config_registry.py:deepseek_v3_16b", ("hf:titan-deepseek-v3-16b", 4096, 4, 1, 8, False)),
+    # a job with arguments
+    ("gpt_oss/config_registry.py:gpt_oss_debugmodel_flex", ("hf:titan-gpt-oss-debugmodel", 2048, 8, 1, 1, False)),
     ("kimi_k2_7/config_registry.py:kimi_k2_5", (None, 4096, 4, 1, 8, False)),  # its own Trainer.Config subclass
     ("qwen3_5/config_registry.py:qwen35_397b_a17b", (None, 4096, 4, 8, 16, False)),  # a tokenizer's **TOKENS
 ])

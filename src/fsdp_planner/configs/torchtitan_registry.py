@@ -35,7 +35,19 @@ TITAN_MODELS = {("llama3", "debugmodel"): "llama3-debugmodel", ("llama3", "1B"):
                 ("llama3", "3B"): "llama32-3b", ("llama3", "8B"): "llama3-8b", ("llama3", "70B"): "llama3-70b",
                 ("llama3", "405B"): "llama3-405b", ("deepseek_v3", "671B"): "hf:deepseek-v3",
                 **{("qwen3", f): f"hf:qwen3-{f.lower()}" for f in ("0.6B", "1.7B", "4B", "8B", "14B", "32B", "30B-A3B",
-                                                                   "235B-A22B")}}
+                                                                   "235B-A22B")},
+                # torchtitan's own flavours, shipped as transformers configs of the same params (models/hf.py)
+                ("qwen3", "debugmodel"): "hf:titan-qwen3-debugmodel",
+                ("qwen3", "debugmodel_non_fused_qkv"): "hf:titan-qwen3-debugmodel",  # q, k, v apart: the same
+                ("qwen3", "debugmodel_moe"): "hf:titan-qwen3-debugmodel-moe",
+                ("deepseek_v3", "debugmodel"): "hf:titan-deepseek-v3-debugmodel",
+                ("deepseek_v3", "16B"): "hf:titan-deepseek-v3-16b",
+                ("deepseek_v3", "236B"): "hf:titan-deepseek-v3-236b",
+                ("gpt_oss", "debugmodel"): "hf:titan-gpt-oss-debugmodel", ("gpt_oss", "20b"): "hf:gpt-oss-20b",
+                ("gpt_oss", "120b"): "hf:gpt-oss-120b", ("kimi_k2_7", "moonlight-16B-A3B"): "hf:moonlight-16b-a3b"}
+# transformers runs these models' attention eagerly (no SDPA path: gpt-oss's sinks), saving the seq x seq scores;
+# torchtitan runs them with flex or varlen attention, fused, O(seq) saved: planned with --attention flash
+TITAN_FUSED_ATTENTION = frozenset({"hf:titan-gpt-oss-debugmodel", "hf:gpt-oss-20b", "hf:gpt-oss-120b"})
 
 
 def titan_model(name: str, flavor: str) -> str | None:

@@ -96,6 +96,26 @@ SHIPPED: dict[str, ShippedConfig] = {
     "qwen3-32b": ShippedConfig("Qwen3 32B (Qwen/Qwen3-32B)", 1, 4096),
     "qwen3-30b-a3b": ShippedConfig("Qwen3 30B-A3B MoE, 128 experts top-8 (Qwen/Qwen3-30B-A3B)", 1, 4096),
     "qwen3-235b-a22b": ShippedConfig("Qwen3 235B-A22B MoE, 128 experts top-8 (Qwen/Qwen3-235B-A22B)", 1, 4096),
+    "gpt-oss-20b": ShippedConfig("gpt-oss 20B MoE, 32 experts top-4, attention sinks, sliding windows "
+                                 "(openai/gpt-oss-20b)", 1, 4096),
+    "gpt-oss-120b": ShippedConfig("gpt-oss 120B MoE, 128 experts top-4, attention sinks, sliding windows "
+                                  "(openai/gpt-oss-120b)", 1, 4096),
+    "moonlight-16b-a3b": ShippedConfig("Moonlight 16B-A3B MoE, MLA, 64 experts top-6 (moonshotai/Moonlight-16B-A3B)",
+                                       1, 4096),
+    # torchtitan's own flavours (torchtitan/models/*/__init__.py at b5bcd76, BSD-3-Clause), written as transformers
+    # configs whose models hold exactly the params torchtitan's build of the flavour holds
+    "titan-qwen3-debugmodel": ShippedConfig("torchtitan's qwen3 debugmodel (8 layers, width 256, tied embeddings)",
+                                            8, 2048),
+    "titan-qwen3-debugmodel-moe": ShippedConfig("torchtitan's qwen3 debugmodel_moe (8 layers, 64 experts top-8)",
+                                                8, 2048),
+    "titan-deepseek-v3-debugmodel": ShippedConfig("torchtitan's deepseek_v3 debugmodel (6 layers, MLA, 8 experts "
+                                                  "top-3, 2 shared)", 8, 2048),
+    "titan-deepseek-v3-16b": ShippedConfig("torchtitan's deepseek_v3 16B (DeepSeek-V2-Lite's numbers: MLA, 64 "
+                                           "experts top-6, 2 shared)", 1, 4096),
+    "titan-deepseek-v3-236b": ShippedConfig("torchtitan's deepseek_v3 236B (DeepSeek-V2's numbers: MLA, 160 "
+                                            "experts top-6, 2 shared)", 1, 4096),
+    "titan-gpt-oss-debugmodel": ShippedConfig("torchtitan's gpt_oss debugmodel (4 layers, 8 experts top-4)", 8,
+                                              2048),
 }
 
 
@@ -408,7 +428,8 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     config = _config(with_overrides(data, overrides))
     unpacked_inputs()
     if attention == "flash":
-        hf_attention.register()
+        with quiet_loggers(*TORCHAO_LOGGERS):  # its interface's module imports transformers' quantizers (torchao)
+            hf_attention.register()
     chosen = {"attn_implementation": ATTN_IMPLEMENTATIONS[attention]} if attention is not None else {}
     task = task_of(config)
     if task in (HfTask.SEQ2SEQ_LM, HfTask.SPEECH_SEQ2SEQ):

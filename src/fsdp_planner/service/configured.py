@@ -11,9 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, GradientSync, PolicyName
+from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, AttentionKernel, GradientSync, PolicyName
 from fsdp_planner.configs.job_config import ACCELERATE, CLASSES_KEY, TORCHTITAN, JobConfig, edit_choices, world_of
-from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
+from fsdp_planner.configs.torchtitan_registry import TITAN_FUSED_ATTENTION, TITAN_MODELS
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
@@ -80,6 +80,7 @@ def _model(m: _Merge) -> None:
                                f"{cfg.model}): leave MODEL out, or give the config's model")
         if cfg.model is None and (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
             m.note(f"MODEL {shown_json(model)} stands for the torchtitan job's model {cfg.model_label}")
+        _attention(m)
         return
     if cfg.model is None and not (cfg.keys.get("model.name") or cfg.keys.get("model.flavor")):
         where = "[model] name and flavor" if cfg.path.endswith(".toml") else "model_spec = model_registry(FLAVOR)"
@@ -95,6 +96,16 @@ def _model(m: _Merge) -> None:
     if cfg.model.startswith("hf:"):
         m.note(f"the torchtitan job's model {cfg.model_label} is simulated as {cfg.model} (transformers' modules, "
                "the same architecture numbers)")
+    _attention(m)
+
+
+def _attention(m: _Merge) -> None:
+    """torchtitan's attention is fused (flex or varlen) where transformers' model of the same numbers runs eager."""
+    if m.values["model"] in TITAN_FUSED_ATTENTION and m.values["attention"] is None:
+        m.values["attention"] = AttentionKernel.FLASH.value
+        m.note(f"attention planned as --attention flash: torchtitan runs {m.values['model']}'s with flex or varlen "
+               "attention (fused, O(seq) saved), where transformers' own runs eager; its sliding windows are "
+               "charged as full causal attention (an upper bound on those layers' FLOPs)")
 
 
 def _titan_models() -> list[tuple[str, str]]:
