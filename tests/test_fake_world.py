@@ -42,6 +42,23 @@ def test_prediction_matches_real_fsdp2_at_fake_world_size(precision: str, world:
     assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.05)
 
 
+def test_bf16_optimizer_states_are_half_of_fp32_params() -> None:
+    """torchtitan's ``fused_opt_states_bf16``: Adam's moments made in bf16 before the first step, beside fp32 params
+    (4 bytes of state a param, not 8); with bf16 params, as much as the plain fused AdamW holds."""
+    options = SimOptions.named("bf16-mixed", "adamw-fused-bf16-states")
+    tr = _traced("toy-llama", options)
+    plan = TorchtitanPolicy("TransformerBlock").plan(tr)
+    cluster = parse_cluster("h100:8")
+    predicted = simulate(tr, plan, cluster, options, timeline=False)
+    measured = run_fake_world("toy-llama", plan, 8, options.precision, optimizer=options.optimizer)
+    assert predicted.peak_memory == pytest.approx(measured.peak_memory, rel=0.01)
+    for precision, share in (("bf16-mixed", 0.5), ("pure-bf16", 1.0)):
+        def state(optimizer: str, precision: str = precision) -> int:
+            report = simulate(tr, plan, cluster, SimOptions.named(precision, optimizer), timeline=False)
+            return report.memory_at_peak["optimizer_state"]
+        assert state("adamw-fused-bf16-states") == state("adamw-fused") * share
+
+
 @pytest.mark.integration  # real FSDP2 on fake ranks or a subprocess: the full suite runs it
 def test_int_reshard_after_forward_runs_on_fake_ranks() -> None:
     """An int ``reshard_after_forward`` (reshard to groups of 2 ranks after forward) makes FSDP2 build a sub-mesh

@@ -524,7 +524,7 @@ def test_auto_beside_a_config_traces_its_tp_layouts_at_their_batch(tmp_path):
     ('[optimizer]\nname = "AdamW"\nimplementation = "foreach"\n', "adamw", None),
     ('[optimizer]\nname = "Adam"\nfused = true\n', "adam-fused", None),  # the key implementation replaced
     ("[optimizer]\nfused = false\n", "adamw", None),
-    ('[optimizer]\nimplementation = "fused_opt_states_bf16"\n', "adamw-fused", "with fp32 states"),
+    ('[optimizer]\nimplementation = "fused_opt_states_bf16"\n', "adamw-fused-bf16-states", None),
     ('[optimizer]\nname = "Muon"\n', "adamw-fused", "\"Muon\" is simulated as AdamW"),
     ("[optimizer]\nearly_step_in_backward = true\n", "adamw-fused", "early_step_in_backward = true is left out"),
 ])

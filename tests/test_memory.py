@@ -125,7 +125,8 @@ def test_world_size_one_shards_nothing(seed_trace: Trace) -> None:
 # -- the ZeRO paper's anchor: 7.5B params, mixed-precision Adam (2 + 2 + 12 bytes per param), 64 ranks --------------
 # The paper's optimizer keeps three fp32 tensors per param (master weights, momentum, variance) beside 16-bit params;
 # torch's Adam keeps its two moments in the params' dtype and no master (test_torch_adam_states_follow_params).
-ZERO_PAPER_ADAM = Optimizer("zero-paper-adam", OPTIMIZERS["adam-fused"].step_bytes, fp32_states=3, fused=True)
+ZERO_PAPER_ADAM = Optimizer("zero-paper-adam", OPTIMIZERS["adam-fused"].step_bytes, states=3, state_bytes=4,
+                            fused=True)
 
 
 def _synthetic_trace(total: int, layers: int) -> Trace:

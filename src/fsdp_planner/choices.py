@@ -125,7 +125,8 @@ ATTENTION_NAMES = tuple(k.value for k in AttentionKernel)
 
 # The keys of ``sim.options.PRECISIONS`` and ``OPTIMIZERS``, in their order (tests/test_cli_start.py keeps them equal).
 PRECISION_NAMES = ("fp32", "bf16-mixed", "pure-bf16", "autocast", "autocast-nocache")
-OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw", "adam-fused", "adamw-fused")
+OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw", "adam-fused", "adamw-fused", "adam-fused-bf16-states",
+                   "adamw-fused-bf16-states")
 
 DEFAULT_PRECISION = "bf16-mixed"
 DEFAULT_OPTIMIZER = "adamw"

@@ -399,14 +399,12 @@ def _titan_optimizer(cfg: JobConfig, opt: dict[str, Any]) -> None:
     if how == "for-loop":
         cfg.notes.append("optimizer.implementation = for-loop is simulated as foreach: the same bytes; its "
                          "temporaries are one param's, not the shard's (the memory is an upper bound)")
-    elif how == "fused_opt_states_bf16":
-        cfg.notes.append("optimizer.implementation = fused_opt_states_bf16 is simulated as fused with fp32 states "
-                         "(4 bytes a param more than it holds)")
     if opt.get("early_step_in_backward"):
         cfg.notes.append("optimizer.early_step_in_backward = true is left out: fsdp-planner steps the optimizer after "
                          "backward, each grad held until then (the memory is an upper bound)")
     cfg.keys["optimizer.name"], cfg.keys["optimizer.implementation"] = name, how
-    cfg.optimizer = TITAN_OPTIMIZERS[name] + ("-fused" if how.startswith("fused") else "")
+    cfg.optimizer = TITAN_OPTIMIZERS[name] + {"fused": "-fused", "fused_opt_states_bf16": "-fused-bf16-states"}.get(
+        how, "")
 
 
 # torchtitan's older TOMLs (2024) set the parallel degrees under [training]; [parallelism] holds them since

@@ -494,15 +494,34 @@ class FakeSteps:
 TORCH_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, float]]] = {
     "sgd": (torch.optim.SGD, {}), "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9}),
     "adam": (torch.optim.Adam, {}), "adamw": (torch.optim.AdamW, {}),
-    "adam-fused": (torch.optim.Adam, {}), "adamw-fused": (torch.optim.AdamW, {})}
+    "adam-fused": (torch.optim.Adam, {}), "adamw-fused": (torch.optim.AdamW, {}),
+    "adam-fused-bf16-states": (torch.optim.Adam, {}), "adamw-fused-bf16-states": (torch.optim.AdamW, {})}
 
 
 def torch_optimizer(optimizer: Optimizer, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """``optimizer`` as a GPU runs it: foreach or fused as it says (a CPU's default would be the for-loop, whose
-    temporaries are one param's, not the whole shard's)."""
+    temporaries are one param's, not the whole shard's); states of a dtype of their own made before its first step,
+    as torchtitan's ``fused_opt_states_bf16`` makes them (the fake tensors' fused kernel takes the mix, as CUDA's
+    does; CPU's does not)."""
     cls, kwargs = TORCH_OPTIMIZERS[optimizer.name]
     how = {"fused": True} if optimizer.fused else {"foreach": True}
-    return cls(params, lr=1e-3, **kwargs, **how)
+    made = cls(params, lr=1e-3, **kwargs, **how)
+    if optimizer.state_bytes is not None:
+        made.register_step_pre_hook(functools.partial(_states_in, STATE_DTYPES[optimizer.state_bytes]))
+    return made
+
+
+STATE_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+def _states_in(dtype: torch.dtype, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Adam's state for each param with a grad and no state yet, its moments in ``dtype``."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not optimizer.state[p]:
+                optimizer.state[p].update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                                          exp_avg=torch.zeros_like(p, dtype=dtype),
+                                          exp_avg_sq=torch.zeros_like(p, dtype=dtype))
 
 
 class FakeTraining:

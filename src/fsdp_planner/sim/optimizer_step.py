@@ -21,7 +21,10 @@ hyper-parameters), counted from torch 2.13's steady-state steps:
 
 The fused implementation (``fused=True``; torchtitan's default, ``optimizer.implementation = "fused"``, and Hugging
 Face's Trainer's, ``adamw_torch_fused``, from torch 2.8) is one kernel (``_fused_adamw_``) that reads p, g, exp_avg
-and exp_avg_sq once and writes p, exp_avg and exp_avg_sq once: 28 for Adam and AdamW.
+and exp_avg_sq once and writes p, exp_avg and exp_avg_sq once: 28 for Adam and AdamW. With torchtitan's
+``fused_opt_states_bf16`` the two states are bf16 beside fp32 params and grads (the kernel's mixed-precision path,
+``FusedAdamMathFunctorMP``): p 4 + g 4 + 2 + 2 read, p 4 + 2 + 2 written: 20 (with bf16 params it is the plain
+fused step, 14 bytes a bf16 element, which the scaling below prices at 10: name ``adamw-fused`` there).
 
 Memory (``STEP_TEMPORARIES``): foreach Adam's ``_foreach_sqrt(exp_avg_sqs)`` makes a new list the size of the
 rank's whole trainable shard (exp_avg_sq's dtype) and holds it to the step's end, beside the params, grads and
@@ -36,7 +39,8 @@ from __future__ import annotations
 
 from fsdp_planner.hardware.cluster import Cluster, slowest_rank_factor
 
-STEP_BYTES = {"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80, "adam-fused": 28, "adamw-fused": 28}
+STEP_BYTES = {"sgd": 12, "sgd-momentum": 32, "adam": 72, "adamw": 80, "adam-fused": 28, "adamw-fused": 28,
+              "adam-fused-bf16-states": 20, "adamw-fused-bf16-states": 20}
 # state-sized tensors the step makes and holds at once, per trainable element (module docstring)
 STEP_TEMPORARIES = {"adam": 1, "adamw": 1}
 # torch/nn/utils/clip_grad.py (foreach): ``_foreach_norm(grads)`` reads them (4), ``_foreach_mul_(grads, coef)``

@@ -52,38 +52,42 @@ class Optimizer:
     (torch's foreach implementation, its default on CUDA, or with ``fused`` its fused kernel; counted in
     ``sim/optimizer_step.py``); ``step_temporaries``: tensors of one state's size per element that the step makes
     and holds at once (foreach Adam's square roots).
-    ``param_dtype_states`` live in the param storage dtype: torch's optimizers make their state with
-    ``torch.zeros_like(param)`` (SGD's momentum buffer; Adam's exp_avg and exp_avg_sq, ``torch/optim/adam.py``
-    ``_init_group``), so under pure-bf16 they are bf16 and no fp32 master copy exists. ``fp32_states`` are fp32
-    whatever the params' dtype (the ZeRO paper's mixed-precision Adam keeps three: master weights and both moments).
+    ``states`` tensors of a param's size, each ``state_bytes`` an element; None: the params' dtype, as torch's
+    optimizers make them with ``torch.zeros_like(param)`` (SGD's momentum buffer; Adam's exp_avg and exp_avg_sq,
+    ``torch/optim/adam.py`` ``_init_group``), so under pure-bf16 they are bf16 and no fp32 master copy exists.
+    torchtitan's ``fused_opt_states_bf16`` makes Adam's two in bf16 beside fp32 params (a step pre-hook that fills
+    the state before ``_init_group`` does; the fused CUDA kernel's mixed-precision path).
     """
 
     name: str
     step_bytes: int
-    param_dtype_states: int = 0
-    fp32_states: int = 0
+    states: int = 0
+    state_bytes: int | None = None
     fused: bool = False  # ``fused=True`` (else foreach)
     step_temporaries: int = 0
 
     def state_bytes_per_element(self, param_bytes: int) -> int:
-        return self.param_dtype_states * param_bytes + self.fp32_states * 4
+        return self.states * (self.state_bytes or param_bytes)
 
     def step_temporary_bytes(self, param_bytes: int) -> int:
         """Bytes per trainable element of what the step holds beyond the state (in the states' dtype)."""
-        return self.step_temporaries * (4 if self.fp32_states else param_bytes)
+        return self.step_temporaries * (self.state_bytes or param_bytes)
 
 
+BF16_BYTES = 2
 OPTIMIZERS: dict[str, Optimizer] = {
     o.name: o
     for o in (
         Optimizer("sgd", STEP_BYTES["sgd"]),
-        Optimizer("sgd-momentum", STEP_BYTES["sgd-momentum"], param_dtype_states=1),
-        Optimizer("adam", STEP_BYTES["adam"], param_dtype_states=2,
-                  step_temporaries=STEP_TEMPORARIES["adam"]),
-        Optimizer("adamw", STEP_BYTES["adamw"], param_dtype_states=2,
-                  step_temporaries=STEP_TEMPORARIES["adamw"]),
-        Optimizer("adam-fused", STEP_BYTES["adam-fused"], param_dtype_states=2, fused=True),
-        Optimizer("adamw-fused", STEP_BYTES["adamw-fused"], param_dtype_states=2, fused=True),
+        Optimizer("sgd-momentum", STEP_BYTES["sgd-momentum"], states=1),
+        Optimizer("adam", STEP_BYTES["adam"], states=2, step_temporaries=STEP_TEMPORARIES["adam"]),
+        Optimizer("adamw", STEP_BYTES["adamw"], states=2, step_temporaries=STEP_TEMPORARIES["adamw"]),
+        Optimizer("adam-fused", STEP_BYTES["adam-fused"], states=2, fused=True),
+        Optimizer("adamw-fused", STEP_BYTES["adamw-fused"], states=2, fused=True),
+        Optimizer("adam-fused-bf16-states", STEP_BYTES["adam-fused-bf16-states"], states=2, state_bytes=BF16_BYTES,
+                  fused=True),
+        Optimizer("adamw-fused-bf16-states", STEP_BYTES["adamw-fused-bf16-states"], states=2,
+                  state_bytes=BF16_BYTES, fused=True),
     )
 }
 
