@@ -509,6 +509,30 @@ def test_a_detected_layout_whose_local_shapes_fail_is_refused():
     assert requested_layout(trace_spec(mlp), request, mlp, H100_8, SILENT).degree == 2
 
 
+@pytest.mark.parametrize("mix", ["softmax", "normalize", "heads"])
+def test_a_detected_layout_that_computes_something_else_is_refused(mix):
+    """A softmax or a normalize over the features between a pair's Linears, or a view into a fixed head count whose
+    size is inferred, runs at the local shapes and computes something else: bf16 verify runs passed such layouts
+    within their bound (a new user's finding). Each module with a pair is run on numbers, whole and as the TP ranks
+    run it, and the layout is refused; the MLP pairs and two pairs in one module (a rowwise sum feeding the next
+    pair) agree."""
+    from fsdp_planner.service.planning import SILENT, Reporter, requested_layout
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    spec = ModelSpec(f"{fixtures}:mixing_{mix}")
+    request = PolicyRequest(PolicyName.TITAN, tp=2)
+    with pytest.raises(PlannerError, match=r"--tp 2 with the detected layout \(column-then-row Linear pairs\) "
+                                           r"computes something else on this model: 0 \(_Mixing\) run as 2 TP "
+                                           r"ranks run it \(each rowwise output summed over them\) differs from its "
+                                           r"whole run by \d\.\de[-+]\d\d of its output"):
+        requested_layout(trace_spec(spec), request, spec, H100_8, SILENT)
+    for sound in ("pairs_mlp", "two_pairs", "inline_mlp"):
+        ok = ModelSpec(f"{fixtures}:{sound}")
+        notes: list[str] = []
+        assert requested_layout(trace_spec(ok), request, ok, H100_8, Reporter(notes.append)).degree == 2
+        assert not any("not checked on numbers" in n for n in notes), notes
+
+
 # -- options --------------------------------------------------------------------------------------------------------
 def test_tp_through_the_validator():
     job = checked_job(Keywords(model="toy-llama", policy="titan", tp=2, async_tp=True, compile=True), Spelling.API)

@@ -342,10 +342,10 @@ def _pairs_layout(trace: Trace, degree: int) -> Layout:
     classes = sorted({trace.modules[p.parent].cls for p in pairs})
     share = sharded_share(trace, TensorParallel(degree, layout))
     note = (f"tensor-parallel layout detected: {fmt_count(len(pairs), 'column-then-row Linear pair')} in "
-            f"{', '.join(classes)}, {share:.0%} of the params (assumed: the ops between each pair's Linears are "
-            "element-wise or per head, and a reshape into heads infers the head count, e.g. view(b, s, -1, "
-            "head_dim); every other module, embeddings, norms and the output head among them, stays whole over TP, "
-            "sharded by FSDP alone over 1/TP of the ranks)")
+            f"{', '.join(classes)}, {share:.0%} of the params (checked: a module of each class holding a pair, run "
+            "on random values whole and as the TP ranks run it, gives the same output, so the ops between its "
+            "Linears are element-wise or per head; every other module, embeddings, norms and the output head among "
+            "them, stays whole over TP, sharded by FSDP alone over 1/TP of the ranks)")
     return Layout(TensorParallel(degree, layout), PAIRS, (note,))
 
 

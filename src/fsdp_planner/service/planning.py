@@ -362,9 +362,8 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
                                            request.ep or 1), named=request.tp_key)
     check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
     check_float8_scales(tr, layout.tp, float8)
-    if layout.source == PAIRS:
-        check_local_shapes(spec, layout.tp)
-    for line in layout.notes:
+    unchecked = check_local_shapes(spec, layout.tp) if layout.source == PAIRS else ()
+    for line in (*layout.notes, *unchecked):
         reporter.note(line)
     if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
         # reduce-scatters into the matmuls: a layout of all-reduces has nothing it fuses

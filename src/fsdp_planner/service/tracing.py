@@ -18,6 +18,7 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.models import BUILTINS, LoadedModel, ModelSpec, as_spec, exit_message, hf, load_model
 from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_dependent
+from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.compiled import distinct_blocks
@@ -58,34 +59,91 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
 LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's step ``check_local_shapes`` runs
 
 
-def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False) -> None:
+def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False) -> tuple[str, ...]:
     """Trace one TP rank's step of a detected layout (column-then-row pairs), or of a plan file's made of
     ``LOCAL_STYLES`` only (``plan_file``): each colwise Linear with 1/TP of its output features, each rowwise one
     with 1/TP of its input features, on meta tensors, collectives aside. The detected layout assumes the ops
     between a pair's Linears take any head count (``view(b, s, -1, head_dim)``); a model whose code fixes the count
     its shapes split (T5's ``view(b, -1, n_heads, d)``, a relative-position bias of every head) fails here in one
-    sentence, not on the ranks."""
+    sentence, not on the ranks. Then each module holding a rowwise Linear (one of each class) is run on numbers,
+    whole and as the ranks run it (``tp_numerics``): a layout that runs but computes something else is refused.
+    Returns a note per module that check could not run."""
     lm = load_model(spec, meta=True)
     d = tp.degree
-    for name, style in tp.styles(dict(lm.model.named_modules())).items():
+    styles = {n: s for n, s in tp.styles(dict(lm.model.named_modules())).items()
+              if s in LOCAL_STYLES and isinstance(lm.model.get_submodule(n), nn.Linear)}
+    judged = _judged_modules(lm.model, styles)
+    whole = {name: deepcopy(lm.model.get_submodule(name)) for name in judged}
+    called: dict[str, tuple] = {}
+    handles = [lm.model.get_submodule(name).register_forward_pre_hook(
+        functools.partial(_capture_call, called, name), with_kwargs=True) for name in judged]
+    for name, style in styles.items():
         module = lm.model.get_submodule(name)
-        if not isinstance(module, nn.Linear) or style not in LOCAL_STYLES:
-            continue
         out, inp = module.weight.shape
         shape = (out // d, inp) if style is TPStyle.COLWISE else (out, inp // d)
         module.weight = nn.Parameter(module.weight.new_empty(shape), module.weight.requires_grad)
         if module.bias is not None and style is TPStyle.COLWISE:
             module.bias = nn.Parameter(module.bias.new_empty(shape[0]), module.bias.requires_grad)
+    layout = (f"the plan's tensor-parallel layout (degree {d})" if plan_file else
+              f"--tp {d} with the detected layout (column-then-row Linear pairs)")
+    fix = ("give the plan a layout or degree whose local shapes its code takes" if plan_file else
+           "plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
     try:
         with kernel(spec.attention):
             trace(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
     except Exception as e:
-        layout = (f"the plan's tensor-parallel layout (degree {d})" if plan_file else
-                  f"--tp {d} with the detected layout (column-then-row Linear pairs)")
-        fix = ("give the plan a layout or degree whose local shapes its code takes" if plan_file else
-               "plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
         raise PlannerError(f"{layout} does not run on this model: one TP rank's step fails ({model_error(e)}); its "
                            f"code fixes a shape the layout splits (e.g. a view into a fixed head count): {fix}") from e
+    finally:
+        for h in handles:
+            h.remove()
+    return _numbers_checked(whole, styles, d, called, layout, fix)
+
+
+def _judged_modules(model: nn.Module, styles: dict[str, TPStyle]) -> list[str]:
+    """The modules holding a rowwise Linear of ``styles``, the first of each class (the others run the same
+    code)."""
+    seen: dict[str, str] = {}
+    for name, style in styles.items():
+        parent = name.rpartition(".")[0]
+        if style is TPStyle.ROWWISE and name:
+            seen.setdefault(type(model.get_submodule(parent)).__qualname__, parent)
+    return list(seen.values())
+
+
+def _capture_call(called: dict[str, tuple], name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if name not in called:
+        try:
+            called[name] = (tp_numerics.capture(args), tp_numerics.capture(kwargs))
+        except tp_numerics.Unreadable as e:
+            called[name] = (tp_numerics.Unchecked(name, f"it takes a {e}"),)
+
+
+def _numbers_checked(whole: dict[str, nn.Module], styles: dict[str, TPStyle], degree: int,
+                     called: dict[str, tuple], layout: str, fix: str) -> tuple[str, ...]:
+    """``tp_numerics.check_module`` on each module ``whole`` holds (a copy from before the shapes were split): a
+    mismatch is an error; the modules not judged, one note."""
+    unchecked: list[str] = []
+    for name, module in whole.items():
+        call = called.get(name)
+        if call is None or len(call) == 1:
+            unchecked.append(f"{name} ({call[0].reason if call else 'not called'})")
+            continue
+        mine = {n.removeprefix(f"{name}."): s for n, s in styles.items() if n.startswith(f"{name}.")}
+        verdict = tp_numerics.check_module(name, module, mine, degree, *call)
+        if isinstance(verdict, tp_numerics.Mismatch):
+            raise PlannerError(f"{layout} computes something else on this model: {name} "
+                               f"({type(module).__name__}) run as {degree} TP ranks run it (each rowwise output "
+                               f"summed over them) differs from its whole run by {verdict.error:.1e} of its output "
+                               "(an op between its colwise and rowwise Linears mixes the features TP splits: a "
+                               "softmax or norm over them, or a view into a fixed head count whose size is "
+                               f"inferred): {fix}")
+        if isinstance(verdict, tp_numerics.Unchecked):
+            unchecked.append(f"{name} ({verdict.reason})")
+    if not unchecked:
+        return ()
+    return (f"the tensor-parallel layout was not checked on numbers in {'; '.join(unchecked)}: that the ops "
+            "between its colwise and rowwise Linears are element-wise or per head is assumed there",)
 
 
 def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision,
