@@ -124,23 +124,29 @@ def check_float8_scales(trace: Trace, tp: TensorParallel | None, f8: Float8 | No
                            "false; on the command line --float8 tensorwise --no-float8-all-gather)")
 
 
-def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, int]]:
-    """(event, weight) of each matmul of a converted Linear: its forward and input-grad matmuls read the weight
-    (``Event.params``); its weight-grad matmul reads none and runs just before the input-grad one in backward,
-    with the same FLOPs (autograd attributes these two to whichever module's backward runs them)."""
-    out: list[tuple[int, int]] = []
-    last = -1  # the latest backward matmul that read no param
-    for i, e in enumerate(trace.events):
-        if e.kind is not EventKind.OP or e.kernel <= 0:
+def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, int, bool]]:
+    """(event, weight, alone) of each matmul of a converted Linear, in step order: its forward and input-grad
+    matmuls read the weight (``Event.params``); its weight-grad matmul reads none and runs in the Linear's own
+    backward (else beside the input-grad one, with the same FLOPs: just before it, ``mm``'s backward, or just after,
+    ``addmm``'s with a bias). ``alone``: a weight-grad matmul with no input-grad one beside it (the Linear's input
+    needs no grad, so aten skips it), whose input grad torchao's autograd function makes all the same, casts and
+    amaxes included."""
+    names = {name: w for w, name in weights.items()}
+    matmuls = [i for i, e in enumerate(trace.events) if e.kind is EventKind.OP and e.kernel > 0]
+    read = {i: next((p for p in trace.events[i].params if p in weights), None) for i in matmuls}
+    out: list[tuple[int, int, bool]] = []
+    for k, i in enumerate(matmuls):
+        e = trace.events[i]
+        if read[i] is not None:
+            out.append((i, read[i], False))
             continue
-        weight = next((p for p in e.params if p in weights), None)
-        if weight is None:
-            last = i if e.backward and not e.params else -1
+        if not e.backward or e.params:
             continue
-        if e.backward and last >= 0 and trace.events[last].flops == e.flops:
-            out.append((last, weight))
-        out.append((i, weight))
-        last = -1
+        beside = [j for j in matmuls[max(0, k - 1):k + 2] if j != i and read[j] is not None
+                  and trace.events[j].backward and trace.events[j].flops == e.flops]
+        weight = names.get(e.module, read[beside[0]] if beside else None)
+        if weight is not None:
+            out.append((i, weight, not any(read[j] == weight for j in beside)))
     return out
 
 
@@ -157,7 +163,7 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
     casting = _region_casters(trace, styles)
     shared = _shared_input_casts(trace, linears, compiled)
     matmuls, nbytes, kernels, amaxes, peaks = [], [], [], [], []
-    for i, w in converted_matmuls(trace, weights):
+    for i, w, alone in converted_matmuls(trace, weights):
         e = trace.events[i]
         out_features, in_features = trace.params[w].shape
         rows = e.flops // (2 * in_features * out_features)
@@ -181,6 +187,11 @@ def float8_step(trace: Trace, f8: Float8, itemsize: int) -> Float8Step:
             made = itemsize * in_features * out_features \
                 if e.backward and not weight_grad and trace.params[w].requires_grad else 0
             peak = cast_peak(dims, weight > 0, e.backward, weight_grad, grads, held, cast_in, made)
+        if alone:  # the input grad torchao makes beside it: its half of the backward's casts, its amaxes
+            elements, casts = 2 * elements, 2 * casts
+            amax += _tp_amaxes(styles.get(weights[w]), True, False, gathered) if weights[w] not in trace.float8_tp \
+                else _styled_casts(styles[weights[w]], casting.get(weights[w]), dims, weight > 0, True, False, held,
+                                   trace.tp_degree)[2]
         matmuls.append(i)
         nbytes.append(elements * per)
         kernels.append(casts * launches)
