@@ -483,30 +483,39 @@ def _plans(tr: Trace, job: PlanJob, reporter: Reporter, tracer: Tracer, searched
     auto: AutoResult | None = None
     plans: list[Plan] = []
     no_fit: str | None = None
-    refused: list[str] = []
-    for policy in _compared(tr, job, reporter):
-        if policy.name is not PolicyName.AUTO:
-            try:
-                plans.append(_classic(tr, policy, job, reporter))
-            except PlannerError as e:
-                if not job.compare:
-                    raise
-                reporter.note(f"the {policy.name.value} policy is left out of the comparison: {e}")
-                refused.append(str(e))
-            continue
-        assert job.cluster is not None
-        auto = searched if searched is not None else \
-            search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
-        if not job.compare and job.must_fit:
-            fitting(auto)
-        if not auto.fits:
-            no_fit = infeasible_message(auto)
-            if job.must_fit or not job.compare:
+    refused: dict[str, list[str]] = {}  # why -> the policies left out for it (said once: a --tp layout refuses all)
+    try:
+        for policy in _compared(tr, job, reporter):
+            if policy.name is not PolicyName.AUTO:
+                try:
+                    plans.append(_classic(tr, policy, job, reporter))
+                except PlannerError as e:
+                    if not job.compare:
+                        raise
+                    refused.setdefault(str(e), []).append(policy.name.value)
                 continue
-        plans.append(auto.written_plan)  # with auto's run options (offload, shard dims, reduce dtype)
-    if refused and not plans and auto is None:  # nothing left to compare (plan toy-llama --tp 3 crashed on it)
-        raise PlannerError(refused[0] if len(set(refused)) == 1 else
-                           f"every policy of the comparison was left out (the notes say why), the first: {refused[0]}")
+            assert job.cluster is not None
+            auto = searched if searched is not None else \
+                search(tr, policy, job.cluster, job.options, job.model, reporter, tracer)
+            if not job.compare and job.must_fit:
+                fitting(auto)
+            if not auto.fits:
+                no_fit = infeasible_message(auto)
+                if job.must_fit or not job.compare:
+                    continue
+            plans.append(auto.written_plan)  # with auto's run options (offload, shard dims, reduce dtype)
+        if refused and not plans and auto is None:  # nothing left to compare (plan toy-llama --tp 3 crashed on it)
+            first = next(iter(refused))
+            raise PlannerError(first if len(refused) == 1 else "every policy of the comparison was left out (the "
+                               f"notes say why), the first: {first}")
+    except PlannerError as e:
+        refused.pop(str(e), None)  # the error says it
+        raise
+    finally:
+        for why, names in refused.items():
+            which = f"the {names[0]} policy is" if len(names) == 1 else \
+                f"the {', '.join(names[:-1])} and {names[-1]} policies are"
+            reporter.note(f"{which} left out of the comparison: {why}")
     return plans, auto, no_fit
 
 
