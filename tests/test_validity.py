@@ -74,7 +74,7 @@ def test_cli_refuses_an_explicit_policy_whose_plan_cannot_run_and_leaves_it_out_
     assert r.returncode == 2 and "this plan cannot run" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(run, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert "the titan policy is left out of the comparison: this plan cannot run" in r.stdout + r.stderr
+    assert "the module and titan policies are left out of the comparison: this plan cannot run" in r.stdout + r.stderr
 
 
 def test_a_policy_refuses_a_grouping_that_cannot_run_and_check_reports_it(capsys: pytest.CaptureFixture[str]) -> None:
