@@ -834,9 +834,12 @@ def test_async_tp_on_a_layout_of_all_reduces_says_it_changes_nothing(tmp_path, c
             "--cluster", "h100:8", "--json"]
     assert main([*argv, "--async-tp"]) == 0
     out, err = capsys.readouterr()
-    assert "this --tp 2 layout has none (its collectives are all-reduces): it changes nothing here" in err
+    assert "this --tp 2 layout has none (its collectives are all-reduces): it would change nothing, and is left " \
+        "out of the plan" in err
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["step_time"] == json.loads(out)["step_time"]
+    assert main([*argv[:-1], "--async-tp"]) == 0  # the label said async all the same (a new user's finding)
+    assert "TP 2" in (shown := capsys.readouterr().out) and "async" not in shown
 
 
 def test_check_of_a_tp_degree_that_cannot_run_is_an_error_finding(capsys):

@@ -146,7 +146,9 @@ def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, opt
 
 def _label(source: PlanSource, plan: Plan) -> str:
     """How the output names a plan (``step_view`` names an unnamed one "plan" too)."""
-    return (plan.policy or "plan") if source.policy is not None else f"{source.plan_file} ({plan.policy})"
+    if source.policy is not None:
+        return plan.policy or "plan"
+    return f"{source.plan_file} ({plan.policy})" if plan.policy else str(source.plan_file)
 
 
 def _draw(views: list[StepView], png: Path | None, page: Path | None, title: str) -> None:

@@ -368,8 +368,9 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
     if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
         # reduce-scatters into the matmuls: a layout of all-reduces has nothing it fuses
         reporter.note(f"--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with the matmuls, "
-                      f"and this --tp {request.tp} layout has none (its collectives are all-reduces): it changes "
-                      "nothing here")
+                      f"and this --tp {request.tp} layout has none (its collectives are all-reduces): it would "
+                      "change nothing, and is left out of the plan")
+        layout = dataclasses.replace(layout, tp=dataclasses.replace(layout.tp, async_tp=False))
     if float8 is not None and float8.tp_float8_all_gather and not layout.tp.sequence_parallel:
         reporter.note(f"--float8-tp-all-gather casts sequence parallelism's all-gathers to float8, and this --tp "
                       f"{request.tp} layout has none (its collectives are all-reduces, which stay bf16): only where "
