@@ -839,7 +839,7 @@ def test_async_tp_on_a_layout_of_all_reduces_says_it_changes_nothing(tmp_path, c
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["step_time"] == json.loads(out)["step_time"]
     assert main([*argv[:-1], "--async-tp"]) == 0  # the label said async all the same (a new user's finding)
-    assert "TP 2" in (shown := capsys.readouterr().out) and "async" not in shown
+    assert "TP 2" in (shown := capsys.readouterr().out) and "(async)" not in shown and "TP 2 (" not in shown
 
 
 def test_check_of_a_tp_degree_that_cannot_run_is_an_error_finding(capsys):
