@@ -853,3 +853,18 @@ def test_check_of_a_tp_degree_that_cannot_run_is_an_error_finding(capsys):
     assert finding["severity"] == "error" and finding["code"] == "does-not-run"
     assert "one TP rank's step fails (aten.view" in finding["message"]
     assert main(["check", spec, "--cluster", "h100:2", "--json"]) == 0  # without --tp: the model's own findings
+
+
+def test_auto_says_why_it_screens_no_tp_on_a_model_of_one_s_own(capsys):
+    """auto screened no TP on a user's model and said nothing (a new user's finding): it weighs TP d at d times
+    the batch, which a factory's default does not give without importing it again, and a detected layout must
+    first run on the model, which --tp asks for."""
+    from fsdp_planner.cli import main
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:pairs_mlp"
+    run = ["plan", spec, "--policy", "auto", "--cluster", "h100:16"]
+    assert main(run) == 0
+    assert "this model's batch is not known (give --batch N to screen TP" in capsys.readouterr().err
+    assert main([*run, "--batch", "2"]) == 0
+    assert "this model's layout would be detected (column-then-row Linear pairs), which auto does not take on its " \
+        "own" in capsys.readouterr().err

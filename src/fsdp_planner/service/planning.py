@@ -42,6 +42,7 @@ from fsdp_planner.planners.expert_parallel import (
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest, make_baseline, make_policy
 from fsdp_planner.planners.tensor_parallel import (
     PAIRS,
+    TP_DEGREES,
     Layout,
     TPChoice,
     check_layout,
@@ -324,6 +325,8 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
     if request.tp is None and request.mesh is None and request.target is Target.FSDP2:
         batch = model.workload().get("batch_size")
         layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp) if batch else []
+        if len(layouts) <= 1:
+            _no_tp_screened(tr, model, batch is not None, reporter)
         layouts = _with_float8_scales(tr, layouts, options.float8, reporter)
         return tuple(TPChoice(x.tp, None if x.tp.degree == 1 else
                               tracer(dataclasses.replace(model, batch_size=batch * x.tp.degree), options))
@@ -331,6 +334,23 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
     if request.tp is None or request.tp == 1:
         return ()
     return (TPChoice(requested_layout(tr, request, model, cluster, reporter, options.float8)),)
+
+
+def _no_tp_screened(tr: Trace, model: ModelSpec, batch: bool, reporter: Reporter) -> None:
+    """Say why auto screens no TP where the model has a layout: auto weighs TP d at d times the batch per
+    data-parallel rank, which needs the batch (a user factory's default is not read without importing it again);
+    a layout only detected (column-then-row pairs) must first run on the model (``check_local_shapes``), which
+    ``--tp`` asks for."""
+    with contextlib.suppress(PlannerError):
+        source = tp_layout(tr, TP_DEGREES[1], model).source
+        if not batch:
+            reporter.note("auto screens no tensor parallelism here: it weighs TP d at d times the batch per "
+                          "data-parallel rank, and this model's batch is not known (give --batch N to screen TP, "
+                          "or --tp N to plan one degree)")
+        elif source == PAIRS:
+            reporter.note("auto screens no tensor parallelism here: this model's layout would be detected "
+                          "(column-then-row Linear pairs), which auto does not take on its own; give --tp 2 (or "
+                          "another degree) to plan and weigh it")
 
 
 def _with_float8_scales(tr: Trace, layouts: list[Layout], f8: Float8 | None, reporter: Reporter) -> list[Layout]:
