@@ -855,6 +855,21 @@ def test_check_of_a_tp_degree_that_cannot_run_is_an_error_finding(capsys):
     assert main(["check", spec, "--cluster", "h100:2", "--json"]) == 0  # without --tp: the model's own findings
 
 
+def test_check_of_a_plan_file_whose_layout_computes_something_else_is_an_error_finding(tmp_path, capsys):
+    """A plan file's layout that fails on the model, or runs and computes something else, is the same finding as
+    --tp's (it was an unreadable file's error, exit 2, where --tp gave a finding, exit 1: a new user's finding)."""
+    from fsdp_planner.cli import main
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:mixing_softmax"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "groups": [["0"], ["1"]], "tensor_parallel": {
+        "degree": 2, "layout": {"*.up": "colwise", "*.down": "rowwise"}}}))
+    assert main(["check", spec, "--plan", str(plan), "--cluster", "h100:2", "--json"]) == 1
+    (finding,) = json.loads(capsys.readouterr().out)
+    assert finding["code"] == "does-not-run" and "the plan's tensor-parallel layout (degree 2) computes something " \
+        "else on this model: 0 (_Mixing)" in finding["message"]
+
+
 def test_auto_says_why_it_screens_no_tp_on_a_model_of_one_s_own(capsys):
     """auto screened no TP on a user's model and said nothing (a new user's finding): it weighs TP d at d times
     the batch, which a factory's default does not give without importing it again, and a detected layout must

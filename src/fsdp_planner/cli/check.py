@@ -30,6 +30,7 @@ from fsdp_planner.planners.answers import answers
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.service.plan_files import plan_to_check
 from fsdp_planner.service.planning import grouping_to_check
+from fsdp_planner.service.tracing import LayoutDoesNotRun
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import PrecisionError
 from fsdp_planner.trace.records import Trace
@@ -85,6 +86,9 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
         except SplitParamError as e:  # a pitfall check names, not a file it cannot read
             owner = e.param.rpartition(".")[0]
             return None, label, [Finding(Severity.ERROR, Code.TIED_ACROSS_GROUPS, e.problem, e.fix, owner)]
+        except LayoutDoesNotRun as e:  # as --tp's: a plan that cannot run, not a file it cannot read
+            return None, label, [Finding(Severity.ERROR, Code.DOES_NOT_RUN, str(e),
+                                         "give the plan a tensor-parallel layout its model's code runs")]
     name = args.policy or DEFAULT_POLICY.value
     label = f"the plan of --policy {name}" + ("" if args.policy else " (the default: each block sharded, the root "
                                                                        "takes the rest)")

@@ -59,6 +59,11 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
 LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's step ``check_local_shapes`` runs
 
 
+class LayoutDoesNotRun(PlannerError):
+    """A TP layout that fails on the model's code, or runs and computes something else (``check_local_shapes``):
+    a plan that cannot run, which ``check`` reports as a finding rather than an unreadable file."""
+
+
 def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False) -> tuple[str, ...]:
     """Trace one TP rank's step of a detected layout (column-then-row pairs), or of a plan file's made of
     ``LOCAL_STYLES`` only (``plan_file``): each colwise Linear with 1/TP of its output features, each rowwise one
@@ -92,7 +97,7 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
         with kernel(spec.attention):
             trace(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
     except Exception as e:
-        raise PlannerError(f"{layout} does not run on this model: one TP rank's step fails ({model_error(e)}); its "
+        raise LayoutDoesNotRun(f"{layout} does not run on this model: one TP rank's step fails ({model_error(e)}); its "
                            f"code fixes a shape the layout splits (e.g. a view into a fixed head count): {fix}") from e
     finally:
         for h in handles:
@@ -132,7 +137,7 @@ def _numbers_checked(whole: dict[str, nn.Module], styles: dict[str, TPStyle], de
         mine = {n.removeprefix(f"{name}."): s for n, s in styles.items() if n.startswith(f"{name}.")}
         verdict = tp_numerics.check_module(name, module, mine, degree, *call)
         if isinstance(verdict, tp_numerics.Mismatch):
-            raise PlannerError(f"{layout} computes something else on this model: {name} "
+            raise LayoutDoesNotRun(f"{layout} computes something else on this model: {name} "
                                f"({type(module).__name__}) run as {degree} TP ranks run it (each rowwise output "
                                f"summed over them) differs from its whole run by {verdict.error:.1e} of its output "
                                "(an op between its colwise and rowwise Linears mixes the features TP splits: a "
