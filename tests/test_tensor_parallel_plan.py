@@ -147,7 +147,7 @@ def test_detected_pairs_with_a_note():
     assert layout.source == PAIRS
     assert dict(layout.tp.layout) == {"blocks.0.up": TPStyle.COLWISE, "blocks.0.down": TPStyle.ROWWISE,
                                       "blocks.1.up": TPStyle.COLWISE, "blocks.1.down": TPStyle.ROWWISE}
-    assert "2 column-then-row Linear pairs in Pair" in layout.notes[0] and "assumed" in layout.notes[0]
+    assert "2 column-then-row Linear pairs in Pair" in layout.notes[0] and "(checked: " in layout.notes[0]
 
 
 def test_no_sound_layout_is_refused():

@@ -293,10 +293,14 @@ class TraceIndex:
 
     @cached_property
     def container_block_class(self) -> str | None:
-        """The repeated class, holding the most params, among the children of containers (ModuleList/Sequential,
-        not the root); a stage that stacks blocks of its own gives way to those blocks."""
+        """The repeated class, holding the most params, among the children of containers (ModuleList/Sequential;
+        of a root container, ``nn.Sequential(*blocks)``, its composite children only: a root Sequential of layers
+        has no blocks); a stage that stacks blocks of its own gives way to those blocks."""
         containers = [m for m, info in self._modules.items() if m != ROOT and info.cls in CONTAINERS]
-        cls = self._most_params(c for m in containers for c in self._modules[m].children)
+        kids = [c for m in containers for c in self._modules[m].children]
+        if self._modules[ROOT].cls in CONTAINERS:
+            kids += [c for c in self._modules[ROOT].children if self._modules[c].children]
+        cls = self._most_params(kids)
         while cls is not None and (inner := self._stacked_class(cls)) is not None:
             cls = inner
         return cls
@@ -312,7 +316,8 @@ class TraceIndex:
         if main is None:
             return ()
         numel, chosen = self.subtree_numel, [main]
-        kids = {c for m, info in self._modules.items() if m != ROOT and info.cls in CONTAINERS for c in info.children}
+        kids = {c for m, info in self._modules.items() if info.cls in CONTAINERS for c in info.children
+                if m != ROOT or self._modules[c].children}
         total: dict[str, int] = {}
         count: dict[str, int] = {}
         for m in kids:
