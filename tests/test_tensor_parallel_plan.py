@@ -526,11 +526,28 @@ def test_a_detected_layout_that_computes_something_else_is_refused(mix):
                                            r"ranks run it \(each rowwise output summed over them\) differs from its "
                                            r"whole run by \d\.\de[-+]\d\d of its output"):
         requested_layout(trace_spec(spec), request, spec, H100_8, SILENT)
-    for sound in ("pairs_mlp", "two_pairs", "inline_mlp"):
+    for sound in ("pairs_mlp", "two_pairs", "inline_mlp", "in_place"):
         ok = ModelSpec(f"{fixtures}:{sound}")
         notes: list[str] = []
         assert requested_layout(trace_spec(ok), request, ok, H100_8, Reporter(notes.append)).degree == 2
         assert not any("not checked on numbers" in n for n in notes), notes
+
+
+def test_the_numeric_check_judges_a_root_pair_and_leaves_random_forwards_unjudged():
+    """A pair held by the root was compared with itself (its Linears were looked up under "." and none split); a
+    forward drawing random numbers (F.dropout, whose training flag eval() leaves on) was refused where it is sound:
+    it is not judged, and a note says so (a reviewer's findings)."""
+    from fsdp_planner.service.planning import Reporter, requested_layout
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    request = PolicyRequest(PolicyName.TITAN, tp=2)
+    root = ModelSpec(f"{fixtures}:root_softmax")
+    with pytest.raises(PlannerError, match=r"computes something else on this model: \(root\) \(_Mixing\)"):
+        requested_layout(trace_spec(root), request, root, H100_8, Reporter())
+    random = ModelSpec(f"{fixtures}:mixing_dropout")
+    notes: list[str] = []
+    assert requested_layout(trace_spec(random), request, random, H100_8, Reporter(notes.append)).degree == 2
+    assert any("not checked on numbers in 0, 1 (its forward draws random numbers)" in n for n in notes), notes
 
 
 # -- options --------------------------------------------------------------------------------------------------------

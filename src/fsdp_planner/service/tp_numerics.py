@@ -1,8 +1,8 @@
 """A detected tensor-parallel layout checked on numbers, not just shapes: each module holding a rowwise Linear of
-the layout (one instance per class) is run in float64 on random values, whole and as the TP ranks would run it
-(each rank's colwise Linears with their 1/TP of the output features, its rowwise ones with their 1/TP of the input
-features, each rowwise output summed over the ranks, as ``RowwiseParallel``'s all-reduce does, its bias added
-once), and the two outputs must agree.
+the layout is run in float64 on random values, whole and as the TP ranks would run it (each rank's colwise Linears
+with their 1/TP of the output features, its rowwise ones with their 1/TP of the input features, each rowwise
+output summed over the ranks, as ``RowwiseParallel``'s all-reduce does, its bias added once), and the two outputs
+must agree.
 
 Why: a column-then-row pair is sound only where the ops between its Linears are element-wise or per head. A
 softmax or a normalize over the hidden features between them, or a view into a fixed head count whose head size
@@ -11,8 +11,12 @@ else; in bf16 the drift it makes can hide within a short verify's bound (a new u
 (``tracing.check_local_shapes``) cannot see it.
 
 The module's inputs are random tensors of the shapes and dtypes its call took in the traced step (integers zero,
-booleans true); params and buffers are random. A module whose inputs are not tensors, Python scalars, None or
-tuples and dicts of them, whose output is not finite, or whose run raises, is not judged here (``Unchecked``).
+booleans true), a batch of one and a short sequence where the inputs tell them (``_batch_of_one``); params and
+buffers are random. Not judged
+(``Unchecked``, said in a note): a module larger than ``MAX_NUMEL`` params, one that cannot be copied, whose inputs
+are not tensors, Python scalars, None or tuples and dicts of them, whose forward draws random numbers (two whole runs
+differ), whose run raises or whose output is not finite, or that returns a tensor of the features TP splits
+(its caller's use of it is not run here).
 """
 
 from __future__ import annotations
@@ -25,12 +29,17 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.func import functional_call
 from torch.utils._pytree import tree_map
 
+from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.tensor_parallel import TPStyle
 
 SEED = 0
 RTOL = 1e-6  # float64: what summing a product's partial sums in another order leaves is ~1e-15 of it
+MAX_NUMEL = 64_000_000  # params of one judged module: its float64 copy is 512 MB (a 70B model's block, 856M
+# params, took 17 GB and 7 minutes on a 2-core host)
+MAX_ROWWISE_CALLS = 16  # rowwise calls followed in one forward (a pass each)
 
 
 @dataclass(frozen=True)
@@ -56,24 +65,12 @@ def capture(value: Any) -> Any:
     return tree_map(one, value)
 
 
-def _stand_in(value: Any, generator: torch.Generator) -> Any:
-    def one(x: Any) -> Any:
-        if not isinstance(x, TensorSpec):
-            return x
-        if x.dtype.is_floating_point:
-            return torch.randn(x.shape, generator=generator, dtype=torch.float64)
-        if x.dtype == torch.bool:
-            return torch.ones(x.shape, dtype=torch.bool)
-        return torch.zeros(x.shape, dtype=x.dtype)
-    return tree_map(one, value)
-
-
 @dataclass(frozen=True)
 class Mismatch:
     """A module whose TP run differs from its whole run: the layout is not sound on it."""
 
     module: str
-    error: float  # the largest difference relative to the whole output's largest magnitude
+    error: float  # the largest difference relative to that output's largest magnitude
 
 
 @dataclass(frozen=True)
@@ -91,25 +88,38 @@ def check_module(name: str, module: nn.Module, styles: Mapping[str, TPStyle], de
                  kwargs: Any) -> Verdict:
     """Run ``module`` (on meta or any device: a random float64 copy is made) whole and as ``degree`` TP ranks run it
     under ``styles`` (its descendants' names, relative to it, to COLWISE or ROWWISE); None when they agree."""
-    generator = torch.Generator().manual_seed(SEED)
+    numel = sum(p.numel() for p in module.parameters())
+    if numel > MAX_NUMEL:
+        return Unchecked(name, f"{fmt_count(numel, 'param')}, over the {fmt_count(MAX_NUMEL, 'param')} this check "
+                               "runs on a CPU")
+    inputs = _batch_of_one(args, kwargs)
+    work = 2 * _tokens(inputs) * numel
+    if work > MAX_FLOPS:
+        return Unchecked(name, f"{work:.1e} FLOPs a run on its inputs' shapes, over the {MAX_FLOPS:.0e} this check "
+                               "runs on a CPU")
     try:
-        whole = _materialized(module, generator)
-        inputs = _stand_in((args, kwargs), generator)
+        whole = _materialized(module)
         with torch.no_grad():
-            expected = _output(whole(*inputs[0], **inputs[1]))
+            expected, again = _output(whole, inputs, SEED), _output(whole, inputs, SEED + 1)
+            if len(expected) != len(again) or any(not torch.equal(a, b) for a, b in zip(expected, again,
+                                                                                       strict=True)):
+                return Unchecked(name, "its forward draws random numbers")
             got = _ranks_output(whole, styles, degree, inputs)
-    except Exception as e:  # the module's own code on inputs it was not built for: not judged
+        if [t.shape for t in got] != [t.shape for t in expected]:
+            return Unchecked(name, "it returns a tensor of the features TP splits, whose use is its caller's")
+        if not all(torch.isfinite(t).all() for t in (*expected, *got)):
+            return Unchecked(name, "its output on random values is not finite")
+        error = max((float((e - g).abs().max()) / max(float(e.abs().max()), 1e-30) for e, g in
+                     zip(expected, got, strict=True) if e.numel()), default=0.0)
+    except Exception as e:  # the module's own code on inputs it was not built for, or a copy it refuses
         return Unchecked(name, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-    if not (torch.isfinite(expected).all() and torch.isfinite(got).all()):
-        return Unchecked(name, "its output on random values is not finite")
-    scale = max(float(expected.abs().max()), 1e-30)
-    error = float((expected - got).abs().max()) / scale
     return Mismatch(name, error) if error > RTOL else None
 
 
-def _materialized(module: nn.Module, generator: torch.Generator) -> nn.Module:
-    """A float64 CPU copy of ``module`` in eval mode (no dropout), params and floating buffers random (each
+def _materialized(module: nn.Module) -> nn.Module:
+    """A float64 CPU copy of ``module`` in eval mode (no dropout module), params and floating buffers random (each
     weight's scale 1 / sqrt(its last dim), as an initializer's), integer buffers zero, boolean ones true."""
+    generator = torch.Generator().manual_seed(SEED)
     copy = deepcopy(module).to_empty(device="cpu").to(torch.float64).eval()
     with torch.no_grad():
         for p in copy.parameters():
@@ -122,12 +132,68 @@ def _materialized(module: nn.Module, generator: torch.Generator) -> nn.Module:
     return copy
 
 
-def _output(out: Any) -> torch.Tensor:
-    """The call's tensors, flattened into one (a module may return a tuple)."""
-    leaves = [t.reshape(-1) for t in _tensors(out) if t.is_floating_point()]
-    if not leaves:
-        raise ValueError("no floating-point output")
-    return torch.cat(leaves)
+def _batch_of_one(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """The captured inputs made small: their first dim 1 where every input tensor shares it (the batch), and the
+    sequence ``SHORT_SEQ`` long where the first 3-D input is (batch, sequence, features) with the sequence longer
+    than that and unlike the features (every dim of that length shortened: masks, positions). The check is as sound
+    on a short sample, and a block at 8,192 tokens is minutes of float64 on a CPU."""
+    specs = list(_specs((args, kwargs)))
+    firsts = {x.shape[0] for x in specs if x.shape}
+    batch = next(iter(firsts)) if len(firsts) == 1 else None
+    hidden = next((x for x in specs if len(x.shape) == 3 and x.dtype.is_floating_point), None)
+    seq = hidden.shape[1] if hidden is not None and SHORT_SEQ < hidden.shape[1] != hidden.shape[2] else None
+
+    def small(x: Any) -> Any:
+        if not isinstance(x, TensorSpec) or not x.shape:
+            return x
+        dims = [1 if k == 0 and batch is not None else SHORT_SEQ if d == seq else d for k, d in enumerate(x.shape)]
+        return TensorSpec(tuple(dims), x.dtype)
+    return tree_map(small, (args, kwargs))
+
+
+SHORT_SEQ = 16
+MAX_FLOPS = 2e9  # a run's matmul FLOPs (2 x tokens x params): float64 on a CPU core runs ~1e9 a second, and the
+# check makes 2 + TP x (rowwise calls + 1) runs
+
+
+def _tokens(inputs: Any) -> int:
+    """The rows the module's matmuls run on: its largest floating input's elements over its last dim."""
+    floats = [x for x in _specs(inputs) if x.dtype.is_floating_point and x.shape]
+    largest = max(floats, key=lambda x: math.prod(x.shape), default=None)
+    return math.prod(largest.shape[:-1]) if largest is not None else 1
+
+
+def _specs(value: Any) -> Iterator[TensorSpec]:
+    for x in torch.utils._pytree.tree_leaves(value):
+        if isinstance(x, TensorSpec):
+            yield x
+
+
+def _stand_in(value: Any) -> Any:
+    """Random tensors for ``value``'s specs, the same on every call (each run gets its own copies: a module may
+    change its inputs in place)."""
+    generator = torch.Generator().manual_seed(SEED)
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, TensorSpec):
+            return x
+        if x.dtype.is_floating_point:
+            return torch.randn(x.shape, generator=generator, dtype=torch.float64)
+        if x.dtype == torch.bool:
+            return torch.ones(x.shape, dtype=torch.bool)
+        return torch.zeros(x.shape, dtype=x.dtype)
+    return tree_map(one, value)
+
+
+def _output(module: nn.Module, inputs: tuple[Any, Any], seed: int,
+            params: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The floating tensors of one run's output, on fresh stand-ins and under ``seed`` (``params``: some of the
+    module's params replaced, as a TP rank holds them)."""
+    args, kwargs = _stand_in(inputs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = functional_call(module, dict(params or {}), tuple(args), kwargs, strict=False)
+    return [t for t in _tensors(out) if t.is_floating_point()]
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -141,17 +207,17 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, inputs: Any) -> torch.Tensor:
+def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, inputs: Any) -> list[torch.Tensor]:
     """Rank 0's output when every rank runs its shard of ``whole`` and each rowwise Linear's output is the sum of
     the ranks' (its bias added once). The ranks run one after another: a pass stops each rank at its first rowwise
     call whose sum is not known yet, and sums the ranks' partial outputs there; so a module calling k rowwise
     Linears takes k + 1 passes (bounded: ``MAX_ROWWISE_CALLS``)."""
-    ranks = [_shard(whole, styles, degree, r) for r in range(degree)]
+    shards = [_shard(whole, styles, degree, r) for r in range(degree)]
     rows = [n for n, s in styles.items() if s is TPStyle.ROWWISE]
     sums: list[torch.Tensor] = []
     for _ in range(MAX_ROWWISE_CALLS + 1):
-        runs = [_run(rank, rows, sums, inputs) for rank in ranks]
-        if all(isinstance(r, torch.Tensor) for r in runs):
+        runs = [_run(whole, shard, rows, sums, inputs) for shard in shards]
+        if all(isinstance(r, list) for r in runs):
             return runs[0]
         if not all(isinstance(r, tuple) for r in runs):
             raise ValueError("the ranks called their rowwise Linears differently")
@@ -159,25 +225,22 @@ def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, 
     raise ValueError(f"more than {MAX_ROWWISE_CALLS} rowwise calls in one forward")
 
 
-MAX_ROWWISE_CALLS = 16
-
-
-def _run(rank: nn.Module, rows: list[str], sums: list[torch.Tensor], inputs: Any
-         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One pass of one rank: its rowwise calls' outputs replaced by the sums known, in call order; its output, or,
-    where it reaches a call past them, that call's (partial output without the bias, bias)."""
+def _run(whole: nn.Module, shard: dict[str, torch.Tensor], rows: list[str], sums: list[torch.Tensor], inputs: Any
+         ) -> list[torch.Tensor] | tuple[torch.Tensor, torch.Tensor]:
+    """One pass of one rank: its rowwise calls' outputs replaced by (copies of) the sums known, in call order; its
+    output, or, where it reaches a call past them, that call's (partial output without the bias, bias)."""
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         bias = module.bias if module.bias is not None else torch.zeros((), dtype=out.dtype)
         calls.append((out - bias, bias))
         if len(calls) <= len(sums):
-            return sums[len(calls) - 1]
+            return sums[len(calls) - 1].clone()  # (the module may change it in place)
         raise _Stop
 
-    handles = [rank.get_submodule(n).register_forward_hook(hook) for n in rows]
+    handles = [whole.get_submodule(n).register_forward_hook(hook) for n in rows]
     try:
-        return _output(rank(*inputs[0], **inputs[1]))
+        return _output(whole, inputs, SEED, shard)
     except _Stop:
         return calls[-1]
     finally:
@@ -189,20 +252,21 @@ class _Stop(BaseException):  # (not an Exception: a model's own "except Exceptio
     """A pass reached a rowwise call whose sum is not known yet."""
 
 
-def _shard(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, rank: int) -> nn.Module:
-    """Rank ``rank``'s copy of ``whole``: its colwise Linears' rows and biases, its rowwise Linears' columns."""
-    copy = deepcopy(whole)
+def _shard(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s params of ``whole`` where they differ from the whole's: its colwise Linears' rows and biases,
+    its rowwise Linears' columns (views: no copy of the module)."""
+    out: dict[str, torch.Tensor] = {}
     for name, style in styles.items():
-        linear = copy.get_submodule(name)
+        linear = whole.get_submodule(name)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{name} is not an nn.Linear")
         w = linear.weight
         if style is TPStyle.COLWISE:
             rows = w.shape[0] // degree
-            linear.weight = nn.Parameter(w[rank * rows:(rank + 1) * rows].clone())
+            out[f"{name}.weight"] = w[rank * rows:(rank + 1) * rows]
             if linear.bias is not None:
-                linear.bias = nn.Parameter(linear.bias[rank * rows:(rank + 1) * rows].clone())
+                out[f"{name}.bias"] = linear.bias[rank * rows:(rank + 1) * rows]
         else:
             cols = w.shape[1] // degree
-            linear.weight = nn.Parameter(w[:, rank * cols:(rank + 1) * cols].clone())
-    return copy
+            out[f"{name}.weight"] = w[:, rank * cols:(rank + 1) * cols]
+    return out

@@ -78,7 +78,7 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
     styles = {n: s for n, s in tp.styles(dict(lm.model.named_modules())).items()
               if s in LOCAL_STYLES and isinstance(lm.model.get_submodule(n), nn.Linear)}
     judged = _judged_modules(lm.model, styles)
-    whole = {name: deepcopy(lm.model.get_submodule(name)) for name in judged}
+    whole = {name: _copied(name, lm.model.get_submodule(name)) for name in judged}
     called: dict[str, tuple] = {}
     handles = [lm.model.get_submodule(name).register_forward_pre_hook(
         functools.partial(_capture_call, called, name), with_kwargs=True) for name in judged]
@@ -106,14 +106,31 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
 
 
 def _judged_modules(model: nn.Module, styles: dict[str, TPStyle]) -> list[str]:
-    """The modules holding a rowwise Linear of ``styles``, the first of each class (the others run the same
-    code)."""
-    seen: dict[str, str] = {}
-    for name, style in styles.items():
-        parent = name.rpartition(".")[0]
-        if style is TPStyle.ROWWISE and name:
-            seen.setdefault(type(model.get_submodule(parent)).__qualname__, parent)
-    return list(seen.values())
+    """The modules holding a rowwise Linear of ``styles``, in the model's order: each while their params add up to
+    ``tp_numerics.MAX_NUMEL``, then the first of each class and param shapes (the others run the same code, unless
+    an attribute tells them apart)."""
+    seen: set[tuple] = set()
+    out: list[str] = []
+    total = 0
+    for parent in dict.fromkeys(n.rpartition(".")[0] for n, s in styles.items() if s is TPStyle.ROWWISE):
+        module = model.get_submodule(parent)
+        numel = sum(p.numel() for p in module.parameters())
+        key = (type(module).__module__, type(module).__qualname__,
+               tuple((n, tuple(p.shape)) for n, p in module.named_parameters()))
+        if key not in seen or total + numel <= tp_numerics.MAX_NUMEL:
+            out.append(parent)
+            seen.add(key)
+            total += numel
+    return out
+
+
+def _copied(name: str, module: nn.Module) -> nn.Module | tp_numerics.Unchecked:
+    """A copy of ``module`` as it is before its Linears' shapes are split; one that cannot be copied (a lock it
+    holds) is not judged."""
+    try:
+        return deepcopy(module)
+    except Exception as e:
+        return tp_numerics.Unchecked(name, f"it cannot be copied ({type(e).__name__}: {str(e)[:80]})")
 
 
 def _capture_call(called: dict[str, tuple], name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -124,31 +141,37 @@ def _capture_call(called: dict[str, tuple], name: str, module: nn.Module, args: 
             called[name] = (tp_numerics.Unchecked(name, f"it takes a {e}"),)
 
 
-def _numbers_checked(whole: dict[str, nn.Module], styles: dict[str, TPStyle], degree: int,
+def _numbers_checked(whole: dict[str, nn.Module | tp_numerics.Unchecked], styles: dict[str, TPStyle], degree: int,
                      called: dict[str, tuple], layout: str, fix: str) -> tuple[str, ...]:
     """``tp_numerics.check_module`` on each module ``whole`` holds (a copy from before the shapes were split): a
     mismatch is an error; the modules not judged, one note."""
-    unchecked: list[str] = []
+    unchecked: dict[str, list[str]] = {}  # why -> the modules
     for name, module in whole.items():
         call = called.get(name)
-        if call is None or len(call) == 1:
-            unchecked.append(f"{name} ({call[0].reason if call else 'not called'})")
-            continue
-        mine = {n.removeprefix(f"{name}."): s for n, s in styles.items() if n.startswith(f"{name}.")}
-        verdict = tp_numerics.check_module(name, module, mine, degree, *call)
+        if isinstance(module, tp_numerics.Unchecked):
+            verdict: tp_numerics.Verdict = module
+        elif call is None or len(call) == 1:
+            verdict = call[0] if call else tp_numerics.Unchecked(name, "not called")
+        else:
+            prefix = f"{name}." if name else ""
+            mine = {n.removeprefix(prefix): s for n, s in styles.items() if n.startswith(prefix)}
+            verdict = tp_numerics.check_module(name, module, mine, degree, *call)
+        shown = name or "(root)"
         if isinstance(verdict, tp_numerics.Mismatch):
-            raise LayoutDoesNotRun(f"{layout} computes something else on this model: {name} "
-                               f"({type(module).__name__}) run as {degree} TP ranks run it (each rowwise output "
-                               f"summed over them) differs from its whole run by {verdict.error:.1e} of its output "
-                               "(an op between its colwise and rowwise Linears mixes the features TP splits: a "
-                               "softmax or norm over them, or a view into a fixed head count whose size is "
-                               f"inferred): {fix}")
+            raise LayoutDoesNotRun(f"{layout} computes something else on this model: {shown} "
+                                   f"({type(module).__name__}) run as {degree} TP ranks run it (each rowwise output "
+                                   f"summed over them) differs from its whole run by {verdict.error:.1e} of its "
+                                   "output (an op between its colwise and rowwise Linears mixes the features TP "
+                                   "splits: a softmax or norm over them, or a view into a fixed head count whose size "
+                                   f"is inferred): {fix}")
         if isinstance(verdict, tp_numerics.Unchecked):
-            unchecked.append(f"{name} ({verdict.reason})")
+            unchecked.setdefault(verdict.reason, []).append(shown)
     if not unchecked:
         return ()
-    return (f"the tensor-parallel layout was not checked on numbers in {'; '.join(unchecked)}: that the ops "
-            "between its colwise and rowwise Linears are element-wise or per head is assumed there",)
+    where = "; ".join(f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''} ({why})"
+                      for why, names in unchecked.items())
+    return (f"the tensor-parallel layout was not checked on numbers in {where}: that the ops between its colwise "
+            "and rowwise Linears are element-wise or per head is assumed there",)
 
 
 def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision,

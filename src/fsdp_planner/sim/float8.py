@@ -127,10 +127,10 @@ def check_float8_scales(trace: Trace, tp: TensorParallel | None, f8: Float8 | No
 def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, int, bool]]:
     """(event, weight, alone) of each matmul of a converted Linear, in step order: its forward and input-grad
     matmuls read the weight (``Event.params``); its weight-grad matmul reads none and runs in the Linear's own
-    backward (else beside the input-grad one, with the same FLOPs: just before it, ``mm``'s backward, or just after,
-    ``addmm``'s with a bias). ``alone``: a weight-grad matmul with no input-grad one beside it (the Linear's input
-    needs no grad, so aten skips it), whose input grad torchao's autograd function makes all the same, casts and
-    amaxes included."""
+    backward (a converted Linear is a module call: torchao swaps modules), just before the input-grad one
+    (``mm``'s backward, a Linear without bias) or just after it (``addmm``'s, with a bias). ``alone``: a weight-grad
+    matmul with no input-grad one beside it (the Linear's input needs no grad, so aten skips it), whose input grad
+    torchao's autograd function makes all the same, casts and amaxes included."""
     names = {name: w for w, name in weights.items()}
     matmuls = [i for i, e in enumerate(trace.events) if e.kind is EventKind.OP and e.kernel > 0]
     read = {i: next((p for p in trace.events[i].params if p in weights), None) for i in matmuls}
@@ -139,14 +139,10 @@ def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, 
         e = trace.events[i]
         if read[i] is not None:
             out.append((i, read[i], False))
-            continue
-        if not e.backward or e.params:
-            continue
-        beside = [j for j in matmuls[max(0, k - 1):k + 2] if j != i and read[j] is not None
-                  and trace.events[j].backward and trace.events[j].flops == e.flops]
-        weight = names.get(e.module, read[beside[0]] if beside else None)
-        if weight is not None:
-            out.append((i, weight, not any(read[j] == weight for j in beside)))
+        elif e.backward and not e.params and e.module in names:
+            weight = names[e.module]
+            beside = matmuls[max(0, k - 1):k + 2]
+            out.append((i, weight, not any(read[j] == weight and trace.events[j].backward for j in beside)))
     return out
 
 
