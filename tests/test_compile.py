@@ -76,6 +76,20 @@ def test_plan_records_its_compiled_modules():
         Plan.from_json(__import__("json").dumps(data))
 
 
+@pytest.mark.integration  # AOTAutograd partitions a llama3-8b block: seconds
+def test_auto_never_groups_inside_a_compiled_block(capsys):
+    """auto wrote a plan whose group listed layers.0.attention_norm, inside the block --compile compiles whole, and
+    its own check refused it (a new user's finding, with --float8 tensorwise on 16 H100s): such a candidate does not
+    run, and the compiled model's atoms are whole blocks."""
+    from fsdp_planner.cli import main
+
+    assert main(["plan", "llama3-8b", "--policy", "auto", "--compile", "--float8", "tensorwise", "--cluster",
+                 "h100:16", "--batch", "2", "--seq", "4096", "--tp", "1", "--micro-batches", "1", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["plans"]
+    plan = row["plan"]
+    assert all(m.count(".") <= 1 for g in plan["groups"] for m in g), plan["groups"]
+
+
 def test_compile_needs_repeated_blocks():
     with pytest.raises(PlannerError, match="--compile compiles the model's repeated blocks"):
         trace_spec(ModelSpec("seed-net", compile=True))

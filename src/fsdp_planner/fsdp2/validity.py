@@ -99,18 +99,26 @@ def check_plan_runs(trace: Trace, plan: Plan, world_size: int | None = None) -> 
         raise PlannerError(f"this plan cannot run: {bad.describe(plan)}")
 
 
-def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
-    """Refuse a group listing a module inside a block compiled whole (``compiled``, torchtitan's fullgraph
-    compile of each block): FSDP2's hooks on it would run inside the compiled graph, which Dynamo refuses
-    ("Attempted to call function marked as skipped")."""
+def inside_compiled(plan: Plan, compiled: Collection[str]) -> tuple[int, str, str] | None:
+    """The first (group, module, block) where a group lists a module inside a block compiled whole (``compiled``,
+    torchtitan's fullgraph compile of each block); None where there is none."""
     blocks = set(compiled)
-    for i, g in enumerate(plan.groups):
-        inside = next(((m, b) for m in g.modules for b in proper_ancestors(m) if b in blocks), None)
-        if inside is not None:
-            raise PlannerError(f"group {i} lists '{inside[0]}', inside the block '{inside[1]}' that --compile compiles "
-                               "whole: FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group "
-                               "whole blocks, plan without --compile, or keep such a module in an fp32 group of its "
-                               "block (--fp32-modules BLOCK)")
+    if not blocks:
+        return None
+    return next(((i, m, b) for i, g in enumerate(plan.groups) for m in g.modules for b in proper_ancestors(m)
+                 if b in blocks), None)
+
+
+def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
+    """Refuse a group listing a module inside a block compiled whole (``inside_compiled``): FSDP2's hooks on it
+    would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped")."""
+    inside = inside_compiled(plan, compiled)
+    if inside is not None:
+        i, module, block = inside
+        raise PlannerError(f"group {i} lists '{module}', inside the block '{block}' that --compile compiles whole: "
+                           "FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group whole "
+                           "blocks, plan without --compile, or keep such a module in an fp32 group of its block "
+                           "(--fp32-modules BLOCK)")
 
 
 def check_forward_methods(plan: Plan, model: nn.Module) -> None:

@@ -76,7 +76,8 @@ class Search:
         else:
             whole = bool(block_instances(trace))
             self.atoms = plan_atoms(trace, whole_blocks=whole)
-            self.fine_atoms = plan_atoms(trace, whole_blocks=False) if whole else self.atoms
+            # (compiled blocks are whole: FSDP2's hooks cannot run inside their graphs)
+            self.fine_atoms = plan_atoms(trace, whole_blocks=False) if whole and not trace.compiled else self.atoms
             self.classics = classic_plans(trace, model)
             self.cuts = ModuleTreeCuts(trace, model, 24 if ev.target is Target.FSDP1 else 8)
         self.refiner = Refiner(self.ev, self.atoms, self.fine_atoms)

@@ -14,7 +14,7 @@ from fsdp_planner.fsdp2.plan import Mesh, Plan, ReshardAfterForward
 from fsdp_planner.fsdp2.replay import build_schedule
 from fsdp_planner.fsdp2.targets import shardable_cover
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
-from fsdp_planner.fsdp2.validity import sharded_reads
+from fsdp_planner.fsdp2.validity import inside_compiled, sharded_reads
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.planners.auto.atoms import Atom
 from fsdp_planner.planners.order import compress_modules
@@ -101,8 +101,12 @@ class Evaluator:
             group_params = self.ctx.sizing.group_params(plan)
             schedule = build_schedule(self.trace, plan, self.ctx.world, group_params)
             bad = sharded_reads(self.trace, plan, schedule, group_params)
+            why = bad[0].describe(plan) if bad else ""
+            inside = inside_compiled(plan, self.trace.compiled)  # (FSDP2's hooks inside a compiled block)
+            if inside is not None and not why:
+                why = f"group {inside[0]} lists '{inside[1]}', inside the block '{inside[2]}' compiled whole"
             c = Candidate(plan, simulate(self.trace, plan, context=self.ctx, schedule=schedule, timeline=False),
-                          origin, not bad, bad[0].describe(plan) if bad else "")
+                          origin, not why, why)
             self.seen.append(c)
             self.cache[key] = c
         return self.cache[key]
