@@ -635,7 +635,7 @@ def test_a_toml_s_float8_under_tp_gathers_in_float8_and_a_registry_s_in_bf16() -
     assert (toml.float8, toml.tp, toml.float8_tp_all_gather) == ("tensorwise", 8, True)
     assert any("torchao's float8 TP styles" in n for n in toml.notes)
     registry = read_config(TORCHTITAN, f"{titan / 'llama3' / 'config_registry.py'}:llama3_405b")
-    assert (registry.float8, registry.tp, registry.float8_tp_all_gather) == ("tensorwise", 8, False)
+    assert (registry.float8, registry.tp, registry.float8_tp_all_gather) == ("rowwise", 8, False)
 
 
 def test_a_toml_s_float8_tp_all_gathers_turn_off_on_the_command_line(tmp_path, capsys) -> None:

@@ -54,17 +54,24 @@ def same_job(a: JobConfig, b: JobConfig) -> None:
 @pytest.mark.parametrize("function", ["llama3_8b", "llama3_70b", "llama3_405b"])
 def test_the_shipped_jobs_are_their_tomls(function):
     """Model, tokens as sequences, parallelism, checkpointing, compile and float8: the same options and notes, but
-    for TP's activation all-gathers of the 405B job's float8, which torchtitan ran in float8 in the TOMLs' time
-    (torchao's float8 TP styles) and runs in bf16 in the registry's (since April 2026)."""
+    for the 405B job's float8, which torchtitan ran tensorwise with its TP activations all-gathered in float8 in the
+    TOMLs' time (torchao's float8 TP styles) and runs rowwise, TP's all-gathers in bf16, in the registry's (its
+    converter's default recipe since April 2026)."""
     registry, toml = options(job(function)), options(str(FIXTURES / f"{function}.toml"))
     f8 = function == "llama3_405b"
     # (None: not given, off)
     assert (registry[0].pop("float8_tp_all_gather"), toml[0].pop("float8_tp_all_gather")) == (None, f8 or None)
-    assert registry[0] == toml[0]
     if f8:
+        assert [(j.pop("float8"), j.pop("float8_all_gather")) for j, _ in (registry, toml)] == \
+            [("rowwise", None), ("tensorwise", False)]
         assert toml[1].float8_tp_all_gather and not registry[1].float8_tp_all_gather
-        toml[1].float8_tp_all_gather = False
         assert "torchao's float8 TP styles" in toml[1].notes.pop()
+        toml[1].float8_tp_all_gather = False
+        for j in (registry[1], toml[1]):
+            j.float8, j.float8_all_gather = None, False
+            for key in [k for k in j.keys if "float8" in k]:
+                del j.keys[key]
+    assert registry[0] == toml[0]
     same_job(registry[1], toml[1])
     assert registry[0]["model"] == function.replace("_", "-")
 
@@ -77,7 +84,7 @@ def test_the_shipped_jobs_as_expected():
     assert [(c.tp, c.async_tp) for c in jobs.values()] == [(1, False), (8, False), (8, True)]  # TP kept
     assert not jobs["llama3_405b"].notes  # float8 (its lm_head filter is the output head) and compile both read
     assert [(c.float8, c.float8_all_gather) for c in jobs.values()] == [(None, False), (None, False),
-                                                                        ("tensorwise", False)]
+                                                                        ("rowwise", False)]
     assert jobs["llama3_405b"].compile and not jobs["llama3_8b"].compile
 
 
@@ -86,8 +93,8 @@ def test_the_debug_jobs_read(function):
     """Each debug job (built on llama3_debugmodel and its attribute edits) reads; with MODEL it is the debug TOML's
     job, its converters and model_registry options each a note."""
     registry, toml = options(job(function)), options(str(FIXTURES / "llama3_debugmodel.toml"))
-    float8 = "tensorwise" if "float8" in function else None  # its converter read: --float8, the all-gather off
-    assert registry[0] == {**toml[0], **({"float8": float8, "float8_all_gather": False} if float8 else {})}
+    float8 = "rowwise" if "float8" in function else None  # its converter read: --float8, its default recipe
+    assert registry[0] == {**toml[0], **({"float8": float8} if float8 else {})}
     assert (registry[1].model_label, registry[1].batch, registry[1].seq) == ('"llama3" flavor "debugmodel"', 8, 2048)
     assert all(n.count("\n") == 0 for n in registry[1].notes)
     assert len(DEBUG_JOBS) >= 8

@@ -315,7 +315,9 @@ def _titan_float8(cfg: JobConfig, data: dict[str, Any]) -> None:
     for key in table:
         if key not in FLOAT8_KEYS:
             cfg.notes.append(f"{section}.{shown_json(key)[1:-1]} is not read: fsdp-planner does not know it")
-    recipe = table.get("recipe_name") or "tensorwise"
+    # the converter's defaults: the registry's Float8LinearConverter.Config rowwise and no filter (b5bcd76's
+    # components/quantization/float8.py), the TOML era's [float8] tensorwise and the output head filtered
+    recipe = table.get("recipe_name") or ("rowwise" if cfg.registry else "tensorwise")
     if recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
         raise _bad(cfg, f"{section}.recipe_name", recipe, "tensorwise or rowwise")
     cfg.float8 = cfg.keys[f"{section}.recipe_name"] = "rowwise" if recipe.startswith("rowwise") else recipe
@@ -327,8 +329,9 @@ def _titan_float8(cfg: JobConfig, data: dict[str, Any]) -> None:
     if cfg.float8_all_gather and not table.get("precompute_float8_dynamic_scale_for_fsdp", False):
         cfg.notes.append(f"{section}.precompute_float8_dynamic_scale_for_fsdp off is read as on: fsdp-planner "
                          "counts one amax all-reduce a step for the float8 all-gather")
-    fqns = table.get("filter_fqns", ["output"])
-    if not isinstance(fqns, list) or set(fqns) - HEAD_NAMES:  # the head: "output", "lm_head" in newer torchtitan
+    fqns = table.get("filter_fqns", [] if cfg.registry else ["output"])
+    if not isinstance(fqns, list) or not fqns or set(fqns) - HEAD_NAMES:  # the head: "output", "lm_head" in newer
+        # torchtitan
         cfg.notes.append(f"{section}.filter_fqns = {shown_json(fqns)} is read as the output head alone: "
                          "fsdp-planner keeps it in bf16 and converts every other Linear with float8-sized dims")
 
