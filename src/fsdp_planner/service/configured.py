@@ -11,7 +11,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_planner.choices import DEFAULT_PRECISION, ACMode, AttentionKernel, GradientSync, PolicyName
+from fsdp_planner.choices import (
+    DEFAULT_PRECISION,
+    ACMode,
+    AttentionKernel,
+    GradientSync,
+    PolicyName,
+    ShardPlacement,
+)
 from fsdp_planner.configs.job_config import ACCELERATE, CLASSES_KEY, TORCHTITAN, JobConfig, edit_choices, world_of
 from fsdp_planner.configs.torchtitan_registry import TITAN_FUSED_ATTENTION, TITAN_MODELS
 from fsdp_planner.errors import PlannerError
@@ -129,6 +136,8 @@ def _workload(m: _Merge) -> None:
         m.agrees("reduce_dtype", "fp32", "training.mixed_precision_reduce")
     if cfg.optimizer is not None:
         m.given("optimizer", cfg.optimizer, "the optimizer")
+    if cfg.kind == TORCHTITAN:  # its experts Shard(1) where FSDP x EP ranks outnumber them (distributed/fsdp.py)
+        m.given("shard_placement", ShardPlacement.AUTO.value, "torchtitan's expert shard placement")
     if cfg.offload:
         m.given("offload", True, cfg.key("offload"), False)
 
