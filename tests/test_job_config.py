@@ -80,7 +80,7 @@ def test_torchtitan_older_keys_and_defaults(tmp_path):
      "float8.precompute_float8_dynamic_scale_for_fsdp off is read as on"),
     ("[mx]\nx = 1\n", "[mx] (MX formats) is left out"),
     ("[mystery]\nx = 1\n", "[mystery] is not read"),
-    ("[parallelism]\ndata_parallel_shard = 8\n", "parallelism.data_parallel_shard is not read"),
+    ("[parallelism]\nshard_degree = 8\n", "parallelism.shard_degree is not read"),
 ])
 def test_torchtitan_left_out_is_one_line(tmp_path, text, note):
     notes = read_config(TORCHTITAN, str(titan(tmp_path, text + '[activation_checkpoint]\nmode = "none"\n'))).notes
@@ -130,6 +130,10 @@ def test_torchtitan_compile_of_the_loss_alone_leaves_the_blocks_eager(tmp_path):
     ("[training\n", "is not valid TOML"),
     ("training = 3\n", "[training] = 3 is not a table"),
     # a typo of a key it has: never silent, and not simulated as the job with its default either (it was a note)
+    # a key a letter or a suffix from one (a transposition, "_degree" left out: a new user's findings)
+    ("[compile]\nenabel = true\n", "compile.enabel is not a key of [compile] (did you mean enable?)"),
+    ("[parallelism]\ndata_parallel_shard = 8\n", "parallelism.data_parallel_shard is not a key of [parallelism] "
+     "(did you mean data_parallel_shard_degree?)"),
     ("[training]\nlocal_batch_sise = 4\n", "training.local_batch_sise is not a key of [training] (did you mean "
                                             "local_batch_size?)"),
 ])

@@ -619,3 +619,21 @@ def test_a_plan_file_from_a_job_says_what_simulate_needs_to_run_it(tmp_path, cap
     assert flags == ["--batch", "8", "--seq", "2048", "--optimizer", "adamw-fused"], written
     assert main(["simulate", "llama3-debugmodel", "--plan", str(out), "--cluster", "h100:8", *flags, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time"] == auto["step_time"]
+
+
+@pytest.mark.parametrize(("flag", "meant"), [("--training.max_context_lenght", "max_context_length"),
+                                             ("--training.num_tokens_per_microbatch_per_dp_rnk",
+                                              "num_tokens_per_microbatch_per_dp_rank")])
+def test_a_typo_of_a_registry_key_is_one_error(flag, meant):
+    """A misspelt registry-only key was a note and the job ran at the key's default (a new user's finding): its
+    close match among the registry's own keys is named, not a TOML key the registry refuses."""
+    with pytest.raises(PlannerError, match=re.escape(f"is not a key of [training] (did you mean {meant}?)")):
+        options(job("llama3_8b"), flags=(flag, "4096"))
+
+
+def test_sequence_parallel_off_and_another_compile_backend_are_noted():
+    _, cfg = options(job("llama3_8b"), flags=("--parallelism.enable_sequence_parallel", "false",
+                                              "--compile.backend", "aot_eager"))
+    assert any("enable_sequence_parallel = false is left out: fsdp-planner's torchtitan TP layout runs sequence "
+               "parallelism" in n for n in cfg.notes), cfg.notes
+    assert any('compile.backend = "aot_eager" is left out' in n for n in cfg.notes), cfg.notes

@@ -12,12 +12,14 @@ pass ``shown_json``. Torch-free: the reading is checked before anything is trace
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.configs.torchtitan_registry import (
+    TOKENS,
     is_registry_spec,
     parse_flags,
     read_registry,
@@ -68,6 +70,7 @@ TITAN_SECTION_KEYS = {
     "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
                               "early_stop", "memory_budget", "visualize_memory_budget_pareto",
                               "preserve_rng_state", "determinism_check", "debug"},
+    "compile": {"enable", "components", "backend", "enable_async_tensor_parallel"},
 }
 
 
@@ -238,15 +241,20 @@ def _table(cfg: JobConfig, data: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 # -- torchtitan ------------------------------------------------------------------------------------------------------
+TOML_TOKEN_KEYS = frozenset({"local_batch_size", "batch_size", "seq_len", "global_batch_size"})
+
+
 def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
     for name in data:
         if name not in TITAN_IGNORED and name not in ("model", "training", "parallelism", "activation_checkpoint",
                                                       "compile", "float8", "quantize", "mx", "optimizer"):
             cfg.notes.append(f"[{shown_json(name)[1:-1]}] is not read: fsdp-planner does not know that section")
     for section, known in TITAN_SECTION_KEYS.items():
+        # a registry job's token counts stand for the TOML's batch and sequence keys (read into them before here)
+        near = (known - TOML_TOKEN_KEYS) | set(TOKENS) if cfg.registry and section == "training" else known
         for key in _table(cfg, data, section):
             if key not in known:
-                _unknown_key(cfg, f"[{section}]", key, known)
+                _unknown_key(cfg, f"[{section}]", key, near)
     _titan_model(cfg, _table(cfg, data, "model"))
     _titan_training(cfg, _table(cfg, data, "training"))
     _titan_optimizer(cfg, _table(cfg, data, "optimizer"))
@@ -257,6 +265,8 @@ def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
                              _table(cfg, data, "compile")["enable_async_tensor_parallel"])
     compile_on = _table(cfg, data, "compile").get("enable") or _table(cfg, data, "training").get("compile")
     components = _table(cfg, data, "compile").get("components", ["model", "loss"])  # CompileConfig's default
+    if isinstance(components, str):  # a flag's value (--compile.components loss, or model,loss, or ["loss"])
+        components = re.findall(r"[A-Za-z_]+", components)
     if compile_on and isinstance(components, list) and "model" not in components:
         cfg.notes.append(f"compile.components = {shown_json(components)} compiles no part of the model: its blocks "
                          "are simulated eager (a compiled loss is not modelled)")
@@ -275,7 +285,7 @@ def _unknown_key(cfg: JobConfig, section: str, key: str, known: set[str]) -> Non
     """A key ``section`` (``[training]``, ``fsdp_config``) does not have: a note, or, a letter or so from a key it
     has, an error (the misspelled setting would stay at its default, and the verdict be about another job)."""
     shown = f"{section.strip('[]')}.{shown_json(key)[1:-1]}"
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.9) if len(key) <= 100 else []
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8) if len(key) <= 100 else []
     if close:
         raise PlannerError(f"{cfg.kind} config '{cfg.path}': {shown} is not a key of {section} (did you mean "
                            f"{close[0]}?): as written, the setting would stay at its default")

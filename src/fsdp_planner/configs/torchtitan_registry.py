@@ -88,6 +88,12 @@ NEW_KEYS: dict[str, dict[str, str | None]] = {
     "compile": {"backend": None},
     "activation_checkpoint": {},
 }
+# Keys read past above whose value is noted where it is not what fsdp-planner simulates: (section, key) -> (the
+# value simulated, what the note says)
+SIMULATED_AS = {("parallelism", "enable_sequence_parallel"): (True, "fsdp-planner's torchtitan TP layout runs "
+                                                                    "sequence parallelism (SP's collectives and "
+                                                                    "activations are simulated)"),
+                ("compile", "backend"): ("inductor", "fsdp-planner simulates inductor's kernels")}
 # activation_checkpoint's dataclass, as the TOML's mode (SelectiveAC is per-op: torchtitan's "op")
 AC_CLASSES = {"SelectiveAC": {"mode": "selective", "selective_ac_option": "op"}, "FullAC": {"mode": "full"},
               "MemoryBudgetAC": {"mode": "memory_budget"}}
@@ -650,6 +656,8 @@ def _section(name: str, value: Any, label: str, notes: list[str]) -> dict[str, A
             table[AC_RENAMED.get(key, key)] = v
         elif NEW_KEYS[name][key] and v:
             notes.append(f"{name}.{key} = {shown_json(v)} is left out: {NEW_KEYS[name][key]}")
+        elif (name, key) in SIMULATED_AS and v != SIMULATED_AS[name, key][0]:
+            notes.append(f"{name}.{key} = {shown_json(v)} is left out: {SIMULATED_AS[name, key][1]}")
     return table
 
 
