@@ -710,3 +710,16 @@ def test_auto_is_no_slower_than_the_config_edited_to_never_reshard(tmp_path, cap
     assert [c["key"] for c in edit["changes"]] == ["activation_checkpoint.mode",
                                                   "parallelism.fsdp_reshard_after_forward"]
     assert doc["auto_step"]["step_time"] <= edit["step"]["step_time"] * (1 + 1e-12)
+
+
+def test_accelerate_transformer_wrap_without_classes_wraps_only_transformers_models(tmp_path, capsys):
+    """Accelerate's TRANSFORMER_BASED_WRAP without fsdp_transformer_layer_cls_to_wrap wraps the model's
+    _no_split_modules: a model of one's own has none, so Accelerate shards the root alone, where it was simulated
+    as the module policy on its blocks without a word (a new user's finding); transformers' models keep theirs."""
+    yaml = accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                           "num_processes: 8\n")
+    args = args_of("simulate", "toy-llama", "--from-accelerate", str(yaml))
+    assert (args.policy, args.min_nonwrapped_numel) == ("size", str(10**15))
+    assert "without fsdp_config.fsdp_transformer_layer_cls_to_wrap wraps the model's _no_split_modules" in \
+        capsys.readouterr().err
+    assert args_of("simulate", "hf:gpt2", "--from-accelerate", str(yaml)).policy == "module"

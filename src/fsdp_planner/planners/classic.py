@@ -19,6 +19,8 @@ from fsdp_planner.planners.blocks import default_block_class, find_class_instanc
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT, proper_ancestors
 
+NO_WRAP_SHOWN = 10**12  # a size threshold from here on means "wrap nothing" (Accelerate's NO_WRAP is read as 1e15)
+
 
 def block_classes(trace: Trace) -> tuple[str, ...]:
     """The classes a policy wraps by default: the repeated blocks the planner checkpoints and compiles (an
@@ -89,8 +91,11 @@ class SizeBasedPolicy:
 
     def build(self, trace: Trace, model: str = "") -> Plan:
         """The grouping the policy's rules make, whether or not FSDP2 can run it (auto starts from it)."""
-        return make_plan(trace, [[m] for m in self.wrapped_modules(trace)],
-                         policy=f"{self.name}({self.min_nonwrapped_numel})", model=model)
+        wrapped = self.wrapped_modules(trace)
+        # (Accelerate's NO_WRAP is a threshold no model reaches: named as such, not as 15 digits)
+        label = "no wrap" if not wrapped and self.min_nonwrapped_numel >= NO_WRAP_SHOWN else \
+            str(self.min_nonwrapped_numel)
+        return make_plan(trace, [[m] for m in wrapped], policy=f"{self.name}({label})", model=model)
 
 
 @dataclass

@@ -19,7 +19,15 @@ from fsdp_planner.choices import (
     PolicyName,
     ShardPlacement,
 )
-from fsdp_planner.configs.job_config import ACCELERATE, CLASSES_KEY, TORCHTITAN, JobConfig, edit_choices, world_of
+from fsdp_planner.configs.job_config import (
+    ACCELERATE,
+    CLASSES_KEY,
+    NO_WRAP_NUMEL,
+    TORCHTITAN,
+    JobConfig,
+    edit_choices,
+    world_of,
+)
 from fsdp_planner.configs.torchtitan_registry import TITAN_FUSED_ATTENTION, TITAN_MODELS
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
@@ -281,6 +289,15 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     cfg, policy = m.cfg, m.values["policy"]
     if plan_file:
         raise PlannerError(f"--plan and --from-{cfg.kind} both give the grouping: drop one")
+    model = m.values["model"]
+    if cfg.kind == ACCELERATE and cfg.policy is PolicyName.MODULE and not cfg.module_classes and model is not None \
+            and not model.startswith("hf:"):
+        # Accelerate's TRANSFORMER_BASED_WRAP without classes wraps the model's _no_split_modules (transformers'),
+        # which a model of one's own has not: one fully_shard, on the root (accelerate/utils/fsdp_utils.py)
+        cfg.policy, cfg.min_numel = PolicyName.SIZE, NO_WRAP_NUMEL
+        m.note(f"{cfg.key('policy')} TRANSFORMER_BASED_WRAP without {CLASSES_KEY} wraps the model's "
+               "_no_split_modules, which only transformers' models have: read as one FSDP group, the root (give "
+               "the block classes to wrap them)")
     if command == "simulate":
         if cfg.kind == TORCHTITAN and policy not in (None, cfg.policy.value):
             # torchtitan has no key for its grouping: name it, and where auto's plan for the job is
