@@ -319,7 +319,7 @@ def test_a_config_of_many_unknown_keys_is_said_in_a_few_lines(tmp_path: Path) ->
     path = tmp_path / "keys.yaml"
     path.write_text("distributed_type: FSDP\n" + "".join(f"unknown_{i}: 1\n" for i in range(2000)))
     notes = read_config(ACCELERATE, str(path)).notes
-    assert len(notes) == MAX_NOTES + 1 and notes[0] == "unknown_0 is not read: it does not change a training step here"
+    assert len(notes) == MAX_NOTES + 1 and notes[0] == "unknown_0 is not read: fsdp-planner does not know it"
     assert re.fullmatch(r"\.\.\. and 1,98\d more notes like these \(keys not read or left out\)", notes[-1])
 
 

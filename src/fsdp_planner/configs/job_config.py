@@ -521,7 +521,9 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
         if name not in ACCELERATE_IGNORED and name not in ("fsdp_config", "mixed_precision", "num_processes",
                                                            "num_machines", "dynamo_config", "dynamo_backend",
                                                            "parallelism_config"):
-            cfg.notes.append(f"{shown_json(name)[1:-1]} is not read: it does not change a training step here")
+            cfg.notes.append(f"{shown_json(name)[1:-1]} is not read: " + (
+                "the job is simulated without float8 (--float8 plans torchao's)" if name == "fp8_config" else
+                "fsdp-planner does not know it"))
     for name in fsdp:
         if name not in ACCELERATE_IGNORED and name not in ACCELERATE_FSDP_KEYS:
             _unknown_key(cfg, "fsdp_config", name, ACCELERATE_FSDP_KEYS | ACCELERATE_IGNORED)
