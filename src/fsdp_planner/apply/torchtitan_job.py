@@ -19,7 +19,8 @@ from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 
 FUNCTION = "fsdp_planner_job"
-FLAVORS = {builtin: (name, flavor) for (name, flavor), builtin in TITAN_MODELS.items()}
+# each model's first flavour (qwen3's debugmodel, not its non_fused_qkv twin): the reversed items' last word wins
+FLAVORS = {builtin: key for key, builtin in reversed(TITAN_MODELS.items())}
 
 JOB = '''
 
