@@ -46,6 +46,7 @@ from fsdp_planner.userfiles import shown_json
 _PRESET = re.compile(r"^\s*([a-z0-9]+)\s*$", re.I)
 DEFAULT_GPU = "h100"
 _CLI = Spelling.CLI  # a config is given on the command line: its errors name the options
+TOKENS_KEY = "training.num_tokens_per_microbatch_per_dp_rank"  # the registry's batch, counted in tokens
 
 
 class _Merge:
@@ -59,8 +60,10 @@ class _Merge:
         """The config's ``value`` for ``key`` unless the user gave another (an error)."""
         mine = self.values[key]
         if mine not in (default, value):
+            given = f"{shown_json(value)} sequences of {self.cfg.seq:,} tokens" if config_key == TOKENS_KEY \
+                and self.cfg.seq else shown_json(value)  # (the key counts tokens, --batch sequences)
             raise PlannerError(f"{_CLI.name_of(key)} {shown_json(mine)} contradicts {config_key} in {self.cfg.kind} "
-                               f"config {shown_json(self.cfg.path)} ({shown_json(value)}): drop one of them")
+                               f"config '{self.cfg.path}' ({given}): drop one of them")
         self.values[key] = value
 
     def agrees(self, key: str, value: Any, config_key: str, default: Any = None) -> None:
@@ -130,7 +133,7 @@ def _titan_models() -> list[tuple[str, str]]:
 def _workload(m: _Merge) -> None:
     cfg = m.cfg
     registry = cfg.registry  # torchtitan's current keys
-    batch_key = "training.num_tokens_per_microbatch_per_dp_rank" if registry else \
+    batch_key = TOKENS_KEY if registry else \
         "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
     if cfg.batch is not None:
         m.given("batch", cfg.batch, batch_key)
