@@ -299,3 +299,14 @@ def test_full_checkpointing_of_a_compiled_block_recomputes_what_backward_reads()
     with torch.profiler.profile() as prof:
         y.sum().backward()
     assert sum(1 for e in prof.events() if e.name in ("aten::mm", "aten::addmm")) == 5
+
+
+def test_a_compiled_plan_s_out_line_says_to_compile_its_simulation(tmp_path, capsys):
+    """The plan file names its compiled blocks, but its step is traced compiled only with --compile: the line that
+    writes it says so (it left the option out, and simulate then simulated the blocks eager: a new user's
+    finding)."""
+    from fsdp_planner.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--compile", "--cluster", "h100:8", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("give simulate and verify --compile)")

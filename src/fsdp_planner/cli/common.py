@@ -89,4 +89,6 @@ def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
         flags += ["--seq", str(model.seq_len)]
     if opts.optimizer.name != DEFAULT_OPTIMIZER:
         flags += ["--optimizer", opts.optimizer.name]
+    if model.compile:  # (the plan names its compiled blocks; the step traced compiled needs the option)
+        flags.append("--compile")
     return f" (simulated as: give simulate and verify {' '.join(flags)})" if flags else ""
