@@ -131,3 +131,13 @@ def test_calibration_fits_a_line_real_fsdp2_follows():
     o = m.overhead
     assert o.hook_seconds > 0 and o.op_seconds > 0 and o.param_seconds >= 0
     assert all(p.predicted > 0 for p in m.plans)
+
+
+def test_the_fitted_line_never_starts_below_zero():
+    """Noise can tilt the least-squares line below zero at no hooks (a plan was predicted at a negative step in a
+    full-suite run): then the line goes through the origin."""
+    from fsdp_planner.calibrate.overhead import fit_line
+
+    assert fit_line([(0, 1.0), (10, 2.0)]) == pytest.approx((1.0, 0.1))
+    intercept, slope = fit_line([(4, 0.001), (8, 0.002), (1024, 1.0)])
+    assert intercept == 0.0 and slope > 0

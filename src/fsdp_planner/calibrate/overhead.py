@@ -171,12 +171,16 @@ def time_plans(build: Callable[[], LoadedModel], plans: Sequence[Plan | None], d
 
 
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least squares ``seconds = a + hooks * b``."""
+    """Least squares ``seconds = a + hooks * b``, with ``a`` at least 0: a step takes no negative time without
+    hooks, and a burst of other work on a shared host during the many-hook plans tilted the line below zero (a
+    full-suite run: a plan predicted at a negative step). Then the line through the origin."""
     xs, ys = [float(h) for h, _ in points], [s for _, s in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    return my - b * mx, b
+    if my - b * mx >= 0:
+        return my - b * mx, b
+    return 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
 
 
 def copy_bandwidth(device: torch.device, rounds: int) -> float:
