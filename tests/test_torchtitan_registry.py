@@ -637,3 +637,11 @@ def test_sequence_parallel_off_and_another_compile_backend_are_noted():
     assert any("enable_sequence_parallel = false is left out: fsdp-planner's torchtitan TP layout runs sequence "
                "parallelism" in n for n in cfg.notes), cfg.notes
     assert any('compile.backend = "aot_eager" is left out' in n for n in cfg.notes), cfg.notes
+
+
+def test_a_registry_job_s_global_batch_that_does_not_divide_is_said_in_its_tokens():
+    """The error named the TOML's keys and counted sequences for a job that counts tokens (a new user's finding)."""
+    with pytest.raises(PlannerError, match=r"training\.num_tokens_per_train_step = 32,768 is not a multiple of "
+                                           r"training\.num_tokens_per_microbatch_per_dp_rank \(8,192\) x the 8 "
+                                           r"data-parallel GPUs"):
+        options(job("llama3_8b"), flags=("--training.num_tokens_per_train_step", "32768"))

@@ -278,6 +278,10 @@ def _micro_batches(m: _Merge, world: int) -> None:
     cfg = m.cfg
     local = cfg.batch or m.values["batch"]
     if local is None or cfg.global_batch is None or cfg.global_batch % (local * world):
+        if cfg.registry and cfg.seq:  # its keys count tokens
+            raise PlannerError(f"the torchtitan job '{cfg.path}': training.num_tokens_per_train_step = "
+                               f"{(cfg.global_batch or 0) * cfg.seq:,} is not a multiple of {TOKENS_KEY} "
+                               f"({(local or 0) * cfg.seq:,}) x the {world} data-parallel GPUs")
         raise PlannerError(f"training.global_batch_size = {cfg.global_batch} is not a multiple of "
                            f"training.local_batch_size ({local}) x the {world} data-parallel GPUs")
     n = cfg.global_batch // (local * world)
