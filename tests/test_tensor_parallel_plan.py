@@ -900,3 +900,16 @@ def test_auto_says_why_it_screens_no_tp_on_a_model_of_one_s_own(capsys):
     assert main([*run, "--batch", "2"]) == 0
     assert "this model's layout would be detected (column-then-row Linear pairs), which auto does not take on its " \
         "own" in capsys.readouterr().err
+
+
+def test_a_plan_file_s_layout_names_the_modules_not_checked_on_numbers(tmp_path, capsys):
+    """A plan file's layout meets the numeric check as --tp's does, and the modules it could not run are said
+    (the note was dropped for plan files: a reviewer's finding)."""
+    from fsdp_planner.cli import main
+
+    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:mixing_dropout"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "groups": [["0"], ["1"]], "tensor_parallel": {
+        "degree": 2, "layout": {"*.up": "colwise", "*.down": "rowwise"}}}))
+    assert main(["simulate", spec, "--plan", str(plan), "--cluster", "h100:8"]) == 0
+    assert "not checked on numbers in 0, 1 (its forward draws random numbers)" in capsys.readouterr().err

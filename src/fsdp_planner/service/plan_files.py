@@ -33,7 +33,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note(said)
     check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
-    check_plan_tp(plan, tr, as_spec(model))
+    check_plan_tp(plan, tr, as_spec(model), note)
     check_plan_ep(plan, tr)
     check_plan_matches(plan, tr)
     check_plan_runs(tr, plan)
@@ -134,7 +134,7 @@ def check_shard_dims(plan: Plan, tr: Trace) -> None:
                                "--shard-placement auto")
 
 
-def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
+def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec, note: Callable[[str], None] = lambda line: None) -> None:
     """The plan's tensor parallelism meets the checks ``--tp`` does (``planners/tensor_parallel.py``'s
     ``check_layout``): a degree that divides the model's heads, whole heads of each colwise Linear that feeds a
     fused attention call, every sharded dim and the sequence, and styles torch applies to their modules; a layout
@@ -149,7 +149,8 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec) -> None:
         return
     check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))
     if all(s in LOCAL_STYLES for s in tp.layout.values()):
-        check_local_shapes(model, tp, plan_file=True)
+        for line in check_local_shapes(model, tp, plan_file=True):  # (the modules not checked on numbers)
+            note(line)
 
 
 def check_plan_ep(plan: Plan, tr: Trace) -> None:
