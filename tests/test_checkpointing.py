@@ -52,15 +52,7 @@ def test_ac_modes_name_every_block_or_every_second_one():
 def test_a_model_that_is_a_sequential_of_blocks_checkpoints_them():
     """``nn.Sequential(*blocks)`` as the model: titan wrapped its blocks, --ac full said it had none (a composite
     child of a root container is a block; a root Sequential of layers has none)."""
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.up, self.down = nn.Linear(8, 32), nn.Linear(32, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.down(torch.relu(self.up(x)))
-
-    tr = record(nn.Sequential(*(Block() for _ in range(3))), (torch.randn(2, 8),), lambda out: out.square().mean())
+    tr = traced("tests/fixtures/factories.py:sequential_blocks")
     assert checkpointed_blocks(tr, ACMode.FULL) == ["0", "1", "2"]
     layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
     with pytest.raises(PlannerError, match="no repeated module class"):

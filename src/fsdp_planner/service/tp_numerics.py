@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.tensor_parallel import TPStyle
@@ -164,7 +164,7 @@ def _tokens(inputs: Any) -> int:
 
 
 def _specs(value: Any) -> Iterator[TensorSpec]:
-    for x in torch.utils._pytree.tree_leaves(value):
+    for x in tree_leaves(value):
         if isinstance(x, TensorSpec):
             yield x
 
@@ -193,18 +193,7 @@ def _output(module: nn.Module, inputs: tuple[Any, Any], seed: int,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = functional_call(module, dict(params or {}), tuple(args), kwargs, strict=False)
-    return [t for t in _tensors(out) if t.is_floating_point()]
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
+    return [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def _ranks_output(whole: nn.Module, styles: Mapping[str, TPStyle], degree: int, inputs: Any) -> list[torch.Tensor]:
