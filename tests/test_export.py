@@ -30,7 +30,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FACTORIES = str(Path(__file__).resolve().parent / "fixtures" / "factories.py")
 LAUNCHED = str(Path(__file__).resolve().parent / "launched.py")
 ENTRY = {ExportFormat.PYTHON: {"apply"}, ExportFormat.ACCELERATE: {"shard", "prepare"},
-         ExportFormat.LIGHTNING: {"strategy", "configure_model"}, ExportFormat.TORCHTITAN: {"parallelize"}}
+         ExportFormat.LIGHTNING: {"strategy", "configure_model"},
+         ExportFormat.TORCHTITAN: {"parallelize", "parallelize_fn"}}
 
 
 def _plan() -> Plan:
@@ -145,6 +146,71 @@ def test_exported_code_registers_the_plans_forward_methods(tmp_path: Path) -> No
 def test_torchtitan_example_trains(tmp_path: Path) -> None:
     assert "trained 3 steps" in _run_example(tmp_path, ExportFormat.TORCHTITAN, "torchtitan_parallelize.py")
 
+
+
+class TitanDims:
+    """torchtitan's ``ParallelDims`` as the exported ``parallelize_fn`` reads it (degrees, ``get_mesh`` of named
+    dims: ``dp_replicate``, ``fsdp``, ``tp`` as b5bcd76 names them); torchtitan is not installed here."""
+
+    def __init__(self, world: int, replicate: int = 1, tp: int = 1) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.dp_replicate, self.dp_shard, self.tp, self.ep, self.pp, self.cp = (
+            replicate, world // replicate // tp, tp, 1, 1, 1)
+        self.mesh = init_device_mesh("cpu", (replicate, self.dp_shard, tp), mesh_dim_names=("dp_replicate", "fsdp",
+                                                                                             "tp"))
+
+    def get_mesh(self, names: str | list[str]) -> object:
+        return self.mesh[names if isinstance(names, str) else tuple(names)]
+
+
+def test_torchtitan_parallelize_fn_shards_torchtitan_s_module_names(tmp_path) -> None:
+    """A plan made on toy-llama (``output``; one group of ``attention.wq``, ``wk``, ``wv``) applies, through the
+    torchtitan export's ``parallelize_fn``, to a model named as torchtitan's Decoder is today (``lm_head``, fused
+    ``attention.qkv_linear.wqkv``): the same groups, each module once, on 4 fake ranks; HSDP's ``dp_replicate`` and
+    torchtitan's ``fsdp`` dim; and it refuses, before any change, a job whose degrees or backend differ from the
+    plan's. (benchmarks/torchtitan_export.md runs it on torchtitan's own models beside torchtitan's parallelize.)"""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_planner.fsdp2.plan import Mesh
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+    from titan_decoder import titan_decoder
+
+    lm = load_model("toy-llama")
+    qkv = ["layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv"]
+    plan = make_plan(record(lm.model, lm.example_inputs, lm.loss_fn), [["tok_embeddings"], qkv, ["layers.0"],
+                                                                        ["layers.1"], ["norm", "output"]],
+                     model="toy-llama").replace(activation_checkpointing=["layers.1"])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        for mesh, dims in ((None, {}), (Mesh(2, 2), {"replicate": 2})):
+            scope: dict = {}
+            exec(compile(export_plan(plan.replace(mesh=mesh), ExportFormat.TORCHTITAN), "exported.py", "exec"), scope)
+            model, (tokens,) = titan_decoder()
+            wrong = TitanDims(4, replicate=1 if mesh else 2)
+            with pytest.raises(ValueError, match="this plan was made for"):
+                scope["parallelize_fn"](model, parallel_dims=wrong)
+            spmd = dataclasses.make_dataclass("Parallelism", [("spmd_backend", str)])("spmd_types")
+            with pytest.raises(ValueError, match=r"set parallelism\.spmd_backend = 'partial_dtensor'"):
+                scope["parallelize_fn"](model, parallel_dims=TitanDims(4, **dims), parallelism=spmd)
+            assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())  # refused before a change
+            scope["parallelize_fn"](model, parallel_dims=TitanDims(4, **dims))
+            sharded = sorted(n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP"))
+            assert sharded == ["", "layers.0", "layers.0.attention.qkv_linear.wqkv", "layers.1", "lm_head", "norm",
+                               "tok_embeddings"]
+            assert {p.device_mesh.mesh_dim_names for p in model.parameters()} == {
+                ("dp_replicate", "fsdp") if mesh else ("fsdp",)}
+            assert "checkpointed" in type(model.layers["1"]).forward.__qualname__ or \
+                model.layers["1"].forward.__name__ == "checkpointed"
+            model(tokens).sum().backward()  # (fake collectives: runs, values not compared)
+        other, _ = titan_decoder()
+        del other.layers["1"]
+        with pytest.raises(ValueError, match=r"does not have: \['layers.1'\]"):
+            scope["parallelize_fn"](other, parallel_dims=TitanDims(4, replicate=2))
+    finally:
+        dist.destroy_process_group()
 
 TINY = """import torch
 import torch.nn as nn
@@ -364,7 +430,8 @@ def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_pat
         f8_plan = plan.replace(model="llama3-8b", float8=Float8.named(recipe))
         job.write_text(export_plan(f8_plan, ExportFormat.TORCHTITAN))
         cfg = read_config(TORCHTITAN, f"{job}:fsdp_planner_job")
-        assert (cfg.float8, cfg.float8_all_gather) == (read, False) and not cfg.notes
+        assert (cfg.float8, cfg.float8_all_gather) == (read, False)
+        assert [n.split(" is not read")[0] for n in cfg.notes] == ["model_spec.parallelize_fn = parallelize_fn"]
 
 
 def test_a_float8_plan_of_a_model_outside_torchtitan_says_its_job_has_no_converter(tmp_path, capsys) -> None:

@@ -296,13 +296,16 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
     # (a bf16 reduce has no field: torchtitan's mixed_precision_reduce is float32 only, the export says so)
     assert (cfg.ac, cfg.precision, cfg.reduce_dtype, cfg.compile) == (
         ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", None, bool(compiled))
-    assert cfg.notes == [] and (cfg.batch, cfg.seq) == (None, None)  # the workload is the command line's
+    # the job sets the plan's groups as its model's parallelize_fn, which the reader says it does not read
+    assert cfg.notes == [PARALLELIZE_NOTE] and (cfg.batch, cfg.seq) == (None, None)  # the workload: the command line's
     on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
     keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype", "compile")
     assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
     assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
 
 
+PARALLELIZE_NOTE = ("model_spec.parallelize_fn = parallelize_fn is not read: the job is simulated with torchtitan's "
+                    "groups for its keys (simulate the plan file for a plan's own groups)")
 TITAN_FIELDS = json.loads((Path(__file__).parent / "fixtures" / "torchtitan" / "config_fields.json").read_text())
 FLAG_SECTIONS = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig"}
 

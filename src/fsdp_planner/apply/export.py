@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+import fsdp_planner.apply.torchtitan_parallelize as titan
 from fsdp_planner.apply.expert_parallel import check_no_prefetch
 from fsdp_planner.apply.torchtitan_job import torchtitan_job
 from fsdp_planner.choices import DEFAULT_PRECISION, ExportFormat, ReduceDtype
@@ -58,7 +59,9 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
     elif getattr(model, "is_gradient_checkpointing", False) is True:  # (transformers 4.x)
         model.gradient_checkpointing_disable()
     modules = dict(model.named_modules())
-    missing = sorted(({n for names, _ in GROUPS for n in names} | set(CHECKPOINTED) | set(COMPILED)) - set(modules))
+    named = {n for names, _ in GROUPS for n in names} | set(CHECKPOINTED) | set(COMPILED) | {n for n, _ in
+                                                                                           FORWARD_METHODS}
+    missing = sorted(n for n in named if n not in modules)
     if missing:  # before any module is changed
         raise ValueError(f"the plan names modules this model does not have: {missing[:5]} (a plan made for another "
                          "model, or an edited one)")
@@ -69,7 +72,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
     # children first: a group nested in another's module must be sharded before its parent claims the params
     for i in sorted(range(len(GROUPS)), key=lambda i: -max(_depth(n) for n in GROUPS[i][0])):
         names, reshard = GROUPS[i]
-        targets = [modules[n] for n in names]
+        targets = list({id(m): m for m in (modules[n] for n in names)}.values())  # (two names, one module)
         fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, reshard_after_forward=reshard,
                     **fsdp_kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=ROOT_RESHARD_AFTER_FORWARD, **fsdp_kwargs)
@@ -409,12 +412,14 @@ TORCHTITAN_TAIL = '''
 
 def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) -> nn.Module:
     """A torchtitan-style ``parallelize`` (in place of ``apply_fsdp``): shard the model with the plan's groups on
-    the data-parallel part of ``world_mesh`` (``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP)."""
+    the data-parallel part of ``world_mesh`` (``dp_shard`` or torchtitan's ``fsdp``, and ``dp_replicate`` for
+    HSDP)."""
     names = world_mesh.mesh_dim_names or ()
-    if "dp_replicate" in names and "dp_shard" in names:
-        dp = world_mesh["dp_replicate", "dp_shard"]
-    elif "dp_shard" in names:
-        dp = world_mesh["dp_shard"]
+    shard = next((n for n in ("dp_shard", "fsdp") if n in names), None)  # (torchtitan's name for it since 2026)
+    if "dp_replicate" in names and shard:
+        dp = world_mesh["dp_replicate", shard]
+    elif shard:
+        dp = world_mesh[shard]
     else:
         dp = world_mesh
     return apply(model, dp, **fsdp_kwargs)
@@ -531,11 +536,11 @@ def make_mesh(device_type: str | None = None) -> DeviceMesh:
 
 
 def split_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
-    """(data-parallel mesh, TP mesh) of a mesh with named dims: torchtitan's and Accelerate's (dp_replicate,
-    dp_shard, tp) or Lightning's (data_parallel, tensor_parallel)."""
+    """(data-parallel mesh, TP mesh) of a mesh with named dims: torchtitan's ((dp_replicate,) fsdp, tp; dp_shard
+    before 2026), Accelerate's (dp_replicate, dp_shard, tp) or Lightning's (data_parallel, tensor_parallel)."""
     names = mesh.mesh_dim_names or ()
     tp = next((n for n in ("tp", "tensor_parallel") if n in names), None)
-    dp = tuple(n for n in ("dp_replicate", "dp_shard", "data_parallel") if n in names)
+    dp = tuple(n for n in ("dp_replicate", "dp_shard", "fsdp", "data_parallel") if n in names)
     if tp is None or not dp:
         raise ValueError(f"this plan has tensor parallelism: give a mesh with data-parallel and 'tp' dims, got {names}")
     return mesh[dp if len(dp) > 1 else dp[0]], mesh[tp]
@@ -953,6 +958,12 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         constants += float8_constants(plan.float8)
         body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + FLOAT8_LINE)
         tails += FLOAT8_TAIL
-    # torchtitan: and the job in its config_registry form
-    job = torchtitan_job(plan, precision, py_literal) if fmt is ExportFormat.TORCHTITAN else ""
-    return header + constants + body + tails + tail + job
+    if fmt is not ExportFormat.TORCHTITAN:
+        return header + constants + body + tails + tail
+    # torchtitan: parallelize_fn as torchtitan calls it, on its own module names, and the job in its registry form
+    constants += titan.DIMS_CONSTANT.format(dims=py_literal(titan.torchtitan_dims(
+        plan.mesh.replicate if plan.mesh else 1, plan.tp_degree,
+        plan.expert_parallel.degree if plan.expert_parallel else 1)))
+    body = body.replace(titan.MODULES_LINE, titan.TITAN_MODULES_LINE, 1).replace(titan.TP_LINE, titan.TITAN_TP_LINE, 1)
+    tail += titan.TAIL.replace("{names}", py_literal(titan.TORCHTITAN_NAMES))
+    return header + constants + body + tails + tail + torchtitan_job(plan, precision, py_literal)

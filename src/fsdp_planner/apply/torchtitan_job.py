@@ -26,15 +26,14 @@ JOB = '''
 
 def {function}() -> Any:
     """This plan's job in torchtitan's config_registry form: its data-parallel degrees, reshard_after_forward,
-    activation checkpointing, mixed precision and offload (the groups themselves are ``parallelize``). Add it to
-    ``torchtitan/models/<model>/config_registry.py``, or give TORCHTITAN_FLAGS after an existing job's
-    ``--module M --config F``. fsdp-planner reads it back without running it:
-    ``fsdp-planner simulate --from-torchtitan THIS_FILE.py:{function}``."""
+    activation checkpointing, mixed precision and offload, and (where it names torchtitan's model) the plan's
+    groups as its model's ``parallelize_fn``. Run it with ``--module THIS_MODULE --config {function}`` (this file
+    on the Python path), or give TORCHTITAN_FLAGS after an existing job's ``--module M --config F`` (the flags
+    cannot set parallelize_fn: that job shards as torchtitan does). fsdp-planner reads it back without running
+    it: ``fsdp-planner simulate --from-torchtitan THIS_FILE.py:{function}``."""
 {imports}
 
-    return Trainer.Config(
-{keywords}
-    )
+{returned}
 
 
 # The same settings as torchtitan's command-line flags, on top of any registry job.
@@ -71,7 +70,8 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
                      **({} if precision.reduce_bytes == 2 else {"mixed_precision_reduce": "float32"}),
                      "enable_cpu_offload": plan.offload},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
-                        "fsdp_reshard_after_forward": rule, **tp_keys},
+                        "fsdp_reshard_after_forward": rule, **tp_keys,
+                        "spmd_backend": "partial_dtensor"},  # parallelize_fn's: FSDP2 over DTensor meshes
         "activation_checkpoint": {"class": ac},
         "compile": {"enable": compiled,
                     **({"enable_async_tensor_parallel": True} if tp is not None and tp.async_tp and compiled else {})},
@@ -194,8 +194,11 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
         fields = ", ".join(f"{k}={literal(v)}" for k, v in settings["compile"].items())
         keywords.append(f"compile=CompileConfig({fields}),")
     imports.append("from torchtitan.trainer import Trainer")
-    return JOB.format(function=FUNCTION, imports="\n".join(f"    {i}" for i in imports),
-                      keywords="\n".join(f"        {k}" for k in keywords),
+    call = "Trainer.Config(\n" + "\n".join(f"        {k}" for k in keywords) + "\n    )"
+    # the plan's groups in place of torchtitan's parallelize: only where the job names the model (a spec to set)
+    returned = f"    config = {call}\n    config.model_spec.parallelize_fn = parallelize_fn\n    return config" \
+        if plan.model in FLAVORS else f"    return {call}"
+    return JOB.format(function=FUNCTION, imports="\n".join(f"    {i}" for i in imports), returned=returned,
                       flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings)))
 
 

@@ -617,7 +617,10 @@ def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[
         return
     table: dict[str, Any] = {"flavor": flavor, **({"name": model} if model else {})}
     for key, value in spec.fields.items():
-        if key not in ("converters", "flavor") and MODEL_REGISTRY_DEFAULTS.get(key, Unread("")) != value:
+        if key == "parallelize_fn":  # (fsdp-planner's export sets its plan's groups so)
+            notes.append(f"model_spec.parallelize_fn = {_shown(value)} is not read: the job is simulated with "
+                         "torchtitan's groups for its keys (simulate the plan file for a plan's own groups)")
+        elif key not in ("converters", "flavor") and MODEL_REGISTRY_DEFAULTS.get(key, Unread("")) != value:
             notes.append(f"model_registry's {key} = {_shown(value)} is left out: fsdp-planner builds the "
                          "flavour's own model")
     for conv in spec.fields.get("converters") or []:

@@ -1,0 +1,148 @@
+"""``export --format torchtitan`` on torchtitan's own models, beside torchtitan's own parallelize.
+
+Where torchtitan is importable (not in CI: it needs a checkout, tyro, spmd_types, grain, datasets, tensorboard,
+triton), this builds a torchtitan flavour as torchtitan's Trainer does (its registry job, meta init, its
+ParallelDims on gloo, CPU) and shards it twice on 4 ranks: with the job's own ``model_spec.parallelize_fn`` and
+with the exported plan's ``parallelize_fn`` (``fsdp_planner_job()``'s). Both then take one forward pass on the same
+tokens after the same seeded ``init_weights``. Written to the table: FSDP modules, every param's local shape and
+placements, and the outputs' sums. torchtitan's FlexAttention has no backward on CPU, so no step is taken here.
+
+    python benchmarks/torchtitan_export.py --torchtitan PATH/TO/TORCHTITAN [--python PY] [--commit C] \\
+        > benchmarks/torchtitan_export.md
+
+torchtitan's default ``spmd_backend = "spmd_types"`` is not run: torchtitan's own parallelize fails under it on
+torch 2.13 (fully_shard with dp_mesh_dims and plain params); the export's job sets "partial_dtensor".
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# (torchtitan module, its registry job, the plan: fsdp-planner model and policy flags, TP degree)
+CASES = [("llama3", "llama3_debugmodel", "llama3-debugmodel", [], 1),
+         ("llama3", "llama3_debugmodel", "llama3-debugmodel", ["--tp", "2"], 2),
+         ("llama3", "llama3_debugmodel", "llama3-debugmodel", ["--mesh", "2x2"], 1),
+         ("qwen3", "qwen3_debugmodel", "hf:titan-qwen3-debugmodel", [], 1)]
+WORLD, TOKENS = 4, 128
+
+
+def worker(module: str, job: str, exported: str | None, tp: int, replicate: int, out: str) -> None:
+    """One rank: torchtitan's Trainer's build of ``job``'s model, sharded by its own parallelize_fn or by the
+    exported ``fsdp_planner_job()``'s, then one forward."""
+    import torch
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    import torchtitan.tools.utils as tools
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    tools.device_type = parallel_dims_module.device_type = "cpu"  # torchtitan assumes a GPU
+    dist.init_process_group("gloo")
+    config = getattr(importlib.import_module(f"torchtitan.models.{module}.config_registry"), job)()
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.tensor_parallel_degree = tp
+    config.parallelism.data_parallel_replicate_degree = replicate
+    spec = config.model_spec
+    if exported:
+        sys.path.insert(0, str(Path(exported).parent))
+        config = importlib.import_module(Path(exported).stem).fsdp_planner_job()
+        spec = config.model_spec
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=WORLD // tp // replicate, cp=1, tp=tp, pp=1, ep=1,
+                        world_size=WORLD, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    dist_utils.set_spmd_backend("partial_dtensor")
+    spec.model.update_from_config(config=config)
+    with torch.device("meta"):
+        model = spec.model.build()
+    model = spec.parallelize_fn(model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
+                                compile_config=config.compile, ac_config=None, dump_folder=tempfile.gettempdir())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    shards = sorted((n, tuple(p.to_local().shape), str(p.placements)) for n, p in model.named_parameters())
+    tokens = torch.randint(0, 100, (TOKENS,), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(TOKENS) % 64
+    with torch.no_grad():
+        logits = model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions=positions))
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({
+            "fsdp": sorted(n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")),
+            "params": len(shards), "shards": hashlib.sha256(repr(shards).encode()).hexdigest()[:12],
+            "sum": float(logits.float().sum()), "abs": float(logits.float().abs().sum())}))
+    dist.destroy_process_group()
+
+
+def drive(torchtitan: str, python: str, commit: str) -> None:
+    """Each case twice (torchtitan's parallelize, the export's), a markdown table on stdout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([torchtitan, os.environ.get("PYTHONPATH", "")])}
+    tmp = Path(tempfile.mkdtemp())
+    print("# torchtitan export beside torchtitan's own parallelize\n")
+    print(f"`python benchmarks/torchtitan_export.py --torchtitan PATH --commit C`: torchtitan "
+          f"{commit}, torch {_torch(python)}, {WORLD} gloo ranks on CPU, {TOKENS} tokens, one forward "
+          "(`spmd_backend = \"partial_dtensor\"`). The plan is fsdp-planner's (`plan MODEL --policy titan FLAGS "
+          "--cluster h100:4`), exported with `--format torchtitan`; its `fsdp_planner_job()` builds the model and "
+          "sets `parallelize_fn`. Both run without activation checkpointing (`ac_config=None`), as the plan does.\n")
+    print("| torchtitan job | plan | FSDP modules (same) | params: local shapes and placements | output sum: "
+          "torchtitan / export | wall s |")
+    print("|---|---|---|---|---|---|")
+    for module, job, model, flags, tp in CASES:
+        replicate = int(flags[1].split("x")[0]) if flags[:1] == ["--mesh"] else 1
+        plan, code = tmp / f"{job}_{tp}_{replicate}.json", tmp / f"tt_{module}_{tp}_{replicate}.py"
+        start = time.perf_counter()
+        subprocess.run(["fsdp-planner", "plan", model, "--policy", "titan", *flags, "--cluster", "h100:4",
+                        "--out", str(plan)], check=True, capture_output=True)
+        subprocess.run(["fsdp-planner", "export", str(plan), "--format", "torchtitan", "--out", str(code)],
+                       check=True, capture_output=True)
+        runs = []
+        for exported in (None, str(code)):
+            out = tmp / "out.json"
+            cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
+                   str(_free_port()), __file__, "--worker", module, job, exported or "-", str(tp), str(replicate),
+                   str(out)]
+            ran = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if ran.returncode:
+                sys.exit(f"{' '.join(cmd)} failed:\n{ran.stderr[-3000:]}")
+            seen = json.loads(out.read_text())
+            runs.append(seen)
+        own, ours = runs
+        same_fsdp = own["fsdp"] == ours["fsdp"]
+        # torchtitan's job wraps each block for checkpointing: its param names carry the wrapper's prefix
+        print(f"| {module}:{job} | {model} {' '.join(flags) or '(FSDP 4)'} | {len(ours['fsdp'])} "
+              f"({'yes' if same_fsdp else 'NO'}) | {ours['params']} params, digest {own['shards']} / "
+              f"{ours['shards']} | {own['sum']:.6f} / {ours['sum']:.6f} | {time.perf_counter() - start:.1f} |")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torch(python: str) -> str:
+    return subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        m, j, e, t, r, o = sys.argv[2:8]
+        worker(m, j, None if e == "-" else e, int(t), int(r), o)
+    else:
+        parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+        parser.add_argument("--torchtitan", required=True, help="a torchtitan checkout (its root holds torchtitan/)")
+        parser.add_argument("--python", default=sys.executable, help="a Python with torchtitan's dependencies")
+        parser.add_argument("--commit", default="(commit not given)", help="torchtitan's commit, for the table")
+        args = parser.parse_args()
+        drive(args.torchtitan, args.python, args.commit)
