@@ -31,6 +31,27 @@ def test_json_round_trip_has_the_documented_shape(seed_trace):
     assert [g.to_dict() for g in back.groups] == [g.to_dict() for g in plan.groups]
 
 
+
+def test_a_plan_records_the_workload_it_was_made_for(tmp_path):
+    """``plan --out`` writes the step the plan was judged at (2 micro-batches of 2) and reads it back; a model whose
+    batch is unknown (a factory's inputs) has none; a workload that is not one is refused in one sentence."""
+    from fsdp_planner.cli import main
+
+    out = tmp_path / "p.json"
+    assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "4", "--micro-batches",
+                 "2", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["workload"] == {"batch": 4, "seq": 32, "micro_batches": 2, "ranks": 8}
+    assert Plan.load(out).workload.to_dict() == {"batch": 4, "seq": 32, "micro_batches": 2, "ranks": 8}
+    fixture = Path(__file__).parent / "fixtures" / "titan_decoder.py"
+    assert main(["plan", f"{fixture}:titan_decoder", "--policy", "titan", "--cluster", "h100:2", "--out",
+                 str(out), "--force"]) == 0
+    assert "workload" not in json.loads(out.read_text())
+    data = json.loads(Plan.from_json(ExecutionOrderPolicy().plan(traced("toy-llama")).to_json()).to_json())
+    for bad in ({"batch": 4}, {"batch": 4, "seq": 0}, {"batch": 4, "seq": 8, "micro_batches": 3},
+                {"batch": True, "seq": 8}, {"batch": 4, "seq": 8, "tokens": 1}, [4, 8]):
+        with pytest.raises(PlannerError, match="plan 'workload' must be"):
+            Plan.from_json(json.dumps({**data, "workload": bad}))
+
 def test_plan_for_another_model_names_missing_and_extra_params(seed_trace):
     other = ExecutionOrderPolicy().plan(traced("toy-llama"), "toy-llama")
     with pytest.raises(PlannerError, match=r"another model.*missing parameters: conv1\.bias.*extra parameters"):

@@ -21,7 +21,7 @@ from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig, read_config
 from fsdp_planner.configs.torchtitan_registry import Call, Override, is_registry_spec, parse_flags
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.float8 import Float8
-from fsdp_planner.fsdp2.plan import Group, Mesh, Plan
+from fsdp_planner.fsdp2.plan import Group, Mesh, Plan, Workload
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.sim.options import PRECISIONS
 
@@ -274,6 +274,28 @@ def exported(tmp_path: Path, plan: Plan) -> tuple[Path, list[str]]:
                  and getattr(n.target, "id", "") == "TORCHTITAN_FLAGS")
     return path, flags
 
+
+
+@pytest.mark.parametrize(("workload", "tp", "read"), [(Workload(2, 8192, 1, 8), 1, (2, 8192, None)),
+                                                     (Workload(8, 4096, 4, 64), 8, (2, 4096, 64))])
+def test_the_torchtitan_export_runs_the_plans_workload(tmp_path, workload, tp, read):
+    """The job sets torchtitan's token counts for the plan's workload (a data-parallel rank's micro-batch, the
+    sequence; with micro-batches the step's tokens over the data-parallel ranks) and reads back as that step:
+    batch per micro-batch, seq and the step's sequences (4 micro-batches of 2 on 64 / TP 8 data-parallel ranks)."""
+    from fsdp_planner.fsdp2.tensor_parallel import tensor_parallel_from_dict
+
+    groups = [Group(modules=["layers.0"], params=["layers.0.w"]), Group(modules=[""], params=[])]
+    tensor_parallel = tensor_parallel_from_dict({"degree": tp, "layout": {"layers.*.attention.wq": "colwise"}}) \
+        if tp > 1 else None
+    plan = Plan(fingerprint="", numel=2, model="llama3-70b", groups=groups, workload=workload,
+                tensor_parallel=tensor_parallel)
+    path, flags = exported(tmp_path, plan)
+    source = path.read_text()
+    assert f"num_tokens_per_microbatch_per_dp_rank={read[0] * read[1]}," in source
+    assert ("num_tokens_per_train_step=" in source) == (workload.micro_batches > 1)
+    cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
+    assert (cfg.batch, cfg.seq, cfg.global_batch, cfg.tp) == (*read, tp)
+    assert read_config(TORCHTITAN, job("llama3_70b"), flags).global_batch == read[2]  # the flags say the same
 
 @pytest.mark.parametrize(("mesh", "reshard", "offload", "checkpointed", "reduce", "compiled"), [
     (Mesh(2, 4), [False, False], True, ["layers.0"], "", []),

@@ -65,7 +65,7 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
     compiled = bool(plan.compiled)  # torchtitan compiles every block; the plan, the ones it names
     return {
-        "training": {"dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
+        "training": {**_tokens(plan), "dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
                      "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
                      **({} if precision.reduce_bytes == 2 else {"mixed_precision_reduce": "float32"}),
                      "enable_cpu_offload": plan.offload},
@@ -78,10 +78,30 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     }
 
 
+def _tokens(plan: Plan) -> dict[str, int]:
+    """TrainingConfig's token counts for the plan's workload: a data-parallel rank's micro-batch, the sequence
+    and, with micro-batches, the step's tokens over the data-parallel ranks (torchtitan derives the accumulation
+    steps from them; without micro-batches its default, -1, is one micro-batch a step). None known: none set."""
+    w = plan.workload
+    if w is None:
+        return {}
+    out = {"num_tokens_per_microbatch_per_dp_rank": w.batch // w.micro_batches * w.seq, "max_context_length": w.seq}
+    if w.micro_batches > 1 and w.ranks:
+        out["num_tokens_per_train_step"] = w.batch * w.seq * (w.ranks // plan.tp_degree)
+    return out
+
+
 def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Module] | None) -> list[str]:
     """What of ``plan`` torchtitan's job keys cannot say, each as a sentence: the job file then runs torchtitan's
     one setting for every block (``modules``: the model's, to tell a checkpointed subset of its blocks)."""
     out = []
+    if plan.workload is None:
+        out.append("the plan records no workload (a model whose batch fsdp-planner does not know): the job sets no "
+                   "token counts and runs torchtitan's defaults or the registry job's")
+    elif plan.workload.micro_batches > 1 and not plan.workload.ranks:
+        out.append(f"the plan runs {plan.workload.micro_batches} micro-batches a step on a world it does not "
+                   "record: the job sets no num_tokens_per_train_step (give it as the micro-batch's tokens x the "
+                   f"data-parallel ranks x {plan.workload.micro_batches})")
     full, op = plan.activation_checkpointing, plan.selective_checkpointing
     if full and op:
         out.append(f"the plan checkpoints {len(full)} modules in full and {len(op)} op-level; torchtitan's job "

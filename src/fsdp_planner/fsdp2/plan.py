@@ -32,7 +32,7 @@ PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
-             "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8")
+             "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -79,6 +79,26 @@ class Mesh:
 
     def to_dict(self) -> dict[str, int]:
         return {"replicate": self.replicate, "shard": self.shard}
+
+
+WORKLOAD_KEYS = ("batch", "seq", "micro_batches", "ranks")
+MAX_WORKLOAD = 10**9  # each figure's bound (a batch, a sequence, a world size)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The step a plan was made for, so that an export runs it (torchtitan's job sets its token counts): ``batch``
+    sequences of ``seq`` tokens per data-parallel rank in an optimizer step, in ``micro_batches``, on ``ranks``
+    GPUs. Absent from a plan of a model whose batch fsdp-planner does not know (a user factory's inputs)."""
+
+    batch: int
+    seq: int
+    micro_batches: int = 1
+    ranks: int = 0  # the world the plan was simulated on (0: not known)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"batch": self.batch, "seq": self.seq, "micro_batches": self.micro_batches,
+                **({"ranks": self.ranks} if self.ranks else {})}
 
 
 def _tuples(obj: Any, names: tuple[str, ...]) -> None:
@@ -180,6 +200,7 @@ class Plan:
     # before fully_shard, as torchtitan compiles its blocks (--compile; ``apply/fully_shard.py``)
     float8: Float8 | None = None  # float8 training of the Linears torchao converts, before TP and fully_shard
     # (--float8; ``float8.py``); None: none
+    workload: Workload | None = None  # the step it was made for (``as_written``); None: not known
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -317,6 +338,8 @@ class Plan:
             d["compiled"] = list(self.compiled)
         if self.float8 is not None:
             d["float8"] = self.float8.to_dict()
+        if self.workload is not None:
+            d["workload"] = self.workload.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -386,7 +409,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")),
                 expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")),
                 compiled=_compiled_from(data.get("compiled", [])), float8=float8_from_dict(data.get("float8")),
-                **_memory_options(data))
+                workload=_workload_from(data.get("workload")), **_memory_options(data))
     plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
     if plan.tensor_parallel is not None and plan.tensor_parallel.async_tp and not plan.compiled:
@@ -521,6 +544,18 @@ def _methods_from_list(items: Any) -> list[tuple[str, str]]:
     if len(set(pairs)) != len(pairs):
         raise PlannerError("plan 'forward_methods' lists a method twice; list each once")
     return pairs
+
+
+def _workload_from(w: Any) -> Workload | None:
+    if w is None:
+        return None
+    whole = isinstance(w, dict) and {"batch", "seq"} <= set(w) <= set(WORKLOAD_KEYS) and all(
+        not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= MAX_WORKLOAD for v in w.values())
+    if not whole or min(w["batch"], w["seq"], w.get("micro_batches", 1)) < 1 \
+            or w["batch"] % w.get("micro_batches", 1):
+        raise PlannerError(f"plan 'workload' must be {{\"batch\": B, \"seq\": S}} with whole numbers from 1 to "
+                           f"{MAX_WORKLOAD:,} (optional \"micro_batches\" dividing B, \"ranks\"), got {shown_json(w)}")
+    return Workload(w["batch"], w["seq"], w.get("micro_batches", 1), w.get("ranks", 0))
 
 
 def _mesh_from_dict(m: Any) -> Mesh | None:

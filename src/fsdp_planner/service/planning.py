@@ -18,7 +18,7 @@ from fsdp_planner.choices import ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
-from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.plan import Plan, Workload, check_plan_world_size
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.fsdp2.validity import check_compiled_groups
@@ -129,7 +129,20 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
         float8 = dataclasses.replace(float8, tp_float8_all_gather=False)  # to gather (a plan file without TP
         # refuses the setting)
     return dataclasses.replace(plan, precision=job.options.precision.name, attention=job.model.attention or "",
-                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled), float8=float8)
+                               hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled), float8=float8,
+                               workload=_workload(plan, job))
+
+
+def _workload(plan: Plan, job: PlanJob) -> Workload | None:
+    """The step ``plan`` was judged at (its TP degree's batch per data-parallel rank where auto chose it, the
+    micro-batches of the split), on the job's cluster; None where the batch is not known (a user factory's)."""
+    model = judged_model(job.model, job.auto, plan) if job.auto is not None else job.model
+    known = model.workload()
+    batch, seq = known.get("batch_size"), known.get("seq_len")
+    if not (isinstance(batch, int) and isinstance(seq, int) and batch > 0 and seq > 0):
+        return None
+    micro = job.options.micro_batches
+    return Workload(batch * micro, seq, micro, job.cluster.world_size if job.cluster is not None else 0)
 
 
 def memoised(tracer: Tracer) -> Tracer:
