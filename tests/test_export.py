@@ -173,7 +173,7 @@ def test_torchtitan_parallelize_fn_shards_torchtitan_s_module_names(tmp_path) ->
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.plan import Mesh
+    from fsdp_planner.fsdp2.plan import Mesh, Workload
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
     from titan_decoder import titan_decoder
@@ -209,6 +209,24 @@ def test_torchtitan_parallelize_fn_shards_torchtitan_s_module_names(tmp_path) ->
         del other.layers["1"]
         with pytest.raises(ValueError, match=r"does not have: \['layers.1'\]"):
             scope["parallelize_fn"](other, parallel_dims=TitanDims(4, replicate=2))
+        # q and k apart, which torchtitan's model fuses: refused before any change; a param sharded on dim 1 found
+        # by its torchtitan name; a plan made for 8 ranks refused on 4
+        apart = make_plan(record(lm.model, lm.example_inputs, lm.loss_fn), [qkv[:1], qkv[1:], ["layers.0"]],
+                          model="toy-llama")
+        for bad, match in ((apart, r"shards 'layers.0.attention.wq' and 'layers.0.attention.wk' in different groups"),
+                           (plan.replace(workload=Workload(2, 16, 1, 8)), r"'dp_shard': 8.*'dp_shard': 4")):
+            scope = {}
+            exec(compile(export_plan(bad, ExportFormat.TORCHTITAN), "exported.py", "exec"), scope)
+            model, _ = titan_decoder()
+            with pytest.raises(ValueError, match=match):
+                scope["parallelize_fn"](model, parallel_dims=TitanDims(4))
+            assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+        scope = {}
+        exec(compile(export_plan(plan.replace(shard_dims={"output.weight": 1}), ExportFormat.TORCHTITAN), "x.py",
+                     "exec"), scope)
+        model, _ = titan_decoder()
+        scope["parallelize_fn"](model, parallel_dims=TitanDims(4))
+        assert [p.placements[0].dim for p in (model.lm_head.weight, model.norm.weight)] == [1, 0]
     finally:
         dist.destroy_process_group()
 

@@ -294,7 +294,7 @@ def test_the_torchtitan_export_runs_the_plans_workload(tmp_path, workload, tp, r
     assert f"num_tokens_per_microbatch_per_dp_rank={read[0] * read[1]}," in source
     assert ("num_tokens_per_train_step=" in source) == (workload.micro_batches > 1)
     cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
-    assert (cfg.batch, cfg.seq, cfg.global_batch, cfg.tp) == (*read, tp)
+    assert (cfg.batch, cfg.seq, cfg.global_batch, cfg.tp, cfg.shard) == (*read, tp, workload.ranks // tp)
     assert read_config(TORCHTITAN, job("llama3_70b"), flags).global_batch == read[2]  # the flags say the same
 
 @pytest.mark.parametrize(("mesh", "reshard", "offload", "checkpointed", "reduce", "compiled"), [

@@ -485,12 +485,19 @@ def convert_float8(model: nn.Module) -> None:
 
     owners = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
 
-    def keep(module: nn.Module, fqn: str) -> bool:
-        return type(module) is nn.Linear and owners[id(module.weight)] == 1 \\
+    def kept(module: nn.Module, fqn: str) -> bool:  # a Linear torchtitan's filter keeps, of any class
+        return isinstance(module, nn.Linear) and owners[id(module.weight)] == 1 \\
             and all(d % FLOAT8["dim_multiple"] == 0 for d in module.weight.shape) \\
             and not any(f in fqn for f in FLOAT8["filter_fqns"])
 
-    float8.convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    subclassed = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for n, m in model.named_modules()
+                         if kept(m, n) and type(m) is not nn.Linear})
+    float8.convert_to_float8_training(model, module_filter_fn=lambda m, n: type(m) is nn.Linear and kept(m, n),
+                                      config=config)
+    if subclassed and not any(isinstance(m, Float8Linear) for m in model.modules()):
+        raise ValueError(f"the plan trains the Linears in float8 and this model's are {subclassed[0]}, a subclass "
+                         "of nn.Linear whose own forward torchao's swap would lose: none was converted (torchtitan's "
+                         "model: make the plan with --float8 rowwise, which its own converter applies)")
 
 
 def after_optimizer_step(model: nn.Module) -> None:
@@ -962,8 +969,11 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         return header + constants + body + tails + tail
     # torchtitan: parallelize_fn as torchtitan calls it, on its own module names, and the job in its registry form
     constants += titan.DIMS_CONSTANT.format(dims=py_literal(titan.torchtitan_dims(
-        plan.mesh.replicate if plan.mesh else 1, plan.tp_degree,
-        plan.expert_parallel.degree if plan.expert_parallel else 1)))
-    body = body.replace(titan.MODULES_LINE, titan.TITAN_MODULES_LINE, 1).replace(titan.TP_LINE, titan.TITAN_TP_LINE, 1)
+        plan.mesh.replicate if plan.mesh else 1, plan.tp_degree, plan.ep_degree,
+        plan.workload.ranks if plan.workload else 0)))
+    for line, titan_line in ((titan.MODULES_LINE, titan.TITAN_MODULES_LINE), (titan.TP_LINE, titan.TITAN_TP_LINE),
+                             (titan.MISSING_LINE, titan.TITAN_MISSING_LINE),
+                             (titan.SHARD_DIMS_LINE, titan.TITAN_SHARD_DIMS_LINE)):
+        body = body.replace(line, titan_line, 1)
     tail += titan.TAIL.replace("{names}", py_literal(titan.TORCHTITAN_NAMES))
     return header + constants + body + tails + tail + torchtitan_job(plan, precision, py_literal)

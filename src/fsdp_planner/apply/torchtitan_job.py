@@ -57,7 +57,9 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     ``compile.enable_async_tensor_parallel`` where the blocks are compiled; with expert parallelism,
     ``expert_parallel_degree``. What no field says is ``unexpressed``'s."""
     rule = reshard_rule(plan)
-    mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, -1)
+    # the shard degree of the world the plan was made for where it is known (its memory is that degree's), else -1
+    ranks = plan.workload.ranks // plan.tp_degree if plan.workload and plan.workload.ranks else -1
+    mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, ranks)
     tp = plan.tensor_parallel
     tp_keys: dict[str, Any] = {"tensor_parallel_degree": tp.degree} if tp is not None else {}
     if plan.expert_parallel is not None:  # EP's ranks out of dp_shard, as torchtitan takes them

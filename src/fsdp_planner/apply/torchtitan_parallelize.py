@@ -27,6 +27,11 @@ TORCHTITAN_NAMES = {
 
 MODULES_LINE = "    modules = dict(model.named_modules())\n"
 TITAN_MODULES_LINE = "    modules = TorchtitanModules(model.named_modules())  # the plan's names, or torchtitan's\n"
+MISSING_LINE = "    missing = sorted(n for n in named if n not in modules)\n"
+TITAN_MISSING_LINE = MISSING_LINE + "    modules.check_one_group_each(GROUPS)  # (q, k and v fused: one module)\n"
+SHARD_DIMS_LINE = ("    dims = {id(p): SHARD_DIMS[n] for n, p in model.named_parameters(remove_duplicate=False) "
+                   "if n in SHARD_DIMS}\n")
+TITAN_SHARD_DIMS_LINE = "    dims = TorchtitanModules(model.named_modules()).shard_dims(SHARD_DIMS)\n"
 TP_LINE = "    tensor_parallel(model, tp_mesh)\n"
 TITAN_TP_LINE = """    if not tp_sharded(model):  # torchtitan's own model lays out its TP itself (parallelize_fn)
         tensor_parallel(model, tp_mesh)
@@ -66,6 +71,29 @@ class TorchtitanModules(dict):
                 return None
         return found[0] if found[0] != name else None
 
+    def check_one_group_each(self, groups: list[tuple[list[str], bool | int]]) -> None:
+        """Refuse, before any change, two groups naming one module of this model (torchtitan fuses q, k and v
+        into ``qkv_linear.wqkv``: a plan sharding them apart cannot be applied to it)."""
+        owner: dict[int, str] = {}
+        for names, _ in groups:
+            for name in (n for n in names if n in self):
+                first = owner.setdefault(id(self[name]), name)
+                if first not in names:
+                    raise ValueError(f"the plan shards {first!r} and {name!r} in different groups, and this model "
+                                     f"holds them as one module ({self.torchtitan_name(name) or name!r}): make the "
+                                     "plan with them in one group (or with their block)")
+
+    def shard_dims(self, dims: dict[str, int]) -> dict[int, int]:
+        """SHARD_DIMS by param identity, its names (the plan's) looked up as the modules' are."""
+        out = {}
+        for name, dim in dims.items():
+            owner, _, leaf = name.rpartition(".")
+            param = getattr(self[owner], leaf, None) if owner in self else None
+            if not isinstance(param, nn.Parameter):
+                raise ValueError(f"SHARD_DIMS names {name!r}, a param this model does not have")
+            out[id(param)] = dim
+        return out
+
 
 def tp_sharded(model: nn.Module) -> bool:
     """Whether ``model``'s params are laid out over a ``tp`` mesh dim already (torchtitan's model.parallelize)."""
@@ -90,6 +118,10 @@ def parallelize_fn(model: nn.Module, *, parallel_dims: Any, **job: Any) -> nn.Mo
     if have != TORCHTITAN_DIMS:
         raise ValueError(f"this plan was made for {TORCHTITAN_DIMS} and the job has {have}: make the plan again for "
                          "the job's degrees, or run the job with the plan's")
+    if parallel_dims.ep > 1 and callable(getattr(model, "parallelize", None)):
+        raise ValueError("expert parallelism on torchtitan's own MoE model is torchtitan's (its routed experts are "
+                         "laid out otherwise than the plan's): run the job with torchtitan's parallelize and "
+                         "expert_parallel_degree, or export a plan without --ep")
     if parallel_dims.tp > 1 and callable(getattr(model, "parallelize", None)):
         model.parallelize(parallel_dims)
     names = [n for n, on in (("dp_replicate", parallel_dims.dp_replicate > 1), ("fsdp", True),
@@ -99,7 +131,8 @@ def parallelize_fn(model: nn.Module, *, parallel_dims: Any, **job: Any) -> nn.Mo
 '''
 
 
-def torchtitan_dims(replicate: int, tp: int, ep: int) -> dict[str, int]:
-    """The ``ParallelDims`` degrees a plan fixes (dp_shard is the rest of the world, as the job's -1 says):
-    pipeline and context parallelism are not planned."""
-    return {"dp_replicate": replicate, "tp": tp, "ep": ep, "pp": 1, "cp": 1}
+def torchtitan_dims(replicate: int, tp: int, ep: int, ranks: int) -> dict[str, int]:
+    """The ``ParallelDims`` degrees a plan fixes: dp_shard where the plan's world is known (``ranks``; else any,
+    as the job's -1 says); pipeline and context parallelism are not planned."""
+    shard = {"dp_shard": ranks // (replicate * tp)} if ranks else {}
+    return {"dp_replicate": replicate, **shard, "tp": tp, "ep": ep, "pp": 1, "cp": 1}
