@@ -32,7 +32,7 @@ def test_json_round_trip_has_the_documented_shape(seed_trace):
 
 
 
-def test_a_plan_records_the_workload_it_was_made_for(tmp_path):
+def test_a_plan_records_the_workload_it_was_made_for(tmp_path, capsys):
     """``plan --out`` writes the step the plan was judged at (2 micro-batches of 2) and reads it back; a model whose
     batch is unknown (a factory's inputs) has none; a workload that is not one is refused in one sentence."""
     from fsdp_planner.cli import main
@@ -46,6 +46,18 @@ def test_a_plan_records_the_workload_it_was_made_for(tmp_path):
     assert main(["plan", f"{fixture}:titan_decoder", "--policy", "titan", "--cluster", "h100:2", "--out",
                  str(out), "--force"]) == 0
     assert "workload" not in json.loads(out.read_text())
+    # simulated at another step, or on another world, the plan file says what it was made for
+    plan_file = tmp_path / "p2.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--batch", "4", "--micro-batches",
+                 "2", "--out", str(plan_file)]) == 0
+    for extra, said in (([], "add --batch 4 --micro-batches 2 --seq 32 for the step it was planned for"),
+                        (["--batch", "4", "--micro-batches", "2", "--cluster", "h100:16"],
+                         "and this command runs 16: its memory verdict was for 8 ranks' shards"),
+                        (["--batch", "4", "--micro-batches", "2"], None)):
+        capsys.readouterr()
+        assert main(["simulate", "toy-llama", "--plan", str(plan_file), "--cluster", "h100:8", *extra]) == 0
+        err = capsys.readouterr().err
+        assert (said in err) if said else "the plan was made for" not in err, err
     data = json.loads(Plan.from_json(ExecutionOrderPolicy().plan(traced("toy-llama")).to_json()).to_json())
     for bad in ({"batch": 4}, {"batch": 4, "seq": 0}, {"batch": 4, "seq": 8, "micro_batches": 3},
                 {"batch": True, "seq": 8}, {"batch": 4, "seq": 8, "tokens": 1}, [4, 8]):

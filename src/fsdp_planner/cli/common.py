@@ -66,10 +66,11 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
     return planning.policy_plan(tr, request, model, cluster, options, REPORTER)
 
 
-def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = None) -> Plan:
+def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = None,
+              micro_batches: int | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (``service/plan_files.py``; against ``world`` ranks too),
     its notes on stderr."""
-    return plan_files.load_plan(path, tr, model, render.note, world)
+    return plan_files.load_plan(path, tr, model, render.note, world, micro_batches)
 
 
 def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:

@@ -24,10 +24,11 @@ from fsdp_planner.userfiles import shown_json
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None],
-              world: int | None = None) -> Plan:
+              world: int | None = None, micro_batches: int | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
-    (what its EP leaves out; a plan made for another attention kernel); a hand-written one (module lists) gets its
-    params derived."""
+    (what its EP leaves out; a plan made for another attention kernel, or another step than the command's
+    ``micro_batches`` of the model's workload on ``world`` ranks); a hand-written one (module lists) gets its params
+    derived."""
     plan = _titled(with_claimed_params(Plan.load(path), tr))
     if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
         note(said)
@@ -47,6 +48,8 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
         note(f"the plan was made for --attention {plan.attention} and this command traced "
                     f"{asked or 'the default kernel'}: add --attention {plan.attention} for the figures it was "
                     "planned with")
+    if (said := _other_workload(plan, as_spec(model), world, micro_batches)) is not None:
+        note(said)
     if plan.compiled and not tr.compiled:
         note(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add --compile for "
              "the figures it was planned with")
@@ -55,6 +58,26 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
              f"{len(plan.compiled)}{' of them' if set(plan.compiled) < set(tr.compiled) else ''}: these figures are "
              "of every block compiled, not of the plan's job")
     return plan
+
+
+def _other_workload(plan: Plan, spec: ModelSpec, world: int | None, micro_batches: int | None) -> str | None:
+    """A note where the command runs another step than the plan was made for (its micro-batch, sequence or world):
+    the plan's verdict is that step's."""
+    w, known = plan.workload, spec.workload()
+    if w is None:
+        return None
+    micro = w.batch // w.micro_batches
+    options = f"--batch {w.batch}" + (f" --micro-batches {w.micro_batches}" if w.micro_batches > 1 else "") + \
+        f" --seq {w.seq}"
+    made = f"batch {w.batch:,}" + (f" ({w.micro_batches} micro-batches of {micro:,})" if w.micro_batches > 1 else "") \
+        + f", seq {w.seq:,}" + (f" on {w.ranks:,} ranks" if w.ranks else "")
+    step = (known.get("batch_size"), known.get("seq_len"), micro_batches or w.micro_batches)
+    if step != (micro, w.seq, w.micro_batches):
+        return f"the plan was made for {made}: add {options} for the step it was planned for"
+    if world is not None and w.ranks and world != w.ranks:
+        return f"the plan was made for {made} and this command runs {world:,}: its memory verdict was for " \
+            f"{w.ranks:,} ranks' shards"
+    return None
 
 
 _TP_TITLE = re.compile(r", TP \d+(?: \([^)]*\))?")  # ``TensorParallel.describe()`` as ``with_tp`` appends it
