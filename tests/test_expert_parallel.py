@@ -896,7 +896,10 @@ def test_hand_edited_ep_plan_files_meet_the_same_checks_everywhere(tmp_path) -> 
     r = run_main("simulate", model, "--plan", twice, "--cluster", "h100:4", "--seq", "32")
     assert r.returncode != 0 and "twice" in r.stderr
     r = run_main("export", str(made), "--format", "accelerate", "--out", str(tmp_path / "a.yaml"))
-    assert r.returncode == 0 and "any multiple of 2 ranks" in (tmp_path / "a.yaml").read_text()
+    assert r.returncode == 0 and "num_processes: 4  # the plan's world" in (tmp_path / "a.yaml").read_text()
+    anywhere = edited("anywhere.json", lambda d: d.pop("workload"))  # a plan of no recorded world
+    r = run_main("export", anywhere, "--format", "accelerate", "--out", str(tmp_path / "b.yaml"))
+    assert r.returncode == 0 and "any multiple of 2 ranks" in (tmp_path / "b.yaml").read_text()
 
 
 def test_calibration_matches_a_profiled_rank_to_the_balanced_share() -> None:

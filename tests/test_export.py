@@ -173,7 +173,7 @@ def test_torchtitan_parallelize_fn_shards_torchtitan_s_module_names(tmp_path) ->
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_planner.fsdp2.plan import Mesh, Workload
+    from fsdp_planner.fsdp2.plan import Group, Mesh, Workload
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
     from titan_decoder import titan_decoder
@@ -221,6 +221,14 @@ def test_torchtitan_parallelize_fn_shards_torchtitan_s_module_names(tmp_path) ->
             with pytest.raises(ValueError, match=match):
                 scope["parallelize_fn"](model, parallel_dims=TitanDims(4))
             assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+        # transformers' backbone ``model`` (auto's one group of an hf: model) is the Decoder's parts, in one group
+        backbone = Plan([Group(["model", "lm_head"], []), Group([""], [], False)], "", 0, model="hf:x")
+        scope = {}
+        exec(compile(export_plan(backbone, ExportFormat.TORCHTITAN), "x.py", "exec"), scope)
+        model, _ = titan_decoder()
+        scope["parallelize_fn"](model, parallel_dims=TitanDims(4))
+        assert sorted(n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")) == [
+            "", "layers", "lm_head", "norm", "tok_embeddings"]
         scope = {}
         exec(compile(export_plan(plan.replace(shard_dims={"output.weight": 1}), ExportFormat.TORCHTITAN), "x.py",
                      "exec"), scope)

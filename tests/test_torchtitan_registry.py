@@ -326,8 +326,9 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
     assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
 
 
-PARALLELIZE_NOTE = ("model_spec.parallelize_fn = parallelize_fn is not read: the job is simulated with torchtitan's "
-                    "groups for its keys (simulate the plan file for a plan's own groups)")
+PARALLELIZE_NOTE = ("model_spec.parallelize_fn = parallelize_fn is not read: these figures are of torchtitan's own "
+                    "groups for the job's keys, not of that function's (an fsdp-planner export's: simulate its plan "
+                    "file for them)")
 TITAN_FIELDS = json.loads((Path(__file__).parent / "fixtures" / "torchtitan" / "config_fields.json").read_text())
 FLAG_SECTIONS = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig"}
 

@@ -72,7 +72,7 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None, **fsdp_kwargs: Any) 
     # children first: a group nested in another's module must be sharded before its parent claims the params
     for i in sorted(range(len(GROUPS)), key=lambda i: -max(_depth(n) for n in GROUPS[i][0])):
         names, reshard = GROUPS[i]
-        targets = list({id(m): m for m in (modules[n] for n in names)}.values())  # (two names, one module)
+        targets = [modules[n] for n in names]
         fully_shard(targets if len(targets) > 1 else targets[0], mesh=mesh, reshard_after_forward=reshard,
                     **fsdp_kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=ROOT_RESHARD_AFTER_FORWARD, **fsdp_kwargs)
@@ -973,7 +973,8 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
         plan.workload.ranks if plan.workload else 0)))
     for line, titan_line in ((titan.MODULES_LINE, titan.TITAN_MODULES_LINE), (titan.TP_LINE, titan.TITAN_TP_LINE),
                              (titan.MISSING_LINE, titan.TITAN_MISSING_LINE),
-                             (titan.SHARD_DIMS_LINE, titan.TITAN_SHARD_DIMS_LINE)):
+                             (titan.SHARD_DIMS_LINE, titan.TITAN_SHARD_DIMS_LINE),
+                             (titan.TARGETS_LINE, titan.TITAN_TARGETS_LINE)):
         body = body.replace(line, titan_line, 1)
     tail += titan.TAIL.replace("{names}", py_literal(titan.TORCHTITAN_NAMES))
     return header + constants + body + tails + tail + torchtitan_job(plan, precision, py_literal)

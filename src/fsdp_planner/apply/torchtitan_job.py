@@ -97,13 +97,21 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     """What of ``plan`` torchtitan's job keys cannot say, each as a sentence: the job file then runs torchtitan's
     one setting for every block (``modules``: the model's, to tell a checkpointed subset of its blocks)."""
     out = []
+    if plan.model not in FLAVORS:
+        out.append(f"the job names no torchtitan model for {plan.model or 'this model'}: set its config.model_spec "
+                   "to your model's spec, and that spec's parallelize_fn = parallelize_fn for the plan's groups")
     if plan.workload is None:
-        out.append("the plan records no workload (a model whose batch fsdp-planner does not know): the job sets no "
-                   "token counts and runs torchtitan's defaults or the registry job's")
-    elif plan.workload.micro_batches > 1 and not plan.workload.ranks:
-        out.append(f"the plan runs {plan.workload.micro_batches} micro-batches a step on a world it does not "
-                   "record: the job sets no num_tokens_per_train_step (give it as the micro-batch's tokens x the "
-                   f"data-parallel ranks x {plan.workload.micro_batches})")
+        out.append("the plan records no workload (written before plans recorded it, or of a model whose batch "
+                   "fsdp-planner does not know): the job sets no token counts and runs torchtitan's defaults or "
+                   "the registry job's")
+    elif plan.workload.micro_batches > 1:
+        out.append(f"torchtitan's train_step reduce-scatters every one of the {plan.workload.micro_batches} "
+                   "micro-batches (it skips no gradient sync): the job's step is the plan's with --gradient-sync "
+                   "every")
+        if not plan.workload.ranks:
+            out.append(f"the plan runs {plan.workload.micro_batches} micro-batches a step on a world it does not "
+                       "record: the job sets no num_tokens_per_train_step (give it as the micro-batch's tokens x the "
+                       f"data-parallel ranks x {plan.workload.micro_batches})")
     full, op = plan.activation_checkpointing, plan.selective_checkpointing
     if full and op:
         out.append(f"the plan checkpoints {len(full)} modules in full and {len(op)} op-level; torchtitan's job "

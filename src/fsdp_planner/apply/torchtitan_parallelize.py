@@ -28,7 +28,9 @@ TORCHTITAN_NAMES = {
 MODULES_LINE = "    modules = dict(model.named_modules())\n"
 TITAN_MODULES_LINE = "    modules = TorchtitanModules(model.named_modules())  # the plan's names, or torchtitan's\n"
 MISSING_LINE = "    missing = sorted(n for n in named if n not in modules)\n"
-TITAN_MISSING_LINE = MISSING_LINE + "    modules.check_one_group_each(GROUPS)  # (q, k and v fused: one module)\n"
+TITAN_MISSING_LINE = MISSING_LINE + "    modules.check_groups(GROUPS, CHECKPOINTED + COMPILED)  # before any change\n"
+TARGETS_LINE = "        targets = [modules[n] for n in names]\n"
+TITAN_TARGETS_LINE = "        targets = modules.targets(names)  # (q, k, v: one; transformers' backbone: three)\n"
 SHARD_DIMS_LINE = ("    dims = {id(p): SHARD_DIMS[n] for n, p in model.named_parameters(remove_duplicate=False) "
                    "if n in SHARD_DIMS}\n")
 TITAN_SHARD_DIMS_LINE = "    dims = TorchtitanModules(model.named_modules()).shard_dims(SHARD_DIMS)\n"
@@ -50,13 +52,23 @@ class TorchtitanModules(dict):
     leading ``model.`` dropped, torchtitan's Decoder holding its layers itself)."""
 
     def __missing__(self, name: str) -> nn.Module:
-        found = self.torchtitan_name(name)
-        if found is None:
+        parts = self.parts(name)
+        if not parts:
             raise KeyError(name)
-        return self[found]
+        return self[parts[0]]  # (a backbone's: its group's first module, which FSDP2's prefetch lists take)
 
     def __contains__(self, name: object) -> bool:
-        return dict.__contains__(self, name) or (isinstance(name, str) and self.torchtitan_name(name) is not None)
+        return dict.__contains__(self, name) or (isinstance(name, str) and bool(self.parts(name)))
+
+    def parts(self, name: str) -> list[str]:
+        """The model's modules a plan's name stands for: itself, or as torchtitan names it; transformers' backbone
+        ``model`` is the Decoder's embedding, layers and norm (the Decoder holds them itself, beside lm_head)."""
+        if dict.__contains__(self, name):
+            return [name]
+        if name == "model":
+            return [p for p in ("tok_embeddings", "layers", "norm") if dict.__contains__(self, p)]
+        found = self.torchtitan_name(name)
+        return [found] if found is not None else []
 
     def torchtitan_name(self, name: str) -> str | None:
         parts = name.split(".")
@@ -69,19 +81,28 @@ class TorchtitanModules(dict):
                                                                                            if prefix else alt)]
             if not found:
                 return None
-        return found[0] if found[0] != name else None
+        return found[0] if parts and found[0] != name else None
 
-    def check_one_group_each(self, groups: list[tuple[list[str], bool | int]]) -> None:
-        """Refuse, before any change, two groups naming one module of this model (torchtitan fuses q, k and v
-        into ``qkv_linear.wqkv``: a plan sharding them apart cannot be applied to it)."""
+    def targets(self, names: list[str]) -> list[nn.Module]:
+        """The modules one ``fully_shard`` call takes for a group's names, each once."""
+        return list({id(self[p]): self[p] for n in names for p in self.parts(n)}.values())
+
+    def check_groups(self, groups: list[tuple[list[str], bool | int]], whole: list[str]) -> None:
+        """Refuse, before any change, two groups holding one module of this model (torchtitan fuses q, k and v
+        into ``qkv_linear.wqkv``: a plan sharding them apart cannot be applied to it), and checkpointing or
+        compiling transformers' backbone, which torchtitan's Decoder has no module for (``whole``)."""
         owner: dict[int, str] = {}
         for names, _ in groups:
             for name in (n for n in names if n in self):
-                first = owner.setdefault(id(self[name]), name)
-                if first not in names:
-                    raise ValueError(f"the plan shards {first!r} and {name!r} in different groups, and this model "
-                                     f"holds them as one module ({self.torchtitan_name(name) or name!r}): make the "
-                                     "plan with them in one group (or with their block)")
+                for module in self.targets([name]):
+                    first = owner.setdefault(id(module), name)
+                    if first not in names:
+                        raise ValueError(f"the plan shards {first!r} and {name!r} in different groups, and this "
+                                         "model holds them in one module: make the plan with them in one group (or "
+                                         "with their block)")
+        if any(len(self.parts(n)) > 1 for n in whole):
+            raise ValueError("the plan checkpoints or compiles transformers' backbone 'model', which torchtitan's "
+                             "model has no module for: make the plan checkpointing its layers")
 
     def shard_dims(self, dims: dict[str, int]) -> dict[int, int]:
         """SHARD_DIMS by param identity, its names (the plan's) looked up as the modules' are."""

@@ -618,8 +618,9 @@ def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[
     table: dict[str, Any] = {"flavor": flavor, **({"name": model} if model else {})}
     for key, value in spec.fields.items():
         if key == "parallelize_fn":  # (fsdp-planner's export sets its plan's groups so)
-            notes.append(f"model_spec.parallelize_fn = {_shown(value)} is not read: the job is simulated with "
-                         "torchtitan's groups for its keys (simulate the plan file for a plan's own groups)")
+            notes.append(f"model_spec.parallelize_fn = {_shown(value)} is not read: these figures are of "
+                         "torchtitan's own groups for the job's keys, not of that function's (an fsdp-planner "
+                         "export's: simulate its plan file for them)")
         elif key not in ("converters", "flavor") and MODEL_REGISTRY_DEFAULTS.get(key, Unread("")) != value:
             notes.append(f"model_registry's {key} = {_shown(value)} is left out: fsdp-planner builds the "
                          "flavour's own model")

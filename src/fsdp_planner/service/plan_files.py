@@ -72,8 +72,9 @@ def _other_workload(plan: Plan, spec: ModelSpec, world: int | None, micro_batche
     made = f"batch {w.batch:,}" + (f" ({w.micro_batches} micro-batches of {micro:,})" if w.micro_batches > 1 else "") \
         + f", seq {w.seq:,}" + (f" on {w.ranks:,} ranks" if w.ranks else "")
     step = (known.get("batch_size"), known.get("seq_len"), micro_batches or w.micro_batches)
+    elsewhere = f" (this command runs {world:,})" if world is not None and w.ranks and world != w.ranks else ""
     if step != (micro, w.seq, w.micro_batches):
-        return f"the plan was made for {made}: add {options} for the step it was planned for"
+        return f"the plan was made for {made}{elsewhere}: add {options} for the step it was planned for"
     if world is not None and w.ranks and world != w.ranks:
         return f"the plan was made for {made} and this command runs {world:,}: its memory verdict was for " \
             f"{w.ranks:,} ranks' shards"
