@@ -32,7 +32,10 @@ from pathlib import Path
 CASES = [("llama3", "llama3_debugmodel", "llama3-debugmodel", [], 1),
          ("llama3", "llama3_debugmodel", "llama3-debugmodel", ["--tp", "2"], 2),
          ("llama3", "llama3_debugmodel", "llama3-debugmodel", ["--mesh", "2x2"], 1),
-         ("qwen3", "qwen3_debugmodel", "hf:titan-qwen3-debugmodel", [], 1)]
+         ("qwen3", "qwen3_debugmodel", "hf:titan-qwen3-debugmodel", [], 1),
+         # auto's one group of transformers' backbone and head: torchtitan's Decoder's parts in one group
+         ("qwen3", "qwen3_debugmodel", "hf:titan-qwen3-debugmodel",
+          ["--policy", "auto", "--tp", "1", "--batch", "4", "--seq", "256"], 1)]
 WORLD, TOKENS = 4, 128
 
 
@@ -92,9 +95,11 @@ def drive(torchtitan: str, python: str, commit: str) -> None:
     print(f"`python benchmarks/torchtitan_export.py --torchtitan PATH --commit C`: torchtitan "
           f"{commit}, torch {_torch(python)}, {WORLD} gloo ranks on CPU, {TOKENS} tokens, one forward "
           "(`spmd_backend = \"partial_dtensor\"`). The plan is fsdp-planner's (`plan MODEL --policy titan FLAGS "
-          "--cluster h100:4`), exported with `--format torchtitan`; its `fsdp_planner_job()` builds the model and "
-          "sets `parallelize_fn`. Both run without activation checkpointing (`ac_config=None`), as the plan does.\n")
-    print("| torchtitan job | plan | FSDP modules (same) | params: local shapes and placements | output sum: "
+          "--cluster h100:4`; a FLAGS `--policy auto` replaces titan), exported with `--format torchtitan`; its "
+          "`fsdp_planner_job()` builds the model and sets `parallelize_fn`. Both run without activation "
+          "checkpointing (`ac_config=None`), as the plan does.\n")
+    print("| torchtitan job | plan | FSDP modules: torchtitan's / the plan's | params: local shapes and placements "
+          "| output sum: "
           "torchtitan / export | wall s |")
     print("|---|---|---|---|---|---|")
     for module, job, model, flags, tp in CASES:
@@ -119,8 +124,8 @@ def drive(torchtitan: str, python: str, commit: str) -> None:
         own, ours = runs
         same_fsdp = own["fsdp"] == ours["fsdp"]
         # torchtitan's job wraps each block for checkpointing: its param names carry the wrapper's prefix
-        print(f"| {module}:{job} | {model} {' '.join(flags) or '(FSDP 4)'} | {len(ours['fsdp'])} "
-              f"({'yes' if same_fsdp else 'NO'}) | {ours['params']} params, digest {own['shards']} / "
+        print(f"| {module}:{job} | {model} {' '.join(flags) or '(FSDP 4)'} | {len(own['fsdp'])} / {len(ours['fsdp'])}"
+              f"{' (the same)' if same_fsdp else ''} | {ours['params']} params, digest {own['shards']} / "
               f"{ours['shards']} | {own['sum']:.6f} / {ours['sum']:.6f} | {time.perf_counter() - start:.1f} |")
 
 
