@@ -333,7 +333,7 @@ def test_accelerate_export_is_a_launch_config_with_its_hook_beside_it(tmp_path: 
 
 def test_an_accelerate_export_launches_the_world_the_plan_was_made_for(tmp_path) -> None:
     """A pure-FSDP plan fits any world; one recording the world it was made for (its workload's ranks: its memory
-    is that shard degree's) launches that many processes, and reads back as that job."""
+    is that shard degree's) launches that many processes, on its nodes' machines, and reads back as that job."""
     from fsdp_planner.apply.accelerate_config import accelerate_config
     from fsdp_planner.configs.job_config import ACCELERATE, read_config
     from fsdp_planner.fsdp2.plan import Workload
@@ -344,6 +344,8 @@ def test_an_accelerate_export_launches_the_world_the_plan_was_made_for(tmp_path)
     yaml.write_text(accelerate_config(plan.replace(workload=Workload(2, 32, 1, 16)), PRECISIONS["bf16-mixed"]))
     assert "num_processes: 16  # the plan's world" in yaml.read_text()
     assert read_config(ACCELERATE, str(yaml)).world == 16
+    yaml.write_text(accelerate_config(plan.replace(workload=Workload(2, 32, 1, 16, 2)), PRECISIONS["bf16-mixed"]))
+    assert (read_config(ACCELERATE, str(yaml)).world, read_config(ACCELERATE, str(yaml)).nodes) == (16, 2)
 
 def test_exports_use_public_torch_apis_and_never_make_a_process_group() -> None:
     """No import of a private module (``torch.distributed._composable`` once checkpointed); ``make_mesh`` and the

@@ -40,8 +40,8 @@ def test_a_plan_records_the_workload_it_was_made_for(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "4", "--micro-batches",
                  "2", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["workload"] == {"batch": 4, "seq": 32, "micro_batches": 2, "ranks": 8}
-    assert Plan.load(out).workload.to_dict() == {"batch": 4, "seq": 32, "micro_batches": 2, "ranks": 8}
+    step = {"batch": 4, "seq": 32, "micro_batches": 2, "ranks": 8, "nodes": 1}
+    assert json.loads(out.read_text())["workload"] == step and Plan.load(out).workload.to_dict() == step
     fixture = Path(__file__).parent / "fixtures" / "titan_decoder.py"
     assert main(["plan", f"{fixture}:titan_decoder", "--policy", "titan", "--cluster", "h100:2", "--out",
                  str(out), "--force"]) == 0
@@ -60,7 +60,8 @@ def test_a_plan_records_the_workload_it_was_made_for(tmp_path, capsys):
         assert (said in err) if said else "the plan was made for" not in err, err
     data = json.loads(Plan.from_json(ExecutionOrderPolicy().plan(traced("toy-llama")).to_json()).to_json())
     for bad in ({"batch": 4}, {"batch": 4, "seq": 0}, {"batch": 4, "seq": 8, "micro_batches": 3},
-                {"batch": True, "seq": 8}, {"batch": 4, "seq": 8, "tokens": 1}, [4, 8]):
+                {"batch": True, "seq": 8}, {"batch": 4, "seq": 8, "tokens": 1}, [4, 8],
+                {"batch": 4, "seq": 8, "ranks": 12, "nodes": 8}):
         with pytest.raises(PlannerError, match="plan 'workload' must be"):
             Plan.from_json(json.dumps({**data, "workload": bad}))
 

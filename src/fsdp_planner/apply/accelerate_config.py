@@ -40,8 +40,7 @@ def accelerate_config(plan: Plan, precision: Precision) -> str:
              "main_training_function: main",
              # Accelerate's autocast on top of the hook's MixedPrecisionPolicy: off for fp32, bf16 otherwise
              "mixed_precision: " + ("'no'" if precision.name == "fp32" else "bf16"),  # quoted: YAML's no is false
-             "num_machines: 1  # more machines: num_machines, machine_rank and main_process_ip, as accelerate "
-             "config asks"]
+             _machines(plan)]
     if world:
         lines.append(f"num_processes: {world:d}  # the plan's world")
     else:
@@ -63,6 +62,16 @@ def accelerate_config(plan: Plan, precision: Precision) -> str:
     if (plan.mesh is not None and plan.mesh.replicate > 1) or plan.tp_degree > 1:
         lines.append("# the hook builds the plan's (dp_replicate, dp_shard, tp) mesh itself: no parallelism_config")
     return "\n".join(lines) + "\n"
+
+
+def _machines(plan: Plan) -> str:
+    """``num_machines``: the nodes the plan was made for where it records them (each machine launches with its own
+    ``--machine_rank``, as accelerate config asks), else one."""
+    nodes = plan.workload.nodes if plan.workload is not None and plan.workload.nodes else 1
+    if nodes > 1:
+        return (f"num_machines: {nodes}  # the plan's nodes: launch on each with --machine_rank R "
+                "--main_process_ip IP")
+    return "num_machines: 1  # more machines: num_machines, machine_rank and main_process_ip, as accelerate config asks"
 
 
 def _reshard(plan: Plan) -> str:

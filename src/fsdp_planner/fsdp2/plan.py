@@ -81,7 +81,7 @@ class Mesh:
         return {"replicate": self.replicate, "shard": self.shard}
 
 
-WORKLOAD_KEYS = ("batch", "seq", "micro_batches", "ranks")
+WORKLOAD_KEYS = ("batch", "seq", "micro_batches", "ranks", "nodes")
 MAX_WORKLOAD = 10**9  # each figure's bound (a batch, a sequence, a world size)
 
 
@@ -95,10 +95,11 @@ class Workload:
     seq: int
     micro_batches: int = 1
     ranks: int = 0  # the world the plan was simulated on (0: not known)
+    nodes: int = 0  # the machines those ranks are on (0: not known)
 
     def to_dict(self) -> dict[str, int]:
         return {"batch": self.batch, "seq": self.seq, "micro_batches": self.micro_batches,
-                **({"ranks": self.ranks} if self.ranks else {})}
+                **({"ranks": self.ranks} if self.ranks else {}), **({"nodes": self.nodes} if self.nodes else {})}
 
 
 def _tuples(obj: Any, names: tuple[str, ...]) -> None:
@@ -552,10 +553,11 @@ def _workload_from(w: Any) -> Workload | None:
     whole = isinstance(w, dict) and {"batch", "seq"} <= set(w) <= set(WORKLOAD_KEYS) and all(
         not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= MAX_WORKLOAD for v in w.values())
     if not whole or min(w["batch"], w["seq"], w.get("micro_batches", 1)) < 1 \
-            or w["batch"] % w.get("micro_batches", 1):
+            or w["batch"] % w.get("micro_batches", 1) or (w.get("nodes") and w.get("ranks", 0) % w["nodes"]):
         raise PlannerError(f"plan 'workload' must be {{\"batch\": B, \"seq\": S}} with whole numbers from 1 to "
-                           f"{MAX_WORKLOAD:,} (optional \"micro_batches\" dividing B, \"ranks\"), got {shown_json(w)}")
-    return Workload(w["batch"], w["seq"], w.get("micro_batches", 1), w.get("ranks", 0))
+                           f"{MAX_WORKLOAD:,} (optional \"micro_batches\" dividing B, \"ranks\", \"nodes\" dividing "
+                           f"them), got {shown_json(w)}")
+    return Workload(w["batch"], w["seq"], w.get("micro_batches", 1), w.get("ranks", 0), w.get("nodes", 0))
 
 
 def _mesh_from_dict(m: Any) -> Mesh | None:

@@ -142,7 +142,8 @@ def _workload(plan: Plan, job: PlanJob) -> Workload | None:
     if not (isinstance(batch, int) and isinstance(seq, int) and batch > 0 and seq > 0):
         return None
     micro = job.options.micro_batches
-    return Workload(batch * micro, seq, micro, job.cluster.world_size if job.cluster is not None else 0)
+    cluster = job.cluster
+    return Workload(batch * micro, seq, micro, cluster.world_size if cluster else 0, cluster.nodes if cluster else 0)
 
 
 def memoised(tracer: Tracer) -> Tracer:
