@@ -59,16 +59,17 @@ def traced(module: nn.Module, hidden: int):  # type: ignore[no-untyped-def]
 # -- where a layout comes from ----------------------------------------------------------------------------------------
 def test_transformers_plan_for_hf_models():
     """transformers' own plan of the config class, under the base model's prefix, with the vocab-sharded input
-    embedding; the LM head's gathered-output style has no TPStyle and is named."""
+    embedding and the LM head's gathered output (colwise_gather_output: it was left whole with a note)."""
     from transformers import LlamaConfig
 
     spec = ModelSpec("hf:llama3-8b", seq_len=64, hf_config=(("num_hidden_layers", 2),))
     layout = tp_layout(trace_spec(spec), 4, spec)
     expected = {f"model.{k}": v for k, v in LlamaConfig.base_model_tp_plan.items()}
-    assert {k: s.value for k, s in layout.tp.layout.items() if k != "model.embed_tokens"} == expected
+    assert {k: s.value for k, s in layout.tp.layout.items() if k.startswith("model.") and k != "model.embed_tokens"} \
+        == expected
     assert layout.tp.layout["model.embed_tokens"] is TPStyle.EMBEDDING
-    assert layout.heads == (32, 8) and not layout.tp.loss_parallel
-    assert any("lm_head (colwise_gather_output)" in n for n in layout.notes)
+    assert layout.tp.layout["lm_head"] is TPStyle.COLWISE_GATHER
+    assert layout.heads == (32, 8) and not layout.tp.loss_parallel and not layout.notes
 
 
 def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_path):
@@ -94,8 +95,8 @@ def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_pat
 def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path):
     """DeepSeek-V2's plan gives kv_a_proj_with_mqa 'mla_kv_a_proj' (its output holds the rope key every head
     reads): left whole beside the sharded heads, its gradient was one rank's heads' only and the TP ranks' copies
-    drifted (verify --nproc 4: 18x the parity bound) while plan and check passed. Refused; a whole output head
-    gathering its logits stays a note."""
+    drifted (verify --nproc 4: 18x the parity bound) while plan and check passed. Refused; Olmo2's gathered q/k/v
+    and split o_proj are laid out (tests/test_tp_gathered_styles.py)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({
         "model_type": "deepseek_v2", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
@@ -107,13 +108,6 @@ def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path
     with pytest.raises(PlannerError, match=r"kv_a_proj_with_mqa \(mla_kv_a_proj\), which fsdp-planner does not "
                                            r"model, and left whole"):
         tp_layout(trace_spec(spec), 2, spec)
-    # Olmo2's attention gathers q/k/v and splits o_proj's input: all left whole, nothing beside them colwise
-    config.write_text(json.dumps({"model_type": "olmo2", "hidden_size": 64, "intermediate_size": 128,
-                                  "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
-                                  "vocab_size": 128}))
-    found = tp_layout(trace_spec(spec), 2, spec)
-    assert {p.rpartition(".")[2] for p in found.tp.layout} == {"embed_tokens", "gate_proj", "up_proj", "down_proj"}
-    assert "o_proj (rowwise_split_input)" in found.notes[0]
 
 
 def test_torchtitan_layout_found_by_the_trace_not_the_name():

@@ -621,6 +621,8 @@ def _tp_style(style: str, module: nn.Module, float8: bool = False) -> Any:
         "colwise": lambda: colwise(),
         "rowwise": lambda: rowwise(),
         "rowwise_sequence": lambda: rowwise(output_layouts=Shard(1)),
+        "colwise_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split": lambda: RowwiseParallel(input_layouts=Replicate()),
         "sequence_colwise": lambda: ColwiseParallel(input_layouts=Shard(1), use_local_output=not LOSS_PARALLEL,
                                                     output_layouts=Shard(-1) if LOSS_PARALLEL else Replicate()),
         "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),

@@ -55,6 +55,10 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: 
         return ColwiseParallel()
     if style is TPStyle.ROWWISE:
         return RowwiseParallel()
+    if style is TPStyle.COLWISE_GATHER:
+        return ColwiseParallel(output_layouts=Replicate())
+    if style is TPStyle.ROWWISE_SPLIT:
+        return RowwiseParallel(input_layouts=Replicate())
     if style is TPStyle.ROWWISE_SEQUENCE:
         return RowwiseParallel(output_layouts=Shard(1))
     if style is TPStyle.SEQUENCE_COLWISE:

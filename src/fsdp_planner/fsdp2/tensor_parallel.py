@@ -37,6 +37,12 @@ class TPStyle(Enum):
 
     COLWISE = "colwise"  # ColwiseParallel(): weight rows sharded; Replicate in, Shard(-1) out
     ROWWISE = "rowwise"  # RowwiseParallel(): weight columns sharded; Shard(-1) in, output all-reduced (Replicate)
+    COLWISE_GATHER = "colwise_gather"  # ColwiseParallel(output_layouts=Replicate()): weight rows sharded; Replicate
+    # in, the output all-gathered on its last dim (transformers' colwise_gather_output: Phi-3's fused qkv_proj and
+    # gate_up_proj, Olmo2's q/k/v before their whole-width norms, every causal LM's lm_head); what reads it runs whole
+    ROWWISE_SPLIT = "rowwise_split"  # RowwiseParallel(input_layouts=Replicate()): weight columns sharded; the whole
+    # input split locally (no collective; its grad all-gathered in backward), the output all-reduced (transformers'
+    # rowwise_split_input, after a gathered region)
     ROWWISE_SEQUENCE = "rowwise_sequence"  # RowwiseParallel(output_layouts=Shard(1)): output reduce-scattered onto
     # the sequence dim (SP: torchtitan's attention.wo and feed_forward.w2)
     SEQUENCE_COLWISE = "sequence_colwise"  # ColwiseParallel(input_layouts=Shard(1)): the sequence-sharded input
@@ -161,7 +167,7 @@ class TensorParallel:
 # (torch 2.13's ``distributed/tensor/parallel/style.py``) takes an nn.Linear or an nn.Embedding only and raises
 # NotImplementedError for any other module; SequenceParallel and PrepareModuleInput take any module
 WEIGHT_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE, TPStyle.SEQUENCE_COLWISE,
-                 TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
+                 TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE, TPStyle.COLWISE_GATHER, TPStyle.ROWWISE_SPLIT)
 
 
 _FLOAT8_LINEAR_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
@@ -190,7 +196,8 @@ def check_style_classes(tp: TensorParallel | None, modules: Mapping[str, ModuleI
         return
     for m, s in sorted(tp.styles(modules).items()):
         if s in WEIGHT_STYLES and not modules[m].torch_class:
-            torch_name = "ColwiseParallel" if s in (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE) else "RowwiseParallel"
+            torch_name = "ColwiseParallel" if s in (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE,
+                                                    TPStyle.COLWISE_GATHER) else "RowwiseParallel"
             raise PlannerError(f"the tensor-parallel style {s.value} of {m} is torch's {torch_name}, which shards "
                                f"an nn.Linear or nn.Embedding only, and {m} is a {modules[m].cls}: give it no style "
                                "(a norm under sequence parallelism takes sequence_parallel) or style its Linears")

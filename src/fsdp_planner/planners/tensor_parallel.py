@@ -54,15 +54,17 @@ _LLAMA_CLASSES = {"tok_embeddings": "Embedding", "output": "Linear", "attention.
                   "feed_forward.w1": "Linear", "feed_forward.w2": "Linear", "feed_forward.w3": "Linear"}
 
 # transformers' style names (``ALL_PARALLEL_STYLES``) that are one of torch's styles as a ``TPStyle`` has it; the
-# others (packed, MoE, gathered-output, MLA) have no TPStyle yet and leave their module whole over TP.
+# others (packed, MoE, MLA) have no TPStyle yet and leave their module whole over TP. Its gathered-output and
+# split-input styles (``colwise_gather_output`` / ``colwise_rep``, ``rowwise_split_input`` / ``rowwise_rep``: torch's
+# ColwiseParallel(output_layouts=Replicate()) and RowwiseParallel(input_layouts=Replicate())) are ``COLWISE_GATHER``
+# and ``ROWWISE_SPLIT``: Phi-3's fused projections, Olmo2's attention and every causal LM's lm_head.
 # ``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head q_norm / k_norm, between a colwise and a
 # rowwise Linear: params replicated, run on this rank's heads, grads all-reduced over TP) is ``REPLICATE``: left
 # whole it trained each rank's norm on its own heads' grads alone (transformers/distributed/tensor_parallel.py)
-# transformers' styles whose module may stay whole beside a layout of the others: the output head gathering its
-# logits (whole, it reads the replicated hidden states and makes the whole logits itself)
-WHOLE_HF_STYLES = frozenset({"colwise_gather_output", "colwise_rep"})
 HF_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_rowwise": TPStyle.EMBEDDING,
-             "sequence_parallel": TPStyle.SEQUENCE_PARALLEL, "replicated_with_grad_allreduce": TPStyle.REPLICATE}
+             "sequence_parallel": TPStyle.SEQUENCE_PARALLEL, "replicated_with_grad_allreduce": TPStyle.REPLICATE,
+             "colwise_gather_output": TPStyle.COLWISE_GATHER, "colwise_rep": TPStyle.COLWISE_GATHER,
+             "rowwise_split_input": TPStyle.ROWWISE_SPLIT, "rowwise_rep": TPStyle.ROWWISE_SPLIT}
 
 
 # torchtitan's MoE block under TP (its MoE sharding config) on ``models/moe.py``'s names: attention as in a Llama
@@ -225,8 +227,8 @@ def _head_dim(trace: Trace) -> int:
 
 
 def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
-    """transformers' plan for the model's class, in ``TPStyle``s: the patterns that match a module of this model,
-    the styles without a ``TPStyle`` named in one note (their modules stay whole over TP, sharded by FSDP alone)."""
+    """transformers' plan for the model's class, in ``TPStyle``s: the patterns that match a module of this model;
+    a style without a ``TPStyle`` is refused (left whole, its module need not train right beside the others)."""
     plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
     names = list(trace.modules)
     layout: dict[str, TPStyle] = {}
@@ -240,32 +242,18 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
             layout[pattern] = TPStyle.MOE_TP_EXPERTS
         else:
             left[pattern] = style
-    if not any(s in (TPStyle.COLWISE, TPStyle.ROWWISE) for s in layout.values()):
+    if not any(s in (TPStyle.ROWWISE, TPStyle.ROWWISE_SPLIT) for s in layout.values()):  # (a plan of the blocks,
+        # not the output head's alone)
         raise PlannerError(_no_plan_reason(plan, names, model.name, left))
     _refuse_own_params_on_heads(trace, plan, layout, model.name)
-    unsafe = {p: st for p, st in left.items() if not _stays_whole(p, st, layout)}
-    if unsafe:
-        raise PlannerError(f"transformers' tensor-parallel plan for {model.name} gives {_listed(unsafe)}, which "
+    if left:
+        raise PlannerError(f"transformers' tensor-parallel plan for {model.name} gives {_listed(left)}, which "
                            "fsdp-planner does not model, and left whole such a module need not train right beside "
                            "the sharded ones (DeepSeek-V2's mla_kv_a_proj makes the rope key every head reads: "
                            "whole, its gradient is summed over one rank's heads only, and the TP ranks' copies "
                            "drift): plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
-    notes = (f"left whole over TP (transformers' styles the planner does not model yet): {_listed(left)}",) \
-        if left else ()
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
-    return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", notes, heads)
-
-
-def _stays_whole(pattern: str, style: str, layout: dict[str, TPStyle]) -> bool:
-    """Whether transformers' ``style`` of ``pattern``, a style the planner does not model, is sound left whole
-    beside ``layout``: the gathering output head always (it reads replicated states, makes whole logits); a
-    rowwise Linear splitting its input where nothing beside it is sharded colwise (Olmo2's and Phi-3's attention
-    gathers q/k/v and splits o_proj: all whole, its input the whole one)."""
-    if style in WHOLE_HF_STYLES:
-        return True
-    parent = pattern.rpartition(".")[0]
-    return style == "rowwise_split_input" and not any(
-        p.rpartition(".")[0] == parent and s in (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE) for p, s in layout.items())
+    return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", heads=heads)
 
 
 def _packed_experts(trace: Trace, styles: dict[str, str], pattern: str) -> bool:
@@ -610,7 +598,8 @@ def _check_rowwise_inputs(trace: Trace, tp: TensorParallel) -> None:
 
 
 _SHARDED_DIM = {TPStyle.COLWISE: 0, TPStyle.SEQUENCE_COLWISE: 0, TPStyle.EMBEDDING: 0,
-                TPStyle.EMBEDDING_SEQUENCE: 0, TPStyle.ROWWISE: 1, TPStyle.ROWWISE_SEQUENCE: 1}
+                TPStyle.EMBEDDING_SEQUENCE: 0, TPStyle.ROWWISE: 1, TPStyle.ROWWISE_SEQUENCE: 1,
+                TPStyle.COLWISE_GATHER: 0, TPStyle.ROWWISE_SPLIT: 1}
 
 
 def _check_module(trace: Trace, module: str, style: TPStyle, degree: int, asked: str) -> None:

@@ -57,8 +57,8 @@ FP32_BYTES = 4
 EAGER_CAST_BYTES = 2 * FP32_BYTES + 1
 FUSED_CAST_BYTES = 1
 TP_AMAX_BYTES = 8  # the amax all-reduced as fp64 (torchao's amax_to_scale: ``amax.to(torch.float64)``)
-_COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE)  # output grad sharded on its last dim
-_ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)  # input sharded on its last dim
+_COLWISE = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE, TPStyle.COLWISE_GATHER)  # output grad sharded on its last dim
+_ROWWISE = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE, TPStyle.ROWWISE_SPLIT)  # input sharded on its last dim
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ of the whole model into that rank's step (``TPView``):
 - TP's own collectives, as ops of the compute stream (eager DTensor waits on each; ``KERNEL_TP_*``): the all-gather
   of a region's sequence-sharded input and its reduce-scatter in backward; the reduce-scatter of a rowwise output
   onto the sequence dim (an all-reduce without sequence parallelism) and its all-gather in backward; a colwise
-  Linear's input gradient all-reduced without sequence parallelism; the sequence-parallel norms' weight gradients
+  Linear's input gradient all-reduced without sequence parallelism; a colwise_gather Linear's output all-gathered on
+  its last dim and its input's grad all-reduced, a rowwise_split one's output all-reduced and its input's grad
+  all-gathered (transformers' gathered styles: what reads their outputs runs whole on every TP rank, only their
+  matmuls on 1/TP; the whole tensor's local chunk each takes is a clone); the sequence-parallel norms' weight gradients
   all-reduced (DTensor's partial gradients of replicated params: in FSDP2's post-backward, so only in a micro-batch
   that reduce-scatters, ``KERNEL_TP_GRAD_ALL_REDUCE``); loss parallel's three all-reduces of one value
   per token (max, sum of exponentials, target logit). Under activation checkpointing the forward ones run again
@@ -93,6 +96,8 @@ _EMBEDDING = (TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
 _GATHERED = (TPStyle.GATHER_INPUT, TPStyle.SEQUENCE_COLWISE)  # input all-gathered from its sequence shard
 # output reduce-scattered onto the sequence dim (its grad all-gathered back)
 _SCATTERED = (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE, TPStyle.MOE_SEQUENCE)
+# a Linear on its own 1/TP of the weight between whole activations: its output gathered, or its input split
+_WHOLE_AROUND = (TPStyle.COLWISE_GATHER, TPStyle.ROWWISE_SPLIT)
 # torchao's float8 TP styles move a bf16 activation in float8: half its bytes (``--float8-tp-all-gather`` needs a
 # bf16 compute dtype, ``service/validate.py``)
 FLOAT8_SHARE = 2
@@ -159,11 +164,13 @@ class _Layout:
                               if e.kind is EventKind.FWD_PRE and e.module in self.styles and not e.grad_inputs}
         self.pair_rows = {p: {m for m in rowwise if parent_of(m) == p} for p in pairs}
         self.row_cols = _row_cols(trace, self.pair_cols, self.pair_rows)
-        self.regions = pairs | {m for m, s in self.styles.items() if s in (*_COLWISE, *_ROWWISE, *_GATHERED)}
+        self.regions = pairs | {m for m, s in self.styles.items()
+                                if s in (*_COLWISE, *_ROWWISE, *_GATHERED, *_WHOLE_AROUND)}
         self.embeddings = [m for m, s in self.styles.items() if s in _EMBEDDING]
         gathered = {m for m, s in self.styles.items() if s in _GATHERED}
         roots = gathered | {m for m in pairs if not self._inside(m, gathered)}
-        roots |= {m for m in colwise if not self._inside(m, roots)}
+        roots |= {m for m, s in self.styles.items()
+                  if (s in _COLWISE or s is TPStyle.COLWISE_GATHER) and not self._inside(m, roots)}
         self.roots = roots
         self.gathered = gathered
         self.whole = {m for m, s in self.styles.items() if s is TPStyle.MOE_SEQUENCE}
@@ -327,9 +334,9 @@ def _local_param(p: ParamInfo, style: TPStyle | None, t: int) -> ParamInfo:
         dim = expert_tensor_dim(p.fqn.rpartition(".")[2])
     elif style is TPStyle.MOE_TP_EXPERTS:
         dim = moe_tp_expert_dim(p.fqn.rpartition(".")[2])[0]
-    elif style in (*_COLWISE, *_EMBEDDING):
+    elif style in (*_COLWISE, *_EMBEDDING, TPStyle.COLWISE_GATHER):
         dim = 0
-    elif style in _ROWWISE and len(p.shape) >= 2:
+    elif style in (*_ROWWISE, TPStyle.ROWWISE_SPLIT) and len(p.shape) >= 2:
         dim = 1
     else:
         return p
@@ -412,27 +419,40 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
         if kind is EventKind.BWD_POST:
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, True), _tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
         return [], []
+    whole_input_grad = (m, e.call) not in lay.no_input_grad  # (none where its input needs no grad: the model's
+    # own input, a frozen embedding's output)
+    if kind is EventKind.FWD_PRE and style is TPStyle.ROWWISE_SPLIT:  # the whole input's local chunk, cloned
+        return [], [_split_copy(m, inputs, lay.t, False)]
     if kind is EventKind.FWD_POST:
         if style in _SCATTERED:
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False)], []
-        if style in (TPStyle.ROWWISE, TPStyle.EMBEDDING):
+        if style in (TPStyle.ROWWISE, TPStyle.EMBEDDING, TPStyle.ROWWISE_SPLIT):
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, False)], []
-        if style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel:  # the logits made whole
-            return [_tp_op(KERNEL_TP_ALL_GATHER, m, output, False)], []
+        if style is TPStyle.COLWISE_GATHER or (style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel):
+            return [_tp_op(KERNEL_TP_ALL_GATHER, m, output, False)], []  # the output made whole
+    if kind is EventKind.BWD_PRE and style is TPStyle.COLWISE_GATHER:  # the whole output grad's local chunk
+        return [], [_split_copy(m, output, lay.t, True)]
     if kind is EventKind.BWD_PRE and style in _SCATTERED:
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, output // f8, True)]
     if kind is EventKind.BWD_POST:
         if style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, inputs, True)], []
-        if style is TPStyle.COLWISE and not _Layout._inside(m, lay.gathered) \
-                and (m, e.call) not in lay.no_input_grad:  # a replicated input's partial grad (none where its
-            # input needs no grad: the model's own input, a frozen embedding's output)
+        if style in (TPStyle.COLWISE, TPStyle.COLWISE_GATHER) and not _Layout._inside(m, lay.gathered) \
+                and whole_input_grad:  # a replicated input's partial grad
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
+        if style is TPStyle.ROWWISE_SPLIT and whole_input_grad:  # the input's grad, sharded on its last dim
+            return [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs, True)], []
         if style in (TPStyle.SEQUENCE_PARALLEL, TPStyle.REPLICATE):
             # unsharded grads in the compute dtype, as the trace's activations
             grads = sum(p.numel for p in trace.params if m in p.owners and p.requires_grad) * traced_itemsize(trace)
             return ([_tp_op(KERNEL_TP_GRAD_ALL_REDUCE, m, grads, True)] if grads else []), []
     return [], []
+
+
+def _split_copy(module: str, whole: int, t: int, backward: bool) -> Event:
+    """The clone of a whole tensor's last-dim chunk that DTensor's Replicate -> Shard(-1) makes (``Shard``'s
+    ``_replicate_to_shard``: no collective): a rowwise_split Linear's input, a colwise_gather one's output grad."""
+    return Event(EventKind.OP, module, nbytes=2 * whole // t, backward=backward, kernel=KERNEL_TP_RELAYOUT)
 
 
 def _loss_all_reduces(trace: Trace, lay: _Layout) -> list[Event]:
@@ -455,6 +475,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
     loss_ars, loss = _loss_all_reduces(trace, lay), trace.index.loss_region
     outside = _outside_spans(trace, lay)
     saved_whole, float8_saved = _saved_whole(trace, lay, outside), _float8_saved(trace, lay)
+    split_saved = _split_saved(trace, lay)
     t, out, where = lay.t, [], []
     packed = _packed_shares(trace, lay)
     for i, e in enumerate(trace.events):
@@ -466,7 +487,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         if e.is_op:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else _op_scale(lay, e.module, i in outside)
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
-                           + saved_whole.get(i, 0) + float8_saved.get(i, 0), out_nbytes=int(e.out_nbytes * s),
+                           + saved_whole.get(i, 0) + float8_saved.get(i, 0) + split_saved.get(i, 0),
+                           out_nbytes=int(e.out_nbytes * s),
                            live=int(e.live * s), grad_live=int(e.grad_live * s),
                            freed=int(e.freed * (lay.scale(e.module) if i in outside else s)))  # (what the
             # call's own ops saved, at their scale)
@@ -529,7 +551,7 @@ def _relayout(c: Event, trace: Trace, lay: _Layout, i: int, opening: bool) -> li
     and scatters on dim 0, so a sequence-dim (dim 1) collective re-lays its whole tensor out. ``reduce_scatter_single``
     cats the input's dim-1 chunks on dim 0 first (``_chunk_or_narrow_cat``: always a copy);
     ``all_gather_single`` cats the gathered dim-0 chunks on dim 1 after (``_maybe_view_chunk_cat``: a view where the
-    local batch is 1, and only there; the head's logits, gathered on their last dim, always a copy). A
+    local batch is 1, and only there; a gather on the last dim, always a copy: ``_last_dim``). A
     memory-bound op that reads and writes the whole tensor (``KERNEL_TP_RELAYOUT``; a ``CatArrayBatchedCopy``
     kernel in eager, a fused triton ``cat`` compiled). Async TP's fused collectives have none: the micro-pipeline
     consumes and makes the chunks itself. One H200, Llama 3 70B's 4-layer block at TP 8 and local batch 8: 48 such
@@ -537,12 +559,21 @@ def _relayout(c: Event, trace: Trace, lay: _Layout, i: int, opening: bool) -> li
     kind = KIND_OF.get(c.kernel)
     if kind not in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER) or not c.nbytes:
         return []
-    logits = lay.styles.get(c.module) is TPStyle.SEQUENCE_COLWISE and trace.events[i].kind is EventKind.FWD_POST
-    if kind is CollectiveKind.ALL_GATHER and trace.attention_batch == 1 and not logits:
+    last_dim = _last_dim(lay.styles.get(c.module), trace.events[i].kind)
+    if kind is CollectiveKind.ALL_GATHER and trace.attention_batch == 1 and not last_dim:
         return []
     if lay.tp.async_tp and _fused_matmuls(trace.events, i, c.kernel, c.backward, opening, lay.styles):
         return []
     return [Event(EventKind.OP, c.module, nbytes=2 * c.nbytes, backward=c.backward, kernel=KERNEL_TP_RELAYOUT)]
+
+
+def _last_dim(style: TPStyle | None, kind: EventKind) -> bool:
+    """Whether a TP all-gather at a boundary of ``kind`` of a module in ``style`` gathers on the last dim (always a
+    copy after it): the logits of an output head, a colwise_gather Linear's output, a rowwise_split one's input
+    grad."""
+    if kind is EventKind.FWD_POST:
+        return style in (TPStyle.SEQUENCE_COLWISE, TPStyle.COLWISE_GATHER)
+    return kind is EventKind.BWD_POST and style is TPStyle.ROWWISE_SPLIT
 
 
 def _handler_extra(e: Event) -> int:
@@ -587,7 +618,9 @@ def _saved_whole(trace: Trace, lay: _Layout, outside: dict[int, str]) -> dict[in
         if e.kind is EventKind.FWD_PRE and e.module in spans:
             entered[e.module] = e.inputs_nbytes
         if e.kind is EventKind.FWD_PRE and e.module in lay.roots and e.module not in spans:
-            open_calls[e.module] = e.inputs_nbytes
+            # (a colwise_gather Linear's input is its module's, which took it first: Phi-3's qkv_proj's)
+            gather = lay.styles.get(e.module) is TPStyle.COLWISE_GATHER
+            open_calls[e.module] = e.kept_inputs if gather else e.inputs_nbytes
         elif e.kind is EventKind.FWD_PRE and e.module != ROOT and parent_of(e.module) in spans \
                 and e.module in lay.pair_cols[parent_of(e.module)]:  # the first colwise Linear of the span: its
             # input (counted where it is new; a view of the module's own input counts none: that one's size)
@@ -620,6 +653,26 @@ def _float8_saved(trace: Trace, lay: _Layout) -> dict[int, int]:
             local = _linear_input(trace, [e]) // lay.t
             out[i] = local // FLOAT8_SHARE - min(kept, local)
             kept = 0
+    return out
+
+
+def _split_saved(trace: Trace, lay: _Layout) -> dict[int, int]:
+    """Op position -> bytes a rowwise_split Linear's matmul saves beyond its scaled share: the clone of its input's
+    last-dim chunk (``_split_copy``), a storage of its own even where the whole input was saved before (Olmo2's
+    o_proj reads the attention's output, which the trace counts at the attention: the chunk went uncounted)."""
+    out: dict[int, int] = {}
+    kept = 0  # the call's saved bytes so far, one rank's share (the trace counts its input at whichever of the
+    # call's ops autograd packed it: a reshape's or the matmul's)
+    for i, e in enumerate(trace.events):
+        if e.backward:
+            break
+        if not e.is_op or lay.styles.get(e.module) is not TPStyle.ROWWISE_SPLIT:
+            kept = 0 if e.kind is EventKind.FWD_PRE else kept
+            continue
+        kept += int(e.saved * lay.scale(e.module))
+        if e.flops:
+            local = _linear_input(trace, [e]) // lay.t
+            out[i], kept = local - min(kept, local), 0
     return out
 
 
