@@ -81,6 +81,7 @@ SHIPPED_PARAMS = {
     "qwen3-14b": 14_768_307_200, "qwen3-32b": 32_762_123_264, "qwen3-30b-a3b": 30_532_122_624,
     "qwen3-235b-a22b": 235_093_634_560,
     "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672, "moonlight-16b-a3b": 15_960_108_544,
+    "phi3-mini": 3_821_079_552, "phi4": 14_659_507_200,  # the model cards' 3.8B and 14.7B
     # torchtitan's flavours (b5bcd76): the params of torchtitan's own build of each, on meta
     "titan-qwen3-debugmodel": 31_987_968, "titan-qwen3-debugmodel-moe": 315_758_848,
     "titan-deepseek-v3-debugmodel": 33_014_016, "titan-deepseek-v3-16b": 15_706_484_224,

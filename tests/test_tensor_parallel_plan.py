@@ -845,8 +845,8 @@ def test_async_tp_on_a_layout_of_all_reduces_says_it_changes_nothing(tmp_path, c
             "--cluster", "h100:8", "--json"]
     assert main([*argv, "--async-tp"]) == 0
     out, err = capsys.readouterr()
-    assert "this --tp 2 layout has none (its collectives are all-reduces): it would change nothing, and is left " \
-        "out of the plan" in err
+    assert ("this --tp 2 layout has none (its collectives are all-reduces, and gathers of whole outputs no matmul "
+            "reads): it would change nothing, and is left out of the plan") in err
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["step_time"] == json.loads(out)["step_time"]
     assert main([*argv[:-1], "--async-tp"]) == 0  # the label said async all the same (a new user's finding)
@@ -907,3 +907,14 @@ def test_a_plan_file_s_layout_names_the_modules_not_checked_on_numbers(tmp_path,
         "degree": 2, "layout": {"*.up": "colwise", "*.down": "rowwise"}}}))
     assert main(["simulate", spec, "--plan", str(plan), "--cluster", "h100:8"]) == 0
     assert "not checked on numbers in 0, 1 (its forward draws random numbers)" in capsys.readouterr().err
+
+
+def test_auto_says_the_tp_batch_of_the_split_it_chose_only(capsys):
+    """auto searches each split of the batch, and each search's TP note was said: the discarded split's "give
+    --batch 16" beside the chosen one's "give --batch 32", for one job."""
+    from fsdp_planner.cli import main
+
+    assert main(["plan", "hf:titan-qwen3-debugmodel", "--policy", "auto", "--batch", "4", "--seq", "256",
+                 "--cluster", "h100:8"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("auto's layout has TP") == 1 and "give --batch 32 for the same job" in err, err

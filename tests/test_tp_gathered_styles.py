@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.tensor_parallel import TPStyle, tensor_parallel_from_dict
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.tensor_parallel import tp_layout
@@ -46,6 +47,23 @@ def test_phi3_s_fused_projections_take_the_gathered_styles(tmp_path) -> None:
     assert styles["model.layers.0.self_attn.o_proj"] is TPStyle.ROWWISE_SPLIT
     assert styles["model.layers.1.mlp.down_proj"] is TPStyle.ROWWISE_SPLIT
     assert styles["lm_head"] is TPStyle.COLWISE_GATHER
+
+
+def test_a_gathered_attention_needs_no_whole_heads_a_split_one_does(tmp_path) -> None:
+    """Phi-3's q/k/v are gathered whole before its attention, so TP 4 runs its 6 heads (each rank's 1/4 of the
+    fused rows, 72 of 288); the same degree on a Llama, whose colwise q/k/v split the heads, is refused."""
+    from fsdp_planner.planners.tensor_parallel import check_layout
+
+    narrow = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 6}
+    spec = ModelSpec(_model(tmp_path, "phi3", **narrow), batch_size=2, seq_len=16)
+    tr = trace_spec(spec)
+    layout = tp_layout(tr, 4, spec)
+    assert layout.heads is None
+    check_layout(tr, layout)
+    spec = ModelSpec(_model(tmp_path, "llama", **narrow), batch_size=2, seq_len=16)
+    tr = trace_spec(spec)
+    with pytest.raises(PlannerError, match="must divide the model's 6 attention heads"):
+        check_layout(tr, tp_layout(tr, 4, spec))
 
 
 def test_a_plan_file_spells_them_and_the_model_shards_their_weights(tmp_path) -> None:

@@ -100,6 +100,10 @@ SHIPPED: dict[str, ShippedConfig] = {
                                  "(openai/gpt-oss-20b)", 1, 4096),
     "gpt-oss-120b": ShippedConfig("gpt-oss 120B MoE, 128 experts top-4, attention sinks, sliding windows "
                                   "(openai/gpt-oss-120b)", 1, 4096),
+    # Phi (MIT): transformers' Phi3 class, fused qkv_proj and gate_up_proj (TP: transformers' gathered styles)
+    "phi3-mini": ShippedConfig("Phi-3 mini 3.8B, fused QKV and gate-up projections (microsoft/Phi-3-mini-4k-instruct)",
+                               1, 4096),
+    "phi4": ShippedConfig("Phi-4 14B, fused QKV and gate-up projections (microsoft/phi-4)", 1, 4096),
     "moonlight-16b-a3b": ShippedConfig("Moonlight 16B-A3B MoE, MLA, 64 experts top-6 (moonshotai/Moonlight-16B-A3B)",
                                        1, 4096),
     # torchtitan's own flavours (torchtitan/models/*/__init__.py at b5bcd76, BSD-3-Clause), written as transformers

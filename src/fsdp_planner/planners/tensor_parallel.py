@@ -252,8 +252,10 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
                            "the sharded ones (DeepSeek-V2's mla_kv_a_proj makes the rope key every head reads: "
                            "whole, its gradient is summed over one rank's heads only, and the TP ranks' copies "
                            "drift): plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
-    heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
-    return Layout(TensorParallel(degree, layout), "transformers' base_model_tp_plan", heads=heads)
+    tp = TensorParallel(degree, layout)
+    # (a layout that gathers its q/k/v whole, Phi-3's and Olmo2's, splits no heads: their count need not divide)
+    heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads and head_linears(trace, tp)[1] else None
+    return Layout(tp, "transformers' base_model_tp_plan", heads=heads)
 
 
 def _packed_experts(trace: Trace, styles: dict[str, str], pattern: str) -> bool:

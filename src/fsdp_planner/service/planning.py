@@ -171,11 +171,17 @@ def _split(job: PlanJob, tracer: Tracer, reporter: Reporter) -> tuple[PlanJob, t
         return dataclasses.replace(job, model=dataclasses.replace(job.model, batch_size=batch // n),
                                    options=dataclasses.replace(job.options, micro_batches=n), split=False)
 
+    heard: dict[int, list[str]] = {}  # each split's notes: the chosen one's are the job's (a discarded split's
+    # "give --batch N" for its own TP degree misled)
+
     def searched(n: int) -> AutoResult:
         one = at(n)
-        return search(tracer(one.model, one.options), policy, cluster, one.options, one.model, reporter, tracer)
+        quiet = dataclasses.replace(reporter, note=heard.setdefault(n, []).append)
+        return search(tracer(one.model, one.options), policy, cluster, one.options, one.model, quiet, tracer)
 
     best, tried = choose_split(batch, searched, DEFAULT_SPLITS if job.split_by_default else MAX_SPLITS)
+    for line in dict.fromkeys(heard.get(best.micro_batches, ())):
+        reporter.note(line)
     return at(best.micro_batches), tuple(Split(s.micro_batches, s.result.report.step_time, s.result.fits)
                                          for s in tried), best.result
 
@@ -402,12 +408,14 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
     if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
         # reduce-scatters into the matmuls: a layout of all-reduces has nothing it fuses
         reporter.note(f"--async-tp overlaps sequence parallelism's all-gathers and reduce-scatters with the matmuls, "
-                      f"and this --tp {request.tp} layout has none (its collectives are all-reduces): it would "
+                      f"and this --tp {request.tp} layout has none (its collectives are all-reduces, and gathers of "
+                      "whole outputs no matmul reads): it would "
                       "change nothing, and is left out of the plan")
         layout = dataclasses.replace(layout, tp=dataclasses.replace(layout.tp, async_tp=False))
     if float8 is not None and float8.tp_float8_all_gather and not layout.tp.sequence_parallel:
         reporter.note(f"--float8-tp-all-gather casts sequence parallelism's all-gathers to float8, and this --tp "
-                      f"{request.tp} layout has none (its collectives are all-reduces, which stay bf16): only where "
+                      f"{request.tp} layout has none (its all-reduces, and the gathers of transformers' gathered "
+                      "styles, stay bf16): only where "
                       "the casts run changes (torchao's float8 styles cast each Linear's input and output grad in "
                       "their hooks)")
     share = sharded_share(tr, layout.tp)

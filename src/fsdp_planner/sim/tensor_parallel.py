@@ -412,40 +412,60 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
     f8 = FLOAT8_SHARE if m in lay.float8 else 1  # cast to float8 before its all-gather
     if kind is EventKind.FWD_PRE and style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs // f8, False)]
-    if style is TPStyle.MOE_TP_EXPERTS:  # the partial output all-reduced; backward, the hidden states' and the
-        # routing weights' partial grads
-        if kind is EventKind.FWD_POST:
-            return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, False)], []
-        if kind is EventKind.BWD_POST:
-            return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, True), _tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
-        return [], []
+    if style is TPStyle.MOE_TP_EXPERTS:
+        return _packed_collectives(e, inputs, output), []
     whole_input_grad = (m, e.call) not in lay.no_input_grad  # (none where its input needs no grad: the model's
     # own input, a frozen embedding's output)
-    if kind is EventKind.FWD_PRE and style is TPStyle.ROWWISE_SPLIT:  # the whole input's local chunk, cloned
-        return [], [_split_copy(m, inputs, lay.t, False)]
+    if style in _WHOLE_AROUND:
+        return _whole_around(e, style, lay, inputs, output, whole_input_grad)
     if kind is EventKind.FWD_POST:
         if style in _SCATTERED:
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, output, False)], []
-        if style in (TPStyle.ROWWISE, TPStyle.EMBEDDING, TPStyle.ROWWISE_SPLIT):
+        if style in (TPStyle.ROWWISE, TPStyle.EMBEDDING):
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, output, False)], []
-        if style is TPStyle.COLWISE_GATHER or (style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel):
-            return [_tp_op(KERNEL_TP_ALL_GATHER, m, output, False)], []  # the output made whole
-    if kind is EventKind.BWD_PRE and style is TPStyle.COLWISE_GATHER:  # the whole output grad's local chunk
-        return [], [_split_copy(m, output, lay.t, True)]
+        if style is TPStyle.SEQUENCE_COLWISE and not lay.tp.loss_parallel:  # the logits made whole
+            return [_tp_op(KERNEL_TP_ALL_GATHER, m, output, False)], []
     if kind is EventKind.BWD_PRE and style in _SCATTERED:
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, output // f8, True)]
     if kind is EventKind.BWD_POST:
         if style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
             return [_tp_op(KERNEL_TP_REDUCE_SCATTER, m, inputs, True)], []
-        if style in (TPStyle.COLWISE, TPStyle.COLWISE_GATHER) and not _Layout._inside(m, lay.gathered) \
+        if style is TPStyle.COLWISE and not _Layout._inside(m, lay.gathered) \
                 and whole_input_grad:  # a replicated input's partial grad
             return [_tp_op(KERNEL_TP_ALL_REDUCE, m, inputs, True)], []
-        if style is TPStyle.ROWWISE_SPLIT and whole_input_grad:  # the input's grad, sharded on its last dim
-            return [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs, True)], []
         if style in (TPStyle.SEQUENCE_PARALLEL, TPStyle.REPLICATE):
             # unsharded grads in the compute dtype, as the trace's activations
             grads = sum(p.numel for p in trace.params if m in p.owners and p.requires_grad) * traced_itemsize(trace)
             return ([_tp_op(KERNEL_TP_GRAD_ALL_REDUCE, m, grads, True)] if grads else []), []
+    return [], []
+
+
+def _packed_collectives(e: Event, inputs: int, output: int) -> list[Event]:
+    """``_collectives`` of transformers' packed experts (``MOE_TP_EXPERTS``), before boundary ``e``: the partial
+    output all-reduced; backward, the hidden states' and the routing weights' partial grads."""
+    if e.kind is EventKind.FWD_POST:
+        return [_tp_op(KERNEL_TP_ALL_REDUCE, e.module, output, False)]
+    if e.kind is EventKind.BWD_POST:
+        return [_tp_op(KERNEL_TP_ALL_REDUCE, e.module, output, True), _tp_op(KERNEL_TP_ALL_REDUCE, e.module, inputs,
+                                                                             True)]
+    return []
+
+
+def _whole_around(e: Event, style: TPStyle, lay: _Layout, inputs: int, output: int, input_grad: bool
+                  ) -> tuple[list[Event], list[Event]]:
+    """``_collectives`` of transformers' gathered styles (``_WHOLE_AROUND``): a colwise_gather Linear's output
+    all-gathered and its (replicated) input's partial grad all-reduced, the output grad's local chunk taken first;
+    a rowwise_split one's input chunk taken, its partial output all-reduced and its input's grad (sharded on its
+    last dim) all-gathered. ``input_grad``: whether the call's input needs a grad."""
+    m, kind, colwise = e.module, e.kind, style is TPStyle.COLWISE_GATHER
+    if kind is EventKind.FWD_PRE and not colwise:  # the whole input's local chunk, cloned
+        return [], [_split_copy(m, inputs, lay.t, False)]
+    if kind is EventKind.FWD_POST:
+        return [_tp_op(KERNEL_TP_ALL_GATHER if colwise else KERNEL_TP_ALL_REDUCE, m, output, False)], []
+    if kind is EventKind.BWD_PRE and colwise:  # the whole output grad's local chunk
+        return [], [_split_copy(m, output, lay.t, True)]
+    if kind is EventKind.BWD_POST and input_grad and not (colwise and _Layout._inside(m, lay.gathered)):
+        return [_tp_op(KERNEL_TP_ALL_REDUCE if colwise else KERNEL_TP_ALL_GATHER, m, inputs, True)], []
     return [], []
 
 
