@@ -671,3 +671,21 @@ def test_a_registry_job_s_global_batch_that_does_not_divide_is_said_in_its_token
                                            r"training\.num_tokens_per_microbatch_per_dp_rank \(8,192\) x the 8 "
                                            r"data-parallel GPUs"):
         options(job("llama3_8b"), flags=("--training.num_tokens_per_train_step", "32768"))
+
+
+@pytest.mark.parametrize(("extra", "workload", "says"), [
+    ((), (8, 2048), "simulated here (--batch and --seq replace them)"),
+    (("--seq", "4096"), (8, 4096), "simulated here; --seq 4,096 in place of its 2,048"),
+    (("--batch", "2", "--seq", "4096"), (2, 4096), None),
+])
+def test_a_job_without_token_counts_runs_training_config_s_defaults(tmp_path, capsys, extra, workload, says):
+    """torchtitan runs TrainingConfig's 16,384 tokens of 2,048 a micro-batch for a job that gives no token counts
+    (it was simulated at the model's own default, the 8B's 1 x 8,192): a soft default that --batch and --seq
+    replace without the contradiction a job's own counts would be."""
+    path = tmp_path / "config_registry.py"
+    path.write_text("from torchtitan.models.llama3 import model_registry\nfrom torchtitan.trainer import Trainer\n\n\n"
+                    "def job() -> Trainer.Config:\n    return Trainer.Config(model_spec=model_registry('8B'))\n")
+    shown, _ = options(f"{path}:job", *extra)
+    assert (shown["batch"], shown["seq"]) == workload
+    err = capsys.readouterr().err
+    assert (says in err) if says else "gives no token counts" not in err, err

@@ -20,6 +20,7 @@ from typing import Any
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.configs.torchtitan_registry import (
     TOKENS,
+    default_tokens,
     is_registry_spec,
     parse_flags,
     read_registry,
@@ -86,6 +87,8 @@ class JobConfig:
     seq: int | None = None
     micro_batches: int = 1
     global_batch: int | None = None  # torchtitan's global_batch_size: the split is known once the world is
+    default_workload: tuple[int, int] | None = None  # (batch, seq) torchtitan runs where a registry job gives no
+    # token counts (TrainingConfig's defaults): --batch and --seq replace them, where the job's own counts conflict
     replicate: int = 1
     shard: int | None = None  # None: every GPU left (torchtitan's -1)
     tp: int = 1  # the tensor-parallel degree (torchtitan's tensor_parallel_degree, Accelerate's tp_size)
@@ -142,6 +145,8 @@ def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
         data, notes = read_registry(path, parse_flags(flags))
         cfg = JobConfig(kind, path, notes=notes)
         _titan(cfg, data)
+        if cfg.batch is None and cfg.seq is None:
+            cfg.default_workload = default_tokens()
         return cfg
     label = f"{kind} config '{path}'"
     if kind == TORCHTITAN and path.endswith(".py"):

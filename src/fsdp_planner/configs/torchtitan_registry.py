@@ -738,9 +738,16 @@ def _optimizer(value: Any, label: str, notes: list[str]) -> dict[str, Any]:
     return table
 
 
+def default_tokens() -> tuple[int, int]:
+    """(batch, seq) of TrainingConfig's default token counts: what torchtitan runs for a job that gives none."""
+    seq = TOKEN_DEFAULTS["max_context_length"]
+    return TOKEN_DEFAULTS["num_tokens_per_microbatch_per_dp_rank"] // seq, seq
+
+
 def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:
     """The token counts as sequences: per GPU (local_batch_size), their length (seq_len) and per step
-    (global_batch_size); a job that gives neither count leaves the workload to --batch and --seq."""
+    (global_batch_size); a job that gives neither count runs TrainingConfig's defaults (``default_tokens``), which
+    --batch and --seq replace."""
     given = {k: training.pop(k) for k in TOKENS if k in training}
     if not {"num_tokens_per_microbatch_per_dp_rank", "max_context_length"} & set(given):
         if given:  # the step's tokens in sequences need their length: it was dropped without a word

@@ -135,6 +135,8 @@ def _workload(m: _Merge) -> None:
     registry = cfg.registry  # torchtitan's current keys
     batch_key = TOKENS_KEY if registry else \
         "training.local_batch_size" if cfg.kind == TORCHTITAN else "batch"
+    if cfg.default_workload is not None:
+        _default_workload(m, *cfg.default_workload)
     if cfg.batch is not None:
         m.given("batch", cfg.batch, batch_key)
     if cfg.seq is not None:
@@ -151,6 +153,20 @@ def _workload(m: _Merge) -> None:
         m.given("shard_placement", ShardPlacement.AUTO.value, "torchtitan's expert shard placement")
     if cfg.offload:
         m.given("offload", True, cfg.key("offload"), False)
+
+
+def _default_workload(m: _Merge, batch: int, seq: int) -> None:
+    """A registry job without token counts: torchtitan runs TrainingConfig's defaults, which --batch and --seq
+    replace (the job says nothing they would contradict)."""
+    defaults = {"batch": batch, "seq": seq}
+    mine = {k: m.values[k] for k in defaults}
+    if all(mine.values()):
+        return
+    m.values.update({k: mine[k] or v for k, v in defaults.items()})
+    replaced = "".join(f"; --{k} {mine[k]:,} in place of its {v:,}" for k, v in defaults.items() if mine[k])
+    m.note(f"the job '{m.cfg.path}' gives no token counts: torchtitan runs TrainingConfig's defaults, "
+           f"{batch * seq:,} tokens a micro-batch per data-parallel rank in sequences of {seq:,} (batch {batch}), "
+           f"simulated here{replaced or ' (--batch and --seq replace them)'}")
 
 
 def _layout(m: _Merge) -> None:
