@@ -477,7 +477,8 @@ def test_embedding_and_head_styles_that_fail_on_the_ranks_are_refused():
         with pytest.raises(PlannerError, match=f"^emb is an nn.Embedding and its tensor-parallel style {style.value} "
                                                "is a Linear's: give it embedding"):
             check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "emb": style}), None))
-    with pytest.raises(PlannerError, match=r"^the output of head, .* an output head takes sequence_colwise where"):
+    with pytest.raises(PlannerError, match=r"^the output of head, .* an output head takes colwise_gather .its logits "
+                                           r"gathered whole., or sequence_colwise where"):
         check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "head": TPStyle.COLWISE}), None))
     with pytest.raises(PlannerError, match=r"^the tensor-parallel style sequence_colwise of head takes its input "
                                            r"sharded on the sequence .* pair\.down \(rowwise\), leaves it whole"):

@@ -83,6 +83,18 @@ class TPStyle(Enum):
 
 
 TP_STYLE_NAMES = tuple(s.value for s in TPStyle)
+# transformers' style names (``ALL_PARALLEL_STYLES``) that are one of torch's styles as a ``TPStyle`` has it
+# (``planners/tensor_parallel.py`` reads its plans with them, refusing a plan with another: its packed, MLA and
+# other styles; a plan file naming one is told its name here). The gathered-output and split-input ones are torch's
+# ColwiseParallel(output_layouts=Replicate()) and RowwiseParallel(input_layouts=Replicate()); replicated_with_grad_
+# allreduce (Qwen3's and Gemma 3's per-head q_norm / k_norm between a colwise and a rowwise Linear: params
+# replicated, run on this rank's heads, grads all-reduced over TP) is ``REPLICATE``: left whole it trained each
+# rank's norm on its own heads' grads alone (transformers/distributed/tensor_parallel.py)
+TRANSFORMERS_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_rowwise": TPStyle.EMBEDDING,
+                       "sequence_parallel": TPStyle.SEQUENCE_PARALLEL,
+                       "replicated_with_grad_allreduce": TPStyle.REPLICATE,
+                       "colwise_gather_output": TPStyle.COLWISE_GATHER, "colwise_rep": TPStyle.COLWISE_GATHER,
+                       "rowwise_split_input": TPStyle.ROWWISE_SPLIT, "rowwise_rep": TPStyle.ROWWISE_SPLIT}
 
 # The dim of each grouped-experts param that ``EXPERT_TENSOR`` shards: their hidden (ffn) dim, as torchtitan's
 # dense expert placement does (``Shard(1)`` of its w1/w3 [E, ffn, dim], ``Shard(2)`` of w2 [E, dim, ffn]) on
@@ -269,8 +281,10 @@ def tensor_parallel_from_dict(data: Any) -> TensorParallel | None:
             raise PlannerError(f"plan 'tensor_parallel.layout' key {shown_json(key)} is not a module name or pattern "
                                "(non-empty parts separated by dots)")
         if value not in TP_STYLE_NAMES:
+            known = TRANSFORMERS_STYLES.get(value) if isinstance(value, str) else None
+            hint = f" (transformers' name for {known.value})" if known is not None else ""
             raise PlannerError(f"plan 'tensor_parallel.layout' gives {shown_json(key)} the unknown style "
-                               f"{shown_json(value)}: choose one of {', '.join(TP_STYLE_NAMES)}")
+                               f"{shown_json(value)}{hint}: choose one of {', '.join(TP_STYLE_NAMES)}")
     flags = {k: data.get(k, False) for k in ("loss_parallel", "async_tp")}
     bad = next((k for k, v in flags.items() if not isinstance(v, bool)), None)
     if bad is not None:

@@ -15,6 +15,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.tensor_parallel import (
     MOE_TP_EXPERT_DIMS,
+    TRANSFORMERS_STYLES,
     WEIGHT_STYLES,
     TensorParallel,
     TPStyle,
@@ -52,20 +53,6 @@ _LLAMA_TOP = {"tok_embeddings": TPStyle.EMBEDDING_SEQUENCE, "norm": TPStyle.SEQU
 _LLAMA_CLASSES = {"tok_embeddings": "Embedding", "output": "Linear", "attention.wq": "Linear",
                   "attention.wk": "Linear", "attention.wv": "Linear", "attention.wo": "Linear",
                   "feed_forward.w1": "Linear", "feed_forward.w2": "Linear", "feed_forward.w3": "Linear"}
-
-# transformers' style names (``ALL_PARALLEL_STYLES``) that are one of torch's styles as a ``TPStyle`` has it; the
-# others (packed, MoE, MLA) have no TPStyle yet and leave their module whole over TP. Its gathered-output and
-# split-input styles (``colwise_gather_output`` / ``colwise_rep``, ``rowwise_split_input`` / ``rowwise_rep``: torch's
-# ColwiseParallel(output_layouts=Replicate()) and RowwiseParallel(input_layouts=Replicate())) are ``COLWISE_GATHER``
-# and ``ROWWISE_SPLIT``: Phi-3's fused projections, Olmo2's attention and every causal LM's lm_head.
-# ``replicated_with_grad_allreduce`` (Qwen3's and Gemma 3's per-head q_norm / k_norm, between a colwise and a
-# rowwise Linear: params replicated, run on this rank's heads, grads all-reduced over TP) is ``REPLICATE``: left
-# whole it trained each rank's norm on its own heads' grads alone (transformers/distributed/tensor_parallel.py)
-HF_STYLES = {"colwise": TPStyle.COLWISE, "rowwise": TPStyle.ROWWISE, "embedding_rowwise": TPStyle.EMBEDDING,
-             "sequence_parallel": TPStyle.SEQUENCE_PARALLEL, "replicated_with_grad_allreduce": TPStyle.REPLICATE,
-             "colwise_gather_output": TPStyle.COLWISE_GATHER, "colwise_rep": TPStyle.COLWISE_GATHER,
-             "rowwise_split_input": TPStyle.ROWWISE_SPLIT, "rowwise_rep": TPStyle.ROWWISE_SPLIT}
-
 
 # torchtitan's MoE block under TP (its MoE sharding config) on ``models/moe.py``'s names: attention as in a Llama
 # block; the MoE layer's input all-gathered and its partial output reduce-scattered, the router's gate replicated;
@@ -236,14 +223,14 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     for pattern, style in plan.styles.items():
         if not any(matches(pattern, n) for n in names):
             continue
-        if style in HF_STYLES:
-            layout[pattern] = HF_STYLES[style]
+        if style in TRANSFORMERS_STYLES:
+            layout[pattern] = TRANSFORMERS_STYLES[style]
         elif style == "moe_tp_experts" and _packed_experts(trace, plan.styles, pattern):
             layout[pattern] = TPStyle.MOE_TP_EXPERTS
         else:
             left[pattern] = style
-    if not any(s in (TPStyle.ROWWISE, TPStyle.ROWWISE_SPLIT) for s in layout.values()):  # (a plan of the blocks,
-        # not the output head's alone)
+    if not any(s in (TPStyle.ROWWISE, TPStyle.ROWWISE_SPLIT, TPStyle.MOE_TP_EXPERTS) for s in layout.values()):
+        # (a plan of the blocks, not the output head's alone)
         raise PlannerError(_no_plan_reason(plan, names, model.name, left))
     _refuse_own_params_on_heads(trace, plan, layout, model.name)
     if left:
@@ -298,8 +285,15 @@ def _no_plan_reason(plan: hf.HfParallelPlan, names: list[str], model_name: str, 
         return (f"transformers' tensor-parallel plan for {model_name} names its base model '{plan.prefix}' (the "
                 f"class's base_model_prefix), which is not among the model's children ({', '.join(children)}), so "
                 f"none of its {len(base)} base patterns matches a module: {ways}")
-    return (f"transformers has no tensor-parallel plan for {model_name} that the planner models "
-            f"({_listed(left) or 'its config class has no base_model_tp_plan'}): {ways}")
+    if left:
+        return (f"transformers has no tensor-parallel plan for {model_name} that the planner models "
+                f"({_listed(left)}): {ways}")
+    matched = {p: s for p, s in plan.styles.items() if any(matches(p, n) for n in names)}
+    if matched:  # (gpt-oss's shards its embedding alone, PhiMoE's its experts alone: refused beside)
+        return (f"transformers' tensor-parallel plan for {model_name} shards no Linear of its blocks rowwise, nor "
+                f"their experts (it gives {_listed(matched)}): {ways}")
+    return (f"transformers has no tensor-parallel plan for {model_name} (its config class has no "
+            f"base_model_tp_plan): {ways}")
 
 
 def _listed(styles: dict[str, str]) -> str:
@@ -497,6 +491,7 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
                                "(the head dim its attention runs at): choose a degree that divides them")
     for module, style in tp.styles(trace.modules).items():
         _check_module(trace, module, style, d, asked)
+    _check_ties(trace, tp)
     _check_embeddings(trace, tp)
     _check_rowwise_inputs(trace, tp)
     _check_colwise_outputs(trace, tp)
@@ -516,6 +511,19 @@ def _forward_order(trace: Trace, modules: list[str]) -> list[str]:
     """Of ``modules``, those whose forward reads a param, in the order it first does (a holder before what it
     holds)."""
     return [m for _, m in sorted((trace.modules[m].first_use, m) for m in modules if trace.modules[m].first_use >= 0)]
+
+def _check_ties(trace: Trace, tp: TensorParallel) -> None:
+    """A param several modules share (tied embeddings) stays whole over TP: ``parallelize_module`` makes each
+    styled module's weight a DTensor of its own, untying them (a tied head given colwise_gather in a plan file
+    trained two weights where the plan holds one: FSDP's bytes 20-27% off on the fake process group)."""
+    styles = tp.styles(trace.modules)
+    for p in trace.params:
+        styled = sorted(o for o in p.owners if styles.get(o) in WEIGHT_STYLES) if p.is_shared else []
+        if styled:
+            raise PlannerError(f"{' and '.join(p.owners)} share {p.fqn}, and the tensor-parallel style "
+                               f"{styles[styled[0]].value} of {styled[0]} would untie it (torch gives each styled "
+                               "module a weight of its own): leave the tied modules out of the layout")
+
 
 def _check_embeddings(trace: Trace, tp: TensorParallel) -> None:
     """An nn.Embedding takes the embedding styles: torch's RowwiseParallel shards an embedding's vocab and its
@@ -543,10 +551,12 @@ def _check_colwise_outputs(trace: Trace, tp: TensorParallel) -> None:
         if after is None or styles[after] not in _ROWWISE or trace.modules[after].torch_class != "Linear":
             then = (f"the next module whose weight TP shards, {after}, is {styles[after].value}" if after is not None
                     else "no module after it has a weight TP shards")
+            way = ("pair it with a rowwise Linear that takes it, or give it colwise_gather (its output gathered "
+                   "whole) where what reads it takes a whole input" if after is not None else
+                   "an output head takes colwise_gather (its logits gathered whole), or sequence_colwise where the "
+                   "layout shards the sequence before it, else leave it out of the layout")
             raise PlannerError(f"the output of {m}, tensor-parallel style colwise, stays sharded on its features over "
-                               f"TP, and {then}: pair it with a rowwise Linear that takes it; an output head takes "
-                               "sequence_colwise where the layout shards the sequence before it (the logits whole, "
-                               "or vocab-sharded under loss parallel), else leave it out of the layout")
+                               f"TP, and {then}: {way}")
 
 
 # styles that take their input sharded on the sequence (``Shard(1)``), and those whose output is

@@ -18,7 +18,7 @@ from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
 from fsdp_planner.planners.expert_parallel import check_ep_applies, ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
-from fsdp_planner.service.tracing import LOCAL_STYLES, check_local_shapes
+from fsdp_planner.service.tracing import LOCAL_STYLES, WHOLE_ON_EACH_RANK, check_local_shapes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
 
@@ -162,8 +162,9 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec, note: Callable[[str],
     """The plan's tensor parallelism meets the checks ``--tp`` does (``planners/tensor_parallel.py``'s
     ``check_layout``): a degree that divides the model's heads, whole heads of each colwise Linear that feeds a
     fused attention call, every sharded dim and the sequence, and styles torch applies to their modules; a layout
-    of colwise and rowwise Linears alone then runs one TP rank's step (``check_local_shapes``: a hand-written
-    attention's view into its fixed head count, which no fused call tells, fails there)."""
+    of colwise and rowwise Linears, beside styles whose modules are whole on each rank (``WHOLE_ON_EACH_RANK``),
+    then runs one TP rank's step and its pairs on numbers (``check_local_shapes``: a hand-written attention's view
+    into its fixed head count, which no fused call tells, fails there)."""
     tp = plan.tensor_parallel
     if plan.float8 is not None and plan.float8.tp_float8_all_gather and (tp is None or tp.degree == 1):
         raise PlannerError("plan 'float8.tp_float8_all_gather' casts TP's activations to float8 before their "
@@ -172,7 +173,8 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec, note: Callable[[str],
     if tp is None or tp.degree == 1:
         return
     check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))
-    if all(s in LOCAL_STYLES for s in tp.layout.values()):
+    styles = set(tp.layout.values())
+    if styles & set(LOCAL_STYLES) and styles <= {*LOCAL_STYLES, *WHOLE_ON_EACH_RANK}:
         for line in check_local_shapes(model, tp, plan_file=True):  # (the modules not checked on numbers)
             note(line)
 

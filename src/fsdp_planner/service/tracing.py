@@ -57,6 +57,11 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
 
 
 LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's step ``check_local_shapes`` runs
+# styles whose module gives each rank what the whole module gives it (an output gathered or all-reduced, a
+# replicated param run on what the rank has): ``check_local_shapes`` runs them whole beside the local ones (a plan
+# file of transformers' layout, its embedding and gathered head among them, was never checked on numbers: a plain
+# colwise Phi-3 gate_up_proj there trained wrong values, 144x the parity bound)
+WHOLE_ON_EACH_RANK = (TPStyle.COLWISE_GATHER, TPStyle.ROWWISE_SPLIT, TPStyle.EMBEDDING, TPStyle.REPLICATE)
 
 
 class LayoutDoesNotRun(PlannerError):

@@ -96,7 +96,10 @@ _EMBEDDING = (TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE)
 _GATHERED = (TPStyle.GATHER_INPUT, TPStyle.SEQUENCE_COLWISE)  # input all-gathered from its sequence shard
 # output reduce-scattered onto the sequence dim (its grad all-gathered back)
 _SCATTERED = (TPStyle.ROWWISE_SEQUENCE, TPStyle.EMBEDDING_SEQUENCE, TPStyle.MOE_SEQUENCE)
-# a Linear on its own 1/TP of the weight between whole activations: its output gathered, or its input split
+# a Linear on its own 1/TP of the weight between whole activations: its output gathered, or its input split. What
+# a colwise_gather call saves is whole: its replicated input, and the inputs of the op after it that the trace counts
+# at its matmul (a SwiGLU's product saves the gathered up_proj output: -5.6% of the peak at 1/TP); a rowwise_split
+# call's matmul saves its input's chunk (``_split_saved``)
 _WHOLE_AROUND = (TPStyle.COLWISE_GATHER, TPStyle.ROWWISE_SPLIT)
 # torchao's float8 TP styles move a bf16 activation in float8: half its bytes (``--float8-tp-all-gather`` needs a
 # bf16 compute dtype, ``service/validate.py``)
@@ -169,8 +172,7 @@ class _Layout:
         self.embeddings = [m for m, s in self.styles.items() if s in _EMBEDDING]
         gathered = {m for m, s in self.styles.items() if s in _GATHERED}
         roots = gathered | {m for m in pairs if not self._inside(m, gathered)}
-        roots |= {m for m, s in self.styles.items()
-                  if (s in _COLWISE or s is TPStyle.COLWISE_GATHER) and not self._inside(m, roots)}
+        roots |= {m for m in colwise if not self._inside(m, roots)}
         self.roots = roots
         self.gathered = gathered
         self.whole = {m for m, s in self.styles.items() if s is TPStyle.MOE_SEQUENCE}
@@ -506,11 +508,12 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         where.append(len(out))
         if e.is_op:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else _op_scale(lay, e.module, i in outside)
-            e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * s)
+            kept = 1.0 if lay.styles.get(e.module) is TPStyle.COLWISE_GATHER else s  # (``_WHOLE_AROUND``)
+            e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * kept)
                            + saved_whole.get(i, 0) + float8_saved.get(i, 0) + split_saved.get(i, 0),
                            out_nbytes=int(e.out_nbytes * s),
                            live=int(e.live * s), grad_live=int(e.grad_live * s),
-                           freed=int(e.freed * (lay.scale(e.module) if i in outside else s)))  # (what the
+                           freed=int(e.freed * (lay.scale(e.module) if i in outside else kept)))  # (what the
             # call's own ops saved, at their scale)
             if i in packed:
                 e = _packed_op(e, packed[i], t)
@@ -638,9 +641,7 @@ def _saved_whole(trace: Trace, lay: _Layout, outside: dict[int, str]) -> dict[in
         if e.kind is EventKind.FWD_PRE and e.module in spans:
             entered[e.module] = e.inputs_nbytes
         if e.kind is EventKind.FWD_PRE and e.module in lay.roots and e.module not in spans:
-            # (a colwise_gather Linear's input is its module's, which took it first: Phi-3's qkv_proj's)
-            gather = lay.styles.get(e.module) is TPStyle.COLWISE_GATHER
-            open_calls[e.module] = e.kept_inputs if gather else e.inputs_nbytes
+            open_calls[e.module] = e.inputs_nbytes
         elif e.kind is EventKind.FWD_PRE and e.module != ROOT and parent_of(e.module) in spans \
                 and e.module in lay.pair_cols[parent_of(e.module)]:  # the first colwise Linear of the span: its
             # input (counted where it is new; a view of the module's own input counts none: that one's size)
