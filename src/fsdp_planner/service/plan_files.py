@@ -14,10 +14,11 @@ from fsdp_planner.fsdp2.claim import check_plan_matches, short_list, with_claime
 from fsdp_planner.fsdp2.expert_groups import check_expert_groups
 from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
 from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
 from fsdp_planner.planners.expert_parallel import check_ep_applies, ep_note, expert_modules
-from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout
+from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout, tp_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, WHOLE_ON_EACH_RANK, check_local_shapes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.userfiles import shown_json
@@ -174,9 +175,22 @@ def check_plan_tp(plan: Plan, tr: Trace, model: ModelSpec, note: Callable[[str],
         return
     check_layout(tr, plan_layout(tr, tp, model), None, model.workload().get("seq_len"))
     styles = set(tp.layout.values())
-    if styles & set(LOCAL_STYLES) and styles <= {*LOCAL_STYLES, *WHOLE_ON_EACH_RANK}:
+    checkable = styles & set(LOCAL_STYLES) and styles <= {*LOCAL_STYLES, *WHOLE_ON_EACH_RANK}
+    if checkable and not _transformers_own(tp, tr, model):
         for line in check_local_shapes(model, tp, plan_file=True):  # (the modules not checked on numbers)
             note(line)
+
+
+def _transformers_own(tp: TensorParallel, tr: Trace, model: ModelSpec) -> bool:
+    """Whether ``tp`` is transformers' own plan for an ``hf:`` model as ``--tp`` takes it (what ``plan`` wrote):
+    trusted as ``--tp`` trusts it, not run on numbers again (its large blocks would each be a note)."""
+    if not hf.is_hf(model.name):
+        return False
+    try:
+        own = tp_layout(tr, tp.degree, model).tp
+    except PlannerError:
+        return False
+    return dict(own.layout) == dict(tp.layout)
 
 
 def check_plan_ep(plan: Plan, tr: Trace) -> None:
