@@ -385,11 +385,13 @@ def test_an_mlp_written_inline_beside_attention_is_a_pair():
     with pytest.raises(PlannerError, match=r"^no sound tensor-parallel layout for this model"):
         tp_layout(trace_spec(normed), 2, normed)
     # beside a fused qkv projection (3 x width out, which a contiguous split of its columns would not cut into
-    # whole heads): the MLP's two Linears are the block's one pair (the block was refused as having none)
+    # whole heads): the MLP's two Linears are the block's column-then-row pair (the block was refused as having
+    # none), and qkv and proj a gathered one (tests/test_tp_gathered_styles.py)
     fused = ModelSpec(f"{fixtures}:fused_qkv")
     found = tp_layout(trace_spec(fused), 2, fused)
-    assert found.tp.layout == {f"{b}.fc{i}": s for b in ("0", "1") for i, s in ((1, TPStyle.COLWISE),
-                                                                             (2, TPStyle.ROWWISE))}
+    assert found.tp.layout == {f"{b}.{m}": s for b in ("0", "1") for m, s in (
+        ("fc1", TPStyle.COLWISE), ("fc2", TPStyle.ROWWISE), ("qkv", TPStyle.COLWISE_GATHER),
+        ("proj", TPStyle.ROWWISE_SPLIT))}
 
 
 class NormedPair(nn.Module):

@@ -243,3 +243,33 @@ def test_a_plan_of_experts_alone_is_laid_out(tmp_path, capsys):
     assert main(["plan", "hf:titan-gpt-oss-debugmodel", "--tp", "2", "--cluster", "h100:8"]) == 2
     assert "shards no Linear of its blocks rowwise, nor their experts (it gives model.embed_tokens " \
            "(embedding_rowwise)" in capsys.readouterr().err
+
+
+def test_a_fused_projection_of_one_s_own_model_is_a_gathered_pair():
+    """toy-gpt2-tied's attention fuses q, k and v in c_attn (3 x width out, split by the model's own widths): no
+    column-then-row pair, so it stayed whole over TP; now c_attn colwise_gather and c_proj rowwise_split, the
+    attention between them whole on every rank."""
+    from fsdp_planner.planners.tensor_parallel import PAIRS
+
+    spec = ModelSpec("toy-gpt2-tied")
+    tr = trace_spec(spec)
+    found = tp_layout(tr, 2, spec)
+    styles = found.tp.styles(tr.modules)
+    assert found.source == PAIRS and "3 gathered pairs in CausalSelfAttention" in found.notes[0]
+    assert styles["h.0.attn.c_attn"] is TPStyle.COLWISE_GATHER
+    assert styles["h.0.attn.c_proj"] is TPStyle.ROWWISE_SPLIT
+    assert styles["h.0.mlp.c_fc"] is TPStyle.COLWISE
+
+
+@pytest.mark.integration  # real FSDP2 + DTensor on 8 fake ranks twice, 4 gloo ranks under torchrun: ~45 s
+def test_a_gathered_pair_of_one_s_own_model_is_exact_and_trains_with_parity(capsys):
+    from fsdp_planner.cli import main
+
+    for precision in ("fp32", "bf16-mixed"):
+        assert main(["verify", "toy-gpt2-tied", "--policy", "titan", "--tp", "2", "--fake-world-size", "8",
+                     "--cluster", "h100:8", "--precision", precision, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["counts_and_bytes_exact"] and abs(out["peak_error"]) < 0.005, out
+    assert main(["verify", "toy-gpt2-tied", "--policy", "titan", "--tp", "2", "--nproc", "4", "--precision", "fp32",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]

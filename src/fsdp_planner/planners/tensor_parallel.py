@@ -305,31 +305,38 @@ class _Pair:
     parent: str
     cols: tuple[str, ...]
     row: str
+    gathered: bool = False  # no colwise output is the rowwise input's size (a fused qkv the model splits by its
+    # own widths): colwise_gather and rowwise_split, what reads the outputs run whole on every rank
 
 
 def _pairs_layout(trace: Trace, degree: int) -> Layout:
     """Column-then-row Linear pairs: in a module whose Linear children are all called from the hidden size in, the
-    last of them back to it (rowwise) after the others (colwise), one of which makes the rowwise one's input size
-    (``_pair``)."""
+    last of them back to it (rowwise) after the others (colwise), one of which makes the rowwise one's input size;
+    where none does (a fused qkv), a gathered pair (``_pair``)."""
     pairs = [p for m in trace.modules.values() for p in _pairs(trace, m)]
     if not pairs:
         raise PlannerError("no sound tensor-parallel layout for this model: no module holds Linears called as a "
                            "column-then-row pair (Linears from the hidden size, then one Linear back to it, and "
                            "nothing else with params, or two such Linears run one after the other, the first's "
-                           "outputs the second's inputs: a fused projection such as qkv, whose columns a contiguous "
-                           "split would not give whole heads, makes none): plan it without --tp, or give a layout "
-                           "in a plan file's 'tensor_parallel'")
+                           "outputs the second's inputs): plan it without --tp, or give a layout in a plan file's "
+                           "'tensor_parallel'")
     layout: dict[str, TPStyle] = {}
     for p in pairs:
-        layout.update({c: TPStyle.COLWISE for c in p.cols})
-        layout[p.row] = TPStyle.ROWWISE
-    classes = sorted({trace.modules[p.parent].cls for p in pairs})
+        layout.update({c: TPStyle.COLWISE_GATHER if p.gathered else TPStyle.COLWISE for c in p.cols})
+        layout[p.row] = TPStyle.ROWWISE_SPLIT if p.gathered else TPStyle.ROWWISE
     share = sharded_share(trace, TensorParallel(degree, layout))
-    note = (f"tensor-parallel layout detected: {fmt_count(len(pairs), 'column-then-row Linear pair')} in "
-            f"{', '.join(classes)}, {share:.0%} of the params (checked: a module of each class holding a pair, run "
-            "on random values whole and as the TP ranks run it, gives the same output, so the ops between its "
-            "Linears are element-wise or per head; every other module, embeddings, norms and the output head among "
-            "them, stays whole over TP, sharded by FSDP alone over 1/TP of the ranks)")
+    found = [f"{fmt_count(len(some), what)} in {', '.join(sorted({trace.modules[p.parent].cls for p in some}))}"
+             for what, some in (("column-then-row Linear pair", [p for p in pairs if not p.gathered]),
+                                ("gathered pair", [p for p in pairs if p.gathered])) if some]
+    gathered = ("; a gathered pair's first Linears make no width its last one reads (a fused projection such as "
+                "qkv, which the model splits by its own widths): their outputs are all-gathered (colwise_gather) "
+                "and the last one splits its whole input (rowwise_split), so what runs between them runs whole on "
+                "every rank, only their matmuls and weights on 1/TP") if any(p.gathered for p in pairs) else ""
+    note = (f"tensor-parallel layout detected: {' and '.join(found)}, {share:.0%} of the params (checked: a module "
+            "of each class holding a column-then-row pair, run on random values whole and as the TP ranks run it, "
+            f"gives the same output, so the ops between its Linears are element-wise or per head{gathered}; every "
+            "other module, embeddings, norms and the output head among them, stays whole over TP, sharded by FSDP "
+            "alone over 1/TP of the ranks)")
     return Layout(TensorParallel(degree, layout), PAIRS, (note,))
 
 
@@ -410,7 +417,9 @@ def _pairs(trace: Trace, parent: ModuleInfo) -> list[_Pair]:
 
 def _pair(trace: Trace, parent: str, linears: list[ModuleInfo]) -> _Pair | None:
     """``linears`` (in call order) as one pair: all but the last colwise, from the hidden size, one of them making
-    the last one's input; the last rowwise, back to the hidden size."""
+    the last one's input; the last rowwise, back to the hidden size. Where none makes its input size (a fused qkv,
+    3 x width, which the model splits by its own widths: a contiguous split of its columns gives no whole heads),
+    a gathered pair: sound whatever runs between them, which runs whole."""
     if len(linears) < 2:
         return None
     shapes = {m.fqn: trace.param(f"{m.fqn}.weight").shape for m in linears if f"{m.fqn}.weight" in
@@ -420,10 +429,9 @@ def _pair(trace: Trace, parent: str, linears: list[ModuleInfo]) -> _Pair | None:
     hidden = shapes[linears[0].fqn][1]
     row = linears[-1].fqn
     cols = tuple(m.fqn for m in linears[:-1])
-    if shapes[row][0] != hidden or any(shapes[c][1] != hidden for c in cols) \
-            or not any(shapes[c][0] == shapes[row][1] for c in cols):
+    if shapes[row][0] != hidden or any(shapes[c][1] != hidden for c in cols):
         return None
-    return _Pair(parent, cols, row)
+    return _Pair(parent, cols, row, gathered=not any(shapes[c][0] == shapes[row][1] for c in cols))
 
 
 def _without_split_ties(trace: Trace, found: Layout) -> Layout:
