@@ -201,8 +201,6 @@ def job() -> Trainer.Config:
     ("activation_checkpoint=MyAC.Config(),", "activation_checkpoint = MyAC.Config(...) is not SelectiveAC"),
     ("training=TrainingConfig(max_context_length=6000),",
      "training.num_tokens_per_microbatch_per_dp_rank = 16,384 (TrainingConfig's default) is not a multiple"),
-    ("training=TrainingConfig(num_tokens_per_train_step=65536),",  # was dropped without a word
-     "training.num_tokens_per_train_step is given without training.max_context_length"),
 ])
 def test_a_value_it_cannot_read_is_one_line_naming_the_key(tmp_path, body, says):
     _refused(tmp_path, REGISTRY_HEAD + f"        {body}\n    )\n", r"^torchtitan job '.*:job': .*" + re.escape(says))
@@ -224,7 +222,8 @@ def test_a_value_it_ignores_is_a_note_and_a_flag_gives_what_the_file_does_not(tm
     cfg = read_config(TORCHTITAN, f"{path}:job", ["--training.max_context_length", "4096"])
     assert cfg.notes == ["training.steps = steps(...) is not read (not a literal; it does not change a step here)",
                          "optimizer = build_optimizer(...) is not read: simulated as torchtitan's default, fused "
-                         "AdamW"]
+                         "AdamW", "training.num_tokens_per_microbatch_per_dp_rank is not given: TrainingConfig's "
+                         "default, 16,384, as torchtitan runs it"]
     assert (cfg.seq, cfg.batch, cfg.model_label) == (4096, 4, 'null flavor "8B"')  # 16384 default tokens
 
 
@@ -689,3 +688,20 @@ def test_a_job_without_token_counts_runs_training_config_s_defaults(tmp_path, ca
     assert (shown["batch"], shown["seq"]) == workload
     err = capsys.readouterr().err
     assert (says in err) if says else "gives no token counts" not in err, err
+
+
+def test_a_token_count_left_out_beside_one_given_is_training_config_s_default_and_said(tmp_path):
+    """torchtitan fills in TrainingConfig's defaults for the counts a job leaves out; the step's count alone was
+    refused, a length alone or a micro-batch alone took the defaults without a word."""
+    path = tmp_path / "config_registry.py"
+    for body, workload, says in (
+            ("num_tokens_per_train_step=65536", (8, 2048, 32), "training.num_tokens_per_microbatch_per_dp_rank and "
+             "training.max_context_length are not given: TrainingConfig's defaults, 16,384 and 2,048"),
+            ("max_context_length=8192", (2, 8192, None), "training.num_tokens_per_microbatch_per_dp_rank is not "
+             "given: TrainingConfig's default, 16,384"),
+            ("num_tokens_per_microbatch_per_dp_rank=4096", (2, 2048, None), "training.max_context_length is not "
+             "given: TrainingConfig's default, 2,048")):
+        path.write_text(REGISTRY_HEAD + f"        training=TrainingConfig({body}),\n    )\n")
+        cfg = read_config(TORCHTITAN, f"{path}:job")
+        assert (cfg.batch, cfg.seq, cfg.global_batch) == workload
+        assert any(says in n for n in cfg.notes), cfg.notes

@@ -530,7 +530,10 @@ def mesh_line(search: SearchSummary) -> str:
                      f"{'' if layout.fits else ' (' + fmt_bytes(layout.reserved) + ', does not fit)'}")
     tp = " x TP" if any(" x TP " in x.name for x in search.layouts) else ""
     ep = ", EP" if any(", EP " in x.name for x in search.layouts) else ""
-    return f"  layouts (replicate x shard{tp}{ep}): {', '.join(parts)}"
+    # (each at the step's sequences: TP d's data-parallel ranks run d x the batch, where --tp d alone runs the batch
+    # given, 1/d of them: a faster-looking step)
+    same = "; each at the same step's sequences, TP d at d x the batch per data-parallel rank" if tp else ""
+    return f"  layouts (replicate x shard{tp}{ep}{same}): {', '.join(parts)}"
 
 
 def explain_table(rows: Sequence[GroupExplanation], step_time: float, peak: int, collapse: bool = False) -> Table:

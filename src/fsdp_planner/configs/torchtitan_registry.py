@@ -602,7 +602,7 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
         else:
             data[key] = {}  # the TOML reader names a section it does not know
     if "training" in data:
-        data["training"] = _tokens(data["training"], label)
+        data["training"] = _tokens(data["training"], label, notes)
     return data
 
 
@@ -744,16 +744,19 @@ def default_tokens() -> tuple[int, int]:
     return TOKEN_DEFAULTS["num_tokens_per_microbatch_per_dp_rank"] // seq, seq
 
 
-def _tokens(training: dict[str, Any], label: str) -> dict[str, Any]:
+def _tokens(training: dict[str, Any], label: str, notes: list[str]) -> dict[str, Any]:
     """The token counts as sequences: per GPU (local_batch_size), their length (seq_len) and per step
     (global_batch_size); a job that gives neither count runs TrainingConfig's defaults (``default_tokens``), which
-    --batch and --seq replace."""
+    --batch and --seq replace; a count it leaves out beside one it gives is TrainingConfig's default, said in a
+    note."""
     given = {k: training.pop(k) for k in TOKENS if k in training}
-    if not {"num_tokens_per_microbatch_per_dp_rank", "max_context_length"} & set(given):
-        if given:  # the step's tokens in sequences need their length: it was dropped without a word
-            raise PlannerError(f"{label}: training.{TOKENS[2]} is given without training.max_context_length and "
-                               f"training.{TOKENS[0]}: give them too (the step's sequences need their length)")
+    if not given:
         return training
+    left = [k for k in TOKENS[:2] if k not in given]
+    if left:  # (torchtitan fills them in; the step's sequences need their length)
+        notes.append(f"{' and '.join(f'training.{k}' for k in left)} {'is' if len(left) == 1 else 'are'} not "
+                     f"given: TrainingConfig's default{'s' if len(left) > 1 else ''}, "
+                     f"{' and '.join(f'{TOKEN_DEFAULTS[k]:,}' for k in left)}, as torchtitan runs it")
     old = [k for k in ("local_batch_size", "seq_len", "batch_size", "global_batch_size") if k in training]
     if old:  # a flag of the TOML form: the token counts below would replace it without a word
         raise PlannerError(f"{label}: training.{old[0]} is the TOML form's key; this registry job counts tokens: "
