@@ -294,7 +294,7 @@ def test_torchtitan_job_as_options(tmp_path):
 def test_torchtitan_gradient_accumulation_reduce_scatters_in_every_micro_batch(tmp_path, capsys):
     """torchtitan's train_step never disables gradient sync: its micro-batches run as --gradient-sync every, each
     reduce-scattering (x N the one-pass step's), fewer bytes than --micro-batches' default (no unsharded grads kept)."""
-    job = titan(tmp_path, "[training]\nlocal_batch_size = 1\nglobal_batch_size = 16\n"
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 1\nseq_len = 32\nglobal_batch_size = 16\n"
                           "[parallelism]\ndata_parallel_shard_degree = 8\n")
     a = args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100")
     assert (a.micro_batches, a.gradient_sync, a.batch) == ("2", "every", 2)
@@ -723,3 +723,15 @@ def test_accelerate_transformer_wrap_without_classes_wraps_only_transformers_mod
     assert "without fsdp_config.fsdp_transformer_layer_cls_to_wrap wraps the model's _no_split_modules" in \
         capsys.readouterr().err
     assert args_of("simulate", "hf:gpt2", "--from-accelerate", str(yaml)).policy == "module"
+
+
+def test_a_toml_job_without_its_batch_or_length_runs_torchtitan_s_defaults(tmp_path, capsys):
+    """torchtitan's TOML JobConfig ran local_batch_size 8 and seq_len 2048 where a job left them out (before its
+    registry form, 9810191); it was simulated at the model's own default (the 8B's 1 x 8,192)."""
+    job = titan(tmp_path, "[model]\nname = \"llama3\"\nflavor = \"8B\"\n[training]\nseq_len = 4096\n")
+    a = args_of("simulate", "--from-torchtitan", str(job), "--cluster", "h100")
+    assert (a.batch, a.seq) == (8, 4096)
+    assert "gives no training.local_batch_size: torchtitan runs its default, 8, simulated here" in \
+        capsys.readouterr().err
+    a = args_of("simulate", "--from-torchtitan", str(job), "--cluster", "h100", "--batch", "2")
+    assert (a.batch, a.seq) == (2, 4096)

@@ -87,8 +87,9 @@ class JobConfig:
     seq: int | None = None
     micro_batches: int = 1
     global_batch: int | None = None  # torchtitan's global_batch_size: the split is known once the world is
-    default_workload: tuple[int, int] | None = None  # (batch, seq) torchtitan runs where a registry job gives no
-    # token counts (TrainingConfig's defaults): --batch and --seq replace them, where the job's own counts conflict
+    default_workload: tuple[int, int] | None = None  # (batch, seq) torchtitan runs where the job gives neither
+    # (TrainingConfig's token defaults; a TOML's local_batch_size and seq_len defaults, the same 8 x 2,048 then):
+    # --batch and --seq replace them, where the job's own would conflict
     replicate: int = 1
     shard: int | None = None  # None: every GPU left (torchtitan's -1)
     tp: int = 1  # the tensor-parallel degree (torchtitan's tensor_parallel_degree, Accelerate's tp_size)
@@ -154,8 +155,11 @@ def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
                            f"{path}:FUNCTION (torchtitan's config registry form)")
     text = read_text(path, label, "a torchtitan job TOML" if kind == TORCHTITAN else "an Accelerate config YAML",
                      MAX_CONFIG_BYTES)
-    data = _load(kind, text, label)
-    return from_data(kind, path, data, flags)
+    cfg = from_data(kind, path, _load(kind, text, label), flags)
+    if kind == TORCHTITAN and (cfg.batch is None or cfg.seq is None):  # (JobConfig's Training defaults before
+        # torchtitan's registry form, 9810191: local_batch_size 8, seq_len 2048)
+        cfg.default_workload = TOML_TOKEN_DEFAULTS
+    return cfg
 
 
 def from_data(kind: str, path: str, data: Any, flags: Sequence[str] = ()) -> JobConfig:
@@ -247,6 +251,7 @@ def _table(cfg: JobConfig, data: dict[str, Any], name: str) -> dict[str, Any]:
 
 # -- torchtitan ------------------------------------------------------------------------------------------------------
 TOML_TOKEN_KEYS = frozenset({"local_batch_size", "batch_size", "seq_len", "global_batch_size"})
+TOML_TOKEN_DEFAULTS = (8, 2048)  # (training.local_batch_size, training.seq_len) a TOML job leaving them out runs
 
 
 def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:

@@ -156,17 +156,24 @@ def _workload(m: _Merge) -> None:
 
 
 def _default_workload(m: _Merge, batch: int, seq: int) -> None:
-    """A registry job without token counts: torchtitan runs TrainingConfig's defaults, which --batch and --seq
-    replace (the job says nothing they would contradict)."""
-    defaults = {"batch": batch, "seq": seq}
+    """A torchtitan job without its batch or sequence length: torchtitan runs its defaults for them, which --batch
+    and --seq replace (the job says nothing they would contradict)."""
+    cfg = m.cfg
+    defaults = {k: v for k, v, own in (("batch", batch, cfg.batch), ("seq", seq, cfg.seq)) if own is None}
     mine = {k: m.values[k] for k in defaults}
     if all(mine.values()):
         return
     m.values.update({k: mine[k] or v for k, v in defaults.items()})
     replaced = "".join(f"; --{k} {mine[k]:,} in place of its {v:,}" for k, v in defaults.items() if mine[k])
-    m.note(f"the job '{m.cfg.path}' gives no token counts: torchtitan runs TrainingConfig's defaults, "
-           f"{batch * seq:,} tokens a micro-batch per data-parallel rank in sequences of {seq:,} (batch {batch}), "
-           f"simulated here{replaced or ' (--batch and --seq replace them)'}")
+    if cfg.registry:
+        gives = (f"gives no token counts: torchtitan runs TrainingConfig's defaults, {batch * seq:,} tokens a "
+                 f"micro-batch per data-parallel rank in sequences of {seq:,} (batch {batch})")
+    else:
+        gives = "gives no " + " and no ".join(f"training.{'local_batch_size' if k == 'batch' else 'seq_len'}"
+                                              for k in defaults)
+        gives += f": torchtitan runs its default{'s' if len(defaults) > 1 else ''}, " + " and ".join(
+            f"{v:,}" for v in defaults.values())
+    m.note(f"the job '{cfg.path}' {gives}, simulated here{replaced or ' (--batch and --seq replace them)'}")
 
 
 def _layout(m: _Merge) -> None:
