@@ -71,33 +71,14 @@ def test_packed_experts_over_tp_train_with_parity_on_gloo(tmp_path, capsys) -> N
 
 @pytest.mark.integration  # the exported apply() and apply_plan on 4 fake ranks: ~5 s
 def test_the_python_export_shards_packed_experts_as_apply_plan_does(tmp_path) -> None:
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from tp_exports import export_and_apply_collectives
 
-    from fsdp_planner.apply.export import ExportFormat, export_plan
-    from fsdp_planner.apply.fully_shard import apply_plan
-    from fsdp_planner.models import load_model
     from fsdp_planner.planners.classic import TorchtitanPolicy
-    from fsdp_planner.runtime.fake_world import FunctionalCounter, fake_process_group
-    from fsdp_planner.trace.recorder import split_inputs
 
     spec = ModelSpec(_model(tmp_path, "mixtral"), batch_size=4, seq_len=32)
     tr = trace_spec(spec)
     plan = TorchtitanPolicy("MixtralDecoderLayer").plan(tr).replace(tensor_parallel=tp_layout(tr, 2, spec).tp,
                                                                      precision="bf16-mixed")
-    scope: dict = {"__name__": "exported"}
-    exec(compile(export_plan(plan, ExportFormat.PYTHON), "exported.py", "exec"), scope)
-    bf16_mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # the export's
-    reduced = []
-    with fake_process_group(4):
-        for shard in (lambda m: scope["apply"](m, scope["make_mesh"]("cpu")),
-                      lambda m: apply_plan(m, plan, mp_policy=bf16_mixed)):
-            lm = load_model(spec, meta=False)
-            model = shard(lm.model)
-            counter = FunctionalCounter()
-            args, kwargs = split_inputs(lm.example_inputs)
-            with counter.counting():
-                lm.loss_fn(model(*args, **kwargs)).backward()
-            counts, nbytes = counter.take()
-            reduced.append((counts["all_reduce"], nbytes["all_reduce"]))
+    _, seen = export_and_apply_collectives(spec, plan)
+    reduced = [(counts["all_reduce"], nbytes["all_reduce"]) for counts, nbytes in seen]
     assert reduced[0] == reduced[1] and reduced[0][0] > 0, reduced

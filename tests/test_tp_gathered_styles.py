@@ -113,36 +113,16 @@ def test_phi3_over_tp_trains_with_parity_on_gloo(tmp_path, capsys) -> None:
 def test_the_python_export_gathers_as_apply_plan_does(tmp_path) -> None:
     """The Python export's TP_LAYOUT spells colwise_gather and rowwise_split, and its apply() runs the same TP
     collectives as apply_plan on Phi-3."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from tp_exports import export_and_apply_collectives
 
-    from fsdp_planner.apply.export import ExportFormat, export_plan
-    from fsdp_planner.apply.fully_shard import apply_plan
-    from fsdp_planner.models import load_model
     from fsdp_planner.planners.classic import TorchtitanPolicy
-    from fsdp_planner.runtime.fake_world import FunctionalCounter, fake_process_group
-    from fsdp_planner.trace.recorder import split_inputs
 
     spec = ModelSpec(_model(tmp_path, "phi3"), batch_size=4, seq_len=32)
     tr = trace_spec(spec)
     plan = TorchtitanPolicy("Phi3DecoderLayer").plan(tr).replace(tensor_parallel=tp_layout(tr, 2, spec).tp,
                                                                    precision="bf16-mixed")
-    source = export_plan(plan, ExportFormat.PYTHON)
+    source, seen = export_and_apply_collectives(spec, plan)
     assert '"colwise_gather"' in source and '"rowwise_split"' in source
-    scope: dict = {"__name__": "exported"}
-    exec(compile(source, "exported.py", "exec"), scope)
-    bf16_mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # the export's
-    seen = []
-    with fake_process_group(4):
-        for shard in (lambda m: scope["apply"](m, scope["make_mesh"]("cpu")),
-                      lambda m: apply_plan(m, plan, mp_policy=bf16_mixed)):
-            lm = load_model(spec, meta=False)
-            model = shard(lm.model)
-            counter = FunctionalCounter()
-            args, kwargs = split_inputs(lm.example_inputs)
-            with counter.counting():
-                lm.loss_fn(model(*args, **kwargs)).backward()
-            seen.append(counter.take())
     assert seen[0] == seen[1] and seen[0][0]["all_gather"] > 0, seen
 
 
