@@ -10,6 +10,11 @@ placements, and the outputs' sums. torchtitan's FlexAttention has no backward on
     python benchmarks/torchtitan_export.py --torchtitan PATH/TO/TORCHTITAN [--python PY] [--commit C] \\
         > benchmarks/torchtitan_export.md
 
+A second table loads the exported job of every torchtitan flavour fsdp-planner knows as torchtitan's launcher does
+(``ConfigManager.parse_args(["--module", M, "--config", "fsdp_planner_job"])``) and builds what its Trainer builds
+from the job's config without a GPU: the optimizer container (on a small module), the loss, and the settings; then
+the export's ``TORCHTITAN_FLAGS`` on top of the flavour's own registry job, which must give the same settings.
+
 torchtitan's default ``spmd_backend = "spmd_types"`` is not run: torchtitan's own parallelize fails under it on
 torch 2.13 (fully_shard with dp_mesh_dims and plain params); the export's job sets "partial_dtensor".
 """
@@ -129,6 +134,89 @@ def drive(torchtitan: str, python: str, commit: str) -> None:
               f"{ours['shards']} | {own['sum']:.6f} / {ours['sum']:.6f} | {time.perf_counter() - start:.1f} |")
 
 
+# the plan each job check exports: a workload, a 2-D layout on 64 GPUs and the foreach optimizer (torchtitan's
+# default is fused: the job must set what the plan was simulated with)
+JOB_WORKLOAD = (2, 4096, 1, 64, 8)  # batch, seq, micro-batches, ranks, nodes
+
+
+def job_check(code: str, base: str, out: str) -> None:
+    """In torchtitan's Python: the exported job loaded as its launcher loads it, and its flags over ``base``
+    (``module:function``, or "-" for none); what each builds, as JSON."""
+    import torch
+    from torchtitan.config import ConfigManager
+
+    sys.path.insert(0, str(Path(code).parent))
+    built = {}
+    jobs = [("job", Path(code).stem, "fsdp_planner_job", [])]
+    if base != "-":
+        flags = importlib.import_module(Path(code).stem).TORCHTITAN_FLAGS
+        jobs.append(("flags", *base.split(":"), flags))
+    for name, module, function, flags in jobs:
+        config = ConfigManager().parse_args(["--module", module, "--config", function, *flags])
+        seen: dict = {"settings": [config.training.num_tokens_per_microbatch_per_dp_rank,
+                                   config.training.max_context_length, config.training.num_tokens_per_train_step,
+                                   config.parallelism.data_parallel_shard_degree,
+                                   config.parallelism.tensor_parallel_degree,
+                                   config.parallelism.pipeline_parallel_degree, config.compile.enable,
+                                   type(config.activation_checkpoint).__name__, config.optimizer.implementation]}
+        try:
+            optimizers = config.optimizer.build(model_parts=[torch.nn.Linear(4, 4)])
+            group = optimizers.optimizers[0].param_groups[0]
+            seen["optimizer"] = (f"{type(optimizers.optimizers[0]).__name__} lr {group['lr']:g}, "
+                                 f"{'fused' if group.get('fused') else 'foreach' if group.get('foreach') else 'loop'}")
+        except Exception as e:  # what torchtitan's Trainer would raise
+            seen["optimizer"] = f"{type(e).__name__}: {str(e)[:80]}"
+        try:
+            loss = config.loss.build()
+            vocab = getattr(getattr(config.loss, "loss_fn", config.loss), "global_vocab_size", None)
+            seen["loss"] = f"{type(loss).__name__}, vocab {vocab}"
+        except Exception as e:
+            seen["loss"] = f"{type(e).__name__}: {str(e)[:80]}"
+        spec = config.model_spec
+        seen["model_vocab"] = getattr(getattr(spec, "model", None), "vocab_size", None) if spec else None
+        seen["data"] = type(config.dataloader).__qualname__
+        built[name] = seen
+    Path(out).write_text(json.dumps(built))
+
+
+def drive_jobs(torchtitan: str, python: str) -> None:
+    """Every flavour's exported job through torchtitan's launcher: a second markdown table on stdout."""
+    from fsdp_planner.apply.export import export_plan
+    from fsdp_planner.apply.torchtitan_job import BASE_JOBS, FLAVORS
+    from fsdp_planner.choices import ExportFormat
+    from fsdp_planner.fsdp2.plan import Group, Plan, Workload
+    from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([torchtitan, os.environ.get("PYTHONPATH", "")])}
+    tmp = Path(tempfile.mkdtemp())
+    print("\n## The exported job as torchtitan's launcher loads it\n")
+    print("Each flavour's plan (one group, TP 8 on 64 GPUs, batch 2 x 4,096 per data-parallel rank, foreach AdamW) "
+          "exported and loaded with `ConfigManager.parse_args([\"--module\", M, \"--config\", "
+          "\"fsdp_planner_job\"])`, then the optimizer container built on a small module and the loss built, as "
+          "torchtitan's Trainer builds them; `TORCHTITAN_FLAGS` on the flavour's own registry job must give the same "
+          "settings (token counts, dp_shard, TP, PP, compile, checkpointing, optimizer implementation).\n")
+    print("| plan's model | built on | optimizer | loss (the model's vocabulary) | data | flags on the registry job |")
+    print("|---|---|---|---|---|---|")
+    for model, (name, flavor) in sorted(FLAVORS.items(), key=lambda kv: kv[1]):
+        batch, seq, micro, ranks, nodes = JOB_WORKLOAD
+        plan = Plan([Group([""])], "", 0, model=model, workload=Workload(batch, seq, micro, ranks, nodes),
+                    tensor_parallel=TensorParallel(8, {}), optimizer="adamw")
+        code = tmp / f"tt_{name}_{flavor.replace('.', '_').replace('-', '_').lower()}.py"
+        code.write_text(export_plan(plan, ExportFormat.TORCHTITAN))
+        base = BASE_JOBS.get((name, flavor))
+        out = tmp / "job.json"
+        ran = subprocess.run([python, __file__, "--job", str(code), f"{name}:{base}" if base else "-", str(out)],
+                             env=env, capture_output=True, text=True, cwd=tmp)
+        if ran.returncode:
+            sys.exit(f"{code} failed:\n{ran.stderr[-3000:]}")
+        seen = json.loads(out.read_text())
+        job = seen["job"]
+        flags = "the same" if "flags" in seen and seen["flags"]["settings"] == job["settings"] else \
+            "(no registry job)" if "flags" not in seen else f"differ: {seen['flags']['settings']}"
+        print(f"| {model} | {base + '()' if base else 'Trainer.Config()'} | {job['optimizer']} | {job['loss']} "
+              f"({job['model_vocab']}) | {job['data']} | {flags} |")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -144,10 +232,15 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         m, j, e, t, r, o = sys.argv[2:8]
         worker(m, j, None if e == "-" else e, int(t), int(r), o)
+    elif sys.argv[1:2] == ["--job"]:
+        job_check(*sys.argv[2:5])
     else:
         parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
         parser.add_argument("--torchtitan", required=True, help="a torchtitan checkout (its root holds torchtitan/)")
         parser.add_argument("--python", default=sys.executable, help="a Python with torchtitan's dependencies")
         parser.add_argument("--commit", default="(commit not given)", help="torchtitan's commit, for the table")
+        parser.add_argument("--jobs-only", action="store_true", help="the second table only (no gloo runs)")
         args = parser.parse_args()
-        drive(args.torchtitan, args.python, args.commit)
+        if not args.jobs_only:
+            drive(args.torchtitan, args.python, args.commit)
+        drive_jobs(args.torchtitan, args.python)

@@ -19,8 +19,9 @@ from conftest import launch_env, max_abs_diff
 
 from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.choices import DEFAULT_PRECISION
+from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
-from fsdp_planner.fsdp2.plan import Plan
+from fsdp_planner.fsdp2.plan import Plan, Workload
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.sim.options import PRECISIONS
@@ -439,6 +440,36 @@ def test_export_sets_the_precision_the_plan_was_made_in(tmp_path, capsys) -> Non
     assert f"PRECISION: str = {DEFAULT_PRECISION!r}" in capsys.readouterr().out
 
 
+def test_export_says_the_optimizer_the_plan_was_made_with(tmp_path, capsys) -> None:
+    """`plan --out` records its --optimizer; every export names it (the torchtitan job sets it: test_torchtitan_
+    registry), a hand-written plan's none; a plan file's optimizer that is none of fsdp-planner's is refused."""
+    from fsdp_planner.apply.export import OPTIMIZER_CALLS
+    from fsdp_planner.choices import OPTIMIZER_NAMES
+    from fsdp_planner.cli import main
+
+    assert set(OPTIMIZER_CALLS) == set(OPTIMIZER_NAMES)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--optimizer", "sgd-momentum", "--out", str(plan),
+                 "--quiet"]) == 0
+    assert Plan.load(plan).optimizer == "sgd-momentum"
+    for fmt in ExportFormat:
+        capsys.readouterr()
+        assert main(["export", str(plan), "--format", fmt.value]) == 0
+        assert "OPTIMIZER: str = 'sgd-momentum'  # the plan's figures assume torch.optim.SGD(params, lr, momentum)" \
+            in capsys.readouterr().out
+    assert "OPTIMIZER" not in export_plan(Plan.load(plan).replace(optimizer=""), ExportFormat.PYTHON)
+    for given, said in (([], True), (["--optimizer", "sgd-momentum"], False)):  # simulate says which it runs
+        capsys.readouterr()
+        assert main(["simulate", "toy-llama", "--plan", str(plan), "--cluster", "h100:8", *given]) == 0
+        assert (("the plan was made with --optimizer sgd-momentum and this command simulates adamw: add --optimizer "
+                 "sgd-momentum for the figures it was planned with") in capsys.readouterr().err) == said
+    data = json.loads(plan.read_text())
+    data["optimizer"] = "lamb"
+    plan.write_text(json.dumps(data))
+    with pytest.raises(PlannerError, match=r"^plan 'optimizer' must be one of sgd, .*, got \"lamb\"$"):
+        Plan.load(plan)
+
+
 def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_path) -> None:
     """The exported apply() converts the Linears apply_plan converts (torchao, emulated here) before fully_shard
     and a step runs on 2 fake ranks; the torchtitan job carries the converter and reads back as the same float8."""
@@ -469,11 +500,12 @@ def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_pat
     # has no converter for tensorwise (said by the export), which then reads back as a bf16 job
     job = tmp_path / "job.py"
     for recipe, read in (("rowwise", "rowwise"), ("tensorwise", None)):
-        f8_plan = plan.replace(model="llama3-8b", float8=Float8.named(recipe))
+        f8_plan = plan.replace(model="llama3-8b", float8=Float8.named(recipe), workload=Workload(1, 8192))
         job.write_text(export_plan(f8_plan, ExportFormat.TORCHTITAN))
         cfg = read_config(TORCHTITAN, f"{job}:fsdp_planner_job")
         assert (cfg.float8, cfg.float8_all_gather) == (read, False)
-        assert [n.split(" is not read")[0] for n in cfg.notes] == ["model_spec.parallelize_fn = parallelize_fn"]
+        assert [n.split(" is not read")[0].split(",")[0] for n in cfg.notes] == [
+            "fsdp_planner_job builds on llama3_8b()", "model_spec.parallelize_fn = parallelize_fn"]
 
 
 def test_a_float8_plan_of_a_model_outside_torchtitan_says_its_job_has_no_converter(tmp_path, capsys) -> None:

@@ -89,5 +89,7 @@ def test_plan_out_writes_what_it_wrote_before(tmp_path: Path, args: list[str], g
     assert main(["plan", *args, "--out", str(out)]) == 0
     written = json.loads(out.read_text())  # the same, and the workload it was made for (recorded since 2026-12)
     assert written.pop("workload") == {"batch": 4, "seq": 32, "micro_batches": 1, "ranks": 8, "nodes": 1}
+    # and the optimizer it was simulated with (recorded since 2026-12-03: --optimizer's, default adamw)
+    assert written.pop("optimizer") == (args[args.index("--optimizer") + 1] if "--optimizer" in args else "adamw")
     assert json.dumps(written, indent=2) + "\n" == golden.read_text()
     assert Plan.load(golden).to_json() + "\n" == golden.read_text()  # a plan saved before reads and writes as it was

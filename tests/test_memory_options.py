@@ -369,5 +369,6 @@ def test_fit_takes_dim1_sharding_where_plan_does() -> None:
     found = points.result(2, 64)
     planned = api.plan(model.name, cluster="h100:64", policy="auto", tp=1, ep=1, micro_batches=1, batch=2, seq=64)
     assert found.run.shard_dims and planned.shard_dims
-    mine = found.written_plan.replace(policy="", precision=planned.precision)  # (the API stamps the precision)
+    mine = found.written_plan.replace(policy="", precision=planned.precision,  # (the API stamps the precision and
+                                      optimizer=planned.optimizer)  # the optimizer)
     assert mine.to_json() == planned.replace(policy="", workload=None).to_json()  # (the API records the step)

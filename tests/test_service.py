@@ -31,13 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.integration  # (about 3 s: three auto searches of toy-llama)
 def test_the_api_the_command_and_a_torchtitan_job_give_one_plan(tmp_path, capsys):
     """``fsdp_planner.plan``, ``plan --policy auto --out`` and ``plan --from-torchtitan --out`` for the same model,
-    workload and cluster write the same bytes."""
+    workload, optimizer and cluster write the same bytes (torchtitan's default optimizer is fused AdamW, the
+    command's foreach: the job names foreach)."""
     by_cli, by_config = tmp_path / "cli.json", tmp_path / "config.json"
     assert cli.main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--batch", "2", "--seq", "64",
                      "--out", str(by_cli)]) == 0
     job = tmp_path / "job.toml"
     job.write_text("[training]\nlocal_batch_size = 2\nseq_len = 64\n"
-                   "[parallelism]\ndata_parallel_shard_degree = 8\n")
+                   "[parallelism]\ndata_parallel_shard_degree = 8\n[optimizer]\nimplementation = \"foreach\"\n")
     assert cli.main(["plan", "toy-llama", "--from-torchtitan", str(job), "--cluster", "h100", "--out",
                      str(by_config)]) == 0
     capsys.readouterr()

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_planner.apply.export import export_plan
+from fsdp_planner.apply.torchtitan_job import unexpressed
 from fsdp_planner.choices import ACMode, ExportFormat, SacPolicy
 from fsdp_planner.cli import build_parser, main
 from fsdp_planner.cli.requests import configured
@@ -290,8 +291,9 @@ def test_the_torchtitan_export_runs_the_plans_workload(tmp_path, workload, tp, r
                 tensor_parallel=tensor_parallel)
     path, flags = exported(tmp_path, plan)
     source = path.read_text()
-    assert f"num_tokens_per_microbatch_per_dp_rank={read[0] * read[1]}," in source
-    assert ("num_tokens_per_train_step=" in source) == (workload.micro_batches > 1)
+    assert f"config.training.num_tokens_per_microbatch_per_dp_rank = {read[0] * read[1]}\n" in source
+    step = workload.batch * workload.seq * (workload.ranks // tp) if workload.micro_batches > 1 else -1
+    assert f"config.training.num_tokens_per_train_step = {step}\n" in source  # (a base job's own count replaced)
     cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
     assert (cfg.batch, cfg.seq, cfg.global_batch, cfg.tp, cfg.shard) == (*read, tp, workload.ranks // tp)
     assert read_config(TORCHTITAN, job("llama3_70b"), flags).global_batch == read[2]  # the flags say the same
@@ -308,7 +310,7 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
               for i, r in enumerate(reshard)]
     plan = Plan(fingerprint="", numel=2, model="llama3-8b", mesh=mesh, offload=offload, reduce_dtype=reduce,
                 activation_checkpointing=checkpointed, groups=[*groups, Group(modules=[""], params=[])],
-                compiled=compiled)
+                compiled=compiled, workload=Workload(2, 4096), optimizer="adamw")
     path, flags = exported(tmp_path, plan)
     cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
     rule = "always" if all(reshard) else "never" if not any(reshard) else "default"
@@ -317,12 +319,65 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
     # (a bf16 reduce has no field: torchtitan's mixed_precision_reduce is float32 only, the export says so)
     assert (cfg.ac, cfg.precision, cfg.reduce_dtype, cfg.compile) == (
         ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", None, bool(compiled))
-    # the job sets the plan's groups as its model's parallelize_fn, which the reader says it does not read
-    assert cfg.notes == [PARALLELIZE_NOTE] and (cfg.batch, cfg.seq) == (None, None)  # the workload: the command line's
+    # the job builds on torchtitan's own 8B job, which is not read, and sets the plan's groups as its model's
+    # parallelize_fn, which the reader says it does not read either
+    assert cfg.notes == [BASE_NOTE, PARALLELIZE_NOTE] and (cfg.batch, cfg.seq, cfg.optimizer) == (2, 4096, "adamw")
     on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
-    keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype", "compile")
+    keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype", "compile", "batch",
+            "seq", "optimizer")
     assert {k: getattr(on_8b, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
-    assert on_8b.seq == 8192  # the 8B job's own workload, under the flags
+
+
+BASE_NOTE = ("fsdp_planner_job builds on llama3_8b(), not read (it is not in the file): the job is what "
+             "fsdp_planner_job sets: its optimizer's param groups are simulated as AdamW")
+
+
+@pytest.mark.parametrize(("optimizer", "implementation"), [("adamw", "foreach"), ("adamw-fused", "fused"),
+                                                           ("adamw-fused-bf16-states", "fused_opt_states_bf16"),
+                                                           ("", None), ("sgd", None)])
+def test_the_torchtitan_export_runs_the_plans_optimizer(tmp_path, optimizer, implementation):
+    """A plan records the optimizer it was simulated with; its torchtitan job sets torchtitan's implementation of
+    it (a plan made with the default foreach AdamW was exported to a job of torchtitan's default fused one, 406
+    against 416 ms read back on Llama 3 8B, without a word), and reads back as it; one torchtitan does not run, or
+    none recorded, is said."""
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                workload=Workload(1, 8192), optimizer=optimizer)
+    path, flags = exported(tmp_path, plan)
+    source = path.read_text()
+    assert ("config.optimizer.implementation = " in source) == (implementation is not None)
+    flag = "--optimizer.implementation"
+    assert (flag, implementation) == tuple(flags[flags.index(flag):][:2]) if implementation else flag not in flags
+    said = unexpressed(plan, PRECISIONS["bf16-mixed"], None)
+    assert any("optimizer" in n or "AdamW" in n for n in said) == (implementation is None)
+    if implementation:
+        assert read_config(TORCHTITAN, f"{path}:fsdp_planner_job").optimizer == optimizer
+        assert read_config(TORCHTITAN, job("llama3_8b"), flags).optimizer == optimizer  # the flags say the same
+
+
+def test_a_job_on_an_unread_base_must_set_what_the_step_reads(tmp_path):
+    """A job built on a function the file imports (torchtitan's own, not read) is read only where it sets what the
+    simulation reads; a plan without a workload exports a job that keeps its base's token counts, which the reader
+    names (and takes from flags)."""
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                optimizer="adamw")
+    path, _ = exported(tmp_path, plan)
+    spec = f"{path}:fsdp_planner_job"
+    with pytest.raises(PlannerError, match=r"fsdp_planner_job builds on llama3_8b\(\), which is not in the file .*"
+                                           r"leaves training.num_tokens_per_microbatch_per_dp_rank, "
+                                           r"training.max_context_length, training.num_tokens_per_train_step as "
+                                           r"llama3_8b\(\) has them"):
+        read_config(TORCHTITAN, spec)
+    tokens = ["--training.num_tokens_per_microbatch_per_dp_rank", "8192", "--training.max_context_length", "4096",
+              "--training.num_tokens_per_train_step", "-1"]
+    assert (read_config(TORCHTITAN, spec, tokens).batch, read_config(TORCHTITAN, spec, tokens).seq) == (2, 4096)
+    bare = tmp_path / "bare.py"
+    bare.write_text("from torchtitan.models.llama3.config_registry import llama3_8b\n\n\ndef job():\n"
+                    "    config = llama3_8b()\n    config.training.steps = 5\n    return config\n")
+    with pytest.raises(PlannerError, match=r"leaves model_spec, activation_checkpoint, training.num_tokens_per_micro"
+                                           r"batch_per_dp_rank, .* and \d+ more as llama3_8b\(\) has them: set them "
+                                           r"in job \(or give the flag\), or read llama3_8b's own file"):
+        read_config(TORCHTITAN, f"{bare}:job")
+
 
 
 PARALLELIZE_NOTE = ("model_spec.parallelize_fn = parallelize_fn is not read: these figures are of torchtitan's own "
@@ -332,39 +387,58 @@ TITAN_FIELDS = json.loads((Path(__file__).parent / "fixtures" / "torchtitan" / "
 FLAG_SECTIONS = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig"}
 
 
-@pytest.mark.parametrize(("tp", "float8", "compiled"), [
-    (TensorParallel(2, {}, loss_parallel=False, async_tp=True), Float8(), []),  # eager async TP, tensorwise
-    (TensorParallel(8, {}, async_tp=True), Float8.named("rowwise"), ["layers.0", "layers.1"]),
-    (None, Float8(), ["layers.0"]),
+@pytest.mark.parametrize(("tp", "float8", "compiled", "model"), [
+    (TensorParallel(2, {}, loss_parallel=False, async_tp=True), Float8(), [], "llama3-8b"),  # eager async TP
+    (TensorParallel(8, {}, async_tp=True), Float8.named("rowwise"), ["layers.0", "layers.1"], "llama3-405b"),
+    (None, Float8(), ["layers.0"], "hf:titan-qwen3-debugmodel-moe"),
+    (None, None, [], "toy-gpt2"),  # no torchtitan model: a Trainer.Config of the plan's settings
 ])
-def test_the_torchtitan_export_passes_only_fields_torchtitan_has(tmp_path, tp, float8, compiled):
-    """Every keyword fsdp_planner_job() passes and every flag it lists is a field of torchtitan's dataclasses at
-    b5bcd76 (it passed disable_loss_parallel and enable_async_tensor_parallel to ParallelismConfig, and a
-    tensorwise Float8LinearConverter.Config with FSDP's float8 all-gather: TypeError there); what no field says
-    is noted."""
-    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=["layers.0"], params=[]),
-                                                                      Group(modules=[""], params=[])],
-                tensor_parallel=tp, float8=float8, compiled=compiled,
-                selective_checkpointing={"layers.0": SacPolicy.TITAN})
+def test_the_torchtitan_export_passes_only_fields_torchtitan_has(tmp_path, tp, float8, compiled, model):
+    """Every keyword fsdp_planner_job() passes, every field it sets on the job it builds on and every flag it lists
+    is a field of torchtitan's dataclasses at b5bcd76 (it passed disable_loss_parallel and
+    enable_async_tensor_parallel to ParallelismConfig, and a tensorwise Float8LinearConverter.Config with FSDP's
+    float8 all-gather: TypeError there), and the job it builds on is one of torchtitan's registry's; what no field
+    says is noted."""
+    plan = Plan(fingerprint="", numel=2, model=model, groups=[Group(modules=["layers.0"], params=[]),
+                                                              Group(modules=[""], params=[])],
+                tensor_parallel=tp, float8=float8, compiled=compiled, optimizer="adamw-fused",
+                selective_checkpointing={"layers.0": SacPolicy.TITAN}, workload=Workload(2, 4096))
     path, flags = exported(tmp_path, plan)
     job = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", "") == "fsdp_planner_job")
+    jobs = {f for functions in TITAN_FIELDS["registry_jobs"].values() for f in functions}
     for call in (n for n in ast.walk(job) if isinstance(n, ast.Call)):
         name = ast.unparse(call.func)
+        if name in jobs:  # the job it builds on, called as torchtitan's registry calls it
+            assert not call.args and not call.keywords
+            continue
         assert name in TITAN_FIELDS, name
         for k in call.keywords:
             assert k.arg in TITAN_FIELDS[name], f"{name}({k.arg}=...)"
             allowed = TITAN_FIELDS["literals"].get(f"{name}.{k.arg}")
             assert allowed is None or ast.literal_eval(k.value) in allowed, ast.unparse(k)
+    for stmt in (n for n in job.body if isinstance(n, ast.Assign)):
+        path_ = ast.unparse(stmt.targets[0]).split(".")
+        if path_ == ["config"]:  # the job it builds on (above)
+            continue
+        assert path_[0] == "config" and path_[1] in TITAN_FIELDS["Trainer.Config"], path_
+        if len(path_) == 3 and path_[1] != "model_spec":
+            cls = {**FLAG_SECTIONS, "optimizer": "OptimizersContainer.Config"}[path_[1]]
+            assert path_[2] in TITAN_FIELDS[cls], path_
+            allowed = TITAN_FIELDS["literals"].get(f"{cls}.{path_[2]}")
+            assert allowed is None or ast.literal_eval(stmt.value) in allowed, ast.unparse(stmt)
     for flag in flags:
         if flag.startswith("--"):
             section, _, key = flag[2:].partition(".")
-            assert key in TITAN_FIELDS[FLAG_SECTIONS[section]], flag
+            cls = {**FLAG_SECTIONS, "optimizer": "OptimizersContainer.Config"}[section]
+            assert key in TITAN_FIELDS[cls] or (key.startswith("no_") and key[3:] in TITAN_FIELDS[cls]), flag
     source = path.read_text()
-    assert ("Float8LinearConverter.Config(recipe_name='rowwise'" in source) == (float8.recipe.value == "rowwise")
+    assert ("Float8LinearConverter.Config(recipe_name='rowwise'" in source) == (
+        float8 is not None and float8.recipe.value == "rowwise")
     assert ("enable_async_tensor_parallel=True" in source) == bool(tp and compiled)
     cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
-    assert (cfg.tp, cfg.async_tp, cfg.float8) == (tp.degree if tp else 1, bool(tp and compiled),
-                                                 "rowwise" if float8.recipe.value == "rowwise" else None)
+    assert (cfg.tp, cfg.async_tp, cfg.optimizer) == (tp.degree if tp else 1, bool(tp and compiled), "adamw-fused")
+    if model != "toy-gpt2":
+        assert cfg.float8 == ("rowwise" if float8.recipe.value == "rowwise" else None)
 
 
 def test_an_option_that_contradicts_a_registry_job_names_its_key():
@@ -413,7 +487,8 @@ def test_a_value_nested_too_deeply_is_one_line(tmp_path):
 
 
 def test_the_export_of_a_pure_bf16_plan_reads_back_as_pure_bf16(tmp_path):
-    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])])
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                workload=Workload(1, 8192))
     path = tmp_path / "titan_plan.py"
     path.write_text(export_plan(plan, ExportFormat.TORCHTITAN, PRECISIONS["pure-bf16"]))
     assert read_config(TORCHTITAN, f"{path}:fsdp_planner_job").precision == "pure-bf16"

@@ -321,6 +321,18 @@ def selective_constants(plan: Plan) -> str:
                       f"EVERY_SECOND: dict[str, list[str]] = {py_literal(every_second)}"])
 
 
+# each optimizer as torch makes it (foreach: torch's default on GPUs, ``_default_to_fused_or_foreach``)
+OPTIMIZER_CALLS = {"sgd": "torch.optim.SGD(params, lr) (foreach)",
+                   "sgd-momentum": "torch.optim.SGD(params, lr, momentum) (foreach)",
+                   "adam": "torch.optim.Adam (foreach)", "adamw": "torch.optim.AdamW (foreach)",
+                   "adam-fused": "torch.optim.Adam(..., fused=True)",
+                   "adamw-fused": "torch.optim.AdamW(..., fused=True)",
+                   "adam-fused-bf16-states": "fused Adam with its two states in bf16 (torchtitan's "
+                                             "fused_opt_states_bf16)",
+                   "adamw-fused-bf16-states": "fused AdamW with its two states in bf16 (torchtitan's "
+                                              "fused_opt_states_bf16)"}
+
+
 def plan_constants(plan: Plan, precision: Precision) -> str:
     """The plan, and the precision its numbers assumed, as Python literals."""
     fwd = {i: list(g.forward_prefetch) for i, g in enumerate(plan.inner_groups) if g.forward_prefetch}
@@ -332,6 +344,9 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
              f"PRECISION: str = {py_literal(precision.name)}",
              f"PARAM_DTYPE: torch.dtype | None = {_dtype(param_dtype)}",
              f"REDUCE_DTYPE: torch.dtype | None = {_dtype(reduce_dtype)}"]
+    if plan.optimizer:  # the optimizer the plan's step time and memory were simulated with: the loop makes it
+        lines.append(f"OPTIMIZER: str = {py_literal(plan.optimizer)}  # the plan's figures assume "
+                     f"{OPTIMIZER_CALLS[plan.optimizer]}: make your optimizer so")
     if plan.hf_config:  # the --hf-config fields the plan was made with: the same model needs them
         lines.append(f"HF_CONFIG: dict[str, object] = {py_literal(dict(plan.hf_config))}  # set on the model's "
                      "config before building it")

@@ -25,15 +25,18 @@ FLAVORS = {builtin: key for key, builtin in reversed(TITAN_MODELS.items())}
 JOB = '''
 
 def {function}() -> Any:
-    """This plan's job in torchtitan's config_registry form: its data-parallel degrees, reshard_after_forward,
-    activation checkpointing, mixed precision and offload, and (where it names torchtitan's model) the plan's
-    groups as its model's ``parallelize_fn``. Run it with ``--module THIS_MODULE --config {function}`` (this file
-    on the Python path), or give TORCHTITAN_FLAGS after an existing job's ``--module M --config F`` (the flags
-    cannot set parallelize_fn: that job shards as torchtitan does). fsdp-planner reads it back without running
-    it: ``fsdp-planner simulate --from-torchtitan THIS_FILE.py:{function}``."""
+    """This plan's job in torchtitan's config_registry form: {built_on}, with the plan's
+    data-parallel degrees, reshard_after_forward, activation checkpointing, mixed precision, offload and
+    optimizer implementation, and (where it names torchtitan's model) the plan's groups as its model's
+    ``parallelize_fn``.
+    Run it with ``--module THIS_MODULE --config {function}`` (this file on the Python path), or give
+    TORCHTITAN_FLAGS after an existing job's ``--module M --config F`` (the flags cannot set parallelize_fn: that
+    job shards as torchtitan does). fsdp-planner reads it back without running it: ``fsdp-planner simulate
+    --from-torchtitan THIS_FILE.py:{function}``."""
 {imports}
 
-{returned}
+{body}
+    return config
 
 
 # The same settings as torchtitan's command-line flags, on top of any registry job.
@@ -41,6 +44,29 @@ TORCHTITAN_FLAGS: list[str] = [
 {flags}
 ]
 '''
+
+# torchtitan's own job of each flavour (torchtitan/models/*/config_registry.py at b5bcd76), which the export builds
+# on for what a plan does not decide: the data, tokenizer, loss, schedule and the optimizer's hyper-parameters. A
+# flavour without a job of its own builds on its family's job of the same tokenizer and vocabulary (the loss's
+# global_vocab_size is that job's model's); the 405B on the 70B's, as llama3_405b() converts its Linears to float8
+# as it is built, which raises on a GPU without float8 (an A100). Each was built with torchtitan at b5bcd76 and its
+# loss's vocabulary compared with the flavour's (benchmarks/torchtitan_export.md). Kimi's Moonlight job runs
+# DistMuon, not the AdamW the plan is simulated with: no base (the job then sets the plan's settings only).
+BASE_JOBS = {("llama3", "debugmodel"): "llama3_debugmodel", ("llama3", "1B"): "llama3_8b",
+             ("llama3", "3B"): "llama3_8b", ("llama3", "8B"): "llama3_8b", ("llama3", "70B"): "llama3_70b",
+             ("llama3", "405B"): "llama3_70b",
+             ("deepseek_v3", "debugmodel"): "deepseek_v3_debugmodel", ("deepseek_v3", "16B"): "deepseek_v3_16b",
+             ("deepseek_v3", "236B"): "deepseek_v3_16b", ("deepseek_v3", "671B"): "deepseek_v3_671b",
+             ("qwen3", "debugmodel"): "qwen3_debugmodel", ("qwen3", "debugmodel_moe"): "qwen3_moe_debug",
+             ("qwen3", "0.6B"): "qwen3_0_6b", ("qwen3", "1.7B"): "qwen3_1_7b", ("qwen3", "4B"): "qwen3_1_7b",
+             ("qwen3", "8B"): "qwen3_14b", ("qwen3", "14B"): "qwen3_14b", ("qwen3", "32B"): "qwen3_32b",
+             ("qwen3", "30B-A3B"): "qwen3_30b_a3b", ("qwen3", "235B-A22B"): "qwen3_30b_a3b",
+             ("gpt_oss", "debugmodel"): "gpt_oss_debugmodel", ("gpt_oss", "20b"): "gpt_oss_20b",
+             ("gpt_oss", "120b"): "gpt_oss_120b"}
+# the plan's optimizer as torchtitan's OptimizersContainer.Config.implementation (torchtitan runs Adam and AdamW)
+IMPLEMENTATIONS = {"adam": "foreach", "adamw": "foreach", "adam-fused": "fused", "adamw-fused": "fused",
+                   "adam-fused-bf16-states": "fused_opt_states_bf16",
+                   "adamw-fused-bf16-states": "fused_opt_states_bf16"}
 
 
 # The fields of torchtitan's dataclasses the job is written with, as at b5bcd76 (2026; torchtitan/config/configs.py,
@@ -53,41 +79,45 @@ TITAN_FLOAT8_RECIPES = ("rowwise", "rowwise_with_gw_hp")
 
 def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     """The plan as Trainer.Config sections (``activation_checkpoint``: the class, or None), in the fields
-    torchtitan's dataclasses have (above): with tensor parallelism, ``tensor_parallel_degree``, and async TP as
+    torchtitan's dataclasses have (above), each that the simulation reads set (a job built on another keeps none
+    of its base's): with tensor parallelism, ``tensor_parallel_degree``, and async TP as
     ``compile.enable_async_tensor_parallel`` where the blocks are compiled; with expert parallelism,
-    ``expert_parallel_degree``. What no field says is ``unexpressed``'s."""
+    ``expert_parallel_degree``; the optimizer's implementation where the plan records its optimizer. What no field
+    says is ``unexpressed``'s."""
     rule = reshard_rule(plan)
     # the shard degree of the world the plan was made for where it is known (its memory is that degree's), else -1
     ranks = plan.workload.ranks // plan.tp_degree if plan.workload and plan.workload.ranks else -1
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, ranks)
     tp = plan.tensor_parallel
-    tp_keys: dict[str, Any] = {"tensor_parallel_degree": tp.degree} if tp is not None else {}
-    if plan.expert_parallel is not None:  # EP's ranks out of dp_shard, as torchtitan takes them
-        tp_keys["expert_parallel_degree"] = plan.expert_parallel.degree
     ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
     compiled = bool(plan.compiled)  # torchtitan compiles every block; the plan, the ones it names
+    implementation = IMPLEMENTATIONS.get(plan.optimizer)
     return {
         "training": {**_tokens(plan), "dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
                      "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
-                     **({} if precision.reduce_bytes == 2 else {"mixed_precision_reduce": "float32"}),
+                     "mixed_precision_reduce": "float32",  # torchtitan's only (a bf16 reduce is said apart)
                      "enable_cpu_offload": plan.offload},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
-                        "fsdp_reshard_after_forward": rule, **tp_keys,
+                        "fsdp_reshard_after_forward": rule, "tensor_parallel_degree": plan.tp_degree,
+                        "pipeline_parallel_degree": 1, "context_parallel_degree": 1,  # (a base job's replaced)
+                        "expert_parallel_degree": plan.ep_degree,  # EP's ranks out of dp_shard, as torchtitan's
                         "spmd_backend": "partial_dtensor"},  # parallelize_fn's: FSDP2 over DTensor meshes
         "activation_checkpoint": {"class": ac},
         "compile": {"enable": compiled,
                     **({"enable_async_tensor_parallel": True} if tp is not None and tp.async_tp and compiled else {})},
+        "optimizer": {"implementation": implementation} if implementation else {},
     }
 
 
 def _tokens(plan: Plan) -> dict[str, int]:
     """TrainingConfig's token counts for the plan's workload: a data-parallel rank's micro-batch, the sequence
-    and, with micro-batches, the step's tokens over the data-parallel ranks (torchtitan derives the accumulation
-    steps from them; without micro-batches its default, -1, is one micro-batch a step). None known: none set."""
+    and the step's tokens over the data-parallel ranks (torchtitan derives the accumulation steps from them; -1, its
+    default, is one micro-batch a step). None known: none set."""
     w = plan.workload
     if w is None:
         return {}
-    out = {"num_tokens_per_microbatch_per_dp_rank": w.batch // w.micro_batches * w.seq, "max_context_length": w.seq}
+    out = {"num_tokens_per_microbatch_per_dp_rank": w.batch // w.micro_batches * w.seq, "max_context_length": w.seq,
+           "num_tokens_per_train_step": -1}  # -1: one micro-batch a step (a base job's own count replaced)
     if w.micro_batches > 1 and w.ranks:
         out["num_tokens_per_train_step"] = w.batch * w.seq * (w.ranks // plan.tp_degree)
     return out
@@ -99,11 +129,18 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     out = []
     if plan.model not in FLAVORS:
         out.append(f"the job names no torchtitan model for {plan.model or 'this model'}: set its config.model_spec "
-                   "to your model's spec, and that spec's parallelize_fn = parallelize_fn for the plan's groups")
+                   "to your model's spec, and that spec's parallelize_fn = parallelize_fn for the plan's groups, and "
+                   "give it your job's data, tokenizer and loss (it sets the plan's settings only)")
+    elif FLAVORS[plan.model] not in BASE_JOBS:
+        out.append(f"the job builds on no torchtitan job of {plan.model} (torchtitan's runs DistMuon, not the AdamW "
+                   "the plan is simulated with): give it the job's data, tokenizer and loss")
+    out += _optimizer_notes(plan)
     if plan.workload is None:
         out.append("the plan records no workload (written before plans recorded it, or of a model whose batch "
-                   "fsdp-planner does not know): the job sets no token counts and runs torchtitan's defaults or "
-                   "the registry job's")
+                   "fsdp-planner does not know): the job sets no token counts and runs the ones of the job it builds "
+                   "on (or torchtitan's defaults); read back, give them as flags (--training."
+                   "num_tokens_per_microbatch_per_dp_rank N --training.max_context_length N "
+                   "--training.num_tokens_per_train_step -1)")
     elif plan.workload.micro_batches > 1:
         out.append(f"torchtitan's train_step reduce-scatters every one of the {plan.workload.micro_batches} "
                    "micro-batches (it skips no gradient sync): the job's step is the plan's with --gradient-sync "
@@ -124,6 +161,20 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
     return out + _tp_and_precision_notes(plan, precision) + _float8_notes(plan, precision)
+
+
+def _optimizer_notes(plan: Plan) -> list[str]:
+    """``unexpressed``'s sentences for the optimizer: torchtitan runs Adam and AdamW in its container."""
+    if not plan.optimizer:
+        return ["the plan records no optimizer (written before plans recorded it): the job runs its base's "
+                "implementation (torchtitan's default: fused AdamW); give --optimizer for the plan's figures"]
+    if plan.optimizer.startswith("sgd"):
+        return [f"torchtitan's jobs run Adam or AdamW, not the plan's {plan.optimizer}: the job runs AdamW (two "
+                "states a param, where the plan has " + ("one" if plan.optimizer == "sgd-momentum" else "none") + ")"]
+    if plan.optimizer.split("-")[0] == "adam":
+        return [f"the job runs its base's AdamW where the plan was simulated with {plan.optimizer} (the same state; "
+                "AdamW's step also decays the weights)"]
+    return []
 
 
 def _tp_and_precision_notes(plan: Plan, precision: Precision) -> list[str]:
@@ -201,34 +252,42 @@ def reshard_rule(plan: Plan) -> str:
 
 def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], str]) -> str:
     """The source of ``fsdp_planner_job()`` and ``TORCHTITAN_FLAGS`` for ``plan`` (``literal``: the export's
-    ``py_literal``)."""
+    ``py_literal``): torchtitan's own job of the model (``BASE_JOBS``; a fresh Trainer.Config where it has none)
+    with every setting the plan decides assigned on it, as torchtitan's registry builds a job on another."""
     settings = job_settings(plan, precision)
     ac = settings["activation_checkpoint"]["class"]
-    imports = ["from torchtitan.config import ParallelismConfig, TrainingConfig"]
-    keywords = []
-    if plan.model in FLAVORS:
-        name, flavor = FLAVORS[plan.model]
-        imports.append(f"from torchtitan.models.{name} import model_registry")
+    imports = ["from torchtitan.config import CompileConfig, ParallelismConfig"]
+    flavor = FLAVORS.get(plan.model)
+    base = BASE_JOBS.get(flavor) if flavor else None
+    if base is not None:
+        assert flavor is not None
+        imports.append(f"from torchtitan.models.{flavor[0]}.config_registry import {base}")
+        body = [f"    config = {base}()  # torchtitan's job of the model: its data, tokenizer, loss, schedule and "
+                "optimizer settings"]
+    else:
+        imports += ["from torchtitan.components.optimizer import default_adamw",
+                    "from torchtitan.trainer import Trainer"]
+        body = ["    config = Trainer.Config(optimizer=default_adamw())  # the plan's settings only: give the "
+                "job its data, tokenizer and loss"]
+    if flavor is not None:
+        imports.append(f"from torchtitan.models.{flavor[0]} import model_registry")
         converters = _converters(plan, literal)
-        keywords.append(f"model_spec=model_registry({literal(flavor)}{converters}),")
         if converters:
             imports.append("from torchtitan.components.quantization import Float8LinearConverter")
-    for section, cls in (("training", "TrainingConfig"), ("parallelism", "ParallelismConfig")):
-        fields = "".join(f"\n            {k}={literal(v)}," for k, v in settings[section].items())
-        keywords.append(f"{section}={cls}({fields}\n        ),")
+        body += [f"    config.model_spec = model_registry({literal(flavor[1])}{converters})",
+                 "    config.model_spec.parallelize_fn = parallelize_fn  # the plan's groups"]
+    body += [f"    config.training.{k} = {literal(v)}" for k, v in settings["training"].items()]
+    fields = "".join(f"\n        {k}={literal(v)}," for k, v in settings["parallelism"].items())
+    body.append(f"    config.parallelism = ParallelismConfig({fields}\n    )")
     if ac:
         imports.append(f"from torchtitan.distributed.activation_checkpoint import {ac}")
-    keywords.append(f"activation_checkpoint={ac + '.Config()' if ac else 'None'},")
-    if settings["compile"]["enable"]:
-        imports.append("from torchtitan.config import CompileConfig")
-        fields = ", ".join(f"{k}={literal(v)}" for k, v in settings["compile"].items())
-        keywords.append(f"compile=CompileConfig({fields}),")
-    imports.append("from torchtitan.trainer import Trainer")
-    call = "Trainer.Config(\n" + "\n".join(f"        {k}" for k in keywords) + "\n    )"
-    # the plan's groups in place of torchtitan's parallelize: only where the job names the model (a spec to set)
-    returned = f"    config = {call}\n    config.model_spec.parallelize_fn = parallelize_fn\n    return config" \
-        if plan.model in FLAVORS else f"    return {call}"
-    return JOB.format(function=FUNCTION, imports="\n".join(f"    {i}" for i in imports), returned=returned,
+    body.append(f"    config.activation_checkpoint = {ac + '.Config()' if ac else 'None'}")
+    compile_fields = ", ".join(f"{k}={literal(v)}" for k, v in settings["compile"].items())
+    body.append(f"    config.compile = CompileConfig({compile_fields})")
+    body += [f"    config.optimizer.{k} = {literal(v)}" for k, v in settings["optimizer"].items()]
+    built_on = f"torchtitan's own {base}() job" if base else "a Trainer.Config of the plan's settings"
+    return JOB.format(function=FUNCTION, built_on=built_on, imports="\n".join(f"    {i}" for i in sorted(imports)),
+                      body="\n".join(body),
                       flags="\n".join(f"    {', '.join(literal(w) for w in flag)}," for flag in flags(settings)))
 
 
@@ -243,14 +302,16 @@ def _converters(plan: Plan, literal: Callable[[Any], str]) -> str:
 
 
 def flags(settings: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
-    """torchtitan's ``--section.key VALUE`` flags, each with its value (a true flag alone, a false one left at
-    torchtitan's default; the checkpointing as tyro's subcommand)."""
+    """torchtitan's ``--section.key VALUE`` flags, each with its value (a true flag alone, a false one as tyro's
+    ``--section.no_key``, which sets it over a job that has it true; the checkpointing as tyro's subcommand)."""
     out: list[tuple[str, ...]] = []
-    for section in ("training", "parallelism", "compile"):
+    for section in ("training", "parallelism", "compile", "optimizer"):
         for key, value in settings[section].items():
             if value is True:
                 out.append((f"--{section}.{key}",))
-            elif value is not False:
+            elif value is False:
+                out.append((f"--{section}.no_{key}",))
+            else:
                 out.append((f"--{section}.{key}", str(value)))
     ac = settings["activation_checkpoint"]["class"]
     out.append(({"SelectiveAC": "activation-checkpoint:selective", "FullAC": "activation-checkpoint:full",

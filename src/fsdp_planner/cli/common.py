@@ -67,17 +67,17 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = None,
-              micro_batches: int | None = None) -> Plan:
+              micro_batches: int | None = None, optimizer: str | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (``service/plan_files.py``; against ``world`` ranks too),
     its notes on stderr."""
-    return plan_files.load_plan(path, tr, model, render.note, world, micro_batches)
+    return plan_files.load_plan(path, tr, model, render.note, world, micro_batches, optimizer)
 
 
 def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
     """What ``simulate`` and ``verify`` of the written plan must be given for the step it was planned for: the
-    plan file holds the sharding, not the workload nor the optimizer (`` (simulated as ...)``; empty when nothing
-    is needed). ``split``: auto chose the micro-batches; ``workload``: the batch and sequence came from a job
-    config, not the command line."""
+    plan file records the workload and the optimizer and the two commands run their options' (`` (simulated as
+    ...)``; empty when nothing is needed). ``split``: auto chose the micro-batches; ``workload``: the batch and
+    sequence came from a job config, not the command line."""
     opts, model = job.options, job.model
     n, flags = opts.micro_batches, []
     if n > 1 and (split or workload):

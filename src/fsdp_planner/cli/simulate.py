@@ -139,7 +139,8 @@ def short_label(label: str) -> str:
 
 def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, options: SimOptions) -> Plan:
     if source.plan_file is not None:
-        return load_plan(str(source.plan_file), tr, model, cluster.world_size, options.micro_batches)
+        return load_plan(str(source.plan_file), tr, model, cluster.world_size, options.micro_batches,
+                         options.optimizer.name)
     assert source.policy is not None
     return policy_plan(tr, source.policy, model.name, cluster, options)  # checked against the cluster
 

@@ -246,6 +246,7 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
         config = _job(Source.of(tree), function, label, 0, notes)
         for o in overrides:
             config = _set(config, o.key.split("."), o.value)
+        config = check_set_over(config, overrides, label, notes)
         return toml_tables(config, _model_name(path, tree), label, notes), notes
     except RecursionError:  # an expression nested thousands deep (ast.parse takes more than literal_eval does)
         raise PlannerError(f"{label}: its values nest too deeply to read") from None
@@ -402,18 +403,7 @@ def _job(source: Source, name: str, label: str, depth: int, notes: list[str],
     node = scope.get(variable, returned)
     if isinstance(node, Outer):  # a job the module builds at its top level
         node = node.node
-    if source.is_trainer_config(node):
-        assert isinstance(node, ast.Call)
-        _written_out(node, label)
-        config = {k.arg: _value(k.value, scope, 0) for k in node.keywords if k.arg and k.arg not in IGNORED}
-    elif isinstance(node, ast.Call) and _dotted(node.func) in source.functions:
-        _written_out(node, label)
-        called = source.functions[_dotted(node.func)]
-        given = _arguments(called, node, scope, label)
-        config = _job(source, _dotted(node.func), label, depth + 1, notes, given)
-    else:
-        shown = cut_short(ast.unparse(node)) if node is not None else "nothing"
-        raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
+    config = _returned(source, node, name, label, depth, notes, scope, bool(variable))
     for path, value in edits:
         if path[0] != variable:
             if path[0] in scope:  # a dataclass of the job built apart, then edited: its call is what is read
@@ -423,7 +413,79 @@ def _job(source: Source, name: str, label: str, depth: int, notes: list[str],
             continue
         if path[1] not in IGNORED:
             config = _set(config, path[1:], _value(value, scope, 0))
+    if isinstance(config.get(BASE), UnreadBase):  # (built on a job of the file that builds on an unread one)
+        config[BASE] = replace(config[BASE], whole=config[BASE].whole | {p[1] for p, _ in edits
+                                                                          if p[0] == variable and len(p) == 2})
     return config
+
+
+BASE = "\0base"  # the key of a job's config that records an unread base (never a keyword's name)
+# What a job built on one the reader does not read must set itself, a section whole or these keys of it (a key left
+# out would be the base's, unknown): what the simulation reads of each, in torchtitan's current dataclasses.
+SET_OVER_BASE = {"model_spec": (), "activation_checkpoint": (),
+                 "training": ("num_tokens_per_microbatch_per_dp_rank", "max_context_length",
+                              "num_tokens_per_train_step", "dtype", "mixed_precision_param", "enable_cpu_offload"),
+                 "parallelism": ("data_parallel_replicate_degree", "data_parallel_shard_degree",
+                                 "fsdp_reshard_after_forward", "tensor_parallel_degree", "pipeline_parallel_degree",
+                                 "context_parallel_degree", "expert_parallel_degree"),
+                 "compile": ("enable", "components")}  # (its optimizer, where not set: torchtitan's default)
+
+
+@dataclass(frozen=True)
+class UnreadBase:
+    """A job ``job`` builds on by calling ``base()``, a function the file does not define (``from
+    torchtitan.models.llama3.config_registry import llama3_8b``): not read, so ``job`` must set what the simulation
+    reads (``SET_OVER_BASE``); ``whole``: the sections it assigns whole."""
+
+    base: str
+    job: str
+    whole: frozenset[str]
+
+
+def check_set_over(config: dict[str, Any], overrides: Sequence[Override], label: str,
+                   notes: list[str]) -> dict[str, Any]:
+    """``config`` without its unread base's record, once each setting the simulation reads is known to be set by the
+    job or a flag (an error naming the ones that are not); a note says the base was not read."""
+    unread = config.pop(BASE, None)
+    if not isinstance(unread, UnreadBase):
+        return config
+    whole = unread.whole | {o.key for o in overrides if "." not in o.key}
+    missing = [f"{section}.{key}" if key else section for section, keys in SET_OVER_BASE.items()
+               if section not in whole for key in (keys or ("",))
+               if not key or not (isinstance(config.get(section), Call) and key in config[section].fields)]
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        them = "them" if len(missing) > 1 else "it"
+        raise PlannerError(f"{label}: {unread.job} builds on {unread.base}(), which is not in the file (the reader "
+                           f"does not run it), and leaves {shown} as {unread.base}() has {them}: set {them} in "
+                           f"{unread.job} (or give the flag), or read {unread.base}'s own file (--from-torchtitan "
+                           f"MODULE:{unread.base})")
+    optimizer = config.get("optimizer")
+    said = "" if "optimizer" in whole else ": its optimizer's param groups are simulated as AdamW" \
+        if isinstance(optimizer, Call) and "implementation" in optimizer.fields \
+        else ": its optimizer is simulated as torchtitan's default, fused AdamW"
+    notes.append(f"{unread.job} builds on {unread.base}(), not read (it is not in the file): the job is what "
+                 f"{unread.job} sets{said}")
+    return config
+
+
+def _returned(source: Source, node: Any, name: str, label: str, depth: int, notes: list[str], scope: dict[str, Any],
+              edited: bool) -> dict[str, Any]:
+    """The config ``name`` returns before its edits: a ``Trainer.Config`` call's keywords, another job of the file's,
+    or (``edited``: a variable the function sets attributes on) an unread base's record."""
+    if source.is_trainer_config(node):
+        _written_out(node, label)
+        return {k.arg: _value(k.value, scope, 0) for k in node.keywords if k.arg and k.arg not in IGNORED}
+    if isinstance(node, ast.Call) and _dotted(node.func) in source.functions:
+        _written_out(node, label)
+        called = source.functions[_dotted(node.func)]
+        given = _arguments(called, node, scope, label)
+        return _job(source, _dotted(node.func), label, depth + 1, notes, given)
+    if isinstance(node, ast.Call) and _dotted(node.func) and edited:  # a job of another module (torchtitan's own,
+        # imported): not read; what the step depends on must be set here (``check_set_over``)
+        return {BASE: UnreadBase(_dotted(node.func), name, frozenset())}
+    shown = cut_short(ast.unparse(node)) if node is not None else "nothing"
+    raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
 
 
 def _arguments(fn: ast.FunctionDef, call: ast.Call, scope: dict[str, Any], label: str) -> dict[str, Any]:

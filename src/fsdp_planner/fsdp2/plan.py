@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_planner.choices import ATTENTION_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
+from fsdp_planner.choices import ATTENTION_NAMES, OPTIMIZER_NAMES, PRECISION_NAMES, SAC_POLICY_NAMES, SacPolicy
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel, expert_parallel_from_dict
 from fsdp_planner.fsdp2.float8 import Float8, float8_from_dict
@@ -32,7 +32,8 @@ PLAN_VERSION = 1
 # The keys a plan file may hold (what ``to_dict`` writes): any other is a typo that would otherwise be ignored.
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
-             "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload")
+             "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload",
+             "optimizer")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -202,6 +203,9 @@ class Plan:
     float8: Float8 | None = None  # float8 training of the Linears torchao converts, before TP and fully_shard
     # (--float8; ``float8.py``); None: none
     workload: Workload | None = None  # the step it was made for (``as_written``); None: not known
+    optimizer: str = ""  # the optimizer and implementation the plan was simulated with (``choices.OPTIMIZER_NAMES``:
+    # its state's memory and its step's time): what an export runs (torchtitan's optimizer.implementation); "": not
+    # recorded (a hand-written plan, or one written before plans recorded it)
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -341,6 +345,8 @@ class Plan:
             d["float8"] = self.float8.to_dict()
         if self.workload is not None:
             d["workload"] = self.workload.to_dict()
+        if self.optimizer:
+            d["optimizer"] = self.optimizer
         return d
 
     def to_json(self) -> str:
@@ -410,7 +416,8 @@ def _plan_from_dict(data: Any) -> Plan:
                 tensor_parallel=tensor_parallel_from_dict(data.get("tensor_parallel")),
                 expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")),
                 compiled=_compiled_from(data.get("compiled", [])), float8=float8_from_dict(data.get("float8")),
-                workload=_workload_from(data.get("workload")), **_memory_options(data))
+                workload=_workload_from(data.get("workload")), optimizer=_optimizer_from(data.get("optimizer", "")),
+                **_memory_options(data))
     plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
     if plan.tensor_parallel is not None and plan.tensor_parallel.async_tp and not plan.compiled:
@@ -492,6 +499,12 @@ def _compiled_from(items: Any) -> list[str]:
         raise PlannerError("plan 'compiled' must be a list of module names, each listed once (the modules "
                            "torch.compile'd)")
     return list(items)
+
+
+def _optimizer_from(value: Any) -> str:
+    if value != "" and value not in OPTIMIZER_NAMES:
+        raise PlannerError(f"plan 'optimizer' must be one of {', '.join(OPTIMIZER_NAMES)}, got {shown_json(value)}")
+    return str(value)
 
 
 def _precision_from(value: Any) -> str:

@@ -25,11 +25,11 @@ from fsdp_planner.userfiles import shown_json
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None],
-              world: int | None = None, micro_batches: int | None = None) -> Plan:
+              world: int | None = None, micro_batches: int | None = None, optimizer: str | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
-    (what its EP leaves out; a plan made for another attention kernel, or another step than the command's
-    ``micro_batches`` of the model's workload on ``world`` ranks); a hand-written one (module lists) gets its params
-    derived."""
+    (what its EP leaves out; a plan made for another attention kernel, another ``optimizer`` than the command's, or
+    another step than the command's ``micro_batches`` of the model's workload on ``world`` ranks); a hand-written one
+    (module lists) gets its params derived."""
     plan = _titled(with_claimed_params(Plan.load(path), tr))
     if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
         note(said)
@@ -51,6 +51,9 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
                     "planned with")
     if (said := _other_workload(plan, as_spec(model), world, micro_batches)) is not None:
         note(said)
+    if optimizer is not None and plan.optimizer and plan.optimizer != optimizer:
+        note(f"the plan was made with --optimizer {plan.optimizer} and this command simulates {optimizer}: add "
+             f"--optimizer {plan.optimizer} for the figures it was planned with")
     if plan.compiled and not tr.compiled:
         note(f"the plan compiles {len(plan.compiled)} modules and this command traced them eager: add --compile for "
              "the figures it was planned with")

@@ -119,16 +119,17 @@ def _dtype_notes(tr: Trace, job: PlanJob, reporter: Reporter) -> None:
 
 
 def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
-    """``plan`` as it leaves the program (``--out``, the API's return): with the precision (export sets it, so the
-    code runs as the numbers assumed), the attention kernel it was planned for (absent: the default), the
-    hf_config fields (verify rebuilds that model), the modules it compiles (the trace's, ``--compile``) and its
-    float8 training (``--float8``)."""
+    """``plan`` as it leaves the program (``--out``, the API's return): with the precision and the optimizer (export
+    sets them, so the code runs as the numbers assumed), the attention kernel it was planned for (absent: the
+    default), the hf_config fields (verify rebuilds that model), the modules it compiles (the trace's,
+    ``--compile``) and its float8 training (``--float8``)."""
     check_compiled_groups(plan, tr.compiled)
     float8 = job.options.float8 or plan.float8
     if float8 is not None and float8.tp_float8_all_gather and plan.tp_degree == 1:  # auto chose no TP: nothing
         float8 = dataclasses.replace(float8, tp_float8_all_gather=False)  # to gather (a plan file without TP
         # refuses the setting)
-    return dataclasses.replace(plan, precision=job.options.precision.name, attention=job.model.attention or "",
+    return dataclasses.replace(plan, precision=job.options.precision.name, optimizer=job.options.optimizer.name,
+                               attention=job.model.attention or "",
                                hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled), float8=float8,
                                workload=_workload(plan, job))
 
