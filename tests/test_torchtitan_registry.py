@@ -375,7 +375,9 @@ def test_a_job_on_an_unread_base_must_set_what_the_step_reads(tmp_path):
                     "    config = llama3_8b()\n    config.training.steps = 5\n    return config\n")
     with pytest.raises(PlannerError, match=r"leaves model_spec, activation_checkpoint, training.num_tokens_per_micro"
                                            r"batch_per_dp_rank, .* and \d+ more as llama3_8b\(\) has them: set them "
-                                           r"in job \(or give the flag\), or read llama3_8b's own file"):
+                                           r"in job \(or give the flag\), or read llama3_8b's own file "
+                                           r"\(--from-torchtitan torchtitan.models.llama3.config_registry:"
+                                           r"llama3_8b\)$"):
         read_config(TORCHTITAN, f"{bare}:job")
 
 

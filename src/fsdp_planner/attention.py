@@ -39,6 +39,7 @@ class Kernel:
 
     name: str = "sdpa"
     calls: int = 0
+    math_calls: int = 0  # of them, the ones a GPU's SDPA runs on its math path (``_math_on_gpu``)
 
 
 _KERNEL: contextvars.ContextVar[Kernel | None] = contextvars.ContextVar("fsdp_planner_attention", default=None)
@@ -89,6 +90,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
             chosen.calls += 1
     flash = attn_mask is None and v.shape[-1] == q.shape[-1]
     if _kernel_name() == "eager" or _math_on_gpu(q, k, v, enable_gqa, flash):
+        if not torch.compiler.is_compiling() and (chosen := _KERNEL.get()) is not None:
+            chosen.math_calls += 1
         return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None,
                                                                  scale=scale, enable_gqa=enable_gqa)[0]
     if flash:  # grouped-query keys and values as they are: the flash kernel reads them per group, copying none

@@ -362,12 +362,15 @@ class Source:
     functions: dict[str, ast.FunctionDef]
     constants: dict[str, Outer]
     trainer_classes: frozenset[str]
+    imported: dict[str, str]  # a name ``from M import name`` binds anywhere in the file -> M (to say where it is)
 
     @classmethod
     def of(cls, tree: ast.Module) -> Source:
         classes = frozenset(n.name for n in tree.body if isinstance(n, ast.ClassDef)
                             and any(_dotted(b).endswith("Trainer.Config") for b in n.bases))
-        return cls(_functions(tree), _constants(tree), classes)
+        imported = {a.asname or a.name: n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                    and n.module and not n.level for a in n.names}
+        return cls(_functions(tree), _constants(tree), classes, imported)
 
     def is_trainer_config(self, call: ast.expr) -> bool:
         return isinstance(call, ast.Call) and (_dotted(call.func).endswith("Trainer.Config")
@@ -440,6 +443,7 @@ class UnreadBase:
     base: str
     job: str
     whole: frozenset[str]
+    module: str  # where the file imports it from ("MODULE" where it does not say)
 
 
 def check_set_over(config: dict[str, Any], overrides: Sequence[Override], label: str,
@@ -459,7 +463,7 @@ def check_set_over(config: dict[str, Any], overrides: Sequence[Override], label:
         raise PlannerError(f"{label}: {unread.job} builds on {unread.base}(), which is not in the file (the reader "
                            f"does not run it), and leaves {shown} as {unread.base}() has {them}: set {them} in "
                            f"{unread.job} (or give the flag), or read {unread.base}'s own file (--from-torchtitan "
-                           f"MODULE:{unread.base})")
+                           f"{unread.module}:{unread.base})")
     optimizer = config.get("optimizer")
     said = "" if "optimizer" in whole else ": its optimizer's param groups are simulated as AdamW" \
         if isinstance(optimizer, Call) and "implementation" in optimizer.fields \
@@ -483,7 +487,8 @@ def _returned(source: Source, node: Any, name: str, label: str, depth: int, note
         return _job(source, _dotted(node.func), label, depth + 1, notes, given)
     if isinstance(node, ast.Call) and _dotted(node.func) and edited:  # a job of another module (torchtitan's own,
         # imported): not read; what the step depends on must be set here (``check_set_over``)
-        return {BASE: UnreadBase(_dotted(node.func), name, frozenset())}
+        base = _dotted(node.func)
+        return {BASE: UnreadBase(base, name, frozenset(), source.imported.get(base.split(".")[0], "MODULE"))}
     shown = cut_short(ast.unparse(node)) if node is not None else "nothing"
     raise PlannerError(f"{label}: {name} returns {shown}, not Trainer.Config(...) or another job of the file")
 

@@ -441,9 +441,17 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
     if task is HfTask.CAUSAL_LM and is_encoder(config.model_type) and not getattr(config, "is_decoder", False):
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
-    with quiet_loggers(*TORCHAO_LOGGERS):  # transformers' quantizers import torchao while building the first model
-        model = _auto_class(task).from_config(config, dtype=torch.float32,
-                                              experts_implementation=hf_experts.register(), **chosen)
+    try:
+        with quiet_loggers(*TORCHAO_LOGGERS):  # transformers' quantizers import torchao building the first model
+            model = _auto_class(task).from_config(config, dtype=torch.float32,
+                                                  experts_implementation=hf_experts.register(), **chosen)
+    except KeyError as e:  # a class that picks its attention from its own table (Falcon's FALCON_ATTENTION_CLASSES)
+        # never looks up an implementation registered with transformers' AttentionInterface
+        if attention != "flash" or hf_attention.FUSED not in str(e):
+            raise
+        raise PlannerError(f"--attention flash: {config.model_type}'s attention is picked from its own classes, not "
+                           "transformers' attention interface, and its flash_attention_2 needs the flash_attn "
+                           "package (a GPU's): plan it with --attention sdpa (the default) or eager") from None
     if getattr(model, "loss_type", "") is None and task in _LOSS_TYPES:
         model.loss_type = _LOSS_TYPES[task]  # a class name transformers cannot map (GPT2LMHeadModel) warns otherwise
     return model.train()
@@ -498,7 +506,19 @@ def causal_lm_loss(model: nn.Module, ids: torch.Tensor) -> Callable[[Any], torch
     return loss
 
 
-_POSITION_TABLES = ("wpe", "position_embeddings")  # learned absolute positions (GPT-2, BERT): a hard length limit
+# learned (or fixed) absolute position tables (GPT-2, BERT, BART, Marian): a hard length limit
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")
+
+
+def _positions_taken(table: nn.Embedding) -> int:
+    """The longest sequence a position table takes: its rows, less BART's offset (its learned positions start at
+    2: ``BartLearnedPositionalEmbedding.offset``) or RoBERTa's (position ids start after the padding index,
+    ``create_position_ids_from_input_ids``: 514 rows take 512 tokens)."""
+    offset = getattr(table, "offset", 0)
+    if isinstance(offset, int) and not isinstance(offset, bool) and offset > 0:
+        return table.num_embeddings - offset
+    pad = table.padding_idx
+    return table.num_embeddings - (pad + 1) if isinstance(pad, int) and pad >= 0 else table.num_embeddings
 
 
 def learned_positions(model: nn.Module) -> tuple[str, int] | None:
@@ -510,9 +530,9 @@ def learned_positions(model: nn.Module) -> tuple[str, int] | None:
         return "text_model.embeddings.position_embedding", config.text_config.max_position_embeddings
     if getattr(config, "is_encoder_decoder", False) and isinstance(getattr(config, "max_target_positions", None), int):
         return "model.decoder.embed_positions", config.max_target_positions
-    for name, module in model.named_modules():
+    for name, module in model.named_modules():  # (an encoder-decoder's encoder first: --seq is its length)
         if name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(module, nn.Embedding):
-            return name, module.num_embeddings
+            return name, _positions_taken(module)
     return None
 
 
@@ -551,6 +571,7 @@ def build_seq2seq_lm(data: dict[str, Any], batch_size: int, seq_len: int, hf_con
     """Encoder ids of ``seq_len`` and a quarter as many target ids (T5's span-corruption ratio); the decoder's
     inputs are the targets shifted right, made by the model."""
     model = build_model(data, hf_config, attention)
+    check_positions(model, seq_len)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, seq_len))
     labels = torch.randint(0, vocab, (batch_size, max(1, seq_len // 4)))
@@ -616,7 +637,15 @@ def factory(source: str) -> Callable[..., tuple]:
     build = {HfTask.CAUSAL_LM: build_causal_lm, HfTask.SEQ2SEQ_LM: build_seq2seq_lm,
              HfTask.SPEECH_SEQ2SEQ: build_speech_seq2seq, HfTask.CONTRASTIVE: build_contrastive,
              HfTask.IMAGE_CLASSIFICATION: build_image_classifier}[task]
-    return functools.partial(build, data, **_default_workload(source, task, config))
+    workload = _default_workload(source, task, config)
+    seq = workload.get("seq_len")
+    if source not in SHIPPED and isinstance(seq, int) and seq <= DEFAULT_SEQ_CAP and task is not HfTask.SPEECH_SEQ2SEQ:
+        # a position table may take fewer than the config's count (RoBERTa's 514 take 512): the default is what the
+        # model takes (built on meta once: a table's models are small)
+        with torch.device("meta"):
+            table = learned_positions(build_model(data))
+        workload["seq_len"] = min(seq, table[1]) if table else seq
+    return functools.partial(build, data, **workload)
 
 
 @dataclass(frozen=True)

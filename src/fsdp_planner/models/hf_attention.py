@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._guards import detect_fake_mode
 
 from fsdp_planner.attention import planned
 
@@ -43,6 +44,15 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """SDPA's mask on real tensors (the eager attention ``verify`` runs needs it); none while the step is
+        planned (meta, or the fake world's fake tensors): flash-attn takes no mask, its causal or sliding window
+        is inside the kernel, so SDPA's causal flash kernel stands for it (a windowed kernel does less work: the
+        step's attention time is then an upper bound) and no sequence-squared mask is held."""
+        if str(kwargs.get("device", "")) == "meta" or detect_fake_mode() is not None:
+            return None
+        return sdpa_mask(*args, **kwargs)
+
     AttentionInterface.register(FUSED, fused_attention_forward)
-    AttentionMaskInterface.register(FUSED, sdpa_mask)
+    AttentionMaskInterface.register(FUSED, mask)
     return FUSED

@@ -6,6 +6,7 @@ experts in their own groups: ``fsdp2/expert_groups.py``)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -191,9 +192,11 @@ class EPOption:
     plan: Plan
     step: StepReport
 
-    def describe(self) -> str:
-        mesh = self.plan.mesh
-        where = f" on {mesh.describe()}" if mesh is not None and mesh.replicate > 1 else ""
+    def describe(self, where: bool = True, flat: int = 0) -> str:
+        """"EP 8 (experts kept after forward) on 4x16"; ``where``: with its mesh where it is HSDP (and, given the
+        world size ``flat``, where it is pure FSDP: beside HSDP options)."""
+        mesh = self.plan.mesh or (Mesh.flat(flat) if flat else None)
+        where = f" on {mesh.describe()}" if where and mesh is not None and (mesh.replicate > 1 or flat) else ""
         return (f"EP {self.degree}" + (" (experts kept after forward)" if self.keep_experts else "")
                 if self.degree > 1 else "no EP") + where
 
@@ -225,15 +228,18 @@ def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, 
 
 def hsdp_ep_options(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions,
                     views: dict[tuple, Trace], degrees: tuple[int, ...] = ()) -> list[EPOption]:
-    """EP (``degrees``; none given: each its dp_shard allows) on auto's other HSDP layouts (``result.meshes``: each
-    one's best plan, without TP), EP's ranks out of their dp_shard and the experts replicated over dp_replicate as
-    torchtitan lays them out: EP shrinks the experts' shards, which can bring a layout over the budget without EP
-    within it."""
+    """EP (``degrees``; none given: each its dp_shard allows) on auto's other data-parallel layouts
+    (``result.meshes``: each one's best plan, without TP; pure FSDP among them where auto chose HSDP), EP's ranks out
+    of their dp_shard and the experts replicated over dp_replicate as torchtitan lays them out: EP shrinks the
+    experts' shards, which can bring a layout over the budget without EP within it, and a wider dp_shard takes
+    more EP (OLMoE on 64 H100s: auto chose 2x32 without EP and screened EP there alone; 1x64 with EP 8 is 7%
+    faster)."""
     out: list[EPOption] = []
+    chosen = result.plan.mesh or Mesh.flat(cluster.world_size)
     for cand in result.meshes.values():
-        mesh = cand.plan.mesh
-        if cand.runs and cand.plan.tp_degree == 1 and mesh is not None and mesh.replicate > 1 and \
-                mesh != result.plan.mesh and all(mesh.shard % d == 0 for d in degrees):
+        mesh = cand.plan.mesh or Mesh.flat(cluster.world_size)
+        if cand.runs and cand.plan.tp_degree == 1 and mesh != chosen and \
+                (mesh.replicate > 1 or chosen.replicate > 1) and all(mesh.shard % d == 0 for d in degrees):
             plan = cand.plan.running(result.run)
             plan = plan.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in plan.groups])
             out.extend(ep_options(trace, plan, cluster, plan_options(plan, options), degrees=degrees, views=views,
@@ -263,12 +269,19 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     # groups move: FSDP2's implicit prefetching instead
     written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
     views: dict[tuple, Trace] = {}
-    found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views)
+    try:
+        found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views)
+    except PlannerError as e:  # the user's EP does not divide the chosen layout's dp_shard: another layout's may
+        if not degrees:
+            raise
+        found, refused = [None], e  # (dropped below, as the plan without EP is)
     if degrees:
         found = found[1:]  # the user's EP, not the plan without it
     else:
         found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
     found += hsdp_ep_options(result, trace, cluster, options, views, degrees)
+    if not found:
+        raise refused
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
@@ -278,9 +291,11 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         found = [relaxed if o is best else o for o in found]  # (its line says what is chosen)
         best = relaxed
     if note is not None and len(found) > 1:
+        hsdp = any(o.plan.mesh is not None and o.plan.mesh.replicate > 1 for o in found)
+        flat = cluster.world_size if hsdp and (tp is None or tp.degree == 1) else 0  # (named beside HSDP)
         split = f", {options.micro_batches} micro-batches" if options.micro_batches > 1 else ""
         note(f"auto's EP screen (its groups, the experts in their own{split}): " + ", ".join(
-            f"{o.describe()} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
+            f"{o.describe(flat=flat)} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
                                                                else f" ({fmt_bytes(o.step.reserved_memory)}, "
                                                                     "does not fit)") for o in _shown(found, result)))
     # a TP view's lines without EP go: under EP torchtitan's MoE layout splits the experts' tokens over TP
@@ -289,9 +304,18 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     if best.degree == 1:
         return replace(result, meshes=meshes) if best.plan is result.plan else \
             replace(result, plan=best.plan, report=best.step, meshes=meshes)
-    label = f"{result.plan.policy}, {best.describe()}"
+    label = f"{_on_mesh(result.plan.policy, best.plan.mesh, cluster)}, {best.describe(where=False)}"
     return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
                    fits=bool(fitting), meshes=meshes)
+
+
+def _on_mesh(policy: str, mesh: Mesh | None, cluster: Cluster) -> str:
+    """Auto's label (``auto(h100:64, 70.8 GiB, hsdp 2x32)``) naming ``mesh``, the layout its EP option runs on."""
+    mesh = mesh or Mesh.flat(cluster.world_size)
+    hsdp = f", hsdp {mesh.describe()}" if mesh.replicate > 1 else ""
+    if re.search(r", hsdp \d+x\d+", policy):
+        return re.sub(r", hsdp \d+x\d+", hsdp, policy, count=1)
+    return policy[:-1] + hsdp + ")" if policy.startswith("auto(") and policy.endswith(")") else policy
 
 
 def _relaxed_checkpointing(best: EPOption, view: Trace, cluster: Cluster, options: SimOptions,

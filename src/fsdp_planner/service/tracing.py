@@ -240,6 +240,20 @@ def model_error(e: Exception) -> str:
     return f"{failed.describe() + ' raised ' if failed else ''}{type(e).__name__}: {e}"
 
 
+def _fused_saved(model: object, attention: Kernel, built: str) -> str:
+    """What a fused implementation's calls saved: SDPA's math path where a GPU takes it (keys of fewer heads
+    passed without ``enable_gqa``, Falcon's multi-query), and what the flash stand-in leaves out of a sliding
+    window."""
+    if attention.calls and attention.math_calls == attention.calls:
+        return ("SDPA's math path, as a GPU runs these calls (keys of fewer heads than the queries, which no fused "
+                "kernel takes): score matrices saved, O(seq^2)")
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if built == hf.hf_attention.FUSED and isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        return (f"fused kernel, O(seq) saved; its sliding window of {window:,} charged as full causal attention, "
+                "which flash-attn's windowed kernel does less of")
+    return "fused kernel, O(seq) saved"
+
+
 def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | None:
     """Which attention kernel the trace assumed: transformers' implementation for an ``hf:`` model, else the
     kernel its SDPA calls ran. None for a built-in without ``--attention`` (they call the fused kernels, as the
@@ -250,7 +264,7 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
         built = None  # a model without attention (a CNN): transformers records an implementation all the same
     if built is not None:
         kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
-        saved = "score matrices saved, O(seq^2)" if built == "eager" else "fused kernel, O(seq) saved"
+        saved = "score matrices saved, O(seq^2)" if built == "eager" else _fused_saved(model, attention, built)
         built = "flash stand-in" if built == hf.hf_attention.FUSED else built
         return (f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; "
                 "--attention sdpa|flash|eager plans for another)")

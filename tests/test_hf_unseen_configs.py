@@ -1,0 +1,123 @@
+"""Configs of transformers models fsdp-planner ships none of (a new user's trial, 2026-12-03): BART's and RoBERTa's
+position tables take fewer tokens than their rows, Falcon's attention is its own, and a sliding window under
+``--attention flash``. Tiny configs written here, in the fields the Hub's configs of those models have."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_planner.cli import main
+from fsdp_planner.errors import PlannerError
+from fsdp_planner.models import ModelSpec, hf, load_model
+
+BART = {"model_type": "bart", "d_model": 64, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_position_embeddings": 96,
+        "vocab_size": 256, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 2,
+        "is_encoder_decoder": True}
+ROBERTA = {"model_type": "roberta", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+           "intermediate_size": 128, "max_position_embeddings": 66, "vocab_size": 256, "pad_token_id": 1,
+           "bos_token_id": 0, "eos_token_id": 2, "type_vocab_size": 1}
+FALCON = {"model_type": "falcon", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+          "multi_query": True, "new_decoder_architecture": False, "parallel_attn": True, "bias": False,
+          "alibi": False, "vocab_size": 256}
+MISTRAL = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096, "vocab_size": 256,
+           "sliding_window": 64}
+
+
+def _config(tmp_path: Path, name: str, data: dict) -> str:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize(("data", "taken", "table"), [(BART, 96, "model.encoder.embed_positions"),
+                                                      (ROBERTA, 64, "roberta.embeddings.position_embeddings")])
+def test_a_position_table_takes_what_its_model_indexes(tmp_path, data, taken, table):
+    """BART's learned positions start at 2 (98 rows take 96 tokens) and RoBERTa's after the padding index (66 rows,
+    padding index 1: 64): planned past them, the real forward raised IndexError in the embedding (a trial's
+    `verify --nproc 2`); the default sequence is what the model takes (RoBERTa's was 66)."""
+    model = _config(tmp_path, data["model_type"], data)
+    assert hf.learned_positions(load_model(ModelSpec(model), meta=True).model) == (table, taken)
+    assert ModelSpec(model).workload()["seq_len"] == taken
+    with pytest.raises(PlannerError, match=rf"^--seq {taken + 1} is longer than the model's {taken} learned "
+                                           rf"positions \({table}\): give --seq {taken} or less$"):
+        load_model(ModelSpec(model, seq_len=taken + 1), meta=True)
+    load_model(ModelSpec(model, seq_len=taken, batch_size=1), meta=False).loss_fn  # builds and takes it
+
+
+@pytest.mark.integration  # a real forward and backward of each tiny model at its longest sequence: a few seconds
+@pytest.mark.parametrize("data", [BART, ROBERTA])
+def test_the_longest_sequence_runs(tmp_path, data):
+    lm = load_model(ModelSpec(_config(tmp_path, data["model_type"], data), batch_size=1), meta=False)
+    lm.loss_fn(lm.model(**lm.example_inputs)).backward()  # (IndexError past the table)
+
+
+def test_falcon_s_own_attention_classes_refuse_the_flash_stand_in(tmp_path, capsys):
+    """Falcon picks its attention class from FALCON_ATTENTION_CLASSES, which never looks up an implementation
+    registered with transformers' interface: it raised KeyError 'fsdp_planner_fused' inside transformers. Its SDPA
+    passes one key head without enable_gqa, which a GPU runs on the math path: the note says so (it said fused)."""
+    model = _config(tmp_path, "falcon", FALCON)
+    assert main(["plan", model, "--cluster", "h100:8", "--attention", "flash"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --attention flash: falcon's attention is picked from its own classes, not transformers' attention "
+        "interface, and its flash_attention_2 needs the flash_attn package (a GPU's): plan it with --attention sdpa "
+        "(the default) or eager")
+    assert main(["plan", model, "--cluster", "h100:8", "--policy", "titan", "--seq", "32"]) == 0
+    assert "'sdpa': SDPA's math path, as a GPU runs these calls (keys of fewer heads than the queries" \
+        in capsys.readouterr().err
+
+
+def test_a_sliding_window_under_flash_is_no_slower_than_none(tmp_path, capsys):
+    """flash-attn takes a sliding window inside its kernel, with no mask: the stand-in ran SDPA's sequence-squared
+    mask and its non-causal memory-efficient kernel for it, so a windowed Mistral planned slower and larger than
+    the same model without a window (11.3 against 7.26 s at 32K). Now the same step, the window said as an upper
+    bound."""
+    windowed, full = _config(tmp_path, "w", MISTRAL), _config(tmp_path, "f", {**MISTRAL, "sliding_window": None})
+    out = []
+    for model in (windowed, full):
+        capsys.readouterr()
+        assert main(["simulate", model, "--policy", "titan", "--seq", "1024", "--attention", "flash", "--cluster",
+                     "h100:8", "--json"]) == 0
+        captured = capsys.readouterr()
+        step = json.loads(captured.out)
+        out.append((step["step_time"], step["peak_memory"]))
+        said = "its sliding window of 64 charged as full causal attention" in captured.err
+        assert said == (model == windowed)
+    assert out[0] == out[1]
+
+
+OLMOE = {"model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_attention_heads": 16,
+         "num_key_value_heads": 16, "num_hidden_layers": 16, "num_experts": 64, "num_experts_per_tok": 8,
+         "max_position_embeddings": 4096, "vocab_size": 50304, "pad_token_id": 1, "eos_token_id": 50279,
+         "tie_word_embeddings": False, "norm_topk_prob": False}  # OLMoE-1B-7B's (allenai/OLMoE-1B-7B-0924)
+
+
+def test_an_ep_degree_auto_s_hsdp_layout_cannot_take_runs_on_one_that_can(tmp_path, capsys):
+    """A tiny OLMoE of 64 experts on 64 H100s: auto's groups choose HSDP 2x32, whose dp_shard EP 64 does not divide;
+    `--ep 64` was refused there ("does not divide the 32 data-parallel shard ranks", a layout the user never chose)
+    though 1x64 takes it. Now the EP asked for runs on the layout that takes it, and the label names that one."""
+    model = _config(tmp_path, "olmoe", {**OLMOE, "hidden_size": 128, "intermediate_size": 64, "num_attention_heads":
+                                        4, "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 1000,
+                                        "num_experts_per_tok": 2, "eos_token_id": 2})
+    out = tmp_path / "plan.json"
+    assert main(["plan", model, "--policy", "auto", "--cluster", "h100:64", "--ep", "64", "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["expert_parallel"]["degree"] == 64 and written.get("mesh", {"replicate": 1})["replicate"] == 1
+    assert written["policy"] == "auto(h100:64, 70.8 GiB), EP 64"
+
+
+@pytest.mark.integration  # OLMoE-1B-7B's auto plan on 64 H100s: ~15 s
+def test_auto_screens_ep_on_pure_fsdp_beside_its_hsdp_choice(tmp_path, capsys):
+    """OLMoE-1B-7B on 64 H100s: auto's groups chose HSDP 2x32 and its EP screen ran there and on the other HSDP
+    layouts only (136 ms at EP 8); pure FSDP with EP 8 (127 ms, `--ep 8 --mesh 1x64`) was never tried."""
+    model = _config(tmp_path, "olmoe", OLMOE)
+    out = tmp_path / "plan.json"
+    assert main(["plan", model, "--policy", "auto", "--cluster", "h100:64", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert ", EP 8 on 1x64 " in err  # the screen names the pure-FSDP options beside the HSDP ones
+    written = json.loads(out.read_text())
+    assert written["expert_parallel"]["degree"] == 8 and "mesh" not in written, written["policy"]
