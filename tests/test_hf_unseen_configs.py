@@ -46,7 +46,7 @@ def test_a_position_table_takes_what_its_model_indexes(tmp_path, data, taken, ta
     with pytest.raises(PlannerError, match=rf"^--seq {taken + 1} is longer than the model's {taken} learned "
                                            rf"positions \({table}\): give --seq {taken} or less$"):
         load_model(ModelSpec(model, seq_len=taken + 1), meta=True)
-    load_model(ModelSpec(model, seq_len=taken, batch_size=1), meta=False).loss_fn  # builds and takes it
+    assert load_model(ModelSpec(model, seq_len=taken), meta=True).example_inputs["input_ids"].shape[-1] == taken
 
 
 @pytest.mark.integration  # a real forward and backward of each tiny model at its longest sequence: a few seconds
@@ -121,3 +121,34 @@ def test_auto_screens_ep_on_pure_fsdp_beside_its_hsdp_choice(tmp_path, capsys):
     assert ", EP 8 on 1x64 " in err  # the screen names the pure-FSDP options beside the HSDP ones
     written = json.loads(out.read_text())
     assert written["expert_parallel"]["degree"] == 8 and "mesh" not in written, written["policy"]
+
+
+@pytest.mark.integration  # a fit search of a tiny model: a few seconds
+def test_fit_says_a_longest_sequence_past_the_configured_positions(tmp_path, capsys):
+    """A rotary model's longest sequence is bounded by memory alone (Pythia's fit answered 86,016 where its config
+    says 2,048, and said so only in a note --quiet hides): the answer line says it."""
+    model = _config(tmp_path, "m", {**MISTRAL, "max_position_embeddings": 64, "sliding_window": None})
+    assert main(["fit", model, "--cluster", "h100:2", "--find", "seq", "--batch", "1", "--seq", "32",
+                 "--memory-budget", "40MB", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "(past the config's max_position_embeddings, 64: its rotary positions compute any length, but it was " \
+           "not configured for this one)" in out, out
+
+
+def test_an_encoder_planned_as_a_causal_lm_is_said(tmp_path, capsys):
+    """RoBERTa was planned as transformers' causal-LM form without a word; a decoder's plan says nothing of it."""
+    for data, said in ((ROBERTA, True), (MISTRAL, False)):
+        capsys.readouterr()
+        assert main(["plan", _config(tmp_path, data["model_type"], data), "--policy", "titan", "--cluster", "h100:8",
+                     "--seq", "32"]) == 0
+        assert ("roberta is an encoder (a masked LM), planned as transformers builds it for causal LM"
+                in capsys.readouterr().err) == said
+
+
+def test_auto_says_why_it_screens_no_tp(tmp_path, capsys):
+    """Gemma 3 1B has one kv head: auto's layouts had no TP and no word why (``--tp 2`` said it)."""
+    model = _config(tmp_path, "one_kv", {**MISTRAL, "num_key_value_heads": 1, "sliding_window": None})
+    assert main(["plan", model, "--policy", "auto", "--cluster", "h100:8", "--seq", "32"]) == 0
+    assert ("auto screens no tensor parallelism here: --tp 2 is refused (--tp 2 must divide the model's 4 attention "
+            "heads and 1 kv heads: choose a degree that divides both), and so is every larger degree"
+            ) in capsys.readouterr().err

@@ -251,9 +251,10 @@ class StandIn:
             by_op.setdefault(op, []).append("the model" if not module else repr(module))
         places = "; ".join(f"{op} in {', '.join(ms[:3])}" + (f" and {len(ms) - 3} more modules" if len(ms) > 3 else "")
                            for op, ms in by_op.items())
-        share = "an equal share per expert" if self.experts is not None else "every element of a mask"
-        return (f"data-dependent ops traced with the balanced-routing stand-in ({share}, capacity factor "
-                f"{self.capacity:g}; --routing sets it): {places}")
+        if self.experts is None:  # a dense model's (a check on its ids, a count): no routing to speak of
+            return f"data-dependent ops traced with stand-in values (a mask's every element true): {places}"
+        return (f"data-dependent ops traced with the balanced-routing stand-in (an equal share per expert, capacity "
+                f"factor {self.capacity:g}; --routing sets it): {places}")
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

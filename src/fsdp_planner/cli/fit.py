@@ -265,8 +265,11 @@ def _longest_seq(request: FitRequest, points: Points) -> tuple[dict[str, Any], l
     else:
         tried = [q.seq for q in points.sorted() if q.batch == b and q.seq > plain and not (q.fits and not q.offload)]
         after_text = f"; {min(tried):,} does not fit without it" if tried else ""
-        lines = [f"longest sequence without CPU offload at batch {b:,}: {plain:,}{bound if plain >= cap else ''}: "
-                 f"{_figures(points.at(b, plain), 'tokens')}{after_text}"]
+        configured = points.configured_positions()
+        past = f" (past the config's max_position_embeddings, {configured:,}: its rotary positions compute any " \
+            "length, but it was not configured for this one)" if configured is not None and plain > configured else ""
+        lines = [f"longest sequence without CPU offload at batch {b:,}: {plain:,}{bound if plain >= cap else ''}"
+                 f"{past}: {_figures(points.at(b, plain), 'tokens')}{after_text}"]
     lines += _offload_line("sequence", plain, longest, cap, lambda s: points.at(b, s), "tokens", f" at batch {b:,}",
                            request, bound)
     return {"batch": b, "longest": longest, "longest_without_offload": plain, "cap": cap}, lines

@@ -333,6 +333,16 @@ def _check_speech_frames(config: Any) -> None:
                            f"log-mel input ({', '.join(_SPEECH_FIELDS)}): the planner cannot make its inputs")
 
 
+def encoder_note(model: nn.Module) -> str | None:
+    """Said, not silent: an encoder (BERT, RoBERTa) is planned as transformers' causal-LM form of it."""
+    config = getattr(model, "config", None)
+    if config is None or not is_encoder(config.model_type) or task_of(config) is not HfTask.CAUSAL_LM:
+        return None
+    return (f"{config.model_type} is an encoder (a masked LM), planned as transformers builds it for causal LM "
+            "(is_decoder, causal attention, a next-token loss): a masked-LM or classification step has the same "
+            "blocks but attends both ways (about twice the causal attention's FLOPs) and another head")
+
+
 def is_encoder(model_type: str) -> bool:
     """An encoder architecture (masked LM) that transformers also builds as a causal LM (BERT, RoBERTa)."""
     from transformers.models.auto import modeling_auto as auto
@@ -442,7 +452,9 @@ def build_model(data: dict[str, Any], overrides: Overrides = (), attention: str 
         config.is_decoder = True  # an encoder (BERT) trained as a causal LM attends causally, as transformers asks
     # a model without experts layers accepts the option and ignores it
     try:
-        with quiet_loggers(*TORCHAO_LOGGERS):  # transformers' quantizers import torchao building the first model
+        # transformers' quantizers import torchao building the first model; its generation config's checks warn of
+        # sampling fields (Gemma 3's cache_implementation) that say nothing of a training step
+        with quiet_loggers(*TORCHAO_LOGGERS, "transformers.generation.configuration_utils"):
             model = _auto_class(task).from_config(config, dtype=torch.float32,
                                                   experts_implementation=hf_experts.register(), **chosen)
     except KeyError as e:  # a class that picks its attention from its own table (Falcon's FALCON_ATTENTION_CLASSES)

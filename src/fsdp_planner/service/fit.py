@@ -162,6 +162,14 @@ class Points:
         """The model's learned position table and its length: the longest sequence it takes (None: no limit)."""
         return learned_positions(load_model(self.job.model, meta=True).model)
 
+    def configured_positions(self) -> int | None:
+        """The config's ``max_position_embeddings`` of a model without a learned table (rotary positions take any
+        length, past what the model was configured, and trained, for); None where it has none, or a table."""
+        model = load_model(self.job.model, meta=True).model
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        ok = isinstance(positions, int) and not isinstance(positions, bool) and learned_positions(model) is None
+        return positions if ok else None
+
     def _stages(self, key: Key, full: bool, screen: bool) -> Staged:
         store = self.screens if screen else self.staged
         staged = store.get(key)

@@ -347,7 +347,7 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
         batch = model.workload().get("batch_size")
         layouts = tp_degrees(tr, model, cluster, request.loss_parallel, request.async_tp) if batch else []
         if len(layouts) <= 1:
-            _no_tp_screened(tr, model, batch is not None, reporter)
+            _no_tp_screened(tr, model, batch is not None, reporter, cluster)
         layouts = _with_float8_scales(tr, layouts, options.float8, reporter)
         return tuple(TPChoice(x.tp, None if x.tp.degree == 1 else
                               tracer(dataclasses.replace(model, batch_size=batch * x.tp.degree), options))
@@ -357,13 +357,21 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
     return (TPChoice(requested_layout(tr, request, model, cluster, reporter, options.float8)),)
 
 
-def _no_tp_screened(tr: Trace, model: ModelSpec, batch: bool, reporter: Reporter) -> None:
+def _no_tp_screened(tr: Trace, model: ModelSpec, batch: bool, reporter: Reporter, cluster: Cluster) -> None:
     """Say why auto screens no TP where the model has a layout: auto weighs TP d at d times the batch per
     data-parallel rank, which needs the batch (a user factory's default is not read without importing it again);
     a layout only detected (column-then-row pairs) must first run on the model (``check_local_shapes``), which
-    ``--tp`` asks for."""
+    ``--tp`` asks for; a layout no degree divides (Gemma 3 1B's one kv head): the smallest degree's reason."""
     with contextlib.suppress(PlannerError):
-        source = tp_layout(tr, TP_DEGREES[1], model).source
+        layout = tp_layout(tr, TP_DEGREES[1], model)
+        source = layout.source
+        if batch and source != PAIRS:
+            try:
+                check_layout(tr, layout, cluster, model.workload().get("seq_len"))
+            except PlannerError as e:
+                reporter.note(f"auto screens no tensor parallelism here: {layout.asked} is refused ({e}), and so is "
+                              "every larger degree")
+                return
         if not batch:
             reporter.note("auto screens no tensor parallelism here: it weighs TP d at d times the batch per "
                           "data-parallel rank, and this model's batch is not known (give --batch N to screen TP, "

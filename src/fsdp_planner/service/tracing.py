@@ -49,8 +49,9 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
             raise PlannerError(f"tracing '{spec}' failed: {SELF_CHECKPOINTING}") from e
         raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
+    encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0]),
-                 own_checkpointing_note(lm.own_checkpointing), positions):
+                 own_checkpointing_note(lm.own_checkpointing), positions, encoder):
         if line:
             note(line)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
