@@ -367,7 +367,8 @@ def test_an_encoder_config_trains_as_a_causal_lm_decoder(tmp_path, capsys):
     lm = load_model(f"hf:{config}")
     assert type(lm.model).__name__ == "BertLMHeadModel" and lm.model.config.is_decoder
     assert main(["plan", f"hf:{config}", "--policy", "order", "--seq", "16"]) == 0
-    assert "is_decoder" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is_decoder" not in err and "bert is an encoder (a masked LM), planned as transformers builds it" in err
 
 
 def test_a_sequence_beyond_learned_positions_is_one_line(tmp_path, capsys):

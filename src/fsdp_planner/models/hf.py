@@ -339,7 +339,7 @@ def encoder_note(model: nn.Module) -> str | None:
     if config is None or not is_encoder(config.model_type) or task_of(config) is not HfTask.CAUSAL_LM:
         return None
     return (f"{config.model_type} is an encoder (a masked LM), planned as transformers builds it for causal LM "
-            "(is_decoder, causal attention, a next-token loss): a masked-LM or classification step has the same "
+            "(as a decoder: causal attention, a next-token loss): a masked-LM or classification step has the same "
             "blocks but attends both ways (about twice the causal attention's FLOPs) and another head")
 
 

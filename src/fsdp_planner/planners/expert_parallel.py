@@ -265,23 +265,8 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
             raise PlannerError("auto screens expert parallelism with TP only at the degree given: add --ep")
         view = tp_view(trace, tp, cluster, options.float8 or result.plan.float8)
         trace, cluster = view.trace, view.cluster
-    written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
-    # groups move: FSDP2's implicit prefetching instead
-    written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
     views: dict[tuple, Trace] = {}
-    try:
-        found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views)
-    except PlannerError as e:  # the user's EP does not divide the chosen layout's dp_shard: another layout's may
-        if not degrees:
-            raise
-        found, refused = [None], e  # (dropped below, as the plan without EP is)
-    if degrees:
-        found = found[1:]  # the user's EP, not the plan without it
-    else:
-        found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
-    found += hsdp_ep_options(result, trace, cluster, options, views, degrees)
-    if not found:
-        raise refused
+    found = _ep_candidates(result, trace, cluster, options, degrees, views)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
@@ -291,13 +276,7 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         found = [relaxed if o is best else o for o in found]  # (its line says what is chosen)
         best = relaxed
     if note is not None and len(found) > 1:
-        hsdp = any(o.plan.mesh is not None and o.plan.mesh.replicate > 1 for o in found)
-        flat = cluster.world_size if hsdp and (tp is None or tp.degree == 1) else 0  # (named beside HSDP)
-        split = f", {options.micro_batches} micro-batches" if options.micro_batches > 1 else ""
-        note(f"auto's EP screen (its groups, the experts in their own{split}): " + ", ".join(
-            f"{o.describe(flat=flat)} {fmt_time(o.step.step_time)}" + ("" if result.memory.fits(o.step.reserved_memory)
-                                                               else f" ({fmt_bytes(o.step.reserved_memory)}, "
-                                                                    "does not fit)") for o in _shown(found, result)))
+        note(_screen_line(found, result, cluster, options))
     # a TP view's lines without EP go: under EP torchtitan's MoE layout splits the experts' tokens over TP
     # (``token_split``), which runs only with EP (its experts tensor-parallel, ``expert_tensor``, are another layout)
     meshes = {**(result.meshes if tp is None or tp.degree == 1 else {}), **_lines(found, result, cluster)}
@@ -307,6 +286,44 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
     label = f"{_on_mesh(result.plan.policy, best.plan.mesh, cluster)}, {best.describe(where=False)}"
     return replace(result, plan=best.plan.replace(policy=label), run=best.plan.run, report=best.step,
                    fits=bool(fitting), meshes=meshes)
+
+
+def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: SimOptions, degrees: tuple[int, ...],
+                   views: dict[tuple, Trace]) -> list[EPOption]:
+    """``with_auto_ep``'s options: auto's plan under ``degrees`` (none: without EP too, as searched) on its layout,
+    then on auto's other layouts (``hsdp_ep_options``); the user's EP that the chosen layout's dp_shard does not take
+    runs on the others that do (refused where none does)."""
+    written = result.written_plan  # explicit prefetch lists name groups by position, which the experts' own
+    # groups move: FSDP2's implicit prefetching instead
+    written = written.replace(groups=[replace(g, forward_prefetch=(), backward_prefetch=()) for g in written.groups])
+    refused = None
+    try:
+        found = ep_options(trace, written, cluster, plan_options(written, options), degrees=degrees, views=views)
+    except PlannerError as e:  # the user's EP does not divide the chosen layout's dp_shard: another layout's may
+        if not degrees:
+            raise
+        found, refused = [], e
+    if degrees:
+        found = found[1:]  # the user's EP, not the plan without it
+    else:
+        found[0] = replace(found[0], plan=result.plan, step=result.report)  # no EP: auto's own plan, as searched
+    found += hsdp_ep_options(result, trace, cluster, options, views, degrees)
+    if not found and refused is not None:
+        raise refused
+    return found
+
+
+def _screen_line(found: list[EPOption], result: AutoResult, cluster: Cluster, options: SimOptions) -> str:
+    """The EP screen's note: each option's step (and memory where it does not fit), pure FSDP's named beside
+    HSDP's."""
+    tp = result.plan.tensor_parallel
+    hsdp = any(o.plan.mesh is not None and o.plan.mesh.replicate > 1 for o in found)
+    flat = cluster.world_size if hsdp and (tp is None or tp.degree == 1) else 0
+    split = f", {options.micro_batches} micro-batches" if options.micro_batches > 1 else ""
+    return f"auto's EP screen (its groups, the experts in their own{split}): " + ", ".join(
+        f"{o.describe(flat=flat)} {fmt_time(o.step.step_time)}" + (
+            "" if result.memory.fits(o.step.reserved_memory)
+            else f" ({fmt_bytes(o.step.reserved_memory)}, does not fit)") for o in _shown(found, result))
 
 
 def _on_mesh(policy: str, mesh: Mesh | None, cluster: Cluster) -> str:
