@@ -310,3 +310,21 @@ def test_a_compiled_plan_s_out_line_says_to_compile_its_simulation(tmp_path, cap
     out = tmp_path / "plan.json"
     assert main(["plan", "toy-llama", "--policy", "titan", "--compile", "--cluster", "h100:8", "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith("give simulate and verify --compile)")
+
+
+def test_an_expert_group_inside_a_compiled_block_says_ep_made_it():
+    """`plan --ep 8 --compile` (auto) was refused with "group whole blocks", a grouping the user never chose: EP
+    puts each expert module in a group of its own, inside the block --compile compiles whole."""
+    from fsdp_planner.errors import PlannerError
+    from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
+    from fsdp_planner.fsdp2.plan import Group, Plan
+    from fsdp_planner.fsdp2.validity import check_compiled_groups
+
+    experts = "layers.1.mlp.experts"
+    plan = Plan([Group([experts]), Group(["layers.1"]), Group([""])], "", 0,
+                expert_parallel=ExpertParallel(8, (experts,)))
+    with pytest.raises(PlannerError, match=r"^expert parallelism shards each expert module in a group of its own "
+                                           r"\('layers.1.mlp.experts'\), inside the block 'layers.1' that --compile "
+                                           r"compiles whole, .*: plan EP without --compile, or --compile "
+                                           r"without --ep$"):
+        check_compiled_groups(plan, ["layers.1"])

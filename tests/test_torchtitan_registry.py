@@ -374,7 +374,9 @@ def test_a_job_on_an_unread_base_must_set_what_the_step_reads(tmp_path):
     bare.write_text("from torchtitan.models.llama3.config_registry import llama3_8b\n\n\ndef job():\n"
                     "    config = llama3_8b()\n    config.training.steps = 5\n    return config\n")
     with pytest.raises(PlannerError, match=r"leaves model_spec, activation_checkpoint, training.num_tokens_per_micro"
-                                           r"batch_per_dp_rank, .* and \d+ more as llama3_8b\(\) has them: set them "
+                                           r"batch_per_dp_rank, .*, parallelism.expert_parallel_degree, "
+                                           r"compile.enable, compile.components as "
+                                           r"llama3_8b\(\) has them: set them "
                                            r"in job \(or give the flag\), or read llama3_8b's own file "
                                            r"\(--from-torchtitan torchtitan.models.llama3.config_registry:"
                                            r"llama3_8b\)$"):
@@ -782,3 +784,32 @@ def test_a_token_count_left_out_beside_one_given_is_training_config_s_default_an
         cfg = read_config(TORCHTITAN, f"{path}:job")
         assert (cfg.batch, cfg.seq, cfg.global_batch) == workload
         assert any(says in n for n in cfg.notes), cfg.notes
+
+
+def test_an_ep_plan_s_torchtitan_job_runs_torchtitan_s_parallelize(tmp_path):
+    """A trial's findings with torchtitan b5bcd76's own launcher: an EP plan's job set parallelize_fn, which refuses
+    EP on torchtitan's own MoE model at startup, and left CUDA graphs on, which Trainer.Config refuses with EP's
+    all-to-all dispatcher ("CUDA graphs support only expert parallel token dispatcher configurations without CPU
+    synchronization"); what the flags cannot set (the flavour, a float8 converter) is said."""
+    from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
+
+    experts = "model.layers.1.mlp.experts"
+    plan = Plan(fingerprint="", numel=2, model="hf:titan-deepseek-v3-16b", groups=[Group(modules=[experts]),
+                                                                                  Group(modules=[""])],
+                workload=Workload(2, 4096, 1, 64, 8), optimizer="adamw", expert_parallel=ExpertParallel(8, (experts,)))
+    path, flags = exported(tmp_path, plan)
+    source = path.read_text()
+    assert "config.model_spec.parallelize_fn" not in source and "config.training.disable_cuda_graphs = True" in source
+    assert "--training.disable_cuda_graphs" in flags
+    said = unexpressed(plan, PRECISIONS["bf16-mixed"], None)
+    assert any(n.startswith("the plan's expert parallelism on torchtitan's own MoE model is torchtitan's")
+               for n in said)
+    cfg = read_config(TORCHTITAN, f"{path}:fsdp_planner_job")
+    assert (cfg.ep, cfg.shard) == (8, 64)
+    dense = Plan(fingerprint="", numel=2, model="hf:qwen3-8b", groups=[Group(modules=[""])],
+                 workload=Workload(1, 4096), optimizer="adamw", float8=Float8.named("rowwise"))
+    said = unexpressed(dense, PRECISIONS["bf16-mixed"], None)
+    assert any(n.startswith("torchtitan has no registry job of hf:qwen3-8b (qwen3 8B)") for n in said)
+    assert any(n.startswith("TORCHTITAN_FLAGS carry no float8 converter") for n in said)
+    assert not any("registry job of" in n for n in unexpressed(dense.replace(model="llama3-405b"),
+                                                               PRECISIONS["bf16-mixed"], None))

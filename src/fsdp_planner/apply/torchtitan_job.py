@@ -39,7 +39,8 @@ def {function}() -> Any:
     return config
 
 
-# The same settings as torchtitan's command-line flags, on top of any registry job.
+# The same settings as torchtitan's command-line flags, on top of a registry job of this model: flags cannot set
+# the model itself (its flavour, float8 converter and parallelize_fn are the job's own).
 TORCHTITAN_FLAGS: list[str] = [
 {flags}
 ]
@@ -63,6 +64,9 @@ BASE_JOBS = {("llama3", "debugmodel"): "llama3_debugmodel", ("llama3", "1B"): "l
              ("qwen3", "30B-A3B"): "qwen3_30b_a3b", ("qwen3", "235B-A22B"): "qwen3_30b_a3b",
              ("gpt_oss", "debugmodel"): "gpt_oss_debugmodel", ("gpt_oss", "20b"): "gpt_oss_20b",
              ("gpt_oss", "120b"): "gpt_oss_120b"}
+# the flavours torchtitan's registry has no job of (b5bcd76): flags on another job run that job's flavour
+NO_REGISTRY_JOB = frozenset({("llama3", "1B"), ("llama3", "3B"), ("qwen3", "4B"), ("qwen3", "8B"),
+                             ("qwen3", "235B-A22B"), ("deepseek_v3", "236B")})
 # the plan's optimizer as torchtitan's OptimizersContainer.Config.implementation (torchtitan runs Adam and AdamW)
 IMPLEMENTATIONS = {"adam": "foreach", "adamw": "foreach", "adam-fused": "fused", "adamw-fused": "fused",
                    "adam-fused-bf16-states": "fused_opt_states_bf16",
@@ -96,7 +100,10 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
         "training": {**_tokens(plan), "dtype": "bfloat16" if precision.param_bytes == 2 else "float32",
                      "mixed_precision_param": "bfloat16" if precision.compute_bytes == 2 else "float32",
                      "mixed_precision_reduce": "float32",  # torchtitan's only (a bf16 reduce is said apart)
-                     "enable_cpu_offload": plan.offload},
+                     "enable_cpu_offload": plan.offload,
+                     # torchtitan's CUDA graphs refuse EP's all-to-all dispatcher (its CPU sync: Trainer.Config's
+                     # _validate_cuda_graphs); the planned step is eager
+                     **({"disable_cuda_graphs": True} if plan.ep_degree > 1 else {})},
         "parallelism": {"data_parallel_replicate_degree": mesh[0], "data_parallel_shard_degree": mesh[1],
                         "fsdp_reshard_after_forward": rule, "tensor_parallel_degree": plan.tp_degree,
                         "pipeline_parallel_degree": 1, "context_parallel_degree": 1,  # (a base job's replaced)
@@ -134,7 +141,7 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     elif FLAVORS[plan.model] not in BASE_JOBS:
         out.append(f"the job builds on no torchtitan job of {plan.model} (torchtitan's runs DistMuon, not the AdamW "
                    "the plan is simulated with): give it the job's data, tokenizer and loss")
-    out += _optimizer_notes(plan)
+    out += _optimizer_notes(plan) + _flags_notes(plan)
     if plan.workload is None:
         out.append("the plan records no workload (written before plans recorded it, or of a model whose batch "
                    "fsdp-planner does not know): the job sets no token counts and runs the ones of the job it builds "
@@ -161,6 +168,23 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
                    "compiles every block")
     return out + _tp_and_precision_notes(plan, precision) + _float8_notes(plan, precision)
+
+
+def _flags_notes(plan: Plan) -> list[str]:
+    """What ``TORCHTITAN_FLAGS`` cannot carry, and the EP job's parallelize."""
+    out = []
+    flavor = FLAVORS.get(plan.model)
+    if plan.expert_parallel is not None and flavor is not None:
+        out.append("the plan's expert parallelism on torchtitan's own MoE model is torchtitan's (its parallelize_fn "
+                   "lays the experts out itself): fsdp_planner_job() keeps torchtitan's parallelize_fn, with the "
+                   "plan's degrees and settings but torchtitan's groups")
+    if flavor in NO_REGISTRY_JOB:
+        out.append(f"torchtitan has no registry job of {plan.model} ({flavor[0]} {flavor[1]}): TORCHTITAN_FLAGS, which "
+                   "cannot set the model, run another flavour on any job; fsdp_planner_job() sets it")
+    if plan.float8 is not None and plan.float8.recipe.value in TITAN_FLOAT8_RECIPES and flavor is not None:
+        out.append("TORCHTITAN_FLAGS carry no float8 converter (a model's converters are no flag): fsdp_planner_job() "
+                   "sets it")
+    return out
 
 
 def _optimizer_notes(plan: Plan) -> list[str]:
@@ -274,8 +298,9 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
         converters = _converters(plan, literal)
         if converters:
             imports.append("from torchtitan.components.quantization import Float8LinearConverter")
-        body += [f"    config.model_spec = model_registry({literal(flavor[1])}{converters})",
-                 "    config.model_spec.parallelize_fn = parallelize_fn  # the plan's groups"]
+        body.append(f"    config.model_spec = model_registry({literal(flavor[1])}{converters})")
+        if plan.expert_parallel is None:  # (EP on torchtitan's MoE model is torchtitan's own parallelize's)
+            body.append("    config.model_spec.parallelize_fn = parallelize_fn  # the plan's groups")
     body += [f"    config.training.{k} = {literal(v)}" for k, v in settings["training"].items()]
     fields = "".join(f"\n        {k}={literal(v)}," for k, v in settings["parallelism"].items())
     body.append(f"    config.parallelism = ParallelismConfig({fields}\n    )")

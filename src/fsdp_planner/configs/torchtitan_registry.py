@@ -458,7 +458,7 @@ def check_set_over(config: dict[str, Any], overrides: Sequence[Override], label:
                if section not in whole for key in (keys or ("",))
                if not key or not (isinstance(config.get(section), Call) and key in config[section].fields)]
     if missing:
-        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        shown = ", ".join(missing)  # (at most SET_OVER_BASE's keys: each named, as each must be set)
         them = "them" if len(missing) > 1 else "it"
         raise PlannerError(f"{label}: {unread.job} builds on {unread.base}(), which is not in the file (the reader "
                            f"does not run it), and leaves {shown} as {unread.base}() has {them}: set {them} in "

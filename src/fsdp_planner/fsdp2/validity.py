@@ -21,6 +21,7 @@ import numpy as np
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.replay import Schedule, build_schedule
+from fsdp_planner.fsdp2.tensor_parallel import matches
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import proper_ancestors
 
@@ -115,6 +116,12 @@ def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
     inside = inside_compiled(plan, compiled)
     if inside is not None:
         i, module, block = inside
+        ep = plan.expert_parallel
+        if ep is not None and any(matches(p, module) for p in ep.modules):  # a grouping EP makes, not the user
+            raise PlannerError(f"expert parallelism shards each expert module in a group of its own ('{module}'), "
+                               f"inside the block '{block}' that --compile compiles whole, where FSDP2's hooks "
+                               "cannot run (Dynamo refuses them): plan EP without --compile, or --compile without "
+                               "--ep")
         raise PlannerError(f"group {i} lists '{module}', inside the block '{block}' that --compile compiles whole: "
                            "FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group whole "
                            "blocks, plan without --compile, or keep such a module in an fp32 group of its block "
