@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_planner.configs.job_config import TITAN_OPTIMIZERS, TITAN_SUFFIXES
 from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
@@ -67,10 +68,9 @@ BASE_JOBS = {("llama3", "debugmodel"): "llama3_debugmodel", ("llama3", "1B"): "l
 # the flavours torchtitan's registry has no job of (b5bcd76): flags on another job run that job's flavour
 NO_REGISTRY_JOB = frozenset({("llama3", "1B"), ("llama3", "3B"), ("qwen3", "4B"), ("qwen3", "8B"),
                              ("qwen3", "235B-A22B"), ("deepseek_v3", "236B")})
-# the plan's optimizer as torchtitan's OptimizersContainer.Config.implementation (torchtitan runs Adam and AdamW)
-IMPLEMENTATIONS = {"adam": "foreach", "adamw": "foreach", "adam-fused": "fused", "adamw-fused": "fused",
-                   "adam-fused-bf16-states": "fused_opt_states_bf16",
-                   "adamw-fused-bf16-states": "fused_opt_states_bf16"}
+# the plan's optimizer as torchtitan's OptimizersContainer.Config.implementation (torchtitan runs Adam and AdamW):
+# the reader's table turned round
+IMPLEMENTATIONS = {name + suffix: how for name in TITAN_OPTIMIZERS.values() for how, suffix in TITAN_SUFFIXES.items()}
 
 
 # The fields of torchtitan's dataclasses the job is written with, as at b5bcd76 (2026; torchtitan/config/configs.py,

@@ -403,6 +403,9 @@ def _titan_training(cfg: JobConfig, training: dict[str, Any]) -> None:
 
 TITAN_OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam"}  # torchtitan's names, as --optimizer names them
 TITAN_IMPLEMENTATIONS = ("fused", "foreach", "for-loop", "fused_opt_states_bf16")
+# each implementation as --optimizer's suffix (for-loop: foreach's bytes, noted): the one table both ways, read and
+# export (``apply/torchtitan_job.IMPLEMENTATIONS``)
+TITAN_SUFFIXES = {"foreach": "", "fused": "-fused", "fused_opt_states_bf16": "-fused-bf16-states"}
 
 
 def _titan_optimizer(cfg: JobConfig, opt: dict[str, Any]) -> None:
@@ -426,8 +429,7 @@ def _titan_optimizer(cfg: JobConfig, opt: dict[str, Any]) -> None:
         cfg.notes.append("optimizer.early_step_in_backward = true is left out: fsdp-planner steps the optimizer after "
                          "backward, each grad held until then (the memory is an upper bound)")
     cfg.keys["optimizer.name"], cfg.keys["optimizer.implementation"] = name, how
-    cfg.optimizer = TITAN_OPTIMIZERS[name] + {"fused": "-fused", "fused_opt_states_bf16": "-fused-bf16-states"}.get(
-        how, "")
+    cfg.optimizer = TITAN_OPTIMIZERS[name] + TITAN_SUFFIXES.get(how, "")
 
 
 # torchtitan's older TOMLs (2024) set the parallel degrees under [training]; [parallelism] holds them since
