@@ -29,14 +29,14 @@ from fsdp_planner.models import ModelSpec, load_model
 from fsdp_planner.models.llama import LLAMA3_8B, TransformerBlock
 from fsdp_planner.planners import PolicyRequest, make_policy
 from fsdp_planner.runtime.verify import run_verify
-from fsdp_planner.service.tracing import SLOW_COMPILES, trace_spec
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.compute import fused_nbytes, launches_through
 from fsdp_planner.sim.memory import activation_levels
 from fsdp_planner.sim.options import SimOptions, precision_named
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.trace.compiled import compiled_block, distinct_blocks
+from fsdp_planner.trace.compiled import alike_blocks, compiled_block, distinct_blocks
 from fsdp_planner.trace.events import KERNEL_OTHER, EventKind
-from fsdp_planner.trace.recorder import record_compiled
+from fsdp_planner.trace.recorder import record, record_compiled
 from fsdp_planner.trace.records import CompiledBlock
 
 BLOCKS = [f"layers.{i}" for i in range(4)]
@@ -265,16 +265,42 @@ def test_verify_with_a_policy_and_compile_compiles_on_the_ranks(capsys):
     assert report["compiled"] == [f"layers.{i}" for i in range(4)] and report["ok"]
 
 
-def test_blocks_keeping_their_layer_index_compile_one_by_one(tmp_path):
-    # transformers' blocks keep a layer index, so each is its own static signature and AOTAutograd partitions every
-    # one: DeepSeek-V3's 61 took 3 minutes, which the note says up front; the built-in Llama's blocks are one
+def test_blocks_keeping_their_layer_index_compile_once_when_their_calls_run_alike(tmp_path):
+    # transformers' blocks keep a layer index (the KV cache's), so each is its own static signature: AOTAutograd
+    # partitioned every one (Qwen3-30B-A3B's 48 MoE blocks ran past 20 minutes). Blocks whose eager calls traced
+    # alike compile as one, and give what partitioning each on its own gives
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, '
-                      '"num_hidden_layers": 9, "vocab_size": 32}')
-    hf_model = load_model(f"hf:{config}", meta=True).model
-    assert distinct_blocks(hf_model, [f"model.layers.{i}" for i in range(9)]) == 9 >= SLOW_COMPILES
-    toy = load_model("toy-llama", meta=True).model
-    assert distinct_blocks(toy, [f"layers.{i}" for i in range(len(toy.layers))]) == 1
+                      '"num_hidden_layers": 3, "vocab_size": 32}')
+    spec = ModelSpec(f"hf:{config}", batch_size=2, seq_len=8)
+    names = [f"model.layers.{i}" for i in range(3)]
+    tr = trace_spec(spec)
+    assert alike_blocks(tr, names) == dict.fromkeys(names, names[0])
+    lm = load_model(spec, meta=True)
+    variants = {p.value: functools.partial(_selective, policy=p) for p in SacPolicy}
+    one_by_one = record_compiled(lm.model, lm.example_inputs, names, None, variants)
+    assert record_compiled(lm.model, lm.example_inputs, names, None, variants, alike=alike_blocks(tr, names)) \
+        == one_by_one and len(one_by_one) == 3
+
+
+def test_blocks_whose_calls_run_differently_compile_apart():
+    # one class, one static signature but for an attribute that changes what forward runs (every other block
+    # squares its hidden state): two compiles, not one; toy-llama's blocks are one
+    class Block(nn.Module):
+        def __init__(self, i: int) -> None:
+            super().__init__()
+            self.linear, self.square = nn.Linear(8, 8), i % 2 == 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x)
+            return y * y if self.square else y
+
+    model = nn.Sequential(*(Block(i) for i in range(4)))
+    tr = record(model, torch.randn(2, 8, requires_grad=True))
+    alike = alike_blocks(tr, ["0", "1", "2", "3"])
+    assert alike["2"] == "0" and alike["1"] == "1" and alike["3"] != "0"
+    toy = trace_spec("toy-llama")
+    assert distinct_blocks(toy, [f"layers.{i}" for i in range(4)]) == 1
 
 
 def test_full_checkpointing_of_a_compiled_block_recomputes_what_backward_reads() -> None:
@@ -328,3 +354,15 @@ def test_an_expert_group_inside_a_compiled_block_says_ep_made_it():
                                            r"compiles whole, .*: plan EP without --compile, or --compile "
                                            r"without --ep$"):
         check_compiled_groups(plan, ["layers.1"])
+
+
+@pytest.mark.integration  # ~40 s: a 48-block MoE model compiled, auto's full search with its TP layouts
+def test_qwen3_moe_compiled_plans_in_seconds_and_auto_takes_a_probe_it_made(capsys):
+    """``plan hf:qwen3-30b-a3b --compile --float8 rowwise`` ran past 20 minutes partitioning each of its 48 blocks
+    (they differ in ``layer_idx`` alone; now one compile), and then auto's search crashed ("generator raised
+    StopIteration"): the fastest plan that fit was the one ``_held_back`` simulates to measure what checkpointing
+    every block saves, which no checkpointing choice had tried."""
+    assert main(["plan", "hf:qwen3-30b-a3b", "--policy", "auto", "--cluster", "h100:64", "--compile", "--float8",
+                 "rowwise", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["auto"]["fits"] and doc["plans"][0]["plan"]["compiled"]

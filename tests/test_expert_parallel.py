@@ -966,3 +966,21 @@ def test_an_ep_degree_the_experts_do_not_divide_names_their_count() -> None:
     done = run_main("plan", TINY, "--policy", "titan", "--ep", "3", "--cluster", "h100:6")
     assert done.returncode == 2 and done.stderr.rstrip().endswith("choose a degree that divides its 8 experts"), \
         done.stderr
+
+
+def test_auto_under_compile_screens_no_ep_and_ep_asked_for_is_one_sentence(capsys) -> None:
+    """Under ``--compile`` each block is compiled whole, where EP's expert groups cannot run: auto screened EP
+    there anyway, chose it, and refused its own plan ("expert parallelism shards each expert module in a group of
+    its own") on every MoE model (built-in mixtral-8x7b on h100:64 too); now it screens none and says so once, and
+    ``--ep`` with ``--compile`` is refused in one sentence."""
+    from fsdp_planner import cli
+
+    assert cli.main(["plan", TINY, "--policy", "auto", "--cluster", "h100:8", "--compile", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["plans"][0]["plan"].get("expert_parallel") is None
+    assert sum("auto screens no expert parallelism under --compile" in line for line in out.err.splitlines()) == 1
+    assert "auto's EP screen" not in out.err
+    assert cli.main(["plan", TINY, "--policy", "auto", "--cluster", "h100:8", "--compile", "--ep", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: expert parallelism shards each expert module") and "compile the loss only" \
+        in err[-1]

@@ -110,6 +110,12 @@ def inside_compiled(plan: Plan, compiled: Collection[str]) -> tuple[int, str, st
                  if b in blocks), None)
 
 
+def ep_in_compiled_block(module: str, block: str) -> str:
+    """Why EP does not run with ``--compile``'s whole blocks: it gives each expert module an FSDP group of its own."""
+    return (f"expert parallelism shards each expert module in a group of its own ('{module}'), inside the block "
+            f"'{block}' that --compile compiles whole, where FSDP2's hooks cannot run (Dynamo refuses them)")
+
+
 def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
     """Refuse a group listing a module inside a block compiled whole (``inside_compiled``): FSDP2's hooks on it
     would run inside the compiled graph, which Dynamo refuses ("Attempted to call function marked as skipped")."""
@@ -118,10 +124,8 @@ def check_compiled_groups(plan: Plan, compiled: Collection[str]) -> None:
         i, module, block = inside
         ep = plan.expert_parallel
         if ep is not None and any(matches(p, module) for p in ep.modules):  # a grouping EP makes, not the user
-            raise PlannerError(f"expert parallelism shards each expert module in a group of its own ('{module}'), "
-                               f"inside the block '{block}' that --compile compiles whole, where FSDP2's hooks "
-                               "cannot run (Dynamo refuses them): plan EP without --compile, or --compile without "
-                               "--ep")
+            raise PlannerError(f"{ep_in_compiled_block(module, block)}: plan EP without --compile, or --compile "
+                               "without --ep (torchtitan's MoE jobs with EP compile the loss only)")
         raise PlannerError(f"group {i} lists '{module}', inside the block '{block}' that --compile compiles whole: "
                            "FSDP2's hooks cannot run inside a compiled graph (Dynamo refuses them); group whole "
                            "blocks, plan without --compile, or keep such a module in an fp32 group of its block "

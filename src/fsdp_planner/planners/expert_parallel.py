@@ -16,6 +16,7 @@ from fsdp_planner.fmt import fmt_bytes, fmt_time
 from fsdp_planner.fsdp2.expert_groups import with_expert_groups
 from fsdp_planner.fsdp2.expert_parallel import ExpertParallel
 from fsdp_planner.fsdp2.plan import Mesh, Plan, divisors
+from fsdp_planner.fsdp2.validity import ep_in_compiled_block
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf
 from fsdp_planner.models.hf_experts import NO_EP_TP, OTHER_EXPERTS, UNPRICED_EP
@@ -29,7 +30,7 @@ from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.sim.sizing import shard_dims
 from fsdp_planner.sim.tensor_parallel import tp_view
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import is_within, parent_of
+from fsdp_planner.trace.tree import is_within, parent_of, proper_ancestors
 
 EXPERT_CLASSES = ("GroupedExperts",)  # the built-in's; transformers' experts layers end in "Experts" too
 
@@ -105,6 +106,16 @@ def runs_ep(model: ModelSpec, trace: Trace, tp_degree: int) -> bool:
     return ep_refusal(model, trace, tp_degree) is None
 
 
+def compiled_experts(trace: Trace) -> tuple[str, str] | None:
+    """The first expert module inside a block ``--compile`` compiles whole, and that block (None: none is). EP
+    gives each expert module an FSDP group of its own, whose hooks cannot run inside a compiled graph
+    (``check_compiled_groups``); torchtitan's MoE jobs that run EP compile the loss only (deepseek_v3's
+    config_registry, 2026)."""
+    blocks = set(trace.compiled)
+    return next(((m, b) for m in expert_modules(trace) for b in proper_ancestors(m) if b in blocks), None) \
+        if blocks else None
+
+
 def expert_modules(trace: Trace) -> list[str]:
     """Modules that hold grouped experts: a class named ``...Experts`` whose own params share one leading dim (the
     experts) above 1, stacked weights at least 3-D and any biases 2-D (gpt-oss's experts have both)."""
@@ -161,6 +172,9 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
     experts = expert_modules(trace)
     if not experts:
         raise PlannerError(_no_experts(trace))
+    if (compiled := compiled_experts(trace)) is not None:
+        raise PlannerError(f"{ep_in_compiled_block(*compiled)}: plan EP without --compile, or --compile without "
+                           "--ep (torchtitan's MoE jobs with EP compile the loss only)")
     check_ep_applies(trace)
     tp = plan.tp_degree
     if tp > 1 and degree % tp:
@@ -372,6 +386,11 @@ def with_own_ep(result: AutoResult, policy: AutoPolicy, trace: Trace, model: str
     on its plan without TP (``with_auto_ep``); where the search took TP (the experts tensor-parallel, torchtitan's
     MoE layout without EP), on the best plan of the same search without TP too, and the faster within the budget
     kept (else the one holding least): EP without TP is not given up for TP's experts without a look."""
+    if (compiled := compiled_experts(trace)) is not None:  # none runs: said once, nothing screened
+        if note is not None:
+            note(f"auto screens no expert parallelism under --compile: {ep_in_compiled_block(*compiled)}; plan "
+                 "without --compile to screen it")
+        return result
     if result.plan.tp_degree == 1:
         return with_auto_ep(result, trace, cluster, options, (), note)
     if len(policy.tensor_parallel) <= 1 or policy.mesh is not None:  # a TP layout or mesh the user fixed: as asked
@@ -425,7 +444,7 @@ def ep_tp_degrees(trace: Trace, model: ModelSpec, cluster: Cluster, tp: int | No
     with the EP degrees ``--tp N --ep M`` takes (multiples of it that divide the experts, their EP / TP ranks the
     data-parallel ones: ``ep``, the user's, alone; a degree auto takes itself checked against the heads,
     ``Layout.checked``). {} for another model, or where none is left."""
-    if not is_titan_moe(trace):
+    if not is_titan_moe(trace) or compiled_experts(trace) is not None:  # (EP does not run in compiled blocks)
         return {}
     n = expert_count(trace, expert_modules(trace))
     out = {}

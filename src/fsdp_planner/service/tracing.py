@@ -21,7 +21,7 @@ from fsdp_planner.routing import DEFAULT_CAPACITY, WAY_OUT, consulted, data_depe
 from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
-from fsdp_planner.trace.compiled import distinct_blocks
+from fsdp_planner.trace.compiled import alike_blocks
 from fsdp_planner.trace.failures import failed_at
 from fsdp_planner.trace.recorder import record_compiled
 from fsdp_planner.trace.records import Trace
@@ -188,16 +188,17 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
     if not blocks:
         raise PlannerError("--compile compiles the model's repeated blocks, as torchtitan does, and this model has "
                            "none (no repeated module class in a ModuleList or Sequential)")
-    distinct = distinct_blocks(lm.model, blocks)
+    alike = alike_blocks(tr, blocks)
+    distinct = len(set(alike.values()))
     if distinct >= SLOW_COMPILES:
-        note(f"--compile: {distinct} of the model's {len(blocks)} blocks differ in an attribute (transformers' "
-             "blocks keep their layer index), so AOTAutograd partitions each, and again per selective "
-             "checkpointing policy: seconds a block, minutes in all")
+        note(f"--compile: {distinct} of the model's {len(blocks)} blocks ran differently in the eager trace, so "
+             "AOTAutograd partitions each, and again per selective checkpointing policy: seconds a block, minutes "
+             "in all")
     try:
         with kernel(spec.attention):
             saved = record_compiled(lm.model, lm.example_inputs, blocks, precision.trace_dtype,
                                     {p.value: functools.partial(_selective_copy, policy=p) for p in SacPolicy},
-                                    tr.cast_inputs)
+                                    tr.cast_inputs, alike)
     except Exception as e:
         raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({model_error(e)}); the "
                            "block does not compile with fullgraph=True as the step calls it") from e

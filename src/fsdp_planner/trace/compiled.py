@@ -7,7 +7,7 @@ the tensors of a minimum cut and recomputing cheap pointwise ops in backward ins
 norm's output, SiLU's). What eager saves op by op (the trace's ``Event.saved``) is therefore not what a compiled
 block holds between its forward and its backward: this module runs the real partitioner, with inductor's
 decompositions, on the block as the step calls it (its first call's arguments, on meta tensors), once per
-distinct block (``reuse.static_signatures``, what the trace's block reuse compares), and counts the storages of
+distinct block (``alike_blocks``: blocks of one class whose eager calls ran alike share it), and counts the storages of
 the backward graph's inputs that are neither its tangents nor the block's params and buffers (FSDP2's, not
 activations), each storage once, as the tracer counts eager's saved tensors (``step.StepRecorder.save``).
 
@@ -38,7 +38,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import fsdp_planner.routing as routing
 from fsdp_planner.attention import GpuAttention, compilable
-from fsdp_planner.trace.records import CompiledBlock
+from fsdp_planner.trace.events import Event, EventKind
+from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.reuse import static_signatures
 
 # what inductor leaves to a library kernel rather than fusing (by the op's name): matmuls, convolutions, attention
@@ -52,22 +53,20 @@ class _Captured(Exception):
 
 def block_arguments(model: nn.Module, example_args: tuple, example_kwargs: dict,
                     names: Sequence[str]) -> dict[str, tuple[tuple, dict]]:
-    """The arguments of the first call of each distinct module among ``names`` (by static signature), captured by
-    running the model's forward on its (meta) inputs up to the last such first call; name -> (args, kwargs)."""
+    """The arguments of the first call of each module of ``names``, captured by running the model's forward on its
+    (meta) inputs up to the last such first call; name -> (args, kwargs)."""
     modules = dict(model.named_modules())
-    signatures = static_signatures(model)
-    wanted = {signatures[modules[n]]: n for n in reversed(names)}  # the first name of each signature
     captured: dict[str, tuple[tuple, dict]] = {}
 
     def hook(name: str):
         def capture(_m: nn.Module, args: tuple, kwargs: dict) -> None:
-            captured[name] = (args, kwargs)
-            if len(captured) == len(wanted):
+            captured.setdefault(name, (args, kwargs))
+            if len(captured) == len(names):
                 raise _Captured
 
         return capture
 
-    handles = [modules[n].register_forward_pre_hook(hook(n), with_kwargs=True) for n in wanted.values()]
+    handles = [modules[n].register_forward_pre_hook(hook(n), with_kwargs=True) for n in dict.fromkeys(names)]
     try:
         model(*example_args, **example_kwargs)
     except _Captured:
@@ -78,11 +77,51 @@ def block_arguments(model: nn.Module, example_args: tuple, example_kwargs: dict,
     return captured
 
 
-def distinct_blocks(model: nn.Module, names: Sequence[str]) -> int:
-    """How many of ``names`` compile separately (``compiled_blocks`` partitions once per static signature)."""
-    modules = dict(model.named_modules())
-    signatures = static_signatures(model)
-    return len({signatures[modules[n]] for n in names})
+def alike_blocks(tr: Trace, names: Sequence[str]) -> dict[str, str]:
+    """Each of ``names`` -> the first of them whose eager call traced alike (``_call_events``): the same class and
+    params, and the same events relative to the block, forward and backward (every op's FLOPs, bytes, saved
+    bytes, kernel and class, the params it reads by relative name). AOTAutograd traces the same code on the same
+    shapes into the same graphs there, so the partitioner runs once for them all. transformers' decoder layers
+    differ in an attribute (``layer_idx``, read by the KV cache only), which the trace's block reuse compares, and
+    each was partitioned on its own: Qwen3-30B-A3B's 48 MoE blocks took minutes each with the checkpointing
+    variants."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name in names:
+        key = (tr.modules[name].cls, _call_events(tr, name))
+        out[name] = first.setdefault(key, name)
+    return out
+
+
+def _call_events(tr: Trace, name: str) -> tuple:
+    """The events of ``name``'s first call, forward and backward, relative to it: each op's graph-side facts
+    (``_GRAPH_FIELDS``), not the trace's storage accounting, which differs where one storage is first seen (the
+    first block saves the rotary tables the others share). A block not traced as one call is never alike another."""
+    spans = tr.index.boundaries_by_module.get(name, [])
+    kinds = [tr.events[i].kind for i in spans[:4]]
+    if len(kinds) < 2 or kinds != [EventKind.FWD_PRE, EventKind.FWD_POST, EventKind.BWD_PRE,
+                                   EventKind.BWD_POST][:len(kinds)]:
+        return (name,)
+    prefix = f"{name}."
+
+    def relative(e: Event) -> tuple:
+        params = tuple((tr.params[i].fqn.removeprefix(prefix), tr.params[i].requires_grad) for i in e.params)
+        module = "" if e.module == name else e.module.removeprefix(prefix)
+        return (module, params, *(getattr(e, f) for f in _GRAPH_FIELDS))
+
+    forward = tuple(relative(e) for e in tr.events[spans[0] + 1:spans[1]])
+    backward = tuple(relative(e) for e in tr.events[spans[2] + 1:spans[3]]) if len(kinds) == 4 else ()
+    return forward, backward
+
+
+# what an event says of the op itself (its shapes and kind), which AOTAutograd's graph of the call is made of
+_GRAPH_FIELDS = ("kind", "call", "flops", "nbytes", "backward", "op_class", "out_nbytes", "packs", "kernel",
+                 "grad_live", "workspace", "grad_inputs")
+
+
+def distinct_blocks(tr: Trace, names: Sequence[str]) -> int:
+    """How many of ``names`` compile separately (``compiled_blocks`` partitions once per ``alike_blocks`` class)."""
+    return len(set(alike_blocks(tr, names).values()))
 
 
 def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBlock:
@@ -255,17 +294,23 @@ def _backward_inputs_nbytes(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, 
 
 
 def compiled_blocks(model: nn.Module, example_args: tuple, example_kwargs: dict, names: Sequence[str],
-                    variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None) -> dict[str, CompiledBlock]:
+                    variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None,
+                    alike: Mapping[str, str] | None = None) -> dict[str, CompiledBlock]:
     """Name -> its call compiled (``compiled_block``), for every module in ``names`` (the model on meta, in the
-    step's compute dtype); the partitioner runs once per distinct module. ``variants``: name -> a function making
-    another module of a block (a copy under selective checkpointing), whose compiled saved bytes go to
-    ``CompiledBlock.variants`` (``saved_under_dynamo``)."""
+    step's compute dtype); the partitioner runs once per distinct one: ``alike`` (``alike_blocks``: each name ->
+    the one it compiles as), else once per static signature (``reuse.static_signatures``). ``variants``: name -> a
+    function making another module of a block (a copy under selective checkpointing), whose compiled saved bytes
+    go to ``CompiledBlock.variants`` (``saved_under_dynamo``)."""
     modules = dict(model.named_modules())
-    signatures = static_signatures(model)
-    by_signature = {}
-    for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, names).items():
+    if alike is None:
+        signatures = static_signatures(model)
+        firsts: dict[int, str] = {}
+        alike = {n: firsts.setdefault(signatures[modules[n]], n) for n in names}
+    compiled = {}
+    distinct = list(dict.fromkeys(alike.values()))
+    for n, (args, kwargs) in block_arguments(model, example_args, example_kwargs, distinct).items():
         with GpuAttention():  # a model calling F.scaled_dot_product_attention (transformers') gets the kernel a
             block = compiled_block(modules[n], args, kwargs)  # GPU picks, as its eager trace did, not the math path
         other = {v: saved_under_dynamo(make(modules[n]), args, kwargs) for v, make in (variants or {}).items()}
-        by_signature[signatures[modules[n]]] = dataclasses.replace(block, variants=other)
-    return {n: by_signature[signatures[modules[n]]] for n in names if signatures[modules[n]] in by_signature}
+        compiled[n] = dataclasses.replace(block, variants=other)
+    return {n: compiled[first] for n, first in alike.items() if first in compiled}

@@ -138,10 +138,12 @@ _METHOD_PASSES = 4
 
 def record_compiled(model: nn.Module, example_inputs: Any, names: list[str], compute_dtype: torch.dtype | None = None,
                     variants: Mapping[str, Callable[[nn.Module], nn.Module]] | None = None,
-                    cast_inputs: tuple[str, ...] = ()) -> dict[str, CompiledBlock]:
+                    cast_inputs: tuple[str, ...] = (), alike: Mapping[str, str] | None = None
+                    ) -> dict[str, CompiledBlock]:
     """Each of ``names`` compiled (``compiled.py``: what it saves for backward, the bytes and kernels of its
     fused graphs), in the step's compute dtype as ``record`` runs it; the model on meta. ``cast_inputs``: the
-    step's ``Trace.cast_inputs``, whose group casts run outside the compiled code, before it."""
+    step's ``Trace.cast_inputs``, whose group casts run outside the compiled code, before it. ``alike``: which
+    compile as one (``compiled.alike_blocks``; default: those of one static signature)."""
     args, kwargs = split_inputs(example_inputs)
     request = TraceRequest(model, args, kwargs, default_loss, compute_dtype=compute_dtype)
     casts: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -149,7 +151,7 @@ def record_compiled(model: nn.Module, example_inputs: Any, names: list[str], com
         modules = dict(model.named_modules())
         casts = group_input_casts({m: modules[m] for m in cast_inputs}, (), compute_dtype, [])
     with _params_cast(model, compute_dtype), casts:
-        return compiled_blocks(model, *step_inputs(request), names, variants)
+        return compiled_blocks(model, *step_inputs(request), names, variants, alike)
 
 
 def default_loss(output: Any) -> torch.Tensor:

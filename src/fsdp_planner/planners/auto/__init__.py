@@ -535,8 +535,9 @@ class AutoPolicy:
         regrouped = [self._checkpoint_choice(ev, blocks, start) for start in held_back]
         best = ev.best()
         if best is not before:  # a held-back grouping fits faster: refined under its checkpointing (as it has it:
-            # a group inside a block leaves that block's op-level checkpointing out, ``with_checkpointing``)
-            choice = choice or next(c for c in regrouped if c is not None and best in c.tried.values())
+            # a group inside a block leaves that block's op-level checkpointing out, ``with_checkpointing``); it may be
+            # ``_held_back``'s own measure, the fastest grouping with every block in full, which no choice tried
+            choice = choice or next((c for c in regrouped if c is not None and best in c.tried.values()), None)
             setting = ev.checkpointing(best.plan.activation_checkpointing, best.plan.selective_checkpointing)
             refiner = Refiner(setting, search.atoms, search.fine_atoms)
             used, cut = used + refiner.refine(effort - used), cut or refiner.cut
