@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -354,3 +355,14 @@ def test_auto_keeps_every_group_unsharded_after_forward_where_that_pays():
     assert result.memory.fits(step.reserved_memory) and result.fits
     assert result.report.step_time <= step.step_time
     assert all(g.reshard_after_forward is False for g in result.plan.groups)
+
+
+def test_refinement_keeps_reshard_settings_beside_groups_of_no_params_of_their_own(capsys):
+    """A UNet whose ``time_mlp`` group owns no param of its own (its Linears are claimed elsewhere) crashed auto's
+    boundary moves at batch 2,048 ("zip() argument 2 is longer than argument 1", an internal error, and so did
+    ``fit``): a move dropped every group of no atoms but only one reshard setting."""
+    from fsdp_planner.cli import main
+
+    assert main(["plan", "tests/fixtures/unet_models.py:build_large", "--policy", "auto", "--cluster", "h100:8",
+                 "--batch", "2048", "--micro-batches", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["auto"]["fits"]

@@ -633,3 +633,11 @@ def test_a_long_path_in_an_error_keeps_its_file_s_name(tmp_path, capsys):
     code, _, err = run_main(capsys, "plan", "--from-torchtitan", spec, "--cluster", "h100:8")
     assert_one_line_error(code, err, "my_config_registry.py' does not exist")
     assert str(tmp_path)[:30] in err and len(err) < 1000
+
+
+def test_an_op_of_the_loss_without_a_meta_kernel_names_loss_fn_and_the_way_out(capsys):
+    """CTC's loss in the factory's loss_fn was said to fail "at the model's top level", no way out given (a new
+    user's Conformer): it is named as loss_fn's, with what to give for planning."""
+    code, _, err = run_main(capsys, "plan", "tests/fixtures/invalid_models.py:ctc_loss", "--policy", "order")
+    assert_one_line_error(code, err, "aten._ctc_loss in the factory's loss_fn")
+    assert "top level" not in err and "a loss_fn every op of which runs on the meta device" in err

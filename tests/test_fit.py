@@ -3,6 +3,7 @@ workload or GPU count (the same trace, search and budget); ``check --cluster``'s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -394,3 +395,17 @@ def test_an_offload_answer_at_the_search_s_cap_says_so(monkeypatch):
     assert done.returncode == 0, done.stderr
     (line,) = [x for x in done.stdout.splitlines() if x.startswith("largest batch with CPU offload")]
     assert ": 64 (the largest tried: the search stops there): " in line
+
+
+def test_a_row_where_offload_did_not_fit_either_says_its_figures_are_without_it():
+    """A row where nothing fits, CPU offload tried too, shows the closest plan without offload (auto's, as plan
+    reports it): a new user read batch 8,636's "273 GiB > budget" beside 8,635's 70.8 GiB with offload as one
+    more sample costing 200 GiB; the row now says whose figures they are."""
+    from fsdp_planner.cli.fit import _described
+    from fsdp_planner.planners.fit import FitPoint
+
+    point = FitPoint(batch=9, seq=4096, gpus=8, nodes=1, fits=False, step_time=5.3, reserved_memory=101 << 30,
+                     budget=70 << 30, model_flops=1, peak_flops=1.0, layout="1x8", checkpointed=36)
+    assert _described(point) == "1x8, 36 AC, shown without CPU offload, which does not fit either"
+    assert _described(dataclasses.replace(point, complete=False)) == "1x8, 36 AC, offload not tried"
+    assert _described(dataclasses.replace(point, fits=True)) == "1x8, 36 AC"

@@ -259,3 +259,18 @@ def test_root_params_read_by_a_parent_s_method_name_the_parent():
     assert f.fix.startswith("give head a group of its own (fully_shard(model.head)")
     assert "sharded-read" not in codes(plan_findings(tr, make_plan(tr, [["blocks.0"], ["blocks.1"], ["head"]])))
     assert "sharded-read" in codes(plan_findings(tr, make_plan(tr, [["blocks.0"], ["blocks.1"], ["head.proj"]])))
+
+
+def test_an_expert_skipped_without_tokens_is_an_error_and_one_called_on_an_empty_slice_is_not(capsys):
+    """A hand-written MoE that skips an expert given no token (``if idx.numel() == 0: continue``) passed ``check``
+    ("FSDP2 accepts this plan") and then trained wrong values on gloo (a new user's trial: 5,120x the parity bound,
+    33 all-gathers predicted, 21 measured): the balanced stand-in calls every expert. ``check`` now also runs the
+    step with the first expert of each routing given nothing and names the params that get no gradient there."""
+    from fsdp_planner.cli import main
+
+    assert main(["check", "tests/fixtures/skipping_moe.py:skipping_moe", "--json"]) == 1
+    (skips,) = [f for f in json.loads(capsys.readouterr().out) if f["code"] == "routing-skips"]
+    assert skips["severity"] == "error" and skips["module"] == "1.experts.0"
+    assert "1.experts.1" not in skips["message"] and "numel() == 0" in skips["fix"]
+    assert main(["check", "tests/fixtures/skipping_moe.py:calling_moe", "--json"]) == 0
+    assert "routing-skips" not in capsys.readouterr().out

@@ -77,6 +77,9 @@ class StandIn:
     """The stand-in's state for one traced step: the capacity, the routing seen so far and what stood in."""
 
     capacity: float = DEFAULT_CAPACITY
+    starved: bool = field(default_factory=lambda: _STARVED.get())  # ``starved()``: the first routed selection
+    # after each routing (the first expert's) takes nothing
+    selections: int = 0  # routed selections since the last topk
     experts: int | None = None  # choices of the last topk: the experts
     per_expert: int = 1  # an expert's balanced row count at that topk
     used: dict[tuple[str, str], int] = field(default_factory=dict)  # (op, module) -> times
@@ -105,7 +108,7 @@ class StandIn:
             return
         if scores.dim() == 0 or scores.shape[dim] == 0:
             return
-        self.experts = int(scores.shape[dim])
+        self.experts, self.selections = int(scores.shape[dim]), 0
         tokens = scores.numel() // self.experts
         self.per_expert = max(1, math.ceil(tokens * k / self.experts * self.capacity))
         index = out[1] if packet is _aten.topk else out
@@ -158,6 +161,9 @@ class StandIn:
         """Of a mask's ``n`` elements, how many the stand-in takes."""
         if self.experts is None or n == self.experts:  # no routing, or a per-expert mask: each expert is hit
             return n
+        self.selections += 1
+        if self.starved and self.selections == 1:
+            return 0
         return min(n, max(1, math.ceil(n / self.experts * self.capacity)))
 
     @staticmethod
@@ -274,6 +280,21 @@ def _planned(t: Any) -> bool:
 
 def _is_mask(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) and _planned(t)
+
+
+_STARVED: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_planner_starved", default=False)
+
+
+@contextlib.contextmanager
+def starved() -> Iterator[None]:
+    """Stand-ins made inside route no token to one expert (the first routed selection after each routing takes
+    nothing): what a rank whose batch skips an expert runs, where a model that skips an expert without tokens skips
+    its call (``check``'s ``routing-skips``)."""
+    token = _STARVED.set(True)
+    try:
+        yield
+    finally:
+        _STARVED.reset(token)
 
 
 _CAPACITY: contextvars.ContextVar[float] = contextvars.ContextVar("fsdp_planner_routing", default=DEFAULT_CAPACITY)

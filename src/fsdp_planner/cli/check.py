@@ -21,7 +21,15 @@ from fsdp_planner.cli.requests import (
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.claim import SplitParamError
-from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity, has_errors, model_findings, plan_findings
+from fsdp_planner.fsdp2.pitfalls import (
+    Code,
+    Finding,
+    Severity,
+    has_errors,
+    model_findings,
+    plan_findings,
+    routing_skip_findings,
+)
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import complex_reduce_problem
 from fsdp_planner.hardware.cluster import Cluster
@@ -30,7 +38,7 @@ from fsdp_planner.planners.answers import answers
 from fsdp_planner.planners.auto import Target
 from fsdp_planner.service.plan_files import plan_to_check
 from fsdp_planner.service.planning import grouping_to_check
-from fsdp_planner.service.tracing import LayoutDoesNotRun
+from fsdp_planner.service.tracing import LayoutDoesNotRun, routing_skips
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import PrecisionError
 from fsdp_planner.trace.records import Trace
@@ -67,7 +75,8 @@ def _model(args: argparse.Namespace, options: SimOptions) -> tuple[Trace, list[F
         complex_params = [p.fqn for p in tr.params if p.dtype.startswith("complex") and p.requires_grad]
         problem = complex_reduce_problem(options.precision, complex_params)  # the ranks would raise
         failed = [Finding(Severity.ERROR, Code.PRECISION, problem, "train it with --precision fp32")] if problem else []
-        return tr, [*failed, *model_findings(tr, options.precision)]
+        skips = routing_skip_findings(routing_skips(model_spec(args), tr))
+        return tr, [*failed, *model_findings(tr, options.precision), *skips]
     except PrecisionError as e:
         failed = Finding(Severity.ERROR, Code.PRECISION, e.problem, e.fix, e.module)
         return e.own_dtypes, [failed, *model_findings(e.own_dtypes, options.precision)]

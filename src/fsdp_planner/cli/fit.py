@@ -433,10 +433,12 @@ def _table(title: str, rows: list[FitPoint], with_seq: bool) -> Any:
 
 def _described(p: FitPoint) -> str:
     """The plan in a few words: its layout, checkpointing (full and op-level blocks), offloads; a point searched
-    without CPU offload only says so."""
+    without CPU offload only says so, and one where offload did not fit either that its figures are the closest
+    plan's without it (auto's, as ``plan`` reports it: its reserved memory is not what offload would hold)."""
+    tried = "" if p.fits or p.offload else "offload not tried" if not p.complete else \
+        "shown without CPU offload, which does not fit either"
     words = [p.layout, f"{p.checkpointed} AC" if p.checkpointed else "", f"{p.op_level} op AC" if p.op_level else "",
-             "offload" if p.offload else "", f"{p.offloaded} act. offload" if p.offloaded else "",
-             "" if p.complete or p.fits else "offload not tried"]
+             "offload" if p.offload else "", f"{p.offloaded} act. offload" if p.offloaded else "", tried]
     return ", ".join(w for w in words if w)
 
 

@@ -55,6 +55,7 @@ class Code(Enum):
     RESHARD_AFTER_FORWARD = "reshard-after-forward"
     FSDP1_MIXED_UNIT = "fsdp1-mixed-unit"
     UNUSED_PARAMS = "unused-params"
+    ROUTING_SKIPS = "routing-skips"  # params whose gradient depends on the routing (an expert skipped without tokens)
     ROOT_PARAMS = "root-params"
     UPCAST_REDUCE = "upcast-reduce"
     FP64_PARAMS = "fp64-params"
@@ -131,6 +132,25 @@ def model_findings(trace: Trace, precision: Precision | None = None) -> list[Fin
     if precision is not None:
         out += _dtype_warnings(trace, precision)
     return out
+
+
+def routing_skip_findings(skipped: Sequence[str]) -> list[Finding]:
+    """An error for params that get no gradient where the router gives their expert no token (``skipped``,
+    ``service.tracing.routing_skips``): ranks then run other collectives than their peers."""
+    if not skipped:
+        return []
+    # the modules skipped: each param's module's parent (an expert's Linears' expert), as the user's loop names them
+    owners = list(dict.fromkeys(".".join(p.split(".")[:-2]) or ROOT for p in skipped))
+    shown = ", ".join(_path(o) for o in owners[:3]) + (f" and {len(owners) - 3} more" if len(owners) > 3 else "")
+    return [Finding(Severity.ERROR, Code.ROUTING_SKIPS,
+                    f"the forward skips a module the router gave no token: {shown} got no gradient in a step "
+                    "that routed no token to them (the trace's balanced routing gives every expert some). FSDP2 "
+                    "all-gathers a group in its module's forward and reduce-scatters only the params that got a "
+                    "gradient, so a rank whose batch skips an expert runs other collectives than its peers: NCCL "
+                    "hangs, gloo pairs them wrong and trains wrong values",
+                    "call every expert each step, on its slice of tokens even when that is empty (an expert run on "
+                    "0 rows gives zero gradients, as torchtitan's grouped experts do), instead of skipping it "
+                    "(`if idx.numel() == 0: continue`)", owners[0])]
 
 
 def _by_owner(params: Sequence) -> dict[str, list]:

@@ -10,6 +10,7 @@ from copy import deepcopy
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointError
 
+from fsdp_planner import routing
 from fsdp_planner.attention import Kernel, kernel
 from fsdp_planner.choices import SacPolicy
 from fsdp_planner.errors import PlannerError
@@ -22,8 +23,8 @@ from fsdp_planner.service import tp_numerics
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.tracing import trace
 from fsdp_planner.trace.compiled import alike_blocks
-from fsdp_planner.trace.failures import failed_at
-from fsdp_planner.trace.recorder import record_compiled
+from fsdp_planner.trace.failures import LOSS, failed_at
+from fsdp_planner.trace.recorder import record, record_compiled
 from fsdp_planner.trace.records import Trace
 
 
@@ -47,7 +48,7 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
             raise PlannerError(f"tracing '{spec}' failed: {failed.describe() if failed else 'an op'} {WAY_OUT}") from e
         if isinstance(e, CheckpointError):
             raise PlannerError(f"tracing '{spec}' failed: {SELF_CHECKPOINTING}") from e
-        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}") from e
+        raise PlannerError(f"tracing '{spec}' failed: {model_error(e)}{_device_hint(e)}{_loss_hint(e)}") from e
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0]),
@@ -180,6 +181,23 @@ def _numbers_checked(whole: dict[str, nn.Module | tp_numerics.Unchecked], styles
             "and rowwise Linears are element-wise or per head is assumed there",)
 
 
+def routing_skips(spec: ModelSpec, tr: Trace) -> tuple[str, ...]:
+    """The params that get a gradient in the traced step (the balanced-routing stand-in gives every expert
+    tokens) but none when the router gives no expert any token (``routing.starved``): a model that skips an expert
+    without tokens (``if idx.numel() == 0: continue``) skips its params' grads on a rank whose batch routes it
+    nothing. () where nothing was routed, or the starved step does not run (it is the trace's question only)."""
+    if not tr.stood_in:
+        return ()
+    lm = load_model(spec, meta=True)
+    try:
+        with routing.starved():
+            starved = record(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
+    except Exception:  # (a model that cannot take an empty expert batch: it calls none with one)
+        return ()
+    got = {p.fqn for p in starved.params if p.gets_grad}
+    return tuple(p.fqn for p in tr.params if p.gets_grad and p.requires_grad and p.fqn not in got)
+
+
 def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precision,
                   note: Callable[[str], None] = lambda line: None) -> Trace:
     """The step with the model's repeated blocks compiled, as torchtitan compiles them (``--compile``): what each
@@ -286,6 +304,17 @@ def routing_note(spec: ModelSpec, consulted: int) -> str | None:
         return None
     return (f"--routing {spec.routing:g} changes nothing here: nothing in the step routes tokens by their values (no "
             "data-dependent op or Hugging Face experts layer, what the balanced-routing stand-in sizes)")
+
+
+def _loss_hint(e: Exception) -> str:
+    """What to do when the factory's loss_fn runs an op planning's meta tensors have no kernel for (CTC's)."""
+    failed = failed_at(e)
+    if failed is None or failed.module != LOSS or not isinstance(e, NotImplementedError):
+        return ""
+    return ("; planning runs the step on tensors without data, which this op does not take: for planning, give the "
+            "factory a loss_fn every op of which runs on the meta device (e.g. a cross-entropy over the same "
+            "output), and train with the real one (a loss holds no params: the plan is the same, its memory may "
+            "differ a little)")
 
 
 def _device_hint(e: Exception) -> str:

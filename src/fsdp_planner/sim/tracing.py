@@ -24,7 +24,7 @@ from fsdp_planner.fsdp2.input_casts import float32_subject
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.routing import DEFAULT_CAPACITY
 from fsdp_planner.sim.options import precision_named
-from fsdp_planner.trace.failures import FailedOp, failed_at, first_line
+from fsdp_planner.trace.failures import LOSS, FailedOp, failed_at, first_line
 from fsdp_planner.trace.recorder import record
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -142,7 +142,7 @@ def kept_in_fp32(model: nn.Module, failed: FailedOp | None) -> tuple[str, ...]:
     """The modules to run in fp32 after ``failed``: every module of the failing module's class that holds trainable
     params and floating buffers; none when the failing module is not such a module (its failure has another cause,
     e.g. a float32 tensor built in its forward, which an fp32 group would only hide)."""
-    if failed is None or failed.module == ROOT:
+    if failed is None or failed.module in (ROOT, LOSS):
         return ()
     module = model.get_submodule(failed.module)
     if not _needs_fp32(module):

@@ -28,6 +28,7 @@ NORM_OPS = frozenset({_aten.native_batch_norm, _aten._native_batch_norm_legit,
                       _aten._native_batch_norm_legit_functional, _aten._native_batch_norm_legit_no_training,
                       _aten.native_layer_norm, _aten.native_group_norm})
 _ATTRIBUTE = "_fsdp_planner_failed_at"
+LOSS = "\0loss"  # ``FailedOp.module`` of an op the factory's loss_fn ran, after the model's forward returned
 
 
 class MixedDtypeError(RuntimeError):
@@ -48,6 +49,8 @@ class FailedOp:
         if self.op is None:
             return f"the forward of module '{self.module}'" + (f" ({self.kind})" if self.kind else "") \
                 if self.module != ROOT else "the model's forward"
+        if self.module == LOSS:
+            return f"{self.op} in the factory's loss_fn (after the model's forward)"
         return f"{self.op} " + ("at the model's top level" if self.module == ROOT else f"in module '{self.module}'")
 
 
@@ -72,6 +75,14 @@ def check_operand_dtypes(func: Any, args: tuple) -> None:
             return  # the mixed kernels: a 16-bit input normalized with float32 params
     names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
     raise MixedDtypeError(f"{op_name(func)} got {names} operands, which real kernels refuse (expected one dtype)")
+
+
+def mark_loss(e: BaseException) -> None:
+    """``e`` was raised by the factory's loss_fn: an op it names ran there, not in the model's own forward."""
+    failed = failed_at(e)
+    if failed is not None and failed.module == ROOT and failed.op is not None:
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(e, _ATTRIBUTE, FailedOp(failed.op, LOSS))
 
 
 def mark(e: BaseException, op: str | None, module: str, kind: str = "") -> None:

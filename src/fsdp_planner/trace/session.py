@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fsdp_planner.attention import GpuAttention
 from fsdp_planner.norms import fused_rms_norm_everywhere
 from fsdp_planner.routing import DEFAULT_CAPACITY, StandIn, capacity
+from fsdp_planner.trace.failures import mark_loss
 from fsdp_planner.trace.full_precision import full_precision_casts
 from fsdp_planner.trace.hooks import ModuleHooks
 from fsdp_planner.trace.input_casts import group_input_casts
@@ -175,7 +176,12 @@ class TraceSession:
 
     def _step(self) -> set[int]:
         """Forward, loss and backward; the params that got a grad (replayed calls' included)."""
-        loss = self.request.loss_fn(self.request.model(*self.args, **self.kwargs))
+        out = self.request.model(*self.args, **self.kwargs)
+        try:
+            loss = self.request.loss_fn(out)
+        except Exception as e:
+            mark_loss(e)
+            raise
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("loss_fn must return a scalar tensor")
         self.recorder.backward = True

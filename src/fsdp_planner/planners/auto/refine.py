@@ -184,7 +184,10 @@ class Refiner:
                     continue  # a longer step moves a boundary; it never empties a group
                 segs = [[atoms[x] for x in s] for s in seq]
                 segs[k], segs[k + 1] = [atoms[x] for x in na], [atoms[x] for x in nb]
-                yield what, self.ev.build([s for s in segs if s], reshard if nb else reshard[:k + 1] + reshard[k + 2:])
+                # a group of no atoms goes (the merged one's second, and any group whose modules hold no param of
+                # their own: a UNet's), its reshard setting with it
+                kept = [(s, r) for s, r in zip(segs, reshard, strict=True) if s]
+                yield what, self.ev.build([s for s, _ in kept], [r for _, r in kept])
 
     def prefer_fewer_groups(self, best: Candidate, classic_step: float, slack: float = GROUP_SLACK) -> Candidate:
         """The plan with the fewest groups among those within ``slack`` of ``best``'s step time (and no slower
