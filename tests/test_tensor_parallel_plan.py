@@ -4,6 +4,7 @@ auto's choice of the degree."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -490,19 +491,26 @@ def test_embedding_and_head_styles_that_fail_on_the_ranks_are_refused():
     check_layout(tr, plan_layout(tr, TensorParallel(2, {**pair, "emb": TPStyle.EMBEDDING}), None))
 
 
-def test_a_detected_layout_whose_local_shapes_fail_is_refused():
+def test_a_detected_layout_whose_local_shapes_fail_is_refused_or_left_whole_where_it_fails():
     """T5 views its projections into its fixed head count: the detected pairs pass every divisibility check, but
-    one TP rank's step (the sharded Linears at their local shapes, on meta) fails, so ``--tp`` is refused in one
-    sentence before anything runs (it failed in the fake world and on the ranks); an MLP's pairs run."""
+    one TP rank's step (the sharded Linears at their local shapes, on meta) fails. Attention alone is refused in one
+    sentence before anything runs (it failed in the fake world and on the ranks); T5's attention is left whole with
+    a note and its MLPs kept (it was refused whole); an MLP's pairs run."""
     from fsdp_planner.service.planning import SILENT, requested_layout
 
-    spec = ModelSpec(str(Path(__file__).parent / "fixtures" / "tp_detected.py") + ":tiny_t5")
-    tr = trace_spec(spec)
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
     request = PolicyRequest(PolicyName.TITAN, tp=2)
+    attention = ModelSpec(f"{fixtures}:attention_fixed_heads")
+    with pytest.raises(PlannerError, match=r"one TP rank's step fails \(aten\.view in module '0'"):
+        requested_layout(trace_spec(attention), request, attention, H100_8, SILENT)
+    spec = ModelSpec(f"{fixtures}:tiny_t5")
+    tr = trace_spec(spec)
     assert tp_layout(tr, 2, spec).source == PAIRS
-    with pytest.raises(PlannerError, match=r"one TP rank's step fails \(aten\.view in module 'encoder\.block"):
-        requested_layout(tr, request, spec, H100_8, SILENT)
-    mlp = ModelSpec(str(Path(__file__).parent / "fixtures" / "tp_detected.py") + ":pairs_mlp")
+    notes: list[str] = []
+    kept = requested_layout(tr, request, spec, H100_8, dataclasses.replace(SILENT, note=notes.append))
+    assert kept.layout and all(".DenseReluDense.w" in n for n in kept.layout)
+    assert any("in T5Attention left whole over TP: one TP rank's step fails (aten.view" in n for n in notes)
+    mlp = ModelSpec(f"{fixtures}:pairs_mlp")
     assert requested_layout(trace_spec(mlp), request, mlp, H100_8, SILENT).degree == 2
 
 
@@ -861,7 +869,7 @@ def test_check_of_a_tp_degree_that_cannot_run_is_an_error_finding(capsys):
     (the reason a note), where plan and verify refuse the job: a CI gate on check passed a job that cannot run."""
     from fsdp_planner.cli import main
 
-    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:tiny_t5"
+    spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:attention_fixed_heads"
     assert main(["check", spec, "--tp", "2", "--cluster", "h100:2", "--json"]) == 1
     (finding,) = json.loads(capsys.readouterr().out)
     assert finding["severity"] == "error" and finding["code"] == "does-not-run"
@@ -921,3 +929,26 @@ def test_auto_says_the_tp_batch_of_the_split_it_chose_only(capsys):
                  "--cluster", "h100:8"]) == 0
     err = capsys.readouterr().err
     assert err.count("auto's layout has TP") == 1 and "give --batch 32 for the same job" in err, err
+
+
+def test_a_hand_written_llama_block_keeps_the_pairs_its_code_takes(capsys):
+    """A Llama block written inline (norms beside q, k, v, o and w1, w3, w2): runs of more than two Linears made no
+    pair, so --tp laid out nothing of it (a new user's LLaVA: only its vision tower's MLPs, 11% of the params).
+    Each run is a pair now; where its attention views into a fixed head count (which a colwise wq cannot take),
+    that kind is left whole with a note and the MLP kept; with heads inferred from the width both are kept."""
+    from fsdp_planner.cli import main
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    assert main(["plan", f"{fixtures}:llama_blocks", "--policy", "titan", "--tp", "2", "--cluster", "h100:8",
+                 "--json"]) == 0
+    styles = json.loads(capsys.readouterr().out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    assert {k: v for k, v in styles.items() if k.startswith("0.")} == {
+        "0.wq": "colwise", "0.wk": "colwise", "0.wv": "colwise", "0.wo": "rowwise", "0.w1": "colwise",
+        "0.w3": "colwise", "0.w2": "rowwise"}
+    assert main(["plan", f"{fixtures}:llama_blocks_fixed_heads", "--policy", "titan", "--tp", "2", "--cluster",
+                 "h100:8", "--json"]) == 0
+    out = capsys.readouterr()
+    styles = json.loads(out.out)["plans"][0]["plan"]["tensor_parallel"]["layout"]
+    assert set(styles) == {f"{b}.{m}" for b in "01" for m in ("w1", "w3", "w2")}
+    assert "tensor-parallel pairs wq, wk, wv -> wo in _LlamaBlock left whole over TP: one TP rank's step fails " \
+        "(aten.view in module '0'" in out.err

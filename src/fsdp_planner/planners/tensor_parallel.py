@@ -127,11 +127,12 @@ class Layout:
 
 
 def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_parallel: bool | None = None,
-              async_tp: bool = False, ep: int = 1) -> Layout:
+              async_tp: bool = False, ep: int = 1, left_whole: frozenset[str] = frozenset()) -> Layout:
     """The layout of ``degree``-way TP for the traced model, from the first source that has one (module
     docstring). ``loss_parallel``: None takes the source's default (torchtitan's on, where the output head is
     vocab-sharded). A model with torchtitan's MoE structure takes its MoE layout, with expert parallelism (``ep``
-    > 1) the only one modelled."""
+    > 1) the only one modelled. ``left_whole``: the rowwise Linears of detected pairs to leave out (``pair_kinds``:
+    those whose module's code does not take the split)."""
     if ep > 1 and degree > 1 and not is_titan_moe(trace):
         raise PlannerError("expert parallelism with tensor parallelism is modelled for torchtitan's MoE layout "
                            "only (the built-in MoE models, models/moe.py), which this model does not have: give "
@@ -147,7 +148,7 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
     elif is_titan_llama(trace):
         found = _titan_layout(trace, degree, loss_parallel is not False)
     else:
-        found = _pairs_layout(trace, degree)
+        found = _pairs_layout(trace, degree, left_whole)
     found = _without_split_ties(trace, found)
     if loss_parallel and not found.tp.loss_parallel:
         found = _note(found, "loss parallel is left off: this layout does not shard the output head on the vocab")
@@ -309,11 +310,24 @@ class _Pair:
     # own widths): colwise_gather and rowwise_split, what reads the outputs run whole on every rank
 
 
-def _pairs_layout(trace: Trace, degree: int) -> Layout:
+def pair_kinds(trace: Trace) -> list[tuple[str, frozenset[str]]]:
+    """The detected pairs by kind (their module's class and their Linears' names in it: every block's attention
+    is one kind), each as ("wq, wk, wv -> wo in DecoderLayer", the rowwise Linears of its pairs)."""
+    kinds: dict[str, set[str]] = {}
+    for m in trace.modules.values():
+        for p in _pairs(trace, m):
+            cols, row = (c.removeprefix(f"{p.parent}.") for c in p.cols), p.row.removeprefix(f"{p.parent}.")
+            label = f"{', '.join(cols)} -> {row} in {m.cls}"
+            kinds.setdefault(label, set()).add(p.row)
+    return [(label, frozenset(rows)) for label, rows in kinds.items()]
+
+
+def _pairs_layout(trace: Trace, degree: int, left_whole: frozenset[str] = frozenset()) -> Layout:
     """Column-then-row Linear pairs: in a module whose Linear children are all called from the hidden size in, the
     last of them back to it (rowwise) after the others (colwise), one of which makes the rowwise one's input size;
-    where none does (a fused qkv), a gathered pair (``_pair``)."""
-    pairs = [p for m in trace.modules.values() for p in _pairs(trace, m)]
+    where none does (a fused qkv), a gathered pair (``_pair``). Pairs whose rowwise Linear is in ``left_whole``
+    stay whole."""
+    pairs = [p for m in trace.modules.values() for p in _pairs(trace, m) if p.row not in left_whole]
     if not pairs:
         raise PlannerError("no sound tensor-parallel layout for this model: no module holds Linears called as a "
                            "column-then-row pair (Linears from the hidden size, then one Linear back to it, and "
@@ -395,9 +409,11 @@ def _model_heads(trace: Trace, model: ModelSpec | None) -> tuple[int, int] | Non
 
 def _pairs(trace: Trace, parent: ModuleInfo) -> list[_Pair]:
     """The module's column-then-row pairs, where its children make them (``_pairs_layout``): its Linear children
-    alone among those with params make one; beside others (a block's norms and attention around an MLP written
-    inline), each two Linears run one after the other, with no other Linear or child with params run between them
-    or around them, make one. A longer run of Linears makes none: which of them read which is not known."""
+    alone among those with params make one; beside others (a block's norms around its attention and MLP written
+    inline, as a hand-written Llama block has them), each run of Linears called one after the other, with no other
+    child with params run between them, makes one where its shapes do (``_pair``: q, k, v then o; w1, w3 then w2).
+    Which of them reads which is not known from shapes: the numbers check (``check_local_shapes``) judges each
+    kind, and one whose code does not take the split is left whole."""
     if parent.params:
         return []
     children = [trace.modules[c] for c in parent.children if c in trace.modules]
@@ -412,7 +428,7 @@ def _pairs(trace: Trace, parent: ModuleInfo) -> list[_Pair]:
             runs[-1].append(c)
         elif runs[-1]:
             runs.append([])
-    return [p for p in (_pair(trace, parent.fqn, run) for run in runs if len(run) == 2) if p]
+    return [p for p in (_pair(trace, parent.fqn, run) for run in runs if len(run) >= 2) if p]
 
 
 def _pair(trace: Trace, parent: str, linears: list[ModuleInfo]) -> _Pair | None:

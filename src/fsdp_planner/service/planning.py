@@ -46,13 +46,14 @@ from fsdp_planner.planners.tensor_parallel import (
     Layout,
     TPChoice,
     check_layout,
+    pair_kinds,
     sharded_share,
     tp_degrees,
     tp_layout,
 )
 from fsdp_planner.service.job import PlanJob
 from fsdp_planner.service.outcome import PlanOutcome, Row, Split, explained, summarize
-from fsdp_planner.service.tracing import check_local_shapes, trace_spec
+from fsdp_planner.service.tracing import LayoutDoesNotRun, check_local_shapes, trace_spec
 from fsdp_planner.sim.context import SimContext
 from fsdp_planner.sim.expert_parallel import ep_view
 from fsdp_planner.sim.float8 import check_float8_scales, converted_linears
@@ -411,7 +412,9 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
                                            request.ep or 1), named=request.tp_key)
     check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
     check_float8_scales(tr, layout.tp, float8)
-    unchecked = check_local_shapes(spec, layout.tp) if layout.source == PAIRS else ()
+    unchecked: tuple[str, ...] = ()
+    if layout.source == PAIRS:
+        layout, unchecked = _checked_pairs(tr, request, spec, layout)
     for line in (*layout.notes, *unchecked):
         reporter.note(line)
     if layout.tp.async_tp and not layout.tp.sequence_parallel:  # torch's micro-pipelining fuses all-gathers and
@@ -433,6 +436,36 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
         reporter.note(f"--tp {request.tp} shards {share:.0%} of the params (the rest is whole on each TP rank): "
                       "plan it without --tp too, to weigh TP against pure FSDP")
     return layout.tp
+
+
+def _checked_pairs(tr: Trace, request: PolicyRequest, spec: ModelSpec, layout: Layout
+                   ) -> tuple[Layout, tuple[str, ...]]:
+    """A detected layout whose local shapes and numbers check (``check_local_shapes``); where the whole does not,
+    each kind of pair checked alone and those whose code does not take the split left whole, said in a note (a
+    hand-written Llama block's attention that views into a fixed head count beside its SwiGLU MLP: the MLP kept).
+    Refused as before where no kind checks."""
+    try:
+        return layout, check_local_shapes(spec, layout.tp)
+    except LayoutDoesNotRun as whole:
+        kinds = pair_kinds(tr)
+        if len(kinds) < 2:
+            raise
+        failed: dict[str, str] = {}
+        every = frozenset().union(*(rows for _, rows in kinds))
+        for label, rows in kinds:
+            alone = tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp, request.ep or 1,
+                              left_whole=every - rows)
+            try:
+                check_local_shapes(spec, alone.tp)
+            except LayoutDoesNotRun as e:
+                failed[label] = e.reason
+        if len(failed) == len(kinds):
+            raise whole from None
+        left = frozenset().union(*(rows for label, rows in kinds if label in failed))
+        kept = dataclasses.replace(tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp,
+                                             request.ep or 1, left_whole=left), named=request.tp_key)
+        said = tuple(f"tensor-parallel pairs {label} left whole over TP: {why}" for label, why in failed.items())
+        return dataclasses.replace(kept, notes=(*kept.notes, *said)), check_local_shapes(spec, kept.tp)
 
 
 def fitting(result: AutoResult) -> AutoResult:

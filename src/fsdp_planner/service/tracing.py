@@ -68,7 +68,12 @@ WHOLE_ON_EACH_RANK = (TPStyle.COLWISE_GATHER, TPStyle.ROWWISE_SPLIT, TPStyle.EMB
 
 class LayoutDoesNotRun(PlannerError):
     """A TP layout that fails on the model's code, or runs and computes something else (``check_local_shapes``):
-    a plan that cannot run, which ``check`` reports as a finding rather than an unreadable file."""
+    a plan that cannot run, which ``check`` reports as a finding rather than an unreadable file. ``reason``: what
+    failed, without the layout's name or the way out (a note on a pair left whole says it)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = False) -> tuple[str, ...]:
@@ -104,8 +109,9 @@ def check_local_shapes(spec: ModelSpec, tp: TensorParallel, plan_file: bool = Fa
         with kernel(spec.attention):
             trace(lm.model, lm.example_inputs, lm.loss_fn, routing=spec.routing or DEFAULT_CAPACITY)
     except Exception as e:
-        raise LayoutDoesNotRun(f"{layout} does not run on this model: one TP rank's step fails ({model_error(e)}); its "
-                           f"code fixes a shape the layout splits (e.g. a view into a fixed head count): {fix}") from e
+        reason = (f"one TP rank's step fails ({model_error(e)}); its code fixes a shape the layout splits (e.g. a "
+                  "view into a fixed head count)")
+        raise LayoutDoesNotRun(f"{layout} does not run on this model: {reason}: {fix}", reason) from e
     finally:
         for h in handles:
             h.remove()
@@ -165,12 +171,11 @@ def _numbers_checked(whole: dict[str, nn.Module | tp_numerics.Unchecked], styles
             verdict = tp_numerics.check_module(name, module, mine, degree, *call)
         shown = name or "(root)"
         if isinstance(verdict, tp_numerics.Mismatch):
-            raise LayoutDoesNotRun(f"{layout} computes something else on this model: {shown} "
-                                   f"({type(module).__name__}) run as {degree} TP ranks run it (each rowwise output "
-                                   f"summed over them) differs from its whole run by {verdict.error:.1e} of its "
-                                   "output (an op between its colwise and rowwise Linears mixes the features TP "
-                                   "splits: a softmax or norm over them, or a view into a fixed head count whose size "
-                                   f"is inferred): {fix}")
+            reason = (f"{shown} ({type(module).__name__}) run as {degree} TP ranks run it (each rowwise output "
+                      f"summed over them) differs from its whole run by {verdict.error:.1e} of its output (an op "
+                      "between its colwise and rowwise Linears mixes the features TP splits: a softmax or norm over "
+                      "them, or a view into a fixed head count whose size is inferred)")
+            raise LayoutDoesNotRun(f"{layout} computes something else on this model: {reason}: {fix}", reason)
         if isinstance(verdict, tp_numerics.Unchecked):
             unchecked.setdefault(verdict.reason, []).append(shown)
     if not unchecked:

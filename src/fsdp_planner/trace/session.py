@@ -176,9 +176,9 @@ class TraceSession:
 
     def _step(self) -> set[int]:
         """Forward, loss and backward; the params that got a grad (replayed calls' included)."""
-        out = self.request.model(*self.args, **self.kwargs)
-        try:
-            loss = self.request.loss_fn(out)
+        out = [self.request.model(*self.args, **self.kwargs)]
+        try:  # (the output passed on, no reference kept here: the loss frees it as it would, before backward)
+            loss = self.request.loss_fn(out.pop())
         except Exception as e:
             mark_loss(e)
             raise
