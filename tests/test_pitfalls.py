@@ -274,3 +274,18 @@ def test_an_expert_skipped_without_tokens_is_an_error_and_one_called_on_an_empty
     assert "1.experts.1" not in skips["message"] and "numel() == 0" in skips["fix"]
     assert main(["check", "tests/fixtures/skipping_moe.py:calling_moe", "--json"]) == 0
     assert "routing-skips" not in capsys.readouterr().out
+
+
+@pytest.mark.integration  # ~30 s: two torchrun jobs of 2 gloo ranks
+def test_verify_says_first_that_an_expert_skipped_without_tokens_decides_parity(capsys):
+    """verify of such a MoE passes or fails by what the ranks' batches route (the trial's: PASS at the default
+    batch, 5,120x off at batch 1), so it says so before the job, as check's error; a MoE that calls every expert
+    gets no such note."""
+    from fsdp_planner.cli import main
+
+    main(["verify", "tests/fixtures/skipping_moe.py:skipping_moe", "--policy", "titan", "--nproc", "2",
+          "--steps", "2"])
+    assert "(check's routing-skips; call every expert each step" in capsys.readouterr().err
+    assert main(["verify", "tests/fixtures/skipping_moe.py:calling_moe", "--policy", "titan", "--nproc", "2",
+                 "--steps", "2"]) == 0
+    assert "routing-skips" not in capsys.readouterr().err

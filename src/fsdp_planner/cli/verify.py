@@ -18,6 +18,7 @@ from fsdp_planner.cli.requests import (
     verify_request,
 )
 from fsdp_planner.fmt import fmt_bytes, fmt_count, json_text
+from fsdp_planner.fsdp2.pitfalls import routing_skip_findings
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster, Engine
 from fsdp_planner.models import ModelSpec
@@ -27,6 +28,7 @@ from fsdp_planner.runtime.measure import CPU_RANK_REPEATS
 from fsdp_planner.runtime.verify import VerifyResult, check_model_dtypes, run_verify
 from fsdp_planner.service.job_plan import carried_plan, job_plan
 from fsdp_planner.service.planning import Reporter, judged_model, stamped
+from fsdp_planner.service.tracing import routing_skips
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
@@ -47,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     options = request.options  # the job's precision: the trace's too, so a model failing in it is an error here
     check_model_dtypes(request.model, options.precision)  # before the trace's notes, auto's search and torchrun
     model, tr, plan = _the_job(request, predict_on)
+    for finding in routing_skip_findings(routing_skips(model, tr)):  # what makes such a job fail parity, said first
+        render.note(f"{finding.message} (check's {finding.code.value}; {finding.fix}): the ranks' batches decide "
+                    "whether this job's collectives match")
     if not request.json:
         transforms = plan.transforms()
         render.console.print(f"verifying [bold]{escape(str(plan.policy or request.source.plan_file))}[/bold] on "
