@@ -504,7 +504,7 @@ def test_a_float8_plan_exports_its_conversion_and_torchtitan_s_converter(tmp_pat
         job.write_text(export_plan(f8_plan, ExportFormat.TORCHTITAN))
         cfg = read_config(TORCHTITAN, f"{job}:fsdp_planner_job")
         assert (cfg.float8, cfg.float8_all_gather) == (read, False)
-        assert [n.split(" is not read")[0].split(",")[0] for n in cfg.notes] == [
+        assert [n.split(" is ")[0].split(",")[0] for n in cfg.notes] == [
             "fsdp_planner_job builds on llama3_8b()", "model_spec.parallelize_fn = parallelize_fn"]
 
 

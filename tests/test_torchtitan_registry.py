@@ -320,8 +320,9 @@ def test_the_torchtitan_export_reads_back_as_the_plans_job(tmp_path, mesh, resha
     assert (cfg.ac, cfg.precision, cfg.reduce_dtype, cfg.compile) == (
         ACMode.FULL if checkpointed else ACMode.NONE, "bf16-mixed", None, bool(compiled))
     # the job builds on torchtitan's own 8B job, which is not read, and sets the plan's groups as its model's
-    # parallelize_fn, which the reader says it does not read either
-    assert cfg.notes == [BASE_NOTE, PARALLELIZE_NOTE] and (cfg.batch, cfg.seq, cfg.optimizer) == (2, 4096, "adamw")
+    # parallelize_fn, whose plan the file holds as data: the job's grouping
+    assert cfg.notes == [BASE_NOTE, EXPORT_NOTE] and (cfg.batch, cfg.seq, cfg.optimizer) == (2, 4096, "adamw")
+    assert Plan.from_json(cfg.plan).groups == plan.groups
     on_8b = read_config(TORCHTITAN, job("llama3_8b"), flags)
     keys = ("model", "replicate", "shard", "reshard", "offload", "ac", "precision", "reduce_dtype", "compile", "batch",
             "seq", "optimizer")
@@ -384,9 +385,40 @@ def test_a_job_on_an_unread_base_must_set_what_the_step_reads(tmp_path):
 
 
 
-PARALLELIZE_NOTE = ("model_spec.parallelize_fn = parallelize_fn is not read: these figures are of torchtitan's own "
-                    "groups for the job's keys, not of that function's (an fsdp-planner export's: simulate its plan "
-                    "file for them)")
+EXPORT_NOTE = ("model_spec.parallelize_fn = parallelize_fn is this file's (fsdp-planner's export): the job's figures "
+               "are of its plan (FSDP_PLANNER_PLAN), its groups, checkpointing and layout")
+
+
+@pytest.mark.integration  # ~25 s: auto's plan of llama3-8b, its export read back by plan and simulate
+def test_an_exported_job_reads_back_as_its_plan_and_a_job_without_it_as_torchtitan_s_groups(tmp_path, capsys):
+    """The export's job read back gave torchtitan's own grouping for its keys (1.01 s on llama3-8b, h100:8) beside
+    the plan's 929 ms, and told the user to export the plan they had exported: the file holds its plan as data
+    (FSDP_PLANNER_PLAN, a string literal, never run), which plan and simulate --from-torchtitan read where the job
+    keeps the file's parallelize_fn. A job that sets another parallelize_fn is read as torchtitan groups it; a
+    constant that is not a string literal is refused."""
+    from fsdp_planner.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "llama3-8b", "--policy", "auto", "--cluster", "h100:8", "--out", str(out), "--json"]) == 0
+    step = json.loads(capsys.readouterr().out)["plans"][0]["simulation"]["step_time"]
+    exported = tmp_path / "job.py"
+    assert main(["export", str(out), "--format", "torchtitan", "--out", str(exported)]) == 0
+    spec = f"{exported}:fsdp_planner_job"
+    assert main(["plan", "--from-torchtitan", spec, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config_step"]["step_time"] == pytest.approx(step, rel=1e-9) == doc["auto_step"]["step_time"]
+    assert main(["simulate", "--from-torchtitan", spec, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step_time"] == pytest.approx(step, rel=1e-9)
+    source = exported.read_text()
+    other = tmp_path / "other.py"
+    other.write_text(source.replace("config.model_spec.parallelize_fn = parallelize_fn",
+                                    "config.model_spec.parallelize_fn = my_parallelize"))
+    cfg = read_config(TORCHTITAN, f"{other}:fsdp_planner_job")
+    assert cfg.plan is None and any("my_parallelize is not read" in n for n in cfg.notes)
+    bad = tmp_path / "bad.py"
+    bad.write_text(re.sub(r"FSDP_PLANNER_PLAN: str = .*", "FSDP_PLANNER_PLAN: str = open('x').read()", source))
+    with pytest.raises(PlannerError, match="FSDP_PLANNER_PLAN is not a string literal"):
+        read_config(TORCHTITAN, f"{bad}:fsdp_planner_job")
 TITAN_FIELDS = json.loads((Path(__file__).parent / "fixtures" / "torchtitan" / "config_fields.json").read_text())
 FLAG_SECTIONS = {"training": "TrainingConfig", "parallelism": "ParallelismConfig", "compile": "CompileConfig"}
 

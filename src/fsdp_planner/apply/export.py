@@ -994,4 +994,5 @@ def export_plan(plan: Plan, fmt: ExportFormat, precision: Precision = PRECISIONS
                              (titan.TARGETS_LINE, titan.TITAN_TARGETS_LINE)):
         body = body.replace(line, titan_line, 1)
     tail += titan.TAIL.replace("{names}", py_literal(titan.TORCHTITAN_NAMES))
+    constants += titan.PLAN_CONSTANT.format(plan=py_literal(plan.to_json()))
     return header + constants + body + tails + tail + torchtitan_job(plan, precision, py_literal)

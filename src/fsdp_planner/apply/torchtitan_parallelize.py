@@ -12,6 +12,8 @@ planner's built-in Llama layout follows); on any other model, the plan's TP_LAYO
 
 from __future__ import annotations
 
+from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
+
 # each part of a plan's module name -> how torchtitan's Decoder names it (tried in turn where the model has no
 # module of the plan's name): torchtitan's state_dict adapters' hf -> torchtitan key maps (llama3, qwen3,
 # deepseek_v3, gpt_oss) and its Llama3 model (lm_head, fused or apart qkv_linear)
@@ -39,6 +41,11 @@ TITAN_TP_LINE = """    if not tp_sharded(model):  # torchtitan's own model lays 
         tensor_parallel(model, tp_mesh)
 """
 DIMS_CONSTANT = """TORCHTITAN_DIMS: dict[str, int] = {dims}  # the ParallelDims degrees the plan was made for
+"""
+# the plan itself, as the JSON ``plan --out`` writes: data, never run; ``plan --from-torchtitan FILE.py:
+# fsdp_planner_job`` reads it back where the job keeps this file's parallelize_fn, so the job's figures are the
+# plan's groups (its keys alone would say torchtitan's own grouping)
+PLAN_CONSTANT = PLAN_NAME + """: str = {plan}  # the plan (JSON) this file applies: data for fsdp-planner's reader
 """
 
 TAIL = '''

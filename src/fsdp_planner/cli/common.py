@@ -67,10 +67,10 @@ def policy_plan(tr: Trace, request: PolicyRequest, model: str, cluster: Cluster 
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, world: int | None = None,
-              micro_batches: int | None = None, optimizer: str | None = None) -> Plan:
+              micro_batches: int | None = None, optimizer: str | None = None, text: str | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (``service/plan_files.py``; against ``world`` ranks too),
-    its notes on stderr."""
-    return plan_files.load_plan(path, tr, model, render.note, world, micro_batches, optimizer)
+    its notes on stderr (``text``: the plan's JSON held elsewhere, ``path`` naming where)."""
+    return plan_files.load_plan(path, tr, model, render.note, world, micro_batches, optimizer, text)
 
 
 def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:

@@ -18,6 +18,7 @@ from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.common import REPORTER, run_flags, tracer
 from fsdp_planner.cli.requests import configured, keywords
 from fsdp_planner.configs.job_config import TORCHTITAN, JobConfig
+from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
@@ -166,6 +167,11 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     return out
 
 
+def _grouping(plan: Plan) -> list[tuple[tuple[str, ...], Any]]:
+    """A plan's groups as the job runs them: each one's modules and reshard rule."""
+    return [(tuple(g.modules), g.reshard_after_forward) for g in plan.groups]
+
+
 def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str, Any]:
     def step(r: StepReport | None) -> dict[str, Any] | None:
         return None if r is None else {**r.summary(), "budget": result.budget.to_dict(r.reserved_memory)}
@@ -199,13 +205,21 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
         gain = "" if r is result.before else f" ({(r.step_time - base) / base:+.1%} against the config's)"
         over = "" if result.budget.fits(r.reserved_memory) else " (over the budget)"
         render.plain(f"{label}: step {fmt_time(r.step_time)}{gain}, reserved {fmt_bytes(r.reserved_memory)}{over}")
-    if result.edit is not None:
-        render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
-    else:
-        render.plain("no edit of the config's keys alone (its own grouping) is faster within the budget")
     fmt = "torchtitan" if cfg.kind == TORCHTITAN else "accelerate"
-    render.plain(f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} config keys: "
-                 f"write it with --out plan.json, then `fsdp-planner export plan.json --format {fmt}`")
+    if cfg.plan is not None:  # an export's job: it runs the plan it holds, whatever torchtitan's keys group
+        config_plan = result.outcome.config.plan
+        same = config_plan is not None and _grouping(config_plan) == _grouping(result.auto)
+        held = f"the job runs the plan its file holds ({PLAN_NAME})"
+        render.plain(f"{held}: auto's grouping for this job, nothing to change" if same else
+                     f"{held}, and auto's differs: write auto's with --out plan.json, then `fsdp-planner export "
+                     f"plan.json --format {fmt}` again")
+    else:
+        if result.edit is not None:
+            render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
+        else:
+            render.plain("no edit of the config's keys alone (its own grouping) is faster within the budget")
+        render.plain(f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} config "
+                     f"keys: write it with --out plan.json, then `fsdp-planner export plan.json --format {fmt}`")
     if result.no_fit:
         render.plain(f"auto: {result.no_fit}")
     if args.out is not None:

@@ -24,6 +24,7 @@ from fsdp_planner.cli.requests import (
     policy_request,
     sim_options,
 )
+from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
@@ -65,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     with classes_named_by(config):
         plans = [(_label(s, p), with_reshard(p, config.reshard) if i == 0 and config else p)
                  for i, s in enumerate(sources) for p in [_plan(tr, s, model_spec(args), cluster, options)]]
+    if config is not None and config.plan is not None:  # an export's job runs the plan it holds
+        held = load_plan(f"{config.path}'s {PLAN_NAME}", tr, model_spec(args), cluster.world_size,
+                         options.micro_batches, options.optimizer.name, config.plan)
+        plans[0] = (f"{config.path} ({held.policy})" if held.policy else config.path, held)
     if args.against is not None:
         if len(plans) > 1:
             raise PlannerError("--against draws one plan beside its measured trace: drop --compare")

@@ -19,6 +19,7 @@ from typing import Any
 
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.configs.torchtitan_registry import (
+    PLAN_TABLE,
     TOKENS,
     default_tokens,
     is_registry_spec,
@@ -112,6 +113,7 @@ class JobConfig:
     module_classes: tuple[str, ...] = ()
     min_numel: int | None = None
     keys: dict[str, Any] = field(default_factory=dict)  # dotted key -> value, each key read
+    plan: str | None = None  # the plan JSON of an fsdp-planner export whose parallelize_fn the job keeps: its grouping
     notes: list[str] = field(default_factory=list)  # what is left out, one line each
 
     @property
@@ -144,7 +146,7 @@ def read_config(kind: str, path: str, flags: Sequence[str] = ()) -> JobConfig:
     or a registry job (``FILE.py:FUNCTION``, ``configs/torchtitan_registry.py``), ``flags`` its dotted overrides."""
     if kind == TORCHTITAN and is_registry_spec(path):
         data, notes = read_registry(path, parse_flags(flags))
-        cfg = JobConfig(kind, path, notes=notes)
+        cfg = JobConfig(kind, path, notes=notes, plan=data.pop(PLAN_TABLE, {}).get("plan"))
         _titan(cfg, data)
         if cfg.batch is None and cfg.seq is None:
             cfg.default_workload = default_tokens()

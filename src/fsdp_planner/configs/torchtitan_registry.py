@@ -247,7 +247,7 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
         for o in overrides:
             config = _set(config, o.key.split("."), o.value)
         config = check_set_over(config, overrides, label, notes)
-        return toml_tables(config, _model_name(path, tree), label, notes), notes
+        return toml_tables(config, _model_name(path, tree), label, notes, _exported_plan(tree, label)), notes
     except RecursionError:  # an expression nested thousands deep (ast.parse takes more than literal_eval does)
         raise PlannerError(f"{label}: its values nest too deeply to read") from None
 
@@ -651,15 +651,18 @@ def _set(config: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
 
 
 # -- into the TOML job's tables --------------------------------------------------------------------------------------
-def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]) -> dict[str, Any]:
-    """``Trainer.Config``'s keywords as the tables of the old TOML job; what has no place there, a note."""
+def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str], plan: str | None = None
+                ) -> dict[str, Any]:
+    """``Trainer.Config``'s keywords as the tables of the old TOML job; what has no place there, a note. ``plan``:
+    the plan an fsdp-planner export holds (``_exported_plan``), which its ``parallelize_fn`` applies: the job's
+    grouping where the job keeps that function (``PLAN_TABLE``)."""
     data: dict[str, Any] = {}
     config.setdefault("activation_checkpoint", Call("SelectiveAC.Config"))  # Trainer.Config's default
     for key, value in config.items():
         if key in IGNORED:
             continue
         if key == "model_spec":
-            _model(data, value, model, label, notes)
+            _model(data, value, model, label, notes, plan)
         elif key == "activation_checkpoint":
             data[key] = _ac(value, label, notes)
         elif key == "optimizer":
@@ -673,7 +676,28 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
     return data
 
 
-def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[str]) -> None:
+def _exported_plan(tree: ast.Module, label: str) -> str | None:
+    """The plan JSON an fsdp-planner export of the job holds (``PLAN_NAME = '...'`` at the top level, a string
+    literal read as data), None where the file has none."""
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+            node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id == PLAN_NAME:
+            value = node.value
+            if not (isinstance(value, ast.Constant) and isinstance(value.value, str)):
+                raise PlannerError(f"{label}: {PLAN_NAME} is not a string literal (fsdp-planner's export writes the "
+                                   "plan's JSON there): export the plan again")
+            return value.value
+    return None
+
+
+PLAN_NAME = "FSDP_PLANNER_PLAN"  # the export's constant holding its plan (``apply/torchtitan_parallelize.py``)
+PLAN_TABLE = "fsdp_planner"  # the tables' key of that plan: {"plan": its JSON} (``JobConfig.plan``)
+EXPORTED_FN = "parallelize_fn"  # the export's function that applies it
+
+
+def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[str], plan: str | None = None
+           ) -> None:
     if spec is None:
         return
     flavor = (spec.args[0] if spec.args else spec.fields.get("flavor")) if isinstance(spec, Call) else None
@@ -684,7 +708,11 @@ def _model(data: dict[str, Any], spec: Any, model: str, label: str, notes: list[
         return
     table: dict[str, Any] = {"flavor": flavor, **({"name": model} if model else {})}
     for key, value in spec.fields.items():
-        if key == "parallelize_fn":  # (fsdp-planner's export sets its plan's groups so)
+        if key == "parallelize_fn" and plan is not None and _shown(value) == EXPORTED_FN:
+            data[PLAN_TABLE] = {"plan": plan}
+            notes.append(f"model_spec.parallelize_fn = {EXPORTED_FN} is this file's (fsdp-planner's export): the "
+                         f"job's figures are of its plan ({PLAN_NAME}), its groups, checkpointing and layout")
+        elif key == "parallelize_fn":  # (fsdp-planner's export sets its plan's groups so)
             notes.append(f"model_spec.parallelize_fn = {_shown(value)} is not read: these figures are of "
                          "torchtitan's own groups for the job's keys, not of that function's (an fsdp-planner "
                          "export's: simulate its plan file for them)")

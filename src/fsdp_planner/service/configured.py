@@ -28,7 +28,7 @@ from fsdp_planner.configs.job_config import (
     edit_choices,
     world_of,
 )
-from fsdp_planner.configs.torchtitan_registry import TITAN_FUSED_ATTENTION, TITAN_MODELS
+from fsdp_planner.configs.torchtitan_registry import PLAN_NAME, TITAN_FUSED_ATTENTION, TITAN_MODELS
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
@@ -36,7 +36,8 @@ from fsdp_planner.models import BUILTINS, ModelSpec
 from fsdp_planner.planners.blocks import ClassesNotFound
 from fsdp_planner.planners.config_edit import Setting, best_edit, plan_setting
 from fsdp_planner.service.outcome import PlanOutcome
-from fsdp_planner.service.planning import Reporter, Tracer, plan
+from fsdp_planner.service.plan_files import load_plan
+from fsdp_planner.service.planning import Reporter, Tracer, given_outcome, plan
 from fsdp_planner.service.validate import Keywords, Spelling, plan_job
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.sim.simulate import StepReport
@@ -400,6 +401,11 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     with classes_named_by(cfg):
         traced = plan(job, tracer, reporter)
     tr = traced.trace
+    if cfg.plan is not None:  # an export's job: its parallelize_fn applies the plan it holds, not torchtitan's groups
+        assert job.cluster is not None
+        exported = load_plan(f"{cfg.path}'s {PLAN_NAME}", tr, job.model, reporter.note, job.cluster.world_size,
+                             job.options.micro_batches, job.options.optimizer.name, text=cfg.plan)
+        traced = given_outcome(job, tr, exported)
 
     def same_trace(spec: ModelSpec, options: SimOptions) -> Trace:
         # the job's model, workload and precision: its trace; auto's TP layouts trace the model at d times the
@@ -428,5 +434,6 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
             return None
 
     modes, rules = edit_choices(cfg)
-    edit = best_edit(modes, rules, old, new, step, job.budget.fits, before)
+    # (an export's job runs its plan's groups: edits of its keys over torchtitan's grouping are another job's)
+    edit = best_edit(modes, rules, old, new, step, job.budget.fits, before) if cfg.plan is None else None
     return ConfigOutcome(traced, auto, old, new, edit)

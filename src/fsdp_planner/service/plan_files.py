@@ -25,12 +25,15 @@ from fsdp_planner.userfiles import shown_json
 
 
 def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None],
-              world: int | None = None, micro_batches: int | None = None, optimizer: str | None = None) -> Plan:
+              world: int | None = None, micro_batches: int | None = None, optimizer: str | None = None,
+              text: str | None = None) -> Plan:
     """The plan file for the traced ``model``, checked (against ``world`` ranks too, when given) before its notes
     (what its EP leaves out; a plan made for another attention kernel, another ``optimizer`` than the command's, or
     another step than the command's ``micro_batches`` of the model's workload on ``world`` ranks); a hand-written one
-    (module lists) gets its params derived."""
-    plan = _titled(with_claimed_params(Plan.load(path), tr))
+    (module lists) gets its params derived. ``text``: the plan's JSON held elsewhere (an export's), ``path`` naming
+    where."""
+    read = Plan.load(path) if text is None else Plan.from_json(text, path)
+    plan = _titled(with_claimed_params(read, tr))
     if (said := _filtering_nothing(plan, tr)) is not None:  # (before a refusal it may explain)
         note(said)
     check_hf_config(plan, as_spec(model), path)

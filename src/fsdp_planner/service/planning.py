@@ -105,6 +105,13 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits, why)
 
 
+def given_outcome(job: PlanJob, tr: Trace, plan: Plan) -> PlanOutcome:
+    """The job's figures of a plan it was given rather than a policy's (an fsdp-planner export's own, read back
+    with the job: ``configured.compare_config``), as ``plan`` gives a policy's."""
+    return PlanOutcome(job, tr, tuple(_rows(tr, [plan], job, None)), as_written(plan, job, tr), None, None, None, (),
+                       None)
+
+
 def _dtype_notes(tr: Trace, job: PlanJob, reporter: Reporter) -> None:
     """What the figures assume of the model's dtypes that the model does not do itself: params stored in another
     dtype than built, a --float8 that converts no Linear."""
