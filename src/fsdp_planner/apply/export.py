@@ -470,7 +470,12 @@ def parallelize(model: nn.Module, world_mesh: DeviceMesh, **fsdp_kwargs: Any) ->
     dim of ``world_mesh``, then the plan's groups sharded on its ``dp_shard`` (and ``dp_replicate``) dims."""
     return apply(model, world_mesh, **fsdp_kwargs)
 '''}
-TITLES = {ExportFormat.PYTHON: "An FSDP2 plan as code: apply(model, mesh).",
+TITLES = {ExportFormat.PYTHON: "An FSDP2 plan as code: apply(model, mesh).\n\nIn a training script launched by "
+                               "torchrun (torchrun --nproc-per-node N train.py): dist.init_process_group(),\nbuild "
+                               "the model, "
+                               "then model = apply(model, make_mesh()) before the optimizer is made over\n"
+                               "model.parameters(); a model built on the meta device is materialized after apply "
+                               "(to_empty, then\nits init).",
           ExportFormat.ACCELERATE: "An FSDP2 plan for Hugging Face Accelerate: shard(accelerator, model), then "
                                    "prepare(accelerator, model, ...).",
           ExportFormat.LIGHTNING: "An FSDP2 plan for Lightning: Trainer(strategy=strategy(devices)) and "
