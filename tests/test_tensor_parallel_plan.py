@@ -952,3 +952,13 @@ def test_a_hand_written_llama_block_keeps_the_pairs_its_code_takes(capsys):
     assert set(styles) == {f"{b}.{m}" for b in "01" for m in ("w1", "w3", "w2")}
     assert "tensor-parallel pairs wq, wk, wv -> wo in _LlamaBlock left whole over TP: one TP rank's step fails " \
         "(aten.view in module '0'" in out.err
+
+
+def test_simulate_refuses_a_sequence_sequence_parallelism_cannot_split(capsys):
+    """``simulate --tp 4 --seq 1001`` simulated a layout whose sequence parallelism cannot split the sequence (the
+    policy's plan was made for the model's default workload, 8,192): refused, as plan refuses it."""
+    from fsdp_planner.cli import main
+
+    assert main(["simulate", "llama3-8b", "--policy", "titan", "--tp", "4", "--seq", "1001", "--batch", "1",
+                 "--cluster", "h100:8"]) == 2
+    assert "--seq 1,001 must be a multiple of 4" in capsys.readouterr().err

@@ -845,3 +845,29 @@ def test_an_ep_plan_s_torchtitan_job_runs_torchtitan_s_parallelize(tmp_path):
     assert any(n.startswith("TORCHTITAN_FLAGS carry no float8 converter") for n in said)
     assert not any("registry job of" in n for n in unexpressed(dense.replace(model="llama3-405b"),
                                                                PRECISIONS["bf16-mixed"], None))
+
+
+@pytest.mark.parametrize(("job", "section", "meant"), [("field_typo", "activation_checkpointing",
+                                                        "activation_checkpoint"),
+                                                       ("attribute_typo", "trainig", "training")])
+def test_a_misspelled_section_of_a_job_is_an_error(job, section, meant):
+    """A Trainer.Config field or attribute a letter or two from a section the reader reads was a note ("is not
+    read") and the job simulated with that section's defaults (op-level checkpointing for the full it asked; seq
+    8,192 for 4,096): torchtitan itself refuses it, and so does the reader, naming the section meant."""
+    spec = f"{Path(__file__).parent / 'fixtures' / 'user_jobs' / 'moe_jobs.py'}:{job}"
+    with pytest.raises(PlannerError, match=rf"\[{section}\] is not a section of the job \(did you mean {meant}\?\)"):
+        read_config(TORCHTITAN, spec)
+
+
+@pytest.mark.integration  # ~15 s: a 30B MoE job beside auto's plan and the job's edits
+def test_where_the_jobs_edit_beats_auto_the_reader_says_keep_it(capsys):
+    """Qwen3-30B-A3B with EP 8 on 16 H100s: the best edit of the job's own keys (selective checkpointing, never
+    reshard) was faster and smaller than auto's plan, and the output still said to export auto's."""
+    spec = f"{Path(__file__).parent / 'fixtures' / 'user_jobs' / 'moe_jobs.py'}:qwen3_30b_a3b_ep8"
+    assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100"]) == 0
+    out = capsys.readouterr().out
+    edit = re.search(r"best config edit alone \(its own grouping\): step ([\d.]+) s", out)
+    auto = re.search(r"auto's plan: step ([\d.]+) s", out)
+    assert edit and auto and float(edit[1]) < float(auto[1])
+    assert "auto's plan is slower than the edit above here: keep the edit" in out
+    assert "then `fsdp-planner export plan.json" not in out

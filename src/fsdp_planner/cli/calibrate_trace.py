@@ -69,7 +69,7 @@ def _plan(args: argparse.Namespace, tr: Trace, spec: ModelSpec, traces: list[Mea
     if args.policy == "auto":
         raise PlannerError("auto's plan depends on the cluster it planned for: give the traced job's plan file "
                            "(plan --policy auto --out P.json, then verify --plan P.json) with --plan")
-    return policy_plan(tr, policy_request(args, args.policy), spec.name)
+    return policy_plan(tr, policy_request(args, args.policy), spec)
 
 
 def _ms(seconds: float) -> str:

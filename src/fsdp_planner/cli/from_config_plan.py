@@ -167,6 +167,16 @@ def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto
     return out
 
 
+def _faster_than_auto(result: Result) -> str:
+    """What fits and is faster than auto's plan: the config's job or its best edit ("" where neither is)."""
+    fits, auto = result.budget.fits, result.after.step_time
+    if result.edit is not None and fits(result.edit[1].reserved_memory) and result.edit[1].step_time < auto:
+        return "the edit above"
+    if fits(result.before.reserved_memory) and result.before.step_time < auto:
+        return "the config's job"
+    return ""
+
+
 def _grouping(plan: Plan) -> list[tuple[tuple[str, ...], Any]]:
     """A plan's groups as the job runs them: each one's modules and reshard rule."""
     return [(tuple(g.modules), g.reshard_after_forward) for g in plan.groups]
@@ -218,8 +228,14 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
             render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
         else:
             render.plain("no edit of the config's keys alone (its own grouping) is faster within the budget")
-        render.plain(f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} config "
-                     f"keys: write it with --out plan.json, then `fsdp-planner export plan.json --format {fmt}`")
+        kept = _faster_than_auto(result)
+        if kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
+            keep = "the edit" if kept.startswith("the edit") else "the config"
+            render.plain(f"auto's plan is slower than {kept} here: keep {keep}")
+        else:
+            render.plain(f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} "
+                         f"config keys: write it with --out plan.json, then `fsdp-planner export plan.json --format "
+                         f"{fmt}`")
     if result.no_fit:
         render.plain(f"auto: {result.no_fit}")
     if args.out is not None:

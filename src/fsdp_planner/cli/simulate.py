@@ -147,7 +147,7 @@ def _plan(tr: Trace, source: PlanSource, model: ModelSpec, cluster: Cluster, opt
         return load_plan(str(source.plan_file), tr, model, cluster.world_size, options.micro_batches,
                          options.optimizer.name)
     assert source.policy is not None
-    return policy_plan(tr, source.policy, model.name, cluster, options)  # checked against the cluster
+    return policy_plan(tr, source.policy, model, cluster, options)  # checked against the cluster
 
 
 def _label(source: PlanSource, plan: Plan) -> str:

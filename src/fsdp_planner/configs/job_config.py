@@ -256,11 +256,20 @@ TOML_TOKEN_KEYS = frozenset({"local_batch_size", "batch_size", "seq_len", "globa
 TOML_TOKEN_DEFAULTS = (8, 2048)  # (training.local_batch_size, training.seq_len) a TOML job leaving them out runs
 
 
+TITAN_READ = ("model", "training", "parallelism", "activation_checkpoint", "compile", "float8", "quantize", "mx",
+              "optimizer")
+
+
 def _titan(cfg: JobConfig, data: dict[str, Any]) -> None:
+    sections = sorted(TITAN_IGNORED | set(TITAN_READ))
     for name in data:
-        if name not in TITAN_IGNORED and name not in ("model", "training", "parallelism", "activation_checkpoint",
-                                                      "compile", "float8", "quantize", "mx", "optimizer"):
-            cfg.notes.append(f"[{shown_json(name)[1:-1]}] is not read: fsdp-planner does not know that section")
+        if name not in sections:
+            shown = f"[{shown_json(name)[1:-1]}]"
+            close = difflib.get_close_matches(name, sections, n=1, cutoff=0.8) if len(name) <= 100 else []
+            if close:  # (a registry job's Trainer.Config field, or a TOML table: torchtitan itself refuses it)
+                raise PlannerError(f"{cfg.kind} config '{cfg.path}': {shown} is not a section of the job (did you "
+                                   f"mean {close[0]}?): as written, its settings would stay at their defaults")
+            cfg.notes.append(f"{shown} is not read: fsdp-planner does not know that section")
     for section, known in TITAN_SECTION_KEYS.items():
         # a registry job's token counts stand for the TOML's batch and sequence keys (read into them before here)
         near = (known - TOML_TOKEN_KEYS) | set(TOKENS) if cfg.registry and section == "training" else known
