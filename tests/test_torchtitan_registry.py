@@ -94,7 +94,8 @@ def test_the_debug_jobs_read(function):
     """Each debug job (built on llama3_debugmodel and its attribute edits) reads; with MODEL it is the debug TOML's
     job, its converters and model_registry options each a note."""
     registry, toml = options(job(function)), options(str(FIXTURES / "llama3_debugmodel.toml"))
-    float8 = "rowwise" if "float8" in function else None  # its converter read: --float8, its default recipe
+    # its converter read: --float8, its default recipe; emulated, the job without float8 (no float8 matmul runs)
+    float8 = "rowwise" if "float8" in function and "emulate" not in function else None
     assert registry[0] == {**toml[0], **({"float8": float8} if float8 else {})}
     assert (registry[1].model_label, registry[1].batch, registry[1].seq) == ('"llama3" flavor "debugmodel"', 8, 2048)
     assert all(n.count("\n") == 0 for n in registry[1].notes)
@@ -871,3 +872,15 @@ def test_where_the_jobs_edit_beats_auto_the_reader_says_keep_it(capsys):
     assert edit and auto and float(edit[1]) < float(auto[1])
     assert "auto's plan is slower than the edit above here: keep the edit" in out
     assert "then `fsdp-planner export plan.json" not in out
+
+
+def test_a_registry_jobs_float8_recipe_is_one_its_converter_takes_and_emulation_is_bf16():
+    """The registry's Float8LinearConverter takes the rowwise recipes only (b5bcd76): a tensorwise job was read
+    and simulated as tensorwise float8; an emulated one was simulated as float8 matmuls on an H100, and refused on
+    an A100 (no float8 tensor cores), where emulation runs its matmuls in bf16."""
+    jobs = Path(__file__).parent / "fixtures" / "user_jobs" / "moe_jobs.py"
+    with pytest.raises(PlannerError, match=r'recipe_name = "tensorwise" is not rowwise or rowwise_with_gw_hp'):
+        read_config(TORCHTITAN, f"{jobs}:tensorwise_float8")
+    emulated = read_config(TORCHTITAN, f"{jobs}:emulated_float8")
+    assert emulated.float8 is None and any("emulate runs float8 emulated" in n for n in emulated.notes)
+    assert read_config(TORCHTITAN, f"{jobs}:float8_job").float8 == "rowwise"

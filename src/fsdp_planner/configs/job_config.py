@@ -349,8 +349,17 @@ def _titan_float8(cfg: JobConfig, data: dict[str, Any]) -> None:
     # the converter's defaults: the registry's Float8LinearConverter.Config rowwise and no filter (b5bcd76's
     # components/quantization/float8.py), the TOML era's [float8] tensorwise and the output head filtered
     recipe = table.get("recipe_name") or ("rowwise" if cfg.registry else "tensorwise")
-    if recipe not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
-        raise _bad(cfg, f"{section}.recipe_name", recipe, "tensorwise or rowwise")
+    # (the registry's converter takes the rowwise recipes only: torchtitan b5bcd76's Float8LinearConverter)
+    recipes = ("rowwise", "rowwise_with_gw_hp") if cfg.registry else ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    if recipe not in recipes:
+        raise _bad(cfg, f"{section}.recipe_name", recipe, " or ".join(recipes) + (
+            " (torchtitan's registry converter has the rowwise recipes only)" if cfg.registry else ""))
+    if _bool(cfg, f"{section}.emulate", table.get("emulate", False)):  # (torchtitan's float8 debug job's)
+        cfg.keys[f"{section}.emulate"] = True
+        cfg.notes.append(f"{section}.emulate runs float8 emulated, its matmuls in the compute dtype (for GPUs "
+                         "without float8 tensor cores, and tests): simulated as the job without float8, its casts "
+                         "not charged")
+        return
     cfg.float8 = cfg.keys[f"{section}.recipe_name"] = "rowwise" if recipe.startswith("rowwise") else recipe
     if recipe == "rowwise_with_gw_hp":
         cfg.notes.append(f"{section}.recipe_name rowwise_with_gw_hp is read as rowwise: its weight-gradient matmul in "
