@@ -884,3 +884,12 @@ def test_a_registry_jobs_float8_recipe_is_one_its_converter_takes_and_emulation_
     emulated = read_config(TORCHTITAN, f"{jobs}:emulated_float8")
     assert emulated.float8 is None and any("emulate runs float8 emulated" in n for n in emulated.notes)
     assert read_config(TORCHTITAN, f"{jobs}:float8_job").float8 == "rowwise"
+
+
+def test_a_setting_assigned_inside_a_branch_the_reader_does_not_run_is_an_error():
+    """``if big: config.parallelism.data_parallel_shard_degree = 16`` was a note ("is not read") and the job
+    simulated on 64 GPUs where, as written, it runs on 128: which branch runs decides the job."""
+    jobs = Path(__file__).parent / "fixtures" / "user_jobs" / "moe_jobs.py"
+    with pytest.raises(PlannerError, match=r"line \d+ of conditional_job \(if\) assigns config\.parallelism\..* "
+                                           r"inside, which the reader does not run"):
+        read_config(TORCHTITAN, f"{jobs}:conditional_job")

@@ -573,9 +573,24 @@ def _statements(fn: ast.FunctionDef, name: str, label: str, notes: list[str]
             notes.append(f"line {stmt.lineno} of {name} ({cut_short(ast.unparse(stmt))}) is not run: a change "
                          "it makes to the job is not read (write it as an assignment)")
         elif not isinstance(stmt, SKIPPED):
+            _check_unread_block(stmt, name, label)
             notes.append(f"line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) is not read: "
                          "only assignments and the return are read, without running the function")
     return scope, edits, returned
+
+
+def _check_unread_block(stmt: ast.stmt, name: str, label: str) -> None:
+    """Refuse a statement the reader does not run (an ``if``, a loop, a ``with``) that assigns inside: which
+    branch runs decides the job (a degree set under ``if big:``), so reading past it would simulate another one."""
+    for node in ast.walk(stmt):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        if targets or (isinstance(node, ast.stmt) and _setattr(node) is not None):
+            what = cut_short(ast.unparse(targets[0])) if targets else "setattr(...)"
+            raise PlannerError(f"{label}: line {stmt.lineno} of {name} ({type(stmt).__name__.lower()}) assigns "
+                               f"{what} inside, which the reader does not run (it reads the job without running "
+                               "the function): write the job without it, one function a setting, or give the "
+                               "setting as a flag after --")
 
 
 def _dotted(node: ast.expr) -> str:
