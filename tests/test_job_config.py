@@ -15,6 +15,7 @@ from fsdp_planner.cli import build_parser, main
 from fsdp_planner.cli.requests import configured
 from fsdp_planner.configs.job_config import ACCELERATE, NO_WRAP_NUMEL, TORCHTITAN, read_config
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fsdp2.plan import Mesh
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
 
@@ -735,3 +736,33 @@ def test_a_toml_job_without_its_batch_or_length_runs_torchtitan_s_defaults(tmp_p
         capsys.readouterr().err
     a = args_of("simulate", "--from-torchtitan", str(job), "--cluster", "h100", "--batch", "2")
     assert (a.batch, a.seq) == (2, 4096)
+
+
+def test_the_best_edit_of_a_job_over_the_budget_is_the_fastest_that_fits_and_may_turn_offload_off():
+    """Where the config's job is over the budget, any edit that fits beats it (the search asked for one faster than
+    the job too, and found none: gpt-oss 20B at 71.3 GiB, where reshard always alone fits at 70.2 GiB, 10 ms
+    slower); and CPU offload is a key auto changes, so the edits try auto's setting of it too (an Accelerate job
+    with offload: off alone was 3x faster)."""
+    from fsdp_planner.planners.config_edit import Setting, best_edit
+    from fsdp_planner.sim.simulate import StepReport
+
+    def report(step: float, reserved: int) -> StepReport:
+        return StepReport(step_time=step, compute_time=0.0, exposed_comm=0.0, lower_bound=0.0, peak_memory=reserved,
+                          reserved_memory=reserved, memory_at_peak={}, all_gathers=0, reduce_scatters=0,
+                          all_gather_bytes=0, reduce_scatter_bytes=0, comm_time={})
+
+    flat = Mesh(1, 8)
+    old = Setting(ACMode.NONE, "default", flat, True)
+    steps = {(ACMode.NONE, "always", True): report(3.73, 70), (ACMode.NONE, "default", False): report(1.0, 60),
+             (ACMode.NONE, "always", False): report(1.2, 60)}
+
+    def step(s: Setting) -> StepReport | None:
+        return steps.get((s.ac, s.reshard, s.offload))
+
+    fits = lambda reserved: reserved <= 70  # noqa: E731
+    over = report(3.72, 71)
+    found = best_edit([ACMode.NONE], ["always"], old, old, step, fits, over)  # auto keeps offload: on
+    assert found is not None and found[0] == Setting(ACMode.NONE, "always", flat, True)
+    found = best_edit([ACMode.NONE], ["always"], old, Setting(ACMode.NONE, "default", flat, False), step, fits, over)
+    assert found is not None and (found[0].offload, found[1].step_time) == (False, 1.0)
+    assert best_edit([ACMode.NONE], ["always"], old, old, step, fits, report(3.0, 60)) is None  # none beats 3.0 s

@@ -227,7 +227,9 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
         if result.edit is not None:
             render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
         else:
-            render.plain("no edit of the config's keys alone (its own grouping) is faster within the budget")
+            within = "fits the budget" if not result.budget.fits(result.before.reserved_memory) else \
+                "is faster within the budget"
+            render.plain(f"no edit of the config's keys alone (its own grouping) {within}")
         kept = _faster_than_auto(result)
         if kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
             keep = "the edit" if kept.startswith("the edit") else "the config"

@@ -40,16 +40,19 @@ def plan_setting(plan: Plan, tr: Trace, world: int) -> Setting:
 def best_edit(modes: Sequence[ACMode], rules: Sequence[str], old: Setting, new: Setting,
               step: Callable[[Setting], StepReport | None], fits: Callable[[int], bool],
               before: StepReport) -> tuple[Setting, StepReport] | None:
-    """The fastest setting (checkpointing ``modes`` x reshard ``rules`` x the config's or auto's mesh) whose step
-    (``step``: None when the config's policy cannot take it) fits and beats ``before``; None when none does."""
+    """The fastest setting (checkpointing ``modes`` x reshard ``rules`` x the config's or auto's mesh x its or
+    auto's CPU offload) whose step (``step``: None when the config's policy cannot take it) fits and beats
+    ``before``, or, where ``before`` is over the budget, the fastest that fits; None when none does."""
     best: tuple[Setting, StepReport] | None = None
-    for mode, rule, mesh in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
-                                              dict.fromkeys([old.mesh, new.mesh])):
-        setting = Setting(mode, rule, mesh, old.offload)
+    over = not fits(before.reserved_memory)  # (any edit that fits beats a job that does not)
+    for mode, rule, mesh, offload in itertools.product(modes, dict.fromkeys([old.reshard, *rules]),
+                                                       dict.fromkeys([old.mesh, new.mesh]),
+                                                       dict.fromkeys([old.offload, new.offload])):
+        setting = Setting(mode, rule, mesh, offload)
         if setting == old:
             continue
         r = step(setting)
-        bar = best[1].step_time if best else before.step_time
+        bar = best[1].step_time if best else float("inf") if over else before.step_time
         if r is not None and fits(r.reserved_memory) and r.step_time < bar:
             best = (setting, r)
     return best
