@@ -766,3 +766,16 @@ def test_the_best_edit_of_a_job_over_the_budget_is_the_fastest_that_fits_and_may
     found = best_edit([ACMode.NONE], ["always"], old, Setting(ACMode.NONE, "default", flat, False), step, fits, over)
     assert found is not None and (found[0].offload, found[1].step_time) == (False, 1.0)
     assert best_edit([ACMode.NONE], ["always"], old, old, step, fits, report(3.0, 60)) is None  # none beats 3.0 s
+
+
+def test_accelerate_regional_compilation_is_read_as_compile(tmp_path):
+    """``dynamo_use_regional_compilation: true`` with INDUCTOR compiles each repeated block (accelerate's
+    compile_regions), what --compile models: it was "left out: eager" beside a header saying blocks compiled (the
+    user had added --compile); a whole-model compile stays left out, said so."""
+    regional = "dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_use_regional_compilation: true\n"
+    cfg = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\n" + regional)))
+    assert cfg.compile and not cfg.notes
+    assert cfg.keys["dynamo_config.dynamo_use_regional_compilation"] is True
+    whole = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\ndynamo_config:\n"
+                                                        "  dynamo_backend: INDUCTOR\n")))
+    assert not whole.compile and "not of the whole model" in whole.notes[0]

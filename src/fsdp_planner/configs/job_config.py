@@ -132,12 +132,13 @@ KEY_NAMES = {
     TORCHTITAN: {"ac": "activation_checkpoint.mode", "reshard": "parallelism.fsdp_reshard_after_forward",
                  "replicate": "parallelism.data_parallel_replicate_degree",
                  "shard": "parallelism.data_parallel_shard_degree", "offload": "training.enable_cpu_offload",
-                 "policy": "(the grouping)"},
+                 "policy": "(the grouping)", "compile": "compile.enable"},
     ACCELERATE: {"ac": "fsdp_config.fsdp_activation_checkpointing",
                  "reshard": "fsdp_config.fsdp_reshard_after_forward",
                  "replicate": "parallelism_config.parallelism_config_dp_replicate_size",
                  "shard": "parallelism_config.parallelism_config_dp_shard_size",
-                 "offload": "fsdp_config.fsdp_offload_params", "policy": "fsdp_config.fsdp_auto_wrap_policy"},
+                 "offload": "fsdp_config.fsdp_offload_params", "policy": "fsdp_config.fsdp_auto_wrap_policy",
+                 "compile": "dynamo_config.dynamo_use_regional_compilation"},
 }
 
 
@@ -574,8 +575,15 @@ def _accelerate(cfg: JobConfig, data: dict[str, Any]) -> None:
     if "dynamo_backend" in data:  # older accelerate config files keep it at the top level
         where, backend = "dynamo_backend", data["dynamo_backend"]
     if isinstance(backend, str) and backend.upper() != "NO":
-        cfg.notes.append(f"{where} = {shown_json(backend)} is left out: fsdp-planner simulates "
-                         "eager FSDP2 (no torch.compile)")
+        dynamo = _table(cfg, data, "dynamo_config")
+        regional = dynamo.get("dynamo_use_regional_compilation", False)
+        if backend.upper() == "INDUCTOR" and regional is True:  # accelerate's compile_regions: each repeated
+            # block compiled on its own, as --compile (torchtitan's per-block compile) models it
+            cfg.compile = cfg.keys[KEY_NAMES[ACCELERATE]["compile"]] = True
+        else:
+            cfg.notes.append(f"{where} = {shown_json(backend)} is left out: fsdp-planner models torch.compile of "
+                             "each repeated block (dynamo_use_regional_compilation: true with the INDUCTOR "
+                             "backend), not of the whole model: these figures are eager FSDP2's")
 
 
 ACCELERATE_FSDP_KEYS = {"fsdp_version", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",

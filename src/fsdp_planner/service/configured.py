@@ -350,9 +350,9 @@ def _policy(m: _Merge, command: str, plan_file: bool) -> None:
     elif cfg.ac is ACMode.NONE:
         m.agrees("ac", ACMode.NONE.value, cfg.key("ac"))
     if cfg.compile:
-        m.given("compile", True, "compile.enable", default=False)
+        m.given("compile", True, cfg.key("compile"), default=False)
     elif cfg.kind == TORCHTITAN:
-        m.agrees("compile", False, "compile.enable", default=False)
+        m.agrees("compile", False, cfg.key("compile"), default=False)
     if cfg.float8:
         m.given("float8", cfg.float8, "the float8 converter's recipe_name")
         if cfg.float8 == "tensorwise":  # (rowwise gathers bf16 whatever the key says: nothing to give)
