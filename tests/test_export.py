@@ -21,7 +21,7 @@ from fsdp_planner.apply.export import ExportFormat, export_plan
 from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
-from fsdp_planner.fsdp2.plan import Plan, Workload
+from fsdp_planner.fsdp2.plan import Group, Plan, Workload
 from fsdp_planner.models import load_model
 from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.sim.options import PRECISIONS
@@ -560,3 +560,22 @@ def test_a_model_file_not_found_from_here_is_named_as_the_plan_names_it(tmp_path
     assert portable_model(spec, "tests") == "fixtures/ep_moe.py:tiny_mixtral"  # found: relative to the export
     monkeypatch.chdir(tmp_path)
     assert portable_model(spec, tmp_path / "out") == spec
+
+
+@pytest.mark.parametrize("every", [True, False])
+def test_a_gradient_accumulation_plans_exports_say_its_micro_batches_and_their_sync(every):
+    """A plan of 2 micro-batches a step fits only as it syncs them (a new user's Llama 3 8B: 70.7 GiB syncing each,
+    100 GiB syncing the last), and its Python, Accelerate and Lightning exports said neither: the plan records its
+    gradient sync (``workload.gradient_sync``, absent for the last) and each export says both."""
+    plan = Plan(fingerprint="", numel=2, model="llama3-8b", groups=[Group(modules=[""], params=[])],
+                workload=Workload(4, 8192, 2, 8, 1, every))
+    again = Plan.from_json(plan.to_json())
+    assert again.workload == plan.workload and ("gradient_sync" in plan.to_json()) == every
+    for fmt in (ExportFormat.PYTHON, ExportFormat.ACCELERATE, ExportFormat.LIGHTNING):
+        source = export_plan(plan, fmt)
+        line = next(x for x in source.splitlines() if x.startswith("MICRO_BATCHES: int = 2"))
+        assert ("every micro-batch's backward reduce-scatters" in line) == every
+        assert ("set_requires_gradient_sync(False)" in line) == (not every)
+    with pytest.raises(PlannerError, match=r"\"gradient_sync\" \"last\" or \"every\""):
+        Plan.from_json(plan.replace(workload=Workload(4, 8192, 2)).to_json().replace(
+            '"micro_batches": 2', '"micro_batches": 2, "gradient_sync": "each"'))

@@ -347,6 +347,13 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     if plan.optimizer:  # the optimizer the plan's step time and memory were simulated with: the loop makes it
         lines.append(f"OPTIMIZER: str = {py_literal(plan.optimizer)}  # the plan's figures assume "
                      f"{OPTIMIZER_CALLS[plan.optimizer]}: make your optimizer so")
+    w = plan.workload
+    if w is not None and w.micro_batches > 1:  # gradient accumulation: the step the figures are of
+        sync = ("every micro-batch's backward reduce-scatters its gradients (torchtitan's loop)" if w.sync_every else
+                "only the last micro-batch's backward reduce-scatters: model.set_requires_gradient_sync(False) "
+                "before the others, True before the last")
+        lines.append(f"MICRO_BATCHES: int = {w.micro_batches}  # forward and backward passes an optimizer step "
+                     f"(batch {w.batch // w.micro_batches:,} each): the plan's figures assume them, and that {sync}")
     if plan.hf_config:  # the --hf-config fields the plan was made with: the same model needs them
         lines.append(f"HF_CONFIG: dict[str, object] = {py_literal(dict(plan.hf_config))}  # set on the model's "
                      "config before building it")

@@ -82,7 +82,8 @@ class Mesh:
         return {"replicate": self.replicate, "shard": self.shard}
 
 
-WORKLOAD_KEYS = ("batch", "seq", "micro_batches", "ranks", "nodes")
+WORKLOAD_KEYS = ("batch", "seq", "micro_batches", "ranks", "nodes", "gradient_sync")
+SYNC_EVERY = "every"  # ``Workload.sync_every`` as the plan file spells it (``--gradient-sync every``)
 MAX_WORKLOAD = 10**9  # each figure's bound (a batch, a sequence, a world size)
 
 
@@ -97,10 +98,13 @@ class Workload:
     micro_batches: int = 1
     ranks: int = 0  # the world the plan was simulated on (0: not known)
     nodes: int = 0  # the machines those ranks are on (0: not known)
+    sync_every: bool = False  # each micro-batch's backward reduce-scatters (``--gradient-sync every``,
+    # torchtitan's); False: the last one's only
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | str]:
         return {"batch": self.batch, "seq": self.seq, "micro_batches": self.micro_batches,
-                **({"ranks": self.ranks} if self.ranks else {}), **({"nodes": self.nodes} if self.nodes else {})}
+                **({"ranks": self.ranks} if self.ranks else {}), **({"nodes": self.nodes} if self.nodes else {}),
+                **({"gradient_sync": SYNC_EVERY} if self.sync_every else {})}
 
 
 def _tuples(obj: Any, names: tuple[str, ...]) -> None:
@@ -563,14 +567,17 @@ def _methods_from_list(items: Any) -> list[tuple[str, str]]:
 def _workload_from(w: Any) -> Workload | None:
     if w is None:
         return None
-    whole = isinstance(w, dict) and {"batch", "seq"} <= set(w) <= set(WORKLOAD_KEYS) and all(
-        not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= MAX_WORKLOAD for v in w.values())
+    sync = w.get("gradient_sync", "last") if isinstance(w, dict) else "last"
+    whole = isinstance(w, dict) and {"batch", "seq"} <= set(w) <= set(WORKLOAD_KEYS) and sync in ("last", SYNC_EVERY) \
+        and all(not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= MAX_WORKLOAD
+                for k, v in w.items() if k != "gradient_sync")
     if not whole or min(w["batch"], w["seq"], w.get("micro_batches", 1)) < 1 \
             or w["batch"] % w.get("micro_batches", 1) or (w.get("nodes") and w.get("ranks", 0) % w["nodes"]):
         raise PlannerError(f"plan 'workload' must be {{\"batch\": B, \"seq\": S}} with whole numbers from 1 to "
                            f"{MAX_WORKLOAD:,} (optional \"micro_batches\" dividing B, \"ranks\", \"nodes\" dividing "
-                           f"them), got {shown_json(w)}")
-    return Workload(w["batch"], w["seq"], w.get("micro_batches", 1), w.get("ranks", 0), w.get("nodes", 0))
+                           f"them, \"gradient_sync\" \"last\" or \"every\"), got {shown_json(w)}")
+    return Workload(w["batch"], w["seq"], w.get("micro_batches", 1), w.get("ranks", 0), w.get("nodes", 0),
+                    sync == SYNC_EVERY and w.get("micro_batches", 1) > 1)
 
 
 def _mesh_from_dict(m: Any) -> Mesh | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from fsdp_planner.choices import ShardPlacement, Target
+from fsdp_planner.choices import GradientSync, ShardPlacement, Target
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
@@ -152,7 +152,8 @@ def _workload(plan: Plan, job: PlanJob) -> Workload | None:
         return None
     micro = job.options.micro_batches
     cluster = job.cluster
-    return Workload(batch * micro, seq, micro, cluster.world_size if cluster else 0, cluster.nodes if cluster else 0)
+    return Workload(batch * micro, seq, micro, cluster.world_size if cluster else 0, cluster.nodes if cluster else 0,
+                    micro > 1 and job.options.gradient_sync is GradientSync.EVERY)
 
 
 def memoised(tracer: Tracer) -> Tracer:
