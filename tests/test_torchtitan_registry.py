@@ -893,3 +893,15 @@ def test_a_setting_assigned_inside_a_branch_the_reader_does_not_run_is_an_error(
     with pytest.raises(PlannerError, match=r"line \d+ of conditional_job \(if\) assigns config\.parallelism\..* "
                                            r"inside, which the reader does not run"):
         read_config(TORCHTITAN, f"{jobs}:conditional_job")
+
+
+def test_micro_batches_against_a_registry_job_name_its_token_count(capsys):
+    """--micro-batches against a registry job's gradient accumulation named training.global_batch_size ("2"), a
+    TOML key the job has not, and the count as if it were the key's value."""
+    jobs = Path(__file__).parent / "fixtures" / "user_jobs" / "moe_jobs.py"
+    assert main(["simulate", "--from-torchtitan", f"{jobs}:accumulating_job", "--cluster", "h100",
+                 "--micro-batches", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "contradicts training.num_tokens_per_train_step in torchtitan config" in err
+    assert "(2 micro-batches a step)" in err
+    assert read_config(TORCHTITAN, f"{jobs}:accumulating_job").global_batch == 64

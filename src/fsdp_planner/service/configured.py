@@ -62,7 +62,8 @@ class _Merge:
         mine = self.values[key]
         if mine not in (default, value):
             given = f"{shown_json(value)} sequences of {self.cfg.seq:,} tokens" if config_key == TOKENS_KEY \
-                and self.cfg.seq else shown_json(value)  # (the key counts tokens, --batch sequences)
+                and self.cfg.seq else f"{value} micro-batches a step" if key == "micro_batches" else \
+                shown_json(value)  # (the key counts tokens, --batch sequences)
             raise PlannerError(f"{_CLI.name_of(key)} {shown_json(mine)} contradicts {config_key} in {self.cfg.kind} "
                                f"config '{self.cfg.path}' ({given}): drop one of them")
         self.values[key] = value
@@ -315,10 +316,12 @@ def _micro_batches(m: _Merge, world: int) -> None:
                            f"training.local_batch_size ({local}) x the {world} data-parallel GPUs")
     n = cfg.global_batch // (local * world)
     if n > 1:  # the batch: the step's per-GPU batch, split in n
-        m.given("micro_batches", str(n), "training.global_batch_size")
+        # (a registry job's key counts the step's tokens: it says n micro-batches over its local ones)
+        key = "training.num_tokens_per_train_step" if cfg.registry else "training.global_batch_size"
+        m.given("micro_batches", str(n), key)
         m.values["batch"] = local * n
         # torchtitan's train_step never calls set_requires_gradient_sync(False): each backward reduce-scatters
-        m.given("gradient_sync", GradientSync.EVERY.value, "training.global_batch_size")
+        m.given("gradient_sync", GradientSync.EVERY.value, key)
 
 
 def _policy(m: _Merge, command: str, plan_file: bool) -> None:
