@@ -273,3 +273,20 @@ def test_a_plan_file_of_a_split_says_how_to_run_it(tmp_path, capsys):
     assert main(["simulate", f"hf:{config}", "--plan", str(out), "--cluster", "h100:16", "--batch", "64", "--seq",
                  "64", "--micro-batches", "4", "--memory-budget", "45MiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["budget"]["fits"]
+
+
+def test_check_takes_micro_batches_and_notes_a_plan_made_for_another_step(tmp_path, capsys):
+    """``check --plan`` of a plan of several micro-batches could not be checked at its step (check had no
+    --micro-batches: a new user's 8B plan, 70.7 GiB as planned, was an over-budget error at 132 GiB) and said
+    nothing of the step it was made for: it takes them, and notes the plan's step as simulate does."""
+    from fsdp_planner.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--batch", "4", "--micro-batches",
+                 "2", "--out", str(plan), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["check", "toy-llama", "--plan", str(plan), "--cluster", "h100:8", "--json"]) == 0
+    assert "the plan was made for batch 4 (2 micro-batches of 2)" in capsys.readouterr().err
+    assert main(["check", "toy-llama", "--plan", str(plan), "--cluster", "h100:8", "--batch", "4",
+                 "--micro-batches", "2", "--json"]) == 0
+    assert "the plan was made for" not in capsys.readouterr().err

@@ -91,7 +91,8 @@ def _plan(args: argparse.Namespace, tr: Trace, cluster: Cluster | None, options:
             render.note(note)
         label = f"the plan in {args.plan}"
         try:
-            return plan_to_check(args.plan, tr, model_spec(args)), label, []
+            return plan_to_check(args.plan, tr, model_spec(args), render.note,
+                                 cluster.world_size if cluster else None, options.micro_batches), label, []
         except SplitParamError as e:  # a pitfall check names, not a file it cannot read
             owner = e.param.rpartition(".")[0]
             return None, label, [Finding(Severity.ERROR, Code.TIED_ACROSS_GROUPS, e.problem, e.fix, owner)]

@@ -199,6 +199,7 @@ def verify(sub: Subparsers) -> None:
 def check(sub: Subparsers) -> None:
     sp = sub.add_parser("check", help="FSDP pitfalls in a model and a plan, with fixes (exit 1 on an error)")
     add_plan_source(sp)
+    add_micro_batches(sp)  # (a plan of several micro-batches is checked, and its answers simulated, at its step)
     sp.add_argument("--cluster", help="the cluster the plan runs on (auto needs it; an int reshard_after_forward is "
                                       "checked against its GPU count)")
     sp.add_argument("--mfu", type=float, default=None, help=argparse.SUPPRESS)

@@ -140,10 +140,15 @@ def checked_modules(plan: Plan) -> dict[str, nn.Module] | None:
     return modules
 
 
-def plan_to_check(path: str, tr: Trace, model: ModelSpec | str) -> Plan:
+def plan_to_check(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str], None] = lambda line: None,
+                  world: int | None = None, micro_batches: int | None = None) -> Plan:
     """The plan file as ``check`` reads it: params derived for a hand-written one and made for this model (the
-    same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings."""
+    same hf_config fields, forward methods that exist); what FSDP2 would refuse is left for check's findings. A
+    plan made for another step than the command's (``micro_batches`` of the model's workload on ``world`` ranks)
+    is ``note``d, as ``load_plan`` notes it."""
     plan = _titled(with_claimed_params(Plan.load(path), tr))
+    if (said := _other_workload(plan, as_spec(model), world, micro_batches)) is not None:
+        note(said)
     check_hf_config(plan, as_spec(model), path)
     check_shard_dims(plan, tr)
     check_plan_tp(plan, tr, as_spec(model))
