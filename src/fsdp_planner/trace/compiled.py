@@ -119,11 +119,6 @@ _GRAPH_FIELDS = ("kind", "call", "flops", "nbytes", "backward", "op_class", "out
                  "grad_live", "workspace", "grad_inputs")
 
 
-def distinct_blocks(tr: Trace, names: Sequence[str]) -> int:
-    """How many of ``names`` compile separately (``compiled_blocks`` partitions once per ``alike_blocks`` class)."""
-    return len(set(alike_blocks(tr, names).values()))
-
-
 def compiled_block(module: nn.Module, args: tuple, kwargs: dict) -> CompiledBlock:
     """``module``'s call compiled: the activations it saves for backward (the partitioned backward graph's inputs
     less its tangents and the module's params and buffers, each storage once) and its graphs' fused bytes and
