@@ -313,3 +313,55 @@ def test_auto_with_ac_op_checkpoints_every_block_it_can_op_level():
     report = simulate(tr, plan, cluster, timeline=False)
     assert report.recompute_time == pytest.approx(sum(r.seconds for r in SimContext(tr, cluster).recompute(
         [(b, SacPolicy.TITAN_EARLY) for b in BLOCKS]).values()))
+
+
+def test_torchtitan_2026_list_on_an_moe_block_decides_as_real_sac():
+    """torchtitan's SelectiveAC of 2026 on a block of the built-in MoE (real, CPU): the router gate's mm is
+    recomputed uncounted (a Linear named ``moe.router.gate``), its topk and the experts' bmm saved, every second
+    of the other mm recomputed; the trace on meta keeps the same ops in the same order, and its 2025 list keeps
+    neither the topk nor the bmm."""
+    from fsdp_planner.fsdp2.selective import recompute_shapes
+
+    spec = "tests/fixtures/ep_moe.py:tiny_mixtral"
+    lm = load_model(spec, meta=False)
+    block = lm.model.get_submodule("layers.1")
+    log: list[tuple[object, bool]] = []
+    shapes = recompute_shapes(SacPolicy.TITAN, [(n, tuple(p.shape)) for n, p in block.named_parameters()])
+    assert shapes == {(128, 8)}
+    checkpoint(block, context_fn=sac_context_fn(SacPolicy.TITAN, lambda f, s: log.append((f, s)), shapes))
+    lm.model(*lm.example_inputs).float().pow(2).mean().backward()
+    real_saved = [op_class(f) for f, saved in log if saved]
+    gate = [saved for f, saved in log if op_class(f) is OpClass.MM and f is torch.ops.aten.mm.default]
+
+    tr = traced(spec)
+    (call,) = checkpointed_calls(tr, [("layers.1", SacPolicy.TITAN)])
+    assert [tr.events[i].op_class for i in call.kept] == real_saved
+    assert real_saved.count(OpClass.TOPK) == 1 and real_saved.count(OpClass.COMPUTE_MORE) == 3
+    assert len(gate) == 5 and gate[4] is False  # q, k, v, o: two kept; the router's gate: recomputed
+    (old,) = checkpointed_calls(tr, [("layers.1", SacPolicy.TITAN_2025)])
+    assert {tr.events[i].op_class for i in old.kept} == {OpClass.MM, OpClass.SDPA}
+
+
+def test_transformers_experts_under_the_2026_list_decide_as_their_real_grouped_mm_path(tmp_path):
+    """A transformers Qwen3 MoE block, real on the CPU through transformers' own ``grouped_mm`` experts path, with
+    torchtitan's 2026 SelectiveAC: its router's topk is kept and its experts' ``_grouped_mm`` recomputed (no list
+    names it). The trace plans the same layer through the balanced stand-in (``hf_experts.py``), whose matmuls must
+    be classed as that path's: it keeps the same ops in the same order (a ``bmm`` stand-in was kept as ``bmm``)."""
+    config = tmp_path / "qwen3_moe.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
+                                  "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                                  "vocab_size": 128}))
+    spec, block = f"hf:{config}", "model.layers.1"
+    lm = load_model(spec, meta=False)
+    log: list[tuple[object, bool]] = []
+    checkpoint(lm.model.get_submodule(block), context_fn=sac_context_fn(SacPolicy.TITAN,
+                                                                        lambda f, s: log.append((f, s))))
+    lm.model(**lm.example_inputs).logits.float().pow(2).mean().backward()
+    real_saved = [op_class(f) for f, saved in log if saved]
+    assert any("grouped_mm" in str(f) and not saved for f, saved in log)
+
+    tr = traced(spec)
+    (call,) = checkpointed_calls(tr, [(block, SacPolicy.TITAN)])
+    assert [tr.events[i].op_class for i in call.kept] == real_saved
+    assert OpClass.TOPK in real_saved and OpClass.COMPUTE_MORE not in real_saved

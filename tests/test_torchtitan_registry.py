@@ -861,17 +861,20 @@ def test_a_misspelled_section_of_a_job_is_an_error(job, section, meant):
 
 
 @pytest.mark.integration  # ~15 s: a 30B MoE job beside auto's plan and the job's edits
-def test_where_the_jobs_edit_beats_auto_the_reader_says_keep_it(capsys):
-    """Qwen3-30B-A3B with EP 8 on 16 H100s: the best edit of the job's own keys (selective checkpointing, never
-    reshard) was faster and smaller than auto's plan, and the output still said to export auto's."""
+def test_the_reader_recommends_whichever_of_the_edit_and_auto_is_faster(capsys):
+    """Qwen3-30B-A3B with EP 8 on 16 H100s: the best edit of the job's own keys was faster and smaller than auto's
+    plan, and the output still said to export auto's (torchtitan's 2025 op list: edit 1.23 s, auto 1.25 s). Under
+    its 2026 list, which keeps EP's all-to-all outputs, auto (its op-level blocks in full under EP) is ahead: the
+    output recommends what its own figures say is faster, either way."""
     spec = f"{Path(__file__).parent / 'fixtures' / 'user_jobs' / 'moe_jobs.py'}:qwen3_30b_a3b_ep8"
     assert main(["plan", "--from-torchtitan", spec, "--cluster", "h100"]) == 0
     out = capsys.readouterr().out
     edit = re.search(r"best config edit alone \(its own grouping\): step ([\d.]+) s", out)
     auto = re.search(r"auto's plan: step ([\d.]+) s", out)
-    assert edit and auto and float(edit[1]) < float(auto[1])
-    assert "auto's plan is slower than the edit above here: keep the edit" in out
-    assert "then `fsdp-planner export plan.json" not in out
+    assert edit and auto and "over the budget" not in out
+    keep = "auto's plan is slower than the edit above here: keep the edit" in out
+    assert keep == (float(edit[1]) < float(auto[1]))
+    assert keep != ("fsdp-planner export plan.json" in out)
 
 
 def test_a_registry_jobs_float8_recipe_is_one_its_converter_takes_and_emulation_is_bf16():

@@ -50,7 +50,8 @@ class Offloaded(Enum):
 class SacPolicy(Enum):
     """Which ops' outputs an op-level selective checkpoint keeps (``fsdp2/selective.py`` lists them)."""
 
-    TITAN = "titan"  # torchtitan's llama3 save list of 2025
+    TITAN = "titan"  # torchtitan's SelectiveAC of 2026, for every model (its list before: titan-2025)
+    TITAN_2025 = "titan-2025"  # torchtitan's llama3 save list of 2025
     TITAN_EARLY = "titan-early"  # its first save list (2024)
 
 

@@ -271,17 +271,22 @@ SELECTIVE_TAIL = '''
 def _checkpoint_selective(module: nn.Module, policy: str) -> None:
     """Op-level selective activation checkpointing (torchtitan's "op" option): ``module``'s forward runs under
     non-reentrant checkpoint; the outputs of the ops ``policy`` saves are kept for backward, every other op (and
-    every second op of EVERY_SECOND within one call) runs again. Not the composable ``checkpoint(context_fn=...)``:
+    every second op of EVERY_SECOND within one call) runs again, and one of a weight shaped as a Linear's whose
+    name holds one of RECOMPUTE_FQNS, uncounted. Not the composable ``checkpoint(context_fn=...)``:
     its recomputation reruns FSDP2's pre-forward inside SAC's replay, which SAC refuses."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
     save, every_second = _ops(SAVED_OPS[policy]), _ops(EVERY_SECOND[policy])
+    forced = {(p.shape[1], p.shape[0]) for n, p in module.named_parameters()
+              if p.dim() == 2 and any(f in n for f in RECOMPUTE_FQNS[policy])}
 
     def context_fn() -> Any:
         counts = {False: 0, True: 0}  # per call, forward and recomputation apart
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if func in every_second and tuple(args[1].shape) in forced:
+                return CheckpointPolicy.PREFER_RECOMPUTE
             if func in every_second:
                 counts[ctx.is_recompute] += 1
                 if counts[ctx.is_recompute] % 2 == 0:
@@ -315,10 +320,12 @@ def selective_constants(plan: Plan) -> str:
     used = dict.fromkeys(plan.selective_checkpointing.values())
     saved = {p.value: op_names(POLICIES[p].saves) for p in used}
     every_second = {p.value: op_names(POLICIES[p].every_second) for p in used}
+    forced = {p.value: list(POLICIES[p].recompute_fqns) for p in used}
     modules = {m: p.value for m, p in plan.selective_checkpointing.items()}
     return "\n".join([f"SELECTIVE: dict[str, str] = {py_literal(modules)}",
                       f"SAVED_OPS: dict[str, list[str]] = {py_literal(saved)}",
-                      f"EVERY_SECOND: dict[str, list[str]] = {py_literal(every_second)}"])
+                      f"EVERY_SECOND: dict[str, list[str]] = {py_literal(every_second)}",
+                      f"RECOMPUTE_FQNS: dict[str, list[str]] = {py_literal(forced)}"])
 
 
 # each optimizer as torch makes it (foreach: torch's default on GPUs, ``_default_to_fused_or_foreach``)

@@ -7,19 +7,25 @@ backward takes them; every other op (PREFER_RECOMPUTE) runs again in the recompu
 op classes (``trace.events.OpClass``) to save, and the classes counted per block call of which every second one
 is recomputed instead, as torchtitan's policy counts ``aten.mm``.
 
-The two policies, modelled on torchtitan (read, not copied):
+The three policies, modelled on torchtitan (read, not copied):
 
-* ``titan``: ``_op_sac_save_list`` of ``torchtitan/models/llama3/infra/parallelize.py`` at commit 018740b7 (2025):
-  ``aten.mm``; SDPA's efficient, flash, cuDNN, math and fused-overrideable kernels;
-  ``_c10d_functional.reduce_scatter_tensor``; ``aten.max``; with the rule of ``torchtitan/distributed/
-  activation_checkpoint.py`` of that time: the mm calls of one block call are counted and the even-numbered ones
-  (2nd, 4th, ...) recomputed. (Its list also names flex attention, varlen attention and inductor's compiled code,
-  which no built-in model runs: not modelled. torchtitan's later versions choose saved tensors by name instead.)
+* ``titan``: ``SelectiveAC`` of ``torchtitan/distributed/activation_checkpoint.py`` at b5bcd76 (2026; one list for
+  every model since #2357): AOTAutograd's compute-intensive ops (``get_default_op_list``: ``aten.mm``, ``addmm``,
+  ``bmm``, ``_scaled_mm``, convolution, the flash and efficient SDPA kernels), the other SDPA kernels, ``aten.max``,
+  ``aten.topk`` (a router's choice: a recomputation could choose other experts), ``reduce_scatter_tensor`` and
+  ``all_to_all_single`` (EP's dispatch and combine are not sent again); of them only the ``aten.mm`` calls of one
+  block call are counted, the even-numbered recomputed; and an mm whose weight has the shape of a Linear named
+  ``moe.router.gate`` (its config's default ``force_recompute_mm_shapes_by_fqns``) is recomputed, uncounted.
+  (It also saves a device-to-host ``_to_copy``, the MoE token counts' sync, which the trace has no device to
+  make; flex, varlen attention and inductor's compiled code, which no built-in model runs: not modelled.)
+* ``titan-2025``: ``_op_sac_save_list`` of ``torchtitan/models/llama3/infra/parallelize.py`` at 018740b7:
+  ``aten.mm`` (every second recomputed); SDPA's efficient, flash, cuDNN, math and fused-overrideable kernels;
+  ``reduce_scatter_tensor``; ``aten.max``.
 * ``titan-early``: the first list (``parallelize_llama.py``, 2024): ``aten.mm`` (every second recomputed), SDPA's
   efficient and flash kernels, ``reduce_scatter_tensor``, ``aten.max``.
 
-On the built-in models both make the same choices (they run flash or memory-efficient attention); they differ on a
-model whose attention is cuDNN's or the math kernel.
+On a Llama block without biases the three make the same choices; a Linear with a bias (``addmm``), ``bmm``
+experts, a router and EP's all-to-alls are saved by ``titan`` alone.
 """
 
 from __future__ import annotations
@@ -35,15 +41,20 @@ from fsdp_planner.trace.ops import op_class
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """The op classes whose outputs are kept, and those counted per block call (the even-numbered recomputed)."""
+    """The op classes whose outputs are kept, those counted per block call (the even-numbered recomputed), and the
+    Linears (by a part of their name) whose weight's shape marks an mm to recompute uncounted."""
 
     saves: frozenset[OpClass]
     every_second: frozenset[OpClass]
+    recompute_fqns: tuple[str, ...] = ()
 
 
 _FIRST = frozenset({OpClass.MM, OpClass.SDPA, OpClass.REDUCE_SCATTER, OpClass.MAX})
+_2025 = _FIRST | {OpClass.SDPA_MORE}
 POLICIES: dict[SacPolicy, SavePolicy] = {
-    SacPolicy.TITAN: SavePolicy(_FIRST | {OpClass.SDPA_MORE}, frozenset({OpClass.MM})),
+    SacPolicy.TITAN: SavePolicy(_2025 | {OpClass.COMPUTE_MORE, OpClass.TOPK, OpClass.ALL_TO_ALL},
+                                frozenset({OpClass.MM}), ("moe.router.gate",)),
+    SacPolicy.TITAN_2025: SavePolicy(_2025, frozenset({OpClass.MM})),
     SacPolicy.TITAN_EARLY: SavePolicy(_FIRST, frozenset({OpClass.MM})),
 }
 
@@ -56,7 +67,10 @@ class Decider:
         self.policy = POLICIES[policy]
         self.counted = 0
 
-    def saves(self, cls: OpClass) -> bool:
+    def saves(self, cls: OpClass, forced: bool = False) -> bool:
+        """``forced``: an mm of a weight shaped as a ``recompute_fqns`` Linear's."""
+        if forced and cls is OpClass.MM:
+            return False
         if cls in self.policy.every_second:
             self.counted += 1
             if self.counted % 2 == 0:
@@ -64,15 +78,28 @@ class Decider:
         return cls in self.policy.saves
 
 
-def saved_flags(policy: SacPolicy, classes: Iterable[OpClass]) -> list[bool]:
-    """Per forward op of one block call (in order), whether ``policy`` keeps its outputs."""
+def saved_flags(policy: SacPolicy, classes: Iterable[OpClass], forced: Iterable[bool] | None = None) -> list[bool]:
+    """Per forward op of one block call (in order), whether ``policy`` keeps its outputs; ``forced``: per op, an
+    mm of a ``recompute_fqns`` weight's shape."""
     decider = Decider(policy)
-    return [decider.saves(c) for c in classes]
+    classes = list(classes)
+    flags = [False] * len(classes) if forced is None else list(forced)
+    return [decider.saves(c, f) for c, f in zip(classes, flags, strict=True)]
 
 
-def sac_context_fn(policy: SacPolicy, log: Callable[[Any, bool], None] | None = None) -> Callable[[], Any]:
+def recompute_shapes(policy: SacPolicy, weights: Iterable[tuple[str, tuple[int, ...]]]) -> frozenset[tuple[int, int]]:
+    """The mm right-hand shapes (in, out) that ``policy`` recomputes uncounted, of the 2-D ``weights`` (name, shape
+    as a Linear holds it: out x in) whose name holds one of its ``recompute_fqns``."""
+    fqns = POLICIES[policy].recompute_fqns
+    return frozenset((shape[1], shape[0]) for name, shape in weights
+                     if len(shape) == 2 and any(f in name for f in fqns))
+
+
+def sac_context_fn(policy: SacPolicy, log: Callable[[Any, bool], None] | None = None,
+                   forced_shapes: frozenset[tuple[int, int]] = frozenset()) -> Callable[[], Any]:
     """The ``context_fn`` that ``torch.utils.checkpoint`` runs ``policy`` with: a fresh count per block call.
-    ``log(func, saved)``: told of each forward decision (tests compare them with the trace's)."""
+    ``log(func, saved)``: told of each forward decision (tests compare them with the trace's). ``forced_shapes``:
+    ``recompute_shapes`` of the block's Linears."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def context_fn() -> Any:
@@ -81,7 +108,9 @@ def sac_context_fn(policy: SacPolicy, log: Callable[[Any, bool], None] | None = 
         deciders = {False: Decider(policy), True: Decider(policy)}
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            saved = deciders[bool(ctx.is_recompute)].saves(op_class(func))
+            cls = op_class(func)
+            forced = cls is OpClass.MM and tuple(args[1].shape) in forced_shapes
+            saved = deciders[bool(ctx.is_recompute)].saves(cls, forced)
             if log is not None and not ctx.is_recompute:
                 log(func, saved)
             return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE

@@ -281,6 +281,8 @@ def with_auto_ep(result: AutoResult, trace: Trace, cluster: Cluster, options: Si
         trace, cluster = view.trace, view.cluster
     views: dict[tuple, Trace] = {}
     found = _ep_candidates(result, trace, cluster, options, degrees, views)
+    if not result.fixed_checkpointing:
+        found += _in_full(found, views, cluster, options, result.memory.fits)
     fitting = [o for o in found if result.memory.fits(o.step.reserved_memory)]
     best = min(fitting, key=lambda o: (o.step.step_time, o.degree, o.keep_experts)) if fitting else \
         min(found, key=lambda o: o.step.reserved_memory)
@@ -325,6 +327,26 @@ def _ep_candidates(result: AutoResult, trace: Trace, cluster: Cluster, options: 
     if not found and refused is not None:
         raise refused
     return found
+
+
+def _in_full(found: list[EPOption], views: dict[tuple, Trace], cluster: Cluster, options: SimOptions,
+             fits: Callable[[float], bool]) -> list[EPOption]:
+    """The EP options over the budget that checkpoint blocks op-level, those blocks checkpointed in full instead:
+    the search chose op-level for a step without EP, and torchtitan's op-level list keeps what EP's all-to-alls
+    receive (``fsdp2/selective.py``), an MoE layer's routed tokens twice over, which full checkpointing does not
+    (Qwen3-30B-A3B, EP 8 on 16 H100s: over the budget op-level, within it in full). The relaxation then
+    checkpoints fewer of them where that fits."""
+    out = []
+    for o in found:
+        plan = o.plan
+        if o.degree > 1 and plan.selective_checkpointing and not fits(o.step.reserved_memory):
+            full = plan.replace(activation_checkpointing=(*plan.activation_checkpointing,
+                                                          *plan.selective_checkpointing),
+                                selective_checkpointing={})
+            view = views[plan.expert_parallel.signature()]
+            out.append(EPOption(o.degree, o.keep_experts, full,
+                                simulate(view, full, cluster, plan_options(full, options), timeline=False)))
+    return out
 
 
 def _screen_line(found: list[EPOption], result: AutoResult, cluster: Cluster, options: SimOptions) -> str:

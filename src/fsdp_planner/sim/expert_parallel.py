@@ -18,7 +18,8 @@ rank's step (``EPView``), and the rest of the simulator runs FSDP2 on it:
   and the dispatch's before the post-backward. Each moves one rank's routed rows x dim (``Event.nbytes``: its send
   buffer, as nccl-tests sizes an all-to-all), costed on the EP group (consecutive ranks: ``hardware/all_to_all.py``) at
   ``skew`` times the bytes (the busiest rank receives that much). Under activation checkpointing the forward ones
-  run again with the recomputation.
+  run again with the recomputation, except under op-level checkpointing whose policy saves their outputs
+  (torchtitan's of 2026: ``fsdp2/selective.py``), which keeps what they received instead.
 
 With tensor parallelism (torchtitan's expert TP of 1), the EP view is taken of one TP rank's view
 (``tensor_parallel.tp_view``): EP's ranks are dp_shard ranks x TP ranks (consecutive), each TP rank dispatching
@@ -44,7 +45,7 @@ from fsdp_planner.hardware.all_to_all import all_to_all_cost
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.sim.recompute import CheckpointedCall
 from fsdp_planner.sim.tensor_parallel import collective_runs, node_cluster
-from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, Event, EventKind
+from fsdp_planner.trace.events import KERNEL_EP_ALL_TO_ALL, Event, EventKind, OpClass
 from fsdp_planner.trace.infos import ParamInfo
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import is_within
@@ -142,8 +143,13 @@ def _call_bytes(trace: Trace, experts: Sequence[str], chosen: set[int], split: i
             for m, call, start, end in _forward_calls(trace, set(experts))}
 
 
-def _a2a(module: str, nbytes: int, backward: bool) -> Event:
-    return Event(EventKind.OP, module, nbytes=nbytes, backward=backward, kernel=KERNEL_EP_ALL_TO_ALL)
+def _a2a(module: str, nbytes: int, backward: bool, received: int = 0) -> Event:
+    """An all-to-all of ``nbytes`` (its send buffer); a forward one's output (``received`` bytes) is what an
+    op-level checkpoint that saves ``all_to_all_single`` keeps (``fsdp2/selective.py``)."""
+    if backward:
+        return Event(EventKind.OP, module, nbytes=nbytes, backward=True, kernel=KERNEL_EP_ALL_TO_ALL)
+    return Event(EventKind.OP, module, nbytes=nbytes, kernel=KERNEL_EP_ALL_TO_ALL, op_class=OpClass.ALL_TO_ALL,
+                 out_nbytes=received)
 
 
 def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[int],
@@ -166,7 +172,8 @@ def _rank_events(trace: Trace, experts: Sequence[str], skew: float, chosen: set[
                            out_nbytes=int(e.out_nbytes * skew), grad_live=int(e.grad_live * skew))
         for module, call, combine in before.get(i, ()):
             nbytes = sizes.get((module, call), 0)
-            out.append(_a2a(module, nbytes, False))
+            # the busiest rank receives ``skew`` times its rows in the dispatch, its own rows back in the combine
+            out.append(_a2a(module, nbytes, False, nbytes if combine else int(nbytes * skew)))
             if combine and split > 1:
                 out.append(Event(EventKind.OP, module, nbytes=split * nbytes, out_nbytes=split * nbytes))
         if e.module not in names or e.is_op or not e.backward:
