@@ -297,6 +297,28 @@ def starved() -> Iterator[None]:
         _STARVED.reset(token)
 
 
+_GROUPED_MM: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_planner_grouped_mm", default=False)
+
+
+def grouped_bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(x, weight)`` that the tracer classes as the ``_grouped_mm`` it stands in for (transformers'
+    experts path on real tensors, ``models/hf_experts.py``): no op-level checkpointing list names ``_grouped_mm``,
+    while torchtitan's of 2026 saves every ``bmm`` (``fsdp2/selective.py``). Under torch.compile the class is the
+    eager trace's, and dynamo does not read ContextVars: a plain ``bmm`` there."""
+    if torch.compiler.is_compiling():
+        return torch.bmm(x, weight)
+    token = _GROUPED_MM.set(True)
+    try:
+        return torch.bmm(x, weight)
+    finally:
+        _GROUPED_MM.reset(token)
+
+
+def in_grouped_bmm() -> bool:
+    """Inside ``grouped_bmm``: its matmul stands for a ``_grouped_mm``."""
+    return _GROUPED_MM.get()
+
+
 _CAPACITY: contextvars.ContextVar[float] = contextvars.ContextVar("fsdp_planner_routing", default=DEFAULT_CAPACITY)
 
 

@@ -23,17 +23,15 @@ import torch.nn.functional as F
 
 from fsdp_planner.attention import planned
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.routing import current_capacity
+from fsdp_planner.routing import current_capacity, grouped_bmm
 
 BALANCED = "fsdp_planner_balanced"
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     """Per-expert linear on ``x`` (E, tokens, in): ``weight`` is (E, out, in), or (E, in, out) when transposed.
-    ``baddbmm`` of a zero scalar, not ``bmm``: the matmul that transformers' ``grouped_mm`` path runs is
-    ``_grouped_mm``, which no op-level checkpointing list saves, while torchtitan's of 2026 saves every ``bmm``
-    (``fsdp2/selective.py``); ``baddbmm`` is in none, and costs a ``bmm``'s FLOPs and kernel."""
-    out = torch.baddbmm(x.new_zeros(()), x, weight if transposed else weight.transpose(1, 2), beta=0)
+    Classed as transformers' ``_grouped_mm``, which it stands in for (``routing.grouped_bmm``)."""
+    out = grouped_bmm(x, weight if transposed else weight.transpose(1, 2))
     return out if bias is None else out + bias.unsqueeze(1)
 
 

@@ -18,7 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from fsdp_planner.routing import StandIn
+from fsdp_planner.routing import StandIn, in_grouped_bmm
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import (
     ATTENTION_KERNELS,
@@ -72,8 +72,10 @@ _OP_CLASSES: dict[object, OpClass] = {
 
 
 def op_class(func: object) -> OpClass:
-    """The class a selective checkpointing policy sees ``func`` (an aten OpOverload) as."""
-    return _OP_CLASSES.get(func, OpClass.OTHER)
+    """The class a selective checkpointing policy sees ``func`` (an aten OpOverload) as; a stand-in's ``bmm`` for
+    a ``_grouped_mm`` (``routing.grouped_bmm``) as that."""
+    cls = _OP_CLASSES.get(func, OpClass.OTHER)
+    return OpClass.OTHER if cls is OpClass.COMPUTE_MORE and in_grouped_bmm() else cls
 
 
 def op_names(classes: frozenset[OpClass]) -> list[str]:
