@@ -152,15 +152,17 @@ def test_ep_expert_groups_inside_an_op_level_checkpointed_layer_read_back(tmp_pa
 
 
 @pytest.mark.integration  # ~4 s: real FSDP2 on 8 fake ranks
-def test_real_fsdp2_gathers_groups_inside_a_checkpointed_block_as_replayed():
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_real_fsdp2_gathers_groups_inside_a_checkpointed_block_as_replayed(early_stop):
     """The all-gathers real FSDP2 issues in a step (their groups, in order), their counts and bytes, as the replay
     says, and the peak within 2% (without replaying the recomputation's hooks: -3.3%; with the root's embedding
     grad counted from the root's first backward op, not its own call's: +3.3%, long taken for the recomputation
-    re-creating the block's input)."""
-    options = SimOptions()
+    re-creating the block's input). Without early stop (torchtitan's checkpoint wrapper) the recomputation runs
+    w2's and w3's forward hooks too."""
+    options = SimOptions(checkpoint_early_stop=early_stop)
     lm = load_model("toy-llama")
     tr = record(lm.model, lm.example_inputs, lm.loss_fn, compute_dtype=options.precision.trace_dtype)
-    plan = _per_linear(tr)
+    plan = _per_linear(tr).replace(checkpoint_early_stop=early_stop)
     with gathers_by_group(plan) as issued:
         measured = run_fake_world("toy-llama", plan, 8, options.precision)
     predicted = simulate(tr, plan, parse_cluster("h100:8"), options, timeline=False)

@@ -4,6 +4,7 @@ its inputs, and residual add) are not run again. The model's recomputation again
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -39,14 +40,20 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _real(policy: SacPolicy | None, checkpointed: bool, early_stop: bool = True) -> tuple[Counter, Counter]:
+def _real(policy: SacPolicy | None, checkpointed: bool, early_stop: bool | None = None,
+          applied_early_stop: bool = True) -> tuple[Counter, Counter]:
     """A real toy-llama on the CPU, ``BLOCK`` checkpointed (full or op-level) or not: the ops of that block's
-    forward, and every op its backward runs (its own and any recomputed)."""
+    forward, and every op its backward runs (its own and any recomputed). ``early_stop``: torch's global setting
+    (``set_checkpoint_early_stop``, over any checkpoint's own; None: not set);
+    ``applied_early_stop``: what ``apply_checkpointing`` passes (a plan's ``checkpoint_early_stop``)."""
     lm = load_model("toy-llama", meta=False)
     if checkpointed:
-        apply_checkpointing(lm.model, [] if policy else [BLOCK], {BLOCK: policy} if policy else None)
+        apply_checkpointing(lm.model, [] if policy else [BLOCK], {BLOCK: policy} if policy else None,
+                            early_stop=applied_early_stop)
     block = lm.model.get_submodule(BLOCK)
-    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):  # read by checkpoint in forward
+    setting = contextlib.nullcontext() if early_stop is None else \
+        torch.utils.checkpoint.set_checkpoint_early_stop(early_stop)
+    with setting:  # read by checkpoint in forward
         with _Ops() as forward:
             forward.on = False
             block.register_forward_pre_hook(lambda *_: setattr(forward, "on", True))
@@ -81,6 +88,29 @@ def test_recomputation_stops_where_torch_stops(policy):
     if policy is None:
         _, no_stop = _real(policy, checkpointed=True, early_stop=False)
         assert (no_stop - plain) == forward
+
+
+@pytest.mark.integration  # real toy-llama steps on the CPU (1-2 s): the full suite runs it
+@pytest.mark.parametrize("policy", [None, SacPolicy.TITAN], ids=["full", "op"])
+def test_without_early_stop_the_recomputation_runs_the_whole_forward(policy):
+    """A plan checkpointing without early stop (torchtitan's wrapper, ``--no-early-stop``): apply passes it to
+    torch, which re-runs every op of the block's forward but SAC's kept ones; the model's recomputation is the
+    same, class by class, and its time the forward's less the kept ops', more than with early stop."""
+    forward, plain = _real(policy, checkpointed=False)
+    _, whole = _real(policy, checkpointed=True, applied_early_stop=False)
+    real_left_out = forward - (whole - plain)
+
+    tr = traced("toy-llama")
+    (call,) = checkpointed_calls(tr, [(BLOCK, policy, True)])
+    ops = [i for i in range(call.fwd_pre, call.fwd_post) if tr.events[i].kind is EventKind.OP]
+    recomputed = set(call.recomputed(tr))
+    assert Counter(tr.events[i].op_class for i in ops if i not in recomputed) == real_left_out
+    assert call.end == call.fwd_post and (policy is not None or not real_left_out)
+    ctx = SimContext(tr, parse_cluster("h100:8"), SimOptions())
+    ((at, r),) = ctx.recompute([(BLOCK, policy, True)]).items()
+    ((stopped_at, stopped),) = ctx.recompute([(BLOCK, policy)]).items()
+    assert at == stopped_at  # where backward first unpacks, early stop or not
+    assert r.seconds == pytest.approx(sum(ctx.times[i] for i in call.recomputed(tr))) and r.seconds > stopped.seconds
 
 
 def test_recompute_time_is_the_ops_before_the_stop():

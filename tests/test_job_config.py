@@ -417,9 +417,18 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
                           '[parallelism]\ndata_parallel_shard_degree = 4\n[activation_checkpoint]\nmode = "full"\n')
     assert main(["simulate", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     from_config = json.loads(capsys.readouterr().out)
+    # torchtitan's optimizer, and its checkpoint wrapper's early_stop=False
     assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--batch", "2", "--seq", "32",
-                 "--cluster", "h100:4", "--optimizer", "adamw-fused", "--json"]) == 0  # torchtitan's optimizer
+                 "--cluster", "h100:4", "--optimizer", "adamw-fused", "--no-early-stop", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == from_config
+    assert main(["simulate", "toy-llama", "--policy", "titan", "--ac", "full", "--batch", "2", "--seq", "32",
+                 "--cluster", "h100:4", "--optimizer", "adamw-fused", "--json"]) == 0
+    stopping = json.loads(capsys.readouterr().out)
+    assert stopping["recompute_time"] < from_config["recompute_time"]
+    job_stopping = tmp_path / "stopping.toml"  # a TOML of torchtitan before #1580, or one that says so
+    job_stopping.write_text(job.read_text() + "early_stop = true\n")
+    assert main(["simulate", "toy-llama", "--from-torchtitan", str(job_stopping), "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out) == stopping
     assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last"} == from_config

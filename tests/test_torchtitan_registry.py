@@ -400,10 +400,13 @@ def test_an_exported_job_reads_back_as_its_plan_and_a_job_without_it_as_torchtit
     from fsdp_planner.cli import main
 
     out = tmp_path / "plan.json"
-    assert main(["plan", "llama3-8b", "--policy", "auto", "--cluster", "h100:8", "--out", str(out), "--json"]) == 0
+    # planned for torchtitan's checkpoint wrapper (early_stop=False), as the job runs
+    assert main(["plan", "llama3-8b", "--policy", "auto", "--cluster", "h100:8", "--no-early-stop", "--out", str(out),
+                 "--json"]) == 0
     step = json.loads(capsys.readouterr().out)["plans"][0]["simulation"]["step_time"]
     exported = tmp_path / "job.py"
     assert main(["export", str(out), "--format", "torchtitan", "--out", str(exported)]) == 0
+    assert "early_stop=False" not in capsys.readouterr().err  # (a plan that stops early is told it does not)
     spec = f"{exported}:fsdp_planner_job"
     assert main(["plan", "--from-torchtitan", spec, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -908,3 +911,19 @@ def test_micro_batches_against_a_registry_job_name_its_token_count(capsys):
     assert "contradicts training.num_tokens_per_train_step in torchtitan config" in err
     assert "(2 micro-batches a step)" in err
     assert read_config(TORCHTITAN, f"{jobs}:accumulating_job").global_batch == 64
+
+
+def test_a_plan_that_stops_early_is_told_torchtitan_does_not(tmp_path, capsys):
+    """torchtitan's checkpoint wrapper re-runs each block whole (early_stop=False): a plan made with torch's
+    early stop, exported to torchtitan, says its job's step differs; one made with --no-early-stop records it,
+    and its Python export passes it to torch."""
+    for flags, told in (([], True), (["--no-early-stop"], False)):
+        plan = tmp_path / "plan.json"
+        assert main(["plan", "toy-llama", "--policy", "titan", "--ac", "full", "--cluster", "h100:2", "--out",
+                     str(plan), *flags]) == 0
+        assert ('"checkpoint_early_stop": false' in plan.read_text()) != told
+        capsys.readouterr()
+        assert main(["export", str(plan), "--format", "torchtitan", "--out", str(tmp_path / "job.py")]) == 0
+        assert ("re-runs each checkpointed block whole (early_stop=False)" in capsys.readouterr().err) == told
+        assert main(["export", str(plan), "--format", "python", "--out", str(tmp_path / "apply.py")]) == 0
+        assert f"CHECKPOINT_EARLY_STOP: bool = {told}" in (tmp_path / "apply.py").read_text()

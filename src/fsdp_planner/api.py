@@ -39,8 +39,8 @@ from fsdp_planner.trace.records import Trace
 def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
          cluster: Cluster | str = DEFAULT_CLUSTER, policy: str = PolicyName.AUTO.value,
          precision: str = DEFAULT_PRECISION, optimizer: str = DEFAULT_OPTIMIZER, batch: int | None = None,
-         seq: int | None = None, ac: str | None = None, ac_policy: str | None = None, mesh: str | None = None,
-         memory_budget: int | str | None = None, headroom: float | str | None = None,
+         seq: int | None = None, ac: str | None = None, ac_policy: str | None = None, early_stop: bool | None = None,
+         mesh: str | None = None, memory_budget: int | str | None = None, headroom: float | str | None = None,
          micro_batches: int | str | None = None, offload: bool = False, module_classes: tuple[str, ...] = (),
          search_effort: int | None = None, target: str = Target.FSDP2.value, reduce_dtype: str | None = None,
          shard_placement: str | None = None, attention: str | None = None,
@@ -79,7 +79,7 @@ def plan(model: nn.Module | str, inputs: Any = None, loss_fn: Callable[[Any], to
         raise PlannerError(f"model must be an nn.Module or a MODEL spec string, got {type(model).__name__}")
     keywords = Keywords(
         model=model if isinstance(model, str) else None, cluster=cluster, policy=policy, precision=precision,
-        optimizer=optimizer, batch=batch, seq=seq, ac=ac, ac_policy=ac_policy, mesh=mesh,
+        optimizer=optimizer, batch=batch, seq=seq, ac=ac, ac_policy=ac_policy, early_stop=early_stop, mesh=mesh,
         memory_budget=memory_budget, headroom=headroom, micro_batches=micro_batches, offload=offload,
         module_classes=module_classes or None, search_effort=search_effort, target=target,
         reduce_dtype=reduce_dtype, shard_placement=shard_placement, attention=attention, routing=routing,

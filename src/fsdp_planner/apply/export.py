@@ -109,7 +109,7 @@ def _checkpoint(module: nn.Module) -> None:
     forward = module.forward
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, early_stop=CHECKPOINT_EARLY_STOP, **kwargs)
 
     module.forward = checkpointed
 
@@ -298,7 +298,8 @@ def _checkpoint_selective(module: nn.Module, policy: str) -> None:
     forward = module.forward
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return run_checkpointed(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return run_checkpointed(forward, *args, use_reentrant=False, context_fn=context_fn,
+                                early_stop=CHECKPOINT_EARLY_STOP, **kwargs)
 
     module.forward = checkpointed
 
@@ -376,6 +377,8 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     lines.append("]")
     lines.append(f"ROOT_RESHARD_AFTER_FORWARD: bool | int = {py_literal(plan.root.reshard_after_forward)}")
     lines.append(f"CHECKPOINTED: list[str] = {py_literal(list(plan.activation_checkpointing))}")
+    lines.append(f"CHECKPOINT_EARLY_STOP: bool = {py_literal(plan.checkpoint_early_stop)}  # False: each checkpointed "
+                 "forward runs again whole in backward")
     lines.append(f"COMPILED: list[str] = {py_literal(list(plan.compiled))}")
     lines.append(f"FORWARD_METHODS: list[tuple[str, str]] = {py_literal([tuple(m) for m in plan.forward_methods])}")
     lines.append(f"FORWARD_PREFETCH: dict[int, list[int]] = {py_literal(fwd)}")

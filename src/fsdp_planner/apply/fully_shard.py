@@ -117,7 +117,8 @@ def apply_plan(model: nn.Module, plan: Plan, mesh: Any = None, mp_policy: Any = 
                  plan.float8 is not None and plan.float8.tp_float8_all_gather)
     placement = shard_placement_fn(model, plan, world)  # by the names the plan knows, after TP made its params
     own_checkpointing_off(model)  # transformers' own: the plan's, before fully_shard as torchtitan's, replaces it
-    apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing, plan.compiled)
+    apply_checkpointing(model, plan.activation_checkpointing, plan.selective_checkpointing, plan.compiled,
+                        plan.checkpoint_early_stop)
     apply_offloading(model, plan.activation_offloading)
     apply_compile(model, plan.compiled)  # after checkpointing, before fully_shard, as torchtitan does
     modules = dict(model.named_modules())  # (after float8's conversion, which swaps Linears a group may name)

@@ -163,6 +163,9 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     elif modules is not None and (full or op) and (blocks := _alike(full or op, modules)) > len(full or op):
         out.append(f"the plan checkpoints {len(full or op)} of the model's {blocks} blocks; torchtitan's job "
                    f"checkpoints every block ({'selective' if op else 'full'})")
+    if (full or op) and plan.checkpoint_early_stop:
+        out.append("torchtitan's checkpoint wrapper re-runs each checkpointed block whole (early_stop=False), the "
+                   "plan was simulated stopping early: plan with --no-early-stop for the job's step")
     out += _reshard_notes(plan)
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "

@@ -97,8 +97,12 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
                          "which blocks to checkpoint in full, and offload as a last resort when nothing fits")
     sp.add_argument("--ac-policy", choices=SAC_POLICY_NAMES, default=None,
                     help=f"with --ac op: the ops whose outputs are kept, the rest recomputed: titan (torchtitan's "
-                         f"llama3 save list of 2025) or titan-early (its 2024 list); default "
-                         f"{DEFAULT_SAC_POLICY.value}")
+                         f"SelectiveAC of 2026), titan-2025 (its llama3 save list of 2025) or titan-early (its 2024 "
+                         f"list); default {DEFAULT_SAC_POLICY.value}")
+    sp.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
+                    help="checkpointed modules stop their recomputation after the last tensor their forward saved "
+                         "(torch.utils.checkpoint's default); --no-early-stop re-runs each one's whole forward, as "
+                         "torchtitan's checkpoint wrapper does (a --from-torchtitan job runs so)")
     sp.add_argument("--mesh", metavar="RxS",
                     help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
                          "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")

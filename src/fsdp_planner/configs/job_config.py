@@ -106,6 +106,8 @@ class JobConfig:
     optimizer: str | None = None  # torchtitan's optimizer and its implementation, as --optimizer names them
     offload: bool = False
     compile: bool = False  # torchtitan's compile.enable (or training.compile): every block torch.compile'd
+    early_stop: bool | None = None  # torchtitan's checkpoint wrapper's early_stop (None: not checkpointed, or not
+    # torchtitan's: torch's default)
     float8: str | None = None  # torchtitan's float8 converter: its recipe (--float8), None: bf16 matmuls
     float8_all_gather: bool = False  # its enable_fsdp_float8_all_gather (torchtitan's default: off)
     float8_tp_all_gather: bool = False  # torchao's float8 TP styles: a TOML's tensorwise float8 under TP (below)
@@ -125,6 +127,8 @@ class JobConfig:
         """How the file spells the setting ``name`` (``ac``, ``reshard``, ``mesh``, ``offload``, ``policy``)."""
         if name == "ac" and self.registry:
             return "activation_checkpoint"  # a dataclass of its own in the registry form
+        if name == "early_stop" and self.registry:  # no field: torchtitan's FullAC and SelectiveAC fix it
+            return "activation_checkpoint (torchtitan's checkpoint wrapper, early_stop=False)"
         return KEY_NAMES[self.kind][name]
 
 
@@ -132,7 +136,8 @@ KEY_NAMES = {
     TORCHTITAN: {"ac": "activation_checkpoint.mode", "reshard": "parallelism.fsdp_reshard_after_forward",
                  "replicate": "parallelism.data_parallel_replicate_degree",
                  "shard": "parallelism.data_parallel_shard_degree", "offload": "training.enable_cpu_offload",
-                 "policy": "(the grouping)", "compile": "compile.enable"},
+                 "policy": "(the grouping)", "compile": "compile.enable",
+                 "early_stop": "activation_checkpoint.early_stop"},
     ACCELERATE: {"ac": "fsdp_config.fsdp_activation_checkpointing",
                  "reshard": "fsdp_config.fsdp_reshard_after_forward",
                  "replicate": "parallelism_config.parallelism_config_dp_replicate_size",
@@ -523,6 +528,7 @@ def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
                    "compares it (it refuses any other spelling)")
     mode = _str(cfg, "activation_checkpoint.mode", given, ("none", "full", "selective"))
     cfg.keys["activation_checkpoint.mode"] = mode
+    cfg.early_stop = _titan_early_stop(cfg, ac)  # (whatever the mode: an edit or auto may checkpoint, torchtitan's way)
     if mode != "selective":
         cfg.ac = ACMode(mode)
         return
@@ -539,6 +545,16 @@ def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
     else:
         raise _bad(cfg, "activation_checkpoint.selective_ac_option", option,
                    "'op' or 2 (every second block; fsdp-planner models no other layer interval)")
+
+
+def _titan_early_stop(cfg: JobConfig, ac: dict[str, Any]) -> bool:
+    """torchtitan checkpoints its blocks with ``early_stop=False`` since #1580 (August 2025): its TOMLs' key
+    ``activation_checkpoint.early_stop`` defaults to it (a TOML of older torchtitan, which stopped early, says
+    true to be simulated so), and its registry's FullAC and SelectiveAC fix it."""
+    if "early_stop" in ac:
+        cfg.keys["activation_checkpoint.early_stop"] = _bool(cfg, "activation_checkpoint.early_stop", ac["early_stop"])
+        return cfg.keys["activation_checkpoint.early_stop"]
+    return False
 
 
 # -- Accelerate ------------------------------------------------------------------------------------------------------

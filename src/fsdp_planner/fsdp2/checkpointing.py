@@ -50,13 +50,17 @@ if TYPE_CHECKING:
 SELECTIVE_EVERY = 2  # torchtitan's layer-level selective frequency this mode reproduces
 
 # What a plan checkpoints, as the simulator keys it: (module, None for full, its op-level policy, or
-# ``Offloaded.HOST`` for a module whose saved activations are offloaded), full first, offloaded last.
-Checkpointing = tuple[tuple[str, SacPolicy | Offloaded | None], ...]
+# ``Offloaded.HOST`` for a module whose saved activations are offloaded), full first, offloaded last; a checkpointed
+# one run without early stop (``Plan.checkpoint_early_stop`` False) carries a third item, WHOLE.
+Checkpointing = tuple[tuple[str, SacPolicy | Offloaded | None] | tuple[str, SacPolicy | None, bool], ...]
+WHOLE = True  # the third item of a module whose recomputation runs its whole forward
 
 
 def plan_checkpointing(plan: Plan) -> Checkpointing:
     """The plan's checkpointed modules and how each is checkpointed, then its offloaded ones."""
-    return (*((m, None) for m in plan.activation_checkpointing), *plan.selective_checkpointing.items(),
+    whole = () if plan.checkpoint_early_stop else (WHOLE,)
+    return (*((m, None, *whole) for m in plan.activation_checkpointing),
+            *((m, p, *whole) for m, p in plan.selective_checkpointing.items()),
             *((m, Offloaded.HOST) for m in plan.activation_offloading))
 
 
@@ -222,27 +226,29 @@ def own_regions(trace: Trace, calls: Iterable[OwnCall]) -> list[OwnRegion]:
 def recomputed_spans(trace: Trace, plan: Plan) -> dict[int, tuple[int, int]]:
     """Each checkpointed call whose forward runs again in its backward (in full or op-level, the plan's or a region
     of the model's own; not an offloaded one), by the position where that happens: the span of its forward events
-    that runs again there, [its pre-forward, its early stop). FSDP2's hooks of the groups that lie inside it run
-    again in that span (``fsdp2/replay.py``). Computed once per trace and checkpointing (``TraceIndex.memo``): a
-    search replays thousands of plans that checkpoint the same modules; not to be changed by the caller."""
+    that runs again there, [its pre-forward, its early stop or, without, its post-forward). FSDP2's hooks of the
+    groups that lie inside it run again in that span (``fsdp2/replay.py``). Computed once per trace and
+    checkpointing (``TraceIndex.memo``): a search replays thousands of plans that checkpoint the same modules; not
+    to be changed by the caller."""
     key = ("recomputed_spans", plan.activation_checkpointing, tuple(plan.selective_checkpointing),
-           plan.activation_offloading)
+           plan.activation_offloading, plan.checkpoint_early_stop)
     memo = trace.index.memo
     if key not in memo:
-        memo[key] = _recomputed_spans(trace, key[1] + key[2], plan.activation_offloading)
+        memo[key] = _recomputed_spans(trace, key[1] + key[2], plan.activation_offloading, plan.checkpoint_early_stop)
     return memo[key]
 
 
-def _recomputed_spans(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...]
+def _recomputed_spans(trace: Trace, planned: tuple[str, ...], offloaded: tuple[str, ...], stops: bool
                       ) -> dict[int, tuple[int, int]]:
+    """``stops``: the plan's checkpoints stop early (the model's own regions do, as torch's default)."""
     own = own_calls(trace, (*planned, *offloaded))
     mine = {(c.module, c.call) for c in own}
-    calls = [b[1:] for m in planned for b in backward_calls(trace, m) if (m, b[0]) not in mine]
-    calls += [r[2:6] for r in own_regions(trace, own)]
+    calls = [(*b[1:], stops) for m in planned for b in backward_calls(trace, m) if (m, b[0]) not in mine]
+    calls += [(*r[2:6], True) for r in own_regions(trace, own)]
     out = {}
-    for fwd_pre, fwd_post, bwd_pre, bwd_post in calls:
+    for fwd_pre, fwd_post, bwd_pre, bwd_post, stopping in calls:
         stop = early_stop(trace, fwd_pre, fwd_post)
-        out[recomputed_at(trace, stop, fwd_post, bwd_pre, bwd_post)] = (fwd_pre, stop)
+        out[recomputed_at(trace, stop, fwd_post, bwd_pre, bwd_post)] = (fwd_pre, stop if stopping else fwd_post)
     return out
 
 
@@ -258,7 +264,7 @@ def recomputed_at(trace: Trace, stop: int, fwd_post: int, bwd_pre: int, bwd_post
 
 
 def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[str, SacPolicy] | None = None,
-                        compiled: Collection[str] = ()) -> None:
+                        compiled: Collection[str] = (), early_stop: bool = True) -> None:
     """Checkpoint each named module in place, names unchanged (no ``checkpoint_wrapper``, which would rename the
     module's params); before ``fully_shard``. Full: the composable ``checkpoint`` hooks, except on the modules
     that will be ``compiled``. Op-level (``selective``), and full on a compiled module: the module's forward runs
@@ -267,7 +273,8 @@ def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[s
     partitioner recomputes in backward what backward reads. Hooks outside the compiled forward would recompute
     the whole compiled graph, which no early stop can cut short: on one H200 each Llama 3 70B block at TP 8 ran its
     last Linear and reduce-scatter again (32 calls of the largest GEMM a step against eager's 28;
-    ``benchmarks/gpu_2d.md``)."""
+    ``benchmarks/gpu_2d.md``). ``early_stop``: torch's (False: each recomputation runs the whole forward, as
+    torchtitan's checkpoint wrapper does)."""
     from torch.distributed._composable import checkpoint
 
     modules = dict(model.named_modules())
@@ -278,9 +285,9 @@ def apply_checkpointing(model: nn.Module, names: list[str], selective: Mapping[s
             raise PlannerError(f"{key} names a module the model does not have: '{name}'")
         modules[name].register_forward_pre_hook(_without_cache, with_kwargs=True)  # before checkpoint's hooks
         if policy is None and name not in compiled:
-            checkpoint(modules[name])
+            checkpoint(modules[name], early_stop=early_stop)
         else:
-            _checkpoint_forward(modules[name], policy)
+            _checkpoint_forward(modules[name], policy, early_stop)
 
 
 # The keyword arguments through which a Hugging Face layer writes its KV cache (names differ by model and version).
@@ -330,7 +337,7 @@ def _offload_forward(module: nn.Module) -> None:
     module.forward = offloaded  # type: ignore[method-assign]
 
 
-def _checkpoint_forward(module: nn.Module, policy: SacPolicy | None) -> None:
+def _checkpoint_forward(module: nn.Module, policy: SacPolicy | None, early_stop: bool = True) -> None:
     """Run ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` with ``policy``'s SAC context (None:
     in full), as torchtitan's ``checkpoint_wrapper`` does, by setting the instance's ``forward``. Not the composable
     ``checkpoint`` with ``context_fn``: its recomputation calls the module with its hooks, so FSDP2's pre-forward
@@ -344,6 +351,6 @@ def _checkpoint_forward(module: nn.Module, policy: SacPolicy | None) -> None:
         policy, [(name, tuple(p.shape)) for name, p in module.named_parameters()]))}
 
     def checkpointed(*args: object, **kwargs: object) -> object:
-        return run_checkpointed(forward, *args, use_reentrant=False, **extra, **kwargs)
+        return run_checkpointed(forward, *args, use_reentrant=False, early_stop=early_stop, **extra, **kwargs)
 
     module.forward = checkpointed  # type: ignore[method-assign]

@@ -33,7 +33,7 @@ PLAN_VERSION = 1
 PLAN_KEYS = ("version", "model", "policy", "groups", "activation_checkpointing", "selective_checkpointing", "mesh",
              "forward_methods", "precision", "offload", "shard_dims", "reduce_dtype", "attention",
              "activation_offloading", "tensor_parallel", "expert_parallel", "compiled", "float8", "workload",
-             "optimizer")
+             "optimizer", "checkpoint_early_stop")
 MODEL_KEYS = ("fingerprint", "numel", "name", "hf_config")
 MAX_HF_CONFIG = 32  # model.hf_config fields (models/hf.py's MAX_OVERRIDES)
 MAX_HF_CONFIG_CHARS = 200  # a field name's or a string value's length
@@ -210,6 +210,8 @@ class Plan:
     optimizer: str = ""  # the optimizer and implementation the plan was simulated with (``choices.OPTIMIZER_NAMES``:
     # its state's memory and its step's time): what an export runs (torchtitan's optimizer.implementation); "": not
     # recorded (a hand-written plan, or one written before plans recorded it)
+    checkpoint_early_stop: bool = True  # torch.utils.checkpoint(early_stop=...) of its checkpointed modules: False
+    # re-runs each one's whole forward in backward, as torchtitan's checkpoint wrapper does (--no-early-stop)
 
     def __post_init__(self) -> None:
         _tuples(self, ("groups", "activation_checkpointing", "activation_offloading", "compiled"))
@@ -308,7 +310,7 @@ class Plan:
                 tuple(sorted(self.shard_dims.items())), self.reduce_dtype, self.activation_offloading,
                 self.tensor_parallel.signature() if self.tensor_parallel is not None else None,
                 self.expert_parallel.signature() if self.expert_parallel is not None else None, self.compiled,
-                self.float8.signature() if self.float8 is not None else None)
+                self.float8.signature() if self.float8 is not None else None, self.checkpoint_early_stop)
 
     # -- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -351,6 +353,8 @@ class Plan:
             d["workload"] = self.workload.to_dict()
         if self.optimizer:
             d["optimizer"] = self.optimizer
+        if not self.checkpoint_early_stop:  # absent: torch's default, as plans written before it read
+            d["checkpoint_early_stop"] = False
         return d
 
     def to_json(self) -> str:
@@ -421,6 +425,7 @@ def _plan_from_dict(data: Any) -> Plan:
                 expert_parallel=expert_parallel_from_dict(data.get("expert_parallel")),
                 compiled=_compiled_from(data.get("compiled", [])), float8=float8_from_dict(data.get("float8")),
                 workload=_workload_from(data.get("workload")), optimizer=_optimizer_from(data.get("optimizer", "")),
+                checkpoint_early_stop=_early_stop_from(data.get("checkpoint_early_stop", True)),
                 **_memory_options(data))
     plan = _with_its_ep(plan)
     check_int_reshard_on_dim0(plan)
@@ -482,6 +487,13 @@ def _memory_options(data: dict[str, Any]) -> dict[str, Any]:
     if reduce != "" and reduce not in REDUCE_DTYPES:
         raise PlannerError(f"plan 'reduce_dtype' must be one of {', '.join(REDUCE_DTYPES)}, got {shown_json(reduce)}")
     return {"offload": offload, "shard_dims": dict(dims), "reduce_dtype": reduce}
+
+
+def _early_stop_from(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise PlannerError("plan 'checkpoint_early_stop' must be true or false (torch.utils.checkpoint's early_stop: "
+                           f"false re-runs each checkpointed forward whole), got {shown_json(value)}")
+    return value
 
 
 def _attention_from(value: Any) -> str:

@@ -130,7 +130,7 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     """``plan`` as it leaves the program (``--out``, the API's return): with the precision and the optimizer (export
     sets them, so the code runs as the numbers assumed), the attention kernel it was planned for (absent: the
     default), the hf_config fields (verify rebuilds that model), the modules it compiles (the trace's,
-    ``--compile``) and its float8 training (``--float8``)."""
+    ``--compile``), its float8 training (``--float8``) and checkpointing without early stop (``--no-early-stop``)."""
     check_compiled_groups(plan, tr.compiled)
     float8 = job.options.float8 or plan.float8
     if float8 is not None and float8.tp_float8_all_gather and plan.tp_degree == 1:  # auto chose no TP: nothing
@@ -139,7 +139,8 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
     return dataclasses.replace(plan, precision=job.options.precision.name, optimizer=job.options.optimizer.name,
                                attention=job.model.attention or "",
                                hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled), float8=float8,
-                               workload=_workload(plan, job))
+                               workload=_workload(plan, job),
+                               checkpoint_early_stop=plan.checkpoint_early_stop and job.options.checkpoint_early_stop)
 
 
 def _workload(plan: Plan, job: PlanJob) -> Workload | None:
@@ -494,7 +495,8 @@ def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None
     shard = plan.shard_size(world) if world is not None else 1
     reduce = options.reduce_dtype.value if options.reduce_dtype else plan.reduce_dtype
     out = with_memory_options(plan, tr, shard, plan.offload or options.offload, placement, reduce)
-    out = out.replace(float8=options.float8 or plan.float8)  # float8 training asked for, or the plan's own
+    out = out.replace(float8=options.float8 or plan.float8,  # float8 training asked for, or the plan's own
+                      checkpoint_early_stop=plan.checkpoint_early_stop and options.checkpoint_early_stop)
     return out if not plan.shard_dims else dataclasses.replace(out, shard_dims=plan.shard_dims)
 
 

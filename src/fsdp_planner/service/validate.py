@@ -79,6 +79,7 @@ class Keywords:
     seq: object = None
     ac: object = None
     ac_policy: object = None
+    early_stop: object = None  # checkpoint(early_stop=...) (command line: --no-early-stop); None: torch's, True
     mesh: object = None
     tp: object = None  # the TP degree; None: none (auto: chosen)
     tp_key: object = None  # the config key that gave ``tp`` (``--from-torchtitan``), named by its refusals
@@ -425,7 +426,8 @@ def sim_options(kw: Keywords, spell: Spelling) -> SimOptions:
     options = SimOptions.named(text(kw.precision, "precision", spell), optimizer, mfu,
                                choice(ZeroGrad, kw.zero_grad, "zero_grad", spell).value,
                                micro_batches(kw, spell, auto=True), kw.reshard_after_backward,  # type: ignore[arg-type]
-                               gradient_sync=sync.value, **memory_options(kw, spell))
+                               gradient_sync=sync.value, **memory_options(kw, spell),
+                               early_stop=True if kw.early_stop is None else flag(kw.early_stop, "early_stop", spell))
     if options.float8 is not None and options.float8.tp_float8_all_gather and options.precision.compute_bytes != 2:
         raise PlannerError(f"{spell.name_of('float8_tp_all_gather')} is modelled with a 16-bit compute dtype (its "
                            f"float8 all-gathers move half the bytes), as torchtitan's float8 jobs run: not with "

@@ -141,6 +141,9 @@ class SimOptions:
     shard_placement: ShardPlacement = ShardPlacement.DIM0
     reduce_dtype: ReduceDtype | None = None  # the user's MixedPrecisionPolicy.reduce_dtype, applied to ``precision``
     float8: Float8 | None = None  # float8 training of the converted Linears (--float8; ``sim/float8.py``)
+    # torch.utils.checkpoint's early_stop (--no-early-stop: False, each checkpointed forward re-run whole, as
+    # torchtitan runs it); a plan simulated so records it (``Plan.checkpoint_early_stop``)
+    checkpoint_early_stop: bool = True
 
     def __post_init__(self) -> None:
         if self.mfu is not None and (isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float)
@@ -154,7 +157,8 @@ class SimOptions:
               mfu: float | None = None, zero_grad: str = ZeroGrad.NONE.value, micro_batches: int = 1,
               reshard_after_backward: bool = True, offload: bool = False,
               shard_placement: str = ShardPlacement.DIM0.value, reduce_dtype: str | None = None,
-              gradient_sync: str = GradientSync.LAST.value, float8: Float8 | None = None) -> SimOptions:
+              gradient_sync: str = GradientSync.LAST.value, float8: Float8 | None = None,
+              early_stop: bool = True) -> SimOptions:
         reduce = ReduceDtype(reduce_dtype) if reduce_dtype else None
         return cls(mfu=mfu, precision=with_reduce_dtype(precision_named(precision), reduce),
                    # None: not named (the command line's --optimizer not given, and no job config's)
@@ -162,7 +166,7 @@ class SimOptions:
                    zero_grad=ZeroGrad(zero_grad), micro_batches=micro_batches,
                    reshard_after_backward=reshard_after_backward, offload=offload,
                    shard_placement=ShardPlacement(shard_placement), reduce_dtype=reduce,
-                   gradient_sync=GradientSync(gradient_sync), float8=float8)
+                   gradient_sync=GradientSync(gradient_sync), float8=float8, checkpoint_early_stop=early_stop)
 
     def with_memory_options(self, offload: bool, placement: ShardPlacement) -> SimOptions:
         """These options with FSDP2's offload and shard placement set (auto's way out when nothing fits)."""
@@ -170,7 +174,8 @@ class SimOptions:
 
 
 def plan_options(plan: Plan, options: SimOptions) -> SimOptions:
-    """The options a plan runs under: what it records (offload, dims other than 0, the reduce dtype, float8)
+    """The options a plan runs under: what it records (offload, dims other than 0, the reduce dtype, float8,
+    checkpointing without early stop)
     added to ``options``. A plan's ``shard_dims`` are simulated as ``ShardPlacement.AUTO``'s rule
     (``check_shard_dims``)."""
     # the user's --reduce-dtype (already in ``options.precision``) wins over the one the plan recorded
@@ -178,4 +183,5 @@ def plan_options(plan: Plan, options: SimOptions) -> SimOptions:
     return replace(options, offload=options.offload or plan.offload,
                    shard_placement=ShardPlacement.AUTO if plan.shard_dims else options.shard_placement,
                    precision=with_reduce_dtype(options.precision, reduce), reduce_dtype=reduce,
-                   float8=options.float8 or plan.float8)
+                   float8=options.float8 or plan.float8,
+                   checkpoint_early_stop=options.checkpoint_early_stop and plan.checkpoint_early_stop)

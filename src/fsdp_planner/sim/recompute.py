@@ -46,8 +46,9 @@ from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import innermost_call
 
 # A checkpointed module: its name (checkpointed in full), or (name, None for full, its op-level policy, or
-# ``Offloaded.HOST``: not checkpointed, its saved activations offloaded).
-Checkpointed = str | tuple[str, SacPolicy | Offloaded | None]
+# ``Offloaded.HOST``: not checkpointed, its saved activations offloaded), and for a checkpointed one without early
+# stop a third item, ``WHOLE`` (``fsdp2/checkpointing.plan_checkpointing``).
+Checkpointed = str | tuple[str, SacPolicy | Offloaded | None] | tuple[str, SacPolicy | None, bool]
 
 
 @dataclass(frozen=True)
@@ -68,10 +69,18 @@ class CheckpointedCall:
     held: int = 0  # traced bytes its recomputation holds when it stops besides the saved ones (``Event.held``)
     outputs: int = 0  # a region the model checkpoints reentrantly: traced bytes of its outputs, which reentrant
     # checkpoint recomputes and holds through the call's backward (``reentrant_deltas``)
+    whole: bool = False  # checkpointed without early stop: the recomputation runs the whole forward (torchtitan's)
 
     @property
     def end(self) -> int:
-        """The position the recomputation stops at: after the call's last pack, else its forward's end."""
+        """The position the recomputation stops at: after the call's last pack, else (or without early stop) its
+        forward's end."""
+        return self.fwd_post if self.stop < 0 or self.whole else self.stop
+
+    @property
+    def last_pack(self) -> int:
+        """Just after the call's last pack (its forward's end where unknown): what decides where backward first
+        unpacks, and so where the recomputation runs (``recomputed_at``), early stop or not."""
         return self.fwd_post if self.stop < 0 else self.stop
 
     def recomputed(self, trace: Trace) -> list[int]:
@@ -99,10 +108,11 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
     """The calls of ``modules`` that ran a backward (a call without one saves nothing to recompute), and the regions
     of the model's own ``torch.utils.checkpoint`` that none of them is or holds (``own_calls``), each one call in
     full (``own_regions``)."""
-    items = [(item, None) if isinstance(item, str) else item for item in modules]
-    own = own_calls(trace, [m for m, _ in items])
+    items = [(item, None, False) if isinstance(item, str) else (*item, False)[:3] for item in modules]
+    own = own_calls(trace, [m for m, _, _ in items])
     mine = {(c.module, c.call) for c in own}
-    out = [_call(trace, m, how, *b) for m, how in items for b in backward_calls(trace, m) if (m, b[0]) not in mine]
+    out = [replace(_call(trace, m, how, *b), whole=whole) if whole else _call(trace, m, how, *b)
+           for m, how, whole in items for b in backward_calls(trace, m) if (m, b[0]) not in mine]
     for m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, reentrant in own_regions(trace, own):
         c = _call(trace, m, None, call, fwd_pre, fwd_post, bwd_pre, bwd_post)
         out.append(replace(c, stop=-1, outputs=_outputs(trace, fwd_pre, fwd_post)) if reentrant else c)

@@ -168,6 +168,8 @@ def rank_step(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimCon
     profile of one rank holds (``calibrate --trace`` matches its kernels to this trace's ops)."""
     given = options if options is not None else context.options if context is not None else None
     float8 = (given.float8 if given is not None else None) or plan.float8  # as ``plan_options`` has it
+    if given is not None and not given.checkpoint_early_stop and plan.checkpoint_early_stop:
+        plan = replace(plan, checkpoint_early_stop=False)  # what the recomputations and FSDP2's replay read
     trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context, float8)
     return _expert_parallel(trace, plan, context), plan, cluster
 
