@@ -140,7 +140,14 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
                                attention=job.model.attention or "",
                                hf_config=dict(job.model.hf_config), compiled=tuple(tr.compiled), float8=float8,
                                workload=_workload(plan, job),
-                               checkpoint_early_stop=plan.checkpoint_early_stop and job.options.checkpoint_early_stop)
+                               checkpoint_early_stop=_early_stop(plan, job.options))
+
+
+def _early_stop(plan: Plan, options: SimOptions) -> bool:
+    """The plan's ``checkpoint_early_stop`` as it runs under ``options``: recorded off only where it checkpoints
+    something (a plan without checkpointing reads the same either way)."""
+    checkpoints = bool(plan.activation_checkpointing or plan.selective_checkpointing)
+    return plan.checkpoint_early_stop and (options.checkpoint_early_stop or not checkpoints)
 
 
 def _workload(plan: Plan, job: PlanJob) -> Workload | None:
@@ -496,7 +503,7 @@ def stamped(plan: Plan, tr: Trace, world: int | None, options: SimOptions | None
     reduce = options.reduce_dtype.value if options.reduce_dtype else plan.reduce_dtype
     out = with_memory_options(plan, tr, shard, plan.offload or options.offload, placement, reduce)
     out = out.replace(float8=options.float8 or plan.float8,  # float8 training asked for, or the plan's own
-                      checkpoint_early_stop=plan.checkpoint_early_stop and options.checkpoint_early_stop)
+                      checkpoint_early_stop=_early_stop(plan, options))
     return out if not plan.shard_dims else dataclasses.replace(out, shard_dims=plan.shard_dims)
 
 
