@@ -58,9 +58,9 @@ def main() -> None:
         "",
         f"Measured by `python benchmarks/torchtitan_checkpointing.py` on {platform.machine()}, torch "
         f"{torch.__version__}: `fsdp-planner simulate ... --json` for each row (bf16-mixed, the cluster's roofline).",
-        "Early stop: torch's default, which `apply_plan` and the Python export run; torchtitan's checkpoint wrapper",
-        "passes `early_stop=False` (#1580), which `--no-early-stop` models and `--from-torchtitan` jobs run. Save list:",
-        "`titan-2025` (torchtitan's llama3 list of 2025) against `titan` (its SelectiveAC at b5bcd76).",
+        "Early stop: torch's default, which `apply_plan` and the Python export run; torchtitan's checkpoint",
+        "wrapper passes `early_stop=False` (#1580), which `--no-early-stop` models and `--from-torchtitan` jobs run.",
+        "Save list: `titan-2025` (torchtitan's llama3 list of 2025) against `titan` (its SelectiveAC at b5bcd76).",
         "",
         "| job | row | step | recompute | reserved | EP all-to-alls |",
         "|---|---|---|---|---|---|",
