@@ -99,8 +99,8 @@ def test_ep_step_matches_real_ep_and_fsdp2(degree: int, world: int, checkpointin
 @pytest.mark.parametrize(("sac", "all_to_alls"), [(SacPolicy.TITAN, 8), (SacPolicy.TITAN_2025, 12)])
 def test_op_level_checkpointing_saves_the_all_to_alls_as_torchtitan_does(sac: SacPolicy, all_to_alls: int) -> None:
     """torchtitan's SelectiveAC saves ``all_to_all_single``'s output: EP 4 on 8 fake ranks under it sends each
-    block's dispatch and combine once (8 all-to-alls in 2 blocks, as without checkpointing); under its 2025 list,
-    which does not save them, the recomputation sends the forward ones again (12). Counts and bytes exact, the
+    block's dispatch and combine once (8 all-to-alls in 2 blocks, as without checkpointing); under its llama3 list
+    of 2025, which does not name them, the recomputation sends the forward ones again (12). Counts and bytes exact, the
     peak within 5%."""
     predicted, measured = _check(4, 8, sac=sac, all_to_alls=all_to_alls)
     assert predicted == pytest.approx(measured, rel=0.05)

@@ -788,3 +788,19 @@ def test_accelerate_regional_compilation_is_read_as_compile(tmp_path):
     whole = read_config(ACCELERATE, str(accel(tmp_path, "fsdp_config:\n  fsdp_version: 2\ndynamo_config:\n"
                                                         "  dynamo_backend: INDUCTOR\n")))
     assert not whole.compile and "not of the whole model" in whole.notes[0]
+
+
+def test_torchtitan_s_early_stop_and_force_recompute_keys(tmp_path):
+    """A TOML's activation_checkpoint.early_stop is read (absent: false, torchtitan's default since #1580; an
+    explicit --early-stop against it names that default); a force-recompute list other than torchtitan's default is
+    said not to be read, not taken silently."""
+    base = "[parallelism]\ndata_parallel_shard_degree = 8\n[activation_checkpoint]\nmode = \"selective\"\n" \
+           "selective_ac_option = \"op\"\n"
+    assert read_config(TORCHTITAN, str(titan(tmp_path, base))).early_stop is False
+    with pytest.raises(PlannerError, match=re.escape("--early-stop true contradicts activation_checkpoint.early_stop "
+                                                     "(not given: false, torchtitan's default since #1580)")):
+        args_of("simulate", "toy-llama", "--from-torchtitan", str(titan(tmp_path, base)), "--early-stop")
+    stopping = read_config(TORCHTITAN, str(titan(tmp_path, base + "early_stop = true\n")))
+    assert stopping.early_stop is True and not stopping.notes
+    forced = read_config(TORCHTITAN, str(titan(tmp_path, base + "per_op_sac_force_recompute_mm_shapes_by_fqns = []\n")))
+    assert any("per_op_sac_force_recompute_mm_shapes_by_fqns = [] is not read" in n for n in forced.notes)

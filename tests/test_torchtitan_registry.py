@@ -400,13 +400,11 @@ def test_an_exported_job_reads_back_as_its_plan_and_a_job_without_it_as_torchtit
     from fsdp_planner.cli import main
 
     out = tmp_path / "plan.json"
-    # planned for torchtitan's checkpoint wrapper (early_stop=False), as the job runs
-    assert main(["plan", "llama3-8b", "--policy", "auto", "--cluster", "h100:8", "--no-early-stop", "--out", str(out),
-                 "--json"]) == 0
+    # (checkpointing with torch's early stop: the export's parallelize_fn checkpoints as the plan says)
+    assert main(["plan", "llama3-8b", "--policy", "auto", "--cluster", "h100:8", "--out", str(out), "--json"]) == 0
     step = json.loads(capsys.readouterr().out)["plans"][0]["simulation"]["step_time"]
     exported = tmp_path / "job.py"
     assert main(["export", str(out), "--format", "torchtitan", "--out", str(exported)]) == 0
-    assert "early_stop=False" not in capsys.readouterr().err  # (a plan that stops early is told it does not)
     spec = f"{exported}:fsdp_planner_job"
     assert main(["plan", "--from-torchtitan", spec, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -913,17 +911,23 @@ def test_micro_batches_against_a_registry_job_name_its_token_count(capsys):
     assert read_config(TORCHTITAN, f"{jobs}:accumulating_job").global_batch == 64
 
 
-def test_a_plan_that_stops_early_is_told_torchtitan_does_not(tmp_path, capsys):
-    """torchtitan's checkpoint wrapper re-runs each block whole (early_stop=False): a plan made with torch's
-    early stop, exported to torchtitan, says its job's step differs; one made with --no-early-stop records it,
-    and its Python export passes it to torch."""
-    for flags, told in (([], True), (["--no-early-stop"], False)):
+def test_an_export_checkpoints_as_its_plan_and_torchtitan_s_own_wrapper_re_runs_whole(tmp_path, capsys):
+    """The export's parallelize_fn checkpoints the plan's modules itself, with the plan's early stop; the job reads
+    back so, and a plan made with --no-early-stop records it (its Python export passes it to torch). Only what runs
+    torchtitan's own wrapper (early_stop=False) differs: TORCHTITAN_FLAGS on another job say so."""
+    steps = {}
+    for flags, stops in (([], True), (["--no-early-stop"], False)):
         plan = tmp_path / "plan.json"
-        assert main(["plan", "toy-llama", "--policy", "titan", "--ac", "full", "--cluster", "h100:2", "--out",
-                     str(plan), *flags]) == 0
-        assert ('"checkpoint_early_stop": false' in plan.read_text()) != told
-        capsys.readouterr()
-        assert main(["export", str(plan), "--format", "torchtitan", "--out", str(tmp_path / "job.py")]) == 0
-        assert ("re-runs each checkpointed block whole (early_stop=False)" in capsys.readouterr().err) == told
+        assert main(["plan", "llama3-debugmodel", "--policy", "titan", "--ac", "full", "--cluster", "h100:2",
+                     "--out", str(plan), "--json", *flags]) == 0
+        steps[stops] = json.loads(capsys.readouterr().out)["plans"][0]["simulation"]["step_time"]
+        assert ('"checkpoint_early_stop": false' in plan.read_text()) != stops
+        job = tmp_path / f"job_{stops}.py"
+        assert main(["export", str(plan), "--format", "torchtitan", "--out", str(job)]) == 0
+        assert ("TORCHTITAN_FLAGS on another job checkpoint with torchtitan's wrapper" in
+                capsys.readouterr().err) == stops
+        assert main(["simulate", "--from-torchtitan", f"{job}:fsdp_planner_job", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["step_time"] == pytest.approx(steps[stops], rel=1e-9)
         assert main(["export", str(plan), "--format", "python", "--out", str(tmp_path / "apply.py")]) == 0
-        assert f"CHECKPOINT_EARLY_STOP: bool = {told}" in (tmp_path / "apply.py").read_text()
+        assert f"CHECKPOINT_EARLY_STOP: bool = {stops}" in (tmp_path / "apply.py").read_text()
+    assert steps[False] > steps[True]

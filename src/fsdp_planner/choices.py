@@ -56,6 +56,9 @@ class SacPolicy(Enum):
 
 
 SAC_POLICY_NAMES = tuple(p.value for p in SacPolicy)
+# torchtitan's SelectiveAC.Config default force_recompute_mm_shapes_by_fqns (b5bcd76): the mm of a weight shaped as
+# a Linear whose name holds one of these is recomputed, uncounted (``fsdp2/selective.py``)
+TITAN_RECOMPUTE_FQNS = ("moe.router.gate",)
 
 
 class Float8Recipe(Enum):

@@ -163,9 +163,10 @@ def unexpressed(plan: Plan, precision: Precision, modules: Mapping[str, nn.Modul
     elif modules is not None and (full or op) and (blocks := _alike(full or op, modules)) > len(full or op):
         out.append(f"the plan checkpoints {len(full or op)} of the model's {blocks} blocks; torchtitan's job "
                    f"checkpoints every block ({'selective' if op else 'full'})")
-    if (full or op) and plan.checkpoint_early_stop:
-        out.append("torchtitan's checkpoint wrapper re-runs each checkpointed block whole (early_stop=False), the "
-                   "plan was simulated stopping early: plan with --no-early-stop for the job's step")
+    if (full or op) and plan.checkpoint_early_stop and plan.expert_parallel is not None:
+        out.append("torchtitan's parallelize_fn, which this EP job keeps, checkpoints with its own wrapper, which "
+                   "re-runs each block whole (early_stop=False); the plan was simulated stopping early: plan with "
+                   "--no-early-stop for the job's step")
     out += _reshard_notes(plan)
     if modules is not None and plan.compiled and (blocks := _alike(plan.compiled, modules)) > len(plan.compiled):
         out.append(f"the plan compiles {len(plan.compiled)} of the model's {blocks} blocks; torchtitan's job "
@@ -184,6 +185,9 @@ def _flags_notes(plan: Plan) -> list[str]:
     if flavor in NO_REGISTRY_JOB:
         out.append(f"torchtitan has no registry job of {plan.model} ({flavor[0]} {flavor[1]}): TORCHTITAN_FLAGS, which "
                    "cannot set the model, run another flavour on any job; fsdp_planner_job() sets it")
+    if (plan.activation_checkpointing or plan.selective_checkpointing) and plan.checkpoint_early_stop:
+        out.append("TORCHTITAN_FLAGS on another job checkpoint with torchtitan's wrapper, which re-runs each block "
+                   "whole (early_stop=False): the plan stops early, as fsdp_planner_job()'s parallelize_fn does")
     if plan.float8 is not None and plan.float8.recipe.value in TITAN_FLOAT8_RECIPES and flavor is not None:
         out.append("TORCHTITAN_FLAGS carry no float8 converter (a model's converters are no flag): fsdp_planner_job() "
                    "sets it")

@@ -102,7 +102,8 @@ def add_auto_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--early-stop", action=argparse.BooleanOptionalAction, default=None,
                     help="checkpointed modules stop their recomputation after the last tensor their forward saved "
                          "(torch.utils.checkpoint's default); --no-early-stop re-runs each one's whole forward, as "
-                         "torchtitan's checkpoint wrapper does (a --from-torchtitan job runs so)")
+                         "torchtitan's checkpoint wrapper does (a --from-torchtitan job runs so; a plan file that "
+                         "records checkpoint_early_stop false keeps it)")
     sp.add_argument("--mesh", metavar="RxS",
                     help="the data-parallel layout: R replicas of S-rank shard groups (HSDP; R*S = the GPU count, "
                          "e.g. 2x4); default pure FSDP over all GPUs, and auto chooses")

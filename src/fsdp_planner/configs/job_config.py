@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_planner.choices import ACMode, PolicyName
+from fsdp_planner.choices import TITAN_RECOMPUTE_FQNS, ACMode, PolicyName
 from fsdp_planner.configs.torchtitan_registry import (
     PLAN_TABLE,
     TOKENS,
@@ -129,6 +129,8 @@ class JobConfig:
             return "activation_checkpoint"  # a dataclass of its own in the registry form
         if name == "early_stop" and self.registry:  # no field: torchtitan's FullAC and SelectiveAC fix it
             return "activation_checkpoint (torchtitan's checkpoint wrapper, early_stop=False)"
+        if name == "early_stop" and "activation_checkpoint.early_stop" not in self.keys:
+            return "activation_checkpoint.early_stop (not given: false, torchtitan's default since #1580)"
         return KEY_NAMES[self.kind][name]
 
 
@@ -529,6 +531,12 @@ def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
     mode = _str(cfg, "activation_checkpoint.mode", given, ("none", "full", "selective"))
     cfg.keys["activation_checkpoint.mode"] = mode
     cfg.early_stop = _titan_early_stop(cfg, ac)  # (whatever the mode: an edit or auto may checkpoint, torchtitan's way)
+    forced = ac.get("per_op_sac_force_recompute_mm_shapes_by_fqns", list(TITAN_RECOMPUTE_FQNS))
+    if forced != list(TITAN_RECOMPUTE_FQNS):
+        key = "force_recompute_mm_shapes_by_fqns" if cfg.registry else \
+            "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns"
+        cfg.notes.append(f"{key} = {shown_json(forced)} is not read: op-level checkpointing is simulated with "
+                         "torchtitan's default, the mm of a Linear named moe.router.gate recomputed")
     if mode != "selective":
         cfg.ac = ACMode(mode)
         return

@@ -11,7 +11,8 @@ The three policies, modelled on torchtitan (read, not copied):
 
 * ``titan``: ``SelectiveAC`` of ``torchtitan/distributed/activation_checkpoint.py`` at b5bcd76 (2026; one list for
   every model since #2357): AOTAutograd's compute-intensive ops (``get_default_op_list``: ``aten.mm``, ``addmm``,
-  ``bmm``, ``_scaled_mm``, convolution, the flash and efficient SDPA kernels), the other SDPA kernels, ``aten.max``,
+  ``bmm``, ``_scaled_mm`` where a model calls it (torchao's Float8Linear shows SAC an ``aten.mm``), convolution,
+  the flash and efficient SDPA kernels), the other SDPA kernels, ``aten.max``,
   ``aten.topk`` (a router's choice: a recomputation could choose other experts), ``reduce_scatter_tensor`` and
   ``all_to_all_single`` (EP's dispatch and combine are not sent again); of them only the ``aten.mm`` calls of one
   block call are counted, the even-numbered recomputed; and an mm whose weight has the shape of a Linear named
@@ -25,7 +26,8 @@ The three policies, modelled on torchtitan (read, not copied):
   efficient and flash kernels, ``reduce_scatter_tensor``, ``aten.max``.
 
 On a Llama block without biases the three make the same choices; a Linear with a bias (``addmm``), ``bmm``
-experts, a router and EP's all-to-alls are saved by ``titan`` alone.
+experts, a router and EP's all-to-alls are saved by ``titan`` alone (torchtitan's MoE models of 2025 saved their
+all-to-alls too, #1672; their llama3 list, modelled here, had none to save).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_planner.choices import SacPolicy
+from fsdp_planner.choices import TITAN_RECOMPUTE_FQNS, SacPolicy
 from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.ops import op_class
 
@@ -53,7 +55,7 @@ _FIRST = frozenset({OpClass.MM, OpClass.SDPA, OpClass.REDUCE_SCATTER, OpClass.MA
 _2025 = _FIRST | {OpClass.SDPA_MORE}
 POLICIES: dict[SacPolicy, SavePolicy] = {
     SacPolicy.TITAN: SavePolicy(_2025 | {OpClass.COMPUTE_MORE, OpClass.TOPK, OpClass.ALL_TO_ALL},
-                                frozenset({OpClass.MM}), ("moe.router.gate",)),
+                                frozenset({OpClass.MM}), TITAN_RECOMPUTE_FQNS),
     SacPolicy.TITAN_2025: SavePolicy(_2025, frozenset({OpClass.MM})),
     SacPolicy.TITAN_EARLY: SavePolicy(_FIRST, frozenset({OpClass.MM})),
 }

@@ -205,14 +205,16 @@ class EPOption:
     keep_experts: bool
     plan: Plan
     step: StepReport
+    in_full: bool = False  # its op-level checkpointed blocks checkpointed in full instead (``_in_full``)
 
     def describe(self, where: bool = True, flat: int = 0) -> str:
         """"EP 8 (experts kept after forward) on 4x16"; ``where``: with its mesh where it is HSDP (and, given the
         world size ``flat``, where it is pure FSDP: beside HSDP options)."""
         mesh = self.plan.mesh or (Mesh.flat(flat) if flat else None)
         where = f" on {mesh.describe()}" if where and mesh is not None and (mesh.replicate > 1 or flat) else ""
-        return (f"EP {self.degree}" + (" (experts kept after forward)" if self.keep_experts else "")
-                if self.degree > 1 else "no EP") + where
+        kept = ["experts kept after forward"] if self.keep_experts else []
+        said = ", ".join(kept + (["op-level blocks in full"] if self.in_full else []))
+        return (f"EP {self.degree}" + (f" ({said})" if said else "") if self.degree > 1 else "no EP") + where
 
 
 def ep_options(trace: Trace, plan: Plan, cluster: Cluster, options: SimOptions, skew: float = 1.0,
@@ -345,7 +347,7 @@ def _in_full(found: list[EPOption], views: dict[tuple, Trace], cluster: Cluster,
                                 selective_checkpointing={})
             view = views[plan.expert_parallel.signature()]
             out.append(EPOption(o.degree, o.keep_experts, full,
-                                simulate(view, full, cluster, plan_options(full, options), timeline=False)))
+                                simulate(view, full, cluster, plan_options(full, options), timeline=False), True))
     return out
 
 

@@ -87,7 +87,8 @@ def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str],
     _workload(merge)
     _layout(merge)
     _policy(merge, command, plan_file)
-    if cfg.early_stop is not None:  # torchtitan's checkpoint wrapper: an edit or auto checkpoints as it does
+    if cfg.early_stop is not None and cfg.plan is None:  # torchtitan's checkpoint wrapper: an edit or auto
+        # checkpoints as it does (an export's parallelize_fn checkpoints as its plan says)
         merge.given("early_stop", cfg.early_stop, cfg.key("early_stop"), default=None)
     return Keywords(**merge.values)
 

@@ -146,8 +146,9 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
 def _early_stop(plan: Plan, options: SimOptions) -> bool:
     """The plan's ``checkpoint_early_stop`` as it runs under ``options``: recorded off only where it checkpoints
     something (a plan without checkpointing reads the same either way)."""
-    checkpoints = bool(plan.activation_checkpointing or plan.selective_checkpointing)
-    return plan.checkpoint_early_stop and (options.checkpoint_early_stop or not checkpoints)
+    if not (plan.activation_checkpointing or plan.selective_checkpointing):
+        return True
+    return plan.checkpoint_early_stop and options.checkpoint_early_stop
 
 
 def _workload(plan: Plan, job: PlanJob) -> Workload | None:

@@ -44,6 +44,7 @@ from fsdp_planner.sim.recompute import CheckpointedCall, checkpointed_calls
 from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
 from fsdp_planner.sim.tensor_parallel import (
+    collective_runs,
     data_parallel_plan,
     tp_amax_seconds,
     tp_collectives,
@@ -341,15 +342,9 @@ def _tp_fields(ctx: SimContext, plan: Plan) -> dict:
     recomputed = checkpointed_calls(trace, plan_checkpointing(plan))
     positions = tp_positions(trace, ctx.grad_sync)
     tp = tp_collectives(trace, recomputed, ctx.precision.compute_bytes / traced_itemsize(trace), positions)
-    runs = ctx.recompute(plan_checkpointing(plan))
     at = ctx.cum_array[positions + 1] - ctx.cum_array[positions]  # each collective's seconds
-    cum = np.concatenate([[0.0], np.cumsum(at)])  # of the first k
-    seconds = float(cum[-1])
-    if runs:  # each checkpointed call's forward again: the collectives of its slice of the positions
-        for c in recomputed:
-            if not c.offload:
-                lo, hi = np.searchsorted(positions, (c.fwd_pre, c.end))
-                seconds += float(cum[hi] - cum[lo])
+    # each once, and again in a checkpointed call's recomputation unless its op-level policy keeps its output
+    seconds = float((at * collective_runs(positions, recomputed)).sum())
     amaxes, amax_seconds = _float8_amaxes(ctx, recomputed)
     return {"tp_degree": trace.tp_degree, "tp_all_gathers": tp.counts[AG], "tp_reduce_scatters": tp.counts[RS],
             "tp_all_reduces": tp.counts[AR] + amaxes, "tp_all_gather_bytes": tp.nbytes[AG],

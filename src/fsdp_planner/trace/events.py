@@ -32,7 +32,8 @@ class OpClass(Enum):
     NLL_LOSS_BACKWARD = 7  # aten.nll_loss_backward
     LOG_SOFTMAX_BACKWARD = 8  # aten._log_softmax_backward_data
     # in torchtitan's list of 2026 only (it saves AOTAutograd's compute-intensive ops): aten.addmm (a Linear with a
-    # bias), bmm, _scaled_mm (float8's matmul), convolution and upsample_bilinear2d, each saved, none counted
+    # bias), bmm, _scaled_mm (called directly: torchao's Float8Linear shows SAC an aten.mm on its tensor subclass),
+    # convolution and upsample_bilinear2d, each saved, none counted
     COMPUTE_MORE = 9
     TOPK = 10  # aten.topk: a router's choice of experts, saved so that the recomputation cannot choose others
     ALL_TO_ALL = 11  # _c10d_functional.all_to_all_single: EP's dispatch and combine (sim/expert_parallel.py)

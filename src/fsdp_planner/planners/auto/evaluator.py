@@ -96,6 +96,8 @@ class Evaluator:
         plan = self.with_checkpointing(plan)
         if plan.mesh != self.mesh or plan.tensor_parallel != self.tensor_parallel:
             plan = replace(plan, mesh=self.mesh, tensor_parallel=self.tensor_parallel)
+        if plan.checkpoint_early_stop and not self.ctx.options.checkpoint_early_stop:  # (--no-early-stop: FSDP2's
+            plan = replace(plan, checkpoint_early_stop=False)  # replay of the recomputations reads it off the plan)
         key = plan.signature()
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             group_params = self.ctx.sizing.group_params(plan)
