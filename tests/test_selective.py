@@ -320,13 +320,13 @@ def test_torchtitan_2026_list_on_an_moe_block_decides_as_real_sac():
     recomputed uncounted (a Linear named ``moe.router.gate``), its topk and the experts' bmm saved, every second
     of the other mm recomputed; the trace on meta keeps the same ops in the same order, and its 2025 list keeps
     neither the topk nor the bmm."""
-    from fsdp_planner.fsdp2.selective import recompute_shapes
+    from fsdp_planner.trace.ops import router_shapes
 
     spec = "tests/fixtures/ep_moe.py:tiny_mixtral"
     lm = load_model(spec, meta=False)
     block = lm.model.get_submodule("layers.1")
     log: list[tuple[object, bool]] = []
-    shapes = recompute_shapes(SacPolicy.TITAN, [(n, tuple(p.shape)) for n, p in block.named_parameters()])
+    shapes = router_shapes((n, tuple(p.shape)) for n, p in block.named_parameters())
     assert shapes == {(128, 8)}
     checkpoint(block, context_fn=sac_context_fn(SacPolicy.TITAN, lambda f, s: log.append((f, s)), shapes))
     lm.model(*lm.example_inputs).float().pow(2).mean().backward()
@@ -339,7 +339,7 @@ def test_torchtitan_2026_list_on_an_moe_block_decides_as_real_sac():
     assert real_saved.count(OpClass.TOPK) == 1 and real_saved.count(OpClass.COMPUTE_MORE) == 3
     assert len(gate) == 5 and gate[4] is False  # q, k, v, o: two kept; the router's gate: recomputed
     (old,) = checkpointed_calls(tr, [("layers.1", SacPolicy.TITAN_2025)])
-    assert {tr.events[i].op_class for i in old.kept} == {OpClass.MM, OpClass.SDPA}
+    assert {tr.events[i].op_class for i in old.kept} == {OpClass.MM, OpClass.SDPA, OpClass.ROUTER_MM}  # 5th mm
 
 
 def test_transformers_experts_under_the_2026_list_decide_as_their_real_grouped_mm_path(tmp_path):
@@ -352,11 +352,15 @@ def test_transformers_experts_under_the_2026_list_decide_as_their_real_grouped_m
                                   "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
                                   "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
                                   "vocab_size": 128}))
+    from fsdp_planner.trace.ops import router_shapes
+
     spec, block = f"hf:{config}", "model.layers.1"
     lm = load_model(spec, meta=False)
     log: list[tuple[object, bool]] = []
-    checkpoint(lm.model.get_submodule(block), context_fn=sac_context_fn(SacPolicy.TITAN,
-                                                                        lambda f, s: log.append((f, s))))
+    layer = lm.model.get_submodule(block)
+    router = router_shapes((n, tuple(p.shape)) for n, p in layer.named_parameters())
+    assert router == {(64, 4)}  # its mlp.gate (transformers' name), not an mlp.*_proj
+    checkpoint(layer, context_fn=sac_context_fn(SacPolicy.TITAN, lambda f, s: log.append((f, s)), router))
     lm.model(**lm.example_inputs).logits.float().pow(2).mean().backward()
     real_saved = [op_class(f) for f, saved in log if saved]
     assert any("grouped_mm" in str(f) and not saved for f, saved in log)
@@ -365,3 +369,4 @@ def test_transformers_experts_under_the_2026_list_decide_as_their_real_grouped_m
     (call,) = checkpointed_calls(tr, [(block, SacPolicy.TITAN)])
     assert [tr.events[i].op_class for i in call.kept] == real_saved
     assert OpClass.TOPK in real_saved and OpClass.COMPUTE_MORE not in real_saved
+    assert OpClass.ROUTER_MM in {tr.events[i].op_class for i in call.recomputed(tr)}

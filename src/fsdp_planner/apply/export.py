@@ -40,7 +40,7 @@ from fsdp_planner.fsdp2.tensor_parallel import EXPERT_TENSOR_DIMS, MOE_TP_EXPERT
 from fsdp_planner.models import hf
 from fsdp_planner.models.hf_experts import NO_EP_TP
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
-from fsdp_planner.trace.ops import op_names
+from fsdp_planner.trace.ops import ROUTER_GATES, op_names
 
 APPLY_BODY = '''
 
@@ -271,15 +271,16 @@ SELECTIVE_TAIL = '''
 def _checkpoint_selective(module: nn.Module, policy: str) -> None:
     """Op-level selective activation checkpointing (torchtitan's "op" option): ``module``'s forward runs under
     non-reentrant checkpoint; the outputs of the ops ``policy`` saves are kept for backward, every other op (and
-    every second op of EVERY_SECOND within one call) runs again, and one of a weight shaped as a Linear's whose
-    name holds one of RECOMPUTE_FQNS, uncounted. Not the composable ``checkpoint(context_fn=...)``:
+    every second op of EVERY_SECOND within one call) runs again, and an mm of a weight shaped as a router gate's
+    (a Linear whose name ends with one of RECOMPUTE_FQNS), uncounted. Not the composable ``checkpoint(context_fn=...)``:
     its recomputation reruns FSDP2's pre-forward inside SAC's replay, which SAC refuses."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     from torch.utils.checkpoint import checkpoint as run_checkpointed
 
     save, every_second = _ops(SAVED_OPS[policy]), _ops(EVERY_SECOND[policy])
     forced = {(p.shape[1], p.shape[0]) for n, p in module.named_parameters()
-              if p.dim() == 2 and any(f in n for f in RECOMPUTE_FQNS[policy])}
+              if p.dim() == 2 and n.endswith(".weight") and any(
+                  n[:-7] == g or n[:-7].endswith("." + g) for g in RECOMPUTE_FQNS[policy])}
 
     def context_fn() -> Any:
         counts = {False: 0, True: 0}  # per call, forward and recomputation apart
@@ -321,7 +322,7 @@ def selective_constants(plan: Plan) -> str:
     used = dict.fromkeys(plan.selective_checkpointing.values())
     saved = {p.value: op_names(POLICIES[p].saves) for p in used}
     every_second = {p.value: op_names(POLICIES[p].every_second) for p in used}
-    forced = {p.value: list(POLICIES[p].recompute_fqns) for p in used}
+    forced = {p.value: list(ROUTER_GATES) if POLICIES[p].recompute_router else [] for p in used}
     modules = {m: p.value for m, p in plan.selective_checkpointing.items()}
     return "\n".join([f"SELECTIVE: dict[str, str] = {py_literal(modules)}",
                       f"SAVED_OPS: dict[str, list[str]] = {py_literal(saved)}",

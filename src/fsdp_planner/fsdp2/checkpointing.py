@@ -37,9 +37,10 @@ import torch.nn as nn
 
 from fsdp_planner.choices import ACMode, Offloaded, SacPolicy
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.selective import recompute_shapes, sac_context_fn
+from fsdp_planner.fsdp2.selective import sac_context_fn
 from fsdp_planner.fsdp2.tensor_parallel import matches
 from fsdp_planner.trace.events import EventKind, OwnCall
+from fsdp_planner.trace.ops import router_shapes
 from fsdp_planner.trace.tree import ROOT, is_within
 
 if TYPE_CHECKING:
@@ -347,8 +348,8 @@ def _checkpoint_forward(module: nn.Module, policy: SacPolicy | None, early_stop:
 
     forward = module.forward
     # in full: no context_fn at all (torch.compile traces checkpoint's own default, not one passed in)
-    extra = {} if policy is None else {"context_fn": sac_context_fn(policy, forced_shapes=recompute_shapes(
-        policy, [(name, tuple(p.shape)) for name, p in module.named_parameters()]))}
+    extra = {} if policy is None else {"context_fn": sac_context_fn(policy, router=router_shapes(
+        (name, tuple(p.shape)) for name, p in module.named_parameters()))}
 
     def checkpointed(*args: object, **kwargs: object) -> object:
         return run_checkpointed(forward, *args, use_reentrant=False, early_stop=early_stop, **extra, **kwargs)

@@ -16,7 +16,9 @@ The three policies, modelled on torchtitan (read, not copied):
   ``aten.topk`` (a router's choice: a recomputation could choose other experts), ``reduce_scatter_tensor`` and
   ``all_to_all_single`` (EP's dispatch and combine are not sent again); of them only the ``aten.mm`` calls of one
   block call are counted, the even-numbered recomputed; and an mm whose weight has the shape of a Linear named
-  ``moe.router.gate`` (its config's default ``force_recompute_mm_shapes_by_fqns``) is recomputed, uncounted.
+  ``moe.router.gate`` (its config's default ``force_recompute_mm_shapes_by_fqns``) is recomputed, uncounted: here
+  an mm of a router gate's shape (``OpClass.ROUTER_MM``: torchtitan's name, or transformers' ``mlp.gate`` of the MoE
+  models its jobs are simulated on; ``trace/ops.router_shapes``).
   (It also saves a device-to-host ``_to_copy``, the MoE token counts' sync, which the trace has no device to
   make; flex, varlen attention and inductor's compiled code, which no built-in model runs: not modelled.)
 * ``titan-2025``: ``_op_sac_save_list`` of ``torchtitan/models/llama3/infra/parallelize.py`` at 018740b7:
@@ -36,26 +38,26 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_planner.choices import TITAN_RECOMPUTE_FQNS, SacPolicy
+from fsdp_planner.choices import SacPolicy
 from fsdp_planner.trace.events import OpClass
-from fsdp_planner.trace.ops import op_class
+from fsdp_planner.trace.ops import forward_class
 
 
 @dataclass(frozen=True)
 class SavePolicy:
-    """The op classes whose outputs are kept, those counted per block call (the even-numbered recomputed), and the
-    Linears (by a part of their name) whose weight's shape marks an mm to recompute uncounted."""
+    """The op classes whose outputs are kept, those counted per block call (the even-numbered recomputed), and
+    whether a router gate's mm is recomputed uncounted (else it is an mm like any other)."""
 
     saves: frozenset[OpClass]
     every_second: frozenset[OpClass]
-    recompute_fqns: tuple[str, ...] = ()
+    recompute_router: bool = False
 
 
 _FIRST = frozenset({OpClass.MM, OpClass.SDPA, OpClass.REDUCE_SCATTER, OpClass.MAX})
 _2025 = _FIRST | {OpClass.SDPA_MORE}
 POLICIES: dict[SacPolicy, SavePolicy] = {
     SacPolicy.TITAN: SavePolicy(_2025 | {OpClass.COMPUTE_MORE, OpClass.TOPK, OpClass.ALL_TO_ALL},
-                                frozenset({OpClass.MM}), TITAN_RECOMPUTE_FQNS),
+                                frozenset({OpClass.MM}), recompute_router=True),
     SacPolicy.TITAN_2025: SavePolicy(_2025, frozenset({OpClass.MM})),
     SacPolicy.TITAN_EARLY: SavePolicy(_FIRST, frozenset({OpClass.MM})),
 }
@@ -69,10 +71,11 @@ class Decider:
         self.policy = POLICIES[policy]
         self.counted = 0
 
-    def saves(self, cls: OpClass, forced: bool = False) -> bool:
-        """``forced``: an mm of a weight shaped as a ``recompute_fqns`` Linear's."""
-        if forced and cls is OpClass.MM:
-            return False
+    def saves(self, cls: OpClass) -> bool:
+        if cls is OpClass.ROUTER_MM:
+            if self.policy.recompute_router:
+                return False
+            cls = OpClass.MM
         if cls in self.policy.every_second:
             self.counted += 1
             if self.counted % 2 == 0:
@@ -80,28 +83,17 @@ class Decider:
         return cls in self.policy.saves
 
 
-def saved_flags(policy: SacPolicy, classes: Iterable[OpClass], forced: Iterable[bool] | None = None) -> list[bool]:
-    """Per forward op of one block call (in order), whether ``policy`` keeps its outputs; ``forced``: per op, an
-    mm of a ``recompute_fqns`` weight's shape."""
+def saved_flags(policy: SacPolicy, classes: Iterable[OpClass]) -> list[bool]:
+    """Per forward op of one block call (in order), whether ``policy`` keeps its outputs."""
     decider = Decider(policy)
-    classes = list(classes)
-    flags = [False] * len(classes) if forced is None else list(forced)
-    return [decider.saves(c, f) for c, f in zip(classes, flags, strict=True)]
-
-
-def recompute_shapes(policy: SacPolicy, weights: Iterable[tuple[str, tuple[int, ...]]]) -> frozenset[tuple[int, int]]:
-    """The mm right-hand shapes (in, out) that ``policy`` recomputes uncounted, of the 2-D ``weights`` (name, shape
-    as a Linear holds it: out x in) whose name holds one of its ``recompute_fqns``."""
-    fqns = POLICIES[policy].recompute_fqns
-    return frozenset((shape[1], shape[0]) for name, shape in weights
-                     if len(shape) == 2 and any(f in name for f in fqns))
+    return [decider.saves(c) for c in classes]
 
 
 def sac_context_fn(policy: SacPolicy, log: Callable[[Any, bool], None] | None = None,
-                   forced_shapes: frozenset[tuple[int, int]] = frozenset()) -> Callable[[], Any]:
+                   router: frozenset[tuple[int, int]] = frozenset()) -> Callable[[], Any]:
     """The ``context_fn`` that ``torch.utils.checkpoint`` runs ``policy`` with: a fresh count per block call.
-    ``log(func, saved)``: told of each forward decision (tests compare them with the trace's). ``forced_shapes``:
-    ``recompute_shapes`` of the block's Linears."""
+    ``log(func, saved)``: told of each forward decision (tests compare them with the trace's). ``router``: the
+    block's router gates' mm shapes (``trace/ops.router_shapes``)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def context_fn() -> Any:
@@ -110,9 +102,7 @@ def sac_context_fn(policy: SacPolicy, log: Callable[[Any, bool], None] | None = 
         deciders = {False: Decider(policy), True: Decider(policy)}
 
         def policy_fn(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            cls = op_class(func)
-            forced = cls is OpClass.MM and tuple(args[1].shape) in forced_shapes
-            saved = deciders[bool(ctx.is_recompute)].saves(cls, forced)
+            saved = deciders[bool(ctx.is_recompute)].saves(forward_class(func, args, router))
             if log is not None and not ctx.is_recompute:
                 log(func, saved)
             return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE

@@ -40,8 +40,8 @@ import numpy as np
 
 from fsdp_planner.choices import Offloaded, SacPolicy
 from fsdp_planner.fsdp2.checkpointing import backward_calls, early_stop, own_calls, own_regions, recomputed_at
-from fsdp_planner.fsdp2.selective import recompute_shapes, saved_flags
-from fsdp_planner.trace.events import EventKind, OpClass
+from fsdp_planner.fsdp2.selective import saved_flags
+from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import innermost_call
 
@@ -95,12 +95,7 @@ def kept_ops(trace: Trace, fwd_pre: int, fwd_post: int, policy: SacPolicy) -> tu
     """The forward ops of one call (between its boundaries) whose outputs ``policy`` keeps."""
     ops = [i for i in range(fwd_pre, fwd_post) if trace.events[i].kind is EventKind.OP
            and not trace.events[i].backward]
-    # the Linears whose weight's shape the policy recomputes: among the params the call's ops read
-    read = {j for i in ops for j in trace.events[i].params}
-    shapes = recompute_shapes(policy, [(trace.params[j].fqn, trace.params[j].shape) for j in read])
-    forced = [bool(shapes) and trace.events[i].op_class is OpClass.MM and any(
-        tuple(reversed(trace.params[j].shape)) in shapes for j in trace.events[i].params) for i in ops]
-    flags = saved_flags(policy, [trace.events[i].op_class for i in ops], forced)
+    flags = saved_flags(policy, [trace.events[i].op_class for i in ops])
     return tuple(i for i, saved in zip(ops, flags, strict=True) if saved)
 
 

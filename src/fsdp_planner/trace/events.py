@@ -37,6 +37,9 @@ class OpClass(Enum):
     COMPUTE_MORE = 9
     TOPK = 10  # aten.topk: a router's choice of experts, saved so that the recomputation cannot choose others
     ALL_TO_ALL = 11  # _c10d_functional.all_to_all_single: EP's dispatch and combine (sim/expert_parallel.py)
+    # aten.mm of a weight shaped as a router gate's (``trace/ops.router_shapes``): torchtitan's 2026 policy
+    # recomputes it uncounted, the others take it for any mm
+    ROUTER_MM = 12
 
 
 KERNEL_OTHER = 0

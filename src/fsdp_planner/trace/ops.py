@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_planner.choices import TITAN_RECOMPUTE_FQNS
 from fsdp_planner.routing import StandIn, in_grouped_bmm
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import (
@@ -76,6 +77,32 @@ def op_class(func: object) -> OpClass:
     a ``_grouped_mm`` (``routing.grouped_bmm``) as that."""
     cls = _OP_CLASSES.get(func, OpClass.OTHER)
     return OpClass.OTHER if cls is OpClass.COMPUTE_MORE and in_grouped_bmm() else cls
+
+
+# The router gates an MoE layer scores its experts with, by module name: torchtitan's (its SelectiveAC's default
+# force_recompute_mm_shapes_by_fqns), and transformers' for the MoE models torchtitan's jobs are simulated on
+# (Qwen3-MoE's and DeepSeek-V3's ``mlp.gate``; not ``mlp.gate_proj``: a module's name ends with one)
+ROUTER_GATES = (*TITAN_RECOMPUTE_FQNS, "mlp.gate")
+
+
+def router_shapes(weights: Iterable[tuple[str, tuple[int, ...]]]) -> frozenset[tuple[int, int]]:
+    """The right-hand shapes (in, out) of an mm by a router gate's weight, of ``weights`` (param name, shape as a
+    Linear holds it: out x in): what torchtitan's policy recomputes by shape, whichever tensor it is (a cast copy)."""
+    out = set()
+    for name, shape in weights:
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and len(shape) == 2 and any(module == g or module.endswith("." + g) for g in ROUTER_GATES):
+            out.add((shape[1], shape[0]))
+    return frozenset(out)
+
+
+def forward_class(func: object, args: tuple, router: frozenset[tuple[int, int]]) -> OpClass:
+    """``op_class``, an mm by a router gate's weight (``router``: ``router_shapes``) told apart."""
+    cls = op_class(func)
+    if cls is OpClass.MM and router and len(args) > 1 and isinstance(args[1], torch.Tensor) and \
+            tuple(args[1].shape) in router:
+        return OpClass.ROUTER_MM
+    return cls
 
 
 def op_names(classes: frozenset[OpClass]) -> list[str]:
@@ -156,8 +183,9 @@ class OpRecorder(TorchDispatchMode):
 
     def __init__(self, slot: Slot, param_by_id: dict[int, int],
                  param_by_storage: dict[StorageWeakRef, int], sync: Callable[[], None] | None,
-                 stand_in: StandIn | None = None) -> None:
+                 stand_in: StandIn | None = None, router: frozenset[tuple[int, int]] = frozenset()) -> None:
         super().__init__()
+        self.router = router  # the router gates' mm shapes (``router_shapes``)
         self.stand_in = stand_in or StandIn()  # data-dependent ops on planned tensors (routing.py)
         self.slot = slot
         self.param_by_id, self.param_by_storage = param_by_id, param_by_storage
@@ -226,7 +254,8 @@ class OpRecorder(TorchDispatchMode):
             recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.made(flat_out)
-            recorder.op(tuple(sorted(used)), flops, nbytes, live, op_class(func), outputs_nbytes(flat_out), kernel)
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, forward_class(func, args, self.router),
+                        outputs_nbytes(flat_out), kernel)
         return out
 
     def _attention_heads(self, args: tuple) -> None:

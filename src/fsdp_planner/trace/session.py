@@ -39,7 +39,7 @@ from fsdp_planner.trace.hooks import ModuleHooks
 from fsdp_planner.trace.input_casts import group_input_casts
 from fsdp_planner.trace.leaves import flat_leaves
 from fsdp_planner.trace.methods import MethodFinder, forward_methods
-from fsdp_planner.trace.ops import OpRecorder, device_sync
+from fsdp_planner.trace.ops import OpRecorder, device_sync, router_shapes
 from fsdp_planner.trace.own_checkpoint import OwnCheckpoints
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.reuse import BlockReuse
@@ -109,7 +109,8 @@ class TraceSession:
         self.param_by_id = {id(p): i for i, p in enumerate(model.param_objs)}
         sync = device_sync(model.param_objs) if request.measure else None
         self.stand_in = StandIn(request.routing)
-        self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync, self.stand_in)
+        router = router_shapes((name, p.shape) for p in model.params for name in (p.fqn, *p.aliases))
+        self.ops = OpRecorder(self.slot, self.param_by_id, self.param_by_storage, sync, self.stand_in, router)
         self.hooks = ModuleHooks(model.walk, self.slot)
         self.own = OwnCheckpoints(self.slot)
         self.cast: list[str] = []  # the modules whose inputs the group casts changed (``input_casts.py``)
