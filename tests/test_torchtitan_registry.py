@@ -931,3 +931,51 @@ def test_an_export_checkpoints_as_its_plan_and_torchtitan_s_own_wrapper_re_runs_
         assert main(["export", str(plan), "--format", "python", "--out", str(tmp_path / "apply.py")]) == 0
         assert f"CHECKPOINT_EARLY_STOP: bool = {stops}" in (tmp_path / "apply.py").read_text()
     assert steps[False] > steps[True]
+
+
+def test_a_registry_checkpointing_class_takes_only_its_own_fields(tmp_path):
+    """torchtitan's FullAC.Config has no early_stop (its wrapper fixes False) and SelectiveAC.Config no
+    selective_ac_option (the class is the mode): both were read as the TOML's keys and simulated so (a FullAC job
+    with torch's early stop; a SelectiveAC one as op-level whatever it said). MemoryBudgetAC is named as the class."""
+    (tmp_path / "acf.py").write_text(AC_JOBS)
+    for job, message in (("es", "FullAC.Config has no field early_stop (torchtitan's checkpoint wrapper runs "
+                                "early_stop=False)"),
+                         ("sel2", "SelectiveAC.Config has no field selective_ac_option"),
+                         ("mb", "activation_checkpoint = MemoryBudgetAC.Config() is torch.compile's")):
+        with pytest.raises(PlannerError, match=re.escape(message)):
+            read_config(TORCHTITAN, f"{tmp_path / 'acf.py'}:{job}")
+    assert read_config(TORCHTITAN, f"{tmp_path / 'acf.py'}:ok").ac is ACMode.OP
+    with pytest.raises(PlannerError, match=re.escape("SelectiveAC.Config has no field early_stop")):
+        read_config(TORCHTITAN, f"{tmp_path / 'acf.py'}:ok", ["--activation_checkpoint.early_stop", "true"])
+
+
+AC_JOBS = """from torchtitan.trainer import Trainer
+from torchtitan.config import ParallelismConfig, TrainingConfig
+from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC, MemoryBudgetAC
+from torchtitan.models.llama3 import model_registry
+
+
+def es():
+    return Trainer.Config(model_spec=model_registry("debugmodel"),
+                          training=TrainingConfig(num_tokens_per_microbatch_per_dp_rank=4096, max_context_length=2048),
+                          parallelism=ParallelismConfig(data_parallel_shard_degree=8),
+                          activation_checkpoint=FullAC.Config(early_stop=True))
+
+
+def sel2():
+    c = es()
+    c.activation_checkpoint = SelectiveAC.Config(selective_ac_option="2")
+    return c
+
+
+def mb():
+    c = es()
+    c.activation_checkpoint = MemoryBudgetAC.Config(memory_budget=0.5)
+    return c
+
+
+def ok():
+    c = es()
+    c.activation_checkpoint = SelectiveAC.Config(debug=False)
+    return c
+"""

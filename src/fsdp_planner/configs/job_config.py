@@ -522,6 +522,10 @@ def refuse_other_job(cfg: JobConfig, key: str, degree: Any, what: str) -> None:
 
 def _titan_ac(cfg: JobConfig, ac: dict[str, Any]) -> None:
     if isinstance(ac.get("mode"), str) and ac["mode"].strip().lower() == "memory_budget":
+        if cfg.registry:
+            raise PlannerError(f"torchtitan config '{cfg.path}': activation_checkpoint = MemoryBudgetAC.Config() is "
+                               "torch.compile's memory-budget checkpointing, which fsdp-planner does not model: give "
+                               "SelectiveAC.Config(), FullAC.Config() or None")
         raise _bad(cfg, "activation_checkpoint.mode", ac["mode"], "none, full or selective (memory_budget is "
                    "torch.compile's checkpointing, which fsdp-planner does not model)")
     given = ac.get("mode", "selective")

@@ -99,6 +99,11 @@ AC_CLASSES = {"SelectiveAC": {"mode": "selective", "selective_ac_option": "op"},
               "MemoryBudgetAC": {"mode": "memory_budget"}}
 MODEL_REGISTRY_DEFAULTS = {"attn_backend": "flex", "tp_gemm_backend": "default"}  # model_registry's own defaults
 AC_RENAMED = {"force_recompute_mm_shapes_by_fqns": "per_op_sac_force_recompute_mm_shapes_by_fqns"}
+# each class's Config fields (torchtitan/distributed/activation_checkpoint.py at b5bcd76): no early_stop, which its
+# wrapper fixes to False, and no mode or selective_ac_option, which the class is
+_AC_BASE = ("preserve_rng_state", "determinism_check", "debug")
+AC_FIELDS = {"SelectiveAC": (*_AC_BASE, "force_recompute_mm_shapes_by_fqns"), "FullAC": _AC_BASE,
+             "MemoryBudgetAC": (*_AC_BASE, "memory_budget", "visualize_memory_budget_pareto")}
 AC_SUBCOMMANDS = {"selective": "SelectiveAC", "full": "FullAC", "memory-budget": "MemoryBudgetAC", "none": None}
 FLAG = re.compile(r"^--(?P<key>[A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)+)(?:=(?P<value>.*))?$", re.S)
 SUBCOMMAND = re.compile(r"^activation[-_]checkpoint:(?P<kind>selective|full|memory[-_]budget|none)$")
@@ -800,6 +805,13 @@ def _ac(value: Any, label: str, notes: list[str]) -> dict[str, Any]:
     if not isinstance(value, Call) or value.kind not in AC_CLASSES:
         raise PlannerError(f"{label}: activation_checkpoint = {_shown(value)} is not SelectiveAC.Config(), "
                            "FullAC.Config(), MemoryBudgetAC.Config() or None")
+    bad = next((key for key in value.fields if key not in AC_FIELDS[value.kind] and key != "mode"), None)
+    if bad is not None:
+        why = " (torchtitan's checkpoint wrapper runs early_stop=False)" if bad == "early_stop" else \
+            " (the class is the mode: SelectiveAC is op-level, FullAC every block in full)" \
+            if bad == "selective_ac_option" else ""
+        raise PlannerError(f"{label}: {value.kind}.Config has no field {bad}{why}; its fields are "
+                           f"{', '.join(AC_FIELDS[value.kind])}")
     table = _section("activation_checkpoint", value, label, notes)
     if "mode" in table:  # the TOML's key, set by a flag: the registry's job picks a class instead
         raise PlannerError(f"{label}: --activation_checkpoint.mode is the TOML form's key; a registry job picks the "
