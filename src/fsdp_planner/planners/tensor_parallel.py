@@ -136,7 +136,8 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
     if ep > 1 and degree > 1 and not is_titan_moe(trace):
         raise PlannerError("expert parallelism with tensor parallelism is modelled for torchtitan's MoE layout "
                            "only (the built-in MoE models, models/moe.py), which this model does not have: give "
-                           "--ep or --tp, not both")
+                           "one of them, not both (--ep or --tp; a torchtitan job's expert_parallel_degree or "
+                           "tensor_parallel_degree)")
     if degree > 1 and is_titan_moe(trace):
         heads = _llama_heads(trace)
         notes = () if heads else (_UNKNOWN_HEADS,)
