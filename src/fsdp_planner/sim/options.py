@@ -173,6 +173,14 @@ class SimOptions:
         return replace(self, offload=offload, shard_placement=placement)
 
 
+def with_early_stop(plan: Plan, options: SimOptions) -> Plan:
+    """``plan`` as ``options`` run it: checkpointing without early stop where they ask for it (``--no-early-stop``),
+    which the recomputations and FSDP2's replay of them read off the plan."""
+    if plan.checkpoint_early_stop and not options.checkpoint_early_stop:
+        return replace(plan, checkpoint_early_stop=False)
+    return plan
+
+
 def plan_options(plan: Plan, options: SimOptions) -> SimOptions:
     """The options a plan runs under: what it records (offload, dims other than 0, the reduce dtype, float8,
     checkpointing without early stop)

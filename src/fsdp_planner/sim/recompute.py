@@ -106,7 +106,7 @@ def checkpointed_calls(trace: Trace, modules: Iterable[Checkpointed]) -> list[Ch
     items = [(item, None, False) if isinstance(item, str) else (*item, False)[:3] for item in modules]
     own = own_calls(trace, [m for m, _, _ in items])
     mine = {(c.module, c.call) for c in own}
-    out = [replace(_call(trace, m, how, *b), whole=whole) if whole else _call(trace, m, how, *b)
+    out = [_call(trace, m, how, *b, whole=whole)
            for m, how, whole in items for b in backward_calls(trace, m) if (m, b[0]) not in mine]
     for m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, reentrant in own_regions(trace, own):
         c = _call(trace, m, None, call, fwd_pre, fwd_post, bwd_pre, bwd_post)
@@ -120,12 +120,12 @@ def _outputs(trace: Trace, fwd_pre: int, fwd_post: int) -> int:
 
 
 def _call(trace: Trace, m: str, how: SacPolicy | Offloaded | None, call: int, fwd_pre: int, fwd_post: int,
-          bwd_pre: int, bwd_post: int) -> CheckpointedCall:
+          bwd_pre: int, bwd_post: int, whole: bool = False) -> CheckpointedCall:
     policy = how if isinstance(how, SacPolicy) else None
     kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
     return CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, trace.events[fwd_pre].kept_inputs,
                             policy, kept, early_stop(trace, fwd_pre, fwd_post), how is Offloaded.HOST,
-                            trace.events[fwd_post].held)
+                            trace.events[fwd_post].held, whole=whole)
 
 
 @dataclass(frozen=True)

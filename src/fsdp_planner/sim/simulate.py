@@ -39,7 +39,7 @@ from fsdp_planner.sim.expert_parallel import ep_collectives, ep_positions, ep_vi
 from fsdp_planner.sim.float8 import TP_AMAX_BYTES, check_float8_scales, scale_all_reduces
 from fsdp_planner.sim.host_engine import simulate_host
 from fsdp_planner.sim.memory import GradSync, micro_batch_phases
-from fsdp_planner.sim.options import SimOptions, plan_options
+from fsdp_planner.sim.options import SimOptions, plan_options, with_early_stop
 from fsdp_planner.sim.recompute import CheckpointedCall, checkpointed_calls
 from fsdp_planner.sim.sizing import check_shard_dims
 from fsdp_planner.sim.streams import simulate_streams
@@ -169,8 +169,7 @@ def rank_step(trace: Trace, plan: Plan, cluster: Cluster | None, context: SimCon
     profile of one rank holds (``calibrate --trace`` matches its kernels to this trace's ops)."""
     given = options if options is not None else context.options if context is not None else None
     float8 = (given.float8 if given is not None else None) or plan.float8  # as ``plan_options`` has it
-    if given is not None and not given.checkpoint_early_stop and plan.checkpoint_early_stop:
-        plan = replace(plan, checkpoint_early_stop=False)  # what the recomputations and FSDP2's replay read
+    plan = with_early_stop(plan, given) if given is not None else plan
     trace, plan, cluster = _tensor_parallel(trace, plan, cluster, context, float8)
     return _expert_parallel(trace, plan, context), plan, cluster
 

@@ -21,7 +21,7 @@ from fsdp_planner.planners.order import compress_modules
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.compute import launches_through
 from fsdp_planner.sim.context import SimContext
-from fsdp_planner.sim.options import SimOptions
+from fsdp_planner.sim.options import SimOptions, with_early_stop
 from fsdp_planner.sim.simulate import StepReport, simulate
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import proper_ancestors
@@ -96,8 +96,7 @@ class Evaluator:
         plan = self.with_checkpointing(plan)
         if plan.mesh != self.mesh or plan.tensor_parallel != self.tensor_parallel:
             plan = replace(plan, mesh=self.mesh, tensor_parallel=self.tensor_parallel)
-        if plan.checkpoint_early_stop and not self.ctx.options.checkpoint_early_stop:  # (--no-early-stop: FSDP2's
-            plan = replace(plan, checkpoint_early_stop=False)  # replay of the recomputations reads it off the plan)
+        plan = with_early_stop(plan, self.ctx.options)  # (before the schedule: its replay reads it)
         key = plan.signature()
         if key not in self.cache:  # classic policies often agree (titan and order on a plain decoder)
             group_params = self.ctx.sizing.group_params(plan)
