@@ -425,13 +425,15 @@ def test_simulate_and_plan_from_a_config_run_the_job_its_options_run(tmp_path, c
                  "--cluster", "h100:4", "--optimizer", "adamw-fused", "--json"]) == 0
     stopping = json.loads(capsys.readouterr().out)
     assert stopping["recompute_time"] < from_config["recompute_time"]
+    assert (from_config["checkpoint_early_stop"], stopping["checkpoint_early_stop"]) == (False, True)
     job_stopping = tmp_path / "stopping.toml"  # a TOML of torchtitan before #1580, or one that says so
     job_stopping.write_text(job.read_text() + "early_stop = true\n")
     assert main(["simulate", "toy-llama", "--from-torchtitan", str(job_stopping), "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out) == stopping
     assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last"} == from_config
+    assert {**plan["config_step"], "micro_batches": 1, "gradient_sync": "last", "checkpoint_early_stop": False} \
+        == from_config
     assert (plan["micro_batches"], plan["gradient_sync"]) == (1, "last")
     assert plan["fits"] and plan["auto_step"]["step_time"] <= plan["config_step"]["step_time"]
     assert plan["changes"][-1] == {"key": "(the grouping)", "config": plan["changes"][-1]["config"],

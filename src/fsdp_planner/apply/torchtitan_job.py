@@ -18,6 +18,7 @@ from fsdp_planner.configs.job_config import TITAN_OPTIMIZERS, TITAN_SUFFIXES
 from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
+from fsdp_planner.planners.config_edit import keeps_torchtitan_groups, reshard_rule
 
 FUNCTION = "fsdp_planner_job"
 # each model's first flavour (qwen3's debugmodel, not its non_fused_qkv twin): the reversed items' last word wins
@@ -178,7 +179,7 @@ def _flags_notes(plan: Plan) -> list[str]:
     """What ``TORCHTITAN_FLAGS`` cannot carry, and the EP job's parallelize."""
     out = []
     flavor = FLAVORS.get(plan.model)
-    if plan.expert_parallel is not None and flavor is not None:
+    if keeps_torchtitan_groups(plan):
         out.append("the plan's expert parallelism on torchtitan's own MoE model is torchtitan's (its parallelize_fn "
                    "lays the experts out itself): fsdp_planner_job() keeps torchtitan's parallelize_fn, with the "
                    "plan's degrees and settings but torchtitan's groups")
@@ -270,17 +271,6 @@ def _reshard_notes(plan: Plan) -> list[str]:
     return out
 
 
-def reshard_rule(plan: Plan) -> str:
-    """torchtitan's one ``fsdp_reshard_after_forward`` for the plan's groups: "always" or "never" where every group
-    agrees, else "default" (a size to reshard to has no torchtitan key)."""
-    values = [g.reshard_after_forward for g in plan.inner_groups]
-    if values and all(v is True for v in values):
-        return "always"
-    if values and all(v is False for v in values):
-        return "never"
-    return "default"
-
-
 def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], str]) -> str:
     """The source of ``fsdp_planner_job()`` and ``TORCHTITAN_FLAGS`` for ``plan`` (``literal``: the export's
     ``py_literal``): torchtitan's own job of the model (``BASE_JOBS``; a fresh Trainer.Config where it has none)
@@ -306,7 +296,7 @@ def torchtitan_job(plan: Plan, precision: Precision, literal: Callable[[Any], st
         if converters:
             imports.append("from torchtitan.components.quantization import Float8LinearConverter")
         body.append(f"    config.model_spec = model_registry({literal(flavor[1])}{converters})")
-        if plan.expert_parallel is None:  # (EP on torchtitan's MoE model is torchtitan's own parallelize's)
+        if not keeps_torchtitan_groups(plan):
             body.append("    config.model_spec.parallelize_fn = parallelize_fn  # the plan's groups")
     body += [f"    config.training.{k} = {literal(v)}" for k, v in settings["training"].items()]
     fields = "".join(f"\n        {k}={literal(v)}," for k, v in settings["parallelism"].items())

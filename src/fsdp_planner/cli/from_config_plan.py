@@ -22,7 +22,7 @@ from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.planners.config_edit import Setting
+from fsdp_planner.planners.config_edit import Setting, exported_setting
 from fsdp_planner.service.configured import ConfigOutcome, compare_config
 from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.planning import as_written
@@ -62,6 +62,11 @@ class Result:
     def after(self) -> StepReport:
         assert self.outcome.auto.search is not None
         return self.outcome.auto.search.report
+
+    @property
+    def exported(self) -> StepReport | None:
+        """Auto's plan as its torchtitan export runs where that keeps torchtitan's groups (an EP job)."""
+        return self.outcome.exported
 
     @property
     def auto(self) -> Plan:
@@ -125,7 +130,9 @@ REGISTRY_AC = {ACMode.NONE: "None", ACMode.FULL: "FullAC.Config()", ACMode.OP: "
 def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None) -> str:
     if mode is None and plan is not None:
         full, op = len(plan.activation_checkpointing), len(plan.selective_checkpointing)
-        return "per block: " + " + ".join([*([f"{full} full"] if full else []), *([f"{op} op-level"] if op else [])])
+        whole = "" if plan.checkpoint_early_stop or not (full or op) else ", re-run whole (early_stop=False)"
+        return "per block: " + " + ".join([*([f"{full} full"] if full else []),
+                                           *([f"{op} op-level"] if op else [])]) + whole
     if cfg.registry:
         return REGISTRY_AC.get(mode or ACMode.NONE, f"{(mode or ACMode.NONE).value} (no torchtitan class)")
     if cfg.kind == TORCHTITAN:
@@ -137,7 +144,7 @@ def _ac_text(cfg: JobConfig, mode: ACMode | None, plan: Plan | None = None) -> s
 
 def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None) -> str:
     if value is None and plan is not None:
-        flags = [str(g.reshard_after_forward) for g in plan.inner_groups]
+        flags = [str(f) for f in _flags(plan)]
         return "per group: " + ", ".join(f"{flags.count(v)} x {v}" for v in dict.fromkeys(flags))
     if cfg.kind == TORCHTITAN:
         return str(value)
@@ -146,30 +153,40 @@ def _reshard_text(cfg: JobConfig, value: str | None, plan: Plan | None = None) -
 
 def _changes(cfg: JobConfig, old: Setting, new: Setting, config_plan: Plan, auto: Plan | None) -> list[Change]:
     """The keys whose value differs, each old -> new; a value no key can say is marked not expressible. With
-    ``auto``, its grouping last."""
+    ``auto``, its grouping last (an export's job, which runs the plan it holds, compared plan with plan)."""
     out = []
-    if new.ac != old.ac:
+    held = auto is not None and cfg.plan is not None
+    if new.ac != old.ac or (held and new.ac is None and _checkpointed(config_plan) != _checkpointed(auto)):
         ok = new.ac is not None and (new.ac in REGISTRY_AC if cfg.registry else
                                      cfg.kind == TORCHTITAN or new.ac in (ACMode.NONE, ACMode.FULL))
-        out.append(Change(cfg.key("ac"), _ac_text(cfg, old.ac), _ac_text(cfg, new.ac, auto), ok))
-    if new.reshard != old.reshard:
+        out.append(Change(cfg.key("ac"), _ac_text(cfg, old.ac, config_plan), _ac_text(cfg, new.ac, auto), ok))
+    if new.reshard != old.reshard or (held and new.reshard is None and _flags(config_plan) != _flags(auto)):
         ok = new.reshard is not None and (cfg.kind == TORCHTITAN or new.reshard != "default")
-        out.append(Change(cfg.key("reshard"), _reshard_text(cfg, old.reshard), _reshard_text(cfg, new.reshard, auto),
-                          ok))
+        out.append(Change(cfg.key("reshard"), _reshard_text(cfg, old.reshard, config_plan),
+                          _reshard_text(cfg, new.reshard, auto), ok))
     if new.mesh != old.mesh:
         out.append(Change(cfg.key("replicate"), str(old.mesh.replicate), str(new.mesh.replicate)))
         out.append(Change(cfg.key("shard"), str(old.mesh.shard), str(new.mesh.shard)))
     if new.offload != old.offload:
         out.append(Change(cfg.key("offload"), str(old.offload).lower(), str(new.offload).lower()))
-    if auto is not None:
+    if auto is not None and not (held and _grouping(config_plan) == _grouping(auto)):
         out.append(Change(cfg.key("policy"), f"{config_plan.policy}: {len(config_plan.groups)} groups",
                           f"{len(auto.groups)} groups", False))
     return out
 
 
+def _checkpointed(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    return tuple(plan.activation_checkpointing), tuple(plan.selective_checkpointing), plan.checkpoint_early_stop
+
+
+def _flags(plan: Plan) -> list[Any]:
+    return [g.reshard_after_forward for g in plan.inner_groups]
+
+
 def _faster_than_auto(result: Result) -> str:
-    """What fits and is faster than auto's plan: the config's job or its best edit ("" where neither is)."""
-    fits, auto = result.budget.fits, result.after.step_time
+    """What fits and is faster than auto's plan as its export runs: the config's job or its best edit ("" where
+    neither is)."""
+    fits, auto = result.budget.fits, (result.exported or result.after).step_time
     if result.edit is not None and fits(result.edit[1].reserved_memory) and result.edit[1].step_time < auto:
         return "the edit above"
     if fits(result.before.reserved_memory) and result.before.step_time < auto:
@@ -177,9 +194,34 @@ def _faster_than_auto(result: Result) -> str:
     return ""
 
 
+def _decided(plan: Plan) -> dict[str, Any]:
+    """What a plan decides, as its file says it (its policy's name aside)."""
+    return {k: v for k, v in plan.to_dict().items() if k != "policy"}
+
+
 def _grouping(plan: Plan) -> list[tuple[tuple[str, ...], Any]]:
     """A plan's groups as the job runs them: each one's modules and reshard rule."""
     return [(tuple(g.modules), g.reshard_after_forward) for g in plan.groups]
+
+
+def _step_line(label: str, r: StepReport, result: Result) -> str:
+    base = result.before.step_time
+    gain = "" if r is result.before else f" ({(r.step_time - base) / base:+.1%} against the config's)"
+    over = "" if result.budget.fits(r.reserved_memory) else " (over the budget)"
+    return f"{label}: step {fmt_time(r.step_time)}{gain}, reserved {fmt_bytes(r.reserved_memory)}{over}"
+
+
+def _exported_advice(result: Result, kept: str) -> str:
+    """Where the torchtitan export keeps torchtitan's groups (EP on its MoE model), what the exported job runs and
+    which to keep: auto's grouping reaches no job file here."""
+    setting = exported_setting(result.auto, result.outcome.new.mesh)
+    runs = (f"auto's {len(result.auto.groups)} groups do not reach this EP job: `fsdp-planner export --format "
+            "torchtitan` keeps torchtitan's parallelize_fn, which lays out the routed experts and groups the blocks "
+            f"itself, so the exported job runs torchtitan's groups with activation_checkpoint = "
+            f"{REGISTRY_AC[setting.ac or ACMode.NONE]} and fsdp_reshard_after_forward = {setting.reshard}")
+    if kept:
+        return f"{runs}: keep {'the edit' if kept.startswith('the edit') else 'the config'}"
+    return f"{runs}: to run it, write it with --out plan.json, then `fsdp-planner export plan.json --format torchtitan`"
 
 
 def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -194,6 +236,8 @@ def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str,
             "changes": [c.to_dict() for c in result.changes],
             "best_edit": None if result.edit is None else {"changes": [c.to_dict() for c in result.edit[0]],
                                                            "step": step(result.edit[1])},
+            # where the torchtitan export keeps torchtitan's groups (EP on its MoE model): auto's plan as it runs
+            **({"exported_step": step(result.exported)} if result.exported is not None else {}),
             "fits": result.fits, **({"message": result.no_fit} if result.no_fit else {}),
             "plan": result.auto.to_dict()}
 
@@ -205,22 +249,19 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
         t.add_column(col, overflow="fold")
     for c in result.changes:
         t.add_row(escape(c.key), escape(c.old), escape(c.new) + ("" if c.expressible else " (not expressible)"))
-    render.console.print(t)
-    base = result.before.step_time
+    if result.changes:
+        render.console.print(t)
     edit = result.edit[1] if result.edit else None
     for label, r in (("config's job", result.before), ("auto's plan", result.after),
                      ("best config edit alone (its own grouping)", edit)):
-        if r is None:
-            continue
-        gain = "" if r is result.before else f" ({(r.step_time - base) / base:+.1%} against the config's)"
-        over = "" if result.budget.fits(r.reserved_memory) else " (over the budget)"
-        render.plain(f"{label}: step {fmt_time(r.step_time)}{gain}, reserved {fmt_bytes(r.reserved_memory)}{over}")
+        if r is not None:
+            render.plain(_step_line(label, r, result))
     fmt = "torchtitan" if cfg.kind == TORCHTITAN else "accelerate"
     if cfg.plan is not None:  # an export's job: it runs the plan it holds, whatever torchtitan's keys group
-        config_plan = result.outcome.config.plan
-        same = config_plan is not None and _grouping(config_plan) == _grouping(result.auto)
+        config_plan, auto_plan = result.outcome.config.plan, result.outcome.auto.plan
+        same = config_plan is not None and auto_plan is not None and _decided(config_plan) == _decided(auto_plan)
         held = f"the job runs the plan its file holds ({PLAN_NAME})"
-        render.plain(f"{held}: auto's grouping for this job, nothing to change" if same else
+        render.plain(f"{held}: auto's plan for this job, nothing to change" if same else
                      f"{held}, and auto's differs: write auto's with --out plan.json, then `fsdp-planner export "
                      f"plan.json --format {fmt}` again")
     else:
@@ -231,7 +272,10 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
                 "is faster within the budget"
             render.plain(f"no edit of the config's keys alone (its own grouping) {within}")
         kept = _faster_than_auto(result)
-        if kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
+        if result.exported is not None:
+            render.plain(_step_line("auto's plan as exported (torchtitan's groups)", result.exported, result))
+            render.plain(_exported_advice(result, kept))
+        elif kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
             keep = "the edit" if kept.startswith("the edit") else "the config"
             render.plain(f"auto's plan is slower than {kept} here: keep {keep}")
         else:

@@ -1,6 +1,7 @@
 """The best edit of a job config's keys alone: its grouping kept, every checkpointing mode and
 ``reshard_after_forward`` rule the format can say, on the config's mesh or auto's. A grid of a few dozen settings,
-each simulated by the caller; what a plan says in those keys' terms is ``plan_setting`` (FSDP2 semantics)."""
+each simulated by the caller; what a plan says in those keys' terms is ``plan_setting`` (FSDP2 semantics), and what
+torchtitan's job exported from an EP plan on its own MoE model runs, ``exported_setting``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fsdp_planner.choices import ACMode
+from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.simulate import StepReport
@@ -56,3 +58,29 @@ def best_edit(modes: Sequence[ACMode], rules: Sequence[str], old: Setting, new: 
         if r is not None and fits(r.reserved_memory) and r.step_time < bar:
             best = (setting, r)
     return best
+
+
+def keeps_torchtitan_groups(plan: Plan) -> bool:
+    """Whether ``fsdp_planner_job()`` keeps torchtitan's own parallelize_fn: expert parallelism on torchtitan's MoE
+    model, whose routed experts torchtitan lays out itself. The job then runs torchtitan's groups with the plan's
+    one checkpointing class and reshard rule (``exported_setting``), not the plan's groups."""
+    return plan.expert_parallel is not None and plan.model in TITAN_MODELS.values()
+
+
+def exported_setting(plan: Plan, mesh: Mesh) -> Setting:
+    """The settings ``fsdp_planner_job()``'s keys give a job that keeps torchtitan's groups, as a config edit on
+    ``mesh``: its one checkpointing class and one reshard rule (as ``apply/torchtitan_job.py`` writes them), the
+    plan's offload."""
+    ac = ACMode.OP if plan.selective_checkpointing else ACMode.FULL if plan.activation_checkpointing else ACMode.NONE
+    return Setting(ac, reshard_rule(plan), mesh, plan.offload)
+
+
+def reshard_rule(plan: Plan) -> str:
+    """torchtitan's one ``fsdp_reshard_after_forward`` for the plan's groups: "always" or "never" where every group
+    agrees, else "default" (a size to reshard to has no torchtitan key)."""
+    values = [g.reshard_after_forward for g in plan.inner_groups]
+    if values and all(v is True for v in values):
+        return "always"
+    if values and all(v is False for v in values):
+        return "never"
+    return "default"

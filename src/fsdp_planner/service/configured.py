@@ -34,7 +34,13 @@ from fsdp_planner.fsdp2.plan import Mesh
 from fsdp_planner.hardware.cluster import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE, parse_cluster
 from fsdp_planner.models import BUILTINS, ModelSpec
 from fsdp_planner.planners.blocks import ClassesNotFound
-from fsdp_planner.planners.config_edit import Setting, best_edit, plan_setting
+from fsdp_planner.planners.config_edit import (
+    Setting,
+    best_edit,
+    exported_setting,
+    keeps_torchtitan_groups,
+    plan_setting,
+)
 from fsdp_planner.service.outcome import PlanOutcome
 from fsdp_planner.service.plan_files import load_plan
 from fsdp_planner.service.planning import Reporter, Tracer, given_outcome, plan
@@ -385,6 +391,10 @@ class ConfigOutcome:
     old: Setting
     new: Setting
     edit: tuple[Setting, StepReport] | None
+    # auto's plan as ``export --format torchtitan`` runs it where the job keeps torchtitan's groups (EP on its MoE
+    # model): its one checkpointing class and reshard rule on torchtitan's grouping; None where the export runs
+    # auto's own groups
+    exported: StepReport | None = None
 
 
 @contextlib.contextmanager
@@ -399,6 +409,22 @@ def classes_named_by(cfg: JobConfig | None) -> Iterator[None]:
         raise PlannerError(f"{cfg.kind} config '{cfg.path}': {CLASSES_KEY}: {e}") from None
 
 
+def _auto(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> PlanOutcome:
+    """Auto's plan for the config's model, workload and cluster, free to choose checkpointing, layout and offload.
+    Its early stop is free too where a torchtitan job's early_stop came from torchtitan's wrapper: the export's
+    parallelize_fn checkpoints as the plan says, except on a job that keeps torchtitan's groups (EP on its MoE
+    model), which is planned again with the wrapper's."""
+    free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
+    wrapper = cfg.kind == TORCHTITAN and cfg.plan is None and kw.early_stop == cfg.early_stop is not None
+    if wrapper and not (isinstance(kw.ep, int) and kw.ep > 1):
+        auto = plan(dataclasses.replace(plan_job(dataclasses.replace(free, early_stop=None), _CLI), must_fit=False),
+                    tracer, reporter)
+        assert auto.search is not None
+        if not keeps_torchtitan_groups(auto.search.plan):
+            return auto
+    return plan(dataclasses.replace(plan_job(free, _CLI), must_fit=False), tracer, reporter)
+
+
 def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> ConfigOutcome:
     """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
     by the config's policy on the one trace)."""
@@ -409,22 +435,23 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     tr = traced.trace
     if cfg.plan is not None:  # an export's job: its parallelize_fn applies the plan it holds, not torchtitan's groups
         assert job.cluster is not None
-        exported = load_plan(f"{cfg.path}'s {PLAN_NAME}", tr, job.model, reporter.note, job.cluster.world_size,
-                             job.options.micro_batches, job.options.optimizer.name, text=cfg.plan)
-        traced = given_outcome(job, tr, exported)
+        held = load_plan(f"{cfg.path}'s {PLAN_NAME}", tr, job.model, reporter.note, job.cluster.world_size,
+                         job.options.micro_batches, job.options.optimizer.name, text=cfg.plan)
+        traced = given_outcome(job, tr, held)
 
     def same_trace(spec: ModelSpec, options: SimOptions) -> Trace:
         # the job's model, workload and precision: its trace; auto's TP layouts trace the model at d times the
         # batch (a TP group of d shares the data-parallel rank's batch): those are traced
         return tr if spec == job.model and options.precision == job.options.precision else tracer(spec, options)
 
-    free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
-    auto = plan(dataclasses.replace(plan_job(free, _CLI), must_fit=False), same_trace, reporter)
+    auto = _auto(kw, cfg, same_trace, reporter)
     assert job.cluster is not None and job.budget is not None and auto.search is not None
     world, before = job.cluster.world_size, traced.report
     assert before is not None
     dp = world // cfg.tp
     old = Setting(cfg.ac or ACMode.NONE, cfg.reshard, Mesh(cfg.replicate, dp // cfg.replicate), cfg.offload)
+    if cfg.plan is not None and traced.plan is not None:  # an export's job: what its keys say is its plan's
+        old = plan_setting(traced.plan, tr, world)
     new = plan_setting(auto.search.plan, tr, world)
 
     def step(setting: Setting) -> StepReport | None:
@@ -442,4 +469,7 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     modes, rules = edit_choices(cfg)
     # (an export's job runs its plan's groups: edits of its keys over torchtitan's grouping are another job's)
     edit = best_edit(modes, rules, old, new, step, job.budget.fits, before) if cfg.plan is None else None
-    return ConfigOutcome(traced, auto, old, new, edit)
+    as_exported = None
+    if cfg.kind == TORCHTITAN and keeps_torchtitan_groups(auto.search.plan):
+        as_exported = step(exported_setting(auto.search.plan, new.mesh))
+    return ConfigOutcome(traced, auto, old, new, edit, as_exported)
