@@ -1013,3 +1013,15 @@ def ok():
     c.activation_checkpoint = SelectiveAC.Config(debug=False)
     return c
 """
+
+
+def test_another_save_list_than_a_registry_jobs_is_said(capsys):
+    """``--ac-policy titan-2025`` beside a registry job checkpointing with SelectiveAC simulated the 2025 list
+    without a word (a new user's trial 5): torchtitan's SelectiveAC at b5bcd76 runs one list, --ac-policy titan."""
+    from fsdp_planner.cli import main
+
+    for policy, said in (("titan-2025", True), ("titan", False)):
+        assert main(["simulate", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8",
+                     "--ac-policy", policy]) == 0
+        assert ("simulates op-level checkpointing with another save list than torchtitan's SelectiveAC runs"
+                in capsys.readouterr().err) == said

@@ -17,6 +17,7 @@ from fsdp_planner.choices import (
     AttentionKernel,
     GradientSync,
     PolicyName,
+    SacPolicy,
     ShardPlacement,
 )
 from fsdp_planner.configs.job_config import (
@@ -93,6 +94,9 @@ def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str],
     _workload(merge)
     _layout(merge)
     _policy(merge, command, plan_file)
+    if cfg.registry and cfg.plan is None and kw.ac_policy not in (None, SacPolicy.TITAN.value):
+        note(f"--ac-policy {kw.ac_policy} simulates op-level checkpointing with another save list than torchtitan's "
+             "SelectiveAC runs (its list at b5bcd76: --ac-policy titan, the default)")
     if cfg.early_stop is not None and cfg.plan is None:  # torchtitan's checkpoint wrapper: an edit or auto
         # checkpoints as it does (an export's parallelize_fn checkpoints as its plan says)
         merge.given("early_stop", cfg.early_stop, cfg.key("early_stop"), default=None)
