@@ -548,6 +548,24 @@ def learned_positions(model: nn.Module) -> tuple[str, int] | None:
     return None
 
 
+# the first transformers release the planner is not checked against (pyproject.toml's bound says why)
+UNCHECKED_TRANSFORMERS = (5, 25)
+
+
+def version_note() -> str | None:
+    """A transformers newer than the releases the planner is checked against: said, as its TP/EP plans, attention
+    classes and compile behaviour may differ from what the planner reads."""
+    import transformers
+
+    release = tuple(int(p) if p.isdigit() else 0 for p in transformers.__version__.split(".")[:2])
+    if release < UNCHECKED_TRANSFORMERS:
+        return None
+    bound = ".".join(map(str, UNCHECKED_TRANSFORMERS))
+    return (f"transformers {transformers.__version__} is newer than the releases fsdp-planner is checked against "
+            f"(below {bound}): its TP and EP plans, attention classes and compiled blocks may be read otherwise "
+            f"(pip install 'transformers<{bound}' for a checked one)")
+
+
 def positions_note(model: nn.Module, seq_len: int) -> str | None:
     """Said, not refused: a sequence longer than the config's ``max_position_embeddings`` where no learned table
     limits it (rotary positions compute any length, and the step is planned as asked), which is past what the

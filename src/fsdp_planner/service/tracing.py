@@ -52,7 +52,8 @@ def trace_spec(spec: ModelSpec | str, precision: Precision | None = None, full: 
     positions = hf.positions_note(lm.model, spec.seq_len) if spec.seq_len and hf.is_hf(spec.name) else None
     encoder = hf.encoder_note(lm.model) if hf.is_hf(spec.name) else None
     for line in (*tr.notes, attention_note(spec, lm.model, attention), routing_note(spec, routed[0]),
-                 own_checkpointing_note(lm.own_checkpointing), positions, encoder):
+                 own_checkpointing_note(lm.own_checkpointing), positions, encoder,
+                 hf.version_note() if hf.is_hf(spec.name) else None):
         if line:
             note(line)
     return compiled_step(tr, lm, spec, precision or SimOptions().precision, note) if spec.compile else tr
