@@ -484,7 +484,7 @@ def test_a_positions_override_sets_the_default_sequence(tmp_path):
 @pytest.mark.parametrize(("version", "said"), [("5.24.0", False), ("4.57.6", False), ("5.25.0", True),
                                                ("5.25.0.dev0", True), ("6.0.0rc1", True)])
 def test_a_transformers_newer_than_the_checked_ones_is_said(monkeypatch, version, said):
-    """transformers 5.25 changed its TP/EP plans and compiled blocks under checkpointing (8 tests failed on it):
+    """transformers 5.25 changed its TP plans and Falcon's attention (4 tests fail on it):
     a user with a newer release than pyproject.toml's bound hears so instead of a plan read otherwise silently."""
     import transformers
 

@@ -553,8 +553,8 @@ UNCHECKED_TRANSFORMERS = (5, 25)
 
 
 def version_note() -> str | None:
-    """A transformers newer than the releases the planner is checked against: said, as its TP/EP plans, attention
-    classes and compile behaviour may differ from what the planner reads."""
+    """A transformers newer than the releases the planner is checked against: said, as its TP plans and attention
+    classes may differ from what the planner reads."""
     import transformers
 
     release = tuple(int(p) if p.isdigit() else 0 for p in transformers.__version__.split(".")[:2])
@@ -562,7 +562,7 @@ def version_note() -> str | None:
         return None
     bound = ".".join(map(str, UNCHECKED_TRANSFORMERS))
     return (f"transformers {transformers.__version__} is newer than the releases fsdp-planner is checked against "
-            f"(below {bound}): its TP and EP plans, attention classes and compiled blocks may be read otherwise "
+            f"(below {bound}): its tensor-parallel plans and attention classes may be read otherwise "
             f"(pip install 'transformers<{bound}' for a checked one)")
 
 

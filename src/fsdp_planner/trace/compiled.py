@@ -197,7 +197,11 @@ def saved_under_dynamo(module: nn.Module, args: tuple, kwargs: dict) -> int:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        out = torch.compile(module, backend=backend, fullgraph=True)(*_grad_leaves(args), **kwargs)
+        # transformers 5.25's kernels-package forward wrapper sets a context variable inside the block, a side
+        # effect dynamo refuses under a checkpoint unless told not to replay it in backward: what the block saves
+        # does not depend on it
+        with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            out = torch.compile(module, backend=backend, fullgraph=True)(*_grad_leaves(args), **kwargs)
         grads = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.backward([t.sum() for t in grads])
     finally:
