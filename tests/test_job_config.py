@@ -806,3 +806,22 @@ def test_torchtitan_s_early_stop_and_force_recompute_keys(tmp_path):
     assert stopping.early_stop is True and not stopping.notes
     forced = read_config(TORCHTITAN, str(titan(tmp_path, base + "per_op_sac_force_recompute_mm_shapes_by_fqns = []\n")))
     assert any("per_op_sac_force_recompute_mm_shapes_by_fqns = [] is not read" in n for n in forced.notes)
+
+
+def test_auto_stops_early_beside_a_torchtitan_job_unless_told_not_to(tmp_path, capsys):
+    """torchtitan's wrapper re-runs checkpointed blocks whole, and the job and its edits are simulated so; auto's
+    plan is applied by the export's parallelize_fn, which checkpoints as the plan says, so auto may stop early. A
+    --no-early-stop on the command line (for TORCHTITAN_FLAGS on another job, which run the wrapper) was silently
+    dropped: auto keeps it."""
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\nseq_len = 32\n"
+                          '[parallelism]\ndata_parallel_shard_degree = 4\n[activation_checkpoint]\nmode = "full"\n')
+    plans = {}
+    for flags in ((), ("--no-early-stop",)):
+        assert main(["plan", "toy-llama", "--from-torchtitan", str(job), "--json", "--quiet",
+                     "--memory-budget", "2MiB", *flags]) in (0, 1)
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["plan"]["activation_checkpointing"] or doc["plan"].get("selective_checkpointing")
+        plans[flags] = doc
+    assert plans[()]["plan"].get("checkpoint_early_stop", True) is True
+    assert plans[("--no-early-stop",)]["plan"]["checkpoint_early_stop"] is False
+    assert plans[()]["config_step"] == plans[("--no-early-stop",)]["config_step"]  # (the job's own: the wrapper's)

@@ -1023,5 +1023,5 @@ def test_another_save_list_than_a_registry_jobs_is_said(capsys):
     for policy, said in (("titan-2025", True), ("titan", False)):
         assert main(["simulate", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8",
                      "--ac-policy", policy]) == 0
-        assert ("simulates op-level checkpointing with another save list than torchtitan's SelectiveAC runs"
+        assert ("simulates the job's SelectiveAC (and op-level edits of it) with another save list"
                 in capsys.readouterr().err) == said

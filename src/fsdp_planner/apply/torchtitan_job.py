@@ -14,11 +14,12 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_planner.choices import ACMode
 from fsdp_planner.configs.job_config import TITAN_OPTIMIZERS, TITAN_SUFFIXES
 from fsdp_planner.configs.torchtitan_registry import TITAN_MODELS
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
-from fsdp_planner.planners.config_edit import keeps_torchtitan_groups, reshard_rule
+from fsdp_planner.planners.config_edit import job_ac, keeps_torchtitan_groups, reshard_rule
 
 FUNCTION = "fsdp_planner_job"
 # each model's first flavour (qwen3's debugmodel, not its non_fused_qkv twin): the reversed items' last word wins
@@ -94,7 +95,7 @@ def job_settings(plan: Plan, precision: Precision) -> dict[str, dict[str, Any]]:
     ranks = plan.workload.ranks // plan.tp_degree if plan.workload and plan.workload.ranks else -1
     mesh = (plan.mesh.replicate, plan.mesh.shard) if plan.mesh else (1, ranks)
     tp = plan.tensor_parallel
-    ac = "SelectiveAC" if plan.selective_checkpointing else "FullAC" if plan.activation_checkpointing else None
+    ac = {ACMode.OP: "SelectiveAC", ACMode.FULL: "FullAC"}.get(job_ac(plan))
     compiled = bool(plan.compiled)  # torchtitan compiles every block; the plan, the ones it names
     implementation = IMPLEMENTATIONS.get(plan.optimizer)
     return {

@@ -22,7 +22,7 @@ from fsdp_planner.configs.torchtitan_registry import PLAN_NAME
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.planners.config_edit import Setting, exported_setting
+from fsdp_planner.planners.config_edit import Setting
 from fsdp_planner.service.configured import ConfigOutcome, compare_config
 from fsdp_planner.service.fit import offload_verdict
 from fsdp_planner.service.planning import as_written
@@ -65,8 +65,8 @@ class Result:
 
     @property
     def exported(self) -> StepReport | None:
-        """Auto's plan as its torchtitan export runs where that keeps torchtitan's groups (an EP job)."""
-        return self.outcome.exported
+        """Auto's plan as its torchtitan export runs where that keeps torchtitan's groups (an EP plan)."""
+        return self.outcome.exported[1] if self.outcome.exported else None
 
     @property
     def auto(self) -> Plan:
@@ -98,7 +98,8 @@ def run_plan(args: argparse.Namespace) -> int:
     given, cfg = configured(args)
     assert cfg is not None
     kw = keywords(given)
-    outcome = compare_config(kw, cfg, tracer(False, bool(args.full_trace)), REPORTER)
+    outcome = compare_config(kw, cfg, tracer(False, bool(args.full_trace)), REPORTER,
+                             early_stop_given=args.early_stop is not None)
     verdict = offload_verdict(outcome.auto, tracer(False, bool(args.full_trace)), REPORTER)
     if verdict is not None and args.no_offload:
         raise PlannerError(f"{verdict} (--no-offload)")
@@ -184,9 +185,11 @@ def _flags(plan: Plan) -> list[Any]:
 
 
 def _faster_than_auto(result: Result) -> str:
-    """What fits and is faster than auto's plan as its export runs: the config's job or its best edit ("" where
-    neither is)."""
-    fits, auto = result.budget.fits, (result.exported or result.after).step_time
+    """What fits and is faster than auto's plan as its export runs (or than nothing, where that is over the budget):
+    the config's job or its best edit ("" where neither is)."""
+    fits = result.budget.fits
+    target = result.exported if result.outcome.exported else result.after
+    auto = target.step_time if target is not None and fits(target.reserved_memory) else float("inf")
     if result.edit is not None and fits(result.edit[1].reserved_memory) and result.edit[1].step_time < auto:
         return "the edit above"
     if fits(result.before.reserved_memory) and result.before.step_time < auto:
@@ -214,13 +217,17 @@ def _step_line(label: str, r: StepReport, result: Result) -> str:
 def _exported_advice(result: Result, kept: str) -> str:
     """Where the torchtitan export keeps torchtitan's groups (EP on its MoE model), what the exported job runs and
     which to keep: auto's grouping reaches no job file here."""
-    setting = exported_setting(result.auto, result.outcome.new.mesh)
-    runs = (f"auto's {len(result.auto.groups)} groups do not reach this EP job: `fsdp-planner export --format "
+    assert result.outcome.exported is not None
+    setting, r = result.outcome.exported
+    runs = (f"auto's plan has expert parallelism on torchtitan's own MoE model, so `fsdp-planner export --format "
             "torchtitan` keeps torchtitan's parallelize_fn, which lays out the routed experts and groups the blocks "
-            f"itself, so the exported job runs torchtitan's groups with activation_checkpoint = "
-            f"{REGISTRY_AC[setting.ac or ACMode.NONE]} and fsdp_reshard_after_forward = {setting.reshard}")
+            f"itself: the exported job runs torchtitan's groups, not auto's {len(result.auto.groups)}, with "
+            f"activation_checkpoint = {REGISTRY_AC[setting.ac or ACMode.NONE]} and fsdp_reshard_after_forward = "
+            f"{setting.reshard}")
     if kept:
         return f"{runs}: keep {'the edit' if kept.startswith('the edit') else 'the config'}"
+    if r is None or not result.budget.fits(r.reserved_memory):
+        return f"{runs}, over the budget too"
     return f"{runs}: to run it, write it with --out plan.json, then `fsdp-planner export plan.json --format torchtitan`"
 
 
@@ -261,9 +268,12 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
         config_plan, auto_plan = result.outcome.config.plan, result.outcome.auto.plan
         same = config_plan is not None and auto_plan is not None and _decided(config_plan) == _decided(auto_plan)
         held = f"the job runs the plan its file holds ({PLAN_NAME})"
+        differs = ", ".join(k for k in {**_decided(config_plan), **_decided(auto_plan)}
+                            if _decided(config_plan).get(k) != _decided(auto_plan).get(k)) \
+            if config_plan is not None and auto_plan is not None else ""
         render.plain(f"{held}: auto's plan for this job, nothing to change" if same else
-                     f"{held}, and auto's differs: write auto's with --out plan.json, then `fsdp-planner export "
-                     f"plan.json --format {fmt}` again")
+                     f"{held}, and auto's differs ({differs}): write auto's with --out plan.json, then "
+                     f"`fsdp-planner export plan.json --format {fmt}` again")
     else:
         if result.edit is not None:
             render.plain("  the edit: " + "; ".join(f"{c.key} = {c.new}" for c in result.edit[0]))
@@ -272,8 +282,9 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
                 "is faster within the budget"
             render.plain(f"no edit of the config's keys alone (its own grouping) {within}")
         kept = _faster_than_auto(result)
-        if result.exported is not None:
-            render.plain(_step_line("auto's plan as exported (torchtitan's groups)", result.exported, result))
+        if result.outcome.exported is not None:
+            if result.exported is not None:
+                render.plain(_step_line("auto's plan as exported (torchtitan's groups)", result.exported, result))
             render.plain(_exported_advice(result, kept))
         elif kept:  # (auto's search did not find what the user's job has: never advice to export a slower plan)
             keep = "the edit" if kept.startswith("the edit") else "the config"

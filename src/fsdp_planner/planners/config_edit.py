@@ -71,8 +71,13 @@ def exported_setting(plan: Plan, mesh: Mesh) -> Setting:
     """The settings ``fsdp_planner_job()``'s keys give a job that keeps torchtitan's groups, as a config edit on
     ``mesh``: its one checkpointing class and one reshard rule (as ``apply/torchtitan_job.py`` writes them), the
     plan's offload."""
-    ac = ACMode.OP if plan.selective_checkpointing else ACMode.FULL if plan.activation_checkpointing else ACMode.NONE
-    return Setting(ac, reshard_rule(plan), mesh, plan.offload)
+    return Setting(job_ac(plan), reshard_rule(plan), mesh, plan.offload)
+
+
+def job_ac(plan: Plan) -> ACMode:
+    """The one checkpointing mode a job config gives every block for ``plan``: op-level where it checkpoints any
+    block so, else full where any, else none."""
+    return ACMode.OP if plan.selective_checkpointing else ACMode.FULL if plan.activation_checkpointing else ACMode.NONE
 
 
 def reshard_rule(plan: Plan) -> str:

@@ -94,9 +94,9 @@ def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str],
     _workload(merge)
     _layout(merge)
     _policy(merge, command, plan_file)
-    if cfg.registry and cfg.plan is None and kw.ac_policy not in (None, SacPolicy.TITAN.value):
-        note(f"--ac-policy {kw.ac_policy} simulates op-level checkpointing with another save list than torchtitan's "
-             "SelectiveAC runs (its list at b5bcd76: --ac-policy titan, the default)")
+    if cfg.registry and cfg.plan is None and cfg.ac is ACMode.OP and kw.ac_policy not in (None, SacPolicy.TITAN.value):
+        note(f"--ac-policy {kw.ac_policy} simulates the job's SelectiveAC (and op-level edits of it) with another save "
+             "list than torchtitan runs (its list at b5bcd76: --ac-policy titan, the default)")
     if cfg.early_stop is not None and cfg.plan is None:  # torchtitan's checkpoint wrapper: an edit or auto
         # checkpoints as it does (an export's parallelize_fn checkpoints as its plan says)
         merge.given("early_stop", cfg.early_stop, cfg.key("early_stop"), default=None)
@@ -396,9 +396,9 @@ class ConfigOutcome:
     new: Setting
     edit: tuple[Setting, StepReport] | None
     # auto's plan as ``export --format torchtitan`` runs it where the job keeps torchtitan's groups (EP on its MoE
-    # model): its one checkpointing class and reshard rule on torchtitan's grouping; None where the export runs
-    # auto's own groups
-    exported: StepReport | None = None
+    # model): its one checkpointing class and reshard rule on torchtitan's grouping, and that job's step; None where
+    # the export runs auto's own groups
+    exported: tuple[Setting, StepReport | None] | None = None
 
 
 @contextlib.contextmanager
@@ -413,25 +413,31 @@ def classes_named_by(cfg: JobConfig | None) -> Iterator[None]:
         raise PlannerError(f"{cfg.kind} config '{cfg.path}': {CLASSES_KEY}: {e}") from None
 
 
-def _auto(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> PlanOutcome:
+def _auto(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter, early_stop_given: bool) -> PlanOutcome:
     """Auto's plan for the config's model, workload and cluster, free to choose checkpointing, layout and offload.
-    Its early stop is free too where a torchtitan job's early_stop came from torchtitan's wrapper: the export's
-    parallelize_fn checkpoints as the plan says, except on a job that keeps torchtitan's groups (EP on its MoE
-    model), which is planned again with the wrapper's."""
+    Its early stop is free too where a torchtitan job's early_stop is torchtitan's wrapper's (not given on the
+    command line): the export's parallelize_fn checkpoints as the plan says, except on a job that keeps torchtitan's
+    groups (EP on its MoE model), which is planned again with the wrapper's."""
     free = dataclasses.replace(kw, policy=PolicyName.AUTO.value, ac=None, ac_policy=None, mesh=None, offload=False)
-    wrapper = cfg.kind == TORCHTITAN and cfg.plan is None and kw.early_stop == cfg.early_stop is not None
+
+    def search(early_stop: object) -> PlanOutcome:
+        return plan(dataclasses.replace(plan_job(dataclasses.replace(free, early_stop=early_stop), _CLI),
+                                        must_fit=False), tracer, reporter)
+
+    wrapper = cfg.kind == TORCHTITAN and cfg.plan is None and cfg.early_stop is not None and not early_stop_given
     if wrapper and not (isinstance(kw.ep, int) and kw.ep > 1):
-        auto = plan(dataclasses.replace(plan_job(dataclasses.replace(free, early_stop=None), _CLI), must_fit=False),
-                    tracer, reporter)
+        auto = search(None)
         assert auto.search is not None
         if not keeps_torchtitan_groups(auto.search.plan):
             return auto
-    return plan(dataclasses.replace(plan_job(free, _CLI), must_fit=False), tracer, reporter)
+    return search(kw.early_stop)
 
 
-def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter) -> ConfigOutcome:
+def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Reporter,
+                   early_stop_given: bool = False) -> ConfigOutcome:
     """The config's job beside auto's plan, and the fastest edit of its keys within the budget (each edit planned
-    by the config's policy on the one trace)."""
+    by the config's policy on the one trace). ``early_stop_given``: the command line set checkpointing's early stop,
+    which auto keeps."""
     own = plan_job(dataclasses.replace(kw, policy=cfg.policy.value), _CLI)
     job = dataclasses.replace(own, reshard=cfg.reshard)
     with classes_named_by(cfg):
@@ -448,7 +454,7 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
         # batch (a TP group of d shares the data-parallel rank's batch): those are traced
         return tr if spec == job.model and options.precision == job.options.precision else tracer(spec, options)
 
-    auto = _auto(kw, cfg, same_trace, reporter)
+    auto = _auto(kw, cfg, same_trace, reporter, early_stop_given)
     assert job.cluster is not None and job.budget is not None and auto.search is not None
     world, before = job.cluster.world_size, traced.report
     assert before is not None
@@ -458,10 +464,10 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
         old = plan_setting(traced.plan, tr, world)
     new = plan_setting(auto.search.plan, tr, world)
 
-    def step(setting: Setting) -> StepReport | None:
+    def step(setting: Setting, ep: object = kw.ep) -> StepReport | None:
         ac = setting.ac or ACMode.NONE
         edited = dataclasses.replace(
-            kw, policy=cfg.policy.value, ac=ac.value if ac is not ACMode.NONE else None,
+            kw, policy=cfg.policy.value, ac=ac.value if ac is not ACMode.NONE else None, ep=ep,
             ac_policy=None if ac is not ACMode.OP else kw.ac_policy, offload=setting.offload,
             mesh=f"{setting.mesh.replicate}x{setting.mesh.shard}" if setting.mesh.replicate > 1 else None)
         try:
@@ -474,6 +480,8 @@ def compare_config(kw: Keywords, cfg: JobConfig, tracer: Tracer, reporter: Repor
     # (an export's job runs its plan's groups: edits of its keys over torchtitan's grouping are another job's)
     edit = best_edit(modes, rules, old, new, step, job.budget.fits, before) if cfg.plan is None else None
     as_exported = None
-    if cfg.kind == TORCHTITAN and keeps_torchtitan_groups(auto.search.plan):
-        as_exported = step(exported_setting(auto.search.plan, new.mesh))
+    if cfg.kind == TORCHTITAN and cfg.plan is None and keeps_torchtitan_groups(auto.search.plan):
+        # (at auto's EP degree, which its screen may choose on a job without EP: the export writes it)
+        setting = exported_setting(auto.search.plan, new.mesh)
+        as_exported = (setting, step(setting, auto.search.plan.ep_degree))
     return ConfigOutcome(traced, auto, old, new, edit, as_exported)
