@@ -366,7 +366,7 @@ def plan_constants(plan: Plan, precision: Precision) -> str:
     if plan.hf_config:  # the --hf-config fields the plan was made with: the same model needs them
         lines.append(f"HF_CONFIG: dict[str, object] = {py_literal(dict(plan.hf_config))}  # set on the model's "
                      "config before building it")
-    if plan.model.startswith("hf:") and (plan.activation_checkpointing or plan.selective_checkpointing):
+    if plan.model.startswith("hf:") and plan.checkpoints:
         lines.append("# a transformers model trains with config.use_cache = False under CHECKPOINTED (whatever "
                      "HF_CONFIG says): a checkpointed layer must not write its KV cache twice")
     if precision.autocast:

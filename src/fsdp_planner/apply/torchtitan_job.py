@@ -187,7 +187,7 @@ def _flags_notes(plan: Plan) -> list[str]:
     if flavor in NO_REGISTRY_JOB:
         out.append(f"torchtitan has no registry job of {plan.model} ({flavor[0]} {flavor[1]}): TORCHTITAN_FLAGS, which "
                    "cannot set the model, run another flavour on any job; fsdp_planner_job() sets it")
-    if (plan.activation_checkpointing or plan.selective_checkpointing) and plan.checkpoint_early_stop:
+    if plan.checkpoints and plan.checkpoint_early_stop:
         out.append("TORCHTITAN_FLAGS on another job checkpoint with torchtitan's wrapper, which re-runs each block "
                    "whole (early_stop=False): the plan stops early, as fsdp_planner_job()'s parallelize_fn does")
     if plan.float8 is not None and plan.float8.recipe.value in TITAN_FLOAT8_RECIPES and flavor is not None:

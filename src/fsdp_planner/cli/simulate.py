@@ -96,7 +96,7 @@ def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans
         summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
                       "micro_batches": options.micro_batches, "gradient_sync": options.gradient_sync.value,
                       **({"checkpoint_early_stop": with_early_stop(p, options).checkpoint_early_stop}
-                         if _checkpoints(p) else {})}
+                         if p.checkpoints else {})}
                      for (_, r), (_, p) in zip(reports, plans, strict=True)]
         doc = summaries[0] if len(reports) == 1 else {**summaries[0], "compare": summaries[1]}
         print(json_text({**doc, **({"verdict": verdict} if verdict else {})}, indent=2))
@@ -109,17 +109,13 @@ def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans
         float8 = options.float8 or p.float8  # the command line's, or the plan file's own (plan_options)
         label += f", {float8.describe()}" if float8 else ""
         # torchtitan's wrapper (its jobs), --no-early-stop or a plan file's own: recomputation re-runs the block
-        label += ", checkpointed blocks re-run whole (early_stop=False)" if _checkpoints(p) and \
+        label += ", checkpointed blocks re-run whole (early_stop=False)" if p.checkpoints and \
             not with_early_stop(p, options).checkpoint_early_stop else ""
         for line in render.step_lines(render.workload_label(model_spec(args).label(), options.micro_batches,
                                                             options.gradient_sync), label,
                                       cluster, r, bool(p.activation_offloading)):
             render.console.print(line)
         render.console.print(render.memory_table(r.peak_memory, r.reserved_memory, r.memory_at_peak, budget))
-
-
-def _checkpoints(plan: Plan) -> bool:
-    return bool(plan.activation_checkpointing or plan.selective_checkpointing)
 
 
 def _verdict(args: argparse.Namespace, from_config: bool, tr: Trace, plan: Plan, report: StepReport,

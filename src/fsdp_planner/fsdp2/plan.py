@@ -299,6 +299,11 @@ class Plan:
     def inner_groups(self) -> tuple[Group, ...]:
         return self.groups[:-1]
 
+    @property
+    def checkpoints(self) -> bool:
+        """Whether any module is checkpointed (in full or op-level), so early stop matters."""
+        return bool(self.activation_checkpointing or self.selective_checkpointing)
+
     def group_of_param(self) -> dict[str, int]:
         return {p: i for i, g in enumerate(self.groups) for p in g.params}
 

@@ -146,7 +146,7 @@ def as_written(plan: Plan, job: PlanJob, tr: Trace) -> Plan:
 def _early_stop(plan: Plan, options: SimOptions) -> bool:
     """The plan's ``checkpoint_early_stop`` as it runs under ``options``: recorded off only where it checkpoints
     something (a plan without checkpointing reads the same either way)."""
-    if not (plan.activation_checkpointing or plan.selective_checkpointing):
+    if not plan.checkpoints:
         return True
     return plan.checkpoint_early_stop and options.checkpoint_early_stop
 

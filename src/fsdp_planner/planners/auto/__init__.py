@@ -589,7 +589,7 @@ class AutoPolicy:
         ranked = ev.ranked()  # (those over the budget last: the first is the best that fits, if one does)
         bar = ranked[0].report.step_time if ranked and ev.fits(ranked[0]) else float("inf")
         over = sorted((c for c in ranked if not ev.fits(c) and c.report.step_time < bar
-                       and not (c.plan.activation_checkpointing or c.plan.selective_checkpointing)),
+                       and not c.plan.checkpoints),
                       key=lambda c: (c.report.step_time, c.report.reserved_memory))
         if not over:
             return []
@@ -706,7 +706,7 @@ def fits_unchecked(ev: Evaluator) -> bool:
     """Whether a plan that checkpoints nothing fits (the layout screening's checkpointed plans, shared with ``ev``,
     do not count: the search must choose its own checkpointing)."""
     return any(ev.fits(c) for c in ev.ranked()
-               if not (c.plan.activation_checkpointing or c.plan.selective_checkpointing))
+               if not c.plan.checkpoints)
 
 
 HELD_BACK = 2  # plans over the budget whose checkpointing auto searches when it looks faster (``_held_back``):
