@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration  # the CLI in a subprocess, or many cases o
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
+    """The command in a process of its own, as a user runs it (``run_main`` runs the others in this one)."""
     return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
                           timeout=300)
 
@@ -65,7 +66,7 @@ def test_simulate_picture_options_are_checked_before_any_work(args, message):
 
 
 def test_plan_json_lists_every_policy():
-    r = run("plan", "seed-net", "--json", "--min-nonwrapped-numel", "2000")
+    r = run_main("plan", "seed-net", "--json", "--min-nonwrapped-numel", "2000")
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     names = [p["plan"]["policy"].split("(")[0] for p in data["plans"]]
@@ -77,16 +78,16 @@ def test_plan_json_lists_every_policy():
 
 def test_plan_out_then_verify_the_file(tmp_path):
     out = tmp_path / "plan.json"
-    r = run("plan", "toy-llama", "--policy", "order", "--out", str(out))
+    r = run_main("plan", "toy-llama", "--policy", "order", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text())["groups"][-1]["modules"] == [""]
-    v = run("verify", "toy-llama", "--plan", str(out), "--nproc", "2", "--steps", "2")
+    v = run_main("verify", "toy-llama", "--plan", str(out), "--nproc", "2", "--steps", "2")
     assert v.returncode == 0, v.stdout + v.stderr
     assert "PASS" in v.stdout
 
 
 def test_module_classes_option():
-    r = run("plan", "seed-net", "--policy", "module", "--module-classes", "Conv2d", "--json")
+    r = run_main("plan", "seed-net", "--policy", "module", "--module-classes", "Conv2d", "--json")
     groups = [g["modules"] for g in json.loads(r.stdout)["plans"][0]["plan"]["groups"]]
     assert groups == [["conv1"], ["conv2"], [""]]
 

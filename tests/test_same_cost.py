@@ -4,13 +4,11 @@ simulator charges for the same collective, on every preset and on calibrated clu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import traced
+from conftest import run_main, traced
 from test_host_engine import host_cluster
 
 from fsdp_planner.calibrate.nccl_logs import calibrate
@@ -90,10 +88,10 @@ def test_the_cost_command_prints_the_measured_time(tmp_path: Path) -> None:
     simulator charged the measured 12.0 ms, and its bus bandwidth read 0 GB/s."""
     cluster = gloo_cluster(tmp_path)
     path = tmp_path / "gloo.json"
-    run = [sys.executable, "-m", "fsdp_planner", "cost", "all-gather", "16MiB", "--cluster", str(path)]
-    r = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=300)
+    run = ["cost", "all-gather", "16MiB", "--cluster", str(path)]
+    r = run_main(*run, "--json")
     assert r.returncode == 0, r.stderr
     charged = SimContext(traced("seed-net"), cluster).cost(AG).seconds(16 << 20)
     assert json.loads(r.stdout)["seconds"] == charged == pytest.approx(12e-3)
-    r = subprocess.run(run, capture_output=True, text=True, timeout=300)
+    r = run_main(*run)
     assert r.returncode == 0 and "12 ms" in r.stdout and "bus bandwidth 0.699 GB/s" in r.stdout, r.stdout

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_main
 from test_host_engine import host_cluster
 
 from fsdp_planner.calibrate.gloo import QUICK_SIZES, fit, job_group_sizes, measure_gloo
@@ -17,11 +16,6 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.hardware.cluster import Cluster, Engine
 
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_planner", *args], capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.mark.integration
@@ -70,7 +64,7 @@ def _check_fitted(cluster: Cluster, m, tmp_path) -> None:  # type: ignore[no-unt
     (["--overhead"], "--backend gloo measures this machine's CPU ranks on its own"),
 ])
 def test_calibrate_gloo_bad_arguments_are_one_line(tmp_path, args, message) -> None:
-    done = cli("calibrate", "--backend", "gloo", *args, "--out", str(tmp_path / "c.json"))
+    done = run_main("calibrate", "--backend", "gloo", *args, "--out", str(tmp_path / "c.json"))
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
@@ -81,8 +75,8 @@ def test_calibrate_gloo_bad_arguments_are_one_line(tmp_path, args, message) -> N
 def test_verify_prints_the_predicted_step_beside_the_measured_one(tmp_path) -> None:
     path = tmp_path / "gloo.json"
     host_cluster().save(path)
-    done = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--measure", "--time-steps", "3",
-               "--json")
+    done = run_main("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--measure", "--time-steps",
+                    "3", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["cluster"] == "gloo:2" and result["ok"]
@@ -90,8 +84,9 @@ def test_verify_prints_the_predicted_step_beside_the_measured_one(tmp_path) -> N
     assert result["predicted_step"] > 0 and result["measured_step"] > 0
     assert result["step_error"] == pytest.approx(result["predicted_step"] / result["measured_step"] - 1)
     # the timed steps are forward and backward: the prediction too (it held the optimizer step from 11-29 to 12-01)
-    done = cli("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--time-steps", "1", "--json")
-    simulated = json.loads(cli("simulate", "toy-llama", "--policy", "titan", "--cluster", str(path), "--json").stdout)
+    done = run_main("verify", "toy-llama", "--policy", "titan", "--cluster", str(path), "--time-steps", "1", "--json")
+    simulated = json.loads(run_main("simulate", "toy-llama", "--policy", "titan", "--cluster", str(path),
+                                    "--json").stdout)
     assert simulated["gpu_optimizer_time"] > 0
     assert json.loads(done.stdout)["predicted_step"] == pytest.approx(
         simulated["step_time"] - simulated["gpu_optimizer_time"])
@@ -158,8 +153,8 @@ def diverges():
 def test_a_run_that_diverges_proves_no_parity(tmp_path) -> None:
     """NaN params on both sides compare as no difference under max(); a diverged run must fail, not pass."""
     (tmp_path / "m.py").write_text(DIVERGES)
-    done = cli("verify", f"{tmp_path / 'm.py'}:diverges", "--policy", "order", "--steps", "2", "--time-steps", "0",
-               "--json")
+    done = run_main("verify", f"{tmp_path / 'm.py'}:diverges", "--policy", "order", "--steps", "2", "--time-steps",
+                    "0", "--json")
     assert done.returncode == 1
     result = json.loads(done.stdout)
     # every --json document is strict JSON: the infinite difference is null there

@@ -6,11 +6,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_main
 
 from fsdp_planner.calibrate.kineto import Collective, OpClass, Step, matmul_flops, parse_trace, read_trace
 from fsdp_planner.calibrate.trace_fit import cpu_base, fit_collectives
@@ -18,8 +17,6 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.hardware.cost import collective_time
 from tests.kineto_fixture import gpu_trace
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _read(data: object, tmp_path: Path, name: str = "t.json") -> object:
@@ -186,11 +183,8 @@ def test_gloo_collectives_are_the_least_delayed_calls_line_plus_the_mean_wait() 
 def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
     """A real 2-rank gloo job's traces: its collectives are what verify counted, and calibrate fits a cluster that
     reproduces the traced step."""
-    env = {"PYTHONPATH": str(ROOT / "src")}
-    run = [sys.executable, "-m", "fsdp_planner"]
-    done = subprocess.run([*run, "verify", "toy-llama", "--policy", "titan", "--nproc", "2", "--time-steps", "0",
-                           "--profile", str(tmp_path / "p"), "--json"], capture_output=True, text=True,
-                          env={**__import__("os").environ, **env}, timeout=600)
+    done = run_main("verify", "toy-llama", "--policy", "titan", "--nproc", "2", "--time-steps", "0", "--profile",
+                    str(tmp_path / "p"), "--json")
     assert done.returncode == 0, done.stderr
     counted = json.loads(done.stdout)
     tr = read_trace(tmp_path / "p" / "rank0.json")
@@ -203,9 +197,8 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
         assert gathered == counted["counted_bytes"][0]["all_gather"]
         assert step.op_seconds[OpClass.MATMUL] > 0 and step.seconds > step.compute_seconds
     out = tmp_path / "c.json"
-    done = subprocess.run([*run, "calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--model", "toy-llama",
-                           "--policy", "titan", "--out", str(out), "--json"], capture_output=True, text=True,
-                          env={**__import__("os").environ, **env}, timeout=600)
+    done = run_main("calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--model", "toy-llama", "--policy",
+                    "titan", "--out", str(out), "--json")
     assert done.returncode == 0, done.stderr
     fit = json.loads(done.stdout)["fit"]
     assert fit["optimizer"] is False  # verify --profile's steps run forward and backward alone
@@ -218,8 +211,7 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
     for job, says in ((["--model", "toy-gpt2-tied", "--policy", "titan"], "matmuls where the plan's runs"),
                       (["--model", "toy-llama", "--policy", "titan", "--batch", "8"], "GFLOP a step where the plan's"),
                       (["--model", "toy-llama", "--policy", "titan", "--precision", "fp32"], "all-gathers 11 times")):
-        done = subprocess.run([*run, *trace, *job], capture_output=True, text=True,
-                              env={**__import__("os").environ, **env}, timeout=600)
+        done = run_main(*trace, *job)
         assert done.returncode == 2 and says in done.stderr and "the traces are not of the job given" in done.stderr
         assert not (tmp_path / "x.json").exists()
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from conftest import run_main
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import make_plan
@@ -67,12 +65,12 @@ def test_every_classic_plan_of_the_built_ins_runs(model: str) -> None:
         assert not reads(tr, make_policy(PolicyRequest(policy)).plan(tr, model)), policy
 
 
-@pytest.mark.integration  # CLI subprocesses
+@pytest.mark.integration  # a comparison of every policy
 def test_cli_refuses_an_explicit_policy_whose_plan_cannot_run_and_leaves_it_out_of_a_comparison() -> None:
-    run = [sys.executable, "-m", "fsdp_planner", "plan", f"{FIXTURES}:reuse"]
-    r = subprocess.run([*run, "--policy", "titan"], capture_output=True, text=True)
+    run = ["plan", f"{FIXTURES}:reuse"]
+    r = run_main(*run, "--policy", "titan")
     assert r.returncode == 2 and "this plan cannot run" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run(run, capture_output=True, text=True)
+    r = run_main(*run)
     assert r.returncode == 0, r.stderr
     assert "the module and titan policies are left out of the comparison: this plan cannot run" in r.stdout + r.stderr
 

@@ -158,24 +158,15 @@ def test_byte_mismatch_fails_the_verdict():
 def test_unusual_models_train_on_real_runs_with_predicted_collectives(spec, name):
     """A param on the root, a shared submodule, blocks returning dataclasses, outputs autograd never reaches: the
     real FSDP2 run's collective counts and bytes equal the prediction, and params match a single-process run."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", f"{FIXTURES / 'factories.py'}:{spec}",
-                          "--policy", name, "--nproc", "2", "--steps", "2"], capture_output=True, text=True,
-                         timeout=300)
+    out = run_main("verify", f"{FIXTURES / 'factories.py'}:{spec}", "--policy", name, "--nproc", "2", "--steps", "2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "PASS" in out.stdout
 
 
 @pytest.mark.integration
 def test_a_failing_rank_reports_its_exception_not_torchruns_summary():
-    import subprocess
-    import sys
-
     spec = f"{FIXTURES / 'factories.py'}:fails_in_job"
-    out = subprocess.run([sys.executable, "-m", "fsdp_planner", "verify", spec, "--policy", "order", "--nproc", "2",
-                          "--steps", "1"], capture_output=True, text=True, timeout=300)
+    out = run_main("verify", spec, "--policy", "order", "--nproc", "2", "--steps", "1")
     assert out.returncode != 0
     assert "raised ValueError: no real runs for this model (at factories.py:" in out.stderr + out.stdout
     assert "Traceback" not in out.stderr + out.stdout and "error_file" not in out.stderr + out.stdout
