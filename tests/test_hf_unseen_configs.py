@@ -59,8 +59,15 @@ def test_the_longest_sequence_runs(tmp_path, data):
 def test_falcon_s_own_attention_classes_refuse_the_flash_stand_in(tmp_path, capsys):
     """Falcon picks its attention class from FALCON_ATTENTION_CLASSES, which never looks up an implementation
     registered with transformers' interface: it raised KeyError 'fsdp_planner_fused' inside transformers. Its SDPA
-    passes one key head without enable_gqa, which a GPU runs on the math path: the note says so (it said fused)."""
+    passes one key head without enable_gqa, which a GPU runs on the math path: the note says so (it said fused).
+    transformers 5.25's Falcon takes the attention interface: the stand-in runs there."""
+    from transformers.models.falcon import modeling_falcon
+
     model = _config(tmp_path, "falcon", FALCON)
+    if not hasattr(modeling_falcon, "FALCON_ATTENTION_CLASSES"):  # transformers 5.25: the interface, as other models
+        assert main(["plan", model, "--cluster", "h100:8", "--attention", "flash", "--policy", "titan"]) == 0
+        assert "'flash stand-in': fused kernel" in capsys.readouterr().err
+        return
     assert main(["plan", model, "--cluster", "h100:8", "--attention", "flash"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --attention flash: falcon's attention is picked from its own classes, not transformers' attention "

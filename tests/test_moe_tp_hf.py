@@ -13,25 +13,43 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.tensor_parallel import sharded_share, tp_layout
 from fsdp_planner.service.tracing import trace_spec
 
+# transformers 5.24's TP plans of the three families' experts (``moe_tp_experts``); 5.25 left them out of the
+# classes' plans (the experts stay whole under TP there: the test of a config without its own plan), so each tiny
+# config carries its plan as a user's config may: transformers reads a config's own ``base_model_tp_plan`` first
+_EXPERTS_TP = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", "layers.*.mlp.experts.down_proj": "rowwise",
+               "layers.*.mlp.experts": "moe_tp_experts"}
+_ATTENTION_TP = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+                 "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+_DENSE_TP = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+             "layers.*.mlp.down_proj": "rowwise"}
 # tiny configs of three transformers MoE families (built on meta, no download)
 _CONFIGS = {
     "mixtral": {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, "num_local_experts": 4,
-                "num_experts_per_tok": 2, "max_position_embeddings": 128},
+                "num_experts_per_tok": 2, "max_position_embeddings": 128,
+                "base_model_tp_plan": {**_ATTENTION_TP, **_EXPERTS_TP}},
     "qwen3_moe": {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
                   "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "num_hidden_layers": 2, "vocab_size": 128},
+                  "num_hidden_layers": 2, "vocab_size": 128,
+                  "base_model_tp_plan": {**_ATTENTION_TP, "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                                         "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+                                         **_EXPERTS_TP, **_DENSE_TP}},
     "deepseek_v3": {"model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 128,
                     "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
                     "n_shared_experts": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
-                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "vocab_size": 128},
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "vocab_size": 128,
+                    "base_model_tp_plan": {**_EXPERTS_TP, "layers.*.mlp.shared_experts.gate_proj": "colwise",
+                                           "layers.*.mlp.shared_experts.up_proj": "colwise",
+                                           "layers.*.mlp.shared_experts.down_proj": "rowwise", **_DENSE_TP}},
 }
 
 
-def _model(tmp_path, family: str) -> str:
-    path = tmp_path / f"{family}.json"
-    path.write_text(json.dumps(_CONFIGS[family]))
+def _model(tmp_path, family: str, own_plan: bool = True) -> str:
+    """The family's tiny config; ``own_plan=False``: without its TP plan, so the class's applies."""
+    config = _CONFIGS[family] if own_plan else {k: v for k, v in _CONFIGS[family].items() if k != "base_model_tp_plan"}
+    path = tmp_path / f"{family}{'' if own_plan else '-class-plan'}.json"
+    path.write_text(json.dumps(config))
     return f"hf:{path}"
 
 
@@ -43,6 +61,19 @@ def test_transformers_packed_experts_are_sharded_over_tp(tmp_path) -> None:
     assert layout.tp.styles(tr.modules)["model.layers.0.mlp.experts"] is TPStyle.MOE_TP_EXPERTS
     assert not any("experts" in n for n in layout.notes)
     assert sharded_share(tr, layout.tp) > 0.6
+
+
+def test_a_config_without_its_own_plan_takes_its_classs(tmp_path) -> None:
+    """The class's plan of the installed transformers decides: 5.24's Mixtral shards its experts over TP, 5.25's
+    leaves them whole on each TP rank (FSDP still shards them), as transformers' own TP then runs them."""
+    from transformers import MixtralConfig
+
+    spec = ModelSpec(_model(tmp_path, "mixtral", own_plan=False), batch_size=4, seq_len=32)
+    tr = trace_spec(spec)
+    styles = tp_layout(tr, 2, spec).tp.styles(tr.modules)
+    listed = MixtralConfig.base_model_tp_plan.get("layers.*.mlp.experts")
+    assert styles.get("model.layers.0.mlp.experts") == (TPStyle.MOE_TP_EXPERTS if listed else None)
+    assert styles["model.layers.0.self_attn.o_proj"] is TPStyle.ROWWISE
 
 
 @pytest.mark.integration  # real FSDP2 + DTensor on 8 fake ranks, three transformers MoE models: ~30 s

@@ -76,7 +76,8 @@ def test_transformers_plan_for_hf_models():
 def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_path):
     """GraniteSWA's plan shards each attention's sinks (one per head, a param, no module) colwise with its heads:
     the planner shards modules, so it refuses rather than leave the sinks whole beside 1/TP of the heads; a
-    Qwen3-MoE's packed experts take transformers' moe_tp_experts."""
+    Qwen3-MoE's packed experts take transformers' moe_tp_experts where its plan gives it (5.24's class plan; 5.25's
+    leaves them out)."""
     config = tmp_path / "config.json"
     config.write_text('{"model_type": "granite_swa", "hidden_size": 64, "intermediate_size": 128, '
                       '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}')
@@ -86,7 +87,9 @@ def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_pat
     moe = tmp_path / "moe.json"
     moe.write_text('{"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, '
                    '"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, '
-                   '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}')
+                   '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128, '
+                   '"base_model_tp_plan": {"layers.*.mlp.experts.gate_up_proj": "packed_colwise", '  # (5.24's plan)
+                   '"layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts"}}')
     spec = ModelSpec(f"hf:{moe}", batch_size=2, seq_len=16)
     layout = tp_layout(trace_spec(spec), 2, spec)
     assert TPStyle.MOE_TP_EXPERTS in layout.tp.layout.values()  # (was left whole: tests/test_moe_tp_hf.py)
