@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,7 @@ def test_detected_pairs_with_a_note():
     assert layout.source == PAIRS
     assert dict(layout.tp.layout) == {"blocks.0.up": TPStyle.COLWISE, "blocks.0.down": TPStyle.ROWWISE,
                                       "blocks.1.up": TPStyle.COLWISE, "blocks.1.down": TPStyle.ROWWISE}
-    assert "2 column-then-row Linear pairs in Pair" in layout.notes[0] and "(checked: " in layout.notes[0]
+    assert "2 column-then-row Linear pairs in Pair" in layout.notes[0] and "is run on random values" in layout.notes[0]
 
 
 def test_no_sound_layout_is_refused():
@@ -921,6 +922,41 @@ def test_a_plan_file_s_layout_names_the_modules_not_checked_on_numbers(tmp_path,
         "degree": 2, "layout": {"*.up": "colwise", "*.down": "rowwise"}}}))
     assert main(["simulate", spec, "--plan", str(plan), "--cluster", "h100:8"]) == 0
     assert "not checked on numbers in 0, 1 (its forward draws random numbers)" in capsys.readouterr().err
+    assert main(["check", spec, "--plan", str(plan)]) == 0  # (check said nothing of them: a new user's finding)
+    assert "not checked on numbers in 0, 1 (its forward draws random numbers)" in capsys.readouterr().err
+
+
+def test_a_large_module_is_judged_in_float32_and_a_larger_one_is_named(monkeypatch):
+    """A module over float64's 64M params was not run at all: a new user's 4,096-wide attention viewing a fixed head
+    count (67M params) was sharded and its plan passed ``check``. Judged in float32 up to 256M params: here with the
+    float64 tier shrunk below the fixtures, the head-count view is still refused and the sound pairs still agree
+    (float32's rounding is far below its bound); past the last tier the module is named in a note."""
+    from fsdp_planner.service import tp_numerics
+    from fsdp_planner.service.planning import SILENT, Reporter, requested_layout
+
+    fixtures = Path(__file__).parent / "fixtures" / "tp_detected.py"
+    request = PolicyRequest(PolicyName.TITAN, tp=2)
+    float64, float32 = tp_numerics.TIERS
+    monkeypatch.setattr(tp_numerics, "TIERS", (dataclasses.replace(float64, max_numel=10), float32))
+    heads = ModelSpec(f"{fixtures}:mixing_heads")
+    with pytest.raises(PlannerError, match=r"computes something else on this model: 0 \(_Mixing\)"):
+        requested_layout(trace_spec(heads), request, heads, H100_8, SILENT)
+    for sound in ("pairs_mlp", "two_pairs"):
+        ok = ModelSpec(f"{fixtures}:{sound}")
+        notes: list[str] = []
+        assert requested_layout(trace_spec(ok), request, ok, H100_8, Reporter(notes.append)).degree == 2
+        assert not any("not checked on numbers" in n for n in notes), notes
+    # a sequence as long as the features are wide (32 here; 4,096 in a Llama 3 8B-wide block at 4,096 tokens) is
+    # shortened as another is, the features kept: judged within FLOPs its whole sequence would exceed
+    square = ModelSpec(f"{fixtures}:mixing_heads", seq_len=32)
+    monkeypatch.setattr(tp_numerics, "TIERS", (dataclasses.replace(float64, max_flops=4e5),))
+    with pytest.raises(PlannerError, match=r"computes something else on this model: 0 \(_Mixing\)"):
+        requested_layout(trace_spec(square), request, square, H100_8, SILENT)
+    monkeypatch.setattr(tp_numerics, "TIERS", (dataclasses.replace(float64, max_numel=10),))
+    notes = []
+    assert requested_layout(trace_spec(heads), request, heads, H100_8, Reporter(notes.append)).degree == 2
+    assert any(re.search(r"not checked on numbers in 0, 1 \([\d,]+ params, over the 10 params this check runs", n)
+               for n in notes), notes
 
 
 def test_auto_says_the_tp_batch_of_the_split_it_chose_only(capsys):

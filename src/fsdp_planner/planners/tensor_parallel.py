@@ -347,9 +347,10 @@ def _pairs_layout(trace: Trace, degree: int, left_whole: frozenset[str] = frozen
                 "qkv, which the model splits by its own widths): their outputs are all-gathered (colwise_gather) "
                 "and the last one splits its whole input (rowwise_split), so what runs between them runs whole on "
                 "every rank, only their matmuls and weights on 1/TP") if any(p.gathered for p in pairs) else ""
-    note = (f"tensor-parallel layout detected: {' and '.join(found)}, {share:.0%} of the params (checked: a module "
-            "of each class holding a column-then-row pair, run on random values whole and as the TP ranks run it, "
-            f"gives the same output, so the ops between its Linears are element-wise or per head{gathered}; every "
+    note = (f"tensor-parallel layout detected: {' and '.join(found)}, {share:.0%} of the params (a module of each "
+            "class holding a column-then-row pair is run on random values whole and as the TP ranks run it, and the "
+            "layout is refused where the outputs differ: the ops between its Linears must be element-wise or per "
+            f"head; a module not run is named in a note{gathered}; every "
             "other module, embeddings, norms and the output head among them, stays whole over TP, sharded by FSDP "
             "alone over 1/TP of the ranks)")
     return Layout(TensorParallel(degree, layout), PAIRS, (note,))

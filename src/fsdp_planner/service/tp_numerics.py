@@ -1,8 +1,8 @@
 """A detected tensor-parallel layout checked on numbers, not just shapes: each module holding a rowwise Linear of
-the layout is run in float64 on random values, whole and as the TP ranks would run it (each rank's colwise Linears
-with their 1/TP of the output features, its rowwise ones with their 1/TP of the input features, each rowwise
-output summed over the ranks, as ``RowwiseParallel``'s all-reduce does, its bias added once), and the two outputs
-must agree.
+the layout is run in float64 (float32 for a large one: ``TIERS``) on random values, whole and as the TP ranks would
+run it (each rank's colwise Linears with their 1/TP of the output features, its rowwise ones with their 1/TP of the
+input features, each rowwise output summed over the ranks, as ``RowwiseParallel``'s all-reduce does, its bias added
+once), and the two outputs must agree.
 
 Why: a column-then-row pair is sound only where the ops between its Linears are element-wise or per head. A
 softmax or a normalize over the hidden features between them, or a view into a fixed head count whose head size
@@ -13,7 +13,7 @@ else; in bf16 the drift it makes can hide within a short verify's bound (a new u
 The module's inputs are random tensors of the shapes and dtypes its call took in the traced step (integers zero,
 booleans true), a batch of one and a short sequence where the inputs tell them (``_batch_of_one``); params and
 buffers are random. Not judged
-(``Unchecked``, said in a note): a module larger than ``MAX_NUMEL`` params, one that cannot be copied, whose inputs
+(``Unchecked``, said in a note): a module larger than the last tier's params, one that cannot be copied, whose inputs
 are not tensors, Python scalars, None or tuples and dicts of them, whose forward draws random numbers (two whole runs
 differ), whose run raises or whose output is not finite, or that returns a tensor of the features TP splits
 (its caller's use of it is not run here).
@@ -36,9 +36,26 @@ from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.tensor_parallel import TPStyle
 
 SEED = 0
-RTOL = 1e-6  # float64: what summing a product's partial sums in another order leaves is ~1e-15 of it
-MAX_NUMEL = 64_000_000  # params of one judged module: its float64 copy is 512 MB (a 70B model's block, 856M
-# params, took 17 GB and 7 minutes on a 2-core host)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """The precision a module of up to ``max_numel`` params is judged in: its copy's dtype, the matmul FLOPs one
+    run may take, and the relative difference below which the TP run agrees with the whole one."""
+
+    dtype: torch.dtype
+    max_numel: int
+    max_flops: float
+    rtol: float
+
+
+# float64 while its copy is 512 MB (a 70B model's block, 856M params, took 17 GB and 7 minutes on a 2-core host);
+# float32 up to 1 GiB, so a 4,096-wide attention (67M params: a new user's view into a fixed head count there was
+# assumed, not checked) is judged too. What summing partial products in another order leaves is ~1e-15 of the
+# output in float64 and ~1e-6 in float32; a layout that mixes the features TP splits is off by ~0.1-1 of it. FLOPs:
+# float64 on a CPU core runs ~1e9 a second, float32 ~4e9, and the check makes 2 + TP x (rowwise calls + 1) runs
+TIERS = (Tier(torch.float64, 64_000_000, 2e9, 1e-6), Tier(torch.float32, 256_000_000, 8e9, 1e-4))
+MAX_NUMEL = TIERS[0].max_numel  # what the modules judged beside each other add up to (``tracing._judged_modules``)
 MAX_ROWWISE_CALLS = 16  # rowwise calls followed in one forward (a pass each)
 
 
@@ -86,19 +103,21 @@ Verdict = Mismatch | Unchecked | None
 
 def check_module(name: str, module: nn.Module, styles: Mapping[str, TPStyle], degree: int, args: Any,
                  kwargs: Any) -> Verdict:
-    """Run ``module`` (on meta or any device: a random float64 copy is made) whole and as ``degree`` TP ranks run it
-    under ``styles`` (its descendants' names, relative to it, to COLWISE or ROWWISE); None when they agree."""
+    """Run ``module`` (on meta or any device: a random copy is made, in its ``Tier``'s dtype) whole and as ``degree``
+    TP ranks run it under ``styles`` (its descendants' names, relative to it, to COLWISE or ROWWISE); None when they
+    agree."""
     numel = sum(p.numel() for p in module.parameters())
-    if numel > MAX_NUMEL:
-        return Unchecked(name, f"{fmt_count(numel, 'param')}, over the {fmt_count(MAX_NUMEL, 'param')} this check "
-                               "runs on a CPU")
+    tier = next((t for t in TIERS if numel <= t.max_numel), None)
+    if tier is None:
+        return Unchecked(name, f"{fmt_count(numel, 'param')}, over the {fmt_count(TIERS[-1].max_numel, 'param')} "
+                               "this check runs on a CPU")
     inputs = _batch_of_one(args, kwargs)
     work = 2 * _tokens(inputs) * numel
-    if work > MAX_FLOPS:
-        return Unchecked(name, f"{work:.1e} FLOPs a run on its inputs' shapes, over the {MAX_FLOPS:.0e} this check "
-                               "runs on a CPU")
+    if work > tier.max_flops:
+        return Unchecked(name, f"{work:.1e} FLOPs a run on its inputs' shapes, over the {tier.max_flops:.0e} this "
+                               "check runs on a CPU")
     try:
-        whole = _materialized(module)
+        whole = _materialized(module, tier.dtype)
         with torch.no_grad():
             expected, again = _output(whole, inputs, SEED), _output(whole, inputs, SEED + 1)
             if len(expected) != len(again) or any(not torch.equal(a, b) for a, b in zip(expected, again,
@@ -113,14 +132,14 @@ def check_module(name: str, module: nn.Module, styles: Mapping[str, TPStyle], de
                      zip(expected, got, strict=True) if e.numel()), default=0.0)
     except Exception as e:  # the module's own code on inputs it was not built for, or a copy it refuses
         return Unchecked(name, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-    return Mismatch(name, error) if error > RTOL else None
+    return Mismatch(name, error) if error > tier.rtol else None
 
 
-def _materialized(module: nn.Module) -> nn.Module:
-    """A float64 CPU copy of ``module`` in eval mode (no dropout module), params and floating buffers random (each
+def _materialized(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A ``dtype`` CPU copy of ``module`` in eval mode (no dropout module), params and floating buffers random (each
     weight's scale 1 / sqrt(its last dim), as an initializer's), integer buffers zero, boolean ones true."""
     generator = torch.Generator().manual_seed(SEED)
-    copy = deepcopy(module).to_empty(device="cpu").to(torch.float64).eval()
+    copy = deepcopy(module).to_empty(device="cpu").to(dtype).eval()
     with torch.no_grad():
         for p in copy.parameters():
             p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) / math.sqrt(max(1, p.shape[-1])))
@@ -135,25 +154,28 @@ def _materialized(module: nn.Module) -> nn.Module:
 def _batch_of_one(args: Any, kwargs: Any) -> tuple[Any, Any]:
     """The captured inputs made small: their first dim 1 where every input tensor shares it (the batch), and the
     sequence ``SHORT_SEQ`` long where the first 3-D input is (batch, sequence, features) with the sequence longer
-    than that and unlike the features (every dim of that length shortened: masks, positions). The check is as sound
-    on a short sample, and a block at 8,192 tokens is minutes of float64 on a CPU."""
+    than that (every dim of that length shortened: masks, positions; the features kept where they are as wide). The
+    check is as sound on a short sample, and a block at 8,192 tokens is minutes of float64 on a CPU."""
     specs = list(_specs((args, kwargs)))
     firsts = {x.shape[0] for x in specs if x.shape}
     batch = next(iter(firsts)) if len(firsts) == 1 else None
     hidden = next((x for x in specs if len(x.shape) == 3 and x.dtype.is_floating_point), None)
-    seq = hidden.shape[1] if hidden is not None and SHORT_SEQ < hidden.shape[1] != hidden.shape[2] else None
+    seq = hidden.shape[1] if hidden is not None and hidden.shape[1] > SHORT_SEQ else None
+    # a sequence as long as the features are wide (Llama 3 8B at 4,096 tokens: a new user's block was not judged):
+    # the last dim of a (batch, sequence, features) input stays; a mask's key dim, the last of a 4-D one, is shortened
+    features = hidden.shape[2] if seq is not None and seq == hidden.shape[2] else None
 
     def small(x: Any) -> Any:
         if not isinstance(x, TensorSpec) or not x.shape:
             return x
-        dims = [1 if k == 0 and batch is not None else SHORT_SEQ if d == seq else d for k, d in enumerate(x.shape)]
+        kept = len(x.shape) - 1 if features is not None and len(x.shape) == 3 and x.dtype.is_floating_point else None
+        dims = [1 if k == 0 and batch is not None else SHORT_SEQ if d == seq and k != kept else d
+                for k, d in enumerate(x.shape)]
         return TensorSpec(tuple(dims), x.dtype)
     return tree_map(small, (args, kwargs))
 
 
 SHORT_SEQ = 16
-MAX_FLOPS = 2e9  # a run's matmul FLOPs (2 x tokens x params): float64 on a CPU core runs ~1e9 a second, and the
-# check makes 2 + TP x (rowwise calls + 1) runs
 
 
 def _tokens(inputs: Any) -> int:
@@ -169,16 +191,16 @@ def _specs(value: Any) -> Iterator[TensorSpec]:
             yield x
 
 
-def _stand_in(value: Any) -> Any:
-    """Random tensors for ``value``'s specs, the same on every call (each run gets its own copies: a module may
-    change its inputs in place)."""
+def _stand_in(value: Any, dtype: torch.dtype) -> Any:
+    """Random tensors for ``value``'s specs (floating ones in ``dtype``), the same on every call (each run gets its
+    own copies: a module may change its inputs in place)."""
     generator = torch.Generator().manual_seed(SEED)
 
     def one(x: Any) -> Any:
         if not isinstance(x, TensorSpec):
             return x
         if x.dtype.is_floating_point:
-            return torch.randn(x.shape, generator=generator, dtype=torch.float64)
+            return torch.randn(x.shape, generator=generator, dtype=dtype)
         if x.dtype == torch.bool:
             return torch.ones(x.shape, dtype=torch.bool)
         return torch.zeros(x.shape, dtype=x.dtype)
@@ -189,7 +211,8 @@ def _output(module: nn.Module, inputs: tuple[Any, Any], seed: int,
             params: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The floating tensors of one run's output, on fresh stand-ins and under ``seed`` (``params``: some of the
     module's params replaced, as a TP rank holds them)."""
-    args, kwargs = _stand_in(inputs)
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float64)
+    args, kwargs = _stand_in(inputs, dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = functional_call(module, dict(params or {}), tuple(args), kwargs, strict=False)
