@@ -418,3 +418,21 @@ def test_sequence_dim_collectives_carry_funcol_s_relayout_copies() -> None:
     fused = collections.Counter(copies(dataclasses.replace(tr, attention_batch=1), loss_parallel=False, async_tp=True))
     assert fused[(AG, False)] == 1
     assert 0 < len(copies(many, async_tp=True)) < sum(seen.values())
+
+
+def test_a_step_under_tp_says_what_its_batch_is() -> None:
+    """``--batch 2 --tp 2`` is two sequences per data-parallel rank, half the step of ``--batch 2`` alone: a new
+    user compared auto's "1x32 x TP 2" across the two runs (856 and 436 ms) under a heading that said each layout ran
+    the same step's sequences, which held for the run without --tp only."""
+    run = ("plan", "toy-llama", "--policy", "auto", "--batch", "2")
+    alone = run_main(*run, "--cluster", "h100:16")
+    assert "each at the same step's sequences, TP d at d x the batch per data-parallel rank" in alone.stdout
+    assert "TP GPUs sharing it" not in alone.stderr
+    fixed = run_main(*run, "--cluster", "h100:16", "--tp", "2")
+    assert "each at the batch given per data-parallel rank (--tp)): 1x8 x TP 2" in fixed.stdout, fixed.stdout
+    said = ("note: --tp 2: each batch is one data-parallel rank's, its 2 TP GPUs sharing it: the step runs 1/2 of the "
+            "sequences a step without --tp runs at the same --batch")
+    assert said in fixed.stderr
+    simulated = run_main("simulate", "toy-llama", "--policy", "titan", "--batch", "2", "--cluster", "h100:8", "--tp",
+                         "2")
+    assert simulated.returncode == 0 and said in simulated.stderr

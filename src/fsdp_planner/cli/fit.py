@@ -180,8 +180,7 @@ def _points(request: FitRequest) -> Points:
                 "--micro-batches may split a larger batch into micro-batches that fit")
     tp = request.policy.tp
     if tp is not None and tp > 1:  # as plan's --tp: torchtitan's local batch
-        render.note(f"--tp {tp}: each batch is one data-parallel rank's, its {tp} TP GPUs sharing it (tokens/s and "
-                    "MFU per GPU count each GPU's share)")
+        render.note(f"{render.tp_batch(tp)} (tokens/s and MFU per GPU count each GPU's share)")
     return Points(job, _tracer(request.full_trace), (lambda n: with_nodes(cluster, n)) if request.gpus_auto
                   else None, REPORTER, deadline)
 

@@ -117,6 +117,13 @@ def note(text: str) -> None:
         notes.print(f"note: {text}", highlight=False, markup=False)
 
 
+def tp_batch(tp: int) -> str:
+    """What ``--tp d`` makes of ``--batch`` (torchtitan's local batch): said where a step is judged, as the same
+    ``--batch`` without ``--tp`` runs d times the sequences (a new user compared the two steps as one job's)."""
+    return (f"--tp {tp}: each batch is one data-parallel rank's, its {tp} TP GPUs sharing it: the step runs 1/{tp} "
+            "of the sequences a step without --tp runs at the same --batch")
+
+
 def trace_note(text: str) -> None:
     """What a trace notes about the model (dim, once a command: auto traces the model again at each split)."""
     if _first_time(text):
@@ -530,9 +537,11 @@ def mesh_line(search: SearchSummary) -> str:
                      f"{'' if layout.fits else ' (' + fmt_bytes(layout.reserved) + ', does not fit)'}")
     tp = " x TP" if any(" x TP " in x.name for x in search.layouts) else ""
     ep = ", EP" if any(", EP " in x.name for x in search.layouts) else ""
-    # (each at the step's sequences: TP d's data-parallel ranks run d x the batch, where --tp d alone runs the batch
-    # given, 1/d of them: a faster-looking step)
-    same = "; each at the same step's sequences, TP d at d x the batch per data-parallel rank" if tp else ""
+    # (auto's TP degrees, each at the step's sequences: TP d's data-parallel ranks run d x the batch; where --tp d
+    # fixed the degree, every layout runs the batch given per data-parallel rank, 1/d of a step without --tp)
+    degrees = {x.name.partition(", EP ")[0].partition(" x TP ")[2] or "1" for x in search.layouts}
+    same = ("" if not tp else "; each at the same step's sequences, TP d at d x the batch per data-parallel rank"
+            if len(degrees) > 1 else "; each at the batch given per data-parallel rank (--tp)")
     return f"  layouts (replicate x shard{tp}{ep}{same}): {', '.join(parts)}"
 
 

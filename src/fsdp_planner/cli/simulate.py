@@ -47,6 +47,8 @@ HTML_SUFFIXES = (".html", ".htm")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp is not None and args.tp > 1 and not (args.from_torchtitan or args.from_accelerate):
+        render.note(render.tp_batch(args.tp))  # (a config's TP degree reads its own batch so: torchtitan's)
     args, config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job over these options
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES, force=args.force)
     page = picture_file(args.html, "--html", HTML_SUFFIXES, force=args.force)
