@@ -177,6 +177,22 @@ def test_a_toml_key_given_to_a_registry_job_is_an_error_not_dropped(flags, says)
     assert "\n" not in str(e.value)
 
 
+def test_a_checkpointing_class_given_a_mode_in_the_jobs_code_is_told_so(tmp_path):
+    """``SelectiveAC.Config(mode="op")`` in the job was refused as a --activation_checkpoint.mode flag the user never
+    gave (a new user's trial): the class is named, and the mode it takes."""
+    path = tmp_path / "jobs.py"
+    path.write_text('from torchtitan.distributed.activation_checkpoint import SelectiveAC\n'
+                    'from torchtitan.models.llama3 import model_registry\n'
+                    'from torchtitan.trainer import Trainer\n\n\n'
+                    'def job() -> Trainer.Config:\n'
+                    '    return Trainer.Config(model_spec=model_registry("8B"), '
+                    'activation_checkpoint=SelectiveAC.Config(mode="op"))\n')
+    with pytest.raises(PlannerError, match=r"SelectiveAC\.Config has no field mode \(the TOML form's "
+                                           r"activation_checkpoint\.mode\): the class is the mode") as e:
+        read_config(TORCHTITAN, f"{path}:job")
+    assert "--activation_checkpoint" not in str(e.value)
+
+
 REGISTRY_HEAD = """from torchtitan.config import TrainingConfig
 from torchtitan.trainer import Trainer
 raise SystemExit("this file is read, never run")

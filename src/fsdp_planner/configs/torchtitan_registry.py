@@ -249,6 +249,7 @@ def read_registry(spec: str, overrides: Sequence[Override] = ()) -> tuple[dict[s
     notes: list[str] = []
     try:
         config = _job(Source.of(tree), function, label, 0, notes)
+        _no_ac_mode(config.get("activation_checkpoint"), label)  # (before the flags, which may set it: _ac)
         for o in overrides:
             config = _set(config, o.key.split("."), o.value)
         config = check_set_over(config, overrides, label, notes)
@@ -797,6 +798,15 @@ def _literals(conv: Call, label: str, notes: list[str]) -> dict[str, Any]:
             continue
         table[key] = v
     return table
+
+
+def _no_ac_mode(value: Any, label: str) -> None:
+    """A checkpointing class given the TOML form's ``mode`` in the job's code (a new user's ``SelectiveAC.Config(mode=
+    "op")`` was told to drop a --activation_checkpoint.mode flag it never gave)."""
+    if isinstance(value, Call) and value.kind in AC_CLASSES and "mode" in value.fields:
+        raise PlannerError(f"{label}: {value.kind}.Config has no field mode (the TOML form's activation_checkpoint."
+                           "mode): the class is the mode, SelectiveAC.Config() op-level, FullAC.Config() every block "
+                           "in full, MemoryBudgetAC.Config(), or None")
 
 
 def _ac(value: Any, label: str, notes: list[str]) -> dict[str, Any]:
