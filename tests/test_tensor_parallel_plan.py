@@ -896,19 +896,26 @@ def test_check_of_a_plan_file_whose_layout_computes_something_else_is_an_error_f
         "else on this model: 0 (_Mixing)" in finding["message"]
 
 
-def test_auto_says_why_it_screens_no_tp_on_a_model_of_one_s_own(capsys):
+def test_auto_says_why_it_screens_no_tp_on_a_model_of_one_s_own(capsys, tmp_path):
     """auto screened no TP on a user's model and said nothing (a new user's finding): it weighs TP d at d times
     the batch, which a factory's default does not give without importing it again, and a detected layout must
-    first run on the model, which --tp asks for."""
+    first run on the model, which --tp asks for. A detected layout says so with or without --batch (the note asked
+    for --batch, and then said auto takes no detected layout: a later trial's finding)."""
     from fsdp_planner.cli import main
 
     spec = f"{Path(__file__).parent / 'fixtures' / 'tp_detected.py'}:pairs_mlp"
     run = ["plan", spec, "--policy", "auto", "--cluster", "h100:16"]
-    assert main(run) == 0
+    detected = ("this model's layout would be detected (column-then-row Linear pairs), which auto does not take on "
+                "its own; give --tp 2")
+    for batch in ([], ["--batch", "2"]):
+        assert main([*run, *batch]) == 0
+        err = capsys.readouterr().err
+        assert detected in err and "give --batch N" not in err
+    own = tmp_path / "own_llama.py"  # torchtitan's Llama layout, in a factory of one's own: its batch is not known
+    own.write_text("from fsdp_planner.models import load_model\n\n\ndef build():\n"
+                   "    lm = load_model('toy-llama')\n    return lm.model, lm.example_inputs, lm.loss_fn\n")
+    assert main(["plan", f"{own}:build", "--policy", "auto", "--cluster", "h100:16"]) == 0
     assert "this model's batch is not known (give --batch N to screen TP" in capsys.readouterr().err
-    assert main([*run, "--batch", "2"]) == 0
-    assert "this model's layout would be detected (column-then-row Linear pairs), which auto does not take on its " \
-        "own" in capsys.readouterr().err
 
 
 def test_a_plan_file_s_layout_names_the_modules_not_checked_on_numbers(tmp_path, capsys):

@@ -390,14 +390,14 @@ def _no_tp_screened(tr: Trace, model: ModelSpec, batch: bool, reporter: Reporter
                 reporter.note(f"auto screens no tensor parallelism here: {layout.asked} is refused ({e}), and so is "
                               "every larger degree")
                 return
-        if not batch:
-            reporter.note("auto screens no tensor parallelism here: it weighs TP d at d times the batch per "
-                          "data-parallel rank, and this model's batch is not known (give --batch N to screen TP, "
-                          "or --tp N to plan one degree)")
-        elif source == PAIRS:
+        if source == PAIRS:  # (with or without the batch: --batch alone led a new user to this note next)
             reporter.note("auto screens no tensor parallelism here: this model's layout would be detected "
                           "(column-then-row Linear pairs), which auto does not take on its own; give --tp 2 (or "
                           "another degree) to plan and weigh it")
+        elif not batch:
+            reporter.note("auto screens no tensor parallelism here: it weighs TP d at d times the batch per "
+                          "data-parallel rank, and this model's batch is not known (give --batch N to screen TP, "
+                          "or --tp N to plan one degree)")
 
 
 def _with_float8_scales(tr: Trace, layouts: list[Layout], f8: Float8 | None, reporter: Reporter) -> list[Layout]:
