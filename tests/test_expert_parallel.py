@@ -999,3 +999,14 @@ def test_auto_under_compile_screens_no_ep_and_ep_asked_for_is_one_sentence(capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: expert parallelism shards each expert module") and "compile the loss only" \
         in err[-1]
+
+
+def test_a_dense_model_asked_for_ep_and_tp_is_told_it_has_no_experts() -> None:
+    """A dense Llama job with expert_parallel_degree and tensor_parallel_degree was told to give one of the two
+    (EP x TP is modelled for torchtitan's MoE layout only); dropping TP then said the model has no experts (a new
+    user's trial): that is said first."""
+    for ep_tp in (["--ep", "4", "--tp", "2"], ["--ep", "4"]):
+        r = run_main("plan", "toy-llama", *ep_tp, "--policy", "titan", "--cluster", "h100:16")
+        assert r.returncode == 2 and r.stderr.strip() == (
+            "error: expert parallelism needs grouped experts modules (params stacked on an expert dim, a class named "
+            "...Experts); this model has none"), r.stderr

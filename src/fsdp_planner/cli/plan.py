@@ -34,9 +34,9 @@ def run(args: argparse.Namespace) -> int:
         render.notes.print(f"auto: no --cluster given, planning for {job.default_cluster}", highlight=False)
     for note in request.notes:
         render.note(note)
-    if args.tp is not None and args.tp > 1:
-        render.note(render.tp_batch(args.tp))
     outcome = plan(job, tracer(job.measure, job.full_trace), REPORTER)
+    if args.tp is not None and args.tp > 1:  # (after the planning: not before an error)
+        render.note(render.tp_batch(args.tp))
     if outcome.splits:
         _split_note(outcome)
     verdict = offload_verdict(outcome, tracer(False, job.full_trace), REPORTER)

@@ -47,8 +47,7 @@ HTML_SUFFIXES = (".html", ".htm")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tp is not None and args.tp > 1 and not (args.from_torchtitan or args.from_accelerate):
-        render.note(render.tp_batch(args.tp))  # (a config's TP degree reads its own batch so: torchtitan's)
+    tp_given = args.tp is not None and args.tp > 1 and not (args.from_torchtitan or args.from_accelerate)
     args, config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job over these options
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES, force=args.force)
     page = picture_file(args.html, "--html", HTML_SUFFIXES, force=args.force)
@@ -85,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
     verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
+    if tp_given:  # (a config's TP degree reads its own batch so: torchtitan's local batch)
+        render.note(render.tp_batch(args.tp))
     _show(args, reports, plans, verdict, cluster, options, budget)
     for path in filter(None, (png, page)) if not args.json else ():  # (the JSON document stays alone on stdout)
         render.plain(f"timeline written to {path}")

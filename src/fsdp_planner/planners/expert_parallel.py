@@ -129,7 +129,7 @@ def expert_modules(trace: Trace) -> list[str]:
     return out
 
 
-def _no_experts(trace: Trace) -> str:
+def no_experts(trace: Trace) -> str:
     """Why ``--ep`` finds nothing to split: no ``...Experts`` class, or one whose weights are not stacked on an
     expert dim in the module itself (DBRX's keep them flattened, 2-D, in a child)."""
     other = sorted({info.cls for info in trace.modules.values() if info.cls.endswith("Experts")})
@@ -171,7 +171,7 @@ def with_expert_parallel(plan: Plan, trace: Trace, degree: int, skew: float = 1.
         return plan.replace(expert_parallel=None)
     experts = expert_modules(trace)
     if not experts:
-        raise PlannerError(_no_experts(trace))
+        raise PlannerError(no_experts(trace))
     if (compiled := compiled_experts(trace)) is not None:
         raise PlannerError(f"{ep_in_compiled_block(*compiled)}: plan EP without --compile, or --compile without "
                            "--ep (torchtitan's MoE jobs with EP compile the loss only)")

@@ -32,6 +32,7 @@ from fsdp_planner.planners.expert_parallel import (
     ep_note,
     ep_tp_degrees,
     expert_modules,
+    no_experts,
     runs_ep,
     screen_ep_tp,
     self_routed_experts,
@@ -425,6 +426,8 @@ def requested_layout(tr: Trace, request: PolicyRequest, spec: ModelSpec, cluster
     checked against the model, ``cluster`` and the job's ``float8`` (``check_float8_scales``); a detected one's
     local shapes run (``check_local_shapes``); what it assumed goes to the reporter."""
     assert request.tp is not None
+    if (request.ep or 1) > 1 and not expert_modules(tr):  # (before EP x TP's refusal: a dense model's job was told
+        raise PlannerError(no_experts(tr))  # to give one of the two, not that it has no experts: a new user's trial)
     layout = dataclasses.replace(tp_layout(tr, request.tp, spec, request.loss_parallel, request.async_tp,
                                            request.ep or 1), named=request.tp_key)
     check_layout(tr, layout, cluster, spec.workload().get("seq_len"))
