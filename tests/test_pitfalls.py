@@ -112,6 +112,16 @@ def test_root_params_with_their_bytes():
     nbytes = sum(p.nbytes for p in tr.params if not p.fqn.startswith("layers."))  # traced in fp32: its own bytes
     assert f.severity is Severity.WARNING and f"({nbytes // 1024} KiB unsharded)" in f.message
     assert "tied" not in f.fix
+    # under TP 2 each rank holds half of the embedding and of the output head, the norm whole (check said the
+    # whole model's bytes where plan said each rank's: a new user's trial)
+    from fsdp_planner.fmt import fmt_bytes
+    from fsdp_planner.planners.tensor_parallel import titan_llama_layout
+
+    tp = make_plan(tr, [[f"layers.{i}"] for i in range(4)]).replace(tensor_parallel=titan_llama_layout(2))
+    [f] = [f for f in plan_findings(tr, tp) if f.code is Code.ROOT_PARAMS]
+    halved = sum(p.nbytes // (1 if p.fqn.startswith("norm.") else 2) for p in tr.params
+                 if not p.fqn.startswith("layers."))
+    assert f"({fmt_bytes(halved)} unsharded on each TP rank)" in f.message and halved < nbytes
 
 
 def test_root_params_name_a_tied_params_modules_together():

@@ -47,7 +47,7 @@ HTML_SUFFIXES = (".html", ".htm")
 
 
 def run(args: argparse.Namespace) -> int:
-    tp_given = args.tp is not None and args.tp > 1 and not (args.from_torchtitan or args.from_accelerate)
+    tp_note = _tp_note(args)  # (before the config's job sets --tp)
     args, config = configured(args)  # --from-torchtitan / --from-accelerate: the config's job over these options
     png = picture_file(args.timeline, "--timeline", PNG_SUFFIXES, force=args.force)
     page = picture_file(args.html, "--html", HTML_SUFFIXES, force=args.force)
@@ -84,17 +84,26 @@ def run(args: argparse.Namespace) -> int:
         _draw(views, png, page, f"{short_label(model_spec(args).label())} on {cluster.name}")
         reports = [(v.label, v.report) for v in views]
     verdict = _verdict(args, config is not None, tr, plans[0][1], reports[0][1], cluster, options, budget)
-    if tp_given:  # (a config's TP degree reads its own batch so: torchtitan's local batch)
-        render.note(render.tp_batch(args.tp))
-    _show(args, reports, plans, verdict, cluster, options, budget)
+    _show(args, reports, plans, verdict, cluster, options, budget, tp_note)
     for path in filter(None, (png, page)) if not args.json else ():  # (the JSON document stays alone on stdout)
         render.plain(f"timeline written to {path}")
     return 0
 
 
+def _tp_note(args: argparse.Namespace) -> str | None:
+    """What ``--tp`` makes of ``--batch`` (``render.tp_batch``); None for a config's TP degree, whose job's batch
+    torchtitan reads so."""
+    config = args.from_torchtitan or args.from_accelerate
+    return render.tp_batch(args.tp) if args.tp is not None and args.tp > 1 and not config else None
+
+
 def _show(args: argparse.Namespace, reports: list[tuple[str, StepReport]], plans: list[tuple[str, Plan]],
-          verdict: str | None, cluster: Cluster, options: SimOptions, budget: MemoryBudget) -> None:
-    """The steps' figures: one JSON document, or the verdict first, then each step's lines and memory table."""
+          verdict: str | None, cluster: Cluster, options: SimOptions, budget: MemoryBudget,
+          tp_note: str | None = None) -> None:
+    """The steps' figures: one JSON document, or the verdict first, then each step's lines and memory table;
+    ``tp_note``: said first."""
+    if tp_note is not None:
+        render.note(tp_note)
     if args.json:
         summaries = [{**r.summary(), "budget": budget.to_dict(r.reserved_memory),
                       "micro_batches": options.micro_batches, "gradient_sync": options.gradient_sync.value,

@@ -31,6 +31,7 @@ from fsdp_planner.fsdp2.input_casts import unhooked_casts
 from fsdp_planner.fsdp2.plan import Plan, check_plan_layout, check_reshard_sizes
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.replay import build_schedule
+from fsdp_planner.fsdp2.tensor_parallel import local_param, param_style
 from fsdp_planner.fsdp2.validity import sharded_reads
 from fsdp_planner.trace.events import EventKind
 from fsdp_planner.trace.infos import ParamInfo
@@ -429,7 +430,11 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
     if not ps:
         return []
     itemsize = trace.compute_itemsize
-    nbytes = sum(p.numel * (itemsize or p.itemsize) for p in ps)
+    tp = plan.tensor_parallel if plan.tp_degree > 1 else None
+    styles = tp.styles(trace.modules) if tp is not None else {}
+    # what each rank holds: its TP shard of a sharded param (a new user read the whole model's bytes under TP 2)
+    local = [local_param(p, param_style(p, styles), tp.degree) if tp is not None else p for p in ps]
+    nbytes = sum(p.numel * (itemsize or p.itemsize) for p in local)
     owners = list(dict.fromkeys(o for p in ps for o in p.owners[:1]))
     own = [o for o in owners if o == ROOT]
     # a param read outside its module's calls (a parent's method reading head.proj.weight) is sharded-read unless
@@ -444,7 +449,8 @@ def _root_findings(trace: Trace, plan: Plan) -> list[Finding]:
         fix += ("; " if fix else "") + "params registered on the root module itself can only be managed by the " \
                                        "root: move them into a submodule to shard them"
     return [Finding(Severity.WARNING, Code.ROOT_PARAMS,
-                    f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded) of "
+                    f"the root group manages {fmt_count(len(ps), 'param')} ({fmt_bytes(nbytes)} unsharded"
+                    f"{' on each TP rank' if tp is not None else ''}) of "
                     f"{fmt_modules([_path(o) for o in owners])}: FSDP2 all-gathers them at the root's pre-forward and, "
                     f"the root not resharding after forward, keeps them on every rank until the end of backward",
                     fix, owners[0])]

@@ -16,14 +16,14 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.frozen import FrozenDict
 from fsdp_planner.limits import MAX_TP_DEGREE
-from fsdp_planner.trace.infos import ModuleInfo
+from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
 from fsdp_planner.trace.tree import proper_ancestors
 from fsdp_planner.userfiles import shown_json
 
@@ -183,6 +183,36 @@ WEIGHT_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE, TPS
 
 
 _FLOAT8_LINEAR_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE)
+
+
+# the dim of its weight a style shards (the bias of a dim-0 style too): what one TP rank holds of the param
+_DIM0_STYLES = (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE, TPStyle.EMBEDDING, TPStyle.EMBEDDING_SEQUENCE,
+                TPStyle.COLWISE_GATHER)
+_DIM1_STYLES = (TPStyle.ROWWISE, TPStyle.ROWWISE_SEQUENCE, TPStyle.ROWWISE_SPLIT)
+
+
+def param_style(p: ParamInfo, styles: Mapping[str, TPStyle]) -> TPStyle | None:
+    """The style of the first of the param's owners that has one (None: whole on every TP rank)."""
+    return next((styles[o] for o in p.owners if o in styles), None)
+
+
+def local_param(p: ParamInfo, style: TPStyle | None, degree: int) -> ParamInfo:
+    """The param's TP-local shard: the dim its style shards, divided by the degree."""
+    if style is TPStyle.EXPERT_TENSOR:
+        dim = expert_tensor_dim(p.fqn.rpartition(".")[2])
+    elif style is TPStyle.MOE_TP_EXPERTS:
+        dim = moe_tp_expert_dim(p.fqn.rpartition(".")[2])[0]
+    elif style in _DIM0_STYLES:
+        dim = 0
+    elif style in _DIM1_STYLES and len(p.shape) >= 2:
+        dim = 1
+    else:
+        return p
+    if len(p.shape) <= dim or p.shape[dim] % degree:
+        raise PlannerError(f"tensor parallelism of degree {degree} cannot shard {p.fqn} {list(p.shape)} on dim {dim} "
+                           f"({style.value}): choose a degree that divides it")
+    shape = (*p.shape[:dim], p.shape[dim] // degree, *p.shape[dim + 1:])
+    return replace(p, shape=shape, numel=p.numel // degree)
 
 
 def float8_styled(styles: Mapping[str, TPStyle], converted: Iterable[str]) -> frozenset[str]:

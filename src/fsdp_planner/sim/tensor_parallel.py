@@ -65,9 +65,9 @@ from fsdp_planner.fsdp2.tensor_parallel import (
     TensorParallel,
     TPStyle,
     check_moe_styles,
-    expert_tensor_dim,
     float8_styled,
-    moe_tp_expert_dim,
+    local_param,
+    param_style,
 )
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.hardware.cost import collective_cost
@@ -86,7 +86,7 @@ from fsdp_planner.trace.events import (
     EventKind,
     OpClass,
 )
-from fsdp_planner.trace.infos import ModuleInfo, ParamInfo
+from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import CompiledBlock, Trace
 from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
 
@@ -281,10 +281,10 @@ def tp_view(trace: Trace, tp: TensorParallel, cluster: Cluster, float8: Float8 |
         raise PlannerError(f"tensor parallelism of degree {tp.degree} does not divide the {cluster.world_size} GPUs of "
                            f"cluster {cluster.name}")
     lay = _Layout(trace, tp, float8)
-    params = tuple(_local_param(p, _param_style(p, lay.styles), tp.degree) for p in trace.params)
+    params = tuple(local_param(p, param_style(p, lay.styles), tp.degree) for p in trace.params)
     events, where = _rank_events(trace, lay)
     replicated = tuple(i for i, p in enumerate(trace.params)
-                       if p.requires_grad and _param_style(p, lay.styles) in _EMBEDDING)
+                       if p.requires_grad and param_style(p, lay.styles) in _EMBEDDING)
     view = replace(trace, params=params, events=tuple(events), op_seconds=None,
                    modules=_modules(trace.modules, events, where),
                    loss_blocks=_loss_blocks(trace, lay, where), tensor_parallel=tp.signature(),
@@ -324,29 +324,6 @@ def _block_bytes(trace: Trace, module: str) -> tuple[int, int, int]:
     (a, b) = spans[0]
     saved = sum(e.saved for e in trace.events[a:b] if e.is_op) if a is not None and b is not None else 0
     return moved[0], moved[1], saved
-
-
-def _param_style(p: ParamInfo, styles: dict[str, TPStyle]) -> TPStyle | None:
-    return next((styles[o] for o in p.owners if o in styles), None)
-
-
-def _local_param(p: ParamInfo, style: TPStyle | None, t: int) -> ParamInfo:
-    """The param's TP-local shard: the dim its style shards, divided by the degree."""
-    if style is TPStyle.EXPERT_TENSOR:
-        dim = expert_tensor_dim(p.fqn.rpartition(".")[2])
-    elif style is TPStyle.MOE_TP_EXPERTS:
-        dim = moe_tp_expert_dim(p.fqn.rpartition(".")[2])[0]
-    elif style in (*_COLWISE, *_EMBEDDING, TPStyle.COLWISE_GATHER):
-        dim = 0
-    elif style in (*_ROWWISE, TPStyle.ROWWISE_SPLIT) and len(p.shape) >= 2:
-        dim = 1
-    else:
-        return p
-    if len(p.shape) <= dim or p.shape[dim] % t:
-        raise PlannerError(f"tensor parallelism of degree {t} cannot shard {p.fqn} {list(p.shape)} on dim {dim} "
-                           f"({style.value}): choose a degree that divides it")
-    shape = (*p.shape[:dim], p.shape[dim] // t, *p.shape[dim + 1:])
-    return replace(p, shape=shape, numel=p.numel // t)
 
 
 def _call_bytes(trace: Trace, lay: _Layout) -> dict[tuple[str, int], tuple[int, int]]:
