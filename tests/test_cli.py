@@ -1,4 +1,5 @@
-"""The CLI as a user runs it: real subprocesses, exit codes, one-line errors."""
+"""The CLI as a user runs it: exit codes, one-line errors; the demo in a real subprocess, the other commands in
+process (``run_main``: their torchrun jobs are real all the same)."""
 
 from __future__ import annotations
 

@@ -76,6 +76,22 @@ def test_a_config_without_its_own_plan_takes_its_classs(tmp_path) -> None:
     assert styles["model.layers.0.self_attn.o_proj"] is TPStyle.ROWWISE
 
 
+def test_deepseek_v3s_class_plan_under_tp_is_refused_in_one_sentence_where_it_gives_mla_kv_a_proj(tmp_path):
+    """transformers 5.25's DeepSeek-V3 plan gives its MLA's kv_a_proj_with_mqa ``mla_kv_a_proj``, which the planner
+    does not model (as DeepSeek-V2's): --tp is refused in one sentence; 5.24's plan (experts only) lays it out."""
+    from conftest import run_main
+    from transformers import DeepseekV3Config
+
+    run = ("plan", _model(tmp_path, "deepseek_v3", own_plan=False), "--tp", "2", "--policy", "titan", "--cluster",
+           "h100:4", "--seq", "32")
+    r = run_main(*run)
+    if "mla_kv_a_proj" in DeepseekV3Config.base_model_tp_plan.values():
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+            "error: transformers' tensor-parallel plan for ") and "kv_a_proj_with_mqa (mla_kv_a_proj)" in r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.integration  # real FSDP2 + DTensor on 8 fake ranks, three transformers MoE models: ~30 s
 @pytest.mark.parametrize("family", sorted(_CONFIGS))
 def test_packed_experts_over_tp_are_exact_on_fake_ranks(tmp_path, capsys, family) -> None:

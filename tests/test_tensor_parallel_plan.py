@@ -1008,3 +1008,39 @@ def test_simulate_refuses_a_sequence_sequence_parallelism_cannot_split(capsys):
     assert main(["simulate", "llama3-8b", "--policy", "titan", "--tp", "4", "--seq", "1001", "--batch", "1",
                  "--cluster", "h100:8"]) == 2
     assert "--seq 1,001 must be a multiple of 4" in capsys.readouterr().err
+
+
+def test_a_sequence_as_wide_as_the_features_is_judged_beside_a_conditioning_vector(monkeypatch):
+    """A reviewer's DiT-style block, ``x + fc2(softmax(fc1(x * c)))`` with a conditioning vector c (b, f), at a
+    sequence as long as the features are wide: shortening every dim of that length made c (1, 16) and the run raised,
+    so the unsound layout was a note, not refused. c keeps its width, and a module that raises on the shortened
+    sample runs on the whole sequence; token ids count as rows of its FLOPs."""
+    import torch
+
+    from fsdp_planner.service import tp_numerics as tn
+
+    class Conditioned(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x, c):
+            return x + self.fc2(torch.softmax(self.fc1(x * c[:, None, :]), -1))
+
+    styles = {"fc1": TPStyle.COLWISE, "fc2": TPStyle.ROWWISE}
+    for seq in (48, 32):  # (32: as wide as the features)
+        args = (tn.TensorSpec((2, seq, 32), torch.float32), tn.TensorSpec((2, 32), torch.float32))
+        assert isinstance(tn.check_module("b", Conditioned(32), styles, 2, args, {}), tn.Mismatch), seq
+
+    class Embedded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.up, self.down = nn.Embedding(64, 32), nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, ids):
+            return self.down(torch.relu(self.up(self.embed(ids))))
+
+    ids = (tn.TensorSpec((4, 4096), torch.int64),)  # a batch of one: 2 x 4,096 rows x 8,288 params = 6.8e7 FLOPs
+    monkeypatch.setattr(tn, "TIERS", (dataclasses.replace(tn.TIERS[0], max_flops=1e7),))
+    verdict = tn.check_module("e", Embedded(), {"up": TPStyle.COLWISE, "down": TPStyle.ROWWISE}, 2, ids, {})
+    assert isinstance(verdict, tn.Unchecked) and "FLOPs a run" in verdict.reason, verdict

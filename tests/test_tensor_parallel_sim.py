@@ -429,7 +429,8 @@ def test_a_step_under_tp_says_what_its_batch_is() -> None:
     assert "each at the same step's sequences, TP d at d x the batch per data-parallel rank" in alone.stdout
     assert "TP GPUs sharing it" not in alone.stderr
     fixed = run_main(*run, "--cluster", "h100:16", "--tp", "2")
-    assert "each at the batch given per data-parallel rank (--tp)): 1x8 x TP 2" in fixed.stdout, fixed.stdout
+    assert "each at the batch given per data-parallel rank, the TP degree fixed): 1x8 x TP 2" in fixed.stdout, \
+        fixed.stdout
     said = ("note: --tp 2: each batch is one data-parallel rank's, its 2 TP GPUs sharing it: the step runs 1/2 of the "
             "sequences a step without --tp runs at the same --batch")
     assert said in fixed.stderr

@@ -537,11 +537,10 @@ def mesh_line(search: SearchSummary) -> str:
                      f"{'' if layout.fits else ' (' + fmt_bytes(layout.reserved) + ', does not fit)'}")
     tp = " x TP" if any(" x TP " in x.name for x in search.layouts) else ""
     ep = ", EP" if any(", EP " in x.name for x in search.layouts) else ""
-    # (auto's TP degrees, each at the step's sequences: TP d's data-parallel ranks run d x the batch; where --tp d
-    # fixed the degree, every layout runs the batch given per data-parallel rank, 1/d of a step without --tp)
-    degrees = {x.name.partition(", EP ")[0].partition(" x TP ")[2] or "1" for x in search.layouts}
-    same = ("" if not tp else "; each at the same step's sequences, TP d at d x the batch per data-parallel rank"
-            if len(degrees) > 1 else "; each at the batch given per data-parallel rank (--tp)")
+    # (auto's TP degrees, each at the step's sequences: TP d's data-parallel ranks run d x the batch; where --tp d or
+    # a config fixed the degree, every layout runs the batch given per data-parallel rank, 1/d of a step without it)
+    same = ("" if not tp else "; each at the batch given per data-parallel rank, the TP degree fixed"
+            if search.tp_fixed else "; each at the same step's sequences, TP d at d x the batch per data-parallel rank")
     return f"  layouts (replicate x shard{tp}{ep}{same}): {', '.join(parts)}"
 
 

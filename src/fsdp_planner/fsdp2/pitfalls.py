@@ -185,7 +185,8 @@ def _dtype_warnings(trace: Trace, precision: Precision) -> list[Finding]:
 
 # -- a plan ----------------------------------------------------------------------------------------------------
 def plan_findings(trace: Trace, plan: Plan, world_size: int | None = None, fsdp1: bool = False) -> list[Finding]:
-    """Findings about ``plan`` on the traced model. A plan made for another model is a PlannerError."""
+    """Findings about ``plan`` on the traced model. A plan made for another model is a PlannerError, and so is a TP
+    degree that does not divide a param its layout shards (``local_param``: ``check`` refuses the degree first)."""
     out = _structure_findings(trace, plan, world_size)
     if out:  # the replay needs a plan FSDP2 can apply: check that it is this model's, then stop
         if plan.fingerprint != trace.fingerprint:

@@ -46,9 +46,10 @@ class SearchSummary:
     best_baseline_step: float | None
     layouts: tuple[Layout, ...]
     cluster: Cluster  # planned for: its host figures (the CPU optimizer rate an offload plan's step depends on)
+    tp_fixed: bool = False  # the TP degree was given (--tp, a config's): each layout ran the batch per DP rank given
 
 
-def summarize(result: AutoResult) -> SearchSummary:
+def summarize(result: AutoResult, tp_fixed: bool = False) -> SearchSummary:
     best = best_fitting_baseline(result)
     ev = result.search.ev
     layouts = tuple(Layout(name, c.report.step_time, c.report.reserved_memory, ev.fits(c))
@@ -56,7 +57,7 @@ def summarize(result: AutoResult) -> SearchSummary:
     return SearchSummary(result.written_plan, result.report, result.budget, result.budget_source, result.fits,
                          result.evaluated, result.refined, result.effort, result.seconds,
                          best.origin if best else None, best.report.step_time if best else None, layouts,
-                         ev.cluster)
+                         ev.cluster, tp_fixed)
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,9 @@ def plan(job: PlanJob, tracer: Tracer, reporter: Reporter = SILENT) -> PlanOutco
     kept = as_written(plans[0], job, tr) if plans else None
     why = explained(auto) if job.explain and auto is not None and no_fit is None and \
         auto.plan.expert_parallel is None else None  # (the explanation reads the whole model's search, not EP's)
-    return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto) if auto else None, no_fit, splits, why)
+    tp_fixed = any(p.name is PolicyName.AUTO and p.tp is not None for p in job.policies)
+    return PlanOutcome(job, tr, tuple(rows), kept, auto, summarize(auto, tp_fixed) if auto else None, no_fit, splits,
+                       why)
 
 
 def given_outcome(job: PlanJob, tr: Trace, plan: Plan) -> PlanOutcome:
