@@ -176,13 +176,14 @@ def _samples(args: Any, kwargs: Any) -> list[tuple[Any, Any]]:
     seq = hidden.shape[1] if hidden is not None and hidden.shape[1] > SHORT_SEQ else None
     square = seq is not None and seq == hidden.shape[2]
 
-    def small(seq: int | None) -> tuple[Any, Any]:
+    def small(shortened: int | None) -> tuple[Any, Any]:
+        """The inputs with the batch one and each dim of length ``shortened`` (None: none) ``SHORT_SEQ`` long."""
         def one(x: Any) -> Any:
             if not isinstance(x, TensorSpec) or not x.shape:
                 return x
             kept = len(x.shape) - 1 if square and len(x.shape) in (2, 3) and x.dtype.is_floating_point else None
-            return TensorSpec(tuple(1 if k == 0 and batch is not None else SHORT_SEQ if d == seq and k != kept else d
-                                    for k, d in enumerate(x.shape)), x.dtype)
+            return TensorSpec(tuple(1 if k == 0 and batch is not None else SHORT_SEQ if d == shortened and k != kept
+                                    else d for k, d in enumerate(x.shape)), x.dtype)
         return tree_map(one, (args, kwargs))
     return [small(seq), small(None)] if square else [small(seq)]
 
