@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fsdp_planner.fsdp2.tensor_parallel import TPStyle
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.tensor_parallel import sharded_share, tp_layout
 from fsdp_planner.service.tracing import trace_spec
@@ -22,6 +22,12 @@ _ATTENTION_TP = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_p
                  "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
 _DENSE_TP = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
              "layers.*.mlp.down_proj": "rowwise"}
+# transformers 5.25's DeepSeek-V3 plan of its blocks (MLA attention: kv_a_proj_with_mqa whole, its rope key's grad
+# all-reduced), carried by a config so that it runs on either release
+_MLA_TP = {"layers.*.self_attn.q_b_proj": "colwise", "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+           "layers.*.self_attn.kv_b_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+           "layers.*.mlp.shared_experts.gate_proj": "colwise", "layers.*.mlp.shared_experts.up_proj": "colwise",
+           "layers.*.mlp.shared_experts.down_proj": "rowwise", **_DENSE_TP}
 # tiny configs of three transformers MoE families (built on meta, no download)
 _CONFIGS = {
     "mixtral": {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -45,10 +51,13 @@ _CONFIGS = {
 }
 
 
-def _model(tmp_path, family: str, own_plan: bool = True) -> str:
-    """The family's tiny config; ``own_plan=False``: without its TP plan, so the class's applies."""
+def _model(tmp_path, family: str, own_plan: bool = True, plan: dict | None = None) -> str:
+    """The family's tiny config; ``own_plan=False``: without its TP plan, so the class's applies; ``plan``: this
+    one."""
     config = _CONFIGS[family] if own_plan else {k: v for k, v in _CONFIGS[family].items() if k != "base_model_tp_plan"}
-    path = tmp_path / f"{family}{'' if own_plan else '-class-plan'}.json"
+    if plan is not None:
+        config = {**config, "base_model_tp_plan": plan}
+    path = tmp_path / f"{family}{'' if own_plan else '-class-plan'}{'-plan' if plan else ''}.json"
     path.write_text(json.dumps(config))
     return f"hf:{path}"
 
@@ -76,20 +85,60 @@ def test_a_config_without_its_own_plan_takes_its_classs(tmp_path) -> None:
     assert styles["model.layers.0.self_attn.o_proj"] is TPStyle.ROWWISE
 
 
-def test_deepseek_v3s_class_plan_under_tp_is_refused_in_one_sentence_where_it_gives_mla_kv_a_proj(tmp_path):
-    """transformers 5.25's DeepSeek-V3 plan gives its MLA's kv_a_proj_with_mqa ``mla_kv_a_proj``, which the planner
-    does not model (as DeepSeek-V2's): --tp is refused in one sentence; 5.24's plan (experts only) lays it out."""
+def test_deepseek_v3s_class_plan_under_tp(tmp_path):
+    """transformers 5.25's DeepSeek-V3 plan gives its MLA's kv_a_proj_with_mqa ``mla_kv_a_proj`` (refused until
+    the style was modelled); 5.24's shards its experts alone. Either plans under --tp."""
     from conftest import run_main
     from transformers import DeepseekV3Config
 
-    run = ("plan", _model(tmp_path, "deepseek_v3", own_plan=False), "--tp", "2", "--policy", "titan", "--cluster",
-           "h100:4", "--seq", "32")
-    r = run_main(*run)
-    if "mla_kv_a_proj" in DeepseekV3Config.base_model_tp_plan.values():
-        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
-            "error: transformers' tensor-parallel plan for ") and "kv_a_proj_with_mqa (mla_kv_a_proj)" in r.stderr
-    else:
-        assert r.returncode == 0, r.stderr
+    model = _model(tmp_path, "deepseek_v3", own_plan=False)
+    r = run_main("plan", model, "--tp", "2", "--policy", "titan", "--cluster", "h100:4", "--seq", "32")
+    assert r.returncode == 0, r.stderr
+    spec = ModelSpec(model, batch_size=1, seq_len=32)
+    tr = trace_spec(spec)
+    styles = tp_layout(tr, 2, spec).tp.styles(tr.modules)
+    mla = "mla_kv_a_proj" in DeepseekV3Config.base_model_tp_plan.values()
+    assert (styles.get("model.layers.0.self_attn.kv_a_proj_with_mqa") is TPStyle.MLA_KV_A_PROJ) == mla
+
+
+@pytest.mark.integration  # real FSDP2 + DTensor on 8 fake ranks: ~8 s
+def test_mla_key_over_tp_is_exact_on_fake_ranks(tmp_path, capsys) -> None:
+    """Every FSDP and TP collective and byte as predicted with DeepSeek-V3's MLA plan: each block's rope key's
+    grad all-reduced in backward beside the colwise and rowwise Linears' (16 TP all-reduces a step here), the
+    peak within 2%."""
+    from fsdp_planner.cli import main
+
+    assert main(["verify", _model(tmp_path, "deepseek_v3", plan=_MLA_TP), "--seq", "32", "--batch", "4",
+                 "--policy", "titan", "--tp", "2", "--fake-world-size", "8", "--cluster", "h100:8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["counts_and_bytes_exact"] and abs(out["peak_error"]) < 0.02, out
+
+
+@pytest.mark.integration  # 4 gloo ranks under torchrun (FSDP 2 x TP 2), twice: ~20 s
+def test_mla_key_trains_with_equal_copies_on_gloo_and_drifts_left_whole(tmp_path, capsys) -> None:
+    """With the style each TP rank's copy of kv_a_proj_with_mqa is the same (0 apart) and the params match the
+    unsharded reference; the same layout with it left whole passes the parity bound (3e-6 of 1e-5: a tiny model's
+    rope key moves little) but its copies drift 3.6e-6 apart: verify fails on them."""
+    from fsdp_planner.cli import main
+
+    model = _model(tmp_path, "deepseek_v3", plan=_MLA_TP)
+    common = ["--nproc", "4", "--precision", "fp32", "--steps", "2", "--time-steps", "0", "--json"]
+    plan = tmp_path / "plan.json"
+    assert main(["plan", model, "--seq", "32", "--batch", "4", "--policy", "titan", "--tp", "2", "--cluster",
+                 "h100:4", "--out", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["verify", model, "--plan", str(plan), *common]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["replica_diff"] == 0.0, out
+    data = json.loads(plan.read_text())
+    data["tensor_parallel"]["layout"] = {k: v for k, v in data["tensor_parallel"]["layout"].items()
+                                         if v != "mla_kv_a_proj"}
+    del data["tensor_parallel"]["mla_rope_dim"]
+    plan.write_text(json.dumps(data))
+    assert main(["verify", model, "--plan", str(plan), *common]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["params_match"] and not out["replicas_match"], out
+    assert out["replica_param"].endswith("self_attn.kv_a_proj_with_mqa.weight"), out
 
 
 @pytest.mark.integration  # real FSDP2 + DTensor on 8 fake ranks, three transformers MoE models: ~30 s
@@ -129,3 +178,23 @@ def test_the_python_export_shards_packed_experts_as_apply_plan_does(tmp_path) ->
     _, seen = export_and_apply_collectives(spec, plan)
     reduced = [(counts["all_reduce"], nbytes["all_reduce"]) for counts, nbytes in seen]
     assert reduced[0] == reduced[1] and reduced[0][0] > 0, reduced
+
+
+@pytest.mark.integration  # the exported apply() and apply_plan on 4 fake ranks: ~5 s
+def test_the_python_export_all_reduces_the_mla_key_as_apply_plan_does(tmp_path) -> None:
+    from tp_exports import export_and_apply_collectives
+
+    from fsdp_planner.planners.classic import TorchtitanPolicy
+
+    spec = ModelSpec(_model(tmp_path, "deepseek_v3", plan=_MLA_TP), batch_size=4, seq_len=32)
+    tr = trace_spec(spec)
+    tp = tp_layout(tr, 2, spec).tp
+    plan = TorchtitanPolicy("DeepseekV3DecoderLayer").plan(tr).replace(tensor_parallel=tp, precision="bf16-mixed")
+    source, seen = export_and_apply_collectives(spec, plan)
+    assert "MLA_ROPE_DIM: int = 8" in source
+    reduced = [(counts["all_reduce"], nbytes["all_reduce"]) for counts, nbytes in seen]
+    assert reduced[0] == reduced[1], reduced
+    # the same layout with the key left whole: one all-reduce a block fewer, of batch x seq x 8 rope features
+    whole = TensorParallel(2, {k: v for k, v in tp.layout.items() if v is not TPStyle.MLA_KV_A_PROJ})
+    _, (_, (counts, nbytes)) = export_and_apply_collectives(spec, plan.replace(tensor_parallel=whole))
+    assert (reduced[0][0] - counts["all_reduce"], reduced[0][1] - nbytes["all_reduce"]) == (2, 2 * 4 * 32 * 8 * 2)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from fsdp_planner.configs.job_config import ACCELERATE, TORCHTITAN, read_config
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.claim import check_plan_matches
-from fsdp_planner.fsdp2.tensor_parallel import TPStyle
+from fsdp_planner.fsdp2.tensor_parallel import TensorParallel, TPStyle, tensor_parallel_from_dict
 from fsdp_planner.hardware.cluster import parse_cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest
@@ -97,22 +97,64 @@ def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_pat
     assert not any("experts" in n for n in layout.notes)
 
 
-def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path):
-    """DeepSeek-V2's plan gives kv_a_proj_with_mqa 'mla_kv_a_proj' (its output holds the rope key every head
-    reads): left whole beside the sharded heads, its gradient was one rank's heads' only and the TP ranks' copies
-    drifted (verify --nproc 4: 18x the parity bound) while plan and check passed. Refused; Olmo2's gathered q/k/v
-    and split o_proj are laid out (tests/test_tp_gathered_styles.py)."""
+def _deepseek_v2(tmp_path, **extra) -> ModelSpec:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({
         "model_type": "deepseek_v2", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 4,
         "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 32,
         "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 24, "n_group": 1,
-        "topk_group": 1, "topk_method": "greedy", "vocab_size": 128}))
-    spec = ModelSpec(f"hf:{config}", batch_size=2, seq_len=16)
-    with pytest.raises(PlannerError, match=r"kv_a_proj_with_mqa \(mla_kv_a_proj\), which fsdp-planner does not "
+        "topk_group": 1, "topk_method": "greedy", "vocab_size": 128, **extra}))
+    return ModelSpec(f"hf:{config}", batch_size=2, seq_len=16)
+
+
+def test_deepseek_v2s_mla_key_takes_the_style_mla_kv_a_proj(tmp_path):
+    """DeepSeek-V2's plan gives kv_a_proj_with_mqa 'mla_kv_a_proj' (its output holds the rope key every head
+    reads): left whole beside the sharded heads, its gradient was one rank's heads' only and the TP ranks' copies
+    drifted (verify --nproc 4: 18x the parity bound), so it was refused. It is now laid out: whole on each rank,
+    the config's qk_rope_head_dim features' grad all-reduced (tests/test_moe_tp_hf.py runs it)."""
+    spec = _deepseek_v2(tmp_path)
+    tr = trace_spec(spec)
+    tp = tp_layout(tr, 2, spec).tp
+    assert tp.styles(tr.modules)["model.layers.0.self_attn.kv_a_proj_with_mqa"] is TPStyle.MLA_KV_A_PROJ
+    assert tp.mla_rope_dim == 8 and tp.to_dict()["mla_rope_dim"] == 8
+    assert tensor_parallel_from_dict(tp.to_dict()) == tp
+
+
+def test_mlas_kv_b_proj_gives_whole_heads_of_its_own_width(tmp_path):
+    """MLA's kv_b_proj makes each head's key part and value (16 + 24 wide here; DeepSeek-V3's 128 + 128) while its
+    attention runs at 24 (its 192): --tp 4 gives each rank one whole head of 40, where the head-dim check refused
+    it (160 features are 6.67 heads of 24; DeepSeek-V3 at TP 8: 170.667 heads of 192); 8 ranks do not divide 4
+    heads."""
+    spec = _deepseek_v2(tmp_path)
+    tr = trace_spec(spec)
+    assert trace_spec(spec).param("model.layers.0.self_attn.kv_b_proj.weight").shape[0] == 160
+    check_layout(tr, tp_layout(tr, 4, spec), parse_cluster("h100:4"))
+    with pytest.raises(PlannerError, match="must divide the model's 4 attention heads"):
+        check_layout(tr, tp_layout(tr, 8, spec), parse_cluster("h100:8"))
+
+
+def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path):
+    """A plan with a style the planner does not model ('all_reduce': a module's partial output summed) is refused
+    in one sentence, not laid out with that module whole."""
+    plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.kv_a_proj_with_mqa": "all_reduce",
+            "layers.*.self_attn.kv_b_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise"}
+    spec = _deepseek_v2(tmp_path, base_model_tp_plan=plan)
+    with pytest.raises(PlannerError, match=r"kv_a_proj_with_mqa \(all_reduce\), which fsdp-planner does not "
                                            r"model, and left whole"):
         tp_layout(trace_spec(spec), 2, spec)
+
+
+def test_mla_rope_dim_goes_with_the_style_only():
+    """A layout with mla_kv_a_proj needs its rope features, and only such a layout takes them: both refused in one
+    sentence, from Python and from a plan file."""
+    with pytest.raises(PlannerError, match="needs its rope features"):
+        TensorParallel(2, {"a": TPStyle.MLA_KV_A_PROJ})
+    with pytest.raises(PlannerError, match="mla_rope_dim' is for a layout with the style mla_kv_a_proj"):
+        tensor_parallel_from_dict({"degree": 2, "layout": {"a": "colwise"}, "mla_rope_dim": 8})
+    for bad in (-1, True, 2.5, "8"):
+        with pytest.raises(PlannerError, match="mla_rope_dim' must be a whole number"):
+            tensor_parallel_from_dict({"degree": 2, "layout": {"a": "mla_kv_a_proj"}, "mla_rope_dim": bad})
 
 
 def test_torchtitan_layout_found_by_the_trace_not_the_name():

@@ -562,6 +562,7 @@ TP_LAYOUT: dict[str, str] = {layout}  # module name or pattern ('*': one part) -
 LOSS_PARALLEL: bool = {loss_parallel}  # the output head keeps vocab-sharded logits: the loss under loss_context()
 ASYNC_TP: bool = {async_tp}  # torchtitan's async TP (takes effect under torch.compile)
 FLOAT8_TP: bool = {float8_tp}  # torchao's float8 TP styles: activations all-gathered in float8 (float8 Linears)
+MLA_ROPE_DIM: int = {mla_rope_dim}  # mla_kv_a_proj: its output's last features (the rope key), grad all-reduced
 """
 
 TP_TAIL = '''
@@ -601,7 +602,7 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         if not hits:
             raise ValueError(f"TP_LAYOUT names {pattern!r}, which matches no module of this model")
         styles.update(dict.fromkeys(hits, style))
-    moe = ("moe_sequence", "replicate", "token_split", "expert_tensor", "moe_tp_experts")
+    moe = ("moe_sequence", "replicate", "token_split", "expert_tensor", "moe_tp_experts", "mla_kv_a_proj")
     float8 = _float8_styled(modules, styles) if FLOAT8_TP else set()
     parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n], n in float8) for n, s in styles.items()
                                         if s not in moe})
@@ -616,6 +617,8 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             distribute_module(modules[name], tp_mesh, None, _moe_input, _moe_output)
         elif style == "replicate":  # replicated params (a router gate, per-head norms): their grads summed over tp
             distribute_module(modules[name], tp_mesh, None, _replicated_input, _replicated_output)
+        elif style == "mla_kv_a_proj":  # whole on each rank; the rope key's grad (every head reads it) summed over tp
+            modules[name].register_forward_hook(lambda m, args, out: _rope_grad_all_reduced(out, tp_mesh))
     if ASYNC_TP:  # torchtitan's switch: the all-gathers and reduce-scatters fused with their matmuls by compile
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -751,6 +754,15 @@ def _replicated_output(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> tor
     return out.to_local(grad_placements=[Partial()])
 
 
+def _rope_grad_all_reduced(out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """The same values; the grad of the last MLA_ROPE_DIM features (MLA's rope key) all-reduced over tp."""
+    if out.shape[-1] <= MLA_ROPE_DIM:
+        raise ValueError(f"mla_kv_a_proj: the output has {out.shape[-1]} features, not more than MLA_ROPE_DIM")
+    kept, rope = out.split([out.shape[-1] - MLA_ROPE_DIM, MLA_ROPE_DIM], dim=-1)
+    rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return torch.cat([kept, rope], dim=-1)
+
+
 def _matches(pattern: str, name: str) -> bool:
     parts, atoms = name.split("."), pattern.split(".")
     return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
@@ -783,7 +795,8 @@ def tp_constants(tp: TensorParallel, float8: Float8 | None) -> str:
     return TP_CONSTANTS.format(degree=py_literal(tp.degree),
                                layout=py_literal({k: s.value for k, s in tp.layout.items()}),
                                loss_parallel=py_literal(tp.loss_parallel), async_tp=py_literal(tp.async_tp),
-                               float8_tp=py_literal(float8 is not None and float8.tp_float8_all_gather))
+                               float8_tp=py_literal(float8 is not None and float8.tp_float8_all_gather),
+                               mla_rope_dim=py_literal(tp.mla_rope_dim))
 
 
 def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParallel, float8: Float8 | None

@@ -76,10 +76,11 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: 
                               input_kwarg_layouts={}, desired_input_kwarg_layouts={})
 
 
-# the MoE styles (torchtitan's own, no torch style stands for them): applied with ``distribute_module`` here, the
-# experts' token split by EP's dispatch and combine (apply/expert_parallel.py)
-MOE_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR,
-              TPStyle.MOE_TP_EXPERTS)
+# the styles no torch style stands for (torchtitan's MoE ones, transformers' packed experts and MLA key): applied
+# with ``distribute_module`` or a forward hook here, the experts' token split by EP's dispatch and combine
+# (apply/expert_parallel.py)
+OWN_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR,
+              TPStyle.MOE_TP_EXPERTS, TPStyle.MLA_KV_A_PROJ)
 
 
 def float8_styles() -> tuple[Any, Any, Any]:
@@ -109,7 +110,7 @@ def torch_plan(model: nn.Module, tp: TensorParallel, float8: bool = False) -> di
     styles = tp.styles(modules)
     f8 = float8_modules(modules, styles) if float8 else set()
     return {name: torch_style(style, tp.loss_parallel, modules[name], name in f8)
-            for name, style in styles.items() if style not in MOE_STYLES}
+            for name, style in styles.items() if style not in OWN_STYLES}
 
 
 def _gathered(module: nn.Module, inputs: tuple, mesh: Any) -> tuple:
@@ -220,9 +221,25 @@ class _LocalExperts:
         return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
-def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None:
-    """The layout's MoE layers and router gates over ``tp_mesh`` (``MOE_STYLES``; their params replicated), the
-    experts' hidden units sharded first where the layout says so (``EXPERT_TENSOR``)."""
+def rope_grad_all_reduced(out: torch.Tensor, rope_dim: int, mesh: Any) -> torch.Tensor:
+    """``out`` with the grad of its last ``rope_dim`` features all-reduced over ``mesh`` in backward (a replicated
+    DTensor's local tensor whose grad is taken as partial), the rest's passed on as it comes: MLA's rope key,
+    which every head reads straight (``MLA_KV_A_PROJ``). The same values, a new tensor."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if out.shape[-1] <= rope_dim:
+        raise PlannerError(f"the tensor-parallel style mla_kv_a_proj all-reduces the grad of its output's last "
+                           f"{rope_dim} features (mla_rope_dim), and the module's output has {out.shape[-1]}")
+    kept, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+    rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return torch.cat([kept, rope], dim=-1)
+
+
+def apply_own_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None:
+    """The layout's styles no torch style stands for (``OWN_STYLES``) over ``tp_mesh``: the MoE layers and router
+    gates (their params replicated), the experts' hidden units sharded first where the layout says so
+    (``EXPERT_TENSOR``); an MLA kv_a_proj's rope key's grad all-reduced by a forward hook (its params left
+    plain)."""
     from torch.distributed.tensor import distribute_module
 
     modules = dict(model.named_modules())
@@ -239,6 +256,9 @@ def apply_moe_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None
             distribute_module(modules[name], tp_mesh, None, _gathered, _scattered)
         elif style is TPStyle.REPLICATE:
             distribute_module(modules[name], tp_mesh, None, _replicated_in, _replicated_out)
+        elif style is TPStyle.MLA_KV_A_PROJ:
+            modules[name].register_forward_hook(
+                lambda module, args, out: rope_grad_all_reduced(out, tp.mla_rope_dim, tp_mesh))
 
 
 def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel: bool = False,
@@ -252,7 +272,7 @@ def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
     check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
     parallelize_module(model, tp_mesh, torch_plan(model, tp, float8))
-    apply_moe_styles(model, tp, tp_mesh)
+    apply_own_styles(model, tp, tp_mesh)
 
 
 def split_mesh(mesh: Any, plan: Plan) -> tuple[Any, Any]:

@@ -438,8 +438,17 @@ def _parity_rows(result: VerifyResult) -> list[tuple[str, ...]]:
     if not math.isfinite(result.max_abs_diff) and not all(map(math.isfinite, [*result.losses,
                                                                              *result.reference_losses])):
         measured = "NaN: training diverged (a loss is not finite), so the params are NaN"  # not 'inf x its bound'
-    return [(f"params vs unsharded reference (max abs diff, {result.precision})", parity_bound(result),
-             measured, OK if result.params_match else BAD),
+    rows = [(f"params vs unsharded reference (max abs diff, {result.precision})", parity_bound(result),
+             measured, OK if result.params_match else BAD)]
+    if result.replica_diff is not None:
+        from fsdp_planner.runtime.worker import REPLICA_ULPS
+
+        drifted = f" ({escape(cell_text(result.replica_param))}, {result.replica_error:.3g}x its bound)" \
+            if not result.replicas_match and result.replica_param else ""
+        rows.append(("the ranks' copies of each param (max spread)",
+                     f"<= {REPLICA_ULPS} steps of its dtype at its scale", f"{result.replica_diff:.3g}{drifted}",
+                     OK if result.replicas_match else BAD))
+    return [*rows,
             ("loss per step (reference / FSDP)", " ".join(f"{x:.5f}" for x in result.reference_losses),
              " ".join(f"{x:.5f}" for x in result.losses), "")]
 

@@ -28,7 +28,8 @@ from fsdp_planner.trace.tree import proper_ancestors
 from fsdp_planner.userfiles import shown_json
 
 MAX_LAYOUT_ENTRIES = 100_000
-TP_KEYS = ("degree", "layout", "loss_parallel", "async_tp")
+TP_KEYS = ("degree", "layout", "loss_parallel", "async_tp", "mla_rope_dim")
+MAX_ROPE_DIM = 1 << 20
 
 
 class TPStyle(Enum):
@@ -74,6 +75,10 @@ class TPStyle(Enum):
     # ``packed_colwise`` gate_up_proj, ``rowwise`` down_proj: ``MOE_TP_EXPERT_DIMS``): each TP rank runs every routed
     # token through its 1/TP of each expert's intermediate units on local tensors; input and routing weights
     # replicated (their grads all-reduced in backward), output partial, all-reduced; without EP only
+    MLA_KV_A_PROJ = "mla_kv_a_proj"  # transformers' MlaKvAProjParallel (DeepSeek-V2/V3's kv_a_proj_with_mqa): the
+    # Linear whole on every TP rank (plain params, no collective in forward); its output's last ``mla_rope_dim``
+    # features (the rope key, which every head reads without kv_b_proj's colwise all-reduce) get their grad
+    # all-reduced over TP in backward: each rank's is its own heads' share
 
     @property
     def sequence_parallel(self) -> bool:
@@ -132,16 +137,24 @@ class TensorParallel:
     """The TP part of a plan: ``degree`` ranks in a TP group (innermost in the mesh: consecutive ranks, within a
     node) and the style of each module pattern. ``loss_parallel``: the output head keeps its vocab-sharded logits
     and the loss runs under ``torch.distributed.tensor.parallel.loss_parallel()``. ``async_tp``: torchtitan's async
-    TP (the all-gather / reduce-scatter overlapped with the matmuls they feed; it needs compile)."""
+    TP (the all-gather / reduce-scatter overlapped with the matmuls they feed; it needs compile). ``mla_rope_dim``:
+    the trailing output features of the ``mla_kv_a_proj`` modules whose grad is all-reduced (0 without them)."""
 
     degree: int
     layout: Mapping[str, TPStyle] = field(default_factory=dict)
     loss_parallel: bool = False
     async_tp: bool = False
+    mla_rope_dim: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, FrozenDict):
             object.__setattr__(self, "layout", FrozenDict(self.layout))
+        mla = TPStyle.MLA_KV_A_PROJ in self.layout.values()
+        if mla != (self.mla_rope_dim > 0):
+            raise PlannerError("a tensor-parallel layout with the style mla_kv_a_proj needs its rope features "
+                               "('mla_rope_dim': transformers' qk_rope_head_dim), and only such a layout takes them"
+                               if mla else "plan 'tensor_parallel.mla_rope_dim' is for a layout with the style "
+                               "mla_kv_a_proj, which this one does not give")
 
     @property
     def sequence_parallel(self) -> bool:
@@ -163,16 +176,18 @@ class TensorParallel:
             d["loss_parallel"] = True
         if self.async_tp:
             d["async_tp"] = True
+        if self.mla_rope_dim:
+            d["mla_rope_dim"] = self.mla_rope_dim
         return d
 
     def signature(self) -> tuple:
-        return self.degree, tuple(self.layout.items()), self.loss_parallel, self.async_tp
+        return self.degree, tuple(self.layout.items()), self.loss_parallel, self.async_tp, self.mla_rope_dim
 
     @classmethod
     def from_signature(cls, signature: tuple) -> TensorParallel:
         """The layout a TP view was made for (``Trace.tensor_parallel`` holds its ``signature``)."""
-        degree, layout, loss_parallel, async_tp = signature
-        return cls(degree, dict(layout), loss_parallel, async_tp)
+        degree, layout, loss_parallel, async_tp, mla_rope_dim = signature
+        return cls(degree, dict(layout), loss_parallel, async_tp, mla_rope_dim)
 
 
 # The styles that shard a module's own weight with torch's ColwiseParallel or RowwiseParallel, whose ``_apply``
@@ -303,6 +318,23 @@ def tensor_parallel_from_dict(data: Any) -> TensorParallel | None:
     if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= MAX_TP_DEGREE:
         raise PlannerError(f"plan 'tensor_parallel.degree' must be a whole number from 1 to {MAX_TP_DEGREE}, got "
                            f"{shown_json(degree)}")
+    _check_layout(layout)
+    flags = {k: data.get(k, False) for k in ("loss_parallel", "async_tp")}
+    bad = next((k for k, v in flags.items() if not isinstance(v, bool)), None)
+    if bad is not None:
+        raise PlannerError(f"plan 'tensor_parallel.{bad}' must be true or false, got {shown_json(flags[bad])}")
+    if degree > 1 and not layout:
+        raise PlannerError(f"plan 'tensor_parallel' has degree {degree} but an empty layout: name the modules to "
+                           "parallelize and their styles")
+    rope = data.get("mla_rope_dim", 0)
+    if isinstance(rope, bool) or not isinstance(rope, int) or not 0 <= rope <= MAX_ROPE_DIM:
+        raise PlannerError(f"plan 'tensor_parallel.mla_rope_dim' must be a whole number from 1 to {MAX_ROPE_DIM:,} "
+                           f"(the rope features of an mla_kv_a_proj module's output), got {shown_json(rope)}")
+    return TensorParallel(degree, {k: TPStyle(v) for k, v in layout.items()}, **flags, mla_rope_dim=rope)
+
+
+def _check_layout(layout: Any) -> None:
+    """A plan file's ``tensor_parallel.layout``: module names or patterns -> known style names, bounded."""
     if not isinstance(layout, dict) or len(layout) > MAX_LAYOUT_ENTRIES:
         raise PlannerError("plan 'tensor_parallel.layout' must be an object mapping module names (or patterns "
                            f"with '*') to a style ({', '.join(TP_STYLE_NAMES)}), at most {MAX_LAYOUT_ENTRIES:,}")
@@ -315,11 +347,3 @@ def tensor_parallel_from_dict(data: Any) -> TensorParallel | None:
             hint = f" (transformers' name for {known.value})" if known is not None else ""
             raise PlannerError(f"plan 'tensor_parallel.layout' gives {shown_json(key)} the unknown style "
                                f"{shown_json(value)}{hint}: choose one of {', '.join(TP_STYLE_NAMES)}")
-    flags = {k: data.get(k, False) for k in ("loss_parallel", "async_tp")}
-    bad = next((k for k, v in flags.items() if not isinstance(v, bool)), None)
-    if bad is not None:
-        raise PlannerError(f"plan 'tensor_parallel.{bad}' must be true or false, got {shown_json(flags[bad])}")
-    if degree > 1 and not layout:
-        raise PlannerError(f"plan 'tensor_parallel' has degree {degree} but an empty layout: name the modules to "
-                           "parallelize and their styles")
-    return TensorParallel(degree, {k: TPStyle(v) for k, v in layout.items()}, **flags)

@@ -688,6 +688,7 @@ class HfParallelPlan:
     heads: int | None
     kv_heads: int | None
     prefix: str = ""  # the task class's base_model_prefix, which the base plan's patterns are named under
+    rope_dim: int = 0  # the config's qk_rope_head_dim (MLA's rope key, which mla_kv_a_proj reads); 0: none
 
 
 def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
@@ -706,8 +707,9 @@ def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
     named.update(dict(getattr(model_class, "_tp_plan", None) or {}))
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
+    rope = getattr(config, "qk_rope_head_dim", None)
     return HfParallelPlan(named, heads if isinstance(heads, int) else None, kv if isinstance(kv, int) else None,
-                          prefix)
+                          prefix, rope if isinstance(rope, int) and not isinstance(rope, bool) and rope > 0 else 0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -153,7 +153,7 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
     found = _without_split_ties(trace, found)
     if loss_parallel and not found.tp.loss_parallel:
         found = _note(found, "loss parallel is left off: this layout does not shard the output head on the vocab")
-    return replace(found, tp=TensorParallel(degree, found.tp.layout, found.tp.loss_parallel, async_tp))
+    return replace(found, tp=replace(found.tp, degree=degree, async_tp=async_tp))
 
 
 def is_titan_llama(trace: Trace) -> bool:
@@ -229,6 +229,8 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
             layout[pattern] = TRANSFORMERS_STYLES[style]
         elif style == "moe_tp_experts" and _packed_experts(trace, plan.styles, pattern):
             layout[pattern] = TPStyle.MOE_TP_EXPERTS
+        elif style == "mla_kv_a_proj" and plan.rope_dim:
+            layout[pattern] = TPStyle.MLA_KV_A_PROJ
         else:
             left[pattern] = style
     if not any(s in (TPStyle.ROWWISE, TPStyle.ROWWISE_SPLIT, TPStyle.MOE_TP_EXPERTS) for s in layout.values()):
@@ -238,10 +240,10 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     if left:
         raise PlannerError(f"transformers' tensor-parallel plan for {model.name} gives {_listed(left)}, which "
                            "fsdp-planner does not model, and left whole such a module need not train right beside "
-                           "the sharded ones (DeepSeek-V2's mla_kv_a_proj makes the rope key every head reads: "
-                           "whole, its gradient is summed over one rank's heads only, and the TP ranks' copies "
-                           "drift): plan it without --tp, or give a layout in a plan file's 'tensor_parallel'")
-    tp = TensorParallel(degree, layout)
+                           "the sharded ones (whole, a module that every rank's heads read has its gradient summed "
+                           "over one rank's heads only, and the TP ranks' copies drift): plan it without --tp, or "
+                           "give a layout in a plan file's 'tensor_parallel'")
+    tp = TensorParallel(degree, layout, mla_rope_dim=plan.rope_dim if TPStyle.MLA_KV_A_PROJ in layout.values() else 0)
     # (a layout that gathers its q/k/v whole, Phi-3's and Olmo2's, splits no heads: their count need not divide)
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads and head_linears(trace, tp)[1] else None
     return Layout(tp, "transformers' base_model_tp_plan", heads=heads)
@@ -473,7 +475,9 @@ def _without_split_ties(trace: Trace, found: Layout) -> Layout:
         layout = {k: _WITHOUT_SP.get(s, s) for k, s in layout.items() if _WITHOUT_SP.get(s, s) is not None}
         note += ", so the layout runs without sequence parallelism (norms whole, each block's output all-reduced)"
     # loss parallel needs the head's vocab-sharded output: a head left whole, or one that lost its style, has none
-    tp = TensorParallel(found.tp.degree, layout, found.tp.loss_parallel and TPStyle.SEQUENCE_COLWISE in layout.values())
+    tp = replace(found.tp, layout=layout,
+                 loss_parallel=found.tp.loss_parallel and TPStyle.SEQUENCE_COLWISE in layout.values(),
+                 mla_rope_dim=found.tp.mla_rope_dim if TPStyle.MLA_KV_A_PROJ in layout.values() else 0)
     return replace(found, tp=tp, notes=(*found.notes, note))
 
 
@@ -511,7 +515,11 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
     head_dim, linears = head_linears(trace, tp)
     for module in linears:
         features = trace.param(f"{module}.weight").shape[0]
-        if features % (head_dim * d):
+        # a head's width in this Linear: the attention's head dim, or, where the model's head counts are known,
+        # what it makes per head (MLA's kv_b_proj makes each head's key part and its value: 128 + 128 wide in
+        # DeepSeek-V3, whose attention runs at 192)
+        widths = [head_dim, *(features // h for h in layout.heads or () if h and features % h == 0)]
+        if all(features % (w * d) for w in widths):
             raise PlannerError(f"{asked} must give each rank whole attention heads of {module}: its {features:,} "
                                f"output features are {features / head_dim:g} heads of {head_dim} "
                                "(the head dim its attention runs at): choose a degree that divides them")

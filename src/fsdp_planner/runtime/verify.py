@@ -167,6 +167,9 @@ class VerifyResult:
     bound: str = ""  # the 16-bit dtype the parity bound comes from ("" : fp32's ``tolerance``)
     param_error: float | None = None  # the worst param's difference over what its dtype allows (above 1 fails)
     worst_param: str = ""
+    replica_diff: float | None = None  # with TP: the ranks' copies of a gathered param, their largest spread
+    replica_error: float = 0.0  # ... the worst param's over what it may be (``worker.REPLICA_ULPS``; above 1 fails)
+    replica_param: str = ""
     notes: list[str] = field(default_factory=list)
     start_step: int = 0
     loaded: dict[str, Any] | None = None  # the checkpoint it started from: step, world, policy, tensors, mismatched
@@ -204,6 +207,11 @@ class VerifyResult:
         return self.max_abs_diff <= self.tolerance
 
     @property
+    def replicas_match(self) -> bool:
+        """Every rank holds the same params (checked with TP, where a param whole on each TP rank may drift)."""
+        return self.replica_diff is None or self.replica_error <= 1.0
+
+    @property
     def counts_match(self) -> bool:
         return all(c == self.predicted for c in self.counted)
 
@@ -213,11 +221,12 @@ class VerifyResult:
 
     @property
     def ok(self) -> bool:
-        return (self.params_match and self.counts_match and self.bytes_match and self.checkpoint_match
-                and self.units_match)
+        return (self.params_match and self.replicas_match and self.counts_match and self.bytes_match
+                and self.checkpoint_match and self.units_match)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "params_match": self.params_match, "counts_match": self.counts_match,
+        return {**asdict(self), "params_match": self.params_match, "replicas_match": self.replicas_match,
+                "counts_match": self.counts_match,
                 "bytes_match": self.bytes_match, "checkpoint_match": self.checkpoint_match,
                 "units_match": self.units_match, "measured_step": self.measured_step, "step_error": self.step_error,
                 "ok": self.ok}
@@ -575,6 +584,8 @@ def job_result(job: VerifyJob, data: dict[str, Any], returncode: int, predicted:
         counted=data["counted"], counted_bytes=data["counted_bytes"], predicted_bytes=predicted_bytes,
         losses=data["losses"], reference_losses=data["reference_losses"], max_abs_diff=data["max_abs_diff"],
         param_error=data.get("param_error"), worst_param=data.get("worst_param", ""), precision=job.precision.name,
+        replica_diff=data.get("replica_diff"), replica_error=data.get("replica_error", 0.0),
+        replica_param=data.get("replica_param", ""),
         bound=data.get("bound", ""),
         notes=notes, start_step=job.start_step, loaded=data.get("loaded"), saved=str(job.save) if job.save else None,
         units=data.get("units"), step_seconds=data.get("step_seconds", []),

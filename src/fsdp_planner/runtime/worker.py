@@ -235,10 +235,12 @@ def _train(job: dict, model: torch.nn.Module, reference: torch.nn.Module, opt: t
                          after_step=functools.partial(after_optimizer_step, model, plan.float8))
     ref_params = dict(reference.named_parameters())
     fulls = [(name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in model.named_parameters()]
+    compute = policy.param_dtype or policy.reduce_dtype  # a bf16 reduce bounds it too
+    pairs = [(name, full, ref_params[name]) for name, full in fulls]
+    copies = replicas(fulls) if plan.tp_degree > 1 else {}
     if rank != 0:
         return result
-    return {**result, **parity(((name, full, ref_params[name]) for name, full in fulls),
-                                 policy.param_dtype or policy.reduce_dtype)}  # a bf16 reduce bounds it too
+    return {**result, **parity(pairs, compute), **copies}
 
 
 def fsdp2_casts(reference: torch.nn.Module, plan: Plan, policy: MixedPrecisionPolicy) -> Casts:
@@ -300,16 +302,56 @@ def allowed_diff(reference: torch.Tensor, eps: float | None) -> float:
     return max(FP32_TOLERANCE, LOW_PRECISION_ULPS * eps * scale)
 
 
+def _coarsest(pairs: list, compute: torch.dtype | None) -> torch.dtype | None:
+    """The 16-bit dtype the parity bound comes from: the params' own, or the ``compute`` dtype of a mixed
+    precision; None for fp32's."""
+    low = {r.dtype for _, _, r in pairs if r.requires_grad and r.is_floating_point() and r.element_size() < 4}
+    if compute is not None and compute.itemsize < 4:
+        low.add(compute)  # computing in 16 bits rounds every activation and grad to them
+    return max(low, key=lambda d: torch.finfo(d).eps, default=None)
+
+
+REPLICA_ULPS = 4  # what the ranks' copies of one param may differ by, in steps of its own dtype at its scale: a
+# param whole on every TP rank trains on the same all-reduced grads there, in any compute precision (on CPU the
+# copies are bitwise equal); one whose grad misses the other ranks' share (a module every rank's heads read, left
+# whole) drifts by its share of the update, which the parity bound need not see (a tiny DeepSeek-V3's MLA key at
+# lr 0.05: 3.6e-6 apart after three steps, below fp32's 1e-5 and bf16-mixed's bound)
+
+
+def replica_bound(param: torch.Tensor) -> float:
+    """How far apart the ranks' copies of ``param`` may be (``REPLICA_ULPS``)."""
+    scale = max(param.detach().abs().max().item() if param.numel() else 0.0, LOW_PRECISION_SCALE)
+    return REPLICA_ULPS * torch.finfo(param.dtype).eps * scale
+
+
+def replicas(fulls: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """How far apart the ranks' copies of each gathered param are (the largest elementwise max minus min over
+    all ranks: two all-reduces a param, every rank calls it), and the worst param in units of its
+    ``replica_bound`` (above 1 fails)."""
+    spread, error, worst = 0.0, 0.0, ""
+    for name, full in fulls:
+        if not full.is_floating_point():
+            continue
+        hi = full.detach().to(torch.float32).clone()
+        lo = hi.clone()
+        dist.all_reduce(hi, dist.ReduceOp.MAX)
+        dist.all_reduce(lo, dist.ReduceOp.MIN)
+        diff = (hi - lo).max().item() if hi.numel() else 0.0
+        diff = diff if diff == diff else math.inf
+        spread = max(spread, diff)
+        ratio = diff / replica_bound(full)
+        if ratio > error:
+            error, worst = ratio, name
+    return {"replica_diff": spread, "replica_error": error, "replica_param": worst}
+
+
 def parity(pairs: Any, compute: torch.dtype | None = None) -> dict[str, Any]:
     """(name, trained param, reference param) triples: the largest absolute difference, and the worst param in
     units of what it may differ by (``allowed_diff``; above 1 fails), and the 16-bit dtype that bound comes from
     (``bound``: the params' own, or the ``compute`` dtype of a mixed precision; "" for fp32's). NaN (a diverged
     run) proves no parity."""
     pairs = list(pairs)
-    low = {r.dtype for _, _, r in pairs if r.requires_grad and r.is_floating_point() and r.element_size() < 4}
-    if compute is not None and compute.itemsize < 4:
-        low.add(compute)  # computing in 16 bits rounds every activation and grad to them
-    coarsest = max(low, key=lambda d: torch.finfo(d).eps, default=None)
+    coarsest = _coarsest(pairs, compute)
     eps = torch.finfo(coarsest).eps if coarsest is not None else None
     max_diff, error, worst = 0.0, 0.0, ""
     for name, trained, reference in pairs:

@@ -64,7 +64,8 @@ LOCAL_STYLES = (TPStyle.COLWISE, TPStyle.ROWWISE)  # the styles whose one rank's
 # replicated param run on what the rank has): ``check_local_shapes`` runs them whole beside the local ones (a plan
 # file of transformers' layout, its embedding and gathered head among them, was never checked on numbers: a plain
 # colwise Phi-3 gate_up_proj there trained wrong values, 144x the parity bound)
-WHOLE_ON_EACH_RANK = (TPStyle.COLWISE_GATHER, TPStyle.ROWWISE_SPLIT, TPStyle.EMBEDDING, TPStyle.REPLICATE)
+WHOLE_ON_EACH_RANK = (TPStyle.COLWISE_GATHER, TPStyle.ROWWISE_SPLIT, TPStyle.EMBEDDING, TPStyle.REPLICATE,
+                      TPStyle.MLA_KV_A_PROJ)
 
 
 class LayoutDoesNotRun(PlannerError):

@@ -91,8 +91,7 @@ def token_split(trace: Trace, experts: Sequence[str], degree: int) -> int:
     t = trace.tp_degree
     if t == 1:
         return 1
-    degree_, layout, loss_parallel, async_tp = trace.tensor_parallel
-    styles = TensorParallel(degree_, dict(layout), loss_parallel, async_tp).styles(trace.modules)
+    styles = TensorParallel.from_signature(trace.tensor_parallel).styles(trace.modules)
     if any(styles.get(m) is not TPStyle.TOKEN_SPLIT for m in experts):
         raise PlannerError("expert parallelism with tensor parallelism needs the TP layout to split the experts' "
                            "routed tokens over the TP ranks (style token_split on each expert module, as "

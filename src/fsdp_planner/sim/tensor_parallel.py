@@ -183,6 +183,9 @@ class _Layout:
         self.roots |= {m for m, s in self.styles.items() if s is TPStyle.EXPERT_TENSOR}
         # transformers' packed experts: their ops run whole or on 1/TP op by op (``_packed_shares``)
         self.packed = {m for m, s in self.styles.items() if s is TPStyle.MOE_TP_EXPERTS}
+        # MLA's kv_a_proj: whole on every rank, its output's rope features' share (their grad all-reduced)
+        self.rope_share = {m: _rope_share(trace, m, tp.mla_rope_dim) for m, s in self.styles.items()
+                           if s is TPStyle.MLA_KV_A_PROJ}
         self._scale: dict[str, float] = {}
 
     @staticmethod
@@ -193,7 +196,7 @@ class _Layout:
         """The share of the whole step's work that an op of ``module`` does on one TP rank."""
         if module not in self._scale:
             chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
-            if any(m in self.embeddings or m in self.packed for m in chain):
+            if any(m in self.embeddings or m in self.packed or m in self.rope_share for m in chain):
                 self._scale[module] = 1.0
             elif any(m in self.split for m in chain):  # the experts: 1/TP of the routed tokens or hidden units
                 self._scale[module] = 1.0 / self.t
@@ -209,6 +212,17 @@ class _Layout:
         """The innermost region holding ``module`` (itself included), if any."""
         chain = [module, *proper_ancestors(module)] if module != ROOT else [ROOT]
         return next((m for m in chain if m in self.regions), None)
+
+
+def _rope_share(trace: Trace, module: str, rope_dim: int) -> float:
+    """The share of an ``MLA_KV_A_PROJ`` Linear's output that is its rope key (its last ``rope_dim`` features)."""
+    weight = trace.index.param_index.get(f"{module}.weight")
+    features = trace.params[weight].shape[0] if weight is not None else 0
+    if features <= rope_dim or len(trace.params[weight].shape) != 2:
+        raise PlannerError(f"the tensor-parallel style mla_kv_a_proj of {module} all-reduces the grad of its "
+                           f"output's last {rope_dim} features (mla_rope_dim), which needs an nn.Linear of more "
+                           f"output features: {module} has " + (f"{features}" if weight is not None else "no weight"))
+    return rope_dim / features
 
 
 def _outside_spans(trace: Trace, lay: _Layout) -> dict[int, str]:
@@ -393,6 +407,8 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs // f8, False)]
     if style is TPStyle.MOE_TP_EXPERTS:
         return _packed_collectives(e, inputs, output), []
+    if style is TPStyle.MLA_KV_A_PROJ:
+        return _rope_collectives(e, output, lay.rope_share[m])
     whole_input_grad = (m, e.call) not in lay.no_input_grad  # (none where its input needs no grad: the model's
     # own input, a frozen embedding's output)
     if style in _WHOLE_AROUND:
@@ -428,6 +444,19 @@ def _packed_collectives(e: Event, inputs: int, output: int) -> list[Event]:
         return [_tp_op(KERNEL_TP_ALL_REDUCE, e.module, output, True), _tp_op(KERNEL_TP_ALL_REDUCE, e.module, inputs,
                                                                              True)]
     return []
+
+
+def _rope_collectives(e: Event, output: int, share: float) -> tuple[list[Event], list[Event]]:
+    """``_collectives`` of an MLA kv_a_proj (``MLA_KV_A_PROJ``): its output split and made again (a copy) after
+    its forward; before its backward, its rope key's partial grad all-reduced and the output's grad made of the two
+    parts (a copy)."""
+    copy = Event(EventKind.OP, e.module, nbytes=2 * output, backward=e.kind is EventKind.BWD_PRE,
+                 kernel=KERNEL_TP_RELAYOUT)
+    if e.kind is EventKind.FWD_POST:
+        return [copy], []
+    if e.kind is EventKind.BWD_PRE:
+        return [], [_tp_op(KERNEL_TP_ALL_REDUCE, e.module, int(output * share), True), copy]
+    return [], []
 
 
 def _whole_around(e: Event, style: TPStyle, lay: _Layout, inputs: int, output: int, input_grad: bool
