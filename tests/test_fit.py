@@ -146,6 +146,49 @@ def test_fit_takes_tp_as_plan_does(capsys):
     assert plan["plans"][0]["simulation"]["step_time"] == pytest.approx(rows[largest]["step_time"], rel=1e-9)
 
 
+_TITAN_JOB = """[model]
+name = "llama3"
+flavor = "debugmodel"
+[training]
+local_batch_size = 2
+seq_len = 131072
+[parallelism]
+data_parallel_shard_degree = {shard}
+tensor_parallel_degree = 2
+[activation_checkpoint]
+mode = "full"
+"""
+
+
+@pytest.mark.integration  # two fits in process: ~25 s
+def test_fit_from_torchtitan_is_fit_of_the_jobs_settings(capsys, tmp_path):
+    """``fit --from-torchtitan JOB`` fits the job's model, sequence, GPU count and TP degree with auto, its
+    torchtitan settings kept (its checkpoint wrapper's early_stop=False, its fused AdamW, its expert shard
+    placement) and its checkpointing auto's to choose: every point is the plain fit's of those settings (it had no
+    --from-torchtitan: a job's user rewrote it as flags)."""
+    job = tmp_path / "job.toml"
+    job.write_text(_TITAN_JOB.format(shard=4))
+    titan = run_json(capsys, "fit", "--from-torchtitan", str(job), "--cluster", "h100", "--find", "batch")
+    plain = run_json(capsys, "fit", "llama3-debugmodel", "--cluster", "h100:8", "--tp", "2", "--seq", "131072",
+                     "--no-early-stop", "--optimizer", "adamw-fused", "--shard-placement", "auto", "--find", "batch")
+    assert titan["batch"] == plain["batch"] and titan["points"] == plain["points"]
+    assert titan["cluster"] == "h100:8" and all(p["layout"].endswith("TP 2") for p in titan["points"])
+
+
+def test_fit_gpus_auto_takes_a_job_that_leaves_its_count_to_the_cluster(capsys, tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text(_TITAN_JOB.format(shard=4))
+    assert main(["fit", "--from-torchtitan", str(job), "--cluster", "h100", "--gpus", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus auto chooses the GPU count, and the torchtitan job runs on 8 GPUs" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    job.write_text(_TITAN_JOB.format(shard=-1))  # (one node's worth of search: --max-gpus 8)
+    assert main(["fit", "--from-torchtitan", str(job), "--gpus", "auto", "--max-gpus", "8", "--json",
+                 "--", "--training.local_batch_size", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["gpus"]["fewest"] == 8 and "gives no GPU count" not in err
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--cluster", "h100:16", "--gpus", "auto"], "--gpus auto chooses the GPU count"),
     (["--cluster", "h100:2", "--picture", "fit.txt"], "--picture 'fit.txt' must end in"),

@@ -84,9 +84,10 @@ def plan(sub: Subparsers) -> None:
 def fit(sub: Subparsers) -> None:
     sp = sub.add_parser("fit", help="the largest batch and longest sequence that fit a cluster with auto's plan, "
                                     "their tokens/s and MFU; --gpus auto: the fewest nodes that fit a workload")
-    add_model(sp)
+    add_model(sp, optional=True)
     add_auto_options(sp)
-    sp.add_argument("--cluster", required=True, help=CLUSTER_HELP + "; with --gpus auto, without a count")
+    sp.add_argument("--cluster", help=CLUSTER_HELP + "; with --gpus auto, without a count (required, unless a job "
+                                                     "config gives the GPU count: --cluster names its GPU)")
     sp.add_argument("--mfu", type=float, default=None,
                     help=f"run every op's FLOPs at this one fraction of the peak FLOP/s, {MIN_MFU} to 1, instead of "
                          "the cluster's roofline (per-kernel efficiencies: docs/model.md#compute)")
@@ -111,6 +112,7 @@ def fit(sub: Subparsers) -> None:
                          "count), the budget and the GPU's capacity drawn (matplotlib; .png, .svg or .pdf)")
     add_force(sp)
     add_json(sp)
+    add_job_config(sp, "fit (auto choosing the checkpointing and the mesh)")
 
 
 def simulate(sub: Subparsers) -> None:

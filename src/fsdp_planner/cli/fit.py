@@ -29,7 +29,17 @@ from fsdp_planner.choices import PolicyName
 from fsdp_planner.cli.commands import DEFAULT_MAX_FIT_GPUS
 from fsdp_planner.cli.common import REPORTER
 from fsdp_planner.cli.paths import picture_file
-from fsdp_planner.cli.requests import memory_budget, model_spec, named_cluster, policy_request, sim_options
+from fsdp_planner.cli.requests import (
+    Configured,
+    configured,
+    keywords,
+    memory_budget,
+    model_spec,
+    named_cluster,
+    policy_request,
+    sim_options,
+)
+from fsdp_planner.configs.job_config import ACCELERATE, world_of
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, fmt_time, json_text
 from fsdp_planner.hardware.cluster import Cluster, with_nodes
@@ -75,6 +85,8 @@ class FitRequest:
 
 def fit_request(args: argparse.Namespace) -> FitRequest:
     picture = picture_file(args.picture, "--picture", PICTURE_SUFFIXES, stem="fit", force=args.force)
+    given_batch = args.batch  # (the command line's: a job's batch is where the batch search starts, unsaid)
+    args = _job_of(args)
     if args.gpus and _COUNTED_CLUSTER.match(args.cluster):
         raise PlannerError(f"--gpus auto chooses the GPU count: give --cluster without one (e.g. "
                            f"{args.cluster.split(':')[0].strip()}), or drop --gpus auto to search the batch on "
@@ -92,8 +104,8 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
     if args.find == "seq" and seq is None and not args.gpus:
         raise PlannerError(f"--find seq searches the sequence length, and '{args.model}' takes none (or its default "
                            "is not known): give --seq, or search the batch")
-    if args.find == "batch" and args.batch is not None and not args.gpus:  # said, never silently ignored
-        render.note(f"--batch {args.batch} has no effect with --find batch: the batch is what it searches (from 1)")
+    if args.find == "batch" and given_batch is not None and not args.gpus:  # said, never silently ignored
+        render.note(f"--batch {given_batch} has no effect with --find batch: the batch is what it searches (from 1)")
     if args.gpus and args.find != "both":
         render.note("--find has no effect with --gpus auto: the workload is --batch x --seq as given")
     cluster = named_cluster(args, args.cluster)
@@ -108,6 +120,29 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
     return FitRequest(spec, batch, seq, policy_request(args, PolicyName.AUTO.value), cluster, bool(args.gpus),
                       args.max_gpus, sim_options(args), memory_budget(args, cluster), picture, args.json,
                       args.full_trace, args.find, args.no_offload, args.time_limit)
+
+
+def _job_of(args: argparse.Namespace) -> argparse.Namespace | Configured:
+    """The options with the job ``--from-torchtitan`` / ``--from-accelerate`` describes, as ``plan`` reads it for
+    auto: its model, workload (where fit's search starts), cluster, precision, TP and EP degrees, compile and float8
+    kept; its checkpointing, mesh, offload and gradient accumulation auto's to choose, as auto's plan beside the
+    job chooses them. ``--gpus auto`` counts the GPUs, so the job must leave its count to the cluster."""
+    given, cfg = configured(args, gpus_searched=bool(args.gpus))
+    if cfg is None:
+        return args
+    world = world_of(cfg, None)
+    if args.gpus and world is not None:
+        raise PlannerError(f"--gpus auto chooses the GPU count, and the {cfg.kind} job runs on {world:,} GPUs: drop "
+                           "--gpus auto to fit its batch and sequence there, or leave its count to the cluster ("
+                           + ("no num_processes" if cfg.kind == ACCELERATE else "data_parallel_shard_degree = -1")
+                           + ")")
+    kw = keywords(given)
+    render.note(f"fit plans the {cfg.kind} job with auto: its checkpointing, mesh and CPU offload are auto's to "
+                "choose (its model, workload, precision, parallel degrees, compile and float8 kept)")
+    free = dataclasses.replace(kw, ac=None, ac_policy=None, mesh=None, offload=False, micro_batches=None,
+                               cluster=(args.cluster or str(kw.cluster).partition(":")[0]) if args.gpus
+                               else kw.cluster)
+    return Configured(args, free)
 
 
 def _workload_of(spec: ModelSpec) -> dict[str, Any]:

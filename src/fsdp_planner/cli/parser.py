@@ -82,12 +82,12 @@ def _refuse_empty(sub: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
 
 def _require(sub: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
     """What argparse would require but a job config can give: MODEL (``--from-torchtitan`` names it) and simulate's
-    ``--cluster`` (either config gives the GPU count)."""
+    and fit's ``--cluster`` (either config gives the GPU count)."""
     titan, accelerate = getattr(ns, "from_torchtitan", None), getattr(ns, "from_accelerate", None)
     missing = []
     if "model" in ns and ns.model is None and not titan:
         missing.append("model")
-    if getattr(ns, "command", None) == "simulate" and ns.cluster is None and not (titan or accelerate):
+    if getattr(ns, "command", None) in ("simulate", "fit") and ns.cluster is None and not (titan or accelerate):
         missing.append("--cluster")
     if missing:
         sub.error(f"the following arguments are required: {', '.join(missing)}")

@@ -69,16 +69,18 @@ class Configured:
 KEYWORD_NAMES = frozenset(f.name for f in dataclasses.fields(Keywords))
 
 
-def configured(args: argparse.Namespace) -> tuple[argparse.Namespace | Configured, JobConfig | None]:
+def configured(args: argparse.Namespace, gpus_searched: bool = False
+               ) -> tuple[argparse.Namespace | Configured, JobConfig | None]:
     """The options with the job ``--from-torchtitan`` / ``--from-accelerate`` describes (none given: as they are),
-    and that config."""
+    and that config; ``gpus_searched``: the command searches the GPU count (``fit --gpus auto``)."""
     if getattr(args, "from_torchtitan", None):
         cfg = read_config(TORCHTITAN, args.from_torchtitan, getattr(args, "torchtitan_flags", ()))
     elif getattr(args, "from_accelerate", None):
         cfg = read_config(ACCELERATE, args.from_accelerate)
     else:
         return args, None
-    merged = from_config(keywords(args), cfg, args.command, render.note, bool(getattr(args, "plan", None)))
+    merged = from_config(keywords(args), cfg, args.command, render.note, bool(getattr(args, "plan", None)),
+                         gpus_searched)
     return Configured(args, merged), cfg
 
 

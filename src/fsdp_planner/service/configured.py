@@ -63,6 +63,7 @@ class _Merge:
     def __init__(self, kw: Keywords, cfg: JobConfig, note: Callable[[str], None]) -> None:
         self.values: dict[str, Any] = {f.name: getattr(kw, f.name) for f in dataclasses.fields(kw)}
         self.cfg, self.note = cfg, note
+        self.gpus_searched = False
 
     def given(self, key: str, value: Any, config_key: str, default: Any = None) -> None:
         """The config's ``value`` for ``key`` unless the user gave another (an error)."""
@@ -84,12 +85,15 @@ class _Merge:
 
 
 def configured(kw: Keywords, cfg: JobConfig, command: str, note: Callable[[str], None],
-               plan_file: bool = False) -> Keywords:
+               plan_file: bool = False, gpus_searched: bool = False) -> Keywords:
     """``kw`` with the job the config describes, each of its notes said once. ``command``: the command it runs for
-    (``simulate`` runs the config's own grouping); ``plan_file``: a plan file was given (it groups too)."""
+    (``simulate`` runs the config's own grouping); ``plan_file``: a plan file was given (it groups too);
+    ``gpus_searched``: the command searches the GPU count (``fit --gpus auto``), so a config without one is not
+    said to be planned for the cluster's."""
     for line in cfg.notes:
         note(line)
     merge = _Merge(kw, cfg, note)
+    merge.gpus_searched = gpus_searched
     _model(merge)
     _workload(merge)
     _layout(merge)
@@ -206,8 +210,9 @@ def _layout(m: _Merge) -> None:
         world = parse_cluster(spec).world_size * (cfg.nodes or 1)
         where = f"{cfg.nodes} machines (num_machines) of {spec.strip()}'s {world // cfg.nodes}" \
             if cfg.nodes and cfg.nodes > 1 else f"{spec.strip()}'s one node"
-        m.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, {where} "
-               f"(give --cluster {spec.strip()}:N for another count)")
+        if not m.gpus_searched:
+            m.note(f"the {cfg.kind} config gives no GPU count ({_count_key(cfg)}): planning for {world} GPUs, {where} "
+                   f"(give --cluster {spec.strip()}:N for another count)")
     if given is not None:
         _same_cluster(cfg, spec, world)
     if preset:
