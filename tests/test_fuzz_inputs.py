@@ -378,6 +378,9 @@ def test_numbers_in_config_files_and_plans_are_checked_too(capsys, tmp_path: Pat
         doc["model"]["hf_config"] = {"num_hidden_layers": value}
         with pytest.raises(PlannerError, match=re.escape(expected)):
             Plan.from_json(json.dumps(doc))
+    doc["model"]["hf_config"] = {"__class__": "os.system"}  # an attribute, no field (export wrote it into code)
+    with pytest.raises(PlannerError, match=re.escape('field "__class__" must be a config field name')):
+        Plan.from_json(json.dumps(doc))
 
 
 # Swin gives one number per stage: its list num_heads was refused as out of range, and a list item escaped the bounds

@@ -69,6 +69,9 @@ def test_training_builds_without_a_cache_unless_asked(tmp_path):
     assert asked.model.config.use_cache is True and len(asked.model.model.layers) == 1
     with pytest.raises(PlannerError, match="the 'qwen3' config has no field 'use_cash'"):
         load_model(ModelSpec(spec, hf_config=(("use_cash", False),)))
+    for method in ("to_dict", "__class__", "__dict__"):  # attributes, not fields: transformers raised on them
+        with pytest.raises(PlannerError, match=f"the 'qwen3' config has no field '{method}'"):
+            load_model(ModelSpec(spec, hf_config=((method, 1),)))
     with pytest.raises(PlannerError, match="applies to hf: models, not 'toy-llama'"):
         ModelSpec("toy-llama", hf_config=(("use_cache", False),))
 

@@ -77,9 +77,15 @@ def test_bad_traces_are_one_line(tmp_path: Path, text: str, words: str) -> None:
 
 def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
     data, _ = gpu_trace(steps=1)
-    data["traceEvents"] += [{"ph": "X", "name": 5, "ts": 1, "dur": 1}, {"ph": "X", "name": "x", "ts": "1"},
-                            {"ph": "X", "name": "y", "ts": 1e20, "dur": 1}, "junk", None]
+    data["traceEvents"] += ["junk", None, {"ph": "i", "name": 5}]
     assert len(_read(data, tmp_path).steps) == 1  # events no profiler writes are not read
+    # complete events without a name or time a profiler writes are refused: skipped, an op's time went missing and
+    # the steps read as another job's ("its steps hold no ops": a new user's trial)
+    data["traceEvents"] += [{"ph": "X", "name": 5, "ts": 1, "dur": 1}, {"ph": "X", "name": "x", "ts": "1"},
+                            {"ph": "X", "name": "y", "ts": 1e20, "dur": 1}]
+    with pytest.raises(PlannerError, match=r"has 3 complete events \('ph': 'X'\) without a name and a time"):
+        _read(data, tmp_path)
+    data["traceEvents"] = data["traceEvents"][:-3]
     comm = next(e for e in data["traceEvents"] if e.get("name") == "record_param_comms")
     comm["args"]["dtype"] = "Mystery"
     with pytest.raises(PlannerError, match="record_param_comms"):
@@ -90,6 +96,27 @@ def test_hostile_values_are_skipped_or_refused(tmp_path: Path) -> None:
     data["distributedInfo"]["world_size"] = -3
     with pytest.raises(PlannerError, match="world_size"):
         _read(data, tmp_path)
+
+
+def test_damaged_traces_are_one_line(tmp_path: Path) -> None:
+    """What a new user's edits of a trace made, each refused in one line (each had been read: a gzip header before
+    junk gave "internal error", overlapping or repeated steps and a trace without its world size calibrated a
+    cluster off by 25x)."""
+    data, _ = gpu_trace(steps=2)
+    steps = [e for e in data["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")]
+    steps[1]["ts"] = steps[0]["ts"] + 1
+    with pytest.raises(PlannerError, match="has steps ProfilerStep#1 and ProfilerStep#2 that overlap"):
+        _read(data, tmp_path)
+    data, _ = gpu_trace(steps=2)
+    del data["distributedInfo"]
+    with pytest.raises(PlannerError, match=r"has no distributedInfo\.world_size, and its steps run collectives"):
+        _read(data, tmp_path)
+    (tmp_path / "t.json.gz").write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03" + b"\xff" * 64)
+    with pytest.raises(PlannerError, match="is not a gzip file its header says it is"):
+        read_trace(tmp_path / "t.json.gz")
+    (tmp_path / "t.json").write_text('{"traceEvents": [{"name": "x')
+    with pytest.raises(PlannerError, match=r"is not valid JSON \(truncated\?\): Unterminated string starting at line"):
+        read_trace(tmp_path / "t.json")
 
 
 def test_missing_file_is_one_line(tmp_path: Path) -> None:
@@ -214,6 +241,24 @@ def test_verify_profile_then_calibrate(tmp_path: Path) -> None:
         done = run_main(*trace, *job)
         assert done.returncode == 2 and says in done.stderr and "the traces are not of the job given" in done.stderr
         assert not (tmp_path / "x.json").exists()
+    # every step of every trace is checked: a rank's trace of the job beside one whose collectives are gone (a
+    # distributed job's step with none; with another job's trace the fit pooled both: a new user's trial) is
+    # refused, by calibrate and by simulate --against alike
+    data = json.loads((tmp_path / "p" / "rank1.json").read_text())
+    data["traceEvents"] = [e for e in data["traceEvents"] if not str(e.get("name", "")).startswith("c10d::")]
+    (tmp_path / "no_c10d.json").write_text(json.dumps(data))
+    job = ["--model", "toy-llama", "--policy", "titan"]
+    done = run_main("calibrate", "--trace", str(tmp_path / "p" / "rank0.json"), "--trace",
+                    str(tmp_path / "no_c10d.json"), *job, "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and 'all-gathers 0 times a step (0 B) where the plan does 11 times' in done.stderr
+    assert '(step 1 of "no_c10d.json")' in done.stderr and not (tmp_path / "x.json").exists()
+    simulated = ["simulate", "toy-llama", "--policy", "titan", "--cluster", str(out), "--against"]
+    assert run_main(*simulated, str(tmp_path / "p" / "rank0.json")).returncode == 0
+    done = run_main(*simulated, str(tmp_path / "no_c10d.json"))
+    assert done.returncode == 2 and "the traces are not of the job given" in done.stderr
+    done = run_main("simulate", "toy-llama", "--policy", "size", "--min-nonwrapped-numel", "20000", "--cluster",
+                    str(out), "--against", str(tmp_path / "p" / "rank0.json"))  # another plan than the traced one
+    assert done.returncode == 2 and "all-gathers 11 times a step" in done.stderr, done.stderr
 
 
 def test_matmul_flops_from_input_dims() -> None:

@@ -775,3 +775,19 @@ def test_a_module_beside_the_model_that_shadows_numpy_does_not_crash_the_job(tmp
 
     assert "crashed (SIGSEGV)" in launcher_killed(-signal.SIGSEGV)
     assert "from outside the job" in launcher_killed(-signal.SIGTERM)
+
+
+def test_verify_refuses_ranks_the_host_cannot_hold(tmp_path):
+    """Each CPU rank builds the model and an unsharded reference: a config of 137B params is refused before any
+    rank starts (a new user's 2.1B-param config was killed by the out-of-memory killer after 98 s on 2 ranks)."""
+    from conftest import run_main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 64,
+                                  "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 1,
+                                  "vocab_size": 1 << 24}))
+    done = run_main("verify", f"hf:{config}", "--policy", "titan", "--nproc", "2")
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(
+        "error: verify runs 2 CPU ranks that each build the model and an unsharded reference (512 GiB of params"), \
+        done.stderr
+

@@ -101,7 +101,7 @@ def parse_json(text: str, message: Callable[[str], str]) -> Any:
     except DuplicateKey as e:
         detail = f"the key {shown_json(e.key)} appears twice in one object (which one is meant?)"
     except json.JSONDecodeError as e:
-        detail = f"{e.msg} at line {e.lineno} column {e.colno}"
+        detail = f"{e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}"
     except RecursionError:
         detail = "it nests too deeply to read"
     except ValueError:  # Python refuses integers of more than 4300 digits

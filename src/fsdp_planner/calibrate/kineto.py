@@ -55,6 +55,7 @@ MAX_INT_DIGITS = 20  # ids, sizes and nanosecond timestamps fit; a longer intege
 MAX_MICROSECONDS = 1e17  # Unix-epoch microseconds (older Kineto writes them: 1.7e15 in 2024) up to the year 5000
 MAX_NAME = 1000  # characters of a name kept
 MAX_STEPS = 10_000
+STEP_OVERLAP_US = 1.0  # how far a ProfilerStep# range may start before the one before ends (rounding of 'ts')
 
 
 class OpClass(Enum):
@@ -156,6 +157,8 @@ class MeasuredTrace:
     rank: int
     world: int
     steps: tuple[Step, ...]
+    backend: str = ""  # distributedInfo's ("nccl", "gloo"; "fake": one device running a larger job's step, whose
+    # collectives run nowhere)
 
     @property
     def step_seconds(self) -> float:
@@ -198,12 +201,15 @@ def read_trace(path: str | Path) -> MeasuredTrace:
 
 def _gunzip(raw: bytes, label: str) -> bytes:
     import io
+    import zlib
 
     try:
         with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
             out = f.read(MAX_TRACE_BYTES + 1)
     except (OSError, EOFError) as e:
         raise PlannerError(f"{label} is not a whole gzip file ({e}): a truncated trace?") from None
+    except zlib.error as e:  # a gzip header before data deflate cannot read
+        raise PlannerError(f"{label} is not a gzip file its header says it is ({e}): a damaged trace") from None
     if len(out) > MAX_TRACE_BYTES:
         raise PlannerError(f"{label} inflates past {MAX_TRACE_BYTES >> 20:,} MiB: not read")
     return out
@@ -235,8 +241,8 @@ def parse_json_trace(raw: bytes, label: str) -> Any:
     try:
         return json.loads(text, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        end = " (truncated?)" if e.pos >= len(text.rstrip()) else ""
-        detail = f"is not valid JSON{end}: {e.msg} at line {e.lineno} column {e.colno}"
+        end = " (truncated?)" if e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string") else ""
+        detail = f"is not valid JSON{end}: {e.msg.removesuffix(' at')} at line {e.lineno} column {e.colno}"
     except RecursionError:
         detail = "is nested too deeply to be a profiler's trace"
     except ValueError as e:
@@ -257,6 +263,23 @@ def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
         raise PlannerError(f"{label} has {len(raw_events):,} events, over the {MAX_EVENTS:,} read: profile fewer "
                            "steps")
     events = [e for e in map(_event, raw_events) if e is not None]
+    marks = _step_marks(raw_events, events, label)
+    info = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
+    world = _int_field(info, "world_size", 1, label)
+    rank = _int_field(info, "rank", 0, label)
+    gpu = any(e.cat == "kernel" for e in events)
+    steps = tuple(_step(events, marks, i, world, gpu, label) for i in range(len(marks)))
+    if "world_size" not in info and any(s.collectives for s in steps):
+        raise PlannerError(f"{label} has no distributedInfo.world_size, and its steps run collectives: over how many "
+                           "ranks is not said (torch.profiler writes it for a distributed job: give its trace as "
+                           "exported)")
+    backend = info.get("backend") if isinstance(info.get("backend"), str) else ""
+    return MeasuredTrace(path, "cuda" if gpu else "cpu", rank, world, steps, backend[:100])
+
+
+def _step_marks(raw_events: list, events: list[_Event], label: str) -> list[_Event]:
+    """The trace's ``ProfilerStep#`` ranges in time order, refused where none is readable, where a complete event
+    is damaged, or where they overlap (a profiler's follow one another)."""
     marks = sorted((e for e in events if e.name.startswith("ProfilerStep#") and e.cat not in GPU_RANGES),
                    key=lambda e: e.ts)
     if not marks:
@@ -266,14 +289,20 @@ def parse_trace(raw: bytes, label: str, path: str = "") -> MeasuredTrace:
                                "edited or damaged trace")
         raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
                            "(profile with a schedule and call prof.step() once a step)")
+    damaged = sum(1 for e in raw_events if isinstance(e, dict) and e.get("ph") == "X") - len(events)
+    if damaged:  # (dropped, an op's time went missing from the steps, which then read as another job's)
+        raise PlannerError(f"{label} has {damaged:,} complete event{'s' if damaged > 1 else ''} ('ph': 'X') without a "
+                           f"name and a time a profiler writes (a string 'name', a 'ts' and a non-negative 'dur' in "
+                           f"microseconds, at most {MAX_MICROSECONDS:g}): an edited or damaged trace")
     if len(marks) > MAX_STEPS:
         raise PlannerError(f"{label} has {len(marks):,} steps, over the {MAX_STEPS:,} read")
-    info = data.get("distributedInfo") if isinstance(data.get("distributedInfo"), dict) else {}
-    world = _int_field(info, "world_size", 1, label)
-    rank = _int_field(info, "rank", 0, label)
-    gpu = any(e.cat == "kernel" for e in events)
-    steps = tuple(_step(events, marks, i, world, gpu, label) for i in range(len(marks)))
-    return MeasuredTrace(path, "cuda" if gpu else "cpu", rank, world, steps)
+    overlapping = next((i for i in range(1, len(marks)) if marks[i].ts < marks[i - 1].ts + marks[i - 1].dur
+                        - STEP_OVERLAP_US), None)
+    if overlapping is not None:
+        names = (printable(cut_short(m.name)) for m in marks[overlapping - 1:overlapping + 1])
+        raise PlannerError(f"{label} has steps {' and '.join(names)} that overlap, where a profiler's "
+                           "ProfilerStep# ranges follow one another: an edited or damaged trace")
+    return marks
 
 
 def _int_field(info: dict, key: str, default: int, label: str) -> int:

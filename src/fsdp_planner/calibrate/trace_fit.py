@@ -33,6 +33,7 @@ import os
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -61,6 +62,7 @@ from fsdp_planner.sim.recompute import checkpointed_calls
 from fsdp_planner.sim.simulate import StepReport, rank_step, simulate
 from fsdp_planner.trace.events import ATTENTION_KERNELS, KERNEL_EP_ALL_TO_ALL, KERNEL_OTHER, TP_KERNELS
 from fsdp_planner.trace.records import Trace
+from fsdp_planner.userfiles import shown_json
 
 # passes of the efficiencies' fit, at most: each solves the class sums for the ops' binding terms of the pass before
 # (a small matmul moving more bytes than it computes is bound by the memory efficiency, not the matmul one)
@@ -391,7 +393,7 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
                            f"{base.world_size}: give a --base of the traced job's size")
     steps, ops = typical_steps(traces), RankOps.of(trace, plan, base, options)
     before = simulate(trace, plan, base, options, timeline=False)  # the plan on the base cluster: checked and shown
-    check_matches(ops, plan, steps, before, gpu=devices != {"cpu"})
+    check_matches(ops, plan, traces, before)
     cluster = fit_compute(ops, base, measured_classes(steps), options)
     cluster = fit_collectives(cluster, steps)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
@@ -408,38 +410,60 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
 MATMUL_RATIO = (0.8, 1.25)
 
 
-def check_matches(ops: RankOps, plan: Plan, steps: list[Step], report: StepReport, gpu: bool) -> None:
-    """Refuse traces of another job than the one given: a CPU step's matmuls and their FLOPs, and FSDP2's
-    all-gathers and their bytes (exact on every rank of an FSDP2 job of the plan; a plan with TP or EP mixes its
-    own collectives in), against the plan's. A fit to a foreign trace writes a cluster whose figures are wrong for
-    every plan."""
-    step = steps[len(steps) // 2]
+def check_matches(ops: RankOps, plan: Plan, traces: list[MeasuredTrace], report: StepReport) -> None:
+    """Refuse traces of another job than the one given, step by step (a step of another job among them skewed
+    the fit: calibrate pools every step): a CPU step's matmuls and their FLOPs, and FSDP2's all-gathers and their
+    bytes (exact on every rank of an FSDP2 job of the plan; a plan with TP or EP mixes its own collectives in), a
+    distributed job's steps with none at all among them, against the plan's. A fit to a foreign trace writes a
+    cluster whose figures are wrong for every plan; a comparison with one, gaps that are not the model's."""
     is_op = np.asarray([e.is_op for e in ops.trace.events])
-    matmuls = int(ops.runs[is_op][simulated_classes(ops.trace)[is_op] == 0].sum())
+    is_matmul = is_op & (simulated_classes(ops.trace) == 0)
+    matmuls = int(ops.runs[is_matmul].sum())
+    flops = float((ops.trace.index.op_flops * ops.runs)[is_matmul].sum())
+    for t in traces:
+        for i, step in enumerate(t.steps):
+            problems = _step_problems(step, t, plan, report, matmuls, flops)
+            if problems:
+                raise PlannerError(f"the traces are not of the job given: {'; '.join(problems)} (step {i + 1} of "
+                                   f"{shown_json(Path(t.path).name)}): give the --model, --plan or --policy, "
+                                   "--batch, --seq and --precision the traced job ran with (one job's traces; one "
+                                   "forward and backward a profiled step, no micro-batches)")
+
+
+def _step_problems(step: Step, t: MeasuredTrace, plan: Plan, report: StepReport, matmuls: int, flops: float
+                   ) -> list[str]:
+    """``check_matches`` of one step."""
     measured = step.op_counts.get(OpClass.MATMUL, 0)
     problems = []
     if not sum(step.op_counts.values()):
         problems.append("its steps hold no ops")
-    elif not gpu and not MATMUL_RATIO[0] <= measured / max(1, matmuls) <= MATMUL_RATIO[1]:
+    elif t.device == "cpu" and not MATMUL_RATIO[0] <= measured / max(1, matmuls) <= MATMUL_RATIO[1]:
         problems.append(f"a step of it runs {measured:,} matmuls where the plan's runs {matmuls:,}")
-    elif step.matmul_flops is not None and plan.tensor_parallel is None and plan.expert_parallel is None:  # a CPU
-        # trace's shapes: the workload too (under TP the profiler records a DTensor op's global shapes)
-        is_matmul = is_op & (simulated_classes(ops.trace) == 0)
-        flops = float((ops.trace.index.op_flops * ops.runs)[is_matmul].sum())
-        if not MATMUL_RATIO[0] <= step.matmul_flops / max(1.0, flops) <= MATMUL_RATIO[1]:
-            problems.append(f"its matmuls run {step.matmul_flops / 1e9:,.3g} GFLOP a step where the plan's at this "
-                            f"workload run {flops / 1e9:,.3g}")
-    if plan.tensor_parallel is None and plan.expert_parallel is None and step.collectives:  # (none: one GPU
-        # running a larger job's step on a fake process group, benchmarks/gpu)
+    elif step.matmul_flops is not None and plan.tensor_parallel is None and plan.expert_parallel is None \
+            and not MATMUL_RATIO[0] <= step.matmul_flops / max(1.0, flops) <= MATMUL_RATIO[1]:  # a CPU trace's
+        # shapes: the workload too (under TP the profiler records a DTensor op's global shapes)
+        problems.append(f"its matmuls run {step.matmul_flops / 1e9:,.3g} GFLOP a step where the plan's at this "
+                        f"workload run {flops / 1e9:,.3g}")
+    # (a fake process group's job runs its collectives nowhere: one GPU running a larger job's step, benchmarks/gpu)
+    distributed = t.world > 1 and t.backend != "fake"
+    if plan.tensor_parallel is None and plan.expert_parallel is None and (step.collectives or distributed):
         gathers = [c for c in step.collectives if c.kind is CollectiveKind.ALL_GATHER]
         nbytes = sum(c.nbytes for c in gathers)
         if (len(gathers), nbytes) != (report.all_gathers, report.all_gather_bytes):
             problems.append(f"it all-gathers {len(gathers):,} times a step ({fmt_bytes(nbytes)}) where the plan "
                             f"does {report.all_gathers:,} times ({fmt_bytes(report.all_gather_bytes)})")
-    if problems:
-        raise PlannerError(f"the traces are not of the job given: {'; '.join(problems)}: give the --model, --plan "
-                           "or --policy, --batch, --seq and --precision the traced job ran with (one job's traces; "
-                           "one forward and backward a profiled step: calibrate fits no micro-batches)")
+    return problems
+
+
+def check_trace_of(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, measured: MeasuredTrace,
+                   report: StepReport) -> None:
+    """``simulate --against``'s trace is of the job simulated (``check_matches``) on a cluster of its size
+    (``report``: the plan's step on ``cluster``)."""
+    if measured.world > 1 and measured.world != cluster.world_size:
+        raise PlannerError(f"{shown_json(Path(measured.path).name)} is a trace of a job of {measured.world} ranks and "
+                           f"the cluster {cluster.name} has {cluster.world_size}: simulate on a cluster of the "
+                           "traced job's size")
+    check_matches(RankOps.of(tr, plan, cluster, options), plan, [measured], report)
 
 
 def describe_fit(trace: Trace, plan: Plan, ops: RankOps, steps: list[Step], base: Cluster, cluster: Cluster,

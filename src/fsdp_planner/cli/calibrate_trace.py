@@ -78,7 +78,8 @@ def _ms(seconds: float) -> str:
 
 def fit_tables(fit: TraceFit) -> list[Table]:
     """Measured beside predicted, per op class, per collective and size, and the step's parts."""
-    ops = Table(title=f"ops a step: measured (mean of the {fit.steps} typical steps) vs predicted")
+    steps = f"the {fit.steps} typical steps" if fit.steps != 1 else "the 1 typical step"
+    ops = Table(title=f"ops a step: measured (mean of {steps}) vs predicted")
     for col in ("class", "ops measured", "ops simulated", "measured", "before fit", "after fit"):
         ops.add_column(col, justify="left" if col == "class" else "right")
     for r in fit.classes:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 import fsdp_planner.cli.render as render
 from fsdp_planner.calibrate.kineto import read_trace
+from fsdp_planner.calibrate.trace_fit import check_trace_of
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.hardware.cluster import Cluster
@@ -32,11 +33,12 @@ def against(tr: Trace, labelled: tuple[str, Plan], cluster: Cluster, options: Si
             pictures: tuple[Path | None, Path | None], as_json: bool) -> int:
     label, plan = labelled
     measured_trace = read_trace(trace_path)
+    report = simulate(tr, plan, cluster, options, timeline=True)
+    check_trace_of(tr, plan, cluster, options, measured_trace, report)
     step = measured_trace.median_step()
     bars = tuple(Bar(s.lane, s.name, s.start, s.end) for s in step.spans)
     measured = Side(f"measured (rank {measured_trace.rank})", bars,
                     phases_of(bars, step.seconds, step.forward, step.forward + step.backward, step.optimizer))
-    report = simulate(tr, plan, cluster, options, timeline=True)
     optimizer = step.ran_optimizer
     rank_trace = rank_step(tr, plan, cluster)[0]  # with TP or EP the timeline's ops are one rank's view's
     simulated = simulated_side(rank_trace, report, f"simulated {label}", optimizer)

@@ -451,7 +451,7 @@ def _hf_config_from(model: dict[str, Any]) -> dict[str, Any]:
     for key, value in config.items():
         scalar = isinstance(value, bool | int | str) or value is None or (isinstance(value, float) and
                                                                            math.isfinite(value))
-        if not key.isidentifier() or len(key) > MAX_HF_CONFIG_CHARS or not scalar \
+        if not key.isidentifier() or key.startswith("_") or len(key) > MAX_HF_CONFIG_CHARS or not scalar \
                 or (isinstance(value, str) and len(value) > MAX_HF_CONFIG_CHARS):
             raise PlannerError(f"plan 'model.hf_config' field {shown_json(key)} must be a config field name with "
                                f"a true/false, finite number, string or null value, got {shown_json(value)}")

@@ -401,7 +401,8 @@ def with_overrides(data: dict[str, Any], overrides: Overrides) -> dict[str, Any]
     if overrides:
         known = _config(data)
         for key, _ in overrides:
-            if not hasattr(known, key):
+            # (a method or a dunder, to_dict or __class__, is no field: set, transformers raised on it)
+            if key.startswith("_") or not hasattr(known, key) or callable(getattr(known, key)):
                 raise PlannerError(f"--hf-config {key}: the '{data['model_type']}' config has no field '{key}'")
     return {**data, **TRAINING_FIELDS, **dict(overrides)}
 

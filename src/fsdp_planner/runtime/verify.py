@@ -35,6 +35,7 @@ import torch
 
 from fsdp_planner.choices import DEFAULT_PRECISION, REDUCE_BYTES, GradientSync, ReduceDtype
 from fsdp_planner.errors import PlannerError
+from fsdp_planner.fmt import fmt_bytes
 from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.fsdp1_replay import fsdp1_collective_bytes, fsdp1_collectives
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
@@ -53,6 +54,7 @@ from fsdp_planner.runtime.checkpoint import META, REFERENCE, read_meta
 from fsdp_planner.runtime.checkpoint_pickle import DCP_METADATA, check_metadata
 from fsdp_planner.runtime.failures import explain, launcher_killed, read_failures, unexplained
 from fsdp_planner.runtime.launch import PARENT_ENV
+from fsdp_planner.runtime.measure import host_memory
 from fsdp_planner.runtime.worker import FP32_TOLERANCE
 from fsdp_planner.runtime.zygote import Forked, start_launcher
 from fsdp_planner.signals import signals_raise
@@ -516,12 +518,34 @@ def check_model_dtypes(spec: ModelSpec, precision: Precision) -> None:
     check_complex_params(precision, model)
 
 
+HOST_SHARE = 0.8  # of the host's available memory a job's ranks may need (the launcher, the command and others run)
+RANK_COPIES = 4  # what each CPU rank holds of the whole model at least: the model it builds, the unsharded
+# reference, the reference's grads and its optimizer's momentum (its own sharded state and activations come on top)
+
+
+def check_host_memory(job: VerifyJob, trace: Trace) -> None:
+    """Refuse a job whose CPU ranks cannot hold what each builds (``RANK_COPIES`` of the model's params) in the
+    host's available memory, before any rank starts: the out-of-memory killer ended one after 98 s (a 2.1B-param
+    config on 2 ranks of a 23 GB host), and it may take another process of the host's with it."""
+    if torch.cuda.is_available():  # (a GPU rank holds the reference on its GPU)
+        return
+    need = job.nproc * RANK_COPIES * trace.nbytes
+    free = host_memory("MemAvailable", "SC_AVPHYS_PAGES")
+    if need > HOST_SHARE * free:
+        raise PlannerError(f"verify runs {job.nproc} CPU ranks that each build the model and an unsharded "
+                           f"reference ({fmt_bytes(trace.nbytes)} of params; with the reference's grads and "
+                           f"momentum about {fmt_bytes(RANK_COPIES * trace.nbytes)} a rank), and this host has "
+                           f"{fmt_bytes(free)} available: verify a smaller config of the model (the plan's groups "
+                           "follow its structure) or fewer --nproc")
+
+
 def check_on_meta(job: VerifyJob, trace: Trace) -> None:
     """What can be refused before any rank starts: forward methods the plan names, params' dtypes the precision
     cannot train."""
     if job.plan.forward_methods:
         check_forward_methods(job.plan, load_model(job.model, meta=True).model)
     check_param_dtypes(job.precision, {p.dtype for p in trace.params if p.is_floating_point and p.requires_grad})
+    check_host_memory(job, trace)
     f8 = job.plan.float8
     if f8 is not None and f8.tp_float8_all_gather and job.plan.tensor_parallel is not None \
             and not torch.cuda.is_available():

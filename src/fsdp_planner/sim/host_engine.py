@@ -56,10 +56,20 @@ class HostRank:
         if idx <= self.pos:
             return
         ops = float(self.ops_before[idx] - self.ops_before[self.pos])
-        seconds = max(0.0, self.ctx.cum[idx] - self.ctx.cum[self.pos] + ops * self.overhead.op_seconds)
+        run = self.ctx.cum[idx] - self.ctx.cum[self.pos]
+        seconds = max(0.0, run + ops * self.overhead.op_seconds)
         self.compute += seconds
-        self._spend(seconds, Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)", op=self.pos)
+        self._ran(run, seconds, Stream.COMPUTE, self.ctx.trace.events[self.pos].module or "(root)", Work.OPS,
+                  self.pos)
         self.pos = idx
+
+    def _ran(self, run: float, seconds: float, stream: Stream, name: str, work: Work, op: int = -1) -> None:
+        """Ops that run ``run`` seconds and take ``seconds`` with their dispatch (``op_seconds``): the ops drawn,
+        the dispatch after them left blank, as a profile shows it (gaps between ops: ``simulate --against``'s
+        idle, which calibrate's fitted ``op_seconds`` stands for)."""
+        drawn = min(run, seconds) if run > 0 else seconds
+        self._spend(drawn, stream, name, work, op=op)
+        self.t += seconds - drawn
 
     def _host(self, seconds: float, name: str) -> None:
         self.host += seconds
@@ -97,7 +107,7 @@ class HostRank:
     def recompute(self, r: Recompute) -> float:
         """A checkpointed forward run again; its seconds."""
         seconds = max(0.0, r.seconds + r.ops * self.overhead.op_seconds)
-        self._spend(seconds, Stream.COMPUTE, f"recompute {fmt_modules(r.modules, 1)}", Work.RECOMPUTE)
+        self._ran(r.seconds, seconds, Stream.COMPUTE, f"recompute {fmt_modules(r.modules, 1)}", Work.RECOMPUTE)
         # no ``copy_seconds``: on CPU ranks ``save_on_cpu`` packs a CPU tensor as itself (``tensor.cpu()``), no copy
         return seconds
 
