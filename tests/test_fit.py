@@ -189,6 +189,25 @@ def test_fit_gpus_auto_takes_a_job_that_leaves_its_count_to_the_cluster(capsys, 
     assert json.loads(out)["gpus"]["fewest"] == 8 and "gives no GPU count" not in err
 
 
+def test_fit_from_torchtitan_runs_the_jobs_local_batch_and_the_users_own_flags(tmp_path):
+    """A job's gradient accumulation is one micro-batch a step, at its local batch (it asked for --micro-batches
+    and fitted twice the local batch); the command line's --ac and --offload are kept, not the job's dropped in
+    their place (a review)."""
+    from fsdp_planner.cli.fit import _job_of
+    from fsdp_planner.cli.parser import build_parser
+    from fsdp_planner.cli.requests import keywords
+
+    job = tmp_path / "job.toml"
+    job.write_text(_TITAN_JOB.format(shard=4).replace("local_batch_size = 2", "local_batch_size = 1\n"
+                                                      "global_batch_size = 8"))
+    args = build_parser().parse_args(["fit", "--from-torchtitan", str(job), "--cluster", "h100", "--ac", "full",
+                                      "--offload"])
+    args.torchtitan_flags = ()
+    kw = keywords(_job_of(args))
+    assert (kw.batch, kw.micro_batches, kw.gradient_sync) == (1, None, None)
+    assert (kw.ac, kw.offload, kw.tp, kw.cluster) == ("full", True, 2, "h100:8")
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--cluster", "h100:16", "--gpus", "auto"], "--gpus auto chooses the GPU count"),
     (["--cluster", "h100:2", "--picture", "fit.txt"], "--picture 'fit.txt' must end in"),

@@ -46,6 +46,15 @@ def test_a_plan_records_the_workload_it_was_made_for(tmp_path, capsys):
     assert main(["plan", f"{fixture}:titan_decoder", "--policy", "titan", "--cluster", "h100:2", "--out",
                  str(out), "--force"]) == 0
     assert "workload" not in json.loads(out.read_text())
+    # a model without a sequence length records its batch alone (it recorded none: a new user's ViT plan at
+    # --batch 2121 was simulated at its factory's default batch without a note)
+    assert main(["plan", "seed-net", "--policy", "size", "--cluster", "h100:2", "--batch", "6", "--out", str(out),
+                 "--force"]) == 0
+    step = {"batch": 6, "micro_batches": 1, "ranks": 2, "nodes": 1}
+    assert json.loads(out.read_text())["workload"] == step and Plan.load(out).workload.to_dict() == step
+    capsys.readouterr()
+    assert main(["simulate", "seed-net", "--plan", str(out), "--cluster", "h100:2"]) == 0
+    assert "note: the plan was made for batch 6 on 2 ranks: add --batch 6 for the step" in capsys.readouterr().err
     # simulated at another step, or on another world, the plan file says what it was made for
     plan_file = tmp_path / "p2.json"
     assert main(["plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--batch", "4", "--micro-batches",
@@ -59,7 +68,8 @@ def test_a_plan_records_the_workload_it_was_made_for(tmp_path, capsys):
         err = capsys.readouterr().err
         assert (said in err) if said else "the plan was made for" not in err, err
     data = json.loads(Plan.from_json(ExecutionOrderPolicy().plan(traced("toy-llama")).to_json()).to_json())
-    for bad in ({"batch": 4}, {"batch": 4, "seq": 0}, {"batch": 4, "seq": 8, "micro_batches": 3},
+    # ({"batch": 4} alone is a model's without a sequence length, above)
+    for bad in ({"seq": 8}, {"batch": 4, "seq": 0}, {"batch": 4, "seq": 8, "micro_batches": 3},
                 {"batch": True, "seq": 8}, {"batch": 4, "seq": 8, "tokens": 1}, [4, 8],
                 {"batch": 4, "seq": 8, "ranks": 12, "nodes": 8}):
         with pytest.raises(PlannerError, match="plan 'workload' must be"):

@@ -24,6 +24,7 @@ from fsdp_planner.planners.tensor_parallel import (
     PAIRS,
     check_layout,
     head_linears,
+    plan_layout,
     titan_llama_layout,
     tp_degrees,
     tp_layout,
@@ -132,6 +133,26 @@ def test_mlas_kv_b_proj_gives_whole_heads_of_its_own_width(tmp_path):
     check_layout(tr, tp_layout(tr, 4, spec), parse_cluster("h100:4"))
     with pytest.raises(PlannerError, match="must divide the model's 4 attention heads"):
         check_layout(tr, tp_layout(tr, 8, spec), parse_cluster("h100:8"))
+
+
+def test_a_plan_files_mla_style_is_checked_against_the_model(tmp_path):
+    """A plan file's mla_rope_dim is the config's qk_rope_head_dim (12 summed four latent features' grads twice),
+    the style goes to an nn.Linear (an Embedding's 'features' were its vocab: the all-reduce bytes were wrong), and
+    the per-head width relaxation holds for transformers' own per-head Linears only (kv_a_proj colwise passed it:
+    its 24 features are 4 heads of 6)."""
+    spec = _deepseek_v2(tmp_path)
+    tr = trace_spec(spec)
+    tp = tp_layout(tr, 2, spec).tp
+    for rope in (7, 12):
+        with pytest.raises(PlannerError, match=f"mla_rope_dim' is {rope}, and .* rope key is 8 features"):
+            plan_layout(tr, dataclasses.replace(tp, mla_rope_dim=rope), spec)
+    check_layout(tr, plan_layout(tr, tp, spec), parse_cluster("h100:2"))  # (transformers' own: checked)
+    embedding = TensorParallel(2, {"model.embed_tokens": TPStyle.MLA_KV_A_PROJ}, mla_rope_dim=8)
+    with pytest.raises(PlannerError, match=r"model\.embed_tokens is a Embedding: give it to the Linear making"):
+        check_layout(tr, plan_layout(tr, embedding, spec), parse_cluster("h100:2"))
+    kv_a = TensorParallel(2, {**tp.layout, "model.layers.*.self_attn.kv_a_proj_with_mqa": TPStyle.COLWISE})
+    with pytest.raises(PlannerError, match=r"whole attention heads of model\.layers\.0\.self_attn\.kv_a_proj_with_mqa"):
+        check_layout(tr, plan_layout(tr, kv_a, spec), parse_cluster("h100:2"))
 
 
 def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path):

@@ -219,6 +219,11 @@ def job() -> Trainer.Config:
     ("activation_checkpoint=MyAC.Config(),", "activation_checkpoint = MyAC.Config(...) is not SelectiveAC"),
     ("training=TrainingConfig(max_context_length=6000),",
      "training.num_tokens_per_microbatch_per_dp_rank = 16,384 (TrainingConfig's default) is not a multiple"),
+    # the registry's own key and the bound (it named the TOML's training.seq_len, and no bound: a new user's trial)
+    ("training=TrainingConfig(max_context_length=10**15),",
+     "training.max_context_length = 1000000000000000 is not a whole number from 1 to 10,000,000"),
+    ("training=TrainingConfig(max_context_length=-8192),",
+     "training.max_context_length = -8192 is not a whole number from 1 to 10,000,000"),
 ])
 def test_a_value_it_cannot_read_is_one_line_naming_the_key(tmp_path, body, says):
     _refused(tmp_path, REGISTRY_HEAD + f"        {body}\n    )\n", r"^torchtitan job '.*:job': .*" + re.escape(says))
@@ -696,7 +701,8 @@ def test_module_level_constants_are_read_where_a_job_names_them(tmp_path):
     # a product past 10**18 is a number the job's checks judge as they judge the literal (it was "not a literal")
     path.write_text(CONSTANTS_HEAD + "\n\ndef job() -> Trainer.Config:\n    return Trainer.Config(model_spec="
                     "model_registry(FLAVOR), training=TrainingConfig(max_context_length=SEQ_LEN * 10**30))\n")
-    with pytest.raises(PlannerError, match=r"is not a multiple of training\.max_context_length = 8,192,000,000,"):
+    with pytest.raises(PlannerError, match=r"max_context_length = 8192000000000000000000000000000000 is not a whole "
+                                           r"number from 1 to 10,000,000"):
         read_config(TORCHTITAN, f"{path}:job")
     with pytest.raises(PlannerError, match=r"no function jbo \(its functions, closest first: job\)"):
         read_config(TORCHTITAN, f"{path}:jbo")

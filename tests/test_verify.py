@@ -791,3 +791,23 @@ def test_verify_refuses_ranks_the_host_cannot_hold(tmp_path):
         "error: verify runs 2 CPU ranks that each build the model and an unsharded reference (512 GiB of params"), \
         done.stderr
 
+
+
+def test_the_replica_check_fails_a_param_that_is_not_finite_on_any_rank():
+    """gloo's MAX and MIN pass a NaN by: a NaN copy on another rank read as 0 apart (a review). Run on one gloo
+    rank in this process: a finite param is 0 apart, a NaN or inf one fails (above 1x its bound)."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_planner.runtime.worker import replicas
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        ok = replicas([("w", torch.ones(4)), ("ids", torch.arange(3))])
+        assert ok == {"replica_diff": 0.0, "replica_error": 0.0, "replica_param": ""}
+        for bad in (float("nan"), float("inf")):
+            out = replicas([("w", torch.tensor([1.0, bad]))])
+            assert out["replica_error"] > 1 and out["replica_param"] == "w", out
+    finally:
+        dist.destroy_process_group()

@@ -618,6 +618,8 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         elif style == "replicate":  # replicated params (a router gate, per-head norms): their grads summed over tp
             distribute_module(modules[name], tp_mesh, None, _replicated_input, _replicated_output)
         elif style == "mla_kv_a_proj":  # whole on each rank; the rope key's grad (every head reads it) summed over tp
+            if not isinstance(modules[name], nn.Linear) or modules[name].out_features <= MLA_ROPE_DIM:
+                raise ValueError(f"mla_kv_a_proj: {name} is no nn.Linear of more than MLA_ROPE_DIM output features")
             modules[name].register_forward_hook(lambda m, args, out: _rope_grad_all_reduced(out, tp_mesh))
     if ASYNC_TP:  # torchtitan's switch: the all-gathers and reduce-scatters fused with their matmuls by compile
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -756,8 +758,6 @@ def _replicated_output(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> tor
 
 def _rope_grad_all_reduced(out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """The same values; the grad of the last MLA_ROPE_DIM features (MLA's rope key) all-reduced over tp."""
-    if out.shape[-1] <= MLA_ROPE_DIM:
-        raise ValueError(f"mla_kv_a_proj: the output has {out.shape[-1]} features, not more than MLA_ROPE_DIM")
     kept, rope = out.split([out.shape[-1] - MLA_ROPE_DIM, MLA_ROPE_DIM], dim=-1)
     rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
     return torch.cat([kept, rope], dim=-1)

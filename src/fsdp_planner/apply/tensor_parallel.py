@@ -221,15 +221,12 @@ class _LocalExperts:
         return DTensor.from_local(out, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
-def rope_grad_all_reduced(out: torch.Tensor, rope_dim: int, mesh: Any) -> torch.Tensor:
+def _rope_grad_all_reduced(out: torch.Tensor, rope_dim: int, mesh: Any) -> torch.Tensor:
     """``out`` with the grad of its last ``rope_dim`` features all-reduced over ``mesh`` in backward (a replicated
     DTensor's local tensor whose grad is taken as partial), the rest's passed on as it comes: MLA's rope key,
     which every head reads straight (``MLA_KV_A_PROJ``). The same values, a new tensor."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    if out.shape[-1] <= rope_dim:
-        raise PlannerError(f"the tensor-parallel style mla_kv_a_proj all-reduces the grad of its output's last "
-                           f"{rope_dim} features (mla_rope_dim), and the module's output has {out.shape[-1]}")
     kept, rope = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
     rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
     return torch.cat([kept, rope], dim=-1)
@@ -258,7 +255,20 @@ def apply_own_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None
             distribute_module(modules[name], tp_mesh, None, _replicated_in, _replicated_out)
         elif style is TPStyle.MLA_KV_A_PROJ:
             modules[name].register_forward_hook(
-                lambda module, args, out: rope_grad_all_reduced(out, tp.mla_rope_dim, tp_mesh))
+                lambda module, args, out: _rope_grad_all_reduced(out, tp.mla_rope_dim, tp_mesh))
+
+
+def _check_rope_keys(model: nn.Module, tp: TensorParallel) -> None:
+    """Each ``mla_kv_a_proj`` module an nn.Linear of more output features than ``mla_rope_dim``, refused before
+    any module changes (its hook would raise mid-forward, on a model already parallelized)."""
+    for name, style in tp.styles(dict(model.named_modules())).items():
+        module = model.get_submodule(name)
+        if style is TPStyle.MLA_KV_A_PROJ and (not isinstance(module, nn.Linear)
+                                               or module.out_features <= tp.mla_rope_dim):
+            what = f"has {module.out_features} output features" if isinstance(module, nn.Linear) \
+                else f"is a {type(module).__name__}"
+            raise PlannerError(f"the tensor-parallel style mla_kv_a_proj of {name} all-reduces the grad of the last "
+                               f"{tp.mla_rope_dim} output features of an nn.Linear, and {name} {what}")
 
 
 def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel: bool = False,
@@ -271,6 +281,7 @@ def apply_tp(model: nn.Module, tp: TensorParallel, tp_mesh: Any, expert_parallel
     if tp_mesh.size() != tp.degree:
         raise PlannerError(f"the plan's TP degree is {tp.degree} but the mesh's 'tp' dim has {tp_mesh.size()} ranks")
     check_moe_styles(tp, dict(model.named_modules()), expert_parallel)
+    _check_rope_keys(model, tp)
     parallelize_module(model, tp_mesh, torch_plan(model, tp, float8))
     apply_own_styles(model, tp, tp_mesh)
 

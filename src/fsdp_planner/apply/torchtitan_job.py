@@ -123,7 +123,7 @@ def _tokens(plan: Plan) -> dict[str, int]:
     and the step's tokens over the data-parallel ranks (torchtitan derives the accumulation steps from them; -1, its
     default, is one micro-batch a step). None known: none set."""
     w = plan.workload
-    if w is None:
+    if w is None or not w.seq:  # (no sequence: no token counts to say)
         return {}
     out = {"num_tokens_per_microbatch_per_dp_rank": w.batch // w.micro_batches * w.seq, "max_context_length": w.seq,
            "num_tokens_per_train_step": -1}  # -1: one micro-batch a step (a base job's own count replaced)

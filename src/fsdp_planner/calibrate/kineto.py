@@ -284,9 +284,9 @@ def _step_marks(raw_events: list, events: list[_Event], label: str) -> list[_Eve
                    key=lambda e: e.ts)
     if not marks:
         if any(isinstance(e, dict) and str(e.get("name", "")).startswith("ProfilerStep#") for e in raw_events):
-            raise PlannerError(f"{label} has ProfilerStep# ranges but none with a time a profiler writes (a 'ts' "
-                               f"and a non-negative 'dur' in microseconds, at most {MAX_MICROSECONDS:g}): an "
-                               "edited or damaged trace")
+            raise PlannerError(f"{label} has ProfilerStep# ranges but none with a time a profiler writes (a "
+                               f"complete event, 'ph': 'X', with a 'ts' and a non-negative 'dur' in microseconds, at "
+                               f"most {MAX_MICROSECONDS:g}): an edited or damaged trace")
         raise PlannerError(f"{label} has no ProfilerStep# ranges: not a torch.profiler trace of training steps "
                            "(profile with a schedule and call prof.step() once a step)")
     damaged = sum(1 for e in raw_events if isinstance(e, dict) and e.get("ph") == "X") - len(events)

@@ -124,9 +124,10 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
 
 def _job_of(args: argparse.Namespace) -> argparse.Namespace | Configured:
     """The options with the job ``--from-torchtitan`` / ``--from-accelerate`` describes, as ``plan`` reads it for
-    auto: its model, workload (where fit's search starts), cluster, precision, TP and EP degrees, compile and float8
-    kept; its checkpointing, mesh, offload and gradient accumulation auto's to choose, as auto's plan beside the
-    job chooses them. ``--gpus auto`` counts the GPUs, so the job must leave its count to the cluster."""
+    auto: its model, sequence, cluster, precision, TP and EP degrees, compile and float8 kept; its checkpointing,
+    mesh and offload auto's to choose (the command line's own ``--ac``, ``--mesh`` and ``--offload`` kept), as
+    auto's plan beside the job chooses them; its gradient accumulation one micro-batch a step, as fit's every
+    point. ``--gpus auto`` counts the GPUs, so the job must leave its count to the cluster."""
     given, cfg = configured(args, gpus_searched=bool(args.gpus))
     if cfg is None:
         return args
@@ -136,10 +137,17 @@ def _job_of(args: argparse.Namespace) -> argparse.Namespace | Configured:
                            "--gpus auto to fit its batch and sequence there, or leave its count to the cluster ("
                            + ("no num_processes" if cfg.kind == ACCELERATE else "data_parallel_shard_degree = -1")
                            + ")")
+    if args.gpus and cfg.nodes:
+        raise PlannerError(f"--gpus auto chooses the node count, and the {cfg.kind} job runs on {cfg.nodes} "
+                           "machines (num_machines): drop --gpus auto, or num_machines")
     kw = keywords(given)
+    micro = int(str(kw.micro_batches)) if str(kw.micro_batches).isdecimal() else 1  # (the job's: "2")
     render.note(f"fit plans the {cfg.kind} job with auto: its checkpointing, mesh and CPU offload are auto's to "
-                "choose (its model, workload, precision, parallel degrees, compile and float8 kept)")
-    free = dataclasses.replace(kw, ac=None, ac_policy=None, mesh=None, offload=False, micro_batches=None,
+                "choose (its model, workload, precision, parallel degrees, compile and float8 kept)"
+                + (f"; its gradient accumulation of {micro} micro-batches is one a step here" if micro > 1 else ""))
+    free = dataclasses.replace(kw, ac=args.ac, ac_policy=args.ac_policy, mesh=args.mesh, offload=args.offload,
+                               micro_batches=None, gradient_sync=None,
+                               batch=kw.batch // micro if isinstance(kw.batch, int) else kw.batch,
                                cluster=(args.cluster or str(kw.cluster).partition(":")[0]) if args.gpus
                                else kw.cluster)
     return Configured(args, free)
@@ -448,6 +456,13 @@ def _sections(request: FitRequest, points: Points) -> list[tuple[str, list[FitPo
     return out
 
 
+def _over(p: FitPoint) -> str:
+    """A point's reserved peak over the budget; by so little that both read the same ("70.8 GiB > budget" of 70.8
+    GiB), the overshoot."""
+    shown, over = fmt_bytes(p.reserved_memory), p.reserved_memory - p.budget
+    return f"budget + {fmt_bytes(over)}" if shown == fmt_bytes(p.budget) and over > 0 else f"{shown} > budget"
+
+
 def _table(title: str, rows: list[FitPoint], with_seq: bool) -> Any:
     from rich.table import Table
 
@@ -458,7 +473,7 @@ def _table(title: str, rows: list[FitPoint], with_seq: bool) -> Any:
         table.add_column(name, justify="left" if name in ("", "plan") else "right")
     for p in rows:
         bar = "█" * max(1, round(BAR * p.tokens_per_gpu / best)) if p.fits and best else ""
-        reserved = fmt_bytes(p.reserved_memory) if p.fits else f"[red]{fmt_bytes(p.reserved_memory)} > budget[/red]"
+        reserved = fmt_bytes(p.reserved_memory) if p.fits else f"[red]{_over(p)}[/red]"
         table.add_row(f"{p.gpus:,}", f"{p.batch:,}", f"{p.seq:,}" if with_seq else "-", fmt_time(p.step_time),
                       f"{p.tokens_per_gpu:,.0f}" if p.fits else "no fit", bar,
                       f"{p.mfu:.1%}" if p.fits else "", reserved, _described(p))

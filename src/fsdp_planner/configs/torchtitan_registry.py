@@ -25,6 +25,7 @@ from typing import Any
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import cut_short
+from fsdp_planner.limits import MAX_SEQ, MAX_TOKENS
 from fsdp_planner.userfiles import MAX_CONFIG_BYTES, read_text, shown_json
 
 # torchtitan's model flavours that are fsdp-planner's built-in models or shipped transformers configs (the same
@@ -876,6 +877,15 @@ def default_tokens() -> tuple[int, int]:
     return TOKEN_DEFAULTS["num_tokens_per_microbatch_per_dp_rank"] // seq, seq
 
 
+def _check_tokens(key: str, v: Any, label: str) -> None:
+    """One of ``TOKENS``: a whole number, bounded (the step's: the micro-batch's bound times the micro-batches and
+    the world, checked again once they are sequences); the step's -1 is one micro-batch a step."""
+    top = MAX_SEQ if key == "max_context_length" else MAX_TOKENS if key == TOKENS[0] else MAX_TOKENS << 24
+    if isinstance(v, bool) or not isinstance(v, int) or not (1 <= v <= top or (v == -1 and key == TOKENS[2])):
+        raise PlannerError(f"{label}: training.{key} = {shown_json(v)} is not a whole number from 1 to {top:,}"
+                           + (" (or -1: one micro-batch a step)" if key == TOKENS[2] else ""))
+
+
 def _tokens(training: dict[str, Any], label: str, notes: list[str]) -> dict[str, Any]:
     """The token counts as sequences: per GPU (local_batch_size), their length (seq_len) and per step
     (global_batch_size); a job that gives neither count runs TrainingConfig's defaults (``default_tokens``), which
@@ -896,8 +906,7 @@ def _tokens(training: dict[str, Any], label: str, notes: list[str]) -> dict[str,
                            "and --training.max_context_length")
     n = {k: given.get(k, TOKEN_DEFAULTS[k]) for k in TOKENS}
     for key, v in n.items():
-        if isinstance(v, bool) or not isinstance(v, int) or not (v >= 1 or (v == -1 and key == TOKENS[2])):
-            raise PlannerError(f"{label}: training.{key} = {shown_json(v)} is not a whole number from 1")
+        _check_tokens(key, v, label)
     seq = n["max_context_length"]
     for key in (TOKENS[0], TOKENS[2]):
         if n[key] != -1 and n[key] % seq:

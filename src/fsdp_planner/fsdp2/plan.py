@@ -91,10 +91,10 @@ MAX_WORKLOAD = 10**9  # each figure's bound (a batch, a sequence, a world size)
 class Workload:
     """The step a plan was made for, so that an export runs it (torchtitan's job sets its token counts): ``batch``
     sequences of ``seq`` tokens per data-parallel rank in an optimizer step, in ``micro_batches``, on ``ranks``
-    GPUs. Absent from a plan of a model whose batch fsdp-planner does not know (a user factory's inputs)."""
+    GPUs. Absent from a plan of a model whose batch fsdp-planner does not know (a user factory's default inputs)."""
 
     batch: int
-    seq: int
+    seq: int  # 0: the model takes no sequence length (a CNN's, a factory's of images)
     micro_batches: int = 1
     ranks: int = 0  # the world the plan was simulated on (0: not known)
     nodes: int = 0  # the machines those ranks are on (0: not known)
@@ -102,7 +102,7 @@ class Workload:
     # torchtitan's); False: the last one's only
 
     def to_dict(self) -> dict[str, int | str]:
-        return {"batch": self.batch, "seq": self.seq, "micro_batches": self.micro_batches,
+        return {"batch": self.batch, **({"seq": self.seq} if self.seq else {}), "micro_batches": self.micro_batches,
                 **({"ranks": self.ranks} if self.ranks else {}), **({"nodes": self.nodes} if self.nodes else {}),
                 **({"gradient_sync": SYNC_EVERY} if self.sync_every else {})}
 
@@ -585,15 +585,16 @@ def _workload_from(w: Any) -> Workload | None:
     if w is None:
         return None
     sync = w.get("gradient_sync", "last") if isinstance(w, dict) else "last"
-    whole = isinstance(w, dict) and {"batch", "seq"} <= set(w) <= set(WORKLOAD_KEYS) and sync in ("last", SYNC_EVERY) \
+    whole = isinstance(w, dict) and {"batch"} <= set(w) <= set(WORKLOAD_KEYS) and sync in ("last", SYNC_EVERY) \
         and all(not isinstance(v, bool) and isinstance(v, int) and 0 <= v <= MAX_WORKLOAD
                 for k, v in w.items() if k != "gradient_sync")
-    if not whole or min(w["batch"], w["seq"], w.get("micro_batches", 1)) < 1 \
+    if not whole or min(w["batch"], w.get("seq", 1), w.get("micro_batches", 1)) < 1 \
             or w["batch"] % w.get("micro_batches", 1) or (w.get("nodes") and w.get("ranks", 0) % w["nodes"]):
         raise PlannerError(f"plan 'workload' must be {{\"batch\": B, \"seq\": S}} with whole numbers from 1 to "
-                           f"{MAX_WORKLOAD:,} (optional \"micro_batches\" dividing B, \"ranks\", \"nodes\" dividing "
+                           f"{MAX_WORKLOAD:,} (\"seq\" absent for a model without one; optional \"micro_batches\" "
+                           "dividing B, \"ranks\", \"nodes\" dividing "
                            f"them, \"gradient_sync\" \"last\" or \"every\"), got {shown_json(w)}")
-    return Workload(w["batch"], w["seq"], w.get("micro_batches", 1), w.get("ranks", 0), w.get("nodes", 0),
+    return Workload(w["batch"], w.get("seq", 0), w.get("micro_batches", 1), w.get("ranks", 0), w.get("nodes", 0),
                     sync == SYNC_EVERY and w.get("micro_batches", 1) > 1)
 
 

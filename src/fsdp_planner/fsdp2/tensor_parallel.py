@@ -248,10 +248,15 @@ def float8_styled(styles: Mapping[str, TPStyle], converted: Iterable[str]) -> fr
 
 def check_style_classes(tp: TensorParallel | None, modules: Mapping[str, ModuleInfo]) -> None:
     """Refuse a weight-sharding style (``WEIGHT_STYLES``) on a module that is no nn.Linear or nn.Embedding, before
-    ``parallelize_module`` raises on the ranks. No TP (None): nothing to check."""
+    ``parallelize_module`` raises on the ranks, and ``mla_kv_a_proj`` on one that is no nn.Linear. No TP (None):
+    nothing to check."""
     if tp is None:
         return
     for m, s in sorted(tp.styles(modules).items()):
+        if s is TPStyle.MLA_KV_A_PROJ and modules[m].torch_class != "Linear":
+            raise PlannerError(f"the tensor-parallel style mla_kv_a_proj of {m} all-reduces the grad of the last "
+                               f"features of an nn.Linear's output (MLA's rope key), and {m} is a {modules[m].cls}: "
+                               "give it to the Linear making the rope key (kv_a_proj_with_mqa)")
         if s in WEIGHT_STYLES and not modules[m].torch_class:
             torch_name = "ColwiseParallel" if s in (TPStyle.COLWISE, TPStyle.SEQUENCE_COLWISE,
                                                     TPStyle.COLWISE_GATHER) else "RowwiseParallel"
@@ -327,9 +332,11 @@ def tensor_parallel_from_dict(data: Any) -> TensorParallel | None:
         raise PlannerError(f"plan 'tensor_parallel' has degree {degree} but an empty layout: name the modules to "
                            "parallelize and their styles")
     rope = data.get("mla_rope_dim", 0)
-    if isinstance(rope, bool) or not isinstance(rope, int) or not 0 <= rope <= MAX_ROPE_DIM:
+    mla = TPStyle.MLA_KV_A_PROJ.value in layout.values()
+    if isinstance(rope, bool) or not isinstance(rope, int) or not (1 if mla else 0) <= rope <= MAX_ROPE_DIM:
         raise PlannerError(f"plan 'tensor_parallel.mla_rope_dim' must be a whole number from 1 to {MAX_ROPE_DIM:,} "
-                           f"(the rope features of an mla_kv_a_proj module's output), got {shown_json(rope)}")
+                           "(the rope features of the mla_kv_a_proj modules' output: transformers' "
+                           f"qk_rope_head_dim), given with that style, got {shown_json(rope)}")
     return TensorParallel(degree, {k: TPStyle(v) for k, v in layout.items()}, **flags, mla_rope_dim=rope)
 
 

@@ -109,6 +109,8 @@ class Layout:
     notes: tuple[str, ...] = ()
     heads: tuple[int, int] | None = None  # (attention heads, kv heads) where known: what the degree must divide
     named: str = ""  # the config key that gave the degree ("": the --tp option, or a plan file's)
+    per_head: frozenset[str] = frozenset()  # colwise Linears transformers' own plan shards by heads: a head of
+    # their output may be another width than the attention's head dim (MLA's kv_b_proj: key part and value)
 
     @property
     def asked(self) -> str:
@@ -246,7 +248,13 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     tp = TensorParallel(degree, layout, mla_rope_dim=plan.rope_dim if TPStyle.MLA_KV_A_PROJ in layout.values() else 0)
     # (a layout that gathers its q/k/v whole, Phi-3's and Olmo2's, splits no heads: their count need not divide)
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads and head_linears(trace, tp)[1] else None
-    return Layout(tp, "transformers' base_model_tp_plan", heads=heads)
+    return Layout(tp, "transformers' base_model_tp_plan", heads=heads, per_head=_hf_colwise(trace, plan))
+
+
+def _hf_colwise(trace: Trace, plan: hf.HfParallelPlan) -> frozenset[str]:
+    """The model's modules transformers' plan gives ``colwise``."""
+    patterns = [p for p, style in plan.styles.items() if style == "colwise"]
+    return frozenset(n for n in trace.modules if any(matches(p, n) for p in patterns))
 
 
 def _packed_experts(trace: Trace, styles: dict[str, str], pattern: str) -> bool:
@@ -397,7 +405,15 @@ def plan_layout(trace: Trace, tp: TensorParallel, model: ModelSpec | None) -> La
     colwise = [m for m, s in tp.styles(trace.modules).items() if s in _COLWISE and trace.modules[m].torch_class]
     attends = _attending(trace)
     shards_attention = any(parent_of(m) in attends for m in colwise) if attends else bool(colwise)
-    return Layout(tp, PLAN_FILE, heads=_model_heads(trace, model) if shards_attention else None)
+    per_head: frozenset[str] = frozenset()
+    if model is not None and hf.is_hf(model.name):
+        plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
+        per_head = _hf_colwise(trace, plan)
+        if tp.mla_rope_dim and plan.rope_dim and tp.mla_rope_dim != plan.rope_dim:
+            raise PlannerError(f"plan 'tensor_parallel.mla_rope_dim' is {tp.mla_rope_dim}, and {model.name}'s rope "
+                               f"key is {plan.rope_dim} features (its config's qk_rope_head_dim): give "
+                               f"{plan.rope_dim}")
+    return Layout(tp, PLAN_FILE, heads=_model_heads(trace, model) if shards_attention else None, per_head=per_head)
 
 
 def _model_heads(trace: Trace, model: ModelSpec | None) -> tuple[int, int] | None:
@@ -515,10 +531,11 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
     head_dim, linears = head_linears(trace, tp)
     for module in linears:
         features = trace.param(f"{module}.weight").shape[0]
-        # a head's width in this Linear: the attention's head dim, or, where the model's head counts are known,
-        # what it makes per head (MLA's kv_b_proj makes each head's key part and its value: 128 + 128 wide in
-        # DeepSeek-V3, whose attention runs at 192)
-        widths = [head_dim, *(features // h for h in layout.heads or () if h and features % h == 0)]
+        # a head's width in this Linear: the attention's head dim, or, for a Linear transformers' own plan shards
+        # by heads where the model's head counts are known, what it makes per head (MLA's kv_b_proj makes each
+        # head's key part and its value: 128 + 128 wide in DeepSeek-V3, whose attention runs at 192)
+        widths = [head_dim, *(features // h for h in layout.heads or () if h and features % h == 0
+                              and module in layout.per_head)]
         if all(features % (w * d) for w in widths):
             raise PlannerError(f"{asked} must give each rank whole attention heads of {module}: its {features:,} "
                                f"output features are {features / head_dim:g} heads of {head_dim} "

@@ -320,7 +320,8 @@ REPLICA_ULPS = 4  # what the ranks' copies of one param may differ by, in steps 
 
 def replica_bound(param: torch.Tensor) -> float:
     """How far apart the ranks' copies of ``param`` may be (``REPLICA_ULPS``)."""
-    scale = max(param.detach().abs().max().item() if param.numel() else 0.0, LOW_PRECISION_SCALE)
+    largest = param.detach().abs().max().item() if param.numel() else 0.0
+    scale = max(largest, LOW_PRECISION_SCALE) if math.isfinite(largest) else LOW_PRECISION_SCALE
     return REPLICA_ULPS * torch.finfo(param.dtype).eps * scale
 
 
@@ -334,12 +335,13 @@ def replicas(fulls: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
             continue
         hi = full.detach().to(torch.float32).clone()
         lo = hi.clone()
-        dist.all_reduce(hi, dist.ReduceOp.MAX)
-        dist.all_reduce(lo, dist.ReduceOp.MIN)
-        diff = (hi - lo).max().item() if hi.numel() else 0.0
-        diff = diff if diff == diff else math.inf
+        # a non-finite value on any rank (gloo's MAX and MIN pass a NaN by): the copies cannot be compared
+        broken = torch.tensor([0.0 if bool(torch.isfinite(hi).all()) else 1.0], device=hi.device)
+        for t, op in ((hi, dist.ReduceOp.MAX), (lo, dist.ReduceOp.MIN), (broken, dist.ReduceOp.MAX)):
+            dist.all_reduce(t, op)
+        diff = math.inf if broken.item() else (hi - lo).max().item() if hi.numel() else 0.0
         spread = max(spread, diff)
-        ratio = diff / replica_bound(full)
+        ratio = diff / replica_bound(full) if math.isfinite(diff) else math.inf
         if ratio > error:
             error, worst = ratio, name
     return {"replica_diff": spread, "replica_error": error, "replica_param": worst}

@@ -269,7 +269,7 @@ def _data_parallel(m: _Merge, dp: int) -> None:
         m.given("mesh", f"{cfg.replicate}x{dp // cfg.replicate}", cfg.key("replicate"))
     elif m.values["mesh"] is not None and str(m.values["mesh"]).strip().lower() != f"1x{dp}":
         m.agrees("mesh", f"1x{dp}", cfg.key("replicate") + " = 1")
-    if cfg.global_batch is not None:
+    if cfg.global_batch is not None and not m.gpus_searched:  # (a GPU count searched runs one micro-batch a step)
         _micro_batches(m, dp)
 
 

@@ -75,10 +75,11 @@ def _other_workload(plan: Plan, spec: ModelSpec, world: int | None, micro_batche
         return None
     micro = w.batch // w.micro_batches
     options = f"--batch {w.batch}" + (f" --micro-batches {w.micro_batches}" if w.micro_batches > 1 else "") + \
-        f" --seq {w.seq}"
+        (f" --seq {w.seq}" if w.seq else "")
     made = f"batch {w.batch:,}" + (f" ({w.micro_batches} micro-batches of {micro:,})" if w.micro_batches > 1 else "") \
-        + f", seq {w.seq:,}" + (f" on {w.ranks:,} ranks" if w.ranks else "")
-    step = (known.get("batch_size"), known.get("seq_len"), micro_batches or w.micro_batches)
+        + (f", seq {w.seq:,}" if w.seq else "") + (f" on {w.ranks:,} ranks" if w.ranks else "")
+    seq = known.get("seq_len") if w.seq else 0  # (a plan without one: the factory's sequence, if any, is not known)
+    step = (known.get("batch_size"), seq, micro_batches or w.micro_batches)
     elsewhere = f" (this command runs {world:,})" if world is not None and w.ranks and world != w.ranks else ""
     if step != (micro, w.seq, w.micro_batches):
         return f"the plan was made for {made}{elsewhere}: add {options} for the step it was planned for"

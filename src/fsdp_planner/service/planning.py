@@ -156,12 +156,14 @@ def _early_stop(plan: Plan, options: SimOptions) -> bool:
 
 def _workload(plan: Plan, job: PlanJob) -> Workload | None:
     """The step ``plan`` was judged at (its TP degree's batch per data-parallel rank where auto chose it, the
-    micro-batches of the split), on the job's cluster; None where the batch is not known (a user factory's)."""
+    micro-batches of the split), on the job's cluster; None where the batch is not known (a user factory's default).
+    A model without a sequence length (or whose default is not known) records none."""
     model = judged_model(job.model, job.auto, plan) if job.auto is not None else job.model
     known = model.workload()
     batch, seq = known.get("batch_size"), known.get("seq_len")
-    if not (isinstance(batch, int) and isinstance(seq, int) and batch > 0 and seq > 0):
+    if not (isinstance(batch, int) and batch > 0):
         return None
+    seq = seq if isinstance(seq, int) and seq > 0 else 0  # (0: a model without a sequence length)
     micro = job.options.micro_batches
     cluster = job.cluster
     return Workload(batch * micro, seq, micro, cluster.world_size if cluster else 0, cluster.nodes if cluster else 0,

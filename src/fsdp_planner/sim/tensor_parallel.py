@@ -24,6 +24,10 @@ of the whole model into that rank's step (``TPView``):
   that reduce-scatters, ``KERNEL_TP_GRAD_ALL_REDUCE``); loss parallel's three all-reduces of one value
   per token (max, sum of exponentials, target logit). Under activation checkpointing the forward ones run again
   with the recomputation, as they do for real;
+- an MLA kv_a_proj (``MLA_KV_A_PROJ``): whole on every rank, its output split and made again (a copy), its rope
+  key's grad all-reduced before its backward. Not modelled: what runs on that output before kv_b_proj (the
+  kv_a_layernorm, the rope of the key) runs whole too, charged at 1/TP with its attention (DeepSeek-V3: a norm of
+  512 features beside matmuls of 7,168);
 - torchtitan's MoE layer under TP with EP (``MOE_SEQUENCE``, ``REPLICATE``, ``TOKEN_SPLIT``): the layer runs on its
   all-gathered input (the router on every token, replicated), its input's grad reduce-scattered back and its
   partial output reduce-scattered (its grad all-gathered), the router gate's weight grads all-reduced; the experts
@@ -65,6 +69,7 @@ from fsdp_planner.fsdp2.tensor_parallel import (
     TensorParallel,
     TPStyle,
     check_moe_styles,
+    check_style_classes,
     float8_styled,
     local_param,
     param_style,
@@ -184,6 +189,7 @@ class _Layout:
         # transformers' packed experts: their ops run whole or on 1/TP op by op (``_packed_shares``)
         self.packed = {m for m, s in self.styles.items() if s is TPStyle.MOE_TP_EXPERTS}
         # MLA's kv_a_proj: whole on every rank, its output's rope features' share (their grad all-reduced)
+        check_style_classes(tp, trace.modules)
         self.rope_share = {m: _rope_share(trace, m, tp.mla_rope_dim) for m, s in self.styles.items()
                            if s is TPStyle.MLA_KV_A_PROJ}
         self._scale: dict[str, float] = {}
@@ -216,12 +222,11 @@ class _Layout:
 
 def _rope_share(trace: Trace, module: str, rope_dim: int) -> float:
     """The share of an ``MLA_KV_A_PROJ`` Linear's output that is its rope key (its last ``rope_dim`` features)."""
-    weight = trace.index.param_index.get(f"{module}.weight")
+    weight = trace.index.param_index.get(f"{module}.weight")  # (an nn.Linear: ``check_style_classes``)
     features = trace.params[weight].shape[0] if weight is not None else 0
-    if features <= rope_dim or len(trace.params[weight].shape) != 2:
+    if features <= rope_dim:
         raise PlannerError(f"the tensor-parallel style mla_kv_a_proj of {module} all-reduces the grad of its "
-                           f"output's last {rope_dim} features (mla_rope_dim), which needs an nn.Linear of more "
-                           f"output features: {module} has " + (f"{features}" if weight is not None else "no weight"))
+                           f"output's last {rope_dim} features (mla_rope_dim), and its output has {features}")
     return rope_dim / features
 
 
