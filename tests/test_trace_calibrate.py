@@ -114,6 +114,8 @@ def test_damaged_traces_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "t.json.gz").write_bytes(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03" + b"\xff" * 64)
     with pytest.raises(PlannerError, match="is not a gzip file its header says it is"):
         read_trace(tmp_path / "t.json.gz")
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(gpu_trace(steps=2)[0]).encode())
+    assert len(read_trace(tmp_path / "bom.json").steps) == 2  # (an editor's BOM: Python's advice was the message)
     (tmp_path / "t.json").write_text('{"traceEvents": [{"name": "x')
     with pytest.raises(PlannerError, match=r"is not valid JSON \(truncated\?\): Unterminated string starting at line"):
         read_trace(tmp_path / "t.json")

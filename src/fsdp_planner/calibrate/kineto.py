@@ -235,7 +235,7 @@ def _no_constant(text: str) -> float:
 def parse_json_trace(raw: bytes, label: str) -> Any:
     """JSON with bounded numbers (module docstring); one line for anything else."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # (a BOM an editor wrote: not the trace's)
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected a torch.profiler Chrome trace (JSON)") from None
     try:
