@@ -45,7 +45,18 @@ def test_a_plan_records_the_workload_it_was_made_for(tmp_path, capsys):
     fixture = Path(__file__).parent / "fixtures" / "titan_decoder.py"
     assert main(["plan", f"{fixture}:titan_decoder", "--policy", "titan", "--cluster", "h100:2", "--out",
                  str(out), "--force"]) == 0
-    assert "workload" not in json.loads(out.read_text())
+    assert "workload" not in json.loads(out.read_text())  # (it takes no batch_size or seq_len)
+    # a factory's defaults written as literals are read from its signature, without running the file (a plan at its
+    # defaults recorded no workload), and what a command sets over them is compared with them
+    factory = Path(__file__).parent.parent / "docs" / "examples" / "my_model.py"
+    assert main(["plan", f"{factory}:build", "--policy", "titan", "--cluster", "h100:2", "--out", str(out),
+                 "--force"]) == 0
+    assert json.loads(out.read_text())["workload"] == {"batch": 4, "seq": 32, "micro_batches": 1, "ranks": 2,
+                                                       "nodes": 1}
+    for extra, said in (([], False), (["--batch", "8"], True)):
+        capsys.readouterr()
+        assert main(["simulate", f"{factory}:build", "--plan", str(out), "--cluster", "h100:2", *extra]) == 0
+        assert ("the plan was made for batch 4, seq 32" in capsys.readouterr().err) == said
     # a model without a sequence length records its batch alone (it recorded none: a new user's ViT plan at
     # --batch 2121 was simulated at its factory's default batch without a note)
     assert main(["plan", "seed-net", "--policy", "size", "--cluster", "h100:2", "--batch", "6", "--out", str(out),

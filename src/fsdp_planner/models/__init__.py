@@ -274,6 +274,44 @@ def _check_model_file(target: str) -> Path:
     raise PlannerError(f"model file '{target}' does not exist")
 
 
+def written_defaults(spec: ModelSpec) -> dict[str, int]:
+    """The workload defaults a ``file.py:fn`` factory's signature writes as whole-number literals
+    (``def build(batch_size: int = 4, seq_len: int = 32)``), read without running the file; with what the spec sets
+    over them. Any other model, or a default that is no literal: ``spec.workload()`` as it is (a factory's defaults
+    run as code are its own business)."""
+    known = spec.workload()
+    target, _, fn_name = spec.name.rpartition(":")
+    if not target.endswith(".py") or spec.name in BUILTINS or hf.is_hf(spec.name):
+        return known
+    return {**_literal_defaults(target, fn_name), **known}
+
+
+@functools.lru_cache(maxsize=64)
+def _literal_defaults_of(path: str, mtime_ns: int, fn_name: str) -> tuple[tuple[str, int], ...]:
+    try:
+        if Path(path).stat().st_size > MAX_SOURCE_BYTES:
+            return ()
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError, RecursionError):
+        return ()
+    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn_name), None)
+    if fn is None:
+        return ()
+    args = [*fn.args.posonlyargs, *fn.args.args]
+    pairs = list(zip(args[len(args) - len(fn.args.defaults):], fn.args.defaults, strict=True))
+    pairs += [(a, d) for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults, strict=True) if d is not None]
+    return tuple((a.arg, d.value) for a, d in pairs if a.arg in WORKLOAD_OPTIONS and isinstance(d, ast.Constant)
+                 and type(d.value) is int and d.value > 0)
+
+
+def _literal_defaults(target: str, fn_name: str) -> dict[str, int]:
+    try:
+        mtime = Path(target).stat().st_mtime_ns
+    except OSError:
+        return {}
+    return dict(_literal_defaults_of(str(Path(target).resolve()), mtime, fn_name))
+
+
 def _factories_hint(path: Path) -> str:
     """The file's top-level functions, read without running it (what FN can be)."""
     try:

@@ -16,7 +16,7 @@ from fsdp_planner.fsdp2.float8 import OUTPUT_HEAD_FQNS
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.fsdp2.validity import check_forward_methods, check_plan_runs
-from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model
+from fsdp_planner.models import BUILTINS, ModelSpec, as_spec, hf, load_model, written_defaults
 from fsdp_planner.planners.expert_parallel import check_ep_applies, ep_note, expert_modules
 from fsdp_planner.planners.tensor_parallel import check_layout, plan_layout, tp_layout
 from fsdp_planner.service.tracing import LOCAL_STYLES, WHOLE_ON_EACH_RANK, check_local_shapes
@@ -70,7 +70,7 @@ def load_plan(path: str, tr: Trace, model: ModelSpec | str, note: Callable[[str]
 def _other_workload(plan: Plan, spec: ModelSpec, world: int | None, micro_batches: int | None) -> str | None:
     """A note where the command runs another step than the plan was made for (its micro-batch, sequence or world):
     the plan's verdict is that step's."""
-    w, known = plan.workload, spec.workload()
+    w, known = plan.workload, written_defaults(spec)
     if w is None:
         return None
     micro = w.batch // w.micro_batches

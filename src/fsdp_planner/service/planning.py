@@ -23,7 +23,7 @@ from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.tensor_parallel import TensorParallel
 from fsdp_planner.fsdp2.validity import check_compiled_groups
 from fsdp_planner.hardware.cluster import Cluster
-from fsdp_planner.models import ModelSpec, as_spec
+from fsdp_planner.models import ModelSpec, as_spec, written_defaults
 from fsdp_planner.planners.auto import AutoPolicy, AutoResult, ScreenedLayout, faster, infeasible_message
 from fsdp_planner.planners.auto.evaluator import Candidate
 from fsdp_planner.planners.auto.split import DEFAULT_SPLITS, MAX_SPLITS, choose_split
@@ -159,7 +159,7 @@ def _workload(plan: Plan, job: PlanJob) -> Workload | None:
     micro-batches of the split), on the job's cluster; None where the batch is not known (a user factory's default).
     A model without a sequence length (or whose default is not known) records none."""
     model = judged_model(job.model, job.auto, plan) if job.auto is not None else job.model
-    known = model.workload()
+    known = written_defaults(model)
     batch, seq = known.get("batch_size"), known.get("seq_len")
     if not (isinstance(batch, int) and batch > 0):
         return None
