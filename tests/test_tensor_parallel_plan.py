@@ -22,6 +22,8 @@ from fsdp_planner.models import ModelSpec
 from fsdp_planner.planners.registry import PolicyName, PolicyRequest
 from fsdp_planner.planners.tensor_parallel import (
     PAIRS,
+    PLAN_FILE,
+    Layout,
     check_layout,
     head_linears,
     plan_layout,
@@ -149,10 +151,25 @@ def test_a_plan_files_mla_style_is_checked_against_the_model(tmp_path):
     check_layout(tr, plan_layout(tr, tp, spec), parse_cluster("h100:2"))  # (transformers' own: checked)
     embedding = TensorParallel(2, {"model.embed_tokens": TPStyle.MLA_KV_A_PROJ}, mla_rope_dim=8)
     with pytest.raises(PlannerError, match=r"model\.embed_tokens is a Embedding: give it to the Linear making"):
-        check_layout(tr, plan_layout(tr, embedding, spec), parse_cluster("h100:2"))
+        check_layout(tr, plan_layout(tr, embedding, None), parse_cluster("h100:2"))  # (a model of one's own)
+    # the key left whole beside the sharded heads, or the style on another Linear (both trained wrong on gloo and
+    # passed the fake process group: a new user's trial), and the rope dim left out
+    whole = {k: v for k, v in tp.layout.items() if v is not TPStyle.MLA_KV_A_PROJ}
+    with pytest.raises(PlannerError, match=r"kv_a_proj_with_mqa makes .* rope key, which every head reads"):
+        plan_layout(tr, TensorParallel(2, whole), spec)
+    moved = {**whole, "model.layers.*.self_attn.kv_b_proj": TPStyle.MLA_KV_A_PROJ}
+    with pytest.raises(PlannerError, match=r"style mla_kv_a_proj of model\.layers\.0\.self_attn\.kv_b_proj: .* "
+                                           r"rope key is made by model\.layers\.0\.self_attn\.kv_a_proj_with_mqa"):
+        plan_layout(tr, TensorParallel(2, moved, mla_rope_dim=8), spec)
+    with pytest.raises(PlannerError, match="mla_rope_dim' is missing, and the layout gives the style"):
+        tensor_parallel_from_dict({"degree": 2, "layout": {"a": "mla_kv_a_proj"}})
     kv_a = TensorParallel(2, {**tp.layout, "model.layers.*.self_attn.kv_a_proj_with_mqa": TPStyle.COLWISE})
-    with pytest.raises(PlannerError, match=r"whole attention heads of model\.layers\.0\.self_attn\.kv_a_proj_with_mqa"):
+    with pytest.raises(PlannerError, match=r"kv_a_proj_with_mqa makes .* rope key"):  # (against transformers')
         check_layout(tr, plan_layout(tr, kv_a, spec), parse_cluster("h100:2"))
+    kv_a = Layout(kv_a, PLAN_FILE, heads=(4, 4), per_head=frozenset({"model.layers.0.self_attn.kv_b_proj",
+                                                                      "model.layers.1.self_attn.kv_b_proj"}))
+    with pytest.raises(PlannerError, match=r"whole attention heads of model\.layers\.0\.self_attn\.kv_a_proj_with_mqa"):
+        check_layout(tr, kv_a, parse_cluster("h100:2"))  # (its 40 features are 4 heads of 10: not per head)
 
 
 def test_a_transformers_style_that_cannot_stay_whole_refuses_the_layout(tmp_path):

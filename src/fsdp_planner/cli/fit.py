@@ -124,10 +124,12 @@ def fit_request(args: argparse.Namespace) -> FitRequest:
 
 def _job_of(args: argparse.Namespace) -> argparse.Namespace | Configured:
     """The options with the job ``--from-torchtitan`` / ``--from-accelerate`` describes, as ``plan`` reads it for
-    auto: its model, sequence, cluster, precision, TP and EP degrees, compile and float8 kept; its checkpointing,
-    mesh and offload auto's to choose (the command line's own ``--ac``, ``--mesh`` and ``--offload`` kept), as
-    auto's plan beside the job chooses them; its gradient accumulation one micro-batch a step, as fit's every
-    point. ``--gpus auto`` counts the GPUs, so the job must leave its count to the cluster."""
+    auto: its model, sequence, cluster, precision, TP and EP degrees, compile and float8 kept; its checkpointing
+    (its wrapper's early stop too), mesh and offload auto's to choose (the command line's own ``--ac``, ``--mesh``,
+    ``--offload`` and ``--no-early-stop`` kept), as auto's plan beside the job chooses them (``configured._auto``;
+    on an EP job that keeps torchtitan's groups, plan searches again with the wrapper's early stop, fit does not);
+    its gradient accumulation one micro-batch a step, as fit's every point. ``--gpus auto`` counts the GPUs, so
+    the job must leave its count to the cluster."""
     given, cfg = configured(args, gpus_searched=bool(args.gpus))
     if cfg is None:
         return args
@@ -143,9 +145,11 @@ def _job_of(args: argparse.Namespace) -> argparse.Namespace | Configured:
     kw = keywords(given)
     micro = int(str(kw.micro_batches)) if str(kw.micro_batches).isdecimal() else 1  # (the job's: "2")
     render.note(f"fit plans the {cfg.kind} job with auto: its checkpointing, mesh and CPU offload are auto's to "
-                "choose (its model, workload, precision, parallel degrees, compile and float8 kept)"
+                "choose (what it sets of the model, workload, precision, parallel degrees, compile and float8 "
+                "kept)"
                 + (f"; its gradient accumulation of {micro} micro-batches is one a step here" if micro > 1 else ""))
     free = dataclasses.replace(kw, ac=args.ac, ac_policy=args.ac_policy, mesh=args.mesh, offload=args.offload,
+                               early_stop=args.early_stop,  # (the export checkpoints as the plan says: auto's)
                                micro_batches=None, gradient_sync=None,
                                batch=kw.batch // micro if isinstance(kw.batch, int) else kw.batch,
                                cluster=(args.cluster or str(kw.cluster).partition(":")[0]) if args.gpus

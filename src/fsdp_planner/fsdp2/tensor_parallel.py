@@ -333,6 +333,9 @@ def tensor_parallel_from_dict(data: Any) -> TensorParallel | None:
                            "parallelize and their styles")
     rope = data.get("mla_rope_dim", 0)
     mla = TPStyle.MLA_KV_A_PROJ.value in layout.values()
+    if mla and "mla_rope_dim" not in data:
+        raise PlannerError("plan 'tensor_parallel.mla_rope_dim' is missing, and the layout gives the style "
+                           "mla_kv_a_proj: give the rope features of its output (transformers' qk_rope_head_dim)")
     if isinstance(rope, bool) or not isinstance(rope, int) or not (1 if mla else 0) <= rope <= MAX_ROPE_DIM:
         raise PlannerError(f"plan 'tensor_parallel.mla_rope_dim' must be a whole number from 1 to {MAX_ROPE_DIM:,} "
                            "(the rope features of the mla_kv_a_proj modules' output: transformers' "

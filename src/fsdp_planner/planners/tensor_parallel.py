@@ -251,6 +251,28 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     return Layout(tp, "transformers' base_model_tp_plan", heads=heads, per_head=_hf_colwise(trace, plan))
 
 
+def _check_rope_keys(trace: Trace, tp: TensorParallel, plan: hf.HfParallelPlan, model_name: str) -> None:
+    """A plan file's ``mla_kv_a_proj`` modules are the ones transformers' plan gives it (the Linears making MLA's
+    rope key) wherever the layout shards the heads beside them: left whole there, a key's grad is one rank's heads'
+    share; on another Linear, that Linear's grad is summed twice (both trained wrong on gloo and passed the fake
+    process group, which counts collectives, not values: a new user's trial)."""
+    keys = {n for n in trace.modules
+            if any(matches(p, n) for p, style in plan.styles.items() if style == "mla_kv_a_proj")}
+    styles = tp.styles(trace.modules)
+    elsewhere = sorted(n for n, style in styles.items() if style is TPStyle.MLA_KV_A_PROJ and n not in keys)
+    if elsewhere:
+        where = f"is made by {sorted(keys)[0]} (transformers' plan), and only that Linear takes the style" if keys \
+            else "is made by no module transformers' plan gives the style"
+        raise PlannerError(f"the tensor-parallel style mla_kv_a_proj of {elsewhere[0]}: {model_name}'s rope key "
+                           f"{where}")
+    for key in sorted(keys):
+        sharded = any(styles.get(c) in _COLWISE for c in trace.modules if parent_of(c) == parent_of(key))
+        if sharded and styles.get(key) is not TPStyle.MLA_KV_A_PROJ:
+            raise PlannerError(f"{key} makes {model_name}'s rope key, which every head reads, and the layout shards "
+                               "the heads beside it: give it the style mla_kv_a_proj (its grad is one rank's heads' "
+                               "share without it)")
+
+
 def _hf_colwise(trace: Trace, plan: hf.HfParallelPlan) -> frozenset[str]:
     """The model's modules transformers' plan gives ``colwise``."""
     patterns = [p for p, style in plan.styles.items() if style == "colwise"]
@@ -409,6 +431,7 @@ def plan_layout(trace: Trace, tp: TensorParallel, model: ModelSpec | None) -> La
     if model is not None and hf.is_hf(model.name):
         plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
         per_head = _hf_colwise(trace, plan)
+        _check_rope_keys(trace, tp, plan, model.name)
         if tp.mla_rope_dim and plan.rope_dim and tp.mla_rope_dim != plan.rope_dim:
             raise PlannerError(f"plan 'tensor_parallel.mla_rope_dim' is {tp.mla_rope_dim}, and {model.name}'s rope "
                                f"key is {plan.rope_dim} features (its config's qk_rope_head_dim): give "
