@@ -265,9 +265,9 @@ def _check_rope_keys(trace: Trace, tp: TensorParallel, plan: hf.HfParallelPlan, 
             else "is made by no module transformers' plan gives the style"
         raise PlannerError(f"the tensor-parallel style mla_kv_a_proj of {elsewhere[0]}: {model_name}'s rope key "
                            f"{where}")
+    sharding = {parent_of(m) for m, style in styles.items() if style in _COLWISE}  # modules whose heads are split
     for key in sorted(keys):
-        sharded = any(styles.get(c) in _COLWISE for c in trace.modules if parent_of(c) == parent_of(key))
-        if sharded and styles.get(key) is not TPStyle.MLA_KV_A_PROJ:
+        if parent_of(key) in sharding and styles.get(key) is not TPStyle.MLA_KV_A_PROJ:
             raise PlannerError(f"{key} makes {model_name}'s rope key, which every head reads, and the layout shards "
                                "the heads beside it: give it the style mla_kv_a_proj (its grad is one rank's heads' "
                                "share without it)")
@@ -428,22 +428,22 @@ def plan_layout(trace: Trace, tp: TensorParallel, model: ModelSpec | None) -> La
     attends = _attending(trace)
     shards_attention = any(parent_of(m) in attends for m in colwise) if attends else bool(colwise)
     per_head: frozenset[str] = frozenset()
-    if model is not None and hf.is_hf(model.name):
-        plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
+    plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config) \
+        if model is not None and hf.is_hf(model.name) else None
+    if plan is not None and model is not None:
         per_head = _hf_colwise(trace, plan)
         _check_rope_keys(trace, tp, plan, model.name)
         if tp.mla_rope_dim and plan.rope_dim and tp.mla_rope_dim != plan.rope_dim:
             raise PlannerError(f"plan 'tensor_parallel.mla_rope_dim' is {tp.mla_rope_dim}, and {model.name}'s rope "
                                f"key is {plan.rope_dim} features (its config's qk_rope_head_dim): give "
                                f"{plan.rope_dim}")
-    return Layout(tp, PLAN_FILE, heads=_model_heads(trace, model) if shards_attention else None, per_head=per_head)
+    return Layout(tp, PLAN_FILE, heads=_model_heads(trace, plan) if shards_attention else None, per_head=per_head)
 
 
-def _model_heads(trace: Trace, model: ModelSpec | None) -> tuple[int, int] | None:
-    """(heads, kv heads) of the model where known: transformers' config's for an ``hf:`` model, a built-in
-    config's (or its attention calls') for torchtitan's structures; None for any other."""
-    if model is not None and hf.is_hf(model.name):
-        plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
+def _model_heads(trace: Trace, plan: hf.HfParallelPlan | None) -> tuple[int, int] | None:
+    """(heads, kv heads) of the model where known: transformers' config's for an ``hf:`` model (``plan``), a
+    built-in config's (or its attention calls') for torchtitan's structures; None for any other."""
+    if plan is not None:
         return (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads else None
     if is_titan_llama(trace) or is_titan_moe(trace):
         return _llama_heads(trace)
