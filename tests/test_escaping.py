@@ -341,3 +341,10 @@ def test_verify_table_shows_names_from_a_run_as_text():
     console.print(verify_table(result, cluster="c[/b]"))
     shown = console.file.getvalue()
     assert all(name in shown for name in ("w[/bold]", "ck[/i]", "order[/bold]", "k[/x]", "c[/b]")), shown
+    # a long name on a narrow terminal folds, whole, where it was cut short with an ellipsis
+    long = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    console = Console(file=io.StringIO(), width=80)
+    console.print(verify_table(dataclasses.replace(result, worst_param=long)))
+    measured = "".join(line.split("│")[3].strip() for line in console.file.getvalue().splitlines()
+                       if line.count("│") == 5)  # the measured column's cells, read down
+    assert long in measured and "…" not in measured, console.file.getvalue()

@@ -189,6 +189,15 @@ def test_fit_gpus_auto_takes_a_job_that_leaves_its_count_to_the_cluster(capsys, 
     assert json.loads(out)["gpus"]["fewest"] == 8 and "gives no GPU count" not in err
 
 
+def test_fit_gpus_auto_says_a_tp_jobs_batch_is_a_data_parallel_ranks(capsys):
+    """Under --tp the batch is each TP group's, shared by its GPUs: the answer said "per GPU" (a new user's
+    finding)."""
+    assert main(["fit", "toy-llama", "--cluster", "h100", "--gpus", "auto", "--tp", "2", "--batch", "1", "--seq",
+                 "32", "--max-gpus", "8"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "fit batch 1 x seq 32 per data-parallel rank (each 2 TP GPUs') without CPU offload: 8" in out, out
+
+
 def test_fit_from_torchtitan_runs_the_jobs_local_batch_and_the_users_own_flags(tmp_path):
     """A job's gradient accumulation is one micro-batch a step, at its local batch (it asked for --micro-batches
     and fitted twice the local batch); the command line's --ac and --offload are kept, not the job's dropped in

@@ -339,6 +339,16 @@ def test_a_contradicting_option_is_one_error(tmp_path, argv, error):
         args_of("simulate", "toy-llama", "--from-torchtitan", str(job), *argv)
 
 
+def test_a_contradicting_workload_says_the_jobs_own_flag(tmp_path):
+    job = titan(tmp_path, "[training]\nlocal_batch_size = 2\nseq_len = 64\n")
+    for flag, key in (("--batch", "training.local_batch_size"), ("--seq", "training.seq_len")):
+        with pytest.raises(PlannerError, match=re.escape(f"drop one of them, or set the job's own: -- --{key} 4")):
+            args_of("simulate", "toy-llama", "--from-torchtitan", str(job), flag, "4")
+    a = args_of("simulate", "toy-llama", "--from-torchtitan", str(job), "--", "--training.local_batch_size", "4",
+                "--training.seq_len", "4")
+    assert (a.batch, a.seq) == (4, 4)
+
+
 def test_an_option_that_agrees_with_a_default_setting_is_taken(tmp_path):
     """The same values as the job's defaults pass, and leave auto free where the command is plan's."""
     job = titan(tmp_path, "[parallelism]\ndata_parallel_shard_degree = 8\n")

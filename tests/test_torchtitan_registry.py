@@ -532,6 +532,12 @@ def test_an_option_that_contradicts_a_registry_job_names_its_key():
         options(job("llama3_8b"), "--seq", "4096")
     with pytest.raises(PlannerError, match=r"--batch 4 contradicts training.num_tokens_per_microbatch_per_dp_rank"):
         options(job("llama3_8b"), "--batch", "4")
+    # the error says how the job's own flags set it (fit's batch replayed so), and they do
+    with pytest.raises(PlannerError) as refused:
+        options(job("llama3_8b"), "--batch", "4")
+    override = str(refused.value).partition("or set the job's own: -- ")[2].split()
+    assert override == ["--training.num_tokens_per_microbatch_per_dp_rank", str(4 * 8192)], str(refused.value)
+    assert options(job("llama3_8b"), flags=tuple(override))[0]["batch"] == 4
 
 
 @pytest.mark.integration  # (two plans of the Llama 3 8B job: a few seconds)
@@ -802,9 +808,10 @@ def test_a_plan_file_from_a_job_says_what_simulate_needs_to_run_it(tmp_path, cap
     auto = json.loads(capsys.readouterr().out)["auto_step"]
     assert main(["plan", "--from-torchtitan", job("llama3_debugmodel"), "--cluster", "h100:8", "--out", str(out)]) == 0
     written = capsys.readouterr().out.strip().splitlines()[-1]
-    flags = written.partition("give simulate and verify ")[2].rstrip(")").split()
-    assert flags == ["--batch", "8", "--seq", "2048", "--optimizer", "adamw-fused"], written
-    assert main(["simulate", "llama3-debugmodel", "--plan", str(out), "--cluster", "h100:8", *flags, "--json"]) == 0
+    model, *flags = written.partition("give simulate and verify ")[2].rstrip(")").split()
+    # (the model too: the user named the job, not the model; the line left it out, a new user's finding)
+    assert [model, *flags] == ["llama3-debugmodel", "--batch", "8", "--seq", "2048", "--optimizer", "adamw-fused"]
+    assert main(["simulate", model, "--plan", str(out), "--cluster", "h100:8", *flags, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["step_time"] == auto["step_time"]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import fsdp_planner.cli.render as render
 import fsdp_planner.service.plan_files as plan_files
 import fsdp_planner.service.planning as planning
@@ -77,9 +79,9 @@ def run_flags(job: PlanJob, split: bool, workload: bool = False) -> str:
     """What ``simulate`` and ``verify`` of the written plan must be given for the step it was planned for: the
     plan file records the workload and the optimizer and the two commands run their options' (`` (simulated as
     ...)``; empty when nothing is needed). ``split``: auto chose the micro-batches; ``workload``: the batch and
-    sequence came from a job config, not the command line."""
+    sequence came from a job config, not the command line (the model is named too: the user never typed it)."""
     opts, model = job.options, job.model
-    n, flags = opts.micro_batches, []
+    n, flags = opts.micro_batches, [shlex.quote(model.name)] if workload else []
     if n > 1 and (split or workload):
         flags += ["--batch", str(n * (model.batch_size or 1)), "--micro-batches", str(n)]
         if opts.gradient_sync is not GradientSync.LAST:

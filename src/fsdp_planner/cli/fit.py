@@ -402,7 +402,9 @@ def _gpus(request: FitRequest, points: Points) -> tuple[dict[str, Any], list[str
     if not request.no_offload and plain != 1:
         below = plain - 1 if plain else cap
         fewest = smallest_confirmed(points.screen(at), points.fits(at, past_plain=True), below) or plain
-    workload = f"batch {b:,}{f' x seq {seq:,}' if seq else ''} per GPU"
+    tp = request.policy.tp or 1  # (a TP group's GPUs share its batch: per data-parallel rank, not per GPU)
+    workload = f"batch {b:,}{f' x seq {seq:,}' if seq else ''} per " + \
+        (f"data-parallel rank (each {tp} TP GPUs')" if tp > 1 else "GPU")
     if fewest is None or (request.no_offload and plain is None):
         raise PlannerError(f"nothing fits {workload} on up to {cap * per_node:,} GPUs"
                            f"{' without CPU offload' if request.no_offload else ''} (--max-gpus "

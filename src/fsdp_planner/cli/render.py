@@ -406,8 +406,8 @@ def verify_table(result: VerifyResult, cluster: str | None = None) -> Table:
     """Predicted beside measured for each check; the step time when one was timed (predicted with ``cluster``)."""
     t = Table(title=f"verify: {result.world_size} ranks, {result.backend}, {result.steps} steps"
               + (f" from step {result.start_step}" if result.start_step else ""), title_justify="left")
-    for col in ("check", "predicted", "measured", "result"):
-        t.add_column(col)
+    for col in ("check", "predicted", "measured", "result"):  # (a param's name folds: cut short, it named none)
+        t.add_column(col, overflow="fold" if col == "measured" else "ellipsis")
     for row in [*_collective_rows(result), *_parity_rows(result), *_checkpoint_rows(result),
                 *_step_time_rows(result, cluster)]:
         t.add_row(*row)

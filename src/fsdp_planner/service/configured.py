@@ -73,8 +73,22 @@ class _Merge:
                 and self.cfg.seq else f"{value} micro-batches a step" if key == "micro_batches" else \
                 shown_json(value)  # (the key counts tokens, --batch sequences)
             raise PlannerError(f"{_CLI.name_of(key)} {shown_json(mine)} contradicts {config_key} in {self.cfg.kind} "
-                               f"config '{self.cfg.path}' ({given}): drop one of them")
+                               f"config '{self.cfg.path}' ({given}): drop one of them{self._override(key, mine)}")
         self.values[key] = value
+
+    def _override(self, key: str, mine: Any) -> str:
+        """How torchtitan's own command line sets the job's workload to the user's (fit's answers are replayed so:
+        a new user's trial gave plan fit's batch with --batch and met the contradiction alone)."""
+        cfg = self.cfg
+        if cfg.kind != TORCHTITAN or not isinstance(mine, int):
+            return ""
+        if key == "batch" and not cfg.registry:
+            return f", or set the job's own: -- --training.local_batch_size {mine}"
+        if key == "batch" and cfg.seq:
+            return f", or set the job's own: -- --{TOKENS_KEY} {mine * cfg.seq}"
+        if key == "seq" and not cfg.registry:
+            return f", or set the job's own: -- --training.seq_len {mine}"
+        return ""
 
     def agrees(self, key: str, value: Any, config_key: str, default: Any = None) -> None:
         """An error where the user gave ``key`` another value than the config's ``value``, which is that key's
