@@ -498,3 +498,29 @@ def test_wrong_api_types_are_one_sentence_naming_the_keyword(keyword: str) -> No
             # a value the option legally takes (e.g. 2 for batch) plans: not a wrong type for this keyword
             assert not (keyword == "offload" and not isinstance(value, bool)), value
         assert time.perf_counter() - started < 5
+
+
+def test_a_file_an_editor_saved_with_a_bom_is_read(capsys, tmp_path: Path) -> None:
+    """Windows editors start UTF-8 files with a byte-order mark: every reader takes it as the file without it (the
+    JSON readers said Python's "decode using utf-8-sig", the TOML and YAML readers a parse error, a trial's finding)."""
+    bom = b"\xef\xbb\xbf"
+    plan, cluster = tmp_path / "plan.json", tmp_path / "c.json"
+    assert cli.main(["plan", "toy-llama", "--policy", "titan", "--out", str(plan), "-q"]) == 0
+    parse_cluster("h100:8").save(cluster)
+    toml = tmp_path / "job.toml"
+    toml.write_text("[training]\nlocal_batch_size = 2\nseq_len = 64\n")
+    yaml = tmp_path / "job.yaml"
+    yaml.write_text("distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 8\n")
+    factory = tmp_path / "net.py"
+    factory.write_text("import torch\n\n\ndef build(batch_size=3):\n"
+                       "    return torch.nn.Linear(4, 4), (torch.randn(batch_size, 4),)\n")
+    for path in (plan, cluster, toml, yaml, factory):
+        path.write_bytes(bom + path.read_bytes())
+    capsys.readouterr()
+    for argv in (["simulate", "toy-llama", "--plan", str(plan), "--cluster", str(cluster)],
+                 ["simulate", "toy-llama", "--from-torchtitan", str(toml), "--cluster", "h100"],
+                 ["simulate", "toy-llama", "--from-accelerate", str(yaml)]):
+        assert cli.main([*argv, "--json", "-q"]) == 0, capsys.readouterr().err
+        assert json.loads(capsys.readouterr().out)["step_time"] > 0
+    assert cli.main(["plan", f"{factory}:build", "--policy", "order", "--json", "-q"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["plans"][0]["plan"]["workload"]["batch"] == 3  # (read with ast)

@@ -32,7 +32,7 @@ def read_text(path: str | Path, label: str, expected: str, limit: int = MAX_FILE
     p = Path(path)
     check_regular_file(p, label)
     try:
-        return read_bytes(p, label, expected, limit).decode("utf-8")
+        return read_bytes(p, label, expected, limit).decode("utf-8-sig")  # (a BOM an editor wrote is no text)
     except UnicodeDecodeError:
         raise PlannerError(f"{label} is not text: expected {expected}") from None
 

@@ -291,7 +291,7 @@ def _literal_defaults_of(path: str, mtime_ns: int, fn_name: str) -> tuple[tuple[
     try:
         if Path(path).stat().st_size > MAX_SOURCE_BYTES:
             return ()
-        tree = ast.parse(Path(path).read_text(), path)
+        tree = ast.parse(Path(path).read_bytes(), path)  # (bytes: its coding line or BOM decodes it, as import does)
     except (OSError, SyntaxError, ValueError, RecursionError):
         return ()
     fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == fn_name), None)
@@ -315,7 +315,7 @@ def _literal_defaults(target: str, fn_name: str) -> dict[str, int]:
 def _factories_hint(path: Path) -> str:
     """The file's top-level functions, read without running it (what FN can be)."""
     try:
-        tree = ast.parse(path.read_text(), str(path))
+        tree = ast.parse(path.read_bytes(), str(path))
     except (OSError, SyntaxError, ValueError):
         return ""
     return _functions_hint([n.name for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")])
