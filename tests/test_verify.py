@@ -328,16 +328,18 @@ def test_a_killed_launcher_takes_its_ranks_with_it_and_fails_the_command(tmp_pat
                      "outside the job), and its ranks were stopped with it"], err
 
 
-def _faulty_command(tmp_path: Path, fault: str, *args: str) -> tuple[subprocess.CompletedProcess, float, float | None]:
-    """Run the CLI with a test-only fault injected into the ranks; returns its outcome, its wall time and the
-    seconds from the first verify rank's death to the command's end (None when no rank died before it)."""
+def _faulty_command(tmp_path: Path, fault: str, *args: str, timeout_s: float | None = None
+                    ) -> tuple[subprocess.CompletedProcess, float, float | None]:
+    """Run the CLI with a test-only fault injected into the ranks (``timeout_s``: their collectives' timeout);
+    returns its outcome, its wall time and the seconds from the first verify rank's death to the command's end (None
+    when no rank died before it)."""
     import uuid
 
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
     marker = f"fsdp-planner-test-{uuid.uuid4().hex}"
     env = {**as_users_run(), "TMPDIR": str(tmpdir), "FSDP_PLANNER_TEST_MARKER": marker,
-           "FSDP_PLANNER_TEST_FAULT": fault}
+           "FSDP_PLANNER_TEST_FAULT": fault, **({"FSDP_PLANNER_TEST_TIMEOUT_S": str(timeout_s)} if timeout_s else {})}
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_planner", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -387,6 +389,22 @@ def test_a_rank_with_another_plan_ends_the_job_naming_it(tmp_path):
     assert done.stderr.startswith("error: verify job failed: ranks 0, 1 raised RuntimeError: rank 1 has a different "
                                   "plan than rank 0"), done.stderr
     assert wall < 120
+
+
+@pytest.mark.integration
+def test_a_rank_that_never_joins_is_named_with_where_it_was(tmp_path):
+    """Rank 1 never joins the process group (``hang:1``): rank 0 times out waiting for it, and torchrun's SIGTERM
+    has rank 1 write where it was, which the error says (the suite once failed so with no clue: rank 3 of 4 never
+    joined, and the three others' timeouts were all it said)."""
+    done, wall, _ = _faulty_command(tmp_path, "hang:1", "verify", "seed-net", "--policy", "order", "--nproc", "2",
+                                    "--steps", "1", timeout_s=5)
+    print(f"hang: command took {wall:.1f} s")
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("note: ")]
+    assert done.returncode == 2, done.stderr
+    # (the first line: the one a command shows)
+    assert re.match(r"error: verify job failed: rank 1 was still at rank\.py:\d+ in _hang; rank\.py:\d+ in run_rank; "
+                    r".* when rank 0 failed in a collective: DistStoreError: wait timeout", lines[0]), done.stderr
+    assert "Traceback" not in done.stderr and wall < 120
 
 
 # every torchrun job's worker, each through runtime/rank.py: (command, what its failure is called)
@@ -623,6 +641,42 @@ def test_the_cause_is_told_apart_from_its_echoes():
     first = explain([echo, raised]).splitlines()[0]
     assert first == "verify job failed: rank 1 raised ValueError: bad (at m.py:3 in f)"
     assert explain([]) is None
+
+
+def test_a_stopped_ranks_stacks_name_where_it_was_only_where_no_rank_failed_of_its_own(tmp_path):
+    """faulthandler's stacks of a rank torchrun stopped: its main thread's innermost frames (the one running
+    run_rank, not gloo's or a loader's thread), said first where the peers only timed out; a rank that raised of
+    its own is the cause, and the stopped ranks' stacks are then no clue."""
+    import faulthandler
+    import threading
+
+    from fsdp_planner.runtime.failures import RankFailure, explain, read_failures, stack_file
+
+    result = tmp_path / "result.json"
+    release = threading.Event()
+    helper = threading.Thread(target=release.wait, daemon=True)
+    helper.start()
+
+    def run_rank() -> None:  # (named as rank.py's: the thread to read)
+        with stack_file(result, 3).open("w") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+
+    run_rank()
+    release.set()
+    stack_file(result, 1).write_text("")  # opened at start, never signalled: not stopped
+    timed_out = RankFailure(0, "DistStoreError: wait timeout", ("distributed_c10d.py:1 in init_process_group",),
+                            backend=True, exitcode=1)
+    failures = [timed_out, *read_failures(result, tmp_path / "exits")]
+    assert [f.rank for f in failures] == [0, 3] and failures[1].stopped_by_launcher
+    innermost = failures[1].stopped_at[0]
+    assert innermost.startswith("test_verify.py:") and innermost.endswith(" in run_rank"), failures[1]
+    first = explain(failures).splitlines()[0]
+    assert first.startswith("verify job failed: rank 3 was still at test_verify.py:") and \
+        first.endswith(" when rank 0 failed in a collective: DistStoreError: wait timeout (at distributed_c10d.py:1 "
+                       "in init_process_group)"), first
+    raised = RankFailure(2, "ValueError: bad", ("m.py:3 in f",), exitcode=1)
+    first = explain([raised, *failures]).splitlines()[0]
+    assert first == "verify job failed: rank 2 raised ValueError: bad (at m.py:3 in f)"
 
 
 def test_a_job_that_left_no_cause_says_so_with_its_last_output():

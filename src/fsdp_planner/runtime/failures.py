@@ -20,6 +20,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 ERROR_SUFFIX = ".error"  # a rank writes RESULT.rankN.error; the launcher writes EXITS
+STACK_SUFFIX = ".stack"  # RESULT.rankN.stack: the rank's Python stacks, written on torchrun's SIGTERM
+MAX_STACK_BYTES = 1 << 20
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
 MAX_MESSAGE = 300
 MAX_FRAMES = 3
 # wrappers in every module call, every collective and every context manager, telling nothing of where it failed
@@ -37,6 +40,7 @@ class RankFailure:
     frames: tuple[str, ...] = ()  # innermost first: "file.py:12 in fn"
     backend: bool = False  # raised by the communication backend: a peer went away or a collective timed out
     exitcode: int | None = None  # torchrun's record; negative: killed by that signal
+    stopped_at: tuple[str, ...] = ()  # where torchrun's SIGTERM found it, innermost first (``rank.stacks_on_sigterm``)
 
     @property
     def stopped_by_launcher(self) -> bool:
@@ -83,6 +87,27 @@ def error_file(result_path: Path, rank: int) -> Path:
     return result_path.with_name(f"{result_path.name}.rank{rank}{ERROR_SUFFIX}")
 
 
+def stack_file(result_path: Path, rank: int) -> Path:
+    """Where ``rank`` leaves its stacks when torchrun stops it (``rank.stacks_on_sigterm``)."""
+    return result_path.with_name(f"{result_path.name}.rank{rank}{STACK_SUFFIX}")
+
+
+def stopped_at(path: Path) -> tuple[str, ...]:
+    """The innermost frames of the rank's main thread (the one running ``run_rank``) in the stacks ``faulthandler``
+    wrote to ``path``; none when it wrote none (the rank was not stopped by SIGTERM)."""
+    try:
+        with path.open(errors="replace") as f:
+            text = f.read(MAX_STACK_BYTES)
+    except OSError:
+        return ()
+    threads = [[m.groups() for m in map(_FRAME.match, block.splitlines()) if m]
+               for block in re.split(r"^(?:Current thread|Thread) 0x", text, flags=re.M)]
+    main = next((t for t in threads if any(fn == "run_rank" for _, _, fn in t)), None) or \
+        next((t for t in threads if t), [])
+    return tuple(f"{Path(file).name}:{line} in {fn}" for file, line, fn in main
+                 if not file.endswith(NOISE_FRAMES))[:MAX_FRAMES]
+
+
 def write_failure(result_path: Path, rank: int, e: BaseException) -> None:
     """Leave the rank's exception where the launcher reads it: torchrun's summary drops the rank's traceback."""
     error_file(result_path, rank).write_text(json.dumps(describe_exception(e)))
@@ -100,11 +125,17 @@ def read_failures(result_path: Path, exits_path: Path) -> list[RankFailure]:
     exits: dict[int, int] = {}
     if exits_path.is_file():
         exits = {int(r): int(code) for r, code in json.loads(exits_path.read_text()).items()}
+    stopped: dict[int, tuple[str, ...]] = {}  # torchrun's summary may leave out a rank it stopped
+    for path in result_path.parent.glob(f"{result_path.name}.rank*{STACK_SUFFIX}"):
+        at = stopped_at(path)
+        if at:
+            stopped[int(path.name[len(result_path.name) + len(".rank"):-len(STACK_SUFFIX)])] = at
     failures = []
-    for rank in sorted(set(raised) | {r for r, code in exits.items() if code != 0}):
+    for rank in sorted(set(raised) | set(stopped) | {r for r, code in exits.items() if code != 0}):
         info = raised.get(rank, {})
+        exitcode = exits.get(rank, -signal.SIGTERM if rank in stopped and rank not in raised else None)
         failures.append(RankFailure(rank, info.get("error"), tuple(info.get("frames", ())),
-                                    bool(info.get("backend")), exits.get(rank)))
+                                    bool(info.get("backend")), exitcode, stopped.get(rank, ())))
     return failures
 
 
@@ -114,12 +145,18 @@ def explain(failures: list[RankFailure], what: str = "verify job") -> str | None
         return None
     causes = [f for f in failures if f.is_cause] or [f for f in failures if f.error is not None] or failures
     echoes = [f for f in failures if f not in causes and not f.stopped_by_launcher]
-    lines = [f"{what} failed: {'; '.join(_grouped(causes))}"]
+    stopped = [f for f in failures if f not in causes and f.stopped_by_launcher]
+    # where the backend failed alone (a collective timed out), a rank still running is one its peers waited for:
+    # where it was leads the first line (the only one a command shows)
+    suspects = [f for f in stopped if f.stopped_at and not any(c.is_cause for c in causes)]
+    first = f"rank {suspects[0].rank} was still at {'; '.join(suspects[0].stopped_at)} when " if suspects else ""
+    lines = [f"{what} failed: {first}{'; '.join(_grouped(causes))}"]
     lines += [f"  then {f.describe()}" for f in echoes]
-    stopped = [f.rank for f in failures if f not in causes and f.stopped_by_launcher]
+    lines += [f"  rank {f.rank} was still at {'; '.join(f.stopped_at)}" for f in suspects[1:]]
     if stopped:
-        lines.append(f"  then torchrun stopped rank{'s' if len(stopped) > 1 else ''} "
-                     f"{', '.join(map(str, stopped))} (SIGTERM)")
+        ranks = [f.rank for f in stopped]
+        lines.append(f"  then torchrun stopped rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                     "(SIGTERM)")
     return "\n".join(lines)
 
 

@@ -10,21 +10,28 @@ job, joins the process group, runs the work and leaves the process group. How a 
 - status 1: the work raised; the exception is in ``RESULT.rankN.error`` (``failures.write_failure``), and a
   ``sys.exit`` or ``os._exit`` in the model's code counts as raising, whatever its status (with 0 the job would
   look finished, with no result);
-- killed by a signal: no file; ``launch.py`` records the signal.
+- killed by a signal: no file; ``launch.py`` records the signal. SIGTERM, which torchrun sends every rank still
+  running once one has failed, first writes the rank's Python stacks to ``RESULT.rankN.stack`` (``faulthandler``):
+  a rank that never reached the collective its peers timed out in is named with where it was.
 
 A rank ends with its launcher (``follow_launcher``): a rank whose torchrun agent was killed would otherwise run on
 unsupervised, keeping the command waiting on its output.
 
 Test-only fault injection (never set it otherwise): ``FSDP_PLANNER_TEST_FAULT=KIND:R`` aims a fault at rank R
-(``injected_fault``); ``raise:R`` makes it raise before its work starts, the other kinds are the workers' own.
+(``injected_fault``); ``raise:R`` makes it raise before its work starts, ``hang:R`` keeps it from joining the
+process group (its peers wait ``FSDP_PLANNER_TEST_TIMEOUT_S``, the collective timeout a test sets), the other
+kinds are the workers' own.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
+import io
 import json
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_planner.patching import patched
-from fsdp_planner.runtime.failures import EarlyExit, write_failure
+from fsdp_planner.runtime.failures import EarlyExit, stack_file, write_failure
 from fsdp_planner.runtime.launch import LAUNCHER_ENV
 from fsdp_planner.signals import follow_parent
 
@@ -45,6 +52,8 @@ from fsdp_planner.signals import follow_parent
 # (2026-11-30), so the bound is well above that.
 COLLECTIVE_TIMEOUT_S = 300
 FAULT_ENV = "FSDP_PLANNER_TEST_FAULT"
+TIMEOUT_ENV = "FSDP_PLANNER_TEST_TIMEOUT_S"  # test-only: the collective timeout in seconds (a hang's test is quick)
+_stack_file: io.TextIOWrapper | None = None  # where SIGTERM writes this rank's stacks: open for the rank's life
 
 Body = Callable[[dict[str, Any], torch.device, int, int], None]  # (job, device, rank, world size)
 
@@ -54,7 +63,11 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     failure is written for the launcher before it ends the rank (see the module's docstring)."""
     follow_launcher()
     job = json.loads(Path(job_path).read_text())  # the launcher wrote it; without it no error file can be placed
+    joining = int(os.environ.get("RANK", "0"))
+    stacks_on_sigterm(Path(job["result"]), joining)
     try:
+        if injected_fault(joining) == "hang":
+            _hang()
         device, rank, world = start_rank(cpu)
     except Exception as e:  # joining the group failed (a peer gone, a port taken): said as this rank's failure
         write_failure(Path(job["result"]), int(os.environ.get("RANK", "0")), e)
@@ -92,6 +105,20 @@ def failing_exit(result_path: Path, rank: int) -> Callable[[int], NoReturn]:
     return _exit
 
 
+def stacks_on_sigterm(result_path: Path, rank: int) -> None:
+    """Have torchrun's SIGTERM write this rank's Python stacks where ``failures.read_failures`` reads them, then
+    end the rank as SIGTERM does (``chain``). A signal handler of the model's own replaces this one."""
+    global _stack_file
+    _stack_file = stack_file(result_path, rank).open("w")
+    faulthandler.register(signal.SIGTERM, file=_stack_file, all_threads=True, chain=True)
+
+
+def _hang() -> None:
+    """The test fault ``hang``: this rank never joins the process group (until torchrun stops it)."""
+    while True:
+        time.sleep(1)
+
+
 def follow_launcher() -> None:
     """End this rank with SIGKILL when its launcher dies (``launch.py``; its pid in ``LAUNCHER_ENV``): nothing
     supervises the rank any longer, and a handler in the model's code must not keep it alive. Not under a launcher
@@ -109,7 +136,8 @@ def start_rank(cpu: bool = False) -> tuple[torch.device, int, int]:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    timeout = float(os.environ.get(TIMEOUT_ENV, COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout))
     return device, dist.get_rank(), dist.get_world_size()
 
 
