@@ -245,6 +245,7 @@ class ActionLog(StepRecorder):
             slots.append(self.slots[p])
         self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, ()))
         self.last_op = len(self.template.backward) - 1 if self.backward else -1
+        self.last_op_module = self.current_module()
         self.new_inputs.clear()
 
     def pack(self) -> None:

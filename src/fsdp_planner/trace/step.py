@@ -36,6 +36,10 @@ class StepRecorder:
         self.backward = False
         self.saved_storages: set[StorageWeakRef] = set()
         self.last_op = -1
+        self.last_op_module = ROOT  # the module the last op ran in
+        # bytes a caller saved of a call that returned (its output, or anything it made), charged to the next op:
+        # autograd saves an op's inputs before the op runs, so the last op is the returned call's (``save``)
+        self.pending_saved = 0
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
@@ -85,11 +89,19 @@ class StepRecorder:
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
            workspace: int = 0) -> None:
-        self.last_op = len(self.events)
+        self.last_op, self.last_op_module = len(self.events), self.current_module()
         self.new_inputs.clear()
-        self.events.append(Event(EventKind.OP, self.current_module(), params=params, flops=flops, nbytes=nbytes,
-                                 backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
-                                 kernel=kernel, grad_live=grad_live, workspace=workspace))
+        self.events.append(Event(EventKind.OP, self.last_op_module, params=params, flops=flops, nbytes=nbytes,
+                                 saved=self.pending_saved, backward=self.backward, live=live, op_class=op_class,
+                                 out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live, workspace=workspace))
+        self.pending_saved = 0
+
+    def saved_by_caller(self) -> bool:
+        """Whether a save now is for an op of a call that a child of which made the last op (that child returned):
+        the op about to run, its caller's, saves it (``gate * mlp(x)`` saves mlp's output), at the caller's TP
+        share and outside any checkpoint of the child, as the real step keeps it."""
+        return not self.backward and bool(self.fwd_stack) and self.last_op_module != self.fwd_stack[-1] \
+            and is_within(self.last_op_module, self.fwd_stack[-1])
 
     def watch_saved(self, storage: torch.UntypedStorage | None, nbytes: int) -> None:
         """A storage just charged as saved by an op of the innermost call running: when autograd frees it in that
@@ -137,13 +149,17 @@ class StepRecorder:
         alive from before the call (``Temporaries``) are alive during it too."""
         module, backward = self.current_module(), self.backward
         outer = 0 if backward else self.temporaries.current
+        first = len(self.events)
         self.events.extend([Event(EventKind.OP, module, 0, params, flops, nbytes, 0, True, backward,
                                   live=live + outer if live or outer else 0, op_class=op_class,
                                   out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live, freed=freed,
                                   workspace=workspace)
                             for params, flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, freed
                             in batch])
-        self.last_op = len(self.events) - 1
+        if self.pending_saved and len(self.events) > first:
+            self.events[first] = self.events[first]._replace(saved=self.pending_saved)
+            self.pending_saved = 0
+        self.last_op, self.last_op_module = len(self.events) - 1, module
         self.new_inputs.clear()
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
@@ -236,7 +252,11 @@ class StepRecorder:
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
             return
         e = self.events[self.last_op]
-        self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
+        if self.saved_by_caller():  # (no longer the last op's temporary: a replay's template never counted it)
+            self.pending_saved += nbytes
+            self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
+        else:
+            self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
         self.watch_saved(storage, nbytes)
 
     def unsaved(self, ref: StorageWeakRef) -> int:
