@@ -983,6 +983,21 @@ def test_an_ep_degree_the_experts_do_not_divide_names_their_count() -> None:
         done.stderr
 
 
+def test_an_ep_degree_no_layout_of_the_cluster_takes_is_one_sentence_on_its_ranks(capsys) -> None:
+    """EP 3 on 64 GPUs: the comparison noted every classic policy out on "the 64 data-parallel shard ranks", then
+    auto failed on "the 32" of its HSDP layout (a new user's finding); now one error, before any trace."""
+    from fsdp_planner import cli
+
+    assert cli.main(["plan", "mixtral-8x7b", "--ep", "3", "--cluster", "h100:64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --ep 3 does not divide the 64 data-parallel ranks of h100:64 (EP's ranks come out of "
+                   "them): choose one of 2, 4, 8, 16, 32, 64"], err
+    assert cli.main(["plan", "mixtral-8x7b", "--ep", "6", "--tp", "2", "--cluster", "h100:16", "--policy",
+                     "titan"]) == 2
+    assert "--ep 6 does not divide the 8 data-parallel ranks of h100:16 (EP's ranks come out of them x TP): choose " \
+        "one of 4, 8, 16" in capsys.readouterr().err
+
+
 def test_auto_under_compile_screens_no_ep_and_ep_asked_for_is_one_sentence(capsys) -> None:
     """Under ``--compile`` each block is compiled whole, where EP's expert groups cannot run: auto screened EP
     there anyway, chose it, and refused its own plan ("expert parallelism shards each expert module in a group of

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -90,6 +91,14 @@ def test_plan_for_another_model_names_missing_and_extra_params(seed_trace):
     other = ExecutionOrderPolicy().plan(traced("toy-llama"), "toy-llama")
     with pytest.raises(PlannerError, match=r"another model.*missing parameters: conv1\.bias.*extra parameters"):
         check_plan_matches(Plan.from_json(other.to_json()), seed_trace)
+    # the same names: other shapes (the count differs), or only the fingerprint (it said "shapes or dtypes" of an
+    # edited fingerprint, a new user's finding)
+    own = ExecutionOrderPolicy().plan(seed_trace, "seed-net")
+    with pytest.raises(PlannerError, match=r"another model \(the same parameter names and count, but another "
+                                           r"'model.fingerprint': .*or the file's fingerprint was edited\)"):
+        check_plan_matches(dataclasses.replace(own, fingerprint="deadbeefdeadbeef"), seed_trace)
+    with pytest.raises(PlannerError, match=rf"but {own.numel + 1:,} parameters where this model has {own.numel:,}"):
+        check_plan_matches(dataclasses.replace(own, fingerprint="deadbeefdeadbeef", numel=own.numel + 1), seed_trace)
 
 
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"version": 7, "model": {}, "groups": []}',

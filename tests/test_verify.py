@@ -865,3 +865,17 @@ def test_the_replica_check_fails_a_param_that_is_not_finite_on_any_rank():
             assert out["replica_error"] > 1 and out["replica_param"] == "w", out
     finally:
         dist.destroy_process_group()
+
+
+def test_ranks_far_above_the_cores_are_said(monkeypatch, capsys):
+    """64 CPU ranks on 2 cores ran without a word (a new user's finding): above 4 a core, a note says what such a
+    job's times are worth."""
+    import os
+
+    from fsdp_planner.cli.verify import RANKS_PER_CORE, _note_oversubscribed
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    _note_oversubscribed(2 * RANKS_PER_CORE)
+    assert capsys.readouterr().err == ""
+    _note_oversubscribed(2 * RANKS_PER_CORE + 1)
+    assert "starts 9 CPU ranks on this host's 2 cores: they take turns" in " ".join(capsys.readouterr().err.split())

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
                              f"{escape(f', {transforms}') if transforms else ''}, {request.steps} steps"
                              f"{f' of {request.micro_batches} micro-batches' if request.micro_batches > 1 else ''}"
                              f" in {options.precision.name} ...")
+    _note_oversubscribed(request.nproc)
     with render.progress(f"torchrun job: {request.nproc} ranks, {request.steps} steps"):
         result = run_verify(model, tr, plan, request.nproc, request.steps, fsdp1=request.fsdp1,
                             timed_steps=0 if request.fsdp1 else request.time_steps,
@@ -146,6 +147,25 @@ def _judged(model: ModelSpec, source: PlanSource, plan: Plan) -> ModelSpec:
         render.note(f"verifying the job auto planned: TP {plan.tp_degree}, batch {judged.batch_size:,} per "
                     "data-parallel rank")
     return judged
+
+
+RANKS_PER_CORE = 4  # more CPU ranks a core than this is said (64 on 2 cores ran without a word)
+
+
+def _note_oversubscribed(nproc: int) -> None:
+    """Say when CPU ranks far outnumber the cores they share."""
+    import os
+
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cores = os.cpu_count() or 1
+    if not torch.cuda.is_available() and nproc > RANKS_PER_CORE * cores:
+        render.note(f"--nproc {nproc} starts {nproc} CPU ranks on this host's {cores} core{'s' if cores > 1 else ''}: "
+                    "they take turns, so the job is slow and its step times say nothing of a GPU's "
+                    "(--fake-world-size checks the counts, bytes and peak at any size)")
 
 
 def _sharded(plan: Plan) -> int:

@@ -216,8 +216,12 @@ def _check_same_params(plan: Plan, trace: Trace) -> None:
     missing, extra = want - have, have - want
     parts = [f"missing parameters: {short_list(missing)}"] * bool(missing) + \
         [f"extra parameters: {short_list(extra)}"] * bool(extra)
-    if not parts:
-        parts.append("same parameter names but different shapes or dtypes")
+    if not parts and plan.numel and plan.numel != trace.numel:
+        parts.append(f"the same parameter names, but {plan.numel:,} parameters where this model has "
+                     f"{trace.numel:,}: other shapes")
+    elif not parts:  # (the fingerprint hashes the names, shapes and dtypes: which differ, the plan cannot say)
+        parts.append("the same parameter names and count, but another 'model.fingerprint': other shapes or dtypes, "
+                     "or the file's fingerprint was edited")
     if plan.fingerprint in ("", trace.fingerprint):  # this model's plan, its groups edited
         raise PlannerError(f"the plan's groups do not list every param of this model ({'; '.join(parts)}): "
                            "each group's 'params' are those its modules own (make the plan again with "

@@ -47,8 +47,8 @@ def onto_job(plan: Plan, planned: Trace, job: Trace, nproc: int, label: str) -> 
                            "toy-llama)")
     dropped = len(plan.inner_groups) - len(kept)
     if dropped:
-        notes.append(f"{dropped} of the plan's {len(plan.inner_groups)} groups hold only modules this model does "
-                     "not have (deeper blocks) and are left out")
+        notes.append(f"{dropped} of the plan's {len(plan.inner_groups)} groups below its root hold only modules this "
+                     "model does not have (deeper blocks) and are left out")
     if any(g.forward_prefetch or g.backward_prefetch for g in plan.groups):
         notes.append("the plan's explicit prefetch lists are left out (they name groups by position)")
     out = make_plan(job, [ms for ms, _ in kept], [r for _, r in kept], policy=label, model=plan.model)

@@ -455,6 +455,21 @@ def _splits_by_default(kw: Keywords, spell: Spelling) -> bool:
     return batch is not None and batch > 1
 
 
+def _check_ep_ranks(policy: PolicyRequest, cluster: Cluster, spell: Spelling) -> None:
+    """An EP degree no layout of the cluster's data-parallel ranks takes, refused once, before any policy: the
+    comparison left every classic policy out with a note on all the ranks, then auto failed on its HSDP layout's
+    shard ranks, another count (a new user's finding)."""
+    ep, tp = policy.ep or 1, policy.tp or 1
+    if ep == 1 or ep % tp or cluster.world_size % tp:
+        return  # (other errors: EP not a multiple of TP, TP not dividing the GPUs)
+    dp = cluster.world_size // tp
+    if dp % (ep // tp):
+        divisors = [str(d * tp) for d in range(2, dp + 1) if dp % d == 0][:8]
+        raise PlannerError(f"{spell.given('ep', ep)} does not divide the {dp:,} data-parallel ranks of "
+                           f"{cluster.name} (EP's ranks come out of them{' x TP' if tp > 1 else ''}): choose one of "
+                           f"{', '.join(divisors)}{' ...' if len(divisors) == 8 else ''}")
+
+
 def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bool = False,
              split_by_default: bool = False) -> PlanJob:
     """The job ``plan`` runs: ``kw.policy``'s plan (None: the classic policies side by side, and auto's with a
@@ -485,6 +500,8 @@ def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bo
         the_cluster = named(default, kw.cpu_optimizer_rate, spell)
     if kw.policy is None and the_cluster is not None:
         policies.append(policy_request(kw, PolicyName.AUTO.value, spell))
+    if the_cluster is not None:
+        _check_ep_ranks(policies[0], the_cluster, spell)
     return PlanJob(model, tuple(policies), the_cluster, options,
                    memory_budget(kw, the_cluster, spell) if the_cluster is not None else None,
                    compare=kw.policy is None, split=split, whole_batch=kw.batch if split else None,  # type: ignore[arg-type]
