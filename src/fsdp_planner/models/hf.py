@@ -692,13 +692,14 @@ class HfParallelPlan:
     rope_dim: int = 0  # the config's qk_rope_head_dim (MLA's rope key, which mla_kv_a_proj reads); 0: none
 
 
-def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
+def parallel_plan(source: str, overrides: Overrides = (), top: tuple[tuple[str, str], ...] = ()) -> HfParallelPlan:
     """The tensor-parallel plan transformers keeps for the config's model class: the config class's
-    ``base_model_tp_plan`` under the base model's prefix (``model.``), the input embedding sharded on the vocab as
-    transformers' ``init_parallel_plans`` adds it, and the task class's own ``_tp_plan`` (the LM head)."""
+    ``base_model_tp_plan`` under the base model's name (``model.``: ``_base_prefix``), the input embedding sharded
+    on the vocab as transformers' ``init_parallel_plans`` adds it, and the task class's own ``_tp_plan`` (the LM
+    head). ``top``: (name, class name) of the built model's root ("") and its children."""
     config = _config(with_overrides(read_config(source), overrides))
     model_class = _model_class(config)
-    prefix = getattr(model_class, "base_model_prefix", "") or ""
+    prefix = _base_prefix(config, model_class, top)
     base = dict(getattr(config, "base_model_tp_plan", None) or {})
     styles: dict[str, str] = {}
     if base:
@@ -711,6 +712,20 @@ def parallel_plan(source: str, overrides: Overrides = ()) -> HfParallelPlan:
     rope = getattr(config, "qk_rope_head_dim", None)
     return HfParallelPlan(named, heads if isinstance(heads, int) else None, kv if isinstance(kv, int) else None,
                           prefix, rope if isinstance(rope, int) and not isinstance(rope, bool) and rope > 0 else 0)
+
+
+def _base_prefix(config: Any, model_class: Any, top: tuple[tuple[str, str], ...]) -> str:
+    """Where transformers names the base plan: under the root's child that is the base model, as
+    ``init_parallel_plans`` merges each child's own plan under the child's name; the class's ``base_model_prefix``
+    where the built model does not say (Llama 4's causal LM names its checkpoint's text model ``language_model``
+    and holds it as ``model``, where transformers' own plan has it)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    base = auto.MODEL_MAPPING_NAMES.get(config.model_type)
+    held = [name for name, cls in top if cls == base]
+    if base is not None and len(held) == 1:
+        return held[0]
+    return getattr(model_class, "base_model_prefix", "") or ""
 
 
 @functools.lru_cache(maxsize=64)

@@ -29,7 +29,7 @@ from fsdp_planner.models import ModelSpec, hf, llama, moe
 from fsdp_planner.trace.events import ATTENTION_KERNELS, EventKind
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import parent_of, proper_ancestors
+from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
 
 TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
 PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
@@ -220,7 +220,7 @@ def _head_dim(trace: Trace) -> int:
 def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     """transformers' plan for the model's class, in ``TPStyle``s: the patterns that match a module of this model;
     a style without a ``TPStyle`` is refused (left whole, its module need not train right beside the others)."""
-    plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config)
+    plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config, _top(trace))
     names = list(trace.modules)
     layout: dict[str, TPStyle] = {}
     left: dict[str, str] = {}
@@ -306,6 +306,12 @@ def _refuse_own_params_on_heads(trace: Trace, plan: hf.HfParallelPlan, layout: d
                                    f"{fqn.rpartition('.')[2]} ({style}) beside its colwise heads, which the planner "
                                    "does not model: plan it without tensor parallelism, or give a layout in a plan "
                                    "file's 'tensor_parallel'")
+
+
+def _top(trace: Trace) -> tuple[tuple[str, str], ...]:
+    """(name, class name) of the model's root and its children: where transformers' plan names its base model."""
+    root = trace.modules[ROOT]
+    return ((ROOT, root.cls), *((c, trace.modules[c].cls) for c in root.children if c in trace.modules))
 
 
 def _no_plan_reason(plan: hf.HfParallelPlan, names: list[str], model_name: str, left: dict[str, str]) -> str:
@@ -428,7 +434,7 @@ def plan_layout(trace: Trace, tp: TensorParallel, model: ModelSpec | None) -> La
     attends = _attending(trace)
     shards_attention = any(parent_of(m) in attends for m in colwise) if attends else bool(colwise)
     per_head: frozenset[str] = frozenset()
-    plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config) \
+    plan = hf.parallel_plan(model.name.removeprefix(hf.PREFIX), model.hf_config, _top(trace)) \
         if model is not None and hf.is_hf(model.name) else None
     if plan is not None and model is not None:
         per_head = _hf_colwise(trace, plan)
