@@ -56,6 +56,26 @@ def kernel(name: str | None) -> Iterator[Kernel]:
         _KERNEL.reset(token)
 
 
+_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("fsdp_planner_attention_mask", default=False)
+
+
+def in_mask() -> bool:
+    """Inside ``fused_attention``'s making of a mask's bias (``OpClass.ATTENTION_MASK``)."""
+    return _MASK.get()
+
+
+@contextlib.contextmanager
+def _mask_ops() -> Iterator[None]:
+    """The ops inside make the mask's bias: the trace tells them apart (not under dynamo, which reads no ContextVar
+    and traces no step)."""
+    token = None if torch.compiler.is_compiling() else _MASK.set(True)
+    try:
+        yield
+    finally:
+        if token is not None:
+            _MASK.reset(token)
+
+
 def current_kernel() -> str:
     k = _KERNEL.get()
     return k.name if k is not None else "sdpa"
@@ -100,9 +120,11 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
         # memory-efficient one gives the output the value's (and saves as little)
         return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, dropout_p, is_causal,
                                                                       scale=scale)[0]
-    if attn_mask.dtype == torch.bool:  # SDPA's boolean mask: True takes part
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask,
-                                                                                            float("-inf"))
+    if attn_mask.dtype == torch.bool:  # SDPA's boolean mask: True takes part (the ops that make the bias marked,
+        # not the views after: the attention's queries, keys and values are charged to the last op before it)
+        with _mask_ops():
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask,
+                                                                                                float("-inf"))
     while attn_mask.dim() < 4:
         attn_mask = attn_mask.unsqueeze(0)
     bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])

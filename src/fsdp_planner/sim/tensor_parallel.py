@@ -24,6 +24,11 @@ of the whole model into that rank's step (``TPView``):
   that reduce-scatters, ``KERNEL_TP_GRAD_ALL_REDUCE``); loss parallel's three all-reduces of one value
   per token (max, sum of exponentials, target logit). Under activation checkpointing the forward ones run again
   with the recomputation, as they do for real;
+- an attention's boolean mask made the memory-efficient kernel's bias (``OpClass.ATTENTION_MASK``: batch x 1 x
+  query x key, no head in it) is made, saved and freed whole on every rank (Gemma 3's sliding-window layers: the
+  peak was 12.8% low at seq 2,048 on the fake process group with it at 1/TP); what a region's caller saves of its
+  output is charged to the caller's op (``StepRecorder.save``), at the caller's share: a rowwise output
+  all-reduced whole (adaLN's ``gate * mlp(x)``), or its sequence shard;
 - an MLA kv_a_proj (``MLA_KV_A_PROJ``): whole on every rank, its output split and made again (a copy), its rope
   key's grad all-reduced before its backward. Not modelled: what runs on that output before kv_b_proj (the
   kv_a_layernorm, the rope of the key) runs whole too, charged at 1/TP with its attention (DeepSeek-V3: a norm of
@@ -80,6 +85,7 @@ from fsdp_planner.sim.compute import traced_itemsize
 from fsdp_planner.sim.float8 import TP_AMAX_BYTES, converted_linears
 from fsdp_planner.sim.recompute import CheckpointedCall
 from fsdp_planner.trace.events import (
+    ATTENTION_KERNELS,
     KERNEL_OTHER,
     KERNEL_TP_ALL_GATHER,
     KERNEL_TP_ALL_REDUCE,
@@ -508,7 +514,7 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
     loss_ars, loss = _loss_all_reduces(trace, lay), trace.index.loss_region
     outside = _outside_spans(trace, lay)
     saved_whole, float8_saved = _saved_whole(trace, lay, outside), _float8_saved(trace, lay)
-    split_saved = _split_saved(trace, lay)
+    split_saved, (mask_live, mask_freed) = _split_saved(trace, lay), _mask_bytes(trace, lay)
     t, out, where = lay.t, [], []
     packed = _packed_shares(trace, lay)
     for i, e in enumerate(trace.events):
@@ -519,13 +525,15 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         where.append(len(out))
         if e.is_op:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else _op_scale(lay, e.module, i in outside)
-            kept = 1.0 if lay.styles.get(e.module) is TPStyle.COLWISE_GATHER else s  # (``_WHOLE_AROUND``)
+            kept = 1.0 if lay.styles.get(e.module) is TPStyle.COLWISE_GATHER or \
+                e.op_class is OpClass.ATTENTION_MASK else s  # (``_WHOLE_AROUND``; a mask's bias: whole)
             e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * kept)
                            + saved_whole.get(i, 0) + float8_saved.get(i, 0) + split_saved.get(i, 0),
                            out_nbytes=int(e.out_nbytes * s),
-                           live=int(e.live * s), grad_live=int(e.grad_live * s),
-                           freed=int(e.freed * (lay.scale(e.module) if i in outside else kept)))  # (what the
-            # call's own ops saved, at their scale)
+                           live=int((e.live - mask_live.get(i, 0)) * s) + mask_live.get(i, 0),
+                           grad_live=int(e.grad_live * s),
+                           freed=int(e.freed * (lay.scale(e.module) if i in outside else kept))  # (what the
+                           + mask_freed.get(i, 0))  # call's own ops saved, at their scale)
             if i in packed:
                 e = _packed_op(e, packed[i], t)
             if loss[i] and lay.tp.loss_parallel:
@@ -538,6 +546,29 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
         out.append(e)
         out.extend(after)
     return out, where
+
+
+def _mask_bytes(trace: Trace, lay: _Layout) -> tuple[dict[int, int], dict[int, int]]:
+    """What an attention mask's bias (``OpClass.ATTENTION_MASK``: no head in it) keeps whole on every TP rank: op
+    position -> the mask's temporaries alive after a mask op (the run of them so far, each whole: they are freed
+    together once the bias is made), and backward op position -> the bias bytes its attention frees beyond its
+    scaled share."""
+    masks: dict[str, int] = {}
+    live: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    run = 0
+    for i, e in enumerate(trace.events):
+        if not e.is_op:
+            continue
+        if not e.backward and e.op_class is OpClass.ATTENTION_MASK:
+            run += e.out_nbytes
+            live[i] = min(run, e.live)
+            masks[e.module] = masks.get(e.module, 0) + e.saved
+            continue
+        run = 0
+        if e.backward and e.kernel in ATTENTION_KERNELS and e.freed and masks.get(e.module):
+            freed[i] = int(min(masks.pop(e.module), e.freed) * (1 - lay.scale(e.module)))
+    return live, freed
 
 
 def _packed_shares(trace: Trace, lay: _Layout) -> dict[int, bool]:

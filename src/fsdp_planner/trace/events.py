@@ -40,6 +40,9 @@ class OpClass(Enum):
     # aten.mm of a weight shaped as a router gate's (``trace/ops.router_shapes``): torchtitan's 2026 policy
     # recomputes it uncounted, the others take it for any mm
     ROUTER_MM = 12
+    # an op making a boolean attention mask the memory-efficient kernel's additive bias (``attention.py``): batch x
+    # 1 x query x key, no head in it, so tensor parallelism runs it (and saves its bias) whole on every rank
+    ATTENTION_MASK = 13
 
 
 KERNEL_OTHER = 0

@@ -18,6 +18,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_planner.attention import in_mask
 from fsdp_planner.choices import TITAN_RECOMPUTE_FQNS
 from fsdp_planner.routing import StandIn, in_grouped_bmm
 from fsdp_planner.trace.bookkeeping import bookkeeping
@@ -75,6 +76,8 @@ _OP_CLASSES: dict[object, OpClass] = {
 def op_class(func: object) -> OpClass:
     """The class a selective checkpointing policy sees ``func`` (an aten OpOverload) as; a stand-in's ``bmm`` for
     a ``_grouped_mm`` (``routing.grouped_bmm``) as that."""
+    if in_mask():
+        return OpClass.ATTENTION_MASK
     cls = _OP_CLASSES.get(func, OpClass.OTHER)
     return OpClass.OTHER if cls is OpClass.COMPUTE_MORE and in_grouped_bmm() else cls
 
@@ -254,8 +257,10 @@ class OpRecorder(TorchDispatchMode):
             recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.made(flat_out)
-            recorder.op(tuple(sorted(used)), flops, nbytes, live, forward_class(func, args, self.router),
-                        outputs_nbytes(flat_out), kernel)
+            cls = forward_class(func, args, self.router)
+            if cls is OpClass.ATTENTION_MASK:
+                recorder.mask_made(flat_out)
+            recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, outputs_nbytes(flat_out), kernel)
         return out
 
     def _attention_heads(self, args: tuple) -> None:

@@ -151,7 +151,8 @@ class ActionLog(StepRecorder):
         self.prefix, self.param_name = prefix + ".", param_name
         self.template = Template()
         self.slots: dict[int, int] = {}  # global param index -> index into template.params
-        self.saved: list[tuple[int, StorageWeakRef, int]] = []  # (position in forward, storage, bytes)
+        # (position in forward, storage, bytes, whether an attention mask's: ``StepRecorder.save``)
+        self.saved: list[tuple[int, StorageWeakRef, int, bool]] = []
         # grad-requiring outputs of the calls inside, held weakly: a strong reference would keep the temporaries
         # of the recorded call alive, which its real call frees (``Event.held``)
         self.inner_outputs: list[tuple[weakref.ref, Call]] = []
@@ -263,13 +264,14 @@ class ActionLog(StepRecorder):
         if a[0] == "op" and a[-2]:
             self.template.backward[i] = (*a[:-2], max(0, a[-2] - nbytes), a[-1])
 
-    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None) -> None:
+    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None,
+             mask: bool = False) -> None:
         self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
             return
         self.saved_storages.add(ref)
-        self.saved.append((len(self.template.forward), ref, nbytes))
+        self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages))
         self.watch_saved(storage, nbytes)
         unsaved = self.unsaved(ref)  # as ``StepRecorder.save``: the saving op counted it alive
         last = next((i for i in range(len(self.template.forward) - 1, -1, -1)
@@ -572,7 +574,7 @@ class BlockReuse:
         outputs = {StorageWeakRef(t.untyped_storage()): j for j, t in enumerate(tree_flatten(out)[0])
                    if isinstance(t, torch.Tensor)}
         buffers = {StorageWeakRef(b.untyped_storage()): n for n, b in r.buffers.items()}
-        for n, (pos, ref, nbytes) in enumerate(log.saved):
+        for n, (pos, ref, nbytes, mask) in enumerate(log.saved):
             if ref in inputs:
                 source: tuple = ("input", inputs[ref])
             elif ref in outputs:
@@ -584,7 +586,7 @@ class BlockReuse:
             else:
                 log.template.reusable = False  # saves a tensor from outside the call
                 return
-            log.template.forward.insert(pos + n, ("save", source, nbytes))
+            log.template.forward.insert(pos + n, ("save", source, nbytes, mask))
 
     def _record_backward(self, log: ActionLog, held: list[Any]) -> None:
         """The call's backward from its outputs' gradient edges, the outputs themselves (``held``'s one item) let
@@ -741,9 +743,9 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
         elif kind == "modified_input":
             main.modified_input(prefix + action[1])
         else:  # save
-            source, nbytes = action[1], action[2]
+            source, nbytes, mask = action[1], action[2], action[3]
             ref = sources.get(source) or _Fresh()
-            main.save(ref, nbytes)  # type: ignore[arg-type]
+            main.save(ref, nbytes, mask=mask)  # type: ignore[arg-type]
 
 
 def _reentrant_inside(tensors: list[torch.Tensor]) -> bool:

@@ -40,6 +40,8 @@ class StepRecorder:
         # bytes a caller saved of a call that returned (its output, or anything it made), charged to the next op:
         # autograd saves an op's inputs before the op runs, so the last op is the returned call's (``save``)
         self.pending_saved = 0
+        self.mask_storages: set[StorageWeakRef] = set()  # made by ``OpClass.ATTENTION_MASK`` ops
+        self.last_mask_op = -1  # the last of them: a save of what they made is charged to it (``save``)
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
         self.bwd_started = False  # a module's pre-backward has run
         self.loss = LossRegion(lambda: len(self.events))
@@ -90,6 +92,8 @@ class StepRecorder:
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
            workspace: int = 0) -> None:
         self.last_op, self.last_op_module = len(self.events), self.current_module()
+        if op_class is OpClass.ATTENTION_MASK:
+            self.last_mask_op = self.last_op
         self.new_inputs.clear()
         self.events.append(Event(EventKind.OP, self.last_op_module, params=params, flops=flops, nbytes=nbytes,
                                  saved=self.pending_saved, backward=self.backward, live=live, op_class=op_class,
@@ -156,6 +160,9 @@ class StepRecorder:
                                   workspace=workspace)
                             for params, flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, freed
                             in batch])
+        masks = [i for i, b in enumerate(batch) if b[3] is OpClass.ATTENTION_MASK]
+        if masks:
+            self.last_mask_op = first + masks[-1]
         if self.pending_saved and len(self.events) > first:
             self.events[first] = self.events[first]._replace(saved=self.pending_saved)
             self.pending_saved = 0
@@ -235,9 +242,16 @@ class StepRecorder:
         """``Event.held`` of the call ending now (its marks popped)."""
         return self.frame.close() + grads_nbytes
 
-    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None) -> None:
+    def mask_made(self, tensors: Iterable[Any]) -> None:
+        """The outputs of the attention-mask op about to be recorded (``OpClass.ATTENTION_MASK``)."""
+        self.mask_storages.update(StorageWeakRef(t.untyped_storage()) for t in tensors if isinstance(t, torch.Tensor))
+
+    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None,
+             mask: bool = False) -> None:
         """Activation bytes saved for backward, once per storage, charged to the op that saved them; every pack is
-        marked (``pack``); ``storage``: the storage itself, watched until autograd frees it (``watch_saved``)."""
+        marked (``pack``); ``storage``: the storage itself, watched until autograd frees it (``watch_saved``).
+        A mask's bias (``mask``, or made by a mask op) is charged to the mask op that made it: the attention packs
+        it with its queries, keys and values, which tensor parallelism shards where it does not shard the bias."""
         self.packed(ref)
         self.pack()
         if self.backward or ref in self.static_storages or ref in self.saved_storages:
@@ -252,7 +266,11 @@ class StepRecorder:
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
             return
         e = self.events[self.last_op]
-        if self.saved_by_caller():  # (no longer the last op's temporary: a replay's template never counted it)
+        if (mask or ref in self.mask_storages) and self.last_mask_op >= 0:
+            self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
+            m = self.events[self.last_mask_op]
+            self.events[self.last_mask_op] = m._replace(saved=m.saved + nbytes)
+        elif self.saved_by_caller():  # (no longer the last op's temporary: a replay's template never counted it)
             self.pending_saved += nbytes
             self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
         else:
@@ -568,7 +586,11 @@ class NullRecorder(StepRecorder):
     def outside_modules(self) -> bool:
         return False
 
-    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None) -> None:
+    def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None,
+             mask: bool = False) -> None:
+        pass
+
+    def mask_made(self, tensors: Iterable[Any]) -> None:
         pass
 
     def made_grads(self, made: list[tuple[StorageWeakRef, int]]) -> None:
