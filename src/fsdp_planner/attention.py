@@ -122,9 +122,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask
                                                                       scale=scale)[0]
     if attn_mask.dtype == torch.bool:  # SDPA's boolean mask: True takes part (the ops that make the bias marked,
         # not the views after: the attention's queries, keys and values are charged to the last op before it)
-        with _mask_ops():
-            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask,
-                                                                                                float("-inf"))
+        with _mask_ops():  # (filled in place: a bias and the negated mask alive at once, as SDPA's own conversion)
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~attn_mask,
+                                                                                                 float("-inf"))
     while attn_mask.dim() < 4:
         attn_mask = attn_mask.unsqueeze(0)
     bias = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])

@@ -64,8 +64,8 @@ def run_rank(job_path: str, body: Body, *, cpu: bool = False) -> None:
     follow_launcher()
     job = json.loads(Path(job_path).read_text())  # the launcher wrote it; without it no error file can be placed
     joining = int(os.environ.get("RANK", "0"))
-    stacks_on_sigterm(Path(job["result"]), joining)
     try:
+        stacks_on_sigterm(Path(job["result"]), joining)
         if injected_fault(joining) == "hang":
             _hang()
         device, rank, world = start_rank(cpu)

@@ -527,7 +527,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
             s = (1.0 / t if lay.tp.loss_parallel else 1.0) if loss[i] else _op_scale(lay, e.module, i in outside)
             kept = 1.0 if lay.styles.get(e.module) is TPStyle.COLWISE_GATHER or \
                 e.op_class is OpClass.ATTENTION_MASK else s  # (``_WHOLE_AROUND``; a mask's bias: whole)
-            e = e._replace(flops=int(e.flops * s), nbytes=int(e.nbytes * s), saved=int(e.saved * kept)
+            whole = 1.0 if e.op_class is OpClass.ATTENTION_MASK else s
+            e = e._replace(flops=int(e.flops * whole), nbytes=int(e.nbytes * whole), saved=int(e.saved * kept)
                            + saved_whole.get(i, 0) + float8_saved.get(i, 0) + split_saved.get(i, 0),
                            out_nbytes=int(e.out_nbytes * s),
                            live=int((e.live - mask_live.get(i, 0)) * s) + mask_live.get(i, 0),

@@ -37,9 +37,10 @@ class StepRecorder:
         self.saved_storages: set[StorageWeakRef] = set()
         self.last_op = -1
         self.last_op_module = ROOT  # the module the last op ran in
-        # bytes a caller saved of a call that returned (its output, or anything it made), charged to the next op:
-        # autograd saves an op's inputs before the op runs, so the last op is the returned call's (``save``)
-        self.pending_saved = 0
+        # bytes a caller saved of a call that returned (its output, or anything it made), charged to the next op
+        # where it is the caller's: autograd saves an op's inputs before the op runs, so the last op is the
+        # returned call's (``save``). (the last op's position, the saving call's module, the bytes)
+        self.pending: tuple[int, str, int] | None = None
         self.mask_storages: set[StorageWeakRef] = set()  # made by ``OpClass.ATTENTION_MASK`` ops
         self.last_mask_op = -1  # the last of them: a save of what they made is charged to it (``save``)
         self.grads: set[int] = set()  # params whose grads replayed calls produced (see reuse.py)
@@ -91,14 +92,35 @@ class StepRecorder:
     def op(self, params: tuple[int, ...], flops: int, nbytes: int, live: int = 0,
            op_class: OpClass = OpClass.OTHER, out_nbytes: int = 0, kernel: int = 0, grad_live: int = 0,
            workspace: int = 0) -> None:
-        self.last_op, self.last_op_module = len(self.events), self.current_module()
+        module = self.current_module()
+        saved = self.take_pending(module)
+        self.last_op, self.last_op_module = len(self.events), module
         if op_class is OpClass.ATTENTION_MASK:
             self.last_mask_op = self.last_op
         self.new_inputs.clear()
-        self.events.append(Event(EventKind.OP, self.last_op_module, params=params, flops=flops, nbytes=nbytes,
-                                 saved=self.pending_saved, backward=self.backward, live=live, op_class=op_class,
-                                 out_nbytes=out_nbytes, kernel=kernel, grad_live=grad_live, workspace=workspace))
-        self.pending_saved = 0
+        self.events.append(Event(EventKind.OP, module, params=params, flops=flops, nbytes=nbytes, saved=saved,
+                                 backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
+                                 kernel=kernel, grad_live=grad_live, workspace=workspace))
+
+    def take_pending(self, module: str) -> int:
+        """The caller's saved bytes an op of ``module`` about to be recorded takes: all of them where it is a forward
+        op of the call that saved them; else none, and they stay the returned call's last op's, as any save
+        before an op of another call (a custom autograd Function packs after its forward's own calls ran)."""
+        if self.pending is None:
+            return 0
+        _, saving, nbytes = self.pending
+        if not self.backward and module == saving:
+            self.pending = None
+            return nbytes
+        self.flush_pending()
+        return 0
+
+    def flush_pending(self) -> None:
+        """Leave the caller's saved bytes no op of it took on the last op before them."""
+        if self.pending is not None:
+            at, _, nbytes = self.pending
+            self.events[at] = self.events[at]._replace(saved=self.events[at].saved + nbytes)
+            self.pending = None
 
     def saved_by_caller(self) -> bool:
         """Whether a save now is for an op of a call that a child of which made the last op (that child returned):
@@ -163,9 +185,9 @@ class StepRecorder:
         masks = [i for i, b in enumerate(batch) if b[3] is OpClass.ATTENTION_MASK]
         if masks:
             self.last_mask_op = first + masks[-1]
-        if self.pending_saved and len(self.events) > first:
-            self.events[first] = self.events[first]._replace(saved=self.pending_saved)
-            self.pending_saved = 0
+        saved = self.take_pending(module) if batch else 0
+        if saved:
+            self.events[first] = self.events[first]._replace(saved=saved)
         self.last_op, self.last_op_module = len(self.events) - 1, module
         self.new_inputs.clear()
 
@@ -271,7 +293,10 @@ class StepRecorder:
             m = self.events[self.last_mask_op]
             self.events[self.last_mask_op] = m._replace(saved=m.saved + nbytes)
         elif self.saved_by_caller():  # (no longer the last op's temporary: a replay's template never counted it)
-            self.pending_saved += nbytes
+            saving = self.current_module()
+            if self.pending is not None and self.pending[:2] != (self.last_op, saving):
+                self.flush_pending()
+            self.pending = (self.last_op, saving, nbytes + (self.pending[2] if self.pending else 0))
             self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
         else:
             self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
@@ -345,6 +370,7 @@ class StepRecorder:
         """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``held``: its ``Event.held`` as a
         replayed template recorded it."""
         call = self.calls[fqn] - 1
+        self.flush_pending()  # (saved by the call ending, and no op of it ran after)
         self.fwd_stack.pop()
         own = self.held(grads_nbytes)
         own = 0 if fqn == ROOT else own if held is None else held  # the root is never checkpointed
