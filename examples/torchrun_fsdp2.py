@@ -44,6 +44,15 @@ def loss_of(lm: LoadedModel) -> Callable[[Any], torch.Tensor]:
 
 def main(plan_code: str, model_name: str = "toy-llama") -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    train(plan_code, model_name)
+    # FSDP2's modules and DTensors hold the process group: every one of them gone (the training's locals with its
+    # frame, their reference cycles collected) before it is destroyed, or gloo may abort the exiting rank
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(plan_code: str, model_name: str) -> None:
+    """Three steps of the sharded model beside the unsharded reference; each rank prints what it holds."""
     rank, world = dist.get_rank(), dist.get_world_size()
     lm = load_model(model_name, meta=False, seed=0)
     model, reference = lm.model, copy.deepcopy(lm.model)
@@ -71,11 +80,6 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
     if rank == 0:
         print(f"fsdp modules: {sum(1 for m in model.modules() if type(m).__name__.startswith('FSDP'))}", flush=True)
         print(f"max_abs_diff {diff:.3g}", flush=True)
-    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
-    # rank when they outlive it)
-    del model, opt, lm
-    gc.collect()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
