@@ -119,7 +119,7 @@ class StepRecorder:
         """Leave the caller's saved bytes no op of it took on the last op before them."""
         if self.pending is not None:
             at, _, nbytes = self.pending
-            self.events[at] = self.events[at]._replace(saved=self.events[at].saved + nbytes)
+            self._charge(at, nbytes)
             self.pending = None
 
     def saved_by_caller(self) -> bool:
@@ -287,20 +287,22 @@ class StepRecorder:
         unsaved = self.unsaved(ref)
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
             return
-        e = self.events[self.last_op]
+        e = self.events[self.last_op]  # (no longer its temporary, whichever op the bytes are charged to)
+        self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
         if (mask or ref in self.mask_storages) and self.last_mask_op >= 0:
-            self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
-            m = self.events[self.last_mask_op]
-            self.events[self.last_mask_op] = m._replace(saved=m.saved + nbytes)
-        elif self.saved_by_caller():  # (no longer the last op's temporary: a replay's template never counted it)
+            self._charge(self.last_mask_op, nbytes)
+        elif self.saved_by_caller():
             saving = self.current_module()
             if self.pending is not None and self.pending[:2] != (self.last_op, saving):
                 self.flush_pending()
             self.pending = (self.last_op, saving, nbytes + (self.pending[2] if self.pending else 0))
-            self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
         else:
-            self.events[self.last_op] = e._replace(saved=e.saved + nbytes, live=max(0, e.live - unsaved))
+            self._charge(self.last_op, nbytes)
         self.watch_saved(storage, nbytes)
+
+    def _charge(self, i: int, nbytes: int) -> None:
+        """Saved bytes on the event at ``i``."""
+        self.events[i] = self.events[i]._replace(saved=self.events[i].saved + nbytes)
 
     def unsaved(self, ref: StorageWeakRef) -> int:
         """Bytes of a storage just saved that the last op counted as a temporary (``Event.live``)."""
