@@ -24,12 +24,23 @@ from fsdp_planner.trace import run_model
 
 
 def main(plan_code: str, model_name: str = "toy-llama") -> None:
+    accelerator = Accelerator()  # the FSDP2 plugin comes from the launch config
+    train(accelerator, plan_code, model_name)
+    # FSDP2's modules and DTensors hold the process group: every one gone (the training's locals with its frame,
+    # the accelerator's references, their reference cycles collected) before it is destroyed, or gloo may abort
+    # the exiting rank
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()  # destroys the process group
+
+
+def train(accelerator: Accelerator, plan_code: str, model_name: str) -> None:
+    """The hook's ``shard`` and ``prepare`` on the model and its optimizer, then three steps."""
     spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
     plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan)
     tp = getattr(plan, "TP_DEGREE", 1)
     loss_context = getattr(plan, "loss_context", contextlib.nullcontext)
-    accelerator = Accelerator()  # the FSDP2 plugin comes from the launch config
     lm = load_model(model_name, meta=False, seed=0)
     model = plan.shard(accelerator, lm.model)  # the plan's fully_shard calls, root last
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)  # on the sharded params
@@ -42,12 +53,6 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
         optimizer.zero_grad()
     kind = accelerator.distributed_type.value
     accelerator.print(f"trained 3 steps on {accelerator.num_processes} processes ({kind})")
-    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
-    # rank when they outlive it)
-    accelerator.free_memory()
-    del model, optimizer, lm
-    gc.collect()
-    accelerator.end_training()  # destroys the process group
 
 
 if __name__ == "__main__":

@@ -19,6 +19,16 @@ from fsdp_planner.trace import run_model
 
 
 def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> None:
+    train(plan_code, model_name, int(devices))
+    # FSDP2's modules and DTensors hold the process group: every one gone (the trainer and module with the
+    # training's frame, their reference cycles collected) before it is destroyed, or gloo may abort the exiting rank
+    gc.collect()
+    if torch.distributed.is_initialized():  # Lightning leaves it initialized
+        torch.distributed.destroy_process_group()
+
+
+def train(plan_code: str, model_name: str, devices: int) -> None:
+    """A LightningModule whose ``configure_model`` applies the export's plan, fitted three steps."""
     spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
     plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan)
@@ -45,16 +55,10 @@ def main(plan_code: str, model_name: str = "toy-llama", devices: int = 2) -> Non
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     data = torch.utils.data.DataLoader(torch.zeros(3, 1), batch_size=1)
-    trainer = L.Trainer(accelerator="cpu", devices=int(devices), strategy=plan.strategy(devices=int(devices)),
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=plan.strategy(devices=devices),
                         max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     module = Module()
     trainer.fit(module, data)
-    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
-    # rank when they outlive it)
-    del trainer, module
-    gc.collect()
-    if torch.distributed.is_initialized():  # Lightning leaves it initialized
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,15 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    train(args, device)
+    # FSDP2's modules, their DTensors and the mesh hold the process group: every one gone (the training's locals
+    # with its frame, their reference cycles collected) before it is destroyed, or gloo may abort the exiting rank
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, device: str) -> None:
+    """Plan on every rank (the same plan), shard the model as it says, and train a few steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -102,10 +111,6 @@ def main() -> None:
         dist.all_reduce(total)
         if rank == 0:
             print(f"step {step}: loss {total.item() / world:.4f}")
-    # FSDP2's modules hold the process group: drop them before destroying it
-    del model, opt
-    gc.collect()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

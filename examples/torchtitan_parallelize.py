@@ -21,6 +21,15 @@ from fsdp_planner.trace import run_model
 
 def main(plan_code: str, model_name: str = "toy-llama") -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    train(plan_code, model_name)
+    # FSDP2's modules, their DTensors and the mesh hold the process group: every one gone (the training's locals
+    # with its frame, their reference cycles collected) before it is destroyed, or gloo may abort the exiting rank
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(plan_code: str, model_name: str) -> None:
+    """The export's ``parallelize`` on the model, then three steps."""
     spec = importlib.util.spec_from_file_location("exported_plan", plan_code)
     plan = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan)
@@ -39,11 +48,6 @@ def main(plan_code: str, model_name: str = "toy-llama") -> None:
         opt.zero_grad()
     if dist.get_rank() == 0:
         print("trained 3 steps")
-    # FSDP2's modules hold the process group: drop them before destroying it (gloo may abort the exiting
-    # rank when they outlive it)
-    del model, opt, world_mesh
-    gc.collect()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

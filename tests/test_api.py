@@ -137,6 +137,21 @@ def test_the_example_plans_and_trains_on_two_gloo_ranks(tmp_path):
     assert "returned a view tensor" not in out.stderr  # FSDP2's warning for a wrapped module's view output
 
 
+
+@pytest.mark.integration
+def test_the_documented_train_script_trains_on_a_saved_plan(tmp_path):
+    """docs/your-model.md: ``plan ... --out plan.json`` then ``torchrun ... docs/examples/train.py plan.json``."""
+    factory = ROOT / "docs" / "examples" / "my_model.py"
+    assert cli.main(["plan", f"{factory}:build", "--policy", "auto", "--cluster", "h100:2",
+                     "--out", str(tmp_path / "plan.json")]) == 0
+    env = launch_env(tmp_path, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(ROOT / "docs" / "examples" / "train.py"), "plan.json"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    losses = [float(line.rsplit(" ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and torch.isfinite(torch.tensor(losses)).all()  # three steps on rank 0
+
 def test_the_examples_modules_return_no_views():
     """FSDP2 warns when a wrapped module returns a view (an in-place op on it skips the pre-backward hook): every
     module of the example's model, any of which a plan may wrap, returns a fresh tensor."""

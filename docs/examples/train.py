@@ -6,6 +6,7 @@ a few steps. gloo on CPU, NCCL when GPUs are there.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -21,6 +22,15 @@ from my_model import build
 def main(plan_path: str, steps: int = 3) -> None:
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
+    train(plan_path, steps, cuda)
+    # the sharded model holds the process group: gone (with train's frame, its cycles collected) before it is
+    # destroyed, or gloo may abort the exiting rank
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(plan_path: str, steps: int, cuda: bool) -> None:
+    """Build the model, shard it as the plan says, train ``steps`` steps."""
     rank = dist.get_rank()
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -37,7 +47,6 @@ def main(plan_path: str, steps: int = 3) -> None:
         optim.zero_grad()
         if rank == 0:
             print(f"step {step}: loss {loss.item():.4f}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
