@@ -679,6 +679,29 @@ def test_a_stopped_ranks_stacks_name_where_it_was_only_where_no_rank_failed_of_i
     assert first == "verify job failed: rank 2 raised ValueError: bad (at m.py:3 in f)"
 
 
+
+def test_a_stopped_rank_outside_a_collective_is_named_before_its_waiting_peers(tmp_path):
+    """Two ranks stopped by torchrun after a peer's collective timed out: rank 1 was waiting in a collective
+    (torch.distributed's frame innermost), rank 2 in the model's own code. Rank 2 is the one the others waited
+    for, and leads the first line though its number is higher."""
+    from fsdp_planner.runtime.failures import RankFailure, explain, read_failures, stack_file
+
+    result = tmp_path / "result.json"
+    stack = ('Current thread 0x00007f0000000001 (most recent call first):\n'
+             '  File "{inner}", line 12 in {fn}\n'
+             '  File "/site/fsdp_planner/runtime/rank.py", line 40 in run_rank\n')
+    stack_file(result, 1).write_text(stack.format(inner="/site/torch/distributed/distributed_c10d.py",
+                                                  fn="all_reduce"))
+    stack_file(result, 2).write_text(stack.format(inner="/home/me/model.py", fn="slow_loader"))
+    timed_out = RankFailure(0, "DistBackendError: timeout", ("distributed_c10d.py:1 in all_reduce",),
+                            backend=True, exitcode=1)
+    failures = [timed_out, *read_failures(result, tmp_path / "exits")]
+    assert [(f.rank, f.waiting) for f in failures] == [(0, False), (1, True), (2, False)]
+    lines = explain(failures).splitlines()
+    assert lines[0].startswith("verify job failed: rank 2 was still at model.py:12 in slow_loader; rank.py:40 in "
+                               "run_rank when rank 0 failed in a collective"), lines
+    assert "  rank 1 was still at distributed_c10d.py:12 in all_reduce; rank.py:40 in run_rank" in lines
+
 def test_a_job_that_left_no_cause_says_so_with_its_last_output():
     """No rank raised or died and no result (a native ``exit(0)``, torchrun failing before it started the ranks):
     one line with torchrun's status and the job's last words as a clue."""

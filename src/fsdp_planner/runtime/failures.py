@@ -41,6 +41,7 @@ class RankFailure:
     backend: bool = False  # raised by the communication backend: a peer went away or a collective timed out
     exitcode: int | None = None  # torchrun's record; negative: killed by that signal
     stopped_at: tuple[str, ...] = ()  # where torchrun's SIGTERM found it, innermost first (``rank.stacks_on_sigterm``)
+    waiting: bool = False  # stopped inside torch.distributed (a collective, FSDP's hooks): likely waiting on a peer
 
     @property
     def stopped_by_launcher(self) -> bool:
@@ -92,20 +93,23 @@ def stack_file(result_path: Path, rank: int) -> Path:
     return result_path.with_name(f"{result_path.name}.rank{rank}{STACK_SUFFIX}")
 
 
-def stopped_at(path: Path) -> tuple[str, ...]:
+def stopped_at(path: Path) -> tuple[tuple[str, ...], bool]:
     """The innermost frames of the rank's main thread (the one running ``run_rank``) in the stacks ``faulthandler``
-    wrote to ``path``; none when it wrote none (the rank was not stopped by SIGTERM)."""
+    wrote to ``path``, and whether the innermost is torch.distributed's (a collective's wait, FSDP's hooks: a peer
+    the rank waited for, more likely than the rank itself, is where the job stopped); none when it wrote none (the
+    rank was not stopped by SIGTERM)."""
     try:
         with path.open(errors="replace") as f:
             text = f.read(MAX_STACK_BYTES)
     except OSError:
-        return ()
+        return (), False
     threads = [[m.groups() for m in map(_FRAME.match, block.splitlines()) if m]
                for block in re.split(r"^(?:Current thread|Thread) 0x", text, flags=re.M)]
     main = next((t for t in threads if any(fn == "run_rank" for _, _, fn in t)), None) or \
         next((t for t in threads if t), [])
-    return tuple(f"{Path(file).name}:{line} in {fn}" for file, line, fn in main
-                 if not file.endswith(NOISE_FRAMES))[:MAX_FRAMES]
+    kept = [(file, line, fn) for file, line, fn in main if not file.endswith(NOISE_FRAMES)]
+    waiting = bool(kept) and "/torch/distributed/" in kept[0][0].replace("\\", "/")
+    return tuple(f"{Path(file).name}:{line} in {fn}" for file, line, fn in kept)[:MAX_FRAMES], waiting
 
 
 def write_failure(result_path: Path, rank: int, e: BaseException) -> None:
@@ -125,17 +129,17 @@ def read_failures(result_path: Path, exits_path: Path) -> list[RankFailure]:
     exits: dict[int, int] = {}
     if exits_path.is_file():
         exits = {int(r): int(code) for r, code in json.loads(exits_path.read_text()).items()}
-    stopped: dict[int, tuple[str, ...]] = {}  # torchrun's summary may leave out a rank it stopped
+    stopped: dict[int, tuple[tuple[str, ...], bool]] = {}  # torchrun's summary may leave out a rank it stopped
     for path in result_path.parent.glob(f"{result_path.name}.rank*{STACK_SUFFIX}"):
-        at = stopped_at(path)
+        at, waiting = stopped_at(path)
         if at:
-            stopped[int(path.name[len(result_path.name) + len(".rank"):-len(STACK_SUFFIX)])] = at
+            stopped[int(path.name[len(result_path.name) + len(".rank"):-len(STACK_SUFFIX)])] = at, waiting
     failures = []
     for rank in sorted(set(raised) | set(stopped) | {r for r, code in exits.items() if code != 0}):
         info = raised.get(rank, {})
         exitcode = exits.get(rank, -signal.SIGTERM if rank in stopped and rank not in raised else None)
         failures.append(RankFailure(rank, info.get("error"), tuple(info.get("frames", ())),
-                                    bool(info.get("backend")), exitcode, stopped.get(rank, ())))
+                                    bool(info.get("backend")), exitcode, *stopped.get(rank, ((), False))))
     return failures
 
 
@@ -147,8 +151,10 @@ def explain(failures: list[RankFailure], what: str = "verify job") -> str | None
     echoes = [f for f in failures if f not in causes and not f.stopped_by_launcher]
     stopped = [f for f in failures if f not in causes and f.stopped_by_launcher]
     # where the backend failed alone (a collective timed out), a rank still running is one its peers waited for:
-    # where it was leads the first line (the only one a command shows)
-    suspects = [f for f in stopped if f.stopped_at and not any(c.is_cause for c in causes)]
+    # where it was leads the first line (the only one a command shows), a rank stopped outside torch.distributed
+    # (in the model's code, a loader) before one stopped waiting in a collective
+    suspects = sorted((f for f in stopped if f.stopped_at and not any(c.is_cause for c in causes)),
+                      key=lambda f: (f.waiting, f.rank))
     first = f"rank {suspects[0].rank} was still at {'; '.join(suspects[0].stopped_at)} when " if suspects else ""
     lines = [f"{what} failed: {first}{'; '.join(_grouped(causes))}"]
     lines += [f"  then {f.describe()}" for f in echoes]
