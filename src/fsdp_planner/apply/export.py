@@ -36,7 +36,14 @@ from fsdp_planner.fsdp2.float8 import FLOAT8_DIM_MULTIPLE, Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.precision import Precision
 from fsdp_planner.fsdp2.selective import POLICIES
-from fsdp_planner.fsdp2.tensor_parallel import EXPERT_TENSOR_DIMS, MOE_TP_EXPERT_DIMS, TensorParallel, matches
+from fsdp_planner.fsdp2.tensor_parallel import (
+    EXPERT_TENSOR_DIMS,
+    MOE_TP_EXPERT_DIMS,
+    MOE_TP_EXPERT_IN_OUT_DIMS,
+    TensorParallel,
+    TPStyle,
+    matches,
+)
 from fsdp_planner.models import hf
 from fsdp_planner.models.hf_experts import NO_EP_TP
 from fsdp_planner.sim.options import PRECISIONS, with_reduce_dtype
@@ -602,15 +609,16 @@ def tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         if not hits:
             raise ValueError(f"TP_LAYOUT names {pattern!r}, which matches no module of this model")
         styles.update(dict.fromkeys(hits, style))
-    moe = ("moe_sequence", "replicate", "token_split", "expert_tensor", "moe_tp_experts", "mla_kv_a_proj")
+    moe = ("moe_sequence", "replicate", "token_split", "expert_tensor", *PACKED_DIMS, "mla_kv_a_proj")
     float8 = _float8_styled(modules, styles) if FLOAT8_TP else set()
     parallelize_module(model, tp_mesh, {n: _tp_style(s, modules[n], n in float8) for n, s in styles.items()
                                         if s not in moe})
     for name, style in styles.items():  # experts first: the MoE layer's distribute_module replicates the rest
         if style == "expert_tensor":  # each expert's hidden units sharded over tp, every routed token run
             distribute_module(modules[name], tp_mesh, _shard_hidden, _experts_input, _experts_output)
-        elif style == "moe_tp_experts":  # transformers' packed experts, run on their local shards
-            distribute_module(modules[name], tp_mesh, _shard_packed, _local_experts_input, _local_experts_output)
+        elif style in PACKED_DIMS:  # transformers' packed experts, run on their local shards
+            distribute_module(modules[name], tp_mesh, functools.partial(_shard_packed, PACKED_DIMS[style]),
+                              _local_experts_input, _local_experts_output)
     for name, style in styles.items():
         if style == "moe_sequence":  # the MoE layer: input all-gathered, partial output reduce-scattered
             # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)
@@ -709,18 +717,19 @@ def _experts_output(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.
     return out.to_local(grad_placements=[Replicate()])
 
 
-MOE_TP_EXPERT_DIMS = {packed_dims}  # moe_tp_experts: (dim, split factor) of each packed experts' param
+# the packed experts' styles: (dim, split factor) of each packed experts' param
+PACKED_DIMS = {packed_dims}
 
 
-def _shard_packed(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+def _shard_packed(dims: dict, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     """gate_up_proj's gate and up units each split over tp (a rank's local shard: its gate units, then its up
-    units), down_proj's on its last dim, as transformers' packed_colwise and rowwise place them."""
+    units), down_proj's on the same hidden units, as transformers' packed styles place them."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     for pname, p in list(module.named_parameters(recurse=False)):
-        if pname not in MOE_TP_EXPERT_DIMS:
-            raise ValueError(f"moe_tp_experts shards packed experts' {sorted(MOE_TP_EXPERT_DIMS)}, not {pname!r}")
-        dim, split = MOE_TP_EXPERT_DIMS[pname]
+        if pname not in dims:
+            raise ValueError(f"packed experts' styles shard {sorted(dims)}, not {pname!r}")
+        dim, split = dims[pname]
         placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [placement]),
                                                       requires_grad=p.requires_grad))
@@ -775,6 +784,7 @@ def loss_context() -> Any:
 
 TP_IMPORTS = """import contextlib
 import fnmatch
+import functools
 import inspect
 
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module, distribute_tensor
@@ -807,7 +817,8 @@ def with_tensor_parallel(header: str, constants: str, body: str, tp: TensorParal
     body = body.replace(TP_APPLY_LINE, TP_APPLY_LINE + TP_SPLIT)
     start, end = body.index("\n\ndef make_mesh("), body.index("\n\ndef _depth(")
     tail = TP_TAIL.replace("{expert_dims}", py_literal(EXPERT_TENSOR_DIMS)).replace(
-        "{packed_dims}", py_literal(MOE_TP_EXPERT_DIMS))
+        "{packed_dims}", py_literal({TPStyle.MOE_TP_EXPERTS.value: MOE_TP_EXPERT_DIMS,
+                                     TPStyle.MOE_TP_EXPERTS_IN_OUT.value: MOE_TP_EXPERT_IN_OUT_DIMS}))
     return header + TP_IMPORTS, constants + tp_constants(tp, float8), body[:start] + body[end:] + tail
 
 

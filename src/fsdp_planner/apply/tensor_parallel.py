@@ -6,6 +6,7 @@ then AC, then FSDP over the data-parallel dims). The loss of a loss-parallel pla
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from typing import Any
 
@@ -16,6 +17,7 @@ from fsdp_planner.apply.float8 import float8_module
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.tensor_parallel import (
+    PACKED_EXPERT_STYLES,
     TensorParallel,
     TPStyle,
     check_moe_styles,
@@ -80,7 +82,7 @@ def torch_style(style: TPStyle, loss_parallel: bool, module: nn.Module, float8: 
 # with ``distribute_module`` or a forward hook here, the experts' token split by EP's dispatch and combine
 # (apply/expert_parallel.py)
 OWN_STYLES = (TPStyle.MOE_SEQUENCE, TPStyle.REPLICATE, TPStyle.TOKEN_SPLIT, TPStyle.EXPERT_TENSOR,
-              TPStyle.MOE_TP_EXPERTS, TPStyle.MLA_KV_A_PROJ)
+              *PACKED_EXPERT_STYLES, TPStyle.MLA_KV_A_PROJ)
 
 
 def float8_styles() -> tuple[Any, Any, Any]:
@@ -177,14 +179,14 @@ def _experts_out(module: nn.Module, out: Any, mesh: Any) -> Any:
     return out.to_local(grad_placements=[Replicate()])
 
 
-def _shard_packed(name: str, module: nn.Module, mesh: Any) -> None:
-    """transformers' packed experts' params over TP (``MOE_TP_EXPERT_DIMS``): gate and up each split, so a rank's
-    local gate_up_proj is its gate units then its up units, as the forward's ``chunk(2)`` reads them."""
+def _shard_packed(style: TPStyle, name: str, module: nn.Module, mesh: Any) -> None:
+    """transformers' packed experts' params over TP (``moe_tp_expert_dim`` of ``style``): gate and up each split,
+    so a rank's local gate_up_proj is its gate units then its up units, as the forward's ``chunk(2)`` reads them."""
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
     for pname, p in list(module.named_parameters(recurse=False)):
-        dim, split = moe_tp_expert_dim(pname)
+        dim, split = moe_tp_expert_dim(pname, style)
         placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
         module.register_parameter(pname, nn.Parameter(distribute_tensor(p.data, mesh, [placement]),
                                                       requires_grad=p.requires_grad))
@@ -245,8 +247,9 @@ def apply_own_styles(model: nn.Module, tp: TensorParallel, tp_mesh: Any) -> None
     for name, style in styles.items():
         if style is TPStyle.EXPERT_TENSOR:
             distribute_module(modules[name], tp_mesh, _shard_hidden, _experts_in, _experts_out)
-        elif style is TPStyle.MOE_TP_EXPERTS:
-            distribute_module(modules[name], tp_mesh, _shard_packed, local.inputs, local.output)
+        elif style in PACKED_EXPERT_STYLES:
+            distribute_module(modules[name], tp_mesh, functools.partial(_shard_packed, style), local.inputs,
+                              local.output)
     for name, style in styles.items():
         if style is TPStyle.MOE_SEQUENCE:
             # (every param below it not yet a DTensor is replicated: the experts are distributed over ep before)

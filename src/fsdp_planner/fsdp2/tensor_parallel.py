@@ -75,6 +75,9 @@ class TPStyle(Enum):
     # ``packed_colwise`` gate_up_proj, ``rowwise`` down_proj: ``MOE_TP_EXPERT_DIMS``): each TP rank runs every routed
     # token through its 1/TP of each expert's intermediate units on local tensors; input and routing weights
     # replicated (their grads all-reduced in backward), output partial, all-reduced; without EP only
+    MOE_TP_EXPERTS_IN_OUT = "moe_tp_experts_in_out"  # the same on experts whose params are stored [experts, in,
+    # out] (Llama 4's Llama4TextExperts, ``x @ w``; transformers' ``packed_rowwise`` gate_up_proj and ``colwise``
+    # down_proj: ``MOE_TP_EXPERT_IN_OUT_DIMS``), which take the routed rows alone (no routing weights)
     MLA_KV_A_PROJ = "mla_kv_a_proj"  # transformers' MlaKvAProjParallel (DeepSeek-V2/V3's kv_a_proj_with_mqa): the
     # Linear whole on every TP rank (plain params, no collective in forward); its output's last ``mla_rope_dim``
     # features (the rope key, which every head reads without kv_b_proj's colwise all-reduce) get their grad
@@ -111,15 +114,33 @@ EXPERT_TENSOR_DIMS = {"w1": 2, "w2": 1, "w3": 2}
 # [E, dim, ffn]): the dim each shards and its split factor (gate and up packed on one dim: each rank takes its
 # share of both, torch's ``_StridedShard`` as transformers' ``packed_colwise`` places it)
 MOE_TP_EXPERT_DIMS = {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+# Llama 4's (``MOE_TP_EXPERTS_IN_OUT``: gate_up_proj [E, dim, 2 x ffn], down_proj [E, ffn, dim]), the same units
+MOE_TP_EXPERT_IN_OUT_DIMS = {"gate_up_proj": (2, 2), "down_proj": (1, 1)}
+PACKED_EXPERT_STYLES = (TPStyle.MOE_TP_EXPERTS, TPStyle.MOE_TP_EXPERTS_IN_OUT)
 
 
-def moe_tp_expert_dim(param_name: str) -> tuple[int, int]:
-    """(dim, split factor) ``MOE_TP_EXPERTS`` shards the experts' param ``param_name`` on; another is refused."""
-    if param_name not in MOE_TP_EXPERT_DIMS:
-        raise PlannerError(f"the tensor-parallel style moe_tp_experts shards transformers' packed experts' "
+def packed_style_of(gate_up: tuple[int, ...], down: tuple[int, ...]) -> TPStyle | None:
+    """The packed experts' style whose layout a gate_up_proj and down_proj of these shapes have (gate and up
+    packed on the hidden units' dim: twice down_proj's), None for neither. The two cannot both fit: that would take
+    down_proj's model dim to be twice itself."""
+    if len(gate_up) != 3 or len(down) != 3:
+        return None
+    if gate_up[1] == 2 * down[2] and gate_up[2] == down[1]:
+        return TPStyle.MOE_TP_EXPERTS
+    if gate_up[2] == 2 * down[1] and gate_up[1] == down[2]:
+        return TPStyle.MOE_TP_EXPERTS_IN_OUT
+    return None
+
+
+def moe_tp_expert_dim(param_name: str, style: TPStyle = TPStyle.MOE_TP_EXPERTS) -> tuple[int, int]:
+    """(dim, split factor) a packed experts' style (``PACKED_EXPERT_STYLES``) shards the experts' param
+    ``param_name`` on; another is refused."""
+    dims = MOE_TP_EXPERT_IN_OUT_DIMS if style is TPStyle.MOE_TP_EXPERTS_IN_OUT else MOE_TP_EXPERT_DIMS
+    if param_name not in dims:
+        raise PlannerError(f"the tensor-parallel style {style.value} shards transformers' packed experts' "
                            f"gate_up_proj and down_proj, and this expert module holds {shown_json(param_name)}: "
                            "leave its experts whole over TP or plan without TP")
-    return MOE_TP_EXPERT_DIMS[param_name]
+    return dims[param_name]
 
 
 def expert_tensor_dim(param_name: str) -> int:
@@ -215,8 +236,8 @@ def local_param(p: ParamInfo, style: TPStyle | None, degree: int) -> ParamInfo:
     """The param's TP-local shard: the dim its style shards, divided by the degree."""
     if style is TPStyle.EXPERT_TENSOR:
         dim = expert_tensor_dim(p.fqn.rpartition(".")[2])
-    elif style is TPStyle.MOE_TP_EXPERTS:
-        dim = moe_tp_expert_dim(p.fqn.rpartition(".")[2])[0]
+    elif style in PACKED_EXPERT_STYLES:
+        dim = moe_tp_expert_dim(p.fqn.rpartition(".")[2], style)[0]
     elif style in _DIM0_STYLES:
         dim = 0
     elif style in _DIM1_STYLES and len(p.shape) >= 2:
@@ -279,8 +300,8 @@ def check_moe_styles(tp: TensorParallel | None, module_names: Iterable[str], exp
             raise PlannerError(f"the tensor-parallel style token_split of {m} splits the experts' routed tokens for "
                                "expert parallelism's dispatch: give the plan expert parallelism too, or give the "
                                "experts the style expert_tensor")
-        if s is TPStyle.MOE_TP_EXPERTS and expert_parallel is True:
-            raise PlannerError(f"the tensor-parallel style moe_tp_experts of {m} shards the experts over TP without "
+        if s in PACKED_EXPERT_STYLES and expert_parallel is True:
+            raise PlannerError(f"the tensor-parallel style {s.value} of {m} shards the experts over TP without "
                                "expert parallelism; under EP transformers' plan runs them whole on each EP rank")
         if s is TPStyle.EXPERT_TENSOR and expert_parallel is True:
             raise PlannerError(f"the tensor-parallel style expert_tensor of {m} shards the experts over TP without "

@@ -15,6 +15,7 @@ from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_count
 from fsdp_planner.fsdp2.tensor_parallel import (
     MOE_TP_EXPERT_DIMS,
+    PACKED_EXPERT_STYLES,
     TRANSFORMERS_STYLES,
     WEIGHT_STYLES,
     TensorParallel,
@@ -23,13 +24,14 @@ from fsdp_planner.fsdp2.tensor_parallel import (
     expert_tensor_dim,
     matches,
     moe_tp_expert_dim,
+    packed_style_of,
 )
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.models import ModelSpec, hf, llama, moe
 from fsdp_planner.trace.events import ATTENTION_KERNELS, EventKind
 from fsdp_planner.trace.infos import ModuleInfo
 from fsdp_planner.trace.records import Trace
-from fsdp_planner.trace.tree import ROOT, parent_of, proper_ancestors
+from fsdp_planner.trace.tree import ROOT, is_within, parent_of, proper_ancestors
 
 TP_DEGREES = (1, 2, 4, 8)  # what auto tries, where they divide the node and the model
 PAIRS = "column-then-row Linear pairs"  # the source of a detected layout
@@ -152,7 +154,7 @@ def tp_layout(trace: Trace, degree: int, model: ModelSpec | None = None, loss_pa
         found = _titan_layout(trace, degree, loss_parallel is not False)
     else:
         found = _pairs_layout(trace, degree, left_whole)
-    found = _without_split_ties(trace, found)
+    found = _without_split_ties(trace, _without_modified_outputs(trace, found))
     if loss_parallel and not found.tp.loss_parallel:
         found = _note(found, "loss parallel is left off: this layout does not shard the output head on the vocab")
     return replace(found, tp=replace(found.tp, degree=degree, async_tp=async_tp))
@@ -229,13 +231,13 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
             continue
         if style in TRANSFORMERS_STYLES:
             layout[pattern] = TRANSFORMERS_STYLES[style]
-        elif style == "moe_tp_experts" and _packed_experts(trace, plan.styles, pattern):
-            layout[pattern] = TPStyle.MOE_TP_EXPERTS
+        elif style == "moe_tp_experts" and (packed := _packed_experts(trace, plan.styles, pattern)):
+            layout[pattern] = packed
         elif style == "mla_kv_a_proj" and plan.rope_dim:
             layout[pattern] = TPStyle.MLA_KV_A_PROJ
         else:
             left[pattern] = style
-    if not any(s in (TPStyle.ROWWISE, TPStyle.ROWWISE_SPLIT, TPStyle.MOE_TP_EXPERTS) for s in layout.values()):
+    if not any(s in (TPStyle.ROWWISE, TPStyle.ROWWISE_SPLIT, *PACKED_EXPERT_STYLES) for s in layout.values()):
         # (a plan of the blocks, not the output head's alone)
         raise PlannerError(_no_plan_reason(plan, names, model.name, left))
     _refuse_own_params_on_heads(trace, plan, layout, model.name)
@@ -279,15 +281,23 @@ def _hf_colwise(trace: Trace, plan: hf.HfParallelPlan) -> frozenset[str]:
     return frozenset(n for n in trace.modules if any(matches(p, n) for p in patterns))
 
 
-def _packed_experts(trace: Trace, styles: dict[str, str], pattern: str) -> bool:
-    """Whether the experts ``pattern`` names are transformers' packed experts as ``MOE_TP_EXPERTS`` shards them:
-    its plan's ``packed_colwise`` gate_up_proj and ``rowwise`` down_proj, and no other param of their own (a
-    bias, gpt-oss's, is left whole with its module)."""
-    if styles.get(f"{pattern}.gate_up_proj") != "packed_colwise" or styles.get(f"{pattern}.down_proj") != "rowwise":
-        return False
-    owned = {fqn.rpartition(".")[2] for fqn in trace.index.param_index
-             if matches(pattern, fqn.rpartition(".")[0])}
-    return owned == set(MOE_TP_EXPERT_DIMS)
+def _packed_experts(trace: Trace, styles: dict[str, str], pattern: str) -> TPStyle | None:
+    """The packed experts' style (``PACKED_EXPERT_STYLES``) of the experts ``pattern`` names, if transformers' plan
+    shards them as it does: gate_up_proj and down_proj their only params (a bias, gpt-oss's, is left whole with its
+    module), their hidden units sharded (``packed_colwise`` and ``rowwise`` on Mixtral's [E, out, in] layout,
+    ``packed_rowwise`` and ``colwise`` on Llama 4's [E, in, out]), each module's shapes of that layout."""
+    params: dict[str, dict[str, tuple[int, ...]]] = {}
+    for fqn in trace.index.param_index:
+        owner, _, name = fqn.rpartition(".")
+        if matches(pattern, owner):
+            params.setdefault(owner, {})[name] = tuple(trace.param(fqn).shape)
+    asked = {("packed_colwise", "rowwise"): TPStyle.MOE_TP_EXPERTS,
+             ("packed_rowwise", "colwise"): TPStyle.MOE_TP_EXPERTS_IN_OUT}.get(
+        (styles.get(f"{pattern}.gate_up_proj"), styles.get(f"{pattern}.down_proj")))
+    if asked is None or not params or any(set(owned) != set(MOE_TP_EXPERT_DIMS) for owned in params.values()):
+        return None
+    fits = all(packed_style_of(owned["gate_up_proj"], owned["down_proj"]) is asked for owned in params.values())
+    return asked if fits else None
 
 
 def _refuse_own_params_on_heads(trace: Trace, plan: hf.HfParallelPlan, layout: dict[str, TPStyle],
@@ -398,7 +408,7 @@ def sharded_share(trace: Trace, tp: TensorParallel) -> float:
     """The share of the model's params a TP layout shards (those of the modules it gives a Linear's or an
     embedding's style); the rest is whole on every TP rank."""
     styled = {m for m, style in tp.styles(trace.modules).items()
-              if style in (*WEIGHT_STYLES, TPStyle.EXPERT_TENSOR, TPStyle.MOE_TP_EXPERTS)}
+              if style in (*WEIGHT_STYLES, TPStyle.EXPERT_TENSOR, *PACKED_EXPERT_STYLES)}
     return sum(q.numel for q in trace.params if any(o in styled for o in q.owners)) / max(1, trace.numel)
 
 
@@ -499,6 +509,52 @@ def _pair(trace: Trace, parent: str, linears: list[ModuleInfo]) -> _Pair | None:
     return _Pair(parent, cols, row, gathered=not any(shapes[c][0] == shapes[row][1] for c in cols))
 
 
+def _modified_region(trace: Trace, module: str) -> str:
+    """The outermost module returning ``module``'s output as its own (each of them ``output_modified``)."""
+    while module != ROOT and parent_of(module) != ROOT and trace.modules[parent_of(module)].output_modified:
+        module = parent_of(module)
+    return module
+
+
+def _without_modified_outputs(trace: Trace, found: Layout) -> Layout:
+    """Leave whole over TP each region whose output the model modifies in place after it returns (Llama 4's MoE
+    adds the routed experts' sum into its shared expert's output): the output of a TP style is a DTensor's local
+    tensor, a view autograd refuses to modify in place (transformers' own TP of Llama 4 raises there). Whole, the
+    region runs on the replicated input every TP rank has and trains as without TP; a layout that shards the
+    sequence between the blocks would hand it a shard, and is refused."""
+    styles = found.tp.styles(trace.modules)
+    regions = sorted({_modified_region(trace, m) for m in styles if trace.modules[m].output_modified})
+    if not regions:
+        return found
+    cleared = {m for m in styles if any(is_within(m, r) for r in regions)}
+    where = _patterns(regions)
+    if found.tp.sequence_parallel:
+        raise PlannerError(f"the model modifies the output of {where} in place after it returns, which no "
+                           "tensor-parallel style's output can take (autograd refuses it on a DTensor's local "
+                           f"tensor), and {found.source} shards the sequence around it: plan it without --tp")
+    layout: dict[str, TPStyle] = {}
+    for pattern, style in found.tp.layout.items():
+        hits = [m for m in styles if matches(pattern, m)]
+        kept = [m for m in hits if m not in cleared]
+        if len(kept) == len(hits):
+            layout[pattern] = style
+        else:  # (only some of its modules left whole: the others by name)
+            layout.update(dict.fromkeys(kept, style))
+    note = (f"{where} left whole over TP: the model modifies its output in place after it returns, which no TP "
+            "style's output can take (a DTensor's local tensor is a view autograd refuses to modify in place; "
+            "transformers' own TP raises there)")
+    # (loss parallel runs with a sequence-parallel layout's head only: none here)
+    tp = replace(found.tp, layout=layout,
+                 mla_rope_dim=found.tp.mla_rope_dim if TPStyle.MLA_KV_A_PROJ in layout.values() else 0)
+    return replace(found, tp=tp, notes=(*found.notes, note))
+
+
+def _patterns(modules: list[str]) -> str:
+    """``modules`` named as patterns, each block index a ``*`` (``model.layers.*.feed_forward.shared_expert``)."""
+    named = dict.fromkeys(".".join("*" if part.isdigit() else part for part in m.split(".")) for m in modules)
+    return " and ".join(named)
+
+
 def _without_split_ties(trace: Trace, found: Layout) -> Layout:
     """A param shared by several modules (tied embeddings) is sharded one way or left whole: when the layout would
     give its owners different styles, all of them stay whole over TP (said in a note)."""
@@ -571,6 +627,11 @@ def check_layout(trace: Trace, layout: Layout, cluster: Cluster | None = None, s
                                "(the head dim its attention runs at): choose a degree that divides them")
     for module, style in tp.styles(trace.modules).items():
         _check_module(trace, module, style, d, asked)
+        if trace.modules[module].output_modified:
+            raise PlannerError(f"the tensor-parallel style {style.value} of {module}: the model modifies its output "
+                               "in place after it returns, which autograd refuses on the local tensor of the DTensor "
+                               f"a TP style returns: leave {_modified_region(trace, module)} whole (no style on it "
+                               "or the Linears in it)")
     _check_ties(trace, tp)
     _check_embeddings(trace, tp)
     _check_rowwise_inputs(trace, tp)
@@ -694,13 +755,33 @@ _SHARDED_DIM = {TPStyle.COLWISE: 0, TPStyle.SEQUENCE_COLWISE: 0, TPStyle.EMBEDDI
                 TPStyle.COLWISE_GATHER: 0, TPStyle.ROWWISE_SPLIT: 1}
 
 
+def _check_packed_layout(trace: Trace, module: str, style: TPStyle) -> None:
+    """A packed experts' style on experts of its layout (``packed_style_of``): on the other, it would shard their
+    model dim, not their hidden units (a shape error on the ranks)."""
+    shapes = {fqn.rpartition(".")[2]: tuple(trace.param(fqn).shape) for fqn in trace.modules[module].params}
+    for name in shapes:
+        moe_tp_expert_dim(name, style)  # (a param of another name: refused, named)
+    fits = packed_style_of(shapes.get("gate_up_proj", ()), shapes.get("down_proj", ()))
+    if fits is not style:
+        layout = {TPStyle.MOE_TP_EXPERTS: "[experts, out, in] (Mixtral's)",
+                  TPStyle.MOE_TP_EXPERTS_IN_OUT: "[experts, in, out] (Llama 4's)"}
+        theirs = f"; its experts' are {layout[fits]}: give it the style {fits.value}" if fits else \
+            " (gate_up_proj packing gate and up on the dim down_proj reads)"
+        raise PlannerError(f"the tensor-parallel style {style.value} of {module} shards packed experts stored "
+                           f"{layout[style]}, and {module} holds gate_up_proj {list(shapes.get('gate_up_proj', ()))}"
+                           f" and down_proj {list(shapes.get('down_proj', ()))}{theirs}")
+
+
 def _check_module(trace: Trace, module: str, style: TPStyle, degree: int, asked: str) -> None:
     """``asked``: the degree as the user gave it (``Layout.asked``)."""
-    if style in (TPStyle.EXPERT_TENSOR, TPStyle.MOE_TP_EXPERTS):
+    if style in (TPStyle.EXPERT_TENSOR, *PACKED_EXPERT_STYLES):
+        if style in PACKED_EXPERT_STYLES:
+            _check_packed_layout(trace, module, style)
         for fqn in trace.modules[module].params:
             shape = trace.param(fqn).shape
             name = fqn.rpartition(".")[2]
-            dim, split = (expert_tensor_dim(name), 1) if style is TPStyle.EXPERT_TENSOR else moe_tp_expert_dim(name)
+            dim, split = (expert_tensor_dim(name), 1) if style is TPStyle.EXPERT_TENSOR \
+                else moe_tp_expert_dim(name, style)
             if len(shape) <= dim or shape[dim] % (degree * split):  # (packed: each of gate and up split)
                 raise PlannerError(f"{asked} must divide the {shape[dim] if len(shape) > dim else 0:,} hidden "
                                    f"units of each expert of {module} ({style.value}): choose a degree that divides "

@@ -71,6 +71,7 @@ from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.fsdp2.float8 import Float8
 from fsdp_planner.fsdp2.plan import Plan
 from fsdp_planner.fsdp2.tensor_parallel import (
+    PACKED_EXPERT_STYLES,
     TensorParallel,
     TPStyle,
     check_moe_styles,
@@ -193,7 +194,7 @@ class _Layout:
         check_moe_styles(tp, trace.modules, None)
         self.roots |= {m for m, s in self.styles.items() if s is TPStyle.EXPERT_TENSOR}
         # transformers' packed experts: their ops run whole or on 1/TP op by op (``_packed_shares``)
-        self.packed = {m for m, s in self.styles.items() if s is TPStyle.MOE_TP_EXPERTS}
+        self.packed = {m for m, s in self.styles.items() if s in PACKED_EXPERT_STYLES}
         # MLA's kv_a_proj: whole on every rank, its output's rope features' share (their grad all-reduced)
         check_style_classes(tp, trace.modules)
         self.rope_share = {m: _rope_share(trace, m, tp.mla_rope_dim) for m, s in self.styles.items()
@@ -365,8 +366,9 @@ def _call_bytes(trace: Trace, lay: _Layout) -> dict[tuple[str, int], tuple[int, 
         elif e.kind is EventKind.FWD_POST and stack and stack[-1][0] == e.module:
             m, call, inputs, start = stack.pop()
             ops = [x for x in events[start:i] if x.is_op]
-            first = _routing_weights(trace, ops, inputs) if lay.styles[m] is TPStyle.MOE_TP_EXPERTS \
-                else _linear_input(trace, ops) or inputs
+            style = lay.styles[m]
+            first = _routing_weights(trace, ops, inputs) if style is TPStyle.MOE_TP_EXPERTS \
+                else 0 if style is TPStyle.MOE_TP_EXPERTS_IN_OUT else _linear_input(trace, ops) or inputs
             out[(m, call)] = (first, ops[-1].out_nbytes if ops else 0)
     return out
 
@@ -416,7 +418,7 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
     f8 = FLOAT8_SHARE if m in lay.float8 else 1  # cast to float8 before its all-gather
     if kind is EventKind.FWD_PRE and style in (*_GATHERED, TPStyle.MOE_SEQUENCE):
         return [], [_tp_op(KERNEL_TP_ALL_GATHER, m, inputs // f8, False)]
-    if style is TPStyle.MOE_TP_EXPERTS:
+    if style in PACKED_EXPERT_STYLES:
         return _packed_collectives(e, inputs, output), []
     if style is TPStyle.MLA_KV_A_PROJ:
         return _rope_collectives(e, output, lay.rope_share[m])
@@ -446,14 +448,14 @@ def _collectives(e: Event, lay: _Layout, sizes: dict, trace: Trace) -> tuple[lis
     return [], []
 
 
-def _packed_collectives(e: Event, inputs: int, output: int) -> list[Event]:
-    """``_collectives`` of transformers' packed experts (``MOE_TP_EXPERTS``), before boundary ``e``: the partial
-    output all-reduced; backward, the hidden states' and the routing weights' partial grads."""
+def _packed_collectives(e: Event, weights: int, output: int) -> list[Event]:
+    """``_collectives`` of transformers' packed experts (``PACKED_EXPERT_STYLES``), before boundary ``e``: the
+    partial output all-reduced; backward, the hidden states' (the output's size) and the routing weights' partial
+    grads (``weights`` bytes: none for Llama 4's experts, which take the routed rows alone)."""
     if e.kind is EventKind.FWD_POST:
         return [_tp_op(KERNEL_TP_ALL_REDUCE, e.module, output, False)]
     if e.kind is EventKind.BWD_POST:
-        return [_tp_op(KERNEL_TP_ALL_REDUCE, e.module, output, True), _tp_op(KERNEL_TP_ALL_REDUCE, e.module, inputs,
-                                                                             True)]
+        return [_tp_op(KERNEL_TP_ALL_REDUCE, e.module, n, True) for n in (output, weights) if n]
     return []
 
 

@@ -125,6 +125,8 @@ class ModuleHooks:
                  for t in collect_grad_tensors(output)} if torch.is_grad_enabled() else {}
         leaves = flat_leaves((output,))
         recorder.made(leaves)  # a replayed call's outputs: no op the recorder saw made them
+        if not recorder.backward:  # (modified in place after: no TP style can return it, ``StepRecorder.written``)
+            self.slot.returned(fqn, (t for t in leaves if isinstance(t, torch.Tensor)))
         if not recorder.backward:  # and temporaries from now on, as a traced call's are (``Temporaries``)
             recorder.temporary(t for t in leaves if isinstance(t, torch.Tensor))
         call = recorder.exit_forward(fqn, sum(grads.values()))  # its outputs' gradients (``Event.held``)

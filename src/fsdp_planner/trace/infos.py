@@ -65,6 +65,9 @@ class ModuleInfo:
     # plain nn.Linear: a subclass's own forward would be dropped by the swap)
     running_stats: bool = False  # a norm that updates running statistics in its training forward (BatchNorm):
     # a checkpointed call's recomputation updates them again
+    output_modified: bool = False  # an op after a forward call returned modified its output in place (Llama 4's
+    # MoE adds the routed experts' sum into its shared expert's output): no TP style can make that output, whose
+    # local tensor autograd refuses to modify in place
     records_outputs: bool = False  # a transformers model whose class lists outputs to record
     # (``_can_record_outputs``: hidden states, attentions), which transformers looks up by str(module.__class__)
 

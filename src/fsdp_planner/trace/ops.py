@@ -257,6 +257,8 @@ class OpRecorder(TorchDispatchMode):
             recorder.made_grads(made)
         else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
             recorder.made(flat_out)
+            if func._schema.is_mutable:
+                self.slot.written(written_tensors(func, args, kwargs))
             cls = forward_class(func, args, self.router)
             if cls is OpClass.ATTENTION_MASK:
                 recorder.mask_made(flat_out)
@@ -289,6 +291,16 @@ class OpRecorder(TorchDispatchMode):
         self.sync()
         self.seconds[len(self.slot.recorder.events)] = time.perf_counter() - start
         return out
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a mutable op writes (its schema's arguments marked ``(a!)``: an in-place op's self, an out=)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+            out += [t for t in (value if isinstance(value, (list, tuple)) else (value,)) if isinstance(t, torch.Tensor)]
+    return out
 
 
 def _gradient_bytes(recorder: StepRecorder, flat_in: list, flat_out: list, inside: bool, sums: bool

@@ -184,6 +184,12 @@ class ActionLog(StepRecorder):
     def modified_input(self, fqn: str) -> None:
         self._log(("modified_input", self.relative(fqn)))
 
+    def modified_output(self, fqns: tuple[str, ...]) -> None:
+        # (a module outside the call's subtree: the caller's own, which the step's recorder sees)
+        inside = tuple(f[len(self.prefix):] for f in fqns if f.startswith(self.prefix))
+        if inside:
+            self._log(("modified_output", inside))
+
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
         self._log(("own_region", begin, reentrant))  # a replay tells the step's recorder where it lies among the calls
 
@@ -659,6 +665,9 @@ class BlockReuse:
         result = _StandIn.apply(replay, self._anchor(), *tensors)
         if template.on_output:
             self._hook_output(main, template.on_output, prefix, params, result)
+            # the inner calls that returned the call's own output (``on_output``'s pre-backwards) returned it here
+            for action in template.on_output:
+                self.slot.returned(prefix + action[1], (t for t in result if t.requires_grad))
         assert template.out_spec is not None
         if template.out_spec.is_leaf():  # one tensor: the common case
             return result[0]
@@ -742,6 +751,8 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.own_region(action[1], action[2])
         elif kind == "modified_input":
             main.modified_input(prefix + action[1])
+        elif kind == "modified_output":
+            main.modified_output(tuple(prefix + f for f in action[1]))
         else:  # save
             source, nbytes, mask = action[1], action[2], action[3]
             ref = sources.get(source) or _Fresh()

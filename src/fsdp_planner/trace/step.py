@@ -58,6 +58,8 @@ class StepRecorder:
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
+        # modules whose call's output an op after it returned modified in place (``Slot.returned_by``)
+        self.modified_outputs: set[str] = set()
         # set on the step's recorder: told of every forward op reading params (methods.MethodFinder.check)
         self.check_methods: Callable[[tuple[int, ...], Sequence[str]], None] | None = None
         self.method_calls: dict[Call, str] = {}  # module calls that were a wrapped non-forward method (methods.py)
@@ -368,6 +370,11 @@ class StepRecorder:
         """A call of ``fqn`` (now ending) modified one of its grad-requiring inputs in place."""
         self.modified_inputs.add(fqn)
 
+    def modified_output(self, fqns: tuple[str, ...]) -> None:
+        """The output of these modules' calls (one tensor, that each returned) was modified in place after: no TP
+        style can return it (a DTensor's local tensor is a view autograd refuses to modify in place)."""
+        self.modified_outputs.update(fqns)
+
     def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
         """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``held``: its ``Event.held`` as a
         replayed template recorded it."""
@@ -630,6 +637,9 @@ class NullRecorder(StepRecorder):
     def modified_input(self, fqn: str) -> None:
         pass
 
+    def modified_output(self, fqns: tuple[str, ...]) -> None:
+        pass
+
     def call_inputs(self, fqn: str, tensors: list[torch.Tensor], holder: bool) -> tuple[int, int]:
         return 0, 0
 
@@ -647,3 +657,24 @@ class Slot:
     def __init__(self, recorder: StepRecorder) -> None:
         self.recorder = recorder
         self.produced: set[StorageWeakRef] | None = None  # when set: storages of every op's outputs are added
+        # the storages forward calls returned -> the modules that returned them (a call returning its child's output
+        # as-is too; a replayed call's inner ones from its template), whichever recorder saw the call
+        self.returned_by: dict[StorageWeakRef, tuple[str, ...]] = {}
+
+    def returned(self, fqn: str, tensors: Iterable[torch.Tensor]) -> None:
+        """A forward call of ``fqn`` returned ``tensors``. (The weak reference kept keeps the storage's address
+        from being reused while it is held: a later tensor is never taken for one freed.)"""
+        for t in tensors:
+            ref = StorageWeakRef(t.untyped_storage())
+            known = self.returned_by.get(ref, ())
+            if fqn not in known:
+                self.returned_by[ref] = (*known, fqn)
+
+    def written(self, tensors: Iterable[torch.Tensor]) -> None:
+        """A forward op modified ``tensors`` in place: the calls that had returned one of them, and are not running
+        again (a call writing its own earlier output), are told to the recorder (``modified_output``)."""
+        running = set(self.recorder.fwd_stack)
+        for t in tensors:
+            fqns = tuple(f for f in self.returned_by.get(StorageWeakRef(t.untyped_storage()), ()) if f not in running)
+            if fqns:
+                self.recorder.modified_output(fqns)
