@@ -572,3 +572,22 @@ def test_the_lines_an_error_leaves_out_are_shown_under_debug(monkeypatch, capsys
     monkeypatch.setenv("FSDP_PLANNER_DEBUG", "1")
     assert cli.main(["plan"]) == 2
     assert capsys.readouterr().err.splitlines()[1:] == ["  then rank 1 failed in a collective: Y"]
+
+
+def test_check_without_a_cluster_meets_the_ranks_the_plan_was_made_for(tmp_path: Path) -> None:
+    """A plan made for 8 ranks whose group 0 is given reshard_after_forward=3: check without --cluster reports the
+    error on those 8 ranks (it said "FSDP2 accepts this plan": a new user's trial)."""
+    from conftest import run_main
+
+    made = tmp_path / "p.json"
+    assert run_main("plan", "toy-llama", "--policy", "titan", "--cluster", "h100:8", "--out", str(made)).returncode == 0
+    data = json.loads(made.read_text())
+    assert data["workload"]["ranks"] == 8
+    data["groups"][0]["reshard_after_forward"] = 3
+    edited = tmp_path / "raf3.json"
+    edited.write_text(json.dumps(data))
+    done = run_main("check", "toy-llama", "--plan", str(edited), "--json")
+    assert done.returncode == 1
+    found = json.loads(done.stdout)
+    (error,) = [f for f in found if f["severity"] == "error"]
+    assert error["code"] == "reshard-after-forward" and "divide the world size of 8 ranks" in error["message"]

@@ -364,3 +364,28 @@ def test_a_detected_inline_mlp_pair_trains_with_parity() -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert result["ok"] and result["params_match"] and result["max_abs_diff"] <= 1e-5
+
+
+def test_export_refuses_a_layout_check_refuses(tmp_path: Path) -> None:
+    """A plan file's TP layout that ``check`` refuses (a norm given colwise, wq rowwise after a sequence-sharding
+    embedding) is refused by ``export`` too, in the same words, before any code is written: the exported code
+    raised on the ranks instead (a new user's trial). The plan as made exports."""
+    import json
+
+    made = tmp_path / "tp.json"
+    assert run_main("plan", "toy-llama", "--tp", "2", "--policy", "titan", "--cluster", "h100:8", "--out",
+                    str(made)).returncode == 0
+    for pattern, style, said in (("norm", "colwise", "is torch's ColwiseParallel, which shards an nn.Linear or "
+                                                      "nn.Embedding only, and norm is a RMSNorm"),
+                                 ("layers.*.attention.wq", "rowwise", "takes its input sharded on the features")):
+        data = json.loads(made.read_text())
+        data["tensor_parallel"]["layout"][pattern] = style
+        edited = tmp_path / f"{style}.json"
+        edited.write_text(json.dumps(data))
+        code = tmp_path / f"{style}.py"
+        checked, exported = run_main("check", "toy-llama", "--plan", str(edited)), \
+            run_main("export", str(edited), "--format", "python", "--out", str(code))
+        assert checked.returncode == exported.returncode == 2, exported.stderr
+        assert said in exported.stderr and said in checked.stderr, exported.stderr
+        assert not code.exists()
+    assert run_main("export", str(made), "--format", "python", "--out", str(tmp_path / "ok.py")).returncode == 0

@@ -52,11 +52,10 @@ def run(args: argparse.Namespace) -> int:
     options, cluster = sim_options(args), cluster_or_none(args)
     tr, findings = _model(args, options)
     fsdp1 = args.target == Target.FSDP1.value
-    world = cluster.world_size if cluster is not None else None
     plan, label, refused = _plan(args, tr, cluster, options)
     findings += refused
     if plan is not None:
-        findings += plan_findings(tr, plan, world, fsdp1=fsdp1)
+        findings += plan_findings(tr, plan, _world(cluster, plan), fsdp1=fsdp1)
     if plan is not None and cluster is not None and not has_errors(findings):
         with render.progress(f"check: simulating the plan's alternatives on {cluster.name}"):
             findings += answers(tr, plan, cluster, options, memory_budget(args, cluster))
@@ -65,6 +64,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         _show(args.model, label if plan is not None or refused else None, findings)  # refused: checked, cannot run
     return 1 if has_errors(findings) else 0
+
+
+def _world(cluster: Cluster | None, plan: Plan) -> int | None:
+    """The ranks the plan is checked on: the cluster's, else the ones its file says it was made for (a reshard
+    size FSDP2 refuses on them is an error without --cluster too)."""
+    if cluster is not None:
+        return cluster.world_size
+    return plan.workload.ranks if plan.workload is not None and plan.workload.ranks else None
 
 
 def _model(args: argparse.Namespace, options: SimOptions) -> tuple[Trace, list[Finding]]:

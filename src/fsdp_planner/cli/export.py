@@ -15,8 +15,9 @@ from fsdp_planner.choices import DEFAULT_PRECISION
 from fsdp_planner.cli.paths import export_files
 from fsdp_planner.fmt import json_text
 from fsdp_planner.fsdp2.plan import Plan
-from fsdp_planner.models import as_spec
-from fsdp_planner.service.plan_files import checked_modules
+from fsdp_planner.models import ModelSpec, as_spec, hf
+from fsdp_planner.service.plan_files import check_plan_tp, checked_modules
+from fsdp_planner.service.tracing import trace_spec
 from fsdp_planner.sim.options import precision_named
 from fsdp_planner.userfiles import write_atomic
 
@@ -28,6 +29,8 @@ def run(args: argparse.Namespace) -> int:
         render.note(f"the plan's model {plan.model or '(none named)'} is not built here (a plan file's Python "
                     "factory is not run): the code checks the module names it needs when it runs")
     check_model_runs_ep(as_spec(plan.model), plan, modules)  # transformers' experts its EP does not run: refused
+    if modules is not None:
+        check_tp_runs(plan)
     precision = _precision(args.precision, plan)
     fmt = ExportFormat(args.format)
     if fmt is ExportFormat.TORCHTITAN:  # its job file runs one setting for every block
@@ -53,6 +56,19 @@ def run(args: argparse.Namespace) -> int:
     elif args.out is None:
         print(source, end="")
     return 0
+
+
+def check_tp_runs(plan: Plan) -> None:
+    """A plan's tensor parallelism meets ``check``'s TP checks on the model it names (built and traced here, on
+    meta, at the plan's workload): a style torch cannot apply to its module, a layout whose Linears do not pair, a
+    pattern naming no module fail here, not on the ranks of the exported code."""
+    if plan.tensor_parallel is None or plan.tensor_parallel.degree == 1:
+        return
+    w = plan.workload
+    spec = ModelSpec(plan.model, batch_size=w.batch if w else None, seq_len=w.seq if w and w.seq else None,
+                     attention=plan.attention or None,
+                     hf_config=tuple(plan.hf_config.items()) if hf.is_hf(plan.model) else ())
+    check_plan_tp(plan, trace_spec(spec), spec, render.note)
 
 
 def _precision(asked: str | None, plan: Plan) -> str:
