@@ -213,3 +213,13 @@ def test_verify_measure_says_when_the_job_trains_in_another_precision(capsys, mo
                                 *args)
         assert code == 2 and err.rstrip().endswith("error: stop here"), err
         assert ("the job trains in bf16-mixed: add --precision fp32" in err) is noted, err
+
+
+def test_the_fp32_group_named_is_one_that_holds_the_params(capsys):
+    """A failure inside a parametrization (spectral_norm's power iteration) names the module it parametrizes for
+    --fp32-modules, not the parametrization's own module, which holds no params (a new user's trial); with that
+    name the model plans."""
+    code, _, err = run_main(capsys, "plan", f"{MODELS}:spectral_head", "--policy", "order")
+    assert code == 2 and "in module 'head.parametrizations.weight.0'" in err, err
+    assert "(--fp32-modules head)" in err, err
+    assert run_main(capsys, "plan", f"{MODELS}:spectral_head", "--policy", "order", "--fp32-modules", "head")[0] == 0

@@ -42,10 +42,25 @@ class PrecisionError(PlannerError):
         where = f"{self.failed.describe()} raised " if self.failed is not None else ""
         self.problem = (f"the step fails in {dtype}, the compute dtype of precision '{precision.name}': "
                         f"{where}{type(cause).__name__}: {first_line(cause)}")
+        name = holding_params(own_dtypes, self.module) if self.module not in (ROOT, LOSS) else None
         self.fix = ("cast in forward, so the op's operands share a dtype (build tensors with dtype=x.dtype, or "
                     "t.to(x.dtype); FSDP2 casts params, not buffers such as BatchNorm's running stats), keep the "
-                    "module in an fp32 group of its own (--fp32-modules NAME), or plan with --precision fp32")
+                    f"module in an fp32 group of its own (--fp32-modules {name or 'NAME'}), or plan with "
+                    "--precision fp32")
         super().__init__(f"{self.problem}; {self.fix}")
+
+
+def holding_params(tr: Trace, module: str) -> str | None:
+    """The module an fp32 group can keep for a failure in ``module``: the module a parametrization belongs to
+    (``head.fc`` for ``head.fc.parametrizations.weight.0``, whose params the group holds), else the nearest of
+    ``module`` and its ancestors holding trainable params; None where none does."""
+    module = module.split(".parametrizations.", 1)[0]
+    while module != ROOT:
+        if any(p.requires_grad and any(o == module or o.startswith(module + ".") for o in p.owners)
+               for p in tr.params):
+            return module
+        module = module.rpartition(".")[0]
+    return None
 
 
 def resolve_precision(precision: Precision | str) -> Precision:
