@@ -205,3 +205,16 @@ def test_a_group_inside_a_compiled_block_is_refused():
     with pytest.raises(PlannerError, match=r"group \d lists 'blocks.0.norm', inside the block 'blocks.0' that "
                                            r"--compile compiles whole"):
         check_compiled_groups(plan, ("blocks.0", "blocks.1"))
+
+
+@pytest.mark.parametrize("name", ["titan", "module", "order", "size"])
+def test_a_cast_module_listed_beside_a_module_above_it_gets_a_group_of_its_own(name):
+    """The blocks' fc2 get float32 activations (a float32 mask), and a block owns a param itself: a group listing
+    the block beside its pieces hooks the block only, so fc2 is taken out into a group of its own (order and auto
+    refused the model: "the policy's groups leave them unhooked", a new user's trial)."""
+    tr = traced("build_masked")
+    assert set(tr.cast_inputs) >= {"1.fc2", "2.fc2", "3.fc2"}
+    plan = policy(name).plan(tr, f"{MODELS}:build_masked")
+    assert set(tr.cast_inputs) <= hooked_by(plan, tr)
+    result = AutoPolicy(parse_cluster("h100:8")).search(tr, f"{MODELS}:build_masked")
+    assert set(tr.cast_inputs) <= hooked_by(result.plan, tr)

@@ -298,8 +298,13 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
         ms = [c for m in ms for c in shardable_cover(trace, m)]
         groups.append([m for m in dict.fromkeys(ms) if m not in listed])
         listed.update(ms)
+    parents = trace.index.parents
+
+    def above(m: str) -> set[str]:
+        return dag_ancestors(m, parents)
+
     if trace.cast_inputs:
-        groups = with_cast_targets(trace, groups)
+        groups = with_cast_targets(trace, groups, above)
         reshard += [True] * (len(groups) - len(reshard))
     added = resolve_shared_modules(trace, groups)
     reshard += [True] * added
@@ -309,7 +314,7 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     # a tied param whose other owner stays with the root or another group, so the ties are resolved again
     groups = resolve_ties(trace, groups)
     if trace.cast_inputs:  # again after the split, which lists the modules kept in fp32 below one instead of it
-        groups = with_cast_targets(trace, groups)
+        groups = with_cast_targets(trace, groups, above)
         reshard += [True] * (len(groups) - len(reshard))
         groups = resolve_ties(trace, groups)
     plan = Plan([*(Group(ms, [], r) for ms, r in zip(groups, reshard, strict=True)), Group([ROOT], [], root_reshard)],

@@ -8,7 +8,7 @@ they did not list it, and a plan file that does not is refused with the module n
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.trace.records import Trace
@@ -18,10 +18,20 @@ class UncastInputsError(PlannerError):
     """A plan that hooks no module where the step needs FSDP2's cast of float32 inputs."""
 
 
-def with_cast_targets(trace: Trace, groups: list[list[str]]) -> list[list[str]]:
-    """``groups`` (module lists) and a group of its own for each module of ``Trace.cast_inputs`` none lists."""
-    listed = {m for ms in groups for m in ms}
-    return [*groups, *([m] for m in trace.cast_inputs if m not in listed)]
+def with_cast_targets(trace: Trace, groups: list[list[str]], ancestors: Callable[[str], set[str]]
+                      ) -> list[list[str]]:
+    """``groups`` (module lists) with every module of ``Trace.cast_inputs`` hooked: one no group lists, or one a
+    group lists beside a module above it (``ancestors``: FSDP2 hooks only the module above), gets a group of its
+    own (nested in that group's, which keeps the rest)."""
+    cast = set(trace.cast_inputs)
+    out: list[list[str]] = []
+    hooked: set[str] = set()
+    for ms in groups:
+        listed = set(ms)
+        kept = [m for m in ms if m not in cast or not ancestors(m) & listed]
+        out.append(kept)
+        hooked.update(kept)
+    return [*out, *([m] for m in trace.cast_inputs if m not in hooked)]
 
 
 def check_input_casts(trace: Trace, hooked: Collection[str], policy: bool = False) -> None:
