@@ -444,6 +444,27 @@ def test_an_exported_job_reads_back_as_its_plan_and_a_job_without_it_as_torchtit
         read_config(TORCHTITAN, f"{bad}:fsdp_planner_job")
 
 
+
+def test_an_export_of_a_model_not_torchtitans_says_its_plan_is_not_applied(tmp_path, capsys):
+    """The export of toy-llama's plan sets no parallelize_fn (torchtitan has no such model): read back, the job is
+    torchtitan's own groups, said in a note, and the advice to export names the function to set (it went round in
+    a circle: a new user's trial)."""
+    from fsdp_planner.cli import main
+
+    out, exported = tmp_path / "plan.json", tmp_path / "job.py"
+    assert main(["plan", "toy-llama", "--policy", "auto", "--cluster", "h100:8", "--out", str(out)]) == 0
+    assert main(["export", str(out), "--format", "torchtitan", "--out", str(exported)]) == 0
+    capsys.readouterr()
+    cfg = read_config(TORCHTITAN, f"{exported}:fsdp_planner_job")
+    assert cfg.plan is None
+    assert any(n.startswith("FSDP_PLANNER_PLAN holds an fsdp-planner plan that this job does not apply")
+               for n in cfg.notes), cfg.notes
+    assert main(["plan", "toy-llama", "--from-torchtitan", f"{exported}:fsdp_planner_job", "--cluster",
+                 "h100:8"]) == 0
+    said = capsys.readouterr()
+    assert "FSDP_PLANNER_PLAN holds an fsdp-planner plan" in said.err
+    assert "set the exported parallelize_fn on your model's spec" in said.out
+
 @pytest.mark.integration  # ~20 s: the example 8B job planned, and its export read back and planned
 def test_a_jobs_export_read_back_is_auto_plan_and_nothing_to_change(tmp_path, capsys):
     """A torchtitan job's auto plan was made with torchtitan's wrapper's early_stop=False, which the export's

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import fsdp_planner.cli.render as render
+from fsdp_planner.apply.torchtitan_job import FLAVORS
 from fsdp_planner.choices import ACMode, PolicyName
 from fsdp_planner.cli.common import REPORTER, run_flags, tracer
 from fsdp_planner.cli.requests import configured, keywords
@@ -290,9 +291,11 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
             keep = "the edit" if kept.startswith("the edit") else "the config"
             render.plain(f"auto's plan is slower than {kept} here: keep {keep}")
         else:
+            own = cfg.kind == TORCHTITAN and result.auto.model not in FLAVORS  # (the export sets no model_spec)
             render.plain(f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} "
                          f"config keys: write it with --out plan.json, then `fsdp-planner export plan.json --format "
-                         f"{fmt}`")
+                         f"{fmt}`" + (", and set the exported parallelize_fn on your model's spec (the export sets "
+                                      "it on torchtitan's own models only)" if own else ""))
     if result.no_fit:
         render.plain(f"auto: {result.no_fit}")
     if args.out is not None:

@@ -695,6 +695,10 @@ def toml_tables(config: dict[str, Any], model: str, label: str, notes: list[str]
             data[key] = {}  # the TOML reader names a section it does not know
     if "training" in data:
         data["training"] = _tokens(data["training"], label, notes)
+    if plan is not None and PLAN_TABLE not in data:  # (an export of a model that is not torchtitan's own)
+        notes.append(f"{PLAN_NAME} holds an fsdp-planner plan that this job does not apply (it sets no "
+                     f"model_spec.parallelize_fn = {EXPORTED_FN}): these figures are of torchtitan's own groups for "
+                     "the job's keys; simulate the plan file for the plan's")
     return data
 
 
