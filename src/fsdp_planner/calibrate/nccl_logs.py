@@ -23,7 +23,7 @@ import math
 import re
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +92,7 @@ class NcclTable:
     hosts: tuple[str, ...] = ()
     gpu_name: str | None = None
     source: str = "<text>"
+    complete: bool = True  # ended by nccl-tests' closing "# Avg bus bandwidth" line (False: a log cut short)
 
     def samples(self) -> list[tuple[int, float]]:
         """(size bytes, seconds) of every valid measurement, in- and out-of-place, data check passed."""
@@ -263,7 +264,8 @@ def _infer(run: _Run, kind: str | None, ranks: int | None, source: str) -> NcclT
             k = "reduce_scatter"
 
     n = ranks or (data_n if data_n and data_n > 1 else None) or len(rank_ids) or 0
-    return NcclTable(kind=k, ranks=n, rows=tuple(run.rows), hosts=hosts, gpu_name=gpu, source=source)
+    return NcclTable(kind=k, ranks=n, rows=tuple(run.rows), hosts=hosts, gpu_name=gpu, source=source,
+                     complete=run.closed)
 
 
 def _norm_kind(kind: str | None) -> str | None:
@@ -382,12 +384,18 @@ def _expand(paths: str | Path | Iterable[str | Path]) -> list[Path]:
 
 
 def fit_logs(
-    paths: str | Path | Iterable[str | Path], *, kind: str | None = None, ranks: int | None = None
+    paths: str | Path | Iterable[str | Path], *, kind: str | None = None, ranks: int | None = None,
+    note: Callable[[str], None] = lambda line: None,
 ) -> tuple[list[NcclTable], list[Fit]]:
-    """Parse the logs and fit one line per (collective, N); runs of other collectives are skipped."""
+    """Parse the logs and fit one line per (collective, N); runs of other collectives are skipped. A run cut
+    short (no closing line: a log truncated mid-row drops that row) is fitted on what it has, said in a note."""
     tables: list[NcclTable] = []
     for p in _expand(paths):
         tables += read_nccl_tests(p, kind=kind, ranks=ranks)
+    for t in tables:
+        if not t.complete:
+            note(f"the {t.kind} run in {t.source} ends without nccl-tests' closing '# Avg bus bandwidth' line (a "
+                 f"log cut short?): fitted on its {len(t.rows)} whole rows, a row cut mid-line left out")
     usable = [t for t in tables if t.kind in COLLECTIVES and t.ranks >= 2]
     if not usable:
         seen = ", ".join(sorted({f"{t.kind} ({t.ranks} ranks) in {t.source}" for t in tables}))
@@ -448,13 +456,14 @@ def calibrate(
     *,
     kind: str | None = None,
     ranks: int | None = None,
+    note: Callable[[str], None] = lambda line: None,
 ) -> Cluster:
     """``base`` (or a preset matching the logs' GPUs and hosts) plus fitted (alpha, busbw) per (kind, N).
 
     Fits are merged over any ``base.fits``; ``hardware.cost.collective_cost`` uses them for matching
     group sizes and scales the model by them for other sizes of the same one-node/multi-node regime.
     """
-    tables, fits = fit_logs(paths, kind=kind, ranks=ranks)
+    tables, fits = fit_logs(paths, kind=kind, ranks=ranks, note=note)
     cluster = base if base is not None else _base_from_logs(tables)
     table: Fits = {}
     for f in fits:

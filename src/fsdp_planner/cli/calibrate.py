@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     out = output_file(args.out, "cluster.json", force=args.force, kind="cluster")
     assert out is not None
     base = parse_cluster(args.base) if args.base else None
-    cluster = calibrate(args.logs, base) if args.logs else base or parse_cluster(DEFAULT_BASE)
+    cluster = calibrate(args.logs, base, note=render.note) if args.logs else base or parse_cluster(DEFAULT_BASE)
     measured = None
     if args.compute:
         samples = measure_compute()
