@@ -579,3 +579,22 @@ def test_a_gradient_accumulation_plans_exports_say_its_micro_batches_and_their_s
     with pytest.raises(PlannerError, match=r"\"gradient_sync\" \"last\" or \"every\""):
         Plan.from_json(plan.replace(workload=Workload(4, 8192, 2)).to_json().replace(
             '"micro_batches": 2', '"micro_batches": 2, "gradient_sync": "each"'))
+
+
+def test_a_model_file_not_found_from_here_is_named_as_the_plan_names_it_with_a_note(tmp_path: Path) -> None:
+    """An absolute model path that does not exist here cannot be made relative: the code names it as the plan does,
+    and the command says so (the README promised no absolute path: a new user's trial)."""
+    from conftest import run_main
+
+    made = tmp_path / "p.json"
+    factory = Path(__file__).parents[1] / "docs" / "examples" / "my_model.py"
+    assert run_main("plan", f"{factory}:build", "--policy", "order", "--out", str(made)).returncode == 0
+    data = json.loads(made.read_text())
+    data["model"]["name"] = "/nowhere/model.py:build"
+    moved = tmp_path / "moved.json"
+    moved.write_text(json.dumps(data))
+    done = run_main("export", str(moved), "--format", "python", "--out", str(tmp_path / "code.py"))
+    assert done.returncode == 0
+    assert "note: the plan's model file /nowhere/model.py is not found from here" in done.stderr, done.stderr
+    assert "MODEL: str = '/nowhere/model.py:build'" in (tmp_path / "code.py").read_text()
+    assert "not found from here" not in run_main("export", str(made), "--format", "python").stderr

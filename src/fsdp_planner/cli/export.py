@@ -32,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     if modules is not None:
         check_tp_runs(plan)
     precision = _precision(args.precision, plan)
+    if plan.model.partition(":")[0].endswith(".py") and not Path(plan.model.rpartition(":")[0]).is_file():
+        render.note(f"the plan's model file {plan.model.rpartition(':')[0]} is not found from here: the code names "
+                    "it as the plan does (export from the directory the plan was made in for a path relative to "
+                    "the code)")
     fmt = ExportFormat(args.format)
     if fmt is ExportFormat.TORCHTITAN:  # its job file runs one setting for every block
         for said in unexpressed(plan, precision_named(precision), modules):
