@@ -17,7 +17,7 @@ from fsdp_planner.cli.requests import policy_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, json_text
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.hardware.cluster import parse_cluster
+from fsdp_planner.hardware.cluster import Engine, parse_cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
@@ -54,6 +54,10 @@ def run_trace(args: argparse.Namespace) -> int:
         return 0
     for table in fit_tables(fit):
         render.console.print(table)
+    if cluster.engine is not Engine.HOST and cluster.overhead.op_seconds > 0:
+        launch = cluster.overhead.op_seconds * 1e6
+        render.plain(f"the step beyond what its kernels take is charged to the host: {launch:.1f} us a launched op "
+                     "(the GPU waits on it), which the trace's FSDP2 ranges do not time")
     render.plain(f"cluster written to {out}: {cluster.describe()}")
     render.plain(f"predict another plan's step with it: fsdp-planner simulate {args.trace_model} --plan PLAN.json "
                  f"--cluster {out} --against TRACE.json")
@@ -97,7 +101,8 @@ def fit_tables(fit: TraceFit) -> list[Table]:
     b, a = fit.before, fit.after
     name = "step" if fit.optimizer else "step (forward and backward: no optimizer step was profiled)"
     step.add_row(name, _ms(fit.measured_step), _ms(fit.before_step), _ms(fit.after_step))
-    step.add_row("FSDP2 host (hooks, copies)", _ms(fit.measured_host), _ms(b.host_time + b.copy_time),
-                 _ms(a.host_time + a.copy_time))
+    # (not one quantity: the trace times FSDP2's own ranges, the model the host's whole work, each op's launch too)
+    step.add_row("host: measured FSDP2's ranges; simulated launches, hooks, copies", _ms(fit.measured_host),
+                 _ms(b.host_time + b.copy_time), _ms(a.host_time + a.copy_time))
     step.add_row("exposed communication", _ms(fit.measured_exposed), _ms(b.exposed_comm), _ms(a.exposed_comm))
     return [ops, comms, step]
