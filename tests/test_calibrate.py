@@ -160,16 +160,16 @@ def test_fit_needs_a_bandwidth_signal() -> None:
 
 
 def test_a_log_cut_short_is_fitted_on_its_whole_rows_with_a_note(tmp_path: Path) -> None:
-    """A log cut in the middle of its last row (a copy interrupted, a job killed) loses that row and its closing
-    line: fitted on the rows it has, said in a note (it was silent: a new user's trial); a whole log says nothing."""
+    """A log cut in the middle of its last row (a copy interrupted, a job killed) loses that row: fitted on the
+    rows it has, said in a note (it was silent: a new user's trial); a whole log says nothing."""
     text = AG8.read_text()
     cut = tmp_path / "cut.log"
     last = text.rindex(str(8 * GiB))
     cut.write_text(text[:last + 40])  # mid-way through the 8 GiB row
     notes: list[str] = []
     tables, _ = fit_logs([cut, RS8], note=notes.append)
-    assert [t.complete for t in tables] == [False, True] and len(tables[0].rows) == 30
-    assert notes == [f"the all_gather run in {cut} ends without nccl-tests' closing '# Avg bus bandwidth' line (a "
-                     "log cut short?): fitted on its 30 whole rows, a row cut mid-line left out"]
+    assert [t.cut_rows for t in tables] == [1, 0] and len(tables[0].rows) == 30
+    assert notes == [f"the all_gather run in {cut} has 1 row cut short (a size, then fewer fields than nccl-tests "
+                     "prints: a log cut mid-row?), left out: fitted on its 30 whole rows"]
     fit_logs([AG8, RS8], note=notes.append)
     assert len(notes) == 1

@@ -92,7 +92,7 @@ class NcclTable:
     hosts: tuple[str, ...] = ()
     gpu_name: str | None = None
     source: str = "<text>"
-    complete: bool = True  # ended by nccl-tests' closing "# Avg bus bandwidth" line (False: a log cut short)
+    cut_rows: int = 0  # lines that began a row but held too few fields (a log cut short mid-row): left out
 
     def samples(self) -> list[tuple[int, float]]:
         """(size bytes, seconds) of every valid measurement, in- and out-of-place, data check passed."""
@@ -194,6 +194,7 @@ class _Run:
     ranks: list[tuple[int, str, str]] = field(default_factory=list)  # (rank, host, gpu name)
     rows: list[NcclRow] = field(default_factory=list)
     closed: bool = False
+    cut: int = 0  # lines that began a row (a size first) but are no row: cut short
 
 
 def _split_runs(text: str, source: str = "<text>") -> list[_Run]:
@@ -210,6 +211,9 @@ def _split_runs(text: str, source: str = "<text>") -> list[_Run]:
             pending = None
             continue
         row = _parse_row(line.split(), f"line {lineno} of {source}") if not line.startswith("#") else None
+        if row is None and cur is not None and not cur.closed and cur.rows and line.split()[0].isdigit():
+            cur.cut += 1  # (a size, then too few fields: the row a truncated log ends in)
+            continue
         if row is not None:
             if cur is None or cur.closed:
                 cur = _Run(hint=pending)
@@ -265,7 +269,7 @@ def _infer(run: _Run, kind: str | None, ranks: int | None, source: str) -> NcclT
 
     n = ranks or (data_n if data_n and data_n > 1 else None) or len(rank_ids) or 0
     return NcclTable(kind=k, ranks=n, rows=tuple(run.rows), hosts=hosts, gpu_name=gpu, source=source,
-                     complete=run.closed)
+                     cut_rows=run.cut)
 
 
 def _norm_kind(kind: str | None) -> str | None:
@@ -387,15 +391,16 @@ def fit_logs(
     paths: str | Path | Iterable[str | Path], *, kind: str | None = None, ranks: int | None = None,
     note: Callable[[str], None] = lambda line: None,
 ) -> tuple[list[NcclTable], list[Fit]]:
-    """Parse the logs and fit one line per (collective, N); runs of other collectives are skipped. A run cut
-    short (no closing line: a log truncated mid-row drops that row) is fitted on what it has, said in a note."""
+    """Parse the logs and fit one line per (collective, N); runs of other collectives are skipped. A row cut
+    short (a log truncated mid-row) is left out, said in a note."""
     tables: list[NcclTable] = []
     for p in _expand(paths):
         tables += read_nccl_tests(p, kind=kind, ranks=ranks)
     for t in tables:
-        if not t.complete:
-            note(f"the {t.kind} run in {t.source} ends without nccl-tests' closing '# Avg bus bandwidth' line (a "
-                 f"log cut short?): fitted on its {len(t.rows)} whole rows, a row cut mid-line left out")
+        if t.cut_rows:
+            note(f"the {t.kind} run in {t.source} has {t.cut_rows} row{'s' if t.cut_rows > 1 else ''} cut short (a "
+                 f"size, then fewer fields than nccl-tests prints: a log cut mid-row?), left out: fitted on its "
+                 f"{len(t.rows)} whole rows")
     usable = [t for t in tables if t.kind in COLLECTIVES and t.ranks >= 2]
     if not usable:
         seen = ", ".join(sorted({f"{t.kind} ({t.ranks} ranks) in {t.source}" for t in tables}))

@@ -232,6 +232,16 @@ def _exported_advice(result: Result, kept: str) -> str:
     return f"{runs}: to run it, write it with --out plan.json, then `fsdp-planner export plan.json --format torchtitan`"
 
 
+def _export_line(result: Result, cfg: JobConfig, fmt: str) -> str:
+    """How to run auto's grouping, which no config key says: its export (whose parallelize_fn a model torchtitan
+    lacks must be given by hand: the export sets no model_spec for it)."""
+    own = cfg.kind == TORCHTITAN and result.auto.model not in FLAVORS
+    return (f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} config keys: write "
+            f"it with --out plan.json, then `fsdp-planner export plan.json --format {fmt}`"
+            + (", and set the exported parallelize_fn on your model's spec (the export sets it on torchtitan's own "
+               "models only)" if own else ""))
+
+
 def _json(result: Result, cfg: JobConfig, args: argparse.Namespace) -> dict[str, Any]:
     def step(r: StepReport | None) -> dict[str, Any] | None:
         return None if r is None else {**r.summary(), "budget": result.budget.to_dict(r.reserved_memory)}
@@ -291,11 +301,7 @@ def _print(result: Result, cfg: JobConfig, args: argparse.Namespace, written: st
             keep = "the edit" if kept.startswith("the edit") else "the config"
             render.plain(f"auto's plan is slower than {kept} here: keep {keep}")
         else:
-            own = cfg.kind == TORCHTITAN and result.auto.model not in FLAVORS  # (the export sets no model_spec)
-            render.plain(f"auto's grouping ({len(result.auto.groups)} groups) is not expressible as {cfg.kind} "
-                         f"config keys: write it with --out plan.json, then `fsdp-planner export plan.json --format "
-                         f"{fmt}`" + (", and set the exported parallelize_fn on your model's spec (the export sets "
-                                      "it on torchtitan's own models only)" if own else ""))
+            render.plain(_export_line(result, cfg, fmt))
     if result.no_fit:
         render.plain(f"auto: {result.no_fit}")
     if args.out is not None:

@@ -300,6 +300,12 @@ class TraceIndex:
         kids = [c for m in containers for c in self._modules[m].children]
         if self._modules[ROOT].cls in CONTAINERS:
             kids += [c for c in self._modules[ROOT].children if self._modules[c].children]
+        # a container's child inside an instance of a composite class that containers hold is a piece of such a
+        # block (a U-Net's DoubleConv stacks its convs in a Sequential of its own: the convs, in every block and
+        # in the bottleneck outside the lists, held more params than the blocks and were taken for them); a
+        # container holding containers (stages of blocks) is no block of its own
+        composite = {self._modules[k].cls for k in kids if self._modules[k].children} - set(CONTAINERS)
+        kids = [k for k in kids if not any(self._modules[a].cls in composite for a in proper_ancestors(k))]
         cls = self._most_params(kids)
         while cls is not None and (inner := self._stacked_class(cls)) is not None:
             cls = inner

@@ -665,9 +665,6 @@ class BlockReuse:
         result = _StandIn.apply(replay, self._anchor(), *tensors)
         if template.on_output:
             self._hook_output(main, template.on_output, prefix, params, result)
-            # the inner calls that returned the call's own output (``on_output``'s pre-backwards) returned it here
-            for action in template.on_output:
-                self.slot.returned(prefix + action[1], (t for t in result if t.requires_grad))
         assert template.out_spec is not None
         if template.out_spec.is_leaf():  # one tensor: the common case
             return result[0]
@@ -675,11 +672,11 @@ class BlockReuse:
         return template.out_spec.unflatten([next(it) if isinstance(m, _Input) else m[1] for m in template.outputs])
 
 
-    @staticmethod
-    def _hook_output(main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
+    def _hook_output(self, main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
                      result: tuple[torch.Tensor, ...]) -> None:
         """Fire the inner calls' pre-backwards from a hook on the output that needs a grad (one at most),
-        registered now, before the module's own hook: the order a real call's hooks fire in."""
+        registered now, before the module's own hook: the order a real call's hooks fire in; and tell the slot
+        those calls returned it (``Slot.returned``)."""
         fired = [False]
 
         def hook(grad: torch.Tensor) -> None:
@@ -690,6 +687,9 @@ class BlockReuse:
         for t in result:
             if t.requires_grad:
                 t.register_hook(hook)
+        # the inner calls that returned the call's own output (whose pre-backwards these are) returned it here too
+        for action in actions:
+            self.slot.returned(prefix + action[1], (t for t in result if t.requires_grad))
 
 
 def _counted_outputs(main: StepRecorder, template: Template, sources: dict[tuple, StorageWeakRef]) -> None:
