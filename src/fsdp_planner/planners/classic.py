@@ -103,8 +103,8 @@ class TorchtitanPolicy:
     """torchtitan's ``apply_fsdp``: the input embedding alone, each block, [norm, output] as one list group kept
     unsharded after forward, tied weights grouped as [embedding, norm, output], the root last.
 
-    Generalised: modules that are not blocks and own params are split into those running before the last block
-    (each alone: the embedding, a VLM's projector between its two stacks) and after it (one list group)."""
+    Generalised: modules that are not blocks and own params are split into those running before the first block
+    (each alone) and after it (one list group)."""
 
     block_class: str | None = None
     name: str = "titan"
@@ -151,8 +151,6 @@ class TorchtitanPolicy:
             return use if use >= 0 else never
 
         side.sort(key=first_use)
-        # (a module between two stacks of blocks, a VLM's projector or its text embedding after the vision
-        # blocks, runs before the last block: alone, as the embedding is, not held unsharded with the head)
         used = [trace.modules[b].first_use for b in blocks if trace.modules[b].first_use >= 0]
-        last_block = max(used) if used else 0
-        return [s for s in side if first_use(s) < last_block], [s for s in side if first_use(s) >= last_block]
+        first_block = min(used) if used else 0
+        return [s for s in side if first_use(s) < first_block], [s for s in side if first_use(s) >= first_block]
