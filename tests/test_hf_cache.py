@@ -177,3 +177,46 @@ def test_a_sequence_past_max_position_embeddings_is_noted(tmp_path) -> None:
     # fit plans many lengths past it: said once (it was one note per length tried)
     r = run_main("fit", f"hf:{config}", "--cluster", "h100:2", "--find", "seq", "--batch", "1")
     assert r.returncode == 0 and " ".join(r.stderr.split()).count("max_position_embeddings") == 1, r.stderr[-2000:]
+
+
+LLAVA = '''
+import torch
+from transformers import AutoConfig, LlavaForConditionalGeneration
+
+TEXT = {"model_type": "llama", "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+VISION = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "image_size": 32, "patch_size": 8, "projection_dim": 32}
+
+
+def build(batch_size: int = 2, seq_len: int = 32):
+    cfg = AutoConfig.for_model("llava", text_config=TEXT, vision_config=VISION, image_token_index=1000,
+                               vision_feature_layer=-1, projector_hidden_act="gelu")
+    cfg.text_config.use_cache = False
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(cfg)
+    ids = torch.randint(0, 999, (batch_size, seq_len))
+    ids[:, :16] = 1000  # (32 / 8)^2 patches, CLS dropped by the 'default' strategy
+    labels = ids.clone()
+    labels[:, :16] = -100
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(batch_size, 3, 32, 32), "labels": labels,
+              "use_cache": False}
+    return model, inputs, lambda out: out.loss
+'''
+
+
+@pytest.mark.integration  # plans and runs a transformers LLaVA under FSDP2 on fake ranks: seconds
+@pytest.mark.parametrize("policy", ["auto", "titan", "order", "size", "module"])
+def test_every_policy_shards_llava_so_its_vision_tower_still_records_hidden_states(tmp_path, policy):
+    """LLaVA reads its vision tower's hidden states (transformers records them by the tower's class, which
+    fully_shard swaps for FSDP<class>): no policy makes the tower a fully_shard target, and each plan runs."""
+    (tmp_path / "llava.py").write_text(LLAVA)
+    model, plan = f"{tmp_path / 'llava.py'}:build", tmp_path / f"{policy}.json"
+    made = run_main("plan", model, "--policy", policy, "--cluster", "h100:8", "--out", str(plan))
+    assert made.returncode == 0, made.stderr
+    done = run_main("verify", model, "--plan", str(plan), "--fake-world-size", "8")
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
+    groups = [g["modules"] for g in json.loads(plan.read_text())["groups"]]
+    assert not [m for ms in groups for m in ms if m in ("model.vision_tower", "model.language_model")], groups
+    checked = run_main("check", model, "--plan", str(plan), "--json")
+    assert "recorded-outputs" not in [f["code"] for f in json.loads(checked.stdout)]

@@ -18,7 +18,7 @@ from fsdp_planner.fsdp2.checkpointing import check_checkpointing
 from fsdp_planner.fsdp2.dtypes import check_full_precision, check_uniform_dtypes, split_by_dtype, with_param_dtypes
 from fsdp_planner.fsdp2.input_casts import check_input_casts, with_cast_targets
 from fsdp_planner.fsdp2.plan import Group, Plan, ReshardAfterForward
-from fsdp_planner.fsdp2.targets import shardable_cover
+from fsdp_planner.fsdp2.targets import shardable_cover, split_recording
 from fsdp_planner.fsdp2.tensor_parallel import check_moe_styles, check_style_classes
 from fsdp_planner.trace.records import Trace
 from fsdp_planner.trace.tree import ROOT
@@ -292,6 +292,8 @@ def make_plan(trace: Trace, module_groups: Sequence[Sequence[str]],
     rest, groups that claim nothing are dropped, the rest sorted by first use."""
     check_shardable_params(trace)
     reshard = list(reshard) if reshard is not None else [True] * len(module_groups)
+    # a transformers sub-model that records outputs is sharded as its children (``targets.records_outputs``)
+    module_groups, reshard = split_recording(trace, module_groups, reshard)
     listed: set[str] = set()
     groups = []
     for ms in module_groups:  # a module listed twice stays in its first group (a policy may reach it twice)
