@@ -574,3 +574,70 @@ def test_a_fake_world_that_takes_minutes_says_so_first_and_one_beyond_reason_is_
     assert "expect minutes" in slow_note(76, 16_384)
     assert main(["verify", "toy-llama", "--policy", "titan", "--fake-world-size", str(MAX_FAKE_WORLD + 1)]) == 2
     assert f"between 1 and {MAX_FAKE_WORLD:,}" in capsys.readouterr().err
+
+
+_PARAMETRIZED_HEAD = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+
+class Head(nn.Module):
+    def __init__(self, norm) -> None:
+        super().__init__()
+        self.fc = norm(nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _build(norm):
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), Head(norm))
+    y = torch.randint(0, 10, (4,))
+    return model, (torch.randn(4, 8),), lambda out: F.cross_entropy(out, y)
+
+
+def build_weight_norm():
+    return _build(weight_norm)
+
+
+def build_spectral_norm():
+    return _build(spectral_norm)
+'''
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_a_parametrized_linear_in_a_group_of_its_own_reduces_its_bias(tmp_path: Path, norm: str) -> None:
+    """``head.fc`` under a parametrization calls ``head.fc.parametrizations.weight`` (no grad-requiring inputs: its
+    only post-backward is the one the recorder closes it with when the next module's backward starts, after the
+    head's) before ``F.linear`` reads its bias; the bias counted as ready at that late close was reduced by no
+    group (reduce-scatter bytes 40 B short at 2 ranks, 64 B at 8 with padding, on a trial's model). Ready by
+    ``head.fc``'s own post-backward."""
+    from conftest import run_main
+
+    (tmp_path / "heads.py").write_text(_PARAMETRIZED_HEAD)
+    spec = f"{tmp_path / 'heads.py'}:build_{norm}"
+    lm = load_model(spec)
+    tr = record(lm.model, lm.example_inputs, lm.loss_fn)
+    post = {(e.module, e.call): i for i, e in enumerate(tr.events) if e.kind.name == "BWD_POST"}
+    assert tr.index.grad_ready_at[tr.index.param_index["2.fc.bias"]] <= post[("2", 0)]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "groups": [["0"], ["1"], ["2"]]}))
+    done = run_main("verify", spec, "--plan", str(plan), "--precision", "fp32", "--fake-world-size", "8", "--json")
+    verdict = json.loads(done.stdout)
+    assert verdict["counts_and_bytes_exact"], verdict
+    assert verdict["predicted"]["reduce_scatter_bytes"] == verdict["measured"]["reduce_scatter_bytes"]
+
+
+def test_a_byte_mismatch_below_the_shown_precision_says_by_how_much() -> None:
+    """Both sides of a 4,000 B gap read "3.01 GiB": the verdict carries the difference (a new user's trial)."""
+    from rich.console import Console
+
+    from fsdp_planner.cli.render import fake_world_table
+
+    table = fake_world_table("t", {"reduce_scatter_bytes": (3_234_471_936, 3_234_475_936), "all_gathers": (3, 3)})
+    console = Console(width=120, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "MISMATCH (-4,000 B)" in text and "exact" in text

@@ -179,9 +179,16 @@ class TraceIndex:
         backward of each of its forward reads is done: the read's call's, or for a read after a call that call made
         (the call's own forward read again later: a parent's or the root's), that call's (``len(events)``, the end
         of backward, when the call never gets one). FSDP2 reduce-scatters only the grads autograd has finished
-        at a group's post-backward."""
+        at a group's post-backward.
+
+        Both calls bound the read's backward (it ran inside the caller, after the call returned), so the earlier
+        of their post-backwards is taken: a call without grad-requiring inputs gets no post-backward marker, only
+        the one the recorder closes it with when an unrelated module's backward starts, which can come after its
+        caller's (a parametrized Linear's ``parametrizations.weight`` call, made from its forward before
+        ``F.linear`` reads its bias: the bias would be ready only after the Linear's group had reduced)."""
         end, post_at = len(self._events), self._scan.post_backward_at
-        return [max((post_at.get(c, post_at.get(u, end)) for c, u in done), default=end) for done in self._scan.done_by]
+        return [max((min(post_at.get(c, end), post_at.get(u, end)) for c, u in done), default=end)
+                for done in self._scan.done_by]
 
     @property
     def forward_param_ops(self) -> list[tuple[int, str, tuple[int, ...]]]:
