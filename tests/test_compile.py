@@ -366,3 +366,21 @@ def test_qwen3_moe_compiled_plans_in_seconds_and_auto_takes_a_probe_it_made(caps
                  "rowwise", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["auto"]["fits"] and doc["plans"][0]["plan"]["compiled"]
+
+
+@pytest.mark.integration  # a Dynamo trace of a block
+def test_a_graph_break_says_its_cause(tmp_path):
+    """A ``print`` in a block's forward was refused with Dynamo's first line cut mid-sentence ("Failed to trace
+    builtin operator (+15 more lines..."): the refusal names the operator now (a new user's finding)."""
+    path = tmp_path / "printing.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.lin = nn.Linear(8, 8)\n\n"
+        "    def forward(self, x):\n        print('block', x.shape)\n        return x + self.lin(x)\n\n"
+        "def build(batch_size: int = 2):\n"
+        "    model = nn.Sequential(*(Block() for _ in range(2)))\n"
+        "    return model, (torch.randn(batch_size, 8),), lambda out: out.sum()\n")
+    with pytest.raises(PlannerError, match=r"could not trace block '0' \(Unsupported: .*: Dynamo does not know how "
+                                           r"to trace builtin operator `print`.*\); the block does not compile"):
+        trace_spec(ModelSpec(f"{path}:build", compile=True))

@@ -293,6 +293,34 @@ def test_a_plan_file_s_converted_head_under_tp_is_refused_as_the_step_runs_it(tm
     assert "TP 2), float8 tensorwise, float8 all-gather (precomputed scales) on h100:8" in capsys.readouterr().out
 
 
+def test_float8_skip_keeps_a_head_of_another_name_in_bf16(tmp_path, capsys) -> None:
+    """A head named otherwise (``lm_out``) was converted with no way to keep it in bf16 from the command line, and
+    under TP the refusal's advice (its filter_fqns) could not be followed (a new user's finding)."""
+    from fsdp_planner.cli import main
+
+    model = tmp_path / "net.py"
+    model.write_text("import torch\nfrom torch import nn\n\n"
+                     "class Net(nn.Module):\n"
+                     "    def __init__(self):\n        super().__init__()\n"
+                     "        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))\n"
+                     "        self.lm_out = nn.Linear(32, 64)\n\n"
+                     "    def forward(self, x):\n        for lin in self.layers:\n            x = x + lin(x)\n"
+                     "        return self.lm_out(x)\n\n"
+                     "def build(batch_size: int = 16):\n"
+                     "    return Net(), (torch.randn(batch_size, 32),), lambda out: out.float().pow(2).mean()\n")
+    runs = {}
+    for extra in ((), ("--float8-skip", "lm_out,lm_out")):
+        path = tmp_path / f"p{len(extra)}.json"
+        assert main(["plan", f"{model}:build", "--policy", "titan", "--float8", "tensorwise", "--cluster", "h100:8",
+                     "--out", str(path), *extra]) == 0
+        runs[extra] = json.loads(path.read_text())["float8"]["filter_fqns"]
+    assert runs[()] == ["output", "lm_head"] and runs[("--float8-skip", "lm_out,lm_out")] == ["output", "lm_head",
+                                                                                             "lm_out"]
+    capsys.readouterr()
+    assert main(["plan", f"{model}:build", "--float8-skip", "lm_out", "--cluster", "h100:8"]) == 2
+    assert "--float8-skip names Linears float8 training leaves in bf16: give --float8" in capsys.readouterr().err
+
+
 def test_float8_tp_all_gathers_on_a_layout_without_sequence_parallelism_are_said_to_move_only_casts(
         tmp_path, capsys) -> None:
     """transformers' TP plans have no sequence parallelism: nothing is all-gathered in float8 for the flag to

@@ -846,12 +846,17 @@ def test_a_typo_of_a_registry_key_is_one_error(flag, meant):
         options(job("llama3_8b"), flags=(flag, "4096"))
 
 
-def test_sequence_parallel_off_and_another_compile_backend_are_noted():
+def test_sequence_parallel_off_under_tp_is_refused_and_another_compile_backend_noted():
+    """SP off was a note and the job simulated with SP: a TP job holding each block's activations whole on every
+    TP rank was said to fit at the SP job's memory (a new user's finding). Without TP it changes nothing."""
     _, cfg = options(job("llama3_8b"), flags=("--parallelism.enable_sequence_parallel", "false",
                                               "--compile.backend", "aot_eager"))
-    assert any("enable_sequence_parallel = false is left out: fsdp-planner's torchtitan TP layout runs sequence "
-               "parallelism" in n for n in cfg.notes), cfg.notes
+    assert cfg.tp == 1 and not any("sequence" in n for n in cfg.notes), cfg.notes
     assert any('compile.backend = "aot_eager" is left out' in n for n in cfg.notes), cfg.notes
+    with pytest.raises(PlannerError, match=r"sets parallelism\.enable_sequence_parallel = false: fsdp-planner models "
+                                           r"torchtitan's TP with sequence parallelism only .* \(set it to true\)$"):
+        options(job("llama3_8b"), flags=("--parallelism.enable_sequence_parallel", "false",
+                                         "--parallelism.tensor_parallel_degree", "2"))
 
 
 def test_a_registry_job_s_global_batch_that_does_not_divide_is_said_in_its_tokens():

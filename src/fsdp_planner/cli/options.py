@@ -237,9 +237,14 @@ def add_float8_options(sp: argparse.ArgumentParser) -> None:
     """Float8 training (torchao's Float8Linear), recorded in the plan and simulated with FSDP2's options."""
     sp.add_argument("--float8", choices=FLOAT8_RECIPES, default=None, metavar="RECIPE",
                     help="float8 training as torchtitan's float8 converter: each Linear with dims that are multiples "
-                         "of 16, the output head left out, runs its matmuls in float8 with torchao's tensorwise or "
+                         "of 16, but those whose name holds output or lm_head (torchtitan's filter for the output "
+                         "head; --float8-skip adds names), runs its matmuls in float8 with torchao's tensorwise or "
                          "rowwise scaling; tensorwise all-gathers the converted weights in float8 (1 byte a param) "
                          "with scales precomputed after each optimizer step (default: none)")
+    sp.add_argument("--float8-skip", dest="float8_skip", default=None, metavar="NAMES",
+                    help="with --float8: Linears kept in bf16 besides the output head's names, comma-separated; a "
+                         "Linear whose name holds one is left out (torchtitan's filter_fqns), such as a head named "
+                         "otherwise (lm_out)")
     sp.add_argument("--no-float8-all-gather", dest="float8_all_gather", action="store_false", default=None,
                     help="with --float8 tensorwise: all-gather the converted weights in bf16 and cast them in "
                          "forward (torchtitan's enable_fsdp_float8_all_gather false)")

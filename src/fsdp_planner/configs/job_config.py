@@ -68,7 +68,8 @@ TITAN_SECTION_KEYS = {
                     "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage",
                     "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
                     "pipeline_parallel_microbatch_size", "context_parallel_degree",
-                    "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree"},
+                    "context_parallel_rotate_method", "expert_parallel_degree", "expert_tensor_parallel_degree",
+                    "enable_sequence_parallel"},  # (the Python config registry's ParallelismConfig)
     "activation_checkpoint": {"mode", "selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns",
                               "early_stop", "memory_budget", "visualize_memory_budget_pareto",
                               "preserve_rng_state", "determinism_check", "debug"},
@@ -502,6 +503,12 @@ def _titan_parallelism(cfg: JobConfig, par: dict[str, Any]) -> None:
     for key, what in (("pipeline_parallel_degree", "pipeline parallelism"),
                       ("context_parallel_degree", "context parallelism")):
         refuse_other_job(cfg, f"parallelism.{key}", par.get(key, 1), what)
+    if cfg.tp > 1 and not _bool(cfg, "parallelism.enable_sequence_parallel", par.get("enable_sequence_parallel", True)):
+        # without SP each block's norms run on whole activations, held whole on every TP rank: 8x the SP job's
+        raise PlannerError(f"{cfg.kind} config '{cfg.path}' sets parallelism.enable_sequence_parallel = false: "
+                           "fsdp-planner models torchtitan's TP with sequence parallelism only (without it each "
+                           "block's norms and residuals are whole on every TP rank), so its verdict would be about "
+                           "another job (set it to true)")
     cfg.ep = cfg.keys["parallelism.expert_parallel_degree"] = _int(
         cfg, "parallelism.expert_parallel_degree", par.get("expert_parallel_degree", 1), maximum=MAX_EP_DEGREE)
     etp = par.get("expert_tensor_parallel_degree", 1)  # earlier torchtitan's: EP's ranks span TP's only at 1

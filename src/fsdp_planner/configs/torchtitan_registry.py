@@ -83,7 +83,7 @@ READ = {"training": {*TOKENS, "enable_cpu_offload", "mixed_precision_param", "mi
 # step does not have); a string, a note.
 NEW_KEYS: dict[str, dict[str, str | None]] = {
     "training": {"disable_cuda_graphs": None},
-    "parallelism": {"enable_sequence_parallel": None, "spmd_backend": None, "num_pp_microbatches": None,
+    "parallelism": {"spmd_backend": None, "num_pp_microbatches": None,
                     "context_parallel_load_balancer": None, "context_parallel_ptrr_mask_key": None,
                     "enable_fsdp_symm_mem": "fsdp-planner models FSDP2's NCCL collectives, not symmetric-memory ones"},
     "compile": {"backend": None},
@@ -91,10 +91,7 @@ NEW_KEYS: dict[str, dict[str, str | None]] = {
 }
 # Keys read past above whose value is noted where it is not what fsdp-planner simulates: (section, key) -> (the
 # value simulated, what the note says)
-SIMULATED_AS = {("parallelism", "enable_sequence_parallel"): (True, "fsdp-planner's torchtitan TP layout runs "
-                                                                    "sequence parallelism (SP's collectives and "
-                                                                    "activations are simulated)"),
-                ("compile", "backend"): ("inductor", "fsdp-planner simulates inductor's kernels")}
+SIMULATED_AS = {("compile", "backend"): ("inductor", "fsdp-planner simulates inductor's kernels")}
 # activation_checkpoint's dataclass, as the TOML's mode (SelectiveAC is per-op: torchtitan's "op")
 AC_CLASSES = {"SelectiveAC": {"mode": "selective", "selective_ac_option": "op"}, "FullAC": {"mode": "full"},
               "MemoryBudgetAC": {"mode": "memory_budget"}}

@@ -70,13 +70,16 @@ class Float8:
                                "float8 all-gather, or precompute_scale off")
 
     @classmethod
-    def named(cls, recipe: str, all_gather: bool | None = None, tp_all_gather: bool = False) -> Float8:
+    def named(cls, recipe: str, all_gather: bool | None = None, tp_all_gather: bool = False,
+              skip: tuple[str, ...] = ()) -> Float8:
         """``--float8 RECIPE``: the float8 all-gather with precomputed scales where the recipe allows it (as
         torchtitan's published float8 runs), unless ``all_gather`` is False; the output head's filter
-        (``OUTPUT_HEAD_FQNS``); ``tp_all_gather``: torchao's float8 TP styles."""
+        (``OUTPUT_HEAD_FQNS``) and ``skip``'s names (``--float8-skip``: a head of another name);
+        ``tp_all_gather``: torchao's float8 TP styles."""
         r = Float8Recipe(recipe)
         gather = r is Float8Recipe.TENSORWISE if all_gather is None else all_gather
-        return cls(r, gather, gather, tp_float8_all_gather=tp_all_gather)
+        fqns = tuple(dict.fromkeys((*OUTPUT_HEAD_FQNS, *skip)))
+        return cls(r, gather, gather, fqns, tp_float8_all_gather=tp_all_gather)
 
     def converts(self, fqn: str, weight_shape: tuple[int, ...], *, plain: bool, tied: bool) -> bool:
         """Whether the Linear ``fqn`` with a weight of ``weight_shape`` is converted: torchtitan's filter, and a

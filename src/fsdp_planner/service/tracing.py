@@ -4,6 +4,7 @@ under the spec's attention kernel and routing capacity, each failure one sentenc
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from copy import deepcopy
 
@@ -226,7 +227,7 @@ def compiled_step(tr: Trace, lm: LoadedModel, spec: ModelSpec, precision: Precis
                                     {p.value: functools.partial(_selective_copy, policy=p) for p in SacPolicy},
                                     tr.cast_inputs, alike)
     except Exception as e:
-        raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({model_error(e)}); the "
+        raise PlannerError(f"--compile: AOTAutograd could not trace block '{blocks[0]}' ({compile_error(e)}); the "
                            "block does not compile with fullgraph=True as the step calls it") from e
     return tr.with_compiled(saved)
 
@@ -260,6 +261,15 @@ def own_checkpointing_note(layers: tuple[str, ...]) -> str | None:
     return (f"the model turns on transformers' gradient checkpointing ({len(layers)} layers, '{layers[0]}' first): "
             "the plan checkpoints instead (--ac full checkpoints the same blocks; auto chooses) and apply_plan turns "
             "the model's off (gradient_checkpointing_disable()), so the two never nest")
+
+
+def compile_error(e: Exception) -> str:
+    """``model_error``'s first line, and Dynamo's explanation of a graph break where it gives one: its message
+    starts with the break's kind ("Failed to trace builtin operator") and names the cause (a ``print``) lines
+    below."""
+    first = model_error(e).splitlines()[0].strip()
+    why = re.search(r"^\s*Explanation:\s*(\S.*)$", str(e), re.M)
+    return f"{first.rstrip(':')}: {why.group(1).strip()}" if why else first
 
 
 def model_error(e: Exception) -> str:

@@ -104,6 +104,7 @@ class Keywords:
     compile: object = False  # the repeated blocks torch.compile'd (command line: --compile)
     float8: object = None  # float8 training's recipe (command line: --float8); None: none
     float8_all_gather: object = None  # with float8: FSDP2's float8 all-gather (None: the recipe's default)
+    float8_skip: object = None  # with float8: Linears left in bf16 besides the output head (--float8-skip A,B)
     float8_tp_all_gather: object = None  # with float8 tensorwise and TP: torchao's float8 TP styles (None: off, or
     # a torchtitan TOML's reading)
     gradient_sync: object = None
@@ -367,6 +368,9 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
     """Float8 training: the recipe, and FSDP2's float8 all-gather where the recipe allows it (``Float8.named``)."""
     gather = flag(kw.float8_all_gather, "float8_all_gather", spell) if kw.float8_all_gather is not None else None
     if kw.float8 is None:
+        if kw.float8_skip is not None:
+            raise PlannerError(f"{spell.name_of('float8_skip')} names Linears float8 training leaves in bf16: give "
+                               f"{spell.name_of('float8')} tensorwise or rowwise too")
         if kw.float8_tp_all_gather is not None:
             given = spell.given("float8_tp_all_gather", kw.float8_tp_all_gather) if spell is Spelling.API \
                 else "--float8-tp-all-gather" if kw.float8_tp_all_gather else "--no-float8-tp-all-gather"
@@ -385,7 +389,8 @@ def float8(kw: Keywords, spell: Spelling) -> Float8 | None:
     if gather and recipe is not Float8Recipe.TENSORWISE:
         raise PlannerError(f"{spell.given('float8', recipe.value)} all-gathers its weights in bf16: torchao's FSDP2 "
                            "float8 all-gather is for tensorwise scaling only")
-    return Float8.named(recipe.value, gather, _float8_tp(kw, spell, recipe))
+    return Float8.named(recipe.value, gather, _float8_tp(kw, spell, recipe),
+                        _names(kw.float8_skip, spell, "float8_skip", "Linear", "lm_out"))
 
 
 def _float8_tp(kw: Keywords, spell: Spelling, recipe: Float8Recipe) -> bool:

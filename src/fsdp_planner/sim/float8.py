@@ -120,8 +120,9 @@ def check_float8_scales(trace: Trace, tp: TensorParallel | None, f8: Float8 | No
         raise PlannerError(f"float8's precomputed scales need every converted Linear under TP, and TP leaves "
                            f"{', '.join(whole[:5])}{' ...' if len(whole) > 5 else ''} whole (torchao's precompute "
                            f"stacks their scales over two meshes): add {them} to the plan's float8.filter_fqns "
-                           "(kept in bf16), or turn the precomputed scales off (the plan's float8.precompute_scale "
-                           "false; on the command line --float8 tensorwise --no-float8-all-gather)")
+                           f"(kept in bf16; on the command line --float8-skip {','.join(whole[:5])}), or turn the "
+                           "precomputed scales off (the plan's float8.precompute_scale false; on the command line "
+                           "--float8 tensorwise --no-float8-all-gather)")
 
 
 def converted_matmuls(trace: Trace, weights: dict[int, str]) -> list[tuple[int, int, bool]]:
