@@ -105,6 +105,92 @@ def test_block_class_is_the_layer_a_stage_stacks(depths):
     assert len(plan.groups) - 1 == sum(depths)
 
 
+class _Mixer(torch.nn.Module):
+    """A Mamba-like mixer: it reads its child's weight itself (as Jamba's reads ``dt_proj.weight``)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.in_proj, self.dt_proj, self.out_proj = (torch.nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        return self.out_proj(torch.nn.functional.linear(self.in_proj(x), self.dt_proj.weight))
+
+
+class _AttentionLayer(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.o(torch.softmax(self.q(x), -1))
+
+
+class _MixerLayer(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mixer = _Mixer(d)
+
+    def forward(self, x):
+        return x + self.mixer(x)
+
+
+def test_a_stack_of_one_layer_of_each_kind_has_its_layers_for_blocks():
+    """A 2-layer hybrid (one Mamba layer, one attention layer): no layer class repeats, so the block class fell to
+    the Linear repeated inside them, and module and titan gave the mixer's dt_proj a group of its own that the
+    mixer reads outside its hooks (their plans could not run; a new user's finding on Jamba)."""
+    model = torch.nn.Sequential()
+    model.layers = torch.nn.ModuleList([_MixerLayer(16), _AttentionLayer(16)])
+    model.forward = lambda x: model.layers[1](model.layers[0](x))
+    tr = record(model, (torch.randn(2, 16),))
+    assert tr.index.checkpoint_block_classes == ("_MixerLayer", "_AttentionLayer")
+    for chosen in (ModuleWrapPolicy(), TorchtitanPolicy()):
+        plan = chosen.plan(tr)
+        validate_plan(plan, tr)
+        assert ["layers.0"] in groups_of(plan) and ["layers.1"] in groups_of(plan), groups_of(plan)
+        assert not any("layers.0.mixer.dt_proj" in g for g in groups_of(plan)), groups_of(plan)
+
+
+class DoubleConv(torch.nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(cin, cout, 3, padding=1), torch.nn.ReLU(),
+                                       torch.nn.Conv2d(cout, cout, 3, padding=1), torch.nn.ReLU())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class _UNet(torch.nn.Module):
+    def __init__(self, w: int = 4) -> None:
+        super().__init__()
+        self.downs = torch.nn.ModuleList([DoubleConv(3, w), DoubleConv(w, 2 * w)])
+        self.bottleneck = DoubleConv(2 * w, 4 * w)
+        self.upconvs = torch.nn.ModuleList([torch.nn.ConvTranspose2d(4 * w, 2 * w, 2, stride=2),
+                                            torch.nn.ConvTranspose2d(2 * w, w, 2, stride=2)])
+        self.ups = torch.nn.ModuleList([DoubleConv(4 * w, 2 * w), DoubleConv(2 * w, w)])
+        self.head = torch.nn.Conv2d(w, 2, 1)
+
+    def forward(self, x):
+        skips = []
+        for d in self.downs:
+            x = d(x)
+            skips.append(x)
+            x = torch.nn.functional.max_pool2d(x, 2)
+        x = self.bottleneck(x)
+        for up, dc, s in zip(self.upconvs, self.ups, reversed(skips), strict=True):
+            x = dc(torch.cat([up(x), s], 1))
+        return self.head(x)
+
+
+def test_a_u_net_s_blocks_are_its_double_convs():
+    """A U-Net's DoubleConv stacks its convs in a Sequential of its own: the convs, in every block and in the
+    bottleneck, held more params than the blocks and were taken for them (every conv a group, --ac checkpointing
+    each conv)."""
+    tr = record(_UNet(), (torch.randn(2, 3, 16, 16),))
+    assert default_block_class(tr) == "DoubleConv"
+    assert groups_of(ModuleWrapPolicy().plan(tr)).count(["head"]) == 0
+
+
 def test_nested_sequential_stages_of_childless_blocks_plan_with_every_policy(capsys):
     """A CNN whose stages stack Sequential(Conv2d, Identity, ReLU): its block class is the Conv2d, which has no
     children; every policy (and check) raised KeyError: 'Conv2d' in the checkpointing blocks' peers."""

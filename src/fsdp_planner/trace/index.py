@@ -313,7 +313,9 @@ class TraceIndex:
         # container holding containers (stages of blocks) is no block of its own
         composite = {self._modules[k].cls for k in kids if self._modules[k].children} - set(CONTAINERS)
         kids = [k for k in kids if not any(self._modules[a].cls in composite for a in proper_ancestors(k))]
-        cls = self._most_params(kids)
+        # no class repeats: a container of layers of several kinds, one of each (a 2-layer hybrid's Mamba and
+        # attention layers), still stacks blocks; an inner class (its Linears) repeats in them, not a block
+        cls = self._most_params(kids) or self._most_params(self._stacked_kinds(containers), repeated=False)
         while cls is not None and (inner := self._stacked_class(cls)) is not None:
             cls = inner
         return cls
@@ -341,7 +343,8 @@ class TraceIndex:
         # (a block class with no children of its own, a Conv2d that nested Sequential stages stack, is no container's
         # composite child: its share is its instances')
         ours = total.get(main, sum(numel[m] for m, info in self._modules.items() if info.cls == main))
-        for cls in sorted((c for c in total if c != main and count[c] >= 2), key=lambda c: (-total[c], c)):
+        alone = count.get(main, 0) < 2  # (a stack of layers of several kinds, one of each: each is a block)
+        for cls in sorted((c for c in total if c != main and (count[c] >= 2 or alone)), key=lambda c: (-total[c], c)):
             if total[cls] >= PEER_SHARE * ours and not self._nested(cls, chosen):
                 chosen.append(cls)
         return tuple(chosen)
@@ -381,7 +384,19 @@ class TraceIndex:
             return None
         return found.pop()
 
-    def _most_params(self, candidates: Iterable[str]) -> str | None:
+    def _stacked_kinds(self, containers: list[str]) -> list[str]:
+        """The children of the containers that stack two or more composite modules holding params (layers)."""
+        numel = self.subtree_numel
+        out = []
+        for m in containers:
+            layers = [c for c in self._modules[m].children if self._modules[c].children and numel[c] > 0]
+            if len(layers) >= 2:
+                out += layers
+        return out
+
+    def _most_params(self, candidates: Iterable[str], repeated: bool = True) -> str | None:
+        """The class holding the most params among ``candidates``, of those with two instances or more there
+        (any, with ``repeated`` False)."""
         numel = self.subtree_numel
         count: dict[str, int] = {}
         total: dict[str, int] = {}
@@ -390,8 +405,8 @@ class TraceIndex:
                 cls = self._modules[fqn].cls
                 count[cls] = count.get(cls, 0) + 1
                 total[cls] = total.get(cls, 0) + numel[fqn]
-        repeated = [c for c in count if count[c] >= 2]
-        return max(repeated, key=lambda c: total[c]) if repeated else None
+        kinds = [c for c in count if count[c] >= 2 or not repeated]
+        return max(kinds, key=lambda c: (total[c], c)) if kinds else None
 
     @cached_property
     def owners_below(self) -> dict[str, frozenset[str]]:
