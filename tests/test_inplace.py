@@ -33,14 +33,16 @@ def _trace(fn: str, reuse: bool = True, meta: bool = True) -> Trace:
 def _same_but_inputs(a: Trace, b: Trace) -> set[str]:
     """Assert the traces (``a`` in place, ``b`` out of place) are equal but for FWD_PRE's inputs_nbytes,
     FWD_POST's held (an in-place op's result shares its input's storage: a call's frame holds one storage where
-    out of place it holds two, never more), forward ops' live (their temporaries: the same one storage against two)
+    out of place it holds two, never more), what it saved of its inputs (an in-place ReLU saves its input) and its
+    height mid-way (``Event.rise``), forward ops' live (their temporaries: the same one storage against two)
     and backward ops' freed (a saved storage that is the call's input is left to its caller: freed at the call's
     post-backward, never earlier); the modules whose inputs_nbytes differ."""
     assert len(a.events) == len(b.events)
     differ = set()
     for x, y in zip(a.events, b.events, strict=True):
-        if x != y and x.kind is EventKind.FWD_POST:
-            assert x._replace(held=y.held) == y and x.held < y.held, (x, y)
+        if x != y and x.kind is EventKind.FWD_POST:  # (and what its kept inputs saved: the ReLU's, in place)
+            assert x._replace(held=y.held, saved_inputs=y.saved_inputs, rise=y.rise) == y and x.held <= y.held \
+                and x.saved_inputs >= y.saved_inputs, (x, y)
         elif x != y and x.kind is EventKind.OP:
             assert x._replace(freed=y.freed, live=y.live) == y and x.freed <= y.freed and x.live <= y.live, (x, y)
         elif x != y:

@@ -12,6 +12,12 @@ gathered (FSDP2's pre-backward unshards the group before autograd reaches the ch
 recomputation stops, the call's forward frame is alive too, with the unsaved outputs it still holds, beside the
 gradient of the call's outputs (``recompute_levels``).
 
+What the call keeps is not re-created: a kept input its ops saved is the same storage in the recomputation
+(``Event.saved_inputs``), and a kept input two or more of its ops read (a residual block's) has its gradient held
+through the call's backward in autograd's input buffer (``Event.reread_inputs``); the recomputation's height,
+beyond what it holds when it stops, is ``Event.rise``; and a storage the call saved that an op outside every
+checkpointed call saves again stays beside the re-created copy (``resave_deltas``).
+
 Under op-level selective checkpointing (``fsdp2/selective.py``) the call keeps, besides its inputs, the outputs
 of the forward ops its policy saves (``kept``), in SAC's cache from each such op until the recomputation at its
 pre-backward takes them; the recomputation runs only the other forward ops (up to the early stop), so its time is
@@ -33,6 +39,7 @@ device copies one backward node unpacks at a time (``unpack_deltas``).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
@@ -67,6 +74,9 @@ class CheckpointedCall:
     stop: int = -1  # the recomputation runs the events before this one (early stop); -1: up to ``fwd_post``
     offload: bool = False  # not checkpointed: its saved activations offloaded to the host (``save_on_cpu``)
     held: int = 0  # traced bytes its recomputation holds when it stops besides the saved ones (``Event.held``)
+    rise: int = 0  # traced bytes it holds mid-way beyond that (``Event.rise``); 0 compiled (inductor fuses them)
+    saved_inputs: int = 0  # traced bytes of its kept inputs its ops save: not re-created (``Event.saved_inputs``)
+    reread: int = 0  # traced bytes of its kept inputs two or more of its ops read (``Event.reread_inputs``)
     outputs: int = 0  # a region the model checkpoints reentrantly: traced bytes of its outputs, which reentrant
     # checkpoint recomputes and holds through the call's backward (``reentrant_deltas``)
     whole: bool = False  # checkpointed without early stop: the recomputation runs the whole forward (torchtitan's)
@@ -123,9 +133,12 @@ def _call(trace: Trace, m: str, how: SacPolicy | Offloaded | None, call: int, fw
           bwd_pre: int, bwd_post: int, whole: bool = False) -> CheckpointedCall:
     policy = how if isinstance(how, SacPolicy) else None
     kept = kept_ops(trace, fwd_pre, fwd_post, policy) if policy is not None else ()
-    return CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, trace.events[fwd_pre].kept_inputs,
-                            policy, kept, early_stop(trace, fwd_pre, fwd_post), how is Offloaded.HOST,
-                            trace.events[fwd_post].held, whole=whole)
+    post = trace.events[fwd_post]
+    inputs = trace.events[fwd_pre].kept_inputs
+    return CheckpointedCall(m, call, fwd_pre, fwd_post, bwd_pre, bwd_post, inputs, policy, kept,
+                            early_stop(trace, fwd_pre, fwd_post), how is Offloaded.HOST, post.held,
+                            whole=whole, rise=0 if m in trace.compiled else post.rise,
+                            saved_inputs=min(post.saved_inputs, inputs), reread=min(post.reread_inputs, inputs))
 
 
 @dataclass(frozen=True)
@@ -240,10 +253,8 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
             c = start_at.get(i)
             if c is not None and inside is None:
                 inside = c
-                if c.offload:  # nothing kept on the device: no inputs held, no activations re-created
-                    continue
-                deltas[i] += c.inputs_nbytes * scale
-                deltas[c.bwd_post] -= c.inputs_nbytes * scale
+                if not c.offload:  # (offloaded: nothing kept on the device, no activations re-created)
+                    _kept(deltas, c, scale)
         elif kind is fwd_post:
             stack.pop()
             if inside is not None and i == inside.fwd_post:
@@ -254,7 +265,18 @@ def activation_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: fl
     for pos, nbytes in recreated.items():
         deltas[pos] += nbytes
     return deltas + compiled + cache_deltas(trace, calls, scale) + unpack_deltas(trace, calls, scale) \
-        + early_frees(trace, totals, scale) + reentrant_deltas(trace, calls, scale)
+        + early_frees(trace, totals, scale) + reentrant_deltas(trace, calls, scale) + resave_deltas(trace, calls, scale)
+
+
+def _kept(deltas: np.ndarray, c: CheckpointedCall, scale: float) -> None:
+    """A checkpointed call's inputs, held from its forward until its backward is done: those its ops saved are
+    re-created as saved (the same storages, counted there meanwhile); the gradient of those two or more of its ops
+    read (a residual's input) is held through its backward in autograd's input buffer until the last of their
+    gradients is summed into it."""
+    deltas[c.fwd_pre] += c.inputs_nbytes * scale
+    deltas[c.bwd_post] -= c.inputs_nbytes * scale
+    deltas[c.bwd_pre] += (c.reread - c.saved_inputs) * scale
+    deltas[c.bwd_post] -= (c.reread - c.saved_inputs) * scale
 
 
 def _activation_events(trace: Trace) -> list[int]:
@@ -385,7 +407,8 @@ def recompute_levels(trace: Trace, calls: Sequence[CheckpointedCall], scale: flo
         if not c.offload:  # where the recomputation runs (``recomputed_at``), with the inner groups' params
             # gathered again there (``fsdp2/replay.py``): EP 4 x full AC on 8 fake ranks -5.7% -> -4.6% there
             at = recomputed_at(trace, c.stop, c.fwd_post, c.bwd_pre, c.bwd_post)
-            levels[at] = max(levels[at], c.held * scale)
+            # (its output's gradient, which ``held`` counts, is what a residual's input buffer holds: counted there)
+            levels[at] = max(levels[at], max(0, c.held + c.rise - c.reread) * scale)
     return levels
 
 
@@ -400,6 +423,64 @@ def reentrant_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: flo
             deltas[recomputed_at(trace, c.end, c.fwd_post, c.bwd_pre, c.bwd_post)] += c.outputs * scale
             deltas[c.bwd_post] -= c.outputs * scale
     return deltas
+
+
+def resave_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:
+    """Storages a checkpointed call saved that an op outside every checkpointed call saves again (``Event.resaved``;
+    ``activation_deltas``' indexing): its recomputation re-creates its own copy, so the original, which the op
+    outside holds, is a second one, from that op until backward runs its node (``release``). A U-Net's encoder
+    levels under per-level checkpointing: each level's output, saved by its last ReLU, is saved again by the max
+    pool after it and, in the decoder, by the transposed conv (-8.8% without, the skips held twice)."""
+    deltas = np.zeros(len(trace.events) + 1)
+    if not calls:
+        return deltas
+    starts = [c.fwd_pre for c in calls]
+    held: dict[tuple[int, int], tuple[int, int]] = {}  # (first save, bytes) -> (from, until)
+    for i in _resaving_events(trace):
+        if _within(calls, starts, i) is not None:
+            continue  # saved again inside a checkpointed call: its input, kept, or its own re-created
+        for first, nbytes in trace.events[i].resaved:
+            c = _within(calls, starts, first)
+            if c is None or first in c.kept:  # (SAC's cache holds a kept op's output: the one copy)
+                continue
+            until = release(trace, i)
+            since, end = held.get((first, nbytes), (i, until))
+            held[(first, nbytes)] = (since, max(end, until))
+    for (_, nbytes), (since, until) in held.items():
+        deltas[since] += nbytes * scale
+        deltas[until] -= nbytes * scale
+    return deltas
+
+
+def _within(calls: Sequence[CheckpointedCall], starts: Sequence[int], position: int) -> CheckpointedCall | None:
+    """The call (of ``calls``, sorted by ``fwd_pre``, whose forwards do not overlap) whose forward holds
+    ``position``."""
+    k = bisect.bisect_right(starts, position) - 1
+    return calls[k] if k >= 0 and position < calls[k].fwd_post else None
+
+
+def _resaving_events(trace: Trace) -> list[int]:
+    """The forward ops that save again what an earlier op saved (once per trace)."""
+    key = ("resaving_events",)
+    if key not in trace.index.memo:
+        trace.index.memo[key] = [i for i, e in enumerate(trace.events) if e.resaved]
+    return trace.index.memo[key]
+
+
+def release(trace: Trace, i: int) -> int:
+    """Where backward runs the node of forward op ``i`` (and frees what it saved): autograd runs nodes newest
+    first, so after the backward of what followed it and before that of what preceded it: at the counterpart of
+    the last module boundary before it, a call's pre-backward for its post-forward (the op came after the call),
+    its post-backward for its pre-forward (the op ran inside it). The step's end where that call ran no backward."""
+    events = trace.events
+    for j in range(i - 1, -1, -1):
+        e = events[j]
+        if e.kind not in (EventKind.FWD_PRE, EventKind.FWD_POST):
+            continue
+        want = EventKind.BWD_PRE if e.kind is EventKind.FWD_POST else EventKind.BWD_POST
+        return next((k for k in trace.index.boundaries_by_module.get(e.module, ())
+                     if k > i and events[k].kind is want and events[k].call == e.call), len(events))
+    return len(events)
 
 
 def cache_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:

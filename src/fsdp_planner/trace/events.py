@@ -120,6 +120,18 @@ class Event(NamedTuple):
     freed: int = 0  # backward op: bytes of activations saved in the forward of the module call whose backward runs
     # it, which autograd freed once this op's node ran (it releases a node's saved tensors then): freed here, not
     # when that call's backward is done (``sim/recompute.py``)
+    rise: int = 0  # FWD_POST: how much more than at its last pack (its saves and ``held``'s frame) the call's
+    # forward held at the height of its ops before then: what its recomputation holds mid-way (a BatchNorm's fp32
+    # output beside its input and its bf16 cast, freed before the last pack) beyond what it holds when it stops
+    saved_inputs: int = 0  # FWD_POST: bytes of the call's kept inputs (``kept_inputs``) that its ops saved first: a
+    # checkpoint of it keeps them, and its recomputation saves the same storages again, not copies
+    reread_inputs: int = 0  # FWD_POST: bytes of its kept inputs two or more of its forward ops read (a residual
+    # block's input, read by its norm and by the residual sum): autograd sums their gradients, holding the first
+    # through the call's backward until the last arrives (``sim/recompute.py``)
+    resaved: tuple[tuple[int, int], ...] = ()  # forward op: (position of the event before the first save, bytes)
+    # of each storage saved before that it (or the op before it, packing its inputs) saves again: a checkpointed
+    # call's output a pooling op or the next layer outside it saves, which the call's recomputation does not
+    # re-create in its place (``sim/recompute.resave_deltas``)
 
     @property
     def is_op(self) -> bool:

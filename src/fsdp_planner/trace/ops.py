@@ -255,15 +255,25 @@ class OpRecorder(TorchDispatchMode):
             recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, out_nbytes, kernel=kernel,
                         grad_live=grad_live, workspace=workspace_bytes(func, args, kwargs))
             recorder.made_grads(made)
-        else:  # what selective checkpointing needs, for forward ops only (it never sees backward's)
-            recorder.made(flat_out)
-            if func._schema.is_mutable:
-                self.slot.written(written_tensors(func, args, kwargs))
-            cls = forward_class(func, args, self.router)
-            if cls is OpClass.ATTENTION_MASK:
-                recorder.mask_made(flat_out)
-            recorder.op(tuple(sorted(used)), flops, nbytes, live, cls, outputs_nbytes(flat_out), kernel)
+        else:
+            self._forward_op(func, args, kwargs, flat_in, flat_out, (tuple(sorted(used)), flops, nbytes, live), kernel)
         return out
+
+    def _forward_op(self, func: Any, args: tuple, kwargs: dict, flat_in: list, flat_out: list,
+                    counted: tuple[tuple[int, ...], int, int, int], kernel: int) -> None:
+        """A forward op: what it read and made, and what selective checkpointing needs (it never sees backward's);
+        ``counted``: the params it read, its FLOPs, bytes and temporaries alive."""
+        recorder = self.slot.recorder
+        if not (getattr(func, "is_view", False) or func in _NO_TRAFFIC_OPS):  # (a view's reader reads along it)
+            recorder.inputs_read(flat_in)
+        recorder.made(flat_out)
+        if func._schema.is_mutable:
+            self.slot.written(written_tensors(func, args, kwargs))
+        cls = forward_class(func, args, self.router)
+        if cls is OpClass.ATTENTION_MASK:
+            recorder.mask_made(flat_out)
+        params, flops, nbytes, live = counted
+        recorder.op(params, flops, nbytes, live, cls, outputs_nbytes(flat_out), kernel)
 
     def _attention_heads(self, args: tuple) -> None:
         """(query heads, key heads, head dim) of a fused attention call, from its (batch, heads, seq, head dim)

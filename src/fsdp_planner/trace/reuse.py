@@ -43,7 +43,7 @@ from fsdp_planner.routing import StandIn as Routing
 from fsdp_planner.trace.bookkeeping import bookkeeping
 from fsdp_planner.trace.events import OpClass
 from fsdp_planner.trace.saved import foreign_saved_hooks
-from fsdp_planner.trace.step import NULL, Call, Slot, StepRecorder
+from fsdp_planner.trace.step import NULL, Call, KeptInputs, Slot, StepRecorder
 from fsdp_planner.trace.tree import is_within
 from fsdp_planner.trace.walk import ModuleWalk
 
@@ -124,6 +124,10 @@ class Template:
     forward: list[tuple] = field(default_factory=list)
     backward: list[tuple] = field(default_factory=list)
     held: int = 0  # its own ``Event.held`` but its outputs' gradients: its frame at its last pack
+    rise: int = 0  # its own ``Event.rise``
+    excess: int = 0  # its frame's and saves' height less all its saves (``FrameBytes.close``)
+    reread: int = 0  # its own ``Event.reread_inputs``
+    input_reads: dict[int, int] = field(default_factory=dict)  # input -> its forward ops that read it
     # the pre-backwards of inner calls whose output is the call's own: they hook that tensor before the module's
     # own hook does, so a replay fires them from a hook on its output, registered before the module's
     on_output: list[tuple] = field(default_factory=list)
@@ -174,9 +178,10 @@ class ActionLog(StepRecorder):
     def enter_forward(self, fqn: str, grad_inputs: bool, inputs_nbytes: int = 0, kept_inputs: int = 0) -> int:
         call = self.calls.get(fqn, 0)
         self.calls[fqn] = call + 1
-        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes, kept_inputs))
+        # (the inputs its checkpoint keeps: storages, turned into sources a replay finds, ``_classify_saves``)
+        self._log(("fwd_pre", self.relative(fqn), grad_inputs, inputs_nbytes, kept_inputs, tuple(self.kept_next)))
         self.fwd_stack.append(fqn)  # read only by current_module(): where a failing op ran
-        self.frame.open()
+        self.opened()
         if grad_inputs:
             self.bwd_pending_post.add((fqn, call))
         return call
@@ -193,9 +198,10 @@ class ActionLog(StepRecorder):
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
         self._log(("own_region", begin, reentrant))  # a replay tells the step's recorder where it lies among the calls
 
-    def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
-        own = self.held(grads_nbytes)
-        self._log(("fwd_post", self.relative(fqn), own if held is None else held))
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, replayed: tuple[int, int, int] | None = None) -> int:
+        # (what its kept inputs saved: the replay's recorder counts it as it replays the saves)
+        held, rise, _, reread = self.closed(grads_nbytes)
+        self._log(("fwd_post", self.relative(fqn), *((held, rise, reread) if replayed is None else replayed)))
         self.fwd_stack.pop()
         self.last_exit = (fqn, self.calls[fqn] - 1)
         return self.last_exit[1]
@@ -251,6 +257,8 @@ class ActionLog(StepRecorder):
                 self.template.params.append(self.param_name[p])
             slots.append(self.slots[p])
         self._log(("op", tuple(slots), flops, nbytes, op_class, out_nbytes, kernel, live, workspace, grad_live, ()))
+        if not self.backward:
+            self.frame.op_done()
         self.last_op = len(self.template.backward) - 1 if self.backward else -1
         self.last_op_module = self.current_module()
         self.new_inputs.clear()
@@ -272,11 +280,15 @@ class ActionLog(StepRecorder):
 
     def save(self, ref: StorageWeakRef, nbytes: int, storage: torch.UntypedStorage | None = None,
              mask: bool = False) -> None:
-        self.packed(ref)
+        tracked = self.packed(ref)
         self.pack()
-        if self.backward or ref in self.static_storages or ref in self.saved_storages:
+        if self.backward or ref in self.static_storages:
+            return
+        if ref in self.saved_storages:  # saved again: replayed as a save of the same storage (``Event.resaved``)
+            self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages))
             return
         self.saved_storages.add(ref)
+        self.first_saved(ref, nbytes, tracked)
         self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages))
         self.watch_saved(storage, nbytes)
         unsaved = self.unsaved(ref)  # as ``StepRecorder.save``: the saving op counted it alive
@@ -508,8 +520,14 @@ class BlockReuse:
             self.slot.recorder, self.slot.produced = log, set()
             log.frame.track(clones.values())  # made before the call, as its real inputs were (``Event.held``)
             log.frame.open()
+            log.kept_stack.append(KeptInputs({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
+                                              for t in clones.values()}))  # (its reads: ``Event.reread_inputs``)
             out = forward(*iso_args, **iso_kwargs)
-            log.template.held = log.frame.close()
+            log.template.held, log.template.rise, log.template.excess = log.frame.close()
+            kept = log.kept_stack.pop()
+            log.template.reread = kept.reread()
+            log.template.input_reads = {i: kept.reads[ref] for i, t in clones.items()
+                                        if (ref := StorageWeakRef(t.untyped_storage())) in kept.reads}
             produced, self.slot.produced = self.slot.produced, None
             self._routed(log, r, before[0])
             self._describe_outputs(log, out, produced)
@@ -575,11 +593,14 @@ class BlockReuse:
     def _classify_saves(self, log: ActionLog, r: _Repeated, clones: dict[int, torch.Tensor], out: Any,
                         produced: set[StorageWeakRef]) -> None:
         """Turn each saved storage into something a replay can find again: an input, an output, a buffer, or a
-        storage made inside the call (counted once per replay)."""
+        storage made inside the call (counted once per replay); and so each inner call's kept inputs that it saved
+        (``Event.saved_inputs``, which the replay's recorder counts as it replays the saves)."""
         inputs = {StorageWeakRef(t.untyped_storage()): i for i, t in clones.items()}
         outputs = {StorageWeakRef(t.untyped_storage()): j for j, t in enumerate(tree_flatten(out)[0])
                    if isinstance(t, torch.Tensor)}
         buffers = {StorageWeakRef(b.untyped_storage()): n for n, b in r.buffers.items()}
+        internal: dict[StorageWeakRef, int] = {}  # a storage made inside -> its first save's (saved again after)
+        sources: dict[StorageWeakRef, tuple] = {}
         for n, (pos, ref, nbytes, mask) in enumerate(log.saved):
             if ref in inputs:
                 source: tuple = ("input", inputs[ref])
@@ -588,11 +609,14 @@ class BlockReuse:
             elif ref in buffers:
                 source = ("buffer", buffers[ref])
             elif ref in produced:
-                source = ("internal", n)
+                source = ("internal", internal.setdefault(ref, n))
             else:
                 log.template.reusable = False  # saves a tensor from outside the call
                 return
             log.template.forward.insert(pos + n, ("save", source, nbytes, mask))
+            sources[ref] = source
+        log.template.forward = [(*a[:5], tuple(sources[r] for r in a[5] if r in sources)) if a[0] == "fwd_pre" else a
+                                for a in log.template.forward]
 
     def _record_backward(self, log: ActionLog, held: list[Any]) -> None:
         """The call's backward from its outputs' gradient edges, the outputs themselves (``held``'s one item) let
@@ -647,6 +671,7 @@ class BlockReuse:
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]
             args = arguments.pop("leaves")
+            _replayed_reads(main, template, args)
             sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(args[i].untyped_storage())
                                                     for i in inputs}
             sources.update({("output", j): StorageWeakRef(t.untyped_storage()) for j, t in enumerate(outs)
@@ -655,7 +680,8 @@ class BlockReuse:
             sources.update({("buffer", n): StorageWeakRef(b.untyped_storage()) for n, b in r.buffers.items()})
             _replay_actions(main, template.forward, prefix, params, sources)
             if ("pack",) in template.forward:  # its ops ran in the recording: their frame at its last pack
-                main.frame.replayed(template.held)
+                main.frame.replayed(template.held, template.rise)
+            main.frame.replayed_height(template.excess)
             self.routing.used = _added(self.routing.used, template.routed, r.fqn)
             self.routing.experts, self.routing.per_expert = template.routing
             return ([t for t in outs if isinstance(t, torch.Tensor)],
@@ -729,6 +755,16 @@ def _compile_ops(template: Template, r: _Repeated) -> None:
         actions[:] = merged
 
 
+def _replayed_reads(main: StepRecorder, template: Template, args: list) -> None:
+    """A replayed call's kept inputs as its recording's ops read them (``Event.reread_inputs``): its own call's
+    (its pre-forward ran, the innermost), and the calls around it, whose reads of its inputs those are too."""
+    if main.kept_stack:
+        main.kept_stack[-1].replayed = template.reread
+        for i, times in template.input_reads.items():
+            for kept in main.kept_stack[:-1]:
+                kept.read({StorageWeakRef(args[i].untyped_storage())}, times)
+
+
 def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
                     sources: dict[tuple, StorageWeakRef]) -> None:
     for action in actions:
@@ -738,9 +774,10 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.ops([(tuple([params[i] for i in slots]), *rest[:-1], replayed_freed(rest[-1], prefix, inner))
                       for slots, *rest in action[1]])
         elif kind == "fwd_pre":
+            main.kept_next = dict.fromkeys((_source_ref(sources, s) for s in action[5]), 0)
             main.enter_forward(prefix + action[1], action[2], action[3], action[4])
         elif kind == "fwd_post":
-            main.exit_forward(prefix + action[1], held=action[2])
+            main.exit_forward(prefix + action[1], replayed=action[2:5])
         elif kind == "bwd_pre":
             main.enter_backward((prefix + action[1], action[2]))
         elif kind == "bwd_post":
@@ -755,8 +792,16 @@ def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, param
             main.modified_output(tuple(prefix + f for f in action[1]))
         else:  # save
             source, nbytes, mask = action[1], action[2], action[3]
-            ref = sources.get(source) or _Fresh()
-            main.save(ref, nbytes, mask=mask)  # type: ignore[arg-type]
+            main.save(_source_ref(sources, source), nbytes, mask=mask)
+
+
+def _source_ref(sources: dict[tuple, StorageWeakRef], source: tuple) -> StorageWeakRef:
+    """The storage a replay's source is; one made inside the call, the same for each save of it (or none left:
+    the backward's)."""
+    ref = sources.get(source)
+    if ref is None:
+        ref = sources[source] = _Fresh()  # type: ignore[assignment]
+    return ref
 
 
 def _reentrant_inside(tensors: list[torch.Tensor]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +52,13 @@ class StepRecorder:
         # next op takes it off that op's live too, as a save of a temporary does (``unsaved``)
         self.new_inputs: dict[StorageWeakRef, int] = {}
         self.frame = FrameBytes()  # storages forward ops made, alive and not saved for backward
+        # per call running: the inputs its checkpoint keeps, and the bytes of them its ops saved first
+        self.kept_stack: list[KeptInputs] = []
+        self.kept_next: dict[StorageWeakRef, int] = {}  # ``call_inputs``' for the call about to begin
+        # saved storage -> the position of the event before its first save; the saves again of those since the
+        # last forward op, for the next (``Event.resaved``)
+        self.first_saves: dict[StorageWeakRef, int] = {}
+        self.resaves: dict[StorageWeakRef, tuple[int, int]] = {}
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
         self.bwd_starts: dict[Call, int] = {}  # module call -> the position of its pre-backward
@@ -100,9 +108,13 @@ class StepRecorder:
         if op_class is OpClass.ATTENTION_MASK:
             self.last_mask_op = self.last_op
         self.new_inputs.clear()
+        resaved = ()
+        if not self.backward:
+            self.frame.op_done()
+            resaved, self.resaves = tuple(self.resaves.values()), {}
         self.events.append(Event(EventKind.OP, module, params=params, flops=flops, nbytes=nbytes, saved=saved,
                                  backward=self.backward, live=live, op_class=op_class, out_nbytes=out_nbytes,
-                                 kernel=kernel, grad_live=grad_live, workspace=workspace))
+                                 kernel=kernel, grad_live=grad_live, workspace=workspace, resaved=resaved))
 
     def take_pending(self, module: str) -> int:
         """The caller's saved bytes an op of ``module`` about to be recorded takes: all of them where it is a forward
@@ -190,6 +202,9 @@ class StepRecorder:
         saved = self.take_pending(module) if batch else 0
         if saved:
             self.events[first] = self.events[first]._replace(saved=saved)
+        if batch and self.resaves and not backward:
+            self.events[first] = self.events[first]._replace(resaved=tuple(self.resaves.values()))
+            self.resaves = {}
         self.last_op, self.last_op_module = len(self.events) - 1, module
         self.new_inputs.clear()
 
@@ -254,17 +269,45 @@ class StepRecorder:
     def unclaimed(self, ref: StorageWeakRef) -> bool:
         return ref not in self.static_storages and ref not in self.saved_storages and ref not in self.input_storages
 
-    def packed(self, ref: StorageWeakRef) -> None:
+    def packed(self, ref: StorageWeakRef) -> bool:
         """A storage packed for backward in forward leaves the frame's count; each open call notes what its frame
-        holds now, at its latest pack (where a recomputation of it stops, ``Event.held``)."""
+        holds now, at its latest pack (where a recomputation of it stops, ``Event.held``). Whether the frame
+        tracked it."""
         if self.backward:
-            return
-        self.frame.untrack(ref)
+            return True
+        tracked = self.frame.untrack(ref, saved=True)
         self.frame.packed()
+        return tracked
 
-    def held(self, grads_nbytes: int) -> int:
-        """``Event.held`` of the call ending now (its marks popped)."""
-        return self.frame.close() + grads_nbytes
+    def first_saved(self, ref: StorageWeakRef, nbytes: int, tracked: bool) -> None:
+        """A storage saved for the first time: the kept inputs' (``Event.saved_inputs``); one the frame did not
+        track, the saves of the running calls that did not keep it (``FrameBytes.saved_untracked``)."""
+        for kept in self.kept_stack:
+            if ref in kept.refs:
+                kept.saved += nbytes
+        if not tracked:
+            self.frame.saved_untracked(nbytes, [ref not in kept.refs for kept in self.kept_stack])
+
+    def inputs_read(self, tensors: Iterable[Any]) -> None:
+        """A forward op (not a view: a view's reader reads along the same gradient path) read these tensors."""
+        if self.kept_stack:
+            refs = {StorageWeakRef(t.untyped_storage()) for t in tensors if isinstance(t, torch.Tensor)}
+            for kept in self.kept_stack:
+                kept.read(refs)
+
+    def closed(self, grads_nbytes: int) -> tuple[int, int, int, int]:
+        """``Event.held``, ``rise``, ``saved_inputs`` and ``reread_inputs`` of the call ending now (its marks
+        popped)."""
+        held, rise, _ = self.frame.close()
+        kept = self.kept_stack.pop() if self.kept_stack else KeptInputs({})
+        return held + grads_nbytes, rise, kept.saved, kept.reread()
+
+    def opened(self) -> None:
+        """A call begins: its frame, and the inputs ``call_inputs`` found its checkpoint keeps."""
+        self.frame.open()
+        self.kept_stack.append(KeptInputs(self.kept_next))
+        self.kept_next = {}
+
 
     def mask_made(self, tensors: Iterable[Any]) -> None:
         """The outputs of the attention-mask op about to be recorded (``OpClass.ATTENTION_MASK``)."""
@@ -276,15 +319,22 @@ class StepRecorder:
         marked (``pack``); ``storage``: the storage itself, watched until autograd frees it (``watch_saved``).
         A mask's bias (``mask``, or made by a mask op) is charged to the mask op that made it: the attention packs
         it with its queries, keys and values, which tensor parallelism shards where it does not shard the bias."""
-        self.packed(ref)
+        tracked = self.packed(ref)
         self.pack()
-        if self.backward or ref in self.static_storages or ref in self.saved_storages:
+        if self.backward or ref in self.static_storages:
+            return
+        if ref in self.saved_storages:
+            first = self.first_saves.get(ref)
+            if first is not None and first != self.position() - 1:
+                self.resaves[ref] = (first, nbytes)
             return
         if storage is not None and self.outside_modules() and self.loss.holds(storage):
             # the loss saves what its region counts alive until autograd frees it (the model's output, which an
             # op's input save would charge to the model's last op, held until that module's backward: twice)
             return
         self.saved_storages.add(ref)
+        self.first_saves[ref] = self.position() - 1
+        self.first_saved(ref, nbytes, tracked)
         # a temporary until now: the op that saves it counted it alive, and charges it as saved instead
         unsaved = self.unsaved(ref)
         if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
@@ -325,6 +375,7 @@ class StepRecorder:
         checkpoint inside its own. A ``holder`` (the call holds params, its own or below it) takes the storages."""
         nbytes = kept = 0
         seen: set[StorageWeakRef] = set()
+        kept_refs: dict[StorageWeakRef, int] = {}
         for t in tensors:
             ref = StorageWeakRef(t.untyped_storage())
             if ref in self.static_storages or ref in seen:
@@ -338,10 +389,13 @@ class StepRecorder:
                     self.new_inputs[ref] = forgotten
                 nbytes += size
                 kept += size
+                kept_refs[ref] = size
             elif (owner := self.input_storages[ref]) is None or owner in self.fwd_stack:
                 kept += size
+                kept_refs[ref] = size
             if holder or ref not in self.input_storages:
                 self.input_storages[ref] = fqn if holder else None
+        self.kept_next = kept_refs
         return nbytes, kept
 
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
@@ -361,7 +415,7 @@ class StepRecorder:
         self.events.append(Event(EventKind.FWD_PRE, fqn, call=call, grad_inputs=grad_inputs,
                                  inputs_nbytes=inputs_nbytes, kept_inputs=kept_inputs))
         self.fwd_stack.append(fqn)
-        self.frame.open()
+        self.opened()
         if grad_inputs:
             self.bwd_pending_post.add((fqn, call))
         return call
@@ -375,15 +429,19 @@ class StepRecorder:
         style can return it (a DTensor's local tensor is a view autograd refuses to modify in place)."""
         self.modified_outputs.update(fqns)
 
-    def exit_forward(self, fqn: str, grads_nbytes: int = 0, held: int | None = None) -> int:
-        """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``held``: its ``Event.held`` as a
-        replayed template recorded it."""
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, replayed: tuple[int, int, int] | None = None) -> int:
+        """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``replayed``: its ``Event.held``,
+        ``rise`` and ``reread_inputs`` as a replayed template recorded them."""
         call = self.calls[fqn] - 1
         self.flush_pending()  # (saved by the call ending, and no op of it ran after)
         self.fwd_stack.pop()
-        own = self.held(grads_nbytes)
-        own = 0 if fqn == ROOT else own if held is None else held  # the root is never checkpointed
-        self.events.append(Event(EventKind.FWD_POST, fqn, call=call, held=own))
+        held, rise, saved_inputs, reread = self.closed(grads_nbytes)
+        if replayed is not None:
+            held, rise, reread = replayed
+        if fqn == ROOT:
+            held = rise = saved_inputs = reread = 0
+        self.events.append(Event(EventKind.FWD_POST, fqn, call=call, held=held, rise=rise,
+                                 saved_inputs=saved_inputs, reread_inputs=reread))  # (the root: never checkpointed)
         return call
 
     def enter_backward(self, key: Call) -> None:
@@ -413,9 +471,47 @@ class StepRecorder:
         self.bwd_active.clear()
 
 
+@dataclass
+class KeptInputs:
+    """A running call's inputs that a checkpoint of it keeps, as its forward uses them."""
+
+    refs: dict[StorageWeakRef, int]  # storage -> bytes
+    saved: int = 0  # bytes of them its ops saved first (``Event.saved_inputs``)
+    reads: dict[StorageWeakRef, int] = field(default_factory=dict)  # storage -> forward ops that read it
+    replayed: int | None = None  # a replayed call's: its recording's ``reread``
+
+    def read(self, refs: set[StorageWeakRef], times: int = 1) -> None:
+        for ref in refs & self.refs.keys():
+            self.reads[ref] = self.reads.get(ref, 0) + times
+
+    def reread(self) -> int:
+        """Bytes of them two or more forward ops read (``Event.reread_inputs``)."""
+        if self.replayed is not None:
+            return self.replayed
+        return sum(self.refs[r] for r, n in self.reads.items() if n >= 2)
+
+
+@dataclass
+class _OpenCall:
+    """A module call running, as ``FrameBytes`` sees it."""
+
+    order: int  # storages tracked before it began
+    start: int  # the frame's bytes when it began
+    gone: int = 0  # bytes of older storages saved or freed since
+    at_pack: int = 0  # its own frame's bytes at its latest pack
+    saved: int = 0  # bytes of the storages it made that a pack saved
+    peak: int = 0  # the most its own frame and those saves held together after any of its ops
+    peak_at_pack: int = 0  # ``peak`` at its latest pack
+
+    def own(self, current: int) -> int:
+        return current + self.gone - self.start
+
+
 class FrameBytes:
     """Bytes of live storages forward ops made that no pack has saved (``Event.held``), freed storages seen through
-    weak references; and, per module call running, those of them made since it began, noted at each pack."""
+    weak references; and, per module call running, those of them made since it began, noted at each pack, and the
+    most they and the call's own saves held together (``Event.rise``): a recomputation runs the same ops, so it
+    holds that much at its height."""
 
     def __init__(self) -> None:
         self.current = 0
@@ -423,8 +519,7 @@ class FrameBytes:
         self._born: dict[StorageWeakRef, int] = {}  # storage -> its place in the order storages were tracked
         self._refs: dict[StorageWeakRef, weakref.ref] = {}
         self._order = 0
-        # per call running: [storages tracked before it, its bytes at its start, older bytes gone since, at pack]
-        self._calls: list[list[int]] = []
+        self._calls: list[_OpenCall] = []
 
     def track(self, tensors: Iterable[Any]) -> None:
         for t in tensors:
@@ -440,31 +535,65 @@ class FrameBytes:
         self.current += self._sizes[key]
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self.untrack(key))
 
-    def untrack(self, key: StorageWeakRef) -> None:
-        """Saved or freed: a storage made before a running call began leaves no bytes of that call's."""
-        nbytes = self._sizes.pop(key, 0)
+    def untrack(self, key: StorageWeakRef, saved: bool = False) -> bool:
+        """Saved or freed: a storage made before a running call began leaves no bytes of that call's; one it made
+        and a pack ``saved`` is its saves' from now on. Whether it was tracked."""
+        if key not in self._sizes:
+            return False
+        nbytes = self._sizes.pop(key)
         born = self._born.pop(key, 0)
         self._refs.pop(key, None)
         self.current -= nbytes
         for call in self._calls:
-            if born < call[0]:
-                call[2] += nbytes
+            if born < call.order:
+                call.gone += nbytes
+            elif saved:
+                call.saved += nbytes
+        return True
+
+    def saved_untracked(self, nbytes: int, own: Sequence[bool]) -> None:
+        """A first save of a storage no op here made (a replayed call's output): the saves of the running calls
+        ``own`` marks, innermost last (those it was no kept input of), from now on."""
+        for call, mine in zip(reversed(self._calls), reversed(own), strict=False):
+            if mine:
+                call.saved += nbytes
 
     def open(self) -> None:
-        self._calls.append([self._order, self.current, 0, 0])
+        self._calls.append(_OpenCall(self._order, self.current))
+
+    def op_done(self) -> None:
+        """A forward op ran, its outputs tracked: each running call's height so far."""
+        for call in self._calls:
+            call.peak = max(call.peak, call.own(self.current) + call.saved)
 
     def packed(self) -> None:
         for call in self._calls:
-            call[3] = self.current + call[2] - call[1]
+            call.at_pack = call.own(self.current)
+            call.peak_at_pack = call.peak
 
-    def replayed(self, held: int) -> None:
-        """A replayed call packed last: what its recording's frame held then, which no op here made, counts too."""
+    def replayed(self, held: int, rise: int) -> None:
+        """A replayed call packed last: what its recording's frame held then, which no op here made, counts too;
+        and its recording's height before then, held then and ``rise`` more (its saves are counted as they are
+        replayed)."""
         for call in self._calls:
-            call[3] += held
+            height = call.own(self.current) + call.saved + held + rise
+            call.peak_at_pack, call.peak = max(call.peak_at_pack, height), max(call.peak, height)
+            call.at_pack += held
 
-    def close(self) -> int:
-        """The call ending now: the bytes of the storages it made that were alive and unsaved at its last pack."""
-        return max(0, self._calls.pop()[3]) if self._calls else 0
+    def replayed_height(self, excess: int) -> None:
+        """A replayed call ran: its recording's height beyond its saves (``close``) counts in the running calls'."""
+        for call in self._calls:
+            call.peak = max(call.peak, call.own(self.current) + call.saved + excess)
+
+    def close(self) -> tuple[int, int, int]:
+        """The call ending now: the bytes of the storages it made that were alive and unsaved at its last pack, how
+        much more it held before then (``Event.rise``), and its height less all its saves (a replay's, which
+        replays the saves: ``replayed_height``)."""
+        if not self._calls:
+            return 0, 0, 0
+        call = self._calls.pop()
+        held = max(0, call.at_pack)
+        return held, max(0, call.peak_at_pack - held - call.saved), call.peak - call.saved
 
 
 class LossRegion:
@@ -579,6 +708,7 @@ class Gradients:
 
     def holds(self, ref: StorageWeakRef) -> bool:
         return ref.cdata in self._records
+
 
     def born(self, ref: StorageWeakRef) -> int:
         return self._records[ref.cdata][0]
