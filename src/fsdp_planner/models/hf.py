@@ -495,8 +495,14 @@ def attention_of(model: nn.Module) -> str | None:
 
 
 def has_attention(model: nn.Module) -> bool:
-    """Whether ``model``'s class takes an attention implementation other than eager: a CNN (ResNet, ConvNeXt) or
-    a state-space model (Mamba) takes none, having no attention; an attention model without SDPA support is rare."""
+    """Whether ``model`` has attention: its class takes an attention implementation other than eager, or (a model
+    transformers gives eager attention only, Bloom's ALiBi attention) one of its modules is an attention module by
+    its class name. A CNN (ResNet, ConvNeXt) or a state-space model (Mamba) has neither."""
+    return other_attention(model) or any("Attention" in type(m).__name__ for m in model.modules())
+
+
+def other_attention(model: nn.Module) -> bool:
+    """Whether ``model``'s class takes an attention implementation other than eager (SDPA, flash, flex)."""
     return any(getattr(type(model), flag, False) for flag in ("_supports_sdpa", "_supports_flash_attn",
                                                               "_supports_flex_attn", "_supports_attention_backend"))
 

@@ -304,8 +304,9 @@ def attention_note(spec: ModelSpec, model: object, attention: Kernel) -> str | N
         kernel_name = spec.attention or ("eager" if built == "eager" else "sdpa")
         saved = "score matrices saved, O(seq^2)" if built == "eager" else _fused_saved(model, attention, built)
         built = "flash stand-in" if built == hf.hf_attention.FUSED else built
-        return (f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; "
-                "--attention sdpa|flash|eager plans for another)")
+        other = ("--attention sdpa|flash|eager plans for another" if hf.other_attention(model)  # type: ignore[arg-type]
+                 else "the only one transformers has for this model")
+        return f"attention traced as {kernel_name} (transformers' attn_implementation '{built}': {saved}; {other})"
     if attention.calls == 0 and spec.attention is not None:
         # said rather than ignored: the option changes nothing for a model whose step calls no SDPA
         return (f"--attention {spec.attention} changes nothing here: the step calls no scaled_dot_product_attention "

@@ -30,6 +30,9 @@ class StepRecorder:
         # storages some call's inputs_nbytes already counts -> the param-holding call that took one last (None:
         # only paramless calls did): what a checkpoint of a later call keeps (``call_inputs``)
         self.input_storages: dict[StorageWeakRef, str | None] = {}
+        # such storages -> the module calls that took them (``watch_saved``: one that none of the calls running
+        # took was made inside the saving call, and handed only to calls inside it)
+        self.takers: dict[StorageWeakRef, set[Call]] = {}
         self.fwd_stack: list[str] = []
         self.bwd_active: list[Call] = []  # module calls whose backward is running
         self.bwd_pending_post: set[Call] = set()  # calls that will get a post-backward marker
@@ -148,11 +151,21 @@ class StepRecorder:
         call's backward (once the node that saved it last has run), the backward op just recorded gets its bytes
         as ``Event.freed``."""
         owner = self.saving_call()
-        if storage is None or owner is None or StorageWeakRef(storage) in self.input_storages:
-            return  # a call's input: its lifetime is its caller's
+        if storage is None or owner is None or self.made_outside(StorageWeakRef(storage)):
+            return  # the saving call's input (or an ancestor's): its lifetime is its caller's
         key = self._watch_count
         self._watch_count += 1
         self._watched[key] = weakref.ref(storage, lambda _: self.saved_freed(key, owner, nbytes))
+
+    def made_outside(self, ref: StorageWeakRef) -> bool:
+        """Whether a storage a call's input took came from outside the call saving it now: one of the calls running
+        took it (or it is counted as an input otherwise: a template's own inputs, a replayed call's outputs). A
+        storage the saving call made and handed only to calls inside it (Bloom's attention probabilities, given to
+        its dropout module and saved by the next ``bmm``) is its own: autograd frees it in its backward."""
+        if ref not in self.input_storages:
+            return False
+        takers = self.takers.get(ref)
+        return takers is None or any((f, self.calls.get(f, 1) - 1) in takers for f in self.fwd_stack)
 
     def unwatch(self) -> None:
         self._watched.clear()
@@ -395,6 +408,7 @@ class StepRecorder:
                 kept_refs[ref] = size
             if holder or ref not in self.input_storages:
                 self.input_storages[ref] = fqn if holder else None
+            self.takers.setdefault(ref, set()).add((fqn, self.calls.get(fqn, 0)))
         self.kept_next = kept_refs
         return nbytes, kept
 
