@@ -11,8 +11,10 @@ the model, its inputs and every step run under torch's ``FakeTensorMode`` (no va
 counts is each fake storage's size). The plan's ``mesh`` (replicate x shard) gives a 2-D mesh, as HSDP runs it.
 This script reads the plan file (what ``plan --out`` writes) and applies it itself: checkpointing first (a named
 module's forward under non-reentrant ``torch.utils.checkpoint``; for ``selective_checkpointing`` with op-level
-SAC, its own save policy, written from torchtitan's description: keep mm outputs but recompute every second mm of
-a block call, keep SDPA's and ``max``'s), then ``fully_shard`` on each group (deepest first, the root last) with
+SAC, its own save policy for the plan's policy name, written from torchtitan's description: 2026's keeps the
+outputs of AOTAutograd's compute-intensive ops (torch's own list), SDPA's, ``max``'s, ``topk``'s and the
+collectives', the earlier lists mm's, SDPA's and ``max``'s; every second mm of a block call recomputed), then
+``fully_shard`` on each group (deepest first, the root last) with
 the group's ``reshard_after_forward`` (an int: FSDP2's post-forward mesh of that many ranks, 1 meaning False and
 the shard size True), its prefetch lists, and a ``MixedPrecisionPolicy`` of the precision (bf16 params, fp32 reduce;
 a group's ``param_dtype`` fp32 gets an fp32 one). One step of AdamW (lr 1e-3) creates the optimizer state, then
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._functorch.partitioners import get_default_op_list
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
 from torch.distributed.device_mesh import init_device_mesh
@@ -48,11 +51,20 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
-SAVED_OPS = {aten.mm.default, aten.max.default, aten._scaled_dot_product_flash_attention.default,
-             aten._scaled_dot_product_efficient_attention.default,
-             aten._scaled_dot_product_cudnn_attention.default,
-             aten._scaled_dot_product_flash_attention_for_cpu.default,
-             aten._scaled_dot_product_fused_attention_overrideable.default}
+SDPA_OPS = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_fused_attention_overrideable.default}
+# the plan's op-level policy -> the ops whose outputs it saves: torchtitan's lists as its sources describe them
+# (2026's SelectiveAC: AOTAutograd's compute-intensive ops, taken from torch itself, the SDPA kernels, max, topk,
+# the collectives; 2025's and 2024's llama3 lists: mm, SDPA, max), every second mm of a block call recomputed
+SAVED_OPS = {
+    "titan": {op for packet in get_default_op_list().compute_intensive_ops for op in
+              (getattr(packet, name) for name in packet.overloads())}
+    | SDPA_OPS | {aten.max.default, aten.topk.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
+                  torch.ops._c10d_functional.all_to_all_single.default},
+    "titan-2025": {aten.mm.default, aten.max.default, *SDPA_OPS},
+    "titan-early": {aten.mm.default, aten.max.default, *SDPA_OPS},
+}
 
 
 def factory(spec: str):
@@ -119,8 +131,9 @@ class GroupMemTracker(FSDPMemTracker):
         return wrap(module, original)(*args, **kwargs)
 
 
-def sac_context():
-    """A fresh mm count per block call: odd-numbered mm outputs kept, even-numbered recomputed."""
+def sac_context(saved: set) -> object:
+    """A fresh mm count per block call: odd-numbered mm outputs kept, even-numbered recomputed; ``saved``'s ops
+    kept."""
     count = {"mm": 0}
 
     def policy(ctx, op, *args, **kwargs):
@@ -128,16 +141,17 @@ def sac_context():
             count["mm"] += 1
             if count["mm"] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
 
-def checkpoint_forward(module: nn.Module, selective: bool) -> None:
-    """The module's forward under non-reentrant ``checkpoint``; a Hugging Face layer by transformers' own gradient
-    checkpointing (``GradientCheckpointingLayer``), which drops the KV cache the layer would write (the
-    recomputation would write it again), as ``gradient_checkpointing_enable()`` does for a user."""
-    extra = {"context_fn": sac_context} if selective else {}
+def checkpoint_forward(module: nn.Module, policy: str | None) -> None:
+    """The module's forward under non-reentrant ``checkpoint``, op-level under the plan's ``policy`` where given; a
+    Hugging Face layer by transformers' own gradient checkpointing (``GradientCheckpointingLayer``), which drops the
+    KV cache the layer would write (the recomputation would write it again), as ``gradient_checkpointing_enable()``
+    does for a user."""
+    extra = {"context_fn": functools.partial(sac_context, SAVED_OPS[policy])} if policy else {}
     if hf_checkpointing_layer(module):
         module.gradient_checkpointing = True
         module._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False, **extra)
@@ -265,9 +279,9 @@ def reshard(value, shard_size: int):
 def shard(model: nn.Module, plan: dict, mesh, precision: str) -> None:
     modules = dict(model.named_modules())
     for name in plan.get("activation_checkpointing", []):
-        checkpoint_forward(modules[name], selective=False)
-    for name in plan.get("selective_checkpointing", {}):
-        checkpoint_forward(modules[name], selective=True)
+        checkpoint_forward(modules[name], None)
+    for name, policy in plan.get("selective_checkpointing", {}).items():
+        checkpoint_forward(modules[name], policy)
     shard_size = mesh.size(mesh.ndim - 1)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
