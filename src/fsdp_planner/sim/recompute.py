@@ -435,18 +435,18 @@ def resave_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float)
     if not calls:
         return deltas
     starts = [c.fwd_pre for c in calls]
-    held: dict[tuple[int, int], tuple[int, int]] = {}  # (first save, bytes) -> (from, until)
+    held: dict[tuple[int, int], tuple[int, int, int]] = {}  # storage (its first save) -> (bytes, from, until)
     for i in _resaving_events(trace):
         if _within(calls, starts, i) is not None:
             continue  # saved again inside a checkpointed call: its input, kept, or its own re-created
-        for first, nbytes in trace.events[i].resaved:
+        for first, which, nbytes in trace.events[i].resaved:
             c = _within(calls, starts, first)
             if c is None or first in c.kept:  # (SAC's cache holds a kept op's output: the one copy)
                 continue
             until = release(trace, i)
-            since, end = held.get((first, nbytes), (i, until))
-            held[(first, nbytes)] = (since, max(end, until))
-    for (_, nbytes), (since, until) in held.items():
+            _, since, end = held.get((first, which), (nbytes, i, until))
+            held[(first, which)] = (nbytes, since, max(end, until))
+    for nbytes, since, until in held.values():
         deltas[since] += nbytes * scale
         deltas[until] -= nbytes * scale
     return deltas
@@ -470,17 +470,28 @@ def _resaving_events(trace: Trace) -> list[int]:
 def release(trace: Trace, i: int) -> int:
     """Where backward runs the node of forward op ``i`` (and frees what it saved): autograd runs nodes newest
     first, so after the backward of what followed it and before that of what preceded it: at the counterpart of
-    the last module boundary before it, a call's pre-backward for its post-forward (the op came after the call),
-    its post-backward for its pre-forward (the op ran inside it). The step's end where that call ran no backward."""
-    events = trace.events
+    the last module boundary before it whose call ran a backward, a call's pre-backward for its post-forward (the
+    op came after the call), its post-backward for its pre-forward (the op ran inside it); a call that ran none (a
+    probe whose output needs no grad) is passed over. The step's end where none did."""
+    events, counterpart = trace.events, _backward_boundaries(trace)
     for j in range(i - 1, -1, -1):
         e = events[j]
-        if e.kind not in (EventKind.FWD_PRE, EventKind.FWD_POST):
-            continue
-        want = EventKind.BWD_PRE if e.kind is EventKind.FWD_POST else EventKind.BWD_POST
-        return next((k for k in trace.index.boundaries_by_module.get(e.module, ())
-                     if k > i and events[k].kind is want and events[k].call == e.call), len(events))
+        if e.kind in (EventKind.FWD_PRE, EventKind.FWD_POST):
+            k = counterpart.get((e.module, e.call, e.kind))
+            if k is not None and k > i:
+                return k
     return len(events)
+
+
+def _backward_boundaries(trace: Trace) -> dict[tuple[str, int, EventKind], int]:
+    """(module, call, forward boundary kind) -> the position of its backward counterpart: a post-forward's
+    pre-backward, a pre-forward's post-backward (once per trace)."""
+    key = ("backward_boundaries",)
+    if key not in trace.index.memo:
+        mate = {EventKind.BWD_PRE: EventKind.FWD_POST, EventKind.BWD_POST: EventKind.FWD_PRE}
+        trace.index.memo[key] = {(e.module, e.call, mate[e.kind]): k for k, e in enumerate(trace.events)
+                                 if e.kind in mate}
+    return trace.index.memo[key]
 
 
 def cache_deltas(trace: Trace, calls: Sequence[CheckpointedCall], scale: float) -> np.ndarray:

@@ -128,8 +128,9 @@ class Event(NamedTuple):
     reread_inputs: int = 0  # FWD_POST: bytes of its kept inputs two or more of its forward ops read (a residual
     # block's input, read by its norm and by the residual sum): autograd sums their gradients, holding the first
     # through the call's backward until the last arrives (``sim/recompute.py``)
-    resaved: tuple[tuple[int, int], ...] = ()  # forward op: (position of the event before the first save, bytes)
-    # of each storage saved before that it (or the op before it, packing its inputs) saves again: a checkpointed
+    resaved: tuple[tuple[int, int, int], ...] = ()  # forward op: (position of the event before the first save,
+    # which storage first saved from there, bytes) of each storage saved before that it (or the op before it,
+    # packing its inputs) saves again: a checkpointed
     # call's output a pooling op or the next layer outside it saves, which the call's recomputation does not
     # re-create in its place (``sim/recompute.resave_deltas``)
 

@@ -60,8 +60,9 @@ class StepRecorder:
         self.kept_next: dict[StorageWeakRef, int] = {}  # ``call_inputs``' for the call about to begin
         # saved storage -> the position of the event before its first save; the saves again of those since the
         # last forward op, for the next (``Event.resaved``)
-        self.first_saves: dict[StorageWeakRef, int] = {}
-        self.resaves: dict[StorageWeakRef, tuple[int, int]] = {}
+        self.first_saves: dict[StorageWeakRef, tuple[int, int]] = {}  # -> (that position, which save there)
+        self.saves_at: dict[int, int] = {}  # position -> the first saves charged from it so far
+        self.resaves: dict[StorageWeakRef, tuple[int, int, int]] = {}
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
         self.bwd_starts: dict[Call, int] = {}  # module call -> the position of its pre-backward
@@ -338,15 +339,17 @@ class StepRecorder:
             return
         if ref in self.saved_storages:
             first = self.first_saves.get(ref)
-            if first is not None and first != self.position() - 1:
-                self.resaves[ref] = (first, nbytes)
+            if first is not None and first[0] != self.position() - 1:
+                self.resaves[ref] = (*first, nbytes)
             return
         if storage is not None and self.outside_modules() and self.loss.holds(storage):
             # the loss saves what its region counts alive until autograd frees it (the model's output, which an
             # op's input save would charge to the model's last op, held until that module's backward: twice)
             return
         self.saved_storages.add(ref)
-        self.first_saves[ref] = self.position() - 1
+        at = self.position() - 1  # (the k-th storage first saved from there: two an op saves are two)
+        self.saves_at[at] = self.saves_at.get(at, -1) + 1
+        self.first_saves[ref] = (at, self.saves_at[at])
         self.first_saved(ref, nbytes, tracked)
         # a temporary until now: the op that saves it counted it alive, and charges it as saved instead
         unsaved = self.unsaved(ref)
