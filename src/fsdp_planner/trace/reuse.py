@@ -284,10 +284,10 @@ class ActionLog(StepRecorder):
         self.pack()
         if self.backward or ref in self.static_storages:
             return
-        if ref in self.saved_storages:  # saved again: replayed as a save of the same storage (``Event.resaved``)
+        if ref in self.first_saves:  # saved again: replayed as a save of the same storage (``Event.resaved``)
             self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages))
             return
-        self.saved_storages.add(ref)
+        self.first_saves[ref] = (len(self.template.forward), 0)  # (where, in the template: unread)
         self.first_saved(ref, nbytes, tracked)
         self.saved.append((len(self.template.forward), ref, nbytes, mask or ref in self.mask_storages))
         self.watch_saved(storage, nbytes)

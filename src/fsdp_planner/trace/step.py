@@ -38,7 +38,6 @@ class StepRecorder:
         self.bwd_pending_post: set[Call] = set()  # calls that will get a post-backward marker
         self.calls: dict[str, int] = {}
         self.backward = False
-        self.saved_storages: set[StorageWeakRef] = set()
         self.last_op = -1
         self.last_op_module = ROOT  # the module the last op ran in
         # bytes a caller saved of a call that returned (its output, or anything it made), charged to the next op
@@ -58,9 +57,10 @@ class StepRecorder:
         # per call running: the inputs its checkpoint keeps, and the bytes of them its ops saved first
         self.kept_stack: list[KeptInputs] = []
         self.kept_next: dict[StorageWeakRef, int] = {}  # ``call_inputs``' for the call about to begin
-        # saved storage -> the position of the event before its first save; the saves again of those since the
-        # last forward op, for the next (``Event.resaved``)
-        self.first_saves: dict[StorageWeakRef, tuple[int, int]] = {}  # -> (that position, which save there)
+        # every storage saved for backward -> the position of the event before its first save, and which of the
+        # storages first saved from there it is; the saves again of those since the last forward op, for the next
+        # (``Event.resaved``)
+        self.first_saves: dict[StorageWeakRef, tuple[int, int]] = {}
         self.saves_at: dict[int, int] = {}  # position -> the first saves charged from it so far
         self.resaves: dict[StorageWeakRef, tuple[int, int, int]] = {}
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
@@ -262,7 +262,7 @@ class StepRecorder:
         freed (``Event.held``); a param's, a buffer's or a saved storage is no such output."""
         if not self.backward:
             self.frame.track(t for t in tensors if isinstance(t, torch.Tensor) and StorageWeakRef(
-                t.untyped_storage()) not in self.saved_storages and StorageWeakRef(
+                t.untyped_storage()) not in self.first_saves and StorageWeakRef(
                 t.untyped_storage()) not in self.static_storages)
 
     def temporary(self, tensors: Iterable[torch.Tensor]) -> int:
@@ -281,7 +281,7 @@ class StepRecorder:
                 self.temporaries.track_storage(storage)
 
     def unclaimed(self, ref: StorageWeakRef) -> bool:
-        return ref not in self.static_storages and ref not in self.saved_storages and ref not in self.input_storages
+        return ref not in self.static_storages and ref not in self.first_saves and ref not in self.input_storages
 
     def packed(self, ref: StorageWeakRef) -> bool:
         """A storage packed for backward in forward leaves the frame's count; each open call notes what its frame
@@ -337,16 +337,15 @@ class StepRecorder:
         self.pack()
         if self.backward or ref in self.static_storages:
             return
-        if ref in self.saved_storages:
-            first = self.first_saves.get(ref)
-            if first is not None and first[0] != self.position() - 1:
+        first = self.first_saves.get(ref)
+        if first is not None:
+            if first[0] != self.position() - 1:
                 self.resaves[ref] = (*first, nbytes)
             return
         if storage is not None and self.outside_modules() and self.loss.holds(storage):
             # the loss saves what its region counts alive until autograd frees it (the model's output, which an
             # op's input save would charge to the model's last op, held until that module's backward: twice)
             return
-        self.saved_storages.add(ref)
         at = self.position() - 1  # (the k-th storage first saved from there: two an op saves are two)
         self.saves_at[at] = self.saves_at.get(at, -1) + 1
         self.first_saves[ref] = (at, self.saves_at[at])
