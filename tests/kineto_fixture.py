@@ -195,6 +195,9 @@ def _nccl(w: _Writer, start: float, dur: float, gather: bool, numel: int, itemsi
     w.ids += 1
     external = 70_000 + w.ids
     dtype = {2: "BFloat16", 4: "Float"}[itemsize]
+    # FSDP2's range around the issue, as its unshard and post-backward record_function them
+    w.x("FSDP::all_gather" if gather else "FSDP::post_backward_reduce", "user_annotation",
+        round(max(step_start, start - 10), 3), 6)
     w.x("record_param_comms", "cpu_op", round(max(step_start, start - 10), 3), 5,
         **{"Collective name": "_allgather_base" if gather else "_reduce_scatter_base",
            "In msg nelems": numel // world if gather else numel, "Out msg nelems": numel if gather else numel // world,

@@ -173,3 +173,91 @@ def test_a_log_cut_short_is_fitted_on_its_whole_rows_with_a_note(tmp_path: Path)
                      "prints: a log cut mid-row?), left out: fitted on its 30 whole rows"]
     fit_logs([AG8, RS8], note=notes.append)
     assert len(notes) == 1
+
+
+def _rows_up_to(path: Path, largest: int) -> str:
+    """The log ``path`` cut after its row of ``largest`` bytes (the lines after it dropped)."""
+    out = []
+    for line in path.read_text().splitlines():
+        out.append(line)
+        fields = line.split()
+        if fields and fields[0].isdigit() and int(fields[0]) >= largest:
+            break
+    return "\n".join(out) + "\n"
+
+
+def test_a_log_of_latency_bound_rows_only_is_refused(tmp_path: Path) -> None:
+    """A log cut at 32 KiB shows no bandwidth: its slope is noise (1.8 TB/s fitted where the GPUs ran 300)."""
+    cut = tmp_path / "all_gather_perf.log"
+    cut.write_text(_rows_up_to(AG8, 32 * 1024))
+    with pytest.raises(PlannerError, match="largest size, 32 KiB, still takes mostly latency"):
+        calibrate(cut)
+
+
+def test_an_all_reduce_run_is_left_out_with_a_word(tmp_path: Path) -> None:
+    """An all_reduce_perf log (under any name) is no line the cost model reads: said, and refused alone."""
+    log = tmp_path / "all_gather_perf.log"
+    ranks = "".join(f"#  Rank  {r} Group  0 Pid  {100 + r} on node00 device  {r} [0x18] NVIDIA H100 80GB HBM3\n"
+                    for r in range(8))
+    log.write_text("# Collective test starting: all_reduce_perf\n# nThread 1 nGpus 8 minBytes 1\n" + ranks
+                   + _lines(8, "sum", lambda s: s // 4) + "\n")
+    notes: list[str] = []
+    with pytest.raises(PlannerError, match="no all_gather or reduce_scatter run"):
+        calibrate(log, note=notes.append)
+    assert any("all_reduce run" in n and "left out" in n for n in notes)
+    calibrate([log, AG8], note=notes.append)  # beside a log it fits, the fit goes on
+
+
+def test_runs_that_disagree_are_said(tmp_path: Path) -> None:
+    slow = tmp_path / "slow.log"
+    lines = []
+    for line in AG8.read_text().splitlines():  # every row's times doubled: half the bandwidth
+        f = line.split()
+        if f and f[0].isdigit() and len(f) == 13:
+            f[5], f[9] = f"{float(f[5]) * 2:.2f}", f"{float(f[9]) * 2:.2f}"
+            line = "  ".join(f)
+        lines.append(line)
+    slow.write_text("\n".join(lines) + "\n")
+    notes: list[str] = []
+    fit_logs([AG8, slow], note=notes.append)
+    assert any("disagree" in n and "slow.log" in n for n in notes)
+    notes.clear()
+    fit_logs([AG8, AG8], note=notes.append)
+    assert not notes
+
+
+def test_calibrated_cost_is_the_fitted_line_at_small_sizes() -> None:
+    """The log's 64 KiB rows took ~30 us: the calibrated cost says so (the model's LL line, scaled by the fitted
+    ratios, said 10 us)."""
+    c = calibrate([AG8, RS8])
+    (table,) = read_nccl_tests(AG8)
+    for size in (64 * 1024, 1024**2):
+        measured = [t for s, t in table.samples() if s == size]
+        assert collective_time(c, "all_gather", size, 8) == pytest.approx(sum(measured) / len(measured), rel=0.15)
+
+
+def test_a_multi_node_calibration_serves_tensor_parallel_views() -> None:
+    """Fits are runs on whole nodes: a TP rank's data-parallel view (fewer GPUs a node) reads them as such. A 2-node
+    log of a slow network slows the view's 2-node groups as the log says (the view once looked a 16-rank fit up on
+    its 8 GPUs and failed, and costed an 8-rank group over 2 nodes with the one-node fit)."""
+    from fsdp_planner.sim.tensor_parallel import dp_cluster, node_cluster
+
+    c = calibrate([AG8, RS8, AG16])
+    view = dp_cluster(c, 2)
+    assert alpha_beta(view, "all_gather", 8) == pytest.approx(alpha_beta(c, "all_gather", 8, 4))
+    assert alpha_beta(view, "all_gather", 4) == pytest.approx(alpha_beta(c, "all_gather", 4))
+    assert node_cluster(view, 2) == c
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_a_tensor_parallel_view_shares_the_node_s_network(tp: int) -> None:
+    """The TP degree's data-parallel groups of a node run at once, each on its share of the NICs: a TP-8 group (one
+    rank a node) gets one NIC's bandwidth, as an HSDP replica group does, not the whole node's."""
+    from fsdp_planner.sim.tensor_parallel import dp_cluster
+
+    c = parse_cluster("h100:64")
+    view = dp_cluster(c, tp)
+    per_node = 8 // tp
+    for nodes in (2, 8):
+        physical = alpha_beta(c, "all_gather", nodes * per_node, per_node)
+        assert alpha_beta(view, "reduce_scatter", nodes * per_node) == pytest.approx(physical)

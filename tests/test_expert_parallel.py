@@ -991,7 +991,7 @@ def test_an_ep_degree_no_layout_of_the_cluster_takes_is_one_sentence_on_its_rank
     assert cli.main(["plan", "mixtral-8x7b", "--ep", "3", "--cluster", "h100:64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --ep 3 does not divide the 64 data-parallel ranks of h100:64 (EP's ranks come out of "
-                   "them): choose one of 2, 4, 8, 16, 32, 64"], err
+                   "them): choose one of 2, 4, 8, 16, 32, 64 that divides the model's routed experts too"], err
     assert cli.main(["plan", "mixtral-8x7b", "--ep", "6", "--tp", "2", "--cluster", "h100:16", "--policy",
                      "titan"]) == 2
     assert "--ep 6 does not divide the 8 data-parallel ranks of h100:16 (EP's ranks come out of them x TP): choose " \

@@ -235,6 +235,11 @@ def test_a_plan_over_the_budget_is_a_finding():
     assert over["severity"] == "warning" and "over the 1 MiB budget (--memory-budget)" in over["message"]
     fits = run_check("toy-llama", "--cluster", "h100:8", "--json")
     assert "over-budget" not in {f["code"] for f in json.loads(fits.stdout)}
+    assert "checkpoint more blocks" in over["fix"]
+    every = run_check("toy-llama", "--cluster", "h100:8", "--memory-budget", "1MiB", "--policy", "titan", "--ac",
+                      "full", "--json")  # every block checkpointed already: no more to checkpoint
+    (over,) = [f for f in json.loads(every.stdout) if f["code"] == "over-budget"]
+    assert "checkpoint more" not in over["fix"] and "a smaller --batch or --seq, more GPUs" in over["fix"]
 
 
 def test_checkpointed_batchnorm_is_a_warning():

@@ -74,7 +74,9 @@ def test_transformers_plan_for_hf_models():
         == expected
     assert layout.tp.layout["model.embed_tokens"] is TPStyle.EMBEDDING
     assert layout.tp.layout["lm_head"] is TPStyle.COLWISE_GATHER
-    assert layout.heads == (32, 8) and not layout.tp.loss_parallel and not layout.notes
+    assert layout.heads == (32, 8) and not layout.tp.loss_parallel
+    (note,) = layout.notes  # what a user comparing it with torchtitan's TP must know (a new user's trial)
+    assert "base_model_tp_plan has no sequence parallelism" in note and "logits" in note
 
 
 def test_a_plan_sharding_a_modules_own_param_beside_its_heads_is_refused(tmp_path):

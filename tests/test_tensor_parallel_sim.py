@@ -25,7 +25,7 @@ from fsdp_planner.planners.classic import TorchtitanPolicy
 from fsdp_planner.planners.tensor_parallel import titan_llama_layout
 from fsdp_planner.sim.options import GradientSync, SimOptions
 from fsdp_planner.sim.simulate import simulate
-from fsdp_planner.sim.tensor_parallel import tp_positions, tp_seconds, tp_view
+from fsdp_planner.sim.tensor_parallel import dp_cluster, tp_positions, tp_seconds, tp_view
 from fsdp_planner.trace import record
 from fsdp_planner.trace.events import KERNEL_TP_ALL_GATHER as AG
 from fsdp_planner.trace.events import KERNEL_TP_REDUCE_SCATTER as RS
@@ -366,7 +366,7 @@ def test_async_tp_hides_only_what_micro_pipelining_fuses() -> None:
     output head's backward reduce-scatter (one Linear) behind its input-gradient matmul."""
     tr, cluster, mm = _traced(SHAPED), parse_cluster("h100:8"), 1e-9
     views = [tp_view(tr, dataclasses.replace(titan_llama_layout(8), async_tp=a), cluster).trace for a in (False, True)]
-    sync, hidden = (tp_seconds(v, cluster, [mm] * len(v.events), 1.0) for v in views)
+    sync, hidden = (tp_seconds(v, dp_cluster(cluster, 8), [mm] * len(v.events), 1.0) for v in views)
     events = views[0].events
     seen = collections.Counter()
     # the same collectives in both, at other positions: the fused ones lose their re-layout copies (``_relayout``)

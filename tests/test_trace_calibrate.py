@@ -365,3 +365,29 @@ def test_host_overhead_of_a_tp_plan_is_per_op_of_one_rank() -> None:
     fitted = fit_overhead(trace, plan, base, [measured], options)
     assert fitted.overhead.op_seconds > 0
     assert simulate(trace, plan, fitted, options, timeline=False).step_seconds(False) == pytest.approx(bare + 0.2)
+
+
+def test_traces_of_another_kind_of_job_are_refused(tmp_path: Path) -> None:
+    """A CPU trace fitted against a GPU's peaks (efficiencies of a thousandth: a 567 s step), and a trace of a job
+    without FSDP2 (no FSDP:: ranges), each one sentence, not a calibration (a new user's trial)."""
+    from fsdp_planner.calibrate.trace_fit import fit_trace
+    from fsdp_planner.hardware.cluster import parse_cluster
+    from fsdp_planner.planners.registry import PolicyName, PolicyRequest
+    from fsdp_planner.service.planning import policy_plan
+    from fsdp_planner.service.tracing import trace_spec
+    from fsdp_planner.sim.options import SimOptions
+    from tests.kineto_fixture import simulated_gpu_trace
+
+    options = SimOptions.named("bf16-mixed")
+    tr = trace_spec("toy-llama", options.precision)
+    cluster = parse_cluster("h100:8")
+    plan = policy_plan(tr, PolicyRequest(PolicyName.TITAN), "toy-llama", cluster, options)
+    data = simulated_gpu_trace(tr, plan, cluster, options)
+    data["traceEvents"] = [e for e in data["traceEvents"] if not e["name"].startswith("FSDP::")]
+    with pytest.raises(PlannerError, match=r"no FSDP:: ranges \(the job ran without FSDP2\)"):
+        fit_trace(tr, plan, [_read(data, tmp_path)], cluster, options)
+    cpu = {"distributedInfo": {"rank": 0, "world_size": 8}, "traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "tid": 1, "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::addmm", "tid": 1, "ts": 20, "dur": 80}]}
+    with pytest.raises(PlannerError, match=r"ran on the CPU \(no GPU kernels in them\) and --base h100:8 is a GPU"):
+        fit_trace(tr, plan, [_read(cpu, tmp_path, "cpu.json")], cluster, options)

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_planner.errors import PlannerError
-from fsdp_planner.fsdp2.collectives import COLLECTIVES, CollectiveKind
+from fsdp_planner.fmt import fmt_bytes
+from fsdp_planner.fsdp2.collectives import CollectiveKind
 from fsdp_planner.hardware.cluster import (
     MAX_GPUS_PER_NODE,
     MAX_WORLD_SIZE,
@@ -279,7 +280,8 @@ def _norm_kind(kind: str | None) -> str | None:
     try:
         return CollectiveKind.parse(text).value
     except PlannerError:
-        raise PlannerError(f"unknown collective '{kind}': calibration reads {', '.join(COLLECTIVES)} logs") from None
+        raise PlannerError(f"unknown collective '{kind}': calibration fits all_gather and reduce_scatter "
+                           "logs") from None
 
 
 def parse_nccl_tests(
@@ -401,7 +403,13 @@ def fit_logs(
             note(f"the {t.kind} run in {t.source} has {t.cut_rows} row{'s' if t.cut_rows > 1 else ''} cut short (a "
                  f"size, then fewer fields than nccl-tests prints: a log cut mid-row?), left out: fitted on its "
                  f"{len(t.rows)} whole rows")
-    usable = [t for t in tables if t.kind in COLLECTIVES and t.ranks >= 2]
+    fitted = (CollectiveKind.ALL_GATHER.value, CollectiveKind.REDUCE_SCATTER.value)
+    for t in tables:
+        if t.kind == CollectiveKind.ALL_REDUCE.value and t.ranks >= 2:
+            note(f"the all_reduce run in {t.source} is left out: the cost model charges an all-reduce as a "
+                 "reduce-scatter and an all-gather, and fits those from their own logs (all_gather_perf, "
+                 "reduce_scatter_perf)")
+    usable = [t for t in tables if t.kind in fitted and t.ranks >= 2]
     if not usable:
         seen = ", ".join(sorted({f"{t.kind} ({t.ranks} ranks) in {t.source}" for t in tables}))
         raise PlannerError(
@@ -419,9 +427,33 @@ def fit_logs(
     for (k, n), ts in sorted(groups.items()):
         samples = [s for t in ts for s in t.samples()]
         srcs = tuple(dict.fromkeys(t.source for t in ts))
-        a, bw, rms, dropped = fit_samples(samples, n, what=f"{k} over {n} ranks ({', '.join(srcs)})")
+        what = f"{k} over {n} ranks ({', '.join(srcs)})"
+        a, bw, rms, dropped = fit_samples(samples, n, what=what)
+        if len(ts) > 1:
+            _note_disagreement(ts, k, n, note)
+        largest = max(size for size, _ in samples)
+        if (n - 1) / n * largest / bw < a:  # every row latency-bound: the slope is noise (a log cut at 32 KiB
+            # fitted 1.8 TB/s where its GPUs ran 300 GB/s)
+            raise PlannerError(f"cannot fit {what}: its largest size, {fmt_bytes(largest)}, still takes mostly "
+                               "latency, so the log shows no bandwidth (a log cut short?); run nccl-tests up to "
+                               "large sizes, e.g. -b 8 -e 8G -f 2")
         fits.append(Fit(k, n, a, bw, rms, len(samples) - dropped, dropped, srcs))
     return usable, fits
+
+
+def _note_disagreement(tables: list[NcclTable], kind: str, ranks: int, note: Callable[[str], None]) -> None:
+    """Say so when runs fitted as one disagree by over 25% in bandwidth (two clusters' logs, or one run on a busy
+    fabric): the line fitted through both is neither's."""
+    alone = []
+    for t in tables:
+        try:
+            alone.append((fit_samples(t.samples(), ranks, what=t.source)[1], t.source))
+        except PlannerError:  # too few sizes alone: only the pooled fit speaks for it
+            continue
+    if len(alone) > 1 and max(alone)[0] > 1.25 * min(alone)[0]:
+        runs = ", ".join(f"{bw / 1e9:.0f} GB/s in {src}" for bw, src in alone)
+        note(f"the {kind} runs over {ranks} ranks disagree ({runs}): fitted as one line; give the logs of one "
+             "cluster in one state")
 
 
 def _preset_for(gpu_name: str | None) -> str | None:

@@ -388,6 +388,14 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
             raise PlannerError("a GPU trace needs --base: the cluster it ran on (e.g. h100:8), whose peaks the "
                                "efficiencies are fitted against")
         base = cpu_base(world)
+    elif (base.engine is Engine.HOST) != (devices == {"cpu"}):
+        # a CPU step fitted against a GPU's peaks writes efficiencies of a thousandth (and the reverse, of a
+        # thousand): every plan costed with them would be wrong by as much
+        ran = "on the CPU (no GPU kernels in them)" if devices == {"cpu"} else "on GPUs"
+        raise PlannerError(f"the traces ran {ran} and --base {base.name} is a "
+                           f"{'CPU (gloo)' if base.engine is Engine.HOST else 'GPU'} cluster: give the cluster they "
+                           "ran on (a CPU job's traces need no --base; a GPU job's are profiled with "
+                           "ProfilerActivity.CUDA)")
     if base.world_size != world:
         raise PlannerError(f"the traces are of {world} ranks and the base cluster {base.name} has "
                            f"{base.world_size}: give a --base of the traced job's size")
@@ -437,6 +445,10 @@ def _step_problems(step: Step, t: MeasuredTrace, plan: Plan, report: StepReport,
     problems = []
     if not sum(step.op_counts.values()):
         problems.append("its steps hold no ops")
+    mesh = plan.layout(max(1, t.world))
+    ddp = mesh.shard == 1 and mesh.replicate > 1  # a DDP job's trace stands for the Rx1 mesh (docs/calibrate.md)
+    if not ddp and not any(sp.lane == "host" for sp in step.spans):  # FSDP2's hooks record FSDP:: ranges
+        problems.append("its steps hold no FSDP:: ranges (the job ran without FSDP2)")
     elif t.device == "cpu" and not MATMUL_RATIO[0] <= measured / max(1, matmuls) <= MATMUL_RATIO[1]:
         problems.append(f"a step of it runs {measured:,} matmuls where the plan's runs {matmuls:,}")
     elif step.matmul_flops is not None and plan.tensor_parallel is None and plan.expert_parallel is None \

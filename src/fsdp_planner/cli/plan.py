@@ -72,9 +72,12 @@ def _split_note(outcome: PlanOutcome) -> None:
     if not outcome.job.split_by_default:
         render.note(f"--micro-batches auto: {n} micro-batches of {batch} (step time of each split's auto plan: "
                     f"{shown})")
-    elif n > 1:  # the whole batch, as given, needs no word
+    elif n > 1:
         render.note(f"auto splits --batch {n * batch} into {n} micro-batches of {batch}, the fastest split that fits "
                     f"(step time of each split's auto plan: {shown}; --micro-batches 1 keeps the batch whole)")
+    else:  # (each split is a search of its own: said, so that the time it took is not a mystery)
+        render.note(f"auto kept --batch {batch} whole, the fastest that fits of the splits it compared (step time "
+                    f"of each split's auto plan: {shown}; --micro-batches 1 plans the whole batch only)")
 
 
 def _explanation(r: GroupExplanation) -> dict[str, Any]:

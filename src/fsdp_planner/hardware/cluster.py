@@ -189,6 +189,10 @@ class Cluster:
     cpu_optimizer_source: str = CPU_ADAMW_SOURCE  # where that figure comes from (shown with offload plans' steps)
     # how close kernels come to the GPU's peaks (the roofline's factors); a file without it: the H100's
     compute: Compute = field(default_factory=lambda: COMPUTE["h100"])
+    # (gpus_per_node, nics_per_node, inter) of the node itself when this cluster is how one TP rank's data-parallel
+    # groups see it (sim/tensor_parallel.py ``dp_cluster``: a node's share); None: the cluster is the nodes as they
+    # are. ``fits`` stay keyed by the packed runs measured on whole nodes (``measured_on``). Never written to a file.
+    whole_node: tuple[int, int, Link] | None = None
 
     where: InitVar[str | None] = None  # how errors name it, e.g. "cluster file c.json"; default: its name
     physical: InitVar[bool] = False  # read from a file: its figures are held to the physical ranges too
@@ -199,6 +203,14 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def measured_on(self) -> Cluster:
+        """The cluster its ``fits`` were measured on: itself, or for a data-parallel view the whole nodes (a fit at
+        N packed ranks is a run on N GPUs of full nodes, whichever view reads it)."""
+        if self.whole_node is None:
+            return self
+        gpus, nics, inter = self.whole_node
+        return replace(self, gpus_per_node=gpus, nics_per_node=nics, inter=inter, whole_node=None)
 
     def describe(self) -> str:
         """One line for CLI output."""

@@ -173,7 +173,7 @@ def alpha_beta(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL
 
 def lines(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL_GATHER, ranks: int | None = None,
           ranks_per_node: int | None = None) -> list[ProtocolLine]:
-    """Every protocol's line for ``kind`` on this group, calibrated when possible.
+    """Every protocol's line for ``kind`` on this group; calibrated (fits for its regime), the fitted line alone.
 
     Fits of the other collective are used when ``kind`` has none for this group's regime (one node or
     several): ring all-gather and reduce-scatter move the same bytes over the same steps; an all-reduce is
@@ -187,18 +187,22 @@ def lines(cluster: Cluster, kind: str | CollectiveKind = CollectiveKind.ALL_GATH
         return model
     same: dict[int, tuple[float, float]] = {}
     own = () if k is CollectiveKind.ALL_REDUCE else (k.value,)
+    measured = cluster.measured_on()  # calibration logs are packed runs on whole nodes, whatever view reads them
     for name in (*own, *(c for c in COLLECTIVES if c not in (k.value, CollectiveKind.ALL_REDUCE.value))):
         same = {m: ab for m, ab in cluster.fits.get(name, {}).items()
-                if (m <= cluster.gpus_per_node) == (nodes == 1)}  # calibration logs are packed runs
+                if (m <= measured.gpus_per_node) == (nodes == 1)}
         if same:
             break
     if not same:
         return model
-    if n in same and rpn == min(n, cluster.gpus_per_node):
+    if n in same and measured is cluster and rpn == min(n, cluster.gpus_per_node):
         ra, rb = _ratio(cluster, n, same[n])
-    else:
-        ra, rb = _fit_ratio(cluster, same, n)
-    return [ProtocolLine(p, alpha * ra, bw * rb) for p, alpha, bw in model]
+    else:  # a view's group spanning nodes is looked up as the packed run over as many whole nodes
+        ra, rb = _fit_ratio(measured, same, n if measured is cluster or nodes == 1 else nodes * measured.gpus_per_node)
+    # the fitted line alone: a log's small sizes took the fitted latency under whichever protocol NCCL chose, so
+    # the model's faster LL lines, scaled by the large-message line's ratios, would undercut what was measured
+    # (a log of 28-30 us at 64 KiB was costed 10 us)
+    return [ProtocolLine(p, alpha * ra, bw * rb) for p, alpha, bw in model if p is Protocol.SIMPLE]
 
 
 def _ratio(cluster: Cluster, m: int, fit: tuple[float, float]) -> tuple[float, float]:

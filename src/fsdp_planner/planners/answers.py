@@ -28,6 +28,7 @@ from fsdp_planner.fsdp2.pitfalls import Code, Finding, Severity
 from fsdp_planner.fsdp2.plan import Mesh, Plan
 from fsdp_planner.hardware.cluster import Cluster
 from fsdp_planner.planners.auto import candidate_meshes
+from fsdp_planner.planners.blocks import block_instances
 from fsdp_planner.sim.budget import MemoryBudget
 from fsdp_planner.sim.float8 import converted_linears
 from fsdp_planner.sim.options import SimOptions, plan_options, with_reduce_dtype
@@ -47,7 +48,8 @@ def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget
     except PlannerError as e:
         return [Finding(Severity.ERROR, Code.DOES_NOT_RUN, f"the plan cannot run on {cluster.name}: {e}",
                         "change the plan as the message says, or make it again with plan --out")]
-    found = [_over_budget_finding(base, budget), _reduce_dtype(tr, plan, cluster, options, base, budget),
+    found = [_over_budget_finding(base, budget, _all_blocks_checkpointed(tr, plan)),
+             _reduce_dtype(tr, plan, cluster, options, base, budget),
              float8_answer(tr, plan, cluster, options, base, budget)]
     if cluster.world_size > cluster.gpus_per_node:
         found += [_hsdp(tr, plan, cluster, options, base, budget), _reshard_to_node(tr, plan, cluster, options,
@@ -55,14 +57,23 @@ def answers(tr: Trace, plan: Plan, cluster: Cluster, options: SimOptions, budget
     return [f for f in found if f is not None]
 
 
-def _over_budget_finding(base: StepReport, budget: MemoryBudget) -> Finding | None:
+def _all_blocks_checkpointed(tr: Trace, plan: Plan) -> bool:
+    """Whether every repeated block is checkpointed in full already: then "checkpoint more" is no advice."""
+    blocks = block_instances(tr)
+    return bool(blocks) and set(blocks) <= set(plan.activation_checkpointing)
+
+
+def _over_budget_finding(base: StepReport, budget: MemoryBudget, checkpointed: bool) -> Finding | None:
     """The plan's reserved peak over the budget: an error past the GPU's memory (the step runs out of it), else a
-    warning (it leaves less than the headroom); None within it. (The answers below only spoke of it in passing.)"""
+    warning (it leaves less than the headroom); None within it. (The answers below only spoke of it in passing.)
+    ``checkpointed``: every block is checkpointed in full already."""
     reserved = base.reserved_memory
     if budget.fits(reserved):
         return None
     past_gpu = reserved > budget.capacity
-    fix = "plan it with --policy auto (it fits the budget or says why nothing does), or checkpoint more blocks"
+    fix = "plan it with --policy auto (it fits the budget or says why nothing does), " + (
+        "or give each GPU less work (a smaller --batch or --seq, more GPUs)" if checkpointed
+        else "or checkpoint more blocks")
     if past_gpu:
         return Finding(Severity.ERROR, Code.OVER_BUDGET, f"the plan reserves {fmt_bytes(reserved)} per rank, more "
                        f"than one {budget.gpu} holds ({fmt_bytes(budget.capacity)}): the step runs out of memory", fix)

@@ -250,7 +250,12 @@ def _hf_layout(trace: Trace, degree: int, model: ModelSpec) -> Layout:
     tp = TensorParallel(degree, layout, mla_rope_dim=plan.rope_dim if TPStyle.MLA_KV_A_PROJ in layout.values() else 0)
     # (a layout that gathers its q/k/v whole, Phi-3's and Olmo2's, splits no heads: their count need not divide)
     heads = (plan.heads, plan.kv_heads) if plan.heads and plan.kv_heads and head_linears(trace, tp)[1] else None
-    return Layout(tp, "transformers' base_model_tp_plan", heads=heads, per_head=_hf_colwise(trace, plan))
+    notes = () if tp.sequence_parallel else (
+        "transformers' base_model_tp_plan has no sequence parallelism: the norms, residuals and every block's "
+        "output are whole on each TP rank (and the logits too, without loss parallel), where torchtitan's layout "
+        "shards them by the TP degree (a plan file's 'tensor_parallel' can give sequence-parallel styles; the built-in "
+        "llama3-* models and --from-torchtitan jobs have torchtitan's)",)
+    return Layout(tp, "transformers' base_model_tp_plan", notes, heads=heads, per_head=_hf_colwise(trace, plan))
 
 
 def _check_rope_keys(trace: Trace, tp: TensorParallel, plan: hf.HfParallelPlan, model_name: str) -> None:

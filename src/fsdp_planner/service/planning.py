@@ -372,6 +372,10 @@ def auto_layouts(tr: Trace, request: PolicyRequest, model: ModelSpec, cluster: C
         if len(layouts) <= 1:
             _no_tp_screened(tr, model, batch is not None, reporter, cluster)
         layouts = _with_float8_scales(tr, layouts, options.float8, reporter)
+        if len(layouts) > 1:  # what the layouts weighed assume, as --tp says it (a 70B's TP rows "do not fit"
+            # under transformers' layout, without sequence parallelism: a new user read it as TP not working)
+            for line in dict.fromkeys(n for x in layouts for n in x.notes):
+                reporter.note(f"auto's TP layouts: {line}")
         return tuple(TPChoice(x.tp, None if x.tp.degree == 1 else
                               tracer(dataclasses.replace(model, batch_size=batch * x.tp.degree), options))
                      for x in layouts) if len(layouts) > 1 else ()

@@ -472,7 +472,8 @@ def _check_ep_ranks(policy: PolicyRequest, cluster: Cluster, spell: Spelling) ->
         divisors = [str(d * tp) for d in range(2, dp + 1) if dp % d == 0][:8]
         raise PlannerError(f"{spell.given('ep', ep)} does not divide the {dp:,} data-parallel ranks of "
                            f"{cluster.name} (EP's ranks come out of them{' x TP' if tp > 1 else ''}): choose one of "
-                           f"{', '.join(divisors)}{' ...' if len(divisors) == 8 else ''}")
+                           f"{', '.join(divisors)}{' ...' if len(divisors) == 8 else ''} that divides the model's "
+                           "routed experts too")
 
 
 def plan_job(kw: Keywords, spell: Spelling, name: str | None = None, explain: bool = False,

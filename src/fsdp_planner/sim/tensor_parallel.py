@@ -147,17 +147,28 @@ def data_parallel_plan(plan: Plan, world: int) -> Plan:
 
 
 def dp_cluster(cluster: Cluster, degree: int) -> Cluster:
-    """The cluster as the data-parallel groups of one TP rank see it; TP stays inside a node."""
+    """The cluster as the data-parallel groups of one TP rank see it; TP stays inside a node. The ``degree``
+    groups of a node (one per TP rank) run their collectives at once, so each has 1/``degree`` of the node's
+    NICs and of its network bandwidth (a TP-8 group, one rank a node, gets one NIC's worth, as an HSDP replica
+    group does)."""
     if cluster.gpus_per_node % degree:
         raise PlannerError(f"tensor parallelism of degree {degree} needs the {cluster.gpus_per_node} GPUs of a node of "
                            f"cluster {cluster.name} to split into TP groups of {degree} (TP stays inside a node)")
+    whole = cluster.measured_on()
     return replace(cluster, gpus_per_node=cluster.gpus_per_node // degree,
-                   nics_per_node=max(1, cluster.nics_per_node // degree))
+                   nics_per_node=max(1, cluster.nics_per_node // degree),
+                   inter=replace(cluster.inter, bus_bandwidth=cluster.inter.bus_bandwidth / degree),
+                   whole_node=(whole.gpus_per_node, whole.nics_per_node, whole.inter))
 
 
 def node_cluster(cluster: Cluster, degree: int) -> Cluster:
     """The whole cluster back from its data-parallel view (``dp_cluster``): where TP's groups are costed."""
-    return replace(cluster, gpus_per_node=cluster.gpus_per_node * degree, nics_per_node=cluster.nics_per_node * degree)
+    if degree == 1 and cluster.whole_node is None:
+        return cluster
+    if cluster.whole_node is None or cluster.whole_node[0] != cluster.gpus_per_node * degree:
+        raise ValueError(f"cluster {cluster.name} is not a data-parallel view of TP degree {degree}")  # (a caller's
+        # bug: the TP collectives are costed on the view's whole nodes)
+    return cluster.measured_on()
 
 
 class _Layout:
