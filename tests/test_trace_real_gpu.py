@@ -117,3 +117,17 @@ def test_real_gpu_trace_calibrates_resnet50_held_apart(resnet50_ddp) -> None:
         if row.measured:
             assert row.after == pytest.approx(classes[OpClass(row.op_class)], rel=0.05), row.op_class
     assert held.idle > 0.7 * held.seconds
+
+
+@pytest.mark.integration  # the CLI on ResNet-50: ~10 s
+def test_calibrate_says_where_it_raised_the_data_sheet_peaks(tmp_path: Path, resnet50_ddp) -> None:
+    """The fp32 job's matmuls ran on TF32, 4x the A100's fp32 peak: the fit raises the peaks, and says so (a new
+    user found the A100's bf16 peak at 1.29 PFLOP/s in the file without a word)."""
+    from conftest import run_main
+
+    tr, plan, _ = resnet50_ddp
+    plan.save(tmp_path / "ddp.json")
+    done = run_main("calibrate", "--trace", str(HTA), "--model", RESNET50, "--plan", str(tmp_path / "ddp.json"),
+                    "--base", "a100:2", "--precision", "fp32", "--out", str(tmp_path / "c.json"))
+    assert done.returncode == 0, done.stderr
+    assert "ran faster than A100-SXM4-80GB's data sheet allows, so the cluster's FLOP/s peaks x4." in done.stderr

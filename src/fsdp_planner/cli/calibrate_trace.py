@@ -17,7 +17,7 @@ from fsdp_planner.cli.requests import policy_request
 from fsdp_planner.errors import PlannerError
 from fsdp_planner.fmt import fmt_bytes, json_text
 from fsdp_planner.fsdp2.plan import Plan, check_plan_world_size
-from fsdp_planner.hardware.cluster import Engine, parse_cluster
+from fsdp_planner.hardware.cluster import Cluster, Engine, parse_cluster
 from fsdp_planner.models import ModelSpec
 from fsdp_planner.sim.options import SimOptions
 from fsdp_planner.trace.records import Trace
@@ -46,6 +46,8 @@ def run_trace(args: argparse.Namespace) -> int:
     base = parse_cluster(args.base) if args.base else None
     plan = _plan(args, tr, spec, traces)
     cluster, fit = fit_trace(tr, plan, traces, base, options)
+    if base is not None:
+        _note_raised_peaks(base, cluster)
     cluster.save(out)
     if args.json:
         compared = {"before_step": fit.before_step, "after_step": fit.after_step}  # as the measured steps ran
@@ -62,6 +64,19 @@ def run_trace(args: argparse.Namespace) -> int:
     render.plain(f"predict another plan's step with it: fsdp-planner simulate {args.trace_model} --plan PLAN.json "
                  f"--cluster {out} --against TRACE.json")
     return 0
+
+
+def _note_raised_peaks(base: Cluster, cluster: Cluster) -> None:
+    """Say where the fit raised the data sheet's peaks (kernels ran faster than the base's peak: an fp32 job's
+    TF32 matmuls, or a --base of another GPU), which every plan costed with the cluster inherits."""
+    before, after = base.gpu, cluster.gpu
+    flops, hbm = after.peak_bf16_flops / before.peak_bf16_flops, after.hbm_bandwidth / before.hbm_bandwidth
+    if flops > 1 or hbm > 1:
+        raised = " and ".join(f"{what} x{up:.2f}" for what, up in (("FLOP/s peaks", flops),
+                                                                      ("HBM bandwidth", hbm)) if up > 1)
+        render.note(f"the traced kernels ran faster than {before.name}'s data sheet allows, so the cluster's "
+                    f"{raised} are raised to match (an fp32 job's matmuls on TF32, or a --base of another GPU?): "
+                    "plans of another precision costed with it inherit that")
 
 
 def _plan(args: argparse.Namespace, tr: Trace, spec: ModelSpec, traces: list[MeasuredTrace]) -> Plan:
