@@ -125,7 +125,7 @@ def test_calibrate_says_where_it_raised_the_data_sheet_peaks(tmp_path: Path, res
     user found the A100's bf16 peak at 1.29 PFLOP/s in the file without a word)."""
     from conftest import run_main
 
-    tr, plan, _ = resnet50_ddp
+    _, plan, _ = resnet50_ddp
     plan.save(tmp_path / "ddp.json")
     done = run_main("calibrate", "--trace", str(HTA), "--model", RESNET50, "--plan", str(tmp_path / "ddp.json"),
                     "--base", "a100:2", "--precision", "fp32", "--out", str(tmp_path / "c.json"))
