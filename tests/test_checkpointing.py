@@ -299,8 +299,8 @@ def test_real_fsdp2_recomputation_of_a_u_net_matches_the_prediction():
     outputs its max pools and transposed convs save again outside the blocks, held beside their re-created copies
     (``resave_deltas``); the fp32 BatchNorm's output and its bf16 cast alive mid-way through the recomputation
     (``Event.rise``); and a block's input its first conv saves, not re-created but the checkpoint's own
-    (``Event.saved_inputs``), which residual blocks' input gradients, held through their backward, had balanced
-    (``Event.reread_inputs``: a DiT's blocks stay within 0.1%, ``test_self_checkpointing.py``)."""
+    (``Event.saved_inputs``; residual blocks' input gradients, held through their backward, are gradients alive
+    at their ops, ``Event.grad_live``: a DiT's blocks stay within 0.1%, ``test_self_checkpointing.py``)."""
     spec = f"{FIXTURES}/double_conv_unet.py:build"
     options = SimOptions()
     lm = load_model(spec, meta=True)

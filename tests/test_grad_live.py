@@ -33,8 +33,9 @@ def test_a_tied_weight_s_first_contribution_is_no_gradient_of_an_activation() ->
     assert live and max(live) < weight // 8
     assert tr.index.first_backward_use[tr.index.param_index["embed.weight"]] < between.start  # the head reads it
     embed = range(_at(tr, EventKind.BWD_PRE, "embed"), _at(tr, EventKind.BWD_POST, "embed"))
-    # where autograd sums them: the embedding's contribution and the sum, beside the head's (the param grad)
-    assert max(tr.events[i].grad_live for i in embed) == 2 * weight
+    # where autograd sums them: the embedding's contribution and the sum, beside the head's (the param grad), and
+    # what else is alive all backward (the loss's scalar gradient)
+    assert 2 * weight <= max(tr.events[i].grad_live for i in embed) < 2 * weight + weight // 64
 
 
 def test_a_loss_inside_the_model_frees_what_it_saved_before_the_blocks_backward() -> None:

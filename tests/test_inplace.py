@@ -91,9 +91,9 @@ def test_a_module_modifying_its_own_input_is_not_a_group_of_its_own(monkeypatch)
     replayed: list[str] = []
     original = reuse_mod._replay_actions
 
-    def spy(main, actions, prefix, params, sources):
+    def spy(main, actions, prefix, params, sources, *outside):
         replayed.extend(prefix + a[1] for a in actions if a[0] == "modified_input")
-        return original(main, actions, prefix, params, sources)
+        return original(main, actions, prefix, params, sources, *outside)
 
     monkeypatch.setattr(reuse_mod, "_replay_actions", spy)
     tr = _trace("modifies_inputs")

@@ -125,9 +125,6 @@ class Event(NamedTuple):
     # output beside its input and its bf16 cast, freed before the last pack) beyond what it holds when it stops
     saved_inputs: int = 0  # FWD_POST: bytes of the call's kept inputs (``kept_inputs``) that its ops saved first: a
     # checkpoint of it keeps them, and its recomputation saves the same storages again, not copies
-    reread_inputs: int = 0  # FWD_POST: bytes of its kept inputs two or more of its forward ops read (a residual
-    # block's input, read by its norm and by the residual sum): autograd sums their gradients, holding the first
-    # through the call's backward until the last arrives (``sim/recompute.py``)
     resaved: tuple[tuple[int, int, int], ...] = ()  # forward op: (position of the event before the first save,
     # which storage first saved from there, bytes) of each storage saved before that it (or the op before it,
     # packing its inputs) saves again: a checkpointed

@@ -126,8 +126,8 @@ class Template:
     held: int = 0  # its own ``Event.held`` but its outputs' gradients: its frame at its last pack
     rise: int = 0  # its own ``Event.rise``
     excess: int = 0  # its frame's and saves' height less all its saves (``FrameBytes.close``)
-    reread: int = 0  # its own ``Event.reread_inputs``
-    input_reads: dict[int, int] = field(default_factory=dict)  # input -> its forward ops that read it
+    fed_until: int = 0  # its backward ops its output's gradient, fed to it alone, was alive at (``_Feed``)
+    outlived: int = 0  # bytes of the gradients its backward made that outlive it (``_record_backward``)
     # the pre-backwards of inner calls whose output is the call's own: they hook that tensor before the module's
     # own hook does, so a replay fires them from a hook on its output, registered before the module's
     on_output: list[tuple] = field(default_factory=list)
@@ -198,10 +198,10 @@ class ActionLog(StepRecorder):
     def own_region(self, begin: bool, reentrant: bool = False) -> None:
         self._log(("own_region", begin, reentrant))  # a replay tells the step's recorder where it lies among the calls
 
-    def exit_forward(self, fqn: str, grads_nbytes: int = 0, replayed: tuple[int, int, int] | None = None) -> int:
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, replayed: tuple[int, int] | None = None) -> int:
         # (what its kept inputs saved: the replay's recorder counts it as it replays the saves)
-        held, rise, _, reread = self.closed(grads_nbytes)
-        self._log(("fwd_post", self.relative(fqn), *((held, rise, reread) if replayed is None else replayed)))
+        held, rise, _ = self.closed(grads_nbytes)
+        self._log(("fwd_post", self.relative(fqn), *((held, rise) if replayed is None else replayed)))
         self.fwd_stack.pop()
         self.last_exit = (fqn, self.calls[fqn] - 1)
         return self.last_exit[1]
@@ -213,15 +213,10 @@ class ActionLog(StepRecorder):
     def position(self) -> int:
         return len(self.template.backward) if self.backward else len(self.template.forward)
 
-    def backward_start(self) -> int:
-        # none of the calls inside runs its backward: the call's own (whose pre-backward is split off, ``on_output``)
-        return super().backward_start() if self.bwd_active else 0
-
     def enter_backward(self, key: Call) -> None:
-        # the calls whose backward runs, as the step's recorder keeps them (``backward_start``)
+        # the calls whose backward runs, as the step's recorder keeps them (``StepRecorder.enter_backward``)
         self.bwd_active = [k for k in self.bwd_active if k in self.bwd_pending_post or is_within(key[0], k[0])]
         self.bwd_active.append(key)
-        self.bwd_starts[key] = self.position()
         self._log(("bwd_pre", self.relative(key[0]), key[1]))
 
     def exit_backward(self, key: Call) -> None:
@@ -314,12 +309,27 @@ class _Sink(torch.autograd.Function):
         return tuple(None for _ in grads)
 
 
+class _Feed(torch.autograd.Function):
+    """Gives a template's outputs their gradients from inside autograd (``feed()`` makes them), so that autograd
+    alone holds them: each is freed once its last reader has run, as the step's would be if nothing outside the
+    call held it, not held by the recording to its end. Its output, a scalar, is the backward's root."""
+
+    @staticmethod
+    def forward(ctx: Any, feed: Callable[[], list[torch.Tensor]], *outputs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.feed = feed
+        return outputs[0].new_empty(())
+
+    @staticmethod
+    def backward(ctx: Any, _: Any) -> Any:  # type: ignore[override]
+        return (None, *ctx.feed())
+
+
 class _StandIn(torch.autograd.Function):
     """Replaces one module call: forward replays the template's forward callbacks and returns fresh outputs;
     backward replays its backward callbacks and returns fresh input grads."""
 
     @staticmethod
-    def forward(ctx: Any, replay: Callable[[bool], Any], anchor: torch.Tensor,
+    def forward(ctx: Any, replay: Callable[..., Any], anchor: torch.Tensor,
                 *tensors: torch.Tensor) -> Any:  # type: ignore[override]
         ctx.replay = replay
         outputs, non_differentiable = replay(False)
@@ -329,7 +339,7 @@ class _StandIn(torch.autograd.Function):
     @staticmethod
     @bookkeeping
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
-        return (None, None, *ctx.replay(True))
+        return (None, None, *ctx.replay(True, grads))
 
 
 @dataclass
@@ -359,6 +369,15 @@ class _Input:
             return t
         base = torch.empty(-(-self.storage_nbytes // t.element_size()), dtype=self.dtype, device=self.device)
         return base.as_strided(self.shape, self.stride, self.offset).detach()
+
+    def make_grad(self) -> torch.Tensor:
+        """A gradient for a tensor like this, as a backward op makes one: a storage of its own, of the tensor's
+        bytes (a gradient alive counts its storage, ``Event.grad_live``; a slice's is no view of a larger one),
+        laid out as the tensor where that is dense (a channels-last map's), else contiguous."""
+        t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            return t
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
 
 @dataclass
@@ -521,13 +540,10 @@ class BlockReuse:
             log.frame.track(clones.values())  # made before the call, as its real inputs were (``Event.held``)
             log.frame.open()
             log.kept_stack.append(KeptInputs({StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
-                                              for t in clones.values()}))  # (its reads: ``Event.reread_inputs``)
+                                              for t in clones.values()}))  # (its saves: ``Event.saved_inputs``)
             out = forward(*iso_args, **iso_kwargs)
             log.template.held, log.template.rise, log.template.excess = log.frame.close()
-            kept = log.kept_stack.pop()
-            log.template.reread = kept.reread()
-            log.template.input_reads = {i: kept.reads[ref] for i, t in clones.items()
-                                        if (ref := StorageWeakRef(t.untyped_storage())) in kept.reads}
+            log.kept_stack.pop()
             produced, self.slot.produced = self.slot.produced, None
             self._routed(log, r, before[0])
             self._describe_outputs(log, out, produced)
@@ -619,22 +635,36 @@ class BlockReuse:
                                 for a in log.template.forward]
 
     def _record_backward(self, log: ActionLog, held: list[Any]) -> None:
-        """The call's backward from its outputs' gradient edges, the outputs themselves (``held``'s one item) let
-        go: a saved output is then freed where the step frees it, once the node that saved it has run
-        (``Event.freed``), not held by the recording to its end."""
+        """The call's backward from its outputs, the outputs themselves (``held``'s one item) let go: a saved
+        output is then freed where the step frees it, once the node that saved it has run (``Event.freed``), not
+        held by the recording to its end; and so is the gradient fed to them (``_Feed``), a gradient alive
+        (``Event.grad_live``) until then: how many backward ops it was alive at (``Template.fed_until``)."""
         tensors = [t for t in tree_flatten(held.pop())[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
+        metas, fed = [_Input.of(t) for t in tensors], []
+
+        def feed() -> list[torch.Tensor]:
+            with self.own_tensors():
+                grads = [m.make() for m in metas]
+            # what flows in, as in the step
+            log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)
+            fed.extend(log.gradients.track(g) for g in grads)
+            return grads
+
         with self.own_tensors():
-            grads = [torch.empty_like(t) for t in tensors]
-        # reentrant checkpointing refuses a backward from edges (``_is_checkpoint_valid``): from the outputs there
-        roots = tensors if _reentrant_inside(tensors) else [torch.autograd.graph.get_gradient_edge(t) for t in tensors]
+            root = _Feed.apply(feed, *tensors)
+            seed = torch.ones_like(root)
         del tensors
         log.backward = True
-        log.grad_storages.update(StorageWeakRef(g.untyped_storage()) for g in grads)  # what flows in, as in the step
         self.slot.recorder = log
-        torch.autograd.backward(roots, grads)
+        torch.autograd.backward(root, seed)
         log.unwatch()  # what the recording frees from now on is no backward op's (``Event.freed``)
+        died = max((record[1] for record in fed), default=0)
+        # gradients its ops made that autograd's graph holds beyond it, to the step's backward's end (a layer
+        # norm's backward's fp32 copy of its weight): what the fed gradient, its params' and inputs' leave alive
+        log.template.outlived = log.gradients.current
+        log.template.fed_until = sum(1 for a in log.template.backward[:died if died >= 0 else None] if a[0] == "op")
         # the output's own hooks fire first, before any op of the call's backward: split them off, or refuse
         backward, n = log.template.backward, len(log.hooked)
         if backward[:n] != [("bwd_pre", log.relative(fqn), call) for fqn, call in log.hooked]:
@@ -659,19 +689,20 @@ class BlockReuse:
         # keep alive what the real call frees after it (a temporary only it read; ``Event.held``)
         arguments = {"leaves": leaves}
 
-        def replay(backward: bool) -> Any:
+        def replay(backward: bool, grads: tuple = ()) -> Any:
             if backward:  # runs only when an output received a grad, as the call's own backward would
-                _replay_actions(main, template.backward, prefix, params, {})
+                _replay_actions(main, template.backward, prefix, params, {},
+                                _outside(main, [g for g in grads if isinstance(g, torch.Tensor)], template.fed_until))
+                main.gradients.current += template.outlived
                 main.grads.update(r.params[n] for n in template.grads)
                 with self.own_tensors():
-                    made = [m.make() if m.requires_grad else None for m in inputs.values()]
+                    made = [m.make_grad() if m.requires_grad else None for m in inputs.values()]
                 # the input grads a replayed call returns are gradients, as its own backward's outputs would be
                 main.gradients_made([g for g in made if g is not None])
                 return made
             with self.own_tensors():
                 outs = [m.make() if isinstance(m, _Input) else m[1] for m in template.outputs]
             args = arguments.pop("leaves")
-            _replayed_reads(main, template, args)
             sources: dict[tuple, StorageWeakRef] = {("input", i): StorageWeakRef(args[i].untyped_storage())
                                                     for i in inputs}
             sources.update({("output", j): StorageWeakRef(t.untyped_storage()) for j, t in enumerate(outs)
@@ -718,6 +749,19 @@ class BlockReuse:
             self.slot.returned(prefix + action[1], (t for t in result if t.requires_grad))
 
 
+def _outside(main: StepRecorder, grads: list[torch.Tensor], fed_until: int) -> tuple[int, int, int]:
+    """The gradients alive outside a replayed call's backward, which its template, traced alone, never saw (a
+    skip's or a residual's, waiting in autograd's input buffers for more contributions), as (bytes added to its
+    first ``fed_until`` backward ops, bytes added to the rest, ``fed_until``). The template counts its output's
+    gradient, a tensor of its own, until its last reader has run (``_Feed``); the step counts the storage handed
+    to it instead (a loss's expanded scalar: 4 bytes), alive as long, or all through where something outside holds
+    it too (a residual around the call: autograd holds it in the other branch's input buffer; a concat's view)."""
+    handed = main.gradients.nbytes(grads)
+    fed = sum(g.numel() * g.element_size() for g in grads)
+    held = handed > fed or any(g._use_count() > 1 for g in grads)
+    return main.gradients.current - fed, main.gradients.current - (0 if held else handed), fed_until
+
+
 def _counted_outputs(main: StepRecorder, template: Template, sources: dict[tuple, StorageWeakRef]) -> None:
     """The replayed call's outputs that an inner call took as its input: taken, as the traced call left them."""
     for j, taken in template.counted:
@@ -755,29 +799,26 @@ def _compile_ops(template: Template, r: _Repeated) -> None:
         actions[:] = merged
 
 
-def _replayed_reads(main: StepRecorder, template: Template, args: list) -> None:
-    """A replayed call's kept inputs as its recording's ops read them (``Event.reread_inputs``): its own call's
-    (its pre-forward ran, the innermost), and the calls around it, whose reads of its inputs those are too."""
-    if main.kept_stack:
-        main.kept_stack[-1].replayed = template.reread
-        for i, times in template.input_reads.items():
-            for kept in main.kept_stack[:-1]:
-                kept.read({StorageWeakRef(args[i].untyped_storage())}, times)
-
-
 def _replay_actions(main: StepRecorder, actions: list[tuple], prefix: str, params: list[int],
-                    sources: dict[tuple, StorageWeakRef]) -> None:
+                    sources: dict[tuple, StorageWeakRef], outside: tuple[int, int, int] = (0, 0, 0)) -> None:
+    """Feeds a template's actions into the step's recorder; ``outside``: the gradients alive outside a replayed
+    backward (``_outside``), added to each op's that counts gradients (``Event.grad_live``: one that allocates)."""
+    before, after, until = outside
+    done = 0  # ops replayed so far
     for action in actions:
         kind = action[0]
         if kind == "ops":
             inner = main.innermost_backward()
-            main.ops([(tuple([params[i] for i in slots]), *rest[:-1], replayed_freed(rest[-1], prefix, inner))
-                      for slots, *rest in action[1]])
+            main.ops([(tuple([params[i] for i in slots]), *rest,
+                       grad_live + (before if j < until else after) if grad_live else 0,
+                       replayed_freed(freed, prefix, inner)) for j, (slots, *rest, grad_live, freed)
+                      in enumerate(action[1], done)])
+            done += len(action[1])
         elif kind == "fwd_pre":
             main.kept_next = dict.fromkeys((_source_ref(sources, s) for s in action[5]), 0)
             main.enter_forward(prefix + action[1], action[2], action[3], action[4])
         elif kind == "fwd_post":
-            main.exit_forward(prefix + action[1], replayed=action[2:5])
+            main.exit_forward(prefix + action[1], replayed=action[2:4])
         elif kind == "bwd_pre":
             main.enter_backward((prefix + action[1], action[2]))
         elif kind == "bwd_post":
@@ -802,21 +843,6 @@ def _source_ref(sources: dict[tuple, StorageWeakRef], source: tuple) -> StorageW
     if ref is None:
         ref = sources[source] = _Fresh()  # type: ignore[assignment]
     return ref
-
-
-def _reentrant_inside(tensors: list[torch.Tensor]) -> bool:
-    """Whether the autograd graph behind ``tensors`` holds a reentrant checkpoint's node."""
-    seen: set[Any] = set()
-    todo = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "CheckpointFunctionBackward":
-            return True
-        todo.extend(n for n, _ in node.next_functions if n is not None)
-    return False
 
 
 def replayed_freed(freed: tuple[tuple[str, int], ...], prefix: str, inner: Call | None) -> int:

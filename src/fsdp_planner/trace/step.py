@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,8 +65,6 @@ class StepRecorder:
         self.resaves: dict[StorageWeakRef, tuple[int, int, int]] = {}
         self.grad_storages: set[StorageWeakRef] = set()  # storages backward ops made: gradients
         self.gradients = Gradients(lambda: self.position())  # those of them alive now (``Event.grad_live``)
-        self.bwd_starts: dict[Call, int] = {}  # module call -> the position of its pre-backward
-        self.grad_scopes: dict[int, int] = {}  # backward op -> from where its grad_live counts gradients made
         self.param_grads: set[StorageWeakRef] = set()  # storages that became params' grads
         self.grads_made: dict[StorageWeakRef, tuple[int, int]] = {}  # such a storage -> (event, bytes) that made it
         self.modified_inputs: set[str] = set()  # modules a call of which modified its grad-requiring inputs in place
@@ -86,16 +84,6 @@ class StepRecorder:
     def position(self) -> int:
         """The position the next event takes."""
         return len(self.events)
-
-    def backward_start(self) -> int:
-        """The position of the pre-backward of the deepest module call whose backward runs; outside every call
-        but the root's, this position: the root's backward spans repeated blocks, whose gradients a template
-        traces apart (``reuse.py``)."""
-        if not self.bwd_active:
-            return self.position()
-        # the deepest: a parent whose output is its last child's enters after it (both hook the same tensor)
-        deepest = max(reversed(self.bwd_active), key=lambda k: k[0].count(".") + bool(k[0]))
-        return self.position() if deepest[0] == ROOT else self.bwd_starts.get(deepest, self.position())
 
     def current_module(self) -> str:
         if self.backward:
@@ -245,9 +233,8 @@ class StepRecorder:
         self.grads_made.pop(ref, None)
         counted: dict[int, int] = {}  # op position -> the largest of them counted there
         for born, died, nbytes in self.gradients.forget(ref):
-            for i in range(born, min(died, self.position())):
-                if self.grad_scopes.get(i, born + 1) <= born:  # counted there
-                    counted[i] = max(counted.get(i, 0), nbytes)
+            for i in range(born, min(died, self.position())):  # every op counts every gradient alive
+                counted[i] = max(counted.get(i, 0), nbytes)
         for i, nbytes in counted.items():
             self.uncount(i, nbytes)
 
@@ -302,19 +289,11 @@ class StepRecorder:
         if not tracked:
             self.frame.saved_untracked(nbytes, [ref not in kept.refs for kept in self.kept_stack])
 
-    def inputs_read(self, tensors: Iterable[Any]) -> None:
-        """A forward op (not a view: a view's reader reads along the same gradient path) read these tensors."""
-        if self.kept_stack:
-            refs = {StorageWeakRef(t.untyped_storage()) for t in tensors if isinstance(t, torch.Tensor)}
-            for kept in self.kept_stack:
-                kept.read(refs)
-
-    def closed(self, grads_nbytes: int) -> tuple[int, int, int, int]:
-        """``Event.held``, ``rise``, ``saved_inputs`` and ``reread_inputs`` of the call ending now (its marks
-        popped)."""
+    def closed(self, grads_nbytes: int) -> tuple[int, int, int]:
+        """``Event.held``, ``rise`` and ``saved_inputs`` of the call ending now (its marks popped)."""
         held, rise, _ = self.frame.close()
         kept = self.kept_stack.pop() if self.kept_stack else KeptInputs({})
-        return held + grads_nbytes, rise, kept.saved, kept.reread()
+        return held + grads_nbytes, rise, kept.saved
 
     def opened(self) -> None:
         """A call begins: its frame, and the inputs ``call_inputs`` found its checkpoint keeps."""
@@ -445,19 +424,19 @@ class StepRecorder:
         style can return it (a DTensor's local tensor is a view autograd refuses to modify in place)."""
         self.modified_outputs.update(fqns)
 
-    def exit_forward(self, fqn: str, grads_nbytes: int = 0, replayed: tuple[int, int, int] | None = None) -> int:
-        """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``replayed``: its ``Event.held``,
-        ``rise`` and ``reread_inputs`` as a replayed template recorded them."""
+    def exit_forward(self, fqn: str, grads_nbytes: int = 0, replayed: tuple[int, int] | None = None) -> int:
+        """The call ends; ``grads_nbytes``: its grad-requiring outputs' bytes; ``replayed``: its ``Event.held``
+        and ``rise`` as a replayed template recorded them."""
         call = self.calls[fqn] - 1
         self.flush_pending()  # (saved by the call ending, and no op of it ran after)
         self.fwd_stack.pop()
-        held, rise, saved_inputs, reread = self.closed(grads_nbytes)
+        held, rise, saved_inputs = self.closed(grads_nbytes)
         if replayed is not None:
-            held, rise, reread = replayed
+            held, rise = replayed
         if fqn == ROOT:
-            held = rise = saved_inputs = reread = 0
+            held = rise = saved_inputs = 0
         self.events.append(Event(EventKind.FWD_POST, fqn, call=call, held=held, rise=rise,
-                                 saved_inputs=saved_inputs, reread_inputs=reread))  # (the root: never checkpointed)
+                                 saved_inputs=saved_inputs))  # (the root: never checkpointed)
         return call
 
     def enter_backward(self, key: Call) -> None:
@@ -469,7 +448,6 @@ class StepRecorder:
                 self.events.append(Event(EventKind.BWD_POST, k[0], call=k[1], backward=True))
         self.bwd_active.append(key)
         self.bwd_started = True
-        self.bwd_starts[key] = self.position()
         self.events.append(Event(EventKind.BWD_PRE, key[0], call=key[1], backward=True))
 
     def exit_backward(self, key: Call) -> None:
@@ -493,18 +471,6 @@ class KeptInputs:
 
     refs: dict[StorageWeakRef, int]  # storage -> bytes
     saved: int = 0  # bytes of them its ops saved first (``Event.saved_inputs``)
-    reads: dict[StorageWeakRef, int] = field(default_factory=dict)  # storage -> forward ops that read it
-    replayed: int | None = None  # a replayed call's: its recording's ``reread``
-
-    def read(self, refs: set[StorageWeakRef], times: int = 1) -> None:
-        for ref in refs & self.refs.keys():
-            self.reads[ref] = self.reads.get(ref, 0) + times
-
-    def reread(self) -> int:
-        """Bytes of them two or more forward ops read (``Event.reread_inputs``)."""
-        if self.replayed is not None:
-            return self.replayed
-        return sum(self.refs[r] for r, n in self.reads.items() if n >= 2)
 
 
 @dataclass
@@ -713,7 +679,9 @@ class Gradients:
         self._records: dict[int, list] = {}  # storage (``StorageWeakRef.cdata``) -> [born, died, bytes, summed]
         self._refs: dict[int, weakref.ref] = {}
 
-    def track(self, t: torch.Tensor, summed: Iterable[StorageWeakRef] = ()) -> None:
+    def track(self, t: torch.Tensor, summed: Iterable[StorageWeakRef] = ()) -> list:
+        """Counts ``t``'s storage from now until it is freed; its record, [born, died (-1 until then), bytes,
+        summed]."""
         storage = t.untyped_storage()
         key = StorageWeakRef(storage).cdata
         if key not in self._records:  # records, not keys: a freed storage's key may be a new one's
@@ -721,17 +689,15 @@ class Gradients:
             self._records[key] = [self._clock(), -1, storage.nbytes(), sources]
             self.current += storage.nbytes()
             self._refs[key] = weakref.ref(storage, lambda _, key=key: self._end(key))
+        return self._records[key]
 
     def holds(self, ref: StorageWeakRef) -> bool:
         return ref.cdata in self._records
 
-
-    def born(self, ref: StorageWeakRef) -> int:
-        return self._records[ref.cdata][0]
-
-    def since(self, start: int) -> int:
-        """Bytes of the gradients alive that ops at or after position ``start`` made."""
-        return sum(r[2] for r in self._records.values() if r[0] >= start)
+    def nbytes(self, tensors: Iterable[Any]) -> int:
+        """Bytes of the gradients alive among these tensors' storages (each once)."""
+        keys = {StorageWeakRef(t.untyped_storage()).cdata for t in tensors if isinstance(t, torch.Tensor)}
+        return sum(self._records[k][2] for k in keys if k in self._records)
 
     def _end(self, key: int) -> list | None:
         record = self._records.pop(key, None)
