@@ -27,6 +27,9 @@ class StepRecorder:
     def __init__(self, static_storages: set[StorageWeakRef]) -> None:
         self.events: list[Event] = []
         self.static_storages = static_storages  # params' and buffers': what they save or take is not activations
+        self.step_inputs: set[StorageWeakRef] = set()  # the batch as the model takes it: ``Trace.inputs_nbytes``
+        # holds it all step, so an op saving it charges nothing (a first Linear saves its cast input, after the
+        # op that transposes its weight: it was charged twice)
         # storages some call's inputs_nbytes already counts -> the param-holding call that took one last (None:
         # only paramless calls did): what a checkpoint of a later call keeps (``call_inputs``)
         self.input_storages: dict[StorageWeakRef, str | None] = {}
@@ -331,8 +334,8 @@ class StepRecorder:
         self.first_saved(ref, nbytes, tracked)
         # a temporary until now: the op that saves it counted it alive, and charges it as saved instead
         unsaved = self.unsaved(ref)
-        if self.last_op < 0:  # saved before any op ran (an input): seen, not charged
-            return
+        if self.last_op < 0 or ref in self.step_inputs:  # an input (saved before any op ran, or the batch
+            return  # itself): seen, not charged
         e = self.events[self.last_op]  # (no longer its temporary, whichever op the bytes are charged to)
         self.events[self.last_op] = e._replace(live=max(0, e.live - unsaved))
         if (mask or ref in self.mask_storages) and self.last_mask_op >= 0:
