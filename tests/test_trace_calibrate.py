@@ -206,6 +206,10 @@ def test_gloo_collectives_are_the_least_delayed_calls_line_plus_the_mean_wait() 
     # calls whose least-delayed times do not grow with the bytes show no bandwidth: the base cluster's line stays
     flat = fit_collectives(cpu_base(2), [_gloo_step({n: [3e-4] * 4 + [2e-3] for n in transfer})])
     assert "all_gather" not in flat.fits and "all_gather" in flat.tables
+    # a group over strided ranks (a TP job's data-parallel one, one rank a node) is no packed run: not fitted (a
+    # review found its fit read as a one-node one, and the view's group over 2 nodes on the preset's line)
+    strided = fit_collectives(cpu_base(2), [_gloo_step(calls)] * 3, strided=frozenset({2}))
+    assert "all_gather" not in strided.fits and "all_gather" not in strided.tables
 
 
 @pytest.mark.integration

@@ -272,11 +272,13 @@ def by_size(steps: list[Step]) -> dict[tuple[str, int, int], list[float]]:
     return out
 
 
-def fit_collectives(cluster: Cluster, steps: list[Step]) -> Cluster:
-    """The collectives' lines (and on CPU ranks their measured times) from the traces: a kind needs two sizes."""
+def fit_collectives(cluster: Cluster, steps: list[Step], strided: frozenset[int] = frozenset()) -> Cluster:
+    """The collectives' lines (and on CPU ranks their measured times) from the traces: a kind needs two sizes.
+    ``strided``: group sizes whose ranks are spread over nodes (a TP job's data-parallel groups), left to the
+    base's line: a fit is a run of packed ranks (``Cluster.measured_on``), which these are not."""
     groups: dict[tuple[str, int], dict[int, list[float]]] = defaultdict(dict)
     for (kind, nbytes, ranks), seconds in sorted(by_size(steps).items()):
-        if ranks >= 2 and nbytes > 0:
+        if ranks >= 2 and nbytes > 0 and ranks not in strided:
             groups[(kind, ranks)][nbytes] = seconds
     fits = {k: dict(v) for k, v in cluster.fits.items()}
     tables = dict(cluster.tables)
@@ -403,7 +405,9 @@ def fit_trace(trace: Trace, plan: Plan, traces: list[MeasuredTrace], base: Clust
     before = simulate(trace, plan, base, options, timeline=False)  # the plan on the base cluster: checked and shown
     check_matches(ops, plan, traces, before)
     cluster = fit_compute(ops, base, measured_classes(steps), options)
-    cluster = fit_collectives(cluster, steps)
+    # a TP job's data-parallel groups take one rank of each TP group: over several nodes, strided
+    strided = frozenset({world // plan.tp_degree}) if plan.tp_degree > 1 and base.nodes > 1 else frozenset()
+    cluster = fit_collectives(cluster, steps, strided)
     cluster = fit_overhead(trace, plan, cluster, steps, options)
     name = base.name if base.name.endswith("+trace") else f"{base.name}+trace"
     cluster = dataclasses.replace(cluster, name=name, compute=dataclasses.replace(
