@@ -437,3 +437,22 @@ def test_a_step_under_tp_says_what_its_batch_is() -> None:
     simulated = run_main("simulate", "toy-llama", "--policy", "titan", "--batch", "2", "--cluster", "h100:8", "--tp",
                          "2")
     assert simulated.returncode == 0 and said in simulated.stderr
+
+
+def test_a_view_keeps_where_each_storage_was_first_saved() -> None:
+    """``Event.resaved`` names the event before a storage's first save by its position: one TP rank's view inserts
+    TP's collectives, so the position is the view's and the bytes the rank's share. Kept from the whole trace, the
+    final norm's fp32 copy (saved by its square and by its product) was first saved inside the last checkpointed
+    block, held to the norm's backward whole: +4 GiB (+7.0%) on torchtitan's 2-D 70B row, against real DTensor and
+    FSDP2 on 256 fake ranks (61.4 GiB predicted, 57.4 measured; 57.4 with the positions mapped)."""
+    tr = _traced("tests/fixtures/tp_llama.py:wide_norms")
+    view = tp_view(tr, titan_llama_layout(2), parse_cluster("h100:8")).trace
+    original = [(i, e) for i, e in enumerate(tr.events) if e.resaved]
+    mapped = [(i, e) for i, e in enumerate(view.events) if e.resaved]
+    assert original and len(mapped) == len(original)
+    for (i, e), (j, v) in zip(original, mapped, strict=True):
+        assert (v.module, v.kind, v.backward) == (e.module, e.kind, e.backward)
+        for (first, k, nbytes), (at, k2, share) in zip(e.resaved, v.resaved, strict=True):
+            before, there = tr.events[first], view.events[at]
+            assert (there.module, there.kind, there.backward, k2) == (before.module, before.kind, before.backward, k)
+            assert share == nbytes // 2  # the norms run on a sequence shard

@@ -548,6 +548,8 @@ def _rank_events(trace: Trace, lay: _Layout) -> tuple[list[Event], list[int]]:
                            grad_live=int(e.grad_live * s),
                            freed=int(e.freed * (lay.scale(e.module) if i in outside else kept))  # (what the
                            + mask_freed.get(i, 0))  # call's own ops saved, at their scale)
+            if e.resaved:  # the first save's position in this view, and its bytes at this rank's share
+                e = e._replace(resaved=tuple((where[first], k, int(nbytes * kept)) for first, k, nbytes in e.resaved))
             if i in packed:
                 e = _packed_op(e, packed[i], t)
             if loss[i] and lay.tp.loss_parallel:
