@@ -447,10 +447,10 @@ def test_a_view_keeps_where_each_storage_was_first_saved() -> None:
     FSDP2 on 256 fake ranks (61.4 GiB predicted, 57.4 measured; 57.4 with the positions mapped)."""
     tr = _traced("tests/fixtures/tp_llama.py:wide_norms")
     view = tp_view(tr, titan_llama_layout(2), parse_cluster("h100:8")).trace
-    original = [(i, e) for i, e in enumerate(tr.events) if e.resaved]
-    mapped = [(i, e) for i, e in enumerate(view.events) if e.resaved]
+    original = [e for e in tr.events if e.resaved]
+    mapped = [e for e in view.events if e.resaved]
     assert original and len(mapped) == len(original)
-    for (i, e), (j, v) in zip(original, mapped, strict=True):
+    for e, v in zip(original, mapped, strict=True):
         assert (v.module, v.kind, v.backward) == (e.module, e.kind, e.backward)
         for (first, k, nbytes), (at, k2, share) in zip(e.resaved, v.resaved, strict=True):
             before, there = tr.events[first], view.events[at]
