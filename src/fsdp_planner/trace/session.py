@@ -102,9 +102,9 @@ class TraceSession:
         self.buffers = list({id(b): b for m in model.walk.modules.values() for b in m._buffers.values()
                              if b is not None}.values())
         buffer_storages = {ref for b in self.buffers for ref in self._refs(b)}
-        self.recorder = StepRecorder(set(self.param_by_storage) | buffer_storages)
-        self.recorder.step_inputs = {StorageWeakRef(t.untyped_storage()) for t in tree_flatten((self.args,
-                                     self.kwargs))[0] if isinstance(t, torch.Tensor)}
+        batch = frozenset(StorageWeakRef(t.untyped_storage()) for t in tree_flatten((self.args, self.kwargs))[0]
+                          if isinstance(t, torch.Tensor))
+        self.recorder = StepRecorder(set(self.param_by_storage) | buffer_storages, batch)
         self.finder = MethodFinder(model.walk.modules, model.params)
         self.recorder.check_methods = self.finder.check
         self.slot = Slot(self.recorder)

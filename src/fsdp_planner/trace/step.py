@@ -24,10 +24,11 @@ Call = tuple[str, int]
 class StepRecorder:
     """The trace's state machine: turns hook and dispatch callbacks into events."""
 
-    def __init__(self, static_storages: set[StorageWeakRef]) -> None:
+    def __init__(self, static_storages: set[StorageWeakRef], step_inputs: frozenset[StorageWeakRef] = frozenset()
+                 ) -> None:
         self.events: list[Event] = []
         self.static_storages = static_storages  # params' and buffers': what they save or take is not activations
-        self.step_inputs: set[StorageWeakRef] = set()  # the batch as the model takes it: ``Trace.inputs_nbytes``
+        self.step_inputs = step_inputs  # the batch as the model takes it: ``Trace.inputs_nbytes``
         # holds it all step, so an op saving it charges nothing (a first Linear saves its cast input, after the
         # op that transposes its weight: it was charged twice)
         # storages some call's inputs_nbytes already counts -> the param-holding call that took one last (None:
